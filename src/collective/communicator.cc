@@ -1,0 +1,260 @@
+#include "collective/communicator.h"
+
+#include <future>
+
+#include <fmt/format.h>
+
+namespace nonstop::collective {
+
+std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c) {
+  auto p = static_cast<size_t>(parts);
+  // floor(n·i/p) without overflow: n = q·p + rem, so n·i/p = q·i + rem·i/p.
+  auto split = [&](size_t i) { return (n / p) * i + (n % p) * i / p; };
+  return {split(static_cast<size_t>(c)), split(static_cast<size_t>(c) + 1)};
+}
+
+Communicator::Communicator(PeerMesh* mesh, net::AbortSignal* abort, CommunicatorOptions options)
+    : mesh_(mesh), abort_(abort), options_(std::move(options)) {
+  NONSTOP_CHECK(!options_.members.empty());
+  NONSTOP_CHECK(options_.rank >= 0 && options_.rank < world_size());
+  NONSTOP_CHECK_EQ(options_.piece_bytes % sizeof(float), 0u);
+  p2p_ops_.assign(options_.members.size(), 0);
+  scratch_.resize(options_.piece_bytes);
+}
+
+std::string Communicator::PeerName(int rank) const {
+  const Member& m = options_.members[static_cast<size_t>(rank)];
+  return fmt::format("rank {} (worker {}, {})", rank, m.worker_id, m.address);
+}
+
+Result<Connection*> Communicator::Peer(int rank) {
+  const Member& m = options_.members[static_cast<size_t>(rank)];
+  return mesh_->Get(m.worker_id, m.address, options_.generation, DeadlineAfter(options_.timeout_connect), abort_);
+}
+
+Status Communicator::Connect() {
+  NONSTOP_RETURN_IF_ERROR(error());
+  int w = world_size();
+  if (w == 1) return OkStatus();
+  int right = (rank() + 1) % w;
+  int left = (rank() + w - 1) % w;
+  // Both neighbours at once: the dial to one overlaps the wait for the other.
+  auto right_conn = std::async(std::launch::async, [&] { return Peer(right); });
+  Result<Connection*> left_conn = left == right ? Result<Connection*>(nullptr) : Peer(left);
+  Result<Connection*> r = right_conn.get();
+  if (!r.ok()) return Fail(r.status().WithContext("connecting to " + PeerName(right)));
+  if (!left_conn.ok()) return Fail(left_conn.status().WithContext("connecting to " + PeerName(left)));
+  return OkStatus();
+}
+
+void Communicator::Abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_.ok()) error_ = AbortedError(fmt::format("{} (generation {})", reason, options_.generation));
+  }
+  abort_->Fire();
+}
+
+Status Communicator::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+Status Communicator::Fail(Status status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error_.ok()) error_ = std::move(status);
+  return error_;
+}
+
+Status Communicator::Run(TransferSpec spec) {
+  TransferStats t;
+  Status s = RunTransfer(spec, &t);
+  stats_.bytes_sent += t.bytes_sent;
+  stats_.bytes_received += t.bytes_received;
+  stats_.stale_frames_dropped += t.stale_frames_dropped;
+  if (!s.ok()) {
+    // An abort reports the reason given to Abort(), not the engine's wording.
+    Status sticky = error();
+    return Fail(!sticky.ok() ? sticky : s);
+  }
+  return OkStatus();
+}
+
+// Ring schedule. There are 2(W-1) global steps; steps t < W-1 reduce, the
+// rest gather. At reduce step t rank r sends chunk (r-1-t) and receives chunk
+// (r-2-t), adding it into its own; after W-1 steps rank r holds chunk r fully
+// reduced. At gather step t' = t-(W-1) rank r sends chunk (r-t') and receives
+// chunk (r-1-t'), overwriting. The chunk a rank sends at step t is the one it
+// received at step t-1, so piece p of step t depends on piece p of step t-1:
+// that is the pipelining. Each chunk is cut into pieces of piece_bytes, and an
+// empty chunk still travels as one empty piece, so every step synchronises.
+Status Communicator::RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end,
+                              Reduce reduce) {
+  const int w = world_size();
+  const int r = rank();
+  auto mod = [w](int x) { return ((x % w) + w) % w; };
+  NONSTOP_ASSIGN_OR_RETURN(Connection * right, Peer(mod(r + 1)));
+  NONSTOP_ASSIGN_OR_RETURN(Connection * left, Peer(mod(r - 1)));
+
+  const size_t piece_elems = std::max<size_t>(1, options_.piece_bytes / element_bytes);
+  auto pieces_of = [&](int chunk, auto&& emit) {
+    auto [lo, hi] = ChunkRange(count, w, chunk);
+    size_t pos = lo;
+    do {
+      size_t end = std::min(hi, pos + piece_elems);
+      emit(data + pos * element_bytes, (end - pos) * element_bytes);
+      pos = end;
+    } while (pos < hi);
+  };
+
+  TransferSpec spec;
+  spec.send_to = right;
+  spec.send_peer = PeerName(mod(r + 1));
+  spec.recv_from = left;
+  spec.recv_peer = PeerName(mod(r - 1));
+  std::vector<size_t> recv_step_begin;  // index of the first receive item of each step
+  for (int t = t_begin; t < t_end; ++t) {
+    bool reducing = t < w - 1;
+    int send_chunk = reducing ? mod(r - 1 - t) : mod(r - (t - (w - 1)));
+    int recv_chunk = reducing ? mod(r - 2 - t) : mod(r - 1 - (t - (w - 1)));
+    size_t p = 0;
+    pieces_of(send_chunk, [&](std::byte* ptr, size_t bytes) {
+      int32_t dep = t > t_begin ? static_cast<int32_t>(recv_step_begin.back() + p) : -1;
+      spec.sends.push_back({ptr, bytes, dep});
+      ++p;
+    });
+    recv_step_begin.push_back(spec.recvs.size());
+    pieces_of(recv_chunk, [&](std::byte* ptr, size_t bytes) {
+      spec.recvs.push_back({ptr, bytes, reducing ? reduce : Reduce::kNone});
+    });
+  }
+  spec.generation = options_.generation;
+  spec.op = op_;
+  spec.scratch = scratch_;
+  spec.deadline = OpDeadline();
+  spec.abort = abort_;
+  return Run(std::move(spec));
+}
+
+Status Communicator::AllReduce(std::span<float> data) {
+  NONSTOP_RETURN_IF_ERROR(error());
+  ++op_;
+  ++stats_.ops;
+  if (world_size() == 1) return OkStatus();
+  int w = world_size();
+  return RingPass(reinterpret_cast<std::byte*>(data.data()), data.size(), sizeof(float), 0, 2 * (w - 1),
+                  Reduce::kSumFloat32);
+}
+
+Status Communicator::ReduceScatter(std::span<float> data) {
+  NONSTOP_RETURN_IF_ERROR(error());
+  ++op_;
+  ++stats_.ops;
+  if (world_size() == 1) return OkStatus();
+  return RingPass(reinterpret_cast<std::byte*>(data.data()), data.size(), sizeof(float), 0, world_size() - 1,
+                  Reduce::kSumFloat32);
+}
+
+Status Communicator::AllGather(std::span<std::byte> data, size_t element_bytes) {
+  NONSTOP_CHECK_EQ(data.size() % element_bytes, 0u);
+  NONSTOP_RETURN_IF_ERROR(error());
+  ++op_;
+  ++stats_.ops;
+  if (world_size() == 1) return OkStatus();
+  int w = world_size();
+  return RingPass(data.data(), data.size() / element_bytes, element_bytes, w - 1, 2 * (w - 1), Reduce::kNone);
+}
+
+Status Communicator::Barrier() {
+  NONSTOP_RETURN_IF_ERROR(error());
+  ++op_;
+  ++stats_.ops;
+  if (world_size() == 1) return OkStatus();
+  int w = world_size();
+  return RingPass(nullptr, 0, sizeof(float), 0, 2 * (w - 1), Reduce::kNone);
+}
+
+// Broadcast: a chain root → root+1 → … → root-1 along the ring, pipelined in
+// pieces: each rank forwards piece p as soon as it has it.
+Status Communicator::Broadcast(std::span<std::byte> data, int root) {
+  NONSTOP_CHECK(root >= 0 && root < world_size());
+  NONSTOP_RETURN_IF_ERROR(error());
+  ++op_;
+  ++stats_.ops;
+  const int w = world_size();
+  if (w == 1) return OkStatus();
+  const int pos = (rank() - root + w) % w;
+  TransferSpec spec;
+  std::vector<std::pair<std::byte*, size_t>> pieces;
+  size_t offset = 0;
+  do {
+    size_t n = std::min(options_.piece_bytes, data.size() - offset);
+    pieces.emplace_back(data.data() + offset, n);
+    offset += n;
+  } while (offset < data.size());
+  if (pos != w - 1) {
+    int right = (rank() + 1) % w;
+    NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(right));
+    spec.send_peer = PeerName(right);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      spec.sends.push_back({pieces[i].first, pieces[i].second, pos == 0 ? -1 : static_cast<int32_t>(i)});
+    }
+  }
+  if (pos != 0) {
+    int left = (rank() + w - 1) % w;
+    NONSTOP_ASSIGN_OR_RETURN(spec.recv_from, Peer(left));
+    spec.recv_peer = PeerName(left);
+    for (auto& [ptr, n] : pieces) spec.recvs.push_back({ptr, n, Reduce::kNone});
+  }
+  spec.generation = options_.generation;
+  spec.op = op_;
+  spec.deadline = OpDeadline();
+  spec.abort = abort_;
+  return Run(std::move(spec));
+}
+
+namespace {
+constexpr uint32_t kP2POpBit = 0x80000000u;  // p2p sequence numbers never collide with collectives'
+}
+
+Status Communicator::Send(int to_rank, std::span<const std::byte> data) {
+  NONSTOP_CHECK(to_rank >= 0 && to_rank < world_size() && to_rank != rank());
+  NONSTOP_RETURN_IF_ERROR(error());
+  TransferSpec spec;
+  NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(to_rank));
+  spec.send_peer = PeerName(to_rank);
+  size_t offset = 0;
+  do {
+    size_t n = std::min(options_.piece_bytes, data.size() - offset);
+    spec.sends.push_back({data.data() + offset, n, -1});
+    offset += n;
+  } while (offset < data.size());
+  spec.generation = options_.generation;
+  spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(to_rank)];
+  spec.checksum = true;
+  spec.deadline = OpDeadline();
+  spec.abort = abort_;
+  return Run(std::move(spec));
+}
+
+Status Communicator::Recv(int from_rank, std::span<std::byte> data) {
+  NONSTOP_CHECK(from_rank >= 0 && from_rank < world_size() && from_rank != rank());
+  NONSTOP_RETURN_IF_ERROR(error());
+  TransferSpec spec;
+  NONSTOP_ASSIGN_OR_RETURN(spec.recv_from, Peer(from_rank));
+  spec.recv_peer = PeerName(from_rank);
+  size_t offset = 0;
+  do {
+    size_t n = std::min(options_.piece_bytes, data.size() - offset);
+    spec.recvs.push_back({data.data() + offset, n, Reduce::kNone});
+    offset += n;
+  } while (offset < data.size());
+  spec.generation = options_.generation;
+  spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(from_rank)];
+  spec.checksum = true;
+  spec.deadline = OpDeadline();
+  spec.abort = abort_;
+  return Run(std::move(spec));
+}
+
+}  // namespace nonstop::collective

@@ -1,0 +1,118 @@
+// Communicator: the collectives of one generation of a job (DESIGN.md §5).
+//
+// A Communicator is built from a plan: this worker's rank and the ordered
+// list of members with their data addresses. It asks the PeerMesh for the
+// connections its algorithms need (the two ring neighbours, in parallel; a
+// point-to-point peer when first used) and runs:
+//   AllReduce      ring reduce-scatter + all-gather, pipelined in pieces
+//   ReduceScatter  the first half: rank r ends with chunk r reduced
+//   AllGather      the second half: chunk r comes from rank r
+//   Broadcast      a pipelined chain along the ring from the root
+//   Barrier        a ring pass of empty pieces
+//   Send/Recv      point-to-point transfer of large buffers, checksummed
+// Chunk c of an n-element buffer is [c·n/W, (c+1)·n/W) (ChunkRange).
+//
+// Determinism: the order of every floating-point sum depends only on the
+// world size and the ranks, so results are bitwise reproducible run to run,
+// and every rank ends with the same bytes.
+//
+// Failure: the first non-OK status is sticky: every later call returns it
+// (the stream may be mid-frame). Abort() from any thread wakes a blocked call
+// within microseconds with kAborted. A peer that dies makes the blocked call
+// return kUnavailable as soon as its socket reports it. The owner then builds
+// the next generation's Communicator over the same PeerMesh.
+//
+// Thread-safety: one thread drives the collectives; Abort() and error() are
+// safe from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collective/peer_mesh.h"
+#include "collective/transfer.h"
+#include "common/status.h"
+#include "common/time.h"
+#include "net/abort_signal.h"
+
+namespace nonstop::collective {
+
+struct Member {
+  int worker_id = -1;
+  std::string address;  // data-plane "host:port"
+};
+
+struct CommunicatorOptions {
+  uint32_t generation = 1;
+  int rank = 0;
+  std::vector<Member> members;  // index = rank
+  Millis timeout_collective{300'000};
+  Millis timeout_connect{30'000};
+  size_t piece_bytes = 256 << 10;  // pipelining granularity of the ring
+};
+
+// [begin, end) of chunk `c` when `n` elements are split into `parts`.
+std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c);
+
+struct CommunicatorStats {
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  uint64_t stale_frames_dropped = 0;
+  uint64_t ops = 0;
+};
+
+class Communicator {
+ public:
+  // `mesh` and `abort` must outlive the Communicator (the worker session owns
+  // both across generations).
+  Communicator(PeerMesh* mesh, net::AbortSignal* abort, CommunicatorOptions options);
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // Opens the ring neighbours' connections in parallel (or reuses them).
+  Status Connect();
+
+  Status AllReduce(std::span<float> data);
+  Status ReduceScatter(std::span<float> data);
+  Status AllGather(std::span<std::byte> data, size_t element_bytes);
+  Status Broadcast(std::span<std::byte> data, int root);
+  Status Barrier();
+  Status Send(int to_rank, std::span<const std::byte> data);
+  Status Recv(int from_rank, std::span<std::byte> data);
+
+  // Makes every blocked and future call return kAborted with `reason`.
+  void Abort(const std::string& reason);
+  Status error() const;
+
+  int rank() const { return options_.rank; }
+  int world_size() const { return static_cast<int>(options_.members.size()); }
+  uint32_t generation() const { return options_.generation; }
+  const CommunicatorStats& stats() const { return stats_; }
+
+ private:
+  // Runs global ring steps [t_begin, t_end) over `data` (see communicator.cc).
+  Status RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end, Reduce reduce);
+  Status Run(TransferSpec spec);
+  Status Fail(Status status);
+  Result<Connection*> Peer(int rank);
+  std::string PeerName(int rank) const;
+  Deadline OpDeadline() const { return DeadlineAfter(options_.timeout_collective); }
+
+  PeerMesh* const mesh_;          // owned by the worker session; outlives this
+  net::AbortSignal* const abort_;  // owned by the worker session; outlives this
+  const CommunicatorOptions options_;
+  uint32_t op_ = 0;                  // collective sequence number, identical on every rank
+  std::vector<uint32_t> p2p_ops_;    // per-peer point-to-point sequence numbers
+  std::vector<std::byte> scratch_;   // one piece, for reducing receives
+  CommunicatorStats stats_;
+
+  mutable std::mutex mu_;
+  Status error_;  // guarded by mu_; sticky first error
+};
+
+}  // namespace nonstop::collective

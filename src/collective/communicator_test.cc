@@ -1,0 +1,351 @@
+#include "collective/communicator.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <random>
+#include <thread>
+
+namespace nonstop::collective {
+namespace {
+
+constexpr char kToken[] = "test-token";
+
+// One rank's world: its mesh, abort signal and communicator.
+struct RankEnv {
+  std::unique_ptr<PeerMesh> mesh;
+  net::AbortSignal abort;
+  std::unique_ptr<Communicator> comm;
+};
+
+using Body = std::function<void(int rank, Communicator& comm)>;
+
+std::vector<net::Listener> MakeListeners(int w) {
+  std::vector<net::Listener> out;
+  for (int i = 0; i < w; ++i) {
+    auto l = net::Listen({"127.0.0.1", 0});
+    NONSTOP_CHECK(l.ok()) << l.status().ToString();
+    out.push_back(std::move(*l));
+  }
+  return out;
+}
+
+std::vector<Member> MembersOf(const std::vector<net::Listener>& ls) {
+  std::vector<Member> m;
+  for (size_t i = 0; i < ls.size(); ++i) m.push_back({static_cast<int>(i), ls[i].address.ToString()});
+  return m;
+}
+
+std::unique_ptr<RankEnv> MakeRank(int rank, net::Listener listener, const std::vector<Member>& members,
+                                  size_t piece_bytes = 64 << 10) {
+  auto env = std::make_unique<RankEnv>();
+  env->mesh = PeerMesh::Create({kToken, rank}, std::move(listener));
+  CommunicatorOptions o;
+  o.generation = 1;
+  o.rank = rank;
+  o.members = members;
+  o.timeout_collective = Millis(30'000);
+  o.piece_bytes = piece_bytes;
+  env->comm = std::make_unique<Communicator>(env->mesh.get(), &env->abort, o);
+  return env;
+}
+
+// Runs `body` on W threads, one rank each (gloo BaseTest::spawn).
+void RunThreads(int w, const Body& body, size_t piece_bytes = 64 << 10) {
+  auto listeners = MakeListeners(w);
+  auto members = MembersOf(listeners);
+  std::vector<std::unique_ptr<RankEnv>> envs;
+  for (int r = 0; r < w; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members, piece_bytes));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < w; ++r) {
+    threads.emplace_back([&, r] {
+      Status s = envs[static_cast<size_t>(r)]->comm->Connect();
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      body(r, *envs[static_cast<size_t>(r)]->comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Runs `body` in W forked processes; a failed expectation in a child makes it exit 1.
+void RunProcesses(int w, const Body& body) {
+  auto listeners = MakeListeners(w);
+  auto members = MembersOf(listeners);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < w; ++r) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      for (int o = 0; o < w; ++o) if (o != r) listeners[static_cast<size_t>(o)].fd.Reset();
+      auto env = MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members);
+      Status s = env->comm->Connect();
+      if (!s.ok()) _exit(3);
+      body(r, *env->comm);
+      _exit(::testing::Test::HasFailure() ? 1 : 0);
+    }
+    pids.push_back(pid);
+  }
+  listeners.clear();
+  for (int r = 0; r < w; ++r) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(pids[static_cast<size_t>(r)], &status, 0), pids[static_cast<size_t>(r)]);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " status " << status;
+  }
+}
+
+// Rank r's input: integer-valued floats, so every summation order gives the same exact sum.
+std::vector<float> IntegerInput(int rank, size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>((static_cast<int>(i % 1000) * (rank + 3)) % 17 - 8);
+  return v;
+}
+
+std::vector<float> RandomInput(int rank, size_t n) {
+  std::mt19937 rng(1234 + rank);
+  std::uniform_real_distribution<float> d(-1, 1);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// The naive reference: gather everything and sum in rank order.
+std::vector<float> NaiveSum(int w, size_t n, std::vector<float> (*input)(int, size_t)) {
+  std::vector<float> sum(n, 0.0f);
+  for (int r = 0; r < w; ++r) {
+    auto v = input(r, n);
+    for (size_t i = 0; i < n; ++i) sum[i] += v[i];
+  }
+  return sum;
+}
+
+class AllReduceTest : public ::testing::TestWithParam<std::tuple<int, size_t>> {};
+
+TEST_P(AllReduceTest, MatchesNaiveGatherSumWithThreads) {
+  auto [w, n] = GetParam();
+  auto want = NaiveSum(w, n, IntegerInput);
+  auto want_random = NaiveSum(w, n, RandomInput);
+  std::vector<std::vector<float>> results(static_cast<size_t>(w)), again(static_cast<size_t>(w));
+  RunThreads(w, [&](int rank, Communicator& comm) {
+    auto data = IntegerInput(rank, n);
+    ASSERT_TRUE(comm.AllReduce(data).ok());
+    EXPECT_EQ(data, want) << "rank " << rank;
+    // Random inputs: close to the naive sum, and bitwise identical across ranks and runs.
+    auto r1 = RandomInput(rank, n);
+    auto r2 = RandomInput(rank, n);
+    ASSERT_TRUE(comm.AllReduce(r1).ok());
+    ASSERT_TRUE(comm.AllReduce(r2).ok());
+    for (size_t i = 0; i < n; ++i) ASSERT_NEAR(r1[i], want_random[i], 1e-5) << i;
+    results[static_cast<size_t>(rank)] = r1;
+    again[static_cast<size_t>(rank)] = r2;
+  });
+  for (int r = 0; r < w; ++r) {
+    EXPECT_EQ(std::memcmp(results[static_cast<size_t>(r)].data(), results[0].data(), n * sizeof(float)), 0)
+        << "rank " << r << " differs from rank 0";
+    EXPECT_EQ(std::memcmp(again[static_cast<size_t>(r)].data(), results[0].data(), n * sizeof(float)), 0)
+        << "second run differs on rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsAndLengths, AllReduceTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 5, 8),
+                                            ::testing::Values(size_t{0}, size_t{1}, size_t{7}, size_t{1001},
+                                                              size_t{(3u << 20) / 4 + 3})),
+                         [](const auto& info) {
+                           return "w" + std::to_string(std::get<0>(info.param)) + "_n" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+TEST(CommunicatorTest, AllReduceWithProcesses) {
+  const int w = 4;
+  const size_t n = (5u << 20) / 4 + 11;  // 5 MiB, not divisible by the world size
+  auto want = NaiveSum(w, n, IntegerInput);
+  RunProcesses(w, [&](int rank, Communicator& comm) {
+    auto data = IntegerInput(rank, n);
+    ASSERT_TRUE(comm.AllReduce(data).ok());
+    EXPECT_EQ(data, want);
+  });
+}
+
+TEST(CommunicatorTest, SmallPiecesPipelineCorrectly) {
+  // Many pieces per chunk (64-byte pieces) stress the piece dependencies.
+  const int w = 3;
+  const size_t n = 10'000;
+  auto want = NaiveSum(w, n, IntegerInput);
+  RunThreads(w, [&](int rank, Communicator& comm) {
+    auto data = IntegerInput(rank, n);
+    ASSERT_TRUE(comm.AllReduce(data).ok());
+    EXPECT_EQ(data, want);
+  }, /*piece_bytes=*/64);
+}
+
+TEST(CommunicatorTest, ReduceScatterLeavesChunkRankReduced) {
+  for (int w : {2, 3, 5}) {
+    const size_t n = 1003;
+    auto want = NaiveSum(w, n, IntegerInput);
+    RunThreads(w, [&](int rank, Communicator& comm) {
+      auto data = IntegerInput(rank, n);
+      ASSERT_TRUE(comm.ReduceScatter(data).ok());
+      auto [lo, hi] = ChunkRange(n, w, rank);
+      for (size_t i = lo; i < hi; ++i) ASSERT_EQ(data[i], want[i]) << "w=" << w << " rank " << rank << " i " << i;
+    });
+  }
+}
+
+TEST(CommunicatorTest, AllGatherCollectsEveryRanksChunk) {
+  for (int w : {1, 2, 3, 8}) {
+    const size_t n = 77;
+    RunThreads(w, [&](int rank, Communicator& comm) {
+      std::vector<int32_t> data(n, -1);
+      auto [lo, hi] = ChunkRange(n, w, rank);
+      for (size_t i = lo; i < hi; ++i) data[i] = static_cast<int32_t>(i * 10 + static_cast<size_t>(rank));
+      ASSERT_TRUE(comm.AllGather(std::as_writable_bytes(std::span(data)), sizeof(int32_t)).ok());
+      for (int c = 0; c < w; ++c) {
+        auto [clo, chi] = ChunkRange(n, w, c);
+        for (size_t i = clo; i < chi; ++i) ASSERT_EQ(data[i], static_cast<int32_t>(i * 10 + static_cast<size_t>(c)));
+      }
+    });
+  }
+}
+
+TEST(CommunicatorTest, BroadcastFromEveryRoot) {
+  const int w = 5;
+  RunThreads(w, [&](int rank, Communicator& comm) {
+    for (int root = 0; root < w; ++root) {
+      std::vector<uint8_t> data(300'001, static_cast<uint8_t>(rank));
+      if (rank == root) for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 7 + root);
+      ASSERT_TRUE(comm.Broadcast(std::as_writable_bytes(std::span(data)), root).ok());
+      for (size_t i = 0; i < data.size(); ++i) ASSERT_EQ(data[i], static_cast<uint8_t>(i * 7 + root)) << root;
+    }
+  });
+}
+
+TEST(CommunicatorTest, PointToPointMovesLargeBuffersBetweenAnyRanks) {
+  const int w = 4;
+  const size_t bytes = (6u << 20) + 5;
+  RunThreads(w, [&](int rank, Communicator& comm) {
+    // 0 → 2 and 3 → 1, non-neighbours included.
+    std::vector<uint8_t> buf(bytes);
+    if (rank == 0 || rank == 3) {
+      for (size_t i = 0; i < bytes; ++i) buf[i] = static_cast<uint8_t>(i * 31 + static_cast<size_t>(rank));
+      ASSERT_TRUE(comm.Send(rank == 0 ? 2 : 1, std::as_bytes(std::span(buf))).ok());
+    } else {
+      int from = rank == 2 ? 0 : 3;
+      ASSERT_TRUE(comm.Recv(from, std::as_writable_bytes(std::span(buf))).ok());
+      for (size_t i = 0; i < bytes; ++i) ASSERT_EQ(buf[i], static_cast<uint8_t>(i * 31 + static_cast<size_t>(from)));
+    }
+    ASSERT_TRUE(comm.Barrier().ok());
+  });
+}
+
+TEST(CommunicatorTest, AbortWakesABlockedAllReduceAndIsSticky) {
+  auto listeners = MakeListeners(2);
+  auto members = MembersOf(listeners);
+  auto r0 = MakeRank(0, std::move(listeners[0]), members);
+  auto r1 = MakeRank(1, std::move(listeners[1]), members);
+  std::thread connect1([&] { ASSERT_TRUE(r1->comm->Connect().ok()); });
+  ASSERT_TRUE(r0->comm->Connect().ok());
+  connect1.join();
+  // Rank 1 never joins the collective; rank 0 blocks until aborted.
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(Millis(100));
+    r0->comm->Abort("controller ended generation 1");
+  });
+  std::vector<float> data(1 << 20, 1.0f);
+  auto start = Clock::now();
+  Status s = r0->comm->AllReduce(data);
+  auto elapsed = Clock::now() - start;
+  aborter.join();
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_NE(s.message().find("controller ended generation 1"), std::string::npos) << s.ToString();
+  EXPECT_LT(elapsed, Millis(10'000));  // far below the 30 s collective timeout
+  EXPECT_EQ(r0->comm->Barrier().code(), StatusCode::kAborted) << "the first error is sticky";
+}
+
+TEST(CommunicatorTest, KilledPeerProcessFailsSurvivorsPromptly) {
+  // Rank 2 of 3 is SIGKILLed while the others wait in an allreduce: they get
+  // kUnavailable from the connection reset, not a timeout.
+  const int w = 3;
+  auto listeners = MakeListeners(w);
+  auto members = MembersOf(listeners);
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < w; ++r) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      ::close(pipefd[0]);
+      for (int o = 0; o < w; ++o) if (o != r) listeners[static_cast<size_t>(o)].fd.Reset();
+      auto env = MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members);
+      if (!env->comm->Connect().ok()) _exit(3);
+      if (r == 2) {
+        char c = 'x';
+        (void)::write(pipefd[1], &c, 1);  // tell the parent we are connected
+        ::pause();                         // never calls the collective; the parent kills us
+        _exit(4);
+      }
+      std::vector<float> data(1 << 16, 1.0f);
+      auto start = Clock::now();
+      Status s = env->comm->AllReduce(data);
+      auto ms = std::chrono::duration_cast<Millis>(Clock::now() - start).count();
+      if (s.code() != StatusCode::kUnavailable) _exit(5);
+      if (ms > 10'000) _exit(6);  // the collective timeout is 30 s
+      _exit(0);
+    }
+    pids.push_back(pid);
+  }
+  ::close(pipefd[1]);
+  listeners.clear();
+  char c;
+  ASSERT_EQ(::read(pipefd[0], &c, 1), 1);
+  std::this_thread::sleep_for(Millis(100));
+  ::kill(pids[2], SIGKILL);
+  for (int r = 0; r < w; ++r) {
+    int status = 0;
+    ::waitpid(pids[static_cast<size_t>(r)], &status, 0);
+    if (r == 2) {
+      EXPECT_TRUE(WIFSIGNALED(status));
+    } else {
+      EXPECT_TRUE(WIFEXITED(status)) << status;
+      EXPECT_EQ(WEXITSTATUS(status), 0) << "rank " << r;
+    }
+  }
+}
+
+TEST(CommunicatorTest, ConnectionsAreOpenedOnlyToRingNeighbours) {
+  const int w = 5;
+  auto listeners = MakeListeners(w);
+  auto members = MembersOf(listeners);
+  std::vector<std::unique_ptr<RankEnv>> envs;
+  for (int r = 0; r < w; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < w; ++r) {
+    threads.emplace_back([&, r] {
+      ASSERT_TRUE(envs[static_cast<size_t>(r)]->comm->Connect().ok());
+      std::vector<float> data(1000, 1.0f);
+      ASSERT_TRUE(envs[static_cast<size_t>(r)]->comm->AllReduce(data).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < w; ++r) EXPECT_EQ(envs[static_cast<size_t>(r)]->mesh->connections_opened(), 2) << r;
+}
+
+TEST(CommunicatorTest, MeshRefusesAStrangerWithTheWrongToken) {
+  auto listeners = MakeListeners(2);
+  auto members = MembersOf(listeners);
+  auto r1 = MakeRank(1, std::move(listeners[1]), members);
+  PeerMeshOptions opts{"wrong-token", 0};
+  auto stranger = PeerMesh::Create(opts, std::move(listeners[0]));
+  net::AbortSignal abort;
+  Result<Connection*> c = stranger->Get(1, members[1].address, 1, DeadlineAfter(Millis(3000)), &abort);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("job token mismatch"), std::string::npos) << c.status().ToString();
+  EXPECT_EQ(r1->mesh->connections_opened(), 0);
+}
+
+}  // namespace
+}  // namespace nonstop::collective

@@ -1,0 +1,86 @@
+// PeerMesh: a worker's data-plane connections to other workers, keyed by
+// worker id, living across generations (DESIGN.md §5).
+//
+// A mesh owns one listening socket and an accept thread. For any pair of
+// workers the one with the lower worker id dials and the other accepts, so a
+// connection is opened exactly once, by whichever side needs it first, with no
+// store and no root. Connections survive membership changes: a Communicator of
+// generation g+1 asks the mesh for the same peers and gets the same sockets.
+//
+// Thread-safety: all methods are safe from any thread. A Connection returned
+// by Get() is used by one Communicator at a time (the training thread); the
+// mesh owns it and keeps it alive until Drop() or destruction.
+#pragma once
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "common/status.h"
+#include "common/time.h"
+#include "common/unique_fd.h"
+#include "net/abort_signal.h"
+#include "net/socket.h"
+
+namespace nonstop::collective {
+
+struct Connection {
+  UniqueFd fd;
+  int peer_id = -1;
+  std::string peer_address;
+};
+
+struct PeerMeshOptions {
+  std::string job_token;
+  int worker_id = -1;
+  net::HostPort listen{"127.0.0.1", 0};
+  Millis timeout_handshake{5'000};
+};
+
+class PeerMesh {
+ public:
+  static Result<std::unique_ptr<PeerMesh>> Create(PeerMeshOptions options);
+  // Uses a socket that is already listening (a parent process bound it for a child).
+  static std::unique_ptr<PeerMesh> Create(PeerMeshOptions options, net::Listener listener);
+  ~PeerMesh();
+  PeerMesh(const PeerMesh&) = delete;
+  PeerMesh& operator=(const PeerMesh&) = delete;
+
+  const net::HostPort& address() const { return address_; }
+  int worker_id() const { return options_.worker_id; }
+
+  // Returns the open connection to worker `peer_id`, dialing `peer_address`
+  // when this worker has the lower id, else waiting for the peer to dial in.
+  Result<Connection*> Get(int peer_id, const std::string& peer_address, uint32_t generation,
+                          Deadline deadline, const net::AbortSignal* abort);
+
+  // Forgets (and closes) the connection to `peer_id`: it failed or left.
+  void Drop(int peer_id);
+
+  // Number of connections established since creation (dialed + accepted), for
+  // tests and reports that check that connections were reused.
+  int connections_opened() const;
+
+ private:
+  PeerMesh(PeerMeshOptions options, net::Listener listener);
+  void AcceptLoop(std::stop_token stop);
+  Result<Connection*> Dial(int peer_id, const std::string& peer_address, uint32_t generation,
+                           Deadline deadline, const net::AbortSignal* abort);
+
+  const PeerMeshOptions options_;
+  UniqueFd listen_fd_;
+  net::HostPort address_;
+  net::AbortSignal stop_signal_;  // wakes the accept thread at shutdown
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<int, std::unique_ptr<Connection>> connections_;  // guarded by mu_
+  int connections_opened_ = 0;                              // guarded by mu_
+
+  std::jthread accept_thread_;  // last member: joins before the members it uses are destroyed
+};
+
+}  // namespace nonstop::collective
