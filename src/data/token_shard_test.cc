@@ -1,0 +1,141 @@
+#include "data/token_shard.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "common/coding.h"
+#include "common/temp_dir.h"
+#include "data/dataset.h"
+#include "data/prepare.h"
+
+namespace nonstop::data {
+namespace {
+
+void WriteRaw(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+TEST(TokenShardTest, RoundTripsTokens) {
+  TempDir dir;
+  std::vector<uint16_t> tokens = {1, 2, 300, 65535, 0};
+  ASSERT_TRUE(WriteShardFile(dir / "a.bin", tokens, 70000).ok());
+  auto shard = TokenShard::Open(dir / "a.bin");
+  ASSERT_TRUE(shard.ok()) << shard.status().ToString();
+  EXPECT_EQ(std::vector<uint16_t>((*shard)->tokens().begin(), (*shard)->tokens().end()), tokens);
+  EXPECT_EQ((*shard)->format(), ShardFormat::kNonstop);
+}
+
+TEST(TokenShardTest, TruncatedShardIsDataLossNamingTheFile) {
+  TempDir dir;
+  std::vector<uint16_t> tokens(100, 7);
+  std::string bytes = EncodeShard(tokens, 256);
+  WriteRaw(dir / "t.bin", bytes.substr(0, bytes.size() - 3));
+  auto shard = TokenShard::Open(dir / "t.bin");
+  ASSERT_FALSE(shard.ok());
+  EXPECT_EQ(shard.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(shard.status().message().find("t.bin"), std::string::npos);
+  EXPECT_NE(shard.status().message().find("truncated"), std::string::npos) << shard.status().ToString();
+}
+
+TEST(TokenShardTest, FlippedTokenByteFailsChecksum) {
+  TempDir dir;
+  std::vector<uint16_t> tokens(100, 7);
+  std::string bytes = EncodeShard(tokens, 256);
+  bytes[kShardHeaderBytes + 10] ^= 0x40;
+  WriteRaw(dir / "c.bin", bytes);
+  auto shard = TokenShard::Open(dir / "c.bin");
+  ASSERT_FALSE(shard.ok());
+  EXPECT_EQ(shard.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(shard.status().message().find("checksum"), std::string::npos);
+}
+
+TEST(TokenShardTest, ForeignFileIsRefused) {
+  TempDir dir;
+  WriteRaw(dir / "f.bin", "#!/bin/sh\necho not a shard\n");
+  auto shard = TokenShard::Open(dir / "f.bin");
+  ASSERT_FALSE(shard.ok());
+  EXPECT_EQ(shard.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(shard.status().message().find("not a token shard"), std::string::npos);
+}
+
+std::string LlmcShard(const std::vector<uint16_t>& tokens, int32_t version = 1) {
+  std::string out(kLlmcHeaderBytes, '\0');
+  EncodeFixed32(out.data(), static_cast<uint32_t>(kLlmcMagic));
+  EncodeFixed32(out.data() + 4, static_cast<uint32_t>(version));
+  EncodeFixed32(out.data() + 8, static_cast<uint32_t>(tokens.size()));
+  for (uint16_t t : tokens) PutFixed16(&out, t);
+  return out;
+}
+
+TEST(TokenShardTest, ReadsLlmcFormat) {
+  TempDir dir;
+  std::vector<uint16_t> tokens = {50256, 15496, 11, 995};
+  WriteRaw(dir / "fineweb_train_000001.bin", LlmcShard(tokens));
+  auto shard = TokenShard::Open(dir / "fineweb_train_000001.bin");
+  ASSERT_TRUE(shard.ok()) << shard.status().ToString();
+  EXPECT_EQ((*shard)->format(), ShardFormat::kLlmc);
+  EXPECT_EQ(std::vector<uint16_t>((*shard)->tokens().begin(), (*shard)->tokens().end()), tokens);
+}
+
+TEST(TokenShardTest, LlmcWithWrongCountOrVersionIsRefused) {
+  TempDir dir;
+  std::string bytes = LlmcShard({1, 2, 3});
+  WriteRaw(dir / "short.bin", bytes.substr(0, bytes.size() - 2));
+  EXPECT_EQ(TokenShard::Open(dir / "short.bin").status().code(), StatusCode::kDataLoss);
+  WriteRaw(dir / "v2.bin", LlmcShard({1, 2, 3}, 2));
+  EXPECT_EQ(TokenShard::Open(dir / "v2.bin").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PrepareTest, TextBecomesByteTokensAcrossShards) {
+  TempDir dir;
+  std::string in_dir = dir / "in";
+  std::filesystem::create_directories(in_dir);
+  WriteRaw(in_dir + "/a", "Hello\n%\nWorld\n");
+  WriteRaw(in_dir + "/a.dat", std::string("\0\1\2", 3));
+  WriteRaw(in_dir + "/b", std::string("bin\0ary", 7));
+  PrepareOptions o{{in_dir}, dir / "out", /*tokens_per_shard=*/5, /*strip_fortune_separators=*/true};
+  auto report = PrepareShards(o);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->files_read, 1u);
+  EXPECT_EQ(report->skipped.size(), 2u);
+  EXPECT_EQ(report->tokens, std::string("Hello\n\nWorld\n").size());
+  EXPECT_EQ(report->shards, 3u);
+  auto ds = Dataset::Open(dir / "out", 1);
+  ASSERT_TRUE(ds.ok()) << ds.status().ToString();
+  EXPECT_EQ((*ds)->num_tokens(), report->tokens);
+  std::string back;
+  auto first = TokenShard::Open(dir / "out/shard_000000.bin");
+  ASSERT_TRUE(first.ok());
+  for (uint16_t t : (*first)->tokens()) back += static_cast<char>(t);
+  EXPECT_EQ(back, "Hello");
+  EXPECT_TRUE(std::filesystem::exists(dir / "out/manifest.json"));
+}
+
+TEST(DatasetTest, SamplesAreConsecutiveWindows) {
+  TempDir dir;
+  std::vector<uint16_t> a(21), b(10);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<uint16_t>(i);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint16_t>(100 + i);
+  ASSERT_TRUE(WriteShardFile(dir / "s0.bin", a, 256).ok());
+  ASSERT_TRUE(WriteShardFile(dir / "s1.bin", b, 256).ok());
+  auto ds = Dataset::Open(dir.path(), 4);
+  ASSERT_TRUE(ds.ok());
+  EXPECT_EQ((*ds)->num_samples(), 5u + 2u);  // (21-1)/4 + (10-1)/4
+  auto s1 = (*ds)->Sample(1);
+  EXPECT_EQ(std::vector<uint16_t>(s1.begin(), s1.end()), (std::vector<uint16_t>{4, 5, 6, 7, 8}));
+  auto s5 = (*ds)->Sample(5);
+  EXPECT_EQ(s5[0], 100);
+}
+
+TEST(DatasetTest, CorruptShardInDirectoryFailsOpen) {
+  TempDir dir;
+  ASSERT_TRUE(WriteShardFile(dir / "s0.bin", std::vector<uint16_t>(50, 1), 256).ok());
+  WriteRaw(dir / "s1.bin", "garbage garbage garbage");
+  auto ds = Dataset::Open(dir.path(), 4);
+  ASSERT_FALSE(ds.ok());
+  EXPECT_NE(ds.status().message().find("s1.bin"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace nonstop::data

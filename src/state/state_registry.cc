@@ -1,0 +1,177 @@
+#include "state/state_registry.h"
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "common/coding.h"
+#include "common/crc32c.h"
+
+namespace nonstop::state {
+
+namespace {
+constexpr char kSnapshotMagic[8] = {'N', 'S', 'S', 'T', 'A', 'T', 'E', '1'};
+}
+
+Status StateRegistry::Register(std::string name, std::span<std::byte> bytes) {
+  for (const auto& r : regions_) {
+    if (r.name == name) return InvalidArgumentError(fmt::format("state region '{}' is registered twice", name));
+  }
+  total_bytes_ += bytes.size();
+  regions_.push_back({std::move(name), bytes});
+  return OkStatus();
+}
+
+uint32_t StateRegistry::num_chunks() const {
+  return static_cast<uint32_t>((total_bytes_ + chunk_bytes_ - 1) / chunk_bytes_);
+}
+
+// Walks the regions that overlap [offset, offset + n) of the concatenated state.
+template <typename F>
+static void ForEachSpan(const std::vector<Region>& regions, uint64_t offset, size_t n, F f) {
+  uint64_t base = 0;
+  size_t done = 0;
+  for (const auto& r : regions) {
+    uint64_t end = base + r.bytes.size();
+    if (offset + done < end && done < n) {
+      uint64_t in_region = offset + done - base;
+      size_t take = static_cast<size_t>(std::min<uint64_t>(end - (offset + done), n - done));
+      f(r.bytes.data() + in_region, done, take);
+      done += take;
+    }
+    base = end;
+  }
+}
+
+void StateRegistry::CopyOut(uint64_t offset, std::span<std::byte> out) const {
+  ForEachSpan(regions_, offset, out.size(),
+              [&](const std::byte* src, size_t at, size_t n) { std::memcpy(out.data() + at, src, n); });
+}
+
+void StateRegistry::CopyIn(uint64_t offset, std::span<const std::byte> in) {
+  ForEachSpan(regions_, offset, in.size(),
+              [&](std::byte* dst, size_t at, size_t n) { std::memcpy(dst, in.data() + at, n); });
+}
+
+ChunkInfo StateRegistry::Chunk(uint32_t index) const {
+  ChunkInfo c;
+  c.index = index;
+  c.offset = static_cast<uint64_t>(index) * chunk_bytes_;
+  c.size = static_cast<uint32_t>(std::min<uint64_t>(chunk_bytes_, total_bytes_ - c.offset));
+  uint32_t crc = 0;
+  ForEachSpan(regions_, c.offset, c.size,
+              [&](const std::byte* src, size_t, size_t n) { crc = Crc32cExtend(crc, src, n); });
+  c.crc = crc;
+  return c;
+}
+
+std::vector<ChunkInfo> StateRegistry::Chunks() const {
+  std::vector<ChunkInfo> out;
+  for (uint32_t i = 0; i < num_chunks(); ++i) out.push_back(Chunk(i));
+  return out;
+}
+
+void StateRegistry::ReadChunk(uint32_t index, std::span<std::byte> out) const {
+  NONSTOP_CHECK_LT(index, num_chunks());
+  uint64_t offset = static_cast<uint64_t>(index) * chunk_bytes_;
+  NONSTOP_CHECK_EQ(out.size(), std::min<uint64_t>(chunk_bytes_, total_bytes_ - offset));
+  CopyOut(offset, out);
+}
+
+Status StateRegistry::WriteChunk(uint32_t index, std::span<const std::byte> data, uint32_t crc) {
+  if (index >= num_chunks()) {
+    return InvalidArgumentError(fmt::format("state chunk {} does not exist (the state has {})", index, num_chunks()));
+  }
+  uint64_t offset = static_cast<uint64_t>(index) * chunk_bytes_;
+  uint64_t want = std::min<uint64_t>(chunk_bytes_, total_bytes_ - offset);
+  if (data.size() != want) {
+    return InvalidArgumentError(fmt::format("state chunk {} has {} bytes, expected {}", index, data.size(), want));
+  }
+  uint32_t got = Crc32c(data.data(), data.size());
+  if (got != crc) {
+    return DataLossError(fmt::format("state chunk {} fails its checksum (crc32c {:08x}, expected {:08x})", index, got, crc));
+  }
+  CopyIn(offset, data);
+  return OkStatus();
+}
+
+std::string StateRegistry::Serialize() const {
+  std::string out(kSnapshotMagic, sizeof(kSnapshotMagic));
+  PutFixed32(&out, static_cast<uint32_t>(regions_.size()));
+  for (const auto& r : regions_) {
+    PutFixed16(&out, static_cast<uint16_t>(r.name.size()));
+    out += r.name;
+    PutFixed64(&out, r.bytes.size());
+  }
+  PutFixed64(&out, chunk_bytes_);
+  auto chunks = Chunks();
+  PutFixed32(&out, static_cast<uint32_t>(chunks.size()));
+  for (const auto& c : chunks) PutFixed32(&out, c.crc);
+  PutFixed32(&out, Crc32c(out));
+  size_t header = out.size();
+  out.resize(header + total_bytes_);
+  CopyOut(0, std::as_writable_bytes(std::span(out.data() + header, total_bytes_)));
+  return out;
+}
+
+Status StateRegistry::Load(std::string_view snapshot) {
+  ByteReader r(snapshot);
+  std::string_view magic;
+  if (!r.ReadBytes(sizeof(kSnapshotMagic), &magic) || magic != std::string_view(kSnapshotMagic, 8)) {
+    return InvalidArgumentError("not a nonstop state snapshot (bad magic)");
+  }
+  uint32_t nregions = 0;
+  if (!r.ReadFixed32(&nregions)) return DataLossError("state snapshot truncated in its header");
+  if (nregions != regions_.size()) {
+    return InvalidArgumentError(fmt::format("state snapshot has {} regions, this worker registered {}: the model "
+                                            "or optimizer differs", nregions, regions_.size()));
+  }
+  for (const auto& region : regions_) {
+    uint16_t len = 0;
+    std::string_view name;
+    uint64_t size = 0;
+    if (!r.ReadFixed16(&len) || !r.ReadBytes(len, &name) || !r.ReadFixed64(&size)) {
+      return DataLossError("state snapshot truncated in its region table");
+    }
+    if (name != region.name || size != region.bytes.size()) {
+      return InvalidArgumentError(fmt::format("state snapshot has region '{}' of {} bytes where this worker has '{}' "
+                                              "of {} bytes", name, size, region.name, region.bytes.size()));
+    }
+  }
+  uint64_t chunk_bytes = 0;
+  uint32_t nchunks = 0;
+  if (!r.ReadFixed64(&chunk_bytes) || !r.ReadFixed32(&nchunks) || chunk_bytes == 0) {
+    return DataLossError("state snapshot truncated in its chunk table");
+  }
+  std::vector<uint32_t> crcs(nchunks);
+  for (auto& c : crcs) {
+    if (!r.ReadFixed32(&c)) return DataLossError("state snapshot truncated in its chunk table");
+  }
+  size_t header_len = snapshot.size() - r.remaining();
+  uint32_t header_crc = 0;
+  if (!r.ReadFixed32(&header_crc)) return DataLossError("state snapshot truncated before its header checksum");
+  if (Crc32c(snapshot.data(), header_len) != header_crc) return DataLossError("state snapshot header fails its checksum");
+  if (r.remaining() != total_bytes_) {
+    return DataLossError(fmt::format("state snapshot holds {} bytes of state, expected {}", r.remaining(), total_bytes_));
+  }
+  const char* data = snapshot.data() + (snapshot.size() - r.remaining());
+  if (nchunks != (total_bytes_ + chunk_bytes - 1) / chunk_bytes) return DataLossError("state snapshot chunk count is inconsistent");
+  // Verify everything first: a bad snapshot must not half-load.
+  for (uint32_t i = 0; i < nchunks; ++i) {
+    uint64_t off = i * chunk_bytes;
+    uint64_t n = std::min<uint64_t>(chunk_bytes, total_bytes_ - off);
+    if (Crc32c(data + off, n) != crcs[i]) {
+      return DataLossError(fmt::format("state snapshot chunk {} (bytes {}..{}) fails its checksum", i, off, off + n));
+    }
+  }
+  CopyIn(0, std::as_bytes(std::span(data, total_bytes_)));
+  return OkStatus();
+}
+
+std::string StateRegistry::Digest() const {
+  uint32_t crc = 0;
+  ForEachSpan(regions_, 0, total_bytes_, [&](const std::byte* src, size_t, size_t n) { crc = Crc32cExtend(crc, src, n); });
+  return fmt::format("{:08x}", crc);
+}
+
+}  // namespace nonstop::state
