@@ -1,0 +1,210 @@
+// `nonstop run`: the controller and a local launcher in one process, on one
+// event loop. It starts --nproc workers and --spares spares, forms generation
+// 1, forwards every worker's output with a rank prefix, watches heartbeats
+// and process exits, writes the journal, and exits with a code that means
+// something to a supervisor (0 ok, 2 usage, 10 worker failure, 11 data corruption).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "apps/nonstop/commands.h"
+#include "common/logging.h"
+#include "controller/control_server.h"
+#include "controller/controller.h"
+#include "controller/journal.h"
+#include "launcher/local_launcher.h"
+#include "net/event_loop.h"
+
+namespace nonstop::cli {
+
+using controller::Action;
+using controller::Event;
+
+std::string SelfDirectory() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? "." : p.parent_path().string();
+}
+
+namespace {
+
+std::string RandomToken() {
+  std::random_device rd;
+  return fmt::format("{:08x}{:08x}{:08x}{:08x}", rd(), rd(), rd(), rd());
+}
+
+}  // namespace
+
+void RunCommand::Register(CLI::App& app) {
+  sub_ = app.add_subcommand("run", "Run a training job on this machine: controller + local workers (like torchrun)");
+  sub_->add_option("--nproc", nproc_, "Worker processes that train (the world size)")->capture_default_str()
+      ->envname("NONSTOP_NPROC")->check(CLI::Range(1, 1024));
+  sub_->add_option("--spares", spares_, "Pre-warmed spare workers that wait without a rank")->capture_default_str()
+      ->envname("NONSTOP_SPARES")->check(CLI::Range(0, 1024));
+  sub_->add_option("--host", host_, "Address the controller and the workers listen on")->capture_default_str()
+      ->envname("NONSTOP_HOST");
+  sub_->add_option("--port", port_, "Controller port (0: chosen by the OS)")->capture_default_str()
+      ->envname("NONSTOP_PORT")->check(CLI::Range(0, 65535));
+  sub_->add_option("--journal", journal_, "Event journal (JSON lines)")->capture_default_str()
+      ->envname("NONSTOP_JOURNAL");
+  sub_->add_option("--heartbeat-timeout-ms", heartbeat_timeout_ms_,
+                   "A worker silent this long is declared failed")->capture_default_str()
+      ->envname("NONSTOP_HEARTBEAT_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
+  sub_->add_option("--log-level", log_level_, "debug, info, warning or error")->capture_default_str()
+      ->envname("NONSTOP_LOG_LEVEL");
+  sub_->add_option("program", program_,
+                   "The worker program and its arguments, after `--` (default: nonstop-train with its built-in "
+                   "llama-tiny recipe)");
+}
+
+int RunCommand::Execute() {
+  SetLogRole("nonstop");
+  LogLevel level;
+  if (!ParseLogLevel(log_level_, &level)) {
+    fmt::print(stderr, "nonstop run: --log-level '{}' is not one of debug, info, warning, error\n", log_level_);
+    return controller::kExitUsage;
+  }
+  SetLogLevel(level);
+  std::vector<std::string> program = program_;
+  if (program.empty()) program = {SelfDirectory() + "/nonstop-train"};
+
+  auto journal = controller::Journal::Open(journal_);
+  if (!journal.ok()) {
+    fmt::print(stderr, "nonstop run: {}\n", journal.status().ToString());
+    return 1;
+  }
+
+  // SIGINT/SIGTERM end the job cleanly through the loop; SIGPIPE is ignored (sockets say EPIPE).
+  ::signal(SIGPIPE, SIG_IGN);
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+  UniqueFd sigfd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
+
+  net::EventLoop loop;
+  std::deque<Event> events;
+  controller::Controller core({nproc_, spares_, Millis(heartbeat_timeout_ms_)});
+  const std::string token = RandomToken();
+  auto server = controller::ControlServer::Create(&loop, {host_, static_cast<uint16_t>(port_)}, token,
+                                                  [&](Event e) { events.push_back(std::move(e)); });
+  if (!server.ok()) {
+    fmt::print(stderr, "nonstop run: cannot start the controller: {}\n", server.status().ToString());
+    return 1;
+  }
+  launcher::LocalLauncher launcher(
+      &loop,
+      [&](int worker_id) {
+        int rank = core.RankOf(worker_id);
+        return rank >= 0 ? fmt::format("[rank {}] ", rank) : fmt::format("[worker {}] ", worker_id);
+      },
+      [&](int worker_id, pid_t pid, int code, int sig) {
+        events.push_back(controller::ProcessExited{worker_id, pid, code, sig});
+      });
+
+  fmt::print("nonstop run\n");
+  fmt::print("  {:<20} {}\n", "controller", (*server)->address().ToString());
+  fmt::print("  {:<20} {}\n", "workers", nproc_);
+  fmt::print("  {:<20} {}\n", "spares", spares_);
+  fmt::print("  {:<20} {} ms\n", "heartbeat timeout", heartbeat_timeout_ms_);
+  fmt::print("  {:<20} {}\n", "journal", (*journal)->path());
+  std::string cmdline;
+  for (const auto& a : program) cmdline += (cmdline.empty() ? "" : " ") + a;
+  fmt::print("  {:<20} {}\n", "program", cmdline);
+  std::fflush(stdout);
+  (*journal)->Append({{"event", "job_start"}, {"world_size", nproc_}, {"spares", spares_},
+                      {"controller", (*server)->address().ToString()}, {"program", program}});
+
+  for (int id = 0; id < nproc_ + spares_; ++id) {
+    launcher::ChildSpec spec;
+    spec.worker_id = id;
+    spec.argv = program;
+    spec.env = {{"NONSTOP_CONTROLLER", (*server)->address().ToString()},
+                {"NONSTOP_JOB_TOKEN", token},
+                {"NONSTOP_WORKER_ID", std::to_string(id)},
+                {"NONSTOP_SPARE", id >= nproc_ ? "1" : "0"},
+                {"NONSTOP_DATA_HOST", host_}};
+    auto pid = launcher.Spawn(spec);
+    if (!pid.ok()) {
+      fmt::print(stderr, "nonstop run: cannot start worker {}: {}\n", id, pid.status().ToString());
+      launcher.SignalAll(SIGKILL);
+      return 1;
+    }
+  }
+
+  std::optional<controller::EndJob> ended;
+  Deadline kill_at = kNoDeadline;
+  bool interrupted = false;
+  if (sigfd.valid()) {
+    loop.Watch(sigfd.get(), POLLIN, [&](short) {
+      signalfd_siginfo si;
+      while (::read(sigfd.get(), &si, sizeof(si)) == sizeof(si)) interrupted = true;
+    });
+  }
+
+  auto execute = [&](const Action& a) {
+    std::visit(
+        [&](const auto& act) {
+          using T = std::decay_t<decltype(act)>;
+          if constexpr (std::is_same_v<T, controller::SendPlan>) {
+            (*server)->Send(act.worker_id, control::kMsgPlan, control::Encode(act.plan));
+          } else if constexpr (std::is_same_v<T, controller::SendShutdown>) {
+            (*server)->Send(act.worker_id, control::kMsgShutdown, control::Encode(act.msg));
+          } else if constexpr (std::is_same_v<T, controller::KillWorker>) {
+            launcher.Signal(act.worker_id, SIGTERM);
+            kill_at = std::min(kill_at, DeadlineAfter(Millis(300)));
+          } else if constexpr (std::is_same_v<T, controller::AppendJournal>) {
+            (*journal)->Append(act.record);
+          } else if constexpr (std::is_same_v<T, controller::PrintLine>) {
+            fmt::print("[nonstop] {}\n", act.line);
+            std::fflush(stdout);
+          } else if constexpr (std::is_same_v<T, controller::EndJob>) {
+            ended = act;
+            if (kill_at == kNoDeadline) kill_at = DeadlineAfter(Millis(act.exit_code == 0 ? 15'000 : 300));
+          }
+        },
+        a);
+  };
+
+  Deadline next_tick = Clock::now();
+  while (true) {
+    loop.RunOnce(Millis(20));
+    while (!events.empty()) {
+      Event e = std::move(events.front());
+      events.pop_front();
+      for (const Action& a : core.Handle(e, Clock::now())) execute(a);
+    }
+    if (interrupted && !ended) {
+      (*journal)->Append({{"event", "job_end"}, {"exit_code", 130}, {"reason", "interrupted by a signal"}});
+      ended = controller::EndJob{130, "interrupted by a signal"};
+      launcher.SignalAll(SIGTERM);
+      kill_at = DeadlineAfter(Millis(1000));
+    }
+    if (Clock::now() >= next_tick) {
+      for (const Action& a : core.Handle(controller::Tick{}, Clock::now())) execute(a);
+      next_tick = DeadlineAfter(Millis(50));
+    }
+    if (ended && launcher.running() == 0) break;
+    if (ended && Clock::now() >= kill_at) {
+      launcher.SignalAll(SIGKILL);
+      kill_at = DeadlineAfter(Millis(1000));
+    }
+  }
+
+  int code = ended->exit_code;
+  fmt::print("[nonstop] job {}: {}\n", code == 0 ? "finished" : "FAILED", ended->reason);
+  fmt::print("[nonstop] journal: {}\n", (*journal)->path());
+  std::fflush(stdout);
+  return code;
+}
+
+}  // namespace nonstop::cli

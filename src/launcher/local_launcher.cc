@@ -1,0 +1,176 @@
+#include "launcher/local_launcher.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace nonstop::launcher {
+
+namespace {
+
+int PidfdOpen(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
+
+void WriteAll(int fd, std::string_view s) {
+  while (!s.empty()) {
+    ssize_t n = ::write(fd, s.data(), s.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    s.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+}  // namespace
+
+LocalLauncher::LocalLauncher(net::EventLoop* loop, PrefixFn prefix, ExitFn on_exit)
+    : loop_(loop), prefix_(std::move(prefix)), on_exit_(std::move(on_exit)) {}
+
+LocalLauncher::~LocalLauncher() {
+  for (auto& [id, c] : children_) {
+    if (!c->exited) {
+      ::kill(c->pid, SIGKILL);
+      ::waitpid(c->pid, nullptr, 0);
+    }
+    loop_->Unwatch(c->pidfd.get());
+    loop_->Unwatch(c->out.get());
+    loop_->Unwatch(c->err.get());
+  }
+}
+
+Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
+  NONSTOP_CHECK(!spec.argv.empty());
+  int out_pipe[2], err_pipe[2];
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0) return ErrnoStatus(StatusCode::kInternal, "pipe", errno);
+  if (::pipe2(err_pipe, O_CLOEXEC) != 0) return ErrnoStatus(StatusCode::kInternal, "pipe", errno);
+  // Build argv and env before fork: the child only execs.
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  for (const auto& [k, v] : spec.env) env_strings.push_back(k + "=" + v);
+  std::vector<char*> envp, argv;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = spec.argv;
+  for (auto& s : args) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  pid_t parent = ::getpid();
+
+  pid_t pid = ::fork();
+  if (pid < 0) return ErrnoStatus(StatusCode::kInternal, "fork", errno);
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) _exit(127);  // the launcher died before prctl
+    ::dup2(out_pipe[1], STDOUT_FILENO);
+    ::dup2(err_pipe[1], STDERR_FILENO);
+    ::execvpe(argv[0], argv.data(), envp.data());
+    std::string msg = fmt::format("nonstop: cannot start {}: {}\n", argv[0], std::strerror(errno));
+    WriteAll(STDERR_FILENO, msg);
+    _exit(127);
+  }
+  ::close(out_pipe[1]);
+  ::close(err_pipe[1]);
+  auto c = std::make_unique<Child>();
+  c->worker_id = spec.worker_id;
+  c->pid = pid;
+  c->pidfd.Reset(PidfdOpen(pid));
+  c->out.Reset(out_pipe[0]);
+  c->err.Reset(err_pipe[0]);
+  if (!c->pidfd.valid()) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    return ErrnoStatus(StatusCode::kInternal, "pidfd_open (Linux 5.3 or newer is required)", errno);
+  }
+  Child* raw = c.get();
+  loop_->Watch(raw->out.get(), POLLIN, [this, raw](short) { OnOutput(*raw, false); });
+  loop_->Watch(raw->err.get(), POLLIN, [this, raw](short) { OnOutput(*raw, true); });
+  loop_->Watch(raw->pidfd.get(), POLLIN, [this, raw](short) { OnExit(*raw); });
+  children_[spec.worker_id] = std::move(c);
+  return pid;
+}
+
+void LocalLauncher::Emit(Child& c, bool is_err, std::string_view text, bool flush) {
+  std::string& partial = is_err ? c.err_partial : c.out_partial;
+  partial.append(text);
+  std::string out;
+  size_t start = 0;
+  std::string prefix = prefix_(c.worker_id);
+  while (true) {
+    size_t nl = partial.find('\n', start);
+    if (nl == std::string::npos) break;
+    out += prefix;
+    out.append(partial, start, nl - start + 1);
+    start = nl + 1;
+  }
+  partial.erase(0, start);
+  if (flush && !partial.empty()) {
+    out += prefix + partial + "\n";
+    partial.clear();
+  }
+  if (!out.empty()) WriteAll(is_err ? STDERR_FILENO : STDOUT_FILENO, out);
+}
+
+void LocalLauncher::OnOutput(Child& c, bool is_err) {
+  int fd = is_err ? c.err.get() : c.out.get();
+  char buf[8192];
+  ssize_t n = ::read(fd, buf, sizeof(buf));
+  if (n > 0) {
+    Emit(c, is_err, std::string_view(buf, static_cast<size_t>(n)), false);
+    return;
+  }
+  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+  Emit(c, is_err, {}, true);
+  loop_->Unwatch(fd);
+}
+
+void LocalLauncher::OnExit(Child& c) {
+  int status = 0;
+  pid_t r = ::waitpid(c.pid, &status, WNOHANG);
+  if (r == 0) return;
+  loop_->Unwatch(c.pidfd.get());
+  c.exited = true;
+  // Drain what the child wrote before it died.
+  for (bool is_err : {false, true}) {
+    int fd = is_err ? c.err.get() : c.out.get();
+    if (!loop_->watching(fd)) continue;
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    char buf[8192];
+    ssize_t n;
+    while ((n = ::read(fd, buf, sizeof(buf))) > 0) Emit(c, is_err, std::string_view(buf, static_cast<size_t>(n)), false);
+    Emit(c, is_err, {}, true);
+    loop_->Unwatch(fd);
+  }
+  int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  on_exit_(c.worker_id, c.pid, code, sig);
+}
+
+void LocalLauncher::Signal(int worker_id, int sig) {
+  auto it = children_.find(worker_id);
+  if (it != children_.end() && !it->second->exited) ::kill(it->second->pid, sig);
+}
+
+void LocalLauncher::SignalAll(int sig) {
+  for (auto& [id, c] : children_) {
+    if (!c->exited) ::kill(c->pid, sig);
+  }
+}
+
+int LocalLauncher::running() const {
+  int n = 0;
+  for (const auto& [id, c] : children_) n += c->exited ? 0 : 1;
+  return n;
+}
+
+pid_t LocalLauncher::pid(int worker_id) const {
+  auto it = children_.find(worker_id);
+  return it == children_.end() ? -1 : it->second->pid;
+}
+
+}  // namespace nonstop::launcher

@@ -1,0 +1,74 @@
+// Test helper: runs a command as a real child process with its output in a
+// file, so tests can watch it, signal it and read what it printed.
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/check.h"
+
+namespace nonstop::testing {
+
+class ChildProcess {
+ public:
+  ChildProcess(std::vector<std::string> argv, const std::string& output_path) : output_path_(output_path) {
+    pid_ = ::fork();
+    NONSTOP_CHECK_GE(pid_, 0);
+    if (pid_ == 0) {
+      int fd = ::open(output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      std::vector<char*> args;
+      for (auto& a : argv) args.push_back(a.data());
+      args.push_back(nullptr);
+      ::execv(args[0], args.data());
+      _exit(127);
+    }
+  }
+  ~ChildProcess() {
+    if (!exited_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  // Waits up to `timeout`; returns the exit status (WEXITSTATUS or 128+signal), or -1 on timeout.
+  int Wait(std::chrono::milliseconds timeout) {
+    auto until = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < until) {
+      int status = 0;
+      pid_t r = ::waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) {
+        exited_ = true;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return -1;
+  }
+
+  std::string Output() const {
+    std::ifstream in(output_path_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+  pid_t pid() const { return pid_; }
+
+ private:
+  std::string output_path_;
+  pid_t pid_ = -1;
+  bool exited_ = false;
+};
+
+}  // namespace nonstop::testing

@@ -1,0 +1,107 @@
+// `nonstop run` end to end: real processes, real sockets on loopback.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "common/temp_dir.h"
+#include "controller/journal.h"
+#include "tests/integration/process.h"
+
+namespace nonstop {
+namespace {
+
+using nonstop::testing::ChildProcess;
+using std::chrono::milliseconds;
+
+const std::string kBin = NONSTOP_BIN_DIR;
+
+std::vector<nlohmann::json> Events(const std::string& journal, const std::string& kind) {
+  std::vector<nlohmann::json> out;
+  auto all = controller::Journal::Read(journal);
+  if (!all.ok()) return out;
+  for (auto& j : *all) {
+    if (j.value("event", "") == kind) out.push_back(j);
+  }
+  return out;
+}
+
+TEST(RunIntegrationTest, JobOfThreeWorkersAndASpareFinishes) {
+  TempDir dir;
+  std::string journal = dir / "journal.jsonl";
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "3", "--spares", "1", "--journal", journal, "--",
+                    kBin + "/nonstop-test-worker", "--steps", "25", "--elements", "100003"},
+                   dir / "out.txt");
+  int code = run.Wait(milliseconds(60'000));
+  std::string out = run.Output();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("[rank 0] step 24 ok"), std::string::npos) << out;
+  EXPECT_NE(out.find("job finished"), std::string::npos) << out;
+  auto plans = Events(journal, "plan");
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0]["members"].size(), 3u);
+  EXPECT_EQ(Events(journal, "join").size(), 4u);
+  auto finished = Events(journal, "finished");
+  ASSERT_EQ(finished.size(), 3u);
+  EXPECT_EQ(finished[0]["checksum"], finished[1]["checksum"]);
+  EXPECT_EQ(Events(journal, "step").size(), 25u) << "one progress record per step from rank 0";
+  auto end = Events(journal, "job_end");
+  ASSERT_EQ(end.size(), 1u);
+  EXPECT_EQ(end[0]["exit_code"], 0);
+}
+
+TEST(RunIntegrationTest, KilledWorkerIsReportedByRankAndTheRunExitsNonZeroAtOnce) {
+  TempDir dir;
+  std::string journal = dir / "journal.jsonl";
+  // A heartbeat timeout of 60 s: detection must come from the process exit, not from silence.
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "4", "--spares", "0", "--heartbeat-timeout-ms", "60000",
+                    "--journal", journal, "--", kBin + "/nonstop-test-worker", "--steps", "100000", "--sleep-ms", "20"},
+                   dir / "out.txt");
+  // Wait until training is under way.
+  auto until = std::chrono::steady_clock::now() + milliseconds(30'000);
+  while (Events(journal, "step").size() < 5 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  ASSERT_GE(Events(journal, "step").size(), 5u) << run.Output();
+  int64_t victim = -1;
+  for (auto& j : Events(journal, "join")) {
+    if (j["worker_id"] == 2) victim = j["pid"];
+  }
+  ASSERT_GT(victim, 0);
+  auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(static_cast<pid_t>(victim), SIGKILL), 0);
+  int code = run.Wait(milliseconds(20'000));
+  auto took = std::chrono::steady_clock::now() - killed_at;
+  std::string out = run.Output();
+  EXPECT_EQ(code, 10) << out;
+  EXPECT_NE(out.find("rank 2 (worker 2, pid " + std::to_string(victim) + ") was killed by signal 9"),
+            std::string::npos) << out;
+  // Far inside the 60 s heartbeat timeout: the exit itself was the signal.
+  EXPECT_LT(took, milliseconds(10'000)) << out;
+  auto faults = Events(journal, "fault");
+  ASSERT_EQ(faults.size(), 1u);
+  EXPECT_EQ(faults[0]["rank"], 2);
+  EXPECT_EQ(faults[0]["kind"], "process exit");
+}
+
+TEST(RunIntegrationTest, ProgramThatCannotStartFailsTheJobWithAReason) {
+  TempDir dir;
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--journal", dir / "j.jsonl", "--",
+                    dir / "no-such-program"},
+                   dir / "out.txt");
+  int code = run.Wait(milliseconds(20'000));
+  std::string out = run.Output();
+  EXPECT_EQ(code, 10) << out;
+  EXPECT_NE(out.find("cannot start"), std::string::npos) << out;
+  EXPECT_NE(out.find("before joining"), std::string::npos) << out;
+}
+
+TEST(RunIntegrationTest, WorkerOutsideNonstopRunGetsAHint) {
+  TempDir dir;
+  ChildProcess w({kBin + "/nonstop-test-worker"}, dir / "out.txt");
+  EXPECT_EQ(w.Wait(milliseconds(10'000)), 2);
+  EXPECT_NE(w.Output().find("nonstop run"), std::string::npos) << w.Output();
+}
+
+}  // namespace
+}  // namespace nonstop
