@@ -138,11 +138,13 @@ void Controller::On(const FailureReported& e, Clock::time_point, std::vector<Act
   MemberFault(it->second, "reported failure", e.msg.reason, e.msg.exit_code, out);
 }
 
-void Controller::On(const ConnectionLost& e, Clock::time_point, std::vector<Action>* out) {
+void Controller::On(const ConnectionLost& e, Clock::time_point now, std::vector<Action>*) {
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end()) return;
   if (it->second.role == WorkerRole::kFinished || it->second.role == WorkerRole::kGone) return;
-  MemberFault(it->second, "control connection lost", e.reason, kExitPeerFailure, out);
+  // Declared on a Tick after the grace period, unless the process exit comes first.
+  it->second.connection_lost_at = now;
+  it->second.connection_lost_reason = e.reason;
 }
 
 void Controller::On(const ProcessExited& e, Clock::time_point, std::vector<Action>* out) {
@@ -179,6 +181,10 @@ void Controller::On(const Tick&, Clock::time_point now, std::vector<Action>* out
   for (int id : members_) {
     WorkerInfo& w = workers_[id];
     if (w.role != WorkerRole::kMember) continue;
+    if (w.connection_lost_at && now - *w.connection_lost_at >= options_.connection_loss_grace) {
+      MemberFault(w, "control connection lost", w.connection_lost_reason, kExitPeerFailure, out);
+      return;
+    }
     if (now - w.last_heard > options_.heartbeat_timeout) {
       MemberFault(w, "heartbeat timeout",
                   fmt::format("no heartbeat for {} ms", std::chrono::duration_cast<Millis>(now - w.last_heard).count()),

@@ -41,6 +41,10 @@ struct ControllerOptions {
   int world_size = 1;
   int spares = 0;
   Millis heartbeat_timeout{5'000};
+  // A lost control connection usually means the process died; its exit
+  // (seen by the launcher at about the same moment) names the cause more
+  // precisely, so the fault waits this long for it before being declared.
+  Millis connection_loss_grace{100};
 };
 
 // ---- events ----
@@ -75,6 +79,8 @@ struct WorkerInfo {
   int rank = -1;
   int64_t last_step = -1;
   Clock::time_point last_heard{};
+  std::optional<Clock::time_point> connection_lost_at;
+  std::string connection_lost_reason;
 };
 
 class Controller {

@@ -77,6 +77,26 @@ TEST_F(ControllerTest, SilentMemberIsDetectedByHeartbeatTimeout) {
   EXPECT_NE(ends[0].reason.find("heartbeat"), std::string::npos) << ends[0].reason;
 }
 
+TEST_F(ControllerTest, LostConnectionWaitsBrieflyForTheExitThatExplainsIt) {
+  StartJob();
+  EXPECT_TRUE(Find<EndJob>(Do(ConnectionLost{1, "connection closed by peer"})).empty());
+  now_ += Millis(10);
+  auto ends = Find<EndJob>(Do(ProcessExited{1, 1001, -1, 9}));
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_NE(ends[0].reason.find("signal 9"), std::string::npos) << ends[0].reason;
+}
+
+TEST_F(ControllerTest, LostConnectionWithoutExitIsAFaultAfterTheGrace) {
+  StartJob();
+  Do(ConnectionLost{1, "connection reset"});
+  now_ += Millis(50);
+  EXPECT_TRUE(Find<EndJob>(Do(Tick{})).empty());
+  now_ += Millis(60);
+  auto ends = Find<EndJob>(Do(Tick{}));
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_NE(ends[0].reason.find("connection reset"), std::string::npos) << ends[0].reason;
+}
+
 TEST_F(ControllerTest, DeadSpareDoesNotEndTheJob) {
   StartJob();
   EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{3, 1003, -1, 9})).empty());
