@@ -1,0 +1,60 @@
+#include "apps/train/recipe.h"
+
+#include <gtest/gtest.h>
+
+
+namespace nonstop::train {
+namespace {
+
+TEST(RecipeTest, ShippedRecipesParse) {
+  for (const char* name : {"llama-tiny", "gpt-oss-tiny"}) {
+    auto r = LoadRecipe(std::string(NONSTOP_SOURCE_DIR) + "/recipes/" + name + ".yaml");
+    ASSERT_TRUE(r.ok()) << name << ": " << r.status().ToString();
+    EXPECT_EQ(r->name, name);
+  }
+  auto def = ParseRecipe(DefaultRecipeText(), "built-in");
+  ASSERT_TRUE(def.ok()) << def.status().ToString();
+  EXPECT_EQ(def->name, "llama-tiny");
+}
+
+TEST(RecipeTest, UnknownKeyIsNamedWithItsPath) {
+  auto r = ParseRecipe("model:\n  dimm: 64\n", "x.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("model.dimm: unknown key"), std::string::npos) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("x.yaml"), std::string::npos);
+  auto top = ParseRecipe("trian:\n  steps: 3\n", "x.yaml");
+  ASSERT_FALSE(top.ok());
+  EXPECT_NE(top.status().message().find("trian: unknown key"), std::string::npos) << top.status().ToString();
+}
+
+TEST(RecipeTest, IllTypedValueIsNamed) {
+  auto r = ParseRecipe("train:\n  steps: many\n", "x.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("train.steps: expected an integer, got 'many'"), std::string::npos)
+      << r.status().ToString();
+  auto m = ParseRecipe("model:\n  dim: [1, 2]\n", "x.yaml");
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("model.dim"), std::string::npos) << m.status().ToString();
+}
+
+TEST(RecipeTest, InconsistentShapesAreRejected) {
+  auto r = ParseRecipe("model:\n  n_heads: 5\n", "x.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("model.n_heads: must divide model.dim"), std::string::npos) << r.status().ToString();
+  auto b = ParseRecipe("train:\n  global_batch: 30\n  micro_batch: 4\n", "x.yaml");
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("multiple"), std::string::npos);
+  auto moe = ParseRecipe("model:\n  arch: gpt-oss\n  n_experts: 4\n  top_k: 5\n", "x.yaml");
+  ASSERT_FALSE(moe.ok());
+  EXPECT_NE(moe.status().message().find("model.top_k"), std::string::npos);
+}
+
+TEST(RecipeTest, MalformedYamlIsAnError) {
+  auto r = ParseRecipe("model: [unclosed\n", "x.yaml");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("not valid YAML"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace nonstop::train

@@ -1,0 +1,193 @@
+// nonstop-train: the reference trainer. Reads a recipe, prepares the data on
+// first use, builds the model, joins the job through nonstop::Session and
+// trains with data-parallel gradient allreduce over nonstop's collectives.
+//
+//   nonstop run --nproc 4 -- nonstop-train recipes/llama-tiny.yaml
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "apps/train/model.h"
+#include "apps/train/recipe.h"
+#include "common/logging.h"
+#include "data/dataset.h"
+#include "data/prepare.h"
+#include "data/sampler.h"
+#include "nonstop/session.h"
+#include "torch/adamw.h"
+#include "torch/flat_parameters.h"
+
+namespace nonstop::train {
+namespace {
+
+constexpr int kExitFailure = 10;
+constexpr int kExitDataCorruption = 11;
+
+int Fail(const Status& s, const char* what) {
+  fmt::print(stderr, "nonstop-train: {}: {}\n", what, s.ToString());
+  return s.code() == StatusCode::kDataLoss ? kExitDataCorruption
+                                           : s.code() == StatusCode::kInvalidArgument ? 2 : kExitFailure;
+}
+
+void PrintConfig(const Recipe& r, const Session& s, size_t params, const data::Dataset& ds) {
+  fmt::print("nonstop-train: recipe {}\n", r.name);
+  auto row = [](const char* k, const std::string& v) { fmt::print("  {:<16} {}\n", k, v); };
+  row("model", fmt::format("{} dim={} layers={} heads={} kv_heads={} ffn={}{}", r.model.arch, r.model.dim,
+                           r.model.n_layers, r.model.n_heads, r.model.n_kv_heads, r.model.ffn_hidden,
+                           r.model.arch == "gpt-oss" ? fmt::format(" experts={} top_k={}", r.model.n_experts, r.model.top_k) : ""));
+  row("parameters", fmt::format("{} ({:.2f} MiB fp32)", params, params * 4.0 / (1 << 20)));
+  row("data", fmt::format("{}: {} shards, {} tokens, {} samples of {}", r.data.shards, ds.num_shards(), ds.num_tokens(),
+                          ds.num_samples(), r.model.seq_len + 1));
+  row("batch", fmt::format("global {} = {} micro-batches of {} (tokens/step {})", r.train.global_batch,
+                           r.train.global_batch / r.train.micro_batch, r.train.micro_batch,
+                           r.train.global_batch * r.model.seq_len));
+  row("world", fmt::format("{} ranks, generation {}", s.world_size(), s.generation()));
+  row("steps", fmt::format("{} (lr {} → {}, warm-up {})", r.train.steps, r.optimizer.lr, r.optimizer.min_lr,
+                           r.optimizer.warmup_steps));
+  std::fflush(stdout);
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"nonstop-train: reference trainer (Llama-style and GPT-OSS-style models)"};
+  std::string recipe_path;
+  int64_t steps_override = 0;
+  bool print_recipe = false;
+  int threads = 1;
+  app.add_option("recipe", recipe_path, "Recipe YAML (default: the built-in llama-tiny)");
+  app.add_option("--steps", steps_override, "Override train.steps")->envname("NONSTOP_TRAIN_STEPS");
+  app.add_option("--torch-threads", threads, "Intra-op threads per worker")->capture_default_str()
+      ->envname("NONSTOP_TORCH_THREADS");
+  app.add_flag("--print-recipe", print_recipe, "Print the built-in default recipe and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (print_recipe) {
+    fmt::print("{}", DefaultRecipeText());
+    return 0;
+  }
+  Result<Recipe> recipe = recipe_path.empty() ? ParseRecipe(DefaultRecipeText(), "llama-tiny (built-in)")
+                                              : LoadRecipe(recipe_path);
+  if (!recipe.ok()) return Fail(recipe.status(), "bad recipe");
+  Recipe& r = *recipe;
+  if (steps_override > 0) r.train.steps = steps_override;
+  torch::set_num_threads(threads);
+
+  // Data first: a spare is warm only once its data is mapped.
+  if (!r.data.prepare_from.empty()) {
+    data::PrepareOptions po{{r.data.prepare_from}, r.data.shards, 1 << 20, r.data.strip_fortune_separators};
+    auto prepared = data::PrepareIfMissing(po, [](const std::string& line) { NONSTOP_LOG_INFO("{}", line); });
+    if (!prepared.ok()) return Fail(prepared.status(), "preparing data");
+  }
+  auto dataset = data::Dataset::Open(r.data.shards, static_cast<size_t>(r.model.seq_len));
+  if (!dataset.ok()) return Fail(dataset.status(), "opening data");
+  if ((*dataset)->max_token() >= r.model.vocab_size) {
+    return Fail(InvalidArgumentError(fmt::format("data holds token {} but model.vocab_size is {}", (*dataset)->max_token(),
+                                                 r.model.vocab_size)), "bad recipe");
+  }
+  auto sampler = data::Sampler::Create({(*dataset)->num_samples(), static_cast<uint64_t>(r.train.seed),
+                                        static_cast<uint64_t>(r.train.global_batch), static_cast<uint64_t>(r.train.micro_batch)});
+  if (!sampler.ok()) return Fail(sampler.status(), "bad recipe");
+
+  auto model = BuildModel(r.model, static_cast<uint64_t>(r.train.seed));
+  torchx::FlatParameters flat(*model);
+  torchx::AdamW adamw(flat.size(), flat.segments(),
+                      {r.optimizer.beta1, r.optimizer.beta2, r.optimizer.eps, r.optimizer.weight_decay});
+  torchx::LrSchedule schedule{r.optimizer.lr, r.optimizer.min_lr, r.optimizer.warmup_steps, r.train.steps};
+  int64_t completed = -1;  // last completed step: part of the state
+
+  auto options = SessionOptions::FromEnvironment();
+  if (!options.ok()) return Fail(options.status(), "not under nonstop run");
+  auto joined = Session::Join(*options);
+  if (!joined.ok()) {
+    if (joined.status().code() == StatusCode::kCancelled) return 0;  // a spare that was not needed
+    return Fail(joined.status(), "joining the job");
+  }
+  Session& session = **joined;
+  auto& state = session.state();
+  for (Status s : {state.Register("params", std::as_writable_bytes(flat.params())),
+                   state.Register("adamw.exp_avg", std::as_writable_bytes(adamw.exp_avg())),
+                   state.Register("adamw.exp_avg_sq", std::as_writable_bytes(adamw.exp_avg_sq())),
+                   state.RegisterValue("step", &completed)}) {
+    if (!s.ok()) return Fail(s, "registering state");
+  }
+  if (session.rank() == 0) PrintConfig(r, session, flat.size(), **dataset);
+
+  const int64_t T = r.model.seq_len;
+  const double tokens_per_step = static_cast<double>(r.train.global_batch * T);
+  const float norm = 1.0f / static_cast<float>(tokens_per_step);
+  auto batch_tensors = [&](const std::vector<uint64_t>& samples) {
+    auto t = torch::empty({static_cast<int64_t>(samples.size()), T + 1}, torch::kLong);
+    auto acc = t.accessor<int64_t, 2>();
+    for (size_t i = 0; i < samples.size(); ++i) {
+      auto tokens = (*dataset)->Sample(samples[i]);
+      for (int64_t j = 0; j <= T; ++j) acc[static_cast<int64_t>(i)][j] = tokens[static_cast<size_t>(j)];
+    }
+    using torch::indexing::Slice;
+    return std::make_pair(t.index({Slice(), Slice(0, T)}), t.index({Slice(), Slice(1, T + 1)}).contiguous());
+  };
+
+  auto run_start = std::chrono::steady_clock::now();
+  for (int64_t step = session.resume_step(); step < r.train.steps; ++step) {
+    auto t0 = std::chrono::steady_clock::now();
+    flat.ZeroGrad();
+    auto [mb_begin, mb_end] = sampler->MicroBatchesFor(session.rank(), session.world_size());
+    double local_loss = 0;
+    for (uint64_t mb = mb_begin; mb < mb_end; ++mb) {
+      auto [inputs, targets] = batch_tensors(sampler->MicroBatchSamples(static_cast<uint64_t>(step), mb));
+      auto logits = model->forward(inputs);
+      // Normalised by the token count of the whole global batch: the summed
+      // gradient is the same however micro-batches are dealt.
+      auto loss = torch::nn::functional::cross_entropy(
+                      logits.view({-1, r.model.vocab_size}), targets.view({-1}),
+                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * norm;
+      loss.backward();
+      local_loss += loss.item<double>();
+    }
+    flat.GatherGrads();
+    flat.loss_slot() = static_cast<float>(local_loss);
+    Status s = session.AllReduce(flat.grads_and_loss());
+    if (!s.ok()) {
+      if (session.shutdown_exit_code() != 0) return session.shutdown_exit_code();
+      session.ReportFailure(s, step, kExitFailure);
+      return Fail(s, fmt::format("step {}", step).c_str());
+    }
+    double loss = flat.loss_slot();
+    if (!std::isfinite(loss)) {
+      Status bad = DataLossError(fmt::format("loss is {} at step {}", loss, step));
+      session.ReportFailure(bad, step, kExitDataCorruption);
+      return Fail(bad, "training diverged");
+    }
+    double grad_norm = torchx::ClipGradNorm(flat.grads(), r.optimizer.grad_clip);
+    double lr = schedule.At(step);
+    adamw.Step(flat.params(), flat.grads(), lr, step + 1);
+    completed = step;
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    session.ReportStep({step, loss, secs, tokens_per_step / secs});
+    if (session.rank() == 0 && (step % r.train.log_every == 0 || step + 1 == r.train.steps)) {
+      fmt::print("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} s/step | world {}\n",
+                 step, r.train.steps, loss, lr, grad_norm, tokens_per_step / secs, secs, session.world_size());
+      std::fflush(stdout);
+    }
+  }
+  std::string checksum = flat.Checksum();
+  if (session.rank() == 0) {
+    double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    fmt::print("done: {} steps in {:.1f} s; parameter checksum {}\n", r.train.steps, total, checksum);
+    std::fflush(stdout);
+  }
+  Status fin = session.Finish(r.train.steps - 1, checksum);
+  if (!fin.ok()) return Fail(fin, "finishing");
+  return 0;
+}
+
+}  // namespace
+}  // namespace nonstop::train
+
+int main(int argc, char** argv) { return nonstop::train::Main(argc, argv); }

@@ -1,0 +1,57 @@
+#include "torch/flat_parameters.h"
+
+#include <fmt/format.h>
+
+#include "common/check.h"
+#include "common/crc32c.h"
+
+namespace nonstop::torchx {
+
+FlatParameters::FlatParameters(torch::nn::Module& module) {
+  for (auto& item : module.named_parameters()) {
+    const std::string& name = item.key();
+    torch::Tensor& p = item.value();
+    NONSTOP_CHECK(p.scalar_type() == torch::kFloat32) << name << " is not fp32";
+    segments_.push_back({name, total_, static_cast<size_t>(p.numel()), p.dim() >= 2});
+    tensors_.push_back(p);
+    total_ += static_cast<size_t>(p.numel());
+  }
+  flat_params_ = torch::empty({static_cast<int64_t>(total_)}, torch::kFloat32);
+  flat_grads_ = torch::zeros({static_cast<int64_t>(total_ + 1)}, torch::kFloat32);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    auto& p = tensors_[i];
+    const auto& seg = segments_[i];
+    auto off = static_cast<int64_t>(seg.offset), n = static_cast<int64_t>(seg.size);
+    auto pview = flat_params_.narrow(0, off, n).view(p.sizes());
+    pview.copy_(p);
+    p.set_data(pview);
+    p.mutable_grad() = flat_grads_.narrow(0, off, n).view(p.sizes());
+  }
+}
+
+void FlatParameters::ZeroGrad() { flat_grads_.zero_(); }
+
+void FlatParameters::GatherGrads() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    auto& p = tensors_[i];
+    const auto& seg = segments_[i];
+    float* want = flat_grads_.data_ptr<float>() + seg.offset;
+    const auto& g = p.grad();
+    if (!g.defined()) {
+      p.mutable_grad() = flat_grads_.narrow(0, static_cast<int64_t>(seg.offset), static_cast<int64_t>(seg.size)).view(p.sizes());
+      continue;  // unused this step (an expert no token chose): its gradient is zero
+    }
+    if (g.data_ptr<float>() == want) continue;
+    auto view = flat_grads_.narrow(0, static_cast<int64_t>(seg.offset), static_cast<int64_t>(seg.size)).view(p.sizes());
+    view.copy_(g);
+    p.mutable_grad() = view;
+  }
+}
+
+std::string FlatParameters::Checksum() const {
+  return fmt::format("{:08x}", Crc32c(flat_params_.data_ptr<float>(), total_ * sizeof(float)));
+}
+
+}  // namespace nonstop::torchx
