@@ -1,0 +1,246 @@
+// nonstop-bench-allreduce: allreduce bus bandwidth of nonstop's ring against
+// c10d's ProcessGroupGloo (from LibTorch) on the same process count and sizes,
+// in the same run, plus the raw loopback TCP throughput of one connection as
+// the ceiling.
+//
+// Bus bandwidth = 2·(n−1)/n · bytes / time (the bytes each rank must move in
+// any allreduce, per second). Each backend runs in its own set of `--nproc`
+// forked processes; rank 0 times `iters` back-to-back allreduces bracketed by
+// barriers. Results: a table on stdout and a JSON file.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/torch.h>
+
+#include "collective/communicator.h"
+#include "common/temp_dir.h"
+#include "net/socket.h"
+
+namespace nonstop::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Size {
+  size_t bytes;
+  int iters;
+};
+
+std::vector<Size> Sizes(size_t min_bytes, size_t max_bytes) {
+  std::vector<Size> out;
+  for (size_t b = min_bytes; b <= max_bytes; b *= 4) {
+    // About 256 MiB of traffic per size, between 3 and 500 iterations.
+    int iters = static_cast<int>(std::clamp<size_t>((256u << 20) / b, 3, 500));
+    out.push_back({b, iters});
+  }
+  return out;
+}
+
+// Runs `body(rank)` in `n` forked processes; rank 0's return value (seconds
+// per size) comes back through a pipe.
+template <typename Body>
+std::vector<double> RunRanks(int n, size_t count, Body body) {
+  int fds[2];
+  NONSTOP_CHECK_EQ(::pipe(fds), 0);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    pid_t pid = ::fork();
+    NONSTOP_CHECK_GE(pid, 0);
+    if (pid == 0) {
+      ::close(fds[0]);
+      std::vector<double> secs = body(r);
+      if (r == 0) {
+        ssize_t w = ::write(fds[1], secs.data(), secs.size() * sizeof(double));
+        (void)w;
+      }
+      _exit(secs.size() == count ? 0 : 1);
+    }
+    pids.push_back(pid);
+  }
+  ::close(fds[1]);
+  std::vector<double> secs(count, 0.0);
+  size_t got = 0;
+  auto* p = reinterpret_cast<char*>(secs.data());
+  while (got < count * sizeof(double)) {
+    ssize_t r = ::read(fds[0], p + got, count * sizeof(double) - got);
+    if (r <= 0) break;
+    got += static_cast<size_t>(r);
+  }
+  ::close(fds[0]);
+  bool ok = got == count * sizeof(double);
+  for (pid_t pid : pids) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  if (!ok) {
+    fmt::print(stderr, "a benchmark process failed\n");
+    std::exit(1);
+  }
+  return secs;
+}
+
+std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
+  std::vector<net::Listener> listeners;
+  std::vector<collective::Member> members;
+  for (int r = 0; r < n; ++r) {
+    auto l = net::Listen({"127.0.0.1", 0});
+    NONSTOP_CHECK(l.ok()) << l.status().ToString();
+    members.push_back({r, l->address.ToString()});
+    listeners.push_back(std::move(*l));
+  }
+  auto secs = RunRanks(n, sizes.size(), [&](int rank) {
+    for (int o = 0; o < n; ++o) {
+      if (o != rank) listeners[static_cast<size_t>(o)].fd.Reset();
+    }
+    auto mesh = collective::PeerMesh::Create({"bench", rank}, std::move(listeners[static_cast<size_t>(rank)]));
+    net::AbortSignal abort;
+    collective::CommunicatorOptions o;
+    o.rank = rank;
+    o.members = members;
+    collective::Communicator comm(mesh.get(), &abort, o);
+    NONSTOP_CHECK(comm.Connect().ok());
+    std::vector<double> out;
+    for (const Size& s : sizes) {
+      std::vector<float> data(s.bytes / sizeof(float), 1.0f);
+      NONSTOP_CHECK(comm.AllReduce(data).ok());  // warm-up
+      NONSTOP_CHECK(comm.Barrier().ok());
+      auto t0 = Clock::now();
+      for (int i = 0; i < s.iters; ++i) NONSTOP_CHECK(comm.AllReduce(data).ok());
+      NONSTOP_CHECK(comm.Barrier().ok());
+      out.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / s.iters);
+    }
+    return out;
+  });
+  return secs;
+}
+
+std::vector<double> BenchGloo(int n, const std::vector<Size>& sizes) {
+  TempDir dir;
+  std::string store_path = dir / "store";
+  return RunRanks(n, sizes.size(), [&](int rank) {
+    torch::set_num_threads(1);
+    auto store = c10::make_intrusive<::c10d::FileStore>(store_path, n);
+    auto opts = ::c10d::ProcessGroupGloo::Options::create();
+    opts->devices.push_back(::c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    ::c10d::ProcessGroupGloo pg(store, rank, n, opts);
+    std::vector<double> out;
+    for (const Size& s : sizes) {
+      std::vector<at::Tensor> t{torch::ones({static_cast<int64_t>(s.bytes / sizeof(float))}, torch::kFloat32)};
+      pg.allreduce(t)->wait();  // warm-up
+      pg.barrier()->wait();
+      auto t0 = Clock::now();
+      for (int i = 0; i < s.iters; ++i) pg.allreduce(t)->wait();
+      pg.barrier()->wait();
+      out.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / s.iters);
+    }
+    return out;
+  });
+}
+
+// One loopback TCP connection, one writer, one reader: the ceiling for any
+// transport that moves bytes through the kernel.
+double BenchRawTcp(size_t total_bytes) {
+  auto l = net::Listen({"127.0.0.1", 0});
+  NONSTOP_CHECK(l.ok());
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    auto fd = net::Dial(l->address, DeadlineAfter(Millis(5000)));
+    if (!fd.ok()) _exit(1);
+    std::vector<std::byte> buf(4 << 20);
+    size_t sent = 0;
+    while (sent < total_bytes) {
+      size_t n = std::min(buf.size(), total_bytes - sent);
+      if (!net::SendAll(fd->get(), std::span(buf.data(), n), kNoDeadline, nullptr, "raw").ok()) _exit(1);
+      sent += n;
+    }
+    _exit(0);
+  }
+  NONSTOP_CHECK(net::WaitFd(l->fd.get(), POLLIN, DeadlineAfter(Millis(5000)), nullptr, "accept").ok());
+  auto conn = net::Accept(l->fd.get());
+  NONSTOP_CHECK(conn.ok());
+  std::vector<std::byte> buf(4 << 20);
+  size_t got = 0;
+  auto t0 = Clock::now();
+  while (got < total_bytes) {
+    size_t n = std::min(buf.size(), total_bytes - got);
+    NONSTOP_CHECK(net::RecvAll(conn->get(), std::span(buf.data(), n), kNoDeadline, nullptr, "raw").ok());
+    got += n;
+  }
+  double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  ::waitpid(pid, nullptr, 0);
+  return static_cast<double>(total_bytes) / secs;
+}
+
+std::string HumanBytes(size_t b) {
+  if (b >= (1u << 20)) return fmt::format("{} MiB", b >> 20);
+  if (b >= (1u << 10)) return fmt::format("{} KiB", b >> 10);
+  return fmt::format("{} B", b);
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"Allreduce bus bandwidth: nonstop vs c10d Gloo, with raw loopback TCP as the ceiling"};
+  int nproc = 4;
+  size_t min_bytes = 4 << 10, max_bytes = 256u << 20;
+  std::string json_path = "bench-results/allreduce.json";
+  app.add_option("--nproc", nproc, "Processes per backend")->capture_default_str();
+  app.add_option("--min-bytes", min_bytes, "Smallest message")->capture_default_str();
+  app.add_option("--max-bytes", max_bytes, "Largest message (sizes step by 4x)")->capture_default_str();
+  app.add_option("--json", json_path, "Where to write the results")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  auto sizes = Sizes(min_bytes, max_bytes);
+  fmt::print("allreduce, {} processes on loopback, {} sizes {}..{}\n", nproc, sizes.size(), HumanBytes(min_bytes),
+             HumanBytes(max_bytes));
+  std::fflush(stdout);
+  double raw = BenchRawTcp(2u << 30);
+  fmt::print("raw loopback TCP, one connection: {:.2f} GB/s\n", raw / 1e9);
+  std::fflush(stdout);
+  auto ns = BenchNonstop(nproc, sizes);
+  auto gl = BenchGloo(nproc, sizes);
+
+  double factor = 2.0 * (nproc - 1) / nproc;
+  nlohmann::json results = nlohmann::json::array();
+  fmt::print("\n{:>10} {:>6} {:>14} {:>14} {:>12} {:>14}\n", "size", "iters", "nonstop GB/s", "gloo GB/s",
+             "nonstop/gloo", "nonstop/raw");
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    double bw_ns = factor * static_cast<double>(sizes[i].bytes) / ns[i];
+    double bw_gl = factor * static_cast<double>(sizes[i].bytes) / gl[i];
+    fmt::print("{:>10} {:>6} {:>14.3f} {:>14.3f} {:>12.2f} {:>13.1f}%\n", HumanBytes(sizes[i].bytes), sizes[i].iters,
+               bw_ns / 1e9, bw_gl / 1e9, bw_ns / bw_gl, 100.0 * bw_ns / raw);
+    results.push_back({{"bytes", sizes[i].bytes}, {"iters", sizes[i].iters}, {"nonstop_seconds", ns[i]},
+                       {"gloo_seconds", gl[i]}, {"nonstop_busbw_bytes_per_s", bw_ns}, {"gloo_busbw_bytes_per_s", bw_gl},
+                       {"ratio_nonstop_over_gloo", bw_ns / bw_gl}, {"fraction_of_raw_tcp", bw_ns / raw}});
+  }
+  nlohmann::json doc = {{"benchmark", "allreduce"}, {"nproc", nproc}, {"raw_tcp_bytes_per_s", raw},
+                        {"busbw_formula", "2*(n-1)/n*bytes/seconds"}, {"results", results}};
+  std::filesystem::path p(json_path);
+  if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
+  std::ofstream(json_path) << doc.dump(2) << "\n";
+  fmt::print("\nwrote {}\n", json_path);
+  return 0;
+}
+
+}  // namespace
+}  // namespace nonstop::bench
+
+int main(int argc, char** argv) { return nonstop::bench::Main(argc, argv); }

@@ -1,0 +1,126 @@
+// nonstop-train under nonstop run, on a micro recipe and data the test makes:
+// bitwise determinism at a fixed world size, world-size invariance of the
+// loss at a fixed global batch, and clear errors for bad recipes and data.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+
+#include "common/temp_dir.h"
+#include "controller/journal.h"
+#include "tests/integration/process.h"
+
+namespace nonstop {
+namespace {
+
+using nonstop::testing::ChildProcess;
+using std::chrono::milliseconds;
+
+const std::string kBin = NONSTOP_BIN_DIR;
+
+// A micro model that trains in a second or two on two cores.
+std::string MicroRecipe(const std::string& data_dir, const std::string& text_file, const std::string& arch = "llama") {
+  std::string moe = arch == "gpt-oss" ? "  n_experts: 3\n  top_k: 2\n" : "";
+  return "name: micro\n"
+         "model:\n  arch: " + arch + "\n  vocab_size: 256\n  dim: 32\n  n_layers: 2\n  n_heads: 4\n  n_kv_heads: 2\n"
+         "  ffn_hidden: 48\n" + moe + "  seq_len: 16\n"
+         "train:\n  steps: 21\n  global_batch: 16\n  micro_batch: 2\n  seed: 7\n  log_every: 5\n"
+         "optimizer:\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  warmup_steps: 3\n"
+         "data:\n  shards: " + data_dir + "\n  prepare_from: " + text_file + "\n";
+}
+
+class TrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::ofstream text(dir_ / "corpus.txt");
+    for (int i = 0; i < 400; ++i) {
+      text << "The quick brown fox " << i << " jumps over the lazy dog; pack my box with five dozen liquor jugs.\n";
+    }
+  }
+  void WriteRecipe(const std::string& arch = "llama") {
+    std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", arch);
+  }
+  struct RunResult {
+    int code;
+    std::string output;
+    std::map<int64_t, double> losses;  // step → loss, from the journal
+    std::string checksum;
+  };
+  RunResult Run(int nproc, const std::string& tag, std::vector<std::string> extra = {}) {
+    std::string journal = dir_ / (tag + ".jsonl");
+    std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", std::to_string(nproc), "--spares", "0",
+                                     "--journal", journal, "--", kBin + "/nonstop-train", dir_ / "recipe.yaml"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    ChildProcess p(argv, dir_ / (tag + ".out"));
+    RunResult r;
+    r.code = p.Wait(milliseconds(200'000));
+    r.output = p.Output();
+    if (auto records = controller::Journal::Read(journal); records.ok()) {
+      for (auto& j : *records) {
+        if (j["event"] == "step") r.losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
+        if (j["event"] == "finished") r.checksum = j["checksum"];
+      }
+    }
+    return r;
+  }
+  TempDir dir_;
+};
+
+TEST_F(TrainTest, SameWorldSizeIsBitwiseDeterministic) {
+  WriteRecipe();
+  RunResult a = Run(2, "a");
+  RunResult b = Run(2, "b");
+  ASSERT_EQ(a.code, 0) << a.output;
+  ASSERT_EQ(b.code, 0) << b.output;
+  ASSERT_FALSE(a.checksum.empty());
+  EXPECT_EQ(a.checksum, b.checksum);
+  EXPECT_NE(a.output.find("parameter checksum " + a.checksum), std::string::npos) << a.output;
+  EXPECT_EQ(a.losses, b.losses);
+  EXPECT_LT(a.losses[20], a.losses[0]) << "it learns";
+}
+
+TEST_F(TrainTest, LossDoesNotDependOnWorldSizeAtAFixedGlobalBatch) {
+  WriteRecipe();
+  RunResult w1 = Run(1, "w1");
+  RunResult w2 = Run(2, "w2");
+  RunResult w4 = Run(4, "w4");
+  for (auto* r : {&w1, &w2, &w4}) ASSERT_EQ(r->code, 0) << r->output;
+  ASSERT_EQ(w1.losses.size(), 21u);
+  for (int64_t step : {0, 10, 20}) {
+    double base = w1.losses[step];
+    EXPECT_LT(std::abs(w2.losses[step] - base) / base, 1e-4) << "step " << step;
+    EXPECT_LT(std::abs(w4.losses[step] - base) / base, 1e-4) << "step " << step;
+  }
+}
+
+TEST_F(TrainTest, MixtureOfExpertsModelTrains) {
+  WriteRecipe("gpt-oss");
+  RunResult r = Run(2, "moe");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_LT(r.losses[20], r.losses[0]);
+}
+
+TEST_F(TrainTest, UnknownRecipeKeyFailsTheJobNamingTheKey) {
+  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt") << "extra_section:\n  x: 1\n";
+  RunResult r = Run(1, "bad");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("extra_section: unknown key"), std::string::npos) << r.output;
+}
+
+TEST_F(TrainTest, CorruptShardIsDataCorruption) {
+  WriteRecipe();
+  ASSERT_EQ(Run(1, "prepare", {"--steps", "1"}).code, 0);
+  {
+    std::fstream f(dir_ / "data/shard_000000.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(200);
+    f.put('\x7f');
+  }
+  RunResult r = Run(1, "corrupt");
+  EXPECT_EQ(r.code, 11) << r.output;
+  EXPECT_NE(r.output.find("shard_000000.bin"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("checksum"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace nonstop
