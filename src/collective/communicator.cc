@@ -55,6 +55,16 @@ void Communicator::Abort(const std::string& reason) {
   abort_->Fire();
 }
 
+void Communicator::CountOp() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.ops;
+}
+
+CommunicatorStats Communicator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
 Status Communicator::error() const {
   std::lock_guard<std::mutex> lock(mu_);
   return error_;
@@ -69,9 +79,13 @@ Status Communicator::Fail(Status status) {
 Status Communicator::Run(TransferSpec spec) {
   TransferStats t;
   Status s = RunTransfer(spec, &t);
-  stats_.bytes_sent += t.bytes_sent;
-  stats_.bytes_received += t.bytes_received;
-  stats_.stale_frames_dropped += t.stale_frames_dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_sent += t.bytes_sent;
+    stats_.bytes_received += t.bytes_received;
+    stats_.stale_frames_dropped += t.stale_frames_dropped;
+  }
+  if (t.failed_peer >= 0) mesh_->Drop(t.failed_peer);  // broken: the next generation dials anew
   if (!s.ok()) {
     // An abort reports the reason given to Abort(), not the engine's wording.
     Status sticky = error();
@@ -139,7 +153,7 @@ Status Communicator::RingPass(std::byte* data, size_t count, size_t element_byte
 Status Communicator::AllReduce(std::span<float> data) {
   NONSTOP_RETURN_IF_ERROR(error());
   ++op_;
-  ++stats_.ops;
+  CountOp();
   if (world_size() == 1) return OkStatus();
   int w = world_size();
   return RingPass(reinterpret_cast<std::byte*>(data.data()), data.size(), sizeof(float), 0, 2 * (w - 1),
@@ -149,7 +163,7 @@ Status Communicator::AllReduce(std::span<float> data) {
 Status Communicator::ReduceScatter(std::span<float> data) {
   NONSTOP_RETURN_IF_ERROR(error());
   ++op_;
-  ++stats_.ops;
+  CountOp();
   if (world_size() == 1) return OkStatus();
   return RingPass(reinterpret_cast<std::byte*>(data.data()), data.size(), sizeof(float), 0, world_size() - 1,
                   Reduce::kSumFloat32);
@@ -159,7 +173,7 @@ Status Communicator::AllGather(std::span<std::byte> data, size_t element_bytes) 
   NONSTOP_CHECK_EQ(data.size() % element_bytes, 0u);
   NONSTOP_RETURN_IF_ERROR(error());
   ++op_;
-  ++stats_.ops;
+  CountOp();
   if (world_size() == 1) return OkStatus();
   int w = world_size();
   return RingPass(data.data(), data.size() / element_bytes, element_bytes, w - 1, 2 * (w - 1), Reduce::kNone);
@@ -168,7 +182,7 @@ Status Communicator::AllGather(std::span<std::byte> data, size_t element_bytes) 
 Status Communicator::Barrier() {
   NONSTOP_RETURN_IF_ERROR(error());
   ++op_;
-  ++stats_.ops;
+  CountOp();
   if (world_size() == 1) return OkStatus();
   int w = world_size();
   return RingPass(nullptr, 0, sizeof(float), 0, 2 * (w - 1), Reduce::kNone);
@@ -180,7 +194,7 @@ Status Communicator::Broadcast(std::span<std::byte> data, int root) {
   NONSTOP_CHECK(root >= 0 && root < world_size());
   NONSTOP_RETURN_IF_ERROR(error());
   ++op_;
-  ++stats_.ops;
+  CountOp();
   const int w = world_size();
   if (w == 1) return OkStatus();
   const int pos = (rank() - root + w) % w;

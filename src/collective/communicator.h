@@ -22,8 +22,9 @@
 // return kUnavailable as soon as its socket reports it. The owner then builds
 // the next generation's Communicator over the same PeerMesh.
 //
-// Thread-safety: one thread drives the collectives; Abort() and error() are
-// safe from any thread.
+// Thread-safety: one thread drives the collectives; Abort(), error() and
+// stats() are safe from any thread. Send/Recv may run on several threads at
+// once provided each thread talks to a different peer (state transfer does).
 #pragma once
 
 #include <cstddef>
@@ -92,13 +93,14 @@ class Communicator {
   int rank() const { return options_.rank; }
   int world_size() const { return static_cast<int>(options_.members.size()); }
   uint32_t generation() const { return options_.generation; }
-  const CommunicatorStats& stats() const { return stats_; }
+  CommunicatorStats stats() const;
 
  private:
   // Runs global ring steps [t_begin, t_end) over `data` (see communicator.cc).
   Status RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end, Reduce reduce);
   Status Run(TransferSpec spec);
   Status Fail(Status status);
+  void CountOp();
   Result<Connection*> Peer(int rank);
   std::string PeerName(int rank) const;
   Deadline OpDeadline() const { return DeadlineAfter(options_.timeout_collective); }
@@ -109,10 +111,10 @@ class Communicator {
   uint32_t op_ = 0;                  // collective sequence number, identical on every rank
   std::vector<uint32_t> p2p_ops_;    // per-peer point-to-point sequence numbers
   std::vector<std::byte> scratch_;   // one piece, for reducing receives
-  CommunicatorStats stats_;
 
   mutable std::mutex mu_;
-  Status error_;  // guarded by mu_; sticky first error
+  Status error_;            // guarded by mu_; sticky first error
+  CommunicatorStats stats_;  // guarded by mu_
 };
 
 }  // namespace nonstop::collective

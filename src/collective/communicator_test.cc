@@ -71,6 +71,19 @@ void RunThreads(int w, const Body& body, size_t piece_bytes = 64 << 10) {
   for (auto& t : threads) t.join();
 }
 
+// Connects and runs `body` on one thread per already-built rank.
+void RunRanksOn(std::vector<std::unique_ptr<RankEnv>>& envs, const Body& body) {
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < envs.size(); ++r) {
+    threads.emplace_back([&, r] {
+      Status s = envs[r]->comm->Connect();
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      body(static_cast<int>(r), *envs[r]->comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
 // Runs `body` in W forked processes; a failed expectation in a child makes it exit 1.
 void RunProcesses(int w, const Body& body) {
   auto listeners = MakeListeners(w);
@@ -314,6 +327,88 @@ TEST(CommunicatorTest, KilledPeerProcessFailsSurvivorsPromptly) {
       EXPECT_EQ(WEXITSTATUS(status), 0) << "rank " << r;
     }
   }
+}
+
+TEST(CommunicatorTest, NextGenerationReusesConnectionsAfterAnAbortMidTransfer) {
+  // Both ranks are aborted in the middle of a large allreduce: frames are cut
+  // at arbitrary points. Generation 2 over the same meshes must work on the
+  // same sockets: owed bytes are padded, stale frames are dropped by tag.
+  auto listeners = MakeListeners(2);
+  auto members = MembersOf(listeners);
+  std::vector<std::unique_ptr<RankEnv>> envs;
+  for (int r = 0; r < 2; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
+  std::vector<std::thread> threads;
+  std::vector<Status> first(2);
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto& comm = *envs[static_cast<size_t>(r)]->comm;
+      ASSERT_TRUE(comm.Connect().ok());
+      std::vector<float> big(16 << 20, 1.0f);  // 64 MiB: far longer than the abort delay
+      first[static_cast<size_t>(r)] = comm.AllReduce(big);
+    });
+  }
+  std::this_thread::sleep_for(Millis(30));
+  for (auto& e : envs) e->comm->Abort("test: generation 1 ends");
+  for (auto& t : threads) t.join();
+  threads.clear();
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(first[static_cast<size_t>(r)].code(), StatusCode::kAborted) << r;
+
+  const size_t n = 300'001;
+  auto want = NaiveSum(2, n, IntegerInput);
+  for (int r = 0; r < 2; ++r) {
+    envs[static_cast<size_t>(r)]->abort.Reset();
+    CommunicatorOptions o;
+    o.generation = 2;
+    o.rank = r;
+    o.members = members;
+    o.piece_bytes = 64 << 10;
+    envs[static_cast<size_t>(r)]->comm =
+        std::make_unique<Communicator>(envs[static_cast<size_t>(r)]->mesh.get(), &envs[static_cast<size_t>(r)]->abort, o);
+  }
+  std::vector<uint64_t> stale(2);
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto& comm = *envs[static_cast<size_t>(r)]->comm;
+      ASSERT_TRUE(comm.Connect().ok());
+      for (int i = 0; i < 3; ++i) {
+        auto data = IntegerInput(r, n);
+        Status s = comm.AllReduce(data);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        ASSERT_EQ(data, want);
+      }
+      stale[static_cast<size_t>(r)] = comm.stats().stale_frames_dropped;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(envs[static_cast<size_t>(r)]->mesh->connections_opened(), 1) << "rank " << r << " reconnected";
+  }
+  EXPECT_GT(stale[0] + stale[1], 0u) << "frames of the aborted allreduce were in flight and dropped";
+}
+
+TEST(CommunicatorTest, BrokenConnectionIsRedialedInTheNextGeneration) {
+  auto listeners = MakeListeners(2);
+  auto members = MembersOf(listeners);
+  std::vector<std::unique_ptr<RankEnv>> envs;
+  for (int r = 0; r < 2; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
+  RunRanksOn(envs, [](int, Communicator& comm) { ASSERT_TRUE(comm.Barrier().ok()); });
+  envs[1]->mesh->Drop(0);  // like a dropped link: rank 1 closes its end
+  for (int r = 0; r < 2; ++r) {
+    CommunicatorOptions o;
+    o.generation = 2;
+    o.rank = r;
+    o.members = members;
+    envs[static_cast<size_t>(r)]->comm =
+        std::make_unique<Communicator>(envs[static_cast<size_t>(r)]->mesh.get(), &envs[static_cast<size_t>(r)]->abort, o);
+  }
+  std::this_thread::sleep_for(Millis(20));  // let the close reach rank 0
+  RunRanksOn(envs, [](int r, Communicator& comm) {
+    std::vector<float> v(1000, static_cast<float>(r + 1));
+    Status s = comm.AllReduce(v);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(v[999], 3.0f);
+  });
+  EXPECT_EQ(envs[0]->mesh->connections_opened(), 2) << "rank 0 dialed again";
 }
 
 TEST(CommunicatorTest, ConnectionsAreOpenedOnlyToRingNeighbours) {

@@ -1,11 +1,25 @@
 #include "collective/peer_mesh.h"
 
 #include <poll.h>
+#include <sys/socket.h>
 
 #include "common/logging.h"
 #include "net/handshake.h"
 
 namespace nonstop::collective {
+
+bool ConnectionIsBroken(const Connection& c) {
+  pollfd p{c.fd.get(), static_cast<short>(POLLIN | POLLRDHUP), 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLERR | POLLHUP | POLLRDHUP)) return true;
+  if (p.revents & POLLIN) {
+    // Readable: stale frames, or an EOF that POLLRDHUP did not flag.
+    char byte;
+    ssize_t n = ::recv(c.fd.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0;
+  }
+  return false;
+}
 
 Result<std::unique_ptr<PeerMesh>> PeerMesh::Create(PeerMeshOptions options) {
   NONSTOP_ASSIGN_OR_RETURN(net::Listener listener, net::Listen(options.listen));
@@ -45,7 +59,9 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
     conn->peer_id = hello->worker_id;
     conn->peer_address = "inbound";
     std::lock_guard<std::mutex> lock(mu_);
-    connections_[hello->worker_id] = std::move(conn);
+    auto& slot = connections_[hello->worker_id];
+    if (slot) retired_.push_back(std::move(slot));  // the peer redialed: its old connection is dead
+    slot = std::move(conn);
     ++connections_opened_;
     cv_.notify_all();
   }
@@ -56,11 +72,15 @@ Result<Connection*> PeerMesh::Get(int peer_id, const std::string& peer_address, 
   NONSTOP_CHECK_NE(peer_id, options_.worker_id) << "a worker never connects to itself";
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (auto it = connections_.find(peer_id); it != connections_.end()) return it->second.get();
+    if (auto it = connections_.find(peer_id); it != connections_.end()) {
+      if (!ConnectionIsBroken(*it->second)) return it->second.get();
+      retired_.push_back(std::move(it->second));  // closed by the peer: open a new one
+      connections_.erase(it);
+    }
     if (peer_id < options_.worker_id) {
       // The peer dials us. Wait in short slices so that an abort is seen promptly.
       while (true) {
-        if (auto it = connections_.find(peer_id); it != connections_.end()) {
+        if (auto it = connections_.find(peer_id); it != connections_.end() && !ConnectionIsBroken(*it->second)) {
           it->second->peer_address = peer_address;
           return it->second.get();
         }
@@ -95,14 +115,20 @@ Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
   conn->peer_address = peer_address;
   std::lock_guard<std::mutex> lock(mu_);
   Connection* raw = conn.get();
-  connections_[peer_id] = std::move(conn);
+  auto& slot = connections_[peer_id];
+  if (slot) retired_.push_back(std::move(slot));
+  slot = std::move(conn);
   ++connections_opened_;
   return raw;
 }
 
 void PeerMesh::Drop(int peer_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  connections_.erase(peer_id);
+  auto it = connections_.find(peer_id);
+  if (it == connections_.end()) return;
+  ::shutdown(it->second->fd.get(), SHUT_RDWR);  // the peer sees the close and drops its end too
+  retired_.push_back(std::move(it->second));
+  connections_.erase(it);
 }
 
 int PeerMesh::connections_opened() const {

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/status.h"
 #include "common/time.h"
@@ -27,11 +28,25 @@
 
 namespace nonstop::collective {
 
+// One data-plane connection. Besides the socket it remembers where an
+// aborted operation left the byte stream, so that the connection can be
+// reused in the next generation (transfer.cc): a frame this side had started
+// to send is completed with padding before anything else is sent, and a frame
+// it had started to receive is read to its end and dropped.
 struct Connection {
   UniqueFd fd;
   int peer_id = -1;
   std::string peer_address;
+  char send_header_tail[32] = {};       // the unsent end of an aborted frame's header
+  size_t send_header_tail_left = 0;
+  size_t send_pad = 0;                  // payload bytes still owed to a frame whose sending was aborted
+  char recv_header[32] = {};            // a frame header partly read when a receive was aborted
+  size_t recv_header_got = 0;
+  size_t recv_skip = 0;                 // payload bytes of an abandoned frame still to discard
 };
+
+// True when the socket reports that the peer closed or reset it.
+bool ConnectionIsBroken(const Connection& c);
 
 struct PeerMeshOptions {
   std::string job_token;
@@ -78,6 +93,9 @@ class PeerMesh {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::map<int, std::unique_ptr<Connection>> connections_;  // guarded by mu_
+  // Connections replaced or dropped while a thread may still hold a pointer to
+  // them: kept (open) until the mesh goes away. A handful per fault.
+  std::vector<std::unique_ptr<Connection>> retired_;  // guarded by mu_
   int connections_opened_ = 0;                              // guarded by mu_
 
   std::jthread accept_thread_;  // last member: joins before the members it uses are destroyed

@@ -58,16 +58,69 @@ enum class Progress { kBlocked, kMoved };
 class Sender {
  public:
   explicit Sender(const TransferSpec& spec) : spec_(spec) {}
+  ~Sender() {
+    // Ended mid-frame (abort, timeout): the stream owes the rest of this frame.
+    if (spec_.send_to != nullptr && !done() && offset_ > 0) {
+      Connection* c = spec_.send_to;
+      if (offset_ < kDataHeaderBytes) {
+        // The header's real bytes must go out: the receiver needs its length.
+        c->send_header_tail_left = kDataHeaderBytes - offset_;
+        std::memcpy(c->send_header_tail, header_ + offset_, c->send_header_tail_left);
+        c->send_pad = spec_.sends[item_].bytes;
+      } else {
+        c->send_pad = kDataHeaderBytes + spec_.sends[item_].bytes - offset_;
+      }
+    }
+  }
 
   bool done() const { return item_ >= spec_.sends.size(); }
   bool ready(size_t recvs_done) const {
     if (done()) return false;
+    if (owes()) return true;
     int32_t dep = spec_.sends[item_].after_recv;
     return dep < 0 || static_cast<size_t>(dep) < recvs_done;
   }
 
+  bool owes() const { return spec_.send_to->send_header_tail_left > 0 || spec_.send_to->send_pad > 0; }
+
+  // Completes a frame left unfinished by an aborted operation: the rest of
+  // its header as it was, then zeros for its payload.
+  Result<Progress> PayPadding(TransferStats* stats) {
+    static const std::byte kZeros[4096] = {};
+    Progress progress = Progress::kBlocked;
+    Connection* c = spec_.send_to;
+    while (owes()) {
+      const void* src = kZeros;
+      size_t len = std::min(c->send_pad, sizeof(kZeros));
+      if (c->send_header_tail_left > 0) {
+        src = c->send_header_tail;
+        len = c->send_header_tail_left;
+      }
+      ssize_t n = ::send(c->fd.get(), src, len, MSG_NOSIGNAL);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return progress;
+        if (stats) stats->failed_peer = spec_.send_to->peer_id;
+        return UnavailableError(fmt::format("send to {} failed: {}", spec_.send_peer, std::strerror(errno)));
+      }
+      progress = Progress::kMoved;
+      if (c->send_header_tail_left > 0) {
+        auto sent = static_cast<size_t>(n);
+        std::memmove(c->send_header_tail, c->send_header_tail + sent, c->send_header_tail_left - sent);
+        c->send_header_tail_left -= sent;
+      } else {
+        c->send_pad -= static_cast<size_t>(n);
+      }
+    }
+    return progress;
+  }
+
   Result<Progress> Pump(size_t recvs_done, TransferStats* stats) {
     Progress progress = Progress::kBlocked;
+    if (!done() && owes()) {
+      NONSTOP_ASSIGN_OR_RETURN(progress, PayPadding(stats));
+      if (owes()) return progress;
+    }
     while (ready(recvs_done)) {
       const SendItem& item = spec_.sends[item_];
       if (offset_ == 0 && !header_built_) {
@@ -97,6 +150,7 @@ class Sender {
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return progress;
+        if (stats) stats->failed_peer = spec_.send_to->peer_id;
         return UnavailableError(fmt::format("send to {} failed: {} (generation {}, op {})", spec_.send_peer,
                                             std::strerror(errno), spec_.generation, spec_.op));
       }
@@ -124,7 +178,31 @@ class Sender {
 // destination (or into scratch, to be reduced into the destination).
 class Receiver {
  public:
-  explicit Receiver(const TransferSpec& spec) : spec_(spec) {}
+  explicit Receiver(const TransferSpec& spec) : spec_(spec) {
+    Connection* c = spec_.recv_from;
+    if (c == nullptr || spec_.recvs.empty()) return;
+    // Resume a frame abandoned by an aborted operation: it is stale by construction.
+    if (c->recv_header_got > 0) {
+      std::memcpy(raw_, c->recv_header, c->recv_header_got);
+      header_got_ = c->recv_header_got;
+    } else if (c->recv_skip > 0) {
+      header_got_ = kDataHeaderBytes;
+      skip_left_ = c->recv_skip;
+    }
+    c->recv_header_got = 0;
+    c->recv_skip = 0;
+  }
+  ~Receiver() {
+    Connection* c = spec_.recv_from;
+    if (c == nullptr || done()) return;
+    // Ended mid-frame: remember how to get back to a frame boundary.
+    if (header_got_ > 0 && header_got_ < kDataHeaderBytes) {
+      std::memcpy(c->recv_header, raw_, header_got_);
+      c->recv_header_got = header_got_;
+    } else if (header_got_ == kDataHeaderBytes) {
+      c->recv_skip = skip_left_ > 0 ? skip_left_ : header_.length - payload_got_;
+    }
+  }
 
   bool done() const { return item_ >= spec_.recvs.size(); }
   size_t items_done() const { return item_; }
@@ -147,12 +225,14 @@ class Receiver {
       if (want > 0) {
         ssize_t n = ::recv(spec_.recv_from->fd.get(), target, want, 0);
         if (n == 0) {
+          if (stats) stats->failed_peer = spec_.recv_from->peer_id;
           return UnavailableError(fmt::format("connection to {} closed by peer (generation {}, op {})",
                                               spec_.recv_peer, spec_.generation, spec_.op));
         }
         if (n < 0) {
           if (errno == EINTR) continue;
           if (errno == EAGAIN || errno == EWOULDBLOCK) return progress;
+          if (stats) stats->failed_peer = spec_.recv_from->peer_id;
           return UnavailableError(fmt::format("recv from {} failed: {} (generation {}, op {})", spec_.recv_peer,
                                               std::strerror(errno), spec_.generation, spec_.op));
         }

@@ -12,6 +12,13 @@
 //
 // Buffers: every pointer in a TransferSpec must stay valid until RunTransfer
 // returns; it blocks until the transfer is done, failed or aborted.
+//
+// Abort and reuse: when a transfer ends early (aborted, timed out), the
+// position of each stream inside its current frame is saved in the
+// Connection; the next transfer on that connection first completes the frame
+// it owes (zero padding) and discards the rest of the frame it was reading,
+// whose old generation tag marks it stale. So a surviving connection stays
+// usable across generations without a reconnect.
 #pragma once
 
 #include <cstddef>
@@ -67,6 +74,7 @@ struct TransferStats {
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
   uint64_t stale_frames_dropped = 0;
+  int failed_peer = -1;  // worker id of the connection that broke (kUnavailable), else -1
 };
 
 Status RunTransfer(const TransferSpec& spec, TransferStats* stats = nullptr);
