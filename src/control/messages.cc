@@ -41,7 +41,12 @@ std::string Encode(const JoinMsg& m) {
 std::string Encode(const PlanMsg& m) {
   json members = json::array();
   for (const auto& p : m.members) members.push_back({{"worker_id", p.worker_id}, {"address", p.address}});
-  return json{{"generation", m.generation}, {"members", members}, {"resume_step", m.resume_step}}.dump();
+  json transfers = json::array();
+  for (const auto& t : m.transfers) transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}});
+  json faults = json::array();
+  for (const auto& f : m.faults) faults.push_back({{"id", f.id}, {"spec", FormatFault(f)}});
+  return json{{"generation", m.generation}, {"members", members}, {"resume_step", m.resume_step},
+              {"transfers", transfers}, {"faults", faults}, {"reason", m.reason}}.dump();
 }
 std::string Encode(const HeartbeatMsg& m) { return json{{"step", m.step}}.dump(); }
 std::string Encode(const ProgressMsg& m) {
@@ -57,6 +62,16 @@ std::string Encode(const FailureMsg& m) {
   return json{{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}, {"exit_code", m.exit_code}}.dump();
 }
 std::string Encode(const ShutdownMsg& m) { return json{{"reason", m.reason}, {"exit_code", m.exit_code}}.dump(); }
+std::string Encode(const AbortMsg& m) { return json{{"generation", m.generation}, {"reason", m.reason}}.dump(); }
+std::string Encode(const ReadyMsg& m) {
+  return json{{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}}.dump();
+}
+std::string Encode(const RecoveredMsg& m) {
+  return json{{"generation", m.generation}, {"connect_seconds", m.connect_seconds},
+              {"transfer_seconds", m.transfer_seconds}, {"bytes_received", m.bytes_received},
+              {"sources", m.sources}, {"refetched_chunks", m.refetched_chunks}}.dump();
+}
+std::string Encode(const InjectedMsg& m) { return json{{"fault_id", m.fault_id}, {"description", m.description}}.dump(); }
 
 Result<JoinMsg> DecodeJoin(std::string_view p) {
   return Decode<JoinMsg>("join", p, [](const json& j, JoinMsg& m, std::string& f) {
@@ -77,6 +92,21 @@ Result<PlanMsg> DecodePlan(std::string_view p) {
       Get(e, "address", &pm.address, f);
       m.members.push_back(pm);
     }
+    f = "transfers";
+    for (const auto& e : j.at("transfers")) {
+      PlanTransfer t;
+      Get(e, "receiver", &t.receiver, f);
+      Get(e, "sources", &t.sources, f);
+      m.transfers.push_back(t);
+    }
+    f = "faults";
+    for (const auto& e : j.at("faults")) {
+      int id = e.at("id").get<int>();
+      auto parsed = ParseFaults(e.at("spec").get<std::string>(), id);
+      if (!parsed.ok() || parsed->size() != 1) throw json::other_error::create(501, "bad fault spec", nullptr);
+      m.faults.push_back((*parsed)[0]);
+    }
+    Get(j, "reason", &m.reason, f);
   });
 }
 Result<HeartbeatMsg> DecodeHeartbeat(std::string_view p) {
@@ -103,6 +133,35 @@ Result<FailureMsg> DecodeFailure(std::string_view p) {
     Get(j, "step", &m.step, f);
     Get(j, "reason", &m.reason, f);
     Get(j, "exit_code", &m.exit_code, f);
+  });
+}
+Result<AbortMsg> DecodeAbort(std::string_view p) {
+  return Decode<AbortMsg>("abort", p, [](const json& j, AbortMsg& m, std::string& f) {
+    Get(j, "generation", &m.generation, f);
+    Get(j, "reason", &m.reason, f);
+  });
+}
+Result<ReadyMsg> DecodeReady(std::string_view p) {
+  return Decode<ReadyMsg>("ready", p, [](const json& j, ReadyMsg& m, std::string& f) {
+    Get(j, "generation", &m.generation, f);
+    Get(j, "step", &m.step, f);
+    Get(j, "reason", &m.reason, f);
+  });
+}
+Result<RecoveredMsg> DecodeRecovered(std::string_view p) {
+  return Decode<RecoveredMsg>("recovered", p, [](const json& j, RecoveredMsg& m, std::string& f) {
+    Get(j, "generation", &m.generation, f);
+    Get(j, "connect_seconds", &m.connect_seconds, f);
+    Get(j, "transfer_seconds", &m.transfer_seconds, f);
+    Get(j, "bytes_received", &m.bytes_received, f);
+    Get(j, "sources", &m.sources, f);
+    Get(j, "refetched_chunks", &m.refetched_chunks, f);
+  });
+}
+Result<InjectedMsg> DecodeInjected(std::string_view p) {
+  return Decode<InjectedMsg>("injected", p, [](const json& j, InjectedMsg& m, std::string& f) {
+    Get(j, "fault_id", &m.fault_id, f);
+    Get(j, "description", &m.description, f);
   });
 }
 Result<ShutdownMsg> DecodeShutdown(std::string_view p) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "control/fault_spec.h"
 
 namespace nonstop::control {
 
@@ -20,8 +21,12 @@ enum MessageType : uint16_t {
   kMsgFinished = 14,   // worker → controller: training done, final checksum
   kMsgFailure = 15,    // worker → controller: I saw a fault
   kMsgShutdown = 16,   // controller → worker: the job is over, exit
+  kMsgAbort = 17,      // controller → worker: generation g is over, abort what is in flight
+  kMsgReady = 18,      // worker → controller: aborted; my state holds step s
+  kMsgRecovered = 19,  // worker → controller: adopted generation g (connections, state copied)
+  kMsgInjected = 20,   // worker → controller: I am carrying out injected fault f now
 };
-static_assert(kMsgJoin == 10 && kMsgShutdown == 16, "wire numbers are pinned");
+static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20, "wire numbers are pinned");
 
 struct JoinMsg {
   int worker_id = -1;
@@ -35,10 +40,44 @@ struct PlanMember {
   std::string address;
 };
 
+// A member that lacks the state of step resume_step - 1 copies it from `sources`.
+struct PlanTransfer {
+  int receiver = -1;          // worker id
+  std::vector<int> sources;   // worker ids holding the state, striped over in this order
+};
+
 struct PlanMsg {
   uint32_t generation = 0;
   std::vector<PlanMember> members;  // index = rank
   int64_t resume_step = 0;          // the first step to run
+  std::vector<PlanTransfer> transfers;
+  std::vector<FaultSpec> faults;    // injected faults not fired yet (tests, demos)
+  std::string reason;               // "start", "recovery", …
+};
+
+struct AbortMsg {
+  uint32_t generation = 0;
+  std::string reason;
+};
+
+struct ReadyMsg {
+  uint32_t generation = 0;  // the generation this worker aborted
+  int64_t step = -1;        // the step its state holds; -1: no valid state
+  std::string reason;       // what it saw ("peer reset", "controller abort")
+};
+
+struct RecoveredMsg {
+  uint32_t generation = 0;
+  double connect_seconds = 0;
+  double transfer_seconds = 0;
+  uint64_t bytes_received = 0;
+  int sources = 0;
+  int refetched_chunks = 0;
+};
+
+struct InjectedMsg {
+  int fault_id = 0;
+  std::string description;
 };
 
 struct HeartbeatMsg {
@@ -77,6 +116,10 @@ std::string Encode(const ProgressMsg& m);
 std::string Encode(const FinishedMsg& m);
 std::string Encode(const FailureMsg& m);
 std::string Encode(const ShutdownMsg& m);
+std::string Encode(const AbortMsg& m);
+std::string Encode(const ReadyMsg& m);
+std::string Encode(const RecoveredMsg& m);
+std::string Encode(const InjectedMsg& m);
 
 Result<JoinMsg> DecodeJoin(std::string_view payload);
 Result<PlanMsg> DecodePlan(std::string_view payload);
@@ -85,5 +128,9 @@ Result<ProgressMsg> DecodeProgress(std::string_view payload);
 Result<FinishedMsg> DecodeFinished(std::string_view payload);
 Result<FailureMsg> DecodeFailure(std::string_view payload);
 Result<ShutdownMsg> DecodeShutdown(std::string_view payload);
+Result<AbortMsg> DecodeAbort(std::string_view payload);
+Result<ReadyMsg> DecodeReady(std::string_view payload);
+Result<RecoveredMsg> DecodeRecovered(std::string_view payload);
+Result<InjectedMsg> DecodeInjected(std::string_view payload);
 
 }  // namespace nonstop::control

@@ -1,0 +1,104 @@
+#include "control/fault_spec.h"
+
+#include <charconv>
+
+#include <fmt/format.h>
+
+namespace nonstop::control {
+
+std::string_view FaultKindName(FaultKind k) {
+  switch (k) {
+    case FaultKind::kKill: return "kill";
+    case FaultKind::kHang: return "hang";
+    case FaultKind::kException: return "exception";
+    case FaultKind::kDrop: return "drop";
+    case FaultKind::kCorrupt: return "corrupt";
+  }
+  return "?";
+}
+
+namespace {
+
+std::vector<std::string_view> Split(std::string_view s, char sep) {
+  std::vector<std::string_view> out;
+  while (true) {
+    size_t p = s.find(sep);
+    out.push_back(s.substr(0, p));
+    if (p == std::string_view::npos) break;
+    s.remove_prefix(p + 1);
+  }
+  return out;
+}
+
+template <typename T>
+bool ParseNumber(std::string_view text, T* out) {
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && end == text.data() + text.size();
+}
+
+}  // namespace
+
+Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) {
+  std::vector<FaultSpec> out;
+  const std::string hint = " (HINT: e.g. kill:rank=2,step=30 or hang:rank=1,time=5)";
+  for (std::string_view item : Split(text, ';')) {
+    if (item.empty()) continue;
+    size_t colon = item.find(':');
+    if (colon == std::string_view::npos) {
+      return InvalidArgumentError(fmt::format("fault '{}' has no ':'{}", item, hint));
+    }
+    FaultSpec f;
+    f.id = first_id + static_cast<int>(out.size());
+    std::string_view kind = item.substr(0, colon);
+    if (kind == "kill") f.kind = FaultKind::kKill;
+    else if (kind == "hang") f.kind = FaultKind::kHang;
+    else if (kind == "exception") f.kind = FaultKind::kException;
+    else if (kind == "drop") f.kind = FaultKind::kDrop;
+    else if (kind == "corrupt") f.kind = FaultKind::kCorrupt;
+    else return InvalidArgumentError(fmt::format("fault '{}': unknown kind '{}' (kill, hang, exception, drop, corrupt)", item, kind));
+    bool has_rank = false;
+    for (std::string_view kv : Split(item.substr(colon + 1), ',')) {
+      size_t eq = kv.find('=');
+      if (eq == std::string_view::npos) return InvalidArgumentError(fmt::format("fault '{}': '{}' is not key=value{}", item, kv, hint));
+      std::string_view k = kv.substr(0, eq), v = kv.substr(eq + 1);
+      bool ok = true;
+      if (k == "rank") {
+        ok = ParseNumber(v, &f.rank) && f.rank >= 0;
+        has_rank = true;
+      } else if (k == "step") {
+        ok = ParseNumber(v, &f.step) && f.step >= 0;
+      } else if (k == "time") {
+        ok = ParseNumber(v, &f.time_seconds) && f.time_seconds >= 0;
+        f.point = FaultPoint::kTime;
+      } else if (k == "during") {
+        ok = v == "transfer" || v == "step";
+        if (v == "transfer") f.point = FaultPoint::kTransfer;
+      } else {
+        return InvalidArgumentError(fmt::format("fault '{}': unknown key '{}' (rank, step, time, during)", item, k));
+      }
+      if (!ok) return InvalidArgumentError(fmt::format("fault '{}': bad value '{}' for {}", item, v, k));
+    }
+    if (!has_rank) return InvalidArgumentError(fmt::format("fault '{}': rank= is required{}", item, hint));
+    if (f.point == FaultPoint::kTime) {
+      if (f.kind != FaultKind::kKill && f.kind != FaultKind::kHang) {
+        return InvalidArgumentError(fmt::format("fault '{}': time= works for kill and hang only", item));
+      }
+      if (f.step >= 0) return InvalidArgumentError(fmt::format("fault '{}': give step= or time=, not both", item));
+    } else if (f.step < 0) {
+      return InvalidArgumentError(fmt::format("fault '{}': step= or time= is required{}", item, hint));
+    }
+    if (f.kind == FaultKind::kCorrupt) f.point = FaultPoint::kTransfer;
+    out.push_back(f);
+  }
+  return out;
+}
+
+std::string FormatFault(const FaultSpec& f) {
+  std::string s = fmt::format("{}:rank={}", FaultKindName(f.kind), f.rank);
+  if (f.point == FaultPoint::kTime) return s + fmt::format(",time={}", f.time_seconds);
+  s += fmt::format(",step={}", f.step);
+  if (f.point == FaultPoint::kTransfer && f.kind != FaultKind::kCorrupt) s += ",during=transfer";
+  return s;
+}
+
+}  // namespace nonstop::control

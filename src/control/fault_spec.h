@@ -1,0 +1,42 @@
+// Fault injection specs, for tests, demos and benchmarks (`nonstop run --inject`).
+//
+//   kill:rank=2,step=30                 SIGKILL itself before the allreduce of step 30
+//   hang:rank=1,step=50                 SIGSTOP itself there (a hung process)
+//   exception:rank=0,step=12            throw from the training loop at step 12
+//   drop:rank=3,step=7                  close its data connections at step 7
+//   kill:rank=1,step=30,during=transfer die while taking part in the state
+//                                       transfer of a recovery that resumes at step 30
+//   corrupt:rank=1,step=30              as a source in that transfer, corrupt the
+//                                       first chunk it sends (after checksumming)
+//   kill:rank=2,time=5.5                the launcher kills rank 2 5.5 s after the job started
+//   hang:rank=2,time=5.5                … or stops it
+// Several faults are separated by ';' (or given as several --inject flags).
+// Each fault fires once per job, on whichever worker holds `rank` then.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace nonstop::control {
+
+enum class FaultKind { kKill, kHang, kException, kDrop, kCorrupt };
+enum class FaultPoint { kStep, kTransfer, kTime };
+
+struct FaultSpec {
+  int id = 0;  // position in the job's list; reported when the fault fires
+  FaultKind kind = FaultKind::kKill;
+  int rank = 0;
+  int64_t step = -1;
+  double time_seconds = -1;
+  FaultPoint point = FaultPoint::kStep;
+};
+
+Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id = 0);
+std::string FormatFault(const FaultSpec& f);
+std::string_view FaultKindName(FaultKind k);
+
+}  // namespace nonstop::control
