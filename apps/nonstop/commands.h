@@ -13,6 +13,8 @@ namespace nonstop::cli {
 class RunCommand {
  public:
   void Register(CLI::App& app);
+  // The worker program and its arguments (what followed `--`).
+  void SetProgram(std::vector<std::string> program) { program_ = std::move(program); }
   bool selected() const { return sub_ != nullptr && sub_->parsed(); }
   int Execute();
 
@@ -23,7 +25,9 @@ class RunCommand {
   std::string host_ = "127.0.0.1";
   int port_ = 0;
   std::string journal_ = "runs/journal.jsonl";
-  int heartbeat_timeout_ms_ = 5000;
+  int heartbeat_timeout_ms_ = 1000;
+  int abort_timeout_ms_ = 2000;
+  std::vector<std::string> inject_;
   std::string log_level_ = "info";
   std::vector<std::string> program_;
 };

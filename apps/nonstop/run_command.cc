@@ -1,8 +1,14 @@
 // `nonstop run`: the controller and a local launcher in one process, on one
 // event loop. It starts --nproc workers and --spares spares, forms generation
 // 1, forwards every worker's output with a rank prefix, watches heartbeats
-// and process exits, writes the journal, and exits with a code that means
-// something to a supervisor (0 ok, 2 usage, 10 worker failure, 11 data corruption).
+// and process exits, carries out the controller's recoveries (abort, kill,
+// start a new spare), writes the journal, prints the recovery report, and
+// exits with a code that means something to a supervisor (0 ok, 2 usage, 10
+// the job could not continue after a worker failed, 11 data corruption).
+//
+// With no program, it runs the built-in demonstration: nonstop-train on its
+// default recipe, with one fault injected (kill:rank=2,step=30) unless
+// --inject says otherwise.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/signalfd.h>
@@ -18,6 +24,7 @@
 #include "apps/nonstop/commands.h"
 #include "common/logging.h"
 #include "controller/control_server.h"
+#include "control/fault_spec.h"
 #include "controller/controller.h"
 #include "controller/journal.h"
 #include "launcher/local_launcher.h"
@@ -58,11 +65,17 @@ void RunCommand::Register(CLI::App& app) {
   sub_->add_option("--heartbeat-timeout-ms", heartbeat_timeout_ms_,
                    "A worker silent this long is declared failed")->capture_default_str()
       ->envname("NONSTOP_HEARTBEAT_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
+  sub_->add_option("--abort-timeout-ms", abort_timeout_ms_,
+                   "Members that have not aborted this long after a fault are killed and replaced")
+      ->capture_default_str()->envname("NONSTOP_ABORT_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
+  sub_->add_option("--inject", inject_,
+                   "Faults to inject, e.g. kill:rank=2,step=30 or hang:rank=1,time=5 (kinds: kill, hang, exception, "
+                   "drop, corrupt; see docs/faults.md); 'none' for no fault")
+      ->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)->envname("NONSTOP_INJECT");
   sub_->add_option("--log-level", log_level_, "debug, info, warning or error")->capture_default_str()
       ->envname("NONSTOP_LOG_LEVEL");
-  sub_->add_option("program", program_,
-                   "The worker program and its arguments, after `--` (default: nonstop-train with its built-in "
-                   "llama-tiny recipe)");
+  sub_->footer("After `--`: the worker program and its arguments. Without one, the built-in demonstration runs: "
+               "nonstop-train on its llama-tiny recipe with --inject kill:rank=2,step=30.");
 }
 
 int RunCommand::Execute() {
@@ -74,7 +87,28 @@ int RunCommand::Execute() {
   }
   SetLogLevel(level);
   std::vector<std::string> program = program_;
-  if (program.empty()) program = {SelfDirectory() + "/nonstop-train"};
+  std::vector<std::string> inject = inject_;
+  if (program.empty()) {
+    program = {SelfDirectory() + "/nonstop-train"};
+    if (inject.empty()) inject = {"kill:rank=2,step=30"};  // the demonstration's fault
+  }
+  std::vector<control::FaultSpec> faults;
+  for (const auto& text : inject) {
+    if (text == "none") continue;
+    auto parsed = control::ParseFaults(text, static_cast<int>(faults.size()));
+    if (!parsed.ok()) {
+      fmt::print(stderr, "nonstop run: --inject: {}\n", parsed.status().message());
+      return controller::kExitUsage;
+    }
+    for (auto& f : *parsed) {
+      if (f.rank >= nproc_) {
+        fmt::print(stderr, "nonstop run: --inject {}: there is no rank {} with --nproc {}\n", control::FormatFault(f),
+                   f.rank, nproc_);
+        return controller::kExitUsage;
+      }
+      faults.push_back(f);
+    }
+  }
 
   auto journal = controller::Journal::Open(journal_);
   if (!journal.ok()) {
@@ -93,7 +127,13 @@ int RunCommand::Execute() {
 
   net::EventLoop loop;
   std::deque<Event> events;
-  controller::Controller core({nproc_, spares_, Millis(heartbeat_timeout_ms_)});
+  controller::ControllerOptions copts;
+  copts.world_size = nproc_;
+  copts.spares = spares_;
+  copts.heartbeat_timeout = Millis(heartbeat_timeout_ms_);
+  copts.abort_timeout = Millis(abort_timeout_ms_);
+  copts.faults = faults;
+  controller::Controller core(copts);
   const std::string token = RandomToken();
   auto server = controller::ControlServer::Create(&loop, {host_, static_cast<uint16_t>(port_)}, token,
                                                   [&](Event e) { events.push_back(std::move(e)); });
@@ -116,6 +156,10 @@ int RunCommand::Execute() {
   fmt::print("  {:<20} {}\n", "workers", nproc_);
   fmt::print("  {:<20} {}\n", "spares", spares_);
   fmt::print("  {:<20} {} ms\n", "heartbeat timeout", heartbeat_timeout_ms_);
+  fmt::print("  {:<20} {} ms\n", "abort timeout", abort_timeout_ms_);
+  std::string fault_text;
+  for (const auto& f : faults) fault_text += (fault_text.empty() ? "" : "; ") + control::FormatFault(f);
+  fmt::print("  {:<20} {}\n", "injected faults", fault_text.empty() ? "none" : fault_text);
   fmt::print("  {:<20} {}\n", "journal", (*journal)->path());
   std::string cmdline;
   for (const auto& a : program) cmdline += (cmdline.empty() ? "" : " ") + a;
@@ -124,18 +168,24 @@ int RunCommand::Execute() {
   (*journal)->Append({{"event", "job_start"}, {"world_size", nproc_}, {"spares", spares_},
                       {"controller", (*server)->address().ToString()}, {"program", program}});
 
-  for (int id = 0; id < nproc_ + spares_; ++id) {
+  auto spawn = [&](int id, bool spare) -> Status {
     launcher::ChildSpec spec;
     spec.worker_id = id;
     spec.argv = program;
     spec.env = {{"NONSTOP_CONTROLLER", (*server)->address().ToString()},
                 {"NONSTOP_JOB_TOKEN", token},
                 {"NONSTOP_WORKER_ID", std::to_string(id)},
-                {"NONSTOP_SPARE", id >= nproc_ ? "1" : "0"},
+                {"NONSTOP_SPARE", spare ? "1" : "0"},
                 {"NONSTOP_DATA_HOST", host_}};
     auto pid = launcher.Spawn(spec);
-    if (!pid.ok()) {
-      fmt::print(stderr, "nonstop run: cannot start worker {}: {}\n", id, pid.status().ToString());
+    if (!pid.ok()) return pid.status().WithContext(fmt::format("starting worker {}", id));
+    (*journal)->Append({{"event", "spawn"}, {"worker_id", id}, {"pid", *pid}, {"spare", spare}});
+    return OkStatus();
+  };
+  for (int id = 0; id < nproc_ + spares_; ++id) {
+    Status s = spawn(id, id >= nproc_);
+    if (!s.ok()) {
+      fmt::print(stderr, "nonstop run: {}\n", s.ToString());
       launcher.SignalAll(SIGKILL);
       return 1;
     }
@@ -159,9 +209,17 @@ int RunCommand::Execute() {
             (*server)->Send(act.worker_id, control::kMsgPlan, control::Encode(act.plan));
           } else if constexpr (std::is_same_v<T, controller::SendShutdown>) {
             (*server)->Send(act.worker_id, control::kMsgShutdown, control::Encode(act.msg));
+          } else if constexpr (std::is_same_v<T, controller::SendAbort>) {
+            (*server)->Send(act.worker_id, control::kMsgAbort, control::Encode(act.msg));
           } else if constexpr (std::is_same_v<T, controller::KillWorker>) {
-            launcher.Signal(act.worker_id, SIGTERM);
-            kill_at = std::min(kill_at, DeadlineAfter(Millis(300)));
+            launcher.Signal(act.worker_id, SIGKILL);
+          } else if constexpr (std::is_same_v<T, controller::SignalWorker>) {
+            launcher.Signal(act.worker_id, act.signal);
+          } else if constexpr (std::is_same_v<T, controller::SpawnWorker>) {
+            if (!ended) {
+              Status s = spawn(act.worker_id, act.spare);
+              if (!s.ok()) fmt::print(stderr, "[nonstop] {}\n", s.ToString());
+            }
           } else if constexpr (std::is_same_v<T, controller::AppendJournal>) {
             (*journal)->Append(act.record);
           } else if constexpr (std::is_same_v<T, controller::PrintLine>) {
@@ -169,7 +227,7 @@ int RunCommand::Execute() {
             std::fflush(stdout);
           } else if constexpr (std::is_same_v<T, controller::EndJob>) {
             ended = act;
-            if (kill_at == kNoDeadline) kill_at = DeadlineAfter(Millis(act.exit_code == 0 ? 15'000 : 300));
+            if (kill_at == kNoDeadline) kill_at = DeadlineAfter(Millis(act.exit_code == 0 ? 15'000 : 500));
           }
         },
         a);

@@ -5,6 +5,8 @@
 //   nonstop run --nproc 4 -- nonstop-train recipes/llama-tiny.yaml
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -102,21 +104,26 @@ int Main(int argc, char** argv) {
   torchx::LrSchedule schedule{r.optimizer.lr, r.optimizer.min_lr, r.optimizer.warmup_steps, r.train.steps};
   int64_t completed = -1;  // last completed step: part of the state
 
-  auto options = SessionOptions::FromEnvironment();
-  if (!options.ok()) return Fail(options.status(), "not under nonstop run");
-  auto joined = Session::Join(*options);
-  if (!joined.ok()) {
-    if (joined.status().code() == StatusCode::kCancelled) return 0;  // a spare that was not needed
-    return Fail(joined.status(), "joining the job");
-  }
-  Session& session = **joined;
-  auto& state = session.state();
+  // What must survive a fault: parameters, optimizer moments, the step. The
+  // data position follows from the step; the model has no other randomness.
+  state::StateRegistry state;
   for (Status s : {state.Register("params", std::as_writable_bytes(flat.params())),
                    state.Register("adamw.exp_avg", std::as_writable_bytes(adamw.exp_avg())),
                    state.Register("adamw.exp_avg_sq", std::as_writable_bytes(adamw.exp_avg_sq())),
                    state.RegisterValue("step", &completed)}) {
     if (!s.ok()) return Fail(s, "registering state");
   }
+  fmt::print("worker pid {} built its model ({} parameters) and mapped its data\n", ::getpid(), flat.size());
+  std::fflush(stdout);
+
+  auto options = SessionOptions::FromEnvironment();
+  if (!options.ok()) return Fail(options.status(), "not under nonstop run");
+  auto joined = Session::Join(*options, &state);
+  if (!joined.ok()) {
+    if (joined.status().code() == StatusCode::kCancelled) return 0;  // a spare that was not needed
+    return Fail(joined.status(), "joining the job");
+  }
+  Session& session = **joined;
   if (session.rank() == 0) PrintConfig(r, session, flat.size(), **dataset);
 
   const int64_t T = r.model.seq_len;
@@ -133,58 +140,92 @@ int Main(int argc, char** argv) {
     return std::make_pair(t.index({Slice(), Slice(0, T)}), t.index({Slice(), Slice(1, T + 1)}).contiguous());
   };
 
-  auto run_start = std::chrono::steady_clock::now();
-  for (int64_t step = session.resume_step(); step < r.train.steps; ++step) {
-    auto t0 = std::chrono::steady_clock::now();
-    flat.ZeroGrad();
-    auto [mb_begin, mb_end] = sampler->MicroBatchesFor(session.rank(), session.world_size());
-    double local_loss = 0;
-    for (uint64_t mb = mb_begin; mb < mb_end; ++mb) {
-      auto [inputs, targets] = batch_tensors(sampler->MicroBatchSamples(static_cast<uint64_t>(step), mb));
-      auto logits = model->forward(inputs);
-      // Normalised by the token count of the whole global batch: the summed
-      // gradient is the same however micro-batches are dealt.
-      auto loss = torch::nn::functional::cross_entropy(
-                      logits.view({-1, r.model.vocab_size}), targets.view({-1}),
-                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * norm;
-      loss.backward();
-      local_loss += loss.item<double>();
-    }
-    flat.GatherGrads();
-    flat.loss_slot() = static_cast<float>(local_loss);
-    Status s = session.AllReduce(flat.grads_and_loss());
-    if (!s.ok()) {
+  // A collective that fails means a fault somewhere: take part in the
+  // recovery and carry on from the step it names. Nothing here is rebuilt.
+  auto recover = [&](int64_t* step) -> int {
+    auto next = session.Recover();
+    if (!next.ok()) {
       if (session.shutdown_exit_code() != 0) return session.shutdown_exit_code();
-      session.ReportFailure(s, step, kExitFailure);
-      return Fail(s, fmt::format("step {}", step).c_str());
+      Fail(next.status(), "recovery");
+      return kExitFailure;
     }
-    double loss = flat.loss_slot();
-    if (!std::isfinite(loss)) {
-      Status bad = DataLossError(fmt::format("loss is {} at step {}", loss, step));
-      session.ReportFailure(bad, step, kExitDataCorruption);
-      return Fail(bad, "training diverged");
-    }
-    double grad_norm = torchx::ClipGradNorm(flat.grads(), r.optimizer.grad_clip);
-    double lr = schedule.At(step);
-    adamw.Step(flat.params(), flat.grads(), lr, step + 1);
-    completed = step;
-    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    session.ReportStep({step, loss, secs, tokens_per_step / secs});
-    if (session.rank() == 0 && (step % r.train.log_every == 0 || step + 1 == r.train.steps)) {
-      fmt::print("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} s/step | world {}\n",
-                 step, r.train.steps, loss, lr, grad_norm, tokens_per_step / secs, secs, session.world_size());
+    *step = *next;
+    if (session.rank() == 0) {
+      fmt::print("recovered: generation {}, world {}, resuming at step {}\n", session.generation(),
+                 session.world_size(), *step);
       std::fflush(stdout);
     }
+    return 0;
+  };
+
+  auto run_start = std::chrono::steady_clock::now();
+  int64_t step = session.resume_step();
+  while (true) {
+    while (step < r.train.steps) {
+      auto t0 = std::chrono::steady_clock::now();
+      double local_loss = 0;
+      try {
+        if (session.InjectedExceptionAt(step)) throw std::runtime_error(fmt::format("injected exception at step {}", step));
+        flat.ZeroGrad();
+        auto [mb_begin, mb_end] = sampler->MicroBatchesFor(session.rank(), session.world_size());
+        for (uint64_t mb = mb_begin; mb < mb_end; ++mb) {
+          auto [inputs, targets] = batch_tensors(sampler->MicroBatchSamples(static_cast<uint64_t>(step), mb));
+          auto logits = model->forward(inputs);
+          // Normalised by the token count of the whole global batch: the summed
+          // gradient is the same however micro-batches are dealt.
+          auto loss = torch::nn::functional::cross_entropy(
+                          logits.view({-1, r.model.vocab_size}), targets.view({-1}),
+                          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * norm;
+          loss.backward();
+          local_loss += loss.item<double>();
+        }
+      } catch (const std::exception& e) {
+        // The process may be in any state: report, and let a spare take over.
+        Status s = InternalError(fmt::format("exception in the training loop at step {}: {}", step, e.what()));
+        session.ReportFailure(s, step, kExitFailure);
+        return Fail(s, "training");
+      }
+      flat.GatherGrads();
+      flat.loss_slot() = static_cast<float>(local_loss);
+      Status s = session.AllReduce(flat.grads_and_loss());
+      if (!s.ok()) {
+        NONSTOP_LOG_WARNING("step {}: {}", step, s.ToString());
+        if (int code = recover(&step); code != 0) return code;
+        continue;
+      }
+      double loss = flat.loss_slot();
+      if (!std::isfinite(loss)) {
+        Status bad = DataLossError(fmt::format("loss is {} at step {}", loss, step));
+        session.ReportFailure(bad, step, kExitDataCorruption);
+        return Fail(bad, "training diverged");
+      }
+      double grad_norm = torchx::ClipGradNorm(flat.grads(), r.optimizer.grad_clip);
+      double lr = schedule.At(step);
+      adamw.Step(flat.params(), flat.grads(), lr, step + 1);
+      completed = step;
+      double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      session.ReportStep({step, loss, secs, tokens_per_step / secs});
+      if (session.rank() == 0 && (step % r.train.log_every == 0 || step + 1 == r.train.steps)) {
+        fmt::print("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} s/step | world {}\n",
+                   step, r.train.steps, loss, lr, grad_norm, tokens_per_step / secs, secs, session.world_size());
+        std::fflush(stdout);
+      }
+      ++step;
+    }
+    std::string checksum = flat.Checksum();
+    Status fin = session.Finish(r.train.steps - 1, checksum);
+    if (fin.code() == StatusCode::kAborted) {  // a member failed at the very end
+      if (int code = recover(&step); code != 0) return code;
+      continue;
+    }
+    if (!fin.ok()) return Fail(fin, "finishing");
+    if (session.rank() == 0) {
+      double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+      fmt::print("done: {} steps in {:.1f} s; parameter checksum {}\n", r.train.steps, total, checksum);
+      std::fflush(stdout);
+    }
+    return 0;
   }
-  std::string checksum = flat.Checksum();
-  if (session.rank() == 0) {
-    double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-    fmt::print("done: {} steps in {:.1f} s; parameter checksum {}\n", r.train.steps, total, checksum);
-    std::fflush(stdout);
-  }
-  Status fin = session.Finish(r.train.steps - 1, checksum);
-  if (!fin.ok()) return Fail(fin, "finishing");
-  return 0;
 }
 
 }  // namespace

@@ -1,22 +1,40 @@
 // nonstop::Session: one worker's membership in an elastic data-parallel job.
 //
-// A training program joins with one call, learns its rank and world size,
-// and then calls the Session once per step: reduce gradients, report the
-// step. The Session owns the connection to the controller (with heartbeats on
-// an internal I/O thread), the data-plane connections to peers and the
-// collectives of the current generation.
+// A training program registers what must survive a fault, joins with one
+// call, and then calls the Session once per step: reduce gradients, report
+// the step. The Session owns the connection to the controller (with
+// heartbeats on an internal I/O thread), the data-plane connections to peers
+// and the collectives of the current generation.
 //
-//   auto session = nonstop::Session::Join(nonstop::SessionOptions::FromEnvironment().value());
-//   for (int64_t step = session->resume_step(); step < steps; ++step) {
-//     ... forward/backward on my micro-batches of `step` ...
-//     NONSTOP_RETURN_IF_ERROR(session->AllReduce(grads));
-//     ... optimizer ...
-//     session->ReportStep({step, loss, seconds, tokens_per_second});
+//   nonstop::state::StateRegistry state;       // params, optimizer moments, step
+//   state.Register("params", ...);
+//   auto session = nonstop::Session::Join(options, &state).value();
+//   int64_t step = session->resume_step();
+//   while (true) {
+//     for (; step < steps; ++step) {
+//       ... forward/backward on this rank's micro-batches of `step` ...
+//       if (!session->AllReduce(grads).ok()) {      // a fault: in-process recovery
+//         step = session->Recover().value() - 1;    // state is current again
+//         continue;
+//       }
+//       ... optimizer update ...
+//       session->ReportStep({step, loss, ...});     // after the update, before the next collective
+//     }
+//     if (session->Finish(steps - 1, checksum).code() != nonstop::StatusCode::kAborted) break;
+//     step = session->Recover().value();            // a fault at the very end
 //   }
-//   session->Finish(steps - 1, checksum);
 //
-// A spare (SessionOptions::spare) joins without a rank: Join() blocks until
-// the controller gives it one, or returns CANCELLED if the job ends first.
+// Recovery: when any member fails, the controller aborts the generation; the
+// collective in flight returns ABORTED or UNAVAILABLE at once. Recover()
+// reports the step this worker's state holds, waits for the next
+// generation's plan, reuses the connections to surviving peers, copies the
+// state from healthy peers if this worker is behind (or serves it to those
+// that are), and returns the step to run next. Nothing is rebuilt: the model,
+// optimizer, data and threads of a healthy worker stay as they are.
+//
+// A spare (SessionOptions::spare) joins without a rank: Join() blocks, warm,
+// until the controller gives it one (having copied the state it needs), or
+// returns CANCELLED if the job ends first.
 //
 // Thread-safety: a Session is driven by one training thread. No user callback
 // ever runs on the internal I/O thread.
@@ -62,7 +80,8 @@ class SessionImpl;
 
 class Session {
  public:
-  static Result<std::unique_ptr<Session>> Join(SessionOptions options);
+  // `state` holds what must survive a fault; it must outlive the Session.
+  static Result<std::unique_ptr<Session>> Join(SessionOptions options, state::StateRegistry* state);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -73,20 +92,29 @@ class Session {
   int64_t resume_step() const;  // the first step this generation runs
   int worker_id() const;
 
-  // What must survive a fault; register before the first step.
-  state::StateRegistry& state();
-
   // Sums `data` ([n] fp32) across the members, in place. Bitwise identical on
   // every rank and run to run at a fixed world size.
   Status AllReduce(std::span<float> data);
   Status Broadcast(std::span<std::byte> data, int root);
   Status Barrier();
 
-  // Tells the controller that `report.step` completed. Cheap; never blocks on a peer.
+  // Tells the controller that `report.step` completed: the registered state
+  // now holds that step. Cheap; never blocks on a peer.
   void ReportStep(const StepReport& report);
+
+  // After a collective failed (or Finish returned ABORTED): takes part in the
+  // recovery and returns the step to run next. Fails only when the job ended
+  // (CANCELLED, with shutdown_exit_code()) or this worker cannot continue.
+  Result<int64_t> Recover();
+
   // Tells the controller that training ended after `last_step` with these
-  // final parameters, and waits until the controller ends the job.
+  // final parameters, and waits until the controller ends the job. ABORTED:
+  // a member failed before the job ended; call Recover().
   Status Finish(int64_t last_step, const std::string& checksum);
+
+  // Fault injection (nonstop run --inject exception:...): true once when this
+  // rank should throw from its training loop at `step`.
+  bool InjectedExceptionAt(int64_t step);
   // Tells the controller this worker hit a fault it cannot handle itself.
   void ReportFailure(const Status& status, int64_t step, int exit_code);
 

@@ -330,28 +330,26 @@ TEST(CommunicatorTest, KilledPeerProcessFailsSurvivorsPromptly) {
 }
 
 TEST(CommunicatorTest, NextGenerationReusesConnectionsAfterAnAbortMidTransfer) {
-  // Both ranks are aborted in the middle of a large allreduce: frames are cut
-  // at arbitrary points. Generation 2 over the same meshes must work on the
-  // same sockets: owed bytes are padded, stale frames are dropped by tag.
+  // Rank 0 starts a large allreduce that rank 1 never joins: its first ring
+  // step streams pieces until the socket buffers are full, then it is aborted
+  // with frames in flight and, most likely, one cut in the middle. Generation
+  // 2 over the same meshes must work on the same sockets: the owed bytes are
+  // padded, and rank 1 drops the stale frames by their generation tag.
   auto listeners = MakeListeners(2);
   auto members = MembersOf(listeners);
   std::vector<std::unique_ptr<RankEnv>> envs;
   for (int r = 0; r < 2; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
+  RunRanksOn(envs, [](int, Communicator&) {});  // connect
+  std::vector<float> big(16 << 20, 1.0f);        // 64 MiB: far more than the socket buffers hold
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(Millis(200));
+    for (auto& e : envs) e->comm->Abort("test: generation 1 ends");
+  });
+  Status first = envs[0]->comm->AllReduce(big);
+  aborter.join();
+  EXPECT_EQ(first.code(), StatusCode::kAborted) << first.ToString();
+  EXPECT_GT(envs[0]->comm->stats().bytes_sent, 0u);
   std::vector<std::thread> threads;
-  std::vector<Status> first(2);
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      auto& comm = *envs[static_cast<size_t>(r)]->comm;
-      ASSERT_TRUE(comm.Connect().ok());
-      std::vector<float> big(16 << 20, 1.0f);  // 64 MiB: far longer than the abort delay
-      first[static_cast<size_t>(r)] = comm.AllReduce(big);
-    });
-  }
-  std::this_thread::sleep_for(Millis(30));
-  for (auto& e : envs) e->comm->Abort("test: generation 1 ends");
-  for (auto& t : threads) t.join();
-  threads.clear();
-  for (int r = 0; r < 2; ++r) EXPECT_EQ(first[static_cast<size_t>(r)].code(), StatusCode::kAborted) << r;
 
   const size_t n = 300'001;
   auto want = NaiveSum(2, n, IntegerInput);
@@ -383,7 +381,7 @@ TEST(CommunicatorTest, NextGenerationReusesConnectionsAfterAnAbortMidTransfer) {
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(envs[static_cast<size_t>(r)]->mesh->connections_opened(), 1) << "rank " << r << " reconnected";
   }
-  EXPECT_GT(stale[0] + stale[1], 0u) << "frames of the aborted allreduce were in flight and dropped";
+  EXPECT_GT(stale[1], 0u) << "frames of the aborted allreduce were in flight and dropped";
 }
 
 TEST(CommunicatorTest, BrokenConnectionIsRedialedInTheNextGeneration) {

@@ -48,7 +48,7 @@ std::string Encode(const PlanMsg& m) {
   return json{{"generation", m.generation}, {"members", members}, {"resume_step", m.resume_step},
               {"transfers", transfers}, {"faults", faults}, {"reason", m.reason}}.dump();
 }
-std::string Encode(const HeartbeatMsg& m) { return json{{"step", m.step}}.dump(); }
+std::string Encode(const HeartbeatMsg& m) { return json{{"step", m.step}, {"waiting_ms", m.waiting_ms}}.dump(); }
 std::string Encode(const ProgressMsg& m) {
   return json{{"step", m.step},
               {"loss", m.loss},
@@ -110,7 +110,10 @@ Result<PlanMsg> DecodePlan(std::string_view p) {
   });
 }
 Result<HeartbeatMsg> DecodeHeartbeat(std::string_view p) {
-  return Decode<HeartbeatMsg>("heartbeat", p, [](const json& j, HeartbeatMsg& m, std::string& f) { Get(j, "step", &m.step, f); });
+  return Decode<HeartbeatMsg>("heartbeat", p, [](const json& j, HeartbeatMsg& m, std::string& f) {
+    Get(j, "step", &m.step, f);
+    Get(j, "waiting_ms", &m.waiting_ms, f);
+  });
 }
 Result<ProgressMsg> DecodeProgress(std::string_view p) {
   return Decode<ProgressMsg>("progress", p, [](const json& j, ProgressMsg& m, std::string& f) {

@@ -81,8 +81,13 @@ struct InjectedMsg {
 };
 
 struct HeartbeatMsg {
-  int64_t step = -1;  // last completed step, -1 before the first
+  int64_t step = -1;        // last completed step, -1 before the first
+  int64_t waiting_ms = -1;  // time blocked in the current collective; -1: not in one (computing)
 };
+
+// The step a worker's state holds when it has none that is valid (a state
+// transfer into it was interrupted).
+inline constexpr int64_t kNoValidState = -2;
 
 struct ProgressMsg {
   int64_t step = 0;

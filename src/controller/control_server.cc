@@ -136,6 +136,24 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       sink_(FailureReported{id, *m});
       return;
     }
+    case control::kMsgReady: {
+      auto m = control::DecodeReady(f.payload);
+      if (!m.ok()) return bad(m.status());
+      sink_(ReadyReceived{id, *m});
+      return;
+    }
+    case control::kMsgRecovered: {
+      auto m = control::DecodeRecovered(f.payload);
+      if (!m.ok()) return bad(m.status());
+      sink_(RecoveredReceived{id, *m});
+      return;
+    }
+    case control::kMsgInjected: {
+      auto m = control::DecodeInjected(f.payload);
+      if (!m.ok()) return bad(m.status());
+      sink_(InjectedReceived{id, *m});
+      return;
+    }
     default:
       return bad(InvalidArgumentError(fmt::format("unexpected message type {}", f.type)));
   }

@@ -1,5 +1,7 @@
 #include "controller/controller.h"
 
+#include <signal.h>
+
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -8,35 +10,50 @@ namespace nonstop::controller {
 
 using nlohmann::json;
 
+namespace {
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+}  // namespace
+
 std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now) {
+  now_ = now;
+  if (!started_at_) started_at_ = now;
   std::vector<Action> out;
   if (phase_ == JobPhase::kEnded) {
-    // After the end only process exits matter (for the record).
     if (const auto* e = std::get_if<ProcessExited>(&event)) {
       auto it = workers_.find(e->worker_id);
       if (it != workers_.end()) it->second.role = WorkerRole::kGone;
     }
     return out;
   }
-  std::visit([&](const auto& e) { On(e, now, &out); }, event);
+  std::visit([&](const auto& e) { On(e, &out); }, event);
   return out;
 }
 
 int Controller::RankOf(int worker_id) const {
   auto it = workers_.find(worker_id);
-  if (it == workers_.end() || it->second.role != WorkerRole::kMember) return -1;
+  if (it == workers_.end() || !IsLiveMember(it->second)) return -1;
   return it->second.rank;
 }
 
 std::string Controller::Describe(const WorkerInfo& w) const {
-  if (w.role == WorkerRole::kMember || w.rank >= 0) {
-    return fmt::format("rank {} (worker {}, pid {})", w.rank, w.worker_id, w.pid);
-  }
+  if (w.rank >= 0) return fmt::format("rank {} (worker {}, pid {})", w.rank, w.worker_id, w.pid);
   return fmt::format("spare worker {} (pid {})", w.worker_id, w.pid);
 }
 
-void Controller::On(const WorkerJoined& e, Clock::time_point now, std::vector<Action>* out) {
+double Controller::MedianStepSeconds() const {
+  if (step_seconds_.empty()) return 0;
+  std::vector<double> v(step_seconds_.begin(), step_seconds_.end());
+  std::nth_element(v.begin(), v.begin() + static_cast<ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+// ---------------------------------------------------------------- joining
+
+void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   const auto& m = e.msg;
+  next_worker_id_ = std::max(next_worker_id_, m.worker_id + 1);
   if (workers_.count(m.worker_id) && workers_[m.worker_id].role != WorkerRole::kGone) {
     out->push_back(AppendJournal{{{"event", "join_refused"}, {"worker_id", m.worker_id},
                                   {"reason", "worker id already in use"}}});
@@ -47,11 +64,11 @@ void Controller::On(const WorkerJoined& e, Clock::time_point now, std::vector<Ac
   w.worker_id = m.worker_id;
   w.pid = m.pid;
   w.address = m.data_address;
-  w.role = m.spare ? WorkerRole::kSpare : WorkerRole::kPending;
-  w.last_heard = now;
+  w.role = m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending;
+  w.last_heard = now_;
   workers_[m.worker_id] = w;
   out->push_back(AppendJournal{{{"event", "join"}, {"worker_id", m.worker_id}, {"pid", m.pid},
-                                {"address", m.data_address}, {"spare", m.spare}}});
+                                {"address", m.data_address}, {"spare", w.role == WorkerRole::kSpare}}});
   if (phase_ == JobPhase::kForming) MaybeFormFirstGeneration(out);
 }
 
@@ -67,54 +84,62 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   control::PlanMsg plan;
   plan.generation = generation_;
   plan.resume_step = 0;
-  json members = json::array();
+  plan.faults = pending_faults_;
+  plan.reason = "start";
   for (size_t r = 0; r < members_.size(); ++r) {
     WorkerInfo& w = workers_[members_[r]];
     w.role = WorkerRole::kMember;
     w.rank = static_cast<int>(r);
+    w.last_heard = now_;
     plan.members.push_back({w.worker_id, w.address});
-    members.push_back(w.worker_id);
   }
-  // Late non-spare joiners beyond world_size wait as spares.
   for (auto& [id, w] : workers_) {
-    if (w.role == WorkerRole::kPending) w.role = WorkerRole::kSpare;
+    if (w.role == WorkerRole::kPending) w.role = WorkerRole::kSpare;  // late joiners wait as spares
   }
   phase_ = JobPhase::kRunning;
   for (int id : members_) out->push_back(SendPlan{id, plan});
-  out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members},
+  out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
                                 {"resume_step", 0}, {"reason", "start"}}});
   out->push_back(PrintLine{fmt::format("generation {}: {} workers, ranks by worker id {}", generation_,
-                                       members_.size(), members.dump())});
+                                       members_.size(), json(members_).dump())});
 }
 
-void Controller::On(const HeartbeatReceived& e, Clock::time_point now, std::vector<Action>*) {
+// ---------------------------------------------------------------- progress
+
+void Controller::On(const HeartbeatReceived& e, std::vector<Action>*) {
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end()) return;
-  it->second.last_heard = now;
+  it->second.last_heard = now_;
   it->second.last_step = std::max(it->second.last_step, e.msg.step);
+  it->second.waiting_ms = e.msg.waiting_ms;
 }
 
-void Controller::On(const ProgressReceived& e, Clock::time_point now, std::vector<Action>* out) {
+void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end()) return;
   WorkerInfo& w = it->second;
-  w.last_heard = now;
+  w.last_heard = now_;
   w.last_step = std::max(w.last_step, e.msg.step);
-  if (w.rank == 0 && w.role == WorkerRole::kMember) {
+  w.waiting_ms = -1;
+  highest_step_ = std::max(highest_step_, e.msg.step);
+  if (IsLiveMember(w) && w.rank == 0) {
     out->push_back(AppendJournal{{{"event", "step"}, {"step", e.msg.step}, {"loss", e.msg.loss},
                                   {"step_seconds", e.msg.step_seconds}, {"tokens_per_second", e.msg.tokens_per_second},
                                   {"world_size", e.msg.world_size}, {"generation", generation_}}});
+    // Steps right after a recovery include its cost: keep them out of the baseline.
+    if (!open_recovery_ && e.msg.step > resume_step_) {
+      step_seconds_.push_back(e.msg.step_seconds);
+      if (step_seconds_.size() > 20) step_seconds_.pop_front();
+    }
   }
-  int64_t all = INT64_MAX;
-  for (int id : members_) all = std::min(all, workers_[id].last_step);
-  completed_step_ = std::max(completed_step_, all);
+  MaybeCloseRecovery(out);
 }
 
-void Controller::On(const FinishedReceived& e, Clock::time_point now, std::vector<Action>* out) {
+void Controller::On(const FinishedReceived& e, std::vector<Action>* out) {
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end() || it->second.role != WorkerRole::kMember) return;
   WorkerInfo& w = it->second;
-  w.last_heard = now;
+  w.last_heard = now_;
   w.role = WorkerRole::kFinished;
   w.last_step = std::max(w.last_step, e.msg.step);
   out->push_back(AppendJournal{{{"event", "finished"}, {"worker_id", w.worker_id}, {"rank", w.rank},
@@ -127,103 +152,442 @@ void Controller::On(const FinishedReceived& e, Clock::time_point now, std::vecto
     return;
   }
   checksum_ = e.msg.checksum;
-  if (++finished_ == static_cast<int>(members_.size())) {
+  MaybeCloseRecovery(out);
+  if (phase_ == JobPhase::kRunning && ++finished_ == static_cast<int>(members_.size())) {
     End(kExitOk, fmt::format("training finished at step {}; parameter checksum {}", e.msg.step, e.msg.checksum), out);
   }
 }
 
-void Controller::On(const FailureReported& e, Clock::time_point, std::vector<Action>* out) {
+// ---------------------------------------------------------------- faults
+
+void Controller::On(const FailureReported& e, std::vector<Action>* out) {
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end()) return;
-  MemberFault(it->second, "reported failure", e.msg.reason, e.msg.exit_code, out);
+  if (e.msg.exit_code == kExitDataCorruption) {
+    End(kExitDataCorruption, fmt::format("{} reported data corruption: {}", Describe(it->second), e.msg.reason), out);
+    return;
+  }
+  if (it->second.role == WorkerRole::kSpare) {
+    SpareLost(it->second, "reported a failure: " + e.msg.reason, out);
+    return;
+  }
+  MemberFault(e.worker_id, "reported failure", e.msg.reason, out);
 }
 
-void Controller::On(const ConnectionLost& e, Clock::time_point now, std::vector<Action>*) {
+void Controller::On(const ConnectionLost& e, std::vector<Action>* out) {
   auto it = workers_.find(e.worker_id);
-  if (it == workers_.end()) return;
-  if (it->second.role == WorkerRole::kFinished || it->second.role == WorkerRole::kGone) return;
-  // Declared on a Tick after the grace period, unless the process exit comes first.
-  it->second.connection_lost_at = now;
-  it->second.connection_lost_reason = e.reason;
+  if (it == workers_.end() || it->second.role == WorkerRole::kGone) return;
+  if (it->second.role == WorkerRole::kSpare) {
+    SpareLost(it->second, "lost its control connection", out);
+    out->push_back(KillWorker{e.worker_id});
+    return;
+  }
+  if (phase_ == JobPhase::kForming) {
+    End(kExitPeerFailure, fmt::format("worker {} lost its control connection before the job formed: {}", e.worker_id, e.reason), out);
+    return;
+  }
+  MemberFault(e.worker_id, "control connection lost", e.reason, out);
 }
 
-void Controller::On(const ProcessExited& e, Clock::time_point, std::vector<Action>* out) {
-  auto it = workers_.find(e.worker_id);
+void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
   std::string how = e.signal != 0 ? fmt::format("was killed by signal {}", e.signal)
                                   : fmt::format("exited with code {}", e.exit_code);
+  out->push_back(AppendJournal{{{"event", "exit"}, {"worker_id", e.worker_id}, {"pid", e.pid}, {"how", how},
+                                {"rank", RankOf(e.worker_id)}}});
+  auto it = workers_.find(e.worker_id);
   if (it == workers_.end()) {
-    // Died before it joined: it cannot have been a member, but the job cannot form without it.
-    WorkerInfo w;
-    w.worker_id = e.worker_id;
-    w.pid = e.pid;
-    out->push_back(AppendJournal{{{"event", "exit"}, {"worker_id", e.worker_id}, {"pid", e.pid}, {"how", how}}});
     if (phase_ == JobPhase::kForming) {
       End(e.exit_code == kExitDataCorruption ? kExitDataCorruption : kExitPeerFailure,
           fmt::format("worker {} (pid {}) {} before joining the job", e.worker_id, e.pid, how), out);
+    } else if (e.exit_code == kExitDataCorruption) {
+      End(kExitDataCorruption, fmt::format("worker {} (pid {}) {} before joining: its data is corrupt", e.worker_id, e.pid, how), out);
+    } else if (e.exit_code != 0) {
+      out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before joining", e.worker_id, e.pid, how)});
     }
     return;
   }
-  const WorkerInfo before = it->second;  // as it was when it died, for the report
-  it->second.role = WorkerRole::kGone;
-  out->push_back(AppendJournal{{{"event", "exit"}, {"worker_id", e.worker_id}, {"pid", e.pid}, {"how", how},
-                                {"rank", before.rank}}});
-  if (before.role == WorkerRole::kFinished) return;
-  if (before.role == WorkerRole::kSpare) {
-    out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {}", before.worker_id, before.pid, how)});
-    return;
-  }
-  int code = e.signal == 0 && e.exit_code == kExitDataCorruption ? kExitDataCorruption : kExitPeerFailure;
-  MemberFault(before, "process exit", how, code, out);
-}
-
-void Controller::On(const Tick&, Clock::time_point now, std::vector<Action>* out) {
-  if (phase_ != JobPhase::kRunning) return;
-  for (int id : members_) {
-    WorkerInfo& w = workers_[id];
-    if (w.role != WorkerRole::kMember) continue;
-    if (w.connection_lost_at && now - *w.connection_lost_at >= options_.connection_loss_grace) {
-      MemberFault(w, "control connection lost", w.connection_lost_reason, kExitPeerFailure, out);
-      return;
-    }
-    if (now - w.last_heard > options_.heartbeat_timeout) {
-      MemberFault(w, "heartbeat timeout",
-                  fmt::format("no heartbeat for {} ms", std::chrono::duration_cast<Millis>(now - w.last_heard).count()),
-                  kExitPeerFailure, out);
-      return;
+  WorkerInfo& w = it->second;
+  w.how_it_ended = how;
+  // Name the cause in an open recovery that this worker's loss started.
+  if (open_recovery_) {
+    for (auto& c : recoveries_[*open_recovery_].causes) {
+      if (c.find(fmt::format("(worker {},", w.worker_id)) != std::string::npos && c.find(" [") == std::string::npos) {
+        c += " [" + how + "]";
+      }
     }
   }
+  switch (w.role) {
+    case WorkerRole::kGone:
+      return;
+    case WorkerRole::kSpare:
+      SpareLost(w, how, out);
+      return;
+    case WorkerRole::kPending:
+      w.role = WorkerRole::kGone;
+      End(kExitPeerFailure, fmt::format("worker {} (pid {}) {} before the job formed", w.worker_id, w.pid, how), out);
+      return;
+    case WorkerRole::kMember:
+    case WorkerRole::kFinished:
+      if (e.signal == 0 && e.exit_code == kExitDataCorruption) {
+        End(kExitDataCorruption, fmt::format("{} {}: data corruption (see its output)", Describe(w), how), out);
+        return;
+      }
+      MemberFault(w.worker_id, "process exit", how, out);
+      return;
+  }
 }
 
-void Controller::MemberFault(const WorkerInfo& w, const std::string& kind, const std::string& detail, int exit_code,
+void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out) {
+  w.role = WorkerRole::kGone;
+  out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {}; starting another", w.worker_id, w.pid, how)});
+  out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true});
+}
+
+void Controller::MemberFault(int worker_id, const std::string& kind, const std::string& detail,
                              std::vector<Action>* out) {
-  if (w.role != WorkerRole::kMember && w.role != WorkerRole::kPending) {
-    out->push_back(AppendJournal{{{"event", "fault_ignored"}, {"worker_id", w.worker_id}, {"kind", kind},
-                                  {"detail", detail}}});
-    return;
-  }
+  WorkerInfo& w = workers_[worker_id];
+  if (!IsLiveMember(w)) return;
+  w.role = WorkerRole::kGone;
+  std::string what = fmt::format("{} {} ({}); its last completed step was {}", Describe(w), detail, kind,
+                                 w.last_step >= 0 ? std::to_string(w.last_step) : "none");
   out->push_back(AppendJournal{{{"event", "fault"}, {"kind", kind}, {"worker_id", w.worker_id}, {"rank", w.rank},
                                 {"pid", w.pid}, {"detail", detail}, {"last_step", w.last_step},
                                 {"generation", generation_}}});
-  End(exit_code,
-      fmt::format("{} {} ({}); its last completed step was {}", Describe(w), detail, kind,
-                  w.last_step >= 0 ? std::to_string(w.last_step) : "none"),
-      out);
+  out->push_back(PrintLine{"fault: " + what});
+  out->push_back(KillWorker{worker_id});  // it may be hung, or half alive: make sure it is gone
+  ready_.erase(worker_id);
+  if (phase_ == JobPhase::kRecovering) {
+    recoveries_[*open_recovery_].causes.push_back(what);
+    MaybeFinishAbort(out);
+  } else {
+    StartRecovery(what, out);
+  }
 }
+
+// ---------------------------------------------------------------- recovery
+
+void Controller::StartRecovery(const std::string& cause, std::vector<Action>* out) {
+  if (open_recovery_) {
+    // A fault while the previous recovery had not finished: it is superseded.
+    recoveries_[*open_recovery_].outcome = fmt::format("superseded by recovery {}", recoveries_.size() + 1);
+    out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(recoveries_[*open_recovery_])}}});
+  }
+  RecoveryRecord rec;
+  rec.id = static_cast<int>(recoveries_.size()) + 1;
+  rec.from_generation = generation_;
+  rec.causes.push_back(cause);
+  rec.detected_at = now_;
+  rec.old_world = static_cast<int>(members_.size());
+  rec.normal_step_seconds = MedianStepSeconds();
+  if (last_injected_ && now_ - last_injected_->first < std::chrono::seconds(10)) {
+    rec.fault_at = last_injected_->first;
+    rec.injected = last_injected_->second;
+    last_injected_.reset();
+  }
+  recoveries_.push_back(rec);
+  open_recovery_ = recoveries_.size() - 1;
+  phase_ = JobPhase::kRecovering;
+  finished_ = 0;
+  abort_deadline_ = now_ + options_.abort_timeout;
+  control::AbortMsg abort{generation_, cause};
+  for (int id : members_) {
+    WorkerInfo& w = workers_[id];
+    if (!IsLiveMember(w)) continue;
+    if (w.role == WorkerRole::kFinished) w.role = WorkerRole::kMember;
+    out->push_back(SendAbort{id, abort});
+  }
+  out->push_back(AppendJournal{{{"event", "recovery_start"}, {"recovery", rec.id}, {"generation", generation_},
+                                {"cause", cause}, {"injected", rec.injected}}});
+  MaybeFinishAbort(out);
+}
+
+void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
+  auto it = workers_.find(e.worker_id);
+  if (it == workers_.end() || !IsLiveMember(it->second) || e.msg.generation != generation_) return;
+  if (phase_ == JobPhase::kRunning) {
+    // The member saw a fault first (a peer's connection reset): recover.
+    StartRecovery(fmt::format("{} reported: {}", Describe(it->second), e.msg.reason), out);
+  }
+  if (phase_ != JobPhase::kRecovering) return;
+  ready_[e.worker_id] = e.msg.step;
+  out->push_back(AppendJournal{{{"event", "ready"}, {"worker_id", e.worker_id}, {"rank", it->second.rank},
+                                {"generation", e.msg.generation}, {"step", e.msg.step}, {"reason", e.msg.reason}}});
+  MaybeFinishAbort(out);
+}
+
+void Controller::MaybeFinishAbort(std::vector<Action>* out) {
+  if (phase_ != JobPhase::kRecovering) return;
+  for (int id : members_) {
+    if (IsLiveMember(workers_[id]) && !ready_.count(id)) return;  // still waiting
+  }
+  recoveries_[*open_recovery_].aborted_at = now_;
+  FormNextGeneration(out);
+}
+
+void Controller::FormNextGeneration(std::vector<Action>* out) {
+  RecoveryRecord& rec = recoveries_[*open_recovery_];
+  std::vector<int> survivors;
+  int64_t s_star = -1;
+  for (int id : members_) {
+    if (IsLiveMember(workers_[id]) && ready_.count(id)) {
+      survivors.push_back(id);
+      s_star = std::max(s_star, ready_[id]);
+    }
+  }
+  std::vector<int> holders;
+  for (int id : survivors) {
+    if (ready_[id] == s_star) holders.push_back(id);
+  }
+  // The initial state (step -1) is the same everywhere (seeded), so anyone holds it.
+  bool state_everywhere = s_star == -1 && highest_step_ < 0;
+  if (holders.empty() && !state_everywhere) {
+    rec.outcome = "failed";
+    out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(rec)}}});
+    End(kExitPeerFailure,
+        fmt::format("the state of step {} exists on no live worker (every member that held it is gone); without a "
+                    "durable checkpoint the job cannot continue",
+                    std::max(s_star, highest_step_)),
+        out);
+    return;
+  }
+  std::vector<int> spares;
+  for (const auto& [id, w] : workers_) {
+    if (w.role == WorkerRole::kSpare) spares.push_back(id);
+  }
+  std::vector<int> next;
+  size_t spare_i = 0;
+  for (size_t r = 0; r < members_.size(); ++r) {
+    int id = members_[r];
+    if (std::find(survivors.begin(), survivors.end(), id) != survivors.end()) {
+      next.push_back(id);
+    } else if (spare_i < spares.size()) {
+      int s = spares[spare_i++];
+      next.push_back(s);
+      rec.replacements.push_back(fmt::format("rank {}: worker {} → spare worker {}", r, id, s));
+    } else {
+      rec.replacements.push_back(fmt::format("rank {}: worker {} → none (shrink)", r, id));
+    }
+  }
+  if (next.empty()) {
+    rec.outcome = "failed";
+    End(kExitPeerFailure, "no worker is left to continue the job", out);
+    return;
+  }
+  ++generation_;
+  members_ = next;
+  resume_step_ = s_star + 1;
+  rec.to_generation = generation_;
+  rec.resume_step = resume_step_;
+  rec.lost_steps = std::max<int64_t>(0, highest_step_ - s_star);
+  rec.new_world = static_cast<int>(next.size());
+  rec.sources = static_cast<int>(holders.size());
+
+  control::PlanMsg plan;
+  plan.generation = generation_;
+  plan.resume_step = resume_step_;
+  plan.faults = pending_faults_;
+  plan.reason = "recovery";
+  json transfers = json::array();
+  for (size_t r = 0; r < next.size(); ++r) {
+    WorkerInfo& w = workers_[next[r]];
+    bool was_spare = w.role == WorkerRole::kSpare;
+    int64_t holds = was_spare ? -1 : ready_[w.worker_id];  // a spare holds the initial state
+    w.role = WorkerRole::kMember;
+    w.rank = static_cast<int>(r);
+    w.last_heard = now_;
+    w.waiting_ms = -1;
+    w.last_step = holds;
+    plan.members.push_back({w.worker_id, w.address});
+    if (holds != s_star) {
+      plan.transfers.push_back({w.worker_id, holders});
+      transfers.push_back({{"receiver", w.worker_id}, {"sources", holders}, {"had_step", holds}});
+    }
+  }
+  ready_.clear();
+  phase_ = JobPhase::kRunning;
+  rec.plan_at = now_;
+  for (int id : members_) out->push_back(SendPlan{id, plan});
+  for (size_t i = 0; i < spare_i && options_.spares > 0; ++i) {
+    out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true});
+    ++rec.spawned_spares;
+  }
+  out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
+                                {"resume_step", resume_step_}, {"reason", "recovery"}, {"recovery", rec.id},
+                                {"transfers", transfers}}});
+  out->push_back(PrintLine{fmt::format("generation {}: {} workers {}, resuming at step {}{}", generation_, members_.size(),
+                                       json(members_).dump(), resume_step_,
+                                       plan.transfers.empty() ? "" : fmt::format(", {} receiving state from {} source(s)",
+                                                                                 plan.transfers.size(), holders.size()))});
+}
+
+void Controller::On(const RecoveredReceived& e, std::vector<Action>* out) {
+  if (!open_recovery_ || e.msg.generation != generation_) return;
+  RecoveryRecord& rec = recoveries_[*open_recovery_];
+  rec.connect_seconds = std::max(rec.connect_seconds, e.msg.connect_seconds);
+  rec.transfer_seconds = std::max(rec.transfer_seconds, e.msg.transfer_seconds);
+  rec.bytes_copied += e.msg.bytes_received;
+  rec.refetched_chunks += e.msg.refetched_chunks;
+  if (++rec.recovered_reports == static_cast<int>(members_.size())) rec.state_ready_at = now_;
+  MaybeCloseRecovery(out);
+}
+
+void Controller::MaybeCloseRecovery(std::vector<Action>* out) {
+  if (!open_recovery_ || phase_ != JobPhase::kRunning) return;
+  RecoveryRecord& rec = recoveries_[*open_recovery_];
+  for (int id : members_) {
+    if (workers_[id].last_step < rec.resume_step && workers_[id].role != WorkerRole::kFinished) return;
+  }
+  rec.first_step_at = now_;
+  if (!rec.state_ready_at) rec.state_ready_at = now_;
+  rec.outcome = "completed";
+  out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(rec)}}});
+  open_recovery_.reset();
+}
+
+void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
+  auto it = std::find_if(pending_faults_.begin(), pending_faults_.end(),
+                         [&](const control::FaultSpec& f) { return f.id == e.msg.fault_id; });
+  if (it != pending_faults_.end()) pending_faults_.erase(it);
+  last_injected_ = {now_, e.msg.description};
+  out->push_back(AppendJournal{{{"event", "fault_injected"}, {"worker_id", e.worker_id}, {"fault", e.msg.description}}});
+}
+
+// ---------------------------------------------------------------- timers
+
+void Controller::On(const Tick&, std::vector<Action>* out) {
+  FireTimedFaults(out);
+  if (phase_ == JobPhase::kRecovering && now_ >= abort_deadline_) {
+    // Escalation: members that could not abort in time are killed and replaced.
+    std::vector<int> late;
+    for (int id : members_) {
+      if (IsLiveMember(workers_[id]) && !ready_.count(id)) late.push_back(id);
+    }
+    for (int id : late) {
+      MemberFault(id, "did not abort in time",
+                  fmt::format("no answer {} ms after the abort", options_.abort_timeout.count()), out);
+      if (phase_ != JobPhase::kRecovering) return;
+    }
+  }
+  if (phase_ == JobPhase::kRunning) CheckWatchdogs(out);
+}
+
+void Controller::CheckWatchdogs(std::vector<Action>* out) {
+  for (int id : members_) {
+    WorkerInfo& w = workers_[id];
+    if (w.role != WorkerRole::kMember) continue;
+    if (now_ - w.last_heard > options_.heartbeat_timeout) {
+      MemberFault(id, "heartbeat timeout", fmt::format("sent no heartbeat for {:.0f} ms", Ms(now_ - w.last_heard)), out);
+      return;
+    }
+  }
+  // Step progress: someone has waited in a collective far longer than a step
+  // takes, while a member is still computing: that member is stuck.
+  double threshold_ms = std::max<double>(static_cast<double>(options_.watchdog_floor.count()),
+                                         options_.watchdog_factor * MedianStepSeconds() * 1000.0);
+  int64_t longest_wait = -1;
+  for (int id : members_) longest_wait = std::max(longest_wait, workers_[id].waiting_ms);
+  if (static_cast<double>(longest_wait) <= threshold_ms) return;
+  for (int id : members_) {
+    WorkerInfo& w = workers_[id];
+    if (w.role == WorkerRole::kMember && w.waiting_ms < 0) {
+      MemberFault(id, "step-progress watchdog",
+                  fmt::format("has not reached the collective of step {} while others waited {} ms", w.last_step + 1,
+                              longest_wait),
+                  out);
+      return;
+    }
+  }
+}
+
+void Controller::FireTimedFaults(std::vector<Action>* out) {
+  for (auto it = pending_faults_.begin(); it != pending_faults_.end();) {
+    if (it->point != control::FaultPoint::kTime ||
+        now_ - *started_at_ < std::chrono::duration<double>(it->time_seconds) ||
+        static_cast<size_t>(it->rank) >= members_.size() || phase_ != JobPhase::kRunning) {
+      ++it;
+      continue;
+    }
+    int id = members_[static_cast<size_t>(it->rank)];
+    std::string what = control::FormatFault(*it);
+    out->push_back(SignalWorker{id, it->kind == control::FaultKind::kKill ? SIGKILL : SIGSTOP});
+    out->push_back(AppendJournal{{{"event", "fault_injected"}, {"worker_id", id}, {"fault", what}}});
+    last_injected_ = {now_, what};
+    it = pending_faults_.erase(it);
+  }
+}
+
+// ---------------------------------------------------------------- the end
 
 void Controller::End(int exit_code, const std::string& reason, std::vector<Action>* out) {
   phase_ = JobPhase::kEnded;
   out->push_back(AppendJournal{{{"event", "job_end"}, {"exit_code", exit_code}, {"reason", reason},
-                                {"generation", generation_}, {"completed_step", completed_step_}}});
+                                {"generation", generation_}, {"highest_step", highest_step_}}});
   for (auto& [id, w] : workers_) {
     if (w.role == WorkerRole::kGone) continue;
     out->push_back(SendShutdown{id, {reason, exit_code}});
     if (exit_code != kExitOk) out->push_back(KillWorker{id});
   }
+  Report(out);
   out->push_back(EndJob{exit_code, reason});
 }
 
+json Controller::RecordJson(const RecoveryRecord& r) const {
+  auto since = [&](const std::optional<Clock::time_point>& t) -> json {
+    if (!t) return nullptr;
+    return Ms(*t - r.fault_at.value_or(r.detected_at));
+  };
+  json j = {{"id", r.id}, {"from_generation", r.from_generation}, {"to_generation", r.to_generation},
+            {"causes", r.causes}, {"injected", r.injected}, {"outcome", r.outcome},
+            {"resume_step", r.resume_step}, {"lost_steps", r.lost_steps}, {"old_world", r.old_world},
+            {"new_world", r.new_world}, {"replacements", r.replacements}, {"spawned_spares", r.spawned_spares},
+            {"bytes_copied", r.bytes_copied}, {"sources", r.sources}, {"refetched_chunks", r.refetched_chunks},
+            {"connect_ms", r.connect_seconds * 1000}, {"transfer_ms", r.transfer_seconds * 1000},
+            {"normal_step_ms", r.normal_step_seconds * 1000}, {"fault_time_known", r.fault_at.has_value()},
+            {"ms_after_fault", {{"detected", since(r.detected_at)}, {"aborted", since(r.aborted_at)},
+                                {"plan_published", since(r.plan_at)}, {"state_ready", since(r.state_ready_at)},
+                                {"first_step_completed", since(r.first_step_at)}}}};
+  if (r.first_step_at) {
+    double total = Ms(*r.first_step_at - r.fault_at.value_or(r.detected_at));
+    j["downtime_ms"] = std::max(0.0, total - r.normal_step_seconds * 1000);
+  }
+  return j;
+}
+
+void Controller::Report(std::vector<Action>* out) const {
+  if (recoveries_.empty()) return;
+  int64_t lost = 0;
+  for (const auto& r : recoveries_) lost += r.lost_steps;
+  out->push_back(PrintLine{fmt::format("recovery report: {} recover{}, {} completed step{} lost", recoveries_.size(),
+                                       recoveries_.size() == 1 ? "y" : "ies", lost, lost == 1 ? "" : "s")});
+  for (const auto& r : recoveries_) {
+    json j = RecordJson(r);
+    out->push_back(PrintLine{fmt::format("  #{} {}{}", r.id, r.injected.empty() ? "" : "injected " + r.injected + ": ",
+                                         r.causes.empty() ? "" : r.causes.front())});
+    for (size_t i = 1; i < r.causes.size(); ++i) out->push_back(PrintLine{"     and " + r.causes[i]});
+    std::string handled = r.replacements.empty() ? "no member lost" : "";
+    for (const auto& s : r.replacements) handled += (handled.empty() ? "" : "; ") + s;
+    out->push_back(PrintLine{fmt::format("     handled: {}; generation {} → {}, world {} → {}, resumed at step {} ({})",
+                                         handled, r.from_generation, r.to_generation, r.old_world, r.new_world,
+                                         r.resume_step, r.outcome)});
+    const json& p = j["ms_after_fault"];
+    auto f = [](const json& v) { return v.is_null() ? std::string("-") : fmt::format("{:.0f}", v.get<double>()); };
+    out->push_back(PrintLine{fmt::format("     ms after the fault{}: detected {}, aborted {}, plan {}, state ready {}, "
+                                         "first step done {}",
+                                         r.fault_at ? "" : " (its detection; the fault time is unknown)",
+                                         f(p["detected"]), f(p["aborted"]), f(p["plan_published"]), f(p["state_ready"]),
+                                         f(p["first_step_completed"]))});
+    double mb = static_cast<double>(r.bytes_copied) / 1e6;
+    out->push_back(PrintLine{fmt::format(
+        "     copied {:.2f} MB from {} source(s) in {:.0f} ms ({:.0f} MB/s){}; downtime {} ms (a normal step {:.0f} ms)",
+        mb, r.sources, r.transfer_seconds * 1000, r.transfer_seconds > 0 ? mb / r.transfer_seconds : 0.0,
+        r.refetched_chunks > 0 ? fmt::format(", {} chunk(s) refetched after a checksum failure", r.refetched_chunks) : "",
+        j.contains("downtime_ms") ? fmt::format("{:.0f}", j["downtime_ms"].get<double>()) : "-",
+        r.normal_step_seconds * 1000)});
+  }
+}
+
 json Controller::Status() const {
-  static const char* kPhase[] = {"forming", "running", "ended"};
+  static const char* kPhase[] = {"forming", "running", "recovering", "ended"};
   static const char* kRole[] = {"pending", "member", "spare", "finished", "gone"};
   json workers = json::array();
   for (const auto& [id, w] : workers_) {
@@ -231,7 +595,8 @@ json Controller::Status() const {
                        {"rank", w.rank}, {"last_step", w.last_step}});
   }
   return {{"phase", kPhase[static_cast<int>(phase_)]}, {"generation", generation_},
-          {"world_size", members_.size()}, {"completed_step", completed_step_}, {"workers", workers}};
+          {"world_size", members_.size()}, {"highest_step", highest_step_}, {"workers", workers},
+          {"recoveries", recoveries_.size()}};
 }
 
 }  // namespace nonstop::controller

@@ -1,23 +1,39 @@
-// Controller: the job's brain, as a pure state machine (DESIGN.md §9).
+// Controller: the job's brain, as a pure state machine (DESIGN.md §2–§4, §9).
 //
 // Handle(event, now) → actions. It owns no socket, clock or process: the
-// runtime around it (run_loop.cc) turns socket traffic, process exits and
-// timer ticks into Events, and carries out the Actions it returns (send a
-// plan, kill a worker, append to the journal, end the job). That makes every
-// membership decision testable without threads (controller_test.cc).
+// runtime around it (apps/nonstop/run_command.cc) turns socket traffic,
+// process exits and timer ticks into Events, and carries out the Actions it
+// returns (send a plan, abort a generation, kill or start a worker, append to
+// the journal, end the job). Every membership decision is therefore testable
+// without threads (controller_test.cc).
 //
-// Generations: a generation is one membership (who is in, in which rank
-// order, from which step). Generation 1 forms when `world_size` non-spare
+// Generations. A generation is one membership: who is in, in which rank
+// order, from which step. Generation 1 forms when `world_size` non-spare
 // workers have joined; ranks follow worker ids. Spares join and wait.
 //
-// Faults (this version): a member that dies, disconnects, stops sending
-// heartbeats or reports a failure ends the job with exit code 10 and a reason
-// that names the rank, the worker, its pid and the last step it completed.
+// Faults and recovery (checkpointless, in-process):
+//   1. A fault is detected: a member's process exits, its control connection
+//      drops, its heartbeats stop, the step-progress watchdog fires, it
+//      reports a failure, or a member reports that its collective failed.
+//   2. The failed worker is killed (it may be hung) and every live member is
+//      told to abort generation g. Each answers Ready with the step its state
+//      holds. A member that has not answered within abort_timeout is killed
+//      too (escalation).
+//   3. Plan g+1: survivors keep their rank order; a spare takes each lost
+//      rank, or the job shrinks when none is left. It resumes at s*+1, s* the
+//      highest step a survivor holds; every member not at s* (a spare, a
+//      member one step behind) copies the state from the members at s*.
+//      If no live worker holds s*, the job ends with a clear message.
+//   4. Members report when connections and state are ready; the recovery ends
+//      when every member has completed the resume step. Its phases are
+//      journaled and summarised at the end of the job.
+// A fault during a recovery starts a new one from the current members.
 //
 // Thread-safety: none; one thread drives it.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <optional>
 #include <string>
@@ -27,24 +43,30 @@
 #include <nlohmann/json.hpp>
 
 #include "common/time.h"
+#include "control/fault_spec.h"
 #include "control/messages.h"
 
 namespace nonstop::controller {
 
-// Exit codes of `nonstop run`, meaningful to a supervisor (docs/cli.md).
+// Exit codes of `nonstop run`, meaningful to a supervisor (README).
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitUsage = 2;
-inline constexpr int kExitPeerFailure = 10;  // a worker failed; restartable
+inline constexpr int kExitPeerFailure = 10;  // a worker failed and the job could not continue; restartable
 inline constexpr int kExitDataCorruption = 11;
 
 struct ControllerOptions {
   int world_size = 1;
-  int spares = 0;
-  Millis heartbeat_timeout{5'000};
-  // A lost control connection usually means the process died; its exit
-  // (seen by the launcher at about the same moment) names the cause more
-  // precisely, so the fault waits this long for it before being declared.
-  Millis connection_loss_grace{100};
+  int spares = 0;  // the size of the spare pool, refilled as spares are used
+  // A member silent this long is declared failed (a hung or stopped process).
+  Millis heartbeat_timeout{1'000};
+  // Members that have not aborted and answered Ready this long after the
+  // abort are killed (escalation).
+  Millis abort_timeout{2'000};
+  // Step-progress watchdog: a member still computing while another has
+  // waited in the step's collective for max(floor, factor × median step time).
+  double watchdog_factor = 5.0;
+  Millis watchdog_floor{2'000};
+  std::vector<control::FaultSpec> faults;  // injected faults, fired once each
 };
 
 // ---- events ----
@@ -53,22 +75,29 @@ struct HeartbeatReceived { int worker_id; control::HeartbeatMsg msg; };
 struct ProgressReceived { int worker_id; control::ProgressMsg msg; };
 struct FinishedReceived { int worker_id; control::FinishedMsg msg; };
 struct FailureReported { int worker_id; control::FailureMsg msg; };
+struct ReadyReceived { int worker_id; control::ReadyMsg msg; };
+struct RecoveredReceived { int worker_id; control::RecoveredMsg msg; };
+struct InjectedReceived { int worker_id; control::InjectedMsg msg; };
 struct ConnectionLost { int worker_id; std::string reason; };
 struct ProcessExited { int worker_id; int64_t pid; int exit_code; int signal; };  // signal 0: exited normally
 struct Tick {};
 using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived, FailureReported,
-                           ConnectionLost, ProcessExited, Tick>;
+                           ReadyReceived, RecoveredReceived, InjectedReceived, ConnectionLost, ProcessExited, Tick>;
 
 // ---- actions ----
 struct SendPlan { int worker_id; control::PlanMsg plan; };
+struct SendAbort { int worker_id; control::AbortMsg msg; };
 struct SendShutdown { int worker_id; control::ShutdownMsg msg; };
-struct KillWorker { int worker_id; };
+struct KillWorker { int worker_id; };               // SIGKILL now
+struct SignalWorker { int worker_id; int signal; };  // injected time-based faults
+struct SpawnWorker { int worker_id; bool spare; };
 struct AppendJournal { nlohmann::json record; };
 struct PrintLine { std::string line; };
 struct EndJob { int exit_code; std::string reason; };
-using Action = std::variant<SendPlan, SendShutdown, KillWorker, AppendJournal, PrintLine, EndJob>;
+using Action = std::variant<SendPlan, SendAbort, SendShutdown, KillWorker, SignalWorker, SpawnWorker, AppendJournal,
+                            PrintLine, EndJob>;
 
-enum class JobPhase { kForming, kRunning, kEnded };
+enum class JobPhase { kForming, kRunning, kRecovering, kEnded };
 enum class WorkerRole { kPending, kMember, kSpare, kFinished, kGone };
 
 struct WorkerInfo {
@@ -78,50 +107,103 @@ struct WorkerInfo {
   WorkerRole role = WorkerRole::kPending;
   int rank = -1;
   int64_t last_step = -1;
+  int64_t waiting_ms = -1;
   Clock::time_point last_heard{};
-  std::optional<Clock::time_point> connection_lost_at;
-  std::string connection_lost_reason;
+  std::string how_it_ended;  // set when its process exited
+};
+
+// One recovery, with its phases (journal "recovery_end", and the end-of-job report).
+struct RecoveryRecord {
+  int id = 0;
+  uint32_t from_generation = 0;
+  uint32_t to_generation = 0;
+  std::vector<std::string> causes;
+  std::string injected;                          // the injected fault, if one caused it
+  std::optional<Clock::time_point> fault_at;     // when the fault happened (injected faults)
+  Clock::time_point detected_at{};
+  std::optional<Clock::time_point> aborted_at;   // every live member had answered Ready
+  std::optional<Clock::time_point> plan_at;
+  std::optional<Clock::time_point> state_ready_at;  // every member reported connections and state ready
+  std::optional<Clock::time_point> first_step_at;   // every member completed the resume step
+  int64_t resume_step = 0;
+  int64_t lost_steps = 0;  // completed steps no survivor held
+  int old_world = 0, new_world = 0;
+  std::vector<std::string> replacements;  // "rank 2: worker 2 → spare worker 5"
+  int spawned_spares = 0;
+  double connect_seconds = 0, transfer_seconds = 0;
+  uint64_t bytes_copied = 0;
+  int sources = 0, refetched_chunks = 0, recovered_reports = 0;
+  double normal_step_seconds = 0;
+  std::string outcome = "in progress";  // "completed", "superseded by recovery N", "failed"
 };
 
 class Controller {
  public:
-  explicit Controller(ControllerOptions options) : options_(options) {}
+  explicit Controller(ControllerOptions options) : options_(std::move(options)), pending_faults_(options_.faults) {}
 
   std::vector<Action> Handle(const Event& event, Clock::time_point now);
 
   JobPhase phase() const { return phase_; }
   uint32_t generation() const { return generation_; }
   const std::map<int, WorkerInfo>& workers() const { return workers_; }
-  // A snapshot for /status and `nonstop status`.
+  const std::vector<RecoveryRecord>& recoveries() const { return recoveries_; }
   nlohmann::json Status() const;
   // The rank a worker holds now, or -1 (spare, gone, not yet placed).
   int RankOf(int worker_id) const;
+  // The pending injected faults, for workers started later.
+  const std::vector<control::FaultSpec>& pending_faults() const { return pending_faults_; }
 
  private:
-  void On(const WorkerJoined& e, Clock::time_point now, std::vector<Action>* out);
-  void On(const HeartbeatReceived& e, Clock::time_point now, std::vector<Action>* out);
-  void On(const ProgressReceived& e, Clock::time_point now, std::vector<Action>* out);
-  void On(const FinishedReceived& e, Clock::time_point now, std::vector<Action>* out);
-  void On(const FailureReported& e, Clock::time_point now, std::vector<Action>* out);
-  void On(const ConnectionLost& e, Clock::time_point now, std::vector<Action>* out);
-  void On(const ProcessExited& e, Clock::time_point now, std::vector<Action>* out);
-  void On(const Tick& e, Clock::time_point now, std::vector<Action>* out);
+  void On(const WorkerJoined& e, std::vector<Action>* out);
+  void On(const HeartbeatReceived& e, std::vector<Action>* out);
+  void On(const ProgressReceived& e, std::vector<Action>* out);
+  void On(const FinishedReceived& e, std::vector<Action>* out);
+  void On(const FailureReported& e, std::vector<Action>* out);
+  void On(const ReadyReceived& e, std::vector<Action>* out);
+  void On(const RecoveredReceived& e, std::vector<Action>* out);
+  void On(const InjectedReceived& e, std::vector<Action>* out);
+  void On(const ConnectionLost& e, std::vector<Action>* out);
+  void On(const ProcessExited& e, std::vector<Action>* out);
+  void On(const Tick& e, std::vector<Action>* out);
 
   void MaybeFormFirstGeneration(std::vector<Action>* out);
-  // A member is lost: end the job (in-process recovery comes in a later version).
-  void MemberFault(const WorkerInfo& w, const std::string& kind, const std::string& detail, int exit_code,
-                   std::vector<Action>* out);
+  bool IsLiveMember(const WorkerInfo& w) const {
+    return w.role == WorkerRole::kMember || w.role == WorkerRole::kFinished;
+  }
+  // A member failed: it leaves the membership (and is killed); recovery starts or continues.
+  void MemberFault(int worker_id, const std::string& kind, const std::string& detail, std::vector<Action>* out);
+  void SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out);
+  void StartRecovery(const std::string& cause, std::vector<Action>* out);
+  void MaybeFinishAbort(std::vector<Action>* out);
+  void FormNextGeneration(std::vector<Action>* out);
+  void MaybeCloseRecovery(std::vector<Action>* out);
+  void CheckWatchdogs(std::vector<Action>* out);
+  void FireTimedFaults(std::vector<Action>* out);
   void End(int exit_code, const std::string& reason, std::vector<Action>* out);
+  void Report(std::vector<Action>* out) const;
   std::string Describe(const WorkerInfo& w) const;
+  double MedianStepSeconds() const;
+  nlohmann::json RecordJson(const RecoveryRecord& r) const;
 
   const ControllerOptions options_;
+  Clock::time_point now_{};
+  std::optional<Clock::time_point> started_at_;
   JobPhase phase_ = JobPhase::kForming;
   uint32_t generation_ = 0;
   std::vector<int> members_;  // worker ids, index = rank
   std::map<int, WorkerInfo> workers_;
-  int64_t completed_step_ = -1;  // highest step every member has completed
+  std::map<int, int64_t> ready_;  // live member → the step its state holds (during an abort)
+  Clock::time_point abort_deadline_{};
+  int64_t resume_step_ = 0;
+  int64_t highest_step_ = -1;  // highest step any worker ever reported complete
   int finished_ = 0;
   std::optional<std::string> checksum_;
+  int next_worker_id_ = 0;
+  std::vector<control::FaultSpec> pending_faults_;
+  std::optional<std::pair<Clock::time_point, std::string>> last_injected_;
+  std::deque<double> step_seconds_;  // recent step times, from rank 0
+  std::vector<RecoveryRecord> recoveries_;
+  std::optional<size_t> open_recovery_;  // index into recoveries_
 };
 
 }  // namespace nonstop::controller

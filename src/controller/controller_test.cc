@@ -1,6 +1,7 @@
 #include "controller/controller.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 
 namespace nonstop::controller {
 namespace {
@@ -8,12 +9,25 @@ namespace {
 class ControllerTest : public ::testing::Test {
  protected:
   Clock::time_point now_ = Clock::time_point() + std::chrono::hours(1);
-  Controller c_{ControllerOptions{3, 1, Millis(1000)}};
+  std::unique_ptr<Controller> c_ = Make(3, 1);
 
-  std::vector<Action> Do(Event e) { return c_.Handle(e, now_); }
+  static std::unique_ptr<Controller> Make(int world, int spares, std::vector<control::FaultSpec> faults = {}) {
+    ControllerOptions o;
+    o.world_size = world;
+    o.spares = spares;
+    o.heartbeat_timeout = Millis(1000);
+    o.abort_timeout = Millis(2000);
+    o.faults = std::move(faults);
+    return std::make_unique<Controller>(o);
+  }
+  std::vector<Action> Do(Event e) { return c_->Handle(e, now_); }
   std::vector<Action> Join(int id, bool spare = false) {
     return Do(WorkerJoined{{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare}});
   }
+  std::vector<Action> Ready(int id, int64_t step) {
+    return Do(ReadyReceived{id, {c_->generation(), step, "aborted"}});
+  }
+  void Step(int id, int64_t step) { Do(ProgressReceived{id, {step, 2.0, 0.1, 100, 3}}); }
   template <typename T>
   static std::vector<T> Find(const std::vector<Action>& actions) {
     std::vector<T> out;
@@ -27,7 +41,7 @@ class ControllerTest : public ::testing::Test {
     Join(2);
     Join(0);
     Join(1);
-    ASSERT_EQ(c_.phase(), JobPhase::kRunning);
+    ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   }
 };
 
@@ -44,63 +58,159 @@ TEST_F(ControllerTest, FirstGenerationFormsWhenAllMembersJoinedRanksByWorkerId) 
     EXPECT_EQ(p.plan.members[2].worker_id, 2);
     EXPECT_NE(p.worker_id, 4);
   }
-  EXPECT_EQ(c_.RankOf(2), 2);
-  EXPECT_EQ(c_.RankOf(4), -1);
+  EXPECT_EQ(c_->RankOf(2), 2);
+  EXPECT_EQ(c_->RankOf(4), -1);
 }
 
-TEST_F(ControllerTest, KilledMemberEndsJobNamingTheRank) {
+TEST_F(ControllerTest, KilledMemberIsReplacedBySpareWhichCopiesStateFromSurvivors) {
   StartJob();
-  Do(ProgressReceived{2, {17, 2.0, 0.1, 100, 3}});
+  for (int id : {0, 1, 2}) Step(id, 16);
+  Step(0, 17);  // rank 0 completed step 17 before the fault; ranks 1 and 2 did not
   auto actions = Do(ProcessExited{2, 1002, -1, 9});
+  EXPECT_EQ(Find<SendAbort>(actions).size(), 2u) << "the two survivors abort generation 1";
+  EXPECT_TRUE(Find<EndJob>(actions).empty());
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
+  EXPECT_TRUE(Find<SendPlan>(Ready(0, 17)).empty()) << "still waiting for rank 1";
+  auto plan_actions = Ready(1, 16);
+  auto plans = Find<SendPlan>(plan_actions);
+  ASSERT_EQ(plans.size(), 3u);
+  const auto& plan = plans[0].plan;
+  EXPECT_EQ(plan.generation, 2u);
+  EXPECT_EQ(plan.resume_step, 18) << "s* is the highest step a survivor holds";
+  ASSERT_EQ(plan.members.size(), 3u);
+  EXPECT_EQ(plan.members[0].worker_id, 0);
+  EXPECT_EQ(plan.members[1].worker_id, 1);
+  EXPECT_EQ(plan.members[2].worker_id, 3) << "the spare takes the lost rank";
+  ASSERT_EQ(plan.transfers.size(), 2u) << "rank 1 is one step behind, the spare has nothing";
+  for (const auto& t : plan.transfers) EXPECT_EQ(t.sources, std::vector<int>{0});
+  auto spawns = Find<SpawnWorker>(plan_actions);
+  ASSERT_EQ(spawns.size(), 1u) << "the spare pool is refilled";
+  EXPECT_TRUE(spawns[0].spare);
+  EXPECT_EQ(spawns[0].worker_id, 4);
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+  // The recovery closes when every member has completed the resume step.
+  for (int id : {0, 1, 3}) Step(id, 18);
+  ASSERT_EQ(c_->recoveries().size(), 1u);
+  EXPECT_EQ(c_->recoveries()[0].outcome, "completed");
+  EXPECT_EQ(c_->recoveries()[0].lost_steps, 0);
+}
+
+TEST_F(ControllerTest, WithoutSpareTheJobShrinks) {
+  c_ = Make(3, 0);
+  Join(0);
+  Join(1);
+  Join(2);
+  for (int id : {0, 1, 2}) Step(id, 5);
+  Do(ProcessExited{1, 1001, -1, 9});
+  Ready(0, 5);
+  auto plans = Find<SendPlan>(Ready(2, 5));
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_EQ(plans[0].plan.members.size(), 2u);
+  EXPECT_EQ(plans[0].plan.members[1].worker_id, 2) << "survivors keep their order";
+  EXPECT_TRUE(plans[0].plan.transfers.empty()) << "everyone holds step 5";
+  EXPECT_EQ(plans[0].plan.resume_step, 6);
+}
+
+TEST_F(ControllerTest, SilentMemberIsDetectedByHeartbeatTimeoutAndKilled) {
+  StartJob();
+  now_ += Millis(600);
+  Do(HeartbeatReceived{0, {1, -1}});
+  Do(HeartbeatReceived{2, {1, -1}});
+  EXPECT_TRUE(Find<SendAbort>(Do(Tick{})).empty());
+  now_ += Millis(600);  // worker 1 silent for 1.2 s > 1 s
+  Do(HeartbeatReceived{0, {2, -1}});
+  Do(HeartbeatReceived{2, {2, -1}});
+  auto actions = Do(Tick{});
+  auto kills = Find<KillWorker>(actions);
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 1);
+  EXPECT_EQ(Find<SendAbort>(actions).size(), 2u);
+}
+
+TEST_F(ControllerTest, WatchdogFindsTheMemberStuckOutsideTheCollective) {
+  StartJob();
+  // Ranks 0 and 2 wait in the collective for 2.5 s; rank 1 is alive (heartbeats) but computing.
+  now_ += Millis(2500);
+  Do(HeartbeatReceived{0, {3, 2500}});
+  Do(HeartbeatReceived{2, {3, 2500}});
+  Do(HeartbeatReceived{1, {3, -1}});
+  auto kills = Find<KillWorker>(Do(Tick{}));
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 1);
+}
+
+TEST_F(ControllerTest, MemberThatDoesNotAbortInTimeIsKilledAndTheRecoveryGoesOn) {
+  StartJob();
+  Do(ProcessExited{2, 1002, -1, 9});
+  Ready(0, 4);
+  now_ += Millis(2100);  // rank 1 never answers
+  auto actions = Do(Tick{});
+  auto kills = Find<KillWorker>(actions);
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 1);
+  auto plans = Find<SendPlan>(actions);
+  ASSERT_EQ(plans.size(), 2u) << "rank 0 and the spare";
+}
+
+TEST_F(ControllerTest, TwoFaultsInOneStepNeedTwoSparesOrShrink) {
+  StartJob();
+  Do(ProcessExited{1, 1001, -1, 9});
+  Do(ProcessExited{2, 1002, -1, 9});
+  auto plans = Find<SendPlan>(Ready(0, 7));
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_EQ(plans[0].plan.members.size(), 2u) << "one spare: ranks 0 and 1 remain";
+  EXPECT_EQ(plans[0].plan.members[1].worker_id, 3);
+}
+
+TEST_F(ControllerTest, FaultDuringRecoveryStartsANewRecovery) {
+  StartJob();
+  Do(ProcessExited{2, 1002, -1, 9});
+  Ready(0, 9);
+  Ready(1, 9);  // plan 2: [0, 1, 3]
+  ASSERT_EQ(c_->generation(), 2u);
+  // The spare is receiving state when rank 1 dies.
+  auto actions = Do(ProcessExited{1, 1001, -1, 9});
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
+  auto aborts = Find<SendAbort>(actions);
+  ASSERT_EQ(aborts.size(), 2u);
+  EXPECT_EQ(aborts[0].msg.generation, 2u);
+  Ready(3, control::kNoValidState);  // its transfer was interrupted
+  auto plans = Find<SendPlan>(Ready(0, 9));
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_EQ(plans[0].plan.generation, 3u);
+  ASSERT_EQ(plans[0].plan.transfers.size(), 1u);
+  EXPECT_EQ(plans[0].plan.transfers[0].receiver, 3);
+  EXPECT_EQ(c_->recoveries()[0].outcome, "superseded by recovery 2");
+}
+
+TEST_F(ControllerTest, StateHeldByNoSurvivorEndsTheJobWithAReason) {
+  c_ = Make(1, 1);
+  Join(0);
+  Join(1, true);
+  Step(0, 3);
+  auto actions = Do(ProcessExited{0, 1000, -1, 9});
   auto ends = Find<EndJob>(actions);
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
-  EXPECT_NE(ends[0].reason.find("rank 2"), std::string::npos) << ends[0].reason;
-  EXPECT_NE(ends[0].reason.find("signal 9"), std::string::npos) << ends[0].reason;
-  EXPECT_NE(ends[0].reason.find("17"), std::string::npos) << ends[0].reason;
-  EXPECT_EQ(Find<KillWorker>(actions).size(), 3u) << "the other two members and the spare";
-  EXPECT_EQ(c_.phase(), JobPhase::kEnded);
+  EXPECT_NE(ends[0].reason.find("state of step 3 exists on no live worker"), std::string::npos) << ends[0].reason;
 }
 
-TEST_F(ControllerTest, SilentMemberIsDetectedByHeartbeatTimeout) {
+TEST_F(ControllerTest, MemberReportingACollectiveFailureStartsRecovery) {
   StartJob();
-  now_ += Millis(600);
-  Do(HeartbeatReceived{0, {1}});
-  Do(HeartbeatReceived{2, {1}});
-  EXPECT_TRUE(Find<EndJob>(Do(Tick{})).empty());
-  now_ += Millis(600);  // worker 1 silent for 1.2 s > 1 s
-  Do(HeartbeatReceived{0, {2}});
-  Do(HeartbeatReceived{2, {2}});
-  auto ends = Find<EndJob>(Do(Tick{}));
-  ASSERT_EQ(ends.size(), 1u);
-  EXPECT_NE(ends[0].reason.find("rank 1"), std::string::npos) << ends[0].reason;
-  EXPECT_NE(ends[0].reason.find("heartbeat"), std::string::npos) << ends[0].reason;
+  auto actions = Ready(0, 4);
+  EXPECT_EQ(Find<SendAbort>(actions).size(), 3u);
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
+  Ready(1, 4);
+  auto plans = Find<SendPlan>(Ready(2, 4));
+  ASSERT_EQ(plans.size(), 3u) << "nobody lost: same members, next generation";
+  EXPECT_TRUE(plans[0].plan.transfers.empty());
 }
 
-TEST_F(ControllerTest, LostConnectionWaitsBrieflyForTheExitThatExplainsIt) {
+TEST_F(ControllerTest, DeadSpareIsReplaced) {
   StartJob();
-  EXPECT_TRUE(Find<EndJob>(Do(ConnectionLost{1, "connection closed by peer"})).empty());
-  now_ += Millis(10);
-  auto ends = Find<EndJob>(Do(ProcessExited{1, 1001, -1, 9}));
-  ASSERT_EQ(ends.size(), 1u);
-  EXPECT_NE(ends[0].reason.find("signal 9"), std::string::npos) << ends[0].reason;
-}
-
-TEST_F(ControllerTest, LostConnectionWithoutExitIsAFaultAfterTheGrace) {
-  StartJob();
-  Do(ConnectionLost{1, "connection reset"});
-  now_ += Millis(50);
-  EXPECT_TRUE(Find<EndJob>(Do(Tick{})).empty());
-  now_ += Millis(60);
-  auto ends = Find<EndJob>(Do(Tick{}));
-  ASSERT_EQ(ends.size(), 1u);
-  EXPECT_NE(ends[0].reason.find("connection reset"), std::string::npos) << ends[0].reason;
-}
-
-TEST_F(ControllerTest, DeadSpareDoesNotEndTheJob) {
-  StartJob();
-  EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{3, 1003, -1, 9})).empty());
-  EXPECT_EQ(c_.phase(), JobPhase::kRunning);
+  auto spawns = Find<SpawnWorker>(Do(ProcessExited{3, 1003, -1, 9}));
+  ASSERT_EQ(spawns.size(), 1u);
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
 }
 
 TEST_F(ControllerTest, JobEndsWhenEveryMemberFinishedWithTheSameChecksum) {
@@ -113,8 +223,19 @@ TEST_F(ControllerTest, JobEndsWhenEveryMemberFinishedWithTheSameChecksum) {
   EXPECT_EQ(ends[0].exit_code, kExitOk);
   EXPECT_TRUE(Find<KillWorker>(actions).empty());
   EXPECT_EQ(Find<SendShutdown>(actions).size(), 4u);
-  // Processes exiting afterwards change nothing.
   EXPECT_TRUE(Do(ProcessExited{0, 1000, 0, 0}).empty());
+}
+
+TEST_F(ControllerTest, FaultAfterSomeMembersFinishedRecoversThemToo) {
+  StartJob();
+  Do(FinishedReceived{0, {100, "abcd"}});
+  Do(FinishedReceived{1, {100, "abcd"}});
+  auto aborts = Find<SendAbort>(Do(ProcessExited{2, 1002, -1, 9}));
+  EXPECT_EQ(aborts.size(), 2u) << "finished members hold the state and take part";
+  Ready(0, 100);
+  auto plans = Find<SendPlan>(Ready(1, 100));
+  ASSERT_EQ(plans.size(), 3u);
+  EXPECT_EQ(plans[0].plan.resume_step, 101);
 }
 
 TEST_F(ControllerTest, DivergentChecksumsAreDataCorruption) {
@@ -125,11 +246,24 @@ TEST_F(ControllerTest, DivergentChecksumsAreDataCorruption) {
   EXPECT_EQ(ends[0].exit_code, kExitDataCorruption);
 }
 
+TEST_F(ControllerTest, TimedFaultSignalsTheWorkerHoldingTheRank) {
+  c_ = Make(3, 1, *control::ParseFaults("hang:rank=1,time=2"));
+  StartJob();
+  now_ += Millis(1000);
+  EXPECT_TRUE(Find<SignalWorker>(Do(Tick{})).empty());
+  now_ += Millis(1100);
+  auto sigs = Find<SignalWorker>(Do(Tick{}));
+  ASSERT_EQ(sigs.size(), 1u);
+  EXPECT_EQ(sigs[0].worker_id, 1);
+  EXPECT_EQ(sigs[0].signal, SIGSTOP);
+  EXPECT_TRUE(c_->pending_faults().empty()) << "fired once";
+}
+
 TEST_F(ControllerTest, DuplicateWorkerIdIsRefused) {
   Join(0);
   auto actions = Join(0);
   EXPECT_EQ(Find<SendShutdown>(actions).size(), 1u);
-  EXPECT_EQ(c_.phase(), JobPhase::kForming);
+  EXPECT_EQ(c_->phase(), JobPhase::kForming);
 }
 
 TEST_F(ControllerTest, WorkerDyingBeforeJoinFailsTheForming) {

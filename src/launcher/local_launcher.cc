@@ -65,6 +65,9 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   pid_t pid = ::fork();
   if (pid < 0) return ErrnoStatus(StatusCode::kInternal, "fork", errno);
   if (pid == 0) {
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the launcher blocks signals it reads from a signalfd
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) _exit(127);  // the launcher died before prctl
     ::dup2(out_pipe[1], STDOUT_FILENO);

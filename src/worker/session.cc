@@ -1,6 +1,7 @@
 #include "nonstop/session.h"
 
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include "net/frame.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "worker/state_transfer.h"
 
 namespace nonstop {
 
@@ -47,10 +49,18 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
   return o;
 }
 
+namespace {
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
 class SessionImpl {
  public:
-  explicit SessionImpl(SessionOptions o) : options_(std::move(o)) {}
+  SessionImpl(SessionOptions o, state::StateRegistry* state) : options_(std::move(o)), state_(state) {}
   ~SessionImpl() { Stop(); }
+
+  // ---- control plane ----
 
   Status Start() {
     NONSTOP_ASSIGN_OR_RETURN(net::HostPort where, net::ParseHostPort(options_.controller_address));
@@ -71,44 +81,8 @@ class SessionImpl {
                           options_.spare};
     NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgJoin, control::Encode(join)));
     io_thread_ = std::jthread([this](std::stop_token st) { IoLoop(st); });
-    return WaitForPlan();
-  }
-
-  Status WaitForPlan() {
-    std::unique_lock<std::mutex> lock(mu_);
-    Deadline deadline = DeadlineAfter(options_.join_timeout);
-    while (!plan_ && !shutdown_ && !controller_lost_) {
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-        return DeadlineExceededError(fmt::format("worker {} waited {} s for a plan from the controller",
-                                                 options_.worker_id, options_.join_timeout.count() / 1000));
-      }
-    }
-    if (shutdown_) return CancelledError("the job ended before this worker was given a rank: " + shutdown_->reason);
-    if (controller_lost_) return UnavailableError("lost the controller while waiting for a plan");
-    control::PlanMsg plan = *plan_;
-    lock.unlock();
-    return Adopt(plan);
-  }
-
-  Status Adopt(const control::PlanMsg& plan) {
-    collective::CommunicatorOptions co;
-    co.generation = plan.generation;
-    co.rank = -1;
-    for (size_t r = 0; r < plan.members.size(); ++r) {
-      co.members.push_back({plan.members[r].worker_id, plan.members[r].address});
-      if (plan.members[r].worker_id == options_.worker_id) co.rank = static_cast<int>(r);
-    }
-    if (co.rank < 0) return InternalError(fmt::format("plan of generation {} does not include worker {}", plan.generation, options_.worker_id));
-    co.timeout_collective = options_.timeout_collective;
-    auto comm = std::make_unique<collective::Communicator>(mesh_.get(), &abort_, co);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      comm_ = std::move(comm);
-      resume_step_ = plan.resume_step;
-      if (shutdown_) comm_->Abort("the controller ended the job");
-    }
-    SetLogRole(fmt::format("rank {}", co.rank));
-    return comm_->Connect();
+    // Wait for the first plan that includes this worker, then take part in it.
+    return Rejoin(/*after_generation=*/0, "start").status();
   }
 
   Status SendControl(uint16_t type, const std::string& payload) {
@@ -121,7 +95,9 @@ class SessionImpl {
     Deadline next_heartbeat = Clock::now();
     while (!st.stop_requested()) {
       if (Clock::now() >= next_heartbeat) {
-        (void)SendControl(control::kMsgHeartbeat, control::Encode(control::HeartbeatMsg{last_step_.load()}));
+        int64_t since = collective_since_ms_.load();
+        control::HeartbeatMsg hb{state_step_.load(), since < 0 ? -1 : NowMs() - since};
+        (void)SendControl(control::kMsgHeartbeat, control::Encode(hb));
         next_heartbeat = DeadlineAfter(options_.heartbeat_interval);
       }
       pollfd fds[2] = {{control_fd_.get(), POLLIN, 0}, {stop_signal_.fd(), POLLIN, 0}};
@@ -153,7 +129,17 @@ class SessionImpl {
       case control::kMsgPlan: {
         NONSTOP_ASSIGN_OR_RETURN(control::PlanMsg plan, control::DecodePlan(f.payload));
         std::lock_guard<std::mutex> lock(mu_);
-        plan_ = plan;
+        if (!plan_ || plan.generation > plan_->generation) plan_ = std::move(plan);
+        cv_.notify_all();
+        return OkStatus();
+      }
+      case control::kMsgAbort: {
+        NONSTOP_ASSIGN_OR_RETURN(control::AbortMsg m, control::DecodeAbort(f.payload));
+        std::lock_guard<std::mutex> lock(mu_);
+        aborted_generation_ = std::max(aborted_generation_, m.generation);
+        if (comm_ && comm_->generation() <= m.generation) {
+          comm_->Abort(fmt::format("the controller ended generation {}: {}", m.generation, m.reason));
+        }
         cv_.notify_all();
         return OkStatus();
       }
@@ -176,19 +162,176 @@ class SessionImpl {
     if (io_thread_.joinable()) io_thread_.join();
   }
 
-  Status Finish(int64_t last_step, const std::string& checksum) {
-    NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgFinished, control::Encode(control::FinishedMsg{last_step, checksum})));
-    std::unique_lock<std::mutex> lock(mu_);
-    Deadline deadline = DeadlineAfter(Millis(60'000));
-    while (!shutdown_ && !controller_lost_) {
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-        return DeadlineExceededError("the controller did not end the job within 60 s of this worker finishing");
+  // ---- generations ----
+
+  // Waits for a plan newer than `after_generation` that includes this worker,
+  // adopts it (connections, state transfer) and returns its resume step. A
+  // failure inside a generation (a fault during recovery) reports Ready for
+  // that generation and waits for the next.
+  Result<int64_t> Rejoin(uint32_t after_generation, std::string why) {
+    while (true) {
+      if (after_generation > 0) {
+        control::ReadyMsg ready{after_generation, state_step_.load(), why};
+        NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgReady, control::Encode(ready)));
+      }
+      control::PlanMsg plan;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        Deadline deadline = DeadlineAfter(options_.join_timeout);
+        while (!(plan_ && plan_->generation > after_generation) && !shutdown_ && !controller_lost_) {
+          if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+            return DeadlineExceededError(fmt::format("worker {} waited {} s for a plan from the controller",
+                                                     options_.worker_id, options_.join_timeout.count() / 1000));
+          }
+        }
+        if (shutdown_) {
+          return CancelledError(fmt::format("the job ended (exit code {}): {}", shutdown_->exit_code, shutdown_->reason));
+        }
+        if (controller_lost_) return UnavailableError("lost the controller");
+        plan = *plan_;
+      }
+      Result<int64_t> resumed = Adopt(plan);
+      if (resumed.ok()) return resumed;
+      NONSTOP_LOG_WARNING("generation {} failed during recovery: {}", plan.generation, resumed.status().ToString());
+      after_generation = plan.generation;
+      why = resumed.status().message();
+    }
+  }
+
+  Result<int64_t> Adopt(const control::PlanMsg& plan) {
+    auto t0 = Clock::now();
+    collective::CommunicatorOptions co;
+    co.generation = plan.generation;
+    co.rank = -1;
+    for (size_t r = 0; r < plan.members.size(); ++r) {
+      co.members.push_back({plan.members[r].worker_id, plan.members[r].address});
+      if (plan.members[r].worker_id == options_.worker_id) co.rank = static_cast<int>(r);
+    }
+    if (co.rank < 0) {
+      return InternalError(fmt::format("plan of generation {} does not include worker {}", plan.generation, options_.worker_id));
+    }
+    co.timeout_collective = options_.timeout_collective;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Swap communicators under the lock: an abort for the new generation
+      // that arrives meanwhile is either recorded or applied, never lost.
+      abort_.Reset();
+      comm_ = std::make_unique<collective::Communicator>(mesh_.get(), &abort_, co);
+      if (aborted_generation_ >= plan.generation) comm_->Abort("the controller ended this generation");
+      if (shutdown_ && shutdown_->exit_code != 0) comm_->Abort("the controller ended the job");
+      faults_ = plan.faults;
+      resume_step_ = plan.resume_step;
+      current_members_.clear();
+      for (const auto& m : plan.members) current_members_.push_back(m.worker_id);
+    }
+    SetLogRole(fmt::format("rank {}", co.rank));
+    NONSTOP_RETURN_IF_ERROR(comm_->Connect());
+    auto t1 = Clock::now();
+
+    worker::TransferHooks hooks;
+    std::optional<control::FaultSpec> at_transfer = TakeFault(control::FaultPoint::kTransfer, plan.resume_step, co.rank,
+                                                              control::FaultKind::kKill);
+    std::optional<control::FaultSpec> corrupt = TakeFault(control::FaultPoint::kTransfer, plan.resume_step, co.rank,
+                                                          control::FaultKind::kCorrupt);
+    if (at_transfer) hooks.on_start = [this, f = *at_transfer] { Fire(f); };
+    hooks.corrupt_first_chunk = corrupt.has_value();
+    if (corrupt) Announce(*corrupt);
+    bool receiving = false;
+    for (const auto& t : plan.transfers) receiving = receiving || t.receiver == options_.worker_id;
+    if (receiving) state_step_.store(control::kNoValidState);  // until every chunk is in
+    Result<worker::TransferOutcome> outcome =
+        worker::RunStateTransfers(*comm_, *state_, plan, options_.worker_id, hooks);
+    if (!outcome.ok()) return outcome.status();
+    if (receiving) state_step_.store(plan.resume_step - 1);
+    auto t2 = Clock::now();
+    control::RecoveredMsg rec{plan.generation, std::chrono::duration<double>(t1 - t0).count(),
+                              std::chrono::duration<double>(t2 - t1).count(), outcome->bytes_received,
+                              outcome->sources, outcome->refetched_chunks};
+    if (plan.reason != "start") (void)SendControl(control::kMsgRecovered, control::Encode(rec));
+    if (outcome->received) {
+      NONSTOP_LOG_INFO("copied the state of step {} ({:.2f} MB) from {} source(s) in {:.0f} ms", plan.resume_step - 1,
+                       outcome->bytes_received / 1e6, outcome->sources, rec.transfer_seconds * 1000);
+    }
+    return plan.resume_step;
+  }
+
+  // ---- fault injection ----
+
+  std::optional<control::FaultSpec> TakeFault(control::FaultPoint point, int64_t step, int rank, control::FaultKind kind) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = faults_.begin(); it != faults_.end(); ++it) {
+      if (it->point == point && it->step == step && it->rank == rank && it->kind == kind) {
+        control::FaultSpec f = *it;
+        faults_.erase(it);
+        return f;
       }
     }
-    if (shutdown_ && shutdown_->exit_code != 0) {
-      return AbortedError("the job ended with an error: " + shutdown_->reason);
+    return std::nullopt;
+  }
+
+  void Announce(const control::FaultSpec& f) {
+    control::InjectedMsg m{f.id, control::FormatFault(f)};
+    (void)SendControl(control::kMsgInjected, control::Encode(m));
+  }
+
+  // Carries out an injected fault on this process.
+  void Fire(const control::FaultSpec& f) {
+    NONSTOP_LOG_WARNING("injecting fault {}", control::FormatFault(f));
+    Announce(f);
+    switch (f.kind) {
+      case control::FaultKind::kKill:
+        ::raise(SIGKILL);
+        break;
+      case control::FaultKind::kHang:
+        ::raise(SIGSTOP);
+        break;
+      case control::FaultKind::kDrop:
+        for (const auto& m : comm_members_for_drop_) mesh_->Drop(m);
+        break;
+      default:
+        break;
     }
-    return OkStatus();
+  }
+
+  void MaybeInjectBeforeCollective() {
+    int rank = comm_->rank();
+    int64_t step = state_step_.load() + 1;
+    for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang, control::FaultKind::kDrop}) {
+      if (auto f = TakeFault(control::FaultPoint::kStep, step, rank, kind)) {
+        if (kind == control::FaultKind::kDrop) {
+          int w = comm_->world_size();
+          comm_members_for_drop_.clear();
+          if (w > 1) comm_members_for_drop_.push_back(current_members_[static_cast<size_t>((rank + 1) % w)]);
+        }
+        Fire(*f);
+      }
+    }
+  }
+
+  Status AllReduce(std::span<float> data) {
+    MaybeInjectBeforeCollective();
+    collective_since_ms_.store(NowMs());
+    Status s = comm_->AllReduce(data);
+    collective_since_ms_.store(-1);
+    return s;
+  }
+
+  Status Finish(int64_t last_step, const std::string& checksum) {
+    uint32_t gen = comm_->generation();
+    NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgFinished, control::Encode(control::FinishedMsg{last_step, checksum})));
+    std::unique_lock<std::mutex> lock(mu_);
+    Deadline deadline = DeadlineAfter(Millis(600'000));
+    while (!shutdown_ && !controller_lost_ && aborted_generation_ < gen) {
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+        return DeadlineExceededError("the controller did not end the job within 10 minutes of this worker finishing");
+      }
+    }
+    if (shutdown_) {
+      if (shutdown_->exit_code != 0) return UnavailableError("the job ended with an error: " + shutdown_->reason);
+      return OkStatus();
+    }
+    if (controller_lost_) return UnavailableError("lost the controller");
+    return AbortedError(fmt::format("generation {} ended before the job did: a member failed", gen));
   }
 
   collective::Communicator& comm() {
@@ -197,26 +340,32 @@ class SessionImpl {
   }
 
   SessionOptions options_;
+  state::StateRegistry* const state_;  // owned by the training program; outlives the session
   UniqueFd control_fd_;
   std::unique_ptr<collective::PeerMesh> mesh_;
   net::AbortSignal abort_;        // fired to abort the collective in flight
   net::AbortSignal stop_signal_;  // wakes the I/O thread at shutdown
-  state::StateRegistry state_;
-  std::atomic<int64_t> last_step_{-1};
+  std::atomic<int64_t> state_step_{-1};          // the step the registered state holds
+  std::atomic<int64_t> collective_since_ms_{-1};  // when the collective in flight began
   std::mutex write_mu_;  // serialises frames on the control socket
+  std::vector<int> comm_members_for_drop_;
+  std::vector<int> current_members_;
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::optional<control::PlanMsg> plan_;          // guarded by mu_
+  std::optional<control::PlanMsg> plan_;          // guarded by mu_: the newest plan received
   std::optional<control::ShutdownMsg> shutdown_;  // guarded by mu_
+  uint32_t aborted_generation_ = 0;               // guarded by mu_
   bool controller_lost_ = false;                  // guarded by mu_
   std::unique_ptr<collective::Communicator> comm_;  // guarded by mu_ for Abort from the I/O thread
+  std::vector<control::FaultSpec> faults_;          // guarded by mu_
   int64_t resume_step_ = 0;
   std::jthread io_thread_;  // last: stops before the members it uses go away
 };
 
-Result<std::unique_ptr<Session>> Session::Join(SessionOptions options) {
-  auto impl = std::make_unique<SessionImpl>(std::move(options));
+Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::StateRegistry* state) {
+  NONSTOP_CHECK(state != nullptr);
+  auto impl = std::make_unique<SessionImpl>(std::move(options), state);
   NONSTOP_RETURN_IF_ERROR(impl->Start());
   return std::unique_ptr<Session>(new Session(std::move(impl)));
 }
@@ -229,27 +378,38 @@ int Session::world_size() const { return impl_->comm().world_size(); }
 uint32_t Session::generation() const { return impl_->comm().generation(); }
 int64_t Session::resume_step() const { return impl_->resume_step_; }
 int Session::worker_id() const { return impl_->options_.worker_id; }
-state::StateRegistry& Session::state() { return impl_->state_; }
 
-Status Session::AllReduce(std::span<float> data) { return impl_->comm().AllReduce(data); }
+Status Session::AllReduce(std::span<float> data) { return impl_->AllReduce(data); }
 Status Session::Broadcast(std::span<std::byte> data, int root) { return impl_->comm().Broadcast(data, root); }
 Status Session::Barrier() { return impl_->comm().Barrier(); }
 
 void Session::ReportStep(const StepReport& r) {
-  impl_->last_step_.store(r.step);
+  impl_->state_step_.store(r.step);
   control::ProgressMsg m{r.step, r.loss, r.step_seconds, r.tokens_per_second, world_size()};
   Status s = impl_->SendControl(control::kMsgProgress, control::Encode(m));
   if (!s.ok()) NONSTOP_LOG_WARNING("progress report failed: {}", s.ToString());
 }
 
+Result<int64_t> Session::Recover() {
+  Status why = impl_->comm().error();
+  return impl_->Rejoin(impl_->comm().generation(), why.ok() ? "recovering" : why.message());
+}
+
 Status Session::Finish(int64_t last_step, const std::string& checksum) {
-  impl_->last_step_.store(last_step);
+  impl_->state_step_.store(last_step);
   return impl_->Finish(last_step, checksum);
 }
 
 void Session::ReportFailure(const Status& status, int64_t step, int exit_code) {
   control::FailureMsg m{generation(), step, status.ToString(), exit_code};
   (void)impl_->SendControl(control::kMsgFailure, control::Encode(m));
+}
+
+bool Session::InjectedExceptionAt(int64_t step) {
+  auto f = impl_->TakeFault(control::FaultPoint::kStep, step, rank(), control::FaultKind::kException);
+  if (!f) return false;
+  impl_->Announce(*f);
+  return true;
 }
 
 int Session::shutdown_exit_code() const {

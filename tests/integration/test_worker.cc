@@ -1,6 +1,10 @@
-// A LibTorch-free worker for integration tests: joins through nonstop::Session,
-// runs --steps steps of an allreduce over a deterministic vector, checks the
-// sum against the closed form, reports each step and finishes with a checksum.
+// A LibTorch-free worker for integration tests, shaped like a training loop:
+// state = an accumulator vector and the step counter. At step s the global
+// "batch" is 12 items; each rank sums its contiguous block of items (dealt as
+// the sampler deals micro-batches), the allreduce sums the blocks, and the
+// accumulator adds the result. Every value is a small integer, so sums are
+// exact in any order: the final checksum is the same at any world size and
+// after any recovery, and differs if a step is lost or applied twice.
 #include <unistd.h>
 
 #include <chrono>
@@ -13,7 +17,18 @@
 #include <fmt/format.h>
 
 #include "common/crc32c.h"
+#include "data/sampler.h"
 #include "nonstop/session.h"
+
+namespace {
+
+constexpr uint64_t kItems = 12;
+
+float Item(int64_t step, uint64_t item, size_t i) {
+  return static_cast<float>((static_cast<uint64_t>(step) * 31 + item * 7 + i) % 7);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"nonstop integration-test worker"};
@@ -30,44 +45,76 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "{}\n", options.status().ToString());
     return 2;
   }
-  auto session = nonstop::Session::Join(*options);
-  if (!session.ok()) {
-    if (session.status().code() == nonstop::StatusCode::kCancelled) return 0;  // a spare that was never needed
-    fmt::print(stderr, "join failed: {}\n", session.status().ToString());
+  std::vector<float> acc(elements, 0.0f);
+  int64_t completed = -1;
+  nonstop::state::StateRegistry state(64 << 10);
+  (void)state.Register("acc", std::as_writable_bytes(std::span(acc)));
+  (void)state.RegisterValue("step", &completed);
+  fmt::print("worker pid {} built its state\n", ::getpid());
+  std::fflush(stdout);
+
+  auto joined = nonstop::Session::Join(*options, &state);
+  if (!joined.ok()) {
+    if (joined.status().code() == nonstop::StatusCode::kCancelled) return 0;  // a spare that was never needed
+    fmt::print(stderr, "join failed: {}\n", joined.status().ToString());
     return 10;
   }
-  auto& s = **session;
-  fmt::print("worker {} is rank {} of {}\n", s.worker_id(), s.rank(), s.world_size());
+  auto& s = **joined;
+  fmt::print("worker {} (pid {}) is rank {} of {}\n", s.worker_id(), ::getpid(), s.rank(), s.world_size());
   std::fflush(stdout);
   std::vector<float> v(elements);
-  uint32_t crc = 0;
-  for (int64_t step = s.resume_step(); step < steps; ++step) {
-    for (size_t i = 0; i < elements; ++i) v[i] = static_cast<float>((static_cast<int64_t>(i) + step) % 7 + s.rank());
-    nonstop::Status st = s.AllReduce(v);
-    if (!st.ok()) {
-      fmt::print(stderr, "step {}: {}\n", step, st.ToString());
+  int64_t step = s.resume_step();
+  auto recover = [&]() -> bool {
+    auto next = s.Recover();
+    if (!next.ok()) {
+      fmt::print(stderr, "recovery failed: {}\n", next.status().ToString());
+      return false;
+    }
+    step = *next;
+    fmt::print("recovered: rank {} of {}, resuming at step {}\n", s.rank(), s.world_size(), step);
+    std::fflush(stdout);
+    return true;
+  };
+  while (true) {
+    while (step < steps) {
+      if (s.InjectedExceptionAt(step)) {
+        fmt::print(stderr, "step {}: injected exception in the training loop\n", step);
+        s.ReportFailure(nonstop::InternalError("injected exception"), step, 10);
+        return 10;
+      }
+      std::fill(v.begin(), v.end(), 0.0f);
+      uint64_t lo = nonstop::data::BlockBegin(kItems, s.world_size(), s.rank());
+      uint64_t hi = nonstop::data::BlockBegin(kItems, s.world_size(), s.rank() + 1);
+      for (uint64_t item = lo; item < hi; ++item) {
+        for (size_t i = 0; i < elements; ++i) v[i] += Item(step, item, i);
+      }
+      if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+      nonstop::Status st = s.AllReduce(v);
+      if (!st.ok()) {
+        fmt::print("step {}: {}\n", step, st.ToString());
+        if (!recover()) return s.shutdown_exit_code() != 0 ? s.shutdown_exit_code() : 10;
+        continue;
+      }
+      for (size_t i = 0; i < elements; ++i) acc[i] += v[i];
+      completed = step;
+      s.ReportStep({step, static_cast<double>(acc[0]), 0, 0});
+      if (s.rank() == 0) {
+        fmt::print("step {} ok\n", step);
+        std::fflush(stdout);
+      }
+      ++step;
+    }
+    std::string checksum = fmt::format("{:08x}", nonstop::Crc32c(acc.data(), acc.size() * sizeof(float)));
+    nonstop::Status fin = s.Finish(steps - 1, checksum);
+    if (fin.code() == nonstop::StatusCode::kAborted) {
+      if (!recover()) return 10;
+      continue;
+    }
+    if (!fin.ok()) {
+      fmt::print(stderr, "finish: {}\n", fin.ToString());
       return 10;
     }
-    const int w = s.world_size();
-    for (size_t i = 0; i < elements; ++i) {
-      float want = static_cast<float>(w * ((static_cast<int64_t>(i) + step) % 7) + w * (w - 1) / 2);
-      if (v[i] != want) {
-        fmt::print(stderr, "step {}: element {} is {}, expected {}\n", step, i, v[i], want);
-        return 11;
-      }
-    }
-    crc = nonstop::Crc32cExtend(crc, v.data(), v.size() * sizeof(float));
-    s.ReportStep({step, static_cast<double>(v[0]), 0, 0});
-    if (s.rank() == 0) {
-      fmt::print("step {} ok\n", step);
-      std::fflush(stdout);
-    }
-    if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+    if (s.rank() == 0) fmt::print("final checksum {}\n", checksum);
+    return 0;
   }
-  nonstop::Status fin = s.Finish(steps - 1, fmt::format("{:08x}", crc));
-  if (!fin.ok()) {
-    fmt::print(stderr, "finish: {}\n", fin.ToString());
-    return 10;
-  }
-  return 0;
 }
