@@ -17,6 +17,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "nonstop/status.h"
@@ -28,6 +29,9 @@ inline constexpr size_t kDefaultChunkBytes = 1 << 20;
 struct Region {
   std::string name;
   std::span<std::byte> bytes;
+  // How durable checkpoints describe the region (safetensors): "F32", "I64", "U8"…
+  std::string dtype = "U8";
+  std::vector<int64_t> shape;  // empty: one dimension of bytes / element size
 };
 
 struct ChunkInfo {
@@ -43,9 +47,15 @@ class StateRegistry {
 
   // Registers a live region. Names are unique.
   Status Register(std::string name, std::span<std::byte> bytes);
+  // Registers fp32 values with their tensor shape (checkpoints keep it).
+  Status RegisterFloats(std::string name, std::span<float> values, std::vector<int64_t> shape = {});
   template <typename T>
   Status RegisterValue(std::string name, T* value) {
-    return Register(std::move(name), std::as_writable_bytes(std::span<T>(value, 1)));
+    static_assert(std::is_integral_v<T> && sizeof(T) == 8, "scalars are 64-bit integers");
+    NONSTOP_RETURN_IF_ERROR(Register(std::move(name), std::as_writable_bytes(std::span<T>(value, 1))));
+    regions_.back().dtype = std::is_signed_v<T> ? "I64" : "U64";
+    regions_.back().shape = {1};
+    return OkStatus();
   }
 
   const std::vector<Region>& regions() const { return regions_; }

@@ -1,5 +1,7 @@
 #include "collective/communicator.h"
 
+#include <sys/socket.h>
+
 #include <future>
 
 #include <fmt/format.h>
@@ -109,6 +111,10 @@ Status Communicator::RingPass(std::byte* data, size_t count, size_t element_byte
   auto mod = [w](int x) { return ((x % w) + w) % w; };
   NONSTOP_ASSIGN_OR_RETURN(Connection * right, Peer(mod(r + 1)));
   NONSTOP_ASSIGN_OR_RETURN(Connection * left, Peer(mod(r - 1)));
+  if (inject_drop_) {
+    inject_drop_ = false;
+    ::shutdown(right->fd.get(), SHUT_RDWR);
+  }
 
   const size_t piece_elems = std::max<size_t>(1, options_.piece_bytes / element_bytes);
   auto pieces_of = [&](int chunk, auto&& emit) {

@@ -86,6 +86,11 @@ class Communicator {
   Status Send(int to_rank, std::span<const std::byte> data);
   Status Recv(int from_rank, std::span<std::byte> data);
 
+  // Fault injection: the next ring collective shuts its connection to the
+  // right neighbour down after acquiring it, so the link breaks under the
+  // operation (a connection dropped between operations is simply redialed).
+  void InjectDropOfNextRingLink() { inject_drop_ = true; }
+
   // Makes every blocked and future call return kAborted with `reason`.
   void Abort(const std::string& reason);
   Status error() const;
@@ -115,6 +120,7 @@ class Communicator {
   mutable std::mutex mu_;
   Status error_;            // guarded by mu_; sticky first error
   CommunicatorStats stats_;  // guarded by mu_
+  bool inject_drop_ = false;
 };
 
 }  // namespace nonstop::collective

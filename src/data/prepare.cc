@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/file_util.h"
 #include "common/unique_fd.h"
 #include "data/token_shard.h"
 

@@ -12,6 +12,7 @@
 
 #include "common/coding.h"
 #include "common/crc32c.h"
+#include "common/file_util.h"
 #include "common/unique_fd.h"
 
 namespace nonstop::data {
@@ -32,36 +33,6 @@ std::string EncodeShard(std::span<const uint16_t> tokens, uint32_t vocab_size) {
   out.resize(kShardHeaderBytes, '\0');
   out += body;
   return out;
-}
-
-Status WriteFileAtomically(const std::string& path, std::string_view contents) {
-  std::filesystem::path target(path);
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (!fd.valid()) return ErrnoStatus(StatusCode::kUnavailable, "create " + tmp, errno);
-    size_t done = 0;
-    while (done < contents.size()) {
-      ssize_t n = ::write(fd.get(), contents.data() + done, contents.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        int err = errno;
-        ::unlink(tmp.c_str());
-        return ErrnoStatus(StatusCode::kUnavailable, "write " + tmp, err);
-      }
-      done += static_cast<size_t>(n);
-    }
-    if (::fsync(fd.get()) != 0) return ErrnoStatus(StatusCode::kUnavailable, "fsync " + tmp, errno);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
-    ::unlink(tmp.c_str());
-    return ErrnoStatus(StatusCode::kUnavailable, "rename " + tmp + " to " + path, err);
-  }
-  std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
-  UniqueFd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dfd.valid()) ::fsync(dfd.get());
-  return OkStatus();
 }
 
 Status WriteShardFile(const std::string& path, std::span<const uint16_t> tokens, uint32_t vocab_size) {

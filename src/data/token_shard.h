@@ -51,7 +51,5 @@ std::string EncodeShard(std::span<const uint16_t> tokens, uint32_t vocab_size);
 // Writes a shard atomically: a temporary file, fsync, rename, fsync of the directory.
 Status WriteShardFile(const std::string& path, std::span<const uint16_t> tokens, uint32_t vocab_size);
 
-// Writes `contents` to `path` atomically (temp file, fsync, rename, fsync dir).
-Status WriteFileAtomically(const std::string& path, std::string_view contents);
 
 }  // namespace nonstop::data

@@ -18,7 +18,17 @@ Status StateRegistry::Register(std::string name, std::span<std::byte> bytes) {
     if (r.name == name) return InvalidArgumentError(fmt::format("state region '{}' is registered twice", name));
   }
   total_bytes_ += bytes.size();
-  regions_.push_back({std::move(name), bytes});
+  Region r;
+  r.name = std::move(name);
+  r.bytes = bytes;
+  regions_.push_back(std::move(r));
+  return OkStatus();
+}
+
+Status StateRegistry::RegisterFloats(std::string name, std::span<float> values, std::vector<int64_t> shape) {
+  NONSTOP_RETURN_IF_ERROR(Register(std::move(name), std::as_writable_bytes(values)));
+  regions_.back().dtype = "F32";
+  regions_.back().shape = shape.empty() ? std::vector<int64_t>{static_cast<int64_t>(values.size())} : std::move(shape);
   return OkStatus();
 }
 

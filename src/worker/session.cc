@@ -221,8 +221,6 @@ class SessionImpl {
       if (shutdown_ && shutdown_->exit_code != 0) comm_->Abort("the controller ended the job");
       faults_ = plan.faults;
       resume_step_ = plan.resume_step;
-      current_members_.clear();
-      for (const auto& m : plan.members) current_members_.push_back(m.worker_id);
     }
     SetLogRole(fmt::format("rank {}", co.rank));
     NONSTOP_RETURN_IF_ERROR(comm_->Connect());
@@ -286,7 +284,7 @@ class SessionImpl {
         ::raise(SIGSTOP);
         break;
       case control::FaultKind::kDrop:
-        for (const auto& m : comm_members_for_drop_) mesh_->Drop(m);
+        comm_->InjectDropOfNextRingLink();
         break;
       default:
         break;
@@ -297,14 +295,7 @@ class SessionImpl {
     int rank = comm_->rank();
     int64_t step = state_step_.load() + 1;
     for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang, control::FaultKind::kDrop}) {
-      if (auto f = TakeFault(control::FaultPoint::kStep, step, rank, kind)) {
-        if (kind == control::FaultKind::kDrop) {
-          int w = comm_->world_size();
-          comm_members_for_drop_.clear();
-          if (w > 1) comm_members_for_drop_.push_back(current_members_[static_cast<size_t>((rank + 1) % w)]);
-        }
-        Fire(*f);
-      }
+      if (auto f = TakeFault(control::FaultPoint::kStep, step, rank, kind)) Fire(*f);
     }
   }
 
@@ -348,8 +339,6 @@ class SessionImpl {
   std::atomic<int64_t> state_step_{-1};          // the step the registered state holds
   std::atomic<int64_t> collective_since_ms_{-1};  // when the collective in flight began
   std::mutex write_mu_;  // serialises frames on the control socket
-  std::vector<int> comm_members_for_drop_;
-  std::vector<int> current_members_;
 
   std::mutex mu_;
   std::condition_variable cv_;

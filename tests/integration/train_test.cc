@@ -47,10 +47,12 @@ class TrainTest : public ::testing::Test {
     std::map<int64_t, double> losses;  // step → loss, from the journal
     std::string checksum;
   };
-  RunResult Run(int nproc, const std::string& tag, std::vector<std::string> extra = {}) {
+  RunResult Run(int nproc, const std::string& tag, std::vector<std::string> extra = {},
+                std::vector<std::string> run_flags = {"--spares", "0"}) {
     std::string journal = dir_ / (tag + ".jsonl");
-    std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", std::to_string(nproc), "--spares", "0",
-                                     "--journal", journal, "--", kBin + "/nonstop-train", dir_ / "recipe.yaml"};
+    std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", std::to_string(nproc), "--journal", journal};
+    argv.insert(argv.end(), run_flags.begin(), run_flags.end());
+    argv.insert(argv.end(), {"--", kBin + "/nonstop-train", dir_ / "recipe.yaml"});
     argv.insert(argv.end(), extra.begin(), extra.end());
     ChildProcess p(argv, dir_ / (tag + ".out"));
     RunResult r;
@@ -91,6 +93,33 @@ TEST_F(TrainTest, LossDoesNotDependOnWorldSizeAtAFixedGlobalBatch) {
     double base = w1.losses[step];
     EXPECT_LT(std::abs(w2.losses[step] - base) / base, 1e-4) << "step " << step;
     EXPECT_LT(std::abs(w4.losses[step] - base) / base, 1e-4) << "step " << step;
+  }
+}
+
+TEST_F(TrainTest, RecoveryFromEachFaultKindIsBitwiseIdenticalToTheFaultFreeRun) {
+  WriteRecipe();
+  RunResult clean = Run(3, "clean");
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  for (const char* fault : {"kill:rank=1,step=8", "exception:rank=2,step=5", "hang:rank=0,step=11"}) {
+    RunResult r = Run(3, std::string("fault-") + fault[0], {},
+                      {"--spares", "1", "--heartbeat-timeout-ms", "1000", "--inject", fault});
+    ASSERT_EQ(r.code, 0) << fault << "\n" << r.output;
+    EXPECT_EQ(r.checksum, clean.checksum) << fault << "\n" << r.output;
+    EXPECT_EQ(r.losses, clean.losses) << fault;
+    EXPECT_NE(r.output.find("recovery report: 1 recovery, 0 completed steps lost"), std::string::npos) << r.output;
+  }
+}
+
+TEST_F(TrainTest, ShrinkKeepsTheLossCurveOfTheFullWorld) {
+  WriteRecipe();
+  RunResult full = Run(4, "full");
+  RunResult shrunk = Run(4, "shrunk", {}, {"--spares", "0", "--inject", "kill:rank=3,step=6"});
+  ASSERT_EQ(full.code, 0) << full.output;
+  ASSERT_EQ(shrunk.code, 0) << shrunk.output;
+  EXPECT_NE(shrunk.output.find("world 4 → 3"), std::string::npos) << shrunk.output;
+  ASSERT_EQ(shrunk.losses.size(), full.losses.size());
+  for (const auto& [step, loss] : full.losses) {
+    EXPECT_LT(std::abs(shrunk.losses[step] - loss) / loss, 1e-4) << "step " << step;
   }
 }
 

@@ -1,0 +1,157 @@
+#include "state/checkpoint.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+#include "common/coding.h"
+#include "common/file_util.h"
+#include "common/temp_dir.h"
+
+namespace nonstop::state {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Model {
+  std::vector<float> w = std::vector<float>(600);
+  std::vector<float> m = std::vector<float>(600);
+  int64_t step = -1;
+  StateRegistry reg{256};
+  Model() {
+    NONSTOP_CHECK(reg.RegisterFloats("w", w, {20, 30}).ok());
+    NONSTOP_CHECK(reg.RegisterFloats("adam.m", m).ok());
+    NONSTOP_CHECK(reg.RegisterValue("step", &step).ok());
+  }
+  void Fill(float base, int64_t s) {
+    std::iota(w.begin(), w.end(), base);
+    std::iota(m.begin(), m.end(), -base);
+    step = s;
+  }
+};
+
+CheckpointMeta Meta(int64_t step) {
+  CheckpointMeta m;
+  m.step = step;
+  m.recipe = "test";
+  m.parameter_checksum = "abcd";
+  return m;
+}
+
+TEST(CheckpointTest, AsyncSaveThenLoadRestoresTheState) {
+  TempDir dir;
+  Model a;
+  a.Fill(1.0f, 30);
+  {
+    CheckpointWriter writer(dir.path(), 3);
+    ASSERT_TRUE(writer.Save(a.reg, Meta(30)).ok());
+    a.Fill(99.0f, 31);  // training goes on: the checkpoint holds the copy taken at Save
+    ASSERT_TRUE(writer.Wait().ok());
+    ASSERT_TRUE(writer.last_written().has_value());
+    EXPECT_EQ(writer.last_written()->step, 30);
+  }
+  Model b;
+  auto loaded = LoadNewestCheckpoint(dir.path(), b.reg);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(loaded->step, 30);
+  EXPECT_EQ(b.step, 30);
+  EXPECT_EQ(b.w[5], 6.0f);
+  EXPECT_EQ(loaded->manifest["recipe"], "test");
+}
+
+TEST(CheckpointTest, SafetensorsHeaderDescribesEveryTensor) {
+  TempDir dir;
+  Model a;
+  a.Fill(1.0f, 3);
+  auto st = WriteCheckpoint(dir.path(), a.reg, Meta(3), 3);
+  ASSERT_TRUE(st.ok());
+  auto file = ReadFile(st->path + "/state.safetensors");
+  ASSERT_TRUE(file.ok());
+  uint64_t n = DecodeFixed64(file->data());
+  EXPECT_EQ((8 + n) % 8, 0u) << "header padded to 8 bytes";
+  auto header = nlohmann::json::parse(file->substr(8, n));
+  EXPECT_EQ(header["w"]["dtype"], "F32");
+  EXPECT_EQ(header["w"]["shape"], nlohmann::json({20, 30}));
+  EXPECT_EQ(header["step"]["dtype"], "I64");
+  EXPECT_EQ(header["adam.m"]["data_offsets"], nlohmann::json({2400, 4800}));
+  float first;
+  std::memcpy(&first, file->data() + 8 + n, 4);
+  EXPECT_EQ(first, 1.0f);
+}
+
+TEST(CheckpointTest, CorruptTruncatedAndHalfWrittenCheckpointsAreSkippedWithReasons) {
+  TempDir dir;
+  Model a;
+  for (int64_t s : {10, 20, 30, 40}) {
+    a.Fill(static_cast<float>(s), s);
+    ASSERT_TRUE(WriteCheckpoint(dir.path(), a.reg, Meta(s), 10).ok());
+  }
+  // 40: truncated; 30: a flipped byte; 20: no manifest; plus a half-written 50.
+  std::string p40 = dir / "step-000000040/state.safetensors";
+  fs::resize_file(p40, fs::file_size(p40) - 7);
+  {
+    std::fstream f(dir / "step-000000030/state.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(300);
+    f.put('\x55');
+  }
+  fs::remove(dir / "step-000000020/manifest.json");
+  fs::create_directories(dir / "step-000000050.tmp-123");
+  Model b;
+  auto loaded = LoadNewestCheckpoint(dir.path(), b.reg);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(loaded->step, 10);
+  EXPECT_EQ(b.w[0], 10.0f);
+  ASSERT_EQ(loaded->skipped.size(), 4u);
+  std::string all;
+  for (const auto& s : loaded->skipped) all += s + "\n";
+  EXPECT_NE(all.find("half-written"), std::string::npos) << all;
+  EXPECT_NE(all.find("truncated"), std::string::npos) << all;
+  EXPECT_NE(all.find("fails its checksum"), std::string::npos) << all;
+  EXPECT_NE(all.find("no manifest.json"), std::string::npos) << all;
+}
+
+TEST(CheckpointTest, NothingValidIsNotFoundWithEveryReason) {
+  TempDir dir;
+  Model a;
+  a.Fill(1, 5);
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), a.reg, Meta(5), 3).ok());
+  fs::remove(dir / "step-000000005/manifest.json");
+  Model b;
+  auto loaded = LoadNewestCheckpoint(dir.path(), b.reg);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(loaded.status().message().find("no manifest.json"), std::string::npos);
+  EXPECT_EQ(b.step, -1) << "nothing loaded";
+}
+
+TEST(CheckpointTest, RetentionKeepsTheNewest) {
+  TempDir dir;
+  Model a;
+  for (int64_t s = 1; s <= 5; ++s) {
+    a.Fill(1, s);
+    ASSERT_TRUE(WriteCheckpoint(dir.path(), a.reg, Meta(s), 2).ok());
+  }
+  EXPECT_FALSE(fs::exists(dir / "step-000000003"));
+  EXPECT_TRUE(fs::exists(dir / "step-000000004"));
+  EXPECT_TRUE(fs::exists(dir / "step-000000005"));
+}
+
+TEST(CheckpointTest, OtherModelIsRefusedByName) {
+  TempDir dir;
+  Model a;
+  a.Fill(1, 5);
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), a.reg, Meta(5), 3).ok());
+  std::vector<float> other(600);
+  int64_t step = 0;
+  StateRegistry reg;
+  ASSERT_TRUE(reg.RegisterFloats("v", other).ok());
+  ASSERT_TRUE(reg.RegisterValue("step", &step).ok());
+  Status s = VerifyCheckpoint(dir / "step-000000005", reg);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'v'"), std::string::npos) << s.ToString();
+}
+
+}  // namespace
+}  // namespace nonstop::state
