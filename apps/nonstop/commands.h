@@ -28,6 +28,10 @@ class RunCommand {
   int heartbeat_timeout_ms_ = 1000;
   int abort_timeout_ms_ = 2000;
   std::vector<std::string> inject_;
+  std::string recovery_ = "checkpointless";
+  std::string checkpoint_dir_;
+  int checkpoint_every_ = 0;
+  double mtbf_seconds_ = 0;
   std::string log_level_ = "info";
   std::vector<std::string> program_;
 };

@@ -72,6 +72,19 @@ void RunCommand::Register(CLI::App& app) {
                    "Faults to inject, e.g. kill:rank=2,step=30 or hang:rank=1,time=5 (kinds: kill, hang, exception, "
                    "drop, corrupt; see docs/faults.md); 'none' for no fault")
       ->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)->envname("NONSTOP_INJECT");
+  sub_->add_option("--recovery", recovery_,
+                   "checkpointless (in-process recovery, spares, peer state transfer) or checkpoint (the "
+                   "checkpoint-restart baseline: on a fault restart every worker from the newest checkpoint)")
+      ->capture_default_str()->envname("NONSTOP_RECOVERY")->check(CLI::IsMember({"checkpointless", "checkpoint"}));
+  sub_->add_option("--checkpoint-dir", checkpoint_dir_,
+                   "Durable checkpoints go here (passed to workers as NONSTOP_CHECKPOINT_DIR); also the last rung of "
+                   "checkpointless recovery")
+      ->envname("NONSTOP_CHECKPOINT_DIR");
+  sub_->add_option("--checkpoint-every", checkpoint_every_,
+                   "Steps between checkpoints (0: the Young/Daly optimum for --mtbf, measured by the trainer)")
+      ->capture_default_str()->envname("NONSTOP_CHECKPOINT_EVERY")->check(CLI::Range(0, 1'000'000));
+  sub_->add_option("--mtbf", mtbf_seconds_, "Mean time between failures assumed for the checkpoint interval (seconds)")
+      ->capture_default_str()->envname("NONSTOP_MTBF_SECONDS")->check(CLI::Range(0.0, 1e9));
   sub_->add_option("--log-level", log_level_, "debug, info, warning or error")->capture_default_str()
       ->envname("NONSTOP_LOG_LEVEL");
   sub_->footer("After `--`: the worker program and its arguments. Without one, the built-in demonstration runs: "
@@ -127,7 +140,14 @@ int RunCommand::Execute() {
 
   net::EventLoop loop;
   std::deque<Event> events;
+  if (recovery_ == "checkpoint" && checkpoint_dir_.empty()) {
+    fmt::print(stderr, "nonstop run: --recovery checkpoint needs --checkpoint-dir (where the checkpoints go)\n");
+    return controller::kExitUsage;
+  }
   controller::ControllerOptions copts;
+  copts.recovery = recovery_ == "checkpoint" ? controller::RecoveryMode::kCheckpointRestart
+                                             : controller::RecoveryMode::kCheckpointless;
+  copts.have_checkpoints = !checkpoint_dir_.empty();
   copts.world_size = nproc_;
   copts.spares = spares_;
   copts.heartbeat_timeout = Millis(heartbeat_timeout_ms_);
@@ -157,6 +177,12 @@ int RunCommand::Execute() {
   fmt::print("  {:<20} {}\n", "spares", spares_);
   fmt::print("  {:<20} {} ms\n", "heartbeat timeout", heartbeat_timeout_ms_);
   fmt::print("  {:<20} {} ms\n", "abort timeout", abort_timeout_ms_);
+  fmt::print("  {:<20} {}\n", "recovery", recovery_);
+  fmt::print("  {:<20} {}\n", "checkpoints",
+             checkpoint_dir_.empty() ? std::string("none")
+                                     : fmt::format("{} (every {})", checkpoint_dir_,
+                                                   checkpoint_every_ > 0 ? std::to_string(checkpoint_every_) + " steps"
+                                                                         : fmt::format("Young/Daly, MTBF {} s", mtbf_seconds_)));
   std::string fault_text;
   for (const auto& f : faults) fault_text += (fault_text.empty() ? "" : "; ") + control::FormatFault(f);
   fmt::print("  {:<20} {}\n", "injected faults", fault_text.empty() ? "none" : fault_text);
@@ -168,7 +194,7 @@ int RunCommand::Execute() {
   (*journal)->Append({{"event", "job_start"}, {"world_size", nproc_}, {"spares", spares_},
                       {"controller", (*server)->address().ToString()}, {"program", program}});
 
-  auto spawn = [&](int id, bool spare) -> Status {
+  auto spawn = [&](int id, bool spare, bool resume) -> Status {
     launcher::ChildSpec spec;
     spec.worker_id = id;
     spec.argv = program;
@@ -177,13 +203,19 @@ int RunCommand::Execute() {
                 {"NONSTOP_WORKER_ID", std::to_string(id)},
                 {"NONSTOP_SPARE", spare ? "1" : "0"},
                 {"NONSTOP_DATA_HOST", host_}};
+    if (!checkpoint_dir_.empty()) {
+      spec.env.push_back({"NONSTOP_CHECKPOINT_DIR", checkpoint_dir_});
+      spec.env.push_back({"NONSTOP_CHECKPOINT_EVERY", std::to_string(checkpoint_every_)});
+      spec.env.push_back({"NONSTOP_MTBF_SECONDS", fmt::format("{}", mtbf_seconds_)});
+    }
+    if (resume) spec.env.push_back({"NONSTOP_RESUME", "1"});
     auto pid = launcher.Spawn(spec);
     if (!pid.ok()) return pid.status().WithContext(fmt::format("starting worker {}", id));
-    (*journal)->Append({{"event", "spawn"}, {"worker_id", id}, {"pid", *pid}, {"spare", spare}});
+    (*journal)->Append({{"event", "spawn"}, {"worker_id", id}, {"pid", *pid}, {"spare", spare}, {"resume", resume}});
     return OkStatus();
   };
   for (int id = 0; id < nproc_ + spares_; ++id) {
-    Status s = spawn(id, id >= nproc_);
+    Status s = spawn(id, id >= nproc_, /*resume=*/false);
     if (!s.ok()) {
       fmt::print(stderr, "nonstop run: {}\n", s.ToString());
       launcher.SignalAll(SIGKILL);
@@ -217,7 +249,7 @@ int RunCommand::Execute() {
             launcher.Signal(act.worker_id, act.signal);
           } else if constexpr (std::is_same_v<T, controller::SpawnWorker>) {
             if (!ended) {
-              Status s = spawn(act.worker_id, act.spare);
+              Status s = spawn(act.worker_id, act.spare, act.resume);
               if (!s.ok()) fmt::print(stderr, "[nonstop] {}\n", s.ToString());
             }
           } else if constexpr (std::is_same_v<T, controller::AppendJournal>) {

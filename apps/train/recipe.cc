@@ -93,6 +93,8 @@ Status Validate(const Recipe& r) {
   NONSTOP_RETURN_IF_ERROR(Require(o.eps > 0 && o.weight_decay >= 0 && o.grad_clip >= 0 && o.warmup_steps >= 0,
                                   "optimizer: eps must be positive; weight_decay, grad_clip and warmup_steps non-negative"));
   NONSTOP_RETURN_IF_ERROR(Require(!r.data.shards.empty(), "data.shards: required"));
+  NONSTOP_RETURN_IF_ERROR(Require(r.checkpoint.every >= 0, "checkpoint.every: must be 0 (automatic) or positive"));
+  NONSTOP_RETURN_IF_ERROR(Require(r.checkpoint.keep >= 1, "checkpoint.keep: must be at least 1"));
   return OkStatus();
 }
 
@@ -110,9 +112,10 @@ Result<Recipe> ParseRecipe(const std::string& text, const std::string& source) {
   auto ctx = [&](Status s) { return s.WithContext("recipe " + source); };
   for (const auto& kv : root) {
     std::string key = kv.first.as<std::string>();
-    if (key != "name" && key != "model" && key != "train" && key != "optimizer" && key != "data") {
+    if (key != "name" && key != "model" && key != "train" && key != "optimizer" && key != "data" &&
+        key != "checkpoint") {
       return InvalidArgumentError(fmt::format("recipe {}: {}: unknown key (known keys here: name, model, train, "
-                                              "optimizer, data)", source, key));
+                                              "optimizer, data, checkpoint)", source, key));
     }
   }
   if (root["name"]) {
@@ -170,6 +173,13 @@ Result<Recipe> ParseRecipe(const std::string& text, const std::string& source) {
     NONSTOP_RETURN_IF_ERROR(x.Read("shards", &d.shards));
     NONSTOP_RETURN_IF_ERROR(x.Read("prepare_from", &d.prepare_from));
     return x.Read("strip_fortune_separators", &d.strip_fortune_separators);
+  });
+  if (!st.ok()) return ctx(st);
+  st = section("checkpoint", [&](Section& x) -> Status {
+    auto& c = r.checkpoint;
+    NONSTOP_RETURN_IF_ERROR(x.Read("dir", &c.dir));
+    NONSTOP_RETURN_IF_ERROR(x.Read("every", &c.every));
+    return x.Read("keep", &c.keep);
   });
   if (!st.ok()) return ctx(st);
   st = Validate(r);

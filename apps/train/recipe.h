@@ -51,8 +51,15 @@ struct DataConfig {
   bool strip_fortune_separators = false;
 };
 
+struct CheckpointConfig {
+  std::string dir;    // empty: no durable checkpoints
+  int64_t every = 0;  // steps between checkpoints; 0: Young/Daly from the MTBF (or 50 without one)
+  int64_t keep = 3;   // checkpoints retained
+};
+
 struct Recipe {
   std::string name;
+  CheckpointConfig checkpoint;
   ModelConfig model;
   TrainConfig train;
   OptimizerConfig optimizer;

@@ -21,6 +21,7 @@
 #include "data/prepare.h"
 #include "data/sampler.h"
 #include "nonstop/session.h"
+#include "state/checkpoint.h"
 #include "torch/adamw.h"
 #include "torch/flat_parameters.h"
 
@@ -60,7 +61,22 @@ int Main(int argc, char** argv) {
   int64_t steps_override = 0;
   bool print_recipe = false;
   int threads = 1;
+  std::string checkpoint_dir, resume_dir;
+  int64_t checkpoint_every = -1;
+  double mtbf_seconds = 0;
+  bool resume_env = false;
   app.add_option("recipe", recipe_path, "Recipe YAML (default: the built-in llama-tiny)");
+  app.add_option("--checkpoint-dir", checkpoint_dir, "Write durable checkpoints here (overrides checkpoint.dir)")
+      ->envname("NONSTOP_CHECKPOINT_DIR");
+  app.add_option("--checkpoint-every", checkpoint_every, "Steps between checkpoints (0: Young/Daly from --mtbf)")
+      ->envname("NONSTOP_CHECKPOINT_EVERY");
+  app.add_option("--mtbf", mtbf_seconds, "Mean time between failures, for the automatic checkpoint interval (s)")
+      ->envname("NONSTOP_MTBF_SECONDS");
+  app.add_option("--resume", resume_dir, "Resume from the newest valid checkpoint in this directory");
+  app.add_flag("--resume-from-checkpoint-dir", resume_env,
+               "Resume from the newest checkpoint in the checkpoint directory, if there is one (set by nonstop run "
+               "when it restarts workers)")
+      ->envname("NONSTOP_RESUME");
   app.add_option("--steps", steps_override, "Override train.steps")->envname("NONSTOP_TRAIN_STEPS");
   app.add_option("--torch-threads", threads, "Intra-op threads per worker")->capture_default_str()
       ->envname("NONSTOP_TORCH_THREADS");
@@ -79,6 +95,9 @@ int Main(int argc, char** argv) {
   if (!recipe.ok()) return Fail(recipe.status(), "bad recipe");
   Recipe& r = *recipe;
   if (steps_override > 0) r.train.steps = steps_override;
+  if (!checkpoint_dir.empty()) r.checkpoint.dir = checkpoint_dir;
+  if (checkpoint_every >= 0) r.checkpoint.every = checkpoint_every;
+  if (resume_env && resume_dir.empty()) resume_dir = r.checkpoint.dir;
   torch::set_num_threads(threads);
 
   // Data first: a spare is warm only once its data is mapped.
@@ -106,19 +125,47 @@ int Main(int argc, char** argv) {
 
   // What must survive a fault: parameters, optimizer moments, the step. The
   // data position follows from the step; the model has no other randomness.
+  // One region per tensor, with its shape, so that a durable checkpoint is a
+  // safetensors file any tool can read tensor by tensor.
   state::StateRegistry state;
-  for (Status s : {state.Register("params", std::as_writable_bytes(flat.params())),
-                   state.Register("adamw.exp_avg", std::as_writable_bytes(adamw.exp_avg())),
-                   state.Register("adamw.exp_avg_sq", std::as_writable_bytes(adamw.exp_avg_sq())),
-                   state.RegisterValue("step", &completed)}) {
+  {
+    std::vector<std::pair<std::string, std::span<float>>> groups = {
+        {"", flat.params()}, {"adamw.exp_avg.", adamw.exp_avg()}, {"adamw.exp_avg_sq.", adamw.exp_avg_sq()}};
+    std::vector<std::vector<int64_t>> shapes;
+    for (auto& item : model->named_parameters()) shapes.push_back(item.value().sizes().vec());
+    for (const auto& [prefix, buffer] : groups) {
+      for (size_t i = 0; i < flat.segments().size(); ++i) {
+        const auto& seg = flat.segments()[i];
+        Status s = state.RegisterFloats(prefix + seg.name, buffer.subspan(seg.offset, seg.size), shapes[i]);
+        if (!s.ok()) return Fail(s, "registering state");
+      }
+    }
+    Status s = state.RegisterValue("step", &completed);
     if (!s.ok()) return Fail(s, "registering state");
+  }
+  if (!resume_dir.empty()) {
+    auto loaded = state::LoadNewestCheckpoint(resume_dir, state);
+    if (loaded.ok()) {
+      for (const auto& skipped : loaded->skipped) NONSTOP_LOG_WARNING("skipped checkpoint {}", skipped);
+      fmt::print("resumed from {} (step {}, parameter checksum {})\n", loaded->path, loaded->step,
+                 loaded->manifest.value("parameter_checksum", ""));
+      if (flat.Checksum() != loaded->manifest.value("parameter_checksum", "")) {
+        return Fail(DataLossError(fmt::format("checkpoint {}: the parameters do not match the manifest's checksum",
+                                              loaded->path)), "resuming");
+      }
+    } else if (loaded.status().code() == StatusCode::kNotFound && resume_env) {
+      fmt::print("no checkpoint to resume from in {}: starting from scratch ({})\n", resume_dir,
+                 loaded.status().message());
+    } else {
+      return Fail(loaded.status(), "resuming");
+    }
   }
   fmt::print("worker pid {} built its model ({} parameters) and mapped its data\n", ::getpid(), flat.size());
   std::fflush(stdout);
 
   auto options = SessionOptions::FromEnvironment();
   if (!options.ok()) return Fail(options.status(), "not under nonstop run");
-  auto joined = Session::Join(*options, &state);
+  auto joined = Session::Join(*options, &state, completed);
   if (!joined.ok()) {
     if (joined.status().code() == StatusCode::kCancelled) return 0;  // a spare that was not needed
     return Fail(joined.status(), "joining the job");
@@ -138,6 +185,31 @@ int Main(int argc, char** argv) {
     }
     using torch::indexing::Slice;
     return std::make_pair(t.index({Slice(), Slice(0, T)}), t.index({Slice(), Slice(1, T + 1)}).contiguous());
+  };
+
+  // Durable checkpoints: whichever worker holds rank 0 writes them, in the
+  // background. With no fixed interval, the first one is timed and the
+  // interval set to the Young/Daly optimum sqrt(2 · cost · MTBF).
+  std::unique_ptr<state::CheckpointWriter> writer;
+  if (!r.checkpoint.dir.empty()) writer = std::make_unique<state::CheckpointWriter>(r.checkpoint.dir, static_cast<int>(r.checkpoint.keep));
+  int64_t every = r.checkpoint.every > 0 ? r.checkpoint.every : (mtbf_seconds > 0 ? 0 : 50);
+  auto maybe_checkpoint = [&](int64_t step, double step_seconds) {
+    if (!writer || session.rank() != 0) return;
+    bool due = every == 0 || (step + 1) % every == 0 || step + 1 == r.train.steps;
+    if (!due) return;
+    state::CheckpointMeta meta{step, session.generation(), session.world_size(), r.name, flat.Checksum(), {}};
+    Status s = writer->Save(state, meta);
+    if (!s.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", s.ToString());
+    if (every == 0) {  // the timing checkpoint
+      s = writer->Wait();
+      auto st = writer->last_written();
+      double cost = st ? st->snapshot_seconds + st->write_seconds : 0;
+      double optimum = std::sqrt(2.0 * cost * mtbf_seconds);
+      every = std::max<int64_t>(1, static_cast<int64_t>(std::llround(optimum / std::max(step_seconds, 1e-6))));
+      fmt::print("checkpoint interval: {} steps (Young/Daly: sqrt(2 × cost {:.3f} s × MTBF {:.0f} s) = {:.2f} s; "
+                 "a step takes {:.3f} s)\n", every, cost, mtbf_seconds, optimum, step_seconds);
+      std::fflush(stdout);
+    }
   };
 
   // A collective that fails means a fault somewhere: take part in the
@@ -205,6 +277,7 @@ int Main(int argc, char** argv) {
       completed = step;
       double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       session.ReportStep({step, loss, secs, tokens_per_step / secs});
+      maybe_checkpoint(step, secs);
       if (session.rank() == 0 && (step % r.train.log_every == 0 || step + 1 == r.train.steps)) {
         fmt::print("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} s/step | world {}\n",
                    step, r.train.steps, loss, lr, grad_norm, tokens_per_step / secs, secs, session.world_size());
@@ -213,6 +286,10 @@ int Main(int argc, char** argv) {
       ++step;
     }
     std::string checksum = flat.Checksum();
+    if (writer) {
+      Status w = writer->Wait();
+      if (!w.ok()) NONSTOP_LOG_WARNING("the last checkpoint failed: {}", w.ToString());
+    }
     Status fin = session.Finish(r.train.steps - 1, checksum);
     if (fin.code() == StatusCode::kAborted) {  // a member failed at the very end
       if (int code = recover(&step); code != 0) return code;

@@ -81,7 +81,10 @@ class SessionImpl;
 class Session {
  public:
   // `state` holds what must survive a fault; it must outlive the Session.
-  static Result<std::unique_ptr<Session>> Join(SessionOptions options, state::StateRegistry* state);
+  // `state_step` is the step it holds when joining: -1 for the initial
+  // state, or the step of a durable checkpoint the program loaded.
+  static Result<std::unique_ptr<Session>> Join(SessionOptions options, state::StateRegistry* state,
+                                               int64_t state_step = -1);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;

@@ -36,7 +36,8 @@ void Get(const json& j, const char* name, V* out, std::string& field) {
 }  // namespace
 
 std::string Encode(const JoinMsg& m) {
-  return json{{"worker_id", m.worker_id}, {"pid", m.pid}, {"data_address", m.data_address}, {"spare", m.spare}}.dump();
+  return json{{"worker_id", m.worker_id}, {"pid", m.pid},       {"data_address", m.data_address},
+              {"spare", m.spare},         {"state_step", m.state_step}}.dump();
 }
 std::string Encode(const PlanMsg& m) {
   json members = json::array();
@@ -79,6 +80,7 @@ Result<JoinMsg> DecodeJoin(std::string_view p) {
     Get(j, "pid", &m.pid, f);
     Get(j, "data_address", &m.data_address, f);
     Get(j, "spare", &m.spare, f);
+    Get(j, "state_step", &m.state_step, f);
   });
 }
 Result<PlanMsg> DecodePlan(std::string_view p) {

@@ -33,6 +33,7 @@ struct JoinMsg {
   int64_t pid = 0;
   std::string data_address;
   bool spare = false;
+  int64_t state_step = -1;  // the step its state holds (a resumed checkpoint), -1: the initial state
 };
 
 struct PlanMember {

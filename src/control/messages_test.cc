@@ -29,7 +29,7 @@ TEST(MessagesTest, PlanRoundTrips) {
 }
 
 TEST(MessagesTest, MissingFieldIsNamed) {
-  auto r = DecodeJoin(R"({"worker_id": 1, "pid": 2, "spare": false})");
+  auto r = DecodeJoin(R"({"worker_id": 1, "pid": 2, "spare": false, "state_step": -1})");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("data_address"), std::string::npos) << r.status().ToString();

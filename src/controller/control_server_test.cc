@@ -58,7 +58,7 @@ TEST(ControlServerTest, GarbageAndWrongTokensAreClosedAndTheServerCarriesOn) {
     ok.job_token = "tok";
     ok.worker_id = 7;
     ASSERT_TRUE(net::ClientHandshake(good.get(), ok, DeadlineAfter(Millis(3000)), nullptr).ok());
-    control::JoinMsg j{7, 1234, "127.0.0.1:1", false};
+    control::JoinMsg j{7, 1234, "127.0.0.1:1", false, -1};
     ASSERT_TRUE(net::WriteFrame(good.get(), control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
   });
   f.RunFor(Millis(300));
@@ -76,7 +76,7 @@ TEST(ControlServerTest, MalformedMessageClosesOnlyThatWorker) {
     ok.kind = net::ConnectionKind::kControl;
     ok.job_token = "tok";
     ASSERT_TRUE(net::ClientHandshake(c.get(), ok, DeadlineAfter(Millis(3000)), nullptr).ok());
-    control::JoinMsg j{1, 1, "127.0.0.1:1", false};
+    control::JoinMsg j{1, 1, "127.0.0.1:1", false, -1};
     ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
     ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgHeartbeat, "{\"step\": [1]}", DeadlineAfter(Millis(1000)), nullptr).ok());
   });

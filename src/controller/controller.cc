@@ -65,6 +65,7 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   w.pid = m.pid;
   w.address = m.data_address;
   w.role = m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending;
+  joined_step_[m.worker_id] = m.state_step;
   w.last_heard = now_;
   workers_[m.worker_id] = w;
   out->push_back(AppendJournal{{{"event", "join"}, {"worker_id", m.worker_id}, {"pid", m.pid},
@@ -72,6 +73,9 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   if (phase_ == JobPhase::kForming) MaybeFormFirstGeneration(out);
 }
 
+// Forms a generation from scratch: at the start, and after a restart from a
+// durable checkpoint. Members may hold different steps (a checkpoint written
+// while others were loading): the highest wins and the others copy it.
 void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   std::vector<int> pending;
   for (const auto& [id, w] : workers_) {
@@ -79,19 +83,28 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   }
   if (static_cast<int>(pending.size()) < options_.world_size) return;
   pending.resize(static_cast<size_t>(options_.world_size));  // the lowest worker ids
-  generation_ = 1;
+  ++generation_;
   members_ = pending;
+  int64_t s_star = -1;
+  for (int id : members_) s_star = std::max(s_star, joined_step_[id]);
+  std::vector<int> holders;
+  for (int id : members_) {
+    if (joined_step_[id] == s_star) holders.push_back(id);
+  }
+  resume_step_ = s_star + 1;
   control::PlanMsg plan;
   plan.generation = generation_;
-  plan.resume_step = 0;
+  plan.resume_step = resume_step_;
   plan.faults = pending_faults_;
-  plan.reason = "start";
+  plan.reason = open_recovery_ ? "restart" : "start";
   for (size_t r = 0; r < members_.size(); ++r) {
     WorkerInfo& w = workers_[members_[r]];
     w.role = WorkerRole::kMember;
     w.rank = static_cast<int>(r);
     w.last_heard = now_;
+    w.last_step = joined_step_[w.worker_id];
     plan.members.push_back({w.worker_id, w.address});
+    if (joined_step_[w.worker_id] != s_star) plan.transfers.push_back({w.worker_id, holders});
   }
   for (auto& [id, w] : workers_) {
     if (w.role == WorkerRole::kPending) w.role = WorkerRole::kSpare;  // late joiners wait as spares
@@ -99,9 +112,40 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   phase_ = JobPhase::kRunning;
   for (int id : members_) out->push_back(SendPlan{id, plan});
   out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
-                                {"resume_step", 0}, {"reason", "start"}}});
-  out->push_back(PrintLine{fmt::format("generation {}: {} workers, ranks by worker id {}", generation_,
-                                       members_.size(), json(members_).dump())});
+                                {"resume_step", resume_step_}, {"reason", plan.reason}}});
+  out->push_back(PrintLine{fmt::format("generation {}: {} workers, ranks by worker id {}{}", generation_,
+                                       members_.size(), json(members_).dump(),
+                                       s_star >= 0 ? fmt::format(", resuming at step {}", resume_step_) : "")});
+  if (open_recovery_) {
+    RecoveryRecord& rec = recoveries_[*open_recovery_];
+    rec.plan_at = now_;
+    rec.to_generation = generation_;
+    rec.resume_step = resume_step_;
+    rec.new_world = static_cast<int>(members_.size());
+    rec.redone_steps = std::max<int64_t>(0, highest_step_ - s_star);
+  }
+}
+
+void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Action>* out) {
+  if (!open_recovery_) StartRecovery(why, out);  // opens the record; the aborts are moot
+  RecoveryRecord& rec = recoveries_[*open_recovery_];
+  rec.restarted = true;
+  rec.replacements.push_back("every worker restarted from the newest durable checkpoint");
+  out->push_back(PrintLine{"restarting every worker from the newest durable checkpoint: " + why});
+  out->push_back(AppendJournal{{{"event", "restart"}, {"recovery", rec.id}, {"reason", why},
+                                {"highest_step", highest_step_}}});
+  for (auto& [id, w] : workers_) {
+    if (w.role == WorkerRole::kGone) continue;
+    w.role = WorkerRole::kGone;
+    out->push_back(KillWorker{id});
+  }
+  members_.clear();
+  ready_.clear();
+  finished_ = 0;
+  phase_ = JobPhase::kForming;
+  for (int i = 0; i < options_.world_size + options_.spares; ++i) {
+    out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/i >= options_.world_size, /*resume=*/true});
+  }
 }
 
 // ---------------------------------------------------------------- progress
@@ -256,6 +300,15 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
   out->push_back(PrintLine{"fault: " + what});
   out->push_back(KillWorker{worker_id});  // it may be hung, or half alive: make sure it is gone
   ready_.erase(worker_id);
+  if (options_.recovery == RecoveryMode::kCheckpointRestart) {
+    if (open_recovery_ && phase_ == JobPhase::kForming) {
+      recoveries_[*open_recovery_].causes.push_back(what);  // a second fault during the restart
+      return;
+    }
+    StartRecovery(what, out);
+    RestartFromCheckpoint(what, out);
+    return;
+  }
   if (phase_ == JobPhase::kRecovering) {
     recoveries_[*open_recovery_].causes.push_back(what);
     MaybeFinishAbort(out);
@@ -340,12 +393,17 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   }
   // The initial state (step -1) is the same everywhere (seeded), so anyone holds it.
   bool state_everywhere = s_star == -1 && highest_step_ < 0;
+  if (holders.empty() && !state_everywhere && options_.have_checkpoints) {
+    RestartFromCheckpoint(fmt::format("the state of step {} exists on no live worker", std::max(s_star, highest_step_)),
+                          out);
+    return;
+  }
   if (holders.empty() && !state_everywhere) {
     rec.outcome = "failed";
     out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(rec)}}});
     End(kExitPeerFailure,
         fmt::format("the state of step {} exists on no live worker (every member that held it is gone); without a "
-                    "durable checkpoint the job cannot continue",
+                    "durable checkpoint (nonstop run --checkpoint-dir) the job cannot continue",
                     std::max(s_star, highest_step_)),
         out);
     return;
@@ -543,6 +601,7 @@ json Controller::RecordJson(const RecoveryRecord& r) const {
             {"bytes_copied", r.bytes_copied}, {"sources", r.sources}, {"refetched_chunks", r.refetched_chunks},
             {"connect_ms", r.connect_seconds * 1000}, {"transfer_ms", r.transfer_seconds * 1000},
             {"normal_step_ms", r.normal_step_seconds * 1000}, {"fault_time_known", r.fault_at.has_value()},
+            {"restarted_from_checkpoint", r.restarted}, {"redone_steps", r.redone_steps},
             {"ms_after_fault", {{"detected", since(r.detected_at)}, {"aborted", since(r.aborted_at)},
                                 {"plan_published", since(r.plan_at)}, {"state_ready", since(r.state_ready_at)},
                                 {"first_step_completed", since(r.first_step_at)}}}};
@@ -566,9 +625,11 @@ void Controller::Report(std::vector<Action>* out) const {
     for (size_t i = 1; i < r.causes.size(); ++i) out->push_back(PrintLine{"     and " + r.causes[i]});
     std::string handled = r.replacements.empty() ? "no member lost" : "";
     for (const auto& s : r.replacements) handled += (handled.empty() ? "" : "; ") + s;
-    out->push_back(PrintLine{fmt::format("     handled: {}; generation {} → {}, world {} → {}, resumed at step {} ({})",
+    out->push_back(PrintLine{fmt::format("     handled: {}; generation {} → {}, world {} → {}, resumed at step {}{} ({})",
                                          handled, r.from_generation, r.to_generation, r.old_world, r.new_world,
-                                         r.resume_step, r.outcome)});
+                                         r.resume_step,
+                                         r.restarted ? fmt::format(", {} completed steps redone", r.redone_steps) : "",
+                                         r.outcome)});
     const json& p = j["ms_after_fault"];
     auto f = [](const json& v) { return v.is_null() ? std::string("-") : fmt::format("{:.0f}", v.get<double>()); };
     out->push_back(PrintLine{fmt::format("     ms after the fault{}: detected {}, aborted {}, plan {}, state ready {}, "

@@ -54,7 +54,16 @@ inline constexpr int kExitUsage = 2;
 inline constexpr int kExitPeerFailure = 10;  // a worker failed and the job could not continue; restartable
 inline constexpr int kExitDataCorruption = 11;
 
+enum class RecoveryMode {
+  kCheckpointless,     // in-process recovery; durable checkpoints (if any) are the last rung
+  kCheckpointRestart,  // the baseline: on any fault stop everything, restart all, reload the newest checkpoint
+};
+
 struct ControllerOptions {
+  RecoveryMode recovery = RecoveryMode::kCheckpointless;
+  // Durable checkpoints are being written (nonstop run --checkpoint-dir): the
+  // job can restart from them when no live worker holds the state.
+  bool have_checkpoints = false;
   int world_size = 1;
   int spares = 0;  // the size of the spare pool, refilled as spares are used
   // A member silent this long is declared failed (a hung or stopped process).
@@ -90,7 +99,7 @@ struct SendAbort { int worker_id; control::AbortMsg msg; };
 struct SendShutdown { int worker_id; control::ShutdownMsg msg; };
 struct KillWorker { int worker_id; };               // SIGKILL now
 struct SignalWorker { int worker_id; int signal; };  // injected time-based faults
-struct SpawnWorker { int worker_id; bool spare; };
+struct SpawnWorker { int worker_id; bool spare; bool resume = false; };  // resume: load the newest checkpoint
 struct AppendJournal { nlohmann::json record; };
 struct PrintLine { std::string line; };
 struct EndJob { int exit_code; std::string reason; };
@@ -135,6 +144,8 @@ struct RecoveryRecord {
   int sources = 0, refetched_chunks = 0, recovered_reports = 0;
   double normal_step_seconds = 0;
   std::string outcome = "in progress";  // "completed", "superseded by recovery N", "failed"
+  bool restarted = false;               // every worker was restarted from a durable checkpoint
+  int64_t redone_steps = 0;             // completed steps to be computed again after a restart
 };
 
 class Controller {
@@ -180,6 +191,8 @@ class Controller {
   void CheckWatchdogs(std::vector<Action>* out);
   void FireTimedFaults(std::vector<Action>* out);
   void End(int exit_code, const std::string& reason, std::vector<Action>* out);
+  // Kills every worker and starts the job again from the newest durable checkpoint.
+  void RestartFromCheckpoint(const std::string& why, std::vector<Action>* out);
   void Report(std::vector<Action>* out) const;
   std::string Describe(const WorkerInfo& w) const;
   double MedianStepSeconds() const;
@@ -193,6 +206,7 @@ class Controller {
   std::vector<int> members_;  // worker ids, index = rank
   std::map<int, WorkerInfo> workers_;
   std::map<int, int64_t> ready_;  // live member → the step its state holds (during an abort)
+  std::map<int, int64_t> joined_step_;  // worker → the step its state held when it joined
   Clock::time_point abort_deadline_{};
   int64_t resume_step_ = 0;
   int64_t highest_step_ = -1;  // highest step any worker ever reported complete

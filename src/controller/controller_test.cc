@@ -22,7 +22,7 @@ class ControllerTest : public ::testing::Test {
   }
   std::vector<Action> Do(Event e) { return c_->Handle(e, now_); }
   std::vector<Action> Join(int id, bool spare = false) {
-    return Do(WorkerJoined{{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare}});
+    return Do(WorkerJoined{{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1}});
   }
   std::vector<Action> Ready(int id, int64_t step) {
     return Do(ReadyReceived{id, {c_->generation(), step, "aborted"}});

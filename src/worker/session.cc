@@ -78,7 +78,7 @@ class SessionImpl {
     mo.listen = {options_.data_host, 0};
     NONSTOP_ASSIGN_OR_RETURN(mesh_, collective::PeerMesh::Create(mo));
     control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), mesh_->address().ToString(),
-                          options_.spare};
+                          options_.spare, state_step_.load()};
     NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgJoin, control::Encode(join)));
     io_thread_ = std::jthread([this](std::stop_token st) { IoLoop(st); });
     // Wait for the first plan that includes this worker, then take part in it.
@@ -352,9 +352,11 @@ class SessionImpl {
   std::jthread io_thread_;  // last: stops before the members it uses go away
 };
 
-Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::StateRegistry* state) {
+Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::StateRegistry* state,
+                                              int64_t state_step) {
   NONSTOP_CHECK(state != nullptr);
   auto impl = std::make_unique<SessionImpl>(std::move(options), state);
+  impl->state_step_.store(state_step);
   NONSTOP_RETURN_IF_ERROR(impl->Start());
   return std::unique_ptr<Session>(new Session(std::move(impl)));
 }

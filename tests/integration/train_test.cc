@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <filesystem>
 #include <map>
 
 #include "common/temp_dir.h"
@@ -121,6 +122,59 @@ TEST_F(TrainTest, ShrinkKeepsTheLossCurveOfTheFullWorld) {
   for (const auto& [step, loss] : full.losses) {
     EXPECT_LT(std::abs(shrunk.losses[step] - loss) / loss, 1e-4) << "step " << step;
   }
+}
+
+TEST_F(TrainTest, ResumeFromADurableCheckpointMatchesTheUninterruptedRun) {
+  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt") << "checkpoint:\n  keep: 10\n";
+  std::string ckpt = dir_ / "ckpt";
+  RunResult full = Run(2, "full", {"--checkpoint-dir", ckpt, "--checkpoint-every", "5"},
+                       {"--spares", "0"});
+  ASSERT_EQ(full.code, 0) << full.output;
+  // Keep step 9 and step 4; make step 9 corrupt: the resume must skip it, say so, and use step 4.
+  namespace fs = std::filesystem;
+  for (const char* newer : {"step-000000014", "step-000000019", "step-000000020"}) fs::remove_all(ckpt + "/" + newer);
+  ASSERT_TRUE(fs::exists(ckpt + "/step-000000009")) << full.output;
+  RunResult from9 = Run(2, "resume9", {"--resume", ckpt});
+  ASSERT_EQ(from9.code, 0) << from9.output;
+  EXPECT_NE(from9.output.find("resumed from " + ckpt + "/step-000000009"), std::string::npos) << from9.output;
+  EXPECT_EQ(from9.checksum, full.checksum);
+  EXPECT_EQ(from9.losses.begin()->first, 10) << "it resumed at step 10";
+  {
+    std::fstream f(ckpt + "/step-000000009/state.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1000);
+    f.put('\x42');
+  }
+  RunResult from4 = Run(2, "resume4", {"--resume", ckpt});
+  ASSERT_EQ(from4.code, 0) << from4.output;
+  EXPECT_NE(from4.output.find("fails its checksum"), std::string::npos) << from4.output;
+  EXPECT_NE(from4.output.find("resumed from " + ckpt + "/step-000000004"), std::string::npos) << from4.output;
+  EXPECT_EQ(from4.checksum, full.checksum);
+}
+
+TEST_F(TrainTest, CheckpointRestartBaselineRedoesTheLostStepsAndEndsTheSame) {
+  WriteRecipe();
+  RunResult clean = Run(2, "clean");
+  std::string ckpt = dir_ / "ckpt";
+  RunResult r = Run(2, "baseline", {},
+                    {"--spares", "0", "--recovery", "checkpoint", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
+                     "--inject", "kill:rank=1,step=12"});
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.checksum, clean.checksum) << r.output;
+  EXPECT_NE(r.output.find("restarting every worker from the newest durable checkpoint"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("2 completed steps redone"), std::string::npos) << r.output;
+}
+
+TEST_F(TrainTest, WhenNoWorkerHoldsTheStateTheJobRestartsFromTheLastCheckpoint) {
+  WriteRecipe();
+  RunResult clean = Run(2, "clean");
+  std::string ckpt = dir_ / "ckpt";
+  RunResult r = Run(2, "lastrung", {},
+                    {"--spares", "0", "--checkpoint-dir", ckpt, "--checkpoint-every", "5", "--inject",
+                     "kill:rank=0,step=13;kill:rank=1,step=13"});
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.checksum, clean.checksum) << r.output;
+  EXPECT_NE(r.output.find("exists on no live worker"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restarting every worker"), std::string::npos) << r.output;
 }
 
 TEST_F(TrainTest, MixtureOfExpertsModelTrains) {
