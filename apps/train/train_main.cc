@@ -123,6 +123,20 @@ int Main(int argc, char** argv) {
   torchx::LrSchedule schedule{r.optimizer.lr, r.optimizer.min_lr, r.optimizer.warmup_steps, r.train.steps};
   int64_t completed = -1;  // last completed step: part of the state
 
+  const int64_t T = r.model.seq_len;
+  const double tokens_per_step = static_cast<double>(r.train.global_batch * T);
+  const float norm = 1.0f / static_cast<float>(tokens_per_step);
+  auto batch_tensors = [&](const std::vector<uint64_t>& samples) {
+    auto t = torch::empty({static_cast<int64_t>(samples.size()), T + 1}, torch::kLong);
+    auto acc = t.accessor<int64_t, 2>();
+    for (size_t i = 0; i < samples.size(); ++i) {
+      auto tokens = (*dataset)->Sample(samples[i]);
+      for (int64_t j = 0; j <= T; ++j) acc[static_cast<int64_t>(i)][j] = tokens[static_cast<size_t>(j)];
+    }
+    using torch::indexing::Slice;
+    return std::make_pair(t.index({Slice(), Slice(0, T)}), t.index({Slice(), Slice(1, T + 1)}).contiguous());
+  };
+
   // What must survive a fault: parameters, optimizer moments, the step. The
   // data position follows from the step; the model has no other randomness.
   // One region per tensor, with its shape, so that a durable checkpoint is a
@@ -163,6 +177,18 @@ int Main(int argc, char** argv) {
   fmt::print("worker pid {} built its model ({} parameters) and mapped its data\n", ::getpid(), flat.size());
   std::fflush(stdout);
 
+  // Warm-up: one forward/backward on micro-batch 0 of step 0, so that the
+  // allocator, the kernels and the data pages are hot before this worker is
+  // needed (a spare's first real step is then as fast as anyone's). The
+  // gradients are discarded; parameters and optimizer state are untouched.
+  {
+    auto [inputs, targets] = batch_tensors(sampler->MicroBatchSamples(0, 0));
+    auto logits = model->forward(inputs);
+    torch::nn::functional::cross_entropy(logits.view({-1, r.model.vocab_size}), targets.view({-1})).backward();
+    flat.GatherGrads();
+    flat.ZeroGrad();
+  }
+
   auto options = SessionOptions::FromEnvironment();
   if (!options.ok()) return Fail(options.status(), "not under nonstop run");
   auto joined = Session::Join(*options, &state, completed);
@@ -172,20 +198,6 @@ int Main(int argc, char** argv) {
   }
   Session& session = **joined;
   if (session.rank() == 0) PrintConfig(r, session, flat.size(), **dataset);
-
-  const int64_t T = r.model.seq_len;
-  const double tokens_per_step = static_cast<double>(r.train.global_batch * T);
-  const float norm = 1.0f / static_cast<float>(tokens_per_step);
-  auto batch_tensors = [&](const std::vector<uint64_t>& samples) {
-    auto t = torch::empty({static_cast<int64_t>(samples.size()), T + 1}, torch::kLong);
-    auto acc = t.accessor<int64_t, 2>();
-    for (size_t i = 0; i < samples.size(); ++i) {
-      auto tokens = (*dataset)->Sample(samples[i]);
-      for (int64_t j = 0; j <= T; ++j) acc[static_cast<int64_t>(i)][j] = tokens[static_cast<size_t>(j)];
-    }
-    using torch::indexing::Slice;
-    return std::make_pair(t.index({Slice(), Slice(0, T)}), t.index({Slice(), Slice(1, T + 1)}).contiguous());
-  };
 
   // Durable checkpoints: whichever worker holds rank 0 writes them, in the
   // background. With no fixed interval, the first one is timed and the
@@ -206,7 +218,7 @@ int Main(int argc, char** argv) {
       double cost = st ? st->snapshot_seconds + st->write_seconds : 0;
       double optimum = std::sqrt(2.0 * cost * mtbf_seconds);
       every = std::max<int64_t>(1, static_cast<int64_t>(std::llround(optimum / std::max(step_seconds, 1e-6))));
-      fmt::print("checkpoint interval: {} steps (Young/Daly: sqrt(2 × cost {:.3f} s × MTBF {:.0f} s) = {:.2f} s; "
+      fmt::print("checkpoint interval: {} steps (Young/Daly: sqrt(2 × cost {:.3f} s × MTBF {:.1f} s) = {:.2f} s; "
                  "a step takes {:.3f} s)\n", every, cost, mtbf_seconds, optimum, step_seconds);
       std::fflush(stdout);
     }

@@ -163,7 +163,7 @@ void ControlServer::CloseConn(int fd, const std::string& reason, bool report_los
   auto it = conns_.find(fd);
   if (it == conns_.end()) return;
   int worker = it->second->worker_id;
-  if (reason == "connection closed by peer") {
+  if (reason == "connection closed by peer" || reason.find("Connection reset") != std::string::npos) {
     NONSTOP_LOG_DEBUG("control: {} closed its connection", it->second->peer);
   } else {
     NONSTOP_LOG_WARNING("control: closing {}: {}", it->second->peer, reason);

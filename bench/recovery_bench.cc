@@ -1,0 +1,318 @@
+// nonstop-bench-recovery: what a fault costs, nonstop against checkpoint-restart.
+//
+// Runs the same job three times, back to back, on this machine:
+//   1. fault-free (the reference for step time and total time),
+//   2. --recovery checkpointless with the fault schedule (spares, peer state transfer),
+//   3. --recovery checkpoint with the same faults (restart every worker, reload
+//      the newest checkpoint, redo the lost steps; checkpoint interval at the
+//      Young/Daly optimum for --mtbf),
+// and reads their journals. Per fault: downtime = time from the fault until
+// the step that was in flight completes, minus one normal step (the work a
+// fault destroys by definition). Per run: steps redone, wall time against the
+// fault-free run, goodput (distinct steps × normal step time / wall time).
+// Output: a table, a JSON file and an SVG plot of steps over wall time.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "controller/journal.h"
+
+namespace nonstop::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string SelfDir() {
+  std::error_code ec;
+  auto p = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? "." : p.parent_path().string();
+}
+
+int RunCommand(const std::vector<std::string>& argv, const std::string& log) {
+  fmt::print("$");
+  for (const auto& a : argv) fmt::print(" {}", a);
+  fmt::print("\n");
+  std::fflush(stdout);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    FILE* f = std::freopen(log.c_str(), "w", stdout);
+    (void)f;
+    ::dup2(STDOUT_FILENO, STDERR_FILENO);
+    std::vector<char*> args;
+    std::vector<std::string> copy = argv;
+    for (auto& a : copy) args.push_back(a.data());
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    _exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+struct StepEvent {
+  int64_t step;
+  double t;  // seconds since the job started
+};
+
+struct Fault {
+  std::string spec;
+  int64_t step = -1;
+  double t = 0;
+};
+
+struct RunResult {
+  std::string name;
+  int exit_code = -1;
+  double wall = 0;
+  std::vector<StepEvent> steps;
+  std::vector<Fault> faults;
+  int64_t redone = 0;
+  int64_t distinct = 0;
+  std::vector<double> downtimes;  // per fault, seconds
+  std::string checksum;
+  json recoveries = json::array();
+};
+
+RunResult ReadJournal(const std::string& name, const std::string& path, int exit_code) {
+  RunResult r;
+  r.name = name;
+  r.exit_code = exit_code;
+  auto records = controller::Journal::Read(path);
+  if (!records.ok()) return r;
+  double t0 = -1;
+  std::map<int64_t, int> seen;
+  for (const auto& j : *records) {
+    double t = j["time_us"].get<double>() / 1e6;
+    std::string ev = j.value("event", "");
+    if (ev == "job_start") t0 = t;
+    if (t0 < 0) continue;
+    if (ev == "step") {
+      int64_t s = j["step"];
+      r.steps.push_back({s, t - t0});
+      if (seen[s]++ > 0) ++r.redone;
+    } else if (ev == "fault_injected") {
+      Fault f;
+      f.spec = j["fault"];
+      std::smatch m;
+      if (std::regex_search(f.spec, m, std::regex("step=(\\d+)"))) f.step = std::stoll(m[1]);
+      f.t = t - t0;
+      r.faults.push_back(f);
+    } else if (ev == "job_end") {
+      r.wall = t - t0;
+      std::smatch m;
+      std::string reason = j["reason"];
+      if (std::regex_search(reason, m, std::regex("checksum ([0-9a-f]{8})"))) r.checksum = m[1];
+    } else if (ev == "recovery_end") {
+      r.recoveries.push_back(j["recovery"]);
+    }
+  }
+  r.distinct = static_cast<int64_t>(seen.size());
+  return r;
+}
+
+double MedianInterval(const std::vector<StepEvent>& steps) {
+  std::vector<double> d;
+  for (size_t i = 1; i < steps.size(); ++i) d.push_back(steps[i].t - steps[i - 1].t);
+  if (d.empty()) return 0;
+  std::sort(d.begin(), d.end());
+  return d[d.size() / 2];
+}
+
+void ComputeDowntimes(RunResult* r, double normal_step) {
+  for (const Fault& f : r->faults) {
+    double done = -1;
+    for (const auto& s : r->steps) {
+      if (s.step == f.step && s.t > f.t) {
+        done = s.t;
+        break;
+      }
+    }
+    r->downtimes.push_back(done < 0 ? -1 : std::max(0.0, done - f.t - normal_step));
+  }
+}
+
+double Mean(const std::vector<double>& v) {
+  double s = 0;
+  int n = 0;
+  for (double x : v) {
+    if (x >= 0) {
+      s += x;
+      ++n;
+    }
+  }
+  return n ? s / n : -1;
+}
+
+std::string Svg(const std::vector<RunResult>& runs, const std::vector<std::string>& colors, const std::string& title) {
+  const double W = 900, H = 520, L = 70, R = 190, T = 50, B = 60;
+  double max_t = 1, max_s = 1;
+  for (const auto& r : runs) {
+    for (const auto& s : r.steps) {
+      max_t = std::max(max_t, s.t);
+      max_s = std::max(max_s, static_cast<double>(s.step + 1));
+    }
+  }
+  auto X = [&](double t) { return L + (W - L - R) * t / max_t; };
+  auto Y = [&](double s) { return H - B - (H - T - B) * s / max_s; };
+  std::string svg = fmt::format(
+      "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='13'>\n"
+      "<rect width='100%' height='100%' fill='white'/>\n"
+      "<text x='{}' y='28' font-size='16' font-weight='bold'>{}</text>\n",
+      W, H, L, title);
+  // axes and grid
+  svg += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>\n", L, H - B, W - R, H - B);
+  svg += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>\n", L, T, L, H - B);
+  for (int i = 0; i <= 5; ++i) {
+    double t = max_t * i / 5, s = max_s * i / 5;
+    svg += fmt::format("<line x1='{0}' y1='{1}' x2='{0}' y2='{2}' stroke='#ddd'/><text x='{0}' y='{3}' "
+                       "text-anchor='middle'>{4}</text>\n", X(t), T, H - B, H - B + 18,
+                       max_t < 10 ? fmt::format("{:.1f}", t) : fmt::format("{:.0f}", t));
+    svg += fmt::format("<line x1='{0}' y1='{1}' x2='{2}' y2='{1}' stroke='#ddd'/><text x='{3}' y='{4}' "
+                       "text-anchor='end'>{5:.0f}</text>\n", L, Y(s), W - R, L - 6, Y(s) + 4, s);
+  }
+  svg += fmt::format("<text x='{}' y='{}' text-anchor='middle'>wall time (s)</text>\n", (L + W - R) / 2, H - 18);
+  svg += fmt::format("<text x='18' y='{}' transform='rotate(-90 18 {})' text-anchor='middle'>step completed</text>\n",
+                     (T + H - B) / 2, (T + H - B) / 2);
+  int label = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto& r = runs[i];
+    std::string pts;
+    for (const auto& s : r.steps) pts += fmt::format("{:.1f},{:.1f} ", X(s.t), Y(static_cast<double>(s.step + 1)));
+    svg += fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n", colors[i], pts);
+    for (const auto& f : r.faults) {
+      svg += fmt::format("<line x1='{0:.1f}' y1='{1}' x2='{0:.1f}' y2='{2}' stroke='{3}' stroke-dasharray='5,4'/>"
+                         "<text x='{4:.1f}' y='{5}' fill='{3}' font-size='11'>✕ {6}</text>\n",
+                         X(f.t), T, H - B, colors[i], X(f.t) + 3, T + 12 + 14 * static_cast<double>(label++), f.spec);
+    }
+    double ly = T + 20 + 22 * static_cast<double>(i);
+    svg += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='{}' stroke-width='3'/><text x='{}' y='{}'>{}</text>\n",
+                       W - R + 12, ly, W - R + 36, ly, colors[i], W - R + 42, ly + 4, r.name);
+  }
+  svg += fmt::format("<text x='{}' y='{}' font-size='11' fill='#555'>dashed: injected faults</text>\n", W - R + 12,
+                     T + 20 + 22 * static_cast<double>(runs.size()));
+  svg += "</svg>\n";
+  return svg;
+}
+
+int Main(int argc, char** argv) {
+  std::vector<std::string> program;
+  int our_argc = argc;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--") {
+      program.assign(argv + i + 1, argv + argc);
+      our_argc = i;
+      break;
+    }
+  }
+  CLI::App app{"What a fault costs: checkpointless recovery against checkpoint-restart, same job, same machine"};
+  int nproc = 4, spares = 1;
+  int64_t steps = 60;
+  std::string faults = "kill:rank=2,step=20;kill:rank=1,step=40";
+  double mtbf = 0;
+  std::string out = "bench-results/recovery";
+  app.add_option("--nproc", nproc, "Workers")->capture_default_str();
+  app.add_option("--spares", spares, "Spares for the checkpointless run")->capture_default_str();
+  app.add_option("--steps", steps, "Training steps (passed to the program as --steps)")->capture_default_str();
+  app.add_option("--faults", faults, "Fault schedule (nonstop run --inject syntax)")->capture_default_str();
+  app.add_option("--mtbf", mtbf, "MTBF for the baseline's Young/Daly checkpoint interval (s); 0: the schedule's own "
+                 "(fault-free wall time / (faults + 1))")->capture_default_str();
+  app.add_option("--out", out, "Output directory (results.json, plot.svg, logs)")->capture_default_str();
+  app.footer("After `--`: the training program (default: nonstop-train with its built-in llama-tiny recipe).");
+  try {
+    app.parse(our_argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  const std::string bin = SelfDir();
+  if (program.empty()) program = {bin + "/nonstop-train"};
+  program.push_back("--steps");
+  program.push_back(std::to_string(steps));
+  fs::create_directories(out);
+  int nfaults = static_cast<int>(std::count(faults.begin(), faults.end(), ';')) + 1;
+
+  auto run = [&](const std::string& name, std::vector<std::string> flags) {
+    std::string journal = out + "/" + name + ".jsonl";
+    std::vector<std::string> argv = {bin + "/nonstop", "run", "--nproc", std::to_string(nproc), "--journal", journal};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.push_back("--");
+    argv.insert(argv.end(), program.begin(), program.end());
+    int code = RunCommand(argv, out + "/" + name + ".log");
+    RunResult r = ReadJournal(name, journal, code);
+    fmt::print("  {}: exit {}, {:.1f} s, {} steps ({} redone)\n", name, code, r.wall, r.steps.size(), r.redone);
+    std::fflush(stdout);
+    return r;
+  };
+
+  RunResult clean = run("fault-free", {"--spares", "0", "--inject", "none"});
+  double normal = MedianInterval(clean.steps);
+  if (mtbf <= 0) mtbf = clean.wall / (nfaults + 1);
+  RunResult cpl = run("checkpointless", {"--spares", std::to_string(spares), "--inject", faults});
+  std::string ckpt_dir = out + "/checkpoints";
+  fs::remove_all(ckpt_dir);
+  RunResult cpr = run("checkpoint-restart", {"--spares", "0", "--recovery", "checkpoint", "--checkpoint-dir", ckpt_dir,
+                                             "--mtbf", fmt::format("{}", mtbf), "--inject", faults});
+  ComputeDowntimes(&cpl, normal);
+  ComputeDowntimes(&cpr, normal);
+
+  std::vector<RunResult*> all = {&clean, &cpl, &cpr};
+  fmt::print("\nsame job, same machine: {} workers, {} steps, faults {}; a normal step {:.3f} s; baseline MTBF {:.1f} s\n\n",
+             nproc, steps, faults, normal, mtbf);
+  fmt::print("{:<20} {:>8} {:>10} {:>12} {:>9} {:>9}  {}\n", "run", "exit", "wall (s)", "vs no fault", "redone",
+             "goodput", "downtime per fault (ms)");
+  json runs = json::array();
+  for (RunResult* r : all) {
+    double goodput = r->wall > 0 ? static_cast<double>(r->distinct) * normal / r->wall : 0;
+    std::string dts;
+    for (double d : r->downtimes) dts += (dts.empty() ? "" : ", ") + (d < 0 ? std::string("n/a") : fmt::format("{:.0f}", d * 1000));
+    fmt::print("{:<20} {:>8} {:>10.1f} {:>+11.1f}% {:>9} {:>8.1f}%  {}\n", r->name, r->exit_code, r->wall,
+               clean.wall > 0 ? 100.0 * (r->wall / clean.wall - 1) : 0.0, r->redone, 100 * goodput, dts.empty() ? "-" : dts);
+    json faults_j = json::array();
+    for (size_t i = 0; i < r->faults.size(); ++i) {
+      faults_j.push_back({{"spec", r->faults[i].spec}, {"at_s", r->faults[i].t},
+                          {"downtime_ms", r->downtimes.size() > i && r->downtimes[i] >= 0 ? json(r->downtimes[i] * 1000) : json(nullptr)}});
+    }
+    runs.push_back({{"name", r->name}, {"exit_code", r->exit_code}, {"wall_s", r->wall},
+                    {"steps_completed_events", r->steps.size()}, {"distinct_steps", r->distinct},
+                    {"steps_redone", r->redone}, {"goodput", goodput}, {"checksum", r->checksum},
+                    {"mean_downtime_ms", Mean(r->downtimes) < 0 ? json(nullptr) : json(Mean(r->downtimes) * 1000)},
+                    {"faults", faults_j}, {"recoveries", r->recoveries}});
+  }
+  double a = Mean(cpl.downtimes), b = Mean(cpr.downtimes);
+  json summary = {{"normal_step_s", normal}, {"mtbf_s", mtbf}};
+  if (a >= 0 && b > 0) {
+    fmt::print("\ndowntime per fault: checkpointless {:.0f} ms vs checkpoint-restart {:.0f} ms: ratio {:.4f}, "
+               "{:.1f}% less downtime\n", a * 1000, b * 1000, a / b, 100 * (1 - a / b));
+    summary["downtime_ratio_checkpointless_over_checkpoint"] = a / b;
+    summary["downtime_reduction_percent"] = 100 * (1 - a / b);
+  }
+  fmt::print("final parameter checksums: fault-free {}, checkpointless {}, checkpoint-restart {}\n", clean.checksum,
+             cpl.checksum, cpr.checksum);
+  json doc = {{"benchmark", "recovery"}, {"nproc", nproc}, {"steps", steps}, {"faults", faults},
+              {"program", program}, {"summary", summary}, {"runs", runs}};
+  std::ofstream(out + "/results.json") << doc.dump(2) << "\n";
+  std::ofstream(out + "/plot.svg") << Svg({clean, cpl, cpr}, {"#777777", "#1a9850", "#d73027"},
+                                          fmt::format("Steps over time, {} workers: fault-free vs checkpointless vs "
+                                                      "checkpoint-restart", nproc));
+  fmt::print("wrote {0}/results.json and {0}/plot.svg (logs and journals beside them)\n", out);
+  return (clean.exit_code | cpl.exit_code | cpr.exit_code) == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace nonstop::bench
+
+int main(int argc, char** argv) { return nonstop::bench::Main(argc, argv); }
