@@ -18,6 +18,7 @@
 #include <deque>
 #include <filesystem>
 #include <random>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -194,6 +195,7 @@ int RunCommand::Execute() {
   (*journal)->Append({{"event", "job_start"}, {"world_size", nproc_}, {"spares", spares_},
                       {"controller", (*server)->address().ToString()}, {"program", program}});
 
+  std::set<int> niced;  // spares still at low priority
   auto spawn = [&](int id, bool spare, bool resume) -> Status {
     launcher::ChildSpec spec;
     spec.worker_id = id;
@@ -209,6 +211,12 @@ int RunCommand::Execute() {
       spec.env.push_back({"NONSTOP_MTBF_SECONDS", fmt::format("{}", mtbf_seconds_)});
     }
     if (resume) spec.env.push_back({"NONSTOP_RESUME", "1"});
+    // A spare waits at a low priority: it warms up without slowing the job,
+    // and is given normal priority when it takes a rank.
+    if (spare) {
+      spec.nice = 10;
+      niced.insert(id);
+    }
     auto pid = launcher.Spawn(spec);
     if (!pid.ok()) return pid.status().WithContext(fmt::format("starting worker {}", id));
     (*journal)->Append({{"event", "spawn"}, {"worker_id", id}, {"pid", *pid}, {"spare", spare}, {"resume", resume}});
@@ -238,6 +246,10 @@ int RunCommand::Execute() {
         [&](const auto& act) {
           using T = std::decay_t<decltype(act)>;
           if constexpr (std::is_same_v<T, controller::SendPlan>) {
+            if (niced.erase(act.worker_id) > 0) {
+              Status s = launcher.Renice(act.worker_id, 0);
+              if (!s.ok()) NONSTOP_LOG_WARNING("promoted spare keeps its low priority: {}", s.ToString());
+            }
             (*server)->Send(act.worker_id, control::kMsgPlan, control::Encode(act.plan));
           } else if constexpr (std::is_same_v<T, controller::SendShutdown>) {
             (*server)->Send(act.worker_id, control::kMsgShutdown, control::Encode(act.msg));

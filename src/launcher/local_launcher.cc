@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 
 #include <fmt/format.h>
 
@@ -69,6 +71,7 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the launcher blocks signals it reads from a signalfd
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (spec.nice != 0) (void)::setpriority(PRIO_PROCESS, 0, spec.nice);
     if (::getppid() != parent) _exit(127);  // the launcher died before prctl
     ::dup2(out_pipe[1], STDOUT_FILENO);
     ::dup2(err_pipe[1], STDERR_FILENO);
@@ -157,6 +160,20 @@ void LocalLauncher::OnExit(Child& c) {
 void LocalLauncher::Signal(int worker_id, int sig) {
   auto it = children_.find(worker_id);
   if (it != children_.end() && !it->second->exited) ::kill(it->second->pid, sig);
+}
+
+Status LocalLauncher::Renice(int worker_id, int nice) {
+  auto it = children_.find(worker_id);
+  if (it == children_.end() || it->second->exited) return NotFoundError(fmt::format("no running worker {}", worker_id));
+  // Every thread of the process: LibTorch and the session run several.
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", it->second->pid), ec)) {
+    int tid = std::atoi(e.path().filename().c_str());
+    if (::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice) != 0) {
+      return ErrnoStatus(StatusCode::kFailedPrecondition, fmt::format("setpriority(worker {}, {})", worker_id, nice), errno);
+    }
+  }
+  return OkStatus();
 }
 
 void LocalLauncher::SignalAll(int sig) {

@@ -28,6 +28,7 @@ struct ChildSpec {
   int worker_id = -1;
   std::vector<std::string> argv;
   std::vector<std::pair<std::string, std::string>> env;  // added to this process's environment
+  int nice = 0;  // scheduling niceness (spares start at a low priority: they must not slow the job)
 };
 
 class LocalLauncher {
@@ -43,6 +44,8 @@ class LocalLauncher {
 
   Result<pid_t> Spawn(const ChildSpec& spec);
   void Signal(int worker_id, int sig);
+  // Sets a running worker's niceness (a spare promoted to a rank goes back to 0).
+  Status Renice(int worker_id, int nice);
   void SignalAll(int sig);
   int running() const;
   pid_t pid(int worker_id) const;
