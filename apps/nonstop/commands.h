@@ -27,6 +27,13 @@ class RunCommand {
   std::string journal_ = "runs/journal.jsonl";
   int heartbeat_timeout_ms_ = 1000;
   int abort_timeout_ms_ = 2000;
+  std::string http_host_ = "127.0.0.1";
+  int http_port_ = 0;
+  int min_world_ = 1;
+  int max_world_ = 0;
+  std::vector<int> allowed_sizes_;
+  int world_increment_ = 1;
+  int stable_period_ms_ = 0;
   std::vector<std::string> inject_;
   std::string recovery_ = "checkpointless";
   std::string checkpoint_dir_;
@@ -54,7 +61,33 @@ class DataCommand {
   std::string inspect_path_;
 };
 
+// `nonstop status`, `nonstop scale`, `nonstop worker`: talking to a running job.
+class JobCommands {
+ public:
+  void Register(CLI::App& app);
+  void SetProgram(std::vector<std::string> program) { program_ = std::move(program); }
+  bool selected() const {
+    return (status_ && status_->parsed()) || (scale_ && scale_->parsed()) || (worker_ && worker_->parsed());
+  }
+  int Execute();
+
+ private:
+  int ExecWorker();
+  CLI::App* status_ = nullptr;
+  CLI::App* scale_ = nullptr;
+  CLI::App* worker_ = nullptr;
+  std::string job_file_ = "runs/job.json";
+  std::string http_;
+  int world_size_ = 0, release_ = 0, grow_ = 0;
+  CLI::Option* world_size_opt_ = nullptr;
+  CLI::Option* release_opt_ = nullptr;
+  int worker_id_ = -1;
+  std::vector<std::string> program_;
+};
+
 // Directory of the running executable (to find sibling binaries such as nonstop-train).
 std::string SelfDirectory();
+// The job file that `nonstop run` writes beside its journal.
+std::string JobFileFor(const std::string& journal_path);
 
 }  // namespace nonstop::cli

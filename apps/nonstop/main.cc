@@ -27,6 +27,9 @@ int main(int argc, char** argv) {
   run.SetProgram(program);
   nonstop::cli::DataCommand data;
   data.Register(app);
+  nonstop::cli::JobCommands job;
+  job.Register(app);
+  job.SetProgram(program);
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -35,5 +38,6 @@ int main(int argc, char** argv) {
   }
   if (run.selected()) return run.Execute();
   if (data.selected()) return data.Execute();
+  if (job.selected()) return job.Execute();
   return 2;
 }

@@ -17,12 +17,14 @@
 #include <cstdio>
 #include <deque>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <set>
 
 #include <fmt/format.h>
 
 #include "apps/nonstop/commands.h"
+#include "apps/nonstop/http_api.h"
 #include "common/logging.h"
 #include "controller/control_server.h"
 #include "control/fault_spec.h"
@@ -86,6 +88,21 @@ void RunCommand::Register(CLI::App& app) {
       ->capture_default_str()->envname("NONSTOP_CHECKPOINT_EVERY")->check(CLI::Range(0, 1'000'000));
   sub_->add_option("--mtbf", mtbf_seconds_, "Mean time between failures assumed for the checkpoint interval (seconds)")
       ->capture_default_str()->envname("NONSTOP_MTBF_SECONDS")->check(CLI::Range(0.0, 1e9));
+  sub_->add_option("--http-host", http_host_, "Address of the HTTP endpoint (/status /metrics /events /scale)")
+      ->capture_default_str()->envname("NONSTOP_HTTP_HOST");
+  sub_->add_option("--http-port", http_port_, "Port of the HTTP endpoint (0: chosen by the OS)")
+      ->capture_default_str()->envname("NONSTOP_HTTP_PORT")->check(CLI::Range(0, 65535));
+  sub_->add_option("--min-world", min_world_, "Elastic policy: the smallest world size")->capture_default_str()
+      ->envname("NONSTOP_MIN_WORLD")->check(CLI::Range(1, 1024));
+  sub_->add_option("--max-world", max_world_, "Elastic policy: the largest world size (0: --nproc)")
+      ->capture_default_str()->envname("NONSTOP_MAX_WORLD")->check(CLI::Range(0, 1024));
+  sub_->add_option("--allowed-sizes", allowed_sizes_, "Elastic policy: the only world sizes allowed, e.g. 2,4,8")
+      ->delimiter(',')->envname("NONSTOP_ALLOWED_SIZES");
+  sub_->add_option("--world-increment", world_increment_, "Elastic policy: sizes are min-world + k × this")
+      ->capture_default_str()->envname("NONSTOP_WORLD_INCREMENT")->check(CLI::Range(1, 1024));
+  sub_->add_option("--stable-period-ms", stable_period_ms_,
+                   "Elastic policy: the least time between two changes (doubles when changes come too often)")
+      ->capture_default_str()->envname("NONSTOP_STABLE_PERIOD_MS")->check(CLI::Range(0, 86'400'000));
   sub_->add_option("--log-level", log_level_, "debug, info, warning or error")->capture_default_str()
       ->envname("NONSTOP_LOG_LEVEL");
   sub_->footer("After `--`: the worker program and its arguments. Without one, the built-in demonstration runs: "
@@ -149,6 +166,19 @@ int RunCommand::Execute() {
   copts.recovery = recovery_ == "checkpoint" ? controller::RecoveryMode::kCheckpointRestart
                                              : controller::RecoveryMode::kCheckpointless;
   copts.have_checkpoints = !checkpoint_dir_.empty();
+  copts.policy.min_world = min_world_;
+  copts.policy.max_world = max_world_;
+  copts.policy.allowed_sizes = allowed_sizes_;
+  copts.policy.increment = world_increment_;
+  copts.policy.stable_period = Millis(stable_period_ms_);
+  if (max_world_ > 0 && max_world_ < nproc_) {
+    fmt::print(stderr, "nonstop run: --max-world {} is below --nproc {}\n", max_world_, nproc_);
+    return controller::kExitUsage;
+  }
+  if (min_world_ > nproc_) {
+    fmt::print(stderr, "nonstop run: --min-world {} is above --nproc {}\n", min_world_, nproc_);
+    return controller::kExitUsage;
+  }
   copts.world_size = nproc_;
   copts.spares = spares_;
   copts.heartbeat_timeout = Millis(heartbeat_timeout_ms_);
@@ -162,6 +192,35 @@ int RunCommand::Execute() {
     fmt::print(stderr, "nonstop run: cannot start the controller: {}\n", server.status().ToString());
     return 1;
   }
+  auto http = HttpApi::Start(http_host_, http_port_, (*journal)->path());
+  if (!http.ok()) {
+    fmt::print(stderr, "nonstop run: {}\n", http.status().ToString());
+    return 1;
+  }
+  std::map<int, std::unique_ptr<ScaleCall>> scale_calls;
+  loop.Watch((*http)->wake_fd(), POLLIN, [&](short) {
+    for (auto& call : (*http)->TakeCalls()) {
+      events.push_back(controller::ScaleRequest{call->id, call->body, call->source});
+      scale_calls[call->id] = std::move(call);
+    }
+  });
+  {
+    // The job file: how `nonstop status`, `nonstop scale` and `nonstop worker` find this job.
+    nlohmann::json job = {{"controller", (*server)->address().ToString()}, {"http", (*http)->address()},
+                          {"token", token}, {"journal", (*journal)->path()}, {"pid", ::getpid()},
+                          {"env", nlohmann::json::object()}};
+    if (!checkpoint_dir_.empty()) {
+      job["env"] = {{"NONSTOP_CHECKPOINT_DIR", checkpoint_dir_}, {"NONSTOP_CHECKPOINT_EVERY", std::to_string(checkpoint_every_)}};
+    }
+    std::string path = JobFileFor((*journal)->path());
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      std::string text = job.dump(2) + "\n";
+      ssize_t w = ::write(fd, text.data(), text.size());
+      (void)w;
+      ::close(fd);
+    }
+  }
   launcher::LocalLauncher launcher(
       &loop,
       [&](int worker_id) {
@@ -174,11 +233,13 @@ int RunCommand::Execute() {
 
   fmt::print("nonstop run\n");
   fmt::print("  {:<20} {}\n", "controller", (*server)->address().ToString());
+  fmt::print("  {:<20} {}\n", "http", (*http)->address());
   fmt::print("  {:<20} {}\n", "workers", nproc_);
   fmt::print("  {:<20} {}\n", "spares", spares_);
   fmt::print("  {:<20} {} ms\n", "heartbeat timeout", heartbeat_timeout_ms_);
   fmt::print("  {:<20} {} ms\n", "abort timeout", abort_timeout_ms_);
   fmt::print("  {:<20} {}\n", "recovery", recovery_);
+  fmt::print("  {:<20} {}\n", "elastic policy", core.PolicyJson().dump());
   fmt::print("  {:<20} {}\n", "checkpoints",
              checkpoint_dir_.empty() ? std::string("none")
                                      : fmt::format("{} (every {})", checkpoint_dir_,
@@ -193,7 +254,8 @@ int RunCommand::Execute() {
   fmt::print("  {:<20} {}\n", "program", cmdline);
   std::fflush(stdout);
   (*journal)->Append({{"event", "job_start"}, {"world_size", nproc_}, {"spares", spares_},
-                      {"controller", (*server)->address().ToString()}, {"program", program}});
+                      {"controller", (*server)->address().ToString()}, {"http", (*http)->address()},
+                      {"program", program}, {"policy", core.PolicyJson()}});
 
   std::set<int> niced;  // spares still at low priority
   auto spawn = [&](int id, bool spare, bool resume) -> Status {
@@ -255,6 +317,13 @@ int RunCommand::Execute() {
             (*server)->Send(act.worker_id, control::kMsgShutdown, control::Encode(act.msg));
           } else if constexpr (std::is_same_v<T, controller::SendAbort>) {
             (*server)->Send(act.worker_id, control::kMsgAbort, control::Encode(act.msg));
+          } else if constexpr (std::is_same_v<T, controller::SendDrain>) {
+            (*server)->Send(act.worker_id, control::kMsgDrain, control::Encode(act.msg));
+          } else if constexpr (std::is_same_v<T, controller::ScaleReply>) {
+            if (auto it = scale_calls.find(act.request_id); it != scale_calls.end()) {
+              it->second->reply.set_value({act.http_status, act.body});
+              scale_calls.erase(it);
+            }
           } else if constexpr (std::is_same_v<T, controller::KillWorker>) {
             launcher.Signal(act.worker_id, SIGKILL);
           } else if constexpr (std::is_same_v<T, controller::SignalWorker>) {
@@ -270,6 +339,7 @@ int RunCommand::Execute() {
             fmt::print("[nonstop] {}\n", act.line);
             std::fflush(stdout);
           } else if constexpr (std::is_same_v<T, controller::EndJob>) {
+            if (ended) return;  // the first end stands
             ended = act;
             if (kill_at == kNoDeadline) kill_at = DeadlineAfter(Millis(act.exit_code == 0 ? 15'000 : 500));
           }
@@ -285,11 +355,22 @@ int RunCommand::Execute() {
       events.pop_front();
       for (const Action& a : core.Handle(e, Clock::now())) execute(a);
     }
+    {
+      nlohmann::json st = core.Status();
+      std::string metrics = fmt::format(
+          "# TYPE nonstop_generation gauge\nnonstop_generation {}\n"
+          "# TYPE nonstop_world_size gauge\nnonstop_world_size {}\n"
+          "# TYPE nonstop_target_world_size gauge\nnonstop_target_world_size {}\n"
+          "# TYPE nonstop_spares gauge\nnonstop_spares {}\n"
+          "# TYPE nonstop_highest_step gauge\nnonstop_highest_step {}\n"
+          "# TYPE nonstop_membership_changes_total counter\nnonstop_membership_changes_total {}\n",
+          st["generation"].get<uint32_t>(), st["world_size"].get<size_t>(), st["target_world_size"].get<int>(),
+          st["spares"].get<int>(), st["highest_step"].get<int64_t>(), st["recoveries"].get<size_t>());
+      (*http)->Publish(std::move(st), std::move(metrics));
+    }
     if (interrupted && !ended) {
-      (*journal)->Append({{"event", "job_end"}, {"exit_code", 130}, {"reason", "interrupted by a signal"}});
-      ended = controller::EndJob{130, "interrupted by a signal"};
-      launcher.SignalAll(SIGTERM);
-      kill_at = DeadlineAfter(Millis(1000));
+      interrupted = false;
+      for (const Action& a : core.Handle(controller::Interrupted{"a signal (SIGINT or SIGTERM)"}, Clock::now())) execute(a);
     }
     if (Clock::now() >= next_tick) {
       for (const Action& a : core.Handle(controller::Tick{}, Clock::now())) execute(a);

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -73,6 +75,12 @@ int Main(int argc, char** argv) {
   app.add_option("--mtbf", mtbf_seconds, "Mean time between failures, for the automatic checkpoint interval (s)")
       ->envname("NONSTOP_MTBF_SECONDS");
   app.add_option("--resume", resume_dir, "Resume from the newest valid checkpoint in this directory");
+  std::string log_samples;
+  int throttle_ms = 0;
+  app.add_option("--throttle-ms", throttle_ms, "Sleep this long in every step (tests and demos that act during a run)");
+  app.add_option("--log-samples", log_samples,
+                 "Append the sample indices of every completed step to DIR/worker-<id>.txt (tests check that no "
+                 "sample is skipped or repeated)");
   app.add_flag("--resume-from-checkpoint-dir", resume_env,
                "Resume from the newest checkpoint in the checkpoint directory, if there is one (set by nonstop run "
                "when it restarts workers)")
@@ -226,34 +234,54 @@ int Main(int argc, char** argv) {
 
   // A collective that fails means a fault somewhere: take part in the
   // recovery and carry on from the step it names. Nothing here is rebuilt.
+  constexpr int kReleased = -1;
   auto recover = [&](int64_t* step) -> int {
     auto next = session.Recover();
     if (!next.ok()) {
       if (session.shutdown_exit_code() != 0) return session.shutdown_exit_code();
+      if (next.status().code() == StatusCode::kCancelled) {
+        fmt::print("worker {} released: {}\n", session.worker_id(), next.status().message());
+        std::fflush(stdout);
+        return kReleased;  // the world shrank without this worker: a clean exit
+      }
       Fail(next.status(), "recovery");
       return kExitFailure;
     }
     *step = *next;
+    MembershipChange c = session.last_change();
     if (session.rank() == 0) {
-      fmt::print("recovered: generation {}, world {}, resuming at step {}\n", session.generation(),
-                 session.world_size(), *step);
+      fmt::print("{}: generation {}, world {} → {}, resuming at step {}\n",
+                 c.reason.rfind("resize", 0) == 0 ? "resized" : "recovered", c.generation, c.old_world, c.new_world,
+                 *step);
       std::fflush(stdout);
     }
     return 0;
   };
 
+  std::FILE* samples_log = nullptr;
+  if (!log_samples.empty()) {
+    std::filesystem::create_directories(log_samples);
+    samples_log = std::fopen(fmt::format("{}/worker-{}.txt", log_samples, session.worker_id()).c_str(), "a");
+  }
   auto run_start = std::chrono::steady_clock::now();
   int64_t step = session.resume_step();
   while (true) {
     while (step < r.train.steps) {
       auto t0 = std::chrono::steady_clock::now();
       double local_loss = 0;
+      std::string step_samples;  // "step micro sample…" lines, logged once the step completed
       try {
         if (session.InjectedExceptionAt(step)) throw std::runtime_error(fmt::format("injected exception at step {}", step));
         flat.ZeroGrad();
         auto [mb_begin, mb_end] = sampler->MicroBatchesFor(session.rank(), session.world_size());
         for (uint64_t mb = mb_begin; mb < mb_end; ++mb) {
-          auto [inputs, targets] = batch_tensors(sampler->MicroBatchSamples(static_cast<uint64_t>(step), mb));
+          std::vector<uint64_t> samples = sampler->MicroBatchSamples(static_cast<uint64_t>(step), mb);
+          if (samples_log) {
+            step_samples += fmt::format("{} {}", step, mb);
+            for (uint64_t x : samples) step_samples += fmt::format(" {}", x);
+            step_samples += '\n';
+          }
+          auto [inputs, targets] = batch_tensors(samples);
           auto logits = model->forward(inputs);
           // Normalised by the token count of the whole global batch: the summed
           // gradient is the same however micro-batches are dealt.
@@ -269,12 +297,13 @@ int Main(int argc, char** argv) {
         session.ReportFailure(s, step, kExitFailure);
         return Fail(s, "training");
       }
+      if (throttle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(throttle_ms));
       flat.GatherGrads();
       flat.loss_slot() = static_cast<float>(local_loss);
       Status s = session.AllReduce(flat.grads_and_loss());
       if (!s.ok()) {
         NONSTOP_LOG_WARNING("step {}: {}", step, s.ToString());
-        if (int code = recover(&step); code != 0) return code;
+        if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;
         continue;
       }
       double loss = flat.loss_slot();
@@ -290,6 +319,10 @@ int Main(int argc, char** argv) {
       double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       session.ReportStep({step, loss, secs, tokens_per_step / secs});
       maybe_checkpoint(step, secs);
+      if (samples_log) {
+        std::fputs(step_samples.c_str(), samples_log);
+        std::fflush(samples_log);
+      }
       if (session.rank() == 0 && (step % r.train.log_every == 0 || step + 1 == r.train.steps)) {
         fmt::print("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} s/step | world {}\n",
                    step, r.train.steps, loss, lr, grad_norm, tokens_per_step / secs, secs, session.world_size());
@@ -304,7 +337,7 @@ int Main(int argc, char** argv) {
     }
     Status fin = session.Finish(r.train.steps - 1, checksum);
     if (fin.code() == StatusCode::kAborted) {  // a member failed at the very end
-      if (int code = recover(&step); code != 0) return code;
+      if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;
       continue;
     }
     if (!fin.ok()) return Fail(fin, "finishing");

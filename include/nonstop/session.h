@@ -24,6 +24,12 @@
 //     step = session->Recover().value();            // a fault at the very end
 //   }
 //
+// Elasticity: when the world grows or shrinks, the controller asks every
+// member to stop at the next step boundary; AllReduce then returns ABORTED
+// without losing the step, Recover() adopts the new membership (a joiner
+// copies the state from the members), and last_change() tells the loop what
+// changed. A released member's Recover() returns CANCELLED: exit cleanly.
+//
 // Recovery: when any member fails, the controller aborts the generation; the
 // collective in flight returns ABORTED or UNAVAILABLE at once. Recover()
 // reports the step this worker's state holds, waits for the next
@@ -76,6 +82,18 @@ struct StepReport {
   double tokens_per_second = 0;
 };
 
+// What the last adopted generation changed, for the training loop to log or
+// to adjust its own settings (no collective call needed).
+struct MembershipChange {
+  uint32_t generation = 0;
+  int old_world = 0;  // 0 before the first generation
+  int new_world = 0;
+  int old_rank = -1;
+  int new_rank = -1;
+  int64_t resume_step = 0;
+  std::string reason;  // "start", "recovery", "resize: shrink on request (…)", "restart"
+};
+
 class SessionImpl;
 
 class Session {
@@ -120,6 +138,9 @@ class Session {
   bool InjectedExceptionAt(int64_t step);
   // Tells the controller this worker hit a fault it cannot handle itself.
   void ReportFailure(const Status& status, int64_t step, int exit_code);
+
+  // The membership change that the last Join/Recover adopted.
+  MembershipChange last_change() const;
 
   // The exit code the controller asked for when it ended the job (0 if none yet).
   int shutdown_exit_code() const;

@@ -84,7 +84,7 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
         return InvalidArgumentError(fmt::format("fault '{}': time= works for kill and hang only", item));
       }
       if (f.step >= 0) return InvalidArgumentError(fmt::format("fault '{}': give step= or time=, not both", item));
-    } else if (f.step < 0) {
+    } else if (f.step < 0 && f.point != FaultPoint::kTransfer) {
       return InvalidArgumentError(fmt::format("fault '{}': step= or time= is required{}", item, hint));
     }
     if (f.kind == FaultKind::kCorrupt) f.point = FaultPoint::kTransfer;
@@ -96,7 +96,7 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
 std::string FormatFault(const FaultSpec& f) {
   std::string s = fmt::format("{}:rank={}", FaultKindName(f.kind), f.rank);
   if (f.point == FaultPoint::kTime) return s + fmt::format(",time={}", f.time_seconds);
-  s += fmt::format(",step={}", f.step);
+  if (f.step >= 0) s += fmt::format(",step={}", f.step);
   if (f.point == FaultPoint::kTransfer && f.kind != FaultKind::kCorrupt) s += ",during=transfer";
   return s;
 }

@@ -6,6 +6,7 @@
 //   drop:rank=3,step=7                  close its data connections at step 7
 //   kill:rank=1,step=30,during=transfer die while taking part in the state
 //                                       transfer of a recovery that resumes at step 30
+//   kill:rank=1,during=transfer         … in the next state transfer, whatever its step
 //   corrupt:rank=1,step=30              as a source in that transfer, corrupt the
 //                                       first chunk it sends (after checksumming)
 //   kill:rank=2,time=5.5                the launcher kills rank 2 5.5 s after the job started

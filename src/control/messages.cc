@@ -64,6 +64,9 @@ std::string Encode(const FailureMsg& m) {
 }
 std::string Encode(const ShutdownMsg& m) { return json{{"reason", m.reason}, {"exit_code", m.exit_code}}.dump(); }
 std::string Encode(const AbortMsg& m) { return json{{"generation", m.generation}, {"reason", m.reason}}.dump(); }
+std::string Encode(const DrainMsg& m) {
+  return json{{"generation", m.generation}, {"after_step", m.after_step}, {"reason", m.reason}}.dump();
+}
 std::string Encode(const ReadyMsg& m) {
   return json{{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}}.dump();
 }
@@ -143,6 +146,13 @@ Result<FailureMsg> DecodeFailure(std::string_view p) {
 Result<AbortMsg> DecodeAbort(std::string_view p) {
   return Decode<AbortMsg>("abort", p, [](const json& j, AbortMsg& m, std::string& f) {
     Get(j, "generation", &m.generation, f);
+    Get(j, "reason", &m.reason, f);
+  });
+}
+Result<DrainMsg> DecodeDrain(std::string_view p) {
+  return Decode<DrainMsg>("drain", p, [](const json& j, DrainMsg& m, std::string& f) {
+    Get(j, "generation", &m.generation, f);
+    Get(j, "after_step", &m.after_step, f);
     Get(j, "reason", &m.reason, f);
   });
 }

@@ -25,8 +25,10 @@ enum MessageType : uint16_t {
   kMsgReady = 18,      // worker → controller: aborted; my state holds step s
   kMsgRecovered = 19,  // worker → controller: adopted generation g (connections, state copied)
   kMsgInjected = 20,   // worker → controller: I am carrying out injected fault f now
+  kMsgDrain = 21,      // controller → worker: generation g ends at the step boundary after step s (a resize)
 };
-static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20, "wire numbers are pinned");
+static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20 && kMsgDrain == 21,
+              "wire numbers are pinned");
 
 struct JoinMsg {
   int worker_id = -1;
@@ -58,6 +60,12 @@ struct PlanMsg {
 
 struct AbortMsg {
   uint32_t generation = 0;
+  std::string reason;
+};
+
+struct DrainMsg {
+  uint32_t generation = 0;
+  int64_t after_step = 0;  // stop at the first step boundary at or after this step
   std::string reason;
 };
 
@@ -123,6 +131,7 @@ std::string Encode(const FinishedMsg& m);
 std::string Encode(const FailureMsg& m);
 std::string Encode(const ShutdownMsg& m);
 std::string Encode(const AbortMsg& m);
+std::string Encode(const DrainMsg& m);
 std::string Encode(const ReadyMsg& m);
 std::string Encode(const RecoveredMsg& m);
 std::string Encode(const InjectedMsg& m);
@@ -135,6 +144,7 @@ Result<FinishedMsg> DecodeFinished(std::string_view payload);
 Result<FailureMsg> DecodeFailure(std::string_view payload);
 Result<ShutdownMsg> DecodeShutdown(std::string_view payload);
 Result<AbortMsg> DecodeAbort(std::string_view payload);
+Result<DrainMsg> DecodeDrain(std::string_view payload);
 Result<ReadyMsg> DecodeReady(std::string_view payload);
 Result<RecoveredMsg> DecodeRecovered(std::string_view payload);
 Result<InjectedMsg> DecodeInjected(std::string_view payload);

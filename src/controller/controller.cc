@@ -71,6 +71,7 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   out->push_back(AppendJournal{{{"event", "join"}, {"worker_id", m.worker_id}, {"pid", m.pid},
                                 {"address", m.data_address}, {"spare", w.role == WorkerRole::kSpare}}});
   if (phase_ == JobPhase::kForming) MaybeFormFirstGeneration(out);
+  else MaybeGrow(out);
 }
 
 // Forms a generation from scratch: at the start, and after a restart from a
@@ -319,7 +320,7 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
 
 // ---------------------------------------------------------------- recovery
 
-void Controller::StartRecovery(const std::string& cause, std::vector<Action>* out) {
+void Controller::StartRecovery(const std::string& cause, std::vector<Action>* out, bool planned) {
   if (open_recovery_) {
     // A fault while the previous recovery had not finished: it is superseded.
     recoveries_[*open_recovery_].outcome = fmt::format("superseded by recovery {}", recoveries_.size() + 1);
@@ -347,10 +348,10 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
     WorkerInfo& w = workers_[id];
     if (!IsLiveMember(w)) continue;
     if (w.role == WorkerRole::kFinished) w.role = WorkerRole::kMember;
-    out->push_back(SendAbort{id, abort});
+    if (!planned) out->push_back(SendAbort{id, abort});
   }
-  out->push_back(AppendJournal{{{"event", "recovery_start"}, {"recovery", rec.id}, {"generation", generation_},
-                                {"cause", cause}, {"injected", rec.injected}}});
+  out->push_back(AppendJournal{{{"event", planned ? "resize_start" : "recovery_start"}, {"recovery", rec.id},
+                                {"generation", generation_}, {"cause", cause}, {"injected", rec.injected}}});
   MaybeFinishAbort(out);
 }
 
@@ -426,10 +427,33 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
       rec.replacements.push_back(fmt::format("rank {}: worker {} → none (shrink)", r, id));
     }
   }
+  std::vector<int> released;
+  if (resize_to_) {
+    auto want = static_cast<size_t>(*resize_to_);
+    while (next.size() > want) {  // shrink: the highest ranks leave
+      released.push_back(next.back());
+      rec.replacements.push_back(fmt::format("rank {}: worker {} released", next.size() - 1, next.back()));
+      next.pop_back();
+    }
+    while (next.size() < want && spare_i < spares.size()) {  // grow: spares join at the end
+      rec.replacements.push_back(fmt::format("rank {}: spare worker {} joins", next.size(), spares[spare_i]));
+      next.push_back(spares[spare_i++]);
+    }
+    resize_to_.reset();
+  }
   if (next.empty()) {
     rec.outcome = "failed";
     End(kExitPeerFailure, "no worker is left to continue the job", out);
     return;
+  }
+  for (int id : released) {
+    WorkerInfo& w = workers_[id];
+    w.role = WorkerRole::kGone;
+    out->push_back(SendShutdown{id, {fmt::format("released: the world shrinks to {}", next.size()), kExitOk}});
+  }
+  if (next.size() != members_.size()) {
+    last_change_at_ = now_;
+    change_times_.push_back(now_);
   }
   ++generation_;
   members_ = next;
@@ -444,7 +468,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   plan.generation = generation_;
   plan.resume_step = resume_step_;
   plan.faults = pending_faults_;
-  plan.reason = "recovery";
+  plan.reason = rec.kind == "resize" ? "resize: " + rec.causes.front() : "recovery";
   json transfers = json::array();
   for (size_t r = 0; r < next.size(); ++r) {
     WorkerInfo& w = workers_[next[r]];
@@ -470,8 +494,8 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
     ++rec.spawned_spares;
   }
   out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
-                                {"resume_step", resume_step_}, {"reason", "recovery"}, {"recovery", rec.id},
-                                {"transfers", transfers}}});
+                                {"resume_step", resume_step_}, {"reason", plan.reason}, {"recovery", rec.id},
+                                {"transfers", transfers}, {"released", released}}});
   out->push_back(PrintLine{fmt::format("generation {}: {} workers {}, resuming at step {}{}", generation_, members_.size(),
                                        json(members_).dump(), resume_step_,
                                        plan.transfers.empty() ? "" : fmt::format(", {} receiving state from {} source(s)",
@@ -510,6 +534,119 @@ void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
   out->push_back(AppendJournal{{{"event", "fault_injected"}, {"worker_id", e.worker_id}, {"fault", e.msg.description}}});
 }
 
+// ---------------------------------------------------------------- elasticity
+
+int Controller::SpareCount() const {
+  int n = 0;
+  for (const auto& [id, w] : workers_) n += w.role == WorkerRole::kSpare ? 1 : 0;
+  return n;
+}
+
+std::string Controller::CheckSize(int size) const {
+  const ScalePolicy& p = options_.policy;
+  int max_world = p.max_world > 0 ? p.max_world : options_.world_size;
+  if (size < p.min_world) return fmt::format("world size {} is below the minimum {}", size, p.min_world);
+  if (size > max_world) return fmt::format("world size {} is above the maximum {}", size, max_world);
+  if (!p.allowed_sizes.empty()) {
+    if (std::find(p.allowed_sizes.begin(), p.allowed_sizes.end(), size) == p.allowed_sizes.end()) {
+      return fmt::format("world size {} is not an allowed size (allowed: {})", size, json(p.allowed_sizes).dump());
+    }
+  } else if (p.increment > 1 && (size - p.min_world) % p.increment != 0) {
+    return fmt::format("world size {} is not the minimum {} plus a multiple of the increment {}", size, p.min_world,
+                       p.increment);
+  }
+  return "";
+}
+
+Millis Controller::EffectiveStablePeriod() const {
+  const ScalePolicy& p = options_.policy;
+  int recent = 0;
+  for (auto t : change_times_) recent += now_ - t < p.backoff_window ? 1 : 0;
+  int extra = std::max(0, recent - p.backoff_changes);
+  return p.stable_period * (1 << std::min(extra, 3));
+}
+
+void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
+  auto refuse = [&](int status, const std::string& why) {
+    out->push_back(ScaleReply{e.request_id, status, {{"accepted", false}, {"error", why}}});
+    out->push_back(AppendJournal{{{"event", "scale_refused"}, {"request", e.body}, {"source", e.source}, {"reason", why}}});
+  };
+  const json& b = e.body;
+  int world = static_cast<int>(members_.size());
+  int target = -1;
+  auto as_int = [&](const char* key) -> std::optional<int> {
+    if (!b.is_object() || !b.contains(key)) return std::nullopt;
+    if (!b[key].is_number_integer()) return -1000000;
+    return b[key].get<int>();
+  };
+  if (auto v = as_int("world_size")) target = *v;
+  else if (auto r = as_int("release")) target = *r <= 0 ? -1000000 : world - *r;
+  else if (auto g = as_int("grow")) target = *g <= 0 ? -1000000 : world + *g;
+  else return refuse(400, R"(expected {"world_size": N}, {"release": N} or {"grow": N})");
+  if (target == -1000000 || (b.size() != 1)) {
+    return refuse(400, R"(expected exactly one of world_size, release or grow, with a positive integer)");
+  }
+  if (phase_ != JobPhase::kRunning) {
+    return refuse(409, fmt::format("a membership change is in progress (the job is {}); retry shortly",
+                                   phase_ == JobPhase::kForming ? "forming" : "recovering"));
+  }
+  if (finished_ > 0) return refuse(409, "the job is finishing");
+  if (std::string why = CheckSize(target); !why.empty()) return refuse(422, why + " (" + PolicyJson().dump() + ")");
+  Millis stable = EffectiveStablePeriod();
+  if (last_change_at_ && now_ - *last_change_at_ < stable) {
+    return refuse(429, fmt::format("too soon: the last change was {:.1f} s ago and the stable period is {:.1f} s{}",
+                                   Ms(now_ - *last_change_at_) / 1000, stable.count() / 1000.0,
+                                   stable > options_.policy.stable_period ? " (backed off: changes came too often)" : ""));
+  }
+  target_world_ = target;
+  out->push_back(AppendJournal{{{"event", "scale_request"}, {"request", b}, {"source", e.source}, {"from", world},
+                                {"to", target}}});
+  out->push_back(ScaleReply{e.request_id, 202, {{"accepted", true}, {"world_size", target}, {"from", world},
+                                                {"generation", generation_}}});
+  if (target < world) {
+    StartResize(target, fmt::format("shrink on request ({})", e.source), out);
+  } else if (target > world) {
+    // Declared capacity: start the workers that are missing; the job grows when they have joined.
+    for (int i = SpareCount(); i < target - world; ++i) out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true});
+    MaybeGrow(out);
+  }
+}
+
+void Controller::MaybeGrow(std::vector<Action>* out) {
+  if (phase_ != JobPhase::kRunning || finished_ > 0) return;
+  int world = static_cast<int>(members_.size());
+  if (target_world_ <= world || SpareCount() == 0) return;
+  if (last_change_at_ && now_ - *last_change_at_ < EffectiveStablePeriod()) return;  // a Tick retries
+  // Capacity often arrives a worker at a time: wait a little for all of it,
+  // so that one change (one pause) takes the job to its target.
+  if (world + SpareCount() < target_world_) {
+    if (!grow_waiting_since_) grow_waiting_since_ = now_;
+    if (now_ - *grow_waiting_since_ < options_.grow_gather) return;
+  }
+  grow_waiting_since_.reset();
+  int to = std::min(target_world_, world + SpareCount());
+  while (to > world && !CheckSize(to).empty()) --to;  // the largest allowed size we can reach now
+  if (to <= world) return;
+  StartResize(to, fmt::format("grow: {} spare worker(s) available", SpareCount()), out);
+}
+
+void Controller::StartResize(int new_world, const std::string& trigger, std::vector<Action>* out) {
+  StartRecovery(trigger, out, /*planned=*/true);
+  RecoveryRecord& rec = recoveries_[*open_recovery_];
+  rec.kind = "resize";
+  resize_to_ = new_world;
+  // Members stop at the first step boundary at or after `after`: the step
+  // they are computing now completes; nothing is dropped.
+  control::DrainMsg drain{generation_, highest_step_ + 1, trigger};
+  abort_deadline_ = now_ + options_.abort_timeout + std::chrono::duration_cast<Millis>(
+                                                       std::chrono::duration<double>(10 * MedianStepSeconds()));
+  for (int id : members_) {
+    if (IsLiveMember(workers_[id])) out->push_back(SendDrain{id, drain});
+  }
+  out->push_back(PrintLine{fmt::format("resize: world {} → {} at the step boundary after step {} ({})", members_.size(),
+                                       new_world, drain.after_step, trigger)});
+}
+
 // ---------------------------------------------------------------- timers
 
 void Controller::On(const Tick&, std::vector<Action>* out) {
@@ -527,6 +664,7 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
     }
   }
   if (phase_ == JobPhase::kRunning) CheckWatchdogs(out);
+  if (phase_ == JobPhase::kRunning) MaybeGrow(out);
 }
 
 void Controller::CheckWatchdogs(std::vector<Action>* out) {
@@ -576,6 +714,10 @@ void Controller::FireTimedFaults(std::vector<Action>* out) {
 
 // ---------------------------------------------------------------- the end
 
+void Controller::On(const Interrupted& e, std::vector<Action>* out) {
+  End(kExitInterrupted, "interrupted by " + e.how, out);
+}
+
 void Controller::End(int exit_code, const std::string& reason, std::vector<Action>* out) {
   phase_ = JobPhase::kEnded;
   out->push_back(AppendJournal{{{"event", "job_end"}, {"exit_code", exit_code}, {"reason", reason},
@@ -594,7 +736,7 @@ json Controller::RecordJson(const RecoveryRecord& r) const {
     if (!t) return nullptr;
     return Ms(*t - r.fault_at.value_or(r.detected_at));
   };
-  json j = {{"id", r.id}, {"from_generation", r.from_generation}, {"to_generation", r.to_generation},
+  json j = {{"id", r.id}, {"kind", r.kind}, {"from_generation", r.from_generation}, {"to_generation", r.to_generation},
             {"causes", r.causes}, {"injected", r.injected}, {"outcome", r.outcome},
             {"resume_step", r.resume_step}, {"lost_steps", r.lost_steps}, {"old_world", r.old_world},
             {"new_world", r.new_world}, {"replacements", r.replacements}, {"spawned_spares", r.spawned_spares},
@@ -605,7 +747,10 @@ json Controller::RecordJson(const RecoveryRecord& r) const {
             {"ms_after_fault", {{"detected", since(r.detected_at)}, {"aborted", since(r.aborted_at)},
                                 {"plan_published", since(r.plan_at)}, {"state_ready", since(r.state_ready_at)},
                                 {"first_step_completed", since(r.first_step_at)}}}};
-  if (r.first_step_at) {
+  if (r.first_step_at && r.kind == "resize" && r.aborted_at) {
+    // From the step boundary until the next step completes, less a normal step.
+    j["pause_ms"] = std::max(0.0, Ms(*r.first_step_at - *r.aborted_at) - r.normal_step_seconds * 1000);
+  } else if (r.first_step_at) {
     double total = Ms(*r.first_step_at - r.fault_at.value_or(r.detected_at));
     j["downtime_ms"] = std::max(0.0, total - r.normal_step_seconds * 1000);
   }
@@ -616,11 +761,16 @@ void Controller::Report(std::vector<Action>* out) const {
   if (recoveries_.empty()) return;
   int64_t lost = 0;
   for (const auto& r : recoveries_) lost += r.lost_steps;
-  out->push_back(PrintLine{fmt::format("recovery report: {} recover{}, {} completed step{} lost", recoveries_.size(),
-                                       recoveries_.size() == 1 ? "y" : "ies", lost, lost == 1 ? "" : "s")});
+  int resizes = 0;
+  for (const auto& r : recoveries_) resizes += r.kind == "resize" ? 1 : 0;
+  int recoveries = static_cast<int>(recoveries_.size()) - resizes;
+  out->push_back(PrintLine{fmt::format("recovery report: {} recover{}, {} resize{}, {} completed step{} lost", recoveries,
+                                       recoveries == 1 ? "y" : "ies", resizes, resizes == 1 ? "" : "s", lost,
+                                       lost == 1 ? "" : "s")});
   for (const auto& r : recoveries_) {
     json j = RecordJson(r);
-    out->push_back(PrintLine{fmt::format("  #{} {}{}", r.id, r.injected.empty() ? "" : "injected " + r.injected + ": ",
+    out->push_back(PrintLine{fmt::format("  #{} {}{}{}", r.id, r.kind == "resize" ? "resize, " : "",
+                                         r.injected.empty() ? "" : "injected " + r.injected + ": ",
                                          r.causes.empty() ? "" : r.causes.front())});
     for (size_t i = 1; i < r.causes.size(); ++i) out->push_back(PrintLine{"     and " + r.causes[i]});
     std::string handled = r.replacements.empty() ? "no member lost" : "";
@@ -632,19 +782,38 @@ void Controller::Report(std::vector<Action>* out) const {
                                          r.outcome)});
     const json& p = j["ms_after_fault"];
     auto f = [](const json& v) { return v.is_null() ? std::string("-") : fmt::format("{:.0f}", v.get<double>()); };
+    double mb = static_cast<double>(r.bytes_copied) / 1e6;
+    std::string copied = r.bytes_copied == 0 ? "no state copied"
+                                             : fmt::format("copied {:.2f} MB from {} source(s) in {:.0f} ms ({:.0f} MB/s){}", mb,
+                                                           r.sources, r.transfer_seconds * 1000,
+                                                           r.transfer_seconds > 0 ? mb / r.transfer_seconds : 0.0,
+                                                           r.refetched_chunks > 0 ? fmt::format(", {} chunk(s) refetched after a checksum failure", r.refetched_chunks) : "");
+    if (r.kind == "resize") {
+      out->push_back(PrintLine{fmt::format("     ms after the request: boundary reached {}, plan {}, state ready {}, first step done {}",
+                                           f(p["aborted"]), f(p["plan_published"]), f(p["state_ready"]),
+                                           f(p["first_step_completed"]))});
+      out->push_back(PrintLine{fmt::format("     {}; pause {} ms (a normal step {:.0f} ms)", copied,
+                                           j.contains("pause_ms") ? fmt::format("{:.0f}", j["pause_ms"].get<double>()) : "-",
+                                           r.normal_step_seconds * 1000)});
+      continue;
+    }
     out->push_back(PrintLine{fmt::format("     ms after the fault{}: detected {}, aborted {}, plan {}, state ready {}, "
                                          "first step done {}",
                                          r.fault_at ? "" : " (its detection; the fault time is unknown)",
                                          f(p["detected"]), f(p["aborted"]), f(p["plan_published"]), f(p["state_ready"]),
                                          f(p["first_step_completed"]))});
-    double mb = static_cast<double>(r.bytes_copied) / 1e6;
-    out->push_back(PrintLine{fmt::format(
-        "     copied {:.2f} MB from {} source(s) in {:.0f} ms ({:.0f} MB/s){}; downtime {} ms (a normal step {:.0f} ms)",
-        mb, r.sources, r.transfer_seconds * 1000, r.transfer_seconds > 0 ? mb / r.transfer_seconds : 0.0,
-        r.refetched_chunks > 0 ? fmt::format(", {} chunk(s) refetched after a checksum failure", r.refetched_chunks) : "",
-        j.contains("downtime_ms") ? fmt::format("{:.0f}", j["downtime_ms"].get<double>()) : "-",
-        r.normal_step_seconds * 1000)});
+    out->push_back(PrintLine{fmt::format("     {}; downtime {} ms (a normal step {:.0f} ms)", copied,
+                                         j.contains("downtime_ms") ? fmt::format("{:.0f}", j["downtime_ms"].get<double>()) : "-",
+                                         r.normal_step_seconds * 1000)});
   }
+}
+
+json Controller::PolicyJson() const {
+  const ScalePolicy& p = options_.policy;
+  return {{"min_world", p.min_world}, {"max_world", p.max_world > 0 ? p.max_world : options_.world_size},
+          {"allowed_sizes", p.allowed_sizes}, {"increment", p.increment},
+          {"stable_period_ms", p.stable_period.count()}, {"effective_stable_period_ms", EffectiveStablePeriod().count()},
+          {"backoff_changes", p.backoff_changes}, {"backoff_window_ms", p.backoff_window.count()}};
 }
 
 json Controller::Status() const {
@@ -655,9 +824,12 @@ json Controller::Status() const {
     workers.push_back({{"worker_id", id}, {"pid", w.pid}, {"role", kRole[static_cast<int>(w.role)]},
                        {"rank", w.rank}, {"last_step", w.last_step}});
   }
+  json members = json::array();
+  for (int id : members_) members.push_back(id);
   return {{"phase", kPhase[static_cast<int>(phase_)]}, {"generation", generation_},
-          {"world_size", members_.size()}, {"highest_step", highest_step_}, {"workers", workers},
-          {"recoveries", recoveries_.size()}};
+          {"world_size", members_.size()}, {"target_world_size", target_world_}, {"members", members},
+          {"spares", SpareCount()}, {"highest_step", highest_step_}, {"workers", workers},
+          {"recoveries", recoveries_.size()}, {"policy", PolicyJson()}};
 }
 
 }  // namespace nonstop::controller

@@ -53,13 +53,28 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitPeerFailure = 10;  // a worker failed and the job could not continue; restartable
 inline constexpr int kExitDataCorruption = 11;
+inline constexpr int kExitInterrupted = 130;
 
 enum class RecoveryMode {
   kCheckpointless,     // in-process recovery; durable checkpoints (if any) are the last rung
   kCheckpointRestart,  // the baseline: on any fault stop everything, restart all, reload the newest checkpoint
 };
 
+// When and how the world may change size (DESIGN.md §8).
+struct ScalePolicy {
+  int min_world = 1;
+  int max_world = 0;               // 0: the initial world size
+  std::vector<int> allowed_sizes;  // empty: min, min+increment, … up to max
+  int increment = 1;
+  Millis stable_period{0};         // the least time between two changes
+  // Back-off: more than `backoff_changes` changes within `backoff_window`
+  // doubles the stable period for each extra change (up to 8×).
+  int backoff_changes = 3;
+  Millis backoff_window{60'000};
+};
+
 struct ControllerOptions {
+  ScalePolicy policy;
   RecoveryMode recovery = RecoveryMode::kCheckpointless;
   // Durable checkpoints are being written (nonstop run --checkpoint-dir): the
   // job can restart from them when no live worker holds the state.
@@ -76,6 +91,8 @@ struct ControllerOptions {
   double watchdog_factor = 5.0;
   Millis watchdog_floor{2'000};
   std::vector<control::FaultSpec> faults;  // injected faults, fired once each
+  // A grow waits this long for all the capacity it needs, to change once.
+  Millis grow_gather{3'000};
 };
 
 // ---- events ----
@@ -90,12 +107,19 @@ struct InjectedReceived { int worker_id; control::InjectedMsg msg; };
 struct ConnectionLost { int worker_id; std::string reason; };
 struct ProcessExited { int worker_id; int64_t pid; int exit_code; int signal; };  // signal 0: exited normally
 struct Tick {};
+// A request to change the world size: {"world_size": N}, {"release": N} or {"grow": N} (POST /scale).
+struct ScaleRequest { int request_id; nlohmann::json body; std::string source; };
+// The launcher was told to stop (SIGINT, SIGTERM): end the job now.
+struct Interrupted { std::string how; };
 using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived, FailureReported,
-                           ReadyReceived, RecoveredReceived, InjectedReceived, ConnectionLost, ProcessExited, Tick>;
+                           ReadyReceived, RecoveredReceived, InjectedReceived, ConnectionLost, ProcessExited, Tick,
+                           ScaleRequest, Interrupted>;
 
 // ---- actions ----
 struct SendPlan { int worker_id; control::PlanMsg plan; };
 struct SendAbort { int worker_id; control::AbortMsg msg; };
+struct SendDrain { int worker_id; control::DrainMsg msg; };
+struct ScaleReply { int request_id; int http_status; nlohmann::json body; };
 struct SendShutdown { int worker_id; control::ShutdownMsg msg; };
 struct KillWorker { int worker_id; };               // SIGKILL now
 struct SignalWorker { int worker_id; int signal; };  // injected time-based faults
@@ -103,8 +127,8 @@ struct SpawnWorker { int worker_id; bool spare; bool resume = false; };  // resu
 struct AppendJournal { nlohmann::json record; };
 struct PrintLine { std::string line; };
 struct EndJob { int exit_code; std::string reason; };
-using Action = std::variant<SendPlan, SendAbort, SendShutdown, KillWorker, SignalWorker, SpawnWorker, AppendJournal,
-                            PrintLine, EndJob>;
+using Action = std::variant<SendPlan, SendAbort, SendDrain, SendShutdown, KillWorker, SignalWorker, SpawnWorker,
+                            AppendJournal, PrintLine, EndJob, ScaleReply>;
 
 enum class JobPhase { kForming, kRunning, kRecovering, kEnded };
 enum class WorkerRole { kPending, kMember, kSpare, kFinished, kGone };
@@ -124,6 +148,7 @@ struct WorkerInfo {
 // One recovery, with its phases (journal "recovery_end", and the end-of-job report).
 struct RecoveryRecord {
   int id = 0;
+  std::string kind = "recovery";  // "recovery" (a fault) or "resize" (a planned change at a step boundary)
   uint32_t from_generation = 0;
   uint32_t to_generation = 0;
   std::vector<std::string> causes;
@@ -150,7 +175,11 @@ struct RecoveryRecord {
 
 class Controller {
  public:
-  explicit Controller(ControllerOptions options) : options_(std::move(options)), pending_faults_(options_.faults) {}
+  explicit Controller(ControllerOptions options)
+      : options_(std::move(options)),
+        pending_faults_(options_.faults),
+        // The job grows up to the policy's maximum as capacity appears.
+        target_world_(std::max(options_.world_size, options_.policy.max_world)) {}
 
   std::vector<Action> Handle(const Event& event, Clock::time_point now);
 
@@ -159,6 +188,9 @@ class Controller {
   const std::map<int, WorkerInfo>& workers() const { return workers_; }
   const std::vector<RecoveryRecord>& recoveries() const { return recoveries_; }
   nlohmann::json Status() const;
+  nlohmann::json PolicyJson() const;
+  int target_world() const { return target_world_; }
+  size_t world_size() const { return members_.size(); }
   // The rank a worker holds now, or -1 (spare, gone, not yet placed).
   int RankOf(int worker_id) const;
   // The pending injected faults, for workers started later.
@@ -176,6 +208,15 @@ class Controller {
   void On(const ConnectionLost& e, std::vector<Action>* out);
   void On(const ProcessExited& e, std::vector<Action>* out);
   void On(const Tick& e, std::vector<Action>* out);
+  void On(const ScaleRequest& e, std::vector<Action>* out);
+  void On(const Interrupted& e, std::vector<Action>* out);
+
+  // Elasticity: a planned change of the world size at a step boundary.
+  std::string CheckSize(int size) const;  // empty when the policy allows `size`
+  Millis EffectiveStablePeriod() const;
+  void StartResize(int new_world, const std::string& trigger, std::vector<Action>* out);
+  void MaybeGrow(std::vector<Action>* out);
+  int SpareCount() const;
 
   void MaybeFormFirstGeneration(std::vector<Action>* out);
   bool IsLiveMember(const WorkerInfo& w) const {
@@ -184,7 +225,7 @@ class Controller {
   // A member failed: it leaves the membership (and is killed); recovery starts or continues.
   void MemberFault(int worker_id, const std::string& kind, const std::string& detail, std::vector<Action>* out);
   void SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out);
-  void StartRecovery(const std::string& cause, std::vector<Action>* out);
+  void StartRecovery(const std::string& cause, std::vector<Action>* out, bool planned = false);
   void MaybeFinishAbort(std::vector<Action>* out);
   void FormNextGeneration(std::vector<Action>* out);
   void MaybeCloseRecovery(std::vector<Action>* out);
@@ -218,6 +259,11 @@ class Controller {
   std::deque<double> step_seconds_;  // recent step times, from rank 0
   std::vector<RecoveryRecord> recoveries_;
   std::optional<size_t> open_recovery_;  // index into recoveries_
+  int target_world_ = 0;                  // the world size the job should have (policy, requests)
+  std::optional<int> resize_to_;          // a planned resize in progress: its new world size
+  std::optional<Clock::time_point> last_change_at_;
+  std::optional<Clock::time_point> grow_waiting_since_;
+  std::deque<Clock::time_point> change_times_;
 };
 
 }  // namespace nonstop::controller

@@ -143,6 +143,19 @@ class SessionImpl {
         cv_.notify_all();
         return OkStatus();
       }
+      case control::kMsgDrain: {
+        NONSTOP_ASSIGN_OR_RETURN(control::DrainMsg m, control::DecodeDrain(f.payload));
+        std::lock_guard<std::mutex> lock(mu_);
+        drain_ = m;
+        // Already past the boundary and blocked in the next step's collective
+        // (the others stopped at the boundary): leave it now.
+        if (comm_ && comm_->generation() == m.generation && collective_since_ms_.load() >= 0 &&
+            state_step_.load() >= m.after_step) {
+          comm_->Abort(fmt::format("generation {} ends at the step boundary after step {}: {}", m.generation,
+                                   state_step_.load(), m.reason));
+        }
+        return OkStatus();
+      }
       case control::kMsgShutdown: {
         NONSTOP_ASSIGN_OR_RETURN(control::ShutdownMsg m, control::DecodeShutdown(f.payload));
         std::lock_guard<std::mutex> lock(mu_);
@@ -223,6 +236,17 @@ class SessionImpl {
       resume_step_ = plan.resume_step;
     }
     SetLogRole(fmt::format("rank {}", co.rank));
+    MembershipChange change;
+    change.generation = plan.generation;
+    change.old_world = comm_before_world_;
+    change.old_rank = comm_before_rank_;
+    change.new_world = static_cast<int>(plan.members.size());
+    change.new_rank = co.rank;
+    change.resume_step = plan.resume_step;
+    change.reason = plan.reason;
+    last_change_ = change;
+    comm_before_world_ = change.new_world;
+    comm_before_rank_ = change.new_rank;
     NONSTOP_RETURN_IF_ERROR(comm_->Connect());
     auto t1 = Clock::now();
 
@@ -258,7 +282,8 @@ class SessionImpl {
   std::optional<control::FaultSpec> TakeFault(control::FaultPoint point, int64_t step, int rank, control::FaultKind kind) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = faults_.begin(); it != faults_.end(); ++it) {
-      if (it->point == point && it->step == step && it->rank == rank && it->kind == kind) {
+      bool step_matches = it->step == step || (point == control::FaultPoint::kTransfer && it->step < 0);
+      if (it->point == point && step_matches && it->rank == rank && it->kind == kind) {
         control::FaultSpec f = *it;
         faults_.erase(it);
         return f;
@@ -300,6 +325,16 @@ class SessionImpl {
   }
 
   Status AllReduce(std::span<float> data) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (drain_ && comm_->generation() == drain_->generation && state_step_.load() >= drain_->after_step) {
+        // A planned change: this generation ends at this step boundary.
+        Status s = AbortedError(fmt::format("generation {} ends at the step boundary after step {}: {}",
+                                            drain_->generation, state_step_.load(), drain_->reason));
+        comm_->Abort(s.message());
+        return s;
+      }
+    }
     MaybeInjectBeforeCollective();
     collective_since_ms_.store(NowMs());
     Status s = comm_->AllReduce(data);
@@ -344,11 +379,15 @@ class SessionImpl {
   std::condition_variable cv_;
   std::optional<control::PlanMsg> plan_;          // guarded by mu_: the newest plan received
   std::optional<control::ShutdownMsg> shutdown_;  // guarded by mu_
+  std::optional<control::DrainMsg> drain_;        // guarded by mu_
+  MembershipChange last_change_;
   uint32_t aborted_generation_ = 0;               // guarded by mu_
   bool controller_lost_ = false;                  // guarded by mu_
   std::unique_ptr<collective::Communicator> comm_;  // guarded by mu_ for Abort from the I/O thread
   std::vector<control::FaultSpec> faults_;          // guarded by mu_
   int64_t resume_step_ = 0;
+  int comm_before_world_ = 0;
+  int comm_before_rank_ = -1;
   std::jthread io_thread_;  // last: stops before the members it uses go away
 };
 
@@ -402,6 +441,8 @@ bool Session::InjectedExceptionAt(int64_t step) {
   impl_->Announce(*f);
   return true;
 }
+
+MembershipChange Session::last_change() const { return impl_->last_change_; }
 
 int Session::shutdown_exit_code() const {
   std::lock_guard<std::mutex> lock(impl_->mu_);

@@ -64,14 +64,22 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   std::vector<float> v(elements);
   int64_t step = s.resume_step();
+  bool released = false;
   auto recover = [&]() -> bool {
     auto next = s.Recover();
     if (!next.ok()) {
+      if (next.status().code() == nonstop::StatusCode::kCancelled && s.shutdown_exit_code() == 0) {
+        fmt::print("worker {} released\n", s.worker_id());
+        released = true;
+        return false;
+      }
       fmt::print(stderr, "recovery failed: {}\n", next.status().ToString());
       return false;
     }
     step = *next;
-    fmt::print("recovered: rank {} of {}, resuming at step {}\n", s.rank(), s.world_size(), step);
+    auto c = s.last_change();
+    fmt::print("{}: rank {} of {} (was {} of {}), resuming at step {}\n", c.reason, c.new_rank, c.new_world,
+               c.old_rank, c.old_world, step);
     std::fflush(stdout);
     return true;
   };
@@ -92,7 +100,7 @@ int main(int argc, char** argv) {
       nonstop::Status st = s.AllReduce(v);
       if (!st.ok()) {
         fmt::print("step {}: {}\n", step, st.ToString());
-        if (!recover()) return s.shutdown_exit_code() != 0 ? s.shutdown_exit_code() : 10;
+        if (!recover()) return released ? 0 : (s.shutdown_exit_code() != 0 ? s.shutdown_exit_code() : 10);
         continue;
       }
       for (size_t i = 0; i < elements; ++i) acc[i] += v[i];
@@ -107,7 +115,7 @@ int main(int argc, char** argv) {
     std::string checksum = fmt::format("{:08x}", nonstop::Crc32c(acc.data(), acc.size() * sizeof(float)));
     nonstop::Status fin = s.Finish(steps - 1, checksum);
     if (fin.code() == nonstop::StatusCode::kAborted) {
-      if (!recover()) return 10;
+      if (!recover()) return released ? 0 : 10;
       continue;
     }
     if (!fin.ok()) {

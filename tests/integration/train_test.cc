@@ -6,7 +6,12 @@
 #include <cmath>
 #include <fstream>
 #include <filesystem>
+#include <algorithm>
 #include <map>
+#include <sstream>
+#include <thread>
+
+#include <fmt/format.h>
 
 #include "common/temp_dir.h"
 #include "controller/journal.h"
@@ -107,7 +112,7 @@ TEST_F(TrainTest, RecoveryFromEachFaultKindIsBitwiseIdenticalToTheFaultFreeRun) 
     ASSERT_EQ(r.code, 0) << fault << "\n" << r.output;
     EXPECT_EQ(r.checksum, clean.checksum) << fault << "\n" << r.output;
     EXPECT_EQ(r.losses, clean.losses) << fault;
-    EXPECT_NE(r.output.find("recovery report: 1 recovery, 0 completed steps lost"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("recovery report: 1 recovery, 0 resizes, 0 completed steps lost"), std::string::npos) << r.output;
   }
 }
 
@@ -175,6 +180,116 @@ TEST_F(TrainTest, WhenNoWorkerHoldsTheStateTheJobRestartsFromTheLastCheckpoint) 
   EXPECT_EQ(r.checksum, clean.checksum) << r.output;
   EXPECT_NE(r.output.find("exists on no live worker"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("restarting every worker"), std::string::npos) << r.output;
+}
+
+// Samples of every completed step, from the --log-samples files: step → sorted sample ids.
+std::map<int64_t, std::vector<uint64_t>> SamplesByStep(const std::string& dir, std::string* duplicates) {
+  std::map<int64_t, std::vector<uint64_t>> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(e.path());
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream ls(line);
+      int64_t step;
+      uint64_t mb, x;
+      ls >> step >> mb;
+      while (ls >> x) out[step].push_back(x);
+    }
+  }
+  for (auto& [step, v] : out) {
+    std::sort(v.begin(), v.end());
+    if (std::adjacent_find(v.begin(), v.end()) != v.end()) *duplicates += fmt::format(" step {}", step);
+  }
+  return out;
+}
+
+TEST_F(TrainTest, ElasticRunKeepsTheLossCurveAndTheSamplesOfAFixedWorld) {
+  WriteRecipe();
+  const std::vector<std::string> train = {"--steps", "200", "--throttle-ms", "25"};
+  auto args = [&](const std::string& samples) {
+    std::vector<std::string> a = train;
+    a.push_back("--log-samples");
+    a.push_back(samples);
+    return a;
+  };
+  RunResult fixed = Run(4, "fixed4", args(dir_ / "samples-fixed"));
+  ASSERT_EQ(fixed.code, 0) << fixed.output;
+
+  std::string journal = dir_ / "elastic.jsonl";
+  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--max-world", "4",
+                                   "--journal", journal, "--inject", "none", "--", kBin + "/nonstop-train",
+                                   dir_ / "recipe.yaml"};
+  for (const auto& a : args(dir_ / "samples-elastic")) argv.push_back(a);
+  ChildProcess run(argv, dir_ / "elastic.out");
+  auto events = [&](const std::string& kind) {
+    std::vector<nlohmann::json> out;
+    if (auto all = controller::Journal::Read(journal); all.ok()) {
+      for (auto& j : *all) {
+        if (j.value("event", "") == kind) out.push_back(j);
+      }
+    }
+    return out;
+  };
+  auto step = [&] {
+    int64_t h = -1;
+    for (auto& j : events("step")) h = std::max<int64_t>(h, j["step"]);
+    return h;
+  };
+  auto world = [&] { auto p = events("plan"); return p.empty() ? size_t{0} : p.back()["members"].size(); };
+  auto wait = [&](const std::function<bool()>& cond, const char* what) {
+    auto until = std::chrono::steady_clock::now() + milliseconds(120'000);
+    while (!cond()) {
+      ASSERT_LT(std::chrono::steady_clock::now(), until) << what << "\n" << run.Output();
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+  };
+  std::string job = dir_ / "job.json";
+  // 2 → 4: two workers started by hand join the job.
+  wait([&] { return step() >= 15; }, "step 15");
+  std::vector<std::string> joiner = {kBin + "/nonstop", "worker", "--job", job, "--", kBin + "/nonstop-train",
+                                     dir_ / "recipe.yaml"};
+  for (const auto& a : args(dir_ / "samples-elastic")) joiner.push_back(a);
+  ChildProcess join_a(joiner, dir_ / "join-a.out");
+  ChildProcess join_b(joiner, dir_ / "join-b.out");
+  wait([&] { return world() == 4; }, "the world to grow to 4");
+  // 4 → 3: give one back.
+  wait([&] { return step() >= 60; }, "step 60");
+  ChildProcess release({kBin + "/nonstop", "scale", "--job", job, "--release", "1"}, dir_ / "scale1.out");
+  EXPECT_EQ(release.Wait(milliseconds(20'000)), 0) << release.Output();
+  wait([&] { return world() == 3; }, "the world to shrink to 3");
+  // 3 → 2: a member is killed and no spare is left.
+  wait([&] { return step() >= 100; }, "step 100");
+  int64_t victim = -1;
+  auto plan = events("plan").back();
+  for (auto& j : events("join")) {
+    if (j["worker_id"] == plan["members"][1]) victim = j["pid"];
+  }
+  ASSERT_GT(victim, 0);
+  ::kill(static_cast<pid_t>(victim), SIGKILL);
+  wait([&] { return world() == 2; }, "the shrink on the fault");
+  // 2 → 4: capacity comes back on request.
+  wait([&] { return step() >= 130; }, "step 130");
+  ChildProcess grow({kBin + "/nonstop", "scale", "--job", job, "--world-size", "4"}, dir_ / "scale2.out");
+  EXPECT_EQ(grow.Wait(milliseconds(20'000)), 0) << grow.Output();
+  wait([&] { return world() == 4; }, "the grow back to 4");
+  ASSERT_EQ(run.Wait(milliseconds(120'000)), 0) << run.Output();
+  std::vector<size_t> worlds;
+  for (auto& p : events("plan")) worlds.push_back(p["members"].size());
+  EXPECT_EQ(worlds, (std::vector<size_t>{2, 4, 3, 2, 4})) << run.Output();
+
+  std::map<int64_t, double> losses;
+  for (auto& j : events("step")) losses[j["step"].get<int64_t>()] = j["loss"].get<double>();
+  ASSERT_EQ(losses.size(), fixed.losses.size());
+  for (const auto& [s, loss] : fixed.losses) {
+    ASSERT_TRUE(losses.count(s)) << "step " << s;
+    EXPECT_LT(std::abs(losses[s] - loss) / loss, 1e-4) << "step " << s;
+  }
+  std::string dup_fixed, dup_elastic;
+  auto want = SamplesByStep(dir_ / "samples-fixed", &dup_fixed);
+  auto got = SamplesByStep(dir_ / "samples-elastic", &dup_elastic);
+  EXPECT_TRUE(dup_elastic.empty()) << "samples repeated in" << dup_elastic;
+  EXPECT_EQ(got.size(), 200u);
+  EXPECT_TRUE(got == want) << "some step saw other samples than in the fixed world";
 }
 
 TEST_F(TrainTest, MixtureOfExpertsModelTrains) {

@@ -1,0 +1,154 @@
+// `nonstop status`, `nonstop scale` and `nonstop worker`: talking to a running job.
+//
+// They find the job through its job file (written by `nonstop run` beside
+// its journal, readable by the owner only: it holds the job token) or an
+// explicit --http address.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "apps/nonstop/commands.h"
+#include "common/status.h"
+
+namespace nonstop::cli {
+
+namespace {
+
+Result<nlohmann::json> ReadJobFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return NotFoundError(fmt::format("no job file {}: is `nonstop run` running here? (HINT: --job PATH or --http "
+                                     "HOST:PORT)", path));
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (j.is_discarded() || !j.contains("http") || !j.contains("controller") || !j.contains("token")) {
+    return DataLossError(fmt::format("job file {} is not a nonstop job file", path));
+  }
+  return j;
+}
+
+Result<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
+  size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return InvalidArgumentError(fmt::format("'{}' is not host:port", address));
+  try {
+    return std::make_pair(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
+  } catch (...) {
+    return InvalidArgumentError(fmt::format("'{}' is not host:port", address));
+  }
+}
+
+}  // namespace
+
+std::string JobFileFor(const std::string& journal_path) {
+  auto slash = journal_path.rfind('/');
+  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) + "/job.json";
+}
+
+void JobCommands::Register(CLI::App& app) {
+  status_ = app.add_subcommand("status", "Show a running job: phase, generation, world, spares, policy");
+  scale_ = app.add_subcommand("scale", "Ask a running job to grow or shrink (POST /scale)");
+  worker_ = app.add_subcommand("worker", "Start a worker by hand that joins a running job as a spare");
+  for (CLI::App* sub : {status_, scale_, worker_}) {
+    sub->add_option("--job", job_file_, "The job file `nonstop run` wrote beside its journal")->capture_default_str()
+        ->envname("NONSTOP_JOB_FILE");
+  }
+  for (CLI::App* sub : {status_, scale_}) {
+    sub->add_option("--http", http_, "The controller's HTTP address host:port (instead of --job)")->envname("NONSTOP_HTTP");
+  }
+  auto* group = scale_->add_option_group("change", "exactly one of");
+  world_size_opt_ = group->add_option("--world-size", world_size_, "The world size to have");
+  release_opt_ = group->add_option("--release", release_, "Give back this many workers");
+  group->add_option("--grow", grow_, "Take this many more workers");
+  group->require_option(1);
+  worker_->add_option("--worker-id", worker_id_, "A worker id unique in the job (default: 100000 + pid)");
+  worker_->footer("After `--`: the worker program and its arguments (default: nonstop-train).");
+}
+
+int JobCommands::Execute() {
+  if (worker_->parsed()) return ExecWorker();
+  std::string address = http_;
+  if (address.empty()) {
+    auto job = ReadJobFile(job_file_);
+    if (!job.ok()) {
+      fmt::print(stderr, "nonstop: {}\n", job.status().message());
+      return 1;
+    }
+    address = (*job)["http"];
+  }
+  auto hp = SplitHostPort(address);
+  if (!hp.ok()) {
+    fmt::print(stderr, "nonstop: --http {}\n", hp.status().message());
+    return 2;
+  }
+  httplib::Client client(hp->first, hp->second);
+  client.set_connection_timeout(5);
+  client.set_read_timeout(15);
+  if (status_->parsed()) {
+    auto res = client.Get("/status");
+    if (!res) {
+      fmt::print(stderr, "nonstop status: cannot reach the controller at {}\n", address);
+      return 1;
+    }
+    auto j = nlohmann::json::parse(res->body, nullptr, false);
+    if (j.is_discarded()) {
+      fmt::print("{}\n", res->body);
+      return 1;
+    }
+    fmt::print("job at {}: {}, generation {}, world {} (target {}), {} spare(s), highest step {}, {} recoveries/resizes\n",
+               address, j.value("phase", "?"), j.value("generation", 0), j.value("world_size", 0),
+               j.value("target_world_size", 0), j.value("spares", 0), j.value("highest_step", -1), j.value("recoveries", 0));
+    fmt::print("members (worker ids by rank): {}\npolicy: {}\n", j["members"].dump(), j["policy"].dump());
+    return 0;
+  }
+  nlohmann::json body;
+  if (world_size_opt_->count() > 0) body["world_size"] = world_size_;
+  else if (release_opt_->count() > 0) body["release"] = release_;
+  else body["grow"] = grow_;
+  auto res = client.Post("/scale", body.dump(), "application/json");
+  if (!res) {
+    fmt::print(stderr, "nonstop scale: cannot reach the controller at {}\n", address);
+    return 1;
+  }
+  auto j = nlohmann::json::parse(res->body, nullptr, false);
+  if (res->status / 100 == 2) {
+    fmt::print("accepted: world {} → {}\n", j.value("from", 0), j.value("world_size", 0));
+    return 0;
+  }
+  fmt::print(stderr, "refused ({}): {}\n", res->status, j.is_discarded() ? res->body : j.value("error", res->body));
+  return 1;
+}
+
+int JobCommands::ExecWorker() {
+  auto job = ReadJobFile(job_file_);
+  if (!job.ok()) {
+    fmt::print(stderr, "nonstop worker: {}\n", job.status().message());
+    return 1;
+  }
+  std::vector<std::string> program = program_;
+  if (program.empty()) program = {SelfDirectory() + "/nonstop-train"};
+  int id = worker_id_ >= 0 ? worker_id_ : 100000 + static_cast<int>(::getpid());
+  ::setenv("NONSTOP_CONTROLLER", (*job)["controller"].get<std::string>().c_str(), 1);
+  ::setenv("NONSTOP_JOB_TOKEN", (*job)["token"].get<std::string>().c_str(), 1);
+  ::setenv("NONSTOP_WORKER_ID", std::to_string(id).c_str(), 1);
+  ::setenv("NONSTOP_SPARE", "1", 1);
+  for (const auto& [k, v] : (*job)["env"].items()) ::setenv(k.c_str(), v.get<std::string>().c_str(), 1);
+  fmt::print("nonstop worker: joining {} as worker {}\n", (*job)["controller"].get<std::string>(), id);
+  std::fflush(stdout);
+  std::vector<char*> argv;
+  for (auto& a : program) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  fmt::print(stderr, "nonstop worker: cannot start {}: {}\n", program[0], std::strerror(errno));
+  return 1;
+}
+
+}  // namespace nonstop::cli
