@@ -258,7 +258,7 @@ int RunCommand::Execute() {
                       {"program", program}, {"policy", core.PolicyJson()}});
 
   std::set<int> niced;  // spares still at low priority
-  auto spawn = [&](int id, bool spare, bool resume) -> Status {
+  auto spawn = [&](int id, bool spare, bool resume, bool background) -> Status {
     launcher::ChildSpec spec;
     spec.worker_id = id;
     spec.argv = program;
@@ -273,9 +273,10 @@ int RunCommand::Execute() {
       spec.env.push_back({"NONSTOP_MTBF_SECONDS", fmt::format("{}", mtbf_seconds_)});
     }
     if (resume) spec.env.push_back({"NONSTOP_RESUME", "1"});
-    // A spare waits at a low priority: it warms up without slowing the job,
-    // and is given normal priority when it takes a rank.
-    if (spare) {
+    // A spare started in the background (refilling the pool while the job
+    // trains) warms up at a low priority, so that it does not slow the job's
+    // steps; it gets normal priority when it takes a rank.
+    if (background) {
       spec.nice = 10;
       niced.insert(id);
     }
@@ -285,7 +286,7 @@ int RunCommand::Execute() {
     return OkStatus();
   };
   for (int id = 0; id < nproc_ + spares_; ++id) {
-    Status s = spawn(id, id >= nproc_, /*resume=*/false);
+    Status s = spawn(id, id >= nproc_, /*resume=*/false, /*background=*/false);
     if (!s.ok()) {
       fmt::print(stderr, "nonstop run: {}\n", s.ToString());
       launcher.SignalAll(SIGKILL);
@@ -330,7 +331,7 @@ int RunCommand::Execute() {
             launcher.Signal(act.worker_id, act.signal);
           } else if constexpr (std::is_same_v<T, controller::SpawnWorker>) {
             if (!ended) {
-              Status s = spawn(act.worker_id, act.spare, act.resume);
+              Status s = spawn(act.worker_id, act.spare, act.resume, act.background);
               if (!s.ok()) fmt::print(stderr, "[nonstop] {}\n", s.ToString());
             }
           } else if constexpr (std::is_same_v<T, controller::AppendJournal>) {

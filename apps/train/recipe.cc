@@ -87,6 +87,11 @@ Status Validate(const Recipe& r) {
                                   fmt::format("train.global_batch ({}) must be a positive multiple of train.micro_batch ({})",
                                               t.global_batch, t.micro_batch)));
   NONSTOP_RETURN_IF_ERROR(Require(t.log_every > 0, "train.log_every: must be positive"));
+  NONSTOP_RETURN_IF_ERROR(Require(t.batch == "fixed" || t.batch == "scale-with-world",
+                                  fmt::format("train.batch: must be 'fixed' or 'scale-with-world', got '{}'", t.batch)));
+  NONSTOP_RETURN_IF_ERROR(Require(t.lr_scaling == "linear" || t.lr_scaling == "sqrt",
+                                  fmt::format("train.lr_scaling: must be 'linear' or 'sqrt', got '{}'", t.lr_scaling)));
+  NONSTOP_RETURN_IF_ERROR(Require(t.rescale_warmup_steps >= 0, "train.rescale_warmup_steps: must not be negative"));
   const auto& o = r.optimizer;
   NONSTOP_RETURN_IF_ERROR(Require(o.lr > 0 && o.min_lr >= 0 && o.min_lr <= o.lr, "optimizer: need 0 <= min_lr <= lr and lr > 0"));
   NONSTOP_RETURN_IF_ERROR(Require(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1, "optimizer: beta1 and beta2 must be in [0, 1)"));
@@ -153,6 +158,9 @@ Result<Recipe> ParseRecipe(const std::string& text, const std::string& source) {
     NONSTOP_RETURN_IF_ERROR(x.Read("global_batch", &t.global_batch));
     NONSTOP_RETURN_IF_ERROR(x.Read("micro_batch", &t.micro_batch));
     NONSTOP_RETURN_IF_ERROR(x.Read("seed", &t.seed));
+    NONSTOP_RETURN_IF_ERROR(x.Read("batch", &t.batch));
+    NONSTOP_RETURN_IF_ERROR(x.Read("lr_scaling", &t.lr_scaling));
+    NONSTOP_RETURN_IF_ERROR(x.Read("rescale_warmup_steps", &t.rescale_warmup_steps));
     return x.Read("log_every", &t.log_every);
   });
   if (!st.ok()) return ctx(st);

@@ -22,6 +22,7 @@
 #include "data/dataset.h"
 #include "data/prepare.h"
 #include "data/sampler.h"
+#include "elastic/batch_policy.h"
 #include "nonstop/session.h"
 #include "state/checkpoint.h"
 #include "torch/adamw.h"
@@ -130,6 +131,15 @@ int Main(int argc, char** argv) {
                       {r.optimizer.beta1, r.optimizer.beta2, r.optimizer.eps, r.optimizer.weight_decay});
   torchx::LrSchedule schedule{r.optimizer.lr, r.optimizer.min_lr, r.optimizer.warmup_steps, r.train.steps};
   int64_t completed = -1;  // last completed step: part of the state
+  auto batch_mode = elastic::ParseBatchMode(r.train.batch);
+  auto lr_scaling = elastic::ParseLrScaling(r.train.lr_scaling);
+  if (!batch_mode.ok()) return Fail(batch_mode.status(), "bad recipe");
+  if (!lr_scaling.ok()) return Fail(lr_scaling.status(), "bad recipe");
+  // Elastic batch state (src/elastic/batch_policy.h), kept with the model so
+  // that joiners and resumed jobs carry on exactly: the world size the batch
+  // was defined at, the samples consumed so far, and the learning-rate warm-up
+  // after the last world change (the factor stored in millionths).
+  int64_t base_world = 0, samples_consumed = 0, lr_world = 0, lr_change_step = 0, lr_from_millionths = 1'000'000;
 
   const int64_t T = r.model.seq_len;
   const double tokens_per_step = static_cast<double>(r.train.global_batch * T);
@@ -162,8 +172,13 @@ int Main(int argc, char** argv) {
         if (!s.ok()) return Fail(s, "registering state");
       }
     }
-    Status s = state.RegisterValue("step", &completed);
-    if (!s.ok()) return Fail(s, "registering state");
+    for (auto [name, value] : std::vector<std::pair<const char*, int64_t*>>{
+             {"step", &completed}, {"elastic.base_world", &base_world}, {"elastic.samples_consumed", &samples_consumed},
+             {"elastic.lr_world", &lr_world}, {"elastic.lr_change_step", &lr_change_step},
+             {"elastic.lr_from_millionths", &lr_from_millionths}}) {
+      Status s = state.RegisterValue(name, value);
+      if (!s.ok()) return Fail(s, "registering state");
+    }
   }
   if (!resume_dir.empty()) {
     auto loaded = state::LoadNewestCheckpoint(resume_dir, state);
@@ -206,6 +221,20 @@ int Main(int argc, char** argv) {
   }
   Session& session = **joined;
   if (session.rank() == 0) PrintConfig(r, session, flat.size(), **dataset);
+  if (base_world == 0) base_world = session.world_size();  // the first generation defines it, on every member
+  if (lr_world == 0) lr_world = base_world;
+  const bool scale_with_world = *batch_mode == elastic::BatchMode::kScaleWithWorld;
+  if (scale_with_world && r.train.global_batch % (base_world * r.train.micro_batch) != 0) {
+    return Fail(InvalidArgumentError(fmt::format("train.batch scale-with-world: global_batch {} must be a multiple of "
+                                                 "micro_batch {} × the initial world size {}",
+                                                 r.train.global_batch, r.train.micro_batch, base_world)), "bad recipe");
+  }
+  // The learning-rate multiplier in effect at `step` under the stored warm-up.
+  auto lr_factor = [&](int64_t at) {
+    double to = elastic::LrFactor(*batch_mode, *lr_scaling, static_cast<int>(base_world), static_cast<int>(lr_world));
+    return elastic::WarmedFactor(static_cast<double>(lr_from_millionths) / 1e6, to, at, lr_change_step,
+                                 r.train.rescale_warmup_steps);
+  };
 
   // Durable checkpoints: whichever worker holds rank 0 writes them, in the
   // background. With no fixed interval, the first one is timed and the
@@ -269,13 +298,39 @@ int Main(int argc, char** argv) {
     while (step < r.train.steps) {
       auto t0 = std::chrono::steady_clock::now();
       double local_loss = 0;
+      float step_norm = norm;
+      double step_tokens = tokens_per_step;
       std::string step_samples;  // "step micro sample…" lines, logged once the step completed
       try {
         if (session.InjectedExceptionAt(step)) throw std::runtime_error(fmt::format("injected exception at step {}", step));
         flat.ZeroGrad();
-        auto [mb_begin, mb_end] = sampler->MicroBatchesFor(session.rank(), session.world_size());
+        const int world = session.world_size();
+        if (scale_with_world && world != lr_world) {
+          // The world changed: warm the learning rate from where it is to the new factor.
+          double from = lr_factor(step);
+          lr_from_millionths = std::llround(from * 1e6);
+          lr_change_step = step;
+          lr_world = world;
+          if (session.rank() == 0) {
+            fmt::print("batch follows the world: global batch {} samples, learning-rate factor {:.3f} → {:.3f} over {} steps\n",
+                       elastic::GlobalBatch(*batch_mode, static_cast<uint64_t>(r.train.global_batch), static_cast<int>(base_world), world),
+                       from, lr_factor(step + r.train.rescale_warmup_steps), r.train.rescale_warmup_steps);
+            std::fflush(stdout);
+          }
+        }
+        const uint64_t global = elastic::GlobalBatch(*batch_mode, static_cast<uint64_t>(r.train.global_batch),
+                                                     static_cast<int>(base_world), world);
+        const uint64_t micro = static_cast<uint64_t>(r.train.micro_batch);
+        const uint64_t micro_batches = global / micro;
+        step_norm = 1.0f / static_cast<float>(global * static_cast<uint64_t>(T));
+        step_tokens = static_cast<double>(global * static_cast<uint64_t>(T));
+        uint64_t mb_begin = data::BlockBegin(micro_batches, world, session.rank());
+        uint64_t mb_end = data::BlockBegin(micro_batches, world, session.rank() + 1);
         for (uint64_t mb = mb_begin; mb < mb_end; ++mb) {
-          std::vector<uint64_t> samples = sampler->MicroBatchSamples(static_cast<uint64_t>(step), mb);
+          // Fixed batch: the samples are a function of the step. Scaled batch: of the position in the stream.
+          std::vector<uint64_t> samples =
+              scale_with_world ? sampler->SamplesAt(static_cast<uint64_t>(samples_consumed) + mb * micro, micro)
+                               : sampler->MicroBatchSamples(static_cast<uint64_t>(step), mb);
           if (samples_log) {
             step_samples += fmt::format("{} {}", step, mb);
             for (uint64_t x : samples) step_samples += fmt::format(" {}", x);
@@ -287,7 +342,7 @@ int Main(int argc, char** argv) {
           // gradient is the same however micro-batches are dealt.
           auto loss = torch::nn::functional::cross_entropy(
                           logits.view({-1, r.model.vocab_size}), targets.view({-1}),
-                          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * norm;
+                          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * step_norm;
           loss.backward();
           local_loss += loss.item<double>();
         }
@@ -313,11 +368,12 @@ int Main(int argc, char** argv) {
         return Fail(bad, "training diverged");
       }
       double grad_norm = torchx::ClipGradNorm(flat.grads(), r.optimizer.grad_clip);
-      double lr = schedule.At(step);
+      double lr = schedule.At(step) * lr_factor(step);
       adamw.Step(flat.params(), flat.grads(), lr, step + 1);
       completed = step;
+      if (scale_with_world) samples_consumed += static_cast<int64_t>(step_tokens) / T;
       double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      session.ReportStep({step, loss, secs, tokens_per_step / secs});
+      session.ReportStep({step, loss, secs, step_tokens / secs});
       maybe_checkpoint(step, secs);
       if (samples_log) {
         std::fputs(step_samples.c_str(), samples_log);
@@ -325,7 +381,7 @@ int Main(int argc, char** argv) {
       }
       if (session.rank() == 0 && (step % r.train.log_every == 0 || step + 1 == r.train.steps)) {
         fmt::print("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} s/step | world {}\n",
-                   step, r.train.steps, loss, lr, grad_norm, tokens_per_step / secs, secs, session.world_size());
+                   step, r.train.steps, loss, lr, grad_norm, step_tokens / secs, secs, session.world_size());
         std::fflush(stdout);
       }
       ++step;

@@ -285,7 +285,7 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
 void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out) {
   w.role = WorkerRole::kGone;
   out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {}; starting another", w.worker_id, w.pid, how)});
-  out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true});
+  out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true});
 }
 
 void Controller::MemberFault(int worker_id, const std::string& kind, const std::string& detail,
@@ -490,7 +490,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   rec.plan_at = now_;
   for (int id : members_) out->push_back(SendPlan{id, plan});
   for (size_t i = 0; i < spare_i && options_.spares > 0; ++i) {
-    out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true});
+    out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true});
     ++rec.spawned_spares;
   }
   out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},

@@ -123,7 +123,9 @@ struct ScaleReply { int request_id; int http_status; nlohmann::json body; };
 struct SendShutdown { int worker_id; control::ShutdownMsg msg; };
 struct KillWorker { int worker_id; };               // SIGKILL now
 struct SignalWorker { int worker_id; int signal; };  // injected time-based faults
-struct SpawnWorker { int worker_id; bool spare; bool resume = false; };  // resume: load the newest checkpoint
+// resume: load the newest checkpoint. background: a pool refill, started at a
+// low priority so that it warms up without slowing the job.
+struct SpawnWorker { int worker_id; bool spare; bool resume = false; bool background = false; };
 struct AppendJournal { nlohmann::json record; };
 struct PrintLine { std::string line; };
 struct EndJob { int exit_code; std::string reason; };

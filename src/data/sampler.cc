@@ -67,6 +67,13 @@ uint64_t Sampler::SampleAt(uint64_t pos) {
   return permutation_[pos % options_.num_samples];
 }
 
+std::vector<uint64_t> Sampler::SamplesAt(uint64_t pos, uint64_t count) {
+  std::vector<uint64_t> out;
+  out.reserve(count);
+  for (uint64_t k = 0; k < count; ++k) out.push_back(SampleAt(pos + k));
+  return out;
+}
+
 std::vector<uint64_t> Sampler::MicroBatchSamples(uint64_t step, uint64_t micro) {
   NONSTOP_CHECK_LT(micro, micro_batches_per_step());
   std::vector<uint64_t> out;

@@ -42,6 +42,8 @@ class Sampler {
 
   // Sample index at position `pos` of the endless stream.
   uint64_t SampleAt(uint64_t pos);
+  // `count` consecutive samples from position `pos`.
+  std::vector<uint64_t> SamplesAt(uint64_t pos, uint64_t count);
 
   const SamplerOptions& options() const { return options_; }
 

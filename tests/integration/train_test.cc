@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <algorithm>
 #include <map>
+#include <regex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -290,6 +292,34 @@ TEST_F(TrainTest, ElasticRunKeepsTheLossCurveAndTheSamplesOfAFixedWorld) {
   EXPECT_TRUE(dup_elastic.empty()) << "samples repeated in" << dup_elastic;
   EXPECT_EQ(got.size(), 200u);
   EXPECT_TRUE(got == want) << "some step saw other samples than in the fixed world";
+}
+
+TEST_F(TrainTest, ScaleWithWorldBatchGrowsTheBatchAndTheLearningRate) {
+  std::ofstream(dir_ / "recipe.yaml") << std::regex_replace(
+      MicroRecipe(dir_ / "data", dir_ / "corpus.txt"), std::regex("  log_every: 5\n"),
+      "  log_every: 5\n  batch: scale-with-world\n  lr_scaling: sqrt\n  rescale_warmup_steps: 3\n");
+  std::string journal = dir_ / "scaled.jsonl";
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "2", "--max-world", "4", "--journal", journal,
+                    "--inject", "none", "--", kBin + "/nonstop-train", dir_ / "recipe.yaml", "--steps", "60",
+                    "--throttle-ms", "20", "--log-samples", dir_ / "samples"},
+                   dir_ / "scaled.out");
+  ASSERT_EQ(run.Wait(milliseconds(120'000)), 0) << run.Output();
+  std::string out = run.Output();
+  EXPECT_NE(out.find("global batch 32 samples, learning-rate factor 1.000 → 1.414 over 3 steps"), std::string::npos) << out;
+  std::string dup;
+  auto samples = SamplesByStep(dir_ / "samples", &dup);
+  ASSERT_EQ(samples.size(), 60u);
+  std::set<uint64_t> all;
+  size_t total = 0, small = 0, large = 0;
+  for (const auto& [step, v] : samples) {
+    EXPECT_TRUE(v.size() == 16 || v.size() == 32) << "step " << step << " has " << v.size() << " samples";
+    (v.size() == 16 ? small : large)++;
+    total += v.size();
+    all.insert(v.begin(), v.end());
+  }
+  EXPECT_GT(small, 0u);
+  EXPECT_GT(large, 0u) << "the batch grew with the world";
+  EXPECT_EQ(all.size(), total) << "no sample is seen twice (the run stays within one epoch)";
 }
 
 TEST_F(TrainTest, MixtureOfExpertsModelTrains) {
