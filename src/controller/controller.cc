@@ -143,6 +143,7 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   members_.clear();
   ready_.clear();
   finished_ = 0;
+  last_journaled_step_ = -1;  // the steps since the checkpoint are computed (and journaled) again
   phase_ = JobPhase::kForming;
   for (int i = 0; i < options_.world_size + options_.spares; ++i) {
     out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/i >= options_.world_size, /*resume=*/true});
@@ -167,7 +168,11 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   w.last_step = std::max(w.last_step, e.msg.step);
   w.waiting_ms = -1;
   highest_step_ = std::max(highest_step_, e.msg.step);
-  if (IsLiveMember(w) && w.rank == 0) {
+  // Every member reports the same (allreduced) loss: journal each step once,
+  // from whichever member reports it first (rank 0 may have been aborted
+  // inside a step that the others completed).
+  if (IsLiveMember(w) && e.msg.step > last_journaled_step_) {
+    last_journaled_step_ = e.msg.step;
     out->push_back(AppendJournal{{{"event", "step"}, {"step", e.msg.step}, {"loss", e.msg.loss},
                                   {"step_seconds", e.msg.step_seconds}, {"tokens_per_second", e.msg.tokens_per_second},
                                   {"world_size", e.msg.world_size}, {"generation", generation_}}});

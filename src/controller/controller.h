@@ -253,6 +253,7 @@ class Controller {
   Clock::time_point abort_deadline_{};
   int64_t resume_step_ = 0;
   int64_t highest_step_ = -1;  // highest step any worker ever reported complete
+  int64_t last_journaled_step_ = -1;
   int finished_ = 0;
   std::optional<std::string> checksum_;
   int next_worker_id_ = 0;

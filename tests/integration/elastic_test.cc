@@ -41,15 +41,7 @@ class ElasticTest : public ::testing::Test {
     return {kBin + "/nonstop-test-worker", "--steps", std::to_string(steps), "--elements", "100000", "--sleep-ms",
             std::to_string(sleep_ms)};
   }
-  std::vector<nlohmann::json> Events(const std::string& kind) {
-    std::vector<nlohmann::json> out;
-    auto all = controller::Journal::Read(journal_);
-    if (!all.ok()) return out;
-    for (auto& j : *all) {
-      if (j.value("event", "") == kind) out.push_back(j);
-    }
-    return out;
-  }
+  std::vector<nlohmann::json> Events(const std::string& kind) { return nonstop::testing::JournalEvents(journal_, kind); }
   int64_t HighestStep() {
     int64_t h = -1;
     for (auto& j : Events("step")) h = std::max<int64_t>(h, j["step"]);

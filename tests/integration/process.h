@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "controller/journal.h"
 
 namespace nonstop::testing {
 
@@ -70,5 +71,16 @@ class ChildProcess {
   pid_t pid_ = -1;
   bool exited_ = false;
 };
+
+// The records of one kind ("step", "plan", …) in a journal; none if it cannot be read yet.
+inline std::vector<nlohmann::json> JournalEvents(const std::string& journal, const std::string& kind) {
+  std::vector<nlohmann::json> out;
+  auto all = controller::Journal::Read(journal);
+  if (!all.ok()) return out;
+  for (auto& j : *all) {
+    if (j.value("event", "") == kind) out.push_back(j);
+  }
+  return out;
+}
 
 }  // namespace nonstop::testing

@@ -16,15 +16,7 @@ using std::chrono::milliseconds;
 
 const std::string kBin = NONSTOP_BIN_DIR;
 
-std::vector<nlohmann::json> Events(const std::string& journal, const std::string& kind) {
-  std::vector<nlohmann::json> out;
-  auto all = controller::Journal::Read(journal);
-  if (!all.ok()) return out;
-  for (auto& j : *all) {
-    if (j.value("event", "") == kind) out.push_back(j);
-  }
-  return out;
-}
+const auto& Events = nonstop::testing::JournalEvents;
 
 TEST(RunIntegrationTest, JobOfThreeWorkersAndASpareFinishes) {
   TempDir dir;

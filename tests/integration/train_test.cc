@@ -223,15 +223,7 @@ TEST_F(TrainTest, ElasticRunKeepsTheLossCurveAndTheSamplesOfAFixedWorld) {
                                    dir_ / "recipe.yaml"};
   for (const auto& a : args(dir_ / "samples-elastic")) argv.push_back(a);
   ChildProcess run(argv, dir_ / "elastic.out");
-  auto events = [&](const std::string& kind) {
-    std::vector<nlohmann::json> out;
-    if (auto all = controller::Journal::Read(journal); all.ok()) {
-      for (auto& j : *all) {
-        if (j.value("event", "") == kind) out.push_back(j);
-      }
-    }
-    return out;
-  };
+  auto events = [&](const std::string& kind) { return nonstop::testing::JournalEvents(journal, kind); };
   auto step = [&] {
     int64_t h = -1;
     for (auto& j : events("step")) h = std::max<int64_t>(h, j["step"]);
