@@ -345,6 +345,7 @@ int Main(int argc, char** argv) {
                           torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * step_norm;
           loss.backward();
           local_loss += loss.item<double>();
+          if (session.aborted()) break;  // a member failed: this step is lost anyway
         }
       } catch (const std::exception& e) {
         // The process may be in any state: report, and let a spare take over.

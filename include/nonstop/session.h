@@ -119,6 +119,12 @@ class Session {
   Status Broadcast(std::span<std::byte> data, int root);
   Status Barrier();
 
+  // True once the current generation has been aborted (a member failed): the
+  // step in flight is lost, so a loop can stop computing it and call
+  // Recover() at once instead of at its next collective. Cheap; call it
+  // between micro-batches.
+  bool aborted() const;
+
   // Tells the controller that `report.step` completed: the registered state
   // now holds that step. Cheap; never blocks on a peer.
   void ReportStep(const StepReport& report);

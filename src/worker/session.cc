@@ -444,6 +444,8 @@ bool Session::InjectedExceptionAt(int64_t step) {
 
 MembershipChange Session::last_change() const { return impl_->last_change_; }
 
+bool Session::aborted() const { return impl_->abort_.fired(); }
+
 int Session::shutdown_exit_code() const {
   std::lock_guard<std::mutex> lock(impl_->mu_);
   return impl_->shutdown_ ? impl_->shutdown_->exit_code : 0;
