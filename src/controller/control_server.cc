@@ -111,52 +111,18 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
     return;
   }
   int id = c.worker_id;
+  Status s;
   switch (f.type) {
-    case control::kMsgHeartbeat: {
-      auto m = control::DecodeHeartbeat(f.payload);
-      if (!m.ok()) return bad(m.status());
-      sink_(HeartbeatReceived{id, *m});
-      return;
-    }
-    case control::kMsgProgress: {
-      auto m = control::DecodeProgress(f.payload);
-      if (!m.ok()) return bad(m.status());
-      sink_(ProgressReceived{id, *m});
-      return;
-    }
-    case control::kMsgFinished: {
-      auto m = control::DecodeFinished(f.payload);
-      if (!m.ok()) return bad(m.status());
-      sink_(FinishedReceived{id, *m});
-      return;
-    }
-    case control::kMsgFailure: {
-      auto m = control::DecodeFailure(f.payload);
-      if (!m.ok()) return bad(m.status());
-      sink_(FailureReported{id, *m});
-      return;
-    }
-    case control::kMsgReady: {
-      auto m = control::DecodeReady(f.payload);
-      if (!m.ok()) return bad(m.status());
-      sink_(ReadyReceived{id, *m});
-      return;
-    }
-    case control::kMsgRecovered: {
-      auto m = control::DecodeRecovered(f.payload);
-      if (!m.ok()) return bad(m.status());
-      sink_(RecoveredReceived{id, *m});
-      return;
-    }
-    case control::kMsgInjected: {
-      auto m = control::DecodeInjected(f.payload);
-      if (!m.ok()) return bad(m.status());
-      sink_(InjectedReceived{id, *m});
-      return;
-    }
-    default:
-      return bad(InvalidArgumentError(fmt::format("unexpected message type {}", f.type)));
+    case control::kMsgHeartbeat: s = Deliver<HeartbeatReceived>(id, f.payload, control::DecodeHeartbeat); break;
+    case control::kMsgProgress: s = Deliver<ProgressReceived>(id, f.payload, control::DecodeProgress); break;
+    case control::kMsgFinished: s = Deliver<FinishedReceived>(id, f.payload, control::DecodeFinished); break;
+    case control::kMsgFailure: s = Deliver<FailureReported>(id, f.payload, control::DecodeFailure); break;
+    case control::kMsgReady: s = Deliver<ReadyReceived>(id, f.payload, control::DecodeReady); break;
+    case control::kMsgRecovered: s = Deliver<RecoveredReceived>(id, f.payload, control::DecodeRecovered); break;
+    case control::kMsgInjected: s = Deliver<InjectedReceived>(id, f.payload, control::DecodeInjected); break;
+    default: s = InvalidArgumentError(fmt::format("unexpected message type {}", f.type));
   }
+  if (!s.ok()) bad(s);
 }
 
 void ControlServer::CloseConn(int fd, const std::string& reason, bool report_loss) {

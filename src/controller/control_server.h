@@ -51,6 +51,15 @@ class ControlServer {
   void OnAccept();
   void OnReadable(int fd);
   void HandleFrame(Conn& c, const net::Frame& f);
+  // Decodes a worker's message and hands it on as an event; the decoder's
+  // error (naming the bad field) otherwise.
+  template <typename EventT, typename Decode>
+  Status Deliver(int worker_id, const std::string& payload, Decode decode) {
+    auto msg = decode(payload);
+    if (!msg.ok()) return msg.status();
+    sink_(EventT{worker_id, std::move(*msg)});
+    return OkStatus();
+  }
   void CloseConn(int fd, const std::string& reason, bool report_loss);
 
   net::EventLoop* const loop_;  // owned by the caller; outlives this
