@@ -28,6 +28,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/args.h"
 #include "controller/journal.h"
 
 namespace nonstop::bench {
@@ -210,15 +211,7 @@ std::string Svg(const std::vector<RunResult>& runs, const std::vector<std::strin
 }
 
 int Main(int argc, char** argv) {
-  std::vector<std::string> program;
-  int our_argc = argc;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--") {
-      program.assign(argv + i + 1, argv + argc);
-      our_argc = i;
-      break;
-    }
-  }
+  auto [our_argc, program] = SplitAtDoubleDash(argc, argv);
   CLI::App app{"What a fault costs: checkpointless recovery against checkpoint-restart, same job, same machine"};
   int nproc = 4, spares = 1;
   int64_t steps = 60;

@@ -6,19 +6,11 @@
 #include <vector>
 
 #include "apps/nonstop/commands.h"
+#include "common/args.h"
 
 int main(int argc, char** argv) {
-  // Everything after the first `--` is the worker program and its arguments;
-  // it is split off here so that no option parser ever looks at it.
-  std::vector<std::string> program;
-  int our_argc = argc;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string_view(argv[i]) == "--") {
-      program.assign(argv + i + 1, argv + argc);
-      our_argc = i;
-      break;
-    }
-  }
+  // Everything after the first `--` is the worker program and its arguments.
+  auto [our_argc, program] = nonstop::SplitAtDoubleDash(argc, argv);
   CLI::App app{"nonstop: fault-tolerant, elastic data-parallel training"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");

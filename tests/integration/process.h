@@ -83,4 +83,15 @@ inline std::vector<nlohmann::json> JournalEvents(const std::string& journal, con
   return out;
 }
 
+// Waits until the journal holds at least `count` records of `kind`; false on timeout.
+inline bool WaitForEvents(const std::string& journal, const std::string& kind, size_t count,
+                          std::chrono::milliseconds timeout) {
+  auto until = std::chrono::steady_clock::now() + timeout;
+  while (JournalEvents(journal, kind).size() < count) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
 }  // namespace nonstop::testing

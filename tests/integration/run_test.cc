@@ -49,11 +49,7 @@ TEST(RunIntegrationTest, KilledWorkerIsNamedAndReplacedWhileTheJobGoesOn) {
   ChildProcess run({kBin + "/nonstop", "run", "--nproc", "4", "--spares", "1", "--heartbeat-timeout-ms", "60000",
                     "--journal", journal, "--", kBin + "/nonstop-test-worker", "--steps", "300", "--sleep-ms", "10"},
                    dir / "out.txt");
-  auto until = std::chrono::steady_clock::now() + milliseconds(30'000);
-  while (Events(journal, "step").size() < 5 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(milliseconds(20));
-  }
-  ASSERT_GE(Events(journal, "step").size(), 5u) << run.Output();
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 5, milliseconds(30'000))) << run.Output();
   int64_t victim = -1;
   for (auto& j : Events(journal, "join")) {
     if (j["worker_id"] == 2) victim = j["pid"];
@@ -78,10 +74,7 @@ TEST(RunIntegrationTest, LosingTheOnlyHolderOfTheStateEndsTheJobNonZeroWithAReas
   ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "1", "--journal", journal, "--",
                     kBin + "/nonstop-test-worker", "--steps", "100000", "--sleep-ms", "10"},
                    dir / "out.txt");
-  auto until = std::chrono::steady_clock::now() + milliseconds(30'000);
-  while (Events(journal, "step").size() < 3 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(milliseconds(20));
-  }
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 3, milliseconds(30'000))) << run.Output();
   int64_t victim = -1;
   for (auto& j : Events(journal, "join")) {
     if (j["worker_id"] == 0) victim = j["pid"];
