@@ -7,7 +7,9 @@
 //   llm.c    256 int32 header: magic 20240520, version 1, token count; then
 //            uint16 tokens.
 // A truncated, padded, foreign or corrupt file is refused with a DATA_LOSS or
-// INVALID_ARGUMENT status that names the file and what was wrong.
+// INVALID_ARGUMENT status that names the file, the header field that was
+// wrong and the sizes involved. Shards are untrusted input: every size is
+// checked against the file's size with arithmetic that cannot overflow.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +30,22 @@ inline constexpr int32_t kLlmcMagic = 20240520;
 inline constexpr size_t kLlmcHeaderBytes = 256 * sizeof(int32_t);
 
 enum class ShardFormat { kNonstop, kLlmc };
+
+// What a validated shard header says about the bytes that follow it.
+struct TokenShardHeader {
+  ShardFormat format = ShardFormat::kNonstop;
+  uint32_t vocab_size = 0;    // 0 when the format does not say (llm.c)
+  uint64_t token_count = 0;   // tokens in the file
+  size_t token_offset = 0;    // bytes before the first token (the header's size)
+};
+
+// Validates a whole shard file held in memory: the magic, every header field,
+// the file size against the token count (exactly: no truncation, no trailing
+// bytes) and, for the nonstop format, the header and token CRC-32Cs. Pure and
+// bounded: it reads nothing outside `file_bytes`, whatever they hold (a fuzz
+// target). Messages name the field and the sizes but not the file; callers
+// add that (TokenShard::Open does).
+Result<TokenShardHeader> ParseTokenShardHeader(std::span<const std::byte> file_bytes);
 
 class TokenShard {
  public:

@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "common/coding.h"
+#include "common/crc32c.h"
 #include "common/temp_dir.h"
 #include "data/dataset.h"
 #include "data/prepare.h"
@@ -85,6 +86,95 @@ TEST(TokenShardTest, LlmcWithWrongCountOrVersionIsRefused) {
   EXPECT_EQ(TokenShard::Open(dir / "short.bin").status().code(), StatusCode::kDataLoss);
   WriteRaw(dir / "v2.bin", LlmcShard({1, 2, 3}, 2));
   EXPECT_EQ(TokenShard::Open(dir / "v2.bin").status().code(), StatusCode::kInvalidArgument);
+}
+
+// A nonstop shard whose header fields are rewritten, with the header CRC made
+// right again: only the field checks can refuse it.
+std::string CraftedShard(std::vector<uint16_t> tokens, uint64_t count, uint32_t token_bytes = 2) {
+  std::string bytes = EncodeShard(tokens, 256);
+  EncodeFixed32(bytes.data() + 12, token_bytes);
+  EncodeFixed64(bytes.data() + 16, count);
+  EncodeFixed32(bytes.data() + 32, Crc32c(bytes.data(), 32));
+  return bytes;
+}
+
+TEST(TokenShardTest, CountWhoseByteSizeOverflowsIsRefused) {
+  // count·2 wraps around 2^64 to exactly the 100 token bytes the file holds:
+  // an unchecked multiplication accepts a span of 2^63+50 tokens.
+  TempDir dir;
+  std::vector<uint16_t> tokens(50, 7);
+  WriteRaw(dir / "wrap.bin", CraftedShard(tokens, (uint64_t{1} << 63) + 50));
+  auto shard = TokenShard::Open(dir / "wrap.bin");
+  ASSERT_FALSE(shard.ok()) << "accepted " << (*shard)->tokens().size() << " tokens from a 164-byte file";
+  EXPECT_EQ(shard.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(shard.status().message().find("wrap.bin"), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("token count"), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("164"), std::string::npos) << "names the file size: "
+                                                                      << shard.status().ToString();
+}
+
+TEST(TokenShardTest, HugeCountIsRefusedNamingTheFieldAndSizes) {
+  TempDir dir;
+  std::vector<uint16_t> tokens(50, 7);
+  WriteRaw(dir / "huge.bin", CraftedShard(tokens, uint64_t{1} << 40));
+  auto shard = TokenShard::Open(dir / "huge.bin");
+  ASSERT_FALSE(shard.ok());
+  EXPECT_EQ(shard.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(shard.status().message().find("huge.bin"), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("token count 1099511627776"), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("164 bytes"), std::string::npos) << shard.status().ToString();
+}
+
+TEST(TokenShardTest, NonzeroReservedHeaderBytesAreRefused) {
+  TempDir dir;
+  std::string bytes = EncodeShard(std::vector<uint16_t>(10, 1), 256);
+  bytes[40] = 1;  // in the zero padding, outside the header CRC
+  WriteRaw(dir / "pad.bin", bytes);
+  auto shard = TokenShard::Open(dir / "pad.bin");
+  ASSERT_FALSE(shard.ok());
+  EXPECT_EQ(shard.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(shard.status().message().find("reserved"), std::string::npos) << shard.status().ToString();
+}
+
+std::span<const std::byte> AsBytes(const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); }
+
+TEST(TokenShardTest, ParseHeaderRefusesEveryTruncationOfAValidShard) {
+  std::vector<uint16_t> tokens = {1, 2, 3, 4, 5, 6, 7};
+  for (const std::string& whole : {EncodeShard(tokens, 256), LlmcShard(tokens)}) {
+    ASSERT_TRUE(ParseTokenShardHeader(AsBytes(whole)).ok());
+    for (size_t n = 0; n < whole.size(); ++n) {
+      // A copy of exactly n bytes, so that a read past the span is a read past the allocation (ASan).
+      std::string prefix = whole.substr(0, n);
+      auto parsed = ParseTokenShardHeader(AsBytes(prefix));
+      EXPECT_FALSE(parsed.ok()) << "accepted a " << n << "-byte prefix of a " << whole.size() << "-byte shard";
+    }
+  }
+}
+
+TEST(TokenShardTest, ParseHeaderDescribesTheTokens) {
+  std::vector<uint16_t> tokens = {9, 8, 7};
+  std::string bytes = EncodeShard(tokens, 300);
+  auto h = ParseTokenShardHeader(AsBytes(bytes));
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  EXPECT_EQ(h->format, ShardFormat::kNonstop);
+  EXPECT_EQ(h->token_count, 3u);
+  EXPECT_EQ(h->token_offset, kShardHeaderBytes);
+  EXPECT_EQ(h->vocab_size, 300u);
+  std::string llmc = LlmcShard(tokens);
+  auto l = ParseTokenShardHeader(AsBytes(llmc));
+  ASSERT_TRUE(l.ok()) << l.status().ToString();
+  EXPECT_EQ(l->format, ShardFormat::kLlmc);
+  EXPECT_EQ(l->token_count, 3u);
+  EXPECT_EQ(l->token_offset, kLlmcHeaderBytes);
+}
+
+TEST(TokenShardTest, WrongTokenWidthIsRefusedNamingTheField) {
+  TempDir dir;
+  WriteRaw(dir / "w.bin", CraftedShard(std::vector<uint16_t>(4, 1), 4, /*token_bytes=*/4));
+  auto shard = TokenShard::Open(dir / "w.bin");
+  ASSERT_FALSE(shard.ok());
+  EXPECT_EQ(shard.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(shard.status().message().find("bytes per token"), std::string::npos) << shard.status().ToString();
 }
 
 TEST(PrepareTest, TextBecomesByteTokensAcrossShards) {
