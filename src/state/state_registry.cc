@@ -148,10 +148,25 @@ Status StateRegistry::Load(std::string_view snapshot) {
                                               "of {} bytes", name, size, region.name, region.bytes.size()));
     }
   }
+  // The chunk table. Every number in it is checked against the registered
+  // layout (and the bytes actually present) before anything is allocated or
+  // indexed with it: a peer that lies cannot make us allocate, or skip a
+  // checksum, by choosing a chunk size or count.
   uint64_t chunk_bytes = 0;
   uint32_t nchunks = 0;
-  if (!r.ReadFixed64(&chunk_bytes) || !r.ReadFixed32(&nchunks) || chunk_bytes == 0) {
+  if (!r.ReadFixed64(&chunk_bytes) || !r.ReadFixed32(&nchunks)) {
     return DataLossError("state snapshot truncated in its chunk table");
+  }
+  if (chunk_bytes == 0) return DataLossError("state snapshot has chunk size 0 (a chunk size must be positive)");
+  // ceil(total / chunk) without forming total + chunk - 1, which wraps for a huge chunk size.
+  uint64_t want_chunks = total_bytes_ == 0 ? 0 : (total_bytes_ - 1) / chunk_bytes + 1;
+  if (nchunks != want_chunks) {
+    return DataLossError(fmt::format("state snapshot has {} chunks of {} bytes for a {}-byte state, which needs {}",
+                                     nchunks, chunk_bytes, total_bytes_, want_chunks));
+  }
+  if (r.remaining() / 4 < nchunks) {
+    return DataLossError(fmt::format("state snapshot truncated in its chunk table: {} checksums need {} bytes, {} remain",
+                                     nchunks, uint64_t{nchunks} * 4, r.remaining()));
   }
   std::vector<uint32_t> crcs(nchunks);
   for (auto& c : crcs) {
@@ -165,10 +180,10 @@ Status StateRegistry::Load(std::string_view snapshot) {
     return DataLossError(fmt::format("state snapshot holds {} bytes of state, expected {}", r.remaining(), total_bytes_));
   }
   const char* data = snapshot.data() + (snapshot.size() - r.remaining());
-  if (nchunks != (total_bytes_ + chunk_bytes - 1) / chunk_bytes) return DataLossError("state snapshot chunk count is inconsistent");
-  // Verify everything first: a bad snapshot must not half-load.
+  // Verify everything first: a bad snapshot must not half-load. Chunk i starts
+  // at i·chunk_bytes < total_bytes_ (by the count check), so nothing overflows.
   for (uint32_t i = 0; i < nchunks; ++i) {
-    uint64_t off = i * chunk_bytes;
+    uint64_t off = uint64_t{i} * chunk_bytes;
     uint64_t n = std::min<uint64_t>(chunk_bytes, total_bytes_ - off);
     if (Crc32c(data + off, n) != crcs[i]) {
       return DataLossError(fmt::format("state snapshot chunk {} (bytes {}..{}) fails its checksum", i, off, off + n));

@@ -2,7 +2,33 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <new>
 #include <numeric>
+
+#include "common/coding.h"
+#include "common/crc32c.h"
+
+// An allocation probe for this test binary: while a test sets
+// g_allocation_limit, any single allocation larger than it is refused with
+// std::bad_alloc (and its size recorded) instead of being made. It lets a test
+// show that a lying size does not reach the allocator, without allocating it.
+namespace {
+std::atomic<size_t> g_allocation_limit{SIZE_MAX};
+std::atomic<size_t> g_refused_allocation{0};
+}  // namespace
+
+void* operator new(std::size_t n) {
+  if (n > g_allocation_limit.load(std::memory_order_relaxed)) {
+    g_refused_allocation.store(n);
+    throw std::bad_alloc();
+  }
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace nonstop::state {
 namespace {
@@ -78,6 +104,87 @@ TEST(StateRegistryTest, ChunksRoundTripThroughWriteChunk) {
   EXPECT_EQ(b.params, a.params);
   std::vector<std::byte> junk(300);
   EXPECT_EQ(rb.WriteChunk(0, junk, 1234).code(), StatusCode::kDataLoss);
+}
+
+// A snapshot of `reg`'s layout whose chunk table says what the caller wants,
+// with a header CRC that matches: only the layout checks can refuse it.
+std::string CraftSnapshot(const StateRegistry& reg, uint64_t chunk_bytes, uint32_t nchunks,
+                          const std::vector<uint32_t>& crcs, std::string_view data) {
+  std::string out("NSSTATE1", 8);
+  PutFixed32(&out, static_cast<uint32_t>(reg.regions().size()));
+  for (const auto& r : reg.regions()) {
+    PutFixed16(&out, static_cast<uint16_t>(r.name.size()));
+    out += r.name;
+    PutFixed64(&out, r.bytes.size());
+  }
+  PutFixed64(&out, chunk_bytes);
+  PutFixed32(&out, nchunks);
+  for (uint32_t c : crcs) PutFixed32(&out, c);
+  PutFixed32(&out, Crc32c(out));
+  out += data;
+  return out;
+}
+
+TEST(StateRegistryTest, LyingChunkCountIsRefusedWithoutAllocatingIt) {
+  Model b;
+  StateRegistry rb(512);
+  b.Register(&rb);
+  // 2^32-1 chunks of one byte, and no chunk table at all: believing the count
+  // means allocating 16 GiB for checksums that are not there.
+  std::string snap = CraftSnapshot(rb, /*chunk_bytes=*/1, /*nchunks=*/UINT32_MAX, {}, "");
+  Status s;
+  g_allocation_limit = 1 << 20;
+  try {
+    s = rb.Load(snap);
+  } catch (const std::bad_alloc&) {
+    g_allocation_limit = SIZE_MAX;
+    FAIL() << "Load tried to allocate " << g_refused_allocation.load() << " bytes for a " << snap.size()
+           << "-byte snapshot of a " << rb.total_bytes() << "-byte state";
+  }
+  g_allocation_limit = SIZE_MAX;
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("4294967295"), std::string::npos) << "names the lying count: " << s.ToString();
+  EXPECT_NE(s.message().find("7116"), std::string::npos) << "names the state's size: " << s.ToString();
+}
+
+TEST(StateRegistryTest, ChunkSizeThatOverflowsCannotSkipTheChecksums) {
+  Model a, b;
+  a.params.assign(1000, 1.0f);
+  StateRegistry ra(512), rb(512);
+  a.Register(&ra);
+  b.Register(&rb);
+  std::string snap = ra.Serialize();
+  std::string data = snap.substr(snap.size() - ra.total_bytes());
+  data[0] ^= 0x7f;  // corrupt state, vouched for by no checksum:
+  // with a chunk size of 2^64-1, ceil(total / chunk) computed as
+  // (total + chunk - 1) / chunk wraps to 0, the count this header claims.
+  std::string lie = CraftSnapshot(rb, /*chunk_bytes=*/UINT64_MAX, /*nchunks=*/0, {}, data);
+  Status s = rb.Load(lie);
+  EXPECT_FALSE(s.ok()) << "loaded a state that no chunk checksum covers";
+  EXPECT_EQ(b.params[0], 0.0f) << "nothing loaded";
+}
+
+TEST(StateRegistryTest, ZeroChunkSizeIsRefusedByName) {
+  Model b;
+  StateRegistry rb(512);
+  b.Register(&rb);
+  Status s = rb.Load(CraftSnapshot(rb, /*chunk_bytes=*/0, /*nchunks=*/0, {}, std::string(rb.total_bytes(), '\0')));
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("chunk size 0"), std::string::npos) << s.ToString();
+}
+
+TEST(StateRegistryTest, EveryTruncationOfASnapshotIsRefusedAndLoadsNothing) {
+  Model a, b;
+  a.params.assign(1000, 2.0f);
+  StateRegistry ra(2048), rb(2048);
+  a.Register(&ra);
+  b.Register(&rb);
+  std::string snap = ra.Serialize();
+  for (size_t n = 0; n < snap.size(); n += (n < 200 ? 1 : 97)) {
+    std::string prefix = snap.substr(0, n);
+    EXPECT_FALSE(rb.Load(prefix).ok()) << "accepted a " << n << "-byte prefix";
+  }
+  EXPECT_EQ(b.params[0], 0.0f) << "nothing loaded";
 }
 
 TEST(StateRegistryTest, DuplicateNameIsRejected) {
