@@ -12,6 +12,7 @@
 #include "common/coding.h"
 #include "common/crc32c.h"
 #include "common/file_util.h"
+#include "common/logging.h"
 #include "common/time.h"
 
 namespace nonstop::state {
@@ -134,33 +135,67 @@ Result<CheckpointWriteStats> WriteCheckpoint(const std::string& dir, const State
   return st;
 }
 
+std::string CheckpointSaveResult::ToString() const {
+  std::string out = skipped ? fmt::format("skipped step {}: the write of step {} is still in flight", step,
+                                          in_flight_step)
+                            : fmt::format("queued step {}", step);
+  if (!earlier.ok()) out += fmt::format(" (an earlier write failed: {})", earlier.ToString());
+  return out;
+}
+
 CheckpointWriter::CheckpointWriter(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) {
-  thread_ = std::jthread([this](std::stop_token st) { Run(st); });
+  thread_ = std::thread([this] { Run(); });
 }
 
 CheckpointWriter::~CheckpointWriter() {
-  (void)Wait();
-  thread_.request_stop();
+  {
+    // The flag changes under the mutex: the writer thread either sees it when
+    // it checks, or is already waiting and gets the notification. (Setting it
+    // without the mutex could land between its check and its wait: a lost
+    // wake-up, and a destructor that never returns.)
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
   cv_.notify_all();
+  thread_.join();  // the writer finishes what is queued before it sees stopping_
 }
 
-Status CheckpointWriter::Save(const StateRegistry& registry, const CheckpointMeta& meta) {
+CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry, const CheckpointMeta& meta) {
+  CheckpointSaveResult result;
+  result.step = meta.step;
   {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return !busy_ && !pending_; });  // one checkpoint in flight
+    std::lock_guard<std::mutex> lock(mu_);
+    result.earlier = last_status_;
+    if (in_flight_step_ >= 0) {  // one checkpoint in flight: the writer fell behind
+      result.skipped = true;
+      result.in_flight_step = in_flight_step_;
+      ++skipped_;
+    }
   }
+  if (result.skipped) {
+    NONSTOP_LOG_WARNING("checkpoint {} in {}", result.ToString(), dir_);
+    return result;
+  }
+  // Only this thread queues jobs, so the slot stays free while we copy.
   auto t0 = Clock::now();
   Snapshot snap = TakeSnapshot(registry, meta);
   double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::lock_guard<std::mutex> lock(mu_);
-  pending_ = Job{std::move(snap.header), std::move(snap.data), std::move(snap.manifest), meta.step, secs};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_ = Job{std::move(snap.header), std::move(snap.data), std::move(snap.manifest), meta.step, secs};
+    in_flight_step_ = meta.step;
+  }
   cv_.notify_all();
-  return last_status_;
+  return result;
+}
+
+Status CheckpointWriter::Save(const StateRegistry& registry, const CheckpointMeta& meta) {
+  return TrySave(registry, meta).earlier;
 }
 
 Status CheckpointWriter::Wait() {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return !busy_ && !pending_; });
+  cv_.wait(lock, [&] { return in_flight_step_ < 0; });
   return last_status_;
 }
 
@@ -169,26 +204,41 @@ std::optional<CheckpointWriteStats> CheckpointWriter::last_written() const {
   return last_;
 }
 
-void CheckpointWriter::Run(std::stop_token stop) {
+uint64_t CheckpointWriter::skipped_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return skipped_;
+}
+
+void CheckpointWriter::SetWriteHookForTesting(std::function<void(int64_t step)> hook) {
+  std::lock_guard<std::mutex> lock(mu_);
+  write_hook_ = std::move(hook);
+}
+
+void CheckpointWriter::Run() {
   while (true) {
     Job job;
+    std::function<void(int64_t)> hook;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return pending_.has_value() || stop.stop_requested(); });
-      if (!pending_) return;
+      cv_.wait(lock, [&] { return pending_.has_value() || stopping_; });
+      if (!pending_) return;  // stopping, nothing queued
       job = std::move(*pending_);
       pending_.reset();
-      busy_ = true;
+      hook = write_hook_;
     }
+    if (hook) hook(job.step);
     auto t0 = Clock::now();
     Status s = WriteJob(dir_, job.header, job.data, job.manifest, job.step, keep_);
     CheckpointWriteStats st{job.step, dir_ + "/" + DirName(job.step), job.snapshot_seconds,
                             std::chrono::duration<double>(Clock::now() - t0).count(),
                             job.header.size() + job.data.size()};
-    std::lock_guard<std::mutex> lock(mu_);
-    busy_ = false;
-    last_status_ = s;
-    if (s.ok()) last_ = st;
+    if (!s.ok()) NONSTOP_LOG_WARNING("checkpoint of step {} failed: {}", job.step, s.ToString());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_step_ = -1;
+      last_status_ = s;
+      if (s.ok()) last_ = st;
+    }
     cv_.notify_all();
   }
 }

@@ -20,6 +20,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -50,22 +51,54 @@ struct CheckpointWriteStats {
   uint64_t bytes = 0;
 };
 
+// What CheckpointWriter::TrySave did with one checkpoint.
+struct CheckpointSaveResult {
+  int64_t step = -1;            // the step the caller asked to save
+  bool skipped = false;         // true: nothing was copied or queued for `step`
+  int64_t in_flight_step = -1;  // when skipped: the step whose write is still running
+  Status earlier;               // the last finished write's result (OK when it succeeded or none finished)
+  // "queued step 30" or "skipped step 40: the write of step 30 is still in flight".
+  std::string ToString() const;
+};
+
+// Writes checkpoints in the background, one at a time.
+//
+// The training thread calls Save/TrySave at a step boundary, usually on rank 0
+// while the other ranks already wait in the next collective: so saving never
+// waits for a write. It copies the state (the only cost the caller pays) and
+// hands the copy to the writer thread; when the previous write is still in
+// flight, the writer has fallen behind, and this checkpoint is SKIPPED (not
+// copied, logged with its step, counted in skipped_count()). The next one due
+// is written instead.
+//
+// Thread-safety: Save/TrySave/Wait are called by one thread (the training
+// loop); last_written/skipped_count from any thread.
 class CheckpointWriter {
  public:
   CheckpointWriter(std::string dir, int keep);
-  ~CheckpointWriter();  // finishes the write in flight
+  ~CheckpointWriter();  // finishes the write in flight (the only wait without a bound: at exit)
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
 
-  // Copies `registry` now and writes it in the background. If the previous
-  // write is still running, waits for it first (one checkpoint in flight).
+  // Copies `registry` now and queues the copy for the writer thread, unless a
+  // write is still in flight: then skips this checkpoint and says so. Never
+  // waits for a write.
+  CheckpointSaveResult TrySave(const StateRegistry& registry, const CheckpointMeta& meta);
+  // TrySave, returning only `earlier`: the result of the last finished write.
+  // A skip is not an error: it is logged and counted in skipped_count().
   Status Save(const StateRegistry& registry, const CheckpointMeta& meta);
   // Waits for the write in flight; returns its result.
   Status Wait();
   std::optional<CheckpointWriteStats> last_written() const;
+  // Checkpoints skipped because a write was still in flight.
+  uint64_t skipped_count() const;
+
+  // Test seam: `hook(step)` runs on the writer thread before each write
+  // starts, with no lock held; a test can block it to hold a write in flight.
+  void SetWriteHookForTesting(std::function<void(int64_t step)> hook);
 
  private:
-  void Run(std::stop_token stop);
+  void Run();
 
   const std::string dir_;
   const int keep_;
@@ -79,10 +112,13 @@ class CheckpointWriter {
     double snapshot_seconds;
   };
   std::optional<Job> pending_;                   // guarded by mu_
-  bool busy_ = false;                            // guarded by mu_
+  int64_t in_flight_step_ = -1;                  // guarded by mu_; >= 0 while pending_ or being written
+  bool stopping_ = false;                        // guarded by mu_; set (under mu_) by the destructor
+  uint64_t skipped_ = 0;                         // guarded by mu_
   Status last_status_;                           // guarded by mu_
   std::optional<CheckpointWriteStats> last_;     // guarded by mu_
-  std::jthread thread_;
+  std::function<void(int64_t)> write_hook_;      // guarded by mu_
+  std::thread thread_;                           // last: started once the members above exist
 };
 
 // Writes one checkpoint synchronously (tests, tools).

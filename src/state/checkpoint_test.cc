@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <numeric>
 
 #include "common/coding.h"
@@ -59,6 +60,87 @@ TEST(CheckpointTest, AsyncSaveThenLoadRestoresTheState) {
   EXPECT_EQ(b.step, 30);
   EXPECT_EQ(b.w[5], 6.0f);
   EXPECT_EQ(loaded->manifest["recipe"], "test");
+}
+
+// Holds the background write of one step until the test releases it (and
+// releases it on destruction, so that a failing test cannot hang the writer).
+class WriteGate {
+ public:
+  WriteGate(CheckpointWriter* writer, int64_t step) : released_(release_.get_future().share()) {
+    writer->SetWriteHookForTesting([this, step](int64_t s) {
+      if (s != step) return;
+      entered_.set_value();
+      released_.wait();
+    });
+  }
+  ~WriteGate() { Release(); }
+  void WaitUntilEntered() { entered_.get_future().wait(); }
+  void Release() {
+    if (!released_once_) release_.set_value();
+    released_once_ = true;
+  }
+
+ private:
+  std::promise<void> entered_, release_;
+  std::shared_future<void> released_;
+  bool released_once_ = false;
+};
+
+TEST(CheckpointTest, SaveWhileAWriteIsInFlightSkipsInsteadOfWaiting) {
+  TempDir dir;
+  Model a;
+  a.Fill(1.0f, 30);
+  CheckpointWriter writer(dir.path(), 3);
+  WriteGate gate(&writer, 30);  // destroyed first: releases the write before the writer joins
+  CheckpointSaveResult first = writer.TrySave(a.reg, Meta(30));
+  EXPECT_FALSE(first.skipped) << first.ToString();
+  gate.WaitUntilEntered();  // the write of step 30 is in flight, and stays there
+  // The unfixed writer waited here for the write of step 30: the test hung.
+  CheckpointSaveResult second = writer.TrySave(a.reg, Meta(31));
+  EXPECT_TRUE(second.skipped);
+  EXPECT_EQ(second.step, 31);
+  EXPECT_EQ(second.in_flight_step, 30);
+  EXPECT_EQ(second.ToString(), "skipped step 31: the write of step 30 is still in flight");
+  EXPECT_TRUE(writer.Save(a.reg, Meta(32)).ok()) << "a skip is not an error of the old API";
+  EXPECT_EQ(writer.skipped_count(), 2u);
+  gate.Release();
+  ASSERT_TRUE(writer.Wait().ok());
+  EXPECT_EQ(writer.last_written()->step, 30);
+  EXPECT_TRUE(fs::exists(dir / "step-000000030"));
+  EXPECT_FALSE(fs::exists(dir / "step-000000031"));
+  EXPECT_FALSE(fs::exists(dir / "step-000000032"));
+  // Caught up: the next checkpoint is written.
+  CheckpointSaveResult third = writer.TrySave(a.reg, Meta(33));
+  EXPECT_FALSE(third.skipped) << third.ToString();
+  ASSERT_TRUE(writer.Wait().ok());
+  EXPECT_EQ(writer.last_written()->step, 33);
+}
+
+TEST(CheckpointTest, DestructorFinishesTheQueuedWrite) {
+  TempDir dir;
+  Model a;
+  a.Fill(2.0f, 7);
+  {
+    CheckpointWriter writer(dir.path(), 3);
+    ASSERT_FALSE(writer.TrySave(a.reg, Meta(7)).skipped);
+  }
+  EXPECT_TRUE(fs::exists(dir / "step-000000007/manifest.json"));
+}
+
+TEST(CheckpointTest, FailedWriteIsReportedByTheNextSave) {
+  TempDir dir;
+  std::string blocked = dir / "file";
+  ASSERT_TRUE(WriteFileAtomically(blocked, "not a directory").ok());
+  Model a;
+  a.Fill(1.0f, 1);
+  CheckpointWriter writer(blocked + "/ckpt", 3);
+  ASSERT_TRUE(writer.Save(a.reg, Meta(1)).ok());
+  EXPECT_FALSE(writer.Wait().ok());
+  CheckpointSaveResult next = writer.TrySave(a.reg, Meta(2));
+  EXPECT_FALSE(next.skipped);
+  EXPECT_FALSE(next.earlier.ok());
+  EXPECT_NE(next.ToString().find("an earlier write failed"), std::string::npos) << next.ToString();
+  EXPECT_FALSE(writer.Wait().ok());
 }
 
 TEST(CheckpointTest, SafetensorsHeaderDescribesEveryTensor) {
