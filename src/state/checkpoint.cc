@@ -6,8 +6,11 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <tuple>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/coding.h"
 #include "common/crc32c.h"
@@ -39,7 +42,7 @@ std::vector<int64_t> ShapeOf(const Region& r) {
 std::string DirName(int64_t step) { return fmt::format("step-{:09}", step); }
 
 // The safetensors header: u64 length, then JSON padded with spaces to 8 bytes.
-std::string SafetensorsHeader(const StateRegistry& reg, const CheckpointMeta& meta) {
+std::string EncodeSafetensorsHeader(const StateRegistry& reg, const CheckpointMeta& meta) {
   nlohmann::json h = nlohmann::json::object();
   uint64_t offset = 0;
   for (const auto& r : reg.regions()) {
@@ -91,7 +94,7 @@ struct Snapshot {
 
 Snapshot TakeSnapshot(const StateRegistry& reg, const CheckpointMeta& meta) {
   Snapshot s;
-  s.header = SafetensorsHeader(reg, meta);
+  s.header = EncodeSafetensorsHeader(reg, meta);
   s.data.resize(reg.total_bytes());
   nlohmann::json tensors = nlohmann::json::object();
   size_t offset = 0;
@@ -166,7 +169,7 @@ CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry, co
   {
     std::lock_guard<std::mutex> lock(mu_);
     result.earlier = last_status_;
-    if (in_flight_step_ >= 0) {  // one checkpoint in flight: the writer fell behind
+    if (in_flight_) {  // one checkpoint in flight: the writer fell behind
       result.skipped = true;
       result.in_flight_step = in_flight_step_;
       ++skipped_;
@@ -183,6 +186,7 @@ CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry, co
   {
     std::lock_guard<std::mutex> lock(mu_);
     pending_ = Job{std::move(snap.header), std::move(snap.data), std::move(snap.manifest), meta.step, secs};
+    in_flight_ = true;
     in_flight_step_ = meta.step;
   }
   cv_.notify_all();
@@ -195,7 +199,7 @@ Status CheckpointWriter::Save(const StateRegistry& registry, const CheckpointMet
 
 Status CheckpointWriter::Wait() {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return in_flight_step_ < 0; });
+  cv_.wait(lock, [&] { return !in_flight_; });
   return last_status_;
 }
 
@@ -235,7 +239,7 @@ void CheckpointWriter::Run() {
     if (!s.ok()) NONSTOP_LOG_WARNING("checkpoint of step {} failed: {}", job.step, s.ToString());
     {
       std::lock_guard<std::mutex> lock(mu_);
-      in_flight_step_ = -1;
+      in_flight_ = false;
       last_status_ = s;
       if (s.ok()) last_ = st;
     }
@@ -245,58 +249,315 @@ void CheckpointWriter::Run() {
 
 namespace {
 
-// Parses and checks one checkpoint; on success returns the manifest and the state bytes' offset in `file`.
-Result<nlohmann::json> Check(const std::string& path, const StateRegistry& reg, std::string* file, size_t* data_offset) {
+using nlohmann::json;
+
+// Appends a rendering of `v` to `out`, at most `depth` levels deep and about
+// 40 characters long: `v` is untrusted, and may be nested a million deep.
+void Render(const json& v, int depth, std::string* out) {
+  if (v.is_structured()) {
+    bool array = v.is_array();
+    *out += array ? '[' : '{';
+    if (depth == 0 && !v.empty()) *out += "...";
+    bool first = true;
+    for (auto it = v.begin(); depth > 0 && it != v.end(); ++it) {
+      if (out->size() > 40) {
+        *out += ",...";
+        break;
+      }
+      if (!first) *out += ',';
+      first = false;
+      if (!array) *out += json(it.key()).dump(-1, ' ', /*ensure_ascii=*/true, json::error_handler_t::replace) + ':';
+      Render(*it, depth - 1, out);
+    }
+    *out += array ? ']' : '}';
+    return;
+  }
+  std::string text = v.dump(-1, ' ', /*ensure_ascii=*/true, json::error_handler_t::replace);
+  *out += text.size() > 40 ? text.substr(0, 37) + "..." : text;
+}
+
+std::string Shown(const json& v) {
+  std::string out;
+  Render(v, /*depth=*/3, &out);
+  return out;
+}
+
+// The field `key` of object `obj`, described as `where` in messages.
+Result<const json*> Field(const json& obj, std::string_view where, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return DataLossError(fmt::format("{} has no field \"{}\"", where, key));
+  return &*it;
+}
+
+Result<uint64_t> UnsignedField(const json& obj, std::string_view where, const char* key,
+                               uint64_t max = UINT64_MAX) {
+  NONSTOP_ASSIGN_OR_RETURN(const json* v, Field(obj, where, key));
+  if (!v->is_number_unsigned() || v->get<uint64_t>() > max) {
+    return DataLossError(fmt::format("{} field \"{}\" must be an integer from 0 to {}, it is {}", where, key, max,
+                                     Shown(*v)));
+  }
+  return v->get<uint64_t>();
+}
+
+Result<std::string> StringField(const json& obj, std::string_view where, const char* key) {
+  NONSTOP_ASSIGN_OR_RETURN(const json* v, Field(obj, where, key));
+  if (!v->is_string()) return DataLossError(fmt::format("{} field \"{}\" must be a string, it is {}", where, key, Shown(*v)));
+  return v->get<std::string>();
+}
+
+Result<uint32_t> Crc32cField(const json& obj, std::string_view where, const char* key) {
+  NONSTOP_ASSIGN_OR_RETURN(std::string text, StringField(obj, where, key));
+  bool hex = text.size() == 8 && text.find_first_not_of("0123456789abcdef") == std::string::npos;
+  if (!hex) return DataLossError(fmt::format("{} field \"{}\" must be 8 lowercase hex digits, it is \"{}\"", where, key,
+                                             text.substr(0, 40)));
+  return static_cast<uint32_t>(std::stoul(text, nullptr, 16));
+}
+
+// Bytes per element of a safetensors dtype; 0 for a dtype we do not know.
+uint64_t KnownDtypeBytes(std::string_view dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+  if (dtype == "U8" || dtype == "I8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2") return 1;
+  return 0;
+}
+
+// A safetensors file's header may not exceed this (the reference reader's limit).
+constexpr uint64_t kMaxSafetensorsHeaderBytes = 100 << 20;
+
+Result<SafetensorsTensor> ParseTensorEntry(const std::string& name, const json& t, uint64_t data_bytes) {
+  std::string where = fmt::format("tensor '{}'", name);
+  if (!t.is_object()) return DataLossError(fmt::format("{} must be an object, it is {}", where, Shown(t)));
+  SafetensorsTensor out;
+  out.name = name;
+  NONSTOP_ASSIGN_OR_RETURN(out.dtype, StringField(t, where, "dtype"));
+  uint64_t elem = KnownDtypeBytes(out.dtype);
+  if (elem == 0) return DataLossError(fmt::format("{} has unknown dtype \"{}\"", where, out.dtype.substr(0, 40)));
+  NONSTOP_ASSIGN_OR_RETURN(const json* shape, Field(t, where, "shape"));
+  if (!shape->is_array()) return DataLossError(fmt::format("{} field \"shape\" must be an array, it is {}", where, Shown(*shape)));
+  uint64_t elements = 1;
+  bool overflow = false;
+  for (const json& d : *shape) {
+    if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      return DataLossError(fmt::format("{} field \"shape\" holds {}, not a dimension (an integer >= 0)", where, Shown(d)));
+    }
+    uint64_t dim = d.get<uint64_t>();
+    out.shape.push_back(static_cast<int64_t>(dim));
+    if (dim != 0 && elements > UINT64_MAX / dim) overflow = true;
+    elements = overflow ? 0 : elements * dim;
+  }
+  NONSTOP_ASSIGN_OR_RETURN(const json* offs, Field(t, where, "data_offsets"));
+  if (!offs->is_array() || offs->size() != 2 || !(*offs)[0].is_number_unsigned() || !(*offs)[1].is_number_unsigned()) {
+    return DataLossError(fmt::format("{} field \"data_offsets\" must be [begin, end] (two integers >= 0), it is {}",
+                                     where, Shown(*offs)));
+  }
+  out.begin = (*offs)[0].get<uint64_t>();
+  out.end = (*offs)[1].get<uint64_t>();
+  if (out.begin > out.end) {
+    return DataLossError(fmt::format("{} field \"data_offsets\" is [{}, {}]: it ends before it begins", where, out.begin,
+                                     out.end));
+  }
+  if (out.end > data_bytes) {
+    return DataLossError(fmt::format("{} field \"data_offsets\" is [{}, {}], past the end of the {}-byte data section",
+                                     where, out.begin, out.end, data_bytes));
+  }
+  if (overflow || elements > UINT64_MAX / elem || elements * elem != out.end - out.begin) {
+    return DataLossError(fmt::format("{} field \"shape\" {} of {} ({} bytes each) disagrees with its data_offsets' {} "
+                                     "bytes", where, Shown(*shape), out.dtype, elem, out.end - out.begin));
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> file_bytes) {
+  const char* p = reinterpret_cast<const char*>(file_bytes.data());
+  if (file_bytes.size() < 8) {
+    return DataLossError(fmt::format("{} bytes: too short for the 8-byte header length", file_bytes.size()));
+  }
+  uint64_t header_len = DecodeFixed64(p);
+  if (header_len > file_bytes.size() - 8 || header_len > kMaxSafetensorsHeaderBytes) {
+    return DataLossError(fmt::format("header length {} exceeds the {} bytes that follow it (or the {}-byte limit)",
+                                     header_len, file_bytes.size() - 8, kMaxSafetensorsHeaderBytes));
+  }
+  json header = json::parse(p + 8, p + 8 + header_len, nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) return DataLossError("header is not a JSON object");
+  SafetensorsHeader out;
+  out.data_offset = 8 + header_len;
+  uint64_t data_bytes = file_bytes.size() - out.data_offset;
+  for (const auto& [name, t] : header.items()) {
+    if (name == "__metadata__") {
+      if (!t.is_object()) return DataLossError(fmt::format("\"__metadata__\" must be an object, it is {}", Shown(t)));
+      continue;
+    }
+    NONSTOP_ASSIGN_OR_RETURN(SafetensorsTensor tensor, ParseTensorEntry(name, t, data_bytes));
+    out.tensors.push_back(std::move(tensor));
+  }
+  std::sort(out.tensors.begin(), out.tensors.end(),
+            [](const SafetensorsTensor& a, const SafetensorsTensor& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  uint64_t at = 0;
+  for (const auto& t : out.tensors) {
+    if (t.begin != at) {
+      return DataLossError(fmt::format("tensor '{}' starts at byte {} of the data section, where the tensors before it "
+                                       "end at {} ({})", t.name, t.begin, at, t.begin < at ? "overlap" : "a gap"));
+    }
+    at = t.end;
+  }
+  if (at != data_bytes) {
+    return DataLossError(fmt::format("the tensors cover {} bytes of the {}-byte data section", at, data_bytes));
+  }
+  return out;
+}
+
+Result<CheckpointManifest> ParseCheckpointManifest(std::string_view json_text) {
+  json m = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
+  if (m.is_discarded() || !m.is_object()) return DataLossError("manifest.json is not a JSON object");
+  constexpr std::string_view kWhere = "manifest";
+  auto format = StringField(m, kWhere, "format");
+  if (!format.ok() || *format != "nonstop-checkpoint") {
+    return DataLossError(fmt::format("manifest.json is not a nonstop checkpoint manifest (field \"format\" must be "
+                                     "\"nonstop-checkpoint\", it is {})", m.contains("format") ? Shown(m["format"]) : "missing"));
+  }
+  NONSTOP_ASSIGN_OR_RETURN(const json* version, Field(m, kWhere, "version"));
+  if (!version->is_number_unsigned() || version->get<uint64_t>() != 1) {
+    return InvalidArgumentError(fmt::format("checkpoint format version {} is not supported (manifest field \"version\"; "
+                                            "this build reads 1)", Shown(*version)));
+  }
+  CheckpointManifest out;
+  NONSTOP_ASSIGN_OR_RETURN(uint64_t step, UnsignedField(m, kWhere, "step", static_cast<uint64_t>(INT64_MAX)));
+  out.step = static_cast<int64_t>(step);
+  NONSTOP_ASSIGN_OR_RETURN(uint64_t generation, UnsignedField(m, kWhere, "generation", UINT32_MAX));
+  out.generation = static_cast<uint32_t>(generation);
+  NONSTOP_ASSIGN_OR_RETURN(uint64_t world_size, UnsignedField(m, kWhere, "world_size", INT32_MAX));
+  out.world_size = static_cast<int64_t>(world_size);
+  NONSTOP_ASSIGN_OR_RETURN(out.recipe, StringField(m, kWhere, "recipe"));
+  NONSTOP_ASSIGN_OR_RETURN(out.parameter_checksum, StringField(m, kWhere, "parameter_checksum"));
+  NONSTOP_ASSIGN_OR_RETURN(std::string state_file, StringField(m, kWhere, "state_file"));
+  if (state_file != kStateFile) {
+    return DataLossError(fmt::format("manifest field \"state_file\" must be \"{}\", it is \"{}\"", kStateFile,
+                                     state_file.substr(0, 40)));
+  }
+  NONSTOP_ASSIGN_OR_RETURN(out.state_bytes, UnsignedField(m, kWhere, "state_bytes"));
+  NONSTOP_ASSIGN_OR_RETURN(out.state_file_crc32c, Crc32cField(m, kWhere, "state_file_crc32c"));
+  NONSTOP_ASSIGN_OR_RETURN(const json* tensors, Field(m, kWhere, "tensors"));
+  if (!tensors->is_object()) {
+    return DataLossError(fmt::format("manifest field \"tensors\" must be an object of name: {{bytes, crc32c}}, it is {}",
+                                     Shown(*tensors)));
+  }
+  for (const auto& [name, t] : tensors->items()) {
+    std::string where = fmt::format("manifest tensor '{}'", name);
+    if (!t.is_object()) return DataLossError(fmt::format("{} must be an object {{bytes, crc32c}}, it is {}", where, Shown(t)));
+    CheckpointTensorSum sum;
+    NONSTOP_ASSIGN_OR_RETURN(sum.bytes, UnsignedField(t, where, "bytes"));
+    NONSTOP_ASSIGN_OR_RETURN(sum.crc32c, Crc32cField(t, where, "crc32c"));
+    out.tensors.emplace(name, sum);
+  }
+  out.json = std::move(m);
+  return out;
+}
+
+namespace {
+
+struct CheckedCheckpoint {
+  CheckpointManifest manifest;
+  std::string file;          // all of state.safetensors
+  uint64_t data_offset = 0;  // where the tensors' bytes start in `file`
+};
+
+// Reads and checks one checkpoint against the live layout; changes nothing.
+Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& reg) {
   auto manifest_text = ReadFile(path + "/" + kManifestFile);
   if (!manifest_text.ok()) return DataLossError("no manifest.json: the checkpoint is incomplete");
-  auto manifest = nlohmann::json::parse(*manifest_text, nullptr, false);
-  if (manifest.is_discarded() || !manifest.is_object() || manifest.value("format", "") != "nonstop-checkpoint") {
-    return DataLossError("manifest.json is not a nonstop checkpoint manifest");
-  }
-  if (manifest.value("version", 0) != 1) {
-    return InvalidArgumentError(fmt::format("checkpoint format version {} is not supported", manifest.value("version", 0)));
-  }
+  CheckedCheckpoint out;
+  NONSTOP_ASSIGN_OR_RETURN(out.manifest, ParseCheckpointManifest(*manifest_text));
+  const CheckpointManifest& m = out.manifest;
   auto data = ReadFile(path + "/" + kStateFile);
   if (!data.ok()) return DataLossError("state.safetensors is missing");
-  *file = std::move(*data);
-  uint64_t want_bytes = manifest.value("state_bytes", uint64_t{0});
-  if (file->size() != want_bytes) {
-    return DataLossError(fmt::format("state.safetensors is {} bytes, the manifest says {} ({})", file->size(), want_bytes,
-                                     file->size() < want_bytes ? "truncated" : "trailing bytes"));
+  out.file = std::move(*data);
+  const std::string& file = out.file;
+  if (file.size() != m.state_bytes) {
+    return DataLossError(fmt::format("state.safetensors is {} bytes, the manifest's \"state_bytes\" says {} ({})",
+                                     file.size(), m.state_bytes, file.size() < m.state_bytes ? "truncated" : "trailing bytes"));
   }
-  if (fmt::format("{:08x}", Crc32c(*file)) != manifest.value("state_file_crc32c", "")) {
-    return DataLossError("state.safetensors fails its checksum (the file is corrupt)");
+  uint32_t file_crc = Crc32c(file);
+  if (file_crc != m.state_file_crc32c) {
+    return DataLossError(fmt::format("state.safetensors fails its checksum (crc32c {:08x}, the manifest says {:08x}): the "
+                                     "file is corrupt", file_crc, m.state_file_crc32c));
   }
-  if (file->size() < 8) return DataLossError("state.safetensors is too short");
-  uint64_t header_len = DecodeFixed64(file->data());
-  if (header_len > file->size() - 8) return DataLossError("state.safetensors has a bad header length");
-  auto header = nlohmann::json::parse(file->substr(8, header_len), nullptr, false);
-  if (header.is_discarded() || !header.is_object()) return DataLossError("state.safetensors header is not JSON");
-  *data_offset = 8 + header_len;
+  auto header = ParseSafetensorsHeader(std::as_bytes(std::span(file.data(), file.size())));
+  if (!header.ok()) return header.status().WithContext("state.safetensors");
+  out.data_offset = header->data_offset;
+  std::map<std::string_view, const SafetensorsTensor*> by_name;
+  for (const auto& t : header->tensors) by_name.emplace(t.name, &t);
+  // The layout: the registry's regions, in order, with their dtypes and shapes.
   uint64_t offset = 0;
   for (const auto& r : reg.regions()) {
-    if (!header.contains(r.name)) {
+    auto it = by_name.find(r.name);
+    if (it == by_name.end()) {
       return InvalidArgumentError(fmt::format("the checkpoint has no tensor '{}': it was written by another model or "
                                               "optimizer", r.name));
     }
-    const auto& t = header[r.name];
-    auto offs = t.value("data_offsets", std::vector<uint64_t>{});
-    if (offs.size() != 2 || offs[0] != offset || offs[1] - offs[0] != r.bytes.size()) {
+    const SafetensorsTensor& t = *it->second;
+    if (t.end - t.begin != r.bytes.size()) {
       return InvalidArgumentError(fmt::format("tensor '{}' has {} bytes in the checkpoint, this worker has {}", r.name,
-                                              offs.size() == 2 ? offs[1] - offs[0] : 0, r.bytes.size()));
+                                              t.end - t.begin, r.bytes.size()));
+    }
+    if (t.dtype != r.dtype) {
+      return InvalidArgumentError(fmt::format("tensor '{}' has dtype {} in the checkpoint, this worker has {}", r.name,
+                                              t.dtype, r.dtype));
+    }
+    if (t.shape != ShapeOf(r)) {
+      return InvalidArgumentError(fmt::format("tensor '{}' has shape [{}] in the checkpoint, this worker has [{}]",
+                                              r.name, fmt::join(t.shape, ", "), fmt::join(ShapeOf(r), ", ")));
+    }
+    if (t.begin != offset) {
+      return InvalidArgumentError(fmt::format("tensor '{}' is at byte {} of the checkpoint's data, this worker expects {} "
+                                              "(the tensors are in another order)", r.name, t.begin, offset));
     }
     offset += r.bytes.size();
   }
-  if (*data_offset + offset != file->size()) return DataLossError("state.safetensors holds more tensors than this worker");
-  return manifest;
+  if (header->tensors.size() != reg.regions().size()) {
+    for (const auto& t : header->tensors) {
+      bool registered = std::any_of(reg.regions().begin(), reg.regions().end(),
+                                    [&](const Region& r) { return r.name == t.name; });
+      if (!registered) {
+        return InvalidArgumentError(fmt::format("the checkpoint holds tensor '{}', which this worker does not have: it "
+                                                "was written by another model or optimizer", t.name));
+      }
+    }
+  }
+  // Every tensor's own CRC, from the manifest.
+  for (const auto& r : reg.regions()) {
+    auto it = m.tensors.find(r.name);
+    if (it == m.tensors.end()) {
+      return DataLossError(fmt::format("the manifest's \"tensors\" has no entry for tensor '{}'", r.name));
+    }
+    if (it->second.bytes != r.bytes.size()) {
+      return DataLossError(fmt::format("the manifest says tensor '{}' has {} bytes, the state file has {}", r.name,
+                                       it->second.bytes, r.bytes.size()));
+    }
+  }
+  if (m.tensors.size() != reg.regions().size()) {
+    return DataLossError(fmt::format("the manifest lists {} tensors, the state file holds {}", m.tensors.size(),
+                                     reg.regions().size()));
+  }
+  offset = out.data_offset;
+  for (const auto& r : reg.regions()) {
+    uint32_t crc = Crc32c(file.data() + offset, r.bytes.size());
+    uint32_t want = m.tensors.at(r.name).crc32c;
+    if (crc != want) {
+      return DataLossError(fmt::format("tensor '{}' fails its checksum (crc32c {:08x}, the manifest says {:08x}): the "
+                                       "state file is corrupt", r.name, crc, want));
+    }
+    offset += r.bytes.size();
+  }
+  return out;
 }
 
 }  // namespace
 
 Status VerifyCheckpoint(const std::string& path, const StateRegistry& registry) {
-  std::string file;
-  size_t offset = 0;
-  return Check(path, registry, &file, &offset).status();
+  return Check(path, registry).status();
 }
 
 Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegistry& registry) {
@@ -314,21 +575,21 @@ Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegis
   }
   std::sort(candidates.rbegin(), candidates.rend());  // newest first (zero-padded step numbers)
   for (const auto& path : candidates) {
-    std::string file;
-    size_t data_offset = 0;
-    auto manifest = Check(path, registry, &file, &data_offset);
-    if (!manifest.ok()) {
-      out.skipped.push_back(path + ": " + manifest.status().message());
+    auto checked = Check(path, registry);
+    if (!checked.ok()) {
+      out.skipped.push_back(path + ": " + checked.status().message());
       continue;
     }
-    size_t offset = data_offset;
+    // Check proved that the regions tile the data section in order.
+    size_t offset = checked->data_offset;
     for (const auto& r : registry.regions()) {
-      std::memcpy(r.bytes.data(), file.data() + offset, r.bytes.size());
+      std::memcpy(r.bytes.data(), checked->file.data() + offset, r.bytes.size());
       offset += r.bytes.size();
     }
     out.path = path;
-    out.step = (*manifest)["step"].get<int64_t>();
-    out.manifest = std::move(*manifest);
+    out.step = checked->manifest.step;
+    out.manifest = checked->manifest.json;
+    out.parsed = std::move(checked->manifest);
     return out;
   }
   std::string why;

@@ -8,12 +8,15 @@
 //                      checksum, and a CRC-32C per tensor; written last
 // It is written under a temporary name, every file fsynced, then renamed and
 // the parent fsynced, so a directory named step-N is complete. Loading checks
-// the manifest, the safetensors header, the layout against the live registry
-// and every tensor's CRC before it changes a byte; a truncated or corrupt
-// checkpoint is skipped with a message and the next newest is used.
+// the manifest (every field's type), the safetensors header (against the
+// file's size), the layout against the live registry (names, dtypes, shapes,
+// sizes), the file's CRC and every tensor's CRC before it changes a byte; a
+// truncated, corrupt or malformed checkpoint is skipped with a reason and the
+// next newest is used. Everything read from disk is untrusted input.
 //
 // CheckpointWriter saves asynchronously: Save() copies the state (the only
-// part the training loop waits for) and a background thread writes it.
+// part the training loop waits for) and a background thread writes it; a
+// checkpoint due while the previous write is in flight is skipped.
 //
 // Format details: docs/formats.md.
 #pragma once
@@ -21,9 +24,12 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -112,7 +118,8 @@ class CheckpointWriter {
     double snapshot_seconds;
   };
   std::optional<Job> pending_;                   // guarded by mu_
-  int64_t in_flight_step_ = -1;                  // guarded by mu_; >= 0 while pending_ or being written
+  bool in_flight_ = false;                       // guarded by mu_; true from queueing to the end of the write
+  int64_t in_flight_step_ = -1;                  // guarded by mu_; the step of that write
   bool stopping_ = false;                        // guarded by mu_; set (under mu_) by the destructor
   uint64_t skipped_ = 0;                         // guarded by mu_
   Status last_status_;                           // guarded by mu_
@@ -125,10 +132,56 @@ class CheckpointWriter {
 Result<CheckpointWriteStats> WriteCheckpoint(const std::string& dir, const StateRegistry& registry,
                                              const CheckpointMeta& meta, int keep);
 
+// The checked contents of a checkpoint's manifest.json.
+struct CheckpointTensorSum {
+  uint64_t bytes = 0;
+  uint32_t crc32c = 0;
+};
+struct CheckpointManifest {
+  int64_t step = -1;
+  uint32_t generation = 0;
+  int64_t world_size = 0;
+  std::string recipe;
+  std::string parameter_checksum;
+  uint64_t state_bytes = 0;         // size of state.safetensors
+  uint32_t state_file_crc32c = 0;   // CRC-32C of all of state.safetensors
+  std::map<std::string, CheckpointTensorSum> tensors;
+  nlohmann::json json;              // the whole manifest (data_position, extra, created_unix_us, …)
+};
+
+// Parses manifest.json and checks the type and range of every field the
+// loader or the trainer reads (format, version, step, generation, world_size,
+// recipe, parameter_checksum, state_file, state_bytes, state_file_crc32c,
+// tensors). Pure and exception-free whatever `json_text` holds (a fuzz
+// target): DATA_LOSS naming the field, or INVALID_ARGUMENT for a version this
+// build does not read.
+Result<CheckpointManifest> ParseCheckpointManifest(std::string_view json_text);
+
+// One tensor of a safetensors header; offsets are into the data section.
+struct SafetensorsTensor {
+  std::string name;
+  std::string dtype;  // "F32", "I64", "U8", …
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;
+};
+struct SafetensorsHeader {
+  uint64_t data_offset = 0;                // where the data section starts: 8 + the header's length
+  std::vector<SafetensorsTensor> tensors;  // sorted by offset; they tile the data section exactly
+};
+
+// Parses the header of a whole safetensors file held in memory and checks it
+// against the file's size: a known dtype, a shape whose size (dtype bytes ×
+// elements, overflow-checked) is its data_offsets' span, offsets inside the
+// data section, tensors that neither overlap nor leave gaps. Pure, bounded
+// and exception-free whatever `file_bytes` hold (a fuzz target); DATA_LOSS
+// naming the tensor and the field.
+Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> file_bytes);
+
 struct LoadedCheckpoint {
   std::string path;
   int64_t step = -1;
-  nlohmann::json manifest;
+  nlohmann::json manifest;           // manifest.json as parsed (the checked fields are in `parsed`)
+  CheckpointManifest parsed;
   std::vector<std::string> skipped;  // "path: why" for every newer checkpoint that was refused
 };
 

@@ -2,12 +2,16 @@
 
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <future>
 #include <numeric>
 
 #include "common/coding.h"
+#include "common/crc32c.h"
 #include "common/file_util.h"
 #include "common/temp_dir.h"
 
@@ -233,6 +237,192 @@ TEST(CheckpointTest, OtherModelIsRefusedByName) {
   Status s = VerifyCheckpoint(dir / "step-000000005", reg);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("'v'"), std::string::npos) << s.ToString();
+}
+
+
+// Rewrites checkpoint `path` the way a forger would: the safetensors header
+// and the data may be changed, and the manifest's whole-file size and CRC are
+// then made right again, so that only the deeper checks can catch the change.
+// The per-tensor CRCs are left as they were unless `manifest_edit` changes them.
+void Forge(const std::string& path, const std::function<void(nlohmann::json&)>& header_edit,
+           const std::function<void(std::string&)>& data_edit,
+           const std::function<void(nlohmann::json&)>& manifest_edit) {
+  auto file = ReadFile(path + "/state.safetensors");
+  ASSERT_TRUE(file.ok());
+  uint64_t n = DecodeFixed64(file->data());
+  nlohmann::json header = nlohmann::json::parse(file->substr(8, n));
+  std::string data = file->substr(8 + n);
+  if (header_edit) header_edit(header);
+  if (data_edit) data_edit(data);
+  std::string text = header.dump();
+  while (text.size() % 8 != 0) text += ' ';
+  std::string out;
+  PutFixed64(&out, text.size());
+  out += text + data;
+  ASSERT_TRUE(WriteFileAtomically(path + "/state.safetensors", out).ok());
+  auto manifest_text = ReadFile(path + "/manifest.json");
+  ASSERT_TRUE(manifest_text.ok());
+  nlohmann::json manifest = nlohmann::json::parse(*manifest_text);
+  manifest["state_bytes"] = out.size();
+  manifest["state_file_crc32c"] = fmt::format("{:08x}", Crc32c(out));
+  if (manifest_edit) manifest_edit(manifest);
+  ASSERT_TRUE(WriteFileAtomically(path + "/manifest.json", manifest.dump(2)).ok());
+}
+
+// Writes checkpoints of steps 10 and 20, forges step 20, and expects the load
+// to skip it with a reason holding every string in `reason` and load step 10.
+void ExpectForgedNewestIsSkipped(const std::function<void(nlohmann::json&)>& header_edit,
+                                 const std::function<void(std::string&)>& data_edit,
+                                 const std::function<void(nlohmann::json&)>& manifest_edit,
+                                 const std::vector<std::string>& reason) {
+  TempDir dir;
+  Model a;
+  for (int64_t s : {10, 20}) {
+    a.Fill(static_cast<float>(s), s);
+    ASSERT_TRUE(WriteCheckpoint(dir.path(), a.reg, Meta(s), 10).ok());
+  }
+  Forge(dir / "step-000000020", header_edit, data_edit, manifest_edit);
+  Model b;
+  auto loaded = LoadNewestCheckpoint(dir.path(), b.reg);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(loaded->step, 10);
+  EXPECT_EQ(b.w[0], 10.0f);
+  ASSERT_EQ(loaded->skipped.size(), 1u);
+  for (const auto& r : reason) EXPECT_NE(loaded->skipped[0].find(r), std::string::npos) << loaded->skipped[0];
+}
+
+TEST(CheckpointTest, TensorThatFailsItsOwnCrcIsSkippedNamingTheTensor) {
+  // One flipped byte inside adam.m, with the whole-file CRC made right again:
+  // only the per-tensor CRC in the manifest can catch it.
+  ExpectForgedNewestIsSkipped(nullptr, [](std::string& data) { data[2400 + 17] ^= 0x01; }, nullptr,
+                              {"'adam.m'", "checksum"});
+}
+
+struct ManifestCase {
+  const char* name;
+  std::function<void(nlohmann::json&)> edit;
+  std::vector<std::string> reason;
+};
+
+void PrintTo(const ManifestCase& c, std::ostream* os) { *os << c.name; }
+
+class WrongManifestTest : public ::testing::TestWithParam<ManifestCase> {};
+
+TEST_P(WrongManifestTest, IsSkippedWithAReasonNamingTheField) {
+  ExpectForgedNewestIsSkipped(nullptr, nullptr, GetParam().edit, GetParam().reason);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    CheckpointTest, WrongManifestTest,
+    ::testing::Values(
+        ManifestCase{"StepNotANumber", [](nlohmann::json& m) { m["step"] = "abc"; }, {"\"step\"", "integer"}},
+        ManifestCase{"NegativeStep", [](nlohmann::json& m) { m["step"] = -3; }, {"\"step\""}},
+        ManifestCase{"VersionAsString", [](nlohmann::json& m) { m["version"] = "1"; }, {"\"version\""}},
+        ManifestCase{"FormatNotAString", [](nlohmann::json& m) { m["format"] = 7; }, {"\"format\""}},
+        ManifestCase{"NoTensorList", [](nlohmann::json& m) { m.erase("tensors"); }, {"\"tensors\""}},
+        ManifestCase{"TensorListNotAnObject", [](nlohmann::json& m) { m["tensors"] = nlohmann::json::array(); },
+                     {"\"tensors\""}},
+        ManifestCase{"NegativeStateBytes", [](nlohmann::json& m) { m["state_bytes"] = -5; }, {"\"state_bytes\""}},
+        ManifestCase{"FileCrcNotAString", [](nlohmann::json& m) { m["state_file_crc32c"] = 5; },
+                     {"\"state_file_crc32c\""}},
+        ManifestCase{"NegativeTensorSize", [](nlohmann::json& m) { m["tensors"]["w"]["bytes"] = -2400; },
+                     {"'w'", "\"bytes\""}},
+        ManifestCase{"TensorCrcNotHex", [](nlohmann::json& m) { m["tensors"]["w"]["crc32c"] = "zzzzzzzz"; },
+                     {"'w'", "\"crc32c\""}},
+        ManifestCase{"TensorMissing", [](nlohmann::json& m) { m["tensors"].erase("adam.m"); }, {"'adam.m'"}},
+        ManifestCase{"ParameterChecksumNotAString", [](nlohmann::json& m) { m["parameter_checksum"] = 12; },
+                     {"\"parameter_checksum\""}},
+        ManifestCase{"GenerationNegative", [](nlohmann::json& m) { m["generation"] = -1; }, {"\"generation\""}}),
+    [](const ::testing::TestParamInfo<ManifestCase>& info) { return std::string(info.param.name); });
+
+struct HeaderCase {
+  const char* name;
+  std::function<void(nlohmann::json&)> edit;
+  std::vector<std::string> reason;
+};
+
+void PrintTo(const HeaderCase& c, std::ostream* os) { *os << c.name; }
+
+class WrongSafetensorsHeaderTest : public ::testing::TestWithParam<HeaderCase> {};
+
+TEST_P(WrongSafetensorsHeaderTest, IsSkippedWithAReasonNamingTheTensor) {
+  ExpectForgedNewestIsSkipped(GetParam().edit, nullptr, nullptr, GetParam().reason);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    CheckpointTest, WrongSafetensorsHeaderTest,
+    ::testing::Values(
+        HeaderCase{"EntryNotAnObject", [](nlohmann::json& h) { h["w"] = 5; }, {"'w'"}},
+        HeaderCase{"OffsetsNotNumbers", [](nlohmann::json& h) { h["w"]["data_offsets"] = "x"; },
+                   {"'w'", "data_offsets"}},
+        HeaderCase{"EndBeforeBegin", [](nlohmann::json& h) { h["w"]["data_offsets"] = {2400, 0}; },
+                   {"'w'", "data_offsets", "ends before it begins"}},
+        HeaderCase{"OffsetsPastTheData", [](nlohmann::json& h) { h["step"]["data_offsets"] = {4800, 1u << 30}; },
+                   {"'step'", "data_offsets"}},
+        HeaderCase{"ShapeOfAnotherModel", [](nlohmann::json& h) { h["w"]["shape"] = {30, 20}; }, {"'w'", "shape"}},
+        HeaderCase{"ShapeDisagreesWithSize", [](nlohmann::json& h) { h["w"]["shape"] = {20, 31}; },
+                   {"'w'", "shape"}},
+        HeaderCase{"OtherDtype", [](nlohmann::json& h) { h["w"]["dtype"] = "I32"; }, {"'w'", "dtype"}},
+        HeaderCase{"UnknownTensor", [](nlohmann::json& h) {
+                     h["extra"] = {{"dtype", "U8"}, {"shape", {0}}, {"data_offsets", {4808, 4808}}};
+                   }, {"'extra'"}}),
+    [](const ::testing::TestParamInfo<HeaderCase>& info) { return std::string(info.param.name); });
+
+TEST(CheckpointTest, ParseManifestRefusesEveryTruncationWithoutThrowing) {
+  TempDir dir;
+  Model a;
+  a.Fill(1, 3);
+  auto st = WriteCheckpoint(dir.path(), a.reg, Meta(3), 3);
+  ASSERT_TRUE(st.ok());
+  auto text = ReadFile(st->path + "/manifest.json");
+  ASSERT_TRUE(text.ok());
+  auto whole = ParseCheckpointManifest(*text);
+  ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+  EXPECT_EQ(whole->step, 3);
+  EXPECT_EQ(whole->tensors.size(), 3u);
+  EXPECT_EQ(whole->tensors.at("w").bytes, 2400u);
+  std::string trimmed = text->substr(0, text->find_last_not_of(" \n") + 1);
+  for (size_t n = 0; n < trimmed.size(); ++n) {
+    auto parsed = ParseCheckpointManifest(trimmed.substr(0, n));
+    EXPECT_EQ(parsed.status().code(), StatusCode::kDataLoss) << "a " << n << "-byte prefix";
+  }
+  for (const char* junk : {"", "null", "[]", "\"x\"", "{\"format\": \"nonstop-checkpoint\"}", "{\"format\": [1]}",
+                           "{{{{", "\xff\xfe"}) {
+    EXPECT_FALSE(ParseCheckpointManifest(junk).ok()) << junk;
+  }
+  // Deep nesting where a number belongs: the error message must not recurse into it.
+  std::string deep = R"({"format": "nonstop-checkpoint", "version": 1, "step": )" + std::string(1'000'000, '[') +
+                     std::string(1'000'000, ']') + "}";
+  auto parsed = ParseCheckpointManifest(deep);
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_NE(parsed.status().message().find("\"step\""), std::string::npos) << parsed.status().message().substr(0, 200);
+}
+
+TEST(CheckpointTest, ParseSafetensorsHeaderRefusesEveryTruncationAndAHugeLength) {
+  TempDir dir;
+  Model a;
+  a.Fill(1, 3);
+  auto st = WriteCheckpoint(dir.path(), a.reg, Meta(3), 3);
+  ASSERT_TRUE(st.ok());
+  auto file = ReadFile(st->path + "/state.safetensors");
+  ASSERT_TRUE(file.ok());
+  auto bytes = [](const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); };
+  auto whole = ParseSafetensorsHeader(bytes(*file));
+  ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+  ASSERT_EQ(whole->tensors.size(), 3u);
+  EXPECT_EQ(whole->tensors[1].name, "adam.m");
+  EXPECT_EQ(whole->tensors[1].begin, 2400u);
+  EXPECT_EQ(whole->data_offset + 4808, file->size());
+  for (size_t n = 0; n < file->size(); n += (n < 400 ? 1 : 53)) {
+    std::string prefix = file->substr(0, n);  // exactly n bytes: a read past them is a read past the allocation
+    EXPECT_EQ(ParseSafetensorsHeader(bytes(prefix)).status().code(), StatusCode::kDataLoss) << n << " bytes";
+  }
+  std::string huge = *file;
+  EncodeFixed64(huge.data(), UINT64_MAX - 3);
+  auto parsed = ParseSafetensorsHeader(bytes(huge));
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_NE(parsed.status().message().find("header length 18446744073709551612"), std::string::npos)
+      << parsed.status().ToString();
 }
 
 }  // namespace
