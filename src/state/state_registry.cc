@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/coding.h"
 #include "common/crc32c.h"
@@ -26,6 +27,20 @@ Status StateRegistry::Register(std::string name, std::span<std::byte> bytes) {
 }
 
 Status StateRegistry::RegisterFloats(std::string name, std::span<float> values, std::vector<int64_t> shape) {
+  // Checkpoints describe the region by this shape, and loading checks it
+  // against the bytes: a shape that disagrees would make every checkpoint unloadable.
+  uint64_t elements = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d != 0 && elements > UINT64_MAX / static_cast<uint64_t>(d))) {
+      elements = UINT64_MAX;
+      break;
+    }
+    elements *= static_cast<uint64_t>(d);
+  }
+  if (!shape.empty() && elements != values.size()) {
+    return InvalidArgumentError(fmt::format("state region '{}' has shape [{}], which is not its {} values", name,
+                                            fmt::join(shape, ", "), values.size()));
+  }
   NONSTOP_RETURN_IF_ERROR(Register(std::move(name), std::as_writable_bytes(values)));
   regions_.back().dtype = "F32";
   regions_.back().shape = shape.empty() ? std::vector<int64_t>{static_cast<int64_t>(values.size())} : std::move(shape);

@@ -187,6 +187,20 @@ TEST(StateRegistryTest, EveryTruncationOfASnapshotIsRefusedAndLoadsNothing) {
   EXPECT_EQ(b.params[0], 0.0f) << "nothing loaded";
 }
 
+TEST(StateRegistryTest, ShapeThatIsNotTheValuesIsRejected) {
+  std::vector<float> w(600);
+  StateRegistry r;
+  Status s = r.RegisterFloats("w", w, {20, 31});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'w'"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("[20, 31]"), std::string::npos) << s.ToString();
+  EXPECT_EQ(r.RegisterFloats("w", w, {-20, -30}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.RegisterFloats("w", w, {INT64_MAX, INT64_MAX, 4}).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(r.regions().empty());
+  EXPECT_TRUE(r.RegisterFloats("w", w, {20, 30}).ok());
+  EXPECT_TRUE(r.RegisterFloats("v", w).ok());
+}
+
 TEST(StateRegistryTest, DuplicateNameIsRejected) {
   StateRegistry r;
   int64_t x = 0;
