@@ -1,12 +1,79 @@
 #include "collective/peer_mesh.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+#include <deque>
 
 #include "common/logging.h"
 #include "net/handshake.h"
 
 namespace nonstop::collective {
+
+namespace {
+
+// How long accepting pauses when the process runs out of descriptors.
+constexpr Millis kAcceptPause{100};
+
+// Logs the first `shown` messages of a burst in full and only counts the
+// rest; the count is logged once the window is over. A flood of junk
+// connections costs a few log lines, not one per connection.
+class BurstLog {
+ public:
+  explicit BurstLog(int shown) : shown_(shown) {}
+
+  void Note(const std::string& message) {
+    Deadline now = Clock::now();
+    if (now >= window_end_) Flush(now);
+    if (logged_ < shown_) {
+      ++logged_;
+      NONSTOP_LOG_WARNING("{}", message);
+    } else {
+      ++suppressed_;
+    }
+  }
+  // When the loop must wake up to report what it counted.
+  Deadline next_flush() const { return suppressed_ > 0 ? window_end_ : kNoDeadline; }
+  void Tick(Deadline now) {
+    if (now >= window_end_) Flush(now);
+  }
+
+ private:
+  static constexpr Millis kWindow{10'000};
+  void Flush(Deadline now) {
+    if (suppressed_ > 0) {
+      NONSTOP_LOG_WARNING("data port: {} more incoming connections were closed for the same kinds of reasons in "
+                          "the last {} s",
+                          suppressed_, kWindow.count() / 1000);
+    }
+    logged_ = 0;
+    suppressed_ = 0;
+    window_end_ = now + kWindow;
+  }
+
+  const int shown_;
+  int logged_ = 0;
+  int suppressed_ = 0;
+  Deadline window_end_{};
+};
+
+std::string PeerNameOf(int fd) {
+  sockaddr_in addr{};
+  socklen_t len = sizeof(addr);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 || addr.sin_family != AF_INET) {
+    return "an unknown address";
+  }
+  char text[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &addr.sin_addr, text, sizeof(text));
+  return fmt::format("{}:{}", text, ntohs(addr.sin_port));
+}
+
+}  // namespace
 
 bool ConnectionIsBroken(const Connection& c) {
   pollfd p{c.fd.get(), static_cast<short>(POLLIN | POLLRDHUP), 0};
@@ -21,6 +88,14 @@ bool ConnectionIsBroken(const Connection& c) {
   return false;
 }
 
+// One incoming connection whose hello is not complete yet.
+struct PeerMesh::Pending {
+  UniqueFd fd;
+  std::string from;  // the dialer's address, for messages
+  Deadline deadline;
+  std::unique_ptr<net::HelloAcceptor> hello;  // reads and writes `fd`, which outlives it
+};
+
 Result<std::unique_ptr<PeerMesh>> PeerMesh::Create(PeerMeshOptions options) {
   NONSTOP_ASSIGN_OR_RETURN(net::Listener listener, net::Listen(options.listen));
   return Create(std::move(options), std::move(listener));
@@ -31,7 +106,12 @@ std::unique_ptr<PeerMesh> PeerMesh::Create(PeerMeshOptions options, net::Listene
 }
 
 PeerMesh::PeerMesh(PeerMeshOptions options, net::Listener listener)
-    : options_(std::move(options)), listen_fd_(std::move(listener.fd)), address_(listener.address) {
+    : options_(std::move(options)),
+      listen_fd_(std::move(listener.fd)),
+      address_(listener.address),
+      wake_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+  NONSTOP_CHECK(wake_fd_.valid()) << "eventfd failed";
+  NONSTOP_CHECK_GE(options_.max_pending_handshakes, 1);
   accept_thread_ = std::jthread([this](std::stop_token stop) { AcceptLoop(stop); });
 }
 
@@ -41,29 +121,185 @@ PeerMesh::~PeerMesh() {
   if (accept_thread_.joinable()) accept_thread_.join();
 }
 
+void PeerMesh::WakeAcceptLoop() {
+  uint64_t one = 1;
+  ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+  (void)n;  // a full counter is still readable: the wake-up is not lost
+}
+
+Status PeerMesh::CheckInbound(int peer_id, uint32_t generation) const {
+  if (peer_id >= options_.worker_id) {
+    return FailedPreconditionError(fmt::format(
+        "worker {} may not dial worker {}: the lower worker id dials, so worker {} accepts only ids below {}", peer_id,
+        options_.worker_id, options_.worker_id, options_.worker_id));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = connections_.find(peer_id);
+  if (it != connections_.end() && it->second->generation > generation && !ConnectionIsBroken(*it->second)) {
+    return FailedPreconditionError(
+        fmt::format("worker {} is already connected for generation {}: a hello of generation {} is stale", peer_id,
+                    it->second->generation, generation));
+  }
+  return OkStatus();
+}
+
+bool PeerMesh::InstallInbound(UniqueFd fd, int peer_id, uint32_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = connections_[peer_id];
+  if (slot && slot->generation > generation && !ConnectionIsBroken(*slot)) {
+    ++connections_refused_;  // a newer connection won the race while this one sent its ack
+    return false;
+  }
+  auto conn = std::make_unique<Connection>();
+  conn->fd = std::move(fd);
+  conn->peer_id = peer_id;
+  conn->peer_address = "inbound";
+  conn->generation = generation;
+  if (slot) retired_.push_back(std::move(slot));  // the peer redialed: its old connection is dead
+  slot = std::move(conn);
+  ++connections_opened_;
+  cv_.notify_all();
+  return true;
+}
+
+// The accept thread: one poll loop over the listening socket, every
+// connection still in handshake (each with its own deadline), the stop
+// signal, and the abort signals of threads waiting in Get().
 void PeerMesh::AcceptLoop(std::stop_token stop) {
-  while (!stop.stop_requested()) {
-    Status ready = net::WaitFd(listen_fd_.get(), POLLIN, kNoDeadline, &stop_signal_, "accept");
-    if (!ready.ok()) return;  // aborted: shutting down
-    Result<UniqueFd> fd = net::Accept(listen_fd_.get());
-    if (!fd.ok()) continue;
-    Result<net::Hello> hello =
-        net::ServerHandshake(fd->get(), options_.job_token, net::ConnectionKind::kData,
-                             DeadlineAfter(options_.timeout_handshake), &stop_signal_);
-    if (!hello.ok()) {
-      NONSTOP_LOG_WARNING("data port: closed an incoming connection: {}", hello.status().message());
-      continue;
+  std::deque<std::unique_ptr<Pending>> pending;  // oldest first
+  BurstLog refusals(/*shown=*/3);
+  BurstLog evictions(/*shown=*/1);
+  Deadline accept_paused_until{};
+  std::vector<pollfd> fds;
+  std::vector<const net::AbortSignal*> watched;
+
+  // Settles a connection whose hello is done or overdue; false while it is still in handshake.
+  auto settle = [&](Pending& p, Deadline now) {
+    switch (p.hello->state()) {
+      case net::HelloAcceptor::State::kAccepted: {
+        const net::Hello& h = p.hello->hello();
+        if (!InstallInbound(std::move(p.fd), h.worker_id, h.generation)) {
+          refusals.Note(fmt::format("data port: closed the connection of worker {} (generation {}) from {}: a "
+                                    "newer one replaced it",
+                                    h.worker_id, h.generation, p.from));
+        }
+        return true;
+      }
+      case net::HelloAcceptor::State::kRefused: {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          ++connections_refused_;
+        }
+        refusals.Note(fmt::format("data port: closed an incoming connection from {}: {}", p.from,
+                                  p.hello->error().message()));
+        return true;
+      }
+      default:
+        if (now < p.deadline) return false;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          ++connections_refused_;
+        }
+        refusals.Note(fmt::format("data port: closed an incoming connection from {}: no hello within {} ms", p.from,
+                                  options_.timeout_handshake.count()));
+        return true;
     }
-    auto conn = std::make_unique<Connection>();
-    conn->fd = std::move(*fd);
-    conn->peer_id = hello->worker_id;
-    conn->peer_address = "inbound";
-    std::lock_guard<std::mutex> lock(mu_);
-    auto& slot = connections_[hello->worker_id];
-    if (slot) retired_.push_back(std::move(slot));  // the peer redialed: its old connection is dead
-    slot = std::move(conn);
-    ++connections_opened_;
-    cv_.notify_all();
+  };
+  auto rule = [this](const net::Hello& h) { return CheckInbound(h.worker_id, h.generation); };
+
+  while (!stop.stop_requested()) {
+    // The abort signals to watch; a waiter whose signal fired already is woken now.
+    watched.clear();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      bool fired = false;
+      for (const auto& [signal, count] : waiting_aborts_) {
+        if (signal->fired()) fired = true;
+        else watched.push_back(signal);
+      }
+      if (fired) cv_.notify_all();
+    }
+    Deadline now = Clock::now();
+    const bool accepting = now >= accept_paused_until;
+    fds.clear();
+    fds.push_back({stop_signal_.fd(), POLLIN, 0});
+    fds.push_back({wake_fd_.get(), POLLIN, 0});
+    fds.push_back({accepting ? listen_fd_.get() : -1, POLLIN, 0});
+    for (const net::AbortSignal* signal : watched) fds.push_back({signal->fd(), POLLIN, 0});
+    const size_t first_pending = fds.size();
+    Deadline wake_at = std::min(refusals.next_flush(), evictions.next_flush());
+    if (!accepting) wake_at = std::min(wake_at, accept_paused_until);
+    for (const auto& p : pending) {
+      fds.push_back({p->fd.get(), p->hello->wanted_events(), 0});
+      wake_at = std::min(wake_at, p->deadline);
+    }
+    int rc = ::poll(fds.data(), fds.size(), PollTimeoutMs(wake_at));
+    if (rc < 0 && errno != EINTR) {
+      NONSTOP_LOG_ERROR("data port: poll failed: {}; no more incoming connections", std::strerror(errno));
+      return;
+    }
+    if (rc < 0) continue;
+    if (fds[0].revents != 0) return;  // shutting down
+    if (fds[1].revents != 0) {
+      uint64_t value;
+      while (::read(wake_fd_.get(), &value, sizeof(value)) > 0) {
+      }
+    }
+    for (size_t i = 0; i < watched.size(); ++i) {
+      if (fds[3 + i].revents != 0) {
+        std::lock_guard<std::mutex> lock(mu_);
+        cv_.notify_all();
+        break;
+      }
+    }
+
+    now = Clock::now();
+    std::deque<std::unique_ptr<Pending>> still;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& p = *pending[i];
+      if (fds[first_pending + i].revents != 0) p.hello->Advance();
+      if (!settle(p, now)) still.push_back(std::move(pending[i]));
+    }
+    pending = std::move(still);
+
+    if (accepting && (fds[2].revents & POLLIN)) {
+      // A bounded batch per round, so that a flood cannot starve the hellos in progress.
+      for (int batch = 0; batch < 64; ++batch) {
+        Result<UniqueFd> fd = net::Accept(listen_fd_.get());
+        if (!fd.ok()) {
+          if (fd.status().code() == StatusCode::kInternal) {
+            evictions.Note(fmt::format("data port: {}; pausing accepts for {} ms", fd.status().message(),
+                                       kAcceptPause.count()));
+            accept_paused_until = Clock::now() + kAcceptPause;
+          }
+          break;
+        }
+        auto p = std::make_unique<Pending>();
+        p->fd = std::move(*fd);
+        p->from = PeerNameOf(p->fd.get());
+        p->deadline = DeadlineAfter(options_.timeout_handshake);
+        p->hello = std::make_unique<net::HelloAcceptor>(p->fd.get(), options_.job_token, net::ConnectionKind::kData,
+                                                        rule);
+        p->hello->Advance();  // the hello often arrives with the connection
+        if (settle(*p, Clock::now())) continue;
+        pending.push_back(std::move(p));
+        if (static_cast<int>(pending.size()) > options_.max_pending_handshakes) {
+          std::unique_ptr<Pending> oldest = std::move(pending.front());
+          pending.pop_front();
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            ++connections_refused_;
+          }
+          evictions.Note(fmt::format(
+              "data port: {} incoming connections are in handshake, the limit (max_pending_handshakes): closing the "
+              "oldest ones first, starting with {} (a flood of idle connections?)",
+              options_.max_pending_handshakes, oldest->from));
+        }
+      }
+    }
+    now = Clock::now();
+    refusals.Tick(now);
+    evictions.Tick(now);
   }
 }
 
@@ -72,27 +308,51 @@ Result<Connection*> PeerMesh::Get(int peer_id, const std::string& peer_address, 
   NONSTOP_CHECK_NE(peer_id, options_.worker_id) << "a worker never connects to itself";
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (auto it = connections_.find(peer_id); it != connections_.end()) {
-      if (!ConnectionIsBroken(*it->second)) return it->second.get();
-      retired_.push_back(std::move(it->second));  // closed by the peer: open a new one
-      connections_.erase(it);
-    }
-    if (peer_id < options_.worker_id) {
-      // The peer dials us. Wait in short slices so that an abort is seen promptly.
-      while (true) {
-        if (auto it = connections_.find(peer_id); it != connections_.end() && !ConnectionIsBroken(*it->second)) {
-          it->second->peer_address = peer_address;
-          return it->second.get();
-        }
-        if (abort != nullptr && abort->fired()) {
-          return AbortedError(fmt::format("waiting for worker {} ({}) to connect: aborted", peer_id, peer_address));
-        }
-        if (Clock::now() >= deadline) {
-          return DeadlineExceededError(
-              fmt::format("worker {} ({}) did not connect in time (generation {})", peer_id, peer_address, generation));
-        }
-        cv_.wait_for(lock, Millis(5));
+    // Generation check on the connection in the slot: usable (OK, `*out` set),
+    // newer (kAborted), or none/broken (OK, `*out` null).
+    auto usable = [&](Connection** out) -> Status {
+      *out = nullptr;
+      auto it = connections_.find(peer_id);
+      if (it == connections_.end()) return OkStatus();
+      if (ConnectionIsBroken(*it->second)) {
+        retired_.push_back(std::move(it->second));  // closed by the peer: a new one is needed
+        connections_.erase(it);
+        return OkStatus();
       }
+      if (it->second->generation > generation) {
+        return AbortedError(fmt::format(
+            "worker {} ({}) is already connected for generation {}: generation {} is over", peer_id, peer_address,
+            it->second->generation, generation));
+      }
+      *out = it->second.get();
+      return OkStatus();
+    };
+    Connection* conn = nullptr;
+    NONSTOP_RETURN_IF_ERROR(usable(&conn));
+    if (conn != nullptr) return conn;
+    if (peer_id < options_.worker_id) {
+      // The peer dials us. The accept thread wakes cv_ when a connection
+      // arrives, and when `abort` fires (it polls the signals of waiters).
+      if (abort != nullptr) {
+        ++waiting_aborts_[abort];
+        WakeAcceptLoop();
+      }
+      Status outcome;
+      cv_.wait_until(lock, deadline, [&] {
+        outcome = usable(&conn);
+        return conn != nullptr || !outcome.ok() || (abort != nullptr && abort->fired());
+      });
+      if (abort != nullptr && --waiting_aborts_[abort] == 0) waiting_aborts_.erase(abort);
+      NONSTOP_RETURN_IF_ERROR(outcome);
+      if (conn != nullptr) {
+        conn->peer_address = peer_address;
+        return conn;
+      }
+      if (abort != nullptr && abort->fired()) {
+        return AbortedError(fmt::format("waiting for worker {} ({}) to connect: aborted", peer_id, peer_address));
+      }
+      return DeadlineExceededError(
+          fmt::format("worker {} ({}) did not connect in time (generation {})", peer_id, peer_address, generation));
     }
   }
   return Dial(peer_id, peer_address, generation, deadline, abort);
@@ -113,6 +373,7 @@ Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
   conn->fd = std::move(fd);
   conn->peer_id = peer_id;
   conn->peer_address = peer_address;
+  conn->generation = generation;
   std::lock_guard<std::mutex> lock(mu_);
   Connection* raw = conn.get();
   auto& slot = connections_[peer_id];
@@ -134,6 +395,11 @@ void PeerMesh::Drop(int peer_id) {
 int PeerMesh::connections_opened() const {
   std::lock_guard<std::mutex> lock(mu_);
   return connections_opened_;
+}
+
+int PeerMesh::connections_refused() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return connections_refused_;
 }
 
 }  // namespace nonstop::collective

@@ -7,6 +7,33 @@
 // store and no root. Connections survive membership changes: a Communicator of
 // generation g+1 asks the mesh for the same peers and gets the same sockets.
 //
+// The data port is reachable by anyone, so the accept thread never waits on a
+// single connection: it multiplexes the hellos of every connection still in
+// handshake in one poll loop, each with its own deadline
+// (timeout_handshake), and holds at most max_pending_handshakes of them (under
+// a flood of idle connections the oldest is closed first). A silent, slow or
+// garbage-sending connection therefore delays no other.
+//
+// Generations (the rule of the data port; docs/protocol.md links here): every
+// connection remembers the generation it was opened in (the hello's for an
+// accepted one, the caller's for a dialed one).
+//   - An inbound hello must come from a worker id >= 0 and lower than ours
+//     (the lower id dials); anything else is refused.
+//   - An inbound connection never replaces a live one from the same worker
+//     that was opened in a newer generation: a late hello of an older
+//     generation is refused.
+//   - Get(peer, g) hands out only a connection opened in generation <= g.
+//     One opened in a newer generation means the peer already holds a plan
+//     newer than g: generation g is over, Get fails with kAborted at once and
+//     the connection stays for the caller's next generation.
+// A connection opened in an older generation is handed out in a newer one:
+// that is how connections survive membership changes. It is safe because the
+// caller asks only for the members of its plan, worker ids are never reused
+// within a job, and a worker fenced out of the job is never in a newer plan;
+// a fenced worker that still dials in only fills its own slot, which no
+// Communicator asks for, and the frames it may send carry its old generation
+// and are dropped as stale (transfer.h).
+//
 // Thread-safety: all methods are safe from any thread. A Connection returned
 // by Get() is used by one Communicator at a time (the training thread); the
 // mesh owns it and keeps it alive until Drop() or destruction.
@@ -37,6 +64,7 @@ struct Connection {
   UniqueFd fd;
   int peer_id = -1;
   std::string peer_address;
+  uint32_t generation = 0;              // the generation it was opened in (hello's, or the dialer's)
   char send_header_tail[32] = {};       // the unsent end of an aborted frame's header
   size_t send_header_tail_left = 0;
   size_t send_pad = 0;                  // payload bytes still owed to a frame whose sending was aborted
@@ -52,7 +80,11 @@ struct PeerMeshOptions {
   std::string job_token;
   int worker_id = -1;
   net::HostPort listen{"127.0.0.1", 0};
+  // How long one incoming connection may take to present its hello.
   Millis timeout_handshake{5'000};
+  // Incoming connections held in handshake at once; beyond it the oldest is
+  // closed. Bounds memory and descriptors under a flood of idle connections.
+  int max_pending_handshakes = 64;
 };
 
 class PeerMesh {
@@ -67,8 +99,11 @@ class PeerMesh {
   const net::HostPort& address() const { return address_; }
   int worker_id() const { return options_.worker_id; }
 
-  // Returns the open connection to worker `peer_id`, dialing `peer_address`
-  // when this worker has the lower id, else waiting for the peer to dial in.
+  // Returns the open connection to worker `peer_id` for `generation`, dialing
+  // `peer_address` when this worker has the lower id, else waiting for the
+  // peer to dial in. Waits end as soon as the connection arrives, `abort`
+  // fires (kAborted) or `deadline` passes (kDeadlineExceeded). kAborted at
+  // once when the peer's connection belongs to a newer generation (see above).
   Result<Connection*> Get(int peer_id, const std::string& peer_address, uint32_t generation,
                           Deadline deadline, const net::AbortSignal* abort);
 
@@ -79,24 +114,41 @@ class PeerMesh {
   // tests and reports that check that connections were reused.
   int connections_opened() const;
 
+  // Incoming connections closed without becoming a peer connection (refused
+  // hello, handshake deadline, evicted by the cap, stale generation), for
+  // tests and reports.
+  int connections_refused() const;
+
  private:
+  struct Pending;
+
   PeerMesh(PeerMeshOptions options, net::Listener listener);
   void AcceptLoop(std::stop_token stop);
+  // Checks an incoming hello against the mesh's rules (see the header comment).
+  Status CheckInbound(int peer_id, uint32_t generation) const;
+  // Installs an accepted connection; false (and closes it) if it lost a race to a newer one.
+  bool InstallInbound(UniqueFd fd, int peer_id, uint32_t generation);
   Result<Connection*> Dial(int peer_id, const std::string& peer_address, uint32_t generation,
                            Deadline deadline, const net::AbortSignal* abort);
+  void WakeAcceptLoop();
 
   const PeerMeshOptions options_;
   UniqueFd listen_fd_;
   net::HostPort address_;
   net::AbortSignal stop_signal_;  // wakes the accept thread at shutdown
+  UniqueFd wake_fd_;              // eventfd: a waiter registered a new abort signal to watch
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;  // a connection arrived, or a waiter's abort fired
   std::map<int, std::unique_ptr<Connection>> connections_;  // guarded by mu_
   // Connections replaced or dropped while a thread may still hold a pointer to
   // them: kept (open) until the mesh goes away. A handful per fault.
   std::vector<std::unique_ptr<Connection>> retired_;  // guarded by mu_
+  // Abort signals of threads waiting in Get(); the accept thread polls them and
+  // wakes cv_ when one fires. Counted: two waiters may share one signal.
+  std::map<const net::AbortSignal*, int> waiting_aborts_;  // guarded by mu_
   int connections_opened_ = 0;                              // guarded by mu_
+  int connections_refused_ = 0;                             // guarded by mu_
 
   std::jthread accept_thread_;  // last member: joins before the members it uses are destroyed
 };

@@ -95,10 +95,21 @@ Result<Listener> Listen(const HostPort& where, int backlog) {
 }
 
 Result<UniqueFd> Accept(int listen_fd) {
-  int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-  if (fd < 0) return ErrnoStatus(StatusCode::kUnavailable, "accept", errno);
-  ConfigureStreamSocket(fd);
-  return UniqueFd(fd);
+  while (true) {
+    int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd >= 0) {
+      ConfigureStreamSocket(fd);
+      return UniqueFd(fd);
+    }
+    int err = errno;
+    // A connection that died while queued, or a signal: try the next one.
+    if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
+    if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+      return ErrnoStatus(StatusCode::kInternal,
+                         "accept (HINT: the process is out of descriptors or memory; raise `ulimit -n`)", err);
+    }
+    return ErrnoStatus(StatusCode::kUnavailable, "accept", err);
+  }
 }
 
 Result<UniqueFd> Dial(const HostPort& where, Deadline deadline, const AbortSignal* abort) {

@@ -36,6 +36,9 @@ struct Listener {
 Result<Listener> Listen(const HostPort& where, int backlog = 128);
 
 // Accepts one connection if one is pending; kUnavailable with EAGAIN otherwise.
+// Connections that died in the queue are skipped. kInternal when the process
+// is out of descriptors or memory: the listening socket stays readable, so a
+// poll loop should stop watching it for a moment instead of spinning.
 Result<UniqueFd> Accept(int listen_fd);
 
 // Dials `where`, retrying refused connections until `deadline` (the peer may
