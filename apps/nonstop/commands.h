@@ -27,6 +27,7 @@ class RunCommand {
   std::string journal_ = "runs/journal.jsonl";
   int heartbeat_timeout_ms_ = 1000;
   int abort_timeout_ms_ = 2000;
+  int join_timeout_ms_ = 300'000;
   std::string http_host_ = "127.0.0.1";
   int http_port_ = 0;
   int min_world_ = 1;

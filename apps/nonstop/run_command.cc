@@ -31,6 +31,7 @@
 #include "controller/controller.h"
 #include "controller/journal.h"
 #include "launcher/local_launcher.h"
+#include "launcher/output_writer.h"
 #include "net/event_loop.h"
 
 namespace nonstop::cli {
@@ -71,6 +72,10 @@ void RunCommand::Register(CLI::App& app) {
   sub_->add_option("--abort-timeout-ms", abort_timeout_ms_,
                    "Members that have not aborted this long after a fault are killed and replaced")
       ->capture_default_str()->envname("NONSTOP_ABORT_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
+  sub_->add_option("--join-timeout-ms", join_timeout_ms_,
+                   "The job must form within this long of its start, and a spare started later must join within it "
+                   "(else it is killed and replaced)")
+      ->capture_default_str()->envname("NONSTOP_JOIN_TIMEOUT_MS")->check(CLI::Range(1'000, 86'400'000));
   sub_->add_option("--inject", inject_,
                    "Faults to inject, e.g. kill:rank=2,step=30 or hang:rank=1,time=5 (kinds: kill, hang, exception, "
                    "drop, corrupt; see docs/faults.md); 'none' for no fault")
@@ -183,6 +188,8 @@ int RunCommand::Execute() {
   copts.spares = spares_;
   copts.heartbeat_timeout = Millis(heartbeat_timeout_ms_);
   copts.abort_timeout = Millis(abort_timeout_ms_);
+  copts.forming_timeout = Millis(join_timeout_ms_);
+  copts.join_timeout = Millis(join_timeout_ms_);
   copts.faults = faults;
   controller::Controller core(copts);
   const std::string token = RandomToken();
@@ -221,6 +228,10 @@ int RunCommand::Execute() {
       ::close(fd);
     }
   }
+  // Everything this loop prints goes through bounded writers: a reader of our
+  // output that does not keep up loses lines (counted), never stalls the job.
+  launcher::OutputWriter out(STDOUT_FILENO);
+  launcher::OutputWriter err(STDERR_FILENO);
   launcher::LocalLauncher launcher(
       &loop,
       [&](int worker_id) {
@@ -229,7 +240,9 @@ int RunCommand::Execute() {
       },
       [&](int worker_id, pid_t pid, int code, int sig) {
         events.push_back(controller::ProcessExited{worker_id, pid, code, sig});
-      });
+      },
+      [&](int worker_id, pid_t pid, int sig) { events.push_back(controller::ProcessStopped{worker_id, pid, sig}); },
+      &out, &err);
 
   fmt::print("nonstop run\n");
   fmt::print("  {:<20} {}\n", "controller", (*server)->address().ToString());
@@ -248,7 +261,8 @@ int RunCommand::Execute() {
   std::string fault_text;
   for (const auto& f : faults) fault_text += (fault_text.empty() ? "" : "; ") + control::FormatFault(f);
   fmt::print("  {:<20} {}\n", "injected faults", fault_text.empty() ? "none" : fault_text);
-  fmt::print("  {:<20} {}\n", "journal", (*journal)->path());
+  fmt::print("  {:<20} {}{}\n", "journal", (*journal)->path(),
+             (*journal)->rotated_to().empty() ? "" : " (the previous one was kept as " + (*journal)->rotated_to() + ")");
   std::string cmdline;
   for (const auto& a : program) cmdline += (cmdline.empty() ? "" : " ") + a;
   fmt::print("  {:<20} {}\n", "program", cmdline);
@@ -332,13 +346,12 @@ int RunCommand::Execute() {
           } else if constexpr (std::is_same_v<T, controller::SpawnWorker>) {
             if (!ended) {
               Status s = spawn(act.worker_id, act.spare, act.resume, act.background);
-              if (!s.ok()) fmt::print(stderr, "[nonstop] {}\n", s.ToString());
+              if (!s.ok()) err.Write(fmt::format("[nonstop] {}\n", s.ToString()));
             }
           } else if constexpr (std::is_same_v<T, controller::AppendJournal>) {
             (*journal)->Append(act.record);
           } else if constexpr (std::is_same_v<T, controller::PrintLine>) {
-            fmt::print("[nonstop] {}\n", act.line);
-            std::fflush(stdout);
+            out.Write(fmt::format("[nonstop] {}\n", act.line));
           } else if constexpr (std::is_same_v<T, controller::EndJob>) {
             if (ended) return;  // the first end stands
             ended = act;
@@ -349,6 +362,7 @@ int RunCommand::Execute() {
   };
 
   Deadline next_tick = Clock::now();
+  Deadline next_ping = Clock::now();
   while (true) {
     loop.RunOnce(Millis(20));
     while (!events.empty()) {
@@ -374,8 +388,23 @@ int RunCommand::Execute() {
       for (const Action& a : core.Handle(controller::Interrupted{"a signal (SIGINT or SIGTERM)"}, Clock::now())) execute(a);
     }
     if (Clock::now() >= next_tick) {
+      launcher.PollStopped();  // frozen processes, seen within one tick
+      (*server)->CheckTimers(Clock::now());
+      while (!events.empty()) {
+        Event e = std::move(events.front());
+        events.pop_front();
+        for (const Action& a : core.Handle(e, Clock::now())) execute(a);
+      }
       for (const Action& a : core.Handle(controller::Tick{}, Clock::now())) execute(a);
       next_tick = DeadlineAfter(Millis(50));
+    }
+    if (Clock::now() >= next_ping) {
+      // Heartbeats the other way: a worker that hears nothing for a while has
+      // lost its controller; one that hears pings waits as long as the job runs.
+      for (const auto& [id, w] : core.workers()) {
+        if (w.role != controller::WorkerRole::kGone) (*server)->Send(id, control::kMsgPing, "{}");
+      }
+      next_ping = DeadlineAfter(Millis(500));
     }
     if (ended && launcher.running() == 0) break;
     if (ended && Clock::now() >= kill_at) {
@@ -385,9 +414,8 @@ int RunCommand::Execute() {
   }
 
   int code = ended->exit_code;
-  fmt::print("[nonstop] job {}: {}\n", code == 0 ? "finished" : "FAILED", ended->reason);
-  fmt::print("[nonstop] journal: {}\n", (*journal)->path());
-  std::fflush(stdout);
+  out.Write(fmt::format("[nonstop] job {}: {}\n", code == 0 ? "finished" : "FAILED", ended->reason));
+  out.Write(fmt::format("[nonstop] journal: {}\n", (*journal)->path()));
   return code;
 }
 

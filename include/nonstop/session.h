@@ -63,7 +63,12 @@ struct SessionOptions {
   int worker_id = -1;              // required, unique in the job (NONSTOP_WORKER_ID)
   bool spare = false;              // join without a rank (NONSTOP_SPARE=1)
   std::string data_host = "127.0.0.1";  // where peers reach this worker
-  std::chrono::milliseconds join_timeout{600'000};
+  // Bound on reaching the controller and being accepted (dial + hello). Once
+  // joined, a worker or spare waits for its plan as long as the controller
+  // lives: the controller pings every connected worker, and a worker that
+  // hears nothing from it for `controller_timeout` has lost it.
+  std::chrono::milliseconds join_timeout{60'000};
+  std::chrono::milliseconds controller_timeout{5'000};
   // Interval of heartbeats to the controller; the controller's heartbeat
   // timeout should be several of these.
   std::chrono::milliseconds heartbeat_interval{200};

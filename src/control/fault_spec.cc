@@ -13,6 +13,7 @@ std::string_view FaultKindName(FaultKind k) {
     case FaultKind::kException: return "exception";
     case FaultKind::kDrop: return "drop";
     case FaultKind::kCorrupt: return "corrupt";
+    case FaultKind::kStall: return "stall";
   }
   return "?";
 }
@@ -52,10 +53,11 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
     std::string_view kind = item.substr(0, colon);
     if (kind == "kill") f.kind = FaultKind::kKill;
     else if (kind == "hang") f.kind = FaultKind::kHang;
+    else if (kind == "stall") f.kind = FaultKind::kStall;
     else if (kind == "exception") f.kind = FaultKind::kException;
     else if (kind == "drop") f.kind = FaultKind::kDrop;
     else if (kind == "corrupt") f.kind = FaultKind::kCorrupt;
-    else return InvalidArgumentError(fmt::format("fault '{}': unknown kind '{}' (kill, hang, exception, drop, corrupt)", item, kind));
+    else return InvalidArgumentError(fmt::format("fault '{}': unknown kind '{}' (kill, hang, stall, exception, drop, corrupt)", item, kind));
     bool has_rank = false;
     for (std::string_view kv : Split(item.substr(colon + 1), ',')) {
       size_t eq = kv.find('=');

@@ -2,6 +2,8 @@
 //
 //   kill:rank=2,step=30                 SIGKILL itself before the allreduce of step 30
 //   hang:rank=1,step=50                 SIGSTOP itself there (a hung process)
+//   stall:rank=1,step=50                its training thread stops there for good while
+//                                       its I/O thread goes on (a deadlocked loop)
 //   exception:rank=0,step=12            throw from the training loop at step 12
 //   drop:rank=3,step=7                  close its data connections at step 7
 //   kill:rank=1,step=30,during=transfer die while taking part in the state
@@ -24,7 +26,7 @@
 
 namespace nonstop::control {
 
-enum class FaultKind { kKill, kHang, kException, kDrop, kCorrupt };
+enum class FaultKind { kKill, kHang, kException, kDrop, kCorrupt, kStall };
 enum class FaultPoint { kStep, kTransfer, kTime };
 
 struct FaultSpec {

@@ -26,6 +26,8 @@ enum MessageType : uint16_t {
   kMsgRecovered = 19,  // worker → controller: adopted generation g (connections, state copied)
   kMsgInjected = 20,   // worker → controller: I am carrying out injected fault f now
   kMsgDrain = 21,      // controller → worker: generation g ends at the step boundary after step s (a resize)
+  kMsgPing = 22,       // controller → worker: the controller is alive (payload "{}"); a worker that hears
+                       // nothing for SessionOptions::controller_timeout has lost its controller
 };
 static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20 && kMsgDrain == 21,
               "wire numbers are pinned");

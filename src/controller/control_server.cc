@@ -1,5 +1,7 @@
 #include "controller/control_server.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 
 #include <cstring>
@@ -12,15 +14,49 @@
 
 namespace nonstop::controller {
 
-Result<std::unique_ptr<ControlServer>> ControlServer::Create(net::EventLoop* loop, const net::HostPort& where,
-                                                             std::string job_token, EventSink sink) {
-  NONSTOP_ASSIGN_OR_RETURN(net::Listener listener, net::Listen(where));
-  return std::unique_ptr<ControlServer>(new ControlServer(loop, std::move(listener), std::move(job_token), std::move(sink)));
+namespace {
+
+std::string PeerAddress(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "unknown peer";
+  char host[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+    return fmt::format("{}:{}", host, ntohs(a->sin_port));
+  }
+  if (ss.ss_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+    return fmt::format("[{}]:{}", host, ntohs(a->sin6_port));
+  }
+  return "unknown peer";
 }
 
-ControlServer::ControlServer(net::EventLoop* loop, net::Listener listener, std::string token, EventSink sink)
-    : loop_(loop), listen_fd_(std::move(listener.fd)), address_(listener.address), token_(std::move(token)),
-      sink_(std::move(sink)) {
+// Compares the job token without leaking, through timing, how much of it matched.
+bool TokenMatches(std::string_view presented, std::string_view expected) {
+  unsigned char diff = presented.size() == expected.size() ? 0 : 1;
+  for (size_t i = 0; i < presented.size(); ++i) {
+    diff |= static_cast<unsigned char>(presented[i] ^ (expected.empty() ? 0 : expected[i % expected.size()]));
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ControlServer>> ControlServer::Create(net::EventLoop* loop, const net::HostPort& where,
+                                                             std::string job_token, EventSink sink,
+                                                             ControlServerOptions options) {
+  NONSTOP_ASSIGN_OR_RETURN(net::Listener listener, net::Listen(where));
+  return std::unique_ptr<ControlServer>(
+      new ControlServer(loop, std::move(listener), std::move(job_token), std::move(sink), options));
+}
+
+ControlServer::ControlServer(net::EventLoop* loop, net::Listener listener, std::string token, EventSink sink,
+                             ControlServerOptions options)
+    : loop_(loop), options_(options), listen_fd_(std::move(listener.fd)), address_(listener.address),
+      token_(std::move(token)), sink_(std::move(sink)) {
   loop_->Watch(listen_fd_.get(), POLLIN, [this](short) { OnAccept(); });
 }
 
@@ -29,17 +65,55 @@ ControlServer::~ControlServer() {
   for (auto& [fd, c] : conns_) loop_->Unwatch(fd);
 }
 
+void ControlServer::LogRefusal(const std::string& line) {
+  auto now = Clock::now();
+  if (now - log_window_start_ > std::chrono::seconds(1)) {
+    if (suppressed_logs_ > 0) {
+      NONSTOP_LOG_WARNING("control: {} more connection(s) refused or closed in the last second (not logged one by one)",
+                          suppressed_logs_);
+    }
+    log_window_start_ = now;
+    logged_in_window_ = 0;
+    suppressed_logs_ = 0;
+  }
+  if (logged_in_window_ < 5) {
+    ++logged_in_window_;
+    NONSTOP_LOG_WARNING("control: {}", line);
+  } else {
+    ++suppressed_logs_;
+  }
+}
+
 void ControlServer::OnAccept() {
   while (true) {
     Result<UniqueFd> fd = net::Accept(listen_fd_.get());
     if (!fd.ok()) return;
+    // Bounded memory under a flood: at most max_unjoined connections may wait
+    // for their hello and join; the oldest makes room for the newest.
+    int unjoined = 0;
+    int oldest_fd = -1;
+    Clock::time_point oldest{Clock::time_point::max()};
+    for (const auto& [cfd, c] : conns_) {
+      if (c->worker_id >= 0) continue;
+      ++unjoined;
+      if (c->accepted_at < oldest) oldest = c->accepted_at, oldest_fd = cfd;
+    }
+    if (unjoined >= options_.max_unjoined && oldest_fd >= 0) {
+      CloseConn(oldest_fd, fmt::format("{} connections have not joined yet: closing the oldest", unjoined), false);
+    }
     int raw = fd->get();
     auto c = std::make_unique<Conn>();
     c->fd = std::move(*fd);
-    c->peer = fmt::format("connection {}", raw);
+    c->peer = PeerAddress(raw);
+    c->accepted_at = Clock::now();
     conns_[raw] = std::move(c);
-    loop_->Watch(raw, POLLIN, [this, raw](short) { OnReadable(raw); });
+    loop_->Watch(raw, POLLIN, [this, raw](short revents) { OnEvent(raw, revents); });
   }
+}
+
+void ControlServer::OnEvent(int fd, short revents) {
+  if ((revents & POLLOUT) && !Flush(fd)) return;
+  if (revents & (POLLIN | POLLHUP | POLLERR)) OnReadable(fd);
 }
 
 void ControlServer::OnReadable(int fd) {
@@ -78,7 +152,7 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       auto hello = net::DecodeHello(f.payload);
       if (!hello.ok()) refusal = hello.status().message();
       else if (hello->proto_major != net::kProtocolMajor) refusal = fmt::format("protocol version {} is not supported", hello->proto_major);
-      else if (hello->job_token != token_) refusal = "job token mismatch: this connection belongs to another job";
+      else if (!TokenMatches(hello->job_token, token_)) refusal = "job token mismatch: this connection belongs to another job";
       else if (hello->kind != net::ConnectionKind::kControl) refusal = "not a control connection";
     }
     if (!refusal.empty()) {
@@ -101,11 +175,14 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
     }
     auto join = control::DecodeJoin(f.payload);
     if (!join.ok()) return bad(join.status());
+    if (join->worker_id < 0) {
+      return bad(InvalidArgumentError(fmt::format("worker id {} is negative", join->worker_id)));
+    }
     if (fd_of_worker_.count(join->worker_id)) {
       return bad(InvalidArgumentError(fmt::format("worker id {} is already connected", join->worker_id)));
     }
     c.worker_id = join->worker_id;
-    c.peer = fmt::format("worker {}", join->worker_id);
+    c.peer = fmt::format("worker {} ({})", join->worker_id, c.peer);
     fd_of_worker_[c.worker_id] = fd;
     sink_(WorkerJoined{*join});
     return;
@@ -131,8 +208,10 @@ void ControlServer::CloseConn(int fd, const std::string& reason, bool report_los
   int worker = it->second->worker_id;
   if (reason == "connection closed by peer" || reason.find("Connection reset") != std::string::npos) {
     NONSTOP_LOG_DEBUG("control: {} closed its connection", it->second->peer);
-  } else {
+  } else if (worker >= 0) {
     NONSTOP_LOG_WARNING("control: closing {}: {}", it->second->peer, reason);
+  } else {
+    LogRefusal(fmt::format("closing {}: {}", it->second->peer, reason));
   }
   loop_->Unwatch(fd);
   conns_.erase(it);
@@ -142,15 +221,66 @@ void ControlServer::CloseConn(int fd, const std::string& reason, bool report_los
   }
 }
 
+bool ControlServer::Flush(int fd) {
+  auto it = conns_.find(fd);
+  if (it == conns_.end()) return false;
+  Conn& c = *it->second;
+  while (c.out_sent < c.out.size()) {
+    ssize_t n = ::send(fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) {
+      c.out_sent += static_cast<size_t>(n);
+      c.out_progress_at = Clock::now();
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    CloseConn(fd, fmt::format("send: {}", n < 0 ? std::strerror(errno) : "closed"), true);
+    return false;
+  }
+  if (c.out_sent == c.out.size()) {
+    c.out.clear();
+    c.out_sent = 0;
+    loop_->SetEvents(fd, POLLIN);
+  } else {
+    if (c.out_sent > (1u << 20)) {  // keep the queue compact
+      c.out.erase(0, c.out_sent);
+      c.out_sent = 0;
+    }
+    loop_->SetEvents(fd, POLLIN | POLLOUT);
+  }
+  return true;
+}
+
 bool ControlServer::Send(int worker_id, uint16_t type, const std::string& payload) {
   auto it = fd_of_worker_.find(worker_id);
   if (it == fd_of_worker_.end()) return false;
-  Status s = net::WriteFrame(it->second, type, payload, DeadlineAfter(Millis(1000)), nullptr);
-  if (!s.ok()) {
-    NONSTOP_LOG_WARNING("control: send to worker {} failed: {}", worker_id, s.ToString());
+  int fd = it->second;
+  Conn& c = *conns_.at(fd);
+  size_t queued = c.out.size() - c.out_sent;
+  if (queued + payload.size() + net::kFrameHeaderBytes > options_.max_queued_bytes) {
+    CloseConn(fd, fmt::format("slow reader: {} bytes of control messages are waiting for it (limit {})", queued,
+                              options_.max_queued_bytes),
+              true);
     return false;
   }
-  return true;
+  if (queued == 0) c.out_progress_at = Clock::now();  // the stall clock starts with the first queued byte
+  c.out += net::EncodeFrame(type, payload);
+  return Flush(fd);
+}
+
+void ControlServer::CheckTimers(Clock::time_point now) {
+  std::vector<std::pair<int, std::string>> close;
+  std::vector<std::pair<int, std::string>> lost;
+  for (const auto& [fd, c] : conns_) {
+    if (c->worker_id < 0 && now - c->accepted_at > options_.handshake_timeout) {
+      close.push_back({fd, fmt::format("no hello and join within {} ms", options_.handshake_timeout.count())});
+    } else if (c->out_sent < c->out.size() && now - c->out_progress_at > options_.send_stall_timeout) {
+      lost.push_back({fd, fmt::format("stuck reader: it took none of its {} queued bytes for {} ms",
+                                      c->out.size() - c->out_sent, options_.send_stall_timeout.count())});
+    }
+  }
+  for (const auto& [fd, why] : close) CloseConn(fd, why, false);
+  for (const auto& [fd, why] : lost) CloseConn(fd, why, true);
 }
 
 }  // namespace nonstop::controller

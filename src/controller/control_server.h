@@ -6,6 +6,20 @@
 // handshake, sends a malformed frame or message, or claims a second identity
 // is closed with a logged reason; the controller itself never crashes on
 // input.
+//
+// The loop never blocks on a peer (docs/thread-model.md):
+//  - Send() queues the frame on the connection and writes what the socket
+//    takes now; the rest goes out when the socket is writable. A reader that
+//    lets more than `max_queued_bytes` pile up, or takes nothing for
+//    `send_stall_timeout`, is disconnected, and its worker reported lost
+//    (ConnectionLost): a stuck worker is a failed worker.
+//  - A connection must present its hello and join within
+//    `handshake_timeout`, and at most `max_unjoined` connections may be at
+//    that stage at once (the oldest is closed to make room), so a flood of
+//    idle or garbage connections costs bounded memory and never delays a
+//    worker that speaks the protocol.
+//  - Refusals are logged with the peer's address, at most a few per second
+//    (the rest are counted and summarised).
 #pragma once
 
 #include <functional>
@@ -14,6 +28,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "common/time.h"
 #include "common/unique_fd.h"
 #include "controller/controller.h"
 #include "net/event_loop.h"
@@ -22,21 +37,36 @@
 
 namespace nonstop::controller {
 
+struct ControlServerOptions {
+  Millis handshake_timeout{5'000};    // from accept to a valid join message
+  int max_unjoined = 64;              // connections between accept and join
+  size_t max_queued_bytes = 8u << 20; // per connection, not yet taken by the peer
+  Millis send_stall_timeout{3'000};   // queued output with no byte taken for this long
+};
+
 class ControlServer {
  public:
   using EventSink = std::function<void(Event)>;
 
   static Result<std::unique_ptr<ControlServer>> Create(net::EventLoop* loop, const net::HostPort& where,
-                                                       std::string job_token, EventSink sink);
+                                                       std::string job_token, EventSink sink,
+                                                       ControlServerOptions options = {});
   ~ControlServer();
   ControlServer(const ControlServer&) = delete;
   ControlServer& operator=(const ControlServer&) = delete;
 
   const net::HostPort& address() const { return address_; }
 
-  // Sends one message to a worker; false if it has no open connection.
+  // Queues one message to a worker and never blocks. False if the worker has
+  // no open connection, or if this send overflowed its queue (the connection
+  // is then closed and the worker reported lost).
   bool Send(int worker_id, uint16_t type, const std::string& payload);
+  // Closes connections that overran their handshake deadline or stopped
+  // taking their output. Call it from the loop's timer (every ~50 ms).
+  void CheckTimers(Clock::time_point now);
+
   int refused_connections() const { return refused_; }
+  size_t open_connections() const { return conns_.size(); }
 
  private:
   struct Conn {
@@ -44,12 +74,20 @@ class ControlServer {
     net::FrameDecoder decoder{64 << 10};
     bool greeted = false;  // hello accepted
     int worker_id = -1;    // known after the join message
-    std::string peer;
+    std::string peer;      // "worker 3 (127.0.0.1:41234)" once known
+    Clock::time_point accepted_at{};
+    std::string out;       // queued output; out_sent bytes of it are already written
+    size_t out_sent = 0;
+    Clock::time_point out_progress_at{};  // the last time the peer took a byte
   };
 
-  ControlServer(net::EventLoop* loop, net::Listener listener, std::string token, EventSink sink);
+  ControlServer(net::EventLoop* loop, net::Listener listener, std::string token, EventSink sink,
+                ControlServerOptions options);
   void OnAccept();
+  void OnEvent(int fd, short revents);
   void OnReadable(int fd);
+  // Writes what the socket takes now; false if the connection was closed.
+  bool Flush(int fd);
   void HandleFrame(Conn& c, const net::Frame& f);
   // Decodes a worker's message and hands it on as an event; the decoder's
   // error (naming the bad field) otherwise.
@@ -61,8 +99,11 @@ class ControlServer {
     return OkStatus();
   }
   void CloseConn(int fd, const std::string& reason, bool report_loss);
+  // Logs a refusal, at most a few per second; the rest are counted.
+  void LogRefusal(const std::string& line);
 
   net::EventLoop* const loop_;  // owned by the caller; outlives this
+  const ControlServerOptions options_;
   UniqueFd listen_fd_;
   net::HostPort address_;
   const std::string token_;
@@ -70,6 +111,9 @@ class ControlServer {
   std::map<int, std::unique_ptr<Conn>> conns_;  // by fd
   std::map<int, int> fd_of_worker_;
   int refused_ = 0;
+  Clock::time_point log_window_start_{};
+  int logged_in_window_ = 0;
+  int suppressed_logs_ = 0;
 };
 
 }  // namespace nonstop::controller

@@ -18,14 +18,24 @@ struct ServerFixture {
   std::unique_ptr<ControlServer> server;
   std::atomic<bool> stop{false};
   std::thread thread;
-  ServerFixture() {
-    auto s = ControlServer::Create(&loop, {"127.0.0.1", 0}, "tok", [this](Event e) { events.push_back(std::move(e)); });
+  explicit ServerFixture(ControlServerOptions options = {}) {
+    auto s = ControlServer::Create(&loop, {"127.0.0.1", 0}, "tok", [this](Event e) { events.push_back(std::move(e)); },
+                                   options);
     NONSTOP_CHECK(s.ok());
     server = std::move(*s);
   }
   void RunFor(Millis d) {
     auto until = Clock::now() + d;
-    while (Clock::now() < until) loop.RunOnce(Millis(10));
+    while (Clock::now() < until) {
+      loop.RunOnce(Millis(10));
+      server->CheckTimers(Clock::now());
+    }
+  }
+  template <typename T>
+  int Count() const {
+    int n = 0;
+    for (const auto& e : events) n += std::holds_alternative<T>(e) ? 1 : 0;
+    return n;
   }
 };
 
@@ -85,6 +95,130 @@ TEST(ControlServerTest, MalformedMessageClosesOnlyThatWorker) {
   ASSERT_EQ(f.events.size(), 2u);
   ASSERT_TRUE(std::holds_alternative<ConnectionLost>(f.events[1]));
   EXPECT_NE(std::get<ConnectionLost>(f.events[1]).reason.find("step"), std::string::npos);
+}
+
+// Says hello and joins as `worker_id` (blocking; run it on a client thread).
+void Join(int fd, int worker_id) {
+  net::Hello ok;
+  ok.kind = net::ConnectionKind::kControl;
+  ok.job_token = "tok";
+  ok.worker_id = worker_id;
+  ASSERT_TRUE(net::ClientHandshake(fd, ok, DeadlineAfter(Millis(3000)), nullptr).ok());
+  control::JoinMsg j{worker_id, 1, "127.0.0.1:1", false, -1};
+  ASSERT_TRUE(net::WriteFrame(fd, control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
+}
+
+TEST(ControlServerTest, WorkerThatStopsReadingIsReportedLostAndNeverBlocksTheLoop) {
+  ServerFixture f;
+  UniqueFd c = Dial(f.server->address());
+  std::thread client([&] { Join(c.get(), 3); });  // then never reads again
+  f.RunFor(Millis(300));
+  client.join();
+  ASSERT_EQ(f.Count<WorkerJoined>(), 1);
+  // Far more than the socket buffers and the queue take: the server must
+  // neither block nor leave a half-written frame; it drops the worker.
+  std::string big(1 << 20, 'x');
+  bool refused = false;
+  for (int i = 0; i < 40 && !refused; ++i) refused = !f.server->Send(3, control::kMsgShutdown, big);
+  f.RunFor(Millis(50));
+  EXPECT_TRUE(refused);
+  ASSERT_EQ(f.Count<ConnectionLost>(), 1);
+  for (const auto& e : f.events) {
+    if (const auto* lost = std::get_if<ConnectionLost>(&e)) {
+      EXPECT_EQ(lost->worker_id, 3);
+      EXPECT_NE(lost->reason.find("slow reader"), std::string::npos) << lost->reason;
+    }
+  }
+}
+
+TEST(ControlServerTest, WorkerThatPausesReadingGetsEveryFrameIntactAndInOrder) {
+  ServerFixture f;
+  UniqueFd c = Dial(f.server->address());
+  std::vector<std::string> got;
+  std::atomic<bool> joined{false};
+  std::thread client([&] {
+    Join(c.get(), 4);
+    joined = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // a slow reader, not a dead one
+    for (int i = 0; i < 6; ++i) {
+      auto frame = net::ReadFrame(c.get(), DeadlineAfter(Millis(5000)), nullptr);
+      ASSERT_TRUE(frame.ok()) << frame.status().ToString();
+      got.push_back(frame->payload);
+    }
+  });
+  while (!joined) f.RunFor(Millis(10));
+  f.RunFor(Millis(100));
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_TRUE(f.server->Send(4, control::kMsgShutdown, std::string(700 << 10, static_cast<char>('a' + i))));
+  }
+  f.RunFor(Millis(2500));
+  client.join();
+  ASSERT_EQ(got.size(), 6u);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(got[static_cast<size_t>(i)], std::string(700 << 10, static_cast<char>('a' + i)));
+  EXPECT_EQ(f.Count<ConnectionLost>(), 0);
+}
+
+TEST(ControlServerTest, StuckReaderIsReportedLostAfterTheStallTimeout) {
+  ControlServerOptions o;
+  o.send_stall_timeout = Millis(300);
+  ServerFixture f(o);
+  UniqueFd c = Dial(f.server->address());
+  std::thread client([&] { Join(c.get(), 5); });
+  f.RunFor(Millis(300));
+  client.join();
+  // Fill the socket buffers; the rest stays queued and the peer takes nothing.
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(f.server->Send(5, control::kMsgShutdown, std::string(1 << 20, 'y')));
+  f.RunFor(Millis(800));
+  ASSERT_EQ(f.Count<ConnectionLost>(), 1);
+  for (const auto& e : f.events) {
+    if (const auto* lost = std::get_if<ConnectionLost>(&e)) {
+      EXPECT_NE(lost->reason.find("stuck reader"), std::string::npos) << lost->reason;
+    }
+  }
+}
+
+TEST(ControlServerTest, FloodOfIdleConnectionsCostsBoundedMemoryAndDoesNotKeepAWorkerOut) {
+  ControlServerOptions o;
+  o.max_unjoined = 16;
+  o.handshake_timeout = Millis(400);
+  ServerFixture f(o);
+  std::vector<UniqueFd> idle;
+  for (int i = 0; i < 100; ++i) {
+    idle.push_back(Dial(f.server->address()));
+    if (i % 10 == 0) {
+      std::string junk = i % 20 == 0 ? std::string("\xff\xff\xff\x7f", 4) : std::string();  // a huge length
+      if (!junk.empty()) ASSERT_GT(::send(idle.back().get(), junk.data(), junk.size(), MSG_NOSIGNAL), 0);
+    }
+    f.RunFor(Millis(1));
+  }
+  EXPECT_LE(f.server->open_connections(), 16u);
+  UniqueFd good = Dial(f.server->address());
+  std::thread client([&] { Join(good.get(), 9); });
+  f.RunFor(Millis(300));
+  client.join();
+  ASSERT_EQ(f.Count<WorkerJoined>(), 1);
+  // The idle ones go when their handshake time is up; the worker stays.
+  f.RunFor(Millis(600));
+  EXPECT_EQ(f.server->open_connections(), 1u);
+  EXPECT_EQ(f.Count<ConnectionLost>(), 0);
+}
+
+TEST(ControlServerTest, NegativeWorkerIdIsRefused) {
+  ServerFixture f;
+  UniqueFd c = Dial(f.server->address());
+  std::thread client([&] {
+    net::Hello h;
+    h.kind = net::ConnectionKind::kControl;
+    h.job_token = "tok";
+    h.worker_id = 0;
+    ASSERT_TRUE(net::ClientHandshake(c.get(), h, DeadlineAfter(Millis(3000)), nullptr).ok());
+    control::JoinMsg j{-3, 1, "127.0.0.1:1", false, -1};
+    ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
+  });
+  f.RunFor(Millis(300));
+  client.join();
+  EXPECT_EQ(f.Count<WorkerJoined>(), 0);
+  EXPECT_EQ(f.server->open_connections(), 0u);
 }
 
 }  // namespace

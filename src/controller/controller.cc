@@ -18,7 +18,15 @@ double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(
 
 std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now) {
   now_ = now;
-  if (!started_at_) started_at_ = now;
+  if (!started_at_) {
+    started_at_ = now;
+    forming_since_ = now;
+    // `nonstop run` starts worker ids 0 … world + spares − 1 itself.
+    for (int id = 0; id < options_.world_size + options_.spares; ++id) {
+      awaiting_join_.emplace(id, AwaitedJoin{id >= options_.world_size, now});
+    }
+    next_worker_id_ = std::max(next_worker_id_, options_.world_size + options_.spares);
+  }
   std::vector<Action> out;
   if (phase_ == JobPhase::kEnded) {
     if (const auto* e = std::get_if<ProcessExited>(&event)) {
@@ -54,6 +62,7 @@ double Controller::MedianStepSeconds() const {
 void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   const auto& m = e.msg;
   next_worker_id_ = std::max(next_worker_id_, m.worker_id + 1);
+  if (awaiting_join_.erase(m.worker_id) > 0 && m.spare) refill_failures_ = 0;
   if (workers_.count(m.worker_id) && workers_[m.worker_id].role != WorkerRole::kGone) {
     out->push_back(AppendJournal{{{"event", "join_refused"}, {"worker_id", m.worker_id},
                                   {"reason", "worker id already in use"}}});
@@ -86,6 +95,8 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   pending.resize(static_cast<size_t>(options_.world_size));  // the lowest worker ids
   ++generation_;
   members_ = pending;
+  arrivals_.clear();
+  arrival_step_ = -1;
   int64_t s_star = -1;
   for (int id : members_) s_star = std::max(s_star, joined_step_[id]);
   std::vector<int> holders;
@@ -145,8 +156,9 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   finished_ = 0;
   last_journaled_step_ = -1;  // the steps since the checkpoint are computed (and journaled) again
   phase_ = JobPhase::kForming;
+  forming_since_ = now_;
   for (int i = 0; i < options_.world_size + options_.spares; ++i) {
-    out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/i >= options_.world_size, /*resume=*/true});
+    Spawn(next_worker_id_++, /*spare=*/i >= options_.world_size, /*resume=*/true, /*background=*/false, out);
   }
 }
 
@@ -158,6 +170,29 @@ void Controller::On(const HeartbeatReceived& e, std::vector<Action>*) {
   it->second.last_heard = now_;
   it->second.last_step = std::max(it->second.last_step, e.msg.step);
   it->second.waiting_ms = e.msg.waiting_ms;
+  if (e.msg.waiting_ms >= 0 && it->second.role == WorkerRole::kMember && phase_ == JobPhase::kRunning) {
+    RecordArrival(it->second, e.msg.step + 1, e.msg.waiting_ms);
+  }
+}
+
+// The members' arrival at each step's collective: the first arrival starts
+// the clock of the hang detector; when all have arrived, the spread between
+// first and last is what "normal" looks like for the next steps.
+void Controller::RecordArrival(WorkerInfo& w, int64_t step, int64_t waiting_ms) {
+  if (step < arrival_step_) return;
+  if (step > arrival_step_) {
+    arrival_step_ = step;
+    arrivals_.clear();
+  }
+  if (!arrivals_.emplace(w.worker_id, now_ - Millis(waiting_ms)).second) return;
+  if (arrivals_.size() < members_.size()) return;
+  auto [lo, hi] = std::minmax_element(arrivals_.begin(), arrivals_.end(),
+                                      [](const auto& a, const auto& b) { return a.second < b.second; });
+  // Steps right after a change of membership include its cost: keep them out.
+  if (!open_recovery_ && step > resume_step_) {
+    arrival_spreads_ms_.push_back(Ms(hi->second - lo->second));
+    if (arrival_spreads_ms_.size() > 32) arrival_spreads_ms_.pop_front();
+  }
 }
 
 void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
@@ -246,6 +281,22 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
                                 {"rank", RankOf(e.worker_id)}}});
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end()) {
+    auto awaited = awaiting_join_.find(e.worker_id);
+    bool was_refill = awaited != awaiting_join_.end() && awaited->second.spare;
+    if (awaited != awaiting_join_.end()) awaiting_join_.erase(awaited);
+    if (was_refill && phase_ != JobPhase::kForming && e.exit_code != kExitDataCorruption) {
+      // A spare that died while starting: the pool refills, unless refills keep dying.
+      if (++refill_failures_ <= 3) {
+        out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {} before joining; starting another",
+                                             e.worker_id, e.pid, how)});
+        Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
+      } else {
+        out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {} before joining; {} spares in a row died "
+                                             "while starting, so the pool is not refilled (see their output)",
+                                             e.worker_id, e.pid, how, refill_failures_)});
+      }
+      return;
+    }
     if (phase_ == JobPhase::kForming) {
       End(e.exit_code == kExitDataCorruption ? kExitDataCorruption : kExitPeerFailure,
           fmt::format("worker {} (pid {}) {} before joining the job", e.worker_id, e.pid, how), out);
@@ -287,10 +338,125 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
   }
 }
 
+void Controller::On(const ProcessStopped& e, std::vector<Action>* out) {
+  auto it = workers_.find(e.worker_id);
+  if (it == workers_.end()) {
+    // Stopped before it joined: it will never join; replace it like a spare that died.
+    if (awaiting_join_.count(e.worker_id)) {
+      out->push_back(KillWorker{e.worker_id});  // its exit then refills or ends the forming
+    }
+    return;
+  }
+  it->second.stopped = true;
+  WorkerUnresponsive(e.worker_id, "process stopped",
+                     fmt::format("was stopped by signal {} (a frozen process)", e.signal), out);
+}
+
+void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, const std::string& detail,
+                                    std::vector<Action>* out) {
+  WorkerInfo& w = workers_[worker_id];
+  switch (w.role) {
+    case WorkerRole::kMember:
+    case WorkerRole::kFinished:
+      MemberFault(worker_id, kind, detail, out);
+      return;
+    case WorkerRole::kSpare:
+      out->push_back(AppendJournal{{{"event", "spare_lost"}, {"worker_id", worker_id}, {"pid", w.pid},
+                                    {"kind", kind}, {"detail", detail}}});
+      out->push_back(KillWorker{worker_id});
+      SpareLost(w, fmt::format("{} ({})", detail, kind), out);
+      return;
+    case WorkerRole::kPending: {
+      // The job is forming: a spare takes its place, or a new worker is started.
+      w.role = WorkerRole::kGone;
+      out->push_back(AppendJournal{{{"event", "fault"}, {"kind", kind}, {"worker_id", worker_id}, {"rank", -1},
+                                    {"pid", w.pid}, {"detail", detail}, {"last_step", w.last_step},
+                                    {"generation", generation_}}});
+      out->push_back(KillWorker{worker_id});
+      int spare = -1;
+      for (auto& [id, other] : workers_) {
+        if (other.role == WorkerRole::kSpare && !other.stopped) {
+          spare = id;
+          break;
+        }
+      }
+      bool resume = open_recovery_.has_value();  // forming after a restart from a checkpoint
+      if (spare >= 0 && !resume) {
+        workers_[spare].role = WorkerRole::kPending;
+        out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; spare worker {} takes its "
+                                             "place", worker_id, w.pid, detail, spare)});
+        if (options_.spares > 0) Spawn(next_worker_id_++, /*spare=*/true, false, /*background=*/true, out);
+      } else {
+        out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; starting another",
+                                             worker_id, w.pid, detail)});
+        Spawn(next_worker_id_++, /*spare=*/false, resume, /*background=*/false, out);
+      }
+      MaybeFormFirstGeneration(out);
+      return;
+    }
+    case WorkerRole::kGone:
+      return;
+  }
+}
+
+void Controller::Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out) {
+  awaiting_join_[worker_id] = AwaitedJoin{spare, now_};
+  out->push_back(SpawnWorker{worker_id, spare, resume, background});
+}
+
+void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
+  if (phase_ == JobPhase::kForming) {
+    if (now_ - forming_since_ <= options_.forming_timeout) return;
+    std::vector<int> missing;
+    for (const auto& [id, a] : awaiting_join_) {
+      if (!a.spare) missing.push_back(id);
+    }
+    int pending = 0;
+    for (const auto& [id, w] : workers_) pending += w.role == WorkerRole::kPending ? 1 : 0;
+    End(kExitPeerFailure,
+        fmt::format("the job did not form within {} s: {} of {} workers joined; not joined: worker(s) {} (see their "
+                    "output; HINT: a slow start needs a longer --join-timeout-ms)",
+                    options_.forming_timeout.count() / 1000, pending, options_.world_size, json(missing).dump()),
+        out);
+    return;
+  }
+  std::vector<int> late;
+  for (const auto& [id, a] : awaiting_join_) {
+    if (now_ - a.since.value_or(*started_at_) > options_.join_timeout) late.push_back(id);
+  }
+  for (int id : late) {
+    bool spare = awaiting_join_[id].spare;
+    awaiting_join_.erase(id);
+    out->push_back(KillWorker{id});
+    out->push_back(AppendJournal{{{"event", "join_timeout"}, {"worker_id", id}, {"spare", spare}}});
+    out->push_back(PrintLine{fmt::format("worker {} did not join within {} s; killed{}", id,
+                                         options_.join_timeout.count() / 1000,
+                                         spare ? ", starting another spare" : "")});
+    if (spare) Spawn(next_worker_id_++, /*spare=*/true, false, /*background=*/true, out);
+  }
+}
+
+void Controller::CheckHeartbeats(std::vector<Action>* out) {
+  // Every worker that has joined, whatever its role, must be heard from.
+  std::vector<int> silent;
+  for (const auto& [id, w] : workers_) {
+    bool watched = w.role == WorkerRole::kPending || w.role == WorkerRole::kSpare ||
+                   (w.role == WorkerRole::kMember && phase_ == JobPhase::kRunning);
+    if (watched && now_ - w.last_heard > options_.heartbeat_timeout) silent.push_back(id);
+  }
+  for (int id : silent) {
+    if (phase_ == JobPhase::kEnded) return;
+    const WorkerInfo& w = workers_[id];
+    if (w.role == WorkerRole::kGone) continue;
+    WorkerUnresponsive(id, "heartbeat timeout", fmt::format("sent no heartbeat for {:.0f} ms", Ms(now_ - w.last_heard)),
+                       out);
+  }
+}
+
 void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out) {
   w.role = WorkerRole::kGone;
   out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {}; starting another", w.worker_id, w.pid, how)});
-  out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true});
+  Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
 }
 
 void Controller::MemberFault(int worker_id, const std::string& kind, const std::string& detail,
@@ -414,9 +580,11 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
         out);
     return;
   }
-  std::vector<int> spares;
+  std::vector<int> spares;  // only those heard from lately: a hung spare is never promoted
   for (const auto& [id, w] : workers_) {
-    if (w.role == WorkerRole::kSpare) spares.push_back(id);
+    if (w.role == WorkerRole::kSpare && !w.stopped && now_ - w.last_heard <= options_.heartbeat_timeout) {
+      spares.push_back(id);
+    }
   }
   std::vector<int> next;
   size_t spare_i = 0;
@@ -462,6 +630,8 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   }
   ++generation_;
   members_ = next;
+  arrivals_.clear();
+  arrival_step_ = -1;
   resume_step_ = s_star + 1;
   rec.to_generation = generation_;
   rec.resume_step = resume_step_;
@@ -495,7 +665,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   rec.plan_at = now_;
   for (int id : members_) out->push_back(SendPlan{id, plan});
   for (size_t i = 0; i < spare_i && options_.spares > 0; ++i) {
-    out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true});
+    Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
     ++rec.spawned_spares;
   }
   out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
@@ -579,17 +749,23 @@ void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
   const json& b = e.body;
   int world = static_cast<int>(members_.size());
   int target = -1;
+  // Sizes are bounded before any arithmetic: {"grow": 2147483647} must not overflow.
+  constexpr int64_t kMaxWorld = 1 << 20;
   auto as_int = [&](const char* key) -> std::optional<int> {
     if (!b.is_object() || !b.contains(key)) return std::nullopt;
     if (!b[key].is_number_integer()) return -1000000;
-    return b[key].get<int>();
+    int64_t v = b[key].is_number_unsigned() && b[key].get<uint64_t>() > static_cast<uint64_t>(kMaxWorld)
+                    ? kMaxWorld + 1
+                    : b[key].get<int64_t>();
+    if (v <= 0 || v > kMaxWorld) return -1000000;
+    return static_cast<int>(v);
   };
   if (auto v = as_int("world_size")) target = *v;
   else if (auto r = as_int("release")) target = *r <= 0 ? -1000000 : world - *r;
   else if (auto g = as_int("grow")) target = *g <= 0 ? -1000000 : world + *g;
   else return refuse(400, R"(expected {"world_size": N}, {"release": N} or {"grow": N})");
   if (target == -1000000 || (b.size() != 1)) {
-    return refuse(400, R"(expected exactly one of world_size, release or grow, with a positive integer)");
+    return refuse(400, R"(expected exactly one of world_size, release or grow, with a positive integer up to 1048576)");
   }
   if (phase_ != JobPhase::kRunning) {
     return refuse(409, fmt::format("a membership change is in progress (the job is {}); retry shortly",
@@ -612,7 +788,7 @@ void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
     StartResize(target, fmt::format("shrink on request ({})", e.source), out);
   } else if (target > world) {
     // Declared capacity: start the workers that are missing; the job grows when they have joined.
-    for (int i = SpareCount(); i < target - world; ++i) out->push_back(SpawnWorker{next_worker_id_++, /*spare=*/true});
+    for (int i = SpareCount(); i < target - world; ++i) Spawn(next_worker_id_++, /*spare=*/true, false, false, out);
     MaybeGrow(out);
   }
 }
@@ -656,6 +832,10 @@ void Controller::StartResize(int new_world, const std::string& trigger, std::vec
 
 void Controller::On(const Tick&, std::vector<Action>* out) {
   FireTimedFaults(out);
+  CheckJoinDeadlines(out);
+  if (phase_ == JobPhase::kEnded) return;
+  CheckHeartbeats(out);
+  if (phase_ == JobPhase::kEnded) return;
   if (phase_ == JobPhase::kRecovering && now_ >= abort_deadline_) {
     // Escalation: members that could not abort in time are killed and replaced.
     std::vector<int> late;
@@ -673,12 +853,26 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
 }
 
 void Controller::CheckWatchdogs(std::vector<Action>* out) {
-  for (int id : members_) {
-    WorkerInfo& w = workers_[id];
-    if (w.role != WorkerRole::kMember) continue;
-    if (now_ - w.last_heard > options_.heartbeat_timeout) {
-      MemberFault(id, "heartbeat timeout", fmt::format("sent no heartbeat for {:.0f} ms", Ms(now_ - w.last_heard)), out);
-      return;
+  // Hang detector: some members reached the collective of arrival_step_, and
+  // one still computes far longer after the first arrival than the spread
+  // between first and last arrival normally is.
+  if (!open_recovery_ && arrival_spreads_ms_.size() >= 5 && !arrivals_.empty() && arrivals_.size() < members_.size()) {
+    double normal = *std::max_element(arrival_spreads_ms_.begin(), arrival_spreads_ms_.end());
+    double threshold = std::max<double>(static_cast<double>(options_.hang_floor.count()), options_.hang_factor * normal);
+    Clock::time_point first = Clock::time_point::max();
+    for (const auto& [id, t] : arrivals_) first = std::min(first, t);
+    double lag = Ms(now_ - first);
+    if (lag > threshold) {
+      for (int id : members_) {
+        WorkerInfo& w = workers_[id];
+        if (w.role != WorkerRole::kMember || arrivals_.count(id) || w.last_step >= arrival_step_) continue;
+        MemberFault(id, "hang detector",
+                    fmt::format("has not reached the collective of step {} {:.0f} ms after the first member did "
+                                "(the last of the recent steps' arrivals came at most {:.0f} ms after the first)",
+                                arrival_step_, lag, normal),
+                    out);
+        return;
+      }
     }
   }
   // Step progress: someone has waited in a collective far longer than a step

@@ -93,6 +93,17 @@ struct ControllerOptions {
   std::vector<control::FaultSpec> faults;  // injected faults, fired once each
   // A grow waits this long for all the capacity it needs, to change once.
   Millis grow_gather{3'000};
+  // Bounds on the phases before a worker trains (docs/recovery.md, "Bounds"):
+  // the job must form within forming_timeout of its start (or restart), and a
+  // spare started later must join within join_timeout of its start, or it is
+  // killed and replaced.
+  Millis forming_timeout{300'000};
+  Millis join_timeout{300'000};
+  // Hang detection from the members' arrival at each step's collective: a
+  // member that has not arrived hang_factor × the recent arrival spread
+  // (but at least hang_floor) after the first member did is hung.
+  double hang_factor = 8.0;
+  Millis hang_floor{500};
 };
 
 // ---- events ----
@@ -106,14 +117,16 @@ struct RecoveredReceived { int worker_id; control::RecoveredMsg msg; };
 struct InjectedReceived { int worker_id; control::InjectedMsg msg; };
 struct ConnectionLost { int worker_id; std::string reason; };
 struct ProcessExited { int worker_id; int64_t pid; int exit_code; int signal; };  // signal 0: exited normally
+// The launcher saw the process stop (SIGSTOP, SIGTSTP: a frozen worker).
+struct ProcessStopped { int worker_id; int64_t pid; int signal; };
 struct Tick {};
 // A request to change the world size: {"world_size": N}, {"release": N} or {"grow": N} (POST /scale).
 struct ScaleRequest { int request_id; nlohmann::json body; std::string source; };
 // The launcher was told to stop (SIGINT, SIGTERM): end the job now.
 struct Interrupted { std::string how; };
 using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived, FailureReported,
-                           ReadyReceived, RecoveredReceived, InjectedReceived, ConnectionLost, ProcessExited, Tick,
-                           ScaleRequest, Interrupted>;
+                           ReadyReceived, RecoveredReceived, InjectedReceived, ConnectionLost, ProcessExited,
+                           ProcessStopped, Tick, ScaleRequest, Interrupted>;
 
 // ---- actions ----
 struct SendPlan { int worker_id; control::PlanMsg plan; };
@@ -144,6 +157,7 @@ struct WorkerInfo {
   int64_t last_step = -1;
   int64_t waiting_ms = -1;
   Clock::time_point last_heard{};
+  bool stopped = false;  // the launcher saw its process stop
   std::string how_it_ended;  // set when its process exited
 };
 
@@ -209,6 +223,7 @@ class Controller {
   void On(const InjectedReceived& e, std::vector<Action>* out);
   void On(const ConnectionLost& e, std::vector<Action>* out);
   void On(const ProcessExited& e, std::vector<Action>* out);
+  void On(const ProcessStopped& e, std::vector<Action>* out);
   void On(const Tick& e, std::vector<Action>* out);
   void On(const ScaleRequest& e, std::vector<Action>* out);
   void On(const Interrupted& e, std::vector<Action>* out);
@@ -224,6 +239,15 @@ class Controller {
   bool IsLiveMember(const WorkerInfo& w) const {
     return w.role == WorkerRole::kMember || w.role == WorkerRole::kFinished;
   }
+  // A worker of any role stopped answering (frozen, heartbeats gone): it is
+  // killed, and replaced according to its role.
+  void WorkerUnresponsive(int worker_id, const std::string& kind, const std::string& detail,
+                          std::vector<Action>* out);
+  // Emits SpawnWorker and remembers that the worker must join in time.
+  void Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out);
+  void CheckJoinDeadlines(std::vector<Action>* out);
+  void CheckHeartbeats(std::vector<Action>* out);
+  void RecordArrival(WorkerInfo& w, int64_t step, int64_t waiting_ms);
   // A member failed: it leaves the membership (and is killed); recovery starts or continues.
   void MemberFault(int worker_id, const std::string& kind, const std::string& detail, std::vector<Action>* out);
   void SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out);
@@ -267,6 +291,18 @@ class Controller {
   std::optional<Clock::time_point> last_change_at_;
   std::optional<Clock::time_point> grow_waiting_since_;
   std::deque<Clock::time_point> change_times_;
+  struct AwaitedJoin {
+    bool spare = false;
+    std::optional<Clock::time_point> since;  // unset: since the job started
+  };
+  std::map<int, AwaitedJoin> awaiting_join_;  // spawned workers that have not joined yet
+  Clock::time_point forming_since_{};         // when the current forming phase began
+  int refill_failures_ = 0;                   // spares that died before joining, in a row
+  // Arrival of the members at the collective of step `arrival_step_`
+  // (worker id → when), and the recent spreads between first and last arrival.
+  int64_t arrival_step_ = -1;
+  std::map<int, Clock::time_point> arrivals_;
+  std::deque<double> arrival_spreads_ms_;
 };
 
 }  // namespace nonstop::controller

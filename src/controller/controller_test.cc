@@ -120,6 +120,7 @@ TEST_F(ControllerTest, SilentMemberIsDetectedByHeartbeatTimeoutAndKilled) {
   now_ += Millis(600);  // worker 1 silent for 1.2 s > 1 s
   Do(HeartbeatReceived{0, {2, -1}});
   Do(HeartbeatReceived{2, {2, -1}});
+  Do(HeartbeatReceived{3, {-1, -1}});  // the spare is watched too
   auto actions = Do(Tick{});
   auto kills = Find<KillWorker>(actions);
   ASSERT_EQ(kills.size(), 1u);
@@ -134,6 +135,7 @@ TEST_F(ControllerTest, WatchdogFindsTheMemberStuckOutsideTheCollective) {
   Do(HeartbeatReceived{0, {3, 2500}});
   Do(HeartbeatReceived{2, {3, 2500}});
   Do(HeartbeatReceived{1, {3, -1}});
+  Do(HeartbeatReceived{3, {-1, -1}});
   auto kills = Find<KillWorker>(Do(Tick{}));
   ASSERT_EQ(kills.size(), 1u);
   EXPECT_EQ(kills[0].worker_id, 1);
@@ -144,6 +146,7 @@ TEST_F(ControllerTest, MemberThatDoesNotAbortInTimeIsKilledAndTheRecoveryGoesOn)
   Do(ProcessExited{2, 1002, -1, 9});
   Ready(0, 4);
   now_ += Millis(2100);  // rank 1 never answers
+  Do(HeartbeatReceived{3, {-1, -1}});  // the spare is alive
   auto actions = Do(Tick{});
   auto kills = Find<KillWorker>(actions);
   ASSERT_EQ(kills.size(), 1u);
@@ -271,6 +274,149 @@ TEST_F(ControllerTest, WorkerDyingBeforeJoinFailsTheForming) {
   auto ends = Find<EndJob>(Do(ProcessExited{1, 1001, 127, 0}));
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_NE(ends[0].reason.find("before joining"), std::string::npos);
+}
+
+// ---- hardening (issue 8): every worker watched in every phase
+
+TEST_F(ControllerTest, SpareThatGoesSilentIsKilledReplacedAndNeverPromoted) {
+  StartJob();
+  now_ += Millis(1200);  // the members speak, the spare (worker 3) does not
+  for (int id : {0, 1, 2}) Do(HeartbeatReceived{id, {1, -1}});
+  auto actions = Do(Tick{});
+  auto kills = Find<KillWorker>(actions);
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 3);
+  auto spawns = Find<SpawnWorker>(actions);
+  ASSERT_EQ(spawns.size(), 1u);
+  EXPECT_TRUE(spawns[0].spare);
+  EXPECT_NE(spawns[0].worker_id, 3);
+  EXPECT_TRUE(Find<SendAbort>(actions).empty()) << "losing a spare is no recovery";
+  // A member dies now: the hung spare must not take its rank.
+  Do(ProcessExited{2, 1002, -1, 9});
+  Ready(0, 1);
+  auto plans = Find<SendPlan>(Ready(1, 1));
+  ASSERT_EQ(plans.size(), 2u);
+  for (const auto& m : plans[0].plan.members) EXPECT_NE(m.worker_id, 3);
+}
+
+TEST_F(ControllerTest, StoppedProcessIsAFaultAtOnceWhateverItsRole) {
+  StartJob();
+  auto actions = Do(ProcessStopped{1, 1001, SIGSTOP});
+  auto kills = Find<KillWorker>(actions);
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 1);
+  EXPECT_EQ(Find<SendAbort>(actions).size(), 2u);
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
+  // A stopped spare is replaced, and not used by the recovery in progress.
+  actions = Do(ProcessStopped{3, 1003, SIGSTOP});
+  ASSERT_EQ(Find<KillWorker>(actions).size(), 1u);
+  ASSERT_EQ(Find<SpawnWorker>(actions).size(), 1u);
+  Ready(0, 4);
+  auto plans = Find<SendPlan>(Ready(2, 4));
+  ASSERT_EQ(plans.size(), 2u) << "shrink: the stopped spare is not promoted";
+}
+
+TEST_F(ControllerTest, HangDetectorFindsAMemberFarBehindTheUsualArrivalSpread) {
+  StartJob();
+  // Ten normal steps: everyone reaches the collective within 20 ms.
+  for (int64_t step = 0; step < 10; ++step) {
+    for (int id : {0, 1, 2}) {
+      Do(HeartbeatReceived{id, {step - 1, 0}});
+      now_ += Millis(10);
+    }
+    now_ += Millis(100);
+    for (int id : {0, 1, 2}) Step(id, step);
+    Do(HeartbeatReceived{3, {-1, -1}});
+  }
+  // Step 10: ranks 0 and 2 arrive; rank 1 still computes (its heartbeats go on).
+  Do(HeartbeatReceived{0, {9, 0}});
+  Do(HeartbeatReceived{2, {9, 0}});
+  now_ += Millis(300);
+  for (int id : {1, 3}) Do(HeartbeatReceived{id, {id == 1 ? 9 : -1, -1}});
+  EXPECT_TRUE(Find<KillWorker>(Do(Tick{})).empty()) << "300 ms is within max(500 ms, 8 × 20 ms)";
+  now_ += Millis(300);
+  for (int id : {1, 3}) Do(HeartbeatReceived{id, {id == 1 ? 9 : -1, -1}});
+  auto actions = Do(Tick{});
+  auto kills = Find<KillWorker>(actions);
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 1);
+  bool journaled = false;
+  for (const auto& j : Find<AppendJournal>(actions)) {
+    journaled = journaled || (j.record["event"] == "fault" && j.record["kind"] == "hang detector");
+  }
+  EXPECT_TRUE(journaled);
+}
+
+TEST_F(ControllerTest, WorkerThatHangsWhileTheJobFormsIsReplacedByASpare) {
+  Join(0);
+  Join(3, true);
+  now_ += Millis(1200);  // worker 0 silent
+  Do(HeartbeatReceived{3, {-1, -1}});
+  auto actions = Do(Tick{});
+  auto kills = Find<KillWorker>(actions);
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 0);
+  ASSERT_EQ(Find<SpawnWorker>(actions).size(), 1u) << "the pool refills";
+  Join(1);
+  auto plans = Find<SendPlan>(Join(2));
+  ASSERT_EQ(plans.size(), 3u);
+  EXPECT_EQ(plans[0].plan.members[0].worker_id, 1);
+  EXPECT_EQ(plans[0].plan.members[2].worker_id, 3) << "the spare took the hung worker's place";
+}
+
+TEST_F(ControllerTest, JobThatDoesNotFormInTimeEndsNamingTheMissingWorkers) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.forming_timeout = Millis(5000);
+  c_ = std::make_unique<Controller>(o);
+  Join(0);
+  Join(2);
+  std::vector<EndJob> ends;
+  for (int i = 0; i < 6 && ends.empty(); ++i) {
+    now_ += Millis(900);
+    Do(HeartbeatReceived{0, {-1, -1}});
+    Do(HeartbeatReceived{2, {-1, -1}});
+    ends = Find<EndJob>(Do(Tick{}));
+    if (i < 5) EXPECT_TRUE(ends.empty()) << "ended early, at " << (i + 1) * 900 << " ms";
+  }
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
+  EXPECT_NE(ends[0].reason.find("did not form within 5 s"), std::string::npos) << ends[0].reason;
+  EXPECT_NE(ends[0].reason.find("[1]"), std::string::npos) << ends[0].reason;
+  ASSERT_EQ(c_->phase(), JobPhase::kEnded);
+}
+
+TEST_F(ControllerTest, SpareThatNeverJoinsIsKilledAndReplaced) {
+  ControllerOptions o;
+  o.world_size = 2;
+  o.spares = 1;
+  o.join_timeout = Millis(3000);
+  o.heartbeat_timeout = Millis(100'000);
+  c_ = std::make_unique<Controller>(o);
+  Join(0);
+  Join(1);  // worker 2, the spare, never joins
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  now_ += Millis(3100);
+  auto actions = Do(Tick{});
+  auto kills = Find<KillWorker>(actions);
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 2);
+  auto spawns = Find<SpawnWorker>(actions);
+  ASSERT_EQ(spawns.size(), 1u);
+  EXPECT_TRUE(spawns[0].spare);
+  EXPECT_GT(spawns[0].worker_id, 2);
+}
+
+TEST_F(ControllerTest, HugeScaleRequestIsRefusedWithoutOverflow) {
+  StartJob();
+  for (const char* body : {R"({"grow": 2147483647})", R"({"grow": 18446744073709551615})", R"({"world_size": -5})",
+                           R"({"release": 9223372036854775807})"}) {
+    auto actions = Do(ScaleRequest{1, nlohmann::json::parse(body), "test"});
+    auto replies = Find<ScaleReply>(actions);
+    ASSERT_EQ(replies.size(), 1u) << body;
+    EXPECT_EQ(replies[0].http_status, 400) << body;
+  }
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
 }
 
 }  // namespace

@@ -17,6 +17,9 @@ namespace nonstop::controller {
 
 class Journal {
  public:
+  // Starts a new journal at `path`. A journal already there (an earlier job's)
+  // is never truncated: it is renamed to "<stem>-<UTC time>[-N]<ext>" beside it
+  // first (rotated_to() names it), so every job's record is kept.
   static Result<std::unique_ptr<Journal>> Open(const std::string& path);
   ~Journal();
   Journal(const Journal&) = delete;
@@ -24,6 +27,8 @@ class Journal {
 
   void Append(nlohmann::json record);
   const std::string& path() const { return path_; }
+  // Where the previous journal at path() went; empty if there was none.
+  const std::string& rotated_to() const { return rotated_to_; }
 
   // Reads a journal back (for reports and tests); malformed lines are errors naming the line.
   static Result<std::vector<nlohmann::json>> Read(const std::string& path);
@@ -32,6 +37,7 @@ class Journal {
   Journal(std::string path, std::FILE* f) : path_(std::move(path)), file_(f) {}
   std::string path_;
   std::FILE* file_;
+  std::string rotated_to_;
 };
 
 }  // namespace nonstop::controller

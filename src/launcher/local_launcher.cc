@@ -32,8 +32,14 @@ void WriteAll(int fd, std::string_view s) {
 
 }  // namespace
 
-LocalLauncher::LocalLauncher(net::EventLoop* loop, PrefixFn prefix, ExitFn on_exit)
-    : loop_(loop), prefix_(std::move(prefix)), on_exit_(std::move(on_exit)) {}
+LocalLauncher::LocalLauncher(net::EventLoop* loop, PrefixFn prefix, ExitFn on_exit, StopFn on_stop,
+                             OutputWriter* out, OutputWriter* err)
+    : loop_(loop), prefix_(std::move(prefix)), on_exit_(std::move(on_exit)), on_stop_(std::move(on_stop)) {
+  if (out == nullptr) own_out_ = std::make_unique<OutputWriter>(STDOUT_FILENO);
+  if (err == nullptr) own_err_ = std::make_unique<OutputWriter>(STDERR_FILENO);
+  out_ = out != nullptr ? out : own_out_.get();
+  err_ = err != nullptr ? err : own_err_.get();
+}
 
 LocalLauncher::~LocalLauncher() {
   for (auto& [id, c] : children_) {
@@ -119,7 +125,7 @@ void LocalLauncher::Emit(Child& c, bool is_err, std::string_view text, bool flus
     out += prefix + partial + "\n";
     partial.clear();
   }
-  if (!out.empty()) WriteAll(is_err ? STDERR_FILENO : STDOUT_FILENO, out);
+  if (!out.empty()) (is_err ? err_ : out_)->Write(out);
 }
 
 void LocalLauncher::OnOutput(Child& c, bool is_err) {
@@ -155,6 +161,22 @@ void LocalLauncher::OnExit(Child& c) {
   int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
   on_exit_(c.worker_id, c.pid, code, sig);
+}
+
+void LocalLauncher::PollStopped() {
+  for (auto& [id, c] : children_) {
+    if (c->exited) continue;
+    siginfo_t info{};
+    // WSTOPPED | WCONTINUED without WEXITED: never reaps (exits go through the pidfd).
+    if (::waitid(P_PID, static_cast<id_t>(c->pid), &info, WSTOPPED | WCONTINUED | WNOHANG) != 0) continue;
+    if (info.si_pid == 0) continue;
+    if (info.si_code == CLD_STOPPED && !c->stopped) {
+      c->stopped = true;
+      if (on_stop_) on_stop_(c->worker_id, c->pid, info.si_status);
+    } else if (info.si_code == CLD_CONTINUED) {
+      c->stopped = false;
+    }
+  }
 }
 
 void LocalLauncher::Signal(int worker_id, int sig) {

@@ -3,10 +3,13 @@
 //
 // Each child gets its own stdout/stderr pipes; their lines are forwarded with
 // a prefix ("[rank 2] ", "[spare 4] ") that the caller chooses at the time the
-// line is printed, so a line shows the rank the worker holds then. A child's
-// exit is seen at once through a pidfd (no polling of waitpid), and the child
-// gets SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG), so no worker
-// outlives its job.
+// line is printed, so a line shows the rank the worker holds then. Forwarded
+// output goes through a bounded OutputWriter: a reader that does not keep up
+// loses lines (counted), never blocks the loop. A child's exit is seen at once
+// through a pidfd (no polling of waitpid); a child that is stopped (SIGSTOP, a
+// frozen process) is seen by PollStopped() (waitid WSTOPPED), which the caller
+// runs on its timer. The child gets SIGKILL if the launcher itself dies
+// (PR_SET_PDEATHSIG), so no worker outlives its job.
 #pragma once
 
 #include <sys/types.h>
@@ -20,6 +23,7 @@
 
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "launcher/output_writer.h"
 #include "net/event_loop.h"
 
 namespace nonstop::launcher {
@@ -36,8 +40,12 @@ class LocalLauncher {
   using PrefixFn = std::function<std::string(int worker_id)>;
   // exit_code is valid when signal == 0.
   using ExitFn = std::function<void(int worker_id, pid_t pid, int exit_code, int signal)>;
+  using StopFn = std::function<void(int worker_id, pid_t pid, int signal)>;
 
-  LocalLauncher(net::EventLoop* loop, PrefixFn prefix, ExitFn on_exit);
+  // `out` and `err` receive the children's prefixed lines; by default
+  // (nullptr) writers on this process's stdout and stderr.
+  LocalLauncher(net::EventLoop* loop, PrefixFn prefix, ExitFn on_exit, StopFn on_stop = nullptr,
+                OutputWriter* out = nullptr, OutputWriter* err = nullptr);
   ~LocalLauncher();
   LocalLauncher(const LocalLauncher&) = delete;
   LocalLauncher& operator=(const LocalLauncher&) = delete;
@@ -48,6 +56,9 @@ class LocalLauncher {
   Status Renice(int worker_id, int nice);
   void SignalAll(int sig);
   int running() const;
+  // Reports (once per stop) children that are stopped by a signal. Cheap: one
+  // waitid per child. Call it every few tens of milliseconds.
+  void PollStopped();
   pid_t pid(int worker_id) const;
 
  private:
@@ -58,6 +69,7 @@ class LocalLauncher {
     UniqueFd out, err;
     std::string out_partial, err_partial;
     bool exited = false;
+    bool stopped = false;  // reported stopped, not continued since
   };
   void OnOutput(Child& c, bool is_err);
   void OnExit(Child& c);
@@ -66,6 +78,10 @@ class LocalLauncher {
   net::EventLoop* const loop_;  // owned by the caller; outlives this
   PrefixFn prefix_;
   ExitFn on_exit_;
+  StopFn on_stop_;
+  std::unique_ptr<OutputWriter> own_out_, own_err_;  // when the caller gave none
+  OutputWriter* out_;  // the caller's or own_out_; outlives this
+  OutputWriter* err_;
   std::map<int, std::unique_ptr<Child>> children_;  // by worker id
 };
 

@@ -11,6 +11,10 @@ void EventLoop::Watch(int fd, short events, Handler handler) {
 
 void EventLoop::Unwatch(int fd) { handlers_.erase(fd); }
 
+void EventLoop::SetEvents(int fd, short events) {
+  if (auto it = handlers_.find(fd); it != handlers_.end()) it->second.events = events;
+}
+
 void EventLoop::RunOnce(Millis max_wait) {
   std::vector<pollfd> fds;
   std::vector<uint64_t> ids;

@@ -23,6 +23,9 @@ class EventLoop {
 
   void Watch(int fd, short events, Handler handler);
   void Unwatch(int fd);
+  // Changes the events a watched descriptor waits for (e.g. adds POLLOUT
+  // while an output queue is not empty); no-op if `fd` is not watched.
+  void SetEvents(int fd, short events);
   bool watching(int fd) const { return handlers_.count(fd) > 0; }
 
   // Waits up to `max_wait` for readiness and runs the handlers of ready descriptors.

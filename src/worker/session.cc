@@ -21,9 +21,15 @@
 #include "net/frame.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "worker/session_testing.h"
 #include "worker/state_transfer.h"
 
 namespace nonstop {
+
+namespace testing {
+std::function<void()> before_collective_hook;
+std::function<void(uint16_t)> control_frame_hook;
+}  // namespace testing
 
 Result<SessionOptions> SessionOptions::FromEnvironment() {
   SessionOptions o;
@@ -45,6 +51,19 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     return InvalidArgumentError("NONSTOP_WORKER_ID='" + id + "' is not an integer");
   }
   o.spare = get("NONSTOP_SPARE") == "1";
+  for (auto [name, field] : {std::pair{"NONSTOP_JOIN_TIMEOUT_MS", &o.join_timeout},
+                             std::pair{"NONSTOP_CONTROLLER_TIMEOUT_MS", &o.controller_timeout}}) {
+    std::string v = get(name);
+    if (v.empty()) continue;
+    try {
+      size_t used = 0;
+      long long ms = std::stoll(v, &used);
+      if (used != v.size() || ms <= 0) throw std::invalid_argument(v);
+      *field = std::chrono::milliseconds(ms);
+    } catch (...) {
+      return InvalidArgumentError(fmt::format("{}='{}' is not a positive number of milliseconds", name, v));
+    }
+  }
   if (!get("NONSTOP_DATA_HOST").empty()) o.data_host = get("NONSTOP_DATA_HOST");
   return o;
 }
@@ -64,7 +83,7 @@ class SessionImpl {
 
   Status Start() {
     NONSTOP_ASSIGN_OR_RETURN(net::HostPort where, net::ParseHostPort(options_.controller_address));
-    Deadline deadline = DeadlineAfter(Millis(30'000));
+    Deadline deadline = DeadlineAfter(options_.join_timeout);
     NONSTOP_ASSIGN_OR_RETURN(control_fd_, net::Dial(where, deadline));
     net::Hello hello;
     hello.kind = net::ConnectionKind::kControl;
@@ -93,25 +112,31 @@ class SessionImpl {
   void IoLoop(std::stop_token st) {
     net::FrameDecoder decoder;
     Deadline next_heartbeat = Clock::now();
+    Clock::time_point heard_at = Clock::now();  // the last frame from the controller
     while (!st.stop_requested()) {
       if (Clock::now() >= next_heartbeat) {
-        int64_t since = collective_since_ms_.load();
-        control::HeartbeatMsg hb{state_step_.load(), since < 0 ? -1 : NowMs() - since};
-        (void)SendControl(control::kMsgHeartbeat, control::Encode(hb));
+        SendHeartbeat();
         next_heartbeat = DeadlineAfter(options_.heartbeat_interval);
       }
       pollfd fds[2] = {{control_fd_.get(), POLLIN, 0}, {stop_signal_.fd(), POLLIN, 0}};
-      int rc = ::poll(fds, 2, PollTimeoutMs(next_heartbeat));
-      if (rc <= 0 || !(fds[0].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      char buf[16 << 10];
-      ssize_t n = ::recv(control_fd_.get(), buf, sizeof(buf), 0);
-      if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-      Status s = n > 0 ? decoder.Feed(std::string_view(buf, static_cast<size_t>(n)))
-                       : UnavailableError("controller closed the connection");
-      while (s.ok()) {
-        auto f = decoder.Next();
-        if (!f) break;
-        s = OnControlFrame(*f);
+      int rc = ::poll(fds, 2, PollTimeoutMs(std::min(next_heartbeat, heard_at + options_.controller_timeout)));
+      Status s;
+      if (rc > 0 && (fds[0].revents & (POLLIN | POLLHUP | POLLERR))) {
+        char buf[16 << 10];
+        ssize_t n = ::recv(control_fd_.get(), buf, sizeof(buf), 0);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        s = n > 0 ? decoder.Feed(std::string_view(buf, static_cast<size_t>(n)))
+                  : UnavailableError("controller closed the connection");
+        if (n > 0) heard_at = Clock::now();
+        while (s.ok()) {
+          auto f = decoder.Next();
+          if (!f) break;
+          s = OnControlFrame(*f);
+          if (testing::control_frame_hook) testing::control_frame_hook(f->type);
+        }
+      } else if (Clock::now() - heard_at > options_.controller_timeout) {
+        s = UnavailableError(fmt::format("heard nothing from the controller for {} ms",
+                                         std::chrono::duration_cast<Millis>(Clock::now() - heard_at).count()));
       }
       if (!s.ok()) {
         NONSTOP_LOG_ERROR("lost the controller: {}", s.ToString());
@@ -124,8 +149,16 @@ class SessionImpl {
     }
   }
 
+  void SendHeartbeat() {
+    int64_t since = collective_since_ms_.load();
+    control::HeartbeatMsg hb{state_step_.load(), since < 0 ? -1 : std::max<int64_t>(0, NowMs() - since)};
+    (void)SendControl(control::kMsgHeartbeat, control::Encode(hb));
+  }
+
   Status OnControlFrame(const net::Frame& f) {
     switch (f.type) {
+      case control::kMsgPing:
+        return OkStatus();
       case control::kMsgPlan: {
         NONSTOP_ASSIGN_OR_RETURN(control::PlanMsg plan, control::DecodePlan(f.payload));
         std::lock_guard<std::mutex> lock(mu_);
@@ -189,14 +222,10 @@ class SessionImpl {
       }
       control::PlanMsg plan;
       {
+        // As long as the controller lives (its pings keep controller_lost_
+        // false): a spare may wait for days.
         std::unique_lock<std::mutex> lock(mu_);
-        Deadline deadline = DeadlineAfter(options_.join_timeout);
-        while (!(plan_ && plan_->generation > after_generation) && !shutdown_ && !controller_lost_) {
-          if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-            return DeadlineExceededError(fmt::format("worker {} waited {} s for a plan from the controller",
-                                                     options_.worker_id, options_.join_timeout.count() / 1000));
-          }
-        }
+        cv_.wait(lock, [&] { return (plan_ && plan_->generation > after_generation) || shutdown_ || controller_lost_; });
         if (shutdown_) {
           return CancelledError(fmt::format("the job ended (exit code {}): {}", shutdown_->exit_code, shutdown_->reason));
         }
@@ -311,6 +340,9 @@ class SessionImpl {
       case control::FaultKind::kDrop:
         comm_->InjectDropOfNextRingLink();
         break;
+      case control::FaultKind::kStall:
+        // The training thread stops for good; the I/O thread still sends heartbeats.
+        while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
       default:
         break;
     }
@@ -319,12 +351,21 @@ class SessionImpl {
   void MaybeInjectBeforeCollective() {
     int rank = comm_->rank();
     int64_t step = state_step_.load() + 1;
-    for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang, control::FaultKind::kDrop}) {
+    for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang, control::FaultKind::kDrop,
+                      control::FaultKind::kStall}) {
       if (auto f = TakeFault(control::FaultPoint::kStep, step, rank, kind)) Fire(*f);
     }
   }
 
-  Status AllReduce(std::span<float> data) {
+  // Every collective goes through here. The drain check and the mark that a
+  // collective is in flight happen under mu_, in one critical section, and the
+  // I/O thread's Drain handler reads the mark under mu_ too: so a Drain either
+  // is seen here (the collective is not entered) or sees the mark (and aborts
+  // the collective). Before, a Drain landing between the check and the mark
+  // left this member blocked in a collective its peers had left.
+  template <typename Op>
+  Status RunCollective(Op op, bool at_step_boundary) {
+    if (at_step_boundary) MaybeInjectBeforeCollective();  // a stall stops here, before it arrives
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (drain_ && comm_->generation() == drain_->generation && state_step_.load() >= drain_->after_step) {
@@ -334,12 +375,21 @@ class SessionImpl {
         comm_->Abort(s.message());
         return s;
       }
+      collective_since_ms_.store(NowMs());
     }
-    MaybeInjectBeforeCollective();
-    collective_since_ms_.store(NowMs());
-    Status s = comm_->AllReduce(data);
+    if (testing::before_collective_hook) testing::before_collective_hook();
+    if (at_step_boundary) {
+      // Tell the controller at once that this member reached the step's
+      // collective: the arrival spread is how hangs are found (docs/recovery.md).
+      SendHeartbeat();
+    }
+    Status s = op();
     collective_since_ms_.store(-1);
     return s;
+  }
+
+  Status AllReduce(std::span<float> data) {
+    return RunCollective([&] { return comm_->AllReduce(data); }, /*at_step_boundary=*/true);
   }
 
   Status Finish(int64_t last_step, const std::string& checksum) {
@@ -410,8 +460,12 @@ int64_t Session::resume_step() const { return impl_->resume_step_; }
 int Session::worker_id() const { return impl_->options_.worker_id; }
 
 Status Session::AllReduce(std::span<float> data) { return impl_->AllReduce(data); }
-Status Session::Broadcast(std::span<std::byte> data, int root) { return impl_->comm().Broadcast(data, root); }
-Status Session::Barrier() { return impl_->comm().Barrier(); }
+Status Session::Broadcast(std::span<std::byte> data, int root) {
+  return impl_->RunCollective([&] { return impl_->comm().Broadcast(data, root); }, /*at_step_boundary=*/false);
+}
+Status Session::Barrier() {
+  return impl_->RunCollective([&] { return impl_->comm().Barrier(); }, /*at_step_boundary=*/false);
+}
 
 void Session::ReportStep(const StepReport& r) {
   impl_->state_step_.store(r.step);

@@ -128,8 +128,37 @@ TEST_F(RecoveryTest, HungWorkerIsDetectedKilledAndReplaced) {
   ExpectRecovered(job, 1);
   auto faults = job.Events("fault");
   ASSERT_GE(faults.size(), 1u);
-  EXPECT_EQ(faults[0]["kind"], "heartbeat timeout") << faults[0].dump();
+  // The launcher sees the stop itself (waitid WSTOPPED) long before heartbeats are missed.
+  EXPECT_EQ(faults[0]["kind"], "process stopped") << faults[0].dump();
   EXPECT_EQ(faults[0]["rank"], 1);
+}
+
+TEST_F(RecoveryTest, StalledTrainingThreadIsFoundByTheArrivalSpreadHangDetector) {
+  // Its I/O thread keeps sending heartbeats: only the members' arrival at the
+  // step's collective tells that rank 1 is stuck.
+  Job job = RunJob(dir_, "stall", 4, 1, {"stall:rank=1,step=20"}, 40, {"--heartbeat-timeout-ms", "1000"});
+  ExpectRecovered(job, 1);
+  auto faults = job.Events("fault");
+  ASSERT_GE(faults.size(), 1u);
+  EXPECT_EQ(faults[0]["kind"], "hang detector") << faults[0].dump();
+  EXPECT_EQ(faults[0]["rank"], 1);
+}
+
+TEST_F(RecoveryTest, SpareWaitsLongerThanItsJoinTimeoutAndTakesARankLater) {
+  // Before, a spare waited for its plan at most join_timeout and then exited;
+  // now it waits as long as the controller pings it.
+  ::setenv("NONSTOP_JOIN_TIMEOUT_MS", "1000", 1);
+  Job job = RunJob(dir_, "late-spare", 3, 1, {"kill:rank=1,time=3"}, 1000);
+  ::unsetenv("NONSTOP_JOIN_TIMEOUT_MS");
+  ASSERT_EQ(job.code, 0) << job.output;
+  ASSERT_EQ(job.Events("recovery_end").size(), 1u) << job.output;
+  auto rec = job.Events("recovery_end")[0]["recovery"];
+  ASSERT_EQ(rec["replacements"].size(), 1u) << rec.dump();
+  EXPECT_NE(rec["replacements"][0].get<std::string>().find("spare worker 3"), std::string::npos)
+      << "the original spare, still alive after 3 s: " << rec.dump();
+  int exits_of_3 = 0;
+  for (const auto& e : job.Events("exit")) exits_of_3 += e["worker_id"] == 3 && e["how"] != "exited with code 0" ? 1 : 0;
+  EXPECT_EQ(exits_of_3, 0) << job.output;
 }
 
 TEST_F(RecoveryTest, ExceptionInTheTrainingLoopIsReplaced) {
@@ -184,7 +213,7 @@ TEST_F(RecoveryTest, TimedHangFromTheLauncher) {
   ASSERT_EQ(job.code, 0) << job.output;
   EXPECT_EQ(job.checksum, clean.checksum) << job.output;
   ASSERT_EQ(job.Events("recovery_end").size(), 1u) << job.output;
-  EXPECT_EQ(job.Events("fault")[0]["kind"], "heartbeat timeout");
+  EXPECT_EQ(job.Events("fault")[0]["kind"], "process stopped");
 }
 
 }  // namespace

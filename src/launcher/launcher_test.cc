@@ -1,0 +1,105 @@
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "launcher/local_launcher.h"
+#include "launcher/output_writer.h"
+
+namespace nonstop::launcher {
+namespace {
+
+std::string ReadAvailable(int fd) {
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  std::string all;
+  char buf[65536];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof(buf))) > 0) all.append(buf, static_cast<size_t>(n));
+  return all;
+}
+
+TEST(OutputWriterTest, ReaderThatTakesNothingNeverBlocksTheWriterAndLossIsReported) {
+  int p[2];
+  ASSERT_EQ(::pipe(p), 0);
+  uint64_t dropped = 0;
+  {
+    OutputWriter w(p[1], /*max_buffered=*/1 << 20, /*final_flush=*/Millis(200));
+    std::string line(1000, 'x');
+    line += '\n';
+    for (int i = 0; i < 10'000; ++i) w.Write(line);  // 10 MB into a 64 KiB pipe nobody reads
+    dropped = w.dropped_bytes();
+    EXPECT_GT(dropped, 0u);
+    // The reader wakes up: what was kept comes out, then a line says what was lost.
+    std::string got;
+    for (int i = 0; i < 200 && got.find("were dropped") == std::string::npos; ++i) {
+      got += ReadAvailable(p[0]);
+      ::usleep(10'000);
+    }
+    EXPECT_NE(got.find("were dropped: the reader of this stream is not keeping up"), std::string::npos);
+  }
+  ::close(p[0]);
+  ::close(p[1]);
+}
+
+TEST(LocalLauncherTest, ChildExitIsSeenWhileTheOutputReaderIsStuck) {
+  int p[2];
+  ASSERT_EQ(::pipe(p), 0);
+  net::EventLoop loop;
+  OutputWriter out(p[1], 1 << 20, Millis(100));
+  OutputWriter err(p[1], 1 << 20, Millis(100));
+  int exit_code = -100;
+  LocalLauncher launcher(
+      &loop, [](int) { return std::string("[w] "); },
+      [&](int, pid_t, int code, int) { exit_code = code; }, nullptr, &out, &err);
+  ChildSpec spec;
+  spec.worker_id = 1;
+  // ~8 MB of lines, far more than the pipe and the writer's buffer hold.
+  spec.argv = {"/bin/sh", "-c", "yes 0123456789012345678901234567890123456789 | head -c 8000000; exit 3"};
+  ASSERT_TRUE(launcher.Spawn(spec).ok());
+  Deadline until = DeadlineAfter(Millis(30'000));
+  while (exit_code == -100 && Clock::now() < until) loop.RunOnce(Millis(20));
+  EXPECT_EQ(exit_code, 3);
+  EXPECT_GT(out.dropped_bytes(), 0u);
+  ::close(p[0]);  // the writers give up on the closed pipe at destruction
+}
+
+TEST(LocalLauncherTest, StoppedChildIsReportedOncePerStop) {
+  net::EventLoop loop;
+  std::vector<int> stops;
+  bool exited = false;
+  LocalLauncher launcher(
+      &loop, [](int) { return std::string(); }, [&](int, pid_t, int, int) { exited = true; },
+      [&](int id, pid_t, int sig) { stops.push_back(sig); });
+  ChildSpec spec;
+  spec.worker_id = 4;
+  spec.argv = {"/bin/sleep", "30"};
+  auto pid = launcher.Spawn(spec);
+  ASSERT_TRUE(pid.ok());
+  auto poll_for = [&](Millis d) {
+    Deadline until = DeadlineAfter(d);
+    while (Clock::now() < until) {
+      loop.RunOnce(Millis(10));
+      launcher.PollStopped();
+    }
+  };
+  poll_for(Millis(100));
+  EXPECT_TRUE(stops.empty());
+  ::kill(*pid, SIGSTOP);
+  poll_for(Millis(300));
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_EQ(stops[0], SIGSTOP);
+  ::kill(*pid, SIGCONT);
+  poll_for(Millis(200));
+  ::kill(*pid, SIGSTOP);
+  poll_for(Millis(300));
+  EXPECT_EQ(stops.size(), 2u);
+  launcher.Signal(4, SIGKILL);
+  Deadline until = DeadlineAfter(Millis(5000));
+  while (!exited && Clock::now() < until) loop.RunOnce(Millis(10));
+  EXPECT_TRUE(exited);
+}
+
+}  // namespace
+}  // namespace nonstop::launcher

@@ -1,0 +1,56 @@
+// OutputWriter: forwards text to a file descriptor (the launcher's stdout or
+// stderr) from its own thread, through a bounded buffer, so that the event
+// loop that produces the text never blocks on a slow or stuck reader (a
+// terminal scrolled back, `nonstop run | less`, a full pipe).
+//
+// When the buffer is full, whole writes are dropped and counted; the next
+// time the reader catches up, one line says how much was lost. At
+// destruction what is buffered is written out, waiting at most
+// `final_flush` for a reader that takes nothing.
+//
+// Thread-safety: Write() may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+
+#include "common/time.h"
+
+namespace nonstop::launcher {
+
+class OutputWriter {
+ public:
+  explicit OutputWriter(int fd, size_t max_buffered = 4u << 20, Millis final_flush = Millis(2'000));
+  ~OutputWriter();
+  OutputWriter(const OutputWriter&) = delete;
+  OutputWriter& operator=(const OutputWriter&) = delete;
+
+  // Queues `text`; never blocks on the reader. Dropped whole if the buffer is full.
+  void Write(std::string_view text);
+  uint64_t dropped_bytes() const;
+
+ private:
+  void Run();
+  // Writes all of `text`; once stopping, gives up (false) after final_flush_.
+  bool WriteOut(std::string_view text);
+
+  const int fd_;  // not owned
+  const size_t max_buffered_;
+  const Millis final_flush_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::string buffer_;           // guarded by mu_
+  uint64_t dropped_bytes_ = 0;   // guarded by mu_
+  uint64_t dropped_writes_ = 0;  // guarded by mu_
+  uint64_t reported_bytes_ = 0;  // guarded by mu_: drops already reported
+  bool stopping_ = false;        // guarded by mu_
+  std::atomic<bool> stop_requested_{false};  // stopping_, readable without the lock
+  std::thread thread_;           // last: started after the members it uses
+};
+
+}  // namespace nonstop::launcher
