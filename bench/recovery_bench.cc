@@ -11,16 +11,10 @@
 // fault destroys by definition). Per run: steps redone, wall time against the
 // fault-free run, goodput (distinct steps × normal step time / wall time).
 // Output: a table, a JSON file and an SVG plot of steps over wall time.
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <map>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -28,8 +22,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "bench/bench_util.h"
 #include "common/args.h"
-#include "controller/journal.h"
 
 namespace nonstop::bench {
 namespace {
@@ -37,105 +31,24 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-std::string SelfDir() {
-  std::error_code ec;
-  auto p = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? "." : p.parent_path().string();
-}
-
-int RunCommand(const std::vector<std::string>& argv, const std::string& log) {
-  fmt::print("$");
-  for (const auto& a : argv) fmt::print(" {}", a);
-  fmt::print("\n");
-  std::fflush(stdout);
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    FILE* f = std::freopen(log.c_str(), "w", stdout);
-    (void)f;
-    ::dup2(STDOUT_FILENO, STDERR_FILENO);
-    std::vector<char*> args;
-    std::vector<std::string> copy = argv;
-    for (auto& a : copy) args.push_back(a.data());
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    _exit(127);
-  }
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-struct StepEvent {
-  int64_t step;
-  double t;  // seconds since the job started
-};
-
-struct Fault {
-  std::string spec;
-  int64_t step = -1;
-  double t = 0;
-};
-
-struct RunResult {
+struct RunResult : JournalSummary {
   std::string name;
   int exit_code = -1;
-  double wall = 0;
-  std::vector<StepEvent> steps;
-  std::vector<Fault> faults;
-  int64_t redone = 0;
-  int64_t distinct = 0;
-  std::vector<double> downtimes;  // per fault, seconds
-  std::string checksum;
-  json recoveries = json::array();
+  std::vector<double> downtimes;  // per injected fault, seconds (-1: the step never completed)
 };
 
-RunResult ReadJournal(const std::string& name, const std::string& path, int exit_code) {
+RunResult ReadRun(const std::string& name, const std::string& path, int exit_code) {
   RunResult r;
+  auto summary = ReadJournalSummary(path);
+  if (summary.ok()) static_cast<JournalSummary&>(r) = std::move(*summary);
+  else fmt::print(stderr, "  {}: {}\n", name, summary.status().ToString());
   r.name = name;
   r.exit_code = exit_code;
-  auto records = controller::Journal::Read(path);
-  if (!records.ok()) return r;
-  double t0 = -1;
-  std::map<int64_t, int> seen;
-  for (const auto& j : *records) {
-    double t = j["time_us"].get<double>() / 1e6;
-    std::string ev = j.value("event", "");
-    if (ev == "job_start") t0 = t;
-    if (t0 < 0) continue;
-    if (ev == "step") {
-      int64_t s = j["step"];
-      r.steps.push_back({s, t - t0});
-      if (seen[s]++ > 0) ++r.redone;
-    } else if (ev == "fault_injected") {
-      Fault f;
-      f.spec = j["fault"];
-      std::smatch m;
-      if (std::regex_search(f.spec, m, std::regex("step=(\\d+)"))) f.step = std::stoll(m[1]);
-      f.t = t - t0;
-      r.faults.push_back(f);
-    } else if (ev == "job_end") {
-      r.wall = t - t0;
-      std::smatch m;
-      std::string reason = j["reason"];
-      if (std::regex_search(reason, m, std::regex("checksum ([0-9a-f]{8})"))) r.checksum = m[1];
-    } else if (ev == "recovery_end") {
-      r.recoveries.push_back(j["recovery"]);
-    }
-  }
-  r.distinct = static_cast<int64_t>(seen.size());
   return r;
 }
 
-double MedianInterval(const std::vector<StepEvent>& steps) {
-  std::vector<double> d;
-  for (size_t i = 1; i < steps.size(); ++i) d.push_back(steps[i].t - steps[i - 1].t);
-  if (d.empty()) return 0;
-  std::sort(d.begin(), d.end());
-  return d[d.size() / 2];
-}
-
 void ComputeDowntimes(RunResult* r, double normal_step) {
-  for (const Fault& f : r->faults) {
+  for (const InjectedFault& f : r->injected) {
     double done = -1;
     for (const auto& s : r->steps) {
       if (s.step == f.step && s.t > f.t) {
@@ -145,18 +58,6 @@ void ComputeDowntimes(RunResult* r, double normal_step) {
     }
     r->downtimes.push_back(done < 0 ? -1 : std::max(0.0, done - f.t - normal_step));
   }
-}
-
-double Mean(const std::vector<double>& v) {
-  double s = 0;
-  int n = 0;
-  for (double x : v) {
-    if (x >= 0) {
-      s += x;
-      ++n;
-    }
-  }
-  return n ? s / n : -1;
 }
 
 std::string Svg(const std::vector<RunResult>& runs, const std::vector<std::string>& colors, const std::string& title) {
@@ -195,7 +96,7 @@ std::string Svg(const std::vector<RunResult>& runs, const std::vector<std::strin
     std::string pts;
     for (const auto& s : r.steps) pts += fmt::format("{:.1f},{:.1f} ", X(s.t), Y(static_cast<double>(s.step + 1)));
     svg += fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n", colors[i], pts);
-    for (const auto& f : r.faults) {
+    for (const auto& f : r.injected) {
       svg += fmt::format("<line x1='{0:.1f}' y1='{1}' x2='{0:.1f}' y2='{2}' stroke='{3}' stroke-dasharray='5,4'/>"
                          "<text x='{4:.1f}' y='{5}' fill='{3}' font-size='11'>✕ {6}</text>\n",
                          X(f.t), T, H - B, colors[i], X(f.t) + 3, T + 12 + 14 * static_cast<double>(label++), f.spec);
@@ -245,14 +146,14 @@ int Main(int argc, char** argv) {
     argv.push_back("--");
     argv.insert(argv.end(), program.begin(), program.end());
     int code = RunCommand(argv, out + "/" + name + ".log");
-    RunResult r = ReadJournal(name, journal, code);
+    RunResult r = ReadRun(name, journal, code);
     fmt::print("  {}: exit {}, {:.1f} s, {} steps ({} redone)\n", name, code, r.wall, r.steps.size(), r.redone);
     std::fflush(stdout);
     return r;
   };
 
   RunResult clean = run("fault-free", {"--spares", "0", "--inject", "none"});
-  double normal = MedianInterval(clean.steps);
+  double normal = MedianStepInterval(clean.steps);
   if (mtbf <= 0) mtbf = clean.wall / (nfaults + 1);
   RunResult cpl = run("checkpointless", {"--spares", std::to_string(spares), "--inject", faults});
   std::string ckpt_dir = out + "/checkpoints";
@@ -275,17 +176,17 @@ int Main(int argc, char** argv) {
     fmt::print("{:<20} {:>8} {:>10.1f} {:>+11.1f}% {:>9} {:>8.1f}%  {}\n", r->name, r->exit_code, r->wall,
                clean.wall > 0 ? 100.0 * (r->wall / clean.wall - 1) : 0.0, r->redone, 100 * goodput, dts.empty() ? "-" : dts);
     json faults_j = json::array();
-    for (size_t i = 0; i < r->faults.size(); ++i) {
-      faults_j.push_back({{"spec", r->faults[i].spec}, {"at_s", r->faults[i].t},
+    for (size_t i = 0; i < r->injected.size(); ++i) {
+      faults_j.push_back({{"spec", r->injected[i].spec}, {"at_s", r->injected[i].t},
                           {"downtime_ms", r->downtimes.size() > i && r->downtimes[i] >= 0 ? json(r->downtimes[i] * 1000) : json(nullptr)}});
     }
     runs.push_back({{"name", r->name}, {"exit_code", r->exit_code}, {"wall_s", r->wall},
                     {"steps_completed_events", r->steps.size()}, {"distinct_steps", r->distinct},
                     {"steps_redone", r->redone}, {"goodput", goodput}, {"checksum", r->checksum},
-                    {"mean_downtime_ms", Mean(r->downtimes) < 0 ? json(nullptr) : json(Mean(r->downtimes) * 1000)},
+                    {"mean_downtime_ms", MeanOfMeasured(r->downtimes) < 0 ? json(nullptr) : json(MeanOfMeasured(r->downtimes) * 1000)},
                     {"faults", faults_j}, {"recoveries", r->recoveries}});
   }
-  double a = Mean(cpl.downtimes), b = Mean(cpr.downtimes);
+  double a = MeanOfMeasured(cpl.downtimes), b = MeanOfMeasured(cpr.downtimes);
   json summary = {{"normal_step_s", normal}, {"mtbf_s", mtbf}};
   if (a >= 0 && b > 0) {
     fmt::print("\ndowntime per fault: checkpointless {:.0f} ms vs checkpoint-restart {:.0f} ms: ratio {:.4f}, "

@@ -1,0 +1,141 @@
+#include "bench/bench_util.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <regex>
+
+#include <fmt/format.h>
+
+#include "controller/journal.h"
+
+namespace nonstop::bench {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string SelfDir() {
+  std::error_code ec;
+  auto p = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? "." : p.parent_path().string();
+}
+
+Result<pid_t> StartCommand(const std::vector<std::string>& argv, const std::string& log) {
+  if (argv.empty()) return InvalidArgumentError("no program to start");
+  fmt::print("$");
+  for (const auto& a : argv) fmt::print(" {}", a);
+  fmt::print("\n");
+  std::fflush(stdout);
+  pid_t pid = ::fork();
+  if (pid < 0) return UnavailableError(fmt::format("cannot fork to start {}", argv[0]));
+  if (pid == 0) {
+    FILE* f = std::freopen(log.c_str(), "w", stdout);
+    (void)f;
+    ::dup2(STDOUT_FILENO, STDERR_FILENO);
+    std::vector<char*> args;
+    std::vector<std::string> copy = argv;
+    for (auto& a : copy) args.push_back(a.data());
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+int WaitCommand(pid_t pid) {
+  int status = 0;
+  if (::waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+int RunCommand(const std::vector<std::string>& argv, const std::string& log) {
+  auto pid = StartCommand(argv, log);
+  if (!pid.ok()) {
+    fmt::print(stderr, "{}\n", pid.status().ToString());
+    return 127;
+  }
+  return WaitCommand(*pid);
+}
+
+Result<JournalSummary> ReadJournalSummary(const std::string& path) {
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<json> records, controller::Journal::Read(path));
+  JournalSummary r;
+  double t0 = -1;
+  std::map<int64_t, int> seen;
+  std::string reason_checksum;
+  for (auto& j : records) {
+    double t = j.value("time_us", 0.0) / 1e6;
+    std::string ev = j.value("event", "");
+    if (ev == "job_start" && t0 < 0) {
+      t0 = t;
+      r.start_epoch_s = t;
+    }
+    if (t0 < 0) continue;
+    j["t"] = t - t0;
+    if (ev == "step") {
+      int64_t s = j.value("step", int64_t{-1});
+      r.steps.push_back({s, t - t0});
+      if (seen[s]++ > 0) ++r.redone;
+    } else if (ev == "fault_injected") {
+      InjectedFault f;
+      f.spec = j.value("fault", "");
+      f.worker_id = j.value("worker_id", -1);
+      std::smatch m;
+      if (std::regex_search(f.spec, m, std::regex("step=(\\d+)"))) f.step = std::stoll(m[1]);
+      f.t = t - t0;
+      r.injected.push_back(f);
+    } else if (ev == "finished") {
+      std::string c = j.value("checksum", "");
+      if (!r.checksum.empty() && c != r.checksum) r.checksums_agree = false;
+      if (r.checksum.empty()) r.checksum = c;
+    } else if (ev == "job_end") {
+      r.wall = t - t0;
+      r.journal_exit_code = j.value("exit_code", -1);
+      std::smatch m;
+      std::string reason = j.value("reason", "");
+      if (std::regex_search(reason, m, std::regex("checksum ([0-9a-f]{8})"))) reason_checksum = m[1];
+    } else if (ev == "recovery_end" && j.contains("recovery")) {
+      r.recoveries.push_back(j["recovery"]);
+    }
+    r.records.push_back(j);
+  }
+  if (t0 < 0) return NotFoundError(fmt::format("journal {} has no job_start record: did the job start?", path));
+  if (r.checksum.empty()) r.checksum = reason_checksum;
+  r.distinct = static_cast<int64_t>(seen.size());
+  return r;
+}
+
+double MedianStepInterval(const std::vector<StepEvent>& steps) {
+  std::vector<double> d;
+  for (size_t i = 1; i < steps.size(); ++i) d.push_back(steps[i].t - steps[i - 1].t);
+  if (d.empty()) return 0;
+  std::sort(d.begin(), d.end());
+  return d[d.size() / 2];
+}
+
+double Percentile(std::vector<double> values, double p) {
+  if (values.empty()) return -1;
+  std::sort(values.begin(), values.end());
+  double rank = std::ceil(p / 100.0 * static_cast<double>(values.size()));
+  size_t i = rank < 1 ? 0 : static_cast<size_t>(rank) - 1;
+  return values[std::min(i, values.size() - 1)];
+}
+
+double MeanOfMeasured(const std::vector<double>& values) {
+  double s = 0;
+  int n = 0;
+  for (double x : values) {
+    if (x >= 0) {
+      s += x;
+      ++n;
+    }
+  }
+  return n ? s / n : -1;
+}
+
+}  // namespace nonstop::bench
