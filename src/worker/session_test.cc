@@ -1,0 +1,171 @@
+// Session against a scripted controller on loopback: the control-plane races
+// that the multi-process tests cannot drive deterministically.
+#include "nonstop/session.h"
+
+#include <gtest/gtest.h>
+#include <poll.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "collective/peer_mesh.h"
+#include "control/messages.h"
+#include "net/frame.h"
+#include "net/handshake.h"
+#include "net/socket.h"
+#include "worker/session_testing.h"
+
+namespace nonstop {
+namespace {
+
+// A controller that accepts one worker, and a silent second member (a real
+// data port that accepts connections but never takes part in a collective).
+class ScriptedJob {
+ public:
+  ScriptedJob() {
+    auto l = net::Listen({"127.0.0.1", 0});
+    NONSTOP_CHECK(l.ok());
+    listener_ = std::move(*l);
+    collective::PeerMeshOptions mo;
+    mo.job_token = "tok";
+    mo.worker_id = 1;
+    auto mesh = collective::PeerMesh::Create(mo);
+    NONSTOP_CHECK(mesh.ok());
+    peer_ = std::move(*mesh);
+  }
+
+  std::string address() const { return listener_.address.ToString(); }
+
+  // Accepts the worker's control connection and answers its join with a
+  // plan of two members: the worker (rank 0) and the silent peer (rank 1).
+  void AcceptAndPlan() {
+    NONSTOP_CHECK(net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept").ok());
+    auto fd = net::Accept(listener_.fd.get());
+    NONSTOP_CHECK(fd.ok());
+    control_ = std::move(*fd);
+    auto hello = net::ServerHandshake(control_.get(), "tok", net::ConnectionKind::kControl,
+                                      DeadlineAfter(Millis(5000)), nullptr);
+    NONSTOP_CHECK(hello.ok()) << hello.status().ToString();
+    control::JoinMsg join;
+    while (true) {
+      auto f = net::ReadFrame(control_.get(), DeadlineAfter(Millis(5000)), nullptr);
+      NONSTOP_CHECK(f.ok()) << f.status().ToString();
+      if (f->type != control::kMsgJoin) continue;
+      join = *control::DecodeJoin(f->payload);
+      break;
+    }
+    control::PlanMsg plan;
+    plan.generation = 1;
+    plan.resume_step = 0;
+    plan.reason = "start";
+    plan.members = {{join.worker_id, join.data_address}, {1, peer_->address().ToString()}};
+    Send(control::kMsgPlan, control::Encode(plan));
+  }
+
+  void Send(uint16_t type, const std::string& payload) {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    NONSTOP_CHECK(net::WriteFrame(control_.get(), type, payload, DeadlineAfter(Millis(5000)), nullptr).ok());
+  }
+
+  // Reads and drops what the worker sends (heartbeats, progress), so that its writes never block.
+  void StartDraining() {
+    drain_thread_ = std::jthread([this](std::stop_token st) {
+      while (!st.stop_requested()) {
+        auto f = net::ReadFrame(control_.get(), DeadlineAfter(Millis(100)), nullptr);
+        if (!f.ok() && f.status().code() != StatusCode::kDeadlineExceeded) return;
+      }
+    });
+  }
+
+ private:
+  net::Listener listener_;
+  std::unique_ptr<collective::PeerMesh> peer_;
+  UniqueFd control_;
+  std::mutex write_mu_;
+  std::jthread drain_thread_;
+};
+
+TEST(SessionTest, DrainArrivingJustAsTheCollectiveStartsEndsItInsteadOfBlocking) {
+  ScriptedJob job;
+  std::thread controller([&] { job.AcceptAndPlan(); });
+  state::StateRegistry state;
+  std::vector<float> params(16, 1.0f);
+  state.Register("params", std::as_writable_bytes(std::span(params)));
+  SessionOptions o;
+  o.controller_address = job.address();
+  o.job_token = "tok";
+  o.worker_id = 0;
+  o.timeout_collective = Millis(3000);  // what a member left blocked would wait for
+  auto session = Session::Join(o, &state);
+  controller.join();
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  job.StartDraining();
+  (*session)->ReportStep({0, 1.0, 0.1, 1});  // step 0 complete: the boundary after step 0 is next
+
+  // The Drain for the boundary after step 0 lands in the window between the
+  // Session's drain check and the start of the collective of step 1; the
+  // hook waits until the I/O thread has handled it.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool drained = false;
+  testing::control_frame_hook = [&](uint16_t type) {
+    if (type != control::kMsgDrain) return;
+    std::lock_guard<std::mutex> lock(mu);
+    drained = true;
+    cv.notify_all();
+  };
+  testing::before_collective_hook = [&] {
+    job.Send(control::kMsgDrain, control::Encode(control::DrainMsg{1, 0, "resize on request"}));
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return drained; });
+  };
+  std::vector<float> grads(16, 1.0f);
+  Status s = (*session)->AllReduce(grads);
+  testing::before_collective_hook = nullptr;
+  testing::control_frame_hook = nullptr;
+  // Before the fix the member stayed in a collective its peers had left (the
+  // silent peer here) until timeout_collective: DEADLINE_EXCEEDED, a planned
+  // resize turned into a fault.
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_NE(s.message().find("step boundary"), std::string::npos) << s.ToString();
+}
+
+TEST(SessionTest, BarrierAndBroadcastHonourADrainLikeAllReduce) {
+  ScriptedJob job;
+  std::thread controller([&] { job.AcceptAndPlan(); });
+  state::StateRegistry state;
+  std::vector<float> params(4, 1.0f);
+  state.Register("params", std::as_writable_bytes(std::span(params)));
+  SessionOptions o;
+  o.controller_address = job.address();
+  o.job_token = "tok";
+  o.worker_id = 0;
+  o.timeout_collective = Millis(3000);
+  auto session = Session::Join(o, &state);
+  controller.join();
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  job.StartDraining();
+  (*session)->ReportStep({0, 1.0, 0.1, 1});
+  std::mutex mu;
+  std::condition_variable cv;
+  bool drained = false;
+  testing::control_frame_hook = [&](uint16_t type) {
+    if (type != control::kMsgDrain) return;
+    std::lock_guard<std::mutex> lock(mu);
+    drained = true;
+    cv.notify_all();
+  };
+  job.Send(control::kMsgDrain, control::Encode(control::DrainMsg{1, 0, "resize on request"}));
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return drained; });
+  }
+  testing::control_frame_hook = nullptr;
+  EXPECT_EQ((*session)->Barrier().code(), StatusCode::kAborted);
+  std::vector<std::byte> buf(8);
+  EXPECT_EQ((*session)->Broadcast(buf, 0).code(), StatusCode::kAborted);
+}
+
+}  // namespace
+}  // namespace nonstop
