@@ -272,6 +272,15 @@ int RunCommand::Execute() {
                       {"program", program}, {"policy", core.PolicyJson()}});
 
   std::set<int> niced;  // spares still at low priority
+  // A refill warms up at a low priority only if it can be given normal
+  // priority back when it takes a rank: an ordinary user cannot raise a
+  // priority (CAP_SYS_NICE), and a worker stuck at nice 10 would be a
+  // straggler for the rest of the job.
+  const bool low_priority_refills = launcher::LocalLauncher::CanRestorePriority();
+  if (!low_priority_refills && spares_ > 0) {
+    out.Write("[nonstop] spares that refill the pool warm up at normal priority: this user cannot raise a process's "
+              "priority back when it takes a rank (that needs CAP_SYS_NICE or `ulimit -e 20`)\n");
+  }
   auto spawn = [&](int id, bool spare, bool resume, bool background) -> Status {
     launcher::ChildSpec spec;
     spec.worker_id = id;
@@ -290,7 +299,7 @@ int RunCommand::Execute() {
     // A spare started in the background (refilling the pool while the job
     // trains) warms up at a low priority, so that it does not slow the job's
     // steps; it gets normal priority when it takes a rank.
-    if (background) {
+    if (background && low_priority_refills) {
       spec.nice = 10;
       niced.insert(id);
     }

@@ -198,6 +198,26 @@ Status LocalLauncher::Renice(int worker_id, int nice) {
   return OkStatus();
 }
 
+bool LocalLauncher::CanRestorePriority() {
+  // RLIMIT_NICE lets an unprivileged process go down to nice 20 - rlim_cur.
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NICE, &rl) == 0 && (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= 20)) return true;
+  // CAP_SYS_NICE (bit 23) in the effective set; root has it unless dropped.
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return false;
+  char line[256];
+  bool can = false;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned long long caps = 0;
+    if (std::sscanf(line, "CapEff: %llx", &caps) == 1) {
+      can = (caps >> 23) & 1ULL;
+      break;
+    }
+  }
+  std::fclose(f);
+  return can;
+}
+
 void LocalLauncher::SignalAll(int sig) {
   for (auto& [id, c] : children_) {
     if (!c->exited) ::kill(c->pid, sig);

@@ -54,6 +54,11 @@ class LocalLauncher {
   void Signal(int worker_id, int sig);
   // Sets a running worker's niceness (a spare promoted to a rank goes back to 0).
   Status Renice(int worker_id, int nice);
+  // Whether this process may raise a child's priority back to nice 0 after
+  // lowering it (root, CAP_SYS_NICE, or an RLIMIT_NICE that allows it). An
+  // ordinary user may not: a worker started at a low priority would stay a
+  // straggler for good, so callers start workers at normal priority then.
+  static bool CanRestorePriority();
   void SignalAll(int sig);
   int running() const;
   // Reports (once per stop) children that are stopped by a signal. Cheap: one

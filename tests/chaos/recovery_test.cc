@@ -4,7 +4,9 @@
 // completed step being applied exactly once, so "equal to the fault-free
 // run" is the proof that nothing was lost or applied twice.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <map>
 #include <regex>
 #include <set>
@@ -214,6 +216,52 @@ TEST_F(RecoveryTest, TimedHangFromTheLauncher) {
   EXPECT_EQ(job.checksum, clean.checksum) << job.output;
   ASSERT_EQ(job.Events("recovery_end").size(), 1u) << job.output;
   EXPECT_EQ(job.Events("fault")[0]["kind"], "process stopped");
+}
+
+// A refill spare warms up at a low priority only where it can be given normal
+// priority back; run as an ordinary user (nobody, through setpriv, when the
+// test runs as root), a refill that takes a rank must train at nice 0, not
+// stay a straggler at nice 10.
+TEST_F(RecoveryTest, PromotedRefillTrainsAtNormalPriorityForAnOrdinaryUser) {
+  std::vector<std::string> prefix;
+  std::string bin = kBin;
+  if (::geteuid() == 0) {
+    ASSERT_EQ(::access("/usr/bin/setpriv", X_OK), 0) << "this test drops to user nobody with setpriv (util-linux)";
+    prefix = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"};
+    // nobody may not be able to reach the build tree: copy the two programs.
+    bin = dir_ / "bin";
+    std::filesystem::create_directories(bin);
+    for (const char* name : {"nonstop", "nonstop-test-worker"}) {
+      std::filesystem::copy_file(kBin + "/" + name, bin + "/" + name);
+    }
+    std::filesystem::permissions(dir_.path(), std::filesystem::perms::all);
+    std::filesystem::permissions(bin, std::filesystem::perms::all);
+  }
+  std::string journal = dir_ / "nice.jsonl";
+  std::vector<std::string> argv = prefix;
+  // The first kill takes the spare (worker 3) and starts refill 4 in the
+  // background; the second, later, promotes refill 4.
+  for (std::string a : {bin + "/nonstop", std::string("run"), std::string("--nproc"), std::string("3"),
+                        std::string("--spares"), std::string("1"), std::string("--journal"), journal,
+                        std::string("--inject"), std::string("kill:rank=1,step=10;kill:rank=2,step=250"),
+                        std::string("--"), bin + "/nonstop-test-worker", std::string("--steps"), std::string("300"),
+                        std::string("--elements"), std::string("20000"), std::string("--sleep-ms"), std::string("5")}) {
+    argv.push_back(a);
+  }
+  ChildProcess p(argv, dir_ / "nice.out");
+  int code = p.Wait(milliseconds(100'000));
+  std::string out = p.Output();
+  ASSERT_EQ(code, 0) << out;
+  auto records = controller::Journal::Read(journal);
+  ASSERT_TRUE(records.ok()) << records.status().ToString();
+  std::string promoted;
+  for (const auto& j : *records) {
+    if (j.value("event", "") != "recovery_end") continue;
+    for (const auto& r : j["recovery"]["replacements"]) promoted += r.get<std::string>() + "; ";
+  }
+  ASSERT_NE(promoted.find("spare worker 4"), std::string::npos) << "the refill took a rank: " << promoted;
+  EXPECT_NE(out.find("worker 4 finished at nice 0"), std::string::npos) << out;
+  EXPECT_EQ(out.find("keeps its low priority"), std::string::npos) << out;
 }
 
 }  // namespace
