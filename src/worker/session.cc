@@ -242,6 +242,7 @@ class SessionImpl {
 
   Result<int64_t> Adopt(const control::PlanMsg& plan) {
     auto t0 = Clock::now();
+    NONSTOP_RETURN_IF_ERROR(worker::ValidatePlan(plan, options_.worker_id));
     collective::CommunicatorOptions co;
     co.generation = plan.generation;
     co.rank = -1;

@@ -38,8 +38,9 @@ class ScriptedJob {
   std::string address() const { return listener_.address.ToString(); }
 
   // Accepts the worker's control connection and answers its join with a
-  // plan of two members: the worker (rank 0) and the silent peer (rank 1).
-  void AcceptAndPlan() {
+  // plan of two members: the worker (rank 0) and the silent peer (rank 1);
+  // `edit` may spoil it.
+  void AcceptAndPlan(std::function<void(control::PlanMsg&)> edit = nullptr) {
     NONSTOP_CHECK(net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept").ok());
     auto fd = net::Accept(listener_.fd.get());
     NONSTOP_CHECK(fd.ok());
@@ -60,7 +61,16 @@ class ScriptedJob {
     plan.resume_step = 0;
     plan.reason = "start";
     plan.members = {{join.worker_id, join.data_address}, {1, peer_->address().ToString()}};
+    if (edit) edit(plan);
     Send(control::kMsgPlan, control::Encode(plan));
+  }
+
+  // Waits for the worker's next message of `type`.
+  Result<net::Frame> Expect(uint16_t type) {
+    while (true) {
+      NONSTOP_ASSIGN_OR_RETURN(net::Frame f, net::ReadFrame(control_.get(), DeadlineAfter(Millis(10'000)), nullptr));
+      if (f.type == type) return f;
+    }
   }
 
   void Send(uint16_t type, const std::string& payload) {
@@ -165,6 +175,29 @@ TEST(SessionTest, BarrierAndBroadcastHonourADrainLikeAllReduce) {
   EXPECT_EQ((*session)->Barrier().code(), StatusCode::kAborted);
   std::vector<std::byte> buf(8);
   EXPECT_EQ((*session)->Broadcast(buf, 0).code(), StatusCode::kAborted);
+}
+
+TEST(SessionTest, PlanNamingASourceOutsideTheMembershipIsAnsweredWithAReasonNotACrash) {
+  ScriptedJob job;
+  std::string ready_reason;
+  std::thread controller([&] {
+    job.AcceptAndPlan([](control::PlanMsg& plan) { plan.transfers.push_back({0, {7}}); });  // worker 7 is no member
+    auto ready = job.Expect(control::kMsgReady);
+    ASSERT_TRUE(ready.ok()) << ready.status().ToString();
+    ready_reason = control::DecodeReady(ready->payload)->reason;
+    job.Send(control::kMsgShutdown, control::Encode(control::ShutdownMsg{"test over", 0}));
+  });
+  state::StateRegistry state;
+  std::vector<float> params(4, 1.0f);
+  state.Register("params", std::as_writable_bytes(std::span(params)));
+  SessionOptions o;
+  o.controller_address = job.address();
+  o.job_token = "tok";
+  o.worker_id = 0;
+  auto session = Session::Join(o, &state);
+  controller.join();
+  EXPECT_EQ(session.status().code(), StatusCode::kCancelled) << session.status().ToString();
+  EXPECT_NE(ready_reason.find("source worker 7 of receiver 0 is not a member"), std::string::npos) << ready_reason;
 }
 
 }  // namespace

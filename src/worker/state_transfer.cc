@@ -2,12 +2,14 @@
 
 #include <atomic>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "common/coding.h"
+#include "net/socket.h"
 #include "common/crc32c.h"
 
 namespace nonstop::worker {
@@ -137,6 +139,34 @@ std::string SourceName(const control::PlanMsg& plan, int rank) {
 }
 
 }  // namespace
+
+Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id) {
+  auto bad = [&](const std::string& what) {
+    return InvalidArgumentError(fmt::format("plan of generation {} is malformed: {}", plan.generation, what));
+  };
+  if (plan.members.empty()) return bad("it has no members");
+  if (plan.resume_step < 0) return bad(fmt::format("resume step {} is negative", plan.resume_step));
+  std::set<int> ids;
+  for (const auto& m : plan.members) {
+    if (m.worker_id < 0) return bad(fmt::format("member worker id {} is negative", m.worker_id));
+    if (!ids.insert(m.worker_id).second) return bad(fmt::format("worker {} is a member twice", m.worker_id));
+    if (!net::ParseHostPort(m.address).ok()) {
+      return bad(fmt::format("worker {}'s address '{}' is not host:port", m.worker_id, m.address));
+    }
+  }
+  if (!ids.count(my_worker_id)) return bad(fmt::format("it does not include this worker ({})", my_worker_id));
+  std::set<int> receivers;
+  for (const auto& t : plan.transfers) {
+    if (!ids.count(t.receiver)) return bad(fmt::format("receiver worker {} is not a member", t.receiver));
+    if (!receivers.insert(t.receiver).second) return bad(fmt::format("worker {} receives twice", t.receiver));
+    if (t.sources.empty()) return bad(fmt::format("worker {} receives from no source", t.receiver));
+    for (int src : t.sources) {
+      if (!ids.count(src)) return bad(fmt::format("source worker {} of receiver {} is not a member", src, t.receiver));
+      if (src == t.receiver) return bad(fmt::format("worker {} is its own source", src));
+    }
+  }
+  return OkStatus();
+}
 
 Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state::StateRegistry& reg,
                                           const control::PlanMsg& plan, int my_worker_id, const TransferHooks& hooks) {

@@ -38,7 +38,14 @@ struct TransferHooks {
   bool corrupt_first_chunk = false;
 };
 
-// Runs this worker's side of `plan.transfers`. The state must hold step
+// Checks a plan from the controller before anything acts on it: members with
+// distinct non-negative worker ids and parseable addresses, this worker among
+// them, every transfer's receiver and sources members of the plan (a source
+// is never its own receiver), a resume step >= 0. INVALID_ARGUMENT names what
+// is wrong; a worker answers a bad plan with a Status, never an abort.
+Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id);
+
+// Runs this worker's side of `plan.transfers` (a plan ValidatePlan accepted). The state must hold step
 // plan.resume_step - 1 if this worker is a source.
 Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state::StateRegistry& registry,
                                           const control::PlanMsg& plan, int my_worker_id, const TransferHooks& hooks);
