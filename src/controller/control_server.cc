@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "common/constant_time.h"
 #include "common/logging.h"
 #include "control/messages.h"
 #include "net/handshake.h"
@@ -32,15 +33,6 @@ std::string PeerAddress(int fd) {
     return fmt::format("[{}]:{}", host, ntohs(a->sin6_port));
   }
   return "unknown peer";
-}
-
-// Compares the job token without leaking, through timing, how much of it matched.
-bool TokenMatches(std::string_view presented, std::string_view expected) {
-  unsigned char diff = presented.size() == expected.size() ? 0 : 1;
-  for (size_t i = 0; i < presented.size(); ++i) {
-    diff |= static_cast<unsigned char>(presented[i] ^ (expected.empty() ? 0 : expected[i % expected.size()]));
-  }
-  return diff == 0;
 }
 
 }  // namespace
@@ -152,7 +144,7 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       auto hello = net::DecodeHello(f.payload);
       if (!hello.ok()) refusal = hello.status().message();
       else if (hello->proto_major != net::kProtocolMajor) refusal = fmt::format("protocol version {} is not supported", hello->proto_major);
-      else if (!TokenMatches(hello->job_token, token_)) refusal = "job token mismatch: this connection belongs to another job";
+      else if (!ConstantTimeEquals(hello->job_token, token_)) refusal = "job token mismatch: this connection belongs to another job";
       else if (hello->kind != net::ConnectionKind::kControl) refusal = "not a control connection";
     }
     if (!refusal.empty()) {
