@@ -117,6 +117,13 @@ struct Fault {
 
 bool Happened(const Fault& f) { return f.status == "sent" || f.status == "fired"; }
 
+// Steps the job is expected to take in its last --quiet-end seconds, when
+// `steps` fill the duration after `startup_s` of model build.
+int64_t QuietEndSteps(const SoakOptions& o, int64_t steps, double startup_s) {
+  double seconds_per_step = std::max(1e-3, (o.minutes * 60 - startup_s) / static_cast<double>(steps));
+  return static_cast<int64_t>(o.quiet_end / seconds_per_step);
+}
+
 // Plans the faults: the first after --quiet-start, then one every
 // min_gap..max_gap seconds, none in the last --quiet-end seconds. Injected
 // faults get the step the job is expected to be at by then.
@@ -127,7 +134,7 @@ std::vector<Fault> PlanFaults(const SoakOptions& o, int64_t steps, double startu
   std::uniform_int_distribution<int> rank(0, o.nproc - 1);
   const double duration = o.minutes * 60;
   const double seconds_per_step = std::max(1e-3, (duration - startup_s) / static_cast<double>(steps));
-  const auto last_step = static_cast<int64_t>(static_cast<double>(steps) - o.quiet_end / seconds_per_step);
+  const int64_t last_step = steps - 1 - QuietEndSteps(o, steps, startup_s);
   std::vector<Fault> faults;
   std::set<int64_t> used_steps;
   for (double t = o.quiet_start + first(rng); t <= duration - o.quiet_end; t += gap(rng)) {
@@ -244,8 +251,9 @@ void Send(Fault* f, const JobWatch& watch, pid_t job_pid) {
 }
 
 // The soak job: starts it, sends the outside faults on time, prints progress; returns its exit code.
+// A job that runs past 2 × the duration + 10 minutes is stopped (SIGTERM, then SIGKILL 30 s later).
 int RunSoakJob(const SoakOptions& o, const std::vector<std::string>& argv, const std::string& journal,
-               int64_t steps, std::vector<Fault>* faults, json* last_status) {
+               int64_t steps, int64_t quiet_steps, std::vector<Fault>* faults, json* last_status) {
   fs::remove(fs::path(journal).parent_path() / "job.json");
   auto started = StartCommand(argv, o.out + "/soak.log");
   if (!started.ok()) {
@@ -255,9 +263,8 @@ int RunSoakJob(const SoakOptions& o, const std::vector<std::string>& argv, const
   const pid_t job_pid = *started;
   const double start = NowEpoch();
   JobWatch watch((fs::path(journal).parent_path() / "job.json").string());
-  const double seconds_per_step = (o.minutes * 60 - o.quiet_start) / static_cast<double>(steps);
-  const auto quiet_steps = static_cast<int64_t>(o.quiet_end / std::max(1e-3, seconds_per_step));
-  double next_poll = 0, next_progress = o.progress_every;
+  const double give_up = 2 * o.minutes * 60 + 600;
+  double next_poll = 0, next_progress = o.progress_every, kill_at = -1;
   size_t next = 0;  // the next fault to consider
   while (true) {
     int status = 0;
@@ -267,6 +274,16 @@ int RunSoakJob(const SoakOptions& o, const std::vector<std::string>& argv, const
       return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     }
     double now = NowEpoch() - start;
+    if (now >= give_up && kill_at < 0) {
+      fmt::print("[soak] {} elapsed: the job is still running at 2 × the duration + 10 min: stopping it (SIGTERM)\n",
+                 MinSec(now));
+      std::fflush(stdout);
+      ::kill(job_pid, SIGTERM);
+      kill_at = now + 30;
+    } else if (kill_at >= 0 && now >= kill_at) {
+      ::kill(job_pid, SIGKILL);
+      kill_at = now + 1e9;
+    }
     if (now >= next_poll) {
       watch.Poll();
       next_poll = now + 1;
@@ -616,8 +633,8 @@ int Main(int argc, char** argv) {
   const std::string journal = o.out + "/soak.jsonl";
   json last_status;
   const double soak_start = NowEpoch();
-  int rc = RunSoakJob(o, job_argv("soak", o.spares, inject.empty() ? "none" : inject, steps), journal, steps, &faults,
-                      &last_status);
+  int rc = RunSoakJob(o, job_argv("soak", o.spares, inject.empty() ? "none" : inject, steps), journal, steps,
+                      QuietEndSteps(o, steps, startup_s), &faults, &last_status);
   const double soak_wall = NowEpoch() - soak_start;
   fmt::print("soak job: exit {}, {} wall\n", rc, MinSec(soak_wall));
   auto read = ReadJournalSummary(journal);
