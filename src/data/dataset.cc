@@ -41,8 +41,9 @@ Result<std::unique_ptr<Dataset>> Dataset::Open(const std::string& pattern, size_
     ds->shards_.push_back(std::move(shard));
   }
   if (ds->total_samples_ == 0) {
-    return InvalidArgumentError(fmt::format("data {} has {} tokens: too few for one sample of {} tokens", pattern,
-                                            ds->num_tokens_, seq_len + 1));
+    // seq_len + 1 tokens per sample, written so that no seq_len can wrap it around.
+    return InvalidArgumentError(fmt::format("data {} has {} tokens: too few for one sample of seq_len {} + 1 tokens",
+                                            pattern, ds->num_tokens_, seq_len));
   }
   return ds;
 }

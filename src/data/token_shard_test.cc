@@ -218,6 +218,18 @@ TEST(DatasetTest, SamplesAreConsecutiveWindows) {
   EXPECT_EQ(s5[0], 100);
 }
 
+TEST(DatasetTest, SeqLenLongerThanTheDataIsRefusedNamingIt) {
+  TempDir dir;
+  ASSERT_TRUE(WriteShardFile(dir / "s0.bin", std::vector<uint16_t>(50, 1), 256).ok());
+  for (size_t seq_len : {size_t{50}, SIZE_MAX}) {
+    auto ds = Dataset::Open(dir.path(), seq_len);
+    ASSERT_FALSE(ds.ok());
+    EXPECT_EQ(ds.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(ds.status().message().find("seq_len " + std::to_string(seq_len) + " + 1"), std::string::npos)
+        << ds.status().ToString();
+  }
+}
+
 TEST(DatasetTest, CorruptShardInDirectoryFailsOpen) {
   TempDir dir;
   ASSERT_TRUE(WriteShardFile(dir / "s0.bin", std::vector<uint16_t>(50, 1), 256).ok());

@@ -147,7 +147,7 @@ std::string CheckpointSaveResult::ToString() const {
 }
 
 CheckpointWriter::CheckpointWriter(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) {
-  thread_ = std::thread([this] { Run(); });
+  thread_ = std::jthread([this] { Run(); });
 }
 
 CheckpointWriter::~CheckpointWriter() {

@@ -125,7 +125,7 @@ class CheckpointWriter {
   Status last_status_;                           // guarded by mu_
   std::optional<CheckpointWriteStats> last_;     // guarded by mu_
   std::function<void(int64_t)> write_hook_;      // guarded by mu_
-  std::thread thread_;                           // last: started once the members above exist
+  std::jthread thread_;                          // last: started once the members above exist
 };
 
 // Writes one checkpoint synchronously (tests, tools).
