@@ -496,6 +496,24 @@ json FalseAlarms(const SoakOptions& o, const Analysis& a, const std::vector<Faul
   return out;
 }
 
+// Members the controller removed (journal "fault" records) that no fault targeted: a healthy worker
+// killed as collateral, e.g. one that did not abort in time during another fault's recovery.
+json Collateral(const SoakOptions& o, const JournalSummary& j, const std::vector<Fault>& faults) {
+  json out = json::array();
+  for (const json& r : j.records) {
+    if (r.value("event", "") != "fault") continue;
+    double t = r.value("t", 0.0);
+    bool targeted = std::any_of(faults.begin(), faults.end(), [&](const Fault& f) {
+      return Happened(f) && t >= f.t - 0.5 && t <= f.t + o.alarm_window &&
+             (r.value("worker_id", -2) == f.worker_id || r.value("pid", -2) == f.pid);
+    });
+    if (targeted) continue;
+    out.push_back({{"at_s", t}, {"kind", r.value("kind", "")}, {"worker_id", r.value("worker_id", -1)},
+                   {"rank", r.value("rank", -1)}, {"detail", r.value("detail", "")}});
+  }
+  return out;
+}
+
 json Stats(const std::vector<double>& v) {
   if (v.empty()) return {{"n", 0}};
   return {{"n", v.size()}, {"median", Percentile(v, 50)}, {"p95", Percentile(v, 95)},
@@ -647,6 +665,7 @@ int Main(int argc, char** argv) {
   Analysis a = Analyze(o, j);
   Attribute(o, j, a, normal_step_s, &faults);
   json alarms = FalseAlarms(o, a, faults);
+  json collateral = Collateral(o, j, faults);
 
   // 4. The fault-free reference.
   std::string reference = o.reference_checksum;
@@ -716,6 +735,12 @@ int Main(int argc, char** argv) {
   fmt::print("{:<28} {} used, {} refilled; the world shrank {} time(s) for want of a spare, {} resize(s)\n",
              "spares", a.used_spares.size(), a.spares_refilled, a.shrinks, a.resizes);
   fmt::print("{:<28} {}{}\n", "false alarms", alarms.size(), alarms.empty() ? "" : ": " + alarms.dump());
+  fmt::print("{:<28} {}", "collateral member losses", collateral.size());
+  for (const auto& c : collateral) {
+    fmt::print("; {:.0f} s rank {} (worker {}): {}", c["at_s"].get<double>(), c["rank"].get<int>(),
+               c["worker_id"].get<int>(), c["kind"].get<std::string>());
+  }
+  fmt::print("\n");
   fmt::print("{:<28} {} (last plan); spare pool {} (last /status)\n", "final world size", a.final_world,
              last_status.value("spares", -1));
   fmt::print("{:<28} {} vs fault-free {}: {}\n", "final checksum", j.checksum.empty() ? "none" : j.checksum,
@@ -737,7 +762,7 @@ int Main(int argc, char** argv) {
               {"downtime_ms", downtime_stats}, {"downtime_from_fault_ms", from_fault_stats},
               {"lost_steps", a.lost_steps}, {"steps_completed", j.distinct}, {"steps_missing", missing},
               {"steps_redone", j.redone}, {"spares_used", a.used_spares.size()},
-              {"spares_refilled", a.spares_refilled}, {"false_alarms", alarms}, {"final_world_size", a.final_world},
+              {"spares_refilled", a.spares_refilled}, {"false_alarms", alarms}, {"collateral", collateral}, {"final_world_size", a.final_world},
               {"final_spares", last_status.value("spares", -1)}, {"checksum", j.checksum},
               {"members_agree", j.checksums_agree}, {"reference_checksum", reference},
               {"reference_exit_code", reference_rc}, {"checksums_equal", same}, {"pass", pass}, {"faults", faults_j}};
