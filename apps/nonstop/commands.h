@@ -28,6 +28,7 @@ class RunCommand {
   int heartbeat_timeout_ms_ = 1000;
   int abort_timeout_ms_ = 2000;
   int join_timeout_ms_ = 300'000;
+  int refill_nice_ = 10;
   std::string http_host_ = "127.0.0.1";
   int http_port_ = 0;
   int min_world_ = 1;

@@ -72,6 +72,10 @@ void RunCommand::Register(CLI::App& app) {
   sub_->add_option("--abort-timeout-ms", abort_timeout_ms_,
                    "Members that have not aborted this long after a fault are killed and replaced")
       ->capture_default_str()->envname("NONSTOP_ABORT_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
+  sub_->add_option("--refill-nice", refill_nice_,
+                   "Niceness at which spares that refill the pool warm up while the job trains (0: normal priority; "
+                   "used only where the priority can be raised back when the spare takes a rank)")
+      ->capture_default_str()->envname("NONSTOP_REFILL_NICE")->check(CLI::Range(0, 19));
   sub_->add_option("--join-timeout-ms", join_timeout_ms_,
                    "The job must form within this long of its start, and a spare started later must join within it "
                    "(else it is killed and replaced)")
@@ -299,8 +303,8 @@ int RunCommand::Execute() {
     // A spare started in the background (refilling the pool while the job
     // trains) warms up at a low priority, so that it does not slow the job's
     // steps; it gets normal priority when it takes a rank.
-    if (background && low_priority_refills) {
-      spec.nice = 10;
+    if (background && low_priority_refills && refill_nice_ > 0) {
+      spec.nice = refill_nice_;
       niced.insert(id);
     }
     auto pid = launcher.Spawn(spec);

@@ -242,16 +242,17 @@ int Main(int argc, char** argv) {
   std::unique_ptr<state::CheckpointWriter> writer;
   if (!r.checkpoint.dir.empty()) writer = std::make_unique<state::CheckpointWriter>(r.checkpoint.dir, static_cast<int>(r.checkpoint.keep));
   int64_t every = r.checkpoint.every > 0 ? r.checkpoint.every : (mtbf_seconds > 0 ? 0 : 50);
+  bool timing_in_flight = false;  // every == 0: the first checkpoint is being written and timed
   auto maybe_checkpoint = [&](int64_t step, double step_seconds) {
     if (!writer || session.rank() != 0) return;
-    bool due = every == 0 || (step + 1) % every == 0 || step + 1 == r.train.steps;
-    if (!due) return;
-    state::CheckpointMeta meta{step, session.generation(), session.world_size(), r.name, flat.Checksum(), {}};
-    Status s = writer->Save(state, meta);
-    if (!s.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", s.ToString());
-    if (every == 0) {  // the timing checkpoint
-      s = writer->Wait();
+    bool last = step + 1 == r.train.steps;
+    if (every == 0 && timing_in_flight) {
+      // The timing checkpoint is written in the background: rank 0 never
+      // waits for the disk while the others wait in the next collective.
       auto st = writer->last_written();
+      if (!st && !last) return;
+      if (!st) (void)writer->Wait();
+      st = writer->last_written();
       double cost = st ? st->snapshot_seconds + st->write_seconds : 0;
       double optimum = std::sqrt(2.0 * cost * mtbf_seconds);
       every = std::max<int64_t>(1, static_cast<int64_t>(std::llround(optimum / std::max(step_seconds, 1e-6))));
@@ -259,6 +260,17 @@ int Main(int argc, char** argv) {
                  "a step takes {:.3f} s)\n", every, cost, mtbf_seconds, optimum, step_seconds);
       std::fflush(stdout);
     }
+    bool due = every == 0 || (step + 1) % every == 0 || last;
+    if (!due) return;
+    state::CheckpointMeta meta{step, session.generation(), session.world_size(), r.name, flat.Checksum(), {}};
+    state::CheckpointSaveResult saved = writer->TrySave(state, meta);
+    if (saved.skipped && last) {
+      // The final state must reach the disk: the job is ending, waiting is free.
+      (void)writer->Wait();
+      saved = writer->TrySave(state, meta);
+    }
+    if (!saved.earlier.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", saved.earlier.ToString());
+    if (every == 0 && !saved.skipped) timing_in_flight = true;
   };
 
   // A collective that fails means a fault somewhere: take part in the

@@ -513,7 +513,12 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
   open_recovery_ = recoveries_.size() - 1;
   phase_ = JobPhase::kRecovering;
   finished_ = 0;
-  abort_deadline_ = now_ + options_.abort_timeout;
+  // A healthy member answers the abort at its next check (between
+  // micro-batches, or its collective): never sooner than the step it is
+  // computing allows, so slow steps stretch the deadline.
+  abort_deadline_ = now_ + std::max(options_.abort_timeout,
+                                    std::chrono::duration_cast<Millis>(
+                                        std::chrono::duration<double>(1.5 * MedianStepSeconds())));
   control::AbortMsg abort{generation_, cause};
   for (int id : members_) {
     WorkerInfo& w = workers_[id];

@@ -83,8 +83,8 @@ struct ControllerOptions {
   int spares = 0;  // the size of the spare pool, refilled as spares are used
   // A member silent this long is declared failed (a hung or stopped process).
   Millis heartbeat_timeout{1'000};
-  // Members that have not aborted and answered Ready this long after the
-  // abort are killed (escalation).
+  // Members that have not aborted and answered Ready this long (or 1.5 ×
+  // the median step, if longer) after the abort are killed (escalation).
   Millis abort_timeout{2'000};
   // Step-progress watchdog: a member still computing while another has
   // waited in the step's collective for max(floor, factor × median step time).

@@ -419,5 +419,24 @@ TEST_F(ControllerTest, HugeScaleRequestIsRefusedWithoutOverflow) {
   EXPECT_EQ(c_->phase(), JobPhase::kRunning);
 }
 
+TEST_F(ControllerTest, AbortDeadlineStretchesWithSlowSteps) {
+  StartJob();
+  for (int64_t step = 0; step < 6; ++step) {  // 5 s steps
+    now_ += Millis(5000);
+    for (int id : {0, 1, 2}) Do(ProgressReceived{id, {step, 2.0, 5.0, 100, 3}});
+    Do(HeartbeatReceived{3, {-1, -1}});
+  }
+  Do(ProcessExited{2, 1002, -1, 9});
+  Ready(0, 5);
+  now_ += Millis(2100);  // past --abort-timeout-ms, but rank 1 is mid-step
+  Do(HeartbeatReceived{3, {-1, -1}});
+  EXPECT_TRUE(Find<KillWorker>(Do(Tick{})).empty()) << "a healthy member in a 5 s step must not be killed";
+  now_ += Millis(5600);  // 7.7 s > 1.5 × 5 s
+  Do(HeartbeatReceived{3, {-1, -1}});
+  auto kills = Find<KillWorker>(Do(Tick{}));
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 1);
+}
+
 }  // namespace
 }  // namespace nonstop::controller
