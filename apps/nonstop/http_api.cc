@@ -1,25 +1,493 @@
 #include "apps/nonstop/http_api.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cctype>
+#include <cerrno>
 #include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
 #include <fstream>
 #include <sstream>
 
 #include <fmt/format.h>
 
+#include "common/constant_time.h"
+#include "common/logging.h"
+#include "common/time.h"
+
 namespace nonstop::cli {
 
-Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int port, std::string journal_path) {
+namespace {
+
+constexpr size_t kMaxBodyBytes = 64 << 10;      // POST bodies; larger is 413
+constexpr size_t kMaxHeadBytes = 16 << 10;      // request line + headers; larger goes to httplib, which refuses it
+constexpr int kMaxWaitingConnections = 128;     // held by the gate; beyond it the oldest are closed
+constexpr size_t kMaxReadyConnections = 64;     // complete requests queued for a worker; beyond it 503
+constexpr int kWorkers = 4;
+constexpr Millis kRequestDeadline{3'000};       // to send the whole request (head and body)
+constexpr Millis kResponseDeadline{10'000};     // to read our response
+constexpr Millis kLingerDeadline{200};          // to drain what the client still sends after our response
+constexpr auto kScaleAnswerWait = std::chrono::seconds(10);
+
+std::string ErrorJson(const std::string& reason) { return nlohmann::json{{"error", reason}}.dump(); }
+
+void Reply(httplib::Response& res, int status, const std::string& reason) {
+  res.status = status;
+  res.set_content(ErrorJson(reason), "application/json");
+}
+
+// The canned answer of a connection the gate gives up on, sent without waiting.
+void SendRawError(int fd, int status, const char* phrase, const std::string& reason) {
+  std::string body = ErrorJson(reason);
+  std::string msg = fmt::format(
+      "HTTP/1.1 {} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}", status,
+      phrase, body.size(), body);
+  (void)::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+bool WaitFor(int fd, short events, Deadline deadline) {
+  while (true) {
+    pollfd p{fd, events, 0};
+    int rc = ::poll(&p, 1, PollTimeoutMs(deadline));
+    if (rc > 0) return true;
+    if (rc == 0) return false;
+    if (errno != EINTR) return false;
+  }
+}
+
+// An httplib stream over a request the gate has already read (at least its
+// head): it first replays those bytes, then reads the socket, every read and
+// write bounded by an absolute deadline, so a slow client cannot hold a
+// worker longer than kRequestDeadline + kResponseDeadline.
+class DeadlineStream : public httplib::Stream {
+ public:
+  DeadlineStream(int fd, std::string prefix)
+      : fd_(fd), prefix_(std::move(prefix)), read_deadline_(DeadlineAfter(kRequestDeadline)) {}
+
+  bool is_readable() const override { return pos_ < prefix_.size() || WaitFor(fd_, POLLIN, read_deadline_); }
+  bool is_writable() const override { return WaitFor(fd_, POLLOUT, WriteDeadline()); }
+
+  ssize_t read(char* ptr, size_t size) override {
+    if (pos_ < prefix_.size()) {
+      size_t n = std::min(size, prefix_.size() - pos_);
+      std::memcpy(ptr, prefix_.data() + pos_, n);
+      pos_ += n;
+      return static_cast<ssize_t>(n);
+    }
+    while (true) {
+      ssize_t n = ::recv(fd_, ptr, size, 0);
+      if (n >= 0) return n;
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+      if (!WaitFor(fd_, POLLIN, read_deadline_)) return -1;
+    }
+  }
+
+  ssize_t write(const char* ptr, size_t size) override {
+    while (true) {
+      ssize_t n = ::send(fd_, ptr, size, MSG_NOSIGNAL);
+      if (n >= 0) return n;
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+      if (!WaitFor(fd_, POLLOUT, WriteDeadline())) return -1;
+    }
+  }
+
+  void get_remote_ip_and_port(std::string& ip, int& port) const override {
+    Address(::getpeername, ip, port);
+  }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { Address(::getsockname, ip, port); }
+  socket_t socket() const override { return fd_; }
+
+ private:
+  // The response clock starts at the first write.
+  Deadline WriteDeadline() const {
+    if (write_deadline_ == Deadline{}) write_deadline_ = DeadlineAfter(kResponseDeadline);
+    return write_deadline_;
+  }
+  template <typename F>
+  void Address(F get, std::string& ip, int& port) const {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof(addr);
+    ip.clear();
+    port = 0;
+    if (get(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return;
+    char text[INET6_ADDRSTRLEN] = {};
+    if (addr.ss_family == AF_INET) {
+      auto* a = reinterpret_cast<sockaddr_in*>(&addr);
+      ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof(text));
+      port = ntohs(a->sin_port);
+    } else if (addr.ss_family == AF_INET6) {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
+      ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof(text));
+      port = ntohs(a->sin6_port);
+    }
+    ip = text;
+  }
+
+  const int fd_;
+  const std::string prefix_;
+  size_t pos_ = 0;
+  const Deadline read_deadline_;
+  mutable Deadline write_deadline_{};
+};
+
+// How much of `buffer` a complete request takes: 0 while more bytes are
+// needed. A request whose head or declared body is over the limits counts as
+// complete once its head is in (or the head limit is reached): the worker
+// refuses it at once, without reading the body.
+size_t CompleteRequestBytes(const std::string& buffer) {
+  size_t end = buffer.find("\r\n\r\n");
+  if (end == std::string::npos) return buffer.size() >= kMaxHeadBytes ? buffer.size() : 0;
+  size_t head = end + 4;
+  std::string lower = buffer.substr(0, head);
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  size_t at = lower.find("\r\ncontent-length:");
+  if (at == std::string::npos) return head;  // no body, or chunked: the worker reads it, with a deadline
+  size_t p = at + 17;
+  while (p < lower.size() && (lower[p] == ' ' || lower[p] == '\t')) ++p;
+  size_t length = 0;
+  size_t digits = 0;
+  while (p < lower.size() && std::isdigit(static_cast<unsigned char>(lower[p])) && digits < 12) {
+    length = length * 10 + static_cast<size_t>(lower[p] - '0');
+    ++p;
+    ++digits;
+  }
+  if (digits == 0 || length > kMaxBodyBytes) return head;  // malformed or too large: refused without the body
+  return buffer.size() >= head + length ? head + length : 0;
+}
+
+}  // namespace
+
+// httplib's Server with the gate in front of its request processing (see the
+// header). httplib calls process_and_close_socket() for each accepted
+// socket; this override hands the socket to the gate and returns at once.
+class GatedHttpServer : public httplib::Server {
+ public:
+  GatedHttpServer() {
+    // The listening thread's task is only the hand-off below: one thread is plenty.
+    new_task_queue = [] { return new httplib::ThreadPool(1); };
+    set_keep_alive_max_count(1);
+    set_payload_max_length(kMaxBodyBytes);
+    UniqueFd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    wake_ = std::move(wake);
+    gate_ = std::thread([this] { GateLoop(); });
+    for (int i = 0; i < kWorkers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  }
+  ~GatedHttpServer() override { Shutdown(); }
+
+  // httplib listens with a backlog of 5: a burst of connections (a flood, or
+  // just many clients at once) would overflow it and legitimate clients would
+  // wait for SYN retransmits (1 s, 3 s, …). listen() again widens it.
+  void WidenBacklog() {
+    socket_t fd = svr_sock_;
+    if (fd != INVALID_SOCKET) (void)::listen(fd, 1024);
+  }
+
+  // Stops the gate and the workers (after the request each is serving) and
+  // closes every connection they hold. Idempotent.
+  void Shutdown() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    Wake();
+    ready_cv_.notify_all();
+    if (gate_.joinable()) gate_.join();
+    for (auto& w : workers_) w.join();
+    std::lock_guard<std::mutex> lock(mu_);
+    incoming_.clear();
+    ready_.clear();
+  }
+
+ private:
+  struct Waiting {
+    UniqueFd fd;
+    std::string buffer;  // what the client has sent so far
+    Deadline deadline;
+  };
+  struct Ready {
+    UniqueFd fd;
+    std::string request;
+  };
+
+  bool process_and_close_socket(socket_t sock) override {
+    UniqueFd fd(sock);
+    int flags = ::fcntl(fd.get(), F_GETFL, 0);
+    if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) < 0) return false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return false;
+      incoming_.push_back(std::move(fd));
+    }
+    Wake();
+    return true;
+  }
+
+  void Wake() {
+    uint64_t one = 1;
+    ssize_t n = ::write(wake_.get(), &one, sizeof(one));
+    (void)n;
+  }
+
+  void GateLoop() {
+    std::deque<Waiting> waiting;  // oldest first
+    std::vector<pollfd> fds;
+    int evicted = 0;
+    char chunk[4096];
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stopping_) return;
+        for (auto& fd : incoming_) waiting.push_back({std::move(fd), std::string(), DeadlineAfter(kRequestDeadline)});
+        incoming_.clear();
+      }
+      while (static_cast<int>(waiting.size()) > kMaxWaitingConnections) {
+        if (evicted++ == 0) {
+          NONSTOP_LOG_WARNING("http: more than {} connections have not sent a request: closing the oldest first "
+                              "(a flood of idle connections?)",
+                              kMaxWaitingConnections);
+        }
+        waiting.pop_front();
+      }
+      if (waiting.empty() && evicted > 0) {
+        NONSTOP_LOG_WARNING("http: the burst is over: {} idle connections were closed", evicted);
+        evicted = 0;
+      }
+      fds.clear();
+      fds.push_back({wake_.get(), POLLIN, 0});
+      Deadline next = kNoDeadline;
+      for (const auto& w : waiting) {
+        fds.push_back({w.fd.get(), POLLIN, 0});
+        next = std::min(next, w.deadline);
+      }
+      int rc = ::poll(fds.data(), fds.size(), PollTimeoutMs(next));
+      if (rc < 0 && errno != EINTR) {
+        NONSTOP_LOG_ERROR("http: poll failed: {}", std::strerror(errno));
+        return;
+      }
+      if (rc > 0 && fds[0].revents != 0) {
+        uint64_t v;
+        while (::read(wake_.get(), &v, sizeof(v)) > 0) {
+        }
+      }
+      Deadline now = Clock::now();
+      std::deque<Waiting> still;
+      for (size_t i = 0; i < waiting.size(); ++i) {
+        Waiting& w = waiting[i];
+        bool closed = false;
+        if (rc > 0 && fds[i + 1].revents != 0) {
+          // Read what is there, up to the limits of a request we would accept.
+          while (w.buffer.size() < kMaxHeadBytes + kMaxBodyBytes) {
+            ssize_t n = ::recv(w.fd.get(), chunk, std::min(sizeof(chunk), kMaxHeadBytes + kMaxBodyBytes - w.buffer.size()),
+                               0);
+            if (n > 0) {
+              w.buffer.append(chunk, static_cast<size_t>(n));
+              continue;
+            }
+            if (n < 0 && errno == EINTR) continue;
+            if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) closed = true;
+            break;
+          }
+        }
+        if (size_t bytes = CompleteRequestBytes(w.buffer); bytes > 0 || w.buffer.size() >= kMaxHeadBytes + kMaxBodyBytes) {
+          Dispatch(std::move(w));
+          continue;
+        }
+        if (closed) continue;  // the client went away before sending a request
+        if (now >= w.deadline) {
+          if (!w.buffer.empty()) {
+            SendRawError(w.fd.get(), 408, "Request Timeout",
+                         fmt::format("the request was not complete within {} ms", kRequestDeadline.count()));
+          }
+          continue;  // closes it
+        }
+        still.push_back(std::move(w));
+      }
+      waiting = std::move(still);
+    }
+  }
+
+  void Dispatch(Waiting w) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (ready_.size() >= kMaxReadyConnections) {
+      lock.unlock();
+      SendRawError(w.fd.get(), 503, "Service Unavailable", "too many requests in progress: retry shortly");
+      return;
+    }
+    ready_.push_back({std::move(w.fd), std::move(w.buffer)});
+    ready_cv_.notify_one();
+  }
+
+  void WorkerLoop() {
+    while (true) {
+      Ready r;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        ready_cv_.wait(lock, [&] { return stopping_ || !ready_.empty(); });
+        if (stopping_) return;
+        r = std::move(ready_.front());
+        ready_.pop_front();
+      }
+      DeadlineStream stream(r.fd.get(), std::move(r.request));
+      bool connection_closed = false;
+      try {
+        (void)process_request(stream, /*close_connection=*/true, connection_closed, nullptr);
+      } catch (const std::exception& e) {
+        NONSTOP_LOG_ERROR("http: a request failed: {}", e.what());
+      }
+      // Lingering close: what the client still sends (a body we refused) is
+      // drained for a moment, so that closing does not reset the connection
+      // before the client has read our answer.
+      ::shutdown(r.fd.get(), SHUT_WR);
+      Deadline until = DeadlineAfter(kLingerDeadline);
+      char sink[4096];
+      size_t drained = 0;
+      while (drained < (1u << 20) && WaitFor(r.fd.get(), POLLIN, until)) {
+        ssize_t n = ::recv(r.fd.get(), sink, sizeof(sink), 0);
+        if (n <= 0) break;
+        drained += static_cast<size_t>(n);
+      }
+    }
+  }
+
+  UniqueFd wake_;
+  std::thread gate_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable ready_cv_;
+  bool stopping_ = false;             // guarded by mu_
+  std::vector<UniqueFd> incoming_;    // guarded by mu_: accepted, not yet seen by the gate
+  std::deque<Ready> ready_;           // guarded by mu_: complete requests for the workers
+};
+
+bool IsLoopbackHost(const std::string& host) {
+  if (host == "localhost" || host == "::1") return true;
+  in_addr addr{};
+  if (::inet_pton(AF_INET, host.c_str(), &addr) != 1) return false;
+  return (ntohl(addr.s_addr) >> 24) == 127;
+}
+
+bool HttpApi::Authorized(const std::string& header) const {
+  if (token_.empty()) return true;  // loopback only (Start refuses it elsewhere)
+  constexpr std::string_view kScheme = "bearer ";
+  if (header.size() < kScheme.size()) return false;
+  for (size_t i = 0; i < kScheme.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(header[i])) != kScheme[i]) return false;
+  }
+  std::string_view presented = std::string_view(header).substr(kScheme.size());
+  while (!presented.empty() && presented.front() == ' ') presented.remove_prefix(1);
+  while (!presented.empty() && (presented.back() == ' ' || presented.back() == '\t')) presented.remove_suffix(1);
+  return ConstantTimeEquals(presented, token_);
+}
+
+namespace {
+
+// A Content-Length over kMaxBodyBytes (or too long to be a number we would accept).
+bool DeclaredBodyTooLarge(const std::string& value) {
+  size_t length = 0;
+  for (char c : value) {
+    if (!std::isdigit(static_cast<unsigned char>(c))) break;
+    length = length * 10 + static_cast<size_t>(c - '0');
+    if (length > kMaxBodyBytes) return true;
+  }
+  return false;
+}
+
+struct Route {
+  const char* path;
+  const char* method;
+  bool needs_token;
+};
+constexpr Route kRoutes[] = {
+    {"/status", "GET", false},
+    {"/metrics", "GET", false},
+    {"/events", "GET", true},
+    {"/scale", "POST", true},
+};
+
+}  // namespace
+
+Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int port, std::string journal_path,
+                                                std::string token) {
+  if (token.empty() && !IsLoopbackHost(host)) {
+    return InvalidArgumentError(fmt::format(
+        "refusing to serve HTTP on {}:{} without a job token: anyone who can reach it could resize the job and read "
+        "its journal (HINT: bind --http-host to 127.0.0.1, or pass the job token)",
+        host, port));
+  }
   auto api = std::unique_ptr<HttpApi>(new HttpApi());
   api->journal_path_ = std::move(journal_path);
   api->host_ = host;
+  api->token_ = std::move(token);
   api->wake_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  api->server_ = std::make_unique<httplib::Server>();
+  api->server_ = std::make_unique<GatedHttpServer>();
   HttpApi* self = api.get();
   auto& srv = *api->server_;
+
+  // Before any handler and before the body is read: path, method, token, size, type.
+  srv.set_pre_routing_handler([self](const httplib::Request& req, httplib::Response& res) {
+    const Route* route = nullptr;
+    for (const Route& r : kRoutes) {
+      if (req.path == r.path) route = &r;
+    }
+    if (route == nullptr) {
+      Reply(res, 404, fmt::format("no endpoint '{}': the API is GET /status, GET /metrics, GET /events and POST /scale",
+                                  req.path.substr(0, 200)));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    const bool method_ok = req.method == route->method || (req.method == "HEAD" && std::string(route->method) == "GET");
+    if (!method_ok) {
+      res.set_header("Allow", route->method);
+      Reply(res, 405, fmt::format("{} takes {}, not {}", route->path, route->method, req.method));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (route->needs_token && !self->Authorized(req.get_header_value("Authorization"))) {
+      res.set_header("WWW-Authenticate", "Bearer realm=\"nonstop\"");
+      Reply(res, 401,
+            fmt::format("{} {} needs the job token as 'Authorization: Bearer <token>' (the \"token\" of the job file "
+                        "runs/job.json; `nonstop scale` sends it)",
+                        route->method, route->path));
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    if (req.method == "POST") {
+      if (DeclaredBodyTooLarge(req.get_header_value("Content-Length"))) {
+        Reply(res, 413, fmt::format("the body is over the limit of {} bytes", kMaxBodyBytes));
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      std::string type = req.get_header_value("Content-Type");
+      if (type.substr(0, type.find(';')) != "application/json") {
+        Reply(res, 415, fmt::format("the body must be JSON (Content-Type: application/json), not '{}'",
+                                    type.substr(0, 100)));
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  // What httplib refuses by itself (a malformed request line, a body over the
+  // limit, …) also gets a reason.
+  srv.set_error_handler([](const httplib::Request&, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    std::string reason;
+    switch (res.status) {
+      case 400: reason = "malformed HTTP request"; break;
+      case 413: reason = fmt::format("the body is over the limit of {} bytes", kMaxBodyBytes); break;
+      case 414: reason = "the request line is too long"; break;
+      default: reason = fmt::format("HTTP {}", res.status);
+    }
+    res.set_content(ErrorJson(reason), "application/json");
+  });
+
   srv.Get("/status", [self](const httplib::Request&, httplib::Response& res) {
     std::lock_guard<std::mutex> lock(self->mu_);
     res.set_content(self->status_, "application/json");
@@ -38,8 +506,11 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int por
     auto body = nlohmann::json::parse(req.body, nullptr, false);
     if (body.is_discarded() || !body.is_object()) {
       res.status = 400;
-      res.set_content(R"({"accepted": false, "error": "the body is not a JSON object: expected {\"world_size\": N}"})",
-                      "application/json");
+      res.set_content(
+          nlohmann::json{{"accepted", false},
+                         {"error", R"(the body is not a JSON object: expected {"world_size": N}, {"release": N} or {"grow": N})"}}
+              .dump(),
+          "application/json");
       return;
     }
     auto call = std::make_unique<ScaleCall>();
@@ -54,27 +525,44 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int por
     uint64_t one = 1;
     ssize_t w = ::write(self->wake_.get(), &one, sizeof(one));
     (void)w;
-    if (answer.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    if (answer.wait_for(kScaleAnswerWait) != std::future_status::ready) {
       res.status = 503;
       res.set_content(R"({"accepted": false, "error": "the controller did not answer in 10 s"})", "application/json");
       return;
     }
-    auto [status, reply] = answer.get();
-    res.status = status;
-    res.set_content(reply.dump(), "application/json");
+    try {
+      auto [status, reply] = answer.get();
+      res.status = status;
+      res.set_content(reply.dump(), "application/json");
+    } catch (const std::future_error&) {
+      res.status = 503;
+      res.set_content(R"({"accepted": false, "error": "the job has ended"})", "application/json");
+    }
   });
   int bound = port == 0 ? srv.bind_to_any_port(host) : (srv.bind_to_port(host, port) ? port : -1);
   if (bound <= 0) return UnavailableError(fmt::format("cannot listen for HTTP on {}:{}", host, port));
   api->port_ = bound;
+  api->server_->WidenBacklog();
   api->thread_ = std::thread([self] { self->server_->listen_after_bind(); });
+  // httplib's stop() does nothing before its loop runs: wait for it, so that
+  // destroying the api right away cannot leave the loop running forever.
+  for (Deadline until = DeadlineAfter(Millis(10'000)); !srv.is_running();) {
+    if (Clock::now() >= until) return InternalError("the HTTP server thread did not start within 10 s");
+    std::this_thread::sleep_for(Millis(1));
+  }
   return api;
 }
 
 HttpApi::~HttpApi() {
   if (server_) server_->stop();
   if (thread_.joinable()) thread_.join();
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& c : calls_) c->reply.set_value({503, {{"accepted", false}, {"error", "the job has ended"}}});
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& c : calls_) c->reply.set_value({503, {{"accepted", false}, {"error", "the job has ended"}}});
+    calls_.clear();
+  }
+  // Workers may be in a handler that uses this object: stop them first.
+  if (server_) server_->Shutdown();
 }
 
 std::string HttpApi::address() const { return fmt::format("{}:{}", host_, port_); }

@@ -1,11 +1,29 @@
-// The controller's HTTP endpoint (DESIGN.md §9), served by cpp-httplib on its
-// own thread:
-//   GET  /status   the job: phase, generation, members, spares, policy (JSON)
-//   GET  /metrics  Prometheus text
-//   GET  /events   the event journal (JSON lines)
-//   POST /scale    {"world_size": N} | {"release": N} | {"grow": N}
+// The controller's HTTP endpoint (DESIGN.md §9), served by cpp-httplib:
+//   GET  /status   the job: phase, generation, members, spares, policy (JSON)   open
+//   GET  /metrics  Prometheus text                                              open
+//   GET  /events   the event journal (JSON lines)                               token
+//   POST /scale    {"world_size": N} | {"release": N} | {"grow": N}             token
+// "token": the request must carry the job token as `Authorization: Bearer
+// <token>` (compared in constant time); 401 otherwise. An empty token is
+// allowed only on a loopback address, and then nothing asks for one.
+//
+// Every refused request gets a 4xx whose JSON body names the reason:
+// {"error": "..."} (400 malformed request or JSON, 401, 404 unknown path,
+// 405 wrong method, 408 request not sent in time, 413 body over 64 KiB, 415
+// body that is not JSON).
+//
+// Connections: httplib would give every connection one of its few pool
+// threads for as long as the client keeps it open, so a handful of idle
+// connections could starve a real request. Here httplib's listening thread
+// only accepts; a gate thread holds every connection (in one poll loop, at
+// most kMaxWaitingConnections, the oldest closed first) until its whole
+// request has arrived (head and a body up to the limit) or its deadline
+// passes, and only then a worker thread serves it, with deadlines on every
+// read and write, one request per connection. Idle or slow clients therefore
+// cost a descriptor and a buffer, never a thread.
+//
 // The controller itself stays single-threaded: a scale request is queued and
-// the event loop is woken through an eventfd; the HTTP thread waits for the
+// the event loop is woken through an eventfd; the HTTP worker waits for the
 // loop's answer. Status and metrics are snapshots the loop publishes.
 #pragma once
 
@@ -27,6 +45,8 @@ class Server;
 
 namespace nonstop::cli {
 
+class GatedHttpServer;
+
 struct ScaleCall {
   int id;
   nlohmann::json body;
@@ -36,12 +56,17 @@ struct ScaleCall {
 
 class HttpApi {
  public:
-  static Result<std::unique_ptr<HttpApi>> Start(const std::string& host, int port, std::string journal_path);
+  // Serves on host:port (0: a port from the OS). `token` guards /events and
+  // /scale; an empty token on a non-loopback host is refused
+  // (kInvalidArgument), as anyone on the network could then resize the job.
+  static Result<std::unique_ptr<HttpApi>> Start(const std::string& host, int port, std::string journal_path,
+                                                std::string token = "");
   ~HttpApi();
   HttpApi(const HttpApi&) = delete;
   HttpApi& operator=(const HttpApi&) = delete;
 
   std::string address() const;
+  int port() const { return port_; }
   // Readable when scale calls are queued; the loop then calls TakeCalls().
   int wake_fd() const { return wake_.get(); }
   std::vector<std::unique_ptr<ScaleCall>> TakeCalls();
@@ -49,11 +74,14 @@ class HttpApi {
 
  private:
   HttpApi() = default;
-  std::unique_ptr<httplib::Server> server_;
+  bool Authorized(const std::string& authorization_header) const;
+
+  std::unique_ptr<GatedHttpServer> server_;
   std::thread thread_;
   std::string host_;
   int port_ = 0;
   std::string journal_path_;
+  std::string token_;
   UniqueFd wake_;
   std::mutex mu_;
   std::vector<std::unique_ptr<ScaleCall>> calls_;  // guarded by mu_
@@ -61,5 +89,8 @@ class HttpApi {
   std::string metrics_;                            // guarded by mu_
   int next_id_ = 1;                                // guarded by mu_
 };
+
+// True for 127.0.0.0/8, ::1 and "localhost".
+bool IsLoopbackHost(const std::string& host);
 
 }  // namespace nonstop::cli

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -30,8 +31,22 @@ Result<nlohmann::json> ReadJobFile(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   auto j = nlohmann::json::parse(ss.str(), nullptr, false);
-  if (j.is_discarded() || !j.contains("http") || !j.contains("controller") || !j.contains("token")) {
-    return DataLossError(fmt::format("job file {} is not a nonstop job file", path));
+  if (j.is_discarded() || !j.is_object()) {
+    return DataLossError(fmt::format("job file {} is not a nonstop job file (not a JSON object)", path));
+  }
+  for (const char* key : {"http", "controller", "token"}) {
+    if (!j.contains(key) || !j[key].is_string()) {
+      return DataLossError(fmt::format("job file {} is not a nonstop job file: \"{}\" is missing or not a string",
+                                       path, key));
+    }
+  }
+  if (j.contains("env")) {
+    bool strings = j["env"].is_object();
+    for (const auto& [k, v] : j["env"].items()) strings = strings && v.is_string();
+    if (!strings) {
+      return DataLossError(fmt::format("job file {} is not a nonstop job file: \"env\" is not an object of strings",
+                                       path));
+    }
   }
   return j;
 }
@@ -62,7 +77,10 @@ void JobCommands::Register(CLI::App& app) {
         ->envname("NONSTOP_JOB_FILE");
   }
   for (CLI::App* sub : {status_, scale_}) {
-    sub->add_option("--http", http_, "The controller's HTTP address host:port (instead of --job)")->envname("NONSTOP_HTTP");
+    sub->add_option("--http", http_,
+                    "The controller's HTTP address host:port (instead of --job; the job token then comes from "
+                    "NONSTOP_JOB_TOKEN)")
+        ->envname("NONSTOP_HTTP");
   }
   auto* group = scale_->add_option_group("change", "exactly one of");
   world_size_opt_ = group->add_option("--world-size", world_size_, "The world size to have");
@@ -76,6 +94,8 @@ void JobCommands::Register(CLI::App& app) {
 int JobCommands::Execute() {
   if (worker_->parsed()) return ExecWorker();
   std::string address = http_;
+  // POST /scale (and /events) need the job token: from the job file, or the environment with --http.
+  std::string token;
   if (address.empty()) {
     auto job = ReadJobFile(job_file_);
     if (!job.ok()) {
@@ -83,6 +103,9 @@ int JobCommands::Execute() {
       return 1;
     }
     address = (*job)["http"];
+    token = (*job)["token"];
+  } else if (const char* env = std::getenv("NONSTOP_JOB_TOKEN")) {
+    token = env;
   }
   auto hp = SplitHostPort(address);
   if (!hp.ok()) {
@@ -92,6 +115,7 @@ int JobCommands::Execute() {
   httplib::Client client(hp->first, hp->second);
   client.set_connection_timeout(5);
   client.set_read_timeout(15);
+  if (!token.empty()) client.set_bearer_token_auth(token);
   if (status_->parsed()) {
     auto res = client.Get("/status");
     if (!res) {
