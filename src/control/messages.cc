@@ -1,5 +1,10 @@
 #include "control/messages.h"
 
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -9,8 +14,95 @@ using nlohmann::json;
 
 namespace {
 
-// Parses `payload` as a JSON object and runs `fill`, turning any parse or type
-// error into INVALID_ARGUMENT naming the message and the field.
+// Decoding reads every field through a Reader, which throws FieldError at the
+// first field that is missing or ill-typed; Decode turns it into an
+// INVALID_ARGUMENT naming the message and the field. The exception never
+// leaves this file. Reading is strict: an integer field takes a JSON integer
+// within its type's range (no float, no bool: converting 1e300 to an integer
+// is undefined behaviour), a number field any JSON number or "nan", "inf",
+// "-inf" (how Encode writes what JSON cannot), a string field a string.
+struct FieldError {
+  std::string field;    // "members[2].worker_id"
+  std::string problem;  // "must be an integer from 0 to 4294967295, got -1"
+};
+
+// A short rendering of an untrusted value for messages; structured values
+// are not dumped (dump() recurses, and `v` may be nested a million deep).
+std::string Shown(const json& v) {
+  if (v.is_object()) return "an object";
+  if (v.is_array()) return "an array";
+  std::string text = v.dump(-1, ' ', /*ensure_ascii=*/true, json::error_handler_t::replace);
+  return text.size() > 40 ? text.substr(0, 37) + "..." : text;
+}
+
+template <typename V>
+V Convert(const json& v, const std::string& path) {
+  if constexpr (std::is_same_v<V, bool>) {
+    if (v.is_boolean()) return v.get<bool>();
+    throw FieldError{path, fmt::format("must be true or false, got {}", Shown(v))};
+  } else if constexpr (std::is_integral_v<V>) {
+    if (v.is_number_unsigned() && std::in_range<V>(v.get<uint64_t>())) return static_cast<V>(v.get<uint64_t>());
+    if (v.is_number_integer() && !v.is_number_unsigned() && std::in_range<V>(v.get<int64_t>())) {
+      return static_cast<V>(v.get<int64_t>());
+    }
+    throw FieldError{path, fmt::format("must be an integer from {} to {}, got {}", std::numeric_limits<V>::min(),
+                                       std::numeric_limits<V>::max(), Shown(v))};
+  } else if constexpr (std::is_floating_point_v<V>) {
+    if (v.is_number()) return v.get<V>();
+    if (v.is_string()) {
+      const auto& s = v.get_ref<const std::string&>();
+      if (s == "nan") return std::numeric_limits<V>::quiet_NaN();
+      if (s == "inf") return std::numeric_limits<V>::infinity();
+      if (s == "-inf") return -std::numeric_limits<V>::infinity();
+    }
+    throw FieldError{path, fmt::format("must be a number (or \"nan\", \"inf\", \"-inf\"), got {}", Shown(v))};
+  } else if constexpr (std::is_same_v<V, std::string>) {
+    if (v.is_string()) return v.get<std::string>();
+    throw FieldError{path, fmt::format("must be a string, got {}", Shown(v))};
+  } else {
+    static_assert(std::is_same_v<V, std::vector<int>>, "add a conversion for this field type");
+    if (!v.is_array()) throw FieldError{path, fmt::format("must be an array of integers, got {}", Shown(v))};
+    V out;
+    for (size_t i = 0; i < v.size(); ++i) out.push_back(Convert<int>(v[i], fmt::format("{}[{}]", path, i)));
+    return out;
+  }
+}
+
+// The fields of one JSON object, named by their path from the message.
+class Reader {
+ public:
+  Reader(const json& j, std::string path) : j_(j), path_(std::move(path)) {
+    if (!j_.is_object()) throw FieldError{path_, fmt::format("must be an object, got {}", Shown(j_))};
+  }
+
+  template <typename V>
+  void operator()(const char* name, V* out) const {
+    *out = Convert<V>(At(name), Path(name));
+  }
+
+  // The elements of the array field `name`, each an object.
+  std::vector<Reader> Objects(const char* name) const {
+    const json& a = At(name);
+    if (!a.is_array()) throw FieldError{Path(name), fmt::format("must be an array, got {}", Shown(a))};
+    std::vector<Reader> out;
+    for (size_t i = 0; i < a.size(); ++i) out.emplace_back(a[i], fmt::format("{}[{}]", Path(name), i));
+    return out;
+  }
+
+  std::string Path(const char* name) const { return path_.empty() ? name : path_ + "." + name; }
+
+ private:
+  const json& At(const char* name) const {
+    auto it = j_.find(name);
+    if (it == j_.end()) throw FieldError{Path(name), "is missing"};
+    return *it;
+  }
+
+  const json& j_;  // the message's parsed JSON outlives every Reader of it (Decode)
+  std::string path_;
+};
+
+// Parses `payload` as a JSON object and runs `fill` on it.
 template <typename T, typename F>
 Result<T> Decode(std::string_view what, std::string_view payload, F fill) {
   json j = json::parse(payload, nullptr, /*allow_exceptions=*/false);
@@ -18,26 +110,31 @@ Result<T> Decode(std::string_view what, std::string_view payload, F fill) {
     return InvalidArgumentError(fmt::format("{} message is not a JSON object", what));
   }
   T out;
-  std::string field;
   try {
-    fill(j, out, field);
-  } catch (const json::exception& e) {
-    return InvalidArgumentError(fmt::format("{} message: field '{}' is missing or ill-typed ({})", what, field, e.what()));
+    fill(Reader(j, ""), out);
+  } catch (const FieldError& e) {
+    return InvalidArgumentError(fmt::format("{} message: field '{}' {}", what, e.field, e.problem));
   }
   return out;
 }
 
-template <typename V>
-void Get(const json& j, const char* name, V* out, std::string& field) {
-  field = name;
-  *out = j.at(name).get<V>();
+// JSON has no NaN or infinity (dump() writes null): a worker may well report
+// a NaN loss, so they travel as strings, read back by Convert<double>.
+json Number(double d) {
+  if (std::isfinite(d)) return d;
+  if (std::isnan(d)) return "nan";
+  return d > 0 ? "inf" : "-inf";
 }
+
+// Invalid UTF-8 in a string (an exception's message, say) is replaced, never
+// thrown about: encoding cannot fail.
+std::string Dump(const json& j) { return j.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace); }
 
 }  // namespace
 
 std::string Encode(const JoinMsg& m) {
-  return json{{"worker_id", m.worker_id}, {"pid", m.pid},       {"data_address", m.data_address},
-              {"spare", m.spare},         {"state_step", m.state_step}}.dump();
+  return Dump({{"worker_id", m.worker_id}, {"pid", m.pid},       {"data_address", m.data_address},
+               {"spare", m.spare},         {"state_step", m.state_step}});
 }
 std::string Encode(const PlanMsg& m) {
   json members = json::array();
@@ -46,143 +143,143 @@ std::string Encode(const PlanMsg& m) {
   for (const auto& t : m.transfers) transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}});
   json faults = json::array();
   for (const auto& f : m.faults) faults.push_back({{"id", f.id}, {"spec", FormatFault(f)}});
-  return json{{"generation", m.generation}, {"members", members}, {"resume_step", m.resume_step},
-              {"transfers", transfers}, {"faults", faults}, {"reason", m.reason}}.dump();
+  return Dump({{"generation", m.generation}, {"members", members}, {"resume_step", m.resume_step},
+               {"transfers", transfers}, {"faults", faults}, {"reason", m.reason}});
 }
-std::string Encode(const HeartbeatMsg& m) { return json{{"step", m.step}, {"waiting_ms", m.waiting_ms}}.dump(); }
+std::string Encode(const HeartbeatMsg& m) { return Dump({{"step", m.step}, {"waiting_ms", m.waiting_ms}}); }
 std::string Encode(const ProgressMsg& m) {
-  return json{{"step", m.step},
-              {"loss", m.loss},
-              {"step_seconds", m.step_seconds},
-              {"tokens_per_second", m.tokens_per_second},
-              {"world_size", m.world_size}}
-      .dump();
+  return Dump({{"step", m.step},
+               {"loss", Number(m.loss)},
+               {"step_seconds", Number(m.step_seconds)},
+               {"tokens_per_second", Number(m.tokens_per_second)},
+               {"world_size", m.world_size}});
 }
-std::string Encode(const FinishedMsg& m) { return json{{"step", m.step}, {"checksum", m.checksum}}.dump(); }
+std::string Encode(const FinishedMsg& m) { return Dump({{"step", m.step}, {"checksum", m.checksum}}); }
 std::string Encode(const FailureMsg& m) {
-  return json{{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}, {"exit_code", m.exit_code}}.dump();
+  return Dump({{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}, {"exit_code", m.exit_code}});
 }
-std::string Encode(const ShutdownMsg& m) { return json{{"reason", m.reason}, {"exit_code", m.exit_code}}.dump(); }
-std::string Encode(const AbortMsg& m) { return json{{"generation", m.generation}, {"reason", m.reason}}.dump(); }
+std::string Encode(const ShutdownMsg& m) { return Dump({{"reason", m.reason}, {"exit_code", m.exit_code}}); }
+std::string Encode(const AbortMsg& m) { return Dump({{"generation", m.generation}, {"reason", m.reason}}); }
 std::string Encode(const DrainMsg& m) {
-  return json{{"generation", m.generation}, {"after_step", m.after_step}, {"reason", m.reason}}.dump();
+  return Dump({{"generation", m.generation}, {"after_step", m.after_step}, {"reason", m.reason}});
 }
 std::string Encode(const ReadyMsg& m) {
-  return json{{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}}.dump();
+  return Dump({{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}});
 }
 std::string Encode(const RecoveredMsg& m) {
-  return json{{"generation", m.generation}, {"connect_seconds", m.connect_seconds},
-              {"transfer_seconds", m.transfer_seconds}, {"bytes_received", m.bytes_received},
-              {"sources", m.sources}, {"refetched_chunks", m.refetched_chunks}}.dump();
+  return Dump({{"generation", m.generation}, {"connect_seconds", Number(m.connect_seconds)},
+               {"transfer_seconds", Number(m.transfer_seconds)}, {"bytes_received", m.bytes_received},
+               {"sources", m.sources}, {"refetched_chunks", m.refetched_chunks}});
 }
-std::string Encode(const InjectedMsg& m) { return json{{"fault_id", m.fault_id}, {"description", m.description}}.dump(); }
+std::string Encode(const InjectedMsg& m) { return Dump({{"fault_id", m.fault_id}, {"description", m.description}}); }
 
 Result<JoinMsg> DecodeJoin(std::string_view p) {
-  return Decode<JoinMsg>("join", p, [](const json& j, JoinMsg& m, std::string& f) {
-    Get(j, "worker_id", &m.worker_id, f);
-    Get(j, "pid", &m.pid, f);
-    Get(j, "data_address", &m.data_address, f);
-    Get(j, "spare", &m.spare, f);
-    Get(j, "state_step", &m.state_step, f);
+  return Decode<JoinMsg>("join", p, [](const Reader& r, JoinMsg& m) {
+    r("worker_id", &m.worker_id);
+    r("pid", &m.pid);
+    r("data_address", &m.data_address);
+    r("spare", &m.spare);
+    r("state_step", &m.state_step);
   });
 }
 Result<PlanMsg> DecodePlan(std::string_view p) {
-  return Decode<PlanMsg>("plan", p, [](const json& j, PlanMsg& m, std::string& f) {
-    Get(j, "generation", &m.generation, f);
-    Get(j, "resume_step", &m.resume_step, f);
-    f = "members";
-    for (const auto& e : j.at("members")) {
+  return Decode<PlanMsg>("plan", p, [](const Reader& r, PlanMsg& m) {
+    r("generation", &m.generation);
+    r("resume_step", &m.resume_step);
+    for (const Reader& e : r.Objects("members")) {
       PlanMember pm;
-      Get(e, "worker_id", &pm.worker_id, f);
-      Get(e, "address", &pm.address, f);
+      e("worker_id", &pm.worker_id);
+      e("address", &pm.address);
       m.members.push_back(pm);
     }
-    f = "transfers";
-    for (const auto& e : j.at("transfers")) {
+    for (const Reader& e : r.Objects("transfers")) {
       PlanTransfer t;
-      Get(e, "receiver", &t.receiver, f);
-      Get(e, "sources", &t.sources, f);
+      e("receiver", &t.receiver);
+      e("sources", &t.sources);
       m.transfers.push_back(t);
     }
-    f = "faults";
-    for (const auto& e : j.at("faults")) {
-      int id = e.at("id").get<int>();
-      auto parsed = ParseFaults(e.at("spec").get<std::string>(), id);
-      if (!parsed.ok() || parsed->size() != 1) throw json::other_error::create(501, "bad fault spec", nullptr);
+    for (const Reader& e : r.Objects("faults")) {
+      int id = 0;
+      std::string spec;
+      e("id", &id);
+      e("spec", &spec);
+      auto parsed = ParseFaults(spec, id);
+      if (!parsed.ok()) throw FieldError{e.Path("spec"), parsed.status().message()};
+      if (parsed->size() != 1) throw FieldError{e.Path("spec"), "must hold exactly one fault"};
       m.faults.push_back((*parsed)[0]);
     }
-    Get(j, "reason", &m.reason, f);
+    r("reason", &m.reason);
   });
 }
 Result<HeartbeatMsg> DecodeHeartbeat(std::string_view p) {
-  return Decode<HeartbeatMsg>("heartbeat", p, [](const json& j, HeartbeatMsg& m, std::string& f) {
-    Get(j, "step", &m.step, f);
-    Get(j, "waiting_ms", &m.waiting_ms, f);
+  return Decode<HeartbeatMsg>("heartbeat", p, [](const Reader& r, HeartbeatMsg& m) {
+    r("step", &m.step);
+    r("waiting_ms", &m.waiting_ms);
   });
 }
 Result<ProgressMsg> DecodeProgress(std::string_view p) {
-  return Decode<ProgressMsg>("progress", p, [](const json& j, ProgressMsg& m, std::string& f) {
-    Get(j, "step", &m.step, f);
-    Get(j, "loss", &m.loss, f);
-    Get(j, "step_seconds", &m.step_seconds, f);
-    Get(j, "tokens_per_second", &m.tokens_per_second, f);
-    Get(j, "world_size", &m.world_size, f);
+  return Decode<ProgressMsg>("progress", p, [](const Reader& r, ProgressMsg& m) {
+    r("step", &m.step);
+    r("loss", &m.loss);
+    r("step_seconds", &m.step_seconds);
+    r("tokens_per_second", &m.tokens_per_second);
+    r("world_size", &m.world_size);
   });
 }
 Result<FinishedMsg> DecodeFinished(std::string_view p) {
-  return Decode<FinishedMsg>("finished", p, [](const json& j, FinishedMsg& m, std::string& f) {
-    Get(j, "step", &m.step, f);
-    Get(j, "checksum", &m.checksum, f);
+  return Decode<FinishedMsg>("finished", p, [](const Reader& r, FinishedMsg& m) {
+    r("step", &m.step);
+    r("checksum", &m.checksum);
   });
 }
 Result<FailureMsg> DecodeFailure(std::string_view p) {
-  return Decode<FailureMsg>("failure", p, [](const json& j, FailureMsg& m, std::string& f) {
-    Get(j, "generation", &m.generation, f);
-    Get(j, "step", &m.step, f);
-    Get(j, "reason", &m.reason, f);
-    Get(j, "exit_code", &m.exit_code, f);
+  return Decode<FailureMsg>("failure", p, [](const Reader& r, FailureMsg& m) {
+    r("generation", &m.generation);
+    r("step", &m.step);
+    r("reason", &m.reason);
+    r("exit_code", &m.exit_code);
   });
 }
 Result<AbortMsg> DecodeAbort(std::string_view p) {
-  return Decode<AbortMsg>("abort", p, [](const json& j, AbortMsg& m, std::string& f) {
-    Get(j, "generation", &m.generation, f);
-    Get(j, "reason", &m.reason, f);
+  return Decode<AbortMsg>("abort", p, [](const Reader& r, AbortMsg& m) {
+    r("generation", &m.generation);
+    r("reason", &m.reason);
   });
 }
 Result<DrainMsg> DecodeDrain(std::string_view p) {
-  return Decode<DrainMsg>("drain", p, [](const json& j, DrainMsg& m, std::string& f) {
-    Get(j, "generation", &m.generation, f);
-    Get(j, "after_step", &m.after_step, f);
-    Get(j, "reason", &m.reason, f);
+  return Decode<DrainMsg>("drain", p, [](const Reader& r, DrainMsg& m) {
+    r("generation", &m.generation);
+    r("after_step", &m.after_step);
+    r("reason", &m.reason);
   });
 }
 Result<ReadyMsg> DecodeReady(std::string_view p) {
-  return Decode<ReadyMsg>("ready", p, [](const json& j, ReadyMsg& m, std::string& f) {
-    Get(j, "generation", &m.generation, f);
-    Get(j, "step", &m.step, f);
-    Get(j, "reason", &m.reason, f);
+  return Decode<ReadyMsg>("ready", p, [](const Reader& r, ReadyMsg& m) {
+    r("generation", &m.generation);
+    r("step", &m.step);
+    r("reason", &m.reason);
   });
 }
 Result<RecoveredMsg> DecodeRecovered(std::string_view p) {
-  return Decode<RecoveredMsg>("recovered", p, [](const json& j, RecoveredMsg& m, std::string& f) {
-    Get(j, "generation", &m.generation, f);
-    Get(j, "connect_seconds", &m.connect_seconds, f);
-    Get(j, "transfer_seconds", &m.transfer_seconds, f);
-    Get(j, "bytes_received", &m.bytes_received, f);
-    Get(j, "sources", &m.sources, f);
-    Get(j, "refetched_chunks", &m.refetched_chunks, f);
+  return Decode<RecoveredMsg>("recovered", p, [](const Reader& r, RecoveredMsg& m) {
+    r("generation", &m.generation);
+    r("connect_seconds", &m.connect_seconds);
+    r("transfer_seconds", &m.transfer_seconds);
+    r("bytes_received", &m.bytes_received);
+    r("sources", &m.sources);
+    r("refetched_chunks", &m.refetched_chunks);
   });
 }
 Result<InjectedMsg> DecodeInjected(std::string_view p) {
-  return Decode<InjectedMsg>("injected", p, [](const json& j, InjectedMsg& m, std::string& f) {
-    Get(j, "fault_id", &m.fault_id, f);
-    Get(j, "description", &m.description, f);
+  return Decode<InjectedMsg>("injected", p, [](const Reader& r, InjectedMsg& m) {
+    r("fault_id", &m.fault_id);
+    r("description", &m.description);
   });
 }
 Result<ShutdownMsg> DecodeShutdown(std::string_view p) {
-  return Decode<ShutdownMsg>("shutdown", p, [](const json& j, ShutdownMsg& m, std::string& f) {
-    Get(j, "reason", &m.reason, f);
-    Get(j, "exit_code", &m.exit_code, f);
+  return Decode<ShutdownMsg>("shutdown", p, [](const Reader& r, ShutdownMsg& m) {
+    r("reason", &m.reason);
+    r("exit_code", &m.exit_code);
   });
 }
 

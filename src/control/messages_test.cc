@@ -1,5 +1,11 @@
 #include "control/messages.h"
 
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include <gtest/gtest.h>
 
 namespace nonstop::control {
@@ -40,6 +46,62 @@ TEST(MessagesTest, IllTypedFieldAndGarbageAreErrorsNotCrashes) {
   EXPECT_FALSE(DecodeHeartbeat("\x01\x02 not json").ok());
   EXPECT_FALSE(DecodePlan(R"({"generation": 1, "resume_step": 0, "members": [{"worker_id": "x"}]})").ok());
   EXPECT_FALSE(DecodeShutdown("[1,2,3]").ok());
+}
+
+// Found by fuzz_control: nlohmann's get<int>() converts any JSON number, so a
+// float out of an integer's range was undefined behaviour (a float-to-int
+// cast), and a negative generation or a 2^32 worker id wrapped silently.
+TEST(MessagesTest, IntegerFieldsRefuseFloatsBoolsAndOutOfRangeValues) {
+  std::vector<std::pair<Status, std::string>> cases = {
+      {DecodeHeartbeat(R"({"step": 1e300, "waiting_ms": -1})").status(), "step"},
+      {DecodeHeartbeat(R"({"step": 1.5, "waiting_ms": -1})").status(), "step"},
+      {DecodeHeartbeat(R"({"step": true, "waiting_ms": -1})").status(), "step"},
+      {DecodeHeartbeat(R"({"step": 1, "waiting_ms": 9223372036854775808})").status(), "waiting_ms"},
+      {DecodeAbort(R"({"generation": -1, "reason": "x"})").status(), "generation"},
+      {DecodeAbort(R"({"generation": 4294967296, "reason": "x"})").status(), "generation"},
+      {DecodeJoin(R"({"worker_id": 2147483648, "pid": 2, "data_address": "a", "spare": false, "state_step": -1})")
+           .status(), "worker_id"},
+      {DecodeJoin(R"({"worker_id": 1, "pid": 2, "data_address": "a", "spare": 0, "state_step": -1})").status(),
+       "spare"},
+      {DecodeRecovered(R"({"generation": 1, "connect_seconds": 0, "transfer_seconds": 0, "bytes_received": -1,
+                           "sources": 1, "refetched_chunks": 0})").status(), "bytes_received"},
+      {DecodePlan(R"({"generation": 1, "resume_step": 0, "members": [], "transfers": [],
+                      "faults": [{"id": 1e300, "spec": "kill:rank=1,step=2"}], "reason": "x"})").status(), "faults"},
+      {DecodePlan(R"({"generation": 1, "resume_step": 0, "members": {"a": {"worker_id": 1, "address": "x"}},
+                      "transfers": [], "faults": [], "reason": "x"})").status(), "members"},
+  };
+  for (const auto& [status, field] : cases) {
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+    EXPECT_NE(status.message().find(field), std::string::npos) << field << ": " << status.ToString();
+  }
+}
+
+// A worker may report a NaN or infinite loss (a diverged run): JSON has no
+// such numbers, and the controller used to refuse the message it got.
+TEST(MessagesTest, NonFiniteNumbersRoundTrip) {
+  ProgressMsg p{7, std::numeric_limits<double>::quiet_NaN(), 0.5, std::numeric_limits<double>::infinity(), 2};
+  auto back = DecodeProgress(Encode(p));
+  ASSERT_TRUE(back.ok()) << back.status().ToString() << " " << Encode(p);
+  EXPECT_TRUE(std::isnan(back->loss));
+  EXPECT_EQ(back->tokens_per_second, std::numeric_limits<double>::infinity());
+  RecoveredMsg r{3, -std::numeric_limits<double>::infinity(), 1.25, 10, 1, 0};
+  auto r2 = DecodeRecovered(Encode(r));
+  ASSERT_TRUE(r2.ok()) << r2.status().ToString();
+  EXPECT_EQ(r2->connect_seconds, -std::numeric_limits<double>::infinity());
+  EXPECT_EQ(r2->transfer_seconds, 1.25);
+  EXPECT_FALSE(DecodeProgress(R"({"step": 1, "loss": "lots", "step_seconds": 1, "tokens_per_second": 1,
+                                  "world_size": 1})").ok());
+}
+
+// Strings with invalid UTF-8 (an exception's message, say) made Encode throw
+// nlohmann's type_error 316, an uncaught exception in the sender.
+TEST(MessagesTest, EncodingInvalidUtf8ReplacesItInsteadOfThrowing) {
+  FailureMsg f{1, 2, "bad \xff byte", 10};
+  std::string encoded;
+  EXPECT_NO_THROW(encoded = Encode(f));
+  auto back = DecodeFailure(encoded);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->reason, "bad \xEF\xBF\xBD byte");  // U+FFFD
 }
 
 }  // namespace
