@@ -46,17 +46,26 @@ Status CheckCrc(const char* header, std::string_view payload) {
 }  // namespace
 
 Status FrameDecoder::Feed(std::string_view bytes) {
+  if (!error_.ok()) return error_;
   buffer_.append(bytes);
   size_t pos = 0;
-  while (buffer_.size() - pos >= kFrameHeaderBytes) {
+  Status s;
+  while (s.ok() && buffer_.size() - pos >= kFrameHeaderBytes) {
     const char* h = buffer_.data() + pos;
     uint32_t length;
-    NONSTOP_RETURN_IF_ERROR(CheckHeader(h, max_payload_, &length));
-    if (buffer_.size() - pos - kFrameHeaderBytes < length) break;
+    s = CheckHeader(h, max_payload_, &length);
+    if (!s.ok() || buffer_.size() - pos - kFrameHeaderBytes < length) break;
     std::string_view payload(h + kFrameHeaderBytes, length);
-    NONSTOP_RETURN_IF_ERROR(CheckCrc(h, payload));
+    s = CheckCrc(h, payload);
+    if (!s.ok()) break;
     ready_.push_back(Frame{DecodeFixed16(h + 4), DecodeFixed16(h + 6), std::string(payload)});
     pos += kFrameHeaderBytes + length;
+  }
+  if (!s.ok()) {
+    // The stream is corrupt from here on: nothing after this point is a frame.
+    error_ = s;
+    buffer_.clear();
+    return s;
   }
   buffer_.erase(0, pos);
   return OkStatus();

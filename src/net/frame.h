@@ -34,12 +34,15 @@ class FrameDecoder {
  public:
   explicit FrameDecoder(uint32_t max_payload = kMaxControlFrameBytes) : max_payload_(max_payload) {}
 
-  // Appends bytes; complete frames become available through Next().
+  // Appends bytes; complete frames become available through Next(). The
+  // first error is sticky: the frames decoded before it stay available, and
+  // every later Feed returns the same error without reading its bytes.
   Status Feed(std::string_view bytes);
   std::optional<Frame> Next();
 
  private:
   uint32_t max_payload_;
+  Status error_;  // the first error; OK until then
   std::string buffer_;
   std::deque<Frame> ready_;
 };

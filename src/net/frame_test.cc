@@ -40,5 +40,23 @@ TEST(FramingTest, OversizedLengthIsRejectedBeforeBuffering) {
   EXPECT_NE(s.message().find("exceeds the limit"), std::string::npos) << s.ToString();
 }
 
+// A decoder that failed keeps failing, and delivers no frame twice: it used
+// to keep the bytes of the frames it had already delivered when a later
+// frame in the same Feed failed, and decoded them again on the next Feed.
+TEST(FramingTest, FeedAfterAnErrorKeepsFailingWithoutRedeliveringFrames) {
+  std::string bad = EncodeFrame(8, "second");
+  bad.back() ^= 1;
+  FrameDecoder dec;
+  Status first = dec.Feed(EncodeFrame(7, "first") + bad);
+  EXPECT_EQ(first.code(), StatusCode::kDataLoss);
+  Status again = dec.Feed(EncodeFrame(9, "third"));
+  EXPECT_EQ(again.code(), StatusCode::kDataLoss) << again.ToString();
+  EXPECT_EQ(again.message(), first.message());
+  auto f = dec.Next();
+  ASSERT_TRUE(f);
+  EXPECT_EQ(f->payload, "first");
+  EXPECT_FALSE(dec.Next()) << "a frame was delivered twice";
+}
+
 }  // namespace
 }  // namespace nonstop::net
