@@ -13,6 +13,17 @@ namespace nonstop::train {
 
 namespace {
 
+// The name of a mapping key. YAML allows any node as a key ("? [a, b]: 1",
+// "{{}}"); a recipe's keys are names, and as<std::string>() on anything else
+// throws.
+Result<std::string> KeyName(const YAML::Node& key, const std::string& path) {
+  if (!key.IsScalar()) {
+    return InvalidArgumentError(fmt::format("{}: a key must be a name, got a {}", path.empty() ? "(top level)" : path,
+                                            key.IsSequence() ? "sequence" : key.IsMap() ? "mapping" : "null"));
+  }
+  return key.Scalar();
+}
+
 // Reads the keys of one mapping, remembering which it used, so that whatever
 // is left over can be reported as unknown.
 class Section {
@@ -36,7 +47,7 @@ class Section {
 
   Status CheckUnknown() const {
     for (const auto& kv : node_) {
-      std::string key = kv.first.as<std::string>();
+      NONSTOP_ASSIGN_OR_RETURN(std::string key, KeyName(kv.first, path_));
       if (!known_.count(key)) {
         std::string names;
         for (const auto& k : known_) names += (names.empty() ? "" : ", ") + k;
@@ -105,7 +116,11 @@ Status Validate(const Recipe& r) {
 
 }  // namespace
 
-Result<Recipe> ParseRecipe(const std::string& text, const std::string& source) {
+namespace {
+
+// ParseRecipe without its safety net: yaml-cpp may throw (YAML::Exception)
+// from any node access this function did not foresee.
+Result<Recipe> ParseRecipeOrThrow(const std::string& text, const std::string& source) {
   YAML::Node root;
   try {
     root = YAML::Load(text);
@@ -116,7 +131,9 @@ Result<Recipe> ParseRecipe(const std::string& text, const std::string& source) {
   Recipe r;
   auto ctx = [&](Status s) { return s.WithContext("recipe " + source); };
   for (const auto& kv : root) {
-    std::string key = kv.first.as<std::string>();
+    auto key_or = KeyName(kv.first, "");
+    if (!key_or.ok()) return ctx(key_or.status());
+    const std::string& key = *key_or;
     if (key != "name" && key != "model" && key != "train" && key != "optimizer" && key != "data" &&
         key != "checkpoint") {
       return InvalidArgumentError(fmt::format("recipe {}: {}: unknown key (known keys here: name, model, train, "
@@ -193,6 +210,16 @@ Result<Recipe> ParseRecipe(const std::string& text, const std::string& source) {
   st = Validate(r);
   if (!st.ok()) return ctx(st);
   return r;
+}
+
+}  // namespace
+
+Result<Recipe> ParseRecipe(const std::string& text, const std::string& source) {
+  try {
+    return ParseRecipeOrThrow(text, source);
+  } catch (const YAML::Exception& e) {
+    return InvalidArgumentError(fmt::format("recipe {}: {}", source, e.what()));
+  }
 }
 
 Result<Recipe> LoadRecipe(const std::string& path) {

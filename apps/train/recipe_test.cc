@@ -56,5 +56,17 @@ TEST(RecipeTest, MalformedYamlIsAnError) {
   EXPECT_NE(r.status().message().find("not valid YAML"), std::string::npos);
 }
 
+// Found by fuzz_recipe ("{{}}"): a key that is a mapping or a sequence made
+// yaml-cpp throw from as<std::string>(), an uncaught exception.
+TEST(RecipeTest, KeyThatIsNotANameIsAnErrorNotACrash) {
+  for (const char* text : {"{{}}", "? [a, b]\n: 1\n", "model:\n  ? {dim: 1}\n  : 2\n", "train: {[steps]: 3}\n"}) {
+    Result<Recipe> r = InvalidArgumentError("unset");
+    EXPECT_NO_THROW(r = ParseRecipe(text, "x.yaml")) << text;
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("key"), std::string::npos) << r.status().ToString();
+  }
+}
+
 }  // namespace
 }  // namespace nonstop::train
