@@ -10,7 +10,12 @@ PACKAGES=(
   libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libfmt-dev libcpp-httplib-dev
   libtorch-dev libgloo-dev
   fortunes
+  clang-16 libclang-rt-16-dev llvm-16
 )
+# clang-16 and libclang-rt-16-dev: the sanitizer builds and libFuzzer
+# (scripts/build.sh --sanitize/--fuzz, scripts/fuzz.sh); Debian 12's default
+# clang 14 cannot compile std::source_location with its libstdc++. llvm-16:
+# its llvm-symbolizer, for readable sanitizer stacks.
 
 missing=()
 for p in "${PACKAGES[@]}"; do
