@@ -151,6 +151,8 @@ size_t CompleteRequestBytes(const std::string& buffer) {
   size_t head = end + 4;
   std::string lower = buffer.substr(0, head);
   for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  // A client that asks to be told to go on before it sends the body gets that from the worker.
+  if (lower.find("\r\nexpect:") != std::string::npos) return head;
   size_t at = lower.find("\r\ncontent-length:");
   if (at == std::string::npos) return head;  // no body, or chunked: the worker reads it, with a deadline
   size_t p = at + 17;

@@ -10,6 +10,8 @@
 #include <atomic>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "common/temp_dir.h"
 #include "net/socket.h"
 
@@ -34,8 +36,8 @@ class FakeLoop {
       pollfd p{api_->wake_fd(), POLLIN, 0};
       if (::poll(&p, 1, 20) <= 0) continue;
       for (auto& call : api_->TakeCalls()) {
+        ++answered_;  // before the answer: the client may look as soon as it has it
         call->reply.set_value({202, {{"accepted", true}, {"echo", call->body}}});
-        ++answered_;
       }
     }
   }
@@ -182,6 +184,31 @@ TEST_F(HttpApiTest, MalformedRequestLinesGetA4xxWithAReason) {
     EXPECT_EQ(answer[9], '4') << answer;
     EXPECT_NE(answer.find("\"error\""), std::string::npos) << answer;
   }
+}
+
+TEST_F(HttpApiTest, ClientThatWaitsFor100ContinueIsServed) {
+  std::string body = R"({"grow": 1})";
+  std::string head = fmt::format("POST /scale HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n"
+                                 "Content-Type: application/json\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+                                 kToken, body.size());
+  auto fd = net::Dial({"127.0.0.1", static_cast<uint16_t>(api_->port())}, DeadlineAfter(Millis(5'000)));
+  ASSERT_TRUE(fd.ok());
+  ASSERT_TRUE(net::SendAll(fd->get(), std::as_bytes(std::span(head.data(), head.size())), DeadlineAfter(Millis(5'000)),
+                           nullptr, "head").ok());
+  char buf[4096];
+  ASSERT_TRUE(net::WaitFd(fd->get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "100").ok());
+  ssize_t n = ::recv(fd->get(), buf, sizeof(buf), 0);
+  ASSERT_GT(n, 0);
+  EXPECT_NE(std::string(buf, static_cast<size_t>(n)).find("100 Continue"), std::string::npos);
+  ASSERT_TRUE(net::SendAll(fd->get(), std::as_bytes(std::span(body.data(), body.size())), DeadlineAfter(Millis(5'000)),
+                           nullptr, "body").ok());
+  std::string answer;
+  while (net::WaitFd(fd->get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "answer").ok()) {
+    n = ::recv(fd->get(), buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    answer.append(buf, static_cast<size_t>(n));
+  }
+  EXPECT_NE(answer.find("202"), std::string::npos) << answer;
 }
 
 TEST_F(HttpApiTest, RequestNotSentInTimeGets408) {
