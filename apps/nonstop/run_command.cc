@@ -203,7 +203,7 @@ int RunCommand::Execute() {
     fmt::print(stderr, "nonstop run: cannot start the controller: {}\n", server.status().ToString());
     return 1;
   }
-  auto http = HttpApi::Start(http_host_, http_port_, (*journal)->path());
+  auto http = HttpApi::Start(http_host_, http_port_, (*journal)->path(), token);
   if (!http.ok()) {
     fmt::print(stderr, "nonstop run: {}\n", http.status().ToString());
     return 1;

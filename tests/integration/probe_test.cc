@@ -203,10 +203,7 @@ TEST_F(ProbeTest, JunkOnTheControlPortDoesNotDisturbTheJob) {
   ExpectUndisturbed(/*recoveries=*/1);
 }
 
-// TODO(#8): enable once `nonstop run` passes the job token to HttpApi::Start
-// (apps/nonstop/run_command.cc); until then its endpoint is open on loopback
-// and this test fails with 202 where it wants 401.
-TEST_F(ProbeTest, DISABLED_UnauthenticatedScaleIsRefusedDuringARealJob) {
+TEST_F(ProbeTest, UnauthenticatedScaleIsRefusedDuringARealJob) {
   StartJob();
   std::string http = job_file_["http"];
   auto colon = http.rfind(':');
