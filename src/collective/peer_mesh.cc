@@ -171,7 +171,7 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
   BurstLog evictions(/*shown=*/1);
   Deadline accept_paused_until{};
   std::vector<pollfd> fds;
-  std::vector<const net::AbortSignal*> watched;
+  std::vector<int> watched;  // descriptors of waiters' abort signals (never dereferenced unlocked)
 
   // Settles a connection whose hello is done or overdue; false while it is still in handshake.
   auto settle = [&](Pending& p, Deadline now) {
@@ -215,7 +215,7 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
       bool fired = false;
       for (const auto& [signal, count] : waiting_aborts_) {
         if (signal->fired()) fired = true;
-        else watched.push_back(signal);
+        else watched.push_back(signal->fd());
       }
       if (fired) cv_.notify_all();
     }
@@ -225,7 +225,7 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
     fds.push_back({stop_signal_.fd(), POLLIN, 0});
     fds.push_back({wake_fd_.get(), POLLIN, 0});
     fds.push_back({accepting ? listen_fd_.get() : -1, POLLIN, 0});
-    for (const net::AbortSignal* signal : watched) fds.push_back({signal->fd(), POLLIN, 0});
+    for (int fd : watched) fds.push_back({fd, POLLIN, 0});
     const size_t first_pending = fds.size();
     Deadline wake_at = std::min(refusals.next_flush(), evictions.next_flush());
     if (!accepting) wake_at = std::min(wake_at, accept_paused_until);
