@@ -96,44 +96,68 @@ class ScriptedJob {
   std::jthread drain_thread_;
 };
 
-TEST(SessionTest, DrainArrivingJustAsTheCollectiveStartsEndsItInsteadOfBlocking) {
-  ScriptedJob job;
-  std::thread controller([&] { job.AcceptAndPlan(); });
-  state::StateRegistry state;
-  std::vector<float> params(16, 1.0f);
-  state.Register("params", std::as_writable_bytes(std::span(params)));
-  SessionOptions o;
-  o.controller_address = job.address();
-  o.job_token = "tok";
-  o.worker_id = 0;
-  o.timeout_collective = Millis(3000);  // what a member left blocked would wait for
-  auto session = Session::Join(o, &state);
-  controller.join();
-  ASSERT_TRUE(session.ok()) << session.status().ToString();
-  job.StartDraining();
-  (*session)->ReportStep({0, 1.0, 0.1, 1});  // step 0 complete: the boundary after step 0 is next
+// A worker (id 0) joined to a ScriptedJob, and a way to wait until its I/O
+// thread has handled a Drain.
+class SessionTest : public ::testing::Test {
+ protected:
+  void SetUp() override { state_.Register("params", std::as_writable_bytes(std::span(params_))); }
+  void TearDown() override {
+    testing::before_collective_hook = nullptr;
+    testing::control_frame_hook = nullptr;
+  }
 
+  // Joins; `controller` plays the controller's side (AcceptAndPlan by default).
+  Result<std::unique_ptr<Session>> Join(std::function<void()> controller = nullptr) {
+    std::thread t(controller ? controller : [this] { job_.AcceptAndPlan(); });
+    SessionOptions o;
+    o.controller_address = job_.address();
+    o.job_token = "tok";
+    o.worker_id = 0;
+    o.timeout_collective = Millis(3000);  // what a member left blocked would wait for
+    auto session = Session::Join(o, &state_);
+    t.join();
+    return session;
+  }
+
+  void WatchDrains() {
+    testing::control_frame_hook = [this](uint16_t type) {
+      if (type != control::kMsgDrain) return;
+      std::lock_guard<std::mutex> lock(mu_);
+      drained_ = true;
+      cv_.notify_all();
+    };
+  }
+  void WaitForDrain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return drained_; });
+  }
+  void SendDrainAfterStep0() {
+    job_.Send(control::kMsgDrain, control::Encode(control::DrainMsg{1, 0, "resize on request"}));
+  }
+
+  ScriptedJob job_;
+  state::StateRegistry state_;
+  std::vector<float> params_ = std::vector<float>(16, 1.0f);
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool drained_ = false;
+};
+
+TEST_F(SessionTest, DrainArrivingJustAsTheCollectiveStartsEndsItInsteadOfBlocking) {
+  auto session = Join();
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  job_.StartDraining();
+  (*session)->ReportStep({0, 1.0, 0.1, 1});  // step 0 complete: the boundary after step 0 is next
   // The Drain for the boundary after step 0 lands in the window between the
   // Session's drain check and the start of the collective of step 1; the
   // hook waits until the I/O thread has handled it.
-  std::mutex mu;
-  std::condition_variable cv;
-  bool drained = false;
-  testing::control_frame_hook = [&](uint16_t type) {
-    if (type != control::kMsgDrain) return;
-    std::lock_guard<std::mutex> lock(mu);
-    drained = true;
-    cv.notify_all();
-  };
+  WatchDrains();
   testing::before_collective_hook = [&] {
-    job.Send(control::kMsgDrain, control::Encode(control::DrainMsg{1, 0, "resize on request"}));
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return drained; });
+    SendDrainAfterStep0();
+    WaitForDrain();
   };
   std::vector<float> grads(16, 1.0f);
   Status s = (*session)->AllReduce(grads);
-  testing::before_collective_hook = nullptr;
-  testing::control_frame_hook = nullptr;
   // Before the fix the member stayed in a collective its peers had left (the
   // silent peer here) until timeout_collective: DEADLINE_EXCEEDED, a planned
   // resize turned into a fault.
@@ -141,61 +165,28 @@ TEST(SessionTest, DrainArrivingJustAsTheCollectiveStartsEndsItInsteadOfBlocking)
   EXPECT_NE(s.message().find("step boundary"), std::string::npos) << s.ToString();
 }
 
-TEST(SessionTest, BarrierAndBroadcastHonourADrainLikeAllReduce) {
-  ScriptedJob job;
-  std::thread controller([&] { job.AcceptAndPlan(); });
-  state::StateRegistry state;
-  std::vector<float> params(4, 1.0f);
-  state.Register("params", std::as_writable_bytes(std::span(params)));
-  SessionOptions o;
-  o.controller_address = job.address();
-  o.job_token = "tok";
-  o.worker_id = 0;
-  o.timeout_collective = Millis(3000);
-  auto session = Session::Join(o, &state);
-  controller.join();
+TEST_F(SessionTest, BarrierAndBroadcastHonourADrainLikeAllReduce) {
+  auto session = Join();
   ASSERT_TRUE(session.ok()) << session.status().ToString();
-  job.StartDraining();
+  job_.StartDraining();
   (*session)->ReportStep({0, 1.0, 0.1, 1});
-  std::mutex mu;
-  std::condition_variable cv;
-  bool drained = false;
-  testing::control_frame_hook = [&](uint16_t type) {
-    if (type != control::kMsgDrain) return;
-    std::lock_guard<std::mutex> lock(mu);
-    drained = true;
-    cv.notify_all();
-  };
-  job.Send(control::kMsgDrain, control::Encode(control::DrainMsg{1, 0, "resize on request"}));
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    cv.wait(lock, [&] { return drained; });
-  }
-  testing::control_frame_hook = nullptr;
+  WatchDrains();
+  SendDrainAfterStep0();
+  WaitForDrain();
   EXPECT_EQ((*session)->Barrier().code(), StatusCode::kAborted);
   std::vector<std::byte> buf(8);
   EXPECT_EQ((*session)->Broadcast(buf, 0).code(), StatusCode::kAborted);
 }
 
-TEST(SessionTest, PlanNamingASourceOutsideTheMembershipIsAnsweredWithAReasonNotACrash) {
-  ScriptedJob job;
+TEST_F(SessionTest, PlanNamingASourceOutsideTheMembershipIsAnsweredWithAReasonNotACrash) {
   std::string ready_reason;
-  std::thread controller([&] {
-    job.AcceptAndPlan([](control::PlanMsg& plan) { plan.transfers.push_back({0, {7}}); });  // worker 7 is no member
-    auto ready = job.Expect(control::kMsgReady);
+  auto session = Join([&] {
+    job_.AcceptAndPlan([](control::PlanMsg& plan) { plan.transfers.push_back({0, {7}}); });  // 7 is no member
+    auto ready = job_.Expect(control::kMsgReady);
     ASSERT_TRUE(ready.ok()) << ready.status().ToString();
     ready_reason = control::DecodeReady(ready->payload)->reason;
-    job.Send(control::kMsgShutdown, control::Encode(control::ShutdownMsg{"test over", 0}));
+    job_.Send(control::kMsgShutdown, control::Encode(control::ShutdownMsg{"test over", 0}));
   });
-  state::StateRegistry state;
-  std::vector<float> params(4, 1.0f);
-  state.Register("params", std::as_writable_bytes(std::span(params)));
-  SessionOptions o;
-  o.controller_address = job.address();
-  o.job_token = "tok";
-  o.worker_id = 0;
-  auto session = Session::Join(o, &state);
-  controller.join();
   EXPECT_EQ(session.status().code(), StatusCode::kCancelled) << session.status().ToString();
   EXPECT_NE(ready_reason.find("source worker 7 of receiver 0 is not a member"), std::string::npos) << ready_reason;
 }
