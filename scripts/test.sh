@@ -1,5 +1,147 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (unit, integration, chaos) with CTest.
+# Runs the whole test suite (CI runs exactly this, after scripts/build.sh):
+#
+#   main   every test (unit, integration, chaos) in ./build; arguments given
+#          to this script go to this ctest (e.g. -R Plan)
+#   asan   the unit and chaos suites under ASan + UBSan, in ./build-asan
+#   tsan   the collectives, session, control server, controller and
+#          recovery tests under TSan, in ./build-tsan
+#   fuzz   each libFuzzer target for NONSTOP_FUZZ_SECONDS (20) seconds
+#          (scripts/fuzz.sh), in ./build-fuzz
+#
+# The asan, tsan and fuzz parts build their own trees first (ccache makes a
+# rebuild cheap). NONSTOP_TEST_PARTS picks parts: "main asan tsan fuzz" by
+# default, "main" alone when arguments are given (they select main tests);
+# NONSTOP_TEST_PARTS=main is the quick run. Every part runs even when an
+# earlier one failed; the script fails if any did, and ends with each
+# part's result and time.
+#
+# Sanitizer reports of every process, the test workers and controllers a test
+# starts included, go to files under build-*/sanitizer-reports/: a report
+# fails the part even when the process that wrote it was a child whose exit
+# the test tolerated, and the reports are printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ctest --test-dir build --output-on-failure -j 2 "$@"
+
+default_parts="main asan tsan fuzz"
+if [ $# -gt 0 ]; then default_parts=main; fi
+parts="${NONSTOP_TEST_PARTS:-$default_parts}"
+results=()
+failed=0
+
+# The tests each sanitizer part runs (ctest -L / -R). TSan runs the test
+# executables of the threaded code, collectives, session, controller and
+# recovery (tsan_targets, built alone), and the suites they hold (tsan_tests,
+# gtest suite names: a parameterized one is "Instance/Suite.Test").
+asan_labels='^(unit|chaos)$'
+# Known ASan failures, reported to the owner and skipped only until fixed
+# (delete the name with the fix): http_api_test.cc builds a std::string of
+# 17 bytes from a 15-byte literal (a global-buffer-overflow in the test).
+asan_known_failures='^HttpApiTest\.MalformedRequestLinesGetA4xxWithAReason$'
+tsan_targets="collective_test peer_mesh_test session_test controller_test recovery_chaos_test"
+tsan_tests='(^|/)(CommunicatorTest|AllReduceTest|PeerMeshTest|SessionTest|ControlServerTest|ControllerTest|JournalTest|RecoveryTest)\.'
+
+# llvm-symbolizer from the clang that built the sanitizer trees: an older
+# one (Debian's default, 14) prints bare addresses for clang 16's debug info.
+llvm_bin=/usr/lib/llvm-16/bin
+
+banner() { printf '\n==== test.sh: %s ====\n' "$*"; }
+
+# run_part NAME COMMAND...: runs one part, records its result and time.
+run_part() {
+  local name="$1"
+  shift
+  local start=$SECONDS rc=0
+  "$@" || rc=$?
+  local took=$((SECONDS - start))
+  if [ $rc -eq 0 ]; then
+    results+=("$(printf '%-5s ok     %4ds' "$name" "$took")")
+  else
+    results+=("$(printf '%-5s FAILED %4ds (exit %d)' "$name" "$took" "$rc")")
+    failed=1
+  fi
+}
+
+# check_reports DIR: fails, printing them, if sanitizers wrote any reports.
+check_reports() {
+  local dir="$1"
+  shopt -s nullglob
+  local reports=("$dir"/*)
+  shopt -u nullglob
+  if [ ${#reports[@]} -eq 0 ]; then return 0; fi
+  echo "test.sh: ${#reports[@]} sanitizer report(s) in $dir:"
+  for r in "${reports[@]}"; do
+    echo "---- $r"
+    head -n 80 "$r"
+  done
+  return 1
+}
+
+part_main() {
+  banner "main: every test in ./build"
+  ctest --test-dir build --output-on-failure -j 2 "$@"
+}
+
+part_asan() {
+  banner "asan: unit and chaos tests under ASan + UBSan (./build-asan)"
+  bash scripts/build.sh --sanitize address || return
+  local reports="$PWD/build-asan/sanitizer-reports"
+  rm -rf "$reports" && mkdir -p "$reports"
+  local rc=0
+  PATH="$llvm_bin:$PATH" ASAN_OPTIONS="detect_leaks=1:log_path=$reports/asan" \
+  UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan" \
+    ctest --test-dir build-asan --output-on-failure -j 2 -L "$asan_labels" -E "$asan_known_failures" || rc=$?
+  check_reports "$reports" || rc=1
+  return $rc
+}
+
+# Known races, each reported to the owner of the code and suppressed only
+# until it is fixed: delete a line here with the fix. A suppression names a
+# function or global in either stack of the race, so every other race in the
+# same code still fails the part.
+write_tsan_suppressions() {
+  cat >"$1" <<'EOF'
+# src/collective/communicator_test.cc (RankEnv) and src/worker/session.cc
+# (SessionImpl) declare their AbortSignal after the PeerMesh whose accept
+# thread polls it, so it is destroyed while that thread still reads its fd.
+race:nonstop::net::AbortSignal::~AbortSignal
+# src/worker/session_test.cc sets the global test seam
+# nonstop::testing::control_frame_hook while the session's I/O thread reads it.
+race:nonstop::testing::control_frame_hook
+EOF
+}
+
+part_tsan() {
+  banner "tsan: collectives, session, control server, controller and recovery tests under TSan (./build-tsan)"
+  NONSTOP_BUILD_TARGETS="$tsan_targets" bash scripts/build.sh --sanitize thread || return
+  local reports="$PWD/build-tsan/sanitizer-reports"
+  rm -rf "$reports" && mkdir -p "$reports"
+  write_tsan_suppressions "$PWD/build-tsan/tsan-suppressions.txt"
+  local rc=0
+  PATH="$llvm_bin:$PATH" \
+  TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/build-tsan/tsan-suppressions.txt:log_path=$reports/tsan" \
+    ctest --test-dir build-tsan --output-on-failure -j 2 -R "$tsan_tests" || rc=$?
+  check_reports "$reports" || rc=1
+  return $rc
+}
+
+part_fuzz() {
+  banner "fuzz: each libFuzzer target for ${NONSTOP_FUZZ_SECONDS:-20}s (./build-fuzz)"
+  bash scripts/fuzz.sh "${NONSTOP_FUZZ_SECONDS:-20}"
+}
+
+for part in $parts; do
+  case "$part" in
+    main) run_part main part_main "$@" ;;
+    asan) run_part asan part_asan ;;
+    tsan) run_part tsan part_tsan ;;
+    fuzz) run_part fuzz part_fuzz ;;
+    *) echo "test.sh: unknown part '$part' in NONSTOP_TEST_PARTS (main asan tsan fuzz)" >&2; exit 2 ;;
+  esac
+done
+
+banner "summary"
+printf '  %s\n' "${results[@]}"
+nfailed=$(printf '%s\n' "${results[@]}" | grep -c FAILED || true)
+echo "parts: $(( ${#results[@]} - nfailed )) passed, $nfailed failed"
+exit $failed
