@@ -8,7 +8,6 @@
 
 #include <fmt/format.h>
 
-#include "common/constant_time.h"
 #include "common/logging.h"
 #include "control/messages.h"
 #include "net/handshake.h"
@@ -79,7 +78,16 @@ void ControlServer::LogRefusal(const std::string& line) {
 void ControlServer::OnAccept() {
   while (true) {
     Result<UniqueFd> fd = net::Accept(listen_fd_.get());
-    if (!fd.ok()) return;
+    if (!fd.ok()) {
+      if (fd.status().code() == StatusCode::kInternal) {
+        // Out of descriptors: the listener stays readable, so stop watching it
+        // for a moment instead of spinning; CheckTimers watches it again.
+        LogRefusal(fd.status().ToString());
+        loop_->Unwatch(listen_fd_.get());
+        accept_paused_until_ = Clock::now() + Millis(100);
+      }
+      return;
+    }
     // Bounded memory under a flood: at most max_unjoined connections may wait
     // for their hello and join; the oldest makes room for the newest.
     int unjoined = 0;
@@ -142,10 +150,9 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       refusal = fmt::format("first frame has type {}, expected hello", f.type);
     } else {
       auto hello = net::DecodeHello(f.payload);
-      if (!hello.ok()) refusal = hello.status().message();
-      else if (hello->proto_major != net::kProtocolMajor) refusal = fmt::format("protocol version {} is not supported", hello->proto_major);
-      else if (!ConstantTimeEquals(hello->job_token, token_)) refusal = "job token mismatch: this connection belongs to another job";
-      else if (hello->kind != net::ConnectionKind::kControl) refusal = "not a control connection";
+      Status ok = hello.ok() ? net::CheckHello(*hello, token_, net::ConnectionKind::kControl) : hello.status();
+      if (!ok.ok()) refusal = ok.message();
+      else c.hello_worker_id = hello->worker_id;
     }
     if (!refusal.empty()) {
       std::string ack = net::EncodeFrame(net::kFrameHelloAck, std::string(1, '\0') + refusal);
@@ -169,6 +176,10 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
     if (!join.ok()) return bad(join.status());
     if (join->worker_id < 0) {
       return bad(InvalidArgumentError(fmt::format("worker id {} is negative", join->worker_id)));
+    }
+    if (join->worker_id != c.hello_worker_id) {
+      return bad(InvalidArgumentError(fmt::format("joins as worker {} after saying hello as worker {}",
+                                                  join->worker_id, c.hello_worker_id)));
     }
     if (fd_of_worker_.count(join->worker_id)) {
       return bad(InvalidArgumentError(fmt::format("worker id {} is already connected", join->worker_id)));
@@ -261,6 +272,10 @@ bool ControlServer::Send(int worker_id, uint16_t type, const std::string& payloa
 }
 
 void ControlServer::CheckTimers(Clock::time_point now) {
+  if (accept_paused_until_ && now >= *accept_paused_until_) {
+    accept_paused_until_.reset();
+    loop_->Watch(listen_fd_.get(), POLLIN, [this](short) { OnAccept(); });
+  }
   std::vector<std::pair<int, std::string>> close;
   std::vector<std::pair<int, std::string>> lost;
   for (const auto& [fd, c] : conns_) {

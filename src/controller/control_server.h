@@ -25,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "common/status.h"
@@ -73,6 +74,7 @@ class ControlServer {
     UniqueFd fd;
     net::FrameDecoder decoder{64 << 10};
     bool greeted = false;  // hello accepted
+    int hello_worker_id = -1;  // who the hello said it is; the join must agree
     int worker_id = -1;    // known after the join message
     std::string peer;      // "worker 3 (127.0.0.1:41234)" once known
     Clock::time_point accepted_at{};
@@ -111,6 +113,7 @@ class ControlServer {
   std::map<int, std::unique_ptr<Conn>> conns_;  // by fd
   std::map<int, int> fd_of_worker_;
   int refused_ = 0;
+  std::optional<Clock::time_point> accept_paused_until_;  // out of descriptors: not accepting until then
   Clock::time_point log_window_start_{};
   int logged_in_window_ = 0;
   int suppressed_logs_ = 0;

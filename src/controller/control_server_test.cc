@@ -45,6 +45,17 @@ UniqueFd Dial(const net::HostPort& where) {
   return std::move(*fd);
 }
 
+// Says hello and joins as `worker_id` (blocking; run it on a client thread).
+void Join(int fd, int worker_id) {
+  net::Hello ok;
+  ok.kind = net::ConnectionKind::kControl;
+  ok.job_token = "tok";
+  ok.worker_id = worker_id;
+  ASSERT_TRUE(net::ClientHandshake(fd, ok, DeadlineAfter(Millis(3000)), nullptr).ok());
+  control::JoinMsg j{worker_id, 1, "127.0.0.1:1", false, -1};
+  ASSERT_TRUE(net::WriteFrame(fd, control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
+}
+
 TEST(ControlServerTest, GarbageAndWrongTokensAreClosedAndTheServerCarriesOn) {
   ServerFixture f;
   UniqueFd garbage = Dial(f.server->address());
@@ -62,15 +73,7 @@ TEST(ControlServerTest, GarbageAndWrongTokensAreClosedAndTheServerCarriesOn) {
 
   // A proper worker still gets through.
   UniqueFd good = Dial(f.server->address());
-  std::thread client([&] {
-    net::Hello ok;
-    ok.kind = net::ConnectionKind::kControl;
-    ok.job_token = "tok";
-    ok.worker_id = 7;
-    ASSERT_TRUE(net::ClientHandshake(good.get(), ok, DeadlineAfter(Millis(3000)), nullptr).ok());
-    control::JoinMsg j{7, 1234, "127.0.0.1:1", false, -1};
-    ASSERT_TRUE(net::WriteFrame(good.get(), control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
-  });
+  std::thread client([&] { Join(good.get(), 7); });
   f.RunFor(Millis(300));
   client.join();
   ASSERT_EQ(f.events.size(), 1u);
@@ -82,12 +85,7 @@ TEST(ControlServerTest, MalformedMessageClosesOnlyThatWorker) {
   ServerFixture f;
   UniqueFd c = Dial(f.server->address());
   std::thread client([&] {
-    net::Hello ok;
-    ok.kind = net::ConnectionKind::kControl;
-    ok.job_token = "tok";
-    ASSERT_TRUE(net::ClientHandshake(c.get(), ok, DeadlineAfter(Millis(3000)), nullptr).ok());
-    control::JoinMsg j{1, 1, "127.0.0.1:1", false, -1};
-    ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
+    Join(c.get(), 1);
     ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgHeartbeat, "{\"step\": [1]}", DeadlineAfter(Millis(1000)), nullptr).ok());
   });
   f.RunFor(Millis(300));
@@ -95,17 +93,6 @@ TEST(ControlServerTest, MalformedMessageClosesOnlyThatWorker) {
   ASSERT_EQ(f.events.size(), 2u);
   ASSERT_TRUE(std::holds_alternative<ConnectionLost>(f.events[1]));
   EXPECT_NE(std::get<ConnectionLost>(f.events[1]).reason.find("step"), std::string::npos);
-}
-
-// Says hello and joins as `worker_id` (blocking; run it on a client thread).
-void Join(int fd, int worker_id) {
-  net::Hello ok;
-  ok.kind = net::ConnectionKind::kControl;
-  ok.job_token = "tok";
-  ok.worker_id = worker_id;
-  ASSERT_TRUE(net::ClientHandshake(fd, ok, DeadlineAfter(Millis(3000)), nullptr).ok());
-  control::JoinMsg j{worker_id, 1, "127.0.0.1:1", false, -1};
-  ASSERT_TRUE(net::WriteFrame(fd, control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
 }
 
 TEST(ControlServerTest, WorkerThatStopsReadingIsReportedLostAndNeverBlocksTheLoop) {
@@ -201,6 +188,24 @@ TEST(ControlServerTest, FloodOfIdleConnectionsCostsBoundedMemoryAndDoesNotKeepAW
   f.RunFor(Millis(600));
   EXPECT_EQ(f.server->open_connections(), 1u);
   EXPECT_EQ(f.Count<ConnectionLost>(), 0);
+}
+
+TEST(ControlServerTest, JoinAsAnotherWorkerThanTheHelloSaidIsRefused) {
+  ServerFixture f;
+  UniqueFd c = Dial(f.server->address());
+  std::thread client([&] {
+    net::Hello h;
+    h.kind = net::ConnectionKind::kControl;
+    h.job_token = "tok";
+    h.worker_id = 2;
+    ASSERT_TRUE(net::ClientHandshake(c.get(), h, DeadlineAfter(Millis(3000)), nullptr).ok());
+    control::JoinMsg j{5, 1, "127.0.0.1:1", false, -1};
+    ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
+  });
+  f.RunFor(Millis(300));
+  client.join();
+  EXPECT_EQ(f.Count<WorkerJoined>(), 0);
+  EXPECT_EQ(f.server->open_connections(), 0u);
 }
 
 TEST(ControlServerTest, NegativeWorkerIdIsRefused) {
