@@ -29,6 +29,8 @@ class RunCommand {
   int abort_timeout_ms_ = 2000;
   int join_timeout_ms_ = 300'000;
   int refill_nice_ = 10;
+  int hang_floor_ms_ = 500;
+  double hang_factor_ = 8.0;
   std::string http_host_ = "127.0.0.1";
   int http_port_ = 0;
   int min_world_ = 1;

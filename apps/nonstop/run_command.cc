@@ -72,6 +72,13 @@ void RunCommand::Register(CLI::App& app) {
   sub_->add_option("--abort-timeout-ms", abort_timeout_ms_,
                    "Members that have not aborted this long after a fault are killed and replaced")
       ->capture_default_str()->envname("NONSTOP_ABORT_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
+  sub_->add_option("--hang-floor-ms", hang_floor_ms_,
+                   "Hang detector: a member is hung when it reaches a step's collective this long (at least) after "
+                   "the first member did")
+      ->capture_default_str()->envname("NONSTOP_HANG_FLOOR_MS")->check(CLI::Range(50, 3'600'000));
+  sub_->add_option("--hang-factor", hang_factor_,
+                   "Hang detector: … and this many times the recent spread between first and last arrival")
+      ->capture_default_str()->envname("NONSTOP_HANG_FACTOR")->check(CLI::Range(1.0, 1000.0));
   sub_->add_option("--refill-nice", refill_nice_,
                    "Niceness at which spares that refill the pool warm up while the job trains (0: normal priority; "
                    "used only where the priority can be raised back when the spare takes a rank)")
@@ -193,6 +200,8 @@ int RunCommand::Execute() {
   copts.heartbeat_timeout = Millis(heartbeat_timeout_ms_);
   copts.abort_timeout = Millis(abort_timeout_ms_);
   copts.forming_timeout = Millis(join_timeout_ms_);
+  copts.hang_floor = Millis(hang_floor_ms_);
+  copts.hang_factor = hang_factor_;
   copts.join_timeout = Millis(join_timeout_ms_);
   copts.faults = faults;
   controller::Controller core(copts);

@@ -250,13 +250,18 @@ int Main(int argc, char** argv) {
       // The timing checkpoint is written in the background: rank 0 never
       // waits for the disk while the others wait in the next collective.
       auto st = writer->last_written();
-      if (!st && !last) return;
-      if (!st) (void)writer->Wait();
+      if (!st && writer->in_flight() && !last) return;  // still being written
+      if (!st && last) (void)writer->Wait();
       st = writer->last_written();
+      if (!st) {
+        NONSTOP_LOG_WARNING("the timing checkpoint failed; checkpointing every 50 steps instead");
+        every = 50;
+        timing_in_flight = false;
+      }
       double cost = st ? st->snapshot_seconds + st->write_seconds : 0;
       double optimum = std::sqrt(2.0 * cost * mtbf_seconds);
-      every = std::max<int64_t>(1, static_cast<int64_t>(std::llround(optimum / std::max(step_seconds, 1e-6))));
-      fmt::print("checkpoint interval: {} steps (Young/Daly: sqrt(2 × cost {:.3f} s × MTBF {:.1f} s) = {:.2f} s; "
+      if (st) every = std::max<int64_t>(1, static_cast<int64_t>(std::llround(optimum / std::max(step_seconds, 1e-6))));
+      if (st) fmt::print("checkpoint interval: {} steps (Young/Daly: sqrt(2 × cost {:.3f} s × MTBF {:.1f} s) = {:.2f} s; "
                  "a step takes {:.3f} s)\n", every, cost, mtbf_seconds, optimum, step_seconds);
       std::fflush(stdout);
     }

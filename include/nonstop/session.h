@@ -67,8 +67,8 @@ struct SessionOptions {
   // joined, a worker or spare waits for its plan as long as the controller
   // lives: the controller pings every connected worker, and a worker that
   // hears nothing from it for `controller_timeout` has lost it.
-  std::chrono::milliseconds join_timeout{60'000};
-  std::chrono::milliseconds controller_timeout{5'000};
+  std::chrono::milliseconds join_timeout{60'000};        // NONSTOP_CONNECT_TIMEOUT_MS
+  std::chrono::milliseconds controller_timeout{5'000};  // NONSTOP_CONTROLLER_TIMEOUT_MS
   // Interval of heartbeats to the controller; the controller's heartbeat
   // timeout should be several of these.
   std::chrono::milliseconds heartbeat_interval{200};

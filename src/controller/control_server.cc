@@ -76,7 +76,9 @@ void ControlServer::LogRefusal(const std::string& line) {
 }
 
 void ControlServer::OnAccept() {
-  while (true) {
+  // A bounded batch per loop turn: a flood of connections never keeps the
+  // loop from everything else it does.
+  for (int batch = 0; batch < 64; ++batch) {
     Result<UniqueFd> fd = net::Accept(listen_fd_.get());
     if (!fd.ok()) {
       if (fd.status().code() == StatusCode::kInternal) {
@@ -96,6 +98,7 @@ void ControlServer::OnAccept() {
     for (const auto& [cfd, c] : conns_) {
       if (c->worker_id >= 0) continue;
       ++unjoined;
+      if (c->greeted) continue;  // presented the job token: never evicted for strangers
       if (c->accepted_at < oldest) oldest = c->accepted_at, oldest_fd = cfd;
     }
     if (unjoined >= options_.max_unjoined && oldest_fd >= 0) {

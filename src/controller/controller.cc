@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 
@@ -13,6 +14,12 @@ using nlohmann::json;
 namespace {
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+// Numbers from workers enter the controller's arithmetic only within sane
+// ranges: a worker that lies (INT64_MAX steps, a NaN step time) is ignored,
+// never a cause of overflow or undefined behaviour.
+constexpr int64_t kMaxStep = int64_t{1} << 53;
+bool SaneStep(int64_t step) { return step >= control::kNoValidState && step <= kMaxStep; }
 
 }  // namespace
 
@@ -61,6 +68,16 @@ double Controller::MedianStepSeconds() const {
 
 void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   const auto& m = e.msg;
+  if (!SaneStep(m.state_step) || m.worker_id > (1 << 30)) {
+    out->push_back(SendShutdown{m.worker_id, {fmt::format("join refused: worker id {} or state step {} is out of range",
+                                                          m.worker_id, m.state_step), kExitUsage}});
+    return;
+  }
+  if (killed_before_join_.count(m.worker_id)) {
+    // Its join was in flight when its join deadline passed: it was killed and replaced.
+    out->push_back(SendShutdown{m.worker_id, {"joined after its join deadline; a replacement was started", kExitUsage}});
+    return;
+  }
   next_worker_id_ = std::max(next_worker_id_, m.worker_id + 1);
   if (awaiting_join_.erase(m.worker_id) > 0 && m.spare) refill_failures_ = 0;
   if (workers_.count(m.worker_id) && workers_[m.worker_id].role != WorkerRole::kGone) {
@@ -97,6 +114,7 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   members_ = pending;
   arrivals_.clear();
   arrival_step_ = -1;
+  arrival_spreads_ms_.clear();  // a new membership has its own normal
   int64_t s_star = -1;
   for (int id : members_) s_star = std::max(s_star, joined_step_[id]);
   std::vector<int> holders;
@@ -167,6 +185,7 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
 void Controller::On(const HeartbeatReceived& e, std::vector<Action>*) {
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end()) return;
+  if (!SaneStep(e.msg.step) || e.msg.waiting_ms < -1 || e.msg.waiting_ms > 86'400'000) return;
   it->second.last_heard = now_;
   it->second.last_step = std::max(it->second.last_step, e.msg.step);
   it->second.waiting_ms = e.msg.waiting_ms;
@@ -198,6 +217,10 @@ void Controller::RecordArrival(WorkerInfo& w, int64_t step, int64_t waiting_ms) 
 void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end()) return;
+  if (!SaneStep(e.msg.step) || e.msg.step < 0 || !std::isfinite(e.msg.step_seconds) || e.msg.step_seconds < 0 ||
+      e.msg.step_seconds > 1e6) {
+    return;
+  }
   WorkerInfo& w = it->second;
   w.last_heard = now_;
   w.last_step = std::max(w.last_step, e.msg.step);
@@ -284,7 +307,8 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
     auto awaited = awaiting_join_.find(e.worker_id);
     bool was_refill = awaited != awaiting_join_.end() && awaited->second.spare;
     if (awaited != awaiting_join_.end()) awaiting_join_.erase(awaited);
-    if (was_refill && phase_ != JobPhase::kForming && e.exit_code != kExitDataCorruption) {
+    if (killed_before_join_.count(e.worker_id)) return;  // already replaced
+    if (was_refill && e.exit_code != kExitDataCorruption) {
       // A spare that died while starting: the pool refills, unless refills keep dying.
       if (++refill_failures_ <= 3) {
         out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {} before joining; starting another",
@@ -427,6 +451,7 @@ void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
   for (int id : late) {
     bool spare = awaiting_join_[id].spare;
     awaiting_join_.erase(id);
+    killed_before_join_.insert(id);
     out->push_back(KillWorker{id});
     out->push_back(AppendJournal{{{"event", "join_timeout"}, {"worker_id", id}, {"spare", spare}}});
     out->push_back(PrintLine{fmt::format("worker {} did not join within {} s; killed{}", id,
@@ -534,6 +559,10 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
 void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end() || !IsLiveMember(it->second) || e.msg.generation != generation_) return;
+  if (!SaneStep(e.msg.step)) {
+    MemberFault(e.worker_id, "reported failure", fmt::format("reported an impossible step {}", e.msg.step), out);
+    return;
+  }
   if (phase_ == JobPhase::kRunning) {
     // The member saw a fault first (a peer's connection reset): recover.
     StartRecovery(fmt::format("{} reported: {}", Describe(it->second), e.msg.reason), out);
@@ -637,6 +666,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   members_ = next;
   arrivals_.clear();
   arrival_step_ = -1;
+  arrival_spreads_ms_.clear();  // a new membership has its own normal
   resume_step_ = s_star + 1;
   rec.to_generation = generation_;
   rec.resume_step = resume_step_;
@@ -863,7 +893,8 @@ void Controller::CheckWatchdogs(std::vector<Action>* out) {
   // between first and last arrival normally is.
   if (!open_recovery_ && arrival_spreads_ms_.size() >= 5 && !arrivals_.empty() && arrivals_.size() < members_.size()) {
     double normal = *std::max_element(arrival_spreads_ms_.begin(), arrival_spreads_ms_.end());
-    double threshold = std::max<double>(static_cast<double>(options_.hang_floor.count()), options_.hang_factor * normal);
+    double threshold = std::max({static_cast<double>(options_.hang_floor.count()), options_.hang_factor * normal,
+                                 0.5 * MedianStepSeconds() * 1000.0});
     Clock::time_point first = Clock::time_point::max();
     for (const auto& [id, t] : arrivals_) first = std::min(first, t);
     double lag = Ms(now_ - first);

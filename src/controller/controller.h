@@ -36,6 +36,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <variant>
 #include <vector>
@@ -93,7 +94,7 @@ struct ControllerOptions {
   std::vector<control::FaultSpec> faults;  // injected faults, fired once each
   // A grow waits this long for all the capacity it needs, to change once.
   Millis grow_gather{3'000};
-  // Bounds on the phases before a worker trains (docs/recovery.md, "Bounds"):
+  // Bounds on the phases before a worker trains (docs/thread-model.md):
   // the job must form within forming_timeout of its start (or restart), and a
   // spare started later must join within join_timeout of its start, or it is
   // killed and replaced.
@@ -296,6 +297,7 @@ class Controller {
     std::optional<Clock::time_point> since;  // unset: since the job started
   };
   std::map<int, AwaitedJoin> awaiting_join_;  // spawned workers that have not joined yet
+  std::set<int> killed_before_join_;          // killed at their join deadline: their join and exit are moot
   Clock::time_point forming_since_{};         // when the current forming phase began
   int refill_failures_ = 0;                   // spares that died before joining, in a row
   // Arrival of the members at the collective of step `arrival_step_`

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <limits>
+
 namespace nonstop::controller {
 namespace {
 
@@ -417,6 +419,37 @@ TEST_F(ControllerTest, HugeScaleRequestIsRefusedWithoutOverflow) {
     EXPECT_EQ(replies[0].http_status, 400) << body;
   }
   EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+}
+
+TEST_F(ControllerTest, SpareSilentPastTheTimeoutIsNotPromotedEvenBeforeATickNoticedIt) {
+  StartJob();
+  now_ += Millis(1200);  // the spare (worker 3) has been silent 1.2 s; no Tick has run since
+  for (int id : {0, 1}) Do(HeartbeatReceived{id, {1, -1}});
+  Do(ProcessExited{2, 1002, -1, 9});
+  Ready(0, 1);
+  auto plans = Find<SendPlan>(Ready(1, 1));
+  ASSERT_EQ(plans.size(), 2u) << "shrink rather than promote a spare that may be hung";
+  for (const auto& m : plans[0].plan.members) EXPECT_NE(m.worker_id, 3);
+}
+
+TEST_F(ControllerTest, LyingNumbersFromAWorkerAreIgnoredNotOverflowed) {
+  StartJob();
+  Do(HeartbeatReceived{0, {INT64_MAX, INT64_MAX}});
+  Do(ProgressReceived{1, {5, 2.0, std::numeric_limits<double>::quiet_NaN(), 100, 3}});
+  Do(ProgressReceived{1, {INT64_MAX, 2.0, 1.0, 100, 3}});
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+  auto actions = Do(ReadyReceived{2, {c_->generation(), INT64_MAX, "lying"}});
+  ASSERT_EQ(Find<KillWorker>(actions).size(), 1u) << "a member that reports an impossible step is faulty";
+  EXPECT_EQ(Find<KillWorker>(actions)[0].worker_id, 2);
+}
+
+TEST_F(ControllerTest, SpareThatDiesWhileTheJobFormsIsReplacedNotFatal) {
+  Join(0);
+  auto actions = Do(ProcessExited{3, 1003, 1, 0});  // spare worker 3 (world 3 + 1 spare) dies before joining
+  EXPECT_EQ(Find<EndJob>(actions).size(), 0u);
+  ASSERT_EQ(Find<SpawnWorker>(actions).size(), 1u);
+  EXPECT_TRUE(Find<SpawnWorker>(actions)[0].spare);
+  EXPECT_EQ(c_->phase(), JobPhase::kForming);
 }
 
 TEST_F(ControllerTest, AbortDeadlineStretchesWithSlowSteps) {

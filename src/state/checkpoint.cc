@@ -208,6 +208,11 @@ std::optional<CheckpointWriteStats> CheckpointWriter::last_written() const {
   return last_;
 }
 
+bool CheckpointWriter::in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_flight_;
+}
+
 uint64_t CheckpointWriter::skipped_count() const {
   std::lock_guard<std::mutex> lock(mu_);
   return skipped_;

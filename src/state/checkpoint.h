@@ -98,6 +98,8 @@ class CheckpointWriter {
   std::optional<CheckpointWriteStats> last_written() const;
   // Checkpoints skipped because a write was still in flight.
   uint64_t skipped_count() const;
+  // True from queueing a checkpoint until its write ended (well or not).
+  bool in_flight() const;
 
   // Test seam: `hook(step)` runs on the writer thread before each write
   // starts, with no lock held; a test can block it to hold a write in flight.

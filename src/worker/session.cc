@@ -51,7 +51,7 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     return InvalidArgumentError("NONSTOP_WORKER_ID='" + id + "' is not an integer");
   }
   o.spare = get("NONSTOP_SPARE") == "1";
-  for (auto [name, field] : {std::pair{"NONSTOP_JOIN_TIMEOUT_MS", &o.join_timeout},
+  for (auto [name, field] : {std::pair{"NONSTOP_CONNECT_TIMEOUT_MS", &o.join_timeout},
                              std::pair{"NONSTOP_CONTROLLER_TIMEOUT_MS", &o.controller_timeout}}) {
     std::string v = get(name);
     if (v.empty()) continue;
@@ -182,7 +182,7 @@ class SessionImpl {
         drain_ = m;
         // Already past the boundary and blocked in the next step's collective
         // (the others stopped at the boundary): leave it now.
-        if (comm_ && comm_->generation() == m.generation && collective_since_ms_.load() >= 0 &&
+        if (comm_ && comm_->generation() == m.generation && in_collective_ &&
             state_step_.load() >= m.after_step) {
           comm_->Abort(fmt::format("generation {} ends at the step boundary after step {}: {}", m.generation,
                                    state_step_.load(), m.reason));
@@ -376,7 +376,10 @@ class SessionImpl {
         comm_->Abort(s.message());
         return s;
       }
-      collective_since_ms_.store(NowMs());
+      in_collective_ = true;
+      // Only a step's collective counts as "waiting" for the controller's
+      // watchdogs: a Barrier or Broadcast is no arrival at a step.
+      if (at_step_boundary) collective_since_ms_.store(NowMs());
     }
     if (testing::before_collective_hook) testing::before_collective_hook();
     if (at_step_boundary) {
@@ -385,6 +388,10 @@ class SessionImpl {
       SendHeartbeat();
     }
     Status s = op();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_collective_ = false;
+    }
     collective_since_ms_.store(-1);
     return s;
   }
@@ -419,11 +426,14 @@ class SessionImpl {
   SessionOptions options_;
   state::StateRegistry* const state_;  // owned by the training program; outlives the session
   UniqueFd control_fd_;
-  std::unique_ptr<collective::PeerMesh> mesh_;
+  // Before mesh_: the mesh's accept thread polls the abort signal of a thread
+  // waiting in Get(), so the signal must outlive the mesh.
   net::AbortSignal abort_;        // fired to abort the collective in flight
   net::AbortSignal stop_signal_;  // wakes the I/O thread at shutdown
+  std::unique_ptr<collective::PeerMesh> mesh_;
   std::atomic<int64_t> state_step_{-1};          // the step the registered state holds
-  std::atomic<int64_t> collective_since_ms_{-1};  // when the collective in flight began
+  std::atomic<int64_t> collective_since_ms_{-1};  // when the step collective in flight began
+  bool in_collective_ = false;                     // guarded by mu_: any collective is in flight
   std::mutex write_mu_;  // serialises frames on the control socket
 
   std::mutex mu_;

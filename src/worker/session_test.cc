@@ -100,7 +100,16 @@ class ScriptedJob {
 // thread has handled a Drain.
 class SessionTest : public ::testing::Test {
  protected:
-  void SetUp() override { state_.Register("params", std::as_writable_bytes(std::span(params_))); }
+  void SetUp() override {
+    state_.Register("params", std::as_writable_bytes(std::span(params_)));
+    // Installed before any session starts: its I/O thread reads the seam.
+    testing::control_frame_hook = [this](uint16_t type) {
+      if (type != control::kMsgDrain) return;
+      std::lock_guard<std::mutex> lock(mu_);
+      drained_ = true;
+      cv_.notify_all();
+    };
+  }
   void TearDown() override {
     testing::before_collective_hook = nullptr;
     testing::control_frame_hook = nullptr;
@@ -119,14 +128,6 @@ class SessionTest : public ::testing::Test {
     return session;
   }
 
-  void WatchDrains() {
-    testing::control_frame_hook = [this](uint16_t type) {
-      if (type != control::kMsgDrain) return;
-      std::lock_guard<std::mutex> lock(mu_);
-      drained_ = true;
-      cv_.notify_all();
-    };
-  }
   void WaitForDrain() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return drained_; });
@@ -151,7 +152,6 @@ TEST_F(SessionTest, DrainArrivingJustAsTheCollectiveStartsEndsItInsteadOfBlockin
   // The Drain for the boundary after step 0 lands in the window between the
   // Session's drain check and the start of the collective of step 1; the
   // hook waits until the I/O thread has handled it.
-  WatchDrains();
   testing::before_collective_hook = [&] {
     SendDrainAfterStep0();
     WaitForDrain();
@@ -170,7 +170,6 @@ TEST_F(SessionTest, BarrierAndBroadcastHonourADrainLikeAllReduce) {
   ASSERT_TRUE(session.ok()) << session.status().ToString();
   job_.StartDraining();
   (*session)->ReportStep({0, 1.0, 0.1, 1});
-  WatchDrains();
   SendDrainAfterStep0();
   WaitForDrain();
   EXPECT_EQ((*session)->Barrier().code(), StatusCode::kAborted);

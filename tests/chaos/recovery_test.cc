@@ -148,10 +148,11 @@ TEST_F(RecoveryTest, StalledTrainingThreadIsFoundByTheArrivalSpreadHangDetector)
 
 TEST_F(RecoveryTest, SpareWaitsLongerThanItsJoinTimeoutAndTakesARankLater) {
   // Before, a spare waited for its plan at most join_timeout and then exited;
-  // now it waits as long as the controller pings it.
-  ::setenv("NONSTOP_JOIN_TIMEOUT_MS", "1000", 1);
+  // now join_timeout bounds only reaching the controller, and a spare waits
+  // for its plan as long as the controller pings it.
+  ::setenv("NONSTOP_CONNECT_TIMEOUT_MS", "1000", 1);
   Job job = RunJob(dir_, "late-spare", 3, 1, {"kill:rank=1,time=3"}, 1000);
-  ::unsetenv("NONSTOP_JOIN_TIMEOUT_MS");
+  ::unsetenv("NONSTOP_CONNECT_TIMEOUT_MS");
   ASSERT_EQ(job.code, 0) << job.output;
   ASSERT_EQ(job.Events("recovery_end").size(), 1u) << job.output;
   auto rec = job.Events("recovery_end")[0]["recovery"];
