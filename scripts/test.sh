@@ -34,10 +34,6 @@ failed=0
 # recovery (tsan_targets, built alone), and the suites they hold (tsan_tests,
 # gtest suite names: a parameterized one is "Instance/Suite.Test").
 asan_labels='^(unit|chaos)$'
-# Known ASan failures, reported to the owner and skipped only until fixed
-# (delete the name with the fix): http_api_test.cc builds a std::string of
-# 17 bytes from a 15-byte literal (a global-buffer-overflow in the test).
-asan_known_failures='^HttpApiTest\.MalformedRequestLinesGetA4xxWithAReason$'
 tsan_targets="collective_test peer_mesh_test session_test controller_test recovery_chaos_test"
 tsan_tests='(^|/)(CommunicatorTest|AllReduceTest|PeerMeshTest|SessionTest|ControlServerTest|ControllerTest|JournalTest|RecoveryTest)\.'
 
@@ -90,25 +86,9 @@ part_asan() {
   local rc=0
   PATH="$llvm_bin:$PATH" ASAN_OPTIONS="detect_leaks=1:log_path=$reports/asan" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan" \
-    ctest --test-dir build-asan --output-on-failure -j 2 -L "$asan_labels" -E "$asan_known_failures" || rc=$?
+    ctest --test-dir build-asan --output-on-failure -j 2 -L "$asan_labels" || rc=$?
   check_reports "$reports" || rc=1
   return $rc
-}
-
-# Known races, each reported to the owner of the code and suppressed only
-# until it is fixed: delete a line here with the fix. A suppression names a
-# function or global in either stack of the race, so every other race in the
-# same code still fails the part.
-write_tsan_suppressions() {
-  cat >"$1" <<'EOF'
-# src/collective/communicator_test.cc (RankEnv) and src/worker/session.cc
-# (SessionImpl) declare their AbortSignal after the PeerMesh whose accept
-# thread polls it, so it is destroyed while that thread still reads its fd.
-race:nonstop::net::AbortSignal::~AbortSignal
-# src/worker/session_test.cc sets the global test seam
-# nonstop::testing::control_frame_hook while the session's I/O thread reads it.
-race:nonstop::testing::control_frame_hook
-EOF
 }
 
 part_tsan() {
@@ -116,10 +96,9 @@ part_tsan() {
   NONSTOP_BUILD_TARGETS="$tsan_targets" bash scripts/build.sh --sanitize thread || return
   local reports="$PWD/build-tsan/sanitizer-reports"
   rm -rf "$reports" && mkdir -p "$reports"
-  write_tsan_suppressions "$PWD/build-tsan/tsan-suppressions.txt"
   local rc=0
   PATH="$llvm_bin:$PATH" \
-  TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/build-tsan/tsan-suppressions.txt:log_path=$reports/tsan" \
+  TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$reports/tsan" \
     ctest --test-dir build-tsan --output-on-failure -j 2 -R "$tsan_tests" || rc=$?
   check_reports "$reports" || rc=1
   return $rc
