@@ -17,8 +17,8 @@ constexpr char kToken[] = "test-token";
 
 // One rank's world: its mesh, abort signal and communicator.
 struct RankEnv {
+  net::AbortSignal abort;  // first: outlives the mesh, whose accept thread may poll it
   std::unique_ptr<PeerMesh> mesh;
-  net::AbortSignal abort;
   std::unique_ptr<Communicator> comm;
 };
 
