@@ -15,6 +15,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# ccache keys by paths relative to the checkout, so that a fresh clone in
+# another folder (CI's) reuses what an earlier build on this machine compiled.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-1}"
+
 dir=build
 config=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
 case "${1:-}" in
