@@ -245,6 +245,12 @@ int RunCommand::Execute() {
   // output that does not keep up loses lines (counted), never stalls the job.
   launcher::OutputWriter out(STDOUT_FILENO);
   launcher::OutputWriter err(STDERR_FILENO);
+  // Log lines too (control-port refusals, lost workers): never a blocking
+  // write from the loop. The guard restores stderr before `err` goes away.
+  SetLogSink([&err](std::string_view line) { err.Write(line); });
+  struct LogSinkGuard {
+    ~LogSinkGuard() { SetLogSink(nullptr); }
+  } log_sink_guard;
   launcher::LocalLauncher launcher(
       &loop,
       [&](int worker_id) {

@@ -13,6 +13,8 @@ namespace {
 std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
 std::mutex g_role_mu;
 std::string g_role = "nonstop";
+std::mutex g_sink_mu;
+std::function<void(std::string_view)> g_sink;  // guarded by g_sink_mu
 
 char LevelChar(LogLevel level) {
   switch (level) {
@@ -32,6 +34,11 @@ void SetLogRole(std::string role) {
 }
 
 void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level)); }
+
+void SetLogSink(std::function<void(std::string_view)> sink) {
+  std::lock_guard<std::mutex> lock(g_sink_mu);
+  g_sink = std::move(sink);
+}
 LogLevel GetLogLevel() { return static_cast<LogLevel>(g_level.load()); }
 
 bool ParseLogLevel(std::string_view text, LogLevel* level) {
@@ -57,6 +64,13 @@ void LogLine(LogLevel level, std::string_view message) {
   }
   std::string line = fmt::format("{}{:02}:{:02}:{:02}.{:03} {}] {}\n", LevelChar(level), tm.tm_hour,
                                  tm.tm_min, tm.tm_sec, millis, role, message);
+  {
+    std::lock_guard<std::mutex> lock(g_sink_mu);
+    if (g_sink) {
+      g_sink(line);
+      return;
+    }
+  }
   const char* p = line.data();
   size_t left = line.size();
   while (left > 0) {

@@ -3,6 +3,8 @@
 // write(2) so that lines from several threads never interleave.
 #pragma once
 
+#include <functional>
+
 #include <fmt/format.h>
 
 #include <string>
@@ -15,6 +17,10 @@ enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
 // Set once at process start-up; read by every log line.
 void SetLogRole(std::string role);
 void SetLogLevel(LogLevel level);
+// Where log lines go instead of a blocking write(2) to stderr (nullptr: back
+// to stderr). `nonstop run` points it at its bounded stderr writer, so that
+// a log line on the controller's loop never blocks on a slow reader.
+void SetLogSink(std::function<void(std::string_view line)> sink);
 LogLevel GetLogLevel();
 // Parses "debug", "info", "warning", "error"; false on anything else.
 bool ParseLogLevel(std::string_view text, LogLevel* level);
