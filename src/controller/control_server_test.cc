@@ -45,16 +45,19 @@ UniqueFd Dial(const net::HostPort& where) {
   return std::move(*fd);
 }
 
-// Says hello and joins as `worker_id` (blocking; run it on a client thread).
-void Join(int fd, int worker_id) {
-  net::Hello ok;
-  ok.kind = net::ConnectionKind::kControl;
-  ok.job_token = "tok";
-  ok.worker_id = worker_id;
-  ASSERT_TRUE(net::ClientHandshake(fd, ok, DeadlineAfter(Millis(3000)), nullptr).ok());
+// Says hello as `hello_id` and joins as `worker_id` (blocking; run it on a
+// client thread). False if the server refused the hello.
+bool HelloAndJoin(int fd, int worker_id, int hello_id) {
+  net::Hello h;
+  h.kind = net::ConnectionKind::kControl;
+  h.job_token = "tok";
+  h.worker_id = hello_id;
+  if (!net::ClientHandshake(fd, h, DeadlineAfter(Millis(3000)), nullptr).ok()) return false;
   control::JoinMsg j{worker_id, 1, "127.0.0.1:1", false, -1};
-  ASSERT_TRUE(net::WriteFrame(fd, control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
+  return net::WriteFrame(fd, control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok();
 }
+
+void Join(int fd, int worker_id) { ASSERT_TRUE(HelloAndJoin(fd, worker_id, worker_id)); }
 
 TEST(ControlServerTest, GarbageAndWrongTokensAreClosedAndTheServerCarriesOn) {
   ServerFixture f;
@@ -193,15 +196,7 @@ TEST(ControlServerTest, FloodOfIdleConnectionsCostsBoundedMemoryAndDoesNotKeepAW
 TEST(ControlServerTest, JoinAsAnotherWorkerThanTheHelloSaidIsRefused) {
   ServerFixture f;
   UniqueFd c = Dial(f.server->address());
-  std::thread client([&] {
-    net::Hello h;
-    h.kind = net::ConnectionKind::kControl;
-    h.job_token = "tok";
-    h.worker_id = 2;
-    ASSERT_TRUE(net::ClientHandshake(c.get(), h, DeadlineAfter(Millis(3000)), nullptr).ok());
-    control::JoinMsg j{5, 1, "127.0.0.1:1", false, -1};
-    ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
-  });
+  std::thread client([&] { HelloAndJoin(c.get(), /*worker_id=*/5, /*hello_id=*/2); });
   f.RunFor(Millis(300));
   client.join();
   EXPECT_EQ(f.Count<WorkerJoined>(), 0);
@@ -211,17 +206,11 @@ TEST(ControlServerTest, JoinAsAnotherWorkerThanTheHelloSaidIsRefused) {
 TEST(ControlServerTest, NegativeWorkerIdIsRefused) {
   ServerFixture f;
   UniqueFd c = Dial(f.server->address());
-  std::thread client([&] {
-    net::Hello h;
-    h.kind = net::ConnectionKind::kControl;
-    h.job_token = "tok";
-    h.worker_id = 0;
-    ASSERT_TRUE(net::ClientHandshake(c.get(), h, DeadlineAfter(Millis(3000)), nullptr).ok());
-    control::JoinMsg j{-3, 1, "127.0.0.1:1", false, -1};
-    ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok());
-  });
+  bool accepted = true;
+  std::thread client([&] { accepted = HelloAndJoin(c.get(), -3, -3); });
   f.RunFor(Millis(300));
   client.join();
+  EXPECT_FALSE(accepted) << "the hello of worker -3 must be refused";
   EXPECT_EQ(f.Count<WorkerJoined>(), 0);
   EXPECT_EQ(f.server->open_connections(), 0u);
 }
