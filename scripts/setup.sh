@@ -10,6 +10,7 @@ PACKAGES=(
   libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libfmt-dev libcpp-httplib-dev
   libtorch-dev libgloo-dev
   fortunes
+  iproute2  # `ip`: the namespaces, bridge and veths of the multihost tests (tests/multihost/netns.h)
   clang-16 libclang-rt-16-dev llvm-16
 )
 # clang-16 and libclang-rt-16-dev: the sanitizer builds and libFuzzer
