@@ -13,8 +13,9 @@
 // Only the harness's own addresses exist in the namespaces: no default route, no NAT, nothing reaches the
 // outside. 10.a.b.0/24 is chosen so that clusters alive at the same time (in one process or in several,
 // ctest -j) never share a subnet, nor with any address of the root namespace; the subnet is written in the
-// bridge's alias (/sys/class/net/BR/ifalias) so that other creators see it. Names carry the creating pid,
-// so the leftovers of a run that crashed (a pid no longer alive) are removed by the next Create.
+// bridge's alias (/sys/class/net/BR/ifalias) so that other creators see it. Names carry the creating pid
+// (and the alias its start time), so the leftovers of a run that crashed (its pid no longer running, or
+// running a process that started later) are removed by the next Create.
 //
 // Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and `ip` from iproute2; Create says what is missing.
 // All `ip` commands are run by fork/exec with an argv (no shell).
