@@ -89,6 +89,11 @@ class Reader {
     return out;
   }
 
+  // An optional field: left as it is when absent, checked like any other when present.
+  template <typename V>
+  void Optional(const char* name, V* out) const {
+    if (j_.contains(name)) (*this)(name, out);
+  }
   std::string Path(const char* name) const { return path_.empty() ? name : path_ + "." + name; }
 
  private:
@@ -133,8 +138,10 @@ std::string Dump(const json& j) { return j.dump(-1, ' ', /*ensure_ascii=*/false,
 }  // namespace
 
 std::string Encode(const JoinMsg& m) {
-  return Dump({{"worker_id", m.worker_id}, {"pid", m.pid},       {"data_address", m.data_address},
-               {"spare", m.spare},         {"state_step", m.state_step}});
+  json j = {{"worker_id", m.worker_id}, {"pid", m.pid},       {"data_address", m.data_address},
+            {"spare", m.spare},         {"state_step", m.state_step}};
+  if (!m.host_id.empty()) j["host_id"] = m.host_id;
+  return Dump(j);
 }
 std::string Encode(const PlanMsg& m) {
   json members = json::array();
@@ -180,6 +187,10 @@ Result<JoinMsg> DecodeJoin(std::string_view p) {
     r("data_address", &m.data_address);
     r("spare", &m.spare);
     r("state_step", &m.state_step);
+    r.Optional("host_id", &m.host_id);
+    if (!m.host_id.empty()) {
+      if (Status s = CheckHostId(m.host_id); !s.ok()) throw FieldError{"host_id", s.message()};
+    }
   });
 }
 Result<PlanMsg> DecodePlan(std::string_view p) {
@@ -280,6 +291,145 @@ Result<ShutdownMsg> DecodeShutdown(std::string_view p) {
   return Decode<ShutdownMsg>("shutdown", p, [](const Reader& r, ShutdownMsg& m) {
     r("reason", &m.reason);
     r("exit_code", &m.exit_code);
+  });
+}
+
+
+// ---- controller ↔ agent ----
+
+Status CheckHostId(std::string_view id) {
+  if (id.empty() || id.size() > 64) {
+    return InvalidArgumentError(fmt::format("host id must have 1 to 64 characters, has {}", id.size()));
+  }
+  for (char c : id) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+              c == '-';
+    if (!ok) {
+      return InvalidArgumentError(
+          fmt::format("host id may hold only letters, digits, '.', '_' and '-'; it has byte 0x{:02x}",
+                      static_cast<unsigned char>(c)));
+    }
+  }
+  return OkStatus();
+}
+
+std::string Encode(const AgentRegisterMsg& m) {
+  return Dump({{"host_id", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares}, {"address", m.address},
+               {"pid", m.pid}, {"running", m.running}});
+}
+std::string Encode(const AgentStartMsg& m) {
+  json env = json::array();
+  for (const auto& [k, v] : m.env) env.push_back({{"name", k}, {"value", v}});
+  return Dump({{"worker_id", m.worker_id}, {"spare", m.spare}, {"nice", m.nice}, {"env", env}});
+}
+std::string Encode(const AgentSignalMsg& m) { return Dump({{"worker_id", m.worker_id}, {"signal", m.signal}}); }
+std::string Encode(const AgentReniceMsg& m) { return Dump({{"worker_id", m.worker_id}, {"nice", m.nice}}); }
+std::string Encode(const AgentStartedMsg& m) {
+  return Dump({{"worker_id", m.worker_id}, {"pid", m.pid}, {"error", m.error}});
+}
+std::string Encode(const AgentExitedMsg& m) {
+  return Dump({{"worker_id", m.worker_id}, {"pid", m.pid}, {"exit_code", m.exit_code}, {"signal", m.signal}});
+}
+std::string Encode(const AgentStoppedMsg& m) {
+  return Dump({{"worker_id", m.worker_id}, {"pid", m.pid}, {"signal", m.signal}});
+}
+std::string Encode(const AgentHeartbeatMsg& m) { return Dump({{"running", m.running}}); }
+
+namespace {
+
+// Bounds shared by the agent messages: ids and counts an honest peer never exceeds.
+void CheckRange(const Reader& r, const char* name, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi) throw FieldError{r.Path(name), fmt::format("must be from {} to {}, got {}", lo, hi, v)};
+}
+constexpr int64_t kMaxWorkerId = int64_t{1} << 30;
+
+}  // namespace
+
+Result<AgentRegisterMsg> DecodeAgentRegister(std::string_view p) {
+  return Decode<AgentRegisterMsg>("agent register", p, [](const Reader& r, AgentRegisterMsg& m) {
+    r("host_id", &m.host_id);
+    if (Status s = CheckHostId(m.host_id); !s.ok()) throw FieldError{"host_id", s.message()};
+    r("nproc", &m.nproc);
+    CheckRange(r, "nproc", m.nproc, 0, 1024);
+    r("spares", &m.spares);
+    CheckRange(r, "spares", m.spares, 0, 1024);
+    r("address", &m.address);
+    if (m.address.empty() || m.address.size() > 255) throw FieldError{"address", "must have 1 to 255 characters"};
+    r("pid", &m.pid);
+    r("running", &m.running);
+    CheckRange(r, "running", m.running, 0, 1 << 20);
+  });
+}
+Result<AgentStartMsg> DecodeAgentStart(std::string_view p) {
+  return Decode<AgentStartMsg>("agent start", p, [](const Reader& r, AgentStartMsg& m) {
+    r("worker_id", &m.worker_id);
+    CheckRange(r, "worker_id", m.worker_id, 0, kMaxWorkerId);
+    r("spare", &m.spare);
+    r("nice", &m.nice);
+    CheckRange(r, "nice", m.nice, 0, 19);
+    auto env = r.Objects("env");
+    if (env.size() > 64) throw FieldError{"env", fmt::format("holds {} variables; at most 64", env.size())};
+    for (const Reader& e : env) {
+      std::string name, value;
+      e("name", &name);
+      e("value", &value);
+      if (name.rfind("NONSTOP_", 0) != 0 || name.size() > 128 || name.find('=') != std::string::npos) {
+        throw FieldError{e.Path("name"), fmt::format("'{}' is not a NONSTOP_ variable", name.substr(0, 64))};
+      }
+      if (value.size() > 4096 || value.find('\0') != std::string::npos) {
+        throw FieldError{e.Path("value"), "must be at most 4096 bytes, without NUL"};
+      }
+      m.env.emplace_back(std::move(name), std::move(value));
+    }
+  });
+}
+Result<AgentSignalMsg> DecodeAgentSignal(std::string_view p) {
+  return Decode<AgentSignalMsg>("agent signal", p, [](const Reader& r, AgentSignalMsg& m) {
+    r("worker_id", &m.worker_id);
+    CheckRange(r, "worker_id", m.worker_id, 0, kMaxWorkerId);
+    r("signal", &m.signal);
+    CheckRange(r, "signal", m.signal, 1, 64);
+  });
+}
+Result<AgentReniceMsg> DecodeAgentRenice(std::string_view p) {
+  return Decode<AgentReniceMsg>("agent renice", p, [](const Reader& r, AgentReniceMsg& m) {
+    r("worker_id", &m.worker_id);
+    CheckRange(r, "worker_id", m.worker_id, 0, kMaxWorkerId);
+    r("nice", &m.nice);
+    CheckRange(r, "nice", m.nice, 0, 19);
+  });
+}
+Result<AgentStartedMsg> DecodeAgentStarted(std::string_view p) {
+  return Decode<AgentStartedMsg>("agent started", p, [](const Reader& r, AgentStartedMsg& m) {
+    r("worker_id", &m.worker_id);
+    CheckRange(r, "worker_id", m.worker_id, 0, kMaxWorkerId);
+    r("pid", &m.pid);
+    r("error", &m.error);
+  });
+}
+Result<AgentExitedMsg> DecodeAgentExited(std::string_view p) {
+  return Decode<AgentExitedMsg>("agent exited", p, [](const Reader& r, AgentExitedMsg& m) {
+    r("worker_id", &m.worker_id);
+    CheckRange(r, "worker_id", m.worker_id, 0, kMaxWorkerId);
+    r("pid", &m.pid);
+    r("exit_code", &m.exit_code);
+    r("signal", &m.signal);
+    CheckRange(r, "signal", m.signal, 0, 64);
+  });
+}
+Result<AgentStoppedMsg> DecodeAgentStopped(std::string_view p) {
+  return Decode<AgentStoppedMsg>("agent stopped", p, [](const Reader& r, AgentStoppedMsg& m) {
+    r("worker_id", &m.worker_id);
+    CheckRange(r, "worker_id", m.worker_id, 0, kMaxWorkerId);
+    r("pid", &m.pid);
+    r("signal", &m.signal);
+    CheckRange(r, "signal", m.signal, 0, 64);
+  });
+}
+Result<AgentHeartbeatMsg> DecodeAgentHeartbeat(std::string_view p) {
+  return Decode<AgentHeartbeatMsg>("agent heartbeat", p, [](const Reader& r, AgentHeartbeatMsg& m) {
+    r("running", &m.running);
+    CheckRange(r, "running", m.running, 0, 1 << 20);
   });
 }
 

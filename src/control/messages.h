@@ -28,6 +28,17 @@ enum MessageType : uint16_t {
   kMsgDrain = 21,      // controller → worker: generation g ends at the step boundary after step s (a resize)
   kMsgPing = 22,       // controller → worker: the controller is alive (payload "{}"); a worker that hears
                        // nothing for SessionOptions::controller_timeout has lost its controller
+  // Controller ↔ agent (one agent per host; docs/protocol.md "Agents"). The
+  // agent decides nothing: it registers its host, starts and signals processes
+  // when told, and reports what happens to them at once.
+  kMsgAgentRegister = 30,   // agent → controller: my host, its capacity, the address its workers advertise
+  kMsgAgentStart = 31,      // controller → agent: start worker w (a spare or not) with these NONSTOP_* variables
+  kMsgAgentSignal = 32,     // controller → agent: send signal s to worker w
+  kMsgAgentRenice = 33,     // controller → agent: set worker w's niceness
+  kMsgAgentStarted = 34,    // agent → controller: worker w runs as pid p (or could not be started: error)
+  kMsgAgentExited = 35,     // agent → controller: worker w's process ended
+  kMsgAgentStopped = 36,    // agent → controller: worker w's process was stopped (SIGSTOP: frozen)
+  kMsgAgentHeartbeat = 37,  // agent → controller: the agent is alive (payload: running processes)
 };
 static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20 && kMsgDrain == 21,
               "wire numbers are pinned");
@@ -38,6 +49,61 @@ struct JoinMsg {
   std::string data_address;
   bool spare = false;
   int64_t state_step = -1;  // the step its state holds (a resumed checkpoint), -1: the initial state
+  std::string host_id;      // the host whose agent started it (NONSTOP_HOST_ID); empty: not started by an agent
+};
+
+// ---- controller ↔ agent ----
+
+struct AgentRegisterMsg {
+  std::string host_id;  // unique in the job
+  int nproc = 0;        // workers this host contributes to the world
+  int spares = 0;       // spares it keeps warm
+  std::string address;  // the address its workers advertise to peers
+  int64_t pid = 0;      // the agent's process
+  int running = 0;      // processes it still supervises (a reconnecting agent: must be 0)
+};
+
+struct AgentStartMsg {
+  int worker_id = -1;
+  bool spare = false;
+  int nice = 0;  // 0: normal priority; >0: a refill warming up in the background
+  // Variables for the process, on top of the agent's own (NONSTOP_CONTROLLER,
+  // NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, NONSTOP_DATA_HOST). Only names that
+  // start with NONSTOP_ are accepted: an order can never set LD_PRELOAD.
+  std::vector<std::pair<std::string, std::string>> env;
+};
+
+struct AgentSignalMsg {
+  int worker_id = -1;
+  int signal = 0;
+};
+
+struct AgentReniceMsg {
+  int worker_id = -1;
+  int nice = 0;
+};
+
+struct AgentStartedMsg {
+  int worker_id = -1;
+  int64_t pid = 0;    // 0 when it could not be started
+  std::string error;  // why it could not be started
+};
+
+struct AgentExitedMsg {
+  int worker_id = -1;
+  int64_t pid = 0;
+  int exit_code = 0;
+  int signal = 0;  // 0: exited normally
+};
+
+struct AgentStoppedMsg {
+  int worker_id = -1;
+  int64_t pid = 0;
+  int signal = 0;
+};
+
+struct AgentHeartbeatMsg {
+  int running = 0;  // processes the agent supervises
 };
 
 struct PlanMember {
@@ -137,6 +203,14 @@ std::string Encode(const DrainMsg& m);
 std::string Encode(const ReadyMsg& m);
 std::string Encode(const RecoveredMsg& m);
 std::string Encode(const InjectedMsg& m);
+std::string Encode(const AgentRegisterMsg& m);
+std::string Encode(const AgentStartMsg& m);
+std::string Encode(const AgentSignalMsg& m);
+std::string Encode(const AgentReniceMsg& m);
+std::string Encode(const AgentStartedMsg& m);
+std::string Encode(const AgentExitedMsg& m);
+std::string Encode(const AgentStoppedMsg& m);
+std::string Encode(const AgentHeartbeatMsg& m);
 
 Result<JoinMsg> DecodeJoin(std::string_view payload);
 Result<PlanMsg> DecodePlan(std::string_view payload);
@@ -150,5 +224,18 @@ Result<DrainMsg> DecodeDrain(std::string_view payload);
 Result<ReadyMsg> DecodeReady(std::string_view payload);
 Result<RecoveredMsg> DecodeRecovered(std::string_view payload);
 Result<InjectedMsg> DecodeInjected(std::string_view payload);
+Result<AgentRegisterMsg> DecodeAgentRegister(std::string_view payload);
+Result<AgentStartMsg> DecodeAgentStart(std::string_view payload);
+Result<AgentSignalMsg> DecodeAgentSignal(std::string_view payload);
+Result<AgentReniceMsg> DecodeAgentRenice(std::string_view payload);
+Result<AgentStartedMsg> DecodeAgentStarted(std::string_view payload);
+Result<AgentExitedMsg> DecodeAgentExited(std::string_view payload);
+Result<AgentStoppedMsg> DecodeAgentStopped(std::string_view payload);
+Result<AgentHeartbeatMsg> DecodeAgentHeartbeat(std::string_view payload);
+
+// A host id: 1 to 64 characters from [A-Za-z0-9._-] (it appears in logs,
+// journal records and process environments). OK, or INVALID_ARGUMENT saying
+// what is wrong with it.
+Status CheckHostId(std::string_view host_id);
 
 }  // namespace nonstop::control

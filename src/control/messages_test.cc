@@ -106,3 +106,68 @@ TEST(MessagesTest, EncodingInvalidUtf8ReplacesItInsteadOfThrowing) {
 
 }  // namespace
 }  // namespace nonstop::control
+
+namespace nonstop::control {
+namespace {
+
+// ---- controller ↔ agent ----
+
+TEST(AgentMessagesTest, RoundTrip) {
+  AgentRegisterMsg reg{"host-a.1", 2, 1, "10.0.0.2", 42, 0};
+  auto r = DecodeAgentRegister(Encode(reg));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->host_id, "host-a.1");
+  EXPECT_EQ(r->nproc, 2);
+  EXPECT_EQ(r->spares, 1);
+  EXPECT_EQ(r->address, "10.0.0.2");
+  AgentStartMsg start{7, true, 10, {{"NONSTOP_WORKER_ID", "7"}, {"NONSTOP_SPARE", "1"}}};
+  auto s = DecodeAgentStart(Encode(start));
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->worker_id, 7);
+  EXPECT_TRUE(s->spare);
+  EXPECT_EQ(s->nice, 10);
+  EXPECT_EQ(s->env, start.env);
+  auto e = DecodeAgentExited(Encode(AgentExitedMsg{7, 99, 0, 9}));
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(e->signal, 9);
+  JoinMsg join{3, 4, "10.0.0.2:5000", false, -1, "host-a.1"};
+  auto j = DecodeJoin(Encode(join));
+  ASSERT_TRUE(j.ok());
+  EXPECT_EQ(j->host_id, "host-a.1");
+  // A join without host_id (a worker not started by an agent) is still a join.
+  auto plain = DecodeJoin(R"({"worker_id": 1, "pid": 2, "data_address": "a", "spare": false, "state_step": -1})");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->host_id, "");
+}
+
+// A start order may set only NONSTOP_ variables: a controller (or whoever
+// speaks on its connection) can never make an agent preload a library.
+TEST(AgentMessagesTest, StartOrderRefusesForeignVariables) {
+  for (const char* name : {"LD_PRELOAD", "PATH", "NONSTOP", "NONSTOP_A=B"}) {
+    AgentStartMsg start{1, false, 0, {{name, "/tmp/evil.so"}}};
+    auto s = DecodeAgentStart(Encode(start));
+    ASSERT_FALSE(s.ok()) << name;
+    EXPECT_NE(s.status().message().find("env[0].name"), std::string::npos) << s.status().ToString();
+  }
+  EXPECT_FALSE(DecodeAgentStart(R"({"worker_id": 1, "spare": false, "nice": 25, "env": []})").ok());
+  EXPECT_FALSE(DecodeAgentSignal(R"({"worker_id": 1, "signal": 0})").ok());
+  EXPECT_FALSE(DecodeAgentSignal(R"({"worker_id": -1, "signal": 9})").ok());
+}
+
+TEST(AgentMessagesTest, HostIdsAreChecked) {
+  EXPECT_TRUE(CheckHostId("node-01.cluster_a").ok());
+  EXPECT_FALSE(CheckHostId("").ok());
+  EXPECT_FALSE(CheckHostId(std::string(65, 'a')).ok());
+  EXPECT_FALSE(CheckHostId("a b").ok());
+  EXPECT_FALSE(CheckHostId("a\nb").ok());
+  auto r = DecodeAgentRegister(R"({"host_id": "x/y", "nproc": 1, "spares": 0, "address": "a", "pid": 1, "running": 0})");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("host_id"), std::string::npos) << r.status().ToString();
+  EXPECT_FALSE(DecodeAgentRegister(R"({"host_id": "x", "nproc": -1, "spares": 0, "address": "a", "pid": 1,
+                                       "running": 0})").ok());
+  EXPECT_FALSE(DecodeJoin(R"({"worker_id": 1, "pid": 2, "data_address": "a", "spare": false, "state_step": -1,
+                              "host_id": "bad host"})").ok());
+}
+
+}  // namespace
+}  // namespace nonstop::control

@@ -34,7 +34,7 @@ inline constexpr uint16_t kFrameHello = 1;
 inline constexpr uint16_t kFrameHelloAck = 2;
 static_assert(kFrameHello == 1 && kFrameHelloAck == 2, "wire numbers are pinned");
 
-enum class ConnectionKind : uint16_t { kControl = 1, kData = 2 };
+enum class ConnectionKind : uint16_t { kControl = 1, kData = 2, kAgent = 3 };  // kAgent: an agent on the control port
 
 struct Hello {
   uint16_t proto_major = kProtocolMajor;
