@@ -5,6 +5,7 @@
 #include <string_view>
 #include <vector>
 
+#include "apps/nonstop/agent_command.h"
 #include "apps/nonstop/commands.h"
 #include "common/args.h"
 
@@ -22,6 +23,9 @@ int main(int argc, char** argv) {
   nonstop::cli::JobCommands job;
   job.Register(app);
   job.SetProgram(program);
+  nonstop::cli::AgentCommand agent;
+  agent.Register(app);
+  agent.SetProgram(program);
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -31,5 +35,6 @@ int main(int argc, char** argv) {
   if (run.selected()) return run.Execute();
   if (data.selected()) return data.Execute();
   if (job.selected()) return job.Execute();
+  if (agent.selected()) return agent.Execute();
   return 2;
 }

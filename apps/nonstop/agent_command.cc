@@ -1,0 +1,184 @@
+// `nonstop agent`: see agent_command.h. Exit codes: 0 (or the code of the
+// controller's Shutdown) when the job is over; 1 the controller could not be
+// reached within --join-timeout-ms (at the start, or after a loss); 2 a usage
+// error or a refusal by the controller (a wrong job token); 130 SIGINT or
+// SIGTERM.
+#include "apps/nonstop/agent_command.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+
+#include <fmt/format.h>
+
+#include "agent/agent.h"
+#include "common/logging.h"
+#include "control/messages.h"
+#include "launcher/output_writer.h"
+
+namespace nonstop::cli {
+
+namespace {
+
+// Whether `name` would be found by execvp: a path, or a name on the PATH.
+bool FindProgram(const std::string& name) {
+  auto executable = [](const std::string& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
+  };
+  if (name.find('/') != std::string::npos) return executable(name);
+  const char* path = std::getenv("PATH");
+  std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    std::string dir = dirs.substr(start, end - start);
+    if (executable((dir.empty() ? "." : dir) + "/" + name)) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+}  // namespace
+
+void AgentCommand::Register(CLI::App& app) {
+  sub_ = app.add_subcommand("agent", "Run this host's agent of a multi-host job: it starts and kills the workers the "
+                                     "controller assigns to this host");
+  sub_->add_option("--controller", controller_, "The controller's control address, host:port")
+      ->required()->envname("NONSTOP_CONTROLLER");
+  sub_->add_option("--job-token-file", job_token_file_,
+                   "File holding the job token (surrounding whitespace ignored; keep it mode 600)")
+      ->required()->envname("NONSTOP_JOB_TOKEN_FILE");
+  sub_->add_option("--host-id", host_id_,
+                   "This host's name in the job: 1-64 of [A-Za-z0-9._-], unique in the job (default: the hostname)")
+      ->envname("NONSTOP_HOST_ID");
+  sub_->add_option("--nproc-per-host", nproc_per_host_, "Workers this host contributes to the world")
+      ->capture_default_str()->envname("NONSTOP_NPROC_PER_HOST")->check(CLI::Range(0, 1024));
+  sub_->add_option("--spares-per-host", spares_per_host_, "Spare workers this host keeps warm")
+      ->capture_default_str()->envname("NONSTOP_SPARES_PER_HOST")->check(CLI::Range(0, 1024));
+  sub_->add_option("--advertise-address", advertise_address_,
+                   "Address this host's workers give their peers (default: the local address of the connection to "
+                   "the controller, i.e. the interface that reaches it)")
+      ->envname("NONSTOP_ADVERTISE_ADDRESS");
+  sub_->add_option("--join-timeout-ms", join_timeout_ms_,
+                   "Give up (exit 1) if the controller cannot be reached this long after the start or after a loss")
+      ->capture_default_str()->envname("NONSTOP_JOIN_TIMEOUT_MS")->check(CLI::Range(100, 86'400'000));
+  sub_->add_option("--controller-timeout-ms", controller_timeout_ms_,
+                   "A controller silent this long is lost: every process of this host is killed (fencing) and the "
+                   "agent dials again")
+      ->capture_default_str()->envname("NONSTOP_CONTROLLER_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
+  sub_->add_option("--log-level", log_level_, "debug, info, warning or error")->capture_default_str()
+      ->envname("NONSTOP_LOG_LEVEL");
+  sub_->footer("After `--`: the worker program and its arguments, started once per worker the controller assigns "
+               "here, with NONSTOP_WORKER_ID, NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, "
+               "NONSTOP_DATA_HOST and the controller's other NONSTOP_* variables.\n"
+               "Exit codes: 0 (or the controller's) when the job is over; 1 the controller could not be reached "
+               "within --join-timeout-ms; 2 a usage error or a refusal by the controller; 130 SIGINT or SIGTERM.");
+}
+
+int AgentCommand::Execute() {
+  constexpr int kExitUsage = 2;
+  LogLevel level;
+  if (!ParseLogLevel(log_level_, &level)) {
+    fmt::print(stderr, "nonstop agent: --log-level '{}' is not one of debug, info, warning, error\n", log_level_);
+    return kExitUsage;
+  }
+  SetLogLevel(level);
+  if (program_.empty()) {
+    fmt::print(stderr, "nonstop agent: no program: put the worker program and its arguments after `--`\n");
+    return kExitUsage;
+  }
+  if (!FindProgram(program_[0])) {
+    fmt::print(stderr, "nonstop agent: program '{}' is not an executable file{}\n", program_[0],
+               program_[0].find('/') == std::string::npos ? " on the PATH" : "");
+    return kExitUsage;
+  }
+  std::string host_id = host_id_;
+  if (host_id.empty()) {
+    char name[HOST_NAME_MAX + 1] = {};
+    if (::gethostname(name, sizeof(name) - 1) != 0) {
+      fmt::print(stderr, "nonstop agent: cannot read the hostname; HINT: pass --host-id\n");
+      return kExitUsage;
+    }
+    host_id = name;
+    if (Status s = control::CheckHostId(host_id); !s.ok()) {
+      fmt::print(stderr, "nonstop agent: the hostname '{}' is not a valid host id: {}; HINT: pass --host-id\n",
+                 host_id, s.message());
+      return kExitUsage;
+    }
+  } else if (Status s = control::CheckHostId(host_id); !s.ok()) {
+    fmt::print(stderr, "nonstop agent: --host-id '{}': {}\n", host_id, s.message());
+    return kExitUsage;
+  }
+  SetLogRole("agent " + host_id);
+  auto token = agent::ReadJobTokenFile(job_token_file_);
+  if (!token.ok()) {
+    fmt::print(stderr, "nonstop agent: {}\n", token.status().message());
+    return kExitUsage;
+  }
+
+  agent::AgentOptions options;
+  options.controller = controller_;
+  options.job_token = *token;
+  options.host_id = host_id;
+  options.nproc = nproc_per_host_;
+  options.spares = spares_per_host_;
+  options.advertise_address = advertise_address_;
+  options.program = program_;
+  options.join_timeout = Millis(join_timeout_ms_);
+  options.controller_timeout = Millis(controller_timeout_ms_);
+  options.handle_signals = true;
+  if (Status s = agent::ValidateOptions(options); !s.ok()) {
+    fmt::print(stderr, "nonstop agent: {}\n", s.message());
+    return kExitUsage;
+  }
+
+  // SIGINT/SIGTERM are read by the agent's loop (a signalfd): blocked here,
+  // before any thread starts, so that every thread inherits the mask. SIGPIPE
+  // is ignored: a closed stdout or socket says EPIPE.
+  ::signal(SIGPIPE, SIG_IGN);
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+
+  // Everything the agent prints goes through bounded writers, log lines
+  // included: a slow reader of our output never stalls the loop.
+  launcher::OutputWriter out(STDOUT_FILENO);
+  launcher::OutputWriter err(STDERR_FILENO);
+  SetLogSink([&err](std::string_view line) { err.Write(line); });
+  struct LogSinkGuard {
+    ~LogSinkGuard() { SetLogSink(nullptr); }
+  } log_sink_guard;
+  options.out = &out;
+  options.err = &err;
+
+  std::string cmdline;
+  for (const auto& a : program_) cmdline += (cmdline.empty() ? "" : " ") + a;
+  std::string table = "nonstop agent\n";
+  auto row = [&table](std::string_view key, const std::string& value) {
+    table += fmt::format("  {:<20} {}\n", key, value);
+  };
+  row("controller", controller_);
+  row("host id", host_id);
+  row("workers", std::to_string(nproc_per_host_));
+  row("spares", std::to_string(spares_per_host_));
+  row("advertise address", advertise_address_.empty() ? "the interface that reaches the controller"
+                                                      : advertise_address_);
+  row("join timeout", fmt::format("{} ms", join_timeout_ms_));
+  row("controller timeout", fmt::format("{} ms", controller_timeout_ms_));
+  row("job token", "from " + job_token_file_);
+  row("program", cmdline);
+  out.Write(table);
+
+  agent::Agent agent(std::move(options));
+  return agent.Run();
+}
+
+}  // namespace nonstop::cli

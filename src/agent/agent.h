@@ -1,0 +1,208 @@
+// Agent: the per-host half of a multi-host job (`nonstop agent`, DESIGN.md
+// §2 and §13). One agent runs on each host. It dials the controller, says
+// hello as ConnectionKind::kAgent, registers its host (AgentRegister), and
+// from then on carries out the controller's orders: start a worker process,
+// signal it, renice it. It reports at once what happens to its processes
+// (AgentStarted, AgentExited, AgentStopped) and that it is alive
+// (AgentHeartbeat, every 200 ms). The agent decides nothing: which worker
+// runs where, and what a dead one means, is the controller's business
+// (docs/protocol.md, "Agents").
+//
+// Fencing. A host that cannot hear its controller must stop taking part in
+// training, or a partitioned host could keep training beside the replacement
+// the controller started elsewhere (a split brain). So when the controller is
+// silent for `controller_timeout` (no byte at all: it pings every 500 ms), or
+// the connection breaks, overflows or carries a malformed order, the agent is
+// *cut off*: it SIGKILLs every process it supervises at once, waits until
+// they are reaped, and only then dials again (with back-off) and registers
+// anew with running = 0. It gives up (exit 1) if it cannot register again
+// within `join_timeout` of the loss.
+//
+// Exit codes (Run()): 0 or whatever a controller's Shutdown says (0-255; another code is 1);
+// kExitControllerLost (1) when the controller cannot be reached within the
+// join timeout; kExitRefused (2) when the controller refuses the hello (a
+// wrong job token); kExitInterrupted (130) on SIGINT/SIGTERM or Stop(). A
+// refusal after the hello (say, a host id already in the job) comes as a
+// Shutdown, with the controller's reason and code.
+//
+// Thread model: one thread, one loop. Run() drives a net::EventLoop on the
+// calling thread; it owns the control socket (non-blocking, connect
+// included), the LocalLauncher (pidfds and output pipes of the children), a
+// signalfd (handle_signals) and a wake-up eventfd (Stop()). Nothing on the
+// loop blocks on the controller: outgoing frames are queued (bounded by
+// `max_queued_bytes`; an overflow is a lost controller) and written when the
+// socket is writable; the loop never waits longer than 50 ms, so timers
+// (heartbeats, the silence check, PollStopped for frozen children) run on
+// time. The only other threads are the two OutputWriters (the agent's own,
+// or the caller's) that copy the children's prefixed lines to stdout and
+// stderr without ever blocking the loop. The one blocking call is the name
+// lookup of the controller's host (getaddrinfo) before each dial, made while
+// no process runs. Stop() is the only method another thread may call.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/time.h"
+#include "common/unique_fd.h"
+#include "launcher/local_launcher.h"
+#include "launcher/output_writer.h"
+#include "net/event_loop.h"
+#include "net/frame.h"
+
+namespace nonstop::agent {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitControllerLost = 1;  // the controller could not be reached within the join timeout
+inline constexpr int kExitRefused = 2;         // the controller refused the hello (wrong job token)
+inline constexpr int kExitInterrupted = 130;   // SIGINT, SIGTERM or Stop()
+
+struct AgentOptions {
+  std::string controller;  // "host:port" to dial; required. Passed to workers as NONSTOP_CONTROLLER
+  std::string job_token;   // required; passed to workers as NONSTOP_JOB_TOKEN
+  std::string host_id;     // required, valid per control::CheckHostId; passed as NONSTOP_HOST_ID
+  int nproc = 1;           // workers this host contributes to the world (told to the controller)
+  int spares = 0;          // spares it keeps warm (told to the controller)
+  // The address this host's workers listen on for their peers (NONSTOP_DATA_HOST).
+  // Empty: the local address of the control connection, i.e. the interface that reaches the controller.
+  std::string advertise_address;
+  std::vector<std::string> program;  // argv of every process it starts; required
+
+  // How long to keep dialing before giving up (exit 1): from the start, and again from each loss.
+  Millis join_timeout{60'000};
+  // A controller that sends nothing for this long is lost (it pings every 500 ms).
+  Millis controller_timeout{3'000};
+  Millis heartbeat_interval{200};
+  // Back-off between dials: starts at backoff_initial, doubles up to backoff_max, plus up to half of it at random.
+  Millis backoff_initial{100};
+  Millis backoff_max{2'000};
+  // After a Shutdown, how long the processes get to exit on their own before SIGKILL.
+  Millis stop_grace{10'000};
+  // Outgoing bytes the controller has not taken yet; more is a lost controller.
+  size_t max_queued_bytes = 8u << 20;
+  // Read SIGINT and SIGTERM (exit 130). Run() blocks them in the calling thread
+  // and reads them from a signalfd; threads started earlier must block them
+  // too (the CLI blocks them before it starts any). Off for agents run in a
+  // test's thread.
+  bool handle_signals = false;
+  // Where the children's prefixed lines ("[HOST w3] …") go; nullptr: writers
+  // of the agent's own on stdout and stderr. Not owned; outlive Run().
+  launcher::OutputWriter* out = nullptr;
+  launcher::OutputWriter* err = nullptr;
+};
+
+// Checks options that do not need the network: a parsable controller
+// address, a job token, a valid host id, a program, counts and timeouts in range.
+Status ValidateOptions(const AgentOptions& options);
+
+// Reads a job token file: the token is the file's contents with surrounding
+// whitespace removed. An error names the file (missing, unreadable, empty).
+// A file that group or others may read is accepted with a warning (logged).
+Result<std::string> ReadJobTokenFile(const std::string& path);
+
+class Agent {
+ public:
+  // `options` must pass ValidateOptions (checked: a bug otherwise).
+  explicit Agent(AgentOptions options);
+  ~Agent();
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  // Runs until the job ends for this host, and returns the exit code (see
+  // the header comment). Call it once. Every process it started is gone when
+  // it returns.
+  int Run();
+
+  // Thread-safe: makes Run() kill its processes and return kExitInterrupted
+  // soon, as SIGINT would.
+  void Stop();
+
+  // After Run(): the line that says why it ended (also logged).
+  const std::string& exit_message() const { return exit_message_; }
+
+ private:
+  // The control connection's lifecycle. It moves kDialing → kConnecting →
+  // kHandshake → kRegistered; a failed dial goes back to kDialing (after the
+  // back-off), a loss after the hello goes through kFenced (processes killed
+  // and reaped) back to kDialing; kEnding is final.
+  enum class Phase {
+    kDialing,     // waiting for the next dial (next_dial_at_)
+    kConnecting,  // non-blocking connect in flight
+    kHandshake,   // hello sent, waiting for the controller's ack
+    kRegistered,  // registered: carrying out orders
+    kFenced,      // cut off: processes killed, waiting for them to be reaped
+    kEnding,      // the job is over for this agent: waiting for the processes, then Run() returns
+  };
+  static const char* PhaseName(Phase p);
+  void ChangePhase(Phase next);
+
+  void Tick();
+  void Dial();
+  void OnConnectReady();
+  void DialFailed(const std::string& why);
+  void OnSocketEvent(short revents);
+  void OnReadable();
+  void HandleFrame(const net::Frame& frame);
+  void OnHelloAck(const net::Frame& frame);
+  void OnStart(std::string_view payload);
+  void OnSignal(std::string_view payload);
+  void OnRenice(std::string_view payload);
+  void Malformed(const std::string& why);
+  // The controller is lost: close the connection and fence (kill every process).
+  void Lose(const std::string& why, bool log = true);
+  void CloseConnection();
+  // Queues one frame to the controller; false if there is no connection or it overflowed (then lost).
+  bool Send(uint16_t type, const std::string& payload);
+  bool Flush();
+  // Ends Run(): with `kill_now`, SIGKILL at once; otherwise after stop_grace.
+  void End(int code, const std::string& message, bool kill_now);
+  std::string Describe(const std::string& error) const;
+
+  void OnChildExit(int worker_id, pid_t pid, int exit_code, int signal);
+  void OnChildStop(int worker_id, pid_t pid, int signal);
+
+  const AgentOptions options_;
+  net::EventLoop loop_;
+  std::unique_ptr<launcher::OutputWriter> own_out_, own_err_;
+  std::unique_ptr<launcher::LocalLauncher> launcher_;  // created in Run(), after the writers
+  UniqueFd wake_fd_;    // eventfd: Stop() writes it
+  UniqueFd signal_fd_;  // SIGINT/SIGTERM, with handle_signals
+  std::atomic<bool> stop_requested_{false};
+  bool ran_ = false;
+
+  Phase phase_ = Phase::kDialing;
+  UniqueFd conn_;
+  net::FrameDecoder decoder_;
+  std::string out_;  // frames queued for the controller
+  size_t out_sent_ = 0;
+  std::string data_host_;  // the advertise address in use on this connection
+  Deadline last_heard_{};  // last byte from the controller
+  Deadline next_heartbeat_{};
+  Deadline next_poll_stopped_{};
+  Deadline attempt_deadline_{};    // the connect or hello in flight gives up then
+  Deadline next_dial_at_{};
+  Deadline reconnect_deadline_{};  // exit 1 if not registered by then
+  Millis backoff_{0};
+  std::string last_error_;         // why the last dial failed, or why the controller was lost
+  std::string last_malformed_;     // logged once: a repeat is a debug line
+  int consecutive_malformed_ = 0;  // losses to malformed orders in a row: the next dial waits longer
+  std::map<int, pid_t> live_;      // worker id → pid of the processes that run now
+  std::mt19937 rng_;
+
+  int exit_code_ = 0;
+  std::string exit_message_;
+  Deadline kill_at_ = kNoDeadline;  // kEnding: SIGKILL whatever still runs
+  bool graceful_ = false;           // kEnding: the processes were given stop_grace to exit on their own
+  Deadline give_up_at_ = kNoDeadline;  // kEnding: stop waiting for reaping
+  bool killed_ = false;
+};
+
+}  // namespace nonstop::agent

@@ -1,0 +1,708 @@
+// Agent tests with real processes and real sockets on loopback: a fake
+// controller (a listener on an OS port, ServerHandshake of kind kAgent,
+// blocking frame reads with deadlines) drives an Agent that runs on a thread;
+// the CLI tests run the `nonstop agent` binary as a child process.
+#include "agent/agent.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "common/temp_dir.h"
+#include "control/messages.h"
+#include "launcher/output_writer.h"
+#include "net/frame.h"
+#include "net/handshake.h"
+#include "net/socket.h"
+
+namespace nonstop::agent {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr char kToken[] = "test-token-123";
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Polls `pred` every 10 ms until it holds or `timeout` passes.
+template <typename Pred>
+bool WaitFor(Pred pred, Millis timeout) {
+  Deadline until = DeadlineAfter(timeout);
+  while (Clock::now() < until) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return pred();
+}
+
+bool ProcessGone(pid_t pid) { return ::kill(pid, 0) != 0 && errno == ESRCH; }
+
+// The controller's side of one agent connection, in blocking style. A
+// background thread pings every 150 ms while pinging is on (the real
+// controller pings every 500 ms).
+class FakeController {
+ public:
+  explicit FakeController(std::string token = kToken) : token_(std::move(token)) {
+    auto l = net::Listen({"127.0.0.1", 0});
+    NONSTOP_CHECK(l.ok()) << l.status().ToString();
+    listener_ = std::move(*l);
+    pinger_ = std::jthread([this](std::stop_token stop) {
+      while (!stop.stop_requested()) {
+        std::this_thread::sleep_for(150ms);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (pinging_ && conn_.valid()) {
+          (void)net::WriteFrame(conn_.get(), control::kMsgPing, "{}", DeadlineAfter(1s), nullptr);
+        }
+      }
+    });
+  }
+
+  std::string address() const { return listener_.address.ToString(); }
+
+  // Accepts the next connection and checks its hello (kind kAgent, our token).
+  Result<net::Hello> Accept(Millis timeout = 5s) {
+    Deadline deadline = DeadlineAfter(timeout);
+    NONSTOP_RETURN_IF_ERROR(net::WaitFd(listener_.fd.get(), POLLIN, deadline, nullptr, "accept"));
+    NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Accept(listener_.fd.get()));
+    auto hello = net::ServerHandshake(fd.get(), token_, net::ConnectionKind::kAgent, deadline, nullptr);
+    std::lock_guard<std::mutex> lock(mu_);
+    conn_ = std::move(fd);
+    return hello;
+  }
+
+  // Accepts the agent and reads its registration.
+  Result<control::AgentRegisterMsg> AcceptAndRegister(Millis timeout = 5s) {
+    NONSTOP_RETURN_IF_ERROR(Accept(timeout).status());
+    NONSTOP_ASSIGN_OR_RETURN(net::Frame f, Next(control::kMsgAgentRegister, timeout));
+    return control::DecodeAgentRegister(f.payload);
+  }
+
+  // The next frame of `type`; heartbeats before it are counted and skipped.
+  Result<net::Frame> Next(uint16_t type, Millis timeout = 5s) {
+    Deadline deadline = DeadlineAfter(timeout);
+    while (true) {
+      NONSTOP_ASSIGN_OR_RETURN(net::Frame f, net::ReadFrame(fd(), deadline, nullptr));
+      if (f.type == type) return f;
+      if (f.type == control::kMsgAgentHeartbeat) {
+        auto hb = control::DecodeAgentHeartbeat(f.payload);
+        if (!hb.ok()) return hb.status();
+        ++heartbeats;
+        last_running = hb->running;
+        continue;
+      }
+      return InternalError(fmt::format("expected a frame of type {}, got type {}: {}", type, f.type, f.payload));
+    }
+  }
+
+  // True when the agent closes the connection within `timeout` (heartbeats skipped).
+  bool ClosedByAgent(Millis timeout) {
+    Deadline deadline = DeadlineAfter(timeout);
+    while (true) {
+      auto f = net::ReadFrame(fd(), deadline, nullptr);
+      if (f.ok()) continue;
+      return f.status().code() == StatusCode::kUnavailable;
+    }
+  }
+
+  void Send(uint16_t type, const std::string& payload) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Status s = net::WriteFrame(conn_.get(), type, payload, DeadlineAfter(2s), nullptr);
+    NONSTOP_CHECK(s.ok()) << s.ToString();
+  }
+
+  void SetPinging(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pinging_ = on;
+  }
+
+  void CloseConnection() {
+    std::lock_guard<std::mutex> lock(mu_);
+    conn_.Reset();
+  }
+
+  int heartbeats = 0;
+  int last_running = -1;
+
+ private:
+  int fd() const { return conn_.get(); }  // the test thread is the only writer of conn_
+
+  const std::string token_;
+  net::Listener listener_;
+  std::mutex mu_;
+  UniqueFd conn_;       // guarded by mu_ for the pinger
+  bool pinging_ = true;  // guarded by mu_
+  std::jthread pinger_;  // last: stopped and joined first
+};
+
+// An Agent on a thread of the test, with the children's output in files.
+class AgentRunner {
+ public:
+  explicit AgentRunner(AgentOptions options, const TempDir& dir)
+      : out_fd_(::open((dir / "out.txt").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)),
+        err_fd_(::open((dir / "err.txt").c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)),
+        out_(out_fd_.get()),
+        err_(err_fd_.get()) {
+    options.out = &out_;
+    options.err = &err_;
+    agent_ = std::make_unique<Agent>(std::move(options));
+    auto task = std::packaged_task<int()>([this] { return agent_->Run(); });
+    code_ = task.get_future();
+    thread_ = std::thread(std::move(task));
+  }
+  ~AgentRunner() {
+    agent_->Stop();
+    thread_.join();
+  }
+
+  // The exit code, or -1 if Run() has not returned within `timeout`.
+  int Wait(Millis timeout) {
+    if (code_.wait_for(timeout) != std::future_status::ready) return -1;
+    return code_.get();
+  }
+  const Agent& agent() const { return *agent_; }
+  void Stop() { agent_->Stop(); }
+
+ private:
+  UniqueFd out_fd_, err_fd_;
+  launcher::OutputWriter out_, err_;
+  std::unique_ptr<Agent> agent_;
+  std::future<int> code_;
+  std::thread thread_;
+};
+
+class AgentTest : public ::testing::Test {
+ protected:
+  // Options for an agent of host "hostA" on `controller`, whose program
+  // writes its environment to dir/env-<worker id>, says hello on stdout and
+  // sleeps.
+  AgentOptions Options(const FakeController& controller) {
+    AgentOptions o;
+    o.controller = controller.address();
+    o.job_token = kToken;
+    o.host_id = "hostA";
+    o.nproc = 2;
+    o.spares = 1;
+    o.program = {"/bin/sh", "-c",
+                 fmt::format("echo \"$NONSTOP_WORKER_ID $NONSTOP_HOST_ID $NONSTOP_DATA_HOST\" > {0}/env-$NONSTOP_WORKER_ID.tmp; "
+                             "echo \"$NONSTOP_CONTROLLER $NONSTOP_JOB_TOKEN $NONSTOP_SPARE $NONSTOP_FOO\" >> "
+                             "{0}/env-$NONSTOP_WORKER_ID.tmp; "
+                             "mv {0}/env-$NONSTOP_WORKER_ID.tmp {0}/env-$NONSTOP_WORKER_ID; "
+                             "echo hello from $NONSTOP_WORKER_ID; exec sleep 30",
+                             dir_.path())};
+    o.join_timeout = 10'000ms;
+    o.controller_timeout = 2'000ms;
+    return o;
+  }
+
+  // Sends a start order for `worker_id` and returns the pid the agent reports.
+  pid_t StartWorker(FakeController& controller, int worker_id,
+                    std::vector<std::pair<std::string, std::string>> env = {}) {
+    control::AgentStartMsg start;
+    start.worker_id = worker_id;
+    start.env = env;
+    controller.Send(control::kMsgAgentStart, control::Encode(start));
+    auto f = controller.Next(control::kMsgAgentStarted);
+    EXPECT_TRUE(f.ok()) << f.status().ToString();
+    if (!f.ok()) return -1;
+    auto started = control::DecodeAgentStarted(f->payload);
+    EXPECT_TRUE(started.ok()) << started.status().ToString();
+    if (!started.ok()) return -1;
+    EXPECT_EQ(started->worker_id, worker_id);
+    EXPECT_EQ(started->error, "");
+    EXPECT_GT(started->pid, 0);
+    return static_cast<pid_t>(started->pid);
+  }
+
+  std::string EnvFile(int worker_id) { return dir_ / fmt::format("env-{}", worker_id); }
+
+  TempDir dir_;
+};
+
+TEST_F(AgentTest, SaysHelloAsAnAgentAndRegistersItsHost) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  auto hello = controller.Accept();
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  EXPECT_EQ(hello->kind, net::ConnectionKind::kAgent);
+  EXPECT_EQ(hello->worker_id, 0);
+  EXPECT_EQ(hello->generation, 0u);
+  EXPECT_EQ(hello->job_token, kToken);
+  auto f = controller.Next(control::kMsgAgentRegister);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto reg = control::DecodeAgentRegister(f->payload);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  EXPECT_EQ(reg->host_id, "hostA");
+  EXPECT_EQ(reg->nproc, 2);
+  EXPECT_EQ(reg->spares, 1);
+  EXPECT_EQ(reg->address, "127.0.0.1");  // the interface that reaches the controller
+  EXPECT_EQ(reg->pid, ::getpid());       // the agent runs in this process here
+  EXPECT_EQ(reg->running, 0);
+  // Heartbeats every 200 ms.
+  auto t0 = Clock::now();
+  while (controller.heartbeats < 3) {
+    ASSERT_LT(Clock::now() - t0, 3s) << "no heartbeats";
+    // Nothing else is expected: Next(anything unused) just counts heartbeats until it times out.
+    (void)controller.Next(control::kMsgAgentExited, 300ms);
+  }
+  EXPECT_EQ(controller.last_running, 0);
+  agent.Stop();
+  EXPECT_EQ(agent.Wait(5s), kExitInterrupted);
+}
+
+TEST_F(AgentTest, AdvertiseAddressIsRegisteredAndGivenToWorkers) {
+  FakeController controller;
+  AgentOptions o = Options(controller);
+  o.advertise_address = "10.9.8.7";
+  AgentRunner agent(o, dir_);
+  auto reg = controller.AcceptAndRegister();
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  EXPECT_EQ(reg->address, "10.9.8.7");
+  StartWorker(controller, 5);
+  ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(5)).empty(); }, 10s));
+  EXPECT_EQ(ReadText(EnvFile(5)).substr(0, ReadText(EnvFile(5)).find('\n')), "5 hostA 10.9.8.7");
+}
+
+TEST_F(AgentTest, StartOrderRunsTheProgramWithTheOrdersAndTheAgentsVariables) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  // The order tries to set two of the agent's own variables: the agent's values win.
+  pid_t pid = StartWorker(controller, 3,
+                          {{"NONSTOP_WORKER_ID", "3"},
+                           {"NONSTOP_FOO", "bar"},
+                           {"NONSTOP_HOST_ID", "evil"},
+                           {"NONSTOP_DATA_HOST", "6.6.6.6"}});
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s)) << "the program did not start";
+  EXPECT_EQ(ReadText(EnvFile(3)),
+            fmt::format("3 hostA 127.0.0.1\n{} {} 0 bar\n", controller.address(), kToken));
+  // Its output is forwarded with the host and worker prefix.
+  EXPECT_TRUE(WaitFor([&] { return ReadText(dir_ / "out.txt").find("[hostA w3] hello from 3\n") != std::string::npos; },
+                      5s))
+      << ReadText(dir_ / "out.txt");
+  // The heartbeat counts it.
+  ASSERT_TRUE(WaitFor([&] {
+    (void)controller.Next(control::kMsgAgentExited, 250ms);
+    return controller.last_running == 1;
+  }, 3s));
+}
+
+TEST_F(AgentTest, SignalOrderKillsTheWorkerAndExitedSaysSignal9) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  pid_t pid = StartWorker(controller, 4);
+  ASSERT_GT(pid, 0);
+  controller.Send(control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{4, SIGKILL}));
+  auto f = controller.Next(control::kMsgAgentExited);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto exited = control::DecodeAgentExited(f->payload);
+  ASSERT_TRUE(exited.ok());
+  EXPECT_EQ(exited->worker_id, 4);
+  EXPECT_EQ(exited->pid, pid);
+  EXPECT_EQ(exited->signal, SIGKILL);
+  EXPECT_TRUE(ProcessGone(pid));
+}
+
+TEST_F(AgentTest, WorkerThatExitsOnItsOwnIsReportedWithItsCode) {
+  FakeController controller;
+  AgentOptions o = Options(controller);
+  o.program = {"/bin/sh", "-c", "exit 7"};
+  AgentRunner agent(o, dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  pid_t pid = StartWorker(controller, 0);
+  auto f = controller.Next(control::kMsgAgentExited);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto exited = control::DecodeAgentExited(f->payload);
+  ASSERT_TRUE(exited.ok());
+  EXPECT_EQ(exited->pid, pid);
+  EXPECT_EQ(exited->exit_code, 7);
+  EXPECT_EQ(exited->signal, 0);
+}
+
+TEST_F(AgentTest, SignalForAWorkerThatDoesNotRunHereIsIgnored) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  controller.Send(control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{99, SIGKILL}));
+  controller.Send(control::kMsgAgentRenice, control::Encode(control::AgentReniceMsg{99, 5}));
+  // Still connected and carrying out orders.
+  EXPECT_GT(StartWorker(controller, 1), 0);
+}
+
+TEST_F(AgentTest, SecondStartOfARunningWorkerIsRefusedWithAnError) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  pid_t pid = StartWorker(controller, 2);
+  ASSERT_GT(pid, 0);
+  controller.Send(control::kMsgAgentStart, control::Encode(control::AgentStartMsg{2, false, 0, {}}));
+  auto f = controller.Next(control::kMsgAgentStarted);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto started = control::DecodeAgentStarted(f->payload);
+  ASSERT_TRUE(started.ok());
+  EXPECT_EQ(started->pid, 0);
+  EXPECT_NE(started->error.find("worker 2 already runs on host hostA"), std::string::npos) << started->error;
+  EXPECT_FALSE(ProcessGone(pid));
+}
+
+TEST_F(AgentTest, StoppedWorkerIsReported) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  pid_t pid = StartWorker(controller, 6);
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(::kill(pid, SIGSTOP), 0);  // frozen from outside
+  auto f = controller.Next(control::kMsgAgentStopped);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto stopped = control::DecodeAgentStopped(f->payload);
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(stopped->worker_id, 6);
+  EXPECT_EQ(stopped->pid, pid);
+  EXPECT_EQ(stopped->signal, SIGSTOP);
+}
+
+TEST_F(AgentTest, StartOrderWithLdPreloadDropsTheConnectionAndStartsNothing) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  control::AgentStartMsg start;
+  start.worker_id = 8;
+  start.env = {{"NONSTOP_FOO", "bar"}, {"LD_PRELOAD", "/tmp/evil.so"}};
+  controller.Send(control::kMsgAgentStart, control::Encode(start));
+  EXPECT_TRUE(controller.ClosedByAgent(3s)) << "the agent kept a connection that sent a malformed order";
+  // It dials again and registers afresh, having started nothing.
+  auto reg = controller.AcceptAndRegister(5s);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  EXPECT_EQ(reg->running, 0);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(ReadText(EnvFile(8)), "");
+  EXPECT_EQ(ReadText(dir_ / "out.txt"), "");
+}
+
+TEST_F(AgentTest, SilentControllerIsFencedAndTheAgentRegistersAgainWithNothingRunning) {
+  FakeController controller;
+  AgentOptions o = Options(controller);
+  o.controller_timeout = 600ms;
+  AgentRunner agent(o, dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  pid_t pid = StartWorker(controller, 1);
+  ASSERT_GT(pid, 0);
+  auto silent_since = Clock::now();
+  controller.SetPinging(false);
+  // Cut off: the agent closes the connection and kills its worker at once.
+  EXPECT_TRUE(controller.ClosedByAgent(3s));
+  EXPECT_TRUE(WaitFor([&] { return ProcessGone(pid); }, 2s)) << "the worker of a fenced host still runs";
+  EXPECT_LT(Clock::now() - silent_since, 2500ms);
+  controller.SetPinging(true);
+  auto reg = controller.AcceptAndRegister(5s);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  EXPECT_EQ(reg->running, 0);
+  EXPECT_EQ(reg->host_id, "hostA");
+  // And it carries out orders again.
+  EXPECT_GT(StartWorker(controller, 2), 0);
+}
+
+TEST_F(AgentTest, BrokenConnectionIsFencedLikeASilentController) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  pid_t pid = StartWorker(controller, 1);
+  ASSERT_GT(pid, 0);
+  controller.CloseConnection();
+  EXPECT_TRUE(WaitFor([&] { return ProcessGone(pid); }, 2s)) << "the worker of a fenced host still runs";
+  auto reg = controller.AcceptAndRegister(5s);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  EXPECT_EQ(reg->running, 0);
+}
+
+TEST_F(AgentTest, ControllerThatNeverComesBackEndsTheAgentAfterTheJoinTimeout) {
+  AgentOptions o;
+  std::unique_ptr<FakeController> controller = std::make_unique<FakeController>();
+  o = Options(*controller);
+  o.join_timeout = 1'000ms;
+  AgentRunner agent(o, dir_);
+  ASSERT_TRUE(controller->AcceptAndRegister().ok());
+  controller.reset();  // the listener and the connection go away for good
+  auto lost_at = Clock::now();
+  EXPECT_EQ(agent.Wait(5s), kExitControllerLost);
+  EXPECT_GE(Clock::now() - lost_at, 900ms);  // the join timeout restarts at the loss
+  EXPECT_NE(agent.agent().exit_message().find(fmt::format("cannot reach the controller at {} within 1 s", o.controller)),
+            std::string::npos)
+      << agent.agent().exit_message();
+}
+
+TEST_F(AgentTest, WrongTokenExits2WithTheControllersReason) {
+  FakeController controller("another-jobs-token");
+  AgentRunner agent(Options(controller), dir_);
+  auto hello = controller.Accept();
+  EXPECT_FALSE(hello.ok());
+  EXPECT_EQ(agent.Wait(5s), kExitRefused);
+  const std::string& msg = agent.agent().exit_message();
+  EXPECT_NE(msg.find(fmt::format("the controller at {} refused this agent", controller.address())), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("job token mismatch"), std::string::npos) << msg;
+  // No retry: no second connection.
+  EXPECT_FALSE(controller.Accept(300ms).ok());
+}
+
+TEST_F(AgentTest, UnreachableControllerExits1WithinTheJoinTimeoutNamingAddressAndError) {
+  std::string address;
+  {
+    auto l = net::Listen({"127.0.0.1", 0});  // a port nobody listens on once this closes
+    ASSERT_TRUE(l.ok());
+    address = l->address.ToString();
+  }
+  AgentOptions o;
+  o.controller = address;
+  o.job_token = kToken;
+  o.host_id = "hostA";
+  o.program = {"/bin/true"};
+  o.join_timeout = 1'500ms;
+  auto t0 = Clock::now();
+  AgentRunner agent(o, dir_);
+  EXPECT_EQ(agent.Wait(6s), kExitControllerLost);
+  auto took = Clock::now() - t0;
+  EXPECT_GE(took, 1'400ms);
+  EXPECT_LT(took, 4'000ms);
+  EXPECT_EQ(agent.agent().exit_message(),
+            fmt::format("cannot reach the controller at {} within 1.5 s: connection refused", address));
+}
+
+TEST_F(AgentTest, PeerThatNeverAnswersTheHelloIsRetriedUntilTheJoinTimeout) {
+  auto l = net::Listen({"127.0.0.1", 0});  // the kernel accepts; nobody ever answers
+  ASSERT_TRUE(l.ok());
+  AgentOptions o;
+  o.controller = l->address.ToString();
+  o.job_token = kToken;
+  o.host_id = "hostA";
+  o.program = {"/bin/true"};
+  o.controller_timeout = 300ms;
+  o.join_timeout = 1'000ms;
+  AgentRunner agent(o, dir_);
+  EXPECT_EQ(agent.Wait(5s), kExitControllerLost);
+  EXPECT_EQ(agent.agent().exit_message(),
+            fmt::format("cannot reach the controller at {} within 1 s: the controller did not answer the hello in time",
+                        o.controller));
+}
+
+TEST_F(AgentTest, ShutdownEndsTheAgentWithItsCodeAfterItsProcessesExit) {
+  FakeController controller;
+  AgentOptions o = Options(controller);
+  o.stop_grace = 500ms;  // the sleeping worker does not exit on its own: SIGKILL after this
+  AgentRunner agent(o, dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  pid_t pid = StartWorker(controller, 0);
+  ASSERT_GT(pid, 0);
+  auto t0 = Clock::now();
+  controller.Send(control::kMsgShutdown, control::Encode(control::ShutdownMsg{"the job finished", 7}));
+  // Its worker's end is still reported on the open connection.
+  auto f = controller.Next(control::kMsgAgentExited, 5s);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_GE(Clock::now() - t0, 400ms) << "the worker got no grace";
+  EXPECT_EQ(agent.Wait(5s), 7);
+  EXPECT_TRUE(ProcessGone(pid));
+  EXPECT_NE(agent.agent().exit_message().find("the job finished"), std::string::npos);
+}
+
+TEST_F(AgentTest, RefusalAfterTheHelloComesAsAShutdownWithItsCode) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  controller.Send(control::kMsgShutdown,
+                  control::Encode(control::ShutdownMsg{"host id hostA is already in the job", 2}));
+  EXPECT_EQ(agent.Wait(5s), 2);
+  EXPECT_NE(agent.agent().exit_message().find("host id hostA is already in the job"), std::string::npos);
+}
+
+TEST(JobTokenFileTest, TokenIsTrimmedAndBadFilesAreNamed) {
+  TempDir dir;
+  std::string path = dir / "token";
+  {
+    std::ofstream(path) << "  s3cret-token\n\n";
+  }
+  ::chmod(path.c_str(), 0600);
+  auto token = ReadJobTokenFile(path);
+  ASSERT_TRUE(token.ok()) << token.status().ToString();
+  EXPECT_EQ(*token, "s3cret-token");
+
+  ::chmod(path.c_str(), 0644);  // readable by others: accepted, with a warning
+  EXPECT_TRUE(ReadJobTokenFile(path).ok());
+
+  auto missing = ReadJobTokenFile(dir / "nope");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find(dir / "nope"), std::string::npos) << missing.status().ToString();
+
+  std::string empty = dir / "empty";
+  {
+    std::ofstream(empty) << " \n\t\n";
+  }
+  auto e = ReadJobTokenFile(empty);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find(empty + "' is empty"), std::string::npos) << e.status().ToString();
+}
+
+TEST(AgentOptionsTest, BadOptionsAreRefusedWithTheReason) {
+  AgentOptions o;
+  o.controller = "127.0.0.1:4000";
+  o.job_token = "t";
+  o.host_id = "host-1.example";
+  o.program = {"/bin/true"};
+  EXPECT_TRUE(ValidateOptions(o).ok());
+  AgentOptions bad = o;
+  bad.host_id = "has space";
+  EXPECT_NE(ValidateOptions(bad).message().find("host id 'has space'"), std::string::npos);
+  bad = o;
+  bad.controller = "nohostport";
+  EXPECT_FALSE(ValidateOptions(bad).ok());
+  bad = o;
+  bad.program.clear();
+  EXPECT_FALSE(ValidateOptions(bad).ok());
+  bad = o;
+  bad.job_token.clear();
+  EXPECT_FALSE(ValidateOptions(bad).ok());
+}
+
+// ---- the CLI: `nonstop agent` as a child process ----
+
+class ChildProcess {
+ public:
+  ChildProcess(std::vector<std::string> argv, std::vector<std::string> env_add, const std::string& output_path) {
+    pid_ = ::fork();
+    NONSTOP_CHECK_GE(pid_, 0);
+    if (pid_ == 0) {
+      int fd = ::open(output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      for (auto& kv : env_add) ::putenv(kv.data());
+      std::vector<char*> args;
+      for (auto& a : argv) args.push_back(a.data());
+      args.push_back(nullptr);
+      ::execv(args[0], args.data());
+      _exit(127);
+    }
+  }
+  ~ChildProcess() {
+    if (!exited_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  // The exit code (128 + signal if killed), or -1 if it still runs after `timeout`.
+  int Wait(Millis timeout) {
+    Deadline until = DeadlineAfter(timeout);
+    while (Clock::now() < until) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        exited_ = true;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+    return -1;
+  }
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  bool exited_ = false;
+};
+
+std::string NonstopBinary() { return std::string(NONSTOP_BIN_DIR) + "/nonstop"; }
+
+class AgentCliTest : public AgentTest {
+ protected:
+  std::string TokenFile(const std::string& token) {
+    std::string path = dir_ / "token";
+    std::ofstream(path) << token << "\n";
+    ::chmod(path.c_str(), 0600);
+    return path;
+  }
+};
+
+TEST_F(AgentCliTest, SigtermKillsTheWorkersAndExits130) {
+  FakeController controller;
+  std::vector<std::string> argv = {NonstopBinary(), "agent", "--controller", controller.address(),
+                                   "--job-token-file", TokenFile(kToken), "--host-id", "cli-host", "--"};
+  for (const auto& a : Options(controller).program) argv.push_back(a);
+  // Inherited values of the agent's variables must not shadow its own in the workers.
+  ChildProcess agent(argv, {"NONSTOP_DATA_HOST=9.9.9.9", "NONSTOP_HOST_ID_UNRELATED=x"}, dir_ / "agent.log");
+  auto reg = controller.AcceptAndRegister(10s);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString() << "\n" << ReadText(dir_ / "agent.log");
+  EXPECT_EQ(reg->host_id, "cli-host");
+  EXPECT_EQ(reg->pid, agent.pid());
+  EXPECT_EQ(reg->nproc, 1);
+  EXPECT_EQ(reg->spares, 0);
+  pid_t pid = StartWorker(controller, 3);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s));
+  EXPECT_EQ(ReadText(EnvFile(3)).substr(0, ReadText(EnvFile(3)).find('\n')), "3 cli-host 127.0.0.1");
+  // Its output is forwarded with the host and worker prefix.
+  EXPECT_TRUE(WaitFor(
+      [&] { return ReadText(dir_ / "agent.log").find("[cli-host w3] hello from 3\n") != std::string::npos; }, 5s))
+      << ReadText(dir_ / "agent.log");
+  ASSERT_EQ(::kill(agent.pid(), SIGTERM), 0);
+  EXPECT_EQ(agent.Wait(5s), kExitInterrupted) << ReadText(dir_ / "agent.log");
+  EXPECT_TRUE(ProcessGone(pid));
+  std::string log = ReadText(dir_ / "agent.log");
+  EXPECT_NE(log.find("host id              cli-host"), std::string::npos) << log;  // the configuration table
+  EXPECT_NE(log.find("interrupted by SIGTERM"), std::string::npos) << log;
+}
+
+TEST_F(AgentCliTest, RefusedHelloExits2AndSaysWhy) {
+  FakeController controller("another-jobs-token");
+  ChildProcess agent({NonstopBinary(), "agent", "--controller", controller.address(), "--job-token-file",
+                      TokenFile(kToken), "--host-id", "cli-host", "--", "/bin/true"},
+                     {}, dir_ / "agent.log");
+  (void)controller.Accept(10s);
+  EXPECT_EQ(agent.Wait(10s), kExitRefused);
+  EXPECT_NE(ReadText(dir_ / "agent.log").find("job token mismatch"), std::string::npos) << ReadText(dir_ / "agent.log");
+}
+
+TEST_F(AgentCliTest, MissingTokenFileIsAUsageErrorNamingTheFile) {
+  ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file",
+                      dir_ / "no-such-token", "--host-id", "h", "--", "/bin/true"},
+                     {}, dir_ / "agent.log");
+  EXPECT_EQ(agent.Wait(10s), 2);
+  EXPECT_NE(ReadText(dir_ / "agent.log").find(dir_ / "no-such-token"), std::string::npos)
+      << ReadText(dir_ / "agent.log");
+}
+
+TEST_F(AgentCliTest, MissingProgramIsAUsageError) {
+  ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file", TokenFile("t"),
+                      "--host-id", "h", "--", "no-such-program-xyz"},
+                     {}, dir_ / "agent.log");
+  EXPECT_EQ(agent.Wait(10s), 2);
+  EXPECT_NE(ReadText(dir_ / "agent.log").find("program 'no-such-program-xyz' is not an executable file on the PATH"),
+            std::string::npos)
+      << ReadText(dir_ / "agent.log");
+}
+
+TEST_F(AgentCliTest, InvalidHostIdIsAUsageError) {
+  ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file", TokenFile("t"),
+                      "--host-id", "bad/host", "--", "/bin/true"},
+                     {}, dir_ / "agent.log");
+  EXPECT_EQ(agent.Wait(10s), 2);
+  EXPECT_NE(ReadText(dir_ / "agent.log").find("--host-id 'bad/host'"), std::string::npos)
+      << ReadText(dir_ / "agent.log");
+}
+
+}  // namespace
+}  // namespace nonstop::agent
