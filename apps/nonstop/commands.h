@@ -9,6 +9,31 @@
 
 namespace nonstop::cli {
 
+// The flags `nonstop run` and `nonstop controller` share: timeouts, the
+// elastic policy, recovery, checkpoints, faults, the journal and HTTP.
+struct JobFlags {
+  std::string journal = "runs/journal.jsonl";
+  int heartbeat_timeout_ms = 1000;
+  int abort_timeout_ms = 2000;
+  int join_timeout_ms = 300'000;
+  int refill_nice = 10;
+  int hang_floor_ms = 500;
+  double hang_factor = 8.0;
+  std::string http_host = "127.0.0.1";
+  int http_port = 0;
+  int min_world = 1;
+  int max_world = 0;
+  std::vector<int> allowed_sizes;
+  int world_increment = 1;
+  int stable_period_ms = 0;
+  std::vector<std::string> inject;
+  std::string recovery = "checkpointless";
+  std::string checkpoint_dir;
+  int checkpoint_every = 0;
+  double mtbf_seconds = 0;
+  std::string log_level = "info";
+};
+
 // `nonstop run`: controller + local launcher for one job on this machine.
 class RunCommand {
  public:
@@ -24,27 +49,26 @@ class RunCommand {
   int spares_ = 1;
   std::string host_ = "127.0.0.1";
   int port_ = 0;
-  std::string journal_ = "runs/journal.jsonl";
-  int heartbeat_timeout_ms_ = 1000;
-  int abort_timeout_ms_ = 2000;
-  int join_timeout_ms_ = 300'000;
-  int refill_nice_ = 10;
-  int hang_floor_ms_ = 500;
-  double hang_factor_ = 8.0;
-  std::string http_host_ = "127.0.0.1";
-  int http_port_ = 0;
-  int min_world_ = 1;
-  int max_world_ = 0;
-  std::vector<int> allowed_sizes_;
-  int world_increment_ = 1;
-  int stable_period_ms_ = 0;
-  std::vector<std::string> inject_;
-  std::string recovery_ = "checkpointless";
-  std::string checkpoint_dir_;
-  int checkpoint_every_ = 0;
-  double mtbf_seconds_ = 0;
-  std::string log_level_ = "info";
+  JobFlags flags_;
   std::vector<std::string> program_;
+};
+
+// `nonstop controller`: the controller alone, a daemon that the hosts'
+// agents (`nonstop agent`) register with; the job starts when --nnodes MIN
+// hosts are there.
+class ControllerCommand {
+ public:
+  void Register(CLI::App& app);
+  bool selected() const { return sub_ != nullptr && sub_->parsed(); }
+  int Execute();
+
+ private:
+  CLI::App* sub_ = nullptr;
+  std::string listen_ = "127.0.0.1:0";
+  std::string advertise_address_;
+  std::string nnodes_ = "1";
+  std::string token_file_;
+  JobFlags flags_;
 };
 
 // `nonstop data prepare`: text files → token shards.

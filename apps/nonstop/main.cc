@@ -23,6 +23,8 @@ int main(int argc, char** argv) {
   nonstop::cli::JobCommands job;
   job.Register(app);
   job.SetProgram(program);
+  nonstop::cli::ControllerCommand controller;
+  controller.Register(app);
   nonstop::cli::AgentCommand agent;
   agent.Register(app);
   agent.SetProgram(program);
@@ -35,6 +37,7 @@ int main(int argc, char** argv) {
   if (run.selected()) return run.Execute();
   if (data.selected()) return data.Execute();
   if (job.selected()) return job.Execute();
+  if (controller.selected()) return controller.Execute();
   if (agent.selected()) return agent.Execute();
   return 2;
 }

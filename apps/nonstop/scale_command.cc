@@ -63,11 +63,6 @@ Result<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
 
 }  // namespace
 
-std::string JobFileFor(const std::string& journal_path) {
-  auto slash = journal_path.rfind('/');
-  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) + "/job.json";
-}
-
 void JobCommands::Register(CLI::App& app) {
   status_ = app.add_subcommand("status", "Show a running job: phase, generation, world, spares, policy");
   scale_ = app.add_subcommand("scale", "Ask a running job to grow or shrink (POST /scale)");

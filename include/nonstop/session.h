@@ -62,7 +62,12 @@ struct SessionOptions {
   std::string job_token;           // required (NONSTOP_JOB_TOKEN)
   int worker_id = -1;              // required, unique in the job (NONSTOP_WORKER_ID)
   bool spare = false;              // join without a rank (NONSTOP_SPARE=1)
-  std::string data_host = "127.0.0.1";  // where peers reach this worker
+  std::string data_host = "127.0.0.1";  // the address its data port listens on (NONSTOP_DATA_HOST)
+  // The address peers dial (NONSTOP_ADVERTISE_ADDRESS). Empty: data_host, or,
+  // when data_host is a wildcard (0.0.0.0), the local address of the
+  // connection to the controller: the interface that reaches the cluster.
+  std::string advertise_address;
+  std::string host_id;  // the host whose agent started it (NONSTOP_HOST_ID); empty: none
   // Bound on reaching the controller and being accepted (dial + hello). Once
   // joined, a worker or spare waits for its plan as long as the controller
   // lives: the controller pings every connected worker, and a worker that

@@ -96,7 +96,7 @@ void ControlServer::OnAccept() {
     int oldest_fd = -1;
     Clock::time_point oldest{Clock::time_point::max()};
     for (const auto& [cfd, c] : conns_) {
-      if (c->worker_id >= 0) continue;
+      if (identified(*c)) continue;
       ++unjoined;
       if (c->greeted) continue;  // presented the job token: never evicted for strangers
       if (c->accepted_at < oldest) oldest = c->accepted_at, oldest_fd = cfd;
@@ -153,9 +153,17 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       refusal = fmt::format("first frame has type {}, expected hello", f.type);
     } else {
       auto hello = net::DecodeHello(f.payload);
-      Status ok = hello.ok() ? net::CheckHello(*hello, token_, net::ConnectionKind::kControl) : hello.status();
-      if (!ok.ok()) refusal = ok.message();
-      else c.hello_worker_id = hello->worker_id;
+      // Workers and agents share the port; the hello says which one speaks.
+      Status ok = hello.ok() ? net::CheckHello(*hello, token_,
+                                               hello->kind == net::ConnectionKind::kAgent ? net::ConnectionKind::kAgent
+                                                                                          : net::ConnectionKind::kControl)
+                             : hello.status();
+      if (!ok.ok()) {
+        refusal = ok.message();
+      } else {
+        c.hello_worker_id = hello->worker_id;
+        c.agent = hello->kind == net::ConnectionKind::kAgent;
+      }
     }
     if (!refusal.empty()) {
       std::string ack = net::EncodeFrame(net::kFrameHelloAck, std::string(1, '\0') + refusal);
@@ -169,6 +177,7 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
     (void)::send(fd, ack.data(), ack.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     return;
   }
+  if (c.agent) return HandleAgentFrame(c, f);
   auto bad = [&](const Status& s) { CloseConn(fd, s.ToString(), true); };
   if (c.worker_id < 0) {
     if (f.type != control::kMsgJoin) {
@@ -208,13 +217,68 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
   if (!s.ok()) bad(s);
 }
 
+void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
+  int fd = c.fd.get();
+  auto bad = [&](const Status& s) { CloseConn(fd, s.ToString(), true); };
+  if (c.host_id.empty()) {
+    if (f.type != control::kMsgAgentRegister) {
+      return bad(InvalidArgumentError(fmt::format("expected an agent register message, got type {}", f.type)));
+    }
+    auto reg = control::DecodeAgentRegister(f.payload);
+    if (!reg.ok()) return bad(reg.status());
+    if (fd_of_host_.count(reg->host_id)) {
+      std::string why = fmt::format("host id {} is already in the job (another agent is connected with it)",
+                                    reg->host_id);
+      SendOn(fd, control::kMsgShutdown, control::Encode(control::ShutdownMsg{why, kExitUsage}));
+      ++refused_;
+      CloseConn(fd, "refused: " + why, false);
+      return;
+    }
+    c.host_id = reg->host_id;
+    c.peer = fmt::format("agent of host {} ({})", reg->host_id, c.peer);
+    fd_of_host_[c.host_id] = fd;
+    sink_(HostJoined{*reg});
+    return;
+  }
+  const std::string host = c.host_id;
+  auto decoded = [&](auto result, auto make) -> Status {
+    if (!result.ok()) return result.status();
+    sink_(make(*result));
+    return OkStatus();
+  };
+  Status s;
+  switch (f.type) {
+    case control::kMsgAgentHeartbeat:
+      s = decoded(control::DecodeAgentHeartbeat(f.payload),
+                  [&](const control::AgentHeartbeatMsg& m) { return Event{HostHeartbeat{host, m}}; });
+      break;
+    case control::kMsgAgentStarted:
+      s = decoded(control::DecodeAgentStarted(f.payload),
+                  [&](const control::AgentStartedMsg& m) { return Event{WorkerStarted{host, m}}; });
+      break;
+    case control::kMsgAgentExited:
+      s = decoded(control::DecodeAgentExited(f.payload), [&](const control::AgentExitedMsg& m) {
+        return Event{ProcessExited{m.worker_id, m.pid, m.exit_code, m.signal, host}};
+      });
+      break;
+    case control::kMsgAgentStopped:
+      s = decoded(control::DecodeAgentStopped(f.payload), [&](const control::AgentStoppedMsg& m) {
+        return Event{ProcessStopped{m.worker_id, m.pid, m.signal, host}};
+      });
+      break;
+    default: s = InvalidArgumentError(fmt::format("unexpected message type {} from an agent", f.type));
+  }
+  if (!s.ok()) bad(s);
+}
+
 void ControlServer::CloseConn(int fd, const std::string& reason, bool report_loss) {
   auto it = conns_.find(fd);
   if (it == conns_.end()) return;
   int worker = it->second->worker_id;
+  std::string host = it->second->host_id;
   if (reason == "connection closed by peer" || reason.find("Connection reset") != std::string::npos) {
     NONSTOP_LOG_DEBUG("control: {} closed its connection", it->second->peer);
-  } else if (worker >= 0) {
+  } else if (worker >= 0 || !host.empty()) {
     NONSTOP_LOG_WARNING("control: closing {}: {}", it->second->peer, reason);
   } else {
     LogRefusal(fmt::format("closing {}: {}", it->second->peer, reason));
@@ -224,6 +288,10 @@ void ControlServer::CloseConn(int fd, const std::string& reason, bool report_los
   if (worker >= 0) {
     fd_of_worker_.erase(worker);
     if (report_loss) sink_(ConnectionLost{worker, reason});
+  }
+  if (!host.empty()) {
+    fd_of_host_.erase(host);
+    if (report_loss) sink_(HostLost{host, reason});
   }
 }
 
@@ -260,7 +328,36 @@ bool ControlServer::Flush(int fd) {
 bool ControlServer::Send(int worker_id, uint16_t type, const std::string& payload) {
   auto it = fd_of_worker_.find(worker_id);
   if (it == fd_of_worker_.end()) return false;
+  return SendOn(it->second, type, payload);
+}
+
+bool ControlServer::SendToAgent(const std::string& host_id, uint16_t type, const std::string& payload) {
+  auto it = fd_of_host_.find(host_id);
+  if (it == fd_of_host_.end()) return false;
+  return SendOn(it->second, type, payload);
+}
+
+void ControlServer::CloseAgent(const std::string& host_id, const std::string& reason, int exit_code) {
+  auto it = fd_of_host_.find(host_id);
+  if (it == fd_of_host_.end()) return;
   int fd = it->second;
+  if (SendOn(fd, control::kMsgShutdown, control::Encode(control::ShutdownMsg{reason, exit_code}))) {
+    CloseConn(fd, reason, false);
+  }
+}
+
+void ControlServer::CloseWorker(int worker_id, const std::string& reason) {
+  auto it = fd_of_worker_.find(worker_id);
+  if (it != fd_of_worker_.end()) CloseConn(it->second, reason, false);
+}
+
+std::vector<std::string> ControlServer::agents() const {
+  std::vector<std::string> out;
+  for (const auto& [host, fd] : fd_of_host_) out.push_back(host);
+  return out;
+}
+
+bool ControlServer::SendOn(int fd, uint16_t type, const std::string& payload) {
   Conn& c = *conns_.at(fd);
   size_t queued = c.out.size() - c.out_sent;
   if (queued + payload.size() + net::kFrameHeaderBytes > options_.max_queued_bytes) {
@@ -282,7 +379,7 @@ void ControlServer::CheckTimers(Clock::time_point now) {
   std::vector<std::pair<int, std::string>> close;
   std::vector<std::pair<int, std::string>> lost;
   for (const auto& [fd, c] : conns_) {
-    if (c->worker_id < 0 && now - c->accepted_at > options_.handshake_timeout) {
+    if (!identified(*c) && now - c->accepted_at > options_.handshake_timeout) {
       close.push_back({fd, fmt::format("no hello and join within {} ms", options_.handshake_timeout.count())});
     } else if (c->out_sent < c->out.size() && now - c->out_progress_at > options_.send_stall_timeout) {
       lost.push_back({fd, fmt::format("stuck reader: it took none of its {} queued bytes for {} ms",

@@ -1,6 +1,7 @@
 // ControlServer: the controller's end of the control plane, on an EventLoop.
 //
-// It accepts worker connections, checks each one's hello (magic, version, job
+// It accepts worker and agent connections (an agent's hello has kind
+// kAgent, and its first message registers its host), checks each one's hello (magic, version, job
 // token) without ever blocking the loop, decodes the JSON messages and hands
 // them to the caller as controller Events. A connection that fails its
 // handshake, sends a malformed frame or message, or claims a second identity
@@ -62,6 +63,16 @@ class ControlServer {
   // no open connection, or if this send overflowed its queue (the connection
   // is then closed and the worker reported lost).
   bool Send(int worker_id, uint16_t type, const std::string& payload);
+  // The same, to the agent of a host.
+  bool SendToAgent(const std::string& host_id, uint16_t type, const std::string& payload);
+  // Sends the agent a Shutdown (why it must go) and closes its connection;
+  // no HostLost follows (the controller decided it).
+  void CloseAgent(const std::string& host_id, const std::string& reason, int exit_code);
+  // Closes a worker's connection (it was killed, or fenced with its host); no
+  // ConnectionLost follows.
+  void CloseWorker(int worker_id, const std::string& reason);
+  // The hosts whose agents are connected.
+  std::vector<std::string> agents() const;
   // Closes connections that overran their handshake deadline or stopped
   // taking their output. Call it from the loop's timer (every ~50 ms).
   void CheckTimers(Clock::time_point now);
@@ -76,6 +87,8 @@ class ControlServer {
     bool greeted = false;  // hello accepted
     int hello_worker_id = -1;  // who the hello said it is; the join must agree
     int worker_id = -1;    // known after the join message
+    bool agent = false;    // the hello said kAgent
+    std::string host_id;   // an agent's, known after its register message
     std::string peer;      // "worker 3 (127.0.0.1:41234)" once known
     Clock::time_point accepted_at{};
     std::string out;       // queued output; out_sent bytes of it are already written
@@ -85,6 +98,9 @@ class ControlServer {
 
   ControlServer(net::EventLoop* loop, net::Listener listener, std::string token, EventSink sink,
                 ControlServerOptions options);
+  bool identified(const Conn& c) const { return c.worker_id >= 0 || !c.host_id.empty(); }
+  bool SendOn(int fd, uint16_t type, const std::string& payload);
+  void HandleAgentFrame(Conn& c, const net::Frame& f);
   void OnAccept();
   void OnEvent(int fd, short revents);
   void OnReadable(int fd);
@@ -112,6 +128,7 @@ class ControlServer {
   EventSink sink_;
   std::map<int, std::unique_ptr<Conn>> conns_;  // by fd
   std::map<int, int> fd_of_worker_;
+  std::map<std::string, int> fd_of_host_;
   int refused_ = 0;
   std::optional<Clock::time_point> accept_paused_until_;  // out of descriptors: not accepting until then
   Clock::time_point log_window_start_{};

@@ -28,17 +28,22 @@ std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now
   if (!started_at_) {
     started_at_ = now;
     forming_since_ = now;
-    // `nonstop run` starts worker ids 0 … world + spares − 1 itself.
-    for (int id = 0; id < options_.world_size + options_.spares; ++id) {
-      awaiting_join_.emplace(id, AwaitedJoin{id >= options_.world_size, now});
+    // On one machine the runtime starts worker ids 0 … world + spares − 1
+    // itself; on hosts the workers are started when the hosts are there.
+    if (!multi_host()) {
+      for (int id = 0; id < world_size_ + pool_size_; ++id) {
+        awaiting_join_.emplace(id, AwaitedJoin{id >= world_size_, now});
+        live_processes_.insert(id);
+      }
+      next_worker_id_ = std::max(next_worker_id_, world_size_ + pool_size_);
     }
-    next_worker_id_ = std::max(next_worker_id_, options_.world_size + options_.spares);
   }
   std::vector<Action> out;
   if (phase_ == JobPhase::kEnded) {
     if (const auto* e = std::get_if<ProcessExited>(&event)) {
       auto it = workers_.find(e->worker_id);
       if (it != workers_.end()) it->second.role = WorkerRole::kGone;
+      live_processes_.erase(e->worker_id);
     }
     return out;
   }
@@ -52,9 +57,15 @@ int Controller::RankOf(int worker_id) const {
   return it->second.rank;
 }
 
+std::string Controller::HostOf(int worker_id) const {
+  auto it = host_of_.find(worker_id);
+  return it == host_of_.end() ? "" : it->second;
+}
+
 std::string Controller::Describe(const WorkerInfo& w) const {
-  if (w.rank >= 0) return fmt::format("rank {} (worker {}, pid {})", w.rank, w.worker_id, w.pid);
-  return fmt::format("spare worker {} (pid {})", w.worker_id, w.pid);
+  std::string on = w.host.empty() ? "" : " on host " + w.host;
+  if (w.rank >= 0) return fmt::format("rank {} (worker {}, pid {}{})", w.rank, w.worker_id, w.pid, on);
+  return fmt::format("spare worker {} (pid {}{})", w.worker_id, w.pid, on);
 }
 
 double Controller::MedianStepSeconds() const {
@@ -78,6 +89,38 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     out->push_back(SendShutdown{m.worker_id, {"joined after its join deadline; a replacement was started", kExitUsage}});
     return;
   }
+  // A worker is on the host whose agent started it, and nowhere else.
+  if (auto started = host_of_.find(m.worker_id); started != host_of_.end() && started->second != m.host_id) {
+    std::string why = fmt::format("worker {} was started on host {} but joins as a worker of host '{}'", m.worker_id,
+                                  started->second, m.host_id);
+    out->push_back(AppendJournal{{{"event", "join_refused"}, {"worker_id", m.worker_id}, {"reason", why}}});
+    out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitUsage}});
+    return;
+  }
+  if (!m.host_id.empty() && !host_of_.count(m.worker_id)) {
+    std::string why = fmt::format("worker {} claims host '{}', whose agent did not start it", m.worker_id, m.host_id);
+    out->push_back(AppendJournal{{{"event", "join_refused"}, {"worker_id", m.worker_id}, {"reason", why}}});
+    out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitUsage}});
+    return;
+  }
+  if (!m.host_id.empty()) {
+    auto h = hosts_.find(m.host_id);
+    if (h == hosts_.end() || !h->second.alive) {
+      // Its host was lost while it started: it is fenced with it.
+      std::string why = fmt::format("host {} is no longer in the job", m.host_id);
+      out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitPeerFailure}});
+      return;
+    }
+  }
+  if (multi_host() && workers_.count(m.worker_id) && workers_[m.worker_id].role == WorkerRole::kGone) {
+    // Fenced (its host was lost, or it was killed): a worker id never comes back.
+    std::string why = fmt::format("worker {} left the job ({}) and cannot rejoin it", m.worker_id,
+                                  workers_[m.worker_id].how_it_ended.empty() ? "fenced"
+                                                                             : workers_[m.worker_id].how_it_ended);
+    out->push_back(AppendJournal{{{"event", "join_refused"}, {"worker_id", m.worker_id}, {"reason", why}}});
+    out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitPeerFailure}});
+    return;
+  }
   next_worker_id_ = std::max(next_worker_id_, m.worker_id + 1);
   if (awaiting_join_.erase(m.worker_id) > 0 && m.spare) refill_failures_ = 0;
   if (workers_.count(m.worker_id) && workers_[m.worker_id].role != WorkerRole::kGone) {
@@ -90,12 +133,15 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   w.worker_id = m.worker_id;
   w.pid = m.pid;
   w.address = m.data_address;
+  w.host = m.host_id;
   w.role = m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending;
   joined_step_[m.worker_id] = m.state_step;
   w.last_heard = now_;
   workers_[m.worker_id] = w;
-  out->push_back(AppendJournal{{{"event", "join"}, {"worker_id", m.worker_id}, {"pid", m.pid},
-                                {"address", m.data_address}, {"spare", w.role == WorkerRole::kSpare}}});
+  json rec = {{"event", "join"}, {"worker_id", m.worker_id}, {"pid", m.pid}, {"address", m.data_address},
+              {"spare", w.role == WorkerRole::kSpare}};
+  if (!m.host_id.empty()) rec["host"] = m.host_id;
+  out->push_back(AppendJournal{rec});
   if (phase_ == JobPhase::kForming) MaybeFormFirstGeneration(out);
   else MaybeGrow(out);
 }
@@ -108,8 +154,8 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   for (const auto& [id, w] : workers_) {
     if (w.role == WorkerRole::kPending) pending.push_back(id);
   }
-  if (static_cast<int>(pending.size()) < options_.world_size) return;
-  pending.resize(static_cast<size_t>(options_.world_size));  // the lowest worker ids
+  if (world_size_ <= 0 || static_cast<int>(pending.size()) < world_size_) return;
+  pending.resize(static_cast<size_t>(world_size_));  // the lowest worker ids
   ++generation_;
   members_ = pending;
   arrivals_.clear();
@@ -175,8 +221,12 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   last_journaled_step_ = -1;  // the steps since the checkpoint are computed (and journaled) again
   phase_ = JobPhase::kForming;
   forming_since_ = now_;
-  for (int i = 0; i < options_.world_size + options_.spares; ++i) {
-    Spawn(next_worker_id_++, /*spare=*/i >= options_.world_size, /*resume=*/true, /*background=*/false, out);
+  if (multi_host()) {
+    PlaceOnHosts(/*resume=*/true, out);
+    return;
+  }
+  for (int i = 0; i < world_size_ + pool_size_; ++i) {
+    Spawn(next_worker_id_++, /*spare=*/i >= world_size_, /*resume=*/true, /*background=*/false, out);
   }
 }
 
@@ -298,6 +348,12 @@ void Controller::On(const ConnectionLost& e, std::vector<Action>* out) {
 }
 
 void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
+  if (!e.host.empty() && HostOf(e.worker_id) != e.host) {
+    out->push_back(AppendJournal{{{"event", "report_ignored"}, {"host", e.host}, {"worker_id", e.worker_id},
+                                  {"reason", "an agent reported the exit of a worker it did not start"}}});
+    return;
+  }
+  live_processes_.erase(e.worker_id);
   std::string how = e.signal != 0 ? fmt::format("was killed by signal {}", e.signal)
                                   : fmt::format("exited with code {}", e.exit_code);
   out->push_back(AppendJournal{{{"event", "exit"}, {"worker_id", e.worker_id}, {"pid", e.pid}, {"how", how},
@@ -313,7 +369,7 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
       if (++refill_failures_ <= 3) {
         out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {} before joining; starting another",
                                              e.worker_id, e.pid, how)});
-        Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
+        RefillSpare(out);
       } else {
         out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {} before joining; {} spares in a row died "
                                              "while starting, so the pool is not refilled (see their output)",
@@ -336,7 +392,8 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
   // Name the cause in an open recovery that this worker's loss started.
   if (open_recovery_) {
     for (auto& c : recoveries_[*open_recovery_].causes) {
-      if (c.find(fmt::format("(worker {},", w.worker_id)) != std::string::npos && c.find(" [") == std::string::npos) {
+      // Only the cause that names this worker as the one that failed (it starts with its description).
+      if (c.rfind(Describe(w), 0) == 0 && c.find(" [") == std::string::npos) {
         c += " [" + how + "]";
       }
     }
@@ -363,6 +420,7 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
 }
 
 void Controller::On(const ProcessStopped& e, std::vector<Action>* out) {
+  if (!e.host.empty() && HostOf(e.worker_id) != e.host) return;  // not its worker
   auto it = workers_.find(e.worker_id);
   if (it == workers_.end()) {
     // Stopped before it joined: it will never join; replace it like a spare that died.
@@ -409,11 +467,28 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
         workers_[spare].role = WorkerRole::kPending;
         out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; spare worker {} takes its "
                                              "place", worker_id, w.pid, detail, spare)});
-        if (options_.spares > 0) Spawn(next_worker_id_++, /*spare=*/true, false, /*background=*/true, out);
+        if (pool_size_ > 0 || multi_host()) RefillSpare(out);
       } else {
         out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; starting another",
                                              worker_id, w.pid, detail)});
-        Spawn(next_worker_id_++, /*spare=*/false, resume, /*background=*/false, out);
+        if (multi_host()) {
+          // On a host with a free slot, else the job cannot form.
+          std::string host;
+          for (const auto& id : host_order_) {
+            if (hosts_[id].alive && FreeSlots(hosts_[id]) > 0) {
+              host = id;
+              break;
+            }
+          }
+          if (host.empty()) {
+            End(kExitPeerFailure, fmt::format("worker {} {} before the job formed, and no host has a free slot "
+                                              "for another", worker_id, detail), out);
+            return;
+          }
+          Spawn(next_worker_id_++, /*spare=*/false, resume, /*background=*/false, out, host);
+        } else {
+          Spawn(next_worker_id_++, /*spare=*/false, resume, /*background=*/false, out);
+        }
       }
       MaybeFormFirstGeneration(out);
       return;
@@ -423,14 +498,27 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
   }
 }
 
-void Controller::Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out) {
+void Controller::Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
+                       const std::string& host) {
   awaiting_join_[worker_id] = AwaitedJoin{spare, now_};
-  out->push_back(SpawnWorker{worker_id, spare, resume, background});
+  live_processes_.insert(worker_id);
+  if (!host.empty()) host_of_[worker_id] = host;
+  out->push_back(SpawnWorker{worker_id, spare, resume, background, host});
 }
 
 void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
   if (phase_ == JobPhase::kForming) {
     if (now_ - forming_since_ <= options_.forming_timeout) return;
+    if (multi_host() && !placed_) {
+      int alive = 0;
+      for (const auto& [id, h] : hosts_) alive += h.alive ? 1 : 0;
+      End(kExitPeerFailure,
+          fmt::format("the job did not form within {} s: {} of the {} hosts it needs registered (start `nonstop "
+                      "agent` on each host; HINT: a slow start needs a longer --join-timeout-ms)",
+                      options_.forming_timeout.count() / 1000, alive, options_.min_hosts),
+          out);
+      return;
+    }
     std::vector<int> missing;
     for (const auto& [id, a] : awaiting_join_) {
       if (!a.spare) missing.push_back(id);
@@ -440,7 +528,7 @@ void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
     End(kExitPeerFailure,
         fmt::format("the job did not form within {} s: {} of {} workers joined; not joined: worker(s) {} (see their "
                     "output; HINT: a slow start needs a longer --join-timeout-ms)",
-                    options_.forming_timeout.count() / 1000, pending, options_.world_size, json(missing).dump()),
+                    options_.forming_timeout.count() / 1000, pending, world_size_, json(missing).dump()),
         out);
     return;
   }
@@ -457,11 +545,22 @@ void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
     out->push_back(PrintLine{fmt::format("worker {} did not join within {} s; killed{}", id,
                                          options_.join_timeout.count() / 1000,
                                          spare ? ", starting another spare" : "")});
-    if (spare) Spawn(next_worker_id_++, /*spare=*/true, false, /*background=*/true, out);
+    if (spare) RefillSpare(out);
   }
 }
 
 void Controller::CheckHeartbeats(std::vector<Action>* out) {
+  // Agents too: a silent agent is a lost host (a crash, or a partition).
+  std::vector<std::string> silent_hosts;
+  for (const auto& [id, h] : hosts_) {
+    if (h.alive && now_ - h.last_heard > options_.heartbeat_timeout) silent_hosts.push_back(id);
+  }
+  for (const auto& id : silent_hosts) {
+    std::string why = fmt::format("its agent sent no heartbeat for {:.0f} ms", Ms(now_ - hosts_[id].last_heard));
+    out->push_back(CloseHost{id, "declared lost: " + why, kExitPeerFailure});  // fenced, should it still be alive
+    HostDown(id, why, out);
+    if (phase_ == JobPhase::kEnded) return;
+  }
   // Every worker that has joined, whatever its role, must be heard from.
   std::vector<int> silent;
   for (const auto& [id, w] : workers_) {
@@ -481,7 +580,7 @@ void Controller::CheckHeartbeats(std::vector<Action>* out) {
 void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out) {
   w.role = WorkerRole::kGone;
   out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {}; starting another", w.worker_id, w.pid, how)});
-  Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
+  RefillSpare(out);
 }
 
 void Controller::MemberFault(int worker_id, const std::string& kind, const std::string& detail,
@@ -489,6 +588,7 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
   WorkerInfo& w = workers_[worker_id];
   if (!IsLiveMember(w)) return;
   w.role = WorkerRole::kGone;
+  if (open_recovery_ && !w.host.empty()) recoveries_[*open_recovery_].failed_hosts.insert(w.host);
   std::string what = fmt::format("{} {} ({}); its last completed step was {}", Describe(w), detail, kind,
                                  w.last_step >= 0 ? std::to_string(w.last_step) : "none");
   out->push_back(AppendJournal{{{"event", "fault"}, {"kind", kind}, {"worker_id", w.worker_id}, {"rank", w.rank},
@@ -533,6 +633,10 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
     rec.fault_at = last_injected_->first;
     rec.injected = last_injected_->second;
     last_injected_.reset();
+  }
+  for (int id : members_) {
+    const WorkerInfo& w = workers_[id];
+    if (!IsLiveMember(w) && !w.host.empty()) rec.failed_hosts.insert(w.host);
   }
   recoveries_.push_back(rec);
   open_recovery_ = recoveries_.size() - 1;
@@ -597,6 +701,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   for (int id : survivors) {
     if (ready_[id] == s_star) holders.push_back(id);
   }
+  holders = SpreadOverHosts(holders);
   // The initial state (step -1) is the same everywhere (seeded), so anyone holds it.
   bool state_everywhere = s_star == -1 && highest_step_ < 0;
   if (holders.empty() && !state_everywhere && options_.have_checkpoints) {
@@ -620,6 +725,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
       spares.push_back(id);
     }
   }
+  OrderSpares(&spares, rec.failed_hosts);
   std::vector<int> next;
   size_t spare_i = 0;
   for (size_t r = 0; r < members_.size(); ++r) {
@@ -699,7 +805,8 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   phase_ = JobPhase::kRunning;
   rec.plan_at = now_;
   for (int id : members_) out->push_back(SendPlan{id, plan});
-  for (size_t i = 0; i < spare_i && options_.spares > 0; ++i) {
+  for (size_t i = 0; i < spare_i && (pool_size_ > 0 || multi_host()); ++i) {
+    if (multi_host()) break;  // the hosts' free slots are filled on the next tick
     Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
     ++rec.spawned_spares;
   }
@@ -754,7 +861,7 @@ int Controller::SpareCount() const {
 
 std::string Controller::CheckSize(int size) const {
   const ScalePolicy& p = options_.policy;
-  int max_world = p.max_world > 0 ? p.max_world : options_.world_size;
+  int max_world = p.max_world > 0 ? p.max_world : world_size_;
   if (size < p.min_world) return fmt::format("world size {} is below the minimum {}", size, p.min_world);
   if (size > max_world) return fmt::format("world size {} is above the maximum {}", size, max_world);
   if (!p.allowed_sizes.empty()) {
@@ -823,7 +930,10 @@ void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
     StartResize(target, fmt::format("shrink on request ({})", e.source), out);
   } else if (target > world) {
     // Declared capacity: start the workers that are missing; the job grows when they have joined.
-    for (int i = SpareCount(); i < target - world; ++i) Spawn(next_worker_id_++, /*spare=*/true, false, false, out);
+    // (On hosts, capacity is the hosts' slots: the job grows when a host brings some.)
+    if (!multi_host()) {
+      for (int i = SpareCount(); i < target - world; ++i) Spawn(next_worker_id_++, /*spare=*/true, false, false, out);
+    }
     MaybeGrow(out);
   }
 }
@@ -863,6 +973,210 @@ void Controller::StartResize(int new_world, const std::string& trigger, std::vec
                                        new_world, drain.after_step, trigger)});
 }
 
+// ---------------------------------------------------------------- hosts
+
+void Controller::On(const HostJoined& e, std::vector<Action>* out) {
+  const auto& m = e.msg;
+  auto refuse = [&](const std::string& why) {
+    out->push_back(AppendJournal{{{"event", "host_refused"}, {"host", m.host_id}, {"reason", why}}});
+    out->push_back(PrintLine{fmt::format("agent of host {} refused: {}", m.host_id, why)});
+    out->push_back(CloseHost{m.host_id, why, kExitUsage});
+  };
+  if (!multi_host()) return refuse("this job runs on one machine (nonstop run): it takes no agents");
+  auto it = hosts_.find(m.host_id);
+  if (it != hosts_.end() && it->second.alive) return refuse(fmt::format("host id {} is already in the job", m.host_id));
+  if (m.running != 0) {
+    return refuse(fmt::format("the agent still supervises {} process(es) from before; it must stop them first",
+                              m.running));
+  }
+  int alive = 0;
+  for (const auto& [id, h] : hosts_) alive += h.alive ? 1 : 0;
+  if (options_.max_hosts > 0 && alive >= options_.max_hosts) {
+    return refuse(fmt::format("the job already has its maximum of {} hosts", options_.max_hosts));
+  }
+  if (it == hosts_.end()) {
+    host_order_.push_back(m.host_id);
+    it = hosts_.emplace(m.host_id, HostInfo{}).first;
+  }
+  HostInfo& h = it->second;
+  h.host_id = m.host_id;
+  h.nproc = m.nproc;
+  h.spares = m.spares;
+  h.address = m.address;
+  h.pid = m.pid;
+  h.alive = true;
+  h.lost_reason.clear();
+  h.last_heard = now_;
+  ++h.incarnation;
+  out->push_back(AppendJournal{{{"event", "host_join"}, {"host", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares},
+                                {"address", m.address}, {"incarnation", h.incarnation}}});
+  out->push_back(PrintLine{fmt::format("host {} ({}) registered{}: {} worker(s), {} spare(s)", m.host_id, m.address,
+                                       h.incarnation > 1 ? " again" : "", m.nproc, m.spares)});
+  if (!placed_) {
+    if (alive + 1 >= options_.min_hosts) PlaceOnHosts(/*resume=*/false, out);
+    return;
+  }
+  // A host that comes (back) after the start brings spares: the pool, or
+  // capacity the job grows into (policy permitting).
+  TopUpHosts(out);
+}
+
+void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
+  int world = 0;
+  for (const auto& id : host_order_) world += hosts_[id].alive ? hosts_[id].nproc : 0;
+  if (world == 0) {
+    out->push_back(PrintLine{"the registered hosts bring no workers (all --nproc-per-host 0): waiting for more"});
+    return;
+  }
+  placed_ = true;
+  world_size_ = world;
+  target_world_ = std::max(target_world_, std::max(world_size_, options_.policy.max_world));
+  if (!resume) forming_since_ = now_;
+  for (const auto& id : host_order_) {
+    const HostInfo& h = hosts_[id];
+    if (!h.alive) continue;
+    for (int i = 0; i < h.nproc + h.spares && FreeSlots(h) > 0; ++i) {
+      Spawn(next_worker_id_++, /*spare=*/i >= h.nproc, resume, /*background=*/false, out, id);
+    }
+  }
+  out->push_back(PrintLine{fmt::format("placed on {} host(s): world {}", host_order_.size(), world_size_)});
+}
+
+int Controller::FreeSlots(const HostInfo& h) const {
+  int used = 0;
+  for (int id : live_processes_) {
+    auto it = host_of_.find(id);
+    used += it != host_of_.end() && it->second == h.host_id ? 1 : 0;
+  }
+  return std::max(0, h.nproc + h.spares - used);
+}
+
+void Controller::TopUpHosts(std::vector<Action>* out) {
+  if (refill_failures_ > 3) return;  // spares keep dying while starting: said once, not retried
+  for (const auto& id : host_order_) {
+    const HostInfo& h = hosts_[id];
+    if (!h.alive) continue;
+    for (int free = FreeSlots(h); free > 0; --free) {
+      Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/placed_ && phase_ != JobPhase::kForming,
+            out, id);
+    }
+  }
+}
+
+void Controller::RefillSpare(std::vector<Action>* out) {
+  if (multi_host()) {
+    TopUpHosts(out);  // wherever a slot is free; none: the pool waits for capacity
+    return;
+  }
+  Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
+}
+
+void Controller::On(const HostHeartbeat& e, std::vector<Action>*) {
+  auto it = hosts_.find(e.host_id);
+  if (it != hosts_.end() && it->second.alive) it->second.last_heard = now_;
+}
+
+void Controller::On(const HostLost& e, std::vector<Action>* out) { HostDown(e.host_id, e.reason, out); }
+
+void Controller::On(const WorkerStarted& e, std::vector<Action>* out) {
+  if (HostOf(e.msg.worker_id) != e.host_id) return;  // not its worker
+  if (!e.msg.error.empty() || e.msg.pid <= 0) {
+    // As if it had died while starting.
+    On(ProcessExited{e.msg.worker_id, 0, 127, 0, e.host_id}, out);
+    return;
+  }
+  out->push_back(AppendJournal{{{"event", "spawn"}, {"worker_id", e.msg.worker_id}, {"pid", e.msg.pid},
+                                {"host", e.host_id}}});
+}
+
+// The loss of a host is the loss of every worker on it, at once: one recovery.
+void Controller::HostDown(const std::string& host_id, const std::string& reason, std::vector<Action>* out) {
+  auto hit = hosts_.find(host_id);
+  if (hit == hosts_.end() || !hit->second.alive) return;
+  HostInfo& h = hit->second;
+  h.alive = false;
+  h.lost_reason = reason;
+  std::vector<int> members, others;
+  for (const auto& [id, host] : host_of_) {
+    if (host != host_id) continue;
+    live_processes_.erase(id);  // the host and all its processes are gone (or fenced)
+    awaiting_join_.erase(id);
+    auto w = workers_.find(id);
+    if (w == workers_.end()) continue;
+    if (IsLiveMember(w->second)) members.push_back(id);
+    else if (w->second.role != WorkerRole::kGone) others.push_back(id);
+  }
+  std::vector<int> ranks;
+  for (int id : members) ranks.push_back(workers_[id].rank);
+  out->push_back(AppendJournal{{{"event", "host_lost"}, {"host", host_id}, {"reason", reason},
+                                {"members", members}, {"ranks", ranks}, {"others", others}}});
+  out->push_back(PrintLine{fmt::format("host {} lost: {}; {} member(s) on it {}", host_id, reason, members.size(),
+                                       json(ranks).dump())});
+  for (int id : others) {  // its spares first: none of them may replace a worker of the same host
+    WorkerInfo& w = workers_[id];
+    if (w.role != WorkerRole::kSpare) continue;
+    w.role = WorkerRole::kGone;
+    out->push_back(KillWorker{id});
+  }
+  for (int id : others) {  // workers of a job still forming
+    if (workers_[id].role != WorkerRole::kPending) continue;
+    WorkerUnresponsive(id, "host lost", fmt::format("was on host {} ({})", host_id, reason), out);
+    if (phase_ == JobPhase::kEnded) return;
+  }
+  if (members.empty()) {
+    TopUpHosts(out);
+    return;
+  }
+  if (options_.recovery == RecoveryMode::kCheckpointRestart) {
+    for (int id : members) MemberFault(id, "host lost", fmt::format("was on host {} ({})", host_id, reason), out);
+    return;
+  }
+  std::string what = fmt::format("host {} lost ({}): ", host_id, reason);
+  for (size_t i = 0; i < members.size(); ++i) {
+    WorkerInfo& w = workers_[members[i]];
+    what += (i ? ", " : "") + fmt::format("rank {} (worker {})", w.rank, w.worker_id);
+    w.role = WorkerRole::kGone;
+    ready_.erase(w.worker_id);
+    out->push_back(AppendJournal{{{"event", "fault"}, {"kind", "host lost"}, {"worker_id", w.worker_id},
+                                  {"rank", w.rank}, {"pid", w.pid}, {"host", host_id}, {"detail", reason},
+                                  {"last_step", w.last_step}, {"generation", generation_}}});
+    out->push_back(KillWorker{w.worker_id});
+  }
+  out->push_back(PrintLine{"fault: " + what});
+  if (phase_ == JobPhase::kRecovering) {
+    recoveries_[*open_recovery_].causes.push_back(what);
+    recoveries_[*open_recovery_].failed_hosts.insert(host_id);
+    MaybeFinishAbort(out);
+  } else {
+    StartRecovery(what, out);
+  }
+}
+
+void Controller::OrderSpares(std::vector<int>* spares, const std::set<std::string>& failed_hosts) const {
+  std::stable_sort(spares->begin(), spares->end(), [&](int a, int b) {
+    return failed_hosts.count(workers_.at(a).host) < failed_hosts.count(workers_.at(b).host);
+  });
+}
+
+std::vector<int> Controller::SpreadOverHosts(const std::vector<int>& holders) const {
+  std::map<std::string, std::deque<int>> by_host;
+  std::vector<std::string> order;
+  for (int id : holders) {
+    const std::string& h = workers_.at(id).host;
+    if (!by_host.count(h)) order.push_back(h);
+    by_host[h].push_back(id);
+  }
+  std::vector<int> out;
+  while (out.size() < holders.size()) {
+    for (const auto& h : order) {
+      if (by_host[h].empty()) continue;
+      out.push_back(by_host[h].front());
+      by_host[h].pop_front();
+    }
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------- timers
 
 void Controller::On(const Tick&, std::vector<Action>* out) {
@@ -871,6 +1185,7 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   if (phase_ == JobPhase::kEnded) return;
   CheckHeartbeats(out);
   if (phase_ == JobPhase::kEnded) return;
+  if (multi_host() && placed_) TopUpHosts(out);
   if (phase_ == JobPhase::kRecovering && now_ >= abort_deadline_) {
     // Escalation: members that could not abort in time are killed and replaced.
     std::vector<int> late;
@@ -1045,7 +1360,7 @@ void Controller::Report(std::vector<Action>* out) const {
 
 json Controller::PolicyJson() const {
   const ScalePolicy& p = options_.policy;
-  return {{"min_world", p.min_world}, {"max_world", p.max_world > 0 ? p.max_world : options_.world_size},
+  return {{"min_world", p.min_world}, {"max_world", p.max_world > 0 ? p.max_world : world_size_},
           {"allowed_sizes", p.allowed_sizes}, {"increment", p.increment},
           {"stable_period_ms", p.stable_period.count()}, {"effective_stable_period_ms", EffectiveStablePeriod().count()},
           {"backoff_changes", p.backoff_changes}, {"backoff_window_ms", p.backoff_window.count()}};
@@ -1057,14 +1372,20 @@ json Controller::Status() const {
   json workers = json::array();
   for (const auto& [id, w] : workers_) {
     workers.push_back({{"worker_id", id}, {"pid", w.pid}, {"role", kRole[static_cast<int>(w.role)]},
-                       {"rank", w.rank}, {"last_step", w.last_step}});
+                       {"rank", w.rank}, {"last_step", w.last_step}, {"host", w.host}});
+  }
+  json hosts = json::array();
+  for (const auto& id : host_order_) {
+    const HostInfo& h = hosts_.at(id);
+    hosts.push_back({{"host_id", id}, {"alive", h.alive}, {"nproc", h.nproc}, {"spares", h.spares},
+                     {"address", h.address}, {"incarnation", h.incarnation}, {"lost_reason", h.lost_reason}});
   }
   json members = json::array();
   for (int id : members_) members.push_back(id);
   return {{"phase", kPhase[static_cast<int>(phase_)]}, {"generation", generation_},
           {"world_size", members_.size()}, {"target_world_size", target_world_}, {"members", members},
           {"spares", SpareCount()}, {"highest_step", highest_step_}, {"workers", workers},
-          {"recoveries", recoveries_.size()}, {"policy", PolicyJson()}};
+          {"recoveries", recoveries_.size()}, {"policy", PolicyJson()}, {"hosts", hosts}};
 }
 
 }  // namespace nonstop::controller

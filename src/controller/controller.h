@@ -29,6 +29,20 @@
 //      journaled and summarised at the end of the job.
 // A fault during a recovery starts a new one from the current members.
 //
+// Hosts (multi-host jobs, DESIGN.md §13; options.min_hosts > 0). Every
+// worker runs on a host whose agent started it; a host is a failure domain.
+// The job is placed when min_hosts agents have registered: each host starts
+// its nproc workers (the world is their sum) and its spares. A host that
+// registers later (or again, after it was lost) fills its slots with spares,
+// which grow the job up to the policy's maximum. Every host keeps its slots
+// (nproc + spares processes) filled with spares as processes end. The loss
+// of a host (its agent's connection or heartbeats) is the loss of every
+// worker on it, handled as ONE recovery; its workers are fenced (their
+// control connections closed). Plans prefer spares on hosts that did not
+// just fail, and list state sources alternating over hosts.
+// With min_hosts == 0 the job runs on one machine: the runtime starts worker
+// ids 0 … world_size + spares − 1 itself, and spares are refilled one for one.
+//
 // Thread-safety: none; one thread drives it.
 #pragma once
 
@@ -105,6 +119,10 @@ struct ControllerOptions {
   // (but at least hang_floor) after the first member did is hung.
   double hang_factor = 8.0;
   Millis hang_floor{500};
+  // Multi-host: the job is placed when this many hosts have registered
+  // (0: one machine, no agents; world_size and spares then say the size).
+  int min_hosts = 0;
+  int max_hosts = 0;  // 0: no limit; more agents are refused
 };
 
 // ---- events ----
@@ -117,9 +135,18 @@ struct ReadyReceived { int worker_id; control::ReadyMsg msg; };
 struct RecoveredReceived { int worker_id; control::RecoveredMsg msg; };
 struct InjectedReceived { int worker_id; control::InjectedMsg msg; };
 struct ConnectionLost { int worker_id; std::string reason; };
-struct ProcessExited { int worker_id; int64_t pid; int exit_code; int signal; };  // signal 0: exited normally
+// host: the agent that reported it ("" for the local launcher); an agent's
+// report about a worker of another host is ignored.
+struct ProcessExited { int worker_id; int64_t pid; int exit_code; int signal; std::string host; };  // signal 0: exited normally
 // The launcher saw the process stop (SIGSTOP, SIGTSTP: a frozen worker).
-struct ProcessStopped { int worker_id; int64_t pid; int signal; };
+struct ProcessStopped { int worker_id; int64_t pid; int signal; std::string host; };
+// An agent registered its host (multi-host).
+struct HostJoined { control::AgentRegisterMsg msg; };
+struct HostHeartbeat { std::string host_id; control::AgentHeartbeatMsg msg; };
+// An agent's connection closed or broke.
+struct HostLost { std::string host_id; std::string reason; };
+// An agent started a worker process (pid), or could not (error).
+struct WorkerStarted { std::string host_id; control::AgentStartedMsg msg; };
 struct Tick {};
 // A request to change the world size: {"world_size": N}, {"release": N} or {"grow": N} (POST /scale).
 struct ScaleRequest { int request_id; nlohmann::json body; std::string source; };
@@ -127,7 +154,8 @@ struct ScaleRequest { int request_id; nlohmann::json body; std::string source; }
 struct Interrupted { std::string how; };
 using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived, FailureReported,
                            ReadyReceived, RecoveredReceived, InjectedReceived, ConnectionLost, ProcessExited,
-                           ProcessStopped, Tick, ScaleRequest, Interrupted>;
+                           ProcessStopped, Tick, ScaleRequest, Interrupted, HostJoined, HostHeartbeat, HostLost,
+                           WorkerStarted>;
 
 // ---- actions ----
 struct SendPlan { int worker_id; control::PlanMsg plan; };
@@ -135,16 +163,20 @@ struct SendAbort { int worker_id; control::AbortMsg msg; };
 struct SendDrain { int worker_id; control::DrainMsg msg; };
 struct ScaleReply { int request_id; int http_status; nlohmann::json body; };
 struct SendShutdown { int worker_id; control::ShutdownMsg msg; };
-struct KillWorker { int worker_id; };               // SIGKILL now
+struct KillWorker { int worker_id; };               // SIGKILL now; a remote worker's control connection is closed too
 struct SignalWorker { int worker_id; int signal; };  // injected time-based faults
 // resume: load the newest checkpoint. background: a pool refill, started at a
 // low priority so that it warms up without slowing the job.
-struct SpawnWorker { int worker_id; bool spare; bool resume = false; bool background = false; };
+// host: the agent that starts it ("" : the local launcher).
+struct SpawnWorker { int worker_id; bool spare; bool resume = false; bool background = false; std::string host; };
+// Tell an agent why it must go (a refusal, or a host declared lost: fencing)
+// and close its connection.
+struct CloseHost { std::string host_id; std::string reason; int exit_code = kExitPeerFailure; };
 struct AppendJournal { nlohmann::json record; };
 struct PrintLine { std::string line; };
 struct EndJob { int exit_code; std::string reason; };
 using Action = std::variant<SendPlan, SendAbort, SendDrain, SendShutdown, KillWorker, SignalWorker, SpawnWorker,
-                            AppendJournal, PrintLine, EndJob, ScaleReply>;
+                            AppendJournal, PrintLine, EndJob, ScaleReply, CloseHost>;
 
 enum class JobPhase { kForming, kRunning, kRecovering, kEnded };
 enum class WorkerRole { kPending, kMember, kSpare, kFinished, kGone };
@@ -160,6 +192,18 @@ struct WorkerInfo {
   Clock::time_point last_heard{};
   bool stopped = false;  // the launcher saw its process stop
   std::string how_it_ended;  // set when its process exited
+  std::string host;          // the host it runs on ("" : local, or joined by hand)
+};
+
+struct HostInfo {
+  std::string host_id;
+  int nproc = 0, spares = 0;  // its slots: nproc + spares processes
+  std::string address;
+  int64_t pid = 0;
+  bool alive = false;
+  int incarnation = 0;  // registrations so far (a host that heals registers again)
+  Clock::time_point last_heard{};
+  std::string lost_reason;
 };
 
 // One recovery, with its phases (journal "recovery_end", and the end-of-job report).
@@ -188,15 +232,18 @@ struct RecoveryRecord {
   std::string outcome = "in progress";  // "completed", "superseded by recovery N", "failed"
   bool restarted = false;               // every worker was restarted from a durable checkpoint
   int64_t redone_steps = 0;             // completed steps to be computed again after a restart
+  std::set<std::string> failed_hosts;   // hosts of the members lost (their spares are picked last)
 };
 
 class Controller {
  public:
   explicit Controller(ControllerOptions options)
       : options_(std::move(options)),
+        world_size_(options_.min_hosts > 0 ? 0 : options_.world_size),
+        pool_size_(options_.min_hosts > 0 ? 0 : options_.spares),
         pending_faults_(options_.faults),
         // The job grows up to the policy's maximum as capacity appears.
-        target_world_(std::max(options_.world_size, options_.policy.max_world)) {}
+        target_world_(std::max(world_size_, options_.policy.max_world)) {}
 
   std::vector<Action> Handle(const Event& event, Clock::time_point now);
 
@@ -210,6 +257,10 @@ class Controller {
   size_t world_size() const { return members_.size(); }
   // The rank a worker holds now, or -1 (spare, gone, not yet placed).
   int RankOf(int worker_id) const;
+  const std::map<std::string, HostInfo>& hosts() const { return hosts_; }
+  // The host a worker was started on ("" : local, or unknown).
+  std::string HostOf(int worker_id) const;
+  bool multi_host() const { return options_.min_hosts > 0; }
   // The pending injected faults, for workers started later.
   const std::vector<control::FaultSpec>& pending_faults() const { return pending_faults_; }
 
@@ -228,6 +279,24 @@ class Controller {
   void On(const Tick& e, std::vector<Action>* out);
   void On(const ScaleRequest& e, std::vector<Action>* out);
   void On(const Interrupted& e, std::vector<Action>* out);
+  void On(const HostJoined& e, std::vector<Action>* out);
+  void On(const HostHeartbeat& e, std::vector<Action>* out);
+  void On(const HostLost& e, std::vector<Action>* out);
+  void On(const WorkerStarted& e, std::vector<Action>* out);
+
+  // Multi-host placement.
+  void PlaceOnHosts(bool resume, std::vector<Action>* out);
+  int FreeSlots(const HostInfo& h) const;
+  // Fills every free slot of every live host with a spare.
+  void TopUpHosts(std::vector<Action>* out);
+  // A spare to replace one that was used or lost: one for one on one
+  // machine; on hosts, wherever a slot is free.
+  void RefillSpare(std::vector<Action>* out);
+  void HostDown(const std::string& host_id, const std::string& reason, std::vector<Action>* out);
+  // Orders `spares` for a plan: those on hosts that just failed last.
+  void OrderSpares(std::vector<int>* spares, const std::set<std::string>& failed_hosts) const;
+  // Orders state sources so that consecutive ones sit on different hosts.
+  std::vector<int> SpreadOverHosts(const std::vector<int>& holders) const;
 
   // Elasticity: a planned change of the world size at a step boundary.
   std::string CheckSize(int size) const;  // empty when the policy allows `size`
@@ -245,7 +314,8 @@ class Controller {
   void WorkerUnresponsive(int worker_id, const std::string& kind, const std::string& detail,
                           std::vector<Action>* out);
   // Emits SpawnWorker and remembers that the worker must join in time.
-  void Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out);
+  void Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
+             const std::string& host = "");
   void CheckJoinDeadlines(std::vector<Action>* out);
   void CheckHeartbeats(std::vector<Action>* out);
   void RecordArrival(WorkerInfo& w, int64_t step, int64_t waiting_ms);
@@ -267,6 +337,8 @@ class Controller {
   nlohmann::json RecordJson(const RecoveryRecord& r) const;
 
   const ControllerOptions options_;
+  int world_size_ = 0;  // the initial world (options, or the hosts' nproc once placed)
+  int pool_size_ = 0;   // one machine: the spare pool kept full
   Clock::time_point now_{};
   std::optional<Clock::time_point> started_at_;
   JobPhase phase_ = JobPhase::kForming;
@@ -305,6 +377,12 @@ class Controller {
   int64_t arrival_step_ = -1;
   std::map<int, Clock::time_point> arrivals_;
   std::deque<double> arrival_spreads_ms_;
+  // Multi-host.
+  std::map<std::string, HostInfo> hosts_;
+  std::vector<std::string> host_order_;  // registration order (placement follows it)
+  bool placed_ = false;
+  std::map<int, std::string> host_of_;   // every worker started on a host
+  std::set<int> live_processes_;         // started, exit not yet seen (they hold a slot)
 };
 
 }  // namespace nonstop::controller

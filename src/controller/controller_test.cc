@@ -4,6 +4,8 @@
 #include <signal.h>
 
 #include <limits>
+#include <map>
+#include <tuple>
 
 namespace nonstop::controller {
 namespace {
@@ -24,7 +26,7 @@ class ControllerTest : public ::testing::Test {
   }
   std::vector<Action> Do(Event e) { return c_->Handle(e, now_); }
   std::vector<Action> Join(int id, bool spare = false) {
-    return Do(WorkerJoined{{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1}});
+    return Do(WorkerJoined{{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1, ""}});
   }
   std::vector<Action> Ready(int id, int64_t step) {
     return Do(ReadyReceived{id, {c_->generation(), step, "aborted"}});
@@ -68,7 +70,7 @@ TEST_F(ControllerTest, KilledMemberIsReplacedBySpareWhichCopiesStateFromSurvivor
   StartJob();
   for (int id : {0, 1, 2}) Step(id, 16);
   Step(0, 17);  // rank 0 completed step 17 before the fault; ranks 1 and 2 did not
-  auto actions = Do(ProcessExited{2, 1002, -1, 9});
+  auto actions = Do(ProcessExited{2, 1002, -1, 9, ""});
   EXPECT_EQ(Find<SendAbort>(actions).size(), 2u) << "the two survivors abort generation 1";
   EXPECT_TRUE(Find<EndJob>(actions).empty());
   EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
@@ -103,7 +105,7 @@ TEST_F(ControllerTest, WithoutSpareTheJobShrinks) {
   Join(1);
   Join(2);
   for (int id : {0, 1, 2}) Step(id, 5);
-  Do(ProcessExited{1, 1001, -1, 9});
+  Do(ProcessExited{1, 1001, -1, 9, ""});
   Ready(0, 5);
   auto plans = Find<SendPlan>(Ready(2, 5));
   ASSERT_EQ(plans.size(), 2u);
@@ -145,7 +147,7 @@ TEST_F(ControllerTest, WatchdogFindsTheMemberStuckOutsideTheCollective) {
 
 TEST_F(ControllerTest, MemberThatDoesNotAbortInTimeIsKilledAndTheRecoveryGoesOn) {
   StartJob();
-  Do(ProcessExited{2, 1002, -1, 9});
+  Do(ProcessExited{2, 1002, -1, 9, ""});
   Ready(0, 4);
   now_ += Millis(2100);  // rank 1 never answers
   Do(HeartbeatReceived{3, {-1, -1}});  // the spare is alive
@@ -159,8 +161,8 @@ TEST_F(ControllerTest, MemberThatDoesNotAbortInTimeIsKilledAndTheRecoveryGoesOn)
 
 TEST_F(ControllerTest, TwoFaultsInOneStepNeedTwoSparesOrShrink) {
   StartJob();
-  Do(ProcessExited{1, 1001, -1, 9});
-  Do(ProcessExited{2, 1002, -1, 9});
+  Do(ProcessExited{1, 1001, -1, 9, ""});
+  Do(ProcessExited{2, 1002, -1, 9, ""});
   auto plans = Find<SendPlan>(Ready(0, 7));
   ASSERT_EQ(plans.size(), 2u);
   EXPECT_EQ(plans[0].plan.members.size(), 2u) << "one spare: ranks 0 and 1 remain";
@@ -169,12 +171,12 @@ TEST_F(ControllerTest, TwoFaultsInOneStepNeedTwoSparesOrShrink) {
 
 TEST_F(ControllerTest, FaultDuringRecoveryStartsANewRecovery) {
   StartJob();
-  Do(ProcessExited{2, 1002, -1, 9});
+  Do(ProcessExited{2, 1002, -1, 9, ""});
   Ready(0, 9);
   Ready(1, 9);  // plan 2: [0, 1, 3]
   ASSERT_EQ(c_->generation(), 2u);
   // The spare is receiving state when rank 1 dies.
-  auto actions = Do(ProcessExited{1, 1001, -1, 9});
+  auto actions = Do(ProcessExited{1, 1001, -1, 9, ""});
   EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
   auto aborts = Find<SendAbort>(actions);
   ASSERT_EQ(aborts.size(), 2u);
@@ -193,7 +195,7 @@ TEST_F(ControllerTest, StateHeldByNoSurvivorEndsTheJobWithAReason) {
   Join(0);
   Join(1, true);
   Step(0, 3);
-  auto actions = Do(ProcessExited{0, 1000, -1, 9});
+  auto actions = Do(ProcessExited{0, 1000, -1, 9, ""});
   auto ends = Find<EndJob>(actions);
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
@@ -213,7 +215,7 @@ TEST_F(ControllerTest, MemberReportingACollectiveFailureStartsRecovery) {
 
 TEST_F(ControllerTest, DeadSpareIsReplaced) {
   StartJob();
-  auto spawns = Find<SpawnWorker>(Do(ProcessExited{3, 1003, -1, 9}));
+  auto spawns = Find<SpawnWorker>(Do(ProcessExited{3, 1003, -1, 9, ""}));
   ASSERT_EQ(spawns.size(), 1u);
   EXPECT_EQ(c_->phase(), JobPhase::kRunning);
 }
@@ -228,14 +230,14 @@ TEST_F(ControllerTest, JobEndsWhenEveryMemberFinishedWithTheSameChecksum) {
   EXPECT_EQ(ends[0].exit_code, kExitOk);
   EXPECT_TRUE(Find<KillWorker>(actions).empty());
   EXPECT_EQ(Find<SendShutdown>(actions).size(), 4u);
-  EXPECT_TRUE(Do(ProcessExited{0, 1000, 0, 0}).empty());
+  EXPECT_TRUE(Do(ProcessExited{0, 1000, 0, 0, ""}).empty());
 }
 
 TEST_F(ControllerTest, FaultAfterSomeMembersFinishedRecoversThemToo) {
   StartJob();
   Do(FinishedReceived{0, {100, "abcd"}});
   Do(FinishedReceived{1, {100, "abcd"}});
-  auto aborts = Find<SendAbort>(Do(ProcessExited{2, 1002, -1, 9}));
+  auto aborts = Find<SendAbort>(Do(ProcessExited{2, 1002, -1, 9, ""}));
   EXPECT_EQ(aborts.size(), 2u) << "finished members hold the state and take part";
   Ready(0, 100);
   auto plans = Find<SendPlan>(Ready(1, 100));
@@ -273,7 +275,7 @@ TEST_F(ControllerTest, DuplicateWorkerIdIsRefused) {
 
 TEST_F(ControllerTest, WorkerDyingBeforeJoinFailsTheForming) {
   Join(0);
-  auto ends = Find<EndJob>(Do(ProcessExited{1, 1001, 127, 0}));
+  auto ends = Find<EndJob>(Do(ProcessExited{1, 1001, 127, 0, ""}));
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_NE(ends[0].reason.find("before joining"), std::string::npos);
 }
@@ -294,7 +296,7 @@ TEST_F(ControllerTest, SpareThatGoesSilentIsKilledReplacedAndNeverPromoted) {
   EXPECT_NE(spawns[0].worker_id, 3);
   EXPECT_TRUE(Find<SendAbort>(actions).empty()) << "losing a spare is no recovery";
   // A member dies now: the hung spare must not take its rank.
-  Do(ProcessExited{2, 1002, -1, 9});
+  Do(ProcessExited{2, 1002, -1, 9, ""});
   Ready(0, 1);
   auto plans = Find<SendPlan>(Ready(1, 1));
   ASSERT_EQ(plans.size(), 2u);
@@ -303,14 +305,14 @@ TEST_F(ControllerTest, SpareThatGoesSilentIsKilledReplacedAndNeverPromoted) {
 
 TEST_F(ControllerTest, StoppedProcessIsAFaultAtOnceWhateverItsRole) {
   StartJob();
-  auto actions = Do(ProcessStopped{1, 1001, SIGSTOP});
+  auto actions = Do(ProcessStopped{1, 1001, SIGSTOP, ""});
   auto kills = Find<KillWorker>(actions);
   ASSERT_EQ(kills.size(), 1u);
   EXPECT_EQ(kills[0].worker_id, 1);
   EXPECT_EQ(Find<SendAbort>(actions).size(), 2u);
   EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
   // A stopped spare is replaced, and not used by the recovery in progress.
-  actions = Do(ProcessStopped{3, 1003, SIGSTOP});
+  actions = Do(ProcessStopped{3, 1003, SIGSTOP, ""});
   ASSERT_EQ(Find<KillWorker>(actions).size(), 1u);
   ASSERT_EQ(Find<SpawnWorker>(actions).size(), 1u);
   Ready(0, 4);
@@ -425,7 +427,7 @@ TEST_F(ControllerTest, SpareSilentPastTheTimeoutIsNotPromotedEvenBeforeATickNoti
   StartJob();
   now_ += Millis(1200);  // the spare (worker 3) has been silent 1.2 s; no Tick has run since
   for (int id : {0, 1}) Do(HeartbeatReceived{id, {1, -1}});
-  Do(ProcessExited{2, 1002, -1, 9});
+  Do(ProcessExited{2, 1002, -1, 9, ""});
   Ready(0, 1);
   auto plans = Find<SendPlan>(Ready(1, 1));
   ASSERT_EQ(plans.size(), 2u) << "shrink rather than promote a spare that may be hung";
@@ -445,7 +447,7 @@ TEST_F(ControllerTest, LyingNumbersFromAWorkerAreIgnoredNotOverflowed) {
 
 TEST_F(ControllerTest, SpareThatDiesWhileTheJobFormsIsReplacedNotFatal) {
   Join(0);
-  auto actions = Do(ProcessExited{3, 1003, 1, 0});  // spare worker 3 (world 3 + 1 spare) dies before joining
+  auto actions = Do(ProcessExited{3, 1003, 1, 0, ""});  // spare worker 3 (world 3 + 1 spare) dies before joining
   EXPECT_EQ(Find<EndJob>(actions).size(), 0u);
   ASSERT_EQ(Find<SpawnWorker>(actions).size(), 1u);
   EXPECT_TRUE(Find<SpawnWorker>(actions)[0].spare);
@@ -459,7 +461,7 @@ TEST_F(ControllerTest, AbortDeadlineStretchesWithSlowSteps) {
     for (int id : {0, 1, 2}) Do(ProgressReceived{id, {step, 2.0, 5.0, 100, 3}});
     Do(HeartbeatReceived{3, {-1, -1}});
   }
-  Do(ProcessExited{2, 1002, -1, 9});
+  Do(ProcessExited{2, 1002, -1, 9, ""});
   Ready(0, 5);
   now_ += Millis(2100);  // past --abort-timeout-ms, but rank 1 is mid-step
   Do(HeartbeatReceived{3, {-1, -1}});
@@ -469,6 +471,184 @@ TEST_F(ControllerTest, AbortDeadlineStretchesWithSlowSteps) {
   auto kills = Find<KillWorker>(Do(Tick{}));
   ASSERT_EQ(kills.size(), 1u);
   EXPECT_EQ(kills[0].worker_id, 1);
+}
+
+}  // namespace
+}  // namespace nonstop::controller
+
+namespace nonstop::controller {
+namespace {
+
+// ---------------------------------------------------------------- hosts
+
+// A job over hosts: three hosts with two workers each, and a fourth with two
+// spares (the layout of the multi-host tests).
+class HostControllerTest : public ControllerTest {
+ protected:
+  void SetUp() override {
+    ControllerOptions o;
+    o.min_hosts = 4;
+    o.heartbeat_timeout = Millis(1000);
+    o.abort_timeout = Millis(2000);
+    c_ = std::make_unique<Controller>(o);
+  }
+  std::vector<Action> Register(const std::string& host, int nproc, int spares) {
+    return Do(HostJoined{{host, nproc, spares, "10.0.0." + host.substr(1), 4000, 0}});
+  }
+  std::vector<Action> JoinOn(int id, const std::string& host, bool spare = false) {
+    control::JoinMsg m{id, 1000 + id, "addr" + std::to_string(id), spare, -1, host};
+    return Do(WorkerJoined{m});
+  }
+  // Registers the four hosts and joins every worker they start; returns the spawn orders.
+  std::vector<SpawnWorker> StartHostJob() {
+    std::vector<SpawnWorker> spawns;
+    for (auto [h, n, s] : {std::tuple{"h1", 2, 0}, {"h2", 2, 0}, {"h3", 2, 0}, {"h4", 0, 2}}) {
+      for (const auto& sp : Find<SpawnWorker>(Register(h, n, s))) spawns.push_back(sp);
+    }
+    for (const auto& sp : spawns) JoinOn(sp.worker_id, sp.host, sp.spare);
+    return spawns;
+  }
+  void Heartbeats() {
+    for (const auto& [id, w] : c_->workers()) {
+      if (w.role != WorkerRole::kGone) Do(HeartbeatReceived{id, {w.last_step, -1}});
+    }
+    for (const auto& [id, h] : c_->hosts()) {
+      if (h.alive) Do(HostHeartbeat{id, {0}});
+    }
+  }
+};
+
+TEST_F(HostControllerTest, PlacedWhenTheHostsAreThereWorldIsTheirWorkers) {
+  EXPECT_TRUE(Find<SpawnWorker>(Register("h1", 2, 0)).empty()) << "nothing starts before min_hosts registered";
+  EXPECT_TRUE(Find<SpawnWorker>(Register("h2", 2, 0)).empty());
+  EXPECT_TRUE(Find<SpawnWorker>(Register("h3", 2, 0)).empty());
+  auto spawns = Find<SpawnWorker>(Register("h4", 0, 2));
+  ASSERT_EQ(spawns.size(), 8u);
+  std::map<std::string, int> workers, spares;
+  for (const auto& s : spawns) (s.spare ? spares : workers)[s.host]++;
+  EXPECT_EQ(workers, (std::map<std::string, int>{{"h1", 2}, {"h2", 2}, {"h3", 2}}));
+  EXPECT_EQ(spares, (std::map<std::string, int>{{"h4", 2}}));
+  for (const auto& s : spawns) JoinOn(s.worker_id, s.host, s.spare);
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+  EXPECT_EQ(c_->world_size(), 6u);
+}
+
+TEST_F(HostControllerTest, LosingAHostIsOneRecoveryAndSparesOfAnotherHostTakeBothRanks) {
+  StartHostJob();
+  for (const auto& [id, w] : c_->workers()) {
+    if (w.role == WorkerRole::kMember) Step(id, 10);
+  }
+  std::vector<int> lost;
+  for (const auto& [id, w] : c_->workers()) {
+    if (w.host == "h2") lost.push_back(id);
+  }
+  ASSERT_EQ(lost.size(), 2u);
+  auto actions = Do(HostLost{"h2", "connection reset"});
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
+  EXPECT_EQ(Find<SendAbort>(actions).size(), 4u) << "the four members on other hosts abort, once";
+  EXPECT_EQ(Find<KillWorker>(actions).size(), 2u) << "both workers of the host are killed (fenced)";
+  ASSERT_EQ(c_->recoveries().size(), 1u);
+  std::vector<int> survivors;
+  for (const auto& [id, w] : c_->workers()) {
+    if (w.role == WorkerRole::kMember) survivors.push_back(id);
+  }
+  ASSERT_EQ(survivors.size(), 4u);
+  std::vector<SendPlan> plans;
+  for (int id : survivors) {
+    for (const auto& p : Find<SendPlan>(Ready(id, 10))) plans.push_back(p);
+  }
+  ASSERT_EQ(plans.size(), 6u);
+  ASSERT_EQ(c_->recoveries().size(), 1u) << "one recovery for the whole host";
+  const auto& plan = plans[0].plan;
+  for (int rank : {2, 3}) {
+    int id = plan.members[static_cast<size_t>(rank)].worker_id;
+    EXPECT_EQ(c_->workers().at(id).host, "h4") << "rank " << rank << " goes to a spare of the spare host";
+  }
+  // State sources alternate over hosts.
+  ASSERT_EQ(plan.transfers.size(), 2u);
+  const auto& sources = plan.transfers[0].sources;
+  ASSERT_EQ(sources.size(), 4u);
+  EXPECT_NE(c_->workers().at(sources[0]).host, c_->workers().at(sources[1]).host);
+  EXPECT_EQ(c_->hosts().at("h2").alive, false);
+}
+
+TEST_F(HostControllerTest, SilentAgentIsALostHostAndIsFenced) {
+  StartHostJob();
+  now_ += Millis(600);
+  Heartbeats();
+  now_ += Millis(1100);
+  // Everyone but h3's agent speaks; h3's workers too (their own connections are fine).
+  for (const auto& [id, w] : c_->workers()) Do(HeartbeatReceived{id, {w.last_step, -1}});
+  for (const char* h : {"h1", "h2", "h4"}) Do(HostHeartbeat{h, {0}});
+  auto actions = Do(Tick{});
+  auto closed = Find<CloseHost>(actions);
+  ASSERT_EQ(closed.size(), 1u);
+  EXPECT_EQ(closed[0].host_id, "h3");
+  EXPECT_NE(closed[0].reason.find("no heartbeat"), std::string::npos) << closed[0].reason;
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
+}
+
+TEST_F(HostControllerTest, AHealedHostComesBackWithSparesNeverIntoTheOldGeneration) {
+  StartHostJob();
+  Do(HostLost{"h1", "partition"});
+  EXPECT_TRUE(Find<SpawnWorker>(Register("h1", 2, 0)).size() == 2u) << "its slots are filled with spares";
+  EXPECT_TRUE(Find<SpawnWorker>(Register("h1", 2, 0)).empty()) << "registered twice";
+  auto refused = Find<CloseHost>(Register("h1", 2, 0));
+  ASSERT_EQ(refused.size(), 1u) << "a second agent with a live host id is refused";
+  EXPECT_NE(refused[0].reason.find("already in the job"), std::string::npos);
+  // A fenced worker of the old incarnation that tries to join again is refused: its id is gone.
+  int old_worker = -1;
+  for (const auto& [id, w] : c_->workers()) {
+    if (w.host == "h1") old_worker = id;
+  }
+  auto again = Find<SendShutdown>(JoinOn(old_worker, "h1"));
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_NE(again[0].msg.exit_code, 0);
+  EXPECT_NE(again[0].msg.reason.find("cannot rejoin"), std::string::npos) << again[0].msg.reason;
+  EXPECT_NE(c_->workers().at(old_worker).role, WorkerRole::kMember);
+}
+
+TEST_F(HostControllerTest, WorkerClaimingAnotherHostIsRefused) {
+  Register("h1", 1, 0);
+  Register("h2", 1, 0);
+  Register("h3", 1, 0);
+  auto spawns = Find<SpawnWorker>(Register("h4", 1, 0));
+  ASSERT_EQ(spawns.size(), 4u);
+  auto refused = Find<SendShutdown>(JoinOn(spawns[0].worker_id, "h2"));
+  ASSERT_EQ(refused.size(), 1u);
+  EXPECT_NE(refused[0].msg.reason.find("was started on host h1"), std::string::npos) << refused[0].msg.reason;
+  auto unknown = Find<SendShutdown>(JoinOn(999, "h2"));
+  ASSERT_EQ(unknown.size(), 1u);
+  EXPECT_NE(unknown[0].msg.reason.find("did not start it"), std::string::npos) << unknown[0].msg.reason;
+  // An agent may not report on another host's worker.
+  auto ignored = Do(ProcessExited{spawns[0].worker_id, 1, 0, 9, "h3"});
+  EXPECT_TRUE(Find<PrintLine>(ignored).empty());
+}
+
+TEST_F(HostControllerTest, LateHostGrowsTheJobUpToThePolicyMaximum) {
+  ControllerOptions o;
+  o.min_hosts = 2;
+  o.policy.max_world = 6;
+  c_ = std::make_unique<Controller>(o);
+  std::vector<SpawnWorker> spawns;
+  for (const auto& s : Find<SpawnWorker>(Register("h1", 2, 0))) spawns.push_back(s);
+  for (const auto& s : Find<SpawnWorker>(Register("h2", 2, 0))) spawns.push_back(s);
+  for (const auto& s : spawns) JoinOn(s.worker_id, s.host, s.spare);
+  ASSERT_EQ(c_->world_size(), 4u);
+  auto late = Find<SpawnWorker>(Register("h3", 2, 0));
+  ASSERT_EQ(late.size(), 2u);
+  for (const auto& s : late) EXPECT_TRUE(s.spare);
+  now_ += Millis(10);
+  for (const auto& s : late) JoinOn(s.worker_id, s.host, true);
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering) << "a resize to 6 started";
+  EXPECT_EQ(c_->recoveries().back().kind, "resize");
+}
+
+TEST_F(HostControllerTest, AgentsAreRefusedByASingleMachineJob) {
+  c_ = Make(2, 0);
+  auto closed = Find<CloseHost>(Do(HostJoined{{"h1", 1, 0, "10.0.0.1", 1, 0}}));
+  ASSERT_EQ(closed.size(), 1u);
+  EXPECT_NE(closed[0].reason.find("one machine"), std::string::npos);
 }
 
 }  // namespace

@@ -1,5 +1,8 @@
 #include "nonstop/session.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -65,6 +68,8 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     }
   }
   if (!get("NONSTOP_DATA_HOST").empty()) o.data_host = get("NONSTOP_DATA_HOST");
+  o.advertise_address = get("NONSTOP_ADVERTISE_ADDRESS");
+  o.host_id = get("NONSTOP_HOST_ID");
   return o;
 }
 
@@ -96,12 +101,29 @@ class SessionImpl {
     mo.worker_id = options_.worker_id;
     mo.listen = {options_.data_host, 0};
     NONSTOP_ASSIGN_OR_RETURN(mesh_, collective::PeerMesh::Create(mo));
-    control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), mesh_->address().ToString(),
-                          options_.spare, state_step_.load()};
+    control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), AdvertisedDataAddress(),
+                          options_.spare, state_step_.load(), options_.host_id};
     NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgJoin, control::Encode(join)));
     io_thread_ = std::jthread([this](std::stop_token st) { IoLoop(st); });
     // Wait for the first plan that includes this worker, then take part in it.
     return Rejoin(/*after_generation=*/0, "start").status();
+  }
+
+  // Where peers reach this worker's data port (SessionOptions::advertise_address).
+  std::string AdvertisedDataAddress() const {
+    std::string host = options_.advertise_address;
+    if (host.empty() && options_.data_host != "0.0.0.0" && options_.data_host != "::") host = options_.data_host;
+    if (host.empty()) {
+      sockaddr_storage ss{};
+      socklen_t len = sizeof(ss);
+      char text[INET6_ADDRSTRLEN] = {};
+      if (::getsockname(control_fd_.get(), reinterpret_cast<sockaddr*>(&ss), &len) == 0 && ss.ss_family == AF_INET) {
+        ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, text, sizeof(text));
+        host = text;
+      }
+    }
+    if (host.empty()) return mesh_->address().ToString();
+    return fmt::format("{}:{}", host, mesh_->address().port);
   }
 
   Status SendControl(uint16_t type, const std::string& payload) {

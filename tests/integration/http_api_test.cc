@@ -1,6 +1,6 @@
 // The controller's HTTP endpoint in-process: authentication, answers to junk,
 // and idle or slow connections that must not starve a real request.
-#include "apps/nonstop/http_api.h"
+#include "controller/http_api.h"
 
 #include <gtest/gtest.h>
 #include <httplib.h>
@@ -15,7 +15,7 @@
 #include "common/temp_dir.h"
 #include "net/socket.h"
 
-namespace nonstop::cli {
+namespace nonstop::controller {
 namespace {
 
 constexpr char kToken[] = "0123456789abcdef0123456789abcdef";
@@ -239,4 +239,4 @@ TEST_F(HttpApiTest, IdleAndSlowConnectionsDoNotStarveARealRequest) {
 }
 
 }  // namespace
-}  // namespace nonstop::cli
+}  // namespace nonstop::controller

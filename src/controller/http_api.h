@@ -43,7 +43,7 @@ namespace httplib {
 class Server;
 }
 
-namespace nonstop::cli {
+namespace nonstop::controller {
 
 class GatedHttpServer;
 
@@ -93,4 +93,4 @@ class HttpApi {
 // True for 127.0.0.0/8, ::1 and "localhost".
 bool IsLoopbackHost(const std::string& host);
 
-}  // namespace nonstop::cli
+}  // namespace nonstop::controller

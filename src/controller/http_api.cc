@@ -1,4 +1,4 @@
-#include "apps/nonstop/http_api.h"
+#include "controller/http_api.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -24,7 +24,7 @@
 #include "common/logging.h"
 #include "common/time.h"
 
-namespace nonstop::cli {
+namespace nonstop::controller {
 
 namespace {
 
@@ -583,4 +583,4 @@ void HttpApi::Publish(nlohmann::json status, std::string metrics) {
   metrics_ = std::move(metrics);
 }
 
-}  // namespace nonstop::cli
+}  // namespace nonstop::controller

@@ -1,0 +1,399 @@
+#include "controller/runtime.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "common/logging.h"
+#include "common/unique_fd.h"
+#include "control/fault_spec.h"
+#include "controller/control_server.h"
+#include "controller/http_api.h"
+#include "controller/journal.h"
+#include "launcher/local_launcher.h"
+#include "launcher/output_writer.h"
+#include "net/event_loop.h"
+
+namespace nonstop::controller {
+
+namespace {
+
+std::string RandomToken() {
+  std::random_device rd;
+  return fmt::format("{:08x}{:08x}{:08x}{:08x}", rd(), rd(), rd(), rd());
+}
+
+// Writes `text` to `path` readable by its owner only.
+Status WritePrivateFile(const std::string& path, const std::string& text) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return InternalError(fmt::format("cannot write {}: {}", path, std::strerror(errno)));
+  UniqueFd guard(fd);
+  (void)::fchmod(fd, 0600);  // an existing file keeps its mode otherwise
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t w = ::write(fd, text.data() + done, text.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return InternalError(fmt::format("cannot write {}: {}", path, std::strerror(errno)));
+    done += static_cast<size_t>(w);
+  }
+  return OkStatus();
+}
+
+std::string Metrics(const nlohmann::json& st) {
+  return fmt::format(
+      "# TYPE nonstop_generation gauge\nnonstop_generation {}\n"
+      "# TYPE nonstop_world_size gauge\nnonstop_world_size {}\n"
+      "# TYPE nonstop_target_world_size gauge\nnonstop_target_world_size {}\n"
+      "# TYPE nonstop_spares gauge\nnonstop_spares {}\n"
+      "# TYPE nonstop_highest_step gauge\nnonstop_highest_step {}\n"
+      "# TYPE nonstop_membership_changes_total counter\nnonstop_membership_changes_total {}\n"
+      "# TYPE nonstop_hosts gauge\nnonstop_hosts {}\n",
+      st["generation"].get<uint32_t>(), st["world_size"].get<size_t>(), st["target_world_size"].get<int>(),
+      st["spares"].get<int>(), st["highest_step"].get<int64_t>(), st["recoveries"].get<size_t>(),
+      st["hosts"].size());
+}
+
+}  // namespace
+
+std::string JobFileFor(const std::string& journal_path) {
+  auto slash = journal_path.rfind('/');
+  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) + "/job.json";
+}
+
+int RunController(const RuntimeOptions& o) {
+  const std::string& name = o.name;
+  auto journal = Journal::Open(o.journal);
+  if (!journal.ok()) {
+    fmt::print(stderr, "{}: {}\n", name, journal.status().ToString());
+    return 1;
+  }
+
+  // SIGINT/SIGTERM end the job cleanly through the loop; SIGPIPE is ignored (sockets say EPIPE).
+  ::signal(SIGPIPE, SIG_IGN);
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+  UniqueFd sigfd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
+
+  net::EventLoop loop;
+  std::deque<Event> events;
+  Controller core(o.core);
+  const std::string token = o.token.empty() ? RandomToken() : o.token;
+  auto server =
+      ControlServer::Create(&loop, o.listen, token, [&](Event e) { events.push_back(std::move(e)); });
+  if (!server.ok()) {
+    fmt::print(stderr, "{}: cannot start the controller: {}\n", name, server.status().ToString());
+    return 1;
+  }
+  std::string controller_address = (*server)->address().ToString();
+  if (!o.advertise_address.empty()) {
+    controller_address = fmt::format("{}:{}", o.advertise_address, (*server)->address().port);
+  } else if ((*server)->address().host == "0.0.0.0" || (*server)->address().host == "::") {
+    fmt::print(stderr, "{}: listening on {} needs --advertise-address: the address agents and workers dial\n", name,
+               (*server)->address().ToString());
+    return kExitUsage;
+  }
+  auto http = HttpApi::Start(o.http_host, o.http_port, (*journal)->path(), token);
+  if (!http.ok()) {
+    fmt::print(stderr, "{}: {}\n", name, http.status().ToString());
+    return 1;
+  }
+  std::map<int, std::unique_ptr<ScaleCall>> scale_calls;
+  loop.Watch((*http)->wake_fd(), POLLIN, [&](short) {
+    for (auto& call : (*http)->TakeCalls()) {
+      events.push_back(ScaleRequest{call->id, call->body, call->source});
+      scale_calls[call->id] = std::move(call);
+    }
+  });
+  {
+    // The job file: how `nonstop status`, `nonstop scale` and `nonstop worker` find this job.
+    nlohmann::json job = {{"controller", controller_address}, {"http", (*http)->address()},
+                          {"token", token}, {"journal", (*journal)->path()}, {"pid", ::getpid()},
+                          {"env", nlohmann::json::object()}};
+    if (!o.checkpoint_dir.empty()) {
+      job["env"] = {{"NONSTOP_CHECKPOINT_DIR", o.checkpoint_dir},
+                    {"NONSTOP_CHECKPOINT_EVERY", std::to_string(o.checkpoint_every)}};
+    }
+    Status s = WritePrivateFile(JobFileFor((*journal)->path()), job.dump(2) + "\n");
+    if (!s.ok()) NONSTOP_LOG_WARNING("{}", s.ToString());
+  }
+  if (!o.token_file.empty()) {
+    Status s = WritePrivateFile(o.token_file, token + "\n");
+    if (!s.ok()) {
+      fmt::print(stderr, "{}: --job-token-file: {}\n", name, s.ToString());
+      return 1;
+    }
+  }
+  // Everything this loop prints goes through bounded writers: a reader of our
+  // output that does not keep up loses lines (counted), never stalls the job.
+  launcher::OutputWriter out(STDOUT_FILENO);
+  launcher::OutputWriter err(STDERR_FILENO);
+  // Log lines too (control-port refusals, lost workers): never a blocking
+  // write from the loop. The guard restores stderr before `err` goes away.
+  SetLogSink([&err](std::string_view line) { err.Write(line); });
+  struct LogSinkGuard {
+    ~LogSinkGuard() { SetLogSink(nullptr); }
+  } log_sink_guard;
+  const bool local = !o.program.empty();
+  std::optional<launcher::LocalLauncher> launcher;
+  if (local) {
+    launcher.emplace(
+        &loop,
+        [&](int worker_id) {
+          int rank = core.RankOf(worker_id);
+          return rank >= 0 ? fmt::format("[rank {}] ", rank) : fmt::format("[worker {}] ", worker_id);
+        },
+        [&](int worker_id, pid_t pid, int code, int sig) {
+          events.push_back(ProcessExited{worker_id, pid, code, sig, ""});
+        },
+        [&](int worker_id, pid_t pid, int sig) { events.push_back(ProcessStopped{worker_id, pid, sig, ""}); }, &out,
+        &err);
+  }
+  auto local_running = [&]() { return launcher ? launcher->running() : 0; };
+
+  fmt::print("{}\n", name);
+  fmt::print("  {:<20} {}{}\n", "controller", (*server)->address().ToString(),
+             controller_address != (*server)->address().ToString() ? " (advertised as " + controller_address + ")"
+                                                                    : "");
+  fmt::print("  {:<20} {}\n", "http", (*http)->address());
+  if (o.core.min_hosts > 0) {
+    fmt::print("  {:<20} {}{}\n", "hosts", o.core.min_hosts,
+               o.core.max_hosts > 0 ? fmt::format(" to {}", o.core.max_hosts) : " or more");
+    if (!o.token_file.empty()) fmt::print("  {:<20} {}\n", "job token file", o.token_file);
+  } else {
+    fmt::print("  {:<20} {}\n", "workers", o.core.world_size);
+    fmt::print("  {:<20} {}\n", "spares", o.core.spares);
+  }
+  fmt::print("  {:<20} {} ms\n", "heartbeat timeout", o.core.heartbeat_timeout.count());
+  fmt::print("  {:<20} {} ms\n", "abort timeout", o.core.abort_timeout.count());
+  fmt::print("  {:<20} {}\n", "recovery", o.recovery_name);
+  fmt::print("  {:<20} {}\n", "elastic policy", core.PolicyJson().dump());
+  fmt::print("  {:<20} {}\n", "checkpoints",
+             o.checkpoint_dir.empty()
+                 ? std::string("none")
+                 : fmt::format("{} (every {})", o.checkpoint_dir,
+                               o.checkpoint_every > 0 ? std::to_string(o.checkpoint_every) + " steps"
+                                                      : fmt::format("Young/Daly, MTBF {} s", o.mtbf_seconds)));
+  std::string fault_text;
+  for (const auto& f : o.core.faults) fault_text += (fault_text.empty() ? "" : "; ") + control::FormatFault(f);
+  fmt::print("  {:<20} {}\n", "injected faults", fault_text.empty() ? "none" : fault_text);
+  fmt::print("  {:<20} {}{}\n", "journal", (*journal)->path(),
+             (*journal)->rotated_to().empty() ? "" : " (the previous one was kept as " + (*journal)->rotated_to() + ")");
+  std::string cmdline;
+  for (const auto& a : o.program) cmdline += (cmdline.empty() ? "" : " ") + a;
+  if (local) fmt::print("  {:<20} {}\n", "program", cmdline);
+  std::fflush(stdout);
+  nlohmann::json start = {{"event", "job_start"}, {"world_size", o.core.world_size}, {"spares", o.core.spares},
+                          {"controller", controller_address}, {"http", (*http)->address()},
+                          {"policy", core.PolicyJson()}};
+  if (local) start["program"] = o.program;
+  if (o.core.min_hosts > 0) start["min_hosts"] = o.core.min_hosts;
+  (*journal)->Append(start);
+
+  std::set<int> niced;  // local spares still at low priority
+  // A refill warms up at a low priority only if it can be given normal
+  // priority back when it takes a rank: an ordinary user cannot raise a
+  // priority (CAP_SYS_NICE), and a worker stuck at nice 10 would be a
+  // straggler for the rest of the job.
+  const bool low_priority_refills = local && launcher::LocalLauncher::CanRestorePriority();
+  if (local && !low_priority_refills && o.core.spares > 0) {
+    out.Write("[nonstop] spares that refill the pool warm up at normal priority: this user cannot raise a process's "
+              "priority back when it takes a rank (that needs CAP_SYS_NICE or `ulimit -e 20`)\n");
+  }
+  // The variables every worker gets from the controller; an agent adds its
+  // own (NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, NONSTOP_DATA_HOST).
+  auto worker_env = [&](int id, bool spare, bool resume) {
+    std::vector<std::pair<std::string, std::string>> env = {{"NONSTOP_WORKER_ID", std::to_string(id)},
+                                                            {"NONSTOP_SPARE", spare ? "1" : "0"}};
+    if (!o.checkpoint_dir.empty()) {
+      env.push_back({"NONSTOP_CHECKPOINT_DIR", o.checkpoint_dir});
+      env.push_back({"NONSTOP_CHECKPOINT_EVERY", std::to_string(o.checkpoint_every)});
+      env.push_back({"NONSTOP_MTBF_SECONDS", fmt::format("{}", o.mtbf_seconds)});
+    }
+    if (resume) env.push_back({"NONSTOP_RESUME", "1"});
+    return env;
+  };
+  auto spawn_local = [&](int id, bool spare, bool resume, bool background) -> Status {
+    if (!launcher) return FailedPreconditionError(fmt::format("worker {} has no host to run on", id));
+    launcher::ChildSpec spec;
+    spec.worker_id = id;
+    spec.argv = o.program;
+    spec.env = {{"NONSTOP_CONTROLLER", controller_address},
+                {"NONSTOP_JOB_TOKEN", token},
+                {"NONSTOP_DATA_HOST", o.data_host}};
+    for (auto& kv : worker_env(id, spare, resume)) spec.env.push_back(std::move(kv));
+    // A spare started in the background (refilling the pool while the job
+    // trains) warms up at a low priority, so that it does not slow the job's
+    // steps; it gets normal priority when it takes a rank.
+    if (background && low_priority_refills && o.refill_nice > 0) {
+      spec.nice = o.refill_nice;
+      niced.insert(id);
+    }
+    auto pid = launcher->Spawn(spec);
+    if (!pid.ok()) return pid.status().WithContext(fmt::format("starting worker {}", id));
+    (*journal)->Append({{"event", "spawn"}, {"worker_id", id}, {"pid", *pid}, {"spare", spare}, {"resume", resume}});
+    return OkStatus();
+  };
+  if (local) {
+    for (int id = 0; id < o.core.world_size + o.core.spares; ++id) {
+      Status s = spawn_local(id, id >= o.core.world_size, /*resume=*/false, /*background=*/false);
+      if (!s.ok()) {
+        fmt::print(stderr, "{}: {}\n", name, s.ToString());
+        launcher->SignalAll(SIGKILL);
+        return 1;
+      }
+    }
+  }
+
+  std::optional<EndJob> ended;
+  Deadline kill_at = kNoDeadline;
+  Deadline agents_gone_by = kNoDeadline;
+  bool interrupted = false;
+  if (sigfd.valid()) {
+    loop.Watch(sigfd.get(), POLLIN, [&](short) {
+      signalfd_siginfo si;
+      while (::read(sigfd.get(), &si, sizeof(si)) == sizeof(si)) interrupted = true;
+    });
+  }
+
+  // Signals a worker wherever it runs: the local launcher, or its host's agent.
+  auto signal_worker = [&](int id, int sig) {
+    std::string host = core.HostOf(id);
+    if (host.empty()) {
+      if (launcher) launcher->Signal(id, sig);
+      return;
+    }
+    (*server)->SendToAgent(host, control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{id, sig}));
+  };
+  auto execute = [&](const Action& a) {
+    std::visit(
+        [&](const auto& act) {
+          using T = std::decay_t<decltype(act)>;
+          if constexpr (std::is_same_v<T, SendPlan>) {
+            if (niced.erase(act.worker_id) > 0) {
+              Status s = launcher->Renice(act.worker_id, 0);
+              if (!s.ok()) NONSTOP_LOG_WARNING("promoted spare keeps its low priority: {}", s.ToString());
+            }
+            (*server)->Send(act.worker_id, control::kMsgPlan, control::Encode(act.plan));
+          } else if constexpr (std::is_same_v<T, SendShutdown>) {
+            (*server)->Send(act.worker_id, control::kMsgShutdown, control::Encode(act.msg));
+          } else if constexpr (std::is_same_v<T, SendAbort>) {
+            (*server)->Send(act.worker_id, control::kMsgAbort, control::Encode(act.msg));
+          } else if constexpr (std::is_same_v<T, SendDrain>) {
+            (*server)->Send(act.worker_id, control::kMsgDrain, control::Encode(act.msg));
+          } else if constexpr (std::is_same_v<T, ScaleReply>) {
+            if (auto it = scale_calls.find(act.request_id); it != scale_calls.end()) {
+              it->second->reply.set_value({act.http_status, act.body});
+              scale_calls.erase(it);
+            }
+          } else if constexpr (std::is_same_v<T, KillWorker>) {
+            signal_worker(act.worker_id, SIGKILL);
+            // A remote worker may be cut off from its agent (a partition):
+            // its control connection is closed, so nothing it sends counts.
+            if (!core.HostOf(act.worker_id).empty()) (*server)->CloseWorker(act.worker_id, "killed by the controller");
+          } else if constexpr (std::is_same_v<T, SignalWorker>) {
+            signal_worker(act.worker_id, act.signal);
+          } else if constexpr (std::is_same_v<T, SpawnWorker>) {
+            if (ended) return;
+            if (act.host.empty()) {
+              Status s = spawn_local(act.worker_id, act.spare, act.resume, act.background);
+              if (!s.ok()) {
+                err.Write(fmt::format("[nonstop] {}\n", s.ToString()));
+                events.push_back(ProcessExited{act.worker_id, 0, 127, 0, ""});
+              }
+              return;
+            }
+            // Remote refills start at normal priority: the agent's user may not
+            // be able to raise it back when the spare takes a rank.
+            control::AgentStartMsg start{act.worker_id, act.spare, 0, worker_env(act.worker_id, act.spare, act.resume)};
+            if (!(*server)->SendToAgent(act.host, control::kMsgAgentStart, control::Encode(start))) {
+              events.push_back(ProcessExited{act.worker_id, 0, 127, 0, act.host});
+            }
+          } else if constexpr (std::is_same_v<T, CloseHost>) {
+            (*server)->CloseAgent(act.host_id, act.reason, act.exit_code);
+          } else if constexpr (std::is_same_v<T, AppendJournal>) {
+            (*journal)->Append(act.record);
+          } else if constexpr (std::is_same_v<T, PrintLine>) {
+            out.Write(fmt::format("[nonstop] {}\n", act.line));
+          } else if constexpr (std::is_same_v<T, EndJob>) {
+            if (ended) return;  // the first end stands
+            ended = act;
+            if (kill_at == kNoDeadline) kill_at = DeadlineAfter(Millis(act.exit_code == 0 ? 15'000 : 500));
+            // Agents stop their processes and leave; they get a while for it.
+            for (const auto& host : (*server)->agents()) {
+              (*server)->SendToAgent(host, control::kMsgShutdown,
+                                     control::Encode(control::ShutdownMsg{act.reason, act.exit_code}));
+            }
+            agents_gone_by = DeadlineAfter(Millis(20'000));
+          }
+        },
+        a);
+  };
+  auto drain_events = [&]() {
+    while (!events.empty()) {
+      Event e = std::move(events.front());
+      events.pop_front();
+      for (const Action& a : core.Handle(e, Clock::now())) execute(a);
+    }
+  };
+
+  Deadline next_tick = Clock::now();
+  Deadline next_ping = Clock::now();
+  while (true) {
+    loop.RunOnce(Millis(20));
+    drain_events();
+    {
+      nlohmann::json st = core.Status();
+      std::string metrics = Metrics(st);
+      (*http)->Publish(std::move(st), std::move(metrics));
+    }
+    if (interrupted && !ended) {
+      interrupted = false;
+      for (const Action& a : core.Handle(Interrupted{"a signal (SIGINT or SIGTERM)"}, Clock::now())) execute(a);
+    }
+    if (Clock::now() >= next_tick) {
+      if (launcher) launcher->PollStopped();  // frozen processes, seen within one tick
+      (*server)->CheckTimers(Clock::now());
+      drain_events();
+      for (const Action& a : core.Handle(Tick{}, Clock::now())) execute(a);
+      next_tick = DeadlineAfter(Millis(50));
+    }
+    if (Clock::now() >= next_ping) {
+      // Heartbeats the other way: a worker or agent that hears nothing for a
+      // while has lost its controller; one that hears pings waits as long as
+      // the job runs.
+      for (const auto& [id, w] : core.workers()) {
+        if (w.role != WorkerRole::kGone) (*server)->Send(id, control::kMsgPing, "{}");
+      }
+      for (const auto& host : (*server)->agents()) (*server)->SendToAgent(host, control::kMsgPing, "{}");
+      next_ping = DeadlineAfter(Millis(500));
+    }
+    if (ended && local_running() == 0 && ((*server)->agents().empty() || Clock::now() >= agents_gone_by)) break;
+    if (ended && launcher && Clock::now() >= kill_at) {
+      launcher->SignalAll(SIGKILL);
+      kill_at = DeadlineAfter(Millis(1000));
+    }
+  }
+
+  int code = ended->exit_code;
+  out.Write(fmt::format("[nonstop] job {}: {}\n", code == 0 ? "finished" : "FAILED", ended->reason));
+  out.Write(fmt::format("[nonstop] journal: {}\n", (*journal)->path()));
+  return code;
+}
+
+}  // namespace nonstop::controller

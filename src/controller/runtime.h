@@ -1,0 +1,57 @@
+// The controller runtime: everything around the Controller state machine
+// that makes it a running job (DESIGN.md §2, §9, §13). One thread, one
+// event loop (docs/thread-model.md):
+//   - the ControlServer (workers and agents on one port) and the HTTP
+//     endpoint turn traffic into Events;
+//   - a local launcher (`nonstop run`) or the hosts' agents (`nonstop
+//     controller`) start, signal and supervise the worker processes;
+//   - Actions are carried out: messages to workers, orders to agents, the
+//     journal, the job file, printed lines, the end of the job;
+//   - every 50 ms a Tick (timers), every 500 ms a ping to every worker and
+//     agent (heartbeats the other way), and /status and /metrics published.
+//
+// Two front ends use it: `nonstop run` (controller + one local launcher in
+// one process: the single-machine default) and `nonstop controller` (the
+// controller alone, as a daemon that agents register with).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "controller/controller.h"
+#include "net/socket.h"
+
+namespace nonstop::controller {
+
+struct RuntimeOptions {
+  std::string name = "nonstop run";  // how messages name this program
+  ControllerOptions core;
+  net::HostPort listen{"127.0.0.1", 0};  // the control port (workers and agents)
+  // The address workers and agents are told to dial; empty: the listening
+  // address (which must then not be a wildcard).
+  std::string advertise_address;
+  std::string http_host = "127.0.0.1";
+  int http_port = 0;
+  std::string journal = "runs/journal.jsonl";
+  // The job token (empty: a random one). With token_file set it is written
+  // there (mode 0600) for the agents' --job-token-file.
+  std::string token;
+  std::string token_file;
+  // Local workers (`nonstop run`): the program, and the address they listen
+  // on for their peers. An empty program: no local launcher (agents only).
+  std::vector<std::string> program;
+  std::string data_host = "127.0.0.1";
+  std::string checkpoint_dir;
+  int checkpoint_every = 0;
+  double mtbf_seconds = 0;
+  int refill_nice = 10;
+  std::string recovery_name = "checkpointless";
+};
+
+// Runs the job until it ends; returns the exit code (kExitOk, kExitPeerFailure, …).
+int RunController(const RuntimeOptions& options);
+
+// Where the job file lives: job.json beside the journal.
+std::string JobFileFor(const std::string& journal_path);
+
+}  // namespace nonstop::controller
