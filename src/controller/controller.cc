@@ -1124,6 +1124,11 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
     if (phase_ == JobPhase::kEnded) return;
   }
   if (members.empty()) {
+    // Its members may already be gone, each noticed on its own (their control
+    // connections closed first): the open recovery names the host too.
+    if (open_recovery_ && recoveries_[*open_recovery_].failed_hosts.count(host_id)) {
+      recoveries_[*open_recovery_].causes.push_back(fmt::format("host {} lost ({})", host_id, reason));
+    }
     TopUpHosts(out);
     return;
   }
