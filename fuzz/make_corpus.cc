@@ -106,7 +106,7 @@ void Control() {
   put(kMsgAbort, "abort", Encode(AbortMsg{5, "rank 2 died"}));
   put(kMsgDrain, "drain", Encode(DrainMsg{5, 40, "scale to 3"}));
   put(kMsgReady, "ready", Encode(ReadyMsg{5, 39, "controller abort"}));
-  put(kMsgRecovered, "recovered", Encode(RecoveredMsg{6, 0.01, 0.2, 1 << 20, 3, 1}));
+  put(kMsgRecovered, "recovered", Encode(RecoveredMsg{6, 0.01, 0.2, 1 << 20, 3, 1, 2, 4}));
   put(kMsgInjected, "injected", Encode(InjectedMsg{1, "kill:rank=1,step=40"}));
   // Edge cases: wrong types, numbers out of range, nesting, not JSON.
   put(kMsgJoin, "join_missing_field", R"({"worker_id": 1, "pid": 2, "spare": false, "state_step": -1})");

@@ -397,6 +397,11 @@ int PeerMesh::connections_opened() const {
   return connections_opened_;
 }
 
+int PeerMesh::connections_open() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(connections_.size());
+}
+
 int PeerMesh::connections_refused() const {
   std::lock_guard<std::mutex> lock(mu_);
   return connections_refused_;

@@ -113,6 +113,8 @@ class PeerMesh {
   // Number of connections established since creation (dialed + accepted), for
   // tests and reports that check that connections were reused.
   int connections_opened() const;
+  // Connections open now (one per peer this worker has talked to and not dropped).
+  int connections_open() const;
 
   // Incoming connections closed without becoming a peer connection (refused
   // hello, handshake deadline, evicted by the cap, stale generation), for

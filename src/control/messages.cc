@@ -176,7 +176,8 @@ std::string Encode(const ReadyMsg& m) {
 std::string Encode(const RecoveredMsg& m) {
   return Dump({{"generation", m.generation}, {"connect_seconds", Number(m.connect_seconds)},
                {"transfer_seconds", Number(m.transfer_seconds)}, {"bytes_received", m.bytes_received},
-               {"sources", m.sources}, {"refetched_chunks", m.refetched_chunks}});
+               {"sources", m.sources}, {"refetched_chunks", m.refetched_chunks}, {"connections", m.connections},
+               {"connections_opened", m.connections_opened}});
 }
 std::string Encode(const InjectedMsg& m) { return Dump({{"fault_id", m.fault_id}, {"description", m.description}}); }
 
@@ -279,6 +280,8 @@ Result<RecoveredMsg> DecodeRecovered(std::string_view p) {
     r("bytes_received", &m.bytes_received);
     r("sources", &m.sources);
     r("refetched_chunks", &m.refetched_chunks);
+    r.Optional("connections", &m.connections);
+    r.Optional("connections_opened", &m.connections_opened);
   });
 }
 Result<InjectedMsg> DecodeInjected(std::string_view p) {

@@ -150,6 +150,8 @@ struct RecoveredMsg {
   uint64_t bytes_received = 0;
   int sources = 0;
   int refetched_chunks = 0;
+  int connections = 0;         // data-plane connections open now (ring neighbours, transfer peers)
+  int connections_opened = 0;  // opened since the worker started (the rest were reused)
 };
 
 struct InjectedMsg {

@@ -84,7 +84,7 @@ TEST(MessagesTest, NonFiniteNumbersRoundTrip) {
   ASSERT_TRUE(back.ok()) << back.status().ToString() << " " << Encode(p);
   EXPECT_TRUE(std::isnan(back->loss));
   EXPECT_EQ(back->tokens_per_second, std::numeric_limits<double>::infinity());
-  RecoveredMsg r{3, -std::numeric_limits<double>::infinity(), 1.25, 10, 1, 0};
+  RecoveredMsg r{3, -std::numeric_limits<double>::infinity(), 1.25, 10, 1, 0, 2, 5};
   auto r2 = DecodeRecovered(Encode(r));
   ASSERT_TRUE(r2.ok()) << r2.status().ToString();
   EXPECT_EQ(r2->connect_seconds, -std::numeric_limits<double>::infinity());

@@ -820,6 +820,12 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
 }
 
 void Controller::On(const RecoveredReceived& e, std::vector<Action>* out) {
+  if (e.msg.generation == generation_ && e.msg.connections >= 0 && e.msg.connections_opened >= 0) {
+    // Connection setup at scale: each rank opens only what its algorithms need.
+    out->push_back(AppendJournal{{{"event", "connections"}, {"worker_id", e.worker_id}, {"generation", generation_},
+                                  {"rank", RankOf(e.worker_id)}, {"open", e.msg.connections},
+                                  {"opened_total", e.msg.connections_opened}}});
+  }
   if (!open_recovery_ || e.msg.generation != generation_) return;
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   rec.connect_seconds = std::max(rec.connect_seconds, e.msg.connect_seconds);

@@ -320,8 +320,9 @@ class SessionImpl {
     auto t2 = Clock::now();
     control::RecoveredMsg rec{plan.generation, std::chrono::duration<double>(t1 - t0).count(),
                               std::chrono::duration<double>(t2 - t1).count(), outcome->bytes_received,
-                              outcome->sources, outcome->refetched_chunks};
-    if (plan.reason != "start") (void)SendControl(control::kMsgRecovered, control::Encode(rec));
+                              outcome->sources, outcome->refetched_chunks, mesh_->connections_open(),
+                              mesh_->connections_opened()};
+    (void)SendControl(control::kMsgRecovered, control::Encode(rec));
     if (outcome->received) {
       NONSTOP_LOG_INFO("copied the state of step {} ({:.2f} MB) from {} source(s) in {:.0f} ms", plan.resume_step - 1,
                        outcome->bytes_received / 1e6, outcome->sources, rec.transfer_seconds * 1000);
