@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <string>
 
 #include "launcher/local_launcher.h"
@@ -99,6 +100,66 @@ TEST(LocalLauncherTest, StoppedChildIsReportedOncePerStop) {
   Deadline until = DeadlineAfter(Millis(5000));
   while (!exited && Clock::now() < until) loop.RunOnce(Millis(10));
   EXPECT_TRUE(exited);
+}
+
+}  // namespace
+}  // namespace nonstop::launcher
+
+namespace nonstop::launcher {
+namespace {
+
+int OpenDescriptors() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+// The spec's variables win over inherited ones of the same name: getenv
+// returns the first match, so an inherited NONSTOP_WORKER_ID used to win.
+TEST(LocalLauncherTest, SpecVariablesReplaceInheritedOnes) {
+  ::setenv("NONSTOP_LAUNCHER_TEST_VAR", "inherited", 1);
+  int p[2];
+  ASSERT_EQ(::pipe(p), 0);
+  net::EventLoop loop;
+  OutputWriter out(p[1], 1 << 20, Millis(100));
+  bool exited = false;
+  LocalLauncher launcher(&loop, [](int) { return std::string(); }, [&](int, pid_t, int, int) { exited = true; },
+                         nullptr, &out, &out);
+  ChildSpec spec;
+  spec.worker_id = 1;
+  spec.argv = {"/usr/bin/env"};  // prints the raw environment, duplicates included
+  spec.env = {{"NONSTOP_LAUNCHER_TEST_VAR", "from-spec"}};
+  ASSERT_TRUE(launcher.Spawn(spec).ok());
+  for (int i = 0; i < 500 && !exited; ++i) loop.RunOnce(Millis(10));
+  ASSERT_TRUE(exited);
+  std::string got;
+  for (int i = 0; i < 100 && got.find("NONSTOP_LAUNCHER_TEST_VAR=from-spec") == std::string::npos; ++i) {
+    got += ReadAvailable(p[0]);
+    ::usleep(10'000);
+  }
+  EXPECT_NE(got.find("NONSTOP_LAUNCHER_TEST_VAR=from-spec\n"), std::string::npos) << got;
+  EXPECT_EQ(got.find("NONSTOP_LAUNCHER_TEST_VAR=inherited"), std::string::npos) << got;
+  ::unsetenv("NONSTOP_LAUNCHER_TEST_VAR");
+  ::close(p[0]);
+  ::close(p[1]);
+}
+
+// Each exited child gives back its pidfd and pipes: a job that starts
+// thousands of processes (refills over days) does not run out of descriptors.
+TEST(LocalLauncherTest, ExitedChildrenHoldNoDescriptors) {
+  net::EventLoop loop;
+  int exits = 0;
+  LocalLauncher launcher(&loop, [](int) { return std::string(); }, [&](int, pid_t, int, int) { ++exits; });
+  int before = OpenDescriptors();
+  for (int id = 0; id < 20; ++id) {
+    ChildSpec spec;
+    spec.worker_id = id;
+    spec.argv = {"/bin/true"};
+    ASSERT_TRUE(launcher.Spawn(spec).ok());
+  }
+  for (int i = 0; i < 1000 && exits < 20; ++i) loop.RunOnce(Millis(10));
+  ASSERT_EQ(exits, 20);
+  EXPECT_LE(OpenDescriptors(), before + 2) << "20 children left descriptors open";
 }
 
 }  // namespace

@@ -13,6 +13,9 @@
 #include <cstring>
 #include <filesystem>
 
+#include <set>
+#include <string_view>
+
 #include <fmt/format.h>
 
 namespace nonstop::launcher {
@@ -60,7 +63,14 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   if (::pipe2(err_pipe, O_CLOEXEC) != 0) return ErrnoStatus(StatusCode::kInternal, "pipe", errno);
   // Build argv and env before fork: the child only execs.
   std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  // The spec's variables replace inherited ones of the same name (getenv
+  // returns the first match: an inherited NONSTOP_WORKER_ID must not win).
+  std::set<std::string> overridden;
+  for (const auto& [k, v] : spec.env) overridden.insert(k);
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string_view kv(*e);
+    if (!overridden.count(std::string(kv.substr(0, kv.find('='))))) env_strings.emplace_back(kv);
+  }
   for (const auto& [k, v] : spec.env) env_strings.push_back(k + "=" + v);
   std::vector<char*> envp, argv;
   for (auto& s : env_strings) envp.push_back(s.data());
@@ -158,6 +168,10 @@ void LocalLauncher::OnExit(Child& c) {
     Emit(c, is_err, {}, true);
     loop_->Unwatch(fd);
   }
+  // Its descriptors go now: a long job starts many processes.
+  c.pidfd.Reset();
+  c.out.Reset();
+  c.err.Reset();
   int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   int sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
   on_exit_(c.worker_id, c.pid, code, sig);
