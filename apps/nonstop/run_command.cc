@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "agent/agent.h"
 #include "apps/nonstop/commands.h"
 #include "common/logging.h"
 #include "control/fault_spec.h"
@@ -247,14 +248,11 @@ int ControllerCommand::Execute() {
   }
   o.core.min_hosts = min_hosts;
   o.core.max_hosts = max_hosts;
-  // An existing token file keeps its token (agents may already have read it).
-  if (FILE* f = std::fopen(token_file_.c_str(), "r")) {
-    char buf[256] = {};
-    size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-    std::fclose(f);
-    std::string token(buf, n);
-    while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
-    if (!token.empty()) o.token = token;
+  // An existing token file keeps its token (agents may already have read
+  // it), read exactly as the agents read it.
+  if (std::filesystem::exists(token_file_)) {
+    auto token = agent::ReadJobTokenFile(token_file_);
+    if (token.ok()) o.token = *token;
   }
   o.token_file = token_file_;
   return controller::RunController(o);

@@ -525,7 +525,7 @@ void Agent::OnStart(std::string_view payload) {
                         it->second, id_text);
   }
   env["NONSTOP_WORKER_ID"] = id_text;
-  env.emplace("NONSTOP_SPARE", m->spare ? "1" : "0");
+  env["NONSTOP_SPARE"] = m->spare ? "1" : "0";
   env["NONSTOP_CONTROLLER"] = options_.controller;
   env["NONSTOP_JOB_TOKEN"] = options_.job_token;
   env["NONSTOP_HOST_ID"] = options_.host_id;
@@ -534,12 +534,10 @@ void Agent::OnStart(std::string_view payload) {
   spec.worker_id = m->worker_id;
   spec.argv = options_.program;
   spec.nice = m->nice;
-  for (auto& [name, value] : env) {
-    // The launcher passes this process's environment first and the child's
-    // getenv takes the first match: an inherited value must not shadow the order's.
-    if (::getenv(name.c_str()) != nullptr) ::unsetenv(name.c_str());
-    spec.env.emplace_back(name, value);
-  }
+  for (auto& [name, value] : env) spec.env.emplace_back(name, value);
+  // The job's identity comes from the order alone: what the agent itself
+  // inherited (a NONSTOP_RESUME, a checkpoint directory) never reaches a worker.
+  spec.unset = launcher::kJobVariables;
   auto pid = launcher_->Spawn(spec);
   if (!pid.ok()) {
     reply.error = pid.status().ToString();

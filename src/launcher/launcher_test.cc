@@ -118,6 +118,7 @@ int OpenDescriptors() {
 // returns the first match, so an inherited NONSTOP_WORKER_ID used to win.
 TEST(LocalLauncherTest, SpecVariablesReplaceInheritedOnes) {
   ::setenv("NONSTOP_LAUNCHER_TEST_VAR", "inherited", 1);
+  ::setenv("NONSTOP_LAUNCHER_TEST_GONE", "inherited", 1);
   int p[2];
   ASSERT_EQ(::pipe(p), 0);
   net::EventLoop loop;
@@ -129,6 +130,7 @@ TEST(LocalLauncherTest, SpecVariablesReplaceInheritedOnes) {
   spec.worker_id = 1;
   spec.argv = {"/usr/bin/env"};  // prints the raw environment, duplicates included
   spec.env = {{"NONSTOP_LAUNCHER_TEST_VAR", "from-spec"}};
+  spec.unset = {"NONSTOP_LAUNCHER_TEST_GONE"};
   ASSERT_TRUE(launcher.Spawn(spec).ok());
   for (int i = 0; i < 500 && !exited; ++i) loop.RunOnce(Millis(10));
   ASSERT_TRUE(exited);
@@ -139,7 +141,9 @@ TEST(LocalLauncherTest, SpecVariablesReplaceInheritedOnes) {
   }
   EXPECT_NE(got.find("NONSTOP_LAUNCHER_TEST_VAR=from-spec\n"), std::string::npos) << got;
   EXPECT_EQ(got.find("NONSTOP_LAUNCHER_TEST_VAR=inherited"), std::string::npos) << got;
+  EXPECT_EQ(got.find("NONSTOP_LAUNCHER_TEST_GONE"), std::string::npos) << got;
   ::unsetenv("NONSTOP_LAUNCHER_TEST_VAR");
+  ::unsetenv("NONSTOP_LAUNCHER_TEST_GONE");
   ::close(p[0]);
   ::close(p[1]);
 }

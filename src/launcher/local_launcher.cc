@@ -65,7 +65,7 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   std::vector<std::string> env_strings;
   // The spec's variables replace inherited ones of the same name (getenv
   // returns the first match: an inherited NONSTOP_WORKER_ID must not win).
-  std::set<std::string> overridden;
+  std::set<std::string> overridden(spec.unset.begin(), spec.unset.end());
   for (const auto& [k, v] : spec.env) overridden.insert(k);
   for (char** e = environ; *e != nullptr; ++e) {
     std::string_view kv(*e);

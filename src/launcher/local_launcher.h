@@ -33,7 +33,16 @@ struct ChildSpec {
   std::vector<std::string> argv;
   std::vector<std::pair<std::string, std::string>> env;  // added to this process's environment
   int nice = 0;  // scheduling niceness (spares start at a low priority: they must not slow the job)
+  // Inherited variables the child must not see (besides those `env` replaces).
+  std::vector<std::string> unset;
 };
+
+// The variables that say which job and which worker a process is: a launcher
+// sets those it means to and drops any it inherited.
+inline const std::vector<std::string> kJobVariables = {
+    "NONSTOP_CONTROLLER",     "NONSTOP_JOB_TOKEN",      "NONSTOP_WORKER_ID",        "NONSTOP_SPARE",
+    "NONSTOP_HOST_ID",        "NONSTOP_DATA_HOST",      "NONSTOP_ADVERTISE_ADDRESS", "NONSTOP_RESUME",
+    "NONSTOP_CHECKPOINT_DIR", "NONSTOP_CHECKPOINT_EVERY", "NONSTOP_MTBF_SECONDS"};
 
 class LocalLauncher {
  public:
