@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
+#include <unordered_map>
 
 #include <fmt/format.h>
 
@@ -21,6 +23,17 @@ double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(
 constexpr int64_t kMaxStep = int64_t{1} << 53;
 bool SaneStep(int64_t step) { return step >= control::kNoValidState && step <= kMaxStep; }
 
+// The start of a journal record that every member sends in a recovery (ready,
+// connections), to be completed field by field: nlohmann's initializer lists
+// build a temporary array per field and cost about three times as much, which
+// adds up over 100,000 members (docs/scale.md).
+json PerMemberRecord(const char* event, int worker_id) {
+  json rec(json::value_t::object);
+  rec["event"] = event;
+  rec["worker_id"] = worker_id;
+  return rec;
+}
+
 }  // namespace
 
 std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now) {
@@ -33,7 +46,7 @@ std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now
     if (!multi_host()) {
       for (int id = 0; id < world_size_ + pool_size_; ++id) {
         awaiting_join_.emplace(id, AwaitedJoin{id >= world_size_, now});
-        live_processes_.insert(id);
+        MarkLive(id);
       }
       next_worker_id_ = std::max(next_worker_id_, world_size_ + pool_size_);
     }
@@ -42,13 +55,41 @@ std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now
   if (phase_ == JobPhase::kEnded) {
     if (const auto* e = std::get_if<ProcessExited>(&event)) {
       auto it = workers_.find(e->worker_id);
-      if (it != workers_.end()) it->second.role = WorkerRole::kGone;
-      live_processes_.erase(e->worker_id);
+      if (it != workers_.end()) SetRole(it->second, WorkerRole::kGone);
+      MarkEnded(e->worker_id);
     }
     return out;
   }
   std::visit([&](const auto& e) { On(e, &out); }, event);
   return out;
+}
+
+void Controller::SetRole(WorkerInfo& w, WorkerRole role) {
+  if (w.role == role) return;
+  if (w.role == WorkerRole::kPending) pending_.erase(w.worker_id);
+  if (w.role == WorkerRole::kSpare) --spare_count_;
+  w.role = role;
+  if (role == WorkerRole::kPending) pending_.insert(w.worker_id);
+  if (role == WorkerRole::kSpare) ++spare_count_;
+}
+
+void Controller::MarkLive(int worker_id) {
+  if (!live_processes_.insert(worker_id).second) return;
+  if (auto h = host_of_.find(worker_id); h != host_of_.end()) ++live_on_host_[h->second];
+}
+
+void Controller::MarkEnded(int worker_id) {
+  if (live_processes_.erase(worker_id) == 0) return;
+  if (auto h = host_of_.find(worker_id); h != host_of_.end()) --live_on_host_[h->second];
+}
+
+void Controller::SetMembers(std::vector<int> ids, std::vector<WorkerInfo*> info) {
+  members_ = std::move(ids);
+  member_info_ = std::move(info);
+  if (member_info_.size() == members_.size()) return;
+  member_info_.clear();
+  member_info_.reserve(members_.size());
+  for (int id : members_) member_info_.push_back(&workers_[id]);
 }
 
 int Controller::RankOf(int worker_id) const {
@@ -129,15 +170,18 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     out->push_back(SendShutdown{m.worker_id, {fmt::format("worker id {} is already in use", m.worker_id), kExitUsage}});
     return;
   }
-  WorkerInfo w;
+  // A new entry, or one of a worker that is gone (a restarted job reuses no id, but a
+  // hand-started worker may): either way its role so far counts nowhere.
+  WorkerInfo& w = workers_[m.worker_id];
+  w = WorkerInfo{};
+  w.role = WorkerRole::kGone;
   w.worker_id = m.worker_id;
   w.pid = m.pid;
   w.address = m.data_address;
   w.host = m.host_id;
-  w.role = m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending;
+  SetRole(w, m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending);
   joined_step_[m.worker_id] = m.state_step;
   w.last_heard = now_;
-  workers_[m.worker_id] = w;
   json rec = {{"event", "join"}, {"worker_id", m.worker_id}, {"pid", m.pid}, {"address", m.data_address},
               {"spare", w.role == WorkerRole::kSpare}};
   if (!m.host_id.empty()) rec["host"] = m.host_id;
@@ -150,14 +194,11 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
 // durable checkpoint. Members may hold different steps (a checkpoint written
 // while others were loading): the highest wins and the others copy it.
 void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
-  std::vector<int> pending;
-  for (const auto& [id, w] : workers_) {
-    if (w.role == WorkerRole::kPending) pending.push_back(id);
-  }
-  if (world_size_ <= 0 || static_cast<int>(pending.size()) < world_size_) return;
-  pending.resize(static_cast<size_t>(world_size_));  // the lowest worker ids
+  if (world_size_ <= 0 || static_cast<int>(pending_.size()) < world_size_) return;
+  // The lowest worker ids.
+  std::vector<int> pending(pending_.begin(), std::next(pending_.begin(), world_size_));
   ++generation_;
-  members_ = pending;
+  SetMembers(pending);
   arrivals_.clear();
   arrival_step_ = -1;
   arrival_spreads_ms_.clear();  // a new membership has its own normal
@@ -168,25 +209,29 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
     if (joined_step_[id] == s_star) holders.push_back(id);
   }
   resume_step_ = s_star + 1;
-  control::PlanMsg plan;
+  close_scan_ = 0;
+  auto plan_ptr = std::make_shared<control::PlanMsg>();
+  control::PlanMsg& plan = *plan_ptr;
   plan.generation = generation_;
   plan.resume_step = resume_step_;
   plan.faults = pending_faults_;
   plan.reason = open_recovery_ ? "restart" : "start";
+  plan.members.reserve(members_.size());
   for (size_t r = 0; r < members_.size(); ++r) {
-    WorkerInfo& w = workers_[members_[r]];
-    w.role = WorkerRole::kMember;
+    WorkerInfo& w = *member_info_[r];
+    SetRole(w, WorkerRole::kMember);
     w.rank = static_cast<int>(r);
     w.last_heard = now_;
     w.last_step = joined_step_[w.worker_id];
     plan.members.push_back({w.worker_id, w.address});
     if (joined_step_[w.worker_id] != s_star) plan.transfers.push_back({w.worker_id, holders});
   }
-  for (auto& [id, w] : workers_) {
-    if (w.role == WorkerRole::kPending) w.role = WorkerRole::kSpare;  // late joiners wait as spares
-  }
+  // Late joiners wait as spares.
+  for (int id : std::vector<int>(pending_.begin(), pending_.end())) SetRole(workers_[id], WorkerRole::kSpare);
   phase_ = JobPhase::kRunning;
-  for (int id : members_) out->push_back(SendPlan{id, plan});
+  std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
+  out->reserve(out->size() + members_.size() + 2);
+  for (int id : members_) out->push_back(SendPlan{id, shared});
   out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
                                 {"resume_step", resume_step_}, {"reason", plan.reason}}});
   out->push_back(PrintLine{fmt::format("generation {}: {} workers, ranks by worker id {}{}", generation_,
@@ -212,10 +257,10 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
                                 {"highest_step", highest_step_}}});
   for (auto& [id, w] : workers_) {
     if (w.role == WorkerRole::kGone) continue;
-    w.role = WorkerRole::kGone;
+    SetRole(w, WorkerRole::kGone);
     out->push_back(KillWorker{id});
   }
-  members_.clear();
+  SetMembers({});
   ready_.clear();
   finished_ = 0;
   last_journaled_step_ = -1;  // the steps since the checkpoint are computed (and journaled) again
@@ -298,7 +343,7 @@ void Controller::On(const FinishedReceived& e, std::vector<Action>* out) {
   if (it == workers_.end() || it->second.role != WorkerRole::kMember) return;
   WorkerInfo& w = it->second;
   w.last_heard = now_;
-  w.role = WorkerRole::kFinished;
+  SetRole(w, WorkerRole::kFinished);
   w.last_step = std::max(w.last_step, e.msg.step);
   out->push_back(AppendJournal{{{"event", "finished"}, {"worker_id", w.worker_id}, {"rank", w.rank},
                                 {"step", e.msg.step}, {"checksum", e.msg.checksum}}});
@@ -353,7 +398,7 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
                                   {"reason", "an agent reported the exit of a worker it did not start"}}});
     return;
   }
-  live_processes_.erase(e.worker_id);
+  MarkEnded(e.worker_id);
   std::string how = e.signal != 0 ? fmt::format("was killed by signal {}", e.signal)
                                   : fmt::format("exited with code {}", e.exit_code);
   out->push_back(AppendJournal{{{"event", "exit"}, {"worker_id", e.worker_id}, {"pid", e.pid}, {"how", how},
@@ -405,7 +450,7 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
       SpareLost(w, how, out);
       return;
     case WorkerRole::kPending:
-      w.role = WorkerRole::kGone;
+      SetRole(w, WorkerRole::kGone);
       End(kExitPeerFailure, fmt::format("worker {} (pid {}) {} before the job formed", w.worker_id, w.pid, how), out);
       return;
     case WorkerRole::kMember:
@@ -450,7 +495,7 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
       return;
     case WorkerRole::kPending: {
       // The job is forming: a spare takes its place, or a new worker is started.
-      w.role = WorkerRole::kGone;
+      SetRole(w, WorkerRole::kGone);
       out->push_back(AppendJournal{{{"event", "fault"}, {"kind", kind}, {"worker_id", worker_id}, {"rank", -1},
                                     {"pid", w.pid}, {"detail", detail}, {"last_step", w.last_step},
                                     {"generation", generation_}}});
@@ -464,7 +509,7 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
       }
       bool resume = open_recovery_.has_value();  // forming after a restart from a checkpoint
       if (spare >= 0 && !resume) {
-        workers_[spare].role = WorkerRole::kPending;
+        SetRole(workers_[spare], WorkerRole::kPending);
         out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; spare worker {} takes its "
                                              "place", worker_id, w.pid, detail, spare)});
         if (pool_size_ > 0 || multi_host()) RefillSpare(out);
@@ -501,8 +546,8 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
 void Controller::Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
                        const std::string& host) {
   awaiting_join_[worker_id] = AwaitedJoin{spare, now_};
-  live_processes_.insert(worker_id);
   if (!host.empty()) host_of_[worker_id] = host;
+  MarkLive(worker_id);
   out->push_back(SpawnWorker{worker_id, spare, resume, background, host});
 }
 
@@ -510,8 +555,7 @@ void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
   if (phase_ == JobPhase::kForming) {
     if (now_ - forming_since_ <= options_.forming_timeout) return;
     if (multi_host() && !placed_) {
-      int alive = 0;
-      for (const auto& [id, h] : hosts_) alive += h.alive ? 1 : 0;
+      const int alive = alive_hosts_;
       End(kExitPeerFailure,
           fmt::format("the job did not form within {} s: {} of the {} hosts it needs registered (start `nonstop "
                       "agent` on each host; HINT: a slow start needs a longer --join-timeout-ms)",
@@ -578,7 +622,7 @@ void Controller::CheckHeartbeats(std::vector<Action>* out) {
 }
 
 void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out) {
-  w.role = WorkerRole::kGone;
+  SetRole(w, WorkerRole::kGone);
   out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {}; starting another", w.worker_id, w.pid, how)});
   RefillSpare(out);
 }
@@ -587,7 +631,7 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
                              std::vector<Action>* out) {
   WorkerInfo& w = workers_[worker_id];
   if (!IsLiveMember(w)) return;
-  w.role = WorkerRole::kGone;
+  SetRole(w, WorkerRole::kGone);
   if (open_recovery_ && !w.host.empty()) recoveries_[*open_recovery_].failed_hosts.insert(w.host);
   std::string what = fmt::format("{} {} ({}); its last completed step was {}", Describe(w), detail, kind,
                                  w.last_step >= 0 ? std::to_string(w.last_step) : "none");
@@ -634,13 +678,13 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
     rec.injected = last_injected_->second;
     last_injected_.reset();
   }
-  for (int id : members_) {
-    const WorkerInfo& w = workers_[id];
-    if (!IsLiveMember(w) && !w.host.empty()) rec.failed_hosts.insert(w.host);
+  for (const WorkerInfo* w : member_info_) {
+    if (!IsLiveMember(*w) && !w->host.empty()) rec.failed_hosts.insert(w->host);
   }
   recoveries_.push_back(rec);
   open_recovery_ = recoveries_.size() - 1;
   phase_ = JobPhase::kRecovering;
+  abort_scan_ = 0;
   finished_ = 0;
   // A healthy member answers the abort at its next check (between
   // micro-batches, or its collective): never sooner than the step it is
@@ -648,12 +692,13 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
   abort_deadline_ = now_ + std::max(options_.abort_timeout,
                                     std::chrono::duration_cast<Millis>(
                                         std::chrono::duration<double>(1.5 * MedianStepSeconds())));
-  control::AbortMsg abort{generation_, cause};
-  for (int id : members_) {
-    WorkerInfo& w = workers_[id];
-    if (!IsLiveMember(w)) continue;
-    if (w.role == WorkerRole::kFinished) w.role = WorkerRole::kMember;
-    if (!planned) out->push_back(SendAbort{id, abort});
+  auto abort = std::make_shared<const control::AbortMsg>(control::AbortMsg{generation_, cause});
+  ready_.reserve(members_.size());
+  if (!planned) out->reserve(out->size() + members_.size() + 4);
+  for (WorkerInfo* w : member_info_) {
+    if (!IsLiveMember(*w)) continue;
+    if (w->role == WorkerRole::kFinished) SetRole(*w, WorkerRole::kMember);
+    if (!planned) out->push_back(SendAbort{w->worker_id, abort});
   }
   out->push_back(AppendJournal{{{"event", planned ? "resize_start" : "recovery_start"}, {"recovery", rec.id},
                                 {"generation", generation_}, {"cause", cause}, {"injected", rec.injected}}});
@@ -673,15 +718,21 @@ void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
   }
   if (phase_ != JobPhase::kRecovering) return;
   ready_[e.worker_id] = e.msg.step;
-  out->push_back(AppendJournal{{{"event", "ready"}, {"worker_id", e.worker_id}, {"rank", it->second.rank},
-                                {"generation", e.msg.generation}, {"step", e.msg.step}, {"reason", e.msg.reason}}});
+  // Field by field: every member sends one (see PerMemberRecord).
+  json rec = PerMemberRecord("ready", e.worker_id);
+  rec["rank"] = it->second.rank;
+  rec["generation"] = e.msg.generation;
+  rec["step"] = e.msg.step;
+  rec["reason"] = e.msg.reason;
+  out->push_back(AppendJournal{std::move(rec)});
   MaybeFinishAbort(out);
 }
 
 void Controller::MaybeFinishAbort(std::vector<Action>* out) {
   if (phase_ != JobPhase::kRecovering) return;
-  for (int id : members_) {
-    if (IsLiveMember(workers_[id]) && !ready_.count(id)) return;  // still waiting
+  for (; abort_scan_ < members_.size(); ++abort_scan_) {
+    const WorkerInfo& w = *member_info_[abort_scan_];
+    if (IsLiveMember(w) && !ready_.count(w.worker_id)) return;  // still waiting
   }
   recoveries_[*open_recovery_].aborted_at = now_;
   FormNextGeneration(out);
@@ -690,16 +741,23 @@ void Controller::MaybeFinishAbort(std::vector<Action>* out) {
 void Controller::FormNextGeneration(std::vector<Action>* out) {
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   std::vector<int> survivors;
+  std::vector<int64_t> held(members_.size(), -1);  // by rank: the step a survivor's state holds
+  std::vector<char> survived(members_.size(), 0);   // by rank
   int64_t s_star = -1;
-  for (int id : members_) {
-    if (IsLiveMember(workers_[id]) && ready_.count(id)) {
+  for (size_t r = 0; r < members_.size(); ++r) {
+    int id = members_[r];
+    if (!IsLiveMember(*member_info_[r])) continue;
+    auto ready = ready_.find(id);
+    if (ready != ready_.end()) {
       survivors.push_back(id);
-      s_star = std::max(s_star, ready_[id]);
+      survived[r] = 1;
+      held[r] = ready->second;
+      s_star = std::max(s_star, ready->second);
     }
   }
   std::vector<int> holders;
-  for (int id : survivors) {
-    if (ready_[id] == s_star) holders.push_back(id);
+  for (size_t r = 0; r < members_.size(); ++r) {
+    if (survived[r] && held[r] == s_star) holders.push_back(members_[r]);
   }
   holders = SpreadOverHosts(holders);
   // The initial state (step -1) is the same everywhere (seeded), so anyone holds it.
@@ -730,7 +788,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   size_t spare_i = 0;
   for (size_t r = 0; r < members_.size(); ++r) {
     int id = members_[r];
-    if (std::find(survivors.begin(), survivors.end(), id) != survivors.end()) {
+    if (survived[r]) {
       next.push_back(id);
     } else if (spare_i < spares.size()) {
       int s = spares[spare_i++];
@@ -761,36 +819,44 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   }
   for (int id : released) {
     WorkerInfo& w = workers_[id];
-    w.role = WorkerRole::kGone;
+    SetRole(w, WorkerRole::kGone);
     out->push_back(SendShutdown{id, {fmt::format("released: the world shrinks to {}", next.size()), kExitOk}});
   }
   if (next.size() != members_.size()) {
     last_change_at_ = now_;
     change_times_.push_back(now_);
   }
+  std::vector<WorkerInfo*> next_info(next.size());
+  for (size_t r = 0; r < next.size(); ++r) {
+    // Most keep their rank: their entry is known.
+    next_info[r] = r < members_.size() && members_[r] == next[r] ? member_info_[r] : &workers_[next[r]];
+  }
   ++generation_;
-  members_ = next;
+  SetMembers(next, std::move(next_info));
   arrivals_.clear();
   arrival_step_ = -1;
   arrival_spreads_ms_.clear();  // a new membership has its own normal
   resume_step_ = s_star + 1;
+  close_scan_ = 0;
   rec.to_generation = generation_;
   rec.resume_step = resume_step_;
   rec.lost_steps = std::max<int64_t>(0, highest_step_ - s_star);
   rec.new_world = static_cast<int>(next.size());
   rec.sources = static_cast<int>(holders.size());
 
-  control::PlanMsg plan;
+  auto plan_ptr = std::make_shared<control::PlanMsg>();
+  control::PlanMsg& plan = *plan_ptr;
   plan.generation = generation_;
   plan.resume_step = resume_step_;
   plan.faults = pending_faults_;
   plan.reason = rec.kind == "resize" ? "resize: " + rec.causes.front() : "recovery";
+  plan.members.reserve(next.size());
   json transfers = json::array();
   for (size_t r = 0; r < next.size(); ++r) {
-    WorkerInfo& w = workers_[next[r]];
+    WorkerInfo& w = *member_info_[r];
     bool was_spare = w.role == WorkerRole::kSpare;
     int64_t holds = was_spare ? -1 : ready_[w.worker_id];  // a spare holds the initial state
-    w.role = WorkerRole::kMember;
+    SetRole(w, WorkerRole::kMember);
     w.rank = static_cast<int>(r);
     w.last_heard = now_;
     w.waiting_ms = -1;
@@ -804,7 +870,9 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   ready_.clear();
   phase_ = JobPhase::kRunning;
   rec.plan_at = now_;
-  for (int id : members_) out->push_back(SendPlan{id, plan});
+  std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
+  out->reserve(out->size() + members_.size() + spare_i + 4);
+  for (int id : members_) out->push_back(SendPlan{id, shared});
   for (size_t i = 0; i < spare_i && (pool_size_ > 0 || multi_host()); ++i) {
     if (multi_host()) break;  // the hosts' free slots are filled on the next tick
     Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
@@ -812,7 +880,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   }
   out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
                                 {"resume_step", resume_step_}, {"reason", plan.reason}, {"recovery", rec.id},
-                                {"transfers", transfers}, {"released", released}}});
+                                {"transfers", std::move(transfers)}, {"released", released}}});
   out->push_back(PrintLine{fmt::format("generation {}: {} workers {}, resuming at step {}{}", generation_, members_.size(),
                                        json(members_).dump(), resume_step_,
                                        plan.transfers.empty() ? "" : fmt::format(", {} receiving state from {} source(s)",
@@ -822,9 +890,12 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
 void Controller::On(const RecoveredReceived& e, std::vector<Action>* out) {
   if (e.msg.generation == generation_ && e.msg.connections >= 0 && e.msg.connections_opened >= 0) {
     // Connection setup at scale: each rank opens only what its algorithms need.
-    out->push_back(AppendJournal{{{"event", "connections"}, {"worker_id", e.worker_id}, {"generation", generation_},
-                                  {"rank", RankOf(e.worker_id)}, {"open", e.msg.connections},
-                                  {"opened_total", e.msg.connections_opened}}});
+    json rec = PerMemberRecord("connections", e.worker_id);
+    rec["generation"] = generation_;
+    rec["rank"] = RankOf(e.worker_id);
+    rec["open"] = e.msg.connections;
+    rec["opened_total"] = e.msg.connections_opened;
+    out->push_back(AppendJournal{std::move(rec)});
   }
   if (!open_recovery_ || e.msg.generation != generation_) return;
   RecoveryRecord& rec = recoveries_[*open_recovery_];
@@ -839,8 +910,9 @@ void Controller::On(const RecoveredReceived& e, std::vector<Action>* out) {
 void Controller::MaybeCloseRecovery(std::vector<Action>* out) {
   if (!open_recovery_ || phase_ != JobPhase::kRunning) return;
   RecoveryRecord& rec = recoveries_[*open_recovery_];
-  for (int id : members_) {
-    if (workers_[id].last_step < rec.resume_step && workers_[id].role != WorkerRole::kFinished) return;
+  for (; close_scan_ < members_.size(); ++close_scan_) {
+    const WorkerInfo& w = *member_info_[close_scan_];
+    if (w.last_step < rec.resume_step && w.role != WorkerRole::kFinished) return;
   }
   rec.first_step_at = now_;
   if (!rec.state_ready_at) rec.state_ready_at = now_;
@@ -858,12 +930,6 @@ void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
 }
 
 // ---------------------------------------------------------------- elasticity
-
-int Controller::SpareCount() const {
-  int n = 0;
-  for (const auto& [id, w] : workers_) n += w.role == WorkerRole::kSpare ? 1 : 0;
-  return n;
-}
 
 std::string Controller::CheckSize(int size) const {
   const ScalePolicy& p = options_.policy;
@@ -995,14 +1061,14 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
     return refuse(fmt::format("the agent still supervises {} process(es) from before; it must stop them first",
                               m.running));
   }
-  int alive = 0;
-  for (const auto& [id, h] : hosts_) alive += h.alive ? 1 : 0;
+  const int alive = alive_hosts_;
   if (options_.max_hosts > 0 && alive >= options_.max_hosts) {
     return refuse(fmt::format("the job already has its maximum of {} hosts", options_.max_hosts));
   }
   if (it == hosts_.end()) {
     host_order_.push_back(m.host_id);
     it = hosts_.emplace(m.host_id, HostInfo{}).first;
+    host_list_.push_back(&it->second);
   }
   HostInfo& h = it->second;
   h.host_id = m.host_id;
@@ -1011,6 +1077,7 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   h.address = m.address;
   h.pid = m.pid;
   h.alive = true;
+  ++alive_hosts_;
   h.lost_reason.clear();
   h.last_heard = now_;
   ++h.incarnation;
@@ -1029,7 +1096,7 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
 
 void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
   int world = 0;
-  for (const auto& id : host_order_) world += hosts_[id].alive ? hosts_[id].nproc : 0;
+  for (const HostInfo* h : host_list_) world += h->alive ? h->nproc : 0;
   if (world == 0) {
     out->push_back(PrintLine{"the registered hosts bring no workers (all --nproc-per-host 0): waiting for more"});
     return;
@@ -1038,33 +1105,30 @@ void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
   world_size_ = world;
   target_world_ = std::max(target_world_, std::max(world_size_, options_.policy.max_world));
   if (!resume) forming_since_ = now_;
-  for (const auto& id : host_order_) {
-    const HostInfo& h = hosts_[id];
+  for (const HostInfo* hp : host_list_) {
+    const HostInfo& h = *hp;
     if (!h.alive) continue;
     for (int i = 0; i < h.nproc + h.spares && FreeSlots(h) > 0; ++i) {
-      Spawn(next_worker_id_++, /*spare=*/i >= h.nproc, resume, /*background=*/false, out, id);
+      Spawn(next_worker_id_++, /*spare=*/i >= h.nproc, resume, /*background=*/false, out, h.host_id);
     }
   }
   out->push_back(PrintLine{fmt::format("placed on {} host(s): world {}", host_order_.size(), world_size_)});
 }
 
 int Controller::FreeSlots(const HostInfo& h) const {
-  int used = 0;
-  for (int id : live_processes_) {
-    auto it = host_of_.find(id);
-    used += it != host_of_.end() && it->second == h.host_id ? 1 : 0;
-  }
+  auto it = live_on_host_.find(h.host_id);
+  int used = it == live_on_host_.end() ? 0 : it->second;
   return std::max(0, h.nproc + h.spares - used);
 }
 
 void Controller::TopUpHosts(std::vector<Action>* out) {
   if (refill_failures_ > 3) return;  // spares keep dying while starting: said once, not retried
-  for (const auto& id : host_order_) {
-    const HostInfo& h = hosts_[id];
+  for (const HostInfo* hp : host_list_) {
+    const HostInfo& h = *hp;
     if (!h.alive) continue;
     for (int free = FreeSlots(h); free > 0; --free) {
       Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/placed_ && phase_ != JobPhase::kForming,
-            out, id);
+            out, h.host_id);
     }
   }
 }
@@ -1101,11 +1165,12 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
   if (hit == hosts_.end() || !hit->second.alive) return;
   HostInfo& h = hit->second;
   h.alive = false;
+  --alive_hosts_;
   h.lost_reason = reason;
   std::vector<int> members, others;
   for (const auto& [id, host] : host_of_) {
     if (host != host_id) continue;
-    live_processes_.erase(id);  // the host and all its processes are gone (or fenced)
+    MarkEnded(id);  // the host and all its processes are gone (or fenced)
     awaiting_join_.erase(id);
     auto w = workers_.find(id);
     if (w == workers_.end()) continue;
@@ -1121,7 +1186,7 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
   for (int id : others) {  // its spares first: none of them may replace a worker of the same host
     WorkerInfo& w = workers_[id];
     if (w.role != WorkerRole::kSpare) continue;
-    w.role = WorkerRole::kGone;
+    SetRole(w, WorkerRole::kGone);
     out->push_back(KillWorker{id});
   }
   for (int id : others) {  // workers of a job still forming
@@ -1146,7 +1211,7 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
   for (size_t i = 0; i < members.size(); ++i) {
     WorkerInfo& w = workers_[members[i]];
     what += (i ? ", " : "") + fmt::format("rank {} (worker {})", w.rank, w.worker_id);
-    w.role = WorkerRole::kGone;
+    SetRole(w, WorkerRole::kGone);
     ready_.erase(w.worker_id);
     out->push_back(AppendJournal{{{"event", "fault"}, {"kind", "host lost"}, {"worker_id", w.worker_id},
                                   {"rank", w.rank}, {"pid", w.pid}, {"host", host_id}, {"detail", reason},
@@ -1170,20 +1235,26 @@ void Controller::OrderSpares(std::vector<int>* spares, const std::set<std::strin
 }
 
 std::vector<int> Controller::SpreadOverHosts(const std::vector<int>& holders) const {
-  std::map<std::string, std::deque<int>> by_host;
-  std::vector<std::string> order;
+  // One queue per host, in the order the hosts first appear among the holders;
+  // then rounds that take the next holder of every host that has one left.
+  std::unordered_map<std::string_view, size_t> index;
+  std::vector<std::vector<int>> queues;
   for (int id : holders) {
-    const std::string& h = workers_.at(id).host;
-    if (!by_host.count(h)) order.push_back(h);
-    by_host[h].push_back(id);
+    auto [it, fresh] = index.try_emplace(workers_.at(id).host, queues.size());
+    if (fresh) queues.emplace_back();
+    queues[it->second].push_back(id);
   }
   std::vector<int> out;
-  while (out.size() < holders.size()) {
-    for (const auto& h : order) {
-      if (by_host[h].empty()) continue;
-      out.push_back(by_host[h].front());
-      by_host[h].pop_front();
+  out.reserve(holders.size());
+  std::vector<size_t> active(queues.size());
+  for (size_t q = 0; q < queues.size(); ++q) active[q] = q;
+  for (size_t round = 0; !active.empty(); ++round) {
+    size_t kept = 0;
+    for (size_t q : active) {
+      out.push_back(queues[q][round]);
+      if (round + 1 < queues[q].size()) active[kept++] = q;
     }
+    active.resize(kept);
   }
   return out;
 }
@@ -1200,8 +1271,8 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   if (phase_ == JobPhase::kRecovering && now_ >= abort_deadline_) {
     // Escalation: members that could not abort in time are killed and replaced.
     std::vector<int> late;
-    for (int id : members_) {
-      if (IsLiveMember(workers_[id]) && !ready_.count(id)) late.push_back(id);
+    for (const WorkerInfo* w : member_info_) {
+      if (IsLiveMember(*w) && !ready_.count(w->worker_id)) late.push_back(w->worker_id);
     }
     for (int id : late) {
       MemberFault(id, "did not abort in time",
@@ -1242,7 +1313,7 @@ void Controller::CheckWatchdogs(std::vector<Action>* out) {
   double threshold_ms = std::max<double>(static_cast<double>(options_.watchdog_floor.count()),
                                          options_.watchdog_factor * MedianStepSeconds() * 1000.0);
   int64_t longest_wait = -1;
-  for (int id : members_) longest_wait = std::max(longest_wait, workers_[id].waiting_ms);
+  for (const WorkerInfo* w : member_info_) longest_wait = std::max(longest_wait, w->waiting_ms);
   if (static_cast<double>(longest_wait) <= threshold_ms) return;
   for (int id : members_) {
     WorkerInfo& w = workers_[id];
@@ -1380,10 +1451,19 @@ json Controller::PolicyJson() const {
 json Controller::Status() const {
   static const char* kPhase[] = {"forming", "running", "recovering", "ended"};
   static const char* kRole[] = {"pending", "member", "spare", "finished", "gone"};
+  // One entry per worker, built field by field (three times faster than an
+  // initializer list: this runs for every worker at every publication).
   json workers = json::array();
+  workers.get_ptr<json::array_t*>()->reserve(workers_.size());
   for (const auto& [id, w] : workers_) {
-    workers.push_back({{"worker_id", id}, {"pid", w.pid}, {"role", kRole[static_cast<int>(w.role)]},
-                       {"rank", w.rank}, {"last_step", w.last_step}, {"host", w.host}});
+    json entry(json::value_t::object);
+    entry["worker_id"] = id;
+    entry["pid"] = w.pid;
+    entry["role"] = kRole[static_cast<int>(w.role)];
+    entry["rank"] = w.rank;
+    entry["last_step"] = w.last_step;
+    entry["host"] = w.host;
+    workers.push_back(std::move(entry));
   }
   json hosts = json::array();
   for (const auto& id : host_order_) {
@@ -1394,9 +1474,9 @@ json Controller::Status() const {
   json members = json::array();
   for (int id : members_) members.push_back(id);
   return {{"phase", kPhase[static_cast<int>(phase_)]}, {"generation", generation_},
-          {"world_size", members_.size()}, {"target_world_size", target_world_}, {"members", members},
-          {"spares", SpareCount()}, {"highest_step", highest_step_}, {"workers", workers},
-          {"recoveries", recoveries_.size()}, {"policy", PolicyJson()}, {"hosts", hosts}};
+          {"world_size", members_.size()}, {"target_world_size", target_world_}, {"members", std::move(members)},
+          {"spares", SpareCount()}, {"highest_step", highest_step_}, {"workers", std::move(workers)},
+          {"recoveries", recoveries_.size()}, {"policy", PolicyJson()}, {"hosts", std::move(hosts)}};
 }
 
 }  // namespace nonstop::controller

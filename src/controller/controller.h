@@ -49,9 +49,11 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <variant>
 #include <vector>
 
@@ -158,8 +160,13 @@ using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, Fi
                            WorkerStarted>;
 
 // ---- actions ----
-struct SendPlan { int worker_id; control::PlanMsg plan; };
-struct SendAbort { int worker_id; control::AbortMsg msg; };
+// Every member of a generation gets the same plan: one PlanMsg, shared by the
+// SendPlan actions of all members (a plan lists every member, so a copy per
+// member would cost O(world²) memory and time), and encoded once by the
+// runtime (docs/scale.md).
+struct SendPlan { int worker_id; std::shared_ptr<const control::PlanMsg> plan; };
+// Likewise one AbortMsg for all members of the generation that ends.
+struct SendAbort { int worker_id; std::shared_ptr<const control::AbortMsg> msg; };
 struct SendDrain { int worker_id; control::DrainMsg msg; };
 struct ScaleReply { int request_id; int http_status; nlohmann::json body; };
 struct SendShutdown { int worker_id; control::ShutdownMsg msg; };
@@ -303,12 +310,20 @@ class Controller {
   Millis EffectiveStablePeriod() const;
   void StartResize(int new_world, const std::string& trigger, std::vector<Action>* out);
   void MaybeGrow(std::vector<Action>* out);
-  int SpareCount() const;
+  int SpareCount() const { return spare_count_; }
 
   void MaybeFormFirstGeneration(std::vector<Action>* out);
   bool IsLiveMember(const WorkerInfo& w) const {
     return w.role == WorkerRole::kMember || w.role == WorkerRole::kFinished;
   }
+  // Every change of a worker's role goes through here, so that the pending
+  // workers and the spare count are known without scanning every worker.
+  void SetRole(WorkerInfo& w, WorkerRole role);
+  // A process started (it holds a slot of its host until its exit is seen), or ended.
+  void MarkLive(int worker_id);
+  void MarkEnded(int worker_id);
+  // Sets members_ (index = rank) and member_info_ (`info`, when the caller has it).
+  void SetMembers(std::vector<int> ids, std::vector<WorkerInfo*> info = {});
   // A worker of any role stopped answering (frozen, heartbeats gone): it is
   // killed, and replaced according to its role.
   void WorkerUnresponsive(int worker_id, const std::string& kind, const std::string& detail,
@@ -344,8 +359,22 @@ class Controller {
   JobPhase phase_ = JobPhase::kForming;
   uint32_t generation_ = 0;
   std::vector<int> members_;  // worker ids, index = rank
+  // &workers_[members_[r]]: the loops over every member look nothing up
+  // (workers_ never erases, so its nodes stay put).
+  std::vector<WorkerInfo*> member_info_;
   std::map<int, WorkerInfo> workers_;
-  std::map<int, int64_t> ready_;  // live member → the step its state holds (during an abort)
+  // Kept by SetRole: the workers whose role is kPending (ascending ids, as
+  // workers_ orders them), and how many are kSpare.
+  std::set<int> pending_;
+  int spare_count_ = 0;
+  std::unordered_map<int, int64_t> ready_;  // live member → the step its state holds (during an abort)
+  // During an abort, members_[0 .. abort_scan_) are known to be gone or
+  // ready (a member that is either stays so until the next generation), so
+  // that each Ready costs O(1) amortised instead of a scan of every member.
+  size_t abort_scan_ = 0;
+  // After a plan, members_[0 .. close_scan_) are known to have completed the
+  // resume step or finished (last_step only grows while members_ stays).
+  size_t close_scan_ = 0;
   std::map<int, int64_t> joined_step_;  // worker → the step its state held when it joined
   Clock::time_point abort_deadline_{};
   int64_t resume_step_ = 0;
@@ -379,10 +408,13 @@ class Controller {
   std::deque<double> arrival_spreads_ms_;
   // Multi-host.
   std::map<std::string, HostInfo> hosts_;
+  int alive_hosts_ = 0;                  // hosts_ with alive set
   std::vector<std::string> host_order_;  // registration order (placement follows it)
+  std::vector<HostInfo*> host_list_;     // &hosts_[host_order_[i]] (hosts_ never erases)
   bool placed_ = false;
   std::map<int, std::string> host_of_;   // every worker started on a host
   std::set<int> live_processes_;         // started, exit not yet seen (they hold a slot)
+  std::unordered_map<std::string, int> live_on_host_;  // host → how many of live_processes_ run there
 };
 
 }  // namespace nonstop::controller

@@ -56,10 +56,10 @@ TEST_F(ControllerTest, FirstGenerationFormsWhenAllMembersJoinedRanksByWorkerId) 
   auto plans = Find<SendPlan>(Join(1));
   ASSERT_EQ(plans.size(), 3u) << "one plan per member, none to the spare";
   for (const auto& p : plans) {
-    EXPECT_EQ(p.plan.generation, 1u);
-    ASSERT_EQ(p.plan.members.size(), 3u);
-    EXPECT_EQ(p.plan.members[0].worker_id, 0);
-    EXPECT_EQ(p.plan.members[2].worker_id, 2);
+    EXPECT_EQ(p.plan->generation, 1u);
+    ASSERT_EQ(p.plan->members.size(), 3u);
+    EXPECT_EQ(p.plan->members[0].worker_id, 0);
+    EXPECT_EQ(p.plan->members[2].worker_id, 2);
     EXPECT_NE(p.worker_id, 4);
   }
   EXPECT_EQ(c_->RankOf(2), 2);
@@ -78,7 +78,7 @@ TEST_F(ControllerTest, KilledMemberIsReplacedBySpareWhichCopiesStateFromSurvivor
   auto plan_actions = Ready(1, 16);
   auto plans = Find<SendPlan>(plan_actions);
   ASSERT_EQ(plans.size(), 3u);
-  const auto& plan = plans[0].plan;
+  const auto& plan = *plans[0].plan;
   EXPECT_EQ(plan.generation, 2u);
   EXPECT_EQ(plan.resume_step, 18) << "s* is the highest step a survivor holds";
   ASSERT_EQ(plan.members.size(), 3u);
@@ -109,10 +109,32 @@ TEST_F(ControllerTest, WithoutSpareTheJobShrinks) {
   Ready(0, 5);
   auto plans = Find<SendPlan>(Ready(2, 5));
   ASSERT_EQ(plans.size(), 2u);
-  EXPECT_EQ(plans[0].plan.members.size(), 2u);
-  EXPECT_EQ(plans[0].plan.members[1].worker_id, 2) << "survivors keep their order";
-  EXPECT_TRUE(plans[0].plan.transfers.empty()) << "everyone holds step 5";
-  EXPECT_EQ(plans[0].plan.resume_step, 6);
+  EXPECT_EQ(plans[0].plan->members.size(), 2u);
+  EXPECT_EQ(plans[0].plan->members[1].worker_id, 2) << "survivors keep their order";
+  EXPECT_TRUE(plans[0].plan->transfers.empty()) << "everyone holds step 5";
+  EXPECT_EQ(plans[0].plan->resume_step, 6);
+}
+
+// At scale a plan lists every member: its members get one shared plan (and
+// one shared abort), never a copy each (docs/scale.md).
+TEST_F(ControllerTest, MembersShareOnePlanAndOneAbort) {
+  c_ = Make(3, 0);
+  Join(0);
+  Join(1);
+  auto first = Find<SendPlan>(Join(2));
+  ASSERT_EQ(first.size(), 3u);
+  for (const auto& p : first) EXPECT_EQ(p.plan.get(), first[0].plan.get());
+  for (int id : {0, 1, 2}) Step(id, 5);
+  auto aborts = Find<SendAbort>(Do(ProcessExited{1, 1001, -1, 9, ""}));
+  ASSERT_EQ(aborts.size(), 2u);
+  EXPECT_EQ(aborts[0].msg.get(), aborts[1].msg.get());
+  EXPECT_EQ(aborts[0].msg->generation, 1u);
+  Ready(0, 5);
+  auto next = Find<SendPlan>(Ready(2, 5));
+  ASSERT_EQ(next.size(), 2u);
+  EXPECT_EQ(next[0].plan.get(), next[1].plan.get());
+  EXPECT_NE(next[0].plan.get(), first[0].plan.get());
+  EXPECT_EQ(next[0].plan->generation, 2u);
 }
 
 TEST_F(ControllerTest, SilentMemberIsDetectedByHeartbeatTimeoutAndKilled) {
@@ -165,8 +187,8 @@ TEST_F(ControllerTest, TwoFaultsInOneStepNeedTwoSparesOrShrink) {
   Do(ProcessExited{2, 1002, -1, 9, ""});
   auto plans = Find<SendPlan>(Ready(0, 7));
   ASSERT_EQ(plans.size(), 2u);
-  EXPECT_EQ(plans[0].plan.members.size(), 2u) << "one spare: ranks 0 and 1 remain";
-  EXPECT_EQ(plans[0].plan.members[1].worker_id, 3);
+  EXPECT_EQ(plans[0].plan->members.size(), 2u) << "one spare: ranks 0 and 1 remain";
+  EXPECT_EQ(plans[0].plan->members[1].worker_id, 3);
 }
 
 TEST_F(ControllerTest, FaultDuringRecoveryStartsANewRecovery) {
@@ -180,13 +202,13 @@ TEST_F(ControllerTest, FaultDuringRecoveryStartsANewRecovery) {
   EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
   auto aborts = Find<SendAbort>(actions);
   ASSERT_EQ(aborts.size(), 2u);
-  EXPECT_EQ(aborts[0].msg.generation, 2u);
+  EXPECT_EQ(aborts[0].msg->generation, 2u);
   Ready(3, control::kNoValidState);  // its transfer was interrupted
   auto plans = Find<SendPlan>(Ready(0, 9));
   ASSERT_EQ(plans.size(), 2u);
-  EXPECT_EQ(plans[0].plan.generation, 3u);
-  ASSERT_EQ(plans[0].plan.transfers.size(), 1u);
-  EXPECT_EQ(plans[0].plan.transfers[0].receiver, 3);
+  EXPECT_EQ(plans[0].plan->generation, 3u);
+  ASSERT_EQ(plans[0].plan->transfers.size(), 1u);
+  EXPECT_EQ(plans[0].plan->transfers[0].receiver, 3);
   EXPECT_EQ(c_->recoveries()[0].outcome, "superseded by recovery 2");
 }
 
@@ -210,7 +232,7 @@ TEST_F(ControllerTest, MemberReportingACollectiveFailureStartsRecovery) {
   Ready(1, 4);
   auto plans = Find<SendPlan>(Ready(2, 4));
   ASSERT_EQ(plans.size(), 3u) << "nobody lost: same members, next generation";
-  EXPECT_TRUE(plans[0].plan.transfers.empty());
+  EXPECT_TRUE(plans[0].plan->transfers.empty());
 }
 
 TEST_F(ControllerTest, DeadSpareIsReplaced) {
@@ -242,7 +264,7 @@ TEST_F(ControllerTest, FaultAfterSomeMembersFinishedRecoversThemToo) {
   Ready(0, 100);
   auto plans = Find<SendPlan>(Ready(1, 100));
   ASSERT_EQ(plans.size(), 3u);
-  EXPECT_EQ(plans[0].plan.resume_step, 101);
+  EXPECT_EQ(plans[0].plan->resume_step, 101);
 }
 
 TEST_F(ControllerTest, DivergentChecksumsAreDataCorruption) {
@@ -300,7 +322,7 @@ TEST_F(ControllerTest, SpareThatGoesSilentIsKilledReplacedAndNeverPromoted) {
   Ready(0, 1);
   auto plans = Find<SendPlan>(Ready(1, 1));
   ASSERT_EQ(plans.size(), 2u);
-  for (const auto& m : plans[0].plan.members) EXPECT_NE(m.worker_id, 3);
+  for (const auto& m : plans[0].plan->members) EXPECT_NE(m.worker_id, 3);
 }
 
 TEST_F(ControllerTest, StoppedProcessIsAFaultAtOnceWhateverItsRole) {
@@ -364,8 +386,8 @@ TEST_F(ControllerTest, WorkerThatHangsWhileTheJobFormsIsReplacedByASpare) {
   Join(1);
   auto plans = Find<SendPlan>(Join(2));
   ASSERT_EQ(plans.size(), 3u);
-  EXPECT_EQ(plans[0].plan.members[0].worker_id, 1);
-  EXPECT_EQ(plans[0].plan.members[2].worker_id, 3) << "the spare took the hung worker's place";
+  EXPECT_EQ(plans[0].plan->members[0].worker_id, 1);
+  EXPECT_EQ(plans[0].plan->members[2].worker_id, 3) << "the spare took the hung worker's place";
 }
 
 TEST_F(ControllerTest, JobThatDoesNotFormInTimeEndsNamingTheMissingWorkers) {
@@ -431,7 +453,7 @@ TEST_F(ControllerTest, SpareSilentPastTheTimeoutIsNotPromotedEvenBeforeATickNoti
   Ready(0, 1);
   auto plans = Find<SendPlan>(Ready(1, 1));
   ASSERT_EQ(plans.size(), 2u) << "shrink rather than promote a spare that may be hung";
-  for (const auto& m : plans[0].plan.members) EXPECT_NE(m.worker_id, 3);
+  for (const auto& m : plans[0].plan->members) EXPECT_NE(m.worker_id, 3);
 }
 
 TEST_F(ControllerTest, LyingNumbersFromAWorkerAreIgnoredNotOverflowed) {
@@ -559,7 +581,7 @@ TEST_F(HostControllerTest, LosingAHostIsOneRecoveryAndSparesOfAnotherHostTakeBot
   }
   ASSERT_EQ(plans.size(), 6u);
   ASSERT_EQ(c_->recoveries().size(), 1u) << "one recovery for the whole host";
-  const auto& plan = plans[0].plan;
+  const auto& plan = *plans[0].plan;
   for (int rank : {2, 3}) {
     int id = plan.members[static_cast<size_t>(rank)].worker_id;
     EXPECT_EQ(c_->workers().at(id).host, "h4") << "rank " << rank << " goes to a spare of the spare host";

@@ -280,6 +280,12 @@ int RunController(const RuntimeOptions& o) {
     }
     (*server)->SendToAgent(host, control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{id, sig}));
   };
+  // Every member of a generation gets the same plan (one PlanMsg shared by
+  // their SendPlan actions): it is encoded once, for all of them.
+  std::shared_ptr<const control::PlanMsg> encoded_plan;
+  std::string encoded_plan_payload;
+  std::shared_ptr<const control::AbortMsg> encoded_abort;  // likewise the abort of a generation
+  std::string encoded_abort_payload;
   auto execute = [&](const Action& a) {
     std::visit(
         [&](const auto& act) {
@@ -289,11 +295,19 @@ int RunController(const RuntimeOptions& o) {
               Status s = launcher->Renice(act.worker_id, 0);
               if (!s.ok()) NONSTOP_LOG_WARNING("promoted spare keeps its low priority: {}", s.ToString());
             }
-            (*server)->Send(act.worker_id, control::kMsgPlan, control::Encode(act.plan));
+            if (act.plan != encoded_plan) {
+              encoded_plan_payload = control::Encode(*act.plan);
+              encoded_plan = act.plan;
+            }
+            (*server)->Send(act.worker_id, control::kMsgPlan, encoded_plan_payload);
           } else if constexpr (std::is_same_v<T, SendShutdown>) {
             (*server)->Send(act.worker_id, control::kMsgShutdown, control::Encode(act.msg));
           } else if constexpr (std::is_same_v<T, SendAbort>) {
-            (*server)->Send(act.worker_id, control::kMsgAbort, control::Encode(act.msg));
+            if (act.msg != encoded_abort) {
+              encoded_abort_payload = control::Encode(*act.msg);
+              encoded_abort = act.msg;
+            }
+            (*server)->Send(act.worker_id, control::kMsgAbort, encoded_abort_payload);
           } else if constexpr (std::is_same_v<T, SendDrain>) {
             (*server)->Send(act.worker_id, control::kMsgDrain, control::Encode(act.msg));
           } else if constexpr (std::is_same_v<T, ScaleReply>) {
@@ -344,12 +358,35 @@ int RunController(const RuntimeOptions& o) {
         },
         a);
   };
+  // Calls to core.Handle so far: /status changes only when this does.
+  uint64_t handled = 0;
+  auto handle = [&](const Event& e) {
+    ++handled;
+    for (const Action& a : core.Handle(e, Clock::now())) execute(a);
+  };
   auto drain_events = [&]() {
     while (!events.empty()) {
       Event e = std::move(events.front());
       events.pop_front();
-      for (const Action& a : core.Handle(e, Clock::now())) execute(a);
+      handle(e);
     }
+  };
+  // /status and /metrics are published after every loop turn that changed
+  // the state, as long as building them is cheap. Status() lists every
+  // worker: with many thousands it takes milliseconds, so it is then
+  // published at most once per 20 × its cost (at most ~5% of the loop's
+  // time goes to it; docs/scale.md).
+  uint64_t published = ~uint64_t{0};
+  Deadline next_publish = Clock::now();
+  auto publish_status = [&]() {
+    if (handled == published || Clock::now() < next_publish) return;
+    auto t0 = Clock::now();
+    nlohmann::json st = core.Status();
+    std::string metrics = Metrics(st);
+    (*http)->Publish(std::move(st), std::move(metrics));
+    published = handled;
+    auto cost = Clock::now() - t0;
+    next_publish = cost < Millis(1) ? Clock::now() : Clock::now() + 20 * cost;
   };
 
   Deadline next_tick = Clock::now();
@@ -357,20 +394,16 @@ int RunController(const RuntimeOptions& o) {
   while (true) {
     loop.RunOnce(Millis(20));
     drain_events();
-    {
-      nlohmann::json st = core.Status();
-      std::string metrics = Metrics(st);
-      (*http)->Publish(std::move(st), std::move(metrics));
-    }
+    publish_status();
     if (interrupted && !ended) {
       interrupted = false;
-      for (const Action& a : core.Handle(Interrupted{"a signal (SIGINT or SIGTERM)"}, Clock::now())) execute(a);
+      handle(Interrupted{"a signal (SIGINT or SIGTERM)"});
     }
     if (Clock::now() >= next_tick) {
       if (launcher) launcher->PollStopped();  // frozen processes, seen within one tick
       (*server)->CheckTimers(Clock::now());
       drain_events();
-      for (const Action& a : core.Handle(Tick{}, Clock::now())) execute(a);
+      handle(Tick{});
       next_tick = DeadlineAfter(Millis(50));
     }
     if (Clock::now() >= next_ping) {
