@@ -337,11 +337,12 @@ bool ControlServer::SendToAgent(const std::string& host_id, uint16_t type, const
   return SendOn(it->second, type, payload);
 }
 
-void ControlServer::CloseAgent(const std::string& host_id, const std::string& reason, int exit_code) {
+void ControlServer::CloseAgent(const std::string& host_id, const std::string& reason, int exit_code,
+                               bool send_shutdown) {
   auto it = fd_of_host_.find(host_id);
   if (it == fd_of_host_.end()) return;
   int fd = it->second;
-  if (SendOn(fd, control::kMsgShutdown, control::Encode(control::ShutdownMsg{reason, exit_code}))) {
+  if (!send_shutdown || SendOn(fd, control::kMsgShutdown, control::Encode(control::ShutdownMsg{reason, exit_code}))) {
     CloseConn(fd, reason, false);
   }
 }

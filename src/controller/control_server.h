@@ -65,9 +65,11 @@ class ControlServer {
   bool Send(int worker_id, uint16_t type, const std::string& payload);
   // The same, to the agent of a host.
   bool SendToAgent(const std::string& host_id, uint16_t type, const std::string& payload);
-  // Sends the agent a Shutdown (why it must go) and closes its connection;
-  // no HostLost follows (the controller decided it).
-  void CloseAgent(const std::string& host_id, const std::string& reason, int exit_code);
+  // Sends the agent a Shutdown (why it must go; with send_shutdown false,
+  // nothing: the agent sees its connection close, fences itself and
+  // registers again) and closes its connection; no HostLost follows (the
+  // controller decided it).
+  void CloseAgent(const std::string& host_id, const std::string& reason, int exit_code, bool send_shutdown = true);
   // Closes a worker's connection (it was killed, or fenced with its host); no
   // ConnectionLost follows.
   void CloseWorker(int worker_id, const std::string& reason);

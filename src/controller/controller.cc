@@ -130,6 +130,13 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     out->push_back(SendShutdown{m.worker_id, {"joined after its join deadline; a replacement was started", kExitUsage}});
     return;
   }
+  if (!multi_host() && !m.host_id.empty()) {
+    // One machine: an inherited NONSTOP_HOST_ID means nothing here.
+    control::JoinMsg local = m;
+    local.host_id.clear();
+    On(WorkerJoined{local}, out);
+    return;
+  }
   // A worker is on the host whose agent started it, and nowhere else.
   if (auto started = host_of_.find(m.worker_id); started != host_of_.end() && started->second != m.host_id) {
     std::string why = fmt::format("worker {} was started on host {} but joins as a worker of host '{}'", m.worker_id,
@@ -163,7 +170,10 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     return;
   }
   next_worker_id_ = std::max(next_worker_id_, m.worker_id + 1);
-  if (awaiting_join_.erase(m.worker_id) > 0 && m.spare) refill_failures_ = 0;
+  if (awaiting_join_.erase(m.worker_id) > 0 && m.spare) {
+    refill_failures_ = 0;
+    if (!m.host_id.empty()) host_refill_failures_.erase(m.host_id);
+  }
   if (workers_.count(m.worker_id) && workers_[m.worker_id].role != WorkerRole::kGone) {
     out->push_back(AppendJournal{{{"event", "join_refused"}, {"worker_id", m.worker_id},
                                   {"reason", "worker id already in use"}}});
@@ -259,6 +269,15 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
     if (w.role == WorkerRole::kGone) continue;
     SetRole(w, WorkerRole::kGone);
     out->push_back(KillWorker{id});
+    if (multi_host()) MarkEnded(id);  // its slot takes a restarted worker at once
+  }
+  if (multi_host()) {
+    for (const auto& [id, a] : awaiting_join_) {  // started, not joined yet: they would join the old job
+      out->push_back(KillWorker{id});
+      killed_before_join_.insert(id);
+      MarkEnded(id);
+    }
+    awaiting_join_.clear();
   }
   SetMembers({});
   ready_.clear();
@@ -398,6 +417,7 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
                                   {"reason", "an agent reported the exit of a worker it did not start"}}});
     return;
   }
+  const bool was_live = live_processes_.count(e.worker_id) > 0;
   MarkEnded(e.worker_id);
   std::string how = e.signal != 0 ? fmt::format("was killed by signal {}", e.signal)
                                   : fmt::format("exited with code {}", e.exit_code);
@@ -409,6 +429,24 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
     bool was_refill = awaited != awaiting_join_.end() && awaited->second.spare;
     if (awaited != awaiting_join_.end()) awaiting_join_.erase(awaited);
     if (killed_before_join_.count(e.worker_id)) return;  // already replaced
+    // On hosts, a process whose end was already accounted for (its host was
+    // lost, or it was killed and its slot reused) changes nothing.
+    if (multi_host() && !was_live) return;
+    if (was_refill && e.exit_code != kExitDataCorruption && multi_host()) {
+      const std::string host = HostOf(e.worker_id);
+      int failures = ++host_refill_failures_[host];
+      if (failures <= 3) {
+        out->push_back(PrintLine{fmt::format("spare worker {} on host {} (pid {}) {} before joining; starting another",
+                                             e.worker_id, host, e.pid, how)});
+        RefillSpare(out);
+      } else {
+        out->push_back(PrintLine{fmt::format("spare worker {} on host {} (pid {}) {} before joining; {} spares in a row "
+                                             "died while starting there, so its slots are not refilled until it "
+                                             "registers again (see their output)",
+                                             e.worker_id, host, e.pid, how, failures)});
+      }
+      return;
+    }
     if (was_refill && e.exit_code != kExitDataCorruption) {
       // A spare that died while starting: the pool refills, unless refills keep dying.
       if (++refill_failures_ <= 3) {
@@ -496,6 +534,7 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
     case WorkerRole::kPending: {
       // The job is forming: a spare takes its place, or a new worker is started.
       SetRole(w, WorkerRole::kGone);
+      if (multi_host()) MarkEnded(worker_id);  // killed now: its slot can take the replacement
       out->push_back(AppendJournal{{{"event", "fault"}, {"kind", kind}, {"worker_id", worker_id}, {"rank", -1},
                                     {"pid", w.pid}, {"detail", detail}, {"last_step", w.last_step},
                                     {"generation", generation_}}});
@@ -601,8 +640,10 @@ void Controller::CheckHeartbeats(std::vector<Action>* out) {
   }
   for (const auto& id : silent_hosts) {
     std::string why = fmt::format("its agent sent no heartbeat for {:.0f} ms", Ms(now_ - hosts_[id].last_heard));
-    out->push_back(CloseHost{id, "declared lost: " + why, kExitPeerFailure});  // fenced, should it still be alive
-    HostDown(id, why, out);
+    HostDown(id, why, out);  // its workers are killed (if the agent still hears) and fenced
+    // The connection closes without a shutdown: an agent that still lives
+    // fences itself and registers again when it can.
+    out->push_back(CloseHost{id, "declared lost: " + why, kExitPeerFailure, /*fence=*/true});
     if (phase_ == JobPhase::kEnded) return;
   }
   // Every worker that has joined, whatever its role, must be heard from.
@@ -652,6 +693,7 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
   }
   if (phase_ == JobPhase::kRecovering) {
     recoveries_[*open_recovery_].causes.push_back(what);
+    EscalateResize(out);
     MaybeFinishAbort(out);
   } else {
     StartRecovery(what, out);
@@ -779,7 +821,8 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   }
   std::vector<int> spares;  // only those heard from lately: a hung spare is never promoted
   for (const auto& [id, w] : workers_) {
-    if (w.role == WorkerRole::kSpare && !w.stopped && now_ - w.last_heard <= options_.heartbeat_timeout) {
+    if (w.role == WorkerRole::kSpare && !w.stopped && now_ - w.last_heard <= options_.heartbeat_timeout &&
+        HostResponsive(w.host)) {
       spares.push_back(id);
     }
   }
@@ -820,6 +863,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   for (int id : released) {
     WorkerInfo& w = workers_[id];
     SetRole(w, WorkerRole::kGone);
+    if (!w.host.empty()) ++withheld_[w.host];  // capacity given back: not refilled until a grow
     out->push_back(SendShutdown{id, {fmt::format("released: the world shrinks to {}", next.size()), kExitOk}});
   }
   if (next.size() != members_.size()) {
@@ -1002,8 +1046,12 @@ void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
     StartResize(target, fmt::format("shrink on request ({})", e.source), out);
   } else if (target > world) {
     // Declared capacity: start the workers that are missing; the job grows when they have joined.
-    // (On hosts, capacity is the hosts' slots: the job grows when a host brings some.)
-    if (!multi_host()) {
+    // (On hosts, capacity is the hosts' slots: slots given back by a shrink
+    // are filled again; beyond them the job grows when a host brings some.)
+    if (multi_host()) {
+      withheld_.clear();
+      TopUpHosts(out);
+    } else {
       for (int i = SpareCount(); i < target - world; ++i) Spawn(next_worker_id_++, /*spare=*/true, false, false, out);
     }
     MaybeGrow(out);
@@ -1081,6 +1129,8 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   h.lost_reason.clear();
   h.last_heard = now_;
   ++h.incarnation;
+  host_refill_failures_.erase(m.host_id);  // a fresh start for its slots
+  withheld_.erase(m.host_id);
   out->push_back(AppendJournal{{{"event", "host_join"}, {"host", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares},
                                 {"address", m.address}, {"incarnation", h.incarnation}}});
   out->push_back(PrintLine{fmt::format("host {} ({}) registered{}: {} worker(s), {} spare(s)", m.host_id, m.address,
@@ -1118,14 +1168,67 @@ void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
 int Controller::FreeSlots(const HostInfo& h) const {
   auto it = live_on_host_.find(h.host_id);
   int used = it == live_on_host_.end() ? 0 : it->second;
+  auto w = withheld_.find(h.host_id);
+  used += w == withheld_.end() ? 0 : w->second;
   return std::max(0, h.nproc + h.spares - used);
 }
 
+bool Controller::HostResponsive(const std::string& host_id) const {
+  if (host_id.empty()) return true;
+  auto it = hosts_.find(host_id);
+  return it != hosts_.end() && it->second.alive && now_ - it->second.last_heard <= options_.heartbeat_timeout / 2;
+}
+
+void Controller::EscalateResize(std::vector<Action>* out) {
+  if (!open_recovery_ || phase_ != JobPhase::kRecovering) return;
+  RecoveryRecord& rec = recoveries_[*open_recovery_];
+  if (rec.kind != "resize") return;
+  rec.kind = "recovery";  // a fault now, not a planned change
+  abort_deadline_ = now_ + std::max(options_.abort_timeout,
+                                    std::chrono::duration_cast<Millis>(
+                                        std::chrono::duration<double>(1.5 * MedianStepSeconds())));
+  auto abort = std::make_shared<const control::AbortMsg>(
+      control::AbortMsg{generation_, "a member was lost during a resize"});
+  for (int id : members_) {
+    if (IsLiveMember(workers_[id]) && !ready_.count(id)) out->push_back(SendAbort{id, abort});
+  }
+  out->push_back(AppendJournal{{{"event", "resize_aborted"}, {"recovery", rec.id}, {"generation", generation_}}});
+}
+
+void Controller::ReplaceFormingWorker(const std::string& lost_host, std::vector<Action>* out) {
+  for (auto& [id, w] : workers_) {
+    if (w.role == WorkerRole::kSpare && !w.stopped && w.host != lost_host && HostResponsive(w.host)) {
+      SetRole(w, WorkerRole::kPending);
+      out->push_back(PrintLine{fmt::format("spare worker {} on host {} takes the place of a worker of host {}", id,
+                                           w.host, lost_host)});
+      return;
+    }
+  }
+  for (const HostInfo* h : host_list_) {
+    if (h->alive && FreeSlots(*h) > 0) {
+      Spawn(next_worker_id_++, /*spare=*/false, /*resume=*/open_recovery_.has_value(), /*background=*/false, out,
+            h->host_id);
+      return;
+    }
+  }
+  if (world_size_ - 1 >= std::max(1, options_.policy.min_world)) {
+    --world_size_;
+    out->push_back(PrintLine{fmt::format("no spare or free slot for a worker of host {}: the job forms with {} "
+                                         "workers", lost_host, world_size_)});
+    return;
+  }
+  End(kExitPeerFailure, fmt::format("host {} was lost while the job formed, and no other host can take its "
+                                    "workers (the policy's minimum world is {})", lost_host,
+                                    options_.policy.min_world),
+      out);
+}
+
 void Controller::TopUpHosts(std::vector<Action>* out) {
-  if (refill_failures_ > 3) return;  // spares keep dying while starting: said once, not retried
+  if (!placed_) return;  // the placement starts every host's workers
   for (const HostInfo* hp : host_list_) {
     const HostInfo& h = *hp;
     if (!h.alive) continue;
+    if (auto f = host_refill_failures_.find(h.host_id); f != host_refill_failures_.end() && f->second > 3) continue;
     for (int free = FreeSlots(h); free > 0; --free) {
       Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/placed_ && phase_ != JobPhase::kForming,
             out, h.host_id);
@@ -1168,10 +1271,14 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
   --alive_hosts_;
   h.lost_reason = reason;
   std::vector<int> members, others;
+  int unjoined_workers = 0;  // workers the forming job waits for that will never join
   for (const auto& [id, host] : host_of_) {
     if (host != host_id) continue;
     MarkEnded(id);  // the host and all its processes are gone (or fenced)
-    awaiting_join_.erase(id);
+    if (auto a = awaiting_join_.find(id); a != awaiting_join_.end()) {
+      if (!a->second.spare && phase_ == JobPhase::kForming) ++unjoined_workers;
+      awaiting_join_.erase(a);
+    }
     auto w = workers_.find(id);
     if (w == workers_.end()) continue;
     if (IsLiveMember(w->second)) members.push_back(id);
@@ -1194,6 +1301,9 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
     WorkerUnresponsive(id, "host lost", fmt::format("was on host {} ({})", host_id, reason), out);
     if (phase_ == JobPhase::kEnded) return;
   }
+  for (int i = 0; i < unjoined_workers && phase_ == JobPhase::kForming; ++i) ReplaceFormingWorker(host_id, out);
+  if (phase_ == JobPhase::kEnded) return;
+  if (unjoined_workers > 0) MaybeFormFirstGeneration(out);
   if (members.empty()) {
     // Its members may already be gone, each noticed on its own (their control
     // connections closed first): the open recovery names the host too.
@@ -1222,6 +1332,7 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
   if (phase_ == JobPhase::kRecovering) {
     recoveries_[*open_recovery_].causes.push_back(what);
     recoveries_[*open_recovery_].failed_hosts.insert(host_id);
+    EscalateResize(out);
     MaybeFinishAbort(out);
   } else {
     StartRecovery(what, out);

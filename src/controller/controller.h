@@ -178,7 +178,10 @@ struct SignalWorker { int worker_id; int signal; };  // injected time-based faul
 struct SpawnWorker { int worker_id; bool spare; bool resume = false; bool background = false; std::string host; };
 // Tell an agent why it must go (a refusal, or a host declared lost: fencing)
 // and close its connection.
-struct CloseHost { std::string host_id; std::string reason; int exit_code = kExitPeerFailure; };
+// fence: only close the connection (a host declared lost): the agent, if it
+// still lives, kills its processes and registers again; otherwise a shutdown
+// with the reason and exit code goes first (a refusal: the agent exits).
+struct CloseHost { std::string host_id; std::string reason; int exit_code = kExitPeerFailure; bool fence = false; };
 struct AppendJournal { nlohmann::json record; };
 struct PrintLine { std::string line; };
 struct EndJob { int exit_code; std::string reason; };
@@ -300,6 +303,14 @@ class Controller {
   // machine; on hosts, wherever a slot is free.
   void RefillSpare(std::vector<Action>* out);
   void HostDown(const std::string& host_id, const std::string& reason, std::vector<Action>* out);
+  // A worker the job was forming with is gone for good: a joined spare takes
+  // its place, or a new worker where a slot is free, or the job forms smaller.
+  void ReplaceFormingWorker(const std::string& lost_host, std::vector<Action>* out);
+  // A member lost during a planned resize: the survivors may be blocked in a
+  // collective with it, which the drain alone never ends; they are aborted.
+  void EscalateResize(std::vector<Action>* out);
+  // A host heard from lately (half the heartbeat timeout): its spares may be promoted.
+  bool HostResponsive(const std::string& host_id) const;
   // Orders `spares` for a plan: those on hosts that just failed last.
   void OrderSpares(std::vector<int>* spares, const std::set<std::string>& failed_hosts) const;
   // Orders state sources so that consecutive ones sit on different hosts.
@@ -412,6 +423,8 @@ class Controller {
   std::vector<std::string> host_order_;  // registration order (placement follows it)
   std::vector<HostInfo*> host_list_;     // &hosts_[host_order_[i]] (hosts_ never erases)
   bool placed_ = false;
+  std::map<std::string, int> withheld_;           // slots given back by a shrink on request, per host
+  std::map<std::string, int> host_refill_failures_;  // spares that died while starting, in a row, per host
   std::map<int, std::string> host_of_;   // every worker started on a host
   std::set<int> live_processes_;         // started, exit not yet seen (they hold a slot)
   std::unordered_map<std::string, int> live_on_host_;  // host → how many of live_processes_ run there

@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <random>
@@ -36,18 +38,34 @@ std::string RandomToken() {
   return fmt::format("{:08x}{:08x}{:08x}{:08x}", rd(), rd(), rd(), rd());
 }
 
-// Writes `text` to `path` readable by its owner only.
+// Writes `text` to `path` readable by its owner only: into a temporary file
+// renamed over it, so that a reader (an agent reading the token file on a
+// shared filesystem) sees the old content or the new, never an empty file.
+// A file that already holds `text` is left alone.
 Status WritePrivateFile(const std::string& path, const std::string& text) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return InternalError(fmt::format("cannot write {}: {}", path, std::strerror(errno)));
+  {
+    std::ifstream in(path);
+    std::string old((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (in && old == text) return OkStatus();
+  }
+  std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return InternalError(fmt::format("cannot write {}: {}", tmp, std::strerror(errno)));
   UniqueFd guard(fd);
   (void)::fchmod(fd, 0600);  // an existing file keeps its mode otherwise
   size_t done = 0;
   while (done < text.size()) {
     ssize_t w = ::write(fd, text.data() + done, text.size() - done);
     if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return InternalError(fmt::format("cannot write {}: {}", path, std::strerror(errno)));
+    if (w <= 0) {
+      ::unlink(tmp.c_str());
+      return InternalError(fmt::format("cannot write {}: {}", tmp, std::strerror(errno)));
+    }
     done += static_cast<size_t>(w);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    ::unlink(tmp.c_str());
+    return InternalError(fmt::format("cannot write {}: {}", path, std::strerror(errno)));
   }
   return OkStatus();
 }
@@ -236,6 +254,7 @@ int RunController(const RuntimeOptions& o) {
     spec.env = {{"NONSTOP_CONTROLLER", controller_address},
                 {"NONSTOP_JOB_TOKEN", token},
                 {"NONSTOP_DATA_HOST", o.data_host}};
+    spec.unset = launcher::kJobVariables;  // an inherited NONSTOP_HOST_ID or NONSTOP_RESUME is not this job's
     for (auto& kv : worker_env(id, spare, resume)) spec.env.push_back(std::move(kv));
     // A spare started in the background (refilling the pool while the job
     // trains) warms up at a low priority, so that it does not slow the job's
@@ -339,7 +358,7 @@ int RunController(const RuntimeOptions& o) {
               events.push_back(ProcessExited{act.worker_id, 0, 127, 0, act.host});
             }
           } else if constexpr (std::is_same_v<T, CloseHost>) {
-            (*server)->CloseAgent(act.host_id, act.reason, act.exit_code);
+            (*server)->CloseAgent(act.host_id, act.reason, act.exit_code, /*send_shutdown=*/!act.fence);
           } else if constexpr (std::is_same_v<T, AppendJournal>) {
             (*journal)->Append(act.record);
           } else if constexpr (std::is_same_v<T, PrintLine>) {
