@@ -48,26 +48,6 @@ std::string ErrText(int err) {
 
 std::string Seconds(Millis d) { return fmt::format("{:g} s", static_cast<double>(d.count()) / 1000.0); }
 
-// The controller's IPv4 address (the control plane speaks IPv4, like net::Dial).
-Result<sockaddr_in> Resolve(const net::HostPort& where) {
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(where.port);
-  std::string host = where.host == "localhost" ? "127.0.0.1" : where.host;
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) == 1) return addr;
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
-  if (rc != 0 || res == nullptr) {
-    return UnavailableError(fmt::format("cannot resolve host '{}': {}", where.host, ::gai_strerror(rc)));
-  }
-  addr.sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
-  ::freeaddrinfo(res);
-  return addr;
-}
-
 std::string LocalAddress(int fd) {
   sockaddr_in local{};
   socklen_t len = sizeof(local);
@@ -320,7 +300,7 @@ void Agent::Tick() {
 void Agent::Dial() {
   NONSTOP_CHECK(!conn_.valid());
   auto where = net::ParseHostPort(options_.controller);  // valid: checked by ValidateOptions
-  auto addr = Resolve(*where);
+  auto addr = net::Resolve(*where);
   if (!addr.ok()) {
     DialFailed(addr.status().message());
     return;

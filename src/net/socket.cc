@@ -35,8 +35,6 @@ Result<HostPort> ParseHostPort(std::string_view text) {
   return HostPort{std::string(text.substr(0, colon)), static_cast<uint16_t>(port)};
 }
 
-namespace {
-
 Result<sockaddr_in> Resolve(const HostPort& where) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -56,7 +54,6 @@ Result<sockaddr_in> Resolve(const HostPort& where) {
   return addr;
 }
 
-}  // namespace
 
 Status SetNonBlocking(int fd) {
   int flags = ::fcntl(fd, F_GETFL, 0);

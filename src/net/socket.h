@@ -5,6 +5,8 @@
 // deaf to an abort.
 #pragma once
 
+#include <netinet/in.h>
+
 #include <cstdint>
 #include <span>
 #include <string>
@@ -44,6 +46,9 @@ Result<UniqueFd> Accept(int listen_fd);
 // Dials `where`, retrying refused connections until `deadline` (the peer may
 // not be listening yet).
 Result<UniqueFd> Dial(const HostPort& where, Deadline deadline, const AbortSignal* abort = nullptr);
+// The IPv4 address of `where` (a literal, or a name looked up with
+// getaddrinfo, which may block): the control and data planes speak IPv4.
+Result<sockaddr_in> Resolve(const HostPort& where);
 
 Status SetNonBlocking(int fd);
 void ConfigureStreamSocket(int fd);  // TCP_NODELAY, keepalive

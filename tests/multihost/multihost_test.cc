@@ -133,6 +133,20 @@ class MultiHostTest : public ::testing::Test {
     return sums.size() == 1 ? *sums.begin() : "none";
   }
 
+  // The layout of the host-fault tests: the controller on host 0, hosts h1-h3
+  // with two workers each (namespaces 1-3), a host of two spares (namespace
+  // 4); returns once the job has completed step 30.
+  void StartThreeHostsAndASpareHost(int steps) {
+    ASSERT_NO_FATAL_FAILURE(MakeCluster(5));
+    steps_ = steps;
+    ASSERT_NO_FATAL_FAILURE(StartController(4));
+    StartAgent(1, "h1", 2, 0);
+    StartAgent(2, "h2", 2, 0);
+    StartAgent(3, "h3", 2, 0);
+    StartAgent(4, "hs", 0, 2);
+    WaitFor([&] { return HighestStep() >= 30; }, "step 30");
+  }
+
   // worker id → host, from the join records.
   std::map<int, std::string> HostOfWorker() const {
     std::map<int, std::string> out;
@@ -154,14 +168,7 @@ class MultiHostTest : public ::testing::Test {
 // (its agent and both its workers at once): ONE recovery, the spare host's
 // spares take both ranks, and the result is bitwise the fault-free one.
 TEST_F(MultiHostTest, HostCrashIsOneRecoveryAndSparesOfTheSpareHostTakeItsRanks) {
-  MakeCluster(5);
-  steps_ = 300;
-  StartController(4);
-  StartAgent(1, "h1", 2, 0);
-  StartAgent(2, "h2", 2, 0);
-  StartAgent(3, "h3", 2, 0);
-  StartAgent(4, "hs", 0, 2);
-  WaitFor([&] { return HighestStep() >= 30; }, "step 30");
+  ASSERT_NO_FATAL_FAILURE(StartThreeHostsAndASpareHost(300));
   auto plan = Events(journal_, "plan").back();
   auto host_of = HostOfWorker();
   std::set<int> h2_ranks;
@@ -196,14 +203,7 @@ TEST_F(MultiHostTest, HostCrashIsOneRecoveryAndSparesOfTheSpareHostTakeItsRanks)
 // when the link heals the agent registers again and its slots come back as
 // spares, never into the old generation.
 TEST_F(MultiHostTest, PartitionedHostIsFencedAndComesBackAsSpares) {
-  MakeCluster(5);
-  steps_ = 700;
-  StartController(4);
-  StartAgent(1, "h1", 2, 0);
-  StartAgent(2, "h2", 2, 0);
-  StartAgent(3, "h3", 2, 0);
-  StartAgent(4, "hs", 0, 2);
-  WaitFor([&] { return HighestStep() >= 30; }, "step 30");
+  ASSERT_NO_FATAL_FAILURE(StartThreeHostsAndASpareHost(700));
   std::set<int> fenced;
   for (const auto& [id, host] : HostOfWorker()) {
     if (host == "h2") fenced.insert(id);
@@ -251,9 +251,9 @@ TEST_F(MultiHostTest, PartitionedHostIsFencedAndComesBackAsSpares) {
 
 // (c) A host that registers after the start grows the job (policy permitting).
 TEST_F(MultiHostTest, LateHostGrowsTheJob) {
-  MakeCluster(4);
+  ASSERT_NO_FATAL_FAILURE(MakeCluster(4));
   steps_ = 400;
-  StartController(2, {"--max-world", "6"});
+  ASSERT_NO_FATAL_FAILURE(StartController(2, {"--max-world", "6"}));
   StartAgent(1, "h1", 2, 0);
   StartAgent(2, "h2", 2, 0);
   WaitFor([&] { return HighestStep() >= 20; }, "step 20");
@@ -271,8 +271,8 @@ TEST_F(MultiHostTest, LateHostGrowsTheJob) {
 
 // Bad input: a wrong token, and a host id already in the job.
 TEST_F(MultiHostTest, AgentsWithAWrongTokenOrADuplicateHostIdAreRefusedWithTheReason) {
-  MakeCluster(3);
-  StartController(5);  // never forms: we only probe the refusals
+  ASSERT_NO_FATAL_FAILURE(MakeCluster(3));
+  ASSERT_NO_FATAL_FAILURE(StartController(5));  // never forms: we only probe the refusals
   StartAgent(1, "h1", 1, 0);
   WaitFor([&] { return !Events(journal_, "host_join").empty(); }, "h1 to register");
   auto dup = cluster_->Spawn(2,
