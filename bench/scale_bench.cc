@@ -360,8 +360,8 @@ class Sim {
     out->clear();
   }
 
-  // Appends `records` to a journal the way the runtime does (controller::Journal: one line and one flush
-  // each), then clears them.
+  // Appends `records` to a journal the way the runtime does (controller::Journal: buffered lines, one
+  // flush at the end of the loop turn), then clears them.
   json AppendAll(std::vector<json>* records) const {
     auto journal = controller::Journal::Open(journal_);
     if (!journal.ok()) return {{"error", journal.status().ToString()}};

@@ -234,7 +234,9 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
     w.last_heard = now_;
     w.last_step = joined_step_[w.worker_id];
     plan.members.push_back({w.worker_id, w.address});
-    if (joined_step_[w.worker_id] != s_star) plan.transfers.push_back({w.worker_id, holders});
+    if (joined_step_[w.worker_id] != s_star) {
+      plan.transfers.push_back({w.worker_id, SourcesFor(holders, plan.transfers.size())});
+    }
   }
   // Late joiners wait as spares.
   for (int id : std::vector<int>(pending_.begin(), pending_.end())) SetRole(workers_[id], WorkerRole::kSpare);
@@ -907,8 +909,9 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
     w.last_step = holds;
     plan.members.push_back({w.worker_id, w.address});
     if (holds != s_star) {
-      plan.transfers.push_back({w.worker_id, holders});
-      transfers.push_back({{"receiver", w.worker_id}, {"sources", holders}, {"had_step", holds}});
+      std::vector<int> sources = SourcesFor(holders, plan.transfers.size());
+      transfers.push_back({{"receiver", w.worker_id}, {"sources", sources}, {"had_step", holds}});
+      plan.transfers.push_back({w.worker_id, std::move(sources)});
     }
   }
   ready_.clear();
@@ -1343,6 +1346,20 @@ void Controller::OrderSpares(std::vector<int>* spares, const std::set<std::strin
   std::stable_sort(spares->begin(), spares->end(), [&](int a, int b) {
     return failed_hosts.count(workers_.at(a).host) < failed_hosts.count(workers_.at(b).host);
   });
+}
+
+std::vector<int> Controller::SourcesFor(const std::vector<int>& holders, size_t receiver_index) {
+  // Each receiver opens a connection (and a thread) per source: a few sources
+  // saturate its link, and more only cost connections. Consecutive receivers
+  // start at different holders, so the serving is spread over all of them
+  // (and, the holders being listed alternating over hosts, over hosts).
+  if (holders.size() <= kMaxSourcesPerReceiver) return holders;
+  std::vector<int> out;
+  out.reserve(kMaxSourcesPerReceiver);
+  for (size_t j = 0; j < kMaxSourcesPerReceiver; ++j) {
+    out.push_back(holders[(receiver_index * kMaxSourcesPerReceiver + j) % holders.size()]);
+  }
+  return out;
 }
 
 std::vector<int> Controller::SpreadOverHosts(const std::vector<int>& holders) const {

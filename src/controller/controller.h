@@ -313,6 +313,10 @@ class Controller {
   bool HostResponsive(const std::string& host_id) const;
   // Orders `spares` for a plan: those on hosts that just failed last.
   void OrderSpares(std::vector<int>* spares, const std::set<std::string>& failed_hosts) const;
+  // The state sources of the receiver_index-th receiver of a plan: every
+  // holder, or kMaxSourcesPerReceiver of them, rotating over the receivers.
+  static constexpr size_t kMaxSourcesPerReceiver = 8;
+  static std::vector<int> SourcesFor(const std::vector<int>& holders, size_t receiver_index);
   // Orders state sources so that consecutive ones sit on different hosts.
   std::vector<int> SpreadOverHosts(const std::vector<int>& holders) const;
 

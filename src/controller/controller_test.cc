@@ -5,6 +5,7 @@
 
 #include <limits>
 #include <map>
+#include <set>
 #include <tuple>
 
 namespace nonstop::controller {
@@ -928,6 +929,39 @@ TEST_F(ControllerTest, HostIdIsIgnoredOnOneMachine) {
   Do(WorkerJoined{{0, 1000, "a:1", false, -1, "node7"}});
   auto plans = Find<SendPlan>(Do(WorkerJoined{{1, 1001, "a:2", false, -1, "node7"}}));
   EXPECT_EQ(plans.size(), 2u);
+}
+
+}  // namespace
+}  // namespace nonstop::controller
+
+namespace nonstop::controller {
+namespace {
+
+// Connection setup at scale: a receiver copies from at most 8 holders, and
+// consecutive receivers from different ones.
+TEST_F(ControllerTest, AReceiverCopiesFromAtMostEightSourcesSpreadOverTheHolders) {
+  c_ = Make(20, 2);
+  for (int id = 0; id < 20; ++id) Join(id);
+  Join(20, true);
+  Join(21, true);
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  for (int id = 0; id < 20; ++id) Step(id, 7);
+  Do(ProcessExited{3, 1003, -1, 9, ""});
+  Do(ProcessExited{4, 1004, -1, 9, ""});
+  std::vector<SendPlan> plans;
+  for (int id = 0; id < 20; ++id) {
+    if (id == 3 || id == 4) continue;
+    for (auto& p : Find<SendPlan>(Ready(id, 7))) plans.push_back(p);
+  }
+  ASSERT_FALSE(plans.empty());
+  const auto& transfers = plans[0].plan->transfers;
+  ASSERT_EQ(transfers.size(), 2u);
+  std::set<int> used;
+  for (const auto& t : transfers) {
+    EXPECT_EQ(t.sources.size(), 8u) << "18 holders, 8 sources each";
+    used.insert(t.sources.begin(), t.sources.end());
+  }
+  EXPECT_EQ(used.size(), 16u) << "the two receivers copy from different holders";
 }
 
 }  // namespace

@@ -55,8 +55,9 @@ void Journal::Append(nlohmann::json record) {
   record["mono_us"] = static_cast<int64_t>(MonotonicSeconds() * 1e6);
   std::string line = record.dump() + "\n";
   std::fwrite(line.data(), 1, line.size(), file_);
-  std::fflush(file_);
 }
+
+void Journal::Flush() { std::fflush(file_); }
 
 Result<std::vector<nlohmann::json>> Journal::Read(const std::string& path) {
   std::ifstream in(path);

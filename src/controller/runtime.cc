@@ -435,6 +435,7 @@ int RunController(const RuntimeOptions& o) {
       for (const auto& host : (*server)->agents()) (*server)->SendToAgent(host, control::kMsgPing, "{}");
       next_ping = DeadlineAfter(Millis(500));
     }
+    (*journal)->Flush();  // once per turn: what happened is on disk within ≤ 20 ms
     if (ended && local_running() == 0 && ((*server)->agents().empty() || Clock::now() >= agents_gone_by)) break;
     if (ended && launcher && Clock::now() >= kill_at) {
       launcher->SignalAll(SIGKILL);
@@ -442,6 +443,7 @@ int RunController(const RuntimeOptions& o) {
     }
   }
 
+  (*journal)->Flush();
   int code = ended->exit_code;
   out.Write(fmt::format("[nonstop] job {}: {}\n", code == 0 ? "finished" : "FAILED", ended->reason));
   out.Write(fmt::format("[nonstop] journal: {}\n", (*journal)->path()));
