@@ -17,6 +17,7 @@
 
 #include "agent/agent.h"
 #include "common/logging.h"
+#include "common/signals.h"
 #include "control/messages.h"
 #include "launcher/output_writer.h"
 
@@ -139,14 +140,8 @@ int AgentCommand::Execute() {
   }
 
   // SIGINT/SIGTERM are read by the agent's loop (a signalfd): blocked here,
-  // before any thread starts, so that every thread inherits the mask. SIGPIPE
-  // is ignored: a closed stdout or socket says EPIPE.
-  ::signal(SIGPIPE, SIG_IGN);
-  sigset_t mask;
-  sigemptyset(&mask);
-  sigaddset(&mask, SIGINT);
-  sigaddset(&mask, SIGTERM);
-  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+  // before any thread starts, so that every thread inherits the mask.
+  BlockTerminationSignals();
 
   // Everything the agent prints goes through bounded writers, log lines
   // included: a slow reader of our output never stalls the loop.

@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "common/signals.h"
 #include "control/messages.h"
 #include "net/handshake.h"
 #include "net/socket.h"
@@ -159,11 +160,7 @@ int Agent::Run() {
   NONSTOP_CHECK(!ran_) << "Agent::Run() is called once";
   ran_ = true;
   if (options_.handle_signals) {
-    sigset_t mask;
-    sigemptyset(&mask);
-    sigaddset(&mask, SIGINT);
-    sigaddset(&mask, SIGTERM);
-    ::pthread_sigmask(SIG_BLOCK, &mask, nullptr);
+    sigset_t mask = BlockTerminationSignals();
     signal_fd_.Reset(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
     if (signal_fd_.valid()) {
       loop_.Watch(signal_fd_.get(), POLLIN, [this](short) {

@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "common/signals.h"
 #include "common/unique_fd.h"
 #include "control/fault_spec.h"
 #include "controller/control_server.h"
@@ -99,13 +100,8 @@ int RunController(const RuntimeOptions& o) {
     return 1;
   }
 
-  // SIGINT/SIGTERM end the job cleanly through the loop; SIGPIPE is ignored (sockets say EPIPE).
-  ::signal(SIGPIPE, SIG_IGN);
-  sigset_t mask;
-  sigemptyset(&mask);
-  sigaddset(&mask, SIGINT);
-  sigaddset(&mask, SIGTERM);
-  ::sigprocmask(SIG_BLOCK, &mask, nullptr);
+  // SIGINT/SIGTERM end the job cleanly through the loop.
+  sigset_t mask = BlockTerminationSignals();
   UniqueFd sigfd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
 
   net::EventLoop loop;

@@ -1,0 +1,15 @@
+// The signals a long-running nonstop process (nonstop run, controller, agent)
+// handles in its event loop rather than in a handler.
+#pragma once
+
+#include <signal.h>
+
+namespace nonstop {
+
+// Blocks SIGINT and SIGTERM in the calling thread (threads it starts later
+// inherit the mask), so that they wait for the loop, which reads them from a
+// signalfd made with the returned mask; ignores SIGPIPE (a closed socket or
+// stdout says EPIPE instead). Call it before any thread starts.
+sigset_t BlockTerminationSignals();
+
+}  // namespace nonstop
