@@ -26,6 +26,7 @@
 #include "net/frame.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "tests/integration/process.h"
 
 namespace nonstop::agent {
 namespace {
@@ -582,48 +583,7 @@ TEST(AgentOptionsTest, BadOptionsAreRefusedWithTheReason) {
 
 // ---- the CLI: `nonstop agent` as a child process ----
 
-class ChildProcess {
- public:
-  ChildProcess(std::vector<std::string> argv, std::vector<std::string> env_add, const std::string& output_path) {
-    pid_ = ::fork();
-    NONSTOP_CHECK_GE(pid_, 0);
-    if (pid_ == 0) {
-      int fd = ::open(output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      for (auto& kv : env_add) ::putenv(kv.data());
-      std::vector<char*> args;
-      for (auto& a : argv) args.push_back(a.data());
-      args.push_back(nullptr);
-      ::execv(args[0], args.data());
-      _exit(127);
-    }
-  }
-  ~ChildProcess() {
-    if (!exited_) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-  }
-  // The exit code (128 + signal if killed), or -1 if it still runs after `timeout`.
-  int Wait(Millis timeout) {
-    Deadline until = DeadlineAfter(timeout);
-    while (Clock::now() < until) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        exited_ = true;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(5ms);
-    }
-    return -1;
-  }
-  pid_t pid() const { return pid_; }
-
- private:
-  pid_t pid_ = -1;
-  bool exited_ = false;
-};
+using nonstop::testing::ChildProcess;  // tests/integration/process.h
 
 std::string NonstopBinary() { return std::string(NONSTOP_BIN_DIR) + "/nonstop"; }
 
@@ -643,7 +603,7 @@ TEST_F(AgentCliTest, SigtermKillsTheWorkersAndExits130) {
                                    "--job-token-file", TokenFile(kToken), "--host-id", "cli-host", "--"};
   for (const auto& a : Options(controller).program) argv.push_back(a);
   // Inherited values of the agent's variables must not shadow its own in the workers.
-  ChildProcess agent(argv, {"NONSTOP_DATA_HOST=9.9.9.9", "NONSTOP_HOST_ID_UNRELATED=x"}, dir_ / "agent.log");
+  ChildProcess agent(argv, dir_ / "agent.log", {"NONSTOP_DATA_HOST=9.9.9.9", "NONSTOP_HOST_ID_UNRELATED=x"});
   auto reg = controller.AcceptAndRegister(10s);
   ASSERT_TRUE(reg.ok()) << reg.status().ToString() << "\n" << ReadText(dir_ / "agent.log");
   EXPECT_EQ(reg->host_id, "cli-host");
@@ -670,7 +630,7 @@ TEST_F(AgentCliTest, RefusedHelloExits2AndSaysWhy) {
   FakeController controller("another-jobs-token");
   ChildProcess agent({NonstopBinary(), "agent", "--controller", controller.address(), "--job-token-file",
                       TokenFile(kToken), "--host-id", "cli-host", "--", "/bin/true"},
-                     {}, dir_ / "agent.log");
+                     dir_ / "agent.log");
   (void)controller.Accept(10s);
   EXPECT_EQ(agent.Wait(10s), kExitRefused);
   EXPECT_NE(ReadText(dir_ / "agent.log").find("job token mismatch"), std::string::npos) << ReadText(dir_ / "agent.log");
@@ -679,7 +639,7 @@ TEST_F(AgentCliTest, RefusedHelloExits2AndSaysWhy) {
 TEST_F(AgentCliTest, MissingTokenFileIsAUsageErrorNamingTheFile) {
   ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file",
                       dir_ / "no-such-token", "--host-id", "h", "--", "/bin/true"},
-                     {}, dir_ / "agent.log");
+                     dir_ / "agent.log");
   EXPECT_EQ(agent.Wait(10s), 2);
   EXPECT_NE(ReadText(dir_ / "agent.log").find(dir_ / "no-such-token"), std::string::npos)
       << ReadText(dir_ / "agent.log");
@@ -688,7 +648,7 @@ TEST_F(AgentCliTest, MissingTokenFileIsAUsageErrorNamingTheFile) {
 TEST_F(AgentCliTest, MissingProgramIsAUsageError) {
   ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file", TokenFile("t"),
                       "--host-id", "h", "--", "no-such-program-xyz"},
-                     {}, dir_ / "agent.log");
+                     dir_ / "agent.log");
   EXPECT_EQ(agent.Wait(10s), 2);
   EXPECT_NE(ReadText(dir_ / "agent.log").find("program 'no-such-program-xyz' is not an executable file on the PATH"),
             std::string::npos)
@@ -698,7 +658,7 @@ TEST_F(AgentCliTest, MissingProgramIsAUsageError) {
 TEST_F(AgentCliTest, InvalidHostIdIsAUsageError) {
   ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file", TokenFile("t"),
                       "--host-id", "bad/host", "--", "/bin/true"},
-                     {}, dir_ / "agent.log");
+                     dir_ / "agent.log");
   EXPECT_EQ(agent.Wait(10s), 2);
   EXPECT_NE(ReadText(dir_ / "agent.log").find("--host-id 'bad/host'"), std::string::npos)
       << ReadText(dir_ / "agent.log");

@@ -21,13 +21,16 @@ namespace nonstop::testing {
 
 class ChildProcess {
  public:
-  ChildProcess(std::vector<std::string> argv, const std::string& output_path) : output_path_(output_path) {
+  // env_add: "NAME=value" entries added to (or replacing in) the inherited environment.
+  ChildProcess(std::vector<std::string> argv, const std::string& output_path, std::vector<std::string> env_add = {})
+      : output_path_(output_path) {
     pid_ = ::fork();
     NONSTOP_CHECK_GE(pid_, 0);
     if (pid_ == 0) {
       int fd = ::open(output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       ::dup2(fd, 1);
       ::dup2(fd, 2);
+      for (auto& kv : env_add) ::putenv(kv.data());
       std::vector<char*> args;
       for (auto& a : argv) args.push_back(a.data());
       args.push_back(nullptr);
