@@ -19,6 +19,7 @@ struct JobFlags {
   int refill_nice = 10;
   int hang_floor_ms = 500;
   double hang_factor = 8.0;
+  int stall_floor_ms = 30'000;
   std::string http_host = "127.0.0.1";
   int http_port = 0;
   int min_world = 1;

@@ -53,6 +53,10 @@ void RegisterJobFlags(CLI::App* sub, JobFlags* f) {
   sub->add_option("--hang-factor", f->hang_factor,
                   "Hang detector: … and this many times the recent spread between first and last arrival")
       ->capture_default_str()->envname("NONSTOP_HANG_FACTOR")->check(CLI::Range(1.0, 1000.0));
+  sub->add_option("--stall-floor-ms", f->stall_floor_ms,
+                  "Stall watchdog: when no step completes for this long (at least; and 10 × the median step) every "
+                  "member is aborted, and those that cannot answer are replaced")
+      ->capture_default_str()->envname("NONSTOP_STALL_FLOOR_MS")->check(CLI::Range(1'000, 86'400'000));
   sub->add_option("--refill-nice", f->refill_nice,
                   "Niceness at which local spares that refill the pool warm up while the job trains (0: normal "
                   "priority; used only where the priority can be raised back when the spare takes a rank)")
@@ -144,6 +148,7 @@ std::optional<int> FillOptions(const std::string& name, const JobFlags& f, int m
   c.join_timeout = Millis(f.join_timeout_ms);
   c.hang_floor = Millis(f.hang_floor_ms);
   c.hang_factor = f.hang_factor;
+  c.stall_floor = Millis(f.stall_floor_ms);
   o->journal = f.journal;
   o->http_host = f.http_host;
   o->http_port = f.http_port;

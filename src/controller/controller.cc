@@ -241,6 +241,7 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   // Late joiners wait as spares.
   for (int id : std::vector<int>(pending_.begin(), pending_.end())) SetRole(workers_[id], WorkerRole::kSpare);
   phase_ = JobPhase::kRunning;
+  progress_at_ = now_;
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
   out->reserve(out->size() + members_.size() + 2);
   for (int id : members_) out->push_back(SendPlan{id, shared});
@@ -341,6 +342,7 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   w.last_heard = now_;
   w.last_step = std::max(w.last_step, e.msg.step);
   w.waiting_ms = -1;
+  if (e.msg.step > highest_step_) progress_at_ = now_;
   highest_step_ = std::max(highest_step_, e.msg.step);
   // Every member reports the same (allreduced) loss: journal each step once,
   // from whichever member reports it first (rank 0 may have been aborted
@@ -916,6 +918,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   }
   ready_.clear();
   phase_ = JobPhase::kRunning;
+  progress_at_ = now_;
   rec.plan_at = now_;
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
   out->reserve(out->size() + members_.size() + spare_i + 4);
@@ -1409,6 +1412,7 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
     }
   }
   if (phase_ == JobPhase::kRunning) CheckWatchdogs(out);
+  if (phase_ == JobPhase::kRunning) CheckStall(out);
   if (phase_ == JobPhase::kRunning) MaybeGrow(out);
 }
 
@@ -1453,6 +1457,31 @@ void Controller::CheckWatchdogs(std::vector<Action>* out) {
       return;
     }
   }
+}
+
+void Controller::CheckStall(std::vector<Action>* out) {
+  // The watchdogs above blame one member that lags the others; when every
+  // member is stuck (a world of one, all ranks hung, a collective that never
+  // completes) no one lags and only the absence of progress tells.
+  if (members_.empty()) return;
+  for (const WorkerInfo* w : member_info_) {
+    if (w->role == WorkerRole::kFinished) return;  // the job is ending
+  }
+  Millis bound = options_.forming_timeout;
+  if (!step_seconds_.empty() && !open_recovery_) {
+    bound = std::chrono::duration_cast<Millis>(
+        std::chrono::duration<double>(options_.stall_factor * MedianStepSeconds()));
+  }
+  bound = std::max(bound, options_.stall_floor);
+  if (now_ - progress_at_ <= bound) return;
+  std::string cause = fmt::format(
+      "no step completed for {:.0f} ms (stall watchdog: the bound is {} ms; the last completed step was {})",
+      Ms(now_ - progress_at_), bound.count(), highest_step_);
+  out->push_back(AppendJournal{{{"event", "fault"}, {"kind", "stall watchdog"}, {"detail", cause},
+                                {"last_step", highest_step_}, {"generation", generation_}}});
+  out->push_back(PrintLine{"fault: every member aborts: " + cause});
+  StartRecovery(cause, out);
+  if (options_.recovery == RecoveryMode::kCheckpointRestart) RestartFromCheckpoint(cause, out);
 }
 
 void Controller::FireTimedFaults(std::vector<Action>* out) {

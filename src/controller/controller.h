@@ -121,6 +121,13 @@ struct ControllerOptions {
   // (but at least hang_floor) after the first member did is hung.
   double hang_factor = 8.0;
   Millis hang_floor{500};
+  // Stall watchdog: when no step has completed for stall_factor × the median
+  // step (at least stall_floor; forming_timeout before the first step and
+  // while a recovery moves state), every member is aborted. Members that
+  // answer re-form (a stuck collective); members that cannot (every rank
+  // hung, or a world of one) are killed by the abort's escalation.
+  double stall_factor = 10.0;
+  Millis stall_floor{30'000};
   // Multi-host: the job is placed when this many hosts have registered
   // (0: one machine, no agents; world_size and spares then say the size).
   int min_hosts = 0;
@@ -357,6 +364,7 @@ class Controller {
   void FormNextGeneration(std::vector<Action>* out);
   void MaybeCloseRecovery(std::vector<Action>* out);
   void CheckWatchdogs(std::vector<Action>* out);
+  void CheckStall(std::vector<Action>* out);
   void FireTimedFaults(std::vector<Action>* out);
   void End(int exit_code, const std::string& reason, std::vector<Action>* out);
   // Kills every worker and starts the job again from the newest durable checkpoint.
@@ -401,6 +409,7 @@ class Controller {
   std::vector<control::FaultSpec> pending_faults_;
   std::optional<std::pair<Clock::time_point, std::string>> last_injected_;
   std::deque<double> step_seconds_;  // recent step times, from rank 0
+  Clock::time_point progress_at_{};  // a step last completed, or the members were last given a plan
   std::vector<RecoveryRecord> recoveries_;
   std::optional<size_t> open_recovery_;  // index into recoveries_
   int target_world_ = 0;                  // the world size the job should have (policy, requests)

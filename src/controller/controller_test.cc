@@ -374,6 +374,94 @@ TEST_F(ControllerTest, HangDetectorFindsAMemberFarBehindTheUsualArrivalSpread) {
   EXPECT_TRUE(journaled);
 }
 
+// The stall watchdog: a world of one whose training thread hangs (its I/O
+// thread still heartbeats) has no other member to lag behind, so only the
+// absence of completed steps can tell. It is aborted, cannot answer, and is
+// killed; with no other holder of the state the job ends saying why.
+TEST_F(ControllerTest, StallWatchdogEndsAWorldOfOneThatStopsCompletingSteps) {
+  ControllerOptions o;
+  o.world_size = 1;
+  o.stall_floor = Millis(10'000);
+  o.stall_factor = 10.0;
+  c_ = std::make_unique<Controller>(o);
+  Join(0);
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  for (int64_t step = 0; step < 5; ++step) {
+    now_ += Millis(2000);
+    Do(ProgressReceived{0, {step, 3.0, 2.0, 100, 1}});  // 2 s steps: the bound is max(10 s, 10 × 2 s) = 20 s
+  }
+  auto silent_for = [&](int ms) {
+    std::vector<Action> all;
+    for (int t = 0; t < ms; t += 500) {
+      now_ += Millis(500);
+      Do(HeartbeatReceived{0, {4, -1}});
+      auto actions = Do(Tick{});
+      all.insert(all.end(), actions.begin(), actions.end());
+    }
+    return all;
+  };
+  EXPECT_TRUE(Find<SendAbort>(silent_for(19'500)).empty()) << "19.5 s without a step is within the bound";
+  auto aborted = silent_for(1000);
+  ASSERT_EQ(Find<SendAbort>(aborted).size(), 1u) << "20 s without a step: the member is aborted";
+  EXPECT_TRUE(Find<KillWorker>(aborted).empty()) << "a stuck collective could still answer";
+  bool journaled = false;
+  for (const auto& j : Find<AppendJournal>(aborted)) {
+    journaled = journaled || (j.record["event"] == "fault" && j.record["kind"] == "stall watchdog");
+  }
+  EXPECT_TRUE(journaled);
+  auto escalated = silent_for(3500);  // never answers: the escalation kills it
+  ASSERT_EQ(Find<KillWorker>(escalated).size(), 1u);
+  auto ends = Find<EndJob>(escalated);
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
+  EXPECT_NE(ends[0].reason.find("exists on no live worker"), std::string::npos) << ends[0].reason;
+}
+
+// Every member waits in a collective that never completes (no one computes, so
+// no one lags): the stall watchdog aborts them all; they answer and re-form.
+TEST_F(ControllerTest, StallWatchdogReformsMembersStuckTogetherInACollective) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.stall_floor = Millis(10'000);
+  c_ = std::make_unique<Controller>(o);
+  for (int id : {0, 1, 2}) Join(id);
+  for (int64_t step = 0; step < 5; ++step) {
+    now_ += Millis(200);
+    for (int id : {0, 1, 2}) Step(id, step);
+  }
+  std::vector<Action> actions;
+  for (int t = 0; t < 10'500 && Find<SendAbort>(actions).empty(); t += 500) {
+    now_ += Millis(500);
+    for (int id : {0, 1, 2}) Do(HeartbeatReceived{id, {4, t + 500}});
+    actions = Do(Tick{});
+    EXPECT_TRUE(Find<KillWorker>(actions).empty()) << "no one computes: the step-progress watchdog blames no one";
+  }
+  ASSERT_EQ(Find<SendAbort>(actions).size(), 3u);
+  Ready(0, 4);
+  Ready(1, 4);
+  auto plans = Find<SendPlan>(Ready(2, 4));
+  ASSERT_EQ(plans.size(), 3u) << "the same members form the next generation";
+  EXPECT_EQ(plans[0].plan->generation, 2u);
+  EXPECT_EQ(plans[0].plan->resume_step, 5);
+}
+
+TEST_F(ControllerTest, StallWatchdogAllowsTheFirstStepTheFormingTimeout) {
+  ControllerOptions o;
+  o.world_size = 1;
+  o.stall_floor = Millis(10'000);
+  o.forming_timeout = Millis(60'000);
+  c_ = std::make_unique<Controller>(o);
+  Join(0);
+  for (int t = 0; t < 59'000; t += 500) {
+    now_ += Millis(500);
+    Do(HeartbeatReceived{0, {-1, -1}});
+    ASSERT_TRUE(Find<SendAbort>(Do(Tick{})).empty()) << "aborted at " << t << " ms, before the first step";
+  }
+  now_ += Millis(1500);
+  Do(HeartbeatReceived{0, {-1, -1}});
+  EXPECT_EQ(Find<SendAbort>(Do(Tick{})).size(), 1u) << "the first step is bounded too";
+}
+
 TEST_F(ControllerTest, WorkerThatHangsWhileTheJobFormsIsReplacedByASpare) {
   Join(0);
   Join(3, true);

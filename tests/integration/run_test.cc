@@ -91,6 +91,27 @@ TEST(RunIntegrationTest, LosingTheOnlyHolderOfTheStateEndsTheJobNonZeroWithAReas
   EXPECT_LT(took, milliseconds(10'000)) << out;
 }
 
+// A world of one whose training thread stops (its I/O thread still sends
+// heartbeats): no other member lags behind it, so only the stall watchdog
+// (no step completed for a while) can end the wait. Before, the job hung.
+TEST(RunIntegrationTest, AWorldOfOneThatStallsIsEndedByTheStallWatchdog) {
+  TempDir dir;
+  std::string journal = dir / "journal.jsonl";
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "0", "--stall-floor-ms", "1500",
+                    "--inject", "stall:rank=0,step=8", "--journal", journal, "--", kBin + "/nonstop-test-worker",
+                    "--steps", "100000", "--sleep-ms", "10"},
+                   dir / "out.txt");
+  int code = run.Wait(milliseconds(30'000));
+  std::string out = run.Output();
+  EXPECT_EQ(code, 10) << out;
+  EXPECT_NE(out.find("stall watchdog"), std::string::npos) << out;
+  EXPECT_NE(out.find("did not abort in time"), std::string::npos) << out;
+  EXPECT_NE(out.find("exists on no live worker"), std::string::npos) << out;
+  auto faults = Events(journal, "fault");
+  ASSERT_GE(faults.size(), 1u) << out;
+  EXPECT_EQ(faults[0]["kind"], "stall watchdog") << faults[0].dump();
+}
+
 TEST(RunIntegrationTest, ProgramThatCannotStartFailsTheJobWithAReason) {
   TempDir dir;
   ChildProcess run({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--journal", dir / "j.jsonl", "--",
