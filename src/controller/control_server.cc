@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 
 #include <cstring>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -16,22 +17,23 @@ namespace nonstop::controller {
 
 namespace {
 
-std::string PeerAddress(int fd) {
+// The peer's address, and the address with its port for logs.
+std::pair<std::string, std::string> PeerAddress(int fd) {
   sockaddr_storage ss{};
   socklen_t len = sizeof(ss);
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "unknown peer";
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return {"unknown", "unknown peer"};
   char host[INET6_ADDRSTRLEN] = {};
   if (ss.ss_family == AF_INET) {
     const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
     ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
-    return fmt::format("{}:{}", host, ntohs(a->sin_port));
+    return {host, fmt::format("{}:{}", host, ntohs(a->sin_port))};
   }
   if (ss.ss_family == AF_INET6) {
     const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
     ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
-    return fmt::format("[{}]:{}", host, ntohs(a->sin6_port));
+    return {host, fmt::format("[{}]:{}", host, ntohs(a->sin6_port))};
   }
-  return "unknown peer";
+  return {"unknown", "unknown peer"};
 }
 
 }  // namespace
@@ -91,28 +93,49 @@ void ControlServer::OnAccept() {
       return;
     }
     // Bounded memory under a flood: at most max_unjoined connections may wait
-    // for their hello and join; the oldest makes room for the newest.
-    int unjoined = 0;
-    int oldest_fd = -1;
-    Clock::time_point oldest{Clock::time_point::max()};
-    for (const auto& [cfd, c] : conns_) {
-      if (identified(*c)) continue;
-      ++unjoined;
-      if (c->greeted) continue;  // presented the job token: never evicted for strangers
-      if (c->accepted_at < oldest) oldest = c->accepted_at, oldest_fd = cfd;
-    }
-    if (unjoined >= options_.max_unjoined && oldest_fd >= 0) {
-      CloseConn(oldest_fd, fmt::format("{} connections have not joined yet: closing the oldest", unjoined), false);
-    }
+    // for their hello and join.
+    if (unjoined_.size() >= static_cast<size_t>(options_.max_unjoined)) EvictAStranger();
     int raw = fd->get();
     auto c = std::make_unique<Conn>();
     c->fd = std::move(*fd);
-    c->peer = PeerAddress(raw);
+    std::tie(c->ip, c->peer) = PeerAddress(raw);
     c->accepted_at = Clock::now();
+    c->seq = next_seq_++;
+    unjoined_[c->seq] = raw;
+    strangers_[c->ip][c->seq] = raw;
     conns_[raw] = std::move(c);
     loop_->Watch(raw, POLLIN, [this, raw](short revents) { OnEvent(raw, revents); });
   }
 }
+
+void ControlServer::EvictAStranger() {
+  // The address with the most strangers; of equals, the one whose oldest is oldest.
+  const std::map<uint64_t, int>* worst = nullptr;
+  std::string worst_ip;
+  for (const auto& [ip, conns] : strangers_) {
+    if (!worst || conns.size() > worst->size() ||
+        (conns.size() == worst->size() && conns.begin()->first < worst->begin()->first)) {
+      worst = &conns;
+      worst_ip = ip;
+    }
+  }
+  if (!worst) return;  // every unjoined connection presented the job token: never evicted for strangers
+  CloseConn(worst->begin()->second,
+            fmt::format("{} connections have not joined yet: closing the oldest from {}, the address with the most "
+                        "({}) that sent no valid hello",
+                        unjoined_.size(), worst_ip, worst->size()),
+            false);
+}
+
+void ControlServer::Greeted(Conn& c) {
+  c.greeted = true;
+  auto it = strangers_.find(c.ip);
+  if (it == strangers_.end()) return;
+  it->second.erase(c.seq);
+  if (it->second.empty()) strangers_.erase(it);
+}
+
+void ControlServer::Identified(Conn& c) { unjoined_.erase(c.seq); }
 
 void ControlServer::OnEvent(int fd, short revents) {
   if ((revents & POLLOUT) && !Flush(fd)) return;
@@ -172,7 +195,7 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       CloseConn(fd, "refused: " + refusal, false);
       return;
     }
-    c.greeted = true;
+    Greeted(c);
     std::string ack = net::EncodeFrame(net::kFrameHelloAck, std::string(1, '\1'));
     (void)::send(fd, ack.data(), ack.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     return;
@@ -197,6 +220,7 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       return bad(InvalidArgumentError(fmt::format("worker id {} is already connected", join->worker_id)));
     }
     c.worker_id = join->worker_id;
+    Identified(c);
     c.peer = fmt::format("worker {} ({})", join->worker_id, c.peer);
     fd_of_worker_[c.worker_id] = fd;
     sink_(WorkerJoined{*join});
@@ -235,6 +259,7 @@ void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
       return;
     }
     c.host_id = reg->host_id;
+    Identified(c);
     c.peer = fmt::format("agent of host {} ({})", reg->host_id, c.peer);
     fd_of_host_[c.host_id] = fd;
     sink_(HostJoined{*reg});
@@ -284,6 +309,9 @@ void ControlServer::CloseConn(int fd, const std::string& reason, bool report_los
     LogRefusal(fmt::format("closing {}: {}", it->second->peer, reason));
   }
   loop_->Unwatch(fd);
+  if (!it->second->greeted) Greeted(*it->second);
+  Identified(*it->second);
+  backlogged_.erase(fd);
   conns_.erase(it);
   if (worker >= 0) {
     fd_of_worker_.erase(worker);
@@ -314,8 +342,10 @@ bool ControlServer::Flush(int fd) {
   if (c.out_sent == c.out.size()) {
     c.out.clear();
     c.out_sent = 0;
+    backlogged_.erase(fd);
     loop_->SetEvents(fd, POLLIN);
   } else {
+    backlogged_.insert(fd);
     if (c.out_sent > (1u << 20)) {  // keep the queue compact
       c.out.erase(0, c.out_sent);
       c.out_sent = 0;
@@ -379,12 +409,17 @@ void ControlServer::CheckTimers(Clock::time_point now) {
   }
   std::vector<std::pair<int, std::string>> close;
   std::vector<std::pair<int, std::string>> lost;
-  for (const auto& [fd, c] : conns_) {
-    if (!identified(*c) && now - c->accepted_at > options_.handshake_timeout) {
-      close.push_back({fd, fmt::format("no hello and join within {} ms", options_.handshake_timeout.count())});
-    } else if (c->out_sent < c->out.size() && now - c->out_progress_at > options_.send_stall_timeout) {
+  // Both scans touch only the connections concerned (at scale most are
+  // neither): unjoined ones in accept order, so the expired ones come first.
+  for (const auto& [seq, fd] : unjoined_) {
+    if (now - conns_.at(fd)->accepted_at <= options_.handshake_timeout) break;
+    close.push_back({fd, fmt::format("no hello and join within {} ms", options_.handshake_timeout.count())});
+  }
+  for (int fd : backlogged_) {
+    const Conn& c = *conns_.at(fd);
+    if (now - c.out_progress_at > options_.send_stall_timeout) {
       lost.push_back({fd, fmt::format("stuck reader: it took none of its {} queued bytes for {} ms",
-                                      c->out.size() - c->out_sent, options_.send_stall_timeout.count())});
+                                      c.out.size() - c.out_sent, options_.send_stall_timeout.count())});
     }
   }
   for (const auto& [fd, why] : close) CloseConn(fd, why, false);

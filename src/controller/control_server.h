@@ -16,9 +16,12 @@
 //    (ConnectionLost): a stuck worker is a failed worker.
 //  - A connection must present its hello and join within
 //    `handshake_timeout`, and at most `max_unjoined` connections may be at
-//    that stage at once (the oldest is closed to make room), so a flood of
-//    idle or garbage connections costs bounded memory and never delays a
-//    worker that speaks the protocol.
+//    that stage at once, so a flood of idle or garbage connections costs
+//    bounded memory. To make room, the oldest stranger (no valid hello yet)
+//    from the address with the most strangers is closed: a flood from one
+//    address evicts only its own connections, never a worker on another
+//    host that has just connected. Connections that presented the job
+//    token are never evicted for strangers.
 //  - Refusals are logged with the peer's address, at most a few per second
 //    (the rest are counted and summarised).
 #pragma once
@@ -27,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "common/status.h"
@@ -92,6 +96,8 @@ class ControlServer {
     bool agent = false;    // the hello said kAgent
     std::string host_id;   // an agent's, known after its register message
     std::string peer;      // "worker 3 (127.0.0.1:41234)" once known
+    std::string ip;        // the peer's address, without the port
+    uint64_t seq = 0;      // accept order
     Clock::time_point accepted_at{};
     std::string out;       // queued output; out_sent bytes of it are already written
     size_t out_sent = 0;
@@ -101,6 +107,13 @@ class ControlServer {
   ControlServer(net::EventLoop* loop, net::Listener listener, std::string token, EventSink sink,
                 ControlServerOptions options);
   bool identified(const Conn& c) const { return c.worker_id >= 0 || !c.host_id.empty(); }
+  // Bookkeeping of the handshake stages: a connection stops being a
+  // stranger when its hello is accepted, and unjoined when it is identified.
+  void Greeted(Conn& c);
+  void Identified(Conn& c);
+  // Closes the oldest stranger of the address with the most of them (none:
+  // every unjoined connection has shown the token).
+  void EvictAStranger();
   bool SendOn(int fd, uint16_t type, const std::string& payload);
   void HandleAgentFrame(Conn& c, const net::Frame& f);
   void OnAccept();
@@ -131,6 +144,10 @@ class ControlServer {
   std::map<int, std::unique_ptr<Conn>> conns_;  // by fd
   std::map<int, int> fd_of_worker_;
   std::map<std::string, int> fd_of_host_;
+  uint64_t next_seq_ = 0;
+  std::map<uint64_t, int> unjoined_;  // accept order → fd, for connections not yet identified
+  std::map<std::string, std::map<uint64_t, int>> strangers_;  // by peer address: no valid hello yet
+  std::set<int> backlogged_;  // fds with queued output the peer has not taken yet
   int refused_ = 0;
   std::optional<Clock::time_point> accept_paused_until_;  // out of descriptors: not accepting until then
   Clock::time_point log_window_start_{};

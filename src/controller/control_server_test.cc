@@ -1,7 +1,10 @@
 #include "controller/control_server.h"
 
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
+
+#include <cstring>
 
 #include <thread>
 
@@ -191,6 +194,46 @@ TEST(ControlServerTest, FloodOfIdleConnectionsCostsBoundedMemoryAndDoesNotKeepAW
   f.RunFor(Millis(600));
   EXPECT_EQ(f.server->open_connections(), 1u);
   EXPECT_EQ(f.Count<ConnectionLost>(), 0);
+}
+
+// A stranger from 127.0.0.2 (a worker on another host that has just
+// connected) is not evicted by a flood of idle connections from 127.0.0.1:
+// to make room the server closes the flooding address's own connections.
+TEST(ControlServerTest, FloodFromOneAddressEvictsOnlyItsOwnConnections) {
+  ControlServerOptions o;
+  o.max_unjoined = 8;
+  ServerFixture f(o);
+  int raw = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(raw, 0);
+  UniqueFd other(raw);
+  sockaddr_in local{};
+  local.sin_family = AF_INET;
+  local.sin_addr.s_addr = htonl(0x7f000002);  // 127.0.0.2: loopback, another address
+  ASSERT_EQ(::bind(raw, reinterpret_cast<sockaddr*>(&local), sizeof(local)), 0) << std::strerror(errno);
+  sockaddr_in server{};
+  server.sin_family = AF_INET;
+  server.sin_port = htons(f.server->address().port);
+  server.sin_addr.s_addr = htonl(0x7f000001);
+  ASSERT_EQ(::connect(raw, reinterpret_cast<sockaddr*>(&server), sizeof(server)), 0) << std::strerror(errno);
+  f.RunFor(Millis(20));  // accepted first: the oldest stranger of all
+  std::vector<UniqueFd> flood;
+  for (int i = 0; i < 40; ++i) {
+    flood.push_back(Dial(f.server->address()));
+    f.RunFor(Millis(1));
+  }
+  EXPECT_LE(f.server->open_connections(), 8u);
+  // The worker on 127.0.0.2 was never closed: it joins on the connection it opened first.
+  std::thread client([&] { Join(other.get(), 4); });
+  f.RunFor(Millis(300));
+  client.join();
+  ASSERT_EQ(f.Count<WorkerJoined>(), 1);
+  // Eight of the flood's connections were closed by the server: they read EOF.
+  int closed = 0;
+  for (auto& fd : flood) {
+    char b;
+    closed += ::recv(fd.get(), &b, 1, MSG_DONTWAIT) == 0 ? 1 : 0;
+  }
+  EXPECT_GE(closed, 32);
 }
 
 TEST(ControlServerTest, JoinAsAnotherWorkerThanTheHelloSaidIsRefused) {
