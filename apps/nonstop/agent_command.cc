@@ -70,9 +70,12 @@ void AgentCommand::Register(CLI::App& app) {
                    "Give up (exit 1) if the controller cannot be reached this long after the start or after a loss")
       ->capture_default_str()->envname("NONSTOP_JOIN_TIMEOUT_MS")->check(CLI::Range(100, 86'400'000));
   sub_->add_option("--controller-timeout-ms", controller_timeout_ms_,
-                   "A controller silent this long is lost: every process of this host is killed (fencing) and the "
-                   "agent dials again")
+                   "A controller silent this long is lost: the agent dials again while its workers keep running")
       ->capture_default_str()->envname("NONSTOP_CONTROLLER_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
+  sub_->add_option("--fence-after-ms", fence_after_ms_,
+                   "Cut off from every controller this long, the agent kills its workers (fencing): nobody will "
+                   "adopt them")
+      ->capture_default_str()->envname("NONSTOP_FENCE_AFTER_MS")->check(CLI::Range(100, 86'400'000));
   sub_->add_option("--log-level", log_level_, "debug, info, warning or error")->capture_default_str()
       ->envname("NONSTOP_LOG_LEVEL");
   sub_->footer("After `--`: the worker program and its arguments, started once per worker the controller assigns "
@@ -133,6 +136,7 @@ int AgentCommand::Execute() {
   options.program = program_;
   options.join_timeout = Millis(join_timeout_ms_);
   options.controller_timeout = Millis(controller_timeout_ms_);
+  options.fence_after = Millis(fence_after_ms_);
   options.handle_signals = true;
   if (Status s = agent::ValidateOptions(options); !s.ok()) {
     fmt::print(stderr, "nonstop agent: {}\n", s.message());
@@ -168,6 +172,7 @@ int AgentCommand::Execute() {
                                                       : advertise_address_);
   row("join timeout", fmt::format("{} ms", join_timeout_ms_));
   row("controller timeout", fmt::format("{} ms", controller_timeout_ms_));
+  row("fence after", fmt::format("{} ms", fence_after_ms_));
   row("job token", "from " + job_token_file_);
   row("program", cmdline);
   out.Write(table);

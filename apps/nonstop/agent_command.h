@@ -29,6 +29,7 @@ class AgentCommand {
   std::string advertise_address_;  // empty: the local address of the connection to the controller
   int join_timeout_ms_ = 60'000;
   int controller_timeout_ms_ = 3'000;
+  int fence_after_ms_ = 600'000;
   std::string log_level_ = "info";
   std::vector<std::string> program_;
 };

@@ -69,6 +69,7 @@ class ControllerCommand {
   std::string advertise_address_;
   std::string nnodes_ = "1";
   std::string token_file_;
+  std::string resume_;
   JobFlags flags_;
 };
 

@@ -217,6 +217,11 @@ void ControllerCommand::Register(CLI::App& app) {
                    "Write the job token here (mode 0600) for the agents' --job-token-file; a file that exists and "
                    "holds a token is used as it is")
       ->required()->envname("NONSTOP_JOB_TOKEN_FILE");
+  sub_->add_option("--resume", resume_,
+                   "Take over the running job of this journal (its controller stopped): adopt the workers and agents "
+                   "it recorded, on the control port it recorded (unless --listen names one), and go on appending "
+                   "to it; the same --nnodes and --job-token-file as the first controller")
+      ->check(CLI::ExistingFile);
   RegisterJobFlags(sub_, &flags_);
 }
 
@@ -260,6 +265,14 @@ int ControllerCommand::Execute() {
     if (token.ok()) o.token = *token;
   }
   o.token_file = token_file_;
+  if (!resume_.empty()) {
+    if (!std::filesystem::exists(token_file_)) {
+      fmt::print(stderr, "{}: --resume needs the job's token: --job-token-file {} does not exist\n", name, token_file_);
+      return controller::kExitUsage;
+    }
+    o.resume = resume_;
+    o.journal = resume_;
+  }
   return controller::RunController(o);
 }
 

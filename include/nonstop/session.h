@@ -58,7 +58,9 @@
 namespace nonstop {
 
 struct SessionOptions {
-  std::string controller_address;  // "host:port"; required (NONSTOP_CONTROLLER)
+  // "host:port", or several separated by commas (a leader and its standbys,
+  // tried in turn); required (NONSTOP_CONTROLLER).
+  std::string controller_address;
   std::string job_token;           // required (NONSTOP_JOB_TOKEN)
   int worker_id = -1;              // required, unique in the job (NONSTOP_WORKER_ID)
   bool spare = false;              // join without a rank (NONSTOP_SPARE=1)
@@ -74,6 +76,11 @@ struct SessionOptions {
   // hears nothing from it for `controller_timeout` has lost it.
   std::chrono::milliseconds join_timeout{60'000};        // NONSTOP_CONNECT_TIMEOUT_MS
   std::chrono::milliseconds controller_timeout{5'000};  // NONSTOP_CONTROLLER_TIMEOUT_MS
+  // A worker that lost its controller keeps training (collectives are peer
+  // to peer) and dials again until a controller leads; membership cannot
+  // change meanwhile. After this long without one it gives up: it aborts its
+  // collective and fails (NONSTOP_LEADERLESS_TIMEOUT_MS). docs/controller-failover.md.
+  std::chrono::milliseconds leaderless_timeout{600'000};
   // Interval of heartbeats to the controller; the controller's heartbeat
   // timeout should be several of these.
   std::chrono::milliseconds heartbeat_interval{200};

@@ -81,7 +81,7 @@ Status ValidateOptions(const AgentOptions& o) {
     return InvalidArgumentError(fmt::format("spares {} is not in [0, 1024]", o.spares));
   }
   if (o.advertise_address.size() > 255) return InvalidArgumentError("the advertise address is over 255 characters");
-  if (o.join_timeout <= Millis(0) || o.controller_timeout <= Millis(0) || o.heartbeat_interval <= Millis(0) ||
+  if (o.join_timeout <= Millis(0) || o.controller_timeout <= Millis(0) || o.fence_after <= Millis(0) || o.heartbeat_interval <= Millis(0) ||
       o.backoff_initial <= Millis(0) || o.backoff_max < o.backoff_initial || o.stop_grace < Millis(0)) {
     return InvalidArgumentError("timeouts must be positive, and backoff_max at least backoff_initial");
   }
@@ -248,6 +248,10 @@ void Agent::Tick() {
   if (now >= next_poll_stopped_) {
     launcher_->PollStopped();  // frozen processes, seen within one tick
     next_poll_stopped_ = now + kTick;
+  }
+  if (fence_at_ && now >= *fence_at_ && (phase_ == Phase::kDialing || phase_ == Phase::kConnecting ||
+                                          phase_ == Phase::kHandshake)) {
+    Fence();
   }
   switch (phase_) {
     case Phase::kDialing:
@@ -471,9 +475,12 @@ void Agent::OnHelloAck(const net::Frame& f) {
   reg.spares = options_.spares;
   reg.address = data_host_;
   reg.pid = ::getpid();
-  reg.running = launcher_->running();
-  NONSTOP_LOG_INFO("registered with the controller at {} as host {} ({} workers, {} spares, address {})",
-                   options_.controller, options_.host_id, options_.nproc, options_.spares, data_host_);
+  for (const auto& [id, pid] : live_) reg.workers.push_back({id, pid});
+  reg.running = static_cast<int>(reg.workers.size());
+  fence_at_.reset();
+  NONSTOP_LOG_INFO("registered with the controller at {} as host {} ({} workers, {} spares, address {}{})",
+                   options_.controller, options_.host_id, options_.nproc, options_.spares, data_host_,
+                   reg.running > 0 ? fmt::format("; {} kept running", Processes(reg.running)) : "");
   if (!Send(control::kMsgAgentRegister, control::Encode(reg))) return;
   next_heartbeat_ = Clock::now() + options_.heartbeat_interval;
 }
@@ -567,8 +574,13 @@ void Agent::Lose(const std::string& why, bool log) {
     return;
   }
   int running = launcher_->running();
-  std::string line = fmt::format("cut off from the controller at {}: {}; {}dialing again", options_.controller, why,
-                                 running == 0 ? "" : fmt::format("killing its {} (fencing), then ", Processes(running)));
+  Deadline now = Clock::now();
+  std::string line =
+      running == 0
+          ? fmt::format("cut off from the controller at {}: {}; dialing again", options_.controller, why)
+          : fmt::format("cut off from the controller at {}: {}; its {} keep running, dialing again (fencing them in "
+                        "{} if no controller answers)",
+                        options_.controller, why, Processes(running), Seconds(options_.fence_after));
   if (log) {
     NONSTOP_LOG_WARNING("{}", line);
   } else {
@@ -576,9 +588,27 @@ void Agent::Lose(const std::string& why, bool log) {
   }
   CloseConnection();
   last_error_ = why;
+  fence_at_ = now + options_.fence_after;
+  reconnect_deadline_ = running == 0 ? now + options_.join_timeout : *fence_at_ + options_.join_timeout;
+  ChangePhase(Phase::kDialing);
+  Millis wait{0};
+  if (consecutive_malformed_ > 0) {
+    // A controller that keeps sending a bad order is not redialed in a tight loop.
+    wait = std::min(options_.backoff_max, options_.backoff_initial * (1 << std::min(consecutive_malformed_, 8)));
+  }
+  next_dial_at_ = now + wait;
+  backoff_ = options_.backoff_initial;
+}
+
+void Agent::Fence() {
+  fence_at_.reset();
+  int running = launcher_->running();
+  NONSTOP_LOG_WARNING("no controller for {} ({}): killing its {} (fencing); dialing on", Seconds(options_.fence_after),
+                      last_error_, Processes(running));
+  CloseConnection();
+  launcher_->SignalAll(SIGKILL);
   reconnect_deadline_ = Clock::now() + options_.join_timeout;
-  launcher_->SignalAll(SIGKILL);  // fencing: a host that cannot hear the controller stops training at once
-  ChangePhase(Phase::kFenced);
+  ChangePhase(Phase::kFenced);  // dials again once they are reaped
 }
 
 void Agent::CloseConnection() {

@@ -8,15 +8,22 @@
 // runs where, and what a dead one means, is the controller's business
 // (docs/protocol.md, "Agents").
 //
-// Fencing. A host that cannot hear its controller must stop taking part in
-// training, or a partitioned host could keep training beside the replacement
-// the controller started elsewhere (a split brain). So when the controller is
-// silent for `controller_timeout` (no byte at all: it pings every 500 ms), or
-// the connection breaks, overflows or carries a malformed order, the agent is
-// *cut off*: it SIGKILLs every process it supervises at once, waits until
-// they are reaped, and only then dials again (with back-off) and registers
-// anew with running = 0. It gives up (exit 1) if it cannot register again
-// within `join_timeout` of the loss.
+// Losing the controller. Training does not need the controller between
+// faults (DESIGN.md §13), and a controller that dies is replaced (a standby,
+// or `nonstop controller --resume`) which adopts the running workers. So when
+// the controller is silent for `controller_timeout` (no byte at all: it pings
+// every 500 ms), or the connection breaks, overflows or carries a malformed
+// order, the agent is *cut off* but its processes keep running: it dials
+// again at once (with back-off) and registers listing them (worker id and
+// pid); the controller adopts those it counts on and orders the others
+// killed. A split brain cannot follow: a partitioned host's workers are
+// fenced out of the generations formed without them (their peers left, and
+// a worker id the controller declared lost never joins again).
+//
+// Fencing. Only an agent cut off for `fence_after` without registering again
+// SIGKILLs every process it supervises (nobody will adopt them), waits until
+// they are reaped, and dials on; it gives up (exit 1) if it cannot register
+// within `join_timeout` after that (or of the loss, with nothing running).
 //
 // Exit codes (Run()): 0 or whatever a controller's Shutdown says (0-255; another code is 1);
 // kExitControllerLost (1) when the controller cannot be reached within the
@@ -46,6 +53,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -80,6 +88,8 @@ struct AgentOptions {
   Millis join_timeout{60'000};
   // A controller that sends nothing for this long is lost (it pings every 500 ms).
   Millis controller_timeout{3'000};
+  // Cut off this long without registering again, the agent kills its processes (fencing).
+  Millis fence_after{600'000};
   Millis heartbeat_interval{200};
   // Back-off between dials: starts at backoff_initial, doubles up to backoff_max, plus up to half of it at random.
   Millis backoff_initial{100};
@@ -158,6 +168,8 @@ class Agent {
   void Malformed(const std::string& why);
   // The controller is lost: close the connection and fence (kill every process).
   void Lose(const std::string& why, bool log = true);
+  // Cut off for fence_after: kill every process (none will be adopted).
+  void Fence();
   void CloseConnection();
   // Queues one frame to the controller; false if there is no connection or it overflowed (then lost).
   bool Send(uint16_t type, const std::string& payload);
@@ -190,6 +202,7 @@ class Agent {
   Deadline attempt_deadline_{};    // the connect or hello in flight gives up then
   Deadline next_dial_at_{};
   Deadline reconnect_deadline_{};  // exit 1 if not registered by then
+  std::optional<Deadline> fence_at_;  // cut off with processes running: they are killed then
   Millis backoff_{0};
   std::string last_error_;         // why the last dial failed, or why the controller was lost
   std::string last_malformed_;     // logged once: a repeat is a debug line

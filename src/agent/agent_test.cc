@@ -398,7 +398,10 @@ TEST_F(AgentTest, StartOrderWithLdPreloadDropsTheConnectionAndStartsNothing) {
   EXPECT_EQ(ReadText(dir_ / "out.txt"), "");
 }
 
-TEST_F(AgentTest, SilentControllerIsFencedAndTheAgentRegistersAgainWithNothingRunning) {
+// A controller that stops (it died; a standby or `nonstop controller
+// --resume` takes over) costs the host nothing: its workers keep running,
+// and the agent registers again listing them, for the new controller to adopt.
+TEST_F(AgentTest, SilentControllerIsLeftAndTheAgentRegistersAgainListingItsRunningWorkers) {
   FakeController controller;
   AgentOptions o = Options(controller);
   o.controller_timeout = 600ms;
@@ -406,32 +409,57 @@ TEST_F(AgentTest, SilentControllerIsFencedAndTheAgentRegistersAgainWithNothingRu
   ASSERT_TRUE(controller.AcceptAndRegister().ok());
   pid_t pid = StartWorker(controller, 1);
   ASSERT_GT(pid, 0);
-  auto silent_since = Clock::now();
   controller.SetPinging(false);
-  // Cut off: the agent closes the connection and kills its worker at once.
-  EXPECT_TRUE(controller.ClosedByAgent(3s));
-  EXPECT_TRUE(WaitFor([&] { return ProcessGone(pid); }, 2s)) << "the worker of a fenced host still runs";
-  EXPECT_LT(Clock::now() - silent_since, 2500ms);
+  EXPECT_TRUE(controller.ClosedByAgent(3s)) << "the silent controller is left";
   controller.SetPinging(true);
   auto reg = controller.AcceptAndRegister(5s);
   ASSERT_TRUE(reg.ok()) << reg.status().ToString();
-  EXPECT_EQ(reg->running, 0);
+  EXPECT_FALSE(ProcessGone(pid)) << "the worker was killed with its controller";
   EXPECT_EQ(reg->host_id, "hostA");
-  // And it carries out orders again.
+  EXPECT_EQ(reg->running, 1);
+  ASSERT_EQ(reg->workers.size(), 1u);
+  EXPECT_EQ(reg->workers[0].first, 1);
+  EXPECT_EQ(reg->workers[0].second, pid);
+  // And it carries out orders again, for the worker it kept too.
   EXPECT_GT(StartWorker(controller, 2), 0);
+  control::AgentSignalMsg kill{1, SIGKILL};
+  controller.Send(control::kMsgAgentSignal, control::Encode(kill));
+  EXPECT_TRUE(WaitFor([&] { return ProcessGone(pid); }, 2s));
 }
 
-TEST_F(AgentTest, BrokenConnectionIsFencedLikeASilentController) {
+TEST_F(AgentTest, BrokenConnectionKeepsTheWorkersAndTheAgentRegistersAgain) {
   FakeController controller;
   AgentRunner agent(Options(controller), dir_);
   ASSERT_TRUE(controller.AcceptAndRegister().ok());
   pid_t pid = StartWorker(controller, 1);
   ASSERT_GT(pid, 0);
   controller.CloseConnection();
-  EXPECT_TRUE(WaitFor([&] { return ProcessGone(pid); }, 2s)) << "the worker of a fenced host still runs";
   auto reg = controller.AcceptAndRegister(5s);
   ASSERT_TRUE(reg.ok()) << reg.status().ToString();
-  EXPECT_EQ(reg->running, 0);
+  EXPECT_EQ(reg->running, 1);
+  EXPECT_FALSE(ProcessGone(pid));
+}
+
+// Fencing: an agent that no controller takes back within fence_after kills
+// its workers (nobody will adopt them), and registers with nothing running.
+TEST_F(AgentTest, AgentCutOffForFenceAfterKillsItsWorkersThenGivesUpAfterTheJoinTimeout) {
+  auto controller = std::make_unique<FakeController>();
+  AgentOptions o = Options(*controller);
+  o.fence_after = 1'500ms;
+  o.join_timeout = 1'000ms;
+  AgentRunner agent(o, dir_);
+  ASSERT_TRUE(controller->AcceptAndRegister().ok());
+  pid_t pid = StartWorker(*controller, 1);
+  ASSERT_GT(pid, 0);
+  controller.reset();  // no controller answers any more
+  auto cut_at = Clock::now();
+  std::this_thread::sleep_for(700ms);
+  EXPECT_FALSE(ProcessGone(pid)) << "fenced before fence_after";
+  EXPECT_EQ(agent.Wait(0ms), -1) << "gave up while its worker still ran";
+  EXPECT_TRUE(WaitFor([&] { return ProcessGone(pid); }, 3s)) << "the worker of a fenced host still runs";
+  EXPECT_GE(Clock::now() - cut_at, 1'400ms);
+  EXPECT_EQ(agent.Wait(5s), kExitControllerLost);
+  EXPECT_GE(Clock::now() - cut_at, 2'400ms) << "the join timeout counts from the fencing";
 }
 
 TEST_F(AgentTest, ControllerThatNeverComesBackEndsTheAgentAfterTheJoinTimeout) {

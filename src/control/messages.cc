@@ -94,6 +94,7 @@ class Reader {
   void Optional(const char* name, V* out) const {
     if (j_.contains(name)) (*this)(name, out);
   }
+  bool Has(const char* name) const { return j_.contains(name); }
   std::string Path(const char* name) const { return path_.empty() ? name : path_ + "." + name; }
 
  private:
@@ -141,6 +142,8 @@ std::string Encode(const JoinMsg& m) {
   json j = {{"worker_id", m.worker_id}, {"pid", m.pid},       {"data_address", m.data_address},
             {"spare", m.spare},         {"state_step", m.state_step}};
   if (!m.host_id.empty()) j["host_id"] = m.host_id;
+  if (m.generation > 0) j["generation"] = m.generation;
+  if (m.waiting) j["waiting"] = true;
   return Dump(j);
 }
 std::string Encode(const PlanMsg& m) {
@@ -192,6 +195,8 @@ Result<JoinMsg> DecodeJoin(std::string_view p) {
     if (!m.host_id.empty()) {
       if (Status s = CheckHostId(m.host_id); !s.ok()) throw FieldError{"host_id", s.message()};
     }
+    r.Optional("generation", &m.generation);
+    r.Optional("waiting", &m.waiting);
   });
 }
 Result<PlanMsg> DecodePlan(std::string_view p) {
@@ -317,8 +322,14 @@ Status CheckHostId(std::string_view id) {
 }
 
 std::string Encode(const AgentRegisterMsg& m) {
-  return Dump({{"host_id", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares}, {"address", m.address},
-               {"pid", m.pid}, {"running", m.running}});
+  json j = {{"host_id", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares}, {"address", m.address},
+            {"pid", m.pid}, {"running", m.running}};
+  if (!m.workers.empty()) {
+    json workers = json::array();
+    for (const auto& [id, pid] : m.workers) workers.push_back({{"worker_id", id}, {"pid", pid}});
+    j["workers"] = workers;
+  }
+  return Dump(j);
 }
 std::string Encode(const AgentStartMsg& m) {
   json env = json::array();
@@ -361,6 +372,20 @@ Result<AgentRegisterMsg> DecodeAgentRegister(std::string_view p) {
     r("pid", &m.pid);
     r("running", &m.running);
     CheckRange(r, "running", m.running, 0, 1 << 20);
+    if (r.Has("workers")) {
+      auto workers = r.Objects("workers");
+      if (workers.size() != static_cast<size_t>(m.running)) {
+        throw FieldError{"workers", fmt::format("lists {} processes but running says {}", workers.size(), m.running)};
+      }
+      for (const Reader& e : workers) {
+        int id = -1;
+        int64_t pid = 0;
+        e("worker_id", &id);
+        e("pid", &pid);
+        if (id < 0 || pid <= 0) throw FieldError{"workers", fmt::format("worker {} pid {} is not valid", id, pid)};
+        m.workers.push_back({id, pid});
+      }
+    }
   });
 }
 Result<AgentStartMsg> DecodeAgentStart(std::string_view p) {

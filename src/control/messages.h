@@ -50,6 +50,12 @@ struct JoinMsg {
   bool spare = false;
   int64_t state_step = -1;  // the step its state holds (a resumed checkpoint), -1: the initial state
   std::string host_id;      // the host whose agent started it (NONSTOP_HOST_ID); empty: not started by an agent
+  // A worker that lost its controller and joins the one that leads now:
+  // the generation it is a member of (0: none, a first join or a spare), and
+  // whether it has left that generation and waits for the next plan (it
+  // answered Ready with state_step). docs/controller-failover.md.
+  uint32_t generation = 0;
+  bool waiting = false;
 };
 
 // ---- controller ↔ agent ----
@@ -60,7 +66,11 @@ struct AgentRegisterMsg {
   int spares = 0;       // spares it keeps warm
   std::string address;  // the address its workers advertise to peers
   int64_t pid = 0;      // the agent's process
-  int running = 0;      // processes it still supervises (a reconnecting agent: must be 0)
+  int running = 0;      // processes it still supervises
+  // Those processes, by worker id and pid (an agent that kept its workers
+  // while its controller was away; the controller adopts the ones it knows
+  // and orders the others killed). Present whenever running > 0.
+  std::vector<std::pair<int, int64_t>> workers;
 };
 
 struct AgentStartMsg {

@@ -142,6 +142,39 @@ TEST(AgentMessagesTest, RoundTrip) {
 
 // A start order may set only NONSTOP_ variables: a controller (or whoever
 // speaks on its connection) can never make an agent preload a library.
+// A worker and an agent that outlived their controller say what they hold
+// when they join the one that leads now (docs/controller-failover.md).
+TEST(MessagesTest, RejoinAfterAControllerLossCarriesGenerationAndProcesses) {
+  JoinMsg join{3, 77, "10.0.0.2:5000", false, 41, "h1"};
+  join.generation = 5;
+  join.waiting = true;
+  auto j = DecodeJoin(Encode(join));
+  ASSERT_TRUE(j.ok()) << j.status().ToString();
+  EXPECT_EQ(j->generation, 5u);
+  EXPECT_TRUE(j->waiting);
+  EXPECT_EQ(j->state_step, 41);
+  auto fresh = DecodeJoin(Encode(JoinMsg{3, 77, "10.0.0.2:5000", true, -1, ""}));
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(fresh->generation, 0u) << "a first join names no generation";
+  EXPECT_FALSE(fresh->waiting);
+
+  AgentRegisterMsg reg{"h1", 2, 1, "10.0.0.2", 42, 2};
+  reg.workers = {{3, 1001}, {4, 1002}};
+  auto r = DecodeAgentRegister(Encode(reg));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->workers.size(), 2u);
+  EXPECT_EQ(r->workers[1].first, 4);
+  EXPECT_EQ(r->workers[1].second, 1002);
+  // A list that disagrees with the count, or names a bad pid, is refused with the field named.
+  auto lying = DecodeAgentRegister(
+      R"({"host_id":"h1","nproc":2,"spares":1,"address":"a","pid":4,"running":3,"workers":[{"worker_id":1,"pid":9}]})");
+  ASSERT_FALSE(lying.ok());
+  EXPECT_NE(lying.status().message().find("workers"), std::string::npos) << lying.status().ToString();
+  auto bad_pid = DecodeAgentRegister(
+      R"({"host_id":"h1","nproc":2,"spares":1,"address":"a","pid":4,"running":1,"workers":[{"worker_id":1,"pid":0}]})");
+  EXPECT_FALSE(bad_pid.ok());
+}
+
 TEST(AgentMessagesTest, StartOrderRefusesForeignVariables) {
   for (const char* name : {"LD_PRELOAD", "PATH", "NONSTOP", "NONSTOP_A=B"}) {
     AgentStartMsg start{1, false, 0, {{name, "/tmp/evil.so"}}};

@@ -169,6 +169,10 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitPeerFailure}});
     return;
   }
+  if (unconfirmed_.count(m.worker_id)) {
+    Rejoined(m, out);
+    return;
+  }
   next_worker_id_ = std::max(next_worker_id_, m.worker_id + 1);
   if (awaiting_join_.erase(m.worker_id) > 0 && m.spare) {
     refill_failures_ = 0;
@@ -304,6 +308,7 @@ void Controller::On(const HeartbeatReceived& e, std::vector<Action>*) {
   if (it == workers_.end()) return;
   if (!SaneStep(e.msg.step) || e.msg.waiting_ms < -1 || e.msg.waiting_ms > 86'400'000) return;
   it->second.last_heard = now_;
+  if (e.msg.step > it->second.last_step && it->second.role == WorkerRole::kMember) progress_at_ = now_;
   it->second.last_step = std::max(it->second.last_step, e.msg.step);
   it->second.waiting_ms = e.msg.waiting_ms;
   if (e.msg.waiting_ms >= 0 && it->second.role == WorkerRole::kMember && phase_ == JobPhase::kRunning) {
@@ -340,9 +345,11 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   }
   WorkerInfo& w = it->second;
   w.last_heard = now_;
+  // Progress is a member completing a step it had not (in this generation:
+  // steps redone after a restart from a checkpoint count too).
+  if (e.msg.step > w.last_step) progress_at_ = now_;
   w.last_step = std::max(w.last_step, e.msg.step);
   w.waiting_ms = -1;
-  if (e.msg.step > highest_step_) progress_at_ = now_;
   highest_step_ = std::max(highest_step_, e.msg.step);
   // Every member reports the same (allreduced) loss: journal each step once,
   // from whichever member reports it first (rank 0 may have been aborted
@@ -713,7 +720,7 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
     out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(recoveries_[*open_recovery_])}}});
   }
   RecoveryRecord rec;
-  rec.id = static_cast<int>(recoveries_.size()) + 1;
+  rec.id = recovery_id_base_ + static_cast<int>(recoveries_.size()) + 1;
   rec.from_generation = generation_;
   rec.causes.push_back(cause);
   rec.detected_at = now_;
@@ -738,13 +745,16 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
   abort_deadline_ = now_ + std::max(options_.abort_timeout,
                                     std::chrono::duration_cast<Millis>(
                                         std::chrono::duration<double>(1.5 * MedianStepSeconds())));
+  // Inherited members that have not joined this controller yet (a takeover)
+  // answer once they have: the adoption bound first, then the abort's.
+  if (!unconfirmed_.empty()) abort_deadline_ = std::max(abort_deadline_, adopt_until_ + options_.abort_timeout);
   auto abort = std::make_shared<const control::AbortMsg>(control::AbortMsg{generation_, cause});
   ready_.reserve(members_.size());
   if (!planned) out->reserve(out->size() + members_.size() + 4);
   for (WorkerInfo* w : member_info_) {
     if (!IsLiveMember(*w)) continue;
     if (w->role == WorkerRole::kFinished) SetRole(*w, WorkerRole::kMember);
-    if (!planned) out->push_back(SendAbort{w->worker_id, abort});
+    if (!planned && !unconfirmed_.count(w->worker_id)) out->push_back(SendAbort{w->worker_id, abort});
   }
   out->push_back(AppendJournal{{{"event", planned ? "resize_start" : "recovery_start"}, {"recovery", rec.id},
                                 {"generation", generation_}, {"cause", cause}, {"injected", rec.injected}}});
@@ -753,7 +763,12 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
 
 void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
   auto it = workers_.find(e.worker_id);
-  if (it == workers_.end() || !IsLiveMember(it->second) || e.msg.generation != generation_) return;
+  if (it == workers_.end() || !IsLiveMember(it->second)) return;
+  // After a takeover that found a generation the journal missed, the others
+  // still answer for the journal's.
+  bool current = e.msg.generation == generation_ ||
+                 (takeover_generation_ > 0 && e.msg.generation >= takeover_generation_ && e.msg.generation < generation_);
+  if (!current) return;
   if (!SaneStep(e.msg.step)) {
     MemberFault(e.worker_id, "reported failure", fmt::format("reported an impossible step {}", e.msg.step), out);
     return;
@@ -826,7 +841,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   std::vector<int> spares;  // only those heard from lately: a hung spare is never promoted
   for (const auto& [id, w] : workers_) {
     if (w.role == WorkerRole::kSpare && !w.stopped && now_ - w.last_heard <= options_.heartbeat_timeout &&
-        HostResponsive(w.host)) {
+        HostResponsive(w.host) && !unconfirmed_.count(id)) {
       spares.push_back(id);
     }
   }
@@ -1065,6 +1080,7 @@ void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
 }
 
 void Controller::MaybeGrow(std::vector<Action>* out) {
+  if (!unconfirmed_.empty()) return;  // a takeover: the inherited join first
   if (phase_ != JobPhase::kRunning || finished_ > 0) return;
   int world = static_cast<int>(members_.size());
   if (target_world_ <= world || SpareCount() == 0) return;
@@ -1110,9 +1126,11 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   };
   if (!multi_host()) return refuse("this job runs on one machine (nonstop run): it takes no agents");
   auto it = hosts_.find(m.host_id);
+  if (it != hosts_.end() && it->second.inherited) return HostRejoined(it->second, m, out);
   if (it != hosts_.end() && it->second.alive) return refuse(fmt::format("host id {} is already in the job", m.host_id));
-  if (m.running != 0) {
-    return refuse(fmt::format("the agent still supervises {} process(es) from before; it must stop them first",
+  if (m.running != static_cast<int>(m.workers.size())) {
+    return refuse(fmt::format("the agent still supervises {} process(es) from before but does not list them; it "
+                              "must stop them first",
                               m.running));
   }
   const int alive = alive_hosts_;
@@ -1139,6 +1157,13 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   withheld_.erase(m.host_id);
   out->push_back(AppendJournal{{{"event", "host_join"}, {"host", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares},
                                 {"address", m.address}, {"incarnation", h.incarnation}}});
+  // Processes it kept from before (it was cut off, and the job went on
+  // without them): none may take part again.
+  for (const auto& [id, pid] : m.workers) {
+    auto w = workers_.find(id);
+    if (w != workers_.end() && w->second.role != WorkerRole::kGone) continue;  // cannot be: its host was lost
+    FenceProcess(m.host_id, id, pid, "its host was lost; the job went on without it", out);
+  }
   out->push_back(PrintLine{fmt::format("host {} ({}) registered{}: {} worker(s), {} spare(s)", m.host_id, m.address,
                                        h.incarnation > 1 ? " again" : "", m.nproc, m.spares)});
   if (!placed_) {
@@ -1182,7 +1207,8 @@ int Controller::FreeSlots(const HostInfo& h) const {
 bool Controller::HostResponsive(const std::string& host_id) const {
   if (host_id.empty()) return true;
   auto it = hosts_.find(host_id);
-  return it != hosts_.end() && it->second.alive && now_ - it->second.last_heard <= options_.heartbeat_timeout / 2;
+  return it != hosts_.end() && it->second.alive && !it->second.inherited &&
+         now_ - it->second.last_heard <= options_.heartbeat_timeout / 2;
 }
 
 void Controller::EscalateResize(std::vector<Action>* out) {
@@ -1233,7 +1259,7 @@ void Controller::TopUpHosts(std::vector<Action>* out) {
   if (!placed_) return;  // the placement starts every host's workers
   for (const HostInfo* hp : host_list_) {
     const HostInfo& h = *hp;
-    if (!h.alive) continue;
+    if (!h.alive || h.inherited) continue;  // an inherited agent takes orders once it has joined this controller
     if (auto f = host_refill_failures_.find(h.host_id); f != host_refill_failures_.end() && f->second > 3) continue;
     for (int free = FreeSlots(h); free > 0; --free) {
       Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/placed_ && phase_ != JobPhase::kForming,
@@ -1268,12 +1294,220 @@ void Controller::On(const WorkerStarted& e, std::vector<Action>* out) {
                                 {"host", e.host_id}}});
 }
 
+// ---------------------------------------------------------------- takeover
+
+void Controller::On(const Takeover& e, std::vector<Action>* out) {
+  const TakeoverState& s = e.state;
+  takeovers_ = s.takeovers + 1;
+  recovery_id_base_ = s.recoveries;
+  if (!multi_host() || s.generation == 0 || s.members.empty()) {
+    End(kExitUsage,
+        s.generation == 0 ? "the job had not formed when its controller stopped: there is nothing to take over; start "
+                            "the job again"
+                          : "taking over needs a job whose workers are supervised by agents (nonstop controller "
+                            "--nnodes …; nonstop agent on each host)",
+        out);
+    return;
+  }
+  generation_ = s.generation;
+  takeover_generation_ = s.generation;
+  adopt_until_ = now_ + options_.adopt_timeout;
+  resume_step_ = s.resume_step;
+  highest_step_ = s.highest_step;
+  last_journaled_step_ = s.highest_step;
+  next_worker_id_ = std::max(next_worker_id_, s.next_worker_id);
+  // The inherited must join within adopt_timeout: until then they count as heard from.
+  const Clock::time_point grace = now_ + options_.adopt_timeout - options_.heartbeat_timeout;
+  world_size_ = 0;
+  for (const auto& sh : s.hosts) {
+    auto [it, fresh] = hosts_.emplace(sh.host_id, HostInfo{});
+    if (!fresh) continue;
+    HostInfo& h = it->second;
+    h.host_id = sh.host_id;
+    h.nproc = sh.nproc;
+    h.spares = sh.spares;
+    h.address = sh.address;
+    h.incarnation = sh.incarnation;
+    h.alive = true;
+    h.inherited = true;
+    h.last_heard = grace;
+    ++alive_hosts_;
+    host_order_.push_back(sh.host_id);
+    host_list_.push_back(&h);
+    world_size_ += sh.nproc;
+  }
+  placed_ = true;
+  target_world_ = std::max({target_world_, world_size_, options_.policy.max_world});
+  std::set<int> member_set(s.members.begin(), s.members.end());
+  for (const auto& sw : s.workers) {
+    if (!sw.host.empty()) host_of_[sw.worker_id] = sw.host;
+    MarkLive(sw.worker_id);
+    if (sw.address.empty() && !member_set.count(sw.worker_id)) {
+      awaiting_join_[sw.worker_id] = AwaitedJoin{sw.spare, now_};  // started, not joined yet: it may still
+      continue;
+    }
+    WorkerInfo& w = workers_[sw.worker_id];
+    w = WorkerInfo{};
+    w.worker_id = sw.worker_id;
+    w.pid = sw.pid;
+    w.address = sw.address;
+    w.host = sw.host;
+    w.role = WorkerRole::kGone;
+    SetRole(w, member_set.count(sw.worker_id) ? WorkerRole::kMember : WorkerRole::kSpare);
+    w.last_heard = grace;
+    w.last_step = s.resume_step - 1;
+    unconfirmed_.insert(sw.worker_id);
+  }
+  // A member the journal saw end keeps its rank, gone: the recovery below
+  // gives its rank to a spare, as it would have before the takeover.
+  int ended = 0;
+  for (int id : s.members) {
+    if (workers_.count(id)) continue;
+    WorkerInfo& w = workers_[id];
+    w.worker_id = id;
+    w.role = WorkerRole::kGone;
+    w.how_it_ended = "ended before the takeover";
+    ++ended;
+  }
+  SetMembers(s.members);
+  for (size_t r = 0; r < members_.size(); ++r) member_info_[r]->rank = static_cast<int>(r);
+  phase_ = JobPhase::kRunning;
+  progress_at_ = now_;
+  out->push_back(AppendJournal{{{"event", "takeover"}, {"takeover", takeovers_}, {"generation", generation_},
+                                {"members", members_}, {"highest_step", highest_step_},
+                                {"workers", unconfirmed_.size()}, {"hosts", host_order_}}});
+  out->push_back(PrintLine{fmt::format(
+      "taking over the job (controller #{}): generation {}, {} members, {} host(s), last completed step {}; waiting "
+      "up to {} ms for the workers and agents to join",
+      takeovers_ + 1, generation_, members_.size(), host_order_.size(), highest_step_, options_.adopt_timeout.count())});
+  if (ended > 0) {
+    StartRecovery(fmt::format("{} member(s) of generation {} ended before the takeover", ended, generation_), out);
+  }
+}
+
+void Controller::Rejoined(const control::JoinMsg& m, std::vector<Action>* out) {
+  WorkerInfo& w = workers_[m.worker_id];
+  if (m.generation > takeover_generation_ + 1) {
+    // Plans go out one generation at a time, each recorded before the next:
+    // a worker can be at most one ahead of the journal. It lies, or is broken.
+    std::string why = fmt::format("rejoined claiming generation {}, but the journal's last is {}", m.generation,
+                                  takeover_generation_);
+    out->push_back(AppendJournal{{{"event", "join_refused"}, {"worker_id", m.worker_id}, {"reason", why}}});
+    out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitPeerFailure}});
+    return;  // still unconfirmed: lost at the adoption bound
+  }
+  unconfirmed_.erase(m.worker_id);
+  w.pid = m.pid;
+  w.address = m.data_address;
+  w.last_heard = now_;
+  out->push_back(AppendJournal{{{"event", "rejoin"}, {"worker_id", m.worker_id}, {"pid", m.pid},
+                                {"generation", m.generation}, {"waiting", m.waiting}, {"state_step", m.state_step},
+                                {"role", w.role == WorkerRole::kSpare ? "spare" : "member"}}});
+  // A generation newer than the journal's: a plan the previous controller
+  // sent but did not record. The next plan must be newer still.
+  bool out_of_sync = m.generation > takeover_generation_;
+  generation_ = std::max(generation_, m.generation);
+  if (w.role == WorkerRole::kSpare) {
+    if (out_of_sync && phase_ == JobPhase::kRunning) {
+      StartRecovery(fmt::format("spare worker {} is in generation {}, which the journal does not know",
+                                m.worker_id, m.generation), out);
+    }
+    return;
+  }
+  w.last_step = std::max<int64_t>(-1, m.state_step);
+  highest_step_ = std::max(highest_step_, m.state_step);
+  // A member that never adopted a plan (a spare promoted by a plan it did not
+  // get) waits for one, holding what its state holds.
+  const bool waiting = m.waiting || m.generation == 0;
+  if (waiting || m.generation != takeover_generation_) {
+    // It left its generation (the previous controller was recovering), or it
+    // is not in the one the journal names: the members form a new one.
+    if (phase_ == JobPhase::kRunning) {
+      StartRecovery(waiting ? fmt::format("worker {} was between generations when the previous controller stopped",
+                                            m.worker_id)
+                              : fmt::format("worker {} is in generation {}, the journal's last plan is generation {}",
+                                            m.worker_id, m.generation, generation_),
+                    out);
+    }
+  }
+  if (phase_ != JobPhase::kRecovering) return;
+  if (waiting) {
+    ready_[m.worker_id] = m.state_step;
+    out->push_back(AppendJournal{{{"event", "ready"}, {"worker_id", m.worker_id}, {"rank", w.rank},
+                                  {"generation", m.generation}, {"step", m.state_step}, {"reason", "rejoined"}}});
+    MaybeFinishAbort(out);
+  } else {
+    // The abort went out while it had no controller: it gets it now.
+    out->push_back(SendAbort{m.worker_id, std::make_shared<const control::AbortMsg>(control::AbortMsg{
+                                              generation_, "a controller took over during a recovery"})});
+  }
+}
+
+void Controller::HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m, std::vector<Action>* out) {
+  if (m.running != static_cast<int>(m.workers.size())) {
+    // Without the list, this controller cannot tell which processes it inherits.
+    std::string why = fmt::format("the agent supervises {} process(es) but lists {}", m.running, m.workers.size());
+    out->push_back(AppendJournal{{{"event", "host_refused"}, {"host", m.host_id}, {"reason", why}}});
+    out->push_back(CloseHost{m.host_id, why, kExitUsage});
+    return;  // still inherited: lost at the adoption bound
+  }
+  h.inherited = false;
+  h.last_heard = now_;
+  h.pid = m.pid;
+  h.address = m.address;
+  ++h.incarnation;
+  out->push_back(AppendJournal{{{"event", "host_rejoin"}, {"host", h.host_id}, {"running", m.running},
+                                {"incarnation", h.incarnation}}});
+  out->push_back(PrintLine{fmt::format("host {} ({}) joined this controller with {} running worker(s)", h.host_id,
+                                       m.address, m.running)});
+  std::set<int> listed;
+  for (const auto& [id, pid] : m.workers) {
+    auto w = workers_.find(id);
+    bool known = HostOf(id) == h.host_id && live_processes_.count(id) &&
+                 ((w != workers_.end() && w->second.role != WorkerRole::kGone) || awaiting_join_.count(id));
+    if (known) {
+      listed.insert(id);
+      continue;
+    }
+    FenceProcess(h.host_id, id, pid, "the job does not count on it (it left before the takeover)", out);
+    listed.insert(id);  // dying, not dead: its slot is free when its exit is reported
+  }
+  // Processes of this host that the agent no longer runs ended while no controller led.
+  std::vector<int> ended;
+  for (const auto& [id, host] : host_of_) {
+    if (host == h.host_id && live_processes_.count(id) && !listed.count(id)) ended.push_back(id);
+  }
+  for (int id : ended) {
+    auto w = workers_.find(id);
+    On(ProcessExited{id, w == workers_.end() ? 0 : w->second.pid, -1, 0, h.host_id}, out);
+  }
+  host_refill_failures_.erase(h.host_id);
+  TopUpHosts(out);  // slots that ended while no controller led take spares again
+}
+
+void Controller::FenceProcess(const std::string& host, int worker_id, int64_t pid, const std::string& why,
+                              std::vector<Action>* out) {
+  if (auto it = host_of_.find(worker_id); it != host_of_.end() && it->second != host) {
+    // The id belongs to a worker of another host: this agent's process is a stranger.
+    out->push_back(AppendJournal{{{"event", "report_ignored"}, {"host", host}, {"worker_id", worker_id},
+                                  {"reason", "an agent listed a process under another host's worker id"}}});
+    return;
+  }
+  host_of_[worker_id] = host;
+  if (worker_id < (1 << 30)) next_worker_id_ = std::max(next_worker_id_, worker_id + 1);  // never reused
+  MarkLive(worker_id);  // it holds a slot until its exit is seen
+  out->push_back(SignalWorker{worker_id, SIGKILL});
+  out->push_back(AppendJournal{{{"event", "fence"}, {"host", host}, {"worker_id", worker_id}, {"pid", pid},
+                                {"reason", why}}});
+}
+
 // The loss of a host is the loss of every worker on it, at once: one recovery.
 void Controller::HostDown(const std::string& host_id, const std::string& reason, std::vector<Action>* out) {
   auto hit = hosts_.find(host_id);
   if (hit == hosts_.end() || !hit->second.alive) return;
   HostInfo& h = hit->second;
   h.alive = false;
+  h.inherited = false;
   --alive_hosts_;
   h.lost_reason = reason;
   std::vector<int> members, others;

@@ -132,6 +132,37 @@ struct ControllerOptions {
   // (0: one machine, no agents; world_size and spares then say the size).
   int min_hosts = 0;
   int max_hosts = 0;  // 0: no limit; more agents are refused
+  // A controller that takes over a running job (Takeover) waits this long
+  // for the workers and agents it inherits to join it; those that do not
+  // are lost (docs/controller-failover.md).
+  Millis adopt_timeout{10'000};
+};
+
+// What a controller taking over a running job knows of it: the last state
+// its predecessor recorded (the journal: TakeoverFromJournal; or etcd).
+struct TakeoverState {
+  uint32_t generation = 0;
+  std::vector<int> members;  // worker ids, index = rank
+  int64_t resume_step = 0;
+  int64_t highest_step = -1;
+  struct Worker {
+    int worker_id = -1;
+    int64_t pid = 0;
+    std::string address;  // empty: started, not joined yet
+    bool spare = false;
+    std::string host;
+  };
+  std::vector<Worker> workers;  // alive at the last record: members, spares, and started ones
+  struct Host {
+    std::string host_id;
+    int nproc = 0, spares = 0;
+    std::string address;
+    int incarnation = 0;
+  };
+  std::vector<Host> hosts;  // alive at the last record
+  int next_worker_id = 0;
+  int recoveries = 0;        // recovery ids so far (new ones continue from here)
+  int takeovers = 0;         // controllers that took over before this one
 };
 
 // ---- events ----
@@ -161,10 +192,12 @@ struct Tick {};
 struct ScaleRequest { int request_id; nlohmann::json body; std::string source; };
 // The launcher was told to stop (SIGINT, SIGTERM): end the job now.
 struct Interrupted { std::string how; };
+// This controller takes over a running job; the first event it handles.
+struct Takeover { TakeoverState state; };
 using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived, FailureReported,
                            ReadyReceived, RecoveredReceived, InjectedReceived, ConnectionLost, ProcessExited,
                            ProcessStopped, Tick, ScaleRequest, Interrupted, HostJoined, HostHeartbeat, HostLost,
-                           WorkerStarted>;
+                           WorkerStarted, Takeover>;
 
 // ---- actions ----
 // Every member of a generation gets the same plan: one PlanMsg, shared by the
@@ -219,6 +252,7 @@ struct HostInfo {
   int64_t pid = 0;
   bool alive = false;
   int incarnation = 0;  // registrations so far (a host that heals registers again)
+  bool inherited = false;  // taken over from a previous controller: its agent has not registered with this one yet
   Clock::time_point last_heard{};
   std::string lost_reason;
 };
@@ -300,6 +334,15 @@ class Controller {
   void On(const HostHeartbeat& e, std::vector<Action>* out);
   void On(const HostLost& e, std::vector<Action>* out);
   void On(const WorkerStarted& e, std::vector<Action>* out);
+  void On(const Takeover& e, std::vector<Action>* out);
+  // A worker inherited from the previous controller joined this one.
+  void Rejoined(const control::JoinMsg& m, std::vector<Action>* out);
+  // An agent inherited from the previous controller registered with this one,
+  // listing the processes it kept running.
+  void HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m, std::vector<Action>* out);
+  // Orders the agent of `host` to kill a process the job does not count on.
+  void FenceProcess(const std::string& host, int worker_id, int64_t pid, const std::string& why,
+                    std::vector<Action>* out);
 
   // Multi-host placement.
   void PlaceOnHosts(bool resume, std::vector<Action>* out);
@@ -441,6 +484,12 @@ class Controller {
   std::map<int, std::string> host_of_;   // every worker started on a host
   std::set<int> live_processes_;         // started, exit not yet seen (they hold a slot)
   std::unordered_map<std::string, int> live_on_host_;  // host → how many of live_processes_ run there
+  // Takeover: inherited workers that have not joined this controller yet.
+  std::set<int> unconfirmed_;
+  uint32_t takeover_generation_ = 0;   // the journal's last generation (0: this controller started the job)
+  Clock::time_point adopt_until_{};    // the inherited may join until then
+  int takeovers_ = 0;  // controllers before this one (this one's number in the job)
+  int recovery_id_base_ = 0;  // recoveries run by the controllers before this one
 };
 
 }  // namespace nonstop::controller

@@ -1,4 +1,5 @@
 #include "controller/controller.h"
+#include "controller/takeover.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -1050,6 +1051,189 @@ TEST_F(ControllerTest, AReceiverCopiesFromAtMostEightSourcesSpreadOverTheHolders
     used.insert(t.sources.begin(), t.sources.end());
   }
   EXPECT_EQ(used.size(), 16u) << "the two receivers copy from different holders";
+}
+
+// ---- a controller that takes over a running job (docs/controller-failover.md)
+
+class TakeoverTest : public HostControllerTest {
+ protected:
+  std::vector<nlohmann::json> journal_;
+  // Runs an event on the first controller, keeping its journal.
+  std::vector<Action> Record(Event e) {
+    auto actions = Do(std::move(e));
+    for (const auto& j : Find<AppendJournal>(actions)) journal_.push_back(j.record);
+    return actions;
+  }
+  // The first controller: four hosts, six members at step 20, two spares.
+  void RunFirstController() {
+    journal_.push_back({{"event", "job_start"}, {"controller", "10.0.0.9:7000"}});
+    std::vector<SpawnWorker> spawns;
+    for (auto [h, n, sp] : {std::tuple{"h1", 2, 0}, {"h2", 2, 0}, {"h3", 2, 0}, {"h4", 0, 2}}) {
+      for (const auto& x : Find<SpawnWorker>(Record(HostJoined{{h, n, sp, std::string("10.0.0.") + (h + 1), 4000, 0}}))) {
+        spawns.push_back(x);
+      }
+    }
+    for (const auto& x : spawns) {
+      Record(WorkerJoined{{x.worker_id, 1000 + x.worker_id, "addr" + std::to_string(x.worker_id), x.spare, -1, x.host}});
+    }
+    for (int64_t step = 0; step <= 20; ++step) {
+      for (const auto& [id, w] : c_->workers()) {
+        if (w.role == WorkerRole::kMember) Record(ProgressReceived{id, {step, 2.0, 0.1, 100, 6}});
+      }
+    }
+    ASSERT_EQ(c_->generation(), 1u);
+    first_members_.clear();
+    for (const auto& [id, w] : c_->workers()) {
+      if (w.role == WorkerRole::kMember) first_members_[w.rank] = id;
+    }
+  }
+  // The second controller, from the first one's journal.
+  void TakeOver() {
+    auto t = TakeoverFromJournal(journal_);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    EXPECT_EQ(t->controller, "10.0.0.9:7000");
+    ControllerOptions o;
+    o.min_hosts = 4;
+    o.heartbeat_timeout = Millis(1000);
+    o.abort_timeout = Millis(2000);
+    o.adopt_timeout = Millis(5000);
+    c_ = std::make_unique<Controller>(o);
+    now_ += Millis(3000);  // the time it took to start it
+    auto actions = Do(Takeover{t->state});
+    EXPECT_TRUE(Find<SendAbort>(actions).empty());
+    EXPECT_TRUE(Find<SpawnWorker>(actions).empty()) << "every slot is taken by an inherited process";
+  }
+  control::AgentRegisterMsg Reregister(const std::string& host) {
+    control::AgentRegisterMsg m{host, host == "h4" ? 0 : 2, host == "h4" ? 2 : 0, "10.0.0." + host.substr(1), 4000, 0};
+    for (const auto& [id, w] : c_->workers()) {
+      if (w.host == host) m.workers.push_back({id, w.pid});
+    }
+    m.running = static_cast<int>(m.workers.size());
+    return m;
+  }
+  std::vector<Action> Rejoin(int id, uint32_t generation, bool waiting, int64_t step) {
+    const WorkerInfo& w = c_->workers().at(id);
+    control::JoinMsg m{id, w.pid, w.address, w.role == WorkerRole::kSpare, step, w.host};
+    m.generation = generation;
+    m.waiting = waiting;
+    return Do(WorkerJoined{m});
+  }
+  std::map<int, int> first_members_;  // rank → worker id
+};
+
+TEST_F(TakeoverTest, InheritedWorkersAndAgentsJoinAndTrainingGoesOnWithoutARecovery) {
+  RunFirstController();
+  TakeOver();
+  EXPECT_EQ(c_->generation(), 1u) << "the same generation goes on";
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+  for (const auto& [rank, id] : first_members_) EXPECT_EQ(c_->RankOf(id), rank) << "the same ranks";
+  std::vector<Action> all;
+  for (const std::string host : {"h1", "h2", "h3", "h4"}) {
+    auto a = Do(HostJoined{Reregister(host)});
+    all.insert(all.end(), a.begin(), a.end());
+  }
+  for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
+    auto a = Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false, w.role == WorkerRole::kSpare ? -1 : 21);
+    all.insert(all.end(), a.begin(), a.end());
+  }
+  EXPECT_TRUE(Find<SendPlan>(all).empty()) << "nothing changes: no plan";
+  EXPECT_TRUE(Find<SendAbort>(all).empty()) << "and no abort";
+  EXPECT_TRUE(Find<SignalWorker>(all).empty()) << "no process is fenced";
+  EXPECT_TRUE(Find<SendShutdown>(all).empty()) << "no join is refused";
+  // Well past the adoption bound, with heartbeats: still no recovery.
+  for (int i = 0; i < 20; ++i) {
+    now_ += Millis(500);
+    Heartbeats();
+    auto a = Do(Tick{});
+    ASSERT_TRUE(Find<SendAbort>(a).empty()) << "recovery at " << i * 500 << " ms";
+  }
+  EXPECT_TRUE(c_->recoveries().empty());
+  for (const auto& [rank, id] : first_members_) Step(id, 21);
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+}
+
+TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
+  RunFirstController();
+  TakeOver();
+  for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
+  int missing = first_members_[3];
+  for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
+    if (id != missing) Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false, 20);
+  }
+  std::vector<Action> actions;
+  for (int i = 0; i < 12 && Find<SendAbort>(actions).empty(); ++i) {
+    now_ += Millis(500);
+    for (const auto& [id, w] : c_->workers()) {
+      if (id != missing && w.role != WorkerRole::kGone) Do(HeartbeatReceived{id, {20, -1}});
+    }
+    for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostHeartbeat{host, {2}});
+    actions = Do(Tick{});
+    if (i < 6) EXPECT_TRUE(Find<SendAbort>(actions).empty()) << "before the adoption bound, at " << (i + 1) * 500;
+  }
+  ASSERT_EQ(Find<SendAbort>(actions).size(), 5u) << "the five others abort";
+  auto kills = Find<KillWorker>(actions);
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, missing);
+}
+
+TEST_F(TakeoverTest, AMemberBetweenGenerationsMakesTheNewControllerFinishTheRecovery) {
+  RunFirstController();
+  TakeOver();
+  for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
+  // Rank 0 had left generation 1 (its collective failed) when the first controller stopped.
+  auto first = Rejoin(first_members_[0], 1, /*waiting=*/true, 20);
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
+  // The others take 3 s to find the new controller: longer than the abort
+  // timeout (2 s), within the adoption bound (5 s). Nobody is killed.
+  for (int i = 0; i < 6; ++i) {
+    now_ += Millis(500);
+    Do(HeartbeatReceived{first_members_[0], {20, -1}});
+    for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostHeartbeat{host, {2}});
+    ASSERT_TRUE(Find<KillWorker>(Do(Tick{})).empty()) << "killed an inherited member at " << (i + 1) * 500 << " ms";
+  }
+  std::map<int, int> aborted;
+  for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
+    if (id == first_members_[0]) continue;
+    auto a = Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false, 20);
+    for (const auto& x : Find<SendAbort>(a)) aborted[x.worker_id]++;
+  }
+  for (int r = 1; r < 6; ++r) {
+    EXPECT_EQ(aborted[first_members_[r]], 1) << "rank " << r << " is told once to abort generation 1";
+  }
+  std::vector<Action> all;
+  for (int r = 1; r < 6; ++r) all = Ready(first_members_[r], 20);
+  auto plans = Find<SendPlan>(all);
+  ASSERT_EQ(plans.size(), 6u);
+  EXPECT_EQ(plans[0].plan->generation, 2u);
+  EXPECT_EQ(plans[0].plan->resume_step, 21);
+  EXPECT_TRUE(plans[0].plan->transfers.empty()) << "everyone holds step 20";
+}
+
+TEST_F(TakeoverTest, AnAgentListingAProcessTheJobDoesNotKnowIsToldToKillIt) {
+  RunFirstController();
+  TakeOver();
+  auto reg = Reregister("h1");
+  reg.workers.push_back({999, 4242});
+  reg.running = static_cast<int>(reg.workers.size());
+  auto signals = Find<SignalWorker>(Do(HostJoined{reg}));
+  ASSERT_EQ(signals.size(), 1u);
+  EXPECT_EQ(signals[0].worker_id, 999);
+  EXPECT_EQ(signals[0].signal, SIGKILL);
+  EXPECT_EQ(c_->HostOf(999), "h1") << "the order goes to the agent that listed it";
+}
+
+TEST_F(TakeoverTest, AJournalWhoseJobEndedOrNeverFormedCannotBeTakenOver) {
+  RunFirstController();
+  journal_.push_back({{"event", "job_end"}, {"exit_code", 0}, {"reason", "done"}});
+  auto ended = TakeoverFromJournal(journal_);
+  ASSERT_FALSE(ended.ok());
+  EXPECT_NE(ended.status().message().find("already ended"), std::string::npos) << ended.status().ToString();
+  auto unformed = TakeoverFromJournal({{{"event", "job_start"}, {"controller", "x:1"}}});
+  ASSERT_FALSE(unformed.ok());
+  EXPECT_NE(unformed.status().message().find("never formed"), std::string::npos) << unformed.status().ToString();
+  auto garbage = TakeoverFromJournal({{{"event", "job_start"}}, {{"event", "plan"}, {"generation", "two"}}});
+  ASSERT_FALSE(garbage.ok());
+  EXPECT_NE(garbage.status().message().find("wrong shape"), std::string::npos) << garbage.status().ToString();
 }
 
 }  // namespace

@@ -1,5 +1,8 @@
 #include "controller/journal.h"
 
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <ctime>
 #include <filesystem>
@@ -39,11 +42,42 @@ Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path) {
     std::filesystem::remove(p, ec);  // an empty journal holds nothing to keep
   }
   // "x": never truncate a journal that appeared meanwhile (another job on the same path).
-  std::FILE* f = std::fopen(path.c_str(), "wx");
+  std::FILE* f = std::fopen(path.c_str(), "wxe");
   if (f == nullptr) return ErrnoStatus(StatusCode::kUnavailable, "open journal " + path, errno);
   auto j = std::unique_ptr<Journal>(new Journal(path, f));
   j->rotated_to_ = rotated;
+  NONSTOP_RETURN_IF_ERROR(j->Lock());
   return j;
+}
+
+Result<std::unique_ptr<Journal>> Journal::OpenForAppend(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "r+e");
+  if (f == nullptr) return ErrnoStatus(StatusCode::kUnavailable, "open journal " + path, errno);
+  auto j = std::unique_ptr<Journal>(new Journal(path, f));
+  NONSTOP_RETURN_IF_ERROR(j->Lock());
+  // Cut a torn last record (its writer was killed mid-line) back to the last
+  // newline, so the records appended now start on a line of their own.
+  std::string text;
+  {
+    std::ifstream in(path, std::ios::binary);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+  if (keep < text.size() && ::ftruncate(::fileno(f), static_cast<off_t>(keep)) != 0) {
+    return ErrnoStatus(StatusCode::kUnavailable, "cut the torn last line of journal " + path, errno);
+  }
+  std::fseek(f, 0, SEEK_END);
+  return j;
+}
+
+Status Journal::Lock() {
+  // One controller writes a journal: a second one (a standby that thinks it
+  // leads, a --resume while the first still runs) is refused, not interleaved.
+  if (::flock(::fileno(file_), LOCK_EX | LOCK_NB) != 0) {
+    return FailedPreconditionError(fmt::format(
+        "journal {} is held by another controller (a running controller of this job?): stop it first", path_));
+  }
+  return OkStatus();
 }
 
 Journal::~Journal() {
@@ -59,7 +93,7 @@ void Journal::Append(nlohmann::json record) {
 
 void Journal::Flush() { std::fflush(file_); }
 
-Result<std::vector<nlohmann::json>> Journal::Read(const std::string& path) {
+Result<std::vector<nlohmann::json>> Journal::Read(const std::string& path, bool* torn_tail) {
   std::ifstream in(path);
   if (!in) return NotFoundError("cannot open journal " + path);
   std::vector<nlohmann::json> out;
@@ -69,7 +103,14 @@ Result<std::vector<nlohmann::json>> Journal::Read(const std::string& path) {
     ++n;
     if (line.empty()) continue;
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded()) return DataLossError(fmt::format("journal {} line {} is not JSON", path, n));
+    if (j.is_discarded()) {
+      // A controller killed while it wrote leaves its last line torn (no newline): that one record is lost.
+      if (in.eof() && torn_tail != nullptr) {
+        *torn_tail = true;
+        break;
+      }
+      return DataLossError(fmt::format("journal {} line {} is not JSON", path, n));
+    }
     out.push_back(std::move(j));
   }
   return out;

@@ -24,6 +24,9 @@ class Journal {
   // is never truncated: it is renamed to "<stem>-<UTC time>[-N]<ext>" beside it
   // first (rotated_to() names it), so every job's record is kept.
   static Result<std::unique_ptr<Journal>> Open(const std::string& path);
+  // Goes on with the journal at `path` (a controller taking over the job):
+  // records are appended to it; it must exist.
+  static Result<std::unique_ptr<Journal>> OpenForAppend(const std::string& path);
   ~Journal();
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
@@ -36,10 +39,13 @@ class Journal {
   const std::string& rotated_to() const { return rotated_to_; }
 
   // Reads a journal back (for reports and tests); malformed lines are errors naming the line.
-  static Result<std::vector<nlohmann::json>> Read(const std::string& path);
+  // With torn_tail, a last line that is not JSON (its writer was killed
+  // mid-line) is left out and *torn_tail set, instead of an error.
+  static Result<std::vector<nlohmann::json>> Read(const std::string& path, bool* torn_tail = nullptr);
 
  private:
   Journal(std::string path, std::FILE* f) : path_(std::move(path)), file_(f) {}
+  Status Lock();
   std::string path_;
   std::FILE* file_;
   std::string rotated_to_;

@@ -26,6 +26,7 @@
 #include "controller/control_server.h"
 #include "controller/http_api.h"
 #include "controller/journal.h"
+#include "controller/takeover.h"
 #include "launcher/local_launcher.h"
 #include "launcher/output_writer.h"
 #include "net/event_loop.h"
@@ -92,9 +93,38 @@ std::string JobFileFor(const std::string& journal_path) {
   return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) + "/job.json";
 }
 
-int RunController(const RuntimeOptions& o) {
+int RunController(const RuntimeOptions& options) {
+  RuntimeOptions o = options;
   const std::string& name = o.name;
-  auto journal = Journal::Open(o.journal);
+  std::optional<JournalTakeover> takeover;
+  if (!o.resume.empty()) {
+    bool torn = false;
+    auto records = Journal::Read(o.resume, &torn);
+    if (records.ok() && torn) {
+      NONSTOP_LOG_WARNING("--resume {}: its last line was torn (the controller died while writing it); left out",
+                          o.resume);
+    }
+    if (!records.ok()) {
+      fmt::print(stderr, "{}: --resume {}: {}\n", name, o.resume, records.status().ToString());
+      return kExitUsage;
+    }
+    auto t = TakeoverFromJournal(*records);
+    if (!t.ok()) {
+      fmt::print(stderr, "{}: --resume {}: {}\n", name, o.resume, t.status().message());
+      return kExitUsage;
+    }
+    takeover = std::move(*t);
+    if (o.listen.port == 0) {
+      auto where = net::ParseHostPort(takeover->controller);
+      if (!where.ok()) {
+        fmt::print(stderr, "{}: --resume {}: the journal's controller address '{}' is not usable ({}); pass --listen\n",
+                   name, o.resume, takeover->controller, where.status().message());
+        return kExitUsage;
+      }
+      o.listen = *where;
+    }
+  }
+  auto journal = takeover ? Journal::OpenForAppend(o.resume) : Journal::Open(o.journal);
   if (!journal.ok()) {
     fmt::print(stderr, "{}: {}\n", name, journal.status().ToString());
     return 1;
@@ -217,6 +247,11 @@ int RunController(const RuntimeOptions& o) {
                           {"policy", core.PolicyJson()}};
   if (local) start["program"] = o.program;
   if (o.core.min_hosts > 0) start["min_hosts"] = o.core.min_hosts;
+  if (takeover) {
+    // The journal goes on: this controller's start is not the job's.
+    start["event"] = "controller_start";
+    start["resume"] = true;
+  }
   (*journal)->Append(start);
 
   std::set<int> niced;  // local spares still at low priority
@@ -404,6 +439,7 @@ int RunController(const RuntimeOptions& o) {
     next_publish = cost < Millis(1) ? Clock::now() : Clock::now() + 20 * cost;
   };
 
+  if (takeover) handle(Takeover{std::move(takeover->state)});  // before any worker or agent is heard
   Deadline next_tick = Clock::now();
   Deadline next_ping = Clock::now();
   while (true) {

@@ -46,6 +46,10 @@ struct RuntimeOptions {
   double mtbf_seconds = 0;
   int refill_nice = 10;
   std::string recovery_name = "checkpointless";
+  // Take over the running job of this journal (its controller stopped): the
+  // workers and agents it recorded are adopted, and the journal goes on.
+  // With listen's port 0, the control port is the one the journal records.
+  std::string resume;
 };
 
 // Runs the job until it ends; returns the exit code (kExitOk, kExitPeerFailure, …).

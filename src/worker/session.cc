@@ -55,7 +55,8 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
   }
   o.spare = get("NONSTOP_SPARE") == "1";
   for (auto [name, field] : {std::pair{"NONSTOP_CONNECT_TIMEOUT_MS", &o.join_timeout},
-                             std::pair{"NONSTOP_CONTROLLER_TIMEOUT_MS", &o.controller_timeout}}) {
+                             std::pair{"NONSTOP_CONTROLLER_TIMEOUT_MS", &o.controller_timeout},
+                             std::pair{"NONSTOP_LEADERLESS_TIMEOUT_MS", &o.leaderless_timeout}}) {
     std::string v = get(name);
     if (v.empty()) continue;
     try {
@@ -87,21 +88,40 @@ class SessionImpl {
   // ---- control plane ----
 
   Status Start() {
-    NONSTOP_ASSIGN_OR_RETURN(net::HostPort where, net::ParseHostPort(options_.controller_address));
+    size_t begin = 0;
+    const std::string& list = options_.controller_address;
+    while (begin <= list.size()) {
+      size_t end = std::min(list.find(',', begin), list.size());
+      std::string one = list.substr(begin, end - begin);
+      NONSTOP_ASSIGN_OR_RETURN(net::HostPort where, net::ParseHostPort(one));
+      controllers_.push_back(where);
+      begin = end + 1;
+    }
     Deadline deadline = DeadlineAfter(options_.join_timeout);
-    NONSTOP_ASSIGN_OR_RETURN(control_fd_, net::Dial(where, deadline));
-    net::Hello hello;
-    hello.kind = net::ConnectionKind::kControl;
-    hello.worker_id = options_.worker_id;
-    hello.job_token = options_.job_token;
-    Status hs = net::ClientHandshake(control_fd_.get(), hello, deadline, nullptr);
-    if (!hs.ok()) return hs.WithContext("joining the controller at " + options_.controller_address);
+    Status last;
+    for (size_t attempt = 0; !control_fd_.valid(); ++attempt) {
+      // One controller after another: the first that accepts the hello leads.
+      const net::HostPort& where = controllers_[attempt % controllers_.size()];
+      Deadline one = controllers_.size() == 1 ? deadline : std::min(deadline, DeadlineAfter(Millis(2'000)));
+      Result<UniqueFd> fd = DialController(where, one);
+      if (fd.ok()) {
+        control_fd_ = std::move(*fd);
+        controller_ = where.ToString();
+        break;
+      }
+      last = fd.status();
+      if (controllers_.size() == 1 || Clock::now() >= deadline) {
+        return last.WithContext("joining the controller at " + options_.controller_address);
+      }
+      if ((attempt + 1) % controllers_.size() == 0) std::this_thread::sleep_for(Millis(100));  // a round failed
+    }
     collective::PeerMeshOptions mo;
     mo.job_token = options_.job_token;
     mo.worker_id = options_.worker_id;
     mo.listen = {options_.data_host, 0};
     NONSTOP_ASSIGN_OR_RETURN(mesh_, collective::PeerMesh::Create(mo));
-    control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), AdvertisedDataAddress(),
+    data_address_ = AdvertisedDataAddress();  // from the first control connection's local address
+    control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), data_address_,
                           options_.spare, state_step_.load(), options_.host_id};
     NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgJoin, control::Encode(join)));
     io_thread_ = std::jthread([this](std::stop_token st) { IoLoop(st); });
@@ -126,8 +146,23 @@ class SessionImpl {
     return fmt::format("{}:{}", host, mesh_->address().port);
   }
 
+  // Dials a controller and says hello; the controller's refusal (a wrong
+  // token, a controller that does not lead) is an error.
+  Result<UniqueFd> DialController(const net::HostPort& where, Deadline deadline) {
+    NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Dial(where, deadline));
+    net::Hello hello;
+    hello.kind = net::ConnectionKind::kControl;
+    hello.worker_id = options_.worker_id;
+    hello.job_token = options_.job_token;
+    NONSTOP_RETURN_IF_ERROR(net::ClientHandshake(fd.get(), hello, deadline, &stop_signal_));
+    return fd;
+  }
+
+  // Without a controller (lost, not yet found again) messages are dropped:
+  // what the next controller must know is in the join that reconnects.
   Status SendControl(uint16_t type, const std::string& payload) {
     std::lock_guard<std::mutex> lock(write_mu_);
+    if (!control_fd_.valid()) return UnavailableError("no controller leads now");
     return net::WriteFrame(control_fd_.get(), type, payload, DeadlineAfter(Millis(5'000)), &stop_signal_);
   }
 
@@ -161,14 +196,92 @@ class SessionImpl {
                                          std::chrono::duration_cast<Millis>(Clock::now() - heard_at).count()));
       }
       if (!s.ok()) {
-        NONSTOP_LOG_ERROR("lost the controller: {}", s.ToString());
-        std::lock_guard<std::mutex> lock(mu_);
-        controller_lost_ = true;
-        if (comm_) comm_->Abort("lost the controller: " + s.message());
-        cv_.notify_all();
-        return;
+        if (!Reconnect(st, s)) return;
+        decoder = net::FrameDecoder();
+        heard_at = Clock::now();
+        next_heartbeat = Clock::now();
       }
     }
+  }
+
+  // The controller is gone (it died, or is cut off): training goes on, and
+  // this thread dials the controllers in turn until one leads and takes the
+  // join that says where this worker stands. False when it gave up
+  // (leaderless_timeout) or the session stops.
+  bool Reconnect(std::stop_token st, const Status& why) {
+    {
+      std::lock_guard<std::mutex> lock(write_mu_);
+      control_fd_.Reset();
+    }
+    auto lost_at = Clock::now();
+    NONSTOP_LOG_WARNING("lost the controller at {}: {}; training goes on, dialing {} again (membership changes wait "
+                        "for a controller; giving up in {} s)",
+                        controller_, why.message(), options_.controller_address,
+                        std::chrono::duration_cast<std::chrono::seconds>(options_.leaderless_timeout).count());
+    Millis backoff{100};
+    Status last = why;
+    for (size_t attempt = 0; !st.stop_requested(); ++attempt) {
+      if (Clock::now() - lost_at >= options_.leaderless_timeout) {
+        NONSTOP_LOG_ERROR("no controller for {} ms (last error: {}): giving up",
+                          options_.leaderless_timeout.count(), last.ToString());
+        std::lock_guard<std::mutex> lock(mu_);
+        controller_lost_ = true;
+        if (comm_) comm_->Abort("lost the controller: " + why.message());
+        cv_.notify_all();
+        return false;
+      }
+      const net::HostPort& where = controllers_[attempt % controllers_.size()];
+      Result<UniqueFd> fd = DialController(where, DeadlineAfter(Millis(1'000)));
+      if (fd.ok() && SendRejoin(std::move(*fd)).ok()) {
+        controller_ = where.ToString();
+        NONSTOP_LOG_WARNING("joined the controller at {} again after {} ms", controller_,
+                            std::chrono::duration_cast<Millis>(Clock::now() - lost_at).count());
+        return true;
+      }
+      if (!fd.ok()) last = fd.status();
+      if (attempt % controllers_.size() + 1 == controllers_.size()) {
+        // A round over every controller failed: back off (waking at once to stop).
+        pollfd p{stop_signal_.fd(), POLLIN, 0};
+        (void)::poll(&p, 1, static_cast<int>(backoff.count()));
+        backoff = std::min(Millis(1'000), backoff * 2);
+      }
+    }
+    return false;
+  }
+
+  // The join that tells a controller taking over where this worker stands:
+  // the generation it is in, whether it left it and waits for a plan, the
+  // step its state holds; then the Finished it may have sent the last one.
+  Status SendRejoin(UniqueFd fd) {
+    // write_mu_ first and until the connection is installed: a Ready or a
+    // Finished the training thread sends meanwhile either is in this join
+    // (it set waiting_after_ / finished_ before sending) or goes out on the
+    // new connection after it, never lost in between.
+    std::lock_guard<std::mutex> write_lock(write_mu_);
+    control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), data_address_,
+                          options_.spare, state_step_.load(), options_.host_id};
+    std::optional<control::FinishedMsg> finished;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (comm_) {
+        join.spare = false;
+        join.generation = comm_->generation();
+      }
+      if (waiting_after_ > 0) {
+        join.generation = waiting_after_;
+        join.waiting = true;
+      }
+      finished = finished_;
+    }
+    Deadline deadline = DeadlineAfter(Millis(2'000));
+    NONSTOP_RETURN_IF_ERROR(
+        net::WriteFrame(fd.get(), control::kMsgJoin, control::Encode(join), deadline, &stop_signal_));
+    if (finished) {
+      NONSTOP_RETURN_IF_ERROR(
+          net::WriteFrame(fd.get(), control::kMsgFinished, control::Encode(*finished), deadline, &stop_signal_));
+    }
+    control_fd_ = std::move(fd);
+    return OkStatus();
   }
 
   void SendHeartbeat() {
@@ -239,8 +352,13 @@ class SessionImpl {
   Result<int64_t> Rejoin(uint32_t after_generation, std::string why) {
     while (true) {
       if (after_generation > 0) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          waiting_after_ = after_generation;  // a join after a controller loss says so
+        }
         control::ReadyMsg ready{after_generation, state_step_.load(), why};
-        NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgReady, control::Encode(ready)));
+        Status sent = SendControl(control::kMsgReady, control::Encode(ready));
+        if (!sent.ok()) NONSTOP_LOG_WARNING("ready for the next generation, but: {}", sent.ToString());
       }
       control::PlanMsg plan;
       {
@@ -253,6 +371,7 @@ class SessionImpl {
         }
         if (controller_lost_) return UnavailableError("lost the controller");
         plan = *plan_;
+        waiting_after_ = 0;
       }
       Result<int64_t> resumed = Adopt(plan);
       if (resumed.ok()) return resumed;
@@ -425,7 +544,13 @@ class SessionImpl {
 
   Status Finish(int64_t last_step, const std::string& checksum) {
     uint32_t gen = comm_->generation();
-    NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgFinished, control::Encode(control::FinishedMsg{last_step, checksum})));
+    control::FinishedMsg finished{last_step, checksum};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      finished_ = finished;  // sent again to a controller that takes over
+    }
+    Status sent = SendControl(control::kMsgFinished, control::Encode(finished));
+    if (!sent.ok()) NONSTOP_LOG_WARNING("finished, but: {}", sent.ToString());
     std::unique_lock<std::mutex> lock(mu_);
     Deadline deadline = DeadlineAfter(Millis(600'000));
     while (!shutdown_ && !controller_lost_ && aborted_generation_ < gen) {
@@ -448,7 +573,7 @@ class SessionImpl {
 
   SessionOptions options_;
   state::StateRegistry* const state_;  // owned by the training program; outlives the session
-  UniqueFd control_fd_;
+  UniqueFd control_fd_;  // written under write_mu_ (the I/O thread replaces it after a controller loss)
   // Before mesh_: the mesh's accept thread polls the abort signal of a thread
   // waiting in Get(), so the signal must outlive the mesh.
   net::AbortSignal abort_;        // fired to abort the collective in flight
@@ -466,7 +591,12 @@ class SessionImpl {
   std::optional<control::DrainMsg> drain_;        // guarded by mu_
   MembershipChange last_change_;
   uint32_t aborted_generation_ = 0;               // guarded by mu_
-  bool controller_lost_ = false;                  // guarded by mu_
+  bool controller_lost_ = false;                  // guarded by mu_: gave up finding a controller
+  uint32_t waiting_after_ = 0;                    // guarded by mu_: left this generation, waits for a plan
+  std::optional<control::FinishedMsg> finished_;  // guarded by mu_: sent when the training loop ended
+  std::vector<net::HostPort> controllers_;        // NONSTOP_CONTROLLER, in the order they are tried
+  std::string controller_;                        // the one connected last (for logs; the I/O thread's)
+  std::string data_address_;                      // what peers dial, fixed at the first join
   std::unique_ptr<collective::Communicator> comm_;  // guarded by mu_ for Abort from the I/O thread
   std::vector<control::FaultSpec> faults_;          // guarded by mu_
   int64_t resume_step_ = 0;
@@ -505,7 +635,8 @@ void Session::ReportStep(const StepReport& r) {
   impl_->state_step_.store(r.step);
   control::ProgressMsg m{r.step, r.loss, r.step_seconds, r.tokens_per_second, world_size()};
   Status s = impl_->SendControl(control::kMsgProgress, control::Encode(m));
-  if (!s.ok()) NONSTOP_LOG_WARNING("progress report failed: {}", s.ToString());
+  // Without a controller the step is not lost: the join to the next one says it.
+  if (!s.ok()) NONSTOP_LOG_DEBUG("progress report not sent: {}", s.ToString());
 }
 
 Result<int64_t> Session::Recover() {
