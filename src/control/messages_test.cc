@@ -140,8 +140,6 @@ TEST(AgentMessagesTest, RoundTrip) {
   EXPECT_EQ(plain->host_id, "");
 }
 
-// A start order may set only NONSTOP_ variables: a controller (or whoever
-// speaks on its connection) can never make an agent preload a library.
 // A worker and an agent that outlived their controller say what they hold
 // when they join the one that leads now (docs/controller-failover.md).
 TEST(MessagesTest, RejoinAfterAControllerLossCarriesGenerationAndProcesses) {
@@ -175,6 +173,8 @@ TEST(MessagesTest, RejoinAfterAControllerLossCarriesGenerationAndProcesses) {
   EXPECT_FALSE(bad_pid.ok());
 }
 
+// A start order may set only NONSTOP_ variables: a controller (or whoever
+// speaks on its connection) can never make an agent preload a library.
 TEST(AgentMessagesTest, StartOrderRefusesForeignVariables) {
   for (const char* name : {"LD_PRELOAD", "PATH", "NONSTOP", "NONSTOP_A=B"}) {
     AgentStartMsg start{1, false, 0, {{name, "/tmp/evil.so"}}};
