@@ -279,15 +279,7 @@ void Agent::Tick() {
       break;
     case Phase::kFenced:
       if (launcher_->running() == 0) {
-        // Every process is gone: only now may this host take part again.
-        ChangePhase(Phase::kDialing);
-        Millis wait{0};
-        if (consecutive_malformed_ > 0) {
-          // A controller that keeps sending a bad order is not redialed in a tight loop.
-          wait = std::min(options_.backoff_max, options_.backoff_initial * (1 << std::min(consecutive_malformed_, 8)));
-        }
-        next_dial_at_ = now + wait;
-        backoff_ = options_.backoff_initial;
+        DialAgain(now);  // every process is gone: only now may this host take part again
       } else if (now >= reconnect_deadline_) {
         End(kExitControllerLost,
             Describe(fmt::format("{} ({} not reaped yet)", last_error_, Processes(launcher_->running()))), true);
@@ -590,6 +582,10 @@ void Agent::Lose(const std::string& why, bool log) {
   last_error_ = why;
   fence_at_ = now + options_.fence_after;
   reconnect_deadline_ = running == 0 ? now + options_.join_timeout : *fence_at_ + options_.join_timeout;
+  DialAgain(now);
+}
+
+void Agent::DialAgain(Deadline now) {
   ChangePhase(Phase::kDialing);
   Millis wait{0};
   if (consecutive_malformed_ > 0) {

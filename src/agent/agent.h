@@ -170,6 +170,8 @@ class Agent {
   void Lose(const std::string& why, bool log = true);
   // Cut off for fence_after: kill every process (none will be adopted).
   void Fence();
+  // Back to kDialing, at once (or after a pause when orders keep coming malformed).
+  void DialAgain(Deadline now);
   void CloseConnection();
   // Queues one frame to the controller; false if there is no connection or it overflowed (then lost).
   bool Send(uint16_t type, const std::string& payload);
