@@ -1225,6 +1225,21 @@ TEST_F(TakeoverTest, AnAgentListingAProcessTheJobDoesNotKnowIsToldToKillIt) {
   EXPECT_EQ(c_->HostOf(999), "h1") << "the order goes to the agent that listed it";
 }
 
+// Plans are recorded one at a time: a worker can be at most one generation
+// ahead of the journal. A claim beyond that is refused, and the generation
+// counter is not moved by it (a lie of 0xFFFFFFFF would wrap the next plan's).
+TEST_F(TakeoverTest, ARejoinClaimingAGenerationFarAheadOfTheJournalIsRefused) {
+  RunFirstController();
+  TakeOver();
+  for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
+  auto actions = Rejoin(first_members_[2], 0xFFFFFFFFu, false, 20);
+  auto shutdowns = Find<SendShutdown>(actions);
+  ASSERT_EQ(shutdowns.size(), 1u);
+  EXPECT_NE(shutdowns[0].msg.reason.find("the journal's last is 1"), std::string::npos) << shutdowns[0].msg.reason;
+  EXPECT_EQ(c_->generation(), 1u);
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning) << "a lie starts no recovery";
+}
+
 TEST_F(TakeoverTest, AJournalWhoseJobEndedOrNeverFormedCannotBeTakenOver) {
   RunFirstController();
   journal_.push_back({{"event", "job_end"}, {"exit_code", 0}, {"reason", "done"}});
