@@ -149,12 +149,9 @@ int AgentCommand::Execute() {
 
   // Everything the agent prints goes through bounded writers, log lines
   // included: a slow reader of our output never stalls the loop.
-  launcher::OutputWriter out(STDOUT_FILENO);
-  launcher::OutputWriter err(STDERR_FILENO);
-  SetLogSink([&err](std::string_view line) { err.Write(line); });
-  struct LogSinkGuard {
-    ~LogSinkGuard() { SetLogSink(nullptr); }
-  } log_sink_guard;
+  launcher::BoundedStdio stdio;
+  launcher::OutputWriter& out = stdio.out();
+  launcher::OutputWriter& err = stdio.err();
   options.out = &out;
   options.err = &err;
 

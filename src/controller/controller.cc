@@ -1137,13 +1137,7 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   if (options_.max_hosts > 0 && alive >= options_.max_hosts) {
     return refuse(fmt::format("the job already has its maximum of {} hosts", options_.max_hosts));
   }
-  if (it == hosts_.end()) {
-    host_order_.push_back(m.host_id);
-    it = hosts_.emplace(m.host_id, HostInfo{}).first;
-    host_list_.push_back(&it->second);
-  }
-  HostInfo& h = it->second;
-  h.host_id = m.host_id;
+  HostInfo& h = it != hosts_.end() ? it->second : AddHost(m.host_id);
   h.nproc = m.nproc;
   h.spares = m.spares;
   h.address = m.address;
@@ -1173,6 +1167,14 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   // A host that comes (back) after the start brings spares: the pool, or
   // capacity the job grows into (policy permitting).
   TopUpHosts(out);
+}
+
+HostInfo& Controller::AddHost(const std::string& host_id) {
+  HostInfo& h = hosts_[host_id];
+  h.host_id = host_id;
+  host_order_.push_back(host_id);
+  host_list_.push_back(&h);
+  return h;
 }
 
 void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
@@ -1320,10 +1322,8 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
   const Clock::time_point grace = now_ + options_.adopt_timeout - options_.heartbeat_timeout;
   world_size_ = 0;
   for (const auto& sh : s.hosts) {
-    auto [it, fresh] = hosts_.emplace(sh.host_id, HostInfo{});
-    if (!fresh) continue;
-    HostInfo& h = it->second;
-    h.host_id = sh.host_id;
+    if (hosts_.count(sh.host_id)) continue;
+    HostInfo& h = AddHost(sh.host_id);
     h.nproc = sh.nproc;
     h.spares = sh.spares;
     h.address = sh.address;
@@ -1332,8 +1332,6 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
     h.inherited = true;
     h.last_heard = grace;
     ++alive_hosts_;
-    host_order_.push_back(sh.host_id);
-    host_list_.push_back(&h);
     world_size_ += sh.nproc;
   }
   placed_ = true;

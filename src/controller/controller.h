@@ -344,6 +344,8 @@ class Controller {
   void FenceProcess(const std::string& host, int worker_id, int64_t pid, const std::string& why,
                     std::vector<Action>* out);
 
+  // A host not seen before, in registration order (placement follows it).
+  HostInfo& AddHost(const std::string& host_id);
   // Multi-host placement.
   void PlaceOnHosts(bool resume, std::vector<Action>* out);
   int FreeSlots(const HostInfo& h) const;

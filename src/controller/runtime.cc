@@ -185,14 +185,10 @@ int RunController(const RuntimeOptions& options) {
   }
   // Everything this loop prints goes through bounded writers: a reader of our
   // output that does not keep up loses lines (counted), never stalls the job.
-  launcher::OutputWriter out(STDOUT_FILENO);
-  launcher::OutputWriter err(STDERR_FILENO);
-  // Log lines too (control-port refusals, lost workers): never a blocking
-  // write from the loop. The guard restores stderr before `err` goes away.
-  SetLogSink([&err](std::string_view line) { err.Write(line); });
-  struct LogSinkGuard {
-    ~LogSinkGuard() { SetLogSink(nullptr); }
-  } log_sink_guard;
+  // Log lines too (control-port refusals, lost workers): never a blocking write from the loop.
+  launcher::BoundedStdio stdio;
+  launcher::OutputWriter& out = stdio.out();
+  launcher::OutputWriter& err = stdio.err();
   const bool local = !o.program.empty();
   std::optional<launcher::LocalLauncher> launcher;
   if (local) {

@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include "common/logging.h"
+
 namespace nonstop::launcher {
 
 OutputWriter::OutputWriter(int fd, size_t max_buffered, Millis final_flush)
@@ -84,5 +86,11 @@ void OutputWriter::Run() {
     if (last && (buffer_.empty() || !ok)) return;
   }
 }
+
+BoundedStdio::BoundedStdio() : out_(STDOUT_FILENO), err_(STDERR_FILENO) {
+  SetLogSink([this](std::string_view line) { err_.Write(line); });
+}
+
+BoundedStdio::~BoundedStdio() { SetLogSink(nullptr); }
 
 }  // namespace nonstop::launcher

@@ -53,4 +53,22 @@ class OutputWriter {
   std::thread thread_;           // last: started after the members it uses
 };
 
+// A program's stdout and stderr behind OutputWriters, with the log lines
+// going through `err` as long as it lives (the log sink is restored before
+// the writers go away): an event loop that prints never blocks on a reader.
+// `nonstop run`, `nonstop controller` and `nonstop agent` print through one.
+class BoundedStdio {
+ public:
+  BoundedStdio();
+  ~BoundedStdio();
+  BoundedStdio(const BoundedStdio&) = delete;
+  BoundedStdio& operator=(const BoundedStdio&) = delete;
+  OutputWriter& out() { return out_; }
+  OutputWriter& err() { return err_; }
+
+ private:
+  OutputWriter out_;
+  OutputWriter err_;
+};
+
 }  // namespace nonstop::launcher
