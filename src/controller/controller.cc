@@ -57,6 +57,10 @@ std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now
       auto it = workers_.find(e->worker_id);
       if (it != workers_.end()) SetRole(it->second, WorkerRole::kGone);
       MarkEnded(e->worker_id);
+    } else if (const auto* j = std::get_if<WorkerJoined>(&event)) {
+      // Late (a refill that started as the job ended), or back after losing
+      // its connection: it is told, instead of waiting for a plan that never comes.
+      out.push_back(SendShutdown{j->msg.worker_id, {"the job has ended: " + end_reason_, end_code_}});
     }
     return out;
   }
@@ -1741,6 +1745,8 @@ void Controller::On(const Interrupted& e, std::vector<Action>* out) {
 
 void Controller::End(int exit_code, const std::string& reason, std::vector<Action>* out) {
   phase_ = JobPhase::kEnded;
+  end_code_ = exit_code;
+  end_reason_ = reason;
   out->push_back(AppendJournal{{{"event", "job_end"}, {"exit_code", exit_code}, {"reason", reason},
                                 {"generation", generation_}, {"highest_step", highest_step_}}});
   for (auto& [id, w] : workers_) {

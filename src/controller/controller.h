@@ -490,6 +490,8 @@ class Controller {
   std::set<int> unconfirmed_;
   uint32_t takeover_generation_ = 0;   // the journal's last generation (0: this controller started the job)
   Clock::time_point adopt_until_{};    // the inherited may join until then
+  int end_code_ = 0;        // once ended: how, for workers that join after the end
+  std::string end_reason_;
   int takeovers_ = 0;  // controllers before this one (this one's number in the job)
   int recovery_id_base_ = 0;  // recoveries run by the controllers before this one
 };

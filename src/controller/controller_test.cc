@@ -463,6 +463,20 @@ TEST_F(ControllerTest, StallWatchdogAllowsTheFirstStepTheFormingTimeout) {
   EXPECT_EQ(Find<SendAbort>(Do(Tick{})).size(), 1u) << "the first step is bounded too";
 }
 
+// A refill that joins after the end (or a worker that lost its connection
+// and dials again) is told the job ended, rather than waiting for a plan.
+TEST_F(ControllerTest, WorkerJoiningAfterTheEndIsToldTheJobEnded) {
+  StartJob();
+  Do(Interrupted{"a test"});
+  ASSERT_EQ(c_->phase(), JobPhase::kEnded);
+  auto shutdowns = Find<SendShutdown>(Join(7, /*spare=*/true));
+  ASSERT_EQ(shutdowns.size(), 1u);
+  EXPECT_EQ(shutdowns[0].worker_id, 7);
+  EXPECT_NE(shutdowns[0].msg.reason.find("the job has ended: interrupted by a test"), std::string::npos)
+      << shutdowns[0].msg.reason;
+  EXPECT_EQ(shutdowns[0].msg.exit_code, kExitInterrupted);
+}
+
 TEST_F(ControllerTest, WorkerThatHangsWhileTheJobFormsIsReplacedByASpare) {
   Join(0);
   Join(3, true);
