@@ -12,6 +12,7 @@ PACKAGES=(
   fortunes
   iproute2  # `ip`: the namespaces, bridge and veths of the multihost tests (tests/multihost/netns.h)
   clang-16 libclang-rt-16-dev llvm-16
+  etcd-server  # the controller's standbys coordinate through etcd (tests start a real one; docs/controller-failover.md)
 )
 # clang-16 and libclang-rt-16-dev: the sanitizer builds and libFuzzer
 # (scripts/build.sh --sanitize/--fuzz, scripts/fuzz.sh); Debian 12's default
