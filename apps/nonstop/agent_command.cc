@@ -50,8 +50,13 @@ bool FindProgram(const std::string& name) {
 void AgentCommand::Register(CLI::App& app) {
   sub_ = app.add_subcommand("agent", "Run this host's agent of a multi-host job: it starts and kills the workers the "
                                      "controller assigns to this host");
-  sub_->add_option("--controller", controller_, "The controller's control address, host:port")
-      ->required()->envname("NONSTOP_CONTROLLER");
+  sub_->add_option("--controller", controller_, "The controller's control address, host:port (or --etcd)")
+      ->envname("NONSTOP_CONTROLLER");
+  sub_->add_option("--etcd", etcd_,
+                   "Find the controller through etcd (host:port[,host:port…]): whichever `nonstop controller --etcd` "
+                   "leads --job there")
+      ->envname("NONSTOP_ETCD");
+  sub_->add_option("--job", job_, "The job's name in etcd (with --etcd)")->capture_default_str()->envname("NONSTOP_ETCD_JOB");
   sub_->add_option("--job-token-file", job_token_file_,
                    "File holding the job token (surrounding whitespace ignored; keep it mode 600)")
       ->required()->envname("NONSTOP_JOB_TOKEN_FILE");
@@ -126,8 +131,14 @@ int AgentCommand::Execute() {
     return kExitUsage;
   }
 
+  if (controller_.empty() && etcd_.empty()) {
+    fmt::print(stderr, "nonstop agent: where is the controller? pass --controller HOST:PORT or --etcd ENDPOINTS\n");
+    return kExitUsage;
+  }
   agent::AgentOptions options;
   options.controller = controller_;
+  options.etcd = etcd_;
+  options.etcd_job = job_;
   options.job_token = *token;
   options.host_id = host_id;
   options.nproc = nproc_per_host_;
@@ -161,7 +172,7 @@ int AgentCommand::Execute() {
   auto row = [&table](std::string_view key, const std::string& value) {
     table += fmt::format("  {:<20} {}\n", key, value);
   };
-  row("controller", controller_);
+  row("controller", etcd_.empty() ? controller_ : fmt::format("the leader of job '{}' in etcd {}", job_, etcd_));
   row("host id", host_id);
   row("workers", std::to_string(nproc_per_host_));
   row("spares", std::to_string(spares_per_host_));

@@ -22,6 +22,8 @@ class AgentCommand {
  private:
   CLI::App* sub_ = nullptr;
   std::string controller_;
+  std::string etcd_;
+  std::string job_ = "default";
   std::string job_token_file_;
   std::string host_id_;  // empty: the hostname
   int nproc_per_host_ = 1;

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "controller/runtime.h"
+
 namespace nonstop::cli {
 
 // The flags `nonstop run` and `nonstop controller` share: timeouts, the
@@ -64,12 +66,17 @@ class ControllerCommand {
   int Execute();
 
  private:
+  // --etcd: campaign, lead until the job ends or this process is deposed, then stand by again.
+  int LeadThroughEtcd(const std::string& name, controller::RuntimeOptions o);
   CLI::App* sub_ = nullptr;
   std::string listen_ = "127.0.0.1:0";
   std::string advertise_address_;
   std::string nnodes_ = "1";
   std::string token_file_;
   std::string resume_;
+  std::string etcd_;
+  std::string job_ = "default";
+  int lease_ttl_s_ = 2;
   JobFlags flags_;
 };
 

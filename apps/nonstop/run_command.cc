@@ -13,6 +13,7 @@
 //
 // `nonstop controller`: the same runtime without a local launcher, for jobs
 // over several hosts: each host runs `nonstop agent`, which registers with it.
+#include <sys/signalfd.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -22,6 +23,9 @@
 #include "agent/agent.h"
 #include "apps/nonstop/commands.h"
 #include "common/logging.h"
+#include "common/signals.h"
+#include "common/unique_fd.h"
+#include "coord/leadership.h"
 #include "control/fault_spec.h"
 #include "controller/runtime.h"
 
@@ -222,6 +226,14 @@ void ControllerCommand::Register(CLI::App& app) {
                    "it recorded, on the control port it recorded (unless --listen names one), and go on appending "
                    "to it; the same --nnodes and --job-token-file as the first controller")
       ->check(CLI::ExistingFile);
+  sub_->add_option("--etcd", etcd_,
+                   "Lead through etcd (host:port[,host:port…]): run this on several machines; one leads, the others "
+                   "stand by and take over (journal and state in etcd) when its lease ends")
+      ->envname("NONSTOP_ETCD");
+  sub_->add_option("--job", job_, "The job's name in etcd (with --etcd)")->capture_default_str()->envname("NONSTOP_ETCD_JOB");
+  sub_->add_option("--lease-ttl-s", lease_ttl_s_,
+                   "The leader's etcd lease in seconds: a leader that dies is replaced within about this")
+      ->capture_default_str()->check(CLI::Range(1, 60));
   RegisterJobFlags(sub_, &flags_);
 }
 
@@ -273,7 +285,59 @@ int ControllerCommand::Execute() {
     o.resume = resume_;
     o.journal = resume_;
   }
-  return controller::RunController(o);
+  if (etcd_.empty()) return controller::RunController(o);
+  if (!resume_.empty()) {
+    fmt::print(stderr, "{}: --resume and --etcd: with etcd, the journal to take over is etcd's (leave out --resume)\n",
+               name);
+    return controller::kExitUsage;
+  }
+  return LeadThroughEtcd(name, o);
+}
+
+int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::RuntimeOptions o) {
+  // SIGINT/SIGTERM stop a standby too: read from a signalfd while it waits.
+  sigset_t mask = BlockTerminationSignals();
+  UniqueFd sigfd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
+  auto interrupted = [&]() {
+    signalfd_siginfo si;
+    return sigfd.valid() && ::read(sigfd.get(), &si, sizeof(si)) == sizeof(si);
+  };
+  while (true) {
+    coord::LeadershipOptions lo;
+    lo.endpoints = etcd_;
+    lo.job = job_;
+    lo.ttl_seconds = lease_ttl_s_;
+    auto leadership = coord::Leadership::Connect(lo);
+    if (!leadership.ok()) {
+      fmt::print(stderr, "{}: {}\n", name, leadership.status().ToString());
+      return 1;
+    }
+    fmt::print("{}: job '{}' in etcd {}: campaigning to lead (lease {} s)\n", name, job_, etcd_, lease_ttl_s_);
+    std::fflush(stdout);
+    auto epoch = (*leadership)->Campaign(interrupted, [&](const std::string& leader) {
+      fmt::print("{}: standing by; the leader is {}\n", name, leader);
+      std::fflush(stdout);
+    });
+    if (!epoch.ok()) {
+      fmt::print("{}: {}\n", name, epoch.status().message());
+      return controller::kExitInterrupted;
+    }
+    fmt::print("{}: leading job '{}' (epoch {})\n", name, job_, *epoch);
+    std::fflush(stdout);
+    // The job's token: the first leader wrote it; every later one reads it (agents and workers hold it).
+    if (std::filesystem::exists(token_file_)) {
+      auto token = agent::ReadJobTokenFile(token_file_);
+      if (!token.ok()) {
+        fmt::print(stderr, "{}: {}\n", name, token.status().message());
+        return 1;
+      }
+      o.token = *token;
+    }
+    o.leadership = leadership->get();
+    int code = controller::RunController(o);
+    if (code != controller::kExitDeposed) return code;
+    fmt::print("{}: deposed; standing by again\n", name);
+  }
 }
 
 }  // namespace nonstop::cli

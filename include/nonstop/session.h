@@ -70,6 +70,11 @@ struct SessionOptions {
   // connection to the controller: the interface that reaches the cluster.
   std::string advertise_address;
   std::string host_id;  // the host whose agent started it (NONSTOP_HOST_ID); empty: none
+  // Where to find the controller that leads when the one it followed is lost:
+  // etcd's endpoints (NONSTOP_ETCD) and the job's name there (NONSTOP_ETCD_JOB).
+  // Empty: the controller_address list is dialed in turn.
+  std::string etcd_endpoints;
+  std::string etcd_job = "default";
   // Bound on reaching the controller and being accepted (dial + hello). Once
   // joined, a worker or spare waits for its plan as long as the controller
   // lives: the controller pings every connected worker, and a worker that

@@ -26,6 +26,7 @@
 #include "common/logging.h"
 #include "common/signals.h"
 #include "control/messages.h"
+#include "coord/leadership.h"
 #include "net/handshake.h"
 #include "net/socket.h"
 
@@ -62,15 +63,21 @@ std::string Processes(int n) { return fmt::format("{} process{}", n, n == 1 ? ""
 
 bool IsAgentVariable(std::string_view name) {
   return name == "NONSTOP_CONTROLLER" || name == "NONSTOP_JOB_TOKEN" || name == "NONSTOP_HOST_ID" ||
-         name == "NONSTOP_DATA_HOST";
+         name == "NONSTOP_DATA_HOST" || name == "NONSTOP_ETCD" || name == "NONSTOP_ETCD_JOB";
 }
 
 }  // namespace
 
 Status ValidateOptions(const AgentOptions& o) {
-  auto where = net::ParseHostPort(o.controller);
-  if (!where.ok()) return InvalidArgumentError("controller address: " + where.status().message());
-  if (where->port == 0) return InvalidArgumentError(fmt::format("controller address '{}' has port 0", o.controller));
+  if (o.etcd.empty() || !o.controller.empty()) {
+    auto where = net::ParseHostPort(o.controller);
+    if (!where.ok()) return InvalidArgumentError("controller address: " + where.status().message());
+    if (where->port == 0) return InvalidArgumentError(fmt::format("controller address '{}' has port 0", o.controller));
+  }
+  if (!o.etcd.empty()) {
+    auto c = etcd::Client::Create(o.etcd);
+    if (!c.ok()) return InvalidArgumentError(c.status().message());
+  }
   if (o.job_token.empty()) return InvalidArgumentError("the job token is empty");
   if (Status s = control::CheckHostId(o.host_id); !s.ok()) {
     return InvalidArgumentError(fmt::format("host id '{}': {}", o.host_id, s.message()));
@@ -119,6 +126,7 @@ Result<std::string> ReadJobTokenFile(const std::string& path) {
 
 Agent::Agent(AgentOptions options)
     : options_(std::move(options)), decoder_(kMaxOrderBytes), rng_(std::random_device{}()) {
+  controller_ = options_.controller;
   Status s = ValidateOptions(options_);
   NONSTOP_CHECK(s.ok()) << s.ToString();
   wake_fd_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -292,7 +300,32 @@ void Agent::Tick() {
 
 void Agent::Dial() {
   NONSTOP_CHECK(!conn_.valid());
-  auto where = net::ParseHostPort(options_.controller);  // valid: checked by ValidateOptions
+  if (!options_.etcd.empty()) {
+    // Who leads now (a short blocking read: etcd is near, and nothing else waits while no controller leads).
+    if (!etcd_) etcd_ = std::move(etcd::Client::Create(options_.etcd, {Millis(500)}).value());  // valid: ValidateOptions
+    int job_exit = 1;
+    auto leader = coord::LookUpLeader(*etcd_, options_.etcd_job, &job_exit);
+    if (!leader.ok()) {
+      if (leader.status().code() == StatusCode::kAborted) {
+        // The job ended while this agent looked for its controller: nobody will tell it otherwise.
+        End(job_exit >= 0 && job_exit <= 255 ? job_exit : 1, leader.status().message(), /*kill_now=*/false);
+        return;
+      }
+      DialFailed(leader.status().message());
+      if (leader.status().code() == StatusCode::kNotFound) {
+        // Nobody leads yet: etcd is cheap to ask, so ask often (a standby leads within its lease).
+        backoff_ = options_.backoff_initial;
+        next_dial_at_ = std::min(Clock::now() + Millis(200), reconnect_deadline_);
+      }
+      return;
+    }
+    if (!net::ParseHostPort(*leader).ok()) {
+      DialFailed(fmt::format("etcd names '{}' as the leader: not host:port", *leader));
+      return;
+    }
+    controller_ = *leader;
+  }
+  auto where = net::ParseHostPort(controller_);  // valid: checked by ValidateOptions (or just above)
   auto addr = net::Resolve(*where);
   if (!addr.ok()) {
     DialFailed(addr.status().message());
@@ -346,7 +379,7 @@ void Agent::DialFailed(const std::string& why) {
   CloseConnection();
   last_error_ = why;
   Deadline now = Clock::now();
-  NONSTOP_LOG_DEBUG("dialing the controller at {}: {}", options_.controller, why);
+  NONSTOP_LOG_DEBUG("dialing the controller at {}: {}", controller_, why);
   if (now >= reconnect_deadline_) {
     End(kExitControllerLost, Describe(why), true);
     return;
@@ -358,7 +391,7 @@ void Agent::DialFailed(const std::string& why) {
 }
 
 std::string Agent::Describe(const std::string& error) const {
-  return fmt::format("cannot reach the controller at {} within {}: {}", options_.controller,
+  return fmt::format("cannot reach the controller at {} within {}: {}", controller_,
                      Seconds(options_.join_timeout), error);
 }
 
@@ -422,8 +455,18 @@ void Agent::HandleFrame(const net::Frame& f) {
       return;
   }
   switch (f.type) {
-    case control::kMsgPing:
+    case control::kMsgPing: {
+      auto m = control::DecodePing(f.payload);
+      if (!m.ok()) return Malformed(m.status().message());
+      if (m->epoch < epoch_) {
+        // A deposed leader (paused past its lease, or cut off from etcd): none of its orders is carried out.
+        return Lose(fmt::format("the controller at {} is of epoch {}, older than epoch {} that led already: a deposed "
+                                "leader, not followed",
+                                controller_, m->epoch, epoch_));
+      }
+      epoch_ = m->epoch;
       return;
+    }
     case control::kMsgShutdown: {
       auto m = control::DecodeShutdown(f.payload);
       if (!m.ok()) return Malformed(m.status().message());
@@ -448,13 +491,13 @@ void Agent::HandleFrame(const net::Frame& f) {
 void Agent::OnHelloAck(const net::Frame& f) {
   if (f.type != net::kFrameHelloAck || f.payload.empty()) {
     DialFailed(fmt::format("the peer at {} is not a nonstop controller: expected a hello ack, got frame type {}",
-                           options_.controller, f.type));
+                           controller_, f.type));
     return;
   }
   if (f.payload[0] != 1) {
     std::string reason = f.payload.substr(1);
     CloseConnection();
-    End(kExitRefused, fmt::format("the controller at {} refused this agent: {}", options_.controller, reason),
+    End(kExitRefused, fmt::format("the controller at {} refused this agent: {}", controller_, reason),
         /*kill_now=*/true);
     return;
   }
@@ -471,7 +514,7 @@ void Agent::OnHelloAck(const net::Frame& f) {
   reg.running = static_cast<int>(reg.workers.size());
   fence_at_.reset();
   NONSTOP_LOG_INFO("registered with the controller at {} as host {} ({} workers, {} spares, address {}{})",
-                   options_.controller, options_.host_id, options_.nproc, options_.spares, data_host_,
+                   controller_, options_.host_id, options_.nproc, options_.spares, data_host_,
                    reg.running > 0 ? fmt::format("; {} kept running", Processes(reg.running)) : "");
   if (!Send(control::kMsgAgentRegister, control::Encode(reg))) return;
   next_heartbeat_ = Clock::now() + options_.heartbeat_interval;
@@ -502,7 +545,11 @@ void Agent::OnStart(std::string_view payload) {
   }
   env["NONSTOP_WORKER_ID"] = id_text;
   env["NONSTOP_SPARE"] = m->spare ? "1" : "0";
-  env["NONSTOP_CONTROLLER"] = options_.controller;
+  env["NONSTOP_CONTROLLER"] = controller_;
+  if (!options_.etcd.empty()) {
+    env["NONSTOP_ETCD"] = options_.etcd;
+    env["NONSTOP_ETCD_JOB"] = options_.etcd_job;
+  }
   env["NONSTOP_JOB_TOKEN"] = options_.job_token;
   env["NONSTOP_HOST_ID"] = options_.host_id;
   env["NONSTOP_DATA_HOST"] = data_host_;
@@ -569,10 +616,10 @@ void Agent::Lose(const std::string& why, bool log) {
   Deadline now = Clock::now();
   std::string line =
       running == 0
-          ? fmt::format("cut off from the controller at {}: {}; dialing again", options_.controller, why)
+          ? fmt::format("cut off from the controller at {}: {}; dialing again", controller_, why)
           : fmt::format("cut off from the controller at {}: {}; its {} keep running, dialing again (fencing them in "
                         "{} if no controller answers)",
-                        options_.controller, why, Processes(running), Seconds(options_.fence_after));
+                        controller_, why, Processes(running), Seconds(options_.fence_after));
   if (log) {
     NONSTOP_LOG_WARNING("{}", line);
   } else {

@@ -58,6 +58,7 @@
 #include <string>
 #include <vector>
 
+#include "coord/etcd.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
@@ -74,7 +75,13 @@ inline constexpr int kExitRefused = 2;         // the controller refused the hel
 inline constexpr int kExitInterrupted = 130;   // SIGINT, SIGTERM or Stop()
 
 struct AgentOptions {
-  std::string controller;  // "host:port" to dial; required. Passed to workers as NONSTOP_CONTROLLER
+  // "host:port" to dial; required unless etcd is set. Passed to workers as NONSTOP_CONTROLLER.
+  std::string controller;
+  // Find the controller through etcd instead (docs/controller-failover.md):
+  // before each dial the agent reads who leads job `etcd_job` there, and its
+  // workers get NONSTOP_ETCD and NONSTOP_ETCD_JOB to do the same.
+  std::string etcd;
+  std::string etcd_job = "default";
   std::string job_token;   // required; passed to workers as NONSTOP_JOB_TOKEN
   std::string host_id;     // required, valid per control::CheckHostId; passed as NONSTOP_HOST_ID
   int nproc = 1;           // workers this host contributes to the world (told to the controller)
@@ -207,6 +214,9 @@ class Agent {
   std::optional<Deadline> fence_at_;  // cut off with processes running: they are killed then
   Millis backoff_{0};
   std::string last_error_;         // why the last dial failed, or why the controller was lost
+  std::string controller_;              // the controller dialed (options_.controller, or etcd's leader)
+  std::unique_ptr<etcd::Client> etcd_;  // options_.etcd: where the leader is looked up
+  int64_t epoch_ = 0;              // the newest controller epoch seen (pings)
   std::string last_malformed_;     // logged once: a repeat is a debug line
   int consecutive_malformed_ = 0;  // losses to malformed orders in a row: the next dial waits longer
   std::map<int, pid_t> live_;      // worker id → pid of the processes that run now

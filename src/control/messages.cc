@@ -169,6 +169,7 @@ std::string Encode(const FailureMsg& m) {
   return Dump({{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}, {"exit_code", m.exit_code}});
 }
 std::string Encode(const ShutdownMsg& m) { return Dump({{"reason", m.reason}, {"exit_code", m.exit_code}}); }
+std::string Encode(const PingMsg& m) { return Dump({{"epoch", m.epoch}}); }
 std::string Encode(const AbortMsg& m) { return Dump({{"generation", m.generation}, {"reason", m.reason}}); }
 std::string Encode(const DrainMsg& m) {
   return Dump({{"generation", m.generation}, {"after_step", m.after_step}, {"reason", m.reason}});
@@ -255,6 +256,11 @@ Result<FailureMsg> DecodeFailure(std::string_view p) {
     r("step", &m.step);
     r("reason", &m.reason);
     r("exit_code", &m.exit_code);
+  });
+}
+Result<PingMsg> DecodePing(std::string_view p) {
+  return Decode<PingMsg>("ping", p, [](const Reader& r, PingMsg& m) {
+    r.Optional("epoch", &m.epoch);
   });
 }
 Result<AbortMsg> DecodeAbort(std::string_view p) {

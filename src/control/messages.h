@@ -26,8 +26,8 @@ enum MessageType : uint16_t {
   kMsgRecovered = 19,  // worker → controller: adopted generation g (connections, state copied)
   kMsgInjected = 20,   // worker → controller: I am carrying out injected fault f now
   kMsgDrain = 21,      // controller → worker: generation g ends at the step boundary after step s (a resize)
-  kMsgPing = 22,       // controller → worker: the controller is alive (payload "{}"); a worker that hears
-                       // nothing for SessionOptions::controller_timeout has lost its controller
+  kMsgPing = 22,       // controller → worker or agent: the controller is alive, and its epoch (PingMsg); a
+                       // worker that hears nothing for SessionOptions::controller_timeout has lost its controller
   // Controller ↔ agent (one agent per host; docs/protocol.md "Agents"). The
   // agent decides nothing: it registers its host, starts and signals processes
   // when told, and reports what happens to them at once.
@@ -136,6 +136,13 @@ struct PlanMsg {
   std::string reason;               // "start", "recovery", …
 };
 
+// A controller's ping. The epoch orders the controllers that led the job
+// (docs/controller-failover.md): a worker or agent never follows a
+// controller of an epoch older than one it has seen. 0: no epoch (a payload "{}").
+struct PingMsg {
+  int64_t epoch = 0;
+};
+
 struct AbortMsg {
   uint32_t generation = 0;
   std::string reason;
@@ -210,6 +217,7 @@ std::string Encode(const ProgressMsg& m);
 std::string Encode(const FinishedMsg& m);
 std::string Encode(const FailureMsg& m);
 std::string Encode(const ShutdownMsg& m);
+std::string Encode(const PingMsg& m);
 std::string Encode(const AbortMsg& m);
 std::string Encode(const DrainMsg& m);
 std::string Encode(const ReadyMsg& m);
@@ -231,6 +239,7 @@ Result<ProgressMsg> DecodeProgress(std::string_view payload);
 Result<FinishedMsg> DecodeFinished(std::string_view payload);
 Result<FailureMsg> DecodeFailure(std::string_view payload);
 Result<ShutdownMsg> DecodeShutdown(std::string_view payload);
+Result<PingMsg> DecodePing(std::string_view payload);
 Result<AbortMsg> DecodeAbort(std::string_view payload);
 Result<DrainMsg> DecodeDrain(std::string_view payload);
 Result<ReadyMsg> DecodeReady(std::string_view payload);

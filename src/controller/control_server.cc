@@ -49,7 +49,8 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Create(net::EventLoop* loo
 ControlServer::ControlServer(net::EventLoop* loop, net::Listener listener, std::string token, EventSink sink,
                              ControlServerOptions options)
     : loop_(loop), options_(options), listen_fd_(std::move(listener.fd)), address_(listener.address),
-      token_(std::move(token)), sink_(std::move(sink)) {
+      token_(std::move(token)), sink_(std::move(sink)),
+      ping_payload_(control::Encode(control::PingMsg{options.epoch})) {
   loop_->Watch(listen_fd_.get(), POLLIN, [this](short) { OnAccept(); });
 }
 
@@ -223,6 +224,7 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
     Identified(c);
     c.peer = fmt::format("worker {} ({})", join->worker_id, c.peer);
     fd_of_worker_[c.worker_id] = fd;
+    SendOn(fd, control::kMsgPing, ping_payload_);  // the epoch, before any order
     sink_(WorkerJoined{*join});
     return;
   }
@@ -262,6 +264,7 @@ void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
     Identified(c);
     c.peer = fmt::format("agent of host {} ({})", reg->host_id, c.peer);
     fd_of_host_[c.host_id] = fd;
+    SendOn(fd, control::kMsgPing, ping_payload_);  // the epoch, before any order
     sink_(HostJoined{*reg});
     return;
   }

@@ -48,6 +48,11 @@ struct ControlServerOptions {
   int max_unjoined = 64;              // connections between accept and join
   size_t max_queued_bytes = 8u << 20; // per connection, not yet taken by the peer
   Millis send_stall_timeout{3'000};   // queued output with no byte taken for this long
+  // This controller's epoch (docs/controller-failover.md): every ping says
+  // it, and a ping is the first message on each worker's and agent's
+  // connection, so it precedes every order; a worker or agent that has seen
+  // a newer epoch leaves such a connection (a deposed leader's) unheard.
+  int64_t epoch = 0;
 };
 
 class ControlServer {
@@ -62,6 +67,8 @@ class ControlServer {
   ControlServer& operator=(const ControlServer&) = delete;
 
   const net::HostPort& address() const { return address_; }
+  // The payload of a ping from this controller: {"epoch":N}.
+  const std::string& ping_payload() const { return ping_payload_; }
 
   // Queues one message to a worker and never blocks. False if the worker has
   // no open connection, or if this send overflowed its queue (the connection
@@ -149,6 +156,7 @@ class ControlServer {
   std::map<std::string, std::map<uint64_t, int>> strangers_;  // by peer address: no valid hello yet
   std::set<int> backlogged_;  // fds with queued output the peer has not taken yet
   int refused_ = 0;
+  std::string ping_payload_;
   std::optional<Clock::time_point> accept_paused_until_;  // out of descriptors: not accepting until then
   Clock::time_point log_window_start_{};
   int logged_in_window_ = 0;

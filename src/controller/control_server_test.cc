@@ -133,6 +133,10 @@ TEST(ControlServerTest, WorkerThatPausesReadingGetsEveryFrameIntactAndInOrder) {
     Join(c.get(), 4);
     joined = true;
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // a slow reader, not a dead one
+    // First the controller's epoch (a ping), then the six frames.
+    auto epoch = net::ReadFrame(c.get(), DeadlineAfter(Millis(5000)), nullptr);
+    ASSERT_TRUE(epoch.ok()) << epoch.status().ToString();
+    EXPECT_EQ(epoch->type, control::kMsgPing);
     for (int i = 0; i < 6; ++i) {
       auto frame = net::ReadFrame(c.get(), DeadlineAfter(Millis(5000)), nullptr);
       ASSERT_TRUE(frame.ok()) << frame.status().ToString();

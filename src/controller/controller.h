@@ -71,6 +71,9 @@ inline constexpr int kExitUsage = 2;
 inline constexpr int kExitPeerFailure = 10;  // a worker failed and the job could not continue; restartable
 inline constexpr int kExitDataCorruption = 11;
 inline constexpr int kExitInterrupted = 130;
+// RunController only: this controller stopped leading (its etcd lease ran out,
+// or another controller leads); the job goes on under the next leader.
+inline constexpr int kExitDeposed = 75;
 
 enum class RecoveryMode {
   kCheckpointless,     // in-process recovery; durable checkpoints (if any) are the last rung

@@ -89,6 +89,12 @@ void Journal::Append(nlohmann::json record) {
   record["mono_us"] = static_cast<int64_t>(MonotonicSeconds() * 1e6);
   std::string line = record.dump() + "\n";
   std::fwrite(line.data(), 1, line.size(), file_);
+  if (mirror_) mirror_(record);
+}
+
+void Journal::Copy(const nlohmann::json& record) {
+  std::string line = record.dump() + "\n";
+  std::fwrite(line.data(), 1, line.size(), file_);
 }
 
 void Journal::Flush() { std::fflush(file_); }

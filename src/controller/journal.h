@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -31,7 +32,12 @@ class Journal {
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
 
+  // Stamps the record (time_us, mono_us), writes it, and hands it to the mirror if one is set.
   void Append(nlohmann::json record);
+  // Writes a record as it is (a predecessor's, copied from etcd): no stamp, no mirror.
+  void Copy(const nlohmann::json& record);
+  // Every record Append writes from now on also goes to `mirror` (etcd's copy of the journal).
+  void set_mirror(std::function<void(const nlohmann::json&)> mirror) { mirror_ = std::move(mirror); }
   // Writes what Append buffered to the file.
   void Flush();
   const std::string& path() const { return path_; }
@@ -49,6 +55,7 @@ class Journal {
   std::string path_;
   std::FILE* file_;
   std::string rotated_to_;
+  std::function<void(const nlohmann::json&)> mirror_;
 };
 
 }  // namespace nonstop::controller

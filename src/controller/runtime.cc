@@ -16,6 +16,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -96,8 +97,33 @@ std::string JobFileFor(const std::string& journal_path) {
 int RunController(const RuntimeOptions& options) {
   RuntimeOptions o = options;
   const std::string& name = o.name;
+  coord::Leadership* const leadership = o.leadership;
   std::optional<JournalTakeover> takeover;
-  if (!o.resume.empty()) {
+  std::vector<nlohmann::json> history;  // the records of the job so far (a takeover's)
+  if (leadership != nullptr) {
+    auto records = leadership->ReadJournal();
+    if (!records.ok()) {
+      fmt::print(stderr, "{}: reading the job's journal from etcd: {}\n", name, records.status().ToString());
+      return 1;
+    }
+    history = std::move(*records);
+    for (const auto& r : history) {
+      if (r.value("event", "") != "job_end") continue;
+      // A standby that wins after the job ended: nothing to lead.
+      int code = r.value("exit_code", 1);
+      fmt::print("{}: job '{}' already ended (exit code {}): {}\n", name, leadership->endpoints(), code,
+                 r.value("reason", ""));
+      return code;
+    }
+    if (!history.empty()) {
+      auto t = TakeoverFromJournal(history);
+      if (!t.ok()) {
+        fmt::print(stderr, "{}: taking over from etcd's journal: {}\n", name, t.status().message());
+        return 1;
+      }
+      takeover = std::move(*t);
+    }
+  } else if (!o.resume.empty()) {
     bool torn = false;
     auto records = Journal::Read(o.resume, &torn);
     if (records.ok() && torn) {
@@ -114,6 +140,7 @@ int RunController(const RuntimeOptions& options) {
       return kExitUsage;
     }
     takeover = std::move(*t);
+    history = std::move(*records);
     if (o.listen.port == 0) {
       auto where = net::ParseHostPort(takeover->controller);
       if (!where.ok()) {
@@ -124,11 +151,25 @@ int RunController(const RuntimeOptions& options) {
       o.listen = *where;
     }
   }
-  auto journal = takeover ? Journal::OpenForAppend(o.resume) : Journal::Open(o.journal);
+  auto journal = !o.resume.empty() ? Journal::OpenForAppend(o.resume) : Journal::Open(o.journal);
   if (!journal.ok()) {
     fmt::print(stderr, "{}: {}\n", name, journal.status().ToString());
     return 1;
   }
+  if (leadership != nullptr) {
+    // The local journal is the whole job's: its predecessors' records first, as etcd holds them.
+    for (const auto& r : history) (*journal)->Copy(r);
+    (*journal)->set_mirror([leadership](const nlohmann::json& r) { leadership->Append(r); });
+  }
+  // This controller's epoch: a worker or agent never follows a controller of
+  // an older one. With etcd, the leader key's create revision; with a
+  // journal, one more than the controllers it records.
+  int64_t epoch = 1;
+  for (const auto& r : history) {
+    std::string ev = r.value("event", "");
+    if (ev == "job_start" || ev == "controller_start") epoch = std::max(epoch, r.value("epoch", int64_t{1}) + 1);
+  }
+  if (leadership != nullptr) epoch = leadership->epoch();
 
   // SIGINT/SIGTERM end the job cleanly through the loop.
   sigset_t mask = BlockTerminationSignals();
@@ -138,8 +179,10 @@ int RunController(const RuntimeOptions& options) {
   std::deque<Event> events;
   Controller core(o.core);
   const std::string token = o.token.empty() ? RandomToken() : o.token;
-  auto server =
-      ControlServer::Create(&loop, o.listen, token, [&](Event e) { events.push_back(std::move(e)); });
+  ControlServerOptions server_options;
+  server_options.epoch = epoch;
+  auto server = ControlServer::Create(
+      &loop, o.listen, token, [&](Event e) { events.push_back(std::move(e)); }, server_options);
   if (!server.ok()) {
     fmt::print(stderr, "{}: cannot start the controller: {}\n", name, server.status().ToString());
     return 1;
@@ -164,6 +207,14 @@ int RunController(const RuntimeOptions& options) {
       scale_calls[call->id] = std::move(call);
     }
   });
+  if (leadership != nullptr) {
+    // Workers and agents look the leader up in etcd: from now on they find this one.
+    Status s = leadership->Publish({{"controller", controller_address}, {"http", (*http)->address()}});
+    if (!s.ok()) {
+      fmt::print(stderr, "{}: publishing this controller's address in etcd: {}\n", name, s.ToString());
+      return leadership->deposed() ? kExitDeposed : 1;
+    }
+  }
   {
     // The job file: how `nonstop status`, `nonstop scale` and `nonstop worker` find this job.
     nlohmann::json job = {{"controller", controller_address}, {"http", (*http)->address()},
@@ -248,6 +299,8 @@ int RunController(const RuntimeOptions& options) {
     start["event"] = "controller_start";
     start["resume"] = true;
   }
+  start["epoch"] = epoch;
+  if (leadership != nullptr) start["etcd"] = leadership->endpoints();
   (*journal)->Append(start);
 
   std::set<int> niced;  // local spares still at low priority
@@ -406,17 +459,55 @@ int RunController(const RuntimeOptions& options) {
   };
   // Calls to core.Handle so far: /status changes only when this does.
   uint64_t handled = 0;
+  // Write before acting: records are written at once, and the orders and
+  // other actions that follow them wait until the records before them are
+  // on their way to disk (flushed) and, with etcd, held by etcd, so that a
+  // controller taking over knows every order that went out. With etcd an
+  // order also waits while the lease is not known to be held.
+  struct Pending {
+    uint64_t after;  // leadership->appended() when it was decided
+    Action action;
+  };
+  std::deque<Pending> pending;
   auto handle = [&](const Event& e) {
     ++handled;
-    for (const Action& a : core.Handle(e, Clock::now())) execute(a);
-  };
-  auto drain_events = [&]() {
-    while (!events.empty()) {
-      Event e = std::move(events.front());
-      events.pop_front();
-      handle(e);
+    for (Action& a : core.Handle(e, Clock::now())) {
+      if (auto* record = std::get_if<AppendJournal>(&a)) {
+        (*journal)->Append(std::move(record->record));
+        continue;
+      }
+      pending.push_back({leadership != nullptr ? leadership->appended() : 0, std::move(a)});
     }
   };
+  auto run_pending = [&]() {
+    (*journal)->Flush();
+    if (leadership != nullptr) leadership->Flush();
+    while (!pending.empty()) {
+      if (leadership != nullptr && (pending.front().after > leadership->durable() || !leadership->Valid())) break;
+      Action a = std::move(pending.front().action);
+      pending.pop_front();
+      execute(a);
+    }
+  };
+  auto drain_events = [&]() {
+    do {
+      while (!events.empty()) {
+        Event e = std::move(events.front());
+        events.pop_front();
+        handle(e);
+      }
+      run_pending();  // may queue events (a spawn that failed)
+    } while (!events.empty());
+  };
+  if (leadership != nullptr) {
+    loop.Watch(leadership->wake_fd(), POLLIN, [&](short) {
+      uint64_t n;
+      while (::read(leadership->wake_fd(), &n, sizeof(n)) == sizeof(n)) {
+      }
+      run_pending();
+    });
+  }
+  Deadline leaderless_warn_at = kNoDeadline;
   // /status and /metrics are published after every loop turn that changed
   // the state, as long as building them is cheap. Status() lists every
   // worker: with many thousands it takes milliseconds, so it is then
@@ -441,6 +532,28 @@ int RunController(const RuntimeOptions& options) {
   while (true) {
     loop.RunOnce(Millis(20));
     drain_events();
+    if (leadership != nullptr && leadership->deposed()) {
+      // Another controller leads (etcd refused our epoch, or our lease expired
+      // there): step down at once. Workers and agents find the new leader
+      // through etcd; nothing of ours is killed, the job is the new leader's.
+      std::string why = leadership->why_not_leading();
+      (*journal)->set_mirror(nullptr);
+      (*journal)->Append({{"event", "deposed"}, {"epoch", epoch}, {"reason", why},
+                          {"orders_not_sent", pending.size()}});
+      (*journal)->Flush();
+      out.Write(fmt::format("[nonstop] this controller (epoch {}) no longer leads: {}; the job goes on under the next "
+                            "leader\n",
+                            epoch, why));
+      return kExitDeposed;
+    }
+    if (leadership != nullptr && !leadership->Valid()) {
+      if (leaderless_warn_at == kNoDeadline || Clock::now() >= leaderless_warn_at) {
+        out.Write(fmt::format("[nonstop] orders wait: {}; training goes on\n", leadership->why_not_leading()));
+        leaderless_warn_at = DeadlineAfter(Millis(5'000));
+      }
+    } else {
+      leaderless_warn_at = kNoDeadline;
+    }
     publish_status();
     if (interrupted && !ended) {
       interrupted = false;
@@ -457,10 +570,15 @@ int RunController(const RuntimeOptions& options) {
       // Heartbeats the other way: a worker or agent that hears nothing for a
       // while has lost its controller; one that hears pings waits as long as
       // the job runs.
-      for (const auto& [id, w] : core.workers()) {
-        if (w.role != WorkerRole::kGone) (*server)->Send(id, control::kMsgPing, "{}");
+      // A controller that may not lead (its lease is not known to be held) pings nobody: silence makes
+      // workers and agents look for the leader.
+      if (leadership == nullptr || leadership->Valid()) {
+        const std::string& ping = (*server)->ping_payload();
+        for (const auto& [id, w] : core.workers()) {
+          if (w.role != WorkerRole::kGone) (*server)->Send(id, control::kMsgPing, ping);
+        }
+        for (const auto& host : (*server)->agents()) (*server)->SendToAgent(host, control::kMsgPing, ping);
       }
-      for (const auto& host : (*server)->agents()) (*server)->SendToAgent(host, control::kMsgPing, "{}");
       next_ping = DeadlineAfter(Millis(500));
     }
     (*journal)->Flush();  // once per turn: what happened is on disk within ≤ 20 ms
@@ -472,6 +590,19 @@ int RunController(const RuntimeOptions& options) {
   }
 
   (*journal)->Flush();
+  if (leadership != nullptr) {
+    // The end is the job's: etcd must hold it before the lease is given back
+    // (a standby that wins then reads it and leaves instead of taking over).
+    leadership->Flush();
+    Deadline give_up = DeadlineAfter(Millis(5'000));
+    while (leadership->durable() < leadership->appended() && Clock::now() < give_up && !leadership->deposed()) {
+      std::this_thread::sleep_for(Millis(10));
+    }
+    if (leadership->durable() < leadership->appended()) {
+      out.Write("[nonstop] the job's end could not be written to etcd: a standby may take over and find no one\n");
+    }
+    leadership->Resign();
+  }
   int code = ended->exit_code;
   out.Write(fmt::format("[nonstop] job {}: {}\n", code == 0 ? "finished" : "FAILED", ended->reason));
   out.Write(fmt::format("[nonstop] journal: {}\n", (*journal)->path()));

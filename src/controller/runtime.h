@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "controller/controller.h"
+#include "coord/leadership.h"
 #include "net/socket.h"
 
 namespace nonstop::controller {
@@ -50,6 +51,12 @@ struct RuntimeOptions {
   // workers and agents it recorded are adopted, and the journal goes on.
   // With listen's port 0, the control port is the one the journal records.
   std::string resume;
+  // etcd (`nonstop controller --etcd`): this process won the election of
+  // `leadership` (not owned). The job's journal in etcd is replayed (a new
+  // job if it is empty), a copy goes to `journal`, and every record is
+  // replicated to etcd before the orders that follow it go out. Returns
+  // kExitDeposed when the leadership is lost: the job is the next leader's.
+  coord::Leadership* leadership = nullptr;
 };
 
 // Runs the job until it ends; returns the exit code (kExitOk, kExitPeerFailure, …).

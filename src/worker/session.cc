@@ -20,6 +20,8 @@
 #include "collective/peer_mesh.h"
 #include "common/logging.h"
 #include "control/messages.h"
+#include "coord/etcd.h"
+#include "coord/leadership.h"
 #include "net/abort_signal.h"
 #include "net/frame.h"
 #include "net/handshake.h"
@@ -71,6 +73,8 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
   if (!get("NONSTOP_DATA_HOST").empty()) o.data_host = get("NONSTOP_DATA_HOST");
   o.advertise_address = get("NONSTOP_ADVERTISE_ADDRESS");
   o.host_id = get("NONSTOP_HOST_ID");
+  o.etcd_endpoints = get("NONSTOP_ETCD");
+  if (!get("NONSTOP_ETCD_JOB").empty()) o.etcd_job = get("NONSTOP_ETCD_JOB");
   return o;
 }
 
@@ -230,7 +234,23 @@ class SessionImpl {
         cv_.notify_all();
         return false;
       }
-      const net::HostPort& where = controllers_[attempt % controllers_.size()];
+      Result<net::HostPort> leader = NextController(attempt);
+      if (!leader.ok() && leader.status().code() == StatusCode::kAborted) {
+        // etcd says the job ended: no controller will come back for it.
+        NONSTOP_LOG_ERROR("{}: giving up", leader.status().message());
+        std::lock_guard<std::mutex> lock(mu_);
+        controller_lost_ = true;
+        if (comm_) comm_->Abort(leader.status().message());
+        cv_.notify_all();
+        return false;
+      }
+      if (!leader.ok()) {
+        last = leader.status();
+        pollfd p{stop_signal_.fd(), POLLIN, 0};
+        (void)::poll(&p, 1, 100);  // etcd says nobody leads yet: look again soon
+        continue;
+      }
+      const net::HostPort where = *leader;
       Result<UniqueFd> fd = DialController(where, DeadlineAfter(Millis(1'000)));
       if (fd.ok() && SendRejoin(std::move(*fd)).ok()) {
         controller_ = where.ToString();
@@ -239,7 +259,11 @@ class SessionImpl {
         return true;
       }
       if (!fd.ok()) last = fd.status();
-      if (attempt % controllers_.size() + 1 == controllers_.size()) {
+      if (etcd_) {
+        // etcd named a leader that did not answer (it is starting, or was just deposed): ask again soon.
+        pollfd p{stop_signal_.fd(), POLLIN, 0};
+        (void)::poll(&p, 1, 100);
+      } else if (attempt % controllers_.size() + 1 == controllers_.size()) {
         // A round over every controller failed: back off (waking at once to stop).
         pollfd p{stop_signal_.fd(), POLLIN, 0};
         (void)::poll(&p, 1, static_cast<int>(backoff.count()));
@@ -247,6 +271,34 @@ class SessionImpl {
       }
     }
     return false;
+  }
+
+  // The controller to dial on attempt n: the one etcd says leads, or the next of the list.
+  Result<net::HostPort> NextController(size_t attempt) {
+    if (!options_.etcd_endpoints.empty() && !etcd_) {
+      auto c = etcd::Client::Create(options_.etcd_endpoints, {Millis(500)});
+      if (!c.ok()) return c.status();
+      etcd_ = std::move(*c);
+    }
+    if (etcd_) {
+      NONSTOP_ASSIGN_OR_RETURN(std::string address, coord::LookUpLeader(*etcd_, options_.etcd_job));
+      return net::ParseHostPort(address);
+    }
+    return controllers_[attempt % controllers_.size()];
+  }
+
+  // A controller's ping: its epoch. One older than an epoch this worker has
+  // seen is a deposed leader's: its connection is left (an error here) and
+  // the leader is looked for again, so none of its orders is acted on.
+  Status OnPing(const net::Frame& f) {
+    NONSTOP_ASSIGN_OR_RETURN(control::PingMsg ping, control::DecodePing(f.payload));
+    if (ping.epoch < epoch_) {
+      return FailedPreconditionError(fmt::format(
+          "the controller at {} is of epoch {}, older than epoch {} that led already: a deposed leader, not followed",
+          controller_, ping.epoch, epoch_));
+    }
+    epoch_ = ping.epoch;
+    return OkStatus();
   }
 
   // The join that tells a controller taking over where this worker stands:
@@ -293,7 +345,7 @@ class SessionImpl {
   Status OnControlFrame(const net::Frame& f) {
     switch (f.type) {
       case control::kMsgPing:
-        return OkStatus();
+        return OnPing(f);
       case control::kMsgPlan: {
         NONSTOP_ASSIGN_OR_RETURN(control::PlanMsg plan, control::DecodePlan(f.payload));
         std::lock_guard<std::mutex> lock(mu_);
@@ -595,6 +647,8 @@ class SessionImpl {
   uint32_t waiting_after_ = 0;                    // guarded by mu_: left this generation, waits for a plan
   std::optional<control::FinishedMsg> finished_;  // guarded by mu_: sent when the training loop ended
   std::vector<net::HostPort> controllers_;        // NONSTOP_CONTROLLER, in the order they are tried
+  std::unique_ptr<etcd::Client> etcd_;            // where the leader is looked up (NONSTOP_ETCD); io thread
+  int64_t epoch_ = 0;                             // the newest controller epoch seen; io thread
   std::string controller_;                        // the one connected last (for logs; the I/O thread's)
   std::string data_address_;                      // what peers dial, fixed at the first join
   std::unique_ptr<collective::Communicator> comm_;  // guarded by mu_ for Abort from the I/O thread
