@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <thread>
@@ -74,12 +75,14 @@ class EtcdFailoverTest : public ::testing::Test {
                                             << etcd_->Output();
   }
 
+  // The lease is the default (2 s) unless NONSTOP_TEST_LEASE_TTL_S says (to measure other TTLs).
   std::unique_ptr<ChildProcess> StartController(const std::string& name) {
     std::string journal = dir_ / (name + "/journal.jsonl");
+    const char* ttl = std::getenv("NONSTOP_TEST_LEASE_TTL_S");
     return std::make_unique<ChildProcess>(
         std::vector<std::string>{kBin + "/nonstop", "controller", "--etcd", etcd_->endpoint(), "--job", "j",
                                  "--nnodes", "1", "--job-token-file", dir_ / "token", "--journal", journal,
-                                 "--heartbeat-timeout-ms", "1000"},
+                                 "--heartbeat-timeout-ms", "1000", "--lease-ttl-s", ttl != nullptr ? ttl : "2"},
         dir_ / (name + ".out"));
   }
   std::string JournalOf(const std::string& name) { return dir_ / (name + "/journal.jsonl"); }
@@ -110,10 +113,15 @@ class EtcdFailoverTest : public ::testing::Test {
            agent_->Output();
   }
 
-  // Milliseconds from `since_us` (wall clock) to b's takeover record.
+  // Milliseconds from `since_us` (wall clock) to b's takeover record, and to the last rejoin after it.
   double TakeoverMs(int64_t since_us) {
     auto t = Events(JournalOf("b"), "takeover");
     return t.empty() ? -1 : (t[0]["time_us"].get<int64_t>() - since_us) / 1000.0;
+  }
+  double AllRejoinedMs(int64_t since_us) {
+    int64_t last = 0;
+    for (const auto& r : Events(JournalOf("b"), "rejoin")) last = std::max(last, r["time_us"].get<int64_t>());
+    return last == 0 ? -1 : (last - since_us) / 1000.0;
   }
 
   TempDir dir_;
@@ -149,8 +157,10 @@ TEST_F(EtcdFailoverTest, KilledLeaderIsReplacedByTheStandbyWithoutARecoveryOrALo
   ASSERT_EQ(controller_starts.size(), 1u);
   EXPECT_GT(controller_starts[0]["epoch"].get<int64_t>(), starts[0]["epoch"].get<int64_t>());
   EXPECT_EQ(FinishedChecksum(journal), Reference()) << "not bitwise equal to the run without the kill\n" << Outputs();
-  std::printf("[ measured ] leader killed at step %lld: standby's takeover %.0f ms after the kill\n",
-              static_cast<long long>(step_at_kill), TakeoverMs(killed_us));
+  std::printf("[ measured ] leader killed at step %lld: standby's takeover %.0f ms after the kill, all rejoined "
+              "%.0f ms; the members' state at their rejoin: step %lld (none lost)\n",
+              static_cast<long long>(step_at_kill), TakeoverMs(killed_us), AllRejoinedMs(killed_us),
+              static_cast<long long>(state_at_rejoin));
 }
 
 TEST_F(EtcdFailoverTest, LeaderAndThenAWorkerKilledBeforeTheStandbyLeadsTheNewLeaderRunsTheRecovery) {
@@ -161,6 +171,7 @@ TEST_F(EtcdFailoverTest, LeaderAndThenAWorkerKilledBeforeTheStandbyLeadsTheNewLe
     if (!j.value("spare", false)) victim = j["pid"].get<pid_t>();
   }
   ASSERT_GT(victim, 0);
+  int64_t killed_us = NowWallMicros();
   ASSERT_EQ(::kill(a_->pid(), SIGKILL), 0);
   ASSERT_EQ(a_->Wait(milliseconds(5'000)), 128 + SIGKILL);
   std::this_thread::sleep_for(milliseconds(200));  // well within the lease: nobody leads
@@ -172,6 +183,14 @@ TEST_F(EtcdFailoverTest, LeaderAndThenAWorkerKilledBeforeTheStandbyLeadsTheNewLe
   ASSERT_EQ(Events(journal, "takeover").size(), 1u) << Outputs();
   EXPECT_GE(Events(journal, "recovery_start").size(), 1u) << "the new leader did not recover\n" << Outputs();
   EXPECT_EQ(FinishedChecksum(journal), Reference()) << "not bitwise equal to the run without a fault\n" << Outputs();
+  auto ends = Events(journal, "recovery_end");
+  if (!ends.empty()) {
+    std::printf("[ measured ] leader killed, a worker 200 ms later: takeover %.0f ms after the leader's kill, the "
+                "recovery ended %.0f ms after it, resuming at step %lld, lost steps %lld\n",
+                TakeoverMs(killed_us), (ends[0]["time_us"].get<int64_t>() - killed_us) / 1000.0,
+                static_cast<long long>(ends[0]["recovery"].value("resume_step", int64_t{-1})),
+                static_cast<long long>(ends[0]["recovery"].value("lost_steps", int64_t{-1})));
+  }
 }
 
 TEST_F(EtcdFailoverTest, APausedLeaderThatWakesAfterTheTakeoverStepsDownAndIsNotFollowed) {
@@ -194,8 +213,9 @@ TEST_F(EtcdFailoverTest, APausedLeaderThatWakesAfterTheTakeoverStepsDownAndIsNot
   std::string journal = JournalOf("b");
   EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n" << Outputs();
   EXPECT_EQ(FinishedChecksum(journal), Reference()) << Outputs();
-  std::printf("[ measured ] leader paused: standby's takeover %.0f ms after the SIGSTOP; the old leader: %s\n",
-              TakeoverMs(stopped_us), deposed[0].value("reason", "").c_str());
+  std::printf("[ measured ] leader paused: standby's takeover %.0f ms after the SIGSTOP, all rejoined %.0f ms; the old "
+              "leader: %s\n",
+              TakeoverMs(stopped_us), AllRejoinedMs(stopped_us), deposed[0].value("reason", "").c_str());
 }
 
 TEST(EtcdControllerTest, AnUnreachableEtcdAtStartIsAClearErrorNamingTheEndpoints) {

@@ -1,6 +1,7 @@
 // The etcd client (src/coord/etcd.cc) against a real etcd: what the
 // controller's election and its replicated journal rely on.
 #include "coord/etcd.h"
+#include "coord/leadership.h"
 
 #include <gtest/gtest.h>
 
@@ -150,3 +151,112 @@ TEST_F(EtcdClientRealTest, TheNextEndpointIsTriedWhenOneIsDown) {
 
 }  // namespace
 }  // namespace nonstop::etcd
+
+namespace nonstop::coord {
+namespace {
+
+class LeadershipTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = std::make_unique<nonstop::testing::EtcdServer>(dir_.path());
+    ASSERT_FALSE(server_->endpoint().empty()) << server_->Output();
+  }
+  std::unique_ptr<Leadership> Connect() {
+    LeadershipOptions o;
+    o.endpoints = server_->endpoint();
+    o.job = "t";
+    o.ttl_seconds = 1;
+    auto l = Leadership::Connect(o);
+    EXPECT_TRUE(l.ok()) << l.status().ToString();
+    return l.ok() ? std::move(*l) : nullptr;
+  }
+  static bool WaitFor(const std::function<bool()>& done) {
+    for (int i = 0; i < 500 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return done();
+  }
+  TempDir dir_;
+  std::unique_ptr<nonstop::testing::EtcdServer> server_;
+};
+
+TEST_F(LeadershipTest, OneLeadsTheOtherWaitsAndTakesOverTheJournalWhenTheFirstResigns) {
+  auto first = Connect();
+  auto second = Connect();
+  ASSERT_TRUE(first && second);
+  auto epoch1 = first->Campaign([] { return false; }, [](const std::string&) {});
+  ASSERT_TRUE(epoch1.ok()) << epoch1.status().ToString();
+  ASSERT_TRUE(first->ReadJournal()->empty());
+  ASSERT_TRUE(first->Publish({{"controller", "127.0.0.1:1"}}).ok());
+  auto client = etcd::Client::Create(server_->endpoint());
+  EXPECT_EQ(*LookUpLeader(**client, "t"), "127.0.0.1:1");
+
+  first->Append({{"event", "job_start"}});
+  first->Append({{"event", "step"}, {"step", 1}});
+  first->Append({{"event", "plan"}, {"generation", 1}});
+  first->Append({{"event", "step"}, {"step", 2}});
+  EXPECT_EQ(first->appended(), 2u) << "steps are not journal entries in etcd";
+  first->Flush();
+  ASSERT_TRUE(WaitFor([&] { return first->durable() == 2; }));
+  EXPECT_TRUE(first->Valid());
+
+  std::atomic<bool> waiting{false};
+  std::thread resign([&] {
+    while (!waiting) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    first->Resign();
+  });
+  auto epoch2 = second->Campaign([] { return false; }, [&](const std::string& leader) {
+    EXPECT_NE(leader.find("127.0.0.1:1"), std::string::npos) << leader;
+    waiting = true;
+  });
+  resign.join();
+  ASSERT_TRUE(epoch2.ok());
+  EXPECT_GT(*epoch2, *epoch1);
+  EXPECT_FALSE(first->Valid());
+  auto records = second->ReadJournal();
+  ASSERT_TRUE(records.ok()) << records.status().ToString();
+  ASSERT_EQ(records->size(), 3u);
+  EXPECT_EQ((*records)[0]["event"], "job_start");
+  EXPECT_EQ((*records)[1]["event"], "plan");
+  EXPECT_EQ((*records)[2]["step"], 2) << "the latest step comes last";
+  // The second's records go on from the first's.
+  second->Append({{"event", "job_end"}, {"exit_code", 0}, {"reason", "done"}});
+  EXPECT_EQ(second->appended(), 3u);
+  second->Flush();
+  ASSERT_TRUE(WaitFor([&] { return second->durable() == 3; }));
+  second->Resign();
+  int code = -1;
+  auto ended = LookUpLeader(**client, "t", &code);
+  ASSERT_FALSE(ended.ok());
+  EXPECT_EQ(ended.status().code(), StatusCode::kAborted) << ended.status().ToString();
+  EXPECT_EQ(code, 0);
+}
+
+TEST_F(LeadershipTest, ALeaderWhoseKeyIsGoneIsDeposedAndItsWritesNeverLand) {
+  auto leader = Connect();
+  ASSERT_TRUE(leader);
+  ASSERT_TRUE(leader->Campaign([] { return false; }, [](const std::string&) {}).ok());
+  ASSERT_TRUE(leader->ReadJournal().ok());
+  // Another controller's view: the key is gone (its lease expired) and someone else holds it now.
+  auto client = etcd::Client::Create(server_->endpoint());
+  ASSERT_TRUE((*client)->Txn({}, {etcd::Op::Delete(LeaderKey("t"))}).ok());
+  ASSERT_TRUE((*client)->Put(LeaderKey("t"), R"({"controller":"127.0.0.1:2"})").ok());
+  leader->Append({{"event", "plan"}, {"generation", 7}});
+  leader->Flush();
+  ASSERT_TRUE(WaitFor([&] { return leader->deposed(); }));
+  EXPECT_FALSE(leader->Valid());
+  EXPECT_EQ(leader->durable(), 0u);
+  EXPECT_NE(leader->why_not_leading().find("refused"), std::string::npos) << leader->why_not_leading();
+  EXPECT_TRUE((*client)->Prefix(JobPrefix("t") + "journal/")->empty()) << "a deposed leader's record landed";
+}
+
+TEST_F(LeadershipTest, AStandbyThatIsToldToStopLeavesTheCampaign) {
+  auto leader = Connect();
+  auto standby = Connect();
+  ASSERT_TRUE(leader->Campaign([] { return false; }, [](const std::string&) {}).ok());
+  int asked = 0;
+  auto r = standby->Campaign([&] { return ++asked > 3; }, [](const std::string&) {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kCancelled);
+}
+
+}  // namespace
+}  // namespace nonstop::coord
