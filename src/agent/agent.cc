@@ -77,6 +77,7 @@ Status ValidateOptions(const AgentOptions& o) {
   if (!o.etcd.empty()) {
     auto c = etcd::Client::Create(o.etcd);
     if (!c.ok()) return InvalidArgumentError(c.status().message());
+    NONSTOP_RETURN_IF_ERROR(coord::CheckJobName(o.etcd_job));
   }
   if (o.job_token.empty()) return InvalidArgumentError("the job token is empty");
   if (Status s = control::CheckHostId(o.host_id); !s.ok()) {
@@ -302,7 +303,7 @@ void Agent::Dial() {
   NONSTOP_CHECK(!conn_.valid());
   if (!options_.etcd.empty()) {
     // Who leads now (a short blocking read: etcd is near, and nothing else waits while no controller leads).
-    if (!etcd_) etcd_ = std::move(etcd::Client::Create(options_.etcd, {Millis(500)}).value());  // valid: ValidateOptions
+    if (!etcd_) etcd_ = std::move(etcd::Client::Create(options_.etcd, {Millis(300)}).value());  // valid: ValidateOptions
     int job_exit = 1;
     auto leader = coord::LookUpLeader(*etcd_, options_.etcd_job, &job_exit);
     if (!leader.ok()) {

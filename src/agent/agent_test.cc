@@ -69,7 +69,7 @@ class FakeController {
         std::this_thread::sleep_for(150ms);
         std::lock_guard<std::mutex> lock(mu_);
         if (pinging_ && conn_.valid()) {
-          (void)net::WriteFrame(conn_.get(), control::kMsgPing, "{}", DeadlineAfter(1s), nullptr);
+          (void)net::WriteFrame(conn_.get(), control::kMsgPing, ping_, DeadlineAfter(1s), nullptr);
         }
       }
     });
@@ -133,6 +133,12 @@ class FakeController {
     pinging_ = on;
   }
 
+  // What the pings say from now on: this controller's epoch.
+  void SetEpoch(int64_t epoch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ping_ = control::Encode(control::PingMsg{epoch});
+  }
+
   void CloseConnection() {
     std::lock_guard<std::mutex> lock(mu_);
     conn_.Reset();
@@ -148,7 +154,8 @@ class FakeController {
   net::Listener listener_;
   std::mutex mu_;
   UniqueFd conn_;       // guarded by mu_ for the pinger
-  bool pinging_ = true;  // guarded by mu_
+  bool pinging_ = true;
+  std::string ping_ = "{}";  // guarded by mu_
   std::jthread pinger_;  // last: stopped and joined first
 };
 
@@ -425,6 +432,31 @@ TEST_F(AgentTest, SilentControllerIsLeftAndTheAgentRegistersAgainListingItsRunni
   control::AgentSignalMsg kill{1, SIGKILL};
   controller.Send(control::kMsgAgentSignal, control::Encode(kill));
   EXPECT_TRUE(WaitFor([&] { return ProcessGone(pid); }, 2s));
+}
+
+// Fencing at the agent: after a controller of epoch 5, one of epoch 3 (a
+// deposed leader) is left at its first ping; its start order is not carried out.
+TEST_F(AgentTest, AControllerOfAnOlderEpochIsLeftAndItsOrdersAreNotCarriedOut) {
+  FakeController controller;
+  AgentRunner agent(Options(controller), dir_);
+  controller.SetEpoch(5);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  controller.Send(control::kMsgPing, control::Encode(control::PingMsg{5}));  // first, as a controller does
+  pid_t pid = StartWorker(controller, 1);
+  ASSERT_GT(pid, 0);
+  controller.CloseConnection();
+  controller.SetPinging(false);
+  ASSERT_TRUE(controller.AcceptAndRegister(5s).ok());
+  controller.Send(control::kMsgPing, control::Encode(control::PingMsg{3}));
+  control::AgentStartMsg start{2, false, 0, {{"NONSTOP_WORKER_ID", "2"}}};
+  controller.Send(control::kMsgAgentStart, control::Encode(start));
+  EXPECT_TRUE(controller.ClosedByAgent(3s)) << "the agent followed a controller of an older epoch";
+  controller.SetEpoch(6);
+  controller.SetPinging(true);
+  auto reg = controller.AcceptAndRegister(5s);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  EXPECT_EQ(reg->running, 1) << "the deposed leader's start order was carried out";
+  EXPECT_FALSE(ProcessGone(pid));
 }
 
 TEST_F(AgentTest, BrokenConnectionKeepsTheWorkersAndTheAgentRegistersAgain) {

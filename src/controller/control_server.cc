@@ -255,6 +255,7 @@ void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
     if (fd_of_host_.count(reg->host_id)) {
       std::string why = fmt::format("host id {} is already in the job (another agent is connected with it)",
                                     reg->host_id);
+      SendOn(fd, control::kMsgPing, ping_payload_);  // the epoch first: a deposed leader's refusal is not obeyed
       SendOn(fd, control::kMsgShutdown, control::Encode(control::ShutdownMsg{why, kExitUsage}));
       ++refused_;
       CloseConn(fd, "refused: " + why, false);

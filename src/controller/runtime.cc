@@ -108,12 +108,21 @@ int RunController(const RuntimeOptions& options) {
     }
     history = std::move(*records);
     for (const auto& r : history) {
-      if (r.value("event", "") != "job_end") continue;
+      if (!r.contains("event") || r["event"] != "job_end") continue;
       // A standby that wins after the job ended: nothing to lead.
-      int code = r.value("exit_code", 1);
-      fmt::print("{}: job '{}' already ended (exit code {}): {}\n", name, leadership->endpoints(), code,
-                 r.value("reason", ""));
+      int code = r.contains("exit_code") && r["exit_code"].is_number_integer() ? r["exit_code"].get<int>() : 1;
+      if (code == kExitDeposed || code < 0 || code > 255) code = 1;  // never read as "deposed: campaign again"
+      fmt::print("{}: the job already ended (exit code {}): {}\n", name, code,
+                 r.contains("reason") && r["reason"].is_string() ? r["reason"].get<std::string>() : "");
+      leadership->Resign();
       return code;
+    }
+    if (!history.empty() && o.token.empty()) {
+      // Workers and agents hold the job's token: a leader with another would refuse them all.
+      fmt::print(stderr, "{}: cannot take over the running job: its token file {} is not here (this controller "
+                 "needs the file the first one wrote, e.g. on a shared filesystem)\n", name, o.token_file);
+      leadership->Resign();
+      return 1;
     }
     if (!history.empty()) {
       auto t = TakeoverFromJournal(history);
@@ -166,8 +175,10 @@ int RunController(const RuntimeOptions& options) {
   // journal, one more than the controllers it records.
   int64_t epoch = 1;
   for (const auto& r : history) {
-    std::string ev = r.value("event", "");
-    if (ev == "job_start" || ev == "controller_start") epoch = std::max(epoch, r.value("epoch", int64_t{1}) + 1);
+    if (!r.contains("event") || (r["event"] != "job_start" && r["event"] != "controller_start")) continue;
+    // Records from before epochs were journaled count as epoch 1.
+    int64_t e = r.contains("epoch") && r["epoch"].is_number_integer() ? r["epoch"].get<int64_t>() : 1;
+    epoch = std::max(epoch, e + 1);
   }
   if (leadership != nullptr) epoch = leadership->epoch();
 
@@ -363,10 +374,17 @@ int RunController(const RuntimeOptions& options) {
   Deadline kill_at = kNoDeadline;
   Deadline agents_gone_by = kNoDeadline;
   bool interrupted = false;
+  bool hand_over = false;  // SIGTERM with etcd: give the job to a standby instead of ending it
   if (sigfd.valid()) {
     loop.Watch(sigfd.get(), POLLIN, [&](short) {
       signalfd_siginfo si;
-      while (::read(sigfd.get(), &si, sizeof(si)) == sizeof(si)) interrupted = true;
+      while (::read(sigfd.get(), &si, sizeof(si)) == sizeof(si)) {
+        if (leadership != nullptr && si.ssi_signo == SIGTERM) {
+          hand_over = true;
+        } else {
+          interrupted = true;
+        }
+      }
     });
   }
 
@@ -555,15 +573,29 @@ int RunController(const RuntimeOptions& options) {
       leaderless_warn_at = kNoDeadline;
     }
     publish_status();
+    if (hand_over && !ended) {
+      // A controller host going down for maintenance (systemd, Slurm, Kubernetes send SIGTERM): the
+      // job is not over. Give the lease back at once so a standby leads within its poll, not a TTL.
+      (*journal)->set_mirror(nullptr);
+      (*journal)->Append({{"event", "handover"}, {"epoch", epoch}, {"orders_not_sent", pending.size()}});
+      (*journal)->Flush();
+      leadership->Resign();
+      out.Write(fmt::format("[nonstop] SIGTERM: this controller (epoch {}) hands the job over to a standby; it goes "
+                            "on (SIGINT ends the job)\n",
+                            epoch));
+      return kExitInterrupted;
+    }
     if (interrupted && !ended) {
       interrupted = false;
-      handle(Interrupted{"a signal (SIGINT or SIGTERM)"});
+      handle(Interrupted{leadership != nullptr ? "SIGINT" : "a signal (SIGINT or SIGTERM)"});
+      run_pending();
     }
     if (Clock::now() >= next_tick) {
       if (launcher) launcher->PollStopped();  // frozen processes, seen within one tick
       (*server)->CheckTimers(Clock::now());
       drain_events();
       handle(Tick{});
+      run_pending();
       next_tick = DeadlineAfter(Millis(50));
     }
     if (Clock::now() >= next_ping) {
@@ -581,7 +613,7 @@ int RunController(const RuntimeOptions& options) {
       }
       next_ping = DeadlineAfter(Millis(500));
     }
-    (*journal)->Flush();  // once per turn: what happened is on disk within ≤ 20 ms
+    run_pending();  // flushes the journal once per turn (what happened is on disk within ≤ 20 ms), then acts
     if (ended && local_running() == 0 && ((*server)->agents().empty() || Clock::now() >= agents_gone_by)) break;
     if (ended && launcher && Clock::now() >= kill_at) {
       launcher->SignalAll(SIGKILL);

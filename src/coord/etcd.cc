@@ -193,6 +193,12 @@ Result<std::string> Client::Call(const std::string& path, const std::string& bod
       current_ = (current_ + 1) % endpoints_.size();  // the next member
       continue;
     }
+    if (res->status >= 500) {
+      // This member cannot serve (no raft leader, shutting down): another may.
+      errors += fmt::format("{}{}: HTTP {}: {}", errors.empty() ? "" : "; ", e.name, res->status, res->body);
+      current_ = (current_ + 1) % endpoints_.size();
+      continue;
+    }
     if (res->status != 200) {
       // etcd answered: its error stands (another member would say the same).
       std::string message = res->body;
@@ -298,7 +304,8 @@ Result<int64_t> Client::LeaseKeepAlive(int64_t lease) {
                            Call("lease/keepalive", nlohmann::json({{"ID", std::to_string(lease)}}).dump()));
   NONSTOP_ASSIGN_OR_RETURN(nlohmann::json j, Parse("lease keepalive", body));
   try {
-    // The gateway streams: the first (only) message is {"result": {...}}.
+    // The gateway streams: the first (only) message is {"result": {...}}, or {"error": {...}}.
+    if (j.contains("error")) return UnavailableError("etcd lease keepalive: " + j["error"].dump());
     const nlohmann::json& r = j.contains("result") ? j["result"] : j;
     int64_t ttl = Int(r, "TTL");
     if (ttl <= 0) return NotFoundError(fmt::format("etcd lease {:x} expired", lease));

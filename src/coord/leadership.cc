@@ -3,6 +3,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 
 #include <fmt/format.h>
@@ -16,12 +17,22 @@ namespace {
 int64_t NowMicros() { return static_cast<int64_t>(MonotonicSeconds() * 1e6); }
 
 constexpr size_t kMaxOpsPerTxn = 100;        // etcd's default limit is 128
-constexpr size_t kMaxBytesPerTxn = 1 << 20;  // its default request limit is 1.5 MiB
-constexpr int kCompactEvery = 1000;          // transactions between compactions of etcd's history
+constexpr size_t kMaxBytesPerTxn = 768 << 10;  // its default request limit is 1.5 MiB; base64 adds a third
 
 std::string SeqKey(const std::string& prefix, uint64_t seq) { return fmt::format("{}journal/{:016d}", prefix, seq); }
 
 }  // namespace
+
+Status CheckJobName(const std::string& job) {
+  bool ok = !job.empty() && job.size() <= 64 && job != "." && job != "..";
+  for (char c : job) ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
+  if (!ok) {
+    return InvalidArgumentError(fmt::format("job name '{}' is not 1-64 of [A-Za-z0-9._-] (HINT: --job run42, or "
+                                            "the Slurm job id)",
+                                            job));
+  }
+  return OkStatus();
+}
 
 std::string JobPrefix(const std::string& job) { return "/nonstop/" + job + "/"; }
 std::string LeaderKey(const std::string& job) { return JobPrefix(job) + "leader"; }
@@ -50,6 +61,7 @@ Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, i
 
 Result<std::unique_ptr<Leadership>> Leadership::Connect(LeadershipOptions options) {
   if (options.ttl_seconds < 1) return InvalidArgumentError("the leader's lease TTL must be at least 1 s");
+  NONSTOP_RETURN_IF_ERROR(CheckJobName(options.job));
   auto l = std::unique_ptr<Leadership>(new Leadership(std::move(options)));
   l->wake_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!l->wake_.valid()) return ErrnoStatus(StatusCode::kInternal, "eventfd", errno);
@@ -68,6 +80,7 @@ Result<std::unique_ptr<Leadership>> Leadership::Connect(LeadershipOptions option
 Leadership::~Leadership() {
   keepalive_.request_stop();
   writer_.request_stop();
+  { std::lock_guard<std::mutex> lock(mu_); }  // a waiter between its check and its sleep sees the stop
   cv_.notify_all();
   if (keepalive_.joinable()) keepalive_.join();
   if (writer_.joinable()) writer_.join();
@@ -97,15 +110,20 @@ Result<int64_t> Leadership::Campaign(const std::function<bool()>& stop,
       std::this_thread::sleep_for(options_.poll);
       continue;
     }
-    // Nobody leads: try to be the one, on a lease of our own.
-    auto lease = client_->LeaseGrant(options_.ttl_seconds);
-    if (!lease.ok()) continue;
+    // Nobody leads: try to be the one, on a lease of our own. Its clock
+    // starts when etcd grants it: measured from before the request.
     int64_t sent_us = NowMicros();
+    auto lease = client_->LeaseGrant(options_.ttl_seconds);
+    if (!lease.ok()) {
+      std::this_thread::sleep_for(options_.poll);
+      continue;
+    }
     nlohmann::json me = {{"pid", static_cast<int64_t>(::getpid())}};
     auto txn = client_->Txn({etcd::Compare::CreateRevision(leader_key_, 0)},
                             {etcd::Op::Put(leader_key_, me.dump(), lease->first)}, {etcd::Op::Get(leader_key_)});
     if (!txn.ok() || !txn->succeeded) {
       (void)client_->LeaseRevoke(lease->first);
+      std::this_thread::sleep_for(options_.poll);
       continue;
     }
     lease_ = lease->first;
@@ -122,13 +140,15 @@ Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
   NONSTOP_ASSIGN_OR_RETURN(auto kvs, client_->Prefix(prefix_ + "journal/"));
   uint64_t last = 0;
   for (const auto& kv : kvs) {
+    // Records 1, 2, 3, … with nothing missing: anything else is not this job's journal as it was written.
+    if (kv.key != SeqKey(prefix_, last + 1)) {
+      return DataLossError(fmt::format("etcd key {} where the journal's record {} was expected ({}): not a journal "
+                                       "this controller can take over",
+                                       kv.key, last + 1, SeqKey(prefix_, last + 1)));
+    }
+    ++last;
     auto j = nlohmann::json::parse(kv.value, nullptr, false);
     if (!j.is_object()) return DataLossError(fmt::format("etcd key {} is not a JSON journal record", kv.key));
-    try {
-      last = std::max<uint64_t>(last, std::stoull(kv.key.substr(kv.key.rfind('/') + 1)));
-    } catch (...) {
-      return DataLossError(fmt::format("etcd key {} is not a journal record's (…/journal/<seq>)", kv.key));
-    }
     out.push_back(std::move(j));
   }
   NONSTOP_ASSIGN_OR_RETURN(auto progress, client_->Range(prefix_ + "progress"));
@@ -194,11 +214,11 @@ std::string Leadership::why_not_leading() const {
 
 void Leadership::SetDeposed(std::string why) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);  // under mu_: the writer's wait cannot miss it
     if (why_.empty()) why_ = std::move(why);
+    valid_until_us_ = 0;
+    deposed_ = true;
   }
-  valid_until_us_ = 0;
-  deposed_ = true;
   cv_.notify_all();
   Wake();
 }
@@ -210,6 +230,8 @@ void Leadership::Wake() {
 
 void Leadership::Resign() {
   keepalive_.request_stop();
+  { std::lock_guard<std::mutex> lock(mu_); }
+  cv_.notify_all();
   if (keepalive_.joinable()) keepalive_.join();
   if (lease_ != 0 && !deposed_.load()) (void)client_->LeaseRevoke(lease_);
   SetDeposed("resigned");
@@ -229,6 +251,10 @@ void Leadership::KeepAlive(std::stop_token st) {
       warned = false;
     } else if (ttl.status().code() == StatusCode::kNotFound) {
       return SetDeposed(fmt::format("the lease of epoch {} expired in etcd: another controller may lead", epoch_));
+    } else if (NowMicros() > valid_until_us_.load() + options_.ttl_seconds * 1'000'000) {
+      // Past the lease by a whole TTL: etcd has let it go, whoever leads now.
+      return SetDeposed(fmt::format("cut off from etcd past the lease of epoch {}: {}", epoch_,
+                                    ttl.status().ToString()));
     } else if (!warned) {
       NONSTOP_LOG_WARNING("cannot renew the leader's lease: {}; training goes on, orders stop when it runs out",
                           ttl.status().ToString());
@@ -243,7 +269,6 @@ void Leadership::KeepAlive(std::stop_token st) {
 void Leadership::Write(std::stop_token st) {
   auto client = etcd::Client::Create(options_.endpoints);
   if (!client.ok()) return SetDeposed(client.status().ToString());
-  int txns = 0;
   bool warned = false;
   while (!st.stop_requested() && !deposed_.load()) {
     std::vector<etcd::Op> ops;
@@ -256,7 +281,8 @@ void Leadership::Write(std::stop_token st) {
       });
       if (st.stop_requested() || deposed_.load()) return;
       for (const auto& [seq, line] : pending_) {
-        if (ops.size() >= kMaxOpsPerTxn || (bytes > 0 && bytes + line.size() > kMaxBytesPerTxn)) break;
+        // Two slots stay free: progress and end.
+        if (ops.size() + 2 >= kMaxOpsPerTxn || (bytes > 0 && bytes + line.size() > kMaxBytesPerTxn)) break;
         ops.push_back(etcd::Op::Put(SeqKey(prefix_, seq), line));
         bytes += line.size();
         last = seq;
@@ -268,6 +294,12 @@ void Leadership::Write(std::stop_token st) {
       }
     }
     auto txn = (*client)->Txn({etcd::Compare::CreateRevision(leader_key_, epoch_)}, ops);
+    if (!txn.ok() && txn.status().code() != StatusCode::kUnavailable) {
+      // etcd answered and refused (no space left, a record too large): retrying cannot help, and
+      // a leader whose orders wait forever would hang the job. Step down, loudly.
+      NONSTOP_LOG_ERROR("etcd refused the journal: {}", txn.status().ToString());
+      return SetDeposed("etcd refused the journal: " + txn.status().message());
+    }
     if (!txn.ok()) {
       if (!warned) {
         NONSTOP_LOG_WARNING("cannot write the journal to etcd: {}; orders wait until it is written",
@@ -297,10 +329,6 @@ void Leadership::Write(std::stop_token st) {
     if (last > 0) {
       durable_ = last;
       Wake();
-    }
-    if (++txns % kCompactEvery == 0) {
-      // etcd keeps every revision until compacted: the journal's history is not needed, only its keys.
-      (void)(*client)->Call("kv/compaction", nlohmann::json({{"revision", std::to_string(txn->revision)}}).dump());
     }
   }
 }

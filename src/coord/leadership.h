@@ -52,6 +52,8 @@ struct LeadershipOptions {
   std::chrono::milliseconds poll{100};  // how often a standby looks at the leader key
 };
 
+// A job's name in etcd: 1-64 of [A-Za-z0-9._-] (so one job's keys are never inside another's).
+Status CheckJobName(const std::string& job);
 std::string JobPrefix(const std::string& job);       // "/nonstop/<job>/"
 std::string LeaderKey(const std::string& job);       // "/nonstop/<job>/leader"
 

@@ -65,6 +65,37 @@ class ScriptedJob {
     Send(control::kMsgPlan, control::Encode(plan));
   }
 
+  // The controller's end of the connection closes (a controller dies).
+  void Close() {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    control_.Reset();
+  }
+
+  // Accepts the worker's next control connection (it dials again) and reads its join.
+  Result<control::JoinMsg> AcceptJoin() {
+    NONSTOP_RETURN_IF_ERROR(net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept"));
+    NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Accept(listener_.fd.get()));
+    NONSTOP_RETURN_IF_ERROR(
+        net::ServerHandshake(fd.get(), "tok", net::ConnectionKind::kControl, DeadlineAfter(Millis(5000)), nullptr)
+            .status());
+    {
+      std::lock_guard<std::mutex> lock(write_mu_);
+      control_ = std::move(fd);
+    }
+    NONSTOP_ASSIGN_OR_RETURN(net::Frame f, Expect(control::kMsgJoin));
+    return control::DecodeJoin(f.payload);
+  }
+
+  // True when the worker closes the connection within `timeout` (what it sends meanwhile is skipped).
+  bool ClosedByWorker(Millis timeout) {
+    Deadline deadline = DeadlineAfter(timeout);
+    while (true) {
+      auto f = net::ReadFrame(control_.get(), deadline, nullptr);
+      if (f.ok()) continue;
+      return f.status().code() == StatusCode::kUnavailable;
+    }
+  }
+
   // Waits for the worker's next message of `type`.
   Result<net::Frame> Expect(uint16_t type) {
     while (true) {
@@ -188,6 +219,30 @@ TEST_F(SessionTest, PlanNamingASourceOutsideTheMembershipIsAnsweredWithAReasonNo
   });
   EXPECT_EQ(session.status().code(), StatusCode::kCancelled) << session.status().ToString();
   EXPECT_NE(ready_reason.find("source worker 7 of receiver 0 is not a member"), std::string::npos) << ready_reason;
+}
+
+// Fencing at the worker (docs/controller-failover.md): once it has followed
+// a controller of epoch 5, a controller of epoch 3 (a deposed leader that
+// woke up) is left at its first ping, and what it sends after is not acted on.
+TEST_F(SessionTest, AControllerOfAnOlderEpochIsLeftAndItsOrdersAreNotActedOn) {
+  auto session = Join();
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  job_.Send(control::kMsgPing, control::Encode(control::PingMsg{5}));
+  job_.Close();  // the leader of epoch 5 dies; the worker dials again
+  auto rejoin = job_.AcceptJoin();
+  ASSERT_TRUE(rejoin.ok()) << rejoin.status().ToString();
+  EXPECT_EQ(rejoin->generation, 1u);
+  job_.Send(control::kMsgPing, control::Encode(control::PingMsg{3}));
+  job_.Send(control::kMsgAbort, control::Encode(control::AbortMsg{1, "from a deposed leader"}));
+  EXPECT_TRUE(job_.ClosedByWorker(Millis(5000))) << "the worker followed a controller of an older epoch";
+  EXPECT_FALSE((*session)->aborted()) << "the deposed leader's abort was carried out";
+  // It looks for the leader again, and follows one of epoch 5 or newer.
+  auto again = job_.AcceptJoin();
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  job_.Send(control::kMsgPing, control::Encode(control::PingMsg{6}));
+  job_.Send(control::kMsgAbort, control::Encode(control::AbortMsg{1, "from the leader"}));
+  for (int i = 0; i < 200 && !(*session)->aborted(); ++i) std::this_thread::sleep_for(Millis(10));
+  EXPECT_TRUE((*session)->aborted()) << "the leader's abort was not carried out";
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -145,9 +146,11 @@ TEST_F(EtcdFailoverTest, KilledLeaderIsReplacedByTheStandbyWithoutARecoveryOrALo
   EXPECT_EQ(Events(journal, "rejoin").size(), 4u) << "three members and the spare rejoined\n" << Outputs();
   EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n" << Outputs();
   EXPECT_TRUE(Events(journal, "fault").empty()) << Outputs();
-  int64_t state_at_rejoin = -1;
+  // Every member's state at its rejoin holds at least the step the job had reached at the kill.
+  int64_t state_at_rejoin = INT64_MAX;
   for (const auto& r : Events(journal, "rejoin")) {
-    state_at_rejoin = std::max(state_at_rejoin, r["state_step"].get<int64_t>());
+    if (r.value("role", "") == "spare") continue;
+    state_at_rejoin = std::min(state_at_rejoin, r["state_step"].get<int64_t>());
   }
   EXPECT_GE(state_at_rejoin, step_at_kill) << "a step was lost\n" << Outputs();
   // b's journal is the whole job's: a's records (from etcd) and then its own, with a later epoch.
@@ -216,6 +219,37 @@ TEST_F(EtcdFailoverTest, APausedLeaderThatWakesAfterTheTakeoverStepsDownAndIsNot
   std::printf("[ measured ] leader paused: standby's takeover %.0f ms after the SIGSTOP, all rejoined %.0f ms; the old "
               "leader: %s\n",
               TakeoverMs(stopped_us), AllRejoinedMs(stopped_us), deposed[0].value("reason", "").c_str());
+}
+
+TEST_F(EtcdFailoverTest, SigtermHandsTheJobOverToTheStandbyAtOnce) {
+  ASSERT_NO_FATAL_FAILURE(StartJob());
+  int64_t term_us = NowWallMicros();
+  ASSERT_EQ(::kill(a_->pid(), SIGTERM), 0);
+  EXPECT_EQ(a_->Wait(milliseconds(10'000)), 130) << Outputs();
+  ASSERT_EQ(b_->Wait(milliseconds(90'000)), 0) << Outputs();
+  EXPECT_EQ(agent_->Wait(milliseconds(20'000)), 0) << Outputs();
+  EXPECT_EQ(Events(JournalOf("a"), "handover").size(), 1u) << Outputs();
+  EXPECT_TRUE(Events(JournalOf("a"), "job_end").empty()) << "SIGTERM ended the job instead of handing it over";
+  std::string journal = JournalOf("b");
+  ASSERT_EQ(Events(journal, "takeover").size(), 1u) << Outputs();
+  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << Outputs();
+  EXPECT_EQ(FinishedChecksum(journal), Reference()) << Outputs();
+  std::printf("[ measured ] leader SIGTERMed: standby's takeover %.0f ms after the signal, all rejoined %.0f ms\n",
+              TakeoverMs(term_us), AllRejoinedMs(term_us));
+}
+
+TEST_F(EtcdFailoverTest, AStandbyWithoutTheJobTokenRefusesToTakeOverInsteadOfLockingEveryoneOut) {
+  a_ = StartController("a");
+  ASSERT_TRUE(WaitForOutput(*a_, "  journal ", milliseconds(20'000))) << a_->Output();
+  b_ = std::make_unique<ChildProcess>(
+      std::vector<std::string>{kBin + "/nonstop", "controller", "--etcd", etcd_->endpoint(), "--job", "j",
+                               "--nnodes", "1", "--job-token-file", dir_ / "elsewhere/token", "--journal",
+                               JournalOf("b")},
+      dir_ / "b.out");
+  ASSERT_TRUE(WaitForOutput(*b_, "standing by", milliseconds(20'000))) << b_->Output();
+  ASSERT_EQ(::kill(a_->pid(), SIGKILL), 0);
+  EXPECT_EQ(b_->Wait(milliseconds(20'000)), 1) << b_->Output();
+  EXPECT_NE(b_->Output().find("token file"), std::string::npos) << b_->Output();
 }
 
 TEST(EtcdControllerTest, AnUnreachableEtcdAtStartIsAClearErrorNamingTheEndpoints) {
