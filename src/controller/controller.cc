@@ -1340,6 +1340,10 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
   }
   placed_ = true;
   target_world_ = std::max({target_world_, world_size_, options_.policy.max_world});
+  // A scale request's target stands across controllers, and so do the slots its shrink gave back:
+  // without them the new controller would grow the job back at once.
+  if (s.target_world > 0) target_world_ = s.target_world;
+  withheld_ = s.withheld;
   std::set<int> member_set(s.members.begin(), s.members.end());
   for (const auto& sw : s.workers) {
     if (!sw.host.empty()) host_of_[sw.worker_id] = sw.host;

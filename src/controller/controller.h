@@ -164,6 +164,10 @@ struct TakeoverState {
   };
   std::vector<Host> hosts;  // alive at the last record
   int next_worker_id = 0;
+  // What scale requests left behind: the world size asked for (0: none
+  // asked), and per host the slots a shrink gave back, not to be refilled.
+  int target_world = 0;
+  std::map<std::string, int> withheld;
   int recoveries = 0;        // recovery ids so far (new ones continue from here)
   int takeovers = 0;         // controllers that took over before this one
 };

@@ -1169,6 +1169,43 @@ TEST_F(TakeoverTest, InheritedWorkersAndAgentsJoinAndTrainingGoesOnWithoutARecov
   EXPECT_EQ(c_->phase(), JobPhase::kRunning);
 }
 
+// A shrink on request before the takeover stands after it: the new
+// controller neither refills the released slot nor grows back to the hosts' capacity.
+TEST_F(TakeoverTest, AShrinkOnRequestOutlivesItsControllerTheWorldDoesNotGrowBack) {
+  RunFirstController();
+  now_ += Millis(1000);
+  auto r = Record(ScaleRequest{1, {{"release", 1}}, "test"});
+  ASSERT_EQ(Find<ScaleReply>(r)[0].http_status, 202);
+  int released = -1;
+  for (const auto& [rank, id] : first_members_) {
+    for (const auto& sd : Find<SendShutdown>(Record(ReadyReceived{id, {1, 21, "drained"}}))) released = sd.worker_id;
+  }
+  ASSERT_GE(released, 0);
+  std::string host = c_->HostOf(released);
+  Record(ProcessExited{released, 1000 + released, 0, 0, host});
+  ASSERT_EQ(c_->generation(), 2u);
+  for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
+    if (w.role == WorkerRole::kMember) Record(ProgressReceived{id, {22, 2.0, 0.1, 100, 5}});
+  }
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  ASSERT_EQ(c_->world_size(), 5u);
+  TakeOver();
+  EXPECT_EQ(c_->target_world(), 5) << "the requested world was forgotten";
+  for (const std::string h : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(h)});
+  for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
+    if (w.role == WorkerRole::kGone) continue;
+    Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 2, false, w.role == WorkerRole::kSpare ? -1 : 22);
+  }
+  for (int i = 0; i < 20; ++i) {
+    now_ += Millis(500);
+    Heartbeats();
+    auto a = Do(Tick{});
+    EXPECT_TRUE(Find<SpawnWorker>(a).empty()) << "the slot host " << host << " gave back was refilled";
+    EXPECT_TRUE(Find<SendDrain>(a).empty()) << "the job grew back to the hosts' capacity";
+  }
+  EXPECT_EQ(c_->world_size(), 5u);
+}
+
 TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
   RunFirstController();
   TakeOver();

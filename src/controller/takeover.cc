@@ -46,6 +46,7 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
       } else if (event == "host_lost") {
         const std::string id = r.value("host", "");
         hosts.erase(id);
+        s.withheld.erase(id);
         for (auto it = workers.begin(); it != workers.end();) {
           it = it->second.host == id ? workers.erase(it) : std::next(it);
         }
@@ -76,7 +77,11 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
         s.resume_step = r.value("resume_step", int64_t{0});
         if (r.contains("released") && r["released"].is_array()) {
           for (const json& id : r["released"]) {
-            if (id.is_number_integer()) workers.erase(id.get<int>());  // shut down by a shrink
+            if (!id.is_number_integer()) continue;
+            auto it = workers.find(id.get<int>());
+            if (it == workers.end()) continue;
+            if (!it->second.host.empty()) ++s.withheld[it->second.host];  // capacity given back by the shrink
+            workers.erase(it);  // shut down by a shrink
           }
         }
       } else if (event == "exit" || event == "fault" || event == "fence") {
@@ -84,6 +89,10 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
         if (id >= 0) workers.erase(id);
       } else if (event == "restart") {
         workers.clear();  // every worker was restarted from a checkpoint
+      } else if (event == "scale_request") {
+        // The world asked for stands; a grow takes back every slot a shrink gave back.
+        s.target_world = r.value("to", 0);
+        if (s.target_world > r.value("from", 0)) s.withheld.clear();
       } else if (event == "step") {
         s.highest_step = std::max(s.highest_step, r.value("step", int64_t{-1}));
       } else if (event == "recovery_end" && r.contains("recovery")) {
