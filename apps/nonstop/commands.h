@@ -52,8 +52,11 @@ class RunCommand {
   int spares_ = 1;
   std::string host_ = "127.0.0.1";
   int port_ = 0;
+  bool resumable_ = false;
   JobFlags flags_;
   std::vector<std::string> program_;
+  // --resumable: the controller in a child process, this process the local agent.
+  int RunResumable(controller::RuntimeOptions o);
 };
 
 // `nonstop controller`: the controller alone, a daemon that the hosts'

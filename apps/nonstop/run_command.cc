@@ -16,11 +16,18 @@
 #include <sys/signalfd.h>
 #include <unistd.h>
 
+#include <sys/wait.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <thread>
 
 #include <fmt/format.h>
 
 #include "agent/agent.h"
+#include "launcher/output_writer.h"
 #include "apps/nonstop/commands.h"
 #include "common/logging.h"
 #include "common/signals.h"
@@ -176,6 +183,11 @@ void RunCommand::Register(CLI::App& app) {
       ->envname("NONSTOP_HOST");
   sub_->add_option("--port", port_, "Controller port (0: chosen by the OS)")->capture_default_str()
       ->envname("NONSTOP_PORT")->check(CLI::Range(0, 65535));
+  sub_->add_flag("--resumable", resumable_,
+                 "Run the controller in a process of its own and supervise the workers from this one (a local "
+                 "agent): if the controller dies, the workers train on and `nonstop controller --resume JOURNAL "
+                 "--nnodes 1 --job-token-file <run dir>/job.token` adopts them")
+      ->envname("NONSTOP_RESUMABLE");
   RegisterJobFlags(sub_, &flags_);
   sub_->footer("After `--`: the worker program and its arguments. Without one, the built-in demonstration runs: "
                "nonstop-train on its llama-tiny recipe with --inject kill:rank=2,step=30.");
@@ -202,7 +214,114 @@ int RunCommand::Execute() {
   o.core.spares = spares_;
   o.listen = {host_, static_cast<uint16_t>(port_)};
   o.data_host = host_;
+  if (resumable_) return RunResumable(std::move(o));
   return controller::RunController(o);
+}
+
+// `nonstop run --resumable`: the same job as two processes, so that the
+// controller can die without the workers (docs/controller-failover.md).
+// A child process runs the controller as `nonstop controller --nnodes 1`
+// would; this process is the host's agent, the parent of the workers. The
+// job's exit code is the agent's: the one the controller's shutdown names.
+int RunCommand::RunResumable(controller::RuntimeOptions o) {
+  const std::string name = "nonstop run";
+  std::filesystem::path journal(o.journal);
+  std::filesystem::path dir = journal.has_parent_path() ? journal.parent_path() : std::filesystem::path(".");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string job_file = controller::JobFileFor(o.journal);
+  const std::string token_file = (dir / "job.token").string();
+  std::filesystem::remove(job_file, ec);  // the one the controller writes now is this job's
+  std::filesystem::remove(token_file, ec);
+  std::vector<std::string> program = o.program;
+
+  controller::RuntimeOptions c = o;
+  c.name = "nonstop run (controller)";
+  c.program.clear();  // no local launcher: the agent below starts the workers
+  c.core.min_hosts = 1;
+  c.core.max_hosts = 1;
+  c.token_file = token_file;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  pid_t child = ::fork();
+  if (child < 0) {
+    fmt::print(stderr, "{}: fork: {}\n", name, std::strerror(errno));
+    return 1;
+  }
+  if (child == 0) {
+    // The same process group: Ctrl-C reaches both, the controller ends the job and the agent its workers.
+    std::_Exit(controller::RunController(c));
+  }
+
+  // Wait for the controller's job file (its address) and token.
+  auto child_exited = [&](int* code) {
+    int status = 0;
+    if (::waitpid(child, &status, WNOHANG) != child) return false;
+    *code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return true;
+  };
+  std::string address;
+  for (int i = 0; i < 600 && address.empty(); ++i) {
+    int code = 0;
+    if (child_exited(&code)) {
+      fmt::print(stderr, "{}: the controller exited (code {}) before the job started\n", name, code);
+      return code == 0 ? 1 : code;
+    }
+    std::ifstream in(job_file);
+    if (in) {
+      auto job = nlohmann::json::parse(in, nullptr, false);
+      if (job.is_object() && job.contains("controller") && job["controller"].is_string() &&
+          std::filesystem::exists(token_file)) {
+        address = job["controller"].get<std::string>();
+        break;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  auto token = agent::ReadJobTokenFile(token_file);
+  if (address.empty() || !token.ok()) {
+    fmt::print(stderr, "{}: the controller did not start within 30 s ({})\n", name,
+               address.empty() ? "no job file at " + job_file : token.status().message());
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    return 1;
+  }
+  agent::AgentOptions a;
+  a.controller = address;
+  a.job_token = *token;
+  a.host_id = "local";
+  a.nproc = nproc_;
+  a.spares = spares_;
+  a.advertise_address = host_;
+  a.program = program;
+  a.handle_signals = true;
+  if (Status s = agent::ValidateOptions(a); !s.ok()) {
+    fmt::print(stderr, "{}: {}\n", name, s.message());
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    return controller::kExitUsage;
+  }
+  BlockTerminationSignals();
+  launcher::BoundedStdio stdio;
+  a.out = &stdio.out();
+  a.err = &stdio.err();
+  stdio.out().Write(fmt::format("[nonstop] resumable: the controller runs as pid {}; the workers are this process's "
+                                "({}). If the controller dies: nonstop controller --resume {} --nnodes 1 "
+                                "--job-token-file {}\n",
+                                child, ::getpid(), o.journal, token_file));
+  int code = agent::Agent(a).Run();
+  // The controller (ours, if it was not replaced) leaves once the agent has; one that does not is stopped.
+  bool reaped = false;
+  for (int i = 0; i < 400 && !reaped; ++i) {
+    int ignored = 0;
+    reaped = child_exited(&ignored);
+    if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!reaped) {
+    ::kill(child, SIGTERM);
+    ::waitpid(child, nullptr, 0);
+  }
+  return code;
 }
 
 void ControllerCommand::Register(CLI::App& app) {

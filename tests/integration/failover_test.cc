@@ -112,6 +112,52 @@ TEST(ControllerFailoverTest, KilledControllerIsReplacedByResumeAndTheWorkersTrai
   EXPECT_EQ(FinishedChecksum(journal), reference) << "not bitwise equal to the run without the kill\n" << outputs;
 }
 
+// `nonstop run --resumable`: the controller is a process of its own, the
+// `nonstop run` process supervises the workers; kill -9 the controller, and
+// `nonstop controller --resume` adopts the job, which ends as without the kill.
+TEST(ControllerFailoverTest, ResumableRunSurvivesTheDeathOfItsControllerAndResumeAdoptsIt) {
+  TempDir dir;
+  std::string ref_journal = dir / "ref/journal.jsonl";
+  std::vector<std::string> ref_argv = {kBin + "/nonstop", "run", "--nproc", "3", "--spares", "0", "--journal",
+                                       ref_journal, "--"};
+  for (auto& a : Worker()) ref_argv.push_back(a);
+  ChildProcess ref(ref_argv, dir / "ref.out");
+  ASSERT_EQ(ref.Wait(milliseconds(60'000)), 0) << ref.Output();
+  std::string reference = FinishedChecksum(ref_journal);
+  ASSERT_FALSE(reference.empty());
+
+  std::string journal = dir / "job/journal.jsonl";
+  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--resumable", "--nproc", "3", "--spares", "1",
+                                   "--journal", journal, "--"};
+  for (auto& a : Worker()) argv.push_back(a);
+  ChildProcess run(argv, dir / "run.out");
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 30, milliseconds(60'000))) << run.Output();
+  pid_t controller = 0;
+  {
+    std::ifstream in(dir / "job/job.json");
+    auto job = nlohmann::json::parse(in, nullptr, false);
+    ASSERT_TRUE(job.is_object()) << run.Output();
+    controller = job["pid"].get<pid_t>();
+  }
+  ASSERT_NE(controller, run.pid()) << "the controller is not a process of its own";
+  ASSERT_EQ(::kill(controller, SIGKILL), 0);
+  std::this_thread::sleep_for(milliseconds(300));
+  ASSERT_EQ(run.Wait(milliseconds(1)), -1) << "`nonstop run` died with its controller\n" << run.Output();
+
+  ChildProcess resume({kBin + "/nonstop", "controller", "--resume", journal, "--nnodes", "1", "--job-token-file",
+                       dir / "job/job.token"},
+                      dir / "resume.out");
+  std::string outputs;
+  int code = resume.Wait(milliseconds(90'000));
+  outputs = "--- resume\n" + resume.Output() + "--- run\n" + run.Output();
+  ASSERT_EQ(code, 0) << outputs;
+  EXPECT_EQ(run.Wait(milliseconds(20'000)), 0) << outputs;
+  EXPECT_EQ(Events(journal, "takeover").size(), 1u) << outputs;
+  EXPECT_EQ(Events(journal, "host_rejoin").size(), 1u) << outputs;
+  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n" << outputs;
+  EXPECT_EQ(FinishedChecksum(journal), reference) << "not bitwise equal to the run without the kill\n" << outputs;
+}
+
 TEST(ControllerFailoverTest, ResumingAJobThatEndedIsRefusedWithTheReason) {
   TempDir dir;
   std::string journal = dir / "journal.jsonl";
