@@ -13,6 +13,7 @@
 //
 // `nonstop controller`: the same runtime without a local launcher, for jobs
 // over several hosts: each host runs `nonstop agent`, which registers with it.
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <unistd.h>
 
@@ -22,6 +23,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <atomic>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -34,6 +37,7 @@
 #include "common/unique_fd.h"
 #include "coord/leadership.h"
 #include "control/fault_spec.h"
+#include "controller/journal.h"
 #include "controller/runtime.h"
 
 namespace nonstop::cli {
@@ -232,7 +236,6 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
   const std::string job_file = controller::JobFileFor(o.journal);
   const std::string token_file = (dir / "job.token").string();
   std::filesystem::remove(job_file, ec);  // the one the controller writes now is this job's
-  std::filesystem::remove(token_file, ec);
   std::vector<std::string> program = o.program;
 
   controller::RuntimeOptions c = o;
@@ -241,67 +244,89 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
   c.core.min_hosts = 1;
   c.core.max_hosts = 1;
   c.token_file = token_file;
-  std::fflush(stdout);
-  std::fflush(stderr);
+  // SIGINT and SIGTERM are blocked before the fork: the controller reads its own from a signalfd,
+  // this process forwards them to it (below), and none is lost in between.
+  sigset_t mask = BlockTerminationSignals();
+  std::fflush(nullptr);
+  const pid_t parent = ::getpid();
   pid_t child = ::fork();
   if (child < 0) {
     fmt::print(stderr, "{}: fork: {}\n", name, std::strerror(errno));
     return 1;
   }
   if (child == 0) {
-    // The same process group: Ctrl-C reaches both, the controller ends the job and the agent its workers.
-    std::_Exit(controller::RunController(c));
+    // The controller ends the job if the process that supervises the workers dies.
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) std::_Exit(1);
+    int code = controller::RunController(c);
+    std::fflush(nullptr);
+    std::_Exit(code);
   }
 
-  // Wait for the controller's job file (its address) and token.
-  auto child_exited = [&](int* code) {
+  int child_code = -1;  // set once the child is reaped
+  auto reap = [&](bool wait) {
+    if (child_code >= 0) return true;
     int status = 0;
-    if (::waitpid(child, &status, WNOHANG) != child) return false;
-    *code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (::waitpid(child, &status, wait ? 0 : WNOHANG) != child) return false;
+    child_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     return true;
   };
-  std::string address;
+  auto stop_child = [&]() {  // bounded: SIGTERM, then SIGKILL
+    for (int i = 0; i < 100 && !reap(false); ++i) {
+      if (i == 0) ::kill(child, SIGTERM);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!reap(false)) {
+      ::kill(child, SIGKILL);
+      reap(true);
+    }
+  };
+  auto take_signal = [&](int timeout_ms) {
+    timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1'000'000L};
+    return ::sigtimedwait(&mask, nullptr, &ts);
+  };
+
+  // Wait for this controller's job file: its address and the job's token.
+  std::string address, token;
   for (int i = 0; i < 600 && address.empty(); ++i) {
-    int code = 0;
-    if (child_exited(&code)) {
-      fmt::print(stderr, "{}: the controller exited (code {}) before the job started\n", name, code);
-      return code == 0 ? 1 : code;
+    if (int sig = take_signal(0); sig > 0) {
+      ::kill(child, sig);
+      stop_child();
+      return controller::kExitInterrupted;
+    }
+    if (reap(false)) {
+      fmt::print(stderr, "{}: the controller exited (code {}) before the job started\n", name, child_code);
+      return child_code == 0 ? 1 : child_code;
     }
     std::ifstream in(job_file);
-    if (in) {
-      auto job = nlohmann::json::parse(in, nullptr, false);
-      if (job.is_object() && job.contains("controller") && job["controller"].is_string() &&
-          std::filesystem::exists(token_file)) {
-        address = job["controller"].get<std::string>();
-        break;
-      }
+    auto job = in ? nlohmann::json::parse(in, nullptr, false) : nlohmann::json();
+    if (job.is_object() && job.value("pid", int64_t{-1}) == child && job.contains("controller") &&
+        job["controller"].is_string() && job.contains("token") && job["token"].is_string()) {
+      address = job["controller"].get<std::string>();
+      token = job["token"].get<std::string>();
+      break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  auto token = agent::ReadJobTokenFile(token_file);
-  if (address.empty() || !token.ok()) {
-    fmt::print(stderr, "{}: the controller did not start within 30 s ({})\n", name,
-               address.empty() ? "no job file at " + job_file : token.status().message());
-    ::kill(child, SIGKILL);
-    ::waitpid(child, nullptr, 0);
+  if (address.empty()) {
+    fmt::print(stderr, "{}: the controller did not start within 30 s (no job file at {})\n", name, job_file);
+    stop_child();
     return 1;
   }
   agent::AgentOptions a;
   a.controller = address;
-  a.job_token = *token;
+  a.job_token = token;
   a.host_id = "local";
   a.nproc = nproc_;
   a.spares = spares_;
   a.advertise_address = host_;
   a.program = program;
-  a.handle_signals = true;
-  if (Status s = agent::ValidateOptions(a); !s.ok()) {
-    fmt::print(stderr, "{}: {}\n", name, s.message());
-    ::kill(child, SIGKILL);
-    ::waitpid(child, nullptr, 0);
+  a.handle_signals = false;  // the watcher below reads them
+  if (Status st = agent::ValidateOptions(a); !st.ok()) {
+    fmt::print(stderr, "{}: {}\n", name, st.message());
+    stop_child();
     return controller::kExitUsage;
   }
-  BlockTerminationSignals();
   launcher::BoundedStdio stdio;
   a.out = &stdio.out();
   a.err = &stdio.err();
@@ -309,17 +334,56 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
                                 "({}). If the controller dies: nonstop controller --resume {} --nnodes 1 "
                                 "--job-token-file {}\n",
                                 child, ::getpid(), o.journal, token_file));
-  int code = agent::Agent(a).Run();
+  agent::Agent agent(a);
+  // The watcher: a signal goes to the controller, which ends the job (the agent follows its
+  // shutdown; if it does not within 20 s, or the controller is gone, the agent stops). A controller
+  // that dies before the job formed ends the run with its code; one that dies later is replaced by
+  // `nonstop controller --resume`.
+  std::atomic<bool> done{false};
+  std::atomic<int> failed_start{-1};
+  std::thread watcher([&] {
+    std::optional<Deadline> stop_at;
+    bool told = false;
+    bool signalled = false;  // the job is ending on a signal: the controller's exit is expected
+    while (!done) {
+      int sig = take_signal(100);
+      bool gone = reap(false);
+      if (sig > 0) {
+        signalled = true;
+        if (!gone) ::kill(child, sig);
+        stop_at = gone ? Clock::now() : DeadlineAfter(Millis(20'000));
+      }
+      if (stop_at && Clock::now() >= *stop_at) {
+        agent.Stop();
+        stop_at.reset();
+      }
+      if (gone && !told) {
+        told = true;
+        auto plans = controller::Journal::Read(o.journal);
+        bool formed = false;
+        if (plans.ok()) {
+          for (const auto& r : *plans) formed = formed || r.value("event", "") == "plan";
+        }
+        if (!formed) {
+          failed_start = child_code;
+          agent.Stop();
+        } else if (child_code != 0 && !signalled) {
+          stdio.err().Write(fmt::format("[nonstop] the controller (pid {}) died ({}): the workers train on; to adopt "
+                                        "them: nonstop controller --resume {} --nnodes 1 --job-token-file {}\n",
+                                        child, child_code, o.journal, token_file));
+        }
+      }
+    }
+  });
+  int code = agent.Run();
+  done = true;
+  watcher.join();
   // The controller (ours, if it was not replaced) leaves once the agent has; one that does not is stopped.
-  bool reaped = false;
-  for (int i = 0; i < 400 && !reaped; ++i) {
-    int ignored = 0;
-    reaped = child_exited(&ignored);
-    if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  if (!reaped) {
-    ::kill(child, SIGTERM);
-    ::waitpid(child, nullptr, 0);
+  for (int i = 0; i < 400 && !reap(false); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  if (!reap(false)) stop_child();
+  if (failed_start >= 0) {
+    fmt::print(stderr, "{}: the controller exited (code {}) before the job formed\n", name, failed_start.load());
+    return failed_start == 0 ? 1 : failed_start.load();
   }
   return code;
 }

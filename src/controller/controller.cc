@@ -297,6 +297,9 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   phase_ = JobPhase::kForming;
   forming_since_ = now_;
   if (multi_host()) {
+    // Every worker starts again on the hosts' whole capacity: slots a shrink gave back count again
+    // (the new generation forms from every non-spare slot; takeover.cc replays it the same way).
+    withheld_.clear();
     PlaceOnHosts(/*resume=*/true, out);
     return;
   }

@@ -1206,6 +1206,52 @@ TEST_F(TakeoverTest, AShrinkOnRequestOutlivesItsControllerTheWorldDoesNotGrowBac
   EXPECT_EQ(c_->world_size(), 5u);
 }
 
+// The replay of scale requests matches what the live controller does with them.
+TEST(TakeoverFromJournalTest, ScaleRequestsAreReplayedAsTheControllerAppliedThem) {
+  using J = nlohmann::json;
+  std::vector<J> base = {{{"event", "job_start"}, {"controller", "10.0.0.9:7000"}},
+                         {{"event", "host_join"}, {"host", "h1"}, {"nproc", 2}, {"spares", 0}},
+                         {{"event", "host_join"}, {"host", "h2"}, {"nproc", 2}, {"spares", 0}}};
+  for (int id = 0; id < 4; ++id) {
+    std::string host = id < 2 ? "h1" : "h2";
+    base.push_back({{"event", "spawn"}, {"worker_id", id}, {"pid", 100 + id}, {"spare", false}, {"host", host}});
+    base.push_back({{"event", "join"}, {"worker_id", id}, {"pid", 100 + id}, {"address", "a"}, {"host", host}});
+  }
+  base.push_back({{"event", "plan"}, {"generation", 1}, {"members", {0, 1, 2, 3}}, {"resume_step", 0}});
+  auto replay = [&](std::vector<J> more) {
+    std::vector<J> all = base;
+    all.insert(all.end(), more.begin(), more.end());
+    auto t = TakeoverFromJournal(all);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    return t.ok() ? t->state : TakeoverState{};
+  };
+  const J shrink = {{"event", "scale_request"}, {"from", 4}, {"to", 3}};
+  const J shrunk = {{"event", "plan"}, {"generation", 2}, {"members", {0, 1, 2}}, {"resume_step", 9},
+                    {"released", {3}}};
+  // A shrink whose plan was not journaled yet: not applied (its drain is finished as a recovery of all).
+  auto mid = replay({shrink});
+  EXPECT_EQ(mid.target_world, 0);
+  EXPECT_TRUE(mid.withheld.empty());
+  // Applied: the target, and the slot its released worker held.
+  auto done = replay({shrink, shrunk});
+  EXPECT_EQ(done.target_world, 3);
+  EXPECT_EQ(done.withheld, (std::map<std::string, int>{{"h2", 1}}));
+  // A grow takes every slot back.
+  auto grown = replay({shrink, shrunk, {{"event", "scale_request"}, {"from", 3}, {"to", 4}}});
+  EXPECT_EQ(grown.target_world, 4);
+  EXPECT_TRUE(grown.withheld.empty());
+  // A restart from a checkpoint starts on the hosts' whole capacity.
+  auto restarted = replay({shrink, shrunk, {{"event", "restart"}, {"recovery", 2}}});
+  EXPECT_EQ(restarted.target_world, 0);
+  EXPECT_TRUE(restarted.withheld.empty());
+  // A host lost, or joining afresh, gives back nothing withheld.
+  auto lost = replay({shrink, shrunk, {{"event", "host_lost"}, {"host", "h2"}}});
+  EXPECT_TRUE(lost.withheld.empty());
+  // A refused request changes nothing.
+  auto refused = replay({{{"event", "scale_refused"}, {"request", {{"world_size", 9}}}}});
+  EXPECT_EQ(refused.target_world, 0);
+}
+
 TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
   RunFirstController();
   TakeOver();

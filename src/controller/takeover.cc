@@ -14,6 +14,7 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
   std::map<int, TakeoverState::Worker> workers;
   std::map<std::string, TakeoverState::Host> hosts;
   bool started = false;
+  int shrink_asked = 0;  // a shrink on request whose plan is not journaled yet
   auto id_of = [](const json& r) { return r.contains("worker_id") && r["worker_id"].is_number_integer()
                                               ? r["worker_id"].get<int>() : -1; };
   try {
@@ -38,6 +39,7 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
         TakeoverState::Host& h = hosts[id];
         h.host_id = id;
         if (event == "host_join") {
+          s.withheld.erase(id);  // a host that joins afresh brings its whole capacity
           h.nproc = r.value("nproc", 0);
           h.spares = r.value("spares", 0);
           h.address = r.value("address", "");
@@ -72,6 +74,8 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
         }
         s.next_worker_id = std::max(s.next_worker_id, id + 1);
       } else if (event == "plan") {
+        if (shrink_asked > 0) s.target_world = shrink_asked;
+        shrink_asked = 0;
         s.generation = r.at("generation").get<uint32_t>();
         s.members = r.at("members").get<std::vector<int>>();
         s.resume_step = r.value("resume_step", int64_t{0});
@@ -88,11 +92,21 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
         int id = id_of(r);
         if (id >= 0) workers.erase(id);
       } else if (event == "restart") {
-        workers.clear();  // every worker was restarted from a checkpoint
+        workers.clear();  // every worker was restarted from a checkpoint, on the hosts' whole capacity
+        s.withheld.clear();
+        s.target_world = 0;
+        shrink_asked = 0;
       } else if (event == "scale_request") {
-        // The world asked for stands; a grow takes back every slot a shrink gave back.
-        s.target_world = r.value("to", 0);
-        if (s.target_world > r.value("from", 0)) s.withheld.clear();
+        // The world asked for stands; a grow takes back every slot a shrink gave back. A shrink
+        // counts once its plan is journaled: a takeover in the middle of its drain forms the
+        // generation again from every member, and the world it asked for is not reached.
+        int to = r.value("to", 0), from = r.value("from", 0);
+        if (to < from) {
+          shrink_asked = to;
+        } else {
+          s.target_world = to;
+          s.withheld.clear();
+        }
       } else if (event == "step") {
         s.highest_step = std::max(s.highest_step, r.value("step", int64_t{-1}));
       } else if (event == "recovery_end" && r.contains("recovery")) {

@@ -6,10 +6,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include "common/temp_dir.h"
 #include "controller/journal.h"
@@ -225,7 +228,9 @@ TEST_F(RecoveryTest, TimedHangFromTheLauncher) {
 // stay a straggler at nice 10.
 TEST_F(RecoveryTest, PromotedRefillTrainsAtNormalPriorityForAnOrdinaryUser) {
   std::vector<std::string> prefix;
+  std::vector<std::string> env;
   std::string bin = kBin;
+  const std::string reports = dir_ / "sanitizer-reports";
   if (::geteuid() == 0) {
     ASSERT_EQ(::access("/usr/bin/setpriv", X_OK), 0) << "this test drops to user nobody with setpriv (util-linux)";
     prefix = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"};
@@ -237,6 +242,22 @@ TEST_F(RecoveryTest, PromotedRefillTrainsAtNormalPriorityForAnOrdinaryUser) {
     }
     std::filesystem::permissions(dir_.path(), std::filesystem::perms::all);
     std::filesystem::permissions(bin, std::filesystem::perms::all);
+    // Nor the sanitizers' report directory (scripts/test.sh): its processes report here instead, and
+    // any report fails this test below.
+    std::filesystem::create_directories(reports);
+    std::filesystem::permissions(reports, std::filesystem::perms::all);
+    for (const char* var : {"ASAN_OPTIONS", "UBSAN_OPTIONS", "TSAN_OPTIONS"}) {
+      const char* value = std::getenv(var);
+      if (value == nullptr) continue;
+      std::string options = value;
+      size_t at = options.find("log_path=");
+      if (at == std::string::npos) continue;
+      size_t end = options.find(':', at);
+      std::string kind = std::string(var).substr(0, std::string(var).find('_'));
+      options.replace(at, end == std::string::npos ? std::string::npos : end - at,
+                      "log_path=" + reports + "/" + kind);
+      env.push_back(std::string(var) + "=" + options);
+    }
   }
   std::string journal = dir_ / "nice.jsonl";
   std::vector<std::string> argv = prefix;
@@ -249,9 +270,16 @@ TEST_F(RecoveryTest, PromotedRefillTrainsAtNormalPriorityForAnOrdinaryUser) {
                         std::string("--elements"), std::string("20000"), std::string("--sleep-ms"), std::string("5")}) {
     argv.push_back(a);
   }
-  ChildProcess p(argv, dir_ / "nice.out");
+  ChildProcess p(argv, dir_ / "nice.out", env);
   int code = p.Wait(milliseconds(100'000));
   std::string out = p.Output();
+  std::error_code ec;
+  for (const auto& f : std::filesystem::directory_iterator(reports, ec)) {
+    std::ifstream in(f.path());
+    std::stringstream text;
+    text << in.rdbuf();
+    ADD_FAILURE() << "sanitizer report " << f.path() << ":\n" << text.str();
+  }
   ASSERT_EQ(code, 0) << out;
   auto records = controller::Journal::Read(journal);
   ASSERT_TRUE(records.ok()) << records.status().ToString();
