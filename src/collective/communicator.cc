@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "collective/tree_reduce.h"
+
 namespace nonstop::collective {
 
 std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c) {
@@ -235,6 +237,82 @@ Status Communicator::Broadcast(std::span<std::byte> data, int root) {
 
 namespace {
 constexpr uint32_t kP2POpBit = 0x80000000u;  // p2p sequence numbers never collide with collectives'
+}
+
+Status Communicator::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
+                                   std::span<const std::vector<float>> partials, std::span<float> out) {
+  const int w = world_size();
+  const int r = rank();
+  NONSTOP_CHECK_EQ(ranges.size(), static_cast<size_t>(w));
+  std::vector<std::vector<TreeNode>> nodes_of(static_cast<size_t>(w));
+  for (int q = 0; q < w; ++q) {
+    nodes_of[static_cast<size_t>(q)] = NodesOfRange(m, ranges[static_cast<size_t>(q)].first,
+                                                    ranges[static_cast<size_t>(q)].second);
+  }
+  const std::vector<TreeNode>& mine = nodes_of[static_cast<size_t>(r)];
+  NONSTOP_CHECK_EQ(partials.size(), mine.size()) << "one partial sum per node of this rank's range";
+  for (const auto& p : partials) NONSTOP_CHECK_EQ(p.size(), out.size());
+  NONSTOP_RETURN_IF_ERROR(error());
+  ++op_;
+  CountOp();
+  const size_t n = out.size();
+  auto [lo, hi] = ChunkRange(n, w, r);
+  // Rank q's partial sums of chunk r, node after node.
+  std::vector<std::vector<float>> received(static_cast<size_t>(w));
+  auto as_bytes = [](const float* p) { return reinterpret_cast<const std::byte*>(p); };
+  for (int s = 1; s < w; ++s) {
+    // Shift s: chunk (r+s) of our partials goes to rank r+s while rank r-s's chunk r comes in;
+    // every rank sends to one and receives from one, both at once (no cycle of blocked sends).
+    const int to = (r + s) % w;
+    const int from = (r - s + w) % w;
+    TransferSpec spec;
+    NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(to));
+    spec.send_peer = PeerName(to);
+    NONSTOP_ASSIGN_OR_RETURN(spec.recv_from, Peer(from));
+    spec.recv_peer = PeerName(from);
+    auto [to_lo, to_hi] = ChunkRange(n, w, to);
+    const size_t piece = std::max<size_t>(1, options_.piece_bytes / sizeof(float));
+    auto cut = [&](size_t count, auto&& emit) {  // pieces of a run; an empty run travels as one empty piece
+      size_t pos = 0;
+      do {
+        size_t end = std::min(count, pos + piece);
+        emit(pos, end - pos);
+        pos = end;
+      } while (pos < count);
+    };
+    for (const auto& p : partials) {
+      cut(to_hi - to_lo, [&](size_t at, size_t len) {
+        spec.sends.push_back({as_bytes(p.data() + to_lo + at), len * sizeof(float), -1});
+      });
+    }
+    std::vector<float>& in = received[static_cast<size_t>(from)];
+    const size_t their = nodes_of[static_cast<size_t>(from)].size();
+    in.assign(their * (hi - lo), 0.0f);
+    for (size_t k = 0; k < their; ++k) {
+      cut(hi - lo, [&](size_t at, size_t len) {
+        spec.recvs.push_back({reinterpret_cast<std::byte*>(in.data() + k * (hi - lo) + at), len * sizeof(float),
+                              Reduce::kNone});
+      });
+    }
+    spec.generation = options_.generation;
+    spec.op = op_;
+    spec.deadline = OpDeadline();
+    spec.abort = abort_;
+    NONSTOP_RETURN_IF_ERROR(Run(std::move(spec)));
+  }
+  // Chunk r: every rank's partial sums, combined along the tree.
+  std::vector<TreeNode> nodes;
+  std::vector<const float*> values;
+  for (int q = 0; q < w; ++q) {
+    const auto& theirs = nodes_of[static_cast<size_t>(q)];
+    for (size_t k = 0; k < theirs.size(); ++k) {
+      nodes.push_back(theirs[k]);
+      values.push_back(q == r ? partials[k].data() + lo : received[static_cast<size_t>(q)].data() + k * (hi - lo));
+    }
+  }
+  CombineInTreeOrder(m, nodes, values, hi - lo, out.data() + lo);
+  if (w == 1) return OkStatus();
+  return AllGather(std::as_writable_bytes(out), sizeof(float));
 }
 
 Status Communicator::Send(int to_rank, std::span<const std::byte> data) {

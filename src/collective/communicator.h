@@ -83,6 +83,15 @@ class Communicator {
   Status AllGather(std::span<std::byte> data, size_t element_bytes);
   Status Broadcast(std::span<std::byte> data, int root);
   Status Barrier();
+  // The world-invariant all-reduce (tree_reduce.h, issue 13). The step's m
+  // micro-batches are split over the ranks: ranges[q] is rank q's [first,
+  // last). `partials` are this rank's TreeFolder sums (one per node of
+  // NodesOfRange, each out.size() floats). `out` receives the tree's sum over
+  // all m: the same bits whatever the world size and the split. A
+  // deterministic reduce-scatter (rank q combines chunk q of every rank's
+  // partial sums in tree order) and an all-gather.
+  Status AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
+                       std::span<const std::vector<float>> partials, std::span<float> out);
   Status Send(int to_rank, std::span<const std::byte> data);
   Status Recv(int from_rank, std::span<std::byte> data);
 

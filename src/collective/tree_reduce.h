@@ -1,0 +1,64 @@
+// World-invariant summation (issue 13, docs/determinism.md): the gradient of
+// a step is the sum of its M micro-batch gradients in one fixed binary tree
+// over the micro-batch index 0..M-1, whoever computed which micro-batch. The
+// floating-point result then has the same bits at every world size.
+//
+// The tree. Node (level l, index i) covers the micro-batches
+// [i·2^l, (i+1)·2^l) ∩ [0, M); a leaf (0, i) is micro-batch i's gradient; an
+// inner node is left + right, element by element, or its left child alone
+// when its right child covers nothing (M not a power of two). The root is
+// (L, 0) with 2^L ≥ M.
+//
+// A rank that computes a contiguous range [first, last) of micro-batches
+// folds them as they come (TreeFolder): complete subtrees are summed at once,
+// so it holds O(log M) partial sums, never M gradients. Its partial sums are
+// the maximal tree nodes inside its range (NodesOfRange). The ranks' nodes
+// partition [0, M); CombineInTreeOrder sums such a partition into the root
+// along the same tree, so every partition (every world size, every split)
+// gives the same bits as one rank folding all M.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+namespace nonstop::collective {
+
+struct TreeNode {
+  int level = 0;
+  int index = 0;
+  bool operator==(const TreeNode&) const = default;
+};
+
+// The level of the root for M leaves: the smallest L with 2^L ≥ M.
+int TreeLevels(int m);
+
+// The maximal nodes of the tree over [0, m) whose micro-batches all lie in
+// [first, last), left to right: their leaves are exactly [first, last).
+std::vector<TreeNode> NodesOfRange(int m, int first, int last);
+
+// Folds the gradients of micro-batches first, first+1, …, last-1 (in that
+// order) into the partial sums of NodesOfRange(m, first, last).
+class TreeFolder {
+ public:
+  TreeFolder(int m, int first, int last, size_t elements);
+  // The next micro-batch's gradient (`elements` floats). Checked: in order, inside the range.
+  void Add(std::span<const float> gradient);
+  bool complete() const { return next_ == last_; }
+  // After the last Add: one partial sum per node of NodesOfRange, in that order.
+  const std::vector<TreeNode>& nodes() const { return nodes_; }
+  const std::vector<std::vector<float>>& partials() const { return partials_; }
+
+ private:
+  int m_, first_, last_, next_;
+  size_t elements_;
+  std::vector<TreeNode> nodes_;               // the stack: completed nodes, left to right
+  std::vector<std::vector<float>> partials_;  // their sums
+};
+
+// Sums partial sums whose nodes partition [0, m) into the root, along the
+// tree: `values[k]` (n floats) is node `nodes[k]`'s sum. Checked: a partition.
+void CombineInTreeOrder(int m, std::span<const TreeNode> nodes, std::span<const float* const> values, size_t n,
+                        float* out);
+
+}  // namespace nonstop::collective
