@@ -26,16 +26,12 @@ using std::chrono::milliseconds;
 
 const std::string kBin = NONSTOP_BIN_DIR;
 const auto& Events = nonstop::testing::JournalEvents;
+const auto& FinishedChecksum = nonstop::testing::FinishedChecksum;
 
 constexpr int kSteps = 300;  // 6 s: the standby leads (~2 s after the fault) while they train
 
 std::vector<std::string> Worker() {
   return {kBin + "/nonstop-test-worker", "--steps", std::to_string(kSteps), "--sleep-ms", "20"};
-}
-
-std::string FinishedChecksum(const std::string& journal) {
-  auto finished = Events(journal, "finished");
-  return finished.empty() ? "" : finished[0].value("checksum", "");
 }
 
 bool WaitForOutput(const ChildProcess& p, const std::string& text, milliseconds timeout) {

@@ -22,11 +22,7 @@ using std::chrono::milliseconds;
 
 const std::string kBin = NONSTOP_BIN_DIR;
 const auto& Events = nonstop::testing::JournalEvents;
-
-std::string FinishedChecksum(const std::string& journal) {
-  auto finished = Events(journal, "finished");
-  return finished.empty() ? "" : finished[0].value("checksum", "");
-}
+const auto& FinishedChecksum = nonstop::testing::FinishedChecksum;
 
 // The control address the controller wrote to the job file beside its journal.
 std::string ControllerAddress(const std::string& dir) {
@@ -50,17 +46,21 @@ std::vector<std::string> Worker() {
   return {kBin + "/nonstop-test-worker", "--steps", std::to_string(kSteps), "--sleep-ms", "20"};
 }
 
+// The same job without the kill, by plain `nonstop run`: its final checksum.
+std::string Reference(TempDir& dir) {
+  std::string journal = dir / "ref/journal.jsonl";
+  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", "3", "--spares", "0", "--journal", journal,
+                                   "--"};
+  for (auto& a : Worker()) argv.push_back(a);
+  ChildProcess ref(argv, dir / "ref.out");
+  return ref.Wait(milliseconds(60'000)) == 0 ? FinishedChecksum(journal) : "";
+}
+
 TEST(ControllerFailoverTest, KilledControllerIsReplacedByResumeAndTheWorkersTrainOnWithoutARecovery) {
   TempDir dir;
   // The reference: the same job, nobody killed.
-  std::string ref_journal = dir / "ref/journal.jsonl";
-  std::vector<std::string> ref_argv = {kBin + "/nonstop", "run", "--nproc", "3", "--spares", "0", "--journal",
-                                       ref_journal, "--"};
-  for (auto& a : Worker()) ref_argv.push_back(a);
-  ChildProcess ref(ref_argv, dir / "ref.out");
-  ASSERT_EQ(ref.Wait(milliseconds(60'000)), 0) << ref.Output();
-  std::string reference = FinishedChecksum(ref_journal);
-  ASSERT_FALSE(reference.empty());
+  std::string reference = Reference(dir);
+  ASSERT_FALSE(reference.empty()) << "the reference run failed";
 
   std::string run_dir = dir / "job";
   std::string journal = run_dir + "/journal.jsonl";
@@ -117,14 +117,8 @@ TEST(ControllerFailoverTest, KilledControllerIsReplacedByResumeAndTheWorkersTrai
 // `nonstop controller --resume` adopts the job, which ends as without the kill.
 TEST(ControllerFailoverTest, ResumableRunSurvivesTheDeathOfItsControllerAndResumeAdoptsIt) {
   TempDir dir;
-  std::string ref_journal = dir / "ref/journal.jsonl";
-  std::vector<std::string> ref_argv = {kBin + "/nonstop", "run", "--nproc", "3", "--spares", "0", "--journal",
-                                       ref_journal, "--"};
-  for (auto& a : Worker()) ref_argv.push_back(a);
-  ChildProcess ref(ref_argv, dir / "ref.out");
-  ASSERT_EQ(ref.Wait(milliseconds(60'000)), 0) << ref.Output();
-  std::string reference = FinishedChecksum(ref_journal);
-  ASSERT_FALSE(reference.empty());
+  std::string reference = Reference(dir);
+  ASSERT_FALSE(reference.empty()) << "the reference run failed";
 
   std::string journal = dir / "job/journal.jsonl";
   std::vector<std::string> argv = {kBin + "/nonstop", "run", "--resumable", "--nproc", "3", "--spares", "1",
