@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -31,6 +32,7 @@
 #include <torch/torch.h>
 
 #include "collective/communicator.h"
+#include "collective/tree_reduce.h"
 #include "common/temp_dir.h"
 #include "net/socket.h"
 
@@ -133,6 +135,66 @@ std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
   return secs;
 }
 
+// The world-invariant all-reduce (collective/tree_reduce.h) against the ring
+// on the same ranks: per size, {ring seconds, tree seconds, ring bytes
+// sent, tree bytes sent} per operation (seconds: rank 0's; bytes: the most
+// any rank sent). `m` micro-batches are split
+// over the ranks as the trainer would; each rank's partial sums are folded
+// before the clock starts (the ring's caller sums its micro-batches too).
+std::vector<double> BenchTree(int n, int m, const std::vector<Size>& sizes) {
+  std::vector<net::Listener> listeners;
+  std::vector<collective::Member> members;
+  for (int r = 0; r < n; ++r) {
+    auto l = net::Listen({"127.0.0.1", 0});
+    NONSTOP_CHECK(l.ok()) << l.status().ToString();
+    members.push_back({r, l->address.ToString()});
+    listeners.push_back(std::move(*l));
+  }
+  std::vector<std::pair<int, int>> ranges;
+  for (int q = 0; q < n; ++q) ranges.push_back({q * m / n, (q + 1) * m / n});
+  return RunRanks(n, 4 * sizes.size(), [&](int rank) {
+    for (int o = 0; o < n; ++o) {
+      if (o != rank) listeners[static_cast<size_t>(o)].fd.Reset();
+    }
+    auto mesh = collective::PeerMesh::Create({"bench", rank}, std::move(listeners[static_cast<size_t>(rank)]));
+    net::AbortSignal abort;
+    collective::CommunicatorOptions o;
+    o.rank = rank;
+    o.members = members;
+    collective::Communicator comm(mesh.get(), &abort, o);
+    NONSTOP_CHECK(comm.Connect().ok());
+    std::vector<double> out;
+    for (const Size& s : sizes) {
+      const size_t count = s.bytes / sizeof(float);
+      auto [first, last] = ranges[static_cast<size_t>(rank)];
+      collective::TreeFolder folder(m, first, last, count);
+      std::vector<float> micro(count, 1.0f);
+      for (int i = first; i < last; ++i) folder.Add(micro);
+      std::vector<float> data(count, 1.0f), result(count);
+      auto timed = [&](auto&& op) {
+        op();  // warm-up
+        NONSTOP_CHECK(comm.Barrier().ok());
+        uint64_t sent = comm.stats().bytes_sent;
+        auto t0 = Clock::now();
+        for (int i = 0; i < s.iters; ++i) op();
+        NONSTOP_CHECK(comm.Barrier().ok());
+        double secs = std::chrono::duration<double>(Clock::now() - t0).count() / s.iters;
+        // Bytes sent per operation by the rank that sends the most (ranks' shares differ for the tree).
+        std::vector<double> per_rank(static_cast<size_t>(n), 0.0);
+        per_rank[static_cast<size_t>(rank)] = static_cast<double>(comm.stats().bytes_sent - sent) / s.iters;
+        NONSTOP_CHECK(comm.AllGather(std::as_writable_bytes(std::span(per_rank)), sizeof(double)).ok());
+        return std::pair{secs, *std::max_element(per_rank.begin(), per_rank.end())};
+      };
+      auto ring = timed([&] { NONSTOP_CHECK(comm.AllReduce(data).ok()); });
+      auto tree = timed([&] { NONSTOP_CHECK(comm.AllReduceTree(m, ranges, folder.partials(), result).ok()); });
+      out.insert(out.end(), {ring.first, tree.first, ring.second, tree.second});
+    }
+    return out;
+  });
+}
+
+int TreeMain(int m, const std::vector<int>& worlds, size_t min_bytes, size_t max_bytes, const std::string& json_path);
+
 std::vector<double> BenchGloo(int n, const std::vector<Size>& sizes) {
   TempDir dir;
   std::string store_path = dir / "store";
@@ -201,12 +263,23 @@ int Main(int argc, char** argv) {
   int nproc = 4;
   size_t min_bytes = 4 << 10, max_bytes = 256u << 20;
   std::string json_path = "bench-results/allreduce.json";
+  int tree = 0;
+  std::vector<int> worlds = {2, 3, 4};
   app.add_option("--nproc", nproc, "Processes per backend")->capture_default_str();
   app.add_option("--min-bytes", min_bytes, "Smallest message")->capture_default_str();
   app.add_option("--max-bytes", max_bytes, "Largest message (sizes step by 4x)")->capture_default_str();
   app.add_option("--json", json_path, "Where to write the results")->capture_default_str();
+  app.add_option("--tree", tree,
+                 "Instead: the world-invariant all-reduce over this many micro-batches against the ring, at each "
+                 "of --worlds")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--worlds", worlds, "World sizes for --tree")->delimiter(',')->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   ::signal(SIGPIPE, SIG_IGN);
+  if (tree > 0) {
+    return TreeMain(tree, worlds, min_bytes, std::min<size_t>(max_bytes, 64u << 20),
+                    json_path == "bench-results/allreduce.json" ? "bench-results/allreduce-tree.json" : json_path);
+  }
 
   auto sizes = Sizes(min_bytes, max_bytes);
   fmt::print("allreduce, {} processes on loopback, {} sizes {}..{}\n", nproc, sizes.size(), HumanBytes(min_bytes),
@@ -233,6 +306,36 @@ int Main(int argc, char** argv) {
   }
   nlohmann::json doc = {{"benchmark", "allreduce"}, {"nproc", nproc}, {"raw_tcp_bytes_per_s", raw},
                         {"busbw_formula", "2*(n-1)/n*bytes/seconds"}, {"results", results}};
+  std::filesystem::path p(json_path);
+  if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
+  std::ofstream(json_path) << doc.dump(2) << "\n";
+  fmt::print("\nwrote {}\n", json_path);
+  return 0;
+}
+
+int TreeMain(int m, const std::vector<int>& worlds, size_t min_bytes, size_t max_bytes, const std::string& json_path) {
+  auto sizes = Sizes(min_bytes, max_bytes);
+  fmt::print("world-invariant all-reduce ({} micro-batches, a fixed tree) against the ring, on loopback\n", m);
+  fmt::print("{:>6} {:>10} {:>6} {:>12} {:>12} {:>10} {:>14} {:>14}\n", "world", "size", "iters", "ring ms",
+             "tree ms", "tree/ring", "ring B max", "tree B max");
+  nlohmann::json results = nlohmann::json::array();
+  for (int w : worlds) {
+    if (w < 1 || w > m) {
+      fmt::print(stderr, "--worlds: {} is not in 1..{} (each rank needs a micro-batch)\n", w, m);
+      return 2;
+    }
+    auto r = BenchTree(w, m, sizes);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      double ring = r[4 * i], tree = r[4 * i + 1], ring_b = r[4 * i + 2], tree_b = r[4 * i + 3];
+      fmt::print("{:>6} {:>10} {:>6} {:>12.3f} {:>12.3f} {:>10.2f} {:>14.0f} {:>14.0f}\n", w, HumanBytes(sizes[i].bytes),
+                 sizes[i].iters, ring * 1e3, tree * 1e3, tree / ring, ring_b, tree_b);
+      std::fflush(stdout);
+      results.push_back({{"world", w}, {"bytes", sizes[i].bytes}, {"iters", sizes[i].iters},
+                         {"ring_seconds", ring}, {"tree_seconds", tree}, {"ratio_tree_over_ring", tree / ring},
+                         {"ring_bytes_sent_per_rank", ring_b}, {"tree_bytes_sent_per_rank", tree_b}});
+    }
+  }
+  nlohmann::json doc = {{"benchmark", "allreduce-tree"}, {"micro_batches", m}, {"results", results}};
   std::filesystem::path p(json_path);
   if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
   std::ofstream(json_path) << doc.dump(2) << "\n";

@@ -96,8 +96,15 @@ void CombineInTreeOrder(int m, std::span<const TreeNode> nodes, std::span<const 
     NONSTOP_CHECK_GT(l, 0) << "micro-batch " << i << " is in no node";
     self(self, l - 1, 2 * i, into);
     if (RightChildEmpty(m, l, i)) return;
-    std::vector<float> right(n);
-    self(self, l - 1, 2 * i + 1, right.data());
+    const float* right = nullptr;
+    std::vector<float> computed;
+    if (auto it = have.find({l - 1, 2 * i + 1}); it != have.end()) {
+      right = it->second;  // a partial sum as it came: added in place, not copied first
+    } else {
+      computed.resize(n);
+      self(self, l - 1, 2 * i + 1, computed.data());
+      right = computed.data();
+    }
     for (size_t j = 0; j < n; ++j) into[j] = into[j] + right[j];
   };
   sum(sum, TreeLevels(m), 0, out);
