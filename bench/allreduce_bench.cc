@@ -100,7 +100,10 @@ std::vector<double> RunRanks(int n, size_t count, Body body) {
   return secs;
 }
 
-std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
+// Runs `body(rank, comm)` in `n` forked processes, each a rank of one
+// nonstop communicator on loopback; `count` values come back from rank 0.
+template <typename Body>
+std::vector<double> RunNonstopRanks(int n, size_t count, Body body) {
   std::vector<net::Listener> listeners;
   std::vector<collective::Member> members;
   for (int r = 0; r < n; ++r) {
@@ -109,7 +112,7 @@ std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
     members.push_back({r, l->address.ToString()});
     listeners.push_back(std::move(*l));
   }
-  auto secs = RunRanks(n, sizes.size(), [&](int rank) {
+  return RunRanks(n, count, [&](int rank) {
     for (int o = 0; o < n; ++o) {
       if (o != rank) listeners[static_cast<size_t>(o)].fd.Reset();
     }
@@ -120,6 +123,12 @@ std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
     o.members = members;
     collective::Communicator comm(mesh.get(), &abort, o);
     NONSTOP_CHECK(comm.Connect().ok());
+    return body(rank, comm);
+  });
+}
+
+std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
+  return RunNonstopRanks(n, sizes.size(), [&](int, collective::Communicator& comm) {
     std::vector<double> out;
     for (const Size& s : sizes) {
       std::vector<float> data(s.bytes / sizeof(float), 1.0f);
@@ -132,7 +141,6 @@ std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
     }
     return out;
   });
-  return secs;
 }
 
 // The world-invariant all-reduce (collective/tree_reduce.h) against the ring
@@ -142,27 +150,9 @@ std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
 // over the ranks as the trainer would; each rank's partial sums are folded
 // before the clock starts (the ring's caller sums its micro-batches too).
 std::vector<double> BenchTree(int n, int m, const std::vector<Size>& sizes) {
-  std::vector<net::Listener> listeners;
-  std::vector<collective::Member> members;
-  for (int r = 0; r < n; ++r) {
-    auto l = net::Listen({"127.0.0.1", 0});
-    NONSTOP_CHECK(l.ok()) << l.status().ToString();
-    members.push_back({r, l->address.ToString()});
-    listeners.push_back(std::move(*l));
-  }
   std::vector<std::pair<int, int>> ranges;
   for (int q = 0; q < n; ++q) ranges.push_back({q * m / n, (q + 1) * m / n});
-  return RunRanks(n, 4 * sizes.size(), [&](int rank) {
-    for (int o = 0; o < n; ++o) {
-      if (o != rank) listeners[static_cast<size_t>(o)].fd.Reset();
-    }
-    auto mesh = collective::PeerMesh::Create({"bench", rank}, std::move(listeners[static_cast<size_t>(rank)]));
-    net::AbortSignal abort;
-    collective::CommunicatorOptions o;
-    o.rank = rank;
-    o.members = members;
-    collective::Communicator comm(mesh.get(), &abort, o);
-    NONSTOP_CHECK(comm.Connect().ok());
+  return RunNonstopRanks(n, 4 * sizes.size(), [&](int rank, collective::Communicator& comm) {
     std::vector<double> out;
     for (const Size& s : sizes) {
       const size_t count = s.bytes / sizeof(float);
