@@ -212,36 +212,40 @@ Result<std::string> Client::Call(const std::string& path, const std::string& bod
 }
 
 namespace {
-Result<nlohmann::json> Parse(const std::string& what, const std::string& body) {
+
+// One request to /v3/<path>, its answer decoded by `decode`. An answer that
+// is not a JSON object, or holds a field of the wrong type, is an error that
+// names the request.
+template <typename Decode>
+auto Ask(Client& client, const std::string& path, const nlohmann::json& request, Decode decode)
+    -> decltype(decode(std::declval<const nlohmann::json&>())) {
+  NONSTOP_ASSIGN_OR_RETURN(std::string body, client.Call(path, request.dump()));
   auto j = nlohmann::json::parse(body, nullptr, false);
-  if (!j.is_object()) return DataLossError(fmt::format("etcd's answer to {} is not a JSON object", what));
-  return j;
+  if (!j.is_object()) return DataLossError(fmt::format("etcd's answer to /v3/{} is not a JSON object", path));
+  try {
+    return decode(j);
+  } catch (const std::exception& e) {
+    return DataLossError(fmt::format("etcd's answer to /v3/{}: {}", path, e.what()));
+  }
 }
+
+int64_t Revision(const nlohmann::json& answer) { return Int(answer.value("header", nlohmann::json::object()), "revision"); }
+
 }  // namespace
 
 Result<std::vector<KeyValue>> Client::Range(const std::string& key, const std::string& range_end, int64_t* revision) {
   nlohmann::json req = {{"key", Base64Encode(key)}};
   if (!range_end.empty()) req["range_end"] = Base64Encode(range_end);
-  NONSTOP_ASSIGN_OR_RETURN(std::string body, Call("kv/range", req.dump()));
-  NONSTOP_ASSIGN_OR_RETURN(nlohmann::json j, Parse("range", body));
-  try {
-    if (revision != nullptr) *revision = Int(j.value("header", nlohmann::json::object()), "revision");
+  return Ask(*this, "kv/range", req, [&](const nlohmann::json& j) -> Result<std::vector<KeyValue>> {
+    if (revision != nullptr) *revision = Revision(j);
     return DecodeKvs(j);
-  } catch (const std::exception& e) {
-    return DataLossError(fmt::format("etcd's answer to range: {}", e.what()));
-  }
+  });
 }
 
 Result<int64_t> Client::Put(const std::string& key, const std::string& value, int64_t lease) {
   nlohmann::json req = {{"key", Base64Encode(key)}, {"value", Base64Encode(value)}};
   if (lease != 0) req["lease"] = std::to_string(lease);
-  NONSTOP_ASSIGN_OR_RETURN(std::string body, Call("kv/put", req.dump()));
-  NONSTOP_ASSIGN_OR_RETURN(nlohmann::json j, Parse("put", body));
-  try {
-    return Int(j.value("header", nlohmann::json::object()), "revision");
-  } catch (const std::exception& e) {
-    return DataLossError(fmt::format("etcd's answer to put: {}", e.what()));
-  }
+  return Ask(*this, "kv/put", req, [](const nlohmann::json& j) -> Result<int64_t> { return Revision(j); });
 }
 
 Result<TxnResult> Client::Txn(const std::vector<Compare>& compares, const std::vector<Op>& success,
@@ -269,50 +273,38 @@ Result<TxnResult> Client::Txn(const std::vector<Compare>& compares, const std::v
   }
   for (const auto& op : success) req["success"].push_back(EncodeOp(op));
   for (const auto& op : failure) req["failure"].push_back(EncodeOp(op));
-  NONSTOP_ASSIGN_OR_RETURN(std::string body, Call("kv/txn", req.dump()));
-  NONSTOP_ASSIGN_OR_RETURN(nlohmann::json j, Parse("txn", body));
-  TxnResult r;
-  try {
+  return Ask(*this, "kv/txn", req, [](const nlohmann::json& j) -> Result<TxnResult> {
+    TxnResult r;
     r.succeeded = j.value("succeeded", false);
-    r.revision = Int(j.value("header", nlohmann::json::object()), "revision");
+    r.revision = Revision(j);
     for (const auto& resp : j.value("responses", nlohmann::json::array())) {
       if (auto it = resp.find("response_range"); it != resp.end()) {
         NONSTOP_ASSIGN_OR_RETURN(auto kvs, DecodeKvs(*it));
         for (auto& kv : kvs) r.range.push_back(std::move(kv));
       }
     }
-  } catch (const std::exception& e) {
-    return DataLossError(fmt::format("etcd's answer to txn: {}", e.what()));
-  }
-  return r;
+    return r;
+  });
 }
 
 Result<std::pair<int64_t, int64_t>> Client::LeaseGrant(int64_t ttl_seconds) {
-  NONSTOP_ASSIGN_OR_RETURN(std::string body, Call("lease/grant", nlohmann::json({{"TTL", ttl_seconds}}).dump()));
-  NONSTOP_ASSIGN_OR_RETURN(nlohmann::json j, Parse("lease grant", body));
-  try {
-    int64_t id = Int(j, "ID");
-    if (id == 0) return FailedPreconditionError("etcd granted no lease: " + j.value("error", body));
-    return std::pair{id, Int(j, "TTL")};
-  } catch (const std::exception& e) {
-    return DataLossError(fmt::format("etcd's answer to lease grant: {}", e.what()));
-  }
+  return Ask(*this, "lease/grant", {{"TTL", ttl_seconds}},
+             [](const nlohmann::json& j) -> Result<std::pair<int64_t, int64_t>> {
+               int64_t id = Int(j, "ID");
+               if (id == 0) return FailedPreconditionError("etcd granted no lease: " + j.dump());
+               return std::pair{id, Int(j, "TTL")};
+             });
 }
 
 Result<int64_t> Client::LeaseKeepAlive(int64_t lease) {
-  NONSTOP_ASSIGN_OR_RETURN(std::string body,
-                           Call("lease/keepalive", nlohmann::json({{"ID", std::to_string(lease)}}).dump()));
-  NONSTOP_ASSIGN_OR_RETURN(nlohmann::json j, Parse("lease keepalive", body));
-  try {
+  return Ask(*this, "lease/keepalive", {{"ID", std::to_string(lease)}}, [&](const nlohmann::json& j) -> Result<int64_t> {
     // The gateway streams: the first (only) message is {"result": {...}}, or {"error": {...}}.
     if (j.contains("error")) return UnavailableError("etcd lease keepalive: " + j["error"].dump());
     const nlohmann::json& r = j.contains("result") ? j["result"] : j;
     int64_t ttl = Int(r, "TTL");
     if (ttl <= 0) return NotFoundError(fmt::format("etcd lease {:x} expired", lease));
     return ttl;
-  } catch (const std::exception& e) {
-    return DataLossError(fmt::format("etcd's answer to lease keepalive: {}", e.what()));
-  }
+  });
 }
 
 Status Client::LeaseRevoke(int64_t lease) {
