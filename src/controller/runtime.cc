@@ -174,13 +174,16 @@ int RunController(const RuntimeOptions& options) {
   // an older one. With etcd, the leader key's create revision; with a
   // journal, one more than the controllers it records.
   int64_t epoch = 1;
-  for (const auto& r : history) {
-    if (!r.contains("event") || (r["event"] != "job_start" && r["event"] != "controller_start")) continue;
-    // Records from before epochs were journaled count as epoch 1.
-    int64_t e = r.contains("epoch") && r["epoch"].is_number_integer() ? r["epoch"].get<int64_t>() : 1;
-    epoch = std::max(epoch, e + 1);
+  if (leadership != nullptr) {
+    epoch = leadership->epoch();
+  } else {
+    for (const auto& r : history) {
+      if (!r.contains("event") || (r["event"] != "job_start" && r["event"] != "controller_start")) continue;
+      // Records from before epochs were journaled count as epoch 1.
+      int64_t e = r.contains("epoch") && r["epoch"].is_number_integer() ? r["epoch"].get<int64_t>() : 1;
+      epoch = std::max(epoch, e + 1);
+    }
   }
-  if (leadership != nullptr) epoch = leadership->epoch();
 
   // SIGINT/SIGTERM end the job cleanly through the loop.
   sigset_t mask = BlockTerminationSignals();
@@ -525,6 +528,17 @@ int RunController(const RuntimeOptions& options) {
       run_pending();
     });
   }
+  // This controller stops leading, the job goes on: the record says why in the local journal only
+  // (etcd's is the next leader's), with the orders held back.
+  auto step_down = [&](nlohmann::json record, const std::string& line, int code) {
+    (*journal)->set_mirror(nullptr);
+    record["epoch"] = epoch;
+    record["orders_not_sent"] = pending.size();
+    (*journal)->Append(std::move(record));
+    (*journal)->Flush();
+    out.Write(fmt::format("[nonstop] {}\n", line));
+    return code;
+  };
   Deadline leaderless_warn_at = kNoDeadline;
   // /status and /metrics are published after every loop turn that changed
   // the state, as long as building them is cheap. Status() lists every
@@ -555,14 +569,11 @@ int RunController(const RuntimeOptions& options) {
       // there): step down at once. Workers and agents find the new leader
       // through etcd; nothing of ours is killed, the job is the new leader's.
       std::string why = leadership->why_not_leading();
-      (*journal)->set_mirror(nullptr);
-      (*journal)->Append({{"event", "deposed"}, {"epoch", epoch}, {"reason", why},
-                          {"orders_not_sent", pending.size()}});
-      (*journal)->Flush();
-      out.Write(fmt::format("[nonstop] this controller (epoch {}) no longer leads: {}; the job goes on under the next "
-                            "leader\n",
-                            epoch, why));
-      return kExitDeposed;
+      return step_down({{"event", "deposed"}, {"reason", why}},
+                       fmt::format("this controller (epoch {}) no longer leads: {}; the job goes on under the next "
+                                   "leader",
+                                   epoch, why),
+                       kExitDeposed);
     }
     if (leadership != nullptr && !leadership->Valid()) {
       if (leaderless_warn_at == kNoDeadline || Clock::now() >= leaderless_warn_at) {
@@ -576,14 +587,12 @@ int RunController(const RuntimeOptions& options) {
     if (hand_over && !ended) {
       // A controller host going down for maintenance (systemd, Slurm, Kubernetes send SIGTERM): the
       // job is not over. Give the lease back at once so a standby leads within its poll, not a TTL.
-      (*journal)->set_mirror(nullptr);
-      (*journal)->Append({{"event", "handover"}, {"epoch", epoch}, {"orders_not_sent", pending.size()}});
-      (*journal)->Flush();
       leadership->Resign();
-      out.Write(fmt::format("[nonstop] SIGTERM: this controller (epoch {}) hands the job over to a standby; it goes "
-                            "on (SIGINT ends the job)\n",
-                            epoch));
-      return kExitInterrupted;
+      return step_down({{"event", "handover"}},
+                       fmt::format("SIGTERM: this controller (epoch {}) hands the job over to a standby; it goes on "
+                                   "(SIGINT ends the job)",
+                                   epoch),
+                       kExitInterrupted);
     }
     if (interrupted && !ended) {
       interrupted = false;

@@ -228,21 +228,13 @@ class SessionImpl {
       if (Clock::now() - lost_at >= options_.leaderless_timeout) {
         NONSTOP_LOG_ERROR("no controller for {} ms (last error: {}): giving up",
                           options_.leaderless_timeout.count(), last.ToString());
-        std::lock_guard<std::mutex> lock(mu_);
-        controller_lost_ = true;
-        if (comm_) comm_->Abort("lost the controller: " + why.message());
-        cv_.notify_all();
-        return false;
+        return GiveUp("lost the controller: " + why.message());
       }
       Result<net::HostPort> leader = NextController(attempt);
       if (!leader.ok() && leader.status().code() == StatusCode::kAborted) {
         // etcd says the job ended: no controller will come back for it.
         NONSTOP_LOG_ERROR("{}: giving up", leader.status().message());
-        std::lock_guard<std::mutex> lock(mu_);
-        controller_lost_ = true;
-        if (comm_) comm_->Abort(leader.status().message());
-        cv_.notify_all();
-        return false;
+        return GiveUp(leader.status().message());
       }
       if (!leader.ok()) {
         last = leader.status();
@@ -270,6 +262,16 @@ class SessionImpl {
         backoff = std::min(Millis(1'000), backoff * 2);
       }
     }
+    return false;
+  }
+
+  // No controller will lead this worker again: the training thread fails
+  // out of what it waits for or computes. Always false (Reconnect's answer).
+  bool GiveUp(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    controller_lost_ = true;
+    if (comm_) comm_->Abort(why);
+    cv_.notify_all();
     return false;
   }
 
