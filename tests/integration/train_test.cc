@@ -114,7 +114,14 @@ TEST_F(TrainTest, RecoveryFromEachFaultKindIsBitwiseIdenticalToTheFaultFreeRun) 
     ASSERT_EQ(r.code, 0) << fault << "\n" << r.output;
     EXPECT_EQ(r.checksum, clean.checksum) << fault << "\n" << r.output;
     EXPECT_EQ(r.losses, clean.losses) << fault;
-    EXPECT_NE(r.output.find("recovery report: 1 recovery, 0 resizes, 0 completed steps lost"), std::string::npos) << r.output;
+    // DESIGN invariant 4: a fault costs at most the step in flight. The faulty rank can complete step
+    // s-1 a moment before its peers read their last chunks of it; the abort then cuts them, and the
+    // report counts that step, which only the dead rank held, as lost (it is redone, bitwise the same).
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m,
+                                  std::regex(R"(recovery report: 1 recovery, 0 resizes, (\d+) completed steps? lost)")))
+        << r.output;
+    EXPECT_LE(std::stoi(m[1]), 1) << fault << ": more than the step in flight was lost\n" << r.output;
   }
 }
 
