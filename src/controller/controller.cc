@@ -277,10 +277,13 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   out->push_back(AppendJournal{{{"event", "restart"}, {"recovery", rec.id}, {"reason", why},
                                 {"highest_step", highest_step_}}});
   for (auto& [id, w] : workers_) {
+    // Every slot takes a restarted worker at once, also the slots of members
+    // already lost whose exits the agents have not reported yet (they were
+    // killed when they were lost); else those slots filled with spares later.
+    if (multi_host()) MarkEnded(id);
     if (w.role == WorkerRole::kGone) continue;
     SetRole(w, WorkerRole::kGone);
     out->push_back(KillWorker{id});
-    if (multi_host()) MarkEnded(id);  // its slot takes a restarted worker at once
   }
   if (multi_host()) {
     for (const auto& [id, a] : awaiting_join_) {  // started, not joined yet: they would join the old job

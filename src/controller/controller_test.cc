@@ -864,6 +864,32 @@ TEST_F(HostFaultsTest, CheckpointRestartOnHostsFormsAgain) {
   EXPECT_EQ(c_->world_size(), 4u);
 }
 
+// Every holder of the state lost its control connection (their exits not
+// reported yet): the restart from the checkpoint starts workers in their slots,
+// not spares once the exits come in (the job then never formed again).
+TEST_F(HostFaultsTest, CheckpointRestartAfterEveryHolderWasLostStartsWorkersInTheirSlots) {
+  ControllerOptions o;
+  o.min_hosts = 1;
+  o.have_checkpoints = true;
+  Use(o);
+  auto spawns = StartOn({{"h1", 2, 0}});
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  for (auto& s : spawns) Step(s.worker_id, 12);
+  Do(ConnectionLost{spawns[0].worker_id, "reset"});
+  auto a = Do(ConnectionLost{spawns[1].worker_id, "reset"});
+  auto restarted = Find<SpawnWorker>(a);
+  ASSERT_EQ(restarted.size(), 2u) << "the restart must not wait for the lost workers' exits";
+  for (auto& s : restarted) {
+    EXPECT_TRUE(s.resume);
+    EXPECT_FALSE(s.spare);
+  }
+  for (auto& s : spawns) Do(ProcessExited{s.worker_id, 1, -1, 9, s.host});
+  EXPECT_TRUE(Find<SpawnWorker>(Run(500)).empty()) << "no spares in the restarted workers' slots";
+  for (auto& s : restarted) JoinOn(s.worker_id, s.host);
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+  EXPECT_EQ(c_->world_size(), 2u);
+}
+
 // A host lost while the job forms, before its workers joined: a spare of
 // another host takes a place, then the job forms smaller; the runtime's
 // invented exit for a start order to the vanished agent changes nothing.
