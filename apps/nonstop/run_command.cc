@@ -321,6 +321,7 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
   a.spares = spares_;
   a.advertise_address = host_;
   a.program = program;
+  a.elastic = true;  // the controller starts here whatever the job needs, as on one machine
   a.handle_signals = false;  // the watcher below reads them
   if (Status st = agent::ValidateOptions(a); !st.ok()) {
     fmt::print(stderr, "{}: {}\n", name, st.message());

@@ -194,9 +194,8 @@ int Agent::Run() {
   });
   if (options_.out == nullptr) own_out_ = std::make_unique<launcher::OutputWriter>(STDOUT_FILENO);
   if (options_.err == nullptr) own_err_ = std::make_unique<launcher::OutputWriter>(STDERR_FILENO);
-  const std::string prefix_host = options_.host_id;
   launcher_ = std::make_unique<launcher::LocalLauncher>(
-      &loop_, [prefix_host](int worker_id) { return fmt::format("[{} w{}] ", prefix_host, worker_id); },
+      &loop_, [this](int worker_id) { return OutputPrefix(worker_id); },
       [this](int worker_id, pid_t pid, int code, int sig) { OnChildExit(worker_id, pid, code, sig); },
       [this](int worker_id, pid_t pid, int sig) { OnChildStop(worker_id, pid, sig); },
       options_.out != nullptr ? options_.out : own_out_.get(), options_.err != nullptr ? options_.err : own_err_.get());
@@ -484,9 +483,28 @@ void Agent::HandleFrame(const net::Frame& f) {
       return OnSignal(f.payload);
     case control::kMsgAgentRenice:
       return OnRenice(f.payload);
+    case control::kMsgAgentRanks: {
+      auto m = control::DecodeAgentRanks(f.payload);
+      if (!m.ok()) return Malformed(m.status().message());
+      consecutive_malformed_ = 0;
+      if (m->generation < ranks_generation_) return;  // an older generation's, overtaken
+      ranks_generation_ = m->generation;
+      ranks_.clear();
+      for (const auto& [id, rank] : m->ranks) ranks_[id] = rank;
+      return;
+    }
     default:
       return Malformed(fmt::format("unexpected message type {}", f.type));
   }
+}
+
+std::string Agent::OutputPrefix(int worker_id) const {
+  auto it = ranks_.find(worker_id);
+  if (options_.elastic) {  // as `nonstop run` on one machine: the host is this one
+    return it != ranks_.end() ? fmt::format("[rank {}] ", it->second) : fmt::format("[worker {}] ", worker_id);
+  }
+  return it != ranks_.end() ? fmt::format("[{} rank {}] ", options_.host_id, it->second)
+                            : fmt::format("[{} w{}] ", options_.host_id, worker_id);
 }
 
 void Agent::OnHelloAck(const net::Frame& f) {
@@ -511,6 +529,7 @@ void Agent::OnHelloAck(const net::Frame& f) {
   reg.spares = options_.spares;
   reg.address = data_host_;
   reg.pid = ::getpid();
+  reg.elastic = options_.elastic;
   for (const auto& [id, pid] : live_) reg.workers.push_back({id, pid});
   reg.running = static_cast<int>(reg.workers.size());
   fence_at_.reset();

@@ -90,6 +90,10 @@ struct AgentOptions {
   // Empty: the local address of the control connection, i.e. the interface that reaches the controller.
   std::string advertise_address;
   std::vector<std::string> program;  // argv of every process it starts; required
+  // Its capacity follows the job (control::AgentRegisterMsg::elastic): the
+  // agent `nonstop run` runs for its own machine. Its workers' lines are
+  // prefixed as `nonstop run` always did ("[rank 3] …", "[worker 5] …").
+  bool elastic = false;
 
   // How long to keep dialing before giving up (exit 1): from the start, and again from each loss.
   Millis join_timeout{60'000};
@@ -172,6 +176,8 @@ class Agent {
   void OnStart(std::string_view payload);
   void OnSignal(std::string_view payload);
   void OnRenice(std::string_view payload);
+  // "[rank 3] " and the like: what the lines of worker `worker_id` start with.
+  std::string OutputPrefix(int worker_id) const;
   void Malformed(const std::string& why);
   // The controller is lost: close the connection and fence (kill every process).
   void Lose(const std::string& why, bool log = true);
@@ -220,6 +226,8 @@ class Agent {
   std::string last_malformed_;     // logged once: a repeat is a debug line
   int consecutive_malformed_ = 0;  // losses to malformed orders in a row: the next dial waits longer
   std::map<int, pid_t> live_;      // worker id → pid of the processes that run now
+  std::map<int, int> ranks_;       // worker id → its rank in the newest generation (kMsgAgentRanks)
+  uint32_t ranks_generation_ = 0;
   std::mt19937 rng_;
 
   int exit_code_ = 0;

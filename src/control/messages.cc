@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <set>
 #include <type_traits>
 #include <utility>
 
@@ -335,6 +336,7 @@ std::string Encode(const AgentRegisterMsg& m) {
     for (const auto& [id, pid] : m.workers) workers.push_back({{"worker_id", id}, {"pid", pid}});
     j["workers"] = workers;
   }
+  if (m.elastic) j["elastic"] = true;
   return Dump(j);
 }
 std::string Encode(const AgentStartMsg& m) {
@@ -354,6 +356,11 @@ std::string Encode(const AgentStoppedMsg& m) {
   return Dump({{"worker_id", m.worker_id}, {"pid", m.pid}, {"signal", m.signal}});
 }
 std::string Encode(const AgentHeartbeatMsg& m) { return Dump({{"running", m.running}}); }
+std::string Encode(const AgentRanksMsg& m) {
+  json ranks = json::array();
+  for (const auto& [id, rank] : m.ranks) ranks.push_back({{"worker_id", id}, {"rank", rank}});
+  return Dump({{"generation", m.generation}, {"ranks", ranks}});
+}
 
 namespace {
 
@@ -392,6 +399,7 @@ Result<AgentRegisterMsg> DecodeAgentRegister(std::string_view p) {
         m.workers.push_back({id, pid});
       }
     }
+    r.Optional("elastic", &m.elastic);
   });
 }
 Result<AgentStartMsg> DecodeAgentStart(std::string_view p) {
@@ -464,6 +472,21 @@ Result<AgentHeartbeatMsg> DecodeAgentHeartbeat(std::string_view p) {
   return Decode<AgentHeartbeatMsg>("agent heartbeat", p, [](const Reader& r, AgentHeartbeatMsg& m) {
     r("running", &m.running);
     CheckRange(r, "running", m.running, 0, 1 << 20);
+  });
+}
+Result<AgentRanksMsg> DecodeAgentRanks(std::string_view p) {
+  return Decode<AgentRanksMsg>("agent ranks", p, [](const Reader& r, AgentRanksMsg& m) {
+    r("generation", &m.generation);
+    std::set<int> ids;
+    for (const Reader& e : r.Objects("ranks")) {
+      int id = -1, rank = -1;
+      e("worker_id", &id);
+      CheckRange(e, "worker_id", id, 0, kMaxWorkerId);
+      e("rank", &rank);
+      CheckRange(e, "rank", rank, 0, kMaxWorkerId);
+      if (!ids.insert(id).second) throw FieldError{e.Path("worker_id"), fmt::format("worker {} is listed twice", id)};
+      m.ranks.push_back({id, rank});
+    }
   });
 }
 

@@ -39,6 +39,7 @@ enum MessageType : uint16_t {
   kMsgAgentExited = 35,     // agent → controller: worker w's process ended
   kMsgAgentStopped = 36,    // agent → controller: worker w's process was stopped (SIGSTOP: frozen)
   kMsgAgentHeartbeat = 37,  // agent → controller: the agent is alive (payload: running processes)
+  kMsgAgentRanks = 38,      // controller → agent: the ranks its workers hold in a new generation (output prefixes)
 };
 static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20 && kMsgDrain == 21,
               "wire numbers are pinned");
@@ -71,6 +72,11 @@ struct AgentRegisterMsg {
   // while its controller was away; the controller adopts the ones it knows
   // and orders the others killed). Present whenever running > 0.
   std::vector<std::pair<int, int64_t>> workers;
+  // Its capacity follows the job: the agent that `nonstop run` runs for its
+  // own machine, the job's only host. The controller then starts there the
+  // workers and spares the job needs (a grow beyond nproc included), as on
+  // one machine. Absent: false.
+  bool elastic = false;
 };
 
 struct AgentStartMsg {
@@ -114,6 +120,14 @@ struct AgentStoppedMsg {
 
 struct AgentHeartbeatMsg {
   int running = 0;  // processes the agent supervises
+};
+
+// Sent before the plan of each generation reaches the workers: which of the
+// agent's workers hold which rank (the others hold none). The agent only
+// labels their output with it ("[rank 3] …"); it decides nothing by it.
+struct AgentRanksMsg {
+  uint32_t generation = 0;
+  std::vector<std::pair<int, int>> ranks;  // (worker id, rank)
 };
 
 struct PlanMember {
@@ -231,6 +245,7 @@ std::string Encode(const AgentStartedMsg& m);
 std::string Encode(const AgentExitedMsg& m);
 std::string Encode(const AgentStoppedMsg& m);
 std::string Encode(const AgentHeartbeatMsg& m);
+std::string Encode(const AgentRanksMsg& m);
 
 Result<JoinMsg> DecodeJoin(std::string_view payload);
 Result<PlanMsg> DecodePlan(std::string_view payload);
@@ -253,6 +268,7 @@ Result<AgentStartedMsg> DecodeAgentStarted(std::string_view payload);
 Result<AgentExitedMsg> DecodeAgentExited(std::string_view payload);
 Result<AgentStoppedMsg> DecodeAgentStopped(std::string_view payload);
 Result<AgentHeartbeatMsg> DecodeAgentHeartbeat(std::string_view payload);
+Result<AgentRanksMsg> DecodeAgentRanks(std::string_view payload);
 
 // A host id: 1 to 64 characters from [A-Za-z0-9._-] (it appears in logs,
 // journal records and process environments). OK, or INVALID_ARGUMENT saying

@@ -108,7 +108,8 @@ std::string Controller::HostOf(int worker_id) const {
 }
 
 std::string Controller::Describe(const WorkerInfo& w) const {
-  std::string on = w.host.empty() ? "" : " on host " + w.host;
+  // The one elastic host is this machine (nonstop run): naming it adds nothing.
+  std::string on = w.host.empty() || w.host == elastic_host_ ? "" : " on host " + w.host;
   if (w.rank >= 0) return fmt::format("rank {} (worker {}, pid {}{})", w.rank, w.worker_id, w.pid, on);
   return fmt::format("spare worker {} (pid {}{})", w.worker_id, w.pid, on);
 }
@@ -280,7 +281,7 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
     // Every slot takes a restarted worker at once, also the slots of members
     // already lost whose exits the agents have not reported yet (they were
     // killed when they were lost); else those slots filled with spares later.
-    if (multi_host()) MarkEnded(id);
+    if (slotted()) MarkEnded(id);
     if (w.role == WorkerRole::kGone) continue;
     SetRole(w, WorkerRole::kGone);
     out->push_back(KillWorker{id});
@@ -299,7 +300,7 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   last_journaled_step_ = -1;  // the steps since the checkpoint are computed (and journaled) again
   phase_ = JobPhase::kForming;
   forming_since_ = now_;
-  if (multi_host()) {
+  if (slotted()) {
     // Every worker starts again on the hosts' whole capacity: slots a shrink gave back count again
     // (the new generation forms from every non-spare slot; takeover.cc replays it the same way).
     withheld_.clear();
@@ -453,7 +454,7 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
     // On hosts, a process whose end was already accounted for (its host was
     // lost, or it was killed and its slot reused) changes nothing.
     if (multi_host() && !was_live) return;
-    if (was_refill && e.exit_code != kExitDataCorruption && multi_host()) {
+    if (was_refill && e.exit_code != kExitDataCorruption && slotted()) {
       const std::string host = HostOf(e.worker_id);
       int failures = ++host_refill_failures_[host];
       if (failures <= 3) {
@@ -572,11 +573,11 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
         SetRole(workers_[spare], WorkerRole::kPending);
         out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; spare worker {} takes its "
                                              "place", worker_id, w.pid, detail, spare)});
-        if (pool_size_ > 0 || multi_host()) RefillSpare(out);
+        if (pool_size_ > 0 || slotted()) RefillSpare(out);
       } else {
         out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; starting another",
                                              worker_id, w.pid, detail)});
-        if (multi_host()) {
+        if (slotted()) {
           // On a host with a free slot, else the job cannot form.
           std::string host;
           for (const auto& id : host_order_) {
@@ -604,7 +605,8 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
 }
 
 void Controller::Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
-                       const std::string& host) {
+                       const std::string& given_host) {
+  const std::string& host = given_host.empty() ? elastic_host_ : given_host;
   awaiting_join_[worker_id] = AwaitedJoin{spare, now_};
   if (!host.empty()) host_of_[worker_id] = host;
   MarkLive(worker_id);
@@ -948,8 +950,8 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
   out->reserve(out->size() + members_.size() + spare_i + 4);
   for (int id : members_) out->push_back(SendPlan{id, shared});
-  for (size_t i = 0; i < spare_i && (pool_size_ > 0 || multi_host()); ++i) {
-    if (multi_host()) break;  // the hosts' free slots are filled on the next tick
+  for (size_t i = 0; i < spare_i && (pool_size_ > 0 || slotted()); ++i) {
+    if (slotted()) break;  // the hosts' free slots are filled on the next tick
     Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
     ++rec.spawned_spares;
   }
@@ -1079,7 +1081,7 @@ void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
     // Declared capacity: start the workers that are missing; the job grows when they have joined.
     // (On hosts, capacity is the hosts' slots: slots given back by a shrink
     // are filled again; beyond them the job grows when a host brings some.)
-    if (multi_host()) {
+    if (slotted()) {
       withheld_.clear();
       TopUpHosts(out);
     } else {
@@ -1147,12 +1149,21 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   if (options_.max_hosts > 0 && alive >= options_.max_hosts) {
     return refuse(fmt::format("the job already has its maximum of {} hosts", options_.max_hosts));
   }
+  if (m.elastic && (options_.max_hosts != 1 || placed_)) {
+    return refuse("an agent whose capacity follows the job (nonstop run's own) can only be the one host of a job "
+                  "of one host (--nnodes 1)");
+  }
   HostInfo& h = it != hosts_.end() ? it->second : AddHost(m.host_id);
   h.nproc = m.nproc;
   h.spares = m.spares;
   h.address = m.address;
   h.pid = m.pid;
   h.alive = true;
+  h.elastic = m.elastic;
+  if (m.elastic) {
+    elastic_host_ = m.host_id;
+    pool_size_ = m.spares;
+  }
   ++alive_hosts_;
   h.lost_reason.clear();
   h.last_heard = now_;
@@ -1160,7 +1171,7 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   host_refill_failures_.erase(m.host_id);  // a fresh start for its slots
   withheld_.erase(m.host_id);
   out->push_back(AppendJournal{{{"event", "host_join"}, {"host", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares},
-                                {"address", m.address}, {"incarnation", h.incarnation}}});
+                                {"address", m.address}, {"incarnation", h.incarnation}, {"elastic", m.elastic}}});
   // Processes it kept from before (it was cut off, and the job went on
   // without them): none may take part again.
   for (const auto& [id, pid] : m.workers) {
@@ -1281,7 +1292,7 @@ void Controller::TopUpHosts(std::vector<Action>* out) {
 }
 
 void Controller::RefillSpare(std::vector<Action>* out) {
-  if (multi_host()) {
+  if (slotted()) {
     TopUpHosts(out);  // wherever a slot is free; none: the pool waits for capacity
     return;
   }
@@ -1338,6 +1349,11 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
     h.spares = sh.spares;
     h.address = sh.address;
     h.incarnation = sh.incarnation;
+    h.elastic = sh.elastic && s.hosts.size() == 1;
+    if (h.elastic) {
+      elastic_host_ = sh.host_id;
+      pool_size_ = sh.spares;
+    }
     h.alive = true;
     h.inherited = true;
     h.last_heard = grace;
@@ -1644,7 +1660,7 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   if (phase_ == JobPhase::kEnded) return;
   CheckHeartbeats(out);
   if (phase_ == JobPhase::kEnded) return;
-  if (multi_host() && placed_) TopUpHosts(out);
+  if (slotted() && placed_) TopUpHosts(out);
   if (phase_ == JobPhase::kRecovering && now_ >= abort_deadline_) {
     // Escalation: members that could not abort in time are killed and replaced.
     std::vector<int> late;

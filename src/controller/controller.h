@@ -161,6 +161,7 @@ struct TakeoverState {
     int nproc = 0, spares = 0;
     std::string address;
     int incarnation = 0;
+    bool elastic = false;  // its capacity follows the job (HostInfo::elastic)
   };
   std::vector<Host> hosts;  // alive at the last record
   int next_worker_id = 0;
@@ -260,6 +261,10 @@ struct HostInfo {
   bool alive = false;
   int incarnation = 0;  // registrations so far (a host that heals registers again)
   bool inherited = false;  // taken over from a previous controller: its agent has not registered with this one yet
+  // Its capacity follows the job (the agent of `nonstop run`, the job's only
+  // host): the controller starts the workers and spares the job needs there, as
+  // on one machine, instead of filling fixed slots.
+  bool elastic = false;
   Clock::time_point last_heard{};
   std::string lost_reason;
 };
@@ -319,6 +324,9 @@ class Controller {
   // The host a worker was started on ("" : local, or unknown).
   std::string HostOf(int worker_id) const;
   bool multi_host() const { return options_.min_hosts > 0; }
+  // Capacity is the hosts' fixed slots (nproc + spares each). Not so for a job
+  // whose one host is elastic: it spawns like a job on one machine.
+  bool slotted() const { return multi_host() && elastic_host_.empty(); }
   // The pending injected faults, for workers started later.
   const std::vector<control::FaultSpec>& pending_faults() const { return pending_faults_; }
 
@@ -428,7 +436,8 @@ class Controller {
 
   const ControllerOptions options_;
   int world_size_ = 0;  // the initial world (options, or the hosts' nproc once placed)
-  int pool_size_ = 0;   // one machine: the spare pool kept full
+  int pool_size_ = 0;   // one machine (or an elastic host): the spare pool kept full
+  std::string elastic_host_;  // the job's one elastic host, if it has one (HostInfo::elastic)
   Clock::time_point now_{};
   std::optional<Clock::time_point> started_at_;
   JobPhase phase_ = JobPhase::kForming;

@@ -400,6 +400,24 @@ int RunController(const RuntimeOptions& options) {
     }
     (*server)->SendToAgent(host, control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{id, sig}));
   };
+  // Each agent learns which ranks its workers hold, to label their output.
+  auto send_ranks_to_agents = [&](const control::PlanMsg& plan) {
+    if (core.hosts().empty()) return;
+    std::map<std::string, control::AgentRanksMsg> by_host;
+    for (size_t r = 0; r < plan.members.size(); ++r) {
+      std::string host = core.HostOf(plan.members[r].worker_id);
+      if (host.empty()) continue;
+      control::AgentRanksMsg& m = by_host[host];
+      m.generation = plan.generation;
+      m.ranks.push_back({plan.members[r].worker_id, static_cast<int>(r)});
+    }
+    for (const auto& [id, h] : core.hosts()) {
+      if (!h.alive) continue;
+      control::AgentRanksMsg& m = by_host[id];  // none of its workers is a member: an empty list
+      m.generation = plan.generation;
+      (*server)->SendToAgent(id, control::kMsgAgentRanks, control::Encode(m));
+    }
+  };
   // Every member of a generation gets the same plan (one PlanMsg shared by
   // their SendPlan actions): it is encoded once, for all of them.
   std::shared_ptr<const control::PlanMsg> encoded_plan;
@@ -418,6 +436,7 @@ int RunController(const RuntimeOptions& options) {
             if (act.plan != encoded_plan) {
               encoded_plan_payload = control::Encode(*act.plan);
               encoded_plan = act.plan;
+              send_ranks_to_agents(*act.plan);  // before any member has the plan: their lines show the rank
             }
             (*server)->Send(act.worker_id, control::kMsgPlan, encoded_plan_payload);
           } else if constexpr (std::is_same_v<T, SendShutdown>) {

@@ -43,6 +43,7 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
           h.nproc = r.value("nproc", 0);
           h.spares = r.value("spares", 0);
           h.address = r.value("address", "");
+          h.elastic = r.value("elastic", false);
         }
         h.incarnation = r.value("incarnation", h.incarnation);
       } else if (event == "host_lost") {
