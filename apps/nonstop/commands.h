@@ -52,10 +52,11 @@ class RunCommand {
   int spares_ = 1;
   std::string host_ = "127.0.0.1";
   int port_ = 0;
-  bool resumable_ = false;
+  bool resumable_ = true;
   JobFlags flags_;
   std::vector<std::string> program_;
-  // --resumable: the controller in a child process, this process the local agent.
+  // The default: the controller in a child process, this process the local
+  // agent (--single-process: both in this one, as before).
   int RunResumable(controller::RuntimeOptions o);
 };
 

@@ -187,10 +187,11 @@ void RunCommand::Register(CLI::App& app) {
       ->envname("NONSTOP_HOST");
   sub_->add_option("--port", port_, "Controller port (0: chosen by the OS)")->capture_default_str()
       ->envname("NONSTOP_PORT")->check(CLI::Range(0, 65535));
-  sub_->add_flag("--resumable", resumable_,
-                 "Run the controller in a process of its own and supervise the workers from this one (a local "
-                 "agent): if the controller dies, the workers train on and `nonstop controller --resume JOURNAL "
-                 "--nnodes 1 --job-token-file <run dir>/job.token` adopts them")
+  sub_->add_flag("--resumable,!--single-process", resumable_,
+                 "The default: the controller runs in a process of its own, this process supervises the workers "
+                 "(a local agent); if the controller dies, the workers train on and `nonstop controller --resume "
+                 "JOURNAL --nnodes 1 --job-token-file <run dir>/job.token` adopts them. --single-process: the "
+                 "controller and the workers' supervisor in this one process (its death ends the workers)")
       ->envname("NONSTOP_RESUMABLE");
   RegisterJobFlags(sub_, &flags_);
   sub_->footer("After `--`: the worker program and its arguments. Without one, the built-in demonstration runs: "
@@ -239,7 +240,7 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
   std::vector<std::string> program = o.program;
 
   controller::RuntimeOptions c = o;
-  c.name = "nonstop run (controller)";
+  c.name = "nonstop run";
   c.program.clear();  // no local launcher: the agent below starts the workers
   c.core.min_hosts = 1;
   c.core.max_hosts = 1;

@@ -533,7 +533,7 @@ void Agent::OnHelloAck(const net::Frame& f) {
   for (const auto& [id, pid] : live_) reg.workers.push_back({id, pid});
   reg.running = static_cast<int>(reg.workers.size());
   fence_at_.reset();
-  NONSTOP_LOG_INFO("registered with the controller at {} as host {} ({} workers, {} spares, address {}{})",
+  ::nonstop::Log(ChatterLevel(), "registered with the controller at {} as host {} ({} workers, {} spares, address {}{})",
                    controller_, options_.host_id, options_.nproc, options_.spares, data_host_,
                    reg.running > 0 ? fmt::format("; {} kept running", Processes(reg.running)) : "");
   if (!Send(control::kMsgAgentRegister, control::Encode(reg))) return;
@@ -588,7 +588,7 @@ void Agent::OnStart(std::string_view payload) {
   } else {
     reply.pid = *pid;
     live_[m->worker_id] = *pid;
-    NONSTOP_LOG_INFO("started worker {}{} as pid {}", m->worker_id, m->spare ? " (spare)" : "", *pid);
+    ::nonstop::Log(ChatterLevel(), "started worker {}{} as pid {}", m->worker_id, m->spare ? " (spare)" : "", *pid);
   }
   Send(control::kMsgAgentStarted, control::Encode(reply));
 }
@@ -738,7 +738,7 @@ void Agent::End(int code, const std::string& message, bool kill_now) {
   exit_code_ = code;
   exit_message_ = message;
   if (code == kExitOk) {
-    NONSTOP_LOG_INFO("{}", message);
+    ::nonstop::Log(ChatterLevel(), "{}", message);
   } else if (code == kExitInterrupted) {
     NONSTOP_LOG_WARNING("{}", message);
   } else {

@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "coord/etcd.h"
+#include "common/logging.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
@@ -114,7 +115,7 @@ struct AgentOptions {
   // too (the CLI blocks them before it starts any). Off for agents run in a
   // test's thread.
   bool handle_signals = false;
-  // Where the children's prefixed lines ("[HOST w3] …") go; nullptr: writers
+  // Where the children's prefixed lines ("[HOST rank 2] …", "[HOST w3] …") go; nullptr: writers
   // of the agent's own on stdout and stderr. Not owned; outlive Run().
   launcher::OutputWriter* out = nullptr;
   launcher::OutputWriter* err = nullptr;
@@ -178,6 +179,9 @@ class Agent {
   void OnRenice(std::string_view payload);
   // "[rank 3] " and the like: what the lines of worker `worker_id` start with.
   std::string OutputPrefix(int worker_id) const;
+  // What the controller's own lines already say under `nonstop run` (its
+  // agent is elastic): registering, starting workers, a clean end. Debug there.
+  LogLevel ChatterLevel() const { return options_.elastic ? LogLevel::kDebug : LogLevel::kInfo; }
   void Malformed(const std::string& why);
   // The controller is lost: close the connection and fence (kill every process).
   void Lose(const std::string& why, bool log = true);

@@ -312,6 +312,31 @@ TEST_F(AgentTest, StartOrderRunsTheProgramWithTheOrdersAndTheAgentsVariables) {
   }, 3s));
 }
 
+// The controller's ranks label the workers' lines; an older generation's do not.
+TEST_F(AgentTest, WorkersLinesCarryTheRanksTheControllerSent) {
+  for (bool elastic : {false, true}) {
+    SCOPED_TRACE(elastic ? "elastic (nonstop run)" : "a host of a cluster");
+    TempDir dir;
+    FakeController controller;
+    AgentOptions o = Options(controller);
+    o.elastic = elastic;
+    AgentRunner agent(o, dir);
+    auto reg = controller.AcceptAndRegister();
+    ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+    EXPECT_EQ(reg->elastic, elastic);
+    controller.Send(control::kMsgAgentRanks, control::Encode(control::AgentRanksMsg{4, {{3, 2}}}));
+    controller.Send(control::kMsgAgentRanks, control::Encode(control::AgentRanksMsg{3, {{3, 0}, {5, 1}}}));
+    StartWorker(controller, 3);
+    StartWorker(controller, 5);
+    const std::string ranked = elastic ? "[rank 2] hello from 3\n" : "[hostA rank 2] hello from 3\n";
+    const std::string unranked = elastic ? "[worker 5] hello from 5\n" : "[hostA w5] hello from 5\n";
+    EXPECT_TRUE(WaitFor([&] {
+      std::string out = ReadText(dir / "out.txt");
+      return out.find(ranked) != std::string::npos && out.find(unranked) != std::string::npos;
+    }, 5s)) << ReadText(dir / "out.txt");
+  }
+}
+
 TEST_F(AgentTest, SignalOrderKillsTheWorkerAndExitedSaysSignal9) {
   FakeController controller;
   AgentRunner agent(Options(controller), dir_);

@@ -140,6 +140,33 @@ TEST(AgentMessagesTest, RoundTrip) {
   EXPECT_EQ(plain->host_id, "");
 }
 
+// `nonstop run`'s agent says its capacity follows the job; the controller
+// tells each agent the ranks of its workers, for their output's prefix.
+TEST(AgentMessagesTest, ElasticRegistrationAndRanks) {
+  AgentRegisterMsg reg{"local", 2, 1, "127.0.0.1", 42, 0};
+  auto fixed = DecodeAgentRegister(Encode(reg));
+  ASSERT_TRUE(fixed.ok());
+  EXPECT_FALSE(fixed->elastic) << "absent: a host of fixed slots";
+  reg.elastic = true;
+  auto elastic = DecodeAgentRegister(Encode(reg));
+  ASSERT_TRUE(elastic.ok()) << elastic.status().ToString();
+  EXPECT_TRUE(elastic->elastic);
+
+  auto ranks = DecodeAgentRanks(Encode(AgentRanksMsg{7, {{4, 0}, {9, 2}}}));
+  ASSERT_TRUE(ranks.ok()) << ranks.status().ToString();
+  EXPECT_EQ(ranks->generation, 7u);
+  EXPECT_EQ(ranks->ranks, (std::vector<std::pair<int, int>>{{4, 0}, {9, 2}}));
+  auto none = DecodeAgentRanks(R"({"generation": 3, "ranks": []})");
+  ASSERT_TRUE(none.ok()) << "an agent none of whose workers is a member";
+  // A worker listed twice, or a negative rank, is refused with the field named.
+  auto twice = DecodeAgentRanks(R"({"generation":3,"ranks":[{"worker_id":1,"rank":0},{"worker_id":1,"rank":1}]})");
+  ASSERT_FALSE(twice.ok());
+  EXPECT_NE(twice.status().message().find("listed twice"), std::string::npos) << twice.status().ToString();
+  auto negative = DecodeAgentRanks(R"({"generation":3,"ranks":[{"worker_id":1,"rank":-1}]})");
+  ASSERT_FALSE(negative.ok());
+  EXPECT_NE(negative.status().message().find("rank"), std::string::npos) << negative.status().ToString();
+}
+
 // A worker and an agent that outlived their controller say what they hold
 // when they join the one that leads now (docs/controller-failover.md).
 TEST(MessagesTest, RejoinAfterAControllerLossCarriesGenerationAndProcesses) {

@@ -890,6 +890,87 @@ TEST_F(HostFaultsTest, CheckpointRestartAfterEveryHolderWasLostStartsWorkersInTh
   EXPECT_EQ(c_->world_size(), 2u);
 }
 
+// `nonstop run`'s agent is elastic: the job's one host spawns what the job
+// needs, as on one machine, not a fixed set of slots.
+class ElasticHostTest : public HostFaultsTest {
+ protected:
+  std::vector<SpawnWorker> StartElastic(int nproc, int spares, int max_world = 0) {
+    ControllerOptions o;
+    o.min_hosts = 1;
+    o.max_hosts = 1;
+    o.have_checkpoints = true;
+    o.policy.max_world = max_world;
+    Use(o);
+    control::AgentRegisterMsg m{"local", nproc, spares, "127.0.0.1", 1, 0};
+    m.elastic = true;
+    auto spawns = Find<SpawnWorker>(Do(HostJoined{m}));
+    for (auto& s : spawns) JoinOn(s.worker_id, s.host, s.spare);
+    return spawns;
+  }
+};
+
+TEST_F(ElasticHostTest, AGrowOnRequestStartsWorkersBeyondItsNproc) {
+  auto spawns = StartElastic(2, 0, /*max_world=*/4);
+  ASSERT_EQ(spawns.size(), 2u);
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  for (auto& s : spawns) Step(s.worker_id, 5);
+  EXPECT_TRUE(Find<SpawnWorker>(Run(500)).empty()) << "nothing is started before a request";
+  auto r = Do(ScaleRequest{1, {{"world_size", 4}}, "test"});
+  ASSERT_EQ(Find<ScaleReply>(r)[0].http_status, 202);
+  auto more = Find<SpawnWorker>(r);
+  ASSERT_EQ(more.size(), 2u) << "a host of fixed slots (nproc 2) would start none";
+  for (auto& s : more) {
+    EXPECT_EQ(s.host, "local");
+    EXPECT_TRUE(s.spare);
+  }
+}
+
+TEST_F(ElasticHostTest, AShrinkWithoutASpareIsNotRefilledAndFaultsNameNoHost) {
+  auto spawns = StartElastic(3, 0);
+  for (auto& s : spawns) Step(s.worker_id, 5);
+  auto a = Do(ProcessExited{spawns[1].worker_id, 1001, -1, 9, "local"});
+  bool named = false;
+  for (auto& p : Find<PrintLine>(a)) {
+    if (p.line.rfind("fault: ", 0) == 0) {
+      named = true;
+      EXPECT_EQ(p.line.find("on host"), std::string::npos) << p.line;
+    }
+  }
+  EXPECT_TRUE(named);
+  for (auto& s : spawns) {
+    if (s.worker_id != spawns[1].worker_id) Ready(s.worker_id, 5);
+  }
+  EXPECT_EQ(c_->world_size(), 2u);
+  EXPECT_TRUE(Find<SpawnWorker>(Run(500)).empty()) << "the lost worker's place is not refilled (no spares asked)";
+  EXPECT_EQ(c_->world_size(), 2u);
+}
+
+TEST_F(ElasticHostTest, ARestartFromTheCheckpointStartsTheWorldAndItsSparesThere) {
+  auto spawns = StartElastic(2, 1);
+  for (auto& s : spawns) Step(s.worker_id, 12);
+  Do(ConnectionLost{spawns[0].worker_id, "reset"});
+  auto restarted = Find<SpawnWorker>(Do(ConnectionLost{spawns[1].worker_id, "reset"}));
+  ASSERT_EQ(restarted.size(), 3u) << "two workers and the spare";
+  int spares = 0;
+  for (auto& s : restarted) {
+    EXPECT_TRUE(s.resume);
+    EXPECT_EQ(s.host, "local");
+    spares += s.spare;
+  }
+  EXPECT_EQ(spares, 1);
+}
+
+TEST_F(ElasticHostTest, AnElasticAgentIsRefusedByAJobOfSeveralHosts) {
+  ControllerOptions o;
+  o.min_hosts = 2;
+  Use(o);
+  control::AgentRegisterMsg m{"local", 2, 0, "127.0.0.1", 1, 0};
+  m.elastic = true;
+  auto closed = Find<CloseHost>(Do(HostJoined{m}));
+  ASSERT_EQ(closed.size(), 1u);
+  EXPECT_NE(closed[0].reason.find("one host"), std::string::npos) << closed[0].reason;
+}
+
 // A host lost while the job forms, before its workers joined: a spare of
 // another host takes a place, then the job forms smaller; the runtime's
 // invented exit for a start order to the vanished agent changes nothing.

@@ -276,14 +276,14 @@ int RunController(const RuntimeOptions& options) {
              controller_address != (*server)->address().ToString() ? " (advertised as " + controller_address + ")"
                                                                     : "");
   fmt::print("  {:<20} {}\n", "http", (*http)->address());
-  if (o.core.min_hosts > 0) {
+  if (o.core.min_hosts > 0 && o.core.world_size == 0) {
     fmt::print("  {:<20} {}{}\n", "hosts", o.core.min_hosts,
                o.core.max_hosts > 0 ? fmt::format(" to {}", o.core.max_hosts) : " or more");
-    if (!o.token_file.empty()) fmt::print("  {:<20} {}\n", "job token file", o.token_file);
-  } else {
+  } else {  // one machine: nonstop run, whether its workers are this process's or its agent's
     fmt::print("  {:<20} {}\n", "workers", o.core.world_size);
     fmt::print("  {:<20} {}\n", "spares", o.core.spares);
   }
+  if (!o.token_file.empty()) fmt::print("  {:<20} {}\n", "job token file", o.token_file);
   fmt::print("  {:<20} {} ms\n", "heartbeat timeout", o.core.heartbeat_timeout.count());
   fmt::print("  {:<20} {} ms\n", "abort timeout", o.core.abort_timeout.count());
   fmt::print("  {:<20} {}\n", "recovery", o.recovery_name);
@@ -317,12 +317,14 @@ int RunController(const RuntimeOptions& options) {
   if (leadership != nullptr) start["etcd"] = leadership->endpoints();
   (*journal)->Append(start);
 
-  std::set<int> niced;  // local spares still at low priority
+  std::set<int> niced;  // local spares (or an elastic host's) still at low priority
   // A refill warms up at a low priority only if it can be given normal
   // priority back when it takes a rank: an ordinary user cannot raise a
   // priority (CAP_SYS_NICE), and a worker stuck at nice 10 would be a
   // straggler for the rest of the job.
-  const bool low_priority_refills = local && launcher::LocalLauncher::CanRestorePriority();
+  // An elastic host is this machine, its agent this user's (nonstop run): its refills likewise.
+  const bool can_restore_priority = launcher::LocalLauncher::CanRestorePriority();
+  const bool low_priority_refills = local && can_restore_priority;
   if (local && !low_priority_refills && o.core.spares > 0) {
     out.Write("[nonstop] spares that refill the pool warm up at normal priority: this user cannot raise a process's "
               "priority back when it takes a rank (that needs CAP_SYS_NICE or `ulimit -e 20`)\n");
@@ -430,8 +432,14 @@ int RunController(const RuntimeOptions& options) {
           using T = std::decay_t<decltype(act)>;
           if constexpr (std::is_same_v<T, SendPlan>) {
             if (niced.erase(act.worker_id) > 0) {
-              Status s = launcher->Renice(act.worker_id, 0);
-              if (!s.ok()) NONSTOP_LOG_WARNING("promoted spare keeps its low priority: {}", s.ToString());
+              std::string host = core.HostOf(act.worker_id);
+              if (host.empty()) {
+                Status s = launcher->Renice(act.worker_id, 0);
+                if (!s.ok()) NONSTOP_LOG_WARNING("promoted spare keeps its low priority: {}", s.ToString());
+              } else {
+                (*server)->SendToAgent(host, control::kMsgAgentRenice,
+                                       control::Encode(control::AgentReniceMsg{act.worker_id, 0}));
+              }
             }
             if (act.plan != encoded_plan) {
               encoded_plan_payload = control::Encode(*act.plan);
@@ -472,8 +480,17 @@ int RunController(const RuntimeOptions& options) {
               return;
             }
             // Remote refills start at normal priority: the agent's user may not
-            // be able to raise it back when the spare takes a rank.
-            control::AgentStartMsg start{act.worker_id, act.spare, 0, worker_env(act.worker_id, act.spare, act.resume)};
+            // be able to raise it back when the spare takes a rank. An elastic
+            // host's agent runs on this machine as this user: it can.
+            int nice = 0;
+            auto h = core.hosts().find(act.host);
+            if (act.background && h != core.hosts().end() && h->second.elastic && can_restore_priority &&
+                o.refill_nice > 0) {
+              nice = o.refill_nice;
+              niced.insert(act.worker_id);
+            }
+            control::AgentStartMsg start{act.worker_id, act.spare, nice,
+                                         worker_env(act.worker_id, act.spare, act.resume)};
             if (!(*server)->SendToAgent(act.host, control::kMsgAgentStart, control::Encode(start))) {
               events.push_back(ProcessExited{act.worker_id, 0, 127, 0, act.host});
             }

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <thread>
 
 #include "common/temp_dir.h"
@@ -29,6 +30,9 @@ TEST(RunIntegrationTest, JobOfThreeWorkersAndASpareFinishes) {
   ASSERT_EQ(code, 0) << out;
   EXPECT_NE(out.find("[rank 0] step 24 ok"), std::string::npos) << out;
   EXPECT_NE(out.find("job finished"), std::string::npos) << out;
+  // The default: the controller is a process of its own, the workers this one's (docs/controller-failover.md).
+  EXPECT_NE(out.find("resumable: the controller runs as pid"), std::string::npos) << out;
+  EXPECT_TRUE(std::filesystem::exists(dir / "job.token")) << "the token --resume needs";
   auto plans = Events(journal, "plan");
   ASSERT_EQ(plans.size(), 1u);
   EXPECT_EQ(plans[0]["members"].size(), 3u);
@@ -40,6 +44,41 @@ TEST(RunIntegrationTest, JobOfThreeWorkersAndASpareFinishes) {
   auto end = Events(journal, "job_end");
   ASSERT_EQ(end.size(), 1u);
   EXPECT_EQ(end[0]["exit_code"], 0);
+}
+
+// --single-process: the controller and the workers' supervisor in one
+// process, as before the default changed; the same job, the same result.
+TEST(RunIntegrationTest, SingleProcessModeRunsTheSameJobAndRecovers) {
+  TempDir dir;
+  auto run_job = [&](const std::vector<std::string>& mode, const std::string& name) {
+    std::vector<std::string> argv = {kBin + "/nonstop", "run"};
+    argv.insert(argv.end(), mode.begin(), mode.end());
+    for (const char* a : {"--nproc", "3", "--spares", "1", "--inject", "kill:rank=1,step=10", "--journal"}) {
+      argv.push_back(a);
+    }
+    argv.push_back(dir / (name + ".jsonl"));
+    for (const std::string& a : std::vector<std::string>{"--", kBin + "/nonstop-test-worker", "--steps", "25",
+                                                          "--elements", "100003"}) {
+      argv.push_back(a);
+    }
+    ChildProcess run(argv, dir / (name + ".txt"));
+    int code = run.Wait(milliseconds(60'000));
+    return std::pair{code, run.Output()};
+  };
+  auto [single_code, single] = run_job({"--single-process"}, "single");
+  ASSERT_EQ(single_code, 0) << single;
+  EXPECT_EQ(single.find("resumable:"), std::string::npos) << "one process: no controller of its own\n" << single;
+  EXPECT_NE(single.find("[rank 0] step 24 ok"), std::string::npos) << single;
+  EXPECT_NE(single.find("recovery report: 1 recovery"), std::string::npos) << single;
+  auto [default_code, two] = run_job({}, "default");
+  ASSERT_EQ(default_code, 0) << two;
+  EXPECT_NE(two.find("recovery report: 1 recovery"), std::string::npos) << two;
+  auto checksum = [](const std::string& journal_path) {
+    auto finished = Events(journal_path, "finished");
+    return finished.empty() ? std::string("none") : finished[0]["checksum"].dump();
+  };
+  EXPECT_EQ(checksum(dir / "single.jsonl"), checksum(dir / "default.jsonl"));
+  EXPECT_NE(checksum(dir / "single.jsonl"), "none");
 }
 
 TEST(RunIntegrationTest, KilledWorkerIsNamedAndReplacedWhileTheJobGoesOn) {
