@@ -100,6 +100,12 @@ Status Validate(const Recipe& r) {
   NONSTOP_RETURN_IF_ERROR(Require(t.log_every > 0, "train.log_every: must be positive"));
   NONSTOP_RETURN_IF_ERROR(Require(t.batch == "fixed" || t.batch == "scale-with-world",
                                   fmt::format("train.batch: must be 'fixed' or 'scale-with-world', got '{}'", t.batch)));
+  NONSTOP_RETURN_IF_ERROR(Require(t.determinism == "fast" || t.determinism == "world-invariant",
+                                  fmt::format("train.determinism: must be 'fast' or 'world-invariant', got '{}'",
+                                              t.determinism)));
+  NONSTOP_RETURN_IF_ERROR(Require(t.determinism != "world-invariant" || t.batch == "fixed",
+                                  "train.determinism: 'world-invariant' needs train.batch 'fixed' (a batch that "
+                                  "scales with the world has another sum at each size)"));
   NONSTOP_RETURN_IF_ERROR(Require(t.lr_scaling == "linear" || t.lr_scaling == "sqrt",
                                   fmt::format("train.lr_scaling: must be 'linear' or 'sqrt', got '{}'", t.lr_scaling)));
   NONSTOP_RETURN_IF_ERROR(Require(t.rescale_warmup_steps >= 0, "train.rescale_warmup_steps: must not be negative"));
@@ -178,6 +184,7 @@ Result<Recipe> ParseRecipeOrThrow(const std::string& text, const std::string& so
     NONSTOP_RETURN_IF_ERROR(x.Read("batch", &t.batch));
     NONSTOP_RETURN_IF_ERROR(x.Read("lr_scaling", &t.lr_scaling));
     NONSTOP_RETURN_IF_ERROR(x.Read("rescale_warmup_steps", &t.rescale_warmup_steps));
+    NONSTOP_RETURN_IF_ERROR(x.Read("determinism", &t.determinism));
     return x.Read("log_every", &t.log_every);
   });
   if (!st.ok()) return ctx(st);

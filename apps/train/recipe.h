@@ -35,6 +35,11 @@ struct TrainConfig {
   std::string batch = "fixed";        // "fixed" or "scale-with-world" (src/elastic/batch_policy.h)
   std::string lr_scaling = "linear";  // with scale-with-world: "linear" or "sqrt"
   int64_t rescale_warmup_steps = 5;   // with scale-with-world: warm-up after each change
+  // "fast": the ring all-reduce, bitwise equal run to run at a fixed world
+  // size. "world-invariant": the fixed reduction tree over the global
+  // micro-batches (docs/determinism.md), bitwise equal at every world size
+  // and across grows, shrinks and restarts; one intra-op thread.
+  std::string determinism = "fast";
 };
 
 struct OptimizerConfig {

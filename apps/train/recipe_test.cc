@@ -50,6 +50,22 @@ TEST(RecipeTest, InconsistentShapesAreRejected) {
   EXPECT_NE(moe.status().message().find("model.top_k"), std::string::npos);
 }
 
+TEST(RecipeTest, DeterminismIsFastOrWorldInvariantWithAFixedBatch) {
+  auto fast = ParseRecipe("name: x\n", "x.yaml");
+  ASSERT_TRUE(fast.ok()) << fast.status().ToString();
+  EXPECT_EQ(fast->train.determinism, "fast") << "the default stays the ring";
+  auto inv = ParseRecipe("train:\n  determinism: world-invariant\n", "x.yaml");
+  ASSERT_TRUE(inv.ok()) << inv.status().ToString();
+  EXPECT_EQ(inv->train.determinism, "world-invariant");
+  auto typo = ParseRecipe("train:\n  determinism: invariant\n", "x.yaml");
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.status().message().find("train.determinism: must be 'fast' or 'world-invariant', got 'invariant'"),
+            std::string::npos) << typo.status().ToString();
+  auto scaled = ParseRecipe("train:\n  determinism: world-invariant\n  batch: scale-with-world\n", "x.yaml");
+  ASSERT_FALSE(scaled.ok());
+  EXPECT_NE(scaled.status().message().find("needs train.batch 'fixed'"), std::string::npos) << scaled.status().ToString();
+}
+
 TEST(RecipeTest, MalformedYamlIsAnError) {
   auto r = ParseRecipe("model: [unclosed\n", "x.yaml");
   ASSERT_FALSE(r.ok());

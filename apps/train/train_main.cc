@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -18,6 +19,7 @@
 
 #include "apps/train/model.h"
 #include "apps/train/recipe.h"
+#include "collective/tree_reduce.h"
 #include "common/logging.h"
 #include "data/dataset.h"
 #include "data/prepare.h"
@@ -53,6 +55,9 @@ void PrintConfig(const Recipe& r, const Session& s, size_t params, const data::D
                            r.train.global_batch / r.train.micro_batch, r.train.micro_batch,
                            r.train.global_batch * r.model.seq_len));
   row("world", fmt::format("{} ranks, generation {}", s.world_size(), s.generation()));
+  row("determinism", r.train.determinism == "world-invariant"
+                         ? "world-invariant (a fixed reduction tree over the micro-batches; 1 intra-op thread)"
+                         : "fast (ring all-reduce; bitwise at a fixed world size)");
   row("steps", fmt::format("{} (lr {} → {}, warm-up {})", r.train.steps, r.optimizer.lr, r.optimizer.min_lr,
                            r.optimizer.warmup_steps));
   std::fflush(stdout);
@@ -107,6 +112,12 @@ int Main(int argc, char** argv) {
   if (!checkpoint_dir.empty()) r.checkpoint.dir = checkpoint_dir;
   if (checkpoint_every >= 0) r.checkpoint.every = checkpoint_every;
   if (resume_env && resume_dir.empty()) resume_dir = r.checkpoint.dir;
+  const bool world_invariant = r.train.determinism == "world-invariant";
+  if (world_invariant && threads != 1) {
+    // Kernels split over threads sum in another order: a micro-batch's gradient must not depend on them.
+    NONSTOP_LOG_WARNING("determinism: world-invariant runs one intra-op thread (--torch-threads {} ignored)", threads);
+    threads = 1;
+  }
   torch::set_num_threads(threads);
 
   // Data first: a spare is warm only once its data is mapped.
@@ -311,6 +322,7 @@ int Main(int argc, char** argv) {
   }
   auto run_start = std::chrono::steady_clock::now();
   int64_t step = session.resume_step();
+  std::optional<collective::TreeFolder> folder;  // world-invariant: this step's partial sums
   while (true) {
     while (step < r.train.steps) {
       auto t0 = std::chrono::steady_clock::now();
@@ -343,6 +355,11 @@ int Main(int argc, char** argv) {
         step_tokens = static_cast<double>(global * static_cast<uint64_t>(T));
         uint64_t mb_begin = data::BlockBegin(micro_batches, world, session.rank());
         uint64_t mb_end = data::BlockBegin(micro_batches, world, session.rank() + 1);
+        if (world_invariant) {
+          // Each micro-batch's gradient (and loss, in the slot after it) alone, folded into the tree.
+          folder.emplace(static_cast<int>(micro_batches), static_cast<int>(mb_begin), static_cast<int>(mb_end),
+                         flat.size() + 1);
+        }
         for (uint64_t mb = mb_begin; mb < mb_end; ++mb) {
           // Fixed batch: the samples are a function of the step. Scaled batch: of the position in the stream.
           std::vector<uint64_t> samples =
@@ -360,8 +377,15 @@ int Main(int argc, char** argv) {
           auto loss = torch::nn::functional::cross_entropy(
                           logits.view({-1, r.model.vocab_size}), targets.view({-1}),
                           torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * step_norm;
+          if (world_invariant) flat.ZeroGrad();
           loss.backward();
-          local_loss += loss.item<double>();
+          if (world_invariant) {
+            flat.GatherGrads();
+            flat.loss_slot() = loss.item<float>();
+            folder->Add(flat.grads_and_loss());
+          } else {
+            local_loss += loss.item<double>();
+          }
           if (session.aborted()) break;  // a member failed: this step is lost anyway
         }
       } catch (const std::exception& e) {
@@ -371,9 +395,24 @@ int Main(int argc, char** argv) {
         return Fail(s, "training");
       }
       if (throttle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(throttle_ms));
-      flat.GatherGrads();
-      flat.loss_slot() = static_cast<float>(local_loss);
-      Status s = session.AllReduce(flat.grads_and_loss());
+      Status s;
+      if (world_invariant) {
+        const int world = session.world_size();
+        const uint64_t micro_batches = static_cast<uint64_t>(r.train.global_batch / r.train.micro_batch);
+        std::vector<std::pair<int, int>> ranges(static_cast<size_t>(world));
+        for (int q = 0; q < world; ++q) {
+          ranges[static_cast<size_t>(q)] = {static_cast<int>(data::BlockBegin(micro_batches, world, q)),
+                                            static_cast<int>(data::BlockBegin(micro_batches, world, q + 1))};
+        }
+        s = folder && folder->complete()
+                ? session.AllReduceTree(static_cast<int>(micro_batches), ranges, folder->partials(),
+                                        flat.grads_and_loss())
+                : AbortedError(fmt::format("step {} was cut short: a member failed", step));
+      } else {
+        flat.GatherGrads();
+        flat.loss_slot() = static_cast<float>(local_loss);
+        s = session.AllReduce(flat.grads_and_loss());
+      }
       if (!s.ok()) {
         NONSTOP_LOG_WARNING("step {}: {}", step, s.ToString());
         if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;

@@ -51,6 +51,8 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "nonstop/state.h"
 #include "nonstop/status.h"
@@ -138,6 +140,13 @@ class Session {
   // Sums `data` ([n] fp32) across the members, in place. Bitwise identical on
   // every rank and run to run at a fixed world size.
   Status AllReduce(std::span<float> data);
+  // The world-invariant sum (docs/determinism.md): the step's m micro-batches
+  // are split over the ranks, ranges[q] = rank q's [first, last); `partials`
+  // are this rank's collective::TreeFolder sums for its range. `out` gets the
+  // sum over all m in one fixed binary tree: the same bits at every world
+  // size. A step boundary, like AllReduce.
+  Status AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
+                       std::span<const std::vector<float>> partials, std::span<float> out);
   Status Broadcast(std::span<std::byte> data, int root);
   Status Barrier();
 

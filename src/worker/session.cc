@@ -680,6 +680,11 @@ int64_t Session::resume_step() const { return impl_->resume_step_; }
 int Session::worker_id() const { return impl_->options_.worker_id; }
 
 Status Session::AllReduce(std::span<float> data) { return impl_->AllReduce(data); }
+Status Session::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
+                              std::span<const std::vector<float>> partials, std::span<float> out) {
+  return impl_->RunCollective([&] { return impl_->comm().AllReduceTree(m, ranges, partials, out); },
+                              /*at_step_boundary=*/true);
+}
 Status Session::Broadcast(std::span<std::byte> data, int root) {
   return impl_->RunCollective([&] { return impl_->comm().Broadcast(data, root); }, /*at_step_boundary=*/false);
 }
