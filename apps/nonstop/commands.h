@@ -58,6 +58,7 @@ class RunCommand {
   // The default: the controller in a child process, this process the local
   // agent (--single-process: both in this one, as before).
   int RunResumable(controller::RuntimeOptions o);
+  std::string ResumeCommand(const std::string& journal, const std::string& token_file) const;
 };
 
 // `nonstop controller`: the controller alone, a daemon that the hosts'

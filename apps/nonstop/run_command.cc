@@ -223,6 +223,33 @@ int RunCommand::Execute() {
   return controller::RunController(o);
 }
 
+// The command that adopts this run's workers if its controller dies: the
+// job's own flags as given (on the command line or in NONSTOP_* variables)
+// come along, so that the new controller runs the job the same way.
+std::string RunCommand::ResumeCommand(const std::string& journal, const std::string& token_file) const {
+  auto quoted = [](const std::string& v) {
+    bool plain = !v.empty() && v.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                                                   "._-/:=,@+") == std::string::npos;
+    if (plain) return v;
+    std::string q = "'";
+    for (char c : v) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return q + "'";
+  };
+  std::string cmd = fmt::format("nonstop controller --resume {} --nnodes 1 --job-token-file {}", quoted(journal),
+                                quoted(token_file));
+  for (const char* name : {"--heartbeat-timeout-ms", "--abort-timeout-ms", "--hang-floor-ms", "--hang-factor",
+                           "--stall-floor-ms", "--refill-nice", "--join-timeout-ms", "--recovery", "--checkpoint-dir",
+                           "--checkpoint-every", "--mtbf", "--min-world", "--max-world", "--allowed-sizes",
+                           "--world-increment", "--stable-period-ms", "--log-level"}) {
+    const CLI::Option* opt = sub_->get_option_no_throw(name);
+    if (opt == nullptr || opt->results().empty()) continue;
+    std::string value;
+    for (const std::string& v : opt->results()) value += (value.empty() ? "" : ",") + v;
+    cmd += fmt::format(" {} {}", name, quoted(value));
+  }
+  return cmd;
+}
+
 // `nonstop run --resumable`: the same job as two processes, so that the
 // controller can die without the workers (docs/controller-failover.md).
 // A child process runs the controller as `nonstop controller --nnodes 1`
@@ -332,10 +359,10 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
   launcher::BoundedStdio stdio;
   a.out = &stdio.out();
   a.err = &stdio.err();
+  const std::string resume = ResumeCommand(o.journal, token_file);
   stdio.out().Write(fmt::format("[nonstop] resumable: the controller runs as pid {}; the workers are this process's "
-                                "({}). If the controller dies: nonstop controller --resume {} --nnodes 1 "
-                                "--job-token-file {}\n",
-                                child, ::getpid(), o.journal, token_file));
+                                "({}). If the controller dies: {}\n",
+                                child, ::getpid(), resume));
   agent::Agent agent(a);
   // The watcher: a signal goes to the controller, which ends the job (the agent follows its
   // shutdown; if it does not within 20 s, or the controller is gone, the agent stops). A controller
@@ -371,8 +398,8 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
           agent.Stop();
         } else if (child_code != 0 && !signalled) {
           stdio.err().Write(fmt::format("[nonstop] the controller (pid {}) died ({}): the workers train on; to adopt "
-                                        "them: nonstop controller --resume {} --nnodes 1 --job-token-file {}\n",
-                                        child, child_code, o.journal, token_file));
+                                        "them: {}\n",
+                                        child, child_code, resume));
         }
       }
     }

@@ -1149,7 +1149,11 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   if (options_.max_hosts > 0 && alive >= options_.max_hosts) {
     return refuse(fmt::format("the job already has its maximum of {} hosts", options_.max_hosts));
   }
-  if (m.elastic && (options_.max_hosts != 1 || placed_)) {
+  if (!elastic_host_.empty() && m.host_id != elastic_host_) {
+    return refuse(fmt::format("this job's one host is {}, nonstop run's own: it takes no other agents",
+                              elastic_host_));
+  }
+  if (m.elastic && elastic_host_.empty() && (options_.max_hosts != 1 || placed_)) {
     return refuse("an agent whose capacity follows the job (nonstop run's own) can only be the one host of a job "
                   "of one host (--nnodes 1)");
   }
@@ -1159,8 +1163,8 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   h.address = m.address;
   h.pid = m.pid;
   h.alive = true;
-  h.elastic = m.elastic;
-  if (m.elastic) {
+  h.elastic = m.elastic || m.host_id == elastic_host_;
+  if (h.elastic) {
     elastic_host_ = m.host_id;
     pool_size_ = m.spares;
   }
@@ -1280,6 +1284,7 @@ void Controller::ReplaceFormingWorker(const std::string& lost_host, std::vector<
 
 void Controller::TopUpHosts(std::vector<Action>* out) {
   if (!placed_) return;  // the placement starts every host's workers
+  if (!slotted()) return;  // an elastic host has no slots to fill: its spare pool refills as on one machine
   for (const HostInfo* hp : host_list_) {
     const HostInfo& h = *hp;
     if (!h.alive || h.inherited) continue;  // an inherited agent takes orders once it has joined this controller

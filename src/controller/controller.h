@@ -317,6 +317,8 @@ class Controller {
   nlohmann::json Status() const;
   nlohmann::json PolicyJson() const;
   int target_world() const { return target_world_; }
+  // The members of the current generation, by rank (worker ids).
+  const std::vector<int>& members() const { return members_; }
   size_t world_size() const { return members_.size(); }
   // The rank a worker holds now, or -1 (spare, gone, not yet placed).
   int RankOf(int worker_id) const;

@@ -1276,6 +1276,56 @@ TEST_F(TakeoverTest, InheritedWorkersAndAgentsJoinAndTrainingGoesOnWithoutARecov
   EXPECT_EQ(c_->phase(), JobPhase::kRunning);
 }
 
+// `nonstop controller --resume` of a `nonstop run` job: the journal says its
+// one host was elastic, so the new controller keeps its spare pool as on one
+// machine, refills a lost spare there, and takes no other agent.
+TEST_F(TakeoverTest, AnElasticJobStaysElasticAfterATakeover) {
+  ControllerOptions first;
+  first.min_hosts = 1;
+  first.max_hosts = 1;
+  first.heartbeat_timeout = Millis(1000);
+  c_ = std::make_unique<Controller>(first);
+  journal_.push_back({{"event", "job_start"}, {"controller", "127.0.0.1:7000"}});
+  control::AgentRegisterMsg reg{"local", 2, 1, "127.0.0.1", 4000, 0};
+  reg.elastic = true;
+  auto spawns = Find<SpawnWorker>(Record(HostJoined{reg}));
+  ASSERT_EQ(spawns.size(), 3u);
+  for (const auto& x : spawns) {
+    Record(WorkerJoined{{x.worker_id, 1000 + x.worker_id, "addr" + std::to_string(x.worker_id), x.spare, -1, x.host}});
+  }
+  for (int64_t step = 0; step <= 5; ++step) {
+    for (const auto& x : spawns) {
+      if (!x.spare) Record(ProgressReceived{x.worker_id, {step, 2.0, 0.1, 100, 2}});
+    }
+  }
+  auto t = TakeoverFromJournal(journal_);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ControllerOptions o;
+  o.min_hosts = 1;  // --nnodes 1: no maximum
+  o.heartbeat_timeout = Millis(1000);
+  o.adopt_timeout = Millis(5000);
+  c_ = std::make_unique<Controller>(o);
+  now_ += Millis(1000);
+  Do(Takeover{t->state});
+  for (const auto& x : spawns) reg.workers.push_back({x.worker_id, 1000 + x.worker_id});
+  reg.running = 3;
+  Do(HostJoined{reg});
+  for (const auto& x : spawns) Rejoin(x.worker_id, x.spare ? 0 : 1, false, x.spare ? -1 : 6);
+  ASSERT_TRUE(c_->hosts().at("local").elastic);
+
+  auto other = Find<CloseHost>(Do(HostJoined{{"h2", 2, 0, "10.0.0.2", 4001, 0}}));
+  ASSERT_EQ(other.size(), 1u) << "a second agent in nonstop run's job";
+  EXPECT_NE(other[0].reason.find("one host is local"), std::string::npos) << other[0].reason;
+
+  // Its spare dies: the pool (one spare) is refilled on the host, as nonstop run did.
+  int spare = -1;
+  for (const auto& x : spawns) spare = x.spare ? x.worker_id : spare;
+  auto refill = Find<SpawnWorker>(Do(ProcessExited{spare, 1000 + spare, -1, 9, "local"}));
+  ASSERT_EQ(refill.size(), 1u);
+  EXPECT_TRUE(refill[0].spare);
+  EXPECT_EQ(refill[0].host, "local");
+}
+
 // A shrink on request before the takeover stands after it: the new
 // controller neither refills the released slot nor grows back to the hosts' capacity.
 TEST_F(TakeoverTest, AShrinkOnRequestOutlivesItsControllerTheWorldDoesNotGrowBack) {

@@ -317,7 +317,8 @@ int RunController(const RuntimeOptions& options) {
   if (leadership != nullptr) start["etcd"] = leadership->endpoints();
   (*journal)->Append(start);
 
-  std::set<int> niced;  // local spares (or an elastic host's) still at low priority
+  std::set<int> niced;  // local spares still at low priority
+  std::set<int> at_normal_priority;  // an elastic host's workers told to run at nice 0 (with their first plan)
   // A refill warms up at a low priority only if it can be given normal
   // priority back when it takes a rank: an ordinary user cannot raise a
   // priority (CAP_SYS_NICE), and a worker stuck at nice 10 would be a
@@ -402,21 +403,21 @@ int RunController(const RuntimeOptions& options) {
     }
     (*server)->SendToAgent(host, control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{id, sig}));
   };
-  // Each agent learns which ranks its workers hold, to label their output.
-  auto send_ranks_to_agents = [&](const control::PlanMsg& plan) {
-    if (core.hosts().empty()) return;
+  // Each agent learns which ranks its workers hold, to label their output:
+  // every agent with each new plan (`only_host` empty), an agent that
+  // (re)joins at once. Only labels: sent as they are decided.
+  auto send_ranks_to_agents = [&](uint32_t generation, const std::vector<int>& members,
+                                  const std::string& only_host) {
+    if (core.hosts().empty() || generation == 0) return;
     std::map<std::string, control::AgentRanksMsg> by_host;
-    for (size_t r = 0; r < plan.members.size(); ++r) {
-      std::string host = core.HostOf(plan.members[r].worker_id);
-      if (host.empty()) continue;
-      control::AgentRanksMsg& m = by_host[host];
-      m.generation = plan.generation;
-      m.ranks.push_back({plan.members[r].worker_id, static_cast<int>(r)});
+    for (size_t r = 0; r < members.size(); ++r) {
+      std::string host = core.HostOf(members[r]);
+      if (!host.empty()) by_host[host].ranks.push_back({members[r], static_cast<int>(r)});
     }
     for (const auto& [id, h] : core.hosts()) {
-      if (!h.alive) continue;
+      if (!h.alive || (!only_host.empty() && id != only_host)) continue;
       control::AgentRanksMsg& m = by_host[id];  // none of its workers is a member: an empty list
-      m.generation = plan.generation;
+      m.generation = generation;
       (*server)->SendToAgent(id, control::kMsgAgentRanks, control::Encode(m));
     }
   };
@@ -431,20 +432,27 @@ int RunController(const RuntimeOptions& options) {
         [&](const auto& act) {
           using T = std::decay_t<decltype(act)>;
           if constexpr (std::is_same_v<T, SendPlan>) {
-            if (niced.erase(act.worker_id) > 0) {
-              std::string host = core.HostOf(act.worker_id);
-              if (host.empty()) {
+            const std::string host = core.HostOf(act.worker_id);
+            if (host.empty()) {
+              if (niced.erase(act.worker_id) > 0) {
                 Status s = launcher->Renice(act.worker_id, 0);
                 if (!s.ok()) NONSTOP_LOG_WARNING("promoted spare keeps its low priority: {}", s.ToString());
-              } else {
-                (*server)->SendToAgent(host, control::kMsgAgentRenice,
-                                       control::Encode(control::AgentReniceMsg{act.worker_id, 0}));
+              }
+            } else if (auto h = core.hosts().find(host);
+                       h != core.hosts().end() && h->second.elastic && !at_normal_priority.count(act.worker_id)) {
+              // Once per worker and controller, whatever this controller knows of its start: one
+              // started niced by a controller before a takeover takes its rank at normal priority too.
+              if ((*server)->SendToAgent(host, control::kMsgAgentRenice,
+                                         control::Encode(control::AgentReniceMsg{act.worker_id, 0}))) {
+                at_normal_priority.insert(act.worker_id);
               }
             }
             if (act.plan != encoded_plan) {
               encoded_plan_payload = control::Encode(*act.plan);
               encoded_plan = act.plan;
-              send_ranks_to_agents(*act.plan);  // before any member has the plan: their lines show the rank
+              std::vector<int> members;
+              for (const auto& m : act.plan->members) members.push_back(m.worker_id);
+              send_ranks_to_agents(act.plan->generation, members, "");  // sent before the plan: lines show the rank
             }
             (*server)->Send(act.worker_id, control::kMsgPlan, encoded_plan_payload);
           } else if constexpr (std::is_same_v<T, SendShutdown>) {
@@ -486,8 +494,7 @@ int RunController(const RuntimeOptions& options) {
             auto h = core.hosts().find(act.host);
             if (act.background && h != core.hosts().end() && h->second.elastic && can_restore_priority &&
                 o.refill_nice > 0) {
-              nice = o.refill_nice;
-              niced.insert(act.worker_id);
+              nice = o.refill_nice;  // back to 0 with its first plan (above)
             }
             control::AgentStartMsg start{act.worker_id, act.spare, nice,
                                          worker_env(act.worker_id, act.spare, act.resume)};
@@ -534,6 +541,10 @@ int RunController(const RuntimeOptions& options) {
         continue;
       }
       pending.push_back({leadership != nullptr ? leadership->appended() : 0, std::move(a)});
+    }
+    // An agent that (re)joins after the plan went out (a takeover, a healed host) still labels right.
+    if (const auto* joined = std::get_if<HostJoined>(&e)) {
+      send_ranks_to_agents(core.generation(), core.members(), joined->msg.host_id);
     }
   };
   auto run_pending = [&]() {

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <filesystem>
 #include <algorithm>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <set>
@@ -121,8 +122,109 @@ TEST_F(TrainTest, RecoveryFromEachFaultKindIsBitwiseIdenticalToTheFaultFreeRun) 
     ASSERT_TRUE(std::regex_search(r.output, m,
                                   std::regex(R"(recovery report: 1 recovery, 0 resizes, (\d+) completed steps? lost)")))
         << r.output;
-    EXPECT_LE(std::stoi(m[1]), 1) << fault << ": more than the step in flight was lost\n" << r.output;
+    const int lost = std::stoi(m[1]);
+    EXPECT_LE(lost, 1) << fault << ": more than the step in flight was lost\n" << r.output;
+    if (fault[0] == 'h') EXPECT_EQ(lost, 0) << "a hung rank completes nothing its peers did not";
+    if (lost == 1) {
+      // Only the dead rank held it: the step it completed is the one the survivors resume at.
+      std::string journal = dir_ / (std::string("fault-") + fault[0] + ".jsonl");
+      auto faults = nonstop::testing::JournalEvents(journal, "fault");
+      auto plans = nonstop::testing::JournalEvents(journal, "plan");
+      ASSERT_EQ(faults.size(), 1u);
+      ASSERT_EQ(plans.size(), 2u);
+      EXPECT_EQ(faults[0]["last_step"], plans[1]["resume_step"]) << r.output;
+    }
   }
+}
+
+// determinism: world-invariant (docs/determinism.md): a fixed reduction tree
+// over the micro-batches makes the sum, and so every parameter, independent of
+// the world size: fixed runs at 1, 3 and 4 workers, an elastic run 4 → 3 (a
+// kill, no spare) → 4 (a grow), and a run resumed from a checkpoint written at
+// world 4 continued at world 2 end on the same bits, with every loss the same.
+TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChangesAndResumes) {
+  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt") << "checkpoint:\n  keep: 10\n";
+  {
+    std::ifstream in(dir_ / "recipe.yaml");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    text.replace(text.find("  log_every: 5\n"), 15, "  log_every: 5\n  determinism: world-invariant\n");
+    std::ofstream(dir_ / "recipe.yaml") << text;
+  }
+  const std::vector<std::string> steps = {"--steps", "40"};
+  RunResult w4 = Run(4, "w4", steps);
+  ASSERT_EQ(w4.code, 0) << w4.output;
+  ASSERT_EQ(w4.losses.size(), 40u);
+  EXPECT_NE(w4.output.find("determinism      world-invariant"), std::string::npos) << w4.output;
+  for (int n : {1, 3}) {
+    RunResult r = Run(n, "w" + std::to_string(n), steps);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.checksum, w4.checksum) << "world " << n;
+    EXPECT_EQ(r.losses, w4.losses) << "world " << n << ": every loss bitwise the same";
+  }
+
+  // 4 → 3 by a kill with no spare, then 3 → 4 by a grow, while it trains.
+  std::string journal = dir_ / "elastic.jsonl";
+  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", "4", "--spares", "0", "--max-world", "4",
+                                   "--journal", journal, "--inject", "kill:rank=3,step=6", "--", kBin + "/nonstop-train",
+                                   dir_ / "recipe.yaml", "--steps", "40", "--throttle-ms", "40"};
+  ChildProcess run(argv, dir_ / "elastic.out");
+  auto plans = [&] { return nonstop::testing::JournalEvents(journal, "plan"); };
+  auto until = std::chrono::steady_clock::now() + milliseconds(120'000);
+  while (plans().size() < 2 || plans().back()["members"].size() != 3) {
+    ASSERT_LT(std::chrono::steady_clock::now(), until) << "the shrink to 3\n" << run.Output();
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  ChildProcess grow({kBin + "/nonstop", "scale", "--job", dir_ / "job.json", "--world-size", "4"}, dir_ / "grow.out");
+  EXPECT_EQ(grow.Wait(milliseconds(20'000)), 0) << grow.Output();
+  ASSERT_EQ(run.Wait(milliseconds(120'000)), 0) << run.Output();
+  std::vector<size_t> worlds;
+  for (auto& p : plans()) worlds.push_back(p["members"].size());
+  EXPECT_EQ(worlds, (std::vector<size_t>{4, 3, 4})) << run.Output();
+  std::string elastic_checksum;
+  std::map<int64_t, double> elastic_losses;
+  for (auto& j : nonstop::testing::JournalEvents(journal, "finished")) elastic_checksum = j["checksum"];
+  for (auto& j : nonstop::testing::JournalEvents(journal, "step")) elastic_losses[j["step"]] = j["loss"];
+  EXPECT_EQ(elastic_checksum, w4.checksum) << run.Output();
+  EXPECT_EQ(elastic_losses, w4.losses);
+
+  // A checkpoint written at world 4, resumed at world 2.
+  std::string ckpt = dir_ / "ckpt";
+  RunResult saved = Run(4, "saved", {"--steps", "40", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"});
+  ASSERT_EQ(saved.code, 0) << saved.output;
+  namespace fs = std::filesystem;
+  for (const char* newer : {"step-000000029", "step-000000039"}) fs::remove_all(ckpt + "/" + newer);
+  ASSERT_TRUE(fs::exists(ckpt + "/step-000000019")) << saved.output;
+  RunResult resumed = Run(2, "resumed", {"--steps", "40", "--resume", ckpt});
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_EQ(resumed.losses.begin()->first, 20) << "it resumed at step 20";
+  EXPECT_EQ(resumed.checksum, w4.checksum) << resumed.output;
+}
+
+TEST_F(TrainTest, WorldInvariantModeHoldsForTheMixtureOfExperts) {
+  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "gpt-oss");
+  std::ifstream in(dir_ / "recipe.yaml");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  text.replace(text.find("  log_every: 5\n"), 15, "  log_every: 5\n  determinism: world-invariant\n");
+  std::ofstream(dir_ / "recipe.yaml") << text;
+  RunResult w1 = Run(1, "moe1");
+  RunResult w3 = Run(3, "moe3");
+  ASSERT_EQ(w1.code, 0) << w1.output;
+  ASSERT_EQ(w3.code, 0) << w3.output;
+  ASSERT_FALSE(w1.checksum.empty());
+  EXPECT_EQ(w3.checksum, w1.checksum);
+  EXPECT_EQ(w3.losses, w1.losses);
+}
+
+TEST_F(TrainTest, WorldInvariantModeNeedsAFixedBatch) {
+  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt");
+  std::ifstream in(dir_ / "recipe.yaml");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  text.replace(text.find("  log_every: 5\n"), 15,
+               "  log_every: 5\n  determinism: world-invariant\n  batch: scale-with-world\n");
+  std::ofstream(dir_ / "recipe.yaml") << text;
+  RunResult r = Run(1, "bad");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("'world-invariant' needs train.batch 'fixed'"), std::string::npos) << r.output;
 }
 
 TEST_F(TrainTest, ShrinkKeepsTheLossCurveOfTheFullWorld) {
