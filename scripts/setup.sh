@@ -13,6 +13,8 @@ PACKAGES=(
   iproute2  # `ip`: the namespaces, bridge and veths of the multihost tests (tests/multihost/netns.h)
   clang-16 libclang-rt-16-dev llvm-16
   etcd-server  # the controller's standbys coordinate through etcd (tests start a real one; docs/controller-failover.md)
+  prometheus-cpp-dev  # /metrics: histograms, counters and the exposition format (src/controller/job_metrics.cc)
+  libjs-dygraphs      # the dashboard's and the report's charts, embedded in the binary (docs/dashboard.md)
 )
 # clang-16 and libclang-rt-16-dev: the sanitizer builds and libFuzzer
 # (scripts/build.sh --sanitize/--fuzz, scripts/fuzz.sh); Debian 12's default

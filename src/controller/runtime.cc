@@ -26,6 +26,7 @@
 #include "control/fault_spec.h"
 #include "controller/control_server.h"
 #include "controller/http_api.h"
+#include "controller/job_metrics.h"
 #include "controller/journal.h"
 #include "controller/takeover.h"
 #include "launcher/local_launcher.h"
@@ -73,19 +74,6 @@ Status WritePrivateFile(const std::string& path, const std::string& text) {
   return OkStatus();
 }
 
-std::string Metrics(const nlohmann::json& st) {
-  return fmt::format(
-      "# TYPE nonstop_generation gauge\nnonstop_generation {}\n"
-      "# TYPE nonstop_world_size gauge\nnonstop_world_size {}\n"
-      "# TYPE nonstop_target_world_size gauge\nnonstop_target_world_size {}\n"
-      "# TYPE nonstop_spares gauge\nnonstop_spares {}\n"
-      "# TYPE nonstop_highest_step gauge\nnonstop_highest_step {}\n"
-      "# TYPE nonstop_membership_changes_total counter\nnonstop_membership_changes_total {}\n"
-      "# TYPE nonstop_hosts gauge\nnonstop_hosts {}\n",
-      st["generation"].get<uint32_t>(), st["world_size"].get<size_t>(), st["target_world_size"].get<int>(),
-      st["spares"].get<int>(), st["highest_step"].get<int64_t>(), st["recoveries"].get<size_t>(),
-      st["hosts"].size());
-}
 
 }  // namespace
 
@@ -317,6 +305,7 @@ int RunController(const RuntimeOptions& options) {
   if (leadership != nullptr) start["etcd"] = leadership->endpoints();
   (*journal)->Append(start);
 
+  JobMetrics metrics;  // GET /metrics, from the journal's records as they are written
   std::set<int> niced;  // local spares still at low priority
   std::set<int> at_normal_priority;  // an elastic host's workers told to run at nice 0 (with their first plan)
   // A refill warms up at a low priority only if it can be given normal
@@ -504,6 +493,7 @@ int RunController(const RuntimeOptions& options) {
           } else if constexpr (std::is_same_v<T, CloseHost>) {
             (*server)->CloseAgent(act.host_id, act.reason, act.exit_code, /*send_shutdown=*/!act.fence);
           } else if constexpr (std::is_same_v<T, AppendJournal>) {
+            metrics.Observe(act.record);
             (*journal)->Append(act.record);
           } else if constexpr (std::is_same_v<T, PrintLine>) {
             out.Write(fmt::format("[nonstop] {}\n", act.line));
@@ -537,6 +527,7 @@ int RunController(const RuntimeOptions& options) {
     ++handled;
     for (Action& a : core.Handle(e, Clock::now())) {
       if (auto* record = std::get_if<AppendJournal>(&a)) {
+        metrics.Observe(record->record);
         (*journal)->Append(std::move(record->record));
         continue;
       }
@@ -598,8 +589,9 @@ int RunController(const RuntimeOptions& options) {
     if (handled == published || Clock::now() < next_publish) return;
     auto t0 = Clock::now();
     nlohmann::json st = core.Status();
-    std::string metrics = Metrics(st);
-    (*http)->Publish(std::move(st), std::move(metrics));
+    metrics.SetStatus(st);
+    std::string text = metrics.Text();
+    (*http)->Publish(std::move(st), std::move(text));
     published = handled;
     auto cost = Clock::now() - t0;
     next_publish = cost < Millis(1) ? Clock::now() : Clock::now() + 20 * cost;
