@@ -12,6 +12,7 @@ PACKAGES=(
   fortunes
   iproute2  # `ip`: the namespaces, bridge and veths of the multihost tests (tests/multihost/netns.h)
   clang-16 libclang-rt-16-dev llvm-16
+  chromium  # the dashboard and report tests open the pages headless (tests/integration/dashboard_test.cc)
   etcd-server  # the controller's standbys coordinate through etcd (tests start a real one; docs/controller-failover.md)
   prometheus-cpp-dev  # /metrics: histograms, counters and the exposition format (src/controller/job_metrics.cc)
   libjs-dygraphs      # the dashboard's and the report's charts, embedded in the binary (docs/dashboard.md)

@@ -86,6 +86,20 @@ class ControllerCommand {
 };
 
 // `nonstop data prepare`: text files → token shards.
+// `nonstop report JOURNAL [--output FILE]`: a self-contained HTML report of a
+// finished (or crashed) job from its journal alone (docs/dashboard.md).
+class ReportCommand {
+ public:
+  void Register(CLI::App& app);
+  bool selected() const { return sub_ != nullptr && sub_->parsed(); }
+  int Execute();
+
+ private:
+  CLI::App* sub_ = nullptr;
+  std::string journal_;
+  std::string output_;
+};
+
 class DataCommand {
  public:
   void Register(CLI::App& app);

@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   run.SetProgram(program);
   nonstop::cli::DataCommand data;
   data.Register(app);
+  nonstop::cli::ReportCommand report;
+  report.Register(app);
   nonstop::cli::JobCommands job;
   job.Register(app);
   job.SetProgram(program);
@@ -36,6 +38,7 @@ int main(int argc, char** argv) {
   }
   if (run.selected()) return run.Execute();
   if (data.selected()) return data.Execute();
+  if (report.selected()) return report.Execute();
   if (job.selected()) return job.Execute();
   if (controller.selected()) return controller.Execute();
   if (agent.selected()) return agent.Execute();

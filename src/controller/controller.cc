@@ -255,7 +255,7 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   out->reserve(out->size() + members_.size() + 2);
   for (int id : members_) out->push_back(SendPlan{id, shared});
   out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
-                                {"resume_step", resume_step_}, {"reason", plan.reason}}});
+                                {"spares", SpareCount()}, {"resume_step", resume_step_}, {"reason", plan.reason}}});
   out->push_back(PrintLine{fmt::format("generation {}: {} workers, ranks by worker id {}{}", generation_,
                                        members_.size(), json(members_).dump(),
                                        s_star >= 0 ? fmt::format(", resuming at step {}", resume_step_) : "")});
@@ -956,6 +956,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
     ++rec.spawned_spares;
   }
   out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
+                                {"spares", SpareCount()},
                                 {"resume_step", resume_step_}, {"reason", plan.reason}, {"recovery", rec.id},
                                 {"transfers", std::move(transfers)}, {"released", released}}});
   out->push_back(PrintLine{fmt::format("generation {}: {} workers {}, resuming at step {}{}", generation_, members_.size(),
@@ -1889,6 +1890,7 @@ json Controller::Status() const {
     entry["rank"] = w.rank;
     entry["last_step"] = w.last_step;
     entry["host"] = w.host;
+    entry["heartbeat_age_ms"] = std::llround(Ms(now_ - w.last_heard));
     workers.push_back(std::move(entry));
   }
   json hosts = json::array();

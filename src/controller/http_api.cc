@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cctype>
+#include <charconv>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -23,6 +24,7 @@
 #include "common/constant_time.h"
 #include "common/logging.h"
 #include "common/time.h"
+#include "dashboard/dashboard.h"
 
 namespace nonstop::controller {
 
@@ -412,6 +414,7 @@ struct Route {
   bool needs_token;
 };
 constexpr Route kRoutes[] = {
+    {"/", "GET", false},  // the dashboard; the journal it reads (/events) needs the token
     {"/status", "GET", false},
     {"/metrics", "GET", false},
     {"/events", "GET", true},
@@ -444,7 +447,8 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int por
       if (req.path == r.path) route = &r;
     }
     if (route == nullptr) {
-      Reply(res, 404, fmt::format("no endpoint '{}': the API is GET /status, GET /metrics, GET /events and POST /scale",
+      Reply(res, 404, fmt::format("no endpoint '{}': the API is GET / (the dashboard), GET /status, GET /metrics, "
+                                  "GET /events and POST /scale",
                                   req.path.substr(0, 200)));
       return httplib::Server::HandlerResponse::Handled;
     }
@@ -498,11 +502,33 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int por
     std::lock_guard<std::mutex> lock(self->mu_);
     res.set_content(self->metrics_, "text/plain; version=0.0.4");
   });
-  srv.Get("/events", [self](const httplib::Request&, httplib::Response& res) {
-    std::ifstream in(self->journal_path_);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    res.set_content(ss.str(), "application/x-ndjson");
+  srv.Get("/", [page = dashboard::LivePage()](const httplib::Request&, httplib::Response& res) {
+    res.set_header("Cache-Control", "no-store");
+    res.set_content(page, "text/html; charset=utf-8");
+  });
+  // ?offset=B: the journal from byte B, whole lines only; X-Next-Offset says where to go on.
+  srv.Get("/events", [self](const httplib::Request& req, httplib::Response& res) {
+    uint64_t offset = 0;
+    if (req.has_param("offset")) {
+      const std::string v = req.get_param_value("offset");
+      auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), offset);
+      if (ec != std::errc() || end != v.data() + v.size()) {
+        Reply(res, 400, fmt::format("offset must be a byte offset (a non-negative integer), not '{}'", v.substr(0, 40)));
+        return;
+      }
+    }
+    std::ifstream in(self->journal_path_, std::ios::binary);
+    in.seekg(0, std::ios::end);
+    const uint64_t size = in ? static_cast<uint64_t>(in.tellg()) : 0;
+    if (offset > size) offset = size;  // a journal rotated under the reader: it reads on from the end
+    std::string text(size - offset, '\0');
+    in.seekg(static_cast<std::streamoff>(offset));
+    if (!text.empty()) in.read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(in ? text.size() : static_cast<size_t>(in.gcount()));
+    size_t whole = text.rfind('\n');  // a line being written stays for the next read
+    text.resize(whole == std::string::npos ? 0 : whole + 1);
+    res.set_header("X-Next-Offset", std::to_string(offset + text.size()));
+    res.set_content(text, "application/x-ndjson");
   });
   srv.Post("/scale", [self](const httplib::Request& req, httplib::Response& res) {
     auto body = nlohmann::json::parse(req.body, nullptr, false);

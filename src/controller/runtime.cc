@@ -264,6 +264,8 @@ int RunController(const RuntimeOptions& options) {
              controller_address != (*server)->address().ToString() ? " (advertised as " + controller_address + ")"
                                                                     : "");
   fmt::print("  {:<20} {}\n", "http", (*http)->address());
+  // The token rides in the fragment, which the browser never sends: the page reads it for GET /events.
+  fmt::print("  {:<20} http://{}/#token={}\n", "dashboard", (*http)->address(), token);
   if (o.core.min_hosts > 0 && o.core.world_size == 0) {
     fmt::print("  {:<20} {}{}\n", "hosts", o.core.min_hosts,
                o.core.max_hosts > 0 ? fmt::format(" to {}", o.core.max_hosts) : " or more");

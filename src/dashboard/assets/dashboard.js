@@ -1,0 +1,275 @@
+// The job's page (docs/dashboard.md). window.NONSTOP.mode is "live" (served
+// by the controller at /: polls /events and /status) or "report" (`nonstop
+// report`: the journal is window.NONSTOP.journal). Everything is drawn from
+// journal records (docs/journal.md), so both modes show the same things.
+(function () {
+  'use strict';
+  const config = window.NONSTOP || { mode: 'report', journal: [] };
+  const $ = (id) => document.getElementById(id);
+
+  // Errors of this page, kept where a test (or a person) can read them.
+  function pageError(text) {
+    const e = $('errors');
+    e.hidden = false;
+    e.textContent += text + '\n';
+  }
+  window.addEventListener('error', (e) => pageError('error: ' + e.message));
+  window.addEventListener('unhandledrejection', (e) => pageError('unhandled rejection: ' + e.reason));
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === 'class') node.className = v; else node.setAttribute(k, v);
+    }
+    for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    return node;
+  }
+  const fmtMs = (v) => (typeof v === 'number' ? v.toFixed(v < 10 ? 1 : 0) : '–');
+  const fmtBytes = (b) => (b >= 1 << 20 ? (b / (1 << 20)).toFixed(1) + ' MiB' : b >= 1024 ? (b / 1024).toFixed(1) + ' KiB' : b + ' B');
+  const median = (xs) => {
+    if (!xs.length) return NaN;
+    const s = xs.slice().sort((a, b) => a - b);
+    return s[Math.floor(s.length / 2)];
+  };
+  function handled(rec) {
+    if (rec.restarted_from_checkpoint) return 'checkpoint restart';
+    if (rec.new_world < rec.old_world) return 'shrink';
+    if (rec.new_world > rec.old_world) return 'grow';
+    if (rec.replacements && rec.replacements.length) return 'spare';
+    return 'same members';
+  }
+
+  // ---- the model: what the journal says ----
+  function Model() {
+    this.start = null; this.last = null; this.end = null; this.policy = null;
+    this.steps = new Map();   // step → {loss, secs, tps, world, t}; a step computed again keeps its last
+    this.world = [];          // [t seconds, members, spares]
+    this.recoveries = new Map();
+    this.refused = null;
+    this.members = 0; this.spares = null;
+    this.records = 0;
+  }
+  Model.prototype.t = function (us) { return this.start === null ? 0 : (us - this.start) / 1e6; };
+  Model.prototype.recovery = function (id) {
+    if (!this.recoveries.has(id)) this.recoveries.set(id, { id: id });
+    return this.recoveries.get(id);
+  };
+  Model.prototype.add = function (r) {
+    if (!r || typeof r !== 'object') return;
+    this.records++;
+    const us = typeof r.time_us === 'number' ? r.time_us : null;
+    if (this.start === null && us !== null) this.start = us;
+    if (us !== null) this.last = us;
+    switch (r.event) {
+      case 'job_start':
+        if (us !== null) this.start = us;
+        this.policy = r.policy || null;
+        break;
+      case 'step':
+        this.steps.set(r.step, { loss: r.loss, secs: r.step_seconds, tps: r.tokens_per_second, world: r.world_size, t: us });
+        break;
+      case 'plan':
+        this.members = (r.members || []).length;
+        if (typeof r.spares === 'number') this.spares = r.spares;
+        this.world.push([this.t(us), this.members, this.spares]);
+        if (r.recovery) this.recovery(r.recovery).planAt = us;
+        break;
+      case 'join':
+        if (r.spare && this.spares !== null) {
+          this.spares++;
+          this.world.push([this.t(us), this.members, this.spares]);
+        }
+        break;
+      case 'spare_lost':
+        if (this.spares !== null && this.spares > 0) {
+          this.spares--;
+          this.world.push([this.t(us), this.members, this.spares]);
+        }
+        break;
+      case 'recovery_start': {
+        const rec = this.recovery(r.recovery);
+        rec.startAt = us;
+        break;
+      }
+      case 'recovery_end': {
+        const rec = this.recovery(r.recovery && r.recovery.id);
+        rec.end = r.recovery;
+        rec.endAt = us;
+        break;
+      }
+      case 'scale_refused':
+        this.refused = r;
+        break;
+      case 'job_end':
+        this.end = r;
+        break;
+    }
+  };
+  // When the fault happened and when each phase ended, in seconds since the start.
+  Model.prototype.phases = function (rec) {
+    const e = rec.end;
+    if (!e || rec.startAt === undefined) return null;
+    const at = e.ms_after_fault || {};
+    const fault = rec.startAt - (typeof at.detected === 'number' ? at.detected * 1000 : 0);
+    const out = { fault: this.t(fault) };
+    for (const k of ['detected', 'aborted', 'plan_published', 'state_ready', 'first_step_completed']) {
+      if (typeof at[k] === 'number') out[k] = this.t(fault + at[k] * 1000);
+    }
+    out.until = out.first_step_completed !== undefined ? out.first_step_completed : this.t(rec.endAt);
+    return out;
+  };
+
+  // ---- drawing ----
+  const charts = {};
+  function chart(name, data, options) {
+    $('chart-' + name).parentNode.dataset.points = data.length;  // for a test (and a glance in the inspector)
+    if (!data.length) return;
+    if (charts[name]) {
+      charts[name].updateOptions(Object.assign({ file: data }, options));
+    } else {
+      charts[name] = new Dygraph($('chart-' + name), data, options);
+    }
+  }
+
+  function card(value, label) { return el('div', { class: 'card' }, el('b', {}, value), el('span', {}, label)); }
+
+  function render(m, status) {
+    const steps = Array.from(m.steps.entries()).sort((a, b) => a[0] - b[0]);
+    const recs = Array.from(m.recoveries.values()).filter((r) => r.end).sort((a, b) => a.id - b.id);
+    const phase = status ? status.phase : m.end ? 'ended' : 'running';
+    $('phase').textContent = phase;
+    $('phase').className = 'badge ' + phase;
+    const lastStep = steps.length ? steps[steps.length - 1] : null;
+    $('headline').textContent = m.end ? 'job ended (exit code ' + m.end.exit_code + '): ' + m.end.reason : '';
+
+    // Summary cards.
+    const lost = recs.reduce((n, r) => n + (r.end.lost_steps || 0), 0);
+    const cards = [
+      card(lastStep ? lastStep[0] : '–', 'highest step'),
+      card(lastStep ? lastStep[1].loss.toFixed(4) : '–', 'loss'),
+      card(lastStep && lastStep[1].tps ? Math.round(lastStep[1].tps) : '–', 'tokens/s'),
+      card(status ? status.world_size : m.members, 'world size'),
+      card(status ? status.spares : m.spares === null ? '–' : m.spares, 'spares'),
+      card(recs.filter((r) => r.end.kind !== 'resize').length, 'recoveries'),
+      card(recs.filter((r) => r.end.kind === 'resize').length, 'resizes'),
+      card(lost, 'steps lost'),
+    ];
+    if (m.start !== null && m.last !== null && steps.length) {
+      // Useful time: each step once, at the median step time; over the wall time from the start to the last record.
+      const wall = (m.last - m.start) / 1e6;
+      const useful = steps.length * median(steps.map((s) => s[1].secs).filter((x) => typeof x === 'number'));
+      if (wall > 0 && useful > 0) cards.push(card((Math.min(1, useful / wall) * 100).toFixed(1) + ' %', 'goodput'));
+    }
+    $('summary').replaceChildren(...cards);
+
+    // Charts.
+    chart('loss', steps.map((s) => [s[0], s[1].loss]), { labels: ['step', 'loss'], drawPoints: steps.length < 60, strokeWidth: 1.5 });
+    chart('speed', steps.map((s) => [s[0], s[1].secs, s[1].tps]), {
+      labels: ['step', 'step s', 'tokens/s'],
+      series: { 'tokens/s': { axis: 'y2' } },
+      axes: { y2: { axisLabelWidth: 60 } },
+      ylabel: 'seconds', y2label: 'tokens/s',
+    });
+    const world = m.world.slice();
+    if (world.length) world.push([m.t(m.last), world[world.length - 1][1], world[world.length - 1][2]]);
+    const shaded = recs.map((r) => Object.assign({ kind: r.end.kind }, m.phases(r))).filter((p) => p.fault !== undefined);
+    chart('world', world.map((w) => [w[0], w[1], w[2] === null ? null : w[2]]), {
+      labels: ['t', 'world', 'spares'], stepPlot: true, includeZero: true, strokeWidth: 2, xlabel: 'seconds since the start',
+      underlayCallback: (ctx, area, g) => {
+        for (const p of shaded) {
+          const x0 = g.toDomXCoord(p.fault), x1 = Math.max(g.toDomXCoord(p.until), x0 + 3);
+          ctx.fillStyle = p.kind === 'resize' ? 'rgba(60,110,220,0.18)' : 'rgba(220,50,40,0.22)';
+          ctx.fillRect(x0, area.y, x1 - x0, area.h);
+        }
+      },
+    });
+
+    // Markers (the time axis, in words) and the recovery table.
+    const markers = [], rows = [], lines = [];
+    for (const r of recs) {
+      const e = r.end, p = m.phases(r) || {}, at = e.ms_after_fault || {};
+      const cause = (e.injected ? 'injected ' + e.injected + ': ' : '') + (e.causes || []).join('; ');
+      const phasesText = ['detected', 'aborted', 'plan_published', 'state_ready', 'first_step_completed']
+        .map((k) => k + ' ' + fmtMs(at[k]) + ' ms').join(', ');
+      const downtime = e.kind === 'resize' ? e.pause_ms : e.downtime_ms;
+      markers.push(el('span', {
+        class: 'marker ' + (e.kind === 'resize' ? 'resize' : 'recovery'), 'data-recovery': e.id,
+        title: cause + '\n' + phasesText,
+      }, (e.kind === 'resize' ? 'resize #' : 'recovery #') + e.id + ' at ' + (p.fault !== undefined ? p.fault.toFixed(1) + ' s' : '?') +
+        ': ' + fmtMs(downtime) + ' ms'));
+      rows.push(el('tr', { 'data-recovery': e.id },
+        el('td', {}, e.id), el('td', {}, e.kind), el('td', {}, cause), el('td', {}, handled(e) + (e.replacements && e.replacements.length ? ' (' + e.replacements.join('; ') + ')' : '')),
+        el('td', {}, e.outcome), el('td', {}, e.old_world + ' → ' + e.new_world),
+        ...['detected', 'aborted', 'plan_published', 'state_ready', 'first_step_completed'].map((k) => el('td', { class: 'num' }, fmtMs(at[k]))),
+        el('td', { class: 'num' }, fmtMs(downtime)), el('td', { class: 'num' }, e.lost_steps),
+        el('td', { class: 'num' }, e.bytes_copied ? fmtBytes(e.bytes_copied) + ' in ' + fmtMs(e.transfer_ms) + ' ms' : '–')));
+      lines.push(el('li', {}, '#' + e.id + ' ' + e.kind + ': ' + cause + ' → ' + handled(e) + ', ' + e.outcome +
+        '; downtime ' + fmtMs(downtime) + ' ms; ' + e.lost_steps + ' step(s) lost'));
+    }
+    $('markers').replaceChildren(...markers);
+    $('recoveries').tBodies[0].replaceChildren(...rows);
+    $('fault-lines').replaceChildren(...lines);
+    $('no-recoveries').hidden = recs.length > 0;
+    if (charts.loss) {
+      charts.loss.setAnnotations(recs.filter((r) => m.steps.has(r.end.resume_step)).map((r) => ({
+        series: 'loss', x: r.end.resume_step, shortText: (r.end.kind === 'resize' ? 'Z' : 'R') + r.end.id,
+        text: r.end.kind + ' #' + r.end.id + ' resumed at step ' + r.end.resume_step, width: 22,
+      })));
+    }
+
+    // Members and spares (live only: a report has no /status).
+    $('members-section').hidden = !status;
+    if (status) {
+      const workers = (status.workers || []).filter((w) => w.role !== 'gone')
+        .sort((a, b) => (a.rank < 0) - (b.rank < 0) || a.rank - b.rank || a.worker_id - b.worker_id);
+      $('members').tBodies[0].replaceChildren(...workers.map((w) => el('tr', { class: w.role, 'data-worker': w.worker_id },
+        el('td', { class: 'num' }, w.rank >= 0 ? w.rank : '–'), el('td', { class: 'num' }, w.worker_id), el('td', {}, w.host || 'local'),
+        el('td', { class: 'num' }, w.pid), el('td', {}, w.role), el('td', { class: 'num' }, w.last_step),
+        el('td', { class: 'num' }, typeof w.heartbeat_age_ms === 'number' ? w.heartbeat_age_ms + ' ms' : '–'))));
+    }
+    const policy = status ? status.policy : m.policy;
+    $('policy').textContent = policy ? JSON.stringify(policy, null, 1) : '–';
+    if (m.refused) {
+      $('refused').textContent = 'Last refused scale request: ' + JSON.stringify(m.refused.request) + ' — ' + m.refused.reason;
+    }
+  }
+
+  // ---- the two modes ----
+  const model = new Model();
+  if (config.mode === 'report') {
+    document.title = 'nonstop report: ' + (config.title || 'job');
+    $('title').textContent = 'nonstop report: ' + (config.title || 'job');
+    $('note').textContent = config.note || '';
+    for (const r of config.journal || []) model.add(r);
+    render(model, null);
+    return;
+  }
+
+  const token = new URLSearchParams(location.hash.slice(1)).get('token');
+  let offset = 0, status = null, ended = false;
+  async function poll() {
+    try {
+      const ev = await fetch('/events?offset=' + offset, { cache: 'no-store', headers: token ? { Authorization: 'Bearer ' + token } : {} });
+      if (ev.status === 401) {
+        $('note').textContent = 'The journal needs the job token: open the address `nonstop run` printed (…/#token=…).';
+      } else if (ev.ok) {
+        const text = await ev.text();
+        const next = Number(ev.headers.get('X-Next-Offset'));
+        for (const line of text.split('\n')) {
+          if (!line) continue;
+          try { model.add(JSON.parse(line)); } catch (e) { /* a line being written: read again next time */ }
+        }
+        if (isFinite(next)) offset = next;
+      }
+      const st = await fetch('/status', { cache: 'no-store' });
+      if (st.ok) status = await st.json();
+    } catch (e) {
+      // The controller is gone: the job ended (or this page outlived it).
+      ended = true;
+      $('note').textContent = 'The controller no longer answers; showing what it said last.';
+    }
+    render(model, status);
+    if (!ended) setTimeout(poll, 1000);
+  }
+  poll();
+})();
