@@ -10,7 +10,8 @@
 // the step that was in flight completes, minus one normal step (the work a
 // fault destroys by definition). Per run: steps redone, wall time against the
 // fault-free run, goodput (distinct steps × normal step time / wall time).
-// Output: a table, a JSON file and an SVG plot of steps over wall time.
+// Output: a table, a JSON file and report.html: the dashboard's page comparing
+// the three runs (steps over wall time, loss, every recovery with its phases).
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -24,6 +25,7 @@
 
 #include "bench/bench_util.h"
 #include "common/args.h"
+#include "dashboard/dashboard.h"
 
 namespace nonstop::bench {
 namespace {
@@ -60,55 +62,17 @@ void ComputeDowntimes(RunResult* r, double normal_step) {
   }
 }
 
-std::string Svg(const std::vector<RunResult>& runs, const std::vector<std::string>& colors, const std::string& title) {
-  const double W = 900, H = 520, L = 70, R = 190, T = 50, B = 60;
-  double max_t = 1, max_s = 1;
-  for (const auto& r : runs) {
-    for (const auto& s : r.steps) {
-      max_t = std::max(max_t, s.t);
-      max_s = std::max(max_s, static_cast<double>(s.step + 1));
-    }
+// A journal's records for the comparison page; a line that is not JSON (a
+// record cut short by a kill) is left out.
+std::vector<json> JournalRecords(const std::string& path) {
+  std::vector<json> records;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object()) records.push_back(std::move(j));
   }
-  auto X = [&](double t) { return L + (W - L - R) * t / max_t; };
-  auto Y = [&](double s) { return H - B - (H - T - B) * s / max_s; };
-  std::string svg = fmt::format(
-      "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='13'>\n"
-      "<rect width='100%' height='100%' fill='white'/>\n"
-      "<text x='{}' y='28' font-size='16' font-weight='bold'>{}</text>\n",
-      W, H, L, title);
-  // axes and grid
-  svg += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>\n", L, H - B, W - R, H - B);
-  svg += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/>\n", L, T, L, H - B);
-  for (int i = 0; i <= 5; ++i) {
-    double t = max_t * i / 5, s = max_s * i / 5;
-    svg += fmt::format("<line x1='{0}' y1='{1}' x2='{0}' y2='{2}' stroke='#ddd'/><text x='{0}' y='{3}' "
-                       "text-anchor='middle'>{4}</text>\n", X(t), T, H - B, H - B + 18,
-                       max_t < 10 ? fmt::format("{:.1f}", t) : fmt::format("{:.0f}", t));
-    svg += fmt::format("<line x1='{0}' y1='{1}' x2='{2}' y2='{1}' stroke='#ddd'/><text x='{3}' y='{4}' "
-                       "text-anchor='end'>{5:.0f}</text>\n", L, Y(s), W - R, L - 6, Y(s) + 4, s);
-  }
-  svg += fmt::format("<text x='{}' y='{}' text-anchor='middle'>wall time (s)</text>\n", (L + W - R) / 2, H - 18);
-  svg += fmt::format("<text x='18' y='{}' transform='rotate(-90 18 {})' text-anchor='middle'>step completed</text>\n",
-                     (T + H - B) / 2, (T + H - B) / 2);
-  int label = 0;
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const auto& r = runs[i];
-    std::string pts;
-    for (const auto& s : r.steps) pts += fmt::format("{:.1f},{:.1f} ", X(s.t), Y(static_cast<double>(s.step + 1)));
-    svg += fmt::format("<polyline fill='none' stroke='{}' stroke-width='2' points='{}'/>\n", colors[i], pts);
-    for (const auto& f : r.injected) {
-      svg += fmt::format("<line x1='{0:.1f}' y1='{1}' x2='{0:.1f}' y2='{2}' stroke='{3}' stroke-dasharray='5,4'/>"
-                         "<text x='{4:.1f}' y='{5}' fill='{3}' font-size='11'>✕ {6}</text>\n",
-                         X(f.t), T, H - B, colors[i], X(f.t) + 3, T + 12 + 14 * static_cast<double>(label++), f.spec);
-    }
-    double ly = T + 20 + 22 * static_cast<double>(i);
-    svg += fmt::format("<line x1='{}' y1='{}' x2='{}' y2='{}' stroke='{}' stroke-width='3'/><text x='{}' y='{}'>{}</text>\n",
-                       W - R + 12, ly, W - R + 36, ly, colors[i], W - R + 42, ly + 4, r.name);
-  }
-  svg += fmt::format("<text x='{}' y='{}' font-size='11' fill='#555'>dashed: injected faults</text>\n", W - R + 12,
-                     T + 20 + 22 * static_cast<double>(runs.size()));
-  svg += "</svg>\n";
-  return svg;
+  return records;
 }
 
 int Main(int argc, char** argv) {
@@ -125,7 +89,7 @@ int Main(int argc, char** argv) {
   app.add_option("--faults", faults, "Fault schedule (nonstop run --inject syntax)")->capture_default_str();
   app.add_option("--mtbf", mtbf, "MTBF for the baseline's Young/Daly checkpoint interval (s); 0: the schedule's own "
                  "(fault-free wall time / (faults + 1))")->capture_default_str();
-  app.add_option("--out", out, "Output directory (results.json, plot.svg, logs)")->capture_default_str();
+  app.add_option("--out", out, "Output directory (results.json, report.html, logs)")->capture_default_str();
   app.footer("After `--`: the training program (default: nonstop-train with its built-in llama-tiny recipe).");
   try {
     app.parse(our_argc, argv);
@@ -199,10 +163,11 @@ int Main(int argc, char** argv) {
   json doc = {{"benchmark", "recovery"}, {"nproc", nproc}, {"steps", steps}, {"faults", faults},
               {"program", program}, {"summary", summary}, {"runs", runs}};
   std::ofstream(out + "/results.json") << doc.dump(2) << "\n";
-  std::ofstream(out + "/plot.svg") << Svg({clean, cpl, cpr}, {"#777777", "#1a9850", "#d73027"},
-                                          fmt::format("Steps over time, {} workers: fault-free vs checkpointless vs "
-                                                      "checkpoint-restart", nproc));
-  fmt::print("wrote {0}/results.json and {0}/plot.svg (logs and journals beside them)\n", out);
+  std::vector<dashboard::Run> pages;
+  for (RunResult* r : all) pages.push_back({r->name, JournalRecords(out + "/" + r->name + ".jsonl")});
+  std::ofstream(out + "/report.html") << dashboard::ComparePage(
+      pages, fmt::format("what a fault costs, {} workers: fault-free, checkpointless, checkpoint-restart", nproc));
+  fmt::print("wrote {0}/results.json and {0}/report.html (logs and journals beside them)\n", out);
   return (clean.exit_code | cpl.exit_code | cpr.exit_code) == 0 ? 0 : 1;
 }
 

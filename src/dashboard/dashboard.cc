@@ -49,4 +49,10 @@ std::string ReportPage(const std::vector<nlohmann::json>& records, const std::st
   return Page({{"mode", "report"}, {"title", title}, {"note", note}, {"journal", records}});
 }
 
+std::string ComparePage(const std::vector<Run>& runs, const std::string& title) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const Run& r : runs) list.push_back({{"name", r.name}, {"journal", r.records}});
+  return Page({{"mode", "compare"}, {"title", title}, {"runs", std::move(list)}});
+}
+
 }  // namespace nonstop::dashboard

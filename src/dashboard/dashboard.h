@@ -23,4 +23,13 @@ std::string LivePage();
 // was cut short.
 std::string ReportPage(const std::vector<nlohmann::json>& records, const std::string& title, const std::string& note);
 
+// Several runs of one job side by side (the recovery benchmark: fault-free,
+// checkpointless, checkpoint-restart): steps over wall time and loss per run,
+// a row per run, and every run's recoveries.
+struct Run {
+  std::string name;
+  std::vector<nlohmann::json> records;
+};
+std::string ComparePage(const std::vector<Run>& runs, const std::string& title);
+
 }  // namespace nonstop::dashboard

@@ -41,5 +41,16 @@ TEST(DashboardTest, AReportInlinesTheJournalSoThatNoRecordCanCloseTheScript) {
   EXPECT_EQ(scripts, 3u);
 }
 
+TEST(DashboardTest, AComparisonCarriesEveryRunByName) {
+  std::vector<::nonstop::dashboard::Run> runs = {{"fault-free", {{{"event", "job_start"}, {"time_us", 1}}}},
+                           {"checkpointless", {{{"event", "job_start"}, {"time_us", 5}}, {{"event", "step"}, {"step", 0}}}}};
+  std::string page = ComparePage(runs, "what a fault costs");
+  EXPECT_NE(page.find("\"mode\":\"compare\""), std::string::npos);
+  EXPECT_NE(page.find("{\"journal\":[{\"event\":\"job_start\",\"time_us\":1}],\"name\":\"fault-free\"}"),
+            std::string::npos);
+  EXPECT_NE(page.find("\"name\":\"checkpointless\""), std::string::npos);
+  EXPECT_NE(page.find("\"title\":\"what a fault costs\""), std::string::npos);
+}
+
 }  // namespace
 }  // namespace nonstop::dashboard

@@ -43,6 +43,7 @@
   function Model() {
     this.start = null; this.last = null; this.end = null; this.policy = null;
     this.steps = new Map();   // step → {loss, secs, tps, world, t}; a step computed again keeps its last
+    this.stepEvents = [];     // [t seconds, step] of every step record, redone ones included
     this.world = [];          // [t seconds, members, spares]
     this.recoveries = new Map();
     this.refused = null;
@@ -67,6 +68,7 @@
         break;
       case 'step':
         this.steps.set(r.step, { loss: r.loss, secs: r.step_seconds, tps: r.tokens_per_second, world: r.world_size, t: us });
+        this.stepEvents.push([this.t(us), r.step]);
         break;
       case 'plan':
         this.members = (r.members || []).length;
@@ -133,6 +135,34 @@
 
   function card(value, label) { return el('div', { class: 'card' }, el('b', {}, value), el('span', {}, label)); }
 
+  // The markers, table rows and summary lines of a run's recoveries (`run`: its name, in a comparison).
+  function recoveryRows(m, recs, run) {
+    const markers = [], rows = [], lines = [];
+    for (const r of recs) {
+      const e = r.end, p = m.phases(r) || {}, at = e.ms_after_fault || {};
+      const cause = (e.injected ? 'injected ' + e.injected + ': ' : '') + (e.causes || []).join('; ');
+      const phasesText = ['detected', 'aborted', 'plan_published', 'state_ready', 'first_step_completed']
+        .map((k) => k + ' ' + fmtMs(at[k]) + ' ms').join(', ');
+      const downtime = e.kind === 'resize' ? e.pause_ms : e.downtime_ms;
+      markers.push(el('span', {
+        class: 'marker ' + (e.kind === 'resize' ? 'resize' : 'recovery'), 'data-recovery': e.id,
+        title: cause + '\n' + phasesText,
+      }, (run ? run + ': ' : '') + (e.kind === 'resize' ? 'resize #' : 'recovery #') + e.id + ' at ' +
+        (p.fault !== undefined ? p.fault.toFixed(1) + ' s' : '?') + ': ' + fmtMs(downtime) + ' ms'));
+      const cells = [el('td', {}, e.id)];
+      if (run) cells.push(el('td', {}, run));
+      rows.push(el('tr', { 'data-recovery': e.id },
+        ...cells, el('td', {}, e.kind), el('td', {}, cause), el('td', {}, handled(e) + (e.replacements && e.replacements.length ? ' (' + e.replacements.join('; ') + ')' : '')),
+        el('td', {}, e.outcome), el('td', {}, e.old_world + ' → ' + e.new_world),
+        ...['detected', 'aborted', 'plan_published', 'state_ready', 'first_step_completed'].map((k) => el('td', { class: 'num' }, fmtMs(at[k]))),
+        el('td', { class: 'num' }, fmtMs(downtime)), el('td', { class: 'num' }, e.lost_steps),
+        el('td', { class: 'num' }, e.bytes_copied ? fmtBytes(e.bytes_copied) + ' in ' + fmtMs(e.transfer_ms) + ' ms' : '–')));
+      lines.push(el('li', {}, (run ? run + ' ' : '') + '#' + e.id + ' ' + e.kind + ': ' + cause + ' → ' + handled(e) + ', ' +
+        e.outcome + '; downtime ' + fmtMs(downtime) + ' ms; ' + e.lost_steps + ' step(s) lost'));
+    }
+    return { markers, rows, lines };
+  }
+
   function render(m, status) {
     const steps = Array.from(m.steps.entries()).sort((a, b) => a[0] - b[0]);
     const recs = Array.from(m.recoveries.values()).filter((r) => r.end).sort((a, b) => a.id - b.id);
@@ -185,27 +215,7 @@
     });
 
     // Markers (the time axis, in words) and the recovery table.
-    const markers = [], rows = [], lines = [];
-    for (const r of recs) {
-      const e = r.end, p = m.phases(r) || {}, at = e.ms_after_fault || {};
-      const cause = (e.injected ? 'injected ' + e.injected + ': ' : '') + (e.causes || []).join('; ');
-      const phasesText = ['detected', 'aborted', 'plan_published', 'state_ready', 'first_step_completed']
-        .map((k) => k + ' ' + fmtMs(at[k]) + ' ms').join(', ');
-      const downtime = e.kind === 'resize' ? e.pause_ms : e.downtime_ms;
-      markers.push(el('span', {
-        class: 'marker ' + (e.kind === 'resize' ? 'resize' : 'recovery'), 'data-recovery': e.id,
-        title: cause + '\n' + phasesText,
-      }, (e.kind === 'resize' ? 'resize #' : 'recovery #') + e.id + ' at ' + (p.fault !== undefined ? p.fault.toFixed(1) + ' s' : '?') +
-        ': ' + fmtMs(downtime) + ' ms'));
-      rows.push(el('tr', { 'data-recovery': e.id },
-        el('td', {}, e.id), el('td', {}, e.kind), el('td', {}, cause), el('td', {}, handled(e) + (e.replacements && e.replacements.length ? ' (' + e.replacements.join('; ') + ')' : '')),
-        el('td', {}, e.outcome), el('td', {}, e.old_world + ' → ' + e.new_world),
-        ...['detected', 'aborted', 'plan_published', 'state_ready', 'first_step_completed'].map((k) => el('td', { class: 'num' }, fmtMs(at[k]))),
-        el('td', { class: 'num' }, fmtMs(downtime)), el('td', { class: 'num' }, e.lost_steps),
-        el('td', { class: 'num' }, e.bytes_copied ? fmtBytes(e.bytes_copied) + ' in ' + fmtMs(e.transfer_ms) + ' ms' : '–')));
-      lines.push(el('li', {}, '#' + e.id + ' ' + e.kind + ': ' + cause + ' → ' + handled(e) + ', ' + e.outcome +
-        '; downtime ' + fmtMs(downtime) + ' ms; ' + e.lost_steps + ' step(s) lost'));
-    }
+    const { markers, rows, lines } = recoveryRows(m, recs, null);
     $('markers').replaceChildren(...markers);
     $('recoveries').tBodies[0].replaceChildren(...rows);
     $('fault-lines').replaceChildren(...lines);
@@ -234,7 +244,72 @@
     }
   }
 
-  // ---- the two modes ----
+  // A comparison of runs (the recovery benchmark): steps over wall time and loss per run, a row per run.
+  function renderCompare(runs) {
+    for (const id of ['summary', 'members-section', 'chart-speed', 'chart-world']) {
+      const node = $(id);
+      (node.tagName === 'DIV' && node.classList.contains('chart') ? node.parentNode : node).hidden = true;
+    }
+    $('policy').parentNode.hidden = true;
+    $('compare-figure').hidden = false;
+    $('runs-section').hidden = false;
+    for (const th of document.querySelectorAll('.run-column')) th.hidden = false;
+    const names = runs.map((r) => r.name);
+    const timeline = [];
+    runs.forEach((r, i) => {
+      for (const [t, step] of r.model.stepEvents) {
+        const row = new Array(runs.length + 1).fill(null);
+        row[0] = t;
+        row[i + 1] = step;
+        timeline.push(row);
+      }
+    });
+    timeline.sort((a, b) => a[0] - b[0]);
+    chart('compare', timeline, { labels: ['t'].concat(names), connectSeparatedPoints: true, strokeWidth: 2,
+                                 xlabel: 'seconds since the run started', ylabel: 'step completed' });
+    const allSteps = new Set();
+    runs.forEach((r) => r.model.steps.forEach((_, s) => allSteps.add(s)));
+    const losses = Array.from(allSteps).sort((a, b) => a - b).map((s) =>
+      [s].concat(runs.map((r) => (r.model.steps.has(s) ? r.model.steps.get(s).loss : null))));
+    chart('loss', losses, { labels: ['step'].concat(names), connectSeparatedPoints: true });
+    const markers = [], rows = [], lines = [], runRows = [];
+    for (const r of runs) {
+      const m = r.model;
+      const recs = Array.from(m.recoveries.values()).filter((x) => x.end).sort((a, b) => a.id - b.id);
+      const part = recoveryRows(m, recs, r.name);
+      markers.push(...part.markers); rows.push(...part.rows); lines.push(...part.lines);
+      const wall = m.start !== null && m.last !== null ? (m.last - m.start) / 1e6 : 0;
+      const secs = Array.from(m.steps.values()).map((s) => s.secs).filter((x) => typeof x === 'number');
+      const useful = m.steps.size * median(secs);
+      const downtimes = recs.filter((x) => x.end.kind !== 'resize' && typeof x.end.downtime_ms === 'number').map((x) => x.end.downtime_ms);
+      runRows.push(el('tr', { 'data-run': r.name },
+        el('td', {}, r.name), el('td', { class: 'num' }, m.end ? m.end.exit_code : '–'), el('td', { class: 'num' }, wall.toFixed(1)),
+        el('td', { class: 'num' }, m.stepEvents.length), el('td', { class: 'num' }, m.steps.size),
+        el('td', { class: 'num' }, recs.filter((x) => x.end.kind !== 'resize').length),
+        el('td', { class: 'num' }, downtimes.length ? fmtMs(downtimes.reduce((a, b) => a + b, 0) / downtimes.length) : '–'),
+        el('td', { class: 'num' }, recs.reduce((n, x) => n + (x.end.lost_steps || 0), 0)),
+        el('td', { class: 'num' }, wall > 0 && useful > 0 ? (Math.min(1, useful / wall) * 100).toFixed(1) + ' %' : '–')));
+    }
+    $('markers').replaceChildren(...markers);
+    $('recoveries').tBodies[0].replaceChildren(...rows);
+    $('fault-lines').replaceChildren(...lines);
+    $('no-recoveries').hidden = rows.length > 0;
+    $('runs').tBodies[0].replaceChildren(...runRows);
+    $('phase').textContent = runs.length + ' runs';
+  }
+
+  // ---- the three modes ----
+  if (config.mode === 'compare') {
+    document.title = 'nonstop: ' + (config.title || 'runs');
+    $('title').textContent = 'nonstop: ' + (config.title || 'runs');
+    const runs = (config.runs || []).map((r) => {
+      const model = new Model();
+      for (const rec of r.journal || []) model.add(rec);
+      return { name: r.name, model: model };
+    });
+    renderCompare(runs);
+    return;
+  }
   const model = new Model();
   if (config.mode === 'report') {
     document.title = 'nonstop report: ' + (config.title || 'job');
