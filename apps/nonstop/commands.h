@@ -53,6 +53,7 @@ class RunCommand {
   std::string host_ = "127.0.0.1";
   int port_ = 0;
   bool resumable_ = true;
+  bool verbose_ = false;
   JobFlags flags_;
   std::vector<std::string> program_;
   // The default: the controller in a child process, this process the local

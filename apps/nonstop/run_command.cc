@@ -193,6 +193,11 @@ void RunCommand::Register(CLI::App& app) {
                  "JOURNAL --nnodes 1 --job-token-file <run dir>/job.token` adopts them. --single-process: the "
                  "controller and the workers' supervisor in this one process (its death ends the workers)")
       ->envname("NONSTOP_RESUMABLE");
+  sub_->add_flag("--verbose,-v", verbose_,
+                 "Every worker's output on the terminal, prefixed by its rank (the default when stdout is not a "
+                 "terminal); without it, a terminal shows one live progress line and the workers' output goes to "
+                 "<run dir>/logs/worker-N.log")
+      ->envname("NONSTOP_VERBOSE");
   RegisterJobFlags(sub_, &flags_);
   sub_->footer("After `--`: the worker program and its arguments. Without one, the built-in demonstration runs: "
                "nonstop-train on its llama-tiny recipe with --inject kill:rank=2,step=30.");
@@ -219,6 +224,20 @@ int RunCommand::Execute() {
   o.core.spares = spares_;
   o.listen = {host_, static_cast<uint16_t>(port_)};
   o.data_host = host_;
+  if (!verbose_ && ::isatty(STDOUT_FILENO)) {
+    // A person watching: one live line; the workers' logs go to files beside the journal.
+    std::filesystem::path journal(o.journal);
+    std::filesystem::path logs = (journal.has_parent_path() ? journal.parent_path() : ".") / "logs";
+    std::error_code ec;
+    std::filesystem::create_directories(logs, ec);
+    if (ec) {
+      fmt::print(stderr, "nonstop run: cannot create {}: {} (or pass --verbose)\n", logs.string(), ec.message());
+      return 1;
+    }
+    o.progress_line = true;
+    o.worker_log_dir = logs.string();
+    fmt::print("nonstop run: the workers' output goes to {}/worker-N.log (--verbose: here)\n", logs.string());
+  }
   if (resumable_) return RunResumable(std::move(o));
   return controller::RunController(o);
 }
@@ -268,6 +287,7 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
 
   controller::RuntimeOptions c = o;
   c.name = "nonstop run";
+  c.worker_log_dir.clear();  // the agent below starts the workers: it writes their logs
   c.program.clear();  // no local launcher: the agent below starts the workers
   c.core.min_hosts = 1;
   c.core.max_hosts = 1;
@@ -350,6 +370,7 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
   a.advertise_address = host_;
   a.program = program;
   a.elastic = true;  // the controller starts here whatever the job needs, as on one machine
+  a.log_dir = o.worker_log_dir;
   a.handle_signals = false;  // the watcher below reads them
   if (Status st = agent::ValidateOptions(a); !st.ok()) {
     fmt::print(stderr, "{}: {}\n", name, st.message());

@@ -430,7 +430,7 @@ int Main(int argc, char** argv) {
       completed = step;
       if (scale_with_world) samples_consumed += static_cast<int64_t>(step_tokens) / T;
       double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      session.ReportStep({step, loss, secs, step_tokens / secs});
+      session.ReportStep({step, loss, secs, step_tokens / secs, r.train.steps});
       maybe_checkpoint(step, secs);
       if (samples_log) {
         std::fputs(step_samples.c_str(), samples_log);

@@ -104,6 +104,7 @@ struct StepReport {
   double loss = 0;
   double step_seconds = 0;
   double tokens_per_second = 0;
+  int64_t total_steps = 0;  // the steps the run will do, if known (0: not): `nonstop run`'s progress line and ETA
 };
 
 // What the last adopted generation changed, for the training loop to log or

@@ -581,6 +581,7 @@ void Agent::OnStart(std::string_view payload) {
   // The job's identity comes from the order alone: what the agent itself
   // inherited (a NONSTOP_RESUME, a checkpoint directory) never reaches a worker.
   spec.unset = launcher::kJobVariables;
+  if (!options_.log_dir.empty()) spec.log_file = fmt::format("{}/worker-{}.log", options_.log_dir, m->worker_id);
   auto pid = launcher_->Spawn(spec);
   if (!pid.ok()) {
     reply.error = pid.status().ToString();
@@ -756,9 +757,9 @@ void Agent::OnChildExit(int worker_id, pid_t pid, int exit_code, int signal) {
   live_.erase(worker_id);
   if (phase_ == Phase::kRegistered) {
     if (signal != 0) {
-      NONSTOP_LOG_INFO("worker {} (pid {}) was killed by signal {}", worker_id, pid, signal);
+      ::nonstop::Log(ChatterLevel(), "worker {} (pid {}) was killed by signal {}", worker_id, pid, signal);
     } else {
-      NONSTOP_LOG_INFO("worker {} (pid {}) exited with code {}", worker_id, pid, exit_code);
+      ::nonstop::Log(ChatterLevel(), "worker {} (pid {}) exited with code {}", worker_id, pid, exit_code);
     }
   }
   if (phase_ == Phase::kRegistered || phase_ == Phase::kEnding) {

@@ -95,6 +95,9 @@ struct AgentOptions {
   // agent `nonstop run` runs for its own machine. Its workers' lines are
   // prefixed as `nonstop run` always did ("[rank 3] …", "[worker 5] …").
   bool elastic = false;
+  // Non-empty: each worker's stdout and stderr go to log_dir/worker-N.log
+  // (appended) instead of this agent's prefixed output (`nonstop run` on a terminal).
+  std::string log_dir;
 
   // How long to keep dialing before giving up (exit 1): from the start, and again from each loss.
   Millis join_timeout{60'000};
@@ -180,7 +183,8 @@ class Agent {
   // "[rank 3] " and the like: what the lines of worker `worker_id` start with.
   std::string OutputPrefix(int worker_id) const;
   // What the controller's own lines already say under `nonstop run` (its
-  // agent is elastic): registering, starting workers, a clean end. Debug there.
+  // agent is elastic): registering, starting workers, their exits (the fault
+  // lines and the report name them), a clean end. Debug there.
   LogLevel ChatterLevel() const { return options_.elastic ? LogLevel::kDebug : LogLevel::kInfo; }
   void Malformed(const std::string& why);
   // The controller is lost: close the connection and fence (kill every process).

@@ -159,11 +159,13 @@ std::string Encode(const PlanMsg& m) {
 }
 std::string Encode(const HeartbeatMsg& m) { return Dump({{"step", m.step}, {"waiting_ms", m.waiting_ms}}); }
 std::string Encode(const ProgressMsg& m) {
-  return Dump({{"step", m.step},
-               {"loss", Number(m.loss)},
-               {"step_seconds", Number(m.step_seconds)},
-               {"tokens_per_second", Number(m.tokens_per_second)},
-               {"world_size", m.world_size}});
+  json j = {{"step", m.step},
+            {"loss", Number(m.loss)},
+            {"step_seconds", Number(m.step_seconds)},
+            {"tokens_per_second", Number(m.tokens_per_second)},
+            {"world_size", m.world_size}};
+  if (m.total_steps > 0) j["total_steps"] = m.total_steps;
+  return Dump(j);
 }
 std::string Encode(const FinishedMsg& m) { return Dump({{"step", m.step}, {"checksum", m.checksum}}); }
 std::string Encode(const FailureMsg& m) {
@@ -243,6 +245,8 @@ Result<ProgressMsg> DecodeProgress(std::string_view p) {
     r("step_seconds", &m.step_seconds);
     r("tokens_per_second", &m.tokens_per_second);
     r("world_size", &m.world_size);
+    r.Optional("total_steps", &m.total_steps);
+    if (m.total_steps < 0) throw FieldError{"total_steps", fmt::format("must not be negative, got {}", m.total_steps)};
   });
 }
 Result<FinishedMsg> DecodeFinished(std::string_view p) {

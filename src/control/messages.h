@@ -205,6 +205,7 @@ struct ProgressMsg {
   double step_seconds = 0;
   double tokens_per_second = 0;
   int world_size = 0;
+  int64_t total_steps = 0;  // the run's steps, if the worker knows them (0: not; optional on the wire)
 };
 
 struct FinishedMsg {

@@ -367,9 +367,11 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   // inside a step that the others completed).
   if (IsLiveMember(w) && e.msg.step > last_journaled_step_) {
     last_journaled_step_ = e.msg.step;
-    out->push_back(AppendJournal{{{"event", "step"}, {"step", e.msg.step}, {"loss", e.msg.loss},
-                                  {"step_seconds", e.msg.step_seconds}, {"tokens_per_second", e.msg.tokens_per_second},
-                                  {"world_size", e.msg.world_size}, {"generation", generation_}}});
+    json record = {{"event", "step"}, {"step", e.msg.step}, {"loss", e.msg.loss},
+                   {"step_seconds", e.msg.step_seconds}, {"tokens_per_second", e.msg.tokens_per_second},
+                   {"world_size", e.msg.world_size}, {"generation", generation_}};
+    if (e.msg.total_steps > 0) record["total_steps"] = e.msg.total_steps;
+    out->push_back(AppendJournal{std::move(record)});
     // Steps right after a recovery include its cost: keep them out of the baseline.
     if (!open_recovery_ && e.msg.step > resume_step_) {
       step_seconds_.push_back(e.msg.step_seconds);

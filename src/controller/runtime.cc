@@ -28,6 +28,7 @@
 #include "controller/http_api.h"
 #include "controller/job_metrics.h"
 #include "controller/journal.h"
+#include "controller/progress_line.h"
 #include "controller/takeover.h"
 #include "launcher/local_launcher.h"
 #include "launcher/output_writer.h"
@@ -242,6 +243,16 @@ int RunController(const RuntimeOptions& options) {
   launcher::BoundedStdio stdio;
   launcher::OutputWriter& out = stdio.out();
   launcher::OutputWriter& err = stdio.err();
+  // With a progress line (a terminal), every line of ours clears it first and
+  // it is drawn again under the line: the terminal keeps one live line at the bottom.
+  std::string shown_progress;
+  auto print = [&](const std::string& text) {
+    if (!o.progress_line) {
+      out.Write(text);
+      return;
+    }
+    out.Write("\r\x1b[K" + text + shown_progress);
+  };
   const bool local = !o.program.empty();
   std::optional<launcher::LocalLauncher> launcher;
   if (local) {
@@ -308,6 +319,7 @@ int RunController(const RuntimeOptions& options) {
   (*journal)->Append(start);
 
   JobMetrics metrics;  // GET /metrics, from the journal's records as they are written
+  ProgressLine progress;  // the terminal's live line (o.progress_line), from the same records
   std::set<int> niced;  // local spares still at low priority
   std::set<int> at_normal_priority;  // an elastic host's workers told to run at nice 0 (with their first plan)
   // A refill warms up at a low priority only if it can be given normal
@@ -344,6 +356,7 @@ int RunController(const RuntimeOptions& options) {
                 {"NONSTOP_DATA_HOST", o.data_host}};
     spec.unset = launcher::kJobVariables;  // an inherited NONSTOP_HOST_ID or NONSTOP_RESUME is not this job's
     for (auto& kv : worker_env(id, spare, resume)) spec.env.push_back(std::move(kv));
+    if (!o.worker_log_dir.empty()) spec.log_file = fmt::format("{}/worker-{}.log", o.worker_log_dir, id);
     // A spare started in the background (refilling the pool while the job
     // trains) warms up at a low priority, so that it does not slow the job's
     // steps; it gets normal priority when it takes a rank.
@@ -496,9 +509,10 @@ int RunController(const RuntimeOptions& options) {
             (*server)->CloseAgent(act.host_id, act.reason, act.exit_code, /*send_shutdown=*/!act.fence);
           } else if constexpr (std::is_same_v<T, AppendJournal>) {
             metrics.Observe(act.record);
+            progress.Observe(act.record);
             (*journal)->Append(act.record);
           } else if constexpr (std::is_same_v<T, PrintLine>) {
-            out.Write(fmt::format("[nonstop] {}\n", act.line));
+            print(fmt::format("[nonstop] {}\n", act.line));
           } else if constexpr (std::is_same_v<T, EndJob>) {
             if (ended) return;  // the first end stands
             ended = act;
@@ -530,6 +544,7 @@ int RunController(const RuntimeOptions& options) {
     for (Action& a : core.Handle(e, Clock::now())) {
       if (auto* record = std::get_if<AppendJournal>(&a)) {
         metrics.Observe(record->record);
+        progress.Observe(record->record);
         (*journal)->Append(std::move(record->record));
         continue;
       }
@@ -576,7 +591,7 @@ int RunController(const RuntimeOptions& options) {
     record["orders_not_sent"] = pending.size();
     (*journal)->Append(std::move(record));
     (*journal)->Flush();
-    out.Write(fmt::format("[nonstop] {}\n", line));
+    print(fmt::format("[nonstop] {}\n", line));
     return code;
   };
   Deadline leaderless_warn_at = kNoDeadline;
@@ -601,6 +616,7 @@ int RunController(const RuntimeOptions& options) {
 
   if (takeover) handle(Takeover{std::move(takeover->state)});  // before any worker or agent is heard
   Deadline next_tick = Clock::now();
+  Deadline next_progress = Clock::now();
   Deadline next_ping = Clock::now();
   while (true) {
     loop.RunOnce(Millis(20));
@@ -618,7 +634,7 @@ int RunController(const RuntimeOptions& options) {
     }
     if (leadership != nullptr && !leadership->Valid()) {
       if (leaderless_warn_at == kNoDeadline || Clock::now() >= leaderless_warn_at) {
-        out.Write(fmt::format("[nonstop] orders wait: {}; training goes on\n", leadership->why_not_leading()));
+        print(fmt::format("[nonstop] orders wait: {}; training goes on\n", leadership->why_not_leading()));
         leaderless_warn_at = DeadlineAfter(Millis(5'000));
       }
     } else {
@@ -647,6 +663,11 @@ int RunController(const RuntimeOptions& options) {
       handle(Tick{});
       run_pending();
       next_tick = DeadlineAfter(Millis(50));
+      if (o.progress_line && progress.changed() && Clock::now() >= next_progress) {
+        shown_progress = progress.Text();
+        out.Write("\r\x1b[K" + shown_progress);
+        next_progress = DeadlineAfter(Millis(250));  // at most four redraws a second
+      }
     }
     if (Clock::now() >= next_ping) {
       // Heartbeats the other way: a worker or agent that hears nothing for a
@@ -686,6 +707,11 @@ int RunController(const RuntimeOptions& options) {
     leadership->Resign();
   }
   int code = ended->exit_code;
+  if (o.progress_line) {
+    shown_progress = progress.Text() + "\n";  // the last state stays on the screen
+    print("");
+    shown_progress.clear();
+  }
   out.Write(fmt::format("[nonstop] job {}: {}\n", code == 0 ? "finished" : "FAILED", ended->reason));
   out.Write(fmt::format("[nonstop] journal: {}\n", (*journal)->path()));
   return code;

@@ -26,6 +26,11 @@ namespace nonstop::controller {
 
 struct RuntimeOptions {
   std::string name = "nonstop run";  // how messages name this program
+  // A terminal's view (`nonstop run` on a TTY without --verbose): one live
+  // progress line under the controller's own lines, and the local workers'
+  // output in worker_log_dir/worker-N.log instead of on the terminal.
+  bool progress_line = false;
+  std::string worker_log_dir;
   ControllerOptions core;
   net::HostPort listen{"127.0.0.1", 0};  // the control port (workers and agents)
   // The address workers and agents are told to dial; empty: the listening

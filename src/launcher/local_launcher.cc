@@ -59,8 +59,22 @@ LocalLauncher::~LocalLauncher() {
 Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   NONSTOP_CHECK(!spec.argv.empty());
   int out_pipe[2], err_pipe[2];
-  if (::pipe2(out_pipe, O_CLOEXEC) != 0) return ErrnoStatus(StatusCode::kInternal, "pipe", errno);
-  if (::pipe2(err_pipe, O_CLOEXEC) != 0) return ErrnoStatus(StatusCode::kInternal, "pipe", errno);
+  if (!spec.log_file.empty()) {
+    // Both streams straight into the worker's log: nothing for this process to read.
+    int fd = ::open(spec.log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) return ErrnoStatus(StatusCode::kFailedPrecondition, "open " + spec.log_file, errno);
+    out_pipe[0] = -1;
+    out_pipe[1] = fd;
+    err_pipe[0] = -1;
+    err_pipe[1] = ::dup(fd);
+    if (err_pipe[1] < 0) {
+      ::close(fd);
+      return ErrnoStatus(StatusCode::kInternal, "dup", errno);
+    }
+  } else {
+    if (::pipe2(out_pipe, O_CLOEXEC) != 0) return ErrnoStatus(StatusCode::kInternal, "pipe", errno);
+    if (::pipe2(err_pipe, O_CLOEXEC) != 0) return ErrnoStatus(StatusCode::kInternal, "pipe", errno);
+  }
   // Build argv and env before fork: the child only execs.
   std::vector<std::string> env_strings;
   // The spec's variables replace inherited ones of the same name (getenv
@@ -102,16 +116,16 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   c->worker_id = spec.worker_id;
   c->pid = pid;
   c->pidfd.Reset(PidfdOpen(pid));
-  c->out.Reset(out_pipe[0]);
-  c->err.Reset(err_pipe[0]);
+  if (out_pipe[0] >= 0) c->out.Reset(out_pipe[0]);
+  if (err_pipe[0] >= 0) c->err.Reset(err_pipe[0]);
   if (!c->pidfd.valid()) {
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
     return ErrnoStatus(StatusCode::kInternal, "pidfd_open (Linux 5.3 or newer is required)", errno);
   }
   Child* raw = c.get();
-  loop_->Watch(raw->out.get(), POLLIN, [this, raw](short) { OnOutput(*raw, false); });
-  loop_->Watch(raw->err.get(), POLLIN, [this, raw](short) { OnOutput(*raw, true); });
+  if (raw->out.valid()) loop_->Watch(raw->out.get(), POLLIN, [this, raw](short) { OnOutput(*raw, false); });
+  if (raw->err.valid()) loop_->Watch(raw->err.get(), POLLIN, [this, raw](short) { OnOutput(*raw, true); });
   loop_->Watch(raw->pidfd.get(), POLLIN, [this, raw](short) { OnExit(*raw); });
   children_[spec.worker_id] = std::move(c);
   return pid;

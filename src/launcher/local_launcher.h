@@ -35,6 +35,9 @@ struct ChildSpec {
   int nice = 0;  // scheduling niceness (spares start at a low priority: they must not slow the job)
   // Inherited variables the child must not see (besides those `env` replaces).
   std::vector<std::string> unset;
+  // Non-empty: the child's stdout and stderr go to this file (appended to,
+  // created if missing) instead of through the launcher's prefixed writers.
+  std::string log_file;
 };
 
 // The variables that say which job and which worker a process is: a launcher

@@ -694,7 +694,7 @@ Status Session::Barrier() {
 
 void Session::ReportStep(const StepReport& r) {
   impl_->state_step_.store(r.step);
-  control::ProgressMsg m{r.step, r.loss, r.step_seconds, r.tokens_per_second, world_size()};
+  control::ProgressMsg m{r.step, r.loss, r.step_seconds, r.tokens_per_second, world_size(), r.total_steps};
   Status s = impl_->SendControl(control::kMsgProgress, control::Encode(m));
   // Without a controller the step is not lost: the join to the next one says it.
   if (!s.ok()) NONSTOP_LOG_DEBUG("progress report not sent: {}", s.ToString());

@@ -3,7 +3,11 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "common/temp_dir.h"
 #include "controller/journal.h"
@@ -79,6 +83,35 @@ TEST(RunIntegrationTest, SingleProcessModeRunsTheSameJobAndRecovers) {
   };
   EXPECT_EQ(checksum(dir / "single.jsonl"), checksum(dir / "default.jsonl"));
   EXPECT_NE(checksum(dir / "single.jsonl"), "none");
+}
+
+// On a terminal (script(1) gives it one): one live progress line instead of
+// every rank's log, which goes to runs/logs/worker-N.log.
+TEST(RunIntegrationTest, OnATerminalOneProgressLineAndTheWorkersLogsInFiles) {
+  TempDir dir;
+  auto command = [&](const std::string& flags) {
+    return fmt::format("cd {} && {}/nonstop run {} --nproc 2 --spares 1 --inject kill:rank=1,step=40 -- "
+                       "{}/nonstop-test-worker --steps 120 --sleep-ms 5",
+                       dir.path(), kBin, flags, kBin);
+  };
+  ChildProcess run({"/usr/bin/script", "-qfec", command(""), "/dev/null"}, dir / "tty.txt");
+  ASSERT_EQ(run.Wait(milliseconds(60'000)), 0) << run.Output();
+  std::string out = run.Output();
+  EXPECT_NE(out.find("step 120/120 (100%)"), std::string::npos) << out;
+  EXPECT_NE(out.find("\r\x1b[K"), std::string::npos) << "the line is redrawn in place";
+  EXPECT_NE(out.find("recovery report: 1 recovery"), std::string::npos) << out;
+  EXPECT_EQ(out.find("] step 10 ok"), std::string::npos) << "no worker's log on the terminal\n" << out;
+  std::string log = dir / "runs/logs/worker-0.log";
+  std::ifstream in(log);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  EXPECT_NE(ss.str().find("step 10 ok"), std::string::npos) << log << ":\n" << ss.str();
+  // --verbose keeps every rank's lines on the terminal.
+  ChildProcess verbose({"/usr/bin/script", "-qfec", command("--verbose --journal v/journal.jsonl"), "/dev/null"},
+                       dir / "verbose.txt");
+  ASSERT_EQ(verbose.Wait(milliseconds(60'000)), 0) << verbose.Output();
+  EXPECT_NE(verbose.Output().find("[rank 0] step 10 ok"), std::string::npos) << verbose.Output();
+  EXPECT_EQ(verbose.Output().find("\r\x1b[K"), std::string::npos) << "no progress line with --verbose";
 }
 
 TEST(RunIntegrationTest, KilledWorkerIsNamedAndReplacedWhileTheJobGoesOn) {

@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
       }
       for (size_t i = 0; i < elements; ++i) acc[i] += v[i];
       completed = step;
-      s.ReportStep({step, static_cast<double>(acc[0]), 0, 0});
+      s.ReportStep({step, static_cast<double>(acc[0]), 0, 0, steps});
       if (s.rank() == 0) {
         fmt::print("step {} ok\n", step);
         std::fflush(stdout);
