@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -224,7 +225,8 @@ int RunCommand::Execute() {
   o.core.spares = spares_;
   o.listen = {host_, static_cast<uint16_t>(port_)};
   o.data_host = host_;
-  if (!verbose_ && ::isatty(STDOUT_FILENO)) {
+  const char* term = std::getenv("TERM");
+  if (!verbose_ && ::isatty(STDOUT_FILENO) && !(term != nullptr && std::string(term) == "dumb")) {
     // A person watching: one live line; the workers' logs go to files beside the journal.
     std::filesystem::path journal(o.journal);
     std::filesystem::path logs = (journal.has_parent_path() ? journal.parent_path() : ".") / "logs";

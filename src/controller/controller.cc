@@ -550,10 +550,8 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
       MemberFault(worker_id, kind, detail, out);
       return;
     case WorkerRole::kSpare:
-      out->push_back(AppendJournal{{{"event", "spare_lost"}, {"worker_id", worker_id}, {"pid", w.pid},
-                                    {"kind", kind}, {"detail", detail}}});
       out->push_back(KillWorker{worker_id});
-      SpareLost(w, fmt::format("{} ({})", detail, kind), out);
+      SpareLost(w, fmt::format("{} ({})", detail, kind), out, kind);
       return;
     case WorkerRole::kPending: {
       // The job is forming: a spare takes its place, or a new worker is started.
@@ -687,8 +685,11 @@ void Controller::CheckHeartbeats(std::vector<Action>* out) {
   }
 }
 
-void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out) {
+void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out, const std::string& kind) {
   SetRole(w, WorkerRole::kGone);
+  // Every lost spare is in the journal: the spare counts drawn from it (dashboard, report) stay right.
+  out->push_back(AppendJournal{{{"event", "spare_lost"}, {"worker_id", w.worker_id}, {"pid", w.pid},
+                                {"kind", kind}, {"detail", how}}});
   out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {}; starting another", w.worker_id, w.pid, how)});
   RefillSpare(out);
 }

@@ -420,7 +420,7 @@ class Controller {
   void RecordArrival(WorkerInfo& w, int64_t step, int64_t waiting_ms);
   // A member failed: it leaves the membership (and is killed); recovery starts or continues.
   void MemberFault(int worker_id, const std::string& kind, const std::string& detail, std::vector<Action>* out);
-  void SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out);
+  void SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out, const std::string& kind = "exit");
   void StartRecovery(const std::string& cause, std::vector<Action>* out, bool planned = false);
   void MaybeFinishAbort(std::vector<Action>* out);
   void FormNextGeneration(std::vector<Action>* out);

@@ -521,13 +521,20 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int por
     in.seekg(0, std::ios::end);
     const uint64_t size = in ? static_cast<uint64_t>(in.tellg()) : 0;
     if (offset > size) offset = size;  // a journal rotated under the reader: it reads on from the end
-    std::string text(size - offset, '\0');
+    // At most 4 MiB at once, whole lines: a page reading a long job's journal asks again (X-Journal-Size).
+    constexpr uint64_t kMaxChunk = 4u << 20;
+    std::string text(std::min<uint64_t>(size - offset, kMaxChunk), '\0');
     in.seekg(static_cast<std::streamoff>(offset));
     if (!text.empty()) in.read(text.data(), static_cast<std::streamsize>(text.size()));
     text.resize(in ? text.size() : static_cast<size_t>(in.gcount()));
     size_t whole = text.rfind('\n');  // a line being written stays for the next read
     text.resize(whole == std::string::npos ? 0 : whole + 1);
+    if (text.empty() && size - offset >= kMaxChunk) {
+      Reply(res, 500, fmt::format("the journal line at byte {} is longer than {} bytes", offset, kMaxChunk));
+      return;
+    }
     res.set_header("X-Next-Offset", std::to_string(offset + text.size()));
+    res.set_header("X-Journal-Size", std::to_string(size));
     res.set_content(text, "application/x-ndjson");
   });
   srv.Post("/scale", [self](const httplib::Request& req, httplib::Response& res) {

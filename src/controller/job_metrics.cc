@@ -144,7 +144,8 @@ void JobMetrics::Observe(const nlohmann::json& record) {
     transfer_bytes_->Increment(std::max(0.0, Number(rec, "bytes_copied")));
     transfer_seconds_->Increment(std::max(0.0, Number(rec, "transfer_ms") / 1000));
     if (outcome == "completed") {
-      if (rec.contains("ms_after_fault") && rec["ms_after_fault"].is_object()) {
+      // The phases of faults only: a planned resize has its own histogram (its pause).
+      if (kind == "recovery" && rec.contains("ms_after_fault") && rec["ms_after_fault"].is_object()) {
         for (const auto& [phase, histogram] : phases_) {
           const auto& at = rec["ms_after_fault"];
           if (at.contains(phase) && at[phase].is_number()) histogram->Observe(std::max(0.0, at[phase].get<double>() / 1000));

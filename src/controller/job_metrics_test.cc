@@ -138,6 +138,10 @@ TEST(JobMetricsTest, JournalRecordsBecomeConventionalMetricsInTheExpositionForma
   m.Observe({{"event", "recovery_end"},
              {"recovery", {{"kind", "recovery"}, {"outcome", "superseded by recovery 3"}, {"old_world", 4},
                            {"new_world", 3}, {"lost_steps", 1}, {"ms_after_fault", {{"detected", 5.0}}}}}});
+  // A completed resize: counted, its pause timed, but not a fault's phases.
+  m.Observe({{"event", "recovery_end"},
+             {"recovery", {{"kind", "resize"}, {"outcome", "completed"}, {"old_world", 3}, {"new_world", 4},
+                           {"pause_ms", 250.0}, {"ms_after_fault", {{"detected", 0.0}, {"aborted", 200.0}}}}}});
   m.Observe({{"event", "join"}, {"worker_id", 1}});  // not a metric: ignored
   m.Observe("garbage");                               // not even an object: ignored
   m.SetStatus({{"generation", 3}, {"world_size", 4}, {"target_world_size", 4}, {"spares", 1}, {"highest_step", 2},
@@ -169,6 +173,9 @@ TEST(JobMetricsTest, JournalRecordsBecomeConventionalMetricsInTheExpositionForma
   EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_bucket{phase=\"state_ready\",le=\"0.05\"}"], 1);
   EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_bucket{phase=\"state_ready\",le=\"0.025\"}"], 0);
   EXPECT_NEAR(e.samples["nonstop_recovery_downtime_seconds_sum"], 0.115, 1e-9);
+  EXPECT_EQ(e.samples["nonstop_recoveries_total{handled=\"grow\",kind=\"resize\",outcome=\"completed\"}"], 1) << text;
+  EXPECT_NEAR(e.samples["nonstop_resize_pause_seconds_sum"], 0.25, 1e-9);
+  EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_count{phase=\"aborted\"}"], 1) << "a resize is not a fault";
   EXPECT_EQ(e.samples["nonstop_generation"], 3);
   EXPECT_EQ(e.samples["nonstop_world_size"], 4);
   EXPECT_EQ(e.samples["nonstop_spares"], 1);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include <fmt/format.h>
@@ -26,7 +27,7 @@ void ProgressLine::Observe(const nlohmann::json& r) {
   if (event == "step") {
     step_ = static_cast<int64_t>(number("step", static_cast<double>(step_)));
     total_ = static_cast<int64_t>(number("total_steps", static_cast<double>(total_)));
-    loss_ = number("loss", loss_);
+    loss_ = number("loss", std::numeric_limits<double>::quiet_NaN());  // a NaN loss is journaled as null
     tokens_per_second_ = number("tokens_per_second", tokens_per_second_);
     double secs = number("step_seconds", 0);
     if (secs > 0) {
@@ -41,8 +42,8 @@ void ProgressLine::Observe(const nlohmann::json& r) {
     if (r.value("spare", false) && spares_ >= 0) ++spares_;
   } else if (event == "spare_lost") {
     if (spares_ > 0) --spares_;
-  } else if (event == "recovery_start") {
-    changing_ = true;  // a recovery, or a resize (both open a recovery record)
+  } else if (event == "recovery_start" || event == "resize_start") {
+    changing_ = true;
   } else if (event == "recovery_end") {
     changing_ = false;
   } else if (event == "job_end") {

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -276,7 +277,13 @@ int RunController(const RuntimeOptions& options) {
                                                                     : "");
   fmt::print("  {:<20} {}\n", "http", (*http)->address());
   // The token rides in the fragment, which the browser never sends: the page reads it for GET /events.
-  fmt::print("  {:<20} http://{}/#token={}\n", "dashboard", (*http)->address(), token);
+  // Only a terminal sees it: a log file or CI output does not get the job's token.
+  if (::isatty(STDOUT_FILENO)) {
+    fmt::print("  {:<20} http://{}/#token={}\n", "dashboard", (*http)->address(), token);
+  } else {
+    fmt::print("  {:<20} http://{}/ (add #token=<the token in {}>)\n", "dashboard", (*http)->address(),
+               JobFileFor((*journal)->path()));
+  }
   if (o.core.min_hosts > 0 && o.core.world_size == 0) {
     fmt::print("  {:<20} {}{}\n", "hosts", o.core.min_hosts,
                o.core.max_hosts > 0 ? fmt::format(" to {}", o.core.max_hosts) : " or more");
@@ -486,7 +493,7 @@ int RunController(const RuntimeOptions& options) {
             if (act.host.empty()) {
               Status s = spawn_local(act.worker_id, act.spare, act.resume, act.background);
               if (!s.ok()) {
-                err.Write(fmt::format("[nonstop] {}\n", s.ToString()));
+                err.Write(fmt::format("{}[nonstop] {}\n", o.progress_line ? "\r\x1b[K" : "", s.ToString()));
                 events.push_back(ProcessExited{act.worker_id, 0, 127, 0, ""});
               }
               return;
@@ -665,6 +672,10 @@ int RunController(const RuntimeOptions& options) {
       next_tick = DeadlineAfter(Millis(50));
       if (o.progress_line && progress.changed() && Clock::now() >= next_progress) {
         shown_progress = progress.Text();
+        winsize ws{};
+        if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 8 && shown_progress.size() >= ws.ws_col) {
+          shown_progress.resize(ws.ws_col - 1);  // a wrapped line could not be redrawn in place
+        }
         out.Write("\r\x1b[K" + shown_progress);
         next_progress = DeadlineAfter(Millis(250));  // at most four redraws a second
       }

@@ -66,7 +66,7 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     out_pipe[0] = -1;
     out_pipe[1] = fd;
     err_pipe[0] = -1;
-    err_pipe[1] = ::dup(fd);
+    err_pipe[1] = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (err_pipe[1] < 0) {
       ::close(fd);
       return ErrnoStatus(StatusCode::kInternal, "dup", errno);

@@ -37,6 +37,7 @@ TEST(RunIntegrationTest, JobOfThreeWorkersAndASpareFinishes) {
   // The default: the controller is a process of its own, the workers this one's (docs/controller-failover.md).
   EXPECT_NE(out.find("resumable: the controller runs as pid"), std::string::npos) << out;
   EXPECT_TRUE(std::filesystem::exists(dir / "job.token")) << "the token --resume needs";
+  EXPECT_EQ(out.find("\x1b["), std::string::npos) << "no terminal escapes where stdout is not a terminal";
   auto plans = Events(journal, "plan");
   ASSERT_EQ(plans.size(), 1u);
   EXPECT_EQ(plans[0]["members"].size(), 3u);

@@ -88,7 +88,8 @@
           this.world.push([this.t(us), this.members, this.spares]);
         }
         break;
-      case 'recovery_start': {
+      case 'recovery_start':
+      case 'resize_start': {
         const rec = this.recovery(r.recovery);
         rec.startAt = us;
         break;
@@ -124,7 +125,9 @@
   // ---- drawing ----
   const charts = {};
   function chart(name, data, options) {
-    $('chart-' + name).parentNode.dataset.points = data.length;  // for a test (and a glance in the inspector)
+    const figure = $('chart-' + name).parentNode;  // the counts are for a test (and a glance in the inspector)
+    if (figure.dataset.firstPoints === undefined && data.length) figure.dataset.firstPoints = data.length;
+    figure.dataset.points = data.length;
     if (!data.length) return;
     if (charts[name]) {
       charts[name].updateOptions(Object.assign({ file: data }, options));
@@ -176,7 +179,7 @@
     const lost = recs.reduce((n, r) => n + (r.end.lost_steps || 0), 0);
     const cards = [
       card(lastStep ? lastStep[0] : '–', 'highest step'),
-      card(lastStep ? lastStep[1].loss.toFixed(4) : '–', 'loss'),
+      card(!lastStep ? '–' : typeof lastStep[1].loss === 'number' ? lastStep[1].loss.toFixed(4) : 'NaN', 'loss'),
       card(lastStep && lastStep[1].tps ? Math.round(lastStep[1].tps) : '–', 'tokens/s'),
       card(status ? status.world_size : m.members, 'world size'),
       card(status ? status.spares : m.spares === null ? '–' : m.spares, 'spares'),
@@ -252,6 +255,7 @@
     }
     $('policy').parentNode.hidden = true;
     $('compare-figure').hidden = false;
+    $('compare-figure').append($('markers'));  // the world chart is hidden in a comparison
     $('runs-section').hidden = false;
     for (const th of document.querySelectorAll('.run-column')) th.hidden = false;
     const names = runs.map((r) => r.name);
@@ -321,30 +325,40 @@
   }
 
   const token = new URLSearchParams(location.hash.slice(1)).get('token');
-  let offset = 0, status = null, ended = false;
+  let offset = 0, status = null, failures = 0;
   async function poll() {
+    let more = false;
     try {
       const ev = await fetch('/events?offset=' + offset, { cache: 'no-store', headers: token ? { Authorization: 'Bearer ' + token } : {} });
       if (ev.status === 401) {
-        $('note').textContent = 'The journal needs the job token: open the address `nonstop run` printed (…/#token=…).';
+        $('note').textContent = 'The journal needs the job token: open the address `nonstop run` printed (…/#token=…), or add #token=… from runs/job.json.';
       } else if (ev.ok) {
         const text = await ev.text();
         const next = Number(ev.headers.get('X-Next-Offset'));
+        const size = Number(ev.headers.get('X-Journal-Size'));
         for (const line of text.split('\n')) {
           if (!line) continue;
-          try { model.add(JSON.parse(line)); } catch (e) { /* a line being written: read again next time */ }
+          try { model.add(JSON.parse(line)); } catch (e) { pageError('a journal line is not JSON: ' + line.slice(0, 80)); }
         }
         if (isFinite(next)) offset = next;
+        more = isFinite(size) && offset < size;  // the server sends at most a few MiB at once
       }
       const st = await fetch('/status', { cache: 'no-store' });
       if (st.ok) status = await st.json();
+      failures = 0;
+      $('note').textContent = '';
     } catch (e) {
-      // The controller is gone: the job ended (or this page outlived it).
-      ended = true;
-      $('note').textContent = 'The controller no longer answers; showing what it said last.';
+      failures++;
+      $('note').textContent = model.end ? 'The job ended; its controller no longer answers.'
+                                        : 'The controller does not answer (' + failures + ' tries); trying again.';
+    } finally {
+      try {
+        render(model, status);
+      } finally {
+        // A job that ended and whose controller is gone has nothing more to say.
+        if (!(model.end && failures >= 3)) setTimeout(poll, more ? 0 : Math.min(1000 * (1 + failures), 5000));
+      }
     }
-    render(model, status);
-    if (!ended) setTimeout(poll, 1000);
   }
   poll();
 })();
