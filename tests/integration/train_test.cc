@@ -29,15 +29,19 @@ using std::chrono::milliseconds;
 const std::string kBin = NONSTOP_BIN_DIR;
 
 // A micro model that trains in a second or two on two cores.
-std::string MicroRecipe(const std::string& data_dir, const std::string& text_file, const std::string& arch = "llama") {
+// train_extra: more lines of the train section ("  determinism: world-invariant\n").
+std::string MicroRecipe(const std::string& data_dir, const std::string& text_file, const std::string& arch = "llama",
+                        const std::string& train_extra = "") {
   std::string moe = arch == "gpt-oss" ? "  n_experts: 3\n  top_k: 2\n" : "";
   return "name: micro\n"
          "model:\n  arch: " + arch + "\n  vocab_size: 256\n  dim: 32\n  n_layers: 2\n  n_heads: 4\n  n_kv_heads: 2\n"
          "  ffn_hidden: 48\n" + moe + "  seq_len: 16\n"
-         "train:\n  steps: 21\n  global_batch: 16\n  micro_batch: 2\n  seed: 7\n  log_every: 5\n"
+         "train:\n  steps: 21\n  global_batch: 16\n  micro_batch: 2\n  seed: 7\n  log_every: 5\n" + train_extra +
          "optimizer:\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  warmup_steps: 3\n"
          "data:\n  shards: " + data_dir + "\n  prepare_from: " + text_file + "\n";
 }
+
+constexpr const char* kWorldInvariant = "  determinism: world-invariant\n";
 
 class TrainTest : public ::testing::Test {
  protected:
@@ -143,13 +147,8 @@ TEST_F(TrainTest, RecoveryFromEachFaultKindIsBitwiseIdenticalToTheFaultFreeRun) 
 // kill, no spare) → 4 (a grow), and a run resumed from a checkpoint written at
 // world 4 continued at world 2 end on the same bits, with every loss the same.
 TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChangesAndResumes) {
-  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt") << "checkpoint:\n  keep: 10\n";
-  {
-    std::ifstream in(dir_ / "recipe.yaml");
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    text.replace(text.find("  log_every: 5\n"), 15, "  log_every: 5\n  determinism: world-invariant\n");
-    std::ofstream(dir_ / "recipe.yaml") << text;
-  }
+  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama", kWorldInvariant)
+                                      << "checkpoint:\n  keep: 10\n";
   const std::vector<std::string> steps = {"--steps", "40"};
   RunResult w4 = Run(4, "w4", steps);
   ASSERT_EQ(w4.code, 0) << w4.output;
@@ -201,11 +200,7 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
 }
 
 TEST_F(TrainTest, WorldInvariantModeHoldsForTheMixtureOfExperts) {
-  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "gpt-oss");
-  std::ifstream in(dir_ / "recipe.yaml");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  text.replace(text.find("  log_every: 5\n"), 15, "  log_every: 5\n  determinism: world-invariant\n");
-  std::ofstream(dir_ / "recipe.yaml") << text;
+  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "gpt-oss", kWorldInvariant);
   RunResult w1 = Run(1, "moe1");
   RunResult w3 = Run(3, "moe3");
   ASSERT_EQ(w1.code, 0) << w1.output;
@@ -216,12 +211,8 @@ TEST_F(TrainTest, WorldInvariantModeHoldsForTheMixtureOfExperts) {
 }
 
 TEST_F(TrainTest, WorldInvariantModeNeedsAFixedBatch) {
-  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt");
-  std::ifstream in(dir_ / "recipe.yaml");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  text.replace(text.find("  log_every: 5\n"), 15,
-               "  log_every: 5\n  determinism: world-invariant\n  batch: scale-with-world\n");
-  std::ofstream(dir_ / "recipe.yaml") << text;
+  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama",
+                                                   std::string(kWorldInvariant) + "  batch: scale-with-world\n");
   RunResult r = Run(1, "bad");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("'world-invariant' needs train.batch 'fixed'"), std::string::npos) << r.output;
