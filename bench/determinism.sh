@@ -71,9 +71,9 @@ for l in open(sys.argv[1]):
     except ValueError: continue
     if r.get("event")=="step": s=max(s,r["step"])
 print(s)' "$1" 2>/dev/null || echo -1; }
-wait_for() {  # wait_for DESCRIPTION COMMAND...: polls for up to 30 min
-  local what=$1; shift
-  for _ in $(seq 18000); do "$@" && return 0; sleep 0.1; done
+wait_for() {  # wait_for DESCRIPTION 'CONDITION': evaluates the condition anew every 0.1 s, for up to 30 min
+  local what=$1 condition=$2
+  for _ in $(seq 18000); do eval "$condition" && return 0; sleep 0.1; done
   echo "determinism: timed out waiting for $what" >&2; exit 1
 }
 
@@ -110,14 +110,14 @@ for recipe in $recipes; do
   job=$!
   pids+=($job)
   scale() { "$bin/nonstop" scale --job "$r/elastic/job.json" "$@" > /dev/null; }
-  wait_for "step $q1" test "$(step "$j")" -ge "$q1"
+  wait_for "step $q1" '[ "$(step "$j")" -ge "$q1" ]'
   scale --release 2
-  wait_for "world 2" test "$(world "$j")" -eq 2
-  wait_for "step $q2" test "$(step "$j")" -ge "$q2"
+  wait_for "world 2" '[ "$(world "$j")" -eq 2 ]'
+  wait_for "step $q2" '[ "$(step "$j")" -ge "$q2" ]'
   scale --world-size 4
-  wait_for "world 4" test "$(world "$j")" -eq 4
-  wait_for "the kill's shrink to 3" test "$(world "$j")" -eq 3
-  wait_for "step $q4" test "$(step "$j")" -ge "$q4"
+  wait_for "world 4" '[ "$(world "$j")" -eq 4 ]'
+  wait_for "the kill's shrink to 3" '[ "$(world "$j")" -eq 3 ]'
+  wait_for "step $q4" '[ "$(step "$j")" -ge "$q4" ]'
   scale --world-size 4
   wait "$job" || { echo "determinism: the elastic run failed; its output:" >&2; tail -20 "$r/elastic.out" >&2; exit 1; }
 
