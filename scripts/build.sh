@@ -7,8 +7,8 @@
 #   scripts/build.sh --sanitize thread [cmake args]  ./build-tsan: TSan
 #   scripts/build.sh --fuzz [cmake args]             ./build-fuzz: the libFuzzer targets (fuzz/)
 #
-# The sanitizer and fuzzing builds leave out the LibTorch trainer and the
-# benchmarks, and use clang++-16 (NONSTOP_CLANG overrides; scripts/setup.sh
+# The sanitizer and fuzzing builds leave out the LibTorch trainer, the Python
+# package and the benchmarks, and use clang++-16 (NONSTOP_CLANG overrides; scripts/setup.sh
 # installs it): libFuzzer needs clang, and clang 14 cannot compile
 # std::source_location with Debian 12's libstdc++. Extra arguments go to
 # cmake; NONSTOP_BUILD_TARGETS (space-separated) builds only those targets.
@@ -43,7 +43,7 @@ if [ "$dir" != build ]; then
     echo "build.sh: $dir needs $clang (HINT: run scripts/setup.sh)" >&2
     exit 2
   fi
-  config+=(-DCMAKE_CXX_COMPILER="$clang" -DNONSTOP_BUILD_TRAIN=OFF -DNONSTOP_BUILD_BENCH=OFF)
+  config+=(-DCMAKE_CXX_COMPILER="$clang" -DNONSTOP_BUILD_TRAIN=OFF -DNONSTOP_BUILD_BENCH=OFF -DNONSTOP_BUILD_PYTHON=OFF)
 fi
 
 generator=()

@@ -16,6 +16,9 @@ PACKAGES=(
   etcd-server  # the controller's standbys coordinate through etcd (tests start a real one; docs/controller-failover.md)
   prometheus-cpp-dev  # /metrics: histograms, counters and the exposition format (src/controller/job_metrics.cc)
   libjs-dygraphs      # the dashboard's and the report's charts, embedded in the binary (docs/dashboard.md)
+  # The Python package (python/, src/python) and its tests and examples:
+  # Debian's interpreter, pybind11 and PyTorch, and pytest.
+  python3-dev pybind11-dev python3-torch python3-pytest
 )
 # clang-16 and libclang-rt-16-dev: the sanitizer builds and libFuzzer
 # (scripts/build.sh --sanitize/--fuzz, scripts/fuzz.sh); Debian 12's default

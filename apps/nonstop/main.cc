@@ -1,6 +1,8 @@
 // nonstop: the command-line front end. One file per subcommand.
 #include <CLI/CLI.hpp>
 
+#include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -9,7 +11,25 @@
 #include "apps/nonstop/commands.h"
 #include "common/args.h"
 
+namespace {
+
+// Python workers import the nonstop package built beside this binary
+// (build/python/nonstop): its folder goes first on the PYTHONPATH that every
+// worker inherits, through `nonstop run` and `nonstop agent` alike.
+void PutPythonPackageOnPath() {
+  std::filesystem::path dir = std::filesystem::path(nonstop::cli::SelfDirectory()).parent_path() / "python";
+  std::error_code ec;
+  if (!std::filesystem::exists(dir / "nonstop" / "__init__.py", ec)) return;
+  const char* old = std::getenv("PYTHONPATH");
+  std::string value = dir.string();
+  if (old != nullptr && *old != '\0') value += ":" + std::string(old);
+  ::setenv("PYTHONPATH", value.c_str(), 1);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  PutPythonPackageOnPath();
   // Everything after the first `--` is the worker program and its arguments.
   auto [our_argc, program] = nonstop::SplitAtDoubleDash(argc, argv);
   CLI::App app{"nonstop: fault-tolerant, elastic data-parallel training"};

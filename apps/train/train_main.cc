@@ -29,6 +29,7 @@
 #include "state/checkpoint.h"
 #include "torch/adamw.h"
 #include "torch/flat_parameters.h"
+#include "torch/grad_buckets.h"
 
 namespace nonstop::train {
 namespace {
@@ -95,6 +96,13 @@ int Main(int argc, char** argv) {
   app.add_option("--torch-threads", threads, "Intra-op threads per worker")->capture_default_str()
       ->envname("NONSTOP_TORCH_THREADS");
   app.add_flag("--print-recipe", print_recipe, "Print the built-in default recipe and exit");
+  bool no_overlap = false;
+  double bucket_mb = 1.0;
+  app.add_flag("--no-overlap", no_overlap,
+               "Reduce the gradient in one all-reduce after backward, instead of in buckets while it runs")
+      ->envname("NONSTOP_TRAIN_NO_OVERLAP");
+  app.add_option("--bucket-mb", bucket_mb, "Gradient bucket size for the overlapped reduction (MB)")
+      ->capture_default_str()->check(CLI::Range(0.001, 1024.0));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -323,10 +331,20 @@ int Main(int argc, char** argv) {
   auto run_start = std::chrono::steady_clock::now();
   int64_t step = session.resume_step();
   std::optional<collective::TreeFolder> folder;  // world-invariant: this step's partial sums
+  // Overlapped reduction: the last micro-batch's backward hands each gradient
+  // bucket to the session's communication thread as soon as it is complete.
+  std::unique_ptr<torchx::GradBuckets> buckets;
+  if (!no_overlap && !world_invariant) {
+    buckets = std::make_unique<torchx::GradBuckets>(*model, flat, static_cast<size_t>(bucket_mb * (1 << 20)),
+                                                    [&session](std::span<float> b) { session.StartAllReduce(b); });
+  }
   while (true) {
     while (step < r.train.steps) {
       auto t0 = std::chrono::steady_clock::now();
+      // Stands for more compute: before the step, so the reduction is followed by the update at once.
+      if (throttle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(throttle_ms));
       double local_loss = 0;
+      bool computed = false;  // every micro-batch of this rank's share is in
       float step_norm = norm;
       double step_tokens = tokens_per_step;
       std::string step_samples;  // "step micro sample…" lines, logged once the step completed
@@ -378,23 +396,27 @@ int Main(int argc, char** argv) {
                           logits.view({-1, r.model.vocab_size}), targets.view({-1}),
                           torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * step_norm;
           if (world_invariant) flat.ZeroGrad();
+          if (!world_invariant) local_loss += loss.item<double>();
+          if (buckets && mb + 1 == mb_end) {
+            flat.loss_slot() = static_cast<float>(local_loss);  // rides in bucket 0
+            buckets->Arm();
+          }
           loss.backward();
           if (world_invariant) {
             flat.GatherGrads();
             flat.loss_slot() = loss.item<float>();
             folder->Add(flat.grads_and_loss());
-          } else {
-            local_loss += loss.item<double>();
           }
+          computed = mb + 1 == mb_end;
           if (session.aborted()) break;  // a member failed: this step is lost anyway
         }
+        if (mb_begin == mb_end) computed = true;  // more ranks than micro-batches: zeros, summed with the rest
       } catch (const std::exception& e) {
         // The process may be in any state: report, and let a spare take over.
         Status s = InternalError(fmt::format("exception in the training loop at step {}: {}", step, e.what()));
         session.ReportFailure(s, step, kExitFailure);
         return Fail(s, "training");
       }
-      if (throttle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(throttle_ms));
       Status s;
       if (world_invariant) {
         const int world = session.world_size();
@@ -408,6 +430,14 @@ int Main(int argc, char** argv) {
                 ? session.AllReduceTree(static_cast<int>(micro_batches), ranges, folder->partials(),
                                         flat.grads_and_loss())
                 : AbortedError(fmt::format("step {} was cut short: a member failed", step));
+      } else if (buckets) {
+        if (computed) {
+          buckets->Finish();
+          s = session.WaitAll();
+        } else {
+          (void)session.WaitAll();  // the buckets already started; the step is lost
+          s = AbortedError(fmt::format("step {} was cut short: a member failed", step));
+        }
       } else {
         flat.GatherGrads();
         flat.loss_slot() = static_cast<float>(local_loss);

@@ -141,6 +141,20 @@ class Session {
   // Sums `data` ([n] fp32) across the members, in place. Bitwise identical on
   // every rank and run to run at a fixed world size.
   Status AllReduce(std::span<float> data);
+  // Overlapped reduction: a step's gradient in buckets, reduced on the
+  // Session's communication thread while the caller still computes (the
+  // rest of backward). StartAllReduce queues `data` ([n] fp32, summed in
+  // place like AllReduce) and returns at once; buckets are reduced one after
+  // another in the order they were started, which must be the same on every
+  // rank. `data` must stay valid and untouched until WaitAll returns.
+  // WaitAll blocks until every started bucket is reduced and returns the
+  // first error (ABORTED or UNAVAILABLE: the generation ended). Then no
+  // bucket of the step may be used: the step is dropped whole and Recover()
+  // redoes it, so the bitwise invariants hold as with AllReduce. Between the
+  // two calls the training thread may compute, start more buckets and read
+  // aborted(); the other calls wait for the buckets first or must not be made.
+  void StartAllReduce(std::span<float> data);
+  Status WaitAll();
   // The world-invariant sum (docs/determinism.md): the step's m micro-batches
   // are split over the ranks, ranges[q] = rank q's [first, last); `partials`
   // are this rank's collective::TreeFolder sums for its range. `out` gets the

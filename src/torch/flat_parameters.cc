@@ -33,21 +33,25 @@ FlatParameters::FlatParameters(torch::nn::Module& module) {
 void FlatParameters::ZeroGrad() { flat_grads_.zero_(); }
 
 void FlatParameters::GatherGrads() {
+  for (size_t i = 0; i < tensors_.size(); ++i) GatherGrad(i);
+}
+
+void FlatParameters::GatherGrad(size_t i) {
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < tensors_.size(); ++i) {
-    auto& p = tensors_[i];
-    const auto& seg = segments_[i];
-    float* want = flat_grads_.data_ptr<float>() + seg.offset;
-    const auto& g = p.grad();
-    if (!g.defined()) {
-      p.mutable_grad() = flat_grads_.narrow(0, static_cast<int64_t>(seg.offset), static_cast<int64_t>(seg.size)).view(p.sizes());
-      continue;  // unused this step (an expert no token chose): its gradient is zero
-    }
-    if (g.data_ptr<float>() == want) continue;
-    auto view = flat_grads_.narrow(0, static_cast<int64_t>(seg.offset), static_cast<int64_t>(seg.size)).view(p.sizes());
-    view.copy_(g);
-    p.mutable_grad() = view;
+  auto& p = tensors_[i];
+  const auto& seg = segments_[i];
+  auto view = [&] {
+    return flat_grads_.narrow(0, static_cast<int64_t>(seg.offset), static_cast<int64_t>(seg.size)).view(p.sizes());
+  };
+  const auto& g = p.grad();
+  if (!g.defined()) {
+    p.mutable_grad() = view();
+    return;  // unused this step (an expert no token chose): its gradient is zero
   }
+  if (g.data_ptr<float>() == flat_grads_.data_ptr<float>() + seg.offset) return;
+  auto v = view();
+  v.copy_(g);
+  p.mutable_grad() = v;
 }
 
 std::string FlatParameters::Checksum() const {

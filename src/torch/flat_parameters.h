@@ -43,6 +43,8 @@ class FlatParameters {
   // Autograd accumulates into the views in place; if a gradient was ever
   // replaced by a new tensor, this copies it back into the flat buffer.
   void GatherGrads();
+  // The same for parameter i (in named_parameters() order) alone.
+  void GatherGrad(size_t i);
   // CRC-32C of the parameter bytes, as 8 hex digits.
   std::string Checksum() const;
 

@@ -10,6 +10,7 @@
 
 #include <condition_variable>
 #include <cstdlib>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -392,6 +393,12 @@ class SessionImpl {
   }
 
   void Stop() {
+    if (comm_thread_.joinable()) {
+      // A bucket in flight is cut short: the Session is going away.
+      abort_.Fire();
+      comm_thread_.request_stop();
+      comm_thread_.join();
+    }
     io_thread_.request_stop();
     stop_signal_.Fire();
     if (io_thread_.joinable()) io_thread_.join();
@@ -596,6 +603,42 @@ class SessionImpl {
     return RunCollective([&] { return comm_->AllReduce(data); }, /*at_step_boundary=*/true);
   }
 
+  // ---- overlapped reduction (Session::StartAllReduce / WaitAll) ----
+
+  void StartAllReduce(std::span<float> data) {
+    std::lock_guard<std::mutex> lock(bucket_mu_);
+    if (!comm_thread_.joinable()) comm_thread_ = std::jthread([this](std::stop_token st) { BucketLoop(st); });
+    buckets_.push_back(data);
+    bucket_cv_.notify_all();
+  }
+
+  // The communication thread: reduces the started buckets one at a time, in
+  // order. After the first error the rest of the step's buckets are skipped:
+  // the step is dropped whole, so there is nothing to gain from them.
+  void BucketLoop(std::stop_token st) {
+    std::unique_lock<std::mutex> lock(bucket_mu_);
+    while (true) {
+      bucket_cv_.wait(lock, st, [&] { return !buckets_.empty(); });
+      if (st.stop_requested()) return;
+      std::span<float> bucket = buckets_.front();
+      bool skip = !bucket_status_.ok();
+      lock.unlock();
+      Status s = skip ? OkStatus() : AllReduce(bucket);
+      lock.lock();
+      buckets_.pop_front();
+      if (!s.ok() && bucket_status_.ok()) bucket_status_ = s;
+      bucket_cv_.notify_all();
+    }
+  }
+
+  Status WaitAll() {
+    std::unique_lock<std::mutex> lock(bucket_mu_);
+    bucket_cv_.wait(lock, [&] { return buckets_.empty(); });
+    Status s = bucket_status_;
+    bucket_status_ = OkStatus();
+    return s;
+  }
+
   Status Finish(int64_t last_step, const std::string& checksum) {
     uint32_t gen = comm_->generation();
     control::FinishedMsg finished{last_step, checksum};
@@ -658,6 +701,14 @@ class SessionImpl {
   int64_t resume_step_ = 0;
   int comm_before_world_ = 0;
   int comm_before_rank_ = -1;
+  // Overlapped reduction: buckets started by the training thread, reduced in
+  // order by comm_thread_. The training thread touches comm_ only after
+  // WaitAll (Recover, Finish and the other collectives wait first).
+  std::mutex bucket_mu_;
+  std::condition_variable_any bucket_cv_;
+  std::deque<std::span<float>> buckets_;  // guarded by bucket_mu_: started, not yet reduced (front: in flight)
+  Status bucket_status_;                  // guarded by bucket_mu_: the first error since the last WaitAll
+  std::jthread comm_thread_;              // started with the first bucket; joined in Stop()
   std::jthread io_thread_;  // last: stops before the members it uses go away
 };
 
@@ -679,16 +730,26 @@ uint32_t Session::generation() const { return impl_->comm().generation(); }
 int64_t Session::resume_step() const { return impl_->resume_step_; }
 int Session::worker_id() const { return impl_->options_.worker_id; }
 
-Status Session::AllReduce(std::span<float> data) { return impl_->AllReduce(data); }
+// The collectives the training thread calls directly wait for the started
+// buckets first: the communicator has one driver at a time.
+Status Session::AllReduce(std::span<float> data) {
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
+  return impl_->AllReduce(data);
+}
+void Session::StartAllReduce(std::span<float> data) { impl_->StartAllReduce(data); }
+Status Session::WaitAll() { return impl_->WaitAll(); }
 Status Session::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
                               std::span<const std::vector<float>> partials, std::span<float> out) {
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->RunCollective([&] { return impl_->comm().AllReduceTree(m, ranges, partials, out); },
                               /*at_step_boundary=*/true);
 }
 Status Session::Broadcast(std::span<std::byte> data, int root) {
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->RunCollective([&] { return impl_->comm().Broadcast(data, root); }, /*at_step_boundary=*/false);
 }
 Status Session::Barrier() {
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->RunCollective([&] { return impl_->comm().Barrier(); }, /*at_step_boundary=*/false);
 }
 
@@ -701,11 +762,13 @@ void Session::ReportStep(const StepReport& r) {
 }
 
 Result<int64_t> Session::Recover() {
+  (void)impl_->WaitAll();  // the communication thread is idle before the communicator is replaced
   Status why = impl_->comm().error();
   return impl_->Rejoin(impl_->comm().generation(), why.ok() ? "recovering" : why.message());
 }
 
 Status Session::Finish(int64_t last_step, const std::string& checksum) {
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   impl_->state_step_.store(last_step);
   return impl_->Finish(last_step, checksum);
 }

@@ -208,6 +208,51 @@ TEST_F(SessionTest, BarrierAndBroadcastHonourADrainLikeAllReduce) {
   EXPECT_EQ((*session)->Broadcast(buf, 0).code(), StatusCode::kAborted);
 }
 
+TEST_F(SessionTest, AnAbortWakesTheBucketsInFlightAndDropsTheWholeStep) {
+  auto session = Join();
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  job_.StartDraining();
+  // Three buckets of one step. The silent peer never takes part, so the first
+  // blocks in its collective on the communication thread, as a bucket does
+  // while a peer is dead or hung; the training thread goes on.
+  std::vector<float> b0(8, 1.0f), b1(8, 2.0f), b2(8, 3.0f);
+  (*session)->StartAllReduce(b0);
+  (*session)->StartAllReduce(b1);
+  (*session)->StartAllReduce(b2);
+  EXPECT_FALSE((*session)->aborted());
+  job_.Send(control::kMsgAbort, control::Encode(control::AbortMsg{1, "a member failed"}));
+  // Without the abort reaching the communication thread WaitAll would return
+  // DEADLINE_EXCEEDED after timeout_collective (3 s here).
+  Status s = (*session)->WaitAll();
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_NE(s.message().find("a member failed"), std::string::npos) << s.ToString();
+  EXPECT_TRUE((*session)->aborted());
+  // The step is dropped whole: the buckets behind the failed one were not reduced.
+  EXPECT_EQ(b1, std::vector<float>(8, 2.0f));
+  EXPECT_EQ(b2, std::vector<float>(8, 3.0f));
+  // The error is reported once; the collectives that follow still fail (the generation is over).
+  EXPECT_TRUE((*session)->WaitAll().ok());
+  std::vector<float> more(4, 1.0f);
+  EXPECT_EQ((*session)->AllReduce(more).code(), StatusCode::kAborted);
+}
+
+TEST_F(SessionTest, ADrainBetweenBucketsEndsTheStepAtTheBoundary) {
+  auto session = Join();
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  job_.StartDraining();
+  (*session)->ReportStep({0, 1.0, 0.1, 1});
+  SendDrainAfterStep0();
+  WaitForDrain();
+  // Step 1's buckets start after the drain for the boundary after step 0: none may enter a collective.
+  std::vector<float> b0(8, 1.0f), b1(8, 2.0f);
+  (*session)->StartAllReduce(b0);
+  (*session)->StartAllReduce(b1);
+  Status s = (*session)->WaitAll();
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_NE(s.message().find("step boundary"), std::string::npos) << s.ToString();
+  EXPECT_EQ(b0, std::vector<float>(8, 1.0f));
+}
+
 TEST_F(SessionTest, PlanNamingASourceOutsideTheMembershipIsAnsweredWithAReasonNotACrash) {
   std::string ready_reason;
   auto session = Join([&] {

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# PyTorch from Python, side by side in one run (issue 11, docs/python.md): the
+# llama-tiny of examples/pytorch/train_llama.py, the same data, global batch
+# and steps, 4 workers, under
+#   (a) torch DDP with Gloo, launched by torchrun (bench/pytorch_ddp_llama.py),
+#       recovering by restart from a checkpoint written every 20 steps;
+#   (b) nonstop from Python (train_llama.py: DataParallel, overlapped buckets),
+#       with a spare;
+#   (c) nonstop's C++ trainer (nonstop-train), with and without overlapped
+#       reduction.
+# Each fault-free run gives its median step time and tokens/s. Then (a) and (b)
+# run again with rank 2 killed at step 30: the fault's cost is the faulted
+# run's wall time minus the fault-free one's, and for (b) also the downtime the
+# recovery report measures.
+#
+#   bash bench/pytorch.sh [--steps N]        (default 60; the kill is at step 30)
+#
+# Needs ./build (scripts/build.sh) and Debian's python3-torch. Everything runs
+# on 127.0.0.1; the run directory is removed on exit. About 8 min at 60 steps.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps=60
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --steps) steps="$2"; shift 2 ;;
+    *) echo "usage: $0 [--steps N]" >&2; exit 2 ;;
+  esac
+done
+[ "$steps" -ge 40 ] || { echo "pytorch: --steps must be at least 40 (the kill is at step 30)" >&2; exit 2; }
+root=$PWD
+bin=$root/build/bin
+py=/usr/bin/python3
+for need in "$bin/nonstop" "$bin/nonstop-train" "$py" "$root/build/python/nonstop/__init__.py"; do
+  [ -e "$need" ] || { echo "pytorch: $need is missing (run scripts/setup.sh and scripts/build.sh)" >&2; exit 2; }
+done
+"$py" -c "import torch.distributed" 2>/dev/null || { echo "pytorch: $py has no torch (apt-get install python3-torch)" >&2; exit 2; }
+export PYTHONPATH="$root/build/python${PYTHONPATH:+:$PYTHONPATH}"
+dir=$(mktemp -d /tmp/nonstop-pytorch-XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+ln -s "$root/data" "$dir/data"
+# The data, prepared once before anything is timed.
+"$py" -c "import nonstop.data as d; d.prepare(['/usr/share/games/fortunes'], '$root/data/fortunes', strip_fortune_separators=True)"
+
+now() { date +%s.%N; }
+results=$dir/results.jsonl
+
+# ddp NAME [extra args]: one torchrun job; records its wall time and rank 0's JSON lines.
+ddp() {
+  local name=$1; shift
+  local t0 t1
+  t0=$(now)
+  (cd "$dir" && "$py" -m torch.distributed.run --standalone --nproc_per_node 4 "$@" \
+      "$root/bench/pytorch_ddp_llama.py" --steps "$steps" --checkpoint-dir "$dir/ckpt-$name" --checkpoint-every 20 \
+      ${DDP_KILL:+--kill-rank 2 --kill-step 30}) > "$dir/$name.out" 2>&1 || { tail -30 "$dir/$name.out"; exit 1; }
+  t1=$(now)
+  "$py" - "$name" "$t0" "$t1" "$dir/$name.out" >> "$results" <<'EOF'
+import json, sys
+name, t0, t1, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+attempts = [json.loads(l) for l in open(out) if l.startswith("{")]
+last = attempts[-1]
+print(json.dumps({"name": name, "wall_s": t1 - t0, "median_step_s": last["median_step_s"],
+                  "tokens_per_s": last["tokens_per_s"], "restarts": len(attempts) - 1,
+                  "redone_from": last["start_step"] if len(attempts) > 1 else None}))
+EOF
+}
+
+# nonstop_job NAME INJECT PROGRAM...: one `nonstop run`; records wall time, step times and the recovery.
+nonstop_job() {
+  local name=$1 inject=$2; shift 2
+  local t0 t1
+  t0=$(now)
+  (cd "$dir" && "$bin/nonstop" run --nproc 4 --spares 1 --journal "$dir/$name.jsonl" --inject "$inject" -- "$@") \
+      > "$dir/$name.out" 2>&1 || { tail -30 "$dir/$name.out"; exit 1; }
+  t1=$(now)
+  "$py" - "$name" "$t0" "$t1" "$dir/$name.jsonl" >> "$results" <<'EOF'
+import json, statistics, sys
+name, t0, t1, journal = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+records = [json.loads(l) for l in open(journal) if l.strip()]
+steps = {r["step"]: r for r in records if r.get("event") == "step"}
+secs = [steps[s]["step_seconds"] for s in sorted(steps)][1:]
+checksum = [r["checksum"] for r in records if r.get("event") == "finished"][-1:]
+rec = [r["recovery"] for r in records if r.get("event") == "recovery_end"]
+median = statistics.median(secs)
+print(json.dumps({"name": name, "wall_s": t1 - t0, "median_step_s": median,
+                  "tokens_per_s": 32 * 64 / median, "checksum": checksum[0] if checksum else None,
+                  "downtime_ms": rec[0].get("downtime_ms") if rec else None,
+                  "lost_steps": rec[0].get("lost_steps") if rec else None}))
+EOF
+}
+
+echo "pytorch: $steps steps of llama-tiny (32 × 64 tokens), 4 workers, on $(nproc) cores; runs in $dir"
+echo "  (a) torch DDP + Gloo (torchrun), fault-free";  ddp a-clean --max_restarts 0
+echo "  (b) nonstop from Python, fault-free";           nonstop_job b-clean none "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
+echo "  (c) nonstop C++ trainer, overlapped";           nonstop_job c-overlap none "$bin/nonstop-train" --steps "$steps"
+echo "  (c) nonstop C++ trainer, not overlapped";       nonstop_job c-serial none "$bin/nonstop-train" --steps "$steps" --no-overlap
+echo "  (a) with rank 2 killed at step 30";             DDP_KILL=1 ddp a-fault --max_restarts 1
+echo "  (b) with rank 2 killed at step 30";             nonstop_job b-fault kill:rank=2,step=30 "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
+
+"$py" - "$results" <<'EOF'
+import json, sys
+r = {j["name"]: j for j in map(json.loads, open(sys.argv[1]))}
+base = r["a-clean"]["median_step_s"]
+print()
+print(f"{'run':<38} {'step (median)':>14} {'tokens/s':>9} {'vs (a)':>7}")
+for name, label in (("a-clean", "(a) torch DDP + Gloo, torchrun"), ("b-clean", "(b) nonstop, Python, overlapped buckets"),
+                    ("c-overlap", "(c) nonstop C++ trainer, overlapped"), ("c-serial", "(c) nonstop C++ trainer, not overlapped")):
+    j = r[name]
+    print(f"{label:<38} {j['median_step_s'] * 1000:>11.0f} ms {j['tokens_per_s']:>9.0f} {base / j['median_step_s']:>6.2f}×")
+print(f"\noverlap in the C++ trainer: step {r['c-overlap']['median_step_s'] * 1000:.0f} ms against "
+      f"{r['c-serial']['median_step_s'] * 1000:.0f} ms not overlapped "
+      f"({r['c-serial']['median_step_s'] / r['c-overlap']['median_step_s']:.3f}× faster)")
+a_cost = r["a-fault"]["wall_s"] - r["a-clean"]["wall_s"]
+b_cost = r["b-fault"]["wall_s"] - r["b-clean"]["wall_s"]
+down = r["b-fault"]["downtime_ms"]
+print(f"\na kill of rank 2 at step 30:")
+print(f"  (a) restart from the checkpoint of step {r['a-fault']['redone_from'] - 1 if r['a-fault']['redone_from'] else '-'}: "
+      f"{r['a-fault']['restarts']} restart, the job took {a_cost:.1f} s longer")
+print(f"  (b) nonstop: downtime {down:.0f} ms (recovery report), {r['b-fault']['lost_steps']} steps lost; "
+      f"the job took {b_cost:+.1f} s longer (wall-clock noise included)")
+print(f"  downtime (b) / cost (a): {down / 1000 / a_cost * 100:.2f}%")
+same = r["b-fault"]["checksum"] == r["b-clean"]["checksum"]
+print(f"  (b) bitwise equal to its fault-free run: {same} ({r['b-fault']['checksum']} / {r['b-clean']['checksum']})")
+EOF

@@ -1,0 +1,527 @@
+"""nonstop: checkpointless recovery and live elasticity for PyTorch training.
+
+An ordinary data-parallel PyTorch script gains both with a few lines, and runs
+under ``nonstop run``::
+
+    import nonstop, nonstop.torch
+
+    session = nonstop.join()
+    model, optimizer = build()                      # as before
+    session.register(model, optimizer)              # what must survive a fault
+    ddp = nonstop.torch.DataParallel(model, session)
+    step = session.resume_step
+    while True:
+        try:
+            for step in range(step, steps):
+                loss = ddp(batch(step)).sum() / global_batch
+                loss.backward()                     # gradients summed while backward runs
+                optimizer.step()
+                optimizer.zero_grad()
+                session.report_step(step, loss.item())
+            session.finish(steps - 1)
+            break
+        except nonstop.Aborted:                     # a peer failed, or the world changes
+            step = session.recover()                # state is current again
+
+When a worker dies or hangs, the others keep their processes, models and
+data: the reducing call raises :class:`Aborted`, :meth:`Session.recover`
+waits for the new membership (a spare takes the lost rank and copies its state
+from healthy peers), and the loop redoes the step it was on. Nothing is
+restarted and nothing is read from disk.
+
+The package does not link against PyTorch's C++ library: tensors reach the
+native half by address, after the checks here (CPU, contiguous, float32), so
+one build works with whichever torch is installed. See docs/python.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from array import array
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from . import _core
+
+__all__ = [
+    "Aborted",
+    "Extra",
+    "Released",
+    "JobEnded",
+    "InjectedFault",
+    "MembershipChange",
+    "Session",
+    "join",
+]
+
+Aborted = _core.Aborted
+
+
+class Released(SystemExit):
+    """This worker is no longer needed: the world shrank without it, or the job
+    ended before a spare was given a rank. Uncaught, it exits with status 0."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class JobEnded(SystemExit):
+    """The controller ended the job with an error; uncaught, the process exits
+    with the job's exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(exit_code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InjectedFault(RuntimeError):
+    """The exception that ``nonstop run --inject exception:rank=R,step=S`` raises
+    in rank R's reducing call of step S. Uncaught, it ends the process, which
+    is the fault being injected."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipChange:
+    """What the last join or recovery changed."""
+
+    generation: int
+    old_world: int  # 0 before the first generation
+    new_world: int
+    old_rank: int
+    new_rank: int
+    resume_step: int
+    reason: str  # "start", "recovery", "resize: ...", "restart"
+
+
+def _check_tensor(t: Any, what: str) -> None:
+    """Raises TypeError/ValueError unless `t` is a CPU, contiguous float32 tensor."""
+    if not hasattr(t, "data_ptr") or not hasattr(t, "is_contiguous"):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} is on {t.device}, but nonstop's data plane runs on the CPU: pass {what}.cpu()")
+    if str(t.dtype) != "torch.float32":
+        raise TypeError(f"{what} has dtype {t.dtype}; nonstop reduces torch.float32 tensors: convert with .float()")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} is not contiguous (strides {tuple(t.stride())}): pass {what}.contiguous(), "
+                         "and reduce into that tensor")
+
+
+def _span(t: Any) -> Tuple[int, int]:
+    """(address, bytes) of a contiguous tensor's memory."""
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+class Extra:
+    """Python numbers that must survive a fault (counters, the position in an
+    epoch), kept in registered memory. Keys are fixed at registration; ints
+    stay ints (64-bit) and floats stay floats."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self._kind: Dict[str, Tuple[str, int]] = {}
+        self._ints = array("q")
+        self._floats = array("d")
+        for key, value in values.items():
+            if not isinstance(key, str):
+                raise TypeError(f"extra keys are strings, got {key!r}")
+            if isinstance(value, bool) or isinstance(value, int):
+                self._kind[key] = ("q", len(self._ints))
+                self._ints.append(int(value))
+            elif isinstance(value, float):
+                self._kind[key] = ("d", len(self._floats))
+                self._floats.append(value)
+            else:
+                raise TypeError(f"extra[{key!r}] is a {type(value).__name__}; nonstop keeps ints and floats "
+                                "(keep tensors with register(tensors={...}))")
+
+    def __getitem__(self, key: str) -> Any:
+        kind, i = self._slot(key)
+        return self._ints[i] if kind == "q" else self._floats[i]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        kind, i = self._slot(key)
+        if kind == "q":
+            if not isinstance(value, int):
+                raise TypeError(f"extra[{key!r}] was registered as an int; got {type(value).__name__}")
+            self._ints[i] = value
+        else:
+            self._floats[i] = float(value)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._kind
+
+    def keys(self) -> Iterable[str]:
+        return self._kind.keys()
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {k: self[k] for k in self._kind}
+
+    def __repr__(self) -> str:
+        return f"Extra({self.as_dict()!r})"
+
+    def _slot(self, key: str) -> Tuple[str, int]:
+        if key not in self._kind:
+            raise KeyError(f"{key!r} was not registered; the keys are {sorted(self._kind)} "
+                           "(register every key with session.register(extra={...}))")
+        return self._kind[key]
+
+    def _regions(self) -> List[Tuple[str, int, int, str, List[int]]]:
+        regions = []
+        if len(self._ints):
+            address, n = self._ints.buffer_info()
+            regions.append(("extra.int", address, n * self._ints.itemsize, "I64", [n]))
+        if len(self._floats):
+            address, n = self._floats.buffer_info()
+            regions.append(("extra.float", address, n * self._floats.itemsize, "F64", [n]))
+        return regions
+
+
+# Optimizers whose state, created lazily at their first step, starts as zeros:
+# nonstop creates it up front (a step on zero gradients, then the parameters
+# restored and the state zeroed) so that it can be registered before training.
+_ZERO_INITIALISED_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+
+
+class Session:
+    """One worker's membership in a nonstop job. Made by :func:`join`."""
+
+    def __init__(self) -> None:
+        missing = [v for v in ("NONSTOP_CONTROLLER", "NONSTOP_JOB_TOKEN", "NONSTOP_WORKER_ID") if not os.environ.get(v)]
+        if missing:
+            raise RuntimeError(f"{', '.join(missing)} not set: start this script under `nonstop run`, e.g. "
+                               f"`nonstop run --nproc 4 --spares 1 -- {os.path.basename(sys.executable)} "
+                               f"{os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else 'train.py'}`")
+        self._core: Optional[Any] = None
+        self._keep: List[Any] = []  # what the registered regions point into
+        self._params: Optional[Any] = None  # the flat parameter tensor
+        self._step_in_flight = 0
+        self._callbacks: List[Callable[[MembershipChange], None]] = []
+        self._reserved: List[Tuple[int, int, str]] = []  # (begin, end, what) of registered memory
+        self.extra = Extra({})
+
+    # ---- joining ----
+
+    def register(self, model: Any = None, optimizer: Any = None, extra: Optional[Mapping[str, Any]] = None, *,
+                 tensors: Optional[Mapping[str, Any]] = None) -> "Session":
+        """Registers what must survive a fault, then joins the job.
+
+        - `model`: its parameters are moved into one flat buffer (each
+          parameter becomes a view into it), so a recovering worker copies
+          them in one striped transfer.
+        - `optimizer`: its state (AdamW's moments and step) is created now if
+          it does not exist yet, and moved into one flat buffer too.
+        - `extra`: Python ints and floats, read and written afterwards as
+          ``session.extra["key"]``.
+        - `tensors`: other CPU tensors kept in place (contiguous).
+
+        A spare blocks here, warm, until it is given a rank; its state is then
+        copied from the healthy workers before this returns. Raises
+        :class:`Released` if the job ends first.
+        """
+        if self._core is not None:
+            raise RuntimeError("register() was called twice: a session registers its state once, before training")
+        regions: List[Tuple[str, int, int, str, List[int]]] = []
+        params: List[Any] = []
+        if model is not None:
+            params = _unique_parameters(model)
+            if not params:
+                raise ValueError("the model has no parameters to register")
+            for i, p in enumerate(params):
+                _check_tensor(p, f"parameter {i} of the model")
+            self._params = _flatten_parameters(params)
+            self._reserve(self._params, "the model's parameters")
+            regions.append(("params", *_span(self._params), "F32", [self._params.numel()]))
+        if optimizer is not None:
+            if model is None:
+                raise ValueError("register(optimizer=...) needs the model too: the optimizer's state is kept per parameter")
+            regions += self._register_optimizer(optimizer, params)
+        if extra:
+            self.extra = Extra(extra)
+            regions += self.extra._regions()
+        for name, t in (tensors or {}).items():
+            if not hasattr(t, "data_ptr"):
+                raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"tensors[{name!r}] must be a contiguous CPU tensor (device {t.device}, "
+                                 f"contiguous {t.is_contiguous()})")
+            self._reserve(t, f"tensors[{name!r}]")
+            self._keep.append(t)
+            kind = "F32" if str(t.dtype) == "torch.float32" else "U8"
+            regions.append((f"tensor.{name}", *_span(t), kind, [t.numel()] if kind == "F32" else []))
+        self._keep.append(self.extra)
+        try:
+            self._core = _core.Session.join(regions)
+        except _core.Cancelled as e:
+            raise Released(str(e)) from None
+        self._step_in_flight = self._core.resume_step
+        _install_failure_report(self)
+        return self
+
+    def _reserve(self, t: Any, what: str) -> None:
+        begin, size = _span(t)
+        for b, e, other in self._reserved:
+            if begin < e and b < begin + size:
+                raise ValueError(f"{what} overlaps {other}, which is registered already: "
+                                 "a tensor is registered once")
+        self._reserved.append((begin, begin + size, what))
+
+    def _register_optimizer(self, optimizer: Any, params: List[Any]) -> List[Tuple[str, int, int, str, List[int]]]:
+        import torch
+
+        index = {id(p): i for i, p in enumerate(params)}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in index:
+                    raise ValueError("the optimizer holds a parameter that is not the model's: register the model "
+                                     "whose parameters the optimizer updates")
+        if not optimizer.state:
+            _materialize_state(optimizer, params)
+        float_states: List[Tuple[Any, str, Any]] = []
+        regions: List[Tuple[str, int, int, str, List[int]]] = []
+        for p in params:
+            state = optimizer.state.get(p, {})
+            for key in sorted(state):
+                value = state[key]
+                if value is None:
+                    continue  # e.g. SGD's momentum_buffer without momentum
+                if not torch.is_tensor(value):
+                    raise ValueError(f"optimizer state {key!r} of parameter {index[id(p)]} is a Python "
+                                     f"{type(value).__name__}, which nonstop cannot keep in registered memory; "
+                                     "keep such values in extra={...}")
+                if value.device.type != "cpu":
+                    raise ValueError(f"optimizer state {key!r} is on {value.device}: nonstop keeps CPU state")
+                if value.dtype == torch.float32:
+                    float_states.append((p, key, value))
+                else:
+                    value = value.contiguous()
+                    state[key] = value
+                    self._keep.append(value)
+                    self._reserve(value, f"optimizer state {key!r} of parameter {index[id(p)]}")
+                    regions.append((f"optimizer.{index[id(p)]}.{key}", *_span(value), "U8", []))
+        if float_states:
+            total = sum(v.numel() for _, _, v in float_states)
+            flat = torch.empty(total, dtype=torch.float32)
+            offset = 0
+            for p, key, value in float_states:
+                n = value.numel()
+                view = flat[offset:offset + n].view_as(value)
+                view.copy_(value)
+                optimizer.state[p][key] = view
+                offset += n
+            self._keep.append(flat)
+            self._reserve(flat, "the optimizer's state")
+            regions.insert(0, ("optimizer", *_span(flat), "F32", [total]))
+        return regions
+
+    # ---- where this worker stands ----
+
+    def _joined(self) -> Any:
+        if self._core is None:
+            raise RuntimeError("call session.register(model, optimizer) first: the rank and the world are known "
+                               "once the state is registered and the session joined (a spare gets its rank then)")
+        return self._core
+
+    @property
+    def rank(self) -> int:
+        return self._joined().rank
+
+    @property
+    def world_size(self) -> int:
+        return self._joined().world_size
+
+    @property
+    def generation(self) -> int:
+        return self._joined().generation
+
+    @property
+    def resume_step(self) -> int:
+        """The first step this generation runs."""
+        return self._joined().resume_step
+
+    @property
+    def worker_id(self) -> int:
+        return self._joined().worker_id
+
+    @property
+    def aborted(self) -> bool:
+        """True once the generation was aborted: the step in flight is lost, so
+        a loop may stop computing it and recover at once. Cheap."""
+        return self._joined().aborted()
+
+    @property
+    def last_change(self) -> MembershipChange:
+        return MembershipChange(**self._joined().last_change())
+
+    @property
+    def state_bytes(self) -> int:
+        return self._joined().state_bytes
+
+    def on_membership_change(self, callback: Callable[[MembershipChange], None]) -> None:
+        """Calls `callback(change)` after each recovery or resize that recover() adopts."""
+        self._callbacks.append(callback)
+
+    # ---- collectives ----
+
+    def allreduce(self, tensor: Any) -> Any:
+        """Sums `tensor` (CPU, contiguous, float32) across the workers, in place,
+        and returns it. Bitwise the same on every rank. Raises Aborted."""
+        _check_tensor(tensor, "the tensor")
+        core = self._joined()
+        self._maybe_inject()
+        core.allreduce(tensor.data_ptr(), tensor.numel())
+        return tensor
+
+    def _start_allreduce(self, tensor: Any) -> None:
+        # For DataParallel: `tensor` was checked when its buckets were made.
+        self._core.start_allreduce(tensor.data_ptr(), tensor.numel())
+
+    def _wait_all(self) -> None:
+        self._core.wait_all()
+
+    def _maybe_inject(self) -> None:
+        if self._core.injected_exception_at(self._step_in_flight):
+            raise InjectedFault(f"injected exception at step {self._step_in_flight} (nonstop run --inject)")
+
+    # ---- steps ----
+
+    def report_step(self, step: int, loss: float = 0.0, *, step_seconds: float = 0.0, tokens: float = 0.0,
+                    total_steps: int = 0) -> None:
+        """Tells the controller that `step` completed: the registered state
+        holds it now. Call it after the optimizer's update. `tokens`: how many
+        the step trained on (for tokens/s); `total_steps`: for the progress line."""
+        core = self._joined()
+        rate = tokens / step_seconds if step_seconds > 0 and tokens else 0.0
+        core.report_step(int(step), float(loss), float(step_seconds), rate, int(total_steps))
+        self._step_in_flight = int(step) + 1
+
+    def recover(self) -> int:
+        """After Aborted: takes part in the recovery and returns the step to run
+        next; the registered state holds the step before it. Raises Released
+        when the world shrank without this worker, JobEnded when the job ended."""
+        core = self._joined()
+        try:
+            step = core.recover()
+        except _core.Cancelled as e:
+            code = core.shutdown_exit_code
+            if code:
+                raise JobEnded(str(e), code) from None
+            raise Released(str(e)) from None
+        self._step_in_flight = step
+        change = self.last_change
+        for callback in self._callbacks:
+            callback(change)
+        return step
+
+    def finish(self, last_step: int, checksum: Optional[str] = None) -> None:
+        """Tells the controller that training ended after `last_step` and waits
+        until the job ends. Raises Aborted if a member failed first: recover()
+        and carry on. `checksum` defaults to checksum()."""
+        core = self._joined()
+        core.finish(int(last_step), checksum if checksum is not None else self.checksum())
+
+    def checksum(self) -> str:
+        """CRC-32C of the registered parameters, as 8 hex digits."""
+        if self._params is None:
+            return self._joined().state_digest()
+        return _core.crc32c(*_span(self._params))
+
+    def run(self, train_step: Callable[[int], Optional[float]], steps: int) -> None:
+        """The training loop, for the common case: calls `train_step(step)` for
+        each step from resume_step to `steps`-1 (it does forward, backward and
+        the optimizer's update, and returns the loss), reports each step,
+        recovers from faults and resizes, and finishes. Returns when the job
+        ended; this worker's release ends the process (Released)."""
+        step = self.resume_step
+        while True:
+            try:
+                while step < steps:
+                    t0 = time.monotonic()
+                    loss = train_step(step)
+                    self.report_step(step, float(loss or 0.0), step_seconds=time.monotonic() - t0,
+                                     total_steps=steps)
+                    step += 1
+                self.finish(steps - 1)
+                return
+            except Aborted:
+                step = self.recover()
+
+
+def join() -> Session:
+    """The session of this worker, from the environment `nonstop run` sets.
+    Register the state next (:meth:`Session.register`): that joins the job."""
+    return Session()
+
+
+def _unique_parameters(model: Any) -> List[Any]:
+    seen = set()
+    params = []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    return params
+
+
+def _flatten_parameters(params: List[Any]) -> Any:
+    import torch
+
+    total = sum(p.numel() for p in params)
+    flat = torch.empty(total, dtype=torch.float32)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            view = flat[offset:offset + n].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+            offset += n
+    return flat
+
+
+def _materialize_state(optimizer: Any, params: List[Any]) -> None:
+    import torch
+
+    name = type(optimizer).__name__
+    if name not in _ZERO_INITIALISED_OPTIMIZERS:
+        raise ValueError(f"{name}'s state is created at its first step, and nonstop does not know its initial "
+                         f"values; register after one optimizer step, or use one of "
+                         f"{', '.join(_ZERO_INITIALISED_OPTIMIZERS)}")
+    if name == "SGD" and any(g.get("momentum", 0) and g.get("dampening", 0) for g in optimizer.param_groups):
+        raise ValueError("SGD with momentum and dampening starts its momentum from the first gradient, not from "
+                         "zeros: register after one optimizer step")
+    saved = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for p, value, grad in zip(params, saved, grads):
+            p.copy_(value)
+            p.grad = grad
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+
+
+def _install_failure_report(session: Session) -> None:
+    """An uncaught exception ends the process; tell the controller at once, so
+    it recovers without waiting for the exit to be noticed."""
+    previous = sys.excepthook
+
+    def report(kind, value, tb):  # type: ignore[no-untyped-def]
+        try:
+            if session._core is not None and not issubclass(kind, KeyboardInterrupt):
+                session._core.report_failure(f"{kind.__name__}: {value}", session._step_in_flight, 1)
+        finally:
+            previous(kind, value, tb)
+
+    sys.excepthook = report

@@ -1,0 +1,176 @@
+"""nonstop.torch: data parallelism for a PyTorch module, as torch DDP does it.
+
+:class:`DataParallel` sums the gradients of every worker while backward still
+runs: the gradients live in one flat buffer cut into buckets, in the reverse
+order of the parameters (the last layers' gradients are ready first), and a
+bucket is handed to the session's communication thread as soon as every
+gradient in it is accumulated. The end of backward waits for the last bucket.
+
+Gradients are summed, not averaged: scale the loss by 1 / (the global batch),
+as the examples do. That is what keeps the update exact when the world grows
+or shrinks and the global batch stays fixed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List
+
+import torch
+
+from . import Aborted, Session, _check_tensor
+
+__all__ = ["DataParallel"]
+
+
+class DataParallel(torch.nn.Module):
+    """Wraps `module` (already registered with `session`). Call it like the
+    module; after ``loss.backward()`` every parameter's ``.grad`` holds the sum
+    over all workers, or :class:`nonstop.Aborted` was raised and the step is
+    lost (``session.recover()``)."""
+
+    def __init__(self, module: torch.nn.Module, session: Session, bucket_cap_mb: float = 4.0) -> None:
+        super().__init__()
+        if not isinstance(session, Session):
+            raise TypeError(f"session must be a nonstop.Session, got {type(session).__name__}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        session._joined()
+        self.module = module
+        self._session = session
+        seen = set()
+        params: List[torch.nn.Parameter] = []
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        if not params:
+            raise ValueError("the module has no parameters that require gradients")
+        for i, p in enumerate(params):
+            _check_tensor(p, f"parameter {i} of the module")
+        # Reverse order: backward produces the last layers' gradients first.
+        self._params = list(reversed(params))
+        total = sum(p.numel() for p in self._params)
+        self._grads = torch.zeros(total, dtype=torch.float32)
+        self._views: List[torch.Tensor] = []
+        self._bucket_of: List[int] = []
+        self._buckets: List[torch.Tensor] = []
+        cap = max(1, int(bucket_cap_mb * (1 << 20) / 4))
+        offset = 0
+        bucket_begin = 0
+        for p in self._params:
+            n = p.numel()
+            if offset > bucket_begin and offset + n - bucket_begin > cap:
+                self._buckets.append(self._grads[bucket_begin:offset])
+                bucket_begin = offset
+            self._views.append(self._grads[offset:offset + n].view_as(p))
+            self._bucket_of.append(len(self._buckets))
+            offset += n
+        self._buckets.append(self._grads[bucket_begin:offset])
+        self._size = [0] * len(self._buckets)
+        for b in self._bucket_of:
+            self._size[b] += 1
+        with torch.no_grad():
+            for p, view in zip(self._params, self._views):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+        self._sync = True
+        self._in_backward = False
+        self._pending: List[int] = []
+        self._ready: List[bool] = []
+        self._next_bucket = 0
+        self._hooks = []
+        for i, p in enumerate(self._params):
+            self._hooks.append(self._hook(i, p))
+
+    def _hook(self, i: int, p: torch.nn.Parameter) -> Any:
+        if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
+            return p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad_ready(i))
+        # Older torch: a hook on the parameter's gradient accumulator, which runs
+        # after the gradient was added to .grad (torch DDP's way).
+        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+        accumulator.register_hook(lambda *_, i=i: self._on_grad_ready(i))
+        return accumulator  # kept alive, or its hook goes with it
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # A member failed: the step in flight is lost, so do not compute the
+        # rest of it (the recovery waits for every survivor to stop).
+        if self._session._core.aborted():
+            raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
+        if self._in_backward:
+            # The last backward never reached its end (an exception inside it):
+            # wait for what it started, so the next one starts clean. A failure
+            # there stays sticky in the session and surfaces at the next reduction.
+            self._in_backward = False
+            try:
+                self._session._wait_all()
+            except Aborted:
+                pass
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (earlier
+        micro-batches of a step); the first backward outside reduces them."""
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zeros the gradient buffer (the gradients stay views into it)."""
+        self._grads.zero_()
+        for p, view in zip(self._params, self._views):
+            p.grad = view
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def _adopt_grad(self, i: int) -> None:
+        # optimizer.zero_grad(set_to_none=True) replaced .grad: bring it back into the buffer.
+        p, view = self._params[i], self._views[i]
+        g = p.grad
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(g)
+        p.grad = view
+
+    def _on_grad_ready(self, i: int) -> None:
+        self._adopt_grad(i)
+        if not self._sync:
+            return
+        if not self._in_backward:
+            self._session._maybe_inject()  # nonstop run --inject exception:...: before anything is started
+            self._in_backward = True
+            self._pending = list(self._size)
+            self._ready = [False] * len(self._params)
+            self._next_bucket = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self._ready[i]:
+            return
+        self._ready[i] = True
+        self._pending[self._bucket_of[i]] -= 1
+        self._start_ready_buckets()
+
+    def _start_ready_buckets(self) -> None:
+        # Strictly in bucket order: every rank starts the same buckets in the same order.
+        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
+            self._session._start_allreduce(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        # Parameters this backward did not reach (unused in forward) contribute zeros.
+        for i in range(len(self._params)):
+            if not self._ready[i]:
+                self._adopt_grad(i)
+                self._ready[i] = True
+                self._pending[self._bucket_of[i]] -= 1
+        self._start_ready_buckets()
+        self._session._wait_all()  # raises nonstop.Aborted: the step is lost

@@ -1,0 +1,270 @@
+// nonstop._core: the Python package's native half (issue 11, docs/python.md).
+//
+// It binds nonstop::Session, the state registry, the data loader and the
+// sampler, and knows nothing of PyTorch: tensors arrive as (address, bytes)
+// pairs that python/nonstop checks first (device, dtype, contiguity, no
+// overlap), so one build works with whatever torch the user has. This module
+// is private: its functions trust those checks.
+//
+// Every call that may block (joining, reductions, recovery, finishing)
+// releases the GIL, so Python threads (a data loader, the autograd hooks that
+// start buckets) keep running while a collective waits on peers.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "common/crc32c.h"
+#include "common/logging.h"
+#include "data/dataset.h"
+#include "data/prepare.h"
+#include "data/sampler.h"
+#include "nonstop/session.h"
+#include "nonstop/state.h"
+
+namespace py = pybind11;
+
+namespace nonstop::python {
+namespace {
+
+// Raised for a fault or a planned change: the step in flight is lost; recover().
+PyObject* g_aborted = nullptr;
+// Raised when the job ended or this worker was released (Join or Recover).
+PyObject* g_cancelled = nullptr;
+
+[[noreturn]] void Throw(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kAborted:
+    case StatusCode::kUnavailable:
+    case StatusCode::kDeadlineExceeded:
+      PyErr_SetString(g_aborted, s.ToString().c_str());
+      throw py::error_already_set();
+    case StatusCode::kCancelled:
+      PyErr_SetString(g_cancelled, s.ToString().c_str());
+      throw py::error_already_set();
+    case StatusCode::kInvalidArgument:
+      throw py::value_error(s.ToString());
+    default:
+      throw std::runtime_error(s.ToString());
+  }
+}
+
+void Check(const Status& s) {
+  if (!s.ok()) Throw(s);
+}
+
+std::span<std::byte> Bytes(uintptr_t address, size_t nbytes) {
+  return {reinterpret_cast<std::byte*>(address), nbytes};
+}
+std::span<float> Floats(uintptr_t address, size_t count) { return {reinterpret_cast<float*>(address), count}; }
+
+// One registered region as python/nonstop describes it.
+using RegionSpec = std::tuple<std::string, uintptr_t, size_t, std::string, std::vector<int64_t>>;
+
+// A Session and the registry it keeps current. The registry's regions are
+// memory that the Python objects (tensors) own; the Python Session keeps
+// them alive as long as this object.
+class PySession {
+ public:
+  static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions, int64_t state_step) {
+    auto self = std::unique_ptr<PySession>(new PySession());
+    for (const auto& [name, address, nbytes, dtype, shape] : regions) {
+      if (dtype == "F32") {
+        Check(self->state_.RegisterFloats(name, Floats(address, nbytes / sizeof(float)), shape));
+      } else {
+        Check(self->state_.Register(name, Bytes(address, nbytes)));
+      }
+    }
+    Result<SessionOptions> options = SessionOptions::FromEnvironment();
+    Check(options.status());
+    Result<std::unique_ptr<Session>> session = InternalError("not joined");
+    {
+      py::gil_scoped_release release;
+      session = Session::Join(*options, &self->state_, state_step);
+    }
+    if (!session.ok() && session.status().code() != StatusCode::kCancelled) {
+      // Not a fault in a running job (Aborted): this worker never joined one.
+      PyErr_SetString(session.status().code() == StatusCode::kUnavailable ||
+                              session.status().code() == StatusCode::kDeadlineExceeded
+                          ? PyExc_ConnectionError
+                          : PyExc_RuntimeError,
+                      session.status().ToString().c_str());
+      throw py::error_already_set();
+    }
+    Check(session.status());
+    self->session_ = std::move(*session);
+    return self;
+  }
+
+  Session& s() { return *session_; }
+  const state::StateRegistry& state() const { return state_; }
+
+ private:
+  PySession() = default;
+  state::StateRegistry state_;
+  std::unique_ptr<Session> session_;
+};
+
+py::dict ChangeDict(const MembershipChange& c) {
+  py::dict d;
+  d["generation"] = c.generation;
+  d["old_world"] = c.old_world;
+  d["new_world"] = c.new_world;
+  d["old_rank"] = c.old_rank;
+  d["new_rank"] = c.new_rank;
+  d["resume_step"] = c.resume_step;
+  d["reason"] = c.reason;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "nonstop's native half; use the `nonstop` package, not this module";
+  SetLogRole(fmt::format("worker {}", std::getenv("NONSTOP_WORKER_ID") ? std::getenv("NONSTOP_WORKER_ID") : "?"));
+  g_aborted = PyErr_NewExceptionWithDoc(
+      "nonstop.Aborted",
+      "A member failed or the membership changes: the step in flight is lost. Call session.recover() and carry "
+      "on from the step it returns.",
+      PyExc_RuntimeError, nullptr);
+  g_cancelled = PyErr_NewException("nonstop._core.Cancelled", PyExc_RuntimeError, nullptr);
+  m.attr("Aborted") = py::handle(g_aborted);
+  m.attr("Cancelled") = py::handle(g_cancelled);
+
+  m.def("crc32c", [](uintptr_t address, size_t nbytes) {
+    return fmt::format("{:08x}", Crc32c(reinterpret_cast<const void*>(address), nbytes));
+  });
+
+  py::class_<PySession>(m, "Session")
+      .def_static("join", &PySession::Join, py::arg("regions"), py::arg("state_step") = -1)
+      .def_property_readonly("rank", [](PySession& p) { return p.s().rank(); })
+      .def_property_readonly("world_size", [](PySession& p) { return p.s().world_size(); })
+      .def_property_readonly("generation", [](PySession& p) { return p.s().generation(); })
+      .def_property_readonly("resume_step", [](PySession& p) { return p.s().resume_step(); })
+      .def_property_readonly("worker_id", [](PySession& p) { return p.s().worker_id(); })
+      .def_property_readonly("state_bytes", [](PySession& p) { return p.state().total_bytes(); })
+      .def("state_digest", [](PySession& p) { return p.state().Digest(); })
+      .def("allreduce",
+           [](PySession& p, uintptr_t address, size_t count) {
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = p.s().AllReduce(Floats(address, count));
+             }
+             Check(s);
+           })
+      .def("start_allreduce",
+           [](PySession& p, uintptr_t address, size_t count) { p.s().StartAllReduce(Floats(address, count)); })
+      .def("wait_all",
+           [](PySession& p) {
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = p.s().WaitAll();
+             }
+             Check(s);
+           })
+      .def("aborted", [](PySession& p) { return p.s().aborted(); })
+      .def("report_step",
+           [](PySession& p, int64_t step, double loss, double step_seconds, double tokens_per_second,
+              int64_t total_steps) {
+             p.s().ReportStep({step, loss, step_seconds, tokens_per_second, total_steps});
+           })
+      .def("recover",
+           [](PySession& p) {
+             Result<int64_t> next = 0;
+             {
+               py::gil_scoped_release release;
+               next = p.s().Recover();
+             }
+             Check(next.status());
+             return *next;
+           })
+      .def("finish",
+           [](PySession& p, int64_t last_step, const std::string& checksum) {
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = p.s().Finish(last_step, checksum);
+             }
+             Check(s);
+           })
+      .def("injected_exception_at", [](PySession& p, int64_t step) { return p.s().InjectedExceptionAt(step); })
+      .def("report_failure",
+           [](PySession& p, const std::string& message, int64_t step, int exit_code) {
+             p.s().ReportFailure(InternalError(message), step, exit_code);
+           })
+      .def("last_change", [](PySession& p) { return ChangeDict(p.s().last_change()); })
+      .def_property_readonly("shutdown_exit_code", [](PySession& p) { return p.s().shutdown_exit_code(); });
+
+  py::class_<data::Dataset>(m, "Dataset")
+      .def_static("open",
+                  [](const std::string& pattern, size_t seq_len) {
+                    auto ds = data::Dataset::Open(pattern, seq_len);
+                    Check(ds.status());
+                    return std::move(*ds);
+                  })
+      .def_property_readonly("num_samples", &data::Dataset::num_samples)
+      .def_property_readonly("seq_len", &data::Dataset::seq_len)
+      .def_property_readonly("num_tokens", &data::Dataset::num_tokens)
+      .def_property_readonly("max_token", &data::Dataset::max_token)
+      // Writes the seq_len+1 tokens of each sample, as int64, to `address`
+      // (len(samples) × (seq_len+1) values).
+      .def("fill", [](const data::Dataset& ds, const std::vector<uint64_t>& samples, uintptr_t address) {
+        for (uint64_t s : samples) {
+          if (s >= ds.num_samples()) {
+            throw py::index_error(fmt::format("sample {} is past the dataset's {} samples", s, ds.num_samples()));
+          }
+        }
+        auto* out = reinterpret_cast<int64_t*>(address);
+        py::gil_scoped_release release;
+        for (uint64_t s : samples) {
+          for (uint16_t t : ds.Sample(s)) *out++ = t;
+        }
+      });
+
+  py::class_<data::Sampler>(m, "Sampler")
+      .def(py::init([](uint64_t num_samples, uint64_t seed, uint64_t global_batch, uint64_t micro_batch) {
+             auto s = data::Sampler::Create({num_samples, seed, global_batch, micro_batch});
+             Check(s.status());
+             return std::move(*s);
+           }),
+           py::arg("num_samples"), py::arg("seed"), py::arg("global_batch"), py::arg("micro_batch"))
+      .def_property_readonly("micro_batches_per_step", &data::Sampler::micro_batches_per_step)
+      .def(
+          "micro_batches_for",
+          [](const data::Sampler& s, int rank, int world_size) {
+            if (world_size < 1 || rank < 0 || rank >= world_size) {
+              throw py::value_error(fmt::format("rank {} of world size {}: need 0 <= rank < world_size", rank, world_size));
+            }
+            return s.MicroBatchesFor(rank, world_size);
+          },
+          py::arg("rank"), py::arg("world_size"))
+      .def("micro_batch_samples", &data::Sampler::MicroBatchSamples, py::arg("step"), py::arg("micro"));
+
+  m.def(
+      "prepare_if_missing",
+      [](const std::vector<std::string>& inputs, const std::string& output_dir, bool strip_fortune_separators) {
+        data::PrepareOptions o;
+        o.inputs = inputs;
+        o.output_dir = output_dir;
+        o.strip_fortune_separators = strip_fortune_separators;
+        Result<bool> done = false;
+        {
+          py::gil_scoped_release release;
+          done = data::PrepareIfMissing(o);
+        }
+        Check(done.status());
+        return *done;
+      },
+      py::arg("inputs"), py::arg("output_dir"), py::arg("strip_fortune_separators") = false);
+}
+
+}  // namespace nonstop::python

@@ -1,0 +1,77 @@
+"""Shared helpers of the Python tests: the build's binaries (NONSTOP_BIN, set
+by CTest) and running a job under `nonstop run`."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+TRAINER = HERE / "trainer.py"
+FINAL = re.compile(r"final rank=(\d+) worker=(\d+) pid=(\d+) generation=(\d+) world=(\d+) params=(\w+) "
+                   r"state=(\w+) tokens=(\d+) setups=(\d+)")
+SETUP = re.compile(r"setup worker=(\d+) pid=(\d+)")
+
+
+def bin_dir() -> pathlib.Path:
+    path = os.environ.get("NONSTOP_BIN")
+    if not path:
+        pytest.fail("NONSTOP_BIN is not set: run these tests through ctest (tests/CMakeLists.txt sets it)")
+    return pathlib.Path(path).resolve()
+
+
+@dataclasses.dataclass
+class Job:
+    code: int
+    output: str
+    journal: pathlib.Path
+
+    def events(self, kind: str) -> List[dict]:
+        out = []
+        if self.journal.exists():
+            for line in self.journal.read_text().splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    if record.get("event") == kind:
+                        out.append(record)
+        return out
+
+    def finals(self) -> List[Dict[str, str]]:
+        keys = ("rank", "worker", "pid", "generation", "world", "params", "state", "tokens", "setups")
+        return [dict(zip(keys, m.groups())) for m in FINAL.finditer(self.output)]
+
+    def setups(self) -> List[Dict[str, str]]:
+        return [{"worker": m.group(1), "pid": m.group(2)} for m in SETUP.finditer(self.output)]
+
+    def losses(self) -> Dict[int, float]:
+        return {e["step"]: e["loss"] for e in self.events("step")}
+
+
+def start_job(tmp: pathlib.Path, name: str, run_flags: List[str], trainer_args: List[str],
+              script: Optional[pathlib.Path] = None) -> subprocess.Popen:
+    journal = tmp / f"{name}.jsonl"
+    cmd = [str(bin_dir() / "nonstop"), "run", "--journal", str(journal), *run_flags, "--",
+           sys.executable, str(script or TRAINER), *trainer_args]
+    log = open(tmp / f"{name}.out", "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True)
+
+
+def finish_job(tmp: pathlib.Path, name: str, proc: subprocess.Popen, timeout: float = 240) -> Job:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        code = -9
+    return Job(code, (tmp / f"{name}.out").read_text(), tmp / f"{name}.jsonl")
+
+
+def run_job(tmp: pathlib.Path, name: str, run_flags: List[str], trainer_args: List[str] = (),
+            script: Optional[pathlib.Path] = None, timeout: float = 240) -> Job:
+    return finish_job(tmp, name, start_job(tmp, name, run_flags, list(trainer_args), script), timeout)

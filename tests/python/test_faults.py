@@ -1,0 +1,113 @@
+"""PyTorch from Python under `nonstop run`: each fault kind ends bitwise equal
+to the fault-free run (parameters, AdamW's state and the Python counter), a
+spare copies the state of the rank it takes, healthy processes are never
+restarted, and the world shrinks and grows live."""
+
+import re
+import subprocess
+import time
+
+import pytest
+
+from conftest import bin_dir, finish_job, run_job, start_job
+
+STEPS = ["--steps", "30"]
+NPROC = ["--nproc", "3"]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clean")
+    job = run_job(tmp, "clean", NPROC + ["--spares", "0", "--inject", "none"], STEPS)
+    assert job.code == 0, job.output
+    finals = job.finals()
+    assert len(finals) == 3, job.output
+    assert len({f["state"] for f in finals}) == 1, "every rank ends on the same state\n" + job.output
+    return job
+
+
+def test_the_fault_free_run_is_reproducible_and_learns(clean, tmp_path):
+    again = run_job(tmp_path, "again", NPROC + ["--spares", "0", "--inject", "none"], STEPS)
+    assert again.code == 0, again.output
+    assert again.finals()[0]["state"] == clean.finals()[0]["state"]
+    assert again.losses() == clean.losses(), "every loss bitwise the same"
+    losses = clean.losses()
+    assert len(losses) == 30
+    assert losses[29] < losses[0], "it learns"
+    assert int(clean.finals()[0]["tokens"]) == 30 * 24, "the Python counter counted every step once"
+
+
+def test_the_bucketed_sums_are_the_global_sums_at_any_world_size(clean, tmp_path):
+    # One worker computes the whole global batch itself; three each sum
+    # several gradient buckets over the network while backward runs. A bucket lost,
+    # doubled or summed out of place would move the loss curve far more than
+    # float rounding does.
+    one = run_job(tmp_path, "one", ["--nproc", "1", "--spares", "0", "--inject", "none"], STEPS)
+    assert one.code == 0, one.output
+    buckets = {int(n) for n in re.findall(r"buckets=(\d+) ", clean.output)}
+    assert len(buckets) == 1 and buckets.pop() >= 2, "the test model's gradient spans several buckets"
+    for step, loss in clean.losses().items():
+        assert abs(loss - one.losses()[step]) <= 1e-4 * abs(loss), f"step {step}"
+
+
+@pytest.mark.parametrize("fault", ["kill:rank=1,step=20", "hang:rank=1,step=20", "exception:rank=1,step=20"])
+def test_each_fault_kind_ends_bitwise_equal_and_keeps_healthy_processes(clean, tmp_path, fault):
+    job = run_job(tmp_path, "fault", NPROC + ["--spares", "1", "--heartbeat-timeout-ms", "1000", "--inject", fault],
+                  STEPS)
+    assert job.code == 0, job.output
+    finals = {f["rank"]: f for f in job.finals()}
+    assert sorted(finals) == ["0", "1", "2"], job.output
+    want = clean.finals()[0]
+    for rank, f in finals.items():
+        assert f["state"] == want["state"], f"{fault}: rank {rank}'s state (parameters, AdamW, counter)\n{job.output}"
+        assert f["params"] == want["params"], job.output
+        assert f["tokens"] == want["tokens"], "the counter was restored with the state, not counted twice"
+    assert job.losses() == clean.losses(), f"{fault}: every loss bitwise the same"
+    assert "recovery report: 1 recovery" in job.output, job.output
+
+    # The spare took rank 1: a process that set up before the fault, whose state came from its peers.
+    setups = job.setups()
+    assert finals["1"]["worker"] not in {"0", "1", "2"}, "the spare (worker 3) took the lost rank\n" + job.output
+    recovered = [e["recovery"] for e in job.events("recovery_end")]
+    assert recovered and recovered[0]["bytes_copied"] > 0, "the spare copied the state from its peers"
+    assert recovered[0]["lost_steps"] <= 1, recovered
+    # Healthy workers: the same process from start to end, set up once.
+    for rank in ("0", "2"):
+        f = finals[rank]
+        mine = [s for s in setups if s["worker"] == f["worker"]]
+        assert mine == [{"worker": f["worker"], "pid": f["pid"]}], f"rank {rank} was restarted\n{job.output}"
+
+
+def test_the_world_shrinks_and_grows_live(clean, tmp_path):
+    proc = start_job(tmp_path, "elastic",
+                     ["--nproc", "3", "--spares", "0", "--max-world", "3", "--inject", "kill:rank=2,step=8"],
+                     ["--steps", "40", "--throttle-ms", "60"])
+    journal = tmp_path / "elastic.jsonl"
+
+    def worlds():
+        import json
+        if not journal.exists():
+            return []
+        return [len(json.loads(l)["members"]) for l in journal.read_text().splitlines()
+                if l.strip() and json.loads(l).get("event") == "plan"]
+
+    deadline = time.monotonic() + 120
+    while worlds()[-1:] != [2]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the shrink to 2 on the kill"
+        time.sleep(0.05)
+    grow = subprocess.run([str(bin_dir() / "nonstop"), "scale", "--job", str(tmp_path / "job.json"),
+                           "--world-size", "3"], capture_output=True, text=True, timeout=30)
+    assert grow.returncode == 0, grow.stdout + grow.stderr
+    job = finish_job(tmp_path, "elastic", proc)
+    assert job.code == 0, job.output
+    assert worlds() == [3, 2, 3], job.output
+    finals = job.finals()
+    assert len(finals) == 3 and len({f["state"] for f in finals}) == 1, job.output
+    assert int(finals[0]["tokens"]) == 40 * 24, "every step counted once across the changes"
+    losses = job.losses()
+    assert sorted(losses) == list(range(40)), "no step lost or skipped"
+    # The two survivors kept their processes through both changes.
+    setups = job.setups()
+    for f in finals:
+        if f["worker"] in ("0", "1"):
+            assert [s["pid"] for s in setups if s["worker"] == f["worker"]] == [f["pid"]], job.output

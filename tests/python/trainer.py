@@ -1,0 +1,72 @@
+"""A small PyTorch trainer for the Python tests: an MLP with AdamW, several
+gradient buckets, micro-batches with no_sync, and the registered state of a
+real script (parameters, lazily created optimizer state, a Python counter).
+
+It prints one line a test can parse at set-up and one at the end:
+    setup worker=W pid=P
+    final rank=R worker=W pid=P generation=G world=N params=C state=D tokens=T setups=S
+"""
+
+import argparse
+import os
+import time
+
+import torch
+
+import nonstop
+import nonstop.torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--global-batch", type=int, default=24)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--throttle-ms", type=int, default=0, help="sleep per step (room to resize mid-run)")
+    ap.add_argument("--bucket-mb", type=float, default=0.004)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(7)
+
+    session = nonstop.join()
+    print(f"setup worker={os.environ['NONSTOP_WORKER_ID']} pid={os.getpid()}", flush=True)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48), torch.nn.Tanh(),
+                                torch.nn.Linear(48, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    session.register(model, optimizer, extra={"samples": 0, "setups": 1})
+    ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb)
+    micro_per_step = args.global_batch // args.micro_batch
+    print(f"worker={session.worker_id} buckets={ddp.num_buckets} ", flush=True)
+
+    def train_step(step):
+        gen = torch.Generator().manual_seed(1000 + step)
+        x = torch.randn(args.global_batch, 16, generator=gen)
+        y = (x[:, :4].sum(1, keepdim=True)).sin()
+        begin = micro_per_step * session.rank // session.world_size
+        end = micro_per_step * (session.rank + 1) // session.world_size
+        ddp.zero_grad()
+        total = torch.zeros(1)
+        for mb in range(begin, end):
+            rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+            loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
+            if mb + 1 < end:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            total += loss.detach()
+        session.allreduce(total)
+        optimizer.step()
+        session.extra["samples"] += args.global_batch
+        if args.throttle_ms:
+            time.sleep(args.throttle_ms / 1000)
+        return float(total)
+
+    session.run(train_step, args.steps)
+    print(f"final rank={session.rank} worker={session.worker_id} pid={os.getpid()} generation={session.generation} "
+          f"world={session.world_size} params={session.checksum()} state={session._core.state_digest()} "
+          f"tokens={session.extra['samples']} setups={session.extra['setups']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
