@@ -179,6 +179,8 @@ def main():
             else:
                 loss.backward()  # nonstop: buckets summed across workers while this runs; may raise Aborted
             local += loss.detach()
+        if not mine:  # more workers than micro-batches: this one adds zeros to every bucket
+            ddp.reduce_without_backward()
         session.allreduce(local)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -205,6 +205,7 @@ class Session:
         self._step_in_flight = 0
         self._callbacks: List[Callable[[MembershipChange], None]] = []
         self._reserved: List[Tuple[int, int, str]] = []  # (begin, end, what) of registered memory
+        self._watch: List[Tuple[Callable[[], Any], int, str]] = []  # (tensor getter, registered address, what)
         self.extra = Extra({})
 
     # ---- joining ----
@@ -228,6 +229,21 @@ class Session:
         """
         if self._core is not None:
             raise RuntimeError("register() was called twice: a session registers its state once, before training")
+        try:
+            self._register(model, optimizer, extra, tensors)
+        except BaseException:
+            # Nothing half-registered is left behind: a retry starts afresh.
+            self._reserved.clear()
+            self._keep.clear()
+            self._watch.clear()
+            self._params = None
+            raise
+        self._step_in_flight = self._core.resume_step
+        _install_failure_report(self)
+        return self
+
+    def _register(self, model: Any, optimizer: Any, extra: Optional[Mapping[str, Any]],
+                  tensors: Optional[Mapping[str, Any]]) -> None:
         regions: List[Tuple[str, int, int, str, List[int]]] = []
         params: List[Any] = []
         if model is not None:
@@ -238,6 +254,8 @@ class Session:
                 _check_tensor(p, f"parameter {i} of the model")
             self._params = _flatten_parameters(params)
             self._reserve(self._params, "the model's parameters")
+            for i, p in enumerate(params):
+                self._watch.append((lambda p=p: p, p.data_ptr(), f"parameter {i}"))
             regions.append(("params", *_span(self._params), "F32", [self._params.numel()]))
         if optimizer is not None:
             if model is None:
@@ -253,7 +271,8 @@ class Session:
                 raise ValueError(f"tensors[{name!r}] must be a contiguous CPU tensor (device {t.device}, "
                                  f"contiguous {t.is_contiguous()})")
             self._reserve(t, f"tensors[{name!r}]")
-            self._keep.append(t)
+            self._keep.append(t.detach())  # the memory, even if `t` is later pointed elsewhere
+            self._watch.append((lambda t=t: t, t.data_ptr(), f"tensors[{name!r}]"))
             kind = "F32" if str(t.dtype) == "torch.float32" else "U8"
             regions.append((f"tensor.{name}", *_span(t), kind, [t.numel()] if kind == "F32" else []))
         self._keep.append(self.extra)
@@ -261,9 +280,21 @@ class Session:
             self._core = _core.Session.join(regions)
         except _core.Cancelled as e:
             raise Released(str(e)) from None
-        self._step_in_flight = self._core.resume_step
-        _install_failure_report(self)
-        return self
+
+    def _check_registered_memory(self) -> None:
+        """The registered state must still be what training uses: a tensor
+        pointed elsewhere (`p.data = ...`, `optimizer.load_state_dict`) would
+        be left out of every recovery, silently."""
+        for get, address, what in self._watch:
+            try:
+                now = get().data_ptr()
+            except (KeyError, AttributeError):
+                now = None
+            if now != address:
+                raise RuntimeError(f"{what} no longer lives in the memory registered with nonstop (it was replaced "
+                                   "after register(): `.data = ...`, `load_state_dict`, `share_memory`...); its "
+                                   "recovery would restore stale values. Change tensors in place, or load before "
+                                   "register().")
 
     def _reserve(self, t: Any, what: str) -> None:
         begin, size = _span(t)
@@ -282,8 +313,12 @@ class Session:
                 if id(p) not in index:
                     raise ValueError("the optimizer holds a parameter that is not the model's: register the model "
                                      "whose parameters the optimizer updates")
-        if not optimizer.state:
+        with_state = [p for group in optimizer.param_groups for p in group["params"] if optimizer.state.get(p)]
+        if not with_state:
             _materialize_state(optimizer, params)
+        elif len(with_state) != sum(len(g["params"]) for g in optimizer.param_groups):
+            raise ValueError("some of the optimizer's parameters have state and others not yet: register before "
+                             "the optimizer's first step, or once every parameter has state")
         float_states: List[Tuple[Any, str, Any]] = []
         regions: List[Tuple[str, int, int, str, List[int]]] = []
         for p in params:
@@ -305,6 +340,8 @@ class Session:
                     state[key] = value
                     self._keep.append(value)
                     self._reserve(value, f"optimizer state {key!r} of parameter {index[id(p)]}")
+                    self._watch.append((lambda p=p, key=key: optimizer.state[p][key], value.data_ptr(),
+                                        f"optimizer state {key!r} of parameter {index[id(p)]}"))
                     regions.append((f"optimizer.{index[id(p)]}.{key}", *_span(value), "U8", []))
         if float_states:
             total = sum(v.numel() for _, _, v in float_states)
@@ -315,6 +352,8 @@ class Session:
                 view = flat[offset:offset + n].view_as(value)
                 view.copy_(value)
                 optimizer.state[p][key] = view
+                self._watch.append((lambda p=p, key=key: optimizer.state[p][key], view.data_ptr(),
+                                    f"optimizer state {key!r} of parameter {index[id(p)]}"))
                 offset += n
             self._keep.append(flat)
             self._reserve(flat, "the optimizer's state")
@@ -381,7 +420,7 @@ class Session:
 
     def _start_allreduce(self, tensor: Any) -> None:
         # For DataParallel: `tensor` was checked when its buckets were made.
-        self._core.start_allreduce(tensor.data_ptr(), tensor.numel())
+        self._core.start_allreduce(tensor, tensor.data_ptr(), tensor.numel())
 
     def _wait_all(self) -> None:
         self._core.wait_all()
@@ -398,6 +437,7 @@ class Session:
         holds it now. Call it after the optimizer's update. `tokens`: how many
         the step trained on (for tokens/s); `total_steps`: for the progress line."""
         core = self._joined()
+        self._check_registered_memory()  # before the controller counts the step as held
         rate = tokens / step_seconds if step_seconds > 0 and tokens else 0.0
         core.report_step(int(step), float(loss), float(step_seconds), rate, int(total_steps))
         self._step_in_flight = int(step) + 1
@@ -490,10 +530,11 @@ def _materialize_state(optimizer: Any, params: List[Any]) -> None:
     import torch
 
     name = type(optimizer).__name__
-    if name not in _ZERO_INITIALISED_OPTIMIZERS:
+    known = tuple(getattr(torch.optim, n) for n in _ZERO_INITIALISED_OPTIMIZERS)
+    if type(optimizer) not in known:  # a subclass may initialise its state otherwise
         raise ValueError(f"{name}'s state is created at its first step, and nonstop does not know its initial "
                          f"values; register after one optimizer step, or use one of "
-                         f"{', '.join(_ZERO_INITIALISED_OPTIMIZERS)}")
+                         f"torch.optim.{', torch.optim.'.join(_ZERO_INITIALISED_OPTIMIZERS)}")
     if name == "SGD" and any(g.get("momentum", 0) and g.get("dampening", 0) for g in optimizer.param_groups):
         raise ValueError("SGD with momentum and dampening starts its momentum from the first gradient, not from "
                          "zeros: register after one optimizer step")
@@ -501,7 +542,8 @@ def _materialize_state(optimizer: Any, params: List[Any]) -> None:
     grads = [p.grad for p in params]
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer.step()
+    # The class's step, not the instance's: an LR scheduler wraps the latter to count steps.
+    type(optimizer).step(optimizer)
     with torch.no_grad():
         for p, value, grad in zip(params, saved, grads):
             p.copy_(value)
@@ -512,15 +554,25 @@ def _materialize_state(optimizer: Any, params: List[Any]) -> None:
                     value.zero_()
 
 
+_reporting: List[Session] = []  # the session whose controller hears of an uncaught exception
+
+
 def _install_failure_report(session: Session) -> None:
     """An uncaught exception ends the process; tell the controller at once, so
     it recovers without waiting for the exit to be noticed."""
+    first = not _reporting
+    _reporting[:] = [session]
+    if not first:
+        return
     previous = sys.excepthook
 
     def report(kind, value, tb):  # type: ignore[no-untyped-def]
         try:
-            if session._core is not None and not issubclass(kind, KeyboardInterrupt):
-                session._core.report_failure(f"{kind.__name__}: {value}", session._step_in_flight, 1)
+            s = _reporting[0] if _reporting else None
+            if s is not None and s._core is not None and not issubclass(kind, KeyboardInterrupt):
+                s._core.report_failure(f"{kind.__name__}: {value}", s._step_in_flight, 1)
+        except Exception:  # the report is best effort; the traceback below matters more
+            pass
         finally:
             previous(kind, value, tb)
 

@@ -76,6 +76,7 @@ class DataParallel(torch.nn.Module):
                     view.copy_(p.grad)
                 p.grad = view
         self._sync = True
+        self._sync_at_forward = True
         self._in_backward = False
         self._pending: List[int] = []
         self._ready: List[bool] = []
@@ -99,20 +100,22 @@ class DataParallel(torch.nn.Module):
         if self._session._core.aborted():
             raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
         if self._in_backward:
-            # The last backward never reached its end (an exception inside it):
-            # wait for what it started, so the next one starts clean. A failure
-            # there stays sticky in the session and surfaces at the next reduction.
-            self._in_backward = False
-            try:
-                self._session._wait_all()
-            except Aborted:
-                pass
+            # The last backward never reached its end (an exception inside it,
+            # caught): some of its buckets were started, the others never will
+            # be, so this worker's next reductions would pair with its peers'
+            # other buckets. It cannot continue: the controller replaces it.
+            message = ("a backward pass was interrupted after it had started gradient buckets; this worker's "
+                       "reductions no longer line up with its peers', so it leaves the job")
+            self._session._core.report_failure(message, self._session._step_in_flight, 1)
+            raise RuntimeError(message)
+        self._sync_at_forward = self._sync
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate gradients (earlier
-        micro-batches of a step); the first backward outside reduces them."""
+        """Backward passes of forwards run inside only accumulate gradients
+        (earlier micro-batches of a step), as with torch DDP; wrapping the
+        backward alone works too. The next backward outside reduces them."""
         previous = self._sync
         self._sync = False
         try:
@@ -141,9 +144,21 @@ class DataParallel(torch.nn.Module):
                 view.copy_(g)
         p.grad = view
 
+    def reduce_without_backward(self) -> None:
+        """For a rank that has no micro-batch in a step (more ranks than
+        micro-batches): adds its zero gradient to every bucket's sum, so that
+        its reductions line up with its peers'. Raises Aborted like backward."""
+        self.zero_grad()
+        self._session._maybe_inject()
+        self._in_backward = True
+        self._pending = [0] * len(self._buckets)
+        self._ready = [True] * len(self._params)
+        self._next_bucket = 0
+        self._end_of_backward()
+
     def _on_grad_ready(self, i: int) -> None:
         self._adopt_grad(i)
-        if not self._sync:
+        if not (self._sync and self._sync_at_forward):
             return
         if not self._in_backward:
             self._session._maybe_inject()  # nonstop run --inject exception:...: before anything is started

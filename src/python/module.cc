@@ -106,9 +106,28 @@ class PySession {
   Session& s() { return *session_; }
   const state::StateRegistry& state() const { return state_; }
 
+  // A bucket's tensor stays referenced until the reductions are waited for:
+  // the communication thread writes into it meanwhile.
+  void Start(py::object tensor, uintptr_t address, size_t count) {
+    in_flight_.push_back(std::move(tensor));
+    session_->StartAllReduce(Floats(address, count));
+  }
+  // Runs `wait` (which waits for the started buckets) without the GIL, then lets the buckets go.
+  template <typename F>
+  auto Drained(F wait) {
+    auto result = [&] {
+      py::gil_scoped_release release;
+      return wait();
+    }();
+    in_flight_.clear();
+    return result;
+  }
+
  private:
   PySession() = default;
   state::StateRegistry state_;
+  // Before session_: destroyed after it, once the communication thread is joined.
+  std::vector<py::object> in_flight_;
   std::unique_ptr<Session> session_;
 };
 
@@ -133,7 +152,7 @@ PYBIND11_MODULE(_core, m) {
       "nonstop.Aborted",
       "A member failed or the membership changes: the step in flight is lost. Call session.recover() and carry "
       "on from the step it returns.",
-      PyExc_RuntimeError, nullptr);
+      PyExc_Exception, nullptr);  // not RuntimeError: a broad `except RuntimeError` (out of memory) must not swallow it
   g_cancelled = PyErr_NewException("nonstop._core.Cancelled", PyExc_RuntimeError, nullptr);
   m.attr("Aborted") = py::handle(g_aborted);
   m.attr("Cancelled") = py::handle(g_cancelled);
@@ -153,52 +172,42 @@ PYBIND11_MODULE(_core, m) {
       .def("state_digest", [](PySession& p) { return p.state().Digest(); })
       .def("allreduce",
            [](PySession& p, uintptr_t address, size_t count) {
-             Status s;
-             {
-               py::gil_scoped_release release;
-               s = p.s().AllReduce(Floats(address, count));
-             }
-             Check(s);
+             Check(p.Drained([&] { return p.s().AllReduce(Floats(address, count)); }));
            })
-      .def("start_allreduce",
-           [](PySession& p, uintptr_t address, size_t count) { p.s().StartAllReduce(Floats(address, count)); })
-      .def("wait_all",
-           [](PySession& p) {
-             Status s;
-             {
-               py::gil_scoped_release release;
-               s = p.s().WaitAll();
-             }
-             Check(s);
-           })
+      .def("start_allreduce", &PySession::Start, py::arg("tensor"), py::arg("address"), py::arg("count"))
+      .def("wait_all", [](PySession& p) { Check(p.Drained([&] { return p.s().WaitAll(); })); })
       .def("aborted", [](PySession& p) { return p.s().aborted(); })
+      // The control-plane sends below may wait on the socket: without the GIL.
       .def("report_step",
            [](PySession& p, int64_t step, double loss, double step_seconds, double tokens_per_second,
               int64_t total_steps) {
+             py::gil_scoped_release release;
              p.s().ReportStep({step, loss, step_seconds, tokens_per_second, total_steps});
            })
       .def("recover",
            [](PySession& p) {
-             Result<int64_t> next = 0;
-             {
-               py::gil_scoped_release release;
-               next = p.s().Recover();
-             }
+             Result<int64_t> next = p.Drained([&] { return p.s().Recover(); });
              Check(next.status());
              return *next;
            })
       .def("finish",
            [](PySession& p, int64_t last_step, const std::string& checksum) {
-             Status s;
-             {
-               py::gil_scoped_release release;
-               s = p.s().Finish(last_step, checksum);
+             Status s = p.Drained([&] { return p.s().Finish(last_step, checksum); });
+             if (s.code() == StatusCode::kDeadlineExceeded) {
+               // Not a fault to recover from: the controller never ended the job.
+               PyErr_SetString(PyExc_TimeoutError, s.ToString().c_str());
+               throw py::error_already_set();
              }
              Check(s);
            })
-      .def("injected_exception_at", [](PySession& p, int64_t step) { return p.s().InjectedExceptionAt(step); })
+      .def("injected_exception_at",
+           [](PySession& p, int64_t step) {
+             py::gil_scoped_release release;
+             return p.s().InjectedExceptionAt(step);
+           })
       .def("report_failure",
            [](PySession& p, const std::string& message, int64_t step, int exit_code) {
+             py::gil_scoped_release release;
              p.s().ReportFailure(InternalError(message), step, exit_code);
            })
       .def("last_change", [](PySession& p) { return ChangeDict(p.s().last_change()); })

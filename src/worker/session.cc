@@ -393,14 +393,15 @@ class SessionImpl {
   }
 
   void Stop() {
+    // A bucket in flight is cut short, and so is a control write it blocks
+    // in (the arrival heartbeat): the Session is going away.
+    io_thread_.request_stop();
+    stop_signal_.Fire();
     if (comm_thread_.joinable()) {
-      // A bucket in flight is cut short: the Session is going away.
       abort_.Fire();
       comm_thread_.request_stop();
       comm_thread_.join();
     }
-    io_thread_.request_stop();
-    stop_signal_.Fire();
     if (io_thread_.joinable()) io_thread_.join();
   }
 
@@ -567,8 +568,10 @@ class SessionImpl {
   // is seen here (the collective is not entered) or sees the mark (and aborts
   // the collective). Before, a Drain landing between the check and the mark
   // left this member blocked in a collective its peers had left.
+  // `announce`: tell the controller at once that this member arrived (the
+  // first collective of a step; a step's later gradient buckets do not).
   template <typename Op>
-  Status RunCollective(Op op, bool at_step_boundary) {
+  Status RunCollective(Op op, bool at_step_boundary, bool announce = true) {
     if (at_step_boundary) MaybeInjectBeforeCollective();  // a stall stops here, before it arrives
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -585,7 +588,7 @@ class SessionImpl {
       if (at_step_boundary) collective_since_ms_.store(NowMs());
     }
     if (testing::before_collective_hook) testing::before_collective_hook();
-    if (at_step_boundary) {
+    if (at_step_boundary && announce) {
       // Tell the controller at once that this member reached the step's
       // collective: the arrival spread is how hangs are found (docs/recovery.md).
       SendHeartbeat();
@@ -622,8 +625,15 @@ class SessionImpl {
       if (st.stop_requested()) return;
       std::span<float> bucket = buckets_.front();
       bool skip = !bucket_status_.ok();
+      bool first = first_bucket_;
+      first_bucket_ = false;
       lock.unlock();
-      Status s = skip ? OkStatus() : AllReduce(bucket);
+      // Every bucket passes the drain check and marks the member as waiting
+      // (a peer that hangs mid-backward is found like one that hangs before
+      // the step); only the step's first announces the arrival.
+      Status s = skip ? OkStatus()
+                      : RunCollective([&] { return comm_->AllReduce(bucket); }, /*at_step_boundary=*/true,
+                                      /*announce=*/first);
       lock.lock();
       buckets_.pop_front();
       if (!s.ok() && bucket_status_.ok()) bucket_status_ = s;
@@ -636,6 +646,7 @@ class SessionImpl {
     bucket_cv_.wait(lock, [&] { return buckets_.empty(); });
     Status s = bucket_status_;
     bucket_status_ = OkStatus();
+    first_bucket_ = true;
     return s;
   }
 
@@ -708,6 +719,7 @@ class SessionImpl {
   std::condition_variable_any bucket_cv_;
   std::deque<std::span<float>> buckets_;  // guarded by bucket_mu_: started, not yet reduced (front: in flight)
   Status bucket_status_;                  // guarded by bucket_mu_: the first error since the last WaitAll
+  bool first_bucket_ = true;              // guarded by bucket_mu_: the next bucket is its step's first
   std::jthread comm_thread_;              // started with the first bucket; joined in Stop()
   std::jthread io_thread_;  // last: stops before the members it uses go away
 };

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -132,7 +133,7 @@ class ScriptedJob {
 class SessionTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    state_.Register("params", std::as_writable_bytes(std::span(params_)));
+    ASSERT_TRUE(state_.Register("params", std::as_writable_bytes(std::span(params_))).ok());
     // Installed before any session starts: its I/O thread reads the seam.
     testing::control_frame_hook = [this](uint16_t type) {
       if (type != control::kMsgDrain) return;
@@ -215,6 +216,8 @@ TEST_F(SessionTest, AnAbortWakesTheBucketsInFlightAndDropsTheWholeStep) {
   // Three buckets of one step. The silent peer never takes part, so the first
   // blocks in its collective on the communication thread, as a bucket does
   // while a peer is dead or hung; the training thread goes on.
+  std::atomic<int> entered{0};  // buckets that entered a collective
+  testing::before_collective_hook = [&] { ++entered; };
   std::vector<float> b0(8, 1.0f), b1(8, 2.0f), b2(8, 3.0f);
   (*session)->StartAllReduce(b0);
   (*session)->StartAllReduce(b1);
@@ -227,7 +230,8 @@ TEST_F(SessionTest, AnAbortWakesTheBucketsInFlightAndDropsTheWholeStep) {
   EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
   EXPECT_NE(s.message().find("a member failed"), std::string::npos) << s.ToString();
   EXPECT_TRUE((*session)->aborted());
-  // The step is dropped whole: the buckets behind the failed one were not reduced.
+  // The step is dropped whole: the buckets behind the failed one never entered a collective.
+  EXPECT_EQ(entered.load(), 1);
   EXPECT_EQ(b1, std::vector<float>(8, 2.0f));
   EXPECT_EQ(b2, std::vector<float>(8, 3.0f));
   // The error is reported once; the collectives that follow still fail (the generation is over).
@@ -236,7 +240,7 @@ TEST_F(SessionTest, AnAbortWakesTheBucketsInFlightAndDropsTheWholeStep) {
   EXPECT_EQ((*session)->AllReduce(more).code(), StatusCode::kAborted);
 }
 
-TEST_F(SessionTest, ADrainBetweenBucketsEndsTheStepAtTheBoundary) {
+TEST_F(SessionTest, BucketsOfAStepAfterADrainedBoundaryEnterNoCollective) {
   auto session = Join();
   ASSERT_TRUE(session.ok()) << session.status().ToString();
   job_.StartDraining();
@@ -244,12 +248,15 @@ TEST_F(SessionTest, ADrainBetweenBucketsEndsTheStepAtTheBoundary) {
   SendDrainAfterStep0();
   WaitForDrain();
   // Step 1's buckets start after the drain for the boundary after step 0: none may enter a collective.
+  std::atomic<int> entered{0};
+  testing::before_collective_hook = [&] { ++entered; };
   std::vector<float> b0(8, 1.0f), b1(8, 2.0f);
   (*session)->StartAllReduce(b0);
   (*session)->StartAllReduce(b1);
   Status s = (*session)->WaitAll();
   EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
   EXPECT_NE(s.message().find("step boundary"), std::string::npos) << s.ToString();
+  EXPECT_EQ(entered.load(), 0);
   EXPECT_EQ(b0, std::vector<float>(8, 1.0f));
 }
 

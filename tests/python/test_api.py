@@ -91,33 +91,100 @@ def test_an_unreachable_controller_is_an_error_not_a_hang(env):
         session.register(torch.nn.Linear(2, 2))
 
 
-def test_registration_keeps_parameters_and_makes_them_views_of_one_buffer(env):
+class FakeCore:
+    """Stands in for the native session so that register() runs to the end without a job."""
+
+    resume_step = 0
+    rank = 0
+    world_size = 1
+
+    def __init__(self, regions):
+        self.regions = regions
+        self.reports = []
+
+    @staticmethod
+    def join(regions, state_step=-1):
+        return FakeCore(regions)
+
+    def report_step(self, *args):
+        self.reports.append(args)
+
+    # What DataParallel calls: a world of one, where a sum is the value itself.
+    started = None
+    failures = None
+
+    def start_allreduce(self, tensor, address, count):
+        self.started = (self.started or []) + [(address, count)]
+
+    def wait_all(self):
+        pass
+
+    def aborted(self):
+        return False
+
+    def injected_exception_at(self, step):
+        return False
+
+    def report_failure(self, message, step, code):
+        self.failures = (self.failures or []) + [message]
+
+
+def make_ddp(bucket_cap_mb=0.0005):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 1))
+    session = nonstop.join().register(model)
+    return session, model, nonstop.torch.DataParallel(model, session, bucket_cap_mb=bucket_cap_mb)
+
+
+@pytest.fixture
+def fake_join(env, monkeypatch):
+    monkeypatch.setattr(nonstop._core, "Session", FakeCore)
+
+
+def test_a_failed_join_leaves_nothing_half_registered(env):
+    session = nonstop.join()
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ConnectionError):
+        session.register(model, torch.optim.AdamW(model.parameters()))
+    assert session._params is None and not session._reserved
+    with pytest.raises(ConnectionError):  # the same again: no "registered already"
+        session.register(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_registration_keeps_parameters_and_makes_them_views_of_one_buffer(fake_join):
     session = nonstop.join()
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
-    with pytest.raises(ConnectionError):
-        session.register(model, optimizer)  # joins nothing, but the state is laid out first
+    session.register(model, optimizer, extra={"n": 1})
+    names = [r[0] for r in session._core.regions]
+    assert names == ["params", "optimizer", "extra.int"], names
     flat = session._params
     assert flat.numel() == sum(p.numel() for p in model.parameters())
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b), "registration (and the state it creates) leaves the parameters as they were"
-        assert p.data_ptr() >= flat.data_ptr() and p.data_ptr() < flat.data_ptr() + flat.numel() * 4
-    # AdamW's lazily created state exists now, zeroed: the first real step is the same as without nonstop.
+        assert flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() * 4
+    # AdamW's lazily created state exists now, zeroed, and lives in the registered optimizer buffer.
+    _, address, nbytes, _, _ = session._core.regions[1]
     for p in model.parameters():
         state = optimizer.state[p]
         assert set(state) >= {"exp_avg", "exp_avg_sq", "step"}
         assert all(float(v.abs().sum()) == 0 for v in state.values())
+        assert all(address <= v.data_ptr() < address + nbytes for v in state.values())
 
 
-def test_the_optimizer_state_made_up_front_gives_the_same_first_steps():
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1),
+    lambda ps: torch.optim.Adam(ps, lr=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+], ids=["AdamW", "Adam", "SGD-momentum"])
+def test_registered_training_takes_the_same_steps_as_plain_pytorch(fake_join, make):
     torch.manual_seed(0)
-    a = torch.nn.Linear(6, 3)
-    b = torch.nn.Linear(6, 3)
+    a, b = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
     b.load_state_dict(a.state_dict())
-    oa = torch.optim.AdamW(a.parameters(), lr=0.1, weight_decay=0.1)
-    ob = torch.optim.AdamW(b.parameters(), lr=0.1, weight_decay=0.1)
-    nonstop._materialize_state(ob, list(b.parameters()))
+    oa, ob = make(a.parameters()), make(b.parameters())
+    nonstop.join().register(b, ob)  # b's parameters and state now live in flat buffers
     x = torch.randn(4, 6)
     for _ in range(3):
         for m, o in ((a, oa), (b, ob)):
@@ -126,6 +193,35 @@ def test_the_optimizer_state_made_up_front_gives_the_same_first_steps():
             o.step()
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+
+
+def test_a_parameter_replaced_after_register_is_caught_at_the_next_report(fake_join):
+    session = nonstop.join()
+    model = torch.nn.Linear(4, 4)
+    session.register(model, torch.optim.AdamW(model.parameters()))
+    session.report_step(0, 1.0)
+    model.weight.data = torch.zeros(4, 4)  # training would go on in memory no recovery restores
+    with pytest.raises(RuntimeError, match="parameter 0 no longer lives in the memory registered"):
+        session.report_step(1, 1.0)
+    assert len(session._core.reports) == 1, "the step is not reported as held"
+
+
+def test_an_optimizer_with_state_for_some_parameters_only_is_refused(fake_join):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model[0].weight.grad = torch.ones(2, 2)
+    optimizer.step()  # state for model[0].weight only
+    with pytest.raises(ValueError, match="some of the optimizer's parameters have state"):
+        nonstop.join().register(model, optimizer)
+
+
+def test_a_subclass_of_a_known_optimizer_is_not_assumed_to_start_at_zero(env):
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="MyAdam"):
+        nonstop.join().register(model, MyAdam(model.parameters()))
 
 
 def test_the_sampler_is_deterministic_and_deals_every_micro_batch_once():
@@ -159,3 +255,75 @@ def test_data_is_read_as_tokens(tmp_path):
     assert bytes(batch[0].tolist()) == b"hello non"
     with pytest.raises(IndexError, match="past the dataset"):
         ds.batch([ds.num_samples])
+
+
+def bucket_order(session, ddp):
+    """Indices of the started buckets, from their addresses."""
+    begins = [b.data_ptr() for b in ddp._buckets]
+    return [begins.index(address) for address, _ in (session._core.started or [])]
+
+
+def test_buckets_start_once_each_in_bucket_order_and_the_gradients_are_plain_pytorchs(fake_join):
+    session, model, ddp = make_ddp()
+    assert ddp.num_buckets >= 3
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 1))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(5, 8)
+    for _ in range(2):
+        ddp.zero_grad()
+        ddp(x).sum().backward()
+    assert bucket_order(session, ddp) == list(range(ddp.num_buckets)) * 2
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_no_sync_around_the_forward_or_the_backward_reduces_nothing(fake_join):
+    session, model, ddp = make_ddp()
+    x = torch.randn(3, 8)
+    with ddp.no_sync():
+        out = ddp(x)
+    out.sum().backward()
+    out = ddp(x)
+    with ddp.no_sync():
+        out.sum().backward()
+    assert bucket_order(session, ddp) == []
+    ddp(x).sum().backward()  # the third micro-batch reduces all three
+    assert bucket_order(session, ddp) == list(range(ddp.num_buckets))
+
+
+def test_gradients_survive_zero_grad_set_to_none_and_unused_parameters(fake_join):
+    session, model, ddp = make_ddp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 8)
+    ddp(x).sum().backward()
+    optimizer.zero_grad(set_to_none=True)
+    # Only the first layer takes part: the others' gradients are zero, and every bucket is still reduced.
+    model[0](x).sum().backward()
+    for p, view in zip(ddp._params, ddp._views):
+        assert p.grad is not None and p.grad.data_ptr() == view.data_ptr(), "every gradient is a view again"
+    assert float(model[4].weight.grad.abs().sum()) == 0
+    assert float(model[0].weight.grad.abs().sum()) > 0
+
+
+def test_a_rank_without_micro_batches_still_takes_part_in_every_bucket(fake_join):
+    session, model, ddp = make_ddp()
+    ddp.reduce_without_backward()
+    assert bucket_order(session, ddp) == list(range(ddp.num_buckets))
+    assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+
+
+def test_a_backward_interrupted_after_buckets_started_ends_this_worker(fake_join):
+    session, model, ddp = make_ddp()
+    x = torch.randn(3, 8, requires_grad=True)
+    h = model[0](x)
+    h.register_hook(lambda g: (_ for _ in ()).throw(MemoryError("out of memory, say")))
+    out = model[4](model[3](model[2](model[1](h))))
+    ddp._sync_at_forward = True
+    with pytest.raises(MemoryError):
+        out.sum().backward()  # the later layers' buckets were started, the first layer's never will be
+    assert bucket_order(session, ddp), "some buckets had started"
+    with pytest.raises(RuntimeError, match="no longer line up"):
+        ddp(x)
+    assert session._core.failures, "the controller is told, so that it replaces this worker"

@@ -24,6 +24,8 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--throttle-ms", type=int, default=0, help="sleep per step (room to resize mid-run)")
     ap.add_argument("--bucket-mb", type=float, default=0.004)
+    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                    help="sgd: an update that scales with the gradient (AdamW's does not)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(7)
@@ -32,7 +34,10 @@ def main():
     print(f"setup worker={os.environ['NONSTOP_WORKER_ID']} pid={os.getpid()}", flush=True)
     model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48), torch.nn.Tanh(),
                                 torch.nn.Linear(48, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     session.register(model, optimizer, extra={"samples": 0, "setups": 1})
     ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb)
     micro_per_step = args.global_batch // args.micro_batch
@@ -55,6 +60,8 @@ def main():
             else:
                 loss.backward()
             total += loss.detach()
+        if begin == end:  # more ranks than micro-batches: zeros, in every bucket's sum
+            ddp.reduce_without_backward()
         session.allreduce(total)
         optimizer.step()
         session.extra["samples"] += args.global_batch
