@@ -81,9 +81,19 @@ class DataParallel(torch.nn.Module):
         self._pending: List[int] = []
         self._ready: List[bool] = []
         self._next_bucket = 0
+        self._backward_generation = 0
         self._hooks = []
         for i, p in enumerate(self._params):
             self._hooks.append(self._hook(i, p))
+        # A fault elsewhere stops this worker's step at the next layer, forward
+        # or backward, instead of at the end of the step: the recovery waits
+        # for every survivor to stop, so this is most of its time.
+        for m in module.modules():
+            self._hooks.append(m.register_forward_pre_hook(self._stop_if_aborted))
+
+    def _stop_if_aborted(self, *_: Any) -> None:
+        if self._session._core.aborted():
+            raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
 
     def _hook(self, i: int, p: torch.nn.Parameter) -> Any:
         if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
@@ -97,8 +107,12 @@ class DataParallel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A member failed: the step in flight is lost, so do not compute the
         # rest of it (the recovery waits for every survivor to stop).
-        if self._session._core.aborted():
-            raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
+        if self._in_backward and (self._session._core.aborted() or
+                                  self._session.generation != self._backward_generation):
+            # A backward stopped by the abort: its generation is over, and with
+            # it the buckets it started (recover() waited for them).
+            self._in_backward = False
+        self._stop_if_aborted()
         if self._in_backward:
             # The last backward never reached its end (an exception inside it,
             # caught): some of its buckets were started, the others never will
@@ -149,20 +163,24 @@ class DataParallel(torch.nn.Module):
         micro-batches): adds its zero gradient to every bucket's sum, so that
         its reductions line up with its peers'. Raises Aborted like backward."""
         self.zero_grad()
+        self._stop_if_aborted()
         self._session._maybe_inject()
         self._in_backward = True
+        self._backward_generation = self._session.generation
         self._pending = [0] * len(self._buckets)
         self._ready = [True] * len(self._params)
         self._next_bucket = 0
         self._end_of_backward()
 
     def _on_grad_ready(self, i: int) -> None:
+        self._stop_if_aborted()
         self._adopt_grad(i)
         if not (self._sync and self._sync_at_forward):
             return
         if not self._in_backward:
             self._session._maybe_inject()  # nonstop run --inject exception:...: before anything is started
             self._in_backward = True
+            self._backward_generation = self._session.generation
             self._pending = list(self._size)
             self._ready = [False] * len(self._params)
             self._next_bucket = 0

@@ -97,6 +97,8 @@ class FakeCore:
     resume_step = 0
     rank = 0
     world_size = 1
+    generation = 1
+    is_aborted = False
 
     def __init__(self, regions):
         self.regions = regions
@@ -120,7 +122,7 @@ class FakeCore:
         pass
 
     def aborted(self):
-        return False
+        return self.is_aborted
 
     def injected_exception_at(self, step):
         return False
@@ -327,3 +329,21 @@ def test_a_backward_interrupted_after_buckets_started_ends_this_worker(fake_join
     with pytest.raises(RuntimeError, match="no longer line up"):
         ddp(x)
     assert session._core.failures, "the controller is told, so that it replaces this worker"
+
+
+def test_an_abort_stops_the_step_at_the_next_layer_and_the_next_generation_starts_clean(fake_join):
+    session, model, ddp = make_ddp()
+    x = torch.randn(3, 8)
+    out = ddp(x)
+    session._core.is_aborted = True  # a peer failed while this worker computes
+    with pytest.raises(nonstop.Aborted):
+        out.sum().backward()  # stopped at the first gradient, not at the end of the step
+    with pytest.raises(nonstop.Aborted):
+        model(x)  # any layer of a forward stops too
+    # recover(): a new generation; the buckets of the stopped backward are void.
+    session._core.is_aborted = False
+    session._core.generation = 2
+    session._core.started = None
+    ddp.zero_grad()
+    ddp(x).sum().backward()
+    assert bucket_order(session, ddp) == list(range(ddp.num_buckets))
