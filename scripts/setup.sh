@@ -19,6 +19,7 @@ PACKAGES=(
   # The Python package (python/, src/python) and its tests and examples:
   # Debian's interpreter, pybind11 and PyTorch, and pytest.
   python3-dev pybind11-dev python3-torch python3-pytest
+  slurm-wlm munge  # tests/slurm/run.sh: a real Slurm in network namespaces (docs/slurm.md)
 )
 # clang-16 and libclang-rt-16-dev: the sanitizer builds and libFuzzer
 # (scripts/build.sh --sanitize/--fuzz, scripts/fuzz.sh); Debian 12's default
