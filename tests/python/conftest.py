@@ -26,6 +26,18 @@ def bin_dir() -> pathlib.Path:
     return pathlib.Path(path).resolve()
 
 
+def journal_events(journal: pathlib.Path, kind: str) -> List[dict]:
+    """The records of one kind in a job's journal (none yet if it does not exist)."""
+    out = []
+    if journal.exists():
+        for line in journal.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                if record.get("event") == kind:
+                    out.append(record)
+    return out
+
+
 @dataclasses.dataclass
 class Job:
     code: int
@@ -33,14 +45,7 @@ class Job:
     journal: pathlib.Path
 
     def events(self, kind: str) -> List[dict]:
-        out = []
-        if self.journal.exists():
-            for line in self.journal.read_text().splitlines():
-                if line.strip():
-                    record = json.loads(line)
-                    if record.get("event") == kind:
-                        out.append(record)
-        return out
+        return journal_events(self.journal, kind)
 
     def finals(self) -> List[Dict[str, str]]:
         keys = ("rank", "worker", "pid", "generation", "world", "params", "state", "tokens", "setups")

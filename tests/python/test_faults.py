@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import bin_dir, finish_job, run_job, start_job
+from conftest import bin_dir, finish_job, journal_events, run_job, start_job
 
 STEPS = ["--steps", "30"]
 NPROC = ["--nproc", "3"]
@@ -94,11 +94,7 @@ def test_the_world_shrinks_and_grows_live(clean, tmp_path):
     journal = tmp_path / "elastic.jsonl"
 
     def worlds():
-        import json
-        if not journal.exists():
-            return []
-        return [len(json.loads(l)["members"]) for l in journal.read_text().splitlines()
-                if l.strip() and json.loads(l).get("event") == "plan"]
+        return [len(p["members"]) for p in journal_events(journal, "plan")]
 
     deadline = time.monotonic() + 120
     while worlds()[-1:] != [2]:
