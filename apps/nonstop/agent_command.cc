@@ -81,13 +81,19 @@ void AgentCommand::Register(CLI::App& app) {
                    "Cut off from every controller this long, the agent kills its workers (fencing): nobody will "
                    "adopt them")
       ->capture_default_str()->envname("NONSTOP_FENCE_AFTER_MS")->check(CLI::Range(100, 86'400'000));
+  sub_->add_option("--on-sigterm", on_sigterm_,
+                   "leave: SIGTERM (or SIGUSR1, e.g. sbatch --signal=USR1@60) asks the controller to release this "
+                   "host's workers at the next step boundary, a planned shrink (a Slurm preemption); the agent exits "
+                   "0 when they are gone, a second SIGTERM or SIGINT kills them now. stop: SIGTERM kills them now")
+      ->capture_default_str()->envname("NONSTOP_ON_SIGTERM")->check(CLI::IsMember({"leave", "stop"}));
   sub_->add_option("--log-level", log_level_, "debug, info, warning or error")->capture_default_str()
       ->envname("NONSTOP_LOG_LEVEL");
   sub_->footer("After `--`: the worker program and its arguments, started once per worker the controller assigns "
                "here, with NONSTOP_WORKER_ID, NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, "
                "NONSTOP_DATA_HOST and the controller's other NONSTOP_* variables.\n"
                "Exit codes: 0 (or the controller's) when the job is over; 1 the controller could not be reached "
-               "within --join-timeout-ms; 2 a usage error or a refusal by the controller; 130 SIGINT or SIGTERM.");
+               "within --join-timeout-ms; 2 a usage error or a refusal by the controller; 130 SIGINT (or SIGTERM with "
+               "--on-sigterm stop, or a second SIGTERM while leaving).");
 }
 
 int AgentCommand::Execute() {
@@ -149,6 +155,7 @@ int AgentCommand::Execute() {
   options.controller_timeout = Millis(controller_timeout_ms_);
   options.fence_after = Millis(fence_after_ms_);
   options.handle_signals = true;
+  options.leave_on_sigterm = on_sigterm_ == "leave";
   if (Status s = agent::ValidateOptions(options); !s.ok()) {
     fmt::print(stderr, "nonstop agent: {}\n", s.message());
     return kExitUsage;
@@ -156,7 +163,9 @@ int AgentCommand::Execute() {
 
   // SIGINT/SIGTERM are read by the agent's loop (a signalfd): blocked here,
   // before any thread starts, so that every thread inherits the mask.
-  BlockTerminationSignals();
+  sigset_t mask = BlockTerminationSignals();
+  sigaddset(&mask, SIGUSR1);  // --on-sigterm leave: read by the loop too
+  ::pthread_sigmask(SIG_BLOCK, &mask, nullptr);
 
   // Everything the agent prints goes through bounded writers, log lines
   // included: a slow reader of our output never stalls the loop.
@@ -181,6 +190,8 @@ int AgentCommand::Execute() {
   row("join timeout", fmt::format("{} ms", join_timeout_ms_));
   row("controller timeout", fmt::format("{} ms", controller_timeout_ms_));
   row("fence after", fmt::format("{} ms", fence_after_ms_));
+  row("on SIGTERM", on_sigterm_ == "leave" ? "leave: release the workers at the next step boundary, then exit 0"
+                                           : "stop: kill the workers now");
   row("job token", "from " + job_token_file_);
   row("program", cmdline);
   out.Write(table);

@@ -32,6 +32,7 @@ class AgentCommand {
   int join_timeout_ms_ = 60'000;
   int controller_timeout_ms_ = 3'000;
   int fence_after_ms_ = 600'000;
+  std::string on_sigterm_ = "leave";
   std::string log_level_ = "info";
   std::vector<std::string> program_;
 };

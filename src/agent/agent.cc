@@ -170,19 +170,14 @@ int Agent::Run() {
   ran_ = true;
   if (options_.handle_signals) {
     sigset_t mask = BlockTerminationSignals();
+    sigaddset(&mask, SIGUSR1);  // sbatch --signal=USR1@N: the grace time is about to start
+    ::pthread_sigmask(SIG_BLOCK, &mask, nullptr);
     signal_fd_.Reset(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
     if (signal_fd_.valid()) {
       loop_.Watch(signal_fd_.get(), POLLIN, [this](short) {
         signalfd_siginfo si;
-        int sig = 0;
-        while (::read(signal_fd_.get(), &si, sizeof(si)) == sizeof(si)) sig = static_cast<int>(si.ssi_signo);
-        if (sig == 0) return;
-        if (phase_ == Phase::kEnding) {
-          kill_at_ = Clock::now();  // a second interrupt: no more grace
-        } else {
-          End(kExitInterrupted,
-              fmt::format("interrupted by {}: killing its processes", sig == SIGINT ? "SIGINT" : "SIGTERM"),
-              /*kill_now=*/true);
+        while (::read(signal_fd_.get(), &si, sizeof(si)) == sizeof(si)) {
+          OnTerminationSignal(static_cast<int>(si.ssi_signo));
         }
       });
     }
@@ -250,6 +245,46 @@ int Agent::Run() {
   loop_.Unwatch(wake_fd_.get());
   return exit_code_;
 }
+
+void Agent::OnTerminationSignal(int sig) {
+  const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGUSR1";
+  if (phase_ == Phase::kEnding) {
+    kill_at_ = Clock::now();  // a second interrupt: no more grace
+    return;
+  }
+  const bool leave = sig != SIGINT && options_.leave_on_sigterm && !options_.elastic;
+  if (leave && leaving_.empty() && phase_ == Phase::kRegistered) {
+    leaving_ = name;
+    int running = launcher_->running();
+    NONSTOP_LOG_WARNING("{}: this host leaves the job; asked the controller to release its {} at the next step "
+                        "boundary (a second SIGTERM, or SIGINT, kills them now)",
+                        name, Processes(running));
+    SendLeaving();
+    if (running == 0) End(kExitOk, fmt::format("left the job ({}): nothing ran here", name), /*kill_now=*/false);
+    return;
+  }
+  if (leave && !leaving_.empty() && (sig == SIGUSR1 || leaving_ == "SIGUSR1")) {
+    // sbatch --signal=USR1@N came first; the scheduler's SIGTERM that follows
+    // it (or a repeated SIGUSR1) is the same notice, not a second interrupt.
+    NONSTOP_LOG_INFO("{} while leaving after {}: still waiting for the release", name, leaving_);
+    leaving_ = sig == SIGTERM ? "SIGTERM" : leaving_;
+    return;
+  }
+  if (sig == SIGUSR1 && leaving_.empty()) {
+    // Only a warning that the grace time starts soon; while cut off from the
+    // controller nobody can release the workers, and SIGTERM will follow.
+    NONSTOP_LOG_WARNING("SIGUSR1 while {}: cannot ask a controller to release this host's workers yet",
+                        PhaseName(phase_));
+    return;
+  }
+  End(kExitInterrupted,
+      fmt::format("interrupted by {}{}: killing its processes", name,
+                  leaving_.empty() ? "" : fmt::format(" (after {}, while its workers waited for their release)",
+                                                      leaving_)),
+      /*kill_now=*/true);
+}
+
+void Agent::SendLeaving() { Send(control::kMsgAgentLeaving, control::Encode(control::AgentLeavingMsg{leaving_})); }
 
 void Agent::Tick() {
   Deadline now = Clock::now();
@@ -538,6 +573,7 @@ void Agent::OnHelloAck(const net::Frame& f) {
                    reg.running > 0 ? fmt::format("; {} kept running", Processes(reg.running)) : "");
   if (!Send(control::kMsgAgentRegister, control::Encode(reg))) return;
   next_heartbeat_ = Clock::now() + options_.heartbeat_interval;
+  if (!leaving_.empty()) SendLeaving();  // a controller that took over learns it too
 }
 
 void Agent::OnStart(std::string_view payload) {
@@ -549,6 +585,12 @@ void Agent::OnStart(std::string_view payload) {
   if (auto it = live_.find(m->worker_id); it != live_.end()) {
     reply.error = fmt::format("worker {} already runs on host {} (pid {})", m->worker_id, options_.host_id, it->second);
     NONSTOP_LOG_WARNING("start order refused: {}", reply.error);
+    Send(control::kMsgAgentStarted, control::Encode(reply));
+    return;
+  }
+  if (!leaving_.empty()) {
+    reply.error = fmt::format("host {} is leaving the job ({})", options_.host_id, leaving_);
+    NONSTOP_LOG_DEBUG("start order refused: {}", reply.error);
     Send(control::kMsgAgentStarted, control::Encode(reply));
     return;
   }
@@ -582,6 +624,8 @@ void Agent::OnStart(std::string_view payload) {
   // inherited (a NONSTOP_RESUME, a checkpoint directory) never reaches a worker.
   spec.unset = launcher::kJobVariables;
   if (!options_.log_dir.empty()) spec.log_file = fmt::format("{}/worker-{}.log", options_.log_dir, m->worker_id);
+  // Slurm signals every process of the step: the host's leave is the agent's to carry out.
+  if (options_.handle_signals && options_.leave_on_sigterm && !options_.elastic) spec.ignore_signals = {SIGTERM, SIGUSR1};
   auto pid = launcher_->Spawn(spec);
   if (!pid.ok()) {
     reply.error = pid.status().ToString();
@@ -764,6 +808,9 @@ void Agent::OnChildExit(int worker_id, pid_t pid, int exit_code, int signal) {
   }
   if (phase_ == Phase::kRegistered || phase_ == Phase::kEnding) {
     Send(control::kMsgAgentExited, control::Encode(control::AgentExitedMsg{worker_id, pid, exit_code, signal}));
+  }
+  if (!leaving_.empty() && live_.empty() && phase_ == Phase::kRegistered) {
+    End(kExitOk, fmt::format("left the job ({}): its workers were released", leaving_), /*kill_now=*/false);
   }
 }
 

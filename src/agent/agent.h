@@ -25,6 +25,11 @@
 // they are reaped, and dials on; it gives up (exit 1) if it cannot register
 // within `join_timeout` after that (or of the loss, with nothing running).
 //
+// Leaving. With handle_signals and leave_on_sigterm, SIGTERM or SIGUSR1 while
+// registered sends AgentLeaving (again after each new registration, so a
+// controller that takes over learns it too); the agent starts nothing more
+// and returns 0 once its last process has exited on its release.
+//
 // Exit codes (Run()): 0 or whatever a controller's Shutdown says (0-255; another code is 1);
 // kExitControllerLost (1) when the controller cannot be reached within the
 // join timeout; kExitRefused (2) when the controller refuses the hello (a
@@ -118,6 +123,15 @@ struct AgentOptions {
   // too (the CLI blocks them before it starts any). Off for agents run in a
   // test's thread.
   bool handle_signals = false;
+  // With handle_signals, what SIGTERM (and SIGUSR1) mean. True: the host's
+  // capacity is being taken back (a Slurm preemption sends SIGTERM, or the
+  // signal of sbatch --signal=USR1@N ahead of it): the agent asks the
+  // controller to release its workers at the next step boundary and exits 0
+  // once they are gone, a planned shrink and no fault; a second signal, or
+  // SIGINT, kills them at once. Its workers start with SIGTERM and SIGUSR1
+  // ignored, since Slurm signals every process of the job step. False:
+  // SIGTERM is SIGINT (kill the processes, exit 130).
+  bool leave_on_sigterm = true;
   // Where the children's prefixed lines ("[HOST rank 2] …", "[HOST w3] …") go; nullptr: writers
   // of the agent's own on stdout and stderr. Not owned; outlive Run().
   launcher::OutputWriter* out = nullptr;
@@ -202,6 +216,10 @@ class Agent {
   std::string Describe(const std::string& error) const;
 
   void OnChildExit(int worker_id, pid_t pid, int exit_code, int signal);
+  // SIGINT, SIGTERM or SIGUSR1 read from the signalfd.
+  void OnTerminationSignal(int sig);
+  // Asks the controller to release this host's workers (leaving_).
+  void SendLeaving();
   void OnChildStop(int worker_id, pid_t pid, int signal);
 
   const AgentOptions options_;
@@ -244,6 +262,8 @@ class Agent {
   bool graceful_ = false;           // kEnding: the processes were given stop_grace to exit on their own
   Deadline give_up_at_ = kNoDeadline;  // kEnding: stop waiting for reaping
   bool killed_ = false;
+  // Asked to leave (leave_on_sigterm): what asked, e.g. "SIGTERM"; empty: not leaving.
+  std::string leaving_;
 };
 
 }  // namespace nonstop::agent

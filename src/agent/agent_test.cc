@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <mutex>
@@ -682,10 +683,11 @@ class AgentCliTest : public AgentTest {
   }
 };
 
-TEST_F(AgentCliTest, SigtermKillsTheWorkersAndExits130) {
+TEST_F(AgentCliTest, SigtermWithOnSigtermStopKillsTheWorkersAndExits130) {
   FakeController controller;
   std::vector<std::string> argv = {NonstopBinary(), "agent", "--controller", controller.address(),
-                                   "--job-token-file", TokenFile(kToken), "--host-id", "cli-host", "--"};
+                                   "--job-token-file", TokenFile(kToken), "--host-id", "cli-host",
+                                   "--on-sigterm", "stop", "--"};
   for (const auto& a : Options(controller).program) argv.push_back(a);
   // Inherited values of the agent's variables must not shadow its own in the workers.
   ChildProcess agent(argv, dir_ / "agent.log", {"NONSTOP_DATA_HOST=9.9.9.9", "NONSTOP_HOST_ID_UNRELATED=x"});
@@ -709,6 +711,71 @@ TEST_F(AgentCliTest, SigtermKillsTheWorkersAndExits130) {
   std::string log = ReadText(dir_ / "agent.log");
   EXPECT_NE(log.find("host id              cli-host"), std::string::npos) << log;  // the configuration table
   EXPECT_NE(log.find("interrupted by SIGTERM"), std::string::npos) << log;
+}
+
+// A Slurm preemption: SIGUSR1 (sbatch --signal=USR1@N) and then SIGTERM reach
+// the agent and every process of its step. The agent asks once to leave,
+// its worker lives on (it ignores both), nothing new starts, and once the
+// worker is gone (its release) the agent exits 0.
+TEST_F(AgentCliTest, SigtermAsksTheControllerToReleaseTheHostAndExits0OnceTheWorkersAreGone) {
+  FakeController controller;
+  std::vector<std::string> argv = {NonstopBinary(), "agent", "--controller", controller.address(),
+                                   "--job-token-file", TokenFile(kToken), "--host-id", "cli-host", "--"};
+  for (const auto& a : Options(controller).program) argv.push_back(a);
+  ChildProcess agent(argv, dir_ / "agent.log");
+  ASSERT_TRUE(controller.AcceptAndRegister(10s).ok()) << ReadText(dir_ / "agent.log");
+  pid_t pid = StartWorker(controller, 3);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s));
+  ASSERT_EQ(::kill(agent.pid(), SIGUSR1), 0);
+  ASSERT_EQ(::kill(pid, SIGUSR1), 0);
+  auto leaving = controller.Next(control::kMsgAgentLeaving, 5s);
+  ASSERT_TRUE(leaving.ok()) << leaving.status().ToString() << "\n" << ReadText(dir_ / "agent.log");
+  auto m = control::DecodeAgentLeaving(leaving->payload);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->reason, "SIGUSR1");
+  ASSERT_EQ(::kill(agent.pid(), SIGTERM), 0);  // the scheduler's own notice follows: the same leave
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(ProcessGone(pid)) << "the worker must wait for its release";
+  EXPECT_EQ(agent.Wait(1ms), -1) << ReadText(dir_ / "agent.log");
+  // Nothing new starts on a host that leaves.
+  control::AgentStartMsg start;
+  start.worker_id = 4;
+  controller.Send(control::kMsgAgentStart, control::Encode(start));
+  auto refused = controller.Next(control::kMsgAgentStarted);
+  ASSERT_TRUE(refused.ok()) << refused.status().ToString();
+  auto r = control::DecodeAgentStarted(refused->payload);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->pid, 0);
+  EXPECT_NE(r->error.find("is leaving the job"), std::string::npos) << r->error;
+  EXPECT_FALSE(std::filesystem::exists(EnvFile(4)));
+  // The release: the worker ends (a real one exits 0 on the controller's Shutdown).
+  controller.Send(control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{3, SIGKILL}));
+  ASSERT_TRUE(controller.Next(control::kMsgAgentExited, 5s).ok());
+  EXPECT_EQ(agent.Wait(5s), 0) << ReadText(dir_ / "agent.log");
+  EXPECT_NE(ReadText(dir_ / "agent.log").find("left the job (SIGTERM): its workers were released"),
+            std::string::npos)
+      << ReadText(dir_ / "agent.log");
+}
+
+TEST_F(AgentCliTest, SecondSigtermWhileLeavingKillsTheWorkersAndExits130) {
+  FakeController controller;
+  std::vector<std::string> argv = {NonstopBinary(), "agent", "--controller", controller.address(),
+                                   "--job-token-file", TokenFile(kToken), "--host-id", "cli-host", "--"};
+  for (const auto& a : Options(controller).program) argv.push_back(a);
+  ChildProcess agent(argv, dir_ / "agent.log");
+  ASSERT_TRUE(controller.AcceptAndRegister(10s).ok()) << ReadText(dir_ / "agent.log");
+  pid_t pid = StartWorker(controller, 3);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s));
+  ASSERT_EQ(::kill(agent.pid(), SIGTERM), 0);
+  ASSERT_TRUE(controller.Next(control::kMsgAgentLeaving, 5s).ok()) << ReadText(dir_ / "agent.log");
+  ASSERT_EQ(::kill(agent.pid(), SIGTERM), 0);
+  EXPECT_EQ(agent.Wait(5s), kExitInterrupted) << ReadText(dir_ / "agent.log");
+  EXPECT_TRUE(ProcessGone(pid));
+  EXPECT_NE(ReadText(dir_ / "agent.log").find("interrupted by SIGTERM (after SIGTERM"), std::string::npos)
+      << ReadText(dir_ / "agent.log");
 }
 
 TEST_F(AgentCliTest, RefusedHelloExits2AndSaysWhy) {

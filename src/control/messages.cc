@@ -365,6 +365,7 @@ std::string Encode(const AgentRanksMsg& m) {
   for (const auto& [id, rank] : m.ranks) ranks.push_back({{"worker_id", id}, {"rank", rank}});
   return Dump({{"generation", m.generation}, {"ranks", ranks}});
 }
+std::string Encode(const AgentLeavingMsg& m) { return Dump({{"reason", m.reason}}); }
 
 namespace {
 
@@ -491,6 +492,13 @@ Result<AgentRanksMsg> DecodeAgentRanks(std::string_view p) {
       if (!ids.insert(id).second) throw FieldError{e.Path("worker_id"), fmt::format("worker {} is listed twice", id)};
       m.ranks.push_back({id, rank});
     }
+  });
+}
+
+Result<AgentLeavingMsg> DecodeAgentLeaving(std::string_view p) {
+  return Decode<AgentLeavingMsg>("agent leaving", p, [](const Reader& r, AgentLeavingMsg& m) {
+    r("reason", &m.reason);
+    if (m.reason.size() > 1024) throw FieldError{r.Path("reason"), "is longer than 1024 bytes"};
   });
 }
 

@@ -40,6 +40,7 @@ enum MessageType : uint16_t {
   kMsgAgentStopped = 36,    // agent → controller: worker w's process was stopped (SIGSTOP: frozen)
   kMsgAgentHeartbeat = 37,  // agent → controller: the agent is alive (payload: running processes)
   kMsgAgentRanks = 38,      // controller → agent: the ranks its workers hold in a new generation (output prefixes)
+  kMsgAgentLeaving = 39,    // agent → controller: release this host's workers at the next step boundary (preempted)
 };
 static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20 && kMsgDrain == 21,
               "wire numbers are pinned");
@@ -128,6 +129,13 @@ struct AgentHeartbeatMsg {
 struct AgentRanksMsg {
   uint32_t generation = 0;
   std::vector<std::pair<int, int>> ranks;  // (worker id, rank)
+};
+
+// The host is being taken back (Slurm preempts its job: SIGTERM, or the
+// --signal sent ahead of it): its workers should leave at the next step
+// boundary, a planned shrink rather than a fault (docs/slurm.md).
+struct AgentLeavingMsg {
+  std::string reason;  // what the agent was told ("SIGTERM")
 };
 
 struct PlanMember {
@@ -247,6 +255,7 @@ std::string Encode(const AgentExitedMsg& m);
 std::string Encode(const AgentStoppedMsg& m);
 std::string Encode(const AgentHeartbeatMsg& m);
 std::string Encode(const AgentRanksMsg& m);
+std::string Encode(const AgentLeavingMsg& m);
 
 Result<JoinMsg> DecodeJoin(std::string_view payload);
 Result<PlanMsg> DecodePlan(std::string_view payload);
@@ -270,6 +279,7 @@ Result<AgentExitedMsg> DecodeAgentExited(std::string_view payload);
 Result<AgentStoppedMsg> DecodeAgentStopped(std::string_view payload);
 Result<AgentHeartbeatMsg> DecodeAgentHeartbeat(std::string_view payload);
 Result<AgentRanksMsg> DecodeAgentRanks(std::string_view payload);
+Result<AgentLeavingMsg> DecodeAgentLeaving(std::string_view payload);
 
 // A host id: 1 to 64 characters from [A-Za-z0-9._-] (it appears in logs,
 // journal records and process environments). OK, or INVALID_ARGUMENT saying

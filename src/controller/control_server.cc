@@ -295,6 +295,10 @@ void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
         return Event{ProcessStopped{m.worker_id, m.pid, m.signal, host}};
       });
       break;
+    case control::kMsgAgentLeaving:
+      s = decoded(control::DecodeAgentLeaving(f.payload),
+                  [&](const control::AgentLeavingMsg& m) { return Event{HostLeaving{host, m}}; });
+      break;
     default: s = InvalidArgumentError(fmt::format("unexpected message type {} from an agent", f.type));
   }
   if (!s.ok()) bad(s);

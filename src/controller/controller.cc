@@ -878,6 +878,26 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   std::vector<int> released;
   if (resize_to_) {
     auto want = static_cast<size_t>(*resize_to_);
+    if (!release_.empty()) {  // members of leaving hosts: released by name, the others keep their order
+      std::vector<int> kept;
+      for (size_t r = 0; r < next.size(); ++r) {
+        if (!release_.count(next[r])) {
+          kept.push_back(next[r]);
+          continue;
+        }
+        released.push_back(next[r]);
+        const WorkerInfo& w = workers_[next[r]];
+        rec.replacements.push_back(fmt::format("rank {}: worker {} released (host {} leaves)", w.rank, w.worker_id,
+                                               w.host));
+      }
+      next = std::move(kept);
+      // State for any spare that joins comes from members that stay.
+      std::vector<int> staying;
+      for (int id : holders) {
+        if (!release_.count(id)) staying.push_back(id);
+      }
+      if (!staying.empty()) holders = std::move(staying);
+    }
     while (next.size() > want) {  // shrink: the highest ranks leave
       released.push_back(next.back());
       rec.replacements.push_back(fmt::format("rank {}: worker {} released", next.size() - 1, next.back()));
@@ -888,6 +908,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
       next.push_back(spares[spare_i++]);
     }
     resize_to_.reset();
+    release_.clear();
   }
   if (next.empty()) {
     rec.outcome = "failed";
@@ -1174,6 +1195,9 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   }
   ++alive_hosts_;
   h.lost_reason.clear();
+  h.leaving = false;
+  h.leave_reason.clear();
+  h.leave_refused = false;
   h.last_heard = now_;
   ++h.incarnation;
   host_refill_failures_.erase(m.host_id);  // a fresh start for its slots
@@ -1228,6 +1252,7 @@ void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
 }
 
 int Controller::FreeSlots(const HostInfo& h) const {
+  if (h.leaving) return 0;  // its capacity is being taken back
   auto it = live_on_host_.find(h.host_id);
   int used = it == live_on_host_.end() ? 0 : it->second;
   auto w = withheld_.find(h.host_id);
@@ -1238,7 +1263,7 @@ int Controller::FreeSlots(const HostInfo& h) const {
 bool Controller::HostResponsive(const std::string& host_id) const {
   if (host_id.empty()) return true;
   auto it = hosts_.find(host_id);
-  return it != hosts_.end() && it->second.alive && !it->second.inherited &&
+  return it != hosts_.end() && it->second.alive && !it->second.inherited && !it->second.leaving &&
          now_ - it->second.last_heard <= options_.heartbeat_timeout / 2;
 }
 
@@ -1563,10 +1588,19 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
   }
   std::vector<int> ranks;
   for (int id : members) ranks.push_back(workers_[id].rank);
-  out->push_back(AppendJournal{{{"event", "host_lost"}, {"host", host_id}, {"reason", reason},
+  // A host that asked to leave and whose members were all released has left
+  // as planned; one that still held members when it went is a fault like any other.
+  const bool left = h.leaving && members.empty();
+  out->push_back(AppendJournal{{{"event", left ? "host_left" : "host_lost"}, {"host", host_id}, {"reason", reason},
                                 {"members", members}, {"ranks", ranks}, {"others", others}}});
-  out->push_back(PrintLine{fmt::format("host {} lost: {}; {} member(s) on it {}", host_id, reason, members.size(),
-                                       json(ranks).dump())});
+  if (left) {
+    out->push_back(PrintLine{fmt::format("host {} left the job ({}); its workers were released", host_id,
+                                         h.leave_reason)});
+  } else {
+    out->push_back(PrintLine{fmt::format("host {} lost: {}{}; {} member(s) on it {}", host_id, reason,
+                                         h.leaving ? " (it was leaving, but its members were not released yet)" : "",
+                                         members.size(), json(ranks).dump())});
+  }
   for (int id : others) {  // its spares first: none of them may replace a worker of the same host
     WorkerInfo& w = workers_[id];
     if (w.role != WorkerRole::kSpare) continue;
@@ -1614,6 +1648,98 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
   } else {
     StartRecovery(what, out);
   }
+}
+
+// ---------------------------------------------------------------- a host leaves
+
+// Its capacity is taken back (a Slurm preemption): what runs there goes
+// without a fault. Spares and workers still starting are let go at once; the
+// members are released at the next step boundary (MaybeReleaseLeavingHosts).
+void Controller::On(const HostLeaving& e, std::vector<Action>* out) {
+  auto it = hosts_.find(e.host_id);
+  if (it == hosts_.end() || !it->second.alive || it->second.leaving) return;
+  HostInfo& h = it->second;
+  h.leaving = true;
+  h.leave_reason = e.msg.reason.empty() ? "its agent asked" : e.msg.reason;
+  h.leave_refused = false;
+  std::vector<int> members, spares, starting;
+  for (const auto& [id, host] : host_of_) {
+    if (host != e.host_id || !live_processes_.count(id)) continue;
+    auto w = workers_.find(id);
+    if (w == workers_.end()) {
+      starting.push_back(id);
+    } else if (IsLiveMember(w->second)) {
+      members.push_back(id);
+    } else if (w->second.role == WorkerRole::kSpare) {
+      spares.push_back(id);
+    }
+  }
+  out->push_back(AppendJournal{{{"event", "host_leaving"}, {"host", e.host_id}, {"reason", h.leave_reason},
+                                {"members", members}, {"spares", spares}, {"starting", starting}}});
+  out->push_back(PrintLine{fmt::format("host {} leaves the job ({}): {} member(s) released at the next step "
+                                       "boundary, {} spare(s) let go",
+                                       e.host_id, h.leave_reason, members.size(), spares.size() + starting.size())});
+  if (!placed_ || phase_ == JobPhase::kForming) {
+    // Nothing trains yet: the job forms without the host, as if it were lost.
+    HostDown(e.host_id, "left the job while it formed (" + h.leave_reason + ")", out);
+    out->push_back(CloseHost{e.host_id, "released: the job formed without this host", kExitOk});
+    return;
+  }
+  for (int id : spares) {
+    SetRole(workers_[id], WorkerRole::kGone);
+    out->push_back(SendShutdown{id, {fmt::format("released: host {} leaves the job", e.host_id), kExitOk}});
+  }
+  for (int id : starting) {  // no connection to tell it on yet
+    awaiting_join_.erase(id);
+    killed_before_join_.insert(id);
+    out->push_back(KillWorker{id});
+  }
+  MaybeReleaseLeavingHosts(out);
+}
+
+void Controller::MaybeReleaseLeavingHosts(std::vector<Action>* out) {
+  // At a step boundary of a running job; a membership change in progress, or
+  // a takeover's adoption, comes first (the Tick retries).
+  if (phase_ != JobPhase::kRunning || finished_ > 0 || !unconfirmed_.empty() || resize_to_) return;
+  std::vector<int> leaving;
+  std::set<std::string> hosts;
+  for (const WorkerInfo* w : member_info_) {
+    if (!IsLiveMember(*w) || w->host.empty()) continue;
+    auto h = hosts_.find(w->host);
+    if (h == hosts_.end() || !h->second.leaving || h->second.leave_refused) continue;
+    leaving.push_back(w->worker_id);
+    hosts.insert(w->host);
+  }
+  if (leaving.empty()) return;
+  const int world = static_cast<int>(members_.size());
+  const int smaller = world - static_cast<int>(leaving.size());
+  int spares = 0;  // those FormNextGeneration would promote
+  for (const auto& [id, w] : workers_) {
+    spares += w.role == WorkerRole::kSpare && !w.stopped && now_ - w.last_heard <= options_.heartbeat_timeout &&
+              HostResponsive(w.host);
+  }
+  // The smallest world the policy allows from the members that stay, with
+  // spares elsewhere taking released ranks where it must be larger.
+  int to = -1;
+  for (int size = std::max(1, smaller); size <= world && to < 0; ++size) {
+    if (size - smaller <= spares && CheckSize(size).empty()) to = size;
+  }
+  std::string names;
+  for (const std::string& h : hosts) names += (names.empty() ? "" : ", ") + h;
+  if (to < 0) {
+    std::string why = smaller >= 1 ? CheckSize(smaller) : "no member would be left";
+    std::string text = fmt::format("host(s) {} cannot leave at a step boundary: without their {} member(s) the world "
+                                   "would be {} ({}), and {} spare(s) can take their ranks; they stay until their "
+                                   "agent goes (then a host fault)",
+                                   names, leaving.size(), smaller, why, spares);
+    for (const std::string& h : hosts) hosts_[h].leave_refused = true;
+    out->push_back(AppendJournal{{{"event", "host_leave_refused"}, {"hosts", hosts}, {"reason", text}}});
+    out->push_back(PrintLine{text});
+    return;
+  }
+  release_ = std::set<int>(leaving.begin(), leaving.end());
+  std::string reason = hosts_[*hosts.begin()].leave_reason;
+  StartResize(to, fmt::format("host(s) {} leave ({})", names, reason), out);
 }
 
 void Controller::OrderSpares(std::vector<int>* spares, const std::set<std::string>& failed_hosts) const {
@@ -1684,6 +1810,7 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   }
   if (phase_ == JobPhase::kRunning) CheckWatchdogs(out);
   if (phase_ == JobPhase::kRunning) CheckStall(out);
+  if (phase_ == JobPhase::kRunning) MaybeReleaseLeavingHosts(out);
   if (phase_ == JobPhase::kRunning) MaybeGrow(out);
 }
 

@@ -193,6 +193,9 @@ struct HostJoined { control::AgentRegisterMsg msg; };
 struct HostHeartbeat { std::string host_id; control::AgentHeartbeatMsg msg; };
 // An agent's connection closed or broke.
 struct HostLost { std::string host_id; std::string reason; };
+// An agent asks that its host leave the job (its capacity is taken back: a
+// Slurm preemption): its workers are released at the next step boundary.
+struct HostLeaving { std::string host_id; control::AgentLeavingMsg msg; };
 // An agent started a worker process (pid), or could not (error).
 struct WorkerStarted { std::string host_id; control::AgentStartedMsg msg; };
 struct Tick {};
@@ -205,7 +208,7 @@ struct Takeover { TakeoverState state; };
 using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived, FailureReported,
                            ReadyReceived, RecoveredReceived, InjectedReceived, ConnectionLost, ProcessExited,
                            ProcessStopped, Tick, ScaleRequest, Interrupted, HostJoined, HostHeartbeat, HostLost,
-                           WorkerStarted, Takeover>;
+                           WorkerStarted, Takeover, HostLeaving>;
 
 // ---- actions ----
 // Every member of a generation gets the same plan: one PlanMsg, shared by the
@@ -265,6 +268,12 @@ struct HostInfo {
   // host): the controller starts the workers and spares the job needs there, as
   // on one machine, instead of filling fixed slots.
   bool elastic = false;
+  // Its agent asked to leave (HostLeaving): nothing starts there any more,
+  // its spares are let go and its members are released at the next step
+  // boundary. Cleared when it registers again.
+  bool leaving = false;
+  std::string leave_reason;
+  bool leave_refused = false;  // the release was refused (journaled once): its members stay
   Clock::time_point last_heard{};
   std::string lost_reason;
 };
@@ -352,6 +361,11 @@ class Controller {
   void On(const HostLost& e, std::vector<Action>* out);
   void On(const WorkerStarted& e, std::vector<Action>* out);
   void On(const Takeover& e, std::vector<Action>* out);
+  void On(const HostLeaving& e, std::vector<Action>* out);
+  // Releases the members of leaving hosts at the next step boundary, once the
+  // job runs (a planned resize; spares elsewhere take their ranks where the
+  // policy does not allow the smaller world).
+  void MaybeReleaseLeavingHosts(std::vector<Action>* out);
   // A worker inherited from the previous controller joined this one.
   void Rejoined(const control::JoinMsg& m, std::vector<Action>* out);
   // An agent inherited from the previous controller registered with this one,
@@ -477,6 +491,7 @@ class Controller {
   std::optional<size_t> open_recovery_;  // index into recoveries_
   int target_world_ = 0;                  // the world size the job should have (policy, requests)
   std::optional<int> resize_to_;          // a planned resize in progress: its new world size
+  std::set<int> release_;                 // ... and the members it releases by name (leaving hosts)
   std::optional<Clock::time_point> last_change_at_;
   std::optional<Clock::time_point> grow_waiting_since_;
   std::deque<Clock::time_point> change_times_;

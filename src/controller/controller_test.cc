@@ -1060,6 +1060,165 @@ TEST_F(HostFaultsTest, ReleasedSlotsAreNotRefilledUntilAGrow) {
   EXPECT_EQ(Find<SpawnWorker>(grow).size(), 1u) << "a grow takes the slot back";
 }
 
+// ---- a host leaves: its capacity is taken back (a Slurm preemption) ----
+
+class HostLeavingTest : public HostFaultsTest {
+ protected:
+  static int Count(const std::vector<Action>& actions, const std::string& event) {
+    int n = 0;
+    for (const auto& j : Find<AppendJournal>(actions)) n += j.record.value("event", "") == event;
+    return n;
+  }
+  std::vector<int> MembersOn(const std::string& host) const {
+    std::vector<int> ids;
+    for (int id : c_->members()) {
+      if (c_->HostOf(id) == host) ids.push_back(id);
+    }
+    return ids;
+  }
+  // Every member reports step `step` done and then Ready at it (the drain's boundary).
+  std::vector<Action> AllReady(int64_t step) {
+    std::vector<Action> all;
+    std::vector<int> members = c_->members();
+    for (int id : members) {
+      for (auto& a : Ready(id, step)) all.push_back(a);
+    }
+    return all;
+  }
+};
+
+TEST_F(HostLeavingTest, ItsMembersAreReleasedAtTheNextStepBoundaryWithoutAFault) {
+  ControllerOptions o;
+  o.min_hosts = 3;
+  Use(o);
+  StartOn({{"h1", 1, 0}, {"h2", 1, 0}, {"h3", 1, 0}});
+  ASSERT_EQ(c_->world_size(), 3u);
+  for (int id : c_->members()) Step(id, 5);
+  std::vector<int> leaving = MembersOn("h2");
+  ASSERT_EQ(leaving.size(), 1u);
+  ASSERT_EQ(c_->RankOf(leaving[0]), 1) << "a rank in the middle: released by name, not the highest";
+  auto a = Do(HostLeaving{"h2", {"SIGTERM"}});
+  EXPECT_EQ(Count(a, "host_leaving"), 1);
+  EXPECT_EQ(Find<SendDrain>(a).size(), 3u) << "every member stops at the step boundary";
+  EXPECT_TRUE(Find<SendAbort>(a).empty()) << "a planned change aborts nothing";
+  EXPECT_TRUE(Find<KillWorker>(a).empty());
+  ASSERT_EQ(c_->phase(), JobPhase::kRecovering);
+  EXPECT_EQ(c_->recoveries().back().kind, "resize");
+  auto done = AllReady(6);
+  EXPECT_EQ(Count(done, "fault"), 0);
+  auto plans = Find<SendPlan>(done);
+  ASSERT_EQ(plans.size(), 2u);
+  for (const auto& m : plans[0].plan->members) EXPECT_NE(c_->HostOf(m.worker_id), "h2");
+  EXPECT_EQ(plans[0].plan->resume_step, 7) << "no completed step is lost";
+  EXPECT_TRUE(plans[0].plan->transfers.empty()) << "the members that stay hold the state";
+  auto shutdowns = Find<SendShutdown>(done);
+  ASSERT_EQ(shutdowns.size(), 1u);
+  EXPECT_EQ(shutdowns[0].worker_id, leaving[0]);
+  EXPECT_EQ(shutdowns[0].msg.exit_code, 0);
+  EXPECT_EQ(c_->world_size(), 2u);
+  // Its worker exits on the release, then its agent: the host has left, no recovery follows.
+  Do(ProcessExited{leaving[0], 1, 0, 0, "h2"});
+  auto gone = Do(HostLost{"h2", "connection closed by peer"});
+  EXPECT_EQ(Count(gone, "host_left"), 1);
+  EXPECT_EQ(Count(gone, "host_lost"), 0);
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+  EXPECT_EQ(c_->recoveries().size(), 1u);
+  EXPECT_TRUE(Find<SpawnWorker>(Run(500)).empty());
+}
+
+TEST_F(HostLeavingTest, ItsSparesAreLetGoAtOnceAndItsSlotsStayEmptyUntilItRegistersAgain) {
+  ControllerOptions o;
+  o.min_hosts = 2;
+  Use(o);
+  StartOn({{"h1", 2, 0}, {"h2", 0, 1}});
+  for (int id : c_->members()) Step(id, 5);
+  int spare = -1;
+  for (const auto& [id, w] : c_->workers()) {
+    if (w.role == WorkerRole::kSpare) spare = id;
+  }
+  ASSERT_EQ(c_->HostOf(spare), "h2");
+  auto a = Do(HostLeaving{"h2", {"SIGUSR1"}});
+  auto shutdowns = Find<SendShutdown>(a);
+  ASSERT_EQ(shutdowns.size(), 1u);
+  EXPECT_EQ(shutdowns[0].worker_id, spare);
+  EXPECT_EQ(shutdowns[0].msg.exit_code, 0);
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning) << "no member leaves: the world stays";
+  EXPECT_TRUE(Find<SendDrain>(a).empty());
+  Do(ProcessExited{spare, 1, 0, 0, "h2"});
+  EXPECT_TRUE(Find<SpawnWorker>(Run(500)).empty()) << "a leaving host's free slot is refilled";
+  EXPECT_EQ(Count(Do(HostLost{"h2", "connection closed by peer"}), "host_left"), 1);
+  auto back = Find<SpawnWorker>(Register("h2", 0, 1));
+  ASSERT_EQ(back.size(), 1u) << "registered again, its slots are the job's again";
+  EXPECT_TRUE(back[0].spare);
+}
+
+TEST_F(HostLeavingTest, WhereThePolicyForbidsTheSmallerWorldASpareElsewhereTakesTheRank) {
+  ControllerOptions o;
+  o.min_hosts = 3;
+  o.policy.min_world = 3;
+  Use(o);
+  StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h4", 0, 1}});
+  ASSERT_EQ(c_->world_size(), 3u);
+  for (int id : c_->members()) Step(id, 5);
+  int leaving = MembersOn("h2").at(0);
+  ASSERT_FALSE(Find<SendDrain>(Do(HostLeaving{"h2", {"SIGTERM"}})).empty());
+  auto done = AllReady(6);
+  auto plans = Find<SendPlan>(done);
+  ASSERT_FALSE(plans.empty());
+  const auto& plan = *plans[0].plan;
+  ASSERT_EQ(plan.members.size(), 3u);
+  int newcomer = -1;
+  for (const auto& m : plan.members) {
+    EXPECT_NE(m.worker_id, leaving);
+    if (c_->HostOf(m.worker_id) == "h4") newcomer = m.worker_id;
+  }
+  ASSERT_GE(newcomer, 0) << "the spare of h4 joins";
+  ASSERT_EQ(plan.transfers.size(), 1u);
+  EXPECT_EQ(plan.transfers[0].receiver, newcomer);
+  for (int src : plan.transfers[0].sources) EXPECT_NE(src, leaving) << "a released member is no state source";
+  EXPECT_EQ(Count(done, "fault"), 0);
+  EXPECT_EQ(Find<SendShutdown>(done).size(), 1u);
+}
+
+TEST_F(HostLeavingTest, ALeaveTheJobCannotAbsorbIsRefusedOnceAndItsLossIsThenAFault) {
+  ControllerOptions o;
+  o.min_hosts = 2;
+  o.policy.min_world = 3;
+  Use(o);
+  StartOn({{"h1", 2, 0}, {"h2", 1, 0}});
+  for (int id : c_->members()) Step(id, 5);
+  auto a = Do(HostLeaving{"h2", {"SIGTERM"}});
+  EXPECT_EQ(Count(a, "host_leave_refused"), 1);
+  EXPECT_TRUE(Find<SendDrain>(a).empty());
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+  EXPECT_EQ(Count(Run(500), "host_leave_refused"), 0) << "refused once, not on every tick";
+  auto lost = Do(HostLost{"h2", "connection reset"});
+  EXPECT_EQ(Count(lost, "host_lost"), 1);
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
+  EXPECT_EQ(c_->recoveries().back().kind, "recovery");
+}
+
+TEST_F(HostLeavingTest, ALeaveDuringARecoveryWaitsForItToEnd) {
+  ControllerOptions o;
+  o.min_hosts = 3;
+  Use(o);
+  StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h3", 1, 0}});
+  for (int id : c_->members()) Step(id, 5);
+  int victim = MembersOn("h1").at(0);
+  Do(ProcessExited{victim, 1, 0, 9, "h1"});
+  ASSERT_EQ(c_->phase(), JobPhase::kRecovering);
+  auto a = Do(HostLeaving{"h3", {"SIGTERM"}});
+  EXPECT_TRUE(Find<SendDrain>(a).empty()) << "the recovery first";
+  std::vector<int> members = c_->members();
+  for (int id : members) {
+    if (id != victim) Ready(id, 5);
+  }
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  ASSERT_EQ(c_->world_size(), 3u) << "the recovery shrank by the lost worker only";
+  auto later = Run(100);
+  EXPECT_EQ(Find<SendDrain>(later).size(), 3u) << "then the leave, at the next step boundary";
+}
+
 // Spares that keep dying while starting on one host stop refills there, not everywhere.
 TEST_F(HostFaultsTest, RefillFailuresOnOneHostDoNotStopOtherHosts) {
   ControllerOptions o;

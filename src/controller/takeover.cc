@@ -46,7 +46,7 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
           h.elastic = r.value("elastic", false);
         }
         h.incarnation = r.value("incarnation", h.incarnation);
-      } else if (event == "host_lost") {
+      } else if (event == "host_lost" || event == "host_left") {
         const std::string id = r.value("host", "");
         hosts.erase(id);
         s.withheld.erase(id);

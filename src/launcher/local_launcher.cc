@@ -100,6 +100,7 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the launcher blocks signals it reads from a signalfd
+    for (int sig : spec.ignore_signals) ::signal(sig, SIG_IGN);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (spec.nice != 0) (void)::setpriority(PRIO_PROCESS, 0, spec.nice);
     if (::getppid() != parent) _exit(127);  // the launcher died before prctl

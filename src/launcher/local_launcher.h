@@ -38,6 +38,9 @@ struct ChildSpec {
   // Non-empty: the child's stdout and stderr go to this file (appended to,
   // created if missing) instead of through the launcher's prefixed writers.
   std::string log_file;
+  // Signals the child starts with ignored (SIG_IGN survives exec; a program
+  // may still install a handler of its own).
+  std::vector<int> ignore_signals;
 };
 
 // The variables that say which job and which worker a process is: a launcher

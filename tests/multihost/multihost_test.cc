@@ -4,6 +4,7 @@
 // reduction order). Hosts fail for real: every process of a namespace is
 // SIGKILLed (a host crash), or its link to the bridge goes down (a
 // partition) and comes back.
+#include <signal.h>
 #include <sys/wait.h>
 
 #include <gtest/gtest.h>
@@ -266,6 +267,54 @@ TEST_F(MultiHostTest, LateHostGrowsTheJob) {
   std::vector<size_t> worlds;
   for (const auto& p : Events(journal_, "plan")) worlds.push_back(p["members"].size());
   EXPECT_EQ(worlds, (std::vector<size_t>{4, 6})) << Outputs();
+  EXPECT_EQ(FinalChecksum(), ReferenceChecksum());
+}
+
+// (d) A preemption (docs/slurm.md): every process of a late host gets SIGTERM,
+// as Slurm signals a job step. The agent asks to leave, its workers ignore the
+// signal and are released at the next step boundary: the world shrinks with no
+// fault and no recovery, no step is lost, the agent exits 0 and the job ends
+// bitwise as the fault-free run.
+TEST_F(MultiHostTest, SigtermedHostLeavesAtAStepBoundaryWithoutAFault) {
+  ASSERT_NO_FATAL_FAILURE(MakeCluster(4));
+  steps_ = 500;
+  ASSERT_NO_FATAL_FAILURE(StartController(2, {"--max-world", "6"}));
+  StartAgent(1, "h1", 2, 0);
+  StartAgent(2, "h2", 2, 0);
+  WaitFor([&] { return HighestStep() >= 20; }, "step 20");
+  pid_t late = StartAgent(3, "h3", 2, 0);
+  WaitFor([&] {
+    auto plans = Events(journal_, "plan");
+    return !plans.empty() && plans.back()["members"].size() == 6;
+  }, "the job to grow to 6");
+  int64_t grown = HighestStep();
+  WaitFor([&] { return HighestStep() >= grown + 10; }, "steps at world 6");
+  EXPECT_EQ(cluster_->SignalHost(3, SIGTERM), 3) << "the agent and its two workers";
+  auto st = cluster_->WaitForExit(late, milliseconds(30'000));
+  ASSERT_TRUE(st.has_value()) << "the agent did not leave\n" << Outputs();
+  EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << Outputs();
+  EXPECT_NE(ReadFile(dir_ / "agent-h3.out").find("left the job (SIGTERM): its workers were released"),
+            std::string::npos)
+      << Outputs();
+  ASSERT_EQ(WaitController(), 0) << Outputs();
+  std::vector<size_t> worlds;
+  for (const auto& p : Events(journal_, "plan")) worlds.push_back(p["members"].size());
+  EXPECT_EQ(worlds, (std::vector<size_t>{4, 6, 4})) << Outputs();
+  EXPECT_TRUE(Events(journal_, "fault").empty()) << Outputs();
+  EXPECT_TRUE(Events(journal_, "recovery_start").empty()) << Outputs();
+  ASSERT_EQ(Events(journal_, "host_leaving").size(), 1u);
+  EXPECT_EQ(Events(journal_, "host_leaving")[0]["reason"], "SIGTERM");
+  ASSERT_EQ(Events(journal_, "host_left").size(), 1u) << Outputs();
+  EXPECT_EQ(Events(journal_, "host_left")[0]["host"], "h3");
+  auto ends = Events(journal_, "recovery_end");
+  ASSERT_EQ(ends.size(), 2u);
+  for (const auto& e : ends) {
+    EXPECT_EQ(e["recovery"]["outcome"], "completed") << e.dump();
+    EXPECT_EQ(e["recovery"]["lost_steps"], 0) << e.dump();
+  }
+  std::set<int64_t> steps;
+  for (const auto& s : Events(journal_, "step")) steps.insert(s["step"].get<int64_t>());
+  EXPECT_EQ(steps.size(), static_cast<size_t>(steps_)) << "every step once, none lost";
   EXPECT_EQ(FinalChecksum(), ReferenceChecksum());
 }
 

@@ -288,26 +288,33 @@ std::optional<NsId> NsIdOf(const std::string& path) {
 
 // SIGKILLs every process whose network namespace is `ns`, rescanning until none is left (a process may
 // fork while we scan) or the deadline passes. Returns how many distinct processes were killed.
+// The live processes (not this one) whose network namespace is `ns`.
+std::vector<pid_t> ProcessesIn(NsId ns) {
+  std::vector<pid_t> out;
+  const pid_t self = ::getpid();
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return out;
+  while (dirent* e = ::readdir(proc)) {
+    pid_t pid = 0;
+    std::string_view d(e->d_name);
+    auto [end, ec] = std::from_chars(d.data(), d.data() + d.size(), pid);
+    if (ec != std::errc() || end != d.data() + d.size() || pid == self) continue;
+    auto id = NsIdOf(fmt::format("/proc/{}/ns/net", pid));  // fails for zombies: nothing left to signal
+    if (id && id->dev == ns.dev && id->ino == ns.ino) out.push_back(pid);
+  }
+  ::closedir(proc);
+  return out;
+}
+
 int KillNamespace(NsId ns) {
   std::set<pid_t> killed;
   const auto deadline = Clock::now() + milliseconds(5'000);
-  const pid_t self = ::getpid();
   for (;;) {
-    bool found = false;
-    DIR* proc = ::opendir("/proc");
-    if (proc == nullptr) break;
-    while (dirent* e = ::readdir(proc)) {
-      pid_t pid = 0;
-      std::string_view d(e->d_name);
-      auto [end, ec] = std::from_chars(d.data(), d.data() + d.size(), pid);
-      if (ec != std::errc() || end != d.data() + d.size() || pid == self) continue;
-      auto id = NsIdOf(fmt::format("/proc/{}/ns/net", pid));  // fails for zombies: nothing left to kill
-      if (!id || id->dev != ns.dev || id->ino != ns.ino) continue;
-      found = true;
+    std::vector<pid_t> found = ProcessesIn(ns);
+    for (pid_t pid : found) {
       if (killed.insert(pid).second) ::kill(pid, SIGKILL);
     }
-    ::closedir(proc);
-    if (!found || Clock::now() >= deadline) break;
+    if (found.empty() || Clock::now() >= deadline) break;
     SleepFor(milliseconds(2));  // the killed ones are still dying
   }
   return static_cast<int>(killed.size());
@@ -645,6 +652,16 @@ int NetnsCluster::KillHost(int host) {
   int n = KillNamespace(*id);
   NONSTOP_LOG_INFO("netns: host {} ({}) crashed: {} processes killed", host, h.netns, n);
   return n;
+}
+
+int NetnsCluster::SignalHost(int host, int signal) {
+  const Host& h = HostAt(host);
+  auto id = NsIdOf(NetnsPath(h.netns));
+  if (!id) return 0;
+  std::vector<pid_t> pids = ProcessesIn(*id);
+  for (pid_t pid : pids) ::kill(pid, signal);
+  NONSTOP_LOG_INFO("netns: host {} ({}): signal {} sent to {} processes", host, h.netns, signal, pids.size());
+  return static_cast<int>(pids.size());
 }
 
 Status NetnsCluster::LinkDown(int host) { return Ip({"link", "set", "dev", HostAt(host).bridge_port, "down"}); }

@@ -87,6 +87,9 @@ class NetnsCluster {
   // namespace's inode), repeating until a scan finds none, so that processes forked meanwhile die too.
   // Returns how many were killed. Children of this process stay zombies until reaped (WaitForExit).
   int KillHost(int host);
+  // Sends `signal` once to every process of host's namespace (as a scheduler signals every process of
+  // a job step). Returns how many were signalled.
+  int SignalHost(int host, int signal);
 
   // Partition and heal: sets host's bridge-side veth down / up, so that the host's traffic to and from
   // every other host stops / resumes. Its addresses, sockets and processes stay; TCP connections survive
