@@ -57,7 +57,7 @@ void FaultsRoundTrip(std::string_view text) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string_view payload(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 13) {
+  switch (data[0] % 14) {
     case 0: RoundTrip(&DecodeJoin, payload); break;
     case 1: RoundTrip(&DecodePlan, payload); break;
     case 2: RoundTrip(&DecodeHeartbeat, payload); break;
@@ -70,6 +70,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 9: RoundTrip(&DecodeReady, payload); break;
     case 10: RoundTrip(&DecodeRecovered, payload); break;
     case 11: RoundTrip(&DecodeInjected, payload); break;
+    case 12: RoundTrip(&DecodeAgentLeaving, payload); break;
     default: FaultsRoundTrip(payload); break;
   }
   return 0;

@@ -253,14 +253,25 @@ void Agent::OnTerminationSignal(int sig) {
     return;
   }
   const bool leave = sig != SIGINT && options_.leave_on_sigterm && !options_.elastic;
-  if (leave && leaving_.empty() && phase_ == Phase::kRegistered) {
+  if (leave && leaving_.empty()) {
     leaving_ = name;
     int running = launcher_->running();
-    NONSTOP_LOG_WARNING("{}: this host leaves the job; asked the controller to release its {} at the next step "
-                        "boundary (a second SIGTERM, or SIGINT, kills them now)",
-                        name, Processes(running));
-    SendLeaving();
-    if (running == 0) End(kExitOk, fmt::format("left the job ({}): nothing ran here", name), /*kill_now=*/false);
+    if (running == 0) {
+      End(kExitOk, fmt::format("left the job ({}): nothing ran here", name), /*kill_now=*/false);
+      return;
+    }
+    if (phase_ == Phase::kRegistered) {
+      NONSTOP_LOG_WARNING("{}: this host leaves the job; asked the controller to release its {} at the next step "
+                          "boundary (a second SIGTERM, or SIGINT, kills them now)",
+                          name, Processes(running));
+      SendLeaving();
+    } else {
+      // Cut off: the controller it reaches next (this one again, or one that
+      // took over) is asked when it registers.
+      NONSTOP_LOG_WARNING("{}: this host leaves the job; its {} wait for a controller to release them (a second "
+                          "SIGTERM, or SIGINT, kills them now)",
+                          name, Processes(running));
+    }
     return;
   }
   if (leave && !leaving_.empty() && (sig == SIGUSR1 || leaving_ == "SIGUSR1")) {
@@ -270,11 +281,8 @@ void Agent::OnTerminationSignal(int sig) {
     leaving_ = sig == SIGTERM ? "SIGTERM" : leaving_;
     return;
   }
-  if (sig == SIGUSR1 && leaving_.empty()) {
-    // Only a warning that the grace time starts soon; while cut off from the
-    // controller nobody can release the workers, and SIGTERM will follow.
-    NONSTOP_LOG_WARNING("SIGUSR1 while {}: cannot ask a controller to release this host's workers yet",
-                        PhaseName(phase_));
+  if (sig == SIGUSR1 && !leave) {
+    NONSTOP_LOG_INFO("SIGUSR1 ignored (--on-sigterm stop)");
     return;
   }
   End(kExitInterrupted,
@@ -573,7 +581,12 @@ void Agent::OnHelloAck(const net::Frame& f) {
                    reg.running > 0 ? fmt::format("; {} kept running", Processes(reg.running)) : "");
   if (!Send(control::kMsgAgentRegister, control::Encode(reg))) return;
   next_heartbeat_ = Clock::now() + options_.heartbeat_interval;
-  if (!leaving_.empty()) SendLeaving();  // a controller that took over learns it too
+  if (!leaving_.empty()) {
+    SendLeaving();  // a controller that took over learns it too
+    if (launcher_->running() == 0) {  // they ended while it was cut off
+      End(kExitOk, fmt::format("left the job ({}): its workers are gone", leaving_), /*kill_now=*/false);
+    }
+  }
 }
 
 void Agent::OnStart(std::string_view payload) {

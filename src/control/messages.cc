@@ -498,7 +498,11 @@ Result<AgentRanksMsg> DecodeAgentRanks(std::string_view p) {
 Result<AgentLeavingMsg> DecodeAgentLeaving(std::string_view p) {
   return Decode<AgentLeavingMsg>("agent leaving", p, [](const Reader& r, AgentLeavingMsg& m) {
     r("reason", &m.reason);
-    if (m.reason.size() > 1024) throw FieldError{r.Path("reason"), "is longer than 1024 bytes"};
+    // A signal's name, printed in the controller's lines: short and plain.
+    if (m.reason.size() > 64) throw FieldError{r.Path("reason"), "is longer than 64 bytes"};
+    for (char c : m.reason) {
+      if (c < 0x20 || c > 0x7e) throw FieldError{r.Path("reason"), "holds a byte that is not printable ASCII"};
+    }
   });
 }
 

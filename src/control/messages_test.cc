@@ -165,6 +165,17 @@ TEST(AgentMessagesTest, ElasticRegistrationAndRanks) {
   auto negative = DecodeAgentRanks(R"({"generation":3,"ranks":[{"worker_id":1,"rank":-1}]})");
   ASSERT_FALSE(negative.ok());
   EXPECT_NE(negative.status().message().find("rank"), std::string::npos) << negative.status().ToString();
+
+  auto leaving = DecodeAgentLeaving(Encode(AgentLeavingMsg{"SIGTERM"}));
+  ASSERT_TRUE(leaving.ok()) << leaving.status().ToString();
+  EXPECT_EQ(leaving->reason, "SIGTERM");
+  // The reason ends up in the controller's lines: short, printable ASCII only.
+  for (const char* bad : {R"({"reason": "SIG\nTERM"})", R"({"reason": 15})", R"({})",
+                          R"({"reason": "0123456789012345678901234567890123456789012345678901234567890123456789"})"}) {
+    auto refused = DecodeAgentLeaving(bad);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find("'reason'"), std::string::npos) << refused.status().ToString();
+  }
 }
 
 // A worker and an agent that outlived their controller say what they hold

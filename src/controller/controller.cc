@@ -271,6 +271,8 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
 
 void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Action>* out) {
   if (!open_recovery_) StartRecovery(why, out);  // opens the record; the aborts are moot
+  resize_to_.reset();  // a planned change in progress is moot: every worker starts again
+  release_.clear();
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   rec.restarted = true;
   rec.replacements.push_back("every worker restarted from the newest durable checkpoint");
@@ -700,6 +702,7 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
   if (!IsLiveMember(w)) return;
   SetRole(w, WorkerRole::kGone);
   if (open_recovery_ && !w.host.empty()) recoveries_[*open_recovery_].failed_hosts.insert(w.host);
+  if (auto h = hosts_.find(w.host); h != hosts_.end() && h->second.leaving) h->second.member_lost = true;
   std::string what = fmt::format("{} {} ({}); its last completed step was {}", Describe(w), detail, kind,
                                  w.last_step >= 0 ? std::to_string(w.last_step) : "none");
   out->push_back(AppendJournal{{{"event", "fault"}, {"kind", kind}, {"worker_id", w.worker_id}, {"rank", w.rank},
@@ -867,7 +870,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
     int id = members_[r];
     if (survived[r]) {
       next.push_back(id);
-    } else if (spare_i < spares.size()) {
+    } else if (spare_i < spares.size() && !release_.count(id)) {  // a leaving host's rank goes with it
       int s = spares[spare_i++];
       next.push_back(s);
       rec.replacements.push_back(fmt::format("rank {}: worker {} → spare worker {}", r, id, s));
@@ -880,23 +883,36 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
     auto want = static_cast<size_t>(*resize_to_);
     if (!release_.empty()) {  // members of leaving hosts: released by name, the others keep their order
       std::vector<int> kept;
-      for (size_t r = 0; r < next.size(); ++r) {
-        if (!release_.count(next[r])) {
-          kept.push_back(next[r]);
-          continue;
+      for (int id : next) {
+        if (!release_.count(id)) kept.push_back(id);
+      }
+      std::vector<int> staying;  // state for any spare that joins comes from members that stay
+      for (int id : holders) {
+        if (!release_.count(id)) staying.push_back(id);
+      }
+      // Checked again at the boundary: a spare counted on may have died
+      // during the drain, and the members that stay must hold the state.
+      const size_t reach = std::min(want, kept.size() + (spares.size() - spare_i));
+      if (kept.size() < next.size() && (!CheckSize(static_cast<int>(reach)).empty() || staying.empty())) {
+        out->push_back(PrintLine{fmt::format(
+            "the members of leaving hosts stay for now: without them the world would be {} ({})", reach,
+            staying.empty() ? "no member that stays holds the state" : CheckSize(static_cast<int>(reach)))});
+        kept = next;  // MaybeReleaseLeavingHosts tries again (or refuses) at the next boundary
+        want = std::max(want, next.size());
+        if (staying.empty()) {
+          for (int id : release_) hosts_[workers_[id].host].leave_refused = true;  // it could only repeat
         }
-        released.push_back(next[r]);
-        const WorkerInfo& w = workers_[next[r]];
+      } else if (!staying.empty()) {
+        holders = std::move(staying);
+      }
+      for (int id : next) {
+        if (std::find(kept.begin(), kept.end(), id) != kept.end()) continue;
+        const WorkerInfo& w = workers_[id];
+        released.push_back(id);
         rec.replacements.push_back(fmt::format("rank {}: worker {} released (host {} leaves)", w.rank, w.worker_id,
                                                w.host));
       }
       next = std::move(kept);
-      // State for any spare that joins comes from members that stay.
-      std::vector<int> staying;
-      for (int id : holders) {
-        if (!release_.count(id)) staying.push_back(id);
-      }
-      if (!staying.empty()) holders = std::move(staying);
     }
     while (next.size() > want) {  // shrink: the highest ranks leave
       released.push_back(next.back());
@@ -1117,7 +1133,7 @@ void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
 }
 
 void Controller::MaybeGrow(std::vector<Action>* out) {
-  if (!unconfirmed_.empty()) return;  // a takeover: the inherited join first
+  if (AdoptionPending()) return;  // a takeover: the inherited join first
   if (phase_ != JobPhase::kRunning || finished_ > 0) return;
   int world = static_cast<int>(members_.size());
   if (target_world_ <= world || SpareCount() == 0) return;
@@ -1198,6 +1214,7 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   h.leaving = false;
   h.leave_reason.clear();
   h.leave_refused = false;
+  h.member_lost = false;
   h.last_heard = now_;
   ++h.incarnation;
   host_refill_failures_.erase(m.host_id);  // a fresh start for its slots
@@ -1232,7 +1249,7 @@ HostInfo& Controller::AddHost(const std::string& host_id) {
 
 void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
   int world = 0;
-  for (const HostInfo* h : host_list_) world += h->alive ? h->nproc : 0;
+  for (const HostInfo* h : host_list_) world += h->alive && !h->leaving ? h->nproc : 0;
   if (world == 0) {
     out->push_back(PrintLine{"the registered hosts bring no workers (all --nproc-per-host 0): waiting for more"});
     return;
@@ -1590,7 +1607,7 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
   for (int id : members) ranks.push_back(workers_[id].rank);
   // A host that asked to leave and whose members were all released has left
   // as planned; one that still held members when it went is a fault like any other.
-  const bool left = h.leaving && members.empty();
+  const bool left = h.leaving && members.empty() && !h.member_lost;
   out->push_back(AppendJournal{{{"event", left ? "host_left" : "host_lost"}, {"host", host_id}, {"reason", reason},
                                 {"members", members}, {"ranks", ranks}, {"others", others}}});
   if (left) {
@@ -1686,7 +1703,11 @@ void Controller::On(const HostLeaving& e, std::vector<Action>* out) {
     return;
   }
   for (int id : spares) {
-    SetRole(workers_[id], WorkerRole::kGone);
+    WorkerInfo& w = workers_[id];
+    SetRole(w, WorkerRole::kGone);
+    // Journaled as every spare that goes: the spare counts drawn from the journal stay right.
+    out->push_back(AppendJournal{{{"event", "spare_lost"}, {"worker_id", id}, {"pid", w.pid}, {"kind", "released"},
+                                  {"detail", fmt::format("host {} leaves the job", e.host_id)}}});
     out->push_back(SendShutdown{id, {fmt::format("released: host {} leaves the job", e.host_id), kExitOk}});
   }
   for (int id : starting) {  // no connection to tell it on yet
@@ -1697,10 +1718,20 @@ void Controller::On(const HostLeaving& e, std::vector<Action>* out) {
   MaybeReleaseLeavingHosts(out);
 }
 
+bool Controller::AdoptionPending() const {
+  for (int id : unconfirmed_) {
+    auto it = workers_.find(id);
+    if (it == workers_.end() || it->second.role != WorkerRole::kGone) return true;
+  }
+  return false;
+}
+
 void Controller::MaybeReleaseLeavingHosts(std::vector<Action>* out) {
   // At a step boundary of a running job; a membership change in progress, or
   // a takeover's adoption, comes first (the Tick retries).
-  if (phase_ != JobPhase::kRunning || finished_ > 0 || !unconfirmed_.empty() || resize_to_) return;
+  // A recovery record still open (its first step not done) closes first, so
+  // that it is not recorded as superseded by this planned change.
+  if (phase_ != JobPhase::kRunning || finished_ > 0 || AdoptionPending() || resize_to_ || open_recovery_) return;
   std::vector<int> leaving;
   std::set<std::string> hosts;
   for (const WorkerInfo* w : member_info_) {
@@ -1906,6 +1937,8 @@ void Controller::On(const Interrupted& e, std::vector<Action>* out) {
 }
 
 void Controller::End(int exit_code, const std::string& reason, std::vector<Action>* out) {
+  resize_to_.reset();
+  release_.clear();
   phase_ = JobPhase::kEnded;
   end_code_ = exit_code;
   end_reason_ = reason;

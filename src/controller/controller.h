@@ -274,6 +274,7 @@ struct HostInfo {
   bool leaving = false;
   std::string leave_reason;
   bool leave_refused = false;  // the release was refused (journaled once): its members stay
+  bool member_lost = false;    // a member of it failed while it was leaving: its end is a loss, not a leave
   Clock::time_point last_heard{};
   std::string lost_reason;
 };
@@ -366,6 +367,8 @@ class Controller {
   // job runs (a planned resize; spares elsewhere take their ranks where the
   // policy does not allow the smaller world).
   void MaybeReleaseLeavingHosts(std::vector<Action>* out);
+  // Inherited workers (a takeover) that may still join: membership changes wait for them.
+  bool AdoptionPending() const;
   // A worker inherited from the previous controller joined this one.
   void Rejoined(const control::JoinMsg& m, std::vector<Action>* out);
   // An agent inherited from the previous controller registered with this one,

@@ -1215,8 +1215,117 @@ TEST_F(HostLeavingTest, ALeaveDuringARecoveryWaitsForItToEnd) {
   }
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   ASSERT_EQ(c_->world_size(), 3u) << "the recovery shrank by the lost worker only";
+  EXPECT_TRUE(Find<SendDrain>(Run(100)).empty()) << "not before the recovery's first step is done";
+  for (int id : c_->members()) Step(id, 6);
   auto later = Run(100);
   EXPECT_EQ(Find<SendDrain>(later).size(), 3u) << "then the leave, at the next step boundary";
+  EXPECT_EQ(c_->recoveries()[0].outcome, "completed") << "the recovery is not recorded as superseded";
+}
+
+// What a review found (each failed before its fix).
+
+// A checkpoint restart while a host leaves: the job forms again without the
+// leaving host's slots instead of waiting for them.
+TEST_F(HostLeavingTest, ACheckpointRestartWhileAHostLeavesFormsWithoutIt) {
+  ControllerOptions o;
+  o.min_hosts = 3;
+  o.recovery = RecoveryMode::kCheckpointRestart;
+  o.have_checkpoints = true;
+  Use(o);
+  auto spawns = StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h3", 1, 0}});
+  for (int id : c_->members()) Step(id, 5);
+  ASSERT_FALSE(Find<SendDrain>(Do(HostLeaving{"h3", {"SIGTERM"}})).empty());
+  auto restarted = Find<SpawnWorker>(Do(ProcessExited{spawns[0].worker_id, 1, -1, 9, spawns[0].host}));
+  for (const auto& sp : restarted) EXPECT_NE(sp.host, "h3") << "nothing starts on a leaving host";
+  for (size_t i = 1; i < spawns.size(); ++i) Do(ProcessExited{spawns[i].worker_id, 1, -1, 9, spawns[i].host});
+  for (const auto& sp : restarted) JoinOn(sp.worker_id, sp.host);
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+  EXPECT_EQ(c_->world_size(), 3u) << "the world of the hosts that stay";
+}
+
+// A resize that a checkpoint restart abandoned leaves nothing behind that
+// blocks a later leave.
+TEST_F(HostLeavingTest, AResizeAbandonedByACheckpointRestartDoesNotBlockALaterLeave) {
+  ControllerOptions o;
+  o.min_hosts = 2;
+  o.policy.max_world = 3;
+  o.recovery = RecoveryMode::kCheckpointRestart;
+  o.have_checkpoints = true;
+  Use(o);
+  auto spawns = StartOn({{"h1", 1, 0}, {"h2", 1, 0}});
+  for (int id : c_->members()) Step(id, 5);
+  auto late = Find<SpawnWorker>(Register("h3", 1, 0));
+  ASSERT_EQ(late.size(), 1u);
+  ASSERT_FALSE(Find<SendDrain>(JoinOn(late[0].worker_id, "h3", true)).empty()) << "a grow to 3 starts";
+  auto restarted = Find<SpawnWorker>(Do(ProcessExited{spawns[0].worker_id, 1, -1, 9, "h1"}));
+  Do(ProcessExited{spawns[1].worker_id, 1, -1, 9, "h2"});
+  Do(ProcessExited{late[0].worker_id, 1, -1, 9, "h3"});
+  for (const auto& sp : restarted) JoinOn(sp.worker_id, sp.host);
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  ASSERT_EQ(c_->world_size(), 3u);
+  for (int id : c_->members()) Step(id, 6);
+  Run(200);
+  auto drains = Find<SendDrain>(Do(HostLeaving{"h3", {"SIGTERM"}}));
+  for (const auto& d : Find<SendDrain>(Run(500))) drains.push_back(d);
+  EXPECT_EQ(drains.size(), 3u) << "the leave drains";
+}
+
+// A spare counted on for the released rank dies during the drain: the
+// policy's minimum still holds (the members stay, the leave is refused).
+TEST_F(HostLeavingTest, ASpareThatDiesDuringTheDrainLeavesTheWorldWithinThePolicy) {
+  ControllerOptions o;
+  o.min_hosts = 3;
+  o.policy.min_world = 3;
+  Use(o);
+  StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h4", 0, 1}});
+  for (int id : c_->members()) Step(id, 5);
+  int spare = -1;
+  for (const auto& [id, w] : c_->workers()) {
+    if (w.role == WorkerRole::kSpare) spare = id;
+  }
+  ASSERT_FALSE(Find<SendDrain>(Do(HostLeaving{"h2", {"SIGTERM"}})).empty());
+  Do(ProcessExited{spare, 1, -1, 9, "h4"});
+  auto done = AllReady(6);
+  auto plans = Find<SendPlan>(done);
+  ASSERT_FALSE(plans.empty());
+  EXPECT_EQ(plans[0].plan->members.size(), 3u);
+  EXPECT_TRUE(Find<SendShutdown>(done).empty()) << "nobody is released below the minimum";
+  for (int id : c_->members()) Step(id, 7);
+  EXPECT_EQ(Count(Run(200), "host_leave_refused"), 1) << "and the leave is then refused, with the reason";
+}
+
+// The leaving host dies during the drain: its rank goes with it, and no spare
+// is promoted only to be released at once.
+TEST_F(HostLeavingTest, ALeavingHostThatDiesDuringTheDrainTakesItsRankWithItAndKeepsTheSpares) {
+  ControllerOptions o;
+  o.min_hosts = 3;
+  Use(o);
+  StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h4", 0, 1}});
+  for (int id : c_->members()) Step(id, 5);
+  int spare = -1;
+  for (const auto& [id, w] : c_->workers()) {
+    if (w.role == WorkerRole::kSpare) spare = id;
+  }
+  ASSERT_FALSE(Find<SendDrain>(Do(HostLeaving{"h2", {"SIGTERM"}})).empty());
+  Do(HostLost{"h2", "connection reset"});
+  std::vector<Action> done;
+  for (int id : MembersOn("h1")) {
+    for (auto& a : Ready(id, 6)) done.push_back(a);
+  }
+  auto plans = Find<SendPlan>(done);
+  ASSERT_FALSE(plans.empty());
+  EXPECT_EQ(plans[0].plan->members.size(), 2u);
+  EXPECT_TRUE(Find<SendShutdown>(done).empty()) << "the spare is not released";
+  EXPECT_EQ(c_->workers().at(spare).role, WorkerRole::kSpare);
+}
+
+// A leaving host's spare is journaled as lost, as every spare that goes.
+TEST_F(HostLeavingTest, ALeavingHostsSparesAreJournaledAsLost) {
+  ControllerOptions o;
+  o.min_hosts = 2;
+  Use(o);
+  StartOn({{"h1", 2, 0}, {"h2", 0, 2}});
+  EXPECT_EQ(Count(Do(HostLeaving{"h2", {"SIGTERM"}}), "spare_lost"), 2);
 }
 
 // Spares that keep dying while starting on one host stop refills there, not everywhere.
@@ -1590,6 +1699,41 @@ TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
   auto kills = Find<KillWorker>(actions);
   ASSERT_EQ(kills.size(), 1u);
   EXPECT_EQ(kills[0].worker_id, missing);
+}
+
+// After a takeover in which one member never rejoined (lost, recovered
+// from), a host can still leave: the adoption no longer holds changes back.
+TEST_F(TakeoverTest, AHostCanLeaveAfterATakeoverInWhichAMemberNeverRejoined) {
+  RunFirstController();
+  TakeOver();
+  for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
+  int missing = first_members_[3];
+  for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
+    if (id != missing) Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false, 20);
+  }
+  std::vector<Action> actions;
+  for (int i = 0; i < 12 && Find<SendAbort>(actions).empty(); ++i) {
+    now_ += Millis(500);
+    for (const auto& [id, w] : c_->workers()) {
+      if (id != missing && w.role != WorkerRole::kGone) Do(HeartbeatReceived{id, {20, -1}});
+    }
+    for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostHeartbeat{host, {2}});
+    actions = Do(Tick{});
+  }
+  for (auto& ab : Find<SendAbort>(actions)) Do(ReadyReceived{ab.worker_id, {c_->generation(), 20, "aborted"}});
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  ASSERT_EQ(c_->workers().at(missing).role, WorkerRole::kGone);
+  for (int id : c_->members()) Do(ProgressReceived{id, {21, 2.0, 0.1, 100, 6}});
+  std::vector<Action> all = Do(HostLeaving{"h1", {"SIGTERM"}});
+  for (int i = 0; i < 20; ++i) {
+    now_ += Millis(200);
+    for (const auto& [id, w] : c_->workers()) {
+      if (w.role != WorkerRole::kGone) Do(HeartbeatReceived{id, {21, -1}});
+    }
+    for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostHeartbeat{host, {2}});
+    for (auto& x : Do(Tick{})) all.push_back(x);
+  }
+  EXPECT_FALSE(Find<SendDrain>(all).empty()) << "the leave drains";
 }
 
 TEST_F(TakeoverTest, AMemberBetweenGenerationsMakesTheNewControllerFinishTheRecovery) {

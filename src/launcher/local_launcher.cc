@@ -99,8 +99,8 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   if (pid == 0) {
     sigset_t none;
     sigemptyset(&none);
+    for (int sig : spec.ignore_signals) ::signal(sig, SIG_IGN);  // before unblocking: one pending must not kill it
     ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the launcher blocks signals it reads from a signalfd
-    for (int sig : spec.ignore_signals) ::signal(sig, SIG_IGN);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (spec.nice != 0) (void)::setpriority(PRIO_PROCESS, 0, spec.nice);
     if (::getppid() != parent) _exit(127);  // the launcher died before prctl
