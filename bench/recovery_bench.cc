@@ -8,12 +8,19 @@
 //      Young/Daly optimum for --mtbf),
 // and reads their journals. Per fault: downtime = time from the fault until
 // the step that was in flight completes, minus one normal step (the work a
-// fault destroys by definition). Per run: steps redone, wall time against the
-// fault-free run, goodput (distinct steps × normal step time / wall time).
+// fault destroys by definition). Time lost per fault = the interval of the
+// step across the fault (from the step before it to its completion) minus a
+// normal step: what the fault cost in all, the part of the step computed
+// before it and thrown away included. Per run: steps redone, wall time
+// against the fault-free run, goodput (distinct steps × normal step time /
+// wall time). With --compare-salvage (world-invariant recipes) the
+// checkpointless run is repeated with NONSTOP_TRAIN_NO_SALVAGE=1: the step in
+// flight computed again whole, against kept partial sums.
 // Output: a table, a JSON file and report.html: the dashboard's page comparing
 // the three runs (steps over wall time, loss, every recovery with its phases).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -37,6 +44,7 @@ struct RunResult : JournalSummary {
   std::string name;
   int exit_code = -1;
   std::vector<double> downtimes;  // per injected fault, seconds (-1: the step never completed)
+  std::vector<double> time_lost;  // per injected fault: the step across it minus a normal step (-1: not measured)
 };
 
 RunResult ReadRun(const std::string& name, const std::string& path, int exit_code) {
@@ -59,6 +67,11 @@ void ComputeDowntimes(RunResult* r, double normal_step) {
       }
     }
     r->downtimes.push_back(done < 0 ? -1 : std::max(0.0, done - f.t - normal_step));
+    double before = -1;  // the step before the fault's, completed before it
+    for (const auto& s : r->steps) {
+      if (s.step == f.step - 1 && s.t <= f.t) before = s.t;
+    }
+    r->time_lost.push_back(done < 0 || before < 0 ? -1 : std::max(0.0, done - before - normal_step));
   }
 }
 
@@ -83,6 +96,7 @@ int Main(int argc, char** argv) {
   std::string faults = "kill:rank=2,step=20;kill:rank=1,step=40";
   double mtbf = 0;
   std::string out = "bench-results/recovery";
+  bool compare_salvage = false;
   app.add_option("--nproc", nproc, "Workers")->capture_default_str();
   app.add_option("--spares", spares, "Spares for the checkpointless run")->capture_default_str();
   app.add_option("--steps", steps, "Training steps (passed to the program as --steps)")->capture_default_str();
@@ -90,6 +104,9 @@ int Main(int argc, char** argv) {
   app.add_option("--mtbf", mtbf, "MTBF for the baseline's Young/Daly checkpoint interval (s); 0: the schedule's own "
                  "(fault-free wall time / (faults + 1))")->capture_default_str();
   app.add_option("--out", out, "Output directory (results.json, report.html, logs)")->capture_default_str();
+  app.add_flag("--compare-salvage", compare_salvage,
+               "Also run the checkpointless job with NONSTOP_TRAIN_NO_SALVAGE=1 (for a recipe with determinism: "
+               "world-invariant: the step in flight computed again whole, against kept partial sums)");
   app.footer("After `--`: the training program (default: nonstop-train with its built-in llama-tiny recipe).");
   try {
     app.parse(our_argc, argv);
@@ -120,34 +137,48 @@ int Main(int argc, char** argv) {
   double normal = MedianStepInterval(clean.steps);
   if (mtbf <= 0) mtbf = clean.wall / (nfaults + 1);
   RunResult cpl = run("checkpointless", {"--spares", std::to_string(spares), "--inject", faults});
+  RunResult whole;
+  if (compare_salvage) {
+    ::setenv("NONSTOP_TRAIN_NO_SALVAGE", "1", 1);  // the workers inherit it through nonstop run
+    whole = run("checkpointless-no-salvage", {"--spares", std::to_string(spares), "--inject", faults});
+    ::unsetenv("NONSTOP_TRAIN_NO_SALVAGE");
+  }
   std::string ckpt_dir = out + "/checkpoints";
   fs::remove_all(ckpt_dir);
   RunResult cpr = run("checkpoint-restart", {"--spares", "0", "--recovery", "checkpoint", "--checkpoint-dir", ckpt_dir,
                                              "--mtbf", fmt::format("{}", mtbf), "--inject", faults});
   ComputeDowntimes(&cpl, normal);
   ComputeDowntimes(&cpr, normal);
+  if (compare_salvage) ComputeDowntimes(&whole, normal);
 
   std::vector<RunResult*> all = {&clean, &cpl, &cpr};
+  if (compare_salvage) all.insert(all.begin() + 2, &whole);
   fmt::print("\nsame job, same machine: {} workers, {} steps, faults {}; a normal step {:.3f} s; baseline MTBF {:.1f} s\n\n",
              nproc, steps, faults, normal, mtbf);
-  fmt::print("{:<20} {:>8} {:>10} {:>12} {:>9} {:>9}  {}\n", "run", "exit", "wall (s)", "vs no fault", "redone",
-             "goodput", "downtime per fault (ms)");
+  fmt::print("{:<26} {:>5} {:>9} {:>12} {:>7} {:>8}  {:<24} {}\n", "run", "exit", "wall (s)", "vs no fault", "redone",
+             "goodput", "downtime per fault (ms)", "time lost per fault (ms)");
   json runs = json::array();
   for (RunResult* r : all) {
     double goodput = r->wall > 0 ? static_cast<double>(r->distinct) * normal / r->wall : 0;
-    std::string dts;
-    for (double d : r->downtimes) dts += (dts.empty() ? "" : ", ") + (d < 0 ? std::string("n/a") : fmt::format("{:.0f}", d * 1000));
-    fmt::print("{:<20} {:>8} {:>10.1f} {:>+11.1f}% {:>9} {:>8.1f}%  {}\n", r->name, r->exit_code, r->wall,
-               clean.wall > 0 ? 100.0 * (r->wall / clean.wall - 1) : 0.0, r->redone, 100 * goodput, dts.empty() ? "-" : dts);
+    auto list = [](const std::vector<double>& v) {
+      std::string text;
+      for (double d : v) text += (text.empty() ? "" : ", ") + (d < 0 ? std::string("n/a") : fmt::format("{:.0f}", d * 1000));
+      return text.empty() ? std::string("-") : text;
+    };
+    fmt::print("{:<26} {:>5} {:>9.1f} {:>+11.1f}% {:>7} {:>7.1f}%  {:<24} {}\n", r->name, r->exit_code, r->wall,
+               clean.wall > 0 ? 100.0 * (r->wall / clean.wall - 1) : 0.0, r->redone, 100 * goodput, list(r->downtimes),
+               list(r->time_lost));
+    auto ms = [](const std::vector<double>& v, size_t i) { return v.size() > i && v[i] >= 0 ? json(v[i] * 1000) : json(nullptr); };
     json faults_j = json::array();
     for (size_t i = 0; i < r->injected.size(); ++i) {
       faults_j.push_back({{"spec", r->injected[i].spec}, {"at_s", r->injected[i].t},
-                          {"downtime_ms", r->downtimes.size() > i && r->downtimes[i] >= 0 ? json(r->downtimes[i] * 1000) : json(nullptr)}});
+                          {"downtime_ms", ms(r->downtimes, i)}, {"time_lost_ms", ms(r->time_lost, i)}});
     }
     runs.push_back({{"name", r->name}, {"exit_code", r->exit_code}, {"wall_s", r->wall},
                     {"steps_completed_events", r->steps.size()}, {"distinct_steps", r->distinct},
                     {"steps_redone", r->redone}, {"goodput", goodput}, {"checksum", r->checksum},
                     {"mean_downtime_ms", MeanOfMeasured(r->downtimes) < 0 ? json(nullptr) : json(MeanOfMeasured(r->downtimes) * 1000)},
+                    {"mean_time_lost_ms", MeanOfMeasured(r->time_lost) < 0 ? json(nullptr) : json(MeanOfMeasured(r->time_lost) * 1000)},
                     {"faults", faults_j}, {"recoveries", r->recoveries}});
   }
   double a = MeanOfMeasured(cpl.downtimes), b = MeanOfMeasured(cpr.downtimes);
@@ -157,6 +188,20 @@ int Main(int argc, char** argv) {
                "{:.1f}% less downtime\n", a * 1000, b * 1000, a / b, 100 * (1 - a / b));
     summary["downtime_ratio_checkpointless_over_checkpoint"] = a / b;
     summary["downtime_reduction_percent"] = 100 * (1 - a / b);
+  }
+  if (compare_salvage) {
+    double kept = MeanOfMeasured(cpl.time_lost), again = MeanOfMeasured(whole.time_lost);
+    if (kept >= 0 && again > 0) {
+      fmt::print("time lost per fault: {:.0f} ms keeping the step in flight's sums, {:.0f} ms computing it again: ratio "
+                 "{:.3f}; a normal step {:.0f} ms ({:.2f} of a step kept, {:.2f} again)\n",
+                 kept * 1000, again * 1000, kept / again, normal * 1000, kept / normal, again / normal);
+      summary["time_lost_ms_salvage"] = kept * 1000;
+      summary["time_lost_ms_no_salvage"] = again * 1000;
+      summary["time_lost_ratio_salvage_over_no_salvage"] = kept / again;
+      summary["time_lost_in_normal_steps_salvage"] = kept / normal;
+      summary["time_lost_in_normal_steps_no_salvage"] = again / normal;
+    }
+    fmt::print("checkpointless without salvage: checksum {}\n", whole.checksum);
   }
   fmt::print("final parameter checksums: fault-free {}, checkpointless {}, checkpoint-restart {}\n", clean.checksum,
              cpl.checksum, cpr.checksum);
@@ -168,7 +213,7 @@ int Main(int argc, char** argv) {
   std::ofstream(out + "/report.html") << dashboard::ComparePage(
       pages, fmt::format("what a fault costs, {} workers: fault-free, checkpointless, checkpoint-restart", nproc));
   fmt::print("wrote {0}/results.json and {0}/report.html (logs and journals beside them)\n", out);
-  return (clean.exit_code | cpl.exit_code | cpr.exit_code) == 0 ? 0 : 1;
+  return (clean.exit_code | cpl.exit_code | cpr.exit_code | (compare_salvage ? whole.exit_code : 0)) == 0 ? 0 : 1;
 }
 
 }  // namespace

@@ -10,7 +10,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -30,6 +32,7 @@
 #include "torch/adamw.h"
 #include "torch/flat_parameters.h"
 #include "torch/grad_buckets.h"
+#include "worker/tree_step.h"
 
 namespace nonstop::train {
 namespace {
@@ -103,6 +106,11 @@ int Main(int argc, char** argv) {
       ->envname("NONSTOP_TRAIN_NO_OVERLAP");
   app.add_option("--bucket-mb", bucket_mb, "Gradient bucket size for the overlapped reduction (MB)")
       ->capture_default_str()->check(CLI::Range(0.001, 1024.0));
+  bool no_salvage = false;
+  app.add_flag("--no-salvage", no_salvage,
+               "determinism: world-invariant: after a fault compute the whole step in flight again, instead of "
+               "keeping the micro-batch sums the members already hold")
+      ->envname("NONSTOP_TRAIN_NO_SALVAGE");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -330,7 +338,11 @@ int Main(int argc, char** argv) {
   }
   auto run_start = std::chrono::steady_clock::now();
   int64_t step = session.resume_step();
-  std::optional<collective::TreeFolder> folder;  // world-invariant: this step's partial sums
+  // World-invariant: the plan of each step (who computes which micro-batches),
+  // and the partial sums of a step a fault cut short, kept for its retry.
+  worker::TreeStepPlanner planner(/*salvage=*/!no_salvage);
+  worker::HeldSums held;
+  std::map<int, std::string> held_samples;  // micro-batch → its samples-log lines, for the held sums
   // Overlapped reduction: the last micro-batch's backward hands each gradient
   // bucket to the session's communication thread as soon as it is complete.
   std::unique_ptr<torchx::GradBuckets> buckets;
@@ -348,6 +360,10 @@ int Main(int argc, char** argv) {
       float step_norm = norm;
       double step_tokens = tokens_per_step;
       std::string step_samples;  // "step micro sample…" lines, logged once the step completed
+      Status tree_status;                           // world-invariant: planning the step failed (a fault)
+      std::vector<collective::TreeShare> shares;    // ... every rank's part of this step
+      std::vector<collective::TreeFolder> folders;  // ... this rank's runs of micro-batches, folded
+      std::map<int, std::string> mb_samples;        // ... micro-batch → its samples-log lines
       try {
         if (session.InjectedExceptionAt(step)) throw std::runtime_error(fmt::format("injected exception at step {}", step));
         flat.ZeroGrad();
@@ -371,22 +387,51 @@ int Main(int argc, char** argv) {
         const uint64_t micro_batches = global / micro;
         step_norm = 1.0f / static_cast<float>(global * static_cast<uint64_t>(T));
         step_tokens = static_cast<double>(global * static_cast<uint64_t>(T));
-        uint64_t mb_begin = data::BlockBegin(micro_batches, world, session.rank());
-        uint64_t mb_end = data::BlockBegin(micro_batches, world, session.rank() + 1);
+        // This rank's micro-batches: its block of the global batch; world-invariant, the runs its share
+        // names (after a fault, the micro-batches nobody holds any more), each folded into the tree.
+        std::vector<std::pair<uint64_t, size_t>> work;  // (micro-batch, its run)
         if (world_invariant) {
-          // Each micro-batch's gradient (and loss, in the slot after it) alone, folded into the tree.
-          folder.emplace(static_cast<int>(micro_batches), static_cast<int>(mb_begin), static_cast<int>(mb_end),
-                         flat.size() + 1);
+          const int m = static_cast<int>(micro_batches);
+          auto planned = planner.Plan(session, m, step, held);
+          if (!planned.ok()) {
+            tree_status = planned.status();
+          } else {
+            shares = std::move(*planned);
+            const collective::TreeShare& mine = shares[static_cast<size_t>(session.rank())];
+            for (auto [first, last] : mine.compute) {
+              folders.emplace_back(m, first, last, flat.size() + 1);
+              for (int mb = first; mb < last; ++mb) work.push_back({static_cast<uint64_t>(mb), folders.size() - 1});
+            }
+            if (planner.kept_micro_batches() > 0 && session.rank() == 0) {
+              fmt::print("step {}: kept the sums of {} of {} micro-batches from the step in flight ({} member(s)); "
+                         "{} computed again by {} member(s)\n",
+                         step, planner.kept_micro_batches(), m, planner.kept_by(), m - planner.kept_micro_batches(),
+                         world);
+              std::fflush(stdout);
+            }
+          }
+        } else {
+          for (uint64_t mb = data::BlockBegin(micro_batches, world, session.rank());
+               mb < data::BlockBegin(micro_batches, world, session.rank() + 1); ++mb) {
+            work.push_back({mb, 0});
+          }
         }
-        for (uint64_t mb = mb_begin; mb < mb_end; ++mb) {
+        for (size_t k = 0; k < work.size(); ++k) {
+          const uint64_t mb = work[k].first;
+          const bool last_one = k + 1 == work.size();
           // Fixed batch: the samples are a function of the step. Scaled batch: of the position in the stream.
           std::vector<uint64_t> samples =
               scale_with_world ? sampler->SamplesAt(static_cast<uint64_t>(samples_consumed) + mb * micro, micro)
                                : sampler->MicroBatchSamples(static_cast<uint64_t>(step), mb);
           if (samples_log) {
-            step_samples += fmt::format("{} {}", step, mb);
-            for (uint64_t x : samples) step_samples += fmt::format(" {}", x);
-            step_samples += '\n';
+            std::string line = fmt::format("{} {}", step, mb);
+            for (uint64_t x : samples) line += fmt::format(" {}", x);
+            line += '\n';
+            if (world_invariant) {
+              mb_samples[static_cast<int>(mb)] = line;
+            } else {
+              step_samples += line;
+            }
           }
           auto [inputs, targets] = batch_tensors(samples);
           auto logits = model->forward(inputs);
@@ -397,7 +442,7 @@ int Main(int argc, char** argv) {
                           torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * step_norm;
           if (world_invariant) flat.ZeroGrad();
           if (!world_invariant) local_loss += loss.item<double>();
-          if (buckets && mb + 1 == mb_end) {
+          if (buckets && last_one) {
             flat.loss_slot() = static_cast<float>(local_loss);  // rides in bucket 0
             buckets->Arm();
           }
@@ -405,12 +450,12 @@ int Main(int argc, char** argv) {
           if (world_invariant) {
             flat.GatherGrads();
             flat.loss_slot() = loss.item<float>();
-            folder->Add(flat.grads_and_loss());
+            folders[work[k].second].Add(flat.grads_and_loss());
           }
-          computed = mb + 1 == mb_end;
-          if (session.aborted()) break;  // a member failed: this step is lost anyway
+          computed = last_one;
+          if (session.aborted()) break;  // a member failed: this step is lost (its sums may be kept)
         }
-        if (mb_begin == mb_end) computed = true;  // more ranks than micro-batches: zeros, summed with the rest
+        if (work.empty()) computed = true;  // more ranks than micro-batches: zeros, summed with the rest
       } catch (const std::exception& e) {
         // The process may be in any state: report, and let a spare take over.
         Status s = InternalError(fmt::format("exception in the training loop at step {}: {}", step, e.what()));
@@ -419,17 +464,58 @@ int Main(int argc, char** argv) {
       }
       Status s;
       if (world_invariant) {
-        const int world = session.world_size();
-        const uint64_t micro_batches = static_cast<uint64_t>(r.train.global_batch / r.train.micro_batch);
-        std::vector<std::pair<int, int>> ranges(static_cast<size_t>(world));
-        for (int q = 0; q < world; ++q) {
-          ranges[static_cast<size_t>(q)] = {static_cast<int>(data::BlockBegin(micro_batches, world, q)),
-                                            static_cast<int>(data::BlockBegin(micro_batches, world, q + 1))};
+        if (!tree_status.ok()) {
+          s = tree_status;
+        } else {
+          const int m = static_cast<int>(r.train.global_batch / r.train.micro_batch);
+          const collective::TreeShare& mine = shares[static_cast<size_t>(session.rank())];
+          // What this rank holds of the step: the sums kept from the step in flight, and its runs' sums.
+          std::vector<std::pair<collective::TreeNode, std::vector<float>>> have;
+          for (const auto& node : mine.kept) {
+            auto it = std::find(held.nodes.begin(), held.nodes.end(), node);
+            NONSTOP_CHECK(it != held.nodes.end()) << "kept a sum it does not hold";
+            have.push_back({node, std::move(held.partials[static_cast<size_t>(it - held.nodes.begin())])});
+            auto [first, last] = collective::NodeRange(m, node);
+            for (int mb = first; mb < last; ++mb) {
+              if (auto l = held_samples.find(mb); l != held_samples.end()) mb_samples[mb] = l->second;
+            }
+          }
+          for (auto& f : folders) {
+            std::vector<collective::TreeNode> nodes = f.nodes();
+            std::vector<std::vector<float>> sums = f.TakePartials();
+            for (size_t k = 0; k < nodes.size(); ++k) have.push_back({nodes[k], std::move(sums[k])});
+          }
+          std::sort(have.begin(), have.end(), [m](const auto& a, const auto& b) {
+            return collective::NodeRange(m, a.first).first < collective::NodeRange(m, b.first).first;
+          });
+          std::vector<collective::TreeNode> have_nodes;
+          std::vector<std::vector<float>> have_sums;
+          for (auto& [node, sum] : have) {
+            have_nodes.push_back(node);
+            have_sums.push_back(std::move(sum));
+          }
+          if (computed) {
+            NONSTOP_CHECK(have_nodes == mine.nodes) << "the step's sums are not the plan's";
+            std::vector<std::vector<std::pair<int, int>>> nodes_of(shares.size());
+            for (size_t q = 0; q < shares.size(); ++q) {
+              for (const auto& node : shares[q].nodes) nodes_of[q].push_back({node.level, node.index});
+            }
+            s = session.AllReduceTree(m, nodes_of, have_sums, flat.grads_and_loss());
+          } else {
+            s = AbortedError(fmt::format("step {} was cut short: a member failed", step));
+          }
+          held = {};
+          held_samples.clear();
+          if (s.ok()) {
+            for (const auto& [mb, line] : mb_samples) step_samples += line;
+          } else if (!no_salvage) {
+            // Kept for the step's retry in the next generation (TreeStepPlanner offers them).
+            held.step = step;
+            held.nodes = std::move(have_nodes);
+            held.partials = std::move(have_sums);
+            held_samples = std::move(mb_samples);
+          }
         }
-        s = folder && folder->complete()
-                ? session.AllReduceTree(static_cast<int>(micro_batches), ranges, folder->partials(),
-                                        flat.grads_and_loss())
-                : AbortedError(fmt::format("step {} was cut short: a member failed", step));
       } else if (buckets) {
         if (computed) {
           buckets->Finish();

@@ -162,6 +162,17 @@ class Session {
   // size. A step boundary, like AllReduce.
   Status AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
                        std::span<const std::vector<float>> partials, std::span<float> out);
+  // The same with every rank's tree nodes given as (level, index) pairs:
+  // nodes_of[q] is rank q's list, left to right, and `partials` one sum per
+  // node of this rank's list. A step salvaged after a fault needs it: a rank
+  // then holds partial sums kept from the step in flight beside those it
+  // computes again (collective::PlanTreeStep, docs/determinism.md).
+  Status AllReduceTree(int m, std::span<const std::vector<std::pair<int, int>>> nodes_of,
+                       std::span<const std::vector<float>> partials, std::span<float> out);
+  // Every member contributes one record of `record_bytes`: `data` holds
+  // world_size() records, this rank's at rank() × record_bytes; afterwards
+  // each holds its rank's. Not a step boundary.
+  Status AllGather(std::span<std::byte> data, size_t record_bytes);
   Status Broadcast(std::span<std::byte> data, int root);
   Status Barrier();
 

@@ -241,14 +241,17 @@ constexpr uint32_t kP2POpBit = 0x80000000u;  // p2p sequence numbers never colli
 
 Status Communicator::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
                                    std::span<const std::vector<float>> partials, std::span<float> out) {
+  NONSTOP_CHECK_EQ(ranges.size(), static_cast<size_t>(world_size()));
+  std::vector<std::vector<TreeNode>> nodes_of(ranges.size());
+  for (size_t q = 0; q < ranges.size(); ++q) nodes_of[q] = NodesOfRange(m, ranges[q].first, ranges[q].second);
+  return AllReduceTree(m, std::span<const std::vector<TreeNode>>(nodes_of), partials, out);
+}
+
+Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
+                                   std::span<const std::vector<float>> partials, std::span<float> out) {
   const int w = world_size();
   const int r = rank();
-  NONSTOP_CHECK_EQ(ranges.size(), static_cast<size_t>(w));
-  std::vector<std::vector<TreeNode>> nodes_of(static_cast<size_t>(w));
-  for (int q = 0; q < w; ++q) {
-    nodes_of[static_cast<size_t>(q)] = NodesOfRange(m, ranges[static_cast<size_t>(q)].first,
-                                                    ranges[static_cast<size_t>(q)].second);
-  }
+  NONSTOP_CHECK_EQ(nodes_of.size(), static_cast<size_t>(w));
   const std::vector<TreeNode>& mine = nodes_of[static_cast<size_t>(r)];
   NONSTOP_CHECK_EQ(partials.size(), mine.size()) << "one partial sum per node of this rank's range";
   for (const auto& p : partials) NONSTOP_CHECK_EQ(p.size(), out.size());

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "collective/peer_mesh.h"
+#include "collective/tree_reduce.h"
 #include "collective/transfer.h"
 #include "common/status.h"
 #include "common/time.h"
@@ -91,6 +92,12 @@ class Communicator {
   // deterministic reduce-scatter (rank q combines chunk q of every rank's
   // partial sums in tree order) and an all-gather.
   Status AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
+                       std::span<const std::vector<float>> partials, std::span<float> out);
+  // The same with each rank's nodes given: nodes_of[q] is rank q's list (tree
+  // nodes, left to right; together a partition of [0, m)), and `partials`
+  // holds one sum per node of nodes_of[rank()], in that order. A salvaged step
+  // (tree_reduce.h, PlanTreeStep) gives a rank nodes that are not one range.
+  Status AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
                        std::span<const std::vector<float>> partials, std::span<float> out);
   Status Send(int to_rank, std::span<const std::byte> data);
   Status Recv(int from_rank, std::span<std::byte> data);

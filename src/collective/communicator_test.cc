@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -234,6 +235,65 @@ TEST(CommunicatorTest, AllReduceTreeGivesTheSameBitsAtEveryWorldSize) {
       EXPECT_EQ(std::memcmp(got[static_cast<size_t>(q)].data(), want.data(), n * sizeof(float)), 0)
           << "world " << w << " rank " << q << " differs from the tree's sum";
     }
+  }
+}
+
+// A salvaged step (PlanTreeStep): at world 4 rank 1 was lost mid-step and
+// the others had folded prefixes of their ranges; the new ranks hold kept
+// nodes beside the runs they computed again, not one range each. The sum
+// still has the tree's bits on every rank.
+TEST(CommunicatorTest, AllReduceTreeOverSalvagedNodeSetsGivesTheTreesBits) {
+  const int m = 8;
+  const size_t n = 777;
+  std::vector<std::vector<float>> g(m, std::vector<float>(n));
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (int i = 0; i < m; ++i) {
+    for (auto& x : g[static_cast<size_t>(i)]) x = u(rng) * std::pow(10.0f, static_cast<float>(i % 4 - 2));
+  }
+  TreeFolder all(m, 0, m, n);
+  for (const auto& v : g) all.Add(v);
+  const std::vector<float> want = all.partials()[0];
+  // Held after the fault: old rank 0 folded micro-batch 0 of [0, 2); old rank 2 all of [4, 6); old rank 3
+  // micro-batch 6 of [6, 8). The spare (new rank 1, in the lost rank's place) holds nothing.
+  std::vector<std::vector<TreeNode>> offered = {{{0, 0}}, {}, {{1, 2}}, {{0, 6}}};
+  auto shares = PlanTreeStep(m, offered);
+  std::vector<std::vector<TreeNode>> nodes_of;
+  int kept = 0;
+  for (const auto& share : shares) {
+    nodes_of.push_back(share.nodes);
+    for (const auto& node : share.kept) kept += NodeRange(m, node).second - NodeRange(m, node).first;
+  }
+  ASSERT_EQ(kept, 4);
+  std::vector<std::vector<float>> got(4);
+  RunThreads(
+      4,
+      [&](int rank, Communicator& comm) {
+        const TreeShare& mine = shares[static_cast<size_t>(rank)];
+        std::vector<std::pair<TreeNode, std::vector<float>>> have;
+        for (const auto& node : mine.kept) {  // as folded before the fault
+          auto [first, last] = NodeRange(m, node);
+          TreeFolder f(m, first, last, n);
+          for (int i = first; i < last; ++i) f.Add(g[static_cast<size_t>(i)]);
+          have.push_back({node, f.partials()[0]});
+        }
+        for (auto [first, last] : mine.compute) {
+          TreeFolder f(m, first, last, n);
+          for (int i = first; i < last; ++i) f.Add(g[static_cast<size_t>(i)]);
+          for (size_t k = 0; k < f.nodes().size(); ++k) have.push_back({f.nodes()[k], f.partials()[k]});
+        }
+        std::sort(have.begin(), have.end(),
+                  [&](const auto& a, const auto& b) { return NodeRange(m, a.first).first < NodeRange(m, b.first).first; });
+        std::vector<std::vector<float>> partials;
+        for (auto& [node, sum] : have) partials.push_back(std::move(sum));
+        std::vector<float> out(n);
+        Status s = comm.AllReduceTree(m, std::span<const std::vector<TreeNode>>(nodes_of), partials, out);
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        got[static_cast<size_t>(rank)] = std::move(out);
+      },
+      /*piece_bytes=*/1024);
+  for (int q = 0; q < 4; ++q) {
+    EXPECT_EQ(std::memcmp(got[static_cast<size_t>(q)].data(), want.data(), n * sizeof(float)), 0) << "rank " << q;
   }
 }
 

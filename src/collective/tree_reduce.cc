@@ -77,6 +77,59 @@ void TreeFolder::Add(std::span<const float> gradient) {
   }
 }
 
+std::pair<int, int> NodeRange(int m, TreeNode node) {
+  return {node.index << node.level, End(m, node.level, node.index)};
+}
+
+bool IsTreeNode(int m, TreeNode node) {
+  if (m < 1 || node.level < 0 || node.level > TreeLevels(m) || node.index < 0) return false;
+  return (static_cast<long long>(node.index) << node.level) < m;
+}
+
+std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>> offered) {
+  NONSTOP_CHECK_GE(m, 1);
+  const int w = static_cast<int>(offered.size());
+  NONSTOP_CHECK_GE(w, 1);
+  std::vector<TreeShare> shares(static_cast<size_t>(w));
+  std::vector<char> covered(static_cast<size_t>(m), 0);
+  for (int q = 0; q < w; ++q) {
+    for (const TreeNode& node : offered[static_cast<size_t>(q)]) {
+      if (!IsTreeNode(m, node)) continue;
+      auto [first, last] = NodeRange(m, node);
+      if (std::any_of(covered.begin() + first, covered.begin() + last, [](char c) { return c != 0; })) continue;
+      std::fill(covered.begin() + first, covered.begin() + last, 1);
+      shares[static_cast<size_t>(q)].kept.push_back(node);
+    }
+  }
+  std::vector<int> missing;
+  for (int i = 0; i < m; ++i) {
+    if (!covered[static_cast<size_t>(i)]) missing.push_back(i);
+  }
+  const auto n = static_cast<long long>(missing.size());
+  auto block_begin = [&](int q) {  // as data::BlockBegin: n/W each, the remainder spread evenly
+    return static_cast<size_t>((n / w) * q + (n % w) * q / w);
+  };
+  for (int q = 0; q < w; ++q) {
+    TreeShare& share = shares[static_cast<size_t>(q)];
+    for (size_t k = block_begin(q); k < block_begin(q + 1); ++k) {
+      int mb = missing[k];
+      if (!share.compute.empty() && share.compute.back().second == mb) {
+        ++share.compute.back().second;
+      } else {
+        share.compute.push_back({mb, mb + 1});
+      }
+    }
+    share.nodes = share.kept;
+    for (auto [first, last] : share.compute) {
+      for (const TreeNode& node : NodesOfRange(m, first, last)) share.nodes.push_back(node);
+    }
+    std::sort(share.nodes.begin(), share.nodes.end(), [m](const TreeNode& a, const TreeNode& b) {
+      return NodeRange(m, a).first < NodeRange(m, b).first;
+    });
+  }
+  return shares;
+}
+
 void CombineInTreeOrder(int m, std::span<const TreeNode> nodes, std::span<const float* const> values, size_t n,
                         float* out) {
   NONSTOP_CHECK_EQ(nodes.size(), values.size());

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace nonstop::collective {
@@ -48,6 +49,9 @@ class TreeFolder {
   // After the last Add: one partial sum per node of NodesOfRange, in that order.
   const std::vector<TreeNode>& nodes() const { return nodes_; }
   const std::vector<std::vector<float>>& partials() const { return partials_; }
+  // Moves the sums out (complete or not: before the last Add, nodes() are
+  // the tree nodes of the prefix folded so far). The folder is spent then.
+  std::vector<std::vector<float>> TakePartials() { return std::move(partials_); }
 
  private:
   int m_, first_, last_, next_;
@@ -55,6 +59,29 @@ class TreeFolder {
   std::vector<TreeNode> nodes_;               // the stack: completed nodes, left to right
   std::vector<std::vector<float>> partials_;  // their sums
 };
+
+// The micro-batches node (l, i) covers: [first, last), clipped to m.
+std::pair<int, int> NodeRange(int m, TreeNode node);
+// Whether `node` is a node of the tree over [0, m) (a peer's claim is checked with it).
+bool IsTreeNode(int m, TreeNode node);
+
+// Salvaging the step in flight (docs/determinism.md). After a fault the
+// members of the next generation may still hold partial sums they folded for
+// the step that failed; any partition of [0, m) into tree nodes combines to
+// the same bits, so those are kept and only the micro-batches no one holds
+// are computed again, spread over every member.
+struct TreeShare {
+  std::vector<TreeNode> kept;                // the offered nodes this rank contributes as they are
+  std::vector<std::pair<int, int>> compute;  // runs [first, last) it computes now, left to right
+  std::vector<TreeNode> nodes;               // all its nodes: kept ∪ NodesOfRange(each run), left to right
+};
+// offered[q]: the nodes rank q holds for this step (empty: none). Each rank,
+// in rank order, keeps the offered nodes that are tree nodes and cover no
+// micro-batch an earlier one covers (a peer's list is not trusted); the
+// micro-batches left are dealt in contiguous blocks of that list, as even as
+// possible (with nothing offered: rank q computes [q·m/W, (q+1)·m/W), the
+// sampler's split). Every rank computes the same shares from the same offers.
+std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>> offered);
 
 // Sums partial sums whose nodes partition [0, m) into the root, along the
 // tree: `values[k]` (n floats) is node `nodes[k]`'s sum. Checked: a partition.

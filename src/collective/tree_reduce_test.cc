@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <deque>
 #include <random>
 
 namespace nonstop::collective {
@@ -102,6 +104,137 @@ TEST(TreeReduceTest, AFolderHoldsLogarithmicallyManyPartialSums) {
   EXPECT_LE(most, 5u);
   ASSERT_EQ(f.partials().size(), 1u);
   EXPECT_EQ(f.partials()[0][0], 120.0f);
+}
+
+// The step in flight, salvaged: a split over w_old ranks in which every rank
+// but `lost` had folded a prefix of its range when the fault came; the next
+// generation (the spare in the lost rank's place, or one rank fewer) keeps
+// those partial sums and computes only the rest. For every M ≤ 16, world,
+// lost rank, progress and both ways on, the sum has the tree's bits.
+TEST(TreeReduceTest, SalvagedPartialSumsPlusTheRecomputedRestGiveTheTreesBitsForEveryFault) {
+  const size_t n = 17;
+  int cases = 0;
+  for (int m = 1; m <= 16; ++m) {
+    auto g = Gradients(m, n, 2000u + static_cast<unsigned>(m));
+    std::vector<float> want;
+    Reference(g, TreeLevels(m), 0, &want);
+    for (int w_old = 1; w_old <= std::min(m, 6); ++w_old) {
+      auto ranges = Split(m, w_old);
+      for (int lost = 0; lost < w_old; ++lost) {
+        for (int progress : {0, 1, 2, 100}) {  // micro-batches each survivor had folded (100: all)
+          // What each survivor holds: the folder of the prefix it computed.
+          std::vector<TreeFolder> held;
+          std::vector<int> survivors;
+          for (int q = 0; q < w_old; ++q) {
+            if (q == lost) continue;
+            auto [first, last] = ranges[static_cast<size_t>(q)];
+            held.emplace_back(m, first, last, n);
+            for (int i = first; i < std::min(last, first + progress); ++i) held.back().Add(g[static_cast<size_t>(i)]);
+            survivors.push_back(q);
+          }
+          for (bool spare : {true, false}) {
+            if (!spare && w_old == 1) continue;  // nobody left
+            // The new ranks: survivors keep their order; the spare takes the lost rank's place.
+            std::vector<int> owner;  // new rank → index into `held`, or -1 (the spare)
+            for (size_t k = 0; k < survivors.size(); ++k) owner.push_back(static_cast<int>(k));
+            if (spare) owner.insert(owner.begin() + lost, -1);
+            std::vector<std::vector<TreeNode>> offered;
+            for (int o : owner) offered.push_back(o < 0 ? std::vector<TreeNode>{} : held[static_cast<size_t>(o)].nodes());
+            auto shares = PlanTreeStep(m, offered);
+            ASSERT_EQ(shares.size(), owner.size());
+            std::vector<TreeNode> nodes;
+            std::deque<std::vector<float>> storage;  // recomputed partial sums (stable addresses)
+            std::vector<const float*> values;
+            int salvaged = 0, recomputed = 0;
+            for (size_t r = 0; r < shares.size(); ++r) {
+              const TreeShare& share = shares[r];
+              // Kept: everything this rank offered, since the offers do not overlap.
+              ASSERT_EQ(share.kept, offered[r]) << "m " << m << " lost " << lost;
+              for (const TreeNode& node : share.kept) {
+                const TreeFolder& f = held[static_cast<size_t>(owner[r])];
+                size_t k = static_cast<size_t>(std::find(f.nodes().begin(), f.nodes().end(), node) - f.nodes().begin());
+                nodes.push_back(node);
+                values.push_back(f.partials()[k].data());
+                salvaged += NodeRange(m, node).second - NodeRange(m, node).first;
+              }
+              for (auto [first, last] : share.compute) {
+                TreeFolder f(m, first, last, n);
+                for (int i = first; i < last; ++i) f.Add(g[static_cast<size_t>(i)]);
+                recomputed += last - first;
+                for (size_t k = 0; k < f.nodes().size(); ++k) {
+                  nodes.push_back(f.nodes()[k]);
+                  storage.push_back(f.partials()[k]);
+                  values.push_back(storage.back().data());
+                }
+              }
+            }
+            ASSERT_EQ(salvaged + recomputed, m);
+            int held_total = 0;
+            for (const auto& f : held) {
+              for (const TreeNode& node : f.nodes()) held_total += NodeRange(m, node).second - NodeRange(m, node).first;
+            }
+            EXPECT_EQ(salvaged, held_total) << "nothing held is computed again";
+            std::vector<float> got(n);
+            CombineInTreeOrder(m, nodes, values, n, got.data());
+            ASSERT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0)
+                << "m " << m << " world " << w_old << " lost " << lost << " progress " << progress << " spare "
+                << spare;
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(cases, 1000);
+}
+
+// A peer's list is not trusted: nodes that are not the tree's, or that cover a
+// micro-batch an earlier rank's node covers, are left out and computed again.
+TEST(TreeReduceTest, OverlappingOrInvalidOffersAreDroppedAndEveryMicroBatchIsCoveredOnce) {
+  const int m = 8;
+  std::vector<std::vector<TreeNode>> offered = {
+      {{0, 0}, {0, 1}},           // micro-batches 0, 1
+      {{1, 0}, {9, 0}, {0, -1}},  // 0-1 again, a level above the root, a negative index
+      {{2, 2}, {0, 5}},           // beyond m (index 2 at level 2 starts at 8), then 5
+      {{1, 3}},                   // 6-7
+  };
+  auto shares = PlanTreeStep(m, offered);
+  EXPECT_EQ(shares[0].kept, (std::vector<TreeNode>{{0, 0}, {0, 1}}));
+  EXPECT_TRUE(shares[1].kept.empty());
+  EXPECT_EQ(shares[2].kept, (std::vector<TreeNode>{{0, 5}}));
+  EXPECT_EQ(shares[3].kept, (std::vector<TreeNode>{{1, 3}}));
+  std::vector<int> count(m, 0);
+  for (const auto& share : shares) {
+    for (const TreeNode& node : share.nodes) {
+      auto [first, last] = NodeRange(m, node);
+      for (int i = first; i < last; ++i) ++count[static_cast<size_t>(i)];
+    }
+  }
+  EXPECT_EQ(count, std::vector<int>(m, 1));
+  // The missing 2, 3, 4 are dealt over the four ranks in contiguous blocks of that list.
+  int computed = 0;
+  for (const auto& share : shares) {
+    for (auto [first, last] : share.compute) computed += last - first;
+  }
+  EXPECT_EQ(computed, 3);
+}
+
+TEST(TreeReduceTest, WithNothingOfferedTheSharesAreTheSamplersContiguousSplit) {
+  for (int m = 1; m <= 16; ++m) {
+    for (int w = 1; w <= 6; ++w) {
+      auto shares = PlanTreeStep(m, std::vector<std::vector<TreeNode>>(static_cast<size_t>(w)));
+      for (int q = 0; q < w; ++q) {
+        int first = (m / w) * q + (m % w) * q / w, last = (m / w) * (q + 1) + (m % w) * (q + 1) / w;
+        const TreeShare& share = shares[static_cast<size_t>(q)];
+        if (first == last) {
+          EXPECT_TRUE(share.compute.empty());
+        } else {
+          EXPECT_EQ(share.compute, (std::vector<std::pair<int, int>>{{first, last}})) << m << " " << w << " " << q;
+        }
+        EXPECT_EQ(share.nodes, NodesOfRange(m, first, last));
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -756,6 +756,25 @@ Status Session::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges
   return impl_->RunCollective([&] { return impl_->comm().AllReduceTree(m, ranges, partials, out); },
                               /*at_step_boundary=*/true);
 }
+Status Session::AllReduceTree(int m, std::span<const std::vector<std::pair<int, int>>> nodes_of,
+                              std::span<const std::vector<float>> partials, std::span<float> out) {
+  std::vector<std::vector<collective::TreeNode>> nodes(nodes_of.size());
+  for (size_t q = 0; q < nodes_of.size(); ++q) {
+    for (auto [level, index] : nodes_of[q]) nodes[q].push_back({level, index});
+  }
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
+  return impl_->RunCollective(
+      [&] { return impl_->comm().AllReduceTree(m, std::span<const std::vector<collective::TreeNode>>(nodes), partials,
+                                               out); },
+      /*at_step_boundary=*/true);
+}
+Status Session::AllGather(std::span<std::byte> data, size_t record_bytes) {
+  NONSTOP_CHECK(record_bytes > 0 && data.size() == record_bytes * static_cast<size_t>(world_size()))
+      << "AllGather: " << data.size() << " bytes are not " << world_size() << " records of " << record_bytes;
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
+  return impl_->RunCollective([&] { return impl_->comm().AllGather(data, record_bytes); },
+                              /*at_step_boundary=*/false);
+}
 Status Session::Broadcast(std::span<std::byte> data, int root) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->RunCollective([&] { return impl_->comm().Broadcast(data, root); }, /*at_step_boundary=*/false);

@@ -199,6 +199,48 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
   EXPECT_EQ(resumed.checksum, w4.checksum) << resumed.output;
 }
 
+// Salvaging the step in flight (issue 13): a kill at the reduction of step 10
+// leaves the survivors with their micro-batch sums of that step; the next
+// generation keeps them and computes only the lost rank's micro-batches,
+// spread over every member. The run ends bitwise as the fault-free one, with
+// a spare, with a shrink after two kills, and with salvage turned off.
+TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
+  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama", kWorldInvariant);
+  RunResult ref = Run(4, "ref");
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  ASSERT_EQ(ref.losses.size(), 21u);
+  const std::regex kept_line(R"(step (\d+): kept the sums of (\d+) of 8 micro-batches from the step in flight)");
+  auto kept = [&](const std::string& output, int64_t* step) {
+    std::smatch m;
+    if (!std::regex_search(output, m, kept_line)) return -1;
+    *step = std::stoll(m[1]);
+    return std::stoi(m[2]);
+  };
+  struct Case {
+    std::string tag;
+    std::vector<std::string> run_flags;
+    int64_t step;
+    int most_kept;  // the lost ranks' micro-batches are never kept
+  };
+  for (const Case& c : {Case{"spare", {"--spares", "1", "--inject", "kill:rank=2,step=10"}, 10, 6},
+                        Case{"shrink", {"--spares", "0", "--inject", "kill:rank=1,step=12;kill:rank=3,step=12"}, 12, 6}}) {
+    RunResult r = Run(4, c.tag, {}, c.run_flags);
+    ASSERT_EQ(r.code, 0) << r.output;
+    int64_t at = -1;
+    int n = kept(r.output, &at);
+    EXPECT_GE(n, 1) << c.tag << ": the survivors' sums were kept\n" << r.output;
+    EXPECT_LE(n, c.most_kept) << c.tag;
+    EXPECT_EQ(at, c.step) << c.tag;
+    EXPECT_EQ(r.checksum, ref.checksum) << c.tag << "\n" << r.output;
+    EXPECT_EQ(r.losses, ref.losses) << c.tag << ": every loss bitwise the same";
+  }
+  RunResult whole = Run(4, "whole", {"--no-salvage"}, {"--spares", "1", "--inject", "kill:rank=2,step=10"});
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  int64_t at = -1;
+  EXPECT_EQ(kept(whole.output, &at), -1) << "--no-salvage computes the step again whole\n" << whole.output;
+  EXPECT_EQ(whole.checksum, ref.checksum);
+}
+
 TEST_F(TrainTest, WorldInvariantModeHoldsForTheMixtureOfExperts) {
   std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "gpt-oss", kWorldInvariant);
   RunResult w1 = Run(1, "moe1");

@@ -1,0 +1,81 @@
+#include "worker/tree_step.h"
+
+#include <cstring>
+
+#include "common/check.h"
+
+namespace nonstop::worker {
+
+namespace {
+
+void PutWord(std::span<std::byte> record, size_t word, int64_t v) {
+  auto u = static_cast<uint64_t>(v);
+  for (size_t b = 0; b < 8; ++b) record[word * 8 + b] = static_cast<std::byte>((u >> (8 * b)) & 0xff);
+}
+
+int64_t GetWord(std::span<const std::byte> record, size_t word) {
+  uint64_t u = 0;
+  for (size_t b = 0; b < 8; ++b) u |= static_cast<uint64_t>(record[word * 8 + b]) << (8 * b);
+  return static_cast<int64_t>(u);
+}
+
+}  // namespace
+
+void EncodeOffer(const HeldSums& held, int64_t step, std::span<std::byte> record) {
+  NONSTOP_CHECK_EQ(record.size(), kOfferBytes);
+  std::memset(record.data(), 0, record.size());
+  const bool offer = held.step == step && held.nodes.size() <= kMaxOfferedNodes;
+  PutWord(record, 0, offer ? step : -1);
+  PutWord(record, 1, offer ? static_cast<int64_t>(held.nodes.size()) : 0);
+  if (!offer) return;
+  for (size_t k = 0; k < held.nodes.size(); ++k) {
+    PutWord(record, 2 + 2 * k, held.nodes[k].level);
+    PutWord(record, 3 + 2 * k, held.nodes[k].index);
+  }
+}
+
+std::vector<collective::TreeNode> DecodeOffer(std::span<const std::byte> record, int64_t step) {
+  std::vector<collective::TreeNode> nodes;
+  if (record.size() != kOfferBytes || GetWord(record, 0) != step || step < 0) return nodes;
+  int64_t count = GetWord(record, 1);
+  if (count < 0 || count > static_cast<int64_t>(kMaxOfferedNodes)) return nodes;
+  for (int64_t k = 0; k < count; ++k) {
+    int64_t level = GetWord(record, static_cast<size_t>(2 + 2 * k));
+    int64_t index = GetWord(record, static_cast<size_t>(3 + 2 * k));
+    if (level < 0 || level > 62 || index < 0 || index > (int64_t{1} << 30)) return {};  // not a tree node of any M here
+    nodes.push_back({static_cast<int>(level), static_cast<int>(index)});
+  }
+  return nodes;
+}
+
+Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& session, int m, int64_t step,
+                                                                 const HeldSums& held) {
+  const int world = session.world_size();
+  std::vector<std::vector<collective::TreeNode>> offered(static_cast<size_t>(world));
+  kept_ = 0;
+  kept_by_ = 0;
+  if (salvage_ && session.generation() != exchanged_generation_) {
+    // A new membership: what does each member still hold of this step?
+    std::vector<std::byte> records(kOfferBytes * static_cast<size_t>(world));
+    EncodeOffer(held, step, std::span<std::byte>(records).subspan(kOfferBytes * static_cast<size_t>(session.rank()),
+                                                                  kOfferBytes));
+    NONSTOP_RETURN_IF_ERROR(session.AllGather(records, kOfferBytes));
+    exchanged_generation_ = session.generation();
+    for (int q = 0; q < world; ++q) {
+      offered[static_cast<size_t>(q)] =
+          DecodeOffer(std::span<const std::byte>(records).subspan(kOfferBytes * static_cast<size_t>(q), kOfferBytes),
+                      step);
+    }
+  }
+  std::vector<collective::TreeShare> shares = collective::PlanTreeStep(m, offered);
+  for (const auto& share : shares) {
+    for (const auto& node : share.kept) {
+      auto [first, last] = collective::NodeRange(m, node);
+      kept_ += last - first;
+    }
+    kept_by_ += share.kept.empty() ? 0 : 1;
+  }
+  return shares;
+}
+
+}  // namespace nonstop::worker
