@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -675,6 +676,17 @@ std::string NonstopBinary() { return std::string(NONSTOP_BIN_DIR) + "/nonstop"; 
 
 class AgentCliTest : public AgentTest {
  protected:
+  // `nonstop agent` (default --on-sigterm leave) registered with `controller`, running worker 3.
+  void StartAgentWithAWorker(FakeController& controller, std::unique_ptr<ChildProcess>* agent, pid_t* worker) {
+    std::vector<std::string> argv = {NonstopBinary(), "agent", "--controller", controller.address(),
+                                     "--job-token-file", TokenFile(kToken), "--host-id", "cli-host", "--"};
+    for (const auto& a : Options(controller).program) argv.push_back(a);
+    *agent = std::make_unique<ChildProcess>(argv, dir_ / "agent.log");
+    ASSERT_TRUE(controller.AcceptAndRegister(10s).ok()) << ReadText(dir_ / "agent.log");
+    *worker = StartWorker(controller, 3);
+    ASSERT_GT(*worker, 0);
+    ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s));
+  }
   std::string TokenFile(const std::string& token) {
     std::string path = dir_ / "token";
     std::ofstream(path) << token << "\n";
@@ -719,14 +731,10 @@ TEST_F(AgentCliTest, SigtermWithOnSigtermStopKillsTheWorkersAndExits130) {
 // worker is gone (its release) the agent exits 0.
 TEST_F(AgentCliTest, SigtermAsksTheControllerToReleaseTheHostAndExits0OnceTheWorkersAreGone) {
   FakeController controller;
-  std::vector<std::string> argv = {NonstopBinary(), "agent", "--controller", controller.address(),
-                                   "--job-token-file", TokenFile(kToken), "--host-id", "cli-host", "--"};
-  for (const auto& a : Options(controller).program) argv.push_back(a);
-  ChildProcess agent(argv, dir_ / "agent.log");
-  ASSERT_TRUE(controller.AcceptAndRegister(10s).ok()) << ReadText(dir_ / "agent.log");
-  pid_t pid = StartWorker(controller, 3);
-  ASSERT_GT(pid, 0);
-  ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s));
+  std::unique_ptr<ChildProcess> started;
+  pid_t pid = -1;
+  ASSERT_NO_FATAL_FAILURE(StartAgentWithAWorker(controller, &started, &pid));
+  ChildProcess& agent = *started;
   ASSERT_EQ(::kill(agent.pid(), SIGUSR1), 0);
   ASSERT_EQ(::kill(pid, SIGUSR1), 0);
   auto leaving = controller.Next(control::kMsgAgentLeaving, 5s);
@@ -761,14 +769,10 @@ TEST_F(AgentCliTest, SigtermAsksTheControllerToReleaseTheHostAndExits0OnceTheWor
 
 TEST_F(AgentCliTest, SecondSigtermWhileLeavingKillsTheWorkersAndExits130) {
   FakeController controller;
-  std::vector<std::string> argv = {NonstopBinary(), "agent", "--controller", controller.address(),
-                                   "--job-token-file", TokenFile(kToken), "--host-id", "cli-host", "--"};
-  for (const auto& a : Options(controller).program) argv.push_back(a);
-  ChildProcess agent(argv, dir_ / "agent.log");
-  ASSERT_TRUE(controller.AcceptAndRegister(10s).ok()) << ReadText(dir_ / "agent.log");
-  pid_t pid = StartWorker(controller, 3);
-  ASSERT_GT(pid, 0);
-  ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s));
+  std::unique_ptr<ChildProcess> started;
+  pid_t pid = -1;
+  ASSERT_NO_FATAL_FAILURE(StartAgentWithAWorker(controller, &started, &pid));
+  ChildProcess& agent = *started;
   ASSERT_EQ(::kill(agent.pid(), SIGTERM), 0);
   ASSERT_TRUE(controller.Next(control::kMsgAgentLeaving, 5s).ok()) << ReadText(dir_ / "agent.log");
   ASSERT_EQ(::kill(agent.pid(), SIGTERM), 0);

@@ -2,6 +2,8 @@
 #include "controller/takeover.h"
 
 #include <gtest/gtest.h>
+
+#include <functional>
 #include <signal.h>
 
 #include <limits>
@@ -1510,6 +1512,30 @@ class TakeoverTest : public HostControllerTest {
     m.waiting = waiting;
     return Do(WorkerJoined{m});
   }
+  // Takes over; every inherited worker but the member of rank 3 rejoins, and
+  // time passes (500 ms a tick, `each_tick` sees each) until the others are
+  // aborted. Returns that tick's actions; *missing: the member that stayed away.
+  std::vector<Action> TakeOverWithoutOneMember(
+      int* missing, const std::function<void(int, const std::vector<Action>&)>& each_tick = {}) {
+    RunFirstController();
+    TakeOver();
+    for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
+    *missing = first_members_[3];
+    for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
+      if (id != *missing) Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false, 20);
+    }
+    std::vector<Action> actions;
+    for (int i = 0; i < 12 && Find<SendAbort>(actions).empty(); ++i) {
+      now_ += Millis(500);
+      for (const auto& [id, w] : c_->workers()) {
+        if (id != *missing && w.role != WorkerRole::kGone) Do(HeartbeatReceived{id, {20, -1}});
+      }
+      for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostHeartbeat{host, {2}});
+      actions = Do(Tick{});
+      if (each_tick) each_tick(i, actions);
+    }
+    return actions;
+  }
   std::map<int, int> first_members_;  // rank → worker id
 };
 
@@ -1678,23 +1704,10 @@ TEST(TakeoverFromJournalTest, ScaleRequestsAreReplayedAsTheControllerAppliedThem
 }
 
 TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
-  RunFirstController();
-  TakeOver();
-  for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
-  int missing = first_members_[3];
-  for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
-    if (id != missing) Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false, 20);
-  }
-  std::vector<Action> actions;
-  for (int i = 0; i < 12 && Find<SendAbort>(actions).empty(); ++i) {
-    now_ += Millis(500);
-    for (const auto& [id, w] : c_->workers()) {
-      if (id != missing && w.role != WorkerRole::kGone) Do(HeartbeatReceived{id, {20, -1}});
-    }
-    for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostHeartbeat{host, {2}});
-    actions = Do(Tick{});
-    if (i < 6) EXPECT_TRUE(Find<SendAbort>(actions).empty()) << "before the adoption bound, at " << (i + 1) * 500;
-  }
+  int missing = -1;
+  auto actions = TakeOverWithoutOneMember(&missing, [&](int i, const std::vector<Action>& tick) {
+    if (i < 6) EXPECT_TRUE(Find<SendAbort>(tick).empty()) << "before the adoption bound, at " << (i + 1) * 500;
+  });
   ASSERT_EQ(Find<SendAbort>(actions).size(), 5u) << "the five others abort";
   auto kills = Find<KillWorker>(actions);
   ASSERT_EQ(kills.size(), 1u);
@@ -1704,22 +1717,8 @@ TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
 // After a takeover in which one member never rejoined (lost, recovered
 // from), a host can still leave: the adoption no longer holds changes back.
 TEST_F(TakeoverTest, AHostCanLeaveAfterATakeoverInWhichAMemberNeverRejoined) {
-  RunFirstController();
-  TakeOver();
-  for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
-  int missing = first_members_[3];
-  for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
-    if (id != missing) Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false, 20);
-  }
-  std::vector<Action> actions;
-  for (int i = 0; i < 12 && Find<SendAbort>(actions).empty(); ++i) {
-    now_ += Millis(500);
-    for (const auto& [id, w] : c_->workers()) {
-      if (id != missing && w.role != WorkerRole::kGone) Do(HeartbeatReceived{id, {20, -1}});
-    }
-    for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostHeartbeat{host, {2}});
-    actions = Do(Tick{});
-  }
+  int missing = -1;
+  auto actions = TakeOverWithoutOneMember(&missing);
   for (auto& ab : Find<SendAbort>(actions)) Do(ReadyReceived{ab.worker_id, {c_->generation(), 20, "aborted"}});
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   ASSERT_EQ(c_->workers().at(missing).role, WorkerRole::kGone);

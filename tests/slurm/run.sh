@@ -158,37 +158,13 @@ submit() {
   NONSTOP_BIN=$bin NONSTOP_RUN_DIR=$dir/$name sbatch --parsable --nodes=3 --chdir="$dir" --output="$dir/$name.out" \
     "$@" "$root/examples/slurm/nonstop.sbatch" -- "${train[@]}"
 }
-journal_field() {  # journal_field JOURNAL EVENT FIELD: the field of the last such record
-  /usr/bin/python3 -c 'import json,sys
-v=""
-for l in open(sys.argv[1]):
-    try: r=json.loads(l)
-    except ValueError: continue
-    if r.get("event")==sys.argv[2]: v=r.get(sys.argv[3],"")
-print(v)' "$@" 2>/dev/null
-}
-# count JOURNAL EVENT: how many such records.
-count() { /usr/bin/python3 -c 'import json,sys
-n=0
-for l in open(sys.argv[1]):
-    try: r=json.loads(l)
-    except ValueError: continue
-    n+=r.get("event")==sys.argv[2]
-print(n)' "$@" 2>/dev/null || echo 0; }
-# world JOURNAL: the size of the newest plan's world (0: none yet).
-world() { /usr/bin/python3 -c 'import json,sys
-w=0
-for l in open(sys.argv[1]):
-    try: r=json.loads(l)
-    except ValueError: continue
-    if r.get("event")=="plan": w=len(r["members"])
-print(w)' "$1" 2>/dev/null || echo 0; }
-# losses JOURNAL: "step loss" per completed step, as the journal has them.
-losses() { /usr/bin/python3 -c 'import json,sys
-for l in open(sys.argv[1]):
-    try: r=json.loads(l)
-    except ValueError: continue
-    if r.get("event")=="step": print(r["step"], repr(r["loss"]))' "$1"; }
+# The journal's readers (scripts/journal.py; a journal not written yet reads as empty).
+journal() { /usr/bin/python3 "$root/scripts/journal.py" "$@"; }
+journal_field() { journal field "$@"; }  # JOURNAL EVENT FIELD: the field of the last such record
+count() { journal count "$@"; }          # JOURNAL EVENT: how many such records
+world() { journal world "$@"; }          # JOURNAL: the newest plan's world size (0: none yet)
+losses() { journal losses "$@"; }        # JOURNAL: "step loss" per step record, every bit
+last_step() { journal last-step "$@"; }  # JOURNAL: the highest completed step (-1: none)
 # until_true SECONDS WHAT CONDITION: evaluates the condition (a string, anew each time) every 0.2 s.
 until_true() {
   for _ in $(seq $(($1 * 5))); do eval "$3" && return 0; sleep 0.2; done
@@ -196,13 +172,6 @@ until_true() {
   for f in "$dir"/elastic.out "$dir"/capacity.out; do [ -f "$f" ] && tails+=$'\n'"--- $f:"$'\n'"$(tail -15 "$f")"; done
   fail "$2 within $1 s$tails"
 }
-last_step() { /usr/bin/python3 -c 'import json,sys
-s=-1
-for l in open(sys.argv[1]):
-    try: r=json.loads(l)
-    except ValueError: continue
-    if r.get("event")=="step": s=max(s,r["step"])
-print(s)' "$1" 2>/dev/null || echo -1; }
 wait_done() {  # wait_done JOBID NAME
   for _ in $(seq 1200); do
     [ -z "$(squeue -h -j "$1" 2>/dev/null)" ] && return 0
@@ -283,7 +252,6 @@ grep -E "host .* (registered|leaves|left)|resize:|generation [0-9]+:|recovery re
 grep -E "left the job" "$dir/capacity.out" | sed 's/^/  /' || true
 grep -q "left the job (SIGTERM): its workers were released" "$dir/capacity.out" ||
   fail "the capacity job's agent did not leave cleanly: $(tail -20 "$dir/capacity.out")"
-# (count says 0 for an unreadable journal: its step records are counted first.)
 [ "$(count "$ej" step)" -eq 150 ] || fail "the elastic job's journal has $(count "$ej" step) step records, not 150"
 [ "$(count "$ej" fault)" -eq 0 ] || fail "the elastic job saw a fault: $(grep fault: "$dir/elastic.out")"
 [ "$(count "$ej" recovery_start)" -eq 0 ] || fail "the elastic job ran a recovery"
