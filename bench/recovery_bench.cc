@@ -191,7 +191,13 @@ int Main(int argc, char** argv) {
   }
   if (compare_salvage) {
     double kept = MeanOfMeasured(cpl.time_lost), again = MeanOfMeasured(whole.time_lost);
-    if (kept >= 0 && again > 0) {
+    std::ifstream log(out + "/checkpointless.log");
+    const bool salvaged = std::string(std::istreambuf_iterator<char>(log), {}).find("kept the sums of") !=
+                          std::string::npos;
+    if (!salvaged) {
+      fmt::print("\nthe checkpointless run kept no sums of a step in flight (is the recipe world-invariant, and the "
+                 "program nonstop-train?): the salvage comparison means nothing\n");
+    } else if (kept >= 0 && again > 0) {
       fmt::print("time lost per fault: {:.0f} ms keeping the step in flight's sums, {:.0f} ms computing it again: ratio "
                  "{:.3f}; a normal step {:.0f} ms ({:.2f} of a step kept, {:.2f} again)\n",
                  kept * 1000, again * 1000, kept / again, normal * 1000, kept / normal, again / normal);
@@ -202,6 +208,7 @@ int Main(int argc, char** argv) {
       summary["time_lost_in_normal_steps_no_salvage"] = again / normal;
     }
     fmt::print("checkpointless without salvage: checksum {}\n", whole.checksum);
+    summary["salvaged"] = salvaged;
   }
   fmt::print("final parameter checksums: fault-free {}, checkpointless {}, checkpoint-restart {}\n", clean.checksum,
              cpl.checksum, cpr.checksum);

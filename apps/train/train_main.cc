@@ -398,6 +398,16 @@ int Main(int argc, char** argv) {
           } else {
             shares = std::move(*planned);
             const collective::TreeShare& mine = shares[static_cast<size_t>(session.rank())];
+            // Sums the plan does not keep are of no more use: let them go before computing.
+            worker::HeldSums kept;
+            for (size_t k = 0; k < held.nodes.size(); ++k) {
+              if (held.step != step) break;
+              if (std::find(mine.kept.begin(), mine.kept.end(), held.nodes[k]) == mine.kept.end()) continue;
+              kept.nodes.push_back(held.nodes[k]);
+              kept.partials.push_back(std::move(held.partials[k]));
+            }
+            kept.step = kept.nodes.empty() ? -1 : step;
+            held = std::move(kept);
             for (auto [first, last] : mine.compute) {
               folders.emplace_back(m, first, last, flat.size() + 1);
               for (int mb = first; mb < last; ++mb) work.push_back({static_cast<uint64_t>(mb), folders.size() - 1});
@@ -532,6 +542,10 @@ int Main(int argc, char** argv) {
       if (!s.ok()) {
         NONSTOP_LOG_WARNING("step {}: {}", step, s.ToString());
         if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;
+        if (held.step != step) {  // the job resumes elsewhere: the sums kept of that step are no use
+          held = {};
+          held_samples.clear();
+        }
         continue;
       }
       double loss = flat.loss_slot();

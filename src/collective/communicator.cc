@@ -26,6 +26,22 @@ Communicator::Communicator(PeerMesh* mesh, net::AbortSignal* abort, Communicator
   scratch_.resize(options_.piece_bytes);
 }
 
+std::unique_ptr<Communicator> Communicator::SubGroup(std::span<const int> ranks, uint32_t op_space) const {
+  NONSTOP_CHECK(op_space >= 1 && op_space <= 127) << "op_space " << op_space;
+  CommunicatorOptions o = options_;
+  o.op_space = op_space;
+  o.members.clear();
+  o.rank = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    NONSTOP_CHECK(ranks[i] >= 0 && ranks[i] < world_size()) << "rank " << ranks[i] << " of " << world_size();
+    for (size_t j = 0; j < i; ++j) NONSTOP_CHECK_NE(ranks[j], ranks[i]) << "rank listed twice";
+    if (ranks[i] == rank()) o.rank = static_cast<int>(i);
+    o.members.push_back(options_.members[static_cast<size_t>(ranks[i])]);
+  }
+  NONSTOP_CHECK_GE(o.rank, 0) << "rank " << rank() << " is not in the group";
+  return std::make_unique<Communicator>(mesh_, abort_, std::move(o));
+}
+
 std::string Communicator::PeerName(int rank) const {
   const Member& m = options_.members[static_cast<size_t>(rank)];
   return fmt::format("rank {} (worker {}, {})", rank, m.worker_id, m.address);
@@ -151,7 +167,7 @@ Status Communicator::RingPass(std::byte* data, size_t count, size_t element_byte
     });
   }
   spec.generation = options_.generation;
-  spec.op = op_;
+  spec.op = FramedOp();
   spec.scratch = scratch_;
   spec.deadline = OpDeadline();
   spec.abort = abort_;
@@ -229,7 +245,7 @@ Status Communicator::Broadcast(std::span<std::byte> data, int root) {
     for (auto& [ptr, n] : pieces) spec.recvs.push_back({ptr, n, Reduce::kNone});
   }
   spec.generation = options_.generation;
-  spec.op = op_;
+  spec.op = FramedOp();
   spec.deadline = OpDeadline();
   spec.abort = abort_;
   return Run(std::move(spec));
@@ -298,7 +314,7 @@ Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>>
       });
     }
     spec.generation = options_.generation;
-    spec.op = op_;
+    spec.op = FramedOp();
     spec.deadline = OpDeadline();
     spec.abort = abort_;
     NONSTOP_RETURN_IF_ERROR(Run(std::move(spec)));

@@ -29,6 +29,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -56,6 +57,11 @@ struct CommunicatorOptions {
   Millis timeout_collective{300'000};
   Millis timeout_connect{30'000};
   size_t piece_bytes = 256 << 10;  // pipelining granularity of the ring
+  // 0: the generation's communicator. 1-127: a sub-group's (SubGroup).
+  // Collectives number their frames (op_space << 24) | (sequence mod 2^24),
+  // so the spaces stay apart from each other and from point-to-point
+  // transfers (bit 31).
+  uint32_t op_space = 0;
 };
 
 // [begin, end) of chunk `c` when `n` elements are split into `parts`.
@@ -78,6 +84,17 @@ class Communicator {
 
   // Opens the ring neighbours' connections in parallel (or reuses them).
   Status Connect();
+
+  // A communicator over some of this generation's ranks (`ranks`, ascending
+  // or not: their order is the group's rank order; this rank must be one),
+  // over the same connections and the same abort signal: Abort() of any
+  // communicator of the generation wakes the others' calls too. Its ops are
+  // numbered in their own space (CommunicatorOptions::op_space, 1-127), so
+  // the world's and several groups' collectives may follow one another on the
+  // same connections; like the world's, they are driven by one thread at a
+  // time. Sharded optimizer state (issue 12): reduce-scatter inside a shard
+  // group, all-reduce across the replicas of a shard, all-gather in the group.
+  std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks, uint32_t op_space) const;
 
   Status AllReduce(std::span<float> data);
   Status ReduceScatter(std::span<float> data);
@@ -123,6 +140,9 @@ class Communicator {
   Status Fail(Status status);
   void CountOp();
   Result<Connection*> Peer(int rank);
+  // op_ as it travels in frames: the space in bits 24-30, the sequence in 0-23
+  // (wrapping identically on every rank); bit 31 is point-to-point's.
+  uint32_t FramedOp() const { return (options_.op_space << 24) | (op_ & 0xFFFFFFu); }
   std::string PeerName(int rank) const;
   Deadline OpDeadline() const { return DeadlineAfter(options_.timeout_collective); }
 

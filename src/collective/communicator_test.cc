@@ -297,6 +297,71 @@ TEST(CommunicatorTest, AllReduceTreeOverSalvagedNodeSetsGivesTheTreesBits) {
   }
 }
 
+// Sub-group communicators (issue 12's schedule for sharded optimizer state):
+// 6 ranks in shard groups of 2 ({0,1}, {2,3}, {4,5}); a reduce-scatter in the
+// group, an all-reduce across the replicas of each shard ({0,2,4}, {1,3,5})
+// and an all-gather in the group give every rank the world's sum, with world
+// collectives between them on the same connections.
+TEST(CommunicatorTest, SubGroupsReduceInTheGroupAcrossTheReplicasAndGatherAsTheWorldDoes) {
+  const int w = 6, g = 2;
+  const size_t n = 1001;
+  auto want = NaiveSum(w, n, IntegerInput);  // integers: exact in any order
+  RunThreads(w, [&](int rank, Communicator& comm) {
+    const int group = rank / g, shard = rank % g;
+    std::vector<int> in_group, replicas;
+    for (int q = 0; q < g; ++q) in_group.push_back(group * g + q);
+    for (int q = shard; q < w; q += g) replicas.push_back(q);
+    auto grp = comm.SubGroup(in_group, static_cast<uint32_t>(1 + group));
+    auto rep = comm.SubGroup(replicas, static_cast<uint32_t>(1 + w / g + shard));
+    EXPECT_EQ(grp->rank(), shard);
+    EXPECT_EQ(grp->world_size(), g);
+    EXPECT_EQ(rep->rank(), group);
+    for (int round = 0; round < 2; ++round) {
+      auto data = IntegerInput(rank, n);
+      ASSERT_TRUE(comm.Barrier().ok());  // a world collective before, on the same connections
+      ASSERT_TRUE(grp->ReduceScatter(data).ok());
+      auto [lo, hi] = ChunkRange(n, g, shard);
+      std::span<float> mine(data.data() + lo, hi - lo);
+      Status s = rep->AllReduce(mine);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      for (size_t i = lo; i < hi; ++i) ASSERT_EQ(data[i], want[i]) << "rank " << rank << " element " << i;
+      // The update stands in: each rank holds its shard; the group gathers the whole.
+      std::vector<float> params(n, -1.0f);
+      std::copy(data.begin() + static_cast<long>(lo), data.begin() + static_cast<long>(hi),
+                params.begin() + static_cast<long>(lo));
+      ASSERT_TRUE(grp->AllGather(std::as_writable_bytes(std::span<float>(params)), sizeof(float)).ok());
+      ASSERT_EQ(params, want) << "rank " << rank;
+      auto again = IntegerInput(rank, n);
+      ASSERT_TRUE(comm.AllReduce(again).ok());  // and a world collective after
+      ASSERT_EQ(again, want);
+    }
+  });
+}
+
+// An abort of the generation (its world communicator's Abort, from another
+// thread, as the session does) wakes a sub-group's blocked call too.
+TEST(CommunicatorTest, AbortOfTheGenerationWakesASubGroupsBlockedCall) {
+  RunThreads(3, [&](int rank, Communicator& comm) {
+    if (rank != 0) {  // rank 1 never enters the group's collective: rank 0 waits until the abort
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      return;
+    }
+    std::vector<int> pair = {0, 1};
+    auto grp = comm.SubGroup(pair, 1);
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      comm.Abort("a member failed");
+    });
+    std::vector<float> data(1000, 1.0f);
+    auto t0 = std::chrono::steady_clock::now();
+    Status s = grp->AllReduce(data);
+    aborter.join();
+    EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+    EXPECT_EQ(grp->Barrier().code(), StatusCode::kAborted) << "sticky in the group too";
+  });
+}
+
 TEST(CommunicatorTest, ReduceScatterLeavesChunkRankReduced) {
   for (int w : {2, 3, 5}) {
     const size_t n = 1003;

@@ -217,6 +217,41 @@ TEST(TreeReduceTest, OverlappingOrInvalidOffersAreDroppedAndEveryMicroBatchIsCov
     for (auto [first, last] : share.compute) computed += last - first;
   }
   EXPECT_EQ(computed, 3);
+  // Aliases: at M = 6, (1, 2) and (2, 1) both cover micro-batches 4-5. The second is an overlap, dropped;
+  // whatever is kept and computed sums to the tree's bits.
+  const int m6 = 6;
+  auto g = Gradients(m6, 9, 77);
+  std::vector<float> want;
+  Reference(g, TreeLevels(m6), 0, &want);
+  std::vector<std::vector<TreeNode>> aliased = {{{1, 2}}, {{2, 1}, {0, 0}}, {}};
+  auto alias_shares = PlanTreeStep(m6, aliased);
+  EXPECT_EQ(alias_shares[0].kept, (std::vector<TreeNode>{{1, 2}}));
+  EXPECT_EQ(alias_shares[1].kept, (std::vector<TreeNode>{{0, 0}}));
+  std::vector<TreeNode> nodes;
+  std::deque<std::vector<float>> sums;
+  std::vector<const float*> values;
+  for (const auto& share : alias_shares) {
+    for (const TreeNode& node : share.kept) {
+      auto [first, last] = NodeRange(m6, node);
+      TreeFolder f(m6, first, last, 9);
+      for (int i = first; i < last; ++i) f.Add(g[static_cast<size_t>(i)]);
+      nodes.push_back(node);
+      sums.push_back(f.partials()[0]);
+      values.push_back(sums.back().data());
+    }
+    for (auto [first, last] : share.compute) {
+      TreeFolder f(m6, first, last, 9);
+      for (int i = first; i < last; ++i) f.Add(g[static_cast<size_t>(i)]);
+      for (size_t k = 0; k < f.nodes().size(); ++k) {
+        nodes.push_back(f.nodes()[k]);
+        sums.push_back(f.partials()[k]);
+        values.push_back(sums.back().data());
+      }
+    }
+  }
+  std::vector<float> got(9);
+  CombineInTreeOrder(m6, nodes, values, 9, got.data());
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), 9 * sizeof(float)), 0);
 }
 
 TEST(TreeReduceTest, WithNothingOfferedTheSharesAreTheSamplersContiguousSplit) {

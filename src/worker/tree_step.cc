@@ -54,11 +54,11 @@ Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& sessio
   std::vector<std::vector<collective::TreeNode>> offered(static_cast<size_t>(world));
   kept_ = 0;
   kept_by_ = 0;
-  if (salvage_ && session.generation() != exchanged_generation_) {
+  if (session.generation() != exchanged_generation_) {
     // A new membership: what does each member still hold of this step?
     std::vector<std::byte> records(kOfferBytes * static_cast<size_t>(world));
-    EncodeOffer(held, step, std::span<std::byte>(records).subspan(kOfferBytes * static_cast<size_t>(session.rank()),
-                                                                  kOfferBytes));
+    EncodeOffer(salvage_ ? held : HeldSums{}, step,
+                std::span<std::byte>(records).subspan(kOfferBytes * static_cast<size_t>(session.rank()), kOfferBytes));
     NONSTOP_RETURN_IF_ERROR(session.AllGather(records, kOfferBytes));
     exchanged_generation_ = session.generation();
     for (int q = 0; q < world; ++q) {

@@ -43,6 +43,9 @@ std::vector<collective::TreeNode> DecodeOffer(std::span<const std::byte> record,
 
 // Plans each step of a world-invariant loop: the plain split, except on the
 // first step of a generation, where the members' offers are exchanged first.
+// Every member takes part in the exchange whatever its own setting, so that
+// the collectives of all members line up: a member with salvage off (its
+// --no-salvage) offers nothing.
 class TreeStepPlanner {
  public:
   explicit TreeStepPlanner(bool salvage) : salvage_(salvage) {}

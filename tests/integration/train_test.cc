@@ -239,6 +239,7 @@ TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseT
   int64_t at = -1;
   EXPECT_EQ(kept(whole.output, &at), -1) << "--no-salvage computes the step again whole\n" << whole.output;
   EXPECT_EQ(whole.checksum, ref.checksum);
+  EXPECT_EQ(whole.losses, ref.losses);
 }
 
 TEST_F(TrainTest, WorldInvariantModeHoldsForTheMixtureOfExperts) {
