@@ -1,0 +1,79 @@
+#include "state/shard_layout.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "common/check.h"
+
+namespace nonstop::state {
+
+std::vector<int> ShardLayout::Replicas(int shard) const {
+  std::vector<int> out(static_cast<size_t>(groups()), -1);
+  for (int r = 0; r < world(); ++r) {
+    if (shard_of_rank[static_cast<size_t>(r)] == shard) out[static_cast<size_t>(group_of_rank[static_cast<size_t>(r)])] = r;
+  }
+  return out;
+}
+
+std::vector<int> ShardLayout::Group(int group) const {
+  std::vector<int> out(static_cast<size_t>(group_size), -1);
+  for (int r = 0; r < world(); ++r) {
+    if (group_of_rank[static_cast<size_t>(r)] == group) out[static_cast<size_t>(shard_of_rank[static_cast<size_t>(r)])] = r;
+  }
+  return out;
+}
+
+Result<ShardLayout> PlaceShards(std::span<const std::string> host_of_rank, int group_size) {
+  const int world = static_cast<int>(host_of_rank.size());
+  if (group_size < 1) return InvalidArgumentError(fmt::format("shard group size {} is not positive", group_size));
+  if (world < 1 || world % group_size != 0) {
+    return InvalidArgumentError(fmt::format(
+        "a world of {} cannot be split into shard groups of {}: the world must be a multiple of "
+        "optimizer.shard_group (allow only such sizes: nonstop run --allowed-sizes or --world-increment {})",
+        world, group_size, group_size));
+  }
+  // Ranks by host, hosts in the order their first rank appears (ranks of a host stay in rank order).
+  std::map<std::string, int> first_rank;
+  for (int r = 0; r < world; ++r) first_rank.emplace(host_of_rank[static_cast<size_t>(r)], r);
+  std::vector<int> order(static_cast<size_t>(world));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return first_rank[host_of_rank[static_cast<size_t>(a)]] < first_rank[host_of_rank[static_cast<size_t>(b)]];
+  });
+  ShardLayout layout;
+  layout.group_size = group_size;
+  layout.shard_of_rank.assign(static_cast<size_t>(world), -1);
+  layout.group_of_rank.assign(static_cast<size_t>(world), -1);
+  for (int k = 0; k < world; ++k) {
+    const auto r = static_cast<size_t>(order[static_cast<size_t>(k)]);
+    layout.shard_of_rank[r] = k % group_size;
+    layout.group_of_rank[r] = k / group_size;
+  }
+  return layout;
+}
+
+std::vector<int> ShardsOnOneHost(const ShardLayout& layout, std::span<const std::string> host_of_rank) {
+  NONSTOP_CHECK_EQ(host_of_rank.size(), static_cast<size_t>(layout.world()));
+  std::vector<int> out;
+  for (int s = 0; s < layout.group_size; ++s) {
+    std::set<std::string> hosts;
+    for (int r : layout.Replicas(s)) hosts.insert(host_of_rank[static_cast<size_t>(r)]);
+    if (hosts.size() < 2) out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<int> SourcesOfShard(const ShardLayout& from, std::span<const bool> alive, int shard) {
+  NONSTOP_CHECK_EQ(alive.size(), static_cast<size_t>(from.world()));
+  std::vector<int> out;
+  for (int r : from.Replicas(shard)) {
+    if (r >= 0 && alive[static_cast<size_t>(r)]) out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace nonstop::state
