@@ -1,8 +1,6 @@
 #include "state/shard_layout.h"
 
 #include <algorithm>
-#include <map>
-#include <numeric>
 #include <set>
 
 #include <fmt/format.h>
@@ -27,8 +25,7 @@ std::vector<int> ShardLayout::Group(int group) const {
   return out;
 }
 
-Result<ShardLayout> PlaceShards(std::span<const std::string> host_of_rank, int group_size) {
-  const int world = static_cast<int>(host_of_rank.size());
+Result<ShardLayout> LayoutOf(int world, int group_size) {
   if (group_size < 1) return InvalidArgumentError(fmt::format("shard group size {} is not positive", group_size));
   if (world < 1 || world % group_size != 0) {
     return InvalidArgumentError(fmt::format(
@@ -36,22 +33,11 @@ Result<ShardLayout> PlaceShards(std::span<const std::string> host_of_rank, int g
         "optimizer.shard_group (allow only such sizes: nonstop run --allowed-sizes or --world-increment {})",
         world, group_size, group_size));
   }
-  // Ranks by host, hosts in the order their first rank appears (ranks of a host stay in rank order).
-  std::map<std::string, int> first_rank;
-  for (int r = 0; r < world; ++r) first_rank.emplace(host_of_rank[static_cast<size_t>(r)], r);
-  std::vector<int> order(static_cast<size_t>(world));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return first_rank[host_of_rank[static_cast<size_t>(a)]] < first_rank[host_of_rank[static_cast<size_t>(b)]];
-  });
   ShardLayout layout;
   layout.group_size = group_size;
-  layout.shard_of_rank.assign(static_cast<size_t>(world), -1);
-  layout.group_of_rank.assign(static_cast<size_t>(world), -1);
-  for (int k = 0; k < world; ++k) {
-    const auto r = static_cast<size_t>(order[static_cast<size_t>(k)]);
-    layout.shard_of_rank[r] = k % group_size;
-    layout.group_of_rank[r] = k / group_size;
+  for (int r = 0; r < world; ++r) {
+    layout.shard_of_rank.push_back(r % group_size);
+    layout.group_of_rank.push_back(r / group_size);
   }
   return layout;
 }

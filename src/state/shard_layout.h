@@ -5,10 +5,14 @@
 // ranges depend on G alone, not on the world, so a world that changes keeps
 // every range and only moves which ranks hold it.
 //
-// Placement puts the ranks of one host into as few groups as possible (the
-// group's reduce-scatter and all-gather stay on the host) and the replicas of
-// each shard on as many hosts as possible, so that one host's loss leaves a
-// copy of every shard wherever the hosts allow it.
+// The layout is a function of the rank alone: rank r holds shard r mod G in
+// group r / G. A spare that takes rank r so holds what r held, and nothing
+// else moves: a replacement never re-shards. Placement across failure
+// domains comes from the ranks' order: the controller numbers ranks host by
+// host, so a group's ranks share a host (its reduce-scatter and all-gather
+// stay there) and the replicas of a shard, one per group, sit on different
+// hosts wherever the hosts allow it; ShardsOnOneHost names the shards for
+// which they do not.
 #pragma once
 
 #include <span>
@@ -32,11 +36,9 @@ struct ShardLayout {
   std::vector<int> Group(int group) const;
 };
 
-// A layout of world = host_of_rank.size() ranks in groups of group_size:
-// ranks sorted by host (stable), the k-th of that order holds shard k mod G
-// in group k / G. INVALID_ARGUMENT, saying what to change, when the world is
-// not a multiple of the group size.
-Result<ShardLayout> PlaceShards(std::span<const std::string> host_of_rank, int group_size);
+// The layout of `world` ranks in groups of `group_size`. INVALID_ARGUMENT,
+// saying what to change, when the world is not a multiple of the group size.
+Result<ShardLayout> LayoutOf(int world, int group_size);
 
 // Shards every replica of which is on one host (a loss of that host loses
 // them), ascending; empty when every shard has copies on two hosts or more.

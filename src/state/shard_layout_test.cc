@@ -1,6 +1,6 @@
-// Placement of sharded optimizer state (issue 12): every group holds every
-// shard once, a host's ranks share groups, and the replicas of a shard are
-// spread over hosts.
+// The layout of sharded optimizer state (issue 12): every group holds every
+// shard once; with ranks numbered host by host (as the controller does) a
+// host's ranks share groups and the replicas of a shard are spread over hosts.
 #include "state/shard_layout.h"
 
 #include <gtest/gtest.h>
@@ -33,7 +33,7 @@ void ExpectEveryGroupHoldsEveryShardOnce(const ShardLayout& l) {
 
 TEST(ShardLayoutTest, TwoHostsOfFourWithGroupsOfTwoKeepEachShardOnBothHosts) {
   auto hosts = Hosts({{"a", 4}, {"b", 4}});
-  auto l = PlaceShards(hosts, 2);
+  auto l = LayoutOf(8, 2);
   ASSERT_TRUE(l.ok()) << l.status().ToString();
   ExpectEveryGroupHoldsEveryShardOnce(*l);
   EXPECT_EQ(l->groups(), 4);
@@ -45,27 +45,27 @@ TEST(ShardLayoutTest, TwoHostsOfFourWithGroupsOfTwoKeepEachShardOnBothHosts) {
   }
 }
 
-TEST(ShardLayoutTest, RanksOfAHostThatAreNotContiguousAreGroupedByHost) {
-  std::vector<std::string> hosts = {"a", "b", "a", "b", "a", "b"};  // ranks interleaved over the hosts
-  auto l = PlaceShards(hosts, 3);
+// A spare on another host takes a rank: the layout does not change (nothing
+// re-shards), and the check says when the replicas of a shard then share a host.
+TEST(ShardLayoutTest, TheLayoutIsTheRanksSoAReplacementMovesNothing) {
+  auto l = LayoutOf(4, 2);
   ASSERT_TRUE(l.ok());
-  ExpectEveryGroupHoldsEveryShardOnce(*l);
-  for (int g = 0; g < 2; ++g) {
-    std::set<std::string> group_hosts;
-    for (int r : l->Group(g)) group_hosts.insert(hosts[static_cast<size_t>(r)]);
-    EXPECT_EQ(group_hosts.size(), 1u);
-  }
-  EXPECT_TRUE(ShardsOnOneHost(*l, hosts).empty());
+  EXPECT_EQ(l->shard_of_rank, (std::vector<int>{0, 1, 0, 1}));
+  EXPECT_EQ(l->group_of_rank, (std::vector<int>{0, 0, 1, 1}));
+  std::vector<std::string> before = {"a", "a", "b", "b"};
+  EXPECT_TRUE(ShardsOnOneHost(*l, before).empty());
+  std::vector<std::string> after = {"a", "a", "b", "a"};  // rank 3's spare ran on host a
+  EXPECT_EQ(ShardsOnOneHost(*l, after), (std::vector<int>{1})) << "both copies of shard 1 are on a now";
 }
 
 TEST(ShardLayoutTest, OneHostHoldingEveryReplicaIsReported) {
   auto one = Hosts({{"a", 4}});
-  auto l = PlaceShards(one, 2);
+  auto l = LayoutOf(4, 2);
   ASSERT_TRUE(l.ok());
   EXPECT_EQ(ShardsOnOneHost(*l, one), (std::vector<int>{0, 1}));
   // Three hosts of 2 with groups of 2: every shard has a replica on each host.
   auto three = Hosts({{"a", 2}, {"b", 2}, {"c", 2}});
-  auto l3 = PlaceShards(three, 2);
+  auto l3 = LayoutOf(6, 2);
   ASSERT_TRUE(l3.ok());
   for (int s = 0; s < 2; ++s) {
     std::set<std::string> where;
@@ -75,17 +75,16 @@ TEST(ShardLayoutTest, OneHostHoldingEveryReplicaIsReported) {
 }
 
 TEST(ShardLayoutTest, AWorldThatIsNotAMultipleOfTheGroupIsRefusedWithTheFix) {
-  auto l = PlaceShards(Hosts({{"a", 3}}), 2);
+  auto l = LayoutOf(3, 2);
   ASSERT_FALSE(l.ok());
   EXPECT_NE(l.status().message().find("a world of 3 cannot be split into shard groups of 2"), std::string::npos)
       << l.status().ToString();
   EXPECT_NE(l.status().message().find("--world-increment 2"), std::string::npos);
-  EXPECT_FALSE(PlaceShards(Hosts({{"a", 2}}), 0).ok());
+  EXPECT_FALSE(LayoutOf(2, 0).ok());
 }
 
 TEST(ShardLayoutTest, SourcesOfAShardAreItsLiveReplicasAndNoneWhenEveryCopyIsGone) {
-  auto hosts = Hosts({{"a", 2}, {"b", 2}});
-  auto l = PlaceShards(hosts, 2);
+  auto l = LayoutOf(4, 2);
   ASSERT_TRUE(l.ok());
   std::vector<int> replicas = l->Replicas(1);
   ASSERT_EQ(replicas.size(), 2u);
