@@ -61,8 +61,9 @@ def test_the_bucketed_sums_are_the_global_sums_at_any_world_size(clean, tmp_path
 
 @pytest.mark.parametrize("fault", ["kill:rank=1,step=20", "hang:rank=1,step=20", "exception:rank=1,step=20"])
 def test_each_fault_kind_ends_bitwise_equal_and_keeps_healthy_processes(clean, tmp_path, fault):
+    # The spare must have joined before step 20 (a Python start under load can take seconds; steps take ms).
     job = run_job(tmp_path, "fault", NPROC + ["--spares", "1", "--heartbeat-timeout-ms", "1000", "--inject", fault],
-                  STEPS)
+                  STEPS + ["--wait-for-joins", "4", "--journal", str(tmp_path / "fault.jsonl")])
     assert job.code == 0, job.output
     finals = {f["rank"]: f for f in job.finals()}
     assert sorted(finals) == ["0", "1", "2"], job.output

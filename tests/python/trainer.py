@@ -26,6 +26,10 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=0.004)
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                     help="sgd: an update that scales with the gradient (AdamW's does not)")
+    ap.add_argument("--wait-for-joins", type=int, default=0,
+                    help="before the first step, wait until the journal (--journal) has this many joins: a test "
+                         "whose fault needs the spare warm first")
+    ap.add_argument("--journal", default="")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(7)
@@ -69,6 +73,17 @@ def main():
             time.sleep(args.throttle_ms / 1000)
         return float(total)
 
+    if args.wait_for_joins and session.resume_step == 0:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with open(args.journal) as f:
+                    joins = sum(1 for line in f if '"event":"join"' in line.replace(" ", ""))
+            except FileNotFoundError:
+                joins = 0
+            if joins >= args.wait_for_joins:
+                break
+            time.sleep(0.05)
     session.run(train_step, args.steps)
     print(f"final rank={session.rank} worker={session.worker_id} pid={os.getpid()} generation={session.generation} "
           f"world={session.world_size} params={session.checksum()} state={session._core.state_digest()} "
