@@ -56,21 +56,9 @@ mean = sorted(secs)[len(secs) // 2] if secs else float("nan")
 json.dump({"checksum": checksum, "losses": steps, "median_step_s": mean, "worlds": worlds}, sys.stdout)
 EOF
 }
-# world JOURNAL: the world size of the newest plan; step JOURNAL: the highest step.
-world() { "$py" -c 'import json,sys
-w=0
-for l in open(sys.argv[1]):
-    try: r=json.loads(l)
-    except ValueError: continue
-    if r.get("event")=="plan": w=len(r["members"])
-print(w)' "$1" 2>/dev/null || echo 0; }
-step() { "$py" -c 'import json,sys
-s=-1
-for l in open(sys.argv[1]):
-    try: r=json.loads(l)
-    except ValueError: continue
-    if r.get("event")=="step": s=max(s,r["step"])
-print(s)' "$1" 2>/dev/null || echo -1; }
+# world JOURNAL: the world size of the newest plan; step JOURNAL: the highest step (scripts/journal.py).
+world() { "$py" scripts/journal.py world "$1"; }
+step() { "$py" scripts/journal.py last-step "$1"; }
 wait_for() {  # wait_for DESCRIPTION 'CONDITION': evaluates the condition anew every 0.1 s, for up to 30 min
   local what=$1 condition=$2
   for _ in $(seq 18000); do eval "$condition" && return 0; sleep 0.1; done
