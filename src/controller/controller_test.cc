@@ -1078,6 +1078,16 @@ class HostLeavingTest : public HostFaultsTest {
     }
     return ids;
   }
+  // h1 with 2 workers, h2 with 1, h4 with a spare (*spare); step 5 done; h2 asks to leave, and the drain starts.
+  void StartWithASpareHostAndLetH2Leave(int* spare) {
+    StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h4", 0, 1}});
+    for (int id : c_->members()) Step(id, 5);
+    for (const auto& [id, w] : c_->workers()) {
+      if (w.role == WorkerRole::kSpare) *spare = id;
+    }
+    ASSERT_GE(*spare, 0);
+    ASSERT_FALSE(Find<SendDrain>(Do(HostLeaving{"h2", {"SIGTERM"}})).empty());
+  }
   // Every member reports step `step` done and then Ready at it (the drain's boundary).
   std::vector<Action> AllReady(int64_t step) {
     std::vector<Action> all;
@@ -1279,13 +1289,8 @@ TEST_F(HostLeavingTest, ASpareThatDiesDuringTheDrainLeavesTheWorldWithinThePolic
   o.min_hosts = 3;
   o.policy.min_world = 3;
   Use(o);
-  StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h4", 0, 1}});
-  for (int id : c_->members()) Step(id, 5);
   int spare = -1;
-  for (const auto& [id, w] : c_->workers()) {
-    if (w.role == WorkerRole::kSpare) spare = id;
-  }
-  ASSERT_FALSE(Find<SendDrain>(Do(HostLeaving{"h2", {"SIGTERM"}})).empty());
+  ASSERT_NO_FATAL_FAILURE(StartWithASpareHostAndLetH2Leave(&spare));
   Do(ProcessExited{spare, 1, -1, 9, "h4"});
   auto done = AllReady(6);
   auto plans = Find<SendPlan>(done);
@@ -1302,13 +1307,8 @@ TEST_F(HostLeavingTest, ALeavingHostThatDiesDuringTheDrainTakesItsRankWithItAndK
   ControllerOptions o;
   o.min_hosts = 3;
   Use(o);
-  StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h4", 0, 1}});
-  for (int id : c_->members()) Step(id, 5);
   int spare = -1;
-  for (const auto& [id, w] : c_->workers()) {
-    if (w.role == WorkerRole::kSpare) spare = id;
-  }
-  ASSERT_FALSE(Find<SendDrain>(Do(HostLeaving{"h2", {"SIGTERM"}})).empty());
+  ASSERT_NO_FATAL_FAILURE(StartWithASpareHostAndLetH2Leave(&spare));
   Do(HostLost{"h2", "connection reset"});
   std::vector<Action> done;
   for (int id : MembersOn("h1")) {
