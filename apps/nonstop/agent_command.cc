@@ -163,9 +163,7 @@ int AgentCommand::Execute() {
 
   // SIGINT/SIGTERM are read by the agent's loop (a signalfd): blocked here,
   // before any thread starts, so that every thread inherits the mask.
-  sigset_t mask = BlockTerminationSignals();
-  sigaddset(&mask, SIGUSR1);  // --on-sigterm leave: read by the loop too
-  ::pthread_sigmask(SIG_BLOCK, &mask, nullptr);
+  BlockTerminationSignals({SIGUSR1});  // --on-sigterm leave: SIGUSR1 is read by the loop too
 
   // Everything the agent prints goes through bounded writers, log lines
   // included: a slow reader of our output never stalls the loop.

@@ -398,16 +398,7 @@ int Main(int argc, char** argv) {
           } else {
             shares = std::move(*planned);
             const collective::TreeShare& mine = shares[static_cast<size_t>(session.rank())];
-            // Sums the plan does not keep are of no more use: let them go before computing.
-            worker::HeldSums kept;
-            for (size_t k = 0; k < held.nodes.size(); ++k) {
-              if (held.step != step) break;
-              if (std::find(mine.kept.begin(), mine.kept.end(), held.nodes[k]) == mine.kept.end()) continue;
-              kept.nodes.push_back(held.nodes[k]);
-              kept.partials.push_back(std::move(held.partials[k]));
-            }
-            kept.step = kept.nodes.empty() ? -1 : step;
-            held = std::move(kept);
+            worker::KeepOnly(&held, step, mine.kept);  // the sums it does not keep go before computing
             for (auto [first, last] : mine.compute) {
               folders.emplace_back(m, first, last, flat.size() + 1);
               for (int mb = first; mb < last; ++mb) work.push_back({static_cast<uint64_t>(mb), folders.size() - 1});
@@ -479,50 +470,28 @@ int Main(int argc, char** argv) {
         } else {
           const int m = static_cast<int>(r.train.global_batch / r.train.micro_batch);
           const collective::TreeShare& mine = shares[static_cast<size_t>(session.rank())];
-          // What this rank holds of the step: the sums kept from the step in flight, and its runs' sums.
-          std::vector<std::pair<collective::TreeNode, std::vector<float>>> have;
-          for (const auto& node : mine.kept) {
-            auto it = std::find(held.nodes.begin(), held.nodes.end(), node);
-            NONSTOP_CHECK(it != held.nodes.end()) << "kept a sum it does not hold";
-            have.push_back({node, std::move(held.partials[static_cast<size_t>(it - held.nodes.begin())])});
+          // KeepOnly left in `held` exactly the sums the plan keeps; their samples-log lines come with them.
+          NONSTOP_CHECK(held.nodes == mine.kept) << "kept a sum it does not hold";
+          for (const auto& node : held.nodes) {
             auto [first, last] = collective::NodeRange(m, node);
             for (int mb = first; mb < last; ++mb) {
               if (auto l = held_samples.find(mb); l != held_samples.end()) mb_samples[mb] = l->second;
             }
           }
-          for (auto& f : folders) {
-            std::vector<collective::TreeNode> nodes = f.nodes();
-            std::vector<std::vector<float>> sums = f.TakePartials();
-            for (size_t k = 0; k < nodes.size(); ++k) have.push_back({nodes[k], std::move(sums[k])});
-          }
-          std::sort(have.begin(), have.end(), [m](const auto& a, const auto& b) {
-            return collective::NodeRange(m, a.first).first < collective::NodeRange(m, b.first).first;
-          });
-          std::vector<collective::TreeNode> have_nodes;
-          std::vector<std::vector<float>> have_sums;
-          for (auto& [node, sum] : have) {
-            have_nodes.push_back(node);
-            have_sums.push_back(std::move(sum));
-          }
+          worker::HeldSums have = worker::CollectSums(m, step, std::move(held), &folders);
+          held = {};
+          held_samples.clear();
           if (computed) {
-            NONSTOP_CHECK(have_nodes == mine.nodes) << "the step's sums are not the plan's";
-            std::vector<std::vector<std::pair<int, int>>> nodes_of(shares.size());
-            for (size_t q = 0; q < shares.size(); ++q) {
-              for (const auto& node : shares[q].nodes) nodes_of[q].push_back({node.level, node.index});
-            }
-            s = session.AllReduceTree(m, nodes_of, have_sums, flat.grads_and_loss());
+            NONSTOP_CHECK(have.nodes == mine.nodes) << "the step's sums are not the plan's";
+            s = session.AllReduceTree(m, worker::NodeLists(shares), have.partials, flat.grads_and_loss());
           } else {
             s = AbortedError(fmt::format("step {} was cut short: a member failed", step));
           }
-          held = {};
-          held_samples.clear();
           if (s.ok()) {
             for (const auto& [mb, line] : mb_samples) step_samples += line;
           } else if (!no_salvage) {
             // Kept for the step's retry in the next generation (TreeStepPlanner offers them).
-            held.step = step;
-            held.nodes = std::move(have_nodes);
-            held.partials = std::move(have_sums);
+            held = std::move(have);
             held_samples = std::move(mb_samples);
           }
         }

@@ -169,9 +169,7 @@ int Agent::Run() {
   NONSTOP_CHECK(!ran_) << "Agent::Run() is called once";
   ran_ = true;
   if (options_.handle_signals) {
-    sigset_t mask = BlockTerminationSignals();
-    sigaddset(&mask, SIGUSR1);  // sbatch --signal=USR1@N: the grace time is about to start
-    ::pthread_sigmask(SIG_BLOCK, &mask, nullptr);
+    sigset_t mask = BlockTerminationSignals({SIGUSR1});  // sbatch --signal=USR1@N: the grace time is about to start
     signal_fd_.Reset(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
     if (signal_fd_.valid()) {
       loop_.Watch(signal_fd_.get(), POLLIN, [this](short) {
@@ -252,7 +250,7 @@ void Agent::OnTerminationSignal(int sig) {
     kill_at_ = Clock::now();  // a second interrupt: no more grace
     return;
   }
-  const bool leave = sig != SIGINT && options_.leave_on_sigterm && !options_.elastic;
+  const bool leave = sig != SIGINT && LeavesOnSigterm();
   if (leave && leaving_.empty()) {
     leaving_ = name;
     int running = launcher_->running();
@@ -638,7 +636,7 @@ void Agent::OnStart(std::string_view payload) {
   spec.unset = launcher::kJobVariables;
   if (!options_.log_dir.empty()) spec.log_file = fmt::format("{}/worker-{}.log", options_.log_dir, m->worker_id);
   // Slurm signals every process of the step: the host's leave is the agent's to carry out.
-  if (options_.handle_signals && options_.leave_on_sigterm && !options_.elastic) spec.ignore_signals = {SIGTERM, SIGUSR1};
+  if (options_.handle_signals && LeavesOnSigterm()) spec.ignore_signals = {SIGTERM, SIGUSR1};
   auto pid = launcher_->Spawn(spec);
   if (!pid.ok()) {
     reply.error = pid.status().ToString();

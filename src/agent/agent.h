@@ -216,6 +216,8 @@ class Agent {
   std::string Describe(const std::string& error) const;
 
   void OnChildExit(int worker_id, pid_t pid, int exit_code, int signal);
+  // SIGTERM and SIGUSR1 mean "this host leaves" (not for nonstop run's own agent).
+  bool LeavesOnSigterm() const { return options_.leave_on_sigterm && !options_.elastic; }
   // SIGINT, SIGTERM or SIGUSR1 read from the signalfd.
   void OnTerminationSignal(int sig);
   // Asks the controller to release this host's workers (leaving_).

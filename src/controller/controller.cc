@@ -271,8 +271,7 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
 
 void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Action>* out) {
   if (!open_recovery_) StartRecovery(why, out);  // opens the record; the aborts are moot
-  resize_to_.reset();  // a planned change in progress is moot: every worker starts again
-  release_.clear();
+  resize_.reset();  // a planned change in progress is moot: every worker starts again
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   rec.restarted = true;
   rec.replacements.push_back("every worker restarted from the newest durable checkpoint");
@@ -687,11 +686,15 @@ void Controller::CheckHeartbeats(std::vector<Action>* out) {
   }
 }
 
+AppendJournal Controller::SpareLostRecord(const WorkerInfo& w, const std::string& kind, const std::string& detail) {
+  // Every lost spare is in the journal: the spare counts drawn from it (dashboard, report) stay right.
+  return AppendJournal{{{"event", "spare_lost"}, {"worker_id", w.worker_id}, {"pid", w.pid}, {"kind", kind},
+                        {"detail", detail}}};
+}
+
 void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out, const std::string& kind) {
   SetRole(w, WorkerRole::kGone);
-  // Every lost spare is in the journal: the spare counts drawn from it (dashboard, report) stay right.
-  out->push_back(AppendJournal{{{"event", "spare_lost"}, {"worker_id", w.worker_id}, {"pid", w.pid},
-                                {"kind", kind}, {"detail", how}}});
+  out->push_back(SpareLostRecord(w, kind, how));
   out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {}; starting another", w.worker_id, w.pid, how)});
   RefillSpare(out);
 }
@@ -858,10 +861,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   }
   std::vector<int> spares;  // only those heard from lately: a hung spare is never promoted
   for (const auto& [id, w] : workers_) {
-    if (w.role == WorkerRole::kSpare && !w.stopped && now_ - w.last_heard <= options_.heartbeat_timeout &&
-        HostResponsive(w.host) && !unconfirmed_.count(id)) {
-      spares.push_back(id);
-    }
+    if (Promotable(w)) spares.push_back(id);
   }
   OrderSpares(&spares, rec.failed_hosts);
   std::vector<int> next;
@@ -870,7 +870,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
     int id = members_[r];
     if (survived[r]) {
       next.push_back(id);
-    } else if (spare_i < spares.size() && !release_.count(id)) {  // a leaving host's rank goes with it
+    } else if (spare_i < spares.size() && !(resize_ && resize_->release.count(id))) {  // a leaving host's rank goes with it
       int s = spares[spare_i++];
       next.push_back(s);
       rec.replacements.push_back(fmt::format("rank {}: worker {} → spare worker {}", r, id, s));
@@ -879,16 +879,17 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
     }
   }
   std::vector<int> released;
-  if (resize_to_) {
-    auto want = static_cast<size_t>(*resize_to_);
-    if (!release_.empty()) {  // members of leaving hosts: released by name, the others keep their order
+  if (resize_) {
+    auto want = static_cast<size_t>(resize_->to);
+    const std::set<int>& release = resize_->release;
+    if (!release.empty()) {  // members of leaving hosts: released by name, the others keep their order
       std::vector<int> kept;
       for (int id : next) {
-        if (!release_.count(id)) kept.push_back(id);
+        if (!release.count(id)) kept.push_back(id);
       }
       std::vector<int> staying;  // state for any spare that joins comes from members that stay
       for (int id : holders) {
-        if (!release_.count(id)) staying.push_back(id);
+        if (!release.count(id)) staying.push_back(id);
       }
       // Checked again at the boundary: a spare counted on may have died
       // during the drain, and the members that stay must hold the state.
@@ -900,7 +901,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
         kept = next;  // MaybeReleaseLeavingHosts tries again (or refuses) at the next boundary
         want = std::max(want, next.size());
         if (staying.empty()) {
-          for (int id : release_) hosts_[workers_[id].host].leave_refused = true;  // it could only repeat
+          for (int id : release) hosts_[workers_[id].host].leave_refused = true;  // it could only repeat
         }
       } else if (!staying.empty()) {
         holders = std::move(staying);
@@ -923,8 +924,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
       rec.replacements.push_back(fmt::format("rank {}: spare worker {} joins", next.size(), spares[spare_i]));
       next.push_back(spares[spare_i++]);
     }
-    resize_to_.reset();
-    release_.clear();
+    resize_.reset();
   }
   if (next.empty()) {
     rec.outcome = "failed";
@@ -1151,11 +1151,12 @@ void Controller::MaybeGrow(std::vector<Action>* out) {
   StartResize(to, fmt::format("grow: {} spare worker(s) available", SpareCount()), out);
 }
 
-void Controller::StartResize(int new_world, const std::string& trigger, std::vector<Action>* out) {
+void Controller::StartResize(int new_world, const std::string& trigger, std::vector<Action>* out,
+                             std::set<int> release) {
   StartRecovery(trigger, out, /*planned=*/true);
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   rec.kind = "resize";
-  resize_to_ = new_world;
+  resize_ = PlannedResize{new_world, std::move(release)};
   // Members stop at the first step boundary at or after `after`: the step
   // they are computing now completes; nothing is dropped.
   control::DrainMsg drain{generation_, highest_step_ + 1, trigger};
@@ -1705,9 +1706,7 @@ void Controller::On(const HostLeaving& e, std::vector<Action>* out) {
   for (int id : spares) {
     WorkerInfo& w = workers_[id];
     SetRole(w, WorkerRole::kGone);
-    // Journaled as every spare that goes: the spare counts drawn from the journal stay right.
-    out->push_back(AppendJournal{{{"event", "spare_lost"}, {"worker_id", id}, {"pid", w.pid}, {"kind", "released"},
-                                  {"detail", fmt::format("host {} leaves the job", e.host_id)}}});
+    out->push_back(SpareLostRecord(w, "released", fmt::format("host {} leaves the job", e.host_id)));
     out->push_back(SendShutdown{id, {fmt::format("released: host {} leaves the job", e.host_id), kExitOk}});
   }
   for (int id : starting) {  // no connection to tell it on yet
@@ -1716,6 +1715,11 @@ void Controller::On(const HostLeaving& e, std::vector<Action>* out) {
     out->push_back(KillWorker{id});
   }
   MaybeReleaseLeavingHosts(out);
+}
+
+bool Controller::Promotable(const WorkerInfo& w) const {
+  return w.role == WorkerRole::kSpare && !w.stopped && now_ - w.last_heard <= options_.heartbeat_timeout &&
+         HostResponsive(w.host) && !unconfirmed_.count(w.worker_id);
 }
 
 bool Controller::AdoptionPending() const {
@@ -1731,7 +1735,7 @@ void Controller::MaybeReleaseLeavingHosts(std::vector<Action>* out) {
   // a takeover's adoption, comes first (the Tick retries).
   // A recovery record still open (its first step not done) closes first, so
   // that it is not recorded as superseded by this planned change.
-  if (phase_ != JobPhase::kRunning || finished_ > 0 || AdoptionPending() || resize_to_ || open_recovery_) return;
+  if (phase_ != JobPhase::kRunning || finished_ > 0 || AdoptionPending() || resize_ || open_recovery_) return;
   std::vector<int> leaving;
   std::set<std::string> hosts;
   for (const WorkerInfo* w : member_info_) {
@@ -1745,10 +1749,7 @@ void Controller::MaybeReleaseLeavingHosts(std::vector<Action>* out) {
   const int world = static_cast<int>(members_.size());
   const int smaller = world - static_cast<int>(leaving.size());
   int spares = 0;  // those FormNextGeneration would promote
-  for (const auto& [id, w] : workers_) {
-    spares += w.role == WorkerRole::kSpare && !w.stopped && now_ - w.last_heard <= options_.heartbeat_timeout &&
-              HostResponsive(w.host);
-  }
+  for (const auto& [id, w] : workers_) spares += Promotable(w);
   // The smallest world the policy allows from the members that stay, with
   // spares elsewhere taking released ranks where it must be larger.
   int to = -1;
@@ -1768,9 +1769,8 @@ void Controller::MaybeReleaseLeavingHosts(std::vector<Action>* out) {
     out->push_back(PrintLine{text});
     return;
   }
-  release_ = std::set<int>(leaving.begin(), leaving.end());
   std::string reason = hosts_[*hosts.begin()].leave_reason;
-  StartResize(to, fmt::format("host(s) {} leave ({})", names, reason), out);
+  StartResize(to, fmt::format("host(s) {} leave ({})", names, reason), out, std::set<int>(leaving.begin(), leaving.end()));
 }
 
 void Controller::OrderSpares(std::vector<int>* spares, const std::set<std::string>& failed_hosts) const {
@@ -1937,8 +1937,7 @@ void Controller::On(const Interrupted& e, std::vector<Action>* out) {
 }
 
 void Controller::End(int exit_code, const std::string& reason, std::vector<Action>* out) {
-  resize_to_.reset();
-  release_.clear();
+  resize_.reset();
   phase_ = JobPhase::kEnded;
   end_code_ = exit_code;
   end_reason_ = reason;

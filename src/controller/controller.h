@@ -409,7 +409,7 @@ class Controller {
   // Elasticity: a planned change of the world size at a step boundary.
   std::string CheckSize(int size) const;  // empty when the policy allows `size`
   Millis EffectiveStablePeriod() const;
-  void StartResize(int new_world, const std::string& trigger, std::vector<Action>* out);
+  void StartResize(int new_world, const std::string& trigger, std::vector<Action>* out, std::set<int> release = {});
   void MaybeGrow(std::vector<Action>* out);
   int SpareCount() const { return spare_count_; }
 
@@ -438,6 +438,10 @@ class Controller {
   // A member failed: it leaves the membership (and is killed); recovery starts or continues.
   void MemberFault(int worker_id, const std::string& kind, const std::string& detail, std::vector<Action>* out);
   void SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out, const std::string& kind = "exit");
+  // The journal's record of a spare that went (every one is journaled: the spare counts drawn from it stay right).
+  static AppendJournal SpareLostRecord(const WorkerInfo& w, const std::string& kind, const std::string& detail);
+  // A spare a plan may promote: heard from lately, not stopped, on a responsive host, not still to be adopted.
+  bool Promotable(const WorkerInfo& w) const;
   void StartRecovery(const std::string& cause, std::vector<Action>* out, bool planned = false);
   void MaybeFinishAbort(std::vector<Action>* out);
   void FormNextGeneration(std::vector<Action>* out);
@@ -493,8 +497,13 @@ class Controller {
   std::vector<RecoveryRecord> recoveries_;
   std::optional<size_t> open_recovery_;  // index into recoveries_
   int target_world_ = 0;                  // the world size the job should have (policy, requests)
-  std::optional<int> resize_to_;          // a planned resize in progress: its new world size
-  std::set<int> release_;                 // ... and the members it releases by name (leaving hosts)
+  // A planned resize in progress: its new world size, and the members it
+  // releases by name (those of leaving hosts; the others by rank, highest first).
+  struct PlannedResize {
+    int to = 0;
+    std::set<int> release;
+  };
+  std::optional<PlannedResize> resize_;
   std::optional<Clock::time_point> last_change_at_;
   std::optional<Clock::time_point> grow_waiting_since_;
   std::deque<Clock::time_point> change_times_;

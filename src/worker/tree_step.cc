@@ -1,5 +1,6 @@
 #include "worker/tree_step.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/check.h"
@@ -46,6 +47,45 @@ std::vector<collective::TreeNode> DecodeOffer(std::span<const std::byte> record,
     nodes.push_back({static_cast<int>(level), static_cast<int>(index)});
   }
   return nodes;
+}
+
+void KeepOnly(HeldSums* held, int64_t step, std::span<const collective::TreeNode> kept) {
+  HeldSums out;
+  for (size_t k = 0; k < held->nodes.size() && held->step == step; ++k) {
+    if (std::find(kept.begin(), kept.end(), held->nodes[k]) == kept.end()) continue;
+    out.nodes.push_back(held->nodes[k]);
+    out.partials.push_back(std::move(held->partials[k]));
+  }
+  out.step = out.nodes.empty() ? -1 : step;
+  *held = std::move(out);
+}
+
+HeldSums CollectSums(int m, int64_t step, HeldSums kept, std::vector<collective::TreeFolder>* folders) {
+  std::vector<std::pair<collective::TreeNode, std::vector<float>>> have;
+  for (size_t k = 0; k < kept.nodes.size(); ++k) have.push_back({kept.nodes[k], std::move(kept.partials[k])});
+  for (auto& f : *folders) {
+    std::vector<collective::TreeNode> nodes = f.nodes();
+    std::vector<std::vector<float>> sums = f.TakePartials();
+    for (size_t k = 0; k < nodes.size(); ++k) have.push_back({nodes[k], std::move(sums[k])});
+  }
+  std::sort(have.begin(), have.end(), [m](const auto& a, const auto& b) {
+    return collective::NodeRange(m, a.first).first < collective::NodeRange(m, b.first).first;
+  });
+  HeldSums out;
+  out.step = step;
+  for (auto& [node, sum] : have) {
+    out.nodes.push_back(node);
+    out.partials.push_back(std::move(sum));
+  }
+  return out;
+}
+
+std::vector<std::vector<std::pair<int, int>>> NodeLists(std::span<const collective::TreeShare> shares) {
+  std::vector<std::vector<std::pair<int, int>>> out(shares.size());
+  for (size_t q = 0; q < shares.size(); ++q) {
+    for (const auto& node : shares[q].nodes) out[q].push_back({node.level, node.index});
+  }
+  return out;
 }
 
 Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& session, int m, int64_t step,

@@ -28,6 +28,18 @@ struct HeldSums {
   std::vector<std::vector<float>> partials;   // one per node
 };
 
+// Drops what `held` has that the plan does not keep (`kept`, this rank's
+// TreeShare::kept; all of it when held is of another step than `step`).
+void KeepOnly(HeldSums* held, int64_t step, std::span<const collective::TreeNode> kept);
+
+// What this rank holds of `step` once its runs are folded: the kept sums
+// (moved from `kept`) and every folder's (moved out; complete or cut short),
+// left to right over the micro-batches.
+HeldSums CollectSums(int m, int64_t step, HeldSums kept, std::vector<collective::TreeFolder>* folders);
+
+// Every rank's node list of a plan, as Session::AllReduceTree takes it.
+std::vector<std::vector<std::pair<int, int>>> NodeLists(std::span<const collective::TreeShare> shares);
+
 // One member's offer on the wire: a fixed-size record (little-endian int64
 // words: step, count, then count × (level, index)). A step cut short holds at
 // most 2·log2(M) + 1 nodes per run it computed; kMaxOfferedNodes bounds it.

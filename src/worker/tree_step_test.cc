@@ -52,5 +52,42 @@ TEST(TreeStepTest, MoreHeldNodesThanARecordHoldsOffersNothingInsteadOfPart) {
   EXPECT_TRUE(DecodeOffer(record, 3).empty());
 }
 
+TEST(TreeStepTest, KeepOnlyLeavesTheKeptSumsOfTheStepAndNothingOfAnother) {
+  HeldSums held;
+  held.step = 5;
+  held.nodes = {{1, 0}, {0, 2}, {0, 3}};
+  held.partials = {{1.0f}, {2.0f}, {3.0f}};
+  HeldSums copy = held;
+  std::vector<TreeNode> kept = {{1, 0}, {0, 3}};
+  KeepOnly(&copy, 5, kept);
+  EXPECT_EQ(copy.step, 5);
+  EXPECT_EQ(copy.nodes, kept);
+  EXPECT_EQ(copy.partials, (std::vector<std::vector<float>>{{1.0f}, {3.0f}}));
+  KeepOnly(&held, 6, kept);
+  EXPECT_EQ(held.step, -1) << "sums of step 5 are none of step 6";
+  EXPECT_TRUE(held.nodes.empty());
+  EXPECT_TRUE(held.partials.empty());
+}
+
+TEST(TreeStepTest, CollectSumsOrdersKeptAndFoldedSumsOverTheMicroBatches) {
+  const int m = 8;
+  HeldSums kept;
+  kept.step = 9;
+  kept.nodes = {{1, 2}};  // micro-batches 4-5, kept from the step in flight
+  kept.partials = {{45.0f}};
+  std::vector<collective::TreeFolder> folders;
+  folders.emplace_back(m, 6, 8, 1);  // a run it computed again, whole
+  for (float x : {6.0f, 7.0f}) folders.back().Add(std::span<const float>(&x, 1));
+  folders.emplace_back(m, 0, 3, 1);  // a run cut short after two micro-batches
+  for (float x : {0.0f, 1.0f}) folders.back().Add(std::span<const float>(&x, 1));
+  HeldSums have = CollectSums(m, 9, std::move(kept), &folders);
+  EXPECT_EQ(have.step, 9);
+  EXPECT_EQ(have.nodes, (std::vector<TreeNode>{{1, 0}, {1, 2}, {1, 3}}));
+  EXPECT_EQ(have.partials, (std::vector<std::vector<float>>{{1.0f}, {45.0f}, {13.0f}}));
+  std::vector<collective::TreeShare> shares(2);
+  shares[1].nodes = {{0, 5}, {2, 1}};
+  EXPECT_EQ(NodeLists(shares), (std::vector<std::vector<std::pair<int, int>>>{{}, {{0, 5}, {2, 1}}}));
+}
+
 }  // namespace
 }  // namespace nonstop::worker
