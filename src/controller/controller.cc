@@ -1043,8 +1043,23 @@ void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
   auto it = std::find_if(pending_faults_.begin(), pending_faults_.end(),
                          [&](const control::FaultSpec& f) { return f.id == e.msg.fault_id; });
   if (it != pending_faults_.end()) pending_faults_.erase(it);
-  last_injected_ = {now_, e.msg.description};
   out->push_back(AppendJournal{{{"event", "fault_injected"}, {"worker_id", e.worker_id}, {"fault", e.msg.description}}});
+  // The worker announces the fault on its control connection and then
+  // carries it out; its exit may reach the controller first (the launcher's
+  // report comes on another connection). The recovery that exit opened is
+  // still this fault's: it is named there (when the fault happened is not
+  // known then, so fault_at stays unset).
+  if (open_recovery_) {
+    RecoveryRecord& rec = recoveries_[*open_recovery_];
+    auto w = workers_.find(e.worker_id);
+    if (rec.injected.empty() && w != workers_.end() && now_ - rec.detected_at < std::chrono::seconds(10) &&
+        std::any_of(rec.causes.begin(), rec.causes.end(),
+                    [&](const std::string& c) { return c.rfind(Describe(w->second), 0) == 0; })) {
+      rec.injected = e.msg.description;
+      return;
+    }
+  }
+  last_injected_ = {now_, e.msg.description};
 }
 
 // ---------------------------------------------------------------- elasticity

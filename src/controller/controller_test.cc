@@ -103,6 +103,27 @@ TEST_F(ControllerTest, KilledMemberIsReplacedBySpareWhichCopiesStateFromSurvivor
   EXPECT_EQ(c_->recoveries()[0].lost_steps, 0);
 }
 
+// An injected kill is announced on the worker's control connection, and its
+// exit may be reported (on the launcher's) first: the recovery it opened
+// still names the injected fault; a later recovery does not take it.
+TEST_F(ControllerTest, AnInjectedFaultAnnouncedAfterItsExitStillNamesItsRecovery) {
+  StartJob();
+  for (int id : {0, 1, 2}) Step(id, 16);
+  Do(ProcessExited{2, 1002, -1, 9, ""});
+  ASSERT_EQ(c_->recoveries().size(), 1u);
+  EXPECT_EQ(c_->recoveries()[0].injected, "");
+  Do(InjectedReceived{2, {0, "kill:rank=2,step=17"}});
+  EXPECT_EQ(c_->recoveries()[0].injected, "kill:rank=2,step=17");
+  Ready(0, 16);
+  Ready(1, 16);
+  for (int id : {0, 1, 3}) Step(id, 17);
+  ASSERT_EQ(c_->recoveries()[0].outcome, "completed");
+  now_ += Millis(100);
+  Do(ProcessExited{1, 1001, -1, 9, ""});  // a fault nobody injected
+  ASSERT_EQ(c_->recoveries().size(), 2u);
+  EXPECT_EQ(c_->recoveries()[1].injected, "") << "the first fault's announcement was used up";
+}
+
 TEST_F(ControllerTest, WithoutSpareTheJobShrinks) {
   c_ = Make(3, 0);
   Join(0);
