@@ -8,6 +8,14 @@
 // matches and that every chunk's checksum is right: a snapshot that fails any
 // check changes nothing (format: docs/formats.md).
 //
+// Sharded state (ZeRO-1, docs/sharding.md): a region may be this member's
+// shard of a buffer sharded over shard groups of G members. Every member's
+// sharded regions have the same sizes (a shard is 1/G of a buffer padded to a
+// multiple of G), so every member's chunk layout is the same; which shard
+// the sharded regions hold is held_shard(). Chunks never mix sharded and
+// replicated bytes, so a transfer can copy the replicated chunks from anyone
+// and the sharded ones from the holders of the right shard.
+//
 // Thread-safety: not thread-safe; the training thread owns it. The regions
 // must stay valid (and not move) while registered.
 #pragma once
@@ -32,13 +40,27 @@ struct Region {
   // How durable checkpoints describe the region (safetensors): "F32", "I64", "U8"…
   std::string dtype = "U8";
   std::vector<int64_t> shape;  // empty: one dimension of bytes / element size
+  // 0: replicated (every member holds the same bytes). G > 0: this member's
+  // shard of a buffer sharded over groups of G (StateRegistry::held_shard).
+  int shard_group = 0;
+  // A shard view (RegisterShardView): the whole padded buffer, of which
+  // `bytes` is the held shard's 1/G. Empty: the region is the shard's own memory.
+  std::span<std::byte> whole;
 };
+
+// held_shard() of a registry whose sharded regions hold the same bytes for
+// every shard: the initial state (zeros), or a whole buffer behind every view.
+inline constexpr int kEveryShard = -1;
+// held_shard() of a registry whose sharded regions hold no valid shard (a
+// transfer copied the rest of the state of a newer step into it).
+inline constexpr int kNoShard = -2;
 
 struct ChunkInfo {
   uint32_t index = 0;
   uint64_t offset = 0;  // in the concatenated state
   uint32_t size = 0;
   uint32_t crc = 0;
+  bool sharded = false;  // its bytes belong to the held shard
 };
 
 class StateRegistry {
@@ -58,10 +80,32 @@ class StateRegistry {
     return OkStatus();
   }
 
+  // Sharded regions (docs/sharding.md); every one of a registry has the same
+  // group size G. RegisterShard: `shard` is this member's shard, in its own
+  // memory (optimizer moments), and holds the same for every shard until
+  // written (zeros): held_shard() starts at kEveryShard. RegisterShardView:
+  // `whole` is a whole buffer padded to a multiple of G (the parameters, which
+  // every member holds whole) and the region is the held shard's 1/G of it,
+  // moved by BindShard.
+  Status RegisterShard(std::string name, std::span<float> shard, int group_size);
+  Status RegisterShardView(std::string name, std::span<float> whole, int group_size);
+  // Makes a view the shard's own memory (`shard`, of the region's size, which
+  // the caller filled from the view): a resumed checkpoint's whole moments
+  // can then be freed.
+  Status RebindShard(std::string_view name, std::span<float> shard);
+  // Moves every view to shard `shard` (0 <= shard < G) and records that the
+  // sharded regions hold it. The bytes of own-memory shards are not touched:
+  // a caller binding a shard it does not hold writes them next.
+  Status BindShard(int shard);
+  int shard_group() const { return shard_group_; }  // 0: nothing is sharded
+  int held_shard() const { return held_shard_; }
+  void set_held_shard(int shard) { held_shard_ = shard; }
+  uint64_t sharded_bytes() const;  // of this member's sharded regions
+
   const std::vector<Region>& regions() const { return regions_; }
   uint64_t total_bytes() const { return total_bytes_; }
   size_t chunk_bytes() const { return chunk_bytes_; }
-  uint32_t num_chunks() const;
+  uint32_t num_chunks() const { return static_cast<uint32_t>(chunks_.size()); }
 
   // Chunk layout with checksums of the current contents.
   std::vector<ChunkInfo> Chunks() const;
@@ -79,6 +123,15 @@ class StateRegistry {
   std::string Digest() const;
 
  private:
+  struct Piece {
+    uint64_t offset = 0;
+    uint64_t size = 0;
+    bool sharded = false;
+  };
+  // The chunks of `chunk_bytes`: each run of consecutive regions of the same
+  // kind (sharded or not) is cut on its own, so no chunk mixes the two.
+  std::vector<Piece> Tiling(uint64_t chunk_bytes) const;
+  Status AddShardRegion(std::string name, std::span<float> bytes, std::span<float> whole, int group_size);
   ChunkInfo Chunk(uint32_t index) const;
   void CopyOut(uint64_t offset, std::span<std::byte> out) const;
   void CopyIn(uint64_t offset, std::span<const std::byte> in);
@@ -86,6 +139,9 @@ class StateRegistry {
   size_t chunk_bytes_;
   std::vector<Region> regions_;
   uint64_t total_bytes_ = 0;
+  std::vector<Piece> chunks_;  // Tiling(chunk_bytes_), kept with the regions
+  int shard_group_ = 0;
+  int held_shard_ = kEveryShard;
 };
 
 }  // namespace nonstop::state

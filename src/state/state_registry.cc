@@ -23,7 +23,96 @@ Status StateRegistry::Register(std::string name, std::span<std::byte> bytes) {
   r.name = std::move(name);
   r.bytes = bytes;
   regions_.push_back(std::move(r));
+  chunks_ = Tiling(chunk_bytes_);
   return OkStatus();
+}
+
+Status StateRegistry::AddShardRegion(std::string name, std::span<float> bytes, std::span<float> whole, int group_size) {
+  if (group_size < 1) {
+    return InvalidArgumentError(fmt::format("state region '{}' is sharded over groups of {}: a group has at least 1 "
+                                            "member", name, group_size));
+  }
+  if (shard_group_ != 0 && group_size != shard_group_) {
+    return InvalidArgumentError(fmt::format("state region '{}' is sharded over groups of {}, the others over groups of "
+                                            "{}: one registry has one group size", name, group_size, shard_group_));
+  }
+  std::string n = name;
+  NONSTOP_RETURN_IF_ERROR(Register(std::move(name), std::as_writable_bytes(bytes)));
+  Region& r = regions_.back();
+  r.dtype = "F32";
+  r.shape = {static_cast<int64_t>(bytes.size())};
+  r.shard_group = group_size;
+  r.whole = std::as_writable_bytes(whole);
+  shard_group_ = group_size;
+  chunks_ = Tiling(chunk_bytes_);
+  return OkStatus();
+}
+
+Status StateRegistry::RegisterShard(std::string name, std::span<float> shard, int group_size) {
+  return AddShardRegion(std::move(name), shard, {}, group_size);
+}
+
+Status StateRegistry::RegisterShardView(std::string name, std::span<float> whole, int group_size) {
+  if (group_size < 1 || whole.size() % static_cast<size_t>(group_size) != 0) {
+    return InvalidArgumentError(fmt::format("state region '{}' of {} values is not {} shards of one size: pad the buffer "
+                                            "to a multiple of the group size", name, whole.size(), group_size));
+  }
+  size_t shard = whole.size() / static_cast<size_t>(group_size);
+  int at = held_shard_ >= 0 ? held_shard_ : 0;
+  return AddShardRegion(std::move(name), whole.subspan(static_cast<size_t>(at) * shard, shard), whole, group_size);
+}
+
+Status StateRegistry::RebindShard(std::string_view name, std::span<float> shard) {
+  for (auto& r : regions_) {
+    if (r.name != name) continue;
+    if (r.shard_group == 0) return InvalidArgumentError(fmt::format("state region '{}' is not sharded", name));
+    if (shard.size_bytes() != r.bytes.size()) {
+      return InvalidArgumentError(fmt::format("state region '{}' is {} bytes, its new memory {}", name, r.bytes.size(),
+                                              shard.size_bytes()));
+    }
+    r.bytes = std::as_writable_bytes(shard);
+    r.whole = {};
+    return OkStatus();
+  }
+  return NotFoundError(fmt::format("no state region '{}'", name));
+}
+
+Status StateRegistry::BindShard(int shard) {
+  if (shard_group_ == 0) return FailedPreconditionError("the state has no sharded region");
+  if (shard < 0 || shard >= shard_group_) {
+    return InvalidArgumentError(fmt::format("shard {} does not exist (groups of {} hold shards 0..{})", shard,
+                                            shard_group_, shard_group_ - 1));
+  }
+  for (auto& r : regions_) {
+    if (r.whole.empty()) continue;
+    r.bytes = r.whole.subspan(static_cast<size_t>(shard) * r.bytes.size(), r.bytes.size());
+  }
+  held_shard_ = shard;
+  return OkStatus();
+}
+
+uint64_t StateRegistry::sharded_bytes() const {
+  uint64_t n = 0;
+  for (const auto& r : regions_) n += r.shard_group > 0 ? r.bytes.size() : 0;
+  return n;
+}
+
+std::vector<StateRegistry::Piece> StateRegistry::Tiling(uint64_t chunk_bytes) const {
+  std::vector<Piece> out;
+  uint64_t base = 0;
+  for (size_t i = 0; i < regions_.size();) {
+    // A run of regions of one kind, cut into chunks on its own.
+    const bool sharded = regions_[i].shard_group > 0;
+    uint64_t len = 0;
+    for (; i < regions_.size() && (regions_[i].shard_group > 0) == sharded; ++i) len += regions_[i].bytes.size();
+    for (uint64_t off = 0; off < len;) {
+      uint64_t take = std::min(chunk_bytes, len - off);
+      out.push_back({base + off, take, sharded});
+      off += take;
+    }
+    base += len;
+  }
+  return out;
 }
 
 Status StateRegistry::RegisterFloats(std::string name, std::span<float> values, std::vector<int64_t> shape) {
@@ -45,10 +134,6 @@ Status StateRegistry::RegisterFloats(std::string name, std::span<float> values, 
   regions_.back().dtype = "F32";
   regions_.back().shape = shape.empty() ? std::vector<int64_t>{static_cast<int64_t>(values.size())} : std::move(shape);
   return OkStatus();
-}
-
-uint32_t StateRegistry::num_chunks() const {
-  return static_cast<uint32_t>((total_bytes_ + chunk_bytes_ - 1) / chunk_bytes_);
 }
 
 // Walks the regions that overlap [offset, offset + n) of the concatenated state.
@@ -81,8 +166,9 @@ void StateRegistry::CopyIn(uint64_t offset, std::span<const std::byte> in) {
 ChunkInfo StateRegistry::Chunk(uint32_t index) const {
   ChunkInfo c;
   c.index = index;
-  c.offset = static_cast<uint64_t>(index) * chunk_bytes_;
-  c.size = static_cast<uint32_t>(std::min<uint64_t>(chunk_bytes_, total_bytes_ - c.offset));
+  c.offset = chunks_[index].offset;
+  c.size = static_cast<uint32_t>(chunks_[index].size);
+  c.sharded = chunks_[index].sharded;
   uint32_t crc = 0;
   ForEachSpan(regions_, c.offset, c.size,
               [&](const std::byte* src, size_t, size_t n) { crc = Crc32cExtend(crc, src, n); });
@@ -98,17 +184,16 @@ std::vector<ChunkInfo> StateRegistry::Chunks() const {
 
 void StateRegistry::ReadChunk(uint32_t index, std::span<std::byte> out) const {
   NONSTOP_CHECK_LT(index, num_chunks());
-  uint64_t offset = static_cast<uint64_t>(index) * chunk_bytes_;
-  NONSTOP_CHECK_EQ(out.size(), std::min<uint64_t>(chunk_bytes_, total_bytes_ - offset));
-  CopyOut(offset, out);
+  NONSTOP_CHECK_EQ(out.size(), chunks_[index].size);
+  CopyOut(chunks_[index].offset, out);
 }
 
 Status StateRegistry::WriteChunk(uint32_t index, std::span<const std::byte> data, uint32_t crc) {
   if (index >= num_chunks()) {
     return InvalidArgumentError(fmt::format("state chunk {} does not exist (the state has {})", index, num_chunks()));
   }
-  uint64_t offset = static_cast<uint64_t>(index) * chunk_bytes_;
-  uint64_t want = std::min<uint64_t>(chunk_bytes_, total_bytes_ - offset);
+  uint64_t offset = chunks_[index].offset;
+  uint64_t want = chunks_[index].size;
   if (data.size() != want) {
     return InvalidArgumentError(fmt::format("state chunk {} has {} bytes, expected {}", index, data.size(), want));
   }
@@ -173,8 +258,10 @@ Status StateRegistry::Load(std::string_view snapshot) {
     return DataLossError("state snapshot truncated in its chunk table");
   }
   if (chunk_bytes == 0) return DataLossError("state snapshot has chunk size 0 (a chunk size must be positive)");
-  // ceil(total / chunk) without forming total + chunk - 1, which wraps for a huge chunk size.
-  uint64_t want_chunks = total_bytes_ == 0 ? 0 : (total_bytes_ - 1) / chunk_bytes + 1;
+  // The tiling never forms offset + chunk, which wraps for a huge chunk size; a
+  // chunk size beyond the state's bytes tiles it into one chunk per run.
+  const std::vector<Piece> tiling = Tiling(std::min<uint64_t>(chunk_bytes, std::max<uint64_t>(total_bytes_, 1)));
+  const uint64_t want_chunks = tiling.size();
   if (nchunks != want_chunks) {
     return DataLossError(fmt::format("state snapshot has {} chunks of {} bytes for a {}-byte state, which needs {}",
                                      nchunks, chunk_bytes, total_bytes_, want_chunks));
@@ -195,11 +282,11 @@ Status StateRegistry::Load(std::string_view snapshot) {
     return DataLossError(fmt::format("state snapshot holds {} bytes of state, expected {}", r.remaining(), total_bytes_));
   }
   const char* data = snapshot.data() + (snapshot.size() - r.remaining());
-  // Verify everything first: a bad snapshot must not half-load. Chunk i starts
-  // at i·chunk_bytes < total_bytes_ (by the count check), so nothing overflows.
+  // Verify everything first: a bad snapshot must not half-load. The chunks
+  // are this registry's own tiling, within total_bytes_.
   for (uint32_t i = 0; i < nchunks; ++i) {
-    uint64_t off = uint64_t{i} * chunk_bytes;
-    uint64_t n = std::min<uint64_t>(chunk_bytes, total_bytes_ - off);
+    uint64_t off = tiling[i].offset;
+    uint64_t n = tiling[i].size;
     if (Crc32c(data + off, n) != crcs[i]) {
       return DataLossError(fmt::format("state snapshot chunk {} (bytes {}..{}) fails its checksum", i, off, off + n));
     }

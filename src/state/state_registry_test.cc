@@ -208,5 +208,104 @@ TEST(StateRegistryTest, DuplicateNameIsRejected) {
   EXPECT_EQ(r.RegisterValue("x", &x).code(), StatusCode::kInvalidArgument);
 }
 
+// Sharded state (docs/sharding.md): the layout a shard-aware transfer relies on.
+struct ShardedModel {
+  static constexpr int kGroup = 3;
+  std::vector<float> params = std::vector<float>(300);  // whole, padded to a multiple of 3
+  std::vector<float> m = std::vector<float>(100), v = std::vector<float>(100);
+  int64_t step = 0;
+  Status Register(StateRegistry* reg) {
+    NONSTOP_RETURN_IF_ERROR(reg->RegisterValue("step", &step));
+    NONSTOP_RETURN_IF_ERROR(reg->RegisterShardView("params", params, kGroup));
+    NONSTOP_RETURN_IF_ERROR(reg->RegisterShard("m", m, kGroup));
+    return reg->RegisterShard("v", v, kGroup);
+  }
+};
+
+TEST(StateRegistryTest, ChunksNeverMixShardedAndReplicatedBytes) {
+  ShardedModel a;
+  StateRegistry reg(256);
+  ASSERT_TRUE(a.Register(&reg).ok());
+  EXPECT_EQ(reg.shard_group(), 3);
+  EXPECT_EQ(reg.held_shard(), kEveryShard) << "the initial state is every shard's";
+  EXPECT_EQ(reg.sharded_bytes(), 3u * 400);
+  EXPECT_EQ(reg.total_bytes(), 8u + 3 * 400);
+  auto chunks = reg.Chunks();
+  ASSERT_FALSE(chunks.empty());
+  EXPECT_FALSE(chunks[0].sharded);
+  EXPECT_EQ(chunks[0].size, 8u) << "the step is a chunk of its own, not the first bytes of the parameters' shard";
+  uint64_t sharded = 0, at = 0;
+  for (const auto& c : chunks) {
+    EXPECT_EQ(c.offset, at) << "chunk " << c.index;
+    at += c.size;
+    if (c.sharded) {
+      EXPECT_GE(c.offset, 8u) << "chunk " << c.index;
+      sharded += c.size;
+    }
+    EXPECT_LE(c.size, 256u);
+  }
+  EXPECT_EQ(at, reg.total_bytes());
+  EXPECT_EQ(sharded, reg.sharded_bytes());
+}
+
+TEST(StateRegistryTest, BindShardMovesTheViewsAndKeepsOwnMemory) {
+  ShardedModel a;
+  std::iota(a.params.begin(), a.params.end(), 0.0f);
+  std::fill(a.m.begin(), a.m.end(), 5.0f);
+  StateRegistry reg(256);
+  ASSERT_TRUE(a.Register(&reg).ok());
+  ASSERT_TRUE(reg.BindShard(2).ok());
+  EXPECT_EQ(reg.held_shard(), 2);
+  const Region& params = reg.regions()[1];
+  EXPECT_EQ(reinterpret_cast<const float*>(params.bytes.data()), a.params.data() + 200) << "shard 2 of 3";
+  EXPECT_EQ(params.bytes.size(), 100 * sizeof(float));
+  EXPECT_EQ(reinterpret_cast<const float*>(reg.regions()[2].bytes.data()), a.m.data()) << "own memory stays";
+  EXPECT_EQ(reg.BindShard(3).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.BindShard(-1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.held_shard(), 2) << "a refused bind changes nothing";
+  // A view becomes the shard's own memory (a resumed checkpoint's whole buffer freed).
+  std::vector<float> own(100, 1.0f);
+  ASSERT_TRUE(reg.RebindShard("params", own).ok());
+  ASSERT_TRUE(reg.BindShard(0).ok());
+  EXPECT_EQ(reinterpret_cast<const float*>(reg.regions()[1].bytes.data()), own.data());
+  EXPECT_EQ(reg.RebindShard("params", std::span(own).first(99)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.RebindShard("step", own).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.RebindShard("nothing", own).code(), StatusCode::kNotFound);
+}
+
+TEST(StateRegistryTest, ShardedSnapshotLoadsInPlace) {
+  ShardedModel a, b;
+  std::iota(a.params.begin(), a.params.end(), 1.0f);
+  std::iota(a.v.begin(), a.v.end(), -7.0f);
+  a.step = 9;
+  StateRegistry ra(100), rb(100);
+  ASSERT_TRUE(a.Register(&ra).ok());
+  ASSERT_TRUE(b.Register(&rb).ok());
+  ASSERT_TRUE(ra.BindShard(1).ok());
+  ASSERT_TRUE(rb.BindShard(1).ok());
+  ASSERT_TRUE(rb.Load(ra.Serialize()).ok());
+  EXPECT_EQ(b.step, 9);
+  EXPECT_EQ(b.v, a.v);
+  EXPECT_EQ(std::vector<float>(b.params.begin() + 100, b.params.begin() + 200),
+            std::vector<float>(a.params.begin() + 100, a.params.begin() + 200));
+  EXPECT_EQ(b.params[0], 0.0f) << "only the held shard of the view is state";
+  EXPECT_EQ(ra.Digest(), rb.Digest());
+}
+
+TEST(StateRegistryTest, ShardedRegionsThatCannotBeLaidOutAreRefused) {
+  std::vector<float> whole(10), other(5);
+  StateRegistry r;
+  Status s = r.RegisterShardView("params", whole, 3);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("pad"), std::string::npos) << s.ToString();
+  EXPECT_EQ(r.RegisterShard("m", other, 0).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(r.RegisterShard("m", other, 2).ok());
+  s = r.RegisterShard("v", other, 4);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("groups of 2"), std::string::npos) << s.ToString();
+  StateRegistry none;
+  EXPECT_EQ(none.BindShard(0).code(), StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace nonstop::state
