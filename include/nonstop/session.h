@@ -174,6 +174,24 @@ class Session {
   // each holds its rank's. Not a step boundary.
   Status AllGather(std::span<std::byte> data, size_t record_bytes);
   Status Broadcast(std::span<std::byte> data, int root);
+
+  // Sharded optimizer state (ZeRO-1, docs/sharding.md). With a registry whose
+  // sharded regions use groups of G (StateRegistry::RegisterShard), the world
+  // is world_size() / G groups of G ranks; rank r holds shard r mod G, and
+  // Join/Recover leave the registry holding it (a spare or a rank moved by a
+  // resize copies it from the shard's holders). 0 / 0 without sharding.
+  int shard_group() const;
+  int shard() const;
+  // The step's gradient reduction with sharded state, a step boundary like
+  // AllReduce: `data` (a multiple of G floats, n) is reduce-scattered in this
+  // rank's group and its shard all-reduced across the shard's replicas, so
+  // that [shard()·n/G, (shard()+1)·n/G) holds the world's sum (bitwise the
+  // same on every replica); the rest of `data` is scratch.
+  Status ReduceShards(std::span<float> data);
+  // All-gather in this rank's group: each rank's shard() of `data` (a
+  // multiple of G elements of `element_bytes`) goes to the others; afterwards
+  // every rank of the group holds the whole. Not a step boundary.
+  Status GatherShards(std::span<std::byte> data, size_t element_bytes);
   Status Barrier();
 
   // True once the current generation has been aborted (a member failed): the

@@ -107,6 +107,8 @@ class StateRegistry {
   size_t chunk_bytes() const { return chunk_bytes_; }
   uint32_t num_chunks() const { return static_cast<uint32_t>(chunks_.size()); }
 
+  uint32_t chunk_size(uint32_t index) const { return static_cast<uint32_t>(chunks_.at(index).size); }
+  bool chunk_sharded(uint32_t index) const { return chunks_.at(index).sharded; }
   // Chunk layout with checksums of the current contents.
   std::vector<ChunkInfo> Chunks() const;
   // Copies chunk `index` of the current state into `out` (out.size() == chunk size).

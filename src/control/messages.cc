@@ -145,6 +145,10 @@ std::string Encode(const JoinMsg& m) {
   if (!m.host_id.empty()) j["host_id"] = m.host_id;
   if (m.generation > 0) j["generation"] = m.generation;
   if (m.waiting) j["waiting"] = true;
+  if (m.shard_group > 0) {
+    j["shard_group"] = m.shard_group;
+    j["held_shard"] = m.held_shard;
+  }
   return Dump(j);
 }
 std::string Encode(const PlanMsg& m) {
@@ -178,7 +182,7 @@ std::string Encode(const DrainMsg& m) {
   return Dump({{"generation", m.generation}, {"after_step", m.after_step}, {"reason", m.reason}});
 }
 std::string Encode(const ReadyMsg& m) {
-  return Dump({{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}});
+  return Dump({{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}, {"held_shard", m.held_shard}});
 }
 std::string Encode(const RecoveredMsg& m) {
   return Dump({{"generation", m.generation}, {"connect_seconds", Number(m.connect_seconds)},
@@ -201,6 +205,14 @@ Result<JoinMsg> DecodeJoin(std::string_view p) {
     }
     r.Optional("generation", &m.generation);
     r.Optional("waiting", &m.waiting);
+    r.Optional("shard_group", &m.shard_group);
+    r.Optional("held_shard", &m.held_shard);
+    if (m.shard_group < 0 || m.shard_group > kMaxShardGroup) {
+      throw FieldError{"shard_group", fmt::format("{} is not a group size (0 to {})", m.shard_group, kMaxShardGroup)};
+    }
+    if (m.held_shard < -2 || m.held_shard >= std::max(m.shard_group, 1)) {
+      throw FieldError{"held_shard", fmt::format("{} is not a shard of groups of {}", m.held_shard, m.shard_group)};
+    }
   });
 }
 Result<PlanMsg> DecodePlan(std::string_view p) {
@@ -286,6 +298,10 @@ Result<ReadyMsg> DecodeReady(std::string_view p) {
     r("generation", &m.generation);
     r("step", &m.step);
     r("reason", &m.reason);
+    r.Optional("held_shard", &m.held_shard);
+    if (m.held_shard < -2 || m.held_shard >= kMaxShardGroup) {
+      throw FieldError{"held_shard", fmt::format("{} is not a shard", m.held_shard)};
+    }
   });
 }
 Result<RecoveredMsg> DecodeRecovered(std::string_view p) {

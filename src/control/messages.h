@@ -58,6 +58,11 @@ struct JoinMsg {
   // answered Ready with state_step). docs/controller-failover.md.
   uint32_t generation = 0;
   bool waiting = false;
+  // Sharded optimizer state (docs/sharding.md): the group size G of its
+  // registry (0: nothing sharded), and the shard its state holds
+  // (state::kEveryShard: every one, the initial state; kNoShard: none).
+  int shard_group = 0;
+  int held_shard = -1;
 };
 
 // ---- controller ↔ agent ----
@@ -180,6 +185,7 @@ struct ReadyMsg {
   uint32_t generation = 0;  // the generation this worker aborted
   int64_t step = -1;        // the step its state holds; -1: no valid state
   std::string reason;       // what it saw ("peer reset", "controller abort")
+  int held_shard = -1;      // sharded state: the shard it holds (JoinMsg::held_shard)
 };
 
 struct RecoveredMsg {
@@ -206,6 +212,9 @@ struct HeartbeatMsg {
 // The step a worker's state holds when it has none that is valid (a state
 // transfer into it was interrupted).
 inline constexpr int64_t kNoValidState = -2;
+
+// The largest optimizer.shard_group a join may name.
+inline constexpr int kMaxShardGroup = 1024;
 
 struct ProgressMsg {
   int64_t step = 0;

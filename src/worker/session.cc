@@ -128,6 +128,8 @@ class SessionImpl {
     data_address_ = AdvertisedDataAddress();  // from the first control connection's local address
     control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), data_address_,
                           options_.spare, state_step_.load(), options_.host_id};
+    join.shard_group = state_->shard_group();
+    join.held_shard = held_shard_.load();
     NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgJoin, control::Encode(join)));
     io_thread_ = std::jthread([this](std::stop_token st) { IoLoop(st); });
     // Wait for the first plan that includes this worker, then take part in it.
@@ -315,6 +317,8 @@ class SessionImpl {
     std::lock_guard<std::mutex> write_lock(write_mu_);
     control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), data_address_,
                           options_.spare, state_step_.load(), options_.host_id};
+    join.shard_group = state_->shard_group();
+    join.held_shard = held_shard_.load();
     std::optional<control::FinishedMsg> finished;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -418,7 +422,7 @@ class SessionImpl {
           std::lock_guard<std::mutex> lock(mu_);
           waiting_after_ = after_generation;  // a join after a controller loss says so
         }
-        control::ReadyMsg ready{after_generation, state_step_.load(), why};
+        control::ReadyMsg ready{after_generation, state_step_.load(), why, held_shard_.load()};
         Status sent = SendControl(control::kMsgReady, control::Encode(ready));
         if (!sent.ok()) NONSTOP_LOG_WARNING("ready for the next generation, but: {}", sent.ToString());
       }
@@ -498,6 +502,24 @@ class SessionImpl {
         worker::RunStateTransfers(*comm_, *state_, plan, options_.worker_id, hooks);
     if (!outcome.ok()) return outcome.status();
     if (receiving) state_step_.store(plan.resume_step - 1);
+    held_shard_.store(state_->held_shard());
+    if (state_->shard_group() > 0) {
+      // Sharded state: every member ends holding its rank's shard (a spare,
+      // a rank that moved in a resize: re-sharded live, peer to peer).
+      Result<worker::TransferOutcome> shards =
+          worker::ExchangeShards(*comm_, *state_, state_step_.load(), plan.resume_step - 1, hooks);
+      held_shard_.store(state_->held_shard());
+      if (!shards.ok()) return shards.status();
+      outcome->received = outcome->received || shards->received;
+      outcome->bytes_received += shards->bytes_received;
+      outcome->sources = std::max(outcome->sources, shards->sources);
+      outcome->refetched_chunks += shards->refetched_chunks;
+      if (shards->received) {
+        NONSTOP_LOG_INFO("re-sharded: copied shard {} of the optimizer state ({:.2f} MB) from {} holder(s)",
+                         state_->held_shard(), shards->bytes_received / 1e6, shards->sources);
+      }
+      NONSTOP_RETURN_IF_ERROR(BuildShardGroups(co.rank, static_cast<int>(plan.members.size())));
+    }
     auto t2 = Clock::now();
     control::RecoveredMsg rec{plan.generation, std::chrono::duration<double>(t1 - t0).count(),
                               std::chrono::duration<double>(t2 - t1).count(), outcome->bytes_received,
@@ -509,6 +531,38 @@ class SessionImpl {
                        outcome->bytes_received / 1e6, outcome->sources, rec.transfer_seconds * 1000);
     }
     return plan.resume_step;
+  }
+
+  // The sub-group communicators of sharded state (docs/sharding.md): this
+  // rank's shard group, and the replicas of its shard across the groups.
+  Status BuildShardGroups(int rank, int world) {
+    NONSTOP_ASSIGN_OR_RETURN(state::ShardLayout layout, state::LayoutOf(world, state_->shard_group()));
+    const int shard = layout.shard_of_rank[static_cast<size_t>(rank)];
+    const int group = layout.group_of_rank[static_cast<size_t>(rank)];
+    if (layout.groups() + layout.group_size > 126) {
+      return InvalidArgumentError(fmt::format("{} groups of {}: the sub-groups need more than the 126 op spaces a "
+                                              "generation has; use a larger optimizer.shard_group",
+                                              layout.groups(), layout.group_size));
+    }
+    std::vector<int> in_group = layout.Group(group), replicas = layout.Replicas(shard);
+    group_comm_ = comm_->SubGroup(in_group, static_cast<uint32_t>(1 + group));
+    replica_comm_ = comm_->SubGroup(replicas, static_cast<uint32_t>(1 + layout.groups() + shard));
+    return OkStatus();
+  }
+
+  Status ReduceShards(std::span<float> data) {
+    return RunCollective(
+        [&]() -> Status {
+          NONSTOP_RETURN_IF_ERROR(group_comm_->ReduceScatter(data));
+          auto [lo, hi] = collective::ChunkRange(data.size(), group_comm_->world_size(), group_comm_->rank());
+          if (replica_comm_->world_size() == 1) return OkStatus();
+          return replica_comm_->AllReduce(data.subspan(lo, hi - lo));
+        },
+        /*at_step_boundary=*/true);
+  }
+
+  Status GatherShards(std::span<std::byte> data, size_t element_bytes) {
+    return RunCollective([&] { return group_comm_->AllGather(data, element_bytes); }, /*at_step_boundary=*/false);
   }
 
   // ---- fault injection ----
@@ -688,6 +742,7 @@ class SessionImpl {
   net::AbortSignal stop_signal_;  // wakes the I/O thread at shutdown
   std::unique_ptr<collective::PeerMesh> mesh_;
   std::atomic<int64_t> state_step_{-1};          // the step the registered state holds
+  std::atomic<int> held_shard_{state::kEveryShard};  // sharded state: the shard it holds (StateRegistry::held_shard)
   std::atomic<int64_t> collective_since_ms_{-1};  // when the step collective in flight began
   bool in_collective_ = false;                     // guarded by mu_: any collective is in flight
   std::mutex write_mu_;  // serialises frames on the control socket
@@ -708,6 +763,8 @@ class SessionImpl {
   std::string controller_;                        // the one connected last (for logs; the I/O thread's)
   std::string data_address_;                      // what peers dial, fixed at the first join
   std::unique_ptr<collective::Communicator> comm_;  // guarded by mu_ for Abort from the I/O thread
+  // Sharded state: sub-groups of comm_ (its connections and abort signal), training thread only.
+  std::unique_ptr<collective::Communicator> group_comm_, replica_comm_;
   std::vector<control::FaultSpec> faults_;          // guarded by mu_
   int64_t resume_step_ = 0;
   int comm_before_world_ = 0;
@@ -729,6 +786,7 @@ Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::St
   NONSTOP_CHECK(state != nullptr);
   auto impl = std::make_unique<SessionImpl>(std::move(options), state);
   impl->state_step_.store(state_step);
+  impl->held_shard_.store(state->held_shard());
   NONSTOP_RETURN_IF_ERROR(impl->Start());
   return std::unique_ptr<Session>(new Session(std::move(impl)));
 }
@@ -782,6 +840,25 @@ Status Session::Broadcast(std::span<std::byte> data, int root) {
 Status Session::Barrier() {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->RunCollective([&] { return impl_->comm().Barrier(); }, /*at_step_boundary=*/false);
+}
+
+int Session::shard_group() const { return impl_->state_->shard_group(); }
+int Session::shard() const {
+  const int g = shard_group();
+  return g > 0 ? rank() % g : 0;
+}
+Status Session::ReduceShards(std::span<float> data) {
+  NONSTOP_CHECK(shard_group() > 0 && data.size() % static_cast<size_t>(shard_group()) == 0)
+      << "ReduceShards: " << data.size() << " floats are not " << shard_group() << " shards of one size";
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
+  return impl_->ReduceShards(data);
+}
+Status Session::GatherShards(std::span<std::byte> data, size_t element_bytes) {
+  const auto g = static_cast<size_t>(shard_group());
+  NONSTOP_CHECK(g > 0 && element_bytes > 0 && data.size() % (g * element_bytes) == 0)
+      << "GatherShards: " << data.size() << " bytes are not " << g << " shards of elements of " << element_bytes;
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
+  return impl_->GatherShards(data, element_bytes);
 }
 
 void Session::ReportStep(const StepReport& r) {

@@ -1,23 +1,28 @@
 #include "worker/state_transfer.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/coding.h"
-#include "net/socket.h"
 #include "common/crc32c.h"
+#include "net/socket.h"
+#include "state/shard_layout.h"
 
 namespace nonstop::worker {
 
 namespace {
 
 constexpr uint32_t kTransferMagic = 0x4658534E;  // "NSXF"
-constexpr size_t kHeaderBytes = 32;
+constexpr size_t kHeaderBytes = 40;
 
 int RankOf(const control::PlanMsg& plan, int worker_id) {
   for (size_t r = 0; r < plan.members.size(); ++r) {
@@ -33,19 +38,32 @@ std::string EncodeHeader(int64_t step, const state::StateRegistry& reg) {
   PutFixed64(&h, reg.total_bytes());
   PutFixed32(&h, static_cast<uint32_t>(reg.chunk_bytes()));
   PutFixed32(&h, reg.num_chunks());
+  PutFixed32(&h, static_cast<uint32_t>(reg.shard_group()));
+  PutFixed32(&h, static_cast<uint32_t>(reg.held_shard()));
   PutFixed32(&h, Crc32c(h));
-  h.resize(kHeaderBytes, '\0');
   return h;
 }
 
-Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRegistry& reg, const std::string& source) {
-  if (DecodeFixed32(h.data()) != kTransferMagic || Crc32c(h.data(), 28) != DecodeFixed32(h.data() + 28)) {
+// `want_shard` >= 0: the receiver copies the sharded chunks, which must be of that shard.
+Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRegistry& reg, const std::string& source,
+                   int want_shard = -1) {
+  if (DecodeFixed32(h.data()) != kTransferMagic || Crc32c(h.data(), 36) != DecodeFixed32(h.data() + 36)) {
     return DataLossError(fmt::format("state header from {} is corrupt", source));
   }
   auto step = static_cast<int64_t>(DecodeFixed64(h.data() + 4));
   uint64_t total = DecodeFixed64(h.data() + 12);
   uint32_t chunk = DecodeFixed32(h.data() + 20);
   uint32_t chunks = DecodeFixed32(h.data() + 24);
+  auto group = static_cast<int>(DecodeFixed32(h.data() + 28));
+  auto held = static_cast<int32_t>(DecodeFixed32(h.data() + 32));
+  if (group != reg.shard_group()) {
+    return DataLossError(fmt::format("{} shards its state over groups of {}, this worker over groups of {}: the "
+                                     "optimizer differs", source, group, reg.shard_group()));
+  }
+  if (want_shard >= 0 && held != want_shard) {
+    return DataLossError(fmt::format("{} offers shard {} of the state where shard {} was asked for", source, held,
+                                     want_shard));
+  }
   if (step != want_step) {
     return DataLossError(fmt::format("{} offers the state of step {}, but the plan resumes after step {}", source,
                                      step, want_step));
@@ -93,8 +111,7 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
     if (request.empty()) return OkStatus();
     for (uint32_t index : request) {
       if (index >= reg.num_chunks()) return DataLossError(fmt::format("request for chunk {} of {}", index, reg.num_chunks()));
-      uint64_t offset = static_cast<uint64_t>(index) * reg.chunk_bytes();
-      size_t n = static_cast<size_t>(std::min<uint64_t>(reg.chunk_bytes(), reg.total_bytes() - offset));
+      size_t n = reg.chunk_size(index);
       std::span<std::byte> chunk(buf.data(), n);
       reg.ReadChunk(index, chunk);
       std::string meta;
@@ -107,9 +124,14 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
   }
 }
 
+// Where a fetched chunk goes: the live state (WriteChunk), or a staging buffer.
+// DATA_LOSS: the chunk failed its checksum (fetched again elsewhere).
+using ChunkSink = std::function<Status(uint32_t index, std::span<const std::byte> data, uint32_t crc)>;
+
 // Receiver side: fetch `indices` from one source. Chunks that fail their CRC go to `failed`.
-Status Fetch(collective::Communicator& comm, state::StateRegistry& reg, int source, const std::vector<uint32_t>& indices,
-             std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes) {
+Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, int source,
+             const std::vector<uint32_t>& indices, std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes,
+             const ChunkSink& sink) {
   if (indices.empty()) return OkStatus();  // an empty request would mean "done"
   NONSTOP_RETURN_IF_ERROR(SendU32s(comm, source, indices));
   std::vector<std::byte> buf(reg.chunk_bytes());
@@ -119,12 +141,10 @@ Status Fetch(collective::Communicator& comm, state::StateRegistry& reg, int sour
     uint32_t index = DecodeFixed32(meta.data());
     uint32_t crc = DecodeFixed32(meta.data() + 4);
     if (index != want) return DataLossError(fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
-    uint64_t offset = static_cast<uint64_t>(index) * reg.chunk_bytes();
-    size_t n = static_cast<size_t>(std::min<uint64_t>(reg.chunk_bytes(), reg.total_bytes() - offset));
-    std::span<std::byte> chunk(buf.data(), n);
+    std::span<std::byte> chunk(buf.data(), reg.chunk_size(index));
     NONSTOP_RETURN_IF_ERROR(comm.Recv(source, chunk));
-    *bytes += n;
-    Status s = reg.WriteChunk(index, chunk, crc);
+    *bytes += chunk.size();
+    Status s = sink(index, chunk, crc);
     if (s.code() == StatusCode::kDataLoss) {
       failed->push_back(index);  // fetched again from another source
     } else {
@@ -201,7 +221,16 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   outcome.sources = static_cast<int>(fetch_from.size());
   const size_t k = fetch_from.size();
   std::vector<std::vector<uint32_t>> assigned(k);
-  for (uint32_t c = 0; c < reg.num_chunks(); ++c) assigned[c % k].push_back(c);
+  // Sharded chunks are this receiver's shard, which ExchangeShards copies
+  // from its holders; the plan's sources may hold other shards.
+  std::vector<uint32_t> wanted;
+  for (uint32_t c = 0; c < reg.num_chunks(); ++c) {
+    if (!reg.chunk_sharded(c)) wanted.push_back(c);
+  }
+  for (size_t i = 0; i < wanted.size(); ++i) assigned[i % k].push_back(wanted[i]);
+  const ChunkSink into_state = [&reg](uint32_t index, std::span<const std::byte> data, uint32_t crc) {
+    return reg.WriteChunk(index, data, crc);
+  };
   std::vector<Status> results(k);
   std::vector<std::vector<uint32_t>> failed(k);
   std::atomic<uint64_t> bytes{0};
@@ -211,7 +240,7 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
       std::string header(kHeaderBytes, '\0');
       Status s = comm.Recv(fetch_from[i], std::as_writable_bytes(std::span(header)));
       if (s.ok()) s = CheckHeader(header, step, reg, SourceName(plan, fetch_from[i]));
-      if (s.ok()) s = Fetch(comm, reg, fetch_from[i], assigned[i], &failed[i], &bytes);
+      if (s.ok()) s = Fetch(comm, reg, fetch_from[i], assigned[i], &failed[i], &bytes, into_state);
       results[i] = s;
     });
   }
@@ -224,7 +253,7 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
       for (size_t attempt = 1; attempt <= k && !done; ++attempt) {
         size_t from = (i + attempt) % k;
         std::vector<uint32_t> again;
-        NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, fetch_from[from], {index}, &again, &bytes));
+        NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, fetch_from[from], {index}, &again, &bytes, into_state));
         done = again.empty();
         ++outcome.refetched_chunks;
       }
@@ -235,6 +264,184 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   }
   for (int source : fetch_from) NONSTOP_RETURN_IF_ERROR(SendU32s(comm, source, {}));
   outcome.bytes_received = bytes.load();
+  // The rest of the state is of the newer step now, the shards it holds are not.
+  if (reg.shard_group() > 0) reg.set_held_shard(state::kNoShard);
+  return outcome;
+}
+
+namespace {
+
+// What one member tells the others before re-sharding (16 bytes).
+struct ShardRecord {
+  int group = 0;
+  int held = state::kNoShard;
+  int64_t step = control::kNoValidState;
+};
+
+std::string EncodeShardRecord(const ShardRecord& r) {
+  std::string out;
+  PutFixed32(&out, static_cast<uint32_t>(r.group));
+  PutFixed32(&out, static_cast<uint32_t>(r.held));
+  PutFixed64(&out, static_cast<uint64_t>(r.step));
+  return out;
+}
+
+ShardRecord DecodeShardRecord(const std::byte* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  return {static_cast<int>(static_cast<int32_t>(DecodeFixed32(c))), static_cast<int32_t>(DecodeFixed32(c + 4)),
+          static_cast<int64_t>(DecodeFixed64(c + 8))};
+}
+
+}  // namespace
+
+ShardMoves PlanShardMoves(const state::ShardLayout& layout, std::span<const int> held, std::span<const int64_t> steps,
+                          int64_t step) {
+  ShardMoves moves;
+  moves.sources.resize(static_cast<size_t>(layout.world()));
+  for (int r = 0; r < layout.world(); ++r) {
+    const int need = layout.shard_of_rank[static_cast<size_t>(r)];
+    auto holds = [&](int q, int shard) { return steps[static_cast<size_t>(q)] == step && held[static_cast<size_t>(q)] == shard; };
+    if (holds(r, need)) continue;
+    moves.receivers.push_back(r);
+    for (int q = 0; q < layout.world(); ++q) {
+      if (q != r && holds(q, need)) moves.sources[static_cast<size_t>(r)].push_back(q);
+    }
+    if (moves.sources[static_cast<size_t>(r)].empty() &&
+        std::find(moves.lost.begin(), moves.lost.end(), need) == moves.lost.end()) {
+      moves.lost.push_back(need);
+    }
+  }
+  std::sort(moves.lost.begin(), moves.lost.end());
+  return moves;
+}
+
+Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& reg, int64_t held_step,
+                                       int64_t step, const TransferHooks& hooks) {
+  TransferOutcome outcome;
+  const int group = reg.shard_group();
+  if (group == 0) return outcome;
+  NONSTOP_ASSIGN_OR_RETURN(state::ShardLayout layout, state::LayoutOf(comm.world_size(), group));
+  const int me = comm.rank();
+  const int need = layout.shard_of_rank[static_cast<size_t>(me)];
+  // The state every shard shares (the initial one, or whole buffers behind
+  // every view) is this member's shard as soon as the views point at it.
+  if (reg.held_shard() == state::kEveryShard && held_step == step) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
+  if (held_step != step && reg.held_shard() != state::kNoShard) reg.set_held_shard(state::kNoShard);
+
+  // Who holds which shard of which step.
+  constexpr size_t kRecord = 16;
+  std::vector<std::byte> records(kRecord * static_cast<size_t>(comm.world_size()));
+  std::string mine = EncodeShardRecord({group, reg.held_shard(), held_step});
+  std::memcpy(records.data() + kRecord * static_cast<size_t>(me), mine.data(), kRecord);
+  NONSTOP_RETURN_IF_ERROR(comm.AllGather(records, kRecord));
+  std::vector<int> held(static_cast<size_t>(comm.world_size()));
+  std::vector<int64_t> steps(held.size());
+  for (size_t q = 0; q < held.size(); ++q) {
+    ShardRecord r = DecodeShardRecord(records.data() + kRecord * q);
+    if (r.group != group) {
+      return InvalidArgumentError(fmt::format("rank {} shards its optimizer state over groups of {}, this worker over "
+                                              "groups of {}: every worker must run the same optimizer.shard_group",
+                                              q, r.group, group));
+    }
+    if (r.held < state::kNoShard || r.held >= group) {
+      return DataLossError(fmt::format("rank {} claims to hold shard {} of groups of {}", q, r.held, group));
+    }
+    held[q] = r.held;
+    steps[q] = r.step;
+  }
+  ShardMoves moves = PlanShardMoves(layout, held, steps, step);
+  if (!moves.lost.empty()) {
+    return DataLossError(fmt::format("every copy of shard {} of the optimizer state of step {} is lost: no member "
+                                     "holds it", fmt::join(moves.lost, ", "), step));
+  }
+  if (moves.receivers.empty()) return outcome;
+
+  // Per peer: serve it, fetch from it, or both (two members swapping shards).
+  std::vector<uint32_t> sharded;
+  for (uint32_t c = 0; c < reg.num_chunks(); ++c) {
+    if (reg.chunk_sharded(c)) sharded.push_back(c);
+  }
+  const bool receiving = std::find(moves.receivers.begin(), moves.receivers.end(), me) != moves.receivers.end();
+  const std::vector<int>& my_sources = moves.sources[static_cast<size_t>(me)];
+  std::map<int, std::pair<bool, std::vector<uint32_t>>> peers;  // rank → (serve it, chunks to fetch from it)
+  if (receiving) {
+    for (size_t i = 0; i < sharded.size(); ++i) peers[my_sources[i % my_sources.size()]].second.push_back(sharded[i]);
+  }
+  for (int r : moves.receivers) {
+    const auto& src = moves.sources[static_cast<size_t>(r)];
+    if (std::find(src.begin(), src.end(), me) != src.end()) peers[r].first = true;
+  }
+  if (peers.empty()) return outcome;
+  if (hooks.on_start) hooks.on_start();
+
+  // Staging: a member keeps serving the shard it holds while it fetches the
+  // one it will hold, so the fetched bytes go live only after both are done.
+  std::map<uint32_t, std::pair<size_t, uint32_t>> staged;  // chunk → (offset in staging, crc)
+  size_t staging_bytes = 0;
+  if (receiving) {
+    for (uint32_t c : sharded) {
+      staged[c] = {staging_bytes, 0};
+      staging_bytes += reg.chunk_size(c);
+    }
+  }
+  std::vector<std::byte> staging(staging_bytes);
+  const ChunkSink into_staging = [&](uint32_t index, std::span<const std::byte> data, uint32_t crc) {
+    if (Crc32c(data.data(), data.size()) != crc) return DataLossError(fmt::format("state chunk {} fails its checksum", index));
+    auto& [offset, kept_crc] = staged.at(index);  // every index was asked for: it is there
+    std::memcpy(staging.data() + offset, data.data(), data.size());
+    kept_crc = crc;
+    return OkStatus();
+  };
+  std::atomic<bool> corrupt(hooks.corrupt_first_chunk);
+  std::atomic<uint64_t> bytes{0};
+  std::atomic<int> refetched{0};
+  std::vector<std::pair<int, Status>> results;
+  for (const auto& [peer, work] : peers) results.push_back({peer, OkStatus()});
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < results.size(); ++i) {
+    threads.emplace_back([&, i] {
+      const int peer = results[i].first;
+      const auto& [serve, fetch] = peers.at(peer);
+      auto do_serve = [&]() -> Status { return serve ? Serve(comm, reg, peer, step, &corrupt) : OkStatus(); };
+      auto do_fetch = [&]() -> Status {
+        if (fetch.empty()) return OkStatus();
+        std::string header(kHeaderBytes, '\0');
+        NONSTOP_RETURN_IF_ERROR(comm.Recv(peer, std::as_writable_bytes(std::span(header))));
+        NONSTOP_RETURN_IF_ERROR(CheckHeader(header, step, reg, fmt::format("rank {}", peer), need));
+        std::vector<uint32_t> failed;
+        NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, fetch, &failed, &bytes, into_staging));
+        if (!failed.empty()) {  // once more from the same holder: a chunk damaged on the way
+          refetched += static_cast<int>(failed.size());
+          std::vector<uint32_t> again;
+          NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, failed, &again, &bytes, into_staging));
+          if (!again.empty()) {
+            return DataLossError(fmt::format("state chunk {} of shard {} failed its checksum twice from rank {}",
+                                             again.front(), need, peer));
+          }
+        }
+        return SendU32s(comm, peer, {});
+      };
+      // The lower rank serves first, the higher fetches first: two members
+      // that swap shards never both wait for a request.
+      Status s = me < peer ? do_serve() : do_fetch();
+      if (s.ok()) s = me < peer ? do_fetch() : do_serve();
+      results[i].second = s;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& [peer, s] : results) NONSTOP_RETURN_IF_ERROR(s);
+  outcome.served = std::any_of(peers.begin(), peers.end(), [](const auto& p) { return p.second.first; });
+  if (!receiving) return outcome;
+  // Commit: the views move to the new shard, then the checked bytes go in.
+  NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
+  for (const auto& [index, where] : staged) {
+    NONSTOP_RETURN_IF_ERROR(reg.WriteChunk(index, std::span(staging).subspan(where.first, reg.chunk_size(index)),
+                                           where.second));
+  }
+  outcome.received = true;
+  outcome.sources = static_cast<int>(my_sources.size());
+  outcome.bytes_received = bytes.load();
+  outcome.refetched_chunks = refetched.load();
   return outcome;
 }
 

@@ -20,6 +20,7 @@
 #include "collective/communicator.h"
 #include "control/messages.h"
 #include "nonstop/state.h"
+#include "state/shard_layout.h"
 
 namespace nonstop::worker {
 
@@ -49,5 +50,29 @@ Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id);
 // plan.resume_step - 1 if this worker is a source.
 Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state::StateRegistry& registry,
                                           const control::PlanMsg& plan, int my_worker_id, const TransferHooks& hooks);
+
+// Re-sharding (docs/sharding.md): which ranks must fetch their shard and from
+// whom. held[q] and steps[q] are what rank q's sharded state holds (a shard,
+// kNoShard), of which step; the generation resumes after `step`.
+struct ShardMoves {
+  std::vector<int> receivers;             // ranks that lack the shard `layout` gives them
+  std::vector<std::vector<int>> sources;  // index = rank: the holders of its shard, ascending
+  std::vector<int> lost;                  // shards no member holds (every copy lost), ascending
+};
+ShardMoves PlanShardMoves(const state::ShardLayout& layout, std::span<const int> held, std::span<const int64_t> steps,
+                          int64_t step);
+
+// After RunStateTransfers, with sharded state (StateRegistry::shard_group() >
+// 0): every member of the generation calls it. The members all-gather which
+// shard of which step each holds (`held_step`: this worker's); every member
+// whose rank's shard in the layout of this world differs from the one it
+// holds (a spare, a member whose rank moved in a resize) copies it from its
+// holders, striped over them and checksummed, into a staging buffer while it
+// serves the shard it held to others, and commits it (the views move, the
+// bytes go in) once both are done. DATA_LOSS naming the shard when no member
+// holds a shard: every member gets the same verdict. A failure leaves the
+// state as it was: the shard held before, still valid.
+Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& registry,
+                                       int64_t held_step, int64_t step, const TransferHooks& hooks);
 
 }  // namespace nonstop::worker

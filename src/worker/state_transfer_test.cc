@@ -1,0 +1,208 @@
+// Sharded state transfer (docs/sharding.md): ExchangeShards over real
+// communicators on loopback, one thread per rank.
+#include "worker/state_transfer.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <thread>
+
+#include "collective/peer_mesh.h"
+#include "net/socket.h"
+
+namespace nonstop::worker {
+namespace {
+
+constexpr char kToken[] = "test-token";
+constexpr size_t kShard = 1000;  // floats per shard: several chunks of 1 KiB
+
+// One rank: its sharded state (parameters whole, moments of its shard) and its communicator.
+struct Rank {
+  explicit Rank(int group) : group(group), params(kShard * static_cast<size_t>(group)), m(kShard), v(kShard) {}
+  int group;
+  std::vector<float> params, m, v;
+  int64_t step = 0;
+  state::StateRegistry reg{1024};
+  net::AbortSignal abort;
+  std::unique_ptr<collective::PeerMesh> mesh;
+  std::unique_ptr<collective::Communicator> comm;
+
+  void Register() {
+    ASSERT_TRUE(reg.RegisterValue("step", &step).ok());
+    ASSERT_TRUE(reg.RegisterShardView("params", params, group).ok());
+    ASSERT_TRUE(reg.RegisterShard("m", m, group).ok());
+    ASSERT_TRUE(reg.RegisterShard("v", v, group).ok());
+  }
+  // The state of shard `s` at `at`: values no other shard or step has.
+  void Hold(int s, int64_t at) {
+    step = at;
+    ASSERT_TRUE(reg.BindShard(s).ok());
+    for (size_t i = 0; i < kShard; ++i) {
+      params[static_cast<size_t>(s) * kShard + i] = Value(0, s, at, i);
+      m[i] = Value(1, s, at, i);
+      v[i] = Value(2, s, at, i);
+    }
+  }
+  static float Value(int buffer, int s, int64_t at, size_t i) {
+    return static_cast<float>(buffer * 1'000'000 + s * 10'000 + at * 100) + static_cast<float>(i) / 1024.0f;
+  }
+  bool HoldsShard(int s, int64_t at) const {
+    for (size_t i = 0; i < kShard; ++i) {
+      if (params[static_cast<size_t>(s) * kShard + i] != Value(0, s, at, i) || m[i] != Value(1, s, at, i) ||
+          v[i] != Value(2, s, at, i)) {
+        return false;
+      }
+    }
+    return reg.held_shard() == s;
+  }
+};
+
+// W ranks on loopback, with group sizes `groups` (one per rank).
+std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups) {
+  std::vector<net::Listener> listeners;
+  std::vector<collective::Member> members;
+  for (size_t r = 0; r < groups.size(); ++r) {
+    auto l = net::Listen({"127.0.0.1", 0});
+    NONSTOP_CHECK(l.ok()) << l.status().ToString();
+    members.push_back({static_cast<int>(r), l->address.ToString()});
+    listeners.push_back(std::move(*l));
+  }
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (size_t r = 0; r < groups.size(); ++r) {
+    auto rank = std::make_unique<Rank>(groups[r]);
+    rank->Register();
+    rank->mesh = collective::PeerMesh::Create({kToken, static_cast<int>(r)}, std::move(listeners[r]));
+    collective::CommunicatorOptions o;
+    o.rank = static_cast<int>(r);
+    o.members = members;
+    o.timeout_collective = Millis(30'000);
+    rank->comm = std::make_unique<collective::Communicator>(rank->mesh.get(), &rank->abort, o);
+    ranks.push_back(std::move(rank));
+  }
+  return ranks;
+}
+
+// Every rank runs ExchangeShards for a generation that resumes after `step`.
+std::vector<Result<TransferOutcome>> ExchangeAll(std::vector<std::unique_ptr<Rank>>& ranks, int64_t step,
+                                                 std::function<TransferHooks(int)> hooks = nullptr) {
+  std::vector<Result<TransferOutcome>> out(ranks.size(), InternalError("not run"));
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    threads.emplace_back([&, r] {
+      Rank& k = *ranks[r];
+      Status c = k.comm->Connect();
+      if (!c.ok()) {
+        out[r] = c;
+        return;
+      }
+      out[r] = ExchangeShards(*k.comm, k.reg, k.step, step, hooks ? hooks(static_cast<int>(r)) : TransferHooks{});
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+TEST(ShardMovesTest, NamesTheHoldersOfEachMissingShardAndTheShardsNobodyHolds) {
+  auto layout = state::LayoutOf(6, 2);
+  ASSERT_TRUE(layout.ok());
+  // Rank 3 is a spare (holds nothing), rank 4 is one step behind.
+  std::vector<int> held = {0, 1, 0, state::kNoShard, 0, 1};
+  std::vector<int64_t> steps = {7, 7, 7, 7, 6, 7};
+  ShardMoves moves = PlanShardMoves(*layout, held, steps, 7);
+  EXPECT_EQ(moves.receivers, (std::vector<int>{3, 4}));
+  EXPECT_EQ(moves.sources[3], (std::vector<int>{1, 5})) << "shard 1 from its holders in the other groups";
+  EXPECT_EQ(moves.sources[4], (std::vector<int>{0, 2})) << "a stale copy of shard 0 is no source";
+  EXPECT_TRUE(moves.lost.empty());
+  // Both holders of shard 1 are gone.
+  held = {0, state::kNoShard, 0, state::kNoShard, 0, state::kNoShard};
+  moves = PlanShardMoves(*layout, held, steps, 7);
+  EXPECT_EQ(moves.lost, (std::vector<int>{1}));
+  EXPECT_TRUE(moves.sources[1].empty());
+}
+
+TEST(ExchangeShardsTest, ASpareCopiesOnlyItsShardFromTheShardsHolders) {
+  auto ranks = MakeRanks({2, 2, 2, 2});
+  for (int r : {0, 1, 2}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
+  ranks[3]->step = 7;  // RunStateTransfers copied the step; the shard it holds is none
+  ranks[3]->reg.set_held_shard(state::kNoShard);
+  auto out = ExchangeAll(ranks, 7);
+  for (size_t r = 0; r < out.size(); ++r) ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  EXPECT_TRUE(out[3]->received);
+  EXPECT_EQ(out[3]->sources, 1) << "rank 1 is the only other holder of shard 1";
+  EXPECT_EQ(out[3]->bytes_received, 3 * kShard * sizeof(float)) << "one shard of three buffers, nothing else";
+  EXPECT_TRUE(out[1]->served);
+  EXPECT_FALSE(out[0]->served) << "shard 0's holders serve nobody";
+  EXPECT_TRUE(ranks[3]->HoldsShard(1, 7));
+  for (int r : {0, 1, 2}) EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 7)) << "rank " << r;
+}
+
+TEST(ExchangeShardsTest, ResizeReshardsLiveWithMembersSwappingShards) {
+  // A shrink moved every rank by one: each holds the shard of its neighbour's rank.
+  auto ranks = MakeRanks({2, 2, 2, 2, 2, 2});
+  for (int r = 0; r < 6; ++r) ranks[static_cast<size_t>(r)]->Hold((r + 1) % 2, 12);
+  // And a corrupted chunk on the way is fetched again.
+  auto out = ExchangeAll(ranks, 12, [](int r) {
+    TransferHooks h;
+    h.corrupt_first_chunk = r == 2;
+    return h;
+  });
+  int refetched = 0;
+  for (int r = 0; r < 6; ++r) {
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+    EXPECT_TRUE(out[static_cast<size_t>(r)]->received && out[static_cast<size_t>(r)]->served) << "rank " << r;
+    EXPECT_EQ(out[static_cast<size_t>(r)]->sources, 3) << "striped over the shard's three holders";
+    refetched += out[static_cast<size_t>(r)]->refetched_chunks;
+    EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 12)) << "rank " << r;
+  }
+  EXPECT_EQ(refetched, 1);
+}
+
+TEST(ExchangeShardsTest, TheInitialStateIsEveryShardAndMovesNothing) {
+  auto ranks = MakeRanks({2, 2});
+  for (auto& r : ranks) r->step = -1;
+  auto out = ExchangeAll(ranks, -1);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << out[static_cast<size_t>(r)].status().ToString();
+    EXPECT_FALSE(out[static_cast<size_t>(r)]->received);
+    EXPECT_EQ(ranks[static_cast<size_t>(r)]->reg.held_shard(), r) << "bound to its rank's shard";
+  }
+}
+
+TEST(ExchangeShardsTest, EveryCopyOfAShardLostIsDataLossNamingItOnEveryMember) {
+  auto ranks = MakeRanks({2, 2, 2, 2});
+  for (int r : {0, 2}) ranks[static_cast<size_t>(r)]->Hold(0, 30);
+  for (int r : {1, 3}) {  // both holders of shard 1 were replaced by spares
+    ranks[static_cast<size_t>(r)]->step = 30;
+    ranks[static_cast<size_t>(r)]->reg.set_held_shard(state::kNoShard);
+  }
+  auto out = ExchangeAll(ranks, 30);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_FALSE(out[static_cast<size_t>(r)].ok()) << "rank " << r;
+    EXPECT_EQ(out[static_cast<size_t>(r)].status().code(), StatusCode::kDataLoss);
+    EXPECT_NE(out[static_cast<size_t>(r)].status().message().find("shard 1 of the optimizer state of step 30"),
+              std::string::npos)
+        << out[static_cast<size_t>(r)].status().ToString();
+  }
+  EXPECT_TRUE(ranks[0]->HoldsShard(0, 30)) << "nothing is changed";
+}
+
+TEST(ExchangeShardsTest, AMemberOfAnotherGroupSizeIsRefusedByEveryone) {
+  auto ranks = MakeRanks({2, 2, 2, 4});
+  for (int r = 0; r < 4; ++r) ranks[static_cast<size_t>(r)]->step = 3;
+  auto out = ExchangeAll(ranks, 3);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_FALSE(out[static_cast<size_t>(r)].ok());
+    EXPECT_EQ(out[static_cast<size_t>(r)].status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(out[static_cast<size_t>(r)].status().message().find("optimizer.shard_group"), std::string::npos)
+        << out[static_cast<size_t>(r)].status().ToString();
+  }
+}
+
+TEST(ExchangeShardsTest, AWorldThatIsNotAMultipleOfTheGroupIsRefused) {
+  auto ranks = MakeRanks({2, 2, 2});
+  auto out = ExchangeAll(ranks, -1);
+  for (const auto& o : out) EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument) << o.status().ToString();
+}
+
+}  // namespace
+}  // namespace nonstop::worker
