@@ -412,14 +412,17 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
       if (gone && !told) {
         told = true;
         auto plans = controller::Journal::Read(o.journal);
-        bool formed = false;
+        bool formed = false, ended = false;  // a controller that ended the job (job_end) did not die
         if (plans.ok()) {
-          for (const auto& r : *plans) formed = formed || r.value("event", "") == "plan";
+          for (const auto& r : *plans) {
+            formed = formed || r.value("event", "") == "plan";
+            ended = ended || r.value("event", "") == "job_end";
+          }
         }
         if (!formed) {
           failed_start = child_code;
           agent.Stop();
-        } else if (child_code != 0 && !signalled) {
+        } else if (child_code != 0 && !signalled && !ended) {
           stdio.err().Write(fmt::format("[nonstop] the controller (pid {}) died ({}): the workers train on; to adopt "
                                         "them: {}\n",
                                         child, child_code, resume));

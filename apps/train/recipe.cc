@@ -114,6 +114,9 @@ Status Validate(const Recipe& r) {
   NONSTOP_RETURN_IF_ERROR(Require(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1, "optimizer: beta1 and beta2 must be in [0, 1)"));
   NONSTOP_RETURN_IF_ERROR(Require(o.eps > 0 && o.weight_decay >= 0 && o.grad_clip >= 0 && o.warmup_steps >= 0,
                                   "optimizer: eps must be positive; weight_decay, grad_clip and warmup_steps non-negative"));
+  NONSTOP_RETURN_IF_ERROR(Require(o.shard_group >= 1 && o.shard_group <= 1024,
+                                  fmt::format("optimizer.shard_group: must be 1 (no sharding) to 1024, got {}",
+                                              o.shard_group)));
   NONSTOP_RETURN_IF_ERROR(Require(!r.data.shards.empty(), "data.shards: required"));
   NONSTOP_RETURN_IF_ERROR(Require(r.checkpoint.every >= 0, "checkpoint.every: must be 0 (automatic) or positive"));
   NONSTOP_RETURN_IF_ERROR(Require(r.checkpoint.keep >= 1, "checkpoint.keep: must be at least 1"));
@@ -197,6 +200,7 @@ Result<Recipe> ParseRecipeOrThrow(const std::string& text, const std::string& so
     NONSTOP_RETURN_IF_ERROR(x.Read("beta1", &o.beta1));
     NONSTOP_RETURN_IF_ERROR(x.Read("beta2", &o.beta2));
     NONSTOP_RETURN_IF_ERROR(x.Read("eps", &o.eps));
+    NONSTOP_RETURN_IF_ERROR(x.Read("shard_group", &o.shard_group));
     return x.Read("grad_clip", &o.grad_clip);
   });
   if (!st.ok()) return ctx(st);

@@ -51,6 +51,10 @@ struct OptimizerConfig {
   double beta2 = 0.95;
   double eps = 1e-8;
   double grad_clip = 1.0;
+  // Sharded optimizer state (ZeRO-1, docs/sharding.md): the world is groups of
+  // shard_group ranks, each group holding the AdamW moments once, split over
+  // its ranks; 1: every rank holds them whole.
+  int64_t shard_group = 1;
 };
 
 struct DataConfig {

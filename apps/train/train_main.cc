@@ -67,6 +67,29 @@ void PrintConfig(const Recipe& r, const Session& s, size_t params, const data::D
   std::fflush(stdout);
 }
 
+// Sharded, fast: the sum of squares of this rank's shard of the reduced
+// gradient, and the loss if the shard holds its slot (0 otherwise).
+std::pair<double, double> ShardNormAndLoss(torchx::FlatParameters& flat, int shard, size_t shard_len) {
+  const size_t lo = static_cast<size_t>(shard) * shard_len, hi = lo + shard_len;
+  const std::span<const float> grads = flat.padded_grads();
+  double sq = 0;
+  for (size_t i = lo; i < std::min(hi, flat.size()); ++i) sq += static_cast<double>(grads[i]) * grads[i];
+  double loss = lo <= flat.size() && flat.size() < hi ? static_cast<double>(grads[flat.size()]) : 0.0;
+  return {sq, loss};
+}
+
+// Clipping by the global norm, on this rank's shard alone; returns the norm.
+double ScaleShard(torchx::FlatParameters& flat, int shard, size_t shard_len, double norm, double max_norm) {
+  if (max_norm > 0 && norm > max_norm) {
+    const size_t lo = static_cast<size_t>(shard) * shard_len;
+    const size_t hi = std::min(lo + shard_len, flat.size());
+    auto scale = static_cast<float>(max_norm / (norm + 1e-6));
+    std::span<float> grads = flat.padded_grads();
+    for (size_t i = lo; i < hi; ++i) grads[i] *= scale;
+  }
+  return norm;
+}
+
 int Main(int argc, char** argv) {
   CLI::App app{"nonstop-train: reference trainer (Llama-style and GPT-OSS-style models)"};
   std::string recipe_path;
@@ -153,8 +176,14 @@ int Main(int argc, char** argv) {
   if (!sampler.ok()) return Fail(sampler.status(), "bad recipe");
 
   auto model = BuildModel(r.model, static_cast<uint64_t>(r.train.seed));
-  torchx::FlatParameters flat(*model);
-  torchx::AdamW adamw(flat.size(), flat.segments(),
+  // Sharded optimizer state (docs/sharding.md): groups of G ranks, each rank
+  // holding 1/G of the moments. The buffers are padded to a multiple of G, so
+  // that every shard has the same size.
+  const int G = static_cast<int>(r.optimizer.shard_group);
+  const bool sharded = G > 1;
+  torchx::FlatParameters flat(*model, static_cast<size_t>(G));
+  const size_t shard_len = flat.padded_size() / static_cast<size_t>(G);
+  torchx::AdamW adamw(sharded ? shard_len : flat.size(), flat.segments(),
                       {r.optimizer.beta1, r.optimizer.beta2, r.optimizer.eps, r.optimizer.weight_decay});
   torchx::LrSchedule schedule{r.optimizer.lr, r.optimizer.min_lr, r.optimizer.warmup_steps, r.train.steps};
   int64_t completed = -1;  // last completed step: part of the state
@@ -184,31 +213,54 @@ int Main(int argc, char** argv) {
 
   // What must survive a fault: parameters, optimizer moments, the step. The
   // data position follows from the step; the model has no other randomness.
-  // One region per tensor, with its shape, so that a durable checkpoint is a
-  // safetensors file any tool can read tensor by tensor.
-  state::StateRegistry state;
-  {
+  const std::vector<std::pair<const char*, int64_t*>> scalars = {
+      {"step", &completed}, {"elastic.base_world", &base_world}, {"elastic.samples_consumed", &samples_consumed},
+      {"elastic.lr_world", &lr_world}, {"elastic.lr_change_step", &lr_change_step},
+      {"elastic.lr_from_millionths", &lr_from_millionths}};
+  auto register_scalars = [&](state::StateRegistry& reg) -> Status {
+    for (auto [name, value] : scalars) NONSTOP_RETURN_IF_ERROR(reg.RegisterValue(name, value));
+    return OkStatus();
+  };
+  // The whole state, one region per tensor with its shape, so that a durable
+  // checkpoint is a safetensors file any tool can read tensor by tensor. It
+  // is the state itself when nothing is sharded, and what a sharded run's
+  // checkpoints hold (the moments gathered whole): any world and any G load them.
+  std::vector<std::vector<int64_t>> shapes;
+  for (auto& item : model->named_parameters()) shapes.push_back(item.value().sizes().vec());
+  auto register_whole = [&](state::StateRegistry& reg, std::span<float> m, std::span<float> v) -> Status {
     std::vector<std::pair<std::string, std::span<float>>> groups = {
-        {"", flat.params()}, {"adamw.exp_avg.", adamw.exp_avg()}, {"adamw.exp_avg_sq.", adamw.exp_avg_sq()}};
-    std::vector<std::vector<int64_t>> shapes;
-    for (auto& item : model->named_parameters()) shapes.push_back(item.value().sizes().vec());
+        {"", flat.params()}, {"adamw.exp_avg.", m}, {"adamw.exp_avg_sq.", v}};
     for (const auto& [prefix, buffer] : groups) {
       for (size_t i = 0; i < flat.segments().size(); ++i) {
         const auto& seg = flat.segments()[i];
-        Status s = state.RegisterFloats(prefix + seg.name, buffer.subspan(seg.offset, seg.size), shapes[i]);
-        if (!s.ok()) return Fail(s, "registering state");
+        NONSTOP_RETURN_IF_ERROR(reg.RegisterFloats(prefix + seg.name, buffer.subspan(seg.offset, seg.size), shapes[i]));
       }
     }
-    for (auto [name, value] : std::vector<std::pair<const char*, int64_t*>>{
-             {"step", &completed}, {"elastic.base_world", &base_world}, {"elastic.samples_consumed", &samples_consumed},
-             {"elastic.lr_world", &lr_world}, {"elastic.lr_change_step", &lr_change_step},
-             {"elastic.lr_from_millionths", &lr_from_millionths}}) {
-      Status s = state.RegisterValue(name, value);
-      if (!s.ok()) return Fail(s, "registering state");
-    }
+    return register_scalars(reg);
+  };
+  // Sharded: the whole moments, padded, while a resumed checkpoint's are
+  // loaded (until this rank knows its shard) and while a checkpoint is gathered.
+  std::vector<float> whole_m, whole_v;
+  auto whole_registry = [&]() -> Result<std::unique_ptr<state::StateRegistry>> {
+    whole_m.assign(flat.padded_size(), 0.0f);
+    whole_v.assign(flat.padded_size(), 0.0f);
+    auto reg = std::make_unique<state::StateRegistry>();
+    NONSTOP_RETURN_IF_ERROR(register_whole(*reg, std::span(whole_m).first(flat.size()),
+                                           std::span(whole_v).first(flat.size())));
+    return reg;
+  };
+  std::unique_ptr<state::StateRegistry> loading;  // sharded: the whole layout a checkpoint loads into
+  if (sharded && !resume_dir.empty()) {
+    auto reg = whole_registry();
+    if (!reg.ok()) return Fail(reg.status(), "registering state");
+    loading = std::move(*reg);
+  }
+  state::StateRegistry state;
+  if (!sharded) {
+    if (Status s = register_whole(state, adamw.exp_avg(), adamw.exp_avg_sq()); !s.ok()) return Fail(s, "registering state");
   }
   if (!resume_dir.empty()) {
-    auto loaded = state::LoadNewestCheckpoint(resume_dir, state);
+    auto loaded = state::LoadNewestCheckpoint(resume_dir, loading ? *loading : state);
     if (loaded.ok()) {
       for (const auto& skipped : loaded->skipped) NONSTOP_LOG_WARNING("skipped checkpoint {}", skipped);
       fmt::print("resumed from {} (step {}, parameter checksum {})\n", loaded->path, loaded->step,
@@ -220,9 +272,23 @@ int Main(int argc, char** argv) {
     } else if (loaded.status().code() == StatusCode::kNotFound && resume_env) {
       fmt::print("no checkpoint to resume from in {}: starting from scratch ({})\n", resume_dir,
                  loaded.status().message());
+      loading.reset();
     } else {
       return Fail(loaded.status(), "resuming");
     }
+  }
+  if (sharded) {
+    // The parameters whole on every rank, the held shard of them part of the
+    // state; the moments of the shard alone: views of the whole moments a
+    // checkpoint loaded (every shard is there) until this rank knows its shard.
+    Status s = state.RegisterShardView("params", flat.padded_params(), G);
+    if (s.ok() && loading) s = state.RegisterShardView("adamw.exp_avg", whole_m, G);
+    if (s.ok() && loading) s = state.RegisterShardView("adamw.exp_avg_sq", whole_v, G);
+    if (s.ok() && !loading) s = state.RegisterShard("adamw.exp_avg", adamw.exp_avg(), G);
+    if (s.ok() && !loading) s = state.RegisterShard("adamw.exp_avg_sq", adamw.exp_avg_sq(), G);
+    if (s.ok()) s = register_scalars(state);
+    if (!s.ok()) return Fail(s, "registering state");
+    loading.reset();
   }
   fmt::print("worker pid {} built its model ({} parameters) and mapped its data\n", ::getpid(), flat.size());
   std::fflush(stdout);
@@ -247,7 +313,29 @@ int Main(int argc, char** argv) {
     return Fail(joined.status(), "joining the job");
   }
   Session& session = **joined;
+  if (sharded && !whole_m.empty()) {
+    // This rank knows its shard now: it keeps that shard of the moments a
+    // checkpoint loaded, in the optimizer's own memory, and frees the rest.
+    NONSTOP_CHECK_GE(state.held_shard(), 0) << "the session binds the shard of the rank";
+    const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(state.held_shard()) * shard_len);
+    std::copy_n(whole_m.begin() + at, shard_len, adamw.exp_avg().begin());
+    std::copy_n(whole_v.begin() + at, shard_len, adamw.exp_avg_sq().begin());
+    Status s = state.RebindShard("adamw.exp_avg", adamw.exp_avg());
+    if (s.ok()) s = state.RebindShard("adamw.exp_avg_sq", adamw.exp_avg_sq());
+    if (!s.ok()) return Fail(s, "resuming");
+    std::vector<float>().swap(whole_m);
+    std::vector<float>().swap(whole_v);
+  }
   if (session.rank() == 0) PrintConfig(r, session, flat.size(), **dataset);
+  if (session.rank() == 0) {
+    const double moments = 2.0 * static_cast<double>(adamw.exp_avg().size()) * sizeof(float);
+    fmt::print("optimizer state: {} bytes per rank ({:.2f} MiB: AdamW moments{})\n", static_cast<uint64_t>(moments),
+               moments / (1 << 20),
+               sharded ? fmt::format(" of 1 shard in {}, over groups of {}; whole: {} bytes", G, G,
+                                     2 * flat.size() * sizeof(float))
+                       : ", whole");
+    std::fflush(stdout);
+  }
   if (base_world == 0) base_world = session.world_size();  // the first generation defines it, on every member
   if (lr_world == 0) lr_world = base_world;
   const bool scale_with_world = *batch_mode == elastic::BatchMode::kScaleWithWorld;
@@ -269,10 +357,44 @@ int Main(int argc, char** argv) {
   std::unique_ptr<state::CheckpointWriter> writer;
   if (!r.checkpoint.dir.empty()) writer = std::make_unique<state::CheckpointWriter>(r.checkpoint.dir, static_cast<int>(r.checkpoint.keep));
   int64_t every = r.checkpoint.every > 0 ? r.checkpoint.every : (mtbf_seconds > 0 ? 0 : 50);
+  if (sharded && every == 0) {
+    // The ranks of group 0 gather each checkpoint together: they must agree on when, which rank 0's timing cannot say.
+    NONSTOP_LOG_WARNING("optimizer.shard_group {}: the automatic checkpoint interval is not supported yet; "
+                        "checkpointing every 50 steps (set checkpoint.every)", G);
+    every = 50;
+  }
   bool timing_in_flight = false;  // every == 0: the first checkpoint is being written and timed
   auto maybe_checkpoint = [&](int64_t step, double step_seconds) {
-    if (!writer || session.rank() != 0) return;
+    if (!writer) return;
     bool last = step + 1 == r.train.steps;
+    if (sharded) {
+      // Gathered to the writer: group 0 holds every shard once. Its ranks
+      // gather the parameters and the moments whole, and rank 0 writes them
+      // in the layout of an unsharded run.
+      if (session.rank() >= G || !(every > 0 && ((step + 1) % every == 0 || last))) return;
+      auto whole = whole_registry();
+      const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(session.shard()) * shard_len);
+      std::copy_n(adamw.exp_avg().begin(), shard_len, whole_m.begin() + at);
+      std::copy_n(adamw.exp_avg_sq().begin(), shard_len, whole_v.begin() + at);
+      Status s = whole.status();
+      if (s.ok()) s = session.GatherShards(std::as_writable_bytes(flat.padded_params()), sizeof(float));
+      if (s.ok()) s = session.GatherShards(std::as_writable_bytes(std::span(whole_m)), sizeof(float));
+      if (s.ok()) s = session.GatherShards(std::as_writable_bytes(std::span(whole_v)), sizeof(float));
+      if (s.ok() && session.rank() == 0) {
+        state::CheckpointMeta meta{step, session.generation(), session.world_size(), r.name, flat.Checksum(), {}};
+        state::CheckpointSaveResult saved = writer->TrySave(**whole, meta);
+        if (saved.skipped && last) {
+          (void)writer->Wait();
+          saved = writer->TrySave(**whole, meta);
+        }
+        if (!saved.earlier.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", saved.earlier.ToString());
+      }
+      if (!s.ok()) NONSTOP_LOG_WARNING("checkpoint of step {} not gathered: {}", step, s.ToString());
+      std::vector<float>().swap(whole_m);
+      std::vector<float>().swap(whole_v);
+      return;
+    }
+    if (session.rank() != 0) return;
     if (every == 0 && timing_in_flight) {
       // The timing checkpoint is written in the background: rank 0 never
       // waits for the disk while the others wait in the next collective.
@@ -346,7 +468,7 @@ int Main(int argc, char** argv) {
   // Overlapped reduction: the last micro-batch's backward hands each gradient
   // bucket to the session's communication thread as soon as it is complete.
   std::unique_ptr<torchx::GradBuckets> buckets;
-  if (!no_overlap && !world_invariant) {
+  if (!no_overlap && !world_invariant && !sharded) {
     buckets = std::make_unique<torchx::GradBuckets>(*model, flat, static_cast<size_t>(bucket_mb * (1 << 20)),
                                                     [&session](std::span<float> b) { session.StartAllReduce(b); });
   }
@@ -355,6 +477,19 @@ int Main(int argc, char** argv) {
       auto t0 = std::chrono::steady_clock::now();
       // Stands for more compute: before the step, so the reduction is followed by the update at once.
       if (throttle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(throttle_ms));
+      if (sharded) {
+        // Every rank updated its shard of the parameters last step: the group gathers them whole.
+        Status g = session.GatherShards(std::as_writable_bytes(flat.padded_params()), sizeof(float));
+        if (!g.ok()) {
+          NONSTOP_LOG_WARNING("step {}: {}", step, g.ToString());
+          if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;
+          if (held.step != step) {  // the sums kept of a step the job does not resume at are no use
+            held = {};
+            held_samples.clear();
+          }
+          continue;
+        }
+      }
       double local_loss = 0;
       bool computed = false;  // every micro-batch of this rank's share is in
       float step_norm = norm;
@@ -503,10 +638,35 @@ int Main(int argc, char** argv) {
           (void)session.WaitAll();  // the buckets already started; the step is lost
           s = AbortedError(fmt::format("step {} was cut short: a member failed", step));
         }
+      } else if (sharded) {
+        flat.GatherGrads();
+        flat.loss_slot() = static_cast<float>(local_loss);
+        s = computed ? session.ReduceShards(flat.padded_grads())
+                     : AbortedError(fmt::format("step {} was cut short: a member failed", step));
       } else {
         flat.GatherGrads();
         flat.loss_slot() = static_cast<float>(local_loss);
         s = session.AllReduce(flat.grads_and_loss());
+      }
+      // Sharded, fast: the world's gradient is in this rank's shard alone. The
+      // group shares each shard's sum of squares (the norm, summed in shard
+      // order) and the loss, which rides in the shard holding its slot.
+      double shard_norm = -1;
+      if (s.ok() && sharded && !world_invariant) {
+        auto [sq, loss_part] = ShardNormAndLoss(flat, session.shard(), shard_len);
+        std::vector<double> records(2 * static_cast<size_t>(G));
+        records[2 * static_cast<size_t>(session.shard())] = sq;
+        records[2 * static_cast<size_t>(session.shard()) + 1] = loss_part;
+        s = session.GatherShards(std::as_writable_bytes(std::span(records)), 2 * sizeof(double));
+        if (s.ok()) {
+          double total = 0, world_loss = 0;
+          for (int q = 0; q < G; ++q) {
+            total += records[2 * static_cast<size_t>(q)];
+            world_loss += records[2 * static_cast<size_t>(q) + 1];
+          }
+          shard_norm = std::sqrt(total);
+          flat.loss_slot() = static_cast<float>(world_loss);
+        }
       }
       if (!s.ok()) {
         NONSTOP_LOG_WARNING("step {}: {}", step, s.ToString());
@@ -523,9 +683,17 @@ int Main(int argc, char** argv) {
         session.ReportFailure(bad, step, kExitDataCorruption);
         return Fail(bad, "training diverged");
       }
-      double grad_norm = torchx::ClipGradNorm(flat.grads(), r.optimizer.grad_clip);
+      double grad_norm = shard_norm >= 0 ? ScaleShard(flat, session.shard(), shard_len, shard_norm, r.optimizer.grad_clip)
+                                         : torchx::ClipGradNorm(flat.grads(), r.optimizer.grad_clip);
       double lr = schedule.At(step) * lr_factor(step);
-      adamw.Step(flat.params(), flat.grads(), lr, step + 1);
+      if (sharded) {
+        // The shard's update: the same arithmetic, element by element, as the whole update has there.
+        NONSTOP_CHECK_EQ(state.held_shard(), session.shard()) << "the state holds the shard of another rank";
+        adamw.Step(flat.padded_params(), flat.padded_grads(), lr, step + 1,
+                   static_cast<size_t>(session.shard()) * shard_len);
+      } else {
+        adamw.Step(flat.params(), flat.grads(), lr, step + 1);
+      }
       completed = step;
       if (scale_with_world) samples_consumed += static_cast<int64_t>(step_tokens) / T;
       double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -541,6 +709,14 @@ int Main(int argc, char** argv) {
         std::fflush(stdout);
       }
       ++step;
+    }
+    if (sharded) {
+      // The last update is in each rank's shard: the parameters whole again, for the checksum.
+      Status g = session.GatherShards(std::as_writable_bytes(flat.padded_params()), sizeof(float));
+      if (!g.ok()) {
+        if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;
+        continue;
+      }
     }
     std::string checksum = flat.Checksum();
     if (writer) {

@@ -8,6 +8,10 @@
 #include <unordered_map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "nonstop/state.h"
+#include "state/shard_layout.h"
 
 namespace nonstop::controller {
 
@@ -174,6 +178,15 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitPeerFailure}});
     return;
   }
+  if (shard_group_ >= 0 && m.shard_group != shard_group_) {
+    std::string why = fmt::format("worker {} shards its optimizer state over groups of {}, the job over groups of {}: "
+                                  "every worker must run the same optimizer.shard_group", m.worker_id, m.shard_group,
+                                  shard_group_);
+    out->push_back(AppendJournal{{{"event", "join_refused"}, {"worker_id", m.worker_id}, {"reason", why}}});
+    out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitUsage}});
+    return;
+  }
+  shard_group_ = m.shard_group;
   if (unconfirmed_.count(m.worker_id)) {
     Rejoined(m, out);
     return;
@@ -200,6 +213,7 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   w.host = m.host_id;
   SetRole(w, m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending);
   joined_step_[m.worker_id] = m.state_step;
+  w.held_shard = m.held_shard;
   w.last_heard = now_;
   json rec = {{"event", "join"}, {"worker_id", m.worker_id}, {"pid", m.pid}, {"address", m.data_address},
               {"spare", w.role == WorkerRole::kSpare}};
@@ -214,6 +228,17 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
 // while others were loading): the highest wins and the others copy it.
 void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   if (world_size_ <= 0 || static_cast<int>(pending_.size()) < world_size_) return;
+  if (shard_group_ > 1 && world_size_ % shard_group_ != 0) {
+    End(kExitUsage, fmt::format("the world of {} workers is not groups of optimizer.shard_group {}: make --nproc a "
+                                "multiple of {} or change the recipe's shard_group", world_size_, shard_group_,
+                                shard_group_), out);
+    return;
+  }
+  if (shard_group_ > 1 && world_size_ == shard_group_ && !open_recovery_) {
+    out->push_back(PrintLine{fmt::format("optimizer.shard_group {} is the whole world: each shard has one copy, so a "
+                                         "fault loses it (the job then falls to its durable checkpoint); a world of "
+                                         "{} or more keeps a replica", shard_group_, 2 * shard_group_)});
+  }
   // The lowest worker ids.
   std::vector<int> pending(pending_.begin(), std::next(pending_.begin(), world_size_));
   ++generation_;
@@ -259,6 +284,7 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   out->push_back(PrintLine{fmt::format("generation {}: {} workers, ranks by worker id {}{}", generation_,
                                        members_.size(), json(members_).dump(),
                                        s_star >= 0 ? fmt::format(", resuming at step {}", resume_step_) : "")});
+  CheckShardPlacement(out);
   if (open_recovery_) {
     RecoveryRecord& rec = recoveries_[*open_recovery_];
     rec.plan_at = now_;
@@ -800,6 +826,7 @@ void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
   }
   if (phase_ != JobPhase::kRecovering) return;
   ready_[e.worker_id] = e.msg.step;
+  it->second.held_shard = e.msg.held_shard;
   // Field by field: every member sends one (see PerMemberRecord).
   json rec = PerMemberRecord("ready", e.worker_id);
   rec["rank"] = it->second.rank;
@@ -859,6 +886,24 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
         out);
     return;
   }
+  if (std::vector<int> lost = state_everywhere ? std::vector<int>{} : LostShards(holders); !lost.empty()) {
+    // Sharded state: the step's parameters and moments of these shards are on
+    // no live member (every replica was hit). Never a plan that cannot load.
+    std::string what = fmt::format("every copy of shard {} of the optimizer state of step {} is lost (optimizer."
+                                   "shard_group {}: every replica of it was hit)",
+                                   fmt::join(lost, ", "), s_star, shard_group_);
+    out->push_back(AppendJournal{{{"event", "shard_lost"}, {"shards", lost}, {"step", s_star},
+                                  {"recovery", rec.id}}});
+    if (options_.have_checkpoints) {
+      RestartFromCheckpoint(what, out);
+      return;
+    }
+    rec.outcome = "failed";
+    out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(rec)}}});
+    End(kExitPeerFailure, what + "; without a durable checkpoint (nonstop run --checkpoint-dir) the job cannot continue",
+        out);
+    return;
+  }
   std::vector<int> spares;  // only those heard from lately: a hung spare is never promoted
   for (const auto& [id, w] : workers_) {
     if (Promotable(w)) spares.push_back(id);
@@ -915,16 +960,25 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
       }
       next = std::move(kept);
     }
-    while (next.size() > want) {  // shrink: the highest ranks leave
-      released.push_back(next.back());
-      rec.replacements.push_back(fmt::format("rank {}: worker {} released", next.size() - 1, next.back()));
-      next.pop_back();
+    if (next.size() > want) {  // shrink: the highest ranks leave
+      for (int id : ReleaseFromTheEnd(&next, next.size() - want, holders)) {
+        released.push_back(id);
+        rec.replacements.push_back(fmt::format("rank {}: worker {} released", workers_[id].rank, id));
+      }
     }
     while (next.size() < want && spare_i < spares.size()) {  // grow: spares join at the end
       rec.replacements.push_back(fmt::format("rank {}: spare worker {} joins", next.size(), spares[spare_i]));
       next.push_back(spares[spare_i++]);
     }
     resize_.reset();
+  }
+  if (shard_group_ > 1 && next.size() % static_cast<size_t>(shard_group_) != 0) {
+    // Sharded state needs whole groups: the members beyond the last whole one leave.
+    for (int id : ReleaseFromTheEnd(&next, next.size() % static_cast<size_t>(shard_group_), holders)) {
+      released.push_back(id);
+      rec.replacements.push_back(fmt::format("worker {} released (the world must be a multiple of "
+                                             "optimizer.shard_group {})", id, shard_group_));
+    }
   }
   if (next.empty()) {
     rec.outcome = "failed";
@@ -1003,6 +1057,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
                                        json(members_).dump(), resume_step_,
                                        plan.transfers.empty() ? "" : fmt::format(", {} receiving state from {} source(s)",
                                                                                  plan.transfers.size(), holders.size()))});
+  CheckShardPlacement(out);
 }
 
 void Controller::On(const RecoveredReceived& e, std::vector<Action>* out) {
@@ -1069,6 +1124,9 @@ std::string Controller::CheckSize(int size) const {
   int max_world = p.max_world > 0 ? p.max_world : world_size_;
   if (size < p.min_world) return fmt::format("world size {} is below the minimum {}", size, p.min_world);
   if (size > max_world) return fmt::format("world size {} is above the maximum {}", size, max_world);
+  if (shard_group_ > 1 && size % shard_group_ != 0) {
+    return fmt::format("world size {} is not a multiple of optimizer.shard_group {}", size, shard_group_);
+  }
   if (!p.allowed_sizes.empty()) {
     if (std::find(p.allowed_sizes.begin(), p.allowed_sizes.end(), size) == p.allowed_sizes.end()) {
       return fmt::format("world size {} is not an allowed size (allowed: {})", size, json(p.allowed_sizes).dump());
@@ -1492,6 +1550,7 @@ void Controller::Rejoined(const control::JoinMsg& m, std::vector<Action>* out) {
     return;  // still unconfirmed: lost at the adoption bound
   }
   unconfirmed_.erase(m.worker_id);
+  w.held_shard = m.held_shard;
   w.pid = m.pid;
   w.address = m.data_address;
   w.last_heard = now_;
@@ -1786,6 +1845,59 @@ void Controller::MaybeReleaseLeavingHosts(std::vector<Action>* out) {
   }
   std::string reason = hosts_[*hosts.begin()].leave_reason;
   StartResize(to, fmt::format("host(s) {} leave ({})", names, reason), out, std::set<int>(leaving.begin(), leaving.end()));
+}
+
+std::vector<int> Controller::LostShards(const std::vector<int>& holders) const {
+  if (shard_group_ <= 1) return {};
+  std::vector<char> held(static_cast<size_t>(shard_group_), 0);
+  for (int id : holders) {
+    int s = workers_.at(id).held_shard;
+    if (s == state::kEveryShard) return {};  // the initial state, or whole buffers: every shard
+    if (s >= 0 && s < shard_group_) held[static_cast<size_t>(s)] = 1;
+  }
+  std::vector<int> lost;
+  for (int s = 0; s < shard_group_; ++s) {
+    if (!held[static_cast<size_t>(s)]) lost.push_back(s);
+  }
+  return lost;
+}
+
+std::vector<int> Controller::ReleaseFromTheEnd(std::vector<int>* next, size_t count,
+                                               const std::vector<int>& holders) const {
+  std::map<int, int> copies;  // shard → holders of it that stay
+  std::set<int> holding(holders.begin(), holders.end());
+  auto shard_of = [&](int id) { return holding.count(id) ? workers_.at(id).held_shard : state::kNoShard; };
+  for (int id : *next) copies[shard_of(id)]++;
+  std::vector<int> released;
+  for (size_t i = next->size(); i-- > 0 && released.size() < count;) {
+    int id = (*next)[i];
+    int s = shard_of(id);
+    if (shard_group_ > 1 && s >= 0 && copies[s] == 1) continue;  // the last holder of its shard stays
+    copies[s]--;
+    released.push_back(id);
+    next->erase(next->begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  // Nothing more can go without losing a shard: the highest ranks go anyway (the exchange then names the shard).
+  while (released.size() < count && !next->empty()) {
+    released.push_back(next->back());
+    next->pop_back();
+  }
+  return released;
+}
+
+void Controller::CheckShardPlacement(std::vector<Action>* out) {
+  if (shard_group_ <= 1 || !multi_host()) return;
+  auto layout = state::LayoutOf(static_cast<int>(members_.size()), shard_group_);
+  if (!layout.ok()) return;
+  std::vector<std::string> host_of_rank;
+  for (const WorkerInfo* w : member_info_) host_of_rank.push_back(w->host);
+  if (std::set<std::string>(host_of_rank.begin(), host_of_rank.end()).size() < 2) return;  // one host holds all anyway
+  std::vector<int> exposed = state::ShardsOnOneHost(*layout, host_of_rank);
+  if (exposed.empty()) return;
+  out->push_back(AppendJournal{{{"event", "shard_placement"}, {"generation", generation_}, {"shards", exposed}}});
+  out->push_back(PrintLine{fmt::format("generation {}: every copy of shard {} is on one host, whose loss would lose "
+                                       "it (optimizer.shard_group {} over these hosts)", generation_,
+                                       fmt::join(exposed, ", "), shard_group_)});
 }
 
 void Controller::OrderSpares(std::vector<int>* spares, const std::set<std::string>& failed_hosts) const {

@@ -254,6 +254,9 @@ struct WorkerInfo {
   bool stopped = false;  // the launcher saw its process stop
   std::string how_it_ended;  // set when its process exited
   std::string host;          // the host it runs on ("" : local, or joined by hand)
+  // Sharded optimizer state: the shard its state holds (state::kEveryShard:
+  // every one, the initial state; kNoShard: none), from its join and Ready.
+  int held_shard = -1;
 };
 
 struct HostInfo {
@@ -406,6 +409,16 @@ class Controller {
   // Orders state sources so that consecutive ones sit on different hosts.
   std::vector<int> SpreadOverHosts(const std::vector<int>& holders) const;
 
+  // Sharded optimizer state (docs/sharding.md): the shards of which none of
+  // `holders` holds a copy, ascending; empty when nothing is sharded.
+  std::vector<int> LostShards(const std::vector<int>& holders) const;
+  // Takes `count` members off the end of `next` (the highest ranks first),
+  // skipping a holder of a shard no member that stays would hold: the
+  // released ones leave, so they cannot serve their shard. Returns them.
+  std::vector<int> ReleaseFromTheEnd(std::vector<int>* next, size_t count, const std::vector<int>& holders) const;
+  // Shards every copy of which is on one host in a plan of `members` (printed and journaled).
+  void CheckShardPlacement(std::vector<Action>* out);
+
   // Elasticity: a planned change of the world size at a step boundary.
   std::string CheckSize(int size) const;  // empty when the policy allows `size`
   Millis EffectiveStablePeriod() const;
@@ -483,6 +496,9 @@ class Controller {
   // resume step or finished (last_step only grows while members_ stays).
   size_t close_scan_ = 0;
   std::map<int, int64_t> joined_step_;  // worker → the step its state held when it joined
+  // optimizer.shard_group of the job's workers: -1 until one joins, 0 when
+  // nothing is sharded. A worker of another group size is refused.
+  int shard_group_ = -1;
   Clock::time_point abort_deadline_{};
   int64_t resume_step_ = 0;
   int64_t highest_step_ = -1;  // highest step any worker ever reported complete

@@ -1,5 +1,6 @@
 #include "torch/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace nonstop::torchx {
@@ -7,20 +8,24 @@ namespace nonstop::torchx {
 AdamW::AdamW(size_t size, std::vector<ParamSegment> segments, AdamWOptions options)
     : segments_(std::move(segments)), options_(options), m_(size, 0.0f), v_(size, 0.0f) {}
 
-void AdamW::Step(std::span<float> params, std::span<const float> grads, double lr, int64_t step) {
+void AdamW::Step(std::span<float> params, std::span<const float> grads, double lr, int64_t step, size_t offset) {
   const auto b1 = static_cast<float>(options_.beta1);
   const auto b2 = static_cast<float>(options_.beta2);
   const auto eps = static_cast<float>(options_.eps);
   const auto c1 = static_cast<float>(1.0 - std::pow(options_.beta1, static_cast<double>(step)));
   const auto c2 = static_cast<float>(1.0 - std::pow(options_.beta2, static_cast<double>(step)));
   const auto lr_f = static_cast<float>(lr);
+  const size_t end = offset + m_.size();
   for (const auto& seg : segments_) {
+    // The part of the segment in [offset, end).
+    const size_t lo = std::max(seg.offset, offset), hi = std::min(seg.offset + seg.size, end);
+    if (lo >= hi) continue;
     const float decay = seg.decay ? static_cast<float>(1.0 - lr * options_.weight_decay) : 1.0f;
-    float* __restrict p = params.data() + seg.offset;
-    const float* __restrict g = grads.data() + seg.offset;
-    float* __restrict m = m_.data() + seg.offset;
-    float* __restrict v = v_.data() + seg.offset;
-    for (size_t i = 0; i < seg.size; ++i) {
+    float* __restrict p = params.data() + lo;
+    const float* __restrict g = grads.data() + lo;
+    float* __restrict m = m_.data() + (lo - offset);
+    float* __restrict v = v_.data() + (lo - offset);
+    for (size_t i = 0; i < hi - lo; ++i) {
       m[i] = b1 * m[i] + (1.0f - b1) * g[i];
       v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
       float mhat = m[i] / c1;

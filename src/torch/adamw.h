@@ -20,10 +20,15 @@ struct AdamWOptions {
 
 class AdamW {
  public:
+  // Moments for `size` parameters: all of them, or one shard (sharded state).
   AdamW(size_t size, std::vector<ParamSegment> segments, AdamWOptions options);
 
-  // One update; `step` counts updates from 1 (bias correction).
-  void Step(std::span<float> params, std::span<const float> grads, double lr, int64_t step);
+  // One update; `step` counts updates from 1 (bias correction). The moments
+  // are those of parameters [offset, offset + size): only those are updated
+  // (a shard of the whole `params` and `grads`; the padding after the last
+  // segment is left alone). Element by element the same arithmetic, so a
+  // shard's update has the same bits as the whole update has there.
+  void Step(std::span<float> params, std::span<const float> grads, double lr, int64_t step, size_t offset = 0);
 
   std::span<float> exp_avg() { return m_; }
   std::span<float> exp_avg_sq() { return v_; }

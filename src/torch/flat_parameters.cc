@@ -7,7 +7,8 @@
 
 namespace nonstop::torchx {
 
-FlatParameters::FlatParameters(torch::nn::Module& module) {
+FlatParameters::FlatParameters(torch::nn::Module& module, size_t pad_to) {
+  NONSTOP_CHECK(pad_to >= 1);
   for (auto& item : module.named_parameters()) {
     const std::string& name = item.key();
     torch::Tensor& p = item.value();
@@ -16,8 +17,9 @@ FlatParameters::FlatParameters(torch::nn::Module& module) {
     tensors_.push_back(p);
     total_ += static_cast<size_t>(p.numel());
   }
-  flat_params_ = torch::empty({static_cast<int64_t>(total_)}, torch::kFloat32);
-  flat_grads_ = torch::zeros({static_cast<int64_t>(total_ + 1)}, torch::kFloat32);
+  padded_ = (total_ + 1 + pad_to - 1) / pad_to * pad_to;
+  flat_params_ = torch::zeros({static_cast<int64_t>(padded_)}, torch::kFloat32);
+  flat_grads_ = torch::zeros({static_cast<int64_t>(padded_)}, torch::kFloat32);
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < tensors_.size(); ++i) {
     auto& p = tensors_[i];

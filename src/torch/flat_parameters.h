@@ -28,7 +28,10 @@ struct ParamSegment {
 
 class FlatParameters {
  public:
-  explicit FlatParameters(torch::nn::Module& module);
+  // `pad_to`: both buffers are padded with zeros to a multiple of it
+  // (padded_size(): the gradients, the loss slot and the padding), so that
+  // sharded state (docs/sharding.md) cuts them into equal shards.
+  explicit FlatParameters(torch::nn::Module& module, size_t pad_to = 1);
   FlatParameters(const FlatParameters&) = delete;
   FlatParameters& operator=(const FlatParameters&) = delete;
 
@@ -36,6 +39,9 @@ class FlatParameters {
   std::span<float> params() { return {flat_params_.data_ptr<float>(), total_}; }
   std::span<float> grads() { return {flat_grads_.data_ptr<float>(), total_}; }
   std::span<float> grads_and_loss() { return {flat_grads_.data_ptr<float>(), total_ + 1}; }
+  size_t padded_size() const { return padded_; }
+  std::span<float> padded_params() { return {flat_params_.data_ptr<float>(), padded_}; }
+  std::span<float> padded_grads() { return {flat_grads_.data_ptr<float>(), padded_}; }
   float& loss_slot() { return flat_grads_.data_ptr<float>()[total_]; }
   const std::vector<ParamSegment>& segments() const { return segments_; }
 
@@ -52,8 +58,9 @@ class FlatParameters {
   std::vector<torch::Tensor> tensors_;
   std::vector<ParamSegment> segments_;
   size_t total_ = 0;
-  torch::Tensor flat_params_;  // [total]
-  torch::Tensor flat_grads_;   // [total + 1]: gradients, then the loss slot
+  size_t padded_ = 1;          // total + 1, rounded up to a multiple of pad_to
+  torch::Tensor flat_params_;  // [padded]: parameters, then zeros
+  torch::Tensor flat_grads_;   // [padded]: gradients, the loss slot, then zeros
 };
 
 }  // namespace nonstop::torchx

@@ -363,16 +363,21 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   }
   const bool receiving = std::find(moves.receivers.begin(), moves.receivers.end(), me) != moves.receivers.end();
   const std::vector<int>& my_sources = moves.sources[static_cast<size_t>(me)];
-  std::map<int, std::pair<bool, std::vector<uint32_t>>> peers;  // rank → (serve it, chunks to fetch from it)
+  struct PeerWork {
+    bool serve = false;            // it is a receiver, and this member one of its sources
+    bool fetch = false;            // it is one of this member's sources: header, the chunks (maybe none), done
+    std::vector<uint32_t> chunks;  // what this member fetches from it
+  };
+  std::map<int, PeerWork> peers;  // rank → the work with it
   if (receiving) {
-    for (size_t i = 0; i < sharded.size(); ++i) peers[my_sources[i % my_sources.size()]].second.push_back(sharded[i]);
+    for (int q : my_sources) peers[q].fetch = true;
+    for (size_t i = 0; i < sharded.size(); ++i) peers[my_sources[i % my_sources.size()]].chunks.push_back(sharded[i]);
   }
   for (int r : moves.receivers) {
     const auto& src = moves.sources[static_cast<size_t>(r)];
-    if (std::find(src.begin(), src.end(), me) != src.end()) peers[r].first = true;
+    if (std::find(src.begin(), src.end(), me) != src.end()) peers[r].serve = true;
   }
-  if (peers.empty()) return outcome;
-  if (hooks.on_start) hooks.on_start();
+  if (!peers.empty() && hooks.on_start) hooks.on_start();
 
   // Staging: a member keeps serving the shard it holds while it fetches the
   // one it will hold, so the fetched bytes go live only after both are done.
@@ -401,10 +406,11 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   for (size_t i = 0; i < results.size(); ++i) {
     threads.emplace_back([&, i] {
       const int peer = results[i].first;
-      const auto& [serve, fetch] = peers.at(peer);
-      auto do_serve = [&]() -> Status { return serve ? Serve(comm, reg, peer, step, &corrupt) : OkStatus(); };
+      const PeerWork& work = peers.at(peer);
+      const std::vector<uint32_t>& fetch = work.chunks;
+      auto do_serve = [&]() -> Status { return work.serve ? Serve(comm, reg, peer, step, &corrupt) : OkStatus(); };
       auto do_fetch = [&]() -> Status {
-        if (fetch.empty()) return OkStatus();
+        if (!work.fetch) return OkStatus();
         std::string header(kHeaderBytes, '\0');
         NONSTOP_RETURN_IF_ERROR(comm.Recv(peer, std::as_writable_bytes(std::span(header))));
         NONSTOP_RETURN_IF_ERROR(CheckHeader(header, step, reg, fmt::format("rank {}", peer), need));
@@ -430,7 +436,13 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   }
   for (auto& t : threads) t.join();
   for (const auto& [peer, s] : results) NONSTOP_RETURN_IF_ERROR(s);
-  outcome.served = std::any_of(peers.begin(), peers.end(), [](const auto& p) { return p.second.first; });
+  outcome.served = std::any_of(peers.begin(), peers.end(), [](const auto& p) { return p.second.serve; });
+  // Nobody commits before everybody has staged: a receiver's commit
+  // overwrites the shard it held, which may be the last copy of it if a
+  // holder that serves it dies now. After the barrier every member has its
+  // new shard staged. (Two faults inside the barrier's own round trip can
+  // still leave a mix of committed and uncommitted members: docs/sharding.md.)
+  NONSTOP_RETURN_IF_ERROR(comm.Barrier());
   if (!receiving) return outcome;
   // Commit: the views move to the new shard, then the checked bytes go in.
   NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));

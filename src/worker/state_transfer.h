@@ -69,7 +69,7 @@ ShardMoves PlanShardMoves(const state::ShardLayout& layout, std::span<const int>
 // holds (a spare, a member whose rank moved in a resize) copies it from its
 // holders, striped over them and checksummed, into a staging buffer while it
 // serves the shard it held to others, and commits it (the views move, the
-// bytes go in) once both are done. DATA_LOSS naming the shard when no member
+// bytes go in) once every member has staged its own (a barrier). DATA_LOSS naming the shard when no member
 // holds a shard: every member gets the same verdict. A failure leaves the
 // state as it was: the shard held before, still valid.
 Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& registry,

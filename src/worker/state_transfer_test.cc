@@ -18,11 +18,12 @@ constexpr size_t kShard = 1000;  // floats per shard: several chunks of 1 KiB
 
 // One rank: its sharded state (parameters whole, moments of its shard) and its communicator.
 struct Rank {
-  explicit Rank(int group) : group(group), params(kShard * static_cast<size_t>(group)), m(kShard), v(kShard) {}
+  Rank(int group, size_t chunk_bytes)
+      : group(group), params(kShard * static_cast<size_t>(group)), m(kShard), v(kShard), reg(chunk_bytes) {}
   int group;
   std::vector<float> params, m, v;
   int64_t step = 0;
-  state::StateRegistry reg{1024};
+  state::StateRegistry reg;
   net::AbortSignal abort;
   std::unique_ptr<collective::PeerMesh> mesh;
   std::unique_ptr<collective::Communicator> comm;
@@ -58,7 +59,7 @@ struct Rank {
 };
 
 // W ranks on loopback, with group sizes `groups` (one per rank).
-std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups) {
+std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups, size_t chunk_bytes = 1024) {
   std::vector<net::Listener> listeners;
   std::vector<collective::Member> members;
   for (size_t r = 0; r < groups.size(); ++r) {
@@ -69,7 +70,7 @@ std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups) {
   }
   std::vector<std::unique_ptr<Rank>> ranks;
   for (size_t r = 0; r < groups.size(); ++r) {
-    auto rank = std::make_unique<Rank>(groups[r]);
+    auto rank = std::make_unique<Rank>(groups[r], chunk_bytes);
     rank->Register();
     rank->mesh = collective::PeerMesh::Create({kToken, static_cast<int>(r)}, std::move(listeners[r]));
     collective::CommunicatorOptions o;
@@ -155,6 +156,18 @@ TEST(ExchangeShardsTest, ResizeReshardsLiveWithMembersSwappingShards) {
     EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 12)) << "rank " << r;
   }
   EXPECT_EQ(refetched, 1);
+}
+
+TEST(ExchangeShardsTest, AHolderThatServesNoChunkStillEndsItsPartOfTheProtocol) {
+  // The whole shard is one chunk: of a receiver's three holders, two send
+  // nothing but the header; they must not wait for a request forever.
+  auto ranks = MakeRanks({2, 2, 2, 2, 2, 2}, 1 << 20);
+  for (int r = 0; r < 6; ++r) ranks[static_cast<size_t>(r)]->Hold((r + 1) % 2, 4);
+  auto out = ExchangeAll(ranks, 4);
+  for (int r = 0; r < 6; ++r) {
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+    EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 4)) << "rank " << r;
+  }
 }
 
 TEST(ExchangeShardsTest, TheInitialStateIsEveryShardAndMovesNothing) {
