@@ -30,14 +30,15 @@ const std::string kBin = NONSTOP_BIN_DIR;
 
 // A micro model that trains in a second or two on two cores.
 // train_extra: more lines of the train section ("  determinism: world-invariant\n").
+// optimizer_extra: more lines of the optimizer section ("  shard_group: 2\n").
 std::string MicroRecipe(const std::string& data_dir, const std::string& text_file, const std::string& arch = "llama",
-                        const std::string& train_extra = "") {
+                        const std::string& train_extra = "", const std::string& optimizer_extra = "") {
   std::string moe = arch == "gpt-oss" ? "  n_experts: 3\n  top_k: 2\n" : "";
   return "name: micro\n"
          "model:\n  arch: " + arch + "\n  vocab_size: 256\n  dim: 32\n  n_layers: 2\n  n_heads: 4\n  n_kv_heads: 2\n"
          "  ffn_hidden: 48\n" + moe + "  seq_len: 16\n"
          "train:\n  steps: 21\n  global_batch: 16\n  micro_batch: 2\n  seed: 7\n  log_every: 5\n" + train_extra +
-         "optimizer:\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  warmup_steps: 3\n"
+         "optimizer:\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  warmup_steps: 3\n" + optimizer_extra +
          "data:\n  shards: " + data_dir + "\n  prepare_from: " + text_file + "\n";
 }
 
@@ -485,6 +486,177 @@ TEST_F(TrainTest, CorruptShardIsDataCorruption) {
   EXPECT_EQ(r.code, 11) << r.output;
   EXPECT_NE(r.output.find("shard_000000.bin"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("checksum"), std::string::npos) << r.output;
+}
+
+// ---- Sharded optimizer state (issue 12, docs/sharding.md) ----
+
+// "optimizer state: N bytes per rank", as rank 0 prints it.
+uint64_t OptimizerBytesPerRank(const std::string& output) {
+  std::smatch m;
+  if (!std::regex_search(output, m, std::regex("optimizer state: (\\d+) bytes per rank"))) return 0;
+  return std::stoull(m[1]);
+}
+
+class ShardedTrainTest : public TrainTest {
+ protected:
+  void WriteSharded(int group, bool world_invariant = true, const std::string& more = "") {
+    std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama",
+                                                       world_invariant ? kWorldInvariant : "",
+                                                       group > 1 ? fmt::format("  shard_group: {}\n", group) : "")
+                                        << more;
+  }
+  // The bytes of the state's parameters and moments (unsharded: 3 × 4 × parameters).
+  static uint64_t WholeStateBytes(uint64_t unsharded_optimizer_bytes) { return unsharded_optimizer_bytes / 2 * 3; }
+  std::vector<size_t> Worlds(const std::string& tag) {
+    std::vector<size_t> worlds;
+    for (auto& p : nonstop::testing::JournalEvents(dir_ / (tag + ".jsonl"), "plan")) worlds.push_back(p["members"].size());
+    return worlds;
+  }
+};
+
+TEST_F(ShardedTrainTest, ShardsTheMomentsAndKeepsTheUnshardedLossCurve) {
+  for (bool invariant : {true, false}) {
+    const std::string mode = invariant ? "invariant" : "fast";
+    WriteSharded(1, invariant);
+    RunResult whole = Run(4, mode + "-whole");
+    ASSERT_EQ(whole.code, 0) << whole.output;
+    const uint64_t whole_bytes = OptimizerBytesPerRank(whole.output);
+    ASSERT_GT(whole_bytes, 0u) << whole.output;
+    for (int group : {2, 4}) {
+      if (!invariant && group == 4) continue;
+      WriteSharded(group, invariant);
+      RunResult r = Run(4, fmt::format("{}-g{}", mode, group));
+      ASSERT_EQ(r.code, 0) << r.output;
+      // The moments shrink by G: a shard is 1/G of the parameters and the loss slot, padded to a multiple of G.
+      const uint64_t bytes = OptimizerBytesPerRank(r.output);
+      EXPECT_GE(bytes * static_cast<uint64_t>(group), whole_bytes) << mode << " G=" << group;
+      EXPECT_LE(bytes * static_cast<uint64_t>(group), whole_bytes + 8u * static_cast<uint64_t>(group))
+          << mode << " G=" << group << "\n" << r.output;
+      ASSERT_EQ(r.losses.size(), whole.losses.size());
+      if (invariant) {
+        // The same sums, the same elementwise update: the same bits.
+        EXPECT_EQ(r.checksum, whole.checksum) << "G=" << group;
+        EXPECT_EQ(r.losses, whole.losses) << "G=" << group;
+      } else {
+        for (auto [step, loss] : whole.losses) {
+          EXPECT_LT(std::abs(r.losses[step] - loss) / loss, 1e-4) << "step " << step;  // another summation order
+        }
+      }
+    }
+  }
+}
+
+TEST_F(ShardedTrainTest, RecoveriesAndReshardingEndBitwiseAsTheFaultFreeRun) {
+  WriteSharded(1);
+  const uint64_t whole_bytes = OptimizerBytesPerRank(Run(1, "whole", {"--steps", "1"}).output);
+  WriteSharded(2);
+  RunResult ref = Run(4, "ref");  // world-invariant: the same bits at 6, 4 and 2 ranks
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const uint64_t shard_moments = OptimizerBytesPerRank(ref.output);
+  const std::vector<std::string> fault = {"--heartbeat-timeout-ms", "1000", "--inject"};
+  auto with_fault = [&](std::vector<std::string> flags, const std::string& spec) {
+    flags.insert(flags.end(), fault.begin(), fault.end());
+    flags.push_back(spec);
+    return flags;
+  };
+
+  // A kill with a spare: the spare copies shard 1 from its replica, and the step counters from anyone.
+  RunResult spare = Run(4, "spare", {}, with_fault({"--spares", "1"}, "kill:rank=1,step=8"));
+  ASSERT_EQ(spare.code, 0) << spare.output;
+  EXPECT_EQ(spare.checksum, ref.checksum) << spare.output;
+  EXPECT_NE(spare.output.find("re-sharded: copied shard 1 of the optimizer state"), std::string::npos) << spare.output;
+  uint64_t copied = 0;
+  for (auto& j : nonstop::testing::JournalEvents(dir_ / "spare.jsonl", "recovery_end")) {
+    copied += j["recovery"].value("bytes_copied", uint64_t{0});
+  }
+  // One shard of the parameters and both moments (3/2 of a shard's moments), and six 8-byte counters.
+  EXPECT_EQ(copied, shard_moments / 2 * 3 + 6 * 8) << spare.output;
+  EXPECT_LT(copied, WholeStateBytes(whole_bytes) / 2 + 64) << "not the whole state";
+
+  // Two kills in different groups in one step, two spares.
+  RunResult two = Run(4, "two", {}, with_fault({"--spares", "2"}, "kill:rank=0,step=8;kill:rank=3,step=8"));
+  ASSERT_EQ(two.code, 0) << two.output;
+  EXPECT_EQ(two.checksum, ref.checksum) << two.output;
+
+  // No spare: 6 → 4 (a member released to keep whole groups: every rank after the lost one
+  // changes shard, re-sharded live), and a kill during that re-shard: → 2, re-sharded again.
+  RunResult during = Run(6, "during", {}, with_fault({"--spares", "0"}, "kill:rank=0,step=8;kill:rank=1,during=transfer"));
+  ASSERT_EQ(during.code, 0) << during.output;
+  EXPECT_EQ(during.checksum, ref.checksum) << during.output;
+  EXPECT_EQ(Worlds("during"), (std::vector<size_t>{6, 4, 2})) << during.output;
+  EXPECT_NE(during.output.find("re-sharded"), std::string::npos) << during.output;
+
+  // A shrink (4 → 2 by a kill with no spare) and a grow back to 4, while it trains.
+  std::string journal = dir_ / "grow.jsonl";
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "4", "--spares", "0", "--max-world", "4", "--journal", journal,
+                    "--heartbeat-timeout-ms", "1000", "--inject", "kill:rank=0,step=6", "--", kBin + "/nonstop-train",
+                    dir_ / "recipe.yaml", "--throttle-ms", "40"},
+                   dir_ / "grow.out");
+  auto until = std::chrono::steady_clock::now() + milliseconds(120'000);
+  while (Worlds("grow").size() < 2) {
+    ASSERT_LT(std::chrono::steady_clock::now(), until) << "the shrink\n" << run.Output();
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  ChildProcess grow({kBin + "/nonstop", "scale", "--job", dir_ / "job.json", "--world-size", "4"}, dir_ / "scale.out");
+  EXPECT_EQ(grow.Wait(milliseconds(20'000)), 0) << grow.Output();
+  ASSERT_EQ(run.Wait(milliseconds(120'000)), 0) << run.Output();
+  EXPECT_EQ(Worlds("grow"), (std::vector<size_t>{4, 2, 4})) << run.Output();
+  std::string checksum;
+  for (auto& j : nonstop::testing::JournalEvents(journal, "finished")) checksum = j["checksum"];
+  EXPECT_EQ(checksum, ref.checksum) << run.Output();
+
+  // Fast determinism, bitwise at a fixed world: a kill with a spare.
+  WriteSharded(2, /*world_invariant=*/false);
+  RunResult fast = Run(4, "fast");
+  RunResult fast_spare = Run(4, "fast-spare", {}, with_fault({"--spares", "1"}, "kill:rank=2,step=9"));
+  ASSERT_EQ(fast_spare.code, 0) << fast_spare.output;
+  EXPECT_EQ(fast_spare.checksum, fast.checksum) << fast_spare.output;
+  EXPECT_EQ(fast_spare.losses, fast.losses);
+}
+
+TEST_F(ShardedTrainTest, LosingEveryCopyOfAShardStopsTheJobNamingItOrFallsToTheCheckpoint) {
+  WriteSharded(2);
+  RunResult ref = Run(4, "ref");
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  // Ranks 1 and 3 are both holders of shard 1: with spares for both, the state of shard 1 is nowhere.
+  const std::vector<std::string> both = {"--spares", "2", "--heartbeat-timeout-ms", "1000", "--inject",
+                                         "kill:rank=1,step=8;kill:rank=3,step=8"};
+  RunResult lost = Run(4, "lost", {}, both);
+  EXPECT_EQ(lost.code, 10) << lost.output;
+  EXPECT_NE(lost.output.find("every copy of shard 1 of the optimizer state of step 7 is lost"), std::string::npos)
+      << lost.output;
+  EXPECT_EQ(lost.output.find("the controller (pid"), std::string::npos) << "it ended the job; it did not die";
+  std::vector<std::string> rung = both;
+  rung.insert(rung.end(), {"--checkpoint-dir", dir_ / "ckpt", "--checkpoint-every", "5"});
+  RunResult restarted = Run(4, "rung", {}, rung);
+  ASSERT_EQ(restarted.code, 0) << restarted.output;
+  EXPECT_NE(restarted.output.find("restarting every worker"), std::string::npos) << restarted.output;
+  EXPECT_EQ(restarted.checksum, ref.checksum) << restarted.output;
+}
+
+TEST_F(ShardedTrainTest, CheckpointsLoadAtAnyWorldAndWithoutSharding) {
+  WriteSharded(2);
+  std::string ckpt = dir_ / "ckpt";
+  RunResult saved = Run(4, "saved", {"--checkpoint-dir", ckpt, "--checkpoint-every", "10"});
+  ASSERT_EQ(saved.code, 0) << saved.output;
+  namespace fs = std::filesystem;
+  for (const char* newer : {"step-000000019", "step-000000020"}) fs::remove_all(ckpt + "/" + newer);
+  ASSERT_TRUE(fs::exists(ckpt + "/step-000000009")) << saved.output;
+  RunResult two = Run(2, "two", {"--resume", ckpt});
+  ASSERT_EQ(two.code, 0) << two.output;
+  EXPECT_EQ(two.losses.begin()->first, 10) << "it resumed at step 10";
+  EXPECT_EQ(two.checksum, saved.checksum) << two.output;
+  WriteSharded(1);  // the same checkpoint, an unsharded run of one rank
+  RunResult one = Run(1, "one", {"--resume", ckpt});
+  ASSERT_EQ(one.code, 0) << one.output;
+  EXPECT_EQ(one.checksum, saved.checksum) << one.output;
+}
+
+TEST_F(ShardedTrainTest, AWorldOfPartGroupsIsRefusedNamingTheGroupSize) {
+  WriteSharded(2);
+  RunResult r = Run(3, "three");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("not groups of optimizer.shard_group 2"), std::string::npos) << r.output;
 }
 
 }  // namespace
