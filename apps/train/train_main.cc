@@ -119,6 +119,9 @@ int Main(int argc, char** argv) {
                "when it restarts workers)")
       ->envname("NONSTOP_RESUME");
   app.add_option("--steps", steps_override, "Override train.steps")->envname("NONSTOP_TRAIN_STEPS");
+  int64_t shard_group_override = 0;
+  app.add_option("--shard-group", shard_group_override, "Override optimizer.shard_group (1: no sharding)")
+      ->envname("NONSTOP_SHARD_GROUP")->check(CLI::Range(1, 1024));
   app.add_option("--torch-threads", threads, "Intra-op threads per worker")->capture_default_str()
       ->envname("NONSTOP_TORCH_THREADS");
   app.add_flag("--print-recipe", print_recipe, "Print the built-in default recipe and exit");
@@ -148,6 +151,7 @@ int Main(int argc, char** argv) {
   if (!recipe.ok()) return Fail(recipe.status(), "bad recipe");
   Recipe& r = *recipe;
   if (steps_override > 0) r.train.steps = steps_override;
+  if (shard_group_override > 0) r.optimizer.shard_group = shard_group_override;
   if (!checkpoint_dir.empty()) r.checkpoint.dir = checkpoint_dir;
   if (checkpoint_every >= 0) r.checkpoint.every = checkpoint_every;
   if (resume_env && resume_dir.empty()) resume_dir = r.checkpoint.dir;

@@ -916,6 +916,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
     if (survived[r]) {
       next.push_back(id);
     } else if (spare_i < spares.size() && !(resize_ && resize_->release.count(id))) {  // a leaving host's rank goes with it
+      PreferSpareAwayFromReplicas(&spares, spare_i, r, survived);
       int s = spares[spare_i++];
       next.push_back(s);
       rec.replacements.push_back(fmt::format("rank {}: worker {} → spare worker {}", r, id, s));
@@ -1883,6 +1884,19 @@ std::vector<int> Controller::ReleaseFromTheEnd(std::vector<int>* next, size_t co
     next->pop_back();
   }
   return released;
+}
+
+void Controller::PreferSpareAwayFromReplicas(std::vector<int>* spares, size_t first, size_t rank,
+                                             const std::vector<char>& survived) const {
+  if (shard_group_ <= 1 || !multi_host()) return;
+  const auto g = static_cast<size_t>(shard_group_);
+  std::set<std::string> replica_hosts;  // where the other copies of this rank's shard stay
+  for (size_t q = rank % g; q < members_.size(); q += g) {
+    if (q != rank && survived[q]) replica_hosts.insert(member_info_[q]->host);
+  }
+  auto away = std::find_if(spares->begin() + static_cast<std::ptrdiff_t>(first), spares->end(),
+                           [&](int id) { return !replica_hosts.count(workers_.at(id).host); });
+  if (away != spares->end()) std::rotate(spares->begin() + static_cast<std::ptrdiff_t>(first), away, away + 1);
 }
 
 void Controller::CheckShardPlacement(std::vector<Action>* out) {

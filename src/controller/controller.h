@@ -416,6 +416,11 @@ class Controller {
   // skipping a holder of a shard no member that stays would hold: the
   // released ones leave, so they cannot serve their shard. Returns them.
   std::vector<int> ReleaseFromTheEnd(std::vector<int>* next, size_t count, const std::vector<int>& holders) const;
+  // Moves to spares[first] the first spare from there on whose host holds no
+  // surviving replica of the shard of `rank` (sharded state, several hosts):
+  // a spare beside a replica would put two copies of a shard on one host.
+  void PreferSpareAwayFromReplicas(std::vector<int>* spares, size_t first, size_t rank,
+                                   const std::vector<char>& survived) const;
   // Shards every copy of which is on one host in a plan of `members` (printed and journaled).
   void CheckShardPlacement(std::vector<Action>* out);
 

@@ -1,5 +1,6 @@
 #include "controller/controller.h"
 #include "controller/takeover.h"
+#include "nonstop/state.h"
 
 #include <gtest/gtest.h>
 
@@ -1829,6 +1830,139 @@ TEST_F(TakeoverTest, AJournalWhoseJobEndedOrNeverFormedCannotBeTakenOver) {
   auto garbage = TakeoverFromJournal({{{"event", "job_start"}}, {{"event", "plan"}, {"generation", "two"}}});
   ASSERT_FALSE(garbage.ok());
   EXPECT_NE(garbage.status().message().find("wrong shape"), std::string::npos) << garbage.status().ToString();
+}
+
+// Sharded optimizer state (docs/sharding.md): the controller knows the group
+// size and the shard each member holds, from the joins and the Readies.
+class ShardedControllerTest : public ControllerTest {
+ protected:
+  static constexpr int kGroup = 2;
+  std::vector<Action> JoinSharded(int id, bool spare = false, int group = kGroup) {
+    control::JoinMsg m{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1, ""};
+    m.shard_group = group;
+    m.held_shard = nonstop::state::kEveryShard;
+    return Do(WorkerJoined{m});
+  }
+  std::vector<Action> ReadyHolding(int id, int64_t step, int shard) {
+    control::ReadyMsg m{c_->generation(), step, "aborted", shard};
+    return Do(ReadyReceived{id, m});
+  }
+  // World 4 in groups of 2 (rank r holds shard r mod 2), every member at step 7.
+  void StartSharded(int spares) {
+    c_ = Make(4, spares);
+    for (int s = 0; s < spares; ++s) JoinSharded(10 + s, true);
+    for (int id = 0; id < 4; ++id) JoinSharded(id);
+    ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+    for (int id = 0; id < 4; ++id) Step(id, 7);
+  }
+  static std::vector<int> Members(const control::PlanMsg& plan) {
+    std::vector<int> ids;
+    for (const auto& m : plan.members) ids.push_back(m.worker_id);
+    return ids;
+  }
+};
+
+TEST_F(ShardedControllerTest, AWorkerOfAnotherGroupSizeIsRefused) {
+  StartSharded(0);
+  auto shutdowns = Find<SendShutdown>(JoinSharded(20, /*spare=*/true, /*group=*/4));
+  ASSERT_EQ(shutdowns.size(), 1u);
+  EXPECT_NE(shutdowns[0].msg.reason.find("groups of 4, the job over groups of 2"), std::string::npos)
+      << shutdowns[0].msg.reason;
+  shutdowns = Find<SendShutdown>(Join(21, /*spare=*/true));  // unsharded
+  ASSERT_EQ(shutdowns.size(), 1u);
+  EXPECT_NE(shutdowns[0].msg.reason.find("optimizer.shard_group"), std::string::npos);
+}
+
+TEST_F(ShardedControllerTest, AWorldOfPartGroupsIsRefusedBeforeItForms) {
+  c_ = Make(3, 0);
+  std::vector<Action> all;
+  for (int id = 0; id < 3; ++id) all = JoinSharded(id);
+  auto ends = Find<EndJob>(all);
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].exit_code, kExitUsage);
+  EXPECT_NE(ends[0].reason.find("not groups of optimizer.shard_group 2"), std::string::npos) << ends[0].reason;
+}
+
+TEST_F(ShardedControllerTest, LosingEveryHolderOfAShardEndsTheJobNamingTheShardAndStep) {
+  StartSharded(2);
+  Do(ProcessExited{1, 1001, -1, 9, ""});  // ranks 1 and 3: both copies of shard 1
+  Do(ProcessExited{3, 1003, -1, 9, ""});
+  ReadyHolding(0, 7, 0);
+  auto actions = ReadyHolding(2, 7, 0);
+  EXPECT_TRUE(Find<SendPlan>(actions).empty()) << "no plan that cannot load";
+  auto ends = Find<EndJob>(actions);
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
+  EXPECT_NE(ends[0].reason.find("every copy of shard 1 of the optimizer state of step 7 is lost"), std::string::npos)
+      << ends[0].reason;
+}
+
+TEST_F(ShardedControllerTest, AKillWithASpareGivesTheSpareTheLostRankAndMovesNothingElse) {
+  StartSharded(1);
+  Do(ProcessExited{1, 1001, -1, 9, ""});
+  std::vector<Action> last;
+  for (int id : {0, 2, 3}) last = ReadyHolding(id, 7, id % kGroup);
+  auto plans = Find<SendPlan>(last);
+  ASSERT_FALSE(plans.empty());
+  EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 10, 2, 3})) << "the spare takes rank 1, nothing moves";
+}
+
+TEST_F(ShardedControllerTest, AFaultWithoutASpareKeepsWholeGroupsAndAHolderOfEveryShard) {
+  StartSharded(0);
+  // Rank 1 (shard 1) is lost: of the survivors 0 (shard 0), 2 (shard 0), 3 (shard 1), the
+  // world of 3 must go to 2; rank 3 is the last holder of shard 1, so rank 2 leaves.
+  Do(ProcessExited{1, 1001, -1, 9, ""});
+  ReadyHolding(0, 7, 0);
+  ReadyHolding(2, 7, 0);
+  auto actions = ReadyHolding(3, 7, 1);
+  auto plans = Find<SendPlan>(actions);
+  ASSERT_FALSE(plans.empty());
+  EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 3}));
+  auto shutdowns = Find<SendShutdown>(actions);
+  ASSERT_EQ(shutdowns.size(), 1u);
+  EXPECT_EQ(shutdowns[0].worker_id, 2);
+  EXPECT_EQ(shutdowns[0].msg.exit_code, kExitOk) << "released, not failed";
+  // And the policy allows only whole groups from now on.
+  auto reply = Find<ScaleReply>(Do(ScaleRequest{1, {{"world_size", 3}}, "test"}));
+  ASSERT_EQ(reply.size(), 1u);
+  EXPECT_NE(reply[0].body.dump().find("not a multiple of optimizer.shard_group 2"), std::string::npos)
+      << reply[0].body.dump();
+}
+
+// A spare beside a replica of the lost rank's shard would put both copies on
+// one host: a spare on another host is preferred.
+TEST_F(HostFaultsTest, ShardedSpareIsTakenFromAHostHoldingNoOtherCopyOfTheShard) {
+  ControllerOptions o;
+  o.min_hosts = 3;
+  Use(o);
+  std::vector<SpawnWorker> spawns;
+  for (auto [h, n, sp] : {std::tuple{"h1", 2, 1}, {"h2", 2, 0}, {"h3", 0, 1}}) {
+    for (auto& s : Find<SpawnWorker>(Register(h, n, sp))) spawns.push_back(s);
+  }
+  for (auto& s : spawns) {
+    control::JoinMsg m{s.worker_id, 1000 + s.worker_id, "addr" + std::to_string(s.worker_id), s.spare, -1, s.host};
+    m.shard_group = 2;
+    m.held_shard = nonstop::state::kEveryShard;
+    Do(WorkerJoined{m});
+  }
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  std::vector<int> by_rank(4, -1);
+  for (const auto& [id, w] : c_->workers()) {
+    if (w.role == WorkerRole::kMember) by_rank[static_cast<size_t>(w.rank)] = id;
+  }
+  ASSERT_EQ(c_->HostOf(by_rank[0]), "h1");
+  ASSERT_EQ(c_->HostOf(by_rank[2]), "h2");
+  for (int id : by_rank) Step(id, 5);
+  // Rank 2 (shard 0; its other copy is rank 0's, on h1) dies.
+  Do(ProcessExited{by_rank[2], 1000 + by_rank[2], -1, 9, ""});
+  std::vector<Action> last;
+  for (int r : {0, 1, 3}) {
+    last = Do(ReadyReceived{by_rank[static_cast<size_t>(r)], {c_->generation(), 5, "aborted", r % 2}});
+  }
+  auto plans = Find<SendPlan>(last);
+  ASSERT_FALSE(plans.empty());
+  const int taker = plans[0].plan->members[2].worker_id;
+  EXPECT_EQ(c_->HostOf(taker), "h3") << "not h1's spare, beside rank 0's copy of shard 0";
 }
 
 }  // namespace
