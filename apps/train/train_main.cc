@@ -276,11 +276,14 @@ int Main(int argc, char** argv) {
     } else if (loaded.status().code() == StatusCode::kNotFound && resume_env) {
       fmt::print("no checkpoint to resume from in {}: starting from scratch ({})\n", resume_dir,
                  loaded.status().message());
-      loading.reset();
+      loading.reset();  // the moments are the optimizer's own (zeros), not views of whole ones
+      std::vector<float>().swap(whole_m);
+      std::vector<float>().swap(whole_v);
     } else {
       return Fail(loaded.status(), "resuming");
     }
   }
+  const bool resumed_whole = sharded && loading != nullptr;  // the moments are views of whole_m, whole_v
   if (sharded) {
     // The parameters whole on every rank, the held shard of them part of the
     // state; the moments of the shard alone: views of the whole moments a
@@ -317,7 +320,7 @@ int Main(int argc, char** argv) {
     return Fail(joined.status(), "joining the job");
   }
   Session& session = **joined;
-  if (sharded && !whole_m.empty()) {
+  if (resumed_whole) {
     // This rank knows its shard now: it keeps that shard of the moments a
     // checkpoint loaded, in the optimizer's own memory, and frees the rest.
     NONSTOP_CHECK_GE(state.held_shard(), 0) << "the session binds the shard of the rank";

@@ -113,6 +113,9 @@ class StateRegistry {
   std::vector<ChunkInfo> Chunks() const;
   // Copies chunk `index` of the current state into `out` (out.size() == chunk size).
   void ReadChunk(uint32_t index, std::span<std::byte> out) const;
+  // A sharded chunk as it would read with BindShard(shard): what a registry
+  // holding every shard (kEveryShard) serves of each.
+  void ReadChunkOfShard(uint32_t index, int shard, std::span<std::byte> out) const;
   // Verifies `data` against `crc` and writes it into chunk `index` in place.
   Status WriteChunk(uint32_t index, std::span<const std::byte> data, uint32_t crc);
 
@@ -133,6 +136,7 @@ class StateRegistry {
   // The chunks of `chunk_bytes`: each run of consecutive regions of the same
   // kind (sharded or not) is cut on its own, so no chunk mixes the two.
   std::vector<Piece> Tiling(uint64_t chunk_bytes) const;
+  std::vector<uint64_t> RunBytes() const;  // the bytes of each run of regions of one kind
   Status AddShardRegion(std::string name, std::span<float> bytes, std::span<float> whole, int group_size);
   ChunkInfo Chunk(uint32_t index) const;
   void CopyOut(uint64_t offset, std::span<std::byte> out) const;

@@ -185,7 +185,7 @@ struct ReadyMsg {
   uint32_t generation = 0;  // the generation this worker aborted
   int64_t step = -1;        // the step its state holds; -1: no valid state
   std::string reason;       // what it saw ("peer reset", "controller abort")
-  int held_shard = -1;      // sharded state: the shard it holds (JoinMsg::held_shard)
+  int held_shard = -2;      // sharded state: the shard it holds (JoinMsg::held_shard); absent: none
 };
 
 struct RecoveredMsg {

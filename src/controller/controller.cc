@@ -186,8 +186,8 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitUsage}});
     return;
   }
-  shard_group_ = m.shard_group;
   if (unconfirmed_.count(m.worker_id)) {
+    shard_group_ = m.shard_group;
     Rejoined(m, out);
     return;
   }
@@ -213,6 +213,7 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   w.host = m.host_id;
   SetRole(w, m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending);
   joined_step_[m.worker_id] = m.state_step;
+  shard_group_ = m.shard_group;  // the first join taken fixes it; the check above keeps every later one equal
   w.held_shard = m.held_shard;
   w.last_heard = now_;
   json rec = {{"event", "join"}, {"worker_id", m.worker_id}, {"pid", m.pid}, {"address", m.data_address},
@@ -232,6 +233,10 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
     End(kExitUsage, fmt::format("the world of {} workers is not groups of optimizer.shard_group {}: make --nproc a "
                                 "multiple of {} or change the recipe's shard_group", world_size_, shard_group_,
                                 shard_group_), out);
+    return;
+  }
+  if (shard_group_ > 1 && world_size_ / shard_group_ + shard_group_ > kMaxShardSubGroups) {
+    End(kExitUsage, CheckSize(world_size_), out);
     return;
   }
   if (shard_group_ > 1 && world_size_ == shard_group_ && !open_recovery_) {
@@ -824,6 +829,11 @@ void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
     // The member saw a fault first (a peer's connection reset): recover.
     StartRecovery(fmt::format("{} reported: {}", Describe(it->second), e.msg.reason), out);
   }
+  if (shard_group_ > 0 && e.msg.held_shard >= shard_group_) {
+    MemberFault(e.worker_id, "reported failure",
+                fmt::format("claims to hold shard {} of groups of {}", e.msg.held_shard, shard_group_), out);
+    return;
+  }
   if (phase_ != JobPhase::kRecovering) return;
   ready_[e.worker_id] = e.msg.step;
   it->second.held_shard = e.msg.held_shard;
@@ -911,13 +921,28 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   OrderSpares(&spares, rec.failed_hosts);
   std::vector<int> next;
   size_t spare_i = 0;
+  // Sharded state needs whole groups: no more spares than make the world a
+  // multiple of G (the members beyond it would be released again below).
+  size_t spare_cap = spares.size();
+  if (shard_group_ > 1 && !resize_) {
+    const auto g = static_cast<size_t>(shard_group_);
+    const size_t alive = survivors.size();
+    const size_t reach = alive + std::min(members_.size() - alive, spares.size());
+    spare_cap = reach / g * g > alive ? reach / g * g - alive : 0;
+  }
+  std::vector<std::string> host_at(members_.size());  // the host of whoever holds each rank next
+  for (size_t r = 0; r < members_.size(); ++r) {
+    if (survived[r]) host_at[r] = member_info_[r]->host;
+  }
   for (size_t r = 0; r < members_.size(); ++r) {
     int id = members_[r];
     if (survived[r]) {
       next.push_back(id);
-    } else if (spare_i < spares.size() && !(resize_ && resize_->release.count(id))) {  // a leaving host's rank goes with it
-      PreferSpareAwayFromReplicas(&spares, spare_i, r, survived);
+    } else if (spare_i < std::min(spares.size(), spare_cap) &&
+               !(resize_ && resize_->release.count(id))) {  // a leaving host's rank goes with it
+      PreferSpareAwayFromReplicas(&spares, spare_i, r, host_at, rec.failed_hosts);
       int s = spares[spare_i++];
+      host_at[r] = workers_[s].host;
       next.push_back(s);
       rec.replacements.push_back(fmt::format("rank {}: worker {} → spare worker {}", r, id, s));
     } else {
@@ -937,13 +962,14 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
       for (int id : holders) {
         if (!release.count(id)) staying.push_back(id);
       }
+      if (!LostShards(staying).empty()) staying.clear();  // sharded: only leaving members hold some shard
       // Checked again at the boundary: a spare counted on may have died
       // during the drain, and the members that stay must hold the state.
       const size_t reach = std::min(want, kept.size() + (spares.size() - spare_i));
       if (kept.size() < next.size() && (!CheckSize(static_cast<int>(reach)).empty() || staying.empty())) {
         out->push_back(PrintLine{fmt::format(
             "the members of leaving hosts stay for now: without them the world would be {} ({})", reach,
-            staying.empty() ? "no member that stays holds the state" : CheckSize(static_cast<int>(reach)))});
+            staying.empty() ? "no member that stays holds all of the state" : CheckSize(static_cast<int>(reach)))});
         kept = next;  // MaybeReleaseLeavingHosts tries again (or refuses) at the next boundary
         want = std::max(want, next.size());
         if (staying.empty()) {
@@ -1127,6 +1153,11 @@ std::string Controller::CheckSize(int size) const {
   if (size > max_world) return fmt::format("world size {} is above the maximum {}", size, max_world);
   if (shard_group_ > 1 && size % shard_group_ != 0) {
     return fmt::format("world size {} is not a multiple of optimizer.shard_group {}", size, shard_group_);
+  }
+  if (shard_group_ > 1 && size / shard_group_ + shard_group_ > kMaxShardSubGroups) {
+    return fmt::format("world size {} is {} groups of optimizer.shard_group {}: more than the {} sub-groups a "
+                       "generation has (use a larger shard_group)", size, size / shard_group_, shard_group_,
+                       kMaxShardSubGroups);
   }
   if (!p.allowed_sizes.empty()) {
     if (std::find(p.allowed_sizes.begin(), p.allowed_sizes.end(), size) == p.allowed_sizes.end()) {
@@ -1887,15 +1918,19 @@ std::vector<int> Controller::ReleaseFromTheEnd(std::vector<int>* next, size_t co
 }
 
 void Controller::PreferSpareAwayFromReplicas(std::vector<int>* spares, size_t first, size_t rank,
-                                             const std::vector<char>& survived) const {
+                                             const std::vector<std::string>& host_at,
+                                             const std::set<std::string>& failed_hosts) const {
   if (shard_group_ <= 1 || !multi_host()) return;
   const auto g = static_cast<size_t>(shard_group_);
-  std::set<std::string> replica_hosts;  // where the other copies of this rank's shard stay
-  for (size_t q = rank % g; q < members_.size(); q += g) {
-    if (q != rank && survived[q]) replica_hosts.insert(member_info_[q]->host);
+  std::set<std::string> replica_hosts;  // where the other copies of this rank's shard are (or go)
+  for (size_t q = rank % g; q < host_at.size(); q += g) {
+    if (q != rank && !host_at[q].empty()) replica_hosts.insert(host_at[q]);
   }
-  auto away = std::find_if(spares->begin() + static_cast<std::ptrdiff_t>(first), spares->end(),
-                           [&](int id) { return !replica_hosts.count(workers_.at(id).host); });
+  // Not on a host that just failed either (OrderSpares put those last).
+  auto away = std::find_if(spares->begin() + static_cast<std::ptrdiff_t>(first), spares->end(), [&](int id) {
+    const std::string& host = workers_.at(id).host;
+    return !replica_hosts.count(host) && !failed_hosts.count(host);
+  });
   if (away != spares->end()) std::rotate(spares->begin() + static_cast<std::ptrdiff_t>(first), away, away + 1);
 }
 

@@ -412,6 +412,9 @@ class Controller {
   // Sharded optimizer state (docs/sharding.md): the shards of which none of
   // `holders` holds a copy, ascending; empty when nothing is sharded.
   std::vector<int> LostShards(const std::vector<int>& holders) const;
+  // A generation's sub-groups of sharded state (its groups and its shards'
+  // replica sets) each need an op space of their own (Communicator::SubGroup).
+  static constexpr int kMaxShardSubGroups = 126;
   // Takes `count` members off the end of `next` (the highest ranks first),
   // skipping a holder of a shard no member that stays would hold: the
   // released ones leave, so they cannot serve their shard. Returns them.
@@ -419,8 +422,10 @@ class Controller {
   // Moves to spares[first] the first spare from there on whose host holds no
   // surviving replica of the shard of `rank` (sharded state, several hosts):
   // a spare beside a replica would put two copies of a shard on one host.
+  // host_at: by rank, the host of the member that holds it next ("" : not known yet).
   void PreferSpareAwayFromReplicas(std::vector<int>* spares, size_t first, size_t rank,
-                                   const std::vector<char>& survived) const;
+                                   const std::vector<std::string>& host_at,
+                                   const std::set<std::string>& failed_hosts) const;
   // Shards every copy of which is on one host in a plan of `members` (printed and journaled).
   void CheckShardPlacement(std::vector<Action>* out);
 

@@ -1929,6 +1929,20 @@ TEST_F(ShardedControllerTest, AFaultWithoutASpareKeepsWholeGroupsAndAHolderOfEve
       << reply[0].body.dump();
 }
 
+TEST_F(ShardedControllerTest, ASpareThatWouldMakeAPartGroupIsNotPromoted) {
+  StartSharded(1);
+  // Ranks 1 and 2 (shards 1 and 0) die; the survivors 0 and 3 hold both shards; one spare would make 3.
+  Do(ProcessExited{1, 1001, -1, 9, ""});
+  Do(ProcessExited{2, 1002, -1, 9, ""});
+  ReadyHolding(0, 7, 0);
+  auto actions = ReadyHolding(3, 7, 1);
+  auto plans = Find<SendPlan>(actions);
+  ASSERT_FALSE(plans.empty());
+  EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 3}));
+  for (const auto& sd : Find<SendShutdown>(actions)) EXPECT_NE(sd.worker_id, 10) << "the spare stays a spare";
+  EXPECT_EQ(c_->workers().at(10).role, WorkerRole::kSpare);
+}
+
 // A spare beside a replica of the lost rank's shard would put both copies on
 // one host: a spare on another host is preferred.
 TEST_F(HostFaultsTest, ShardedSpareIsTakenFromAHostHoldingNoOtherCopyOfTheShard) {

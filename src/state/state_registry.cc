@@ -97,6 +97,17 @@ uint64_t StateRegistry::sharded_bytes() const {
   return n;
 }
 
+std::vector<uint64_t> StateRegistry::RunBytes() const {
+  std::vector<uint64_t> runs;
+  for (size_t i = 0; i < regions_.size();) {
+    const bool sharded = regions_[i].shard_group > 0;
+    uint64_t len = 0;
+    for (; i < regions_.size() && (regions_[i].shard_group > 0) == sharded; ++i) len += regions_[i].bytes.size();
+    runs.push_back(len);
+  }
+  return runs;
+}
+
 std::vector<StateRegistry::Piece> StateRegistry::Tiling(uint64_t chunk_bytes) const {
   std::vector<Piece> out;
   uint64_t base = 0;
@@ -136,21 +147,40 @@ Status StateRegistry::RegisterFloats(std::string name, std::span<float> values, 
   return OkStatus();
 }
 
-// Walks the regions that overlap [offset, offset + n) of the concatenated state.
-template <typename F>
-static void ForEachSpan(const std::vector<Region>& regions, uint64_t offset, size_t n, F f) {
+// Walks the regions that overlap [offset, offset + n) of the concatenated
+// state, each region's bytes as `bytes_of` gives them (default: its own).
+template <typename F, typename B>
+static void ForEachSpan(const std::vector<Region>& regions, uint64_t offset, size_t n, F f, B bytes_of) {
   uint64_t base = 0;
   size_t done = 0;
   for (const auto& r : regions) {
-    uint64_t end = base + r.bytes.size();
+    std::span<std::byte> bytes = bytes_of(r);
+    uint64_t end = base + bytes.size();
     if (offset + done < end && done < n) {
       uint64_t in_region = offset + done - base;
       size_t take = static_cast<size_t>(std::min<uint64_t>(end - (offset + done), n - done));
-      f(r.bytes.data() + in_region, done, take);
+      f(bytes.data() + in_region, done, take);
       done += take;
     }
     base = end;
   }
+}
+template <typename F>
+static void ForEachSpan(const std::vector<Region>& regions, uint64_t offset, size_t n, F f) {
+  ForEachSpan(regions, offset, n, f, [](const Region& r) { return r.bytes; });
+}
+
+void StateRegistry::ReadChunkOfShard(uint32_t index, int shard, std::span<std::byte> out) const {
+  NONSTOP_CHECK_LT(index, num_chunks());
+  NONSTOP_CHECK(chunks_[index].sharded) << "chunk " << index << " is not sharded";
+  NONSTOP_CHECK(shard >= 0 && shard < shard_group_) << "shard " << shard << " of " << shard_group_;
+  NONSTOP_CHECK_EQ(out.size(), chunks_[index].size);
+  ForEachSpan(
+      regions_, chunks_[index].offset, out.size(),
+      [&](const std::byte* src, size_t at, size_t n) { std::memcpy(out.data() + at, src, n); },
+      [&](const Region& r) {
+        return r.whole.empty() ? r.bytes : r.whole.subspan(static_cast<size_t>(shard) * r.bytes.size(), r.bytes.size());
+      });
 }
 
 void StateRegistry::CopyOut(uint64_t offset, std::span<std::byte> out) const {
@@ -258,10 +288,10 @@ Status StateRegistry::Load(std::string_view snapshot) {
     return DataLossError("state snapshot truncated in its chunk table");
   }
   if (chunk_bytes == 0) return DataLossError("state snapshot has chunk size 0 (a chunk size must be positive)");
-  // The tiling never forms offset + chunk, which wraps for a huge chunk size; a
-  // chunk size beyond the state's bytes tiles it into one chunk per run.
-  const std::vector<Piece> tiling = Tiling(std::min<uint64_t>(chunk_bytes, std::max<uint64_t>(total_bytes_, 1)));
-  const uint64_t want_chunks = tiling.size();
+  // Counted, not tiled: a lying small chunk size must not make us build a
+  // table of it. ceil(run / chunk) never forms run + chunk - 1, which wraps.
+  uint64_t want_chunks = 0;
+  for (uint64_t run : RunBytes()) want_chunks += run == 0 ? 0 : (run - 1) / chunk_bytes + 1;
   if (nchunks != want_chunks) {
     return DataLossError(fmt::format("state snapshot has {} chunks of {} bytes for a {}-byte state, which needs {}",
                                      nchunks, chunk_bytes, total_bytes_, want_chunks));
@@ -282,6 +312,8 @@ Status StateRegistry::Load(std::string_view snapshot) {
     return DataLossError(fmt::format("state snapshot holds {} bytes of state, expected {}", r.remaining(), total_bytes_));
   }
   const char* data = snapshot.data() + (snapshot.size() - r.remaining());
+  // As many chunks as the snapshot has checksums for: bounded by its size.
+  const std::vector<Piece> tiling = Tiling(chunk_bytes);
   // Verify everything first: a bad snapshot must not half-load. The chunks
   // are this registry's own tiling, within total_bytes_.
   for (uint32_t i = 0; i < nchunks; ++i) {

@@ -147,6 +147,24 @@ TEST(StateRegistryTest, LyingChunkCountIsRefusedWithoutAllocatingIt) {
   EXPECT_NE(s.message().find("7116"), std::string::npos) << "names the state's size: " << s.ToString();
 }
 
+TEST(StateRegistryTest, LyingSmallChunkSizeOfALargeStateIsRefusedWithoutTilingIt) {
+  std::vector<std::byte> big(8 << 20);  // a chunk table of 1-byte chunks for it would take 200 MB
+  StateRegistry rb;
+  ASSERT_TRUE(rb.Register("big", big).ok());
+  std::string snap = CraftSnapshot(rb, /*chunk_bytes=*/1, /*nchunks=*/UINT32_MAX, {}, "");
+  Status s;
+  g_allocation_limit = 1 << 20;
+  try {
+    s = rb.Load(snap);
+  } catch (const std::bad_alloc&) {
+    g_allocation_limit = SIZE_MAX;
+    FAIL() << "Load tried to allocate " << g_refused_allocation.load() << " bytes for a " << snap.size()
+           << "-byte snapshot";
+  }
+  g_allocation_limit = SIZE_MAX;
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+}
+
 TEST(StateRegistryTest, ChunkSizeThatOverflowsCannotSkipTheChecksums) {
   Model a, b;
   a.params.assign(1000, 1.0f);

@@ -21,7 +21,7 @@ namespace nonstop::worker {
 
 namespace {
 
-constexpr uint32_t kTransferMagic = 0x4658534E;  // "NSXF"
+constexpr uint32_t kTransferMagic = 0x3258534E;  // "NSX2" (the header with the shard fields)
 constexpr size_t kHeaderBytes = 40;
 
 int RankOf(const control::PlanMsg& plan, int worker_id) {
@@ -31,7 +31,8 @@ int RankOf(const control::PlanMsg& plan, int worker_id) {
   return -1;
 }
 
-std::string EncodeHeader(int64_t step, const state::StateRegistry& reg) {
+// `shard`: the shard whose chunks follow (its held one, unless it holds every shard).
+std::string EncodeHeader(int64_t step, const state::StateRegistry& reg, int shard) {
   std::string h;
   PutFixed32(&h, kTransferMagic);
   PutFixed64(&h, static_cast<uint64_t>(step));
@@ -39,7 +40,7 @@ std::string EncodeHeader(int64_t step, const state::StateRegistry& reg) {
   PutFixed32(&h, static_cast<uint32_t>(reg.chunk_bytes()));
   PutFixed32(&h, reg.num_chunks());
   PutFixed32(&h, static_cast<uint32_t>(reg.shard_group()));
-  PutFixed32(&h, static_cast<uint32_t>(reg.held_shard()));
+  PutFixed32(&h, static_cast<uint32_t>(shard));
   PutFixed32(&h, Crc32c(h));
   return h;
 }
@@ -101,9 +102,10 @@ Result<std::vector<uint32_t>> RecvU32s(collective::Communicator& comm, int rank,
 }
 
 // Source side: serve one receiver until it says it is done.
+// `shard` >= 0: the receiver's shard, read from a registry that holds every shard.
 Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int receiver, int64_t step,
-             std::atomic<bool>* corrupt_next) {
-  std::string header = EncodeHeader(step, reg);
+             std::atomic<bool>* corrupt_next, int shard = -1) {
+  std::string header = EncodeHeader(step, reg, shard >= 0 ? shard : reg.held_shard());
   NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
   std::vector<std::byte> buf(reg.chunk_bytes());
   while (true) {
@@ -113,7 +115,11 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
       if (index >= reg.num_chunks()) return DataLossError(fmt::format("request for chunk {} of {}", index, reg.num_chunks()));
       size_t n = reg.chunk_size(index);
       std::span<std::byte> chunk(buf.data(), n);
-      reg.ReadChunk(index, chunk);
+      if (shard >= 0 && reg.chunk_sharded(index)) {
+        reg.ReadChunkOfShard(index, shard, chunk);
+      } else {
+        reg.ReadChunk(index, chunk);
+      }
       std::string meta;
       PutFixed32(&meta, index);
       PutFixed32(&meta, Crc32c(chunk.data(), chunk.size()));
@@ -300,7 +306,10 @@ ShardMoves PlanShardMoves(const state::ShardLayout& layout, std::span<const int>
   moves.sources.resize(static_cast<size_t>(layout.world()));
   for (int r = 0; r < layout.world(); ++r) {
     const int need = layout.shard_of_rank[static_cast<size_t>(r)];
-    auto holds = [&](int q, int shard) { return steps[static_cast<size_t>(q)] == step && held[static_cast<size_t>(q)] == shard; };
+    auto holds = [&](int q, int shard) {
+      const int h = held[static_cast<size_t>(q)];
+      return steps[static_cast<size_t>(q)] == step && (h == shard || h == state::kEveryShard);
+    };
     if (holds(r, need)) continue;
     moves.receivers.push_back(r);
     for (int q = 0; q < layout.world(); ++q) {
@@ -323,10 +332,11 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   NONSTOP_ASSIGN_OR_RETURN(state::ShardLayout layout, state::LayoutOf(comm.world_size(), group));
   const int me = comm.rank();
   const int need = layout.shard_of_rank[static_cast<size_t>(me)];
-  // The state every shard shares (the initial one, or whole buffers behind
-  // every view) is this member's shard as soon as the views point at it.
-  if (reg.held_shard() == state::kEveryShard && held_step == step) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
+  // A state of another step holds no shard of this one. A member holding
+  // every shard (the initial state, or whole buffers behind every view) says
+  // so, serves each receiver its shard, and binds its own at the end.
   if (held_step != step && reg.held_shard() != state::kNoShard) reg.set_held_shard(state::kNoShard);
+  const bool every = reg.held_shard() == state::kEveryShard;
 
   // Who holds which shard of which step.
   constexpr size_t kRecord = 16;
@@ -354,7 +364,10 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
     return DataLossError(fmt::format("every copy of shard {} of the optimizer state of step {} is lost: no member "
                                      "holds it", fmt::join(moves.lost, ", "), step));
   }
-  if (moves.receivers.empty()) return outcome;
+  if (moves.receivers.empty()) {
+    if (every) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
+    return outcome;
+  }
 
   // Per peer: serve it, fetch from it, or both (two members swapping shards).
   std::vector<uint32_t> sharded;
@@ -408,7 +421,10 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
       const int peer = results[i].first;
       const PeerWork& work = peers.at(peer);
       const std::vector<uint32_t>& fetch = work.chunks;
-      auto do_serve = [&]() -> Status { return work.serve ? Serve(comm, reg, peer, step, &corrupt) : OkStatus(); };
+      auto do_serve = [&]() -> Status {
+        if (!work.serve) return OkStatus();
+        return Serve(comm, reg, peer, step, &corrupt, every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1);
+      };
       auto do_fetch = [&]() -> Status {
         if (!work.fetch) return OkStatus();
         std::string header(kHeaderBytes, '\0');
@@ -443,6 +459,7 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   // new shard staged. (Two faults inside the barrier's own round trip can
   // still leave a mix of committed and uncommitted members: docs/sharding.md.)
   NONSTOP_RETURN_IF_ERROR(comm.Barrier());
+  if (every) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));  // it served every receiver from its whole buffers
   if (!receiving) return outcome;
   // Commit: the views move to the new shard, then the checked bytes go in.
   NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));

@@ -18,9 +18,12 @@ constexpr size_t kShard = 1000;  // floats per shard: several chunks of 1 KiB
 
 // One rank: its sharded state (parameters whole, moments of its shard) and its communicator.
 struct Rank {
-  Rank(int group, size_t chunk_bytes)
-      : group(group), params(kShard * static_cast<size_t>(group)), m(kShard), v(kShard), reg(chunk_bytes) {}
+  // `whole`: the moments are whole buffers behind views (a checkpoint just loaded).
+  Rank(int group, size_t chunk_bytes, bool whole = false)
+      : group(group), whole(whole), params(kShard * static_cast<size_t>(group)),
+        m(whole ? params.size() : kShard), v(m.size()), reg(chunk_bytes) {}
   int group;
+  bool whole;
   std::vector<float> params, m, v;
   int64_t step = 0;
   state::StateRegistry reg;
@@ -31,8 +34,25 @@ struct Rank {
   void Register() {
     ASSERT_TRUE(reg.RegisterValue("step", &step).ok());
     ASSERT_TRUE(reg.RegisterShardView("params", params, group).ok());
-    ASSERT_TRUE(reg.RegisterShard("m", m, group).ok());
-    ASSERT_TRUE(reg.RegisterShard("v", v, group).ok());
+    if (whole) {
+      ASSERT_TRUE(reg.RegisterShardView("m", m, group).ok());
+      ASSERT_TRUE(reg.RegisterShardView("v", v, group).ok());
+    } else {
+      ASSERT_TRUE(reg.RegisterShard("m", m, group).ok());
+      ASSERT_TRUE(reg.RegisterShard("v", v, group).ok());
+    }
+  }
+  // Every shard's state at `at`, whole (a `whole` rank: what a checkpoint loads).
+  void HoldEvery(int64_t at) {
+    step = at;
+    for (int s = 0; s < group; ++s) {
+      for (size_t i = 0; i < kShard; ++i) {
+        const size_t k = static_cast<size_t>(s) * kShard + i;
+        params[k] = Value(0, s, at, i);
+        m[k] = Value(1, s, at, i);
+        v[k] = Value(2, s, at, i);
+      }
+    }
   }
   // The state of shard `s` at `at`: values no other shard or step has.
   void Hold(int s, int64_t at) {
@@ -47,11 +67,13 @@ struct Rank {
   static float Value(int buffer, int s, int64_t at, size_t i) {
     return static_cast<float>(buffer * 1'000'000 + s * 10'000 + at * 100) + static_cast<float>(i) / 1024.0f;
   }
+  // The registry's sharded regions (params, m, v: regions 1-3) hold shard `s` of step `at`.
   bool HoldsShard(int s, int64_t at) const {
-    for (size_t i = 0; i < kShard; ++i) {
-      if (params[static_cast<size_t>(s) * kShard + i] != Value(0, s, at, i) || m[i] != Value(1, s, at, i) ||
-          v[i] != Value(2, s, at, i)) {
-        return false;
+    for (int b = 0; b < 3; ++b) {
+      auto values = std::span(reinterpret_cast<const float*>(reg.regions()[static_cast<size_t>(b) + 1].bytes.data()),
+                              kShard);
+      for (size_t i = 0; i < kShard; ++i) {
+        if (values[i] != Value(b, s, at, i)) return false;
       }
     }
     return reg.held_shard() == s;
@@ -59,7 +81,8 @@ struct Rank {
 };
 
 // W ranks on loopback, with group sizes `groups` (one per rank).
-std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups, size_t chunk_bytes = 1024) {
+std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups, size_t chunk_bytes = 1024,
+                                             int whole_rank = -1) {
   std::vector<net::Listener> listeners;
   std::vector<collective::Member> members;
   for (size_t r = 0; r < groups.size(); ++r) {
@@ -70,7 +93,7 @@ std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups, siz
   }
   std::vector<std::unique_ptr<Rank>> ranks;
   for (size_t r = 0; r < groups.size(); ++r) {
-    auto rank = std::make_unique<Rank>(groups[r], chunk_bytes);
+    auto rank = std::make_unique<Rank>(groups[r], chunk_bytes, static_cast<int>(r) == whole_rank);
     rank->Register();
     rank->mesh = collective::PeerMesh::Create({kToken, static_cast<int>(r)}, std::move(listeners[r]));
     collective::CommunicatorOptions o;
@@ -170,6 +193,24 @@ TEST(ExchangeShardsTest, AHolderThatServesNoChunkStillEndsItsPartOfTheProtocol) 
   }
 }
 
+TEST(ExchangeShardsTest, AMemberHoldingEveryShardServesEachReceiverItsOwn) {
+  // Only rank 3 loaded the newest checkpoint (whole moments behind its views); the others copied its
+  // step counters and hold no shard of that step.
+  auto ranks = MakeRanks({2, 2, 2, 2}, 1024, /*whole_rank=*/3);
+  ranks[3]->HoldEvery(7);
+  for (int r : {0, 1, 2}) {
+    ranks[static_cast<size_t>(r)]->step = 7;
+    ranks[static_cast<size_t>(r)]->reg.set_held_shard(state::kNoShard);
+  }
+  auto out = ExchangeAll(ranks, 7);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+    EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 7)) << "rank " << r;
+  }
+  EXPECT_TRUE(out[3]->served);
+  EXPECT_FALSE(out[3]->received) << "it had its own shard already";
+}
+
 TEST(ExchangeShardsTest, TheInitialStateIsEveryShardAndMovesNothing) {
   auto ranks = MakeRanks({2, 2});
   for (auto& r : ranks) r->step = -1;
@@ -203,7 +244,7 @@ TEST(ExchangeShardsTest, AMemberOfAnotherGroupSizeIsRefusedByEveryone) {
   auto ranks = MakeRanks({2, 2, 2, 4});
   for (int r = 0; r < 4; ++r) ranks[static_cast<size_t>(r)]->step = 3;
   auto out = ExchangeAll(ranks, 3);
-  for (int r = 0; r < 3; ++r) {
+  for (int r = 0; r < 4; ++r) {
     ASSERT_FALSE(out[static_cast<size_t>(r)].ok());
     EXPECT_EQ(out[static_cast<size_t>(r)].status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(out[static_cast<size_t>(r)].status().message().find("optimizer.shard_group"), std::string::npos)

@@ -573,6 +573,14 @@ TEST_F(ShardedTrainTest, RecoveriesAndReshardingEndBitwiseAsTheFaultFreeRun) {
   EXPECT_EQ(copied, shard_moments / 2 * 3 + 6 * 8) << spare.output;
   EXPECT_LT(copied, WholeStateBytes(whole_bytes) / 2 + 64) << "not the whole state";
 
+  // The same where every worker looked for a checkpoint to resume from and found none (a restarted
+  // job before its first checkpoint): the spare's copied shard is what it trains on.
+  RunResult none = Run(4, "none", {"--resume-from-checkpoint-dir", "--checkpoint-dir", dir_ / "no-checkpoints"},
+                       with_fault({"--spares", "1"}, "kill:rank=1,step=8"));
+  ASSERT_EQ(none.code, 0) << none.output;
+  EXPECT_NE(none.output.find("no checkpoint to resume from"), std::string::npos) << none.output;
+  EXPECT_EQ(none.checksum, ref.checksum) << none.output;
+
   // Two kills in different groups in one step, two spares.
   RunResult two = Run(4, "two", {}, with_fault({"--spares", "2"}, "kill:rank=0,step=8;kill:rank=3,step=8"));
   ASSERT_EQ(two.code, 0) << two.output;
