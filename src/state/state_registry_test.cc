@@ -125,6 +125,19 @@ std::string CraftSnapshot(const StateRegistry& reg, uint64_t chunk_bytes, uint32
   return out;
 }
 
+// Loads `snap` while every allocation over 1 MiB is refused; `too_much`: one was tried.
+Status LoadWithSmallAllocations(StateRegistry& reg, const std::string& snap, bool* too_much) {
+  Status s;
+  g_allocation_limit = 1 << 20;
+  try {
+    s = reg.Load(snap);
+  } catch (const std::bad_alloc&) {
+    *too_much = true;
+  }
+  g_allocation_limit = SIZE_MAX;
+  return s;
+}
+
 TEST(StateRegistryTest, LyingChunkCountIsRefusedWithoutAllocatingIt) {
   Model b;
   StateRegistry rb(512);
@@ -132,16 +145,10 @@ TEST(StateRegistryTest, LyingChunkCountIsRefusedWithoutAllocatingIt) {
   // 2^32-1 chunks of one byte, and no chunk table at all: believing the count
   // means allocating 16 GiB for checksums that are not there.
   std::string snap = CraftSnapshot(rb, /*chunk_bytes=*/1, /*nchunks=*/UINT32_MAX, {}, "");
-  Status s;
-  g_allocation_limit = 1 << 20;
-  try {
-    s = rb.Load(snap);
-  } catch (const std::bad_alloc&) {
-    g_allocation_limit = SIZE_MAX;
-    FAIL() << "Load tried to allocate " << g_refused_allocation.load() << " bytes for a " << snap.size()
-           << "-byte snapshot of a " << rb.total_bytes() << "-byte state";
-  }
-  g_allocation_limit = SIZE_MAX;
+  bool too_much = false;
+  Status s = LoadWithSmallAllocations(rb, snap, &too_much);
+  ASSERT_FALSE(too_much) << "Load tried to allocate " << g_refused_allocation.load() << " bytes for a " << snap.size()
+                         << "-byte snapshot of a " << rb.total_bytes() << "-byte state";
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("4294967295"), std::string::npos) << "names the lying count: " << s.ToString();
   EXPECT_NE(s.message().find("7116"), std::string::npos) << "names the state's size: " << s.ToString();
@@ -152,16 +159,9 @@ TEST(StateRegistryTest, LyingSmallChunkSizeOfALargeStateIsRefusedWithoutTilingIt
   StateRegistry rb;
   ASSERT_TRUE(rb.Register("big", big).ok());
   std::string snap = CraftSnapshot(rb, /*chunk_bytes=*/1, /*nchunks=*/UINT32_MAX, {}, "");
-  Status s;
-  g_allocation_limit = 1 << 20;
-  try {
-    s = rb.Load(snap);
-  } catch (const std::bad_alloc&) {
-    g_allocation_limit = SIZE_MAX;
-    FAIL() << "Load tried to allocate " << g_refused_allocation.load() << " bytes for a " << snap.size()
-           << "-byte snapshot";
-  }
-  g_allocation_limit = SIZE_MAX;
+  bool too_much = false;
+  Status s = LoadWithSmallAllocations(rb, snap, &too_much);
+  ASSERT_FALSE(too_much) << "Load tried to allocate " << g_refused_allocation.load() << " bytes";
   EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
 }
 
