@@ -826,6 +826,19 @@ class HostFaultsTest : public HostControllerTest {
     }
     return all;
   }
+  // As StartOn, every worker joining with sharded state in groups of `group`.
+  void StartShardedOn(const std::vector<std::tuple<std::string, int, int>>& hosts, int group) {
+    std::vector<SpawnWorker> spawns;
+    for (const auto& [h, n, sp] : hosts) {
+      for (auto& s : Find<SpawnWorker>(Register(h, n, sp))) spawns.push_back(s);
+    }
+    for (auto& s : spawns) {
+      control::JoinMsg m{s.worker_id, 1000 + s.worker_id, "addr" + std::to_string(s.worker_id), s.spare, -1, s.host};
+      m.shard_group = group;
+      m.held_shard = nonstop::state::kEveryShard;
+      Do(WorkerJoined{m});
+    }
+  }
   std::vector<SpawnWorker> StartOn(const std::vector<std::tuple<std::string, int, int>>& hosts) {
     std::vector<SpawnWorker> spawns;
     for (const auto& [h, n, sp] : hosts) {
@@ -1949,16 +1962,7 @@ TEST_F(HostFaultsTest, ShardedSpareIsTakenFromAHostHoldingNoOtherCopyOfTheShard)
   ControllerOptions o;
   o.min_hosts = 3;
   Use(o);
-  std::vector<SpawnWorker> spawns;
-  for (auto [h, n, sp] : {std::tuple{"h1", 2, 1}, {"h2", 2, 0}, {"h3", 0, 1}}) {
-    for (auto& s : Find<SpawnWorker>(Register(h, n, sp))) spawns.push_back(s);
-  }
-  for (auto& s : spawns) {
-    control::JoinMsg m{s.worker_id, 1000 + s.worker_id, "addr" + std::to_string(s.worker_id), s.spare, -1, s.host};
-    m.shard_group = 2;
-    m.held_shard = nonstop::state::kEveryShard;
-    Do(WorkerJoined{m});
-  }
+  StartShardedOn({{"h1", 2, 1}, {"h2", 2, 0}, {"h3", 0, 1}}, 2);
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   std::vector<int> by_rank(4, -1);
   for (const auto& [id, w] : c_->workers()) {
@@ -1977,6 +1981,37 @@ TEST_F(HostFaultsTest, ShardedSpareIsTakenFromAHostHoldingNoOtherCopyOfTheShard)
   ASSERT_FALSE(plans.empty());
   const int taker = plans[0].plan->members[2].worker_id;
   EXPECT_EQ(c_->HostOf(taker), "h3") << "not h1's spare, beside rank 0's copy of shard 0";
+}
+
+// A leaving host whose members hold every copy of a shard: releasing them
+// would lose it, so they stay (and the leave is refused with the reason).
+TEST_F(HostLeavingTest, ShardedMembersHoldingTheOnlyCopiesOfAShardStay) {
+  ControllerOptions o;
+  o.min_hosts = 3;
+  Use(o);
+  // h1: ranks 0, 1, 2 (shards 0, 1, 0: both copies of shard 0); h2: rank 3 (shard 1); h3: two spares.
+  StartShardedOn({{"h1", 3, 0}, {"h2", 1, 0}, {"h3", 0, 2}}, 2);
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  std::vector<int> on_h1 = MembersOn("h1");
+  ASSERT_EQ(on_h1.size(), 3u);
+  for (int id : c_->members()) Step(id, 5);
+  ASSERT_FALSE(Find<SendDrain>(Do(HostLeaving{"h1", {"SIGTERM"}})).empty());
+  std::vector<Action> all;
+  std::vector<int> members = c_->members();
+  for (int id : members) {
+    for (auto& a : Do(ReadyReceived{id, {c_->generation(), 5, "drained", c_->RankOf(id) % 2}})) all.push_back(a);
+  }
+  auto plans = Find<SendPlan>(all);
+  ASSERT_FALSE(plans.empty());
+  std::set<int> next;
+  for (const auto& m : plans[0].plan->members) next.insert(m.worker_id);
+  for (int id : on_h1) EXPECT_TRUE(next.count(id)) << "worker " << id << " of h1 holds shard 0's copies: it stays";
+  for (const auto& sd : Find<SendShutdown>(all)) {
+    EXPECT_EQ(std::find(on_h1.begin(), on_h1.end(), sd.worker_id), on_h1.end()) << "worker " << sd.worker_id;
+  }
+  bool said = false;
+  for (const auto& p : Find<PrintLine>(all)) said = said || p.line.find("holds all of the state") != std::string::npos;
+  EXPECT_TRUE(said) << "the reason is printed";
 }
 
 }  // namespace
