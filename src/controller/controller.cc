@@ -993,7 +993,12 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
         rec.replacements.push_back(fmt::format("rank {}: worker {} released", workers_[id].rank, id));
       }
     }
-    while (next.size() < want && spare_i < spares.size()) {  // grow: spares join at the end
+    size_t goal = want;  // sharded: whole groups only, or the spares joining would be released again
+    if (shard_group_ > 1) {
+      const auto g = static_cast<size_t>(shard_group_);
+      goal = std::max(next.size(), std::min(want, next.size() + (spares.size() - spare_i)) / g * g);
+    }
+    while (next.size() < goal && spare_i < spares.size()) {  // grow: spares join at the end
       rec.replacements.push_back(fmt::format("rank {}: spare worker {} joins", next.size(), spares[spare_i]));
       next.push_back(spares[spare_i++]);
     }

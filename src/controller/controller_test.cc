@@ -1956,6 +1956,31 @@ TEST_F(ShardedControllerTest, ASpareThatWouldMakeAPartGroupIsNotPromoted) {
   EXPECT_EQ(c_->workers().at(10).role, WorkerRole::kSpare);
 }
 
+TEST_F(ShardedControllerTest, AGrowThatCanReachOnlyAPartGroupAddsNoSpare) {
+  ControllerOptions o;
+  o.world_size = 4;
+  o.spares = 2;
+  o.heartbeat_timeout = Millis(1000);
+  o.abort_timeout = Millis(2000);
+  o.policy.max_world = 6;
+  c_ = std::make_unique<Controller>(o);
+  for (int id : {10, 11}) JoinSharded(id, true);
+  for (int id = 0; id < 4; ++id) JoinSharded(id);
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  for (int id = 0; id < 4; ++id) Step(id, 7);
+  auto reply = Find<ScaleReply>(Do(ScaleRequest{1, {{"world_size", 6}}, "test"}));
+  ASSERT_EQ(reply.size(), 1u);
+  ASSERT_EQ(reply[0].http_status, 202) << reply[0].body.dump();
+  Do(ProcessExited{10, 1010, -1, 9, ""});  // one of the two spares dies during the drain: 5 is all it can reach
+  std::vector<Action> last;
+  for (int id = 0; id < 4; ++id) last = ReadyHolding(id, 7, id % kGroup);
+  auto plans = Find<SendPlan>(last);
+  ASSERT_FALSE(plans.empty());
+  EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 1, 2, 3})) << "no part group of one";
+  for (const auto& sd : Find<SendShutdown>(last)) EXPECT_NE(sd.worker_id, 11) << "the spare is not released";
+  EXPECT_EQ(c_->workers().at(11).role, WorkerRole::kSpare);
+}
+
 // A spare beside a replica of the lost rank's shard would put both copies on
 // one host: a spare on another host is preferred.
 TEST_F(HostFaultsTest, ShardedSpareIsTakenFromAHostHoldingNoOtherCopyOfTheShard) {

@@ -336,6 +336,9 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   // every shard (the initial state, or whole buffers behind every view) says
   // so, serves each receiver its shard, and binds its own at the end.
   if (held_step != step && reg.held_shard() != state::kNoShard) reg.set_held_shard(state::kNoShard);
+  // The initial state (no step done: zero moments, the seeded parameters
+  // whole) is every shard's, whichever one the views were bound to since.
+  if (held_step == -1 && step == -1) reg.set_held_shard(state::kEveryShard);
   const bool every = reg.held_shard() == state::kEveryShard;
 
   // Who holds which shard of which step.

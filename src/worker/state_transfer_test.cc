@@ -222,6 +222,21 @@ TEST(ExchangeShardsTest, TheInitialStateIsEveryShardAndMovesNothing) {
   }
 }
 
+TEST(ExchangeShardsTest, BeforeTheFirstStepEveryMemberHoldsEveryShard) {
+  // World 4 lost ranks 1 and 3 (both holders of shard 1) before step 0 completed: the survivors,
+  // bound to shard 0, still hold the initial state, which is every shard's.
+  auto ranks = MakeRanks({2, 2});
+  for (auto& r : ranks) {
+    r->step = -1;
+    ASSERT_TRUE(r->reg.BindShard(0).ok());
+  }
+  auto out = ExchangeAll(ranks, -1);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+    EXPECT_EQ(ranks[static_cast<size_t>(r)]->reg.held_shard(), r);
+  }
+}
+
 TEST(ExchangeShardsTest, EveryCopyOfAShardLostIsDataLossNamingItOnEveryMember) {
   auto ranks = MakeRanks({2, 2, 2, 2});
   for (int r : {0, 2}) ranks[static_cast<size_t>(r)]->Hold(0, 30);
