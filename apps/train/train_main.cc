@@ -371,6 +371,18 @@ int Main(int argc, char** argv) {
     every = 50;
   }
   bool timing_in_flight = false;  // every == 0: the first checkpoint is being written and timed
+  // Rank 0 hands the state of `step` (`reg`: the whole layout) to the writer.
+  auto save = [&](const state::StateRegistry& reg, int64_t step, bool last) {
+    state::CheckpointMeta meta{step, session.generation(), session.world_size(), r.name, flat.Checksum(), {}};
+    state::CheckpointSaveResult saved = writer->TrySave(reg, meta);
+    if (saved.skipped && last) {
+      // The final state must reach the disk: the job is ending, waiting is free.
+      (void)writer->Wait();
+      saved = writer->TrySave(reg, meta);
+    }
+    if (!saved.earlier.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", saved.earlier.ToString());
+    return saved;
+  };
   auto maybe_checkpoint = [&](int64_t step, double step_seconds) {
     if (!writer) return;
     bool last = step + 1 == r.train.steps;
@@ -387,15 +399,7 @@ int Main(int argc, char** argv) {
       if (s.ok()) s = session.GatherShards(std::as_writable_bytes(flat.padded_params()), sizeof(float));
       if (s.ok()) s = session.GatherShards(std::as_writable_bytes(std::span(whole_m)), sizeof(float));
       if (s.ok()) s = session.GatherShards(std::as_writable_bytes(std::span(whole_v)), sizeof(float));
-      if (s.ok() && session.rank() == 0) {
-        state::CheckpointMeta meta{step, session.generation(), session.world_size(), r.name, flat.Checksum(), {}};
-        state::CheckpointSaveResult saved = writer->TrySave(**whole, meta);
-        if (saved.skipped && last) {
-          (void)writer->Wait();
-          saved = writer->TrySave(**whole, meta);
-        }
-        if (!saved.earlier.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", saved.earlier.ToString());
-      }
+      if (s.ok() && session.rank() == 0) save(**whole, step, last);
       if (!s.ok()) NONSTOP_LOG_WARNING("checkpoint of step {} not gathered: {}", step, s.ToString());
       std::vector<float>().swap(whole_m);
       std::vector<float>().swap(whole_v);
@@ -423,15 +427,7 @@ int Main(int argc, char** argv) {
     }
     bool due = every == 0 || (step + 1) % every == 0 || last;
     if (!due) return;
-    state::CheckpointMeta meta{step, session.generation(), session.world_size(), r.name, flat.Checksum(), {}};
-    state::CheckpointSaveResult saved = writer->TrySave(state, meta);
-    if (saved.skipped && last) {
-      // The final state must reach the disk: the job is ending, waiting is free.
-      (void)writer->Wait();
-      saved = writer->TrySave(state, meta);
-    }
-    if (!saved.earlier.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", saved.earlier.ToString());
-    if (every == 0 && !saved.skipped) timing_in_flight = true;
+    if (!save(state, step, last).skipped && every == 0) timing_in_flight = true;
   };
 
   // A collective that fails means a fault somewhere: take part in the

@@ -137,6 +137,7 @@ class StateRegistry {
   // kind (sharded or not) is cut on its own, so no chunk mixes the two.
   std::vector<Piece> Tiling(uint64_t chunk_bytes) const;
   std::vector<uint64_t> RunBytes() const;  // the bytes of each run of regions of one kind
+  Status AddRegion(std::string name, std::span<std::byte> bytes);  // without tiling
   Status AddShardRegion(std::string name, std::span<float> bytes, std::span<float> whole, int group_size);
   ChunkInfo Chunk(uint32_t index) const;
   void CopyOut(uint64_t offset, std::span<std::byte> out) const;

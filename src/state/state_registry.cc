@@ -14,7 +14,7 @@ namespace {
 constexpr char kSnapshotMagic[8] = {'N', 'S', 'S', 'T', 'A', 'T', 'E', '1'};
 }
 
-Status StateRegistry::Register(std::string name, std::span<std::byte> bytes) {
+Status StateRegistry::AddRegion(std::string name, std::span<std::byte> bytes) {
   for (const auto& r : regions_) {
     if (r.name == name) return InvalidArgumentError(fmt::format("state region '{}' is registered twice", name));
   }
@@ -23,6 +23,11 @@ Status StateRegistry::Register(std::string name, std::span<std::byte> bytes) {
   r.name = std::move(name);
   r.bytes = bytes;
   regions_.push_back(std::move(r));
+  return OkStatus();
+}
+
+Status StateRegistry::Register(std::string name, std::span<std::byte> bytes) {
+  NONSTOP_RETURN_IF_ERROR(AddRegion(std::move(name), bytes));
   chunks_ = Tiling(chunk_bytes_);
   return OkStatus();
 }
@@ -36,8 +41,7 @@ Status StateRegistry::AddShardRegion(std::string name, std::span<float> bytes, s
     return InvalidArgumentError(fmt::format("state region '{}' is sharded over groups of {}, the others over groups of "
                                             "{}: one registry has one group size", name, group_size, shard_group_));
   }
-  std::string n = name;
-  NONSTOP_RETURN_IF_ERROR(Register(std::move(name), std::as_writable_bytes(bytes)));
+  NONSTOP_RETURN_IF_ERROR(AddRegion(std::move(name), std::as_writable_bytes(bytes)));
   Region& r = regions_.back();
   r.dtype = "F32";
   r.shape = {static_cast<int64_t>(bytes.size())};
@@ -111,17 +115,16 @@ std::vector<uint64_t> StateRegistry::RunBytes() const {
 std::vector<StateRegistry::Piece> StateRegistry::Tiling(uint64_t chunk_bytes) const {
   std::vector<Piece> out;
   uint64_t base = 0;
-  for (size_t i = 0; i < regions_.size();) {
-    // A run of regions of one kind, cut into chunks on its own.
-    const bool sharded = regions_[i].shard_group > 0;
-    uint64_t len = 0;
-    for (; i < regions_.size() && (regions_[i].shard_group > 0) == sharded; ++i) len += regions_[i].bytes.size();
+  // Runs alternate in kind, starting with the first region's: each is cut into chunks on its own.
+  bool sharded = !regions_.empty() && regions_[0].shard_group > 0;
+  for (uint64_t len : RunBytes()) {
     for (uint64_t off = 0; off < len;) {
       uint64_t take = std::min(chunk_bytes, len - off);
       out.push_back({base + off, take, sharded});
       off += take;
     }
     base += len;
+    sharded = !sharded;
   }
   return out;
 }
