@@ -3,10 +3,11 @@
 // The training program registers live memory regions (parameters, optimizer
 // moments, the step counter, RNG state) by name. Concatenated in registration
 // order they form the state, cut into fixed-size chunks, each with a CRC-32C.
-// The registry can produce a self-describing snapshot of the regions and load
-// one back into the same live memory in place, after checking that the layout
-// matches and that every chunk's checksum is right: a snapshot that fails any
-// check changes nothing (format: docs/formats.md).
+// A peer's chunks are written back into the same live memory in place, each
+// after its checksum is verified (WriteChunk): a chunk that fails changes
+// nothing. That is the one byte format of the state in memory; state transfers
+// frame it (src/worker/state_transfer.h) and durable checkpoints store it as
+// safetensors (docs/formats.md).
 //
 // Sharded state (ZeRO-1, docs/sharding.md): a region may be this member's
 // shard of a buffer sharded over shard groups of G members. Every member's
@@ -118,11 +119,6 @@ class StateRegistry {
   void ReadChunkOfShard(uint32_t index, int shard, std::span<std::byte> out) const;
   // Verifies `data` against `crc` and writes it into chunk `index` in place.
   Status WriteChunk(uint32_t index, std::span<const std::byte> data, uint32_t crc);
-
-  // A whole-state snapshot: header (layout + chunk CRCs) then the bytes.
-  std::string Serialize() const;
-  // Checks layout and every checksum, then loads the snapshot in place.
-  Status Load(std::string_view snapshot);
 
   // CRC-32C over the whole state, as 8 hex digits: equal states, equal digests.
   std::string Digest() const;

@@ -5,13 +5,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "common/coding.h"
 #include "common/crc32c.h"
 
 namespace nonstop::state {
 
 namespace {
-constexpr char kSnapshotMagic[8] = {'N', 'S', 'S', 'T', 'A', 'T', 'E', '1'};
 }
 
 Status StateRegistry::AddRegion(std::string name, std::span<std::byte> bytes) {
@@ -235,98 +233,6 @@ Status StateRegistry::WriteChunk(uint32_t index, std::span<const std::byte> data
     return DataLossError(fmt::format("state chunk {} fails its checksum (crc32c {:08x}, expected {:08x})", index, got, crc));
   }
   CopyIn(offset, data);
-  return OkStatus();
-}
-
-std::string StateRegistry::Serialize() const {
-  std::string out(kSnapshotMagic, sizeof(kSnapshotMagic));
-  PutFixed32(&out, static_cast<uint32_t>(regions_.size()));
-  for (const auto& r : regions_) {
-    PutFixed16(&out, static_cast<uint16_t>(r.name.size()));
-    out += r.name;
-    PutFixed64(&out, r.bytes.size());
-  }
-  PutFixed64(&out, chunk_bytes_);
-  auto chunks = Chunks();
-  PutFixed32(&out, static_cast<uint32_t>(chunks.size()));
-  for (const auto& c : chunks) PutFixed32(&out, c.crc);
-  PutFixed32(&out, Crc32c(out));
-  size_t header = out.size();
-  out.resize(header + total_bytes_);
-  CopyOut(0, std::as_writable_bytes(std::span(out.data() + header, total_bytes_)));
-  return out;
-}
-
-Status StateRegistry::Load(std::string_view snapshot) {
-  ByteReader r(snapshot);
-  std::string_view magic;
-  if (!r.ReadBytes(sizeof(kSnapshotMagic), &magic) || magic != std::string_view(kSnapshotMagic, 8)) {
-    return InvalidArgumentError("not a nonstop state snapshot (bad magic)");
-  }
-  uint32_t nregions = 0;
-  if (!r.ReadFixed32(&nregions)) return DataLossError("state snapshot truncated in its header");
-  if (nregions != regions_.size()) {
-    return InvalidArgumentError(fmt::format("state snapshot has {} regions, this worker registered {}: the model "
-                                            "or optimizer differs", nregions, regions_.size()));
-  }
-  for (const auto& region : regions_) {
-    uint16_t len = 0;
-    std::string_view name;
-    uint64_t size = 0;
-    if (!r.ReadFixed16(&len) || !r.ReadBytes(len, &name) || !r.ReadFixed64(&size)) {
-      return DataLossError("state snapshot truncated in its region table");
-    }
-    if (name != region.name || size != region.bytes.size()) {
-      return InvalidArgumentError(fmt::format("state snapshot has region '{}' of {} bytes where this worker has '{}' "
-                                              "of {} bytes", name, size, region.name, region.bytes.size()));
-    }
-  }
-  // The chunk table. Every number in it is checked against the registered
-  // layout (and the bytes actually present) before anything is allocated or
-  // indexed with it: a peer that lies cannot make us allocate, or skip a
-  // checksum, by choosing a chunk size or count.
-  uint64_t chunk_bytes = 0;
-  uint32_t nchunks = 0;
-  if (!r.ReadFixed64(&chunk_bytes) || !r.ReadFixed32(&nchunks)) {
-    return DataLossError("state snapshot truncated in its chunk table");
-  }
-  if (chunk_bytes == 0) return DataLossError("state snapshot has chunk size 0 (a chunk size must be positive)");
-  // Counted, not tiled: a lying small chunk size must not make us build a
-  // table of it. ceil(run / chunk) never forms run + chunk - 1, which wraps.
-  uint64_t want_chunks = 0;
-  for (uint64_t run : RunBytes()) want_chunks += run == 0 ? 0 : (run - 1) / chunk_bytes + 1;
-  if (nchunks != want_chunks) {
-    return DataLossError(fmt::format("state snapshot has {} chunks of {} bytes for a {}-byte state, which needs {}",
-                                     nchunks, chunk_bytes, total_bytes_, want_chunks));
-  }
-  if (r.remaining() / 4 < nchunks) {
-    return DataLossError(fmt::format("state snapshot truncated in its chunk table: {} checksums need {} bytes, {} remain",
-                                     nchunks, uint64_t{nchunks} * 4, r.remaining()));
-  }
-  std::vector<uint32_t> crcs(nchunks);
-  for (auto& c : crcs) {
-    if (!r.ReadFixed32(&c)) return DataLossError("state snapshot truncated in its chunk table");
-  }
-  size_t header_len = snapshot.size() - r.remaining();
-  uint32_t header_crc = 0;
-  if (!r.ReadFixed32(&header_crc)) return DataLossError("state snapshot truncated before its header checksum");
-  if (Crc32c(snapshot.data(), header_len) != header_crc) return DataLossError("state snapshot header fails its checksum");
-  if (r.remaining() != total_bytes_) {
-    return DataLossError(fmt::format("state snapshot holds {} bytes of state, expected {}", r.remaining(), total_bytes_));
-  }
-  const char* data = snapshot.data() + (snapshot.size() - r.remaining());
-  // As many chunks as the snapshot has checksums for: bounded by its size.
-  const std::vector<Piece> tiling = Tiling(chunk_bytes);
-  // Verify everything first: a bad snapshot must not half-load. The chunks
-  // are this registry's own tiling, within total_bytes_.
-  for (uint32_t i = 0; i < nchunks; ++i) {
-    uint64_t off = tiling[i].offset;
-    uint64_t n = tiling[i].size;
-    if (Crc32c(data + off, n) != crcs[i]) {
-      return DataLossError(fmt::format("state snapshot chunk {} (bytes {}..{}) fails its checksum", i, off, off + n));
-    }
-  }
-  CopyIn(0, std::as_bytes(std::span(data, total_bytes_)));
   return OkStatus();
 }
 
