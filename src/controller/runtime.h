@@ -10,6 +10,11 @@
 //   - every 50 ms a Tick (timers), every 500 ms a ping to every worker and
 //     agent (heartbeats the other way), and /status and /metrics published.
 //
+// RunController runs one Runtime (runtime.cc): a class whose start-up reads
+// in order (history, journal, epoch, servers, job files, banner, local
+// workers), whose loop turn is Turn(), and which carries out each Action type
+// in a handler of its own (Runtime::Do).
+//
 // Two front ends use it: `nonstop run` (controller + one local launcher in
 // one process: the single-machine default) and `nonstop controller` (the
 // controller alone, as a daemon that agents register with).
