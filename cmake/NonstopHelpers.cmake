@@ -14,8 +14,11 @@ function(nonstop_target_options target)
   if(NONSTOP_WERROR)
     target_compile_options(${target} PRIVATE -Werror)
   endif()
+  # Clang checks the locking annotations (src/common/mutex.h), and a violation
+  # is an error even without NONSTOP_WERROR: the clang trees (scripts/build.sh
+  # --sanitize, --fuzz) do not build code that touches guarded data unlocked.
   if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
-    target_compile_options(${target} PRIVATE -Wthread-safety)
+    target_compile_options(${target} PRIVATE -Wthread-safety -Werror=thread-safety)
   endif()
   # UBSan reports are fatal (-fno-sanitize-recover=all): a report fails the test that caused it.
   if(NONSTOP_ENABLE_ASAN)

@@ -69,29 +69,29 @@ Status Communicator::Connect() {
 
 void Communicator::Abort(const std::string& reason) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (error_.ok()) error_ = AbortedError(fmt::format("{} (generation {})", reason, options_.generation));
   }
   abort_->Fire();
 }
 
 void Communicator::CountOp() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ++stats_.ops;
 }
 
 CommunicatorStats Communicator::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return stats_;
 }
 
 Status Communicator::error() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return error_;
 }
 
 Status Communicator::Fail(Status status) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (error_.ok()) error_ = std::move(status);
   return error_;
 }
@@ -100,7 +100,7 @@ Status Communicator::Run(TransferSpec spec) {
   TransferStats t;
   Status s = RunTransfer(spec, &t);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stats_.bytes_sent += t.bytes_sent;
     stats_.bytes_received += t.bytes_received;
     stats_.stale_frames_dropped += t.stale_frames_dropped;

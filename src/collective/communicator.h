@@ -30,7 +30,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
@@ -39,6 +38,7 @@
 #include "collective/peer_mesh.h"
 #include "collective/tree_reduce.h"
 #include "collective/transfer.h"
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "net/abort_signal.h"
@@ -153,9 +153,11 @@ class Communicator {
   std::vector<uint32_t> p2p_ops_;    // per-peer point-to-point sequence numbers
   std::vector<std::byte> scratch_;   // one piece, for reducing receives
 
-  mutable std::mutex mu_;
-  Status error_;            // guarded by mu_; sticky first error
-  CommunicatorStats stats_;  // guarded by mu_
+  mutable Mutex mu_;
+  Status error_ NONSTOP_GUARDED_BY(mu_);            // sticky first error
+  CommunicatorStats stats_ NONSTOP_GUARDED_BY(mu_);
+  // Not under mu_: set and cleared by the thread that drives the collectives
+  // (the fault is injected just before the collective it breaks).
   bool inject_drop_ = false;
 };
 

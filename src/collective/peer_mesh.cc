@@ -133,7 +133,7 @@ Status PeerMesh::CheckInbound(int peer_id, uint32_t generation) const {
         "worker {} may not dial worker {}: the lower worker id dials, so worker {} accepts only ids below {}", peer_id,
         options_.worker_id, options_.worker_id, options_.worker_id));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = connections_.find(peer_id);
   if (it != connections_.end() && it->second->generation > generation && !ConnectionIsBroken(*it->second)) {
     return FailedPreconditionError(
@@ -144,7 +144,7 @@ Status PeerMesh::CheckInbound(int peer_id, uint32_t generation) const {
 }
 
 bool PeerMesh::InstallInbound(UniqueFd fd, int peer_id, uint32_t generation) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto& slot = connections_[peer_id];
   if (slot && slot->generation > generation && !ConnectionIsBroken(*slot)) {
     ++connections_refused_;  // a newer connection won the race while this one sent its ack
@@ -158,7 +158,7 @@ bool PeerMesh::InstallInbound(UniqueFd fd, int peer_id, uint32_t generation) {
   if (slot) retired_.push_back(std::move(slot));  // the peer redialed: its old connection is dead
   slot = std::move(conn);
   ++connections_opened_;
-  cv_.notify_all();
+  cv_.NotifyAll();
   return true;
 }
 
@@ -187,7 +187,7 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
       }
       case net::HelloAcceptor::State::kRefused: {
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(&mu_);
           ++connections_refused_;
         }
         refusals.Note(fmt::format("data port: closed an incoming connection from {}: {}", p.from,
@@ -197,7 +197,7 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
       default:
         if (now < p.deadline) return false;
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(&mu_);
           ++connections_refused_;
         }
         refusals.Note(fmt::format("data port: closed an incoming connection from {}: no hello within {} ms", p.from,
@@ -211,13 +211,13 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
     // The abort signals to watch; a waiter whose signal fired already is woken now.
     watched.clear();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       bool fired = false;
       for (const auto& [signal, count] : waiting_aborts_) {
         if (signal->fired()) fired = true;
         else watched.push_back(signal->fd());
       }
-      if (fired) cv_.notify_all();
+      if (fired) cv_.NotifyAll();
     }
     Deadline now = Clock::now();
     const bool accepting = now >= accept_paused_until;
@@ -247,8 +247,8 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
     }
     for (size_t i = 0; i < watched.size(); ++i) {
       if (fds[3 + i].revents != 0) {
-        std::lock_guard<std::mutex> lock(mu_);
-        cv_.notify_all();
+        MutexLock lock(&mu_);
+        cv_.NotifyAll();
         break;
       }
     }
@@ -287,7 +287,7 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
           std::unique_ptr<Pending> oldest = std::move(pending.front());
           pending.pop_front();
           {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(&mu_);
             ++connections_refused_;
           }
           evictions.Note(fmt::format(
@@ -307,10 +307,10 @@ Result<Connection*> PeerMesh::Get(int peer_id, const std::string& peer_address, 
                                   Deadline deadline, const net::AbortSignal* abort) {
   NONSTOP_CHECK_NE(peer_id, options_.worker_id) << "a worker never connects to itself";
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     // Generation check on the connection in the slot: usable (OK, `*out` set),
     // newer (kAborted), or none/broken (OK, `*out` null).
-    auto usable = [&](Connection** out) -> Status {
+    auto usable = [&](Connection** out) NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Status {
       *out = nullptr;
       auto it = connections_.find(peer_id);
       if (it == connections_.end()) return OkStatus();
@@ -338,7 +338,7 @@ Result<Connection*> PeerMesh::Get(int peer_id, const std::string& peer_address, 
         WakeAcceptLoop();
       }
       Status outcome;
-      cv_.wait_until(lock, deadline, [&] {
+      cv_.WaitUntil(&mu_, deadline, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         outcome = usable(&conn);
         return conn != nullptr || !outcome.ok() || (abort != nullptr && abort->fired());
       });
@@ -374,7 +374,7 @@ Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
   conn->peer_id = peer_id;
   conn->peer_address = peer_address;
   conn->generation = generation;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Connection* raw = conn.get();
   auto& slot = connections_[peer_id];
   if (slot) retired_.push_back(std::move(slot));
@@ -384,7 +384,7 @@ Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
 }
 
 void PeerMesh::Drop(int peer_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = connections_.find(peer_id);
   if (it == connections_.end()) return;
   ::shutdown(it->second->fd.get(), SHUT_RDWR);  // the peer sees the close and drops its end too
@@ -393,17 +393,17 @@ void PeerMesh::Drop(int peer_id) {
 }
 
 int PeerMesh::connections_opened() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return connections_opened_;
 }
 
 int PeerMesh::connections_open() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return static_cast<int>(connections_.size());
 }
 
 int PeerMesh::connections_refused() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return connections_refused_;
 }
 

@@ -39,14 +39,13 @@
 // mesh owns it and keeps it alive until Drop() or destruction.
 #pragma once
 
-#include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
@@ -140,17 +139,19 @@ class PeerMesh {
   net::AbortSignal stop_signal_;  // wakes the accept thread at shutdown
   UniqueFd wake_fd_;              // eventfd: a waiter registered a new abort signal to watch
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;  // a connection arrived, or a waiter's abort fired
-  std::map<int, std::unique_ptr<Connection>> connections_;  // guarded by mu_
+  mutable Mutex mu_;
+  CondVar cv_;  // a connection arrived, or a waiter's abort fired
+  // The map is guarded; a Connection in it is not: its holder (one
+  // Communicator at a time) uses it without the lock.
+  std::map<int, std::unique_ptr<Connection>> connections_ NONSTOP_GUARDED_BY(mu_);
   // Connections replaced or dropped while a thread may still hold a pointer to
   // them: kept (open) until the mesh goes away. A handful per fault.
-  std::vector<std::unique_ptr<Connection>> retired_;  // guarded by mu_
+  std::vector<std::unique_ptr<Connection>> retired_ NONSTOP_GUARDED_BY(mu_);
   // Abort signals of threads waiting in Get(); the accept thread polls them and
   // wakes cv_ when one fires. Counted: two waiters may share one signal.
-  std::map<const net::AbortSignal*, int> waiting_aborts_;  // guarded by mu_
-  int connections_opened_ = 0;                              // guarded by mu_
-  int connections_refused_ = 0;                             // guarded by mu_
+  std::map<const net::AbortSignal*, int> waiting_aborts_ NONSTOP_GUARDED_BY(mu_);
+  int connections_opened_ NONSTOP_GUARDED_BY(mu_) = 0;
+  int connections_refused_ NONSTOP_GUARDED_BY(mu_) = 0;
 
   std::jthread accept_thread_;  // last member: joins before the members it uses are destroyed
 };

@@ -5,16 +5,19 @@
 #include <atomic>
 #include <chrono>
 #include <ctime>
-#include <mutex>
+
+#include "common/mutex.h"
 
 namespace nonstop {
 namespace {
 
-std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
-std::mutex g_role_mu;
-std::string g_role = "nonstop";
-std::mutex g_sink_mu;
-std::function<void(std::string_view)> g_sink;  // guarded by g_sink_mu
+std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};  // atomic: read on every log line, no lock
+Mutex g_role_mu;
+std::string g_role NONSTOP_GUARDED_BY(g_role_mu) = "nonstop";
+// Held while the sink runs: SetLogSink(nullptr) then returns only once no
+// thread is still inside the old sink (BoundedStdio destroys its writers next).
+Mutex g_sink_mu;
+std::function<void(std::string_view)> g_sink NONSTOP_GUARDED_BY(g_sink_mu);
 
 char LevelChar(LogLevel level) {
   switch (level) {
@@ -29,14 +32,14 @@ char LevelChar(LogLevel level) {
 }  // namespace
 
 void SetLogRole(std::string role) {
-  std::lock_guard<std::mutex> lock(g_role_mu);
+  MutexLock lock(&g_role_mu);
   g_role = std::move(role);
 }
 
 void SetLogLevel(LogLevel level) { g_level.store(static_cast<int>(level)); }
 
 void SetLogSink(std::function<void(std::string_view)> sink) {
-  std::lock_guard<std::mutex> lock(g_sink_mu);
+  MutexLock lock(&g_sink_mu);
   g_sink = std::move(sink);
 }
 LogLevel GetLogLevel() { return static_cast<LogLevel>(g_level.load()); }
@@ -59,13 +62,13 @@ void LogLine(LogLevel level, std::string_view message) {
   localtime_r(&secs, &tm);
   std::string role;
   {
-    std::lock_guard<std::mutex> lock(g_role_mu);
+    MutexLock lock(&g_role_mu);
     role = g_role;
   }
   std::string line = fmt::format("{}{:02}:{:02}:{:02}.{:03} {}] {}\n", LevelChar(level), tm.tm_hour,
                                  tm.tm_min, tm.tm_sec, millis, role, message);
   {
-    std::lock_guard<std::mutex> lock(g_sink_mu);
+    MutexLock lock(&g_sink_mu);
     if (g_sink) {
       g_sink(line);
       return;

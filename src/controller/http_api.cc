@@ -13,7 +13,6 @@
 #include <charconv>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <fstream>
@@ -23,6 +22,7 @@
 
 #include "common/constant_time.h"
 #include "common/logging.h"
+#include "common/mutex.h"
 #include "common/time.h"
 #include "dashboard/dashboard.h"
 
@@ -201,15 +201,15 @@ class GatedHttpServer : public httplib::Server {
   // closes every connection they hold. Idempotent.
   void Shutdown() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stopping_) return;
       stopping_ = true;
     }
     Wake();
-    ready_cv_.notify_all();
+    ready_cv_.NotifyAll();
     if (gate_.joinable()) gate_.join();
     for (auto& w : workers_) w.join();
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     incoming_.clear();
     ready_.clear();
   }
@@ -230,7 +230,7 @@ class GatedHttpServer : public httplib::Server {
     int flags = ::fcntl(fd.get(), F_GETFL, 0);
     if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) < 0) return false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stopping_) return false;
       incoming_.push_back(std::move(fd));
     }
@@ -251,7 +251,7 @@ class GatedHttpServer : public httplib::Server {
     char chunk[4096];
     while (true) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         if (stopping_) return;
         for (auto& fd : incoming_) waiting.push_back({std::move(fd), std::string(), DeadlineAfter(kRequestDeadline)});
         incoming_.clear();
@@ -323,22 +323,22 @@ class GatedHttpServer : public httplib::Server {
   }
 
   void Dispatch(Waiting w) {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (ready_.size() >= kMaxReadyConnections) {
-      lock.unlock();
+      lock.Unlock();
       SendRawError(w.fd.get(), 503, "Service Unavailable", "too many requests in progress: retry shortly");
       return;
     }
     ready_.push_back({std::move(w.fd), std::move(w.buffer)});
-    ready_cv_.notify_one();
+    ready_cv_.NotifyOne();
   }
 
   void WorkerLoop() {
     while (true) {
       Ready r;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        ready_cv_.wait(lock, [&] { return stopping_ || !ready_.empty(); });
+        MutexLock lock(&mu_);
+        ready_cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !ready_.empty(); });
         if (stopping_) return;
         r = std::move(ready_.front());
         ready_.pop_front();
@@ -368,11 +368,11 @@ class GatedHttpServer : public httplib::Server {
   UniqueFd wake_;
   std::thread gate_;
   std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable ready_cv_;
-  bool stopping_ = false;             // guarded by mu_
-  std::vector<UniqueFd> incoming_;    // guarded by mu_: accepted, not yet seen by the gate
-  std::deque<Ready> ready_;           // guarded by mu_: complete requests for the workers
+  Mutex mu_;
+  CondVar ready_cv_;
+  bool stopping_ NONSTOP_GUARDED_BY(mu_) = false;
+  std::vector<UniqueFd> incoming_ NONSTOP_GUARDED_BY(mu_);  // accepted, not yet seen by the gate
+  std::deque<Ready> ready_ NONSTOP_GUARDED_BY(mu_);         // complete requests for the workers
 };
 
 bool IsLoopbackHost(const std::string& host) {
@@ -495,11 +495,11 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int por
   });
 
   srv.Get("/status", [self](const httplib::Request&, httplib::Response& res) {
-    std::lock_guard<std::mutex> lock(self->mu_);
+    MutexLock lock(&self->mu_);
     res.set_content(self->status_, "application/json");
   });
   srv.Get("/metrics", [self](const httplib::Request&, httplib::Response& res) {
-    std::lock_guard<std::mutex> lock(self->mu_);
+    MutexLock lock(&self->mu_);
     res.set_content(self->metrics_, "text/plain; version=0.0.4");
   });
   srv.Get("/", [page = dashboard::LivePage()](const httplib::Request&, httplib::Response& res) {
@@ -553,7 +553,7 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int por
     call->source = "POST /scale from " + req.remote_addr;
     auto answer = call->reply.get_future();
     {
-      std::lock_guard<std::mutex> lock(self->mu_);
+      MutexLock lock(&self->mu_);
       call->id = self->next_id_++;
       self->calls_.push_back(std::move(call));
     }
@@ -592,7 +592,7 @@ HttpApi::~HttpApi() {
   if (server_) server_->stop();
   if (thread_.joinable()) thread_.join();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& c : calls_) c->reply.set_value({503, {{"accepted", false}, {"error", "the job has ended"}}});
     calls_.clear();
   }
@@ -606,12 +606,12 @@ std::vector<std::unique_ptr<ScaleCall>> HttpApi::TakeCalls() {
   uint64_t v;
   while (::read(wake_.get(), &v, sizeof(v)) > 0) {
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return std::move(calls_);
 }
 
 void HttpApi::Publish(nlohmann::json status, std::string metrics) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   status_ = status.dump(2);
   metrics_ = std::move(metrics);
 }

@@ -29,13 +29,13 @@
 
 #include <future>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 
@@ -83,11 +83,11 @@ class HttpApi {
   std::string journal_path_;
   std::string token_;
   UniqueFd wake_;
-  std::mutex mu_;
-  std::vector<std::unique_ptr<ScaleCall>> calls_;  // guarded by mu_
-  std::string status_ = "{}";                      // guarded by mu_
-  std::string metrics_;                            // guarded by mu_
-  int next_id_ = 1;                                // guarded by mu_
+  Mutex mu_;
+  std::vector<std::unique_ptr<ScaleCall>> calls_ NONSTOP_GUARDED_BY(mu_);
+  std::string status_ NONSTOP_GUARDED_BY(mu_) = "{}";
+  std::string metrics_ NONSTOP_GUARDED_BY(mu_);
+  int next_id_ NONSTOP_GUARDED_BY(mu_) = 1;
 };
 
 // True for 127.0.0.0/8, ::1 and "localhost".

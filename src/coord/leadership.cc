@@ -80,8 +80,8 @@ Result<std::unique_ptr<Leadership>> Leadership::Connect(LeadershipOptions option
 Leadership::~Leadership() {
   keepalive_.request_stop();
   writer_.request_stop();
-  { std::lock_guard<std::mutex> lock(mu_); }  // a waiter between its check and its sleep sees the stop
-  cv_.notify_all();
+  { MutexLock lock(&mu_); }  // a waiter between its check and its sleep sees the stop
+  cv_.NotifyAll();
   if (keepalive_.joinable()) keepalive_.join();
   if (writer_.joinable()) writer_.join();
   if (lease_ != 0 && !deposed_.load()) (void)client_->LeaseRevoke(lease_);
@@ -190,7 +190,7 @@ void Leadership::Append(const nlohmann::json& record) {
 void Leadership::Flush() {
   if (queued_.empty() && queued_progress_.empty()) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& e : queued_) pending_.push_back(std::move(e));
     if (!queued_progress_.empty()) progress_ = std::move(queued_progress_);
     if (!queued_end_.empty()) end_ = std::move(queued_end_);
@@ -198,13 +198,13 @@ void Leadership::Flush() {
   queued_end_.clear();
   queued_.clear();
   queued_progress_.clear();
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 bool Leadership::Valid() const { return !deposed_.load() && NowMicros() < valid_until_us_.load(); }
 
 std::string Leadership::why_not_leading() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (!why_.empty()) return why_;
   int64_t late_ms = (NowMicros() - valid_until_us_.load()) / 1000;
   return fmt::format("the lease of epoch {} could not be renewed in time ({} ms overdue: etcd unreachable, or this "
@@ -214,12 +214,12 @@ std::string Leadership::why_not_leading() const {
 
 void Leadership::SetDeposed(std::string why) {
   {
-    std::lock_guard<std::mutex> lock(mu_);  // under mu_: the writer's wait cannot miss it
+    MutexLock lock(&mu_);  // under mu_: the writer's wait cannot miss it
     if (why_.empty()) why_ = std::move(why);
     valid_until_us_ = 0;
     deposed_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   Wake();
 }
 
@@ -230,8 +230,8 @@ void Leadership::Wake() {
 
 void Leadership::Resign() {
   keepalive_.request_stop();
-  { std::lock_guard<std::mutex> lock(mu_); }
-  cv_.notify_all();
+  { MutexLock lock(&mu_); }
+  cv_.NotifyAll();
   if (keepalive_.joinable()) keepalive_.join();
   if (lease_ != 0 && !deposed_.load()) (void)client_->LeaseRevoke(lease_);
   SetDeposed("resigned");
@@ -261,8 +261,8 @@ void Leadership::KeepAlive(std::stop_token st) {
       warned = true;
     }
     auto wait = ttl.ok() ? every : Millis(100);
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, wait, [&] { return st.stop_requested() || deposed_.load(); });
+    MutexLock lock(&mu_);
+    cv_.WaitFor(&mu_, wait, [&] { return st.stop_requested() || deposed_.load(); });
   }
 }
 
@@ -275,8 +275,8 @@ void Leadership::Write(std::stop_token st) {
     uint64_t last = 0;
     size_t bytes = 0;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] {
+      MutexLock lock(&mu_);
+      cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return st.stop_requested() || deposed_.load() || !pending_.empty() || !progress_.empty() || !end_.empty();
       });
       if (st.stop_requested() || deposed_.load()) return;
@@ -306,8 +306,8 @@ void Leadership::Write(std::stop_token st) {
                             txn.status().ToString());
         warned = true;
       }
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, Millis(100), [&] { return st.stop_requested() || deposed_.load(); });
+      MutexLock lock(&mu_);
+      cv_.WaitFor(&mu_, Millis(100), [&] { return st.stop_requested() || deposed_.load(); });
       continue;
     }
     if (!txn->succeeded) {
@@ -318,7 +318,7 @@ void Leadership::Write(std::stop_token st) {
     if (warned) NONSTOP_LOG_WARNING("the journal reaches etcd again");
     warned = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       while (!pending_.empty() && pending_.front().first <= last) pending_.pop_front();
       // The progress written is dropped unless a newer one came meanwhile.
       for (const auto& op : ops) {

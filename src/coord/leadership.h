@@ -26,18 +26,17 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
@@ -113,23 +112,31 @@ class Leadership {
   std::string prefix_;
   std::string leader_key_;
   std::unique_ptr<etcd::Client> client_;  // the caller's thread: Campaign, ReadJournal, Publish, Resign
+  // Not under mu_: set by Campaign before it starts the keep-alive thread
+  // (the writer starts later still), fixed from then on.
   int64_t lease_ = 0;
   int64_t epoch_ = 0;
+  // Atomics, not under mu_: Valid() and the accessors read them lock-free
+  // from the loop. SetDeposed still stores them under mu_, so that a waiter
+  // between its check and its sleep cannot miss the change.
   std::atomic<int64_t> valid_until_us_{0};  // monotonic µs
   std::atomic<bool> deposed_{false};
   std::atomic<uint64_t> durable_{0};
+  // The loop's own (Append, Flush, appended()), not under mu_; ReadJournal
+  // sets them before it starts the writer.
   uint64_t appended_ = 0;
   uint64_t first_seq_ = 1;  // the seq this leader's first record gets (after the journal it read)
-
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::pair<uint64_t, std::string>> queued_;  // the loop's, not yet flushed
-  std::deque<std::pair<uint64_t, std::string>> pending_;  // flushed, for the writer (under mu_)
-  std::string progress_;                                  // the latest step record, for the writer (under mu_)
+  std::vector<std::pair<uint64_t, std::string>> queued_;  // not yet flushed
   std::string queued_progress_;
-  std::string end_;          // the job_end record, for the writer (under mu_)
   std::string queued_end_;
-  std::string why_;  // under mu_
+
+  // What Flush hands to the writer thread, and why the leadership was lost.
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::deque<std::pair<uint64_t, std::string>> pending_ NONSTOP_GUARDED_BY(mu_);  // flushed, for the writer
+  std::string progress_ NONSTOP_GUARDED_BY(mu_);  // the latest step record, for the writer
+  std::string end_ NONSTOP_GUARDED_BY(mu_);       // the job_end record, for the writer
+  std::string why_ NONSTOP_GUARDED_BY(mu_);
 
   std::jthread keepalive_;
   std::jthread writer_;

@@ -17,18 +17,18 @@ OutputWriter::OutputWriter(int fd, size_t max_buffered, Millis final_flush)
 
 OutputWriter::~OutputWriter() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
   stop_requested_.store(true);
-  cv_.notify_all();
+  cv_.NotifyAll();
   thread_.join();
 }
 
 void OutputWriter::Write(std::string_view text) {
   if (text.empty()) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (buffer_.size() + text.size() > max_buffered_) {
       dropped_bytes_ += text.size();
       ++dropped_writes_;
@@ -36,11 +36,11 @@ void OutputWriter::Write(std::string_view text) {
     }
     buffer_.append(text);
   }
-  cv_.notify_one();
+  cv_.NotifyOne();
 }
 
 uint64_t OutputWriter::dropped_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return dropped_bytes_;
 }
 
@@ -65,9 +65,11 @@ bool OutputWriter::WriteOut(std::string_view text) {
 }
 
 void OutputWriter::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   while (true) {
-    cv_.wait(lock, [&] { return stopping_ || !buffer_.empty() || dropped_bytes_ != reported_bytes_; });
+    cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stopping_ || !buffer_.empty() || dropped_bytes_ != reported_bytes_;
+    });
     bool last = stopping_;
     std::string out;
     out.swap(buffer_);
@@ -78,11 +80,11 @@ void OutputWriter::Run() {
       reported_bytes_ = dropped_bytes_;
       dropped_writes_ = 0;
     }
-    lock.unlock();
+    lock.Unlock();
     // While running, wait as long as the reader needs (we only hold our own
     // thread); at the end, give a stuck reader `final_flush` and go.
     bool ok = WriteOut(out);
-    lock.lock();
+    lock.Lock();
     if (last && (buffer_.empty() || !ok)) return;
   }
 }

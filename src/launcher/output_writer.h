@@ -12,13 +12,12 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
 
+#include "common/mutex.h"
 #include "common/time.h"
 
 namespace nonstop::launcher {
@@ -42,14 +41,16 @@ class OutputWriter {
   const int fd_;  // not owned
   const size_t max_buffered_;
   const Millis final_flush_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::string buffer_;           // guarded by mu_
-  uint64_t dropped_bytes_ = 0;   // guarded by mu_
-  uint64_t dropped_writes_ = 0;  // guarded by mu_
-  uint64_t reported_bytes_ = 0;  // guarded by mu_: drops already reported
-  bool stopping_ = false;        // guarded by mu_
-  std::atomic<bool> stop_requested_{false};  // stopping_, readable without the lock
+  mutable Mutex mu_;
+  CondVar cv_;
+  std::string buffer_ NONSTOP_GUARDED_BY(mu_);
+  uint64_t dropped_bytes_ NONSTOP_GUARDED_BY(mu_) = 0;
+  uint64_t dropped_writes_ NONSTOP_GUARDED_BY(mu_) = 0;
+  uint64_t reported_bytes_ NONSTOP_GUARDED_BY(mu_) = 0;  // drops already reported
+  bool stopping_ NONSTOP_GUARDED_BY(mu_) = false;
+  // stopping_, readable without the lock: WriteOut runs unlocked, so as not
+  // to block Write() behind a slow reader, and still needs to see the stop.
+  std::atomic<bool> stop_requested_{false};
   std::thread thread_;           // last: started after the members it uses
 };
 

@@ -156,10 +156,10 @@ CheckpointWriter::~CheckpointWriter() {
     // it checks, or is already waiting and gets the notification. (Setting it
     // without the mutex could land between its check and its wait: a lost
     // wake-up, and a destructor that never returns.)
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   thread_.join();  // the writer finishes what is queued before it sees stopping_
 }
 
@@ -167,7 +167,7 @@ CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry, co
   CheckpointSaveResult result;
   result.step = meta.step;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     result.earlier = last_status_;
     if (in_flight_) {  // one checkpoint in flight: the writer fell behind
       result.skipped = true;
@@ -184,12 +184,12 @@ CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry, co
   Snapshot snap = TakeSnapshot(registry, meta);
   double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     pending_ = Job{std::move(snap.header), std::move(snap.data), std::move(snap.manifest), meta.step, secs};
     in_flight_ = true;
     in_flight_step_ = meta.step;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   return result;
 }
 
@@ -198,28 +198,28 @@ Status CheckpointWriter::Save(const StateRegistry& registry, const CheckpointMet
 }
 
 Status CheckpointWriter::Wait() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return !in_flight_; });
+  MutexLock lock(&mu_);
+  cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_flight_; });
   return last_status_;
 }
 
 std::optional<CheckpointWriteStats> CheckpointWriter::last_written() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return last_;
 }
 
 bool CheckpointWriter::in_flight() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return in_flight_;
 }
 
 uint64_t CheckpointWriter::skipped_count() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return skipped_;
 }
 
 void CheckpointWriter::SetWriteHookForTesting(std::function<void(int64_t step)> hook) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   write_hook_ = std::move(hook);
 }
 
@@ -228,8 +228,8 @@ void CheckpointWriter::Run() {
     Job job;
     std::function<void(int64_t)> hook;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return pending_.has_value() || stopping_; });
+      MutexLock lock(&mu_);
+      cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_.has_value() || stopping_; });
       if (!pending_) return;  // stopping, nothing queued
       job = std::move(*pending_);
       pending_.reset();
@@ -243,12 +243,12 @@ void CheckpointWriter::Run() {
                             job.header.size() + job.data.size()};
     if (!s.ok()) NONSTOP_LOG_WARNING("checkpoint of step {} failed: {}", job.step, s.ToString());
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       in_flight_ = false;
       last_status_ = s;
       if (s.ok()) last_ = st;
     }
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 }
 

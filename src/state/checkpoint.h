@@ -21,11 +21,9 @@
 // Format details: docs/formats.md.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -35,6 +33,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/mutex.h"
 #include "nonstop/state.h"
 #include "nonstop/status.h"
 
@@ -110,8 +109,8 @@ class CheckpointWriter {
 
   const std::string dir_;
   const int keep_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+  mutable Mutex mu_;
+  CondVar cv_;
   struct Job {
     std::string header;  // safetensors header (with its length prefix)
     std::string data;    // the regions' bytes
@@ -119,14 +118,14 @@ class CheckpointWriter {
     int64_t step;
     double snapshot_seconds;
   };
-  std::optional<Job> pending_;                   // guarded by mu_
-  bool in_flight_ = false;                       // guarded by mu_; true from queueing to the end of the write
-  int64_t in_flight_step_ = -1;                  // guarded by mu_; the step of that write
-  bool stopping_ = false;                        // guarded by mu_; set (under mu_) by the destructor
-  uint64_t skipped_ = 0;                         // guarded by mu_
-  Status last_status_;                           // guarded by mu_
-  std::optional<CheckpointWriteStats> last_;     // guarded by mu_
-  std::function<void(int64_t)> write_hook_;      // guarded by mu_
+  std::optional<Job> pending_ NONSTOP_GUARDED_BY(mu_);
+  bool in_flight_ NONSTOP_GUARDED_BY(mu_) = false;  // true from queueing to the end of the write
+  int64_t in_flight_step_ NONSTOP_GUARDED_BY(mu_) = -1;  // the step of that write
+  bool stopping_ NONSTOP_GUARDED_BY(mu_) = false;  // set (under mu_) by the destructor
+  uint64_t skipped_ NONSTOP_GUARDED_BY(mu_) = 0;
+  Status last_status_ NONSTOP_GUARDED_BY(mu_);
+  std::optional<CheckpointWriteStats> last_ NONSTOP_GUARDED_BY(mu_);
+  std::function<void(int64_t)> write_hook_ NONSTOP_GUARDED_BY(mu_);  // copied out, run unlocked
   std::jthread thread_;                          // last: started once the members above exist
 };
 

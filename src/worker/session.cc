@@ -8,10 +8,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <condition_variable>
 #include <cstdlib>
 #include <deque>
-#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -20,6 +18,7 @@
 #include "collective/communicator.h"
 #include "collective/peer_mesh.h"
 #include "common/logging.h"
+#include "common/mutex.h"
 #include "control/messages.h"
 #include "coord/etcd.h"
 #include "coord/leadership.h"
@@ -167,8 +166,8 @@ class SessionImpl {
 
   // Without a controller (lost, not yet found again) messages are dropped:
   // what the next controller must know is in the join that reconnects.
-  Status SendControl(uint16_t type, const std::string& payload) {
-    std::lock_guard<std::mutex> lock(write_mu_);
+  Status SendControl(uint16_t type, const std::string& payload) NONSTOP_LOCKS_EXCLUDED(write_mu_) {
+    MutexLock lock(&write_mu_);
     if (!control_fd_.valid()) return UnavailableError("no controller leads now");
     return net::WriteFrame(control_fd_.get(), type, payload, DeadlineAfter(Millis(5'000)), &stop_signal_);
   }
@@ -217,7 +216,7 @@ class SessionImpl {
   // (leaderless_timeout) or the session stops.
   bool Reconnect(std::stop_token st, const Status& why) {
     {
-      std::lock_guard<std::mutex> lock(write_mu_);
+      MutexLock lock(&write_mu_);
       control_fd_.Reset();
     }
     auto lost_at = Clock::now();
@@ -271,10 +270,10 @@ class SessionImpl {
   // No controller will lead this worker again: the training thread fails
   // out of what it waits for or computes. Always false (Reconnect's answer).
   bool GiveUp(const std::string& why) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     controller_lost_ = true;
     if (comm_) comm_->Abort(why);
-    cv_.notify_all();
+    cv_.NotifyAll();
     return false;
   }
 
@@ -314,14 +313,14 @@ class SessionImpl {
     // Finished the training thread sends meanwhile either is in this join
     // (it set waiting_after_ / finished_ before sending) or goes out on the
     // new connection after it, never lost in between.
-    std::lock_guard<std::mutex> write_lock(write_mu_);
+    MutexLock write_lock(&write_mu_);
     control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), data_address_,
                           options_.spare, state_step_.load(), options_.host_id};
     join.shard_group = state_->shard_group();
     join.held_shard = held_shard_.load();
     std::optional<control::FinishedMsg> finished;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (comm_) {
         join.spare = false;
         join.generation = comm_->generation();
@@ -355,24 +354,24 @@ class SessionImpl {
         return OnPing(f);
       case control::kMsgPlan: {
         NONSTOP_ASSIGN_OR_RETURN(control::PlanMsg plan, control::DecodePlan(f.payload));
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         if (!plan_ || plan.generation > plan_->generation) plan_ = std::move(plan);
-        cv_.notify_all();
+        cv_.NotifyAll();
         return OkStatus();
       }
       case control::kMsgAbort: {
         NONSTOP_ASSIGN_OR_RETURN(control::AbortMsg m, control::DecodeAbort(f.payload));
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         aborted_generation_ = std::max(aborted_generation_, m.generation);
         if (comm_ && comm_->generation() <= m.generation) {
           comm_->Abort(fmt::format("the controller ended generation {}: {}", m.generation, m.reason));
         }
-        cv_.notify_all();
+        cv_.NotifyAll();
         return OkStatus();
       }
       case control::kMsgDrain: {
         NONSTOP_ASSIGN_OR_RETURN(control::DrainMsg m, control::DecodeDrain(f.payload));
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         drain_ = m;
         // Already past the boundary and blocked in the next step's collective
         // (the others stopped at the boundary): leave it now.
@@ -385,10 +384,10 @@ class SessionImpl {
       }
       case control::kMsgShutdown: {
         NONSTOP_ASSIGN_OR_RETURN(control::ShutdownMsg m, control::DecodeShutdown(f.payload));
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         shutdown_ = m;
         if (comm_ && m.exit_code != 0) comm_->Abort("the controller ended the job: " + m.reason);
-        cv_.notify_all();
+        cv_.NotifyAll();
         return OkStatus();
       }
       default:
@@ -419,7 +418,7 @@ class SessionImpl {
     while (true) {
       if (after_generation > 0) {
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(&mu_);
           waiting_after_ = after_generation;  // a join after a controller loss says so
         }
         control::ReadyMsg ready{after_generation, state_step_.load(), why, held_shard_.load()};
@@ -430,8 +429,10 @@ class SessionImpl {
       {
         // As long as the controller lives (its pings keep controller_lost_
         // false): a spare may wait for days.
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return (plan_ && plan_->generation > after_generation) || shutdown_ || controller_lost_; });
+        MutexLock lock(&mu_);
+        cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return (plan_ && plan_->generation > after_generation) || shutdown_ || controller_lost_;
+        });
         if (shutdown_) {
           return CancelledError(fmt::format("the job ended (exit code {}): {}", shutdown_->exit_code, shutdown_->reason));
         }
@@ -462,7 +463,7 @@ class SessionImpl {
     }
     co.timeout_collective = options_.timeout_collective;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       // Swap communicators under the lock: an abort for the new generation
       // that arrives meanwhile is either recorded or applied, never lost.
       abort_.Reset();
@@ -568,7 +569,7 @@ class SessionImpl {
   // ---- fault injection ----
 
   std::optional<control::FaultSpec> TakeFault(control::FaultPoint point, int64_t step, int rank, control::FaultKind kind) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (auto it = faults_.begin(); it != faults_.end(); ++it) {
       bool step_matches = it->step == step || (point == control::FaultPoint::kTransfer && it->step < 0);
       if (it->point == point && step_matches && it->rank == rank && it->kind == kind) {
@@ -628,7 +629,7 @@ class SessionImpl {
   Status RunCollective(Op op, bool at_step_boundary, bool announce = true) {
     if (at_step_boundary) MaybeInjectBeforeCollective();  // a stall stops here, before it arrives
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (drain_ && comm_->generation() == drain_->generation && state_step_.load() >= drain_->after_step) {
         // A planned change: this generation ends at this step boundary.
         Status s = AbortedError(fmt::format("generation {} ends at the step boundary after step {}: {}",
@@ -649,7 +650,7 @@ class SessionImpl {
     }
     Status s = op();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       in_collective_ = false;
     }
     collective_since_ms_.store(-1);
@@ -663,41 +664,42 @@ class SessionImpl {
   // ---- overlapped reduction (Session::StartAllReduce / WaitAll) ----
 
   void StartAllReduce(std::span<float> data) {
-    std::lock_guard<std::mutex> lock(bucket_mu_);
+    MutexLock lock(&bucket_mu_);
     if (!comm_thread_.joinable()) comm_thread_ = std::jthread([this](std::stop_token st) { BucketLoop(st); });
     buckets_.push_back(data);
-    bucket_cv_.notify_all();
+    bucket_cv_.NotifyAll();
   }
 
   // The communication thread: reduces the started buckets one at a time, in
   // order. After the first error the rest of the step's buckets are skipped:
   // the step is dropped whole, so there is nothing to gain from them.
   void BucketLoop(std::stop_token st) {
-    std::unique_lock<std::mutex> lock(bucket_mu_);
+    MutexLock lock(&bucket_mu_);
     while (true) {
-      bucket_cv_.wait(lock, st, [&] { return !buckets_.empty(); });
+      auto started = [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(bucket_mu_) { return !buckets_.empty(); };
+      bucket_cv_.Wait(&bucket_mu_, st, started);
       if (st.stop_requested()) return;
       std::span<float> bucket = buckets_.front();
       bool skip = !bucket_status_.ok();
       bool first = first_bucket_;
       first_bucket_ = false;
-      lock.unlock();
+      lock.Unlock();
       // Every bucket passes the drain check and marks the member as waiting
       // (a peer that hangs mid-backward is found like one that hangs before
       // the step); only the step's first announces the arrival.
       Status s = skip ? OkStatus()
                       : RunCollective([&] { return comm_->AllReduce(bucket); }, /*at_step_boundary=*/true,
                                       /*announce=*/first);
-      lock.lock();
+      lock.Lock();
       buckets_.pop_front();
       if (!s.ok() && bucket_status_.ok()) bucket_status_ = s;
-      bucket_cv_.notify_all();
+      bucket_cv_.NotifyAll();
     }
   }
 
   Status WaitAll() {
-    std::unique_lock<std::mutex> lock(bucket_mu_);
-    bucket_cv_.wait(lock, [&] { return buckets_.empty(); });
+    MutexLock lock(&bucket_mu_);
+    bucket_cv_.Wait(&bucket_mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(bucket_mu_) { return buckets_.empty(); });
     Status s = bucket_status_;
     bucket_status_ = OkStatus();
     first_bucket_ = true;
@@ -708,15 +710,15 @@ class SessionImpl {
     uint32_t gen = comm_->generation();
     control::FinishedMsg finished{last_step, checksum};
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       finished_ = finished;  // sent again to a controller that takes over
     }
     Status sent = SendControl(control::kMsgFinished, control::Encode(finished));
     if (!sent.ok()) NONSTOP_LOG_WARNING("finished, but: {}", sent.ToString());
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     Deadline deadline = DeadlineAfter(Millis(600'000));
     while (!shutdown_ && !controller_lost_ && aborted_generation_ < gen) {
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
+      if (cv_.WaitUntil(&mu_, deadline) == std::cv_status::timeout) {
         return DeadlineExceededError("the controller did not end the job within 10 minutes of this worker finishing");
       }
     }
@@ -735,7 +737,11 @@ class SessionImpl {
 
   SessionOptions options_;
   state::StateRegistry* const state_;  // owned by the training program; outlives the session
-  UniqueFd control_fd_;  // written under write_mu_ (the I/O thread replaces it after a controller loss)
+  // Written under write_mu_ (the I/O thread replaces it after a controller
+  // loss; Start sets it before that thread exists). Not GUARDED_BY: the I/O
+  // thread, its only writer, also polls and reads it without the lock; the
+  // other threads only write frames to it, under write_mu_ (SendControl).
+  UniqueFd control_fd_;
   // Before mesh_: the mesh's accept thread polls the abort signal of a thread
   // waiting in Get(), so the signal must outlive the mesh.
   net::AbortSignal abort_;        // fired to abort the collective in flight
@@ -744,40 +750,49 @@ class SessionImpl {
   std::atomic<int64_t> state_step_{-1};          // the step the registered state holds
   std::atomic<int> held_shard_{state::kEveryShard};  // sharded state: the shard it holds (StateRegistry::held_shard)
   std::atomic<int64_t> collective_since_ms_{-1};  // when the step collective in flight began
-  bool in_collective_ = false;                     // guarded by mu_: any collective is in flight
-  std::mutex write_mu_;  // serialises frames on the control socket
+  // Lock order: write_mu_, then mu_ (SendRejoin), then a Communicator's.
+  Mutex write_mu_;  // serialises frames on the control socket
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::optional<control::PlanMsg> plan_;          // guarded by mu_: the newest plan received
-  std::optional<control::ShutdownMsg> shutdown_;  // guarded by mu_
-  std::optional<control::DrainMsg> drain_;        // guarded by mu_
-  MembershipChange last_change_;
-  uint32_t aborted_generation_ = 0;               // guarded by mu_
-  bool controller_lost_ = false;                  // guarded by mu_: gave up finding a controller
-  uint32_t waiting_after_ = 0;                    // guarded by mu_: left this generation, waits for a plan
-  std::optional<control::FinishedMsg> finished_;  // guarded by mu_: sent when the training loop ended
+  Mutex mu_;
+  CondVar cv_;
+  bool in_collective_ NONSTOP_GUARDED_BY(mu_) = false;  // any collective is in flight
+  std::optional<control::PlanMsg> plan_ NONSTOP_GUARDED_BY(mu_);  // the newest plan received
+  std::optional<control::ShutdownMsg> shutdown_ NONSTOP_GUARDED_BY(mu_);
+  std::optional<control::DrainMsg> drain_ NONSTOP_GUARDED_BY(mu_);
+  MembershipChange last_change_;  // training thread only
+  uint32_t aborted_generation_ NONSTOP_GUARDED_BY(mu_) = 0;
+  bool controller_lost_ NONSTOP_GUARDED_BY(mu_) = false;  // gave up finding a controller
+  uint32_t waiting_after_ NONSTOP_GUARDED_BY(mu_) = 0;  // left this generation, waits for a plan
+  std::optional<control::FinishedMsg> finished_ NONSTOP_GUARDED_BY(mu_);  // sent when the training loop ended
   std::vector<net::HostPort> controllers_;        // NONSTOP_CONTROLLER, in the order they are tried
   std::unique_ptr<etcd::Client> etcd_;            // where the leader is looked up (NONSTOP_ETCD); io thread
   int64_t epoch_ = 0;                             // the newest controller epoch seen; io thread
   std::string controller_;                        // the one connected last (for logs; the I/O thread's)
   std::string data_address_;                      // what peers dial, fixed at the first join
-  std::unique_ptr<collective::Communicator> comm_;  // guarded by mu_ for Abort from the I/O thread
+  // Replaced under mu_ (Adopt), and the I/O thread uses it (Abort) only
+  // under mu_. Not GUARDED_BY: the training thread, its only writer, drives
+  // it without the lock, and so does comm_thread_ between StartAllReduce and
+  // WaitAll (the training thread waits for it before the next replacement).
+  std::unique_ptr<collective::Communicator> comm_;
   // Sharded state: sub-groups of comm_ (its connections and abort signal), training thread only.
   std::unique_ptr<collective::Communicator> group_comm_, replica_comm_;
-  std::vector<control::FaultSpec> faults_;          // guarded by mu_
+  std::vector<control::FaultSpec> faults_ NONSTOP_GUARDED_BY(mu_);
+  // Training thread only (Adopt writes it, Session::resume_step reads it).
   int64_t resume_step_ = 0;
   int comm_before_world_ = 0;
   int comm_before_rank_ = -1;
   // Overlapped reduction: buckets started by the training thread, reduced in
   // order by comm_thread_. The training thread touches comm_ only after
   // WaitAll (Recover, Finish and the other collectives wait first).
-  std::mutex bucket_mu_;
-  std::condition_variable_any bucket_cv_;
-  std::deque<std::span<float>> buckets_;  // guarded by bucket_mu_: started, not yet reduced (front: in flight)
-  Status bucket_status_;                  // guarded by bucket_mu_: the first error since the last WaitAll
-  bool first_bucket_ = true;              // guarded by bucket_mu_: the next bucket is its step's first
-  std::jthread comm_thread_;              // started with the first bucket; joined in Stop()
+  Mutex bucket_mu_;
+  CondVar bucket_cv_;
+  // Started, not yet reduced (front: in flight).
+  std::deque<std::span<float>> buckets_ NONSTOP_GUARDED_BY(bucket_mu_);
+  Status bucket_status_ NONSTOP_GUARDED_BY(bucket_mu_);  // the first error since the last WaitAll
+  bool first_bucket_ NONSTOP_GUARDED_BY(bucket_mu_) = true;  // the next bucket is its step's first
+  // Training thread only: started with the first bucket (StartAllReduce),
+  // joined in Stop().
+  std::jthread comm_thread_;
   std::jthread io_thread_;  // last: stops before the members it uses go away
 };
 
@@ -898,7 +913,7 @@ MembershipChange Session::last_change() const { return impl_->last_change_; }
 bool Session::aborted() const { return impl_->abort_.fired(); }
 
 int Session::shutdown_exit_code() const {
-  std::lock_guard<std::mutex> lock(impl_->mu_);
+  MutexLock lock(&impl_->mu_);
   return impl_->shutdown_ ? impl_->shutdown_->exit_code : 0;
 }
 
