@@ -3,6 +3,12 @@
 // trains with data-parallel gradient allreduce over nonstop's collectives.
 //
 //   nonstop run --nproc 4 -- nonstop-train recipes/llama-tiny.yaml
+//
+// A Trainer reads like the job it runs: its set-up (recipe, data, model,
+// state, resume, warm-up, join), then each step (compute this rank's
+// micro-batches, reduce, update, checkpoint), and the recovery a failed
+// collective leads to. Every set-up step returns the exit code that ends the
+// program, or nothing to go on.
 #include <torch/torch.h>
 
 #include <unistd.h>
@@ -90,50 +96,59 @@ double ScaleShard(torchx::FlatParameters& flat, int shard, size_t shard_len, dou
   return norm;
 }
 
-int Main(int argc, char** argv) {
-  CLI::App app{"nonstop-train: reference trainer (Llama-style and GPT-OSS-style models)"};
+// The command line (recipe overrides, checkpoints, and the test-only knobs).
+struct TrainerFlags {
   std::string recipe_path;
   int64_t steps_override = 0;
+  int64_t shard_group_override = 0;
   bool print_recipe = false;
   int threads = 1;
   std::string checkpoint_dir, resume_dir;
   int64_t checkpoint_every = -1;
   double mtbf_seconds = 0;
   bool resume_env = false;
-  app.add_option("recipe", recipe_path, "Recipe YAML (default: the built-in llama-tiny)");
-  app.add_option("--checkpoint-dir", checkpoint_dir, "Write durable checkpoints here (overrides checkpoint.dir)")
+  bool no_overlap = false;
+  double bucket_mb = 1.0;
+  bool no_salvage = false;
+  std::string log_samples;  // test-only
+  int throttle_ms = 0;      // test-only
+};
+
+// Parses the command line; an exit code when the program is done (--help, a usage error).
+std::optional<int> ParseFlags(int argc, char** argv, TrainerFlags* f) {
+  CLI::App app{"nonstop-train: reference trainer (Llama-style and GPT-OSS-style models)"};
+  app.add_option("recipe", f->recipe_path, "Recipe YAML (default: the built-in llama-tiny)");
+  app.add_option("--checkpoint-dir", f->checkpoint_dir, "Write durable checkpoints here (overrides checkpoint.dir)")
       ->envname("NONSTOP_CHECKPOINT_DIR");
-  app.add_option("--checkpoint-every", checkpoint_every, "Steps between checkpoints (0: Young/Daly from --mtbf)")
+  app.add_option("--checkpoint-every", f->checkpoint_every, "Steps between checkpoints (0: Young/Daly from --mtbf)")
       ->envname("NONSTOP_CHECKPOINT_EVERY");
-  app.add_option("--mtbf", mtbf_seconds, "Mean time between failures, for the automatic checkpoint interval (s)")
+  app.add_option("--mtbf", f->mtbf_seconds, "Mean time between failures, for the automatic checkpoint interval (s)")
       ->envname("NONSTOP_MTBF_SECONDS");
-  app.add_option("--resume", resume_dir, "Resume from the newest valid checkpoint in this directory");
-  std::string log_samples;
-  int throttle_ms = 0;
-  app.add_option("--throttle-ms", throttle_ms, "Sleep this long in every step (tests and demos that act during a run)");
-  app.add_option("--log-samples", log_samples,
+  app.add_option("--resume", f->resume_dir, "Resume from the newest valid checkpoint in this directory");
+  // Test-only knobs: accepted, but not in --help (a user's trainer has no use for them).
+  app.add_option("--throttle-ms", f->throttle_ms,
+                 "Sleep this long in every step (tests and demos that act during a run)")
+      ->group("");
+  app.add_option("--log-samples", f->log_samples,
                  "Append the sample indices of every completed step to DIR/worker-<id>.txt (tests check that no "
-                 "sample is skipped or repeated)");
-  app.add_flag("--resume-from-checkpoint-dir", resume_env,
+                 "sample is skipped or repeated)")
+      ->group("");
+  app.add_flag("--resume-from-checkpoint-dir", f->resume_env,
                "Resume from the newest checkpoint in the checkpoint directory, if there is one (set by nonstop run "
                "when it restarts workers)")
       ->envname("NONSTOP_RESUME");
-  app.add_option("--steps", steps_override, "Override train.steps")->envname("NONSTOP_TRAIN_STEPS");
-  int64_t shard_group_override = 0;
-  app.add_option("--shard-group", shard_group_override, "Override optimizer.shard_group (1: no sharding)")
+  app.add_option("--steps", f->steps_override, "Override train.steps")->envname("NONSTOP_TRAIN_STEPS");
+  app.add_option("--shard-group", f->shard_group_override, "Override optimizer.shard_group (1: no sharding)")
       ->envname("NONSTOP_SHARD_GROUP")->check(CLI::Range(1, 1024));
-  app.add_option("--torch-threads", threads, "Intra-op threads per worker")->capture_default_str()
+  app.add_option("--torch-threads", f->threads, "Intra-op threads per worker")->capture_default_str()
       ->envname("NONSTOP_TORCH_THREADS");
-  app.add_flag("--print-recipe", print_recipe, "Print the built-in default recipe and exit");
-  bool no_overlap = false;
-  double bucket_mb = 1.0;
-  app.add_flag("--no-overlap", no_overlap,
+  app.add_flag("--print-recipe", f->print_recipe, "Print the built-in default recipe and exit");
+  app.add_flag("--no-overlap", f->no_overlap,
                "Reduce the gradient in one all-reduce after backward, instead of in buckets while it runs")
       ->envname("NONSTOP_TRAIN_NO_OVERLAP");
-  app.add_option("--bucket-mb", bucket_mb, "Gradient bucket size for the overlapped reduction (MB)")
+  app.add_option("--bucket-mb", f->bucket_mb, "Gradient bucket size for the overlapped reduction (MB)")
       ->capture_default_str()->check(CLI::Range(0.001, 1024.0));
-  bool no_salvage = false;
-  app.add_flag("--no-salvage", no_salvage,
+  app.add_flag("--no-salvage", f->no_salvage,
                "determinism: world-invariant: after a fault compute the whole step in flight again, instead of "
                "keeping the micro-batch sums the members already hold")
       ->envname("NONSTOP_TRAIN_NO_SALVAGE");
@@ -142,603 +157,815 @@ int Main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  if (print_recipe) {
+  if (f->print_recipe) {
     fmt::print("{}", DefaultRecipeText());
     return 0;
   }
-  Result<Recipe> recipe = recipe_path.empty() ? ParseRecipe(DefaultRecipeText(), "llama-tiny (built-in)")
-                                              : LoadRecipe(recipe_path);
-  if (!recipe.ok()) return Fail(recipe.status(), "bad recipe");
-  Recipe& r = *recipe;
-  if (steps_override > 0) r.train.steps = steps_override;
-  if (shard_group_override > 0) r.optimizer.shard_group = shard_group_override;
-  if (!checkpoint_dir.empty()) r.checkpoint.dir = checkpoint_dir;
-  if (checkpoint_every >= 0) r.checkpoint.every = checkpoint_every;
-  if (resume_env && resume_dir.empty()) resume_dir = r.checkpoint.dir;
-  const bool world_invariant = r.train.determinism == "world-invariant";
-  if (world_invariant && threads != 1) {
-    // Kernels split over threads sum in another order: a micro-batch's gradient must not depend on them.
-    NONSTOP_LOG_WARNING("determinism: world-invariant runs one intra-op thread (--torch-threads {} ignored)", threads);
-    threads = 1;
-  }
-  torch::set_num_threads(threads);
+  return std::nullopt;
+}
 
-  // Data first: a spare is warm only once its data is mapped.
-  if (!r.data.prepare_from.empty()) {
-    data::PrepareOptions po{{r.data.prepare_from}, r.data.shards, 1 << 20, r.data.strip_fortune_separators};
-    auto prepared = data::PrepareIfMissing(po, [](const std::string& line) { NONSTOP_LOG_INFO("{}", line); });
-    if (!prepared.ok()) return Fail(prepared.status(), "preparing data");
-  }
-  auto dataset = data::Dataset::Open(r.data.shards, static_cast<size_t>(r.model.seq_len));
-  if (!dataset.ok()) return Fail(dataset.status(), "opening data");
-  if ((*dataset)->max_token() >= r.model.vocab_size) {
-    return Fail(InvalidArgumentError(fmt::format("data holds token {} but model.vocab_size is {}", (*dataset)->max_token(),
-                                                 r.model.vocab_size)), "bad recipe");
-  }
-  auto sampler = data::Sampler::Create({(*dataset)->num_samples(), static_cast<uint64_t>(r.train.seed),
-                                        static_cast<uint64_t>(r.train.global_batch), static_cast<uint64_t>(r.train.micro_batch)});
-  if (!sampler.ok()) return Fail(sampler.status(), "bad recipe");
+// One step's work on this rank, from computing its micro-batches to the reduction.
+struct StepWork {
+  double local_loss = 0;
+  bool computed = false;  // every micro-batch of this rank's share is in
+  float norm = 0;         // 1 / the tokens of the global batch
+  double tokens = 0;      // of the global batch
+  std::string samples;    // "step micro sample…" lines, logged once the step completed
+  Status tree_status;                           // world-invariant: planning the step failed (a fault)
+  std::vector<collective::TreeShare> shares;    // ... every rank's part of this step
+  std::vector<collective::TreeFolder> folders;  // ... this rank's runs of micro-batches, folded
+  std::map<int, std::string> mb_samples;        // ... micro-batch → its samples-log lines
+};
 
-  auto model = BuildModel(r.model, static_cast<uint64_t>(r.train.seed));
+class Trainer {
+ public:
+  explicit Trainer(TrainerFlags flags) : f_(std::move(flags)), planner_(/*salvage=*/!f_.no_salvage) {}
+  Trainer(const Trainer&) = delete;  // the state registry points into it
+  Trainer& operator=(const Trainer&) = delete;
+
+  int Run();
+
+ private:
+  // ---- set-up, in order
+  std::optional<int> LoadRecipe();
+  std::optional<int> OpenData();  // data first: a spare is warm only once its data is mapped
+  std::optional<int> BuildModelAndOptimizer();
+  std::optional<int> RegisterState();
+  std::optional<int> ResumeFromCheckpoint();
+  std::optional<int> RegisterShardedState();
+  void WarmUp();
+  std::optional<int> Join();
+  std::optional<int> KeepResumedShard();
+  std::optional<int> StartTraining();
+
+  // ---- the steps
+  int Train();
+  // One step; ends the program (an exit code) or moves `step` on (done, or recovered).
+  std::optional<int> Step(int64_t* step);
+  // Plans this rank's micro-batches of `step` and computes them (forward, backward).
+  std::optional<int> Compute(int64_t step, StepWork* w);
+  std::vector<std::pair<uint64_t, size_t>> PlanWork(int64_t step, uint64_t micro_batches, StepWork* w);
+  Status Reduce(int64_t step, StepWork* w);
+  Status ReduceTree(int64_t step, StepWork* w);
+  // Sharded, fast: the group shares each shard's sum of squares and the loss; the norm (or -1).
+  Status ShareShardNorm(double* shard_norm);
+  // t0: when the step began (its time is taken once the update is done).
+  std::optional<int> Update(int64_t step, const StepWork& w, double shard_norm,
+                            std::chrono::steady_clock::time_point t0);
+  void LogSamples(const std::string& lines);
+
+  // ---- around the steps
+  void RescaleForWorld(int64_t step);
+  double LrFactor(int64_t at) const;  // the learning-rate multiplier in effect at `at` under the stored warm-up
+  std::pair<torch::Tensor, torch::Tensor> BatchTensors(const std::vector<uint64_t>& samples) const;
+  Status RegisterScalars(state::StateRegistry& reg);
+  Status RegisterWhole(state::StateRegistry& reg, std::span<float> m, std::span<float> v);
+  Result<std::unique_ptr<state::StateRegistry>> WholeRegistry();
+  state::CheckpointSaveResult Save(const state::StateRegistry& reg, int64_t step, bool last);
+  void MaybeCheckpoint(int64_t step, double step_seconds);
+  void CheckpointGathered(int64_t step, bool last);
+  // False while the timing checkpoint is still being written (nothing to do this step).
+  bool TimeTheFirstCheckpoint(int64_t step, double step_seconds, bool last);
+  // A collective failed: take part in the recovery and carry on from the step it names.
+  // 0, kReleased (this worker leaves cleanly) or an exit code.
+  static constexpr int kReleased = -1;
+  int Recover(int64_t* step);
+  // Recover, then drop the sums kept of a step the job does not resume at.
+  std::optional<int> RecoverFromFault(int64_t* step);
+
+  TrainerFlags f_;
+  Recipe r_;
+  bool world_invariant_ = false;
+  std::unique_ptr<data::Dataset> dataset_;
+  std::optional<data::Sampler> sampler_;
+  std::shared_ptr<DecoderModel> model_;
   // Sharded optimizer state (docs/sharding.md): groups of G ranks, each rank
   // holding 1/G of the moments. The buffers are padded to a multiple of G, so
   // that every shard has the same size.
-  const int G = static_cast<int>(r.optimizer.shard_group);
-  const bool sharded = G > 1;
-  torchx::FlatParameters flat(*model, static_cast<size_t>(G));
-  const size_t shard_len = flat.padded_size() / static_cast<size_t>(G);
-  torchx::AdamW adamw(sharded ? shard_len : flat.size(), flat.segments(),
-                      {r.optimizer.beta1, r.optimizer.beta2, r.optimizer.eps, r.optimizer.weight_decay});
-  torchx::LrSchedule schedule{r.optimizer.lr, r.optimizer.min_lr, r.optimizer.warmup_steps, r.train.steps};
-  int64_t completed = -1;  // last completed step: part of the state
-  auto batch_mode = elastic::ParseBatchMode(r.train.batch);
-  auto lr_scaling = elastic::ParseLrScaling(r.train.lr_scaling);
-  if (!batch_mode.ok()) return Fail(batch_mode.status(), "bad recipe");
-  if (!lr_scaling.ok()) return Fail(lr_scaling.status(), "bad recipe");
+  int G_ = 1;
+  bool sharded_ = false;
+  std::optional<torchx::FlatParameters> flat_;
+  size_t shard_len_ = 0;
+  std::optional<torchx::AdamW> adamw_;
+  torchx::LrSchedule schedule_;
+  elastic::BatchMode batch_mode_{};
+  elastic::LrScaling lr_scaling_{};
+  bool scale_with_world_ = false;
+  int64_t T_ = 0;                  // tokens per sample (model.seq_len)
+  double tokens_per_step_ = 0;
+  float norm_ = 0;
+  // What must survive a fault: parameters, optimizer moments, the step. The
+  // data position follows from the step; the model has no other randomness.
+  int64_t completed_ = -1;  // last completed step: part of the state
   // Elastic batch state (src/elastic/batch_policy.h), kept with the model so
   // that joiners and resumed jobs carry on exactly: the world size the batch
   // was defined at, the samples consumed so far, and the learning-rate warm-up
   // after the last world change (the factor stored in millionths).
-  int64_t base_world = 0, samples_consumed = 0, lr_world = 0, lr_change_step = 0, lr_from_millionths = 1'000'000;
-
-  const int64_t T = r.model.seq_len;
-  const double tokens_per_step = static_cast<double>(r.train.global_batch * T);
-  const float norm = 1.0f / static_cast<float>(tokens_per_step);
-  auto batch_tensors = [&](const std::vector<uint64_t>& samples) {
-    auto t = torch::empty({static_cast<int64_t>(samples.size()), T + 1}, torch::kLong);
-    auto acc = t.accessor<int64_t, 2>();
-    for (size_t i = 0; i < samples.size(); ++i) {
-      auto tokens = (*dataset)->Sample(samples[i]);
-      for (int64_t j = 0; j <= T; ++j) acc[static_cast<int64_t>(i)][j] = tokens[static_cast<size_t>(j)];
-    }
-    using torch::indexing::Slice;
-    return std::make_pair(t.index({Slice(), Slice(0, T)}), t.index({Slice(), Slice(1, T + 1)}).contiguous());
-  };
-
-  // What must survive a fault: parameters, optimizer moments, the step. The
-  // data position follows from the step; the model has no other randomness.
-  const std::vector<std::pair<const char*, int64_t*>> scalars = {
-      {"step", &completed}, {"elastic.base_world", &base_world}, {"elastic.samples_consumed", &samples_consumed},
-      {"elastic.lr_world", &lr_world}, {"elastic.lr_change_step", &lr_change_step},
-      {"elastic.lr_from_millionths", &lr_from_millionths}};
-  auto register_scalars = [&](state::StateRegistry& reg) -> Status {
-    for (auto [name, value] : scalars) NONSTOP_RETURN_IF_ERROR(reg.RegisterValue(name, value));
-    return OkStatus();
-  };
-  // The whole state, one region per tensor with its shape, so that a durable
-  // checkpoint is a safetensors file any tool can read tensor by tensor. It
-  // is the state itself when nothing is sharded, and what a sharded run's
-  // checkpoints hold (the moments gathered whole): any world and any G load them.
-  std::vector<std::vector<int64_t>> shapes;
-  for (auto& item : model->named_parameters()) shapes.push_back(item.value().sizes().vec());
-  auto register_whole = [&](state::StateRegistry& reg, std::span<float> m, std::span<float> v) -> Status {
-    std::vector<std::pair<std::string, std::span<float>>> groups = {
-        {"", flat.params()}, {"adamw.exp_avg.", m}, {"adamw.exp_avg_sq.", v}};
-    for (const auto& [prefix, buffer] : groups) {
-      for (size_t i = 0; i < flat.segments().size(); ++i) {
-        const auto& seg = flat.segments()[i];
-        NONSTOP_RETURN_IF_ERROR(reg.RegisterFloats(prefix + seg.name, buffer.subspan(seg.offset, seg.size), shapes[i]));
-      }
-    }
-    return register_scalars(reg);
-  };
+  int64_t base_world_ = 0, samples_consumed_ = 0, lr_world_ = 0, lr_change_step_ = 0, lr_from_millionths_ = 1'000'000;
+  std::vector<std::vector<int64_t>> shapes_;  // of every parameter, for the checkpoints' tensors
   // Sharded: the whole moments, padded, while a resumed checkpoint's are
   // loaded (until this rank knows its shard) and while a checkpoint is gathered.
-  std::vector<float> whole_m, whole_v;
-  auto whole_registry = [&]() -> Result<std::unique_ptr<state::StateRegistry>> {
-    whole_m.assign(flat.padded_size(), 0.0f);
-    whole_v.assign(flat.padded_size(), 0.0f);
-    auto reg = std::make_unique<state::StateRegistry>();
-    NONSTOP_RETURN_IF_ERROR(register_whole(*reg, std::span(whole_m).first(flat.size()),
-                                           std::span(whole_v).first(flat.size())));
-    return reg;
-  };
-  std::unique_ptr<state::StateRegistry> loading;  // sharded: the whole layout a checkpoint loads into
-  if (sharded && !resume_dir.empty()) {
-    auto reg = whole_registry();
+  std::vector<float> whole_m_, whole_v_;
+  std::unique_ptr<state::StateRegistry> loading_;  // sharded: the whole layout a checkpoint loads into
+  bool resumed_whole_ = false;                      // the moments are views of whole_m_, whole_v_
+  state::StateRegistry state_;
+  std::unique_ptr<Session> session_;
+  // Durable checkpoints: whichever worker holds rank 0 writes them, in the
+  // background. With no fixed interval, the first one is timed and the
+  // interval set to the Young/Daly optimum sqrt(2 · cost · MTBF).
+  std::unique_ptr<state::CheckpointWriter> writer_;
+  int64_t every_ = 0;
+  bool timing_in_flight_ = false;  // every_ == 0: the first checkpoint is being written and timed
+  std::FILE* samples_log_ = nullptr;
+  std::chrono::steady_clock::time_point run_start_;
+  // World-invariant: the plan of each step (who computes which micro-batches),
+  // and the partial sums of a step a fault cut short, kept for its retry.
+  worker::TreeStepPlanner planner_;
+  worker::HeldSums held_;
+  std::map<int, std::string> held_samples_;  // micro-batch → its samples-log lines, for the held sums
+  // Overlapped reduction: the last micro-batch's backward hands each gradient
+  // bucket to the session's communication thread as soon as it is complete.
+  std::unique_ptr<torchx::GradBuckets> buckets_;
+};
+
+// ---------------------------------------------------------------- set-up
+
+int Trainer::Run() {
+  for (auto step : {&Trainer::LoadRecipe, &Trainer::OpenData, &Trainer::BuildModelAndOptimizer,
+                    &Trainer::RegisterState, &Trainer::ResumeFromCheckpoint, &Trainer::RegisterShardedState}) {
+    if (auto code = (this->*step)()) return *code;
+  }
+  fmt::print("worker pid {} built its model ({} parameters) and mapped its data\n", ::getpid(), flat_->size());
+  std::fflush(stdout);
+  WarmUp();
+  for (auto step : {&Trainer::Join, &Trainer::KeepResumedShard, &Trainer::StartTraining}) {
+    if (auto code = (this->*step)()) return *code;
+  }
+  return Train();
+}
+
+std::optional<int> Trainer::LoadRecipe() {
+  Result<Recipe> recipe = f_.recipe_path.empty() ? ParseRecipe(DefaultRecipeText(), "llama-tiny (built-in)")
+                                                 : train::LoadRecipe(f_.recipe_path);
+  if (!recipe.ok()) return Fail(recipe.status(), "bad recipe");
+  r_ = std::move(*recipe);
+  if (f_.steps_override > 0) r_.train.steps = f_.steps_override;
+  if (f_.shard_group_override > 0) r_.optimizer.shard_group = f_.shard_group_override;
+  if (!f_.checkpoint_dir.empty()) r_.checkpoint.dir = f_.checkpoint_dir;
+  if (f_.checkpoint_every >= 0) r_.checkpoint.every = f_.checkpoint_every;
+  if (f_.resume_env && f_.resume_dir.empty()) f_.resume_dir = r_.checkpoint.dir;
+  world_invariant_ = r_.train.determinism == "world-invariant";
+  if (world_invariant_ && f_.threads != 1) {
+    // Kernels split over threads sum in another order: a micro-batch's gradient must not depend on them.
+    NONSTOP_LOG_WARNING("determinism: world-invariant runs one intra-op thread (--torch-threads {} ignored)",
+                        f_.threads);
+    f_.threads = 1;
+  }
+  torch::set_num_threads(f_.threads);
+  return std::nullopt;
+}
+
+std::optional<int> Trainer::OpenData() {
+  if (!r_.data.prepare_from.empty()) {
+    data::PrepareOptions po{{r_.data.prepare_from}, r_.data.shards, 1 << 20, r_.data.strip_fortune_separators};
+    auto prepared = data::PrepareIfMissing(po, [](const std::string& line) { NONSTOP_LOG_INFO("{}", line); });
+    if (!prepared.ok()) return Fail(prepared.status(), "preparing data");
+  }
+  auto dataset = data::Dataset::Open(r_.data.shards, static_cast<size_t>(r_.model.seq_len));
+  if (!dataset.ok()) return Fail(dataset.status(), "opening data");
+  dataset_ = std::move(*dataset);
+  if (dataset_->max_token() >= r_.model.vocab_size) {
+    return Fail(InvalidArgumentError(fmt::format("data holds token {} but model.vocab_size is {}",
+                                                 dataset_->max_token(), r_.model.vocab_size)),
+                "bad recipe");
+  }
+  auto sampler = data::Sampler::Create({dataset_->num_samples(), static_cast<uint64_t>(r_.train.seed),
+                                        static_cast<uint64_t>(r_.train.global_batch),
+                                        static_cast<uint64_t>(r_.train.micro_batch)});
+  if (!sampler.ok()) return Fail(sampler.status(), "bad recipe");
+  sampler_.emplace(std::move(*sampler));
+  return std::nullopt;
+}
+
+std::optional<int> Trainer::BuildModelAndOptimizer() {
+  model_ = BuildModel(r_.model, static_cast<uint64_t>(r_.train.seed));
+  G_ = static_cast<int>(r_.optimizer.shard_group);
+  sharded_ = G_ > 1;
+  flat_.emplace(*model_, static_cast<size_t>(G_));
+  shard_len_ = flat_->padded_size() / static_cast<size_t>(G_);
+  adamw_.emplace(sharded_ ? shard_len_ : flat_->size(), flat_->segments(),
+                 torchx::AdamWOptions{r_.optimizer.beta1, r_.optimizer.beta2, r_.optimizer.eps,
+                                      r_.optimizer.weight_decay});
+  schedule_ = {r_.optimizer.lr, r_.optimizer.min_lr, r_.optimizer.warmup_steps, r_.train.steps};
+  auto batch_mode = elastic::ParseBatchMode(r_.train.batch);
+  auto lr_scaling = elastic::ParseLrScaling(r_.train.lr_scaling);
+  if (!batch_mode.ok()) return Fail(batch_mode.status(), "bad recipe");
+  if (!lr_scaling.ok()) return Fail(lr_scaling.status(), "bad recipe");
+  batch_mode_ = *batch_mode;
+  lr_scaling_ = *lr_scaling;
+  scale_with_world_ = batch_mode_ == elastic::BatchMode::kScaleWithWorld;
+  T_ = r_.model.seq_len;
+  tokens_per_step_ = static_cast<double>(r_.train.global_batch * T_);
+  norm_ = 1.0f / static_cast<float>(tokens_per_step_);
+  for (auto& item : model_->named_parameters()) shapes_.push_back(item.value().sizes().vec());
+  return std::nullopt;
+}
+
+std::optional<int> Trainer::RegisterState() {
+  if (sharded_ && !f_.resume_dir.empty()) {
+    auto reg = WholeRegistry();
     if (!reg.ok()) return Fail(reg.status(), "registering state");
-    loading = std::move(*reg);
+    loading_ = std::move(*reg);
   }
-  state::StateRegistry state;
-  if (!sharded) {
-    if (Status s = register_whole(state, adamw.exp_avg(), adamw.exp_avg_sq()); !s.ok()) return Fail(s, "registering state");
-  }
-  if (!resume_dir.empty()) {
-    auto loaded = state::LoadNewestCheckpoint(resume_dir, loading ? *loading : state);
-    if (loaded.ok()) {
-      for (const auto& skipped : loaded->skipped) NONSTOP_LOG_WARNING("skipped checkpoint {}", skipped);
-      fmt::print("resumed from {} (step {}, parameter checksum {})\n", loaded->path, loaded->step,
-                 loaded->manifest.value("parameter_checksum", ""));
-      if (flat.Checksum() != loaded->manifest.value("parameter_checksum", "")) {
-        return Fail(DataLossError(fmt::format("checkpoint {}: the parameters do not match the manifest's checksum",
-                                              loaded->path)), "resuming");
-      }
-    } else if (loaded.status().code() == StatusCode::kNotFound && resume_env) {
-      fmt::print("no checkpoint to resume from in {}: starting from scratch ({})\n", resume_dir,
-                 loaded.status().message());
-      loading.reset();  // the moments are the optimizer's own (zeros), not views of whole ones
-      std::vector<float>().swap(whole_m);
-      std::vector<float>().swap(whole_v);
-    } else {
-      return Fail(loaded.status(), "resuming");
+  if (!sharded_) {
+    if (Status s = RegisterWhole(state_, adamw_->exp_avg(), adamw_->exp_avg_sq()); !s.ok()) {
+      return Fail(s, "registering state");
     }
   }
-  const bool resumed_whole = sharded && loading != nullptr;  // the moments are views of whole_m, whole_v
-  if (sharded) {
-    // The parameters whole on every rank, the held shard of them part of the
-    // state; the moments of the shard alone: views of the whole moments a
-    // checkpoint loaded (every shard is there) until this rank knows its shard.
-    Status s = state.RegisterShardView("params", flat.padded_params(), G);
-    if (s.ok() && loading) s = state.RegisterShardView("adamw.exp_avg", whole_m, G);
-    if (s.ok() && loading) s = state.RegisterShardView("adamw.exp_avg_sq", whole_v, G);
-    if (s.ok() && !loading) s = state.RegisterShard("adamw.exp_avg", adamw.exp_avg(), G);
-    if (s.ok() && !loading) s = state.RegisterShard("adamw.exp_avg_sq", adamw.exp_avg_sq(), G);
-    if (s.ok()) s = register_scalars(state);
-    if (!s.ok()) return Fail(s, "registering state");
-    loading.reset();
-  }
-  fmt::print("worker pid {} built its model ({} parameters) and mapped its data\n", ::getpid(), flat.size());
-  std::fflush(stdout);
+  return std::nullopt;
+}
 
-  // Warm-up: one forward/backward on micro-batch 0 of step 0, so that the
-  // allocator, the kernels and the data pages are hot before this worker is
-  // needed (a spare's first real step is then as fast as anyone's). The
-  // gradients are discarded; parameters and optimizer state are untouched.
-  {
-    auto [inputs, targets] = batch_tensors(sampler->MicroBatchSamples(0, 0));
-    auto logits = model->forward(inputs);
-    torch::nn::functional::cross_entropy(logits.view({-1, r.model.vocab_size}), targets.view({-1})).backward();
-    flat.GatherGrads();
-    flat.ZeroGrad();
+std::optional<int> Trainer::ResumeFromCheckpoint() {
+  if (f_.resume_dir.empty()) return std::nullopt;
+  auto loaded = state::LoadNewestCheckpoint(f_.resume_dir, loading_ ? *loading_ : state_);
+  if (loaded.ok()) {
+    for (const auto& skipped : loaded->skipped) NONSTOP_LOG_WARNING("skipped checkpoint {}", skipped);
+    fmt::print("resumed from {} (step {}, parameter checksum {})\n", loaded->path, loaded->step,
+               loaded->manifest.value("parameter_checksum", ""));
+    if (flat_->Checksum() != loaded->manifest.value("parameter_checksum", "")) {
+      return Fail(DataLossError(fmt::format("checkpoint {}: the parameters do not match the manifest's checksum",
+                                            loaded->path)),
+                  "resuming");
+    }
+  } else if (loaded.status().code() == StatusCode::kNotFound && f_.resume_env) {
+    fmt::print("no checkpoint to resume from in {}: starting from scratch ({})\n", f_.resume_dir,
+               loaded.status().message());
+    loading_.reset();  // the moments are the optimizer's own (zeros), not views of whole ones
+    std::vector<float>().swap(whole_m_);
+    std::vector<float>().swap(whole_v_);
+  } else {
+    return Fail(loaded.status(), "resuming");
   }
+  return std::nullopt;
+}
 
+// The parameters whole on every rank, the held shard of them part of the
+// state; the moments of the shard alone: views of the whole moments a
+// checkpoint loaded (every shard is there) until this rank knows its shard.
+std::optional<int> Trainer::RegisterShardedState() {
+  resumed_whole_ = sharded_ && loading_ != nullptr;
+  if (!sharded_) return std::nullopt;
+  Status s = state_.RegisterShardView("params", flat_->padded_params(), G_);
+  if (s.ok() && loading_) s = state_.RegisterShardView("adamw.exp_avg", whole_m_, G_);
+  if (s.ok() && loading_) s = state_.RegisterShardView("adamw.exp_avg_sq", whole_v_, G_);
+  if (s.ok() && !loading_) s = state_.RegisterShard("adamw.exp_avg", adamw_->exp_avg(), G_);
+  if (s.ok() && !loading_) s = state_.RegisterShard("adamw.exp_avg_sq", adamw_->exp_avg_sq(), G_);
+  if (s.ok()) s = RegisterScalars(state_);
+  if (!s.ok()) return Fail(s, "registering state");
+  loading_.reset();
+  return std::nullopt;
+}
+
+// One forward/backward on micro-batch 0 of step 0, so that the allocator, the
+// kernels and the data pages are hot before this worker is needed (a spare's
+// first real step is then as fast as anyone's). The gradients are discarded;
+// parameters and optimizer state are untouched.
+void Trainer::WarmUp() {
+  auto [inputs, targets] = BatchTensors(sampler_->MicroBatchSamples(0, 0));
+  auto logits = model_->forward(inputs);
+  torch::nn::functional::cross_entropy(logits.view({-1, r_.model.vocab_size}), targets.view({-1})).backward();
+  flat_->GatherGrads();
+  flat_->ZeroGrad();
+}
+
+std::optional<int> Trainer::Join() {
   auto options = SessionOptions::FromEnvironment();
   if (!options.ok()) return Fail(options.status(), "not under nonstop run");
-  auto joined = Session::Join(*options, &state, completed);
+  auto joined = Session::Join(*options, &state_, completed_);
   if (!joined.ok()) {
     if (joined.status().code() == StatusCode::kCancelled) return 0;  // a spare that was not needed
     return Fail(joined.status(), "joining the job");
   }
-  Session& session = **joined;
-  if (resumed_whole) {
-    // This rank knows its shard now: it keeps that shard of the moments a
-    // checkpoint loaded, in the optimizer's own memory, and frees the rest.
-    NONSTOP_CHECK_GE(state.held_shard(), 0) << "the session binds the shard of the rank";
-    const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(state.held_shard()) * shard_len);
-    std::copy_n(whole_m.begin() + at, shard_len, adamw.exp_avg().begin());
-    std::copy_n(whole_v.begin() + at, shard_len, adamw.exp_avg_sq().begin());
-    Status s = state.RebindShard("adamw.exp_avg", adamw.exp_avg());
-    if (s.ok()) s = state.RebindShard("adamw.exp_avg_sq", adamw.exp_avg_sq());
-    if (!s.ok()) return Fail(s, "resuming");
-    std::vector<float>().swap(whole_m);
-    std::vector<float>().swap(whole_v);
-  }
-  if (session.rank() == 0) PrintConfig(r, session, flat.size(), **dataset);
+  session_ = std::move(*joined);
+  return std::nullopt;
+}
+
+// This rank knows its shard now: it keeps that shard of the moments a
+// checkpoint loaded, in the optimizer's own memory, and frees the rest.
+std::optional<int> Trainer::KeepResumedShard() {
+  if (!resumed_whole_) return std::nullopt;
+  NONSTOP_CHECK_GE(state_.held_shard(), 0) << "the session binds the shard of the rank";
+  const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(state_.held_shard()) * shard_len_);
+  std::copy_n(whole_m_.begin() + at, shard_len_, adamw_->exp_avg().begin());
+  std::copy_n(whole_v_.begin() + at, shard_len_, adamw_->exp_avg_sq().begin());
+  Status s = state_.RebindShard("adamw.exp_avg", adamw_->exp_avg());
+  if (s.ok()) s = state_.RebindShard("adamw.exp_avg_sq", adamw_->exp_avg_sq());
+  if (!s.ok()) return Fail(s, "resuming");
+  std::vector<float>().swap(whole_m_);
+  std::vector<float>().swap(whole_v_);
+  return std::nullopt;
+}
+
+std::optional<int> Trainer::StartTraining() {
+  Session& session = *session_;
   if (session.rank() == 0) {
-    const double moments = 2.0 * static_cast<double>(adamw.exp_avg().size()) * sizeof(float);
+    PrintConfig(r_, session, flat_->size(), *dataset_);
+    const double moments = 2.0 * static_cast<double>(adamw_->exp_avg().size()) * sizeof(float);
     fmt::print("optimizer state: {} bytes per rank ({:.2f} MiB: AdamW moments{})\n", static_cast<uint64_t>(moments),
                moments / (1 << 20),
-               sharded ? fmt::format(" of 1 shard in {}, over groups of {}; whole: {} bytes", G, G,
-                                     2 * flat.size() * sizeof(float))
-                       : ", whole");
+               sharded_ ? fmt::format(" of 1 shard in {}, over groups of {}; whole: {} bytes", G_, G_,
+                                      2 * flat_->size() * sizeof(float))
+                        : ", whole");
     std::fflush(stdout);
   }
-  if (base_world == 0) base_world = session.world_size();  // the first generation defines it, on every member
-  if (lr_world == 0) lr_world = base_world;
-  const bool scale_with_world = *batch_mode == elastic::BatchMode::kScaleWithWorld;
-  if (scale_with_world && r.train.global_batch % (base_world * r.train.micro_batch) != 0) {
+  if (base_world_ == 0) base_world_ = session.world_size();  // the first generation defines it, on every member
+  if (lr_world_ == 0) lr_world_ = base_world_;
+  if (scale_with_world_ && r_.train.global_batch % (base_world_ * r_.train.micro_batch) != 0) {
     return Fail(InvalidArgumentError(fmt::format("train.batch scale-with-world: global_batch {} must be a multiple of "
                                                  "micro_batch {} × the initial world size {}",
-                                                 r.train.global_batch, r.train.micro_batch, base_world)), "bad recipe");
+                                                 r_.train.global_batch, r_.train.micro_batch, base_world_)),
+                "bad recipe");
   }
-  // The learning-rate multiplier in effect at `step` under the stored warm-up.
-  auto lr_factor = [&](int64_t at) {
-    double to = elastic::LrFactor(*batch_mode, *lr_scaling, static_cast<int>(base_world), static_cast<int>(lr_world));
-    return elastic::WarmedFactor(static_cast<double>(lr_from_millionths) / 1e6, to, at, lr_change_step,
-                                 r.train.rescale_warmup_steps);
-  };
-
-  // Durable checkpoints: whichever worker holds rank 0 writes them, in the
-  // background. With no fixed interval, the first one is timed and the
-  // interval set to the Young/Daly optimum sqrt(2 · cost · MTBF).
-  std::unique_ptr<state::CheckpointWriter> writer;
-  if (!r.checkpoint.dir.empty()) writer = std::make_unique<state::CheckpointWriter>(r.checkpoint.dir, static_cast<int>(r.checkpoint.keep));
-  int64_t every = r.checkpoint.every > 0 ? r.checkpoint.every : (mtbf_seconds > 0 ? 0 : 50);
-  if (sharded && every == 0) {
+  if (!r_.checkpoint.dir.empty()) {
+    writer_ = std::make_unique<state::CheckpointWriter>(r_.checkpoint.dir, static_cast<int>(r_.checkpoint.keep));
+  }
+  every_ = r_.checkpoint.every > 0 ? r_.checkpoint.every : (f_.mtbf_seconds > 0 ? 0 : 50);
+  if (sharded_ && every_ == 0) {
     // The ranks of group 0 gather each checkpoint together: they must agree on when, which rank 0's timing cannot say.
     NONSTOP_LOG_WARNING("optimizer.shard_group {}: the automatic checkpoint interval is not supported yet; "
-                        "checkpointing every 50 steps (set checkpoint.every)", G);
-    every = 50;
+                        "checkpointing every 50 steps (set checkpoint.every)", G_);
+    every_ = 50;
   }
-  bool timing_in_flight = false;  // every == 0: the first checkpoint is being written and timed
-  // Rank 0 hands the state of `step` (`reg`: the whole layout) to the writer.
-  auto save = [&](const state::StateRegistry& reg, int64_t step, bool last) {
-    state::CheckpointMeta meta{step, session.generation(), session.world_size(), r.name, flat.Checksum(), {}};
-    state::CheckpointSaveResult saved = writer->TrySave(reg, meta);
-    if (saved.skipped && last) {
-      // The final state must reach the disk: the job is ending, waiting is free.
-      (void)writer->Wait();
-      saved = writer->TrySave(reg, meta);
-    }
-    if (!saved.earlier.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", saved.earlier.ToString());
-    return saved;
-  };
-  auto maybe_checkpoint = [&](int64_t step, double step_seconds) {
-    if (!writer) return;
-    bool last = step + 1 == r.train.steps;
-    if (sharded) {
-      // Gathered to the writer: group 0 holds every shard once. Its ranks
-      // gather the parameters and the moments whole, and rank 0 writes them
-      // in the layout of an unsharded run.
-      if (session.rank() >= G || !(every > 0 && ((step + 1) % every == 0 || last))) return;
-      auto whole = whole_registry();
-      const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(session.shard()) * shard_len);
-      std::copy_n(adamw.exp_avg().begin(), shard_len, whole_m.begin() + at);
-      std::copy_n(adamw.exp_avg_sq().begin(), shard_len, whole_v.begin() + at);
-      Status s = whole.status();
-      if (s.ok()) s = session.GatherShards(std::as_writable_bytes(flat.padded_params()), sizeof(float));
-      if (s.ok()) s = session.GatherShards(std::as_writable_bytes(std::span(whole_m)), sizeof(float));
-      if (s.ok()) s = session.GatherShards(std::as_writable_bytes(std::span(whole_v)), sizeof(float));
-      if (s.ok() && session.rank() == 0) save(**whole, step, last);
-      if (!s.ok()) NONSTOP_LOG_WARNING("checkpoint of step {} not gathered: {}", step, s.ToString());
-      std::vector<float>().swap(whole_m);
-      std::vector<float>().swap(whole_v);
-      return;
-    }
-    if (session.rank() != 0) return;
-    if (every == 0 && timing_in_flight) {
-      // The timing checkpoint is written in the background: rank 0 never
-      // waits for the disk while the others wait in the next collective.
-      auto st = writer->last_written();
-      if (!st && writer->in_flight() && !last) return;  // still being written
-      if (!st && last) (void)writer->Wait();
-      st = writer->last_written();
-      if (!st) {
-        NONSTOP_LOG_WARNING("the timing checkpoint failed; checkpointing every 50 steps instead");
-        every = 50;
-        timing_in_flight = false;
-      }
-      double cost = st ? st->snapshot_seconds + st->write_seconds : 0;
-      double optimum = std::sqrt(2.0 * cost * mtbf_seconds);
-      if (st) every = std::max<int64_t>(1, static_cast<int64_t>(std::llround(optimum / std::max(step_seconds, 1e-6))));
-      if (st) fmt::print("checkpoint interval: {} steps (Young/Daly: sqrt(2 × cost {:.3f} s × MTBF {:.1f} s) = {:.2f} s; "
-                 "a step takes {:.3f} s)\n", every, cost, mtbf_seconds, optimum, step_seconds);
-      std::fflush(stdout);
-    }
-    bool due = every == 0 || (step + 1) % every == 0 || last;
-    if (!due) return;
-    if (!save(state, step, last).skipped && every == 0) timing_in_flight = true;
-  };
-
-  // A collective that fails means a fault somewhere: take part in the
-  // recovery and carry on from the step it names. Nothing here is rebuilt.
-  constexpr int kReleased = -1;
-  auto recover = [&](int64_t* step) -> int {
-    auto next = session.Recover();
-    if (!next.ok()) {
-      if (session.shutdown_exit_code() != 0) return session.shutdown_exit_code();
-      if (next.status().code() == StatusCode::kCancelled) {
-        fmt::print("worker {} released: {}\n", session.worker_id(), next.status().message());
-        std::fflush(stdout);
-        return kReleased;  // the world shrank without this worker: a clean exit
-      }
-      Fail(next.status(), "recovery");
-      return kExitFailure;
-    }
-    *step = *next;
-    MembershipChange c = session.last_change();
-    if (session.rank() == 0) {
-      fmt::print("{}: generation {}, world {} → {}, resuming at step {}\n",
-                 c.reason.rfind("resize", 0) == 0 ? "resized" : "recovered", c.generation, c.old_world, c.new_world,
-                 *step);
-      std::fflush(stdout);
-    }
-    return 0;
-  };
-
-  std::FILE* samples_log = nullptr;
-  if (!log_samples.empty()) {
-    std::filesystem::create_directories(log_samples);
-    samples_log = std::fopen(fmt::format("{}/worker-{}.txt", log_samples, session.worker_id()).c_str(), "a");
+  if (!f_.log_samples.empty()) {
+    std::filesystem::create_directories(f_.log_samples);
+    samples_log_ = std::fopen(fmt::format("{}/worker-{}.txt", f_.log_samples, session.worker_id()).c_str(), "a");
   }
-  auto run_start = std::chrono::steady_clock::now();
+  run_start_ = std::chrono::steady_clock::now();
+  if (!f_.no_overlap && !world_invariant_ && !sharded_) {
+    buckets_ = std::make_unique<torchx::GradBuckets>(*model_, *flat_, static_cast<size_t>(f_.bucket_mb * (1 << 20)),
+                                                     [&session](std::span<float> b) { session.StartAllReduce(b); });
+  }
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------- the steps
+
+int Trainer::Train() {
+  Session& session = *session_;
   int64_t step = session.resume_step();
-  // World-invariant: the plan of each step (who computes which micro-batches),
-  // and the partial sums of a step a fault cut short, kept for its retry.
-  worker::TreeStepPlanner planner(/*salvage=*/!no_salvage);
-  worker::HeldSums held;
-  std::map<int, std::string> held_samples;  // micro-batch → its samples-log lines, for the held sums
-  // Overlapped reduction: the last micro-batch's backward hands each gradient
-  // bucket to the session's communication thread as soon as it is complete.
-  std::unique_ptr<torchx::GradBuckets> buckets;
-  if (!no_overlap && !world_invariant && !sharded) {
-    buckets = std::make_unique<torchx::GradBuckets>(*model, flat, static_cast<size_t>(bucket_mb * (1 << 20)),
-                                                    [&session](std::span<float> b) { session.StartAllReduce(b); });
-  }
   while (true) {
-    while (step < r.train.steps) {
-      auto t0 = std::chrono::steady_clock::now();
-      // Stands for more compute: before the step, so the reduction is followed by the update at once.
-      if (throttle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(throttle_ms));
-      if (sharded) {
-        // Every rank updated its shard of the parameters last step: the group gathers them whole.
-        Status g = session.GatherShards(std::as_writable_bytes(flat.padded_params()), sizeof(float));
-        if (!g.ok()) {
-          NONSTOP_LOG_WARNING("step {}: {}", step, g.ToString());
-          if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;
-          if (held.step != step) {  // the sums kept of a step the job does not resume at are no use
-            held = {};
-            held_samples.clear();
-          }
-          continue;
-        }
-      }
-      double local_loss = 0;
-      bool computed = false;  // every micro-batch of this rank's share is in
-      float step_norm = norm;
-      double step_tokens = tokens_per_step;
-      std::string step_samples;  // "step micro sample…" lines, logged once the step completed
-      Status tree_status;                           // world-invariant: planning the step failed (a fault)
-      std::vector<collective::TreeShare> shares;    // ... every rank's part of this step
-      std::vector<collective::TreeFolder> folders;  // ... this rank's runs of micro-batches, folded
-      std::map<int, std::string> mb_samples;        // ... micro-batch → its samples-log lines
-      try {
-        if (session.InjectedExceptionAt(step)) throw std::runtime_error(fmt::format("injected exception at step {}", step));
-        flat.ZeroGrad();
-        const int world = session.world_size();
-        if (scale_with_world && world != lr_world) {
-          // The world changed: warm the learning rate from where it is to the new factor.
-          double from = lr_factor(step);
-          lr_from_millionths = std::llround(from * 1e6);
-          lr_change_step = step;
-          lr_world = world;
-          if (session.rank() == 0) {
-            fmt::print("batch follows the world: global batch {} samples, learning-rate factor {:.3f} → {:.3f} over {} steps\n",
-                       elastic::GlobalBatch(*batch_mode, static_cast<uint64_t>(r.train.global_batch), static_cast<int>(base_world), world),
-                       from, lr_factor(step + r.train.rescale_warmup_steps), r.train.rescale_warmup_steps);
-            std::fflush(stdout);
-          }
-        }
-        const uint64_t global = elastic::GlobalBatch(*batch_mode, static_cast<uint64_t>(r.train.global_batch),
-                                                     static_cast<int>(base_world), world);
-        const uint64_t micro = static_cast<uint64_t>(r.train.micro_batch);
-        const uint64_t micro_batches = global / micro;
-        step_norm = 1.0f / static_cast<float>(global * static_cast<uint64_t>(T));
-        step_tokens = static_cast<double>(global * static_cast<uint64_t>(T));
-        // This rank's micro-batches: its block of the global batch; world-invariant, the runs its share
-        // names (after a fault, the micro-batches nobody holds any more), each folded into the tree.
-        std::vector<std::pair<uint64_t, size_t>> work;  // (micro-batch, its run)
-        if (world_invariant) {
-          const int m = static_cast<int>(micro_batches);
-          auto planned = planner.Plan(session, m, step, held);
-          if (!planned.ok()) {
-            tree_status = planned.status();
-          } else {
-            shares = std::move(*planned);
-            const collective::TreeShare& mine = shares[static_cast<size_t>(session.rank())];
-            worker::KeepOnly(&held, step, mine.kept);  // the sums it does not keep go before computing
-            for (auto [first, last] : mine.compute) {
-              folders.emplace_back(m, first, last, flat.size() + 1);
-              for (int mb = first; mb < last; ++mb) work.push_back({static_cast<uint64_t>(mb), folders.size() - 1});
-            }
-            if (planner.kept_micro_batches() > 0 && session.rank() == 0) {
-              fmt::print("step {}: kept the sums of {} of {} micro-batches from the step in flight ({} member(s)); "
-                         "{} computed again by {} member(s)\n",
-                         step, planner.kept_micro_batches(), m, planner.kept_by(), m - planner.kept_micro_batches(),
-                         world);
-              std::fflush(stdout);
-            }
-          }
-        } else {
-          for (uint64_t mb = data::BlockBegin(micro_batches, world, session.rank());
-               mb < data::BlockBegin(micro_batches, world, session.rank() + 1); ++mb) {
-            work.push_back({mb, 0});
-          }
-        }
-        for (size_t k = 0; k < work.size(); ++k) {
-          const uint64_t mb = work[k].first;
-          const bool last_one = k + 1 == work.size();
-          // Fixed batch: the samples are a function of the step. Scaled batch: of the position in the stream.
-          std::vector<uint64_t> samples =
-              scale_with_world ? sampler->SamplesAt(static_cast<uint64_t>(samples_consumed) + mb * micro, micro)
-                               : sampler->MicroBatchSamples(static_cast<uint64_t>(step), mb);
-          if (samples_log) {
-            std::string line = fmt::format("{} {}", step, mb);
-            for (uint64_t x : samples) line += fmt::format(" {}", x);
-            line += '\n';
-            if (world_invariant) {
-              mb_samples[static_cast<int>(mb)] = line;
-            } else {
-              step_samples += line;
-            }
-          }
-          auto [inputs, targets] = batch_tensors(samples);
-          auto logits = model->forward(inputs);
-          // Normalised by the token count of the whole global batch: the summed
-          // gradient is the same however micro-batches are dealt.
-          auto loss = torch::nn::functional::cross_entropy(
-                          logits.view({-1, r.model.vocab_size}), targets.view({-1}),
-                          torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * step_norm;
-          if (world_invariant) flat.ZeroGrad();
-          if (!world_invariant) local_loss += loss.item<double>();
-          if (buckets && last_one) {
-            flat.loss_slot() = static_cast<float>(local_loss);  // rides in bucket 0
-            buckets->Arm();
-          }
-          loss.backward();
-          if (world_invariant) {
-            flat.GatherGrads();
-            flat.loss_slot() = loss.item<float>();
-            folders[work[k].second].Add(flat.grads_and_loss());
-          }
-          computed = last_one;
-          if (session.aborted()) break;  // a member failed: this step is lost (its sums may be kept)
-        }
-        if (work.empty()) computed = true;  // more ranks than micro-batches: zeros, summed with the rest
-      } catch (const std::exception& e) {
-        // The process may be in any state: report, and let a spare take over.
-        Status s = InternalError(fmt::format("exception in the training loop at step {}: {}", step, e.what()));
-        session.ReportFailure(s, step, kExitFailure);
-        return Fail(s, "training");
-      }
-      Status s;
-      if (world_invariant) {
-        if (!tree_status.ok()) {
-          s = tree_status;
-        } else {
-          const int m = static_cast<int>(r.train.global_batch / r.train.micro_batch);
-          const collective::TreeShare& mine = shares[static_cast<size_t>(session.rank())];
-          // KeepOnly left in `held` exactly the sums the plan keeps; their samples-log lines come with them.
-          NONSTOP_CHECK(held.nodes == mine.kept) << "kept a sum it does not hold";
-          for (const auto& node : held.nodes) {
-            auto [first, last] = collective::NodeRange(m, node);
-            for (int mb = first; mb < last; ++mb) {
-              if (auto l = held_samples.find(mb); l != held_samples.end()) mb_samples[mb] = l->second;
-            }
-          }
-          worker::HeldSums have = worker::CollectSums(m, step, std::move(held), &folders);
-          held = {};
-          held_samples.clear();
-          if (computed) {
-            NONSTOP_CHECK(have.nodes == mine.nodes) << "the step's sums are not the plan's";
-            s = session.AllReduceTree(m, worker::NodeLists(shares), have.partials, flat.grads_and_loss());
-          } else {
-            s = AbortedError(fmt::format("step {} was cut short: a member failed", step));
-          }
-          if (s.ok()) {
-            for (const auto& [mb, line] : mb_samples) step_samples += line;
-          } else if (!no_salvage) {
-            // Kept for the step's retry in the next generation (TreeStepPlanner offers them).
-            held = std::move(have);
-            held_samples = std::move(mb_samples);
-          }
-        }
-      } else if (buckets) {
-        if (computed) {
-          buckets->Finish();
-          s = session.WaitAll();
-        } else {
-          (void)session.WaitAll();  // the buckets already started; the step is lost
-          s = AbortedError(fmt::format("step {} was cut short: a member failed", step));
-        }
-      } else if (sharded) {
-        flat.GatherGrads();
-        flat.loss_slot() = static_cast<float>(local_loss);
-        s = computed ? session.ReduceShards(flat.padded_grads())
-                     : AbortedError(fmt::format("step {} was cut short: a member failed", step));
-      } else {
-        flat.GatherGrads();
-        flat.loss_slot() = static_cast<float>(local_loss);
-        s = session.AllReduce(flat.grads_and_loss());
-      }
-      // Sharded, fast: the world's gradient is in this rank's shard alone. The
-      // group shares each shard's sum of squares (the norm, summed in shard
-      // order) and the loss, which rides in the shard holding its slot.
-      double shard_norm = -1;
-      if (s.ok() && sharded && !world_invariant) {
-        auto [sq, loss_part] = ShardNormAndLoss(flat, session.shard(), shard_len);
-        std::vector<double> records(2 * static_cast<size_t>(G));
-        records[2 * static_cast<size_t>(session.shard())] = sq;
-        records[2 * static_cast<size_t>(session.shard()) + 1] = loss_part;
-        s = session.GatherShards(std::as_writable_bytes(std::span(records)), 2 * sizeof(double));
-        if (s.ok()) {
-          double total = 0, world_loss = 0;
-          for (int q = 0; q < G; ++q) {
-            total += records[2 * static_cast<size_t>(q)];
-            world_loss += records[2 * static_cast<size_t>(q) + 1];
-          }
-          shard_norm = std::sqrt(total);
-          flat.loss_slot() = static_cast<float>(world_loss);
-        }
-      }
-      if (!s.ok()) {
-        NONSTOP_LOG_WARNING("step {}: {}", step, s.ToString());
-        if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;
-        if (held.step != step) {  // the job resumes elsewhere: the sums kept of that step are no use
-          held = {};
-          held_samples.clear();
-        }
-        continue;
-      }
-      double loss = flat.loss_slot();
-      if (!std::isfinite(loss)) {
-        Status bad = DataLossError(fmt::format("loss is {} at step {}", loss, step));
-        session.ReportFailure(bad, step, kExitDataCorruption);
-        return Fail(bad, "training diverged");
-      }
-      double grad_norm = shard_norm >= 0 ? ScaleShard(flat, session.shard(), shard_len, shard_norm, r.optimizer.grad_clip)
-                                         : torchx::ClipGradNorm(flat.grads(), r.optimizer.grad_clip);
-      double lr = schedule.At(step) * lr_factor(step);
-      if (sharded) {
-        // The shard's update: the same arithmetic, element by element, as the whole update has there.
-        NONSTOP_CHECK_EQ(state.held_shard(), session.shard()) << "the state holds the shard of another rank";
-        adamw.Step(flat.padded_params(), flat.padded_grads(), lr, step + 1,
-                   static_cast<size_t>(session.shard()) * shard_len);
-      } else {
-        adamw.Step(flat.params(), flat.grads(), lr, step + 1);
-      }
-      completed = step;
-      if (scale_with_world) samples_consumed += static_cast<int64_t>(step_tokens) / T;
-      double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      session.ReportStep({step, loss, secs, step_tokens / secs, r.train.steps});
-      maybe_checkpoint(step, secs);
-      if (samples_log) {
-        std::fputs(step_samples.c_str(), samples_log);
-        std::fflush(samples_log);
-      }
-      if (session.rank() == 0 && (step % r.train.log_every == 0 || step + 1 == r.train.steps)) {
-        fmt::print("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} s/step | world {}\n",
-                   step, r.train.steps, loss, lr, grad_norm, step_tokens / secs, secs, session.world_size());
-        std::fflush(stdout);
-      }
-      ++step;
+    while (step < r_.train.steps) {
+      if (auto code = Step(&step)) return *code;
     }
-    if (sharded) {
+    if (sharded_) {
       // The last update is in each rank's shard: the parameters whole again, for the checksum.
-      Status g = session.GatherShards(std::as_writable_bytes(flat.padded_params()), sizeof(float));
+      Status g = session.GatherShards(std::as_writable_bytes(flat_->padded_params()), sizeof(float));
       if (!g.ok()) {
-        if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;
+        if (int code = Recover(&step); code != 0) return code == kReleased ? 0 : code;
         continue;
       }
     }
-    std::string checksum = flat.Checksum();
-    if (writer) {
-      Status w = writer->Wait();
+    std::string checksum = flat_->Checksum();
+    if (writer_) {
+      Status w = writer_->Wait();
       if (!w.ok()) NONSTOP_LOG_WARNING("the last checkpoint failed: {}", w.ToString());
     }
-    Status fin = session.Finish(r.train.steps - 1, checksum);
+    Status fin = session.Finish(r_.train.steps - 1, checksum);
     if (fin.code() == StatusCode::kAborted) {  // a member failed at the very end
-      if (int code = recover(&step); code != 0) return code == kReleased ? 0 : code;
+      if (int code = Recover(&step); code != 0) return code == kReleased ? 0 : code;
       continue;
     }
     if (!fin.ok()) return Fail(fin, "finishing");
     if (session.rank() == 0) {
-      double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-      fmt::print("done: {} steps in {:.1f} s; parameter checksum {}\n", r.train.steps, total, checksum);
+      double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start_).count();
+      fmt::print("done: {} steps in {:.1f} s; parameter checksum {}\n", r_.train.steps, total, checksum);
       std::fflush(stdout);
     }
     return 0;
   }
+}
+
+std::optional<int> Trainer::Step(int64_t* step) {
+  Session& session = *session_;
+  auto t0 = std::chrono::steady_clock::now();
+  // Stands for more compute: before the step, so the reduction is followed by the update at once.
+  if (f_.throttle_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(f_.throttle_ms));
+  if (sharded_) {
+    // Every rank updated its shard of the parameters last step: the group gathers them whole.
+    Status g = session.GatherShards(std::as_writable_bytes(flat_->padded_params()), sizeof(float));
+    if (!g.ok()) {
+      NONSTOP_LOG_WARNING("step {}: {}", *step, g.ToString());
+      return RecoverFromFault(step);
+    }
+  }
+  StepWork w;
+  w.norm = norm_;
+  w.tokens = tokens_per_step_;
+  if (auto code = Compute(*step, &w)) return code;
+  Status s = Reduce(*step, &w);
+  double shard_norm = -1;
+  if (s.ok() && sharded_ && !world_invariant_) s = ShareShardNorm(&shard_norm);
+  if (!s.ok()) {
+    NONSTOP_LOG_WARNING("step {}: {}", *step, s.ToString());
+    return RecoverFromFault(step);
+  }
+  if (auto code = Update(*step, w, shard_norm, t0)) return code;
+  ++*step;
+  return std::nullopt;
+}
+
+std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
+  Session& session = *session_;
+  try {
+    if (session.InjectedExceptionAt(step)) throw std::runtime_error(fmt::format("injected exception at step {}", step));
+    flat_->ZeroGrad();
+    RescaleForWorld(step);
+    const int world = session.world_size();
+    const uint64_t global = elastic::GlobalBatch(batch_mode_, static_cast<uint64_t>(r_.train.global_batch),
+                                                 static_cast<int>(base_world_), world);
+    const uint64_t micro = static_cast<uint64_t>(r_.train.micro_batch);
+    w->norm = 1.0f / static_cast<float>(global * static_cast<uint64_t>(T_));
+    w->tokens = static_cast<double>(global * static_cast<uint64_t>(T_));
+    std::vector<std::pair<uint64_t, size_t>> work = PlanWork(step, global / micro, w);  // (micro-batch, its run)
+    for (size_t k = 0; k < work.size(); ++k) {
+      const uint64_t mb = work[k].first;
+      const bool last_one = k + 1 == work.size();
+      // Fixed batch: the samples are a function of the step. Scaled batch: of the position in the stream.
+      std::vector<uint64_t> samples =
+          scale_with_world_ ? sampler_->SamplesAt(static_cast<uint64_t>(samples_consumed_) + mb * micro, micro)
+                            : sampler_->MicroBatchSamples(static_cast<uint64_t>(step), mb);
+      if (samples_log_) {
+        std::string line = fmt::format("{} {}", step, mb);
+        for (uint64_t x : samples) line += fmt::format(" {}", x);
+        line += '\n';
+        if (world_invariant_) {
+          w->mb_samples[static_cast<int>(mb)] = line;
+        } else {
+          w->samples += line;
+        }
+      }
+      auto [inputs, targets] = BatchTensors(samples);
+      auto logits = model_->forward(inputs);
+      // Normalised by the token count of the whole global batch: the summed
+      // gradient is the same however micro-batches are dealt.
+      auto loss = torch::nn::functional::cross_entropy(
+                      logits.view({-1, r_.model.vocab_size}), targets.view({-1}),
+                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * w->norm;
+      if (world_invariant_) flat_->ZeroGrad();
+      if (!world_invariant_) w->local_loss += loss.item<double>();
+      if (buckets_ && last_one) {
+        flat_->loss_slot() = static_cast<float>(w->local_loss);  // rides in bucket 0
+        buckets_->Arm();
+      }
+      loss.backward();
+      if (world_invariant_) {
+        flat_->GatherGrads();
+        flat_->loss_slot() = loss.item<float>();
+        w->folders[work[k].second].Add(flat_->grads_and_loss());
+      }
+      w->computed = last_one;
+      if (session.aborted()) break;  // a member failed: this step is lost (its sums may be kept)
+    }
+    if (work.empty()) w->computed = true;  // more ranks than micro-batches: zeros, summed with the rest
+  } catch (const std::exception& e) {
+    // The process may be in any state: report, and let a spare take over.
+    Status s = InternalError(fmt::format("exception in the training loop at step {}: {}", step, e.what()));
+    session.ReportFailure(s, step, kExitFailure);
+    return Fail(s, "training");
+  }
+  return std::nullopt;
+}
+
+// This rank's micro-batches: its block of the global batch; world-invariant,
+// the runs its share names (after a fault, the micro-batches nobody holds any
+// more), each folded into the tree.
+std::vector<std::pair<uint64_t, size_t>> Trainer::PlanWork(int64_t step, uint64_t micro_batches, StepWork* w) {
+  Session& session = *session_;
+  const int world = session.world_size();
+  std::vector<std::pair<uint64_t, size_t>> work;
+  if (!world_invariant_) {
+    for (uint64_t mb = data::BlockBegin(micro_batches, world, session.rank());
+         mb < data::BlockBegin(micro_batches, world, session.rank() + 1); ++mb) {
+      work.push_back({mb, 0});
+    }
+    return work;
+  }
+  const int m = static_cast<int>(micro_batches);
+  auto planned = planner_.Plan(session, m, step, held_);
+  if (!planned.ok()) {
+    w->tree_status = planned.status();
+    return work;
+  }
+  w->shares = std::move(*planned);
+  const collective::TreeShare& mine = w->shares[static_cast<size_t>(session.rank())];
+  worker::KeepOnly(&held_, step, mine.kept);  // the sums it does not keep go before computing
+  for (auto [first, last] : mine.compute) {
+    w->folders.emplace_back(m, first, last, flat_->size() + 1);
+    for (int mb = first; mb < last; ++mb) work.push_back({static_cast<uint64_t>(mb), w->folders.size() - 1});
+  }
+  if (planner_.kept_micro_batches() > 0 && session.rank() == 0) {
+    fmt::print("step {}: kept the sums of {} of {} micro-batches from the step in flight ({} member(s)); "
+               "{} computed again by {} member(s)\n",
+               step, planner_.kept_micro_batches(), m, planner_.kept_by(), m - planner_.kept_micro_batches(), world);
+    std::fflush(stdout);
+  }
+  return work;
+}
+
+Status Trainer::Reduce(int64_t step, StepWork* w) {
+  Session& session = *session_;
+  if (world_invariant_) return ReduceTree(step, w);
+  if (buckets_) {
+    if (w->computed) {
+      buckets_->Finish();
+      return session.WaitAll();
+    }
+    (void)session.WaitAll();  // the buckets already started; the step is lost
+    return AbortedError(fmt::format("step {} was cut short: a member failed", step));
+  }
+  flat_->GatherGrads();
+  flat_->loss_slot() = static_cast<float>(w->local_loss);
+  if (sharded_) {
+    return w->computed ? session.ReduceShards(flat_->padded_grads())
+                       : AbortedError(fmt::format("step {} was cut short: a member failed", step));
+  }
+  return session.AllReduce(flat_->grads_and_loss());
+}
+
+Status Trainer::ReduceTree(int64_t step, StepWork* w) {
+  if (!w->tree_status.ok()) return w->tree_status;
+  Session& session = *session_;
+  const int m = static_cast<int>(r_.train.global_batch / r_.train.micro_batch);
+  const collective::TreeShare& mine = w->shares[static_cast<size_t>(session.rank())];
+  // KeepOnly left in `held_` exactly the sums the plan keeps; their samples-log lines come with them.
+  NONSTOP_CHECK(held_.nodes == mine.kept) << "kept a sum it does not hold";
+  for (const auto& node : held_.nodes) {
+    auto [first, last] = collective::NodeRange(m, node);
+    for (int mb = first; mb < last; ++mb) {
+      if (auto l = held_samples_.find(mb); l != held_samples_.end()) w->mb_samples[mb] = l->second;
+    }
+  }
+  worker::HeldSums have = worker::CollectSums(m, step, std::move(held_), &w->folders);
+  held_ = {};
+  held_samples_.clear();
+  Status s;
+  if (w->computed) {
+    NONSTOP_CHECK(have.nodes == mine.nodes) << "the step's sums are not the plan's";
+    s = session.AllReduceTree(m, worker::NodeLists(w->shares), have.partials, flat_->grads_and_loss());
+  } else {
+    s = AbortedError(fmt::format("step {} was cut short: a member failed", step));
+  }
+  if (s.ok()) {
+    for (const auto& [mb, line] : w->mb_samples) w->samples += line;
+  } else if (!f_.no_salvage) {
+    // Kept for the step's retry in the next generation (TreeStepPlanner offers them).
+    held_ = std::move(have);
+    held_samples_ = std::move(w->mb_samples);
+  }
+  return s;
+}
+
+// Sharded, fast: the world's gradient is in this rank's shard alone. The group
+// shares each shard's sum of squares (the norm, summed in shard order) and the
+// loss, which rides in the shard holding its slot.
+Status Trainer::ShareShardNorm(double* shard_norm) {
+  Session& session = *session_;
+  auto [sq, loss_part] = ShardNormAndLoss(*flat_, session.shard(), shard_len_);
+  std::vector<double> records(2 * static_cast<size_t>(G_));
+  records[2 * static_cast<size_t>(session.shard())] = sq;
+  records[2 * static_cast<size_t>(session.shard()) + 1] = loss_part;
+  Status s = session.GatherShards(std::as_writable_bytes(std::span(records)), 2 * sizeof(double));
+  if (!s.ok()) return s;
+  double total = 0, world_loss = 0;
+  for (int q = 0; q < G_; ++q) {
+    total += records[2 * static_cast<size_t>(q)];
+    world_loss += records[2 * static_cast<size_t>(q) + 1];
+  }
+  *shard_norm = std::sqrt(total);
+  flat_->loss_slot() = static_cast<float>(world_loss);
+  return OkStatus();
+}
+
+std::optional<int> Trainer::Update(int64_t step, const StepWork& w, double shard_norm,
+                                   std::chrono::steady_clock::time_point t0) {
+  Session& session = *session_;
+  double loss = flat_->loss_slot();
+  if (!std::isfinite(loss)) {
+    Status bad = DataLossError(fmt::format("loss is {} at step {}", loss, step));
+    session.ReportFailure(bad, step, kExitDataCorruption);
+    return Fail(bad, "training diverged");
+  }
+  double grad_norm = shard_norm >= 0
+                         ? ScaleShard(*flat_, session.shard(), shard_len_, shard_norm, r_.optimizer.grad_clip)
+                         : torchx::ClipGradNorm(flat_->grads(), r_.optimizer.grad_clip);
+  double lr = schedule_.At(step) * LrFactor(step);
+  if (sharded_) {
+    // The shard's update: the same arithmetic, element by element, as the whole update has there.
+    NONSTOP_CHECK_EQ(state_.held_shard(), session.shard()) << "the state holds the shard of another rank";
+    adamw_->Step(flat_->padded_params(), flat_->padded_grads(), lr, step + 1,
+                 static_cast<size_t>(session.shard()) * shard_len_);
+  } else {
+    adamw_->Step(flat_->params(), flat_->grads(), lr, step + 1);
+  }
+  completed_ = step;
+  if (scale_with_world_) samples_consumed_ += static_cast<int64_t>(w.tokens) / T_;
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  session.ReportStep({step, loss, secs, w.tokens / secs, r_.train.steps});
+  MaybeCheckpoint(step, secs);
+  LogSamples(w.samples);
+  if (session.rank() == 0 && (step % r_.train.log_every == 0 || step + 1 == r_.train.steps)) {
+    fmt::print("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} s/step | world {}\n",
+               step, r_.train.steps, loss, lr, grad_norm, w.tokens / secs, secs, session.world_size());
+    std::fflush(stdout);
+  }
+  return std::nullopt;
+}
+
+void Trainer::LogSamples(const std::string& lines) {
+  if (!samples_log_) return;
+  std::fputs(lines.c_str(), samples_log_);
+  std::fflush(samples_log_);
+}
+
+// ---------------------------------------------------------------- around the steps
+
+// The world changed with a batch that follows it: warm the learning rate from
+// where it is to the new factor.
+void Trainer::RescaleForWorld(int64_t step) {
+  const int world = session_->world_size();
+  if (!scale_with_world_ || world == lr_world_) return;
+  double from = LrFactor(step);
+  lr_from_millionths_ = std::llround(from * 1e6);
+  lr_change_step_ = step;
+  lr_world_ = world;
+  if (session_->rank() == 0) {
+    fmt::print("batch follows the world: global batch {} samples, learning-rate factor {:.3f} → {:.3f} over {} steps\n",
+               elastic::GlobalBatch(batch_mode_, static_cast<uint64_t>(r_.train.global_batch),
+                                    static_cast<int>(base_world_), world),
+               from, LrFactor(step + r_.train.rescale_warmup_steps), r_.train.rescale_warmup_steps);
+    std::fflush(stdout);
+  }
+}
+
+double Trainer::LrFactor(int64_t at) const {
+  double to = elastic::LrFactor(batch_mode_, lr_scaling_, static_cast<int>(base_world_), static_cast<int>(lr_world_));
+  return elastic::WarmedFactor(static_cast<double>(lr_from_millionths_) / 1e6, to, at, lr_change_step_,
+                               r_.train.rescale_warmup_steps);
+}
+
+std::pair<torch::Tensor, torch::Tensor> Trainer::BatchTensors(const std::vector<uint64_t>& samples) const {
+  auto t = torch::empty({static_cast<int64_t>(samples.size()), T_ + 1}, torch::kLong);
+  auto acc = t.accessor<int64_t, 2>();
+  for (size_t i = 0; i < samples.size(); ++i) {
+    auto tokens = dataset_->Sample(samples[i]);
+    for (int64_t j = 0; j <= T_; ++j) acc[static_cast<int64_t>(i)][j] = tokens[static_cast<size_t>(j)];
+  }
+  using torch::indexing::Slice;
+  return std::make_pair(t.index({Slice(), Slice(0, T_)}), t.index({Slice(), Slice(1, T_ + 1)}).contiguous());
+}
+
+Status Trainer::RegisterScalars(state::StateRegistry& reg) {
+  const std::vector<std::pair<const char*, int64_t*>> scalars = {
+      {"step", &completed_}, {"elastic.base_world", &base_world_}, {"elastic.samples_consumed", &samples_consumed_},
+      {"elastic.lr_world", &lr_world_}, {"elastic.lr_change_step", &lr_change_step_},
+      {"elastic.lr_from_millionths", &lr_from_millionths_}};
+  for (auto [name, value] : scalars) NONSTOP_RETURN_IF_ERROR(reg.RegisterValue(name, value));
+  return OkStatus();
+}
+
+// The whole state, one region per tensor with its shape, so that a durable
+// checkpoint is a safetensors file any tool can read tensor by tensor. It is
+// the state itself when nothing is sharded, and what a sharded run's
+// checkpoints hold (the moments gathered whole): any world and any G load them.
+Status Trainer::RegisterWhole(state::StateRegistry& reg, std::span<float> m, std::span<float> v) {
+  std::vector<std::pair<std::string, std::span<float>>> groups = {
+      {"", flat_->params()}, {"adamw.exp_avg.", m}, {"adamw.exp_avg_sq.", v}};
+  for (const auto& [prefix, buffer] : groups) {
+    for (size_t i = 0; i < flat_->segments().size(); ++i) {
+      const auto& seg = flat_->segments()[i];
+      NONSTOP_RETURN_IF_ERROR(reg.RegisterFloats(prefix + seg.name, buffer.subspan(seg.offset, seg.size), shapes_[i]));
+    }
+  }
+  return RegisterScalars(reg);
+}
+
+Result<std::unique_ptr<state::StateRegistry>> Trainer::WholeRegistry() {
+  whole_m_.assign(flat_->padded_size(), 0.0f);
+  whole_v_.assign(flat_->padded_size(), 0.0f);
+  auto reg = std::make_unique<state::StateRegistry>();
+  NONSTOP_RETURN_IF_ERROR(RegisterWhole(*reg, std::span(whole_m_).first(flat_->size()),
+                                        std::span(whole_v_).first(flat_->size())));
+  return reg;
+}
+
+// Rank 0 hands the state of `step` (`reg`: the whole layout) to the writer.
+state::CheckpointSaveResult Trainer::Save(const state::StateRegistry& reg, int64_t step, bool last) {
+  state::CheckpointMeta meta{step, session_->generation(), session_->world_size(), r_.name, flat_->Checksum(), {}};
+  state::CheckpointSaveResult saved = writer_->TrySave(reg, meta);
+  if (saved.skipped && last) {
+    // The final state must reach the disk: the job is ending, waiting is free.
+    (void)writer_->Wait();
+    saved = writer_->TrySave(reg, meta);
+  }
+  if (!saved.earlier.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", saved.earlier.ToString());
+  return saved;
+}
+
+void Trainer::MaybeCheckpoint(int64_t step, double step_seconds) {
+  if (!writer_) return;
+  bool last = step + 1 == r_.train.steps;
+  if (sharded_) {
+    CheckpointGathered(step, last);
+    return;
+  }
+  if (session_->rank() != 0) return;
+  if (every_ == 0 && timing_in_flight_ && !TimeTheFirstCheckpoint(step, step_seconds, last)) return;
+  bool due = every_ == 0 || (step + 1) % every_ == 0 || last;
+  if (!due) return;
+  if (!Save(state_, step, last).skipped && every_ == 0) timing_in_flight_ = true;
+}
+
+// Sharded: gathered to the writer. Group 0 holds every shard once; its ranks
+// gather the parameters and the moments whole, and rank 0 writes them in the
+// layout of an unsharded run.
+void Trainer::CheckpointGathered(int64_t step, bool last) {
+  if (session_->rank() >= G_ || !(every_ > 0 && ((step + 1) % every_ == 0 || last))) return;
+  auto whole = WholeRegistry();
+  const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(session_->shard()) * shard_len_);
+  std::copy_n(adamw_->exp_avg().begin(), shard_len_, whole_m_.begin() + at);
+  std::copy_n(adamw_->exp_avg_sq().begin(), shard_len_, whole_v_.begin() + at);
+  Status s = whole.status();
+  if (s.ok()) s = session_->GatherShards(std::as_writable_bytes(flat_->padded_params()), sizeof(float));
+  if (s.ok()) s = session_->GatherShards(std::as_writable_bytes(std::span(whole_m_)), sizeof(float));
+  if (s.ok()) s = session_->GatherShards(std::as_writable_bytes(std::span(whole_v_)), sizeof(float));
+  if (s.ok() && session_->rank() == 0) Save(**whole, step, last);
+  if (!s.ok()) NONSTOP_LOG_WARNING("checkpoint of step {} not gathered: {}", step, s.ToString());
+  std::vector<float>().swap(whole_m_);
+  std::vector<float>().swap(whole_v_);
+}
+
+// The timing checkpoint is written in the background: rank 0 never waits for
+// the disk while the others wait in the next collective. Once it is written,
+// the interval is set from its cost.
+bool Trainer::TimeTheFirstCheckpoint(int64_t step, double step_seconds, bool last) {
+  auto st = writer_->last_written();
+  if (!st && writer_->in_flight() && !last) return false;  // still being written
+  if (!st && last) (void)writer_->Wait();
+  st = writer_->last_written();
+  if (!st) {
+    NONSTOP_LOG_WARNING("the timing checkpoint failed; checkpointing every 50 steps instead");
+    every_ = 50;
+    timing_in_flight_ = false;
+  }
+  double cost = st ? st->snapshot_seconds + st->write_seconds : 0;
+  double optimum = std::sqrt(2.0 * cost * f_.mtbf_seconds);
+  if (st) {
+    every_ = std::max<int64_t>(1, static_cast<int64_t>(std::llround(optimum / std::max(step_seconds, 1e-6))));
+    fmt::print("checkpoint interval: {} steps (Young/Daly: sqrt(2 × cost {:.3f} s × MTBF {:.1f} s) = {:.2f} s; "
+               "a step takes {:.3f} s)\n", every_, cost, f_.mtbf_seconds, optimum, step_seconds);
+  }
+  std::fflush(stdout);
+  return true;
+}
+
+int Trainer::Recover(int64_t* step) {
+  Session& session = *session_;
+  auto next = session.Recover();
+  if (!next.ok()) {
+    if (session.shutdown_exit_code() != 0) return session.shutdown_exit_code();
+    if (next.status().code() == StatusCode::kCancelled) {
+      fmt::print("worker {} released: {}\n", session.worker_id(), next.status().message());
+      std::fflush(stdout);
+      return kReleased;  // the world shrank without this worker: a clean exit
+    }
+    Fail(next.status(), "recovery");
+    return kExitFailure;
+  }
+  *step = *next;
+  MembershipChange c = session.last_change();
+  if (session.rank() == 0) {
+    fmt::print("{}: generation {}, world {} → {}, resuming at step {}\n",
+               c.reason.rfind("resize", 0) == 0 ? "resized" : "recovered", c.generation, c.old_world, c.new_world,
+               *step);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+std::optional<int> Trainer::RecoverFromFault(int64_t* step) {
+  if (int code = Recover(step); code != 0) return code == kReleased ? 0 : code;
+  if (held_.step != *step) {  // the job resumes elsewhere: the sums kept of that step are no use
+    held_ = {};
+    held_samples_.clear();
+  }
+  return std::nullopt;
+}
+
+int Main(int argc, char** argv) {
+  TrainerFlags flags;
+  if (auto code = ParseFlags(argc, argv, &flags)) return *code;
+  Trainer trainer(std::move(flags));
+  return trainer.Run();
 }
 
 }  // namespace
