@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <string_view>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -301,7 +300,7 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
 }
 
 void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Action>* out) {
-  if (!open_recovery_) StartRecovery(why, out);  // opens the record; the aborts are moot
+  if (!open_recovery_) OpenRecovery(why, /*planned=*/false, out);  // the aborts are moot
   resize_.reset();  // a planned change in progress is moot: every worker starts again
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   rec.restarted = true;
@@ -766,6 +765,11 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
 // ---------------------------------------------------------------- recovery
 
 void Controller::StartRecovery(const std::string& cause, std::vector<Action>* out, bool planned) {
+  OpenRecovery(cause, planned, out);
+  MaybeFinishAbort(out);
+}
+
+void Controller::OpenRecovery(const std::string& cause, bool planned, std::vector<Action>* out) {
   if (open_recovery_) {
     // A fault while the previous recovery had not finished: it is superseded.
     recoveries_[*open_recovery_].outcome = fmt::format("superseded by recovery {}", recoveries_.size() + 1);
@@ -810,7 +814,6 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
   }
   out->push_back(AppendJournal{{{"event", planned ? "resize_start" : "recovery_start"}, {"recovery", rec.id},
                                 {"generation", generation_}, {"cause", cause}, {"injected", rec.injected}}});
-  MaybeFinishAbort(out);
 }
 
 void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
@@ -857,193 +860,101 @@ void Controller::MaybeFinishAbort(std::vector<Action>* out) {
   FormNextGeneration(out);
 }
 
-void Controller::FormNextGeneration(std::vector<Action>* out) {
-  RecoveryRecord& rec = recoveries_[*open_recovery_];
-  std::vector<int> survivors;
-  std::vector<int64_t> held(members_.size(), -1);  // by rank: the step a survivor's state holds
-  std::vector<char> survived(members_.size(), 0);   // by rank
-  int64_t s_star = -1;
+PlanInput Controller::PlanView(const RecoveryRecord& rec) const {
+  PlanInput view;
+  view.members.reserve(members_.size());
   for (size_t r = 0; r < members_.size(); ++r) {
-    int id = members_[r];
-    if (!IsLiveMember(*member_info_[r])) continue;
-    auto ready = ready_.find(id);
-    if (ready != ready_.end()) {
-      survivors.push_back(id);
-      survived[r] = 1;
-      held[r] = ready->second;
-      s_star = std::max(s_star, ready->second);
+    const WorkerInfo& w = *member_info_[r];
+    PlanInput::Member& m = view.members.emplace_back();
+    m.worker_id = members_[r];
+    m.host = w.host;
+    m.alive = IsLiveMember(w);
+    if (auto ready = ready_.find(members_[r]); ready != ready_.end()) {
+      m.ready = true;
+      m.step = ready->second;
     }
+    m.held_shard = w.held_shard;
   }
-  std::vector<int> holders;
-  for (size_t r = 0; r < members_.size(); ++r) {
-    if (survived[r] && held[r] == s_star) holders.push_back(members_[r]);
+  for (const auto& [id, w] : workers_) {  // only those heard from lately: a hung spare is never promoted
+    if (Promotable(w)) view.spares.push_back({id, w.host});
   }
-  holders = SpreadOverHosts(holders);
-  // The initial state (step -1) is the same everywhere (seeded), so anyone holds it.
-  bool state_everywhere = s_star == -1 && highest_step_ < 0;
-  if (holders.empty() && !state_everywhere && options_.have_checkpoints) {
-    RestartFromCheckpoint(fmt::format("the state of step {} exists on no live worker", std::max(s_star, highest_step_)),
-                          out);
-    return;
-  }
-  if (holders.empty() && !state_everywhere) {
-    rec.outcome = "failed";
-    out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(rec)}}});
-    End(kExitPeerFailure,
-        fmt::format("the state of step {} exists on no live worker (every member that held it is gone); without a "
-                    "durable checkpoint (nonstop run --checkpoint-dir) the job cannot continue",
-                    std::max(s_star, highest_step_)),
-        out);
-    return;
-  }
-  if (std::vector<int> lost = state_everywhere ? std::vector<int>{} : LostShards(holders); !lost.empty()) {
-    // Sharded state: the step's parameters and moments of these shards are on
-    // no live member (every replica was hit). Never a plan that cannot load.
-    std::string what = fmt::format("every copy of shard {} of the optimizer state of step {} is lost (optimizer."
-                                   "shard_group {}: every replica of it was hit)",
-                                   fmt::join(lost, ", "), s_star, shard_group_);
-    out->push_back(AppendJournal{{{"event", "shard_lost"}, {"shards", lost}, {"step", s_star},
-                                  {"recovery", rec.id}}});
-    if (options_.have_checkpoints) {
-      RestartFromCheckpoint(what, out);
-      return;
-    }
-    rec.outcome = "failed";
-    out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(rec)}}});
-    End(kExitPeerFailure, what + "; without a durable checkpoint (nonstop run --checkpoint-dir) the job cannot continue",
-        out);
-    return;
-  }
-  std::vector<int> spares;  // only those heard from lately: a hung spare is never promoted
-  for (const auto& [id, w] : workers_) {
-    if (Promotable(w)) spares.push_back(id);
-  }
-  OrderSpares(&spares, rec.failed_hosts);
-  std::vector<int> next;
-  size_t spare_i = 0;
-  // Sharded state needs whole groups: no more spares than make the world a
-  // multiple of G (the members beyond it would be released again below).
-  size_t spare_cap = spares.size();
-  if (shard_group_ > 1 && !resize_) {
-    const auto g = static_cast<size_t>(shard_group_);
-    const size_t alive = survivors.size();
-    const size_t reach = alive + std::min(members_.size() - alive, spares.size());
-    spare_cap = reach / g * g > alive ? reach / g * g - alive : 0;
-  }
-  std::vector<std::string> host_at(members_.size());  // the host of whoever holds each rank next
-  for (size_t r = 0; r < members_.size(); ++r) {
-    if (survived[r]) host_at[r] = member_info_[r]->host;
-  }
-  for (size_t r = 0; r < members_.size(); ++r) {
-    int id = members_[r];
-    if (survived[r]) {
-      next.push_back(id);
-    } else if (spare_i < std::min(spares.size(), spare_cap) &&
-               !(resize_ && resize_->release.count(id))) {  // a leaving host's rank goes with it
-      PreferSpareAwayFromReplicas(&spares, spare_i, r, host_at, rec.failed_hosts);
-      int s = spares[spare_i++];
-      host_at[r] = workers_[s].host;
-      next.push_back(s);
-      rec.replacements.push_back(fmt::format("rank {}: worker {} → spare worker {}", r, id, s));
-    } else {
-      rec.replacements.push_back(fmt::format("rank {}: worker {} → none (shrink)", r, id));
-    }
-  }
-  std::vector<int> released;
+  view.failed_hosts = rec.failed_hosts;
   if (resize_) {
-    auto want = static_cast<size_t>(resize_->to);
-    const std::set<int>& release = resize_->release;
-    if (!release.empty()) {  // members of leaving hosts: released by name, the others keep their order
-      std::vector<int> kept;
-      for (int id : next) {
-        if (!release.count(id)) kept.push_back(id);
-      }
-      std::vector<int> staying;  // state for any spare that joins comes from members that stay
-      for (int id : holders) {
-        if (!release.count(id)) staying.push_back(id);
-      }
-      if (!LostShards(staying).empty()) staying.clear();  // sharded: only leaving members hold some shard
-      // Checked again at the boundary: a spare counted on may have died
-      // during the drain, and the members that stay must hold the state.
-      const size_t reach = std::min(want, kept.size() + (spares.size() - spare_i));
-      if (kept.size() < next.size() && (!CheckSize(static_cast<int>(reach)).empty() || staying.empty())) {
-        out->push_back(PrintLine{fmt::format(
-            "the members of leaving hosts stay for now: without them the world would be {} ({})", reach,
-            staying.empty() ? "no member that stays holds all of the state" : CheckSize(static_cast<int>(reach)))});
-        kept = next;  // MaybeReleaseLeavingHosts tries again (or refuses) at the next boundary
-        want = std::max(want, next.size());
-        if (staying.empty()) {
-          for (int id : release) hosts_[workers_[id].host].leave_refused = true;  // it could only repeat
-        }
-      } else if (!staying.empty()) {
-        holders = std::move(staying);
-      }
-      for (int id : next) {
-        if (std::find(kept.begin(), kept.end(), id) != kept.end()) continue;
-        const WorkerInfo& w = workers_[id];
-        released.push_back(id);
-        rec.replacements.push_back(fmt::format("rank {}: worker {} released (host {} leaves)", w.rank, w.worker_id,
-                                               w.host));
-      }
-      next = std::move(kept);
-    }
-    if (next.size() > want) {  // shrink: the highest ranks leave
-      for (int id : ReleaseFromTheEnd(&next, next.size() - want, holders)) {
-        released.push_back(id);
-        rec.replacements.push_back(fmt::format("rank {}: worker {} released", workers_[id].rank, id));
-      }
-    }
-    size_t goal = want;  // sharded: whole groups only, or the spares joining would be released again
-    if (shard_group_ > 1) {
-      const auto g = static_cast<size_t>(shard_group_);
-      goal = std::max(next.size(), std::min(want, next.size() + (spares.size() - spare_i)) / g * g);
-    }
-    while (next.size() < goal && spare_i < spares.size()) {  // grow: spares join at the end
-      rec.replacements.push_back(fmt::format("rank {}: spare worker {} joins", next.size(), spares[spare_i]));
-      next.push_back(spares[spare_i++]);
-    }
-    resize_.reset();
-  }
-  if (shard_group_ > 1 && next.size() % static_cast<size_t>(shard_group_) != 0) {
-    // Sharded state needs whole groups: the members beyond the last whole one leave.
-    for (int id : ReleaseFromTheEnd(&next, next.size() % static_cast<size_t>(shard_group_), holders)) {
-      released.push_back(id);
-      rec.replacements.push_back(fmt::format("worker {} released (the world must be a multiple of "
-                                             "optimizer.shard_group {})", id, shard_group_));
+    view.resize = PlanInput::Resize{};  // not emplace(): clang 16 finds the nested struct not default-constructible
+    PlanInput::Resize& resize = *view.resize;
+    resize.to = resize_->to;
+    for (int id : resize_->release) {
+      auto it = workers_.find(id);
+      resize.release[id] = it == workers_.end() ? "" : it->second.host;
     }
   }
-  if (next.empty()) {
-    rec.outcome = "failed";
-    End(kExitPeerFailure, "no worker is left to continue the job", out);
+  view.shard_group = shard_group_;
+  view.multi_host = multi_host();
+  view.highest_step = highest_step_;
+  view.have_checkpoints = options_.have_checkpoints;
+  return view;
+}
+
+void Controller::FormNextGeneration(std::vector<Action>* out) {
+  using Verdict = NextGeneration::Verdict;
+  RecoveryRecord& rec = recoveries_[*open_recovery_];
+  NextGeneration next = PlanNextGeneration(PlanView(rec), SizePolicy());
+  if (!next.lost_shards.empty()) {
+    out->push_back(AppendJournal{{{"event", "shard_lost"}, {"shards", next.lost_shards}, {"step", next.s_star},
+                                  {"recovery", rec.id}}});
+  }
+  if (next.verdict == Verdict::kRestart) {
+    RestartFromCheckpoint(next.why, out);
     return;
   }
-  for (int id : released) {
+  if (next.verdict == Verdict::kFail) {
+    rec.outcome = "failed";
+    out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(rec)}}});
+    End(kExitPeerFailure, next.why, out);
+    return;
+  }
+  if (next.leaving_kept) out->push_back(PrintLine{*next.leaving_kept});
+  for (const std::string& host : next.leave_refused_hosts) hosts_[host].leave_refused = true;
+  rec.replacements.insert(rec.replacements.end(), std::make_move_iterator(next.replacements.begin()),
+                          std::make_move_iterator(next.replacements.end()));
+  resize_.reset();  // the plan carried it out
+  if (next.verdict == Verdict::kNoneLeft) {
+    rec.outcome = "failed";
+    End(kExitPeerFailure, next.why, out);
+    return;
+  }
+  ApplyPlan(std::move(next), rec, out);
+}
+
+void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector<Action>* out) {
+  const size_t world = next.members.size();
+  for (int id : next.released) {
     WorkerInfo& w = workers_[id];
     SetRole(w, WorkerRole::kGone);
     if (!w.host.empty()) ++withheld_[w.host];  // capacity given back: not refilled until a grow
-    out->push_back(SendShutdown{id, {fmt::format("released: the world shrinks to {}", next.size()), kExitOk}});
+    out->push_back(SendShutdown{id, {fmt::format("released: the world shrinks to {}", world), kExitOk}});
   }
-  if (next.size() != members_.size()) {
+  if (world != members_.size()) {
     last_change_at_ = now_;
     change_times_.push_back(now_);
   }
-  std::vector<WorkerInfo*> next_info(next.size());
-  for (size_t r = 0; r < next.size(); ++r) {
+  std::vector<WorkerInfo*> next_info(world);
+  for (size_t r = 0; r < world; ++r) {
     // Most keep their rank: their entry is known.
-    next_info[r] = r < members_.size() && members_[r] == next[r] ? member_info_[r] : &workers_[next[r]];
+    next_info[r] = r < members_.size() && members_[r] == next.members[r] ? member_info_[r] : &workers_[next.members[r]];
   }
   ++generation_;
-  SetMembers(next, std::move(next_info));
+  SetMembers(std::move(next.members), std::move(next_info));
   arrivals_.clear();
   arrival_step_ = -1;
   arrival_spreads_ms_.clear();  // a new membership has its own normal
-  resume_step_ = s_star + 1;
+  resume_step_ = next.s_star + 1;
   close_scan_ = 0;
   rec.to_generation = generation_;
   rec.resume_step = resume_step_;
-  rec.lost_steps = std::max<int64_t>(0, highest_step_ - s_star);
-  rec.new_world = static_cast<int>(next.size());
-  rec.sources = static_cast<int>(holders.size());
+  rec.lost_steps = std::max<int64_t>(0, highest_step_ - next.s_star);
+  rec.new_world = static_cast<int>(world);
+  rec.sources = static_cast<int>(next.holders.size());
 
   auto plan_ptr = std::make_shared<control::PlanMsg>();
   control::PlanMsg& plan = *plan_ptr;
@@ -1051,32 +962,29 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   plan.resume_step = resume_step_;
   plan.faults = pending_faults_;
   plan.reason = rec.kind == "resize" ? "resize: " + rec.causes.front() : "recovery";
-  plan.members.reserve(next.size());
-  json transfers = json::array();
-  for (size_t r = 0; r < next.size(); ++r) {
+  plan.members.reserve(world);
+  for (size_t r = 0; r < world; ++r) {
     WorkerInfo& w = *member_info_[r];
-    bool was_spare = w.role == WorkerRole::kSpare;
-    int64_t holds = was_spare ? -1 : ready_[w.worker_id];  // a spare holds the initial state
     SetRole(w, WorkerRole::kMember);
     w.rank = static_cast<int>(r);
     w.last_heard = now_;
     w.waiting_ms = -1;
-    w.last_step = holds;
+    w.last_step = next.had_step[r];
     plan.members.push_back({w.worker_id, w.address});
-    if (holds != s_star) {
-      std::vector<int> sources = SourcesFor(holders, plan.transfers.size());
-      transfers.push_back({{"receiver", w.worker_id}, {"sources", sources}, {"had_step", holds}});
-      plan.transfers.push_back({w.worker_id, std::move(sources)});
-    }
+  }
+  json transfers = json::array();
+  for (NextGeneration::Transfer& t : next.transfers) {
+    transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}, {"had_step", t.had_step}});
+    plan.transfers.push_back({t.receiver, std::move(t.sources)});
   }
   ready_.clear();
   phase_ = JobPhase::kRunning;
   progress_at_ = now_;
   rec.plan_at = now_;
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
-  out->reserve(out->size() + members_.size() + spare_i + 4);
+  out->reserve(out->size() + members_.size() + next.spares_used + 4);
   for (int id : members_) out->push_back(SendPlan{id, shared});
-  for (size_t i = 0; i < spare_i && (pool_size_ > 0 || slotted()); ++i) {
+  for (size_t i = 0; i < next.spares_used && (pool_size_ > 0 || slotted()); ++i) {
     if (slotted()) break;  // the hosts' free slots are filled on the next tick
     Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
     ++rec.spawned_spares;
@@ -1084,14 +992,14 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
                                 {"spares", SpareCount()},
                                 {"resume_step", resume_step_}, {"reason", plan.reason}, {"recovery", rec.id},
-                                {"transfers", std::move(transfers)}, {"released", released}}});
+                                {"transfers", std::move(transfers)}, {"released", next.released}}});
   out->push_back(PrintLine{fmt::format("generation {}: {} workers {}, resuming at step {}{}", generation_, members_.size(),
                                        json(members_).dump(), resume_step_,
                                        plan.transfers.empty() ? "" : fmt::format(", {} receiving state from {} source(s)",
-                                                                                 plan.transfers.size(), holders.size()))});
+                                                                                 plan.transfers.size(),
+                                                                                 next.holders.size()))});
   CheckShardPlacement(out);
 }
-
 void Controller::On(const RecoveredReceived& e, std::vector<Action>* out) {
   if (e.msg.generation == generation_ && e.msg.connections >= 0 && e.msg.connections_opened >= 0) {
     // Connection setup at scale: each rank opens only what its algorithms need.
@@ -1151,29 +1059,12 @@ void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
 
 // ---------------------------------------------------------------- elasticity
 
-std::string Controller::CheckSize(int size) const {
+PlanPolicy Controller::SizePolicy() const {
   const ScalePolicy& p = options_.policy;
-  int max_world = p.max_world > 0 ? p.max_world : world_size_;
-  if (size < p.min_world) return fmt::format("world size {} is below the minimum {}", size, p.min_world);
-  if (size > max_world) return fmt::format("world size {} is above the maximum {}", size, max_world);
-  if (shard_group_ > 1 && size % shard_group_ != 0) {
-    return fmt::format("world size {} is not a multiple of optimizer.shard_group {}", size, shard_group_);
-  }
-  if (shard_group_ > 1 && size / shard_group_ + shard_group_ > kMaxShardSubGroups) {
-    return fmt::format("world size {} is {} groups of optimizer.shard_group {}: more than the {} sub-groups a "
-                       "generation has (use a larger shard_group)", size, size / shard_group_, shard_group_,
-                       kMaxShardSubGroups);
-  }
-  if (!p.allowed_sizes.empty()) {
-    if (std::find(p.allowed_sizes.begin(), p.allowed_sizes.end(), size) == p.allowed_sizes.end()) {
-      return fmt::format("world size {} is not an allowed size (allowed: {})", size, json(p.allowed_sizes).dump());
-    }
-  } else if (p.increment > 1 && (size - p.min_world) % p.increment != 0) {
-    return fmt::format("world size {} is not the minimum {} plus a multiple of the increment {}", size, p.min_world,
-                       p.increment);
-  }
-  return "";
+  return PlanPolicy{p.min_world, p.max_world > 0 ? p.max_world : world_size_, p.allowed_sizes, p.increment};
 }
+
+std::string Controller::CheckSize(int size) const { return CheckWorldSize(SizePolicy(), shard_group_, size); }
 
 Millis Controller::EffectiveStablePeriod() const {
   const ScalePolicy& p = options_.policy;
@@ -1884,61 +1775,6 @@ void Controller::MaybeReleaseLeavingHosts(std::vector<Action>* out) {
   StartResize(to, fmt::format("host(s) {} leave ({})", names, reason), out, std::set<int>(leaving.begin(), leaving.end()));
 }
 
-std::vector<int> Controller::LostShards(const std::vector<int>& holders) const {
-  if (shard_group_ <= 1) return {};
-  std::vector<char> held(static_cast<size_t>(shard_group_), 0);
-  for (int id : holders) {
-    int s = workers_.at(id).held_shard;
-    if (s == state::kEveryShard) return {};  // the initial state, or whole buffers: every shard
-    if (s >= 0 && s < shard_group_) held[static_cast<size_t>(s)] = 1;
-  }
-  std::vector<int> lost;
-  for (int s = 0; s < shard_group_; ++s) {
-    if (!held[static_cast<size_t>(s)]) lost.push_back(s);
-  }
-  return lost;
-}
-
-std::vector<int> Controller::ReleaseFromTheEnd(std::vector<int>* next, size_t count,
-                                               const std::vector<int>& holders) const {
-  std::map<int, int> copies;  // shard → holders of it that stay
-  std::set<int> holding(holders.begin(), holders.end());
-  auto shard_of = [&](int id) { return holding.count(id) ? workers_.at(id).held_shard : state::kNoShard; };
-  for (int id : *next) copies[shard_of(id)]++;
-  std::vector<int> released;
-  for (size_t i = next->size(); i-- > 0 && released.size() < count;) {
-    int id = (*next)[i];
-    int s = shard_of(id);
-    if (shard_group_ > 1 && s >= 0 && copies[s] == 1) continue;  // the last holder of its shard stays
-    copies[s]--;
-    released.push_back(id);
-    next->erase(next->begin() + static_cast<std::ptrdiff_t>(i));
-  }
-  // Nothing more can go without losing a shard: the highest ranks go anyway (the exchange then names the shard).
-  while (released.size() < count && !next->empty()) {
-    released.push_back(next->back());
-    next->pop_back();
-  }
-  return released;
-}
-
-void Controller::PreferSpareAwayFromReplicas(std::vector<int>* spares, size_t first, size_t rank,
-                                             const std::vector<std::string>& host_at,
-                                             const std::set<std::string>& failed_hosts) const {
-  if (shard_group_ <= 1 || !multi_host()) return;
-  const auto g = static_cast<size_t>(shard_group_);
-  std::set<std::string> replica_hosts;  // where the other copies of this rank's shard are (or go)
-  for (size_t q = rank % g; q < host_at.size(); q += g) {
-    if (q != rank && !host_at[q].empty()) replica_hosts.insert(host_at[q]);
-  }
-  // Not on a host that just failed either (OrderSpares put those last).
-  auto away = std::find_if(spares->begin() + static_cast<std::ptrdiff_t>(first), spares->end(), [&](int id) {
-    const std::string& host = workers_.at(id).host;
-    return !replica_hosts.count(host) && !failed_hosts.count(host);
-  });
-  if (away != spares->end()) std::rotate(spares->begin() + static_cast<std::ptrdiff_t>(first), away, away + 1);
-}
-
 void Controller::CheckShardPlacement(std::vector<Action>* out) {
   if (shard_group_ <= 1 || !multi_host()) return;
   auto layout = state::LayoutOf(static_cast<int>(members_.size()), shard_group_);
@@ -1952,51 +1788,6 @@ void Controller::CheckShardPlacement(std::vector<Action>* out) {
   out->push_back(PrintLine{fmt::format("generation {}: every copy of shard {} is on one host, whose loss would lose "
                                        "it (optimizer.shard_group {} over these hosts)", generation_,
                                        fmt::join(exposed, ", "), shard_group_)});
-}
-
-void Controller::OrderSpares(std::vector<int>* spares, const std::set<std::string>& failed_hosts) const {
-  std::stable_sort(spares->begin(), spares->end(), [&](int a, int b) {
-    return failed_hosts.count(workers_.at(a).host) < failed_hosts.count(workers_.at(b).host);
-  });
-}
-
-std::vector<int> Controller::SourcesFor(const std::vector<int>& holders, size_t receiver_index) {
-  // Each receiver opens a connection (and a thread) per source: a few sources
-  // saturate its link, and more only cost connections. Consecutive receivers
-  // start at different holders, so the serving is spread over all of them
-  // (and, the holders being listed alternating over hosts, over hosts).
-  if (holders.size() <= kMaxSourcesPerReceiver) return holders;
-  std::vector<int> out;
-  out.reserve(kMaxSourcesPerReceiver);
-  for (size_t j = 0; j < kMaxSourcesPerReceiver; ++j) {
-    out.push_back(holders[(receiver_index * kMaxSourcesPerReceiver + j) % holders.size()]);
-  }
-  return out;
-}
-
-std::vector<int> Controller::SpreadOverHosts(const std::vector<int>& holders) const {
-  // One queue per host, in the order the hosts first appear among the holders;
-  // then rounds that take the next holder of every host that has one left.
-  std::unordered_map<std::string_view, size_t> index;
-  std::vector<std::vector<int>> queues;
-  for (int id : holders) {
-    auto [it, fresh] = index.try_emplace(workers_.at(id).host, queues.size());
-    if (fresh) queues.emplace_back();
-    queues[it->second].push_back(id);
-  }
-  std::vector<int> out;
-  out.reserve(holders.size());
-  std::vector<size_t> active(queues.size());
-  for (size_t q = 0; q < queues.size(); ++q) active[q] = q;
-  for (size_t round = 0; !active.empty(); ++round) {
-    size_t kept = 0;
-    for (size_t q : active) {
-      out.push_back(queues[q][round]);
-      if (round + 1 < queues[q].size()) active[kept++] = q;
-    }
-    active.resize(kept);
-  }
-  return out;
 }
 
 // ---------------------------------------------------------------- timers

@@ -1,7 +1,7 @@
 // Controller: the job's brain, as a pure state machine (DESIGN.md §2–§4, §9).
 //
 // Handle(event, now) → actions. It owns no socket, clock or process: the
-// runtime around it (apps/nonstop/run_command.cc) turns socket traffic,
+// runtime around it (src/controller/runtime.cc) turns socket traffic,
 // process exits and timer ticks into Events, and carries out the Actions it
 // returns (send a plan, abort a generation, kill or start a worker, append to
 // the journal, end the job). Every membership decision is therefore testable
@@ -24,6 +24,8 @@
 //      highest step a survivor holds; every member not at s* (a spare, a
 //      member one step behind) copies the state from the members at s*.
 //      If no live worker holds s*, the job ends with a clear message.
+//      The decision is the planner's (planner.h), a pure function of a view
+//      of the job; the controller builds the view and applies the result.
 //   4. Members report when connections and state are ready; the recovery ends
 //      when every member has completed the resume step. Its phases are
 //      journaled and summarised at the end of the job.
@@ -62,6 +64,7 @@
 #include "common/time.h"
 #include "control/fault_spec.h"
 #include "control/messages.h"
+#include "controller/planner.h"
 
 namespace nonstop::controller {
 
@@ -400,37 +403,12 @@ class Controller {
   void EscalateResize(std::vector<Action>* out);
   // A host heard from lately (half the heartbeat timeout): its spares may be promoted.
   bool HostResponsive(const std::string& host_id) const;
-  // Orders `spares` for a plan: those on hosts that just failed last.
-  void OrderSpares(std::vector<int>* spares, const std::set<std::string>& failed_hosts) const;
-  // The state sources of the receiver_index-th receiver of a plan: every
-  // holder, or kMaxSourcesPerReceiver of them, rotating over the receivers.
-  static constexpr size_t kMaxSourcesPerReceiver = 8;
-  static std::vector<int> SourcesFor(const std::vector<int>& holders, size_t receiver_index);
-  // Orders state sources so that consecutive ones sit on different hosts.
-  std::vector<int> SpreadOverHosts(const std::vector<int>& holders) const;
-
-  // Sharded optimizer state (docs/sharding.md): the shards of which none of
-  // `holders` holds a copy, ascending; empty when nothing is sharded.
-  std::vector<int> LostShards(const std::vector<int>& holders) const;
-  // A generation's sub-groups of sharded state (its groups and its shards'
-  // replica sets) each need an op space of their own (Communicator::SubGroup).
-  static constexpr int kMaxShardSubGroups = 126;
-  // Takes `count` members off the end of `next` (the highest ranks first),
-  // skipping a holder of a shard no member that stays would hold: the
-  // released ones leave, so they cannot serve their shard. Returns them.
-  std::vector<int> ReleaseFromTheEnd(std::vector<int>* next, size_t count, const std::vector<int>& holders) const;
-  // Moves to spares[first] the first spare from there on whose host holds no
-  // surviving replica of the shard of `rank` (sharded state, several hosts):
-  // a spare beside a replica would put two copies of a shard on one host.
-  // host_at: by rank, the host of the member that holds it next ("" : not known yet).
-  void PreferSpareAwayFromReplicas(std::vector<int>* spares, size_t first, size_t rank,
-                                   const std::vector<std::string>& host_at,
-                                   const std::set<std::string>& failed_hosts) const;
   // Shards every copy of which is on one host in a plan of `members` (printed and journaled).
   void CheckShardPlacement(std::vector<Action>* out);
 
   // Elasticity: a planned change of the world size at a step boundary.
   std::string CheckSize(int size) const;  // empty when the policy allows `size`
+  PlanPolicy SizePolicy() const;           // the policy the planner checks sizes against
   Millis EffectiveStablePeriod() const;
   void StartResize(int new_world, const std::string& trigger, std::vector<Action>* out, std::set<int> release = {});
   void MaybeGrow(std::vector<Action>* out);
@@ -465,15 +443,25 @@ class Controller {
   static AppendJournal SpareLostRecord(const WorkerInfo& w, const std::string& kind, const std::string& detail);
   // A spare a plan may promote: heard from lately, not stopped, on a responsive host, not still to be adopted.
   bool Promotable(const WorkerInfo& w) const;
+  // Opens a recovery record (and aborts the members, unless `planned`), then
+  // forms the next generation at once when no live member is left to answer.
   void StartRecovery(const std::string& cause, std::vector<Action>* out, bool planned = false);
+  // Only the first part of StartRecovery: the record, the aborts, the journal.
+  void OpenRecovery(const std::string& cause, bool planned, std::vector<Action>* out);
   void MaybeFinishAbort(std::vector<Action>* out);
+  // Every live member answered the abort: the planner decides generation
+  // g+1 from PlanView(), and it is applied (or the job restarts, or ends).
   void FormNextGeneration(std::vector<Action>* out);
+  PlanInput PlanView(const RecoveryRecord& rec) const;
+  // Carries out a plan (verdict kPlan): roles, generation, record, plan messages, spawns, journal.
+  void ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector<Action>* out);
   void MaybeCloseRecovery(std::vector<Action>* out);
   void CheckWatchdogs(std::vector<Action>* out);
   void CheckStall(std::vector<Action>* out);
   void FireTimedFaults(std::vector<Action>* out);
   void End(int exit_code, const std::string& reason, std::vector<Action>* out);
-  // Kills every worker and starts the job again from the newest durable checkpoint.
+  // Kills every worker and starts the job again from the newest durable
+  // checkpoint. The recovery record is the open one (opened if none is).
   void RestartFromCheckpoint(const std::string& why, std::vector<Action>* out);
   void Report(std::vector<Action>* out) const;
   std::string Describe(const WorkerInfo& w) const;
