@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "agent/agent.h"
+#include "apps/nonstop/settings_cli.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "control/messages.h"
@@ -50,44 +51,19 @@ bool FindProgram(const std::string& name) {
 void AgentCommand::Register(CLI::App& app) {
   sub_ = app.add_subcommand("agent", "Run this host's agent of a multi-host job: it starts and kills the workers the "
                                      "controller assigns to this host");
-  sub_->add_option("--controller", controller_, "The controller's control address, host:port (or --etcd)")
-      ->envname("NONSTOP_CONTROLLER");
-  sub_->add_option("--etcd", etcd_,
-                   "Find the controller through etcd (host:port[,host:port…]): whichever `nonstop controller --etcd` "
-                   "leads --job there")
-      ->envname("NONSTOP_ETCD");
-  sub_->add_option("--job", job_, "The job's name in etcd (with --etcd)")->capture_default_str()->envname("NONSTOP_ETCD_JOB");
-  sub_->add_option("--job-token-file", job_token_file_,
-                   "File holding the job token (surrounding whitespace ignored; keep it mode 600)")
-      ->required()->envname("NONSTOP_JOB_TOKEN_FILE");
-  sub_->add_option("--host-id", host_id_,
-                   "This host's name in the job: 1-64 of [A-Za-z0-9._-], unique in the job (default: the hostname)")
-      ->envname("NONSTOP_HOST_ID");
-  sub_->add_option("--nproc-per-host", nproc_per_host_, "Workers this host contributes to the world")
-      ->capture_default_str()->envname("NONSTOP_NPROC_PER_HOST")->check(CLI::Range(0, 1024));
-  sub_->add_option("--spares-per-host", spares_per_host_, "Spare workers this host keeps warm")
-      ->capture_default_str()->envname("NONSTOP_SPARES_PER_HOST")->check(CLI::Range(0, 1024));
-  sub_->add_option("--advertise-address", advertise_address_,
-                   "Address this host's workers give their peers (default: the local address of the connection to "
-                   "the controller, i.e. the interface that reaches it)")
-      ->envname("NONSTOP_ADVERTISE_ADDRESS");
-  sub_->add_option("--join-timeout-ms", join_timeout_ms_,
-                   "Give up (exit 1) if the controller cannot be reached this long after the start or after a loss")
-      ->capture_default_str()->envname("NONSTOP_JOIN_TIMEOUT_MS")->check(CLI::Range(100, 86'400'000));
-  sub_->add_option("--controller-timeout-ms", controller_timeout_ms_,
-                   "A controller silent this long is lost: the agent dials again while its workers keep running")
-      ->capture_default_str()->envname("NONSTOP_CONTROLLER_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
-  sub_->add_option("--fence-after-ms", fence_after_ms_,
-                   "Cut off from every controller this long, the agent kills its workers (fencing): nobody will "
-                   "adopt them")
-      ->capture_default_str()->envname("NONSTOP_FENCE_AFTER_MS")->check(CLI::Range(100, 86'400'000));
-  sub_->add_option("--on-sigterm", on_sigterm_,
-                   "leave: SIGTERM (or SIGUSR1, e.g. sbatch --signal=USR1@60) asks the controller to release this "
-                   "host's workers at the next step boundary, a planned shrink (a Slurm preemption); the agent exits "
-                   "0 when they are gone, a second SIGTERM or SIGINT kills them now. stop: SIGTERM kills them now")
-      ->capture_default_str()->envname("NONSTOP_ON_SIGTERM")->check(CLI::IsMember({"leave", "stop"}));
-  sub_->add_option("--log-level", log_level_, "debug, info, warning or error")->capture_default_str()
-      ->envname("NONSTOP_LOG_LEVEL");
+  AddSetting(sub_, settings::kAgentController, controller_);
+  AddSetting(sub_, settings::kEtcd, etcd_);
+  AddSetting(sub_, settings::kEtcdJob, job_);
+  AddSetting(sub_, settings::kAgentJobTokenFile, job_token_file_);
+  AddSetting(sub_, settings::kAgentHostId, host_id_);
+  AddSetting(sub_, settings::kNprocPerHost, nproc_per_host_);
+  AddSetting(sub_, settings::kSparesPerHost, spares_per_host_);
+  AddSetting(sub_, settings::kAgentAdvertiseAddress, advertise_address_);
+  AddSetting(sub_, settings::kAgentJoinTimeoutMs, join_timeout_ms_);
+  AddSetting(sub_, settings::kAgentControllerTimeoutMs, controller_timeout_ms_);
+  AddSetting(sub_, settings::kFenceAfterMs, fence_after_ms_);
+  AddSetting(sub_, settings::kOnSigterm, on_sigterm_);
+  AddSetting(sub_, settings::kLogLevel, log_level_);
   sub_->footer("After `--`: the worker program and its arguments, started once per worker the controller assigns "
                "here, with NONSTOP_WORKER_ID, NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, "
                "NONSTOP_DATA_HOST and the controller's other NONSTOP_* variables.\n"

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "common/settings.h"
+
 namespace nonstop::cli {
 
 class AgentCommand {
@@ -21,19 +23,20 @@ class AgentCommand {
 
  private:
   CLI::App* sub_ = nullptr;
-  std::string controller_;
-  std::string etcd_;
-  std::string job_ = "default";
-  std::string job_token_file_;
-  std::string host_id_;  // empty: the hostname
-  int nproc_per_host_ = 1;
-  int spares_per_host_ = 0;
-  std::string advertise_address_;  // empty: the local address of the connection to the controller
-  int join_timeout_ms_ = 60'000;
-  int controller_timeout_ms_ = 3'000;
-  int fence_after_ms_ = 600'000;
-  std::string on_sigterm_ = "leave";
-  std::string log_level_ = "info";
+  std::string controller_{settings::kAgentController.default_value};
+  std::string etcd_{settings::kEtcd.default_value};
+  std::string job_{settings::kEtcdJob.default_value};
+  std::string job_token_file_{settings::kAgentJobTokenFile.default_value};
+  std::string host_id_{settings::kAgentHostId.default_value};  // empty: the hostname
+  int nproc_per_host_ = settings::kNprocPerHost.default_value;
+  int spares_per_host_ = settings::kSparesPerHost.default_value;
+  // Empty: the local address of the connection to the controller.
+  std::string advertise_address_{settings::kAgentAdvertiseAddress.default_value};
+  int join_timeout_ms_ = settings::kAgentJoinTimeoutMs.default_value;
+  int controller_timeout_ms_ = settings::kAgentControllerTimeoutMs.default_value;
+  int fence_after_ms_ = settings::kFenceAfterMs.default_value;
+  std::string on_sigterm_{settings::kOnSigterm.default_value};
+  std::string log_level_{settings::kLogLevel.default_value};
   std::vector<std::string> program_;
 };
 

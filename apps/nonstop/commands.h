@@ -1,5 +1,6 @@
 // The subcommands of the `nonstop` CLI. Each registers its flags (every flag
-// has a NONSTOP_* environment fallback) and runs when selected.
+// has a NONSTOP_* environment fallback, from the settings registry:
+// common/settings.h, settings_cli.h) and runs when selected.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -7,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/settings.h"
 #include "controller/runtime.h"
 
 namespace nonstop::cli {
@@ -14,27 +16,27 @@ namespace nonstop::cli {
 // The flags `nonstop run` and `nonstop controller` share: timeouts, the
 // elastic policy, recovery, checkpoints, faults, the journal and HTTP.
 struct JobFlags {
-  std::string journal = "runs/journal.jsonl";
-  int heartbeat_timeout_ms = 1000;
-  int abort_timeout_ms = 2000;
-  int join_timeout_ms = 300'000;
-  int refill_nice = 10;
-  int hang_floor_ms = 500;
-  double hang_factor = 8.0;
-  int stall_floor_ms = 30'000;
-  std::string http_host = "127.0.0.1";
-  int http_port = 0;
-  int min_world = 1;
-  int max_world = 0;
-  std::vector<int> allowed_sizes;
-  int world_increment = 1;
-  int stable_period_ms = 0;
-  std::vector<std::string> inject;
-  std::string recovery = "checkpointless";
-  std::string checkpoint_dir;
-  int checkpoint_every = 0;
-  double mtbf_seconds = 0;
-  std::string log_level = "info";
+  std::string journal{settings::kJournal.default_value};
+  int heartbeat_timeout_ms = settings::kHeartbeatTimeoutMs.default_value;
+  int abort_timeout_ms = settings::kAbortTimeoutMs.default_value;
+  int join_timeout_ms = settings::kJoinTimeoutMs.default_value;
+  int refill_nice = settings::kRefillNice.default_value;
+  int hang_floor_ms = settings::kHangFloorMs.default_value;
+  double hang_factor = settings::kHangFactor.default_value;
+  int stall_floor_ms = settings::kStallFloorMs.default_value;
+  std::string http_host{settings::kHttpHost.default_value};
+  int http_port = settings::kHttpPort.default_value;
+  int min_world = settings::kMinWorld.default_value;
+  int max_world = settings::kMaxWorld.default_value;
+  std::vector<int> allowed_sizes;  // kAllowedSizes: empty
+  int world_increment = settings::kWorldIncrement.default_value;
+  int stable_period_ms = settings::kStablePeriodMs.default_value;
+  std::vector<std::string> inject;  // kInject: empty
+  std::string recovery{settings::kRecovery.default_value};
+  std::string checkpoint_dir{settings::kCheckpointDir.default_value};
+  int checkpoint_every = settings::kCheckpointEvery.default_value;
+  double mtbf_seconds = settings::kMtbfSeconds.default_value;
+  std::string log_level{settings::kLogLevel.default_value};
 };
 
 // `nonstop run`: controller + local launcher for one job on this machine.
@@ -48,12 +50,12 @@ class RunCommand {
 
  private:
   CLI::App* sub_ = nullptr;
-  int nproc_ = 4;
-  int spares_ = 1;
-  std::string host_ = "127.0.0.1";
-  int port_ = 0;
-  bool resumable_ = true;
-  bool verbose_ = false;
+  int nproc_ = settings::kNproc.default_value;
+  int spares_ = settings::kSpares.default_value;
+  std::string host_{settings::kHost.default_value};
+  int port_ = settings::kPort.default_value;
+  bool resumable_ = settings::kResumable.default_value;
+  bool verbose_ = settings::kVerbose.default_value;
   JobFlags flags_;
   std::vector<std::string> program_;
   // The default: the controller in a child process, this process the local
@@ -75,13 +77,13 @@ class ControllerCommand {
   // --etcd: campaign, lead until the job ends or this process is deposed, then stand by again.
   int LeadThroughEtcd(const std::string& name, controller::RuntimeOptions o);
   CLI::App* sub_ = nullptr;
-  std::string listen_ = "127.0.0.1:0";
-  std::string advertise_address_;
-  std::string nnodes_ = "1";
-  std::string token_file_;
+  std::string listen_{settings::kListen.default_value};
+  std::string advertise_address_{settings::kControllerAdvertiseAddress.default_value};
+  std::string nnodes_{settings::kNnodes.default_value};
+  std::string token_file_{settings::kControllerJobTokenFile.default_value};
   std::string resume_;
-  std::string etcd_;
-  std::string job_ = "default";
+  std::string etcd_{settings::kControllerEtcd.default_value};
+  std::string job_{settings::kEtcdJob.default_value};
   int lease_ttl_s_ = 2;
   JobFlags flags_;
 };
@@ -112,8 +114,8 @@ class DataCommand {
   CLI::App* prepare_ = nullptr;
   CLI::App* inspect_ = nullptr;
   std::vector<std::string> inputs_;
-  std::string output_;
-  uint64_t tokens_per_shard_ = 1 << 20;
+  std::string output_{settings::kDataOutput.default_value};
+  uint64_t tokens_per_shard_ = settings::kTokensPerShard.default_value;
   bool strip_fortune_ = false;
   std::string inspect_path_;
 };
@@ -133,13 +135,29 @@ class JobCommands {
   CLI::App* status_ = nullptr;
   CLI::App* scale_ = nullptr;
   CLI::App* worker_ = nullptr;
-  std::string job_file_ = "runs/job.json";
-  std::string http_;
+  std::string job_file_{settings::kJobFile.default_value};
+  std::string http_{settings::kHttp.default_value};
   int world_size_ = 0, release_ = 0, grow_ = 0;
   CLI::Option* world_size_opt_ = nullptr;
   CLI::Option* release_opt_ = nullptr;
   int worker_id_ = -1;
   std::vector<std::string> program_;
+};
+
+// `nonstop settings`: every NONSTOP_* variable (src/common/settings.h) as
+// the Markdown that docs/settings.md holds between its two markers;
+// --check FILE fails (exit 1) when FILE's copy is not that, --update FILE
+// rewrites it.
+class SettingsCommand {
+ public:
+  void Register(CLI::App& app);
+  bool selected() const { return sub_ != nullptr && sub_->parsed(); }
+  int Execute();
+
+ private:
+  CLI::App* sub_ = nullptr;
+  std::string check_;
+  std::string update_;
 };
 
 // Directory of the running executable (to find sibling binaries such as nonstop-train).

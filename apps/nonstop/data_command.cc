@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "apps/nonstop/commands.h"
+#include "apps/nonstop/settings_cli.h"
 #include "data/dataset.h"
 #include "data/prepare.h"
 
@@ -13,10 +14,8 @@ void DataCommand::Register(CLI::App& app) {
   sub_->require_subcommand(1);
   prepare_ = sub_->add_subcommand("prepare", "Turn text files into token shards (byte-level tokenizer)");
   prepare_->add_option("inputs", inputs_, "Text files or directories")->required();
-  prepare_->add_option("--output", output_, "Output directory for shard_*.bin and manifest.json")->required()
-      ->envname("NONSTOP_DATA_OUTPUT");
-  prepare_->add_option("--tokens-per-shard", tokens_per_shard_, "Tokens per shard file")->capture_default_str()
-      ->envname("NONSTOP_TOKENS_PER_SHARD");
+  AddSetting(prepare_, settings::kDataOutput, output_);
+  AddSetting(prepare_, settings::kTokensPerShard, tokens_per_shard_);
   prepare_->add_flag("--strip-fortune-separators", strip_fortune_, "Drop the '%' lines between fortune entries");
   inspect_ = sub_->add_subcommand("inspect", "Validate a shard or a directory of shards and print their sizes");
   inspect_->add_option("path", inspect_path_, "A shard file or a directory of *.bin shards")->required();

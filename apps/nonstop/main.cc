@@ -50,6 +50,8 @@ int main(int argc, char** argv) {
   nonstop::cli::AgentCommand agent;
   agent.Register(app);
   agent.SetProgram(program);
+  nonstop::cli::SettingsCommand settings;
+  settings.Register(app);
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -62,5 +64,6 @@ int main(int argc, char** argv) {
   if (job.selected()) return job.Execute();
   if (controller.selected()) return controller.Execute();
   if (agent.selected()) return agent.Execute();
+  if (settings.selected()) return settings.Execute();
   return 2;
 }

@@ -33,7 +33,9 @@
 #include "agent/agent.h"
 #include "launcher/output_writer.h"
 #include "apps/nonstop/commands.h"
+#include "apps/nonstop/settings_cli.h"
 #include "common/logging.h"
+#include "common/settings.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
 #include "coord/leadership.h"
@@ -54,67 +56,28 @@ std::string JobFileFor(const std::string& journal_path) { return controller::Job
 namespace {
 
 void RegisterJobFlags(CLI::App* sub, JobFlags* f) {
-  sub->add_option("--journal", f->journal, "Event journal (JSON lines)")->capture_default_str()
-      ->envname("NONSTOP_JOURNAL");
-  sub->add_option("--heartbeat-timeout-ms", f->heartbeat_timeout_ms,
-                  "A worker (or agent) silent this long is declared failed")->capture_default_str()
-      ->envname("NONSTOP_HEARTBEAT_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
-  sub->add_option("--abort-timeout-ms", f->abort_timeout_ms,
-                  "Members that have not aborted this long after a fault are killed and replaced")
-      ->capture_default_str()->envname("NONSTOP_ABORT_TIMEOUT_MS")->check(CLI::Range(100, 3'600'000));
-  sub->add_option("--hang-floor-ms", f->hang_floor_ms,
-                  "Hang detector: a member is hung when it reaches a step's collective this long (at least) after "
-                  "the first member did")
-      ->capture_default_str()->envname("NONSTOP_HANG_FLOOR_MS")->check(CLI::Range(50, 3'600'000));
-  sub->add_option("--hang-factor", f->hang_factor,
-                  "Hang detector: … and this many times the recent spread between first and last arrival")
-      ->capture_default_str()->envname("NONSTOP_HANG_FACTOR")->check(CLI::Range(1.0, 1000.0));
-  sub->add_option("--stall-floor-ms", f->stall_floor_ms,
-                  "Stall watchdog: when no step completes for this long (at least; and 10 × the median step) every "
-                  "member is aborted, and those that cannot answer are replaced")
-      ->capture_default_str()->envname("NONSTOP_STALL_FLOOR_MS")->check(CLI::Range(1'000, 86'400'000));
-  sub->add_option("--refill-nice", f->refill_nice,
-                  "Niceness at which local spares that refill the pool warm up while the job trains (0: normal "
-                  "priority; used only where the priority can be raised back when the spare takes a rank)")
-      ->capture_default_str()->envname("NONSTOP_REFILL_NICE")->check(CLI::Range(0, 19));
-  sub->add_option("--join-timeout-ms", f->join_timeout_ms,
-                  "The job must form within this long of its start, and a spare started later must join within it "
-                  "(else it is killed and replaced)")
-      ->capture_default_str()->envname("NONSTOP_JOIN_TIMEOUT_MS")->check(CLI::Range(1'000, 86'400'000));
-  sub->add_option("--inject", f->inject,
-                  "Faults to inject, e.g. kill:rank=2,step=30 or hang:rank=1,time=5 (kinds: kill, hang, exception, "
-                  "drop, corrupt; see docs/faults.md); 'none' for no fault")
-      ->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)->envname("NONSTOP_INJECT");
-  sub->add_option("--recovery", f->recovery,
-                  "checkpointless (in-process recovery, spares, peer state transfer) or checkpoint (the "
-                  "checkpoint-restart baseline: on a fault restart every worker from the newest checkpoint)")
-      ->capture_default_str()->envname("NONSTOP_RECOVERY")->check(CLI::IsMember({"checkpointless", "checkpoint"}));
-  sub->add_option("--checkpoint-dir", f->checkpoint_dir,
-                  "Durable checkpoints go here (passed to workers as NONSTOP_CHECKPOINT_DIR); also the last rung of "
-                  "checkpointless recovery")
-      ->envname("NONSTOP_CHECKPOINT_DIR");
-  sub->add_option("--checkpoint-every", f->checkpoint_every,
-                  "Steps between checkpoints (0: the Young/Daly optimum for --mtbf, measured by the trainer)")
-      ->capture_default_str()->envname("NONSTOP_CHECKPOINT_EVERY")->check(CLI::Range(0, 1'000'000));
-  sub->add_option("--mtbf", f->mtbf_seconds, "Mean time between failures assumed for the checkpoint interval (seconds)")
-      ->capture_default_str()->envname("NONSTOP_MTBF_SECONDS")->check(CLI::Range(0.0, 1e9));
-  sub->add_option("--http-host", f->http_host, "Address of the HTTP endpoint (/status /metrics /events /scale)")
-      ->capture_default_str()->envname("NONSTOP_HTTP_HOST");
-  sub->add_option("--http-port", f->http_port, "Port of the HTTP endpoint (0: chosen by the OS)")
-      ->capture_default_str()->envname("NONSTOP_HTTP_PORT")->check(CLI::Range(0, 65535));
-  sub->add_option("--min-world", f->min_world, "Elastic policy: the smallest world size")->capture_default_str()
-      ->envname("NONSTOP_MIN_WORLD")->check(CLI::Range(1, 1 << 20));
-  sub->add_option("--max-world", f->max_world, "Elastic policy: the largest world size (0: the initial one)")
-      ->capture_default_str()->envname("NONSTOP_MAX_WORLD")->check(CLI::Range(0, 1 << 20));
-  sub->add_option("--allowed-sizes", f->allowed_sizes, "Elastic policy: the only world sizes allowed, e.g. 2,4,8")
-      ->delimiter(',')->envname("NONSTOP_ALLOWED_SIZES");
-  sub->add_option("--world-increment", f->world_increment, "Elastic policy: sizes are min-world + k × this")
-      ->capture_default_str()->envname("NONSTOP_WORLD_INCREMENT")->check(CLI::Range(1, 1 << 20));
-  sub->add_option("--stable-period-ms", f->stable_period_ms,
-                  "Elastic policy: the least time between two changes (doubles when changes come too often)")
-      ->capture_default_str()->envname("NONSTOP_STABLE_PERIOD_MS")->check(CLI::Range(0, 86'400'000));
-  sub->add_option("--log-level", f->log_level, "debug, info, warning or error")->capture_default_str()
-      ->envname("NONSTOP_LOG_LEVEL");
+  namespace s = settings;
+  AddSetting(sub, s::kJournal, f->journal);
+  AddSetting(sub, s::kHeartbeatTimeoutMs, f->heartbeat_timeout_ms);
+  AddSetting(sub, s::kAbortTimeoutMs, f->abort_timeout_ms);
+  AddSetting(sub, s::kHangFloorMs, f->hang_floor_ms);
+  AddSetting(sub, s::kHangFactor, f->hang_factor);
+  AddSetting(sub, s::kStallFloorMs, f->stall_floor_ms);
+  AddSetting(sub, s::kRefillNice, f->refill_nice);
+  AddSetting(sub, s::kJoinTimeoutMs, f->join_timeout_ms);
+  AddSetting(sub, s::kInject, f->inject);
+  AddSetting(sub, s::kRecovery, f->recovery);
+  AddSetting(sub, s::kCheckpointDir, f->checkpoint_dir);
+  AddSetting(sub, s::kCheckpointEvery, f->checkpoint_every);
+  AddSetting(sub, s::kMtbfSeconds, f->mtbf_seconds);
+  AddSetting(sub, s::kHttpHost, f->http_host);
+  AddSetting(sub, s::kHttpPort, f->http_port);
+  AddSetting(sub, s::kMinWorld, f->min_world);
+  AddSetting(sub, s::kMaxWorld, f->max_world);
+  AddSetting(sub, s::kAllowedSizes, f->allowed_sizes);
+  AddSetting(sub, s::kWorldIncrement, f->world_increment);
+  AddSetting(sub, s::kStablePeriodMs, f->stable_period_ms);
+  AddSetting(sub, s::kLogLevel, f->log_level);
 }
 
 // The runtime's options from the shared flags; a usage error is printed and
@@ -180,25 +143,12 @@ std::optional<int> FillOptions(const std::string& name, const JobFlags& f, int m
 
 void RunCommand::Register(CLI::App& app) {
   sub_ = app.add_subcommand("run", "Run a training job on this machine: controller + local workers (like torchrun)");
-  sub_->add_option("--nproc", nproc_, "Worker processes that train (the world size)")->capture_default_str()
-      ->envname("NONSTOP_NPROC")->check(CLI::Range(1, 1024));
-  sub_->add_option("--spares", spares_, "Pre-warmed spare workers that wait without a rank")->capture_default_str()
-      ->envname("NONSTOP_SPARES")->check(CLI::Range(0, 1024));
-  sub_->add_option("--host", host_, "Address the controller and the workers listen on")->capture_default_str()
-      ->envname("NONSTOP_HOST");
-  sub_->add_option("--port", port_, "Controller port (0: chosen by the OS)")->capture_default_str()
-      ->envname("NONSTOP_PORT")->check(CLI::Range(0, 65535));
-  sub_->add_flag("--resumable,!--single-process", resumable_,
-                 "The default: the controller runs in a process of its own, this process supervises the workers "
-                 "(a local agent); if the controller dies, the workers train on and `nonstop controller --resume "
-                 "JOURNAL --nnodes 1 --job-token-file <run dir>/job.token` adopts them. --single-process: the "
-                 "controller and the workers' supervisor in this one process (its death ends the workers)")
-      ->envname("NONSTOP_RESUMABLE");
-  sub_->add_flag("--verbose,-v", verbose_,
-                 "Every worker's output on the terminal, prefixed by its rank (the default when stdout is not a "
-                 "terminal); without it, a terminal shows one live progress line and the workers' output goes to "
-                 "<run dir>/logs/worker-N.log")
-      ->envname("NONSTOP_VERBOSE");
+  AddSetting(sub_, settings::kNproc, nproc_);
+  AddSetting(sub_, settings::kSpares, spares_);
+  AddSetting(sub_, settings::kHost, host_);
+  AddSetting(sub_, settings::kPort, port_);
+  AddSetting(sub_, settings::kResumable, resumable_);
+  AddSetting(sub_, settings::kVerbose, verbose_);
   RegisterJobFlags(sub_, &flags_);
   sub_->footer("After `--`: the worker program and its arguments. Without one, the built-in demonstration runs: "
                "nonstop-train on its llama-tiny recipe with --inject kill:rank=2,step=30.");
@@ -258,11 +208,13 @@ std::string RunCommand::ResumeCommand(const std::string& journal, const std::str
   };
   std::string cmd = fmt::format("nonstop controller --resume {} --nnodes 1 --job-token-file {}", quoted(journal),
                                 quoted(token_file));
-  for (const char* name : {"--heartbeat-timeout-ms", "--abort-timeout-ms", "--hang-floor-ms", "--hang-factor",
-                           "--stall-floor-ms", "--refill-nice", "--join-timeout-ms", "--recovery", "--checkpoint-dir",
-                           "--checkpoint-every", "--mtbf", "--min-world", "--max-world", "--allowed-sizes",
-                           "--world-increment", "--stable-period-ms", "--log-level"}) {
-    const CLI::Option* opt = sub_->get_option_no_throw(name);
+  namespace s = settings;
+  for (std::string_view name :
+       {s::kHeartbeatTimeoutMs.flag, s::kAbortTimeoutMs.flag, s::kHangFloorMs.flag, s::kHangFactor.flag,
+        s::kStallFloorMs.flag, s::kRefillNice.flag, s::kJoinTimeoutMs.flag, s::kRecovery.flag, s::kCheckpointDir.flag,
+        s::kCheckpointEvery.flag, s::kMtbfSeconds.flag, s::kMinWorld.flag, s::kMaxWorld.flag, s::kAllowedSizes.flag,
+        s::kWorldIncrement.flag, s::kStablePeriodMs.flag, s::kLogLevel.flag}) {
+    const CLI::Option* opt = sub_->get_option_no_throw(std::string(name));
     if (opt == nullptr || opt->results().empty()) continue;
     std::string value;
     for (const std::string& v : opt->results()) value += (value.empty() ? "" : ",") + v;
@@ -446,29 +398,17 @@ int RunCommand::RunResumable(controller::RuntimeOptions o) {
 void ControllerCommand::Register(CLI::App& app) {
   sub_ = app.add_subcommand("controller",
                             "Run the controller of a job over several hosts; each host runs `nonstop agent`");
-  sub_->add_option("--listen", listen_, "ADDR:PORT of the control port (workers and agents; port 0: from the OS)")
-      ->capture_default_str()->envname("NONSTOP_LISTEN");
-  sub_->add_option("--advertise-address", advertise_address_,
-                   "The address agents and workers dial (needed when --listen is 0.0.0.0)")
-      ->envname("NONSTOP_ADVERTISE_ADDRESS");
-  sub_->add_option("--nnodes", nnodes_,
-                   "MIN or MIN:MAX hosts: the job starts when MIN agents have registered; more join as capacity "
-                   "(up to MAX)")
-      ->capture_default_str()->envname("NONSTOP_NNODES");
-  sub_->add_option("--job-token-file", token_file_,
-                   "Write the job token here (mode 0600) for the agents' --job-token-file; a file that exists and "
-                   "holds a token is used as it is")
-      ->required()->envname("NONSTOP_JOB_TOKEN_FILE");
+  AddSetting(sub_, settings::kListen, listen_);
+  AddSetting(sub_, settings::kControllerAdvertiseAddress, advertise_address_);
+  AddSetting(sub_, settings::kNnodes, nnodes_);
+  AddSetting(sub_, settings::kControllerJobTokenFile, token_file_);
   sub_->add_option("--resume", resume_,
                    "Take over the running job of this journal (its controller stopped): adopt the workers and agents "
                    "it recorded, on the control port it recorded (unless --listen names one), and go on appending "
                    "to it; the same --nnodes and --job-token-file as the first controller")
       ->check(CLI::ExistingFile);
-  sub_->add_option("--etcd", etcd_,
-                   "Lead through etcd (host:port[,host:port…]): run this on several machines; one leads, the others "
-                   "stand by and take over (journal and state in etcd) when its lease ends")
-      ->envname("NONSTOP_ETCD");
-  sub_->add_option("--job", job_, "The job's name in etcd (with --etcd)")->capture_default_str()->envname("NONSTOP_ETCD_JOB");
+  AddSetting(sub_, settings::kControllerEtcd, etcd_);
+  AddSetting(sub_, settings::kEtcdJob, job_);
   sub_->add_option("--lease-ttl-s", lease_ttl_s_,
                    "The leader's etcd lease in seconds: a leader that dies is replaced within about this")
       ->capture_default_str()->check(CLI::Range(1, 60));

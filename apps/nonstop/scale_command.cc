@@ -16,6 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/nonstop/commands.h"
+#include "apps/nonstop/settings_cli.h"
+#include "common/settings.h"
 #include "common/status.h"
 
 namespace nonstop::cli {
@@ -67,16 +69,8 @@ void JobCommands::Register(CLI::App& app) {
   status_ = app.add_subcommand("status", "Show a running job: phase, generation, world, spares, policy");
   scale_ = app.add_subcommand("scale", "Ask a running job to grow or shrink (POST /scale)");
   worker_ = app.add_subcommand("worker", "Start a worker by hand that joins a running job as a spare");
-  for (CLI::App* sub : {status_, scale_, worker_}) {
-    sub->add_option("--job", job_file_, "The job file `nonstop run` wrote beside its journal")->capture_default_str()
-        ->envname("NONSTOP_JOB_FILE");
-  }
-  for (CLI::App* sub : {status_, scale_}) {
-    sub->add_option("--http", http_,
-                    "The controller's HTTP address host:port (instead of --job; the job token then comes from "
-                    "NONSTOP_JOB_TOKEN)")
-        ->envname("NONSTOP_HTTP");
-  }
+  for (CLI::App* sub : {status_, scale_, worker_}) AddSetting(sub, settings::kJobFile, job_file_);
+  for (CLI::App* sub : {status_, scale_}) AddSetting(sub, settings::kHttp, http_);
   auto* group = scale_->add_option_group("change", "exactly one of");
   world_size_opt_ = group->add_option("--world-size", world_size_, "The world size to have");
   release_opt_ = group->add_option("--release", release_, "Give back this many workers");
@@ -99,7 +93,7 @@ int JobCommands::Execute() {
     }
     address = (*job)["http"];
     token = (*job)["token"];
-  } else if (const char* env = std::getenv("NONSTOP_JOB_TOKEN")) {
+  } else if (const char* env = std::getenv(settings::kJobToken.env.data())) {
     token = env;
   }
   auto hp = SplitHostPort(address);
@@ -155,10 +149,11 @@ int JobCommands::ExecWorker() {
   std::vector<std::string> program = program_;
   if (program.empty()) program = {SelfDirectory() + "/nonstop-train"};
   int id = worker_id_ >= 0 ? worker_id_ : 100000 + static_cast<int>(::getpid());
-  ::setenv("NONSTOP_CONTROLLER", (*job)["controller"].get<std::string>().c_str(), 1);
-  ::setenv("NONSTOP_JOB_TOKEN", (*job)["token"].get<std::string>().c_str(), 1);
-  ::setenv("NONSTOP_WORKER_ID", std::to_string(id).c_str(), 1);
-  ::setenv("NONSTOP_SPARE", "1", 1);
+  auto set = [](std::string_view name, const std::string& value) { ::setenv(name.data(), value.c_str(), 1); };
+  set(settings::kControllerAddress.env, (*job)["controller"].get<std::string>());
+  set(settings::kJobToken.env, (*job)["token"].get<std::string>());
+  set(settings::kWorkerId.env, std::to_string(id));
+  set(settings::kSpare.env, "1");
   for (const auto& [k, v] : (*job)["env"].items()) ::setenv(k.c_str(), v.get<std::string>().c_str(), 1);
   fmt::print("nonstop worker: joining {} as worker {}\n", (*job)["controller"].get<std::string>(), id);
   std::fflush(stdout);

@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "common/settings.h"
 #include "common/signals.h"
 #include "control/messages.h"
 #include "coord/leadership.h"
@@ -62,8 +63,9 @@ std::string LocalAddress(int fd) {
 std::string Processes(int n) { return fmt::format("{} process{}", n, n == 1 ? "" : "es"); }
 
 bool IsAgentVariable(std::string_view name) {
-  return name == "NONSTOP_CONTROLLER" || name == "NONSTOP_JOB_TOKEN" || name == "NONSTOP_HOST_ID" ||
-         name == "NONSTOP_DATA_HOST" || name == "NONSTOP_ETCD" || name == "NONSTOP_ETCD_JOB";
+  namespace s = settings;
+  return name == s::kControllerAddress.env || name == s::kJobToken.env || name == s::kHostId.env ||
+         name == s::kDataHost.env || name == s::kEtcd.env || name == s::kEtcdJob.env;
 }
 
 }  // namespace
@@ -612,20 +614,22 @@ void Agent::OnStart(std::string_view payload) {
     if (!IsAgentVariable(name)) env[name] = value;
   }
   const std::string id_text = std::to_string(m->worker_id);
-  if (auto it = env.find("NONSTOP_WORKER_ID"); it != env.end() && it->second != id_text) {
-    NONSTOP_LOG_WARNING("start order for worker {} says NONSTOP_WORKER_ID={}: using {}", m->worker_id,
-                        it->second, id_text);
+  namespace s = settings;
+  const std::string worker_id(s::kWorkerId.env);
+  if (auto it = env.find(worker_id); it != env.end() && it->second != id_text) {
+    NONSTOP_LOG_WARNING("start order for worker {} says {}={}: using {}", m->worker_id, worker_id, it->second,
+                        id_text);
   }
-  env["NONSTOP_WORKER_ID"] = id_text;
-  env["NONSTOP_SPARE"] = m->spare ? "1" : "0";
-  env["NONSTOP_CONTROLLER"] = controller_;
+  env[worker_id] = id_text;
+  env[std::string(s::kSpare.env)] = m->spare ? "1" : "0";
+  env[std::string(s::kControllerAddress.env)] = controller_;
   if (!options_.etcd.empty()) {
-    env["NONSTOP_ETCD"] = options_.etcd;
-    env["NONSTOP_ETCD_JOB"] = options_.etcd_job;
+    env[std::string(s::kEtcd.env)] = options_.etcd;
+    env[std::string(s::kEtcdJob.env)] = options_.etcd_job;
   }
-  env["NONSTOP_JOB_TOKEN"] = options_.job_token;
-  env["NONSTOP_HOST_ID"] = options_.host_id;
-  env["NONSTOP_DATA_HOST"] = data_host_;
+  env[std::string(s::kJobToken.env)] = options_.job_token;
+  env[std::string(s::kHostId.env)] = options_.host_id;
+  env[std::string(s::kDataHost.env)] = data_host_;
   launcher::ChildSpec spec;
   spec.worker_id = m->worker_id;
   spec.argv = options_.program;

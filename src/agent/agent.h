@@ -65,6 +65,7 @@
 
 #include "coord/etcd.h"
 #include "common/logging.h"
+#include "common/settings.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
@@ -87,11 +88,12 @@ struct AgentOptions {
   // before each dial the agent reads who leads job `etcd_job` there, and its
   // workers get NONSTOP_ETCD and NONSTOP_ETCD_JOB to do the same.
   std::string etcd;
-  std::string etcd_job = "default";
+  std::string etcd_job{settings::kEtcdJob.default_value};
   std::string job_token;   // required; passed to workers as NONSTOP_JOB_TOKEN
   std::string host_id;     // required, valid per control::CheckHostId; passed as NONSTOP_HOST_ID
-  int nproc = 1;           // workers this host contributes to the world (told to the controller)
-  int spares = 0;          // spares it keeps warm (told to the controller)
+  // Workers this host contributes to the world, and spares it keeps warm (told to the controller).
+  int nproc = settings::kNprocPerHost.default_value;
+  int spares = settings::kSparesPerHost.default_value;
   // The address this host's workers listen on for their peers (NONSTOP_DATA_HOST).
   // Empty: the local address of the control connection, i.e. the interface that reaches the controller.
   std::string advertise_address;
@@ -105,11 +107,11 @@ struct AgentOptions {
   std::string log_dir;
 
   // How long to keep dialing before giving up (exit 1): from the start, and again from each loss.
-  Millis join_timeout{60'000};
+  Millis join_timeout{settings::kAgentJoinTimeoutMs.default_value};
   // A controller that sends nothing for this long is lost (it pings every 500 ms).
-  Millis controller_timeout{3'000};
+  Millis controller_timeout{settings::kAgentControllerTimeoutMs.default_value};
   // Cut off this long without registering again, the agent kills its processes (fencing).
-  Millis fence_after{600'000};
+  Millis fence_after{settings::kFenceAfterMs.default_value};
   Millis heartbeat_interval{200};
   // Back-off between dials: starts at backoff_initial, doubles up to backoff_max, plus up to half of it at random.
   Millis backoff_initial{100};

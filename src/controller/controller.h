@@ -61,6 +61,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/settings.h"
 #include "common/time.h"
 #include "control/fault_spec.h"
 #include "control/messages.h"
@@ -105,10 +106,10 @@ struct ControllerOptions {
   int world_size = 1;
   int spares = 0;  // the size of the spare pool, refilled as spares are used
   // A member silent this long is declared failed (a hung or stopped process).
-  Millis heartbeat_timeout{1'000};
+  Millis heartbeat_timeout{settings::kHeartbeatTimeoutMs.default_value};
   // Members that have not aborted and answered Ready this long (or 1.5 ×
   // the median step, if longer) after the abort are killed (escalation).
-  Millis abort_timeout{2'000};
+  Millis abort_timeout{settings::kAbortTimeoutMs.default_value};
   // Step-progress watchdog: a member still computing while another has
   // waited in the step's collective for max(floor, factor × median step time).
   double watchdog_factor = 5.0;
@@ -120,20 +121,20 @@ struct ControllerOptions {
   // the job must form within forming_timeout of its start (or restart), and a
   // spare started later must join within join_timeout of its start, or it is
   // killed and replaced.
-  Millis forming_timeout{300'000};
-  Millis join_timeout{300'000};
+  Millis forming_timeout{settings::kJoinTimeoutMs.default_value};
+  Millis join_timeout{settings::kJoinTimeoutMs.default_value};
   // Hang detection from the members' arrival at each step's collective: a
   // member that has not arrived hang_factor × the recent arrival spread
   // (but at least hang_floor) after the first member did is hung.
-  double hang_factor = 8.0;
-  Millis hang_floor{500};
+  double hang_factor = settings::kHangFactor.default_value;
+  Millis hang_floor{settings::kHangFloorMs.default_value};
   // Stall watchdog: when no step has completed for stall_factor × the median
   // step (at least stall_floor; forming_timeout before the first step and
   // while a recovery moves state), every member is aborted. Members that
   // answer re-form (a stuck collective); members that cannot (every rank
   // hung, or a world of one) are killed by the abort's escalation.
   double stall_factor = 10.0;
-  Millis stall_floor{30'000};
+  Millis stall_floor{settings::kStallFloorMs.default_value};
   // Multi-host: the job is placed when this many hosts have registered
   // (0: one machine, no agents; world_size and spares then say the size).
   int min_hosts = 0;

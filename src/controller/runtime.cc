@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "common/settings.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
 #include "control/fault_spec.h"
@@ -370,8 +371,8 @@ std::optional<int> Runtime::WriteJobFiles() {
                         {"token", token_}, {"journal", journal_->path()}, {"pid", ::getpid()},
                         {"env", nlohmann::json::object()}};
   if (!o_.checkpoint_dir.empty()) {
-    job["env"] = {{"NONSTOP_CHECKPOINT_DIR", o_.checkpoint_dir},
-                  {"NONSTOP_CHECKPOINT_EVERY", std::to_string(o_.checkpoint_every)}};
+    job["env"] = {{settings::kTrainCheckpointDir.env, o_.checkpoint_dir},
+                  {settings::kTrainCheckpointEvery.env, std::to_string(o_.checkpoint_every)}};
   }
   Status s = WritePrivateFile(JobFileFor(journal_->path()), job.dump(2) + "\n");
   if (!s.ok()) NONSTOP_LOG_WARNING("{}", s.ToString());
@@ -804,14 +805,15 @@ void Runtime::Print(const std::string& text) {
 }
 
 std::vector<std::pair<std::string, std::string>> Runtime::WorkerEnv(int id, bool spare, bool resume) const {
-  std::vector<std::pair<std::string, std::string>> env = {{"NONSTOP_WORKER_ID", std::to_string(id)},
-                                                          {"NONSTOP_SPARE", spare ? "1" : "0"}};
+  namespace s = settings;
+  std::vector<std::pair<std::string, std::string>> env = {{std::string(s::kWorkerId.env), std::to_string(id)},
+                                                          {std::string(s::kSpare.env), spare ? "1" : "0"}};
   if (!o_.checkpoint_dir.empty()) {
-    env.push_back({"NONSTOP_CHECKPOINT_DIR", o_.checkpoint_dir});
-    env.push_back({"NONSTOP_CHECKPOINT_EVERY", std::to_string(o_.checkpoint_every)});
-    env.push_back({"NONSTOP_MTBF_SECONDS", fmt::format("{}", o_.mtbf_seconds)});
+    env.emplace_back(s::kTrainCheckpointDir.env, o_.checkpoint_dir);
+    env.emplace_back(s::kTrainCheckpointEvery.env, std::to_string(o_.checkpoint_every));
+    env.emplace_back(s::kTrainMtbfSeconds.env, fmt::format("{}", o_.mtbf_seconds));
   }
-  if (resume) env.push_back({"NONSTOP_RESUME", "1"});
+  if (resume) env.emplace_back(s::kResume.env, "1");
   return env;
 }
 
@@ -820,9 +822,9 @@ Status Runtime::SpawnLocal(int id, bool spare, bool resume, bool background) {
   launcher::ChildSpec spec;
   spec.worker_id = id;
   spec.argv = o_.program;
-  spec.env = {{"NONSTOP_CONTROLLER", controller_address_},
-              {"NONSTOP_JOB_TOKEN", token_},
-              {"NONSTOP_DATA_HOST", o_.data_host}};
+  spec.env = {{std::string(settings::kControllerAddress.env), controller_address_},
+              {std::string(settings::kJobToken.env), token_},
+              {std::string(settings::kDataHost.env), o_.data_host}};
   spec.unset = launcher::kJobVariables;  // an inherited NONSTOP_HOST_ID or NONSTOP_RESUME is not this job's
   for (auto& kv : WorkerEnv(id, spare, resume)) spec.env.push_back(std::move(kv));
   if (!o_.worker_log_dir.empty()) spec.log_file = fmt::format("{}/worker-{}.log", o_.worker_log_dir, id);

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "common/settings.h"
 #include "controller/controller.h"
 #include "coord/leadership.h"
 #include "net/socket.h"
@@ -37,13 +38,15 @@ struct RuntimeOptions {
   bool progress_line = false;
   std::string worker_log_dir;
   ControllerOptions core;
-  net::HostPort listen{"127.0.0.1", 0};  // the control port (workers and agents)
+  // The control port (workers and agents).
+  net::HostPort listen{std::string(settings::kHost.default_value),
+                       static_cast<uint16_t>(settings::kPort.default_value)};
   // The address workers and agents are told to dial; empty: the listening
   // address (which must then not be a wildcard).
   std::string advertise_address;
-  std::string http_host = "127.0.0.1";
-  int http_port = 0;
-  std::string journal = "runs/journal.jsonl";
+  std::string http_host{settings::kHttpHost.default_value};
+  int http_port = settings::kHttpPort.default_value;
+  std::string journal{settings::kJournal.default_value};
   // The job token (empty: a random one). With token_file set it is written
   // there (mode 0600) for the agents' --job-token-file.
   std::string token;
@@ -51,12 +54,12 @@ struct RuntimeOptions {
   // Local workers (`nonstop run`): the program, and the address they listen
   // on for their peers. An empty program: no local launcher (agents only).
   std::vector<std::string> program;
-  std::string data_host = "127.0.0.1";
-  std::string checkpoint_dir;
-  int checkpoint_every = 0;
-  double mtbf_seconds = 0;
-  int refill_nice = 10;
-  std::string recovery_name = "checkpointless";
+  std::string data_host{settings::kDataHost.default_value};
+  std::string checkpoint_dir{settings::kCheckpointDir.default_value};
+  int checkpoint_every = settings::kCheckpointEvery.default_value;
+  double mtbf_seconds = settings::kMtbfSeconds.default_value;
+  int refill_nice = settings::kRefillNice.default_value;
+  std::string recovery_name{settings::kRecovery.default_value};
   // Take over the running job of this journal (its controller stopped): the
   // workers and agents it recorded are adopted, and the journal goes on.
   // With listen's port 0, the control port is the one the journal records.

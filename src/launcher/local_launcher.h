@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/settings.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "launcher/output_writer.h"
@@ -46,9 +47,12 @@ struct ChildSpec {
 // The variables that say which job and which worker a process is: a launcher
 // sets those it means to and drops any it inherited.
 inline const std::vector<std::string> kJobVariables = {
-    "NONSTOP_CONTROLLER",     "NONSTOP_JOB_TOKEN",      "NONSTOP_WORKER_ID",        "NONSTOP_SPARE",
-    "NONSTOP_HOST_ID",        "NONSTOP_DATA_HOST",      "NONSTOP_ADVERTISE_ADDRESS", "NONSTOP_RESUME",
-    "NONSTOP_CHECKPOINT_DIR", "NONSTOP_CHECKPOINT_EVERY", "NONSTOP_MTBF_SECONDS"};
+    std::string(settings::kControllerAddress.env),      std::string(settings::kJobToken.env),
+    std::string(settings::kWorkerId.env),               std::string(settings::kSpare.env),
+    std::string(settings::kHostId.env),                 std::string(settings::kDataHost.env),
+    std::string(settings::kWorkerAdvertiseAddress.env), std::string(settings::kResume.env),
+    std::string(settings::kTrainCheckpointDir.env),     std::string(settings::kTrainCheckpointEvery.env),
+    std::string(settings::kTrainMtbfSeconds.env)};
 
 class LocalLauncher {
  public:
