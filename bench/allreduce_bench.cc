@@ -32,9 +32,9 @@
 #include <torch/torch.h>
 
 #include "collective/communicator.h"
-#include "collective/tree_reduce.h"
 #include "common/temp_dir.h"
 #include "net/socket.h"
+#include "nonstop/tree.h"
 
 namespace nonstop::bench {
 namespace {
@@ -143,7 +143,7 @@ std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
   });
 }
 
-// The world-invariant all-reduce (collective/tree_reduce.h) against the ring
+// The world-invariant all-reduce (nonstop/tree.h) against the ring
 // on the same ranks: per size, {ring seconds, tree seconds, ring bytes
 // sent, tree bytes sent} per operation (seconds: rank 0's; bytes: the most
 // any rank sent). `m` micro-batches are split

@@ -32,7 +32,7 @@ struct TrainConfig {
   int64_t micro_batch = 4;
   int64_t seed = 1234;
   int64_t log_every = 10;
-  std::string batch = "fixed";        // "fixed" or "scale-with-world" (src/elastic/batch_policy.h)
+  std::string batch = "fixed";        // "fixed" or "scale-with-world" (nonstop/elastic.h)
   std::string lr_scaling = "linear";  // with scale-with-world: "linear" or "sqrt"
   int64_t rescale_warmup_steps = 5;   // with scale-with-world: warm-up after each change
   // "fast": the ring all-reduce, bitwise equal run to run at a fixed world

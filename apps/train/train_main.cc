@@ -27,18 +27,18 @@
 
 #include "apps/train/model.h"
 #include "apps/train/recipe.h"
-#include "collective/tree_reduce.h"
-#include "common/logging.h"
-#include "data/dataset.h"
-#include "data/prepare.h"
-#include "data/sampler.h"
-#include "elastic/batch_policy.h"
+#include "nonstop/check.h"
+#include "nonstop/checkpoint.h"
+#include "nonstop/data.h"
+#include "nonstop/elastic.h"
+#include "nonstop/log.h"
 #include "nonstop/session.h"
-#include "state/checkpoint.h"
+#include "nonstop/state.h"
+#include "nonstop/status.h"
+#include "nonstop/tree.h"
 #include "torch/adamw.h"
 #include "torch/flat_parameters.h"
 #include "torch/grad_buckets.h"
-#include "worker/tree_step.h"
 
 namespace nonstop::train {
 namespace {
@@ -257,7 +257,7 @@ class Trainer {
   // What must survive a fault: parameters, optimizer moments, the step. The
   // data position follows from the step; the model has no other randomness.
   int64_t completed_ = -1;  // last completed step: part of the state
-  // Elastic batch state (src/elastic/batch_policy.h), kept with the model so
+  // Elastic batch state (nonstop/elastic.h), kept with the model so
   // that joiners and resumed jobs carry on exactly: the world size the batch
   // was defined at, the samples consumed so far, and the learning-rate warm-up
   // after the last world change (the factor stored in millionths).
@@ -450,16 +450,13 @@ std::optional<int> Trainer::Join() {
   return std::nullopt;
 }
 
-// This rank knows its shard now: it keeps that shard of the moments a
-// checkpoint loaded, in the optimizer's own memory, and frees the rest.
+// This rank knows its shard now (the session bound it): it keeps that shard
+// of the moments a checkpoint loaded, in the optimizer's own memory, and
+// frees the rest.
 std::optional<int> Trainer::KeepResumedShard() {
   if (!resumed_whole_) return std::nullopt;
-  NONSTOP_CHECK_GE(state_.held_shard(), 0) << "the session binds the shard of the rank";
-  const auto at = static_cast<std::ptrdiff_t>(static_cast<size_t>(state_.held_shard()) * shard_len_);
-  std::copy_n(whole_m_.begin() + at, shard_len_, adamw_->exp_avg().begin());
-  std::copy_n(whole_v_.begin() + at, shard_len_, adamw_->exp_avg_sq().begin());
-  Status s = state_.RebindShard("adamw.exp_avg", adamw_->exp_avg());
-  if (s.ok()) s = state_.RebindShard("adamw.exp_avg_sq", adamw_->exp_avg_sq());
+  Status s = state_.AdoptShard("adamw.exp_avg", adamw_->exp_avg());
+  if (s.ok()) s = state_.AdoptShard("adamw.exp_avg_sq", adamw_->exp_avg_sq());
   if (!s.ok()) return Fail(s, "resuming");
   std::vector<float>().swap(whole_m_);
   std::vector<float>().swap(whole_v_);

@@ -94,6 +94,14 @@ class StateRegistry {
   // the caller filled from the view): a resumed checkpoint's whole moments
   // can then be freed.
   Status RebindShard(std::string_view name, std::span<float> shard);
+  // RebindShard after copying the held shard of view `name` into `shard`:
+  // how a program that resumed whole moments from a checkpoint (views of
+  // whole buffers, every shard there) keeps its own shard once Join or
+  // Recover bound it, and can free the whole buffers. FAILED_PRECONDITION
+  // while no one shard is bound (held_shard() < 0); INVALID_ARGUMENT when
+  // `name` is not a view or `shard` is not its size, NOT_FOUND when there is
+  // no such region; `shard` is untouched then.
+  Status AdoptShard(std::string_view name, std::span<float> shard);
   // Moves every view to shard `shard` (0 <= shard < G) and records that the
   // sharded regions hold it. The bytes of own-memory shards are not touched:
   // a caller binding a shard it does not hold writes them next.

@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-#include "collective/tree_reduce.h"
+#include "nonstop/tree.h"
 
 namespace nonstop::collective {
 

@@ -36,12 +36,12 @@
 #include <vector>
 
 #include "collective/peer_mesh.h"
-#include "collective/tree_reduce.h"
 #include "collective/transfer.h"
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "net/abort_signal.h"
+#include "nonstop/tree.h"
 
 namespace nonstop::collective {
 
@@ -101,7 +101,7 @@ class Communicator {
   Status AllGather(std::span<std::byte> data, size_t element_bytes);
   Status Broadcast(std::span<std::byte> data, int root);
   Status Barrier();
-  // The world-invariant all-reduce (tree_reduce.h, issue 13). The step's m
+  // The world-invariant all-reduce (nonstop/tree.h, issue 13). The step's m
   // micro-batches are split over the ranks: ranges[q] is rank q's [first,
   // last). `partials` are this rank's TreeFolder sums (one per node of
   // NodesOfRange, each out.size() floats). `out` receives the tree's sum over
@@ -113,7 +113,7 @@ class Communicator {
   // The same with each rank's nodes given: nodes_of[q] is rank q's list (tree
   // nodes, left to right; together a partition of [0, m)), and `partials`
   // holds one sum per node of nodes_of[rank()], in that order. A salvaged step
-  // (tree_reduce.h, PlanTreeStep) gives a rank nodes that are not one range.
+  // (nonstop/tree.h, PlanTreeStep) gives a rank nodes that are not one range.
   Status AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
                        std::span<const std::vector<float>> partials, std::span<float> out);
   Status Send(int to_rank, std::span<const std::byte> data);

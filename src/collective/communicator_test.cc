@@ -12,7 +12,7 @@
 #include <random>
 #include <thread>
 
-#include "collective/tree_reduce.h"
+#include "nonstop/tree.h"
 
 namespace nonstop::collective {
 namespace {

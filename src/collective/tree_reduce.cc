@@ -1,4 +1,4 @@
-#include "collective/tree_reduce.h"
+#include "nonstop/tree.h"
 
 #include <algorithm>
 #include <map>

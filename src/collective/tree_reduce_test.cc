@@ -1,6 +1,6 @@
 // The fixed reduction tree (issue 13): every split of M ≤ 16 micro-batches
 // over every world size sums to the same bits as one rank folding them all.
-#include "collective/tree_reduce.h"
+#include "nonstop/tree.h"
 
 #include <gtest/gtest.h>
 

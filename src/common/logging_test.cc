@@ -1,4 +1,4 @@
-#include "common/logging.h"
+#include "nonstop/log.h"
 
 #include <gtest/gtest.h>
 

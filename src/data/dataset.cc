@@ -1,9 +1,11 @@
-#include "data/dataset.h"
+#include "nonstop/data.h"
 
 #include <algorithm>
 #include <filesystem>
 
 #include <fmt/format.h>
+
+#include "data/token_shard.h"
 
 namespace nonstop::data {
 
@@ -24,6 +26,8 @@ Result<std::vector<std::string>> ListShards(const std::string& pattern) {
   }
   return out;
 }
+
+Dataset::~Dataset() = default;
 
 Result<std::unique_ptr<Dataset>> Dataset::Open(const std::string& pattern, size_t seq_len) {
   if (seq_len == 0) return InvalidArgumentError("seq_len must be positive");

@@ -1,4 +1,4 @@
-#include "data/prepare.h"
+#include "nonstop/data.h"
 
 #include <fcntl.h>
 #include <sys/file.h>

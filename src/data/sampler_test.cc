@@ -1,4 +1,4 @@
-#include "data/sampler.h"
+#include "nonstop/data.h"
 
 #include <gtest/gtest.h>
 

@@ -7,8 +7,7 @@
 #include "common/coding.h"
 #include "common/crc32c.h"
 #include "common/temp_dir.h"
-#include "data/dataset.h"
-#include "data/prepare.h"
+#include "nonstop/data.h"
 
 namespace nonstop::data {
 namespace {

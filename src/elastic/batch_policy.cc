@@ -1,4 +1,4 @@
-#include "elastic/batch_policy.h"
+#include "nonstop/elastic.h"
 
 #include <cmath>
 

@@ -22,10 +22,8 @@
 #include <fmt/format.h>
 
 #include "common/crc32c.h"
-#include "common/logging.h"
-#include "data/dataset.h"
-#include "data/prepare.h"
-#include "data/sampler.h"
+#include "nonstop/data.h"
+#include "nonstop/log.h"
 #include "nonstop/session.h"
 #include "nonstop/state.h"
 

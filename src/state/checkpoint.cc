@@ -7,6 +7,8 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <memory>
+#include <thread>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -15,8 +17,9 @@
 #include "common/coding.h"
 #include "common/crc32c.h"
 #include "common/file_util.h"
-#include "common/logging.h"
+#include "common/mutex.h"
 #include "common/time.h"
+#include "nonstop/log.h"
 
 namespace nonstop::state {
 
@@ -146,11 +149,64 @@ std::string CheckpointSaveResult::ToString() const {
   return out;
 }
 
-CheckpointWriter::CheckpointWriter(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) {
-  thread_ = std::jthread([this] { Run(); });
+// The writer behind CheckpointWriter: one queued job at most, and the thread
+// that writes it.
+class CheckpointWriter::Impl {
+ public:
+  Impl(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) { thread_ = std::jthread([this] { Run(); }); }
+  ~Impl();
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  CheckpointSaveResult TrySave(const StateRegistry& registry, const CheckpointMeta& meta);
+  Status Wait();
+  std::optional<CheckpointWriteStats> last_written() const;
+  uint64_t skipped_count() const;
+  bool in_flight() const;
+  void SetWriteHookForTesting(std::function<void(int64_t step)> hook);
+
+ private:
+  void Run();
+
+  const std::string dir_;
+  const int keep_;
+  mutable Mutex mu_;
+  CondVar cv_;
+  struct Job {
+    std::string header;  // safetensors header (with its length prefix)
+    std::string data;    // the regions' bytes
+    nlohmann::json manifest;
+    int64_t step;
+    double snapshot_seconds;
+  };
+  std::optional<Job> pending_ NONSTOP_GUARDED_BY(mu_);
+  bool in_flight_ NONSTOP_GUARDED_BY(mu_) = false;  // true from queueing to the end of the write
+  int64_t in_flight_step_ NONSTOP_GUARDED_BY(mu_) = -1;  // the step of that write
+  bool stopping_ NONSTOP_GUARDED_BY(mu_) = false;  // set (under mu_) by the destructor
+  uint64_t skipped_ NONSTOP_GUARDED_BY(mu_) = 0;
+  Status last_status_ NONSTOP_GUARDED_BY(mu_);
+  std::optional<CheckpointWriteStats> last_ NONSTOP_GUARDED_BY(mu_);
+  std::function<void(int64_t)> write_hook_ NONSTOP_GUARDED_BY(mu_);  // copied out, run unlocked
+  std::jthread thread_;                          // last: started once the members above exist
+};
+
+CheckpointWriter::CheckpointWriter(std::string dir, int keep) : impl_(std::make_unique<Impl>(std::move(dir), keep)) {}
+CheckpointWriter::~CheckpointWriter() = default;
+CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry, const CheckpointMeta& meta) {
+  return impl_->TrySave(registry, meta);
+}
+Status CheckpointWriter::Save(const StateRegistry& registry, const CheckpointMeta& meta) {
+  return TrySave(registry, meta).earlier;
+}
+Status CheckpointWriter::Wait() { return impl_->Wait(); }
+std::optional<CheckpointWriteStats> CheckpointWriter::last_written() const { return impl_->last_written(); }
+uint64_t CheckpointWriter::skipped_count() const { return impl_->skipped_count(); }
+bool CheckpointWriter::in_flight() const { return impl_->in_flight(); }
+void CheckpointWriter::SetWriteHookForTesting(std::function<void(int64_t step)> hook) {
+  impl_->SetWriteHookForTesting(std::move(hook));
 }
 
-CheckpointWriter::~CheckpointWriter() {
+CheckpointWriter::Impl::~Impl() {
   {
     // The flag changes under the mutex: the writer thread either sees it when
     // it checks, or is already waiting and gets the notification. (Setting it
@@ -163,7 +219,7 @@ CheckpointWriter::~CheckpointWriter() {
   thread_.join();  // the writer finishes what is queued before it sees stopping_
 }
 
-CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry, const CheckpointMeta& meta) {
+CheckpointSaveResult CheckpointWriter::Impl::TrySave(const StateRegistry& registry, const CheckpointMeta& meta) {
   CheckpointSaveResult result;
   result.step = meta.step;
   {
@@ -193,37 +249,33 @@ CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry, co
   return result;
 }
 
-Status CheckpointWriter::Save(const StateRegistry& registry, const CheckpointMeta& meta) {
-  return TrySave(registry, meta).earlier;
-}
-
-Status CheckpointWriter::Wait() {
+Status CheckpointWriter::Impl::Wait() {
   MutexLock lock(&mu_);
   cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !in_flight_; });
   return last_status_;
 }
 
-std::optional<CheckpointWriteStats> CheckpointWriter::last_written() const {
+std::optional<CheckpointWriteStats> CheckpointWriter::Impl::last_written() const {
   MutexLock lock(&mu_);
   return last_;
 }
 
-bool CheckpointWriter::in_flight() const {
+bool CheckpointWriter::Impl::in_flight() const {
   MutexLock lock(&mu_);
   return in_flight_;
 }
 
-uint64_t CheckpointWriter::skipped_count() const {
+uint64_t CheckpointWriter::Impl::skipped_count() const {
   MutexLock lock(&mu_);
   return skipped_;
 }
 
-void CheckpointWriter::SetWriteHookForTesting(std::function<void(int64_t step)> hook) {
+void CheckpointWriter::Impl::SetWriteHookForTesting(std::function<void(int64_t step)> hook) {
   MutexLock lock(&mu_);
   write_hook_ = std::move(hook);
 }
 
-void CheckpointWriter::Run() {
+void CheckpointWriter::Impl::Run() {
   while (true) {
     Job job;
     std::function<void(int64_t)> hook;

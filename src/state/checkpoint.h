@@ -1,154 +1,20 @@
-// Durable checkpoints (DESIGN.md §6): the last rung of recovery, the state of
-// the checkpoint-restart baseline, and a way to resume or evaluate later.
-//
-// A checkpoint is a directory `step-000030/` holding
-//   state.safetensors  every registered region as a tensor (readable by any
-//                      safetensors reader: torch, numpy, …)
-//   manifest.json      step, generation, recipe, data position, parameter
-//                      checksum, and a CRC-32C per tensor; written last
-// It is written under a temporary name, every file fsynced, then renamed and
-// the parent fsynced, so a directory named step-N is complete. Loading checks
-// the manifest (every field's type), the safetensors header (against the
-// file's size), the layout against the live registry (names, dtypes, shapes,
-// sizes), the file's CRC and every tensor's CRC before it changes a byte; a
-// truncated, corrupt or malformed checkpoint is skipped with a reason and the
-// next newest is used. Everything read from disk is untrusted input.
-//
-// CheckpointWriter saves asynchronously: Save() copies the state (the only
-// part the training loop waits for) and a background thread writes it; a
-// checkpoint due while the previous write is in flight is skipped.
-//
-// Format details: docs/formats.md.
+// The checkpoint format's parsers (docs/formats.md), shared by the loader
+// (checkpoint.cc) and the fuzz targets: pure, bounded and exception-free
+// whatever the bytes. The checkpoints themselves (CheckpointWriter,
+// LoadNewestCheckpoint, …) are public: include/nonstop/checkpoint.h.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <functional>
-#include <map>
-#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
-#include "common/mutex.h"
-#include "nonstop/state.h"
+#include "nonstop/checkpoint.h"
 #include "nonstop/status.h"
 
 namespace nonstop::state {
-
-struct CheckpointMeta {
-  int64_t step = -1;  // the last completed step the state holds
-  uint32_t generation = 0;
-  int world_size = 0;
-  std::string recipe;
-  std::string parameter_checksum;
-  nlohmann::json extra = nlohmann::json::object();
-};
-
-struct CheckpointWriteStats {
-  int64_t step = -1;
-  std::string path;
-  double snapshot_seconds = 0;  // what the training loop waited for
-  double write_seconds = 0;     // in the background: files, fsyncs, rename
-  uint64_t bytes = 0;
-};
-
-// What CheckpointWriter::TrySave did with one checkpoint.
-struct CheckpointSaveResult {
-  int64_t step = -1;            // the step the caller asked to save
-  bool skipped = false;         // true: nothing was copied or queued for `step`
-  int64_t in_flight_step = -1;  // when skipped: the step whose write is still running
-  Status earlier;               // the last finished write's result (OK when it succeeded or none finished)
-  // "queued step 30" or "skipped step 40: the write of step 30 is still in flight".
-  std::string ToString() const;
-};
-
-// Writes checkpoints in the background, one at a time.
-//
-// The training thread calls Save/TrySave at a step boundary, usually on rank 0
-// while the other ranks already wait in the next collective: so saving never
-// waits for a write. It copies the state (the only cost the caller pays) and
-// hands the copy to the writer thread; when the previous write is still in
-// flight, the writer has fallen behind, and this checkpoint is SKIPPED (not
-// copied, logged with its step, counted in skipped_count()). The next one due
-// is written instead.
-//
-// Thread-safety: Save/TrySave/Wait are called by one thread (the training
-// loop); last_written/skipped_count from any thread.
-class CheckpointWriter {
- public:
-  CheckpointWriter(std::string dir, int keep);
-  ~CheckpointWriter();  // finishes the write in flight (the only wait without a bound: at exit)
-  CheckpointWriter(const CheckpointWriter&) = delete;
-  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
-
-  // Copies `registry` now and queues the copy for the writer thread, unless a
-  // write is still in flight: then skips this checkpoint and says so. Never
-  // waits for a write.
-  CheckpointSaveResult TrySave(const StateRegistry& registry, const CheckpointMeta& meta);
-  // TrySave, returning only `earlier`: the result of the last finished write.
-  // A skip is not an error: it is logged and counted in skipped_count().
-  Status Save(const StateRegistry& registry, const CheckpointMeta& meta);
-  // Waits for the write in flight; returns its result.
-  Status Wait();
-  std::optional<CheckpointWriteStats> last_written() const;
-  // Checkpoints skipped because a write was still in flight.
-  uint64_t skipped_count() const;
-  // True from queueing a checkpoint until its write ended (well or not).
-  bool in_flight() const;
-
-  // Test seam: `hook(step)` runs on the writer thread before each write
-  // starts, with no lock held; a test can block it to hold a write in flight.
-  void SetWriteHookForTesting(std::function<void(int64_t step)> hook);
-
- private:
-  void Run();
-
-  const std::string dir_;
-  const int keep_;
-  mutable Mutex mu_;
-  CondVar cv_;
-  struct Job {
-    std::string header;  // safetensors header (with its length prefix)
-    std::string data;    // the regions' bytes
-    nlohmann::json manifest;
-    int64_t step;
-    double snapshot_seconds;
-  };
-  std::optional<Job> pending_ NONSTOP_GUARDED_BY(mu_);
-  bool in_flight_ NONSTOP_GUARDED_BY(mu_) = false;  // true from queueing to the end of the write
-  int64_t in_flight_step_ NONSTOP_GUARDED_BY(mu_) = -1;  // the step of that write
-  bool stopping_ NONSTOP_GUARDED_BY(mu_) = false;  // set (under mu_) by the destructor
-  uint64_t skipped_ NONSTOP_GUARDED_BY(mu_) = 0;
-  Status last_status_ NONSTOP_GUARDED_BY(mu_);
-  std::optional<CheckpointWriteStats> last_ NONSTOP_GUARDED_BY(mu_);
-  std::function<void(int64_t)> write_hook_ NONSTOP_GUARDED_BY(mu_);  // copied out, run unlocked
-  std::jthread thread_;                          // last: started once the members above exist
-};
-
-// Writes one checkpoint synchronously (tests, tools).
-Result<CheckpointWriteStats> WriteCheckpoint(const std::string& dir, const StateRegistry& registry,
-                                             const CheckpointMeta& meta, int keep);
-
-// The checked contents of a checkpoint's manifest.json.
-struct CheckpointTensorSum {
-  uint64_t bytes = 0;
-  uint32_t crc32c = 0;
-};
-struct CheckpointManifest {
-  int64_t step = -1;
-  uint32_t generation = 0;
-  int64_t world_size = 0;
-  std::string recipe;
-  std::string parameter_checksum;
-  uint64_t state_bytes = 0;         // size of state.safetensors
-  uint32_t state_file_crc32c = 0;   // CRC-32C of all of state.safetensors
-  std::map<std::string, CheckpointTensorSum> tensors;
-  nlohmann::json json;              // the whole manifest (data_position, extra, created_unix_us, …)
-};
 
 // Parses manifest.json and checks the type and range of every field the
 // loader or the trainer reads (format, version, step, generation, world_size,
@@ -177,20 +43,5 @@ struct SafetensorsHeader {
 // and exception-free whatever `file_bytes` hold (a fuzz target); DATA_LOSS
 // naming the tensor and the field.
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> file_bytes);
-
-struct LoadedCheckpoint {
-  std::string path;
-  int64_t step = -1;
-  nlohmann::json manifest;           // manifest.json as parsed (the checked fields are in `parsed`)
-  CheckpointManifest parsed;
-  std::vector<std::string> skipped;  // "path: why" for every newer checkpoint that was refused
-};
-
-// Loads the newest valid checkpoint in `dir` into `registry` in place.
-// NOT_FOUND when there is none (the reasons for skipping each are in the message).
-Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegistry& registry);
-
-// Validates one checkpoint directory against `registry` (no loading).
-Status VerifyCheckpoint(const std::string& path, const StateRegistry& registry);
 
 }  // namespace nonstop::state

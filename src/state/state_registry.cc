@@ -79,6 +79,20 @@ Status StateRegistry::RebindShard(std::string_view name, std::span<float> shard)
   return NotFoundError(fmt::format("no state region '{}'", name));
 }
 
+Status StateRegistry::AdoptShard(std::string_view name, std::span<float> shard) {
+  if (held_shard_ < 0) {
+    return FailedPreconditionError(fmt::format("state region '{}': no shard is bound yet (Join or Recover binds "
+                                               "this member's)", name));
+  }
+  for (const auto& r : regions_) {
+    if (r.name != name) continue;
+    if (r.whole.empty()) return InvalidArgumentError(fmt::format("state region '{}' is not a shard view", name));
+    if (shard.size_bytes() != r.bytes.size()) break;  // RebindShard says so
+    std::memcpy(shard.data(), r.bytes.data(), r.bytes.size());
+  }
+  return RebindShard(name, shard);
+}
+
 Status StateRegistry::BindShard(int shard) {
   if (shard_group_ == 0) return FailedPreconditionError("the state has no sharded region");
   if (shard < 0 || shard >= shard_group_) {

@@ -147,6 +147,29 @@ TEST(StateRegistryTest, BindShardMovesTheViewsAndKeepsOwnMemory) {
   EXPECT_EQ(reg.RebindShard("nothing", own).code(), StatusCode::kNotFound);
 }
 
+TEST(StateRegistryTest, AdoptShardKeepsTheHeldShardOfAViewInOwnMemory) {
+  ShardedModel a;
+  std::iota(a.params.begin(), a.params.end(), 0.0f);
+  StateRegistry reg(256);
+  ASSERT_TRUE(a.Register(&reg).ok());
+  std::vector<float> own(100, -1.0f);
+  EXPECT_EQ(reg.AdoptShard("params", own).code(), StatusCode::kFailedPrecondition) << "no shard bound yet";
+  EXPECT_EQ(own[0], -1.0f);
+  ASSERT_TRUE(reg.BindShard(1).ok());
+  EXPECT_EQ(reg.AdoptShard("m", own).code(), StatusCode::kInvalidArgument) << "own memory already";
+  EXPECT_EQ(reg.AdoptShard("params", std::span(own).first(99)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.AdoptShard("nothing", own).code(), StatusCode::kNotFound);
+  EXPECT_EQ(own[0], -1.0f) << "a refused adoption copies nothing";
+  const std::string digest = reg.Digest();
+  ASSERT_TRUE(reg.AdoptShard("params", own).ok());
+  EXPECT_EQ(own[0], 100.0f) << "shard 1 of 3";
+  EXPECT_EQ(own[99], 199.0f);
+  EXPECT_EQ(reinterpret_cast<const float*>(reg.regions()[1].bytes.data()), own.data());
+  EXPECT_EQ(reg.Digest(), digest) << "the state is the same bytes, in other memory";
+  std::fill(a.params.begin(), a.params.end(), 7.0f);
+  EXPECT_EQ(reg.Digest(), digest) << "the whole buffer is no longer state";
+}
+
 TEST(StateRegistryTest, ShardedChunksLoadInPlace) {
   ShardedModel a, b;
   std::iota(a.params.begin(), a.params.end(), 1.0f);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/check.h"
+#include "nonstop/session.h"
 
 namespace nonstop::worker {
 

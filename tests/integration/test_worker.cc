@@ -18,7 +18,7 @@
 #include <fmt/format.h>
 
 #include "common/crc32c.h"
-#include "data/sampler.h"
+#include "nonstop/data.h"
 #include "nonstop/session.h"
 
 namespace {

@@ -12,12 +12,17 @@
 // linear warm-up from the old factor to the new one after each change. The
 // sample stream is then consumed by position, so that no sample is skipped or
 // repeated across changes.
+//
+// Pure functions of their arguments (implemented by src/elastic/): the
+// training program keeps the batch state (base world, samples consumed, the
+// factor warmed from) in its StateRegistry, so that joiners and resumed jobs
+// carry on exactly. Thread-safety: none needed.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::elastic {
 
