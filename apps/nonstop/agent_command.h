@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "common/settings.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::cli {
 

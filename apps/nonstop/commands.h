@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "common/settings.h"
+#include "nonstop/settings.h"
 #include "controller/runtime.h"
 
 namespace nonstop::cli {
@@ -144,7 +144,7 @@ class JobCommands {
   std::vector<std::string> program_;
 };
 
-// `nonstop settings`: every NONSTOP_* variable (src/common/settings.h) as
+// `nonstop settings`: every NONSTOP_* variable (include/nonstop/settings.h) as
 // the Markdown that docs/settings.md holds between its two markers;
 // --check FILE fails (exit 1) when FILE's copy is not that, --update FILE
 // rewrites it.

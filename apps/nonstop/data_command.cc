@@ -4,8 +4,8 @@
 
 #include "apps/nonstop/commands.h"
 #include "apps/nonstop/settings_cli.h"
-#include "data/dataset.h"
-#include "data/prepare.h"
+#include "data/token_shard.h"
+#include "nonstop/data.h"
 
 namespace nonstop::cli {
 

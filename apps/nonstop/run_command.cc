@@ -35,7 +35,7 @@
 #include "apps/nonstop/commands.h"
 #include "apps/nonstop/settings_cli.h"
 #include "common/logging.h"
-#include "common/settings.h"
+#include "nonstop/settings.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
 #include "coord/leadership.h"

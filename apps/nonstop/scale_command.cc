@@ -17,7 +17,7 @@
 
 #include "apps/nonstop/commands.h"
 #include "apps/nonstop/settings_cli.h"
-#include "common/settings.h"
+#include "nonstop/settings.h"
 #include "common/status.h"
 
 namespace nonstop::cli {

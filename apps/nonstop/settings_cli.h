@@ -1,5 +1,5 @@
 // Registering a command-line flag from its entry in the settings registry
-// (src/common/settings.h): its names, help, NONSTOP_* environment fallback,
+// (include/nonstop/settings.h): its names, help, NONSTOP_* environment fallback,
 // default (shown in --help), range or choices, and whether it is required
 // all come from the entry. Header-only: `nonstop` and nonstop-train use it.
 //
@@ -19,7 +19,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/settings.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::cli {
 

@@ -8,7 +8,7 @@
 #include <fmt/format.h>
 
 #include "apps/nonstop/commands.h"
-#include "common/settings.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::cli {
 
@@ -65,7 +65,7 @@ int SettingsCommand::Execute() {
   }
   if (!check_.empty()) {
     if (parts.generated == table) return 0;
-    fmt::print(stderr, "nonstop settings: {} is stale: the settings registry (src/common/settings.h) changed; "
+    fmt::print(stderr, "nonstop settings: {} is stale: the settings registry (include/nonstop/settings.h) changed; "
                        "HINT: nonstop settings --update {}\n", path, path);
     return 1;
   }

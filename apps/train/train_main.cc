@@ -25,6 +25,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "apps/nonstop/settings_cli.h"
 #include "apps/train/model.h"
 #include "apps/train/recipe.h"
 #include "nonstop/check.h"
@@ -97,19 +98,21 @@ double ScaleShard(torchx::FlatParameters& flat, int shard, size_t shard_len, dou
 }
 
 // The command line (recipe overrides, checkpoints, and the test-only knobs).
+// The flags with a NONSTOP_* fallback take their defaults from the settings
+// registry (ParseFlags sets them from it).
 struct TrainerFlags {
   std::string recipe_path;
-  int64_t steps_override = 0;
-  int64_t shard_group_override = 0;
+  int64_t steps_override = settings::kTrainSteps.default_value;
+  int64_t shard_group_override = settings::kShardGroup.default_value;
   bool print_recipe = false;
-  int threads = 1;
+  int threads = settings::kTorchThreads.default_value;
   std::string checkpoint_dir, resume_dir;
-  int64_t checkpoint_every = -1;
-  double mtbf_seconds = 0;
-  bool resume_env = false;
-  bool no_overlap = false;
+  int64_t checkpoint_every = settings::kTrainCheckpointEvery.default_value;
+  double mtbf_seconds = settings::kTrainMtbfSeconds.default_value;
+  bool resume_env = settings::kResume.default_value;
+  bool no_overlap = settings::kTrainNoOverlap.default_value;
   double bucket_mb = 1.0;
-  bool no_salvage = false;
+  bool no_salvage = settings::kTrainNoSalvage.default_value;
   std::string log_samples;  // test-only
   int throttle_ms = 0;      // test-only
 };
@@ -118,12 +121,10 @@ struct TrainerFlags {
 std::optional<int> ParseFlags(int argc, char** argv, TrainerFlags* f) {
   CLI::App app{"nonstop-train: reference trainer (Llama-style and GPT-OSS-style models)"};
   app.add_option("recipe", f->recipe_path, "Recipe YAML (default: the built-in llama-tiny)");
-  app.add_option("--checkpoint-dir", f->checkpoint_dir, "Write durable checkpoints here (overrides checkpoint.dir)")
-      ->envname("NONSTOP_CHECKPOINT_DIR");
-  app.add_option("--checkpoint-every", f->checkpoint_every, "Steps between checkpoints (0: Young/Daly from --mtbf)")
-      ->envname("NONSTOP_CHECKPOINT_EVERY");
-  app.add_option("--mtbf", f->mtbf_seconds, "Mean time between failures, for the automatic checkpoint interval (s)")
-      ->envname("NONSTOP_MTBF_SECONDS");
+  using cli::AddSetting;
+  AddSetting(&app, settings::kTrainCheckpointDir, f->checkpoint_dir);
+  AddSetting(&app, settings::kTrainCheckpointEvery, f->checkpoint_every);
+  AddSetting(&app, settings::kTrainMtbfSeconds, f->mtbf_seconds);
   app.add_option("--resume", f->resume_dir, "Resume from the newest valid checkpoint in this directory");
   // Test-only knobs: accepted, but not in --help (a user's trainer has no use for them).
   app.add_option("--throttle-ms", f->throttle_ms,
@@ -133,25 +134,15 @@ std::optional<int> ParseFlags(int argc, char** argv, TrainerFlags* f) {
                  "Append the sample indices of every completed step to DIR/worker-<id>.txt (tests check that no "
                  "sample is skipped or repeated)")
       ->group("");
-  app.add_flag("--resume-from-checkpoint-dir", f->resume_env,
-               "Resume from the newest checkpoint in the checkpoint directory, if there is one (set by nonstop run "
-               "when it restarts workers)")
-      ->envname("NONSTOP_RESUME");
-  app.add_option("--steps", f->steps_override, "Override train.steps")->envname("NONSTOP_TRAIN_STEPS");
-  app.add_option("--shard-group", f->shard_group_override, "Override optimizer.shard_group (1: no sharding)")
-      ->envname("NONSTOP_SHARD_GROUP")->check(CLI::Range(1, 1024));
-  app.add_option("--torch-threads", f->threads, "Intra-op threads per worker")->capture_default_str()
-      ->envname("NONSTOP_TORCH_THREADS");
+  AddSetting(&app, settings::kResume, f->resume_env);
+  AddSetting(&app, settings::kTrainSteps, f->steps_override);
+  AddSetting(&app, settings::kShardGroup, f->shard_group_override);
+  AddSetting(&app, settings::kTorchThreads, f->threads);
   app.add_flag("--print-recipe", f->print_recipe, "Print the built-in default recipe and exit");
-  app.add_flag("--no-overlap", f->no_overlap,
-               "Reduce the gradient in one all-reduce after backward, instead of in buckets while it runs")
-      ->envname("NONSTOP_TRAIN_NO_OVERLAP");
+  AddSetting(&app, settings::kTrainNoOverlap, f->no_overlap);
   app.add_option("--bucket-mb", f->bucket_mb, "Gradient bucket size for the overlapped reduction (MB)")
       ->capture_default_str()->check(CLI::Range(0.001, 1024.0));
-  app.add_flag("--no-salvage", f->no_salvage,
-               "determinism: world-invariant: after a fault compute the whole step in flight again, instead of "
-               "keeping the micro-batch sums the members already hold")
-      ->envname("NONSTOP_TRAIN_NO_SALVAGE");
+  AddSetting(&app, settings::kTrainNoSalvage, f->no_salvage);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -24,7 +24,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
-#include "common/settings.h"
+#include "nonstop/settings.h"
 #include "common/signals.h"
 #include "control/messages.h"
 #include "coord/leadership.h"

@@ -65,7 +65,7 @@
 
 #include "coord/etcd.h"
 #include "common/logging.h"
-#include "common/settings.h"
+#include "nonstop/settings.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"

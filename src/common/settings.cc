@@ -1,4 +1,4 @@
-#include "common/settings.h"
+#include "nonstop/settings.h"
 
 #include <algorithm>
 #include <map>

@@ -61,7 +61,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/settings.h"
+#include "nonstop/settings.h"
 #include "common/time.h"
 #include "control/fault_spec.h"
 #include "control/messages.h"

@@ -22,7 +22,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
-#include "common/settings.h"
+#include "nonstop/settings.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
 #include "control/fault_spec.h"

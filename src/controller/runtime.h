@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "common/settings.h"
+#include "nonstop/settings.h"
 #include "controller/controller.h"
 #include "coord/leadership.h"
 #include "net/socket.h"

@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/settings.h"
+#include "nonstop/settings.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "launcher/output_writer.h"

@@ -25,6 +25,7 @@
 #include "nonstop/data.h"
 #include "nonstop/log.h"
 #include "nonstop/session.h"
+#include "nonstop/settings.h"
 #include "nonstop/state.h"
 
 namespace py = pybind11;
@@ -145,7 +146,8 @@ py::dict ChangeDict(const MembershipChange& c) {
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "nonstop's native half; use the `nonstop` package, not this module";
-  SetLogRole(fmt::format("worker {}", std::getenv("NONSTOP_WORKER_ID") ? std::getenv("NONSTOP_WORKER_ID") : "?"));
+  const char* worker_id = std::getenv(settings::kWorkerId.env.data());
+  SetLogRole(fmt::format("worker {}", worker_id != nullptr ? worker_id : "?"));
   g_aborted = PyErr_NewExceptionWithDoc(
       "nonstop.Aborted",
       "A member failed or the membership changes: the step in flight is lost. Call session.recover() and carry "
