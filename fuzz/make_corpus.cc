@@ -98,6 +98,12 @@ void Control() {
   plan.faults = *ParseFaults("kill:rank=1,step=40;hang:rank=0,time=2.5;kill:rank=1,during=transfer", 1);
   plan.reason = "recovery";
   put(kMsgPlan, "plan", Encode(plan));
+  // Sharded state: the shard moves, one of them with no source left.
+  PlanMsg sharded = plan;
+  sharded.members = {{0, "127.0.0.1:1"}, {1, "127.0.0.1:2"}, {2, "127.0.0.1:3"}, {4, "127.0.0.1:4"}};
+  sharded.shard_group = 2;
+  sharded.shard_moves = {{4, 1, {1}}, {2, 0, {0}}, {1, 1, {}}};
+  put(kMsgPlan, "plan_shard_moves", Encode(sharded));
   put(kMsgHeartbeat, "heartbeat", Encode(HeartbeatMsg{12, 350}));
   put(kMsgProgress, "progress", Encode(ProgressMsg{12, 2.75, 0.31, 5123.5, 4}));
   put(kMsgFinished, "finished", Encode(FinishedMsg{200, "deadbeef"}));
@@ -117,6 +123,14 @@ void Control() {
                                              "faults": [], "reason": "start"})");
   put(kMsgPlan, "plan_bad_fault", R"({"generation": 1, "resume_step": 0, "members": [], "transfers": [],
                                      "faults": [{"id": 1, "spec": "kill:rank=-1"}], "reason": "start"})");
+  put(kMsgPlan, "plan_shard_out_of_range", R"({"generation": 1, "resume_step": 0, "members": [{"worker_id": 0,
+                                              "address": "a:1"}, {"worker_id": 1, "address": "a:2"}], "transfers": [],
+                                              "faults": [], "reason": "x", "shard_group": 2, "shard_moves":
+                                              [{"receiver": 1, "shard": 2, "sources": [0]}]})");
+  put(kMsgPlan, "plan_shard_moves_over_members", R"({"generation": 1, "resume_step": 0, "members": [{"worker_id": 0,
+                                                    "address": "a:1"}], "transfers": [], "faults": [], "reason": "x",
+                                                    "shard_group": 1, "shard_moves": [{"receiver": 0, "shard": 0,
+                                                    "sources": [1, 2]}, {"receiver": 0, "shard": 0, "sources": []}]})");
   put(kMsgShutdown, "not_an_object", "[1, 2, 3]");
   put(kMsgShutdown, "deep_nesting", std::string(200, '[') + std::string(200, ']'));
   put(kMsgFinished, "not_json", "\x01\x02 not json");

@@ -137,6 +137,50 @@ json Number(double d) {
 // thrown about: encoding cannot fail.
 std::string Dump(const json& j) { return j.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace); }
 
+// A plan's shard moves (optional: a plan without sharded state has none).
+// Nothing in them is trusted: a receiver or source is a worker id, a shard is
+// one of the plan's groups, and no list is longer than the members allow
+// (each receiver once, its sources the other members), so a hostile plan
+// cannot make a worker allocate or loop beyond its members. Whether the
+// receivers and sources are members, and the shards their ranks', is
+// worker::ValidatePlan's (it knows the ranks); whether the sources hold the
+// shards, worker::ExchangeShards's.
+void ReadShardMoves(const Reader& r, PlanMsg& m) {
+  r.Optional("shard_group", &m.shard_group);
+  if (m.shard_group < 0 || m.shard_group > kMaxShardGroup) {
+    throw FieldError{"shard_group", fmt::format("{} is not a group size (0 to {})", m.shard_group, kMaxShardGroup)};
+  }
+  if (!r.Has("shard_moves")) return;
+  const std::vector<Reader> moves = r.Objects("shard_moves");
+  const size_t members = m.members.size();
+  if (moves.size() > members) {
+    throw FieldError{"shard_moves", fmt::format("has {} moves for {} members", moves.size(), members)};
+  }
+  for (const Reader& e : moves) {
+    PlanShardMove move;
+    e("receiver", &move.receiver);
+    e("shard", &move.shard);
+    e("sources", &move.sources);
+    if (move.receiver < 0) throw FieldError{e.Path("receiver"), fmt::format("{} is not a worker id", move.receiver)};
+    if (move.shard < 0 || move.shard >= m.shard_group) {
+      throw FieldError{e.Path("shard"), m.shard_group == 0
+                                            ? std::string("names a shard, but the plan has no shard_group")
+                                            : fmt::format("{} is not a shard of groups of {}", move.shard,
+                                                          m.shard_group)};
+    }
+    if (move.sources.size() >= members) {
+      throw FieldError{e.Path("sources"), fmt::format("has {} sources for {} members", move.sources.size(), members)};
+    }
+    for (size_t i = 0; i < move.sources.size(); ++i) {
+      if (move.sources[i] < 0) {
+        throw FieldError{fmt::format("{}[{}]", e.Path("sources"), i),
+                         fmt::format("{} is not a worker id", move.sources[i])};
+      }
+    }
+    m.shard_moves.push_back(std::move(move));
+  }
+}
+
 }  // namespace
 
 std::string Encode(const JoinMsg& m) {
@@ -158,8 +202,17 @@ std::string Encode(const PlanMsg& m) {
   for (const auto& t : m.transfers) transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}});
   json faults = json::array();
   for (const auto& f : m.faults) faults.push_back({{"id", f.id}, {"spec", FormatFault(f)}});
-  return Dump({{"generation", m.generation}, {"members", members}, {"resume_step", m.resume_step},
-               {"transfers", transfers}, {"faults", faults}, {"reason", m.reason}});
+  json j = {{"generation", m.generation}, {"members", members}, {"resume_step", m.resume_step},
+            {"transfers", transfers}, {"faults", faults}, {"reason", m.reason}};
+  if (m.shard_group > 0) j["shard_group"] = m.shard_group;
+  if (!m.shard_moves.empty()) {
+    json moves = json::array();
+    for (const auto& s : m.shard_moves) {
+      moves.push_back({{"receiver", s.receiver}, {"shard", s.shard}, {"sources", s.sources}});
+    }
+    j["shard_moves"] = std::move(moves);
+  }
+  return Dump(j);
 }
 std::string Encode(const HeartbeatMsg& m) { return Dump({{"step", m.step}, {"waiting_ms", m.waiting_ms}}); }
 std::string Encode(const ProgressMsg& m) {
@@ -242,6 +295,7 @@ Result<PlanMsg> DecodePlan(std::string_view p) {
       m.faults.push_back((*parsed)[0]);
     }
     r("reason", &m.reason);
+    ReadShardMoves(r, m);
   });
 }
 Result<HeartbeatMsg> DecodeHeartbeat(std::string_view p) {

@@ -154,6 +154,16 @@ struct PlanTransfer {
   std::vector<int> sources;   // worker ids holding the state, striped over in this order
 };
 
+// Sharded optimizer state (docs/sharding.md): a member that does not hold
+// the shard of its rank copies it, at resume_step - 1, from `sources`. The
+// controller decides every move (controller::PlanShardMoves); the workers
+// carry them out and check them, never plan them again.
+struct PlanShardMove {
+  int receiver = -1;         // worker id
+  int shard = -1;            // the shard it ends holding: its rank mod shard_group
+  std::vector<int> sources;  // worker ids holding that shard, striped over in this order; empty: every copy is lost
+};
+
 struct PlanMsg {
   uint32_t generation = 0;
   std::vector<PlanMember> members;  // index = rank
@@ -161,6 +171,11 @@ struct PlanMsg {
   std::vector<PlanTransfer> transfers;
   std::vector<FaultSpec> faults;    // injected faults not fired yet (tests, demos)
   std::string reason;               // "start", "recovery", …
+  // Sharded state: the job's optimizer.shard_group (0: nothing sharded; on
+  // the wire only when > 0) and the shard moves, in rank order of the
+  // receivers (on the wire only when there are some).
+  int shard_group = 0;
+  std::vector<PlanShardMove> shard_moves;
 };
 
 // A controller's ping. The epoch orders the controllers that led the job

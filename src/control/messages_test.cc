@@ -34,6 +34,74 @@ TEST(MessagesTest, PlanRoundTrips) {
   EXPECT_EQ(back->reason, "recovery");
 }
 
+TEST(MessagesTest, PlanCarriesTheShardMoves) {
+  PlanMsg p;
+  p.generation = 4;
+  p.members = {{0, "127.0.0.1:1"}, {1, "127.0.0.1:2"}, {2, "127.0.0.1:3"}, {9, "127.0.0.1:4"}};
+  p.resume_step = 12;
+  p.shard_group = 2;
+  p.shard_moves = {{9, 1, {1}}, {2, 0, {}}};
+  const std::string wire = Encode(p);
+  auto back = DecodePlan(wire);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->shard_group, 2);
+  ASSERT_EQ(back->shard_moves.size(), 2u);
+  EXPECT_EQ(back->shard_moves[0].receiver, 9);
+  EXPECT_EQ(back->shard_moves[0].shard, 1);
+  EXPECT_EQ(back->shard_moves[0].sources, std::vector<int>{1});
+  EXPECT_TRUE(back->shard_moves[1].sources.empty()) << "no source: every copy is lost, the workers say so";
+  EXPECT_EQ(Encode(*back), wire);
+  // Unsharded: neither field is on the wire, and a plan without them has none.
+  PlanMsg plain;
+  plain.members = {{0, "127.0.0.1:1"}};
+  EXPECT_EQ(Encode(plain).find("shard"), std::string::npos) << Encode(plain);
+  back = DecodePlan(Encode(plain));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->shard_group, 0);
+  EXPECT_TRUE(back->shard_moves.empty());
+}
+
+// A plan's shard moves are never trusted: every field is checked, every list
+// bounded by the members.
+TEST(MessagesTest, MalformedShardMovesAreRefusedNamingTheField) {
+  auto plan = [](const std::string& shard_fields) {
+    return DecodePlan(R"({"generation": 1, "resume_step": 5, "members": [{"worker_id": 0, "address": "a:1"},
+                          {"worker_id": 1, "address": "a:2"}], "transfers": [], "faults": [], "reason": "x", )" +
+                      shard_fields + "}")
+        .status();
+  };
+  EXPECT_TRUE(plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": 1, "sources": [0]}])").ok());
+  const std::pair<Status, std::string> cases[] = {
+      {plan(R"("shard_group": -1)"), "'shard_group' -1 is not a group size (0 to 1024)"},
+      {plan(R"("shard_group": 1025)"), "'shard_group' 1025 is not a group size"},
+      {plan(R"("shard_group": "2")"), "'shard_group' must be an integer"},
+      {plan(R"("shard_group": 2, "shard_moves": {})"), "'shard_moves' must be an array"},
+      {plan(R"("shard_moves": [{"receiver": 1, "shard": 0, "sources": [0]}])"),
+       "'shard_moves[0].shard' names a shard, but the plan has no shard_group"},
+      {plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": 2, "sources": [0]}])"),
+       "'shard_moves[0].shard' 2 is not a shard of groups of 2"},
+      {plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": -1, "sources": [0]}])"),
+       "'shard_moves[0].shard' -1 is not a shard"},
+      {plan(R"("shard_group": 2, "shard_moves": [{"receiver": -3, "shard": 1, "sources": [0]}])"),
+       "'shard_moves[0].receiver' -3 is not a worker id"},
+      {plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": 1, "sources": [-1]}])"),
+       "'shard_moves[0].sources[0]' -1 is not a worker id"},
+      {plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": 1, "sources": [0, 5]}])"),
+       "'shard_moves[0].sources' has 2 sources for 2 members"},
+      {plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": 1, "sources": [0.5]}])"),
+       "'shard_moves[0].sources[0]' must be an integer"},
+      {plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": 1}])"),
+       "'shard_moves[0].sources' is missing"},
+      {plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": 1, "sources": []},
+                {"receiver": 0, "shard": 0, "sources": []}, {"receiver": 0, "shard": 0, "sources": []}])"),
+       "'shard_moves' has 3 moves for 2 members"},
+  };
+  for (const auto& [status, why] : cases) {
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << why << ": " << status.ToString();
+    EXPECT_NE(status.message().find(why), std::string::npos) << why << ": " << status.ToString();
+  }
+}
+
 TEST(MessagesTest, MissingFieldIsNamed) {
   auto r = DecodeJoin(R"({"worker_id": 1, "pid": 2, "spare": false, "state_step": -1})");
   ASSERT_FALSE(r.ok());

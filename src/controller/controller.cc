@@ -37,6 +37,23 @@ json PerMemberRecord(const char* event, int worker_id) {
   return rec;
 }
 
+// Sharded state: the planner's shard moves into the plan, with the job's
+// group size that the workers check them against (docs/sharding.md).
+void SetShardMoves(std::vector<ShardMove> moves, control::PlanMsg* plan, int shard_group) {
+  plan->shard_group = std::max(0, shard_group);
+  plan->shard_moves.reserve(moves.size());
+  for (ShardMove& m : moves) plan->shard_moves.push_back({m.receiver, m.shard, std::move(m.sources)});
+}
+
+// The plan's shard moves for its journal record: every copy the plan makes.
+json ShardMovesJson(const control::PlanMsg& plan) {
+  json moves = json::array();
+  for (const auto& m : plan.shard_moves) {
+    moves.push_back({{"receiver", m.receiver}, {"shard", m.shard}, {"sources", m.sources}});
+  }
+  return moves;
+}
+
 }  // namespace
 
 std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now) {
@@ -265,6 +282,8 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   plan.faults = pending_faults_;
   plan.reason = open_recovery_ ? "restart" : "start";
   plan.members.reserve(members_.size());
+  std::vector<ShardHolding> holdings;  // what each holds, from its join: the shard moves
+  holdings.reserve(members_.size());
   for (size_t r = 0; r < members_.size(); ++r) {
     WorkerInfo& w = *member_info_[r];
     SetRole(w, WorkerRole::kMember);
@@ -275,7 +294,9 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
     if (joined_step_[w.worker_id] != s_star) {
       plan.transfers.push_back({w.worker_id, SourcesFor(holders, plan.transfers.size())});
     }
+    holdings.push_back({w.worker_id, joined_step_[w.worker_id], w.held_shard});
   }
+  SetShardMoves(PlanShardMoves(holdings, s_star, shard_group_), &plan, shard_group_);
   // Late joiners wait as spares.
   for (int id : std::vector<int>(pending_.begin(), pending_.end())) SetRole(workers_[id], WorkerRole::kSpare);
   phase_ = JobPhase::kRunning;
@@ -283,8 +304,10 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
   out->reserve(out->size() + members_.size() + 2);
   for (int id : members_) out->push_back(SendPlan{id, shared});
-  out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
-                                {"spares", SpareCount()}, {"resume_step", resume_step_}, {"reason", plan.reason}}});
+  json first = {{"event", "plan"}, {"generation", generation_}, {"members", members_}, {"spares", SpareCount()},
+                {"resume_step", resume_step_}, {"reason", plan.reason}};
+  if (!plan.shard_moves.empty()) first["shard_moves"] = ShardMovesJson(plan);
+  out->push_back(AppendJournal{std::move(first)});
   out->push_back(PrintLine{fmt::format("generation {}: {} workers, ranks by worker id {}{}", generation_,
                                        members_.size(), json(members_).dump(),
                                        s_star >= 0 ? fmt::format(", resuming at step {}", resume_step_) : "")});
@@ -977,6 +1000,7 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
     transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}, {"had_step", t.had_step}});
     plan.transfers.push_back({t.receiver, std::move(t.sources)});
   }
+  SetShardMoves(std::move(next.shard_moves), &plan, shard_group_);
   ready_.clear();
   phase_ = JobPhase::kRunning;
   progress_at_ = now_;
@@ -989,10 +1013,11 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
     Spawn(next_worker_id_++, /*spare=*/true, /*resume=*/false, /*background=*/true, out);
     ++rec.spawned_spares;
   }
-  out->push_back(AppendJournal{{{"event", "plan"}, {"generation", generation_}, {"members", members_},
-                                {"spares", SpareCount()},
-                                {"resume_step", resume_step_}, {"reason", plan.reason}, {"recovery", rec.id},
-                                {"transfers", std::move(transfers)}, {"released", next.released}}});
+  json record = {{"event", "plan"}, {"generation", generation_}, {"members", members_}, {"spares", SpareCount()},
+                 {"resume_step", resume_step_}, {"reason", plan.reason}, {"recovery", rec.id},
+                 {"transfers", std::move(transfers)}, {"released", next.released}};
+  if (!plan.shard_moves.empty()) record["shard_moves"] = ShardMovesJson(plan);
+  out->push_back(AppendJournal{std::move(record)});
   out->push_back(PrintLine{fmt::format("generation {}: {} workers {}, resuming at step {}{}", generation_, members_.size(),
                                        json(members_).dump(), resume_step_,
                                        plan.transfers.empty() ? "" : fmt::format(", {} receiving state from {} source(s)",

@@ -1,6 +1,8 @@
 #include "controller/planner.h"
 
 #include <algorithm>
+#include <iterator>
+#include <optional>
 #include <string_view>
 #include <unordered_map>
 
@@ -8,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "nonstop/state.h"
+#include "state/shard_layout.h"
 
 namespace nonstop::controller {
 
@@ -344,6 +347,49 @@ std::vector<int> SourcesFor(const std::vector<int>& holders, size_t receiver_ind
   return out;
 }
 
+std::vector<ShardMove> PlanShardMoves(const std::vector<ShardHolding>& next, int64_t s_star, int shard_group) {
+  // The initial state is the same everywhere (seeded parameters, zero
+  // moments): before the first step every member holds every shard.
+  if (shard_group <= 0 || s_star == -1) return {};
+  Result<state::ShardLayout> layout = state::LayoutOf(static_cast<int>(next.size()), shard_group);
+  if (!layout.ok()) return {};
+  const auto g = static_cast<size_t>(shard_group);
+  // What a member holds of s*: a member behind it (a spare, a member one
+  // step behind) gets the step's counters from the plan's transfers, not its
+  // shard: it holds none of s*.
+  auto held = [&](size_t q) { return next[q].step == s_star ? next[q].held_shard : state::kNoShard; };
+  // Holders by shard in one pass, those of every shard apart (a restart's
+  // loaded checkpoint), merged in only for a shard that some member needs:
+  // linear in the world, as the controller plans for 100,000 members.
+  std::vector<std::vector<size_t>> holders(g);  // by shard: the ranks that hold just it
+  std::vector<size_t> every;                    // the ranks that hold every shard
+  for (size_t q = 0; q < next.size(); ++q) {
+    const int h = held(q);
+    if (h == state::kEveryShard) every.push_back(q);
+    if (h >= 0 && static_cast<size_t>(h) < g) holders[static_cast<size_t>(h)].push_back(q);
+  }
+  std::vector<std::optional<std::vector<int>>> sources_of(g);  // by shard: its holders' worker ids, in rank order
+  std::vector<size_t> served(g, 0);                            // by shard: its receivers so far
+  std::vector<ShardMove> moves;
+  for (size_t r = 0; r < next.size(); ++r) {
+    const int need = layout->shard_of_rank[r];
+    const auto s = static_cast<size_t>(need);
+    if (held(r) == need || held(r) == state::kEveryShard) continue;
+    if (!sources_of[s]) {
+      std::vector<size_t> ranks;
+      std::merge(holders[s].begin(), holders[s].end(), every.begin(), every.end(), std::back_inserter(ranks));
+      std::vector<int>& ids = sources_of[s].emplace();
+      for (size_t q : ranks) ids.push_back(next[q].worker_id);
+    }
+    // A receiver stripes its chunks over its sources, a connection and a
+    // thread each: at most kMaxSourcesPerReceiver of the shard's holders
+    // (it has one per replica group), the next receiver of the same shard
+    // starting at the next ones. r never holds the shard it needs: never its own source.
+    moves.push_back({next[r].worker_id, need, SourcesFor(*sources_of[s], served[s]++)});
+  }
+  return moves;
+}
+
 NextGeneration PlanNextGeneration(const PlanInput& view, const PlanPolicy& policy) {
   NextGeneration out;
   const Candidates w(view);
@@ -371,13 +417,17 @@ NextGeneration PlanNextGeneration(const PlanInput& view, const PlanPolicy& polic
     return out;
   }
   out.had_step.reserve(d.next.size());
+  std::vector<ShardHolding> holdings;
+  holdings.reserve(d.next.size());
   for (size_t c : d.next) {
     const int64_t holds = w.step(c);
     out.had_step.push_back(holds);
+    holdings.push_back({w.id(c), holds, w.held_shard(c)});
     if (holds != out.s_star) {
       out.transfers.push_back({w.id(c), SourcesFor(out.holders, out.transfers.size()), holds});
     }
   }
+  out.shard_moves = PlanShardMoves(holdings, out.s_star, view.shard_group);
   return out;
 }
 

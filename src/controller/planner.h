@@ -7,8 +7,10 @@
 // state of s* and serve it (alternating over hosts), which spare takes each
 // lost rank (away from the hosts that just failed, and for sharded state away
 // from the surviving replicas of the rank's shard), what a planned resize
-// releases or adds, which members copy the state and from whom — or that the
-// job must restart from its durable checkpoint, or end.
+// releases or adds, which members copy the state and from whom, and with
+// sharded state which member copies which shard from whom (every copy the
+// plan makes: DESIGN.md §14) — or that the job must restart from its durable
+// checkpoint, or end.
 //
 // The planner reads only its arguments: no clock, no socket, no Controller.
 // The controller builds the view (PlanInput) from its state, calls it, and
@@ -30,6 +32,8 @@
 #include <set>
 #include <string>
 #include <vector>
+
+#include "nonstop/state.h"
 
 namespace nonstop::controller {
 
@@ -84,6 +88,39 @@ struct PlanInput {
   bool have_checkpoints = false;       // durable checkpoints exist: the last rung
 };
 
+// Sharded optimizer state (docs/sharding.md): a member of g+1 that does not
+// hold the shard of its rank (rank r holds shard r mod G, state::LayoutOf)
+// copies it from `sources` at the step boundary. The workers carry these out
+// as planned and only check them (worker::ExchangeShards): this is the one
+// place that decides which shard goes where.
+struct ShardMove {
+  int receiver = -1;         // worker id
+  int shard = -1;            // the shard it ends holding: its rank mod G
+  std::vector<int> sources;  // worker ids of members of g+1 holding that shard of s* (the chunks are
+                             // striped over them in this order); empty: no member holds it
+};
+
+// What one member of g+1 holds before the shard moves, as the controller
+// knows it from its join or its Ready.
+struct ShardHolding {
+  int worker_id = -1;
+  int64_t step = -1;                // the step its state holds (a spare: -1)
+  int held_shard = state::kNoShard;  // the shard of it (state::kEveryShard: every one)
+};
+
+// The shard moves of a generation of `next` (index = rank) that resumes
+// after step s_star, in groups of shard_group (0: nothing sharded, no
+// moves), in rank order of the receivers. A member counts as a holder of
+// shard s when its state holds s* and shard s or every shard; one that holds
+// another step holds no shard of s* (the plan's transfers copy it only the
+// step's counters); before the first step (s* = -1) every member holds every
+// shard (the seeded parameters whole, zero moments). A receiver's sources
+// are the holders of its shard in rank order, or, when there are more than
+// kMaxSourcesPerReceiver, that many of them, rotating over the receivers of
+// the shard (SourcesFor). A world that is not whole groups gets no moves:
+// the workers refuse it (state::LayoutOf names the fix).
+std::vector<ShardMove> PlanShardMoves(const std::vector<ShardHolding>& next, int64_t s_star, int shard_group);
+
 // The decision, by value.
 struct NextGeneration {
   enum class Verdict {
@@ -109,6 +146,7 @@ struct NextGeneration {
   std::vector<int> released;      // worker ids that leave (a shrink, leaving hosts, whole groups), in order
   std::vector<std::string> replacements;  // lines for the recovery record, "rank 2: worker 2 → spare worker 5"
   std::vector<Transfer> transfers;        // in rank order of the receivers
+  std::vector<ShardMove> shard_moves;     // sharded state: in rank order of the receivers (PlanShardMoves)
   // The members of leaving hosts stay (the world without them is not
   // allowed, or only they hold some state): the line to print, and the hosts
   // whose leave is refused for good (marked leave_refused) when it could only repeat.

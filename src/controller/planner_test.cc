@@ -30,7 +30,15 @@ std::vector<Member> AllHeld(int n, int64_t step, const std::string& host = "") {
   return out;
 }
 
+// Members 0 … n−1 holding `step`, sharded in groups of `group`: member r holds shard r mod group.
+std::vector<Member> ShardedHeld(int n, int64_t step, int group) {
+  std::vector<Member> out;
+  for (int id = 0; id < n; ++id) out.push_back(Held(id, step, "", id % group));
+  return out;
+}
+
 using TransferRow = std::tuple<int, std::vector<int>, int64_t>;  // receiver, sources, had_step
+using MoveRow = std::tuple<int, int, std::vector<int>>;          // receiver, shard, sources
 
 struct Expected {
   Verdict verdict = Verdict::kPlan;
@@ -42,6 +50,7 @@ struct Expected {
   std::vector<int> released;
   std::vector<std::string> replacements;
   std::vector<TransferRow> transfers;
+  std::vector<MoveRow> shard_moves;
   std::vector<int> lost_shards;
   std::optional<std::string> leaving_kept;
   std::set<std::string> leave_refused_hosts;
@@ -188,6 +197,7 @@ const Case kCases[] = {
               .had_step = {5, 5, 5, -1},
               .replacements = {"rank 3: worker 3 → spare worker 9"},
               .transfers = {{9, {0, 2, 1}, -1}},
+              .shard_moves = {{9, 1, {1}}},
               .spares_used = 1}},
     {.name = "ShardedOnOneMachineTheFirstSpareIsTaken",
      .view = {.members = {Held(0, 5, "", 0), Held(1, 5, "", 1), Held(2, 5, "", 0), Lost(3)},
@@ -200,7 +210,97 @@ const Case kCases[] = {
               .had_step = {5, 5, 5, -1},
               .replacements = {"rank 3: worker 3 → spare worker 8"},
               .transfers = {{8, {0, 1, 2}, -1}},
+              .shard_moves = {{8, 1, {1}}},
               .spares_used = 1}},
+    // Sharded state, the shard moves (docs/sharding.md): rank r holds shard r mod G; every member of g+1
+    // that does not hold its rank's shard of s* fetches it from every member that does, in rank order.
+    {.name = "ShardedSpareFetchesTheLostRanksShardStripedOverItsReplicas",
+     .view = [] {
+       PlanInput v{.members = ShardedHeld(6, 9, 2), .spares = {{8, ""}}, .shard_group = 2, .highest_step = 9};
+       v.members[3] = Lost(3);
+       return v;
+     }(),
+     .want = {.s_star = 9,
+              .holders = {0, 1, 2, 4, 5},
+              .members = {0, 1, 2, 8, 4, 5},
+              .had_step = {9, 9, 9, -1, 9, 9},
+              .replacements = {"rank 3: worker 3 → spare worker 8"},
+              .transfers = {{8, {0, 1, 2, 4, 5}, -1}},
+              .shard_moves = {{8, 1, {1, 5}}},
+              .spares_used = 1}},
+    {.name = "ShardedShrink6To4ReshardsTheRanksThatMoved",
+     .view = [] {
+       PlanInput v{.members = ShardedHeld(6, 12, 2), .shard_group = 2, .highest_step = 12};
+       v.members[1] = Lost(1);
+       return v;
+     }(),
+     .want = {.s_star = 12,
+              .holders = {0, 2, 3, 4, 5},
+              .members = {0, 2, 3, 4},
+              .had_step = {12, 12, 12, 12},
+              .released = {5},
+              .replacements = {"rank 1: worker 1 → none (shrink)",
+                               "worker 5 released (the world must be a multiple of optimizer.shard_group 2)"},
+              // Workers 2 and 3 swap shards; worker 2 serves shard 0 while it fetches shard 1.
+              .shard_moves = {{2, 1, {3}}, {3, 0, {0, 2, 4}}, {4, 1, {3}}}}},
+    {.name = "ShardedShrink4To2SwapsTheShards",
+     .view = {.members = {Lost(0), Held(2, 12, "", 1), Held(3, 12, "", 0), Held(4, 12, "", 1)},
+              .shard_group = 2,
+              .highest_step = 12},
+     .want = {.s_star = 12,
+              .holders = {2, 3, 4},
+              .members = {2, 3},
+              .had_step = {12, 12},
+              .released = {4},
+              .replacements = {"rank 0: worker 0 → none (shrink)",
+                               "worker 4 released (the world must be a multiple of optimizer.shard_group 2)"},
+              .shard_moves = {{2, 0, {3}}, {3, 1, {2}}}}},
+    {.name = "ShardedResizeShrinkFromTheEndMovesNoShard",
+     .view = {.members = ShardedHeld(6, 12, 2), .resize = PlanInput::Resize{4, {}}, .shard_group = 2,
+              .highest_step = 12},
+     .want = {.s_star = 12,
+              .holders = {0, 1, 2, 3, 4, 5},
+              .members = {0, 1, 2, 3},
+              .had_step = {12, 12, 12, 12},
+              .released = {5, 4},
+              .replacements = {"rank 5: worker 5 released", "rank 4: worker 4 released"}}},
+    {.name = "ShardedGrow2To4SparesFetchTheirRanksShards",
+     .view = {.members = ShardedHeld(2, 10, 2),
+              .spares = {{4, ""}, {5, ""}},
+              .resize = PlanInput::Resize{4, {}},
+              .shard_group = 2,
+              .highest_step = 10},
+     .want = {.s_star = 10,
+              .holders = {0, 1},
+              .members = {0, 1, 4, 5},
+              .had_step = {10, 10, -1, -1},
+              .replacements = {"rank 2: spare worker 4 joins", "rank 3: spare worker 5 joins"},
+              .transfers = {{4, {0, 1}, -1}, {5, {0, 1}, -1}},
+              .shard_moves = {{4, 0, {0}}, {5, 1, {1}}},
+              .spares_used = 2}},
+    {.name = "ShardedAMemberHoldingEveryShardServesEachReceiverItsOwn",
+     // Only worker 3 holds step 7, whole (a checkpoint it loaded): it serves every shard, and binds its own.
+     .view = {.members = {Held(0, 6, "", 0), Held(1, 6, "", 1), Held(2, 6, "", 0), Held(3, 7, "", state::kEveryShard)},
+              .shard_group = 2,
+              .highest_step = 7},
+     .want = {.s_star = 7,
+              .holders = {3},
+              .members = {0, 1, 2, 3},
+              .had_step = {6, 6, 6, 7},
+              .transfers = {{0, {3}, 6}, {1, {3}, 6}, {2, {3}, 6}},
+              .shard_moves = {{0, 0, {3}}, {1, 1, {3}}, {2, 0, {3}}}}},
+    {.name = "ShardedBeforeTheFirstStepEveryMemberHoldsEveryShard",
+     // Survivors bound to shard 0 since, and a spare: the initial state is every shard's, nothing moves.
+     .view = {.members = {Held(0, -1, "", 0), Lost(1), Held(2, -1, "", 0), Lost(3)},
+              .spares = {{7, ""}, {8, ""}},
+              .shard_group = 2,
+              .highest_step = -1},
+     .want = {.s_star = -1,
+              .holders = {0, 2},
+              .members = {0, 7, 2, 8},
+              .had_step = {-1, -1, -1, -1},
+              .replacements = {"rank 1: worker 1 → spare worker 7", "rank 3: worker 3 → spare worker 8"},
+              .spares_used = 2}},
     {.name = "ResizeShrinkReleasesTheHighestRanks",
      .view = {.members = AllHeld(4, 10), .resize = PlanInput::Resize{2, {}}, .highest_step = 10},
      .want = {.s_star = 10,
@@ -333,6 +433,9 @@ TEST_P(PlannerTest, PlansExactlyTheExpectedGeneration) {
   std::vector<TransferRow> transfers;
   for (const auto& t : got.transfers) transfers.emplace_back(t.receiver, t.sources, t.had_step);
   EXPECT_EQ(transfers, want.transfers);
+  std::vector<MoveRow> moves;
+  for (const auto& m : got.shard_moves) moves.emplace_back(m.receiver, m.shard, m.sources);
+  EXPECT_EQ(moves, want.shard_moves);
   EXPECT_EQ(got.leaving_kept, want.leaving_kept);
   EXPECT_EQ(got.leave_refused_hosts, want.leave_refused_hosts);
   EXPECT_EQ(got.spares_used, want.spares_used);
@@ -370,6 +473,51 @@ TEST(CheckWorldSizeTest, NamesWhyASizeIsNotAllowed) {
   };
   for (const SizeCase& c : cases) {
     EXPECT_EQ(CheckWorldSize(c.policy, c.shard_group, c.size), c.want) << "size " << c.size;
+  }
+}
+
+// PlanShardMoves alone, as the first generation (MaybeFormFirstGeneration)
+// uses it too: the moves of a world of holdings, by table.
+TEST(PlanShardMovesTest, EveryMemberLackingItsRanksShardFetchesItFromItsHolders) {
+  using H = ShardHolding;
+  constexpr int kNone = state::kNoShard, kEvery = state::kEveryShard;
+  struct MovesCase {
+    std::string what;
+    std::vector<ShardHolding> next;
+    int64_t s_star;
+    int group;
+    std::vector<MoveRow> want;
+  };
+  const MovesCase cases[] = {
+      {"a spare and a member one step behind: a stale copy is no source",
+       {H{0, 7, 0}, H{1, 7, 1}, H{2, 7, 0}, H{3, -1, kNone}, H{4, 6, 0}, H{5, 7, 1}}, 7, 2,
+       {{3, 1, {1, 5}}, {4, 0, {0, 2}}}},
+      {"both holders of shard 1 gone: its receivers get no source",
+       {H{0, 7, 0}, H{1, -1, kNone}, H{2, 7, 0}, H{3, -1, kNone}}, 7, 2, {{1, 1, {}}, {3, 1, {}}}},
+      {"a member holding every shard (a loaded checkpoint) serves each receiver and moves nothing itself",
+       {H{10, 7, kEvery}, H{11, 5, kEvery}, H{12, 7, 0}, H{13, -1, kNone}}, 7, 2, {{11, 1, {10}}, {13, 1, {10}}}},
+      {"every member loaded the checkpoint: nothing moves", {H{0, 7, kEvery}, H{1, 7, kEvery}}, 7, 2, {}},
+      {"the initial state is every shard's, whatever the shard held", {H{0, -1, 1}, H{1, -2, kNone}}, -1, 2, {}},
+      {"groups of 3, a shard held by another group's rank", {H{0, 4, 0}, H{1, 4, 2}, H{2, 4, 1}, H{3, 4, 0},
+                                                            H{4, 4, 1}, H{5, 4, 2}},
+       4, 3, {{1, 1, {2, 4}}, {2, 2, {1, 5}}}},
+      {"more holders than a receiver's sources: a window of them, rotating over the shard's receivers",
+       [] {
+         std::vector<ShardHolding> next;
+         for (int id = 0; id < 22; ++id) next.push_back(H{id, 5, id % 2});
+         next[19] = H{19, -1, kNone};  // two spares take ranks of shard 1: nine holders of it are left
+         next[21] = H{21, -1, kNone};
+         return next;
+       }(),
+       5, 2, {{19, 1, {1, 3, 5, 7, 9, 11, 13, 15}}, {21, 1, {17, 1, 3, 5, 7, 9, 11, 13}}}},
+      {"one group of one: a spare fetches shard 0", {H{0, 3, 0}, H{1, -1, kNone}}, 3, 1, {{1, 0, {0}}}},
+      {"nothing sharded", {H{0, 3, kNone}, H{1, -1, kNone}}, 3, 0, {}},
+      {"part groups: no moves (the workers refuse the world)", {H{0, 3, 0}, H{1, 3, 1}, H{2, -1, kNone}}, 3, 2, {}},
+  };
+  for (const MovesCase& c : cases) {
+    std::vector<MoveRow> got;
+    for (const ShardMove& m : PlanShardMoves(c.next, c.s_star, c.group)) got.emplace_back(m.receiver, m.shard, m.sources);
+    EXPECT_EQ(got, c.want) << c.what;
   }
 }
 

@@ -506,9 +506,10 @@ class SessionImpl {
     held_shard_.store(state_->held_shard());
     if (state_->shard_group() > 0) {
       // Sharded state: every member ends holding its rank's shard (a spare,
-      // a rank that moved in a resize: re-sharded live, peer to peer).
+      // a rank that moved in a resize: re-sharded live, peer to peer), as the
+      // plan's shard moves say; a plan that disagrees with the state fails.
       Result<worker::TransferOutcome> shards =
-          worker::ExchangeShards(*comm_, *state_, state_step_.load(), plan.resume_step - 1, hooks);
+          worker::ExchangeShards(*comm_, *state_, plan, state_step_.load(), hooks);
       held_shard_.store(state_->held_shard());
       if (!shards.ok()) return shards.status();
       outcome->received = outcome->received || shards->received;

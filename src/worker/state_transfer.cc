@@ -164,6 +164,35 @@ std::string SourceName(const control::PlanMsg& plan, int rank) {
   return fmt::format("rank {} (worker {})", rank, plan.members[static_cast<size_t>(rank)].worker_id);
 }
 
+// The shape of the plan's shard moves (ValidatePlan): whether their sources
+// hold the shards is ExchangeShards's to check, against what they say.
+Status ValidateShardMoves(const control::PlanMsg& plan, const std::set<int>& ids,
+                          const std::function<Status(const std::string&)>& bad) {
+  if (!plan.shard_moves.empty() && plan.shard_group <= 0) return bad("it moves shards but names no shard_group");
+  std::set<int> receivers;
+  for (const auto& m : plan.shard_moves) {
+    const int rank = RankOf(plan, m.receiver);
+    if (rank < 0) return bad(fmt::format("shard receiver worker {} is not a member", m.receiver));
+    if (!receivers.insert(m.receiver).second) return bad(fmt::format("worker {} receives a shard twice", m.receiver));
+    // state::LayoutOf: rank r holds shard r mod G, whatever the world.
+    if (m.shard != rank % plan.shard_group) {
+      return bad(fmt::format("worker {} is to receive shard {}, but its rank {} holds shard {} of groups of {}",
+                             m.receiver, m.shard, rank, rank % plan.shard_group, plan.shard_group));
+    }
+    std::set<int> seen;
+    for (int src : m.sources) {
+      if (!ids.count(src)) {
+        return bad(fmt::format("source worker {} of shard {} for worker {} is not a member", src, m.shard, m.receiver));
+      }
+      if (src == m.receiver) return bad(fmt::format("worker {} is its own source of shard {}", src, m.shard));
+      if (!seen.insert(src).second) {
+        return bad(fmt::format("worker {} is a source of shard {} for worker {} twice", src, m.shard, m.receiver));
+      }
+    }
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id) {
@@ -191,7 +220,7 @@ Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id) {
       if (src == t.receiver) return bad(fmt::format("worker {} is its own source", src));
     }
   }
-  return OkStatus();
+  return ValidateShardMoves(plan, ids, bad);
 }
 
 Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state::StateRegistry& reg,
@@ -298,58 +327,37 @@ ShardRecord DecodeShardRecord(const std::byte* p) {
           static_cast<int64_t>(DecodeFixed64(c + 8))};
 }
 
-}  // namespace
+// What every member says its sharded state holds, by rank.
+struct Holdings {
+  std::vector<int> held;       // a shard, kEveryShard or kNoShard
+  std::vector<int64_t> steps;  // of which step
 
-ShardMoves PlanShardMoves(const state::ShardLayout& layout, std::span<const int> held, std::span<const int64_t> steps,
-                          int64_t step) {
-  ShardMoves moves;
-  moves.sources.resize(static_cast<size_t>(layout.world()));
-  for (int r = 0; r < layout.world(); ++r) {
-    const int need = layout.shard_of_rank[static_cast<size_t>(r)];
-    auto holds = [&](int q, int shard) {
-      const int h = held[static_cast<size_t>(q)];
-      return steps[static_cast<size_t>(q)] == step && (h == shard || h == state::kEveryShard);
-    };
-    if (holds(r, need)) continue;
-    moves.receivers.push_back(r);
-    for (int q = 0; q < layout.world(); ++q) {
-      if (q != r && holds(q, need)) moves.sources[static_cast<size_t>(r)].push_back(q);
-    }
-    if (moves.sources[static_cast<size_t>(r)].empty() &&
-        std::find(moves.lost.begin(), moves.lost.end(), need) == moves.lost.end()) {
-      moves.lost.push_back(need);
-    }
+  bool Holds(int q, int shard, int64_t step) const {
+    const int h = held[static_cast<size_t>(q)];
+    return steps[static_cast<size_t>(q)] == step && (h == shard || h == state::kEveryShard);
   }
-  std::sort(moves.lost.begin(), moves.lost.end());
-  return moves;
-}
+  std::string Describe(int q) const {
+    const int h = held[static_cast<size_t>(q)];
+    const int64_t s = steps[static_cast<size_t>(q)];
+    if (h == state::kNoShard) return fmt::format("no shard (its state is of step {})", s);
+    if (h == state::kEveryShard) return fmt::format("every shard of step {}", s);
+    return fmt::format("shard {} of step {}", h, s);
+  }
+};
 
-Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& reg, int64_t held_step,
-                                       int64_t step, const TransferHooks& hooks) {
-  TransferOutcome outcome;
-  const int group = reg.shard_group();
-  if (group == 0) return outcome;
-  NONSTOP_ASSIGN_OR_RETURN(state::ShardLayout layout, state::LayoutOf(comm.world_size(), group));
-  const int me = comm.rank();
-  const int need = layout.shard_of_rank[static_cast<size_t>(me)];
-  // A state of another step holds no shard of this one. A member holding
-  // every shard (the initial state, or whole buffers behind every view) says
-  // so, serves each receiver its shard, and binds its own at the end.
-  if (held_step != step && reg.held_shard() != state::kNoShard) reg.set_held_shard(state::kNoShard);
-  // The initial state (no step done: zero moments, the seeded parameters
-  // whole) is every shard's, whichever one the views were bound to since.
-  if (held_step == -1 && step == -1) reg.set_held_shard(state::kEveryShard);
-  const bool every = reg.held_shard() == state::kEveryShard;
-
-  // Who holds which shard of which step.
+// All-gathers (group size, held shard, step) of every member. Not to plan:
+// to check the plan's moves against what each member says it holds, the same
+// claims on every member.
+Result<Holdings> GatherHoldings(collective::Communicator& comm, int group, int held, int64_t held_step) {
   constexpr size_t kRecord = 16;
   std::vector<std::byte> records(kRecord * static_cast<size_t>(comm.world_size()));
-  std::string mine = EncodeShardRecord({group, reg.held_shard(), held_step});
-  std::memcpy(records.data() + kRecord * static_cast<size_t>(me), mine.data(), kRecord);
+  std::string mine = EncodeShardRecord({group, held, held_step});
+  std::memcpy(records.data() + kRecord * static_cast<size_t>(comm.rank()), mine.data(), kRecord);
   NONSTOP_RETURN_IF_ERROR(comm.AllGather(records, kRecord));
-  std::vector<int> held(static_cast<size_t>(comm.world_size()));
-  std::vector<int64_t> steps(held.size());
-  for (size_t q = 0; q < held.size(); ++q) {
+  Holdings out;
+  out.held.resize(static_cast<size_t>(comm.world_size()));
+  out.steps.resize(out.held.size());
+  for (size_t q = 0; q < out.held.size(); ++q) {
     ShardRecord r = DecodeShardRecord(records.data() + kRecord * q);
     if (r.group != group) {
       return InvalidArgumentError(fmt::format("rank {} shards its optimizer state over groups of {}, this worker over "
@@ -359,59 +367,138 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
     if (r.held < state::kNoShard || r.held >= group) {
       return DataLossError(fmt::format("rank {} claims to hold shard {} of groups of {}", q, r.held, group));
     }
-    held[q] = r.held;
-    steps[q] = r.step;
+    out.held[q] = r.held;
+    out.steps[q] = r.step;
   }
-  ShardMoves moves = PlanShardMoves(layout, held, steps, step);
-  if (!moves.lost.empty()) {
-    return DataLossError(fmt::format("every copy of shard {} of the optimizer state of step {} is lost: no member "
-                                     "holds it", fmt::join(moves.lost, ", "), step));
-  }
-  if (moves.receivers.empty()) {
-    if (every) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
-    return outcome;
-  }
+  return out;
+}
 
-  // Per peer: serve it, fetch from it, or both (two members swapping shards).
-  std::vector<uint32_t> sharded;
-  for (uint32_t c = 0; c < reg.num_chunks(); ++c) {
-    if (reg.chunk_sharded(c)) sharded.push_back(c);
-  }
-  const bool receiving = std::find(moves.receivers.begin(), moves.receivers.end(), me) != moves.receivers.end();
-  const std::vector<int>& my_sources = moves.sources[static_cast<size_t>(me)];
-  struct PeerWork {
-    bool serve = false;            // it is a receiver, and this member one of its sources
-    bool fetch = false;            // it is one of this member's sources: header, the chunks (maybe none), done
-    std::vector<uint32_t> chunks;  // what this member fetches from it
+// The plan's shard moves, by rank.
+struct RankedMoves {
+  std::vector<int> receivers;             // ranks, in the plan's order
+  std::vector<std::vector<int>> sources;  // index = rank: the ranks of its sources, in the plan's order
+};
+
+// Checks the plan's shard moves against every member's claims and returns
+// them by rank. The plan is the controller's decision, made from the joins
+// and Readies; the claims are what the members hold now. Where they differ,
+// copying would put wrong state live, so the generation fails instead.
+Result<RankedMoves> CheckShardMoves(const control::PlanMsg& plan, const state::ShardLayout& layout,
+                                    const Holdings& holdings, int64_t step) {
+  auto disagree = [&](const std::string& what) {
+    return FailedPreconditionError(fmt::format(
+        "the shard moves of the plan of generation {} disagree with what the members hold: {}", plan.generation, what));
   };
+  const int group = layout.group_size;
+  if (plan.shard_group != group) {
+    return InvalidArgumentError(fmt::format("the plan of generation {} shards the optimizer state over groups of {}, "
+                                            "this worker over groups of {}: every worker must run the same "
+                                            "optimizer.shard_group", plan.generation, plan.shard_group, group));
+  }
+  if (plan.members.size() != static_cast<size_t>(layout.world())) {
+    return InternalError(fmt::format("plan of {} members for a world of {}", plan.members.size(), layout.world()));
+  }
+  RankedMoves out;
+  out.sources.resize(plan.members.size());
+  std::vector<char> moved(plan.members.size(), 0);
+  std::vector<int> lost;
+  for (const control::PlanShardMove& m : plan.shard_moves) {
+    const int r = RankOf(plan, m.receiver);
+    if (r < 0 || moved[static_cast<size_t>(r)]) {
+      return disagree(fmt::format("worker {} is no member, or receives twice", m.receiver));
+    }
+    const int need = layout.shard_of_rank[static_cast<size_t>(r)];
+    if (m.shard != need) {
+      return disagree(fmt::format("{} is to receive shard {}, but its rank holds shard {} (rank mod {})",
+                                  SourceName(plan, r), m.shard, need, group));
+    }
+    if (holdings.Holds(r, need, step)) {
+      return disagree(fmt::format("{} is to receive shard {} of step {}, which it holds already", SourceName(plan, r),
+                                  need, step));
+    }
+    moved[static_cast<size_t>(r)] = 1;
+    out.receivers.push_back(r);
+    for (int id : m.sources) {
+      const int q = RankOf(plan, id);
+      if (q < 0 || q == r) return disagree(fmt::format("worker {} is no source for {}", id, SourceName(plan, r)));
+      if (!holdings.Holds(q, need, step)) {
+        return disagree(fmt::format("{} is to serve shard {} of step {} to {}, but it holds {}", SourceName(plan, q),
+                                    need, step, SourceName(plan, r), holdings.Describe(q)));
+      }
+      out.sources[static_cast<size_t>(r)].push_back(q);
+    }
+    if (m.sources.empty()) lost.push_back(need);
+  }
+  for (int r = 0; r < layout.world(); ++r) {
+    const int need = layout.shard_of_rank[static_cast<size_t>(r)];
+    if (!moved[static_cast<size_t>(r)] && !holdings.Holds(r, need, step)) {
+      return disagree(fmt::format("{} holds {}, not shard {} of step {} (its rank's), and the plan moves nothing to "
+                                  "it", SourceName(plan, r), holdings.Describe(r), need, step));
+    }
+  }
+  if (!lost.empty()) {  // the controller planned it so (a shard its releases left nobody): every member says it
+    std::sort(lost.begin(), lost.end());
+    lost.erase(std::unique(lost.begin(), lost.end()), lost.end());
+    return DataLossError(fmt::format("every copy of shard {} of the optimizer state of step {} is lost: no member "
+                                     "holds it", fmt::join(lost, ", "), step));
+  }
+  return out;
+}
+
+// One member's part of the moves: with each peer, serve it, fetch from it,
+// or both (two members swapping shards).
+struct PeerWork {
+  bool serve = false;            // it is a receiver, and this member one of its sources
+  bool fetch = false;            // it is one of this member's sources: header, the chunks (maybe none), done
+  std::vector<uint32_t> chunks;  // what this member fetches from it
+};
+
+std::map<int, PeerWork> PeersOf(const RankedMoves& moves, int me, const std::vector<uint32_t>& sharded) {
   std::map<int, PeerWork> peers;  // rank → the work with it
-  if (receiving) {
-    for (int q : my_sources) peers[q].fetch = true;
-    for (size_t i = 0; i < sharded.size(); ++i) peers[my_sources[i % my_sources.size()]].chunks.push_back(sharded[i]);
+  const std::vector<int>& mine = moves.sources[static_cast<size_t>(me)];
+  if (!mine.empty()) {  // a receiver (CheckShardMoves refused one without sources)
+    // Striped: chunk i from the i-th source modulo their count, in the plan's order.
+    for (int q : mine) peers[q].fetch = true;
+    for (size_t i = 0; i < sharded.size(); ++i) peers[mine[i % mine.size()]].chunks.push_back(sharded[i]);
   }
   for (int r : moves.receivers) {
     const auto& src = moves.sources[static_cast<size_t>(r)];
     if (std::find(src.begin(), src.end(), me) != src.end()) peers[r].serve = true;
   }
-  if (!peers.empty() && hooks.on_start) hooks.on_start();
+  return peers;
+}
 
-  // Staging: a member keeps serving the shard it holds while it fetches the
-  // one it will hold, so the fetched bytes go live only after both are done.
-  std::map<uint32_t, std::pair<size_t, uint32_t>> staged;  // chunk → (offset in staging, crc)
-  size_t staging_bytes = 0;
-  if (receiving) {
-    for (uint32_t c : sharded) {
-      staged[c] = {staging_bytes, 0};
-      staging_bytes += reg.chunk_size(c);
+// Fetched shard chunks, held back until the commit: a member keeps serving
+// the shard it holds while it fetches the one it will hold.
+struct Staging {
+  std::map<uint32_t, std::pair<size_t, uint32_t>> where;  // chunk → (offset in bytes, crc)
+  std::vector<std::byte> bytes;
+
+  Staging(const state::StateRegistry& reg, const std::vector<uint32_t>& chunks) {
+    size_t size = 0;
+    for (uint32_t c : chunks) {
+      where[c] = {size, 0};
+      size += reg.chunk_size(c);
     }
+    bytes.resize(size);
   }
-  std::vector<std::byte> staging(staging_bytes);
-  const ChunkSink into_staging = [&](uint32_t index, std::span<const std::byte> data, uint32_t crc) {
+  Status Put(uint32_t index, std::span<const std::byte> data, uint32_t crc) {
     if (Crc32c(data.data(), data.size()) != crc) return DataLossError(fmt::format("state chunk {} fails its checksum", index));
-    auto& [offset, kept_crc] = staged.at(index);  // every index was asked for: it is there
-    std::memcpy(staging.data() + offset, data.data(), data.size());
+    auto& [offset, kept_crc] = where.at(index);  // every index was asked for: it is there
+    std::memcpy(bytes.data() + offset, data.data(), data.size());
     kept_crc = crc;
     return OkStatus();
+  }
+};
+
+// This member's side of the moves with every peer at once, one thread each.
+Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg, const state::ShardLayout& layout,
+                     const std::map<int, PeerWork>& peers, int64_t step, bool every, const TransferHooks& hooks,
+                     Staging* staging, TransferOutcome* outcome) {
+  const int me = comm.rank();
+  const int need = layout.shard_of_rank[static_cast<size_t>(me)];
+  const ChunkSink into_staging = [staging](uint32_t index, std::span<const std::byte> data, uint32_t crc) {
+    return staging->Put(index, data, crc);
   };
   std::atomic<bool> corrupt(hooks.corrupt_first_chunk);
   std::atomic<uint64_t> bytes{0};
@@ -423,7 +510,6 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
     threads.emplace_back([&, i] {
       const int peer = results[i].first;
       const PeerWork& work = peers.at(peer);
-      const std::vector<uint32_t>& fetch = work.chunks;
       auto do_serve = [&]() -> Status {
         if (!work.serve) return OkStatus();
         return Serve(comm, reg, peer, step, &corrupt, every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1);
@@ -432,9 +518,10 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
         if (!work.fetch) return OkStatus();
         std::string header(kHeaderBytes, '\0');
         NONSTOP_RETURN_IF_ERROR(comm.Recv(peer, std::as_writable_bytes(std::span(header))));
+        // The existing check stays: a source's header must name this group size and the shard asked for.
         NONSTOP_RETURN_IF_ERROR(CheckHeader(header, step, reg, fmt::format("rank {}", peer), need));
         std::vector<uint32_t> failed;
-        NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, fetch, &failed, &bytes, into_staging));
+        NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, work.chunks, &failed, &bytes, into_staging));
         if (!failed.empty()) {  // once more from the same holder: a chunk damaged on the way
           refetched += static_cast<int>(failed.size());
           std::vector<uint32_t> again;
@@ -455,7 +542,52 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   }
   for (auto& t : threads) t.join();
   for (const auto& [peer, s] : results) NONSTOP_RETURN_IF_ERROR(s);
-  outcome.served = std::any_of(peers.begin(), peers.end(), [](const auto& p) { return p.second.serve; });
+  outcome->served = std::any_of(peers.begin(), peers.end(), [](const auto& p) { return p.second.serve; });
+  outcome->bytes_received = bytes.load();
+  outcome->refetched_chunks = refetched.load();
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& reg,
+                                       const control::PlanMsg& plan, int64_t held_step, const TransferHooks& hooks) {
+  TransferOutcome outcome;
+  const int group = reg.shard_group();
+  if (group == 0) {
+    if (plan.shard_group == 0 && plan.shard_moves.empty()) return outcome;
+    return InvalidArgumentError(fmt::format("the plan of generation {} shards the optimizer state over groups of {}, "
+                                            "this worker's state is not sharded", plan.generation, plan.shard_group));
+  }
+  const int64_t step = plan.resume_step - 1;
+  NONSTOP_ASSIGN_OR_RETURN(state::ShardLayout layout, state::LayoutOf(comm.world_size(), group));
+  const int me = comm.rank();
+  const int need = layout.shard_of_rank[static_cast<size_t>(me)];
+  // A state of another step holds no shard of this one. A member holding
+  // every shard (the initial state, or whole buffers behind every view) says
+  // so, serves each receiver its shard, and binds its own at the end.
+  if (held_step != step && reg.held_shard() != state::kNoShard) reg.set_held_shard(state::kNoShard);
+  // The initial state (no step done: zero moments, the seeded parameters
+  // whole) is every shard's, whichever one the views were bound to since.
+  if (held_step == -1 && step == -1) reg.set_held_shard(state::kEveryShard);
+  const bool every = reg.held_shard() == state::kEveryShard;
+
+  NONSTOP_ASSIGN_OR_RETURN(Holdings holdings, GatherHoldings(comm, group, reg.held_shard(), held_step));
+  NONSTOP_ASSIGN_OR_RETURN(RankedMoves moves, CheckShardMoves(plan, layout, holdings, step));
+  if (moves.receivers.empty()) {
+    if (every) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
+    return outcome;
+  }
+
+  std::vector<uint32_t> sharded;
+  for (uint32_t c = 0; c < reg.num_chunks(); ++c) {
+    if (reg.chunk_sharded(c)) sharded.push_back(c);
+  }
+  const std::map<int, PeerWork> peers = PeersOf(moves, me, sharded);
+  const bool receiving = std::find(moves.receivers.begin(), moves.receivers.end(), me) != moves.receivers.end();
+  if (!peers.empty() && hooks.on_start) hooks.on_start();
+  Staging staging(reg, receiving ? sharded : std::vector<uint32_t>{});
+  NONSTOP_RETURN_IF_ERROR(MoveWithPeers(comm, reg, layout, peers, step, every, hooks, &staging, &outcome));
   // Nobody commits before everybody has staged: a receiver's commit
   // overwrites the shard it held, which may be the last copy of it if a
   // holder that serves it dies now. After the barrier every member has its
@@ -466,14 +598,12 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   if (!receiving) return outcome;
   // Commit: the views move to the new shard, then the checked bytes go in.
   NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
-  for (const auto& [index, where] : staged) {
-    NONSTOP_RETURN_IF_ERROR(reg.WriteChunk(index, std::span(staging).subspan(where.first, reg.chunk_size(index)),
-                                           where.second));
+  for (const auto& [index, where] : staging.where) {
+    NONSTOP_RETURN_IF_ERROR(reg.WriteChunk(
+        index, std::span(staging.bytes).subspan(where.first, reg.chunk_size(index)), where.second));
   }
   outcome.received = true;
-  outcome.sources = static_cast<int>(my_sources.size());
-  outcome.bytes_received = bytes.load();
-  outcome.refetched_chunks = refetched.load();
+  outcome.sources = static_cast<int>(moves.sources[static_cast<size_t>(me)].size());
   return outcome;
 }
 

@@ -42,7 +42,9 @@ struct TransferHooks {
 // Checks a plan from the controller before anything acts on it: members with
 // distinct non-negative worker ids and parseable addresses, this worker among
 // them, every transfer's receiver and sources members of the plan (a source
-// is never its own receiver), a resume step >= 0. INVALID_ARGUMENT names what
+// is never its own receiver), a resume step >= 0; every shard move's receiver
+// a member that receives once, the shard its rank's (rank mod shard_group),
+// its sources distinct members other than itself. INVALID_ARGUMENT names what
 // is wrong; a worker answers a bad plan with a Status, never an abort.
 Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id);
 
@@ -51,28 +53,26 @@ Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id);
 Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state::StateRegistry& registry,
                                           const control::PlanMsg& plan, int my_worker_id, const TransferHooks& hooks);
 
-// Re-sharding (docs/sharding.md): which ranks must fetch their shard and from
-// whom. held[q] and steps[q] are what rank q's sharded state holds (a shard,
-// kNoShard), of which step; the generation resumes after `step`.
-struct ShardMoves {
-  std::vector<int> receivers;             // ranks that lack the shard `layout` gives them
-  std::vector<std::vector<int>> sources;  // index = rank: the holders of its shard, ascending
-  std::vector<int> lost;                  // shards no member holds (every copy lost), ascending
-};
-ShardMoves PlanShardMoves(const state::ShardLayout& layout, std::span<const int> held, std::span<const int64_t> steps,
-                          int64_t step);
-
 // After RunStateTransfers, with sharded state (StateRegistry::shard_group() >
-// 0): every member of the generation calls it. The members all-gather which
-// shard of which step each holds (`held_step`: this worker's); every member
-// whose rank's shard in the layout of this world differs from the one it
-// holds (a spare, a member whose rank moved in a resize) copies it from its
-// holders, striped over them and checksummed, into a staging buffer while it
-// serves the shard it held to others, and commits it (the views move, the
-// bytes go in) once every member has staged its own (a barrier). DATA_LOSS naming the shard when no member
-// holds a shard: every member gets the same verdict. A failure leaves the
-// state as it was: the shard held before, still valid.
+// 0): every member of the generation calls it, with `held_step` the step its
+// state holds now. It carries out `plan.shard_moves` (the controller decides
+// them: controller::PlanShardMoves; this never plans): each receiver copies
+// the shard of its rank from the plan's sources, striped over them in the
+// plan's order and checksummed, into a staging buffer while it serves the
+// shard it held to others, and commits it (the views move, the bytes go in)
+// once every member has staged its own (a barrier).
+//
+// It trusts the plan only as far as it checks it: the members all-gather
+// which shard of which step each holds, and every member checks the moves
+// against those claims before anything is copied: the plan's group size is
+// theirs, a receiver lacks the shard of its rank and receives exactly that
+// one, a source holds what it serves, and every member the plan moves
+// nothing to holds its rank's shard. Every member sees the same claims and
+// the same plan, so every member gets the same verdict: FAILED_PRECONDITION
+// naming the inconsistency, INVALID_ARGUMENT for a member of another group
+// size, DATA_LOSS naming the shard when the plan says no member holds it.
+// A failure leaves the state as it was: the shard held before, still valid.
 Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& registry,
-                                       int64_t held_step, int64_t step, const TransferHooks& hooks);
+                                       const control::PlanMsg& plan, int64_t held_step, const TransferHooks& hooks);
 
 }  // namespace nonstop::worker

@@ -6,6 +6,9 @@
 
 #include <functional>
 #include <thread>
+#include <utility>
+
+#include <fmt/format.h>
 
 #include "collective/peer_mesh.h"
 #include "net/socket.h"
@@ -26,6 +29,7 @@ struct Rank {
   bool whole;
   std::vector<float> params, m, v;
   int64_t step = 0;
+  std::string address;  // its data port (the plan's member address)
   state::StateRegistry reg;
   net::AbortSignal abort;
   std::unique_ptr<collective::PeerMesh> mesh;
@@ -95,6 +99,7 @@ std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups, siz
   for (size_t r = 0; r < groups.size(); ++r) {
     auto rank = std::make_unique<Rank>(groups[r], chunk_bytes, static_cast<int>(r) == whole_rank);
     rank->Register();
+    rank->address = members[r].address;
     rank->mesh = collective::PeerMesh::Create({kToken, static_cast<int>(r)}, std::move(listeners[r]));
     collective::CommunicatorOptions o;
     o.rank = static_cast<int>(r);
@@ -106,8 +111,24 @@ std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups, siz
   return ranks;
 }
 
-// Every rank runs ExchangeShards for a generation that resumes after `step`.
-std::vector<Result<TransferOutcome>> ExchangeAll(std::vector<std::unique_ptr<Rank>>& ranks, int64_t step,
+using Moves = std::vector<control::PlanShardMove>;
+
+// The plan of a generation of `ranks` (worker id = rank) that resumes after
+// `step`, in groups of `group` (rank 0's, when 0), with these shard moves:
+// what the controller's planner would send (controller::PlanShardMoves).
+control::PlanMsg PlanOf(const std::vector<std::unique_ptr<Rank>>& ranks, int64_t step, Moves moves, int group = 0) {
+  control::PlanMsg plan;
+  plan.generation = 5;
+  plan.resume_step = step + 1;
+  for (size_t r = 0; r < ranks.size(); ++r) plan.members.push_back({static_cast<int>(r), ranks[r]->address});
+  plan.shard_group = group > 0 ? group : ranks[0]->group;
+  plan.shard_moves = std::move(moves);
+  return plan;
+}
+
+// Every rank runs ExchangeShards for `plan`.
+std::vector<Result<TransferOutcome>> ExchangeAll(std::vector<std::unique_ptr<Rank>>& ranks,
+                                                 const control::PlanMsg& plan,
                                                  std::function<TransferHooks(int)> hooks = nullptr) {
   std::vector<Result<TransferOutcome>> out(ranks.size(), InternalError("not run"));
   std::vector<std::thread> threads;
@@ -119,29 +140,20 @@ std::vector<Result<TransferOutcome>> ExchangeAll(std::vector<std::unique_ptr<Ran
         out[r] = c;
         return;
       }
-      out[r] = ExchangeShards(*k.comm, k.reg, k.step, step, hooks ? hooks(static_cast<int>(r)) : TransferHooks{});
+      out[r] = ExchangeShards(*k.comm, k.reg, plan, k.step, hooks ? hooks(static_cast<int>(r)) : TransferHooks{});
     });
   }
   for (auto& t : threads) t.join();
   return out;
 }
 
-TEST(ShardMovesTest, NamesTheHoldersOfEachMissingShardAndTheShardsNobodyHolds) {
-  auto layout = state::LayoutOf(6, 2);
-  ASSERT_TRUE(layout.ok());
-  // Rank 3 is a spare (holds nothing), rank 4 is one step behind.
-  std::vector<int> held = {0, 1, 0, state::kNoShard, 0, 1};
-  std::vector<int64_t> steps = {7, 7, 7, 7, 6, 7};
-  ShardMoves moves = PlanShardMoves(*layout, held, steps, 7);
-  EXPECT_EQ(moves.receivers, (std::vector<int>{3, 4}));
-  EXPECT_EQ(moves.sources[3], (std::vector<int>{1, 5})) << "shard 1 from its holders in the other groups";
-  EXPECT_EQ(moves.sources[4], (std::vector<int>{0, 2})) << "a stale copy of shard 0 is no source";
-  EXPECT_TRUE(moves.lost.empty());
-  // Both holders of shard 1 are gone.
-  held = {0, state::kNoShard, 0, state::kNoShard, 0, state::kNoShard};
-  moves = PlanShardMoves(*layout, held, steps, 7);
-  EXPECT_EQ(moves.lost, (std::vector<int>{1}));
-  EXPECT_TRUE(moves.sources[1].empty());
+// Every rank refuses the plan: `code`, the message naming `what`.
+void ExpectEveryRankRefuses(const std::vector<Result<TransferOutcome>>& out, StatusCode code, const std::string& what) {
+  for (size_t r = 0; r < out.size(); ++r) {
+    ASSERT_FALSE(out[r].ok()) << "rank " << r;
+    EXPECT_EQ(out[r].status().code(), code) << "rank " << r << ": " << out[r].status().ToString();
+    EXPECT_NE(out[r].status().message().find(what), std::string::npos) << out[r].status().ToString();
+  }
 }
 
 TEST(ExchangeShardsTest, ASpareCopiesOnlyItsShardFromTheShardsHolders) {
@@ -149,7 +161,7 @@ TEST(ExchangeShardsTest, ASpareCopiesOnlyItsShardFromTheShardsHolders) {
   for (int r : {0, 1, 2}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
   ranks[3]->step = 7;  // RunStateTransfers copied the step; the shard it holds is none
   ranks[3]->reg.set_held_shard(state::kNoShard);
-  auto out = ExchangeAll(ranks, 7);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{3, 1, {1}}}));
   for (size_t r = 0; r < out.size(); ++r) ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
   EXPECT_TRUE(out[3]->received);
   EXPECT_EQ(out[3]->sources, 1) << "rank 1 is the only other holder of shard 1";
@@ -165,7 +177,10 @@ TEST(ExchangeShardsTest, ResizeReshardsLiveWithMembersSwappingShards) {
   auto ranks = MakeRanks({2, 2, 2, 2, 2, 2});
   for (int r = 0; r < 6; ++r) ranks[static_cast<size_t>(r)]->Hold((r + 1) % 2, 12);
   // And a corrupted chunk on the way is fetched again.
-  auto out = ExchangeAll(ranks, 12, [](int r) {
+  // Each rank's shard from its three holders, striped over them.
+  const Moves moves = {{0, 0, {1, 3, 5}}, {1, 1, {0, 2, 4}}, {2, 0, {1, 3, 5}},
+                       {3, 1, {0, 2, 4}}, {4, 0, {1, 3, 5}}, {5, 1, {0, 2, 4}}};
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 12, moves), [](int r) {
     TransferHooks h;
     h.corrupt_first_chunk = r == 2;
     return h;
@@ -186,7 +201,9 @@ TEST(ExchangeShardsTest, AHolderThatServesNoChunkStillEndsItsPartOfTheProtocol) 
   // nothing but the header; they must not wait for a request forever.
   auto ranks = MakeRanks({2, 2, 2, 2, 2, 2}, 1 << 20);
   for (int r = 0; r < 6; ++r) ranks[static_cast<size_t>(r)]->Hold((r + 1) % 2, 4);
-  auto out = ExchangeAll(ranks, 4);
+  const Moves moves = {{0, 0, {1, 3, 5}}, {1, 1, {0, 2, 4}}, {2, 0, {1, 3, 5}},
+                       {3, 1, {0, 2, 4}}, {4, 0, {1, 3, 5}}, {5, 1, {0, 2, 4}}};
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 4, moves));
   for (int r = 0; r < 6; ++r) {
     ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
     EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 4)) << "rank " << r;
@@ -202,7 +219,7 @@ TEST(ExchangeShardsTest, AMemberHoldingEveryShardServesEachReceiverItsOwn) {
     ranks[static_cast<size_t>(r)]->step = 7;
     ranks[static_cast<size_t>(r)]->reg.set_held_shard(state::kNoShard);
   }
-  auto out = ExchangeAll(ranks, 7);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{0, 0, {3}}, {1, 1, {3}}, {2, 0, {3}}}));
   for (int r = 0; r < 4; ++r) {
     ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
     EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 7)) << "rank " << r;
@@ -214,7 +231,7 @@ TEST(ExchangeShardsTest, AMemberHoldingEveryShardServesEachReceiverItsOwn) {
 TEST(ExchangeShardsTest, TheInitialStateIsEveryShardAndMovesNothing) {
   auto ranks = MakeRanks({2, 2});
   for (auto& r : ranks) r->step = -1;
-  auto out = ExchangeAll(ranks, -1);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, -1, {}));
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << out[static_cast<size_t>(r)].status().ToString();
     EXPECT_FALSE(out[static_cast<size_t>(r)]->received);
@@ -230,7 +247,7 @@ TEST(ExchangeShardsTest, BeforeTheFirstStepEveryMemberHoldsEveryShard) {
     r->step = -1;
     ASSERT_TRUE(r->reg.BindShard(0).ok());
   }
-  auto out = ExchangeAll(ranks, -1);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, -1, {}));
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
     EXPECT_EQ(ranks[static_cast<size_t>(r)]->reg.held_shard(), r);
@@ -244,33 +261,117 @@ TEST(ExchangeShardsTest, EveryCopyOfAShardLostIsDataLossNamingItOnEveryMember) {
     ranks[static_cast<size_t>(r)]->step = 30;
     ranks[static_cast<size_t>(r)]->reg.set_held_shard(state::kNoShard);
   }
-  auto out = ExchangeAll(ranks, 30);
-  for (int r = 0; r < 4; ++r) {
-    ASSERT_FALSE(out[static_cast<size_t>(r)].ok()) << "rank " << r;
-    EXPECT_EQ(out[static_cast<size_t>(r)].status().code(), StatusCode::kDataLoss);
-    EXPECT_NE(out[static_cast<size_t>(r)].status().message().find("shard 1 of the optimizer state of step 30"),
-              std::string::npos)
-        << out[static_cast<size_t>(r)].status().ToString();
-  }
+  // The planner's moves name no source for shard 1 (a release that had to take its last holder).
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 30, {{1, 1, {}}, {3, 1, {}}}));
+  ExpectEveryRankRefuses(out, StatusCode::kDataLoss, "shard 1 of the optimizer state of step 30");
   EXPECT_TRUE(ranks[0]->HoldsShard(0, 30)) << "nothing is changed";
 }
 
 TEST(ExchangeShardsTest, AMemberOfAnotherGroupSizeIsRefusedByEveryone) {
   auto ranks = MakeRanks({2, 2, 2, 4});
   for (int r = 0; r < 4; ++r) ranks[static_cast<size_t>(r)]->step = 3;
-  auto out = ExchangeAll(ranks, 3);
-  for (int r = 0; r < 4; ++r) {
-    ASSERT_FALSE(out[static_cast<size_t>(r)].ok());
-    EXPECT_EQ(out[static_cast<size_t>(r)].status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(out[static_cast<size_t>(r)].status().message().find("optimizer.shard_group"), std::string::npos)
-        << out[static_cast<size_t>(r)].status().ToString();
-  }
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 3, {}));
+  ExpectEveryRankRefuses(out, StatusCode::kInvalidArgument, "optimizer.shard_group");
+}
+
+TEST(ExchangeShardsTest, APlanOfAnotherGroupSizeIsRefusedByEveryone) {
+  auto ranks = MakeRanks({2, 2, 2, 2});
+  for (int r = 0; r < 4; ++r) ranks[static_cast<size_t>(r)]->Hold(r % 2, 3);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 3, {}, /*group=*/4));
+  ExpectEveryRankRefuses(out, StatusCode::kInvalidArgument,
+                         "the plan of generation 5 shards the optimizer state over groups of 4, this worker over "
+                         "groups of 2");
 }
 
 TEST(ExchangeShardsTest, AWorldThatIsNotAMultipleOfTheGroupIsRefused) {
   auto ranks = MakeRanks({2, 2, 2});
-  auto out = ExchangeAll(ranks, -1);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, -1, {}));
   for (const auto& o : out) EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument) << o.status().ToString();
+}
+
+// The worker carries out the controller's moves and plans none itself: a plan
+// that disagrees with what the members hold fails on every member, naming
+// the disagreement, before a byte is copied.
+TEST(ExchangeShardsTest, APlanThatMovesNothingToAMemberLackingItsShardIsRefused) {
+  auto ranks = MakeRanks({2, 2, 2, 2});
+  for (int r : {0, 1, 2}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
+  ranks[3]->step = 7;  // a spare: no shard
+  ranks[3]->reg.set_held_shard(state::kNoShard);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {}));
+  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
+                         "rank 3 (worker 3) holds no shard (its state is of step 7), not shard 1 of step 7 (its "
+                         "rank's), and the plan moves nothing to it");
+  EXPECT_EQ(ranks[3]->reg.held_shard(), state::kNoShard);
+}
+
+TEST(ExchangeShardsTest, ASourceThatDoesNotHoldTheShardItIsToServeIsRefused) {
+  auto ranks = MakeRanks({2, 2, 2, 2});
+  for (int r : {0, 1, 2}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
+  ranks[3]->step = 7;
+  ranks[3]->reg.set_held_shard(state::kNoShard);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{3, 1, {1, 2}}}));  // rank 2 holds shard 0
+  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
+                         "rank 2 (worker 2) is to serve shard 1 of step 7 to rank 3 (worker 3), but it holds shard 0 "
+                         "of step 7");
+  EXPECT_TRUE(ranks[2]->HoldsShard(0, 7));
+}
+
+TEST(ExchangeShardsTest, AStaleCopyIsNoSource) {
+  // Rank 1 holds shard 1 of step 6 (one step behind), rank 3 is a spare; only rank 5 holds shard 1 of step 7.
+  auto ranks = MakeRanks({2, 2, 2, 2, 2, 2});
+  for (int r : {0, 2, 4, 5}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
+  ranks[1]->Hold(1, 6);
+  ranks[3]->step = 7;
+  ranks[3]->reg.set_held_shard(state::kNoShard);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{1, 1, {5}}, {3, 1, {1, 5}}}));
+  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
+                         "rank 1 (worker 1) is to serve shard 1 of step 7 to rank 3 (worker 3), but it holds no shard "
+                         "(its state is of step 6)");
+}
+
+TEST(ExchangeShardsTest, AMoveToAMemberThatHoldsItsShardOrOfAnotherShardIsRefused) {
+  auto ranks = MakeRanks({2, 2, 2, 2});
+  for (int r : {0, 1, 2}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
+  ranks[3]->step = 7;
+  ranks[3]->reg.set_held_shard(state::kNoShard);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{3, 0, {0, 2}}}));
+  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
+                         "rank 3 (worker 3) is to receive shard 0, but its rank holds shard 1 (rank mod 2)");
+  out = ExchangeAll(ranks, PlanOf(ranks, 7, {{1, 1, {3}}, {3, 1, {1}}}));
+  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
+                         "rank 1 (worker 1) is to receive shard 1 of step 7, which it holds already");
+  EXPECT_TRUE(ranks[1]->HoldsShard(1, 7));
+}
+
+// ValidatePlan, before anything acts on a plan: the shape of its shard moves.
+TEST(ValidatePlanTest, RefusesShardMovesOfNonMembersWrongShardsOrBadSources) {
+  control::PlanMsg plan;
+  plan.generation = 3;
+  plan.resume_step = 8;
+  for (int id : {10, 11, 12, 13}) plan.members.push_back({id, fmt::format("127.0.0.1:{}", 4000 + id)});
+  plan.shard_group = 2;
+  plan.shard_moves = {{13, 1, {11}}};
+  ASSERT_TRUE(ValidatePlan(plan, 10).ok()) << ValidatePlan(plan, 10).ToString();
+  const std::pair<control::PlanShardMove, std::string> bad[] = {
+      {{14, 0, {10}}, "shard receiver worker 14 is not a member"},
+      {{13, 0, {10}}, "worker 13 is to receive shard 0, but its rank 3 holds shard 1 of groups of 2"},
+      {{13, 1, {15}}, "source worker 15 of shard 1 for worker 13 is not a member"},
+      {{13, 1, {13}}, "worker 13 is its own source of shard 1"},
+      {{13, 1, {11, 11}}, "worker 11 is a source of shard 1 for worker 13 twice"},
+  };
+  for (const auto& [move, why] : bad) {
+    control::PlanMsg p = plan;
+    p.shard_moves = {move};
+    Status s = ValidatePlan(p, 10);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << why;
+    EXPECT_NE(s.message().find(why), std::string::npos) << s.ToString();
+  }
+  control::PlanMsg twice = plan;
+  twice.shard_moves.push_back({13, 1, {11}});
+  EXPECT_NE(ValidatePlan(twice, 10).message().find("worker 13 receives a shard twice"), std::string::npos);
+  control::PlanMsg ungrouped = plan;
+  ungrouped.shard_group = 0;
+  EXPECT_NE(ValidatePlan(ungrouped, 10).message().find("moves shards but names no shard_group"), std::string::npos);
 }
 
 }  // namespace
