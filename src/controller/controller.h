@@ -45,11 +45,22 @@
 // With min_hosts == 0 the job runs on one machine: the runtime starts worker
 // ids 0 … world_size + spares − 1 itself, and spares are refilled one for one.
 //
+// The parts (docs/controller.md). The Controller is their composition: it
+// keeps the event handlers (On) and the recovery state machine (OpenRecovery
+// → MaybeFinishAbort → FormNextGeneration → ApplyPlan, RestartFromCheckpoint),
+// and calls
+//   - Membership (membership.h): the workers, their roles, the members by rank;
+//   - Placement (placement.h): the hosts, their slots, where processes run and go;
+//   - the detectors (detectors.h): pure checks of time that say what fired;
+//   - the resize policy (resize_policy.h): pure size rules and timing;
+//   - the planner (planner.h): the next generation, from a view;
+//   - the report (report.h): the records as JSON and text.
+// The parts call no part and never the Controller.
+//
 // Thread-safety: none; one thread drives it.
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -61,89 +72,18 @@
 
 #include <nlohmann/json.hpp>
 
-#include "nonstop/settings.h"
 #include "common/time.h"
 #include "control/fault_spec.h"
 #include "control/messages.h"
+#include "controller/core_types.h"
+#include "controller/detectors.h"
+#include "controller/membership.h"
+#include "controller/placement.h"
 #include "controller/planner.h"
+#include "controller/resize_policy.h"
 
 namespace nonstop::controller {
 
-// Exit codes of `nonstop run`, meaningful to a supervisor (README).
-inline constexpr int kExitOk = 0;
-inline constexpr int kExitUsage = 2;
-inline constexpr int kExitPeerFailure = 10;  // a worker failed and the job could not continue; restartable
-inline constexpr int kExitDataCorruption = 11;
-inline constexpr int kExitInterrupted = 130;
-// RunController only: this controller stopped leading (its etcd lease ran out,
-// or another controller leads); the job goes on under the next leader.
-inline constexpr int kExitDeposed = 75;
-
-enum class RecoveryMode {
-  kCheckpointless,     // in-process recovery; durable checkpoints (if any) are the last rung
-  kCheckpointRestart,  // the baseline: on any fault stop everything, restart all, reload the newest checkpoint
-};
-
-// When and how the world may change size (DESIGN.md §8).
-struct ScalePolicy {
-  int min_world = 1;
-  int max_world = 0;               // 0: the initial world size
-  std::vector<int> allowed_sizes;  // empty: min, min+increment, … up to max
-  int increment = 1;
-  Millis stable_period{0};         // the least time between two changes
-  // Back-off: more than `backoff_changes` changes within `backoff_window`
-  // doubles the stable period for each extra change (up to 8×).
-  int backoff_changes = 3;
-  Millis backoff_window{60'000};
-};
-
-struct ControllerOptions {
-  ScalePolicy policy;
-  RecoveryMode recovery = RecoveryMode::kCheckpointless;
-  // Durable checkpoints are being written (nonstop run --checkpoint-dir): the
-  // job can restart from them when no live worker holds the state.
-  bool have_checkpoints = false;
-  int world_size = 1;
-  int spares = 0;  // the size of the spare pool, refilled as spares are used
-  // A member silent this long is declared failed (a hung or stopped process).
-  Millis heartbeat_timeout{settings::kHeartbeatTimeoutMs.default_value};
-  // Members that have not aborted and answered Ready this long (or 1.5 ×
-  // the median step, if longer) after the abort are killed (escalation).
-  Millis abort_timeout{settings::kAbortTimeoutMs.default_value};
-  // Step-progress watchdog: a member still computing while another has
-  // waited in the step's collective for max(floor, factor × median step time).
-  double watchdog_factor = 5.0;
-  Millis watchdog_floor{2'000};
-  std::vector<control::FaultSpec> faults;  // injected faults, fired once each
-  // A grow waits this long for all the capacity it needs, to change once.
-  Millis grow_gather{3'000};
-  // Bounds on the phases before a worker trains (docs/thread-model.md):
-  // the job must form within forming_timeout of its start (or restart), and a
-  // spare started later must join within join_timeout of its start, or it is
-  // killed and replaced.
-  Millis forming_timeout{settings::kJoinTimeoutMs.default_value};
-  Millis join_timeout{settings::kJoinTimeoutMs.default_value};
-  // Hang detection from the members' arrival at each step's collective: a
-  // member that has not arrived hang_factor × the recent arrival spread
-  // (but at least hang_floor) after the first member did is hung.
-  double hang_factor = settings::kHangFactor.default_value;
-  Millis hang_floor{settings::kHangFloorMs.default_value};
-  // Stall watchdog: when no step has completed for stall_factor × the median
-  // step (at least stall_floor; forming_timeout before the first step and
-  // while a recovery moves state), every member is aborted. Members that
-  // answer re-form (a stuck collective); members that cannot (every rank
-  // hung, or a world of one) are killed by the abort's escalation.
-  double stall_factor = 10.0;
-  Millis stall_floor{settings::kStallFloorMs.default_value};
-  // Multi-host: the job is placed when this many hosts have registered
-  // (0: one machine, no agents; world_size and spares then say the size).
-  int min_hosts = 0;
-  int max_hosts = 0;  // 0: no limit; more agents are refused
-  // A controller that takes over a running job (Takeover) waits this long
-  // for the workers and agents it inherits to join it; those that do not
-  // are lost (docs/controller-failover.md).
-  Millis adopt_timeout{10'000};
-};
 
 // What a controller taking over a running job knows of it: the last state
 // its predecessor recorded (the journal: TakeoverFromJournal; or etcd).
@@ -243,84 +183,13 @@ struct EndJob { int exit_code; std::string reason; };
 using Action = std::variant<SendPlan, SendAbort, SendDrain, SendShutdown, KillWorker, SignalWorker, SpawnWorker,
                             AppendJournal, PrintLine, EndJob, ScaleReply, CloseHost>;
 
-enum class JobPhase { kForming, kRunning, kRecovering, kEnded };
-enum class WorkerRole { kPending, kMember, kSpare, kFinished, kGone };
-
-struct WorkerInfo {
-  int worker_id = -1;
-  int64_t pid = 0;
-  std::string address;
-  WorkerRole role = WorkerRole::kPending;
-  int rank = -1;
-  int64_t last_step = -1;
-  int64_t waiting_ms = -1;
-  Clock::time_point last_heard{};
-  bool stopped = false;  // the launcher saw its process stop
-  std::string how_it_ended;  // set when its process exited
-  std::string host;          // the host it runs on ("" : local, or joined by hand)
-  // Sharded optimizer state: the shard its state holds (state::kEveryShard:
-  // every one, the initial state; kNoShard: none), from its join and Ready.
-  int held_shard = -1;
-};
-
-struct HostInfo {
-  std::string host_id;
-  int nproc = 0, spares = 0;  // its slots: nproc + spares processes
-  std::string address;
-  int64_t pid = 0;
-  bool alive = false;
-  int incarnation = 0;  // registrations so far (a host that heals registers again)
-  bool inherited = false;  // taken over from a previous controller: its agent has not registered with this one yet
-  // Its capacity follows the job (the agent of `nonstop run`, the job's only
-  // host): the controller starts the workers and spares the job needs there, as
-  // on one machine, instead of filling fixed slots.
-  bool elastic = false;
-  // Its agent asked to leave (HostLeaving): nothing starts there any more,
-  // its spares are let go and its members are released at the next step
-  // boundary. Cleared when it registers again.
-  bool leaving = false;
-  std::string leave_reason;
-  bool leave_refused = false;  // the release was refused (journaled once): its members stay
-  bool member_lost = false;    // a member of it failed while it was leaving: its end is a loss, not a leave
-  Clock::time_point last_heard{};
-  std::string lost_reason;
-};
-
-// One recovery, with its phases (journal "recovery_end", and the end-of-job report).
-struct RecoveryRecord {
-  int id = 0;
-  std::string kind = "recovery";  // "recovery" (a fault) or "resize" (a planned change at a step boundary)
-  uint32_t from_generation = 0;
-  uint32_t to_generation = 0;
-  std::vector<std::string> causes;
-  std::string injected;                          // the injected fault, if one caused it
-  std::optional<Clock::time_point> fault_at;     // when the fault happened (injected faults)
-  Clock::time_point detected_at{};
-  std::optional<Clock::time_point> aborted_at;   // every live member had answered Ready
-  std::optional<Clock::time_point> plan_at;
-  std::optional<Clock::time_point> state_ready_at;  // every member reported connections and state ready
-  std::optional<Clock::time_point> first_step_at;   // every member completed the resume step
-  int64_t resume_step = 0;
-  int64_t lost_steps = 0;  // completed steps no survivor held
-  int old_world = 0, new_world = 0;
-  std::vector<std::string> replacements;  // "rank 2: worker 2 → spare worker 5"
-  int spawned_spares = 0;
-  double connect_seconds = 0, transfer_seconds = 0;
-  uint64_t bytes_copied = 0;
-  int sources = 0, refetched_chunks = 0, recovered_reports = 0;
-  double normal_step_seconds = 0;
-  std::string outcome = "in progress";  // "completed", "superseded by recovery N", "failed"
-  bool restarted = false;               // every worker was restarted from a durable checkpoint
-  int64_t redone_steps = 0;             // completed steps to be computed again after a restart
-  std::set<std::string> failed_hosts;   // hosts of the members lost (their spares are picked last)
-};
 
 class Controller {
  public:
   explicit Controller(ControllerOptions options)
       : options_(std::move(options)),
         world_size_(options_.min_hosts > 0 ? 0 : options_.world_size),
-        pool_size_(options_.min_hosts > 0 ? 0 : options_.spares),
+        placement_(options_.min_hosts > 0, options_.min_hosts > 0 ? 0 : options_.spares),
         pending_faults_(options_.faults),
         // The job grows up to the policy's maximum as capacity appears.
         target_world_(std::max(world_size_, options_.policy.max_world)) {}
@@ -329,27 +198,28 @@ class Controller {
 
   JobPhase phase() const { return phase_; }
   uint32_t generation() const { return generation_; }
-  const std::map<int, WorkerInfo>& workers() const { return workers_; }
+  const std::map<int, WorkerInfo>& workers() const { return membership_.workers(); }
   const std::vector<RecoveryRecord>& recoveries() const { return recoveries_; }
   nlohmann::json Status() const;
   nlohmann::json PolicyJson() const;
   int target_world() const { return target_world_; }
   // The members of the current generation, by rank (worker ids).
-  const std::vector<int>& members() const { return members_; }
-  size_t world_size() const { return members_.size(); }
+  const std::vector<int>& members() const { return membership_.members(); }
+  size_t world_size() const { return membership_.members().size(); }
   // The rank a worker holds now, or -1 (spare, gone, not yet placed).
-  int RankOf(int worker_id) const;
-  const std::map<std::string, HostInfo>& hosts() const { return hosts_; }
+  int RankOf(int worker_id) const { return membership_.RankOf(worker_id); }
+  const std::map<std::string, HostInfo>& hosts() const { return placement_.hosts(); }
   // The host a worker was started on ("" : local, or unknown).
-  std::string HostOf(int worker_id) const;
+  std::string HostOf(int worker_id) const { return placement_.HostOf(worker_id); }
   bool multi_host() const { return options_.min_hosts > 0; }
   // Capacity is the hosts' fixed slots (nproc + spares each). Not so for a job
   // whose one host is elastic: it spawns like a job on one machine.
-  bool slotted() const { return multi_host() && elastic_host_.empty(); }
+  bool slotted() const { return placement_.slotted(); }
   // The pending injected faults, for workers started later.
   const std::vector<control::FaultSpec>& pending_faults() const { return pending_faults_; }
 
  private:
+  // ---- events (controller.cc; hosts and takeover: controller_hosts.cc)
   void On(const WorkerJoined& e, std::vector<Action>* out);
   void On(const HeartbeatReceived& e, std::vector<Action>* out);
   void On(const ProgressReceived& e, std::vector<Action>* out);
@@ -370,80 +240,31 @@ class Controller {
   void On(const WorkerStarted& e, std::vector<Action>* out);
   void On(const Takeover& e, std::vector<Action>* out);
   void On(const HostLeaving& e, std::vector<Action>* out);
-  // Releases the members of leaving hosts at the next step boundary, once the
-  // job runs (a planned resize; spares elsewhere take their ranks where the
-  // policy does not allow the smaller world).
-  void MaybeReleaseLeavingHosts(std::vector<Action>* out);
-  // Inherited workers (a takeover) that may still join: membership changes wait for them.
-  bool AdoptionPending() const;
-  // A worker inherited from the previous controller joined this one.
-  void Rejoined(const control::JoinMsg& m, std::vector<Action>* out);
-  // An agent inherited from the previous controller registered with this one,
-  // listing the processes it kept running.
-  void HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m, std::vector<Action>* out);
-  // Orders the agent of `host` to kill a process the job does not count on.
-  void FenceProcess(const std::string& host, int worker_id, int64_t pid, const std::string& why,
-                    std::vector<Action>* out);
 
-  // A host not seen before, in registration order (placement follows it).
-  HostInfo& AddHost(const std::string& host_id);
-  // Multi-host placement.
-  void PlaceOnHosts(bool resume, std::vector<Action>* out);
-  int FreeSlots(const HostInfo& h) const;
-  // Fills every free slot of every live host with a spare.
-  void TopUpHosts(std::vector<Action>* out);
+  // ---- workers
+  // Forms a generation from scratch: at the start, and after a restart from a checkpoint.
+  void MaybeFormFirstGeneration(std::vector<Action>* out);
+  // Emits SpawnWorker and remembers that the worker must join in time.
+  void Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
+             const std::string& host = "");
   // A spare to replace one that was used or lost: one for one on one
   // machine; on hosts, wherever a slot is free.
   void RefillSpare(std::vector<Action>* out);
-  void HostDown(const std::string& host_id, const std::string& reason, std::vector<Action>* out);
-  // A worker the job was forming with is gone for good: a joined spare takes
-  // its place, or a new worker where a slot is free, or the job forms smaller.
-  void ReplaceFormingWorker(const std::string& lost_host, std::vector<Action>* out);
-  // A member lost during a planned resize: the survivors may be blocked in a
-  // collective with it, which the drain alone never ends; they are aborted.
-  void EscalateResize(std::vector<Action>* out);
-  // A host heard from lately (half the heartbeat timeout): its spares may be promoted.
-  bool HostResponsive(const std::string& host_id) const;
-  // Shards every copy of which is on one host in a plan of `members` (printed and journaled).
-  void CheckShardPlacement(std::vector<Action>* out);
-
-  // Elasticity: a planned change of the world size at a step boundary.
-  std::string CheckSize(int size) const;  // empty when the policy allows `size`
-  PlanPolicy SizePolicy() const;           // the policy the planner checks sizes against
-  Millis EffectiveStablePeriod() const;
-  void StartResize(int new_world, const std::string& trigger, std::vector<Action>* out, std::set<int> release = {});
-  void MaybeGrow(std::vector<Action>* out);
-  int SpareCount() const { return spare_count_; }
-
-  void MaybeFormFirstGeneration(std::vector<Action>* out);
-  bool IsLiveMember(const WorkerInfo& w) const {
-    return w.role == WorkerRole::kMember || w.role == WorkerRole::kFinished;
-  }
-  // Every change of a worker's role goes through here, so that the pending
-  // workers and the spare count are known without scanning every worker.
-  void SetRole(WorkerInfo& w, WorkerRole role);
-  // A process started (it holds a slot of its host until its exit is seen), or ended.
-  void MarkLive(int worker_id);
-  void MarkEnded(int worker_id);
-  // Sets members_ (index = rank) and member_info_ (`info`, when the caller has it).
-  void SetMembers(std::vector<int> ids, std::vector<WorkerInfo*> info = {});
   // A worker of any role stopped answering (frozen, heartbeats gone): it is
   // killed, and replaced according to its role.
   void WorkerUnresponsive(int worker_id, const std::string& kind, const std::string& detail,
                           std::vector<Action>* out);
-  // Emits SpawnWorker and remembers that the worker must join in time.
-  void Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
-             const std::string& host = "");
-  void CheckJoinDeadlines(std::vector<Action>* out);
-  void CheckHeartbeats(std::vector<Action>* out);
-  void RecordArrival(WorkerInfo& w, int64_t step, int64_t waiting_ms);
   // A member failed: it leaves the membership (and is killed); recovery starts or continues.
   void MemberFault(int worker_id, const std::string& kind, const std::string& detail, std::vector<Action>* out);
   void SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out, const std::string& kind = "exit");
-  // The journal's record of a spare that went (every one is journaled: the spare counts drawn from it stay right).
-  static AppendJournal SpareLostRecord(const WorkerInfo& w, const std::string& kind, const std::string& detail);
   // A spare a plan may promote: heard from lately, not stopped, on a responsive host, not still to be adopted.
   bool Promotable(const WorkerInfo& w) const;
+
+  // ---- the detectors' findings, acted on (each Tick)
+  void CheckJoinDeadlines(std::vector<Action>* out);
+  void CheckHeartbeats(std::vector<Action>* out);
+
+  // ---- recovery: OpenRecovery → MaybeFinishAbort → FormNextGeneration → ApplyPlan
   // Opens a recovery record (and aborts the members, unless `planned`), then
   // forms the next generation at once when no live member is left to answer.
   void StartRecovery(const std::string& cause, std::vector<Action>* out, bool planned = false);
@@ -457,61 +278,78 @@ class Controller {
   // Carries out a plan (verdict kPlan): roles, generation, record, plan messages, spawns, journal.
   void ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector<Action>* out);
   void MaybeCloseRecovery(std::vector<Action>* out);
-  void CheckWatchdogs(std::vector<Action>* out);
-  void CheckStall(std::vector<Action>* out);
-  void FireTimedFaults(std::vector<Action>* out);
-  void End(int exit_code, const std::string& reason, std::vector<Action>* out);
   // Kills every worker and starts the job again from the newest durable
   // checkpoint. The recovery record is the open one (opened if none is).
   void RestartFromCheckpoint(const std::string& why, std::vector<Action>* out);
-  void Report(std::vector<Action>* out) const;
-  std::string Describe(const WorkerInfo& w) const;
-  double MedianStepSeconds() const;
-  nlohmann::json RecordJson(const RecoveryRecord& r) const;
+  void End(int exit_code, const std::string& reason, std::vector<Action>* out);
+
+  // ---- elasticity: a planned change of the world size at a step boundary
+  void StartResize(int new_world, const std::string& trigger, std::vector<Action>* out, std::set<int> release = {});
+  void MaybeGrow(std::vector<Action>* out);
+  // A member lost during a planned resize: the survivors may be blocked in a
+  // collective with it, which the drain alone never ends; they are aborted.
+  void EscalateResize(std::vector<Action>* out);
+  // Releases the members of leaving hosts at the next step boundary, once the
+  // job runs (a planned resize; spares elsewhere take their ranks where the
+  // policy does not allow the smaller world).
+  void MaybeReleaseLeavingHosts(std::vector<Action>* out);
+
+  // ---- hosts (controller_hosts.cc)
+  void PlaceOnHosts(bool resume, std::vector<Action>* out);
+  // Fills every free slot of every live host with a spare.
+  void TopUpHosts(std::vector<Action>* out);
+  void HostDown(const std::string& host_id, const std::string& reason, std::vector<Action>* out);
+  // A worker the job was forming with is gone for good: a joined spare takes
+  // its place, or a new worker where a slot is free, or the job forms smaller.
+  void ReplaceFormingWorker(const std::string& lost_host, std::vector<Action>* out);
+
+  // ---- takeover (controller_hosts.cc)
+  // A worker inherited from the previous controller joined this one.
+  void Rejoined(const control::JoinMsg& m, std::vector<Action>* out);
+  // An agent inherited from the previous controller registered with this one,
+  // listing the processes it kept running.
+  void HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m, std::vector<Action>* out);
+  // Orders the agent of `host` to kill a process the job does not count on.
+  void FenceProcess(const std::string& host, int worker_id, int64_t pid, const std::string& why,
+                    std::vector<Action>* out);
 
   const ControllerOptions options_;
   int world_size_ = 0;  // the initial world (options, or the hosts' nproc once placed)
-  int pool_size_ = 0;   // one machine (or an elastic host): the spare pool kept full
-  std::string elastic_host_;  // the job's one elastic host, if it has one (HostInfo::elastic)
+  Membership membership_;
+  Placement placement_;
   Clock::time_point now_{};
   std::optional<Clock::time_point> started_at_;
+  Clock::time_point forming_since_{};  // when the current forming phase began
   JobPhase phase_ = JobPhase::kForming;
   uint32_t generation_ = 0;
-  std::vector<int> members_;  // worker ids, index = rank
-  // &workers_[members_[r]]: the loops over every member look nothing up
-  // (workers_ never erases, so its nodes stay put).
-  std::vector<WorkerInfo*> member_info_;
-  std::map<int, WorkerInfo> workers_;
-  // Kept by SetRole: the workers whose role is kPending (ascending ids, as
-  // workers_ orders them), and how many are kSpare.
-  std::set<int> pending_;
-  int spare_count_ = 0;
-  std::unordered_map<int, int64_t> ready_;  // live member → the step its state holds (during an abort)
-  // During an abort, members_[0 .. abort_scan_) are known to be gone or
-  // ready (a member that is either stays so until the next generation), so
-  // that each Ready costs O(1) amortised instead of a scan of every member.
-  size_t abort_scan_ = 0;
-  // After a plan, members_[0 .. close_scan_) are known to have completed the
-  // resume step or finished (last_step only grows while members_ stays).
-  size_t close_scan_ = 0;
-  std::map<int, int64_t> joined_step_;  // worker → the step its state held when it joined
   // optimizer.shard_group of the job's workers: -1 until one joins, 0 when
   // nothing is sharded. A worker of another group size is refused.
   int shard_group_ = -1;
-  Clock::time_point abort_deadline_{};
   int64_t resume_step_ = 0;
   int64_t highest_step_ = -1;  // highest step any worker ever reported complete
   int64_t last_journaled_step_ = -1;
   int finished_ = 0;
   std::optional<std::string> checksum_;
-  int next_worker_id_ = 0;
+  // Injected faults not fired yet, and the last one fired (its recovery names it).
   std::vector<control::FaultSpec> pending_faults_;
   std::optional<std::pair<Clock::time_point, std::string>> last_injected_;
-  std::deque<double> step_seconds_;  // recent step times, from rank 0
+  // What the detectors learn normal from, and the last progress.
+  StepTimes step_times_;             // recent step times
+  ArrivalTracker arrivals_;          // the members' arrivals at each step's collective
   Clock::time_point progress_at_{};  // a step last completed, or the members were last given a plan
+
+  // The recovery state machine.
   std::vector<RecoveryRecord> recoveries_;
-  std::optional<size_t> open_recovery_;  // index into recoveries_
-  int target_world_ = 0;                  // the world size the job should have (policy, requests)
+  std::optional<size_t> open_recovery_;     // index into recoveries_
+  std::unordered_map<int, int64_t> ready_;  // live member → the step its state holds (during an abort)
+  // During an abort, members[0 .. abort_scan_) are known to be gone or
+  // ready (a member that is either stays so until the next generation), so
+  // that each Ready costs O(1) amortised instead of a scan of every member.
+  size_t abort_scan_ = 0;
+  // After a plan, members[0 .. close_scan_) are known to have completed the
+  // resume step or finished (last_step only grows while the members stay).
+  size_t close_scan_ = 0;
+  Clock::time_point abort_deadline_{};
   // A planned resize in progress: its new world size, and the members it
   // releases by name (those of leaving hosts; the others by rank, highest first).
   struct PlannedResize {
@@ -519,41 +357,16 @@ class Controller {
     std::set<int> release;
   };
   std::optional<PlannedResize> resize_;
-  std::optional<Clock::time_point> last_change_at_;
-  std::optional<Clock::time_point> grow_waiting_since_;
-  std::deque<Clock::time_point> change_times_;
-  struct AwaitedJoin {
-    bool spare = false;
-    std::optional<Clock::time_point> since;  // unset: since the job started
-  };
-  std::map<int, AwaitedJoin> awaiting_join_;  // spawned workers that have not joined yet
-  std::set<int> killed_before_join_;          // killed at their join deadline: their join and exit are moot
-  Clock::time_point forming_since_{};         // when the current forming phase began
-  int refill_failures_ = 0;                   // spares that died before joining, in a row
-  // Arrival of the members at the collective of step `arrival_step_`
-  // (worker id → when), and the recent spreads between first and last arrival.
-  int64_t arrival_step_ = -1;
-  std::map<int, Clock::time_point> arrivals_;
-  std::deque<double> arrival_spreads_ms_;
-  // Multi-host.
-  std::map<std::string, HostInfo> hosts_;
-  int alive_hosts_ = 0;                  // hosts_ with alive set
-  std::vector<std::string> host_order_;  // registration order (placement follows it)
-  std::vector<HostInfo*> host_list_;     // &hosts_[host_order_[i]] (hosts_ never erases)
-  bool placed_ = false;
-  std::map<std::string, int> withheld_;           // slots given back by a shrink on request, per host
-  std::map<std::string, int> host_refill_failures_;  // spares that died while starting, in a row, per host
-  std::map<int, std::string> host_of_;   // every worker started on a host
-  std::set<int> live_processes_;         // started, exit not yet seen (they hold a slot)
-  std::unordered_map<std::string, int> live_on_host_;  // host → how many of live_processes_ run there
-  // Takeover: inherited workers that have not joined this controller yet.
-  std::set<int> unconfirmed_;
-  uint32_t takeover_generation_ = 0;   // the journal's last generation (0: this controller started the job)
-  Clock::time_point adopt_until_{};    // the inherited may join until then
-  int end_code_ = 0;        // once ended: how, for workers that join after the end
+  int target_world_ = 0;  // the world size the job should have (policy, requests)
+  ResizeHistory resize_history_;
+
+  // Takeover.
+  uint32_t takeover_generation_ = 0;  // the journal's last generation (0: this controller started the job)
+  Clock::time_point adopt_until_{};   // the inherited may join until then
+  int takeovers_ = 0;                 // controllers before this one (this one's number in the job)
+  int recovery_id_base_ = 0;          // recoveries run by the controllers before this one
+  int end_code_ = 0;                  // once ended: how, for workers that join after the end
   std::string end_reason_;
-  int takeovers_ = 0;  // controllers before this one (this one's number in the job)
-  int recovery_id_base_ = 0;  // recoveries run by the controllers before this one
 };
 
 }  // namespace nonstop::controller

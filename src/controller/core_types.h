@@ -1,0 +1,189 @@
+// The value types the controller core's parts share (docs/controller.md):
+// the job's options, the phase and roles, and the records of workers, hosts
+// and recoveries. The Controller (controller.h) and its parts (membership,
+// placement, detectors, resize policy, report) all speak in these.
+//
+// What it decides: nothing; plain values.
+// Thread-safety: none (values; one thread drives the core).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "nonstop/settings.h"
+#include "common/time.h"
+#include "control/fault_spec.h"
+#include "control/messages.h"
+
+namespace nonstop::controller {
+
+// Exit codes of `nonstop run`, meaningful to a supervisor (README).
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitUsage = 2;
+inline constexpr int kExitPeerFailure = 10;  // a worker failed and the job could not continue; restartable
+inline constexpr int kExitDataCorruption = 11;
+inline constexpr int kExitInterrupted = 130;
+// RunController only: this controller stopped leading (its etcd lease ran out,
+// or another controller leads); the job goes on under the next leader.
+inline constexpr int kExitDeposed = 75;
+
+enum class RecoveryMode {
+  kCheckpointless,     // in-process recovery; durable checkpoints (if any) are the last rung
+  kCheckpointRestart,  // the baseline: on any fault stop everything, restart all, reload the newest checkpoint
+};
+
+// When and how the world may change size (DESIGN.md §8).
+struct ScalePolicy {
+  int min_world = 1;
+  int max_world = 0;               // 0: the initial world size
+  std::vector<int> allowed_sizes;  // empty: min, min+increment, … up to max
+  int increment = 1;
+  Millis stable_period{0};         // the least time between two changes
+  // Back-off: more than `backoff_changes` changes within `backoff_window`
+  // doubles the stable period for each extra change (up to 8×).
+  int backoff_changes = 3;
+  Millis backoff_window{60'000};
+};
+
+struct ControllerOptions {
+  ScalePolicy policy;
+  RecoveryMode recovery = RecoveryMode::kCheckpointless;
+  // Durable checkpoints are being written (nonstop run --checkpoint-dir): the
+  // job can restart from them when no live worker holds the state.
+  bool have_checkpoints = false;
+  int world_size = 1;
+  int spares = 0;  // the size of the spare pool, refilled as spares are used
+  // A member silent this long is declared failed (a hung or stopped process).
+  Millis heartbeat_timeout{settings::kHeartbeatTimeoutMs.default_value};
+  // Members that have not aborted and answered Ready this long (or 1.5 ×
+  // the median step, if longer) after the abort are killed (escalation).
+  Millis abort_timeout{settings::kAbortTimeoutMs.default_value};
+  // Step-progress watchdog: a member still computing while another has
+  // waited in the step's collective for max(floor, factor × median step time).
+  double watchdog_factor = 5.0;
+  Millis watchdog_floor{2'000};
+  std::vector<control::FaultSpec> faults;  // injected faults, fired once each
+  // A grow waits this long for all the capacity it needs, to change once.
+  Millis grow_gather{3'000};
+  // Bounds on the phases before a worker trains (docs/thread-model.md):
+  // the job must form within forming_timeout of its start (or restart), and a
+  // spare started later must join within join_timeout of its start, or it is
+  // killed and replaced.
+  Millis forming_timeout{settings::kJoinTimeoutMs.default_value};
+  Millis join_timeout{settings::kJoinTimeoutMs.default_value};
+  // Hang detection from the members' arrival at each step's collective: a
+  // member that has not arrived hang_factor × the recent arrival spread
+  // (but at least hang_floor) after the first member did is hung.
+  double hang_factor = settings::kHangFactor.default_value;
+  Millis hang_floor{settings::kHangFloorMs.default_value};
+  // Stall watchdog: when no step has completed for stall_factor × the median
+  // step (at least stall_floor; forming_timeout before the first step and
+  // while a recovery moves state), every member is aborted. Members that
+  // answer re-form (a stuck collective); members that cannot (every rank
+  // hung, or a world of one) are killed by the abort's escalation.
+  double stall_factor = 10.0;
+  Millis stall_floor{settings::kStallFloorMs.default_value};
+  // Multi-host: the job is placed when this many hosts have registered
+  // (0: one machine, no agents; world_size and spares then say the size).
+  int min_hosts = 0;
+  int max_hosts = 0;  // 0: no limit; more agents are refused
+  // A controller that takes over a running job (Takeover) waits this long
+  // for the workers and agents it inherits to join it; those that do not
+  // are lost (docs/controller-failover.md).
+  Millis adopt_timeout{10'000};
+};
+
+enum class JobPhase { kForming, kRunning, kRecovering, kEnded };
+enum class WorkerRole { kPending, kMember, kSpare, kFinished, kGone };
+
+struct WorkerInfo {
+  int worker_id = -1;
+  int64_t pid = 0;
+  std::string address;
+  WorkerRole role = WorkerRole::kPending;
+  int rank = -1;
+  int64_t last_step = -1;
+  int64_t waiting_ms = -1;
+  Clock::time_point last_heard{};
+  bool stopped = false;  // the launcher saw its process stop
+  std::string how_it_ended;  // set when its process exited
+  std::string host;          // the host it runs on ("" : local, or joined by hand)
+  // Sharded optimizer state: the shard its state holds (state::kEveryShard:
+  // every one, the initial state; kNoShard: none), from its join and Ready.
+  int held_shard = -1;
+};
+
+struct HostInfo {
+  std::string host_id;
+  int nproc = 0, spares = 0;  // its slots: nproc + spares processes
+  std::string address;
+  int64_t pid = 0;
+  bool alive = false;
+  int incarnation = 0;  // registrations so far (a host that heals registers again)
+  bool inherited = false;  // taken over from a previous controller: its agent has not registered with this one yet
+  // Its capacity follows the job (the agent of `nonstop run`, the job's only
+  // host): the controller starts the workers and spares the job needs there, as
+  // on one machine, instead of filling fixed slots.
+  bool elastic = false;
+  // Its agent asked to leave (HostLeaving): nothing starts there any more,
+  // its spares are let go and its members are released at the next step
+  // boundary. Cleared when it registers again.
+  bool leaving = false;
+  std::string leave_reason;
+  bool leave_refused = false;  // the release was refused (journaled once): its members stay
+  bool member_lost = false;    // a member of it failed while it was leaving: its end is a loss, not a leave
+  Clock::time_point last_heard{};
+  std::string lost_reason;
+};
+
+// One recovery, with its phases (journal "recovery_end", and the end-of-job report).
+struct RecoveryRecord {
+  int id = 0;
+  std::string kind = "recovery";  // "recovery" (a fault) or "resize" (a planned change at a step boundary)
+  uint32_t from_generation = 0;
+  uint32_t to_generation = 0;
+  std::vector<std::string> causes;
+  std::string injected;                          // the injected fault, if one caused it
+  std::optional<Clock::time_point> fault_at;     // when the fault happened (injected faults)
+  Clock::time_point detected_at{};
+  std::optional<Clock::time_point> aborted_at;   // every live member had answered Ready
+  std::optional<Clock::time_point> plan_at;
+  std::optional<Clock::time_point> state_ready_at;  // every member reported connections and state ready
+  std::optional<Clock::time_point> first_step_at;   // every member completed the resume step
+  int64_t resume_step = 0;
+  int64_t lost_steps = 0;  // completed steps no survivor held
+  int old_world = 0, new_world = 0;
+  std::vector<std::string> replacements;  // "rank 2: worker 2 → spare worker 5"
+  int spawned_spares = 0;
+  double connect_seconds = 0, transfer_seconds = 0;
+  uint64_t bytes_copied = 0;
+  int sources = 0, refetched_chunks = 0, recovered_reports = 0;
+  double normal_step_seconds = 0;
+  std::string outcome = "in progress";  // "completed", "superseded by recovery N", "failed"
+  bool restarted = false;               // every worker was restarted from a durable checkpoint
+  int64_t redone_steps = 0;             // completed steps to be computed again after a restart
+  std::set<std::string> failed_hosts;   // hosts of the members lost (their spares are picked last)
+};
+
+// A worker started and not joined yet.
+struct AwaitedJoin {
+  bool spare = false;
+  std::optional<Clock::time_point> since;  // unset: since the job started
+};
+
+// Numbers from workers enter the controller's arithmetic only within sane
+// ranges: a worker that lies (INT64_MAX steps, a NaN step time) is ignored,
+// never a cause of overflow or undefined behaviour.
+inline constexpr int64_t kMaxStep = int64_t{1} << 53;
+inline bool SaneStep(int64_t step) { return step >= control::kNoValidState && step <= kMaxStep; }
+
+// A member of the current generation still taking part (it may have finished training).
+inline bool IsLiveMember(const WorkerInfo& w) {
+  return w.role == WorkerRole::kMember || w.role == WorkerRole::kFinished;
+}
+
+}  // namespace nonstop::controller
