@@ -54,40 +54,47 @@
 #include <utility>
 #include <vector>
 
+#include "nonstop/settings.h"
 #include "nonstop/state.h"
 #include "nonstop/status.h"
 
 namespace nonstop {
 
+// The defaults and the variables FromEnvironment reads are the settings
+// registry's (nonstop/settings.h, the entries named beside each field).
 struct SessionOptions {
   // "host:port", or several separated by commas (a leader and its standbys,
-  // tried in turn); required (NONSTOP_CONTROLLER).
+  // tried in turn); required (settings::kControllerAddress, NONSTOP_CONTROLLER).
   std::string controller_address;
-  std::string job_token;           // required (NONSTOP_JOB_TOKEN)
-  int worker_id = -1;              // required, unique in the job (NONSTOP_WORKER_ID)
-  bool spare = false;              // join without a rank (NONSTOP_SPARE=1)
-  std::string data_host = "127.0.0.1";  // the address its data port listens on (NONSTOP_DATA_HOST)
-  // The address peers dial (NONSTOP_ADVERTISE_ADDRESS). Empty: data_host, or,
+  std::string job_token;                                // required (kJobToken, NONSTOP_JOB_TOKEN)
+  int worker_id = settings::kWorkerId.default_value;    // required, unique in the job (kWorkerId)
+  bool spare = settings::kSpare.default_value;          // join without a rank (kSpare: NONSTOP_SPARE=1)
+  // The address its data port listens on (kDataHost, NONSTOP_DATA_HOST).
+  std::string data_host{settings::kDataHost.default_value};
+  // The address peers dial (kWorkerAdvertiseAddress). Empty: data_host, or,
   // when data_host is a wildcard (0.0.0.0), the local address of the
   // connection to the controller: the interface that reaches the cluster.
   std::string advertise_address;
-  std::string host_id;  // the host whose agent started it (NONSTOP_HOST_ID); empty: none
+  std::string host_id;  // the host whose agent started it (kHostId, NONSTOP_HOST_ID); empty: none
   // Where to find the controller that leads when the one it followed is lost:
-  // etcd's endpoints (NONSTOP_ETCD) and the job's name there (NONSTOP_ETCD_JOB).
-  // Empty: the controller_address list is dialed in turn.
+  // etcd's endpoints (kEtcd, NONSTOP_ETCD) and the job's name there (kEtcdJob,
+  // NONSTOP_ETCD_JOB). Empty: the controller_address list is dialed in turn.
   std::string etcd_endpoints;
-  std::string etcd_job = "default";
+  std::string etcd_job{settings::kEtcdJob.default_value};
   // Bound on reaching the controller and being accepted (dial + hello). Once
   // joined, a worker or spare waits for its plan as long as the controller
   // lives: the controller pings every connected worker, and a worker that
-  // hears nothing from it for `controller_timeout` has lost it.
-  std::chrono::milliseconds join_timeout{60'000};        // NONSTOP_CONNECT_TIMEOUT_MS
-  std::chrono::milliseconds controller_timeout{5'000};  // NONSTOP_CONTROLLER_TIMEOUT_MS
+  // hears nothing from it for `controller_timeout` has lost it. Between
+  // tries the worker backs off exponentially, with jitter (100 ms to 1 s,
+  // plus up to half of it at random; docs/controller-failover.md).
+  // kConnectTimeoutMs and kWorkerControllerTimeoutMs.
+  std::chrono::milliseconds join_timeout{settings::kConnectTimeoutMs.default_value};
+  std::chrono::milliseconds controller_timeout{settings::kWorkerControllerTimeoutMs.default_value};
   // A worker that lost its controller keeps training (collectives are peer
   // to peer) and dials again until a controller leads; membership cannot
   // change meanwhile. After this long without one it gives up: it aborts its
-  // collective and fails (NONSTOP_LEADERLESS_TIMEOUT_MS). docs/controller-failover.md.
-  std::chrono::milliseconds leaderless_timeout{600'000};
+  // collective and fails (kLeaderlessTimeoutMs). docs/controller-failover.md.
+  std::chrono::milliseconds leaderless_timeout{settings::kLeaderlessTimeoutMs.default_value};
   // Interval of heartbeats to the controller; the controller's heartbeat
   // timeout should be several of these.
   std::chrono::milliseconds heartbeat_interval{200};
@@ -95,7 +102,8 @@ struct SessionOptions {
   // resets, the controller); this only guards against a silent network.
   std::chrono::milliseconds timeout_collective{300'000};
 
-  // Reads the NONSTOP_* variables that `nonstop run` sets for each worker.
+  // Reads the variables that `nonstop run` and the agents set for each worker
+  // (the registry's worker entries).
   static Result<SessionOptions> FromEnvironment();
 };
 

@@ -1,14 +1,10 @@
 #include "agent/agent.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/signalfd.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -27,6 +23,7 @@
 #include "nonstop/settings.h"
 #include "common/signals.h"
 #include "control/messages.h"
+#include "coord/etcd.h"
 #include "coord/leadership.h"
 #include "net/handshake.h"
 #include "net/socket.h"
@@ -41,23 +38,32 @@ constexpr uint32_t kMaxOrderBytes = 1u << 20;
 constexpr Millis kTick{50};
 // After the SIGKILL at the end, how long to wait for the processes to be reaped.
 constexpr Millis kReapGrace{5'000};
-
-// strerror with a lower-case first letter, to sit inside a sentence.
-std::string ErrText(int err) {
-  std::string s = std::strerror(err);
-  if (!s.empty()) s[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(s[0])));
-  return s;
-}
+// etcd says nobody leads yet: ask again this soon (a standby leads within its lease).
+constexpr Millis kLeaderPoll{200};
+// One etcd request, made on the loop (nothing else waits while no controller leads).
+constexpr Millis kEtcdTimeout{300};
 
 std::string Seconds(Millis d) { return fmt::format("{:g} s", static_cast<double>(d.count()) / 1000.0); }
 
-std::string LocalAddress(int fd) {
-  sockaddr_in local{};
-  socklen_t len = sizeof(local);
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) return "";
-  char text[INET_ADDRSTRLEN] = {};
-  if (::inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) == nullptr) return "";
-  return text;
+// The agent's link: its hello (kind agent, worker id 0), and its timing.
+control::ControllerLinkOptions LinkOptions(const AgentOptions& o) {
+  control::ControllerLinkOptions l;
+  l.controllers = o.controller;
+  l.etcd = o.etcd;
+  l.etcd_job = o.etcd_job;
+  l.etcd_timeout = kEtcdTimeout;
+  l.hello.kind = net::ConnectionKind::kAgent;
+  l.hello.generation = 0;
+  l.hello.worker_id = 0;
+  l.hello.job_token = o.job_token;
+  l.try_timeout = o.controller_timeout;  // the connect, then the hello
+  l.silence_timeout = o.controller_timeout;
+  l.reconnect_within = o.join_timeout;   // Lose() moves it past the fencing when processes run
+  l.backoff = {o.backoff_initial, o.backoff_max, /*jitter=*/0.5};
+  l.leader_poll = kLeaderPoll;
+  l.max_frame_bytes = kMaxOrderBytes;
+  l.max_queued_bytes = o.max_queued_bytes;
+  return l;
 }
 
 std::string Processes(int n) { return fmt::format("{} process{}", n, n == 1 ? "" : "es"); }
@@ -127,17 +133,19 @@ Result<std::string> ReadJobTokenFile(const std::string& path) {
   return token;
 }
 
-Agent::Agent(AgentOptions options)
-    : options_(std::move(options)), decoder_(kMaxOrderBytes), rng_(std::random_device{}()) {
-  controller_ = options_.controller;
+Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   Status s = ValidateOptions(options_);
   NONSTOP_CHECK(s.ok()) << s.ToString();
+  auto link = control::ControllerLink::Create(LinkOptions(options_));
+  NONSTOP_CHECK(link.ok()) << link.status().ToString();  // what it checks, ValidateOptions did
+  link_ = std::move(*link);
+  link_->Attach(&loop_, [this] { PumpLink(); });
   wake_fd_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   NONSTOP_CHECK(wake_fd_.valid()) << "eventfd: " << std::strerror(errno);
 }
 
 Agent::~Agent() {
-  CloseConnection();
+  link_->Stop();
   launcher_.reset();
 }
 
@@ -151,8 +159,6 @@ void Agent::Stop() {
 const char* Agent::PhaseName(Phase p) {
   switch (p) {
     case Phase::kDialing: return "dialing";
-    case Phase::kConnecting: return "connecting";
-    case Phase::kHandshake: return "handshake";
     case Phase::kRegistered: return "registered";
     case Phase::kFenced: return "fenced";
     case Phase::kEnding: return "ending";
@@ -197,20 +203,17 @@ int Agent::Run() {
 
   Deadline now = Clock::now();
   reconnect_deadline_ = now + options_.join_timeout;
-  next_dial_at_ = now;
   next_poll_stopped_ = now + kTick;
-  backoff_ = options_.backoff_initial;
+  link_->Start(reconnect_deadline_, now);
   while (true) {
     // Sleep until the next timer, never longer than one tick. The sockets are
     // read before the timers run, so bytes that arrived while this process
     // was not scheduled count before the silence check.
     now = Clock::now();
-    Deadline wake = std::min(next_poll_stopped_, now + kTick);
+    Deadline wake = std::min({next_poll_stopped_, now + kTick, link_->wake_at()});
     switch (phase_) {
-      case Phase::kDialing: wake = std::min({wake, next_dial_at_, reconnect_deadline_}); break;
-      case Phase::kConnecting:
-      case Phase::kHandshake: wake = std::min(wake, attempt_deadline_); break;
-      case Phase::kRegistered: wake = std::min({wake, next_heartbeat_, last_heard_ + options_.controller_timeout}); break;
+      case Phase::kDialing: break;
+      case Phase::kRegistered: wake = std::min(wake, next_heartbeat_); break;
       case Phase::kFenced: wake = std::min(wake, reconnect_deadline_); break;
       case Phase::kEnding: wake = std::min(wake, killed_ ? give_up_at_ : kill_at_); break;
     }
@@ -239,7 +242,7 @@ int Agent::Run() {
       break;
     }
   }
-  CloseConnection();
+  link_->Stop();
   launcher_.reset();  // nothing runs now (or SIGKILLed processes that would not die: waited for here)
   if (signal_fd_.valid()) loop_.Unwatch(signal_fd_.get());
   loop_.Unwatch(wake_fd_.get());
@@ -300,220 +303,80 @@ void Agent::Tick() {
     launcher_->PollStopped();  // frozen processes, seen within one tick
     next_poll_stopped_ = now + kTick;
   }
-  if (fence_at_ && now >= *fence_at_ && (phase_ == Phase::kDialing || phase_ == Phase::kConnecting ||
-                                          phase_ == Phase::kHandshake)) {
-    Fence();
-  }
+  link_->Advance(0, now);  // its timers: a dial that is due, a try's deadline, the controller's silence
+  PumpLink();
+  if (fence_at_ && now >= *fence_at_ && phase_ == Phase::kDialing) Fence();
   switch (phase_) {
-    case Phase::kDialing:
-      if (now >= reconnect_deadline_) {
-        End(kExitControllerLost, Describe(last_error_.empty() ? "no dial finished" : last_error_), true);
-      } else if (now >= next_dial_at_) {
-        Dial();
-      }
-      break;
-    case Phase::kConnecting:
-    case Phase::kHandshake:
-      if (now >= attempt_deadline_) {
-        DialFailed(phase_ == Phase::kConnecting ? "connection timed out"
-                                                : "the controller did not answer the hello in time");
-      }
-      break;
     case Phase::kRegistered:
-      if (now - last_heard_ >= options_.controller_timeout) {
-        Lose(fmt::format("the controller was silent for {} ms",
-                         std::chrono::duration_cast<Millis>(now - last_heard_).count()));
-      } else if (now >= next_heartbeat_) {
+      if (now >= next_heartbeat_) {
         Send(control::kMsgAgentHeartbeat, control::Encode(control::AgentHeartbeatMsg{launcher_->running()}));
         next_heartbeat_ = now + options_.heartbeat_interval;
       }
       break;
     case Phase::kFenced:
       if (launcher_->running() == 0) {
-        DialAgain(now);  // every process is gone: only now may this host take part again
+        // Every process is gone: only now may this host take part again.
+        ChangePhase(Phase::kDialing);
+        link_->Start(reconnect_deadline_, now);
       } else if (now >= reconnect_deadline_) {
         End(kExitControllerLost,
-            Describe(fmt::format("{} ({} not reaped yet)", last_error_, Processes(launcher_->running()))), true);
+            Describe(fmt::format("{} ({} not reaped yet)", link_->last_error(), Processes(launcher_->running()))),
+            true);
       }
       break;
+    case Phase::kDialing:
     case Phase::kEnding:
       break;
   }
 }
 
-void Agent::Dial() {
-  NONSTOP_CHECK(!conn_.valid());
-  if (!options_.etcd.empty()) {
-    // Who leads now (a short blocking read: etcd is near, and nothing else waits while no controller leads).
-    if (!etcd_) etcd_ = std::move(etcd::Client::Create(options_.etcd, {Millis(300)}).value());  // valid: ValidateOptions
-    int job_exit = 1;
-    auto leader = coord::LookUpLeader(*etcd_, options_.etcd_job, &job_exit);
-    if (!leader.ok()) {
-      if (leader.status().code() == StatusCode::kAborted) {
-        // The job ended while this agent looked for its controller: nobody will tell it otherwise.
-        End(job_exit >= 0 && job_exit <= 255 ? job_exit : 1, leader.status().message(), /*kill_now=*/false);
-        return;
-      }
-      DialFailed(leader.status().message());
-      if (leader.status().code() == StatusCode::kNotFound) {
-        // Nobody leads yet: etcd is cheap to ask, so ask often (a standby leads within its lease).
-        backoff_ = options_.backoff_initial;
-        next_dial_at_ = std::min(Clock::now() + Millis(200), reconnect_deadline_);
-      }
-      return;
+void Agent::PumpLink() {
+  while (auto e = link_->Next()) {
+    switch (e->kind) {
+      case control::LinkEvent::Kind::kAccepted: OnAccepted(); break;
+      case control::LinkEvent::Kind::kFrame: HandleFrame(e->frame); break;
+      case control::LinkEvent::Kind::kLost: Lose(e->status.message()); break;
+      case control::LinkEvent::Kind::kFailed: OnLinkFailed(e->status); break;
     }
-    if (!net::ParseHostPort(*leader).ok()) {
-      DialFailed(fmt::format("etcd names '{}' as the leader: not host:port", *leader));
-      return;
-    }
-    controller_ = *leader;
   }
-  auto where = net::ParseHostPort(controller_);  // valid: checked by ValidateOptions (or just above)
-  auto addr = net::Resolve(*where);
-  if (!addr.ok()) {
-    DialFailed(addr.status().message());
-    return;
-  }
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!fd.valid()) {
-    DialFailed("socket: " + ErrText(errno));
-    return;
-  }
-  net::ConfigureStreamSocket(fd.get());
-  int rc = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(sockaddr_in));
-  int err = rc == 0 ? 0 : errno;
-  if (err != 0 && err != EINPROGRESS) {
-    DialFailed(ErrText(err));
-    return;
-  }
-  conn_ = std::move(fd);
-  attempt_deadline_ = std::min(Clock::now() + options_.controller_timeout, reconnect_deadline_);
-  ChangePhase(Phase::kConnecting);
-  loop_.Watch(conn_.get(), POLLOUT, [this](short revents) { OnSocketEvent(revents); });
-  // A connect that completed at once (loopback can) is seen by the POLLOUT on the next turn.
 }
 
-void Agent::OnConnectReady() {
-  int err = 0;
-  socklen_t len = sizeof(err);
-  if (::getsockopt(conn_.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
-  if (err != 0) {
-    DialFailed(ErrText(err));
-    return;
+// The link gives up only while looking for a controller (kDialing).
+void Agent::OnLinkFailed(const Status& why) {
+  switch (why.code()) {
+    case StatusCode::kFailedPrecondition:  // the hello was refused (a wrong job token): no retry
+      End(kExitRefused, fmt::format("the controller at {} refused this agent: {}", link_->controller(), why.message()),
+          /*kill_now=*/true);
+      return;
+    case StatusCode::kAborted:  // the job ended while this agent looked for its controller
+      End(link_->job_exit_code(), why.message(), /*kill_now=*/false);
+      return;
+    default:  // no controller within the join timeout
+      End(kExitControllerLost, Describe(why.message()), /*kill_now=*/true);
+      return;
   }
-  data_host_ = options_.advertise_address.empty() ? LocalAddress(conn_.get()) : options_.advertise_address;
-  if (data_host_.empty()) {
-    DialFailed("getsockname: cannot tell the local address of the control connection");
-    return;
-  }
-  ChangePhase(Phase::kHandshake);
-  attempt_deadline_ = std::min(Clock::now() + options_.controller_timeout, reconnect_deadline_);
-  last_heard_ = Clock::now();
-  net::Hello hello;
-  hello.kind = net::ConnectionKind::kAgent;
-  hello.generation = 0;
-  hello.worker_id = 0;
-  hello.job_token = options_.job_token;
-  loop_.SetEvents(conn_.get(), POLLIN);
-  Send(net::kFrameHello, net::EncodeHello(hello));
-}
-
-void Agent::DialFailed(const std::string& why) {
-  CloseConnection();
-  last_error_ = why;
-  Deadline now = Clock::now();
-  NONSTOP_LOG_DEBUG("dialing the controller at {}: {}", controller_, why);
-  if (now >= reconnect_deadline_) {
-    End(kExitControllerLost, Describe(why), true);
-    return;
-  }
-  std::uniform_int_distribution<int64_t> jitter(0, backoff_.count() / 2);
-  next_dial_at_ = std::min(now + backoff_ + Millis(jitter(rng_)), reconnect_deadline_);
-  backoff_ = std::min(backoff_ * 2, options_.backoff_max);
-  ChangePhase(Phase::kDialing);
 }
 
 std::string Agent::Describe(const std::string& error) const {
-  return fmt::format("cannot reach the controller at {} within {}: {}", controller_,
+  return fmt::format("cannot reach the controller at {} within {}: {}", link_->controller(),
                      Seconds(options_.join_timeout), error);
-}
-
-void Agent::OnSocketEvent(short revents) {
-  if (!conn_.valid()) return;
-  if (phase_ == Phase::kConnecting) {
-    OnConnectReady();
-    return;
-  }
-  if ((revents & POLLOUT) && !Flush()) return;
-  if (revents & (POLLIN | POLLHUP | POLLERR)) OnReadable();
-}
-
-void Agent::OnReadable() {
-  char buf[64 << 10];
-  ssize_t n = ::recv(conn_.get(), buf, sizeof(buf), 0);
-  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
-  if (n <= 0) {
-    std::string why = n == 0 ? "the controller closed the connection" : "recv: " + ErrText(errno);
-    if (phase_ == Phase::kHandshake) {
-      DialFailed(why + " during the hello");
-    } else if (phase_ == Phase::kRegistered) {
-      Lose(why);
-    } else {
-      CloseConnection();  // kEnding: the job is over anyway
-    }
-    return;
-  }
-  last_heard_ = Clock::now();
-  Status s = decoder_.Feed(std::string_view(buf, static_cast<size_t>(n)));
-  // Frames decoded before a corrupt one are still carried out (the decoder keeps them).
-  const int fd = conn_.get();
-  while (conn_.valid() && conn_.get() == fd) {
-    auto frame = decoder_.Next();
-    if (!frame) break;
-    HandleFrame(*frame);
-  }
-  if (!s.ok() && conn_.valid() && conn_.get() == fd) {
-    std::string why = "corrupt frame: " + s.message();
-    if (phase_ == Phase::kHandshake) {
-      DialFailed(why);
-    } else if (phase_ == Phase::kRegistered) {
-      Malformed(why);
-    } else {
-      CloseConnection();
-    }
-  }
 }
 
 void Agent::HandleFrame(const net::Frame& f) {
   switch (phase_) {
-    case Phase::kHandshake:
-      OnHelloAck(f);
-      return;
     case Phase::kEnding:
-      if (f.type != control::kMsgPing) NONSTOP_LOG_DEBUG("order of type {} after the end: ignored", f.type);
+      NONSTOP_LOG_DEBUG("order of type {} after the end: ignored", f.type);
       return;
     case Phase::kRegistered:
       break;
     default:
       return;
   }
+  // Pings never come here: the link checks their epochs (a deposed leader's connection is left).
   switch (f.type) {
-    case control::kMsgPing: {
-      auto m = control::DecodePing(f.payload);
-      if (!m.ok()) return Malformed(m.status().message());
-      if (m->epoch < epoch_) {
-        // A deposed leader (paused past its lease, or cut off from etcd): none of its orders is carried out.
-        return Lose(fmt::format("the controller at {} is of epoch {}, older than epoch {} that led already: a deposed "
-                                "leader, not followed",
-                                controller_, m->epoch, epoch_));
-      }
-      epoch_ = m->epoch;
-      return;
-    }
     case control::kMsgShutdown: {
       auto m = control::DecodeShutdown(f.payload);
       if (!m.ok()) return Malformed(m.status().message());
-      consecutive_malformed_ = 0;
       // A process exit status holds 0-255; any other code still means a failure.
       int code = m->exit_code >= 0 && m->exit_code <= 255 ? m->exit_code : 1;
       End(code, fmt::format("the controller ended this agent (exit code {}): {}", m->exit_code, m->reason),
@@ -529,7 +392,6 @@ void Agent::HandleFrame(const net::Frame& f) {
     case control::kMsgAgentRanks: {
       auto m = control::DecodeAgentRanks(f.payload);
       if (!m.ok()) return Malformed(m.status().message());
-      consecutive_malformed_ = 0;
       if (m->generation < ranks_generation_) return;  // an older generation's, overtaken
       ranks_generation_ = m->generation;
       ranks_.clear();
@@ -550,22 +412,17 @@ std::string Agent::OutputPrefix(int worker_id) const {
                             : fmt::format("[{} w{}] ", options_.host_id, worker_id);
 }
 
-void Agent::OnHelloAck(const net::Frame& f) {
-  if (f.type != net::kFrameHelloAck || f.payload.empty()) {
-    DialFailed(fmt::format("the peer at {} is not a nonstop controller: expected a hello ack, got frame type {}",
-                           controller_, f.type));
+void Agent::OnAccepted() {
+  if (phase_ != Phase::kDialing) {  // kEnding: the job is over for this host anyway
+    link_->Stop();
     return;
   }
-  if (f.payload[0] != 1) {
-    std::string reason = f.payload.substr(1);
-    CloseConnection();
-    End(kExitRefused, fmt::format("the controller at {} refused this agent: {}", controller_, reason),
-        /*kill_now=*/true);
+  data_host_ = options_.advertise_address.empty() ? link_->local_address() : options_.advertise_address;
+  if (data_host_.empty()) {
+    link_->Drop(InternalError("getsockname: cannot tell the local address of the control connection"), Clock::now());
     return;
   }
   ChangePhase(Phase::kRegistered);
-  backoff_ = options_.backoff_initial;
-  last_error_.clear();
   control::AgentRegisterMsg reg;
   reg.host_id = options_.host_id;
   reg.nproc = options_.nproc;
@@ -577,9 +434,10 @@ void Agent::OnHelloAck(const net::Frame& f) {
   reg.running = static_cast<int>(reg.workers.size());
   fence_at_.reset();
   ::nonstop::Log(ChatterLevel(), "registered with the controller at {} as host {} ({} workers, {} spares, address {}{})",
-                   controller_, options_.host_id, options_.nproc, options_.spares, data_host_,
+                   link_->controller(), options_.host_id, options_.nproc, options_.spares, data_host_,
                    reg.running > 0 ? fmt::format("; {} kept running", Processes(reg.running)) : "");
-  if (!Send(control::kMsgAgentRegister, control::Encode(reg))) return;
+  // The register goes first, before anything else this agent sends on the connection.
+  if (!link_->Open({{control::kMsgAgentRegister, control::Encode(reg)}}).ok()) return;  // lost: the link says so
   next_heartbeat_ = Clock::now() + options_.heartbeat_interval;
   if (!leaving_.empty()) {
     SendLeaving();  // a controller that took over learns it too
@@ -592,7 +450,6 @@ void Agent::OnHelloAck(const net::Frame& f) {
 void Agent::OnStart(std::string_view payload) {
   auto m = control::DecodeAgentStart(payload);
   if (!m.ok()) return Malformed(m.status().message());
-  consecutive_malformed_ = 0;
   control::AgentStartedMsg reply;
   reply.worker_id = m->worker_id;
   if (auto it = live_.find(m->worker_id); it != live_.end()) {
@@ -622,7 +479,7 @@ void Agent::OnStart(std::string_view payload) {
   }
   env[worker_id] = id_text;
   env[std::string(s::kSpare.env)] = m->spare ? "1" : "0";
-  env[std::string(s::kControllerAddress.env)] = controller_;
+  env[std::string(s::kControllerAddress.env)] = link_->controller();
   if (!options_.etcd.empty()) {
     env[std::string(s::kEtcd.env)] = options_.etcd;
     env[std::string(s::kEtcdJob.env)] = options_.etcd_job;
@@ -656,7 +513,6 @@ void Agent::OnStart(std::string_view payload) {
 void Agent::OnSignal(std::string_view payload) {
   auto m = control::DecodeAgentSignal(payload);
   if (!m.ok()) return Malformed(m.status().message());
-  consecutive_malformed_ = 0;
   if (!live_.count(m->worker_id)) {
     NONSTOP_LOG_DEBUG("signal {} for worker {}, which does not run here: ignored", m->signal, m->worker_id);
     return;
@@ -668,7 +524,6 @@ void Agent::OnSignal(std::string_view payload) {
 void Agent::OnRenice(std::string_view payload) {
   auto m = control::DecodeAgentRenice(payload);
   if (!m.ok()) return Malformed(m.status().message());
-  consecutive_malformed_ = 0;
   if (!live_.count(m->worker_id)) {
     NONSTOP_LOG_DEBUG("renice of worker {}, which does not run here: ignored", m->worker_id);
     return;
@@ -679,118 +534,54 @@ void Agent::OnRenice(std::string_view payload) {
 }
 
 void Agent::Malformed(const std::string& why) {
-  ++consecutive_malformed_;
   std::string text = "malformed order from the controller: " + why;
   // Logged once: the same bad order after every reconnect is one line, not a flood.
   bool repeat = text == last_malformed_;
   last_malformed_ = text;
+  // Garbage: a controller that keeps sending a bad order is not redialed in a tight loop.
+  link_->Drop(InvalidArgumentError(text), Clock::now());
   Lose(text, /*log=*/!repeat);
 }
 
 void Agent::Lose(const std::string& why, bool log) {
   if (phase_ != Phase::kRegistered) {
-    CloseConnection();
+    link_->Stop();  // kEnding: the job is over anyway
     return;
   }
   int running = launcher_->running();
   Deadline now = Clock::now();
   std::string line =
       running == 0
-          ? fmt::format("cut off from the controller at {}: {}; dialing again", controller_, why)
+          ? fmt::format("cut off from the controller at {}: {}; dialing again", link_->controller(), why)
           : fmt::format("cut off from the controller at {}: {}; its {} keep running, dialing again (fencing them in "
                         "{} if no controller answers)",
-                        controller_, why, Processes(running), Seconds(options_.fence_after));
+                        link_->controller(), why, Processes(running), Seconds(options_.fence_after));
   if (log) {
     NONSTOP_LOG_WARNING("{}", line);
   } else {
     NONSTOP_LOG_DEBUG("{}", line);
   }
-  CloseConnection();
-  last_error_ = why;
   fence_at_ = now + options_.fence_after;
   reconnect_deadline_ = running == 0 ? now + options_.join_timeout : *fence_at_ + options_.join_timeout;
-  DialAgain(now);
-}
-
-void Agent::DialAgain(Deadline now) {
+  link_->set_give_up_at(reconnect_deadline_);
   ChangePhase(Phase::kDialing);
-  Millis wait{0};
-  if (consecutive_malformed_ > 0) {
-    // A controller that keeps sending a bad order is not redialed in a tight loop.
-    wait = std::min(options_.backoff_max, options_.backoff_initial * (1 << std::min(consecutive_malformed_, 8)));
-  }
-  next_dial_at_ = now + wait;
-  backoff_ = options_.backoff_initial;
 }
 
 void Agent::Fence() {
   fence_at_.reset();
   int running = launcher_->running();
   NONSTOP_LOG_WARNING("no controller for {} ({}): killing its {} (fencing); dialing on", Seconds(options_.fence_after),
-                      last_error_, Processes(running));
-  CloseConnection();
+                      link_->last_error(), Processes(running));
+  link_->Stop();
   launcher_->SignalAll(SIGKILL);
   reconnect_deadline_ = Clock::now() + options_.join_timeout;
   ChangePhase(Phase::kFenced);  // dials again once they are reaped
 }
 
-void Agent::CloseConnection() {
-  if (!conn_.valid()) return;
-  loop_.Unwatch(conn_.get());
-  conn_.Reset();
-  out_.clear();
-  out_sent_ = 0;
-  decoder_ = net::FrameDecoder(kMaxOrderBytes);
-}
-
 bool Agent::Send(uint16_t type, const std::string& payload) {
-  if (!conn_.valid() || phase_ == Phase::kConnecting) return false;
-  size_t queued = out_.size() - out_sent_;
-  if (queued + payload.size() + net::kFrameHeaderBytes > options_.max_queued_bytes) {
-    std::string why = fmt::format("the controller is not taking its messages: {} bytes wait for it (limit {})",
-                                  queued, options_.max_queued_bytes);
-    if (phase_ == Phase::kRegistered) {
-      Lose(why);
-    } else {
-      CloseConnection();
-    }
-    return false;
-  }
-  out_ += net::EncodeFrame(type, payload);
-  return Flush();
-}
-
-bool Agent::Flush() {
-  while (out_sent_ < out_.size()) {
-    ssize_t n = ::send(conn_.get(), out_.data() + out_sent_, out_.size() - out_sent_, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0) {
-      out_sent_ += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-    std::string why = "send: " + (n < 0 ? ErrText(errno) : std::string("nothing written"));
-    if (phase_ == Phase::kHandshake) {
-      DialFailed(why);
-    } else if (phase_ == Phase::kRegistered) {
-      Lose(why);
-    } else {
-      CloseConnection();
-    }
-    return false;
-  }
-  if (out_sent_ == out_.size()) {
-    out_.clear();
-    out_sent_ = 0;
-    loop_.SetEvents(conn_.get(), POLLIN);
-  } else {
-    if (out_sent_ > (1u << 20)) {  // keep the queue compact
-      out_.erase(0, out_sent_);
-      out_sent_ = 0;
-    }
-    loop_.SetEvents(conn_.get(), POLLIN | POLLOUT);
-  }
-  return true;
+  if (phase_ != Phase::kRegistered && phase_ != Phase::kEnding) return false;
+  // An overflow or a broken connection is a loss, which the link reports at its next turn.
+  return link_->Send(type, payload).ok();
 }
 
 void Agent::End(int code, const std::string& message, bool kill_now) {
@@ -805,7 +596,7 @@ void Agent::End(int code, const std::string& message, bool kill_now) {
     NONSTOP_LOG_ERROR("{}", message);
   }
   // A registered connection stays open: the exits of its processes are still reported.
-  if (phase_ != Phase::kRegistered) CloseConnection();
+  if (phase_ != Phase::kRegistered) link_->Stop();
   ChangePhase(Phase::kEnding);
   Deadline now = Clock::now();
   kill_at_ = kill_now ? now : now + options_.stop_grace;

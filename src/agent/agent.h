@@ -14,7 +14,7 @@
 // the controller is silent for `controller_timeout` (no byte at all: it pings
 // every 500 ms), or the connection breaks, overflows or carries a malformed
 // order, the agent is *cut off* but its processes keep running: it dials
-// again at once (with back-off) and registers listing them (worker id and
+// again at once (then with back-off) and registers listing them (worker id and
 // pid); the controller adopts those it counts on and orders the others
 // killed. A split brain cannot follow: a partitioned host's workers are
 // fenced out of the generations formed without them (their peers left, and
@@ -37,19 +37,28 @@
 // refusal after the hello (say, a host id already in the job) comes as a
 // Shutdown, with the controller's reason and code.
 //
+// The connection is a control::ControllerLink (src/control/controller_link.h),
+// the client the workers' Session uses too: it finds the controller (the
+// --controller address, or etcd's leader), dials, says the agent's hello,
+// fences by epoch, carries the frames and dials again after a loss, with
+// exponential back-off and jitter (backoff_initial up to backoff_max). The
+// agent keeps what is its own: registering, the orders, the heartbeats,
+// fencing and the join timeout.
+//
 // Thread model: one thread, one loop. Run() drives a net::EventLoop on the
-// calling thread; it owns the control socket (non-blocking, connect
-// included), the LocalLauncher (pidfds and output pipes of the children), a
-// signalfd (handle_signals) and a wake-up eventfd (Stop()). Nothing on the
-// loop blocks on the controller: outgoing frames are queued (bounded by
-// `max_queued_bytes`; an overflow is a lost controller) and written when the
-// socket is writable; the loop never waits longer than 50 ms, so timers
-// (heartbeats, the silence check, PollStopped for frozen children) run on
-// time. The only other threads are the two OutputWriters (the agent's own,
-// or the caller's) that copy the children's prefixed lines to stdout and
-// stderr without ever blocking the loop. The one blocking call is the name
-// lookup of the controller's host (getaddrinfo) before each dial, made while
-// no process runs. Stop() is the only method another thread may call.
+// calling thread; it owns the link (attached to the loop: its socket is
+// non-blocking, connect included), the LocalLauncher (pidfds and output
+// pipes of the children), a signalfd (handle_signals) and a wake-up eventfd
+// (Stop()). Nothing on the loop blocks on the controller: outgoing frames
+// are queued (bounded by `max_queued_bytes`; an overflow is a lost
+// controller) and written when the socket is writable; the loop never waits
+// longer than 50 ms, so timers (heartbeats, the silence check, PollStopped
+// for frozen children) run on time. The only other threads are the two
+// OutputWriters (the agent's own, or the caller's) that copy the children's
+// prefixed lines to stdout and stderr without ever blocking the loop. The
+// blocking calls are the link's lookups before each dial: the controller's
+// host name (getaddrinfo) and, with etcd, the leader (at most 300 ms). Stop()
+// is the only method another thread may call.
 #pragma once
 
 #include <sys/types.h>
@@ -59,16 +68,15 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "coord/etcd.h"
 #include "common/logging.h"
 #include "nonstop/settings.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
+#include "control/controller_link.h"
 #include "launcher/local_launcher.h"
 #include "launcher/output_writer.h"
 #include "net/event_loop.h"
@@ -113,7 +121,8 @@ struct AgentOptions {
   // Cut off this long without registering again, the agent kills its processes (fencing).
   Millis fence_after{settings::kFenceAfterMs.default_value};
   Millis heartbeat_interval{200};
-  // Back-off between dials: starts at backoff_initial, doubles up to backoff_max, plus up to half of it at random.
+  // Back-off between dials (control::BackoffPolicy): starts at backoff_initial, doubles up to backoff_max, plus up
+  // to half of it at random.
   Millis backoff_initial{100};
   Millis backoff_max{2'000};
   // After a Shutdown, how long the processes get to exit on their own before SIGKILL.
@@ -170,29 +179,24 @@ class Agent {
   const std::string& exit_message() const { return exit_message_; }
 
  private:
-  // The control connection's lifecycle. It moves kDialing → kConnecting →
-  // kHandshake → kRegistered; a failed dial goes back to kDialing (after the
-  // back-off), a loss after the hello goes through kFenced (processes killed
-  // and reaped) back to kDialing; kEnding is final.
+  // The agent's lifecycle. It moves kDialing → kRegistered and, after a
+  // loss, back to kDialing; cut off for fence_after it goes through kFenced
+  // (processes killed and reaped) back to kDialing; kEnding is final.
   enum class Phase {
-    kDialing,     // waiting for the next dial (next_dial_at_)
-    kConnecting,  // non-blocking connect in flight
-    kHandshake,   // hello sent, waiting for the controller's ack
+    kDialing,     // the link looks for the controller (waits, connects, says hello)
     kRegistered,  // registered: carrying out orders
-    kFenced,      // cut off: processes killed, waiting for them to be reaped
+    kFenced,      // cut off: processes killed, waiting for them to be reaped (the link is stopped)
     kEnding,      // the job is over for this agent: waiting for the processes, then Run() returns
   };
   static const char* PhaseName(Phase p);
   void ChangePhase(Phase next);
 
   void Tick();
-  void Dial();
-  void OnConnectReady();
-  void DialFailed(const std::string& why);
-  void OnSocketEvent(short revents);
-  void OnReadable();
+  // Takes what the link has to say: acceptance, frames, a loss, the end.
+  void PumpLink();
+  void OnAccepted();
+  void OnLinkFailed(const Status& why);
   void HandleFrame(const net::Frame& frame);
-  void OnHelloAck(const net::Frame& frame);
   void OnStart(std::string_view payload);
   void OnSignal(std::string_view payload);
   void OnRenice(std::string_view payload);
@@ -202,17 +206,14 @@ class Agent {
   // agent is elastic): registering, starting workers, their exits (the fault
   // lines and the report name them), a clean end. Debug there.
   LogLevel ChatterLevel() const { return options_.elastic ? LogLevel::kDebug : LogLevel::kInfo; }
+  // A malformed order: the link leaves the connection (and dials again after a pause).
   void Malformed(const std::string& why);
-  // The controller is lost: close the connection and fence (kill every process).
+  // The controller is lost (the link dials again): fencing in fence_after if none takes this host back.
   void Lose(const std::string& why, bool log = true);
   // Cut off for fence_after: kill every process (none will be adopted).
   void Fence();
-  // Back to kDialing, at once (or after a pause when orders keep coming malformed).
-  void DialAgain(Deadline now);
-  void CloseConnection();
   // Queues one frame to the controller; false if there is no connection or it overflowed (then lost).
   bool Send(uint16_t type, const std::string& payload);
-  bool Flush();
   // Ends Run(): with `kill_now`, SIGKILL at once; otherwise after stop_grace.
   void End(int code, const std::string& message, bool kill_now);
   std::string Describe(const std::string& error) const;
@@ -228,6 +229,7 @@ class Agent {
 
   const AgentOptions options_;
   net::EventLoop loop_;
+  std::unique_ptr<control::ControllerLink> link_;  // after loop_: unwatches its descriptors first
   std::unique_ptr<launcher::OutputWriter> own_out_, own_err_;
   std::unique_ptr<launcher::LocalLauncher> launcher_;  // created in Run(), after the writers
   UniqueFd wake_fd_;    // eventfd: Stop() writes it
@@ -236,29 +238,15 @@ class Agent {
   bool ran_ = false;
 
   Phase phase_ = Phase::kDialing;
-  UniqueFd conn_;
-  net::FrameDecoder decoder_;
-  std::string out_;  // frames queued for the controller
-  size_t out_sent_ = 0;
   std::string data_host_;  // the advertise address in use on this connection
-  Deadline last_heard_{};  // last byte from the controller
   Deadline next_heartbeat_{};
   Deadline next_poll_stopped_{};
-  Deadline attempt_deadline_{};    // the connect or hello in flight gives up then
-  Deadline next_dial_at_{};
-  Deadline reconnect_deadline_{};  // exit 1 if not registered by then
+  Deadline reconnect_deadline_{};  // exit 1 if not registered by then (the link's give-up time)
   std::optional<Deadline> fence_at_;  // cut off with processes running: they are killed then
-  Millis backoff_{0};
-  std::string last_error_;         // why the last dial failed, or why the controller was lost
-  std::string controller_;              // the controller dialed (options_.controller, or etcd's leader)
-  std::unique_ptr<etcd::Client> etcd_;  // options_.etcd: where the leader is looked up
-  int64_t epoch_ = 0;              // the newest controller epoch seen (pings)
   std::string last_malformed_;     // logged once: a repeat is a debug line
-  int consecutive_malformed_ = 0;  // losses to malformed orders in a row: the next dial waits longer
   std::map<int, pid_t> live_;      // worker id → pid of the processes that run now
   std::map<int, int> ranks_;       // worker id → its rank in the newest generation (kMsgAgentRanks)
   uint32_t ranks_generation_ = 0;
-  std::mt19937 rng_;
 
   int exit_code_ = 0;
   std::string exit_message_;

@@ -1,11 +1,7 @@
 #include "nonstop/session.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-
 #include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -19,13 +15,12 @@
 #include "collective/peer_mesh.h"
 #include "common/logging.h"
 #include "common/mutex.h"
+#include "control/controller_link.h"
 #include "control/messages.h"
-#include "coord/etcd.h"
-#include "coord/leadership.h"
 #include "net/abort_signal.h"
 #include "net/frame.h"
 #include "net/handshake.h"
-#include "net/socket.h"
+#include "nonstop/settings.h"
 #include "worker/session_testing.h"
 #include "worker/state_transfer.h"
 
@@ -37,29 +32,31 @@ std::function<void(uint16_t)> control_frame_hook;
 }  // namespace testing
 
 Result<SessionOptions> SessionOptions::FromEnvironment() {
+  namespace s = settings;
   SessionOptions o;
-  auto get = [](const char* name) -> std::string {
-    const char* v = std::getenv(name);
+  auto get = [](const auto& entry) -> std::string {
+    const char* v = std::getenv(entry.env.data());  // an entry's env is a NUL-terminated literal
     return v != nullptr ? v : "";
   };
-  o.controller_address = get("NONSTOP_CONTROLLER");
-  o.job_token = get("NONSTOP_JOB_TOKEN");
-  std::string id = get("NONSTOP_WORKER_ID");
+  o.controller_address = get(s::kControllerAddress);
+  o.job_token = get(s::kJobToken);
+  std::string id = get(s::kWorkerId);
   if (o.controller_address.empty() || o.job_token.empty() || id.empty()) {
-    return FailedPreconditionError(
-        "NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN and NONSTOP_WORKER_ID are not set: start this program under "
-        "`nonstop run` (HINT: nonstop run --nproc 4 -- <program> <args>)");
+    return FailedPreconditionError(fmt::format(
+        "{}, {} and {} are not set: start this program under `nonstop run` (HINT: nonstop run --nproc 4 -- "
+        "<program> <args>)",
+        s::kControllerAddress.env, s::kJobToken.env, s::kWorkerId.env));
   }
   try {
     o.worker_id = std::stoi(id);
   } catch (...) {
-    return InvalidArgumentError("NONSTOP_WORKER_ID='" + id + "' is not an integer");
+    return InvalidArgumentError(fmt::format("{}='{}' is not an integer", s::kWorkerId.env, id));
   }
-  o.spare = get("NONSTOP_SPARE") == "1";
-  for (auto [name, field] : {std::pair{"NONSTOP_CONNECT_TIMEOUT_MS", &o.join_timeout},
-                             std::pair{"NONSTOP_CONTROLLER_TIMEOUT_MS", &o.controller_timeout},
-                             std::pair{"NONSTOP_LEADERLESS_TIMEOUT_MS", &o.leaderless_timeout}}) {
-    std::string v = get(name);
+  o.spare = get(s::kSpare) == "1";
+  for (auto [entry, field] : {std::pair{&s::kConnectTimeoutMs, &o.join_timeout},
+                              std::pair{&s::kWorkerControllerTimeoutMs, &o.controller_timeout},
+                              std::pair{&s::kLeaderlessTimeoutMs, &o.leaderless_timeout}}) {
+    std::string v = get(*entry);
     if (v.empty()) continue;
     try {
       size_t used = 0;
@@ -67,21 +64,43 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
       if (used != v.size() || ms <= 0) throw std::invalid_argument(v);
       *field = std::chrono::milliseconds(ms);
     } catch (...) {
-      return InvalidArgumentError(fmt::format("{}='{}' is not a positive number of milliseconds", name, v));
+      return InvalidArgumentError(fmt::format("{}='{}' is not a positive number of milliseconds", entry->env, v));
     }
   }
-  if (!get("NONSTOP_DATA_HOST").empty()) o.data_host = get("NONSTOP_DATA_HOST");
-  o.advertise_address = get("NONSTOP_ADVERTISE_ADDRESS");
-  o.host_id = get("NONSTOP_HOST_ID");
-  o.etcd_endpoints = get("NONSTOP_ETCD");
-  if (!get("NONSTOP_ETCD_JOB").empty()) o.etcd_job = get("NONSTOP_ETCD_JOB");
+  if (std::string host = get(s::kDataHost); !host.empty()) o.data_host = host;
+  o.advertise_address = get(s::kWorkerAdvertiseAddress);
+  o.host_id = get(s::kHostId);
+  o.etcd_endpoints = get(s::kEtcd);
+  if (std::string job = get(s::kEtcdJob); !job.empty()) o.etcd_job = job;
   return o;
 }
 
 namespace {
+
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
 }
+
+// A worker's link (docs/controller-failover.md): its hello (kind control, its
+// worker id); the list first, etcd after a loss; and its timing.
+control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
+  control::ControllerLinkOptions l;
+  l.controllers = o.controller_address;
+  l.etcd = o.etcd_endpoints;
+  l.etcd_job = o.etcd_job;
+  l.etcd_timeout = Millis(500);
+  l.list_first = true;  // its launcher named the controller that leads now
+  l.hello.kind = net::ConnectionKind::kControl;
+  l.hello.worker_id = o.worker_id;
+  l.hello.job_token = o.job_token;
+  l.try_timeout = Millis(1'000);  // one try (connect, then hello): a paused leader holds it no longer
+  l.silence_timeout = o.controller_timeout;
+  l.reconnect_within = o.leaderless_timeout;
+  l.backoff = {Millis(100), Millis(1'000), /*jitter=*/0.5};
+  l.leader_poll = Millis(100);
+  return l;
+}
+
 }  // namespace
 
 class SessionImpl {
@@ -92,32 +111,12 @@ class SessionImpl {
   // ---- control plane ----
 
   Status Start() {
-    size_t begin = 0;
-    const std::string& list = options_.controller_address;
-    while (begin <= list.size()) {
-      size_t end = std::min(list.find(',', begin), list.size());
-      std::string one = list.substr(begin, end - begin);
-      NONSTOP_ASSIGN_OR_RETURN(net::HostPort where, net::ParseHostPort(one));
-      controllers_.push_back(where);
-      begin = end + 1;
-    }
-    Deadline deadline = DeadlineAfter(options_.join_timeout);
-    Status last;
-    for (size_t attempt = 0; !control_fd_.valid(); ++attempt) {
-      // One controller after another: the first that accepts the hello leads.
-      const net::HostPort& where = controllers_[attempt % controllers_.size()];
-      Deadline one = controllers_.size() == 1 ? deadline : std::min(deadline, DeadlineAfter(Millis(2'000)));
-      Result<UniqueFd> fd = DialController(where, one);
-      if (fd.ok()) {
-        control_fd_ = std::move(*fd);
-        controller_ = where.ToString();
-        break;
-      }
-      last = fd.status();
-      if (controllers_.size() == 1 || Clock::now() >= deadline) {
-        return last.WithContext("joining the controller at " + options_.controller_address);
-      }
-      if ((attempt + 1) % controllers_.size() == 0) std::this_thread::sleep_for(Millis(100));  // a round failed
+    NONSTOP_ASSIGN_OR_RETURN(link_, control::ControllerLink::Create(LinkOptions(options_)));
+    Deadline now = Clock::now();
+    link_->Start(now + options_.join_timeout, now);
+    // One controller after another, until one accepts the hello (this thread drives the link until the I/O thread does).
+    if (Status s = link_->WaitAccepted(&stop_signal_); !s.ok()) {
+      return s.WithContext("joining the controller at " + options_.controller_address);
     }
     collective::PeerMeshOptions mo;
     mo.job_token = options_.job_token;
@@ -129,7 +128,10 @@ class SessionImpl {
                           options_.spare, state_step_.load(), options_.host_id};
     join.shard_group = state_->shard_group();
     join.held_shard = held_shard_.load();
-    NONSTOP_RETURN_IF_ERROR(SendControl(control::kMsgJoin, control::Encode(join)));
+    {
+      MutexLock lock(&write_mu_);
+      NONSTOP_RETURN_IF_ERROR(link_->Open({{control::kMsgJoin, control::Encode(join)}}));
+    }
     io_thread_ = std::jthread([this](std::stop_token st) { IoLoop(st); });
     // Wait for the first plan that includes this worker, then take part in it.
     return Rejoin(/*after_generation=*/0, "start").status();
@@ -139,177 +141,99 @@ class SessionImpl {
   std::string AdvertisedDataAddress() const {
     std::string host = options_.advertise_address;
     if (host.empty() && options_.data_host != "0.0.0.0" && options_.data_host != "::") host = options_.data_host;
-    if (host.empty()) {
-      sockaddr_storage ss{};
-      socklen_t len = sizeof(ss);
-      char text[INET6_ADDRSTRLEN] = {};
-      if (::getsockname(control_fd_.get(), reinterpret_cast<sockaddr*>(&ss), &len) == 0 && ss.ss_family == AF_INET) {
-        ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&ss)->sin_addr, text, sizeof(text));
-        host = text;
-      }
-    }
+    if (host.empty()) host = link_->local_address();
     if (host.empty()) return mesh_->address().ToString();
     return fmt::format("{}:{}", host, mesh_->address().port);
-  }
-
-  // Dials a controller and says hello; the controller's refusal (a wrong
-  // token, a controller that does not lead) is an error.
-  Result<UniqueFd> DialController(const net::HostPort& where, Deadline deadline) {
-    NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Dial(where, deadline));
-    net::Hello hello;
-    hello.kind = net::ConnectionKind::kControl;
-    hello.worker_id = options_.worker_id;
-    hello.job_token = options_.job_token;
-    NONSTOP_RETURN_IF_ERROR(net::ClientHandshake(fd.get(), hello, deadline, &stop_signal_));
-    return fd;
   }
 
   // Without a controller (lost, not yet found again) messages are dropped:
   // what the next controller must know is in the join that reconnects.
   Status SendControl(uint16_t type, const std::string& payload) NONSTOP_LOCKS_EXCLUDED(write_mu_) {
     MutexLock lock(&write_mu_);
-    if (!control_fd_.valid()) return UnavailableError("no controller leads now");
-    return net::WriteFrame(control_fd_.get(), type, payload, DeadlineAfter(Millis(5'000)), &stop_signal_);
+    return link_->Send(type, payload);
   }
 
+  // The I/O thread: heartbeats, the controller's frames, and the link's
+  // losses and reconnections. Training goes on meanwhile: when the
+  // controller is lost the link dials the controllers (or etcd's leader)
+  // until one accepts, and the join says where this worker stands.
   void IoLoop(std::stop_token st) {
-    net::FrameDecoder decoder;
     Deadline next_heartbeat = Clock::now();
-    Clock::time_point heard_at = Clock::now();  // the last frame from the controller
     while (!st.stop_requested()) {
       if (Clock::now() >= next_heartbeat) {
         SendHeartbeat();
         next_heartbeat = DeadlineAfter(options_.heartbeat_interval);
       }
-      pollfd fds[2] = {{control_fd_.get(), POLLIN, 0}, {stop_signal_.fd(), POLLIN, 0}};
-      int rc = ::poll(fds, 2, PollTimeoutMs(std::min(next_heartbeat, heard_at + options_.controller_timeout)));
-      Status s;
-      if (rc > 0 && (fds[0].revents & (POLLIN | POLLHUP | POLLERR))) {
-        char buf[16 << 10];
-        ssize_t n = ::recv(control_fd_.get(), buf, sizeof(buf), 0);
-        if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-        s = n > 0 ? decoder.Feed(std::string_view(buf, static_cast<size_t>(n)))
-                  : UnavailableError("controller closed the connection");
-        if (n > 0) heard_at = Clock::now();
-        while (s.ok()) {
-          auto f = decoder.Next();
-          if (!f) break;
-          s = OnControlFrame(*f);
-          if (testing::control_frame_hook) testing::control_frame_hook(f->type);
+      pollfd fds[3] = {{link_->fd(), link_->events(), 0}, {link_->wake_fd(), POLLIN, 0}, {stop_signal_.fd(), POLLIN, 0}};
+      int rc = ::poll(fds, 3, PollTimeoutMs(std::min(next_heartbeat, link_->wake_at())));
+      if (st.stop_requested()) return;
+      link_->Advance(rc > 0 ? fds[0].revents : 0, Clock::now());
+      while (auto e = link_->Next()) {
+        switch (e->kind) {
+          case control::LinkEvent::Kind::kFrame: {
+            Status s = OnControlFrame(e->frame);
+            if (testing::control_frame_hook) testing::control_frame_hook(e->frame.type);
+            if (!s.ok()) {
+              link_->Drop(s, Clock::now());  // a malformed order: garbage, dialed again after a pause
+              Lost(s);
+            }
+            break;
+          }
+          case control::LinkEvent::Kind::kLost:
+            Lost(e->status);
+            break;
+          case control::LinkEvent::Kind::kAccepted:
+            if (SendRejoin().ok()) {
+              NONSTOP_LOG_WARNING("joined the controller at {} again after {} ms", link_->controller(),
+                                  std::chrono::duration_cast<Millis>(Clock::now() - lost_at_).count());
+            }
+            next_heartbeat = Clock::now();
+            break;
+          case control::LinkEvent::Kind::kFailed:
+            GiveUp(e->status);
+            return;
         }
-      } else if (Clock::now() - heard_at > options_.controller_timeout) {
-        s = UnavailableError(fmt::format("heard nothing from the controller for {} ms",
-                                         std::chrono::duration_cast<Millis>(Clock::now() - heard_at).count()));
-      }
-      if (!s.ok()) {
-        if (!Reconnect(st, s)) return;
-        decoder = net::FrameDecoder();
-        heard_at = Clock::now();
-        next_heartbeat = Clock::now();
       }
     }
   }
 
-  // The controller is gone (it died, or is cut off): training goes on, and
-  // this thread dials the controllers in turn until one leads and takes the
-  // join that says where this worker stands. False when it gave up
-  // (leaderless_timeout) or the session stops.
-  bool Reconnect(std::stop_token st, const Status& why) {
-    {
-      MutexLock lock(&write_mu_);
-      control_fd_.Reset();
-    }
-    auto lost_at = Clock::now();
+  // The controller is gone (it died, or is cut off): training goes on.
+  void Lost(const Status& why) {
+    lost_at_ = Clock::now();
+    lost_why_ = why.message();
     NONSTOP_LOG_WARNING("lost the controller at {}: {}; training goes on, dialing {} again (membership changes wait "
                         "for a controller; giving up in {} s)",
-                        controller_, why.message(), options_.controller_address,
+                        link_->controller(), why.message(), options_.controller_address,
                         std::chrono::duration_cast<std::chrono::seconds>(options_.leaderless_timeout).count());
-    Millis backoff{100};
-    Status last = why;
-    for (size_t attempt = 0; !st.stop_requested(); ++attempt) {
-      if (Clock::now() - lost_at >= options_.leaderless_timeout) {
-        NONSTOP_LOG_ERROR("no controller for {} ms (last error: {}): giving up",
-                          options_.leaderless_timeout.count(), last.ToString());
-        return GiveUp("lost the controller: " + why.message());
-      }
-      Result<net::HostPort> leader = NextController(attempt);
-      if (!leader.ok() && leader.status().code() == StatusCode::kAborted) {
-        // etcd says the job ended: no controller will come back for it.
-        NONSTOP_LOG_ERROR("{}: giving up", leader.status().message());
-        return GiveUp(leader.status().message());
-      }
-      if (!leader.ok()) {
-        last = leader.status();
-        pollfd p{stop_signal_.fd(), POLLIN, 0};
-        (void)::poll(&p, 1, 100);  // etcd says nobody leads yet: look again soon
-        continue;
-      }
-      const net::HostPort where = *leader;
-      Result<UniqueFd> fd = DialController(where, DeadlineAfter(Millis(1'000)));
-      if (fd.ok() && SendRejoin(std::move(*fd)).ok()) {
-        controller_ = where.ToString();
-        NONSTOP_LOG_WARNING("joined the controller at {} again after {} ms", controller_,
-                            std::chrono::duration_cast<Millis>(Clock::now() - lost_at).count());
-        return true;
-      }
-      if (!fd.ok()) last = fd.status();
-      if (etcd_) {
-        // etcd named a leader that did not answer (it is starting, or was just deposed): ask again soon.
-        pollfd p{stop_signal_.fd(), POLLIN, 0};
-        (void)::poll(&p, 1, 100);
-      } else if (attempt % controllers_.size() + 1 == controllers_.size()) {
-        // A round over every controller failed: back off (waking at once to stop).
-        pollfd p{stop_signal_.fd(), POLLIN, 0};
-        (void)::poll(&p, 1, static_cast<int>(backoff.count()));
-        backoff = std::min(Millis(1'000), backoff * 2);
-      }
-    }
-    return false;
   }
 
-  // No controller will lead this worker again: the training thread fails
-  // out of what it waits for or computes. Always false (Reconnect's answer).
-  bool GiveUp(const std::string& why) {
+  // No controller will lead this worker again (the link gave up: the
+  // leaderless timeout, a refused hello, or etcd says the job ended): the
+  // training thread fails out of what it waits for or computes.
+  void GiveUp(const Status& why) {
+    std::string reason;
+    if (why.code() == StatusCode::kAborted) {
+      reason = why.message();
+      NONSTOP_LOG_ERROR("{}: giving up", reason);
+    } else if (why.code() == StatusCode::kFailedPrecondition) {
+      reason = fmt::format("the controller at {} refused this worker: {}", link_->controller(), why.message());
+      NONSTOP_LOG_ERROR("{}: giving up", reason);
+    } else {
+      reason = "lost the controller: " + lost_why_;
+      NONSTOP_LOG_ERROR("no controller for {} ms (last error: {}): giving up", options_.leaderless_timeout.count(),
+                        why.ToString());
+    }
     MutexLock lock(&mu_);
     controller_lost_ = true;
-    if (comm_) comm_->Abort(why);
+    if (comm_) comm_->Abort(reason);
     cv_.NotifyAll();
-    return false;
-  }
-
-  // The controller to dial on attempt n: the one etcd says leads, or the next of the list.
-  Result<net::HostPort> NextController(size_t attempt) {
-    if (!options_.etcd_endpoints.empty() && !etcd_) {
-      auto c = etcd::Client::Create(options_.etcd_endpoints, {Millis(500)});
-      if (!c.ok()) return c.status();
-      etcd_ = std::move(*c);
-    }
-    if (etcd_) {
-      NONSTOP_ASSIGN_OR_RETURN(std::string address, coord::LookUpLeader(*etcd_, options_.etcd_job));
-      return net::ParseHostPort(address);
-    }
-    return controllers_[attempt % controllers_.size()];
-  }
-
-  // A controller's ping: its epoch. One older than an epoch this worker has
-  // seen is a deposed leader's: its connection is left (an error here) and
-  // the leader is looked for again, so none of its orders is acted on.
-  Status OnPing(const net::Frame& f) {
-    NONSTOP_ASSIGN_OR_RETURN(control::PingMsg ping, control::DecodePing(f.payload));
-    if (ping.epoch < epoch_) {
-      return FailedPreconditionError(fmt::format(
-          "the controller at {} is of epoch {}, older than epoch {} that led already: a deposed leader, not followed",
-          controller_, ping.epoch, epoch_));
-    }
-    epoch_ = ping.epoch;
-    return OkStatus();
   }
 
   // The join that tells a controller taking over where this worker stands:
   // the generation it is in, whether it left it and waits for a plan, the
   // step its state holds; then the Finished it may have sent the last one.
-  Status SendRejoin(UniqueFd fd) {
-    // write_mu_ first and until the connection is installed: a Ready or a
+  Status SendRejoin() NONSTOP_LOCKS_EXCLUDED(write_mu_) {
+    // write_mu_ first and until the connection is open: a Ready or a
     // Finished the training thread sends meanwhile either is in this join
     // (it set waiting_after_ / finished_ before sending) or goes out on the
     // new connection after it, never lost in between.
@@ -331,15 +255,9 @@ class SessionImpl {
       }
       finished = finished_;
     }
-    Deadline deadline = DeadlineAfter(Millis(2'000));
-    NONSTOP_RETURN_IF_ERROR(
-        net::WriteFrame(fd.get(), control::kMsgJoin, control::Encode(join), deadline, &stop_signal_));
-    if (finished) {
-      NONSTOP_RETURN_IF_ERROR(
-          net::WriteFrame(fd.get(), control::kMsgFinished, control::Encode(*finished), deadline, &stop_signal_));
-    }
-    control_fd_ = std::move(fd);
-    return OkStatus();
+    std::vector<std::pair<uint16_t, std::string>> first = {{control::kMsgJoin, control::Encode(join)}};
+    if (finished) first.emplace_back(control::kMsgFinished, control::Encode(*finished));
+    return link_->Open(first);
   }
 
   void SendHeartbeat() {
@@ -349,9 +267,7 @@ class SessionImpl {
   }
 
   Status OnControlFrame(const net::Frame& f) {
-    switch (f.type) {
-      case control::kMsgPing:
-        return OnPing(f);
+    switch (f.type) {  // never a ping: the link checks their epochs
       case control::kMsgPlan: {
         NONSTOP_ASSIGN_OR_RETURN(control::PlanMsg plan, control::DecodePlan(f.payload));
         MutexLock lock(&mu_);
@@ -738,11 +654,11 @@ class SessionImpl {
 
   SessionOptions options_;
   state::StateRegistry* const state_;  // owned by the training program; outlives the session
-  // Written under write_mu_ (the I/O thread replaces it after a controller
-  // loss; Start sets it before that thread exists). Not GUARDED_BY: the I/O
-  // thread, its only writer, also polls and reads it without the lock; the
-  // other threads only write frames to it, under write_mu_ (SendControl).
-  UniqueFd control_fd_;
+  // The connection to the controller (src/control/controller_link.h). Set in
+  // Start, before the I/O thread exists; driven by Start, then by the I/O
+  // thread alone. Every thread sends on it (Send is thread-safe), under
+  // write_mu_ (SendControl), so that a rejoin's first frames come first.
+  std::unique_ptr<control::ControllerLink> link_;
   // Before mesh_: the mesh's accept thread polls the abort signal of a thread
   // waiting in Get(), so the signal must outlive the mesh.
   net::AbortSignal abort_;        // fired to abort the collective in flight
@@ -751,8 +667,8 @@ class SessionImpl {
   std::atomic<int64_t> state_step_{-1};          // the step the registered state holds
   std::atomic<int> held_shard_{state::kEveryShard};  // sharded state: the shard it holds (StateRegistry::held_shard)
   std::atomic<int64_t> collective_since_ms_{-1};  // when the step collective in flight began
-  // Lock order: write_mu_, then mu_ (SendRejoin), then a Communicator's.
-  Mutex write_mu_;  // serialises frames on the control socket
+  // Lock order: write_mu_, then mu_ (SendRejoin), then a Communicator's; the link's own lock is taken last.
+  Mutex write_mu_;  // orders the frames sent against a rejoin's first ones
 
   Mutex mu_;
   CondVar cv_;
@@ -765,10 +681,8 @@ class SessionImpl {
   bool controller_lost_ NONSTOP_GUARDED_BY(mu_) = false;  // gave up finding a controller
   uint32_t waiting_after_ NONSTOP_GUARDED_BY(mu_) = 0;  // left this generation, waits for a plan
   std::optional<control::FinishedMsg> finished_ NONSTOP_GUARDED_BY(mu_);  // sent when the training loop ended
-  std::vector<net::HostPort> controllers_;        // NONSTOP_CONTROLLER, in the order they are tried
-  std::unique_ptr<etcd::Client> etcd_;            // where the leader is looked up (NONSTOP_ETCD); io thread
-  int64_t epoch_ = 0;                             // the newest controller epoch seen; io thread
-  std::string controller_;                        // the one connected last (for logs; the I/O thread's)
+  Clock::time_point lost_at_{};                   // when the controller was lost last; io thread
+  std::string lost_why_;                          // why; io thread
   std::string data_address_;                      // what peers dial, fixed at the first join
   // Replaced under mu_ (Adopt), and the I/O thread uses it (Abort) only
   // under mu_. Not GUARDED_BY: the training thread, its only writer, drives
