@@ -11,6 +11,13 @@
 #include "nonstop/settings.h"
 #include "controller/runtime.h"
 
+namespace nonstop::agent {
+struct AgentOptions;
+}
+namespace nonstop::launcher {
+class BoundedStdio;
+}
+
 namespace nonstop::cli {
 
 // The flags `nonstop run` and `nonstop controller` share: timeouts, the
@@ -39,7 +46,8 @@ struct JobFlags {
   std::string log_level{settings::kLogLevel.default_value};
 };
 
-// `nonstop run`: controller + local launcher for one job on this machine.
+// `nonstop run`: one job on this machine: its controller, and this process
+// as the machine's agent (the parent of the workers).
 class RunCommand {
  public:
   void Register(CLI::App& app);
@@ -58,9 +66,12 @@ class RunCommand {
   bool verbose_ = settings::kVerbose.default_value;
   JobFlags flags_;
   std::vector<std::string> program_;
-  // The default: the controller in a child process, this process the local
-  // agent (--single-process: both in this one, as before).
-  int RunResumable(controller::RuntimeOptions o);
+  // The job: the controller in a child process (the default) or on a thread
+  // (--single-process), and this process's agent dialing it, the same for both.
+  int RunLocal(controller::RuntimeOptions o, const std::vector<std::string>& program, const std::string& log_dir);
+  agent::AgentOptions LocalAgentOptions(const std::string& controller, const std::string& token,
+                                        const std::vector<std::string>& program, const std::string& log_dir,
+                                        launcher::BoundedStdio& stdio) const;
   std::string ResumeCommand(const std::string& journal, const std::string& token_file) const;
 };
 

@@ -1,36 +1,43 @@
-// `nonstop run`: the controller and a local launcher in one process, on one
-// event loop (src/controller/runtime.h). It starts --nproc workers and
-// --spares spares, forms generation 1, forwards every worker's output with a
-// rank prefix, watches heartbeats and process exits, carries out the
-// controller's recoveries (abort, kill, start a new spare), writes the
-// journal, prints the recovery report, and exits with a code that means
-// something to a supervisor (0 ok, 2 usage, 10 the job could not continue
-// after a worker failed, 11 data corruption).
+// `nonstop run`: one job on this machine. Its controller (src/controller/
+// runtime.h) runs in a child process (the default: it can die without the
+// workers, docs/controller-failover.md) or, with --single-process, on a
+// thread of this process; either way this process runs the machine's agent
+// (src/agent/agent.h: host `local`, elastic), which dials the controller on
+// loopback and starts --nproc workers and --spares spares. The controller
+// forms generation 1, watches heartbeats and process exits, carries out the
+// recoveries (abort, kill, start a new spare), writes the journal, prints
+// the recovery report, and ends the job with a code that means something to
+// a supervisor (0 ok, 2 usage, 10 the job could not continue after a worker
+// failed, 11 data corruption); the agent forwards every worker's output with
+// a rank prefix.
 //
 // With no program, it runs the built-in demonstration: nonstop-train on its
 // default recipe, with one fault injected (kill:rank=2,step=30) unless
 // --inject says otherwise.
 //
-// `nonstop controller`: the same runtime without a local launcher, for jobs
-// over several hosts: each host runs `nonstop agent`, which registers with it.
+// `nonstop controller`: the same runtime alone, for jobs over several hosts:
+// each host runs `nonstop agent`, which registers with it.
+#include <pthread.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
-#include <sys/wait.h>
-
+#include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <atomic>
+#include <memory>
 #include <optional>
 #include <thread>
 
 #include <fmt/format.h>
 
 #include "agent/agent.h"
+#include "launcher/local_launcher.h"
 #include "launcher/output_writer.h"
 #include "apps/nonstop/commands.h"
 #include "apps/nonstop/settings_cli.h"
@@ -134,7 +141,9 @@ std::optional<int> FillOptions(const std::string& name, const JobFlags& f, int m
   o->checkpoint_dir = f.checkpoint_dir;
   o->checkpoint_every = f.checkpoint_every;
   o->mtbf_seconds = f.mtbf_seconds;
-  o->refill_nice = f.refill_nice;
+  // Refills warm up niced only where they can be set back to normal priority when they take a rank
+  // (RuntimeOptions::refill_nice): the elastic host's agent is this user's, on this machine.
+  o->refill_nice = launcher::LocalLauncher::CanRestorePriority() ? f.refill_nice : 0;
   o->recovery_name = f.recovery;
   return std::nullopt;
 }
@@ -157,9 +166,9 @@ void RunCommand::Register(CLI::App& app) {
 int RunCommand::Execute() {
   controller::RuntimeOptions o;
   JobFlags flags = flags_;
-  o.program = program_;
-  if (o.program.empty()) {
-    o.program = {SelfDirectory() + "/nonstop-train"};
+  std::vector<std::string> program = program_;
+  if (program.empty()) {
+    program = {SelfDirectory() + "/nonstop-train"};
     if (flags.inject.empty()) flags.inject = {"kill:rank=2,step=30"};  // the demonstration's fault
   }
   if (auto code = FillOptions("nonstop run", flags, nproc_, &o)) return *code;
@@ -174,7 +183,7 @@ int RunCommand::Execute() {
   o.core.world_size = nproc_;
   o.core.spares = spares_;
   o.listen = {host_, static_cast<uint16_t>(port_)};
-  o.data_host = host_;
+  std::string log_dir;  // the agent's: where the workers' output goes instead of this terminal
   const char* term = std::getenv("TERM");
   if (!verbose_ && ::isatty(STDOUT_FILENO) && !(term != nullptr && std::string(term) == "dumb")) {
     // A person watching: one live line; the workers' logs go to files beside the journal.
@@ -187,11 +196,10 @@ int RunCommand::Execute() {
       return 1;
     }
     o.progress_line = true;
-    o.worker_log_dir = logs.string();
+    log_dir = logs.string();
     fmt::print("nonstop run: the workers' output goes to {}/worker-N.log (--verbose: here)\n", logs.string());
   }
-  if (resumable_) return RunResumable(std::move(o));
-  return controller::RunController(o);
+  return RunLocal(std::move(o), program, log_dir);
 }
 
 // The command that adopts this run's workers if its controller dies: the
@@ -223,174 +231,308 @@ std::string RunCommand::ResumeCommand(const std::string& journal, const std::str
   return cmd;
 }
 
-// `nonstop run --resumable`: the same job as two processes, so that the
-// controller can die without the workers (docs/controller-failover.md).
-// A child process runs the controller as `nonstop controller --nnodes 1`
-// would; this process is the host's agent, the parent of the workers. The
-// job's exit code is the agent's: the one the controller's shutdown names.
-int RunCommand::RunResumable(controller::RuntimeOptions o) {
-  const std::string name = "nonstop run";
-  std::filesystem::path journal(o.journal);
-  std::filesystem::path dir = journal.has_parent_path() ? journal.parent_path() : std::filesystem::path(".");
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  const std::string job_file = controller::JobFileFor(o.journal);
-  const std::string token_file = (dir / "job.token").string();
-  std::filesystem::remove(job_file, ec);  // the one the controller writes now is this job's
-  std::vector<std::string> program = o.program;
+namespace {
 
-  controller::RuntimeOptions c = o;
-  c.name = "nonstop run";
-  c.worker_log_dir.clear();  // the agent below starts the workers: it writes their logs
-  c.program.clear();  // no local launcher: the agent below starts the workers
-  c.core.min_hosts = 1;
-  c.core.max_hosts = 1;
-  c.token_file = token_file;
-  // SIGINT and SIGTERM are blocked before the fork: the controller reads its own from a signalfd,
-  // this process forwards them to it (below), and none is lost in between.
-  sigset_t mask = BlockTerminationSignals();
-  std::fflush(nullptr);
-  const pid_t parent = ::getpid();
-  pid_t child = ::fork();
-  if (child < 0) {
-    fmt::print(stderr, "{}: fork: {}\n", name, std::strerror(errno));
-    return 1;
-  }
-  if (child == 0) {
-    // The controller ends the job if the process that supervises the workers dies.
-    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (::getppid() != parent) std::_Exit(1);
-    int code = controller::RunController(c);
+// The controller of a `nonstop run`: the runtime of a job of one host, this
+// process's agent. It runs in a child process (the default) or on a thread
+// of this process (--single-process); everything around it is the same for
+// both (RunCommand::RunLocal).
+class LocalController {
+ public:
+  virtual ~LocalController() = default;
+  virtual pid_t pid() const = 0;  // the pid its job file names
+  // Whether it has ended, without waiting; then exit_code() is its code.
+  virtual bool Ended() = 0;
+  int exit_code() const { return code_.load(); }
+  // Passes on a SIGINT or SIGTERM this process received: the controller ends the job.
+  virtual void Forward(int sig) = 0;
+  // Ends it (SIGTERM) and waits for it, bounded (a child still there 5 s later gets SIGKILL).
+  virtual void Stop() = 0;
+  // Whether it can die while this process lives: its workers then train on, for `--resume` to adopt.
+  virtual bool separate() const = 0;
+
+ protected:
+  std::atomic<int> code_{-1};
+};
+
+// The default: the controller as a child process, as `nonstop controller --nnodes 1` would run it.
+class ControllerProcess final : public LocalController {
+ public:
+  // Forks; the child runs the controller and exits with its code. nullptr (said why) if fork fails.
+  static std::unique_ptr<ControllerProcess> Start(const controller::RuntimeOptions& c) {
     std::fflush(nullptr);
-    std::_Exit(code);
+    const pid_t parent = ::getpid();
+    pid_t child = ::fork();
+    if (child < 0) {
+      fmt::print(stderr, "{}: fork: {}\n", c.name, std::strerror(errno));
+      return nullptr;
+    }
+    if (child == 0) {
+      // The controller ends the job if the process that supervises the workers dies.
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) std::_Exit(1);
+      int code = controller::RunController(c);
+      std::fflush(nullptr);
+      std::_Exit(code);
+    }
+    return std::unique_ptr<ControllerProcess>(new ControllerProcess(child));
   }
-
-  int child_code = -1;  // set once the child is reaped
-  auto reap = [&](bool wait) {
-    if (child_code >= 0) return true;
-    int status = 0;
-    if (::waitpid(child, &status, wait ? 0 : WNOHANG) != child) return false;
-    child_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    return true;
-  };
-  auto stop_child = [&]() {  // bounded: SIGTERM, then SIGKILL
-    for (int i = 0; i < 100 && !reap(false); ++i) {
-      if (i == 0) ::kill(child, SIGTERM);
+  ~ControllerProcess() override { Stop(); }
+  pid_t pid() const override { return child_; }
+  bool Ended() override { return Reap(false); }
+  void Forward(int sig) override {
+    if (!Ended()) ::kill(child_, sig);
+  }
+  void Stop() override {
+    for (int i = 0; i < 100 && !Reap(false); ++i) {
+      if (i == 0) ::kill(child_, SIGTERM);
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    if (!reap(false)) {
-      ::kill(child, SIGKILL);
-      reap(true);
+    if (!Reap(false)) {
+      ::kill(child_, SIGKILL);
+      Reap(true);
     }
-  };
-  auto take_signal = [&](int timeout_ms) {
-    timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1'000'000L};
-    return ::sigtimedwait(&mask, nullptr, &ts);
-  };
+  }
+  bool separate() const override { return true; }
 
-  // Wait for this controller's job file: its address and the job's token.
-  std::string address, token;
-  for (int i = 0; i < 600 && address.empty(); ++i) {
-    if (int sig = take_signal(0); sig > 0) {
-      ::kill(child, sig);
-      stop_child();
+ private:
+  explicit ControllerProcess(pid_t child) : child_(child) {}
+  bool Reap(bool wait) {
+    if (code_ >= 0) return true;
+    int status = 0;
+    if (::waitpid(child_, &status, wait ? 0 : WNOHANG) != child_) return false;
+    code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return true;
+  }
+  const pid_t child_;
+};
+
+// --single-process: the controller on a thread of this process. It reads SIGINT and SIGTERM from a
+// signalfd like the child does: sent to this process (every thread blocks them) or passed on to its
+// thread (Forward). A SIGTERM ends its job within the runtime's own bounds.
+class ControllerThread final : public LocalController {
+ public:
+  explicit ControllerThread(controller::RuntimeOptions c)
+      : thread_([this, c = std::move(c)] {
+          code_ = controller::RunController(c);
+          ended_ = true;
+        }) {}
+  ~ControllerThread() override { Stop(); }
+  pid_t pid() const override { return ::getpid(); }
+  bool Ended() override { return ended_.load(); }
+  void Forward(int sig) override {
+    if (!ended_) ::pthread_kill(thread_.native_handle(), sig);  // valid until joined
+  }
+  void Stop() override {
+    if (!thread_.joinable()) return;
+    Forward(SIGTERM);
+    thread_.join();
+  }
+  bool separate() const override { return false; }
+
+ private:
+  std::atomic<bool> ended_{false};
+  std::thread thread_;  // last: started once the members it uses exist
+};
+
+int TakeSignal(const sigset_t& mask, int timeout_ms) {
+  timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1'000'000L};
+  return ::sigtimedwait(&mask, nullptr, &ts);
+}
+
+struct JobAddress {
+  std::string controller;  // the control port its agent dials
+  std::string token;
+};
+
+// Waits (≤ 30 s) for the controller's job file: its address and the job's token. An exit code when the
+// run ends first: on a signal (passed on; the controller is stopped), when the controller ended, or when
+// no job file came.
+std::optional<int> WaitForJobFile(LocalController& controller, const std::string& job_file, const sigset_t& mask,
+                                  const std::string& name, JobAddress* address) {
+  for (int i = 0; i < 600; ++i) {
+    if (int sig = TakeSignal(mask, 0); sig > 0) {
+      controller.Forward(sig);
+      controller.Stop();
       return controller::kExitInterrupted;
     }
-    if (reap(false)) {
-      fmt::print(stderr, "{}: the controller exited (code {}) before the job started\n", name, child_code);
-      return child_code == 0 ? 1 : child_code;
+    if (controller.Ended()) {  // interrupted: a signal its thread took (--single-process), its lines say so
+      if (controller.exit_code() != controller::kExitInterrupted) {
+        fmt::print(stderr, "{}: the controller exited (code {}) before the job started\n", name,
+                   controller.exit_code());
+      }
+      return controller.exit_code() == 0 ? 1 : controller.exit_code();
     }
     std::ifstream in(job_file);
     auto job = in ? nlohmann::json::parse(in, nullptr, false) : nlohmann::json();
-    if (job.is_object() && job.value("pid", int64_t{-1}) == child && job.contains("controller") &&
+    if (job.is_object() && job.value("pid", int64_t{-1}) == controller.pid() && job.contains("controller") &&
         job["controller"].is_string() && job.contains("token") && job["token"].is_string()) {
-      address = job["controller"].get<std::string>();
-      token = job["token"].get<std::string>();
-      break;
+      address->controller = job["controller"].get<std::string>();
+      address->token = job["token"].get<std::string>();
+      return std::nullopt;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  if (address.empty()) {
-    fmt::print(stderr, "{}: the controller did not start within 30 s (no job file at {})\n", name, job_file);
-    stop_child();
-    return 1;
+  fmt::print(stderr, "{}: the controller did not start within 30 s (no job file at {})\n", name, job_file);
+  controller.Stop();
+  return 1;
+}
+
+// While the agent runs. A SIGINT or SIGTERM goes to the controller, which ends the job: the agent
+// follows its shutdown, or is stopped 20 s later (at once if the controller is gone). A controller
+// that ends before the job formed ends the run with its code (failed_start). One that ends later:
+// a thread has ended the job, and an agent still running is stopped (nothing will lead it again);
+// a child process may have died, and the workers train on for `resume` to adopt them.
+class JobWatcher {
+ public:
+  JobWatcher(LocalController* controller, agent::Agent* agent, const sigset_t& mask, std::string journal,
+             launcher::OutputWriter* err, std::string resume)
+      : controller_(controller), agent_(agent), mask_(mask), journal_(std::move(journal)), err_(err),
+        resume_(std::move(resume)), thread_([this] { Run(); }) {}
+  ~JobWatcher() { Finish(); }
+  // Once the agent has returned: stops watching; the code of a controller that ended before the job formed.
+  std::optional<int> Finish() {
+    done_ = true;
+    if (thread_.joinable()) thread_.join();
+    return failed_start_;
   }
+
+ private:
+  void Run() {
+    std::optional<Deadline> stop_at;
+    bool seen_end = false;
+    bool signalled = false;  // the job is ending on a signal: the controller's exit is expected
+    while (!done_) {
+      int sig = TakeSignal(mask_, 100);
+      bool ended = controller_->Ended();
+      if (sig > 0) {
+        signalled = true;
+        controller_->Forward(sig);
+        stop_at = ended ? Clock::now() : DeadlineAfter(Millis(20'000));
+      }
+      if (stop_at && Clock::now() >= *stop_at) {
+        agent_->Stop();
+        stop_at.reset();
+      }
+      if (ended && !seen_end) {
+        seen_end = true;
+        ControllerEnded(signalled);
+      }
+    }
+  }
+  void ControllerEnded(bool signalled) {
+    auto records = controller::Journal::Read(journal_);
+    bool formed = false, job_ended = false;  // a controller that ended the job (job_end) did not die
+    if (records.ok()) {
+      for (const auto& r : *records) {
+        formed = formed || r.value("event", "") == "plan";
+        job_ended = job_ended || r.value("event", "") == "job_end";
+      }
+    }
+    if (!formed) {
+      failed_start_ = controller_->exit_code();
+      agent_->Stop();
+    } else if (!controller_->separate()) {
+      agent_->Stop();
+    } else if (controller_->exit_code() != 0 && !signalled && !job_ended) {
+      err_->Write(fmt::format("[nonstop] the controller (pid {}) died ({}): the workers train on; to adopt them: "
+                              "{}\n",
+                              controller_->pid(), controller_->exit_code(), resume_));
+    }
+  }
+
+  LocalController* const controller_;
+  agent::Agent* const agent_;
+  const sigset_t mask_;
+  const std::string journal_;
+  launcher::OutputWriter* const err_;
+  const std::string resume_;
+  std::atomic<bool> done_{false};
+  std::optional<int> failed_start_;  // the watcher's until Finish() joins it
+  std::thread thread_;               // last: started once the members it uses exist
+};
+
+}  // namespace
+
+// The agent of this machine (host `local`): elastic, so the controller starts here whatever the job
+// needs, as on one machine; it prints through this process's bounded stdio, and leaves the signals to
+// the watcher (JobWatcher).
+agent::AgentOptions RunCommand::LocalAgentOptions(const std::string& controller, const std::string& token,
+                                                  const std::vector<std::string>& program, const std::string& log_dir,
+                                                  launcher::BoundedStdio& stdio) const {
   agent::AgentOptions a;
-  a.controller = address;
+  a.controller = controller;
   a.job_token = token;
   a.host_id = "local";
   a.nproc = nproc_;
   a.spares = spares_;
   a.advertise_address = host_;
   a.program = program;
-  a.elastic = true;  // the controller starts here whatever the job needs, as on one machine
-  a.log_dir = o.worker_log_dir;
-  a.handle_signals = false;  // the watcher below reads them
-  if (Status st = agent::ValidateOptions(a); !st.ok()) {
-    fmt::print(stderr, "{}: {}\n", name, st.message());
-    stop_child();
-    return controller::kExitUsage;
-  }
-  launcher::BoundedStdio stdio;
+  a.elastic = true;
+  a.log_dir = log_dir;
+  a.handle_signals = false;
   a.out = &stdio.out();
   a.err = &stdio.err();
-  const std::string resume = ResumeCommand(o.journal, token_file);
-  stdio.out().Write(fmt::format("[nonstop] resumable: the controller runs as pid {}; the workers are this process's "
-                                "({}). If the controller dies: {}\n",
-                                child, ::getpid(), resume));
+  return a;
+}
+
+// Both modes alike: the controller starts (a child process, or a thread with --single-process), its
+// job file gives the address and the token, and this process's agent runs the workers until the
+// controller's shutdown, under a JobWatcher. The job's exit code is the agent's: the one the
+// controller's shutdown names (or the controller's own, if it ended before the job formed).
+int RunCommand::RunLocal(controller::RuntimeOptions o, const std::vector<std::string>& program,
+                         const std::string& log_dir) {
+  std::filesystem::path journal(o.journal);
+  std::filesystem::path dir = journal.has_parent_path() ? journal.parent_path() : std::filesystem::path(".");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string job_file = controller::JobFileFor(o.journal);
+  std::filesystem::remove(job_file, ec);  // the one the controller writes now is this job's
+  const std::string token_file = (dir / "job.token").string();
+  o.name = "nonstop run";
+  o.core.min_hosts = o.core.max_hosts = 1;  // this process's agent
+  if (resumable_) o.token_file = token_file;  // what `nonstop controller --resume` needs
+  // SIGINT and SIGTERM are blocked before any thread or child starts: the controller reads its own
+  // from a signalfd, the watcher passes on those sent to this process, and none is lost in between.
+  const sigset_t mask = BlockTerminationSignals();
+  std::optional<launcher::BoundedStdio> stdio;
+  std::unique_ptr<LocalController> controller;  // after stdio: a thread that prints through it ends first
+  if (resumable_) {
+    controller = ControllerProcess::Start(o);
+    if (controller == nullptr) return 1;
+    stdio.emplace();  // after the fork: the child prints through writers of its own
+  } else {
+    o.stdio = &stdio.emplace();  // one stdout and one log sink for the controller and the agent
+    controller = std::make_unique<ControllerThread>(o);
+  }
+  JobAddress address;
+  if (auto code = WaitForJobFile(*controller, job_file, mask, o.name, &address)) return *code;
+  agent::AgentOptions a = LocalAgentOptions(address.controller, address.token, program, log_dir, *stdio);
+  if (Status st = agent::ValidateOptions(a); !st.ok()) {
+    fmt::print(stderr, "{}: {}\n", o.name, st.message());
+    controller->Stop();
+    return controller::kExitUsage;
+  }
+  const std::string resume = resumable_ ? ResumeCommand(o.journal, token_file) : "";
+  if (resumable_) {
+    stdio->out().Write(fmt::format("[nonstop] resumable: the controller runs as pid {}; the workers are this "
+                                   "process's ({}). If the controller dies: {}\n",
+                                   controller->pid(), ::getpid(), resume));
+  }
+  if (spares_ > 0 && !launcher::LocalLauncher::CanRestorePriority()) {
+    stdio->out().Write("[nonstop] spares that refill the pool warm up at normal priority: this user cannot raise a "
+                       "process's priority back when it takes a rank (that needs CAP_SYS_NICE or `ulimit -e 20`)\n");
+  }
   agent::Agent agent(a);
-  // The watcher: a signal goes to the controller, which ends the job (the agent follows its
-  // shutdown; if it does not within 20 s, or the controller is gone, the agent stops). A controller
-  // that dies before the job formed ends the run with its code; one that dies later is replaced by
-  // `nonstop controller --resume`.
-  std::atomic<bool> done{false};
-  std::atomic<int> failed_start{-1};
-  std::thread watcher([&] {
-    std::optional<Deadline> stop_at;
-    bool told = false;
-    bool signalled = false;  // the job is ending on a signal: the controller's exit is expected
-    while (!done) {
-      int sig = take_signal(100);
-      bool gone = reap(false);
-      if (sig > 0) {
-        signalled = true;
-        if (!gone) ::kill(child, sig);
-        stop_at = gone ? Clock::now() : DeadlineAfter(Millis(20'000));
-      }
-      if (stop_at && Clock::now() >= *stop_at) {
-        agent.Stop();
-        stop_at.reset();
-      }
-      if (gone && !told) {
-        told = true;
-        auto plans = controller::Journal::Read(o.journal);
-        bool formed = false, ended = false;  // a controller that ended the job (job_end) did not die
-        if (plans.ok()) {
-          for (const auto& r : *plans) {
-            formed = formed || r.value("event", "") == "plan";
-            ended = ended || r.value("event", "") == "job_end";
-          }
-        }
-        if (!formed) {
-          failed_start = child_code;
-          agent.Stop();
-        } else if (child_code != 0 && !signalled && !ended) {
-          stdio.err().Write(fmt::format("[nonstop] the controller (pid {}) died ({}): the workers train on; to adopt "
-                                        "them: {}\n",
-                                        child, child_code, resume));
-        }
-      }
-    }
-  });
+  JobWatcher watcher(controller.get(), &agent, mask, o.journal, &stdio->err(), resume);
   int code = agent.Run();
-  done = true;
-  watcher.join();
+  std::optional<int> failed_start = watcher.Finish();
   // The controller (ours, if it was not replaced) leaves once the agent has; one that does not is stopped.
-  for (int i = 0; i < 400 && !reap(false); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  if (!reap(false)) stop_child();
-  if (failed_start >= 0) {
-    fmt::print(stderr, "{}: the controller exited (code {}) before the job formed\n", name, failed_start.load());
-    return failed_start == 0 ? 1 : failed_start.load();
+  for (int i = 0; i < 400 && !controller->Ended(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  controller->Stop();
+  if (failed_start) {
+    fmt::print(stderr, "{}: the controller exited (code {}) before the job formed\n", o.name, *failed_start);
+    return *failed_start == 0 ? 1 : *failed_start;
   }
   return code;
 }

@@ -32,7 +32,6 @@
 #include "controller/journal.h"
 #include "controller/progress_line.h"
 #include "controller/takeover.h"
-#include "launcher/local_launcher.h"
 #include "launcher/output_writer.h"
 #include "net/event_loop.h"
 
@@ -80,8 +79,8 @@ Status WritePrivateFile(const std::string& path, const std::string& text) {
 
 // The runtime of one controller process: the Controller core, the I/O that
 // feeds it events, and one handler per Action type (Do). One thread drives
-// it (docs/thread-model.md); the callbacks of the event loop, the control
-// server and the launcher run on that thread and only queue events.
+// it (docs/thread-model.md); the callbacks of the event loop and the control
+// server run on that thread and only queue events.
 class Runtime {
  public:
   explicit Runtime(const RuntimeOptions& options)
@@ -100,7 +99,6 @@ class Runtime {
   std::optional<int> WriteJobFiles();
   void PrintBanner();
   void JournalStart();
-  std::optional<int> StartLocalWorkers();
   void WatchSignals();
 
   // ---- the loop
@@ -126,6 +124,8 @@ class Runtime {
   void Do(const ScaleReply& a);
   void Do(const KillWorker& a);
   void Do(const SignalWorker& a) { Signal(a.worker_id, a.signal); }
+  // Workers run on the hosts of agents; the core's one-machine mode (workers without a host) has no
+  // front end: such a start fails (ProcessExited), and its signals go nowhere.
   void Do(const SpawnWorker& a);
   void Do(const CloseHost& a);
   void Do(const AppendJournal& a);
@@ -137,14 +137,12 @@ class Runtime {
   // The variables every worker gets from the controller; an agent adds its
   // own (NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, NONSTOP_DATA_HOST).
   std::vector<std::pair<std::string, std::string>> WorkerEnv(int id, bool spare, bool resume) const;
-  Status SpawnLocal(int id, bool spare, bool resume, bool background);
-  // Signals a worker wherever it runs: the local launcher, or its host's agent.
+  // Signals a worker through its host's agent.
   void Signal(int id, int sig);
   // Each agent learns which ranks its workers hold, to label their output:
   // every agent with each new plan (`only_host` empty), an agent that
   // (re)joins at once. Only labels: sent as they are decided.
   void SendRanksToAgents(uint32_t generation, const std::vector<int>& members, const std::string& only_host);
-  int LocalRunning() const { return launcher_ ? launcher_->running() : 0; }
 
   RuntimeOptions o_;
   const std::string& name_;
@@ -165,27 +163,19 @@ class Runtime {
   // Everything this loop prints goes through bounded writers: a reader of our
   // output that does not keep up loses lines (counted), never stalls the job.
   // Log lines too (control-port refusals, lost workers): never a blocking write from the loop.
-  std::optional<launcher::BoundedStdio> stdio_;
-  launcher::OutputWriter* out_ = nullptr;  // stdio_'s
-  launcher::OutputWriter* err_ = nullptr;  // stdio_'s
+  std::optional<launcher::BoundedStdio> own_stdio_;  // unless the options name one (o_.stdio)
+  launcher::OutputWriter* out_ = nullptr;  // o_.stdio's or own_stdio_'s stdout
   // With a progress line (a terminal), every line of ours clears it first and
   // it is drawn again under the line: the terminal keeps one live line at the bottom.
   std::string shown_progress_;
-  std::optional<launcher::LocalLauncher> launcher_;  // `nonstop run`'s local workers (o_.program set)
   JobMetrics metrics_;     // GET /metrics, from the journal's records as they are written
   ProgressLine progress_;  // the terminal's live line (o_.progress_line), from the same records
-  std::set<int> niced_;    // local spares still at low priority
-  std::set<int> at_normal_priority_;  // an elastic host's workers told to run at nice 0 (with their first plan)
-  // A refill warms up at a low priority only if it can be given normal
-  // priority back when it takes a rank: an ordinary user cannot raise a
-  // priority (CAP_SYS_NICE), and a worker stuck at nice 10 would be a
-  // straggler for the rest of the job.
-  // An elastic host is this machine, its agent this user's (nonstop run): its refills likewise.
-  bool can_restore_priority_ = false;
-  bool low_priority_refills_ = false;
+  // An elastic host's workers told to run at nice 0 (with their first plan). Its refills warm up at
+  // o_.refill_nice, which the front end leaves 0 where the priority could not be raised back: a
+  // worker stuck at nice 10 would be a straggler for the rest of the job.
+  std::set<int> at_normal_priority_;
 
   std::optional<EndJob> ended_;
-  Deadline kill_at_ = kNoDeadline;
   Deadline agents_gone_by_ = kNoDeadline;
   bool interrupted_ = false;
   bool hand_over_ = false;  // SIGTERM with etcd: give the job to a standby instead of ending it
@@ -423,9 +413,6 @@ void Runtime::PrintBanner() {
   fmt::print("  {:<20} {}\n", "injected faults", fault_text.empty() ? "none" : fault_text);
   fmt::print("  {:<20} {}{}\n", "journal", journal_->path(),
              journal_->rotated_to().empty() ? "" : " (the previous one was kept as " + journal_->rotated_to() + ")");
-  std::string cmdline;
-  for (const auto& a : o_.program) cmdline += (cmdline.empty() ? "" : " ") + a;
-  if (launcher_) fmt::print("  {:<20} {}\n", "program", cmdline);
   std::fflush(stdout);
 }
 
@@ -433,7 +420,6 @@ void Runtime::JournalStart() {
   nlohmann::json start = {{"event", "job_start"}, {"world_size", o_.core.world_size}, {"spares", o_.core.spares},
                           {"controller", controller_address_}, {"http", http_->address()},
                           {"policy", core_.PolicyJson()}};
-  if (launcher_) start["program"] = o_.program;
   if (o_.core.min_hosts > 0) start["min_hosts"] = o_.core.min_hosts;
   if (takeover_) {
     // The journal goes on: this controller's start is not the job's.
@@ -443,25 +429,6 @@ void Runtime::JournalStart() {
   start["epoch"] = epoch_;
   if (leadership_ != nullptr) start["etcd"] = leadership_->endpoints();
   journal_->Append(start);
-}
-
-std::optional<int> Runtime::StartLocalWorkers() {
-  can_restore_priority_ = launcher::LocalLauncher::CanRestorePriority();
-  low_priority_refills_ = launcher_ && can_restore_priority_;
-  if (launcher_ && !low_priority_refills_ && o_.core.spares > 0) {
-    out_->Write("[nonstop] spares that refill the pool warm up at normal priority: this user cannot raise a "
-                "process's priority back when it takes a rank (that needs CAP_SYS_NICE or `ulimit -e 20`)\n");
-  }
-  if (!launcher_) return std::nullopt;
-  for (int id = 0; id < o_.core.world_size + o_.core.spares; ++id) {
-    Status s = SpawnLocal(id, id >= o_.core.world_size, /*resume=*/false, /*background=*/false);
-    if (!s.ok()) {
-      fmt::print(stderr, "{}: {}\n", name_, s.ToString());
-      launcher_->SignalAll(SIGKILL);
-      return 1;
-    }
-  }
-  return std::nullopt;
 }
 
 void Runtime::WatchSignals() {
@@ -487,25 +454,11 @@ int Runtime::Run() {
   sigfd_ = UniqueFd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
   if (auto code = StartServers()) return *code;
   if (auto code = WriteJobFiles()) return *code;
-  stdio_.emplace();
-  out_ = &stdio_->out();
-  err_ = &stdio_->err();
-  if (!o_.program.empty()) {
-    launcher_.emplace(
-        &loop_,
-        [this](int worker_id) {
-          int rank = core_.RankOf(worker_id);
-          return rank >= 0 ? fmt::format("[rank {}] ", rank) : fmt::format("[worker {}] ", worker_id);
-        },
-        [this](int worker_id, pid_t pid, int code, int sig) {
-          events_.push_back(ProcessExited{worker_id, pid, code, sig, ""});
-        },
-        [this](int worker_id, pid_t pid, int sig) { events_.push_back(ProcessStopped{worker_id, pid, sig, ""}); },
-        out_, err_);
-  }
+  launcher::BoundedStdio* stdio = o_.stdio;
+  if (stdio == nullptr) stdio = &own_stdio_.emplace();
+  out_ = &stdio->out();
   PrintBanner();
   JournalStart();
-  if (auto code = StartLocalWorkers()) return *code;
   WatchSignals();
   if (leadership_ != nullptr) {
     loop_.Watch(leadership_->wake_fd(), POLLIN, [this](short) {
@@ -518,11 +471,7 @@ int Runtime::Run() {
   if (takeover_) Handle(Takeover{std::move(takeover_->state)});  // before any worker or agent is heard
   while (true) {
     if (auto code = Turn()) return *code;
-    if (ended_ && LocalRunning() == 0 && (server_->agents().empty() || Clock::now() >= agents_gone_by_)) break;
-    if (ended_ && launcher_ && Clock::now() >= kill_at_) {
-      launcher_->SignalAll(SIGKILL);
-      kill_at_ = DeadlineAfter(Millis(1000));
-    }
+    if (ended_ && (server_->agents().empty() || Clock::now() >= agents_gone_by_)) break;
   }
   return Finish();
 }
@@ -574,7 +523,6 @@ std::optional<int> Runtime::Turn() {
 }
 
 void Runtime::Tick() {
-  if (launcher_) launcher_->PollStopped();  // frozen processes, seen within one tick
   server_->CheckTimers(Clock::now());
   DrainEvents();
   Handle(controller::Tick{});
@@ -699,13 +647,8 @@ int Runtime::Finish() {
 
 void Runtime::Do(const SendPlan& a) {
   const std::string host = core_.HostOf(a.worker_id);
-  if (host.empty()) {
-    if (niced_.erase(a.worker_id) > 0) {
-      Status s = launcher_->Renice(a.worker_id, 0);
-      if (!s.ok()) NONSTOP_LOG_WARNING("promoted spare keeps its low priority: {}", s.ToString());
-    }
-  } else if (auto h = core_.hosts().find(host);
-             h != core_.hosts().end() && h->second.elastic && !at_normal_priority_.count(a.worker_id)) {
+  if (auto h = core_.hosts().find(host);
+      h != core_.hosts().end() && h->second.elastic && !at_normal_priority_.count(a.worker_id)) {
     // Once per worker and controller, whatever this controller knows of its start: one
     // started niced by a controller before a takeover takes its rank at normal priority too.
     if (server_->SendToAgent(host, control::kMsgAgentRenice,
@@ -744,27 +687,19 @@ void Runtime::Do(const ScaleReply& a) {
 
 void Runtime::Do(const KillWorker& a) {
   Signal(a.worker_id, SIGKILL);
-  // A remote worker may be cut off from its agent (a partition):
+  // A worker may be cut off from its agent (a partition):
   // its control connection is closed, so nothing it sends counts.
   if (!core_.HostOf(a.worker_id).empty()) server_->CloseWorker(a.worker_id, "killed by the controller");
 }
 
 void Runtime::Do(const SpawnWorker& a) {
   if (ended_) return;
-  if (a.host.empty()) {
-    Status s = SpawnLocal(a.worker_id, a.spare, a.resume, a.background);
-    if (!s.ok()) {
-      err_->Write(fmt::format("{}[nonstop] {}\n", o_.progress_line ? "\r\x1b[K" : "", s.ToString()));
-      events_.push_back(ProcessExited{a.worker_id, 0, 127, 0, ""});
-    }
-    return;
-  }
-  // Remote refills start at normal priority: the agent's user may not
-  // be able to raise it back when the spare takes a rank. An elastic
-  // host's agent runs on this machine as this user: it can.
+  // A refill (started in the background while the job trains) warms up at a low priority, so that
+  // it does not slow the job's steps, only on an elastic host (see refill_nice): another host's
+  // agent may not be able to raise it back when the spare takes a rank.
   int nice = 0;
   auto h = core_.hosts().find(a.host);
-  if (a.background && h != core_.hosts().end() && h->second.elastic && can_restore_priority_ && o_.refill_nice > 0) {
+  if (a.background && h != core_.hosts().end() && h->second.elastic && o_.refill_nice > 0) {
     nice = o_.refill_nice;  // back to 0 with its first plan (Do(SendPlan))
   }
   control::AgentStartMsg start{a.worker_id, a.spare, nice, WorkerEnv(a.worker_id, a.spare, a.resume)};
@@ -786,7 +721,6 @@ void Runtime::Do(const AppendJournal& a) {
 void Runtime::Do(const EndJob& a) {
   if (ended_) return;  // the first end stands
   ended_ = a;
-  if (kill_at_ == kNoDeadline) kill_at_ = DeadlineAfter(Millis(a.exit_code == 0 ? 15'000 : 500));
   // Agents stop their processes and leave; they get a while for it.
   for (const auto& host : server_->agents()) {
     server_->SendToAgent(host, control::kMsgShutdown, control::Encode(control::ShutdownMsg{a.reason, a.exit_code}));
@@ -817,36 +751,9 @@ std::vector<std::pair<std::string, std::string>> Runtime::WorkerEnv(int id, bool
   return env;
 }
 
-Status Runtime::SpawnLocal(int id, bool spare, bool resume, bool background) {
-  if (!launcher_) return FailedPreconditionError(fmt::format("worker {} has no host to run on", id));
-  launcher::ChildSpec spec;
-  spec.worker_id = id;
-  spec.argv = o_.program;
-  spec.env = {{std::string(settings::kControllerAddress.env), controller_address_},
-              {std::string(settings::kJobToken.env), token_},
-              {std::string(settings::kDataHost.env), o_.data_host}};
-  spec.unset = launcher::kJobVariables;  // an inherited NONSTOP_HOST_ID or NONSTOP_RESUME is not this job's
-  for (auto& kv : WorkerEnv(id, spare, resume)) spec.env.push_back(std::move(kv));
-  if (!o_.worker_log_dir.empty()) spec.log_file = fmt::format("{}/worker-{}.log", o_.worker_log_dir, id);
-  // A spare started in the background (refilling the pool while the job
-  // trains) warms up at a low priority, so that it does not slow the job's
-  // steps; it gets normal priority when it takes a rank.
-  if (background && low_priority_refills_ && o_.refill_nice > 0) {
-    spec.nice = o_.refill_nice;
-    niced_.insert(id);
-  }
-  auto pid = launcher_->Spawn(spec);
-  if (!pid.ok()) return pid.status().WithContext(fmt::format("starting worker {}", id));
-  journal_->Append({{"event", "spawn"}, {"worker_id", id}, {"pid", *pid}, {"spare", spare}, {"resume", resume}});
-  return OkStatus();
-}
-
 void Runtime::Signal(int id, int sig) {
   std::string host = core_.HostOf(id);
-  if (host.empty()) {
-    if (launcher_) launcher_->Signal(id, sig);
-    return;
-  }
+  if (host.empty()) return;  // no host: nothing runs it (see Do(SpawnWorker))
   server_->SendToAgent(host, control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{id, sig}));
 }
 

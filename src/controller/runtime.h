@@ -3,40 +3,50 @@
 // event loop (docs/thread-model.md):
 //   - the ControlServer (workers and agents on one port) and the HTTP
 //     endpoint turn traffic into Events;
-//   - a local launcher (`nonstop run`) or the hosts' agents (`nonstop
-//     controller`) start, signal and supervise the worker processes;
+//   - the hosts' agents start, signal and supervise the worker processes
+//     (`nonstop run` runs one for its own machine: an elastic host);
 //   - Actions are carried out: messages to workers, orders to agents, the
 //     journal, the job file, printed lines, the end of the job;
 //   - every 50 ms a Tick (timers), every 500 ms a ping to every worker and
 //     agent (heartbeats the other way), and /status and /metrics published.
 //
 // RunController runs one Runtime (runtime.cc): a class whose start-up reads
-// in order (history, journal, epoch, servers, job files, banner, local
-// workers), whose loop turn is Turn(), and which carries out each Action type
-// in a handler of its own (Runtime::Do).
+// in order (history, journal, epoch, servers, job files, banner), whose loop
+// turn is Turn(), and which carries out each Action type in a handler of its
+// own (Runtime::Do).
 //
-// Two front ends use it: `nonstop run` (controller + one local launcher in
-// one process: the single-machine default) and `nonstop controller` (the
-// controller alone, as a daemon that agents register with).
+// Two front ends use it: `nonstop run` (the controller of one machine, in a
+// child process or, --single-process, on a thread of its own process, with
+// that process's agent for the workers) and `nonstop controller` (the
+// controller alone, as a daemon that agents register with). Neither starts
+// worker processes itself: the Controller core's one-machine mode
+// (min_hosts = 0, workers without a host) has no front end any more.
 #pragma once
 
 #include <string>
-#include <vector>
 
 #include "nonstop/settings.h"
 #include "controller/controller.h"
 #include "coord/leadership.h"
 #include "net/socket.h"
 
+namespace nonstop::launcher {
+class BoundedStdio;
+}
+
 namespace nonstop::controller {
 
 struct RuntimeOptions {
   std::string name = "nonstop run";  // how messages name this program
   // A terminal's view (`nonstop run` on a TTY without --verbose): one live
-  // progress line under the controller's own lines, and the local workers'
-  // output in worker_log_dir/worker-N.log instead of on the terminal.
+  // progress line under the controller's own lines (the workers' output goes
+  // to files: its agent's log_dir).
   bool progress_line = false;
-  std::string worker_log_dir;
+  // The bounded stdout and stderr the runtime prints through, the log sink
+  // with them; nullptr: its own. `nonstop run --single-process` passes the
+  // one it shares with its agent (one process: one stdout, one log sink).
+  // Not owned; outlives RunController.
+  launcher::BoundedStdio* stdio = nullptr;
   ControllerOptions core;
   // The control port (workers and agents).
   net::HostPort listen{std::string(settings::kHost.default_value),
@@ -51,13 +61,16 @@ struct RuntimeOptions {
   // there (mode 0600) for the agents' --job-token-file.
   std::string token;
   std::string token_file;
-  // Local workers (`nonstop run`): the program, and the address they listen
-  // on for their peers. An empty program: no local launcher (agents only).
-  std::vector<std::string> program;
-  std::string data_host{settings::kDataHost.default_value};
+  // What every worker is told (WorkerEnv): checkpoints.
   std::string checkpoint_dir{settings::kCheckpointDir.default_value};
   int checkpoint_every = settings::kCheckpointEvery.default_value;
   double mtbf_seconds = settings::kMtbfSeconds.default_value;
+  // The niceness at which an elastic host's refills (spares started while
+  // the job trains) warm up; back to 0 with their first plan. 0: normal
+  // priority. The elastic host is `nonstop run`'s own agent, this user's on
+  // this machine: the front end sets 0 where this user could not raise the
+  // priority back (launcher::LocalLauncher::CanRestorePriority). Other
+  // hosts' refills always start at normal priority.
   int refill_nice = settings::kRefillNice.default_value;
   std::string recovery_name{settings::kRecovery.default_value};
   // Take over the running job of this journal (its controller stopped): the
