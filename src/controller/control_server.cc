@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <cstring>
@@ -143,24 +144,24 @@ void ControlServer::OnEvent(int fd, short revents) {
   if (revents & (POLLIN | POLLHUP | POLLERR)) OnReadable(fd);
 }
 
-void ControlServer::OnReadable(int fd) {
+void ControlServer::OnReadable(int fd, bool report_loss) {
   auto it = conns_.find(fd);
   if (it == conns_.end()) return;
   Conn& c = *it->second;
   char buf[16 << 10];
   ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
   if (n == 0) {
-    CloseConn(fd, "connection closed by peer", true);
+    CloseConn(fd, "connection closed by peer", report_loss);
     return;
   }
   if (n < 0) {
     if (errno == EAGAIN || errno == EINTR) return;
-    CloseConn(fd, fmt::format("recv: {}", std::strerror(errno)), true);
+    CloseConn(fd, fmt::format("recv: {}", std::strerror(errno)), report_loss);
     return;
   }
   Status s = c.decoder.Feed(std::string_view(buf, static_cast<size_t>(n)));
   if (!s.ok()) {
-    CloseConn(fd, s.message(), true);
+    CloseConn(fd, s.message(), report_loss);
     return;
   }
   while (auto frame = c.decoder.Next()) {
@@ -287,6 +288,7 @@ void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
       break;
     case control::kMsgAgentExited:
       s = decoded(control::DecodeAgentExited(f.payload), [&](const control::AgentExitedMsg& m) {
+        ReadWhatIsLeft(m.worker_id, /*report_loss=*/true);  // its last words before its exit
         return Event{ProcessExited{m.worker_id, m.pid, m.exit_code, m.signal, host}};
       });
       break;
@@ -385,7 +387,19 @@ void ControlServer::CloseAgent(const std::string& host_id, const std::string& re
   }
 }
 
+void ControlServer::ReadWhatIsLeft(int worker_id, bool report_loss) {
+  // Bounded: a worker that keeps writing cannot hold the loop here.
+  for (int chunks = 0; chunks < 64; ++chunks) {
+    auto it = fd_of_worker_.find(worker_id);
+    if (it == fd_of_worker_.end()) return;
+    pollfd p{it->second, POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0 || (p.revents & (POLLIN | POLLHUP | POLLERR)) == 0) return;
+    OnReadable(it->second, report_loss);
+  }
+}
+
 void ControlServer::CloseWorker(int worker_id, const std::string& reason) {
+  ReadWhatIsLeft(worker_id, /*report_loss=*/false);
   auto it = fd_of_worker_.find(worker_id);
   if (it != fd_of_worker_.end()) CloseConn(it->second, reason, false);
 }

@@ -125,7 +125,14 @@ class ControlServer {
   void HandleAgentFrame(Conn& c, const net::Frame& f);
   void OnAccept();
   void OnEvent(int fd, short revents);
-  void OnReadable(int fd);
+  // report_loss: a connection found closed is reported (ConnectionLost, HostLost).
+  void OnReadable(int fd, bool report_loss = true);
+  // Reads what a worker's connection already holds (its last frames: the
+  // fault it announced, a failure it reported) before its exit is reported or
+  // its connection closed: an agent's report of the exit comes on another
+  // connection and can overtake them, and a closed connection loses them.
+  // report_loss: as OnReadable's (false when the controller closes it anyway).
+  void ReadWhatIsLeft(int worker_id, bool report_loss);
   // Writes what the socket takes now; false if the connection was closed.
   bool Flush(int fd);
   void HandleFrame(Conn& c, const net::Frame& f);

@@ -101,6 +101,29 @@ TEST(ControlServerTest, MalformedMessageClosesOnlyThatWorker) {
   EXPECT_NE(std::get<ConnectionLost>(f.events[1]).reason.find("step"), std::string::npos);
 }
 
+// A worker announces an injected fault and dies; the controller closes its
+// connection (KillWorker) before its loop read the announcement: the frame is
+// read first, so the controller learns that the fault fired (else the next
+// plan hands it to the replacement, which fires it again).
+TEST(ControlServerTest, ClosingAWorkerFirstReadsWhatItAlreadySent) {
+  ServerFixture f;
+  UniqueFd c = Dial(f.server->address());
+  std::thread client([&] { Join(c.get(), 1); });
+  f.RunFor(Millis(300));
+  client.join();
+  ASSERT_EQ(f.Count<WorkerJoined>(), 1);
+  ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgInjected, control::Encode(control::InjectedMsg{7, "kill:rank=1,step=10"}),
+                              DeadlineAfter(Millis(1000)), nullptr)
+                  .ok());
+  c.Reset();  // the worker is gone; its frame waits in the server's socket, unread
+  f.server->CloseWorker(1, "killed by the controller");
+  ASSERT_EQ(f.Count<InjectedReceived>(), 1) << "the frame sent before the close was lost";
+  const auto& injected = std::get<InjectedReceived>(f.events.back());
+  EXPECT_EQ(injected.worker_id, 1);
+  EXPECT_EQ(injected.msg.fault_id, 7);
+  EXPECT_EQ(f.Count<ConnectionLost>(), 0) << "the controller closed it: not a loss to report";
+}
+
 TEST(ControlServerTest, WorkerThatStopsReadingIsReportedLostAndNeverBlocksTheLoop) {
   ServerFixture f;
   UniqueFd c = Dial(f.server->address());

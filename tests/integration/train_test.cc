@@ -594,11 +594,13 @@ TEST_F(ShardedTrainTest, RecoveriesAndReshardingEndBitwiseAsTheFaultFreeRun) {
   EXPECT_EQ(Worlds("during"), (std::vector<size_t>{6, 4, 2})) << during.output;
   EXPECT_NE(during.output.find("re-sharded"), std::string::npos) << during.output;
 
-  // A shrink (4 → 2 by a kill with no spare) and a grow back to 4, while it trains.
+  // A shrink (4 → 2 by a kill with no spare) and a grow back to 4, while it trains. The grown
+  // workers must build their model and join before the job's last step: each step is slowed to
+  // 400 ms, so that the 15 steps after the shrink leave them seconds even on a loaded machine.
   std::string journal = dir_ / "grow.jsonl";
   ChildProcess run({kBin + "/nonstop", "run", "--nproc", "4", "--spares", "0", "--max-world", "4", "--journal", journal,
                     "--heartbeat-timeout-ms", "1000", "--inject", "kill:rank=0,step=6", "--", kBin + "/nonstop-train",
-                    dir_ / "recipe.yaml", "--throttle-ms", "40"},
+                    dir_ / "recipe.yaml", "--throttle-ms", "400"},
                    dir_ / "grow.out");
   auto until = std::chrono::steady_clock::now() + milliseconds(120'000);
   while (Worlds("grow").size() < 2) {
