@@ -27,6 +27,7 @@ PACKAGES=(
   libbenchmark-dev
   iproute2  # `ip`: the namespaces, bridge and veths of the multihost tests (tests/multihost/netns.h)
   clang-16 libclang-rt-16-dev llvm-16
+  clang-format-16  # scripts/format.sh and the format part of scripts/test.sh (.clang-format)
   chromium  # the dashboard and report tests open the pages headless (tests/integration/dashboard_test.cc)
   etcd-server  # the controller's standbys coordinate through etcd (tests start a real one; docs/controller-failover.md)
   # The Python package (python/, src/python) and its tests and examples:
