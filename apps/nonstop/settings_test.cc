@@ -101,7 +101,7 @@ TEST(SettingsTest, OptionsStructsUseTheDefaults) {
   EXPECT_EQ(a.join_timeout.count(), s::kAgentJoinTimeoutMs.default_value);
   EXPECT_EQ(a.controller_timeout.count(), s::kAgentControllerTimeoutMs.default_value);
   EXPECT_EQ(a.etcd_job, s::kEtcdJob.default_value);
-  // SessionOptions is public (include/nonstop/session.h), which cannot include the registry.
+  // SessionOptions (include/nonstop/session.h) takes its defaults from the registry too.
   SessionOptions w;
   EXPECT_EQ(w.join_timeout.count(), s::kConnectTimeoutMs.default_value);
   EXPECT_EQ(w.controller_timeout.count(), s::kWorkerControllerTimeoutMs.default_value);
