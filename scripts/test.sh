@@ -27,6 +27,7 @@ default_parts="main asan tsan fuzz"
 if [ $# -gt 0 ]; then default_parts=main; fi
 parts="${NONSTOP_TEST_PARTS:-$default_parts}"
 results=()
+details=()  # why a part failed, repeated in the summary (CI shows a log's tail)
 failed=0
 
 # The tests each sanitizer part runs (ctest -L / -R). TSan runs the test
@@ -55,8 +56,29 @@ run_part() {
   else
     results+=("$(printf '%-5s FAILED %4ds (exit %d)' "$name" "$took" "$rc")")
     failed=1
+    collect_details "$name"
   fi
 }
+
+# collect_details PART: the failed tests and the sanitizer reports of a
+# failed part, one line each, for the summary.
+collect_details() {
+  local name="$1" dir=build
+  case "$name" in asan) dir=build-asan ;; tsan) dir=build-tsan ;; fuzz) dir=build-fuzz ;; esac
+  local failed_log="$dir/Testing/Temporary/LastTestsFailed.log"
+  if [ -f "$failed_log" ]; then
+    while IFS= read -r line; do details+=("$name: failed test ${line#*:}"); done < <(head -n 20 "$failed_log")
+  fi
+  shopt -s nullglob
+  local r
+  for r in "$dir"/sanitizer-reports/*; do
+    details+=("$name: report $r: $(grep -m1 -E 'ERROR|WARNING|runtime error' "$r" | cut -c1-160)")
+  done
+  shopt -u nullglob
+}
+
+# clear_failed DIR: forgets the failed tests of an earlier ctest run in DIR.
+clear_failed() { rm -f "$1/Testing/Temporary/LastTestsFailed.log"; }
 
 # check_reports DIR: fails, printing them, if sanitizers wrote any reports.
 check_reports() {
@@ -75,6 +97,7 @@ check_reports() {
 
 part_main() {
   banner "main: every test in ./build"
+  clear_failed build
   ctest --test-dir build --output-on-failure -j 2 "$@"
 }
 
@@ -84,6 +107,7 @@ part_asan() {
   local reports="$PWD/build-asan/sanitizer-reports"
   rm -rf "$reports" && mkdir -p "$reports"
   local rc=0
+  clear_failed build-asan
   PATH="$llvm_bin:$PATH" ASAN_OPTIONS="detect_leaks=1:log_path=$reports/asan" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan" \
     ctest --test-dir build-asan --output-on-failure -j 2 -L "$asan_labels" || rc=$?
@@ -97,6 +121,7 @@ part_tsan() {
   local reports="$PWD/build-tsan/sanitizer-reports"
   rm -rf "$reports" && mkdir -p "$reports"
   local rc=0
+  clear_failed build-tsan
   PATH="$llvm_bin:$PATH" \
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$reports/tsan" \
     ctest --test-dir build-tsan --output-on-failure -j 2 -R "$tsan_tests" || rc=$?
@@ -123,4 +148,5 @@ banner "summary"
 printf '  %s\n' "${results[@]}"
 nfailed=$(printf '%s\n' "${results[@]}" | grep -c FAILED || true)
 echo "parts: $(( ${#results[@]} - nfailed )) passed, $nfailed failed"
+if [ ${#details[@]} -gt 0 ]; then printf '  %s\n' "${details[@]}"; fi
 exit $failed
