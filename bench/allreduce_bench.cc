@@ -31,7 +31,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
-#include "collective/communicator.h"
+#include "collective/data_plane.h"
+#include "collective/tcp_data_plane.h"
 #include "common/temp_dir.h"
 #include "net/socket.h"
 #include "nonstop/tree.h"
@@ -116,14 +117,15 @@ std::vector<double> RunNonstopRanks(int n, size_t count, Body body) {
     for (int o = 0; o < n; ++o) {
       if (o != rank) listeners[static_cast<size_t>(o)].fd.Reset();
     }
-    auto mesh = collective::PeerMesh::Create({"bench", rank}, std::move(listeners[static_cast<size_t>(rank)]));
-    net::AbortSignal abort;
+    net::AbortSignal abort;  // before the data plane: outlives it
+    auto plane =
+        collective::TcpDataPlane::Create({"bench", rank}, std::move(listeners[static_cast<size_t>(rank)]), &abort);
     collective::CommunicatorOptions o;
     o.rank = rank;
     o.members = members;
-    collective::Communicator comm(mesh.get(), &abort, o);
-    NONSTOP_CHECK(comm.Connect().ok());
-    return body(rank, comm);
+    std::unique_ptr<collective::Communicator> comm = plane->NewCommunicator(o);
+    NONSTOP_CHECK(comm->Connect().ok());
+    return body(rank, *comm);
   });
 }
 

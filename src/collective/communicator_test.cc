@@ -1,4 +1,5 @@
-#include "collective/communicator.h"
+// The Communicator contract (data_plane.h) over the TCP data plane.
+#include "collective/data_plane.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -12,6 +13,7 @@
 #include <random>
 #include <thread>
 
+#include "collective/tcp_data_plane.h"
 #include "nonstop/tree.h"
 
 namespace nonstop::collective {
@@ -19,10 +21,10 @@ namespace {
 
 constexpr char kToken[] = "test-token";
 
-// One rank's world: its mesh, abort signal and communicator.
+// One rank's world: its data plane, abort signal and communicator.
 struct RankEnv {
-  net::AbortSignal abort;  // first: outlives the mesh, whose accept thread may poll it
-  std::unique_ptr<PeerMesh> mesh;
+  net::AbortSignal abort;  // first: outlives the data plane, whose accept thread may poll it
+  std::unique_ptr<TcpDataPlane> plane;
   std::unique_ptr<Communicator> comm;
 };
 
@@ -47,14 +49,14 @@ std::vector<Member> MembersOf(const std::vector<net::Listener>& ls) {
 std::unique_ptr<RankEnv> MakeRank(int rank, net::Listener listener, const std::vector<Member>& members,
                                   size_t piece_bytes = 64 << 10) {
   auto env = std::make_unique<RankEnv>();
-  env->mesh = PeerMesh::Create({kToken, rank}, std::move(listener));
+  env->plane = TcpDataPlane::Create({kToken, rank}, std::move(listener), &env->abort);
   CommunicatorOptions o;
   o.generation = 1;
   o.rank = rank;
   o.members = members;
   o.timeout_collective = Millis(30'000);
   o.piece_bytes = piece_bytes;
-  env->comm = std::make_unique<Communicator>(env->mesh.get(), &env->abort, o);
+  env->comm = env->plane->NewCommunicator(o);
   return env;
 }
 
@@ -500,8 +502,8 @@ TEST(CommunicatorTest, NextGenerationReusesConnectionsAfterAnAbortMidTransfer) {
   // Rank 0 starts a large allreduce that rank 1 never joins: its first ring
   // step streams pieces until the socket buffers are full, then it is aborted
   // with frames in flight and, most likely, one cut in the middle. Generation
-  // 2 over the same meshes must work on the same sockets: the owed bytes are
-  // padded, and rank 1 drops the stale frames by their generation tag.
+  // 2 from the same data planes must work on the same sockets: the owed bytes
+  // are padded, and rank 1 drops the stale frames by their generation tag.
   auto listeners = MakeListeners(2);
   auto members = MembersOf(listeners);
   std::vector<std::unique_ptr<RankEnv>> envs;
@@ -527,8 +529,7 @@ TEST(CommunicatorTest, NextGenerationReusesConnectionsAfterAnAbortMidTransfer) {
     o.rank = r;
     o.members = members;
     o.piece_bytes = 64 << 10;
-    envs[static_cast<size_t>(r)]->comm =
-        std::make_unique<Communicator>(envs[static_cast<size_t>(r)]->mesh.get(), &envs[static_cast<size_t>(r)]->abort, o);
+    envs[static_cast<size_t>(r)]->comm = envs[static_cast<size_t>(r)]->plane->NewCommunicator(o);
   }
   std::vector<uint64_t> stale(2);
   for (int r = 0; r < 2; ++r) {
@@ -546,7 +547,7 @@ TEST(CommunicatorTest, NextGenerationReusesConnectionsAfterAnAbortMidTransfer) {
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(envs[static_cast<size_t>(r)]->mesh->connections_opened(), 1) << "rank " << r << " reconnected";
+    EXPECT_EQ(envs[static_cast<size_t>(r)]->plane->stats().connections_opened, 1) << "rank " << r << " reconnected";
   }
   EXPECT_GT(stale[1], 0u) << "frames of the aborted allreduce were in flight and dropped";
 }
@@ -557,14 +558,13 @@ TEST(CommunicatorTest, BrokenConnectionIsRedialedInTheNextGeneration) {
   std::vector<std::unique_ptr<RankEnv>> envs;
   for (int r = 0; r < 2; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
   RunRanksOn(envs, [](int, Communicator& comm) { ASSERT_TRUE(comm.Barrier().ok()); });
-  envs[1]->mesh->Drop(0);  // like a dropped link: rank 1 closes its end
+  envs[1]->plane->mesh().Drop(0);  // like a dropped link: rank 1 closes its end
   for (int r = 0; r < 2; ++r) {
     CommunicatorOptions o;
     o.generation = 2;
     o.rank = r;
     o.members = members;
-    envs[static_cast<size_t>(r)]->comm =
-        std::make_unique<Communicator>(envs[static_cast<size_t>(r)]->mesh.get(), &envs[static_cast<size_t>(r)]->abort, o);
+    envs[static_cast<size_t>(r)]->comm = envs[static_cast<size_t>(r)]->plane->NewCommunicator(o);
   }
   std::this_thread::sleep_for(Millis(20));  // let the close reach rank 0
   RunRanksOn(envs, [](int r, Communicator& comm) {
@@ -573,7 +573,7 @@ TEST(CommunicatorTest, BrokenConnectionIsRedialedInTheNextGeneration) {
     ASSERT_TRUE(s.ok()) << s.ToString();
     EXPECT_EQ(v[999], 3.0f);
   });
-  EXPECT_EQ(envs[0]->mesh->connections_opened(), 2) << "rank 0 dialed again";
+  EXPECT_EQ(envs[0]->plane->stats().connections_opened, 2) << "rank 0 dialed again";
 }
 
 TEST(CommunicatorTest, ConnectionsAreOpenedOnlyToRingNeighbours) {
@@ -591,7 +591,7 @@ TEST(CommunicatorTest, ConnectionsAreOpenedOnlyToRingNeighbours) {
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < w; ++r) EXPECT_EQ(envs[static_cast<size_t>(r)]->mesh->connections_opened(), 2) << r;
+  for (int r = 0; r < w; ++r) EXPECT_EQ(envs[static_cast<size_t>(r)]->plane->stats().connections_opened, 2) << r;
 }
 
 TEST(CommunicatorTest, MeshRefusesAStrangerWithTheWrongToken) {
@@ -604,7 +604,7 @@ TEST(CommunicatorTest, MeshRefusesAStrangerWithTheWrongToken) {
   Result<Connection*> c = stranger->Get(1, members[1].address, 1, DeadlineAfter(Millis(3000)), &abort);
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find("job token mismatch"), std::string::npos) << c.status().ToString();
-  EXPECT_EQ(r1->mesh->connections_opened(), 0);
+  EXPECT_EQ(r1->plane->stats().connections_opened, 0);
 }
 
 }  // namespace

@@ -11,8 +11,8 @@
 
 #include <fmt/format.h>
 
-#include "collective/communicator.h"
-#include "collective/peer_mesh.h"
+#include "collective/data_plane.h"
+#include "collective/tcp_data_plane.h"
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "control/controller_link.h"
@@ -101,6 +101,19 @@ control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
   return l;
 }
 
+// This process's data plane (docs/data_plane.md): the one place that picks
+// the transport. TCP over host memory is the one built; the session uses
+// only the DataPlane and Communicator interfaces.
+Result<std::unique_ptr<collective::DataPlane>> NewDataPlane(const SessionOptions& o, net::AbortSignal* abort) {
+  collective::PeerMeshOptions mo;
+  mo.job_token = o.job_token;
+  mo.worker_id = o.worker_id;
+  mo.listen = {o.data_host, 0};
+  NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<collective::TcpDataPlane> tcp,
+                           collective::TcpDataPlane::Create(std::move(mo), abort));
+  return std::unique_ptr<collective::DataPlane>(std::move(tcp));
+}
+
 }  // namespace
 
 class SessionImpl {
@@ -118,11 +131,7 @@ class SessionImpl {
     if (Status s = link_->WaitAccepted(&stop_signal_); !s.ok()) {
       return s.WithContext("joining the controller at " + options_.controller_address);
     }
-    collective::PeerMeshOptions mo;
-    mo.job_token = options_.job_token;
-    mo.worker_id = options_.worker_id;
-    mo.listen = {options_.data_host, 0};
-    NONSTOP_ASSIGN_OR_RETURN(mesh_, collective::PeerMesh::Create(mo));
+    NONSTOP_ASSIGN_OR_RETURN(data_plane_, NewDataPlane(options_, &abort_));
     data_address_ = AdvertisedDataAddress();  // from the first control connection's local address
     control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), data_address_,
                           options_.spare, state_step_.load(), options_.host_id};
@@ -142,8 +151,9 @@ class SessionImpl {
     std::string host = options_.advertise_address;
     if (host.empty() && options_.data_host != "0.0.0.0" && options_.data_host != "::") host = options_.data_host;
     if (host.empty()) host = link_->local_address();
-    if (host.empty()) return mesh_->address().ToString();
-    return fmt::format("{}:{}", host, mesh_->address().port);
+    const net::HostPort listening = data_plane_->address();
+    if (host.empty()) return listening.ToString();
+    return fmt::format("{}:{}", host, listening.port);
   }
 
   // Without a controller (lost, not yet found again) messages are dropped:
@@ -383,7 +393,7 @@ class SessionImpl {
       // Swap communicators under the lock: an abort for the new generation
       // that arrives meanwhile is either recorded or applied, never lost.
       abort_.Reset();
-      comm_ = std::make_unique<collective::Communicator>(mesh_.get(), &abort_, co);
+      comm_ = data_plane_->NewCommunicator(co);
       if (aborted_generation_ >= plan.generation) comm_->Abort("the controller ended this generation");
       if (shutdown_ && shutdown_->exit_code != 0) comm_->Abort("the controller ended the job");
       faults_ = plan.faults;
@@ -439,10 +449,11 @@ class SessionImpl {
       NONSTOP_RETURN_IF_ERROR(BuildShardGroups(co.rank, static_cast<int>(plan.members.size())));
     }
     auto t2 = Clock::now();
+    const collective::DataPlaneStats links = data_plane_->stats();
     control::RecoveredMsg rec{plan.generation, std::chrono::duration<double>(t1 - t0).count(),
                               std::chrono::duration<double>(t2 - t1).count(), outcome->bytes_received,
-                              outcome->sources, outcome->refetched_chunks, mesh_->connections_open(),
-                              mesh_->connections_opened()};
+                              outcome->sources, outcome->refetched_chunks, links.connections_open,
+                              links.connections_opened};
     (void)SendControl(control::kMsgRecovered, control::Encode(rec));
     if (outcome->received) {
       NONSTOP_LOG_INFO("copied the state of step {} ({:.2f} MB) from {} source(s) in {:.0f} ms", plan.resume_step - 1,
@@ -659,11 +670,14 @@ class SessionImpl {
   // thread alone. Every thread sends on it (Send is thread-safe), under
   // write_mu_ (SendControl), so that a rejoin's first frames come first.
   std::unique_ptr<control::ControllerLink> link_;
-  // Before mesh_: the mesh's accept thread polls the abort signal of a thread
-  // waiting in Get(), so the signal must outlive the mesh.
+  // Before data_plane_: the process's abort signal, which the data plane's
+  // communicators watch (TCP: its accept thread polls the signal of a thread
+  // waiting for a peer to dial in), so it must outlive the data plane.
   net::AbortSignal abort_;        // fired to abort the collective in flight
   net::AbortSignal stop_signal_;  // wakes the I/O thread at shutdown
-  std::unique_ptr<collective::PeerMesh> mesh_;
+  // Made in Start, before the I/O thread exists; lives across generations
+  // and makes each one's communicator (collective/data_plane.h).
+  std::unique_ptr<collective::DataPlane> data_plane_;
   std::atomic<int64_t> state_step_{-1};          // the step the registered state holds
   std::atomic<int> held_shard_{state::kEveryShard};  // sharded state: the shard it holds (StateRegistry::held_shard)
   std::atomic<int64_t> collective_since_ms_{-1};  // when the step collective in flight began

@@ -1,6 +1,7 @@
 // Peer-to-peer state transfer (DESIGN.md §6): how a member that lacks the
 // state of step s* (a spare taking a rank, a member one step behind) copies it
-// from the members that hold it, over the generation's Communicator.
+// from the members that hold it, over the generation's Communicator
+// (collective/data_plane.h: any data plane's; the state is in host memory).
 //
 // Protocol, per (receiver, source) pair, every message a checksummed
 // point-to-point transfer (docs/protocol.md):
@@ -17,7 +18,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "collective/communicator.h"
+#include "collective/data_plane.h"
 #include "control/messages.h"
 #include "nonstop/state.h"
 #include "state/shard_layout.h"

@@ -10,7 +10,7 @@
 
 #include <fmt/format.h>
 
-#include "collective/peer_mesh.h"
+#include "collective/tcp_data_plane.h"
 #include "net/socket.h"
 
 namespace nonstop::worker {
@@ -31,8 +31,8 @@ struct Rank {
   int64_t step = 0;
   std::string address;  // its data port (the plan's member address)
   state::StateRegistry reg;
-  net::AbortSignal abort;
-  std::unique_ptr<collective::PeerMesh> mesh;
+  net::AbortSignal abort;  // before the data plane: outlives it
+  std::unique_ptr<collective::DataPlane> plane;
   std::unique_ptr<collective::Communicator> comm;
 
   void Register() {
@@ -100,12 +100,13 @@ std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups, siz
     auto rank = std::make_unique<Rank>(groups[r], chunk_bytes, static_cast<int>(r) == whole_rank);
     rank->Register();
     rank->address = members[r].address;
-    rank->mesh = collective::PeerMesh::Create({kToken, static_cast<int>(r)}, std::move(listeners[r]));
+    rank->plane =
+        collective::TcpDataPlane::Create({kToken, static_cast<int>(r)}, std::move(listeners[r]), &rank->abort);
     collective::CommunicatorOptions o;
     o.rank = static_cast<int>(r);
     o.members = members;
     o.timeout_collective = Millis(30'000);
-    rank->comm = std::make_unique<collective::Communicator>(rank->mesh.get(), &rank->abort, o);
+    rank->comm = rank->plane->NewCommunicator(o);
     ranks.push_back(std::move(rank));
   }
   return ranks;

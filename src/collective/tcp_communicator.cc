@@ -1,7 +1,8 @@
-#include "collective/communicator.h"
+#include "collective/tcp_communicator.h"
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <future>
 
 #include <fmt/format.h>
@@ -10,14 +11,7 @@
 
 namespace nonstop::collective {
 
-std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c) {
-  auto p = static_cast<size_t>(parts);
-  // floor(n·i/p) without overflow: n = q·p + rem, so n·i/p = q·i + rem·i/p.
-  auto split = [&](size_t i) { return (n / p) * i + (n % p) * i / p; };
-  return {split(static_cast<size_t>(c)), split(static_cast<size_t>(c) + 1)};
-}
-
-Communicator::Communicator(PeerMesh* mesh, net::AbortSignal* abort, CommunicatorOptions options)
+TcpCommunicator::TcpCommunicator(PeerMesh* mesh, net::AbortSignal* abort, CommunicatorOptions options)
     : mesh_(mesh), abort_(abort), options_(std::move(options)) {
   NONSTOP_CHECK(!options_.members.empty());
   NONSTOP_CHECK(options_.rank >= 0 && options_.rank < world_size());
@@ -26,7 +20,7 @@ Communicator::Communicator(PeerMesh* mesh, net::AbortSignal* abort, Communicator
   scratch_.resize(options_.piece_bytes);
 }
 
-std::unique_ptr<Communicator> Communicator::SubGroup(std::span<const int> ranks, uint32_t op_space) const {
+std::unique_ptr<Communicator> TcpCommunicator::SubGroup(std::span<const int> ranks, uint32_t op_space) const {
   NONSTOP_CHECK(op_space >= 1 && op_space <= 127) << "op_space " << op_space;
   CommunicatorOptions o = options_;
   o.op_space = op_space;
@@ -39,20 +33,20 @@ std::unique_ptr<Communicator> Communicator::SubGroup(std::span<const int> ranks,
     o.members.push_back(options_.members[static_cast<size_t>(ranks[i])]);
   }
   NONSTOP_CHECK_GE(o.rank, 0) << "rank " << rank() << " is not in the group";
-  return std::make_unique<Communicator>(mesh_, abort_, std::move(o));
+  return std::make_unique<TcpCommunicator>(mesh_, abort_, std::move(o));
 }
 
-std::string Communicator::PeerName(int rank) const {
+std::string TcpCommunicator::PeerName(int rank) const {
   const Member& m = options_.members[static_cast<size_t>(rank)];
   return fmt::format("rank {} (worker {}, {})", rank, m.worker_id, m.address);
 }
 
-Result<Connection*> Communicator::Peer(int rank) {
+Result<Connection*> TcpCommunicator::Peer(int rank) {
   const Member& m = options_.members[static_cast<size_t>(rank)];
   return mesh_->Get(m.worker_id, m.address, options_.generation, DeadlineAfter(options_.timeout_connect), abort_);
 }
 
-Status Communicator::Connect() {
+Status TcpCommunicator::Connect() {
   NONSTOP_RETURN_IF_ERROR(error());
   int w = world_size();
   if (w == 1) return OkStatus();
@@ -67,7 +61,7 @@ Status Communicator::Connect() {
   return OkStatus();
 }
 
-void Communicator::Abort(const std::string& reason) {
+void TcpCommunicator::Abort(const std::string& reason) {
   {
     MutexLock lock(&mu_);
     if (error_.ok()) error_ = AbortedError(fmt::format("{} (generation {})", reason, options_.generation));
@@ -75,28 +69,28 @@ void Communicator::Abort(const std::string& reason) {
   abort_->Fire();
 }
 
-void Communicator::CountOp() {
+void TcpCommunicator::CountOp() {
   MutexLock lock(&mu_);
   ++stats_.ops;
 }
 
-CommunicatorStats Communicator::stats() const {
+CommunicatorStats TcpCommunicator::stats() const {
   MutexLock lock(&mu_);
   return stats_;
 }
 
-Status Communicator::error() const {
+Status TcpCommunicator::error() const {
   MutexLock lock(&mu_);
   return error_;
 }
 
-Status Communicator::Fail(Status status) {
+Status TcpCommunicator::Fail(Status status) {
   MutexLock lock(&mu_);
   if (error_.ok()) error_ = std::move(status);
   return error_;
 }
 
-Status Communicator::Run(TransferSpec spec) {
+Status TcpCommunicator::Run(TransferSpec spec) {
   TransferStats t;
   Status s = RunTransfer(spec, &t);
   {
@@ -122,8 +116,8 @@ Status Communicator::Run(TransferSpec spec) {
 // received at step t-1, so piece p of step t depends on piece p of step t-1:
 // that is the pipelining. Each chunk is cut into pieces of piece_bytes, and an
 // empty chunk still travels as one empty piece, so every step synchronises.
-Status Communicator::RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end,
-                              Reduce reduce) {
+Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end,
+                                 Reduce reduce) {
   const int w = world_size();
   const int r = rank();
   auto mod = [w](int x) { return ((x % w) + w) % w; };
@@ -174,36 +168,49 @@ Status Communicator::RingPass(std::byte* data, size_t count, size_t element_byte
   return Run(std::move(spec));
 }
 
-Status Communicator::AllReduce(std::span<float> data) {
+Status TcpCommunicator::CheckHost(const ConstRegion& region, std::string_view op) const {
+  if (region.device == Device::kHost) return OkStatus();
+  return InvalidArgumentError(fmt::format(
+      "{}: the TCP data plane reads and writes host memory only; this region is on {} (generation {}, rank {}) "
+      "(HINT: copy it to host memory first; docs/data_plane.md)",
+      op, DeviceName(region.device, region.device_index), options_.generation, rank()));
+}
+
+Status TcpCommunicator::AllReduce(Region data, DType dtype) {
+  const size_t element = ElementBytes(dtype);
+  NONSTOP_CHECK_EQ(data.bytes % element, 0u) << "AllReduce: not a whole number of elements";
   NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "AllReduce"));
   ++op_;
   CountOp();
   if (world_size() == 1) return OkStatus();
   int w = world_size();
-  return RingPass(reinterpret_cast<std::byte*>(data.data()), data.size(), sizeof(float), 0, 2 * (w - 1),
-                  Reduce::kSumFloat32);
+  return RingPass(data.data, data.bytes / element, element, 0, 2 * (w - 1), Reduce::kSumFloat32);
 }
 
-Status Communicator::ReduceScatter(std::span<float> data) {
+Status TcpCommunicator::ReduceScatter(Region data, DType dtype) {
+  const size_t element = ElementBytes(dtype);
+  NONSTOP_CHECK_EQ(data.bytes % element, 0u) << "ReduceScatter: not a whole number of elements";
   NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "ReduceScatter"));
   ++op_;
   CountOp();
   if (world_size() == 1) return OkStatus();
-  return RingPass(reinterpret_cast<std::byte*>(data.data()), data.size(), sizeof(float), 0, world_size() - 1,
-                  Reduce::kSumFloat32);
+  return RingPass(data.data, data.bytes / element, element, 0, world_size() - 1, Reduce::kSumFloat32);
 }
 
-Status Communicator::AllGather(std::span<std::byte> data, size_t element_bytes) {
-  NONSTOP_CHECK_EQ(data.size() % element_bytes, 0u);
+Status TcpCommunicator::AllGather(Region data, size_t element_bytes) {
+  NONSTOP_CHECK_EQ(data.bytes % element_bytes, 0u);
   NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "AllGather"));
   ++op_;
   CountOp();
   if (world_size() == 1) return OkStatus();
   int w = world_size();
-  return RingPass(data.data(), data.size() / element_bytes, element_bytes, w - 1, 2 * (w - 1), Reduce::kNone);
+  return RingPass(data.data, data.bytes / element_bytes, element_bytes, w - 1, 2 * (w - 1), Reduce::kNone);
 }
 
-Status Communicator::Barrier() {
+Status TcpCommunicator::Barrier() {
   NONSTOP_RETURN_IF_ERROR(error());
   ++op_;
   CountOp();
@@ -214,9 +221,10 @@ Status Communicator::Barrier() {
 
 // Broadcast: a chain root → root+1 → … → root-1 along the ring, pipelined in
 // pieces: each rank forwards piece p as soon as it has it.
-Status Communicator::Broadcast(std::span<std::byte> data, int root) {
+Status TcpCommunicator::Broadcast(Region data, int root) {
   NONSTOP_CHECK(root >= 0 && root < world_size());
   NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "Broadcast"));
   ++op_;
   CountOp();
   const int w = world_size();
@@ -226,10 +234,10 @@ Status Communicator::Broadcast(std::span<std::byte> data, int root) {
   std::vector<std::pair<std::byte*, size_t>> pieces;
   size_t offset = 0;
   do {
-    size_t n = std::min(options_.piece_bytes, data.size() - offset);
-    pieces.emplace_back(data.data() + offset, n);
+    size_t n = std::min(options_.piece_bytes, data.bytes - offset);
+    pieces.emplace_back(data.data + offset, n);
     offset += n;
-  } while (offset < data.size());
+  } while (offset < data.bytes);
   if (pos != w - 1) {
     int right = (rank() + 1) % w;
     NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(right));
@@ -255,30 +263,25 @@ namespace {
 constexpr uint32_t kP2POpBit = 0x80000000u;  // p2p sequence numbers never collide with collectives'
 }
 
-Status Communicator::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
-                                   std::span<const std::vector<float>> partials, std::span<float> out) {
-  NONSTOP_CHECK_EQ(ranges.size(), static_cast<size_t>(world_size()));
-  std::vector<std::vector<TreeNode>> nodes_of(ranges.size());
-  for (size_t q = 0; q < ranges.size(); ++q) nodes_of[q] = NodesOfRange(m, ranges[q].first, ranges[q].second);
-  return AllReduceTree(m, std::span<const std::vector<TreeNode>>(nodes_of), partials, out);
-}
-
-Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
-                                   std::span<const std::vector<float>> partials, std::span<float> out) {
+Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
+                                      std::span<const ConstRegion> partials, Region out) {
   const int w = world_size();
   const int r = rank();
   NONSTOP_CHECK_EQ(nodes_of.size(), static_cast<size_t>(w));
   const std::vector<TreeNode>& mine = nodes_of[static_cast<size_t>(r)];
   NONSTOP_CHECK_EQ(partials.size(), mine.size()) << "one partial sum per node of this rank's range";
-  for (const auto& p : partials) NONSTOP_CHECK_EQ(p.size(), out.size());
+  NONSTOP_CHECK_EQ(out.bytes % sizeof(float), 0u) << "AllReduceTree: not a whole number of float32 elements";
+  for (const auto& p : partials) NONSTOP_CHECK_EQ(p.bytes, out.bytes);
   NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(CheckHost(out, "AllReduceTree"));
+  for (const auto& p : partials) NONSTOP_RETURN_IF_ERROR(CheckHost(p, "AllReduceTree"));
   ++op_;
   CountOp();
-  const size_t n = out.size();
+  const size_t n = out.bytes / sizeof(float);
+  auto partial = [&](size_t k) { return reinterpret_cast<const float*>(partials[k].data); };
   auto [lo, hi] = ChunkRange(n, w, r);
   // Rank q's partial sums of chunk r, node after node.
   std::vector<std::vector<float>> received(static_cast<size_t>(w));
-  auto as_bytes = [](const float* p) { return reinterpret_cast<const std::byte*>(p); };
   for (int s = 1; s < w; ++s) {
     // Shift s: chunk (r+s) of our partials goes to rank r+s while rank r-s's chunk r comes in;
     // every rank sends to one and receives from one, both at once (no cycle of blocked sends).
@@ -301,7 +304,7 @@ Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>>
     };
     for (const auto& p : partials) {
       cut(to_hi - to_lo, [&](size_t at, size_t len) {
-        spec.sends.push_back({as_bytes(p.data() + to_lo + at), len * sizeof(float), -1});
+        spec.sends.push_back({p.data + (to_lo + at) * sizeof(float), len * sizeof(float), -1});
       });
     }
     std::vector<float>& in = received[static_cast<size_t>(from)];
@@ -326,26 +329,27 @@ Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>>
     const auto& theirs = nodes_of[static_cast<size_t>(q)];
     for (size_t k = 0; k < theirs.size(); ++k) {
       nodes.push_back(theirs[k]);
-      values.push_back(q == r ? partials[k].data() + lo : received[static_cast<size_t>(q)].data() + k * (hi - lo));
+      values.push_back(q == r ? partial(k) + lo : received[static_cast<size_t>(q)].data() + k * (hi - lo));
     }
   }
-  CombineInTreeOrder(m, nodes, values, hi - lo, out.data() + lo);
+  CombineInTreeOrder(m, nodes, values, hi - lo, reinterpret_cast<float*>(out.data) + lo);
   if (w == 1) return OkStatus();
-  return AllGather(std::as_writable_bytes(out), sizeof(float));
+  return AllGather(out, sizeof(float));
 }
 
-Status Communicator::Send(int to_rank, std::span<const std::byte> data) {
+Status TcpCommunicator::Send(int to_rank, ConstRegion data) {
   NONSTOP_CHECK(to_rank >= 0 && to_rank < world_size() && to_rank != rank());
   NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "Send"));
   TransferSpec spec;
   NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(to_rank));
   spec.send_peer = PeerName(to_rank);
   size_t offset = 0;
   do {
-    size_t n = std::min(options_.piece_bytes, data.size() - offset);
-    spec.sends.push_back({data.data() + offset, n, -1});
+    size_t n = std::min(options_.piece_bytes, data.bytes - offset);
+    spec.sends.push_back({data.data + offset, n, -1});
     offset += n;
-  } while (offset < data.size());
+  } while (offset < data.bytes);
   spec.generation = options_.generation;
   spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(to_rank)];
   spec.checksum = true;
@@ -354,18 +358,19 @@ Status Communicator::Send(int to_rank, std::span<const std::byte> data) {
   return Run(std::move(spec));
 }
 
-Status Communicator::Recv(int from_rank, std::span<std::byte> data) {
+Status TcpCommunicator::Recv(int from_rank, Region data) {
   NONSTOP_CHECK(from_rank >= 0 && from_rank < world_size() && from_rank != rank());
   NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "Recv"));
   TransferSpec spec;
   NONSTOP_ASSIGN_OR_RETURN(spec.recv_from, Peer(from_rank));
   spec.recv_peer = PeerName(from_rank);
   size_t offset = 0;
   do {
-    size_t n = std::min(options_.piece_bytes, data.size() - offset);
-    spec.recvs.push_back({data.data() + offset, n, Reduce::kNone});
+    size_t n = std::min(options_.piece_bytes, data.bytes - offset);
+    spec.recvs.push_back({data.data + offset, n, Reduce::kNone});
     offset += n;
-  } while (offset < data.size());
+  } while (offset < data.bytes);
   spec.generation = options_.generation;
   spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(from_rank)];
   spec.checksum = true;

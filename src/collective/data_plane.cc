@@ -1,0 +1,42 @@
+#include "collective/data_plane.h"
+
+#include <fmt/format.h>
+
+#include "common/check.h"
+
+namespace nonstop::collective {
+
+std::string DeviceName(Device device, int device_index) {
+  switch (device) {
+    case Device::kHost:
+      return "host";
+    case Device::kCuda:
+      return fmt::format("cuda:{}", device_index);
+  }
+  return fmt::format("device {}:{}", static_cast<int>(device), device_index);
+}
+
+std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c) {
+  auto p = static_cast<size_t>(parts);
+  // floor(n·i/p) without overflow: n = q·p + rem, so n·i/p = q·i + rem·i/p.
+  auto split = [&](size_t i) { return (n / p) * i + (n % p) * i / p; };
+  return {split(static_cast<size_t>(c)), split(static_cast<size_t>(c) + 1)};
+}
+
+Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
+                                   std::span<const std::vector<float>> partials, std::span<float> out) {
+  std::vector<ConstRegion> regions;
+  regions.reserve(partials.size());
+  for (const auto& p : partials) regions.push_back(HostRegion(std::span<const float>(p)));
+  return AllReduceTree(m, nodes_of, regions, HostRegion(out));
+}
+
+Status Communicator::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
+                                   std::span<const std::vector<float>> partials, std::span<float> out) {
+  NONSTOP_CHECK_EQ(ranges.size(), static_cast<size_t>(world_size()));
+  std::vector<std::vector<TreeNode>> nodes_of(ranges.size());
+  for (size_t q = 0; q < ranges.size(); ++q) nodes_of[q] = NodesOfRange(m, ranges[q].first, ranges[q].second);
+  return AllReduceTree(m, std::span<const std::vector<TreeNode>>(nodes_of), partials, out);
+}
+
+}  // namespace nonstop::collective

@@ -1,0 +1,251 @@
+// The data plane (DESIGN.md §5, docs/data_plane.md): the seam between a
+// worker's session and the transport that moves its bytes.
+//
+// A DataPlane is one per worker process and lives across generations: it
+// owns the transport's endpoint (TCP: a listening socket and the connections
+// to peers), says where peers reach it, and makes each generation's
+// Communicator. A Communicator runs the collectives of one generation over
+// memory regions (Region) that name their device. Another transport (shared
+// memory between the ranks of a host, CUDA memory, NCCL) is another pair of
+// implementations of these two interfaces, not a change to the session. The
+// one built is TCP over host memory (tcp_data_plane.h, tcp_communicator.h).
+//
+// The collectives, every rank calling the same ones in the same order with
+// buffers of the same size:
+//   AllReduce      every rank ends with the element-wise sum of every rank's buffer
+//   ReduceScatter  rank r ends with chunk r of that sum (its other chunks: unspecified)
+//   AllGather      rank r contributes chunk r; every rank ends with every chunk
+//   Broadcast      every rank ends with the root's buffer
+//   Barrier        returns once every rank has entered it
+//   AllReduceTree  the world-invariant sum of micro-batch partial sums (nonstop/tree.h)
+//   Send/Recv      point-to-point transfer of large buffers (TCP checksums them)
+// Chunk c of an n-element buffer is [c·n/W, (c+1)·n/W) (ChunkRange). Sums
+// are of float32 elements (DType); the other collectives move bytes.
+//
+// The contract every implementation keeps:
+//  - Determinism: the order of every floating-point sum depends only on the
+//    world size and the ranks (AllReduceTree's: only on the tree), so every
+//    rank ends with the same bytes, and a world of the same size gives the
+//    same bits run to run (docs/determinism.md).
+//  - Sticky failure: the first non-OK status is kept, and every later call
+//    returns it (a stream may be left mid-frame). The owner then makes the
+//    next generation's Communicator from the same DataPlane.
+//  - Abort: Abort() from any thread, or the data plane's abort signal fired
+//    by its owner, wakes a blocked call within microseconds with kAborted;
+//    Abort() of any communicator of a generation aborts its sub-groups too.
+//    A peer that dies makes the blocked call return kUnavailable as soon as
+//    the transport sees it; timeout_collective bounds every call
+//    (kDeadlineExceeded).
+//  - Regions: a region on a device the data plane does not move
+//    (DataPlane::Supports) is refused with kInvalidArgument naming the device,
+//    before anything moves: the call has no effect (not sticky, no operation
+//    counted). A region must stay valid, and unread and unwritten by others,
+//    until its call returns; every call blocks until done, failed or aborted.
+//    A size that does not fit the call (not a whole number of elements) is a
+//    bug in the caller (NONSTOP_CHECK).
+//  - Thread-safety: one thread at a time drives the collectives of a
+//    generation (its communicator's and its sub-groups'); Abort(), error()
+//    and stats() are safe from any thread. Send/Recv may run on several
+//    threads at once provided each thread talks to a different peer (state
+//    transfer does).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "common/time.h"
+#include "net/socket.h"
+#include "nonstop/tree.h"
+
+namespace nonstop::collective {
+
+// Where a region's bytes are.
+enum class Device : uint8_t { kHost, kCuda };
+
+// "host", "cuda:0": for messages.
+std::string DeviceName(Device device, int device_index);
+
+// Memory a collective reads: `bytes` bytes at `data` on `device` (the CUDA
+// device `device_index`; 0 for host memory). Not owned.
+struct ConstRegion {
+  const std::byte* data = nullptr;
+  size_t bytes = 0;
+  Device device = Device::kHost;
+  int device_index = 0;
+};
+
+// Memory a collective writes (and reads).
+struct Region {
+  std::byte* data = nullptr;
+  size_t bytes = 0;
+  Device device = Device::kHost;
+  int device_index = 0;
+
+  operator ConstRegion() const { return {data, bytes, device, device_index}; }  // NOLINT: implicit by design
+};
+
+inline Region HostRegion(std::span<std::byte> data) { return {data.data(), data.size(), Device::kHost, 0}; }
+inline Region HostRegion(std::span<float> data) { return HostRegion(std::as_writable_bytes(data)); }
+inline ConstRegion HostRegion(std::span<const std::byte> data) {
+  return {data.data(), data.size(), Device::kHost, 0};
+}
+inline ConstRegion HostRegion(std::span<const float> data) { return HostRegion(std::as_bytes(data)); }
+
+// The element type of a sum (AllReduce, ReduceScatter). Only float32 is
+// summed today; a transport that sums others (bf16) adds them here.
+enum class DType : uint8_t { kFloat32 };
+
+constexpr size_t ElementBytes(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+  }
+  return 0;
+}
+
+struct Member {
+  int worker_id = -1;
+  std::string address;  // data-plane "host:port"
+};
+
+struct CommunicatorOptions {
+  uint32_t generation = 1;
+  int rank = 0;
+  std::vector<Member> members;  // index = rank
+  Millis timeout_collective{300'000};
+  Millis timeout_connect{30'000};
+  size_t piece_bytes = 256 << 10;  // pipelining granularity of the ring
+  // 0: the generation's communicator. 1-127: a sub-group's (SubGroup).
+  // Collectives number their frames (op_space << 24) | (sequence mod 2^24),
+  // so the spaces stay apart from each other and from point-to-point
+  // transfers (bit 31).
+  uint32_t op_space = 0;
+};
+
+// [begin, end) of chunk `c` when `n` elements are split into `parts`.
+std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c);
+
+struct CommunicatorStats {
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  uint64_t stale_frames_dropped = 0;
+  uint64_t ops = 0;
+};
+
+// The collectives of one generation (see the top of this file).
+class Communicator {
+ public:
+  Communicator() = default;
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // Sets up what the generation's collectives need first (TCP: opens the
+  // ring neighbours' connections in parallel, or reuses them).
+  virtual Status Connect() = 0;
+
+  // A communicator over some of this generation's ranks (`ranks`, ascending
+  // or not: their order is the group's rank order; this rank must be one),
+  // sharing this one's transport and abort: Abort() of any communicator of
+  // the generation wakes the others' calls too. Its ops are numbered in their
+  // own space (CommunicatorOptions::op_space, 1-127), so the world's and
+  // several groups' collectives may follow one another; like the world's,
+  // they are driven by one thread at a time. Sharded optimizer state (issue
+  // 12): reduce-scatter inside a shard group, all-reduce across the replicas
+  // of a shard, all-gather in the group.
+  virtual std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks, uint32_t op_space) const = 0;
+
+  // Sums of `dtype` elements (data.bytes a multiple of its size).
+  virtual Status AllReduce(Region data, DType dtype) = 0;
+  virtual Status ReduceScatter(Region data, DType dtype) = 0;
+  // Chunks of whole `element_bytes` records (data.bytes a multiple of it).
+  virtual Status AllGather(Region data, size_t element_bytes) = 0;
+  virtual Status Broadcast(Region data, int root) = 0;
+  virtual Status Barrier() = 0;
+  // The world-invariant all-reduce (nonstop/tree.h, issue 13). nodes_of[q]
+  // is rank q's list of tree nodes (left to right; together a partition of
+  // [0, m)); `partials` holds this rank's float32 sum of each of its nodes,
+  // in that order, each out.bytes long. `out` receives the tree's sum over
+  // all m: the same bits whatever the world size and the split. A salvaged
+  // step (PlanTreeStep) gives a rank nodes that are not one range.
+  virtual Status AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
+                               std::span<const ConstRegion> partials, Region out) = 0;
+  virtual Status Send(int to_rank, ConstRegion data) = 0;
+  virtual Status Recv(int from_rank, Region data) = 0;
+
+  // Fault injection (FaultKind::kDrop): the next ring collective loses its
+  // link to the right neighbour under it (TCP: the connection is shut down
+  // after it is acquired, so the operation fails with kUnavailable).
+  virtual void InjectDropOfNextRingLink() = 0;
+
+  // Makes every blocked and future call return kAborted with `reason`.
+  virtual void Abort(const std::string& reason) = 0;
+  virtual Status error() const = 0;
+  virtual CommunicatorStats stats() const = 0;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual uint32_t generation() const = 0;
+
+  // The same over host memory: what the session and the state transfer use.
+  Status AllReduce(std::span<float> data) { return AllReduce(HostRegion(data), DType::kFloat32); }
+  Status ReduceScatter(std::span<float> data) { return ReduceScatter(HostRegion(data), DType::kFloat32); }
+  Status AllGather(std::span<std::byte> data, size_t element_bytes) {
+    return AllGather(HostRegion(data), element_bytes);
+  }
+  Status Broadcast(std::span<std::byte> data, int root) { return Broadcast(HostRegion(data), root); }
+  Status Send(int to_rank, std::span<const std::byte> data) { return Send(to_rank, HostRegion(data)); }
+  Status Recv(int from_rank, std::span<std::byte> data) { return Recv(from_rank, HostRegion(data)); }
+  Status AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
+                       std::span<const std::vector<float>> partials, std::span<float> out);
+  // Each rank's nodes given as a range: ranges[q] is rank q's [first, last)
+  // of the m micro-batches, and `partials` are its TreeFolder sums (one per
+  // node of NodesOfRange).
+  Status AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
+                       std::span<const std::vector<float>> partials, std::span<float> out);
+};
+
+struct DataPlaneStats {
+  // Connections established since creation (dialed + accepted): what shows
+  // that generations reuse them.
+  int connections_opened = 0;
+  int connections_open = 0;  // now: one per peer talked to and not dropped
+  // Incoming connections closed without becoming a peer's (refused hello,
+  // handshake deadline, stale generation).
+  int connections_refused = 0;
+};
+
+// One worker process's transport, across generations.
+//
+// Lifetime: the abort signal given to an implementation's constructor and
+// the DataPlane itself outlive every communicator it makes. The signal is
+// the process's: every communicator's calls watch it, Abort() fires it, and
+// the owner may fire it itself (to cut a call short at shutdown) and resets
+// it between generations, before making the next communicator.
+//
+// Thread-safety: every method is safe from any thread.
+class DataPlane {
+ public:
+  DataPlane() = default;
+  virtual ~DataPlane() = default;
+  DataPlane(const DataPlane&) = delete;
+  DataPlane& operator=(const DataPlane&) = delete;
+
+  // Where this process's data port listens (its host may be a wildcard: the
+  // session advertises a reachable one, SessionOptions::advertise_address).
+  virtual net::HostPort address() const = 0;
+  // Whether its communicators move regions on `device`.
+  virtual bool Supports(Device device) const = 0;
+  virtual DataPlaneStats stats() const = 0;
+  // The communicator of one generation (options.members: the plan's, with
+  // their data addresses).
+  virtual std::unique_ptr<Communicator> NewCommunicator(CommunicatorOptions options) = 0;
+};
+
+}  // namespace nonstop::collective
