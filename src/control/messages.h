@@ -80,8 +80,8 @@ struct AgentRegisterMsg {
   std::vector<std::pair<int, int64_t>> workers;
   // Its capacity follows the job: the agent that `nonstop run` runs for its
   // own machine, the job's only host. The controller then starts there the
-  // workers and spares the job needs (a grow beyond nproc included), as on
-  // one machine. Absent: false.
+  // workers and spares the job needs (a grow beyond nproc included), not a
+  // fixed number of slots. Absent: false.
   bool elastic = false;
 };
 

@@ -11,27 +11,39 @@
 
 #include <fmt/format.h>
 
+#include "nonstop/check.h"
 #include "controller/report.h"
 
 namespace nonstop::controller {
 
 using nlohmann::json;
 
+Status ValidateOptions(const ControllerOptions& o) {
+  if (o.min_hosts < 1) {
+    return InvalidArgumentError(fmt::format("ControllerOptions::min_hosts is {}: a job runs on the hosts of agents, "
+                                            "at least 1 (nonstop run's own agent is one)", o.min_hosts));
+  }
+  if (o.max_hosts != 0 && o.max_hosts < o.min_hosts) {
+    return InvalidArgumentError(fmt::format("ControllerOptions::max_hosts {} is below min_hosts {} (0: no limit)",
+                                            o.max_hosts, o.min_hosts));
+  }
+  return OkStatus();
+}
+
+Controller::Controller(ControllerOptions options)
+    : options_(std::move(options)),
+      pending_faults_(options_.faults),
+      // The job grows up to the policy's maximum as capacity appears (and to the hosts' world once placed).
+      target_world_(options_.policy.max_world) {
+  const nonstop::Status valid = ValidateOptions(options_);  // (Status alone is the member function)
+  NONSTOP_CHECK(valid.ok()) << valid.ToString();
+}
+
 std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now) {
   now_ = now;
   if (!started_at_) {
     started_at_ = now;
-    forming_since_ = now;
-    // On one machine the runtime starts worker ids 0 … world + spares − 1
-    // itself; on hosts the workers are started when the hosts are there.
-    if (!multi_host()) {
-      const int started = world_size_ + placement_.pool_size();
-      for (int id = 0; id < started; ++id) {
-        membership_.awaiting().emplace(id, AwaitedJoin{id >= world_size_, now});
-        placement_.MarkLive(id);
-      }
-      membership_.UseIdsBelow(started);
-    }
+    forming_since_ = now;  // the workers start when the hosts are there (PlaceOnHosts)
   }
   std::vector<Action> out;
   if (phase_ == JobPhase::kEnded) {
@@ -67,13 +79,6 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     out->push_back(SendShutdown{m.worker_id, {"joined after its join deadline; a replacement was started", kExitUsage}});
     return;
   }
-  if (!multi_host() && !m.host_id.empty()) {
-    // One machine: an inherited NONSTOP_HOST_ID means nothing here.
-    control::JoinMsg local = m;
-    local.host_id.clear();
-    On(WorkerJoined{local}, out);
-    return;
-  }
   // A worker is on the host whose agent started it, and nowhere else.
   if (placement_.StartedOnHost(m.worker_id) && placement_.HostOf(m.worker_id) != m.host_id) {
     return refuse(fmt::format("worker {} was started on host {} but joins as a worker of host '{}'", m.worker_id,
@@ -90,8 +95,7 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     if (h == nullptr || !h->alive) return refuse(fmt::format("host {} is no longer in the job", m.host_id),
                                                  kExitPeerFailure, false);
   }
-  if (const WorkerInfo* gone = membership_.Find(m.worker_id);
-      multi_host() && gone != nullptr && gone->role == WorkerRole::kGone) {
+  if (const WorkerInfo* gone = membership_.Find(m.worker_id); gone != nullptr && gone->role == WorkerRole::kGone) {
     // Fenced (its host was lost, or it was killed): a worker id never comes back.
     return refuse(fmt::format("worker {} left the job ({}) and cannot rejoin it", m.worker_id,
                               gone->how_it_ended.empty() ? "fenced" : gone->how_it_ended),
@@ -118,8 +122,7 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     out->push_back(SendShutdown{m.worker_id, {fmt::format("worker id {} is already in use", m.worker_id), kExitUsage}});
     return;
   }
-  // A new entry, or one of a worker that is gone (a restarted job reuses no id, but a
-  // hand-started worker may): either way its role so far counts nowhere.
+  // A new entry (an id that is gone, or in use, was refused above): its role so far counts nowhere.
   WorkerInfo& w = membership_.at(m.worker_id);
   w = WorkerInfo{};
   w.role = WorkerRole::kGone;
@@ -304,9 +307,9 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
     bool was_refill = awaited != awaiting.end() && awaited->second.spare;
     if (awaited != awaiting.end()) awaiting.erase(awaited);
     if (membership_.KilledBeforeJoin(e.worker_id)) return;  // already replaced
-    // On hosts, a process whose end was already accounted for (its host was
-    // lost, or it was killed and its slot reused) changes nothing.
-    if (multi_host() && !was_live) return;
+    // A process whose end was already accounted for (its host was lost, or
+    // it was killed and its slot reused) changes nothing.
+    if (!was_live) return;
     if (was_refill && e.exit_code != kExitDataCorruption && slotted()) {
       const std::string host = HostOf(e.worker_id);
       int failures = placement_.HostRefillFailed(host);
@@ -408,7 +411,7 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
     case WorkerRole::kPending: {
       // The job is forming: a spare takes its place, or a new worker is started.
       membership_.SetRole(w, WorkerRole::kGone);
-      if (multi_host()) placement_.MarkEnded(worker_id);  // killed now: its slot can take the replacement
+      placement_.MarkEnded(worker_id);  // killed now: its slot can take the replacement
       out->push_back(AppendJournal{{{"event", "fault"}, {"kind", kind}, {"worker_id", worker_id}, {"rank", -1},
                                     {"pid", w.pid}, {"detail", detail}, {"last_step", w.last_step},
                                     {"generation", generation_}}});
@@ -565,7 +568,6 @@ void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
   view.workers = &membership_.workers();
   view.started_at = *started_at_;
   view.forming_since = forming_since_;
-  view.multi_host = multi_host();
   view.placed = placement_.placed();
   view.alive_hosts = placement_.alive_hosts();
   view.min_hosts = options_.min_hosts;

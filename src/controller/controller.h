@@ -8,7 +8,7 @@
 // without threads (controller_test.cc).
 //
 // Generations. A generation is one membership: who is in, in which rank
-// order, from which step. Generation 1 forms when `world_size` non-spare
+// order, from which step. Generation 1 forms when the world's non-spare
 // workers have joined; ranks follow worker ids. Spares join and wait.
 //
 // Faults and recovery (checkpointless, in-process):
@@ -31,19 +31,21 @@
 //      journaled and summarised at the end of the job.
 // A fault during a recovery starts a new one from the current members.
 //
-// Hosts (multi-host jobs, DESIGN.md §13; options.min_hosts > 0). Every
-// worker runs on a host whose agent started it; a host is a failure domain.
-// The job is placed when min_hosts agents have registered: each host starts
-// its nproc workers (the world is their sum) and its spares. A host that
-// registers later (or again, after it was lost) fills its slots with spares,
-// which grow the job up to the policy's maximum. Every host keeps its slots
-// (nproc + spares processes) filled with spares as processes end. The loss
-// of a host (its agent's connection or heartbeats) is the loss of every
-// worker on it, handled as ONE recovery; its workers are fenced (their
-// control connections closed). Plans prefer spares on hosts that did not
-// just fail, and list state sources alternating over hosts.
-// With min_hosts == 0 the job runs on one machine: the runtime starts worker
-// ids 0 … world_size + spares − 1 itself, and spares are refilled one for one.
+// Hosts (DESIGN.md §13). Every worker runs on a host whose agent started
+// it; a host is a failure domain. The job is placed when min_hosts agents
+// have registered: each host starts its nproc workers (the world is their
+// sum) and its spares. A host that registers later (or again, after it was
+// lost) fills its slots with spares, which grow the job up to the policy's
+// maximum. Every host keeps its slots (nproc + spares processes) filled with
+// spares as processes end. The loss of a host (its agent's connection or
+// heartbeats) is the loss of every worker on it, handled as ONE recovery; its
+// workers are fenced (their control connections closed). Plans prefer spares
+// on hosts that did not just fail, and list state sources alternating over
+// hosts.
+// One elastic host (`nonstop run`'s own agent, the job's only one): its
+// capacity follows the job. The workers and spares the job needs start
+// there (a grow on request, a restart), and its spare pool is refilled one
+// for one, instead of fixed slots being filled.
 //
 // The parts (docs/controller.md). The Controller is their composition: it
 // keeps the event handlers (On) and the recovery state machine (OpenRecovery
@@ -73,6 +75,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/time.h"
+#include "nonstop/status.h"
 #include "control/fault_spec.h"
 #include "control/messages.h"
 #include "controller/core_types.h"
@@ -127,12 +130,12 @@ struct ReadyReceived { int worker_id; control::ReadyMsg msg; };
 struct RecoveredReceived { int worker_id; control::RecoveredMsg msg; };
 struct InjectedReceived { int worker_id; control::InjectedMsg msg; };
 struct ConnectionLost { int worker_id; std::string reason; };
-// host: the agent that reported it ("" for the local launcher); an agent's
-// report about a worker of another host is ignored.
+// host: the agent that reported it; an agent's report about a worker of
+// another host is ignored.
 struct ProcessExited { int worker_id; int64_t pid; int exit_code; int signal; std::string host; };  // signal 0: exited normally
 // The launcher saw the process stop (SIGSTOP, SIGTSTP: a frozen worker).
 struct ProcessStopped { int worker_id; int64_t pid; int signal; std::string host; };
-// An agent registered its host (multi-host).
+// An agent registered its host.
 struct HostJoined { control::AgentRegisterMsg msg; };
 struct HostHeartbeat { std::string host_id; control::AgentHeartbeatMsg msg; };
 // An agent's connection closed or broke.
@@ -169,7 +172,7 @@ struct KillWorker { int worker_id; };               // SIGKILL now; a remote wor
 struct SignalWorker { int worker_id; int signal; };  // injected time-based faults
 // resume: load the newest checkpoint. background: a pool refill, started at a
 // low priority so that it warms up without slowing the job.
-// host: the agent that starts it ("" : the local launcher).
+// host: the agent that starts it.
 struct SpawnWorker { int worker_id; bool spare; bool resume = false; bool background = false; std::string host; };
 // Tell an agent why it must go (a refusal, or a host declared lost: fencing)
 // and close its connection.
@@ -184,15 +187,16 @@ using Action = std::variant<SendPlan, SendAbort, SendDrain, SendShutdown, KillWo
                             AppendJournal, PrintLine, EndJob, ScaleReply, CloseHost>;
 
 
+// Whether the options describe a job the core can run, naming the field that
+// does not: every job runs on hosts (min_hosts at least 1), and max_hosts is
+// 0 (no limit) or at least min_hosts. The runtime checks before it starts
+// (RunController); the Controller requires it.
+Status ValidateOptions(const ControllerOptions& options);
+
 class Controller {
  public:
-  explicit Controller(ControllerOptions options)
-      : options_(std::move(options)),
-        world_size_(options_.min_hosts > 0 ? 0 : options_.world_size),
-        placement_(options_.min_hosts > 0, options_.min_hosts > 0 ? 0 : options_.spares),
-        pending_faults_(options_.faults),
-        // The job grows up to the policy's maximum as capacity appears.
-        target_world_(std::max(world_size_, options_.policy.max_world)) {}
+  // `options` must pass ValidateOptions (checked: a programming error otherwise).
+  explicit Controller(ControllerOptions options);
 
   std::vector<Action> Handle(const Event& event, Clock::time_point now);
 
@@ -209,11 +213,10 @@ class Controller {
   // The rank a worker holds now, or -1 (spare, gone, not yet placed).
   int RankOf(int worker_id) const { return membership_.RankOf(worker_id); }
   const std::map<std::string, HostInfo>& hosts() const { return placement_.hosts(); }
-  // The host a worker was started on ("" : local, or unknown).
+  // The host a worker was started on ("" : unknown, or joined by hand).
   std::string HostOf(int worker_id) const { return placement_.HostOf(worker_id); }
-  bool multi_host() const { return options_.min_hosts > 0; }
   // Capacity is the hosts' fixed slots (nproc + spares each). Not so for a job
-  // whose one host is elastic: it spawns like a job on one machine.
+  // whose one host is elastic: it starts what the job needs there.
   bool slotted() const { return placement_.slotted(); }
   // The pending injected faults, for workers started later.
   const std::vector<control::FaultSpec>& pending_faults() const { return pending_faults_; }
@@ -244,11 +247,12 @@ class Controller {
   // ---- workers
   // Forms a generation from scratch: at the start, and after a restart from a checkpoint.
   void MaybeFormFirstGeneration(std::vector<Action>* out);
-  // Emits SpawnWorker and remembers that the worker must join in time.
+  // Emits SpawnWorker (on `host`; "": the elastic host) and remembers that
+  // the worker must join in time.
   void Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
              const std::string& host = "");
-  // A spare to replace one that was used or lost: one for one on one
-  // machine; on hosts, wherever a slot is free.
+  // A spare to replace one that was used or lost: one for one on the elastic
+  // host; on hosts of fixed slots, wherever a slot is free.
   void RefillSpare(std::vector<Action>* out);
   // A worker of any role stopped answering (frozen, heartbeats gone): it is
   // killed, and replaced according to its role.
@@ -314,7 +318,7 @@ class Controller {
                     std::vector<Action>* out);
 
   const ControllerOptions options_;
-  int world_size_ = 0;  // the initial world (options, or the hosts' nproc once placed)
+  int world_size_ = 0;  // the initial world: the hosts' nproc, once placed
   Membership membership_;
   Placement placement_;
   Clock::time_point now_{};

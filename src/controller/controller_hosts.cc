@@ -24,7 +24,6 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
     out->push_back(PrintLine{fmt::format("agent of host {} refused: {}", m.host_id, why)});
     out->push_back(CloseHost{m.host_id, why, kExitUsage});
   };
-  if (!multi_host()) return refuse("this job runs on one machine (nonstop run): it takes no agents");
   HostInfo* known = placement_.FindHost(m.host_id);
   if (known != nullptr && known->inherited) return HostRejoined(*known, m, out);
   if (known != nullptr && known->alive) return refuse(fmt::format("host id {} is already in the job", m.host_id));
@@ -100,7 +99,7 @@ void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
 
 void Controller::TopUpHosts(std::vector<Action>* out) {
   if (!placement_.placed()) return;  // the placement starts every host's workers
-  if (!slotted()) return;  // an elastic host has no slots to fill: its spare pool refills as on one machine
+  if (!slotted()) return;  // an elastic host has no slots to fill: its spare pool refills one for one (RefillSpare)
   const bool background = phase_ != JobPhase::kForming;
   for (const std::string& host : placement_.TopUpTargets()) {
     Spawn(membership_.NewWorkerId(), /*spare=*/true, /*resume=*/false, background, out, host);
@@ -334,12 +333,12 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
   const TakeoverState& s = e.state;
   takeovers_ = s.takeovers + 1;
   recovery_id_base_ = s.recoveries;
-  if (!multi_host() || s.generation == 0 || s.members.empty()) {
+  if (s.generation == 0 || s.members.empty()) {
     End(kExitUsage,
         s.generation == 0 ? "the job had not formed when its controller stopped: there is nothing to take over; start "
                             "the job again"
-                          : "taking over needs a job whose workers are supervised by agents (nonstop controller "
-                            "--nnodes …; nonstop agent on each host)",
+                          : fmt::format("generation {} of the job has no members: there is nothing to take over; "
+                                        "start the job again", s.generation),
         out);
     return;
   }

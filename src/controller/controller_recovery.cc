@@ -134,7 +134,7 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   out->push_back(PrintLine{fmt::format("generation {}: {} workers, ranks by worker id {}{}", generation_,
                                        members.size(), json(members).dump(),
                                        s_star >= 0 ? fmt::format(", resuming at step {}", resume_step_) : "")});
-  if (multi_host()) ReportExposedShards(generation_, shard_group_, membership_.member_info(), out);
+  ReportExposedShards(generation_, shard_group_, membership_.member_info(), out);
   if (open_recovery_) {
     RecoveryRecord& rec = recoveries_[*open_recovery_];
     rec.plan_at = now_;
@@ -277,7 +277,6 @@ PlanInput Controller::PlanView(const RecoveryRecord& rec) const {
     }
   }
   view.shard_group = shard_group_;
-  view.multi_host = multi_host();
   view.highest_step = highest_step_;
   view.have_checkpoints = options_.have_checkpoints;
   return view;
@@ -371,7 +370,8 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
   out->reserve(out->size() + members.size() + next.spares_used + 4);
   for (int id : members) out->push_back(SendPlan{id, shared});
-  // The spares used are replaced; on hosts, the free slots are filled on the next tick.
+  // The spares used are replaced on the elastic host; on hosts of fixed
+  // slots, the free slots are filled on the next tick.
   for (size_t i = 0; i < next.spares_used && placement_.pool_size() > 0 && !slotted(); ++i) {
     Spawn(membership_.NewWorkerId(), /*spare=*/true, /*resume=*/false, /*background=*/true, out);
     ++rec.spawned_spares;
@@ -386,7 +386,7 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
                                        plan.transfers.empty() ? "" : fmt::format(", {} receiving state from {} source(s)",
                                                                                  plan.transfers.size(),
                                                                                  next.holders.size()))});
-  if (multi_host()) ReportExposedShards(generation_, shard_group_, membership_.member_info(), out);
+  ReportExposedShards(generation_, shard_group_, membership_.member_info(), out);
 }
 
 void Controller::On(const RecoveredReceived& e, std::vector<Action>* out) {
@@ -444,14 +444,12 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
     membership_.SetRole(w, WorkerRole::kGone);
     out->push_back(KillWorker{id});
   }
-  if (multi_host()) {
-    for (const auto& [id, a] : membership_.awaiting()) {  // started, not joined yet: they would join the old job
-      out->push_back(KillWorker{id});
-      membership_.killed_before_join().insert(id);
-      placement_.MarkEnded(id);
-    }
-    membership_.awaiting().clear();
+  for (const auto& [id, a] : membership_.awaiting()) {  // started, not joined yet: they would join the old job
+    out->push_back(KillWorker{id});
+    membership_.killed_before_join().insert(id);
+    placement_.MarkEnded(id);
   }
+  membership_.awaiting().clear();
   membership_.SetMembers({});
   ready_.clear();
   finished_ = 0;
@@ -465,6 +463,7 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
     PlaceOnHosts(/*resume=*/true, out);
     return;
   }
+  // The elastic host: the world and its spare pool start again there.
   for (int i = 0; i < world_size_ + placement_.pool_size(); ++i) {
     Spawn(membership_.NewWorkerId(), /*spare=*/i >= world_size_, /*resume=*/true, /*background=*/false, out);
   }
@@ -496,9 +495,10 @@ void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
   if (target < world) {
     StartResize(target, fmt::format("shrink on request ({})", e.source), out);
   } else if (target > world) {
-    // Declared capacity: start the workers that are missing; the job grows when they have joined.
-    // (On hosts, capacity is the hosts' slots: slots given back by a shrink
-    // are filled again; beyond them the job grows when a host brings some.)
+    // Declared capacity: on the elastic host, start the workers that are
+    // missing; the job grows when they have joined. (On hosts of fixed
+    // slots, capacity is the slots: slots given back by a shrink are filled
+    // again; beyond them the job grows when a host brings some.)
     if (slotted()) {
       placement_.ClearWithheld();
       TopUpHosts(out);

@@ -15,23 +15,53 @@
 namespace nonstop::controller {
 namespace {
 
+// A job as `nonstop run` runs it (Make): one host, `local`, whose agent (in
+// the same process, elastic) brings the world and the spares; the controller
+// starts worker ids 0 … world − 1 there, then the spares. The agent stays
+// alive throughout: its heartbeat reaches the controller before every event,
+// as the real one's does every 500 ms whatever the workers do. The faults of
+// these tests are the workers'; an agent's own are HostControllerTest's.
 class ControllerTest : public ::testing::Test {
  protected:
+  static constexpr const char* kHost = "local";
   Clock::time_point now_ = Clock::time_point() + std::chrono::hours(1);
-  std::unique_ptr<Controller> c_ = Make(3, 1);
+  std::unique_ptr<Controller> c_;
+  bool local_agent_ = false;  // c_ is Make's: its agent heartbeats before every event
 
-  static std::unique_ptr<Controller> Make(int world, int spares, std::vector<control::FaultSpec> faults = {}) {
+  ControllerTest() { Make(3, 1); }
+
+  // `nonstop run --nproc world --spares spares [--inject faults]`.
+  void Make(int world, int spares, std::vector<control::FaultSpec> faults = {}) {
     ControllerOptions o;
     o.world_size = world;
     o.spares = spares;
     o.heartbeat_timeout = Millis(1000);
     o.abort_timeout = Millis(2000);
     o.faults = std::move(faults);
-    return std::make_unique<Controller>(o);
+    Make(std::move(o));
   }
-  std::vector<Action> Do(Event e) { return c_->Handle(e, now_); }
+  // The job of `o.world_size` workers and `o.spares` spares, as run_command.cc
+  // sets it up: one host at most and at least, its agent registered (elastic).
+  void Make(ControllerOptions o) {
+    o.min_hosts = o.max_hosts = 1;
+    c_ = std::make_unique<Controller>(o);
+    local_agent_ = true;
+    control::AgentRegisterMsg m;
+    m.host_id = kHost;
+    m.nproc = o.world_size;
+    m.spares = o.spares;
+    m.address = "127.0.0.1";
+    m.pid = 4000;
+    m.elastic = true;
+    EXPECT_EQ(Find<SpawnWorker>(Do(HostJoined{m})).size(), static_cast<size_t>(o.world_size + o.spares))
+        << "the placement starts the world and its spares";
+  }
+  std::vector<Action> Do(Event e) {
+    if (local_agent_) c_->Handle(HostHeartbeat{kHost, {0}}, now_);
+    return c_->Handle(e, now_);
+  }
   std::vector<Action> Join(int id, bool spare = false) {
-    return Do(WorkerJoined{{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1, ""}});
+    return Do(WorkerJoined{{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1, kHost}});
   }
   std::vector<Action> Ready(int id, int64_t step) {
     return Do(ReadyReceived{id, {c_->generation(), step, "aborted"}});
@@ -56,7 +86,7 @@ class ControllerTest : public ::testing::Test {
 
 TEST_F(ControllerTest, FirstGenerationFormsWhenAllMembersJoinedRanksByWorkerId) {
   EXPECT_TRUE(Find<SendPlan>(Join(2)).empty());
-  EXPECT_TRUE(Find<SendPlan>(Join(4, /*spare=*/true)).empty());
+  EXPECT_TRUE(Find<SendPlan>(Join(3, /*spare=*/true)).empty());
   EXPECT_TRUE(Find<SendPlan>(Join(0)).empty());
   auto plans = Find<SendPlan>(Join(1));
   ASSERT_EQ(plans.size(), 3u) << "one plan per member, none to the spare";
@@ -65,17 +95,17 @@ TEST_F(ControllerTest, FirstGenerationFormsWhenAllMembersJoinedRanksByWorkerId) 
     ASSERT_EQ(p.plan->members.size(), 3u);
     EXPECT_EQ(p.plan->members[0].worker_id, 0);
     EXPECT_EQ(p.plan->members[2].worker_id, 2);
-    EXPECT_NE(p.worker_id, 4);
+    EXPECT_NE(p.worker_id, 3);
   }
   EXPECT_EQ(c_->RankOf(2), 2);
-  EXPECT_EQ(c_->RankOf(4), -1);
+  EXPECT_EQ(c_->RankOf(3), -1);
 }
 
 TEST_F(ControllerTest, KilledMemberIsReplacedBySpareWhichCopiesStateFromSurvivors) {
   StartJob();
   for (int id : {0, 1, 2}) Step(id, 16);
   Step(0, 17);  // rank 0 completed step 17 before the fault; ranks 1 and 2 did not
-  auto actions = Do(ProcessExited{2, 1002, -1, 9, ""});
+  auto actions = Do(ProcessExited{2, 1002, -1, 9, kHost});
   EXPECT_EQ(Find<SendAbort>(actions).size(), 2u) << "the two survivors abort generation 1";
   EXPECT_TRUE(Find<EndJob>(actions).empty());
   EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
@@ -110,7 +140,7 @@ TEST_F(ControllerTest, KilledMemberIsReplacedBySpareWhichCopiesStateFromSurvivor
 TEST_F(ControllerTest, AnInjectedFaultAnnouncedAfterItsExitStillNamesItsRecovery) {
   StartJob();
   for (int id : {0, 1, 2}) Step(id, 16);
-  Do(ProcessExited{2, 1002, -1, 9, ""});
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
   ASSERT_EQ(c_->recoveries().size(), 1u);
   EXPECT_EQ(c_->recoveries()[0].injected, "");
   Do(InjectedReceived{2, {0, "kill:rank=2,step=17"}});
@@ -120,18 +150,18 @@ TEST_F(ControllerTest, AnInjectedFaultAnnouncedAfterItsExitStillNamesItsRecovery
   for (int id : {0, 1, 3}) Step(id, 17);
   ASSERT_EQ(c_->recoveries()[0].outcome, "completed");
   now_ += Millis(100);
-  Do(ProcessExited{1, 1001, -1, 9, ""});  // a fault nobody injected
+  Do(ProcessExited{1, 1001, -1, 9, kHost});  // a fault nobody injected
   ASSERT_EQ(c_->recoveries().size(), 2u);
   EXPECT_EQ(c_->recoveries()[1].injected, "") << "the first fault's announcement was used up";
 }
 
 TEST_F(ControllerTest, WithoutSpareTheJobShrinks) {
-  c_ = Make(3, 0);
+  Make(3, 0);
   Join(0);
   Join(1);
   Join(2);
   for (int id : {0, 1, 2}) Step(id, 5);
-  Do(ProcessExited{1, 1001, -1, 9, ""});
+  Do(ProcessExited{1, 1001, -1, 9, kHost});
   Ready(0, 5);
   auto plans = Find<SendPlan>(Ready(2, 5));
   ASSERT_EQ(plans.size(), 2u);
@@ -144,14 +174,14 @@ TEST_F(ControllerTest, WithoutSpareTheJobShrinks) {
 // At scale a plan lists every member: its members get one shared plan (and
 // one shared abort), never a copy each (docs/scale.md).
 TEST_F(ControllerTest, MembersShareOnePlanAndOneAbort) {
-  c_ = Make(3, 0);
+  Make(3, 0);
   Join(0);
   Join(1);
   auto first = Find<SendPlan>(Join(2));
   ASSERT_EQ(first.size(), 3u);
   for (const auto& p : first) EXPECT_EQ(p.plan.get(), first[0].plan.get());
   for (int id : {0, 1, 2}) Step(id, 5);
-  auto aborts = Find<SendAbort>(Do(ProcessExited{1, 1001, -1, 9, ""}));
+  auto aborts = Find<SendAbort>(Do(ProcessExited{1, 1001, -1, 9, kHost}));
   ASSERT_EQ(aborts.size(), 2u);
   EXPECT_EQ(aborts[0].msg.get(), aborts[1].msg.get());
   EXPECT_EQ(aborts[0].msg->generation, 1u);
@@ -195,7 +225,7 @@ TEST_F(ControllerTest, WatchdogFindsTheMemberStuckOutsideTheCollective) {
 
 TEST_F(ControllerTest, MemberThatDoesNotAbortInTimeIsKilledAndTheRecoveryGoesOn) {
   StartJob();
-  Do(ProcessExited{2, 1002, -1, 9, ""});
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
   Ready(0, 4);
   now_ += Millis(2100);  // rank 1 never answers
   Do(HeartbeatReceived{3, {-1, -1}});  // the spare is alive
@@ -209,8 +239,8 @@ TEST_F(ControllerTest, MemberThatDoesNotAbortInTimeIsKilledAndTheRecoveryGoesOn)
 
 TEST_F(ControllerTest, TwoFaultsInOneStepNeedTwoSparesOrShrink) {
   StartJob();
-  Do(ProcessExited{1, 1001, -1, 9, ""});
-  Do(ProcessExited{2, 1002, -1, 9, ""});
+  Do(ProcessExited{1, 1001, -1, 9, kHost});
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
   auto plans = Find<SendPlan>(Ready(0, 7));
   ASSERT_EQ(plans.size(), 2u);
   EXPECT_EQ(plans[0].plan->members.size(), 2u) << "one spare: ranks 0 and 1 remain";
@@ -219,12 +249,12 @@ TEST_F(ControllerTest, TwoFaultsInOneStepNeedTwoSparesOrShrink) {
 
 TEST_F(ControllerTest, FaultDuringRecoveryStartsANewRecovery) {
   StartJob();
-  Do(ProcessExited{2, 1002, -1, 9, ""});
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
   Ready(0, 9);
   Ready(1, 9);  // plan 2: [0, 1, 3]
   ASSERT_EQ(c_->generation(), 2u);
   // The spare is receiving state when rank 1 dies.
-  auto actions = Do(ProcessExited{1, 1001, -1, 9, ""});
+  auto actions = Do(ProcessExited{1, 1001, -1, 9, kHost});
   EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
   auto aborts = Find<SendAbort>(actions);
   ASSERT_EQ(aborts.size(), 2u);
@@ -239,11 +269,11 @@ TEST_F(ControllerTest, FaultDuringRecoveryStartsANewRecovery) {
 }
 
 TEST_F(ControllerTest, StateHeldByNoSurvivorEndsTheJobWithAReason) {
-  c_ = Make(1, 1);
+  Make(1, 1);
   Join(0);
   Join(1, true);
   Step(0, 3);
-  auto actions = Do(ProcessExited{0, 1000, -1, 9, ""});
+  auto actions = Do(ProcessExited{0, 1000, -1, 9, kHost});
   auto ends = Find<EndJob>(actions);
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
@@ -263,7 +293,7 @@ TEST_F(ControllerTest, MemberReportingACollectiveFailureStartsRecovery) {
 
 TEST_F(ControllerTest, DeadSpareIsReplaced) {
   StartJob();
-  auto spawns = Find<SpawnWorker>(Do(ProcessExited{3, 1003, -1, 9, ""}));
+  auto spawns = Find<SpawnWorker>(Do(ProcessExited{3, 1003, -1, 9, kHost}));
   ASSERT_EQ(spawns.size(), 1u);
   EXPECT_EQ(c_->phase(), JobPhase::kRunning);
 }
@@ -278,14 +308,14 @@ TEST_F(ControllerTest, JobEndsWhenEveryMemberFinishedWithTheSameChecksum) {
   EXPECT_EQ(ends[0].exit_code, kExitOk);
   EXPECT_TRUE(Find<KillWorker>(actions).empty());
   EXPECT_EQ(Find<SendShutdown>(actions).size(), 4u);
-  EXPECT_TRUE(Do(ProcessExited{0, 1000, 0, 0, ""}).empty());
+  EXPECT_TRUE(Do(ProcessExited{0, 1000, 0, 0, kHost}).empty());
 }
 
 TEST_F(ControllerTest, FaultAfterSomeMembersFinishedRecoversThemToo) {
   StartJob();
   Do(FinishedReceived{0, {100, "abcd"}});
   Do(FinishedReceived{1, {100, "abcd"}});
-  auto aborts = Find<SendAbort>(Do(ProcessExited{2, 1002, -1, 9, ""}));
+  auto aborts = Find<SendAbort>(Do(ProcessExited{2, 1002, -1, 9, kHost}));
   EXPECT_EQ(aborts.size(), 2u) << "finished members hold the state and take part";
   Ready(0, 100);
   auto plans = Find<SendPlan>(Ready(1, 100));
@@ -302,7 +332,7 @@ TEST_F(ControllerTest, DivergentChecksumsAreDataCorruption) {
 }
 
 TEST_F(ControllerTest, TimedFaultSignalsTheWorkerHoldingTheRank) {
-  c_ = Make(3, 1, *control::ParseFaults("hang:rank=1,time=2"));
+  Make(3, 1, *control::ParseFaults("hang:rank=1,time=2"));
   StartJob();
   now_ += Millis(1000);
   EXPECT_TRUE(Find<SignalWorker>(Do(Tick{})).empty());
@@ -323,7 +353,7 @@ TEST_F(ControllerTest, DuplicateWorkerIdIsRefused) {
 
 TEST_F(ControllerTest, WorkerDyingBeforeJoinFailsTheForming) {
   Join(0);
-  auto ends = Find<EndJob>(Do(ProcessExited{1, 1001, 127, 0, ""}));
+  auto ends = Find<EndJob>(Do(ProcessExited{1, 1001, 127, 0, kHost}));
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_NE(ends[0].reason.find("before joining"), std::string::npos);
 }
@@ -344,7 +374,7 @@ TEST_F(ControllerTest, SpareThatGoesSilentIsKilledReplacedAndNeverPromoted) {
   EXPECT_NE(spawns[0].worker_id, 3);
   EXPECT_TRUE(Find<SendAbort>(actions).empty()) << "losing a spare is no recovery";
   // A member dies now: the hung spare must not take its rank.
-  Do(ProcessExited{2, 1002, -1, 9, ""});
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
   Ready(0, 1);
   auto plans = Find<SendPlan>(Ready(1, 1));
   ASSERT_EQ(plans.size(), 2u);
@@ -353,14 +383,14 @@ TEST_F(ControllerTest, SpareThatGoesSilentIsKilledReplacedAndNeverPromoted) {
 
 TEST_F(ControllerTest, StoppedProcessIsAFaultAtOnceWhateverItsRole) {
   StartJob();
-  auto actions = Do(ProcessStopped{1, 1001, SIGSTOP, ""});
+  auto actions = Do(ProcessStopped{1, 1001, SIGSTOP, kHost});
   auto kills = Find<KillWorker>(actions);
   ASSERT_EQ(kills.size(), 1u);
   EXPECT_EQ(kills[0].worker_id, 1);
   EXPECT_EQ(Find<SendAbort>(actions).size(), 2u);
   EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
   // A stopped spare is replaced, and not used by the recovery in progress.
-  actions = Do(ProcessStopped{3, 1003, SIGSTOP, ""});
+  actions = Do(ProcessStopped{3, 1003, SIGSTOP, kHost});
   ASSERT_EQ(Find<KillWorker>(actions).size(), 1u);
   ASSERT_EQ(Find<SpawnWorker>(actions).size(), 1u);
   Ready(0, 4);
@@ -408,7 +438,7 @@ TEST_F(ControllerTest, StallWatchdogEndsAWorldOfOneThatStopsCompletingSteps) {
   o.world_size = 1;
   o.stall_floor = Millis(10'000);
   o.stall_factor = 10.0;
-  c_ = std::make_unique<Controller>(o);
+  Make(o);
   Join(0);
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   for (int64_t step = 0; step < 5; ++step) {
@@ -448,7 +478,7 @@ TEST_F(ControllerTest, StallWatchdogReformsMembersStuckTogetherInACollective) {
   ControllerOptions o;
   o.world_size = 3;
   o.stall_floor = Millis(10'000);
-  c_ = std::make_unique<Controller>(o);
+  Make(o);
   for (int id : {0, 1, 2}) Join(id);
   for (int64_t step = 0; step < 5; ++step) {
     now_ += Millis(200);
@@ -475,7 +505,7 @@ TEST_F(ControllerTest, StallWatchdogAllowsTheFirstStepTheFormingTimeout) {
   o.world_size = 1;
   o.stall_floor = Millis(10'000);
   o.forming_timeout = Millis(60'000);
-  c_ = std::make_unique<Controller>(o);
+  Make(o);
   Join(0);
   for (int t = 0; t < 59'000; t += 500) {
     now_ += Millis(500);
@@ -522,7 +552,7 @@ TEST_F(ControllerTest, JobThatDoesNotFormInTimeEndsNamingTheMissingWorkers) {
   ControllerOptions o;
   o.world_size = 3;
   o.forming_timeout = Millis(5000);
-  c_ = std::make_unique<Controller>(o);
+  Make(o);
   Join(0);
   Join(2);
   std::vector<EndJob> ends;
@@ -546,7 +576,7 @@ TEST_F(ControllerTest, SpareThatNeverJoinsIsKilledAndReplaced) {
   o.spares = 1;
   o.join_timeout = Millis(3000);
   o.heartbeat_timeout = Millis(100'000);
-  c_ = std::make_unique<Controller>(o);
+  Make(o);
   Join(0);
   Join(1);  // worker 2, the spare, never joins
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
@@ -577,7 +607,7 @@ TEST_F(ControllerTest, SpareSilentPastTheTimeoutIsNotPromotedEvenBeforeATickNoti
   StartJob();
   now_ += Millis(1200);  // the spare (worker 3) has been silent 1.2 s; no Tick has run since
   for (int id : {0, 1}) Do(HeartbeatReceived{id, {1, -1}});
-  Do(ProcessExited{2, 1002, -1, 9, ""});
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
   Ready(0, 1);
   auto plans = Find<SendPlan>(Ready(1, 1));
   ASSERT_EQ(plans.size(), 2u) << "shrink rather than promote a spare that may be hung";
@@ -597,7 +627,7 @@ TEST_F(ControllerTest, LyingNumbersFromAWorkerAreIgnoredNotOverflowed) {
 
 TEST_F(ControllerTest, SpareThatDiesWhileTheJobFormsIsReplacedNotFatal) {
   Join(0);
-  auto actions = Do(ProcessExited{3, 1003, 1, 0, ""});  // spare worker 3 (world 3 + 1 spare) dies before joining
+  auto actions = Do(ProcessExited{3, 1003, 1, 0, kHost});  // spare worker 3 (world 3 + 1 spare) dies before joining
   EXPECT_EQ(Find<EndJob>(actions).size(), 0u);
   ASSERT_EQ(Find<SpawnWorker>(actions).size(), 1u);
   EXPECT_TRUE(Find<SpawnWorker>(actions)[0].spare);
@@ -611,7 +641,7 @@ TEST_F(ControllerTest, AbortDeadlineStretchesWithSlowSteps) {
     for (int id : {0, 1, 2}) Do(ProgressReceived{id, {step, 2.0, 5.0, 100, 3}});
     Do(HeartbeatReceived{3, {-1, -1}});
   }
-  Do(ProcessExited{2, 1002, -1, 9, ""});
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
   Ready(0, 5);
   now_ += Millis(2100);  // past --abort-timeout-ms, but rank 1 is mid-step
   Do(HeartbeatReceived{3, {-1, -1}});
@@ -621,6 +651,33 @@ TEST_F(ControllerTest, AbortDeadlineStretchesWithSlowSteps) {
   auto kills = Find<KillWorker>(Do(Tick{}));
   ASSERT_EQ(kills.size(), 1u);
   EXPECT_EQ(kills[0].worker_id, 1);
+}
+
+// Every job runs on the hosts of agents (`nonstop run`'s own agent is one):
+// the core has no mode without them, and options that ask for one are refused.
+TEST(ControllerOptionsTest, AJobWithoutHostsIsRefusedNamingTheField) {
+  ControllerOptions o;
+  EXPECT_EQ(o.min_hosts, 1) << "the default is a job of one host";
+  EXPECT_TRUE(ValidateOptions(o).ok());
+  o.min_hosts = 0;
+  Status s = ValidateOptions(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("ControllerOptions::min_hosts is 0"), std::string::npos) << s.message();
+  o.min_hosts = 3;
+  o.max_hosts = 2;
+  s = ValidateOptions(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("ControllerOptions::max_hosts 2 is below min_hosts 3"), std::string::npos)
+      << s.message();
+  o.max_hosts = 0;  // no limit
+  EXPECT_TRUE(ValidateOptions(o).ok());
+}
+
+TEST(ControllerOptionsDeathTest, AControllerWithoutHostsIsAProgrammingError) {
+  ControllerOptions o;
+  o.min_hosts = 0;
+  EXPECT_DEATH({ Controller c(o); }, "min_hosts");
 }
 
 }  // namespace
@@ -641,6 +698,7 @@ class HostControllerTest : public ControllerTest {
     o.heartbeat_timeout = Millis(1000);
     o.abort_timeout = Millis(2000);
     c_ = std::make_unique<Controller>(o);
+    local_agent_ = false;  // these tests' hosts heartbeat when a test says so
   }
   std::vector<Action> Register(const std::string& host, int nproc, int spares) {
     return Do(HostJoined{{host, nproc, spares, "10.0.0." + host.substr(1), 4000, 0}});
@@ -800,11 +858,15 @@ TEST_F(HostControllerTest, LateHostGrowsTheJobUpToThePolicyMaximum) {
   EXPECT_EQ(c_->recoveries().back().kind, "resize");
 }
 
+// `nonstop run`'s job has one host, its own agent's: it takes no other.
 TEST_F(HostControllerTest, AgentsAreRefusedByASingleMachineJob) {
-  c_ = Make(2, 0);
+  Make(2, 0);
   auto closed = Find<CloseHost>(Do(HostJoined{{"h1", 1, 0, "10.0.0.1", 1, 0}}));
   ASSERT_EQ(closed.size(), 1u);
-  EXPECT_NE(closed[0].reason.find("one machine"), std::string::npos);
+  EXPECT_EQ(closed[0].host_id, "h1");
+  EXPECT_NE(closed[0].reason.find("its maximum of 1 hosts"), std::string::npos) << closed[0].reason;
+  EXPECT_TRUE(c_->hosts().at(kHost).alive) << "its own agent stays";
+  EXPECT_EQ(c_->hosts().count("h1"), 0u);
 }
 
 // ---- what a review found (each failed before its fix) ----
@@ -927,8 +989,8 @@ TEST_F(HostFaultsTest, CheckpointRestartAfterEveryHolderWasLostStartsWorkersInTh
   EXPECT_EQ(c_->world_size(), 2u);
 }
 
-// `nonstop run`'s agent is elastic: the job's one host spawns what the job
-// needs, as on one machine, not a fixed set of slots.
+// `nonstop run`'s agent is elastic: the job's one host starts what the job
+// needs, not a fixed set of slots.
 class ElasticHostTest : public HostFaultsTest {
  protected:
   std::vector<SpawnWorker> StartElastic(int nproc, int spares, int max_world = 0) {
@@ -1390,8 +1452,8 @@ TEST_F(HostFaultsTest, RefillFailuresOnOneHostDoNotStopOtherHosts) {
   EXPECT_EQ(Find<SpawnWorker>(Register("h2", 2, 0)).size(), 2u) << "a healthy host still gets its spares";
 }
 
-// One worker silent while a multi-host job forms, no spare: it is killed and
-// another starts in its slot, as on one machine.
+// One worker silent while a job on hosts of fixed slots forms, no spare: it
+// is killed and another starts in its slot.
 TEST_F(HostFaultsTest, SilentWorkerWhileFormingIsReplacedInItsSlot) {
   ControllerOptions o;
   o.min_hosts = 2;
@@ -1438,14 +1500,6 @@ TEST_F(HostFaultsTest, SpareOfAQuietHostIsNotPromoted) {
   EXPECT_EQ(plans[0].plan->members[0].worker_id, sp2) << "the spare of the healthy host";
 }
 
-// nonstop run with NONSTOP_HOST_ID in the environment: a single-machine job ignores it.
-TEST_F(ControllerTest, HostIdIsIgnoredOnOneMachine) {
-  c_ = Make(2, 0);
-  Do(WorkerJoined{{0, 1000, "a:1", false, -1, "node7"}});
-  auto plans = Find<SendPlan>(Do(WorkerJoined{{1, 1001, "a:2", false, -1, "node7"}}));
-  EXPECT_EQ(plans.size(), 2u);
-}
-
 }  // namespace
 }  // namespace nonstop::controller
 
@@ -1455,14 +1509,14 @@ namespace {
 // Connection setup at scale: a receiver copies from at most 8 holders, and
 // consecutive receivers from different ones.
 TEST_F(ControllerTest, AReceiverCopiesFromAtMostEightSourcesSpreadOverTheHolders) {
-  c_ = Make(20, 2);
+  Make(20, 2);
   for (int id = 0; id < 20; ++id) Join(id);
   Join(20, true);
   Join(21, true);
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   for (int id = 0; id < 20; ++id) Step(id, 7);
-  Do(ProcessExited{3, 1003, -1, 9, ""});
-  Do(ProcessExited{4, 1004, -1, 9, ""});
+  Do(ProcessExited{3, 1003, -1, 9, kHost});
+  Do(ProcessExited{4, 1004, -1, 9, kHost});
   std::vector<SendPlan> plans;
   for (int id = 0; id < 20; ++id) {
     if (id == 3 || id == 4) continue;
@@ -1606,8 +1660,8 @@ TEST_F(TakeoverTest, InheritedWorkersAndAgentsJoinAndTrainingGoesOnWithoutARecov
 }
 
 // `nonstop controller --resume` of a `nonstop run` job: the journal says its
-// one host was elastic, so the new controller keeps its spare pool as on one
-// machine, refills a lost spare there, and takes no other agent.
+// one host was elastic, so the new controller keeps its spare pool, refills
+// a lost spare there, and takes no other agent.
 TEST_F(TakeoverTest, AnElasticJobStaysElasticAfterATakeover) {
   ControllerOptions first;
   first.min_hosts = 1;
@@ -1851,7 +1905,7 @@ class ShardedControllerTest : public ControllerTest {
  protected:
   static constexpr int kGroup = 2;
   std::vector<Action> JoinSharded(int id, bool spare = false, int group = kGroup) {
-    control::JoinMsg m{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1, ""};
+    control::JoinMsg m{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1, kHost};
     m.shard_group = group;
     m.held_shard = nonstop::state::kEveryShard;
     return Do(WorkerJoined{m});
@@ -1860,10 +1914,11 @@ class ShardedControllerTest : public ControllerTest {
     control::ReadyMsg m{c_->generation(), step, "aborted", shard};
     return Do(ReadyReceived{id, m});
   }
-  // World 4 in groups of 2 (rank r holds shard r mod 2), every member at step 7.
-  void StartSharded(int spares) {
-    c_ = Make(4, spares);
-    for (int s = 0; s < spares; ++s) JoinSharded(10 + s, true);
+  // World 4 in groups of 2 (rank r holds shard r mod 2), every member at step
+  // 7; the spares are workers 4, 5, … (joined unless `join_spares` is false).
+  void StartSharded(int spares, bool join_spares = true) {
+    Make(4, spares);
+    for (int s = 0; s < spares && join_spares; ++s) JoinSharded(4 + s, true);
     for (int id = 0; id < 4; ++id) JoinSharded(id);
     ASSERT_EQ(c_->phase(), JobPhase::kRunning);
     for (int id = 0; id < 4; ++id) Step(id, 7);
@@ -1876,18 +1931,18 @@ class ShardedControllerTest : public ControllerTest {
 };
 
 TEST_F(ShardedControllerTest, AWorkerOfAnotherGroupSizeIsRefused) {
-  StartSharded(0);
-  auto shutdowns = Find<SendShutdown>(JoinSharded(20, /*spare=*/true, /*group=*/4));
+  StartSharded(2, /*join_spares=*/false);
+  auto shutdowns = Find<SendShutdown>(JoinSharded(4, /*spare=*/true, /*group=*/4));
   ASSERT_EQ(shutdowns.size(), 1u);
   EXPECT_NE(shutdowns[0].msg.reason.find("groups of 4, the job over groups of 2"), std::string::npos)
       << shutdowns[0].msg.reason;
-  shutdowns = Find<SendShutdown>(Join(21, /*spare=*/true));  // unsharded
+  shutdowns = Find<SendShutdown>(Join(5, /*spare=*/true));  // unsharded
   ASSERT_EQ(shutdowns.size(), 1u);
   EXPECT_NE(shutdowns[0].msg.reason.find("optimizer.shard_group"), std::string::npos);
 }
 
 TEST_F(ShardedControllerTest, AWorldOfPartGroupsIsRefusedBeforeItForms) {
-  c_ = Make(3, 0);
+  Make(3, 0);
   std::vector<Action> all;
   for (int id = 0; id < 3; ++id) all = JoinSharded(id);
   auto ends = Find<EndJob>(all);
@@ -1898,8 +1953,8 @@ TEST_F(ShardedControllerTest, AWorldOfPartGroupsIsRefusedBeforeItForms) {
 
 TEST_F(ShardedControllerTest, LosingEveryHolderOfAShardEndsTheJobNamingTheShardAndStep) {
   StartSharded(2);
-  Do(ProcessExited{1, 1001, -1, 9, ""});  // ranks 1 and 3: both copies of shard 1
-  Do(ProcessExited{3, 1003, -1, 9, ""});
+  Do(ProcessExited{1, 1001, -1, 9, kHost});  // ranks 1 and 3: both copies of shard 1
+  Do(ProcessExited{3, 1003, -1, 9, kHost});
   ReadyHolding(0, 7, 0);
   auto actions = ReadyHolding(2, 7, 0);
   EXPECT_TRUE(Find<SendPlan>(actions).empty()) << "no plan that cannot load";
@@ -1912,19 +1967,19 @@ TEST_F(ShardedControllerTest, LosingEveryHolderOfAShardEndsTheJobNamingTheShardA
 
 TEST_F(ShardedControllerTest, AKillWithASpareGivesTheSpareTheLostRankAndMovesNothingElse) {
   StartSharded(1);
-  Do(ProcessExited{1, 1001, -1, 9, ""});
+  Do(ProcessExited{1, 1001, -1, 9, kHost});
   std::vector<Action> last;
   for (int id : {0, 2, 3}) last = ReadyHolding(id, 7, id % kGroup);
   auto plans = Find<SendPlan>(last);
   ASSERT_FALSE(plans.empty());
-  EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 10, 2, 3})) << "the spare takes rank 1, nothing moves";
+  EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 4, 2, 3})) << "the spare takes rank 1, nothing moves";
 }
 
 TEST_F(ShardedControllerTest, AFaultWithoutASpareKeepsWholeGroupsAndAHolderOfEveryShard) {
   StartSharded(0);
   // Rank 1 (shard 1) is lost: of the survivors 0 (shard 0), 2 (shard 0), 3 (shard 1), the
   // world of 3 must go to 2; rank 3 is the last holder of shard 1, so rank 2 leaves.
-  Do(ProcessExited{1, 1001, -1, 9, ""});
+  Do(ProcessExited{1, 1001, -1, 9, kHost});
   ReadyHolding(0, 7, 0);
   ReadyHolding(2, 7, 0);
   auto actions = ReadyHolding(3, 7, 1);
@@ -1945,15 +2000,15 @@ TEST_F(ShardedControllerTest, AFaultWithoutASpareKeepsWholeGroupsAndAHolderOfEve
 TEST_F(ShardedControllerTest, ASpareThatWouldMakeAPartGroupIsNotPromoted) {
   StartSharded(1);
   // Ranks 1 and 2 (shards 1 and 0) die; the survivors 0 and 3 hold both shards; one spare would make 3.
-  Do(ProcessExited{1, 1001, -1, 9, ""});
-  Do(ProcessExited{2, 1002, -1, 9, ""});
+  Do(ProcessExited{1, 1001, -1, 9, kHost});
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
   ReadyHolding(0, 7, 0);
   auto actions = ReadyHolding(3, 7, 1);
   auto plans = Find<SendPlan>(actions);
   ASSERT_FALSE(plans.empty());
   EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 3}));
-  for (const auto& sd : Find<SendShutdown>(actions)) EXPECT_NE(sd.worker_id, 10) << "the spare stays a spare";
-  EXPECT_EQ(c_->workers().at(10).role, WorkerRole::kSpare);
+  for (const auto& sd : Find<SendShutdown>(actions)) EXPECT_NE(sd.worker_id, 4) << "the spare stays a spare";
+  EXPECT_EQ(c_->workers().at(4).role, WorkerRole::kSpare);
 }
 
 TEST_F(ShardedControllerTest, AGrowThatCanReachOnlyAPartGroupAddsNoSpare) {
@@ -1963,22 +2018,22 @@ TEST_F(ShardedControllerTest, AGrowThatCanReachOnlyAPartGroupAddsNoSpare) {
   o.heartbeat_timeout = Millis(1000);
   o.abort_timeout = Millis(2000);
   o.policy.max_world = 6;
-  c_ = std::make_unique<Controller>(o);
-  for (int id : {10, 11}) JoinSharded(id, true);
+  Make(o);
+  for (int id : {4, 5}) JoinSharded(id, true);
   for (int id = 0; id < 4; ++id) JoinSharded(id);
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   for (int id = 0; id < 4; ++id) Step(id, 7);
   auto reply = Find<ScaleReply>(Do(ScaleRequest{1, {{"world_size", 6}}, "test"}));
   ASSERT_EQ(reply.size(), 1u);
   ASSERT_EQ(reply[0].http_status, 202) << reply[0].body.dump();
-  Do(ProcessExited{10, 1010, -1, 9, ""});  // one of the two spares dies during the drain: 5 is all it can reach
+  Do(ProcessExited{4, 1004, -1, 9, kHost});  // one of the two spares dies during the drain: 5 is all it can reach
   std::vector<Action> last;
   for (int id = 0; id < 4; ++id) last = ReadyHolding(id, 7, id % kGroup);
   auto plans = Find<SendPlan>(last);
   ASSERT_FALSE(plans.empty());
   EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 1, 2, 3})) << "no part group of one";
-  for (const auto& sd : Find<SendShutdown>(last)) EXPECT_NE(sd.worker_id, 11) << "the spare is not released";
-  EXPECT_EQ(c_->workers().at(11).role, WorkerRole::kSpare);
+  for (const auto& sd : Find<SendShutdown>(last)) EXPECT_NE(sd.worker_id, 5) << "the spare is not released";
+  EXPECT_EQ(c_->workers().at(5).role, WorkerRole::kSpare);
 }
 
 // A spare beside a replica of the lost rank's shard would put both copies on

@@ -55,8 +55,11 @@ struct ControllerOptions {
   // Durable checkpoints are being written (nonstop run --checkpoint-dir): the
   // job can restart from them when no live worker holds the state.
   bool have_checkpoints = false;
+  // What the front end asked for (`nonstop run --nproc, --spares`), for the
+  // banner and the journal's job_start. The core takes the world and the
+  // spares from the hosts' registrations (nproc and spares each).
   int world_size = 1;
-  int spares = 0;  // the size of the spare pool, refilled as spares are used
+  int spares = 0;
   // A member silent this long is declared failed (a hung or stopped process).
   Millis heartbeat_timeout{settings::kHeartbeatTimeoutMs.default_value};
   // Members that have not aborted and answered Ready this long (or 1.5 ×
@@ -87,9 +90,10 @@ struct ControllerOptions {
   // hung, or a world of one) are killed by the abort's escalation.
   double stall_factor = 10.0;
   Millis stall_floor{settings::kStallFloorMs.default_value};
-  // Multi-host: the job is placed when this many hosts have registered
-  // (0: one machine, no agents; world_size and spares then say the size).
-  int min_hosts = 0;
+  // Every job runs on hosts, each supervised by an agent (`nonstop run`'s own
+  // agent is one, elastic): the job is placed when this many hosts have
+  // registered. At least 1 (ValidateOptions, controller.h).
+  int min_hosts = 1;
   int max_hosts = 0;  // 0: no limit; more agents are refused
   // A controller that takes over a running job (Takeover) waits this long
   // for the workers and agents it inherits to join it; those that do not
@@ -111,7 +115,7 @@ struct WorkerInfo {
   Clock::time_point last_heard{};
   bool stopped = false;  // the launcher saw its process stop
   std::string how_it_ended;  // set when its process exited
-  std::string host;          // the host it runs on ("" : local, or joined by hand)
+  std::string host;          // the host it runs on ("" : joined by hand, no agent started it)
   // Sharded optimizer state: the shard its state holds (state::kEveryShard:
   // every one, the initial state; kNoShard: none), from its join and Ready.
   int held_shard = -1;
@@ -126,8 +130,8 @@ struct HostInfo {
   int incarnation = 0;  // registrations so far (a host that heals registers again)
   bool inherited = false;  // taken over from a previous controller: its agent has not registered with this one yet
   // Its capacity follows the job (the agent of `nonstop run`, the job's only
-  // host): the controller starts the workers and spares the job needs there, as
-  // on one machine, instead of filling fixed slots.
+  // host): the controller starts the workers and spares the job needs there,
+  // and keeps its spare pool full, instead of filling fixed slots.
   bool elastic = false;
   // Its agent asked to leave (HostLeaving): nothing starts there any more,
   // its spares are let go and its members are released at the next step

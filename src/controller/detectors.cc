@@ -83,7 +83,7 @@ JoinDeadlines DetectJoinDeadlines(const JoinView& v, Clock::time_point now) {
   JoinDeadlines out;
   if (v.phase == JobPhase::kForming) {
     if (now - v.forming_since <= v.forming_timeout) return out;
-    if (v.multi_host && !v.placed) {
+    if (!v.placed) {
       out.not_formed = fmt::format(
           "the job did not form within {} s: {} of the {} hosts it needs registered (start `nonstop agent` on each "
           "host; HINT: a slow start needs a longer --join-timeout-ms)",

@@ -100,8 +100,8 @@ struct JoinView {
   const std::map<int, WorkerInfo>* workers = nullptr;
   Clock::time_point started_at{};    // the controller's first event
   Clock::time_point forming_since{};  // when the current forming phase began
-  bool multi_host = false, placed = false;
-  int alive_hosts = 0, min_hosts = 0;
+  bool placed = false;  // the hosts it needs registered and their workers were started
+  int alive_hosts = 0, min_hosts = 1;
   int world_size = 0;  // the world the job forms with
   Millis forming_timeout{0}, join_timeout{0};
 };

@@ -122,7 +122,7 @@ TEST(DetectorsTest, JoinDeadlines) {
   struct Case {
     std::string name;
     JobPhase phase;
-    bool multi_host, placed;
+    bool placed;  // the hosts registered and their workers were started
     std::map<int, AwaitedJoin> awaiting;
     int64_t now_ms;
     std::optional<std::string> want_not_formed;
@@ -130,24 +130,24 @@ TEST(DetectorsTest, JoinDeadlines) {
   };
   const std::string kHint = "HINT: a slow start needs a longer --join-timeout-ms)";
   const Case kCases[] = {
-      {"FormingWithinTheBound", JobPhase::kForming, false, false, {{1, {false, At(0)}}}, 10'000, {}, {}},
-      {"FormingPastTheBoundOnOneMachine",
-       JobPhase::kForming, false, false, {{1, {false, At(0)}}, {2, {true, At(0)}}, {4, {false, At(0)}}}, 10'001,
+      {"FormingWithinTheBound", JobPhase::kForming, true, {{1, {false, At(0)}}}, 10'000, {}, {}},
+      {"FormingPastTheBoundOncePlaced",
+       JobPhase::kForming, true, {{1, {false, At(0)}}, {2, {true, At(0)}}, {4, {false, At(0)}}}, 10'001,
        "the job did not form within 10 s: 1 of 3 workers joined; not joined: worker(s) [1,4] (see their output; " +
            kHint,
        {}},
-      {"FormingPastTheBoundWithTooFewHosts", JobPhase::kForming, true, false, {}, 10'001,
+      {"FormingPastTheBoundWithTooFewHosts", JobPhase::kForming, false, {}, 10'001,
        "the job did not form within 10 s: 1 of the 2 hosts it needs registered (start `nonstop agent` on each "
        "host; " + kHint,
        {}},
       // While forming, the forming bound alone counts: no worker is late on its own.
-      {"FormingLateWorkerIsNotReportedAlone", JobPhase::kForming, false, false, {{1, {false, At(-60'000)}}}, 1'000,
+      {"FormingLateWorkerIsNotReportedAlone", JobPhase::kForming, true, {{1, {false, At(-60'000)}}}, 1'000,
        {}, {}},
-      {"RunningLateOnesInAscendingIds", JobPhase::kRunning, false, false,
+      {"RunningLateOnesInAscendingIds", JobPhase::kRunning, true,
        {{9, {true, At(-5'001)}}, {3, {false, At(-6'000)}}, {4, {true, At(-4'999)}}}, 0, {}, {3, 9}},
       // Unset `since`: since the controller's first event.
-      {"RunningSinceTheStart", JobPhase::kRunning, false, false, {{2, {false, std::nullopt}}}, 5'001, {}, {2}},
-      {"RecoveringCountsToo", JobPhase::kRecovering, false, false, {{2, {true, At(-5'001)}}}, 0, {}, {2}},
+      {"RunningSinceTheStart", JobPhase::kRunning, true, {{2, {false, std::nullopt}}}, 5'001, {}, {2}},
+      {"RecoveringCountsToo", JobPhase::kRecovering, true, {{2, {true, At(-5'001)}}}, 0, {}, {2}},
   };
   for (const Case& c : kCases) {
     std::map<int, WorkerInfo> workers{{0, Worker(0, WorkerRole::kPending)}, {5, Worker(5, WorkerRole::kSpare)}};
@@ -157,7 +157,6 @@ TEST(DetectorsTest, JoinDeadlines) {
     v.workers = &workers;
     v.started_at = At(0);
     v.forming_since = At(0);
-    v.multi_host = c.multi_host;
     v.placed = c.placed;
     v.alive_hosts = 1;
     v.min_hosts = 2;

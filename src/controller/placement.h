@@ -12,10 +12,10 @@
 // What it owns: the hosts in registration order (HostInfo; never erased),
 // how many are alive, whether the job is placed, the slots a shrink gave back
 // (withheld, per host), the spares that died while starting in a row (per
-// host, and for the one-machine pool), the host of every process started on
-// one, the live processes (started, exit not seen: each holds a slot) and
+// host, and for the elastic host's pool), the host of every process started
+// on one, the live processes (started, exit not seen: each holds a slot) and
 // their count per host; and the capacity mode: hosts of fixed slots, or one
-// machine / one elastic host whose spare pool is kept at a size.
+// elastic host whose spare pool is kept at a size.
 // Thread-safety: none; the Controller's thread drives it.
 #pragma once
 
@@ -32,15 +32,11 @@ namespace nonstop::controller {
 
 class Placement {
  public:
-  // multi_host: the job runs on hosts (options.min_hosts > 0); pool_size: the
-  // spare pool of a job on one machine.
-  Placement(bool multi_host, int pool_size) : multi_host_(multi_host), pool_size_(pool_size) {}
-
-  bool multi_host() const { return multi_host_; }
   // Capacity is the hosts' fixed slots (nproc + spares each). Not so for a job
-  // whose one host is elastic: it spawns like a job on one machine.
-  bool slotted() const { return multi_host_ && elastic_host_.empty(); }
-  // The job's one elastic host ("" : none), and the spare pool kept full (one machine, or that host).
+  // whose one host is elastic: the workers and spares the job needs start
+  // there, and its spare pool is kept at a size.
+  bool slotted() const { return elastic_host_.empty(); }
+  // The job's one elastic host ("" : none), and the size of its spare pool, kept full.
   const std::string& elastic_host() const { return elastic_host_; }
   int pool_size() const { return pool_size_; }
   void SetElasticHost(const std::string& host_id, int spares) {
@@ -70,7 +66,7 @@ class Placement {
   bool placed() const { return placed_; }
   void SetPlaced() { placed_ = true; }
   // Heard from lately (half the heartbeat timeout), joined, not leaving: its
-  // spares may be promoted. "" (one machine, or joined by hand) always is.
+  // spares may be promoted. "" (joined by hand) always is.
   bool HostResponsive(const std::string& host_id, Clock::time_point now, Millis heartbeat_timeout) const;
 
   // ---- slots
@@ -81,7 +77,7 @@ class Placement {
   void ClearWithheld() { withheld_.clear(); }
   void SetWithheld(std::map<std::string, int> withheld) { withheld_ = std::move(withheld); }
   // Spares that died while starting, in a row: on a host (its slots are not
-  // refilled after 3 until it registers again), and for the pool.
+  // refilled after 3 until it registers again), and for the elastic host's pool.
   int HostRefillFailed(const std::string& host_id) { return ++host_refill_failures_[host_id]; }
   void HostRefillsResume(const std::string& host_id) { host_refill_failures_.erase(host_id); }
   int PoolRefillFailed() { return ++refill_failures_; }
@@ -89,14 +85,13 @@ class Placement {
   int pool_refill_failures() const { return refill_failures_; }
 
   // ---- processes
-  // A process started (on `host_id`, "" : locally): it holds a slot of its
-  // host until its exit is seen.
+  // A process started on `host_id`: it holds a slot of its host until its exit is seen.
   void Started(int worker_id, const std::string& host_id);
   void SetHostOf(int worker_id, const std::string& host_id) { host_of_[worker_id] = host_id; }
   void MarkLive(int worker_id);
   void MarkEnded(int worker_id);
   bool IsLive(int worker_id) const { return live_processes_.count(worker_id) > 0; }
-  // The host a worker was started on ("" : local, or unknown).
+  // The host a worker was started on ("" : unknown, or joined by hand).
   std::string HostOf(int worker_id) const;
   bool StartedOnHost(int worker_id) const { return host_of_.count(worker_id) > 0; }
   const std::map<int, std::string>& host_of() const { return host_of_; }  // every worker started on a host
@@ -118,7 +113,6 @@ class Placement {
   const HostInfo* FirstHostWithFreeSlot() const;
 
  private:
-  const bool multi_host_;
   int pool_size_ = 0;
   std::string elastic_host_;
   std::map<std::string, HostInfo> hosts_;

@@ -16,7 +16,7 @@ const Clock::time_point kT0 = Clock::time_point() + std::chrono::hours(1);
 
 // Hosts h1 (2 workers), h2 (0 workers, 2 spares), h3 (1 worker, 1 spare), alive, registered in that order.
 Placement ThreeHosts() {
-  Placement p(/*multi_host=*/true, /*pool_size=*/0);
+  Placement p;
   for (auto [id, nproc, spares] : {std::tuple{"h1", 2, 0}, {"h2", 0, 2}, {"h3", 1, 1}}) {
     HostInfo& h = p.AddHost(id);
     h.nproc = nproc;
@@ -45,8 +45,11 @@ TEST(PlacementTest, HostsKeepTheirRegistrationOrder) {
   EXPECT_EQ(p.alive_hosts(), 2);
   EXPECT_FALSE(p.hosts().at("h2").alive);
   EXPECT_TRUE(p.slotted());
+  EXPECT_EQ(p.pool_size(), 0);
   p.SetElasticHost("h1", 2);
-  EXPECT_FALSE(p.slotted()) << "a job whose one host is elastic spawns like a job on one machine";
+  EXPECT_FALSE(p.slotted()) << "a job whose one host is elastic starts what it needs there";
+  EXPECT_EQ(p.elastic_host(), "h1");
+  EXPECT_EQ(p.pool_size(), 2) << "the elastic host's spares: the pool kept full";
 }
 
 TEST(PlacementTest, ThePlacementStartsWorkersThenSparesWhereSlotsAreFree) {
@@ -115,7 +118,7 @@ TEST(PlacementTest, AReplacementGoesToTheFirstLiveHostWithAFreeSlot) {
 TEST(PlacementTest, AResponsiveHostWasHeardFromWithinHalfTheHeartbeatTimeout) {
   Placement p = ThreeHosts();
   const Millis timeout(1'000);
-  EXPECT_TRUE(p.HostResponsive("", kT0 + Millis(99'000), timeout)) << "one machine, or joined by hand";
+  EXPECT_TRUE(p.HostResponsive("", kT0 + Millis(99'000), timeout)) << "joined by hand";
   EXPECT_TRUE(p.HostResponsive("h1", kT0 + Millis(500), timeout));
   EXPECT_FALSE(p.HostResponsive("h1", kT0 + Millis(501), timeout));
   EXPECT_FALSE(p.HostResponsive("hX", kT0, timeout));

@@ -126,12 +126,13 @@ void OrderSpares(const Candidates& w, std::vector<size_t>* spares, const std::se
 }
 
 // Moves to spares[first] the first spare from there on whose host holds no
-// surviving replica of the shard of `rank` (sharded state, several hosts):
-// a spare beside a replica would put two copies of a shard on one host.
+// surviving replica of the shard of `rank` (sharded state): a spare beside
+// a replica would put two copies of a shard on one host. On one host no
+// spare is away from the replicas: the first stays first.
 // host_at: by rank, the host of the member that holds it next ("" : not known yet).
 void PreferSpareAwayFromReplicas(const Candidates& w, const PlanInput& view, std::vector<size_t>* spares,
                                  size_t first, size_t rank, const std::vector<std::string_view>& host_at) {
-  if (view.shard_group <= 1 || !view.multi_host) return;
+  if (view.shard_group <= 1) return;
   const auto g = static_cast<size_t>(view.shard_group);
   std::set<std::string_view> replica_hosts;  // where the other copies of this rank's shard are (or go)
   for (size_t q = rank % g; q < host_at.size(); q += g) {

@@ -60,7 +60,7 @@ struct PlanInput {
   // A member of the generation that ends.
   struct Member {
     int worker_id = -1;
-    std::string host;       // the host it runs on ("" : local, or joined by hand)
+    std::string host;       // the host it runs on ("" : joined by hand)
     bool alive = false;     // still a member (not lost during this recovery)
     bool ready = false;     // answered the abort (Ready): `step` is what its state holds
     int64_t step = -1;      // the step its state holds (-1: the initial state); meaningful when ready
@@ -70,7 +70,7 @@ struct PlanInput {
   // responsive host): the controller's Promotable.
   struct Spare {
     int worker_id = -1;
-    std::string host;  // "" : local
+    std::string host;  // "" : joined by hand
   };
   // A planned change of the world size, at a step boundary.
   struct Resize {
@@ -83,7 +83,6 @@ struct PlanInput {
   std::set<std::string> failed_hosts;  // hosts of the members lost: their spares are picked last
   std::optional<Resize> resize;        // none: a recovery from a fault
   int shard_group = 0;                 // optimizer.shard_group (0 or 1: nothing is sharded)
-  bool multi_host = false;             // the job runs on hosts (options.min_hosts > 0)
   int64_t highest_step = -1;           // the highest step any worker reported complete
   bool have_checkpoints = false;       // durable checkpoints exist: the last rung
 };

@@ -124,8 +124,8 @@ class Runtime {
   void Do(const ScaleReply& a);
   void Do(const KillWorker& a);
   void Do(const SignalWorker& a) { Signal(a.worker_id, a.signal); }
-  // Workers run on the hosts of agents; the core's one-machine mode (workers without a host) has no
-  // front end: such a start fails (ProcessExited), and its signals go nowhere.
+  // Workers run on the hosts of agents: the start goes to the host's agent; one that cannot be
+  // sent (the agent is gone) fails the start (ProcessExited, code 127).
   void Do(const SpawnWorker& a);
   void Do(const CloseHost& a);
   void Do(const AppendJournal& a);
@@ -390,10 +390,10 @@ void Runtime::PrintBanner() {
     fmt::print("  {:<20} http://{}/ (add #token=<the token in {}>)\n", "dashboard", http_->address(),
                JobFileFor(journal_->path()));
   }
-  if (o_.core.min_hosts > 0 && o_.core.world_size == 0) {
+  if (o_.core.world_size == 0) {  // no world asked for: the hosts' nproc say it
     fmt::print("  {:<20} {}{}\n", "hosts", o_.core.min_hosts,
                o_.core.max_hosts > 0 ? fmt::format(" to {}", o_.core.max_hosts) : " or more");
-  } else {  // one machine: nonstop run, whether its workers are this process's or its agent's
+  } else {  // the world asked for (nonstop run --nproc, --spares: its agent, the job's one host, brings them)
     fmt::print("  {:<20} {}\n", "workers", o_.core.world_size);
     fmt::print("  {:<20} {}\n", "spares", o_.core.spares);
   }
@@ -420,7 +420,7 @@ void Runtime::JournalStart() {
   nlohmann::json start = {{"event", "job_start"}, {"world_size", o_.core.world_size}, {"spares", o_.core.spares},
                           {"controller", controller_address_}, {"http", http_->address()},
                           {"policy", core_.PolicyJson()}};
-  if (o_.core.min_hosts > 0) start["min_hosts"] = o_.core.min_hosts;
+  start["min_hosts"] = o_.core.min_hosts;
   if (takeover_) {
     // The journal goes on: this controller's start is not the job's.
     start["event"] = "controller_start";
@@ -753,7 +753,7 @@ std::vector<std::pair<std::string, std::string>> Runtime::WorkerEnv(int id, bool
 
 void Runtime::Signal(int id, int sig) {
   std::string host = core_.HostOf(id);
-  if (host.empty()) return;  // no host: nothing runs it (see Do(SpawnWorker))
+  if (host.empty()) return;  // no host (a worker joined by hand): no agent to signal it
   server_->SendToAgent(host, control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{id, sig}));
 }
 
@@ -779,6 +779,12 @@ std::string JobFileFor(const std::string& journal_path) {
   return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) + "/job.json";
 }
 
-int RunController(const RuntimeOptions& options) { return Runtime(options).Run(); }
+int RunController(const RuntimeOptions& options) {
+  if (Status s = ValidateOptions(options.core); !s.ok()) {
+    fmt::print(stderr, "{}: {}\n", options.name, s.message());
+    return kExitUsage;
+  }
+  return Runtime(options).Run();
+}
 
 }  // namespace nonstop::controller

@@ -10,17 +10,18 @@
 //   - every 50 ms a Tick (timers), every 500 ms a ping to every worker and
 //     agent (heartbeats the other way), and /status and /metrics published.
 //
-// RunController runs one Runtime (runtime.cc): a class whose start-up reads
-// in order (history, journal, epoch, servers, job files, banner), whose loop
-// turn is Turn(), and which carries out each Action type in a handler of its
-// own (Runtime::Do).
+// RunController checks the core's options (ValidateOptions: a usage error,
+// before anything starts) and runs one Runtime (runtime.cc): a class whose
+// start-up reads in order (history, journal, epoch, servers, job files,
+// banner), whose loop turn is Turn(), and which carries out each Action type
+// in a handler of its own (Runtime::Do).
 //
 // Two front ends use it: `nonstop run` (the controller of one machine, in a
 // child process or, --single-process, on a thread of its own process, with
-// that process's agent for the workers) and `nonstop controller` (the
-// controller alone, as a daemon that agents register with). Neither starts
-// worker processes itself: the Controller core's one-machine mode
-// (min_hosts = 0, workers without a host) has no front end any more.
+// that process's agent, the job's one elastic host, for the workers) and
+// `nonstop controller` (the controller alone, as a daemon that agents
+// register with). Neither starts worker processes itself: every worker runs
+// on the host of an agent (ControllerOptions::min_hosts is at least 1).
 #pragma once
 
 #include <string>
