@@ -72,7 +72,8 @@ class RunCommand {
   agent::AgentOptions LocalAgentOptions(const std::string& controller, const std::string& token,
                                         const std::vector<std::string>& program, const std::string& log_dir,
                                         launcher::BoundedStdio& stdio) const;
-  std::string ResumeCommand(const std::string& journal, const std::string& token_file) const;
+  // `nonstop controller --resume …` (after the program's name) for this run's journal and token.
+  std::vector<std::string> ResumeArguments(const std::string& journal, const std::string& token_file) const;
 };
 
 // `nonstop controller`: the controller alone, a daemon that the hosts'

@@ -202,20 +202,13 @@ int RunCommand::Execute() {
   return RunLocal(std::move(o), program, log_dir);
 }
 
-// The command that adopts this run's workers if its controller dies: the
-// job's own flags as given (on the command line or in NONSTOP_* variables)
-// come along, so that the new controller runs the job the same way.
-std::string RunCommand::ResumeCommand(const std::string& journal, const std::string& token_file) const {
-  auto quoted = [](const std::string& v) {
-    bool plain = !v.empty() && v.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-                                                   "._-/:=,@+") == std::string::npos;
-    if (plain) return v;
-    std::string q = "'";
-    for (char c : v) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-    return q + "'";
-  };
-  std::string cmd = fmt::format("nonstop controller --resume {} --nnodes 1 --job-token-file {}", quoted(journal),
-                                quoted(token_file));
+// The arguments of `nonstop controller` that adopt this run's workers if its
+// controller dies: the job's own flags as given (on the command line or in
+// NONSTOP_* variables) come along, so that the new controller runs the job
+// the same way.
+std::vector<std::string> RunCommand::ResumeArguments(const std::string& journal,
+                                                     const std::string& token_file) const {
+  std::vector<std::string> args = {"controller", "--resume", journal, "--nnodes", "1", "--job-token-file", token_file};
   namespace s = settings;
   for (std::string_view name :
        {s::kHeartbeatTimeoutMs.flag, s::kAbortTimeoutMs.flag, s::kHangFloorMs.flag, s::kHangFactor.flag,
@@ -226,12 +219,28 @@ std::string RunCommand::ResumeCommand(const std::string& journal, const std::str
     if (opt == nullptr || opt->results().empty()) continue;
     std::string value;
     for (const std::string& v : opt->results()) value += (value.empty() ? "" : ",") + v;
-    cmd += fmt::format(" {} {}", name, quoted(value));
+    args.emplace_back(name);
+    args.push_back(value);
   }
-  return cmd;
+  return args;
 }
 
 namespace {
+
+// The same as a command a person can paste into a shell.
+std::string ShellCommand(const std::vector<std::string>& args) {
+  auto quoted = [](const std::string& v) {
+    bool plain = !v.empty() && v.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                                                   "._-/:=,@+") == std::string::npos;
+    if (plain) return v;
+    std::string q = "'";
+    for (char c : v) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return q + "'";
+  };
+  std::string cmd = "nonstop";
+  for (const std::string& a : args) cmd += " " + quoted(a);
+  return cmd;
+}
 
 // The controller of a `nonstop run`: the runtime of a job of one host, this
 // process's agent. It runs in a child process (the default) or on a thread
@@ -259,6 +268,7 @@ class LocalController {
 class ControllerProcess final : public LocalController {
  public:
   // Forks; the child runs the controller and exits with its code. nullptr (said why) if fork fails.
+  // Called before this process starts any thread.
   static std::unique_ptr<ControllerProcess> Start(const controller::RuntimeOptions& c) {
     std::fflush(nullptr);
     const pid_t parent = ::getpid();
@@ -274,6 +284,36 @@ class ControllerProcess final : public LocalController {
       int code = controller::RunController(c);
       std::fflush(nullptr);
       std::_Exit(code);
+    }
+    return std::unique_ptr<ControllerProcess>(new ControllerProcess(child));
+  }
+  // Starts `this program` with `args` (`nonstop controller --resume …`): a fresh process, since this one
+  // runs threads by now (a fork that did not exec could inherit a lock a thread held). nullptr (said why)
+  // if it cannot start.
+  static std::unique_ptr<ControllerProcess> Exec(const std::vector<std::string>& args, std::string* why) {
+    std::error_code ec;
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+    if (ec) {
+      *why = "cannot find this program (/proc/self/exe): " + ec.message();
+      return nullptr;
+    }
+    std::vector<std::string> argv = {self};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::vector<char*> cargv;
+    for (std::string& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    std::fflush(nullptr);
+    const pid_t parent = ::getpid();
+    pid_t child = ::fork();
+    if (child < 0) {
+      *why = std::string("fork: ") + std::strerror(errno);
+      return nullptr;
+    }
+    if (child == 0) {  // only async-signal-safe calls until exec
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) ::_exit(1);
+      ::execv(cargv[0], cargv.data());
+      ::_exit(127);
     }
     return std::unique_ptr<ControllerProcess>(new ControllerProcess(child));
   }
@@ -382,11 +422,19 @@ std::optional<int> WaitForJobFile(LocalController& controller, const std::string
 // follows its shutdown, or is stopped 20 s later (at once if the controller is gone). A controller
 // that ends before the job formed ends the run with its code (failed_start). One that ends later:
 // a thread has ended the job, and an agent still running is stopped (nothing will lead it again);
-// a child process may have died, and the workers train on for `resume` to adopt them.
+// a child process that died (not on a signal to this run, and without ending the job) is started
+// again at once with `--resume` from the journal, the workers training on meanwhile
+// (docs/controller-failover.md). Each restart is journaled ("controller_restart"). After
+// kMaxQuickRestarts deaths in a row, each within kQuickDeath of its start, the next restarts wait 1,
+// 2, 4, 8 and 16 s; after those the run stops restarting and prints the command that would.
 class JobWatcher {
  public:
-  JobWatcher(LocalController* controller, agent::Agent* agent, const sigset_t& mask, std::string journal,
-             launcher::OutputWriter* err, std::string resume)
+  static constexpr int kMaxQuickRestarts = 5;
+  static constexpr Millis kQuickDeath{60'000};
+
+  // `controller` is the watcher's until Finish(); `resume` (empty: none) restarts a dead one.
+  JobWatcher(std::unique_ptr<LocalController>& controller, agent::Agent* agent, const sigset_t& mask,
+             std::string journal, launcher::OutputWriter* err, std::vector<std::string> resume)
       : controller_(controller), agent_(agent), mask_(mask), journal_(std::move(journal)), err_(err),
         resume_(std::move(resume)), thread_([this] { Run(); }) {}
   ~JobWatcher() { Finish(); }
@@ -407,6 +455,7 @@ class JobWatcher {
       bool ended = controller_->Ended();
       if (sig > 0) {
         signalled = true;
+        restart_at_.reset();
         controller_->Forward(sig);
         stop_at = ended ? Clock::now() : DeadlineAfter(Millis(20'000));
       }
@@ -418,6 +467,7 @@ class JobWatcher {
         seen_end = true;
         ControllerEnded(signalled);
       }
+      if (restart_at_ && Clock::now() >= *restart_at_ && Restart()) seen_end = false;
     }
   }
   void ControllerEnded(bool signalled) {
@@ -435,18 +485,69 @@ class JobWatcher {
     } else if (!controller_->separate()) {
       agent_->Stop();
     } else if (controller_->exit_code() != 0 && !signalled && !job_ended) {
-      err_->Write(fmt::format("[nonstop] the controller (pid {}) died ({}): the workers train on; to adopt them: "
-                              "{}\n",
-                              controller_->pid(), controller_->exit_code(), resume_));
+      ScheduleRestart();
     }
   }
+  // After a death: at once, unless the controllers die quickly one after another.
+  void ScheduleRestart() {
+    const bool quick = Clock::now() - started_ < kQuickDeath;
+    quick_deaths_ = quick ? quick_deaths_ + 1 : 1;
+    const std::string died = fmt::format("the controller (pid {}) died ({})", controller_->pid(),
+                                         controller_->exit_code());
+    if (resume_.empty() || quick_deaths_ > 2 * kMaxQuickRestarts) {
+      err_->Write(fmt::format("[nonstop] {}: the workers train on; {}to adopt them: {}\n", died,
+                              resume_.empty() ? "" : fmt::format("{} restarts in a row failed; ", quick_deaths_ - 1),
+                              ShellCommand(resume_)));
+      return;
+    }
+    Millis wait{0};
+    if (quick_deaths_ > kMaxQuickRestarts) wait = Millis(1000 << (quick_deaths_ - kMaxQuickRestarts - 1));
+    err_->Write(fmt::format("[nonstop] {}: the workers train on; restarting it {}\n", died,
+                            wait.count() == 0 ? std::string("now") : fmt::format("in {} ms", wait.count())));
+    restart_at_ = DeadlineAfter(wait);
+    restart_wait_ = wait;
+  }
+  // Journals the restart, then starts `nonstop controller --resume`. Whether it started.
+  bool Restart() {
+    restart_at_.reset();
+    ++restarts_;
+    {  // closed (and its lock released) before the new controller opens it
+      auto journal = controller::Journal::OpenForAppend(journal_);
+      if (journal.ok()) {
+        (*journal)->Append({{"event", "controller_restart"}, {"restart", restarts_},
+                            {"previous_pid", controller_->pid()}, {"previous_exit_code", controller_->exit_code()},
+                            {"waited_ms", restart_wait_.count()}});
+        (*journal)->Flush();
+      } else {
+        err_->Write(fmt::format("[nonstop] the restart is not journaled: {}\n", journal.status().ToString()));
+      }
+    }
+    std::string why;
+    std::unique_ptr<LocalController> next = ControllerProcess::Exec(resume_, &why);
+    if (next == nullptr) {
+      err_->Write(fmt::format("[nonstop] cannot restart the controller: {}\n", why));
+      ScheduleRestart();
+      return false;
+    }
+    err_->Write(fmt::format("[nonstop] restarted the controller as pid {} (restart {}): {}\n", next->pid(),
+                            restarts_, ShellCommand(resume_)));
+    controller_ = std::move(next);
+    started_ = Clock::now();
+    return true;
+  }
 
-  LocalController* const controller_;
+  std::unique_ptr<LocalController>& controller_;
   agent::Agent* const agent_;
   const sigset_t mask_;
   const std::string journal_;
   launcher::OutputWriter* const err_;
-  const std::string resume_;
+  const std::vector<std::string> resume_;
+  // The restarts (the watcher thread's).
+  Deadline started_ = Clock::now();  // of the controller now running
+  std::optional<Deadline> restart_at_;
+  Millis restart_wait_{0};
+  int quick_deaths_ = 0;  // in a row, each within kQuickDeath of its start
+  int restarts_ = 0;
   std::atomic<bool> done_{false};
   std::optional<int> failed_start_;  // the watcher's until Finish() joins it
   std::thread thread_;               // last: started once the members it uses exist
@@ -513,21 +614,22 @@ int RunCommand::RunLocal(controller::RuntimeOptions o, const std::vector<std::st
     controller->Stop();
     return controller::kExitUsage;
   }
-  const std::string resume = resumable_ ? ResumeCommand(o.journal, token_file) : "";
+  std::vector<std::string> resume;
   if (resumable_) {
+    resume = ResumeArguments(o.journal, token_file);
     stdio->out().Write(fmt::format("[nonstop] resumable: the controller runs as pid {}; the workers are this "
-                                   "process's ({}). If the controller dies: {}\n",
-                                   controller->pid(), ::getpid(), resume));
+                                   "process's ({}); if the controller dies, this process starts it again: {}\n",
+                                   controller->pid(), ::getpid(), ShellCommand(resume)));
   }
   if (spares_ > 0 && !launcher::LocalLauncher::CanRestorePriority()) {
     stdio->out().Write("[nonstop] spares that refill the pool warm up at normal priority: this user cannot raise a "
                        "process's priority back when it takes a rank (that needs CAP_SYS_NICE or `ulimit -e 20`)\n");
   }
   agent::Agent agent(a);
-  JobWatcher watcher(controller.get(), &agent, mask, o.journal, &stdio->err(), resume);
+  JobWatcher watcher(controller, &agent, mask, o.journal, &stdio->err(), resume);
   int code = agent.Run();
   std::optional<int> failed_start = watcher.Finish();
-  // The controller (ours, if it was not replaced) leaves once the agent has; one that does not is stopped.
+  // The controller (the last one started) leaves once the agent has; one that does not is stopped.
   for (int i = 0; i < 400 && !controller->Ended(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   controller->Stop();
   if (failed_start) {
@@ -612,52 +714,6 @@ int ControllerCommand::Execute() {
     return controller::kExitUsage;
   }
   return LeadThroughEtcd(name, o);
-}
-
-int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::RuntimeOptions o) {
-  // SIGINT/SIGTERM stop a standby too: read from a signalfd while it waits.
-  sigset_t mask = BlockTerminationSignals();
-  UniqueFd sigfd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
-  auto interrupted = [&]() {
-    signalfd_siginfo si;
-    return sigfd.valid() && ::read(sigfd.get(), &si, sizeof(si)) == sizeof(si);
-  };
-  while (true) {
-    coord::LeadershipOptions lo;
-    lo.endpoints = etcd_;
-    lo.job = job_;
-    lo.ttl_seconds = lease_ttl_s_;
-    auto leadership = coord::Leadership::Connect(lo);
-    if (!leadership.ok()) {
-      fmt::print(stderr, "{}: {}\n", name, leadership.status().ToString());
-      return 1;
-    }
-    fmt::print("{}: job '{}' in etcd {}: campaigning to lead (lease {} s)\n", name, job_, etcd_, lease_ttl_s_);
-    std::fflush(stdout);
-    auto epoch = (*leadership)->Campaign(interrupted, [&](const std::string& leader) {
-      fmt::print("{}: standing by; the leader is {}\n", name, leader);
-      std::fflush(stdout);
-    });
-    if (!epoch.ok()) {
-      fmt::print("{}: {}\n", name, epoch.status().message());
-      return controller::kExitInterrupted;
-    }
-    fmt::print("{}: leading job '{}' (epoch {})\n", name, job_, *epoch);
-    std::fflush(stdout);
-    // The job's token: the first leader wrote it; every later one reads it (agents and workers hold it).
-    if (std::filesystem::exists(token_file_)) {
-      auto token = agent::ReadJobTokenFile(token_file_);
-      if (!token.ok()) {
-        fmt::print(stderr, "{}: {}\n", name, token.status().message());
-        return 1;
-      }
-      o.token = *token;
-    }
-    o.leadership = leadership->get();
-    int code = controller::RunController(o);
-    if (code != controller::kExitDeposed) return code;
-    fmt::print("{}: deposed; standing by again\n", name);
-  }
 }
 
 }  // namespace nonstop::cli

@@ -199,9 +199,10 @@ inline constexpr Setting<int> kPort{
 inline constexpr Setting<bool> kResumable{
     .env = "NONSTOP_RESUMABLE", .flag = "--resumable,!--single-process", .default_value = true, .read_by = kRun,
     .help = "The default: the controller runs in a process of its own, this process supervises the workers (a "
-            "local agent); if the controller dies, the workers train on and `nonstop controller --resume JOURNAL "
-            "--nnodes 1 --job-token-file <run dir>/job.token` adopts them. --single-process: the controller and "
-            "the workers' supervisor in this one process (its death ends the workers)"};
+            "local agent); if the controller dies, the workers train on and this process starts it again at once "
+            "(`nonstop controller --resume JOURNAL --nnodes 1 --job-token-file <run dir>/job.token`), which adopts "
+            "them. --single-process: the controller and the workers' supervisor in this one process (its death "
+            "ends the workers)"};
 inline constexpr Setting<bool> kVerbose{
     .env = "NONSTOP_VERBOSE", .flag = "--verbose,-v", .default_value = false, .read_by = kRun,
     .help = "Every worker's output on the terminal, prefixed by its rank (the default when stdout is not a "

@@ -118,6 +118,21 @@ struct TakeoverState {
   std::map<std::string, int> withheld;
   int recoveries = 0;        // recovery ids so far (new ones continue from here)
   int takeovers = 0;         // controllers that took over before this one
+  // The recovery (or resize) the journal saw start and not end: its
+  // controller stopped during it. Times are the records' time_us (wall clock,
+  // 0: not recorded), read against read_at_us.
+  struct OpenRecovery {
+    int id = 0;
+    bool planned = false;  // a resize
+    uint32_t from_generation = 0;
+    std::vector<int> old_members;  // of from_generation, by rank
+    std::string cause, injected;
+    int64_t started_us = 0;
+    uint32_t plan_generation = 0;  // its plan's generation (0: its plan did not go out)
+    int64_t plan_us = 0;
+  };
+  std::optional<OpenRecovery> open_recovery;
+  int64_t read_at_us = 0;  // wall clock when the journal was read
 };
 
 // ---- events ----
@@ -282,6 +297,10 @@ class Controller {
   // Carries out a plan (verdict kPlan): roles, generation, record, plan messages, spawns, journal.
   void ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector<Action>* out);
   void MaybeCloseRecovery(std::vector<Action>* out);
+  // The recovery a takeover found open: if its plan is the generation taken
+  // over, it stays open and ends as any does (MaybeCloseRecovery); if its
+  // plan never went out, it ends now, interrupted.
+  void AdoptOpenRecovery(const TakeoverState& s, std::vector<Action>* out);
   // Kills every worker and starts the job again from the newest durable
   // checkpoint. The recovery record is the open one (opened if none is).
   void RestartFromCheckpoint(const std::string& why, std::vector<Action>* out);

@@ -416,9 +416,49 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
       "up to {} ms for the workers and agents to join",
       takeovers_ + 1, generation_, members.size(), placement_.host_order().size(), highest_step_,
       options_.adopt_timeout.count())});
+  if (s.open_recovery) AdoptOpenRecovery(s, out);
   if (ended > 0) {
     StartRecovery(fmt::format("{} member(s) of generation {} ended before the takeover", ended, generation_), out);
   }
+}
+
+void Controller::AdoptOpenRecovery(const TakeoverState& s, std::vector<Action>* out) {
+  const TakeoverState::OpenRecovery& o = *s.open_recovery;
+  // A record's time, from its age when the journal was read (now, if it has none).
+  auto at = [&](int64_t us) {
+    return us > 0 && s.read_at_us >= us ? now_ - std::chrono::microseconds(s.read_at_us - us) : now_;
+  };
+  RecoveryRecord rec;
+  rec.id = o.id;
+  rec.kind = o.planned ? "resize" : "recovery";
+  rec.from_generation = o.from_generation;
+  rec.old_world = static_cast<int>(o.old_members.size());
+  rec.causes.push_back(o.cause);
+  rec.injected = o.injected;
+  rec.detected_at = at(o.started_us);
+  recovery_id_base_ = std::max(0, o.id - 1);  // this record takes id o.id; the next ones follow it
+  if (o.plan_generation == generation_) {
+    rec.causes.push_back(fmt::format("its controller stopped after its plan; controller #{} finished it (the state "
+                                     "copied was reported to the one that stopped)", takeovers_ + 1));
+    rec.aborted_at = rec.plan_at = at(o.plan_us);
+    rec.to_generation = generation_;
+    rec.resume_step = resume_step_;
+    const std::vector<int>& members = membership_.members();
+    rec.new_world = static_cast<int>(members.size());
+    for (size_t r = 0; r < members.size() && r < o.old_members.size(); ++r) {
+      if (members[r] != o.old_members[r]) {
+        rec.replacements.push_back(fmt::format("rank {}: worker {} → worker {}", r, o.old_members[r], members[r]));
+      }
+    }
+    recoveries_.push_back(std::move(rec));
+    open_recovery_ = recoveries_.size() - 1;
+    close_scan_ = 0;
+    return;
+  }
+  rec.outcome = fmt::format("interrupted: its controller stopped before its plan; controller #{} took over "
+                            "generation {}", takeovers_ + 1, generation_);
+  recoveries_.push_back(std::move(rec));
+  out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(recoveries_.back())}}});
 }
 
 void Controller::Rejoined(const control::JoinMsg& m, std::vector<Action>* out) {

@@ -155,7 +155,8 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
 void Controller::OpenRecovery(const std::string& cause, bool planned, std::vector<Action>* out) {
   if (open_recovery_) {
     // A fault while the previous recovery had not finished: it is superseded.
-    recoveries_[*open_recovery_].outcome = fmt::format("superseded by recovery {}", recoveries_.size() + 1);
+    recoveries_[*open_recovery_].outcome =
+        fmt::format("superseded by recovery {}", recovery_id_base_ + static_cast<int>(recoveries_.size()) + 1);
     out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(recoveries_[*open_recovery_])}}});
   }
   const std::vector<WorkerInfo*>& members = membership_.member_info();

@@ -1857,6 +1857,77 @@ TEST_F(TakeoverTest, AMemberBetweenGenerationsMakesTheNewControllerFinishTheReco
   EXPECT_TRUE(plans[0].plan->transfers.empty()) << "everyone holds step 20";
 }
 
+// The first controller dies during a recovery, after its plan went out:
+// the next one keeps the recovery's record open (same id) and ends it when
+// every member completes the resume step, as the first would have.
+TEST_F(TakeoverTest, ARecoveryWhosePlanWentOutIsFinishedByTheNextController) {
+  RunFirstController();
+  const int victim = first_members_[2];
+  Record(ProcessExited{victim, 1000 + victim, -1, 9, c_->HostOf(victim)});
+  std::vector<Action> planned;
+  for (const auto& [rank, id] : first_members_) {
+    if (id != victim) planned = Record(ReadyReceived{id, {1, 20, "aborted"}});
+  }
+  ASSERT_FALSE(Find<SendPlan>(planned).empty()) << "generation 2 is planned";
+  ASSERT_EQ(c_->generation(), 2u);
+  const int recovery = c_->recoveries().back().id;
+  TakeOver();
+  ASSERT_EQ(c_->recoveries().size(), 1u) << "the open recovery is adopted";
+  EXPECT_EQ(c_->recoveries()[0].id, recovery);
+  EXPECT_EQ(c_->recoveries()[0].outcome, "in progress");
+  ASSERT_EQ(c_->recoveries()[0].replacements.size(), 1u);
+  EXPECT_EQ(c_->recoveries()[0].replacements[0],
+            "rank 2: worker " + std::to_string(victim) + " → worker " + std::to_string(c_->members()[2]));
+  for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
+  for (int id : c_->members()) Rejoin(id, 2, false, 20);
+  std::vector<Action> all;
+  for (int id : c_->members()) {
+    auto a = Do(ProgressReceived{id, {21, 2.0, 0.1, 100, 6}});
+    all.insert(all.end(), a.begin(), a.end());
+  }
+  std::vector<nlohmann::json> ends;
+  for (const auto& j : Find<AppendJournal>(all)) {
+    if (j.record["event"] == "recovery_end") ends.push_back(j.record["recovery"]);
+  }
+  ASSERT_EQ(ends.size(), 1u) << "the recovery ends once every member completed step 21";
+  EXPECT_EQ(ends[0]["id"], recovery);
+  EXPECT_EQ(ends[0]["outcome"], "completed");
+  EXPECT_EQ(ends[0]["resume_step"], 21);
+  EXPECT_TRUE(c_->recoveries().size() == 1u && c_->recoveries()[0].first_step_at.has_value());
+}
+
+// The first controller dies after a recovery started and before its plan:
+// the next one ends that record as interrupted (its id is not reused) and
+// recovers from the member lost in a recovery of its own.
+TEST_F(TakeoverTest, ARecoveryInterruptedBeforeItsPlanEndsAsSuchAndItsIdIsNotReused) {
+  RunFirstController();
+  const int victim = first_members_[2];
+  Record(ProcessExited{victim, 1000 + victim, -1, 9, c_->HostOf(victim)});
+  ASSERT_EQ(c_->recoveries().size(), 1u);
+  const int interrupted = c_->recoveries()[0].id;
+  auto t = TakeoverFromJournal(journal_);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_TRUE(t->state.open_recovery.has_value());
+  EXPECT_EQ(t->state.open_recovery->id, interrupted);
+  EXPECT_EQ(t->state.open_recovery->plan_generation, 0u) << "its plan did not go out";
+  ControllerOptions o;
+  o.min_hosts = 4;
+  o.heartbeat_timeout = Millis(1000);
+  o.abort_timeout = Millis(2000);
+  o.adopt_timeout = Millis(5000);
+  c_ = std::make_unique<Controller>(o);
+  auto actions = Do(Takeover{t->state});
+  std::vector<nlohmann::json> ends;
+  for (const auto& j : Find<AppendJournal>(actions)) {
+    if (j.record["event"] == "recovery_end") ends.push_back(j.record["recovery"]);
+  }
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0]["id"], interrupted);
+  EXPECT_NE(ends[0]["outcome"].get<std::string>().find("interrupted"), std::string::npos) << ends[0].dump();
+  ASSERT_EQ(c_->recoveries().size(), 2u) << "and a recovery of its own for the member that ended";
+  EXPECT_EQ(c_->recoveries()[1].id, interrupted + 1);
+}
+
 TEST_F(TakeoverTest, AnAgentListingAProcessTheJobDoesNotKnowIsToldToKillIt) {
   RunFirstController();
   TakeOver();

@@ -1,5 +1,6 @@
 #include "controller/takeover.h"
 
+#include <chrono>
 #include <map>
 
 #include <fmt/format.h>
@@ -80,6 +81,10 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
         s.generation = r.at("generation").get<uint32_t>();
         s.members = r.at("members").get<std::vector<int>>();
         s.resume_step = r.value("resume_step", int64_t{0});
+        if (s.open_recovery && r.value("recovery", 0) == s.open_recovery->id) {
+          s.open_recovery->plan_generation = s.generation;
+          s.open_recovery->plan_us = r.value("time_us", int64_t{0});
+        }
         if (r.contains("released") && r["released"].is_array()) {
           for (const json& id : r["released"]) {
             if (!id.is_number_integer()) continue;
@@ -110,8 +115,20 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
         }
       } else if (event == "step") {
         s.highest_step = std::max(s.highest_step, r.value("step", int64_t{-1}));
+      } else if (event == "recovery_start" || event == "resize_start") {
+        TakeoverState::OpenRecovery& o = s.open_recovery.emplace();
+        o.id = r.value("recovery", 0);
+        o.planned = event == "resize_start";
+        o.from_generation = r.value("generation", s.generation);
+        o.old_members = s.members;
+        o.cause = r.value("cause", "");
+        o.injected = r.value("injected", "");
+        o.started_us = r.value("time_us", int64_t{0});
+        s.recoveries = std::max(s.recoveries, o.id);
       } else if (event == "recovery_end" && r.contains("recovery")) {
-        s.recoveries = std::max(s.recoveries, r["recovery"].value("id", 0));
+        const int id = r["recovery"].value("id", 0);
+        s.recoveries = std::max(s.recoveries, id);
+        if (s.open_recovery && s.open_recovery->id == id) s.open_recovery.reset();
       }
     }
   } catch (const json::exception& e) {
@@ -121,6 +138,8 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
   if (s.generation == 0) {
     return FailedPreconditionError("the job in this journal never formed (no plan): start it again instead");
   }
+  s.read_at_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                     std::chrono::system_clock::now().time_since_epoch()).count();
   for (auto& [id, w] : workers) s.workers.push_back(w);
   for (auto& [id, h] : hosts) s.hosts.push_back(h);
   return out;

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "common/temp_dir.h"
@@ -112,44 +113,91 @@ TEST(ControllerFailoverTest, KilledControllerIsReplacedByResumeAndTheWorkersTrai
   EXPECT_EQ(FinishedChecksum(journal), reference) << "not bitwise equal to the run without the kill\n" << outputs;
 }
 
-// `nonstop run --resumable`: the controller is a process of its own, the
-// `nonstop run` process supervises the workers; kill -9 the controller, and
-// `nonstop controller --resume` adopts the job, which ends as without the kill.
-TEST(ControllerFailoverTest, ResumableRunSurvivesTheDeathOfItsControllerAndResumeAdoptsIt) {
+// The pid of the controller that wrote the job file beside the journal in `dir` (-1: none yet).
+pid_t JobFilePid(const std::string& dir) {
+  std::ifstream in(dir + "/job.json");
+  auto job = nlohmann::json::parse(in, nullptr, false);
+  return job.is_object() && job.contains("pid") && job["pid"].is_number_integer() ? job["pid"].get<pid_t>() : -1;
+}
+
+// Waits (≤ 60 s) until the journal's last "step" record is at `step` or later.
+bool WaitForStep(const std::string& journal, int64_t step) {
+  for (int i = 0; i < 3'000; ++i) {
+    auto steps = Events(journal, "step");
+    if (!steps.empty() && steps.back().value("step", int64_t{-1}) >= step) return true;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  return false;
+}
+
+// `nonstop run` (its default: the controller is a process of its own, the
+// `nonstop run` process supervises the workers) whose controller is killed
+// -9 three times: twice while it trains, once in the middle of a recovery
+// (of rank 1, killed by an injected fault). Each time `nonstop run` starts the
+// controller again with --resume from the journal, at once; nobody types a
+// command, and the job ends with exit 0, bitwise equal to the run without
+// any kill.
+TEST(ControllerFailoverTest, RunRestartsItsControllerKilledTwiceAndDuringARecoveryAndEndsBitwise) {
   TempDir dir;
   std::string reference = Reference(dir);
   ASSERT_FALSE(reference.empty()) << "the reference run failed";
 
-  std::string journal = dir / "job/journal.jsonl";
-  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--resumable", "--nproc", "3", "--spares", "1",
-                                   "--journal", journal, "--"};
+  std::string run_dir = dir / "job";
+  std::string journal = run_dir + "/journal.jsonl";
+  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", "3", "--spares", "1", "--inject",
+                                   "kill:rank=1,step=150", "--journal", journal, "--"};
   for (auto& a : Worker()) argv.push_back(a);
+  argv.insert(argv.end(), {"--recovered-step-sleep-ms", "2000"});
   ChildProcess run(argv, dir / "run.out");
-  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 30, milliseconds(60'000))) << run.Output();
-  pid_t controller = 0;
-  {
-    std::ifstream in(dir / "job/job.json");
-    auto job = nlohmann::json::parse(in, nullptr, false);
-    ASSERT_TRUE(job.is_object()) << run.Output();
-    controller = job["pid"].get<pid_t>();
+  pid_t killed = -1;
+  // Kills the controller now running (it must be a process of its own, not one killed before).
+  auto kill_controller = [&]() {
+    pid_t pid = JobFilePid(run_dir);
+    ASSERT_GT(pid, 0) << run.Output();
+    ASSERT_NE(pid, run.pid()) << "the controller is not a process of its own";
+    ASSERT_NE(pid, killed) << "the job file still names the controller killed before";
+    ASSERT_EQ(::kill(pid, SIGKILL), 0);
+    killed = pid;
+  };
+  for (int64_t step : {30, 80}) {
+    ASSERT_TRUE(WaitForStep(journal, step)) << run.Output();
+    ASSERT_NO_FATAL_FAILURE(kill_controller());
+    // Restarted, and the new controller has taken the job over.
+    size_t n = step == 30 ? 1 : 2;
+    ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "takeover", n, milliseconds(30'000))) << run.Output();
+    ASSERT_NE(JobFilePid(run_dir), killed) << run.Output();
   }
-  ASSERT_NE(controller, run.pid()) << "the controller is not a process of its own";
-  ASSERT_EQ(::kill(controller, SIGKILL), 0);
-  std::this_thread::sleep_for(milliseconds(300));
-  ASSERT_EQ(run.Wait(milliseconds(1)), -1) << "`nonstop run` died with its controller\n" << run.Output();
+  // The injected fault (rank 1 at step 150): the controller dies as soon as the recovery has started,
+  // which stays open for 2 s (the survivors' first step after it takes that much longer).
+  auto deadline = std::chrono::steady_clock::now() + milliseconds(60'000);
+  while (Events(journal, "recovery_start").empty() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  ASSERT_FALSE(Events(journal, "recovery_start").empty()) << run.Output();
+  ASSERT_NO_FATAL_FAILURE(kill_controller());
+  const bool ended_before_kill = !Events(journal, "recovery_end").empty();
+  const int64_t open_recovery = Events(journal, "recovery_start").back()["recovery"].get<int64_t>();
 
-  ChildProcess resume({kBin + "/nonstop", "controller", "--resume", journal, "--nnodes", "1", "--job-token-file",
-                       dir / "job/job.token"},
-                      dir / "resume.out");
-  std::string outputs;
-  int code = resume.Wait(milliseconds(90'000));
-  outputs = "--- resume\n" + resume.Output() + "--- run\n" + run.Output();
-  ASSERT_EQ(code, 0) << outputs;
-  EXPECT_EQ(run.Wait(milliseconds(20'000)), 0) << outputs;
-  EXPECT_EQ(Events(journal, "takeover").size(), 1u) << outputs;
-  EXPECT_EQ(Events(journal, "host_rejoin").size(), 1u) << outputs;
-  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n" << outputs;
-  EXPECT_EQ(FinishedChecksum(journal), reference) << "not bitwise equal to the run without the kill\n" << outputs;
+  int code = run.Wait(milliseconds(90'000));
+  ASSERT_EQ(code, 0) << run.Output();
+  EXPECT_FALSE(ended_before_kill) << "the recovery had ended before the kill\n" << run.Output();
+  auto restarts = Events(journal, "controller_restart");
+  ASSERT_EQ(restarts.size(), 3u) << run.Output();
+  for (size_t i = 0; i < restarts.size(); ++i) {
+    EXPECT_EQ(restarts[i]["restart"], static_cast<int>(i + 1));
+    EXPECT_EQ(restarts[i]["previous_exit_code"], 128 + SIGKILL);
+    EXPECT_EQ(restarts[i]["waited_ms"], 0) << "restarted at once";
+  }
+  EXPECT_EQ(Events(journal, "takeover").size(), 3u) << run.Output();
+  EXPECT_EQ(Events(journal, "fault").size(), 1u) << "only the injected fault\n" << run.Output();
+  bool finished = false;  // by the restarted controller
+  for (const auto& e : Events(journal, "recovery_end")) finished |= e["recovery"]["id"] == open_recovery;
+  EXPECT_TRUE(finished) << "recovery " << open_recovery << " has no end\n" << run.Output();
+  auto ends = Events(journal, "job_end");
+  ASSERT_EQ(ends.size(), 1u) << run.Output();
+  EXPECT_EQ(ends[0]["exit_code"], 0);
+  EXPECT_EQ(FinishedChecksum(journal), reference) << "not bitwise equal to the run without the kills\n"
+                                                  << run.Output();
 }
 
 TEST(ControllerFailoverTest, ResumingAJobThatEndedIsRefusedWithTheReason) {

@@ -36,9 +36,13 @@ int main(int argc, char** argv) {
   int64_t steps = 10;
   size_t elements = 1000;
   int sleep_ms = 0;
+  int recovered_sleep_ms = 0;
   app.add_option("--steps", steps);
   app.add_option("--elements", elements);
   app.add_option("--sleep-ms", sleep_ms);
+  // The first step after a recovery takes this much longer: the recovery stays open (it ends when
+  // every member has completed that step) long enough for a test to act during it.
+  app.add_option("--recovered-step-sleep-ms", recovered_sleep_ms);
   CLI11_PARSE(app, argc, argv);
 
   auto options = nonstop::SessionOptions::FromEnvironment();
@@ -66,6 +70,7 @@ int main(int argc, char** argv) {
   std::vector<float> v(elements);
   int64_t step = s.resume_step();
   bool released = false;
+  int extra_sleep_ms = 0;  // this step's share of --recovered-step-sleep-ms
   auto recover = [&]() -> bool {
     auto next = s.Recover();
     if (!next.ok()) {
@@ -82,6 +87,7 @@ int main(int argc, char** argv) {
     fmt::print("{}: rank {} of {} (was {} of {}), resuming at step {}\n", c.reason, c.new_rank, c.new_world,
                c.old_rank, c.old_world, step);
     std::fflush(stdout);
+    extra_sleep_ms = recovered_sleep_ms;
     return true;
   };
   while (true) {
@@ -97,7 +103,8 @@ int main(int argc, char** argv) {
       for (uint64_t item = lo; item < hi; ++item) {
         for (size_t i = 0; i < elements; ++i) v[i] += Item(step, item, i);
       }
-      if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+      if (sleep_ms + extra_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms + extra_sleep_ms));
+      extra_sleep_ms = 0;
       nonstop::Status st = s.AllReduce(v);
       if (!st.ok()) {
         fmt::print("step {}: {}\n", step, st.ToString());

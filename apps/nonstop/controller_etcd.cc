@@ -1,0 +1,68 @@
+// `nonstop controller --etcd`: campaign to lead the job through etcd, lead it
+// until it ends or this process is deposed, then stand by again
+// (docs/controller-failover.md).
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "agent/agent.h"
+#include "apps/nonstop/commands.h"
+#include "common/signals.h"
+#include "common/unique_fd.h"
+#include "coord/leadership.h"
+#include "controller/runtime.h"
+
+namespace nonstop::cli {
+
+int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::RuntimeOptions o) {
+  // SIGINT/SIGTERM stop a standby too: read from a signalfd while it waits.
+  sigset_t mask = BlockTerminationSignals();
+  UniqueFd sigfd(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
+  auto interrupted = [&]() {
+    signalfd_siginfo si;
+    return sigfd.valid() && ::read(sigfd.get(), &si, sizeof(si)) == sizeof(si);
+  };
+  while (true) {
+    coord::LeadershipOptions lo;
+    lo.endpoints = etcd_;
+    lo.job = job_;
+    lo.ttl_seconds = lease_ttl_s_;
+    auto leadership = coord::Leadership::Connect(lo);
+    if (!leadership.ok()) {
+      fmt::print(stderr, "{}: {}\n", name, leadership.status().ToString());
+      return 1;
+    }
+    fmt::print("{}: job '{}' in etcd {}: campaigning to lead (lease {} s)\n", name, job_, etcd_, lease_ttl_s_);
+    std::fflush(stdout);
+    auto epoch = (*leadership)->Campaign(interrupted, [&](const std::string& leader) {
+      fmt::print("{}: standing by; the leader is {}\n", name, leader);
+      std::fflush(stdout);
+    });
+    if (!epoch.ok()) {
+      fmt::print("{}: {}\n", name, epoch.status().message());
+      return controller::kExitInterrupted;
+    }
+    fmt::print("{}: leading job '{}' (epoch {})\n", name, job_, *epoch);
+    std::fflush(stdout);
+    // The job's token: the first leader wrote it; every later one reads it (agents and workers hold it).
+    if (std::filesystem::exists(token_file_)) {
+      auto token = agent::ReadJobTokenFile(token_file_);
+      if (!token.ok()) {
+        fmt::print(stderr, "{}: {}\n", name, token.status().message());
+        return 1;
+      }
+      o.token = *token;
+    }
+    o.leadership = leadership->get();
+    int code = controller::RunController(o);
+    if (code != controller::kExitDeposed) return code;
+    fmt::print("{}: deposed; standing by again\n", name);
+  }
+}
+
+}  // namespace nonstop::cli
