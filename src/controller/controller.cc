@@ -626,6 +626,11 @@ void Controller::End(int exit_code, const std::string& reason, std::vector<Actio
     out->push_back(SendShutdown{id, {reason, exit_code}});
     if (exit_code != kExitOk) out->push_back(KillWorker{id});
   }
+  // Started and not joined (a refill spare still starting): it holds no state and cannot hear the
+  // shutdown; the job's end does not wait for it.
+  for (const auto& [id, awaited] : membership_.awaiting()) {
+    if (!membership_.Has(id)) out->push_back(KillWorker{id});
+  }
   for (std::string& line : ReportLines(recoveries_)) out->push_back(PrintLine{std::move(line)});
   out->push_back(EndJob{exit_code, reason});
 }

@@ -311,6 +311,25 @@ TEST_F(ControllerTest, JobEndsWhenEveryMemberFinishedWithTheSameChecksum) {
   EXPECT_TRUE(Do(ProcessExited{0, 1000, 0, 0, kHost}).empty());
 }
 
+// A process that holds no state (started, not joined yet: a refill spare
+// still starting) is ended with the job at once; it cannot hear the
+// shutdown, and the job's end does not wait for it.
+TEST_F(ControllerTest, AtTheEndASpareThatHasNotJoinedYetIsKilledAtOnce) {
+  StartJob();
+  auto spawns = Find<SpawnWorker>(Do(ProcessExited{3, 1003, -1, 9, kHost}));  // the spare died: a refill starts
+  ASSERT_EQ(spawns.size(), 1u);
+  const int refill = spawns[0].worker_id;
+  Do(FinishedReceived{0, {100, "abcd"}});
+  Do(FinishedReceived{1, {100, "abcd"}});
+  auto actions = Do(FinishedReceived{2, {100, "abcd"}});
+  ASSERT_EQ(Find<EndJob>(actions).size(), 1u);
+  EXPECT_EQ(Find<EndJob>(actions)[0].exit_code, kExitOk);
+  auto kills = Find<KillWorker>(actions);
+  ASSERT_EQ(kills.size(), 1u) << "only the refill that has not joined";
+  EXPECT_EQ(kills[0].worker_id, refill);
+  EXPECT_EQ(Find<SendShutdown>(actions).size(), 3u) << "the members are told, and they exit on their own";
+}
+
 TEST_F(ControllerTest, FaultAfterSomeMembersFinishedRecoversThemToo) {
   StartJob();
   Do(FinishedReceived{0, {100, "abcd"}});
