@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
 
+#include "common/logging.h"
 #include "common/time.h"
 
 namespace nonstop::controller {
@@ -89,15 +91,30 @@ void Journal::Append(nlohmann::json record) {
   record["mono_us"] = static_cast<int64_t>(MonotonicSeconds() * 1e6);
   std::string line = record.dump() + "\n";
   std::fwrite(line.data(), 1, line.size(), file_);
+  unsynced_ = true;
   if (mirror_) mirror_(record);
 }
 
 void Journal::Copy(const nlohmann::json& record) {
   std::string line = record.dump() + "\n";
   std::fwrite(line.data(), 1, line.size(), file_);
+  unsynced_ = true;
 }
 
 void Journal::Flush() { std::fflush(file_); }
+
+void Journal::Sync() {
+  std::fflush(file_);
+  if (!unsynced_) return;
+  // A full disk or a failed device: the records stay in the page cache at worst, and the orders go
+  // out (a controller that stopped issuing orders would stop the job); the log says so once.
+  if (::fdatasync(::fileno(file_)) != 0 && !sync_failed_) {
+    sync_failed_ = true;
+    NONSTOP_LOG_WARNING("journal {}: fdatasync: {} (its records may be lost if this host loses power)", path_,
+                        std::strerror(errno));
+  }
+  unsynced_ = false;
+}
 
 Result<std::vector<nlohmann::json>> Journal::Read(const std::string& path, bool* torn_tail) {
   std::ifstream in(path);

@@ -5,7 +5,8 @@
 // loop (every ≤ 20 ms, and before it exits), so a reader (a report, a test, a
 // benchmark) sees every event within a loop turn even if the job dies, and a
 // recovery of 100,000 members does not pay 100,000 write calls
-// (docs/scale.md).
+// (docs/scale.md). In a turn that sends orders it calls Sync() instead: the
+// records reach the disk (fdatasync) before the orders they describe go out.
 #pragma once
 
 #include <cstdio>
@@ -40,6 +41,9 @@ class Journal {
   void set_mirror(std::function<void(const nlohmann::json&)> mirror) { mirror_ = std::move(mirror); }
   // Writes what Append buffered to the file.
   void Flush();
+  // Flush, then fdatasync: what was appended survives the loss of this host
+  // (the runtime syncs before it sends the orders the records describe).
+  void Sync();
   const std::string& path() const { return path_; }
   // Where the previous journal at path() went; empty if there was none.
   const std::string& rotated_to() const { return rotated_to_; }
@@ -55,6 +59,8 @@ class Journal {
   std::string path_;
   std::FILE* file_;
   std::string rotated_to_;
+  bool unsynced_ = false;     // appended since the last Sync
+  bool sync_failed_ = false;  // said once
   std::function<void(const nlohmann::json&)> mirror_;
 };
 

@@ -572,7 +572,13 @@ void Runtime::Handle(const Event& e) {
 }
 
 void Runtime::RunPending() {
-  journal_->Flush();
+  // The orders go out after the records that describe them are on disk (a controller started with
+  // --resume on this journal after this host crashed must know every order that was sent).
+  if (pending_.empty()) {
+    journal_->Flush();
+  } else {
+    journal_->Sync();
+  }
   if (leadership_ != nullptr) leadership_->Flush();
   while (!pending_.empty()) {
     if (leadership_ != nullptr && (pending_.front().after > leadership_->durable() || !leadership_->Valid())) break;
