@@ -59,6 +59,7 @@ void AgentCommand::Register(CLI::App& app) {
   AddSetting(sub_, settings::kNprocPerHost, nproc_per_host_);
   AddSetting(sub_, settings::kSparesPerHost, spares_per_host_);
   AddSetting(sub_, settings::kAgentAdvertiseAddress, advertise_address_);
+  AddSetting(sub_, settings::kDataPorts, data_ports_);
   AddSetting(sub_, settings::kAgentJoinTimeoutMs, join_timeout_ms_);
   AddSetting(sub_, settings::kAgentControllerTimeoutMs, controller_timeout_ms_);
   AddSetting(sub_, settings::kFenceAfterMs, fence_after_ms_);
@@ -126,6 +127,7 @@ int AgentCommand::Execute() {
   options.nproc = nproc_per_host_;
   options.spares = spares_per_host_;
   options.advertise_address = advertise_address_;
+  options.data_ports = data_ports_;
   options.program = program_;
   options.join_timeout = Millis(join_timeout_ms_);
   options.controller_timeout = Millis(controller_timeout_ms_);
@@ -161,6 +163,7 @@ int AgentCommand::Execute() {
   row("spares", std::to_string(spares_per_host_));
   row("advertise address", advertise_address_.empty() ? "the interface that reaches the controller"
                                                       : advertise_address_);
+  row("data ports", data_ports_.empty() ? "a port from the OS for each worker" : data_ports_);
   row("join timeout", fmt::format("{} ms", join_timeout_ms_));
   row("controller timeout", fmt::format("{} ms", controller_timeout_ms_));
   row("fence after", fmt::format("{} ms", fence_after_ms_));

@@ -32,6 +32,7 @@ class AgentCommand {
   int spares_per_host_ = settings::kSparesPerHost.default_value;
   // Empty: the local address of the connection to the controller.
   std::string advertise_address_{settings::kAgentAdvertiseAddress.default_value};
+  std::string data_ports_{settings::kDataPorts.default_value};
   int join_timeout_ms_ = settings::kAgentJoinTimeoutMs.default_value;
   int controller_timeout_ms_ = settings::kAgentControllerTimeoutMs.default_value;
   int fence_after_ms_ = settings::kFenceAfterMs.default_value;

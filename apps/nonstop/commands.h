@@ -61,6 +61,7 @@ class RunCommand {
   int nproc_ = settings::kNproc.default_value;
   int spares_ = settings::kSpares.default_value;
   std::string host_{settings::kHost.default_value};
+  std::string data_ports_{settings::kDataPorts.default_value};
   int port_ = settings::kPort.default_value;
   bool resumable_ = settings::kResumable.default_value;
   bool verbose_ = settings::kVerbose.default_value;

@@ -155,6 +155,7 @@ void RunCommand::Register(CLI::App& app) {
   AddSetting(sub_, settings::kNproc, nproc_);
   AddSetting(sub_, settings::kSpares, spares_);
   AddSetting(sub_, settings::kHost, host_);
+  AddSetting(sub_, settings::kDataPorts, data_ports_);
   AddSetting(sub_, settings::kPort, port_);
   AddSetting(sub_, settings::kResumable, resumable_);
   AddSetting(sub_, settings::kVerbose, verbose_);
@@ -568,6 +569,7 @@ agent::AgentOptions RunCommand::LocalAgentOptions(const std::string& controller,
   a.nproc = nproc_;
   a.spares = spares_;
   a.advertise_address = host_;
+  a.data_ports = data_ports_;
   a.program = program;
   a.elastic = true;
   a.log_dir = log_dir;

@@ -72,9 +72,15 @@ struct SessionOptions {
   // The address its data port listens on (kDataHost, NONSTOP_DATA_HOST).
   std::string data_host{settings::kDataHost.default_value};
   // The address peers dial (kWorkerAdvertiseAddress). Empty: data_host, or,
-  // when data_host is a wildcard (0.0.0.0), the local address of the
+  // when data_host is a wildcard (0.0.0.0, ::), the local address of the
   // connection to the controller: the interface that reaches the cluster.
   std::string advertise_address;
+  // The range its data port is taken from, both ends included: the first
+  // free port, so that a firewall between the hosts can let only these
+  // through (kDataPorts, NONSTOP_DATA_PORTS="40000-40099"; docs/ports.md).
+  // 0, 0: a port from the OS.
+  uint16_t data_port_lo = 0;
+  uint16_t data_port_hi = 0;
   std::string host_id;  // the host whose agent started it (kHostId, NONSTOP_HOST_ID); empty: none
   // Where to find the controller that leads when the one it followed is lost:
   // etcd's endpoints (kEtcd, NONSTOP_ETCD) and the job's name there (kEtcdJob,

@@ -344,7 +344,14 @@ inline constexpr Setting<bool> kSpare{
     .help = "1: join as a spare, without a rank (any other value: not a spare)"};
 inline constexpr Setting<std::string_view> kDataHost{
     .env = "NONSTOP_DATA_HOST", .default_value = "127.0.0.1", .read_by = kWorker, .set_by = kRun | kAgent,
-    .help = "The address the worker's data port listens on"};
+    .help = "The address the worker's data port listens on (IPv4 or IPv6: 10.0.0.5, fd00::5)"};
+inline constexpr Setting<std::string_view> kDataPorts{
+    .env = "NONSTOP_DATA_PORTS", .flag = "--data-ports", .show_default = false,
+    .read_by = kRun | kAgent | kWorker, .set_by = kRun | kAgent,
+    .help = "LO-HI: each worker's data port is the first free port of this range (both ends included), so that a "
+            "firewall between the hosts needs to let only these through (docs/ports.md); give a host at least as "
+            "many as the workers and spares it runs, and a few for replacements",
+    .default_doc = "a port from the OS for each worker"};
 inline constexpr Setting<std::string_view> kWorkerAdvertiseAddress{
     .env = "NONSTOP_ADVERTISE_ADDRESS", .read_by = kWorker,
     .help = "The address the worker's peers dial",

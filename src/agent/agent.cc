@@ -25,6 +25,7 @@
 #include "control/messages.h"
 #include "coord/etcd.h"
 #include "coord/leadership.h"
+#include "net/address.h"
 #include "net/handshake.h"
 #include "net/socket.h"
 
@@ -71,16 +72,16 @@ std::string Processes(int n) { return fmt::format("{} process{}", n, n == 1 ? ""
 bool IsAgentVariable(std::string_view name) {
   namespace s = settings;
   return name == s::kControllerAddress.env || name == s::kJobToken.env || name == s::kHostId.env ||
-         name == s::kDataHost.env || name == s::kEtcd.env || name == s::kEtcdJob.env;
+         name == s::kDataHost.env || name == s::kDataPorts.env || name == s::kEtcd.env || name == s::kEtcdJob.env;
 }
 
 }  // namespace
 
 Status ValidateOptions(const AgentOptions& o) {
   if (o.etcd.empty() || !o.controller.empty()) {
-    auto where = net::ParseHostPort(o.controller);
-    if (!where.ok()) return InvalidArgumentError("controller address: " + where.status().message());
-    if (where->port == 0) return InvalidArgumentError(fmt::format("controller address '{}' has port 0", o.controller));
+    // One address or a list (a leader and its standbys), IPv4 or [IPv6]:port, as the link dials them.
+    auto where = control::ParseControllerList(o.controller);
+    if (!where.ok()) return where.status();  // "controller address '…': what is wrong"
   }
   if (!o.etcd.empty()) {
     auto c = etcd::Client::Create(o.etcd);
@@ -97,6 +98,9 @@ Status ValidateOptions(const AgentOptions& o) {
     return InvalidArgumentError(fmt::format("spares {} is not in [0, 1024]", o.spares));
   }
   if (o.advertise_address.size() > 255) return InvalidArgumentError("the advertise address is over 255 characters");
+  if (auto ports = net::ParsePortRange(o.data_ports); !ports.ok()) {
+    return InvalidArgumentError(fmt::format("--data-ports '{}': {}", o.data_ports, ports.status().message()));
+  }
   if (o.join_timeout <= Millis(0) || o.controller_timeout <= Millis(0) || o.fence_after <= Millis(0) || o.heartbeat_interval <= Millis(0) ||
       o.backoff_initial <= Millis(0) || o.backoff_max < o.backoff_initial || o.stop_grace < Millis(0)) {
     return InvalidArgumentError("timeouts must be positive, and backoff_max at least backoff_initial");
@@ -487,6 +491,7 @@ void Agent::OnStart(std::string_view payload) {
   env[std::string(s::kJobToken.env)] = options_.job_token;
   env[std::string(s::kHostId.env)] = options_.host_id;
   env[std::string(s::kDataHost.env)] = data_host_;
+  if (!options_.data_ports.empty()) env[std::string(s::kDataPorts.env)] = options_.data_ports;
   launcher::ChildSpec spec;
   spec.worker_id = m->worker_id;
   spec.argv = options_.program;

@@ -105,6 +105,8 @@ struct AgentOptions {
   // The address this host's workers listen on for their peers (NONSTOP_DATA_HOST).
   // Empty: the local address of the control connection, i.e. the interface that reaches the controller.
   std::string advertise_address;
+  // Its workers' data ports: "LO-HI" (settings::kDataPorts; empty: a port from the OS each).
+  std::string data_ports;
   std::vector<std::string> program;  // argv of every process it starts; required
   // Its capacity follows the job (control::AgentRegisterMsg::elastic): the
   // agent `nonstop run` runs for its own machine. Its workers' lines are

@@ -1,7 +1,5 @@
 #include "collective/peer_mesh.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -63,14 +61,8 @@ class BurstLog {
 };
 
 std::string PeerNameOf(int fd) {
-  sockaddr_in addr{};
-  socklen_t len = sizeof(addr);
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 || addr.sin_family != AF_INET) {
-    return "an unknown address";
-  }
-  char text[INET_ADDRSTRLEN] = {};
-  ::inet_ntop(AF_INET, &addr.sin_addr, text, sizeof(text));
-  return fmt::format("{}:{}", text, ntohs(addr.sin_port));
+  Result<net::HostPort> peer = net::PeerAddressOf(fd);
+  return peer.ok() ? peer->ToString() : "an unknown address";
 }
 
 }  // namespace
@@ -97,8 +89,17 @@ struct PeerMesh::Pending {
 };
 
 Result<std::unique_ptr<PeerMesh>> PeerMesh::Create(PeerMeshOptions options) {
-  NONSTOP_ASSIGN_OR_RETURN(net::Listener listener, net::Listen(options.listen));
-  return Create(std::move(options), std::move(listener));
+  Result<net::Listener> listener = options.ports.empty()
+                                       ? net::Listen(options.listen)
+                                       : net::ListenInRange(options.listen.host, options.ports, 128, "data port");
+  if (!listener.ok()) {
+    if (!options.ports.empty() && listener.status().code() == StatusCode::kUnavailable &&
+        listener.status().message().rfind("no free data port", 0) == 0) {
+      return UnavailableError(listener.status().message() + ": widen --data-ports");
+    }
+    return listener.status().WithContext("the data port");
+  }
+  return Create(std::move(options), std::move(*listener));
 }
 
 std::unique_ptr<PeerMesh> PeerMesh::Create(PeerMeshOptions options, net::Listener listener) {

@@ -78,7 +78,14 @@ bool ConnectionIsBroken(const Connection& c);
 struct PeerMeshOptions {
   std::string job_token;
   int worker_id = -1;
+  // Where the data port listens: IPv4 or IPv6 ("::1", "::" for every
+  // interface of both families).
   net::HostPort listen{"127.0.0.1", 0};
+  // With a range (both ends included), the data port is its first free port
+  // (listen.port is then ignored), so that a firewall can let only these
+  // through (--data-ports, docs/ports.md); every port in use fails Create
+  // with the range named. {0, 0}: listen.port (0: a port from the OS).
+  net::PortRange ports{};
   // How long one incoming connection may take to present its hello.
   Millis timeout_handshake{5'000};
   // Incoming connections held in handshake at once; beyond it the oldest is
@@ -88,6 +95,7 @@ struct PeerMeshOptions {
 
 class PeerMesh {
  public:
+  // Listens as options.listen and options.ports say.
   static Result<std::unique_ptr<PeerMesh>> Create(PeerMeshOptions options);
   // Uses a socket that is already listening (a parent process bound it for a child).
   static std::unique_ptr<PeerMesh> Create(PeerMeshOptions options, net::Listener listener);

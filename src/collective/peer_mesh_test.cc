@@ -10,9 +10,13 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "collective/tcp_data_plane.h"
 #include "common/coding.h"
 #include "net/frame.h"
 #include "net/handshake.h"
+#include "net/ipv6_testing.h"
 
 namespace nonstop::collective {
 namespace {
@@ -232,6 +236,135 @@ TEST(PeerMeshTest, StaleHelloDoesNotReplaceANewerConnection) {
   Result<Connection*> gen8 = acceptor->Get(0, "127.0.0.1:1", 8, DeadlineAfter(Millis(5'000)), nullptr);
   ASSERT_TRUE(gen8.ok()) << gen8.status().ToString();
   EXPECT_EQ((*gen8)->generation, 8u);
+}
+
+
+// ---- IPv6 and data-port ranges (docs/ports.md) ----
+
+// Three ranks whose data ports listen on IPv6 loopback: the plan's addresses
+// are "[::1]:port", every rank dials or accepts over IPv6, and the all-reduce
+// sums as over IPv4.
+TEST(PeerMeshIpv6Test, AllReduceOfThreeRanksOverIpv6Loopback) {
+  if (std::string why = net::testing::NoIpv6Loopback(); !why.empty()) GTEST_SKIP() << why;
+  constexpr int kWorld = 3;
+  constexpr size_t kFloats = 100'003;  // several pieces, not a multiple of the world
+  net::AbortSignal aborts[kWorld];      // first: outlive the data planes
+  std::vector<std::unique_ptr<TcpDataPlane>> planes;
+  std::vector<Member> members;
+  for (int r = 0; r < kWorld; ++r) {
+    PeerMeshOptions o;
+    o.job_token = kToken;
+    o.worker_id = r;
+    o.listen = {"::1", 0};
+    auto plane = TcpDataPlane::Create(o, &aborts[r]);
+    ASSERT_TRUE(plane.ok()) << plane.status().ToString();
+    const std::string address = (*plane)->address().ToString();
+    EXPECT_EQ(address.rfind("[::1]:", 0), 0u) << address;
+    members.push_back({r, address});
+    planes.push_back(std::move(*plane));
+  }
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (int r = 0; r < kWorld; ++r) {
+    CommunicatorOptions o;
+    o.rank = r;
+    o.members = members;
+    o.timeout_collective = Millis(30'000);
+    o.piece_bytes = 16 << 10;
+    comms.push_back(planes[static_cast<size_t>(r)]->NewCommunicator(o));
+  }
+  std::vector<std::vector<float>> data(kWorld);
+  std::vector<Status> results(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      auto& d = data[static_cast<size_t>(r)];
+      d.resize(kFloats);
+      for (size_t i = 0; i < kFloats; ++i) d[i] = static_cast<float>((r + 1) * (i % 97));
+      Communicator& comm = *comms[static_cast<size_t>(r)];
+      Status s = comm.Connect();
+      if (s.ok()) s = comm.AllReduce(d);
+      results[static_cast<size_t>(r)] = s;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(results[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
+    for (size_t i = 0; i < kFloats; ++i) {
+      ASSERT_EQ(data[static_cast<size_t>(r)][i], static_cast<float>(6 * (i % 97))) << "rank " << r << ", element " << i;
+    }
+  }
+  for (const auto& p : planes) EXPECT_EQ(p->stats().connections_opened, 2) << "a ring of three: two neighbours each";
+}
+
+// Two ports the OS says are free now, adjacent: [lo, lo + 1].
+net::PortRange TwoFreePorts() {
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    auto a = net::Listen({"127.0.0.1", 0});
+    NONSTOP_CHECK(a.ok()) << a.status().ToString();
+    uint16_t p = a->address.port;
+    if (p >= 65535) continue;
+    if (net::Listen({"127.0.0.1", static_cast<uint16_t>(p + 1)}).ok()) return {p, static_cast<uint16_t>(p + 1)};
+  }
+  return {};
+}
+
+// --data-ports: two meshes in a range of two take both ports; a third fails
+// with the range named and what to do.
+TEST(PeerMeshPortRangeTest, MeshesTakeTheRangesPortsAndTheNextFailsNamingIt) {
+  net::PortRange range = TwoFreePorts();
+  ASSERT_FALSE(range.empty()) << "no two adjacent free ports on this machine";
+  auto make = [&](int worker_id) {
+    PeerMeshOptions o;
+    o.job_token = kToken;
+    o.worker_id = worker_id;
+    o.ports = range;
+    return PeerMesh::Create(o);
+  };
+  auto first = make(0);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto second = make(1);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ((*first)->address().port, range.lo);
+  EXPECT_EQ((*second)->address().port, range.hi);
+  auto third = make(2);
+  ASSERT_FALSE(third.ok());
+  EXPECT_EQ(third.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(third.status().message(), fmt::format("no free data port in {}-{} (2 ports, all in use): widen --data-ports",
+                                                  range.lo, range.hi));
+  // The meshes in the range work: worker 0 dials worker 1 on its port.
+  auto dialed = std::async(std::launch::async, [&] {
+    return (*first)->Get(1, (*second)->address().ToString(), 1, DeadlineAfter(Millis(5'000)), nullptr);
+  });
+  Result<Connection*> accepted = (*second)->Get(0, (*first)->address().ToString(), 1, DeadlineAfter(Millis(5'000)),
+                                                nullptr);
+  ASSERT_TRUE(accepted.ok()) << accepted.status().ToString();
+  Result<Connection*> d = dialed.get();
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  // A port given back is taken again.
+  first->reset();
+  auto again = make(3);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ((*again)->address().port, range.lo);
+}
+
+// The same over IPv6, where the range is bound on ::1.
+TEST(PeerMeshPortRangeTest, RangeWorksOnIpv6) {
+  if (std::string why = net::testing::NoIpv6Loopback(); !why.empty()) GTEST_SKIP() << why;
+  net::PortRange range = TwoFreePorts();
+  ASSERT_FALSE(range.empty());
+  PeerMeshOptions o;
+  o.job_token = kToken;
+  o.worker_id = 0;
+  o.listen = {"::1", 0};
+  o.ports = {range.lo, range.lo};
+  auto mesh = PeerMesh::Create(o);
+  ASSERT_TRUE(mesh.ok()) << mesh.status().ToString();
+  EXPECT_EQ((*mesh)->address().ToString(), fmt::format("[::1]:{}", range.lo));
+  o.worker_id = 1;
+  auto full = PeerMesh::Create(o);
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.status().message(),
+            fmt::format("no free data port in {} (1 port, it is in use): widen --data-ports", range.lo));
 }
 
 }  // namespace

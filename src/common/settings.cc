@@ -71,7 +71,7 @@ std::vector<Info> Build() {
       // nonstop status, scale, worker; nonstop data prepare
       Describe(kJobFile), Describe(kHttp), Describe(kDataOutput), Describe(kTokensPerShard),
       // a worker
-      Describe(kControllerAddress), Describe(kJobToken), Describe(kWorkerId), Describe(kSpare), Describe(kDataHost),
+      Describe(kControllerAddress), Describe(kJobToken), Describe(kWorkerId), Describe(kSpare), Describe(kDataHost), Describe(kDataPorts),
       Describe(kWorkerAdvertiseAddress), Describe(kHostId), Describe(kConnectTimeoutMs),
       Describe(kWorkerControllerTimeoutMs), Describe(kLeaderlessTimeoutMs),
       // nonstop-train

@@ -1,7 +1,5 @@
 #include "control/controller_link.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -44,7 +42,9 @@ Result<std::vector<net::HostPort>> ParseControllerList(std::string_view list) {
   while (begin <= list.size()) {
     size_t end = std::min(list.find(',', begin), list.size());
     std::string_view one = list.substr(begin, end - begin);
-    NONSTOP_ASSIGN_OR_RETURN(net::HostPort where, net::ParseHostPort(one));
+    auto parsed = net::ParseHostPort(one);  // host:port or [IPv6]:port
+    if (!parsed.ok()) return InvalidArgumentError("controller " + parsed.status().message());
+    net::HostPort where = std::move(*parsed);
     if (where.port == 0)
       return InvalidArgumentError(fmt::format("controller address '{}' has port 0", one));
     out.push_back(std::move(where));
@@ -109,8 +109,7 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
   std::vector<net::HostPort> list;
   if (!o.controllers.empty()) {
     auto parsed = ParseControllerList(o.controllers);
-    if (!parsed.ok())
-      return InvalidArgumentError("controller address: " + parsed.status().message());
+    if (!parsed.ok()) return parsed.status();  // "controller address '…': what is wrong"
     list = std::move(*parsed);
   }
   std::unique_ptr<etcd::Client> etcd;
@@ -229,16 +228,11 @@ Deadline ControllerLink::wake_at() const {
   }
 }
 
+// The numeric host of this end ("10.0.0.1", "fd00::1": no brackets, no port), IPv4 or IPv6.
 std::string ControllerLink::local_address() const {
   if (fd_ < 0) return "";
-  sockaddr_in local{};
-  socklen_t len = sizeof(local);
-  if (::getsockname(fd_, reinterpret_cast<sockaddr*>(&local), &len) != 0 ||
-      local.sin_family != AF_INET)
-    return "";
-  char text[INET_ADDRSTRLEN] = {};
-  if (::inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) == nullptr) return "";
-  return text;
+  Result<net::HostPort> local = net::LocalAddressOf(fd_);
+  return local.ok() ? local->host : "";
 }
 
 void ControllerLink::Advance(short revents, Deadline now) {
@@ -298,7 +292,8 @@ void ControllerLink::BeginTry(Deadline now) {
   auto where = net::ParseHostPort(*leader);
   if (!where.ok() || where->port == 0) {
     return TryFailed(
-        UnavailableError(fmt::format("etcd names '{}' as the leader: not host:port", *leader)),
+        UnavailableError(fmt::format("etcd names '{}' as the leader: {}", *leader,
+                                     where.ok() ? "port 0" : where.status().message())),
         now);
   }
   controller_ = *leader;
@@ -307,12 +302,12 @@ void ControllerLink::BeginTry(Deadline now) {
 }
 
 void ControllerLink::Connect(const net::HostPort& where, Deadline now) {
-  auto addr = net::Resolve(where);
+  auto addr = net::Resolve(where);  // IPv4 or IPv6: a name's first address
   if (!addr.ok()) return TryFailed(addr.status(), now);
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  UniqueFd fd(::socket(addr->family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return TryFailed(UnavailableError("socket: " + ErrText(errno)), now);
   net::ConfigureStreamSocket(fd.get());
-  int rc = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(sockaddr_in));
+  int rc = ::connect(fd.get(), addr->get(), addr->length);
   int err = rc == 0 ? 0 : errno;
   if (err != 0 && err != EINPROGRESS) return TryFailed(UnavailableError(ErrText(err)), now);
   InstallConnection(std::move(fd));

@@ -224,7 +224,7 @@ class ControllerLink {
   const std::string& last_error() const { return last_error_; }
   int64_t epoch() const { return epoch_; }              // the highest epoch seen
   int job_exit_code() const { return job_exit_code_; }  // kFailed with kAborted: the job's code
-  // The IPv4 address of this end of the connection (kAccepted, kOpen); "" if unknown.
+  // This end's IP address (IPv4 or IPv6, no brackets; kAccepted, kOpen); "" if unknown.
   std::string local_address() const;
 
   // ---- any thread ----

@@ -1,7 +1,5 @@
 #include "controller/control_server.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -18,23 +16,11 @@ namespace nonstop::controller {
 
 namespace {
 
-// The peer's address, and the address with its port for logs.
+// The peer's address, and the address with its port for logs ("10.0.0.1:5", "[fd00::1]:5").
 std::pair<std::string, std::string> PeerAddress(int fd) {
-  sockaddr_storage ss{};
-  socklen_t len = sizeof(ss);
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return {"unknown", "unknown peer"};
-  char host[INET6_ADDRSTRLEN] = {};
-  if (ss.ss_family == AF_INET) {
-    const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
-    ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
-    return {host, fmt::format("{}:{}", host, ntohs(a->sin_port))};
-  }
-  if (ss.ss_family == AF_INET6) {
-    const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
-    ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
-    return {host, fmt::format("[{}]:{}", host, ntohs(a->sin6_port))};
-  }
-  return {"unknown", "unknown peer"};
+  Result<net::HostPort> peer = net::PeerAddressOf(fd);
+  if (!peer.ok()) return {"unknown", "unknown peer"};
+  return {peer->host, peer->ToString()};
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "common/mutex.h"
 #include "common/time.h"
 #include "dashboard/dashboard.h"
+#include "net/address.h"
 
 namespace nonstop::controller {
 
@@ -375,12 +376,7 @@ class GatedHttpServer : public httplib::Server {
   std::deque<Ready> ready_ NONSTOP_GUARDED_BY(mu_);         // complete requests for the workers
 };
 
-bool IsLoopbackHost(const std::string& host) {
-  if (host == "localhost" || host == "::1") return true;
-  in_addr addr{};
-  if (::inet_pton(AF_INET, host.c_str(), &addr) != 1) return false;
-  return (ntohl(addr.s_addr) >> 24) == 127;
-}
+bool IsLoopbackHost(const std::string& host) { return net::IsLoopbackHost(host); }
 
 bool HttpApi::Authorized(const std::string& header) const {
   if (token_.empty()) return true;  // loopback only (Start refuses it elsewhere)
@@ -423,13 +419,15 @@ constexpr Route kRoutes[] = {
 
 }  // namespace
 
-Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int port, std::string journal_path,
+Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, int port, std::string journal_path,
                                                 std::string token) {
+  const std::string host(net::UnbracketHost(http_host));  // "::1" or "[::1]" alike
+  if (port < 0 || port > 65535) return InvalidArgumentError(fmt::format("HTTP port {} is not in [0, 65535]", port));
   if (token.empty() && !IsLoopbackHost(host)) {
     return InvalidArgumentError(fmt::format(
-        "refusing to serve HTTP on {}:{} without a job token: anyone who can reach it could resize the job and read "
+        "refusing to serve HTTP on {} without a job token: anyone who can reach it could resize the job and read "
         "its journal (HINT: bind --http-host to 127.0.0.1, or pass the job token)",
-        host, port));
+        net::FormatHostPort(host, static_cast<uint16_t>(port))));
   }
   auto api = std::unique_ptr<HttpApi>(new HttpApi());
   api->journal_path_ = std::move(journal_path);
@@ -575,7 +573,10 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& host, int por
     }
   });
   int bound = port == 0 ? srv.bind_to_any_port(host) : (srv.bind_to_port(host, port) ? port : -1);
-  if (bound <= 0) return UnavailableError(fmt::format("cannot listen for HTTP on {}:{}", host, port));
+  if (bound <= 0) {
+    return UnavailableError(
+        fmt::format("cannot listen for HTTP on {}", net::FormatHostPort(host, static_cast<uint16_t>(port))));
+  }
   api->port_ = bound;
   api->server_->WidenBacklog();
   api->thread_ = std::thread([self] { self->server_->listen_after_bind(); });
@@ -600,7 +601,7 @@ HttpApi::~HttpApi() {
   if (server_) server_->Shutdown();
 }
 
-std::string HttpApi::address() const { return fmt::format("{}:{}", host_, port_); }
+std::string HttpApi::address() const { return net::FormatHostPort(host_, static_cast<uint16_t>(port_)); }
 
 std::vector<std::unique_ptr<ScaleCall>> HttpApi::TakeCalls() {
   uint64_t v;

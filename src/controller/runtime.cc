@@ -326,8 +326,8 @@ std::optional<int> Runtime::StartServers() {
   server_ = std::move(*server);
   controller_address_ = server_->address().ToString();
   if (!o_.advertise_address.empty()) {
-    controller_address_ = fmt::format("{}:{}", o_.advertise_address, server_->address().port);
-  } else if (server_->address().host == "0.0.0.0" || server_->address().host == "::") {
+    controller_address_ = net::FormatHostPort(o_.advertise_address, server_->address().port);  // [v6]:port
+  } else if (net::IsWildcardHost(server_->address().host)) {
     fmt::print(stderr, "{}: listening on {} needs --advertise-address: the address agents and workers dial\n", name_,
                server_->address().ToString());
     return kExitUsage;

@@ -1,8 +1,9 @@
-// TCP sockets: listen on an OS-chosen port, dial with a deadline, and wait on
-// a descriptor together with an AbortSignal. All sockets nonstop creates are
-// non-blocking and TCP_NODELAY; blocking behaviour is built from poll(2) with
-// a deadline and an abort descriptor, so no wait in nonstop is unbounded or
-// deaf to an abort.
+// TCP sockets over IPv4 and IPv6: listen on a port (one from the OS, or the
+// first free one of a range), dial with a deadline, and wait on a descriptor
+// together with an AbortSignal. All sockets nonstop creates are non-blocking
+// and TCP_NODELAY; blocking behaviour is built from poll(2) with a deadline
+// and an abort descriptor, so no wait in nonstop is unbounded or deaf to an
+// abort. Addresses: net/address.h (docs/ports.md).
 #pragma once
 
 #include <netinet/in.h>
@@ -11,31 +12,35 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
+#include "net/address.h"
 
 namespace nonstop::net {
 
 class AbortSignal;
 
-struct HostPort {
-  std::string host;
-  uint16_t port = 0;
-  std::string ToString() const;
-};
-
-// Parses "host:port" ("127.0.0.1:29500", "localhost:0").
-Result<HostPort> ParseHostPort(std::string_view text);
-
 struct Listener {
   UniqueFd fd;
-  HostPort address;  // the bound address, with the OS-chosen port filled in
+  // The bound address, with the OS-chosen port filled in. A wildcard host
+  // reads as the loopback address of its family ("0.0.0.0" as 127.0.0.1,
+  // "::" as ::1): an address this host can dial.
+  HostPort address;
 };
 
-// Binds and listens on host:port; port 0 takes one from the OS.
+// Binds and listens on host:port; port 0 takes one from the OS. The host is
+// an IPv4 or IPv6 literal (bracketed or not) or a name (its first address).
+// "::" listens on every interface of both families; "0.0.0.0" on IPv4 only.
 Result<Listener> Listen(const HostPort& where, int backlog = 128);
+
+// Binds the first port of `ports` that is free on `host` (ports in use are
+// skipped); an empty range takes one from the OS. When every port is in use:
+// kUnavailable "no free <what> in LO-HI (N ports, all in use)".
+Result<Listener> ListenInRange(const std::string& host, PortRange ports, int backlog = 128,
+                               std::string_view what = "port");
 
 // Accepts one connection if one is pending; kUnavailable with EAGAIN otherwise.
 // Connections that died in the queue are skipped. kInternal when the process
@@ -44,11 +49,17 @@ Result<Listener> Listen(const HostPort& where, int backlog = 128);
 Result<UniqueFd> Accept(int listen_fd);
 
 // Dials `where`, retrying refused connections until `deadline` (the peer may
-// not be listening yet).
+// not be listening yet). A name with several addresses: each in turn.
 Result<UniqueFd> Dial(const HostPort& where, Deadline deadline, const AbortSignal* abort = nullptr);
-// The IPv4 address of `where` (a literal, or a name looked up with
-// getaddrinfo, which may block): the control and data planes speak IPv4.
-Result<sockaddr_in> Resolve(const HostPort& where);
+
+// The addresses of `where`: a literal (IPv4, or IPv6 with or without
+// brackets) at once; a name through getaddrinfo (either family, in the
+// system's order of preference; this may block). "localhost" is 127.0.0.1,
+// as the listeners bind it. kUnavailable when a name does not resolve.
+// `passive`: the addresses are to listen on (getaddrinfo AI_PASSIVE).
+Result<std::vector<SocketAddress>> ResolveAll(const HostPort& where, bool passive = false);
+// The first of them.
+Result<SocketAddress> Resolve(const HostPort& where);
 
 Status SetNonBlocking(int fd);
 void ConfigureStreamSocket(int fd);  // TCP_NODELAY, keepalive

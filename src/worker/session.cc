@@ -20,6 +20,7 @@
 #include "net/abort_signal.h"
 #include "net/frame.h"
 #include "net/handshake.h"
+#include "net/socket.h"
 #include "nonstop/settings.h"
 #include "worker/session_testing.h"
 #include "worker/state_transfer.h"
@@ -67,7 +68,17 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
       return InvalidArgumentError(fmt::format("{}='{}' is not a positive number of milliseconds", entry->env, v));
     }
   }
-  if (std::string host = get(s::kDataHost); !host.empty()) o.data_host = host;
+  if (std::string host = get(s::kDataHost); !host.empty()) {
+    Result<std::string> h = net::ParseHost(host);  // "fd00::1" or "[fd00::1]" alike
+    if (!h.ok()) return InvalidArgumentError(fmt::format("{}: {}", s::kDataHost.env, h.status().message()));
+    o.data_host = *h;
+  }
+  if (std::string ports = get(s::kDataPorts); !ports.empty()) {
+    Result<net::PortRange> r = net::ParsePortRange(ports);
+    if (!r.ok()) return InvalidArgumentError(fmt::format("{}: {}", s::kDataPorts.env, r.status().message()));
+    o.data_port_lo = r->lo;
+    o.data_port_hi = r->hi;
+  }
   o.advertise_address = get(s::kWorkerAdvertiseAddress);
   o.host_id = get(s::kHostId);
   o.etcd_endpoints = get(s::kEtcd);
@@ -109,6 +120,7 @@ Result<std::unique_ptr<collective::DataPlane>> NewDataPlane(const SessionOptions
   mo.job_token = o.job_token;
   mo.worker_id = o.worker_id;
   mo.listen = {o.data_host, 0};
+  mo.ports = {o.data_port_lo, o.data_port_hi};
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<collective::TcpDataPlane> tcp,
                            collective::TcpDataPlane::Create(std::move(mo), abort));
   return std::unique_ptr<collective::DataPlane>(std::move(tcp));
@@ -146,14 +158,15 @@ class SessionImpl {
     return Rejoin(/*after_generation=*/0, "start").status();
   }
 
-  // Where peers reach this worker's data port (SessionOptions::advertise_address).
+  // Where peers reach this worker's data port (SessionOptions::advertise_address),
+  // "host:port" or "[v6]:port".
   std::string AdvertisedDataAddress() const {
     std::string host = options_.advertise_address;
-    if (host.empty() && options_.data_host != "0.0.0.0" && options_.data_host != "::") host = options_.data_host;
+    if (host.empty() && !net::IsWildcardHost(options_.data_host)) host = options_.data_host;
     if (host.empty()) host = link_->local_address();
     const net::HostPort listening = data_plane_->address();
     if (host.empty()) return listening.ToString();
-    return fmt::format("{}:{}", host, listening.port);
+    return net::FormatHostPort(host, listening.port);
   }
 
   // Without a controller (lost, not yet found again) messages are dropped:

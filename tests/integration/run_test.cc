@@ -11,6 +11,9 @@
 
 #include "common/temp_dir.h"
 #include "controller/journal.h"
+#include "net/ipv6_testing.h"
+#include "net/socket.h"
+#include "nonstop/settings.h"
 #include "tests/integration/process.h"
 
 namespace nonstop {
@@ -195,6 +198,95 @@ TEST(RunIntegrationTest, ProgramThatCannotStartFailsTheJobWithAReason) {
   EXPECT_EQ(code, 10) << out;
   EXPECT_NE(out.find("cannot start"), std::string::npos) << out;
   EXPECT_NE(out.find("before joining"), std::string::npos) << out;
+}
+
+// `n` adjacent ports free on [::1] now (bound, then let go): [lo, lo + n - 1].
+net::PortRange FreeIpv6Ports(int n) {
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    auto first = net::Listen({"::1", 0});
+    NONSTOP_CHECK(first.ok()) << first.status().ToString();
+    const int lo = first->address.port;
+    if (lo + n - 1 > 65535) continue;
+    std::vector<net::Listener> held;
+    for (int p = lo + 1; p < lo + n; ++p) {
+      auto l = net::Listen({"::1", static_cast<uint16_t>(p)});
+      if (!l.ok()) break;
+      held.push_back(std::move(*l));
+    }
+    if (static_cast<int>(held.size()) == n - 1) return {static_cast<uint16_t>(lo), static_cast<uint16_t>(lo + n - 1)};
+  }
+  return {};
+}
+
+// A job on IPv6 loopback alone (docs/ports.md): the controller, the agent and
+// the workers' data ports on ::1, every address printed and journaled as
+// [::1]:port, the data ports from a range (NONSTOP_DATA_PORTS, what
+// --data-ports sets); a worker killed mid-run is replaced and the job ends
+// bitwise equal to the same job over IPv4 without a fault.
+TEST(RunIntegrationTest, JobOnIpv6LoopbackWithADataPortRangeRecoversAndFinishes) {
+  if (std::string why = net::testing::NoIpv6Loopback(); !why.empty()) GTEST_SKIP() << why;
+  TempDir dir;
+  // Two workers, a spare, the spare that refills the pool after the kill: four at once at most.
+  net::PortRange ports = FreeIpv6Ports(6);
+  ASSERT_FALSE(ports.empty()) << "no 6 adjacent free ports on [::1]";
+  const std::vector<std::string> worker = {"--", kBin + "/nonstop-test-worker", "--steps", "40", "--elements",
+                                           "100003", "--sleep-ms", "5"};
+  std::string journal = dir / "v6.jsonl";
+  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--host", "::1", "--nproc", "2", "--spares", "1",
+                                   "--inject", "kill:rank=1,step=15", "--journal", journal};
+  argv.insert(argv.end(), worker.begin(), worker.end());
+  ChildProcess run(argv, dir / "v6.txt", {fmt::format("{}={}", settings::kDataPorts.env, ports.ToString())});
+  int code = run.Wait(milliseconds(60'000));
+  std::string out = run.Output();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("recovery report: 1 recovery"), std::string::npos) << out;
+  EXPECT_NE(out.find("[::1]:"), std::string::npos) << "the banner prints the controller bracketed\n" << out;
+  auto joins = Events(journal, "join");
+  ASSERT_GE(joins.size(), 4u) << out;  // two workers, the spare, the refill
+  for (const auto& j : joins) {
+    std::string address = j["address"];
+    auto where = net::ParseHostPort(address);
+    ASSERT_TRUE(where.ok()) << address << ": " << where.status().ToString();
+    EXPECT_EQ(where->host, "::1") << address;
+    EXPECT_EQ(address.rfind("[::1]:", 0), 0u) << address;
+    EXPECT_GE(where->port, ports.lo) << address << " outside " << ports.ToString();
+    EXPECT_LE(where->port, ports.hi) << address << " outside " << ports.ToString();
+  }
+  auto ends = Events(journal, "recovery_end");
+  ASSERT_EQ(ends.size(), 1u) << out;
+  EXPECT_EQ(ends[0]["recovery"]["outcome"], "completed");
+  EXPECT_EQ(ends[0]["recovery"]["lost_steps"], 0);
+  // The same job over IPv4, without the fault: the same bytes.
+  std::vector<std::string> v4 = {kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--journal",
+                                 dir / "v4.jsonl"};
+  v4.insert(v4.end(), worker.begin(), worker.end());
+  ChildProcess plain(v4, dir / "v4.txt");
+  ASSERT_EQ(plain.Wait(milliseconds(60'000)), 0) << plain.Output();
+  auto checksum = [](const std::string& path) {
+    auto finished = Events(path, "finished");
+    return finished.empty() ? std::string("none") : finished[0]["checksum"].dump();
+  };
+  EXPECT_NE(checksum(journal), "none");
+  EXPECT_EQ(checksum(journal), checksum(dir / "v4.jsonl"));
+}
+
+// A range too small for the job: the worker that finds every port taken says
+// which range and what to do, and the job does not hang.
+TEST(RunIntegrationTest, DataPortRangeTooSmallIsNamed) {
+  TempDir dir;
+  auto held = net::Listen({"127.0.0.1", 0});  // the range's one port, taken
+  ASSERT_TRUE(held.ok()) << held.status().ToString();
+  const std::string range = std::to_string(held->address.port);
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "0", "--journal", dir / "j.jsonl", "--",
+                    kBin + "/nonstop-test-worker", "--steps", "5"},
+                   dir / "out.txt", {fmt::format("{}={}", settings::kDataPorts.env, range)});
+  int code = run.Wait(milliseconds(30'000));
+  std::string out = run.Output();
+  EXPECT_NE(code, 0) << out;
+  EXPECT_NE(code, -1) << "the job hung\n" << out;
+  EXPECT_NE(out.find("no free data port in " + range + " (1 port, it is in use): widen --data-ports"),
+            std::string::npos)
+      << out;
 }
 
 TEST(RunIntegrationTest, WorkerOutsideNonstopRunGetsAHint) {
