@@ -87,6 +87,20 @@
 
 namespace nonstop::controller {
 
+// The recovery (or resize) a journal saw start and not end: its controller
+// stopped during it (TakeoverState::open_recovery). Times are the records'
+// time_us (wall clock, 0: not recorded), read against
+// TakeoverState::read_at_us.
+struct UnfinishedRecovery {
+  int id = 0;
+  bool planned = false;  // a resize
+  uint32_t from_generation = 0;
+  std::vector<int> old_members;  // of from_generation, by rank
+  std::string cause, injected;
+  int64_t started_us = 0;
+  uint32_t plan_generation = 0;  // its plan's generation (0: its plan did not go out)
+  int64_t plan_us = 0;
+};
 
 // What a controller taking over a running job knows of it: the last state
 // its predecessor recorded (the journal: TakeoverFromJournal; or etcd).
@@ -118,20 +132,7 @@ struct TakeoverState {
   std::map<std::string, int> withheld;
   int recoveries = 0;        // recovery ids so far (new ones continue from here)
   int takeovers = 0;         // controllers that took over before this one
-  // The recovery (or resize) the journal saw start and not end: its
-  // controller stopped during it. Times are the records' time_us (wall clock,
-  // 0: not recorded), read against read_at_us.
-  struct OpenRecovery {
-    int id = 0;
-    bool planned = false;  // a resize
-    uint32_t from_generation = 0;
-    std::vector<int> old_members;  // of from_generation, by rank
-    std::string cause, injected;
-    int64_t started_us = 0;
-    uint32_t plan_generation = 0;  // its plan's generation (0: its plan did not go out)
-    int64_t plan_us = 0;
-  };
-  std::optional<OpenRecovery> open_recovery;
+  std::optional<UnfinishedRecovery> open_recovery;
   int64_t read_at_us = 0;  // wall clock when the journal was read
 };
 

@@ -423,7 +423,7 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
 }
 
 void Controller::AdoptOpenRecovery(const TakeoverState& s, std::vector<Action>* out) {
-  const TakeoverState::OpenRecovery& o = *s.open_recovery;
+  const UnfinishedRecovery& o = *s.open_recovery;
   // A record's time, from its age when the journal was read (now, if it has none).
   auto at = [&](int64_t us) {
     return us > 0 && s.read_at_us >= us ? now_ - std::chrono::microseconds(s.read_at_us - us) : now_;

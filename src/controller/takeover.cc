@@ -116,7 +116,7 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
       } else if (event == "step") {
         s.highest_step = std::max(s.highest_step, r.value("step", int64_t{-1}));
       } else if (event == "recovery_start" || event == "resize_start") {
-        TakeoverState::OpenRecovery& o = s.open_recovery.emplace();
+        UnfinishedRecovery& o = s.open_recovery.emplace();
         o.id = r.value("recovery", 0);
         o.planned = event == "resize_start";
         o.from_generation = r.value("generation", s.generation);
