@@ -97,7 +97,7 @@ class ControllerCommand {
   std::string resume_;
   std::string etcd_{settings::kControllerEtcd.default_value};
   std::string job_{settings::kEtcdJob.default_value};
-  int lease_ttl_s_ = 2;
+  int lease_ttl_s_ = settings::kLeaseTtlS.default_value;
   JobFlags flags_;
 };
 

@@ -19,6 +19,12 @@
 
 namespace nonstop::cli {
 
+// Never ends on a transient etcd failure (docs/controller-failover.md, "etcd
+// trouble"): the campaign waits through outages (one line each), and a
+// leader that loses its lease, or loses it while it takes over, stands by and
+// campaigns again. It ends when the job ends, on SIGINT/SIGTERM, and on a
+// final error (etcd refuses this client: the message names the key and the
+// fix).
 int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::RuntimeOptions o) {
   // SIGINT/SIGTERM stop a standby too: read from a signalfd while it waits.
   sigset_t mask = BlockTerminationSignals();
@@ -27,15 +33,15 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
     signalfd_siginfo si;
     return sigfd.valid() && ::read(sigfd.get(), &si, sizeof(si)) == sizeof(si);
   };
+  coord::LeadershipOptions lo;
+  lo.endpoints = etcd_;
+  lo.job = job_;
+  lo.ttl_seconds = lease_ttl_s_;
   while (true) {
-    coord::LeadershipOptions lo;
-    lo.endpoints = etcd_;
-    lo.job = job_;
-    lo.ttl_seconds = lease_ttl_s_;
     auto leadership = coord::Leadership::Connect(lo);
-    if (!leadership.ok()) {
+    if (!leadership.ok()) {  // malformed endpoints, a bad job name: no retry can help
       fmt::print(stderr, "{}: {}\n", name, leadership.status().ToString());
-      return 1;
+      return controller::kExitUsage;
     }
     fmt::print("{}: job '{}' in etcd {}: campaigning to lead (lease {} s)\n", name, job_, etcd_, lease_ttl_s_);
     std::fflush(stdout);
@@ -43,9 +49,13 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
       fmt::print("{}: standing by; the leader is {}\n", name, leader);
       std::fflush(stdout);
     });
-    if (!epoch.ok()) {
+    if (!epoch.ok() && epoch.status().code() == StatusCode::kCancelled) {
       fmt::print("{}: {}\n", name, epoch.status().message());
       return controller::kExitInterrupted;
+    }
+    if (!epoch.ok()) {
+      fmt::print(stderr, "{}: cannot campaign: {}\n", name, epoch.status().ToString());
+      return 1;
     }
     fmt::print("{}: leading job '{}' (epoch {})\n", name, job_, *epoch);
     std::fflush(stdout);
@@ -61,7 +71,13 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
     o.leadership = leadership->get();
     int code = controller::RunController(o);
     if (code != controller::kExitDeposed) return code;
-    fmt::print("{}: deposed; standing by again\n", name);
+    if (Status final_error = (*leadership)->final_error(); !final_error.ok()) {
+      fmt::print(stderr, "{}: etcd refuses this controller: {}\n", name, final_error.ToString());
+      return 1;
+    }
+    fmt::print("{}: deposed ({}); standing by again\n", name, (*leadership)->why_not_leading());
+    std::fflush(stdout);
+    lo.previous_lease = (*leadership)->lease();  // given back at the next contact, if etcd holds it still
   }
 }
 

@@ -655,9 +655,7 @@ void ControllerCommand::Register(CLI::App& app) {
       ->check(CLI::ExistingFile);
   AddSetting(sub_, settings::kControllerEtcd, etcd_);
   AddSetting(sub_, settings::kEtcdJob, job_);
-  sub_->add_option("--lease-ttl-s", lease_ttl_s_,
-                   "The leader's etcd lease in seconds: a leader that dies is replaced within about this")
-      ->capture_default_str()->check(CLI::Range(1, 60));
+  AddSetting(sub_, settings::kLeaseTtlS, lease_ttl_s_);
   RegisterJobFlags(sub_, &flags_);
 }
 

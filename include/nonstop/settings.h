@@ -240,6 +240,12 @@ inline constexpr Setting<std::string_view> kEtcdJob{
     .env = "NONSTOP_ETCD_JOB", .flag = "--job", .default_value = "default",
     .read_by = kController | kAgent | kWorker, .set_by = kAgent,
     .help = "The job's name in etcd (with --etcd)"};
+inline constexpr Setting<int> kLeaseTtlS{
+    .env = "NONSTOP_LEASE_TTL_S", .flag = "--lease-ttl-s", .default_value = 10, .range = Bounds<int>{1, 300},
+    .read_by = kController,
+    .help = "The leader's etcd lease in seconds (with --etcd): a leader that dies is replaced within about this "
+            "plus 1 s. It is renewed every fifth of it, so an etcd outage or overload shorter than 0.6 of it deposes "
+            "nobody; a longer one costs a takeover, not a step (docs/controller-failover.md, \"Timing\")"};
 
 // ---- `nonstop agent` ----
 

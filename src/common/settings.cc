@@ -62,7 +62,7 @@ std::vector<Info> Build() {
       Describe(kVerbose),
       // nonstop controller
       Describe(kListen), Describe(kControllerAdvertiseAddress), Describe(kNnodes), Describe(kControllerJobTokenFile),
-      Describe(kControllerEtcd), Describe(kEtcdJob),
+      Describe(kControllerEtcd), Describe(kEtcdJob), Describe(kLeaseTtlS),
       // nonstop agent
       Describe(kAgentController), Describe(kEtcd), Describe(kAgentJobTokenFile), Describe(kAgentHostId),
       Describe(kNprocPerHost), Describe(kSparesPerHost), Describe(kAgentAdvertiseAddress),

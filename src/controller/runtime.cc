@@ -222,7 +222,8 @@ std::optional<int> Runtime::ReadEtcdHistory() {
   auto records = leadership_->ReadJournal();
   if (!records.ok()) {
     fmt::print(stderr, "{}: reading the job's journal from etcd: {}\n", name_, records.status().ToString());
-    return 1;
+    // Transient errors are retried inside ReadJournal until the lease is lost: then stand by again.
+    return leadership_->deposed() ? kExitDeposed : 1;
   }
   history_ = std::move(*records);
   for (const auto& r : history_) {

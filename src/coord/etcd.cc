@@ -2,8 +2,12 @@
 
 #include <httplib.h>
 
+#include <iterator>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+
+#include "common/time.h"
 
 namespace nonstop::etcd {
 
@@ -63,7 +67,147 @@ nlohmann::json EncodeOp(const Op& op) {
   return {};
 }
 
+// The gateway's error body: {"error": "...", "message": "...", "code": 14}.
+int GrpcCode(const nlohmann::json& j) {
+  if (!j.is_object()) return -1;
+  for (const char* field : {"code", "grpc_code"}) {
+    if (auto it = j.find(field); it != j.end() && it->is_number_integer()) return it->get<int>();
+  }
+  return -1;
+}
+
+std::string_view GrpcCodeName(int code) {
+  static constexpr std::string_view kNames[] = {
+      "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
+      "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  return code >= 0 && code < static_cast<int>(std::size(kNames)) ? kNames[code] : "";
+}
+
+// The Status of a non-200 answer (or an error in a 200's body): its class in the code, the member,
+// the request and etcd's message in the text.
+Status ClassifiedStatus(const std::string& where, const std::string& path, int http_status, int grpc_code,
+                        const std::string& message) {
+  ErrorClass c = Classify(http_status, grpc_code);
+  std::string code_text = grpc_code >= 0 ? fmt::format(" ({} {})", GrpcCodeName(grpc_code), grpc_code) : "";
+  std::string text = fmt::format("etcd {} /v3/{}: HTTP {}{}: {}", where, path, http_status, code_text, message);
+  if (c == ErrorClass::kResourceExhausted) {
+    text += message.find("space exceeded") != std::string::npos
+                ? " (etcd's space quota is full: until an operator compacts and defragments it and runs `etcdctl "
+                  "alarm disarm`, it refuses writes)"
+                : " (etcd is overloaded)";
+  }
+  return Status(StatusCodeFor(c), std::move(text));
+}
+
+// A request that got no answer: kUnavailable, whatever the cause (the member is down, paused,
+// partitioned, or the connection was reset).
+Status TransportStatus(const std::string& where, httplib::Error error, Millis timeout) {
+  switch (error) {
+    case httplib::Error::Connection:
+      return UnavailableError(fmt::format("{}: cannot connect (refused, or no route)", where));
+    case httplib::Error::ConnectionTimeout:
+      return UnavailableError(fmt::format("{}: no connection within {} ms", where, timeout.count()));
+    case httplib::Error::Read:
+      return UnavailableError(fmt::format("{}: no answer within {} ms (or the connection was reset)", where,
+                                          timeout.count()));
+    default:
+      return UnavailableError(fmt::format("{}: {}", where, httplib::to_string(error)));
+  }
+}
+
+// One POST and what came back. The gateway ends every error answer (any gRPC
+// status but OK) with HTTP trailers ("Grpc-Trailer-Content-Type"), which
+// cpp-httplib 0.11 cannot read: it reports Error::Read after the body. So the
+// status and body are taken as they arrive, and an error answer whose body
+// is a whole JSON object stands, trailers or not. A 200 cut short stays a
+// transport failure.
+struct Answer {
+  httplib::Error error = httplib::Error::Success;
+  int status = 0;
+  std::string body;
+};
+
+Answer Post(httplib::Client& http, const std::string& path, const std::string& body) {
+  Answer a;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = path;
+  req.set_header("Content-Type", "application/json");
+  req.body = body;
+  req.response_handler = [&a](const httplib::Response& r) {
+    a.status = r.status;
+    return true;
+  };
+  req.content_receiver = [&a](const char* data, size_t n, uint64_t, uint64_t) {
+    a.body.append(data, n);
+    return true;
+  };
+  auto res = http.send(req);
+  if (res) return a;
+  a.error = res.error();
+  if (a.error == httplib::Error::Read && a.status != 0 && a.status != 200 &&
+      nlohmann::json::parse(a.body, nullptr, false).is_object()) {
+    a.error = httplib::Error::Success;  // the answer was whole; only its trailers were not read
+  }
+  return a;
+}
+
 }  // namespace
+
+Status AnswerStatus(const std::string& where, const std::string& path, int http_status, const std::string& body) {
+  std::string message = body;
+  auto j = nlohmann::json::parse(body, nullptr, false);
+  if (j.is_object() && j.contains("message") && j["message"].is_string()) message = j["message"].get<std::string>();
+  while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) message.pop_back();
+  if (message.size() > 300) message = message.substr(0, 300) + "…";
+  return ClassifiedStatus(where, path, http_status, GrpcCode(j), message);
+}
+
+ErrorClass Classify(int http_status, int grpc_code) {
+  switch (grpc_code) {
+    case 14: case 1: case 2: case 10: case 13: case 15: return ErrorClass::kUnavailable;
+    case 8: return ErrorClass::kResourceExhausted;
+    case 4: return ErrorClass::kDeadlineExceeded;
+    case 7: case 16: return ErrorClass::kPermissionDenied;
+    case 5: return ErrorClass::kNotFound;
+    case 3: case 6: case 9: case 11: case 12: return ErrorClass::kInvalid;
+    default: break;  // none, or one gRPC does not define: the HTTP status says
+  }
+  if (http_status == 429) return ErrorClass::kResourceExhausted;
+  if (http_status == 504 || http_status == 408) return ErrorClass::kDeadlineExceeded;
+  if (http_status == 401 || http_status == 403) return ErrorClass::kPermissionDenied;
+  if (http_status >= 500 && http_status != 501) return ErrorClass::kUnavailable;
+  return ErrorClass::kInvalid;
+}
+
+std::string_view ErrorClassName(ErrorClass c) {
+  switch (c) {
+    case ErrorClass::kUnavailable: return "unavailable";
+    case ErrorClass::kResourceExhausted: return "resource exhausted";
+    case ErrorClass::kDeadlineExceeded: return "deadline exceeded";
+    case ErrorClass::kPermissionDenied: return "permission denied";
+    case ErrorClass::kInvalid: return "invalid";
+    case ErrorClass::kNotFound: return "not found";
+  }
+  return "?";
+}
+
+StatusCode StatusCodeFor(ErrorClass c) {
+  switch (c) {
+    case ErrorClass::kUnavailable:
+    case ErrorClass::kResourceExhausted: return StatusCode::kUnavailable;
+    case ErrorClass::kDeadlineExceeded: return StatusCode::kDeadlineExceeded;
+    case ErrorClass::kPermissionDenied: return StatusCode::kFailedPrecondition;
+    case ErrorClass::kInvalid: return StatusCode::kInvalidArgument;
+    case ErrorClass::kNotFound: return StatusCode::kNotFound;
+  }
+  return StatusCode::kInvalidArgument;
+}
+
+bool IsTransient(const Status& s) {
+  return s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded;
+}
 
 std::string Base64Encode(std::string_view bytes) {
   std::string out;
@@ -185,30 +329,22 @@ Result<std::unique_ptr<Client>> Client::Create(const std::string& endpoints, Cli
 
 Result<std::string> Client::Call(const std::string& path, const std::string& body) {
   std::string errors;
+  bool all_deadlines = true;
   for (size_t tried = 0; tried < endpoints_.size(); ++tried) {
     Endpoint& e = *endpoints_[current_];
-    auto res = e.http.Post(("/v3/" + path).c_str(), body, "application/json");
-    if (!res) {
-      errors += fmt::format("{}{}: {}", errors.empty() ? "" : "; ", e.name, httplib::to_string(res.error()));
-      current_ = (current_ + 1) % endpoints_.size();  // the next member
-      continue;
-    }
-    if (res->status >= 500) {
-      // This member cannot serve (no raft leader, shutting down): another may.
-      errors += fmt::format("{}{}: HTTP {}: {}", errors.empty() ? "" : "; ", e.name, res->status, res->body);
-      current_ = (current_ + 1) % endpoints_.size();
-      continue;
-    }
-    if (res->status != 200) {
-      // etcd answered: its error stands (another member would say the same).
-      std::string message = res->body;
-      auto j = nlohmann::json::parse(res->body, nullptr, false);
-      if (j.is_object() && j.contains("message")) message = j["message"].get<std::string>();
-      return FailedPreconditionError(fmt::format("etcd {} /v3/{}: HTTP {}: {}", e.name, path, res->status, message));
-    }
-    return std::move(res->body);
+    Answer answer = Post(e.http, "/v3/" + path, body);
+    if (answer.error == httplib::Error::Success && answer.status == 200) return std::move(answer.body);
+    Status failure = answer.error != httplib::Error::Success
+                         ? TransportStatus(e.name, answer.error, options_.timeout)
+                         : AnswerStatus(e.name, path, answer.status, answer.body);
+    if (!IsTransient(failure)) return failure;  // etcd answered: its error stands (another member would say the same)
+    // This member cannot serve now (down, paused, no raft leader, overloaded): another may.
+    all_deadlines = all_deadlines && failure.code() == StatusCode::kDeadlineExceeded;
+    errors += (errors.empty() ? "" : "; ") + failure.message();
+    current_ = (current_ + 1) % endpoints_.size();
   }
-  return UnavailableError(fmt::format("etcd unreachable at {} ({})", endpoints_text_, errors));
+  std::string message = fmt::format("no etcd member at {} served /v3/{} ({})", endpoints_text_, path, errors);
+  return all_deadlines ? DeadlineExceededError(std::move(message)) : UnavailableError(std::move(message));
 }
 
 namespace {
@@ -299,7 +435,14 @@ Result<std::pair<int64_t, int64_t>> Client::LeaseGrant(int64_t ttl_seconds) {
 Result<int64_t> Client::LeaseKeepAlive(int64_t lease) {
   return Ask(*this, "lease/keepalive", {{"ID", std::to_string(lease)}}, [&](const nlohmann::json& j) -> Result<int64_t> {
     // The gateway streams: the first (only) message is {"result": {...}}, or {"error": {...}}.
-    if (j.contains("error")) return UnavailableError("etcd lease keepalive: " + j["error"].dump());
+    if (auto e = j.find("error"); e != j.end()) {
+      // A stream's error: {"grpc_code", "http_code", "message", "http_status"}.
+      int http = e->is_object() && e->contains("http_code") && (*e)["http_code"].is_number_integer()
+                     ? (*e)["http_code"].get<int>()
+                     : 500;
+      std::string message = e->is_object() ? e->value("message", e->dump()) : e->dump();
+      return ClassifiedStatus(endpoints(), "lease/keepalive", http, GrpcCode(*e), message);
+    }
     const nlohmann::json& r = j.contains("result") ? j["result"] : j;
     int64_t ttl = Int(r, "TTL");
     if (ttl <= 0) return NotFoundError(fmt::format("etcd lease {:x} expired", lease));

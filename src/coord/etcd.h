@@ -5,8 +5,10 @@
 // are bytes; the gateway wants them base64-encoded, which this class does.
 //
 // One Client is used by one thread at a time (each user thread makes its
-// own). Endpoints are tried in turn: a request that cannot reach one moves
-// to the next, so a cluster of etcd members survives the loss of any one.
+// own). Endpoints are tried in turn: a request that fails for a transient
+// reason at one moves to the next, so a cluster of etcd members survives the
+// loss of any one. Every error says its class (ErrorClass, IsTransient):
+// callers retry the transient ones (src/coord/retry.h) and report the rest.
 #pragma once
 
 #include <chrono>
@@ -73,6 +75,51 @@ struct TxnResult {
   std::vector<KeyValue> range;        // what the kRange operations of the branch taken found, in order
 };
 
+// What a failed request means to its caller (docs/controller-failover.md,
+// "etcd trouble"). The first three are transient: retry with back-off, the
+// same member or another. The last two are final: retrying cannot help, a
+// person must change something (the message says what). The class of an
+// answer comes from the gRPC code in the gateway's error body
+// ({"error", "message", "code"}), else from the HTTP status.
+enum class ErrorClass {
+  // No member answered (refused, reset, timed out: a member down, paused or
+  // partitioned), HTTP 5xx but 501 and 504, gRPC UNAVAILABLE (14: no raft
+  // leader, leader changed, the request timed out inside etcd) and the codes
+  // gRPC calls retryable (CANCELLED 1, UNKNOWN 2, ABORTED 10, INTERNAL 13,
+  // DATA_LOSS 15). Status: kUnavailable.
+  kUnavailable,
+  // HTTP 429, gRPC RESOURCE_EXHAUSTED (8): "too many requests" (an apply
+  // backlog), the space quota. Status: kUnavailable, the message says so.
+  kResourceExhausted,
+  // HTTP 504 or 408, gRPC DEADLINE_EXCEEDED (4). Status: kDeadlineExceeded.
+  kDeadlineExceeded,
+  // Final. HTTP 401/403, gRPC PERMISSION_DENIED (7), UNAUTHENTICATED (16):
+  // etcd has auth on (this client sends no credentials) or a role lacks the
+  // job's keys. Status: kFailedPrecondition.
+  kPermissionDenied,
+  // Final. gRPC INVALID_ARGUMENT (3: too many operations, a request too
+  // large, a malformed request) and the other codes (ALREADY_EXISTS 6,
+  // FAILED_PRECONDITION 9, OUT_OF_RANGE 11, UNIMPLEMENTED 12), any other
+  // HTTP status (404: no v3 gateway there). Status: kInvalidArgument. An
+  // answer that is not what etcd sends (not JSON, a field of the wrong type)
+  // is final too: kDataLoss.
+  kInvalid,
+  // gRPC NOT_FOUND (5): the lease does not exist (expired or revoked). An
+  // answer, not a fault. Status: kNotFound.
+  kNotFound,
+};
+
+// The class of a non-200 answer; grpc_code < 0: the body carried none.
+ErrorClass Classify(int http_status, int grpc_code);
+std::string_view ErrorClassName(ErrorClass c);  // "unavailable", "resource exhausted", …
+StatusCode StatusCodeFor(ErrorClass c);
+// The Status of a non-200 answer of member `where` to /v3/<path>: its class's code; the member,
+// the request, the HTTP status, the gRPC code and etcd's message in the text.
+Status AnswerStatus(const std::string& where, const std::string& path, int http_status, const std::string& body);
+// Whether a Status from the Client is worth a retry: kUnavailable (unavailable, overloaded) and
+// kDeadlineExceeded. Everything else is final (or, kNotFound, an answer).
+bool IsTransient(const Status& s);
+
 struct ClientOptions {
   std::chrono::milliseconds timeout{2'000};  // per request: connect, send, answer
 };
@@ -100,11 +147,14 @@ class Client {
 
   // A lease of ttl seconds (etcd may grant a longer one: its minimum); returns its id and granted TTL.
   Result<std::pair<int64_t, int64_t>> LeaseGrant(int64_t ttl_seconds);
-  // Renews a lease; returns its remaining TTL in seconds. NotFound: the lease expired or was revoked.
+  // Renews a lease; returns its TTL in seconds (the full one: etcd renewed it). NotFound: the lease
+  // expired or was revoked.
   Result<int64_t> LeaseKeepAlive(int64_t lease);
   Status LeaseRevoke(int64_t lease);
 
-  // A request to /v3/<path> with a JSON body; the parsed answer. Errors name the endpoint.
+  // A request to /v3/<path> with a JSON body; the answer's body. Errors name the endpoint and
+  // carry their class (ErrorClass). A transient failure moves on to the next endpoint; a final
+  // answer is returned at once (another member would say the same).
   Result<std::string> Call(const std::string& path, const std::string& body);
 
  private:

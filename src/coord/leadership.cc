@@ -3,12 +3,16 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <random>
+#include <utility>
 
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "coord/retry.h"
 
 namespace nonstop::coord {
 
@@ -20,6 +24,12 @@ constexpr size_t kMaxOpsPerTxn = 100;        // etcd's default limit is 128
 constexpr size_t kMaxBytesPerTxn = 768 << 10;  // its default request limit is 1.5 MiB; base64 adds a third
 
 std::string SeqKey(const std::string& prefix, uint64_t seq) { return fmt::format("{}journal/{:016d}", prefix, seq); }
+
+// A standby's poll plus up to half of it at random: standbys do not ask in lockstep.
+Millis Jittered(Millis poll) {
+  thread_local std::mt19937_64 generator{std::random_device{}()};
+  return poll + Millis(std::uniform_int_distribution<int64_t>(0, std::max<int64_t>(0, poll.count() / 2))(generator));
+}
 
 }  // namespace
 
@@ -59,21 +69,24 @@ Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, i
   return v["controller"].get<std::string>();
 }
 
+LeadershipOptions WithDerivedTimes(LeadershipOptions o) {
+  const Millis ttl(int64_t{std::max(o.ttl_seconds, 1)} * 1000);
+  if (o.renew_every <= Millis(0)) o.renew_every = ttl / 5;
+  if (o.request_timeout <= Millis(0)) o.request_timeout = std::clamp<Millis>(ttl / 4, Millis(250), Millis(5'000));
+  if (o.journal_timeout <= Millis(0)) o.journal_timeout = std::max<Millis>(Millis(2'000), ttl / 2);
+  if (o.retry_max <= Millis(0)) o.retry_max = std::clamp<Millis>(ttl / 10, Millis(100), Millis(2'000));
+  return o;
+}
+
 Result<std::unique_ptr<Leadership>> Leadership::Connect(LeadershipOptions options) {
   if (options.ttl_seconds < 1) return InvalidArgumentError("the leader's lease TTL must be at least 1 s");
   NONSTOP_RETURN_IF_ERROR(CheckJobName(options.job));
-  auto l = std::unique_ptr<Leadership>(new Leadership(std::move(options)));
+  auto l = std::unique_ptr<Leadership>(new Leadership(WithDerivedTimes(std::move(options))));
   l->wake_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!l->wake_.valid()) return ErrnoStatus(StatusCode::kInternal, "eventfd", errno);
   l->prefix_ = JobPrefix(l->options_.job);
   l->leader_key_ = LeaderKey(l->options_.job);
-  NONSTOP_ASSIGN_OR_RETURN(l->client_, etcd::Client::Create(l->options_.endpoints));
-  auto probe = l->client_->Range(l->leader_key_);
-  if (!probe.ok()) {
-    return probe.status().WithContext(fmt::format("etcd at {} does not answer (is etcd running there? HINT: "
-                                                  "etcd --listen-client-urls http://HOST:2379 ...)",
-                                                  l->options_.endpoints));
-  }
+  NONSTOP_ASSIGN_OR_RETURN(l->client_, etcd::Client::Create(l->options_.endpoints, {l->options_.request_timeout}));
   return l;
 }
 
@@ -84,62 +97,150 @@ Leadership::~Leadership() {
   cv_.NotifyAll();
   if (keepalive_.joinable()) keepalive_.join();
   if (writer_.joinable()) writer_.join();
-  if (lease_ != 0 && !deposed_.load()) (void)client_->LeaseRevoke(lease_);
+  // The lease back, deposed or not (this process acts on it no more): a lease etcd still holds
+  // (renewed by a request whose answer was lost) frees the leader key now, not a TTL later.
+  if (lease_ != 0 && !revoked_) RevokeQuietly(lease_);
+  if (unclaimed_lease_ != 0) RevokeQuietly(unclaimed_lease_);
+}
+
+void Leadership::RevokeQuietly(int64_t lease) {
+  // NotFound (etcd let it go) or etcd unreachable (it runs out on its own): nothing to do either way.
+  (void)client_->LeaseRevoke(lease);
+}
+
+Status Leadership::Explain(const Status& s, const std::string& key) const {
+  std::string hint;
+  switch (s.code()) {
+    case StatusCode::kFailedPrecondition:  // etcd::ErrorClass::kPermissionDenied
+      hint = fmt::format("nonstop sends etcd no credentials: run it against an etcd without auth (`etcdctl auth "
+                         "disable`, on a trusted network), or through a proxy that may read and write {}* and grant "
+                         "leases",
+                         prefix_);
+      break;
+    case StatusCode::kInvalidArgument:  // etcd::ErrorClass::kInvalid
+      hint = "is every --etcd endpoint an etcd 3.4 or later client URL (its /v3 gateway, e.g. Debian's etcd-server)? "
+             "etcd also refuses a request over its --max-request-bytes (1.5 MiB) or --max-txn-ops (128): raise them "
+             "on every member";
+      break;
+    case StatusCode::kDataLoss:  // an answer that is not etcd's
+      hint = "is every --etcd endpoint an etcd client URL (not a peer URL, nor another service)?";
+      break;
+    default:
+      break;
+  }
+  std::string text = fmt::format("etcd key {}: {}", key, s.message());
+  if (!hint.empty()) text += " (HINT: " + hint + ")";
+  return Status(s.code(), std::move(text));
+}
+
+Status Leadership::LostWhile(const std::string& doing, const Status& last) const {
+  return UnavailableError(fmt::format("{}: this controller lost the lead meanwhile ({}); etcd's last error: {}", doing,
+                                      why_not_leading(), last.message()));
 }
 
 Result<int64_t> Leadership::Campaign(const std::function<bool()>& stop,
                                      const std::function<void(const std::string&)>& on_wait) {
+  bool stopped = false;  // stop() may read a signal once: remember it
+  std::function<bool()> should_stop = [&] { return stopped || (stopped = stop()); };
   std::string seen;
-  Deadline warn_at = kNoDeadline;
-  while (!stop()) {
-    auto current = client_->Range(leader_key_);
-    if (!current.ok()) {
-      if (warn_at == kNoDeadline || Clock::now() >= warn_at) {
-        NONSTOP_LOG_WARNING("waiting to lead: {}", current.status().ToString());
-        warn_at = DeadlineAfter(Millis(5'000));
-      }
-      std::this_thread::sleep_for(options_.poll);
+  etcd::Backoff backoff(Millis(100), options_.retry_max);
+  etcd::OutageLog outage(fmt::format("campaign for job '{}' in etcd {}", options_.job, options_.endpoints),
+                         "standing by: retried with back-off, this controller campaigns as soon as etcd answers");
+  while (!should_stop()) {
+    auto led = CampaignOnce(&seen, on_wait);
+    if (!led.ok()) {
+      if (!etcd::IsTransient(led.status())) return Explain(led.status(), leader_key_);
+      outage.Failed(led.status());
+      etcd::SleepUnless(backoff.Next(), should_stop);
       continue;
     }
-    warn_at = kNoDeadline;
-    if (!current->empty()) {
-      if ((*current)[0].value != seen) {
-        seen = (*current)[0].value;
-        on_wait(seen);
-      }
-      std::this_thread::sleep_for(options_.poll);
-      continue;
-    }
-    // Nobody leads: try to be the one, on a lease of our own. Its clock
-    // starts when etcd grants it: measured from before the request.
-    int64_t sent_us = NowMicros();
-    auto lease = client_->LeaseGrant(options_.ttl_seconds);
-    if (!lease.ok()) {
-      std::this_thread::sleep_for(options_.poll);
-      continue;
-    }
-    nlohmann::json me = {{"pid", static_cast<int64_t>(::getpid())}};
-    auto txn = client_->Txn({etcd::Compare::CreateRevision(leader_key_, 0)},
-                            {etcd::Op::Put(leader_key_, me.dump(), lease->first)}, {etcd::Op::Get(leader_key_)});
-    if (!txn.ok() || !txn->succeeded) {
-      (void)client_->LeaseRevoke(lease->first);
-      std::this_thread::sleep_for(options_.poll);
-      continue;
-    }
-    lease_ = lease->first;
-    epoch_ = txn->revision;  // the leader key's create revision
-    valid_until_us_ = sent_us + lease->second * 800'000;
-    keepalive_ = std::jthread([this](std::stop_token st) { KeepAlive(st); });
-    return epoch_;
+    outage.Succeeded();
+    backoff.Reset();
+    if (*led) return epoch_;
+    etcd::SleepUnless(Jittered(options_.poll), should_stop);
   }
   return CancelledError("stopped while waiting to lead");
 }
 
+Result<bool> Leadership::CampaignOnce(std::string* seen, const std::function<void(const std::string&)>& on_wait) {
+  if (options_.previous_lease != 0) {
+    // This process's previous term: it may still hold the leader key (etcd was away when that term
+    // ended). Given back first, so that the election need not wait it out.
+    Status s = client_->LeaseRevoke(options_.previous_lease);
+    if (s.ok() || !etcd::IsTransient(s)) options_.previous_lease = 0;  // revoked, or gone already (NotFound)
+  }
+  NONSTOP_ASSIGN_OR_RETURN(auto current, client_->Range(leader_key_));
+  if (!current.empty()) {
+    const etcd::KeyValue& kv = current[0];
+    if (unclaimed_lease_ != 0 && kv.lease == unclaimed_lease_) {
+      int64_t lease = std::exchange(unclaimed_lease_, 0);
+      if (NowMicros() < unclaimed_valid_until_us_) {
+        // Our transaction landed though its answer was lost: this process leads.
+        BecomeLeader(lease, kv.create_revision, unclaimed_valid_until_us_);
+        return true;
+      }
+      RevokeQuietly(lease);  // ours, but found too late to lead on: free the key, campaign again
+      return false;
+    }
+    if (kv.value != *seen) {
+      *seen = kv.value;
+      on_wait(*seen);
+    }
+    return false;
+  }
+  if (unclaimed_lease_ != 0) {
+    // The key is free, so that transaction did not land (and cannot once its lease is gone).
+    RevokeQuietly(unclaimed_lease_);
+    unclaimed_lease_ = 0;
+  }
+  // Nobody leads: try to be the one, on a lease of our own. Its clock
+  // starts when etcd grants it: measured from before the request.
+  int64_t sent_us = NowMicros();
+  NONSTOP_ASSIGN_OR_RETURN(auto lease, client_->LeaseGrant(options_.ttl_seconds));
+  const int64_t valid_until_us = sent_us + lease.second * 800'000;
+  nlohmann::json me = {{"pid", static_cast<int64_t>(::getpid())}};
+  auto txn = client_->Txn({etcd::Compare::CreateRevision(leader_key_, 0)},
+                          {etcd::Op::Put(leader_key_, me.dump(), lease.first)}, {etcd::Op::Get(leader_key_)});
+  if (!txn.ok()) {
+    if (etcd::IsTransient(txn.status())) {
+      unclaimed_lease_ = lease.first;  // the next look at the key says whether it landed
+      unclaimed_valid_until_us_ = valid_until_us;
+    } else {
+      RevokeQuietly(lease.first);
+    }
+    return txn.status();
+  }
+  if (!txn->succeeded) {  // another controller was quicker
+    RevokeQuietly(lease.first);
+    return false;
+  }
+  BecomeLeader(lease.first, txn->revision, valid_until_us);  // the revision is the key's create revision
+  return true;
+}
+
+void Leadership::BecomeLeader(int64_t lease, int64_t epoch, int64_t valid_until_us) {
+  lease_ = lease;
+  epoch_ = epoch;
+  valid_until_us_ = valid_until_us;
+  keepalive_ = std::jthread([this](std::stop_token st) { KeepAlive(st); });
+}
+
 Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
+  // A client of its own: the journal may be large, so its requests may take longer than a renewal's.
+  NONSTOP_ASSIGN_OR_RETURN(auto reader, etcd::Client::Create(options_.endpoints, {options_.journal_timeout}));
+  etcd::Backoff backoff(Millis(100), options_.retry_max);
+  etcd::OutageLog outage(fmt::format("reading the journal of job '{}' from etcd {}", options_.job, options_.endpoints),
+                         "the takeover waits (training goes on), retried while this controller holds its lease");
+  const std::function<bool()> lost = [this] { return deposed(); };
+  const std::string journal_prefix = prefix_ + "journal/";
+  auto kvs = etcd::RetryTransient([&] { return reader->Prefix(journal_prefix); }, backoff, outage, lost);
+  if (!kvs.ok()) {
+    return etcd::IsTransient(kvs.status()) ? LostWhile("reading the journal", kvs.status())
+                                           : Explain(kvs.status(), journal_prefix + "*");
+  }
   std::vector<nlohmann::json> out;
-  NONSTOP_ASSIGN_OR_RETURN(auto kvs, client_->Prefix(prefix_ + "journal/"));
   uint64_t last = 0;
-  for (const auto& kv : kvs) {
+  for (const auto& kv : *kvs) {
     // Records 1, 2, 3, … with nothing missing: anything else is not this job's journal as it was written.
     if (kv.key != SeqKey(prefix_, last + 1)) {
       return DataLossError(fmt::format("etcd key {} where the journal's record {} was expected ({}): not a journal "
@@ -151,10 +252,15 @@ Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
     if (!j.is_object()) return DataLossError(fmt::format("etcd key {} is not a JSON journal record", kv.key));
     out.push_back(std::move(j));
   }
-  NONSTOP_ASSIGN_OR_RETURN(auto progress, client_->Range(prefix_ + "progress"));
-  if (!progress.empty()) {
-    auto j = nlohmann::json::parse(progress[0].value, nullptr, false);
-    if (!j.is_object()) return DataLossError(fmt::format("etcd key {}progress is not a JSON record", prefix_));
+  const std::string progress_key = prefix_ + "progress";
+  auto progress = etcd::RetryTransient([&] { return reader->Range(progress_key); }, backoff, outage, lost);
+  if (!progress.ok()) {
+    return etcd::IsTransient(progress.status()) ? LostWhile("reading the journal", progress.status())
+                                                : Explain(progress.status(), progress_key);
+  }
+  if (!progress->empty()) {
+    auto j = nlohmann::json::parse((*progress)[0].value, nullptr, false);
+    if (!j.is_object()) return DataLossError(fmt::format("etcd key {} is not a JSON record", progress_key));
     out.push_back(std::move(j));
   }
   first_seq_ = last + 1;
@@ -168,9 +274,23 @@ Status Leadership::Publish(const nlohmann::json& value) {
   nlohmann::json v = value;
   v["pid"] = static_cast<int64_t>(::getpid());
   v["epoch"] = epoch_;
-  NONSTOP_ASSIGN_OR_RETURN(auto txn, client_->Txn({etcd::Compare::CreateRevision(leader_key_, epoch_)},
-                                                  {etcd::Op::Put(leader_key_, v.dump(), lease_)}));
-  if (!txn.succeeded) {
+  etcd::Backoff backoff(Millis(100), options_.retry_max);
+  etcd::OutageLog outage(fmt::format("publishing this controller's address in etcd {}", options_.endpoints),
+                         "workers and agents wait for it (training goes on), retried while this controller holds "
+                         "its lease");
+  const std::function<bool()> lost = [this] { return deposed(); };
+  // The same put again after an answer that was lost: it lands once or twice, alike.
+  auto txn = etcd::RetryTransient(
+      [&] {
+        return client_->Txn({etcd::Compare::CreateRevision(leader_key_, epoch_)},
+                            {etcd::Op::Put(leader_key_, v.dump(), lease_)});
+      },
+      backoff, outage, lost);
+  if (!txn.ok()) {
+    return etcd::IsTransient(txn.status()) ? LostWhile("publishing the address", txn.status())
+                                           : Explain(txn.status(), leader_key_);
+  }
+  if (!txn->succeeded) {
     SetDeposed(fmt::format("the leader key {} is no longer this controller's (epoch {})", leader_key_, epoch_));
     return FailedPreconditionError(why_not_leading());
   }
@@ -201,15 +321,31 @@ void Leadership::Flush() {
   cv_.NotifyAll();
 }
 
-bool Leadership::Valid() const { return !deposed_.load() && NowMicros() < valid_until_us_.load(); }
+bool Leadership::deposed() const {
+  if (deposed_.load()) return true;
+  int64_t until = valid_until_us_.load();
+  if (until == 0 || NowMicros() < until) return false;  // 0: not leading yet
+  // The renew deadline passed: a lapse is a deposition, for every reader alike, and for good (a
+  // renewal answered later does not undo it: agents and workers may have left this silent leader).
+  deposed_.store(true);
+  Wake();
+  return true;
+}
+
+bool Leadership::Valid() const { return valid_until_us_.load() != 0 && !deposed(); }  // 0: not (or no longer) leading
 
 std::string Leadership::why_not_leading() const {
-  MutexLock lock(&mu_);
-  if (!why_.empty()) return why_;
-  int64_t late_ms = (NowMicros() - valid_until_us_.load()) / 1000;
-  return fmt::format("the lease of epoch {} could not be renewed in time ({} ms overdue: etcd unreachable, or this "
-                     "process was paused)",
-                     epoch_, std::max<int64_t>(0, late_ms));
+  {
+    MutexLock lock(&mu_);
+    if (!why_.empty()) return why_;
+  }
+  return LapseReason();
+}
+
+std::string Leadership::LapseReason() const {
+  return fmt::format("no renewal of the lease of epoch {} was answered within 80% of its {} s TTL (etcd unreachable, "
+                     "slow or overloaded, or this process was paused): it stands down",
+                     epoch_, options_.ttl_seconds);
 }
 
 void Leadership::SetDeposed(std::string why) {
@@ -223,7 +359,21 @@ void Leadership::SetDeposed(std::string why) {
   Wake();
 }
 
-void Leadership::Wake() {
+void Leadership::SetFinal(const Status& s) {
+  NONSTOP_LOG_ERROR("etcd refuses this leader for good: {}", s.ToString());
+  {
+    MutexLock lock(&mu_);
+    if (final_.ok()) final_ = s;
+  }
+  SetDeposed("etcd refused this leader: " + s.message());
+}
+
+Status Leadership::final_error() const {
+  MutexLock lock(&mu_);
+  return final_;
+}
+
+void Leadership::Wake() const {
   uint64_t one = 1;
   (void)!::write(wake_.get(), &one, sizeof(one));
 }
@@ -233,44 +383,49 @@ void Leadership::Resign() {
   { MutexLock lock(&mu_); }
   cv_.NotifyAll();
   if (keepalive_.joinable()) keepalive_.join();
-  if (lease_ != 0 && !deposed_.load()) (void)client_->LeaseRevoke(lease_);
+  if (lease_ != 0) RevokeQuietly(lease_);  // deposed too: a lease etcd still holds frees the key now
+  revoked_ = true;
   SetDeposed("resigned");
 }
 
 void Leadership::KeepAlive(std::stop_token st) {
-  auto client = etcd::Client::Create(options_.endpoints, {Millis(std::max(200, options_.ttl_seconds * 250))});
-  if (!client.ok()) return SetDeposed(client.status().ToString());
-  const Millis every(options_.ttl_seconds * 1000 / 4);
-  bool warned = false;
-  while (!st.stop_requested() && !deposed_.load()) {
+  auto client = etcd::Client::Create(options_.endpoints, {options_.request_timeout});
+  if (!client.ok()) return SetFinal(client.status());
+  etcd::Backoff backoff(Millis(100), options_.retry_max);
+  etcd::OutageLog outage(fmt::format("renewing the lease of epoch {} in etcd {}", epoch_, options_.endpoints),
+                         "training goes on, retried with back-off; this controller stands down if no renewal is "
+                         "answered within 80% of the TTL");
+  while (!st.stop_requested() && !deposed()) {
     int64_t sent_us = NowMicros();
     auto ttl = (*client)->LeaseKeepAlive(lease_);
+    Millis wait = options_.renew_every;
     if (ttl.ok()) {
-      valid_until_us_ = sent_us + *ttl * 800'000;
-      if (warned) NONSTOP_LOG_WARNING("etcd answers again: the lease of epoch {} is renewed", epoch_);
-      warned = false;
+      int64_t until = valid_until_us_.load();
+      // Extended only while it holds: a renewal answered after the deadline is too late to lead on.
+      if (deposed() || !valid_until_us_.compare_exchange_strong(until, sent_us + *ttl * 800'000)) break;
+      outage.Succeeded();
+      backoff.Reset();
     } else if (ttl.status().code() == StatusCode::kNotFound) {
       return SetDeposed(fmt::format("the lease of epoch {} expired in etcd: another controller may lead", epoch_));
-    } else if (NowMicros() > valid_until_us_.load() + options_.ttl_seconds * 1'000'000) {
-      // Past the lease by a whole TTL: etcd has let it go, whoever leads now.
-      return SetDeposed(fmt::format("cut off from etcd past the lease of epoch {}: {}", epoch_,
-                                    ttl.status().ToString()));
-    } else if (!warned) {
-      NONSTOP_LOG_WARNING("cannot renew the leader's lease: {}; training goes on, orders stop when it runs out",
-                          ttl.status().ToString());
-      warned = true;
+    } else if (!etcd::IsTransient(ttl.status())) {
+      return SetFinal(Explain(ttl.status(), leader_key_ + fmt::format(" (its lease {:x})", lease_)));
+    } else {
+      outage.Failed(ttl.status());
+      wait = backoff.Next();
     }
-    auto wait = ttl.ok() ? every : Millis(100);
     MutexLock lock(&mu_);
     cv_.WaitFor(&mu_, wait, [&] { return st.stop_requested() || deposed_.load(); });
   }
+  if (deposed() && !st.stop_requested()) SetDeposed(LapseReason());
 }
 
 void Leadership::Write(std::stop_token st) {
-  auto client = etcd::Client::Create(options_.endpoints);
-  if (!client.ok()) return SetDeposed(client.status().ToString());
-  bool warned = false;
-  while (!st.stop_requested() && !deposed_.load()) {
+  auto client = etcd::Client::Create(options_.endpoints, {options_.journal_timeout});
+  if (!client.ok()) return SetFinal(client.status());
+  etcd::Backoff backoff(Millis(100), options_.retry_max);
+  etcd::OutageLog outage(fmt::format("writing the journal of epoch {} to etcd {}", epoch_, options_.endpoints),
+                         "orders wait until it is written (training goes on), retried with back-off");
+  while (!st.stop_requested() && !deposed()) {
     std::vector<etcd::Op> ops;
     uint64_t last = 0;
     size_t bytes = 0;
@@ -293,21 +448,19 @@ void Leadership::Write(std::stop_token st) {
         ops.push_back(etcd::Op::Put(prefix_ + "end", end_));
       }
     }
+    // Nothing more goes out once the leadership is lost (a lapse of the lease included).
+    if (deposed()) return;
+    // The same puts again after an answer that was lost: they land once or twice, alike.
     auto txn = (*client)->Txn({etcd::Compare::CreateRevision(leader_key_, epoch_)}, ops);
-    if (!txn.ok() && txn.status().code() != StatusCode::kUnavailable) {
-      // etcd answered and refused (no space left, a record too large): retrying cannot help, and
-      // a leader whose orders wait forever would hang the job. Step down, loudly.
-      NONSTOP_LOG_ERROR("etcd refused the journal: {}", txn.status().ToString());
-      return SetDeposed("etcd refused the journal: " + txn.status().message());
+    if (!txn.ok() && !etcd::IsTransient(txn.status())) {
+      // etcd answered and refused (a record too large, a permission): retrying cannot help, and
+      // a leader whose orders wait forever would hang the job. Step down, loudly, for good.
+      return SetFinal(Explain(txn.status(), prefix_ + "journal/*"));
     }
     if (!txn.ok()) {
-      if (!warned) {
-        NONSTOP_LOG_WARNING("cannot write the journal to etcd: {}; orders wait until it is written",
-                            txn.status().ToString());
-        warned = true;
-      }
+      outage.Failed(txn.status());
       MutexLock lock(&mu_);
-      cv_.WaitFor(&mu_, Millis(100), [&] { return st.stop_requested() || deposed_.load(); });
+      cv_.WaitFor(&mu_, backoff.Next(), [&] { return st.stop_requested() || deposed_.load(); });
       continue;
     }
     if (!txn->succeeded) {
@@ -315,8 +468,8 @@ void Leadership::Write(std::stop_token st) {
                                     "controller's (another controller leads)",
                                     epoch_, leader_key_));
     }
-    if (warned) NONSTOP_LOG_WARNING("the journal reaches etcd again");
-    warned = false;
+    outage.Succeeded();
+    backoff.Reset();
     {
       MutexLock lock(&mu_);
       while (!pending_.empty() && pending_.front().first <= last) pending_.pop_front();

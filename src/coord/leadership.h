@@ -18,7 +18,28 @@
 // Valid() tells the controller whether it may still issue orders: the lease
 // was renewed less than 80% of its TTL ago, measured from when the renewal
 // was sent, so a process paused (SIGSTOP, a swap storm) past its lease knows
-// it on waking, before it sends anything.
+// it on waking, before it sends anything. That 80% is the renew deadline (as
+// Kubernetes' leader election has one): once it passes, the leadership is
+// lost for good (deposed()), even if etcd still holds the lease, because a
+// leader that may not order stops pinging, and agents and workers leave it.
+//
+// etcd trouble (docs/controller-failover.md). No call to etcd ends the
+// process on a transient failure (etcd::IsTransient: unreachable, paused,
+// overloaded, timed out): each is retried with back-off and full jitter
+// (etcd::Backoff), and each outage is logged once (etcd::OutageLog). A
+// standby stays a standby through any outage. A leader deposes itself when
+// etcd says the lease is gone or at the renew deadline, and campaigns again
+// (`nonstop controller --etcd`). ReadJournal and Publish retry until they
+// succeed or the leadership is lost (then deposed() is true). Final failures
+// (etcd::ErrorClass kPermissionDenied, kInvalid) are returned, or, from the
+// threads, depose the leader with final_error() set: the message names the
+// key and the fix.
+//
+// Timing (docs/controller-failover.md, "Timing"): the lease is renewed every
+// TTL/5, each renewal waits at most TTL/4 for its answer, a failed one is
+// retried after a back-off capped at TTL/10. So an etcd outage or overload
+// of up to 0.6 TTL (the renew deadline, 0.8 TTL, less one renewal period)
+// costs nothing but orders held back; a longer one costs a takeover.
 //
 // Threads: Campaign runs on the caller's; then one thread renews the lease
 // and one writes the journal (each with its own etcd client). Append, Flush
@@ -41,15 +62,29 @@
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "coord/etcd.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::coord {
 
 struct LeadershipOptions {
   std::string endpoints;  // etcd: host:port[,host:port…]
   std::string job = "default";
-  int ttl_seconds = 2;  // the leader's lease: a dead leader is replaced within about this
-  std::chrono::milliseconds poll{100};  // how often a standby looks at the leader key
+  // The leader's lease: a dead leader is replaced within about this plus 1 s (--lease-ttl-s).
+  int ttl_seconds = settings::kLeaseTtlS.default_value;
+  Millis poll{100};  // how often a standby looks at the leader key (plus up to half of it at random)
+  // Zero: derived from the TTL (docs/controller-failover.md, "Timing").
+  Millis renew_every{0};      // a renewal of the lease after each success: TTL/5
+  Millis request_timeout{0};  // one campaign or renewal request: TTL/4, within [250 ms, 5 s]
+  Millis journal_timeout{0};  // one read or write of the journal, the publish: max(2 s, TTL/2)
+  Millis retry_max{0};        // the back-off's cap after a transient failure: TTL/10, within [100 ms, 2 s]
+  // A lease of this process's previous term that etcd may still hold (it could not be given back
+  // while etcd was away): revoked at the campaign's first contact, so the election need not wait
+  // it out. `nonstop controller --etcd` passes it when it stands by again.
+  int64_t previous_lease = 0;
 };
+
+// The options with every zero derived from the TTL.
+LeadershipOptions WithDerivedTimes(LeadershipOptions o);
 
 // A job's name in etcd: 1-64 of [A-Za-z0-9._-] (so one job's keys are never inside another's).
 Status CheckJobName(const std::string& job);
@@ -64,22 +99,30 @@ Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, i
 
 class Leadership {
  public:
-  // Connects and checks that etcd answers: an error names the endpoints.
+  // Checks the options and makes the etcd client: no request yet (an etcd
+  // that does not answer is the campaign's to wait for). Errors are final:
+  // malformed endpoints, a bad job name, a TTL under 1 s.
   static Result<std::unique_ptr<Leadership>> Connect(LeadershipOptions options);
   ~Leadership();  // stops its threads and gives the lease back (a clean exit hands over at once)
   Leadership(const Leadership&) = delete;
   Leadership& operator=(const Leadership&) = delete;
 
-  // Waits until this process leads the job (or stop() says to give up:
-  // Cancelled). on_wait(leader) is called when another controller leads (its
-  // key's value) and each time that changes. Returns the epoch.
+  // Waits until this process leads the job, through any etcd outage (logged
+  // once per outage). on_wait(leader) is called when another controller
+  // leads (its key's value) and each time that changes. Returns the epoch;
+  // Cancelled once stop() said so; a final error (it names the key and the
+  // fix).
   Result<int64_t> Campaign(const std::function<bool()>& stop, const std::function<void(const std::string&)>& on_wait);
 
   // The journal in etcd, in order: what the takeover replays (the progress
-  // record last, if any). Read after Campaign won.
+  // record last, if any). Read after Campaign won; retried through
+  // transient failures while this process leads. An error is final, or
+  // (deposed() true) the leadership was lost meanwhile.
   Result<std::vector<nlohmann::json>> ReadJournal();
 
-  // The leader key's value once this controller listens (its address).
+  // The leader key's value once this controller listens (its address);
+  // retried like ReadJournal. deposed() is true after an error that lost
+  // the leadership.
   Status Publish(const nlohmann::json& value);
 
   // Queues one record (already stamped); Flush hands the queue to the writer.
@@ -90,10 +133,17 @@ class Leadership {
 
   // Readable (an eventfd) when durable() grew or the leadership was lost: the loop's cue to go on.
   int wake_fd() const { return wake_.get(); }
-  bool Valid() const;                 // may this process issue orders now?
-  bool deposed() const { return deposed_.load(); }
+  bool Valid() const;                 // may this process issue orders now? It leads and is not deposed()
+  // Deposed: etcd says another leads or the lease is gone, this process resigned, or no renewal
+  // was answered within 80% of the TTL (the renew deadline: a lapse). For good, once true.
+  bool deposed() const;
+  // Why etcd refused this leader for good (a final error from the keep-alive
+  // or the writer, which deposed it): OK if it did not. A controller stands by
+  // again after a deposition, but not after this: it would be refused again.
+  Status final_error() const;
   std::string why_not_leading() const;  // why Valid() is false (for the journal and the log)
   int64_t epoch() const { return epoch_; }
+  int64_t lease() const { return lease_; }  // 0 before Campaign won
   const std::string& endpoints() const { return options_.endpoints; }
 
   // Gives the lease back now (the job ended, or this process steps down).
@@ -101,11 +151,21 @@ class Leadership {
 
  private:
   explicit Leadership(LeadershipOptions o) : options_(std::move(o)) {}
+  // One look at the leader key, and a try to take it if it is free: true if this process leads now.
+  Result<bool> CampaignOnce(std::string* seen, const std::function<void(const std::string&)>& on_wait);
+  void BecomeLeader(int64_t lease, int64_t epoch, int64_t valid_until_us);
   void KeepAlive(std::stop_token st);
   void Write(std::stop_token st);
   void SetDeposed(std::string why);
+  void SetFinal(const Status& s);  // deposes, for good
+  // A final error of a request about `key`, with what to do about it.
+  Status Explain(const Status& s, const std::string& key) const;
+  // What ReadJournal and Publish return when the leadership was lost while they retried.
+  Status LostWhile(const std::string& doing, const Status& last) const;
+  void RevokeQuietly(int64_t lease);
+  std::string LapseReason() const;  // why a leader whose renew deadline passed stands down
 
-  void Wake();
+  void Wake() const;
 
   LeadershipOptions options_;
   UniqueFd wake_;
@@ -116,11 +176,17 @@ class Leadership {
   // (the writer starts later still), fixed from then on.
   int64_t lease_ = 0;
   int64_t epoch_ = 0;
+  // The campaign's: a lease granted for a leader key whose transaction got
+  // no answer (it may have landed: the key on this lease is ours), with
+  // the validity its grant gave.
+  int64_t unclaimed_lease_ = 0;
+  int64_t unclaimed_valid_until_us_ = 0;
+  bool revoked_ = false;  // Resign gave the lease back (the caller's thread)
   // Atomics, not under mu_: Valid() and the accessors read them lock-free
   // from the loop. SetDeposed still stores them under mu_, so that a waiter
   // between its check and its sleep cannot miss the change.
   std::atomic<int64_t> valid_until_us_{0};  // monotonic µs
-  std::atomic<bool> deposed_{false};
+  mutable std::atomic<bool> deposed_{false};  // latched by deposed() at a lapse
   std::atomic<uint64_t> durable_{0};
   // The loop's own (Append, Flush, appended()), not under mu_; ReadJournal
   // sets them before it starts the writer.
@@ -137,6 +203,7 @@ class Leadership {
   std::string progress_ NONSTOP_GUARDED_BY(mu_);  // the latest step record, for the writer
   std::string end_ NONSTOP_GUARDED_BY(mu_);       // the job_end record, for the writer
   std::string why_ NONSTOP_GUARDED_BY(mu_);
+  Status final_ NONSTOP_GUARDED_BY(mu_);
 
   std::jthread keepalive_;
   std::jthread writer_;
