@@ -13,23 +13,23 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/torch.h>
 
 #include "collective/data_plane.h"
 #include "collective/tcp_data_plane.h"
@@ -118,8 +118,8 @@ std::vector<double> RunNonstopRanks(int n, size_t count, Body body) {
       if (o != rank) listeners[static_cast<size_t>(o)].fd.Reset();
     }
     net::AbortSignal abort;  // before the data plane: outlives it
-    auto plane =
-        collective::TcpDataPlane::Create({"bench", rank}, std::move(listeners[static_cast<size_t>(rank)]), &abort);
+    auto plane = collective::TcpDataPlane::Create(
+        {"bench", rank}, std::move(listeners[static_cast<size_t>(rank)]), &abort);
     collective::CommunicatorOptions o;
     o.rank = rank;
     o.members = members;
@@ -171,21 +171,26 @@ std::vector<double> BenchTree(int n, int m, const std::vector<Size>& sizes) {
         for (int i = 0; i < s.iters; ++i) op();
         NONSTOP_CHECK(comm.Barrier().ok());
         double secs = std::chrono::duration<double>(Clock::now() - t0).count() / s.iters;
-        // Bytes sent per operation by the rank that sends the most (ranks' shares differ for the tree).
+        // Bytes sent per operation by the rank that sends the most (ranks' shares differ for the
+        // tree).
         std::vector<double> per_rank(static_cast<size_t>(n), 0.0);
-        per_rank[static_cast<size_t>(rank)] = static_cast<double>(comm.stats().bytes_sent - sent) / s.iters;
-        NONSTOP_CHECK(comm.AllGather(std::as_writable_bytes(std::span(per_rank)), sizeof(double)).ok());
+        per_rank[static_cast<size_t>(rank)] =
+            static_cast<double>(comm.stats().bytes_sent - sent) / s.iters;
+        NONSTOP_CHECK(
+            comm.AllGather(std::as_writable_bytes(std::span(per_rank)), sizeof(double)).ok());
         return std::pair{secs, *std::max_element(per_rank.begin(), per_rank.end())};
       };
       auto ring = timed([&] { NONSTOP_CHECK(comm.AllReduce(data).ok()); });
-      auto tree = timed([&] { NONSTOP_CHECK(comm.AllReduceTree(m, ranges, folder.partials(), result).ok()); });
+      auto tree = timed(
+          [&] { NONSTOP_CHECK(comm.AllReduceTree(m, ranges, folder.partials(), result).ok()); });
       out.insert(out.end(), {ring.first, tree.first, ring.second, tree.second});
     }
     return out;
   });
 }
 
-int TreeMain(int m, const std::vector<int>& worlds, size_t min_bytes, size_t max_bytes, const std::string& json_path);
+int TreeMain(int m, const std::vector<int>& worlds, size_t min_bytes, size_t max_bytes,
+             const std::string& json_path);
 
 std::vector<double> BenchGloo(int n, const std::vector<Size>& sizes) {
   TempDir dir;
@@ -198,7 +203,8 @@ std::vector<double> BenchGloo(int n, const std::vector<Size>& sizes) {
     ::c10d::ProcessGroupGloo pg(store, rank, n, opts);
     std::vector<double> out;
     for (const Size& s : sizes) {
-      std::vector<at::Tensor> t{torch::ones({static_cast<int64_t>(s.bytes / sizeof(float))}, torch::kFloat32)};
+      std::vector<at::Tensor> t{
+          torch::ones({static_cast<int64_t>(s.bytes / sizeof(float))}, torch::kFloat32)};
       pg.allreduce(t)->wait();  // warm-up
       pg.barrier()->wait();
       auto t0 = Clock::now();
@@ -223,12 +229,14 @@ double BenchRawTcp(size_t total_bytes) {
     size_t sent = 0;
     while (sent < total_bytes) {
       size_t n = std::min(buf.size(), total_bytes - sent);
-      if (!net::SendAll(fd->get(), std::span(buf.data(), n), kNoDeadline, nullptr, "raw").ok()) _exit(1);
+      if (!net::SendAll(fd->get(), std::span(buf.data(), n), kNoDeadline, nullptr, "raw").ok())
+        _exit(1);
       sent += n;
     }
     _exit(0);
   }
-  NONSTOP_CHECK(net::WaitFd(l->fd.get(), POLLIN, DeadlineAfter(Millis(5000)), nullptr, "accept").ok());
+  NONSTOP_CHECK(
+      net::WaitFd(l->fd.get(), POLLIN, DeadlineAfter(Millis(5000)), nullptr, "accept").ok());
   auto conn = net::Accept(l->fd.get());
   NONSTOP_CHECK(conn.ok());
   std::vector<std::byte> buf(4 << 20);
@@ -236,7 +244,8 @@ double BenchRawTcp(size_t total_bytes) {
   auto t0 = Clock::now();
   while (got < total_bytes) {
     size_t n = std::min(buf.size(), total_bytes - got);
-    NONSTOP_CHECK(net::RecvAll(conn->get(), std::span(buf.data(), n), kNoDeadline, nullptr, "raw").ok());
+    NONSTOP_CHECK(
+        net::RecvAll(conn->get(), std::span(buf.data(), n), kNoDeadline, nullptr, "raw").ok());
     got += n;
   }
   double secs = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -251,7 +260,8 @@ std::string HumanBytes(size_t b) {
 }
 
 int Main(int argc, char** argv) {
-  CLI::App app{"Allreduce bus bandwidth: nonstop vs c10d Gloo, with raw loopback TCP as the ceiling"};
+  CLI::App app{
+      "Allreduce bus bandwidth: nonstop vs c10d Gloo, with raw loopback TCP as the ceiling"};
   int nproc = 4;
   size_t min_bytes = 4 << 10, max_bytes = 256u << 20;
   std::string json_path = "bench-results/allreduce.json";
@@ -259,23 +269,29 @@ int Main(int argc, char** argv) {
   std::vector<int> worlds = {2, 3, 4};
   app.add_option("--nproc", nproc, "Processes per backend")->capture_default_str();
   app.add_option("--min-bytes", min_bytes, "Smallest message")->capture_default_str();
-  app.add_option("--max-bytes", max_bytes, "Largest message (sizes step by 4x)")->capture_default_str();
+  app.add_option("--max-bytes", max_bytes, "Largest message (sizes step by 4x)")
+      ->capture_default_str();
   app.add_option("--json", json_path, "Where to write the results")->capture_default_str();
   app.add_option("--tree", tree,
-                 "Instead: the world-invariant all-reduce over this many micro-batches against the ring, at each "
+                 "Instead: the world-invariant all-reduce over this many micro-batches against the "
+                 "ring, at each "
                  "of --worlds")
       ->check(CLI::Range(1, 4096));
-  app.add_option("--worlds", worlds, "World sizes for --tree")->delimiter(',')->capture_default_str();
+  app.add_option("--worlds", worlds, "World sizes for --tree")
+      ->delimiter(',')
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   ::signal(SIGPIPE, SIG_IGN);
   if (tree > 0) {
     return TreeMain(tree, worlds, min_bytes, std::min<size_t>(max_bytes, 64u << 20),
-                    json_path == "bench-results/allreduce.json" ? "bench-results/allreduce-tree.json" : json_path);
+                    json_path == "bench-results/allreduce.json"
+                        ? "bench-results/allreduce-tree.json"
+                        : json_path);
   }
 
   auto sizes = Sizes(min_bytes, max_bytes);
-  fmt::print("allreduce, {} processes on loopback, {} sizes {}..{}\n", nproc, sizes.size(), HumanBytes(min_bytes),
-             HumanBytes(max_bytes));
+  fmt::print("allreduce, {} processes on loopback, {} sizes {}..{}\n", nproc, sizes.size(),
+             HumanBytes(min_bytes), HumanBytes(max_bytes));
   std::fflush(stdout);
   double raw = BenchRawTcp(2u << 30);
   fmt::print("raw loopback TCP, one connection: {:.2f} GB/s\n", raw / 1e9);
@@ -285,19 +301,28 @@ int Main(int argc, char** argv) {
 
   double factor = 2.0 * (nproc - 1) / nproc;
   nlohmann::json results = nlohmann::json::array();
-  fmt::print("\n{:>10} {:>6} {:>14} {:>14} {:>12} {:>14}\n", "size", "iters", "nonstop GB/s", "gloo GB/s",
-             "nonstop/gloo", "nonstop/raw");
+  fmt::print("\n{:>10} {:>6} {:>14} {:>14} {:>12} {:>14}\n", "size", "iters", "nonstop GB/s",
+             "gloo GB/s", "nonstop/gloo", "nonstop/raw");
   for (size_t i = 0; i < sizes.size(); ++i) {
     double bw_ns = factor * static_cast<double>(sizes[i].bytes) / ns[i];
     double bw_gl = factor * static_cast<double>(sizes[i].bytes) / gl[i];
-    fmt::print("{:>10} {:>6} {:>14.3f} {:>14.3f} {:>12.2f} {:>13.1f}%\n", HumanBytes(sizes[i].bytes), sizes[i].iters,
-               bw_ns / 1e9, bw_gl / 1e9, bw_ns / bw_gl, 100.0 * bw_ns / raw);
-    results.push_back({{"bytes", sizes[i].bytes}, {"iters", sizes[i].iters}, {"nonstop_seconds", ns[i]},
-                       {"gloo_seconds", gl[i]}, {"nonstop_busbw_bytes_per_s", bw_ns}, {"gloo_busbw_bytes_per_s", bw_gl},
-                       {"ratio_nonstop_over_gloo", bw_ns / bw_gl}, {"fraction_of_raw_tcp", bw_ns / raw}});
+    fmt::print("{:>10} {:>6} {:>14.3f} {:>14.3f} {:>12.2f} {:>13.1f}%\n",
+               HumanBytes(sizes[i].bytes), sizes[i].iters, bw_ns / 1e9, bw_gl / 1e9, bw_ns / bw_gl,
+               100.0 * bw_ns / raw);
+    results.push_back({{"bytes", sizes[i].bytes},
+                       {"iters", sizes[i].iters},
+                       {"nonstop_seconds", ns[i]},
+                       {"gloo_seconds", gl[i]},
+                       {"nonstop_busbw_bytes_per_s", bw_ns},
+                       {"gloo_busbw_bytes_per_s", bw_gl},
+                       {"ratio_nonstop_over_gloo", bw_ns / bw_gl},
+                       {"fraction_of_raw_tcp", bw_ns / raw}});
   }
-  nlohmann::json doc = {{"benchmark", "allreduce"}, {"nproc", nproc}, {"raw_tcp_bytes_per_s", raw},
-                        {"busbw_formula", "2*(n-1)/n*bytes/seconds"}, {"results", results}};
+  nlohmann::json doc = {{"benchmark", "allreduce"},
+                        {"nproc", nproc},
+                        {"raw_tcp_bytes_per_s", raw},
+                        {"busbw_formula", "2*(n-1)/n*bytes/seconds"},
+                        {"results", results}};
   std::filesystem::path p(json_path);
   if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
   std::ofstream(json_path) << doc.dump(2) << "\n";
@@ -305,11 +330,14 @@ int Main(int argc, char** argv) {
   return 0;
 }
 
-int TreeMain(int m, const std::vector<int>& worlds, size_t min_bytes, size_t max_bytes, const std::string& json_path) {
+int TreeMain(int m, const std::vector<int>& worlds, size_t min_bytes, size_t max_bytes,
+             const std::string& json_path) {
   auto sizes = Sizes(min_bytes, max_bytes);
-  fmt::print("world-invariant all-reduce ({} micro-batches, a fixed tree) against the ring, on loopback\n", m);
-  fmt::print("{:>6} {:>10} {:>6} {:>12} {:>12} {:>10} {:>14} {:>14}\n", "world", "size", "iters", "ring ms",
-             "tree ms", "tree/ring", "ring B max", "tree B max");
+  fmt::print(
+      "world-invariant all-reduce ({} micro-batches, a fixed tree) against the ring, on loopback\n",
+      m);
+  fmt::print("{:>6} {:>10} {:>6} {:>12} {:>12} {:>10} {:>14} {:>14}\n", "world", "size", "iters",
+             "ring ms", "tree ms", "tree/ring", "ring B max", "tree B max");
   nlohmann::json results = nlohmann::json::array();
   for (int w : worlds) {
     if (w < 1 || w > m) {
@@ -319,15 +347,22 @@ int TreeMain(int m, const std::vector<int>& worlds, size_t min_bytes, size_t max
     auto r = BenchTree(w, m, sizes);
     for (size_t i = 0; i < sizes.size(); ++i) {
       double ring = r[4 * i], tree = r[4 * i + 1], ring_b = r[4 * i + 2], tree_b = r[4 * i + 3];
-      fmt::print("{:>6} {:>10} {:>6} {:>12.3f} {:>12.3f} {:>10.2f} {:>14.0f} {:>14.0f}\n", w, HumanBytes(sizes[i].bytes),
-                 sizes[i].iters, ring * 1e3, tree * 1e3, tree / ring, ring_b, tree_b);
+      fmt::print("{:>6} {:>10} {:>6} {:>12.3f} {:>12.3f} {:>10.2f} {:>14.0f} {:>14.0f}\n", w,
+                 HumanBytes(sizes[i].bytes), sizes[i].iters, ring * 1e3, tree * 1e3, tree / ring,
+                 ring_b, tree_b);
       std::fflush(stdout);
-      results.push_back({{"world", w}, {"bytes", sizes[i].bytes}, {"iters", sizes[i].iters},
-                         {"ring_seconds", ring}, {"tree_seconds", tree}, {"ratio_tree_over_ring", tree / ring},
-                         {"ring_bytes_sent_per_rank", ring_b}, {"tree_bytes_sent_per_rank", tree_b}});
+      results.push_back({{"world", w},
+                         {"bytes", sizes[i].bytes},
+                         {"iters", sizes[i].iters},
+                         {"ring_seconds", ring},
+                         {"tree_seconds", tree},
+                         {"ratio_tree_over_ring", tree / ring},
+                         {"ring_bytes_sent_per_rank", ring_b},
+                         {"tree_bytes_sent_per_rank", tree_b}});
     }
   }
-  nlohmann::json doc = {{"benchmark", "allreduce-tree"}, {"micro_batches", m}, {"results", results}};
+  nlohmann::json doc = {
+      {"benchmark", "allreduce-tree"}, {"micro_batches", m}, {"results", results}};
   std::filesystem::path p(json_path);
   if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
   std::ofstream(json_path) << doc.dump(2) << "\n";

@@ -98,13 +98,16 @@ Result<JournalSummary> ReadJournalSummary(const std::string& path) {
       r.journal_exit_code = j.value("exit_code", -1);
       std::smatch m;
       std::string reason = j.value("reason", "");
-      if (std::regex_search(reason, m, std::regex("checksum ([0-9a-f]{8})"))) reason_checksum = m[1];
+      if (std::regex_search(reason, m, std::regex("checksum ([0-9a-f]{8})")))
+        reason_checksum = m[1];
     } else if (ev == "recovery_end" && j.contains("recovery")) {
       r.recoveries.push_back(j["recovery"]);
     }
     r.records.push_back(j);
   }
-  if (t0 < 0) return NotFoundError(fmt::format("journal {} has no job_start record: did the job start?", path));
+  if (t0 < 0)
+    return NotFoundError(
+        fmt::format("journal {} has no job_start record: did the job start?", path));
   if (r.checksum.empty()) r.checksum = reason_checksum;
   r.distinct = static_cast<int64_t>(seen.size());
   return r;

@@ -38,7 +38,7 @@ struct StepEvent {
 };
 
 struct InjectedFault {
-  std::string spec;  // as the worker announced it, e.g. "kill:rank=2,step=30"
+  std::string spec;   // as the worker announced it, e.g. "kill:rank=2,step=30"
   int64_t step = -1;  // the spec's step, -1 when it has none
   int worker_id = -1;
   double t = 0;  // seconds since job_start
@@ -47,17 +47,20 @@ struct InjectedFault {
 // A journal read back (one job: `nonstop run` truncates its journal). Records
 // before job_start are skipped.
 struct JournalSummary {
-  std::vector<nlohmann::json> records;  // every record from job_start on, each with "t" (seconds since job_start) added
+  // every record from job_start on, each with "t" (seconds since job_start) added
+  std::vector<nlohmann::json> records;
   double start_epoch_s = 0;             // wall clock of job_start, seconds since the epoch
   std::vector<StepEvent> steps;         // "step" records in journal order
   std::vector<InjectedFault> injected;  // "fault_injected" records
-  nlohmann::json recoveries = nlohmann::json::array();  // the "recovery" object of every recovery_end
-  int64_t redone = 0;                   // step records for a step already completed
-  int64_t distinct = 0;                 // distinct steps completed
-  double wall = 0;                      // seconds from job_start to job_end (0: no job_end)
-  int journal_exit_code = -1;           // job_end's exit_code (-1: no job_end)
-  std::string checksum;                 // final parameter checksum: "finished" records, else job_end's reason
-  bool checksums_agree = true;          // every "finished" record had the same checksum
+  // the "recovery" object of every recovery_end
+  nlohmann::json recoveries = nlohmann::json::array();
+  int64_t redone = 0;          // step records for a step already completed
+  int64_t distinct = 0;        // distinct steps completed
+  double wall = 0;             // seconds from job_start to job_end (0: no job_end)
+  int journal_exit_code = -1;  // job_end's exit_code (-1: no job_end)
+  // final parameter checksum: "finished" records, else job_end's reason
+  std::string checksum;
+  bool checksums_agree = true;  // every "finished" record had the same checksum
 };
 
 // Reads `path`; an error names the file and the malformed line, or says there is no job_start.

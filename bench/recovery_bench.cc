@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench/bench_util.h"
@@ -44,14 +44,17 @@ struct RunResult : JournalSummary {
   std::string name;
   int exit_code = -1;
   std::vector<double> downtimes;  // per injected fault, seconds (-1: the step never completed)
-  std::vector<double> time_lost;  // per injected fault: the step across it minus a normal step (-1: not measured)
+  // per injected fault: the step across it minus a normal step (-1: not measured)
+  std::vector<double> time_lost;
 };
 
 RunResult ReadRun(const std::string& name, const std::string& path, int exit_code) {
   RunResult r;
   auto summary = ReadJournalSummary(path);
-  if (summary.ok()) static_cast<JournalSummary&>(r) = std::move(*summary);
-  else fmt::print(stderr, "  {}: {}\n", name, summary.status().ToString());
+  if (summary.ok())
+    static_cast<JournalSummary&>(r) = std::move(*summary);
+  else
+    fmt::print(stderr, "  {}: {}\n", name, summary.status().ToString());
   r.name = name;
   r.exit_code = exit_code;
   return r;
@@ -71,7 +74,8 @@ void ComputeDowntimes(RunResult* r, double normal_step) {
     for (const auto& s : r->steps) {
       if (s.step == f.step - 1 && s.t <= f.t) before = s.t;
     }
-    r->time_lost.push_back(done < 0 || before < 0 ? -1 : std::max(0.0, done - before - normal_step));
+    r->time_lost.push_back(done < 0 || before < 0 ? -1
+                                                  : std::max(0.0, done - before - normal_step));
   }
 }
 
@@ -90,7 +94,9 @@ std::vector<json> JournalRecords(const std::string& path) {
 
 int Main(int argc, char** argv) {
   auto [our_argc, program] = SplitAtDoubleDash(argc, argv);
-  CLI::App app{"What a fault costs: checkpointless recovery against checkpoint-restart, same job, same machine"};
+  CLI::App app{
+      "What a fault costs: checkpointless recovery against checkpoint-restart, same job, same "
+      "machine"};
   int nproc = 4, spares = 1;
   int64_t steps = 60;
   std::string faults = "kill:rank=2,step=20;kill:rank=1,step=40";
@@ -99,15 +105,25 @@ int Main(int argc, char** argv) {
   bool compare_salvage = false;
   app.add_option("--nproc", nproc, "Workers")->capture_default_str();
   app.add_option("--spares", spares, "Spares for the checkpointless run")->capture_default_str();
-  app.add_option("--steps", steps, "Training steps (passed to the program as --steps)")->capture_default_str();
-  app.add_option("--faults", faults, "Fault schedule (nonstop run --inject syntax)")->capture_default_str();
-  app.add_option("--mtbf", mtbf, "MTBF for the baseline's Young/Daly checkpoint interval (s); 0: the schedule's own "
-                 "(fault-free wall time / (faults + 1))")->capture_default_str();
-  app.add_option("--out", out, "Output directory (results.json, report.html, logs)")->capture_default_str();
-  app.add_flag("--compare-salvage", compare_salvage,
-               "Also run the checkpointless job with NONSTOP_TRAIN_NO_SALVAGE=1 (for a recipe with determinism: "
-               "world-invariant: the step in flight computed again whole, against kept partial sums)");
-  app.footer("After `--`: the training program (default: nonstop-train with its built-in llama-tiny recipe).");
+  app.add_option("--steps", steps, "Training steps (passed to the program as --steps)")
+      ->capture_default_str();
+  app.add_option("--faults", faults, "Fault schedule (nonstop run --inject syntax)")
+      ->capture_default_str();
+  app.add_option(
+         "--mtbf", mtbf,
+         "MTBF for the baseline's Young/Daly checkpoint interval (s); 0: the schedule's own "
+         "(fault-free wall time / (faults + 1))")
+      ->capture_default_str();
+  app.add_option("--out", out, "Output directory (results.json, report.html, logs)")
+      ->capture_default_str();
+  app.add_flag(
+      "--compare-salvage", compare_salvage,
+      "Also run the checkpointless job with NONSTOP_TRAIN_NO_SALVAGE=1 (for a recipe with "
+      "determinism: "
+      "world-invariant: the step in flight computed again whole, against kept partial sums)");
+  app.footer(
+      "After `--`: the training program (default: nonstop-train with its built-in llama-tiny "
+      "recipe).");
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -122,13 +138,15 @@ int Main(int argc, char** argv) {
 
   auto run = [&](const std::string& name, std::vector<std::string> flags) {
     std::string journal = out + "/" + name + ".jsonl";
-    std::vector<std::string> argv = {bin + "/nonstop", "run", "--nproc", std::to_string(nproc), "--journal", journal};
+    std::vector<std::string> argv = {bin + "/nonstop",      "run",       "--nproc",
+                                     std::to_string(nproc), "--journal", journal};
     argv.insert(argv.end(), flags.begin(), flags.end());
     argv.push_back("--");
     argv.insert(argv.end(), program.begin(), program.end());
     int code = RunCommand(argv, out + "/" + name + ".log");
     RunResult r = ReadRun(name, journal, code);
-    fmt::print("  {}: exit {}, {:.1f} s, {} steps ({} redone)\n", name, code, r.wall, r.steps.size(), r.redone);
+    fmt::print("  {}: exit {}, {:.1f} s, {} steps ({} redone)\n", name, code, r.wall,
+               r.steps.size(), r.redone);
     std::fflush(stdout);
     return r;
   };
@@ -140,67 +158,96 @@ int Main(int argc, char** argv) {
   RunResult whole;
   if (compare_salvage) {
     ::setenv("NONSTOP_TRAIN_NO_SALVAGE", "1", 1);  // the workers inherit it through nonstop run
-    whole = run("checkpointless-no-salvage", {"--spares", std::to_string(spares), "--inject", faults});
+    whole =
+        run("checkpointless-no-salvage", {"--spares", std::to_string(spares), "--inject", faults});
     ::unsetenv("NONSTOP_TRAIN_NO_SALVAGE");
   }
   std::string ckpt_dir = out + "/checkpoints";
   fs::remove_all(ckpt_dir);
-  RunResult cpr = run("checkpoint-restart", {"--spares", "0", "--recovery", "checkpoint", "--checkpoint-dir", ckpt_dir,
-                                             "--mtbf", fmt::format("{}", mtbf), "--inject", faults});
+  RunResult cpr =
+      run("checkpoint-restart", {"--spares", "0", "--recovery", "checkpoint", "--checkpoint-dir",
+                                 ckpt_dir, "--mtbf", fmt::format("{}", mtbf), "--inject", faults});
   ComputeDowntimes(&cpl, normal);
   ComputeDowntimes(&cpr, normal);
   if (compare_salvage) ComputeDowntimes(&whole, normal);
 
   std::vector<RunResult*> all = {&clean, &cpl, &cpr};
   if (compare_salvage) all.insert(all.begin() + 2, &whole);
-  fmt::print("\nsame job, same machine: {} workers, {} steps, faults {}; a normal step {:.3f} s; baseline MTBF {:.1f} s\n\n",
-             nproc, steps, faults, normal, mtbf);
-  fmt::print("{:<26} {:>5} {:>9} {:>12} {:>7} {:>8}  {:<24} {}\n", "run", "exit", "wall (s)", "vs no fault", "redone",
-             "goodput", "downtime per fault (ms)", "time lost per fault (ms)");
+  fmt::print(
+      "\nsame job, same machine: {} workers, {} steps, faults {}; a normal step {:.3f} s; baseline "
+      "MTBF {:.1f} s\n\n",
+      nproc, steps, faults, normal, mtbf);
+  fmt::print("{:<26} {:>5} {:>9} {:>12} {:>7} {:>8}  {:<24} {}\n", "run", "exit", "wall (s)",
+             "vs no fault", "redone", "goodput", "downtime per fault (ms)",
+             "time lost per fault (ms)");
   json runs = json::array();
   for (RunResult* r : all) {
     double goodput = r->wall > 0 ? static_cast<double>(r->distinct) * normal / r->wall : 0;
     auto list = [](const std::vector<double>& v) {
       std::string text;
-      for (double d : v) text += (text.empty() ? "" : ", ") + (d < 0 ? std::string("n/a") : fmt::format("{:.0f}", d * 1000));
+      for (double d : v)
+        text += (text.empty() ? "" : ", ") +
+                (d < 0 ? std::string("n/a") : fmt::format("{:.0f}", d * 1000));
       return text.empty() ? std::string("-") : text;
     };
-    fmt::print("{:<26} {:>5} {:>9.1f} {:>+11.1f}% {:>7} {:>7.1f}%  {:<24} {}\n", r->name, r->exit_code, r->wall,
-               clean.wall > 0 ? 100.0 * (r->wall / clean.wall - 1) : 0.0, r->redone, 100 * goodput, list(r->downtimes),
-               list(r->time_lost));
-    auto ms = [](const std::vector<double>& v, size_t i) { return v.size() > i && v[i] >= 0 ? json(v[i] * 1000) : json(nullptr); };
+    fmt::print("{:<26} {:>5} {:>9.1f} {:>+11.1f}% {:>7} {:>7.1f}%  {:<24} {}\n", r->name,
+               r->exit_code, r->wall, clean.wall > 0 ? 100.0 * (r->wall / clean.wall - 1) : 0.0,
+               r->redone, 100 * goodput, list(r->downtimes), list(r->time_lost));
+    auto ms = [](const std::vector<double>& v, size_t i) {
+      return v.size() > i && v[i] >= 0 ? json(v[i] * 1000) : json(nullptr);
+    };
     json faults_j = json::array();
     for (size_t i = 0; i < r->injected.size(); ++i) {
-      faults_j.push_back({{"spec", r->injected[i].spec}, {"at_s", r->injected[i].t},
-                          {"downtime_ms", ms(r->downtimes, i)}, {"time_lost_ms", ms(r->time_lost, i)}});
+      faults_j.push_back({{"spec", r->injected[i].spec},
+                          {"at_s", r->injected[i].t},
+                          {"downtime_ms", ms(r->downtimes, i)},
+                          {"time_lost_ms", ms(r->time_lost, i)}});
     }
-    runs.push_back({{"name", r->name}, {"exit_code", r->exit_code}, {"wall_s", r->wall},
-                    {"steps_completed_events", r->steps.size()}, {"distinct_steps", r->distinct},
-                    {"steps_redone", r->redone}, {"goodput", goodput}, {"checksum", r->checksum},
-                    {"mean_downtime_ms", MeanOfMeasured(r->downtimes) < 0 ? json(nullptr) : json(MeanOfMeasured(r->downtimes) * 1000)},
-                    {"mean_time_lost_ms", MeanOfMeasured(r->time_lost) < 0 ? json(nullptr) : json(MeanOfMeasured(r->time_lost) * 1000)},
-                    {"faults", faults_j}, {"recoveries", r->recoveries}});
+    runs.push_back({{"name", r->name},
+                    {"exit_code", r->exit_code},
+                    {"wall_s", r->wall},
+                    {"steps_completed_events", r->steps.size()},
+                    {"distinct_steps", r->distinct},
+                    {"steps_redone", r->redone},
+                    {"goodput", goodput},
+                    {"checksum", r->checksum},
+                    {"mean_downtime_ms", MeanOfMeasured(r->downtimes) < 0
+                                             ? json(nullptr)
+                                             : json(MeanOfMeasured(r->downtimes) * 1000)},
+                    {"mean_time_lost_ms", MeanOfMeasured(r->time_lost) < 0
+                                              ? json(nullptr)
+                                              : json(MeanOfMeasured(r->time_lost) * 1000)},
+                    {"faults", faults_j},
+                    {"recoveries", r->recoveries}});
   }
   double a = MeanOfMeasured(cpl.downtimes), b = MeanOfMeasured(cpr.downtimes);
   json summary = {{"normal_step_s", normal}, {"mtbf_s", mtbf}};
   if (a >= 0 && b > 0) {
-    fmt::print("\ndowntime per fault: checkpointless {:.0f} ms vs checkpoint-restart {:.0f} ms: ratio {:.4f}, "
-               "{:.1f}% less downtime\n", a * 1000, b * 1000, a / b, 100 * (1 - a / b));
+    fmt::print(
+        "\ndowntime per fault: checkpointless {:.0f} ms vs checkpoint-restart {:.0f} ms: ratio "
+        "{:.4f}, "
+        "{:.1f}% less downtime\n",
+        a * 1000, b * 1000, a / b, 100 * (1 - a / b));
     summary["downtime_ratio_checkpointless_over_checkpoint"] = a / b;
     summary["downtime_reduction_percent"] = 100 * (1 - a / b);
   }
   if (compare_salvage) {
     double kept = MeanOfMeasured(cpl.time_lost), again = MeanOfMeasured(whole.time_lost);
     std::ifstream log(out + "/checkpointless.log");
-    const bool salvaged = std::string(std::istreambuf_iterator<char>(log), {}).find("kept the sums of") !=
-                          std::string::npos;
+    const bool salvaged =
+        std::string(std::istreambuf_iterator<char>(log), {}).find("kept the sums of") !=
+        std::string::npos;
     if (!salvaged) {
-      fmt::print("\nthe checkpointless run kept no sums of a step in flight (is the recipe world-invariant, and the "
-                 "program nonstop-train?): the salvage comparison means nothing\n");
+      fmt::print(
+          "\nthe checkpointless run kept no sums of a step in flight (is the recipe "
+          "world-invariant, and the "
+          "program nonstop-train?): the salvage comparison means nothing\n");
     } else if (kept >= 0 && again > 0) {
-      fmt::print("time lost per fault: {:.0f} ms keeping the step in flight's sums, {:.0f} ms computing it again: ratio "
-                 "{:.3f}; a normal step {:.0f} ms ({:.2f} of a step kept, {:.2f} again)\n",
-                 kept * 1000, again * 1000, kept / again, normal * 1000, kept / normal, again / normal);
+      fmt::print(
+          "time lost per fault: {:.0f} ms keeping the step in flight's sums, {:.0f} ms computing "
+          "it again: ratio "
+          "{:.3f}; a normal step {:.0f} ms ({:.2f} of a step kept, {:.2f} again)\n",
+          kept * 1000, again * 1000, kept / again, normal * 1000, kept / normal, again / normal);
       summary["time_lost_ms_salvage"] = kept * 1000;
       summary["time_lost_ms_no_salvage"] = again * 1000;
       summary["time_lost_ratio_salvage_over_no_salvage"] = kept / again;
@@ -210,17 +257,23 @@ int Main(int argc, char** argv) {
     fmt::print("checkpointless without salvage: checksum {}\n", whole.checksum);
     summary["salvaged"] = salvaged;
   }
-  fmt::print("final parameter checksums: fault-free {}, checkpointless {}, checkpoint-restart {}\n", clean.checksum,
-             cpl.checksum, cpr.checksum);
-  json doc = {{"benchmark", "recovery"}, {"nproc", nproc}, {"steps", steps}, {"faults", faults},
-              {"program", program}, {"summary", summary}, {"runs", runs}};
+  fmt::print("final parameter checksums: fault-free {}, checkpointless {}, checkpoint-restart {}\n",
+             clean.checksum, cpl.checksum, cpr.checksum);
+  json doc = {{"benchmark", "recovery"}, {"nproc", nproc},     {"steps", steps}, {"faults", faults},
+              {"program", program},      {"summary", summary}, {"runs", runs}};
   std::ofstream(out + "/results.json") << doc.dump(2) << "\n";
   std::vector<dashboard::Run> pages;
-  for (RunResult* r : all) pages.push_back({r->name, JournalRecords(out + "/" + r->name + ".jsonl")});
+  for (RunResult* r : all)
+    pages.push_back({r->name, JournalRecords(out + "/" + r->name + ".jsonl")});
   std::ofstream(out + "/report.html") << dashboard::ComparePage(
-      pages, fmt::format("what a fault costs, {} workers: fault-free, checkpointless, checkpoint-restart", nproc));
+      pages,
+      fmt::format("what a fault costs, {} workers: fault-free, checkpointless, checkpoint-restart",
+                  nproc));
   fmt::print("wrote {0}/results.json and {0}/report.html (logs and journals beside them)\n", out);
-  return (clean.exit_code | cpl.exit_code | cpr.exit_code | (compare_salvage ? whole.exit_code : 0)) == 0 ? 0 : 1;
+  return (clean.exit_code | cpl.exit_code | cpr.exit_code |
+          (compare_salvage ? whole.exit_code : 0)) == 0
+             ? 0
+             : 1;
 }
 
 }  // namespace

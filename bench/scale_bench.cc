@@ -46,8 +46,8 @@
 #include <thread>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench/bench_util.h"
@@ -102,13 +102,14 @@ json Path(const json& j, const std::string& path) {
 // ======================================================================= sim
 
 struct SimOptions {
-  int spare_hosts = 1;      // hosts of 8 spares each, beside the N/8 worker hosts
-  int steps = 3;            // steps every member reports before the fault
+  int spare_hosts = 1;          // hosts of 8 spares each, beside the N/8 worker hosts
+  int steps = 3;                // steps every member reports before the fault
   double encode_budget_s = 20;  // encoding the plans once per member stops here and extrapolates
   uint64_t seed = 1;
 };
 
-// The SendPlan's plan, whatever the action's shape (a PlanMsg, or a pointer to one shared by all members).
+// The SendPlan's plan, whatever the action's shape (a PlanMsg, or a pointer to one shared by all
+// members).
 template <typename P>
 const control::PlanMsg& PlanOf(const P& p) {
   if constexpr (requires { p.plan->generation; }) {
@@ -128,8 +129,8 @@ const control::AbortMsg& AbortOf(const A& a) {
   }
 }
 
-// One size of the simulation. Writes one JSON object per phase to `progress` (a line each, flushed), so that
-// the parent keeps what was measured if this child runs out of time or memory.
+// One size of the simulation. Writes one JSON object per phase to `progress` (a line each,
+// flushed), so that the parent keeps what was measured if this child runs out of time or memory.
 class Sim {
  public:
   Sim(int n, const SimOptions& o, std::FILE* progress, std::string journal)
@@ -147,7 +148,10 @@ class Sim {
     co.join_timeout = Millis(36'000'000);
     co.watchdog_floor = Millis(3'600'000);
     co.hang_floor = Millis(3'600'000);
-    Put({{"phase", "start"}, {"n", n_}, {"hosts", hosts}, {"spare_hosts", o_.spare_hosts},
+    Put({{"phase", "start"},
+         {"n", n_},
+         {"hosts", hosts},
+         {"spare_hosts", o_.spare_hosts},
          {"rss_kib", RssKib()}});
     const int64_t rss_before = RssKib();
     Controller c(co);
@@ -159,7 +163,8 @@ class Sim {
     for (int h = 0; h < hosts + o_.spare_hosts; ++h) {
       bool spare_host = h >= hosts;
       std::string id = spare_host ? fmt::format("s{}", h - hosts) : fmt::format("h{}", h);
-      control::AgentRegisterMsg m{id, spare_host ? 0 : 8, spare_host ? 8 : 0, HostAddress(h), 1000 + h, 0};
+      control::AgentRegisterMsg m{
+          id, spare_host ? 0 : 8, spare_host ? 8 : 0, HostAddress(h), 1000 + h, 0};
       address_[id] = HostAddress(h);
       auto t1 = SteadyClock::now();
       auto out = Do(c, HostJoined{m});
@@ -170,18 +175,26 @@ class Sim {
       if (!spawns.empty() && place_ms == 0) place_ms = ms;
     }
     double register_ms = MsSince(t);
-    Put({{"phase", "register"}, {"ms", register_ms}, {"placing_handle_ms", place_ms}, {"spawns", spawns.size()}});
+    Put({{"phase", "register"},
+         {"ms", register_ms},
+         {"placing_handle_ms", place_ms},
+         {"spawns", spawns.size()}});
 
     // 2. The agents start them; they join. The join that completes the world forms generation 1.
     t = SteadyClock::now();
-    for (const auto& s : spawns) Do(c, WorkerStarted{s.host, {s.worker_id, 100000 + s.worker_id, ""}});
+    for (const auto& s : spawns)
+      Do(c, WorkerStarted{s.host, {s.worker_id, 100000 + s.worker_id, ""}});
     double started_ms = MsSince(t);
     t = SteadyClock::now();
     double form_ms = 0, slowest_join_ms = 0;
     std::vector<Action> form_actions;
     for (const auto& s : spawns) {
-      control::JoinMsg m{s.worker_id, 100000 + s.worker_id,
-                         fmt::format("{}:{}", address_[s.host], 40000 + s.worker_id % 20000), s.spare, -1, s.host};
+      control::JoinMsg m{s.worker_id,
+                         100000 + s.worker_id,
+                         fmt::format("{}:{}", address_[s.host], 40000 + s.worker_id % 20000),
+                         s.spare,
+                         -1,
+                         s.host};
       auto t1 = SteadyClock::now();
       auto out = Do(c, WorkerJoined{m});
       double ms = MsSince(t1);
@@ -193,19 +206,27 @@ class Sim {
     }
     double joins_ms = MsSince(t);
     const int64_t rss_after = RssKib();
-    Put({{"phase", "form"}, {"started_handles_ms", started_ms}, {"join_handles_ms", joins_ms},
-         {"slowest_join_ms", slowest_join_ms}, {"forming_handle_ms", form_ms}, {"world", c.world_size()},
-         {"generation", c.generation()}, {"rss_before_kib", rss_before}, {"rss_after_kib", rss_after},
+    Put({{"phase", "form"},
+         {"started_handles_ms", started_ms},
+         {"join_handles_ms", joins_ms},
+         {"slowest_join_ms", slowest_join_ms},
+         {"forming_handle_ms", form_ms},
+         {"world", c.world_size()},
+         {"generation", c.generation()},
+         {"rss_before_kib", rss_before},
+         {"rss_after_kib", rss_after},
          {"rss_job_kib", rss_after - rss_before}});
     if (c.phase() != JobPhase::kRunning || static_cast<int>(c.world_size()) != n_) {
-      Put({{"phase", "error"}, {"error", fmt::format("the job did not form: world {}", c.world_size())}});
+      Put({{"phase", "error"},
+           {"error", fmt::format("the job did not form: world {}", c.world_size())}});
       return;
     }
     json enc0 = Encode(form_actions);
     form_actions.clear();
     Put({{"phase", "form_encode"}, {"encode", enc0}});
 
-    // 3. Steady state: every member reports a few steps; one Tick; the runtime's Status() per loop turn.
+    // 3. Steady state: every member reports a few steps; one Tick; the runtime's Status() per loop
+    // turn.
     std::vector<int> members;
     for (const auto& [id, w] : c.workers()) {
       if (w.role == WorkerRole::kMember) members.push_back(id);
@@ -232,14 +253,19 @@ class Sim {
     t = SteadyClock::now();
     std::string st_text = st.dump(2);
     double status_dump_ms = MsSince(t);
-    Put({{"phase", "steady"}, {"progress_round_ms", progress_ms}, {"progress_per_event_us", progress_ms * 1000 / n_},
-         {"tick_ms", tick_ms}, {"tick_actions", tick_actions}, {"status_ms", status_ms},
-         {"status_dump_ms", status_dump_ms}, {"status_bytes", st_text.size()}});
+    Put({{"phase", "steady"},
+         {"progress_round_ms", progress_ms},
+         {"progress_per_event_us", progress_ms * 1000 / n_},
+         {"tick_ms", tick_ms},
+         {"tick_actions", tick_actions},
+         {"status_ms", status_ms},
+         {"status_dump_ms", status_dump_ms},
+         {"status_bytes", st_text.size()}});
     st = json();
     st_text.clear();
 
-    // 4. The fault: one worker host is lost. Survivors answer the abort (in a random order, as the network
-    // would deliver them); the last answer publishes the plan.
+    // 4. The fault: one worker host is lost. Survivors answer the abort (in a random order, as the
+    // network would deliver them); the last answer publishes the plan.
     Advance(10);
     const std::string lost = "h3";
     t = SteadyClock::now();
@@ -248,15 +274,20 @@ class Sim {
     size_t aborts = Count<SendAbort>(fault_out);
     json fault_journal = JournalCost(fault_out);
     json abort_encode = EncodeAborts(fault_out);
-    std::vector<json> records;  // every journal record from the fault to the plan, for the journal's cost
+    // every journal record from the fault to the plan, for the journal's cost
+    std::vector<json> records;
     Keep(&fault_out, &records);
     std::vector<int> survivors;
     for (int id : members) {
       if (c.RankOf(id) >= 0) survivors.push_back(id);
     }
     std::shuffle(survivors.begin(), survivors.end(), rng_);
-    Put({{"phase", "fault"}, {"host_lost_handle_ms", fault_ms}, {"aborts", aborts}, {"survivors", survivors.size()},
-         {"journal", fault_journal}, {"abort_encode", abort_encode}});
+    Put({{"phase", "fault"},
+         {"host_lost_handle_ms", fault_ms},
+         {"aborts", aborts},
+         {"survivors", survivors.size()},
+         {"journal", fault_journal},
+         {"abort_encode", abort_encode}});
     Advance(5);
     std::vector<Action> plan_out;
     double readys_ms = 0, plan_ms = 0, slowest_ready_ms = 0;
@@ -284,14 +315,21 @@ class Sim {
         const auto& plan = PlanOf(*p);
         size_t sources = 0;
         for (const auto& tr : plan.transfers) sources += tr.sources.size();
-        plan_info = {{"members", plan.members.size()}, {"transfers", plan.transfers.size()},
-                     {"transfer_sources", sources}, {"generation", plan.generation}};
+        plan_info = {{"members", plan.members.size()},
+                     {"transfers", plan.transfers.size()},
+                     {"transfer_sources", sources},
+                     {"generation", plan.generation}};
         break;
       }
     }
-    Put({{"phase", "plan"}, {"ready_handles_ms", readys_ms}, {"slowest_ready_ms", slowest_ready_ms},
-         {"plan_handle_ms", plan_ms}, {"all_ready_wall_ms", all_readys_ms}, {"send_plans", plans},
-         {"plan", plan_info}, {"rss_at_plan_kib", rss_plan}});
+    Put({{"phase", "plan"},
+         {"ready_handles_ms", readys_ms},
+         {"slowest_ready_ms", slowest_ready_ms},
+         {"plan_handle_ms", plan_ms},
+         {"all_ready_wall_ms", all_readys_ms},
+         {"send_plans", plans},
+         {"plan", plan_info},
+         {"rss_at_plan_kib", rss_plan}});
     json journal = JournalCost(plan_out);
     Put({{"phase", "plan_journal"}, {"journal", journal}});
     json enc = Encode(plan_out);
@@ -300,8 +338,9 @@ class Sim {
     Put({{"phase", "fault_journal"}, {"journal", appended}});
     Put({{"phase", "plan_encode"}, {"encode", enc}});
 
-    // 5. The rest of the recovery: every member reports its connections and state, then completes the resume
-    // step (recovery_end); then the Tick that refills the lost host's slots elsewhere (none here: it is gone).
+    // 5. The rest of the recovery: every member reports its connections and state, then completes
+    // the resume step (recovery_end); then the Tick that refills the lost host's slots elsewhere
+    // (none here: it is gone).
     std::vector<int> next;
     for (const auto& [id, w] : c.workers()) {
       if (w.role == WorkerRole::kMember) next.push_back(id);
@@ -317,7 +356,8 @@ class Sim {
     for (int id : next) {
       auto out = Do(c, ProgressReceived{id, {o_.steps, 1.0, 0.1, 100, n_}});
       for (const auto& a : out) {
-        if (const auto* j = std::get_if<AppendJournal>(&a)) closed |= j->record.value("event", "") == "recovery_end";
+        if (const auto* j = std::get_if<AppendJournal>(&a))
+          closed |= j->record.value("event", "") == "recovery_end";
       }
     }
     double resumed_ms = MsSince(t);
@@ -325,9 +365,14 @@ class Sim {
     t = SteadyClock::now();
     auto tick2 = Do(c, Tick{});
     double tick2_ms = MsSince(t);
-    Put({{"phase", "recovered"}, {"recovered_handles_ms", recovered_ms}, {"resume_step_handles_ms", resumed_ms},
-         {"recovery_end", closed}, {"tick_after_ms", tick2_ms}, {"world", c.world_size()},
-         {"generation", c.generation()}, {"rss_end_kib", RssKib()}});
+    Put({{"phase", "recovered"},
+         {"recovered_handles_ms", recovered_ms},
+         {"resume_step_handles_ms", resumed_ms},
+         {"recovery_end", closed},
+         {"tick_after_ms", tick2_ms},
+         {"world", c.world_size()},
+         {"generation", c.generation()},
+         {"rss_end_kib", RssKib()}});
     Put({{"phase", "done"}});
   }
 
@@ -343,25 +388,27 @@ class Sim {
   void Advance(int ms) { now_ += Millis(ms); }
 
   static bool HasPlan(const std::vector<controller::Action>& out) {
-    return std::any_of(out.begin(), out.end(),
-                       [](const auto& a) { return std::holds_alternative<controller::SendPlan>(a); });
+    return std::any_of(out.begin(), out.end(), [](const auto& a) {
+      return std::holds_alternative<controller::SendPlan>(a);
+    });
   }
   template <typename T>
   static size_t Count(const std::vector<controller::Action>& out) {
-    return static_cast<size_t>(
-        std::count_if(out.begin(), out.end(), [](const auto& a) { return std::holds_alternative<T>(a); }));
+    return static_cast<size_t>(std::count_if(
+        out.begin(), out.end(), [](const auto& a) { return std::holds_alternative<T>(a); }));
   }
 
   // Moves the journal records among `out` to `records`, and clears `out`.
   static void Keep(std::vector<controller::Action>* out, std::vector<json>* records) {
     for (auto& a : *out) {
-      if (auto* j = std::get_if<controller::AppendJournal>(&a)) records->push_back(std::move(j->record));
+      if (auto* j = std::get_if<controller::AppendJournal>(&a))
+        records->push_back(std::move(j->record));
     }
     out->clear();
   }
 
-  // Appends `records` to a journal the way the runtime does (controller::Journal: buffered lines, one
-  // flush at the end of the loop turn), then clears them.
+  // Appends `records` to a journal the way the runtime does (controller::Journal: buffered lines,
+  // one flush at the end of the loop turn), then clears them.
   json AppendAll(std::vector<json>* records) const {
     auto journal = controller::Journal::Open(journal_);
     if (!journal.ok()) return {{"error", journal.status().ToString()}};
@@ -377,8 +424,8 @@ class Sim {
     return {{"records", n}, {"append_ms", ms}, {"bytes", bytes}};
   }
 
-  // Encoding the aborts the way the runtime does: once per distinct message (once per member before they were
-  // shared). Measures one and counts.
+  // Encoding the aborts the way the runtime does: once per distinct message (once per member before
+  // they were shared). Measures one and counts.
   static json EncodeAborts(const std::vector<controller::Action>& out) {
     std::set<const void*> distinct;
     const control::AbortMsg* first = nullptr;
@@ -396,7 +443,10 @@ class Sim {
     std::string one;
     for (int i = 0; i < 100; ++i) one = control::Encode(*first);
     double one_ms = MsSince(t) / 100;
-    return {{"aborts", n}, {"distinct", distinct.size()}, {"bytes", one.size()}, {"encode_one_ms", one_ms},
+    return {{"aborts", n},
+            {"distinct", distinct.size()},
+            {"bytes", one.size()},
+            {"encode_one_ms", one_ms},
             {"runtime_encode_ms", one_ms * static_cast<double>(distinct.size())}};
   }
 
@@ -412,11 +462,15 @@ class Sim {
         printed += p->line.size();
       }
     }
-    return {{"records", records}, {"bytes", bytes}, {"dump_ms", MsSince(t)}, {"printed_bytes", printed}};
+    return {{"records", records},
+            {"bytes", bytes},
+            {"dump_ms", MsSince(t)},
+            {"printed_bytes", printed}};
   }
 
-  // Encodes the SendPlan actions among `out` the way the runtime does: once per distinct plan object (one per
-  // member when every action holds its own copy). Stops after encode_budget_s and extrapolates.
+  // Encodes the SendPlan actions among `out` the way the runtime does: once per distinct plan
+  // object (one per member when every action holds its own copy). Stops after encode_budget_s and
+  // extrapolates.
   json Encode(const std::vector<controller::Action>& out) const {
     std::vector<const control::PlanMsg*> plans;
     for (const auto& a : out) {
@@ -445,9 +499,14 @@ class Sim {
       bytes += last.size();
     }
     double ms = MsSince(t);
-    double runtime_ms = extrapolated ? ms * static_cast<double>(distinct.size()) / static_cast<double>(done) : ms;
-    return {{"send_plans", plans.size()}, {"distinct_plans", distinct.size()}, {"plan_bytes", one.size()},
-            {"encode_one_ms", one_ms}, {"encodes_done", done}, {"runtime_encode_ms", runtime_ms},
+    double runtime_ms =
+        extrapolated ? ms * static_cast<double>(distinct.size()) / static_cast<double>(done) : ms;
+    return {{"send_plans", plans.size()},
+            {"distinct_plans", distinct.size()},
+            {"plan_bytes", one.size()},
+            {"encode_one_ms", one_ms},
+            {"encodes_done", done},
+            {"runtime_encode_ms", runtime_ms},
             {"extrapolated", extrapolated},
             {"bytes_sent", static_cast<double>(one.size()) * static_cast<double>(plans.size())}};
   }
@@ -466,9 +525,11 @@ class Sim {
   const std::string journal_;  // where the fault's records are appended, as the runtime does
 };
 
-// Runs one size in a child process limited to `memory_gib` of address space and `timeout_s`; returns what it
-// measured, phase by phase ({"phase": {...}}), with "outcome": done, timeout, out of memory, or a crash.
-json RunSimSize(int n, int run, const SimOptions& o, double memory_gib, double timeout_s, const std::string& dir) {
+// Runs one size in a child process limited to `memory_gib` of address space and `timeout_s`;
+// returns what it measured, phase by phase ({"phase": {...}}), with "outcome": done, timeout, out
+// of memory, or a crash.
+json RunSimSize(int n, int run, const SimOptions& o, double memory_gib, double timeout_s,
+                const std::string& dir) {
   std::string path = fmt::format("{}/sim-{}-run{}.jsonl", dir, n, run);
   pid_t pid = ::fork();
   if (pid < 0) return {{"n", n}, {"outcome", "fork failed"}};
@@ -518,11 +579,14 @@ json RunSimSize(int n, int run, const SimOptions& o, double memory_gib, double t
     r[phase] = j;
   }
   if (outcome.empty()) {
-    if (last_phase == "done") outcome = "done";
-    else if (r.contains("error")) outcome = fmt::format("{} after phase {}", r["error"].get<std::string>(), last_phase);
+    if (last_phase == "done")
+      outcome = "done";
+    else if (r.contains("error"))
+      outcome = fmt::format("{} after phase {}", r["error"].get<std::string>(), last_phase);
     else if (WIFSIGNALED(status))
       outcome = fmt::format("killed by signal {} after phase {}", WTERMSIG(status), last_phase);
-    else outcome = fmt::format("exited {} after phase {}", WEXITSTATUS(status), last_phase);
+    else
+      outcome = fmt::format("exited {} after phase {}", WEXITSTATUS(status), last_phase);
   }
   r["outcome"] = outcome;
   r["last_phase"] = last_phase;
@@ -535,14 +599,16 @@ json At(const json& r, const char* phase, const char* key) {
   return r[phase][key];
 }
 json At2(const json& r, const char* phase, const char* obj, const char* key) {
-  if (!r.contains(phase) || !r[phase].contains(obj) || !r[phase][obj].is_object() || !r[phase][obj].contains(key)) {
+  if (!r.contains(phase) || !r[phase].contains(obj) || !r[phase][obj].is_object() ||
+      !r[phase][obj].contains(key)) {
     return nullptr;
   }
   return r[phase][obj][key];
 }
 double D(const json& v) { return v.is_number() ? v.get<double>() : 0; }
 
-// Derived numbers: the fault→plan time (Handle calls + encoding), the total of the recovery's Handle calls.
+// Derived numbers: the fault→plan time (Handle calls + encoding), the total of the recovery's
+// Handle calls.
 void Derive(json* r) {
   json& x = *r;
   if (!x.contains("plan")) return;
@@ -554,65 +620,82 @@ void Derive(json* r) {
                  D(At2(x, "fault", "abort_encode", "runtime_encode_ms"));
     x["fault_to_plan_published_ms"] = handles + enc;
     if (x.contains("fault_journal")) {
-      x["fault_to_plan_with_journal_ms"] = handles + enc + D(At2(x, "fault_journal", "journal", "append_ms"));
+      x["fault_to_plan_with_journal_ms"] =
+          handles + enc + D(At2(x, "fault_journal", "journal", "append_ms"));
     }
   }
   if (x.contains("recovered")) {
-    x["recovery_handles_ms"] =
-        handles + D(At(x, "recovered", "recovered_handles_ms")) + D(At(x, "recovered", "resume_step_handles_ms"));
+    x["recovery_handles_ms"] = handles + D(At(x, "recovered", "recovered_handles_ms")) +
+                               D(At(x, "recovered", "resume_step_handles_ms"));
   }
 }
 
 void PrintSimTable(const json& results, const json& medians) {
-  fmt::print("\nB. controller-only simulation (hosts of 8 + one spare host of 8; one host lost), ms\n");
-  fmt::print("{:>7} {:>8} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10} {:>9} {:>8} {:>8} {:>6} {:>6}  {}\n", "workers",
-             "HostLost", "Readys", "plan", "encode", "fault→plan", "journal", "+journal", "recovery", "plan", "Status",
-             "Tick", "RSS", "outcome");
-  fmt::print("{:>7} {:>8} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10} {:>9} {:>8} {:>8} {:>6} {:>6}\n", "", "call",
-             "(all)", "call", "", "published", "appends", "", "handles", "MB", "+dump", "", "MiB");
+  fmt::print(
+      "\nB. controller-only simulation (hosts of 8 + one spare host of 8; one host lost), ms\n");
+  fmt::print(
+      "{:>7} {:>8} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10} {:>9} {:>8} {:>8} {:>6} {:>6}  {}\n",
+      "workers", "HostLost", "Readys", "plan", "encode", "fault→plan", "journal", "+journal",
+      "recovery", "plan", "Status", "Tick", "RSS", "outcome");
+  fmt::print("{:>7} {:>8} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10} {:>9} {:>8} {:>8} {:>6} {:>6}\n",
+             "", "call", "(all)", "call", "", "published", "appends", "", "handles", "MB", "+dump",
+             "", "MiB");
   for (const auto& r : results) {
     json enc = At2(r, "plan_encode", "encode", "runtime_encode_ms");
     bool extrap = At2(r, "plan_encode", "encode", "extrapolated") == json(true);
     double encode = D(enc) + D(At2(r, "fault", "abort_encode", "runtime_encode_ms"));
-    json status = r.contains("steady") ? json(D(At(r, "steady", "status_ms")) + D(At(r, "steady", "status_dump_ms")))
-                                       : json();
+    json status = r.contains("steady")
+                      ? json(D(At(r, "steady", "status_ms")) + D(At(r, "steady", "status_dump_ms")))
+                      : json();
     json plan_mb = At2(r, "plan_encode", "encode", "plan_bytes");
-    fmt::print("{:>7} {:>8} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10} {:>9} {:>8} {:>8} {:>6} {:>6.0f}  {}\n",
-               fmt::format("{}#{}", r["n"].get<int>(), r.value("run", 1)), Num(At(r, "fault", "host_lost_handle_ms")),
-               Num(At(r, "plan", "ready_handles_ms")), Num(At(r, "plan", "plan_handle_ms")),
-               enc.is_null() ? "-" : fmt::format("{:.1f}{}", encode, extrap ? "*" : ""),
-               Num(r.value("fault_to_plan_published_ms", json())) + (extrap ? "*" : ""),
-               Num(At2(r, "fault_journal", "journal", "append_ms")),
-               Num(r.value("fault_to_plan_with_journal_ms", json())) + (extrap ? "*" : ""),
-               Num(r.value("recovery_handles_ms", json())),
-               plan_mb.is_null() ? "-" : fmt::format("{:.2f}", D(plan_mb) / 1e6),
-               Num(status), Num(At(r, "steady", "tick_ms")), D(At(r, "form", "rss_job_kib")) / 1024,
-               r.value("outcome", "?"));
+    fmt::print(
+        "{:>7} {:>8} {:>8} {:>8} {:>8} {:>10} {:>8} {:>10} {:>9} {:>8} {:>8} {:>6} {:>6.0f}  {}\n",
+        fmt::format("{}#{}", r["n"].get<int>(), r.value("run", 1)),
+        Num(At(r, "fault", "host_lost_handle_ms")), Num(At(r, "plan", "ready_handles_ms")),
+        Num(At(r, "plan", "plan_handle_ms")),
+        enc.is_null() ? "-" : fmt::format("{:.1f}{}", encode, extrap ? "*" : ""),
+        Num(r.value("fault_to_plan_published_ms", json())) + (extrap ? "*" : ""),
+        Num(At2(r, "fault_journal", "journal", "append_ms")),
+        Num(r.value("fault_to_plan_with_journal_ms", json())) + (extrap ? "*" : ""),
+        Num(r.value("recovery_handles_ms", json())),
+        plan_mb.is_null() ? "-" : fmt::format("{:.2f}", D(plan_mb) / 1e6), Num(status),
+        Num(At(r, "steady", "tick_ms")), D(At(r, "form", "rss_job_kib")) / 1024,
+        r.value("outcome", "?"));
   }
   fmt::print("\n  median of the runs, ms (RSS: MiB)\n");
-  fmt::print("{:>7} {:>5} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>6} {:>6}\n", "workers", "runs",
-             "fault→plan", "+journal", "HostLost", "Readys", "plan", "encode", "journal", "recovery", "Status",
-             "Tick", "RSS");
+  fmt::print("{:>7} {:>5} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>6} {:>6}\n",
+             "workers", "runs", "fault→plan", "+journal", "HostLost", "Readys", "plan", "encode",
+             "journal", "recovery", "Status", "Tick", "RSS");
   for (const auto& m : medians) {
-    fmt::print("{:>7} {:>5} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>6} {:>6}\n", m["n"].get<int>(),
-               m["runs"].get<int>(), Num(m["fault_to_plan_published_ms"]), Num(m["fault_to_plan_with_journal_ms"]),
-               Num(m["fault/host_lost_handle_ms"]), Num(m["plan/ready_handles_ms"]), Num(m["plan/plan_handle_ms"]),
-               Num(m["plan_encode/encode/runtime_encode_ms"]), Num(m["fault_journal/journal/append_ms"]),
-               Num(m["recovery_handles_ms"]),
-               m["steady/status_ms"].is_null() ? "-" : Num(D(m["steady/status_ms"]) + D(m["steady/status_dump_ms"])),
-               Num(m["steady/tick_ms"]),
-               m["form/rss_job_kib"].is_null() ? "-" : Num(D(m["form/rss_job_kib"]) / 1024, "{:.0f}"));
+    fmt::print(
+        "{:>7} {:>5} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>6} {:>6}\n",
+        m["n"].get<int>(), m["runs"].get<int>(), Num(m["fault_to_plan_published_ms"]),
+        Num(m["fault_to_plan_with_journal_ms"]), Num(m["fault/host_lost_handle_ms"]),
+        Num(m["plan/ready_handles_ms"]), Num(m["plan/plan_handle_ms"]),
+        Num(m["plan_encode/encode/runtime_encode_ms"]), Num(m["fault_journal/journal/append_ms"]),
+        Num(m["recovery_handles_ms"]),
+        m["steady/status_ms"].is_null()
+            ? "-"
+            : Num(D(m["steady/status_ms"]) + D(m["steady/status_dump_ms"])),
+        Num(m["steady/tick_ms"]),
+        m["form/rss_job_kib"].is_null() ? "-" : Num(D(m["form/rss_job_kib"]) / 1024, "{:.0f}"));
   }
-  fmt::print("  fault→plan published: the HostLost call + every Ready call + encoding the plan and the aborts as the\n"
-             "  runtime sends them; +journal: and appending the journal records of those calls (one flush each).\n"
-             "  * extrapolated: the plan encoded once per member, cut off after --sim-encode-budget-s.\n");
-  fmt::print("  forming (ms): the HostJoined calls / the joins / the join that forms generation 1; bytes of plans on "
-             "the wire\n");
+  fmt::print(
+      "  fault→plan published: the HostLost call + every Ready call + encoding the plan and the "
+      "aborts as the\n"
+      "  runtime sends them; +journal: and appending the journal records of those calls (one flush "
+      "each).\n"
+      "  * extrapolated: the plan encoded once per member, cut off after --sim-encode-budget-s.\n");
+  fmt::print(
+      "  forming (ms): the HostJoined calls / the joins / the join that forms generation 1; bytes "
+      "of plans on "
+      "the wire\n");
   for (const auto& r : results) {
     fmt::print("{:>7} {:>10} {:>10} {:>10}   generation 1: {} B, after the fault: {} B\n",
                fmt::format("{}#{}", r["n"].get<int>(), r.value("run", 1)),
                Num(At(r, "register", "ms")), Num(At(r, "form", "join_handles_ms")),
-               Num(At(r, "form", "forming_handle_ms")), Num(At2(r, "form_encode", "encode", "bytes_sent"), "{:.3g}"),
+               Num(At(r, "form", "forming_handle_ms")),
+               Num(At2(r, "form_encode", "encode", "bytes_sent"), "{:.3g}"),
                Num(At2(r, "plan_encode", "encode", "bytes_sent"), "{:.3g}"));
   }
 }
@@ -635,8 +718,9 @@ struct HostsOptions {
   int elements = 256;
   int sleep_ms = 50;
   int heartbeat_timeout_ms = 3000;
-  int warm_steps = 20;      // steps after the first before the host is killed
-  int settle_steps = 15;    // steps after a recovery (and the healed host's spares) before the next kill
+  int warm_steps = 20;  // steps after the first before the host is killed
+  // steps after a recovery (and the healed host's spares) before the next kill
+  int settle_steps = 15;
   double phase_timeout_s = 120;
 };
 
@@ -661,9 +745,13 @@ class HostsRun {
   }
 
   json Run() {
-    json r = {{"n", n_}, {"run", run_}, {"worker_hosts", hosts_}, {"workers_per_host", per_host_},
+    json r = {{"n", n_},
+              {"run", run_},
+              {"worker_hosts", hosts_},
+              {"workers_per_host", per_host_},
               {"spare_host_spares", per_host_},
-              {"elements", o_.elements}, {"sleep_ms", o_.sleep_ms},
+              {"elements", o_.elements},
+              {"sleep_ms", o_.sleep_ms},
               {"heartbeat_timeout_ms", o_.heartbeat_timeout_ms}};
     std::error_code ec;
     fs::remove_all(dir_, ec);
@@ -692,27 +780,39 @@ class HostsRun {
   // The job, its two faults and its end; "" or what went wrong.
   std::string Drive(json* r) {
     const std::string kBin = o_.bin;
-    std::vector<std::string> argv = {kBin + "/nonstop", "controller", "--listen", cluster_->address(0) + ":0",
-                                     "--nnodes", std::to_string(hosts_ + 1), "--job-token-file", dir_ + "/token",
-                                     "--journal", journal_, "--heartbeat-timeout-ms",
+    std::vector<std::string> argv = {kBin + "/nonstop",
+                                     "controller",
+                                     "--listen",
+                                     cluster_->address(0) + ":0",
+                                     "--nnodes",
+                                     std::to_string(hosts_ + 1),
+                                     "--job-token-file",
+                                     dir_ + "/token",
+                                     "--journal",
+                                     journal_,
+                                     "--heartbeat-timeout-ms",
                                      std::to_string(o_.heartbeat_timeout_ms)};
     controller_start_us_ = WallMicros();
     auto pid = cluster_->Spawn(0, argv, {}, dir_ + "/controller.out");
     if (!pid.ok()) return "cannot start the controller: " + pid.status().ToString();
     controller_pid_ = *pid;
     std::string controller_address;
-    if (!WaitFor([&] {
-          auto job = json::parse(ReadText(dir_ + "/job.json"), nullptr, false);
-          if (!job.is_discarded() && job.contains("controller")) controller_address = job["controller"];
-          return !controller_address.empty();
-        }, 20)) {
+    if (!WaitFor(
+            [&] {
+              auto job = json::parse(ReadText(dir_ + "/job.json"), nullptr, false);
+              if (!job.is_discarded() && job.contains("controller"))
+                controller_address = job["controller"];
+              return !controller_address.empty();
+            },
+            20)) {
       return "the controller wrote no job file: " + ReadText(dir_ + "/controller.out");
     }
     controller_address_ = controller_address;
     for (int h = 1; h <= hosts_; ++h) StartAgent(h, fmt::format("h{}", h), per_host_, 0);
     StartAgent(hosts_ + 1, "hs", 0, per_host_);
     if (!WaitFor([&] { return HighestStep() >= 0; }, o_.phase_timeout_s)) return "no first step";
-    if (!WaitFor([&] { return HighestStep() >= o_.warm_steps; }, o_.phase_timeout_s)) return "no steady steps";
+    if (!WaitFor([&] { return HighestStep() >= o_.warm_steps; }, o_.phase_timeout_s))
+      return "no steady steps";
 
     // Host crash: the agent and every worker of host h2 at once.
     const int victim = std::min(2, hosts_);
@@ -723,25 +823,31 @@ class HostsRun {
     if (auto it = agents_.find(victim_id); it != agents_.end()) {
       cluster_->WaitForExit(it->second, std::chrono::seconds(5));
     }
-    if (!WaitFor([&] { return CompletedRecoveriesAfter(host_kill_us_) >= 1; }, o_.phase_timeout_s)) {
+    if (!WaitFor([&] { return CompletedRecoveriesAfter(host_kill_us_) >= 1; },
+                 o_.phase_timeout_s)) {
       return "the host loss did not complete a recovery";
     }
-    // The host comes back (its agent again): its slots return as spares, for the single kill's replacement.
+    // The host comes back (its agent again): its slots return as spares, for the single kill's
+    // replacement.
     int64_t heal_us = WallMicros();
     StartAgent(victim, victim_id, per_host_, 0);
-    if (!WaitFor([&] { return SpareJoinsSince(heal_us, victim_id) >= per_host_; }, o_.phase_timeout_s)) {
+    if (!WaitFor([&] { return SpareJoinsSince(heal_us, victim_id) >= per_host_; },
+                 o_.phase_timeout_s)) {
       return "the healed host's spares did not join";
     }
     int64_t at = HighestStep();
-    if (!WaitFor([&] { return HighestStep() >= at + o_.settle_steps; }, o_.phase_timeout_s)) return "no progress";
+    if (!WaitFor([&] { return HighestStep() >= at + o_.settle_steps; }, o_.phase_timeout_s))
+      return "no progress";
 
     // One worker: a member on host h1, SIGKILLed.
     auto [worker_id, worker_pid] = MemberOn("h1");
     if (worker_pid <= 0) return "no member on h1 to kill";
     single_kill_us_ = WallMicros();
-    if (::kill(static_cast<pid_t>(worker_pid), SIGKILL) != 0) return fmt::format("kill({}) failed", worker_pid);
+    if (::kill(static_cast<pid_t>(worker_pid), SIGKILL) != 0)
+      return fmt::format("kill({}) failed", worker_pid);
     (*r)["single_kill"] = {{"worker_id", worker_id}, {"pid", worker_pid}, {"host", "h1"}};
-    if (!WaitFor([&] { return CompletedRecoveriesAfter(single_kill_us_) >= 1; }, o_.phase_timeout_s)) {
+    if (!WaitFor([&] { return CompletedRecoveriesAfter(single_kill_us_) >= 1; },
+                 o_.phase_timeout_s)) {
       return "the single kill did not complete a recovery";
     }
     at = HighestStep();
@@ -755,11 +861,27 @@ class HostsRun {
   }
 
   void StartAgent(int host, const std::string& id, int nproc, int spares) {
-    std::vector<std::string> argv = {o_.bin + "/nonstop", "agent", "--controller", controller_address_,
-                                     "--job-token-file", dir_ + "/token", "--host-id", id, "--nproc-per-host",
-                                     std::to_string(nproc), "--spares-per-host", std::to_string(spares),
-                                     "--join-timeout-ms", "60000", "--", o_.bin + "/nonstop-test-worker", "--steps",
-                                     "1000000", "--elements", std::to_string(o_.elements), "--sleep-ms",
+    std::vector<std::string> argv = {o_.bin + "/nonstop",
+                                     "agent",
+                                     "--controller",
+                                     controller_address_,
+                                     "--job-token-file",
+                                     dir_ + "/token",
+                                     "--host-id",
+                                     id,
+                                     "--nproc-per-host",
+                                     std::to_string(nproc),
+                                     "--spares-per-host",
+                                     std::to_string(spares),
+                                     "--join-timeout-ms",
+                                     "60000",
+                                     "--",
+                                     o_.bin + "/nonstop-test-worker",
+                                     "--steps",
+                                     "1000000",
+                                     "--elements",
+                                     std::to_string(o_.elements),
+                                     "--sleep-ms",
                                      std::to_string(o_.sleep_ms)};
     auto pid = cluster_->Spawn(host, argv, {}, dir_ + "/agent-" + id + ".out");
     agents_[id] = pid.ok() ? *pid : -1;
@@ -796,8 +918,8 @@ class HostsRun {
   int SpareJoinsSince(int64_t us, const std::string& host) const {
     int n = 0;
     for (const auto& j : ReadRecords(journal_)) {
-      if (j.value("event", "") == "join" && j.value("time_us", int64_t{0}) > us && j.value("host", "") == host &&
-          j.value("spare", false)) {
+      if (j.value("event", "") == "join" && j.value("time_us", int64_t{0}) > us &&
+          j.value("host", "") == host && j.value("spare", false)) {
         ++n;
       }
     }
@@ -810,7 +932,8 @@ class HostsRun {
     json plan;
     for (const auto& j : ReadRecords(journal_)) {
       std::string ev = j.value("event", "");
-      if (ev == "join") joined[j["worker_id"].get<int>()] = {j.value("host", ""), j.value("pid", int64_t{0})};
+      if (ev == "join")
+        joined[j["worker_id"].get<int>()] = {j.value("host", ""), j.value("pid", int64_t{0})};
       if (ev == "plan") plan = j;
     }
     if (plan.is_null()) return {-1, 0};
@@ -836,7 +959,8 @@ class HostsRun {
       } else if (ev == "plan" && plan.is_null() && !start.is_null()) {
         plan = j;
         plan_us = t;
-      } else if (ev == "recovery_end" && end.is_null() && j["recovery"].value("outcome", "") == "completed") {
+      } else if (ev == "recovery_end" && end.is_null() &&
+                 j["recovery"].value("outcome", "") == "completed") {
         end = j;
         end_us = t;
       }
@@ -859,15 +983,24 @@ class HostsRun {
         ++recoveries;
       }
     }
-    return {{"journal", {{"ms_after_detection", rec["ms_after_fault"]}, {"downtime_ms", rec.value("downtime_ms", 0.0)},
-                         {"causes", rec["causes"]}, {"replacements", rec["replacements"]},
-                         {"old_world", rec["old_world"]}, {"new_world", rec["new_world"]},
-                         {"lost_steps", rec["lost_steps"]}, {"bytes_copied", rec["bytes_copied"]},
-                         {"sources", rec["sources"]}, {"connect_ms", rec["connect_ms"]},
-                         {"transfer_ms", rec["transfer_ms"]}}},
+    return {{"journal",
+             {{"ms_after_detection", rec["ms_after_fault"]},
+              {"downtime_ms", rec.value("downtime_ms", 0.0)},
+              {"causes", rec["causes"]},
+              {"replacements", rec["replacements"]},
+              {"old_world", rec["old_world"]},
+              {"new_world", rec["new_world"]},
+              {"lost_steps", rec["lost_steps"]},
+              {"bytes_copied", rec["bytes_copied"]},
+              {"sources", rec["sources"]},
+              {"connect_ms", rec["connect_ms"]},
+              {"transfer_ms", rec["transfer_ms"]}}},
             {"recoveries_started", recoveries},
-            {"ms_after_kill", {{"detected", ms(start_us)}, {"plan_published", ms(plan_us)},
-                               {"first_step_completed", ms(first_step_us)}, {"recovery_end", ms(end_us)}}},
+            {"ms_after_kill",
+             {{"detected", ms(start_us)},
+              {"plan_published", ms(plan_us)},
+              {"first_step_completed", ms(first_step_us)},
+              {"recovery_end", ms(end_us)}}},
             {"downtime_from_kill_ms", std::max(0.0, (end_us - kill_us) / 1000.0 - normal_step_ms)},
             {"normal_step_ms", normal_step_ms}};
   }
@@ -893,7 +1026,9 @@ class HostsRun {
     // The steps before the first kill, less the first few (connections being made).
     if (intervals.size() > 5) intervals.erase(intervals.begin(), intervals.begin() + 3);
     double normal_step_ms = Percentile(intervals, 50);
-    auto s = [](int64_t a, int64_t b) { return a > 0 && b > 0 ? json((b - a) / 1e6) : json(nullptr); };
+    auto s = [](int64_t a, int64_t b) {
+      return a > 0 && b > 0 ? json((b - a) / 1e6) : json(nullptr);
+    };
     (*r)["startup"] = {{"controller_start_to_first_step_s", s(controller_start_us_, first_step_us)},
                        {"job_start_to_first_step_s", s(job_start_us, first_step_us)},
                        {"controller_start_to_first_plan_s", s(controller_start_us_, plan1_us)},
@@ -915,9 +1050,11 @@ class HostsRun {
     (*r)["single_kill_recovery"] = FaultReport(recs, single_kill_us_, normal_step_ms);
     // Host loss over single kill: from this program's clock, and the journal's downtime_ms.
     auto ratio = [&](const char* path) {
-      json a = Path(*r, std::string("host_loss/") + path), b = Path(*r, std::string("single_kill_recovery/") + path);
-      return a.is_number() && b.is_number() && b.get<double>() > 0 ? json(a.get<double>() / b.get<double>())
-                                                                    : json(nullptr);
+      json a = Path(*r, std::string("host_loss/") + path),
+           b = Path(*r, std::string("single_kill_recovery/") + path);
+      return a.is_number() && b.is_number() && b.get<double>() > 0
+                 ? json(a.get<double>() / b.get<double>())
+                 : json(nullptr);
     };
     (*r)["ratio_host_loss_to_single_kill"] = ratio("downtime_from_kill_ms");
     (*r)["ratio_journal_downtime"] = ratio("journal/downtime_ms");
@@ -936,26 +1073,35 @@ class HostsRun {
   int64_t controller_start_us_ = 0, host_kill_us_ = 0, single_kill_us_ = 0;
 };
 
-std::string RunLabel(const json& r) { return fmt::format("{}#{}", r["n"].get<int>(), r.value("run", 1)); }
+std::string RunLabel(const json& r) {
+  return fmt::format("{}#{}", r["n"].get<int>(), r.value("run", 1));
+}
 
 void PrintHostsTable(const json& results, const json& medians) {
-  fmt::print("\nA. real processes on network namespaces (test workers; a whole host SIGKILLed, later one worker)\n");
+  fmt::print(
+      "\nA. real processes on network namespaces (test workers; a whole host SIGKILLed, later one "
+      "worker)\n");
   fmt::print("{:>6} {:>6} {:>9} {:>8}  {}\n", "N#run", "hosts", "1st step", "step",
              "connections per rank by generation: open median/max, opened_total median/max");
   for (const auto& r : results) {
     std::string conns;
     for (const auto& c : r.value("connections", json::array())) {
-      conns += fmt::format("g{} {}/{} {}/{}   ", c["generation"].get<int>(), Num(Path(c, "open/median"), "{:.0f}"),
-                           Num(Path(c, "open/max"), "{:.0f}"), Num(Path(c, "opened_total/median"), "{:.0f}"),
-                           Num(Path(c, "opened_total/max"), "{:.0f}"));
+      conns += fmt::format(
+          "g{} {}/{} {}/{}   ", c["generation"].get<int>(), Num(Path(c, "open/median"), "{:.0f}"),
+          Num(Path(c, "open/max"), "{:.0f}"), Num(Path(c, "opened_total/median"), "{:.0f}"),
+          Num(Path(c, "opened_total/max"), "{:.0f}"));
     }
-    fmt::print("{:>6} {:>6} {:>8}s {:>6}ms  {}\n", RunLabel(r), fmt::format("{}+1", r.value("worker_hosts", 0)),
+    fmt::print("{:>6} {:>6} {:>8}s {:>6}ms  {}\n", RunLabel(r),
+               fmt::format("{}+1", r.value("worker_hosts", 0)),
                Num(Path(r, "startup/controller_start_to_first_step_s"), "{:.2f}"),
                Num(Path(r, "startup/normal_step_ms"), "{:.0f}"), conns);
   }
-  fmt::print("\n  ms after the kill (this program's clock)              | journal: ms after the detection\n");
-  fmt::print("{:>6} {:<11} {:>6} {:>6} {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} {:>8} {:>4}\n", "N#run", "fault", "detect",
-             "plan", "1st step", "rec.end", "downtime", "abort", "plan", "state", "1st step", "recs");
+  fmt::print(
+      "\n  ms after the kill (this program's clock)              | journal: ms after the "
+      "detection\n");
+  fmt::print("{:>6} {:<11} {:>6} {:>6} {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} {:>8} {:>4}\n",
+             "N#run", "fault", "detect", "plan", "1st step", "rec.end", "downtime", "abort", "plan",
+             "state", "1st step", "recs");
   for (const auto& r : results) {
     for (const char* key : {"host_loss", "single_kill_recovery"}) {
       const char* label = std::string(key) == "host_loss" ? "host" : "one worker";
@@ -966,32 +1112,41 @@ void PrintHostsTable(const json& results, const json& medians) {
       const json& f = r[key];
       const json& k = f["ms_after_kill"];
       const json& p = f["journal"]["ms_after_detection"];
-      fmt::print("{:>6} {:<11} {:>6} {:>6} {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} {:>8} {:>4}\n", RunLabel(r), label,
-                 Num(k["detected"], "{:.0f}"), Num(k["plan_published"], "{:.0f}"),
-                 Num(k["first_step_completed"], "{:.0f}"), Num(k["recovery_end"], "{:.0f}"),
-                 Num(f["downtime_from_kill_ms"], "{:.0f}"), Num(p.value("aborted", json()), "{:.0f}"),
-                 Num(p.value("plan_published", json()), "{:.0f}"), Num(p.value("state_ready", json()), "{:.0f}"),
-                 Num(p.value("first_step_completed", json()), "{:.0f}"), f.value("recoveries_started", 0));
+      fmt::print(
+          "{:>6} {:<11} {:>6} {:>6} {:>8} {:>8} {:>8} | {:>6} {:>6} {:>6} {:>8} {:>4}\n",
+          RunLabel(r), label, Num(k["detected"], "{:.0f}"), Num(k["plan_published"], "{:.0f}"),
+          Num(k["first_step_completed"], "{:.0f}"), Num(k["recovery_end"], "{:.0f}"),
+          Num(f["downtime_from_kill_ms"], "{:.0f}"), Num(p.value("aborted", json()), "{:.0f}"),
+          Num(p.value("plan_published", json()), "{:.0f}"),
+          Num(p.value("state_ready", json()), "{:.0f}"),
+          Num(p.value("first_step_completed", json()), "{:.0f}"), f.value("recoveries_started", 0));
     }
   }
-  fmt::print("  downtime: from the kill to recovery_end (every member completed the resume step), less a normal "
-             "step\n");
-  fmt::print("\n  median of the runs, ms: from the kill (this program's clock); state ready from the detection "
-             "(journal)\n");
-  fmt::print("{:>4} {:>4} {:>9} {:>6} | {:>6} {:>6} {:>8} {:>6} | {:>6} {:>6} {:>8} {:>6} | {:>10}\n", "N", "runs",
-             "1st step", "step", "host:", "plan", "downtime", "state", "one:", "plan", "downtime", "state",
-             "host/one");
+  fmt::print(
+      "  downtime: from the kill to recovery_end (every member completed the resume step), less a "
+      "normal "
+      "step\n");
+  fmt::print(
+      "\n  median of the runs, ms: from the kill (this program's clock); state ready from the "
+      "detection "
+      "(journal)\n");
+  fmt::print(
+      "{:>4} {:>4} {:>9} {:>6} | {:>6} {:>6} {:>8} {:>6} | {:>6} {:>6} {:>8} {:>6} | {:>10}\n", "N",
+      "runs", "1st step", "step", "host:", "plan", "downtime", "state", "one:", "plan", "downtime",
+      "state", "host/one");
   for (const auto& m : medians) {
-    fmt::print("{:>4} {:>4} {:>8}s {:>6} | {:>6} {:>6} {:>8} {:>6} | {:>6} {:>6} {:>8} {:>6} | {:>10}\n",
-               m["n"].get<int>(), m["runs"].get<int>(),
-               Num(m["startup/controller_start_to_first_step_s"], "{:.2f}"), Num(m["startup/normal_step_ms"], "{:.0f}"),
-               "", Num(m["host_loss/ms_after_kill/plan_published"], "{:.0f}"),
-               Num(m["host_loss/downtime_from_kill_ms"], "{:.0f}"),
-               Num(m["host_loss/journal/ms_after_detection/state_ready"], "{:.0f}"), "",
-               Num(m["single_kill_recovery/ms_after_kill/plan_published"], "{:.0f}"),
-               Num(m["single_kill_recovery/downtime_from_kill_ms"], "{:.0f}"),
-               Num(m["single_kill_recovery/journal/ms_after_detection/state_ready"], "{:.0f}"),
-               Num(m["ratio_host_loss_to_single_kill"], "{:.2f}"));
+    fmt::print(
+        "{:>4} {:>4} {:>8}s {:>6} | {:>6} {:>6} {:>8} {:>6} | {:>6} {:>6} {:>8} {:>6} | {:>10}\n",
+        m["n"].get<int>(), m["runs"].get<int>(),
+        Num(m["startup/controller_start_to_first_step_s"], "{:.2f}"),
+        Num(m["startup/normal_step_ms"], "{:.0f}"), "",
+        Num(m["host_loss/ms_after_kill/plan_published"], "{:.0f}"),
+        Num(m["host_loss/downtime_from_kill_ms"], "{:.0f}"),
+        Num(m["host_loss/journal/ms_after_detection/state_ready"], "{:.0f}"), "",
+        Num(m["single_kill_recovery/ms_after_kill/plan_published"], "{:.0f}"),
+        Num(m["single_kill_recovery/downtime_from_kill_ms"], "{:.0f}"),
+        Num(m["single_kill_recovery/journal/ms_after_detection/state_ready"], "{:.0f}"),
+        Num(m["ratio_host_loss_to_single_kill"], "{:.2f}"));
   }
 }
 
@@ -1021,24 +1176,41 @@ json Medians(const json& runs, const std::vector<std::string>& paths) {
   return out;
 }
 
-const std::vector<std::string> kSimSummary = {
-    "fault_to_plan_published_ms", "fault_to_plan_with_journal_ms", "fault/host_lost_handle_ms",
-    "plan/ready_handles_ms", "plan/plan_handle_ms", "plan_encode/encode/runtime_encode_ms",
-    "fault_journal/journal/append_ms", "recovery_handles_ms", "steady/status_ms", "steady/status_dump_ms",
-    "steady/tick_ms", "form/rss_job_kib", "register/ms", "form/join_handles_ms", "form/forming_handle_ms"};
+const std::vector<std::string> kSimSummary = {"fault_to_plan_published_ms",
+                                              "fault_to_plan_with_journal_ms",
+                                              "fault/host_lost_handle_ms",
+                                              "plan/ready_handles_ms",
+                                              "plan/plan_handle_ms",
+                                              "plan_encode/encode/runtime_encode_ms",
+                                              "fault_journal/journal/append_ms",
+                                              "recovery_handles_ms",
+                                              "steady/status_ms",
+                                              "steady/status_dump_ms",
+                                              "steady/tick_ms",
+                                              "form/rss_job_kib",
+                                              "register/ms",
+                                              "form/join_handles_ms",
+                                              "form/forming_handle_ms"};
 
 const std::vector<std::string> kHostsSummary = {
-    "startup/controller_start_to_first_step_s", "startup/normal_step_ms",
-    "host_loss/ms_after_kill/detected", "host_loss/ms_after_kill/plan_published",
-    "host_loss/ms_after_kill/recovery_end", "host_loss/downtime_from_kill_ms",
-    "host_loss/journal/ms_after_detection/plan_published", "host_loss/journal/ms_after_detection/state_ready",
+    "startup/controller_start_to_first_step_s",
+    "startup/normal_step_ms",
+    "host_loss/ms_after_kill/detected",
+    "host_loss/ms_after_kill/plan_published",
+    "host_loss/ms_after_kill/recovery_end",
+    "host_loss/downtime_from_kill_ms",
+    "host_loss/journal/ms_after_detection/plan_published",
+    "host_loss/journal/ms_after_detection/state_ready",
     "host_loss/journal/ms_after_detection/first_step_completed",
-    "single_kill_recovery/ms_after_kill/detected", "single_kill_recovery/ms_after_kill/plan_published",
-    "single_kill_recovery/ms_after_kill/recovery_end", "single_kill_recovery/downtime_from_kill_ms",
+    "single_kill_recovery/ms_after_kill/detected",
+    "single_kill_recovery/ms_after_kill/plan_published",
+    "single_kill_recovery/ms_after_kill/recovery_end",
+    "single_kill_recovery/downtime_from_kill_ms",
     "single_kill_recovery/journal/ms_after_detection/plan_published",
     "single_kill_recovery/journal/ms_after_detection/state_ready",
     "single_kill_recovery/journal/ms_after_detection/first_step_completed",
-    "ratio_host_loss_to_single_kill", "ratio_journal_downtime"};
+    "ratio_host_loss_to_single_kill",
+    "ratio_journal_downtime"};
 
 std::vector<int> ParseSizes(const std::string& text) {
   std::vector<int> out;
@@ -1053,8 +1225,10 @@ std::vector<int> ParseSizes(const std::string& text) {
 }
 
 int Main(int argc, char** argv) {
-  CLI::App app{"Scale: the control plane with many workers: real processes on namespaces, and the controller "
-               "alone at up to 100,000 simulated workers (docs/scale.md)"};
+  CLI::App app{
+      "Scale: the control plane with many workers: real processes on namespaces, and the "
+      "controller "
+      "alone at up to 100,000 simulated workers (docs/scale.md)"};
   std::string part = "all";
   std::string out = "bench-results/scale";
   std::string sim_sizes = "1000,10000,100000";
@@ -1062,31 +1236,42 @@ int Main(int argc, char** argv) {
   SimOptions so;
   double sim_memory_gib = 8, sim_timeout_s = 300;
   int repeat = 3;
-  app.add_option("--part", part, "all, sim or hosts")->capture_default_str()
+  app.add_option("--part", part, "all, sim or hosts")
+      ->capture_default_str()
       ->check(CLI::IsMember({"all", "sim", "hosts"}));
-  app.add_option("--out", out, "Output directory (results.json, journals, logs)")->capture_default_str();
+  app.add_option("--out", out, "Output directory (results.json, journals, logs)")
+      ->capture_default_str();
   app.add_option("--repeat", repeat, "Runs of each size (tables show every run and the medians)")
-      ->capture_default_str()->check(CLI::Range(1, 100));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
   app.add_option("--sim-sizes", sim_sizes, "Simulated workers (multiples of 8), comma-separated")
       ->capture_default_str();
   app.add_option("--sim-memory-gib", sim_memory_gib, "Address-space limit of each simulated size")
-      ->capture_default_str()->check(CLI::Range(0.5, 1024.0));
-  app.add_option("--sim-timeout-s", sim_timeout_s, "Time limit of each simulated size")->capture_default_str()
+      ->capture_default_str()
+      ->check(CLI::Range(0.5, 1024.0));
+  app.add_option("--sim-timeout-s", sim_timeout_s, "Time limit of each simulated size")
+      ->capture_default_str()
       ->check(CLI::Range(1.0, 1e6));
   app.add_option("--sim-encode-budget-s", so.encode_budget_s,
-                 "Encoding one plan per member stops after this long and is extrapolated")->capture_default_str();
+                 "Encoding one plan per member stops after this long and is extrapolated")
+      ->capture_default_str();
   app.add_option("--sim-spare-hosts", so.spare_hosts, "Spare hosts of 8 spares in the simulation")
-      ->capture_default_str()->check(CLI::Range(0, 1000));
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000));
   app.add_option("--seed", so.seed, "Order of the simulated answers")->capture_default_str();
 #ifdef NONSTOP_SCALE_HOSTS
   HostsOptions ho;
-  app.add_option("--host-sizes", host_sizes, "Test workers per job (spread over up to 8 hosts), comma-separated")
+  app.add_option("--host-sizes", host_sizes,
+                 "Test workers per job (spread over up to 8 hosts), comma-separated")
       ->capture_default_str();
   app.add_option("--elements", ho.elements, "The test worker's --elements")->capture_default_str();
-  app.add_option("--sleep-ms", ho.sleep_ms, "The test worker's --sleep-ms (a step's compute)")->capture_default_str();
-  app.add_option("--heartbeat-timeout-ms", ho.heartbeat_timeout_ms, "The controller's --heartbeat-timeout-ms")
+  app.add_option("--sleep-ms", ho.sleep_ms, "The test worker's --sleep-ms (a step's compute)")
       ->capture_default_str();
-  app.add_option("--bin", ho.bin, "Directory holding nonstop and nonstop-test-worker (default: this program's)");
+  app.add_option("--heartbeat-timeout-ms", ho.heartbeat_timeout_ms,
+                 "The controller's --heartbeat-timeout-ms")
+      ->capture_default_str();
+  app.add_option("--bin", ho.bin,
+                 "Directory holding nonstop and nonstop-test-worker (default: this program's)");
 #endif
   try {
     app.parse(argc, argv);
@@ -1108,7 +1293,9 @@ int Main(int argc, char** argv) {
     ho.out = out;
     for (const std::string& p : {ho.bin + "/nonstop", ho.bin + "/nonstop-test-worker"}) {
       if (::access(p.c_str(), X_OK) != 0) {
-        fmt::print(stderr, "nonstop-bench-scale: {} is not an executable (HINT: --bin DIR, e.g. build/bin)\n", p);
+        fmt::print(
+            stderr,
+            "nonstop-bench-scale: {} is not an executable (HINT: --bin DIR, e.g. build/bin)\n", p);
         return 2;
       }
     }
@@ -1124,15 +1311,17 @@ int Main(int argc, char** argv) {
                    r["wall_s"].get<double>());
         ok &= r.value("outcome", "") == "done";
         results.push_back(r);
-        std::ofstream(out + "/results.json") << json({{"benchmark", "scale"}, {"hosts", results}}).dump(2) << "\n";
+        std::ofstream(out + "/results.json")
+            << json({{"benchmark", "scale"}, {"hosts", results}}).dump(2) << "\n";
       }
     }
     doc["hosts"] = results;
     doc["hosts_median"] = Medians(results, kHostsSummary);
     PrintHostsTable(results, doc["hosts_median"]);
 #else
-    fmt::print("hosts: not built in (this build has no tests/multihost harness: configure with "
-               "NONSTOP_BUILD_TESTS=ON)\n");
+    fmt::print(
+        "hosts: not built in (this build has no tests/multihost harness: configure with "
+        "NONSTOP_BUILD_TESTS=ON)\n");
     doc["hosts"] = "not built";
     if (part == "hosts") return 2;
 #endif
@@ -1142,7 +1331,9 @@ int Main(int argc, char** argv) {
     json results = json::array();
     for (int n : ParseSizes(sim_sizes)) {
       if (n < 16 || n % 8 != 0) {
-        fmt::print(stderr, "nonstop-bench-scale: --sim-sizes: {} is not a multiple of 8 of at least 16\n", n);
+        fmt::print(stderr,
+                   "nonstop-bench-scale: --sim-sizes: {} is not a multiple of 8 of at least 16\n",
+                   n);
         return 2;
       }
       for (int run = 1; run <= repeat; ++run) {

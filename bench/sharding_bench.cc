@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench/bench_util.h"
@@ -37,7 +37,7 @@ struct Measured {
   uint64_t optimizer_bytes = 0;  // per rank
   double step_s = 0;             // median step interval, fault-free
   std::string checksum, fault_checksum;
-  int64_t copied_bytes = -1;     // by the recovery from the kill (-1: not run)
+  int64_t copied_bytes = -1;  // by the recovery from the kill (-1: not run)
 };
 
 uint64_t OptimizerBytes(const std::string& log_path) {
@@ -50,17 +50,24 @@ uint64_t OptimizerBytes(const std::string& log_path) {
 
 int Main(int argc, char** argv) {
   auto [our_argc, program] = SplitAtDoubleDash(argc, argv);
-  CLI::App app{"Sharded optimizer state against the unsharded run: bytes per rank, step time, bytes per recovery"};
+  CLI::App app{
+      "Sharded optimizer state against the unsharded run: bytes per rank, step time, bytes per "
+      "recovery"};
   std::vector<int> worlds = {4, 8}, groups = {1, 2, 4};
   int64_t steps = 40;
   std::string out = "bench-results/sharding";
   app.add_option("--worlds", worlds, "World sizes")->delimiter(',')->capture_default_str();
   app.add_option("--groups", groups, "Shard group sizes (1: unsharded, the baseline; always run)")
-      ->delimiter(',')->capture_default_str();
-  app.add_option("--steps", steps, "Training steps (passed to the program as --steps)")->capture_default_str();
-  app.add_option("--out", out, "Output directory (results.json, logs, journals)")->capture_default_str();
-  app.footer("After `--`: the training program (default: nonstop-train with its built-in llama-tiny recipe); it "
-             "must take --steps and --shard-group.");
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--steps", steps, "Training steps (passed to the program as --steps)")
+      ->capture_default_str();
+  app.add_option("--out", out, "Output directory (results.json, logs, journals)")
+      ->capture_default_str();
+  app.footer(
+      "After `--`: the training program (default: nonstop-train with its built-in llama-tiny "
+      "recipe); it "
+      "must take --steps and --shard-group.");
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -74,7 +81,8 @@ int Main(int argc, char** argv) {
 
   auto run = [&](const std::string& name, int world, int group, std::vector<std::string> flags) {
     std::string journal = out + "/" + name + ".jsonl";
-    std::vector<std::string> argv = {bin + "/nonstop", "run", "--nproc", std::to_string(world), "--journal", journal};
+    std::vector<std::string> argv = {bin + "/nonstop",      "run",       "--nproc",
+                                     std::to_string(world), "--journal", journal};
     argv.insert(argv.end(), flags.begin(), flags.end());
     argv.push_back("--");
     argv.insert(argv.end(), program.begin(), program.end());
@@ -99,25 +107,28 @@ int Main(int argc, char** argv) {
       m.step_s = MedianStepInterval(clean.steps);
       m.checksum = clean.checksum;
       if (world / group >= 2) {
-        auto [fcode, faulty] = run(name + "-kill", world, group,
-                                   {"--spares", "1", "--inject", fmt::format("kill:rank=1,step={}", steps / 2)});
+        auto [fcode, faulty] =
+            run(name + "-kill", world, group,
+                {"--spares", "1", "--inject", fmt::format("kill:rank=1,step={}", steps / 2)});
         m.fault_exit_code = fcode;
         m.fault_checksum = faulty.checksum;
         m.copied_bytes = 0;
-        for (const auto& rec : faulty.recoveries) m.copied_bytes += rec.value("bytes_copied", int64_t{0});
+        for (const auto& rec : faulty.recoveries)
+          m.copied_bytes += rec.value("bytes_copied", int64_t{0});
       }
-      fmt::print("  {}: exit {}, optimizer state {} bytes per rank, step {:.1f} ms{}\n", name, m.exit_code,
-                 m.optimizer_bytes, m.step_s * 1000,
-                 m.copied_bytes >= 0 ? fmt::format(", a recovery copied {} bytes (exit {})", m.copied_bytes,
-                                                   m.fault_exit_code)
+      fmt::print("  {}: exit {}, optimizer state {} bytes per rank, step {:.1f} ms{}\n", name,
+                 m.exit_code, m.optimizer_bytes, m.step_s * 1000,
+                 m.copied_bytes >= 0 ? fmt::format(", a recovery copied {} bytes (exit {})",
+                                                   m.copied_bytes, m.fault_exit_code)
                                      : "");
       std::fflush(stdout);
       results.push_back(m);
     }
   }
 
-  fmt::print("\n{:>5} {:>5} {:>14} {:>8} {:>10} {:>8} {:>16} {:>8}  {}\n", "world", "G", "opt bytes/rank", "vs G=1",
-             "step (ms)", "vs G=1", "copied/recovery", "vs G=1", "checksum (fault-free / with the kill)");
+  fmt::print("\n{:>5} {:>5} {:>14} {:>8} {:>10} {:>8} {:>16} {:>8}  {}\n", "world", "G",
+             "opt bytes/rank", "vs G=1", "step (ms)", "vs G=1", "copied/recovery", "vs G=1",
+             "checksum (fault-free / with the kill)");
   json rows = json::array();
   bool ok = true;
   for (const Measured& m : results) {
@@ -126,22 +137,31 @@ int Main(int argc, char** argv) {
       if (b.world == m.world && b.group == 1) base = &b;
     }
     auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
-    double bytes_ratio = ratio(static_cast<double>(m.optimizer_bytes), static_cast<double>(base->optimizer_bytes));
+    double bytes_ratio =
+        ratio(static_cast<double>(m.optimizer_bytes), static_cast<double>(base->optimizer_bytes));
     double step_ratio = ratio(m.step_s, base->step_s);
-    double copied_ratio = m.copied_bytes >= 0 && base->copied_bytes > 0
-                              ? static_cast<double>(m.copied_bytes) / static_cast<double>(base->copied_bytes)
-                              : 0.0;
-    fmt::print("{:>5} {:>5} {:>14} {:>8.3f} {:>10.1f} {:>8.3f} {:>16} {:>8}  {} / {}\n", m.world, m.group,
-               m.optimizer_bytes, bytes_ratio, m.step_s * 1000, step_ratio,
+    double copied_ratio =
+        m.copied_bytes >= 0 && base->copied_bytes > 0
+            ? static_cast<double>(m.copied_bytes) / static_cast<double>(base->copied_bytes)
+            : 0.0;
+    fmt::print("{:>5} {:>5} {:>14} {:>8.3f} {:>10.1f} {:>8.3f} {:>16} {:>8}  {} / {}\n", m.world,
+               m.group, m.optimizer_bytes, bytes_ratio, m.step_s * 1000, step_ratio,
                m.copied_bytes >= 0 ? std::to_string(m.copied_bytes) : "-",
                copied_ratio > 0 ? fmt::format("{:.3f}", copied_ratio) : "-", m.checksum,
                m.fault_checksum.empty() ? "-" : m.fault_checksum);
     ok = ok && m.exit_code == 0 && (m.copied_bytes < 0 || m.fault_exit_code == 0);
-    rows.push_back({{"world", m.world}, {"shard_group", m.group}, {"exit_code", m.exit_code},
-                    {"optimizer_bytes_per_rank", m.optimizer_bytes}, {"optimizer_bytes_ratio", bytes_ratio},
-                    {"median_step_ms", m.step_s * 1000}, {"step_ratio", step_ratio}, {"checksum", m.checksum},
-                    {"fault_exit_code", m.fault_exit_code}, {"fault_checksum", m.fault_checksum},
-                    {"copied_bytes_per_recovery", m.copied_bytes}, {"copied_ratio", copied_ratio}});
+    rows.push_back({{"world", m.world},
+                    {"shard_group", m.group},
+                    {"exit_code", m.exit_code},
+                    {"optimizer_bytes_per_rank", m.optimizer_bytes},
+                    {"optimizer_bytes_ratio", bytes_ratio},
+                    {"median_step_ms", m.step_s * 1000},
+                    {"step_ratio", step_ratio},
+                    {"checksum", m.checksum},
+                    {"fault_exit_code", m.fault_exit_code},
+                    {"fault_checksum", m.fault_checksum},
+                    {"copied_bytes_per_recovery", m.copied_bytes},
+                    {"copied_ratio", copied_ratio}});
   }
   json doc = {{"benchmark", "sharding"}, {"steps", steps}, {"program", program}, {"runs", rows}};
   std::ofstream(out + "/results.json") << doc.dump(2) << "\n";

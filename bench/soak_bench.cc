@@ -38,9 +38,9 @@
 #include <thread>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <httplib.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench/bench_util.h"
@@ -94,8 +94,8 @@ struct SoakOptions {
 // One fault of the schedule, and what became of it.
 struct Fault {
   int index = 0;
-  std::string kind;   // sigkill, sigstop (sent by the soak), kill, exception, drop (injected)
-  double at_s = 0;    // when it is due, seconds since the job started (outside faults)
+  std::string kind;  // sigkill, sigstop (sent by the soak), kill, exception, drop (injected)
+  double at_s = 0;   // when it is due, seconds since the job started (outside faults)
   int rank = 0;
   int64_t step = -1;  // injected faults: the step
   std::string spec;   // injected faults: the --inject spec
@@ -111,8 +111,9 @@ struct Fault {
   int final_recovery = -1;  // the end of its chain of superseding recoveries
   std::string outcome;
   bool survived = false;
-  double downtime_ms = -1;             // the final recovery's downtime_ms (journal)
-  double downtime_from_fault_ms = -1;  // from the fault to the resumed step's completion, less a normal step
+  double downtime_ms = -1;  // the final recovery's downtime_ms (journal)
+  // from the fault to the resumed step's completion, less a normal step
+  double downtime_from_fault_ms = -1;
 };
 
 bool Happened(const Fault& f) { return f.status == "sent" || f.status == "fired"; }
@@ -120,7 +121,8 @@ bool Happened(const Fault& f) { return f.status == "sent" || f.status == "fired"
 // Steps the job is expected to take in its last --quiet-end seconds, when
 // `steps` fill the duration after `startup_s` of model build.
 int64_t QuietEndSteps(const SoakOptions& o, int64_t steps, double startup_s) {
-  double seconds_per_step = std::max(1e-3, (o.minutes * 60 - startup_s) / static_cast<double>(steps));
+  double seconds_per_step =
+      std::max(1e-3, (o.minutes * 60 - startup_s) / static_cast<double>(steps));
   return static_cast<int64_t>(o.quiet_end / seconds_per_step);
 }
 
@@ -133,7 +135,8 @@ std::vector<Fault> PlanFaults(const SoakOptions& o, int64_t steps, double startu
   std::uniform_int_distribution<size_t> kind(0, o.kinds.size() - 1);
   std::uniform_int_distribution<int> rank(0, o.nproc - 1);
   const double duration = o.minutes * 60;
-  const double seconds_per_step = std::max(1e-3, (duration - startup_s) / static_cast<double>(steps));
+  const double seconds_per_step =
+      std::max(1e-3, (duration - startup_s) / static_cast<double>(steps));
   const int64_t last_step = steps - 1 - QuietEndSteps(o, steps, startup_s);
   std::vector<Fault> faults;
   std::set<int64_t> used_steps;
@@ -183,7 +186,8 @@ class JobWatch {
       std::string address = job["http"];
       size_t colon = address.rfind(':');
       if (colon == std::string::npos) return false;
-      client_ = std::make_unique<httplib::Client>(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
+      client_ = std::make_unique<httplib::Client>(address.substr(0, colon),
+                                                  std::stoi(address.substr(colon + 1)));
       client_->set_connection_timeout(1);
       client_->set_read_timeout(2);
     }
@@ -250,10 +254,12 @@ void Send(Fault* f, const JobWatch& watch, pid_t job_pid) {
   f->status = "sent";
 }
 
-// The soak job: starts it, sends the outside faults on time, prints progress; returns its exit code.
-// A job that runs past 2 × the duration + 10 minutes is stopped (SIGTERM, then SIGKILL 30 s later).
-int RunSoakJob(const SoakOptions& o, const std::vector<std::string>& argv, const std::string& journal,
-               int64_t steps, int64_t quiet_steps, std::vector<Fault>* faults, json* last_status) {
+// The soak job: starts it, sends the outside faults on time, prints progress; returns its exit
+// code. A job that runs past 2 × the duration + 10 minutes is stopped (SIGTERM, then SIGKILL 30 s
+// later).
+int RunSoakJob(const SoakOptions& o, const std::vector<std::string>& argv,
+               const std::string& journal, int64_t steps, int64_t quiet_steps,
+               std::vector<Fault>* faults, json* last_status) {
   fs::remove(fs::path(journal).parent_path() / "job.json");
   auto started = StartCommand(argv, o.out + "/soak.log");
   if (!started.ok()) {
@@ -275,8 +281,10 @@ int RunSoakJob(const SoakOptions& o, const std::vector<std::string>& argv, const
     }
     double now = NowEpoch() - start;
     if (now >= give_up && kill_at < 0) {
-      fmt::print("[soak] {} elapsed: the job is still running at 2 × the duration + 10 min: stopping it (SIGTERM)\n",
-                 MinSec(now));
+      fmt::print(
+          "[soak] {} elapsed: the job is still running at 2 × the duration + 10 min: stopping it "
+          "(SIGTERM)\n",
+          MinSec(now));
       std::fflush(stdout);
       ::kill(job_pid, SIGTERM);
       kill_at = now + 30;
@@ -315,10 +323,12 @@ int RunSoakJob(const SoakOptions& o, const std::vector<std::string>& argv, const
       next_progress += o.progress_every;
       int sent = 0;
       for (const Fault& f : *faults) sent += f.status == "sent" ? 1 : 0;
-      fmt::print("[soak] {} elapsed: step {}/{}, faults sent {}, injected fired {}, phase {}, world {}, spares {}, "
-                 "recoveries {}\n",
-                 MinSec(now), watch.highest_step(), steps, sent, CountInjected(journal), watch.phase(),
-                 watch.world_size(), watch.spares(), watch.status().value("recoveries", 0));
+      fmt::print(
+          "[soak] {} elapsed: step {}/{}, faults sent {}, injected fired {}, phase {}, world {}, "
+          "spares {}, "
+          "recoveries {}\n",
+          MinSec(now), watch.highest_step(), steps, sent, CountInjected(journal), watch.phase(),
+          watch.world_size(), watch.spares(), watch.status().value("recoveries", 0));
       std::fflush(stdout);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -327,10 +337,10 @@ int RunSoakJob(const SoakOptions& o, const std::vector<std::string>& argv, const
 
 // What the journal says about the soak job, beyond JournalSummary.
 struct Analysis {
-  std::map<int, json> recovery_by_id;        // recovery_end's "recovery" by id
-  std::map<int, double> recovery_end_t;      // and when it was journaled
-  std::map<int, double> recovery_start_t;    // recovery_start (not resize_start) times by id
-  std::map<int, int> pid_of_worker;          // from spawn records
+  std::map<int, json> recovery_by_id;      // recovery_end's "recovery" by id
+  std::map<int, double> recovery_end_t;    // and when it was journaled
+  std::map<int, double> recovery_start_t;  // recovery_start (not resize_start) times by id
+  std::map<int, int> pid_of_worker;        // from spawn records
   std::set<int> spare_ids, used_spares;
   int spares_refilled = 0;
   int final_world = 0;
@@ -382,9 +392,11 @@ Analysis Analyze(const SoakOptions& o, const JournalSummary& j) {
       a.recovery_by_id[id] = r["recovery"];
       a.recovery_end_t[id] = t;
       a.lost_steps += r["recovery"].value("lost_steps", int64_t{0});
-      if (r["recovery"].value("kind", "") == "resize") ++a.resizes;
+      if (r["recovery"].value("kind", "") == "resize")
+        ++a.resizes;
       else if (r["recovery"].value("outcome", "") == "completed" &&
-               r["recovery"].value("new_world", 0) < r["recovery"].value("old_world", 0)) ++a.shrinks;
+               r["recovery"].value("new_world", 0) < r["recovery"].value("old_world", 0))
+        ++a.shrinks;
       a.by_cause[CauseOf(r["recovery"])][OutcomeClass(r["recovery"].value("outcome", ""))]++;
     }
   }
@@ -422,14 +434,16 @@ std::string FaultKindOf(const SoakOptions& o, const JournalSummary& j, const Fau
   for (const json& r : j.records) {
     double t = r.value("t", 0.0);
     if (r.value("event", "") != "fault" || t < f.t - 0.5 || t > f.t + o.alarm_window) continue;
-    if (r.value("pid", -1) == f.pid || r.value("worker_id", -2) == f.worker_id) return r.value("kind", "");
+    if (r.value("pid", -1) == f.pid || r.value("worker_id", -2) == f.worker_id)
+      return r.value("kind", "");
   }
   return "";
 }
 
-// Ties every fault that happened to the journal: when, how it was detected, which recovery handled it.
-void Attribute(const SoakOptions& o, const JournalSummary& j, const Analysis& a, double normal_step_s,
-               std::vector<Fault>* faults) {
+// Ties every fault that happened to the journal: when, how it was detected, which recovery handled
+// it.
+void Attribute(const SoakOptions& o, const JournalSummary& j, const Analysis& a,
+               double normal_step_s, std::vector<Fault>* faults) {
   for (Fault& f : *faults) {
     if (IsOutside(f.kind)) {
       if (f.status != "sent") continue;
@@ -437,7 +451,8 @@ void Attribute(const SoakOptions& o, const JournalSummary& j, const Analysis& a,
       f.detected_as = FaultKindOf(o, j, f);
       f.recovery = RecoveryNamingPid(a, f.pid);
     } else {
-      auto it = std::find_if(j.injected.begin(), j.injected.end(), [&](const InjectedFault& x) { return x.spec == f.spec; });
+      auto it = std::find_if(j.injected.begin(), j.injected.end(),
+                             [&](const InjectedFault& x) { return x.spec == f.spec; });
       if (it == j.injected.end()) {
         f.status = "did not fire";
         continue;
@@ -467,16 +482,20 @@ void Attribute(const SoakOptions& o, const JournalSummary& j, const Analysis& a,
     if (f.detected_as.empty()) f.detected_as = CauseOf(a.recovery_by_id.at(f.recovery));
     f.final_recovery = FinalRecovery(a, f.recovery);
     auto rec = a.recovery_by_id.find(f.final_recovery);
-    f.outcome = rec == a.recovery_by_id.end() ? "open at the end" : rec->second.value("outcome", "");
+    f.outcome =
+        rec == a.recovery_by_id.end() ? "open at the end" : rec->second.value("outcome", "");
     f.survived = f.outcome == "completed";
     if (f.survived) {
-      if (rec->second.contains("downtime_ms")) f.downtime_ms = rec->second["downtime_ms"].get<double>();
-      f.downtime_from_fault_ms = std::max(0.0, (a.recovery_end_t.at(f.final_recovery) - f.t - normal_step_s) * 1000);
+      if (rec->second.contains("downtime_ms"))
+        f.downtime_ms = rec->second["downtime_ms"].get<double>();
+      f.downtime_from_fault_ms =
+          std::max(0.0, (a.recovery_end_t.at(f.final_recovery) - f.t - normal_step_s) * 1000);
     }
   }
 }
 
-// Recoveries that no fault sent or injected explains: neither tied to one nor starting within the window after one.
+// Recoveries that no fault sent or injected explains: neither tied to one nor starting within the
+// window after one.
 json FalseAlarms(const SoakOptions& o, const Analysis& a, const std::vector<Fault>& faults) {
   std::set<int> explained;
   for (const Fault& f : faults) {
@@ -490,8 +509,11 @@ json FalseAlarms(const SoakOptions& o, const Analysis& a, const std::vector<Faul
     });
     if (near) continue;
     auto rec = a.recovery_by_id.find(id);
-    out.push_back({{"recovery", id}, {"at_s", t},
-                   {"cause", rec == a.recovery_by_id.end() ? json("?") : rec->second.value("causes", json::array())}});
+    out.push_back(
+        {{"recovery", id},
+         {"at_s", t},
+         {"cause",
+          rec == a.recovery_by_id.end() ? json("?") : rec->second.value("causes", json::array())}});
   }
   return out;
 }
@@ -508,74 +530,108 @@ json Collateral(const SoakOptions& o, const JournalSummary& j, const std::vector
              (r.value("worker_id", -2) == f.worker_id || r.value("pid", -2) == f.pid);
     });
     if (targeted) continue;
-    out.push_back({{"at_s", t}, {"kind", r.value("kind", "")}, {"worker_id", r.value("worker_id", -1)},
-                   {"rank", r.value("rank", -1)}, {"detail", r.value("detail", "")}});
+    out.push_back({{"at_s", t},
+                   {"kind", r.value("kind", "")},
+                   {"worker_id", r.value("worker_id", -1)},
+                   {"rank", r.value("rank", -1)},
+                   {"detail", r.value("detail", "")}});
   }
   return out;
 }
 
 json Stats(const std::vector<double>& v) {
   if (v.empty()) return {{"n", 0}};
-  return {{"n", v.size()}, {"median", Percentile(v, 50)}, {"p95", Percentile(v, 95)},
+  return {{"n", v.size()},
+          {"median", Percentile(v, 50)},
+          {"p95", Percentile(v, 95)},
           {"max", *std::max_element(v.begin(), v.end())}};
 }
 
 std::string StatsText(const json& s) {
   if (s.value("n", 0) == 0) return "-";
-  return fmt::format("{:>8.0f} {:>8.0f} {:>8.0f}   (n={})", s["median"].get<double>(), s["p95"].get<double>(),
-                     s["max"].get<double>(), s["n"].get<int>());
+  return fmt::format("{:>8.0f} {:>8.0f} {:>8.0f}   (n={})", s["median"].get<double>(),
+                     s["p95"].get<double>(), s["max"].get<double>(), s["n"].get<int>());
 }
 
 int Main(int argc, char** argv) {
   auto [our_argc, program] = SplitAtDoubleDash(argc, argv);
-  CLI::App app{"Soak: the reference recipe under random faults of every kind for a long time; nothing may be lost"};
+  CLI::App app{
+      "Soak: the reference recipe under random faults of every kind for a long time; nothing may "
+      "be lost"};
   SoakOptions o;
-  app.add_option("--minutes", o.minutes, "How long the faulted job should run")->capture_default_str()
+  app.add_option("--minutes", o.minutes, "How long the faulted job should run")
+      ->capture_default_str()
       ->check(CLI::Range(1.0, 100000.0));
   app.add_option("--seed", o.seed, "Seed of the fault schedule")->capture_default_str();
   app.add_option("--nproc", o.nproc, "Workers")->capture_default_str()->check(CLI::Range(2, 1024));
   app.add_option("--spares", o.spares, "Spares")->capture_default_str()->check(CLI::Range(1, 1024));
-  app.add_option("--min-gap", o.min_gap, "Least time between two faults (s)")->capture_default_str()
+  app.add_option("--min-gap", o.min_gap, "Least time between two faults (s)")
+      ->capture_default_str()
       ->check(CLI::Range(1.0, 1e6));
-  app.add_option("--max-gap", o.max_gap, "Most time between two faults (s)")->capture_default_str()
+  app.add_option("--max-gap", o.max_gap, "Most time between two faults (s)")
+      ->capture_default_str()
       ->check(CLI::Range(1.0, 1e6));
-  app.add_option("--quiet-start", o.quiet_start, "No fault in the first this many seconds (model build)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1e6));
-  app.add_option("--quiet-end", o.quiet_end, "No fault in the last this many seconds (the world is whole at the end)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1e6));
-  app.add_option("--steps", o.steps, "Training steps (0: calibrate so that the job lasts --minutes)")
-      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{100'000'000}));
-  app.add_option("--calibration-steps", o.calibration_steps, "Steps of the calibration run")->capture_default_str()
+  app.add_option("--quiet-start", o.quiet_start,
+                 "No fault in the first this many seconds (model build)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--quiet-end", o.quiet_end,
+                 "No fault in the last this many seconds (the world is whole at the end)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--steps", o.steps,
+                 "Training steps (0: calibrate so that the job lasts --minutes)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{100'000'000}));
+  app.add_option("--calibration-steps", o.calibration_steps, "Steps of the calibration run")
+      ->capture_default_str()
       ->check(CLI::Range(int64_t{5}, int64_t{100'000}));
-  app.add_option("--fault-cost", o.fault_cost, "Seconds each fault is expected to cost, when choosing the step count")
-      ->capture_default_str()->check(CLI::Range(0.0, 1e6));
+  app.add_option("--fault-cost", o.fault_cost,
+                 "Seconds each fault is expected to cost, when choosing the step count")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
   app.add_option("--alarm-window", o.alarm_window,
-                 "A recovery starting this long after a fault is explained by it; later ones are false alarms (s)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1e6));
-  app.add_option("--progress-every", o.progress_every, "Seconds between progress lines")->capture_default_str()
+                 "A recovery starting this long after a fault is explained by it; later ones are "
+                 "false alarms (s)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--progress-every", o.progress_every, "Seconds between progress lines")
+      ->capture_default_str()
       ->check(CLI::Range(1.0, 1e6));
   app.add_option("--reference-checksum", o.reference_checksum,
                  "The fault-free run's final checksum for these steps (skips the fault-free run)");
-  app.add_option("--kinds", o.kinds, "Fault kinds to draw from")->delimiter(',')->capture_default_str()
+  app.add_option("--kinds", o.kinds, "Fault kinds to draw from")
+      ->delimiter(',')
+      ->capture_default_str()
       ->check(CLI::IsMember(kAllKinds));
-  app.add_option("--run-arg", o.run_args, "An extra argument for every `nonstop run` (repeatable), e.g. "
-                 "--run-arg=--heartbeat-timeout-ms=2000")->allow_extra_args(false);
-  app.add_option("--bin", o.bin, "Directory holding nonstop and nonstop-train (default: this program's)");
-  app.add_option("--out", o.out, "Output directory (results.json, journals, logs)")->capture_default_str();
-  app.footer("After `--`: the training program (default: BIN/nonstop-train with its built-in llama-tiny recipe); "
-             "the soak appends --steps N.");
+  app.add_option("--run-arg", o.run_args,
+                 "An extra argument for every `nonstop run` (repeatable), e.g. "
+                 "--run-arg=--heartbeat-timeout-ms=2000")
+      ->allow_extra_args(false);
+  app.add_option("--bin", o.bin,
+                 "Directory holding nonstop and nonstop-train (default: this program's)");
+  app.add_option("--out", o.out, "Output directory (results.json, journals, logs)")
+      ->capture_default_str();
+  app.footer(
+      "After `--`: the training program (default: BIN/nonstop-train with its built-in llama-tiny "
+      "recipe); "
+      "the soak appends --steps N.");
   try {
     app.parse(our_argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   if (o.max_gap < o.min_gap) {
-    fmt::print(stderr, "nonstop-bench-soak: --max-gap {} is below --min-gap {}\n", o.max_gap, o.min_gap);
+    fmt::print(stderr, "nonstop-bench-soak: --max-gap {} is below --min-gap {}\n", o.max_gap,
+               o.min_gap);
     return 2;
   }
   if (o.quiet_start + o.quiet_end >= o.minutes * 60) {
-    fmt::print(stderr, "nonstop-bench-soak: --quiet-start {} + --quiet-end {} leave no time for faults in {} minutes "
-               "(HINT: more --minutes or shorter quiet periods)\n", o.quiet_start, o.quiet_end, o.minutes);
+    fmt::print(stderr,
+               "nonstop-bench-soak: --quiet-start {} + --quiet-end {} leave no time for faults in "
+               "{} minutes "
+               "(HINT: more --minutes or shorter quiet periods)\n",
+               o.quiet_start, o.quiet_end, o.minutes);
     return 2;
   }
   if (o.bin.empty()) o.bin = SelfDir();
@@ -583,8 +639,11 @@ int Main(int argc, char** argv) {
   if (program.empty()) program = {o.bin + "/nonstop-train"};
   for (const std::string& p : {nonstop, program[0]}) {
     if (::access(p.c_str(), X_OK) != 0) {
-      fmt::print(stderr, "nonstop-bench-soak: {} is not an executable (HINT: --bin DIR names where nonstop and "
-                 "nonstop-train are, e.g. build/bin)\n", p);
+      fmt::print(
+          stderr,
+          "nonstop-bench-soak: {} is not an executable (HINT: --bin DIR names where nonstop and "
+          "nonstop-train are, e.g. build/bin)\n",
+          p);
       return 2;
     }
   }
@@ -596,9 +655,13 @@ int Main(int argc, char** argv) {
   }
   const double duration = o.minutes * 60;
 
-  auto job_argv = [&](const std::string& name, int spares, const std::string& inject, int64_t steps) {
-    std::vector<std::string> v = {nonstop, "run", "--nproc", std::to_string(o.nproc), "--spares", std::to_string(spares),
-                                  "--journal", o.out + "/" + name + ".jsonl", "--inject", inject};
+  auto job_argv = [&](const std::string& name, int spares, const std::string& inject,
+                      int64_t steps) {
+    std::vector<std::string> v = {nonstop,     "run",
+                                  "--nproc",   std::to_string(o.nproc),
+                                  "--spares",  std::to_string(spares),
+                                  "--journal", o.out + "/" + name + ".jsonl",
+                                  "--inject",  inject};
     v.insert(v.end(), o.run_args.begin(), o.run_args.end());
     v.push_back("--");
     v.insert(v.end(), program.begin(), program.end());
@@ -612,23 +675,34 @@ int Main(int argc, char** argv) {
   int64_t steps = o.steps;
   json calibration = nullptr;
   if (steps == 0) {
-    fmt::print("calibration: {} steps without faults, to measure the step time\n", o.calibration_steps);
-    int code = RunCommand(job_argv("calibration", o.spares, "none", o.calibration_steps), o.out + "/calibration.log");
+    fmt::print("calibration: {} steps without faults, to measure the step time\n",
+               o.calibration_steps);
+    int code = RunCommand(job_argv("calibration", o.spares, "none", o.calibration_steps),
+                          o.out + "/calibration.log");
     auto cal = ReadJournalSummary(o.out + "/calibration.jsonl");
     if (code != 0 || !cal.ok() || cal->steps.size() < 2) {
-      fmt::print(stderr, "nonstop-bench-soak: the calibration run failed (exit {}{}); see {}/calibration.log\n", code,
-                 cal.ok() ? "" : ", " + cal.status().ToString(), o.out);
+      fmt::print(
+          stderr,
+          "nonstop-bench-soak: the calibration run failed (exit {}{}); see {}/calibration.log\n",
+          code, cal.ok() ? "" : ", " + cal.status().ToString(), o.out);
       return 1;
     }
     step_s = MedianStepInterval(cal->steps);
     startup_s = std::max(0.0, cal->steps.front().t - step_s);
-    double expected_faults = (duration - o.quiet_start - o.quiet_end) / ((o.min_gap + o.max_gap) / 2);
+    double expected_faults =
+        (duration - o.quiet_start - o.quiet_end) / ((o.min_gap + o.max_gap) / 2);
     steps = std::max<int64_t>(
-        10, static_cast<int64_t>((duration - startup_s - expected_faults * o.fault_cost) / std::max(step_s, 1e-3)));
-    calibration = {{"steps", o.calibration_steps}, {"step_s", step_s}, {"startup_s", startup_s},
-                   {"expected_faults", expected_faults}, {"chosen_steps", steps}};
-    fmt::print("calibration: a step takes {:.3f} s, the first step completes {:.1f} s after the start: {} steps\n",
-               step_s, startup_s + step_s, steps);
+        10, static_cast<int64_t>((duration - startup_s - expected_faults * o.fault_cost) /
+                                 std::max(step_s, 1e-3)));
+    calibration = {{"steps", o.calibration_steps},
+                   {"step_s", step_s},
+                   {"startup_s", startup_s},
+                   {"expected_faults", expected_faults},
+                   {"chosen_steps", steps}};
+    fmt::print(
+        "calibration: a step takes {:.3f} s, the first step completes {:.1f} s after the start: {} "
+        "steps\n",
+        step_s, startup_s + step_s, steps);
   }
 
   // 2. The fault schedule.
@@ -637,13 +711,15 @@ int Main(int argc, char** argv) {
   for (const Fault& f : faults) {
     if (!f.spec.empty()) inject += (inject.empty() ? "" : ";") + f.spec;
   }
-  fmt::print("soak: {} workers + {} spares, {} steps, ~{:.0f} min, seed {}, {} faults planned every {:.0f}-{:.0f} s "
-             "between {:.0f} s and {:.0f} s\n",
-             o.nproc, o.spares, steps, o.minutes, o.seed, faults.size(), o.min_gap, o.max_gap, o.quiet_start,
-             duration - o.quiet_end);
+  fmt::print(
+      "soak: {} workers + {} spares, {} steps, ~{:.0f} min, seed {}, {} faults planned every "
+      "{:.0f}-{:.0f} s "
+      "between {:.0f} s and {:.0f} s\n",
+      o.nproc, o.spares, steps, o.minutes, o.seed, faults.size(), o.min_gap, o.max_gap,
+      o.quiet_start, duration - o.quiet_end);
   for (const Fault& f : faults) {
-    fmt::print("  #{:<3} {:>7.1f} s  {:<20} rank {}{}\n", f.index, f.at_s, KindLabel(f.kind), f.rank,
-               f.step >= 0 ? fmt::format(", step {}", f.step) : "");
+    fmt::print("  #{:<3} {:>7.1f} s  {:<20} rank {}{}\n", f.index, f.at_s, KindLabel(f.kind),
+               f.rank, f.step >= 0 ? fmt::format(", step {}", f.step) : "");
   }
   std::fflush(stdout);
 
@@ -651,8 +727,8 @@ int Main(int argc, char** argv) {
   const std::string journal = o.out + "/soak.jsonl";
   json last_status;
   const double soak_start = NowEpoch();
-  int rc = RunSoakJob(o, job_argv("soak", o.spares, inject.empty() ? "none" : inject, steps), journal, steps,
-                      QuietEndSteps(o, steps, startup_s), &faults, &last_status);
+  int rc = RunSoakJob(o, job_argv("soak", o.spares, inject.empty() ? "none" : inject, steps),
+                      journal, steps, QuietEndSteps(o, steps, startup_s), &faults, &last_status);
   const double soak_wall = NowEpoch() - soak_start;
   fmt::print("soak job: exit {}, {} wall\n", rc, MinSec(soak_wall));
   auto read = ReadJournalSummary(journal);
@@ -675,27 +751,43 @@ int Main(int argc, char** argv) {
     reference_rc = RunCommand(job_argv("reference", 0, "none", steps), o.out + "/reference.log");
     auto ref = ReadJournalSummary(o.out + "/reference.jsonl");
     if (ref.ok()) reference = ref->checksum;
-    fmt::print("reference: exit {}, checksum {}\n", reference_rc, reference.empty() ? "none" : reference);
+    fmt::print("reference: exit {}, checksum {}\n", reference_rc,
+               reference.empty() ? "none" : reference);
   }
 
   // 5. Report.
   std::vector<double> downtime, from_fault;
-  std::map<std::string, std::map<std::string, int>> by_kind;  // kind → planned/happened/skipped/survived
+  // kind → planned/happened/skipped/survived
+  std::map<std::string, std::map<std::string, int>> by_kind;
   json faults_j = json::array();
   for (const Fault& f : faults) {
     auto& k = by_kind[f.kind];
     k["planned"]++;
-    if (Happened(f)) k["happened"]++;
-    else k["skipped"]++;
+    if (Happened(f))
+      k["happened"]++;
+    else
+      k["skipped"]++;
     if (f.survived) k["survived"]++;
     if (f.downtime_ms >= 0) downtime.push_back(f.downtime_ms);
     if (f.downtime_from_fault_ms >= 0) from_fault.push_back(f.downtime_from_fault_ms);
     auto opt = [](double v) { return v >= 0 ? json(v) : json(nullptr); };
-    faults_j.push_back({{"index", f.index}, {"kind", f.kind}, {"planned_at_s", f.at_s}, {"rank", f.rank},
-                        {"step", f.step >= 0 ? json(f.step) : json(nullptr)}, {"spec", f.spec}, {"status", f.status},
-                        {"at_s", opt(f.t)}, {"postponed_s", f.postponed_s}, {"worker_id", f.worker_id}, {"pid", f.pid},
-                        {"detected_as", f.detected_as}, {"recovery", f.recovery}, {"final_recovery", f.final_recovery},
-                        {"outcome", f.outcome}, {"survived", f.survived}, {"downtime_ms", opt(f.downtime_ms)},
+    faults_j.push_back({{"index", f.index},
+                        {"kind", f.kind},
+                        {"planned_at_s", f.at_s},
+                        {"rank", f.rank},
+                        {"step", f.step >= 0 ? json(f.step) : json(nullptr)},
+                        {"spec", f.spec},
+                        {"status", f.status},
+                        {"at_s", opt(f.t)},
+                        {"postponed_s", f.postponed_s},
+                        {"worker_id", f.worker_id},
+                        {"pid", f.pid},
+                        {"detected_as", f.detected_as},
+                        {"recovery", f.recovery},
+                        {"final_recovery", f.final_recovery},
+                        {"outcome", f.outcome},
+                        {"survived", f.survived},
+                        {"downtime_ms", opt(f.downtime_ms)},
                         {"downtime_from_fault_ms", opt(f.downtime_from_fault_ms)}});
   }
   int happened = 0, survived = 0;
@@ -707,44 +799,51 @@ int Main(int argc, char** argv) {
   const bool same = !reference.empty() && reference == j.checksum && j.checksums_agree;
   const bool pass = rc == 0 && a.lost_steps == 0 && missing == 0 && same;
 
-  fmt::print("\nsoak: {} workers + {} spares, {} steps, seed {}, a normal step {:.3f} s\n\n", o.nproc, o.spares, steps,
-             o.seed, normal_step_s);
-  fmt::print("{:<28} {} (job {}, start to job_end)\n", "duration", MinSec(soak_wall), MinSec(j.wall));
+  fmt::print("\nsoak: {} workers + {} spares, {} steps, seed {}, a normal step {:.3f} s\n\n",
+             o.nproc, o.spares, steps, o.seed, normal_step_s);
+  fmt::print("{:<28} {} (job {}, start to job_end)\n", "duration", MinSec(soak_wall),
+             MinSec(j.wall));
   fmt::print("{:<28} {}\n", "nonstop run exit code", rc);
-  fmt::print("{:<28} {:<20} {:>8} {:>8} {:>8} {:>8}\n", "faults", "kind", "planned", "sent", "skipped", "survived");
+  fmt::print("{:<28} {:<20} {:>8} {:>8} {:>8} {:>8}\n", "faults", "kind", "planned", "sent",
+             "skipped", "survived");
   for (const auto& kind : kAllKinds) {
     if (!by_kind.count(kind)) continue;
     auto& k = by_kind[kind];
-    fmt::print("{:<28} {:<20} {:>8} {:>8} {:>8} {:>8}\n", "", KindLabel(kind), k["planned"], k["happened"],
-               k["skipped"], k["survived"]);
+    fmt::print("{:<28} {:<20} {:>8} {:>8} {:>8} {:>8}\n", "", KindLabel(kind), k["planned"],
+               k["happened"], k["skipped"], k["survived"]);
   }
   fmt::print("{:<28} {:<20} {:>8} {:>8} {:>8} {:>8}\n", "", "all", faults.size(), happened,
              static_cast<int>(faults.size()) - happened, survived);
-  fmt::print("{:<28} {:<30} {:>9} {:>10} {:>7} {:>6}\n", "recoveries (journal)", "cause", "completed", "superseded",
-             "failed", "open");
+  fmt::print("{:<28} {:<30} {:>9} {:>10} {:>7} {:>6}\n", "recoveries (journal)", "cause",
+             "completed", "superseded", "failed", "open");
   for (auto& [cause, outcomes] : a.by_cause) {
-    fmt::print("{:<28} {:<30} {:>9} {:>10} {:>7} {:>6}\n", "", cause, outcomes["completed"], outcomes["superseded"],
-               outcomes["failed"], outcomes["open"]);
+    fmt::print("{:<28} {:<30} {:>9} {:>10} {:>7} {:>6}\n", "", cause, outcomes["completed"],
+               outcomes["superseded"], outcomes["failed"], outcomes["open"]);
   }
   json downtime_stats = Stats(downtime), from_fault_stats = Stats(from_fault);
-  fmt::print("{:<28} {:<30} {:>8} {:>8} {:>8}\n", "downtime per fault (ms)", "", "median", "p95", "max");
+  fmt::print("{:<28} {:<30} {:>8} {:>8} {:>8}\n", "downtime per fault (ms)", "", "median", "p95",
+             "max");
   fmt::print("{:<28} {:<30} {}\n", "", "journal downtime_ms", StatsText(downtime_stats));
   fmt::print("{:<28} {:<30} {}\n", "", "from the fault (soak clock)", StatsText(from_fault_stats));
-  fmt::print("{:<28} {} (recovery_end lost_steps); {} of {} steps completed, {} missing, {} redone\n",
-             "completed steps lost", a.lost_steps, j.distinct, steps, missing, j.redone);
-  fmt::print("{:<28} {} used, {} refilled; the world shrank {} time(s) for want of a spare, {} resize(s)\n",
-             "spares", a.used_spares.size(), a.spares_refilled, a.shrinks, a.resizes);
-  fmt::print("{:<28} {}{}\n", "false alarms", alarms.size(), alarms.empty() ? "" : ": " + alarms.dump());
+  fmt::print(
+      "{:<28} {} (recovery_end lost_steps); {} of {} steps completed, {} missing, {} redone\n",
+      "completed steps lost", a.lost_steps, j.distinct, steps, missing, j.redone);
+  fmt::print(
+      "{:<28} {} used, {} refilled; the world shrank {} time(s) for want of a spare, {} "
+      "resize(s)\n",
+      "spares", a.used_spares.size(), a.spares_refilled, a.shrinks, a.resizes);
+  fmt::print("{:<28} {}{}\n", "false alarms", alarms.size(),
+             alarms.empty() ? "" : ": " + alarms.dump());
   fmt::print("{:<28} {}", "collateral member losses", collateral.size());
   for (const auto& c : collateral) {
     fmt::print("; {:.0f} s rank {} (worker {}): {}", c["at_s"].get<double>(), c["rank"].get<int>(),
                c["worker_id"].get<int>(), c["kind"].get<std::string>());
   }
   fmt::print("\n");
-  fmt::print("{:<28} {} (last plan); spare pool {} (last /status)\n", "final world size", a.final_world,
-             last_status.value("spares", -1));
-  fmt::print("{:<28} {} vs fault-free {}: {}\n", "final checksum", j.checksum.empty() ? "none" : j.checksum,
-             reference.empty() ? "none" : reference,
+  fmt::print("{:<28} {} (last plan); spare pool {} (last /status)\n", "final world size",
+             a.final_world, last_status.value("spares", -1));
+  fmt::print("{:<28} {} vs fault-free {}: {}\n", "final checksum",
+             j.checksum.empty() ? "none" : j.checksum, reference.empty() ? "none" : reference,
              same ? "identical" : (j.checksums_agree ? "DIFFERENT" : "members disagree"));
   fmt::print("{:<28} {}\n", "verdict", pass ? "PASS" : "FAIL");
 
@@ -752,20 +851,49 @@ int Main(int argc, char** argv) {
   for (auto& [kind, counts] : by_kind) by_kind_j[kind] = counts;
   json by_cause_j = json::object();
   for (auto& [cause, outcomes] : a.by_cause) by_cause_j[cause] = outcomes;
-  json doc = {{"benchmark", "soak"}, {"nproc", o.nproc}, {"spares", o.spares}, {"seed", o.seed},
-              {"minutes", o.minutes}, {"min_gap_s", o.min_gap}, {"max_gap_s", o.max_gap},
-              {"quiet_start_s", o.quiet_start}, {"quiet_end_s", o.quiet_end}, {"kinds", o.kinds}, {"steps", steps},
-              {"program", program}, {"calibration", calibration}, {"duration_s", soak_wall}, {"job_wall_s", j.wall},
-              {"normal_step_s", normal_step_s}, {"exit_code", rc}, {"faults_by_kind", by_kind_j},
-              {"faults_happened", happened}, {"faults_survived", survived}, {"recoveries_by_cause", by_cause_j},
-              {"recoveries", j.recoveries}, {"resizes", a.resizes}, {"shrinks", a.shrinks},
-              {"downtime_ms", downtime_stats}, {"downtime_from_fault_ms", from_fault_stats},
-              {"lost_steps", a.lost_steps}, {"steps_completed", j.distinct}, {"steps_missing", missing},
-              {"steps_redone", j.redone}, {"spares_used", a.used_spares.size()},
-              {"spares_refilled", a.spares_refilled}, {"false_alarms", alarms}, {"collateral", collateral}, {"final_world_size", a.final_world},
-              {"final_spares", last_status.value("spares", -1)}, {"checksum", j.checksum},
-              {"members_agree", j.checksums_agree}, {"reference_checksum", reference},
-              {"reference_exit_code", reference_rc}, {"checksums_equal", same}, {"pass", pass}, {"faults", faults_j}};
+  json doc = {{"benchmark", "soak"},
+              {"nproc", o.nproc},
+              {"spares", o.spares},
+              {"seed", o.seed},
+              {"minutes", o.minutes},
+              {"min_gap_s", o.min_gap},
+              {"max_gap_s", o.max_gap},
+              {"quiet_start_s", o.quiet_start},
+              {"quiet_end_s", o.quiet_end},
+              {"kinds", o.kinds},
+              {"steps", steps},
+              {"program", program},
+              {"calibration", calibration},
+              {"duration_s", soak_wall},
+              {"job_wall_s", j.wall},
+              {"normal_step_s", normal_step_s},
+              {"exit_code", rc},
+              {"faults_by_kind", by_kind_j},
+              {"faults_happened", happened},
+              {"faults_survived", survived},
+              {"recoveries_by_cause", by_cause_j},
+              {"recoveries", j.recoveries},
+              {"resizes", a.resizes},
+              {"shrinks", a.shrinks},
+              {"downtime_ms", downtime_stats},
+              {"downtime_from_fault_ms", from_fault_stats},
+              {"lost_steps", a.lost_steps},
+              {"steps_completed", j.distinct},
+              {"steps_missing", missing},
+              {"steps_redone", j.redone},
+              {"spares_used", a.used_spares.size()},
+              {"spares_refilled", a.spares_refilled},
+              {"false_alarms", alarms},
+              {"collateral", collateral},
+              {"final_world_size", a.final_world},
+              {"final_spares", last_status.value("spares", -1)},
+              {"checksum", j.checksum},
+              {"members_agree", j.checksums_agree},
+              {"reference_checksum", reference},
+              {"reference_exit_code", reference_rc},
+              {"checksums_equal", same},
+              {"pass", pass},
+              {"faults", faults_j}};
   std::ofstream(o.out + "/results.json") << doc.dump(2) << "\n";
   fmt::print("wrote {0}/results.json (journals and logs beside it)\n", o.out);
   return pass ? 0 : 1;

@@ -19,7 +19,8 @@
 namespace {
 
 void CheckRefusal(const nonstop::Status& s) {
-  NONSTOP_CHECK(s.code() == nonstop::StatusCode::kDataLoss || s.code() == nonstop::StatusCode::kInvalidArgument)
+  NONSTOP_CHECK(s.code() == nonstop::StatusCode::kDataLoss ||
+                s.code() == nonstop::StatusCode::kInvalidArgument)
       << s.ToString();
   NONSTOP_CHECK(!s.message().empty());
 }
@@ -40,7 +41,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     NONSTOP_CHECK_GE(manifest->world_size, 0);
   }
 
-  auto header = nonstop::state::ParseSafetensorsHeader(std::as_bytes(std::span(state.data(), state.size())));
+  auto header =
+      nonstop::state::ParseSafetensorsHeader(std::as_bytes(std::span(state.data(), state.size())));
   if (!header.ok()) {
     CheckRefusal(header.status());
     return 0;
@@ -52,6 +54,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     NONSTOP_CHECK_LE(t.begin, t.end) << t.name;
     at = t.end;
   }
-  NONSTOP_CHECK_EQ(header->data_offset + at, state.size()) << "the tensors do not fill the data section";
+  NONSTOP_CHECK_EQ(header->data_offset + at, state.size())
+      << "the tensors do not fill the data section";
   return 0;
 }

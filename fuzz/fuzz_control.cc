@@ -24,21 +24,23 @@ template <typename Msg>
 void RoundTrip(nonstop::Result<Msg> (*decode)(std::string_view), std::string_view payload) {
   auto first = decode(payload);
   if (!first.ok()) {
-    NONSTOP_CHECK(first.status().code() == nonstop::StatusCode::kInvalidArgument) << first.status().ToString();
+    NONSTOP_CHECK(first.status().code() == nonstop::StatusCode::kInvalidArgument)
+        << first.status().ToString();
     NONSTOP_CHECK(!first.status().message().empty());
     return;
   }
   const std::string encoded = Encode(*first);
   auto second = decode(encoded);
-  NONSTOP_CHECK(second.ok()) << "an accepted message does not decode once re-encoded: " << second.status().ToString()
-                             << "\n  re-encoded: " << encoded;
+  NONSTOP_CHECK(second.ok()) << "an accepted message does not decode once re-encoded: "
+                             << second.status().ToString() << "\n  re-encoded: " << encoded;
   NONSTOP_CHECK_EQ(Encode(*second), encoded);
 }
 
 void FaultsRoundTrip(std::string_view text) {
   auto faults = ParseFaults(text, /*first_id=*/7);
   if (!faults.ok()) {
-    NONSTOP_CHECK(faults.status().code() == nonstop::StatusCode::kInvalidArgument) << faults.status().ToString();
+    NONSTOP_CHECK(faults.status().code() == nonstop::StatusCode::kInvalidArgument)
+        << faults.status().ToString();
     NONSTOP_CHECK(!faults.status().message().empty());
     return;
   }
@@ -58,20 +60,48 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string_view payload(reinterpret_cast<const char*>(data) + 1, size - 1);
   switch (data[0] % 14) {
-    case 0: RoundTrip(&DecodeJoin, payload); break;
-    case 1: RoundTrip(&DecodePlan, payload); break;
-    case 2: RoundTrip(&DecodeHeartbeat, payload); break;
-    case 3: RoundTrip(&DecodeProgress, payload); break;
-    case 4: RoundTrip(&DecodeFinished, payload); break;
-    case 5: RoundTrip(&DecodeFailure, payload); break;
-    case 6: RoundTrip(&DecodeShutdown, payload); break;
-    case 7: RoundTrip(&DecodeAbort, payload); break;
-    case 8: RoundTrip(&DecodeDrain, payload); break;
-    case 9: RoundTrip(&DecodeReady, payload); break;
-    case 10: RoundTrip(&DecodeRecovered, payload); break;
-    case 11: RoundTrip(&DecodeInjected, payload); break;
-    case 12: RoundTrip(&DecodeAgentLeaving, payload); break;
-    default: FaultsRoundTrip(payload); break;
+    case 0:
+      RoundTrip(&DecodeJoin, payload);
+      break;
+    case 1:
+      RoundTrip(&DecodePlan, payload);
+      break;
+    case 2:
+      RoundTrip(&DecodeHeartbeat, payload);
+      break;
+    case 3:
+      RoundTrip(&DecodeProgress, payload);
+      break;
+    case 4:
+      RoundTrip(&DecodeFinished, payload);
+      break;
+    case 5:
+      RoundTrip(&DecodeFailure, payload);
+      break;
+    case 6:
+      RoundTrip(&DecodeShutdown, payload);
+      break;
+    case 7:
+      RoundTrip(&DecodeAbort, payload);
+      break;
+    case 8:
+      RoundTrip(&DecodeDrain, payload);
+      break;
+    case 9:
+      RoundTrip(&DecodeReady, payload);
+      break;
+    case 10:
+      RoundTrip(&DecodeRecovered, payload);
+      break;
+    case 11:
+      RoundTrip(&DecodeInjected, payload);
+      break;
+    case 12:
+      RoundTrip(&DecodeAgentLeaving, payload);
+      break;
+    default:
+      FaultsRoundTrip(payload);
+      break;
   }
   return 0;
 }

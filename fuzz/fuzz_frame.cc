@@ -57,7 +57,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     pos += n;
   }
 
-  NONSTOP_CHECK_EQ(whole.status.ok(), pieces.status.ok()) << whole.status.ToString() << " / " << pieces.status.ToString();
+  NONSTOP_CHECK_EQ(whole.status.ok(), pieces.status.ok())
+      << whole.status.ToString() << " / " << pieces.status.ToString();
   if (!whole.status.ok()) {
     NONSTOP_CHECK(whole.status.code() == StatusCode::kDataLoss) << whole.status.ToString();
     NONSTOP_CHECK(pieces.status.code() == StatusCode::kDataLoss) << pieces.status.ToString();
@@ -73,6 +74,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     NONSTOP_CHECK_LE(f.payload.size(), limit);
     reencoded += nonstop::net::EncodeFrame(f.type, f.payload, f.flags);
   }
-  NONSTOP_CHECK(stream.substr(0, reencoded.size()) == reencoded) << "decoded frames are not the stream's prefix";
+  NONSTOP_CHECK(stream.substr(0, reencoded.size()) == reencoded)
+      << "decoded frames are not the stream's prefix";
   return 0;
 }

@@ -15,11 +15,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view payload(reinterpret_cast<const char*>(data), size);
   auto hello = nonstop::net::DecodeHello(payload);
   if (!hello.ok()) {
-    NONSTOP_CHECK(hello.status().code() == nonstop::StatusCode::kInvalidArgument) << hello.status().ToString();
+    NONSTOP_CHECK(hello.status().code() == nonstop::StatusCode::kInvalidArgument)
+        << hello.status().ToString();
     NONSTOP_CHECK(!hello.status().message().empty());
     return 0;
   }
   std::string again = nonstop::net::EncodeHello(*hello);
-  NONSTOP_CHECK(payload.substr(0, again.size()) == again) << "an accepted hello does not re-encode to its bytes";
+  NONSTOP_CHECK(payload.substr(0, again.size()) == again)
+      << "an accepted hello does not re-encode to its bytes";
   return 0;
 }

@@ -20,16 +20,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto header = nonstop::data::ParseTokenShardHeader(bytes);
   if (!header.ok()) {
     auto code = header.status().code();
-    NONSTOP_CHECK(code == nonstop::StatusCode::kDataLoss || code == nonstop::StatusCode::kInvalidArgument)
+    NONSTOP_CHECK(code == nonstop::StatusCode::kDataLoss ||
+                  code == nonstop::StatusCode::kInvalidArgument)
         << header.status().ToString();
     NONSTOP_CHECK(!header.status().message().empty());
     return 0;
   }
-  const size_t want_offset = header->format == ShardFormat::kNonstop ? nonstop::data::kShardHeaderBytes
-                                                                     : nonstop::data::kLlmcHeaderBytes;
+  const size_t want_offset = header->format == ShardFormat::kNonstop
+                                 ? nonstop::data::kShardHeaderBytes
+                                 : nonstop::data::kLlmcHeaderBytes;
   NONSTOP_CHECK_EQ(header->token_offset, want_offset);
   NONSTOP_CHECK_LE(header->token_offset, size);
-  NONSTOP_CHECK_EQ(header->token_count, (size - header->token_offset) / 2) << "the tokens do not fill the file";
+  NONSTOP_CHECK_EQ(header->token_count, (size - header->token_offset) / 2)
+      << "the tokens do not fill the file";
   NONSTOP_CHECK_EQ((size - header->token_offset) % 2, 0u) << "a trailing half token was accepted";
   if (header->format == ShardFormat::kLlmc) {
     NONSTOP_CHECK_EQ(header->vocab_size, 0u);

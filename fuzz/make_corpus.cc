@@ -46,9 +46,10 @@ std::string Byte(int b) { return std::string(1, static_cast<char>(b)); }
 void Frames() {
   control::HeartbeatMsg hb{41, -1};
   Put("frame", "one_frame", Byte(0) + net::EncodeFrame(7, "hello"));
-  Put("frame", "three_frames_in_pieces", Byte(6) + net::EncodeFrame(control::kMsgHeartbeat, control::Encode(hb)) +
-                                             net::EncodeFrame(control::kMsgShutdown, "") +
-                                             net::EncodeFrame(3, std::string(300, 'x'), /*flags=*/0xffff));
+  Put("frame", "three_frames_in_pieces",
+      Byte(6) + net::EncodeFrame(control::kMsgHeartbeat, control::Encode(hb)) +
+          net::EncodeFrame(control::kMsgShutdown, "") +
+          net::EncodeFrame(3, std::string(300, 'x'), /*flags=*/0xffff));
   Put("frame", "over_small_limit", Byte(1) + net::EncodeFrame(7, std::string(65, 'y')));
   std::string bad = net::EncodeFrame(7, "payload");
   bad.back() ^= 1;
@@ -95,12 +96,14 @@ void Control() {
   plan.members = {{0, "127.0.0.1:1"}, {4, "127.0.0.1:2"}};
   plan.resume_step = 30;
   plan.transfers = {{4, {0, 1}}};
-  plan.faults = *ParseFaults("kill:rank=1,step=40;hang:rank=0,time=2.5;kill:rank=1,during=transfer", 1);
+  plan.faults =
+      *ParseFaults("kill:rank=1,step=40;hang:rank=0,time=2.5;kill:rank=1,during=transfer", 1);
   plan.reason = "recovery";
   put(kMsgPlan, "plan", Encode(plan));
   // Sharded state: the shard moves, one of them with no source left.
   PlanMsg sharded = plan;
-  sharded.members = {{0, "127.0.0.1:1"}, {1, "127.0.0.1:2"}, {2, "127.0.0.1:3"}, {4, "127.0.0.1:4"}};
+  sharded.members = {
+      {0, "127.0.0.1:1"}, {1, "127.0.0.1:2"}, {2, "127.0.0.1:3"}, {4, "127.0.0.1:4"}};
   sharded.shard_group = 2;
   sharded.shard_moves = {{4, 1, {1}}, {2, 0, {0}}, {1, 1, {}}};
   put(kMsgPlan, "plan_shard_moves", Encode(sharded));
@@ -115,26 +118,33 @@ void Control() {
   put(kMsgRecovered, "recovered", Encode(RecoveredMsg{6, 0.01, 0.2, 1 << 20, 3, 1, 2, 4}));
   put(kMsgInjected, "injected", Encode(InjectedMsg{1, "kill:rank=1,step=40"}));
   // Edge cases: wrong types, numbers out of range, nesting, not JSON.
-  put(kMsgJoin, "join_missing_field", R"({"worker_id": 1, "pid": 2, "spare": false, "state_step": -1})");
+  put(kMsgJoin, "join_missing_field",
+      R"({"worker_id": 1, "pid": 2, "spare": false, "state_step": -1})");
   put(kMsgHeartbeat, "heartbeat_float_step", R"({"step": 1e300, "waiting_ms": -1})");
   put(kMsgHeartbeat, "heartbeat_string_step", R"({"step": "seven", "waiting_ms": -1})");
   put(kMsgAbort, "abort_negative_generation", R"({"generation": -1, "reason": "x"})");
-  put(kMsgPlan, "plan_members_not_array", R"({"generation": 1, "resume_step": 0, "members": 7, "transfers": [],
+  put(kMsgPlan, "plan_members_not_array",
+      R"({"generation": 1, "resume_step": 0, "members": 7, "transfers": [],
                                              "faults": [], "reason": "start"})");
-  put(kMsgPlan, "plan_bad_fault", R"({"generation": 1, "resume_step": 0, "members": [], "transfers": [],
+  put(kMsgPlan, "plan_bad_fault",
+      R"({"generation": 1, "resume_step": 0, "members": [], "transfers": [],
                                      "faults": [{"id": 1, "spec": "kill:rank=-1"}], "reason": "start"})");
-  put(kMsgPlan, "plan_shard_out_of_range", R"({"generation": 1, "resume_step": 0, "members": [{"worker_id": 0,
+  put(kMsgPlan, "plan_shard_out_of_range",
+      R"({"generation": 1, "resume_step": 0, "members": [{"worker_id": 0,
                                               "address": "a:1"}, {"worker_id": 1, "address": "a:2"}], "transfers": [],
                                               "faults": [], "reason": "x", "shard_group": 2, "shard_moves":
                                               [{"receiver": 1, "shard": 2, "sources": [0]}]})");
-  put(kMsgPlan, "plan_shard_moves_over_members", R"({"generation": 1, "resume_step": 0, "members": [{"worker_id": 0,
+  put(kMsgPlan, "plan_shard_moves_over_members",
+      R"({"generation": 1, "resume_step": 0, "members": [{"worker_id": 0,
                                                     "address": "a:1"}], "transfers": [], "faults": [], "reason": "x",
                                                     "shard_group": 1, "shard_moves": [{"receiver": 0, "shard": 0,
                                                     "sources": [1, 2]}, {"receiver": 0, "shard": 0, "sources": []}]})");
   put(kMsgShutdown, "not_an_object", "[1, 2, 3]");
   put(kMsgShutdown, "deep_nesting", std::string(200, '[') + std::string(200, ']'));
   put(kMsgFinished, "not_json", "\x01\x02 not json");
-  Put("control", "faults", Byte(12) + "kill:rank=2,step=30;drop:rank=3,step=7;corrupt:rank=1,step=30;exception:rank=0,step=12");
+  Put("control", "faults",
+      Byte(12) +
+          "kill:rank=2,step=30;drop:rank=3,step=7;corrupt:rank=1,step=30;exception:rank=0,step=12");
   Put("control", "faults_bad", Byte(12) + "kill:rank=2;hang:rank=x,step=1;;nothing");
 }
 
@@ -191,9 +201,11 @@ void Checkpoints() {
 }
 
 void Recipes(const fs::path& recipes) {
-  for (const char* name : {"llama-tiny.yaml", "gpt-oss-tiny.yaml"}) Put("recipe", name, ReadAll(recipes / name));
+  for (const char* name : {"llama-tiny.yaml", "gpt-oss-tiny.yaml"})
+    Put("recipe", name, ReadAll(recipes / name));
   Put("recipe", "empty_mapping", "{}\n");
-  Put("recipe", "flow_style", "model: {arch: gpt-oss, n_experts: 4, top_k: 2}\ntrain: {steps: 5}\n");
+  Put("recipe", "flow_style",
+      "model: {arch: gpt-oss, n_experts: 4, top_k: 2}\ntrain: {steps: 5}\n");
   Put("recipe", "unknown_key", "model:\n  dim: 64\n  colour: blue\n");
   Put("recipe", "wrong_type", "train:\n  steps: many\n");
   Put("recipe", "out_of_range", "train:\n  steps: 99999999999999999999999\n");
@@ -205,7 +217,8 @@ void Recipes(const fs::path& recipes) {
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::fprintf(stderr, "usage: %s OUT_DIR (run from the repository root: it reads recipes/)\n", argv[0]);
+    std::fprintf(stderr, "usage: %s OUT_DIR (run from the repository root: it reads recipes/)\n",
+                 argv[0]);
     return 2;
   }
   root = argv[1];

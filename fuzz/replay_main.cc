@@ -18,7 +18,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s FILE_OR_DIR...\n  replays inputs through the fuzz target, without fuzzing\n", argv[0]);
+    std::fprintf(
+        stderr,
+        "usage: %s FILE_OR_DIR...\n  replays inputs through the fuzz target, without fuzzing\n",
+        argv[0]);
     return 2;
   }
   std::vector<std::filesystem::path> inputs;

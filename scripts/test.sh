@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs the whole test suite (CI runs exactly this, after scripts/build.sh):
 #
+#   format every C++ file laid out as .clang-format says (scripts/format.sh
+#          --check: names each file that differs; scripts/format.sh fixes them)
 #   main   every test (unit, integration, chaos) in ./build; arguments given
 #          to this script go to this ctest (e.g. -R Plan)
 #   asan   the unit and chaos suites under ASan + UBSan, in ./build-asan
@@ -10,7 +12,7 @@
 #          (scripts/fuzz.sh), in ./build-fuzz
 #
 # The asan, tsan and fuzz parts build their own trees first (ccache makes a
-# rebuild cheap). NONSTOP_TEST_PARTS picks parts: "main asan tsan fuzz" by
+# rebuild cheap). NONSTOP_TEST_PARTS picks parts: "format main asan tsan fuzz" by
 # default, "main" alone when arguments are given (they select main tests);
 # NONSTOP_TEST_PARTS=main is the quick run. Every part runs even when an
 # earlier one failed; the script fails if any did, and ends with each
@@ -23,7 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-default_parts="main asan tsan fuzz"
+default_parts="format main asan tsan fuzz"
 if [ $# -gt 0 ]; then default_parts=main; fi
 parts="${NONSTOP_TEST_PARTS:-$default_parts}"
 results=()
@@ -52,9 +54,9 @@ run_part() {
   "$@" || rc=$?
   local took=$((SECONDS - start))
   if [ $rc -eq 0 ]; then
-    results+=("$(printf '%-5s ok     %4ds' "$name" "$took")")
+    results+=("$(printf '%-6s ok     %4ds' "$name" "$took")")
   else
-    results+=("$(printf '%-5s FAILED %4ds (exit %d)' "$name" "$took" "$rc")")
+    results+=("$(printf '%-6s FAILED %4ds (exit %d)' "$name" "$took" "$rc")")
     failed=1
     collect_details "$name"
   fi
@@ -64,7 +66,7 @@ run_part() {
 # failed part, one line each, for the summary.
 collect_details() {
   local name="$1" dir=build
-  case "$name" in asan) dir=build-asan ;; tsan) dir=build-tsan ;; fuzz) dir=build-fuzz ;; esac
+  case "$name" in asan) dir=build-asan ;; tsan) dir=build-tsan ;; fuzz) dir=build-fuzz ;; format) return 0 ;; esac
   local failed_log="$dir/Testing/Temporary/LastTestsFailed.log"
   if [ -f "$failed_log" ]; then
     while IFS= read -r line; do details+=("$name: failed test ${line#*:}"); done < <(head -n 20 "$failed_log")
@@ -93,6 +95,18 @@ check_reports() {
     head -n 80 "$r"
   done
   return 1
+}
+
+part_format() {
+  banner "format: every C++ file as .clang-format lays it out"
+  local out rc=0
+  out=$(bash scripts/format.sh --check 2>&1) || rc=$?
+  if [ -n "$out" ]; then echo "$out"; fi
+  if [ $rc -ne 0 ]; then
+    local line
+    while IFS= read -r line; do details+=("format: $line"); done < <(printf '%s\n' "$out" | head -n 12)
+  fi
+  return $rc
 }
 
 part_main() {
@@ -136,11 +150,12 @@ part_fuzz() {
 
 for part in $parts; do
   case "$part" in
+    format) run_part format part_format ;;
     main) run_part main part_main "$@" ;;
     asan) run_part asan part_asan ;;
     tsan) run_part tsan part_tsan ;;
     fuzz) run_part fuzz part_fuzz ;;
-    *) echo "test.sh: unknown part '$part' in NONSTOP_TEST_PARTS (main asan tsan fuzz)" >&2; exit 2 ;;
+    *) echo "test.sh: unknown part '$part' in NONSTOP_TEST_PARTS (format main asan tsan fuzz)" >&2; exit 2 ;;
   esac
 done
 

@@ -30,7 +30,8 @@ namespace {
 bool FindProgram(const std::string& name) {
   auto executable = [](const std::string& path) {
     struct stat st {};
-    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+           ::access(path.c_str(), X_OK) == 0;
   };
   if (name.find('/') != std::string::npos) return executable(name);
   const char* path = std::getenv("PATH");
@@ -49,8 +50,10 @@ bool FindProgram(const std::string& name) {
 }  // namespace
 
 void AgentCommand::Register(CLI::App& app) {
-  sub_ = app.add_subcommand("agent", "Run this host's agent of a multi-host job: it starts and kills the workers the "
-                                     "controller assigns to this host");
+  sub_ = app.add_subcommand(
+      "agent",
+      "Run this host's agent of a multi-host job: it starts and kills the workers the "
+      "controller assigns to this host");
   AddSetting(sub_, settings::kAgentController, controller_);
   AddSetting(sub_, settings::kEtcd, etcd_);
   AddSetting(sub_, settings::kEtcdJob, job_);
@@ -65,24 +68,31 @@ void AgentCommand::Register(CLI::App& app) {
   AddSetting(sub_, settings::kFenceAfterMs, fence_after_ms_);
   AddSetting(sub_, settings::kOnSigterm, on_sigterm_);
   AddSetting(sub_, settings::kLogLevel, log_level_);
-  sub_->footer("After `--`: the worker program and its arguments, started once per worker the controller assigns "
-               "here, with NONSTOP_WORKER_ID, NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, "
-               "NONSTOP_DATA_HOST and the controller's other NONSTOP_* variables.\n"
-               "Exit codes: 0 (or the controller's) when the job is over; 1 the controller could not be reached "
-               "within --join-timeout-ms; 2 a usage error or a refusal by the controller; 130 SIGINT (or SIGTERM with "
-               "--on-sigterm stop, or a second SIGTERM while leaving).");
+  sub_->footer(
+      "After `--`: the worker program and its arguments, started once per worker the controller "
+      "assigns "
+      "here, with NONSTOP_WORKER_ID, NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, "
+      "NONSTOP_DATA_HOST and the controller's other NONSTOP_* variables.\n"
+      "Exit codes: 0 (or the controller's) when the job is over; 1 the controller could not be "
+      "reached "
+      "within --join-timeout-ms; 2 a usage error or a refusal by the controller; 130 SIGINT (or "
+      "SIGTERM with "
+      "--on-sigterm stop, or a second SIGTERM while leaving).");
 }
 
 int AgentCommand::Execute() {
   constexpr int kExitUsage = 2;
   LogLevel level;
   if (!ParseLogLevel(log_level_, &level)) {
-    fmt::print(stderr, "nonstop agent: --log-level '{}' is not one of debug, info, warning, error\n", log_level_);
+    fmt::print(stderr,
+               "nonstop agent: --log-level '{}' is not one of debug, info, warning, error\n",
+               log_level_);
     return kExitUsage;
   }
   SetLogLevel(level);
   if (program_.empty()) {
-    fmt::print(stderr, "nonstop agent: no program: put the worker program and its arguments after `--`\n");
+    fmt::print(stderr,
+               "nonstop agent: no program: put the worker program and its arguments after `--`\n");
     return kExitUsage;
   }
   if (!FindProgram(program_[0])) {
@@ -99,8 +109,10 @@ int AgentCommand::Execute() {
     }
     host_id = name;
     if (Status s = control::CheckHostId(host_id); !s.ok()) {
-      fmt::print(stderr, "nonstop agent: the hostname '{}' is not a valid host id: {}; HINT: pass --host-id\n",
-                 host_id, s.message());
+      fmt::print(
+          stderr,
+          "nonstop agent: the hostname '{}' is not a valid host id: {}; HINT: pass --host-id\n",
+          host_id, s.message());
       return kExitUsage;
     }
   } else if (Status s = control::CheckHostId(host_id); !s.ok()) {
@@ -115,7 +127,9 @@ int AgentCommand::Execute() {
   }
 
   if (controller_.empty() && etcd_.empty()) {
-    fmt::print(stderr, "nonstop agent: where is the controller? pass --controller HOST:PORT or --etcd ENDPOINTS\n");
+    fmt::print(stderr,
+               "nonstop agent: where is the controller? pass --controller HOST:PORT or --etcd "
+               "ENDPOINTS\n");
     return kExitUsage;
   }
   agent::AgentOptions options;
@@ -157,7 +171,8 @@ int AgentCommand::Execute() {
   auto row = [&table](std::string_view key, const std::string& value) {
     table += fmt::format("  {:<20} {}\n", key, value);
   };
-  row("controller", etcd_.empty() ? controller_ : fmt::format("the leader of job '{}' in etcd {}", job_, etcd_));
+  row("controller",
+      etcd_.empty() ? controller_ : fmt::format("the leader of job '{}' in etcd {}", job_, etcd_));
   row("host id", host_id);
   row("workers", std::to_string(nproc_per_host_));
   row("spares", std::to_string(spares_per_host_));
@@ -167,8 +182,9 @@ int AgentCommand::Execute() {
   row("join timeout", fmt::format("{} ms", join_timeout_ms_));
   row("controller timeout", fmt::format("{} ms", controller_timeout_ms_));
   row("fence after", fmt::format("{} ms", fence_after_ms_));
-  row("on SIGTERM", on_sigterm_ == "leave" ? "leave: release the workers at the next step boundary, then exit 0"
-                                           : "stop: kill the workers now");
+  row("on SIGTERM", on_sigterm_ == "leave"
+                        ? "leave: release the workers at the next step boundary, then exit 0"
+                        : "stop: kill the workers now");
   row("job token", "from " + job_token_file_);
   row("program", cmdline);
   out.Write(table);

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "nonstop/settings.h"
 #include "controller/runtime.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::agent {
 struct AgentOptions;
@@ -69,12 +69,15 @@ class RunCommand {
   std::vector<std::string> program_;
   // The job: the controller in a child process (the default) or on a thread
   // (--single-process), and this process's agent dialing it, the same for both.
-  int RunLocal(controller::RuntimeOptions o, const std::vector<std::string>& program, const std::string& log_dir);
+  int RunLocal(controller::RuntimeOptions o, const std::vector<std::string>& program,
+               const std::string& log_dir);
   agent::AgentOptions LocalAgentOptions(const std::string& controller, const std::string& token,
-                                        const std::vector<std::string>& program, const std::string& log_dir,
+                                        const std::vector<std::string>& program,
+                                        const std::string& log_dir,
                                         launcher::BoundedStdio& stdio) const;
   // `nonstop controller --resume …` (after the program's name) for this run's journal and token.
-  std::vector<std::string> ResumeArguments(const std::string& journal, const std::string& token_file) const;
+  std::vector<std::string> ResumeArguments(const std::string& journal,
+                                           const std::string& token_file) const;
 };
 
 // `nonstop controller`: the controller alone, a daemon that the hosts'
@@ -139,7 +142,8 @@ class JobCommands {
   void Register(CLI::App& app);
   void SetProgram(std::vector<std::string> program) { program_ = std::move(program); }
   bool selected() const {
-    return (status_ && status_->parsed()) || (scale_ && scale_->parsed()) || (worker_ && worker_->parsed());
+    return (status_ && status_->parsed()) || (scale_ && scale_->parsed()) ||
+           (worker_ && worker_->parsed());
   }
   int Execute();
 

@@ -14,8 +14,8 @@
 #include "apps/nonstop/commands.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
-#include "coord/leadership.h"
 #include "controller/runtime.h"
+#include "coord/leadership.h"
 
 namespace nonstop::cli {
 
@@ -43,7 +43,8 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
       fmt::print(stderr, "{}: {}\n", name, leadership.status().ToString());
       return controller::kExitUsage;
     }
-    fmt::print("{}: job '{}' in etcd {}: campaigning to lead (lease {} s)\n", name, job_, etcd_, lease_ttl_s_);
+    fmt::print("{}: job '{}' in etcd {}: campaigning to lead (lease {} s)\n", name, job_, etcd_,
+               lease_ttl_s_);
     std::fflush(stdout);
     auto epoch = (*leadership)->Campaign(interrupted, [&](const std::string& leader) {
       fmt::print("{}: standing by; the leader is {}\n", name, leader);
@@ -59,7 +60,8 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
     }
     fmt::print("{}: leading job '{}' (epoch {})\n", name, job_, *epoch);
     std::fflush(stdout);
-    // The job's token: the first leader wrote it; every later one reads it (agents and workers hold it).
+    // The job's token: the first leader wrote it; every later one reads it (agents and workers hold
+    // it).
     if (std::filesystem::exists(token_file_)) {
       auto token = agent::ReadJobTokenFile(token_file_);
       if (!token.ok()) {
@@ -77,7 +79,8 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
     }
     fmt::print("{}: deposed ({}); standing by again\n", name, (*leadership)->why_not_leading());
     std::fflush(stdout);
-    lo.previous_lease = (*leadership)->lease();  // given back at the next contact, if etcd holds it still
+    // given back at the next contact, if etcd holds it still
+    lo.previous_lease = (*leadership)->lease();
   }
 }
 

@@ -17,7 +17,8 @@ namespace {
 // (build/python/nonstop): its folder goes first on the PYTHONPATH that every
 // worker inherits, through `nonstop run` and `nonstop agent` alike.
 void PutPythonPackageOnPath() {
-  std::filesystem::path dir = std::filesystem::path(nonstop::cli::SelfDirectory()).parent_path() / "python";
+  std::filesystem::path dir =
+      std::filesystem::path(nonstop::cli::SelfDirectory()).parent_path() / "python";
   std::error_code ec;
   if (!std::filesystem::exists(dir / "nonstop" / "__init__.py", ec)) return;
   const char* old = std::getenv("PYTHONPATH");

@@ -5,8 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "apps/nonstop/commands.h"
 #include "controller/journal.h"
@@ -15,9 +15,11 @@
 namespace nonstop::cli {
 
 void ReportCommand::Register(CLI::App& app) {
-  sub_ = app.add_subcommand("report", "Write a self-contained HTML report of a job from its journal");
+  sub_ =
+      app.add_subcommand("report", "Write a self-contained HTML report of a job from its journal");
   sub_->add_option("journal", journal_, "The job's journal (runs/journal.jsonl)")->required();
-  sub_->add_option("--output,-o", output_, "The HTML file to write (default: report.html beside the journal)");
+  sub_->add_option("--output,-o", output_,
+                   "The HTML file to write (default: report.html beside the journal)");
 }
 
 int ReportCommand::Execute() {
@@ -40,8 +42,11 @@ int ReportCommand::Execute() {
     ended = ended || r.value("event", "") == "job_end";
   }
   std::string note;
-  if (torn) note = "The journal's last line was cut short (its writer stopped mid-line); it is left out.";
-  if (!ended) note += std::string(note.empty() ? "" : " ") + "The journal has no job_end: the job was still running or its controller died.";
+  if (torn)
+    note = "The journal's last line was cut short (its writer stopped mid-line); it is left out.";
+  if (!ended)
+    note += std::string(note.empty() ? "" : " ") +
+            "The journal has no job_end: the job was still running or its controller died.";
   std::string page = dashboard::ReportPage(*records, journal.string(), note);
   std::string tmp = output + ".tmp";
   {
@@ -59,8 +64,8 @@ int ReportCommand::Execute() {
     fmt::print(stderr, "nonstop report: cannot write {}: {}\n", output, ec.message());
     return 1;
   }
-  fmt::print("nonstop report: wrote {} ({} records, {} recoveries and resizes{})\n", output, records->size(), recoveries,
-             torn ? "; the last, torn line left out" : "");
+  fmt::print("nonstop report: wrote {} ({} records, {} recoveries and resizes{})\n", output,
+             records->size(), recoveries, torn ? "; the last, torn line left out" : "");
   return 0;
 }
 

@@ -37,18 +37,18 @@
 #include <fmt/format.h>
 
 #include "agent/agent.h"
-#include "launcher/local_launcher.h"
-#include "launcher/output_writer.h"
 #include "apps/nonstop/commands.h"
 #include "apps/nonstop/settings_cli.h"
 #include "common/logging.h"
-#include "nonstop/settings.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
-#include "coord/leadership.h"
 #include "control/fault_spec.h"
 #include "controller/journal.h"
 #include "controller/runtime.h"
+#include "coord/leadership.h"
+#include "launcher/local_launcher.h"
+#include "launcher/output_writer.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::cli {
 
@@ -58,7 +58,9 @@ std::string SelfDirectory() {
   return ec ? "." : p.parent_path().string();
 }
 
-std::string JobFileFor(const std::string& journal_path) { return controller::JobFileFor(journal_path); }
+std::string JobFileFor(const std::string& journal_path) {
+  return controller::JobFileFor(journal_path);
+}
 
 namespace {
 
@@ -94,7 +96,8 @@ std::optional<int> FillOptions(const std::string& name, const JobFlags& f, int m
   SetLogRole("nonstop");
   LogLevel level;
   if (!ParseLogLevel(f.log_level, &level)) {
-    fmt::print(stderr, "{}: --log-level '{}' is not one of debug, info, warning, error\n", name, f.log_level);
+    fmt::print(stderr, "{}: --log-level '{}' is not one of debug, info, warning, error\n", name,
+               f.log_level);
     return controller::kExitUsage;
   }
   SetLogLevel(level);
@@ -108,15 +111,17 @@ std::optional<int> FillOptions(const std::string& name, const JobFlags& f, int m
     }
     for (auto& fault : *parsed) {
       if (max_rank > 0 && fault.rank >= max_rank) {
-        fmt::print(stderr, "{}: --inject {}: there is no rank {} with --nproc {}\n", name, control::FormatFault(fault),
-                   fault.rank, max_rank);
+        fmt::print(stderr, "{}: --inject {}: there is no rank {} with --nproc {}\n", name,
+                   control::FormatFault(fault), fault.rank, max_rank);
         return controller::kExitUsage;
       }
       o->core.faults.push_back(fault);
     }
   }
   if (f.recovery == "checkpoint" && f.checkpoint_dir.empty()) {
-    fmt::print(stderr, "{}: --recovery checkpoint needs --checkpoint-dir (where the checkpoints go)\n", name);
+    fmt::print(stderr,
+               "{}: --recovery checkpoint needs --checkpoint-dir (where the checkpoints go)\n",
+               name);
     return controller::kExitUsage;
   }
   controller::ControllerOptions& c = o->core;
@@ -151,7 +156,8 @@ std::optional<int> FillOptions(const std::string& name, const JobFlags& f, int m
 }  // namespace
 
 void RunCommand::Register(CLI::App& app) {
-  sub_ = app.add_subcommand("run", "Run a training job on this machine: controller + local workers (like torchrun)");
+  sub_ = app.add_subcommand(
+      "run", "Run a training job on this machine: controller + local workers (like torchrun)");
   AddSetting(sub_, settings::kNproc, nproc_);
   AddSetting(sub_, settings::kSpares, spares_);
   AddSetting(sub_, settings::kHost, host_);
@@ -160,8 +166,10 @@ void RunCommand::Register(CLI::App& app) {
   AddSetting(sub_, settings::kResumable, resumable_);
   AddSetting(sub_, settings::kVerbose, verbose_);
   RegisterJobFlags(sub_, &flags_);
-  sub_->footer("After `--`: the worker program and its arguments. Without one, the built-in demonstration runs: "
-               "nonstop-train on its llama-tiny recipe with --inject kill:rank=2,step=30.");
+  sub_->footer(
+      "After `--`: the worker program and its arguments. Without one, the built-in demonstration "
+      "runs: "
+      "nonstop-train on its llama-tiny recipe with --inject kill:rank=2,step=30.");
 }
 
 int RunCommand::Execute() {
@@ -174,11 +182,13 @@ int RunCommand::Execute() {
   }
   if (auto code = FillOptions("nonstop run", flags, nproc_, &o)) return *code;
   if (flags.max_world > 0 && flags.max_world < nproc_) {
-    fmt::print(stderr, "nonstop run: --max-world {} is below --nproc {}\n", flags.max_world, nproc_);
+    fmt::print(stderr, "nonstop run: --max-world {} is below --nproc {}\n", flags.max_world,
+               nproc_);
     return controller::kExitUsage;
   }
   if (flags.min_world > nproc_) {
-    fmt::print(stderr, "nonstop run: --min-world {} is above --nproc {}\n", flags.min_world, nproc_);
+    fmt::print(stderr, "nonstop run: --min-world {} is above --nproc {}\n", flags.min_world,
+               nproc_);
     return controller::kExitUsage;
   }
   o.core.world_size = nproc_;
@@ -193,12 +203,14 @@ int RunCommand::Execute() {
     std::error_code ec;
     std::filesystem::create_directories(logs, ec);
     if (ec) {
-      fmt::print(stderr, "nonstop run: cannot create {}: {} (or pass --verbose)\n", logs.string(), ec.message());
+      fmt::print(stderr, "nonstop run: cannot create {}: {} (or pass --verbose)\n", logs.string(),
+                 ec.message());
       return 1;
     }
     o.progress_line = true;
     log_dir = logs.string();
-    fmt::print("nonstop run: the workers' output goes to {}/worker-N.log (--verbose: here)\n", logs.string());
+    fmt::print("nonstop run: the workers' output goes to {}/worker-N.log (--verbose: here)\n",
+               logs.string());
   }
   return RunLocal(std::move(o), program, log_dir);
 }
@@ -209,13 +221,15 @@ int RunCommand::Execute() {
 // the same way.
 std::vector<std::string> RunCommand::ResumeArguments(const std::string& journal,
                                                      const std::string& token_file) const {
-  std::vector<std::string> args = {"controller", "--resume", journal, "--nnodes", "1", "--job-token-file", token_file};
+  std::vector<std::string> args = {"controller", "--resume",         journal,   "--nnodes",
+                                   "1",          "--job-token-file", token_file};
   namespace s = settings;
   for (std::string_view name :
-       {s::kHeartbeatTimeoutMs.flag, s::kAbortTimeoutMs.flag, s::kHangFloorMs.flag, s::kHangFactor.flag,
-        s::kStallFloorMs.flag, s::kRefillNice.flag, s::kJoinTimeoutMs.flag, s::kRecovery.flag, s::kCheckpointDir.flag,
-        s::kCheckpointEvery.flag, s::kMtbfSeconds.flag, s::kMinWorld.flag, s::kMaxWorld.flag, s::kAllowedSizes.flag,
-        s::kWorldIncrement.flag, s::kStablePeriodMs.flag, s::kLogLevel.flag}) {
+       {s::kHeartbeatTimeoutMs.flag, s::kAbortTimeoutMs.flag, s::kHangFloorMs.flag,
+        s::kHangFactor.flag, s::kStallFloorMs.flag, s::kRefillNice.flag, s::kJoinTimeoutMs.flag,
+        s::kRecovery.flag, s::kCheckpointDir.flag, s::kCheckpointEvery.flag, s::kMtbfSeconds.flag,
+        s::kMinWorld.flag, s::kMaxWorld.flag, s::kAllowedSizes.flag, s::kWorldIncrement.flag,
+        s::kStablePeriodMs.flag, s::kLogLevel.flag}) {
     const CLI::Option* opt = sub_->get_option_no_throw(std::string(name));
     if (opt == nullptr || opt->results().empty()) continue;
     std::string value;
@@ -231,8 +245,9 @@ namespace {
 // The same as a command a person can paste into a shell.
 std::string ShellCommand(const std::vector<std::string>& args) {
   auto quoted = [](const std::string& v) {
-    bool plain = !v.empty() && v.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-                                                   "._-/:=,@+") == std::string::npos;
+    bool plain = !v.empty() && v.find_first_not_of(
+                                   "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                                   "._-/:=,@+") == std::string::npos;
     if (plain) return v;
     std::string q = "'";
     for (char c : v) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
@@ -258,7 +273,8 @@ class LocalController {
   virtual void Forward(int sig) = 0;
   // Ends it (SIGTERM) and waits for it, bounded (a child still there 5 s later gets SIGKILL).
   virtual void Stop() = 0;
-  // Whether it can die while this process lives: its workers then train on, for `--resume` to adopt.
+  // Whether it can die while this process lives: its workers then train on, for `--resume` to
+  // adopt.
   virtual bool separate() const = 0;
 
  protected:
@@ -288,10 +304,11 @@ class ControllerProcess final : public LocalController {
     }
     return std::unique_ptr<ControllerProcess>(new ControllerProcess(child));
   }
-  // Starts `this program` with `args` (`nonstop controller --resume …`): a fresh process, since this one
-  // runs threads by now (a fork that did not exec could inherit a lock a thread held). nullptr (said why)
-  // if it cannot start.
-  static std::unique_ptr<ControllerProcess> Exec(const std::vector<std::string>& args, std::string* why) {
+  // Starts `this program` with `args` (`nonstop controller --resume …`): a fresh process, since
+  // this one runs threads by now (a fork that did not exec could inherit a lock a thread held).
+  // nullptr (said why) if it cannot start.
+  static std::unique_ptr<ControllerProcess> Exec(const std::vector<std::string>& args,
+                                                 std::string* why) {
     std::error_code ec;
     const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
     if (ec) {
@@ -386,18 +403,20 @@ struct JobAddress {
   std::string token;
 };
 
-// Waits (≤ 30 s) for the controller's job file: its address and the job's token. An exit code when the
-// run ends first: on a signal (passed on; the controller is stopped), when the controller ended, or when
-// no job file came.
-std::optional<int> WaitForJobFile(LocalController& controller, const std::string& job_file, const sigset_t& mask,
-                                  const std::string& name, JobAddress* address) {
+// Waits (≤ 30 s) for the controller's job file: its address and the job's token. An exit code when
+// the run ends first: on a signal (passed on; the controller is stopped), when the controller
+// ended, or when no job file came.
+std::optional<int> WaitForJobFile(LocalController& controller, const std::string& job_file,
+                                  const sigset_t& mask, const std::string& name,
+                                  JobAddress* address) {
   for (int i = 0; i < 600; ++i) {
     if (int sig = TakeSignal(mask, 0); sig > 0) {
       controller.Forward(sig);
       controller.Stop();
       return controller::kExitInterrupted;
     }
-    if (controller.Ended()) {  // interrupted: a signal its thread took (--single-process), its lines say so
+    // interrupted: a signal its thread took (--single-process), its lines say so
+    if (controller.Ended()) {
       if (controller.exit_code() != controller::kExitInterrupted) {
         fmt::print(stderr, "{}: the controller exited (code {}) before the job started\n", name,
                    controller.exit_code());
@@ -406,15 +425,17 @@ std::optional<int> WaitForJobFile(LocalController& controller, const std::string
     }
     std::ifstream in(job_file);
     auto job = in ? nlohmann::json::parse(in, nullptr, false) : nlohmann::json();
-    if (job.is_object() && job.value("pid", int64_t{-1}) == controller.pid() && job.contains("controller") &&
-        job["controller"].is_string() && job.contains("token") && job["token"].is_string()) {
+    if (job.is_object() && job.value("pid", int64_t{-1}) == controller.pid() &&
+        job.contains("controller") && job["controller"].is_string() && job.contains("token") &&
+        job["token"].is_string()) {
       address->controller = job["controller"].get<std::string>();
       address->token = job["token"].get<std::string>();
       return std::nullopt;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  fmt::print(stderr, "{}: the controller did not start within 30 s (no job file at {})\n", name, job_file);
+  fmt::print(stderr, "{}: the controller did not start within 30 s (no job file at {})\n", name,
+             job_file);
   controller.Stop();
   return 1;
 }
@@ -426,20 +447,27 @@ std::optional<int> WaitForJobFile(LocalController& controller, const std::string
 // a child process that died (not on a signal to this run, and without ending the job) is started
 // again at once with `--resume` from the journal, the workers training on meanwhile
 // (docs/controller-failover.md). Each restart is journaled ("controller_restart"). After
-// kMaxQuickRestarts deaths in a row, each within kQuickDeath of its start, the next restarts wait 1,
-// 2, 4, 8 and 16 s; after those the run stops restarting and prints the command that would.
+// kMaxQuickRestarts deaths in a row, each within kQuickDeath of its start, the next restarts wait
+// 1, 2, 4, 8 and 16 s; after those the run stops restarting and prints the command that would.
 class JobWatcher {
  public:
   static constexpr int kMaxQuickRestarts = 5;
   static constexpr Millis kQuickDeath{60'000};
 
   // `controller` is the watcher's until Finish(); `resume` (empty: none) restarts a dead one.
-  JobWatcher(std::unique_ptr<LocalController>& controller, agent::Agent* agent, const sigset_t& mask,
-             std::string journal, launcher::OutputWriter* err, std::vector<std::string> resume)
-      : controller_(controller), agent_(agent), mask_(mask), journal_(std::move(journal)), err_(err),
-        resume_(std::move(resume)), thread_([this] { Run(); }) {}
+  JobWatcher(std::unique_ptr<LocalController>& controller, agent::Agent* agent,
+             const sigset_t& mask, std::string journal, launcher::OutputWriter* err,
+             std::vector<std::string> resume)
+      : controller_(controller),
+        agent_(agent),
+        mask_(mask),
+        journal_(std::move(journal)),
+        err_(err),
+        resume_(std::move(resume)),
+        thread_([this] { Run(); }) {}
   ~JobWatcher() { Finish(); }
-  // Once the agent has returned: stops watching; the code of a controller that ended before the job formed.
+  // Once the agent has returned: stops watching; the code of a controller that ended before the job
+  // formed.
   std::optional<int> Finish() {
     done_ = true;
     if (thread_.joinable()) thread_.join();
@@ -473,7 +501,8 @@ class JobWatcher {
   }
   void ControllerEnded(bool signalled) {
     auto records = controller::Journal::Read(journal_);
-    bool formed = false, job_ended = false;  // a controller that ended the job (job_end) did not die
+    // a controller that ended the job (job_end) did not die
+    bool formed = false, job_ended = false;
     if (records.ok()) {
       for (const auto& r : *records) {
         formed = formed || r.value("event", "") == "plan";
@@ -496,15 +525,18 @@ class JobWatcher {
     const std::string died = fmt::format("the controller (pid {}) died ({})", controller_->pid(),
                                          controller_->exit_code());
     if (resume_.empty() || quick_deaths_ > 2 * kMaxQuickRestarts) {
-      err_->Write(fmt::format("[nonstop] {}: the workers train on; {}to adopt them: {}\n", died,
-                              resume_.empty() ? "" : fmt::format("{} restarts in a row failed; ", quick_deaths_ - 1),
-                              ShellCommand(resume_)));
+      err_->Write(fmt::format(
+          "[nonstop] {}: the workers train on; {}to adopt them: {}\n", died,
+          resume_.empty() ? "" : fmt::format("{} restarts in a row failed; ", quick_deaths_ - 1),
+          ShellCommand(resume_)));
       return;
     }
     Millis wait{0};
-    if (quick_deaths_ > kMaxQuickRestarts) wait = Millis(1000 << (quick_deaths_ - kMaxQuickRestarts - 1));
-    err_->Write(fmt::format("[nonstop] {}: the workers train on; restarting it {}\n", died,
-                            wait.count() == 0 ? std::string("now") : fmt::format("in {} ms", wait.count())));
+    if (quick_deaths_ > kMaxQuickRestarts)
+      wait = Millis(1000 << (quick_deaths_ - kMaxQuickRestarts - 1));
+    err_->Write(fmt::format(
+        "[nonstop] {}: the workers train on; restarting it {}\n", died,
+        wait.count() == 0 ? std::string("now") : fmt::format("in {} ms", wait.count())));
     restart_at_ = DeadlineAfter(wait);
     restart_wait_ = wait;
   }
@@ -515,12 +547,15 @@ class JobWatcher {
     {  // closed (and its lock released) before the new controller opens it
       auto journal = controller::Journal::OpenForAppend(journal_);
       if (journal.ok()) {
-        (*journal)->Append({{"event", "controller_restart"}, {"restart", restarts_},
-                            {"previous_pid", controller_->pid()}, {"previous_exit_code", controller_->exit_code()},
+        (*journal)->Append({{"event", "controller_restart"},
+                            {"restart", restarts_},
+                            {"previous_pid", controller_->pid()},
+                            {"previous_exit_code", controller_->exit_code()},
                             {"waited_ms", restart_wait_.count()}});
         (*journal)->Flush();
       } else {
-        err_->Write(fmt::format("[nonstop] the restart is not journaled: {}\n", journal.status().ToString()));
+        err_->Write(fmt::format("[nonstop] the restart is not journaled: {}\n",
+                                journal.status().ToString()));
       }
     }
     std::string why;
@@ -530,8 +565,8 @@ class JobWatcher {
       ScheduleRestart();
       return false;
     }
-    err_->Write(fmt::format("[nonstop] restarted the controller as pid {} (restart {}): {}\n", next->pid(),
-                            restarts_, ShellCommand(resume_)));
+    err_->Write(fmt::format("[nonstop] restarted the controller as pid {} (restart {}): {}\n",
+                            next->pid(), restarts_, ShellCommand(resume_)));
     controller_ = std::move(next);
     started_ = Clock::now();
     return true;
@@ -557,10 +592,12 @@ class JobWatcher {
 }  // namespace
 
 // The agent of this machine (host `local`): elastic, so the controller starts here whatever the job
-// needs, as on one machine; it prints through this process's bounded stdio, and leaves the signals to
-// the watcher (JobWatcher).
-agent::AgentOptions RunCommand::LocalAgentOptions(const std::string& controller, const std::string& token,
-                                                  const std::vector<std::string>& program, const std::string& log_dir,
+// needs, as on one machine; it prints through this process's bounded stdio, and leaves the signals
+// to the watcher (JobWatcher).
+agent::AgentOptions RunCommand::LocalAgentOptions(const std::string& controller,
+                                                  const std::string& token,
+                                                  const std::vector<std::string>& program,
+                                                  const std::string& log_dir,
                                                   launcher::BoundedStdio& stdio) const {
   agent::AgentOptions a;
   a.controller = controller;
@@ -586,20 +623,22 @@ agent::AgentOptions RunCommand::LocalAgentOptions(const std::string& controller,
 int RunCommand::RunLocal(controller::RuntimeOptions o, const std::vector<std::string>& program,
                          const std::string& log_dir) {
   std::filesystem::path journal(o.journal);
-  std::filesystem::path dir = journal.has_parent_path() ? journal.parent_path() : std::filesystem::path(".");
+  std::filesystem::path dir =
+      journal.has_parent_path() ? journal.parent_path() : std::filesystem::path(".");
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   const std::string job_file = controller::JobFileFor(o.journal);
   std::filesystem::remove(job_file, ec);  // the one the controller writes now is this job's
   const std::string token_file = (dir / "job.token").string();
   o.name = "nonstop run";
-  o.core.min_hosts = o.core.max_hosts = 1;  // this process's agent
+  o.core.min_hosts = o.core.max_hosts = 1;    // this process's agent
   if (resumable_) o.token_file = token_file;  // what `nonstop controller --resume` needs
   // SIGINT and SIGTERM are blocked before any thread or child starts: the controller reads its own
   // from a signalfd, the watcher passes on those sent to this process, and none is lost in between.
   const sigset_t mask = BlockTerminationSignals();
   std::optional<launcher::BoundedStdio> stdio;
-  std::unique_ptr<LocalController> controller;  // after stdio: a thread that prints through it ends first
+  // after stdio: a thread that prints through it ends first
+  std::unique_ptr<LocalController> controller;
   if (resumable_) {
     controller = ControllerProcess::Start(o);
     if (controller == nullptr) return 1;
@@ -610,7 +649,8 @@ int RunCommand::RunLocal(controller::RuntimeOptions o, const std::vector<std::st
   }
   JobAddress address;
   if (auto code = WaitForJobFile(*controller, job_file, mask, o.name, &address)) return *code;
-  agent::AgentOptions a = LocalAgentOptions(address.controller, address.token, program, log_dir, *stdio);
+  agent::AgentOptions a =
+      LocalAgentOptions(address.controller, address.token, program, log_dir, *stdio);
   if (Status st = agent::ValidateOptions(a); !st.ok()) {
     fmt::print(stderr, "{}: {}\n", o.name, st.message());
     controller->Stop();
@@ -619,38 +659,47 @@ int RunCommand::RunLocal(controller::RuntimeOptions o, const std::vector<std::st
   std::vector<std::string> resume;
   if (resumable_) {
     resume = ResumeArguments(o.journal, token_file);
-    stdio->out().Write(fmt::format("[nonstop] resumable: the controller runs as pid {}; the workers are this "
-                                   "process's ({}); if the controller dies, this process starts it again: {}\n",
-                                   controller->pid(), ::getpid(), ShellCommand(resume)));
+    stdio->out().Write(
+        fmt::format("[nonstop] resumable: the controller runs as pid {}; the workers are this "
+                    "process's ({}); if the controller dies, this process starts it again: {}\n",
+                    controller->pid(), ::getpid(), ShellCommand(resume)));
   }
   if (spares_ > 0 && !launcher::LocalLauncher::CanRestorePriority()) {
-    stdio->out().Write("[nonstop] spares that refill the pool warm up at normal priority: this user cannot raise a "
-                       "process's priority back when it takes a rank (that needs CAP_SYS_NICE or `ulimit -e 20`)\n");
+    stdio->out().Write(
+        "[nonstop] spares that refill the pool warm up at normal priority: this user cannot raise "
+        "a "
+        "process's priority back when it takes a rank (that needs CAP_SYS_NICE or `ulimit -e "
+        "20`)\n");
   }
   agent::Agent agent(a);
   JobWatcher watcher(controller, &agent, mask, o.journal, &stdio->err(), resume);
   int code = agent.Run();
   std::optional<int> failed_start = watcher.Finish();
   // The controller (the last one started) leaves once the agent has; one that does not is stopped.
-  for (int i = 0; i < 400 && !controller->Ended(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  for (int i = 0; i < 400 && !controller->Ended(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   controller->Stop();
   if (failed_start) {
-    fmt::print(stderr, "{}: the controller exited (code {}) before the job formed\n", o.name, *failed_start);
+    fmt::print(stderr, "{}: the controller exited (code {}) before the job formed\n", o.name,
+               *failed_start);
     return *failed_start == 0 ? 1 : *failed_start;
   }
   return code;
 }
 
 void ControllerCommand::Register(CLI::App& app) {
-  sub_ = app.add_subcommand("controller",
-                            "Run the controller of a job over several hosts; each host runs `nonstop agent`");
+  sub_ = app.add_subcommand(
+      "controller",
+      "Run the controller of a job over several hosts; each host runs `nonstop agent`");
   AddSetting(sub_, settings::kListen, listen_);
   AddSetting(sub_, settings::kControllerAdvertiseAddress, advertise_address_);
   AddSetting(sub_, settings::kNnodes, nnodes_);
   AddSetting(sub_, settings::kControllerJobTokenFile, token_file_);
   sub_->add_option("--resume", resume_,
-                   "Take over the running job of this journal (its controller stopped): adopt the workers and agents "
-                   "it recorded, on the control port it recorded (unless --listen names one), and go on appending "
+                   "Take over the running job of this journal (its controller stopped): adopt the "
+                   "workers and agents "
+                   "it recorded, on the control port it recorded (unless --listen names one), and "
+                   "go on appending "
                    "to it; the same --nnodes and --job-token-file as the first controller")
       ->check(CLI::ExistingFile);
   AddSetting(sub_, settings::kControllerEtcd, etcd_);
@@ -676,17 +725,21 @@ int ControllerCommand::Execute() {
     try {
       size_t used = 0;
       min_hosts = std::stoi(nnodes_.substr(0, colon), &used);
-      if (used != (colon == std::string::npos ? nnodes_.size() : colon)) throw std::invalid_argument(nnodes_);
+      if (used != (colon == std::string::npos ? nnodes_.size() : colon))
+        throw std::invalid_argument(nnodes_);
       if (colon != std::string::npos) {
         max_hosts = std::stoi(nnodes_.substr(colon + 1), &used);
         if (used != nnodes_.size() - colon - 1) throw std::invalid_argument(nnodes_);
       }
     } catch (...) {
-      fmt::print(stderr, "{}: --nnodes '{}' is not MIN or MIN:MAX (e.g. 4 or 2:8)\n", name, nnodes_);
+      fmt::print(stderr, "{}: --nnodes '{}' is not MIN or MIN:MAX (e.g. 4 or 2:8)\n", name,
+                 nnodes_);
       return controller::kExitUsage;
     }
-    if (min_hosts < 1 || (max_hosts != 0 && max_hosts < min_hosts) || min_hosts > 100'000 || max_hosts > 100'000) {
-      fmt::print(stderr, "{}: --nnodes '{}': MIN must be at least 1 and MAX at least MIN\n", name, nnodes_);
+    if (min_hosts < 1 || (max_hosts != 0 && max_hosts < min_hosts) || min_hosts > 100'000 ||
+        max_hosts > 100'000) {
+      fmt::print(stderr, "{}: --nnodes '{}': MIN must be at least 1 and MAX at least MIN\n", name,
+                 nnodes_);
       return controller::kExitUsage;
     }
   }
@@ -701,7 +754,8 @@ int ControllerCommand::Execute() {
   o.token_file = token_file_;
   if (!resume_.empty()) {
     if (!std::filesystem::exists(token_file_)) {
-      fmt::print(stderr, "{}: --resume needs the job's token: --job-token-file {} does not exist\n", name, token_file_);
+      fmt::print(stderr, "{}: --resume needs the job's token: --job-token-file {} does not exist\n",
+                 name, token_file_);
       return controller::kExitUsage;
     }
     o.resume = resume_;
@@ -709,7 +763,9 @@ int ControllerCommand::Execute() {
   }
   if (etcd_.empty()) return controller::RunController(o);
   if (!resume_.empty()) {
-    fmt::print(stderr, "{}: --resume and --etcd: with etcd, the journal to take over is etcd's (leave out --resume)\n",
+    fmt::print(stderr,
+               "{}: --resume and --etcd: with etcd, the journal to take over is etcd's (leave out "
+               "--resume)\n",
                name);
     return controller::kExitUsage;
   }

@@ -17,8 +17,8 @@
 
 #include "apps/nonstop/commands.h"
 #include "apps/nonstop/settings_cli.h"
-#include "nonstop/settings.h"
 #include "common/status.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::cli {
 
@@ -27,27 +27,30 @@ namespace {
 Result<nlohmann::json> ReadJobFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) {
-    return NotFoundError(fmt::format("no job file {}: is `nonstop run` running here? (HINT: --job PATH or --http "
-                                     "HOST:PORT)", path));
+    return NotFoundError(
+        fmt::format("no job file {}: is `nonstop run` running here? (HINT: --job PATH or --http "
+                    "HOST:PORT)",
+                    path));
   }
   std::stringstream ss;
   ss << in.rdbuf();
   auto j = nlohmann::json::parse(ss.str(), nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
-    return DataLossError(fmt::format("job file {} is not a nonstop job file (not a JSON object)", path));
+    return DataLossError(
+        fmt::format("job file {} is not a nonstop job file (not a JSON object)", path));
   }
   for (const char* key : {"http", "controller", "token"}) {
     if (!j.contains(key) || !j[key].is_string()) {
-      return DataLossError(fmt::format("job file {} is not a nonstop job file: \"{}\" is missing or not a string",
-                                       path, key));
+      return DataLossError(fmt::format(
+          "job file {} is not a nonstop job file: \"{}\" is missing or not a string", path, key));
     }
   }
   if (j.contains("env")) {
     bool strings = j["env"].is_object();
     for (const auto& [k, v] : j["env"].items()) strings = strings && v.is_string();
     if (!strings) {
-      return DataLossError(fmt::format("job file {} is not a nonstop job file: \"env\" is not an object of strings",
-                                       path));
+      return DataLossError(fmt::format(
+          "job file {} is not a nonstop job file: \"env\" is not an object of strings", path));
     }
   }
   return j;
@@ -55,7 +58,8 @@ Result<nlohmann::json> ReadJobFile(const std::string& path) {
 
 Result<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
   size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return InvalidArgumentError(fmt::format("'{}' is not host:port", address));
+  if (colon == std::string::npos)
+    return InvalidArgumentError(fmt::format("'{}' is not host:port", address));
   try {
     return std::make_pair(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
   } catch (...) {
@@ -66,9 +70,11 @@ Result<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
 }  // namespace
 
 void JobCommands::Register(CLI::App& app) {
-  status_ = app.add_subcommand("status", "Show a running job: phase, generation, world, spares, policy");
+  status_ =
+      app.add_subcommand("status", "Show a running job: phase, generation, world, spares, policy");
   scale_ = app.add_subcommand("scale", "Ask a running job to grow or shrink (POST /scale)");
-  worker_ = app.add_subcommand("worker", "Start a worker by hand that joins a running job as a spare");
+  worker_ =
+      app.add_subcommand("worker", "Start a worker by hand that joins a running job as a spare");
   for (CLI::App* sub : {status_, scale_, worker_}) AddSetting(sub, settings::kJobFile, job_file_);
   for (CLI::App* sub : {status_, scale_}) AddSetting(sub, settings::kHttp, http_);
   auto* group = scale_->add_option_group("change", "exactly one of");
@@ -76,14 +82,16 @@ void JobCommands::Register(CLI::App& app) {
   release_opt_ = group->add_option("--release", release_, "Give back this many workers");
   group->add_option("--grow", grow_, "Take this many more workers");
   group->require_option(1);
-  worker_->add_option("--worker-id", worker_id_, "A worker id unique in the job (default: 100000 + pid)");
+  worker_->add_option("--worker-id", worker_id_,
+                      "A worker id unique in the job (default: 100000 + pid)");
   worker_->footer("After `--`: the worker program and its arguments (default: nonstop-train).");
 }
 
 int JobCommands::Execute() {
   if (worker_->parsed()) return ExecWorker();
   std::string address = http_;
-  // POST /scale (and /events) need the job token: from the job file, or the environment with --http.
+  // POST /scale (and /events) need the job token: from the job file, or the environment with
+  // --http.
   std::string token;
   if (address.empty()) {
     auto job = ReadJobFile(job_file_);
@@ -116,16 +124,23 @@ int JobCommands::Execute() {
       fmt::print("{}\n", res->body);
       return 1;
     }
-    fmt::print("job at {}: {}, generation {}, world {} (target {}), {} spare(s), highest step {}, {} recoveries/resizes\n",
-               address, j.value("phase", "?"), j.value("generation", 0), j.value("world_size", 0),
-               j.value("target_world_size", 0), j.value("spares", 0), j.value("highest_step", -1), j.value("recoveries", 0));
-    fmt::print("members (worker ids by rank): {}\npolicy: {}\n", j["members"].dump(), j["policy"].dump());
+    fmt::print(
+        "job at {}: {}, generation {}, world {} (target {}), {} spare(s), highest step {}, {} "
+        "recoveries/resizes\n",
+        address, j.value("phase", "?"), j.value("generation", 0), j.value("world_size", 0),
+        j.value("target_world_size", 0), j.value("spares", 0), j.value("highest_step", -1),
+        j.value("recoveries", 0));
+    fmt::print("members (worker ids by rank): {}\npolicy: {}\n", j["members"].dump(),
+               j["policy"].dump());
     return 0;
   }
   nlohmann::json body;
-  if (world_size_opt_->count() > 0) body["world_size"] = world_size_;
-  else if (release_opt_->count() > 0) body["release"] = release_;
-  else body["grow"] = grow_;
+  if (world_size_opt_->count() > 0)
+    body["world_size"] = world_size_;
+  else if (release_opt_->count() > 0)
+    body["release"] = release_;
+  else
+    body["grow"] = grow_;
   auto res = client.Post("/scale", body.dump(), "application/json");
   if (!res) {
     fmt::print(stderr, "nonstop scale: cannot reach the controller at {}\n", address);
@@ -136,7 +151,8 @@ int JobCommands::Execute() {
     fmt::print("accepted: world {} → {}\n", j.value("from", 0), j.value("world_size", 0));
     return 0;
   }
-  fmt::print(stderr, "refused ({}): {}\n", res->status, j.is_discarded() ? res->body : j.value("error", res->body));
+  fmt::print(stderr, "refused ({}): {}\n", res->status,
+             j.is_discarded() ? res->body : j.value("error", res->body));
   return 1;
 }
 
@@ -149,13 +165,17 @@ int JobCommands::ExecWorker() {
   std::vector<std::string> program = program_;
   if (program.empty()) program = {SelfDirectory() + "/nonstop-train"};
   int id = worker_id_ >= 0 ? worker_id_ : 100000 + static_cast<int>(::getpid());
-  auto set = [](std::string_view name, const std::string& value) { ::setenv(name.data(), value.c_str(), 1); };
+  auto set = [](std::string_view name, const std::string& value) {
+    ::setenv(name.data(), value.c_str(), 1);
+  };
   set(settings::kControllerAddress.env, (*job)["controller"].get<std::string>());
   set(settings::kJobToken.env, (*job)["token"].get<std::string>());
   set(settings::kWorkerId.env, std::to_string(id));
   set(settings::kSpare.env, "1");
-  for (const auto& [k, v] : (*job)["env"].items()) ::setenv(k.c_str(), v.get<std::string>().c_str(), 1);
-  fmt::print("nonstop worker: joining {} as worker {}\n", (*job)["controller"].get<std::string>(), id);
+  for (const auto& [k, v] : (*job)["env"].items())
+    ::setenv(k.c_str(), v.get<std::string>().c_str(), 1);
+  fmt::print("nonstop worker: joining {} as worker {}\n", (*job)["controller"].get<std::string>(),
+             id);
   std::fflush(stdout);
   std::vector<char*> argv;
   for (auto& a : program) argv.push_back(a.data());

@@ -7,7 +7,8 @@
 //
 // is what used to be written as
 //
-//   sub->add_option("--nproc", nproc_, "Worker processes that train (the world size)")->capture_default_str()
+//   sub->add_option("--nproc", nproc_, "Worker processes that train (the world
+//   size)")->capture_default_str()
 //       ->envname(<the variable, as a literal>)->check(CLI::Range(1, 1024));
 //
 // Precedence is CLI11's: the flag, then the variable, then the default.
@@ -26,7 +27,8 @@ namespace nonstop::cli {
 namespace settings_cli_internal {
 
 template <typename T>
-inline constexpr bool kIsList = std::is_same_v<T, settings::IntList> || std::is_same_v<T, settings::StringList>;
+inline constexpr bool kIsList =
+    std::is_same_v<T, settings::IntList> || std::is_same_v<T, settings::StringList>;
 
 template <typename T, typename V>
 void SetToDefault(const T& value, V& variable) {
@@ -67,7 +69,8 @@ CLI::Option* AddSetting(CLI::App* app, const settings::Setting<T>& s, V& variabl
   } else if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
     if (s.range) opt->check(CLI::Range(s.range->lo, s.range->hi));
   }
-  if (!s.choices.empty()) opt->check(CLI::IsMember(std::vector<std::string>(s.choices.begin(), s.choices.end())));
+  if (!s.choices.empty())
+    opt->check(CLI::IsMember(std::vector<std::string>(s.choices.begin(), s.choices.end())));
   return opt;
 }
 

@@ -44,10 +44,13 @@ bool ReadAll(const std::string& path, std::string* text) {
 }  // namespace
 
 void SettingsCommand::Register(CLI::App& app) {
-  sub_ = app.add_subcommand("settings", "Print every NONSTOP_* variable (flag, type, default, programs) as Markdown");
-  auto* check = sub_->add_option("--check", check_,
-                                 "Exit 1 unless this file's generated part (docs/settings.md) is what is printed");
-  sub_->add_option("--update", update_, "Rewrite this file's generated part (docs/settings.md)")->excludes(check);
+  sub_ = app.add_subcommand(
+      "settings", "Print every NONSTOP_* variable (flag, type, default, programs) as Markdown");
+  auto* check = sub_->add_option(
+      "--check", check_,
+      "Exit 1 unless this file's generated part (docs/settings.md) is what is printed");
+  sub_->add_option("--update", update_, "Rewrite this file's generated part (docs/settings.md)")
+      ->excludes(check);
 }
 
 int SettingsCommand::Execute() {
@@ -60,13 +63,17 @@ int SettingsCommand::Execute() {
   std::string text;
   Split parts;
   if (!ReadAll(path, &text) || !SplitAtMarkers(text, &parts)) {
-    fmt::print(stderr, "nonstop settings: {} is missing, or lacks the lines\n{}…\n{}", path, kBegin, kEnd);
+    fmt::print(stderr, "nonstop settings: {} is missing, or lacks the lines\n{}…\n{}", path, kBegin,
+               kEnd);
     return 1;
   }
   if (!check_.empty()) {
     if (parts.generated == table) return 0;
-    fmt::print(stderr, "nonstop settings: {} is stale: the settings registry (include/nonstop/settings.h) changed; "
-                       "HINT: nonstop settings --update {}\n", path, path);
+    fmt::print(stderr,
+               "nonstop settings: {} is stale: the settings registry (include/nonstop/settings.h) "
+               "changed; "
+               "HINT: nonstop settings --update {}\n",
+               path, path);
     return 1;
   }
   std::ofstream out(path, std::ios::trunc);

@@ -16,9 +16,9 @@
 
 #include "agent/agent.h"
 #include "apps/nonstop/settings_cli.h"
-#include "nonstop/settings.h"
 #include "controller/runtime.h"
 #include "nonstop/session.h"
+#include "nonstop/settings.h"
 
 namespace nonstop {
 namespace {
@@ -52,7 +52,8 @@ TEST(SettingsTest, SharedNamesAreDisjointAndExplained) {
       EXPECT_EQ(seen & i->read_by, 0u) << env << ": " << settings::ProgramNames(seen & i->read_by)
                                        << " would read it with two meanings";
       seen |= i->read_by;
-      EXPECT_FALSE(i->note.empty()) << env << " (" << settings::ProgramNames(i->read_by) << ") has no note";
+      EXPECT_FALSE(i->note.empty())
+          << env << " (" << settings::ProgramNames(i->read_by) << ") has no note";
     }
   }
 }
@@ -79,7 +80,9 @@ TEST(SettingsTest, MarkdownHasARowPerEntry) {
   size_t rows = 0;
   for (size_t at = md.find("\n| `"); at != std::string::npos; at = md.find("\n| `", at + 1)) ++rows;
   EXPECT_EQ(rows, settings::All().size());
-  EXPECT_NE(md.find("`NONSTOP_JOIN_TIMEOUT_MS`: run, controller: `300000`; agent: `60000`"), std::string::npos) << md;
+  EXPECT_NE(md.find("`NONSTOP_JOIN_TIMEOUT_MS`: run, controller: `300000`; agent: `60000`"),
+            std::string::npos)
+      << md;
 }
 
 // ---- the options structs start from the registry's defaults ----
@@ -119,12 +122,16 @@ class ScopedEnv {
  public:
   ScopedEnv(std::string_view name, const char* value) : name_(name) {
     if (const char* old = std::getenv(name_.c_str())) old_ = old;
-    if (value != nullptr) ::setenv(name_.c_str(), value, 1);
-    else ::unsetenv(name_.c_str());
+    if (value != nullptr)
+      ::setenv(name_.c_str(), value, 1);
+    else
+      ::unsetenv(name_.c_str());
   }
   ~ScopedEnv() {
-    if (old_) ::setenv(name_.c_str(), old_->c_str(), 1);
-    else ::unsetenv(name_.c_str());
+    if (old_)
+      ::setenv(name_.c_str(), old_->c_str(), 1);
+    else
+      ::unsetenv(name_.c_str());
   }
 
  private:
@@ -183,7 +190,8 @@ TEST(SettingsCliTest, Lists) {
   ASSERT_TRUE(Parse(settings::kAllowedSizes, sizes, {"--allowed-sizes", "2,4,8"}));
   EXPECT_EQ(sizes, (std::vector<int>{2, 4, 8}));
   std::vector<std::string> faults;
-  ASSERT_TRUE(Parse(settings::kInject, faults, {"--inject", "kill:rank=1", "--inject", "hang:rank=0"}));
+  ASSERT_TRUE(
+      Parse(settings::kInject, faults, {"--inject", "kill:rank=1", "--inject", "hang:rank=0"}));
   EXPECT_EQ(faults, (std::vector<std::string>{"kill:rank=1", "hang:rank=0"}));
   ScopedEnv env(settings::kAllowedSizes.env, "2,4");
   ASSERT_TRUE(Parse(settings::kAllowedSizes, sizes, {}));
@@ -226,7 +234,8 @@ std::string Output(const std::string& command) {
 std::set<std::string> EnvNamesInHelp(const std::string& help) {
   std::set<std::string> names;
   const std::regex env(R"(\(Env:(NONSTOP_[A-Z0-9_]+)\))");
-  for (std::sregex_iterator it(help.begin(), help.end(), env), end; it != end; ++it) names.insert((*it)[1]);
+  for (std::sregex_iterator it(help.begin(), help.end(), env), end; it != end; ++it)
+    names.insert((*it)[1]);
   return names;
 }
 
@@ -274,7 +283,8 @@ struct Literal {
 std::vector<Literal> LiteralsIn(const fs::path& root, const std::string& relative) {
   std::vector<Literal> found;
   const bool python = relative.ends_with(".py");
-  const std::regex literal(python ? R"re(["'](NONSTOP_[A-Z0-9_]+)["'])re" : R"re("(NONSTOP_[A-Z0-9_]+)")re");
+  const std::regex literal(python ? R"re(["'](NONSTOP_[A-Z0-9_]+)["'])re"
+                                  : R"re("(NONSTOP_[A-Z0-9_]+)")re");
   std::ifstream in(root / relative);
   std::string text;
   for (int n = 1; std::getline(in, text); ++n) {
@@ -292,7 +302,8 @@ std::vector<std::string> SourceFiles(const fs::path& root) {
     for (const auto& e : fs::recursive_directory_iterator(root / dir)) {
       const fs::path& p = e.path();
       std::string ext = p.extension().string();
-      if (!e.is_regular_file() || IsTest(p) || (ext != ".cc" && ext != ".h" && ext != ".py")) continue;
+      if (!e.is_regular_file() || IsTest(p) || (ext != ".cc" && ext != ".h" && ext != ".py"))
+        continue;
       files.push_back(fs::relative(p, root).string());
     }
   }
@@ -303,11 +314,13 @@ TEST(SettingsTest, SourcesNameOnlyRegisteredVariables) {
   const fs::path root = NONSTOP_SOURCE_DIR;
   std::set<std::string> pending_with_literals;
   for (const std::string& file : SourceFiles(root)) {
-    const bool converted = (file.starts_with("src/") || file.starts_with("apps/")) && !file.ends_with(".py") &&
-                           file != "include/nonstop/settings.h" && kPending.count(file) == 0;
+    const bool converted = (file.starts_with("src/") || file.starts_with("apps/")) &&
+                           !file.ends_with(".py") && file != "include/nonstop/settings.h" &&
+                           kPending.count(file) == 0;
     for (const Literal& l : LiteralsIn(root, file)) {
       EXPECT_TRUE(settings::IsRegistered(l.name))
-          << l.file << ":" << l.line << ": " << l.name << " is not in the settings registry (include/nonstop/settings.h)";
+          << l.file << ":" << l.line << ": " << l.name
+          << " is not in the settings registry (include/nonstop/settings.h)";
       EXPECT_FALSE(converted) << l.file << ":" << l.line << ": \"" << l.name
                               << "\": name the registry's entry (settings::k….env), not a literal";
       if (kPending.count(file) != 0) pending_with_literals.insert(file);
@@ -332,7 +345,8 @@ TEST(SettingsTest, EveryDeclaredEntryIsListed) {
   }
   EXPECT_EQ(declared, settings::All().size());
   for (const Literal& l : LiteralsIn(NONSTOP_SOURCE_DIR, "include/nonstop/settings.h")) {
-    EXPECT_TRUE(settings::IsRegistered(l.name)) << "settings.h:" << l.line << ": " << l.name << " is not in All()";
+    EXPECT_TRUE(settings::IsRegistered(l.name))
+        << "settings.h:" << l.line << ": " << l.name << " is not in All()";
   }
 }
 

@@ -11,7 +11,9 @@ using torch::Tensor;
 using torch::indexing::Slice;
 
 struct RMSNormImpl : nn::Module {
-  RMSNormImpl(int64_t dim, double eps) : eps(eps) { weight = register_parameter("weight", torch::ones({dim})); }
+  RMSNormImpl(int64_t dim, double eps) : eps(eps) {
+    weight = register_parameter("weight", torch::ones({dim}));
+  }
   Tensor forward(const Tensor& x) {
     return x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
   }
@@ -24,7 +26,8 @@ TORCH_MODULE(RMSNorm);
 struct Rotary {
   Tensor cos, sin;  // [seq, head_dim]
   Rotary(int64_t seq, int64_t head_dim, double theta) {
-    auto inv = torch::pow(theta, -torch::arange(0, head_dim, 2, torch::kFloat64) / static_cast<double>(head_dim));
+    auto inv = torch::pow(
+        theta, -torch::arange(0, head_dim, 2, torch::kFloat64) / static_cast<double>(head_dim));
     auto t = torch::arange(seq, torch::kFloat64);
     auto freqs = torch::outer(t, inv);  // [seq, head_dim/2]
     auto emb = torch::cat({freqs, freqs}, -1);
@@ -46,12 +49,16 @@ struct Rotary {
 
 struct AttentionImpl : nn::Module {
   AttentionImpl(const ModelConfig& c)
-      : n_heads(c.n_heads), n_kv(c.n_kv_heads), head_dim(c.dim / c.n_heads),
+      : n_heads(c.n_heads),
+        n_kv(c.n_kv_heads),
+        head_dim(c.dim / c.n_heads),
         rope(c.seq_len, c.dim / c.n_heads, c.rope_theta) {
-    wq = register_module("wq", nn::Linear(nn::LinearOptions(c.dim, n_heads * head_dim).bias(false)));
+    wq =
+        register_module("wq", nn::Linear(nn::LinearOptions(c.dim, n_heads * head_dim).bias(false)));
     wk = register_module("wk", nn::Linear(nn::LinearOptions(c.dim, n_kv * head_dim).bias(false)));
     wv = register_module("wv", nn::Linear(nn::LinearOptions(c.dim, n_kv * head_dim).bias(false)));
-    wo = register_module("wo", nn::Linear(nn::LinearOptions(n_heads * head_dim, c.dim).bias(false)));
+    wo =
+        register_module("wo", nn::Linear(nn::LinearOptions(n_heads * head_dim, c.dim).bias(false)));
   }
   Tensor forward(const Tensor& x) {  // [b, s, dim]
     int64_t b = x.size(0), s = x.size(1);
@@ -60,7 +67,8 @@ struct AttentionImpl : nn::Module {
     auto v = wv(x).view({b, s, n_kv, head_dim}).transpose(1, 2);
     q = rope.Apply(q);
     k = rope.Apply(k);
-    if (n_kv != n_heads) {  // grouped-query attention: each kv head serves n_heads / n_kv query heads
+    // grouped-query attention: each kv head serves n_heads / n_kv query heads
+    if (n_kv != n_heads) {
       k = k.repeat_interleave(n_heads / n_kv, /*dim=*/1);
       v = v.repeat_interleave(n_heads / n_kv, /*dim=*/1);
     }
@@ -92,21 +100,22 @@ TORCH_MODULE(SwiGLU);
 // computes the tokens routed to it.
 struct MoEImpl : nn::Module {
   MoEImpl(const ModelConfig& c) : top_k(c.top_k) {
-    router = register_module("router", nn::Linear(nn::LinearOptions(c.dim, c.n_experts).bias(false)));
+    router =
+        register_module("router", nn::Linear(nn::LinearOptions(c.dim, c.n_experts).bias(false)));
     for (int64_t e = 0; e < c.n_experts; ++e) {
       experts.push_back(register_module("expert" + std::to_string(e), SwiGLU(c.dim, c.ffn_hidden)));
     }
   }
   Tensor forward(const Tensor& x) {  // [b, s, dim]
     auto shape = x.sizes().vec();
-    auto flat = x.reshape({-1, x.size(-1)});                     // [tokens, dim]
-    auto logits = router(flat);                                  // [tokens, experts]
+    auto flat = x.reshape({-1, x.size(-1)});                    // [tokens, dim]
+    auto logits = router(flat);                                 // [tokens, experts]
     auto [top_vals, top_idx] = logits.topk(top_k, /*dim=*/-1);  // [tokens, k]
-    auto weights = torch::softmax(top_vals, -1);                 // [tokens, k]
+    auto weights = torch::softmax(top_vals, -1);                // [tokens, k]
     auto out = torch::zeros_like(flat);
     for (size_t e = 0; e < experts.size(); ++e) {
-      auto hit = top_idx.eq(static_cast<int64_t>(e));               // [tokens, k]
-      auto rows = hit.any(-1).nonzero().squeeze(-1);                // tokens routed to e
+      auto hit = top_idx.eq(static_cast<int64_t>(e));  // [tokens, k]
+      auto rows = hit.any(-1).nonzero().squeeze(-1);   // tokens routed to e
       if (rows.numel() == 0) continue;
       auto w = (weights * hit.to(weights.dtype())).sum(-1).index_select(0, rows).unsqueeze(-1);
       auto y = experts[e]->forward(flat.index_select(0, rows)) * w;
@@ -147,7 +156,8 @@ class Transformer : public DecoderModel {
  public:
   explicit Transformer(const ModelConfig& c) {
     embed = register_module("embed", nn::Embedding(c.vocab_size, c.dim));
-    for (int64_t i = 0; i < c.n_layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), Block(c)));
+    for (int64_t i = 0; i < c.n_layers; ++i)
+      blocks.push_back(register_module("block" + std::to_string(i), Block(c)));
     norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
     head = register_module("head", nn::Linear(nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
     // GPT-2 style initialisation: N(0, 0.02), residual projections scaled by depth.
@@ -157,7 +167,8 @@ class Transformer : public DecoderModel {
       const std::string& name = item.key();
       torch::Tensor& p = item.value();
       if (p.dim() < 2) continue;
-      bool residual = name.find("wo.weight") != std::string::npos || name.find("w2.weight") != std::string::npos;
+      bool residual = name.find("wo.weight") != std::string::npos ||
+                      name.find("w2.weight") != std::string::npos;
       p.normal_(0.0, residual ? residual_std : 0.02);
     }
   }

@@ -13,17 +13,17 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <thread>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "apps/nonstop/settings_cli.h"
 #include "apps/train/model.h"
@@ -49,44 +49,53 @@ constexpr int kExitDataCorruption = 11;
 
 int Fail(const Status& s, const char* what) {
   fmt::print(stderr, "nonstop-train: {}: {}\n", what, s.ToString());
-  return s.code() == StatusCode::kDataLoss ? kExitDataCorruption
-                                           : s.code() == StatusCode::kInvalidArgument ? 2 : kExitFailure;
+  return s.code() == StatusCode::kDataLoss          ? kExitDataCorruption
+         : s.code() == StatusCode::kInvalidArgument ? 2
+                                                    : kExitFailure;
 }
 
 void PrintConfig(const Recipe& r, const Session& s, size_t params, const data::Dataset& ds) {
   fmt::print("nonstop-train: recipe {}\n", r.name);
   auto row = [](const char* k, const std::string& v) { fmt::print("  {:<16} {}\n", k, v); };
-  row("model", fmt::format("{} dim={} layers={} heads={} kv_heads={} ffn={}{}", r.model.arch, r.model.dim,
-                           r.model.n_layers, r.model.n_heads, r.model.n_kv_heads, r.model.ffn_hidden,
-                           r.model.arch == "gpt-oss" ? fmt::format(" experts={} top_k={}", r.model.n_experts, r.model.top_k) : ""));
+  row("model",
+      fmt::format("{} dim={} layers={} heads={} kv_heads={} ffn={}{}", r.model.arch, r.model.dim,
+                  r.model.n_layers, r.model.n_heads, r.model.n_kv_heads, r.model.ffn_hidden,
+                  r.model.arch == "gpt-oss"
+                      ? fmt::format(" experts={} top_k={}", r.model.n_experts, r.model.top_k)
+                      : ""));
   row("parameters", fmt::format("{} ({:.2f} MiB fp32)", params, params * 4.0 / (1 << 20)));
-  row("data", fmt::format("{}: {} shards, {} tokens, {} samples of {}", r.data.shards, ds.num_shards(), ds.num_tokens(),
-                          ds.num_samples(), r.model.seq_len + 1));
-  row("batch", fmt::format("global {} = {} micro-batches of {} (tokens/step {})", r.train.global_batch,
-                           r.train.global_batch / r.train.micro_batch, r.train.micro_batch,
-                           r.train.global_batch * r.model.seq_len));
+  row("data", fmt::format("{}: {} shards, {} tokens, {} samples of {}", r.data.shards,
+                          ds.num_shards(), ds.num_tokens(), ds.num_samples(), r.model.seq_len + 1));
+  row("batch", fmt::format("global {} = {} micro-batches of {} (tokens/step {})",
+                           r.train.global_batch, r.train.global_batch / r.train.micro_batch,
+                           r.train.micro_batch, r.train.global_batch * r.model.seq_len));
   row("world", fmt::format("{} ranks, generation {}", s.world_size(), s.generation()));
-  row("determinism", r.train.determinism == "world-invariant"
-                         ? "world-invariant (a fixed reduction tree over the micro-batches; 1 intra-op thread)"
-                         : "fast (ring all-reduce; bitwise at a fixed world size)");
-  row("steps", fmt::format("{} (lr {} → {}, warm-up {})", r.train.steps, r.optimizer.lr, r.optimizer.min_lr,
-                           r.optimizer.warmup_steps));
+  row("determinism",
+      r.train.determinism == "world-invariant"
+          ? "world-invariant (a fixed reduction tree over the micro-batches; 1 intra-op thread)"
+          : "fast (ring all-reduce; bitwise at a fixed world size)");
+  row("steps", fmt::format("{} (lr {} → {}, warm-up {})", r.train.steps, r.optimizer.lr,
+                           r.optimizer.min_lr, r.optimizer.warmup_steps));
   std::fflush(stdout);
 }
 
 // Sharded, fast: the sum of squares of this rank's shard of the reduced
 // gradient, and the loss if the shard holds its slot (0 otherwise).
-std::pair<double, double> ShardNormAndLoss(torchx::FlatParameters& flat, int shard, size_t shard_len) {
+std::pair<double, double> ShardNormAndLoss(torchx::FlatParameters& flat, int shard,
+                                           size_t shard_len) {
   const size_t lo = static_cast<size_t>(shard) * shard_len, hi = lo + shard_len;
   const std::span<const float> grads = flat.padded_grads();
   double sq = 0;
-  for (size_t i = lo; i < std::min(hi, flat.size()); ++i) sq += static_cast<double>(grads[i]) * grads[i];
-  double loss = lo <= flat.size() && flat.size() < hi ? static_cast<double>(grads[flat.size()]) : 0.0;
+  for (size_t i = lo; i < std::min(hi, flat.size()); ++i)
+    sq += static_cast<double>(grads[i]) * grads[i];
+  double loss =
+      lo <= flat.size() && flat.size() < hi ? static_cast<double>(grads[flat.size()]) : 0.0;
   return {sq, loss};
 }
 
 // Clipping by the global norm, on this rank's shard alone; returns the norm.
-double ScaleShard(torchx::FlatParameters& flat, int shard, size_t shard_len, double norm, double max_norm) {
+double ScaleShard(torchx::FlatParameters& flat, int shard, size_t shard_len, double norm,
+                  double max_norm) {
   if (max_norm > 0 && norm > max_norm) {
     const size_t lo = static_cast<size_t>(shard) * shard_len;
     const size_t hi = std::min(lo + shard_len, flat.size());
@@ -125,13 +134,15 @@ std::optional<int> ParseFlags(int argc, char** argv, TrainerFlags* f) {
   AddSetting(&app, settings::kTrainCheckpointDir, f->checkpoint_dir);
   AddSetting(&app, settings::kTrainCheckpointEvery, f->checkpoint_every);
   AddSetting(&app, settings::kTrainMtbfSeconds, f->mtbf_seconds);
-  app.add_option("--resume", f->resume_dir, "Resume from the newest valid checkpoint in this directory");
+  app.add_option("--resume", f->resume_dir,
+                 "Resume from the newest valid checkpoint in this directory");
   // Test-only knobs: accepted, but not in --help (a user's trainer has no use for them).
   app.add_option("--throttle-ms", f->throttle_ms,
                  "Sleep this long in every step (tests and demos that act during a run)")
       ->group("");
   app.add_option("--log-samples", f->log_samples,
-                 "Append the sample indices of every completed step to DIR/worker-<id>.txt (tests check that no "
+                 "Append the sample indices of every completed step to DIR/worker-<id>.txt (tests "
+                 "check that no "
                  "sample is skipped or repeated)")
       ->group("");
   AddSetting(&app, settings::kResume, f->resume_env);
@@ -140,8 +151,10 @@ std::optional<int> ParseFlags(int argc, char** argv, TrainerFlags* f) {
   AddSetting(&app, settings::kTorchThreads, f->threads);
   app.add_flag("--print-recipe", f->print_recipe, "Print the built-in default recipe and exit");
   AddSetting(&app, settings::kTrainNoOverlap, f->no_overlap);
-  app.add_option("--bucket-mb", f->bucket_mb, "Gradient bucket size for the overlapped reduction (MB)")
-      ->capture_default_str()->check(CLI::Range(0.001, 1024.0));
+  app.add_option("--bucket-mb", f->bucket_mb,
+                 "Gradient bucket size for the overlapped reduction (MB)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.001, 1024.0));
   AddSetting(&app, settings::kTrainNoSalvage, f->no_salvage);
   try {
     app.parse(argc, argv);
@@ -162,7 +175,8 @@ struct StepWork {
   float norm = 0;         // 1 / the tokens of the global batch
   double tokens = 0;      // of the global batch
   std::string samples;    // "step micro sample…" lines, logged once the step completed
-  Status tree_status;                           // world-invariant: planning the step failed (a fault)
+  // world-invariant: planning the step failed (a fault)
+  Status tree_status;
   std::vector<collective::TreeShare> shares;    // ... every rank's part of this step
   std::vector<collective::TreeFolder> folders;  // ... this rank's runs of micro-batches, folded
   std::map<int, std::string> mb_samples;        // ... micro-batch → its samples-log lines
@@ -170,7 +184,8 @@ struct StepWork {
 
 class Trainer {
  public:
-  explicit Trainer(TrainerFlags flags) : f_(std::move(flags)), planner_(/*salvage=*/!f_.no_salvage) {}
+  explicit Trainer(TrainerFlags flags)
+      : f_(std::move(flags)), planner_(/*salvage=*/!f_.no_salvage) {}
   Trainer(const Trainer&) = delete;  // the state registry points into it
   Trainer& operator=(const Trainer&) = delete;
 
@@ -195,7 +210,8 @@ class Trainer {
   std::optional<int> Step(int64_t* step);
   // Plans this rank's micro-batches of `step` and computes them (forward, backward).
   std::optional<int> Compute(int64_t step, StepWork* w);
-  std::vector<std::pair<uint64_t, size_t>> PlanWork(int64_t step, uint64_t micro_batches, StepWork* w);
+  std::vector<std::pair<uint64_t, size_t>> PlanWork(int64_t step, uint64_t micro_batches,
+                                                    StepWork* w);
   Status Reduce(int64_t step, StepWork* w);
   Status ReduceTree(int64_t step, StepWork* w);
   // Sharded, fast: the group shares each shard's sum of squares and the loss; the norm (or -1).
@@ -207,7 +223,8 @@ class Trainer {
 
   // ---- around the steps
   void RescaleForWorld(int64_t step);
-  double LrFactor(int64_t at) const;  // the learning-rate multiplier in effect at `at` under the stored warm-up
+  // the learning-rate multiplier in effect at `at` under the stored warm-up
+  double LrFactor(int64_t at) const;
   std::pair<torch::Tensor, torch::Tensor> BatchTensors(const std::vector<uint64_t>& samples) const;
   Status RegisterScalars(state::StateRegistry& reg);
   Status RegisterWhole(state::StateRegistry& reg, std::span<float> m, std::span<float> v);
@@ -242,7 +259,7 @@ class Trainer {
   elastic::BatchMode batch_mode_{};
   elastic::LrScaling lr_scaling_{};
   bool scale_with_world_ = false;
-  int64_t T_ = 0;                  // tokens per sample (model.seq_len)
+  int64_t T_ = 0;  // tokens per sample (model.seq_len)
   double tokens_per_step_ = 0;
   float norm_ = 0;
   // What must survive a fault: parameters, optimizer moments, the step. The
@@ -252,13 +269,15 @@ class Trainer {
   // that joiners and resumed jobs carry on exactly: the world size the batch
   // was defined at, the samples consumed so far, and the learning-rate warm-up
   // after the last world change (the factor stored in millionths).
-  int64_t base_world_ = 0, samples_consumed_ = 0, lr_world_ = 0, lr_change_step_ = 0, lr_from_millionths_ = 1'000'000;
+  int64_t base_world_ = 0, samples_consumed_ = 0, lr_world_ = 0, lr_change_step_ = 0,
+          lr_from_millionths_ = 1'000'000;
   std::vector<std::vector<int64_t>> shapes_;  // of every parameter, for the checkpoints' tensors
   // Sharded: the whole moments, padded, while a resumed checkpoint's are
   // loaded (until this rank knows its shard) and while a checkpoint is gathered.
   std::vector<float> whole_m_, whole_v_;
-  std::unique_ptr<state::StateRegistry> loading_;  // sharded: the whole layout a checkpoint loads into
-  bool resumed_whole_ = false;                      // the moments are views of whole_m_, whole_v_
+  // sharded: the whole layout a checkpoint loads into
+  std::unique_ptr<state::StateRegistry> loading_;
+  bool resumed_whole_ = false;  // the moments are views of whole_m_, whole_v_
   state::StateRegistry state_;
   std::unique_ptr<Session> session_;
   // Durable checkpoints: whichever worker holds rank 0 writes them, in the
@@ -273,7 +292,8 @@ class Trainer {
   // and the partial sums of a step a fault cut short, kept for its retry.
   worker::TreeStepPlanner planner_;
   worker::HeldSums held_;
-  std::map<int, std::string> held_samples_;  // micro-batch → its samples-log lines, for the held sums
+  // micro-batch → its samples-log lines, for the held sums
+  std::map<int, std::string> held_samples_;
   // Overlapped reduction: the last micro-batch's backward hands each gradient
   // bucket to the session's communication thread as soon as it is complete.
   std::unique_ptr<torchx::GradBuckets> buckets_;
@@ -282,11 +302,13 @@ class Trainer {
 // ---------------------------------------------------------------- set-up
 
 int Trainer::Run() {
-  for (auto step : {&Trainer::LoadRecipe, &Trainer::OpenData, &Trainer::BuildModelAndOptimizer,
-                    &Trainer::RegisterState, &Trainer::ResumeFromCheckpoint, &Trainer::RegisterShardedState}) {
+  for (auto step :
+       {&Trainer::LoadRecipe, &Trainer::OpenData, &Trainer::BuildModelAndOptimizer,
+        &Trainer::RegisterState, &Trainer::ResumeFromCheckpoint, &Trainer::RegisterShardedState}) {
     if (auto code = (this->*step)()) return *code;
   }
-  fmt::print("worker pid {} built its model ({} parameters) and mapped its data\n", ::getpid(), flat_->size());
+  fmt::print("worker pid {} built its model ({} parameters) and mapped its data\n", ::getpid(),
+             flat_->size());
   std::fflush(stdout);
   WarmUp();
   for (auto step : {&Trainer::Join, &Trainer::KeepResumedShard, &Trainer::StartTraining}) {
@@ -296,8 +318,9 @@ int Trainer::Run() {
 }
 
 std::optional<int> Trainer::LoadRecipe() {
-  Result<Recipe> recipe = f_.recipe_path.empty() ? ParseRecipe(DefaultRecipeText(), "llama-tiny (built-in)")
-                                                 : train::LoadRecipe(f_.recipe_path);
+  Result<Recipe> recipe = f_.recipe_path.empty()
+                              ? ParseRecipe(DefaultRecipeText(), "llama-tiny (built-in)")
+                              : train::LoadRecipe(f_.recipe_path);
   if (!recipe.ok()) return Fail(recipe.status(), "bad recipe");
   r_ = std::move(*recipe);
   if (f_.steps_override > 0) r_.train.steps = f_.steps_override;
@@ -307,9 +330,11 @@ std::optional<int> Trainer::LoadRecipe() {
   if (f_.resume_env && f_.resume_dir.empty()) f_.resume_dir = r_.checkpoint.dir;
   world_invariant_ = r_.train.determinism == "world-invariant";
   if (world_invariant_ && f_.threads != 1) {
-    // Kernels split over threads sum in another order: a micro-batch's gradient must not depend on them.
-    NONSTOP_LOG_WARNING("determinism: world-invariant runs one intra-op thread (--torch-threads {} ignored)",
-                        f_.threads);
+    // Kernels split over threads sum in another order: a micro-batch's gradient must not depend on
+    // them.
+    NONSTOP_LOG_WARNING(
+        "determinism: world-invariant runs one intra-op thread (--torch-threads {} ignored)",
+        f_.threads);
     f_.threads = 1;
   }
   torch::set_num_threads(f_.threads);
@@ -318,8 +343,10 @@ std::optional<int> Trainer::LoadRecipe() {
 
 std::optional<int> Trainer::OpenData() {
   if (!r_.data.prepare_from.empty()) {
-    data::PrepareOptions po{{r_.data.prepare_from}, r_.data.shards, 1 << 20, r_.data.strip_fortune_separators};
-    auto prepared = data::PrepareIfMissing(po, [](const std::string& line) { NONSTOP_LOG_INFO("{}", line); });
+    data::PrepareOptions po{
+        {r_.data.prepare_from}, r_.data.shards, 1 << 20, r_.data.strip_fortune_separators};
+    auto prepared =
+        data::PrepareIfMissing(po, [](const std::string& line) { NONSTOP_LOG_INFO("{}", line); });
     if (!prepared.ok()) return Fail(prepared.status(), "preparing data");
   }
   auto dataset = data::Dataset::Open(r_.data.shards, static_cast<size_t>(r_.model.seq_len));
@@ -330,9 +357,9 @@ std::optional<int> Trainer::OpenData() {
                                                  dataset_->max_token(), r_.model.vocab_size)),
                 "bad recipe");
   }
-  auto sampler = data::Sampler::Create({dataset_->num_samples(), static_cast<uint64_t>(r_.train.seed),
-                                        static_cast<uint64_t>(r_.train.global_batch),
-                                        static_cast<uint64_t>(r_.train.micro_batch)});
+  auto sampler = data::Sampler::Create(
+      {dataset_->num_samples(), static_cast<uint64_t>(r_.train.seed),
+       static_cast<uint64_t>(r_.train.global_batch), static_cast<uint64_t>(r_.train.micro_batch)});
   if (!sampler.ok()) return Fail(sampler.status(), "bad recipe");
   sampler_.emplace(std::move(*sampler));
   return std::nullopt;
@@ -380,13 +407,15 @@ std::optional<int> Trainer::ResumeFromCheckpoint() {
   if (f_.resume_dir.empty()) return std::nullopt;
   auto loaded = state::LoadNewestCheckpoint(f_.resume_dir, loading_ ? *loading_ : state_);
   if (loaded.ok()) {
-    for (const auto& skipped : loaded->skipped) NONSTOP_LOG_WARNING("skipped checkpoint {}", skipped);
+    for (const auto& skipped : loaded->skipped)
+      NONSTOP_LOG_WARNING("skipped checkpoint {}", skipped);
     fmt::print("resumed from {} (step {}, parameter checksum {})\n", loaded->path, loaded->step,
                loaded->manifest.value("parameter_checksum", ""));
     if (flat_->Checksum() != loaded->manifest.value("parameter_checksum", "")) {
-      return Fail(DataLossError(fmt::format("checkpoint {}: the parameters do not match the manifest's checksum",
-                                            loaded->path)),
-                  "resuming");
+      return Fail(
+          DataLossError(fmt::format(
+              "checkpoint {}: the parameters do not match the manifest's checksum", loaded->path)),
+          "resuming");
     }
   } else if (loaded.status().code() == StatusCode::kNotFound && f_.resume_env) {
     fmt::print("no checkpoint to resume from in {}: starting from scratch ({})\n", f_.resume_dir,
@@ -424,7 +453,8 @@ std::optional<int> Trainer::RegisterShardedState() {
 void Trainer::WarmUp() {
   auto [inputs, targets] = BatchTensors(sampler_->MicroBatchSamples(0, 0));
   auto logits = model_->forward(inputs);
-  torch::nn::functional::cross_entropy(logits.view({-1, r_.model.vocab_size}), targets.view({-1})).backward();
+  torch::nn::functional::cross_entropy(logits.view({-1, r_.model.vocab_size}), targets.view({-1}))
+      .backward();
   flat_->GatherGrads();
   flat_->ZeroGrad();
 }
@@ -459,39 +489,47 @@ std::optional<int> Trainer::StartTraining() {
   if (session.rank() == 0) {
     PrintConfig(r_, session, flat_->size(), *dataset_);
     const double moments = 2.0 * static_cast<double>(adamw_->exp_avg().size()) * sizeof(float);
-    fmt::print("optimizer state: {} bytes per rank ({:.2f} MiB: AdamW moments{})\n", static_cast<uint64_t>(moments),
-               moments / (1 << 20),
-               sharded_ ? fmt::format(" of 1 shard in {}, over groups of {}; whole: {} bytes", G_, G_,
-                                      2 * flat_->size() * sizeof(float))
+    fmt::print("optimizer state: {} bytes per rank ({:.2f} MiB: AdamW moments{})\n",
+               static_cast<uint64_t>(moments), moments / (1 << 20),
+               sharded_ ? fmt::format(" of 1 shard in {}, over groups of {}; whole: {} bytes", G_,
+                                      G_, 2 * flat_->size() * sizeof(float))
                         : ", whole");
     std::fflush(stdout);
   }
-  if (base_world_ == 0) base_world_ = session.world_size();  // the first generation defines it, on every member
+  // the first generation defines it, on every member
+  if (base_world_ == 0) base_world_ = session.world_size();
   if (lr_world_ == 0) lr_world_ = base_world_;
   if (scale_with_world_ && r_.train.global_batch % (base_world_ * r_.train.micro_batch) != 0) {
-    return Fail(InvalidArgumentError(fmt::format("train.batch scale-with-world: global_batch {} must be a multiple of "
-                                                 "micro_batch {} × the initial world size {}",
-                                                 r_.train.global_batch, r_.train.micro_batch, base_world_)),
+    return Fail(InvalidArgumentError(fmt::format(
+                    "train.batch scale-with-world: global_batch {} must be a multiple of "
+                    "micro_batch {} × the initial world size {}",
+                    r_.train.global_batch, r_.train.micro_batch, base_world_)),
                 "bad recipe");
   }
   if (!r_.checkpoint.dir.empty()) {
-    writer_ = std::make_unique<state::CheckpointWriter>(r_.checkpoint.dir, static_cast<int>(r_.checkpoint.keep));
+    writer_ = std::make_unique<state::CheckpointWriter>(r_.checkpoint.dir,
+                                                        static_cast<int>(r_.checkpoint.keep));
   }
   every_ = r_.checkpoint.every > 0 ? r_.checkpoint.every : (f_.mtbf_seconds > 0 ? 0 : 50);
   if (sharded_ && every_ == 0) {
-    // The ranks of group 0 gather each checkpoint together: they must agree on when, which rank 0's timing cannot say.
-    NONSTOP_LOG_WARNING("optimizer.shard_group {}: the automatic checkpoint interval is not supported yet; "
-                        "checkpointing every 50 steps (set checkpoint.every)", G_);
+    // The ranks of group 0 gather each checkpoint together: they must agree on when, which rank 0's
+    // timing cannot say.
+    NONSTOP_LOG_WARNING(
+        "optimizer.shard_group {}: the automatic checkpoint interval is not supported yet; "
+        "checkpointing every 50 steps (set checkpoint.every)",
+        G_);
     every_ = 50;
   }
   if (!f_.log_samples.empty()) {
     std::filesystem::create_directories(f_.log_samples);
-    samples_log_ = std::fopen(fmt::format("{}/worker-{}.txt", f_.log_samples, session.worker_id()).c_str(), "a");
+    samples_log_ = std::fopen(
+        fmt::format("{}/worker-{}.txt", f_.log_samples, session.worker_id()).c_str(), "a");
   }
   run_start_ = std::chrono::steady_clock::now();
   if (!f_.no_overlap && !world_invariant_ && !sharded_) {
-    buckets_ = std::make_unique<torchx::GradBuckets>(*model_, *flat_, static_cast<size_t>(f_.bucket_mb * (1 << 20)),
-                                                     [&session](std::span<float> b) { session.StartAllReduce(b); });
+    buckets_ = std::make_unique<torchx::GradBuckets>(
+        *model_, *flat_, static_cast<size_t>(f_.bucket_mb * (1 << 20)),
+        [&session](std::span<float> b) { session.StartAllReduce(b); });
   }
   return std::nullopt;
 }
@@ -507,7 +545,8 @@ int Trainer::Train() {
     }
     if (sharded_) {
       // The last update is in each rank's shard: the parameters whole again, for the checksum.
-      Status g = session.GatherShards(std::as_writable_bytes(flat_->padded_params()), sizeof(float));
+      Status g =
+          session.GatherShards(std::as_writable_bytes(flat_->padded_params()), sizeof(float));
       if (!g.ok()) {
         if (int code = Recover(&step); code != 0) return code == kReleased ? 0 : code;
         continue;
@@ -525,8 +564,10 @@ int Trainer::Train() {
     }
     if (!fin.ok()) return Fail(fin, "finishing");
     if (session.rank() == 0) {
-      double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start_).count();
-      fmt::print("done: {} steps in {:.1f} s; parameter checksum {}\n", r_.train.steps, total, checksum);
+      double total =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start_).count();
+      fmt::print("done: {} steps in {:.1f} s; parameter checksum {}\n", r_.train.steps, total,
+                 checksum);
       std::fflush(stdout);
     }
     return 0;
@@ -565,23 +606,28 @@ std::optional<int> Trainer::Step(int64_t* step) {
 std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
   Session& session = *session_;
   try {
-    if (session.InjectedExceptionAt(step)) throw std::runtime_error(fmt::format("injected exception at step {}", step));
+    if (session.InjectedExceptionAt(step))
+      throw std::runtime_error(fmt::format("injected exception at step {}", step));
     flat_->ZeroGrad();
     RescaleForWorld(step);
     const int world = session.world_size();
-    const uint64_t global = elastic::GlobalBatch(batch_mode_, static_cast<uint64_t>(r_.train.global_batch),
-                                                 static_cast<int>(base_world_), world);
+    const uint64_t global =
+        elastic::GlobalBatch(batch_mode_, static_cast<uint64_t>(r_.train.global_batch),
+                             static_cast<int>(base_world_), world);
     const uint64_t micro = static_cast<uint64_t>(r_.train.micro_batch);
     w->norm = 1.0f / static_cast<float>(global * static_cast<uint64_t>(T_));
     w->tokens = static_cast<double>(global * static_cast<uint64_t>(T_));
-    std::vector<std::pair<uint64_t, size_t>> work = PlanWork(step, global / micro, w);  // (micro-batch, its run)
+    // (micro-batch, its run)
+    std::vector<std::pair<uint64_t, size_t>> work = PlanWork(step, global / micro, w);
     for (size_t k = 0; k < work.size(); ++k) {
       const uint64_t mb = work[k].first;
       const bool last_one = k + 1 == work.size();
-      // Fixed batch: the samples are a function of the step. Scaled batch: of the position in the stream.
+      // Fixed batch: the samples are a function of the step. Scaled batch: of the position in the
+      // stream.
       std::vector<uint64_t> samples =
-          scale_with_world_ ? sampler_->SamplesAt(static_cast<uint64_t>(samples_consumed_) + mb * micro, micro)
-                            : sampler_->MicroBatchSamples(static_cast<uint64_t>(step), mb);
+          scale_with_world_
+              ? sampler_->SamplesAt(static_cast<uint64_t>(samples_consumed_) + mb * micro, micro)
+              : sampler_->MicroBatchSamples(static_cast<uint64_t>(step), mb);
       if (samples_log_) {
         std::string line = fmt::format("{} {}", step, mb);
         for (uint64_t x : samples) line += fmt::format(" {}", x);
@@ -598,7 +644,8 @@ std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
       // gradient is the same however micro-batches are dealt.
       auto loss = torch::nn::functional::cross_entropy(
                       logits.view({-1, r_.model.vocab_size}), targets.view({-1}),
-                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) * w->norm;
+                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
+                  w->norm;
       if (world_invariant_) flat_->ZeroGrad();
       if (!world_invariant_) w->local_loss += loss.item<double>();
       if (buckets_ && last_one) {
@@ -614,10 +661,12 @@ std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
       w->computed = last_one;
       if (session.aborted()) break;  // a member failed: this step is lost (its sums may be kept)
     }
-    if (work.empty()) w->computed = true;  // more ranks than micro-batches: zeros, summed with the rest
+    // more ranks than micro-batches: zeros, summed with the rest
+    if (work.empty()) w->computed = true;
   } catch (const std::exception& e) {
     // The process may be in any state: report, and let a spare take over.
-    Status s = InternalError(fmt::format("exception in the training loop at step {}: {}", step, e.what()));
+    Status s =
+        InternalError(fmt::format("exception in the training loop at step {}: {}", step, e.what()));
     session.ReportFailure(s, step, kExitFailure);
     return Fail(s, "training");
   }
@@ -627,7 +676,8 @@ std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
 // This rank's micro-batches: its block of the global batch; world-invariant,
 // the runs its share names (after a fault, the micro-batches nobody holds any
 // more), each folded into the tree.
-std::vector<std::pair<uint64_t, size_t>> Trainer::PlanWork(int64_t step, uint64_t micro_batches, StepWork* w) {
+std::vector<std::pair<uint64_t, size_t>> Trainer::PlanWork(int64_t step, uint64_t micro_batches,
+                                                           StepWork* w) {
   Session& session = *session_;
   const int world = session.world_size();
   std::vector<std::pair<uint64_t, size_t>> work;
@@ -649,12 +699,15 @@ std::vector<std::pair<uint64_t, size_t>> Trainer::PlanWork(int64_t step, uint64_
   worker::KeepOnly(&held_, step, mine.kept);  // the sums it does not keep go before computing
   for (auto [first, last] : mine.compute) {
     w->folders.emplace_back(m, first, last, flat_->size() + 1);
-    for (int mb = first; mb < last; ++mb) work.push_back({static_cast<uint64_t>(mb), w->folders.size() - 1});
+    for (int mb = first; mb < last; ++mb)
+      work.push_back({static_cast<uint64_t>(mb), w->folders.size() - 1});
   }
   if (planner_.kept_micro_batches() > 0 && session.rank() == 0) {
-    fmt::print("step {}: kept the sums of {} of {} micro-batches from the step in flight ({} member(s)); "
-               "{} computed again by {} member(s)\n",
-               step, planner_.kept_micro_batches(), m, planner_.kept_by(), m - planner_.kept_micro_batches(), world);
+    fmt::print(
+        "step {}: kept the sums of {} of {} micro-batches from the step in flight ({} member(s)); "
+        "{} computed again by {} member(s)\n",
+        step, planner_.kept_micro_batches(), m, planner_.kept_by(),
+        m - planner_.kept_micro_batches(), world);
     std::fflush(stdout);
   }
   return work;
@@ -685,7 +738,8 @@ Status Trainer::ReduceTree(int64_t step, StepWork* w) {
   Session& session = *session_;
   const int m = static_cast<int>(r_.train.global_batch / r_.train.micro_batch);
   const collective::TreeShare& mine = w->shares[static_cast<size_t>(session.rank())];
-  // KeepOnly left in `held_` exactly the sums the plan keeps; their samples-log lines come with them.
+  // KeepOnly left in `held_` exactly the sums the plan keeps; their samples-log lines come with
+  // them.
   NONSTOP_CHECK(held_.nodes == mine.kept) << "kept a sum it does not hold";
   for (const auto& node : held_.nodes) {
     auto [first, last] = collective::NodeRange(m, node);
@@ -699,7 +753,8 @@ Status Trainer::ReduceTree(int64_t step, StepWork* w) {
   Status s;
   if (w->computed) {
     NONSTOP_CHECK(have.nodes == mine.nodes) << "the step's sums are not the plan's";
-    s = session.AllReduceTree(m, worker::NodeLists(w->shares), have.partials, flat_->grads_and_loss());
+    s = session.AllReduceTree(m, worker::NodeLists(w->shares), have.partials,
+                              flat_->grads_and_loss());
   } else {
     s = AbortedError(fmt::format("step {} was cut short: a member failed", step));
   }
@@ -743,13 +798,14 @@ std::optional<int> Trainer::Update(int64_t step, const StepWork& w, double shard
     session.ReportFailure(bad, step, kExitDataCorruption);
     return Fail(bad, "training diverged");
   }
-  double grad_norm = shard_norm >= 0
-                         ? ScaleShard(*flat_, session.shard(), shard_len_, shard_norm, r_.optimizer.grad_clip)
-                         : torchx::ClipGradNorm(flat_->grads(), r_.optimizer.grad_clip);
+  double grad_norm = shard_norm >= 0 ? ScaleShard(*flat_, session.shard(), shard_len_, shard_norm,
+                                                  r_.optimizer.grad_clip)
+                                     : torchx::ClipGradNorm(flat_->grads(), r_.optimizer.grad_clip);
   double lr = schedule_.At(step) * LrFactor(step);
   if (sharded_) {
     // The shard's update: the same arithmetic, element by element, as the whole update has there.
-    NONSTOP_CHECK_EQ(state_.held_shard(), session.shard()) << "the state holds the shard of another rank";
+    NONSTOP_CHECK_EQ(state_.held_shard(), session.shard())
+        << "the state holds the shard of another rank";
     adamw_->Step(flat_->padded_params(), flat_->padded_grads(), lr, step + 1,
                  static_cast<size_t>(session.shard()) * shard_len_);
   } else {
@@ -762,8 +818,10 @@ std::optional<int> Trainer::Update(int64_t step, const StepWork& w, double shard
   MaybeCheckpoint(step, secs);
   LogSamples(w.samples);
   if (session.rank() == 0 && (step % r_.train.log_every == 0 || step + 1 == r_.train.steps)) {
-    fmt::print("step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} s/step | world {}\n",
-               step, r_.train.steps, loss, lr, grad_norm, w.tokens / secs, secs, session.world_size());
+    fmt::print(
+        "step {:>5}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:>6.0f} tok/s | {:.3f} "
+        "s/step | world {}\n",
+        step, r_.train.steps, loss, lr, grad_norm, w.tokens / secs, secs, session.world_size());
     std::fflush(stdout);
   }
   return std::nullopt;
@@ -787,35 +845,44 @@ void Trainer::RescaleForWorld(int64_t step) {
   lr_change_step_ = step;
   lr_world_ = world;
   if (session_->rank() == 0) {
-    fmt::print("batch follows the world: global batch {} samples, learning-rate factor {:.3f} → {:.3f} over {} steps\n",
-               elastic::GlobalBatch(batch_mode_, static_cast<uint64_t>(r_.train.global_batch),
-                                    static_cast<int>(base_world_), world),
-               from, LrFactor(step + r_.train.rescale_warmup_steps), r_.train.rescale_warmup_steps);
+    fmt::print(
+        "batch follows the world: global batch {} samples, learning-rate factor {:.3f} → {:.3f} "
+        "over {} steps\n",
+        elastic::GlobalBatch(batch_mode_, static_cast<uint64_t>(r_.train.global_batch),
+                             static_cast<int>(base_world_), world),
+        from, LrFactor(step + r_.train.rescale_warmup_steps), r_.train.rescale_warmup_steps);
     std::fflush(stdout);
   }
 }
 
 double Trainer::LrFactor(int64_t at) const {
-  double to = elastic::LrFactor(batch_mode_, lr_scaling_, static_cast<int>(base_world_), static_cast<int>(lr_world_));
-  return elastic::WarmedFactor(static_cast<double>(lr_from_millionths_) / 1e6, to, at, lr_change_step_,
-                               r_.train.rescale_warmup_steps);
+  double to = elastic::LrFactor(batch_mode_, lr_scaling_, static_cast<int>(base_world_),
+                                static_cast<int>(lr_world_));
+  return elastic::WarmedFactor(static_cast<double>(lr_from_millionths_) / 1e6, to, at,
+                               lr_change_step_, r_.train.rescale_warmup_steps);
 }
 
-std::pair<torch::Tensor, torch::Tensor> Trainer::BatchTensors(const std::vector<uint64_t>& samples) const {
+std::pair<torch::Tensor, torch::Tensor> Trainer::BatchTensors(
+    const std::vector<uint64_t>& samples) const {
   auto t = torch::empty({static_cast<int64_t>(samples.size()), T_ + 1}, torch::kLong);
   auto acc = t.accessor<int64_t, 2>();
   for (size_t i = 0; i < samples.size(); ++i) {
     auto tokens = dataset_->Sample(samples[i]);
-    for (int64_t j = 0; j <= T_; ++j) acc[static_cast<int64_t>(i)][j] = tokens[static_cast<size_t>(j)];
+    for (int64_t j = 0; j <= T_; ++j)
+      acc[static_cast<int64_t>(i)][j] = tokens[static_cast<size_t>(j)];
   }
   using torch::indexing::Slice;
-  return std::make_pair(t.index({Slice(), Slice(0, T_)}), t.index({Slice(), Slice(1, T_ + 1)}).contiguous());
+  return std::make_pair(t.index({Slice(), Slice(0, T_)}),
+                        t.index({Slice(), Slice(1, T_ + 1)}).contiguous());
 }
 
 Status Trainer::RegisterScalars(state::StateRegistry& reg) {
   const std::vector<std::pair<const char*, int64_t*>> scalars = {
-      {"step", &completed_}, {"elastic.base_world", &base_world_}, {"elastic.samples_consumed", &samples_consumed_},
-      {"elastic.lr_world", &lr_world_}, {"elastic.lr_change_step", &lr_change_step_},
+      {"step", &completed_},
+      {"elastic.base_world", &base_world_},
+      {"elastic.samples_consumed", &samples_consumed_},
+      {"elastic.lr_world", &lr_world_},
+      {"elastic.lr_change_step", &lr_change_step_},
       {"elastic.lr_from_millionths", &lr_from_millionths_}};
   for (auto [name, value] : scalars) NONSTOP_RETURN_IF_ERROR(reg.RegisterValue(name, value));
   return OkStatus();
@@ -831,7 +898,8 @@ Status Trainer::RegisterWhole(state::StateRegistry& reg, std::span<float> m, std
   for (const auto& [prefix, buffer] : groups) {
     for (size_t i = 0; i < flat_->segments().size(); ++i) {
       const auto& seg = flat_->segments()[i];
-      NONSTOP_RETURN_IF_ERROR(reg.RegisterFloats(prefix + seg.name, buffer.subspan(seg.offset, seg.size), shapes_[i]));
+      NONSTOP_RETURN_IF_ERROR(
+          reg.RegisterFloats(prefix + seg.name, buffer.subspan(seg.offset, seg.size), shapes_[i]));
     }
   }
   return RegisterScalars(reg);
@@ -847,15 +915,18 @@ Result<std::unique_ptr<state::StateRegistry>> Trainer::WholeRegistry() {
 }
 
 // Rank 0 hands the state of `step` (`reg`: the whole layout) to the writer.
-state::CheckpointSaveResult Trainer::Save(const state::StateRegistry& reg, int64_t step, bool last) {
-  state::CheckpointMeta meta{step, session_->generation(), session_->world_size(), r_.name, flat_->Checksum(), {}};
+state::CheckpointSaveResult Trainer::Save(const state::StateRegistry& reg, int64_t step,
+                                          bool last) {
+  state::CheckpointMeta meta{step,    session_->generation(), session_->world_size(),
+                             r_.name, flat_->Checksum(),      {}};
   state::CheckpointSaveResult saved = writer_->TrySave(reg, meta);
   if (saved.skipped && last) {
     // The final state must reach the disk: the job is ending, waiting is free.
     (void)writer_->Wait();
     saved = writer_->TrySave(reg, meta);
   }
-  if (!saved.earlier.ok()) NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", saved.earlier.ToString());
+  if (!saved.earlier.ok())
+    NONSTOP_LOG_WARNING("an earlier checkpoint failed: {}", saved.earlier.ToString());
   return saved;
 }
 
@@ -883,9 +954,12 @@ void Trainer::CheckpointGathered(int64_t step, bool last) {
   std::copy_n(adamw_->exp_avg().begin(), shard_len_, whole_m_.begin() + at);
   std::copy_n(adamw_->exp_avg_sq().begin(), shard_len_, whole_v_.begin() + at);
   Status s = whole.status();
-  if (s.ok()) s = session_->GatherShards(std::as_writable_bytes(flat_->padded_params()), sizeof(float));
-  if (s.ok()) s = session_->GatherShards(std::as_writable_bytes(std::span(whole_m_)), sizeof(float));
-  if (s.ok()) s = session_->GatherShards(std::as_writable_bytes(std::span(whole_v_)), sizeof(float));
+  if (s.ok())
+    s = session_->GatherShards(std::as_writable_bytes(flat_->padded_params()), sizeof(float));
+  if (s.ok())
+    s = session_->GatherShards(std::as_writable_bytes(std::span(whole_m_)), sizeof(float));
+  if (s.ok())
+    s = session_->GatherShards(std::as_writable_bytes(std::span(whole_v_)), sizeof(float));
   if (s.ok() && session_->rank() == 0) Save(**whole, step, last);
   if (!s.ok()) NONSTOP_LOG_WARNING("checkpoint of step {} not gathered: {}", step, s.ToString());
   std::vector<float>().swap(whole_m_);
@@ -908,9 +982,13 @@ bool Trainer::TimeTheFirstCheckpoint(int64_t step, double step_seconds, bool las
   double cost = st ? st->snapshot_seconds + st->write_seconds : 0;
   double optimum = std::sqrt(2.0 * cost * f_.mtbf_seconds);
   if (st) {
-    every_ = std::max<int64_t>(1, static_cast<int64_t>(std::llround(optimum / std::max(step_seconds, 1e-6))));
-    fmt::print("checkpoint interval: {} steps (Young/Daly: sqrt(2 × cost {:.3f} s × MTBF {:.1f} s) = {:.2f} s; "
-               "a step takes {:.3f} s)\n", every_, cost, f_.mtbf_seconds, optimum, step_seconds);
+    every_ = std::max<int64_t>(
+        1, static_cast<int64_t>(std::llround(optimum / std::max(step_seconds, 1e-6))));
+    fmt::print(
+        "checkpoint interval: {} steps (Young/Daly: sqrt(2 × cost {:.3f} s × MTBF {:.1f} s) = "
+        "{:.2f} s; "
+        "a step takes {:.3f} s)\n",
+        every_, cost, f_.mtbf_seconds, optimum, step_seconds);
   }
   std::fflush(stdout);
   return true;
@@ -933,8 +1011,8 @@ int Trainer::Recover(int64_t* step) {
   MembershipChange c = session.last_change();
   if (session.rank() == 0) {
     fmt::print("{}: generation {}, world {} → {}, resuming at step {}\n",
-               c.reason.rfind("resize", 0) == 0 ? "resized" : "recovered", c.generation, c.old_world, c.new_world,
-               *step);
+               c.reason.rfind("resize", 0) == 0 ? "resized" : "recovered", c.generation,
+               c.old_world, c.new_world, *step);
     std::fflush(stdout);
   }
   return 0;

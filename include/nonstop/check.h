@@ -40,10 +40,10 @@ std::string FormatOperands(const A& a, const B& b) {
   } else                    \
     ::nonstop::internal::CheckFailure(#cond)
 
-#define NONSTOP_CHECK_OP(a, b, op)                                   \
-  if ((a)op(b)) {                                                    \
-  } else                                                             \
-    ::nonstop::internal::CheckFailure(#a " " #op " " #b)             \
+#define NONSTOP_CHECK_OP(a, b, op)                       \
+  if ((a)op(b)) {                                        \
+  } else                                                 \
+    ::nonstop::internal::CheckFailure(#a " " #op " " #b) \
         << ::nonstop::internal::FormatOperands((a), (b))
 
 #define NONSTOP_CHECK_EQ(a, b) NONSTOP_CHECK_OP(a, b, ==)

@@ -68,7 +68,8 @@ struct CheckpointSaveResult {
   int64_t step = -1;            // the step the caller asked to save
   bool skipped = false;         // true: nothing was copied or queued for `step`
   int64_t in_flight_step = -1;  // when skipped: the step whose write is still running
-  Status earlier;               // the last finished write's result (OK when it succeeded or none finished)
+  // the last finished write's result (OK when it succeeded or none finished)
+  Status earlier;
   // "queued step 30" or "skipped step 40: the write of step 30 is still in flight".
   std::string ToString() const;
 };
@@ -131,16 +132,16 @@ struct CheckpointManifest {
   int64_t world_size = 0;
   std::string recipe;
   std::string parameter_checksum;
-  uint64_t state_bytes = 0;         // size of state.safetensors
-  uint32_t state_file_crc32c = 0;   // CRC-32C of all of state.safetensors
+  uint64_t state_bytes = 0;        // size of state.safetensors
+  uint32_t state_file_crc32c = 0;  // CRC-32C of all of state.safetensors
   std::map<std::string, CheckpointTensorSum> tensors;
-  nlohmann::json json;              // the whole manifest (data_position, extra, created_unix_us, …)
+  nlohmann::json json;  // the whole manifest (data_position, extra, created_unix_us, …)
 };
 
 struct LoadedCheckpoint {
   std::string path;
   int64_t step = -1;
-  nlohmann::json manifest;           // manifest.json as parsed (the checked fields are in `parsed`)
+  nlohmann::json manifest;  // manifest.json as parsed (the checked fields are in `parsed`)
   CheckpointManifest parsed;
   std::vector<std::string> skipped;  // "path: why" for every newer checkpoint that was refused
 };

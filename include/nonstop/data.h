@@ -11,7 +11,8 @@
 //   data::PrepareIfMissing({{"corpus.txt"}, "data/shards"});   // first use only
 //   auto dataset = data::Dataset::Open("data/shards", seq_len).value();
 //   auto sampler = data::Sampler::Create({dataset->num_samples(), seed, B, m}).value();
-//   for (uint64_t mb = data::BlockBegin(M, world, rank); mb < data::BlockBegin(M, world, rank + 1); ++mb)
+//   for (uint64_t mb = data::BlockBegin(M, world, rank); mb < data::BlockBegin(M, world, rank + 1);
+//   ++mb)
 //     ... sampler.MicroBatchSamples(step, mb) → dataset->Sample(i) ...
 //
 // Thread-safety: a Dataset is immutable once opened (any thread may read
@@ -55,12 +56,14 @@ struct PrepareReport {
 
 using PrepareProgress = std::function<void(const std::string& line)>;
 
-Result<PrepareReport> PrepareShards(const PrepareOptions& options, const PrepareProgress& progress = nullptr);
+Result<PrepareReport> PrepareShards(const PrepareOptions& options,
+                                    const PrepareProgress& progress = nullptr);
 
 // Prepares `options.output_dir` unless it already holds a complete set
 // (manifest.json). Safe when several processes call it at once: they take an
 // exclusive lock on the directory, and the first one does the work.
-Result<bool> PrepareIfMissing(const PrepareOptions& options, const PrepareProgress& progress = nullptr);
+Result<bool> PrepareIfMissing(const PrepareOptions& options,
+                              const PrepareProgress& progress = nullptr);
 
 // ---------------------------------------------------------------- samples
 

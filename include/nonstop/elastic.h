@@ -41,6 +41,7 @@ double LrFactor(BatchMode mode, LrScaling scaling, int base_world, int world);
 // The multiplier in effect at `step` when the world changed at `change_step`
 // (the first step of the new world) from factor `from` to `to`, warming up
 // linearly over `warmup_steps` steps.
-double WarmedFactor(double from, double to, int64_t step, int64_t change_step, int64_t warmup_steps);
+double WarmedFactor(double from, double to, int64_t step, int64_t change_step,
+                    int64_t warmup_steps);
 
 }  // namespace nonstop::elastic

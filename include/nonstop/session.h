@@ -66,9 +66,10 @@ struct SessionOptions {
   // "host:port", or several separated by commas (a leader and its standbys,
   // tried in turn); required (settings::kControllerAddress, NONSTOP_CONTROLLER).
   std::string controller_address;
-  std::string job_token;                                // required (kJobToken, NONSTOP_JOB_TOKEN)
-  int worker_id = settings::kWorkerId.default_value;    // required, unique in the job (kWorkerId)
-  bool spare = settings::kSpare.default_value;          // join without a rank (kSpare: NONSTOP_SPARE=1)
+  std::string job_token;                              // required (kJobToken, NONSTOP_JOB_TOKEN)
+  int worker_id = settings::kWorkerId.default_value;  // required, unique in the job (kWorkerId)
+  // join without a rank (kSpare: NONSTOP_SPARE=1)
+  bool spare = settings::kSpare.default_value;
   // The address its data port listens on (kDataHost, NONSTOP_DATA_HOST).
   std::string data_host{settings::kDataHost.default_value};
   // The address peers dial (kWorkerAdvertiseAddress). Empty: data_host, or,
@@ -118,7 +119,8 @@ struct StepReport {
   double loss = 0;
   double step_seconds = 0;
   double tokens_per_second = 0;
-  int64_t total_steps = 0;  // the steps the run will do, if known (0: not): `nonstop run`'s progress line and ETA
+  // the steps the run will do, if known (0: not): `nonstop run`'s progress line and ETA
+  int64_t total_steps = 0;
 };
 
 // What the last adopted generation changed, for the training loop to log or

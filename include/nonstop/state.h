@@ -75,7 +75,8 @@ class StateRegistry {
   template <typename T>
   Status RegisterValue(std::string name, T* value) {
     static_assert(std::is_integral_v<T> && sizeof(T) == 8, "scalars are 64-bit integers");
-    NONSTOP_RETURN_IF_ERROR(Register(std::move(name), std::as_writable_bytes(std::span<T>(value, 1))));
+    NONSTOP_RETURN_IF_ERROR(
+        Register(std::move(name), std::as_writable_bytes(std::span<T>(value, 1))));
     regions_.back().dtype = std::is_signed_v<T> ? "I64" : "U64";
     regions_.back().shape = {1};
     return OkStatus();
@@ -116,7 +117,9 @@ class StateRegistry {
   size_t chunk_bytes() const { return chunk_bytes_; }
   uint32_t num_chunks() const { return static_cast<uint32_t>(chunks_.size()); }
 
-  uint32_t chunk_size(uint32_t index) const { return static_cast<uint32_t>(chunks_.at(index).size); }
+  uint32_t chunk_size(uint32_t index) const {
+    return static_cast<uint32_t>(chunks_.at(index).size);
+  }
   bool chunk_sharded(uint32_t index) const { return chunks_.at(index).sharded; }
   // Chunk layout with checksums of the current contents.
   std::vector<ChunkInfo> Chunks() const;
@@ -142,7 +145,8 @@ class StateRegistry {
   std::vector<Piece> Tiling(uint64_t chunk_bytes) const;
   std::vector<uint64_t> RunBytes() const;  // the bytes of each run of regions of one kind
   Status AddRegion(std::string name, std::span<std::byte> bytes);  // without tiling
-  Status AddShardRegion(std::string name, std::span<float> bytes, std::span<float> whole, int group_size);
+  Status AddShardRegion(std::string name, std::span<float> bytes, std::span<float> whole,
+                        int group_size);
   ChunkInfo Chunk(uint32_t index) const;
   void CopyOut(uint64_t offset, std::span<std::byte> out) const;
   void CopyIn(uint64_t offset, std::span<const std::byte> in);

@@ -62,23 +62,30 @@ class [[nodiscard]] Status {
 
 inline Status OkStatus() { return Status(); }
 inline Status CancelledError(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
-inline Status InvalidArgumentError(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
-inline Status DeadlineExceededError(std::string m) { return {StatusCode::kDeadlineExceeded, std::move(m)}; }
+inline Status InvalidArgumentError(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
+inline Status DeadlineExceededError(std::string m) {
+  return {StatusCode::kDeadlineExceeded, std::move(m)};
+}
 inline Status NotFoundError(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
-inline Status FailedPreconditionError(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
+inline Status FailedPreconditionError(std::string m) {
+  return {StatusCode::kFailedPrecondition, std::move(m)};
+}
 inline Status AbortedError(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
 inline Status UnavailableError(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 inline Status DataLossError(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
 inline Status InternalError(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
 
-// Status from errno, with the operation and object named: "connect 127.0.0.1:4000: Connection refused".
+// Status from errno, with the operation and object named: "connect 127.0.0.1:4000: Connection
+// refused".
 Status ErrnoStatus(StatusCode code, std::string_view what, int err);
 
 // Result<T> holds a T or a non-OK Status.
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
   Result(Status status) : status_(std::move(status)) {  // NOLINT: implicit by design
     NONSTOP_CHECK(!status_.ok()) << "Result constructed from an OK status without a value";
   }
@@ -111,9 +118,9 @@ class [[nodiscard]] Result {
 #define NONSTOP_STATUS_CONCAT_INNER(a, b) a##b
 #define NONSTOP_STATUS_CONCAT(a, b) NONSTOP_STATUS_CONCAT_INNER(a, b)
 
-#define NONSTOP_RETURN_IF_ERROR(expr)                 \
-  do {                                                \
-    ::nonstop::Status _nonstop_status = (expr);       \
+#define NONSTOP_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::nonstop::Status _nonstop_status = (expr);        \
     if (!_nonstop_status.ok()) return _nonstop_status; \
   } while (0)
 

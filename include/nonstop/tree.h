@@ -107,7 +107,8 @@ bool IsTreeNode(int m, TreeNode node);
 struct TreeShare {
   std::vector<TreeNode> kept;                // the offered nodes this rank contributes as they are
   std::vector<std::pair<int, int>> compute;  // runs [first, last) it computes now, left to right
-  std::vector<TreeNode> nodes;               // all its nodes: kept ∪ NodesOfRange(each run), left to right
+  // all its nodes: kept ∪ NodesOfRange(each run), left to right
+  std::vector<TreeNode> nodes;
 };
 // offered[q]: the nodes rank q holds for this step (empty: none). Each rank,
 // in rank order, keeps the offered nodes that are tree nodes and cover no
@@ -119,8 +120,8 @@ std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>
 
 // Sums partial sums whose nodes partition [0, m) into the root, along the
 // tree: `values[k]` (n floats) is node `nodes[k]`'s sum. Checked: a partition.
-void CombineInTreeOrder(int m, std::span<const TreeNode> nodes, std::span<const float* const> values, size_t n,
-                        float* out);
+void CombineInTreeOrder(int m, std::span<const TreeNode> nodes,
+                        std::span<const float* const> values, size_t n, float* out);
 
 }  // namespace collective
 
@@ -128,9 +129,9 @@ namespace worker {
 
 // The partial sums a rank folded for `step` before it was cut short.
 struct HeldSums {
-  int64_t step = -1;  // -1: none
-  std::vector<collective::TreeNode> nodes;    // left to right
-  std::vector<std::vector<float>> partials;   // one per node
+  int64_t step = -1;                         // -1: none
+  std::vector<collective::TreeNode> nodes;   // left to right
+  std::vector<std::vector<float>> partials;  // one per node
 };
 
 // Drops what `held` has that the plan does not keep (`kept`, this rank's
@@ -140,10 +141,12 @@ void KeepOnly(HeldSums* held, int64_t step, std::span<const collective::TreeNode
 // What this rank holds of `step` once its runs are folded: the kept sums
 // (moved from `kept`) and every folder's (moved out; complete or cut short),
 // left to right over the micro-batches.
-HeldSums CollectSums(int m, int64_t step, HeldSums kept, std::vector<collective::TreeFolder>* folders);
+HeldSums CollectSums(int m, int64_t step, HeldSums kept,
+                     std::vector<collective::TreeFolder>* folders);
 
 // Every rank's node list of a plan, as Session::AllReduceTree takes it.
-std::vector<std::vector<std::pair<int, int>>> NodeLists(std::span<const collective::TreeShare> shares);
+std::vector<std::vector<std::pair<int, int>>> NodeLists(
+    std::span<const collective::TreeShare> shares);
 
 // Plans each step of a world-invariant loop: the plain split, except on the
 // first step of a generation, where the members' offers are exchanged first.
@@ -156,7 +159,8 @@ class TreeStepPlanner {
 
   // The shares of `step` for every rank (index = rank). Fails only when the
   // exchange does (a fault: recover, and plan the step again).
-  Result<std::vector<collective::TreeShare>> Plan(Session& session, int m, int64_t step, const HeldSums& held);
+  Result<std::vector<collective::TreeShare>> Plan(Session& session, int m, int64_t step,
+                                                  const HeldSums& held);
 
   // Of the last plan: micro-batches kept from the step in flight, and the members that kept some.
   int kept_micro_batches() const { return kept_; }

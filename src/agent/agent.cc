@@ -20,7 +20,6 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
-#include "nonstop/settings.h"
 #include "common/signals.h"
 #include "control/messages.h"
 #include "coord/etcd.h"
@@ -28,6 +27,7 @@
 #include "net/address.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::agent {
 
@@ -44,7 +44,9 @@ constexpr Millis kLeaderPoll{200};
 // One etcd request, made on the loop (nothing else waits while no controller leads).
 constexpr Millis kEtcdTimeout{300};
 
-std::string Seconds(Millis d) { return fmt::format("{:g} s", static_cast<double>(d.count()) / 1000.0); }
+std::string Seconds(Millis d) {
+  return fmt::format("{:g} s", static_cast<double>(d.count()) / 1000.0);
+}
 
 // The agent's link: its hello (kind agent, worker id 0), and its timing.
 control::ControllerLinkOptions LinkOptions(const AgentOptions& o) {
@@ -59,7 +61,7 @@ control::ControllerLinkOptions LinkOptions(const AgentOptions& o) {
   l.hello.job_token = o.job_token;
   l.try_timeout = o.controller_timeout;  // the connect, then the hello
   l.silence_timeout = o.controller_timeout;
-  l.reconnect_within = o.join_timeout;   // Lose() moves it past the fencing when processes run
+  l.reconnect_within = o.join_timeout;  // Lose() moves it past the fencing when processes run
   l.backoff = {o.backoff_initial, o.backoff_max, /*jitter=*/0.5};
   l.leader_poll = kLeaderPoll;
   l.max_frame_bytes = kMaxOrderBytes;
@@ -72,14 +74,16 @@ std::string Processes(int n) { return fmt::format("{} process{}", n, n == 1 ? ""
 bool IsAgentVariable(std::string_view name) {
   namespace s = settings;
   return name == s::kControllerAddress.env || name == s::kJobToken.env || name == s::kHostId.env ||
-         name == s::kDataHost.env || name == s::kDataPorts.env || name == s::kEtcd.env || name == s::kEtcdJob.env;
+         name == s::kDataHost.env || name == s::kDataPorts.env || name == s::kEtcd.env ||
+         name == s::kEtcdJob.env;
 }
 
 }  // namespace
 
 Status ValidateOptions(const AgentOptions& o) {
   if (o.etcd.empty() || !o.controller.empty()) {
-    // One address or a list (a leader and its standbys), IPv4 or [IPv6]:port, as the link dials them.
+    // One address or a list (a leader and its standbys), IPv4 or [IPv6]:port, as the link dials
+    // them.
     auto where = control::ParseControllerList(o.controller);
     if (!where.ok()) return where.status();  // "controller address '…': what is wrong"
   }
@@ -93,33 +97,43 @@ Status ValidateOptions(const AgentOptions& o) {
     return InvalidArgumentError(fmt::format("host id '{}': {}", o.host_id, s.message()));
   }
   if (o.program.empty()) return InvalidArgumentError("no program to run (it goes after `--`)");
-  if (o.nproc < 0 || o.nproc > 1024) return InvalidArgumentError(fmt::format("nproc {} is not in [0, 1024]", o.nproc));
+  if (o.nproc < 0 || o.nproc > 1024)
+    return InvalidArgumentError(fmt::format("nproc {} is not in [0, 1024]", o.nproc));
   if (o.spares < 0 || o.spares > 1024) {
     return InvalidArgumentError(fmt::format("spares {} is not in [0, 1024]", o.spares));
   }
-  if (o.advertise_address.size() > 255) return InvalidArgumentError("the advertise address is over 255 characters");
+  if (o.advertise_address.size() > 255)
+    return InvalidArgumentError("the advertise address is over 255 characters");
   if (auto ports = net::ParsePortRange(o.data_ports); !ports.ok()) {
-    return InvalidArgumentError(fmt::format("--data-ports '{}': {}", o.data_ports, ports.status().message()));
+    return InvalidArgumentError(
+        fmt::format("--data-ports '{}': {}", o.data_ports, ports.status().message()));
   }
-  if (o.join_timeout <= Millis(0) || o.controller_timeout <= Millis(0) || o.fence_after <= Millis(0) || o.heartbeat_interval <= Millis(0) ||
-      o.backoff_initial <= Millis(0) || o.backoff_max < o.backoff_initial || o.stop_grace < Millis(0)) {
-    return InvalidArgumentError("timeouts must be positive, and backoff_max at least backoff_initial");
+  if (o.join_timeout <= Millis(0) || o.controller_timeout <= Millis(0) ||
+      o.fence_after <= Millis(0) || o.heartbeat_interval <= Millis(0) ||
+      o.backoff_initial <= Millis(0) || o.backoff_max < o.backoff_initial ||
+      o.stop_grace < Millis(0)) {
+    return InvalidArgumentError(
+        "timeouts must be positive, and backoff_max at least backoff_initial");
   }
-  if (o.max_queued_bytes < 64 * 1024) return InvalidArgumentError("max_queued_bytes must be at least 64 KiB");
+  if (o.max_queued_bytes < 64 * 1024)
+    return InvalidArgumentError("max_queued_bytes must be at least 64 KiB");
   return OkStatus();
 }
 
 Result<std::string> ReadJobTokenFile(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
-    return ErrnoStatus(StatusCode::kInvalidArgument, fmt::format("job token file '{}'", path), errno);
+    return ErrnoStatus(StatusCode::kInvalidArgument, fmt::format("job token file '{}'", path),
+                       errno);
   }
-  if (!S_ISREG(st.st_mode)) return InvalidArgumentError(fmt::format("job token file '{}' is not a file", path));
+  if (!S_ISREG(st.st_mode))
+    return InvalidArgumentError(fmt::format("job token file '{}' is not a file", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) return InvalidArgumentError(fmt::format("job token file '{}' cannot be read", path));
   std::stringstream ss;
   ss << in.rdbuf();
-  if (in.bad()) return InvalidArgumentError(fmt::format("job token file '{}' cannot be read", path));
+  if (in.bad())
+    return InvalidArgumentError(fmt::format("job token file '{}' cannot be read", path));
   std::string token = ss.str();
   auto space = [](unsigned char c) { return std::isspace(c) != 0; };
   while (!token.empty() && space(static_cast<unsigned char>(token.back()))) token.pop_back();
@@ -128,11 +142,13 @@ Result<std::string> ReadJobTokenFile(const std::string& path) {
   token.erase(0, start);
   if (token.empty()) return InvalidArgumentError(fmt::format("job token file '{}' is empty", path));
   if (token.size() > 1024) {
-    return InvalidArgumentError(fmt::format("job token file '{}' holds {} bytes: not a job token", path, token.size()));
+    return InvalidArgumentError(
+        fmt::format("job token file '{}' holds {} bytes: not a job token", path, token.size()));
   }
   if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
-    NONSTOP_LOG_WARNING("job token file '{}' may be read by group or others (mode {:o}); HINT: chmod 600 {}", path,
-                        st.st_mode & 0777, path);
+    NONSTOP_LOG_WARNING(
+        "job token file '{}' may be read by group or others (mode {:o}); HINT: chmod 600 {}", path,
+        st.st_mode & 0777, path);
   }
   return token;
 }
@@ -162,17 +178,22 @@ void Agent::Stop() {
 
 const char* Agent::PhaseName(Phase p) {
   switch (p) {
-    case Phase::kDialing: return "dialing";
-    case Phase::kRegistered: return "registered";
-    case Phase::kFenced: return "fenced";
-    case Phase::kEnding: return "ending";
+    case Phase::kDialing:
+      return "dialing";
+    case Phase::kRegistered:
+      return "registered";
+    case Phase::kFenced:
+      return "fenced";
+    case Phase::kEnding:
+      return "ending";
   }
   return "?";
 }
 
 void Agent::ChangePhase(Phase next) {
   // /*from=*/ any but kEnding /*to=*/ any; kEnding is final.
-  NONSTOP_CHECK(phase_ != Phase::kEnding || next == Phase::kEnding) << "agent: left kEnding for " << PhaseName(next);
+  NONSTOP_CHECK(phase_ != Phase::kEnding || next == Phase::kEnding)
+      << "agent: left kEnding for " << PhaseName(next);
   if (next != phase_) NONSTOP_LOG_DEBUG("{} -> {}", PhaseName(phase_), PhaseName(next));
   phase_ = next;
 }
@@ -181,7 +202,8 @@ int Agent::Run() {
   NONSTOP_CHECK(!ran_) << "Agent::Run() is called once";
   ran_ = true;
   if (options_.handle_signals) {
-    sigset_t mask = BlockTerminationSignals({SIGUSR1});  // sbatch --signal=USR1@N: the grace time is about to start
+    // sbatch --signal=USR1@N: the grace time is about to start
+    sigset_t mask = BlockTerminationSignals({SIGUSR1});
     signal_fd_.Reset(::signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK));
     if (signal_fd_.valid()) {
       loop_.Watch(signal_fd_.get(), POLLIN, [this](short) {
@@ -201,9 +223,12 @@ int Agent::Run() {
   if (options_.err == nullptr) own_err_ = std::make_unique<launcher::OutputWriter>(STDERR_FILENO);
   launcher_ = std::make_unique<launcher::LocalLauncher>(
       &loop_, [this](int worker_id) { return OutputPrefix(worker_id); },
-      [this](int worker_id, pid_t pid, int code, int sig) { OnChildExit(worker_id, pid, code, sig); },
+      [this](int worker_id, pid_t pid, int code, int sig) {
+        OnChildExit(worker_id, pid, code, sig);
+      },
       [this](int worker_id, pid_t pid, int sig) { OnChildStop(worker_id, pid, sig); },
-      options_.out != nullptr ? options_.out : own_out_.get(), options_.err != nullptr ? options_.err : own_err_.get());
+      options_.out != nullptr ? options_.out : own_out_.get(),
+      options_.err != nullptr ? options_.err : own_err_.get());
 
   Deadline now = Clock::now();
   reconnect_deadline_ = now + options_.join_timeout;
@@ -216,10 +241,17 @@ int Agent::Run() {
     now = Clock::now();
     Deadline wake = std::min({next_poll_stopped_, now + kTick, link_->wake_at()});
     switch (phase_) {
-      case Phase::kDialing: break;
-      case Phase::kRegistered: wake = std::min(wake, next_heartbeat_); break;
-      case Phase::kFenced: wake = std::min(wake, reconnect_deadline_); break;
-      case Phase::kEnding: wake = std::min(wake, killed_ ? give_up_at_ : kill_at_); break;
+      case Phase::kDialing:
+        break;
+      case Phase::kRegistered:
+        wake = std::min(wake, next_heartbeat_);
+        break;
+      case Phase::kFenced:
+        wake = std::min(wake, reconnect_deadline_);
+        break;
+      case Phase::kEnding:
+        wake = std::min(wake, killed_ ? give_up_at_ : kill_at_);
+        break;
     }
     loop_.RunOnce(std::chrono::ceil<Millis>(std::max(wake - now, Clock::duration::zero())));
     if (stop_requested_.exchange(false)) {
@@ -242,12 +274,14 @@ int Agent::Run() {
       killed_ = true;
       give_up_at_ = now + kReapGrace;
     } else if (killed_ && now >= give_up_at_) {
-      NONSTOP_LOG_WARNING("{} not reaped {} after SIGKILL", Processes(launcher_->running()), Seconds(kReapGrace));
+      NONSTOP_LOG_WARNING("{} not reaped {} after SIGKILL", Processes(launcher_->running()),
+                          Seconds(kReapGrace));
       break;
     }
   }
   link_->Stop();
-  launcher_.reset();  // nothing runs now (or SIGKILLed processes that would not die: waited for here)
+  // nothing runs now (or SIGKILLed processes that would not die: waited for here)
+  launcher_.reset();
   if (signal_fd_.valid()) loop_.Unwatch(signal_fd_.get());
   loop_.Unwatch(wake_fd_.get());
   return exit_code_;
@@ -268,16 +302,18 @@ void Agent::OnTerminationSignal(int sig) {
       return;
     }
     if (phase_ == Phase::kRegistered) {
-      NONSTOP_LOG_WARNING("{}: this host leaves the job; asked the controller to release its {} at the next step "
-                          "boundary (a second SIGTERM, or SIGINT, kills them now)",
-                          name, Processes(running));
+      NONSTOP_LOG_WARNING(
+          "{}: this host leaves the job; asked the controller to release its {} at the next step "
+          "boundary (a second SIGTERM, or SIGINT, kills them now)",
+          name, Processes(running));
       SendLeaving();
     } else {
       // Cut off: the controller it reaches next (this one again, or one that
       // took over) is asked when it registers.
-      NONSTOP_LOG_WARNING("{}: this host leaves the job; its {} wait for a controller to release them (a second "
-                          "SIGTERM, or SIGINT, kills them now)",
-                          name, Processes(running));
+      NONSTOP_LOG_WARNING(
+          "{}: this host leaves the job; its {} wait for a controller to release them (a second "
+          "SIGTERM, or SIGINT, kills them now)",
+          name, Processes(running));
     }
     return;
   }
@@ -293,13 +329,17 @@ void Agent::OnTerminationSignal(int sig) {
     return;
   }
   End(kExitInterrupted,
-      fmt::format("interrupted by {}{}: killing its processes", name,
-                  leaving_.empty() ? "" : fmt::format(" (after {}, while its workers waited for their release)",
-                                                      leaving_)),
+      fmt::format(
+          "interrupted by {}{}: killing its processes", name,
+          leaving_.empty()
+              ? ""
+              : fmt::format(" (after {}, while its workers waited for their release)", leaving_)),
       /*kill_now=*/true);
 }
 
-void Agent::SendLeaving() { Send(control::kMsgAgentLeaving, control::Encode(control::AgentLeavingMsg{leaving_})); }
+void Agent::SendLeaving() {
+  Send(control::kMsgAgentLeaving, control::Encode(control::AgentLeavingMsg{leaving_}));
+}
 
 void Agent::Tick() {
   Deadline now = Clock::now();
@@ -307,13 +347,15 @@ void Agent::Tick() {
     launcher_->PollStopped();  // frozen processes, seen within one tick
     next_poll_stopped_ = now + kTick;
   }
-  link_->Advance(0, now);  // its timers: a dial that is due, a try's deadline, the controller's silence
+  // its timers: a dial that is due, a try's deadline, the controller's silence
+  link_->Advance(0, now);
   PumpLink();
   if (fence_at_ && now >= *fence_at_ && phase_ == Phase::kDialing) Fence();
   switch (phase_) {
     case Phase::kRegistered:
       if (now >= next_heartbeat_) {
-        Send(control::kMsgAgentHeartbeat, control::Encode(control::AgentHeartbeatMsg{launcher_->running()}));
+        Send(control::kMsgAgentHeartbeat,
+             control::Encode(control::AgentHeartbeatMsg{launcher_->running()}));
         next_heartbeat_ = now + options_.heartbeat_interval;
       }
       break;
@@ -324,7 +366,8 @@ void Agent::Tick() {
         link_->Start(reconnect_deadline_, now);
       } else if (now >= reconnect_deadline_) {
         End(kExitControllerLost,
-            Describe(fmt::format("{} ({} not reaped yet)", link_->last_error(), Processes(launcher_->running()))),
+            Describe(fmt::format("{} ({} not reaped yet)", link_->last_error(),
+                                 Processes(launcher_->running()))),
             true);
       }
       break;
@@ -337,10 +380,18 @@ void Agent::Tick() {
 void Agent::PumpLink() {
   while (auto e = link_->Next()) {
     switch (e->kind) {
-      case control::LinkEvent::Kind::kAccepted: OnAccepted(); break;
-      case control::LinkEvent::Kind::kFrame: HandleFrame(e->frame); break;
-      case control::LinkEvent::Kind::kLost: Lose(e->status.message()); break;
-      case control::LinkEvent::Kind::kFailed: OnLinkFailed(e->status); break;
+      case control::LinkEvent::Kind::kAccepted:
+        OnAccepted();
+        break;
+      case control::LinkEvent::Kind::kFrame:
+        HandleFrame(e->frame);
+        break;
+      case control::LinkEvent::Kind::kLost:
+        Lose(e->status.message());
+        break;
+      case control::LinkEvent::Kind::kFailed:
+        OnLinkFailed(e->status);
+        break;
     }
   }
 }
@@ -349,7 +400,9 @@ void Agent::PumpLink() {
 void Agent::OnLinkFailed(const Status& why) {
   switch (why.code()) {
     case StatusCode::kFailedPrecondition:  // the hello was refused (a wrong job token): no retry
-      End(kExitRefused, fmt::format("the controller at {} refused this agent: {}", link_->controller(), why.message()),
+      End(kExitRefused,
+          fmt::format("the controller at {} refused this agent: {}", link_->controller(),
+                      why.message()),
           /*kill_now=*/true);
       return;
     case StatusCode::kAborted:  // the job ended while this agent looked for its controller
@@ -383,7 +436,9 @@ void Agent::HandleFrame(const net::Frame& f) {
       if (!m.ok()) return Malformed(m.status().message());
       // A process exit status holds 0-255; any other code still means a failure.
       int code = m->exit_code >= 0 && m->exit_code <= 255 ? m->exit_code : 1;
-      End(code, fmt::format("the controller ended this agent (exit code {}): {}", m->exit_code, m->reason),
+      End(code,
+          fmt::format("the controller ended this agent (exit code {}): {}", m->exit_code,
+                      m->reason),
           /*kill_now=*/false);
       return;
     }
@@ -410,7 +465,8 @@ void Agent::HandleFrame(const net::Frame& f) {
 std::string Agent::OutputPrefix(int worker_id) const {
   auto it = ranks_.find(worker_id);
   if (options_.elastic) {  // as `nonstop run` on one machine: the host is this one
-    return it != ranks_.end() ? fmt::format("[rank {}] ", it->second) : fmt::format("[worker {}] ", worker_id);
+    return it != ranks_.end() ? fmt::format("[rank {}] ", it->second)
+                              : fmt::format("[worker {}] ", worker_id);
   }
   return it != ranks_.end() ? fmt::format("[{} rank {}] ", options_.host_id, it->second)
                             : fmt::format("[{} w{}] ", options_.host_id, worker_id);
@@ -421,9 +477,12 @@ void Agent::OnAccepted() {
     link_->Stop();
     return;
   }
-  data_host_ = options_.advertise_address.empty() ? link_->local_address() : options_.advertise_address;
+  data_host_ =
+      options_.advertise_address.empty() ? link_->local_address() : options_.advertise_address;
   if (data_host_.empty()) {
-    link_->Drop(InternalError("getsockname: cannot tell the local address of the control connection"), Clock::now());
+    link_->Drop(
+        InternalError("getsockname: cannot tell the local address of the control connection"),
+        Clock::now());
     return;
   }
   ChangePhase(Phase::kRegistered);
@@ -437,16 +496,20 @@ void Agent::OnAccepted() {
   for (const auto& [id, pid] : live_) reg.workers.push_back({id, pid});
   reg.running = static_cast<int>(reg.workers.size());
   fence_at_.reset();
-  ::nonstop::Log(ChatterLevel(), "registered with the controller at {} as host {} ({} workers, {} spares, address {}{})",
-                   link_->controller(), options_.host_id, options_.nproc, options_.spares, data_host_,
-                   reg.running > 0 ? fmt::format("; {} kept running", Processes(reg.running)) : "");
+  ::nonstop::Log(
+      ChatterLevel(),
+      "registered with the controller at {} as host {} ({} workers, {} spares, address {}{})",
+      link_->controller(), options_.host_id, options_.nproc, options_.spares, data_host_,
+      reg.running > 0 ? fmt::format("; {} kept running", Processes(reg.running)) : "");
   // The register goes first, before anything else this agent sends on the connection.
-  if (!link_->Open({{control::kMsgAgentRegister, control::Encode(reg)}}).ok()) return;  // lost: the link says so
+  // lost: the link says so
+  if (!link_->Open({{control::kMsgAgentRegister, control::Encode(reg)}}).ok()) return;
   next_heartbeat_ = Clock::now() + options_.heartbeat_interval;
   if (!leaving_.empty()) {
-    SendLeaving();  // a controller that took over learns it too
+    SendLeaving();                    // a controller that took over learns it too
     if (launcher_->running() == 0) {  // they ended while it was cut off
-      End(kExitOk, fmt::format("left the job ({}): its workers are gone", leaving_), /*kill_now=*/false);
+      End(kExitOk, fmt::format("left the job ({}): its workers are gone", leaving_),
+          /*kill_now=*/false);
     }
   }
 }
@@ -457,7 +520,8 @@ void Agent::OnStart(std::string_view payload) {
   control::AgentStartedMsg reply;
   reply.worker_id = m->worker_id;
   if (auto it = live_.find(m->worker_id); it != live_.end()) {
-    reply.error = fmt::format("worker {} already runs on host {} (pid {})", m->worker_id, options_.host_id, it->second);
+    reply.error = fmt::format("worker {} already runs on host {} (pid {})", m->worker_id,
+                              options_.host_id, it->second);
     NONSTOP_LOG_WARNING("start order refused: {}", reply.error);
     Send(control::kMsgAgentStarted, control::Encode(reply));
     return;
@@ -478,8 +542,8 @@ void Agent::OnStart(std::string_view payload) {
   namespace s = settings;
   const std::string worker_id(s::kWorkerId.env);
   if (auto it = env.find(worker_id); it != env.end() && it->second != id_text) {
-    NONSTOP_LOG_WARNING("start order for worker {} says {}={}: using {}", m->worker_id, worker_id, it->second,
-                        id_text);
+    NONSTOP_LOG_WARNING("start order for worker {} says {}={}: using {}", m->worker_id, worker_id,
+                        it->second, id_text);
   }
   env[worker_id] = id_text;
   env[std::string(s::kSpare.env)] = m->spare ? "1" : "0";
@@ -500,7 +564,8 @@ void Agent::OnStart(std::string_view payload) {
   // The job's identity comes from the order alone: what the agent itself
   // inherited (a NONSTOP_RESUME, a checkpoint directory) never reaches a worker.
   spec.unset = launcher::kJobVariables;
-  if (!options_.log_dir.empty()) spec.log_file = fmt::format("{}/worker-{}.log", options_.log_dir, m->worker_id);
+  if (!options_.log_dir.empty())
+    spec.log_file = fmt::format("{}/worker-{}.log", options_.log_dir, m->worker_id);
   // Slurm signals every process of the step: the host's leave is the agent's to carry out.
   if (options_.handle_signals && LeavesOnSigterm()) spec.ignore_signals = {SIGTERM, SIGUSR1};
   auto pid = launcher_->Spawn(spec);
@@ -510,7 +575,8 @@ void Agent::OnStart(std::string_view payload) {
   } else {
     reply.pid = *pid;
     live_[m->worker_id] = *pid;
-    ::nonstop::Log(ChatterLevel(), "started worker {}{} as pid {}", m->worker_id, m->spare ? " (spare)" : "", *pid);
+    ::nonstop::Log(ChatterLevel(), "started worker {}{} as pid {}", m->worker_id,
+                   m->spare ? " (spare)" : "", *pid);
   }
   Send(control::kMsgAgentStarted, control::Encode(reply));
 }
@@ -519,7 +585,8 @@ void Agent::OnSignal(std::string_view payload) {
   auto m = control::DecodeAgentSignal(payload);
   if (!m.ok()) return Malformed(m.status().message());
   if (!live_.count(m->worker_id)) {
-    NONSTOP_LOG_DEBUG("signal {} for worker {}, which does not run here: ignored", m->signal, m->worker_id);
+    NONSTOP_LOG_DEBUG("signal {} for worker {}, which does not run here: ignored", m->signal,
+                      m->worker_id);
     return;
   }
   NONSTOP_LOG_DEBUG("signal {} to worker {}", m->signal, m->worker_id);
@@ -557,17 +624,21 @@ void Agent::Lose(const std::string& why, bool log) {
   Deadline now = Clock::now();
   std::string line =
       running == 0
-          ? fmt::format("cut off from the controller at {}: {}; dialing again", link_->controller(), why)
-          : fmt::format("cut off from the controller at {}: {}; its {} keep running, dialing again (fencing them in "
-                        "{} if no controller answers)",
-                        link_->controller(), why, Processes(running), Seconds(options_.fence_after));
+          ? fmt::format("cut off from the controller at {}: {}; dialing again", link_->controller(),
+                        why)
+          : fmt::format(
+                "cut off from the controller at {}: {}; its {} keep running, dialing again "
+                "(fencing them in "
+                "{} if no controller answers)",
+                link_->controller(), why, Processes(running), Seconds(options_.fence_after));
   if (log) {
     NONSTOP_LOG_WARNING("{}", line);
   } else {
     NONSTOP_LOG_DEBUG("{}", line);
   }
   fence_at_ = now + options_.fence_after;
-  reconnect_deadline_ = running == 0 ? now + options_.join_timeout : *fence_at_ + options_.join_timeout;
+  reconnect_deadline_ =
+      running == 0 ? now + options_.join_timeout : *fence_at_ + options_.join_timeout;
   link_->set_give_up_at(reconnect_deadline_);
   ChangePhase(Phase::kDialing);
 }
@@ -575,8 +646,8 @@ void Agent::Lose(const std::string& why, bool log) {
 void Agent::Fence() {
   fence_at_.reset();
   int running = launcher_->running();
-  NONSTOP_LOG_WARNING("no controller for {} ({}): killing its {} (fencing); dialing on", Seconds(options_.fence_after),
-                      link_->last_error(), Processes(running));
+  NONSTOP_LOG_WARNING("no controller for {} ({}): killing its {} (fencing); dialing on",
+                      Seconds(options_.fence_after), link_->last_error(), Processes(running));
   link_->Stop();
   launcher_->SignalAll(SIGKILL);
   reconnect_deadline_ = Clock::now() + options_.join_timeout;
@@ -612,23 +683,28 @@ void Agent::OnChildExit(int worker_id, pid_t pid, int exit_code, int signal) {
   live_.erase(worker_id);
   if (phase_ == Phase::kRegistered) {
     if (signal != 0) {
-      ::nonstop::Log(ChatterLevel(), "worker {} (pid {}) was killed by signal {}", worker_id, pid, signal);
+      ::nonstop::Log(ChatterLevel(), "worker {} (pid {}) was killed by signal {}", worker_id, pid,
+                     signal);
     } else {
-      ::nonstop::Log(ChatterLevel(), "worker {} (pid {}) exited with code {}", worker_id, pid, exit_code);
+      ::nonstop::Log(ChatterLevel(), "worker {} (pid {}) exited with code {}", worker_id, pid,
+                     exit_code);
     }
   }
   if (phase_ == Phase::kRegistered || phase_ == Phase::kEnding) {
-    Send(control::kMsgAgentExited, control::Encode(control::AgentExitedMsg{worker_id, pid, exit_code, signal}));
+    Send(control::kMsgAgentExited,
+         control::Encode(control::AgentExitedMsg{worker_id, pid, exit_code, signal}));
   }
   if (!leaving_.empty() && live_.empty() && phase_ == Phase::kRegistered) {
-    End(kExitOk, fmt::format("left the job ({}): its workers were released", leaving_), /*kill_now=*/false);
+    End(kExitOk, fmt::format("left the job ({}): its workers were released", leaving_),
+        /*kill_now=*/false);
   }
 }
 
 void Agent::OnChildStop(int worker_id, pid_t pid, int signal) {
   NONSTOP_LOG_INFO("worker {} (pid {}) was stopped by signal {}", worker_id, pid, signal);
   if (phase_ == Phase::kRegistered || phase_ == Phase::kEnding) {
-    Send(control::kMsgAgentStopped, control::Encode(control::AgentStoppedMsg{worker_id, pid, signal}));
+    Send(control::kMsgAgentStopped,
+         control::Encode(control::AgentStoppedMsg{worker_id, pid, signal}));
   }
 }
 

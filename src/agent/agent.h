@@ -72,7 +72,6 @@
 #include <vector>
 
 #include "common/logging.h"
-#include "nonstop/settings.h"
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
@@ -81,13 +80,15 @@
 #include "launcher/output_writer.h"
 #include "net/event_loop.h"
 #include "net/frame.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::agent {
 
 inline constexpr int kExitOk = 0;
-inline constexpr int kExitControllerLost = 1;  // the controller could not be reached within the join timeout
-inline constexpr int kExitRefused = 2;         // the controller refused the hello (wrong job token)
-inline constexpr int kExitInterrupted = 130;   // SIGINT, SIGTERM or Stop()
+// the controller could not be reached within the join timeout
+inline constexpr int kExitControllerLost = 1;
+inline constexpr int kExitRefused = 2;        // the controller refused the hello (wrong job token)
+inline constexpr int kExitInterrupted = 130;  // SIGINT, SIGTERM or Stop()
 
 struct AgentOptions {
   // "host:port" to dial; required unless etcd is set. Passed to workers as NONSTOP_CONTROLLER.
@@ -97,13 +98,14 @@ struct AgentOptions {
   // workers get NONSTOP_ETCD and NONSTOP_ETCD_JOB to do the same.
   std::string etcd;
   std::string etcd_job{settings::kEtcdJob.default_value};
-  std::string job_token;   // required; passed to workers as NONSTOP_JOB_TOKEN
-  std::string host_id;     // required, valid per control::CheckHostId; passed as NONSTOP_HOST_ID
+  std::string job_token;  // required; passed to workers as NONSTOP_JOB_TOKEN
+  std::string host_id;    // required, valid per control::CheckHostId; passed as NONSTOP_HOST_ID
   // Workers this host contributes to the world, and spares it keeps warm (told to the controller).
   int nproc = settings::kNprocPerHost.default_value;
   int spares = settings::kSparesPerHost.default_value;
   // The address this host's workers listen on for their peers (NONSTOP_DATA_HOST).
-  // Empty: the local address of the control connection, i.e. the interface that reaches the controller.
+  // Empty: the local address of the control connection, i.e. the interface that reaches the
+  // controller.
   std::string advertise_address;
   // Its workers' data ports: "LO-HI" (settings::kDataPorts; empty: a port from the OS each).
   std::string data_ports;
@@ -123,8 +125,8 @@ struct AgentOptions {
   // Cut off this long without registering again, the agent kills its processes (fencing).
   Millis fence_after{settings::kFenceAfterMs.default_value};
   Millis heartbeat_interval{200};
-  // Back-off between dials (control::BackoffPolicy): starts at backoff_initial, doubles up to backoff_max, plus up
-  // to half of it at random.
+  // Back-off between dials (control::BackoffPolicy): starts at backoff_initial, doubles up to
+  // backoff_max, plus up to half of it at random.
   Millis backoff_initial{100};
   Millis backoff_max{2'000};
   // After a Shutdown, how long the processes get to exit on their own before SIGKILL.
@@ -210,11 +212,13 @@ class Agent {
   LogLevel ChatterLevel() const { return options_.elastic ? LogLevel::kDebug : LogLevel::kInfo; }
   // A malformed order: the link leaves the connection (and dials again after a pause).
   void Malformed(const std::string& why);
-  // The controller is lost (the link dials again): fencing in fence_after if none takes this host back.
+  // The controller is lost (the link dials again): fencing in fence_after if none takes this host
+  // back.
   void Lose(const std::string& why, bool log = true);
   // Cut off for fence_after: kill every process (none will be adopted).
   void Fence();
-  // Queues one frame to the controller; false if there is no connection or it overflowed (then lost).
+  // Queues one frame to the controller; false if there is no connection or it overflowed (then
+  // lost).
   bool Send(uint16_t type, const std::string& payload);
   // Ends Run(): with `kill_now`, SIGKILL at once; otherwise after stop_grace.
   void End(int code, const std::string& message, bool kill_now);
@@ -234,8 +238,8 @@ class Agent {
   std::unique_ptr<control::ControllerLink> link_;  // after loop_: unwatches its descriptors first
   std::unique_ptr<launcher::OutputWriter> own_out_, own_err_;
   std::unique_ptr<launcher::LocalLauncher> launcher_;  // created in Run(), after the writers
-  UniqueFd wake_fd_;    // eventfd: Stop() writes it
-  UniqueFd signal_fd_;  // SIGINT/SIGTERM, with handle_signals
+  UniqueFd wake_fd_;                                   // eventfd: Stop() writes it
+  UniqueFd signal_fd_;                                 // SIGINT/SIGTERM, with handle_signals
   std::atomic<bool> stop_requested_{false};
   bool ran_ = false;
 
@@ -243,17 +247,18 @@ class Agent {
   std::string data_host_;  // the advertise address in use on this connection
   Deadline next_heartbeat_{};
   Deadline next_poll_stopped_{};
-  Deadline reconnect_deadline_{};  // exit 1 if not registered by then (the link's give-up time)
+  Deadline reconnect_deadline_{};     // exit 1 if not registered by then (the link's give-up time)
   std::optional<Deadline> fence_at_;  // cut off with processes running: they are killed then
-  std::string last_malformed_;     // logged once: a repeat is a debug line
-  std::map<int, pid_t> live_;      // worker id → pid of the processes that run now
-  std::map<int, int> ranks_;       // worker id → its rank in the newest generation (kMsgAgentRanks)
+  std::string last_malformed_;        // logged once: a repeat is a debug line
+  std::map<int, pid_t> live_;         // worker id → pid of the processes that run now
+  std::map<int, int> ranks_;  // worker id → its rank in the newest generation (kMsgAgentRanks)
   uint32_t ranks_generation_ = 0;
 
   int exit_code_ = 0;
   std::string exit_message_;
   Deadline kill_at_ = kNoDeadline;  // kEnding: SIGKILL whatever still runs
-  bool graceful_ = false;           // kEnding: the processes were given stop_grace to exit on their own
+  // kEnding: the processes were given stop_grace to exit on their own
+  bool graceful_ = false;
   Deadline give_up_at_ = kNoDeadline;  // kEnding: stop waiting for reaping
   bool killed_ = false;
   // Asked to leave (leave_on_sigterm): what asked, e.g. "SIGTERM"; empty: not leaving.

@@ -84,7 +84,8 @@ class FakeController {
     Deadline deadline = DeadlineAfter(timeout);
     NONSTOP_RETURN_IF_ERROR(net::WaitFd(listener_.fd.get(), POLLIN, deadline, nullptr, "accept"));
     NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Accept(listener_.fd.get()));
-    auto hello = net::ServerHandshake(fd.get(), token_, net::ConnectionKind::kAgent, deadline, nullptr);
+    auto hello =
+        net::ServerHandshake(fd.get(), token_, net::ConnectionKind::kAgent, deadline, nullptr);
     std::lock_guard<std::mutex> lock(mu_);
     conn_ = std::move(fd);
     return hello;
@@ -110,7 +111,8 @@ class FakeController {
         last_running = hb->running;
         continue;
       }
-      return InternalError(fmt::format("expected a frame of type {}, got type {}: {}", type, f.type, f.payload));
+      return InternalError(
+          fmt::format("expected a frame of type {}, got type {}: {}", type, f.type, f.payload));
     }
   }
 
@@ -155,10 +157,10 @@ class FakeController {
   const std::string token_;
   net::Listener listener_;
   std::mutex mu_;
-  UniqueFd conn_;       // guarded by mu_ for the pinger
+  UniqueFd conn_;  // guarded by mu_ for the pinger
   bool pinging_ = true;
   std::string ping_ = "{}";  // guarded by mu_
-  std::jthread pinger_;  // last: stopped and joined first
+  std::jthread pinger_;      // last: stopped and joined first
 };
 
 // An Agent on a thread of the test, with the children's output in files.
@@ -209,13 +211,16 @@ class AgentTest : public ::testing::Test {
     o.host_id = "hostA";
     o.nproc = 2;
     o.spares = 1;
-    o.program = {"/bin/sh", "-c",
-                 fmt::format("echo \"$NONSTOP_WORKER_ID $NONSTOP_HOST_ID $NONSTOP_DATA_HOST\" > {0}/env-$NONSTOP_WORKER_ID.tmp; "
-                             "echo \"$NONSTOP_CONTROLLER $NONSTOP_JOB_TOKEN $NONSTOP_SPARE $NONSTOP_FOO\" >> "
-                             "{0}/env-$NONSTOP_WORKER_ID.tmp; "
-                             "mv {0}/env-$NONSTOP_WORKER_ID.tmp {0}/env-$NONSTOP_WORKER_ID; "
-                             "echo hello from $NONSTOP_WORKER_ID; exec sleep 30",
-                             dir_.path())};
+    o.program = {
+        "/bin/sh", "-c",
+        fmt::format(
+            "echo \"$NONSTOP_WORKER_ID $NONSTOP_HOST_ID $NONSTOP_DATA_HOST\" > "
+            "{0}/env-$NONSTOP_WORKER_ID.tmp; "
+            "echo \"$NONSTOP_CONTROLLER $NONSTOP_JOB_TOKEN $NONSTOP_SPARE $NONSTOP_FOO\" >> "
+            "{0}/env-$NONSTOP_WORKER_ID.tmp; "
+            "mv {0}/env-$NONSTOP_WORKER_ID.tmp {0}/env-$NONSTOP_WORKER_ID; "
+            "echo hello from $NONSTOP_WORKER_ID; exec sleep 30",
+            dir_.path())};
     o.join_timeout = 10'000ms;
     o.controller_timeout = 2'000ms;
     return o;
@@ -300,18 +305,24 @@ TEST_F(AgentTest, StartOrderRunsTheProgramWithTheOrdersAndTheAgentsVariables) {
                            {"NONSTOP_HOST_ID", "evil"},
                            {"NONSTOP_DATA_HOST", "6.6.6.6"}});
   ASSERT_GT(pid, 0);
-  ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s)) << "the program did not start";
+  ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s))
+      << "the program did not start";
   EXPECT_EQ(ReadText(EnvFile(3)),
             fmt::format("3 hostA 127.0.0.1\n{} {} 0 bar\n", controller.address(), kToken));
   // Its output is forwarded with the host and worker prefix.
-  EXPECT_TRUE(WaitFor([&] { return ReadText(dir_ / "out.txt").find("[hostA w3] hello from 3\n") != std::string::npos; },
-                      5s))
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ReadText(dir_ / "out.txt").find("[hostA w3] hello from 3\n") != std::string::npos;
+      },
+      5s))
       << ReadText(dir_ / "out.txt");
   // The heartbeat counts it.
-  ASSERT_TRUE(WaitFor([&] {
-    (void)controller.Next(control::kMsgAgentExited, 250ms);
-    return controller.last_running == 1;
-  }, 3s));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        (void)controller.Next(control::kMsgAgentExited, 250ms);
+        return controller.last_running == 1;
+      },
+      3s));
 }
 
 // The controller's ranks label the workers' lines; an older generation's do not.
@@ -327,15 +338,21 @@ TEST_F(AgentTest, WorkersLinesCarryTheRanksTheControllerSent) {
     ASSERT_TRUE(reg.ok()) << reg.status().ToString();
     EXPECT_EQ(reg->elastic, elastic);
     controller.Send(control::kMsgAgentRanks, control::Encode(control::AgentRanksMsg{4, {{3, 2}}}));
-    controller.Send(control::kMsgAgentRanks, control::Encode(control::AgentRanksMsg{3, {{3, 0}, {5, 1}}}));
+    controller.Send(control::kMsgAgentRanks,
+                    control::Encode(control::AgentRanksMsg{3, {{3, 0}, {5, 1}}}));
     StartWorker(controller, 3);
     StartWorker(controller, 5);
-    const std::string ranked = elastic ? "[rank 2] hello from 3\n" : "[hostA rank 2] hello from 3\n";
-    const std::string unranked = elastic ? "[worker 5] hello from 5\n" : "[hostA w5] hello from 5\n";
-    EXPECT_TRUE(WaitFor([&] {
-      std::string out = ReadText(dir / "out.txt");
-      return out.find(ranked) != std::string::npos && out.find(unranked) != std::string::npos;
-    }, 5s)) << ReadText(dir / "out.txt");
+    const std::string ranked =
+        elastic ? "[rank 2] hello from 3\n" : "[hostA rank 2] hello from 3\n";
+    const std::string unranked =
+        elastic ? "[worker 5] hello from 5\n" : "[hostA w5] hello from 5\n";
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          std::string out = ReadText(dir / "out.txt");
+          return out.find(ranked) != std::string::npos && out.find(unranked) != std::string::npos;
+        },
+        5s))
+        << ReadText(dir / "out.txt");
   }
 }
 
@@ -388,13 +405,15 @@ TEST_F(AgentTest, SecondStartOfARunningWorkerIsRefusedWithAnError) {
   ASSERT_TRUE(controller.AcceptAndRegister().ok());
   pid_t pid = StartWorker(controller, 2);
   ASSERT_GT(pid, 0);
-  controller.Send(control::kMsgAgentStart, control::Encode(control::AgentStartMsg{2, false, 0, {}}));
+  controller.Send(control::kMsgAgentStart,
+                  control::Encode(control::AgentStartMsg{2, false, 0, {}}));
   auto f = controller.Next(control::kMsgAgentStarted);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
   auto started = control::DecodeAgentStarted(f->payload);
   ASSERT_TRUE(started.ok());
   EXPECT_EQ(started->pid, 0);
-  EXPECT_NE(started->error.find("worker 2 already runs on host hostA"), std::string::npos) << started->error;
+  EXPECT_NE(started->error.find("worker 2 already runs on host hostA"), std::string::npos)
+      << started->error;
   EXPECT_FALSE(ProcessGone(pid));
 }
 
@@ -422,7 +441,8 @@ TEST_F(AgentTest, StartOrderWithLdPreloadDropsTheConnectionAndStartsNothing) {
   start.worker_id = 8;
   start.env = {{"NONSTOP_FOO", "bar"}, {"LD_PRELOAD", "/tmp/evil.so"}};
   controller.Send(control::kMsgAgentStart, control::Encode(start));
-  EXPECT_TRUE(controller.ClosedByAgent(3s)) << "the agent kept a connection that sent a malformed order";
+  EXPECT_TRUE(controller.ClosedByAgent(3s))
+      << "the agent kept a connection that sent a malformed order";
   // It dials again and registers afresh, having started nothing.
   auto reg = controller.AcceptAndRegister(5s);
   ASSERT_TRUE(reg.ok()) << reg.status().ToString();
@@ -468,7 +488,8 @@ TEST_F(AgentTest, AControllerOfAnOlderEpochIsLeftAndItsOrdersAreNotCarriedOut) {
   AgentRunner agent(Options(controller), dir_);
   controller.SetEpoch(5);
   ASSERT_TRUE(controller.AcceptAndRegister().ok());
-  controller.Send(control::kMsgPing, control::Encode(control::PingMsg{5}));  // first, as a controller does
+  // first, as a controller does
+  controller.Send(control::kMsgPing, control::Encode(control::PingMsg{5}));
   pid_t pid = StartWorker(controller, 1);
   ASSERT_GT(pid, 0);
   controller.CloseConnection();
@@ -515,7 +536,8 @@ TEST_F(AgentTest, AgentCutOffForFenceAfterKillsItsWorkersThenGivesUpAfterTheJoin
   std::this_thread::sleep_for(700ms);
   EXPECT_FALSE(ProcessGone(pid)) << "fenced before fence_after";
   EXPECT_EQ(agent.Wait(0ms), -1) << "gave up while its worker still ran";
-  EXPECT_TRUE(WaitFor([&] { return ProcessGone(pid); }, 3s)) << "the worker of a fenced host still runs";
+  EXPECT_TRUE(WaitFor([&] { return ProcessGone(pid); }, 3s))
+      << "the worker of a fenced host still runs";
   EXPECT_GE(Clock::now() - cut_at, 1'400ms);
   EXPECT_EQ(agent.Wait(5s), kExitControllerLost);
   EXPECT_GE(Clock::now() - cut_at, 2'400ms) << "the join timeout counts from the fencing";
@@ -532,7 +554,8 @@ TEST_F(AgentTest, ControllerThatNeverComesBackEndsTheAgentAfterTheJoinTimeout) {
   auto lost_at = Clock::now();
   EXPECT_EQ(agent.Wait(5s), kExitControllerLost);
   EXPECT_GE(Clock::now() - lost_at, 900ms);  // the join timeout restarts at the loss
-  EXPECT_NE(agent.agent().exit_message().find(fmt::format("cannot reach the controller at {} within 1 s", o.controller)),
+  EXPECT_NE(agent.agent().exit_message().find(
+                fmt::format("cannot reach the controller at {} within 1 s", o.controller)),
             std::string::npos)
       << agent.agent().exit_message();
 }
@@ -544,7 +567,8 @@ TEST_F(AgentTest, WrongTokenExits2WithTheControllersReason) {
   EXPECT_FALSE(hello.ok());
   EXPECT_EQ(agent.Wait(5s), kExitRefused);
   const std::string& msg = agent.agent().exit_message();
-  EXPECT_NE(msg.find(fmt::format("the controller at {} refused this agent", controller.address())), std::string::npos)
+  EXPECT_NE(msg.find(fmt::format("the controller at {} refused this agent", controller.address())),
+            std::string::npos)
       << msg;
   EXPECT_NE(msg.find("job token mismatch"), std::string::npos) << msg;
   // No retry: no second connection.
@@ -570,8 +594,9 @@ TEST_F(AgentTest, UnreachableControllerExits1WithinTheJoinTimeoutNamingAddressAn
   auto took = Clock::now() - t0;
   EXPECT_GE(took, 1'400ms);
   EXPECT_LT(took, 4'000ms);
-  EXPECT_EQ(agent.agent().exit_message(),
-            fmt::format("cannot reach the controller at {} within 1.5 s: connection refused", address));
+  EXPECT_EQ(
+      agent.agent().exit_message(),
+      fmt::format("cannot reach the controller at {} within 1.5 s: connection refused", address));
 }
 
 TEST_F(AgentTest, PeerThatNeverAnswersTheHelloIsRetriedUntilTheJoinTimeout) {
@@ -587,7 +612,8 @@ TEST_F(AgentTest, PeerThatNeverAnswersTheHelloIsRetriedUntilTheJoinTimeout) {
   AgentRunner agent(o, dir_);
   EXPECT_EQ(agent.Wait(5s), kExitControllerLost);
   EXPECT_EQ(agent.agent().exit_message(),
-            fmt::format("cannot reach the controller at {} within 1 s: the controller did not answer the hello in time",
+            fmt::format("cannot reach the controller at {} within 1 s: the controller did not "
+                        "answer the hello in time",
                         o.controller));
 }
 
@@ -600,7 +626,8 @@ TEST_F(AgentTest, ShutdownEndsTheAgentWithItsCodeAfterItsProcessesExit) {
   pid_t pid = StartWorker(controller, 0);
   ASSERT_GT(pid, 0);
   auto t0 = Clock::now();
-  controller.Send(control::kMsgShutdown, control::Encode(control::ShutdownMsg{"the job finished", 7}));
+  controller.Send(control::kMsgShutdown,
+                  control::Encode(control::ShutdownMsg{"the job finished", 7}));
   // Its worker's end is still reported on the open connection.
   auto f = controller.Next(control::kMsgAgentExited, 5s);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
@@ -617,15 +644,14 @@ TEST_F(AgentTest, RefusalAfterTheHelloComesAsAShutdownWithItsCode) {
   controller.Send(control::kMsgShutdown,
                   control::Encode(control::ShutdownMsg{"host id hostA is already in the job", 2}));
   EXPECT_EQ(agent.Wait(5s), 2);
-  EXPECT_NE(agent.agent().exit_message().find("host id hostA is already in the job"), std::string::npos);
+  EXPECT_NE(agent.agent().exit_message().find("host id hostA is already in the job"),
+            std::string::npos);
 }
 
 TEST(JobTokenFileTest, TokenIsTrimmedAndBadFilesAreNamed) {
   TempDir dir;
   std::string path = dir / "token";
-  {
-    std::ofstream(path) << "  s3cret-token\n\n";
-  }
+  { std::ofstream(path) << "  s3cret-token\n\n"; }
   ::chmod(path.c_str(), 0600);
   auto token = ReadJobTokenFile(path);
   ASSERT_TRUE(token.ok()) << token.status().ToString();
@@ -636,15 +662,15 @@ TEST(JobTokenFileTest, TokenIsTrimmedAndBadFilesAreNamed) {
 
   auto missing = ReadJobTokenFile(dir / "nope");
   ASSERT_FALSE(missing.ok());
-  EXPECT_NE(missing.status().message().find(dir / "nope"), std::string::npos) << missing.status().ToString();
+  EXPECT_NE(missing.status().message().find(dir / "nope"), std::string::npos)
+      << missing.status().ToString();
 
   std::string empty = dir / "empty";
-  {
-    std::ofstream(empty) << " \n\t\n";
-  }
+  { std::ofstream(empty) << " \n\t\n"; }
   auto e = ReadJobTokenFile(empty);
   ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find(empty + "' is empty"), std::string::npos) << e.status().ToString();
+  EXPECT_NE(e.status().message().find(empty + "' is empty"), std::string::npos)
+      << e.status().ToString();
 }
 
 TEST(AgentOptionsTest, BadOptionsAreRefusedWithTheReason) {
@@ -677,9 +703,17 @@ std::string NonstopBinary() { return std::string(NONSTOP_BIN_DIR) + "/nonstop"; 
 class AgentCliTest : public AgentTest {
  protected:
   // `nonstop agent` (default --on-sigterm leave) registered with `controller`, running worker 3.
-  void StartAgentWithAWorker(FakeController& controller, std::unique_ptr<ChildProcess>* agent, pid_t* worker) {
-    std::vector<std::string> argv = {NonstopBinary(), "agent", "--controller", controller.address(),
-                                     "--job-token-file", TokenFile(kToken), "--host-id", "cli-host", "--"};
+  void StartAgentWithAWorker(FakeController& controller, std::unique_ptr<ChildProcess>* agent,
+                             pid_t* worker) {
+    std::vector<std::string> argv = {NonstopBinary(),
+                                     "agent",
+                                     "--controller",
+                                     controller.address(),
+                                     "--job-token-file",
+                                     TokenFile(kToken),
+                                     "--host-id",
+                                     "cli-host",
+                                     "--"};
     for (const auto& a : Options(controller).program) argv.push_back(a);
     *agent = std::make_unique<ChildProcess>(argv, dir_ / "agent.log");
     ASSERT_TRUE(controller.AcceptAndRegister(10s).ok()) << ReadText(dir_ / "agent.log");
@@ -697,12 +731,21 @@ class AgentCliTest : public AgentTest {
 
 TEST_F(AgentCliTest, SigtermWithOnSigtermStopKillsTheWorkersAndExits130) {
   FakeController controller;
-  std::vector<std::string> argv = {NonstopBinary(), "agent", "--controller", controller.address(),
-                                   "--job-token-file", TokenFile(kToken), "--host-id", "cli-host",
-                                   "--on-sigterm", "stop", "--"};
+  std::vector<std::string> argv = {NonstopBinary(),
+                                   "agent",
+                                   "--controller",
+                                   controller.address(),
+                                   "--job-token-file",
+                                   TokenFile(kToken),
+                                   "--host-id",
+                                   "cli-host",
+                                   "--on-sigterm",
+                                   "stop",
+                                   "--"};
   for (const auto& a : Options(controller).program) argv.push_back(a);
   // Inherited values of the agent's variables must not shadow its own in the workers.
-  ChildProcess agent(argv, dir_ / "agent.log", {"NONSTOP_DATA_HOST=9.9.9.9", "NONSTOP_HOST_ID_UNRELATED=x"});
+  ChildProcess agent(argv, dir_ / "agent.log",
+                     {"NONSTOP_DATA_HOST=9.9.9.9", "NONSTOP_HOST_ID_UNRELATED=x"});
   auto reg = controller.AcceptAndRegister(10s);
   ASSERT_TRUE(reg.ok()) << reg.status().ToString() << "\n" << ReadText(dir_ / "agent.log");
   EXPECT_EQ(reg->host_id, "cli-host");
@@ -712,16 +755,22 @@ TEST_F(AgentCliTest, SigtermWithOnSigtermStopKillsTheWorkersAndExits130) {
   pid_t pid = StartWorker(controller, 3);
   ASSERT_GT(pid, 0);
   ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s));
-  EXPECT_EQ(ReadText(EnvFile(3)).substr(0, ReadText(EnvFile(3)).find('\n')), "3 cli-host 127.0.0.1");
+  EXPECT_EQ(ReadText(EnvFile(3)).substr(0, ReadText(EnvFile(3)).find('\n')),
+            "3 cli-host 127.0.0.1");
   // Its output is forwarded with the host and worker prefix.
   EXPECT_TRUE(WaitFor(
-      [&] { return ReadText(dir_ / "agent.log").find("[cli-host w3] hello from 3\n") != std::string::npos; }, 5s))
+      [&] {
+        return ReadText(dir_ / "agent.log").find("[cli-host w3] hello from 3\n") !=
+               std::string::npos;
+      },
+      5s))
       << ReadText(dir_ / "agent.log");
   ASSERT_EQ(::kill(agent.pid(), SIGTERM), 0);
   EXPECT_EQ(agent.Wait(5s), kExitInterrupted) << ReadText(dir_ / "agent.log");
   EXPECT_TRUE(ProcessGone(pid));
   std::string log = ReadText(dir_ / "agent.log");
-  EXPECT_NE(log.find("host id              cli-host"), std::string::npos) << log;  // the configuration table
+  // the configuration table
+  EXPECT_NE(log.find("host id              cli-host"), std::string::npos) << log;
   EXPECT_NE(log.find("interrupted by SIGTERM"), std::string::npos) << log;
 }
 
@@ -778,18 +827,21 @@ TEST_F(AgentCliTest, SecondSigtermWhileLeavingKillsTheWorkersAndExits130) {
   ASSERT_EQ(::kill(agent.pid(), SIGTERM), 0);
   EXPECT_EQ(agent.Wait(5s), kExitInterrupted) << ReadText(dir_ / "agent.log");
   EXPECT_TRUE(ProcessGone(pid));
-  EXPECT_NE(ReadText(dir_ / "agent.log").find("interrupted by SIGTERM (after SIGTERM"), std::string::npos)
+  EXPECT_NE(ReadText(dir_ / "agent.log").find("interrupted by SIGTERM (after SIGTERM"),
+            std::string::npos)
       << ReadText(dir_ / "agent.log");
 }
 
 TEST_F(AgentCliTest, RefusedHelloExits2AndSaysWhy) {
   FakeController controller("another-jobs-token");
-  ChildProcess agent({NonstopBinary(), "agent", "--controller", controller.address(), "--job-token-file",
-                      TokenFile(kToken), "--host-id", "cli-host", "--", "/bin/true"},
-                     dir_ / "agent.log");
+  ChildProcess agent(
+      {NonstopBinary(), "agent", "--controller", controller.address(), "--job-token-file",
+       TokenFile(kToken), "--host-id", "cli-host", "--", "/bin/true"},
+      dir_ / "agent.log");
   (void)controller.Accept(10s);
   EXPECT_EQ(agent.Wait(10s), kExitRefused);
-  EXPECT_NE(ReadText(dir_ / "agent.log").find("job token mismatch"), std::string::npos) << ReadText(dir_ / "agent.log");
+  EXPECT_NE(ReadText(dir_ / "agent.log").find("job token mismatch"), std::string::npos)
+      << ReadText(dir_ / "agent.log");
 }
 
 TEST_F(AgentCliTest, MissingTokenFileIsAUsageErrorNamingTheFile) {
@@ -802,18 +854,19 @@ TEST_F(AgentCliTest, MissingTokenFileIsAUsageErrorNamingTheFile) {
 }
 
 TEST_F(AgentCliTest, MissingProgramIsAUsageError) {
-  ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file", TokenFile("t"),
-                      "--host-id", "h", "--", "no-such-program-xyz"},
+  ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file",
+                      TokenFile("t"), "--host-id", "h", "--", "no-such-program-xyz"},
                      dir_ / "agent.log");
   EXPECT_EQ(agent.Wait(10s), 2);
-  EXPECT_NE(ReadText(dir_ / "agent.log").find("program 'no-such-program-xyz' is not an executable file on the PATH"),
+  EXPECT_NE(ReadText(dir_ / "agent.log")
+                .find("program 'no-such-program-xyz' is not an executable file on the PATH"),
             std::string::npos)
       << ReadText(dir_ / "agent.log");
 }
 
 TEST_F(AgentCliTest, InvalidHostIdIsAUsageError) {
-  ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file", TokenFile("t"),
-                      "--host-id", "bad/host", "--", "/bin/true"},
+  ChildProcess agent({NonstopBinary(), "agent", "--controller", "127.0.0.1:1", "--job-token-file",
+                      TokenFile("t"), "--host-id", "bad/host", "--", "/bin/true"},
                      dir_ / "agent.log");
   EXPECT_EQ(agent.Wait(10s), 2);
   EXPECT_NE(ReadText(dir_ / "agent.log").find("--host-id 'bad/host'"), std::string::npos)

@@ -6,8 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -42,11 +42,13 @@ std::vector<net::Listener> MakeListeners(int w) {
 
 std::vector<Member> MembersOf(const std::vector<net::Listener>& ls) {
   std::vector<Member> m;
-  for (size_t i = 0; i < ls.size(); ++i) m.push_back({static_cast<int>(i), ls[i].address.ToString()});
+  for (size_t i = 0; i < ls.size(); ++i)
+    m.push_back({static_cast<int>(i), ls[i].address.ToString()});
   return m;
 }
 
-std::unique_ptr<RankEnv> MakeRank(int rank, net::Listener listener, const std::vector<Member>& members,
+std::unique_ptr<RankEnv> MakeRank(int rank, net::Listener listener,
+                                  const std::vector<Member>& members,
                                   size_t piece_bytes = 64 << 10) {
   auto env = std::make_unique<RankEnv>();
   env->plane = TcpDataPlane::Create({kToken, rank}, std::move(listener), &env->abort);
@@ -65,7 +67,8 @@ void RunThreads(int w, const Body& body, size_t piece_bytes = 64 << 10) {
   auto listeners = MakeListeners(w);
   auto members = MembersOf(listeners);
   std::vector<std::unique_ptr<RankEnv>> envs;
-  for (int r = 0; r < w; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members, piece_bytes));
+  for (int r = 0; r < w; ++r)
+    envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members, piece_bytes));
   std::vector<std::thread> threads;
   for (int r = 0; r < w; ++r) {
     threads.emplace_back([&, r] {
@@ -99,7 +102,8 @@ void RunProcesses(int w, const Body& body) {
     pid_t pid = ::fork();
     ASSERT_GE(pid, 0);
     if (pid == 0) {
-      for (int o = 0; o < w; ++o) if (o != r) listeners[static_cast<size_t>(o)].fd.Reset();
+      for (int o = 0; o < w; ++o)
+        if (o != r) listeners[static_cast<size_t>(o)].fd.Reset();
       auto env = MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members);
       Status s = env->comm->Connect();
       if (!s.ok()) _exit(3);
@@ -112,14 +116,16 @@ void RunProcesses(int w, const Body& body) {
   for (int r = 0; r < w; ++r) {
     int status = 0;
     ASSERT_EQ(::waitpid(pids[static_cast<size_t>(r)], &status, 0), pids[static_cast<size_t>(r)]);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank " << r << " status " << status;
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "rank " << r << " status " << status;
   }
 }
 
 // Rank r's input: integer-valued floats, so every summation order gives the same exact sum.
 std::vector<float> IntegerInput(int rank, size_t n) {
   std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>((static_cast<int>(i % 1000) * (rank + 3)) % 17 - 8);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = static_cast<float>((static_cast<int>(i % 1000) * (rank + 3)) % 17 - 8);
   return v;
 }
 
@@ -162,16 +168,20 @@ TEST_P(AllReduceTest, MatchesNaiveGatherSumWithThreads) {
     again[static_cast<size_t>(rank)] = r2;
   });
   for (int r = 0; r < w && n > 0; ++r) {  // bitwise: memcmp, not float ==
-    EXPECT_EQ(std::memcmp(results[static_cast<size_t>(r)].data(), results[0].data(), n * sizeof(float)), 0)
+    EXPECT_EQ(
+        std::memcmp(results[static_cast<size_t>(r)].data(), results[0].data(), n * sizeof(float)),
+        0)
         << "rank " << r << " differs from rank 0";
-    EXPECT_EQ(std::memcmp(again[static_cast<size_t>(r)].data(), results[0].data(), n * sizeof(float)), 0)
+    EXPECT_EQ(
+        std::memcmp(again[static_cast<size_t>(r)].data(), results[0].data(), n * sizeof(float)), 0)
         << "second run differs on rank " << r;
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldsAndLengths, AllReduceTest,
                          ::testing::Combine(::testing::Values(1, 2, 3, 5, 8),
-                                            ::testing::Values(size_t{0}, size_t{1}, size_t{7}, size_t{1001},
+                                            ::testing::Values(size_t{0}, size_t{1}, size_t{7},
+                                                              size_t{1001},
                                                               size_t{(3u << 20) / 4 + 3})),
                          [](const auto& info) {
                            return "w" + std::to_string(std::get<0>(info.param)) + "_n" +
@@ -194,11 +204,14 @@ TEST(CommunicatorTest, SmallPiecesPipelineCorrectly) {
   const int w = 3;
   const size_t n = 10'000;
   auto want = NaiveSum(w, n, IntegerInput);
-  RunThreads(w, [&](int rank, Communicator& comm) {
-    auto data = IntegerInput(rank, n);
-    ASSERT_TRUE(comm.AllReduce(data).ok());
-    EXPECT_EQ(data, want);
-  }, /*piece_bytes=*/64);
+  RunThreads(
+      w,
+      [&](int rank, Communicator& comm) {
+        auto data = IntegerInput(rank, n);
+        ASSERT_TRUE(comm.AllReduce(data).ok());
+        EXPECT_EQ(data, want);
+      },
+      /*piece_bytes=*/64);
 }
 
 // The world-invariant all-reduce: the same m micro-batch gradients, split
@@ -211,7 +224,8 @@ TEST(CommunicatorTest, AllReduceTreeGivesTheSameBitsAtEveryWorldSize) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-1, 1);
   for (int i = 0; i < m; ++i) {
-    for (auto& x : g[static_cast<size_t>(i)]) x = u(rng) * std::pow(10.0f, static_cast<float>(i % 5 - 2));
+    for (auto& x : g[static_cast<size_t>(i)])
+      x = u(rng) * std::pow(10.0f, static_cast<float>(i % 5 - 2));
   }
   TreeFolder all(m, 0, m, n);
   for (const auto& v : g) all.Add(v);
@@ -251,20 +265,22 @@ TEST(CommunicatorTest, AllReduceTreeOverSalvagedNodeSetsGivesTheTreesBits) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> u(-1, 1);
   for (int i = 0; i < m; ++i) {
-    for (auto& x : g[static_cast<size_t>(i)]) x = u(rng) * std::pow(10.0f, static_cast<float>(i % 4 - 2));
+    for (auto& x : g[static_cast<size_t>(i)])
+      x = u(rng) * std::pow(10.0f, static_cast<float>(i % 4 - 2));
   }
   TreeFolder all(m, 0, m, n);
   for (const auto& v : g) all.Add(v);
   const std::vector<float> want = all.partials()[0];
-  // Held after the fault: old rank 0 folded micro-batch 0 of [0, 2); old rank 2 all of [4, 6); old rank 3
-  // micro-batch 6 of [6, 8). The spare (new rank 1, in the lost rank's place) holds nothing.
+  // Held after the fault: old rank 0 folded micro-batch 0 of [0, 2); old rank 2 all of [4, 6); old
+  // rank 3 micro-batch 6 of [6, 8). The spare (new rank 1, in the lost rank's place) holds nothing.
   std::vector<std::vector<TreeNode>> offered = {{{0, 0}}, {}, {{1, 2}}, {{0, 6}}};
   auto shares = PlanTreeStep(m, offered);
   std::vector<std::vector<TreeNode>> nodes_of;
   int kept = 0;
   for (const auto& share : shares) {
     nodes_of.push_back(share.nodes);
-    for (const auto& node : share.kept) kept += NodeRange(m, node).second - NodeRange(m, node).first;
+    for (const auto& node : share.kept)
+      kept += NodeRange(m, node).second - NodeRange(m, node).first;
   }
   ASSERT_EQ(kept, 4);
   std::vector<std::vector<float>> got(4);
@@ -282,20 +298,24 @@ TEST(CommunicatorTest, AllReduceTreeOverSalvagedNodeSetsGivesTheTreesBits) {
         for (auto [first, last] : mine.compute) {
           TreeFolder f(m, first, last, n);
           for (int i = first; i < last; ++i) f.Add(g[static_cast<size_t>(i)]);
-          for (size_t k = 0; k < f.nodes().size(); ++k) have.push_back({f.nodes()[k], f.partials()[k]});
+          for (size_t k = 0; k < f.nodes().size(); ++k)
+            have.push_back({f.nodes()[k], f.partials()[k]});
         }
-        std::sort(have.begin(), have.end(),
-                  [&](const auto& a, const auto& b) { return NodeRange(m, a.first).first < NodeRange(m, b.first).first; });
+        std::sort(have.begin(), have.end(), [&](const auto& a, const auto& b) {
+          return NodeRange(m, a.first).first < NodeRange(m, b.first).first;
+        });
         std::vector<std::vector<float>> partials;
         for (auto& [node, sum] : have) partials.push_back(std::move(sum));
         std::vector<float> out(n);
-        Status s = comm.AllReduceTree(m, std::span<const std::vector<TreeNode>>(nodes_of), partials, out);
+        Status s =
+            comm.AllReduceTree(m, std::span<const std::vector<TreeNode>>(nodes_of), partials, out);
         ASSERT_TRUE(s.ok()) << s.ToString();
         got[static_cast<size_t>(rank)] = std::move(out);
       },
       /*piece_bytes=*/1024);
   for (int q = 0; q < 4; ++q) {
-    EXPECT_EQ(std::memcmp(got[static_cast<size_t>(q)].data(), want.data(), n * sizeof(float)), 0) << "rank " << q;
+    EXPECT_EQ(std::memcmp(got[static_cast<size_t>(q)].data(), want.data(), n * sizeof(float)), 0)
+        << "rank " << q;
   }
 }
 
@@ -326,12 +346,14 @@ TEST(CommunicatorTest, SubGroupsReduceInTheGroupAcrossTheReplicasAndGatherAsTheW
       std::span<float> mine(data.data() + lo, hi - lo);
       Status s = rep->AllReduce(mine);
       ASSERT_TRUE(s.ok()) << s.ToString();
-      for (size_t i = lo; i < hi; ++i) ASSERT_EQ(data[i], want[i]) << "rank " << rank << " element " << i;
+      for (size_t i = lo; i < hi; ++i)
+        ASSERT_EQ(data[i], want[i]) << "rank " << rank << " element " << i;
       // The update stands in: each rank holds its shard; the group gathers the whole.
       std::vector<float> params(n, -1.0f);
       std::copy(data.begin() + static_cast<long>(lo), data.begin() + static_cast<long>(hi),
                 params.begin() + static_cast<long>(lo));
-      ASSERT_TRUE(grp->AllGather(std::as_writable_bytes(std::span<float>(params)), sizeof(float)).ok());
+      ASSERT_TRUE(
+          grp->AllGather(std::as_writable_bytes(std::span<float>(params)), sizeof(float)).ok());
       ASSERT_EQ(params, want) << "rank " << rank;
       auto again = IntegerInput(rank, n);
       ASSERT_TRUE(comm.AllReduce(again).ok());  // and a world collective after
@@ -372,7 +394,8 @@ TEST(CommunicatorTest, ReduceScatterLeavesChunkRankReduced) {
       auto data = IntegerInput(rank, n);
       ASSERT_TRUE(comm.ReduceScatter(data).ok());
       auto [lo, hi] = ChunkRange(n, w, rank);
-      for (size_t i = lo; i < hi; ++i) ASSERT_EQ(data[i], want[i]) << "w=" << w << " rank " << rank << " i " << i;
+      for (size_t i = lo; i < hi; ++i)
+        ASSERT_EQ(data[i], want[i]) << "w=" << w << " rank " << rank << " i " << i;
     });
   }
 }
@@ -383,11 +406,13 @@ TEST(CommunicatorTest, AllGatherCollectsEveryRanksChunk) {
     RunThreads(w, [&](int rank, Communicator& comm) {
       std::vector<int32_t> data(n, -1);
       auto [lo, hi] = ChunkRange(n, w, rank);
-      for (size_t i = lo; i < hi; ++i) data[i] = static_cast<int32_t>(i * 10 + static_cast<size_t>(rank));
+      for (size_t i = lo; i < hi; ++i)
+        data[i] = static_cast<int32_t>(i * 10 + static_cast<size_t>(rank));
       ASSERT_TRUE(comm.AllGather(std::as_writable_bytes(std::span(data)), sizeof(int32_t)).ok());
       for (int c = 0; c < w; ++c) {
         auto [clo, chi] = ChunkRange(n, w, c);
-        for (size_t i = clo; i < chi; ++i) ASSERT_EQ(data[i], static_cast<int32_t>(i * 10 + static_cast<size_t>(c)));
+        for (size_t i = clo; i < chi; ++i)
+          ASSERT_EQ(data[i], static_cast<int32_t>(i * 10 + static_cast<size_t>(c)));
       }
     });
   }
@@ -398,9 +423,11 @@ TEST(CommunicatorTest, BroadcastFromEveryRoot) {
   RunThreads(w, [&](int rank, Communicator& comm) {
     for (int root = 0; root < w; ++root) {
       std::vector<uint8_t> data(300'001, static_cast<uint8_t>(rank));
-      if (rank == root) for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 7 + root);
+      if (rank == root)
+        for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 7 + root);
       ASSERT_TRUE(comm.Broadcast(std::as_writable_bytes(std::span(data)), root).ok());
-      for (size_t i = 0; i < data.size(); ++i) ASSERT_EQ(data[i], static_cast<uint8_t>(i * 7 + root)) << root;
+      for (size_t i = 0; i < data.size(); ++i)
+        ASSERT_EQ(data[i], static_cast<uint8_t>(i * 7 + root)) << root;
     }
   });
 }
@@ -412,12 +439,14 @@ TEST(CommunicatorTest, PointToPointMovesLargeBuffersBetweenAnyRanks) {
     // 0 → 2 and 3 → 1, non-neighbours included.
     std::vector<uint8_t> buf(bytes);
     if (rank == 0 || rank == 3) {
-      for (size_t i = 0; i < bytes; ++i) buf[i] = static_cast<uint8_t>(i * 31 + static_cast<size_t>(rank));
+      for (size_t i = 0; i < bytes; ++i)
+        buf[i] = static_cast<uint8_t>(i * 31 + static_cast<size_t>(rank));
       ASSERT_TRUE(comm.Send(rank == 0 ? 2 : 1, std::as_bytes(std::span(buf))).ok());
     } else {
       int from = rank == 2 ? 0 : 3;
       ASSERT_TRUE(comm.Recv(from, std::as_writable_bytes(std::span(buf))).ok());
-      for (size_t i = 0; i < bytes; ++i) ASSERT_EQ(buf[i], static_cast<uint8_t>(i * 31 + static_cast<size_t>(from)));
+      for (size_t i = 0; i < bytes; ++i)
+        ASSERT_EQ(buf[i], static_cast<uint8_t>(i * 31 + static_cast<size_t>(from)));
     }
     ASSERT_TRUE(comm.Barrier().ok());
   });
@@ -461,13 +490,14 @@ TEST(CommunicatorTest, KilledPeerProcessFailsSurvivorsPromptly) {
     ASSERT_GE(pid, 0);
     if (pid == 0) {
       ::close(pipefd[0]);
-      for (int o = 0; o < w; ++o) if (o != r) listeners[static_cast<size_t>(o)].fd.Reset();
+      for (int o = 0; o < w; ++o)
+        if (o != r) listeners[static_cast<size_t>(o)].fd.Reset();
       auto env = MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members);
       if (!env->comm->Connect().ok()) _exit(3);
       if (r == 2) {
         char c = 'x';
         (void)::write(pipefd[1], &c, 1);  // tell the parent we are connected
-        ::pause();                         // never calls the collective; the parent kills us
+        ::pause();                        // never calls the collective; the parent kills us
         _exit(4);
       }
       std::vector<float> data(1 << 16, 1.0f);
@@ -507,9 +537,10 @@ TEST(CommunicatorTest, NextGenerationReusesConnectionsAfterAnAbortMidTransfer) {
   auto listeners = MakeListeners(2);
   auto members = MembersOf(listeners);
   std::vector<std::unique_ptr<RankEnv>> envs;
-  for (int r = 0; r < 2; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
+  for (int r = 0; r < 2; ++r)
+    envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
   RunRanksOn(envs, [](int, Communicator&) {});  // connect
-  std::vector<float> big(16 << 20, 1.0f);        // 64 MiB: far more than the socket buffers hold
+  std::vector<float> big(16 << 20, 1.0f);       // 64 MiB: far more than the socket buffers hold
   std::thread aborter([&] {
     std::this_thread::sleep_for(Millis(200));
     for (auto& e : envs) e->comm->Abort("test: generation 1 ends");
@@ -547,7 +578,8 @@ TEST(CommunicatorTest, NextGenerationReusesConnectionsAfterAnAbortMidTransfer) {
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(envs[static_cast<size_t>(r)]->plane->stats().connections_opened, 1) << "rank " << r << " reconnected";
+    EXPECT_EQ(envs[static_cast<size_t>(r)]->plane->stats().connections_opened, 1)
+        << "rank " << r << " reconnected";
   }
   EXPECT_GT(stale[1], 0u) << "frames of the aborted allreduce were in flight and dropped";
 }
@@ -556,7 +588,8 @@ TEST(CommunicatorTest, BrokenConnectionIsRedialedInTheNextGeneration) {
   auto listeners = MakeListeners(2);
   auto members = MembersOf(listeners);
   std::vector<std::unique_ptr<RankEnv>> envs;
-  for (int r = 0; r < 2; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
+  for (int r = 0; r < 2; ++r)
+    envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
   RunRanksOn(envs, [](int, Communicator& comm) { ASSERT_TRUE(comm.Barrier().ok()); });
   envs[1]->plane->mesh().Drop(0);  // like a dropped link: rank 1 closes its end
   for (int r = 0; r < 2; ++r) {
@@ -581,7 +614,8 @@ TEST(CommunicatorTest, ConnectionsAreOpenedOnlyToRingNeighbours) {
   auto listeners = MakeListeners(w);
   auto members = MembersOf(listeners);
   std::vector<std::unique_ptr<RankEnv>> envs;
-  for (int r = 0; r < w; ++r) envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
+  for (int r = 0; r < w; ++r)
+    envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members));
   std::vector<std::thread> threads;
   for (int r = 0; r < w; ++r) {
     threads.emplace_back([&, r] {
@@ -591,7 +625,8 @@ TEST(CommunicatorTest, ConnectionsAreOpenedOnlyToRingNeighbours) {
     });
   }
   for (auto& t : threads) t.join();
-  for (int r = 0; r < w; ++r) EXPECT_EQ(envs[static_cast<size_t>(r)]->plane->stats().connections_opened, 2) << r;
+  for (int r = 0; r < w; ++r)
+    EXPECT_EQ(envs[static_cast<size_t>(r)]->plane->stats().connections_opened, 2) << r;
 }
 
 TEST(CommunicatorTest, MeshRefusesAStrangerWithTheWrongToken) {
@@ -601,9 +636,11 @@ TEST(CommunicatorTest, MeshRefusesAStrangerWithTheWrongToken) {
   PeerMeshOptions opts{"wrong-token", 0};
   auto stranger = PeerMesh::Create(opts, std::move(listeners[0]));
   net::AbortSignal abort;
-  Result<Connection*> c = stranger->Get(1, members[1].address, 1, DeadlineAfter(Millis(3000)), &abort);
+  Result<Connection*> c =
+      stranger->Get(1, members[1].address, 1, DeadlineAfter(Millis(3000)), &abort);
   ASSERT_FALSE(c.ok());
-  EXPECT_NE(c.status().message().find("job token mismatch"), std::string::npos) << c.status().ToString();
+  EXPECT_NE(c.status().message().find("job token mismatch"), std::string::npos)
+      << c.status().ToString();
   EXPECT_EQ(r1->plane->stats().connections_opened, 0);
 }
 

@@ -24,7 +24,8 @@ std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c) {
 }
 
 Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
-                                   std::span<const std::vector<float>> partials, std::span<float> out) {
+                                   std::span<const std::vector<float>> partials,
+                                   std::span<float> out) {
   std::vector<ConstRegion> regions;
   regions.reserve(partials.size());
   for (const auto& p : partials) regions.push_back(HostRegion(std::span<const float>(p)));
@@ -32,10 +33,12 @@ Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>>
 }
 
 Status Communicator::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
-                                   std::span<const std::vector<float>> partials, std::span<float> out) {
+                                   std::span<const std::vector<float>> partials,
+                                   std::span<float> out) {
   NONSTOP_CHECK_EQ(ranges.size(), static_cast<size_t>(world_size()));
   std::vector<std::vector<TreeNode>> nodes_of(ranges.size());
-  for (size_t q = 0; q < ranges.size(); ++q) nodes_of[q] = NodesOfRange(m, ranges[q].first, ranges[q].second);
+  for (size_t q = 0; q < ranges.size(); ++q)
+    nodes_of[q] = NodesOfRange(m, ranges[q].first, ranges[q].second);
   return AllReduceTree(m, std::span<const std::vector<TreeNode>>(nodes_of), partials, out);
 }
 

@@ -87,15 +87,20 @@ struct Region {
   Device device = Device::kHost;
   int device_index = 0;
 
-  operator ConstRegion() const { return {data, bytes, device, device_index}; }  // NOLINT: implicit by design
+  // NOLINT: implicit by design
+  operator ConstRegion() const { return {data, bytes, device, device_index}; }
 };
 
-inline Region HostRegion(std::span<std::byte> data) { return {data.data(), data.size(), Device::kHost, 0}; }
+inline Region HostRegion(std::span<std::byte> data) {
+  return {data.data(), data.size(), Device::kHost, 0};
+}
 inline Region HostRegion(std::span<float> data) { return HostRegion(std::as_writable_bytes(data)); }
 inline ConstRegion HostRegion(std::span<const std::byte> data) {
   return {data.data(), data.size(), Device::kHost, 0};
 }
-inline ConstRegion HostRegion(std::span<const float> data) { return HostRegion(std::as_bytes(data)); }
+inline ConstRegion HostRegion(std::span<const float> data) {
+  return HostRegion(std::as_bytes(data));
+}
 
 // The element type of a sum (AllReduce, ReduceScatter). Only float32 is
 // summed today; a transport that sums others (bf16) adds them here.
@@ -159,7 +164,8 @@ class Communicator {
   // they are driven by one thread at a time. Sharded optimizer state (issue
   // 12): reduce-scatter inside a shard group, all-reduce across the replicas
   // of a shard, all-gather in the group.
-  virtual std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks, uint32_t op_space) const = 0;
+  virtual std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
+                                                 uint32_t op_space) const = 0;
 
   // Sums of `dtype` elements (data.bytes a multiple of its size).
   virtual Status AllReduce(Region data, DType dtype) = 0;
@@ -195,13 +201,21 @@ class Communicator {
 
   // The same over host memory: what the session and the state transfer use.
   Status AllReduce(std::span<float> data) { return AllReduce(HostRegion(data), DType::kFloat32); }
-  Status ReduceScatter(std::span<float> data) { return ReduceScatter(HostRegion(data), DType::kFloat32); }
+  Status ReduceScatter(std::span<float> data) {
+    return ReduceScatter(HostRegion(data), DType::kFloat32);
+  }
   Status AllGather(std::span<std::byte> data, size_t element_bytes) {
     return AllGather(HostRegion(data), element_bytes);
   }
-  Status Broadcast(std::span<std::byte> data, int root) { return Broadcast(HostRegion(data), root); }
-  Status Send(int to_rank, std::span<const std::byte> data) { return Send(to_rank, HostRegion(data)); }
-  Status Recv(int from_rank, std::span<std::byte> data) { return Recv(from_rank, HostRegion(data)); }
+  Status Broadcast(std::span<std::byte> data, int root) {
+    return Broadcast(HostRegion(data), root);
+  }
+  Status Send(int to_rank, std::span<const std::byte> data) {
+    return Send(to_rank, HostRegion(data));
+  }
+  Status Recv(int from_rank, std::span<std::byte> data) {
+    return Recv(from_rank, HostRegion(data));
+  }
   Status AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
                        std::span<const std::vector<float>> partials, std::span<float> out);
   // Each rank's nodes given as a range: ranges[q] is rank q's [first, last)

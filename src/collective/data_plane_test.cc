@@ -45,8 +45,8 @@ struct World {
       listeners.push_back(std::move(*l));
     }
     for (int r = 0; r < 2; ++r) {
-      planes.push_back(
-          TcpDataPlane::Create({"data-plane-test", r}, std::move(listeners[static_cast<size_t>(r)]), &aborts[r]));
+      planes.push_back(TcpDataPlane::Create(
+          {"data-plane-test", r}, std::move(listeners[static_cast<size_t>(r)]), &aborts[r]));
       CommunicatorOptions o;
       o.rank = r;
       o.members = members;
@@ -65,7 +65,8 @@ TEST(TcpDataPlaneTest, MovesHostMemoryOnlyAndAdvertisesItsPort) {
   EXPECT_TRUE(world.planes[0]->Supports(Device::kHost));
   EXPECT_FALSE(world.planes[0]->Supports(Device::kCuda));
   EXPECT_EQ(world.planes[1]->address().ToString(), world.members[1].address);
-  EXPECT_EQ(world.planes[0]->stats().connections_opened, 0) << "nothing is dialed before a communicator needs it";
+  EXPECT_EQ(world.planes[0]->stats().connections_opened, 0)
+      << "nothing is dialed before a communicator needs it";
 }
 
 // Every call that takes a region refuses one on a CUDA device, naming the
@@ -76,10 +77,12 @@ TEST(TcpDataPlaneTest, RefusesEveryRegionThatIsNotInHostMemory) {
   Communicator& comm = *world.comms[0];
   std::vector<float> host(64, 1.0f);
   std::vector<float> elsewhere(64);  // stands for device memory: never touched
-  Region cuda0{reinterpret_cast<std::byte*>(elsewhere.data()), elsewhere.size() * sizeof(float), Device::kCuda, 0};
+  Region cuda0{reinterpret_cast<std::byte*>(elsewhere.data()), elsewhere.size() * sizeof(float),
+               Device::kCuda, 0};
   Region cuda3 = cuda0;
   cuda3.device_index = 3;
-  const std::vector<std::vector<TreeNode>> one_rank_each = {NodesOfRange(2, 0, 1), NodesOfRange(2, 1, 2)};
+  const std::vector<std::vector<TreeNode>> one_rank_each = {NodesOfRange(2, 0, 1),
+                                                            NodesOfRange(2, 1, 2)};
   const std::vector<ConstRegion> host_partials = {HostRegion(std::span<const float>(host))};
   const std::vector<ConstRegion> cuda_partials = {cuda3};
   struct Call {
@@ -92,18 +95,24 @@ TEST(TcpDataPlaneTest, RefusesEveryRegionThatIsNotInHostMemory) {
       {"ReduceScatter", "cuda:0", [&] { return comm.ReduceScatter(cuda0, DType::kFloat32); }},
       {"AllGather", "cuda:0", [&] { return comm.AllGather(cuda0, sizeof(float)); }},
       {"Broadcast", "cuda:0", [&] { return comm.Broadcast(cuda0, 1); }},
-      {"AllReduceTree", "cuda:0", [&] { return comm.AllReduceTree(2, one_rank_each, host_partials, cuda0); }},
+      {"AllReduceTree", "cuda:0",
+       [&] { return comm.AllReduceTree(2, one_rank_each, host_partials, cuda0); }},
       {"AllReduceTree", "cuda:3",
-       [&] { return comm.AllReduceTree(2, one_rank_each, cuda_partials, HostRegion(std::span<float>(host))); }},
+       [&] {
+         return comm.AllReduceTree(2, one_rank_each, cuda_partials,
+                                   HostRegion(std::span<float>(host)));
+       }},
       {"Send", "cuda:0", [&] { return comm.Send(1, cuda0); }},
       {"Recv", "cuda:3", [&] { return comm.Recv(1, cuda3); }},
   };
   for (const Call& call : calls) {
     Status s = call.run();
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << call.op << ": " << s.ToString();
-    EXPECT_NE(s.message().find(call.op + ": the TCP data plane reads and writes host memory only; this region is on " +
-                               call.device),
-              std::string::npos)
+    EXPECT_NE(
+        s.message().find(
+            call.op + ": the TCP data plane reads and writes host memory only; this region is on " +
+            call.device),
+        std::string::npos)
         << s.ToString();
   }
   EXPECT_TRUE(comm.error().ok()) << "a refused region is not sticky: " << comm.error().ToString();
@@ -126,7 +135,8 @@ TEST(TcpDataPlaneTest, RefusesEveryRegionThatIsNotInHostMemory) {
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < 2; ++r) {
-    for (size_t i = 0; i < 1000; ++i) ASSERT_EQ(data[static_cast<size_t>(r)][i], static_cast<float>(3 * i)) << r;
+    for (size_t i = 0; i < 1000; ++i)
+      ASSERT_EQ(data[static_cast<size_t>(r)][i], static_cast<float>(3 * i)) << r;
   }
 }
 

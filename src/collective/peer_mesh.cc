@@ -45,9 +45,10 @@ class BurstLog {
   static constexpr Millis kWindow{10'000};
   void Flush(Deadline now) {
     if (suppressed_ > 0) {
-      NONSTOP_LOG_WARNING("data port: {} more incoming connections were closed for the same kinds of reasons in "
-                          "the last {} s",
-                          suppressed_, kWindow.count() / 1000);
+      NONSTOP_LOG_WARNING(
+          "data port: {} more incoming connections were closed for the same kinds of reasons in "
+          "the last {} s",
+          suppressed_, kWindow.count() / 1000);
     }
     logged_ = 0;
     suppressed_ = 0;
@@ -89,9 +90,10 @@ struct PeerMesh::Pending {
 };
 
 Result<std::unique_ptr<PeerMesh>> PeerMesh::Create(PeerMeshOptions options) {
-  Result<net::Listener> listener = options.ports.empty()
-                                       ? net::Listen(options.listen)
-                                       : net::ListenInRange(options.listen.host, options.ports, 128, "data port");
+  Result<net::Listener> listener =
+      options.ports.empty()
+          ? net::Listen(options.listen)
+          : net::ListenInRange(options.listen.host, options.ports, 128, "data port");
   if (!listener.ok()) {
     if (!options.ports.empty() && listener.status().code() == StatusCode::kUnavailable &&
         listener.status().message().rfind("no free data port", 0) == 0) {
@@ -130,16 +132,18 @@ void PeerMesh::WakeAcceptLoop() {
 
 Status PeerMesh::CheckInbound(int peer_id, uint32_t generation) const {
   if (peer_id >= options_.worker_id) {
-    return FailedPreconditionError(fmt::format(
-        "worker {} may not dial worker {}: the lower worker id dials, so worker {} accepts only ids below {}", peer_id,
-        options_.worker_id, options_.worker_id, options_.worker_id));
+    return FailedPreconditionError(
+        fmt::format("worker {} may not dial worker {}: the lower worker id dials, so worker {} "
+                    "accepts only ids below {}",
+                    peer_id, options_.worker_id, options_.worker_id, options_.worker_id));
   }
   MutexLock lock(&mu_);
   auto it = connections_.find(peer_id);
-  if (it != connections_.end() && it->second->generation > generation && !ConnectionIsBroken(*it->second)) {
-    return FailedPreconditionError(
-        fmt::format("worker {} is already connected for generation {}: a hello of generation {} is stale", peer_id,
-                    it->second->generation, generation));
+  if (it != connections_.end() && it->second->generation > generation &&
+      !ConnectionIsBroken(*it->second)) {
+    return FailedPreconditionError(fmt::format(
+        "worker {} is already connected for generation {}: a hello of generation {} is stale",
+        peer_id, it->second->generation, generation));
   }
   return OkStatus();
 }
@@ -180,9 +184,10 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
       case net::HelloAcceptor::State::kAccepted: {
         const net::Hello& h = p.hello->hello();
         if (!InstallInbound(std::move(p.fd), h.worker_id, h.generation)) {
-          refusals.Note(fmt::format("data port: closed the connection of worker {} (generation {}) from {}: a "
-                                    "newer one replaced it",
-                                    h.worker_id, h.generation, p.from));
+          refusals.Note(fmt::format(
+              "data port: closed the connection of worker {} (generation {}) from {}: a "
+              "newer one replaced it",
+              h.worker_id, h.generation, p.from));
         }
         return true;
       }
@@ -201,8 +206,9 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
           MutexLock lock(&mu_);
           ++connections_refused_;
         }
-        refusals.Note(fmt::format("data port: closed an incoming connection from {}: no hello within {} ms", p.from,
-                                  options_.timeout_handshake.count()));
+        refusals.Note(
+            fmt::format("data port: closed an incoming connection from {}: no hello within {} ms",
+                        p.from, options_.timeout_handshake.count()));
         return true;
     }
   };
@@ -215,8 +221,10 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
       MutexLock lock(&mu_);
       bool fired = false;
       for (const auto& [signal, count] : waiting_aborts_) {
-        if (signal->fired()) fired = true;
-        else watched.push_back(signal->fd());
+        if (signal->fired())
+          fired = true;
+        else
+          watched.push_back(signal->fd());
       }
       if (fired) cv_.NotifyAll();
     }
@@ -236,7 +244,8 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
     }
     int rc = ::poll(fds.data(), fds.size(), PollTimeoutMs(wake_at));
     if (rc < 0 && errno != EINTR) {
-      NONSTOP_LOG_ERROR("data port: poll failed: {}; no more incoming connections", std::strerror(errno));
+      NONSTOP_LOG_ERROR("data port: poll failed: {}; no more incoming connections",
+                        std::strerror(errno));
       return;
     }
     if (rc < 0) continue;
@@ -269,8 +278,8 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
         Result<UniqueFd> fd = net::Accept(listen_fd_.get());
         if (!fd.ok()) {
           if (fd.status().code() == StatusCode::kInternal) {
-            evictions.Note(fmt::format("data port: {}; pausing accepts for {} ms", fd.status().message(),
-                                       kAcceptPause.count()));
+            evictions.Note(fmt::format("data port: {}; pausing accepts for {} ms",
+                                       fd.status().message(), kAcceptPause.count()));
             accept_paused_until = Clock::now() + kAcceptPause;
           }
           break;
@@ -279,8 +288,8 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
         p->fd = std::move(*fd);
         p->from = PeerNameOf(p->fd.get());
         p->deadline = DeadlineAfter(options_.timeout_handshake);
-        p->hello = std::make_unique<net::HelloAcceptor>(p->fd.get(), options_.job_token, net::ConnectionKind::kData,
-                                                        rule);
+        p->hello = std::make_unique<net::HelloAcceptor>(p->fd.get(), options_.job_token,
+                                                        net::ConnectionKind::kData, rule);
         p->hello->Advance();  // the hello often arrives with the connection
         if (settle(*p, Clock::now())) continue;
         pending.push_back(std::move(p));
@@ -291,10 +300,11 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
             MutexLock lock(&mu_);
             ++connections_refused_;
           }
-          evictions.Note(fmt::format(
-              "data port: {} incoming connections are in handshake, the limit (max_pending_handshakes): closing the "
-              "oldest ones first, starting with {} (a flood of idle connections?)",
-              options_.max_pending_handshakes, oldest->from));
+          evictions.Note(
+              fmt::format("data port: {} incoming connections are in handshake, the limit "
+                          "(max_pending_handshakes): closing the "
+                          "oldest ones first, starting with {} (a flood of idle connections?)",
+                          options_.max_pending_handshakes, oldest->from));
         }
       }
     }
@@ -322,8 +332,8 @@ Result<Connection*> PeerMesh::Get(int peer_id, const std::string& peer_address, 
       }
       if (it->second->generation > generation) {
         return AbortedError(fmt::format(
-            "worker {} ({}) is already connected for generation {}: generation {} is over", peer_id, peer_address,
-            it->second->generation, generation));
+            "worker {} ({}) is already connected for generation {}: generation {} is over", peer_id,
+            peer_address, it->second->generation, generation));
       }
       *out = it->second.get();
       return OkStatus();
@@ -350,17 +360,20 @@ Result<Connection*> PeerMesh::Get(int peer_id, const std::string& peer_address, 
         return conn;
       }
       if (abort != nullptr && abort->fired()) {
-        return AbortedError(fmt::format("waiting for worker {} ({}) to connect: aborted", peer_id, peer_address));
+        return AbortedError(
+            fmt::format("waiting for worker {} ({}) to connect: aborted", peer_id, peer_address));
       }
       return DeadlineExceededError(
-          fmt::format("worker {} ({}) did not connect in time (generation {})", peer_id, peer_address, generation));
+          fmt::format("worker {} ({}) did not connect in time (generation {})", peer_id,
+                      peer_address, generation));
     }
   }
   return Dial(peer_id, peer_address, generation, deadline, abort);
 }
 
-Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address, uint32_t generation,
-                                   Deadline deadline, const net::AbortSignal* abort) {
+Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
+                                   uint32_t generation, Deadline deadline,
+                                   const net::AbortSignal* abort) {
   NONSTOP_ASSIGN_OR_RETURN(net::HostPort where, net::ParseHostPort(peer_address));
   NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Dial(where, deadline, abort));
   net::Hello hello;
@@ -369,7 +382,8 @@ Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
   hello.worker_id = options_.worker_id;
   hello.job_token = options_.job_token;
   Status hs = net::ClientHandshake(fd.get(), hello, deadline, abort);
-  if (!hs.ok()) return hs.WithContext(fmt::format("handshake with worker {} ({})", peer_id, peer_address));
+  if (!hs.ok())
+    return hs.WithContext(fmt::format("handshake with worker {} ({})", peer_id, peer_address));
   auto conn = std::make_unique<Connection>();
   conn->fd = std::move(fd);
   conn->peer_id = peer_id;

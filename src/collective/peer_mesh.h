@@ -63,13 +63,15 @@ struct Connection {
   UniqueFd fd;
   int peer_id = -1;
   std::string peer_address;
-  uint32_t generation = 0;              // the generation it was opened in (hello's, or the dialer's)
-  char send_header_tail[32] = {};       // the unsent end of an aborted frame's header
+  // the generation it was opened in (hello's, or the dialer's)
+  uint32_t generation = 0;
+  char send_header_tail[32] = {};  // the unsent end of an aborted frame's header
   size_t send_header_tail_left = 0;
-  size_t send_pad = 0;                  // payload bytes still owed to a frame whose sending was aborted
-  char recv_header[32] = {};            // a frame header partly read when a receive was aborted
+  // payload bytes still owed to a frame whose sending was aborted
+  size_t send_pad = 0;
+  char recv_header[32] = {};  // a frame header partly read when a receive was aborted
   size_t recv_header_got = 0;
-  size_t recv_skip = 0;                 // payload bytes of an abandoned frame still to discard
+  size_t recv_skip = 0;  // payload bytes of an abandoned frame still to discard
 };
 
 // True when the socket reports that the peer closed or reset it.

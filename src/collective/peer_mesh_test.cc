@@ -42,8 +42,8 @@ UniqueFd RawConnect(const net::HostPort& where) {
 }
 
 void SendRaw(int fd, std::string_view bytes) {
-  Status s = net::SendAll(fd, std::as_bytes(std::span(bytes.data(), bytes.size())), DeadlineAfter(Millis(5'000)),
-                          nullptr, "junk");
+  Status s = net::SendAll(fd, std::as_bytes(std::span(bytes.data(), bytes.size())),
+                          DeadlineAfter(Millis(5'000)), nullptr, "junk");
   NONSTOP_CHECK(s.ok()) << s.ToString();
 }
 
@@ -77,7 +77,8 @@ bool ClosedByPeer(int fd, Millis wait) {
 TEST(PeerMeshTest, IdleAndGarbageConnectionsDoNotDelayALegitimatePeer) {
   auto acceptor = MakeMesh(/*worker_id=*/1, /*timeout_handshake=*/Millis(30'000));
   std::vector<UniqueFd> junk;
-  for (int i = 0; i < 20; ++i) junk.push_back(RawConnect(acceptor->address()));  // idle: never speak
+  // idle: never speak
+  for (int i = 0; i < 20; ++i) junk.push_back(RawConnect(acceptor->address()));
   for (int i = 0; i < 3; ++i) {
     junk.push_back(RawConnect(acceptor->address()));
     SendRaw(junk.back().get(), "GET / HTTP/1.1\r\nHost: x\r\n\r\n");  // not a nonstop peer
@@ -121,11 +122,13 @@ TEST(PeerMeshTest, HandshakeDeadlineClosesASilentConnection) {
 
 // Bounded memory: beyond max_pending_handshakes idle connections, the oldest are closed.
 TEST(PeerMeshTest, FloodOfIdleConnectionsBeyondTheCapClosesTheOldest) {
-  auto acceptor = MakeMesh(/*worker_id=*/1, /*timeout_handshake=*/Millis(30'000), /*max_pending=*/8);
+  auto acceptor =
+      MakeMesh(/*worker_id=*/1, /*timeout_handshake=*/Millis(30'000), /*max_pending=*/8);
   std::vector<UniqueFd> idle;
   for (int i = 0; i < 40; ++i) idle.push_back(RawConnect(acceptor->address()));
   // The first 32 are evicted (oldest first); the last 8 stay in handshake.
-  for (int i = 0; i < 32; ++i) EXPECT_TRUE(ClosedByPeer(idle[static_cast<size_t>(i)].get(), Millis(10'000))) << i;
+  for (int i = 0; i < 32; ++i)
+    EXPECT_TRUE(ClosedByPeer(idle[static_cast<size_t>(i)].get(), Millis(10'000))) << i;
   EXPECT_FALSE(ClosedByPeer(idle.back().get(), Millis(50)));
   EXPECT_GE(acceptor->connections_refused(), 32);
   // And a legitimate peer still gets in.
@@ -199,14 +202,17 @@ TEST(PeerMeshTest, ConnectionOfANewerGenerationIsNotHandedToAnOlderOne) {
   auto acceptor = MakeMesh(/*worker_id=*/1);
   UniqueFd fd;
   ASSERT_TRUE(HandDial(*acceptor, /*worker_id=*/0, /*generation=*/5, &fd).ok());
-  Result<Connection*> old_gen = acceptor->Get(0, "127.0.0.1:1", 3, DeadlineAfter(Millis(5'000)), nullptr);
+  Result<Connection*> old_gen =
+      acceptor->Get(0, "127.0.0.1:1", 3, DeadlineAfter(Millis(5'000)), nullptr);
   EXPECT_EQ(old_gen.status().code(), StatusCode::kAborted) << old_gen.status().ToString();
   EXPECT_NE(old_gen.status().message().find("generation 3 is over"), std::string::npos);
   // The connection stays for generation 5 and later.
-  Result<Connection*> gen5 = acceptor->Get(0, "127.0.0.1:1", 5, DeadlineAfter(Millis(5'000)), nullptr);
+  Result<Connection*> gen5 =
+      acceptor->Get(0, "127.0.0.1:1", 5, DeadlineAfter(Millis(5'000)), nullptr);
   ASSERT_TRUE(gen5.ok()) << gen5.status().ToString();
   EXPECT_EQ((*gen5)->generation, 5u);
-  Result<Connection*> gen6 = acceptor->Get(0, "127.0.0.1:1", 6, DeadlineAfter(Millis(5'000)), nullptr);
+  Result<Connection*> gen6 =
+      acceptor->Get(0, "127.0.0.1:1", 6, DeadlineAfter(Millis(5'000)), nullptr);
   ASSERT_TRUE(gen6.ok()) << gen6.status().ToString();
   EXPECT_EQ(*gen6, *gen5) << "connections survive into newer generations";
 }
@@ -217,7 +223,8 @@ TEST(PeerMeshTest, StaleHelloDoesNotReplaceANewerConnection) {
   auto acceptor = MakeMesh(/*worker_id=*/1);
   UniqueFd current;
   ASSERT_TRUE(HandDial(*acceptor, /*worker_id=*/0, /*generation=*/7, &current).ok());
-  Result<Connection*> first = acceptor->Get(0, "127.0.0.1:1", 7, DeadlineAfter(Millis(5'000)), nullptr);
+  Result<Connection*> first =
+      acceptor->Get(0, "127.0.0.1:1", 7, DeadlineAfter(Millis(5'000)), nullptr);
   ASSERT_TRUE(first.ok()) << first.status().ToString();
 
   UniqueFd stale;
@@ -225,7 +232,8 @@ TEST(PeerMeshTest, StaleHelloDoesNotReplaceANewerConnection) {
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_NE(s.message().find("stale"), std::string::npos) << s.ToString();
 
-  Result<Connection*> again = acceptor->Get(0, "127.0.0.1:1", 7, DeadlineAfter(Millis(5'000)), nullptr);
+  Result<Connection*> again =
+      acceptor->Get(0, "127.0.0.1:1", 7, DeadlineAfter(Millis(5'000)), nullptr);
   ASSERT_TRUE(again.ok()) << again.status().ToString();
   EXPECT_EQ(*again, *first);
   EXPECT_EQ(acceptor->connections_opened(), 1);
@@ -233,11 +241,11 @@ TEST(PeerMeshTest, StaleHelloDoesNotReplaceANewerConnection) {
   current.Reset();
   UniqueFd newer;
   ASSERT_TRUE(HandDial(*acceptor, /*worker_id=*/0, /*generation=*/8, &newer).ok());
-  Result<Connection*> gen8 = acceptor->Get(0, "127.0.0.1:1", 8, DeadlineAfter(Millis(5'000)), nullptr);
+  Result<Connection*> gen8 =
+      acceptor->Get(0, "127.0.0.1:1", 8, DeadlineAfter(Millis(5'000)), nullptr);
   ASSERT_TRUE(gen8.ok()) << gen8.status().ToString();
   EXPECT_EQ((*gen8)->generation, 8u);
 }
-
 
 // ---- IPv6 and data-port ranges (docs/ports.md) ----
 
@@ -248,7 +256,7 @@ TEST(PeerMeshIpv6Test, AllReduceOfThreeRanksOverIpv6Loopback) {
   if (std::string why = net::testing::NoIpv6Loopback(); !why.empty()) GTEST_SKIP() << why;
   constexpr int kWorld = 3;
   constexpr size_t kFloats = 100'003;  // several pieces, not a multiple of the world
-  net::AbortSignal aborts[kWorld];      // first: outlive the data planes
+  net::AbortSignal aborts[kWorld];     // first: outlive the data planes
   std::vector<std::unique_ptr<TcpDataPlane>> planes;
   std::vector<Member> members;
   for (int r = 0; r < kWorld; ++r) {
@@ -288,12 +296,15 @@ TEST(PeerMeshIpv6Test, AllReduceOfThreeRanksOverIpv6Loopback) {
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < kWorld; ++r) {
-    ASSERT_TRUE(results[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
+    ASSERT_TRUE(results[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
     for (size_t i = 0; i < kFloats; ++i) {
-      ASSERT_EQ(data[static_cast<size_t>(r)][i], static_cast<float>(6 * (i % 97))) << "rank " << r << ", element " << i;
+      ASSERT_EQ(data[static_cast<size_t>(r)][i], static_cast<float>(6 * (i % 97)))
+          << "rank " << r << ", element " << i;
     }
   }
-  for (const auto& p : planes) EXPECT_EQ(p->stats().connections_opened, 2) << "a ring of three: two neighbours each";
+  for (const auto& p : planes)
+    EXPECT_EQ(p->stats().connections_opened, 2) << "a ring of three: two neighbours each";
 }
 
 // Two ports the OS says are free now, adjacent: [lo, lo + 1].
@@ -303,7 +314,8 @@ net::PortRange TwoFreePorts() {
     NONSTOP_CHECK(a.ok()) << a.status().ToString();
     uint16_t p = a->address.port;
     if (p >= 65535) continue;
-    if (net::Listen({"127.0.0.1", static_cast<uint16_t>(p + 1)}).ok()) return {p, static_cast<uint16_t>(p + 1)};
+    if (net::Listen({"127.0.0.1", static_cast<uint16_t>(p + 1)}).ok())
+      return {p, static_cast<uint16_t>(p + 1)};
   }
   return {};
 }
@@ -329,14 +341,16 @@ TEST(PeerMeshPortRangeTest, MeshesTakeTheRangesPortsAndTheNextFailsNamingIt) {
   auto third = make(2);
   ASSERT_FALSE(third.ok());
   EXPECT_EQ(third.status().code(), StatusCode::kUnavailable);
-  EXPECT_EQ(third.status().message(), fmt::format("no free data port in {}-{} (2 ports, all in use): widen --data-ports",
-                                                  range.lo, range.hi));
+  EXPECT_EQ(third.status().message(),
+            fmt::format("no free data port in {}-{} (2 ports, all in use): widen --data-ports",
+                        range.lo, range.hi));
   // The meshes in the range work: worker 0 dials worker 1 on its port.
   auto dialed = std::async(std::launch::async, [&] {
-    return (*first)->Get(1, (*second)->address().ToString(), 1, DeadlineAfter(Millis(5'000)), nullptr);
+    return (*first)->Get(1, (*second)->address().ToString(), 1, DeadlineAfter(Millis(5'000)),
+                         nullptr);
   });
-  Result<Connection*> accepted = (*second)->Get(0, (*first)->address().ToString(), 1, DeadlineAfter(Millis(5'000)),
-                                                nullptr);
+  Result<Connection*> accepted =
+      (*second)->Get(0, (*first)->address().ToString(), 1, DeadlineAfter(Millis(5'000)), nullptr);
   ASSERT_TRUE(accepted.ok()) << accepted.status().ToString();
   Result<Connection*> d = dialed.get();
   ASSERT_TRUE(d.ok()) << d.status().ToString();
@@ -363,8 +377,9 @@ TEST(PeerMeshPortRangeTest, RangeWorksOnIpv6) {
   o.worker_id = 1;
   auto full = PeerMesh::Create(o);
   ASSERT_FALSE(full.ok());
-  EXPECT_EQ(full.status().message(),
-            fmt::format("no free data port in {} (1 port, it is in use): widen --data-ports", range.lo));
+  EXPECT_EQ(
+      full.status().message(),
+      fmt::format("no free data port in {} (1 port, it is in use): widen --data-ports", range.lo));
 }
 
 }  // namespace

@@ -11,7 +11,8 @@
 
 namespace nonstop::collective {
 
-TcpCommunicator::TcpCommunicator(PeerMesh* mesh, net::AbortSignal* abort, CommunicatorOptions options)
+TcpCommunicator::TcpCommunicator(PeerMesh* mesh, net::AbortSignal* abort,
+                                 CommunicatorOptions options)
     : mesh_(mesh), abort_(abort), options_(std::move(options)) {
   NONSTOP_CHECK(!options_.members.empty());
   NONSTOP_CHECK(options_.rank >= 0 && options_.rank < world_size());
@@ -20,14 +21,16 @@ TcpCommunicator::TcpCommunicator(PeerMesh* mesh, net::AbortSignal* abort, Commun
   scratch_.resize(options_.piece_bytes);
 }
 
-std::unique_ptr<Communicator> TcpCommunicator::SubGroup(std::span<const int> ranks, uint32_t op_space) const {
+std::unique_ptr<Communicator> TcpCommunicator::SubGroup(std::span<const int> ranks,
+                                                        uint32_t op_space) const {
   NONSTOP_CHECK(op_space >= 1 && op_space <= 127) << "op_space " << op_space;
   CommunicatorOptions o = options_;
   o.op_space = op_space;
   o.members.clear();
   o.rank = -1;
   for (size_t i = 0; i < ranks.size(); ++i) {
-    NONSTOP_CHECK(ranks[i] >= 0 && ranks[i] < world_size()) << "rank " << ranks[i] << " of " << world_size();
+    NONSTOP_CHECK(ranks[i] >= 0 && ranks[i] < world_size())
+        << "rank " << ranks[i] << " of " << world_size();
     for (size_t j = 0; j < i; ++j) NONSTOP_CHECK_NE(ranks[j], ranks[i]) << "rank listed twice";
     if (ranks[i] == rank()) o.rank = static_cast<int>(i);
     o.members.push_back(options_.members[static_cast<size_t>(ranks[i])]);
@@ -43,7 +46,8 @@ std::string TcpCommunicator::PeerName(int rank) const {
 
 Result<Connection*> TcpCommunicator::Peer(int rank) {
   const Member& m = options_.members[static_cast<size_t>(rank)];
-  return mesh_->Get(m.worker_id, m.address, options_.generation, DeadlineAfter(options_.timeout_connect), abort_);
+  return mesh_->Get(m.worker_id, m.address, options_.generation,
+                    DeadlineAfter(options_.timeout_connect), abort_);
 }
 
 Status TcpCommunicator::Connect() {
@@ -57,14 +61,16 @@ Status TcpCommunicator::Connect() {
   Result<Connection*> left_conn = left == right ? Result<Connection*>(nullptr) : Peer(left);
   Result<Connection*> r = right_conn.get();
   if (!r.ok()) return Fail(r.status().WithContext("connecting to " + PeerName(right)));
-  if (!left_conn.ok()) return Fail(left_conn.status().WithContext("connecting to " + PeerName(left)));
+  if (!left_conn.ok())
+    return Fail(left_conn.status().WithContext("connecting to " + PeerName(left)));
   return OkStatus();
 }
 
 void TcpCommunicator::Abort(const std::string& reason) {
   {
     MutexLock lock(&mu_);
-    if (error_.ok()) error_ = AbortedError(fmt::format("{} (generation {})", reason, options_.generation));
+    if (error_.ok())
+      error_ = AbortedError(fmt::format("{} (generation {})", reason, options_.generation));
   }
   abort_->Fire();
 }
@@ -116,8 +122,8 @@ Status TcpCommunicator::Run(TransferSpec spec) {
 // received at step t-1, so piece p of step t depends on piece p of step t-1:
 // that is the pipelining. Each chunk is cut into pieces of piece_bytes, and an
 // empty chunk still travels as one empty piece, so every step synchronises.
-Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end,
-                                 Reduce reduce) {
+Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin,
+                                 int t_end, Reduce reduce) {
   const int w = world_size();
   const int r = rank();
   auto mod = [w](int x) { return ((x % w) + w) % w; };
@@ -170,10 +176,11 @@ Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_b
 
 Status TcpCommunicator::CheckHost(const ConstRegion& region, std::string_view op) const {
   if (region.device == Device::kHost) return OkStatus();
-  return InvalidArgumentError(fmt::format(
-      "{}: the TCP data plane reads and writes host memory only; this region is on {} (generation {}, rank {}) "
-      "(HINT: copy it to host memory first; docs/data_plane.md)",
-      op, DeviceName(region.device, region.device_index), options_.generation, rank()));
+  return InvalidArgumentError(
+      fmt::format("{}: the TCP data plane reads and writes host memory only; this region is on {} "
+                  "(generation {}, rank {}) "
+                  "(HINT: copy it to host memory first; docs/data_plane.md)",
+                  op, DeviceName(region.device, region.device_index), options_.generation, rank()));
 }
 
 Status TcpCommunicator::AllReduce(Region data, DType dtype) {
@@ -196,7 +203,8 @@ Status TcpCommunicator::ReduceScatter(Region data, DType dtype) {
   ++op_;
   CountOp();
   if (world_size() == 1) return OkStatus();
-  return RingPass(data.data, data.bytes / element, element, 0, world_size() - 1, Reduce::kSumFloat32);
+  return RingPass(data.data, data.bytes / element, element, 0, world_size() - 1,
+                  Reduce::kSumFloat32);
 }
 
 Status TcpCommunicator::AllGather(Region data, size_t element_bytes) {
@@ -207,7 +215,8 @@ Status TcpCommunicator::AllGather(Region data, size_t element_bytes) {
   CountOp();
   if (world_size() == 1) return OkStatus();
   int w = world_size();
-  return RingPass(data.data, data.bytes / element_bytes, element_bytes, w - 1, 2 * (w - 1), Reduce::kNone);
+  return RingPass(data.data, data.bytes / element_bytes, element_bytes, w - 1, 2 * (w - 1),
+                  Reduce::kNone);
 }
 
 Status TcpCommunicator::Barrier() {
@@ -243,7 +252,8 @@ Status TcpCommunicator::Broadcast(Region data, int root) {
     NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(right));
     spec.send_peer = PeerName(right);
     for (size_t i = 0; i < pieces.size(); ++i) {
-      spec.sends.push_back({pieces[i].first, pieces[i].second, pos == 0 ? -1 : static_cast<int32_t>(i)});
+      spec.sends.push_back(
+          {pieces[i].first, pieces[i].second, pos == 0 ? -1 : static_cast<int32_t>(i)});
     }
   }
   if (pos != 0) {
@@ -270,7 +280,8 @@ Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNod
   NONSTOP_CHECK_EQ(nodes_of.size(), static_cast<size_t>(w));
   const std::vector<TreeNode>& mine = nodes_of[static_cast<size_t>(r)];
   NONSTOP_CHECK_EQ(partials.size(), mine.size()) << "one partial sum per node of this rank's range";
-  NONSTOP_CHECK_EQ(out.bytes % sizeof(float), 0u) << "AllReduceTree: not a whole number of float32 elements";
+  NONSTOP_CHECK_EQ(out.bytes % sizeof(float), 0u)
+      << "AllReduceTree: not a whole number of float32 elements";
   for (const auto& p : partials) NONSTOP_CHECK_EQ(p.bytes, out.bytes);
   NONSTOP_RETURN_IF_ERROR(error());
   NONSTOP_RETURN_IF_ERROR(CheckHost(out, "AllReduceTree"));
@@ -294,7 +305,8 @@ Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNod
     spec.recv_peer = PeerName(from);
     auto [to_lo, to_hi] = ChunkRange(n, w, to);
     const size_t piece = std::max<size_t>(1, options_.piece_bytes / sizeof(float));
-    auto cut = [&](size_t count, auto&& emit) {  // pieces of a run; an empty run travels as one empty piece
+    // pieces of a run; an empty run travels as one empty piece
+    auto cut = [&](size_t count, auto&& emit) {
       size_t pos = 0;
       do {
         size_t end = std::min(count, pos + piece);
@@ -312,8 +324,8 @@ Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNod
     in.assign(their * (hi - lo), 0.0f);
     for (size_t k = 0; k < their; ++k) {
       cut(hi - lo, [&](size_t at, size_t len) {
-        spec.recvs.push_back({reinterpret_cast<std::byte*>(in.data() + k * (hi - lo) + at), len * sizeof(float),
-                              Reduce::kNone});
+        spec.recvs.push_back({reinterpret_cast<std::byte*>(in.data() + k * (hi - lo) + at),
+                              len * sizeof(float), Reduce::kNone});
       });
     }
     spec.generation = options_.generation;
@@ -329,7 +341,8 @@ Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNod
     const auto& theirs = nodes_of[static_cast<size_t>(q)];
     for (size_t k = 0; k < theirs.size(); ++k) {
       nodes.push_back(theirs[k]);
-      values.push_back(q == r ? partial(k) + lo : received[static_cast<size_t>(q)].data() + k * (hi - lo));
+      values.push_back(q == r ? partial(k) + lo
+                              : received[static_cast<size_t>(q)].data() + k * (hi - lo));
     }
   }
   CombineInTreeOrder(m, nodes, values, hi - lo, reinterpret_cast<float*>(out.data) + lo);

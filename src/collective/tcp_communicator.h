@@ -57,15 +57,16 @@ class TcpCommunicator final : public Communicator {
   // Opens the ring neighbours' connections in parallel (or reuses them).
   Status Connect() override;
   // Over the same mesh and abort signal.
-  std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks, uint32_t op_space) const override;
+  std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
+                                         uint32_t op_space) const override;
 
   Status AllReduce(Region data, DType dtype) override;
   Status ReduceScatter(Region data, DType dtype) override;
   Status AllGather(Region data, size_t element_bytes) override;
   Status Broadcast(Region data, int root) override;
   Status Barrier() override;
-  Status AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of, std::span<const ConstRegion> partials,
-                       Region out) override;
+  Status AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
+                       std::span<const ConstRegion> partials, Region out) override;
   Status Send(int to_rank, ConstRegion data) override;
   Status Recv(int from_rank, Region data) override;
 
@@ -86,7 +87,8 @@ class TcpCommunicator final : public Communicator {
   // kInvalidArgument unless `region` is in host memory; `op` names the call.
   Status CheckHost(const ConstRegion& region, std::string_view op) const;
   // Runs global ring steps [t_begin, t_end) over `data` (see tcp_communicator.cc).
-  Status RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end, Reduce reduce);
+  Status RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end,
+                  Reduce reduce);
   Status Run(TransferSpec spec);
   Status Fail(Status status);
   void CountOp();
@@ -100,12 +102,12 @@ class TcpCommunicator final : public Communicator {
   PeerMesh* const mesh_;           // owned by the TcpDataPlane; outlives this
   net::AbortSignal* const abort_;  // owned by the worker session; outlives this
   const CommunicatorOptions options_;
-  uint32_t op_ = 0;                  // collective sequence number, identical on every rank
-  std::vector<uint32_t> p2p_ops_;    // per-peer point-to-point sequence numbers
-  std::vector<std::byte> scratch_;   // one piece, for reducing receives
+  uint32_t op_ = 0;                 // collective sequence number, identical on every rank
+  std::vector<uint32_t> p2p_ops_;   // per-peer point-to-point sequence numbers
+  std::vector<std::byte> scratch_;  // one piece, for reducing receives
 
   mutable Mutex mu_;
-  Status error_ NONSTOP_GUARDED_BY(mu_);            // sticky first error
+  Status error_ NONSTOP_GUARDED_BY(mu_);  // sticky first error
   CommunicatorStats stats_ NONSTOP_GUARDED_BY(mu_);
   // Not under mu_: set and cleared by the thread that drives the collectives
   // (the fault is injected just before the collective it breaks).

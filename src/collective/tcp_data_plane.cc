@@ -4,7 +4,8 @@
 
 namespace nonstop::collective {
 
-Result<std::unique_ptr<TcpDataPlane>> TcpDataPlane::Create(PeerMeshOptions options, net::AbortSignal* abort) {
+Result<std::unique_ptr<TcpDataPlane>> TcpDataPlane::Create(PeerMeshOptions options,
+                                                           net::AbortSignal* abort) {
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<PeerMesh> mesh, PeerMesh::Create(std::move(options)));
   return std::unique_ptr<TcpDataPlane>(new TcpDataPlane(std::move(mesh), abort));
 }

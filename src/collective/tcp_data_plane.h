@@ -19,7 +19,8 @@ class TcpDataPlane final : public DataPlane {
   // Listens on options.listen. `abort` is the process's abort signal (see
   // DataPlane); it must outlive the data plane, whose accept thread may poll
   // it while a communicator waits for a peer to dial in.
-  static Result<std::unique_ptr<TcpDataPlane>> Create(PeerMeshOptions options, net::AbortSignal* abort);
+  static Result<std::unique_ptr<TcpDataPlane>> Create(PeerMeshOptions options,
+                                                      net::AbortSignal* abort);
   // Uses a socket that is already listening (a parent process bound it for a child; tests).
   static std::unique_ptr<TcpDataPlane> Create(PeerMeshOptions options, net::Listener listener,
                                               net::AbortSignal* abort);
@@ -33,7 +34,8 @@ class TcpDataPlane final : public DataPlane {
   PeerMesh& mesh() { return *mesh_; }
 
  private:
-  TcpDataPlane(std::unique_ptr<PeerMesh> mesh, net::AbortSignal* abort) : mesh_(std::move(mesh)), abort_(abort) {}
+  TcpDataPlane(std::unique_ptr<PeerMesh> mesh, net::AbortSignal* abort)
+      : mesh_(std::move(mesh)), abort_(abort) {}
 
   const std::unique_ptr<PeerMesh> mesh_;
   net::AbortSignal* const abort_;  // owned by the worker session; outlives this (see Create)

@@ -81,7 +81,9 @@ class Sender {
     return dep < 0 || static_cast<size_t>(dep) < recvs_done;
   }
 
-  bool owes() const { return spec_.send_to->send_header_tail_left > 0 || spec_.send_to->send_pad > 0; }
+  bool owes() const {
+    return spec_.send_to->send_header_tail_left > 0 || spec_.send_to->send_pad > 0;
+  }
 
   // Completes a frame left unfinished by an aborted operation: the rest of
   // its header as it was, then zeros for its payload.
@@ -101,12 +103,14 @@ class Sender {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return progress;
         if (stats) stats->failed_peer = spec_.send_to->peer_id;
-        return UnavailableError(fmt::format("send to {} failed: {}", spec_.send_peer, std::strerror(errno)));
+        return UnavailableError(
+            fmt::format("send to {} failed: {}", spec_.send_peer, std::strerror(errno)));
       }
       progress = Progress::kMoved;
       if (c->send_header_tail_left > 0) {
         auto sent = static_cast<size_t>(n);
-        std::memmove(c->send_header_tail, c->send_header_tail + sent, c->send_header_tail_left - sent);
+        std::memmove(c->send_header_tail, c->send_header_tail + sent,
+                     c->send_header_tail_left - sent);
         c->send_header_tail_left -= sent;
       } else {
         c->send_pad -= static_cast<size_t>(n);
@@ -141,7 +145,8 @@ class Sender {
         iov[iovcnt++] = {header_ + offset_, kDataHeaderBytes - offset_};
         if (item.bytes > 0) iov[iovcnt++] = {const_cast<std::byte*>(item.data), item.bytes};
       } else {
-        iov[iovcnt++] = {const_cast<std::byte*>(item.data) + (offset_ - kDataHeaderBytes), total - offset_};
+        iov[iovcnt++] = {const_cast<std::byte*>(item.data) + (offset_ - kDataHeaderBytes),
+                         total - offset_};
       }
       msghdr msg{};
       msg.msg_iov = iov;
@@ -151,8 +156,9 @@ class Sender {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return progress;
         if (stats) stats->failed_peer = spec_.send_to->peer_id;
-        return UnavailableError(fmt::format("send to {} failed: {} (generation {}, op {})", spec_.send_peer,
-                                            std::strerror(errno), spec_.generation, spec_.op));
+        return UnavailableError(fmt::format("send to {} failed: {} (generation {}, op {})",
+                                            spec_.send_peer, std::strerror(errno), spec_.generation,
+                                            spec_.op));
       }
       progress = Progress::kMoved;
       offset_ += static_cast<size_t>(n);
@@ -226,15 +232,17 @@ class Receiver {
         ssize_t n = ::recv(spec_.recv_from->fd.get(), target, want, 0);
         if (n == 0) {
           if (stats) stats->failed_peer = spec_.recv_from->peer_id;
-          return UnavailableError(fmt::format("connection to {} closed by peer (generation {}, op {})",
-                                              spec_.recv_peer, spec_.generation, spec_.op));
+          return UnavailableError(
+              fmt::format("connection to {} closed by peer (generation {}, op {})", spec_.recv_peer,
+                          spec_.generation, spec_.op));
         }
         if (n < 0) {
           if (errno == EINTR) continue;
           if (errno == EAGAIN || errno == EWOULDBLOCK) return progress;
           if (stats) stats->failed_peer = spec_.recv_from->peer_id;
-          return UnavailableError(fmt::format("recv from {} failed: {} (generation {}, op {})", spec_.recv_peer,
-                                              std::strerror(errno), spec_.generation, spec_.op));
+          return UnavailableError(fmt::format("recv from {} failed: {} (generation {}, op {})",
+                                              spec_.recv_peer, std::strerror(errno),
+                                              spec_.generation, spec_.op));
         }
         progress = Progress::kMoved;
         if (stats) stats->bytes_received += static_cast<uint64_t>(n);
@@ -250,7 +258,8 @@ class Receiver {
         }
         payload_got_ += static_cast<size_t>(n);
       }
-      if (header_got_ == kDataHeaderBytes && skip_left_ == 0 && payload_got_ == spec_.recvs[item_].bytes) {
+      if (header_got_ == kDataHeaderBytes && skip_left_ == 0 &&
+          payload_got_ == spec_.recvs[item_].bytes) {
         NONSTOP_RETURN_IF_ERROR(FinishItem());
       }
     }
@@ -267,9 +276,10 @@ class Receiver {
     header_ = DecodeHeader(raw_);
     const RecvItem& item = spec_.recvs[item_];
     if (header_.type != kFrameData) {
-      return InternalError(fmt::format("{} sent a frame of type {} on the data path (generation {}, op {}): "
-                                       "not a nonstop data stream",
-                                       spec_.recv_peer, header_.type, spec_.generation, spec_.op));
+      return InternalError(
+          fmt::format("{} sent a frame of type {} on the data path (generation {}, op {}): "
+                      "not a nonstop data stream",
+                      spec_.recv_peer, header_.type, spec_.generation, spec_.op));
     }
     if (header_.generation < spec_.generation) {
       // A frame of an operation aborted in an older generation: drop it.
@@ -280,14 +290,16 @@ class Receiver {
     }
     if (header_.generation != spec_.generation || header_.op != spec_.op || header_.seq != item_ ||
         header_.length != item.bytes) {
-      return InternalError(fmt::format(
-          "{} sent (generation {}, op {}, seq {}, {} bytes) where (generation {}, op {}, seq {}, {} bytes) "
-          "was expected: the peers disagree on the sequence of collectives",
-          spec_.recv_peer, header_.generation, header_.op, header_.seq, header_.length, spec_.generation,
-          spec_.op, item_, item.bytes));
+      return InternalError(
+          fmt::format("{} sent (generation {}, op {}, seq {}, {} bytes) where (generation {}, op "
+                      "{}, seq {}, {} bytes) "
+                      "was expected: the peers disagree on the sequence of collectives",
+                      spec_.recv_peer, header_.generation, header_.op, header_.seq, header_.length,
+                      spec_.generation, spec_.op, item_, item.bytes));
     }
     if (spec_.checksum && !(header_.flags & kDataFlagChecksum)) {
-      return InternalError(fmt::format("{} sent an unchecksummed piece where a checksum is required", spec_.recv_peer));
+      return InternalError(fmt::format(
+          "{} sent an unchecksummed piece where a checksum is required", spec_.recv_peer));
     }
     return OkStatus();
   }
@@ -298,10 +310,10 @@ class Receiver {
     if (header_.flags & kDataFlagChecksum) {
       uint32_t got = Crc32c(payload, item.bytes);
       if (got != header_.crc) {
-        return DataLossError(fmt::format("piece {} of {} bytes from {} fails its checksum (crc32c {:08x}, "
-                                         "sender says {:08x}; generation {}, op {})",
-                                         item_, item.bytes, spec_.recv_peer, got, header_.crc,
-                                         spec_.generation, spec_.op));
+        return DataLossError(fmt::format(
+            "piece {} of {} bytes from {} fails its checksum (crc32c {:08x}, "
+            "sender says {:08x}; generation {}, op {})",
+            item_, item.bytes, spec_.recv_peer, got, header_.crc, spec_.generation, spec_.op));
       }
     }
     if (item.reduce == Reduce::kSumFloat32) {
@@ -338,7 +350,8 @@ Status RunTransfer(const TransferSpec& spec, TransferStats* stats) {
   Receiver receiver(spec);
   while (!sender.done() || !receiver.done()) {
     if (spec.abort != nullptr && spec.abort->fired()) {
-      return AbortedError(fmt::format("collective aborted (generation {}, op {})", spec.generation, spec.op));
+      return AbortedError(
+          fmt::format("collective aborted (generation {}, op {})", spec.generation, spec.op));
     }
     NONSTOP_ASSIGN_OR_RETURN(Progress rp, receiver.Pump(stats));
     NONSTOP_ASSIGN_OR_RETURN(Progress sp, sender.Pump(receiver.items_done(), stats));
@@ -360,8 +373,10 @@ Status RunTransfer(const TransferSpec& spec, TransferStats* stats) {
     int rc = ::poll(fds, static_cast<nfds_t>(n), PollTimeoutMs(spec.deadline));
     if (rc < 0 && errno != EINTR) return ErrnoStatus(StatusCode::kInternal, "poll", errno);
     if (rc == 0 && Clock::now() >= spec.deadline) {
-      std::string waiting = !receiver.done() ? "receiving from " + spec.recv_peer : "sending to " + spec.send_peer;
-      return DeadlineExceededError(fmt::format("timed out {} (generation {}, op {})", waiting, spec.generation, spec.op));
+      std::string waiting =
+          !receiver.done() ? "receiving from " + spec.recv_peer : "sending to " + spec.send_peer;
+      return DeadlineExceededError(
+          fmt::format("timed out {} (generation {}, op {})", waiting, spec.generation, spec.op));
     }
   }
   return OkStatus();

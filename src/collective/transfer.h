@@ -64,7 +64,7 @@ struct TransferSpec {
 
   uint32_t generation = 0;
   uint32_t op = 0;
-  bool checksum = false;  // CRC32C on every payload; a mismatch is kDataLoss
+  bool checksum = false;         // CRC32C on every payload; a mismatch is kDataLoss
   std::span<std::byte> scratch;  // >= the largest reducing receive item
   Deadline deadline = kNoDeadline;
   const net::AbortSignal* abort = nullptr;

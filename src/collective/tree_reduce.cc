@@ -10,7 +10,9 @@ namespace nonstop::collective {
 namespace {
 
 // The first micro-batch after node (l, i), clipped to m: its range is [i << l, End(l, i)).
-int End(int m, int l, int i) { return static_cast<int>(std::min<long long>(m, (static_cast<long long>(i) + 1) << l)); }
+int End(int m, int l, int i) {
+  return static_cast<int>(std::min<long long>(m, (static_cast<long long>(i) + 1) << l));
+}
 
 bool RightChildEmpty(int m, int l, int i) {  // node (l, i) with l ≥ 1
   return (static_cast<long long>(2 * i + 1) << (l - 1)) >= m;
@@ -96,7 +98,9 @@ std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>
     for (const TreeNode& node : offered[static_cast<size_t>(q)]) {
       if (!IsTreeNode(m, node)) continue;
       auto [first, last] = NodeRange(m, node);
-      if (std::any_of(covered.begin() + first, covered.begin() + last, [](char c) { return c != 0; })) continue;
+      if (std::any_of(covered.begin() + first, covered.begin() + last,
+                      [](char c) { return c != 0; }))
+        continue;
       std::fill(covered.begin() + first, covered.begin() + last, 1);
       shares[static_cast<size_t>(q)].kept.push_back(node);
     }
@@ -130,8 +134,8 @@ std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>
   return shares;
 }
 
-void CombineInTreeOrder(int m, std::span<const TreeNode> nodes, std::span<const float* const> values, size_t n,
-                        float* out) {
+void CombineInTreeOrder(int m, std::span<const TreeNode> nodes,
+                        std::span<const float* const> values, size_t n, float* out) {
   NONSTOP_CHECK_EQ(nodes.size(), values.size());
   std::map<std::pair<int, int>, const float*> have;
   int covered = 0;

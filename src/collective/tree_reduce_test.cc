@@ -49,7 +49,8 @@ TEST(TreeReduceTest, NodesOfARangeAreMaximalAndCoverItExactly) {
   EXPECT_EQ(NodesOfRange(8, 0, 8), (std::vector<TreeNode>{{3, 0}}));
   EXPECT_EQ(NodesOfRange(8, 1, 8), (std::vector<TreeNode>{{0, 1}, {1, 1}, {2, 1}}));
   EXPECT_EQ(NodesOfRange(8, 3, 6), (std::vector<TreeNode>{{0, 3}, {1, 2}}));
-  EXPECT_EQ(NodesOfRange(3, 2, 3), (std::vector<TreeNode>{{1, 1}})) << "a node whose right child covers nothing";
+  EXPECT_EQ(NodesOfRange(3, 2, 3), (std::vector<TreeNode>{{1, 1}}))
+      << "a node whose right child covers nothing";
   EXPECT_EQ(NodesOfRange(5, 0, 5), (std::vector<TreeNode>{{3, 0}}));
   EXPECT_TRUE(NodesOfRange(8, 4, 4).empty());
 }
@@ -74,8 +75,8 @@ TEST(TreeReduceTest, EverySplitOfUpTo16MicroBatchesSumsToTheSameBitsAsTheTree) {
         folders.emplace_back(m, first, last, n);
         for (int i = first; i < last; ++i) folders.back().Add(g[static_cast<size_t>(i)]);
         ASSERT_TRUE(folders.back().complete());
-        EXPECT_EQ(folders.back().nodes(), NodesOfRange(m, first, last)) << "m " << m << " range " << first << "-"
-                                                                          << last;
+        EXPECT_EQ(folders.back().nodes(), NodesOfRange(m, first, last))
+            << "m " << m << " range " << first << "-" << last;
         EXPECT_LE(folders.back().partials().size(), static_cast<size_t>(2 * TreeLevels(m) + 1));
       }
       for (const auto& f : folders) {
@@ -86,7 +87,8 @@ TEST(TreeReduceTest, EverySplitOfUpTo16MicroBatchesSumsToTheSameBitsAsTheTree) {
       }
       std::vector<float> got(n);
       CombineInTreeOrder(m, nodes, values, n, got.data());
-      ASSERT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0) << "m " << m << " world " << w;
+      ASSERT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0)
+          << "m " << m << " world " << w;
     }
   }
   // The test can tell orders apart: for most M the tree's bits are not a plain left-to-right sum's.
@@ -129,7 +131,8 @@ TEST(TreeReduceTest, SalvagedPartialSumsPlusTheRecomputedRestGiveTheTreesBitsFor
             if (q == lost) continue;
             auto [first, last] = ranges[static_cast<size_t>(q)];
             held.emplace_back(m, first, last, n);
-            for (int i = first; i < std::min(last, first + progress); ++i) held.back().Add(g[static_cast<size_t>(i)]);
+            for (int i = first; i < std::min(last, first + progress); ++i)
+              held.back().Add(g[static_cast<size_t>(i)]);
             survivors.push_back(q);
           }
           for (bool spare : {true, false}) {
@@ -139,7 +142,9 @@ TEST(TreeReduceTest, SalvagedPartialSumsPlusTheRecomputedRestGiveTheTreesBitsFor
             for (size_t k = 0; k < survivors.size(); ++k) owner.push_back(static_cast<int>(k));
             if (spare) owner.insert(owner.begin() + lost, -1);
             std::vector<std::vector<TreeNode>> offered;
-            for (int o : owner) offered.push_back(o < 0 ? std::vector<TreeNode>{} : held[static_cast<size_t>(o)].nodes());
+            for (int o : owner)
+              offered.push_back(o < 0 ? std::vector<TreeNode>{}
+                                      : held[static_cast<size_t>(o)].nodes());
             auto shares = PlanTreeStep(m, offered);
             ASSERT_EQ(shares.size(), owner.size());
             std::vector<TreeNode> nodes;
@@ -152,7 +157,8 @@ TEST(TreeReduceTest, SalvagedPartialSumsPlusTheRecomputedRestGiveTheTreesBitsFor
               ASSERT_EQ(share.kept, offered[r]) << "m " << m << " lost " << lost;
               for (const TreeNode& node : share.kept) {
                 const TreeFolder& f = held[static_cast<size_t>(owner[r])];
-                size_t k = static_cast<size_t>(std::find(f.nodes().begin(), f.nodes().end(), node) - f.nodes().begin());
+                size_t k = static_cast<size_t>(std::find(f.nodes().begin(), f.nodes().end(), node) -
+                                               f.nodes().begin());
                 nodes.push_back(node);
                 values.push_back(f.partials()[k].data());
                 salvaged += NodeRange(m, node).second - NodeRange(m, node).first;
@@ -171,14 +177,15 @@ TEST(TreeReduceTest, SalvagedPartialSumsPlusTheRecomputedRestGiveTheTreesBitsFor
             ASSERT_EQ(salvaged + recomputed, m);
             int held_total = 0;
             for (const auto& f : held) {
-              for (const TreeNode& node : f.nodes()) held_total += NodeRange(m, node).second - NodeRange(m, node).first;
+              for (const TreeNode& node : f.nodes())
+                held_total += NodeRange(m, node).second - NodeRange(m, node).first;
             }
             EXPECT_EQ(salvaged, held_total) << "nothing held is computed again";
             std::vector<float> got(n);
             CombineInTreeOrder(m, nodes, values, n, got.data());
             ASSERT_EQ(std::memcmp(got.data(), want.data(), n * sizeof(float)), 0)
-                << "m " << m << " world " << w_old << " lost " << lost << " progress " << progress << " spare "
-                << spare;
+                << "m " << m << " world " << w_old << " lost " << lost << " progress " << progress
+                << " spare " << spare;
             ++cases;
           }
         }
@@ -217,8 +224,8 @@ TEST(TreeReduceTest, OverlappingOrInvalidOffersAreDroppedAndEveryMicroBatchIsCov
     for (auto [first, last] : share.compute) computed += last - first;
   }
   EXPECT_EQ(computed, 3);
-  // Aliases: at M = 6, (1, 2) and (2, 1) both cover micro-batches 4-5. The second is an overlap, dropped;
-  // whatever is kept and computed sums to the tree's bits.
+  // Aliases: at M = 6, (1, 2) and (2, 1) both cover micro-batches 4-5. The second is an overlap,
+  // dropped; whatever is kept and computed sums to the tree's bits.
   const int m6 = 6;
   auto g = Gradients(m6, 9, 77);
   std::vector<float> want;
@@ -264,7 +271,8 @@ TEST(TreeReduceTest, WithNothingOfferedTheSharesAreTheSamplersContiguousSplit) {
         if (first == last) {
           EXPECT_TRUE(share.compute.empty());
         } else {
-          EXPECT_EQ(share.compute, (std::vector<std::pair<int, int>>{{first, last}})) << m << " " << w << " " << q;
+          EXPECT_EQ(share.compute, (std::vector<std::pair<int, int>>{{first, last}}))
+              << m << " " << w << " " << q;
         }
         EXPECT_EQ(share.nodes, NodesOfRange(m, first, last));
       }

@@ -57,9 +57,15 @@ inline void PutFixed64(std::string* dst, uint64_t v) {
 class ByteReader {
  public:
   explicit ByteReader(std::string_view data) : data_(data) {}
-  bool ReadFixed16(uint16_t* v) { return Read(2, [&](const char* p) { *v = DecodeFixed16(p); }); }
-  bool ReadFixed32(uint32_t* v) { return Read(4, [&](const char* p) { *v = DecodeFixed32(p); }); }
-  bool ReadFixed64(uint64_t* v) { return Read(8, [&](const char* p) { *v = DecodeFixed64(p); }); }
+  bool ReadFixed16(uint16_t* v) {
+    return Read(2, [&](const char* p) { *v = DecodeFixed16(p); });
+  }
+  bool ReadFixed32(uint32_t* v) {
+    return Read(4, [&](const char* p) { *v = DecodeFixed32(p); });
+  }
+  bool ReadFixed64(uint64_t* v) {
+    return Read(8, [&](const char* p) { *v = DecodeFixed64(p); });
+  }
   bool ReadBytes(size_t n, std::string_view* out) {
     return Read(n, [&](const char* p) { *out = std::string_view(p, n); });
   }

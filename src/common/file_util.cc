@@ -28,7 +28,8 @@ Status WriteFileSynced(const std::string& path, std::string_view contents) {
 Status SyncDirectory(const std::string& dir) {
   UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!fd.valid()) return ErrnoStatus(StatusCode::kUnavailable, "open directory " + dir, errno);
-  if (::fsync(fd.get()) != 0) return ErrnoStatus(StatusCode::kUnavailable, "fsync directory " + dir, errno);
+  if (::fsync(fd.get()) != 0)
+    return ErrnoStatus(StatusCode::kUnavailable, "fsync directory " + dir, errno);
   return OkStatus();
 }
 
@@ -51,7 +52,8 @@ Status WriteFileAtomically(const std::string& path, std::string_view contents) {
 Result<std::string> ReadFile(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) {
-    return ErrnoStatus(errno == ENOENT ? StatusCode::kNotFound : StatusCode::kUnavailable, "open " + path, errno);
+    return ErrnoStatus(errno == ENOENT ? StatusCode::kNotFound : StatusCode::kUnavailable,
+                       "open " + path, errno);
   }
   std::string out;
   char buf[1 << 16];

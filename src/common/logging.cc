@@ -11,7 +11,8 @@
 namespace nonstop {
 namespace {
 
-std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};  // atomic: read on every log line, no lock
+// atomic: read on every log line, no lock
+std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
 Mutex g_role_mu;
 std::string g_role NONSTOP_GUARDED_BY(g_role_mu) = "nonstop";
 // Held while the sink runs: SetLogSink(nullptr) then returns only once no
@@ -21,10 +22,14 @@ std::function<void(std::string_view)> g_sink NONSTOP_GUARDED_BY(g_sink_mu);
 
 char LevelChar(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return 'D';
-    case LogLevel::kInfo: return 'I';
-    case LogLevel::kWarning: return 'W';
-    case LogLevel::kError: return 'E';
+    case LogLevel::kDebug:
+      return 'D';
+    case LogLevel::kInfo:
+      return 'I';
+    case LogLevel::kWarning:
+      return 'W';
+    case LogLevel::kError:
+      return 'E';
   }
   return '?';
 }
@@ -45,11 +50,16 @@ void SetLogSink(std::function<void(std::string_view)> sink) {
 LogLevel GetLogLevel() { return static_cast<LogLevel>(g_level.load()); }
 
 bool ParseLogLevel(std::string_view text, LogLevel* level) {
-  if (text == "debug") *level = LogLevel::kDebug;
-  else if (text == "info") *level = LogLevel::kInfo;
-  else if (text == "warning") *level = LogLevel::kWarning;
-  else if (text == "error") *level = LogLevel::kError;
-  else return false;
+  if (text == "debug")
+    *level = LogLevel::kDebug;
+  else if (text == "info")
+    *level = LogLevel::kInfo;
+  else if (text == "warning")
+    *level = LogLevel::kWarning;
+  else if (text == "error")
+    *level = LogLevel::kError;
+  else
+    return false;
   return true;
 }
 

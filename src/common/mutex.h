@@ -48,7 +48,8 @@
 #define NONSTOP_ACQUIRED_BEFORE(...) NONSTOP_THREAD_ANNOTATION_(acquired_before(__VA_ARGS__))
 #define NONSTOP_ACQUIRED_AFTER(...) NONSTOP_THREAD_ANNOTATION_(acquired_after(__VA_ARGS__))
 // On a function: the caller holds the lock(s) (the *Locked methods).
-#define NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(...) NONSTOP_THREAD_ANNOTATION_(requires_capability(__VA_ARGS__))
+#define NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(...) \
+  NONSTOP_THREAD_ANNOTATION_(requires_capability(__VA_ARGS__))
 #define NONSTOP_REQUIRES(...) NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(__VA_ARGS__)
 // On a function: the caller does not hold the lock(s): the function takes them.
 #define NONSTOP_LOCKS_EXCLUDED(...) NONSTOP_THREAD_ANNOTATION_(locks_excluded(__VA_ARGS__))

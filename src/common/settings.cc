@@ -13,20 +13,30 @@ namespace {
 
 template <typename T>
 std::string TypeName() {
-  if constexpr (std::is_same_v<T, bool>) return "bool";
-  else if constexpr (std::is_same_v<T, double>) return "float";
-  else if constexpr (std::is_integral_v<T>) return "int";
-  else if constexpr (std::is_same_v<T, std::string_view>) return "string";
-  else if constexpr (std::is_same_v<T, IntList>) return "list of int";
-  else return "list of string";
+  if constexpr (std::is_same_v<T, bool>)
+    return "bool";
+  else if constexpr (std::is_same_v<T, double>)
+    return "float";
+  else if constexpr (std::is_integral_v<T>)
+    return "int";
+  else if constexpr (std::is_same_v<T, std::string_view>)
+    return "string";
+  else if constexpr (std::is_same_v<T, IntList>)
+    return "list of int";
+  else
+    return "list of string";
 }
 
 template <typename T>
 std::string ValueText(const T& v) {
-  if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
-  else if constexpr (std::is_arithmetic_v<T>) return fmt::format("{}", v);
-  else if constexpr (std::is_same_v<T, std::string_view>) return std::string(v);
-  else return fmt::format("{}", fmt::join(v, ","));
+  if constexpr (std::is_same_v<T, bool>)
+    return v ? "true" : "false";
+  else if constexpr (std::is_arithmetic_v<T>)
+    return fmt::format("{}", v);
+  else if constexpr (std::is_same_v<T, std::string_view>)
+    return std::string(v);
+  else
+    return fmt::format("{}", fmt::join(v, ","));
 }
 
 template <typename T>
@@ -52,32 +62,81 @@ Info Describe(const Setting<T>& s) {
 std::vector<Info> Build() {
   return {
       // the job
-      Describe(kJournal), Describe(kHeartbeatTimeoutMs), Describe(kAbortTimeoutMs), Describe(kHangFloorMs),
-      Describe(kHangFactor), Describe(kStallFloorMs), Describe(kRefillNice), Describe(kJoinTimeoutMs),
-      Describe(kInject), Describe(kRecovery), Describe(kCheckpointDir), Describe(kCheckpointEvery),
-      Describe(kMtbfSeconds), Describe(kHttpHost), Describe(kHttpPort), Describe(kMinWorld), Describe(kMaxWorld),
-      Describe(kAllowedSizes), Describe(kWorldIncrement), Describe(kStablePeriodMs), Describe(kLogLevel),
+      Describe(kJournal),
+      Describe(kHeartbeatTimeoutMs),
+      Describe(kAbortTimeoutMs),
+      Describe(kHangFloorMs),
+      Describe(kHangFactor),
+      Describe(kStallFloorMs),
+      Describe(kRefillNice),
+      Describe(kJoinTimeoutMs),
+      Describe(kInject),
+      Describe(kRecovery),
+      Describe(kCheckpointDir),
+      Describe(kCheckpointEvery),
+      Describe(kMtbfSeconds),
+      Describe(kHttpHost),
+      Describe(kHttpPort),
+      Describe(kMinWorld),
+      Describe(kMaxWorld),
+      Describe(kAllowedSizes),
+      Describe(kWorldIncrement),
+      Describe(kStablePeriodMs),
+      Describe(kLogLevel),
       // nonstop run
-      Describe(kNproc), Describe(kSpares), Describe(kHost), Describe(kPort), Describe(kResumable),
+      Describe(kNproc),
+      Describe(kSpares),
+      Describe(kHost),
+      Describe(kPort),
+      Describe(kResumable),
       Describe(kVerbose),
       // nonstop controller
-      Describe(kListen), Describe(kControllerAdvertiseAddress), Describe(kNnodes), Describe(kControllerJobTokenFile),
-      Describe(kControllerEtcd), Describe(kEtcdJob), Describe(kLeaseTtlS),
+      Describe(kListen),
+      Describe(kControllerAdvertiseAddress),
+      Describe(kNnodes),
+      Describe(kControllerJobTokenFile),
+      Describe(kControllerEtcd),
+      Describe(kEtcdJob),
+      Describe(kLeaseTtlS),
       // nonstop agent
-      Describe(kAgentController), Describe(kEtcd), Describe(kAgentJobTokenFile), Describe(kAgentHostId),
-      Describe(kNprocPerHost), Describe(kSparesPerHost), Describe(kAgentAdvertiseAddress),
-      Describe(kAgentJoinTimeoutMs), Describe(kAgentControllerTimeoutMs), Describe(kFenceAfterMs),
+      Describe(kAgentController),
+      Describe(kEtcd),
+      Describe(kAgentJobTokenFile),
+      Describe(kAgentHostId),
+      Describe(kNprocPerHost),
+      Describe(kSparesPerHost),
+      Describe(kAgentAdvertiseAddress),
+      Describe(kAgentJoinTimeoutMs),
+      Describe(kAgentControllerTimeoutMs),
+      Describe(kFenceAfterMs),
       Describe(kOnSigterm),
       // nonstop status, scale, worker; nonstop data prepare
-      Describe(kJobFile), Describe(kHttp), Describe(kDataOutput), Describe(kTokensPerShard),
+      Describe(kJobFile),
+      Describe(kHttp),
+      Describe(kDataOutput),
+      Describe(kTokensPerShard),
       // a worker
-      Describe(kControllerAddress), Describe(kJobToken), Describe(kWorkerId), Describe(kSpare), Describe(kDataHost), Describe(kDataPorts),
-      Describe(kWorkerAdvertiseAddress), Describe(kHostId), Describe(kConnectTimeoutMs),
-      Describe(kWorkerControllerTimeoutMs), Describe(kLeaderlessTimeoutMs),
+      Describe(kControllerAddress),
+      Describe(kJobToken),
+      Describe(kWorkerId),
+      Describe(kSpare),
+      Describe(kDataHost),
+      Describe(kDataPorts),
+      Describe(kWorkerAdvertiseAddress),
+      Describe(kHostId),
+      Describe(kConnectTimeoutMs),
+      Describe(kWorkerControllerTimeoutMs),
+      Describe(kLeaderlessTimeoutMs),
       // nonstop-train
-      Describe(kTrainCheckpointDir), Describe(kTrainCheckpointEvery), Describe(kTrainMtbfSeconds),
-      Describe(kResume), Describe(kTrainSteps), Describe(kShardGroup), Describe(kTorchThreads),
-      Describe(kTrainNoOverlap), Describe(kTrainNoSalvage),
+      Describe(kTrainCheckpointDir),
+      Describe(kTrainCheckpointEvery),
+      Describe(kTrainMtbfSeconds),
+      Describe(kResume),
+      Describe(kTrainSteps),
+      Describe(kShardGroup),
+      Describe(kTorchThreads),
+      Describe(kTrainNoOverlap),
+      Describe(kTrainNoSalvage),
   };
 }
 
@@ -85,9 +144,12 @@ std::vector<Info> Build() {
 std::string Cell(std::string_view text) {
   std::string out;
   for (char c : text) {
-    if (c == '|') out += "\\|";
-    else if (c == '\n') out += ' ';
-    else out += c;
+    if (c == '|')
+      out += "\\|";
+    else if (c == '\n')
+      out += ' ';
+    else
+      out += c;
   }
   return out;
 }
@@ -118,9 +180,9 @@ std::string Row(const Info& i) {
   std::string meaning(i.help);
   if (i.required) meaning += ". Required";
   if (!i.note.empty()) meaning += fmt::format(". Note: {}", i.note);
-  return fmt::format("| `{}` | {} | {} | {} | {} | {} | {} |\n", i.env, FlagCell(i.flag), Cell(type),
-                     Cell(DefaultCell(i)), ProgramNames(i.read_by), i.set_by == 0 ? "—" : ProgramNames(i.set_by),
-                     Cell(meaning));
+  return fmt::format("| `{}` | {} | {} | {} | {} | {} | {} |\n", i.env, FlagCell(i.flag),
+                     Cell(type), Cell(DefaultCell(i)), ProgramNames(i.read_by),
+                     i.set_by == 0 ? "—" : ProgramNames(i.set_by), Cell(meaning));
 }
 
 }  // namespace
@@ -137,7 +199,8 @@ bool IsRegistered(std::string_view env) {
 
 std::string ProgramNames(uint32_t programs) {
   static constexpr std::string_view kNames[kProgramCount] = {
-      "run", "controller", "agent", "worker", "nonstop-train", "status/scale/worker", "data prepare", "Python"};
+      "run",           "controller",          "agent",        "worker",
+      "nonstop-train", "status/scale/worker", "data prepare", "Python"};
   std::string out;
   for (int b = 0; b < kProgramCount; ++b) {
     if ((programs & (1u << b)) != 0) out += fmt::format("{}{}", out.empty() ? "" : ", ", kNames[b]);
@@ -148,7 +211,8 @@ std::string ProgramNames(uint32_t programs) {
 std::string Markdown() {
   std::vector<const Info*> rows;
   for (const Info& i : All()) rows.push_back(&i);
-  std::stable_sort(rows.begin(), rows.end(), [](const Info* a, const Info* b) { return a->env < b->env; });
+  std::stable_sort(rows.begin(), rows.end(),
+                   [](const Info* a, const Info* b) { return a->env < b->env; });
   std::string out =
       "| Variable | Flag | Type | Default | Read by | Set by | Meaning |\n"
       "|---|---|---|---|---|---|---|\n";
@@ -160,7 +224,8 @@ std::string Markdown() {
     if (entries.size() < 2) continue;
     std::string uses;
     for (const Info* i : entries) {
-      uses += fmt::format("{}{}: {}", uses.empty() ? "" : "; ", ProgramNames(i->read_by), DefaultCell(*i));
+      uses += fmt::format("{}{}: {}", uses.empty() ? "" : "; ", ProgramNames(i->read_by),
+                          DefaultCell(*i));
     }
     out += fmt::format("- `{}`: {}\n", env, uses);
   }

@@ -24,7 +24,8 @@ TEST(StatusTest, OkByDefault) {
 
 TEST(StatusTest, ToStringNamesCodeAndMessage) {
   EXPECT_EQ(AbortedError("generation 3 ended").ToString(), "ABORTED: generation 3 ended");
-  EXPECT_EQ(DataLossError("bad").WithContext("shard a.bin").ToString(), "DATA_LOSS: shard a.bin: bad");
+  EXPECT_EQ(DataLossError("bad").WithContext("shard a.bin").ToString(),
+            "DATA_LOSS: shard a.bin: bad");
 }
 
 TEST(StatusTest, AssignOrReturnPropagatesFirstError) {

@@ -6,7 +6,8 @@ namespace nonstop {
 
 int PollTimeoutMs(Deadline deadline) {
   if (deadline == kNoDeadline) return -1;
-  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   if (left <= 0) return 0;
   if (left > INT_MAX) return INT_MAX;
   // Round up so that a wait never returns just before its deadline.

@@ -312,8 +312,8 @@ void ControllerLink::Connect(const net::HostPort& where, Deadline now) {
   if (err != 0 && err != EINPROGRESS) return TryFailed(UnavailableError(ErrText(err)), now);
   InstallConnection(std::move(fd));
   try_deadline_ = std::min(now + options_.try_timeout, give_up_at_);
-  ChangeState(
-      State::kConnecting);  // a connect that completed at once (loopback can) shows as POLLOUT
+  // A connect that completed at once (loopback can) shows as POLLOUT.
+  ChangeState(State::kConnecting);
 }
 
 void ControllerLink::OnConnected(Deadline now) {
@@ -484,8 +484,8 @@ void ControllerLink::FinishLoss(const Pending& p) {
   losing_ = false;
   last_status_ = p.event.status;
   last_error_ = p.event.status.message();
-  tried_in_round_ =
-      0;  // the round starts at the controller that was lost: it may come back (--resume)
+  // The round starts at the controller that was lost: it may come back (--resume).
+  tried_in_round_ = 0;
   give_up_at_ = p.at + options_.reconnect_within;
   next_try_at_ = std::min(p.next_try_at, give_up_at_);
   ChangeState(State::kWaiting);

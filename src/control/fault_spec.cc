@@ -8,12 +8,18 @@ namespace nonstop::control {
 
 std::string_view FaultKindName(FaultKind k) {
   switch (k) {
-    case FaultKind::kKill: return "kill";
-    case FaultKind::kHang: return "hang";
-    case FaultKind::kException: return "exception";
-    case FaultKind::kDrop: return "drop";
-    case FaultKind::kCorrupt: return "corrupt";
-    case FaultKind::kStall: return "stall";
+    case FaultKind::kKill:
+      return "kill";
+    case FaultKind::kHang:
+      return "hang";
+    case FaultKind::kException:
+      return "exception";
+    case FaultKind::kDrop:
+      return "drop";
+    case FaultKind::kCorrupt:
+      return "corrupt";
+    case FaultKind::kStall:
+      return "stall";
   }
   return "?";
 }
@@ -51,17 +57,28 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
     FaultSpec f;
     f.id = first_id + static_cast<int>(out.size());
     std::string_view kind = item.substr(0, colon);
-    if (kind == "kill") f.kind = FaultKind::kKill;
-    else if (kind == "hang") f.kind = FaultKind::kHang;
-    else if (kind == "stall") f.kind = FaultKind::kStall;
-    else if (kind == "exception") f.kind = FaultKind::kException;
-    else if (kind == "drop") f.kind = FaultKind::kDrop;
-    else if (kind == "corrupt") f.kind = FaultKind::kCorrupt;
-    else return InvalidArgumentError(fmt::format("fault '{}': unknown kind '{}' (kill, hang, stall, exception, drop, corrupt)", item, kind));
+    if (kind == "kill")
+      f.kind = FaultKind::kKill;
+    else if (kind == "hang")
+      f.kind = FaultKind::kHang;
+    else if (kind == "stall")
+      f.kind = FaultKind::kStall;
+    else if (kind == "exception")
+      f.kind = FaultKind::kException;
+    else if (kind == "drop")
+      f.kind = FaultKind::kDrop;
+    else if (kind == "corrupt")
+      f.kind = FaultKind::kCorrupt;
+    else
+      return InvalidArgumentError(
+          fmt::format("fault '{}': unknown kind '{}' (kill, hang, stall, exception, drop, corrupt)",
+                      item, kind));
     bool has_rank = false;
     for (std::string_view kv : Split(item.substr(colon + 1), ',')) {
       size_t eq = kv.find('=');
-      if (eq == std::string_view::npos) return InvalidArgumentError(fmt::format("fault '{}': '{}' is not key=value{}", item, kv, hint));
+      if (eq == std::string_view::npos)
+        return InvalidArgumentError(
+            fmt::format("fault '{}': '{}' is not key=value{}", item, kv, hint));
       std::string_view k = kv.substr(0, eq), v = kv.substr(eq + 1);
       bool ok = true;
       if (k == "rank") {
@@ -76,18 +93,24 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
         ok = v == "transfer" || v == "step";
         if (v == "transfer") f.point = FaultPoint::kTransfer;
       } else {
-        return InvalidArgumentError(fmt::format("fault '{}': unknown key '{}' (rank, step, time, during)", item, k));
+        return InvalidArgumentError(
+            fmt::format("fault '{}': unknown key '{}' (rank, step, time, during)", item, k));
       }
-      if (!ok) return InvalidArgumentError(fmt::format("fault '{}': bad value '{}' for {}", item, v, k));
+      if (!ok)
+        return InvalidArgumentError(fmt::format("fault '{}': bad value '{}' for {}", item, v, k));
     }
-    if (!has_rank) return InvalidArgumentError(fmt::format("fault '{}': rank= is required{}", item, hint));
+    if (!has_rank)
+      return InvalidArgumentError(fmt::format("fault '{}': rank= is required{}", item, hint));
     if (f.point == FaultPoint::kTime) {
       if (f.kind != FaultKind::kKill && f.kind != FaultKind::kHang) {
-        return InvalidArgumentError(fmt::format("fault '{}': time= works for kill and hang only", item));
+        return InvalidArgumentError(
+            fmt::format("fault '{}': time= works for kill and hang only", item));
       }
-      if (f.step >= 0) return InvalidArgumentError(fmt::format("fault '{}': give step= or time=, not both", item));
+      if (f.step >= 0)
+        return InvalidArgumentError(fmt::format("fault '{}': give step= or time=, not both", item));
     } else if (f.step < 0 && f.point != FaultPoint::kTransfer) {
-      return InvalidArgumentError(fmt::format("fault '{}': step= or time= is required{}", item, hint));
+      return InvalidArgumentError(
+          fmt::format("fault '{}': step= or time= is required{}", item, hint));
     }
     if (f.kind == FaultKind::kCorrupt) f.point = FaultPoint::kTransfer;
     out.push_back(f);

@@ -42,12 +42,14 @@ V Convert(const json& v, const std::string& path) {
     if (v.is_boolean()) return v.get<bool>();
     throw FieldError{path, fmt::format("must be true or false, got {}", Shown(v))};
   } else if constexpr (std::is_integral_v<V>) {
-    if (v.is_number_unsigned() && std::in_range<V>(v.get<uint64_t>())) return static_cast<V>(v.get<uint64_t>());
+    if (v.is_number_unsigned() && std::in_range<V>(v.get<uint64_t>()))
+      return static_cast<V>(v.get<uint64_t>());
     if (v.is_number_integer() && !v.is_number_unsigned() && std::in_range<V>(v.get<int64_t>())) {
       return static_cast<V>(v.get<int64_t>());
     }
-    throw FieldError{path, fmt::format("must be an integer from {} to {}, got {}", std::numeric_limits<V>::min(),
-                                       std::numeric_limits<V>::max(), Shown(v))};
+    throw FieldError{
+        path, fmt::format("must be an integer from {} to {}, got {}", std::numeric_limits<V>::min(),
+                          std::numeric_limits<V>::max(), Shown(v))};
   } else if constexpr (std::is_floating_point_v<V>) {
     if (v.is_number()) return v.get<V>();
     if (v.is_string()) {
@@ -56,15 +58,18 @@ V Convert(const json& v, const std::string& path) {
       if (s == "inf") return std::numeric_limits<V>::infinity();
       if (s == "-inf") return -std::numeric_limits<V>::infinity();
     }
-    throw FieldError{path, fmt::format("must be a number (or \"nan\", \"inf\", \"-inf\"), got {}", Shown(v))};
+    throw FieldError{
+        path, fmt::format("must be a number (or \"nan\", \"inf\", \"-inf\"), got {}", Shown(v))};
   } else if constexpr (std::is_same_v<V, std::string>) {
     if (v.is_string()) return v.get<std::string>();
     throw FieldError{path, fmt::format("must be a string, got {}", Shown(v))};
   } else {
     static_assert(std::is_same_v<V, std::vector<int>>, "add a conversion for this field type");
-    if (!v.is_array()) throw FieldError{path, fmt::format("must be an array of integers, got {}", Shown(v))};
+    if (!v.is_array())
+      throw FieldError{path, fmt::format("must be an array of integers, got {}", Shown(v))};
     V out;
-    for (size_t i = 0; i < v.size(); ++i) out.push_back(Convert<int>(v[i], fmt::format("{}[{}]", path, i)));
+    for (size_t i = 0; i < v.size(); ++i)
+      out.push_back(Convert<int>(v[i], fmt::format("{}[{}]", path, i)));
     return out;
   }
 }
@@ -73,7 +78,8 @@ V Convert(const json& v, const std::string& path) {
 class Reader {
  public:
   Reader(const json& j, std::string path) : j_(j), path_(std::move(path)) {
-    if (!j_.is_object()) throw FieldError{path_, fmt::format("must be an object, got {}", Shown(j_))};
+    if (!j_.is_object())
+      throw FieldError{path_, fmt::format("must be an object, got {}", Shown(j_))};
   }
 
   template <typename V>
@@ -84,9 +90,11 @@ class Reader {
   // The elements of the array field `name`, each an object.
   std::vector<Reader> Objects(const char* name) const {
     const json& a = At(name);
-    if (!a.is_array()) throw FieldError{Path(name), fmt::format("must be an array, got {}", Shown(a))};
+    if (!a.is_array())
+      throw FieldError{Path(name), fmt::format("must be an array, got {}", Shown(a))};
     std::vector<Reader> out;
-    for (size_t i = 0; i < a.size(); ++i) out.emplace_back(a[i], fmt::format("{}[{}]", Path(name), i));
+    for (size_t i = 0; i < a.size(); ++i)
+      out.emplace_back(a[i], fmt::format("{}[{}]", Path(name), i));
     return out;
   }
 
@@ -135,7 +143,9 @@ json Number(double d) {
 
 // Invalid UTF-8 in a string (an exception's message, say) is replaced, never
 // thrown about: encoding cannot fail.
-std::string Dump(const json& j) { return j.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace); }
+std::string Dump(const json& j) {
+  return j.dump(-1, ' ', /*ensure_ascii=*/false, json::error_handler_t::replace);
+}
 
 // A plan's shard moves (optional: a plan without sharded state has none).
 // Nothing in them is trusted: a receiver or source is a worker id, a shard is
@@ -148,28 +158,33 @@ std::string Dump(const json& j) { return j.dump(-1, ' ', /*ensure_ascii=*/false,
 void ReadShardMoves(const Reader& r, PlanMsg& m) {
   r.Optional("shard_group", &m.shard_group);
   if (m.shard_group < 0 || m.shard_group > kMaxShardGroup) {
-    throw FieldError{"shard_group", fmt::format("{} is not a group size (0 to {})", m.shard_group, kMaxShardGroup)};
+    throw FieldError{"shard_group", fmt::format("{} is not a group size (0 to {})", m.shard_group,
+                                                kMaxShardGroup)};
   }
   if (!r.Has("shard_moves")) return;
   const std::vector<Reader> moves = r.Objects("shard_moves");
   const size_t members = m.members.size();
   if (moves.size() > members) {
-    throw FieldError{"shard_moves", fmt::format("has {} moves for {} members", moves.size(), members)};
+    throw FieldError{"shard_moves",
+                     fmt::format("has {} moves for {} members", moves.size(), members)};
   }
   for (const Reader& e : moves) {
     PlanShardMove move;
     e("receiver", &move.receiver);
     e("shard", &move.shard);
     e("sources", &move.sources);
-    if (move.receiver < 0) throw FieldError{e.Path("receiver"), fmt::format("{} is not a worker id", move.receiver)};
+    if (move.receiver < 0)
+      throw FieldError{e.Path("receiver"), fmt::format("{} is not a worker id", move.receiver)};
     if (move.shard < 0 || move.shard >= m.shard_group) {
-      throw FieldError{e.Path("shard"), m.shard_group == 0
-                                            ? std::string("names a shard, but the plan has no shard_group")
-                                            : fmt::format("{} is not a shard of groups of {}", move.shard,
-                                                          m.shard_group)};
+      throw FieldError{
+          e.Path("shard"),
+          m.shard_group == 0
+              ? std::string("names a shard, but the plan has no shard_group")
+              : fmt::format("{} is not a shard of groups of {}", move.shard, m.shard_group)};
     }
     if (move.sources.size() >= members) {
-      throw FieldError{e.Path("sources"), fmt::format("has {} sources for {} members", move.sources.size(), members)};
+      throw FieldError{e.Path("sources"),
+                       fmt::format("has {} sources for {} members", move.sources.size(), members)};
     }
     for (size_t i = 0; i < move.sources.size(); ++i) {
       if (move.sources[i] < 0) {
@@ -184,8 +199,11 @@ void ReadShardMoves(const Reader& r, PlanMsg& m) {
 }  // namespace
 
 std::string Encode(const JoinMsg& m) {
-  json j = {{"worker_id", m.worker_id}, {"pid", m.pid},       {"data_address", m.data_address},
-            {"spare", m.spare},         {"state_step", m.state_step}};
+  json j = {{"worker_id", m.worker_id},
+            {"pid", m.pid},
+            {"data_address", m.data_address},
+            {"spare", m.spare},
+            {"state_step", m.state_step}};
   if (!m.host_id.empty()) j["host_id"] = m.host_id;
   if (m.generation > 0) j["generation"] = m.generation;
   if (m.waiting) j["waiting"] = true;
@@ -197,13 +215,15 @@ std::string Encode(const JoinMsg& m) {
 }
 std::string Encode(const PlanMsg& m) {
   json members = json::array();
-  for (const auto& p : m.members) members.push_back({{"worker_id", p.worker_id}, {"address", p.address}});
+  for (const auto& p : m.members)
+    members.push_back({{"worker_id", p.worker_id}, {"address", p.address}});
   json transfers = json::array();
-  for (const auto& t : m.transfers) transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}});
+  for (const auto& t : m.transfers)
+    transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}});
   json faults = json::array();
   for (const auto& f : m.faults) faults.push_back({{"id", f.id}, {"spec", FormatFault(f)}});
   json j = {{"generation", m.generation}, {"members", members}, {"resume_step", m.resume_step},
-            {"transfers", transfers}, {"faults", faults}, {"reason", m.reason}};
+            {"transfers", transfers},     {"faults", faults},   {"reason", m.reason}};
   if (m.shard_group > 0) j["shard_group"] = m.shard_group;
   if (!m.shard_moves.empty()) {
     json moves = json::array();
@@ -214,7 +234,9 @@ std::string Encode(const PlanMsg& m) {
   }
   return Dump(j);
 }
-std::string Encode(const HeartbeatMsg& m) { return Dump({{"step", m.step}, {"waiting_ms", m.waiting_ms}}); }
+std::string Encode(const HeartbeatMsg& m) {
+  return Dump({{"step", m.step}, {"waiting_ms", m.waiting_ms}});
+}
 std::string Encode(const ProgressMsg& m) {
   json j = {{"step", m.step},
             {"loss", Number(m.loss)},
@@ -224,26 +246,44 @@ std::string Encode(const ProgressMsg& m) {
   if (m.total_steps > 0) j["total_steps"] = m.total_steps;
   return Dump(j);
 }
-std::string Encode(const FinishedMsg& m) { return Dump({{"step", m.step}, {"checksum", m.checksum}}); }
-std::string Encode(const FailureMsg& m) {
-  return Dump({{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}, {"exit_code", m.exit_code}});
+std::string Encode(const FinishedMsg& m) {
+  return Dump({{"step", m.step}, {"checksum", m.checksum}});
 }
-std::string Encode(const ShutdownMsg& m) { return Dump({{"reason", m.reason}, {"exit_code", m.exit_code}}); }
+std::string Encode(const FailureMsg& m) {
+  return Dump({{"generation", m.generation},
+               {"step", m.step},
+               {"reason", m.reason},
+               {"exit_code", m.exit_code}});
+}
+std::string Encode(const ShutdownMsg& m) {
+  return Dump({{"reason", m.reason}, {"exit_code", m.exit_code}});
+}
 std::string Encode(const PingMsg& m) { return Dump({{"epoch", m.epoch}}); }
-std::string Encode(const AbortMsg& m) { return Dump({{"generation", m.generation}, {"reason", m.reason}}); }
+std::string Encode(const AbortMsg& m) {
+  return Dump({{"generation", m.generation}, {"reason", m.reason}});
+}
 std::string Encode(const DrainMsg& m) {
   return Dump({{"generation", m.generation}, {"after_step", m.after_step}, {"reason", m.reason}});
 }
 std::string Encode(const ReadyMsg& m) {
-  return Dump({{"generation", m.generation}, {"step", m.step}, {"reason", m.reason}, {"held_shard", m.held_shard}});
+  return Dump({{"generation", m.generation},
+               {"step", m.step},
+               {"reason", m.reason},
+               {"held_shard", m.held_shard}});
 }
 std::string Encode(const RecoveredMsg& m) {
-  return Dump({{"generation", m.generation}, {"connect_seconds", Number(m.connect_seconds)},
-               {"transfer_seconds", Number(m.transfer_seconds)}, {"bytes_received", m.bytes_received},
-               {"sources", m.sources}, {"refetched_chunks", m.refetched_chunks}, {"connections", m.connections},
+  return Dump({{"generation", m.generation},
+               {"connect_seconds", Number(m.connect_seconds)},
+               {"transfer_seconds", Number(m.transfer_seconds)},
+               {"bytes_received", m.bytes_received},
+               {"sources", m.sources},
+               {"refetched_chunks", m.refetched_chunks},
+               {"connections", m.connections},
                {"connections_opened", m.connections_opened}});
 }
-std::string Encode(const InjectedMsg& m) { return Dump({{"fault_id", m.fault_id}, {"description", m.description}}); }
+std::string Encode(const InjectedMsg& m) {
+  return Dump({{"fault_id", m.fault_id}, {"description", m.description}});
+}
 
 Result<JoinMsg> DecodeJoin(std::string_view p) {
   return Decode<JoinMsg>("join", p, [](const Reader& r, JoinMsg& m) {
@@ -261,10 +301,12 @@ Result<JoinMsg> DecodeJoin(std::string_view p) {
     r.Optional("shard_group", &m.shard_group);
     r.Optional("held_shard", &m.held_shard);
     if (m.shard_group < 0 || m.shard_group > kMaxShardGroup) {
-      throw FieldError{"shard_group", fmt::format("{} is not a group size (0 to {})", m.shard_group, kMaxShardGroup)};
+      throw FieldError{"shard_group", fmt::format("{} is not a group size (0 to {})", m.shard_group,
+                                                  kMaxShardGroup)};
     }
     if (m.held_shard < -2 || m.held_shard >= std::max(m.shard_group, 1)) {
-      throw FieldError{"held_shard", fmt::format("{} is not a shard of groups of {}", m.held_shard, m.shard_group)};
+      throw FieldError{"held_shard", fmt::format("{} is not a shard of groups of {}", m.held_shard,
+                                                 m.shard_group)};
     }
   });
 }
@@ -312,7 +354,8 @@ Result<ProgressMsg> DecodeProgress(std::string_view p) {
     r("tokens_per_second", &m.tokens_per_second);
     r("world_size", &m.world_size);
     r.Optional("total_steps", &m.total_steps);
-    if (m.total_steps < 0) throw FieldError{"total_steps", fmt::format("must not be negative, got {}", m.total_steps)};
+    if (m.total_steps < 0)
+      throw FieldError{"total_steps", fmt::format("must not be negative, got {}", m.total_steps)};
   });
 }
 Result<FinishedMsg> DecodeFinished(std::string_view p) {
@@ -330,9 +373,8 @@ Result<FailureMsg> DecodeFailure(std::string_view p) {
   });
 }
 Result<PingMsg> DecodePing(std::string_view p) {
-  return Decode<PingMsg>("ping", p, [](const Reader& r, PingMsg& m) {
-    r.Optional("epoch", &m.epoch);
-  });
+  return Decode<PingMsg>("ping", p,
+                         [](const Reader& r, PingMsg& m) { r.Optional("epoch", &m.epoch); });
 }
 Result<AbortMsg> DecodeAbort(std::string_view p) {
   return Decode<AbortMsg>("abort", p, [](const Reader& r, AbortMsg& m) {
@@ -383,28 +425,28 @@ Result<ShutdownMsg> DecodeShutdown(std::string_view p) {
   });
 }
 
-
 // ---- controller ↔ agent ----
 
 Status CheckHostId(std::string_view id) {
   if (id.empty() || id.size() > 64) {
-    return InvalidArgumentError(fmt::format("host id must have 1 to 64 characters, has {}", id.size()));
+    return InvalidArgumentError(
+        fmt::format("host id must have 1 to 64 characters, has {}", id.size()));
   }
   for (char c : id) {
-    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
-              c == '-';
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '_' || c == '-';
     if (!ok) {
-      return InvalidArgumentError(
-          fmt::format("host id may hold only letters, digits, '.', '_' and '-'; it has byte 0x{:02x}",
-                      static_cast<unsigned char>(c)));
+      return InvalidArgumentError(fmt::format(
+          "host id may hold only letters, digits, '.', '_' and '-'; it has byte 0x{:02x}",
+          static_cast<unsigned char>(c)));
     }
   }
   return OkStatus();
 }
 
 std::string Encode(const AgentRegisterMsg& m) {
-  json j = {{"host_id", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares}, {"address", m.address},
-            {"pid", m.pid}, {"running", m.running}};
+  json j = {{"host_id", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares},
+            {"address", m.address}, {"pid", m.pid},     {"running", m.running}};
   if (!m.workers.empty()) {
     json workers = json::array();
     for (const auto& [id, pid] : m.workers) workers.push_back({{"worker_id", id}, {"pid", pid}});
@@ -418,13 +460,20 @@ std::string Encode(const AgentStartMsg& m) {
   for (const auto& [k, v] : m.env) env.push_back({{"name", k}, {"value", v}});
   return Dump({{"worker_id", m.worker_id}, {"spare", m.spare}, {"nice", m.nice}, {"env", env}});
 }
-std::string Encode(const AgentSignalMsg& m) { return Dump({{"worker_id", m.worker_id}, {"signal", m.signal}}); }
-std::string Encode(const AgentReniceMsg& m) { return Dump({{"worker_id", m.worker_id}, {"nice", m.nice}}); }
+std::string Encode(const AgentSignalMsg& m) {
+  return Dump({{"worker_id", m.worker_id}, {"signal", m.signal}});
+}
+std::string Encode(const AgentReniceMsg& m) {
+  return Dump({{"worker_id", m.worker_id}, {"nice", m.nice}});
+}
 std::string Encode(const AgentStartedMsg& m) {
   return Dump({{"worker_id", m.worker_id}, {"pid", m.pid}, {"error", m.error}});
 }
 std::string Encode(const AgentExitedMsg& m) {
-  return Dump({{"worker_id", m.worker_id}, {"pid", m.pid}, {"exit_code", m.exit_code}, {"signal", m.signal}});
+  return Dump({{"worker_id", m.worker_id},
+               {"pid", m.pid},
+               {"exit_code", m.exit_code},
+               {"signal", m.signal}});
 }
 std::string Encode(const AgentStoppedMsg& m) {
   return Dump({{"worker_id", m.worker_id}, {"pid", m.pid}, {"signal", m.signal}});
@@ -441,7 +490,8 @@ namespace {
 
 // Bounds shared by the agent messages: ids and counts an honest peer never exceeds.
 void CheckRange(const Reader& r, const char* name, int64_t v, int64_t lo, int64_t hi) {
-  if (v < lo || v > hi) throw FieldError{r.Path(name), fmt::format("must be from {} to {}, got {}", lo, hi, v)};
+  if (v < lo || v > hi)
+    throw FieldError{r.Path(name), fmt::format("must be from {} to {}, got {}", lo, hi, v)};
 }
 constexpr int64_t kMaxWorkerId = int64_t{1} << 30;
 
@@ -456,21 +506,24 @@ Result<AgentRegisterMsg> DecodeAgentRegister(std::string_view p) {
     r("spares", &m.spares);
     CheckRange(r, "spares", m.spares, 0, 1024);
     r("address", &m.address);
-    if (m.address.empty() || m.address.size() > 255) throw FieldError{"address", "must have 1 to 255 characters"};
+    if (m.address.empty() || m.address.size() > 255)
+      throw FieldError{"address", "must have 1 to 255 characters"};
     r("pid", &m.pid);
     r("running", &m.running);
     CheckRange(r, "running", m.running, 0, 1 << 20);
     if (r.Has("workers")) {
       auto workers = r.Objects("workers");
       if (workers.size() != static_cast<size_t>(m.running)) {
-        throw FieldError{"workers", fmt::format("lists {} processes but running says {}", workers.size(), m.running)};
+        throw FieldError{"workers", fmt::format("lists {} processes but running says {}",
+                                                workers.size(), m.running)};
       }
       for (const Reader& e : workers) {
         int id = -1;
         int64_t pid = 0;
         e("worker_id", &id);
         e("pid", &pid);
-        if (id < 0 || pid <= 0) throw FieldError{"workers", fmt::format("worker {} pid {} is not valid", id, pid)};
+        if (id < 0 || pid <= 0)
+          throw FieldError{"workers", fmt::format("worker {} pid {} is not valid", id, pid)};
         m.workers.push_back({id, pid});
       }
     }
@@ -485,13 +538,16 @@ Result<AgentStartMsg> DecodeAgentStart(std::string_view p) {
     r("nice", &m.nice);
     CheckRange(r, "nice", m.nice, 0, 19);
     auto env = r.Objects("env");
-    if (env.size() > 64) throw FieldError{"env", fmt::format("holds {} variables; at most 64", env.size())};
+    if (env.size() > 64)
+      throw FieldError{"env", fmt::format("holds {} variables; at most 64", env.size())};
     for (const Reader& e : env) {
       std::string name, value;
       e("name", &name);
       e("value", &value);
-      if (name.rfind("NONSTOP_", 0) != 0 || name.size() > 128 || name.find('=') != std::string::npos) {
-        throw FieldError{e.Path("name"), fmt::format("'{}' is not a NONSTOP_ variable", name.substr(0, 64))};
+      if (name.rfind("NONSTOP_", 0) != 0 || name.size() > 128 ||
+          name.find('=') != std::string::npos) {
+        throw FieldError{e.Path("name"),
+                         fmt::format("'{}' is not a NONSTOP_ variable", name.substr(0, 64))};
       }
       if (value.size() > 4096 || value.find('\0') != std::string::npos) {
         throw FieldError{e.Path("value"), "must be at most 4096 bytes, without NUL"};
@@ -559,7 +615,8 @@ Result<AgentRanksMsg> DecodeAgentRanks(std::string_view p) {
       CheckRange(e, "worker_id", id, 0, kMaxWorkerId);
       e("rank", &rank);
       CheckRange(e, "rank", rank, 0, kMaxWorkerId);
-      if (!ids.insert(id).second) throw FieldError{e.Path("worker_id"), fmt::format("worker {} is listed twice", id)};
+      if (!ids.insert(id).second)
+        throw FieldError{e.Path("worker_id"), fmt::format("worker {} is listed twice", id)};
       m.ranks.push_back({id, rank});
     }
   });
@@ -571,7 +628,8 @@ Result<AgentLeavingMsg> DecodeAgentLeaving(std::string_view p) {
     // A signal's name, printed in the controller's lines: short and plain.
     if (m.reason.size() > 64) throw FieldError{r.Path("reason"), "is longer than 64 bytes"};
     for (char c : m.reason) {
-      if (c < 0x20 || c > 0x7e) throw FieldError{r.Path("reason"), "holds a byte that is not printable ASCII"};
+      if (c < 0x20 || c > 0x7e)
+        throw FieldError{r.Path("reason"), "holds a byte that is not printable ASCII"};
     }
   });
 }

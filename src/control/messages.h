@@ -25,22 +25,29 @@ enum MessageType : uint16_t {
   kMsgReady = 18,      // worker → controller: aborted; my state holds step s
   kMsgRecovered = 19,  // worker → controller: adopted generation g (connections, state copied)
   kMsgInjected = 20,   // worker → controller: I am carrying out injected fault f now
-  kMsgDrain = 21,      // controller → worker: generation g ends at the step boundary after step s (a resize)
-  kMsgPing = 22,       // controller → worker or agent: the controller is alive, and its epoch (PingMsg); a
-                       // worker that hears nothing for SessionOptions::controller_timeout has lost its controller
+  // controller → worker: generation g ends at the step boundary after step s (a resize)
+  kMsgDrain = 21,
+  // controller → worker or agent: the controller is alive, and its epoch (PingMsg); a
+  kMsgPing = 22,
+  // worker that hears nothing for SessionOptions::controller_timeout has lost its controller
   // Controller ↔ agent (one agent per host; docs/protocol.md "Agents"). The
   // agent decides nothing: it registers its host, starts and signals processes
   // when told, and reports what happens to them at once.
-  kMsgAgentRegister = 30,   // agent → controller: my host, its capacity, the address its workers advertise
-  kMsgAgentStart = 31,      // controller → agent: start worker w (a spare or not) with these NONSTOP_* variables
-  kMsgAgentSignal = 32,     // controller → agent: send signal s to worker w
-  kMsgAgentRenice = 33,     // controller → agent: set worker w's niceness
-  kMsgAgentStarted = 34,    // agent → controller: worker w runs as pid p (or could not be started: error)
-  kMsgAgentExited = 35,     // agent → controller: worker w's process ended
-  kMsgAgentStopped = 36,    // agent → controller: worker w's process was stopped (SIGSTOP: frozen)
+  // agent → controller: my host, its capacity, the address its workers advertise
+  kMsgAgentRegister = 30,
+  // controller → agent: start worker w (a spare or not) with these NONSTOP_* variables
+  kMsgAgentStart = 31,
+  kMsgAgentSignal = 32,  // controller → agent: send signal s to worker w
+  kMsgAgentRenice = 33,  // controller → agent: set worker w's niceness
+  // agent → controller: worker w runs as pid p (or could not be started: error)
+  kMsgAgentStarted = 34,
+  kMsgAgentExited = 35,   // agent → controller: worker w's process ended
+  kMsgAgentStopped = 36,  // agent → controller: worker w's process was stopped (SIGSTOP: frozen)
   kMsgAgentHeartbeat = 37,  // agent → controller: the agent is alive (payload: running processes)
-  kMsgAgentRanks = 38,      // controller → agent: the ranks its workers hold in a new generation (output prefixes)
-  kMsgAgentLeaving = 39,    // agent → controller: release this host's workers at the next step boundary (preempted)
+  // controller → agent: the ranks its workers hold in a new generation (output prefixes)
+  kMsgAgentRanks = 38,
+  // agent → controller: release this host's workers at the next step boundary (preempted)
+  kMsgAgentLeaving = 39,
 };
 static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20 && kMsgDrain == 21,
               "wire numbers are pinned");
@@ -50,8 +57,10 @@ struct JoinMsg {
   int64_t pid = 0;
   std::string data_address;
   bool spare = false;
-  int64_t state_step = -1;  // the step its state holds (a resumed checkpoint), -1: the initial state
-  std::string host_id;      // the host whose agent started it (NONSTOP_HOST_ID); empty: not started by an agent
+  // the step its state holds (a resumed checkpoint), -1: the initial state
+  int64_t state_step = -1;
+  // the host whose agent started it (NONSTOP_HOST_ID); empty: not started by an agent
+  std::string host_id;
   // A worker that lost its controller and joins the one that leads now:
   // the generation it is a member of (0: none, a first join or a spare), and
   // whether it has left that generation and waits for the next plan (it
@@ -150,8 +159,8 @@ struct PlanMember {
 
 // A member that lacks the state of step resume_step - 1 copies it from `sources`.
 struct PlanTransfer {
-  int receiver = -1;          // worker id
-  std::vector<int> sources;   // worker ids holding the state, striped over in this order
+  int receiver = -1;         // worker id
+  std::vector<int> sources;  // worker ids holding the state, striped over in this order
 };
 
 // Sharded optimizer state (docs/sharding.md): a member that does not hold
@@ -159,9 +168,10 @@ struct PlanTransfer {
 // controller decides every move (controller::PlanShardMoves); the workers
 // carry them out and check them, never plan them again.
 struct PlanShardMove {
-  int receiver = -1;         // worker id
-  int shard = -1;            // the shard it ends holding: its rank mod shard_group
-  std::vector<int> sources;  // worker ids holding that shard, striped over in this order; empty: every copy is lost
+  int receiver = -1;  // worker id
+  int shard = -1;     // the shard it ends holding: its rank mod shard_group
+  // worker ids holding that shard, striped over in this order; empty: every copy is lost
+  std::vector<int> sources;
 };
 
 struct PlanMsg {
@@ -169,8 +179,8 @@ struct PlanMsg {
   std::vector<PlanMember> members;  // index = rank
   int64_t resume_step = 0;          // the first step to run
   std::vector<PlanTransfer> transfers;
-  std::vector<FaultSpec> faults;    // injected faults not fired yet (tests, demos)
-  std::string reason;               // "start", "recovery", …
+  std::vector<FaultSpec> faults;  // injected faults not fired yet (tests, demos)
+  std::string reason;             // "start", "recovery", …
   // Sharded state: the job's optimizer.shard_group (0: nothing sharded; on
   // the wire only when > 0) and the shard moves, in rank order of the
   // receivers (on the wire only when there are some).
@@ -237,7 +247,8 @@ struct ProgressMsg {
   double step_seconds = 0;
   double tokens_per_second = 0;
   int world_size = 0;
-  int64_t total_steps = 0;  // the run's steps, if the worker knows them (0: not; optional on the wire)
+  // the run's steps, if the worker knows them (0: not; optional on the wire)
+  int64_t total_steps = 0;
 };
 
 struct FinishedMsg {

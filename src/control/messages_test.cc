@@ -49,7 +49,8 @@ TEST(MessagesTest, PlanCarriesTheShardMoves) {
   EXPECT_EQ(back->shard_moves[0].receiver, 9);
   EXPECT_EQ(back->shard_moves[0].shard, 1);
   EXPECT_EQ(back->shard_moves[0].sources, std::vector<int>{1});
-  EXPECT_TRUE(back->shard_moves[1].sources.empty()) << "no source: every copy is lost, the workers say so";
+  EXPECT_TRUE(back->shard_moves[1].sources.empty())
+      << "no source: every copy is lost, the workers say so";
   EXPECT_EQ(Encode(*back), wire);
   // Unsharded: neither field is on the wire, and a plan without them has none.
   PlanMsg plain;
@@ -65,12 +66,15 @@ TEST(MessagesTest, PlanCarriesTheShardMoves) {
 // bounded by the members.
 TEST(MessagesTest, MalformedShardMovesAreRefusedNamingTheField) {
   auto plan = [](const std::string& shard_fields) {
-    return DecodePlan(R"({"generation": 1, "resume_step": 5, "members": [{"worker_id": 0, "address": "a:1"},
+    return DecodePlan(
+               R"({"generation": 1, "resume_step": 5, "members": [{"worker_id": 0, "address": "a:1"},
                           {"worker_id": 1, "address": "a:2"}], "transfers": [], "faults": [], "reason": "x", )" +
-                      shard_fields + "}")
+               shard_fields + "}")
         .status();
   };
-  EXPECT_TRUE(plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": 1, "sources": [0]}])").ok());
+  EXPECT_TRUE(
+      plan(R"("shard_group": 2, "shard_moves": [{"receiver": 1, "shard": 1, "sources": [0]}])")
+          .ok());
   const std::pair<Status, std::string> cases[] = {
       {plan(R"("shard_group": -1)"), "'shard_group' -1 is not a group size (0 to 1024)"},
       {plan(R"("shard_group": 1025)"), "'shard_group' 1025 is not a group size"},
@@ -112,7 +116,8 @@ TEST(MessagesTest, MissingFieldIsNamed) {
 TEST(MessagesTest, IllTypedFieldAndGarbageAreErrorsNotCrashes) {
   EXPECT_FALSE(DecodeHeartbeat(R"({"step": "seven"})").ok());
   EXPECT_FALSE(DecodeHeartbeat("\x01\x02 not json").ok());
-  EXPECT_FALSE(DecodePlan(R"({"generation": 1, "resume_step": 0, "members": [{"worker_id": "x"}]})").ok());
+  EXPECT_FALSE(
+      DecodePlan(R"({"generation": 1, "resume_step": 0, "members": [{"worker_id": "x"}]})").ok());
   EXPECT_FALSE(DecodeShutdown("[1,2,3]").ok());
 }
 
@@ -127,27 +132,41 @@ TEST(MessagesTest, IntegerFieldsRefuseFloatsBoolsAndOutOfRangeValues) {
       {DecodeHeartbeat(R"({"step": 1, "waiting_ms": 9223372036854775808})").status(), "waiting_ms"},
       {DecodeAbort(R"({"generation": -1, "reason": "x"})").status(), "generation"},
       {DecodeAbort(R"({"generation": 4294967296, "reason": "x"})").status(), "generation"},
-      {DecodeJoin(R"({"worker_id": 2147483648, "pid": 2, "data_address": "a", "spare": false, "state_step": -1})")
-           .status(), "worker_id"},
-      {DecodeJoin(R"({"worker_id": 1, "pid": 2, "data_address": "a", "spare": 0, "state_step": -1})").status(),
+      {DecodeJoin(
+           R"({"worker_id": 2147483648, "pid": 2, "data_address": "a", "spare": false, "state_step": -1})")
+           .status(),
+       "worker_id"},
+      {DecodeJoin(
+           R"({"worker_id": 1, "pid": 2, "data_address": "a", "spare": 0, "state_step": -1})")
+           .status(),
        "spare"},
-      {DecodeRecovered(R"({"generation": 1, "connect_seconds": 0, "transfer_seconds": 0, "bytes_received": -1,
-                           "sources": 1, "refetched_chunks": 0})").status(), "bytes_received"},
+      {DecodeRecovered(
+           R"({"generation": 1, "connect_seconds": 0, "transfer_seconds": 0, "bytes_received": -1,
+                           "sources": 1, "refetched_chunks": 0})")
+           .status(),
+       "bytes_received"},
       {DecodePlan(R"({"generation": 1, "resume_step": 0, "members": [], "transfers": [],
-                      "faults": [{"id": 1e300, "spec": "kill:rank=1,step=2"}], "reason": "x"})").status(), "faults"},
-      {DecodePlan(R"({"generation": 1, "resume_step": 0, "members": {"a": {"worker_id": 1, "address": "x"}},
-                      "transfers": [], "faults": [], "reason": "x"})").status(), "members"},
+                      "faults": [{"id": 1e300, "spec": "kill:rank=1,step=2"}], "reason": "x"})")
+           .status(),
+       "faults"},
+      {DecodePlan(
+           R"({"generation": 1, "resume_step": 0, "members": {"a": {"worker_id": 1, "address": "x"}},
+                      "transfers": [], "faults": [], "reason": "x"})")
+           .status(),
+       "members"},
   };
   for (const auto& [status, field] : cases) {
     EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
-    EXPECT_NE(status.message().find(field), std::string::npos) << field << ": " << status.ToString();
+    EXPECT_NE(status.message().find(field), std::string::npos)
+        << field << ": " << status.ToString();
   }
 }
 
 // A worker may report a NaN or infinite loss (a diverged run): JSON has no
 // such numbers, and the controller used to refuse the message it got.
 TEST(MessagesTest, NonFiniteNumbersRoundTrip) {
-  ProgressMsg p{7, std::numeric_limits<double>::quiet_NaN(), 0.5, std::numeric_limits<double>::infinity(), 2};
+  ProgressMsg p{7, std::numeric_limits<double>::quiet_NaN(), 0.5,
+                std::numeric_limits<double>::infinity(), 2};
   auto back = DecodeProgress(Encode(p));
   ASSERT_TRUE(back.ok()) << back.status().ToString() << " " << Encode(p);
   EXPECT_TRUE(std::isnan(back->loss));
@@ -157,8 +176,10 @@ TEST(MessagesTest, NonFiniteNumbersRoundTrip) {
   ASSERT_TRUE(r2.ok()) << r2.status().ToString();
   EXPECT_EQ(r2->connect_seconds, -std::numeric_limits<double>::infinity());
   EXPECT_EQ(r2->transfer_seconds, 1.25);
-  EXPECT_FALSE(DecodeProgress(R"({"step": 1, "loss": "lots", "step_seconds": 1, "tokens_per_second": 1,
-                                  "world_size": 1})").ok());
+  EXPECT_FALSE(
+      DecodeProgress(R"({"step": 1, "loss": "lots", "step_seconds": 1, "tokens_per_second": 1,
+                                  "world_size": 1})")
+          .ok());
 }
 
 // Strings with invalid UTF-8 (an exception's message, say) made Encode throw
@@ -203,7 +224,8 @@ TEST(AgentMessagesTest, RoundTrip) {
   ASSERT_TRUE(j.ok());
   EXPECT_EQ(j->host_id, "host-a.1");
   // A join without host_id (a worker not started by an agent) is still a join.
-  auto plain = DecodeJoin(R"({"worker_id": 1, "pid": 2, "data_address": "a", "spare": false, "state_step": -1})");
+  auto plain = DecodeJoin(
+      R"({"worker_id": 1, "pid": 2, "data_address": "a", "spare": false, "state_step": -1})");
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ(plain->host_id, "");
 }
@@ -227,22 +249,28 @@ TEST(AgentMessagesTest, ElasticRegistrationAndRanks) {
   auto none = DecodeAgentRanks(R"({"generation": 3, "ranks": []})");
   ASSERT_TRUE(none.ok()) << "an agent none of whose workers is a member";
   // A worker listed twice, or a negative rank, is refused with the field named.
-  auto twice = DecodeAgentRanks(R"({"generation":3,"ranks":[{"worker_id":1,"rank":0},{"worker_id":1,"rank":1}]})");
+  auto twice = DecodeAgentRanks(
+      R"({"generation":3,"ranks":[{"worker_id":1,"rank":0},{"worker_id":1,"rank":1}]})");
   ASSERT_FALSE(twice.ok());
-  EXPECT_NE(twice.status().message().find("listed twice"), std::string::npos) << twice.status().ToString();
+  EXPECT_NE(twice.status().message().find("listed twice"), std::string::npos)
+      << twice.status().ToString();
   auto negative = DecodeAgentRanks(R"({"generation":3,"ranks":[{"worker_id":1,"rank":-1}]})");
   ASSERT_FALSE(negative.ok());
-  EXPECT_NE(negative.status().message().find("rank"), std::string::npos) << negative.status().ToString();
+  EXPECT_NE(negative.status().message().find("rank"), std::string::npos)
+      << negative.status().ToString();
 
   auto leaving = DecodeAgentLeaving(Encode(AgentLeavingMsg{"SIGTERM"}));
   ASSERT_TRUE(leaving.ok()) << leaving.status().ToString();
   EXPECT_EQ(leaving->reason, "SIGTERM");
   // The reason ends up in the controller's lines: short, printable ASCII only.
-  for (const char* bad : {R"({"reason": "SIG\nTERM"})", R"({"reason": 15})", R"({})",
-                          R"({"reason": "0123456789012345678901234567890123456789012345678901234567890123456789"})"}) {
+  for (
+      const char* bad :
+      {R"({"reason": "SIG\nTERM"})", R"({"reason": 15})", R"({})",
+       R"({"reason": "0123456789012345678901234567890123456789012345678901234567890123456789"})"}) {
     auto refused = DecodeAgentLeaving(bad);
     ASSERT_FALSE(refused.ok()) << bad;
-    EXPECT_NE(refused.status().message().find("'reason'"), std::string::npos) << refused.status().ToString();
+    EXPECT_NE(refused.status().message().find("'reason'"), std::string::npos)
+        << refused.status().ToString();
   }
 }
 
@@ -273,7 +301,8 @@ TEST(MessagesTest, RejoinAfterAControllerLossCarriesGenerationAndProcesses) {
   auto lying = DecodeAgentRegister(
       R"({"host_id":"h1","nproc":2,"spares":1,"address":"a","pid":4,"running":3,"workers":[{"worker_id":1,"pid":9}]})");
   ASSERT_FALSE(lying.ok());
-  EXPECT_NE(lying.status().message().find("workers"), std::string::npos) << lying.status().ToString();
+  EXPECT_NE(lying.status().message().find("workers"), std::string::npos)
+      << lying.status().ToString();
   auto bad_pid = DecodeAgentRegister(
       R"({"host_id":"h1","nproc":2,"spares":1,"address":"a","pid":4,"running":1,"workers":[{"worker_id":1,"pid":0}]})");
   EXPECT_FALSE(bad_pid.ok());
@@ -299,13 +328,19 @@ TEST(AgentMessagesTest, HostIdsAreChecked) {
   EXPECT_FALSE(CheckHostId(std::string(65, 'a')).ok());
   EXPECT_FALSE(CheckHostId("a b").ok());
   EXPECT_FALSE(CheckHostId("a\nb").ok());
-  auto r = DecodeAgentRegister(R"({"host_id": "x/y", "nproc": 1, "spares": 0, "address": "a", "pid": 1, "running": 0})");
+  auto r = DecodeAgentRegister(
+      R"({"host_id": "x/y", "nproc": 1, "spares": 0, "address": "a", "pid": 1, "running": 0})");
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("host_id"), std::string::npos) << r.status().ToString();
-  EXPECT_FALSE(DecodeAgentRegister(R"({"host_id": "x", "nproc": -1, "spares": 0, "address": "a", "pid": 1,
-                                       "running": 0})").ok());
-  EXPECT_FALSE(DecodeJoin(R"({"worker_id": 1, "pid": 2, "data_address": "a", "spare": false, "state_step": -1,
-                              "host_id": "bad host"})").ok());
+  EXPECT_FALSE(
+      DecodeAgentRegister(R"({"host_id": "x", "nproc": -1, "spares": 0, "address": "a", "pid": 1,
+                                       "running": 0})")
+          .ok());
+  EXPECT_FALSE(
+      DecodeJoin(
+          R"({"worker_id": 1, "pid": 2, "data_address": "a", "spare": false, "state_step": -1,
+                              "host_id": "bad host"})")
+          .ok());
 }
 
 }  // namespace

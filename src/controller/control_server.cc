@@ -25,7 +25,8 @@ std::pair<std::string, std::string> PeerAddress(int fd) {
 
 }  // namespace
 
-Result<std::unique_ptr<ControlServer>> ControlServer::Create(net::EventLoop* loop, const net::HostPort& where,
+Result<std::unique_ptr<ControlServer>> ControlServer::Create(net::EventLoop* loop,
+                                                             const net::HostPort& where,
                                                              std::string job_token, EventSink sink,
                                                              ControlServerOptions options) {
   NONSTOP_ASSIGN_OR_RETURN(net::Listener listener, net::Listen(where));
@@ -33,10 +34,14 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Create(net::EventLoop* loo
       new ControlServer(loop, std::move(listener), std::move(job_token), std::move(sink), options));
 }
 
-ControlServer::ControlServer(net::EventLoop* loop, net::Listener listener, std::string token, EventSink sink,
-                             ControlServerOptions options)
-    : loop_(loop), options_(options), listen_fd_(std::move(listener.fd)), address_(listener.address),
-      token_(std::move(token)), sink_(std::move(sink)),
+ControlServer::ControlServer(net::EventLoop* loop, net::Listener listener, std::string token,
+                             EventSink sink, ControlServerOptions options)
+    : loop_(loop),
+      options_(options),
+      listen_fd_(std::move(listener.fd)),
+      address_(listener.address),
+      token_(std::move(token)),
+      sink_(std::move(sink)),
       ping_payload_(control::Encode(control::PingMsg{options.epoch})) {
   loop_->Watch(listen_fd_.get(), POLLIN, [this](short) { OnAccept(); });
 }
@@ -50,8 +55,10 @@ void ControlServer::LogRefusal(const std::string& line) {
   auto now = Clock::now();
   if (now - log_window_start_ > std::chrono::seconds(1)) {
     if (suppressed_logs_ > 0) {
-      NONSTOP_LOG_WARNING("control: {} more connection(s) refused or closed in the last second (not logged one by one)",
-                          suppressed_logs_);
+      NONSTOP_LOG_WARNING(
+          "control: {} more connection(s) refused or closed in the last second (not logged one by "
+          "one)",
+          suppressed_logs_);
     }
     log_window_start_ = now;
     logged_in_window_ = 0;
@@ -107,9 +114,11 @@ void ControlServer::EvictAStranger() {
       worst_ip = ip;
     }
   }
-  if (!worst) return;  // every unjoined connection presented the job token: never evicted for strangers
+  // every unjoined connection presented the job token: never evicted for strangers
+  if (!worst) return;
   CloseConn(worst->begin()->second,
-            fmt::format("{} connections have not joined yet: closing the oldest from {}, the address with the most "
+            fmt::format("{} connections have not joined yet: closing the oldest from {}, the "
+                        "address with the most "
                         "({}) that sent no valid hello",
                         unjoined_.size(), worst_ip, worst->size()),
             false);
@@ -166,8 +175,9 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       auto hello = net::DecodeHello(f.payload);
       // Workers and agents share the port; the hello says which one speaks.
       Status ok = hello.ok() ? net::CheckHello(*hello, token_,
-                                               hello->kind == net::ConnectionKind::kAgent ? net::ConnectionKind::kAgent
-                                                                                          : net::ConnectionKind::kControl)
+                                               hello->kind == net::ConnectionKind::kAgent
+                                                   ? net::ConnectionKind::kAgent
+                                                   : net::ConnectionKind::kControl)
                              : hello.status();
       if (!ok.ok()) {
         refusal = ok.message();
@@ -201,11 +211,13 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       return bad(InvalidArgumentError(fmt::format("worker id {} is negative", join->worker_id)));
     }
     if (join->worker_id != c.hello_worker_id) {
-      return bad(InvalidArgumentError(fmt::format("joins as worker {} after saying hello as worker {}",
-                                                  join->worker_id, c.hello_worker_id)));
+      return bad(
+          InvalidArgumentError(fmt::format("joins as worker {} after saying hello as worker {}",
+                                           join->worker_id, c.hello_worker_id)));
     }
     if (fd_of_worker_.count(join->worker_id)) {
-      return bad(InvalidArgumentError(fmt::format("worker id {} is already connected", join->worker_id)));
+      return bad(
+          InvalidArgumentError(fmt::format("worker id {} is already connected", join->worker_id)));
     }
     c.worker_id = join->worker_id;
     Identified(c);
@@ -218,14 +230,29 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
   int id = c.worker_id;
   Status s;
   switch (f.type) {
-    case control::kMsgHeartbeat: s = Deliver<HeartbeatReceived>(id, f.payload, control::DecodeHeartbeat); break;
-    case control::kMsgProgress: s = Deliver<ProgressReceived>(id, f.payload, control::DecodeProgress); break;
-    case control::kMsgFinished: s = Deliver<FinishedReceived>(id, f.payload, control::DecodeFinished); break;
-    case control::kMsgFailure: s = Deliver<FailureReported>(id, f.payload, control::DecodeFailure); break;
-    case control::kMsgReady: s = Deliver<ReadyReceived>(id, f.payload, control::DecodeReady); break;
-    case control::kMsgRecovered: s = Deliver<RecoveredReceived>(id, f.payload, control::DecodeRecovered); break;
-    case control::kMsgInjected: s = Deliver<InjectedReceived>(id, f.payload, control::DecodeInjected); break;
-    default: s = InvalidArgumentError(fmt::format("unexpected message type {}", f.type));
+    case control::kMsgHeartbeat:
+      s = Deliver<HeartbeatReceived>(id, f.payload, control::DecodeHeartbeat);
+      break;
+    case control::kMsgProgress:
+      s = Deliver<ProgressReceived>(id, f.payload, control::DecodeProgress);
+      break;
+    case control::kMsgFinished:
+      s = Deliver<FinishedReceived>(id, f.payload, control::DecodeFinished);
+      break;
+    case control::kMsgFailure:
+      s = Deliver<FailureReported>(id, f.payload, control::DecodeFailure);
+      break;
+    case control::kMsgReady:
+      s = Deliver<ReadyReceived>(id, f.payload, control::DecodeReady);
+      break;
+    case control::kMsgRecovered:
+      s = Deliver<RecoveredReceived>(id, f.payload, control::DecodeRecovered);
+      break;
+    case control::kMsgInjected:
+      s = Deliver<InjectedReceived>(id, f.payload, control::DecodeInjected);
+      break;
+    default:
+      s = InvalidArgumentError(fmt::format("unexpected message type {}", f.type));
   }
   if (!s.ok()) bad(s);
 }
@@ -235,14 +262,16 @@ void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
   auto bad = [&](const Status& s) { CloseConn(fd, s.ToString(), true); };
   if (c.host_id.empty()) {
     if (f.type != control::kMsgAgentRegister) {
-      return bad(InvalidArgumentError(fmt::format("expected an agent register message, got type {}", f.type)));
+      return bad(InvalidArgumentError(
+          fmt::format("expected an agent register message, got type {}", f.type)));
     }
     auto reg = control::DecodeAgentRegister(f.payload);
     if (!reg.ok()) return bad(reg.status());
     if (fd_of_host_.count(reg->host_id)) {
-      std::string why = fmt::format("host id {} is already in the job (another agent is connected with it)",
-                                    reg->host_id);
-      SendOn(fd, control::kMsgPing, ping_payload_);  // the epoch first: a deposed leader's refusal is not obeyed
+      std::string why = fmt::format(
+          "host id {} is already in the job (another agent is connected with it)", reg->host_id);
+      // the epoch first: a deposed leader's refusal is not obeyed
+      SendOn(fd, control::kMsgPing, ping_payload_);
       SendOn(fd, control::kMsgShutdown, control::Encode(control::ShutdownMsg{why, kExitUsage}));
       ++refused_;
       CloseConn(fd, "refused: " + why, false);
@@ -266,11 +295,14 @@ void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
   switch (f.type) {
     case control::kMsgAgentHeartbeat:
       s = decoded(control::DecodeAgentHeartbeat(f.payload),
-                  [&](const control::AgentHeartbeatMsg& m) { return Event{HostHeartbeat{host, m}}; });
+                  [&](const control::AgentHeartbeatMsg& m) {
+                    return Event{HostHeartbeat{host, m}};
+                  });
       break;
     case control::kMsgAgentStarted:
-      s = decoded(control::DecodeAgentStarted(f.payload),
-                  [&](const control::AgentStartedMsg& m) { return Event{WorkerStarted{host, m}}; });
+      s = decoded(control::DecodeAgentStarted(f.payload), [&](const control::AgentStartedMsg& m) {
+        return Event{WorkerStarted{host, m}};
+      });
       break;
     case control::kMsgAgentExited:
       s = decoded(control::DecodeAgentExited(f.payload), [&](const control::AgentExitedMsg& m) {
@@ -284,10 +316,12 @@ void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
       });
       break;
     case control::kMsgAgentLeaving:
-      s = decoded(control::DecodeAgentLeaving(f.payload),
-                  [&](const control::AgentLeavingMsg& m) { return Event{HostLeaving{host, m}}; });
+      s = decoded(control::DecodeAgentLeaving(f.payload), [&](const control::AgentLeavingMsg& m) {
+        return Event{HostLeaving{host, m}};
+      });
       break;
-    default: s = InvalidArgumentError(fmt::format("unexpected message type {} from an agent", f.type));
+    default:
+      s = InvalidArgumentError(fmt::format("unexpected message type {} from an agent", f.type));
   }
   if (!s.ok()) bad(s);
 }
@@ -297,7 +331,8 @@ void ControlServer::CloseConn(int fd, const std::string& reason, bool report_los
   if (it == conns_.end()) return;
   int worker = it->second->worker_id;
   std::string host = it->second->host_id;
-  if (reason == "connection closed by peer" || reason.find("Connection reset") != std::string::npos) {
+  if (reason == "connection closed by peer" ||
+      reason.find("Connection reset") != std::string::npos) {
     NONSTOP_LOG_DEBUG("control: {} closed its connection", it->second->peer);
   } else if (worker >= 0 || !host.empty()) {
     NONSTOP_LOG_WARNING("control: closing {}: {}", it->second->peer, reason);
@@ -324,7 +359,8 @@ bool ControlServer::Flush(int fd) {
   if (it == conns_.end()) return false;
   Conn& c = *it->second;
   while (c.out_sent < c.out.size()) {
-    ssize_t n = ::send(fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t n = ::send(fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent,
+                       MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       c.out_sent += static_cast<size_t>(n);
       c.out_progress_at = Clock::now();
@@ -357,7 +393,8 @@ bool ControlServer::Send(int worker_id, uint16_t type, const std::string& payloa
   return SendOn(it->second, type, payload);
 }
 
-bool ControlServer::SendToAgent(const std::string& host_id, uint16_t type, const std::string& payload) {
+bool ControlServer::SendToAgent(const std::string& host_id, uint16_t type,
+                                const std::string& payload) {
   auto it = fd_of_host_.find(host_id);
   if (it == fd_of_host_.end()) return false;
   return SendOn(it->second, type, payload);
@@ -368,7 +405,8 @@ void ControlServer::CloseAgent(const std::string& host_id, const std::string& re
   auto it = fd_of_host_.find(host_id);
   if (it == fd_of_host_.end()) return;
   int fd = it->second;
-  if (!send_shutdown || SendOn(fd, control::kMsgShutdown, control::Encode(control::ShutdownMsg{reason, exit_code}))) {
+  if (!send_shutdown ||
+      SendOn(fd, control::kMsgShutdown, control::Encode(control::ShutdownMsg{reason, exit_code}))) {
     CloseConn(fd, reason, false);
   }
 }
@@ -400,12 +438,14 @@ bool ControlServer::SendOn(int fd, uint16_t type, const std::string& payload) {
   Conn& c = *conns_.at(fd);
   size_t queued = c.out.size() - c.out_sent;
   if (queued + payload.size() + net::kFrameHeaderBytes > options_.max_queued_bytes) {
-    CloseConn(fd, fmt::format("slow reader: {} bytes of control messages are waiting for it (limit {})", queued,
-                              options_.max_queued_bytes),
+    CloseConn(fd,
+              fmt::format("slow reader: {} bytes of control messages are waiting for it (limit {})",
+                          queued, options_.max_queued_bytes),
               true);
     return false;
   }
-  if (queued == 0) c.out_progress_at = Clock::now();  // the stall clock starts with the first queued byte
+  // the stall clock starts with the first queued byte
+  if (queued == 0) c.out_progress_at = Clock::now();
   c.out += net::EncodeFrame(type, payload);
   return Flush(fd);
 }
@@ -421,13 +461,15 @@ void ControlServer::CheckTimers(Clock::time_point now) {
   // neither): unjoined ones in accept order, so the expired ones come first.
   for (const auto& [seq, fd] : unjoined_) {
     if (now - conns_.at(fd)->accepted_at <= options_.handshake_timeout) break;
-    close.push_back({fd, fmt::format("no hello and join within {} ms", options_.handshake_timeout.count())});
+    close.push_back(
+        {fd, fmt::format("no hello and join within {} ms", options_.handshake_timeout.count())});
   }
   for (int fd : backlogged_) {
     const Conn& c = *conns_.at(fd);
     if (now - c.out_progress_at > options_.send_stall_timeout) {
-      lost.push_back({fd, fmt::format("stuck reader: it took none of its {} queued bytes for {} ms",
-                                      c.out.size() - c.out_sent, options_.send_stall_timeout.count())});
+      lost.push_back(
+          {fd, fmt::format("stuck reader: it took none of its {} queued bytes for {} ms",
+                           c.out.size() - c.out_sent, options_.send_stall_timeout.count())});
     }
   }
   for (const auto& [fd, why] : close) CloseConn(fd, why, false);

@@ -44,10 +44,10 @@
 namespace nonstop::controller {
 
 struct ControlServerOptions {
-  Millis handshake_timeout{5'000};    // from accept to a valid join message
-  int max_unjoined = 64;              // connections between accept and join
-  size_t max_queued_bytes = 8u << 20; // per connection, not yet taken by the peer
-  Millis send_stall_timeout{3'000};   // queued output with no byte taken for this long
+  Millis handshake_timeout{5'000};     // from accept to a valid join message
+  int max_unjoined = 64;               // connections between accept and join
+  size_t max_queued_bytes = 8u << 20;  // per connection, not yet taken by the peer
+  Millis send_stall_timeout{3'000};    // queued output with no byte taken for this long
   // This controller's epoch (docs/controller-failover.md): every ping says
   // it, and a ping is the first message on each worker's and agent's
   // connection, so it precedes every order; a worker or agent that has seen
@@ -59,7 +59,8 @@ class ControlServer {
  public:
   using EventSink = std::function<void(Event)>;
 
-  static Result<std::unique_ptr<ControlServer>> Create(net::EventLoop* loop, const net::HostPort& where,
+  static Result<std::unique_ptr<ControlServer>> Create(net::EventLoop* loop,
+                                                       const net::HostPort& where,
                                                        std::string job_token, EventSink sink,
                                                        ControlServerOptions options = {});
   ~ControlServer();
@@ -80,7 +81,8 @@ class ControlServer {
   // nothing: the agent sees its connection close, fences itself and
   // registers again) and closes its connection; no HostLost follows (the
   // controller decided it).
-  void CloseAgent(const std::string& host_id, const std::string& reason, int exit_code, bool send_shutdown = true);
+  void CloseAgent(const std::string& host_id, const std::string& reason, int exit_code,
+                  bool send_shutdown = true);
   // Closes a worker's connection (it was killed, or fenced with its host); no
   // ConnectionLost follows.
   void CloseWorker(int worker_id, const std::string& reason);
@@ -97,16 +99,16 @@ class ControlServer {
   struct Conn {
     UniqueFd fd;
     net::FrameDecoder decoder{64 << 10};
-    bool greeted = false;  // hello accepted
+    bool greeted = false;      // hello accepted
     int hello_worker_id = -1;  // who the hello said it is; the join must agree
-    int worker_id = -1;    // known after the join message
-    bool agent = false;    // the hello said kAgent
-    std::string host_id;   // an agent's, known after its register message
-    std::string peer;      // "worker 3 (127.0.0.1:41234)" once known
-    std::string ip;        // the peer's address, without the port
-    uint64_t seq = 0;      // accept order
+    int worker_id = -1;        // known after the join message
+    bool agent = false;        // the hello said kAgent
+    std::string host_id;       // an agent's, known after its register message
+    std::string peer;          // "worker 3 (127.0.0.1:41234)" once known
+    std::string ip;            // the peer's address, without the port
+    uint64_t seq = 0;          // accept order
     Clock::time_point accepted_at{};
-    std::string out;       // queued output; out_sent bytes of it are already written
+    std::string out;  // queued output; out_sent bytes of it are already written
     size_t out_sent = 0;
     Clock::time_point out_progress_at{};  // the last time the peer took a byte
   };
@@ -164,7 +166,8 @@ class ControlServer {
   std::set<int> backlogged_;  // fds with queued output the peer has not taken yet
   int refused_ = 0;
   std::string ping_payload_;
-  std::optional<Clock::time_point> accept_paused_until_;  // out of descriptors: not accepting until then
+  // out of descriptors: not accepting until then
+  std::optional<Clock::time_point> accept_paused_until_;
   Clock::time_point log_window_start_{};
   int logged_in_window_ = 0;
   int suppressed_logs_ = 0;

@@ -22,8 +22,9 @@ struct ServerFixture {
   std::atomic<bool> stop{false};
   std::thread thread;
   explicit ServerFixture(ControlServerOptions options = {}) {
-    auto s = ControlServer::Create(&loop, {"127.0.0.1", 0}, "tok", [this](Event e) { events.push_back(std::move(e)); },
-                                   options);
+    auto s = ControlServer::Create(
+        &loop, {"127.0.0.1", 0}, "tok", [this](Event e) { events.push_back(std::move(e)); },
+        options);
     NONSTOP_CHECK(s.ok());
     server = std::move(*s);
   }
@@ -57,7 +58,9 @@ bool HelloAndJoin(int fd, int worker_id, int hello_id) {
   h.worker_id = hello_id;
   if (!net::ClientHandshake(fd, h, DeadlineAfter(Millis(3000)), nullptr).ok()) return false;
   control::JoinMsg j{worker_id, 1, "127.0.0.1:1", false, -1};
-  return net::WriteFrame(fd, control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)), nullptr).ok();
+  return net::WriteFrame(fd, control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)),
+                         nullptr)
+      .ok();
 }
 
 void Join(int fd, int worker_id) { ASSERT_TRUE(HelloAndJoin(fd, worker_id, worker_id)); }
@@ -92,7 +95,9 @@ TEST(ControlServerTest, MalformedMessageClosesOnlyThatWorker) {
   UniqueFd c = Dial(f.server->address());
   std::thread client([&] {
     Join(c.get(), 1);
-    ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgHeartbeat, "{\"step\": [1]}", DeadlineAfter(Millis(1000)), nullptr).ok());
+    ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgHeartbeat, "{\"step\": [1]}",
+                                DeadlineAfter(Millis(1000)), nullptr)
+                    .ok());
   });
   f.RunFor(Millis(300));
   client.join();
@@ -112,7 +117,8 @@ TEST(ControlServerTest, ClosingAWorkerFirstReadsWhatItAlreadySent) {
   f.RunFor(Millis(300));
   client.join();
   ASSERT_EQ(f.Count<WorkerJoined>(), 1);
-  ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgInjected, control::Encode(control::InjectedMsg{7, "kill:rank=1,step=10"}),
+  ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgInjected,
+                              control::Encode(control::InjectedMsg{7, "kill:rank=1,step=10"}),
                               DeadlineAfter(Millis(1000)), nullptr)
                   .ok());
   c.Reset();  // the worker is gone; its frame waits in the server's socket, unread
@@ -169,12 +175,14 @@ TEST(ControlServerTest, WorkerThatPausesReadingGetsEveryFrameIntactAndInOrder) {
   while (!joined) f.RunFor(Millis(10));
   f.RunFor(Millis(100));
   for (int i = 0; i < 6; ++i) {
-    EXPECT_TRUE(f.server->Send(4, control::kMsgShutdown, std::string(700 << 10, static_cast<char>('a' + i))));
+    EXPECT_TRUE(f.server->Send(4, control::kMsgShutdown,
+                               std::string(700 << 10, static_cast<char>('a' + i))));
   }
   f.RunFor(Millis(2500));
   client.join();
   ASSERT_EQ(got.size(), 6u);
-  for (int i = 0; i < 6; ++i) EXPECT_EQ(got[static_cast<size_t>(i)], std::string(700 << 10, static_cast<char>('a' + i)));
+  for (int i = 0; i < 6; ++i)
+    EXPECT_EQ(got[static_cast<size_t>(i)], std::string(700 << 10, static_cast<char>('a' + i)));
   EXPECT_EQ(f.Count<ConnectionLost>(), 0);
 }
 
@@ -187,7 +195,8 @@ TEST(ControlServerTest, StuckReaderIsReportedLostAfterTheStallTimeout) {
   f.RunFor(Millis(300));
   client.join();
   // Fill the socket buffers; the rest stays queued and the peer takes nothing.
-  for (int i = 0; i < 6; ++i) ASSERT_TRUE(f.server->Send(5, control::kMsgShutdown, std::string(1 << 20, 'y')));
+  for (int i = 0; i < 6; ++i)
+    ASSERT_TRUE(f.server->Send(5, control::kMsgShutdown, std::string(1 << 20, 'y')));
   f.RunFor(Millis(800));
   ASSERT_EQ(f.Count<ConnectionLost>(), 1);
   for (const auto& e : f.events) {
@@ -206,8 +215,10 @@ TEST(ControlServerTest, FloodOfIdleConnectionsCostsBoundedMemoryAndDoesNotKeepAW
   for (int i = 0; i < 100; ++i) {
     idle.push_back(Dial(f.server->address()));
     if (i % 10 == 0) {
-      std::string junk = i % 20 == 0 ? std::string("\xff\xff\xff\x7f", 4) : std::string();  // a huge length
-      if (!junk.empty()) ASSERT_GT(::send(idle.back().get(), junk.data(), junk.size(), MSG_NOSIGNAL), 0);
+      // a huge length
+      std::string junk = i % 20 == 0 ? std::string("\xff\xff\xff\x7f", 4) : std::string();
+      if (!junk.empty())
+        ASSERT_GT(::send(idle.back().get(), junk.data(), junk.size(), MSG_NOSIGNAL), 0);
     }
     f.RunFor(Millis(1));
   }
@@ -236,12 +247,14 @@ TEST(ControlServerTest, FloodFromOneAddressEvictsOnlyItsOwnConnections) {
   sockaddr_in local{};
   local.sin_family = AF_INET;
   local.sin_addr.s_addr = htonl(0x7f000002);  // 127.0.0.2: loopback, another address
-  ASSERT_EQ(::bind(raw, reinterpret_cast<sockaddr*>(&local), sizeof(local)), 0) << std::strerror(errno);
+  ASSERT_EQ(::bind(raw, reinterpret_cast<sockaddr*>(&local), sizeof(local)), 0)
+      << std::strerror(errno);
   sockaddr_in server{};
   server.sin_family = AF_INET;
   server.sin_port = htons(f.server->address().port);
   server.sin_addr.s_addr = htonl(0x7f000001);
-  ASSERT_EQ(::connect(raw, reinterpret_cast<sockaddr*>(&server), sizeof(server)), 0) << std::strerror(errno);
+  ASSERT_EQ(::connect(raw, reinterpret_cast<sockaddr*>(&server), sizeof(server)), 0)
+      << std::strerror(errno);
   f.RunFor(Millis(20));  // accepted first: the oldest stranger of all
   std::vector<UniqueFd> flood;
   for (int i = 0; i < 40; ++i) {

@@ -11,8 +11,8 @@
 
 #include <fmt/format.h>
 
-#include "nonstop/check.h"
 #include "controller/report.h"
+#include "nonstop/check.h"
 
 namespace nonstop::controller {
 
@@ -20,12 +20,15 @@ using nlohmann::json;
 
 Status ValidateOptions(const ControllerOptions& o) {
   if (o.min_hosts < 1) {
-    return InvalidArgumentError(fmt::format("ControllerOptions::min_hosts is {}: a job runs on the hosts of agents, "
-                                            "at least 1 (nonstop run's own agent is one)", o.min_hosts));
+    return InvalidArgumentError(
+        fmt::format("ControllerOptions::min_hosts is {}: a job runs on the hosts of agents, "
+                    "at least 1 (nonstop run's own agent is one)",
+                    o.min_hosts));
   }
   if (o.max_hosts != 0 && o.max_hosts < o.min_hosts) {
-    return InvalidArgumentError(fmt::format("ControllerOptions::max_hosts {} is below min_hosts {} (0: no limit)",
-                                            o.max_hosts, o.min_hosts));
+    return InvalidArgumentError(
+        fmt::format("ControllerOptions::max_hosts {} is below min_hosts {} (0: no limit)",
+                    o.max_hosts, o.min_hosts));
   }
   return OkStatus();
 }
@@ -33,7 +36,8 @@ Status ValidateOptions(const ControllerOptions& o) {
 Controller::Controller(ControllerOptions options)
     : options_(std::move(options)),
       pending_faults_(options_.faults),
-      // The job grows up to the policy's maximum as capacity appears (and to the hosts' world once placed).
+      // The job grows up to the policy's maximum as capacity appears (and to the hosts' world once
+      // placed).
       target_world_(options_.policy.max_world) {
   const nonstop::Status valid = ValidateOptions(options_);  // (Status alone is the member function)
   NONSTOP_CHECK(valid.ok()) << valid.ToString();
@@ -48,12 +52,14 @@ std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now
   std::vector<Action> out;
   if (phase_ == JobPhase::kEnded) {
     if (const auto* e = std::get_if<ProcessExited>(&event)) {
-      if (WorkerInfo* w = membership_.Find(e->worker_id)) membership_.SetRole(*w, WorkerRole::kGone);
+      if (WorkerInfo* w = membership_.Find(e->worker_id))
+        membership_.SetRole(*w, WorkerRole::kGone);
       placement_.MarkEnded(e->worker_id);
     } else if (const auto* j = std::get_if<WorkerJoined>(&event)) {
       // Late (a refill that started as the job ended), or back after losing
       // its connection: it is told, instead of waiting for a plan that never comes.
-      out.push_back(SendShutdown{j->msg.worker_id, {"the job has ended: " + end_reason_, end_code_}});
+      out.push_back(
+          SendShutdown{j->msg.worker_id, {"the job has ended: " + end_reason_, end_code_}});
     }
     return out;
   }
@@ -70,42 +76,51 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, exit_code}});
   };
   if (!SaneStep(m.state_step) || m.worker_id > (1 << 30)) {
-    out->push_back(SendShutdown{m.worker_id, {fmt::format("join refused: worker id {} or state step {} is out of range",
-                                                          m.worker_id, m.state_step), kExitUsage}});
+    out->push_back(
+        SendShutdown{m.worker_id,
+                     {fmt::format("join refused: worker id {} or state step {} is out of range",
+                                  m.worker_id, m.state_step),
+                      kExitUsage}});
     return;
   }
   if (membership_.KilledBeforeJoin(m.worker_id)) {
     // Its join was in flight when its join deadline passed: it was killed and replaced.
-    out->push_back(SendShutdown{m.worker_id, {"joined after its join deadline; a replacement was started", kExitUsage}});
+    out->push_back(SendShutdown{
+        m.worker_id, {"joined after its join deadline; a replacement was started", kExitUsage}});
     return;
   }
   // A worker is on the host whose agent started it, and nowhere else.
   if (placement_.StartedOnHost(m.worker_id) && placement_.HostOf(m.worker_id) != m.host_id) {
-    return refuse(fmt::format("worker {} was started on host {} but joins as a worker of host '{}'", m.worker_id,
-                              placement_.HostOf(m.worker_id), m.host_id),
+    return refuse(fmt::format("worker {} was started on host {} but joins as a worker of host '{}'",
+                              m.worker_id, placement_.HostOf(m.worker_id), m.host_id),
                   kExitUsage, true);
   }
   if (!m.host_id.empty() && !placement_.StartedOnHost(m.worker_id)) {
-    return refuse(fmt::format("worker {} claims host '{}', whose agent did not start it", m.worker_id, m.host_id),
+    return refuse(fmt::format("worker {} claims host '{}', whose agent did not start it",
+                              m.worker_id, m.host_id),
                   kExitUsage, true);
   }
   if (!m.host_id.empty()) {
     const HostInfo* h = placement_.FindHost(m.host_id);
     // Its host was lost while it started: it is fenced with it.
-    if (h == nullptr || !h->alive) return refuse(fmt::format("host {} is no longer in the job", m.host_id),
-                                                 kExitPeerFailure, false);
+    if (h == nullptr || !h->alive)
+      return refuse(fmt::format("host {} is no longer in the job", m.host_id), kExitPeerFailure,
+                    false);
   }
-  if (const WorkerInfo* gone = membership_.Find(m.worker_id); gone != nullptr && gone->role == WorkerRole::kGone) {
+  if (const WorkerInfo* gone = membership_.Find(m.worker_id);
+      gone != nullptr && gone->role == WorkerRole::kGone) {
     // Fenced (its host was lost, or it was killed): a worker id never comes back.
     return refuse(fmt::format("worker {} left the job ({}) and cannot rejoin it", m.worker_id,
                               gone->how_it_ended.empty() ? "fenced" : gone->how_it_ended),
                   kExitPeerFailure, true);
   }
   if (shard_group_ >= 0 && m.shard_group != shard_group_) {
-    return refuse(fmt::format("worker {} shards its optimizer state over groups of {}, the job over groups of {}: "
-                              "every worker must run the same optimizer.shard_group", m.worker_id, m.shard_group,
-                              shard_group_),
-                  kExitUsage, true);
+    return refuse(
+        fmt::format(
+            "worker {} shards its optimizer state over groups of {}, the job over groups of {}: "
+            "every worker must run the same optimizer.shard_group",
+            m.worker_id, m.shard_group, shard_group_),
+        kExitUsage, true);
   }
   if (membership_.Unconfirmed(m.worker_id)) {
     shard_group_ = m.shard_group;
@@ -117,9 +132,11 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     placement_.PoolRefillJoined();
     if (!m.host_id.empty()) placement_.HostRefillsResume(m.host_id);
   }
-  if (const WorkerInfo* known = membership_.Find(m.worker_id); known != nullptr && known->role != WorkerRole::kGone) {
+  if (const WorkerInfo* known = membership_.Find(m.worker_id);
+      known != nullptr && known->role != WorkerRole::kGone) {
     out->push_back(AppendJournal{JoinRefusedRecord(m.worker_id, "worker id already in use")});
-    out->push_back(SendShutdown{m.worker_id, {fmt::format("worker id {} is already in use", m.worker_id), kExitUsage}});
+    out->push_back(SendShutdown{
+        m.worker_id, {fmt::format("worker id {} is already in use", m.worker_id), kExitUsage}});
     return;
   }
   // A new entry (an id that is gone, or in use, was refused above): its role so far counts nowhere.
@@ -130,21 +147,28 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   w.pid = m.pid;
   w.address = m.data_address;
   w.host = m.host_id;
-  membership_.SetRole(w, m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending);
+  membership_.SetRole(
+      w, m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending);
   membership_.joined_step(m.worker_id) = m.state_step;
-  shard_group_ = m.shard_group;  // the first join taken fixes it; the check above keeps every later one equal
+  // the first join taken fixes it; the check above keeps every later one equal
+  shard_group_ = m.shard_group;
   w.held_shard = m.held_shard;
   w.last_heard = now_;
-  json rec = {{"event", "join"}, {"worker_id", m.worker_id}, {"pid", m.pid}, {"address", m.data_address},
+  json rec = {{"event", "join"},
+              {"worker_id", m.worker_id},
+              {"pid", m.pid},
+              {"address", m.data_address},
               {"spare", w.role == WorkerRole::kSpare}};
   if (!m.host_id.empty()) rec["host"] = m.host_id;
   out->push_back(AppendJournal{rec});
-  if (phase_ == JobPhase::kForming) MaybeFormFirstGeneration(out);
-  else MaybeGrow(out);
+  if (phase_ == JobPhase::kForming)
+    MaybeFormFirstGeneration(out);
+  else
+    MaybeGrow(out);
 }
 
-void Controller::Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
-                       const std::string& given_host) {
+void Controller::Spawn(int worker_id, bool spare, bool resume, bool background,
+                       std::vector<Action>* out, const std::string& given_host) {
   const std::string& host = given_host.empty() ? placement_.elastic_host() : given_host;
   membership_.awaiting()[worker_id] = AwaitedJoin{spare, now_};
   placement_.Started(worker_id, host);
@@ -172,7 +196,8 @@ void Controller::On(const HeartbeatReceived& e, std::vector<Action>*) {
   if (e.msg.waiting_ms >= 0 && w->role == WorkerRole::kMember && phase_ == JobPhase::kRunning) {
     // It arrived at the collective of the step after the one it completed.
     const int64_t step = e.msg.step + 1;
-    arrivals_.Record(w->worker_id, step, now_ - Millis(e.msg.waiting_ms), membership_.members().size(),
+    arrivals_.Record(w->worker_id, step, now_ - Millis(e.msg.waiting_ms),
+                     membership_.members().size(),
                      /*baseline=*/!open_recovery_ && step > resume_step_);
   }
 }
@@ -180,8 +205,8 @@ void Controller::On(const HeartbeatReceived& e, std::vector<Action>*) {
 void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   WorkerInfo* found = membership_.Find(e.worker_id);
   if (found == nullptr) return;
-  if (!SaneStep(e.msg.step) || e.msg.step < 0 || !std::isfinite(e.msg.step_seconds) || e.msg.step_seconds < 0 ||
-      e.msg.step_seconds > 1e6) {
+  if (!SaneStep(e.msg.step) || e.msg.step < 0 || !std::isfinite(e.msg.step_seconds) ||
+      e.msg.step_seconds < 0 || e.msg.step_seconds > 1e6) {
     return;
   }
   WorkerInfo& w = *found;
@@ -197,9 +222,13 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   // inside a step that the others completed).
   if (IsLiveMember(w) && e.msg.step > last_journaled_step_) {
     last_journaled_step_ = e.msg.step;
-    json record = {{"event", "step"}, {"step", e.msg.step}, {"loss", e.msg.loss},
-                   {"step_seconds", e.msg.step_seconds}, {"tokens_per_second", e.msg.tokens_per_second},
-                   {"world_size", e.msg.world_size}, {"generation", generation_}};
+    json record = {{"event", "step"},
+                   {"step", e.msg.step},
+                   {"loss", e.msg.loss},
+                   {"step_seconds", e.msg.step_seconds},
+                   {"tokens_per_second", e.msg.tokens_per_second},
+                   {"world_size", e.msg.world_size},
+                   {"generation", generation_}};
     if (e.msg.total_steps > 0) record["total_steps"] = e.msg.total_steps;
     out->push_back(AppendJournal{std::move(record)});
     // Steps right after a recovery include its cost: keep them out of the baseline.
@@ -215,19 +244,27 @@ void Controller::On(const FinishedReceived& e, std::vector<Action>* out) {
   w.last_heard = now_;
   membership_.SetRole(w, WorkerRole::kFinished);
   w.last_step = std::max(w.last_step, e.msg.step);
-  out->push_back(AppendJournal{{{"event", "finished"}, {"worker_id", w.worker_id}, {"rank", w.rank},
-                                {"step", e.msg.step}, {"checksum", e.msg.checksum}}});
+  out->push_back(AppendJournal{{{"event", "finished"},
+                                {"worker_id", w.worker_id},
+                                {"rank", w.rank},
+                                {"step", e.msg.step},
+                                {"checksum", e.msg.checksum}}});
   if (checksum_ && *checksum_ != e.msg.checksum) {
     End(kExitDataCorruption,
-        fmt::format("members disagree on the final parameters: {} has checksum {}, another member {}",
-                    Describe(w, placement_.elastic_host()), e.msg.checksum, *checksum_),
+        fmt::format(
+            "members disagree on the final parameters: {} has checksum {}, another member {}",
+            Describe(w, placement_.elastic_host()), e.msg.checksum, *checksum_),
         out);
     return;
   }
   checksum_ = e.msg.checksum;
   MaybeCloseRecovery(out);
-  if (phase_ == JobPhase::kRunning && ++finished_ == static_cast<int>(membership_.members().size())) {
-    End(kExitOk, fmt::format("training finished at step {}; parameter checksum {}", e.msg.step, e.msg.checksum), out);
+  if (phase_ == JobPhase::kRunning &&
+      ++finished_ == static_cast<int>(membership_.members().size())) {
+    End(kExitOk,
+        fmt::format("training finished at step {}; parameter checksum {}", e.msg.step,
+                    e.msg.checksum),
+        out);
   }
 }
 
@@ -235,7 +272,8 @@ void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
   auto it = std::find_if(pending_faults_.begin(), pending_faults_.end(),
                          [&](const control::FaultSpec& f) { return f.id == e.msg.fault_id; });
   if (it != pending_faults_.end()) pending_faults_.erase(it);
-  out->push_back(AppendJournal{{{"event", "fault_injected"}, {"worker_id", e.worker_id}, {"fault", e.msg.description}}});
+  out->push_back(AppendJournal{
+      {{"event", "fault_injected"}, {"worker_id", e.worker_id}, {"fault", e.msg.description}}});
   // The worker announces the fault on its control connection and then
   // carries it out; its exit may reach the controller first (the launcher's
   // report comes on another connection). The recovery that exit opened is
@@ -263,7 +301,9 @@ void Controller::On(const FailureReported& e, std::vector<Action>* out) {
   if (w == nullptr) return;
   if (e.msg.exit_code == kExitDataCorruption) {
     End(kExitDataCorruption,
-        fmt::format("{} reported data corruption: {}", Describe(*w, placement_.elastic_host()), e.msg.reason), out);
+        fmt::format("{} reported data corruption: {}", Describe(*w, placement_.elastic_host()),
+                    e.msg.reason),
+        out);
     return;
   }
   if (w->role == WorkerRole::kSpare) {
@@ -282,7 +322,10 @@ void Controller::On(const ConnectionLost& e, std::vector<Action>* out) {
     return;
   }
   if (phase_ == JobPhase::kForming) {
-    End(kExitPeerFailure, fmt::format("worker {} lost its control connection before the job formed: {}", e.worker_id, e.reason), out);
+    End(kExitPeerFailure,
+        fmt::format("worker {} lost its control connection before the job formed: {}", e.worker_id,
+                    e.reason),
+        out);
     return;
   }
   MemberFault(e.worker_id, "control connection lost", e.reason, out);
@@ -290,15 +333,21 @@ void Controller::On(const ConnectionLost& e, std::vector<Action>* out) {
 
 void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
   if (!e.host.empty() && HostOf(e.worker_id) != e.host) {
-    out->push_back(AppendJournal{{{"event", "report_ignored"}, {"host", e.host}, {"worker_id", e.worker_id},
-                                  {"reason", "an agent reported the exit of a worker it did not start"}}});
+    out->push_back(
+        AppendJournal{{{"event", "report_ignored"},
+                       {"host", e.host},
+                       {"worker_id", e.worker_id},
+                       {"reason", "an agent reported the exit of a worker it did not start"}}});
     return;
   }
   const bool was_live = placement_.IsLive(e.worker_id);
   placement_.MarkEnded(e.worker_id);
   std::string how = e.signal != 0 ? fmt::format("was killed by signal {}", e.signal)
                                   : fmt::format("exited with code {}", e.exit_code);
-  out->push_back(AppendJournal{{{"event", "exit"}, {"worker_id", e.worker_id}, {"pid", e.pid}, {"how", how},
+  out->push_back(AppendJournal{{{"event", "exit"},
+                                {"worker_id", e.worker_id},
+                                {"pid", e.pid},
+                                {"how", how},
                                 {"rank", RankOf(e.worker_id)}}});
   WorkerInfo* joined = membership_.Find(e.worker_id);
   if (joined == nullptr) {
@@ -314,37 +363,46 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
       const std::string host = HostOf(e.worker_id);
       int failures = placement_.HostRefillFailed(host);
       if (failures <= 3) {
-        out->push_back(PrintLine{fmt::format("spare worker {} on host {} (pid {}) {} before joining; starting another",
-                                             e.worker_id, host, e.pid, how)});
+        out->push_back(PrintLine{
+            fmt::format("spare worker {} on host {} (pid {}) {} before joining; starting another",
+                        e.worker_id, host, e.pid, how)});
         RefillSpare(out);
       } else {
-        out->push_back(PrintLine{fmt::format("spare worker {} on host {} (pid {}) {} before joining; {} spares in a row "
-                                             "died while starting there, so its slots are not refilled until it "
-                                             "registers again (see their output)",
-                                             e.worker_id, host, e.pid, how, failures)});
+        out->push_back(PrintLine{
+            fmt::format("spare worker {} on host {} (pid {}) {} before joining; {} spares in a row "
+                        "died while starting there, so its slots are not refilled until it "
+                        "registers again (see their output)",
+                        e.worker_id, host, e.pid, how, failures)});
       }
       return;
     }
     if (was_refill && e.exit_code != kExitDataCorruption) {
       // A spare that died while starting: the pool refills, unless refills keep dying.
       if (placement_.PoolRefillFailed() <= 3) {
-        out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {} before joining; starting another",
-                                             e.worker_id, e.pid, how)});
+        out->push_back(
+            PrintLine{fmt::format("spare worker {} (pid {}) {} before joining; starting another",
+                                  e.worker_id, e.pid, how)});
         RefillSpare(out);
       } else {
-        out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {} before joining; {} spares in a row died "
-                                             "while starting, so the pool is not refilled (see their output)",
-                                             e.worker_id, e.pid, how, placement_.pool_refill_failures())});
+        out->push_back(PrintLine{
+            fmt::format("spare worker {} (pid {}) {} before joining; {} spares in a row died "
+                        "while starting, so the pool is not refilled (see their output)",
+                        e.worker_id, e.pid, how, placement_.pool_refill_failures())});
       }
       return;
     }
     if (phase_ == JobPhase::kForming) {
       End(e.exit_code == kExitDataCorruption ? kExitDataCorruption : kExitPeerFailure,
-          fmt::format("worker {} (pid {}) {} before joining the job", e.worker_id, e.pid, how), out);
+          fmt::format("worker {} (pid {}) {} before joining the job", e.worker_id, e.pid, how),
+          out);
     } else if (e.exit_code == kExitDataCorruption) {
-      End(kExitDataCorruption, fmt::format("worker {} (pid {}) {} before joining: its data is corrupt", e.worker_id, e.pid, how), out);
+      End(kExitDataCorruption,
+          fmt::format("worker {} (pid {}) {} before joining: its data is corrupt", e.worker_id,
+                      e.pid, how),
+          out);
     } else if (e.exit_code != 0) {
-      out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before joining", e.worker_id, e.pid, how)});
+      out->push_back(
+          PrintLine{fmt::format("worker {} (pid {}) {} before joining", e.worker_id, e.pid, how)});
     }
     return;
   }
@@ -353,8 +411,10 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
   // Name the cause in an open recovery that this worker's loss started.
   if (open_recovery_) {
     for (auto& c : recoveries_[*open_recovery_].causes) {
-      // Only the cause that names this worker as the one that failed (it starts with its description).
-      if (c.rfind(Describe(w, placement_.elastic_host()), 0) == 0 && c.find(" [") == std::string::npos) {
+      // Only the cause that names this worker as the one that failed (it starts with its
+      // description).
+      if (c.rfind(Describe(w, placement_.elastic_host()), 0) == 0 &&
+          c.find(" [") == std::string::npos) {
         c += " [" + how + "]";
       }
     }
@@ -367,13 +427,16 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
       return;
     case WorkerRole::kPending:
       membership_.SetRole(w, WorkerRole::kGone);
-      End(kExitPeerFailure, fmt::format("worker {} (pid {}) {} before the job formed", w.worker_id, w.pid, how), out);
+      End(kExitPeerFailure,
+          fmt::format("worker {} (pid {}) {} before the job formed", w.worker_id, w.pid, how), out);
       return;
     case WorkerRole::kMember:
     case WorkerRole::kFinished:
       if (e.signal == 0 && e.exit_code == kExitDataCorruption) {
         End(kExitDataCorruption,
-            fmt::format("{} {}: data corruption (see its output)", Describe(w, placement_.elastic_host()), how), out);
+            fmt::format("{} {}: data corruption (see its output)",
+                        Describe(w, placement_.elastic_host()), how),
+            out);
         return;
       }
       MemberFault(w.worker_id, "process exit", how, out);
@@ -396,8 +459,8 @@ void Controller::On(const ProcessStopped& e, std::vector<Action>* out) {
                      fmt::format("was stopped by signal {} (a frozen process)", e.signal), out);
 }
 
-void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, const std::string& detail,
-                                    std::vector<Action>* out) {
+void Controller::WorkerUnresponsive(int worker_id, const std::string& kind,
+                                    const std::string& detail, std::vector<Action>* out) {
   WorkerInfo& w = membership_.at(worker_id);
   switch (w.role) {
     case WorkerRole::kMember:
@@ -412,8 +475,13 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
       // The job is forming: a spare takes its place, or a new worker is started.
       membership_.SetRole(w, WorkerRole::kGone);
       placement_.MarkEnded(worker_id);  // killed now: its slot can take the replacement
-      out->push_back(AppendJournal{{{"event", "fault"}, {"kind", kind}, {"worker_id", worker_id}, {"rank", -1},
-                                    {"pid", w.pid}, {"detail", detail}, {"last_step", w.last_step},
+      out->push_back(AppendJournal{{{"event", "fault"},
+                                    {"kind", kind},
+                                    {"worker_id", worker_id},
+                                    {"rank", -1},
+                                    {"pid", w.pid},
+                                    {"detail", detail},
+                                    {"last_step", w.last_step},
                                     {"generation", generation_}}});
       out->push_back(KillWorker{worker_id});
       WorkerInfo* spare = nullptr;
@@ -426,21 +494,28 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
       bool resume = open_recovery_.has_value();  // forming after a restart from a checkpoint
       if (spare != nullptr && !resume) {
         membership_.SetRole(*spare, WorkerRole::kPending);
-        out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; spare worker {} takes its "
-                                             "place", worker_id, w.pid, detail, spare->worker_id)});
+        out->push_back(PrintLine{
+            fmt::format("worker {} (pid {}) {} before the job formed; spare worker {} takes its "
+                        "place",
+                        worker_id, w.pid, detail, spare->worker_id)});
         if (placement_.pool_size() > 0 || slotted()) RefillSpare(out);
       } else {
-        out->push_back(PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; starting another",
-                                             worker_id, w.pid, detail)});
+        out->push_back(
+            PrintLine{fmt::format("worker {} (pid {}) {} before the job formed; starting another",
+                                  worker_id, w.pid, detail)});
         if (slotted()) {
           // On a host with a free slot, else the job cannot form.
           const HostInfo* host = placement_.FirstHostWithFreeSlot();
           if (host == nullptr) {
-            End(kExitPeerFailure, fmt::format("worker {} {} before the job formed, and no host has a free slot "
-                                              "for another", worker_id, detail), out);
+            End(kExitPeerFailure,
+                fmt::format("worker {} {} before the job formed, and no host has a free slot "
+                            "for another",
+                            worker_id, detail),
+                out);
             return;
           }
-          Spawn(membership_.NewWorkerId(), /*spare=*/false, resume, /*background=*/false, out, host->host_id);
+          Spawn(membership_.NewWorkerId(), /*spare=*/false, resume, /*background=*/false, out,
+                host->host_id);
         } else {
           Spawn(membership_.NewWorkerId(), /*spare=*/false, resume, /*background=*/false, out);
         }
@@ -453,10 +528,12 @@ void Controller::WorkerUnresponsive(int worker_id, const std::string& kind, cons
   }
 }
 
-void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out, const std::string& kind) {
+void Controller::SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out,
+                           const std::string& kind) {
   membership_.SetRole(w, WorkerRole::kGone);
   out->push_back(AppendJournal{SpareLostRecord(w, kind, how)});
-  out->push_back(PrintLine{fmt::format("spare worker {} (pid {}) {}; starting another", w.worker_id, w.pid, how)});
+  out->push_back(PrintLine{
+      fmt::format("spare worker {} (pid {}) {}; starting another", w.worker_id, w.pid, how)});
   RefillSpare(out);
 }
 
@@ -467,10 +544,16 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
   membership_.SetRole(w, WorkerRole::kGone);
   if (open_recovery_ && !w.host.empty()) recoveries_[*open_recovery_].failed_hosts.insert(w.host);
   if (HostInfo* h = placement_.FindHost(w.host); h != nullptr && h->leaving) h->member_lost = true;
-  std::string what = fmt::format("{} {} ({}); its last completed step was {}", Describe(w, placement_.elastic_host()),
-                                 detail, kind, w.last_step >= 0 ? std::to_string(w.last_step) : "none");
-  out->push_back(AppendJournal{{{"event", "fault"}, {"kind", kind}, {"worker_id", w.worker_id}, {"rank", w.rank},
-                                {"pid", w.pid}, {"detail", detail}, {"last_step", w.last_step},
+  std::string what = fmt::format("{} {} ({}); its last completed step was {}",
+                                 Describe(w, placement_.elastic_host()), detail, kind,
+                                 w.last_step >= 0 ? std::to_string(w.last_step) : "none");
+  out->push_back(AppendJournal{{{"event", "fault"},
+                                {"kind", kind},
+                                {"worker_id", w.worker_id},
+                                {"rank", w.rank},
+                                {"pid", w.pid},
+                                {"detail", detail},
+                                {"last_step", w.last_step},
                                 {"generation", generation_}}});
   out->push_back(PrintLine{"fault: " + what});
   out->push_back(KillWorker{worker_id});  // it may be hung, or half alive: make sure it is gone
@@ -494,8 +577,10 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
 }
 
 bool Controller::Promotable(const WorkerInfo& w) const {
-  return w.role == WorkerRole::kSpare && !w.stopped && now_ - w.last_heard <= options_.heartbeat_timeout &&
-         placement_.HostResponsive(w.host, now_, options_.heartbeat_timeout) && !membership_.Unconfirmed(w.worker_id);
+  return w.role == WorkerRole::kSpare && !w.stopped &&
+         now_ - w.last_heard <= options_.heartbeat_timeout &&
+         placement_.HostResponsive(w.host, now_, options_.heartbeat_timeout) &&
+         !membership_.Unconfirmed(w.worker_id);
 }
 
 // ---------------------------------------------------------------- timers
@@ -505,14 +590,16 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   for (auto it = pending_faults_.begin(); it != pending_faults_.end();) {
     if (it->point != control::FaultPoint::kTime ||
         now_ - *started_at_ < std::chrono::duration<double>(it->time_seconds) ||
-        static_cast<size_t>(it->rank) >= membership_.members().size() || phase_ != JobPhase::kRunning) {
+        static_cast<size_t>(it->rank) >= membership_.members().size() ||
+        phase_ != JobPhase::kRunning) {
       ++it;
       continue;
     }
     int id = membership_.members()[static_cast<size_t>(it->rank)];
     std::string what = control::FormatFault(*it);
     out->push_back(SignalWorker{id, it->kind == control::FaultKind::kKill ? SIGKILL : SIGSTOP});
-    out->push_back(AppendJournal{{{"event", "fault_injected"}, {"worker_id", id}, {"fault", what}}});
+    out->push_back(
+        AppendJournal{{{"event", "fault_injected"}, {"worker_id", id}, {"fault", what}}});
     last_injected_ = {now_, what};
     it = pending_faults_.erase(it);
   }
@@ -529,7 +616,8 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
     }
     for (int id : late) {
       MemberFault(id, "did not abort in time",
-                  fmt::format("no answer {} ms after the abort", options_.abort_timeout.count()), out);
+                  fmt::format("no answer {} ms after the abort", options_.abort_timeout.count()),
+                  out);
       if (phase_ != JobPhase::kRecovering) return;
     }
   }
@@ -550,8 +638,11 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
     } else if (std::optional<Finding> stall = DetectStall(view, now_)) {
       // No member lags, but nothing progresses: every member aborts.
       const std::string& cause = stall->detail;
-      out->push_back(AppendJournal{{{"event", "fault"}, {"kind", stall->kind}, {"detail", cause},
-                                    {"last_step", highest_step_}, {"generation", generation_}}});
+      out->push_back(AppendJournal{{{"event", "fault"},
+                                    {"kind", stall->kind},
+                                    {"detail", cause},
+                                    {"last_step", highest_step_},
+                                    {"generation", generation_}}});
       out->push_back(PrintLine{"fault: every member aborts: " + cause});
       StartRecovery(cause, out);
       if (options_.recovery == RecoveryMode::kCheckpointRestart) RestartFromCheckpoint(cause, out);
@@ -593,11 +684,14 @@ void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
 }
 
 void Controller::CheckHeartbeats(std::vector<Action>* out) {
-  for (const SilentHost& silent : SilentHosts(placement_.hosts(), now_, options_.heartbeat_timeout)) {
-    HostDown(silent.host_id, silent.detail, out);  // its workers are killed (if the agent still hears) and fenced
+  for (const SilentHost& silent :
+       SilentHosts(placement_.hosts(), now_, options_.heartbeat_timeout)) {
+    // its workers are killed (if the agent still hears) and fenced
+    HostDown(silent.host_id, silent.detail, out);
     // The connection closes without a shutdown: an agent that still lives
     // fences itself and registers again when it can.
-    out->push_back(CloseHost{silent.host_id, "declared lost: " + silent.detail, kExitPeerFailure, /*fence=*/true});
+    out->push_back(CloseHost{silent.host_id, "declared lost: " + silent.detail, kExitPeerFailure,
+                             /*fence=*/true});
     if (phase_ == JobPhase::kEnded) return;
   }
   for (int id : SilentWorkers(membership_.workers(), phase_, now_, options_.heartbeat_timeout)) {
@@ -619,8 +713,11 @@ void Controller::End(int exit_code, const std::string& reason, std::vector<Actio
   phase_ = JobPhase::kEnded;
   end_code_ = exit_code;
   end_reason_ = reason;
-  out->push_back(AppendJournal{{{"event", "job_end"}, {"exit_code", exit_code}, {"reason", reason},
-                                {"generation", generation_}, {"highest_step", highest_step_}}});
+  out->push_back(AppendJournal{{{"event", "job_end"},
+                                {"exit_code", exit_code},
+                                {"reason", reason},
+                                {"generation", generation_},
+                                {"highest_step", highest_step_}}});
   for (const auto& [id, w] : membership_.workers()) {
     if (w.role == WorkerRole::kGone) continue;
     out->push_back(SendShutdown{id, {reason, exit_code}});
@@ -636,7 +733,8 @@ void Controller::End(int exit_code, const std::string& reason, std::vector<Actio
 }
 
 json Controller::PolicyJson() const {
-  return ScalePolicyJson(options_.policy, world_size_, EffectiveStablePeriod(options_.policy, resize_history_, now_));
+  return ScalePolicyJson(options_.policy, world_size_,
+                         EffectiveStablePeriod(options_.policy, resize_history_, now_));
 }
 
 json Controller::Status() const {

@@ -75,7 +75,6 @@
 #include <nlohmann/json.hpp>
 
 #include "common/time.h"
-#include "nonstop/status.h"
 #include "control/fault_spec.h"
 #include "control/messages.h"
 #include "controller/core_types.h"
@@ -84,6 +83,7 @@
 #include "controller/placement.h"
 #include "controller/planner.h"
 #include "controller/resize_policy.h"
+#include "nonstop/status.h"
 
 namespace nonstop::controller {
 
@@ -130,78 +130,179 @@ struct TakeoverState {
   // asked), and per host the slots a shrink gave back, not to be refilled.
   int target_world = 0;
   std::map<std::string, int> withheld;
-  int recoveries = 0;        // recovery ids so far (new ones continue from here)
-  int takeovers = 0;         // controllers that took over before this one
+  int recoveries = 0;  // recovery ids so far (new ones continue from here)
+  int takeovers = 0;   // controllers that took over before this one
   std::optional<UnfinishedRecovery> open_recovery;
   int64_t read_at_us = 0;  // wall clock when the journal was read
 };
 
 // ---- events ----
-struct WorkerJoined { control::JoinMsg msg; };
-struct HeartbeatReceived { int worker_id; control::HeartbeatMsg msg; };
-struct ProgressReceived { int worker_id; control::ProgressMsg msg; };
-struct FinishedReceived { int worker_id; control::FinishedMsg msg; };
-struct FailureReported { int worker_id; control::FailureMsg msg; };
-struct ReadyReceived { int worker_id; control::ReadyMsg msg; };
-struct RecoveredReceived { int worker_id; control::RecoveredMsg msg; };
-struct InjectedReceived { int worker_id; control::InjectedMsg msg; };
-struct ConnectionLost { int worker_id; std::string reason; };
+struct WorkerJoined {
+  control::JoinMsg msg;
+};
+struct HeartbeatReceived {
+  int worker_id;
+  control::HeartbeatMsg msg;
+};
+struct ProgressReceived {
+  int worker_id;
+  control::ProgressMsg msg;
+};
+struct FinishedReceived {
+  int worker_id;
+  control::FinishedMsg msg;
+};
+struct FailureReported {
+  int worker_id;
+  control::FailureMsg msg;
+};
+struct ReadyReceived {
+  int worker_id;
+  control::ReadyMsg msg;
+};
+struct RecoveredReceived {
+  int worker_id;
+  control::RecoveredMsg msg;
+};
+struct InjectedReceived {
+  int worker_id;
+  control::InjectedMsg msg;
+};
+struct ConnectionLost {
+  int worker_id;
+  std::string reason;
+};
 // host: the agent that reported it; an agent's report about a worker of
 // another host is ignored.
-struct ProcessExited { int worker_id; int64_t pid; int exit_code; int signal; std::string host; };  // signal 0: exited normally
+// signal 0: exited normally
+struct ProcessExited {
+  int worker_id;
+  int64_t pid;
+  int exit_code;
+  int signal;
+  std::string host;
+};
 // The launcher saw the process stop (SIGSTOP, SIGTSTP: a frozen worker).
-struct ProcessStopped { int worker_id; int64_t pid; int signal; std::string host; };
+struct ProcessStopped {
+  int worker_id;
+  int64_t pid;
+  int signal;
+  std::string host;
+};
 // An agent registered its host.
-struct HostJoined { control::AgentRegisterMsg msg; };
-struct HostHeartbeat { std::string host_id; control::AgentHeartbeatMsg msg; };
+struct HostJoined {
+  control::AgentRegisterMsg msg;
+};
+struct HostHeartbeat {
+  std::string host_id;
+  control::AgentHeartbeatMsg msg;
+};
 // An agent's connection closed or broke.
-struct HostLost { std::string host_id; std::string reason; };
+struct HostLost {
+  std::string host_id;
+  std::string reason;
+};
 // An agent asks that its host leave the job (its capacity is taken back: a
 // Slurm preemption): its workers are released at the next step boundary.
-struct HostLeaving { std::string host_id; control::AgentLeavingMsg msg; };
+struct HostLeaving {
+  std::string host_id;
+  control::AgentLeavingMsg msg;
+};
 // An agent started a worker process (pid), or could not (error).
-struct WorkerStarted { std::string host_id; control::AgentStartedMsg msg; };
+struct WorkerStarted {
+  std::string host_id;
+  control::AgentStartedMsg msg;
+};
 struct Tick {};
-// A request to change the world size: {"world_size": N}, {"release": N} or {"grow": N} (POST /scale).
-struct ScaleRequest { int request_id; nlohmann::json body; std::string source; };
+// A request to change the world size: {"world_size": N}, {"release": N} or {"grow": N} (POST
+// /scale).
+struct ScaleRequest {
+  int request_id;
+  nlohmann::json body;
+  std::string source;
+};
 // The launcher was told to stop (SIGINT, SIGTERM): end the job now.
-struct Interrupted { std::string how; };
+struct Interrupted {
+  std::string how;
+};
 // This controller takes over a running job; the first event it handles.
-struct Takeover { TakeoverState state; };
-using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived, FailureReported,
-                           ReadyReceived, RecoveredReceived, InjectedReceived, ConnectionLost, ProcessExited,
-                           ProcessStopped, Tick, ScaleRequest, Interrupted, HostJoined, HostHeartbeat, HostLost,
-                           WorkerStarted, Takeover, HostLeaving>;
+struct Takeover {
+  TakeoverState state;
+};
+using Event =
+    std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived,
+                 FailureReported, ReadyReceived, RecoveredReceived, InjectedReceived,
+                 ConnectionLost, ProcessExited, ProcessStopped, Tick, ScaleRequest, Interrupted,
+                 HostJoined, HostHeartbeat, HostLost, WorkerStarted, Takeover, HostLeaving>;
 
 // ---- actions ----
 // Every member of a generation gets the same plan: one PlanMsg, shared by the
 // SendPlan actions of all members (a plan lists every member, so a copy per
 // member would cost O(world²) memory and time), and encoded once by the
 // runtime (docs/scale.md).
-struct SendPlan { int worker_id; std::shared_ptr<const control::PlanMsg> plan; };
+struct SendPlan {
+  int worker_id;
+  std::shared_ptr<const control::PlanMsg> plan;
+};
 // Likewise one AbortMsg for all members of the generation that ends.
-struct SendAbort { int worker_id; std::shared_ptr<const control::AbortMsg> msg; };
-struct SendDrain { int worker_id; control::DrainMsg msg; };
-struct ScaleReply { int request_id; int http_status; nlohmann::json body; };
-struct SendShutdown { int worker_id; control::ShutdownMsg msg; };
-struct KillWorker { int worker_id; };               // SIGKILL now; a remote worker's control connection is closed too
-struct SignalWorker { int worker_id; int signal; };  // injected time-based faults
+struct SendAbort {
+  int worker_id;
+  std::shared_ptr<const control::AbortMsg> msg;
+};
+struct SendDrain {
+  int worker_id;
+  control::DrainMsg msg;
+};
+struct ScaleReply {
+  int request_id;
+  int http_status;
+  nlohmann::json body;
+};
+struct SendShutdown {
+  int worker_id;
+  control::ShutdownMsg msg;
+};
+// SIGKILL now; a remote worker's control connection is closed too
+struct KillWorker {
+  int worker_id;
+};
+struct SignalWorker {
+  int worker_id;
+  int signal;
+};  // injected time-based faults
 // resume: load the newest checkpoint. background: a pool refill, started at a
 // low priority so that it warms up without slowing the job.
 // host: the agent that starts it.
-struct SpawnWorker { int worker_id; bool spare; bool resume = false; bool background = false; std::string host; };
+struct SpawnWorker {
+  int worker_id;
+  bool spare;
+  bool resume = false;
+  bool background = false;
+  std::string host;
+};
 // Tell an agent why it must go (a refusal, or a host declared lost: fencing)
 // and close its connection.
 // fence: only close the connection (a host declared lost): the agent, if it
 // still lives, kills its processes and registers again; otherwise a shutdown
 // with the reason and exit code goes first (a refusal: the agent exits).
-struct CloseHost { std::string host_id; std::string reason; int exit_code = kExitPeerFailure; bool fence = false; };
-struct AppendJournal { nlohmann::json record; };
-struct PrintLine { std::string line; };
-struct EndJob { int exit_code; std::string reason; };
-using Action = std::variant<SendPlan, SendAbort, SendDrain, SendShutdown, KillWorker, SignalWorker, SpawnWorker,
-                            AppendJournal, PrintLine, EndJob, ScaleReply, CloseHost>;
-
+struct CloseHost {
+  std::string host_id;
+  std::string reason;
+  int exit_code = kExitPeerFailure;
+  bool fence = false;
+};
+struct AppendJournal {
+  nlohmann::json record;
+};
+struct PrintLine {
+  std::string line;
+};
+struct EndJob {
+  int exit_code;
+  std::string reason;
+};
+using Action = std::variant<SendPlan, SendAbort, SendDrain, SendShutdown, KillWorker, SignalWorker,
+                            SpawnWorker, AppendJournal, PrintLine, EndJob, ScaleReply, CloseHost>;
 
 // Whether the options describe a job the core can run, naming the field that
 // does not: every job runs on hosts (min_hosts at least 1), and max_hosts is
@@ -275,9 +376,12 @@ class Controller {
   void WorkerUnresponsive(int worker_id, const std::string& kind, const std::string& detail,
                           std::vector<Action>* out);
   // A member failed: it leaves the membership (and is killed); recovery starts or continues.
-  void MemberFault(int worker_id, const std::string& kind, const std::string& detail, std::vector<Action>* out);
-  void SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out, const std::string& kind = "exit");
-  // A spare a plan may promote: heard from lately, not stopped, on a responsive host, not still to be adopted.
+  void MemberFault(int worker_id, const std::string& kind, const std::string& detail,
+                   std::vector<Action>* out);
+  void SpareLost(WorkerInfo& w, const std::string& how, std::vector<Action>* out,
+                 const std::string& kind = "exit");
+  // A spare a plan may promote: heard from lately, not stopped, on a responsive host, not still to
+  // be adopted.
   bool Promotable(const WorkerInfo& w) const;
 
   // ---- the detectors' findings, acted on (each Tick)
@@ -308,7 +412,8 @@ class Controller {
   void End(int exit_code, const std::string& reason, std::vector<Action>* out);
 
   // ---- elasticity: a planned change of the world size at a step boundary
-  void StartResize(int new_world, const std::string& trigger, std::vector<Action>* out, std::set<int> release = {});
+  void StartResize(int new_world, const std::string& trigger, std::vector<Action>* out,
+                   std::set<int> release = {});
   void MaybeGrow(std::vector<Action>* out);
   // A member lost during a planned resize: the survivors may be blocked in a
   // collective with it, which the drain alone never ends; they are aborted.
@@ -364,8 +469,9 @@ class Controller {
 
   // The recovery state machine.
   std::vector<RecoveryRecord> recoveries_;
-  std::optional<size_t> open_recovery_;     // index into recoveries_
-  std::unordered_map<int, int64_t> ready_;  // live member → the step its state holds (during an abort)
+  std::optional<size_t> open_recovery_;  // index into recoveries_
+  // live member → the step its state holds (during an abort)
+  std::unordered_map<int, int64_t> ready_;
   // During an abort, members[0 .. abort_scan_) are known to be gone or
   // ready (a member that is either stays so until the next generation), so
   // that each Ready costs O(1) amortised instead of a scan of every member.
@@ -385,11 +491,12 @@ class Controller {
   ResizeHistory resize_history_;
 
   // Takeover.
-  uint32_t takeover_generation_ = 0;  // the journal's last generation (0: this controller started the job)
-  Clock::time_point adopt_until_{};   // the inherited may join until then
-  int takeovers_ = 0;                 // controllers before this one (this one's number in the job)
-  int recovery_id_base_ = 0;          // recoveries run by the controllers before this one
-  int end_code_ = 0;                  // once ended: how, for workers that join after the end
+  // the journal's last generation (0: this controller started the job)
+  uint32_t takeover_generation_ = 0;
+  Clock::time_point adopt_until_{};  // the inherited may join until then
+  int takeovers_ = 0;                // controllers before this one (this one's number in the job)
+  int recovery_id_base_ = 0;         // recoveries run by the controllers before this one
+  int end_code_ = 0;                 // once ended: how, for workers that join after the end
   std::string end_reason_;
 };
 

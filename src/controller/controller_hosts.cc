@@ -20,17 +20,20 @@ using nlohmann::json;
 void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   const auto& m = e.msg;
   auto refuse = [&](const std::string& why) {
-    out->push_back(AppendJournal{{{"event", "host_refused"}, {"host", m.host_id}, {"reason", why}}});
+    out->push_back(
+        AppendJournal{{{"event", "host_refused"}, {"host", m.host_id}, {"reason", why}}});
     out->push_back(PrintLine{fmt::format("agent of host {} refused: {}", m.host_id, why)});
     out->push_back(CloseHost{m.host_id, why, kExitUsage});
   };
   HostInfo* known = placement_.FindHost(m.host_id);
   if (known != nullptr && known->inherited) return HostRejoined(*known, m, out);
-  if (known != nullptr && known->alive) return refuse(fmt::format("host id {} is already in the job", m.host_id));
+  if (known != nullptr && known->alive)
+    return refuse(fmt::format("host id {} is already in the job", m.host_id));
   if (m.running != static_cast<int>(m.workers.size())) {
-    return refuse(fmt::format("the agent still supervises {} process(es) from before but does not list them; it "
-                              "must stop them first",
-                              m.running));
+    return refuse(fmt::format(
+        "the agent still supervises {} process(es) from before but does not list them; it "
+        "must stop them first",
+        m.running));
   }
   const int alive = placement_.alive_hosts();
   if (options_.max_hosts > 0 && alive >= options_.max_hosts) {
@@ -38,11 +41,14 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   }
   const std::string& elastic_host = placement_.elastic_host();
   if (!elastic_host.empty() && m.host_id != elastic_host) {
-    return refuse(fmt::format("this job's one host is {}, nonstop run's own: it takes no other agents", elastic_host));
+    return refuse(fmt::format(
+        "this job's one host is {}, nonstop run's own: it takes no other agents", elastic_host));
   }
   if (m.elastic && elastic_host.empty() && (options_.max_hosts != 1 || placement_.placed())) {
-    return refuse("an agent whose capacity follows the job (nonstop run's own) can only be the one host of a job "
-                  "of one host (--nnodes 1)");
+    return refuse(
+        "an agent whose capacity follows the job (nonstop run's own) can only be the one host of a "
+        "job "
+        "of one host (--nnodes 1)");
   }
   HostInfo& h = known != nullptr ? *known : placement_.AddHost(m.host_id);
   h.nproc = m.nproc;
@@ -61,8 +67,13 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   ++h.incarnation;
   placement_.HostRefillsResume(m.host_id);  // a fresh start for its slots
   placement_.ReleaseWithheld(m.host_id);
-  out->push_back(AppendJournal{{{"event", "host_join"}, {"host", m.host_id}, {"nproc", m.nproc}, {"spares", m.spares},
-                                {"address", m.address}, {"incarnation", h.incarnation}, {"elastic", m.elastic}}});
+  out->push_back(AppendJournal{{{"event", "host_join"},
+                                {"host", m.host_id},
+                                {"nproc", m.nproc},
+                                {"spares", m.spares},
+                                {"address", m.address},
+                                {"incarnation", h.incarnation},
+                                {"elastic", m.elastic}}});
   // Processes it kept from before (it was cut off, and the job went on
   // without them): none may take part again.
   for (const auto& [id, pid] : m.workers) {
@@ -70,8 +81,9 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
     if (w != nullptr && w->role != WorkerRole::kGone) continue;  // cannot be: its host was lost
     FenceProcess(m.host_id, id, pid, "its host was lost; the job went on without it", out);
   }
-  out->push_back(PrintLine{fmt::format("host {} ({}) registered{}: {} worker(s), {} spare(s)", m.host_id, m.address,
-                                       h.incarnation > 1 ? " again" : "", m.nproc, m.spares)});
+  out->push_back(
+      PrintLine{fmt::format("host {} ({}) registered{}: {} worker(s), {} spare(s)", m.host_id,
+                            m.address, h.incarnation > 1 ? " again" : "", m.nproc, m.spares)});
   if (!placement_.placed()) {
     if (alive + 1 >= options_.min_hosts) PlaceOnHosts(/*resume=*/false, out);
     return;
@@ -84,7 +96,8 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
 void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
   const int world = placement_.PlacedWorld();
   if (world == 0) {
-    out->push_back(PrintLine{"the registered hosts bring no workers (all --nproc-per-host 0): waiting for more"});
+    out->push_back(PrintLine{
+        "the registered hosts bring no workers (all --nproc-per-host 0): waiting for more"});
     return;
   }
   placement_.SetPlaced();
@@ -94,12 +107,14 @@ void Controller::PlaceOnHosts(bool resume, std::vector<Action>* out) {
   for (const Placement::Slot& slot : placement_.PlaceAll()) {
     Spawn(membership_.NewWorkerId(), slot.spare, resume, /*background=*/false, out, slot.host_id);
   }
-  out->push_back(PrintLine{fmt::format("placed on {} host(s): world {}", placement_.host_order().size(), world_size_)});
+  out->push_back(PrintLine{
+      fmt::format("placed on {} host(s): world {}", placement_.host_order().size(), world_size_)});
 }
 
 void Controller::TopUpHosts(std::vector<Action>* out) {
   if (!placement_.placed()) return;  // the placement starts every host's workers
-  if (!slotted()) return;  // an elastic host has no slots to fill: its spare pool refills one for one (RefillSpare)
+  // an elastic host has no slots to fill: its spare pool refills one for one (RefillSpare)
+  if (!slotted()) return;
   const bool background = phase_ != JobPhase::kForming;
   for (const std::string& host : placement_.TopUpTargets()) {
     Spawn(membership_.NewWorkerId(), /*spare=*/true, /*resume=*/false, background, out, host);
@@ -111,25 +126,29 @@ void Controller::ReplaceFormingWorker(const std::string& lost_host, std::vector<
     if (w.role == WorkerRole::kSpare && !w.stopped && w.host != lost_host &&
         placement_.HostResponsive(w.host, now_, options_.heartbeat_timeout)) {
       membership_.SetRole(w, WorkerRole::kPending);
-      out->push_back(PrintLine{fmt::format("spare worker {} on host {} takes the place of a worker of host {}", id,
-                                           w.host, lost_host)});
+      out->push_back(
+          PrintLine{fmt::format("spare worker {} on host {} takes the place of a worker of host {}",
+                                id, w.host, lost_host)});
       return;
     }
   }
   if (const HostInfo* h = placement_.FirstHostWithFreeSlot()) {
-    Spawn(membership_.NewWorkerId(), /*spare=*/false, /*resume=*/open_recovery_.has_value(), /*background=*/false, out,
-          h->host_id);
+    Spawn(membership_.NewWorkerId(), /*spare=*/false, /*resume=*/open_recovery_.has_value(),
+          /*background=*/false, out, h->host_id);
     return;
   }
   if (world_size_ - 1 >= std::max(1, options_.policy.min_world)) {
     --world_size_;
-    out->push_back(PrintLine{fmt::format("no spare or free slot for a worker of host {}: the job forms with {} "
-                                         "workers", lost_host, world_size_)});
+    out->push_back(PrintLine{
+        fmt::format("no spare or free slot for a worker of host {}: the job forms with {} "
+                    "workers",
+                    lost_host, world_size_)});
     return;
   }
-  End(kExitPeerFailure, fmt::format("host {} was lost while the job formed, and no other host can take its "
-                                    "workers (the policy's minimum world is {})", lost_host,
-                                    options_.policy.min_world),
+  End(kExitPeerFailure,
+      fmt::format("host {} was lost while the job formed, and no other host can take its "
+                  "workers (the policy's minimum world is {})",
+                  lost_host, options_.policy.min_world),
       out);
 }
 
@@ -137,7 +156,9 @@ void Controller::On(const HostHeartbeat& e, std::vector<Action>*) {
   if (HostInfo* h = placement_.FindHost(e.host_id); h != nullptr && h->alive) h->last_heard = now_;
 }
 
-void Controller::On(const HostLost& e, std::vector<Action>* out) { HostDown(e.host_id, e.reason, out); }
+void Controller::On(const HostLost& e, std::vector<Action>* out) {
+  HostDown(e.host_id, e.reason, out);
+}
 
 void Controller::On(const WorkerStarted& e, std::vector<Action>* out) {
   if (HostOf(e.msg.worker_id) != e.host_id) return;  // not its worker
@@ -146,12 +167,15 @@ void Controller::On(const WorkerStarted& e, std::vector<Action>* out) {
     On(ProcessExited{e.msg.worker_id, 0, 127, 0, e.host_id}, out);
     return;
   }
-  out->push_back(AppendJournal{{{"event", "spawn"}, {"worker_id", e.msg.worker_id}, {"pid", e.msg.pid},
+  out->push_back(AppendJournal{{{"event", "spawn"},
+                                {"worker_id", e.msg.worker_id},
+                                {"pid", e.msg.pid},
                                 {"host", e.host_id}}});
 }
 
 // The loss of a host is the loss of every worker on it, at once: one recovery.
-void Controller::HostDown(const std::string& host_id, const std::string& reason, std::vector<Action>* out) {
+void Controller::HostDown(const std::string& host_id, const std::string& reason,
+                          std::vector<Action>* out) {
   HostInfo* found = placement_.FindHost(host_id);
   if (found == nullptr || !found->alive) return;
   HostInfo& h = *found;
@@ -170,23 +194,30 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
     }
     const WorkerInfo* w = membership_.Find(id);
     if (w == nullptr) continue;
-    if (IsLiveMember(*w)) members.push_back(id);
-    else if (w->role != WorkerRole::kGone) others.push_back(id);
+    if (IsLiveMember(*w))
+      members.push_back(id);
+    else if (w->role != WorkerRole::kGone)
+      others.push_back(id);
   }
   std::vector<int> ranks;
   for (int id : members) ranks.push_back(membership_.at(id).rank);
   // A host that asked to leave and whose members were all released has left
   // as planned; one that still held members when it went is a fault like any other.
   const bool left = h.leaving && members.empty() && !h.member_lost;
-  out->push_back(AppendJournal{{{"event", left ? "host_left" : "host_lost"}, {"host", host_id}, {"reason", reason},
-                                {"members", members}, {"ranks", ranks}, {"others", others}}});
+  out->push_back(AppendJournal{{{"event", left ? "host_left" : "host_lost"},
+                                {"host", host_id},
+                                {"reason", reason},
+                                {"members", members},
+                                {"ranks", ranks},
+                                {"others", others}}});
   if (left) {
-    out->push_back(PrintLine{fmt::format("host {} left the job ({}); its workers were released", host_id,
-                                         h.leave_reason)});
+    out->push_back(PrintLine{fmt::format("host {} left the job ({}); its workers were released",
+                                         host_id, h.leave_reason)});
   } else {
-    out->push_back(PrintLine{fmt::format("host {} lost: {}{}; {} member(s) on it {}", host_id, reason,
-                                         h.leaving ? " (it was leaving, but its members were not released yet)" : "",
-                                         members.size(), json(ranks).dump())});
+    out->push_back(PrintLine{
+        fmt::format("host {} lost: {}{}; {} member(s) on it {}", host_id, reason,
+                    h.leaving ? " (it was leaving, but its members were not released yet)" : "",
+                    members.size(), json(ranks).dump())});
   }
   for (int id : others) {  // its spares first: none of them may replace a worker of the same host
     WorkerInfo& w = membership_.at(id);
@@ -199,20 +230,23 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
     WorkerUnresponsive(id, "host lost", fmt::format("was on host {} ({})", host_id, reason), out);
     if (phase_ == JobPhase::kEnded) return;
   }
-  for (int i = 0; i < unjoined_workers && phase_ == JobPhase::kForming; ++i) ReplaceFormingWorker(host_id, out);
+  for (int i = 0; i < unjoined_workers && phase_ == JobPhase::kForming; ++i)
+    ReplaceFormingWorker(host_id, out);
   if (phase_ == JobPhase::kEnded) return;
   if (unjoined_workers > 0) MaybeFormFirstGeneration(out);
   if (members.empty()) {
     // Its members may already be gone, each noticed on its own (their control
     // connections closed first): the open recovery names the host too.
     if (open_recovery_ && recoveries_[*open_recovery_].failed_hosts.count(host_id)) {
-      recoveries_[*open_recovery_].causes.push_back(fmt::format("host {} lost ({})", host_id, reason));
+      recoveries_[*open_recovery_].causes.push_back(
+          fmt::format("host {} lost ({})", host_id, reason));
     }
     TopUpHosts(out);
     return;
   }
   if (options_.recovery == RecoveryMode::kCheckpointRestart) {
-    for (int id : members) MemberFault(id, "host lost", fmt::format("was on host {} ({})", host_id, reason), out);
+    for (int id : members)
+      MemberFault(id, "host lost", fmt::format("was on host {} ({})", host_id, reason), out);
     return;
   }
   std::string what = fmt::format("host {} lost ({}): ", host_id, reason);
@@ -221,9 +255,15 @@ void Controller::HostDown(const std::string& host_id, const std::string& reason,
     what += (i ? ", " : "") + fmt::format("rank {} (worker {})", w.rank, w.worker_id);
     membership_.SetRole(w, WorkerRole::kGone);
     ready_.erase(w.worker_id);
-    out->push_back(AppendJournal{{{"event", "fault"}, {"kind", "host lost"}, {"worker_id", w.worker_id},
-                                  {"rank", w.rank}, {"pid", w.pid}, {"host", host_id}, {"detail", reason},
-                                  {"last_step", w.last_step}, {"generation", generation_}}});
+    out->push_back(AppendJournal{{{"event", "fault"},
+                                  {"kind", "host lost"},
+                                  {"worker_id", w.worker_id},
+                                  {"rank", w.rank},
+                                  {"pid", w.pid},
+                                  {"host", host_id},
+                                  {"detail", reason},
+                                  {"last_step", w.last_step},
+                                  {"generation", generation_}}});
     out->push_back(KillWorker{w.worker_id});
   }
   out->push_back(PrintLine{"fault: " + what});
@@ -261,11 +301,16 @@ void Controller::On(const HostLeaving& e, std::vector<Action>* out) {
       spares.push_back(id);
     }
   }
-  out->push_back(AppendJournal{{{"event", "host_leaving"}, {"host", e.host_id}, {"reason", h.leave_reason},
-                                {"members", members}, {"spares", spares}, {"starting", starting}}});
-  out->push_back(PrintLine{fmt::format("host {} leaves the job ({}): {} member(s) released at the next step "
-                                       "boundary, {} spare(s) let go",
-                                       e.host_id, h.leave_reason, members.size(), spares.size() + starting.size())});
+  out->push_back(AppendJournal{{{"event", "host_leaving"},
+                                {"host", e.host_id},
+                                {"reason", h.leave_reason},
+                                {"members", members},
+                                {"spares", spares},
+                                {"starting", starting}}});
+  out->push_back(PrintLine{
+      fmt::format("host {} leaves the job ({}): {} member(s) released at the next step "
+                  "boundary, {} spare(s) let go",
+                  e.host_id, h.leave_reason, members.size(), spares.size() + starting.size())});
   if (!placement_.placed() || phase_ == JobPhase::kForming) {
     // Nothing trains yet: the job forms without the host, as if it were lost.
     HostDown(e.host_id, "left the job while it formed (" + h.leave_reason + ")", out);
@@ -275,8 +320,10 @@ void Controller::On(const HostLeaving& e, std::vector<Action>* out) {
   for (int id : spares) {
     WorkerInfo& w = membership_.at(id);
     membership_.SetRole(w, WorkerRole::kGone);
-    out->push_back(AppendJournal{SpareLostRecord(w, "released", fmt::format("host {} leaves the job", e.host_id))});
-    out->push_back(SendShutdown{id, {fmt::format("released: host {} leaves the job", e.host_id), kExitOk}});
+    out->push_back(AppendJournal{
+        SpareLostRecord(w, "released", fmt::format("host {} leaves the job", e.host_id))});
+    out->push_back(
+        SendShutdown{id, {fmt::format("released: host {} leaves the job", e.host_id), kExitOk}});
   }
   for (int id : starting) {  // no connection to tell it on yet
     membership_.awaiting().erase(id);
@@ -291,7 +338,8 @@ void Controller::MaybeReleaseLeavingHosts(std::vector<Action>* out) {
   // a takeover's adoption, comes first (the Tick retries).
   // A recovery record still open (its first step not done) closes first, so
   // that it is not recorded as superseded by this planned change.
-  if (phase_ != JobPhase::kRunning || finished_ > 0 || membership_.AdoptionPending() || resize_ || open_recovery_) {
+  if (phase_ != JobPhase::kRunning || finished_ > 0 || membership_.AdoptionPending() || resize_ ||
+      open_recovery_) {
     return;
   }
   std::vector<int> leaving;
@@ -309,22 +357,27 @@ void Controller::MaybeReleaseLeavingHosts(std::vector<Action>* out) {
   int spares = 0;  // those FormNextGeneration would promote
   for (const auto& [id, w] : membership_.workers()) spares += Promotable(w);
   const PlanPolicy sizes = SizePolicy(options_.policy, world_size_);
-  const int to = WorldWithoutLeaving(world, static_cast<int>(leaving.size()), spares, sizes, shard_group_);
+  const int to =
+      WorldWithoutLeaving(world, static_cast<int>(leaving.size()), spares, sizes, shard_group_);
   std::string names;
   for (const std::string& h : hosts) names += (names.empty() ? "" : ", ") + h;
   if (to < 0) {
-    std::string why = smaller >= 1 ? CheckWorldSize(sizes, shard_group_, smaller) : "no member would be left";
-    std::string text = fmt::format("host(s) {} cannot leave at a step boundary: without their {} member(s) the world "
-                                   "would be {} ({}), and {} spare(s) can take their ranks; they stay until their "
-                                   "agent goes (then a host fault)",
-                                   names, leaving.size(), smaller, why, spares);
+    std::string why =
+        smaller >= 1 ? CheckWorldSize(sizes, shard_group_, smaller) : "no member would be left";
+    std::string text = fmt::format(
+        "host(s) {} cannot leave at a step boundary: without their {} member(s) the world "
+        "would be {} ({}), and {} spare(s) can take their ranks; they stay until their "
+        "agent goes (then a host fault)",
+        names, leaving.size(), smaller, why, spares);
     for (const std::string& h : hosts) placement_.host(h).leave_refused = true;
-    out->push_back(AppendJournal{{{"event", "host_leave_refused"}, {"hosts", hosts}, {"reason", text}}});
+    out->push_back(
+        AppendJournal{{{"event", "host_leave_refused"}, {"hosts", hosts}, {"reason", text}}});
     out->push_back(PrintLine{text});
     return;
   }
   std::string reason = placement_.host(*hosts.begin()).leave_reason;
-  StartResize(to, fmt::format("host(s) {} leave ({})", names, reason), out, std::set<int>(leaving.begin(), leaving.end()));
+  StartResize(to, fmt::format("host(s) {} leave ({})", names, reason), out,
+              std::set<int>(leaving.begin(), leaving.end()));
 }
 
 // ---------------------------------------------------------------- takeover
@@ -335,10 +388,13 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
   recovery_id_base_ = s.recoveries;
   if (s.generation == 0 || s.members.empty()) {
     End(kExitUsage,
-        s.generation == 0 ? "the job had not formed when its controller stopped: there is nothing to take over; start "
-                            "the job again"
-                          : fmt::format("generation {} of the job has no members: there is nothing to take over; "
-                                        "start the job again", s.generation),
+        s.generation == 0
+            ? "the job had not formed when its controller stopped: there is nothing to take over; "
+              "start "
+              "the job again"
+            : fmt::format("generation {} of the job has no members: there is nothing to take over; "
+                          "start the job again",
+                          s.generation),
         out);
     return;
   }
@@ -377,7 +433,8 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
     if (!sw.host.empty()) placement_.SetHostOf(sw.worker_id, sw.host);
     placement_.MarkLive(sw.worker_id);
     if (sw.address.empty() && !member_set.count(sw.worker_id)) {
-      membership_.awaiting()[sw.worker_id] = AwaitedJoin{sw.spare, now_};  // started, not joined yet: it may still
+      // started, not joined yet: it may still
+      membership_.awaiting()[sw.worker_id] = AwaitedJoin{sw.spare, now_};
       continue;
     }
     WorkerInfo& w = membership_.at(sw.worker_id);
@@ -387,7 +444,8 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
     w.address = sw.address;
     w.host = sw.host;
     w.role = WorkerRole::kGone;
-    membership_.SetRole(w, member_set.count(sw.worker_id) ? WorkerRole::kMember : WorkerRole::kSpare);
+    membership_.SetRole(w,
+                        member_set.count(sw.worker_id) ? WorkerRole::kMember : WorkerRole::kSpare);
     w.last_heard = grace;
     w.last_step = s.resume_step - 1;
     membership_.unconfirmed().insert(sw.worker_id);
@@ -408,17 +466,24 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
   for (size_t r = 0; r < members.size(); ++r) members[r]->rank = static_cast<int>(r);
   phase_ = JobPhase::kRunning;
   progress_at_ = now_;
-  out->push_back(AppendJournal{{{"event", "takeover"}, {"takeover", takeovers_}, {"generation", generation_},
-                                {"members", membership_.members()}, {"highest_step", highest_step_},
-                                {"workers", membership_.unconfirmed().size()}, {"hosts", placement_.host_order()}}});
-  out->push_back(PrintLine{fmt::format(
-      "taking over the job (controller #{}): generation {}, {} members, {} host(s), last completed step {}; waiting "
-      "up to {} ms for the workers and agents to join",
-      takeovers_ + 1, generation_, members.size(), placement_.host_order().size(), highest_step_,
-      options_.adopt_timeout.count())});
+  out->push_back(AppendJournal{{{"event", "takeover"},
+                                {"takeover", takeovers_},
+                                {"generation", generation_},
+                                {"members", membership_.members()},
+                                {"highest_step", highest_step_},
+                                {"workers", membership_.unconfirmed().size()},
+                                {"hosts", placement_.host_order()}}});
+  out->push_back(PrintLine{
+      fmt::format("taking over the job (controller #{}): generation {}, {} members, {} host(s), "
+                  "last completed step {}; waiting "
+                  "up to {} ms for the workers and agents to join",
+                  takeovers_ + 1, generation_, members.size(), placement_.host_order().size(),
+                  highest_step_, options_.adopt_timeout.count())});
   if (s.open_recovery) AdoptOpenRecovery(s, out);
   if (ended > 0) {
-    StartRecovery(fmt::format("{} member(s) of generation {} ended before the takeover", ended, generation_), out);
+    StartRecovery(
+        fmt::format("{} member(s) of generation {} ended before the takeover", ended, generation_),
+        out);
   }
 }
 
@@ -426,7 +491,8 @@ void Controller::AdoptOpenRecovery(const TakeoverState& s, std::vector<Action>* 
   const UnfinishedRecovery& o = *s.open_recovery;
   // A record's time, from its age when the journal was read (now, if it has none).
   auto at = [&](int64_t us) {
-    return us > 0 && s.read_at_us >= us ? now_ - std::chrono::microseconds(s.read_at_us - us) : now_;
+    return us > 0 && s.read_at_us >= us ? now_ - std::chrono::microseconds(s.read_at_us - us)
+                                        : now_;
   };
   RecoveryRecord rec;
   rec.id = o.id;
@@ -438,8 +504,10 @@ void Controller::AdoptOpenRecovery(const TakeoverState& s, std::vector<Action>* 
   rec.detected_at = at(o.started_us);
   recovery_id_base_ = std::max(0, o.id - 1);  // this record takes id o.id; the next ones follow it
   if (o.plan_generation == generation_) {
-    rec.causes.push_back(fmt::format("its controller stopped after its plan; controller #{} finished it (the state "
-                                     "copied was reported to the one that stopped)", takeovers_ + 1));
+    rec.causes.push_back(
+        fmt::format("its controller stopped after its plan; controller #{} finished it (the state "
+                    "copied was reported to the one that stopped)",
+                    takeovers_ + 1));
     rec.aborted_at = rec.plan_at = at(o.plan_us);
     rec.to_generation = generation_;
     rec.resume_step = resume_step_;
@@ -447,7 +515,8 @@ void Controller::AdoptOpenRecovery(const TakeoverState& s, std::vector<Action>* 
     rec.new_world = static_cast<int>(members.size());
     for (size_t r = 0; r < members.size() && r < o.old_members.size(); ++r) {
       if (members[r] != o.old_members[r]) {
-        rec.replacements.push_back(fmt::format("rank {}: worker {} → worker {}", r, o.old_members[r], members[r]));
+        rec.replacements.push_back(
+            fmt::format("rank {}: worker {} → worker {}", r, o.old_members[r], members[r]));
       }
     }
     recoveries_.push_back(std::move(rec));
@@ -455,10 +524,13 @@ void Controller::AdoptOpenRecovery(const TakeoverState& s, std::vector<Action>* 
     close_scan_ = 0;
     return;
   }
-  rec.outcome = fmt::format("interrupted: its controller stopped before its plan; controller #{} took over "
-                            "generation {}", takeovers_ + 1, generation_);
+  rec.outcome = fmt::format(
+      "interrupted: its controller stopped before its plan; controller #{} took over "
+      "generation {}",
+      takeovers_ + 1, generation_);
   recoveries_.push_back(std::move(rec));
-  out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(recoveries_.back())}}});
+  out->push_back(
+      AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(recoveries_.back())}}});
 }
 
 void Controller::Rejoined(const control::JoinMsg& m, std::vector<Action>* out) {
@@ -466,8 +538,8 @@ void Controller::Rejoined(const control::JoinMsg& m, std::vector<Action>* out) {
   if (m.generation > takeover_generation_ + 1) {
     // Plans go out one generation at a time, each recorded before the next:
     // a worker can be at most one ahead of the journal. It lies, or is broken.
-    std::string why = fmt::format("rejoined claiming generation {}, but the journal's last is {}", m.generation,
-                                  takeover_generation_);
+    std::string why = fmt::format("rejoined claiming generation {}, but the journal's last is {}",
+                                  m.generation, takeover_generation_);
     out->push_back(AppendJournal{JoinRefusedRecord(m.worker_id, why)});
     out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, kExitPeerFailure}});
     return;  // still unconfirmed: lost at the adoption bound
@@ -477,8 +549,12 @@ void Controller::Rejoined(const control::JoinMsg& m, std::vector<Action>* out) {
   w.pid = m.pid;
   w.address = m.data_address;
   w.last_heard = now_;
-  out->push_back(AppendJournal{{{"event", "rejoin"}, {"worker_id", m.worker_id}, {"pid", m.pid},
-                                {"generation", m.generation}, {"waiting", m.waiting}, {"state_step", m.state_step},
+  out->push_back(AppendJournal{{{"event", "rejoin"},
+                                {"worker_id", m.worker_id},
+                                {"pid", m.pid},
+                                {"generation", m.generation},
+                                {"waiting", m.waiting},
+                                {"state_step", m.state_step},
                                 {"role", w.role == WorkerRole::kSpare ? "spare" : "member"}}});
   // A generation newer than the journal's: a plan the previous controller
   // sent but did not record. The next plan must be newer still.
@@ -486,8 +562,10 @@ void Controller::Rejoined(const control::JoinMsg& m, std::vector<Action>* out) {
   generation_ = std::max(generation_, m.generation);
   if (w.role == WorkerRole::kSpare) {
     if (out_of_sync && phase_ == JobPhase::kRunning) {
-      StartRecovery(fmt::format("spare worker {} is in generation {}, which the journal does not know",
-                                m.worker_id, m.generation), out);
+      StartRecovery(
+          fmt::format("spare worker {} is in generation {}, which the journal does not know",
+                      m.worker_id, m.generation),
+          out);
     }
     return;
   }
@@ -500,31 +578,42 @@ void Controller::Rejoined(const control::JoinMsg& m, std::vector<Action>* out) {
     // It left its generation (the previous controller was recovering), or it
     // is not in the one the journal names: the members form a new one.
     if (phase_ == JobPhase::kRunning) {
-      StartRecovery(waiting ? fmt::format("worker {} was between generations when the previous controller stopped",
-                                            m.worker_id)
-                              : fmt::format("worker {} is in generation {}, the journal's last plan is generation {}",
-                                            m.worker_id, m.generation, generation_),
-                    out);
+      StartRecovery(
+          waiting ? fmt::format(
+                        "worker {} was between generations when the previous controller stopped",
+                        m.worker_id)
+                  : fmt::format(
+                        "worker {} is in generation {}, the journal's last plan is generation {}",
+                        m.worker_id, m.generation, generation_),
+          out);
     }
   }
   if (phase_ != JobPhase::kRecovering) return;
   if (waiting) {
     ready_[m.worker_id] = m.state_step;
-    out->push_back(AppendJournal{{{"event", "ready"}, {"worker_id", m.worker_id}, {"rank", w.rank},
-                                  {"generation", m.generation}, {"step", m.state_step}, {"reason", "rejoined"}}});
+    out->push_back(AppendJournal{{{"event", "ready"},
+                                  {"worker_id", m.worker_id},
+                                  {"rank", w.rank},
+                                  {"generation", m.generation},
+                                  {"step", m.state_step},
+                                  {"reason", "rejoined"}}});
     MaybeFinishAbort(out);
   } else {
     // The abort went out while it had no controller: it gets it now.
-    out->push_back(SendAbort{m.worker_id, std::make_shared<const control::AbortMsg>(control::AbortMsg{
-                                              generation_, "a controller took over during a recovery"})});
+    out->push_back(
+        SendAbort{m.worker_id, std::make_shared<const control::AbortMsg>(control::AbortMsg{
+                                   generation_, "a controller took over during a recovery"})});
   }
 }
 
-void Controller::HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m, std::vector<Action>* out) {
+void Controller::HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m,
+                              std::vector<Action>* out) {
   if (m.running != static_cast<int>(m.workers.size())) {
     // Without the list, this controller cannot tell which processes it inherits.
-    std::string why = fmt::format("the agent supervises {} process(es) but lists {}", m.running, m.workers.size());
-    out->push_back(AppendJournal{{{"event", "host_refused"}, {"host", m.host_id}, {"reason", why}}});
+    std::string why = fmt::format("the agent supervises {} process(es) but lists {}", m.running,
+                                  m.workers.size());
+    out->push_back(
+        AppendJournal{{{"event", "host_refused"}, {"host", m.host_id}, {"reason", why}}});
     out->push_back(CloseHost{m.host_id, why, kExitUsage});
     return;  // still inherited: lost at the adoption bound
   }
@@ -533,20 +622,25 @@ void Controller::HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m, s
   h.pid = m.pid;
   h.address = m.address;
   ++h.incarnation;
-  out->push_back(AppendJournal{{{"event", "host_rejoin"}, {"host", h.host_id}, {"running", m.running},
+  out->push_back(AppendJournal{{{"event", "host_rejoin"},
+                                {"host", h.host_id},
+                                {"running", m.running},
                                 {"incarnation", h.incarnation}}});
-  out->push_back(PrintLine{fmt::format("host {} ({}) joined this controller with {} running worker(s)", h.host_id,
-                                       m.address, m.running)});
+  out->push_back(
+      PrintLine{fmt::format("host {} ({}) joined this controller with {} running worker(s)",
+                            h.host_id, m.address, m.running)});
   std::set<int> listed;
   for (const auto& [id, pid] : m.workers) {
     const WorkerInfo* w = membership_.Find(id);
-    bool known = HostOf(id) == h.host_id && placement_.IsLive(id) &&
-                 ((w != nullptr && w->role != WorkerRole::kGone) || membership_.awaiting().count(id));
+    bool known =
+        HostOf(id) == h.host_id && placement_.IsLive(id) &&
+        ((w != nullptr && w->role != WorkerRole::kGone) || membership_.awaiting().count(id));
     if (known) {
       listed.insert(id);
       continue;
     }
-    FenceProcess(h.host_id, id, pid, "the job does not count on it (it left before the takeover)", out);
+    FenceProcess(h.host_id, id, pid, "the job does not count on it (it left before the takeover)",
+                 out);
     listed.insert(id);  // dying, not dead: its slot is free when its exit is reported
   }
   // Processes of this host that the agent no longer runs ended while no controller led.
@@ -562,19 +656,25 @@ void Controller::HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m, s
   TopUpHosts(out);  // slots that ended while no controller led take spares again
 }
 
-void Controller::FenceProcess(const std::string& host, int worker_id, int64_t pid, const std::string& why,
-                              std::vector<Action>* out) {
+void Controller::FenceProcess(const std::string& host, int worker_id, int64_t pid,
+                              const std::string& why, std::vector<Action>* out) {
   if (placement_.StartedOnHost(worker_id) && placement_.HostOf(worker_id) != host) {
     // The id belongs to a worker of another host: this agent's process is a stranger.
-    out->push_back(AppendJournal{{{"event", "report_ignored"}, {"host", host}, {"worker_id", worker_id},
-                                  {"reason", "an agent listed a process under another host's worker id"}}});
+    out->push_back(
+        AppendJournal{{{"event", "report_ignored"},
+                       {"host", host},
+                       {"worker_id", worker_id},
+                       {"reason", "an agent listed a process under another host's worker id"}}});
     return;
   }
   placement_.SetHostOf(worker_id, host);
   if (worker_id < (1 << 30)) membership_.UseIdsBelow(worker_id + 1);  // never reused
   placement_.MarkLive(worker_id);  // it holds a slot until its exit is seen
   out->push_back(SignalWorker{worker_id, SIGKILL});
-  out->push_back(AppendJournal{{{"event", "fence"}, {"host", host}, {"worker_id", worker_id}, {"pid", pid},
+  out->push_back(AppendJournal{{{"event", "fence"},
+                                {"host", host},
+                                {"worker_id", worker_id},
+                                {"pid", pid},
                                 {"reason", why}}});
 }
 

@@ -35,7 +35,8 @@ json PerMemberRecord(const char* event, int worker_id) {
 void SetShardMoves(std::vector<ShardMove> moves, control::PlanMsg* plan, int shard_group) {
   plan->shard_group = std::max(0, shard_group);
   plan->shard_moves.reserve(moves.size());
-  for (ShardMove& m : moves) plan->shard_moves.push_back({m.receiver, m.shard, std::move(m.sources)});
+  for (ShardMove& m : moves)
+    plan->shard_moves.push_back({m.receiver, m.shard, std::move(m.sources)});
 }
 
 // The plan's shard moves for its journal record: every copy the plan makes.
@@ -49,14 +50,16 @@ json ShardMovesJson(const control::PlanMsg& plan) {
 
 // Sharded state over hosts: the shards every copy of which generation
 // `generation` holds on one host (printed and journaled).
-void ReportExposedShards(uint32_t generation, int shard_group, const std::vector<WorkerInfo*>& members,
-                         std::vector<Action>* out) {
+void ReportExposedShards(uint32_t generation, int shard_group,
+                         const std::vector<WorkerInfo*>& members, std::vector<Action>* out) {
   std::vector<int> exposed = ExposedShards(members, shard_group);
   if (exposed.empty()) return;
-  out->push_back(AppendJournal{{{"event", "shard_placement"}, {"generation", generation}, {"shards", exposed}}});
-  out->push_back(PrintLine{fmt::format("generation {}: every copy of shard {} is on one host, whose loss would lose "
-                                       "it (optimizer.shard_group {} over these hosts)", generation,
-                                       fmt::join(exposed, ", "), shard_group)});
+  out->push_back(AppendJournal{
+      {{"event", "shard_placement"}, {"generation", generation}, {"shards", exposed}}});
+  out->push_back(PrintLine{
+      fmt::format("generation {}: every copy of shard {} is on one host, whose loss would lose "
+                  "it (optimizer.shard_group {} over these hosts)",
+                  generation, fmt::join(exposed, ", "), shard_group)});
 }
 
 }  // namespace
@@ -70,23 +73,30 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   const std::set<int>& pending = membership_.pending();
   if (world_size_ <= 0 || static_cast<int>(pending.size()) < world_size_) return;
   if (shard_group_ > 1 && world_size_ % shard_group_ != 0) {
-    End(kExitUsage, fmt::format("the world of {} workers is not groups of optimizer.shard_group {}: make --nproc a "
-                                "multiple of {} or change the recipe's shard_group", world_size_, shard_group_,
-                                shard_group_), out);
+    End(kExitUsage,
+        fmt::format(
+            "the world of {} workers is not groups of optimizer.shard_group {}: make --nproc a "
+            "multiple of {} or change the recipe's shard_group",
+            world_size_, shard_group_, shard_group_),
+        out);
     return;
   }
   if (shard_group_ > 1 && world_size_ / shard_group_ + shard_group_ > kMaxShardSubGroups) {
-    End(kExitUsage, CheckWorldSize(SizePolicy(options_.policy, world_size_), shard_group_, world_size_), out);
+    End(kExitUsage,
+        CheckWorldSize(SizePolicy(options_.policy, world_size_), shard_group_, world_size_), out);
     return;
   }
   if (shard_group_ > 1 && world_size_ == shard_group_ && !open_recovery_) {
-    out->push_back(PrintLine{fmt::format("optimizer.shard_group {} is the whole world: each shard has one copy, so a "
-                                         "fault loses it (the job then falls to its durable checkpoint); a world of "
-                                         "{} or more keeps a replica", shard_group_, 2 * shard_group_)});
+    out->push_back(PrintLine{
+        fmt::format("optimizer.shard_group {} is the whole world: each shard has one copy, so a "
+                    "fault loses it (the job then falls to its durable checkpoint); a world of "
+                    "{} or more keeps a replica",
+                    shard_group_, 2 * shard_group_)});
   }
   // The lowest worker ids.
   ++generation_;
-  membership_.SetMembers(std::vector<int>(pending.begin(), std::next(pending.begin(), world_size_)));
+  membership_.SetMembers(
+      std::vector<int>(pending.begin(), std::next(pending.begin(), world_size_)));
   arrivals_.Reset();  // a new membership has its own normal
   const std::vector<int>& members = membership_.members();
   int64_t s_star = -1;
@@ -114,7 +124,8 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
     const int64_t joined_step = membership_.joined_step(w.worker_id);
     w.last_step = joined_step;
     plan.members.push_back({w.worker_id, w.address});
-    if (joined_step != s_star) plan.transfers.push_back({w.worker_id, SourcesFor(holders, plan.transfers.size())});
+    if (joined_step != s_star)
+      plan.transfers.push_back({w.worker_id, SourcesFor(holders, plan.transfers.size())});
     holdings.push_back({w.worker_id, joined_step, w.held_shard});
   }
   SetShardMoves(PlanShardMoves(holdings, s_star, shard_group_), &plan, shard_group_);
@@ -127,13 +138,18 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
   out->reserve(out->size() + members.size() + 2);
   for (int id : members) out->push_back(SendPlan{id, shared});
-  json first = {{"event", "plan"}, {"generation", generation_}, {"members", members},
-                {"spares", membership_.spare_count()}, {"resume_step", resume_step_}, {"reason", plan.reason}};
+  json first = {{"event", "plan"},
+                {"generation", generation_},
+                {"members", members},
+                {"spares", membership_.spare_count()},
+                {"resume_step", resume_step_},
+                {"reason", plan.reason}};
   if (!plan.shard_moves.empty()) first["shard_moves"] = ShardMovesJson(plan);
   out->push_back(AppendJournal{std::move(first)});
-  out->push_back(PrintLine{fmt::format("generation {}: {} workers, ranks by worker id {}{}", generation_,
-                                       members.size(), json(members).dump(),
-                                       s_star >= 0 ? fmt::format(", resuming at step {}", resume_step_) : "")});
+  out->push_back(PrintLine{
+      fmt::format("generation {}: {} workers, ranks by worker id {}{}", generation_, members.size(),
+                  json(members).dump(),
+                  s_star >= 0 ? fmt::format(", resuming at step {}", resume_step_) : "")});
   ReportExposedShards(generation_, shard_group_, membership_.member_info(), out);
   if (open_recovery_) {
     RecoveryRecord& rec = recoveries_[*open_recovery_];
@@ -155,9 +171,10 @@ void Controller::StartRecovery(const std::string& cause, std::vector<Action>* ou
 void Controller::OpenRecovery(const std::string& cause, bool planned, std::vector<Action>* out) {
   if (open_recovery_) {
     // A fault while the previous recovery had not finished: it is superseded.
-    recoveries_[*open_recovery_].outcome =
-        fmt::format("superseded by recovery {}", recovery_id_base_ + static_cast<int>(recoveries_.size()) + 1);
-    out->push_back(AppendJournal{{{"event", "recovery_end"}, {"recovery", RecordJson(recoveries_[*open_recovery_])}}});
+    recoveries_[*open_recovery_].outcome = fmt::format(
+        "superseded by recovery {}", recovery_id_base_ + static_cast<int>(recoveries_.size()) + 1);
+    out->push_back(AppendJournal{
+        {{"event", "recovery_end"}, {"recovery", RecordJson(recoveries_[*open_recovery_])}}});
   }
   const std::vector<WorkerInfo*>& members = membership_.member_info();
   const double median_step = step_times_.MedianSeconds();
@@ -184,8 +201,9 @@ void Controller::OpenRecovery(const std::string& cause, bool planned, std::vecto
   // A healthy member answers the abort at its next check (between
   // micro-batches, or its collective): never sooner than the step it is
   // computing allows, so slow steps stretch the deadline.
-  abort_deadline_ = now_ + std::max(options_.abort_timeout, std::chrono::duration_cast<Millis>(
-                                                                std::chrono::duration<double>(1.5 * median_step)));
+  abort_deadline_ = now_ + std::max(options_.abort_timeout,
+                                    std::chrono::duration_cast<Millis>(
+                                        std::chrono::duration<double>(1.5 * median_step)));
   // Inherited members that have not joined this controller yet (a takeover)
   // answer once they have: the adoption bound first, then the abort's.
   if (!membership_.unconfirmed().empty()) {
@@ -197,10 +215,14 @@ void Controller::OpenRecovery(const std::string& cause, bool planned, std::vecto
   for (WorkerInfo* w : members) {
     if (!IsLiveMember(*w)) continue;
     if (w->role == WorkerRole::kFinished) membership_.SetRole(*w, WorkerRole::kMember);
-    if (!planned && !membership_.Unconfirmed(w->worker_id)) out->push_back(SendAbort{w->worker_id, abort});
+    if (!planned && !membership_.Unconfirmed(w->worker_id))
+      out->push_back(SendAbort{w->worker_id, abort});
   }
-  out->push_back(AppendJournal{{{"event", planned ? "resize_start" : "recovery_start"}, {"recovery", rec.id},
-                                {"generation", generation_}, {"cause", cause}, {"injected", rec.injected}}});
+  out->push_back(AppendJournal{{{"event", planned ? "resize_start" : "recovery_start"},
+                                {"recovery", rec.id},
+                                {"generation", generation_},
+                                {"cause", cause},
+                                {"injected", rec.injected}}});
 }
 
 void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
@@ -209,19 +231,24 @@ void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
   // After a takeover that found a generation the journal missed, the others
   // still answer for the journal's.
   bool current = e.msg.generation == generation_ ||
-                 (takeover_generation_ > 0 && e.msg.generation >= takeover_generation_ && e.msg.generation < generation_);
+                 (takeover_generation_ > 0 && e.msg.generation >= takeover_generation_ &&
+                  e.msg.generation < generation_);
   if (!current) return;
   if (!SaneStep(e.msg.step)) {
-    MemberFault(e.worker_id, "reported failure", fmt::format("reported an impossible step {}", e.msg.step), out);
+    MemberFault(e.worker_id, "reported failure",
+                fmt::format("reported an impossible step {}", e.msg.step), out);
     return;
   }
   if (phase_ == JobPhase::kRunning) {
     // The member saw a fault first (a peer's connection reset): recover.
-    StartRecovery(fmt::format("{} reported: {}", Describe(*w, placement_.elastic_host()), e.msg.reason), out);
+    StartRecovery(
+        fmt::format("{} reported: {}", Describe(*w, placement_.elastic_host()), e.msg.reason), out);
   }
   if (shard_group_ > 0 && e.msg.held_shard >= shard_group_) {
-    MemberFault(e.worker_id, "reported failure",
-                fmt::format("claims to hold shard {} of groups of {}", e.msg.held_shard, shard_group_), out);
+    MemberFault(
+        e.worker_id, "reported failure",
+        fmt::format("claims to hold shard {} of groups of {}", e.msg.held_shard, shard_group_),
+        out);
     return;
   }
   if (phase_ != JobPhase::kRecovering) return;
@@ -264,12 +291,14 @@ PlanInput Controller::PlanView(const RecoveryRecord& rec) const {
     }
     m.held_shard = w.held_shard;
   }
-  for (const auto& [id, w] : membership_.workers()) {  // only those heard from lately: a hung spare is never promoted
+  // only those heard from lately: a hung spare is never promoted
+  for (const auto& [id, w] : membership_.workers()) {
     if (Promotable(w)) view.spares.push_back({id, w.host});
   }
   view.failed_hosts = rec.failed_hosts;
   if (resize_) {
-    view.resize = PlanInput::Resize{};  // not emplace(): clang 16 finds the nested struct not default-constructible
+    // not emplace(): clang 16 finds the nested struct not default-constructible
+    view.resize = PlanInput::Resize{};
     PlanInput::Resize& resize = *view.resize;
     resize.to = resize_->to;
     for (int id : resize_->release) {
@@ -288,7 +317,9 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   NextGeneration next = PlanNextGeneration(PlanView(rec), SizePolicy(options_.policy, world_size_));
   if (!next.lost_shards.empty()) {
-    out->push_back(AppendJournal{{{"event", "shard_lost"}, {"shards", next.lost_shards}, {"step", next.s_star},
+    out->push_back(AppendJournal{{{"event", "shard_lost"},
+                                  {"shards", next.lost_shards},
+                                  {"step", next.s_star},
                                   {"recovery", rec.id}}});
   }
   if (next.verdict == Verdict::kRestart) {
@@ -302,8 +333,10 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
     return;
   }
   if (next.leaving_kept) out->push_back(PrintLine{*next.leaving_kept});
-  for (const std::string& host : next.leave_refused_hosts) placement_.host(host).leave_refused = true;
-  rec.replacements.insert(rec.replacements.end(), std::make_move_iterator(next.replacements.begin()),
+  for (const std::string& host : next.leave_refused_hosts)
+    placement_.host(host).leave_refused = true;
+  rec.replacements.insert(rec.replacements.end(),
+                          std::make_move_iterator(next.replacements.begin()),
                           std::make_move_iterator(next.replacements.end()));
   resize_.reset();  // the plan carried it out
   if (next.verdict == Verdict::kNoneLeft) {
@@ -319,8 +352,10 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
   for (int id : next.released) {
     WorkerInfo& w = membership_.at(id);
     membership_.SetRole(w, WorkerRole::kGone);
-    if (!w.host.empty()) placement_.Withhold(w.host);  // capacity given back: not refilled until a grow
-    out->push_back(SendShutdown{id, {fmt::format("released: the world shrinks to {}", world), kExitOk}});
+    // capacity given back: not refilled until a grow
+    if (!w.host.empty()) placement_.Withhold(w.host);
+    out->push_back(
+        SendShutdown{id, {fmt::format("released: the world shrinks to {}", world), kExitOk}});
   }
   if (world != membership_.members().size()) resize_history_.Changed(now_);
   std::vector<WorkerInfo*> next_info(world);
@@ -328,7 +363,7 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
     // Most keep their rank: their entry is known.
     const std::vector<int>& ids = membership_.members();
     next_info[r] = r < ids.size() && ids[r] == next.members[r] ? membership_.member_info()[r]
-                                                                : &membership_.at(next.members[r]);
+                                                               : &membership_.at(next.members[r]);
   }
   ++generation_;
   membership_.SetMembers(std::move(next.members), std::move(next_info));
@@ -360,7 +395,8 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
   }
   json transfers = json::array();
   for (NextGeneration::Transfer& t : next.transfers) {
-    transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}, {"had_step", t.had_step}});
+    transfers.push_back(
+        {{"receiver", t.receiver}, {"sources", t.sources}, {"had_step", t.had_step}});
     plan.transfers.push_back({t.receiver, std::move(t.sources)});
   }
   SetShardMoves(std::move(next.shard_moves), &plan, shard_group_);
@@ -377,16 +413,23 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
     Spawn(membership_.NewWorkerId(), /*spare=*/true, /*resume=*/false, /*background=*/true, out);
     ++rec.spawned_spares;
   }
-  json record = {{"event", "plan"}, {"generation", generation_}, {"members", members},
-                 {"spares", membership_.spare_count()}, {"resume_step", resume_step_}, {"reason", plan.reason},
-                 {"recovery", rec.id}, {"transfers", std::move(transfers)}, {"released", next.released}};
+  json record = {{"event", "plan"},
+                 {"generation", generation_},
+                 {"members", members},
+                 {"spares", membership_.spare_count()},
+                 {"resume_step", resume_step_},
+                 {"reason", plan.reason},
+                 {"recovery", rec.id},
+                 {"transfers", std::move(transfers)},
+                 {"released", next.released}};
   if (!plan.shard_moves.empty()) record["shard_moves"] = ShardMovesJson(plan);
   out->push_back(AppendJournal{std::move(record)});
-  out->push_back(PrintLine{fmt::format("generation {}: {} workers {}, resuming at step {}{}", generation_,
-                                       members.size(), json(members).dump(), resume_step_,
-                                       plan.transfers.empty() ? "" : fmt::format(", {} receiving state from {} source(s)",
-                                                                                 plan.transfers.size(),
-                                                                                 next.holders.size()))});
+  out->push_back(PrintLine{fmt::format(
+      "generation {}: {} workers {}, resuming at step {}{}", generation_, members.size(),
+      json(members).dump(), resume_step_,
+      plan.transfers.empty() ? ""
+                             : fmt::format(", {} receiving state from {} source(s)",
+                                           plan.transfers.size(), next.holders.size()))});
   ReportExposedShards(generation_, shard_group_, membership_.member_info(), out);
 }
 
@@ -406,7 +449,8 @@ void Controller::On(const RecoveredReceived& e, std::vector<Action>* out) {
   rec.transfer_seconds = std::max(rec.transfer_seconds, e.msg.transfer_seconds);
   rec.bytes_copied += e.msg.bytes_received;
   rec.refetched_chunks += e.msg.refetched_chunks;
-  if (++rec.recovered_reports == static_cast<int>(membership_.members().size())) rec.state_ready_at = now_;
+  if (++rec.recovered_reports == static_cast<int>(membership_.members().size()))
+    rec.state_ready_at = now_;
   MaybeCloseRecovery(out);
 }
 
@@ -434,7 +478,9 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   rec.restarted = true;
   rec.replacements.push_back("every worker restarted from the newest durable checkpoint");
   out->push_back(PrintLine{"restarting every worker from the newest durable checkpoint: " + why});
-  out->push_back(AppendJournal{{{"event", "restart"}, {"recovery", rec.id}, {"reason", why},
+  out->push_back(AppendJournal{{{"event", "restart"},
+                                {"recovery", rec.id},
+                                {"reason", why},
                                 {"highest_step", highest_step_}}});
   for (auto& [id, w] : membership_.mutable_workers()) {
     // Every slot takes a restarted worker at once, also the slots of members
@@ -445,7 +491,8 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
     membership_.SetRole(w, WorkerRole::kGone);
     out->push_back(KillWorker{id});
   }
-  for (const auto& [id, a] : membership_.awaiting()) {  // started, not joined yet: they would join the old job
+  // started, not joined yet: they would join the old job
+  for (const auto& [id, a] : membership_.awaiting()) {
     out->push_back(KillWorker{id});
     membership_.killed_before_join().insert(id);
     placement_.MarkEnded(id);
@@ -466,7 +513,8 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   }
   // The elastic host: the world and its spare pool start again there.
   for (int i = 0; i < world_size_ + placement_.pool_size(); ++i) {
-    Spawn(membership_.NewWorkerId(), /*spare=*/i >= world_size_, /*resume=*/true, /*background=*/false, out);
+    Spawn(membership_.NewWorkerId(), /*spare=*/i >= world_size_, /*resume=*/true,
+          /*background=*/false, out);
   }
 }
 
@@ -482,17 +530,25 @@ void Controller::On(const ScaleRequest& e, std::vector<Action>* out) {
   view.initial_world = world_size_;
   const ScaleDecision d = DecideScaleRequest(e.body, view, options_.policy, resize_history_, now_);
   if (d.http_status != 202) {
-    out->push_back(ScaleReply{e.request_id, d.http_status, {{"accepted", false}, {"error", d.error}}});
-    out->push_back(AppendJournal{{{"event", "scale_refused"}, {"request", e.body}, {"source", e.source},
+    out->push_back(
+        ScaleReply{e.request_id, d.http_status, {{"accepted", false}, {"error", d.error}}});
+    out->push_back(AppendJournal{{{"event", "scale_refused"},
+                                  {"request", e.body},
+                                  {"source", e.source},
                                   {"reason", d.error}}});
     return;
   }
   const int target = d.target;
   target_world_ = target;
-  out->push_back(AppendJournal{{{"event", "scale_request"}, {"request", e.body}, {"source", e.source}, {"from", world},
+  out->push_back(AppendJournal{{{"event", "scale_request"},
+                                {"request", e.body},
+                                {"source", e.source},
+                                {"from", world},
                                 {"to", target}}});
-  out->push_back(ScaleReply{e.request_id, 202, {{"accepted", true}, {"world_size", target}, {"from", world},
-                                                {"generation", generation_}}});
+  out->push_back(ScaleReply{
+      e.request_id,
+      202,
+      {{"accepted", true}, {"world_size", target}, {"from", world}, {"generation", generation_}}});
   if (target < world) {
     StartResize(target, fmt::format("shrink on request ({})", e.source), out);
   } else if (target > world) {
@@ -537,13 +593,15 @@ void Controller::StartResize(int new_world, const std::string& trigger, std::vec
   // Members stop at the first step boundary at or after `after`: the step
   // they are computing now completes; nothing is dropped.
   control::DrainMsg drain{generation_, highest_step_ + 1, trigger};
-  abort_deadline_ = now_ + options_.abort_timeout + std::chrono::duration_cast<Millis>(
-                                                       std::chrono::duration<double>(10 * step_times_.MedianSeconds()));
+  abort_deadline_ = now_ + options_.abort_timeout +
+                    std::chrono::duration_cast<Millis>(
+                        std::chrono::duration<double>(10 * step_times_.MedianSeconds()));
   for (int id : membership_.members()) {
     if (IsLiveMember(membership_.at(id))) out->push_back(SendDrain{id, drain});
   }
-  out->push_back(PrintLine{fmt::format("resize: world {} → {} at the step boundary after step {} ({})",
-                                       membership_.members().size(), new_world, drain.after_step, trigger)});
+  out->push_back(
+      PrintLine{fmt::format("resize: world {} → {} at the step boundary after step {} ({})",
+                            membership_.members().size(), new_world, drain.after_step, trigger)});
 }
 
 void Controller::EscalateResize(std::vector<Action>* out) {
@@ -551,15 +609,17 @@ void Controller::EscalateResize(std::vector<Action>* out) {
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   if (rec.kind != "resize") return;
   rec.kind = "recovery";  // a fault now, not a planned change
-  abort_deadline_ = now_ + std::max(options_.abort_timeout,
-                                    std::chrono::duration_cast<Millis>(
-                                        std::chrono::duration<double>(1.5 * step_times_.MedianSeconds())));
+  abort_deadline_ =
+      now_ + std::max(options_.abort_timeout,
+                      std::chrono::duration_cast<Millis>(
+                          std::chrono::duration<double>(1.5 * step_times_.MedianSeconds())));
   auto abort = std::make_shared<const control::AbortMsg>(
       control::AbortMsg{generation_, "a member was lost during a resize"});
   for (int id : membership_.members()) {
     if (IsLiveMember(membership_.at(id)) && !ready_.count(id)) out->push_back(SendAbort{id, abort});
   }
-  out->push_back(AppendJournal{{{"event", "resize_aborted"}, {"recovery", rec.id}, {"generation", generation_}}});
+  out->push_back(AppendJournal{
+      {{"event", "resize_aborted"}, {"recovery", rec.id}, {"generation", generation_}}});
 }
 
 }  // namespace nonstop::controller

@@ -4,8 +4,8 @@
 
 #include <gtest/gtest.h>
 
-#include <functional>
 #include <signal.h>
+#include <functional>
 
 #include <limits>
 #include <map>
@@ -53,7 +53,8 @@ class ControllerTest : public ::testing::Test {
     m.address = "127.0.0.1";
     m.pid = 4000;
     m.elastic = true;
-    EXPECT_EQ(Find<SpawnWorker>(Do(HostJoined{m})).size(), static_cast<size_t>(o.world_size + o.spares))
+    EXPECT_EQ(Find<SpawnWorker>(Do(HostJoined{m})).size(),
+              static_cast<size_t>(o.world_size + o.spares))
         << "the placement starts the world and its spares";
   }
   std::vector<Action> Do(Event e) {
@@ -61,7 +62,8 @@ class ControllerTest : public ::testing::Test {
     return c_->Handle(e, now_);
   }
   std::vector<Action> Join(int id, bool spare = false) {
-    return Do(WorkerJoined{{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1, kHost}});
+    return Do(
+        WorkerJoined{{id, 1000 + id, "127.0.0.1:" + std::to_string(5000 + id), spare, -1, kHost}});
   }
   std::vector<Action> Ready(int id, int64_t step) {
     return Do(ReadyReceived{id, {c_->generation(), step, "aborted"}});
@@ -227,7 +229,7 @@ TEST_F(ControllerTest, MemberThatDoesNotAbortInTimeIsKilledAndTheRecoveryGoesOn)
   StartJob();
   Do(ProcessExited{2, 1002, -1, 9, kHost});
   Ready(0, 4);
-  now_ += Millis(2100);  // rank 1 never answers
+  now_ += Millis(2100);                // rank 1 never answers
   Do(HeartbeatReceived{3, {-1, -1}});  // the spare is alive
   auto actions = Do(Tick{});
   auto kills = Find<KillWorker>(actions);
@@ -277,7 +279,8 @@ TEST_F(ControllerTest, StateHeldByNoSurvivorEndsTheJobWithAReason) {
   auto ends = Find<EndJob>(actions);
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
-  EXPECT_NE(ends[0].reason.find("state of step 3 exists on no live worker"), std::string::npos) << ends[0].reason;
+  EXPECT_NE(ends[0].reason.find("state of step 3 exists on no live worker"), std::string::npos)
+      << ends[0].reason;
 }
 
 TEST_F(ControllerTest, MemberReportingACollectiveFailureStartsRecovery) {
@@ -316,7 +319,8 @@ TEST_F(ControllerTest, JobEndsWhenEveryMemberFinishedWithTheSameChecksum) {
 // shutdown, and the job's end does not wait for it.
 TEST_F(ControllerTest, AtTheEndASpareThatHasNotJoinedYetIsKilledAtOnce) {
   StartJob();
-  auto spawns = Find<SpawnWorker>(Do(ProcessExited{3, 1003, -1, 9, kHost}));  // the spare died: a refill starts
+  // the spare died: a refill starts
+  auto spawns = Find<SpawnWorker>(Do(ProcessExited{3, 1003, -1, 9, kHost}));
   ASSERT_EQ(spawns.size(), 1u);
   const int refill = spawns[0].worker_id;
   Do(FinishedReceived{0, {100, "abcd"}});
@@ -327,7 +331,8 @@ TEST_F(ControllerTest, AtTheEndASpareThatHasNotJoinedYetIsKilledAtOnce) {
   auto kills = Find<KillWorker>(actions);
   ASSERT_EQ(kills.size(), 1u) << "only the refill that has not joined";
   EXPECT_EQ(kills[0].worker_id, refill);
-  EXPECT_EQ(Find<SendShutdown>(actions).size(), 3u) << "the members are told, and they exit on their own";
+  EXPECT_EQ(Find<SendShutdown>(actions).size(), 3u)
+      << "the members are told, and they exit on their own";
 }
 
 TEST_F(ControllerTest, FaultAfterSomeMembersFinishedRecoversThemToo) {
@@ -462,7 +467,8 @@ TEST_F(ControllerTest, StallWatchdogEndsAWorldOfOneThatStopsCompletingSteps) {
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   for (int64_t step = 0; step < 5; ++step) {
     now_ += Millis(2000);
-    Do(ProgressReceived{0, {step, 3.0, 2.0, 100, 1}});  // 2 s steps: the bound is max(10 s, 10 × 2 s) = 20 s
+    // 2 s steps: the bound is max(10 s, 10 × 2 s) = 20 s
+    Do(ProgressReceived{0, {step, 3.0, 2.0, 100, 1}});
   }
   auto silent_for = [&](int ms) {
     std::vector<Action> all;
@@ -474,7 +480,8 @@ TEST_F(ControllerTest, StallWatchdogEndsAWorldOfOneThatStopsCompletingSteps) {
     }
     return all;
   };
-  EXPECT_TRUE(Find<SendAbort>(silent_for(19'500)).empty()) << "19.5 s without a step is within the bound";
+  EXPECT_TRUE(Find<SendAbort>(silent_for(19'500)).empty())
+      << "19.5 s without a step is within the bound";
   auto aborted = silent_for(1000);
   ASSERT_EQ(Find<SendAbort>(aborted).size(), 1u) << "20 s without a step: the member is aborted";
   EXPECT_TRUE(Find<KillWorker>(aborted).empty()) << "a stuck collective could still answer";
@@ -508,7 +515,8 @@ TEST_F(ControllerTest, StallWatchdogReformsMembersStuckTogetherInACollective) {
     now_ += Millis(500);
     for (int id : {0, 1, 2}) Do(HeartbeatReceived{id, {4, t + 500}});
     actions = Do(Tick{});
-    EXPECT_TRUE(Find<KillWorker>(actions).empty()) << "no one computes: the step-progress watchdog blames no one";
+    EXPECT_TRUE(Find<KillWorker>(actions).empty())
+        << "no one computes: the step-progress watchdog blames no one";
   }
   ASSERT_EQ(Find<SendAbort>(actions).size(), 3u);
   Ready(0, 4);
@@ -529,7 +537,8 @@ TEST_F(ControllerTest, StallWatchdogAllowsTheFirstStepTheFormingTimeout) {
   for (int t = 0; t < 59'000; t += 500) {
     now_ += Millis(500);
     Do(HeartbeatReceived{0, {-1, -1}});
-    ASSERT_TRUE(Find<SendAbort>(Do(Tick{})).empty()) << "aborted at " << t << " ms, before the first step";
+    ASSERT_TRUE(Find<SendAbort>(Do(Tick{})).empty())
+        << "aborted at " << t << " ms, before the first step";
   }
   now_ += Millis(1500);
   Do(HeartbeatReceived{0, {-1, -1}});
@@ -545,7 +554,8 @@ TEST_F(ControllerTest, WorkerJoiningAfterTheEndIsToldTheJobEnded) {
   auto shutdowns = Find<SendShutdown>(Join(7, /*spare=*/true));
   ASSERT_EQ(shutdowns.size(), 1u);
   EXPECT_EQ(shutdowns[0].worker_id, 7);
-  EXPECT_NE(shutdowns[0].msg.reason.find("the job has ended: interrupted by a test"), std::string::npos)
+  EXPECT_NE(shutdowns[0].msg.reason.find("the job has ended: interrupted by a test"),
+            std::string::npos)
       << shutdowns[0].msg.reason;
   EXPECT_EQ(shutdowns[0].msg.exit_code, kExitInterrupted);
 }
@@ -612,8 +622,8 @@ TEST_F(ControllerTest, SpareThatNeverJoinsIsKilledAndReplaced) {
 
 TEST_F(ControllerTest, HugeScaleRequestIsRefusedWithoutOverflow) {
   StartJob();
-  for (const char* body : {R"({"grow": 2147483647})", R"({"grow": 18446744073709551615})", R"({"world_size": -5})",
-                           R"({"release": 9223372036854775807})"}) {
+  for (const char* body : {R"({"grow": 2147483647})", R"({"grow": 18446744073709551615})",
+                           R"({"world_size": -5})", R"({"release": 9223372036854775807})"}) {
     auto actions = Do(ScaleRequest{1, nlohmann::json::parse(body), "test"});
     auto replies = Find<ScaleReply>(actions);
     ASSERT_EQ(replies.size(), 1u) << body;
@@ -640,13 +650,15 @@ TEST_F(ControllerTest, LyingNumbersFromAWorkerAreIgnoredNotOverflowed) {
   Do(ProgressReceived{1, {INT64_MAX, 2.0, 1.0, 100, 3}});
   EXPECT_EQ(c_->phase(), JobPhase::kRunning);
   auto actions = Do(ReadyReceived{2, {c_->generation(), INT64_MAX, "lying"}});
-  ASSERT_EQ(Find<KillWorker>(actions).size(), 1u) << "a member that reports an impossible step is faulty";
+  ASSERT_EQ(Find<KillWorker>(actions).size(), 1u)
+      << "a member that reports an impossible step is faulty";
   EXPECT_EQ(Find<KillWorker>(actions)[0].worker_id, 2);
 }
 
 TEST_F(ControllerTest, SpareThatDiesWhileTheJobFormsIsReplacedNotFatal) {
   Join(0);
-  auto actions = Do(ProcessExited{3, 1003, 1, 0, kHost});  // spare worker 3 (world 3 + 1 spare) dies before joining
+  // spare worker 3 (world 3 + 1 spare) dies before joining
+  auto actions = Do(ProcessExited{3, 1003, 1, 0, kHost});
   EXPECT_EQ(Find<EndJob>(actions).size(), 0u);
   ASSERT_EQ(Find<SpawnWorker>(actions).size(), 1u);
   EXPECT_TRUE(Find<SpawnWorker>(actions)[0].spare);
@@ -664,7 +676,8 @@ TEST_F(ControllerTest, AbortDeadlineStretchesWithSlowSteps) {
   Ready(0, 5);
   now_ += Millis(2100);  // past --abort-timeout-ms, but rank 1 is mid-step
   Do(HeartbeatReceived{3, {-1, -1}});
-  EXPECT_TRUE(Find<KillWorker>(Do(Tick{})).empty()) << "a healthy member in a 5 s step must not be killed";
+  EXPECT_TRUE(Find<KillWorker>(Do(Tick{})).empty())
+      << "a healthy member in a 5 s step must not be killed";
   now_ += Millis(5600);  // 7.7 s > 1.5 × 5 s
   Do(HeartbeatReceived{3, {-1, -1}});
   auto kills = Find<KillWorker>(Do(Tick{}));
@@ -682,12 +695,14 @@ TEST(ControllerOptionsTest, AJobWithoutHostsIsRefusedNamingTheField) {
   Status s = ValidateOptions(o);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("ControllerOptions::min_hosts is 0"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("ControllerOptions::min_hosts is 0"), std::string::npos)
+      << s.message();
   o.min_hosts = 3;
   o.max_hosts = 2;
   s = ValidateOptions(o);
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.message().find("ControllerOptions::max_hosts 2 is below min_hosts 3"), std::string::npos)
+  EXPECT_NE(s.message().find("ControllerOptions::max_hosts 2 is below min_hosts 3"),
+            std::string::npos)
       << s.message();
   o.max_hosts = 0;  // no limit
   EXPECT_TRUE(ValidateOptions(o).ok());
@@ -746,7 +761,8 @@ class HostControllerTest : public ControllerTest {
 };
 
 TEST_F(HostControllerTest, PlacedWhenTheHostsAreThereWorldIsTheirWorkers) {
-  EXPECT_TRUE(Find<SpawnWorker>(Register("h1", 2, 0)).empty()) << "nothing starts before min_hosts registered";
+  EXPECT_TRUE(Find<SpawnWorker>(Register("h1", 2, 0)).empty())
+      << "nothing starts before min_hosts registered";
   EXPECT_TRUE(Find<SpawnWorker>(Register("h2", 2, 0)).empty());
   EXPECT_TRUE(Find<SpawnWorker>(Register("h3", 2, 0)).empty());
   auto spawns = Find<SpawnWorker>(Register("h4", 0, 2));
@@ -789,7 +805,8 @@ TEST_F(HostControllerTest, LosingAHostIsOneRecoveryAndSparesOfAnotherHostTakeBot
   const auto& plan = *plans[0].plan;
   for (int rank : {2, 3}) {
     int id = plan.members[static_cast<size_t>(rank)].worker_id;
-    EXPECT_EQ(c_->workers().at(id).host, "h4") << "rank " << rank << " goes to a spare of the spare host";
+    EXPECT_EQ(c_->workers().at(id).host, "h4")
+        << "rank " << rank << " goes to a spare of the spare host";
   }
   // State sources alternate over hosts.
   ASSERT_EQ(plan.transfers.size(), 2u);
@@ -818,7 +835,8 @@ TEST_F(HostControllerTest, SilentAgentIsALostHostAndIsFenced) {
 TEST_F(HostControllerTest, AHealedHostComesBackWithSparesNeverIntoTheOldGeneration) {
   StartHostJob();
   Do(HostLost{"h1", "partition"});
-  EXPECT_TRUE(Find<SpawnWorker>(Register("h1", 2, 0)).size() == 2u) << "its slots are filled with spares";
+  EXPECT_TRUE(Find<SpawnWorker>(Register("h1", 2, 0)).size() == 2u)
+      << "its slots are filled with spares";
   EXPECT_TRUE(Find<SpawnWorker>(Register("h1", 2, 0)).empty()) << "registered twice";
   auto refused = Find<CloseHost>(Register("h1", 2, 0));
   ASSERT_EQ(refused.size(), 1u) << "a second agent with a live host id is refused";
@@ -843,10 +861,12 @@ TEST_F(HostControllerTest, WorkerClaimingAnotherHostIsRefused) {
   ASSERT_EQ(spawns.size(), 4u);
   auto refused = Find<SendShutdown>(JoinOn(spawns[0].worker_id, "h2"));
   ASSERT_EQ(refused.size(), 1u);
-  EXPECT_NE(refused[0].msg.reason.find("was started on host h1"), std::string::npos) << refused[0].msg.reason;
+  EXPECT_NE(refused[0].msg.reason.find("was started on host h1"), std::string::npos)
+      << refused[0].msg.reason;
   auto unknown = Find<SendShutdown>(JoinOn(999, "h2"));
   ASSERT_EQ(unknown.size(), 1u);
-  EXPECT_NE(unknown[0].msg.reason.find("did not start it"), std::string::npos) << unknown[0].msg.reason;
+  EXPECT_NE(unknown[0].msg.reason.find("did not start it"), std::string::npos)
+      << unknown[0].msg.reason;
   // An agent may not report on another host's worker.
   auto ignored = Do(ProcessExited{spawns[0].worker_id, 1, 0, 9, "h3"});
   EXPECT_TRUE(Find<EndJob>(ignored).empty()) << "the report was taken: the forming job ended";
@@ -914,7 +934,9 @@ class HostFaultsTest : public HostControllerTest {
       for (auto& s : Find<SpawnWorker>(Register(h, n, sp))) spawns.push_back(s);
     }
     for (auto& s : spawns) {
-      control::JoinMsg m{s.worker_id, 1000 + s.worker_id, "addr" + std::to_string(s.worker_id), s.spare, -1, s.host};
+      control::JoinMsg m{
+          s.worker_id, 1000 + s.worker_id, "addr" + std::to_string(s.worker_id), s.spare, -1,
+          s.host};
       m.shard_group = group;
       m.held_shard = nonstop::state::kEveryShard;
       Do(WorkerJoined{m});
@@ -975,8 +997,10 @@ TEST_F(HostFaultsTest, CheckpointRestartOnHostsFormsAgain) {
     EXPECT_TRUE(s.resume);
     EXPECT_FALSE(s.spare);
   }
-  for (size_t i = 1; i < spawns.size(); ++i) Do(ProcessExited{spawns[i].worker_id, 1, -1, 9, spawns[i].host});
-  EXPECT_TRUE(Find<SpawnWorker>(Run(500)).empty()) << "no extra spares in the restarted workers' slots";
+  for (size_t i = 1; i < spawns.size(); ++i)
+    Do(ProcessExited{spawns[i].worker_id, 1, -1, 9, spawns[i].host});
+  EXPECT_TRUE(Find<SpawnWorker>(Run(500)).empty())
+      << "no extra spares in the restarted workers' slots";
   for (auto& s : restarted) JoinOn(s.worker_id, s.host);
   EXPECT_EQ(c_->phase(), JobPhase::kRunning);
   EXPECT_EQ(c_->world_size(), 4u);
@@ -1059,7 +1083,8 @@ TEST_F(ElasticHostTest, AShrinkWithoutASpareIsNotRefilledAndFaultsNameNoHost) {
     if (s.worker_id != spawns[1].worker_id) Ready(s.worker_id, 5);
   }
   EXPECT_EQ(c_->world_size(), 2u);
-  EXPECT_TRUE(Find<SpawnWorker>(Run(500)).empty()) << "the lost worker's place is not refilled (no spares asked)";
+  EXPECT_TRUE(Find<SpawnWorker>(Run(500)).empty())
+      << "the lost worker's place is not refilled (no spares asked)";
   EXPECT_EQ(c_->world_size(), 2u);
 }
 
@@ -1106,9 +1131,11 @@ TEST_F(HostFaultsTest, HostLostWhileFormingIsReplacedNotWaitedFor) {
   auto lost = Do(HostLost{"h2", "connection reset"});
   EXPECT_TRUE(Find<EndJob>(lost).empty());
   for (auto& s : spawns) {
-    if (s.host == "h2") EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{s.worker_id, 0, 127, 0, "h2"})).empty());
+    if (s.host == "h2")
+      EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{s.worker_id, 0, 127, 0, "h2"})).empty());
   }
-  EXPECT_EQ(c_->phase(), JobPhase::kRunning) << "h1's spare took one place and the job formed with 3";
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning)
+      << "h1's spare took one place and the job formed with 3";
   EXPECT_EQ(c_->world_size(), 3u);
 }
 
@@ -1194,7 +1221,8 @@ class HostLeavingTest : public HostFaultsTest {
     }
     return ids;
   }
-  // h1 with 2 workers, h2 with 1, h4 with a spare (*spare); step 5 done; h2 asks to leave, and the drain starts.
+  // h1 with 2 workers, h2 with 1, h4 with a spare (*spare); step 5 done; h2 asks to leave, and the
+  // drain starts.
   void StartWithASpareHostAndLetH2Leave(int* spare) {
     StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h4", 0, 1}});
     for (int id : c_->members()) Step(id, 5);
@@ -1303,7 +1331,8 @@ TEST_F(HostLeavingTest, WhereThePolicyForbidsTheSmallerWorldASpareElsewhereTakes
   ASSERT_GE(newcomer, 0) << "the spare of h4 joins";
   ASSERT_EQ(plan.transfers.size(), 1u);
   EXPECT_EQ(plan.transfers[0].receiver, newcomer);
-  for (int src : plan.transfers[0].sources) EXPECT_NE(src, leaving) << "a released member is no state source";
+  for (int src : plan.transfers[0].sources)
+    EXPECT_NE(src, leaving) << "a released member is no state source";
   EXPECT_EQ(Count(done, "fault"), 0);
   EXPECT_EQ(Find<SendShutdown>(done).size(), 1u);
 }
@@ -1347,7 +1376,8 @@ TEST_F(HostLeavingTest, ALeaveDuringARecoveryWaitsForItToEnd) {
   for (int id : c_->members()) Step(id, 6);
   auto later = Run(100);
   EXPECT_EQ(Find<SendDrain>(later).size(), 3u) << "then the leave, at the next step boundary";
-  EXPECT_EQ(c_->recoveries()[0].outcome, "completed") << "the recovery is not recorded as superseded";
+  EXPECT_EQ(c_->recoveries()[0].outcome, "completed")
+      << "the recovery is not recorded as superseded";
 }
 
 // What a review found (each failed before its fix).
@@ -1363,9 +1393,11 @@ TEST_F(HostLeavingTest, ACheckpointRestartWhileAHostLeavesFormsWithoutIt) {
   auto spawns = StartOn({{"h1", 2, 0}, {"h2", 1, 0}, {"h3", 1, 0}});
   for (int id : c_->members()) Step(id, 5);
   ASSERT_FALSE(Find<SendDrain>(Do(HostLeaving{"h3", {"SIGTERM"}})).empty());
-  auto restarted = Find<SpawnWorker>(Do(ProcessExited{spawns[0].worker_id, 1, -1, 9, spawns[0].host}));
+  auto restarted =
+      Find<SpawnWorker>(Do(ProcessExited{spawns[0].worker_id, 1, -1, 9, spawns[0].host}));
   for (const auto& sp : restarted) EXPECT_NE(sp.host, "h3") << "nothing starts on a leaving host";
-  for (size_t i = 1; i < spawns.size(); ++i) Do(ProcessExited{spawns[i].worker_id, 1, -1, 9, spawns[i].host});
+  for (size_t i = 1; i < spawns.size(); ++i)
+    Do(ProcessExited{spawns[i].worker_id, 1, -1, 9, spawns[i].host});
   for (const auto& sp : restarted) JoinOn(sp.worker_id, sp.host);
   EXPECT_EQ(c_->phase(), JobPhase::kRunning);
   EXPECT_EQ(c_->world_size(), 3u) << "the world of the hosts that stay";
@@ -1384,7 +1416,8 @@ TEST_F(HostLeavingTest, AResizeAbandonedByACheckpointRestartDoesNotBlockALaterLe
   for (int id : c_->members()) Step(id, 5);
   auto late = Find<SpawnWorker>(Register("h3", 1, 0));
   ASSERT_EQ(late.size(), 1u);
-  ASSERT_FALSE(Find<SendDrain>(JoinOn(late[0].worker_id, "h3", true)).empty()) << "a grow to 3 starts";
+  ASSERT_FALSE(Find<SendDrain>(JoinOn(late[0].worker_id, "h3", true)).empty())
+      << "a grow to 3 starts";
   auto restarted = Find<SpawnWorker>(Do(ProcessExited{spawns[0].worker_id, 1, -1, 9, "h1"}));
   Do(ProcessExited{spawns[1].worker_id, 1, -1, 9, "h2"});
   Do(ProcessExited{late[0].worker_id, 1, -1, 9, "h3"});
@@ -1414,7 +1447,8 @@ TEST_F(HostLeavingTest, ASpareThatDiesDuringTheDrainLeavesTheWorldWithinThePolic
   EXPECT_EQ(plans[0].plan->members.size(), 3u);
   EXPECT_TRUE(Find<SendShutdown>(done).empty()) << "nobody is released below the minimum";
   for (int id : c_->members()) Step(id, 7);
-  EXPECT_EQ(Count(Run(200), "host_leave_refused"), 1) << "and the leave is then refused, with the reason";
+  EXPECT_EQ(Count(Run(200), "host_leave_refused"), 1)
+      << "and the leave is then refused, with the reason";
 }
 
 // The leaving host dies during the drain: its rank goes with it, and no spare
@@ -1468,7 +1502,8 @@ TEST_F(HostFaultsTest, RefillFailuresOnOneHostDoNotStopOtherHosts) {
     failing = sp.empty() ? -1 : sp[0].worker_id;
   }
   EXPECT_EQ(attempts, 4) << "three replacements, then h1 is left alone";
-  EXPECT_EQ(Find<SpawnWorker>(Register("h2", 2, 0)).size(), 2u) << "a healthy host still gets its spares";
+  EXPECT_EQ(Find<SpawnWorker>(Register("h2", 2, 0)).size(), 2u)
+      << "a healthy host still gets its spares";
 }
 
 // One worker silent while a job on hosts of fixed slots forms, no spare: it
@@ -1505,8 +1540,10 @@ TEST_F(HostFaultsTest, SpareOfAQuietHostIsNotPromoted) {
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   int m1 = -1, m2 = -1, sp1 = -1, sp2 = -1;
   for (auto& s : spawns) {
-    if (s.host == "h1") (s.spare ? sp1 : m1) = s.worker_id;
-    else (s.spare ? sp2 : m2) = s.worker_id;
+    if (s.host == "h1")
+      (s.spare ? sp1 : m1) = s.worker_id;
+    else
+      (s.spare ? sp2 : m2) = s.worker_id;
   }
   for (int id : {m1, m2}) Step(id, 5);
   Heartbeats();
@@ -1568,12 +1605,14 @@ class TakeoverTest : public HostControllerTest {
     journal_.push_back({{"event", "job_start"}, {"controller", "10.0.0.9:7000"}});
     std::vector<SpawnWorker> spawns;
     for (auto [h, n, sp] : {std::tuple{"h1", 2, 0}, {"h2", 2, 0}, {"h3", 2, 0}, {"h4", 0, 2}}) {
-      for (const auto& x : Find<SpawnWorker>(Record(HostJoined{{h, n, sp, std::string("10.0.0.") + (h + 1), 4000, 0}}))) {
+      for (const auto& x : Find<SpawnWorker>(
+               Record(HostJoined{{h, n, sp, std::string("10.0.0.") + (h + 1), 4000, 0}}))) {
         spawns.push_back(x);
       }
     }
     for (const auto& x : spawns) {
-      Record(WorkerJoined{{x.worker_id, 1000 + x.worker_id, "addr" + std::to_string(x.worker_id), x.spare, -1, x.host}});
+      Record(WorkerJoined{{x.worker_id, 1000 + x.worker_id, "addr" + std::to_string(x.worker_id),
+                           x.spare, -1, x.host}});
     }
     for (int64_t step = 0; step <= 20; ++step) {
       for (const auto& [id, w] : c_->workers()) {
@@ -1603,10 +1642,12 @@ class TakeoverTest : public HostControllerTest {
     now_ += Millis(50);
     actions = Do(Tick{});
     EXPECT_TRUE(Find<SpawnWorker>(actions).empty())
-        << "every slot is taken by an inherited process, and no order goes to an agent not joined yet";
+        << "every slot is taken by an inherited process, and no order goes to an agent not joined "
+           "yet";
   }
   control::AgentRegisterMsg Reregister(const std::string& host) {
-    control::AgentRegisterMsg m{host, host == "h4" ? 0 : 2, host == "h4" ? 2 : 0, "10.0.0." + host.substr(1), 4000, 0};
+    control::AgentRegisterMsg m{
+        host, host == "h4" ? 0 : 2, host == "h4" ? 2 : 0, "10.0.0." + host.substr(1), 4000, 0};
     for (const auto& [id, w] : c_->workers()) {
       if (w.host == host) m.workers.push_back({id, w.pid});
     }
@@ -1659,7 +1700,8 @@ TEST_F(TakeoverTest, InheritedWorkersAndAgentsJoinAndTrainingGoesOnWithoutARecov
     all.insert(all.end(), a.begin(), a.end());
   }
   for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
-    auto a = Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false, w.role == WorkerRole::kSpare ? -1 : 21);
+    auto a = Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false,
+                    w.role == WorkerRole::kSpare ? -1 : 21);
     all.insert(all.end(), a.begin(), a.end());
   }
   EXPECT_TRUE(Find<SendPlan>(all).empty()) << "nothing changes: no plan";
@@ -1693,7 +1735,8 @@ TEST_F(TakeoverTest, AnElasticJobStaysElasticAfterATakeover) {
   auto spawns = Find<SpawnWorker>(Record(HostJoined{reg}));
   ASSERT_EQ(spawns.size(), 3u);
   for (const auto& x : spawns) {
-    Record(WorkerJoined{{x.worker_id, 1000 + x.worker_id, "addr" + std::to_string(x.worker_id), x.spare, -1, x.host}});
+    Record(WorkerJoined{{x.worker_id, 1000 + x.worker_id, "addr" + std::to_string(x.worker_id),
+                         x.spare, -1, x.host}});
   }
   for (int64_t step = 0; step <= 5; ++step) {
     for (const auto& x : spawns) {
@@ -1737,7 +1780,8 @@ TEST_F(TakeoverTest, AShrinkOnRequestOutlivesItsControllerTheWorldDoesNotGrowBac
   ASSERT_EQ(Find<ScaleReply>(r)[0].http_status, 202);
   int released = -1;
   for (const auto& [rank, id] : first_members_) {
-    for (const auto& sd : Find<SendShutdown>(Record(ReadyReceived{id, {1, 21, "drained"}}))) released = sd.worker_id;
+    for (const auto& sd : Find<SendShutdown>(Record(ReadyReceived{id, {1, 21, "drained"}})))
+      released = sd.worker_id;
   }
   ASSERT_GE(released, 0);
   std::string host = c_->HostOf(released);
@@ -1759,7 +1803,8 @@ TEST_F(TakeoverTest, AShrinkOnRequestOutlivesItsControllerTheWorldDoesNotGrowBac
     now_ += Millis(500);
     Heartbeats();
     auto a = Do(Tick{});
-    EXPECT_TRUE(Find<SpawnWorker>(a).empty()) << "the slot host " << host << " gave back was refilled";
+    EXPECT_TRUE(Find<SpawnWorker>(a).empty())
+        << "the slot host " << host << " gave back was refilled";
     EXPECT_TRUE(Find<SendDrain>(a).empty()) << "the job grew back to the hosts' capacity";
   }
   EXPECT_EQ(c_->world_size(), 5u);
@@ -1773,10 +1818,19 @@ TEST(TakeoverFromJournalTest, ScaleRequestsAreReplayedAsTheControllerAppliedThem
                          {{"event", "host_join"}, {"host", "h2"}, {"nproc", 2}, {"spares", 0}}};
   for (int id = 0; id < 4; ++id) {
     std::string host = id < 2 ? "h1" : "h2";
-    base.push_back({{"event", "spawn"}, {"worker_id", id}, {"pid", 100 + id}, {"spare", false}, {"host", host}});
-    base.push_back({{"event", "join"}, {"worker_id", id}, {"pid", 100 + id}, {"address", "a"}, {"host", host}});
+    base.push_back({{"event", "spawn"},
+                    {"worker_id", id},
+                    {"pid", 100 + id},
+                    {"spare", false},
+                    {"host", host}});
+    base.push_back({{"event", "join"},
+                    {"worker_id", id},
+                    {"pid", 100 + id},
+                    {"address", "a"},
+                    {"host", host}});
   }
-  base.push_back({{"event", "plan"}, {"generation", 1}, {"members", {0, 1, 2, 3}}, {"resume_step", 0}});
+  base.push_back(
+      {{"event", "plan"}, {"generation", 1}, {"members", {0, 1, 2, 3}}, {"resume_step", 0}});
   auto replay = [&](std::vector<J> more) {
     std::vector<J> all = base;
     all.insert(all.end(), more.begin(), more.end());
@@ -1785,9 +1839,13 @@ TEST(TakeoverFromJournalTest, ScaleRequestsAreReplayedAsTheControllerAppliedThem
     return t.ok() ? t->state : TakeoverState{};
   };
   const J shrink = {{"event", "scale_request"}, {"from", 4}, {"to", 3}};
-  const J shrunk = {{"event", "plan"}, {"generation", 2}, {"members", {0, 1, 2}}, {"resume_step", 9},
+  const J shrunk = {{"event", "plan"},
+                    {"generation", 2},
+                    {"members", {0, 1, 2}},
+                    {"resume_step", 9},
                     {"released", {3}}};
-  // A shrink whose plan was not journaled yet: not applied (its drain is finished as a recovery of all).
+  // A shrink whose plan was not journaled yet: not applied (its drain is finished as a recovery of
+  // all).
   auto mid = replay({shrink});
   EXPECT_EQ(mid.target_world, 0);
   EXPECT_TRUE(mid.withheld.empty());
@@ -1814,7 +1872,9 @@ TEST(TakeoverFromJournalTest, ScaleRequestsAreReplayedAsTheControllerAppliedThem
 TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
   int missing = -1;
   auto actions = TakeOverWithoutOneMember(&missing, [&](int i, const std::vector<Action>& tick) {
-    if (i < 6) EXPECT_TRUE(Find<SendAbort>(tick).empty()) << "before the adoption bound, at " << (i + 1) * 500;
+    if (i < 6)
+      EXPECT_TRUE(Find<SendAbort>(tick).empty())
+          << "before the adoption bound, at " << (i + 1) * 500;
   });
   ASSERT_EQ(Find<SendAbort>(actions).size(), 5u) << "the five others abort";
   auto kills = Find<KillWorker>(actions);
@@ -1827,7 +1887,8 @@ TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
 TEST_F(TakeoverTest, AHostCanLeaveAfterATakeoverInWhichAMemberNeverRejoined) {
   int missing = -1;
   auto actions = TakeOverWithoutOneMember(&missing);
-  for (auto& ab : Find<SendAbort>(actions)) Do(ReadyReceived{ab.worker_id, {c_->generation(), 20, "aborted"}});
+  for (auto& ab : Find<SendAbort>(actions))
+    Do(ReadyReceived{ab.worker_id, {c_->generation(), 20, "aborted"}});
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   ASSERT_EQ(c_->workers().at(missing).role, WorkerRole::kGone);
   for (int id : c_->members()) Do(ProgressReceived{id, {21, 2.0, 0.1, 100, 6}});
@@ -1856,7 +1917,8 @@ TEST_F(TakeoverTest, AMemberBetweenGenerationsMakesTheNewControllerFinishTheReco
     now_ += Millis(500);
     Do(HeartbeatReceived{first_members_[0], {20, -1}});
     for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostHeartbeat{host, {2}});
-    ASSERT_TRUE(Find<KillWorker>(Do(Tick{})).empty()) << "killed an inherited member at " << (i + 1) * 500 << " ms";
+    ASSERT_TRUE(Find<KillWorker>(Do(Tick{})).empty())
+        << "killed an inherited member at " << (i + 1) * 500 << " ms";
   }
   std::map<int, int> aborted;
   for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
@@ -1865,7 +1927,8 @@ TEST_F(TakeoverTest, AMemberBetweenGenerationsMakesTheNewControllerFinishTheReco
     for (const auto& x : Find<SendAbort>(a)) aborted[x.worker_id]++;
   }
   for (int r = 1; r < 6; ++r) {
-    EXPECT_EQ(aborted[first_members_[r]], 1) << "rank " << r << " is told once to abort generation 1";
+    EXPECT_EQ(aborted[first_members_[r]], 1)
+        << "rank " << r << " is told once to abort generation 1";
   }
   std::vector<Action> all;
   for (int r = 1; r < 6; ++r) all = Ready(first_members_[r], 20);
@@ -1895,8 +1958,9 @@ TEST_F(TakeoverTest, ARecoveryWhosePlanWentOutIsFinishedByTheNextController) {
   EXPECT_EQ(c_->recoveries()[0].id, recovery);
   EXPECT_EQ(c_->recoveries()[0].outcome, "in progress");
   ASSERT_EQ(c_->recoveries()[0].replacements.size(), 1u);
-  EXPECT_EQ(c_->recoveries()[0].replacements[0],
-            "rank 2: worker " + std::to_string(victim) + " → worker " + std::to_string(c_->members()[2]));
+  EXPECT_EQ(
+      c_->recoveries()[0].replacements[0],
+      "rank 2: worker " + std::to_string(victim) + " → worker " + std::to_string(c_->members()[2]));
   for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
   for (int id : c_->members()) Rejoin(id, 2, false, 20);
   std::vector<Action> all;
@@ -1942,7 +2006,8 @@ TEST_F(TakeoverTest, ARecoveryInterruptedBeforeItsPlanEndsAsSuchAndItsIdIsNotReu
   }
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0]["id"], interrupted);
-  EXPECT_NE(ends[0]["outcome"].get<std::string>().find("interrupted"), std::string::npos) << ends[0].dump();
+  EXPECT_NE(ends[0]["outcome"].get<std::string>().find("interrupted"), std::string::npos)
+      << ends[0].dump();
   ASSERT_EQ(c_->recoveries().size(), 2u) << "and a recovery of its own for the member that ended";
   EXPECT_EQ(c_->recoveries()[1].id, interrupted + 1);
 }
@@ -1970,7 +2035,8 @@ TEST_F(TakeoverTest, ARejoinClaimingAGenerationFarAheadOfTheJournalIsRefused) {
   auto actions = Rejoin(first_members_[2], 0xFFFFFFFFu, false, 20);
   auto shutdowns = Find<SendShutdown>(actions);
   ASSERT_EQ(shutdowns.size(), 1u);
-  EXPECT_NE(shutdowns[0].msg.reason.find("the journal's last is 1"), std::string::npos) << shutdowns[0].msg.reason;
+  EXPECT_NE(shutdowns[0].msg.reason.find("the journal's last is 1"), std::string::npos)
+      << shutdowns[0].msg.reason;
   EXPECT_EQ(c_->generation(), 1u);
   EXPECT_EQ(c_->phase(), JobPhase::kRunning) << "a lie starts no recovery";
 }
@@ -1980,13 +2046,17 @@ TEST_F(TakeoverTest, AJournalWhoseJobEndedOrNeverFormedCannotBeTakenOver) {
   journal_.push_back({{"event", "job_end"}, {"exit_code", 0}, {"reason", "done"}});
   auto ended = TakeoverFromJournal(journal_);
   ASSERT_FALSE(ended.ok());
-  EXPECT_NE(ended.status().message().find("already ended"), std::string::npos) << ended.status().ToString();
+  EXPECT_NE(ended.status().message().find("already ended"), std::string::npos)
+      << ended.status().ToString();
   auto unformed = TakeoverFromJournal({{{"event", "job_start"}, {"controller", "x:1"}}});
   ASSERT_FALSE(unformed.ok());
-  EXPECT_NE(unformed.status().message().find("never formed"), std::string::npos) << unformed.status().ToString();
-  auto garbage = TakeoverFromJournal({{{"event", "job_start"}}, {{"event", "plan"}, {"generation", "two"}}});
+  EXPECT_NE(unformed.status().message().find("never formed"), std::string::npos)
+      << unformed.status().ToString();
+  auto garbage =
+      TakeoverFromJournal({{{"event", "job_start"}}, {{"event", "plan"}, {"generation", "two"}}});
   ASSERT_FALSE(garbage.ok());
-  EXPECT_NE(garbage.status().message().find("wrong shape"), std::string::npos) << garbage.status().ToString();
+  EXPECT_NE(garbage.status().message().find("wrong shape"), std::string::npos)
+      << garbage.status().ToString();
 }
 
 // Sharded optimizer state (docs/sharding.md): the controller knows the group
@@ -2024,7 +2094,8 @@ TEST_F(ShardedControllerTest, AWorkerOfAnotherGroupSizeIsRefused) {
   StartSharded(2, /*join_spares=*/false);
   auto shutdowns = Find<SendShutdown>(JoinSharded(4, /*spare=*/true, /*group=*/4));
   ASSERT_EQ(shutdowns.size(), 1u);
-  EXPECT_NE(shutdowns[0].msg.reason.find("groups of 4, the job over groups of 2"), std::string::npos)
+  EXPECT_NE(shutdowns[0].msg.reason.find("groups of 4, the job over groups of 2"),
+            std::string::npos)
       << shutdowns[0].msg.reason;
   shutdowns = Find<SendShutdown>(Join(5, /*spare=*/true));  // unsharded
   ASSERT_EQ(shutdowns.size(), 1u);
@@ -2038,7 +2109,8 @@ TEST_F(ShardedControllerTest, AWorldOfPartGroupsIsRefusedBeforeItForms) {
   auto ends = Find<EndJob>(all);
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0].exit_code, kExitUsage);
-  EXPECT_NE(ends[0].reason.find("not groups of optimizer.shard_group 2"), std::string::npos) << ends[0].reason;
+  EXPECT_NE(ends[0].reason.find("not groups of optimizer.shard_group 2"), std::string::npos)
+      << ends[0].reason;
 }
 
 TEST_F(ShardedControllerTest, LosingEveryHolderOfAShardEndsTheJobNamingTheShardAndStep) {
@@ -2051,7 +2123,8 @@ TEST_F(ShardedControllerTest, LosingEveryHolderOfAShardEndsTheJobNamingTheShardA
   auto ends = Find<EndJob>(actions);
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
-  EXPECT_NE(ends[0].reason.find("every copy of shard 1 of the optimizer state of step 7 is lost"), std::string::npos)
+  EXPECT_NE(ends[0].reason.find("every copy of shard 1 of the optimizer state of step 7 is lost"),
+            std::string::npos)
       << ends[0].reason;
 }
 
@@ -2062,7 +2135,8 @@ TEST_F(ShardedControllerTest, AKillWithASpareGivesTheSpareTheLostRankAndMovesNot
   for (int id : {0, 2, 3}) last = ReadyHolding(id, 7, id % kGroup);
   auto plans = Find<SendPlan>(last);
   ASSERT_FALSE(plans.empty());
-  EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 4, 2, 3})) << "the spare takes rank 1, nothing moves";
+  EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 4, 2, 3}))
+      << "the spare takes rank 1, nothing moves";
 }
 
 TEST_F(ShardedControllerTest, AFaultWithoutASpareKeepsWholeGroupsAndAHolderOfEveryShard) {
@@ -2083,13 +2157,15 @@ TEST_F(ShardedControllerTest, AFaultWithoutASpareKeepsWholeGroupsAndAHolderOfEve
   // And the policy allows only whole groups from now on.
   auto reply = Find<ScaleReply>(Do(ScaleRequest{1, {{"world_size", 3}}, "test"}));
   ASSERT_EQ(reply.size(), 1u);
-  EXPECT_NE(reply[0].body.dump().find("not a multiple of optimizer.shard_group 2"), std::string::npos)
+  EXPECT_NE(reply[0].body.dump().find("not a multiple of optimizer.shard_group 2"),
+            std::string::npos)
       << reply[0].body.dump();
 }
 
 TEST_F(ShardedControllerTest, ASpareThatWouldMakeAPartGroupIsNotPromoted) {
   StartSharded(1);
-  // Ranks 1 and 2 (shards 1 and 0) die; the survivors 0 and 3 hold both shards; one spare would make 3.
+  // Ranks 1 and 2 (shards 1 and 0) die; the survivors 0 and 3 hold both shards; one spare would
+  // make 3.
   Do(ProcessExited{1, 1001, -1, 9, kHost});
   Do(ProcessExited{2, 1002, -1, 9, kHost});
   ReadyHolding(0, 7, 0);
@@ -2097,7 +2173,8 @@ TEST_F(ShardedControllerTest, ASpareThatWouldMakeAPartGroupIsNotPromoted) {
   auto plans = Find<SendPlan>(actions);
   ASSERT_FALSE(plans.empty());
   EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 3}));
-  for (const auto& sd : Find<SendShutdown>(actions)) EXPECT_NE(sd.worker_id, 4) << "the spare stays a spare";
+  for (const auto& sd : Find<SendShutdown>(actions))
+    EXPECT_NE(sd.worker_id, 4) << "the spare stays a spare";
   EXPECT_EQ(c_->workers().at(4).role, WorkerRole::kSpare);
 }
 
@@ -2116,13 +2193,15 @@ TEST_F(ShardedControllerTest, AGrowThatCanReachOnlyAPartGroupAddsNoSpare) {
   auto reply = Find<ScaleReply>(Do(ScaleRequest{1, {{"world_size", 6}}, "test"}));
   ASSERT_EQ(reply.size(), 1u);
   ASSERT_EQ(reply[0].http_status, 202) << reply[0].body.dump();
-  Do(ProcessExited{4, 1004, -1, 9, kHost});  // one of the two spares dies during the drain: 5 is all it can reach
+  // one of the two spares dies during the drain: 5 is all it can reach
+  Do(ProcessExited{4, 1004, -1, 9, kHost});
   std::vector<Action> last;
   for (int id = 0; id < 4; ++id) last = ReadyHolding(id, 7, id % kGroup);
   auto plans = Find<SendPlan>(last);
   ASSERT_FALSE(plans.empty());
   EXPECT_EQ(Members(*plans[0].plan), (std::vector<int>{0, 1, 2, 3})) << "no part group of one";
-  for (const auto& sd : Find<SendShutdown>(last)) EXPECT_NE(sd.worker_id, 5) << "the spare is not released";
+  for (const auto& sd : Find<SendShutdown>(last))
+    EXPECT_NE(sd.worker_id, 5) << "the spare is not released";
   EXPECT_EQ(c_->workers().at(5).role, WorkerRole::kSpare);
 }
 
@@ -2145,7 +2224,8 @@ TEST_F(HostFaultsTest, ShardedSpareIsTakenFromAHostHoldingNoOtherCopyOfTheShard)
   Do(ProcessExited{by_rank[2], 1000 + by_rank[2], -1, 9, ""});
   std::vector<Action> last;
   for (int r : {0, 1, 3}) {
-    last = Do(ReadyReceived{by_rank[static_cast<size_t>(r)], {c_->generation(), 5, "aborted", r % 2}});
+    last =
+        Do(ReadyReceived{by_rank[static_cast<size_t>(r)], {c_->generation(), 5, "aborted", r % 2}});
   }
   auto plans = Find<SendPlan>(last);
   ASSERT_FALSE(plans.empty());
@@ -2159,7 +2239,8 @@ TEST_F(HostLeavingTest, ShardedMembersHoldingTheOnlyCopiesOfAShardStay) {
   ControllerOptions o;
   o.min_hosts = 3;
   Use(o);
-  // h1: ranks 0, 1, 2 (shards 0, 1, 0: both copies of shard 0); h2: rank 3 (shard 1); h3: two spares.
+  // h1: ranks 0, 1, 2 (shards 0, 1, 0: both copies of shard 0); h2: rank 3 (shard 1); h3: two
+  // spares.
   StartShardedOn({{"h1", 3, 0}, {"h2", 1, 0}, {"h3", 0, 2}}, 2);
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
   std::vector<int> on_h1 = MembersOn("h1");
@@ -2169,18 +2250,22 @@ TEST_F(HostLeavingTest, ShardedMembersHoldingTheOnlyCopiesOfAShardStay) {
   std::vector<Action> all;
   std::vector<int> members = c_->members();
   for (int id : members) {
-    for (auto& a : Do(ReadyReceived{id, {c_->generation(), 5, "drained", c_->RankOf(id) % 2}})) all.push_back(a);
+    for (auto& a : Do(ReadyReceived{id, {c_->generation(), 5, "drained", c_->RankOf(id) % 2}}))
+      all.push_back(a);
   }
   auto plans = Find<SendPlan>(all);
   ASSERT_FALSE(plans.empty());
   std::set<int> next;
   for (const auto& m : plans[0].plan->members) next.insert(m.worker_id);
-  for (int id : on_h1) EXPECT_TRUE(next.count(id)) << "worker " << id << " of h1 holds shard 0's copies: it stays";
+  for (int id : on_h1)
+    EXPECT_TRUE(next.count(id)) << "worker " << id << " of h1 holds shard 0's copies: it stays";
   for (const auto& sd : Find<SendShutdown>(all)) {
-    EXPECT_EQ(std::find(on_h1.begin(), on_h1.end(), sd.worker_id), on_h1.end()) << "worker " << sd.worker_id;
+    EXPECT_EQ(std::find(on_h1.begin(), on_h1.end(), sd.worker_id), on_h1.end())
+        << "worker " << sd.worker_id;
   }
   bool said = false;
-  for (const auto& p : Find<PrintLine>(all)) said = said || p.line.find("holds all of the state") != std::string::npos;
+  for (const auto& p : Find<PrintLine>(all))
+    said = said || p.line.find("holds all of the state") != std::string::npos;
   EXPECT_TRUE(said) << "the reason is printed";
 }
 

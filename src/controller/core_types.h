@@ -14,17 +14,18 @@
 #include <string>
 #include <vector>
 
-#include "nonstop/settings.h"
 #include "common/time.h"
 #include "control/fault_spec.h"
 #include "control/messages.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::controller {
 
 // Exit codes of `nonstop run`, meaningful to a supervisor (README).
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitUsage = 2;
-inline constexpr int kExitPeerFailure = 10;  // a worker failed and the job could not continue; restartable
+// a worker failed and the job could not continue; restartable
+inline constexpr int kExitPeerFailure = 10;
 inline constexpr int kExitDataCorruption = 11;
 inline constexpr int kExitInterrupted = 130;
 // RunController only: this controller stopped leading (its etcd lease ran out,
@@ -32,8 +33,9 @@ inline constexpr int kExitInterrupted = 130;
 inline constexpr int kExitDeposed = 75;
 
 enum class RecoveryMode {
-  kCheckpointless,     // in-process recovery; durable checkpoints (if any) are the last rung
-  kCheckpointRestart,  // the baseline: on any fault stop everything, restart all, reload the newest checkpoint
+  kCheckpointless,  // in-process recovery; durable checkpoints (if any) are the last rung
+  // the baseline: on any fault stop everything, restart all, reload the newest checkpoint
+  kCheckpointRestart,
 };
 
 // When and how the world may change size (DESIGN.md §8).
@@ -42,7 +44,7 @@ struct ScalePolicy {
   int max_world = 0;               // 0: the initial world size
   std::vector<int> allowed_sizes;  // empty: min, min+increment, … up to max
   int increment = 1;
-  Millis stable_period{0};         // the least time between two changes
+  Millis stable_period{0};  // the least time between two changes
   // Back-off: more than `backoff_changes` changes within `backoff_window`
   // doubles the stable period for each extra change (up to 8×).
   int backoff_changes = 3;
@@ -113,7 +115,7 @@ struct WorkerInfo {
   int64_t last_step = -1;
   int64_t waiting_ms = -1;
   Clock::time_point last_heard{};
-  bool stopped = false;  // the launcher saw its process stop
+  bool stopped = false;      // the launcher saw its process stop
   std::string how_it_ended;  // set when its process exited
   std::string host;          // the host it runs on ("" : joined by hand, no agent started it)
   // Sharded optimizer state: the shard its state holds (state::kEveryShard:
@@ -128,7 +130,8 @@ struct HostInfo {
   int64_t pid = 0;
   bool alive = false;
   int incarnation = 0;  // registrations so far (a host that heals registers again)
-  bool inherited = false;  // taken over from a previous controller: its agent has not registered with this one yet
+  // taken over from a previous controller: its agent has not registered with this one yet
+  bool inherited = false;
   // Its capacity follows the job (the agent of `nonstop run`, the job's only
   // host): the controller starts the workers and spares the job needs there,
   // and keeps its spare pool full, instead of filling fixed slots.
@@ -139,7 +142,8 @@ struct HostInfo {
   bool leaving = false;
   std::string leave_reason;
   bool leave_refused = false;  // the release was refused (journaled once): its members stay
-  bool member_lost = false;    // a member of it failed while it was leaving: its end is a loss, not a leave
+  // a member of it failed while it was leaving: its end is a loss, not a leave
+  bool member_lost = false;
   Clock::time_point last_heard{};
   std::string lost_reason;
 };
@@ -147,17 +151,19 @@ struct HostInfo {
 // One recovery, with its phases (journal "recovery_end", and the end-of-job report).
 struct RecoveryRecord {
   int id = 0;
-  std::string kind = "recovery";  // "recovery" (a fault) or "resize" (a planned change at a step boundary)
+  // "recovery" (a fault) or "resize" (a planned change at a step boundary)
+  std::string kind = "recovery";
   uint32_t from_generation = 0;
   uint32_t to_generation = 0;
   std::vector<std::string> causes;
-  std::string injected;                          // the injected fault, if one caused it
-  std::optional<Clock::time_point> fault_at;     // when the fault happened (injected faults)
+  std::string injected;                       // the injected fault, if one caused it
+  std::optional<Clock::time_point> fault_at;  // when the fault happened (injected faults)
   Clock::time_point detected_at{};
-  std::optional<Clock::time_point> aborted_at;   // every live member had answered Ready
+  std::optional<Clock::time_point> aborted_at;  // every live member had answered Ready
   std::optional<Clock::time_point> plan_at;
-  std::optional<Clock::time_point> state_ready_at;  // every member reported connections and state ready
-  std::optional<Clock::time_point> first_step_at;   // every member completed the resume step
+  // every member reported connections and state ready
+  std::optional<Clock::time_point> state_ready_at;
+  std::optional<Clock::time_point> first_step_at;  // every member completed the resume step
   int64_t resume_step = 0;
   int64_t lost_steps = 0;  // completed steps no survivor held
   int old_world = 0, new_world = 0;

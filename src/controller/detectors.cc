@@ -25,7 +25,8 @@ double StepTimes::MedianSeconds() const {
   return v[v.size() / 2];
 }
 
-void ArrivalTracker::Record(int worker_id, int64_t step, Clock::time_point at, size_t world, bool baseline) {
+void ArrivalTracker::Record(int worker_id, int64_t step, Clock::time_point at, size_t world,
+                            bool baseline) {
   if (step < step_) return;
   if (step > step_) {
     step_ = step;
@@ -33,8 +34,9 @@ void ArrivalTracker::Record(int worker_id, int64_t step, Clock::time_point at, s
   }
   if (!arrivals_.emplace(worker_id, at).second) return;
   if (arrivals_.size() < world) return;
-  auto [lo, hi] = std::minmax_element(arrivals_.begin(), arrivals_.end(),
-                                      [](const auto& a, const auto& b) { return a.second < b.second; });
+  auto [lo, hi] =
+      std::minmax_element(arrivals_.begin(), arrivals_.end(),
+                          [](const auto& a, const auto& b) { return a.second < b.second; });
   if (baseline) {
     spreads_ms_.push_back(Ms(hi->second - lo->second));
     if (spreads_ms_.size() > 32) spreads_ms_.pop_front();
@@ -49,20 +51,21 @@ void ArrivalTracker::Reset() {
 
 // ---------------------------------------------------------------- heartbeats
 
-std::vector<SilentHost> SilentHosts(const std::map<std::string, HostInfo>& hosts, Clock::time_point now,
-                                    Millis heartbeat_timeout) {
+std::vector<SilentHost> SilentHosts(const std::map<std::string, HostInfo>& hosts,
+                                    Clock::time_point now, Millis heartbeat_timeout) {
   // A silent agent is a lost host (a crash, or a partition).
   std::vector<SilentHost> silent;
   for (const auto& [id, h] : hosts) {
     if (h.alive && now - h.last_heard > heartbeat_timeout) {
-      silent.push_back({id, fmt::format("its agent sent no heartbeat for {:.0f} ms", Ms(now - h.last_heard))});
+      silent.push_back(
+          {id, fmt::format("its agent sent no heartbeat for {:.0f} ms", Ms(now - h.last_heard))});
     }
   }
   return silent;
 }
 
-std::vector<int> SilentWorkers(const std::map<int, WorkerInfo>& workers, JobPhase phase, Clock::time_point now,
-                               Millis heartbeat_timeout) {
+std::vector<int> SilentWorkers(const std::map<int, WorkerInfo>& workers, JobPhase phase,
+                               Clock::time_point now, Millis heartbeat_timeout) {
   // Every worker that has joined, whatever its role, must be heard from.
   std::vector<int> silent;
   for (const auto& [id, w] : workers) {
@@ -85,7 +88,8 @@ JoinDeadlines DetectJoinDeadlines(const JoinView& v, Clock::time_point now) {
     if (now - v.forming_since <= v.forming_timeout) return out;
     if (!v.placed) {
       out.not_formed = fmt::format(
-          "the job did not form within {} s: {} of the {} hosts it needs registered (start `nonstop agent` on each "
+          "the job did not form within {} s: {} of the {} hosts it needs registered (start "
+          "`nonstop agent` on each "
           "host; HINT: a slow start needs a longer --join-timeout-ms)",
           v.forming_timeout.count() / 1000, v.alive_hosts, v.min_hosts);
       return out;
@@ -97,7 +101,8 @@ JoinDeadlines DetectJoinDeadlines(const JoinView& v, Clock::time_point now) {
     int pending = 0;
     for (const auto& [id, w] : *v.workers) pending += w.role == WorkerRole::kPending ? 1 : 0;
     out.not_formed = fmt::format(
-        "the job did not form within {} s: {} of {} workers joined; not joined: worker(s) {} (see their output; "
+        "the job did not form within {} s: {} of {} workers joined; not joined: worker(s) {} (see "
+        "their output; "
         "HINT: a slow start needs a longer --join-timeout-ms)",
         v.forming_timeout.count() / 1000, pending, v.world_size, nlohmann::json(missing).dump());
     return out;
@@ -110,11 +115,13 @@ JoinDeadlines DetectJoinDeadlines(const JoinView& v, Clock::time_point now) {
 
 // ---------------------------------------------------------------- progress
 
-std::optional<Finding> DetectHang(const ProgressView& v, const ArrivalTracker& arrivals, Clock::time_point now) {
+std::optional<Finding> DetectHang(const ProgressView& v, const ArrivalTracker& arrivals,
+                                  Clock::time_point now) {
   const std::vector<WorkerInfo*>& members = *v.members;
   const auto& arrived = arrivals.arrivals();
   const auto& spreads = arrivals.spreads_ms();
-  if (v.recovery_open || spreads.size() < 5 || arrived.empty() || arrived.size() >= members.size()) {
+  if (v.recovery_open || spreads.size() < 5 || arrived.empty() ||
+      arrived.size() >= members.size()) {
     return std::nullopt;
   }
   double normal = *std::max_element(spreads.begin(), spreads.end());
@@ -126,11 +133,15 @@ std::optional<Finding> DetectHang(const ProgressView& v, const ArrivalTracker& a
   double lag = Ms(now - first);
   if (lag <= threshold) return std::nullopt;
   for (const WorkerInfo* w : members) {
-    if (w->role != WorkerRole::kMember || arrived.count(w->worker_id) || w->last_step >= arrivals.step()) continue;
-    return Finding{w->worker_id, kHangDetector,
-                   fmt::format("has not reached the collective of step {} {:.0f} ms after the first member did "
-                               "(the last of the recent steps' arrivals came at most {:.0f} ms after the first)",
-                               arrivals.step(), lag, normal)};
+    if (w->role != WorkerRole::kMember || arrived.count(w->worker_id) ||
+        w->last_step >= arrivals.step())
+      continue;
+    return Finding{
+        w->worker_id, kHangDetector,
+        fmt::format(
+            "has not reached the collective of step {} {:.0f} ms after the first member did "
+            "(the last of the recent steps' arrivals came at most {:.0f} ms after the first)",
+            arrivals.step(), lag, normal)};
   }
   return std::nullopt;
 }
@@ -144,9 +155,10 @@ std::optional<Finding> DetectSlowMember(const ProgressView& v) {
   if (static_cast<double>(longest_wait) <= threshold_ms) return std::nullopt;
   for (const WorkerInfo* w : *v.members) {
     if (w->role == WorkerRole::kMember && w->waiting_ms < 0) {
-      return Finding{w->worker_id, kStepProgressWatchdog,
-                     fmt::format("has not reached the collective of step {} while others waited {} ms",
-                                 w->last_step + 1, longest_wait)};
+      return Finding{
+          w->worker_id, kStepProgressWatchdog,
+          fmt::format("has not reached the collective of step {} while others waited {} ms",
+                      w->last_step + 1, longest_wait)};
     }
   }
   return std::nullopt;
@@ -163,14 +175,17 @@ std::optional<Finding> DetectStall(const ProgressView& v, Clock::time_point now)
   const ControllerOptions& o = *v.options;
   Millis bound = o.forming_timeout;
   if (v.have_step_times && !v.recovery_open) {
-    bound = std::chrono::duration_cast<Millis>(std::chrono::duration<double>(o.stall_factor * v.median_step_seconds));
+    bound = std::chrono::duration_cast<Millis>(
+        std::chrono::duration<double>(o.stall_factor * v.median_step_seconds));
   }
   bound = std::max(bound, o.stall_floor);
   if (now - v.progress_at <= bound) return std::nullopt;
-  return Finding{-1, kStallWatchdog,
-                 fmt::format("no step completed for {:.0f} ms (stall watchdog: the bound is {} ms; the last completed "
-                             "step was {})",
-                             Ms(now - v.progress_at), bound.count(), v.highest_step)};
+  return Finding{
+      -1, kStallWatchdog,
+      fmt::format(
+          "no step completed for {:.0f} ms (stall watchdog: the bound is {} ms; the last completed "
+          "step was {})",
+          Ms(now - v.progress_at), bound.count(), v.highest_step)};
 }
 
 }  // namespace nonstop::controller

@@ -82,14 +82,14 @@ struct SilentHost {
   std::string host_id;
   std::string detail;  // "its agent sent no heartbeat for 1200 ms"
 };
-std::vector<SilentHost> SilentHosts(const std::map<std::string, HostInfo>& hosts, Clock::time_point now,
-                                    Millis heartbeat_timeout);
+std::vector<SilentHost> SilentHosts(const std::map<std::string, HostInfo>& hosts,
+                                    Clock::time_point now, Millis heartbeat_timeout);
 // Workers that must be heard from (pending and spare workers, and members
 // while the job runs) and were silent for longer than the heartbeat timeout,
 // ascending ids. The detail is HeartbeatDetail at the moment the Controller
 // acts on each: an action on an earlier one may have changed the worker.
-std::vector<int> SilentWorkers(const std::map<int, WorkerInfo>& workers, JobPhase phase, Clock::time_point now,
-                               Millis heartbeat_timeout);
+std::vector<int> SilentWorkers(const std::map<int, WorkerInfo>& workers, JobPhase phase,
+                               Clock::time_point now, Millis heartbeat_timeout);
 std::string HeartbeatDetail(Clock::time_point last_heard, Clock::time_point now);
 
 // ---- join deadlines
@@ -98,7 +98,7 @@ struct JoinView {
   JobPhase phase = JobPhase::kForming;
   const std::map<int, AwaitedJoin>* awaiting = nullptr;  // started, not joined yet
   const std::map<int, WorkerInfo>* workers = nullptr;
-  Clock::time_point started_at{};    // the controller's first event
+  Clock::time_point started_at{};     // the controller's first event
   Clock::time_point forming_since{};  // when the current forming phase began
   bool placed = false;  // the hosts it needs registered and their workers were started
   int alive_hosts = 0, min_hosts = 1;
@@ -107,7 +107,8 @@ struct JoinView {
 };
 struct JoinDeadlines {
   std::optional<std::string> not_formed;  // the job did not form in time: why it ends
-  std::vector<int> late;                  // workers that did not join in time (the job runs), ascending ids
+  // workers that did not join in time (the job runs), ascending ids
+  std::vector<int> late;
 };
 JoinDeadlines DetectJoinDeadlines(const JoinView& view, Clock::time_point now);
 
@@ -115,7 +116,8 @@ JoinDeadlines DetectJoinDeadlines(const JoinView& view, Clock::time_point now);
 
 struct ProgressView {
   const std::vector<WorkerInfo*>* members = nullptr;  // the generation's, by rank
-  const ControllerOptions* options = nullptr;          // the thresholds (hang_*, watchdog_*, stall_*, forming_timeout)
+  // the thresholds (hang_*, watchdog_*, stall_*, forming_timeout)
+  const ControllerOptions* options = nullptr;
   bool recovery_open = false;  // a recovery or resize whose first step has not completed
   double median_step_seconds = 0;
   bool have_step_times = false;
@@ -125,7 +127,8 @@ struct ProgressView {
 // The hang detector: some members reached the collective of the tracked
 // step, and one still computes far longer after the first arrival than the
 // spread between first and last arrival normally is. The first such member by rank.
-std::optional<Finding> DetectHang(const ProgressView& view, const ArrivalTracker& arrivals, Clock::time_point now);
+std::optional<Finding> DetectHang(const ProgressView& view, const ArrivalTracker& arrivals,
+                                  Clock::time_point now);
 // The step-progress watchdog: a member has waited in a collective far longer
 // than a step takes while another still computes: the first of those by rank.
 std::optional<Finding> DetectSlowMember(const ProgressView& view);

@@ -44,8 +44,10 @@ ControllerOptions Thresholds() {
   return o;
 }
 
-void ExpectFinding(const std::optional<Finding>& got, const std::optional<Finding>& want, const std::string& name) {
-  ASSERT_EQ(got.has_value(), want.has_value()) << name << (got ? ": fired " + got->detail : ": did not fire");
+void ExpectFinding(const std::optional<Finding>& got, const std::optional<Finding>& want,
+                   const std::string& name) {
+  ASSERT_EQ(got.has_value(), want.has_value())
+      << name << (got ? ": fired " + got->detail : ": did not fire");
   if (!want) return;
   EXPECT_EQ(got->worker_id, want->worker_id) << name;
   EXPECT_EQ(got->kind, want->kind) << name;
@@ -112,7 +114,8 @@ TEST(DetectorsTest, SilentWorkersComeInAscendingIdsAndTheDetailNamesTheSilence) 
   std::map<int, WorkerInfo> workers{{5, Worker(5, WorkerRole::kSpare)},
                                     {2, Worker(2, WorkerRole::kMember)},
                                     {3, Worker(3, WorkerRole::kMember, 1'500)}};
-  EXPECT_EQ(SilentWorkers(workers, JobPhase::kRunning, At(2'000), Millis(1'000)), (std::vector<int>{2, 5}));
+  EXPECT_EQ(SilentWorkers(workers, JobPhase::kRunning, At(2'000), Millis(1'000)),
+            (std::vector<int>{2, 5}));
   EXPECT_EQ(HeartbeatDetail(At(0), At(1'234)), "sent no heartbeat for 1234 ms");
 }
 
@@ -132,25 +135,52 @@ TEST(DetectorsTest, JoinDeadlines) {
   const Case kCases[] = {
       {"FormingWithinTheBound", JobPhase::kForming, true, {{1, {false, At(0)}}}, 10'000, {}, {}},
       {"FormingPastTheBoundOncePlaced",
-       JobPhase::kForming, true, {{1, {false, At(0)}}, {2, {true, At(0)}}, {4, {false, At(0)}}}, 10'001,
-       "the job did not form within 10 s: 1 of 3 workers joined; not joined: worker(s) [1,4] (see their output; " +
+       JobPhase::kForming,
+       true,
+       {{1, {false, At(0)}}, {2, {true, At(0)}}, {4, {false, At(0)}}},
+       10'001,
+       "the job did not form within 10 s: 1 of 3 workers joined; not joined: worker(s) [1,4] (see "
+       "their output; " +
            kHint,
        {}},
-      {"FormingPastTheBoundWithTooFewHosts", JobPhase::kForming, false, {}, 10'001,
-       "the job did not form within 10 s: 1 of the 2 hosts it needs registered (start `nonstop agent` on each "
-       "host; " + kHint,
+      {"FormingPastTheBoundWithTooFewHosts",
+       JobPhase::kForming,
+       false,
+       {},
+       10'001,
+       "the job did not form within 10 s: 1 of the 2 hosts it needs registered (start `nonstop "
+       "agent` on each "
+       "host; " +
+           kHint,
        {}},
       // While forming, the forming bound alone counts: no worker is late on its own.
-      {"FormingLateWorkerIsNotReportedAlone", JobPhase::kForming, true, {{1, {false, At(-60'000)}}}, 1'000,
-       {}, {}},
-      {"RunningLateOnesInAscendingIds", JobPhase::kRunning, true,
-       {{9, {true, At(-5'001)}}, {3, {false, At(-6'000)}}, {4, {true, At(-4'999)}}}, 0, {}, {3, 9}},
+      {"FormingLateWorkerIsNotReportedAlone",
+       JobPhase::kForming,
+       true,
+       {{1, {false, At(-60'000)}}},
+       1'000,
+       {},
+       {}},
+      {"RunningLateOnesInAscendingIds",
+       JobPhase::kRunning,
+       true,
+       {{9, {true, At(-5'001)}}, {3, {false, At(-6'000)}}, {4, {true, At(-4'999)}}},
+       0,
+       {},
+       {3, 9}},
       // Unset `since`: since the controller's first event.
-      {"RunningSinceTheStart", JobPhase::kRunning, true, {{2, {false, std::nullopt}}}, 5'001, {}, {2}},
+      {"RunningSinceTheStart",
+       JobPhase::kRunning,
+       true,
+       {{2, {false, std::nullopt}}},
+       5'001,
+       {},
+       {2}},
       {"RecoveringCountsToo", JobPhase::kRecovering, true, {{2, {true, At(-5'001)}}}, 0, {}, {2}},
   };
   for (const Case& c : kCases) {
-    std::map<int, WorkerInfo> workers{{0, Worker(0, WorkerRole::kPending)}, {5, Worker(5, WorkerRole::kSpare)}};
+    std::map<int, WorkerInfo> workers{{0, Worker(0, WorkerRole::kPending)},
+                                      {5, Worker(5, WorkerRole::kSpare)}};
     JoinView v;
     v.phase = c.phase;
     v.awaiting = &c.awaiting;
@@ -194,7 +224,8 @@ TEST(DetectorsTest, ArrivalSpreadsAreRecordedWhenEveryMemberArrivedOnTheBaseline
   a.Record(2, 5, At(100), 3, true);
   ASSERT_EQ(a.spreads_ms().size(), 1u);
   EXPECT_EQ(a.spreads_ms().front(), 100.0);
-  a.Record(0, 6, At(200), 1, /*baseline=*/false);  // a new step starts over; off the baseline, not recorded
+  // a new step starts over; off the baseline, not recorded
+  a.Record(0, 6, At(200), 1, /*baseline=*/false);
   EXPECT_EQ(a.step(), 6);
   EXPECT_EQ(a.arrivals().size(), 1u);
   EXPECT_EQ(a.spreads_ms().size(), 1u);
@@ -211,8 +242,8 @@ TEST(DetectorsTest, ArrivalSpreadsAreRecordedWhenEveryMemberArrivedOnTheBaseline
 TEST(DetectorsTest, HangDetector) {
   struct Case {
     std::string name;
-    int spreads = 5;              // recent complete steps (each a spread of 50 ms)
-    std::vector<int> arrived;     // members at the collective of step 10, arriving at 0 ms
+    int spreads = 5;           // recent complete steps (each a spread of 50 ms)
+    std::vector<int> arrived;  // members at the collective of step 10, arriving at 0 ms
     int64_t now_ms = 0;
     bool recovery_open = false;
     double median_step_seconds = 0;
@@ -222,29 +253,41 @@ TEST(DetectorsTest, HangDetector) {
   };
   // Threshold: max(hang_floor 500, 8 × 50 = 400, half the median step).
   const std::string kHung1 =
-      "has not reached the collective of step 10 501 ms after the first member did (the last of the recent "
+      "has not reached the collective of step 10 501 ms after the first member did (the last of "
+      "the recent "
       "steps' arrivals came at most 50 ms after the first)";
   const Case kCases[] = {
-      {.name = "LagPastTheFloor", .arrived = {0, 2}, .now_ms = 501, .want = Finding{1, kHangDetector, kHung1}},
+      {.name = "LagPastTheFloor",
+       .arrived = {0, 2},
+       .now_ms = 501,
+       .want = Finding{1, kHangDetector, kHung1}},
       {.name = "LagAtTheFloor", .arrived = {0, 2}, .now_ms = 500},
       {.name = "TooFewStepsToKnowNormal", .spreads = 4, .arrived = {0, 2}, .now_ms = 10'000},
       {.name = "EveryoneArrived", .arrived = {0, 1, 2}, .now_ms = 10'000},
       {.name = "DuringARecovery", .arrived = {0, 2}, .now_ms = 10'000, .recovery_open = true},
       // Slow steps raise the threshold: half a step of 2 s.
-      {.name = "SlowStepsRaiseTheBound", .arrived = {0, 2}, .now_ms = 1'000, .median_step_seconds = 2.0},
+      {.name = "SlowStepsRaiseTheBound",
+       .arrived = {0, 2},
+       .now_ms = 1'000,
+       .median_step_seconds = 2.0},
       // It completed the step already (its heartbeat is behind): not hung.
       {.name = "AlreadyPastTheStep", .arrived = {0, 2}, .now_ms = 10'000, .member1_last_step = 10},
-      {.name = "OnlyMembersAreBlamed", .arrived = {0, 2}, .now_ms = 10'000, .member1_role = WorkerRole::kFinished},
+      {.name = "OnlyMembersAreBlamed",
+       .arrived = {0, 2},
+       .now_ms = 10'000,
+       .member1_role = WorkerRole::kFinished},
       {.name = "TheFirstByRank",
        .arrived = {2},
        .now_ms = 501,
        .want = Finding{0, kHangDetector,
-                       "has not reached the collective of step 10 501 ms after the first member did (the last of "
+                       "has not reached the collective of step 10 501 ms after the first member "
+                       "did (the last of "
                        "the recent steps' arrivals came at most 50 ms after the first)"}},
   };
   const ControllerOptions options = Thresholds();
   for (const Case& c : kCases) {
-    std::vector<WorkerInfo> ws{Worker(0, WorkerRole::kMember, 0, 9), Worker(1, c.member1_role, 0, c.member1_last_step),
+    std::vector<WorkerInfo> ws{Worker(0, WorkerRole::kMember, 0, 9),
+                               Worker(1, c.member1_role, 0, c.member1_last_step),
                                Worker(2, WorkerRole::kMember, 0, 9)};
     std::vector<WorkerInfo*> members = Pointers(ws);
     ArrivalTracker a;
@@ -279,7 +322,9 @@ TEST(DetectorsTest, StepProgressWatchdog) {
        .want = Finding{1, kStepProgressWatchdog,
                        "has not reached the collective of step 8 while others waited 2001 ms"}},
       // 5 × a median step of 1 s raises the bound above the floor.
-      {.name = "SlowStepsRaiseTheBound", .waiting_ms = {4'000, -1, 100}, .median_step_seconds = 1.0},
+      {.name = "SlowStepsRaiseTheBound",
+       .waiting_ms = {4'000, -1, 100},
+       .median_step_seconds = 1.0},
       {.name = "EveryoneWaits", .waiting_ms = {3'000, 3'000, 3'000}},
       // A member already gone still counts for the longest wait; the computing one is blamed.
       {.name = "AGoneMembersWaitCounts",
@@ -292,7 +337,8 @@ TEST(DetectorsTest, StepProgressWatchdog) {
   for (const Case& c : kCases) {
     std::vector<WorkerInfo> ws;
     for (int id = 0; id < 3; ++id) {
-      ws.push_back(Worker(id, id == 1 ? c.role1 : WorkerRole::kMember, 0, 7, c.waiting_ms[static_cast<size_t>(id)]));
+      ws.push_back(Worker(id, id == 1 ? c.role1 : WorkerRole::kMember, 0, 7,
+                          c.waiting_ms[static_cast<size_t>(id)]));
     }
     std::vector<WorkerInfo*> members = Pointers(ws);
     ProgressView v;
@@ -322,14 +368,16 @@ TEST(DetectorsTest, StallWatchdog) {
        .median_step_seconds = 1.0,
        .silent_ms = 30'001,
        .want = Finding{-1, kStallWatchdog,
-                       "no step completed for 30001 ms (stall watchdog: the bound is 30000 ms; the last completed "
+                       "no step completed for 30001 ms (stall watchdog: the bound is 30000 ms; the "
+                       "last completed "
                        "step was 41)"}},
       // 10 × a median step of 5 s.
       {.name = "SlowStepsRaiseTheBound", .silent_ms = 50'000},
       {.name = "PastTenSteps",
        .silent_ms = 50'001,
        .want = Finding{-1, kStallWatchdog,
-                       "no step completed for 50001 ms (stall watchdog: the bound is 50000 ms; the last completed "
+                       "no step completed for 50001 ms (stall watchdog: the bound is 50000 ms; the "
+                       "last completed "
                        "step was 41)"}},
       // Before the first step, and while a recovery moves state, the forming timeout bounds it.
       {.name = "BeforeTheFirstStep", .have_step_times = false, .silent_ms = 300'000},
@@ -338,7 +386,8 @@ TEST(DetectorsTest, StallWatchdog) {
        .recovery_open = true,
        .silent_ms = 300'001,
        .want = Finding{-1, kStallWatchdog,
-                       "no step completed for 300001 ms (stall watchdog: the bound is 300000 ms; the last completed "
+                       "no step completed for 300001 ms (stall watchdog: the bound is 300000 ms; "
+                       "the last completed "
                        "step was 41)"}},
       {.name = "NoMembers", .members = 0, .silent_ms = 1'000'000},
       {.name = "TheJobIsEnding", .finished = true, .silent_ms = 1'000'000},

@@ -10,8 +10,8 @@
 #include <unistd.h>
 
 #include <cctype>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <deque>
@@ -31,17 +31,22 @@ namespace nonstop::controller {
 
 namespace {
 
-constexpr size_t kMaxBodyBytes = 64 << 10;      // POST bodies; larger is 413
-constexpr size_t kMaxHeadBytes = 16 << 10;      // request line + headers; larger goes to httplib, which refuses it
-constexpr int kMaxWaitingConnections = 128;     // held by the gate; beyond it the oldest are closed
-constexpr size_t kMaxReadyConnections = 64;     // complete requests queued for a worker; beyond it 503
+constexpr size_t kMaxBodyBytes = 64 << 10;  // POST bodies; larger is 413
+// request line + headers; larger goes to httplib, which refuses it
+constexpr size_t kMaxHeadBytes = 16 << 10;
+constexpr int kMaxWaitingConnections = 128;  // held by the gate; beyond it the oldest are closed
+// complete requests queued for a worker; beyond it 503
+constexpr size_t kMaxReadyConnections = 64;
 constexpr int kWorkers = 4;
-constexpr Millis kRequestDeadline{3'000};       // to send the whole request (head and body)
-constexpr Millis kResponseDeadline{10'000};     // to read our response
-constexpr Millis kLingerDeadline{200};          // to drain what the client still sends after our response
+constexpr Millis kRequestDeadline{3'000};    // to send the whole request (head and body)
+constexpr Millis kResponseDeadline{10'000};  // to read our response
+// to drain what the client still sends after our response
+constexpr Millis kLingerDeadline{200};
 constexpr auto kScaleAnswerWait = std::chrono::seconds(10);
 
-std::string ErrorJson(const std::string& reason) { return nlohmann::json{{"error", reason}}.dump(); }
+std::string ErrorJson(const std::string& reason) {
+  return nlohmann::json{{"error", reason}}.dump();
+}
 
 void Reply(httplib::Response& res, int status, const std::string& reason) {
   res.status = status;
@@ -52,8 +57,9 @@ void Reply(httplib::Response& res, int status, const std::string& reason) {
 void SendRawError(int fd, int status, const char* phrase, const std::string& reason) {
   std::string body = ErrorJson(reason);
   std::string msg = fmt::format(
-      "HTTP/1.1 {} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}", status,
-      phrase, body.size(), body);
+      "HTTP/1.1 {} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: "
+      "close\r\n\r\n{}",
+      status, phrase, body.size(), body);
   (void)::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
@@ -76,7 +82,9 @@ class DeadlineStream : public httplib::Stream {
   DeadlineStream(int fd, std::string prefix)
       : fd_(fd), prefix_(std::move(prefix)), read_deadline_(DeadlineAfter(kRequestDeadline)) {}
 
-  bool is_readable() const override { return pos_ < prefix_.size() || WaitFor(fd_, POLLIN, read_deadline_); }
+  bool is_readable() const override {
+    return pos_ < prefix_.size() || WaitFor(fd_, POLLIN, read_deadline_);
+  }
   bool is_writable() const override { return WaitFor(fd_, POLLOUT, WriteDeadline()); }
 
   ssize_t read(char* ptr, size_t size) override {
@@ -108,7 +116,9 @@ class DeadlineStream : public httplib::Stream {
   void get_remote_ip_and_port(std::string& ip, int& port) const override {
     Address(::getpeername, ip, port);
   }
-  void get_local_ip_and_port(std::string& ip, int& port) const override { Address(::getsockname, ip, port); }
+  void get_local_ip_and_port(std::string& ip, int& port) const override {
+    Address(::getsockname, ip, port);
+  }
   socket_t socket() const override { return fd_; }
 
  private:
@@ -157,7 +167,8 @@ size_t CompleteRequestBytes(const std::string& buffer) {
   // A client that asks to be told to go on before it sends the body gets that from the worker.
   if (lower.find("\r\nexpect:") != std::string::npos) return head;
   size_t at = lower.find("\r\ncontent-length:");
-  if (at == std::string::npos) return head;  // no body, or chunked: the worker reads it, with a deadline
+  // no body, or chunked: the worker reads it, with a deadline
+  if (at == std::string::npos) return head;
   size_t p = at + 17;
   while (p < lower.size() && (lower[p] == ' ' || lower[p] == '\t')) ++p;
   size_t length = 0;
@@ -167,7 +178,8 @@ size_t CompleteRequestBytes(const std::string& buffer) {
     ++p;
     ++digits;
   }
-  if (digits == 0 || length > kMaxBodyBytes) return head;  // malformed or too large: refused without the body
+  // malformed or too large: refused without the body
+  if (digits == 0 || length > kMaxBodyBytes) return head;
   return buffer.size() >= head + length ? head + length : 0;
 }
 
@@ -254,14 +266,16 @@ class GatedHttpServer : public httplib::Server {
       {
         MutexLock lock(&mu_);
         if (stopping_) return;
-        for (auto& fd : incoming_) waiting.push_back({std::move(fd), std::string(), DeadlineAfter(kRequestDeadline)});
+        for (auto& fd : incoming_)
+          waiting.push_back({std::move(fd), std::string(), DeadlineAfter(kRequestDeadline)});
         incoming_.clear();
       }
       while (static_cast<int>(waiting.size()) > kMaxWaitingConnections) {
         if (evicted++ == 0) {
-          NONSTOP_LOG_WARNING("http: more than {} connections have not sent a request: closing the oldest first "
-                              "(a flood of idle connections?)",
-                              kMaxWaitingConnections);
+          NONSTOP_LOG_WARNING(
+              "http: more than {} connections have not sent a request: closing the oldest first "
+              "(a flood of idle connections?)",
+              kMaxWaitingConnections);
         }
         waiting.pop_front();
       }
@@ -294,8 +308,9 @@ class GatedHttpServer : public httplib::Server {
         if (rc > 0 && fds[i + 1].revents != 0) {
           // Read what is there, up to the limits of a request we would accept.
           while (w.buffer.size() < kMaxHeadBytes + kMaxBodyBytes) {
-            ssize_t n = ::recv(w.fd.get(), chunk, std::min(sizeof(chunk), kMaxHeadBytes + kMaxBodyBytes - w.buffer.size()),
-                               0);
+            ssize_t n =
+                ::recv(w.fd.get(), chunk,
+                       std::min(sizeof(chunk), kMaxHeadBytes + kMaxBodyBytes - w.buffer.size()), 0);
             if (n > 0) {
               w.buffer.append(chunk, static_cast<size_t>(n));
               continue;
@@ -305,15 +320,17 @@ class GatedHttpServer : public httplib::Server {
             break;
           }
         }
-        if (size_t bytes = CompleteRequestBytes(w.buffer); bytes > 0 || w.buffer.size() >= kMaxHeadBytes + kMaxBodyBytes) {
+        if (size_t bytes = CompleteRequestBytes(w.buffer);
+            bytes > 0 || w.buffer.size() >= kMaxHeadBytes + kMaxBodyBytes) {
           Dispatch(std::move(w));
           continue;
         }
         if (closed) continue;  // the client went away before sending a request
         if (now >= w.deadline) {
           if (!w.buffer.empty()) {
-            SendRawError(w.fd.get(), 408, "Request Timeout",
-                         fmt::format("the request was not complete within {} ms", kRequestDeadline.count()));
+            SendRawError(
+                w.fd.get(), 408, "Request Timeout",
+                fmt::format("the request was not complete within {} ms", kRequestDeadline.count()));
           }
           continue;  // closes it
         }
@@ -327,7 +344,8 @@ class GatedHttpServer : public httplib::Server {
     MutexLock lock(&mu_);
     if (ready_.size() >= kMaxReadyConnections) {
       lock.Unlock();
-      SendRawError(w.fd.get(), 503, "Service Unavailable", "too many requests in progress: retry shortly");
+      SendRawError(w.fd.get(), 503, "Service Unavailable",
+                   "too many requests in progress: retry shortly");
       return;
     }
     ready_.push_back({std::move(w.fd), std::move(w.buffer)});
@@ -339,7 +357,9 @@ class GatedHttpServer : public httplib::Server {
       Ready r;
       {
         MutexLock lock(&mu_);
-        ready_cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !ready_.empty(); });
+        ready_cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !ready_.empty();
+        });
         if (stopping_) return;
         r = std::move(ready_.front());
         ready_.pop_front();
@@ -387,7 +407,8 @@ bool HttpApi::Authorized(const std::string& header) const {
   }
   std::string_view presented = std::string_view(header).substr(kScheme.size());
   while (!presented.empty() && presented.front() == ' ') presented.remove_prefix(1);
-  while (!presented.empty() && (presented.back() == ' ' || presented.back() == '\t')) presented.remove_suffix(1);
+  while (!presented.empty() && (presented.back() == ' ' || presented.back() == '\t'))
+    presented.remove_suffix(1);
   return ConstantTimeEquals(presented, token_);
 }
 
@@ -411,23 +432,23 @@ struct Route {
 };
 constexpr Route kRoutes[] = {
     {"/", "GET", false},  // the dashboard; the journal it reads (/events) needs the token
-    {"/status", "GET", false},
-    {"/metrics", "GET", false},
-    {"/events", "GET", true},
-    {"/scale", "POST", true},
+    {"/status", "GET", false}, {"/metrics", "GET", false},
+    {"/events", "GET", true},  {"/scale", "POST", true},
 };
 
 }  // namespace
 
-Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, int port, std::string journal_path,
-                                                std::string token) {
+Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, int port,
+                                                std::string journal_path, std::string token) {
   const std::string host(net::UnbracketHost(http_host));  // "::1" or "[::1]" alike
-  if (port < 0 || port > 65535) return InvalidArgumentError(fmt::format("HTTP port {} is not in [0, 65535]", port));
+  if (port < 0 || port > 65535)
+    return InvalidArgumentError(fmt::format("HTTP port {} is not in [0, 65535]", port));
   if (token.empty() && !IsLoopbackHost(host)) {
-    return InvalidArgumentError(fmt::format(
-        "refusing to serve HTTP on {} without a job token: anyone who can reach it could resize the job and read "
-        "its journal (HINT: bind --http-host to 127.0.0.1, or pass the job token)",
-        net::FormatHostPort(host, static_cast<uint16_t>(port))));
+    return InvalidArgumentError(
+        fmt::format("refusing to serve HTTP on {} without a job token: anyone who can reach it "
+                    "could resize the job and read "
+                    "its journal (HINT: bind --http-host to 127.0.0.1, or pass the job token)",
+                    net::FormatHostPort(host, static_cast<uint16_t>(port))));
   }
   auto api = std::unique_ptr<HttpApi>(new HttpApi());
   api->journal_path_ = std::move(journal_path);
@@ -445,12 +466,15 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
       if (req.path == r.path) route = &r;
     }
     if (route == nullptr) {
-      Reply(res, 404, fmt::format("no endpoint '{}': the API is GET / (the dashboard), GET /status, GET /metrics, "
-                                  "GET /events and POST /scale",
-                                  req.path.substr(0, 200)));
+      Reply(res, 404,
+            fmt::format(
+                "no endpoint '{}': the API is GET / (the dashboard), GET /status, GET /metrics, "
+                "GET /events and POST /scale",
+                req.path.substr(0, 200)));
       return httplib::Server::HandlerResponse::Handled;
     }
-    const bool method_ok = req.method == route->method || (req.method == "HEAD" && std::string(route->method) == "GET");
+    const bool method_ok = req.method == route->method ||
+                           (req.method == "HEAD" && std::string(route->method) == "GET");
     if (!method_ok) {
       res.set_header("Allow", route->method);
       Reply(res, 405, fmt::format("{} takes {}, not {}", route->path, route->method, req.method));
@@ -459,7 +483,8 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
     if (route->needs_token && !self->Authorized(req.get_header_value("Authorization"))) {
       res.set_header("WWW-Authenticate", "Bearer realm=\"nonstop\"");
       Reply(res, 401,
-            fmt::format("{} {} needs the job token as 'Authorization: Bearer <token>' (the \"token\" of the job file "
+            fmt::format("{} {} needs the job token as 'Authorization: Bearer <token>' (the "
+                        "\"token\" of the job file "
                         "runs/job.json; `nonstop scale` sends it)",
                         route->method, route->path));
       return httplib::Server::HandlerResponse::Handled;
@@ -471,8 +496,9 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
       }
       std::string type = req.get_header_value("Content-Type");
       if (type.substr(0, type.find(';')) != "application/json") {
-        Reply(res, 415, fmt::format("the body must be JSON (Content-Type: application/json), not '{}'",
-                                    type.substr(0, 100)));
+        Reply(res, 415,
+              fmt::format("the body must be JSON (Content-Type: application/json), not '{}'",
+                          type.substr(0, 100)));
         return httplib::Server::HandlerResponse::Handled;
       }
     }
@@ -484,10 +510,17 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
     if (!res.body.empty()) return;
     std::string reason;
     switch (res.status) {
-      case 400: reason = "malformed HTTP request"; break;
-      case 413: reason = fmt::format("the body is over the limit of {} bytes", kMaxBodyBytes); break;
-      case 414: reason = "the request line is too long"; break;
-      default: reason = fmt::format("HTTP {}", res.status);
+      case 400:
+        reason = "malformed HTTP request";
+        break;
+      case 413:
+        reason = fmt::format("the body is over the limit of {} bytes", kMaxBodyBytes);
+        break;
+      case 414:
+        reason = "the request line is too long";
+        break;
+      default:
+        reason = fmt::format("HTTP {}", res.status);
     }
     res.set_content(ErrorJson(reason), "application/json");
   });
@@ -511,15 +544,19 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
       const std::string v = req.get_param_value("offset");
       auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), offset);
       if (ec != std::errc() || end != v.data() + v.size()) {
-        Reply(res, 400, fmt::format("offset must be a byte offset (a non-negative integer), not '{}'", v.substr(0, 40)));
+        Reply(res, 400,
+              fmt::format("offset must be a byte offset (a non-negative integer), not '{}'",
+                          v.substr(0, 40)));
         return;
       }
     }
     std::ifstream in(self->journal_path_, std::ios::binary);
     in.seekg(0, std::ios::end);
     const uint64_t size = in ? static_cast<uint64_t>(in.tellg()) : 0;
-    if (offset > size) offset = size;  // a journal rotated under the reader: it reads on from the end
-    // At most 4 MiB at once, whole lines: a page reading a long job's journal asks again (X-Journal-Size).
+    // a journal rotated under the reader: it reads on from the end
+    if (offset > size) offset = size;
+    // At most 4 MiB at once, whole lines: a page reading a long job's journal asks again
+    // (X-Journal-Size).
     constexpr uint64_t kMaxChunk = 4u << 20;
     std::string text(std::min<uint64_t>(size - offset, kMaxChunk), '\0');
     in.seekg(static_cast<std::streamoff>(offset));
@@ -528,7 +565,8 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
     size_t whole = text.rfind('\n');  // a line being written stays for the next read
     text.resize(whole == std::string::npos ? 0 : whole + 1);
     if (text.empty() && size - offset >= kMaxChunk) {
-      Reply(res, 500, fmt::format("the journal line at byte {} is longer than {} bytes", offset, kMaxChunk));
+      Reply(res, 500,
+            fmt::format("the journal line at byte {} is longer than {} bytes", offset, kMaxChunk));
       return;
     }
     res.set_header("X-Next-Offset", std::to_string(offset + text.size()));
@@ -540,8 +578,10 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
     if (body.is_discarded() || !body.is_object()) {
       res.status = 400;
       res.set_content(
-          nlohmann::json{{"accepted", false},
-                         {"error", R"(the body is not a JSON object: expected {"world_size": N}, {"release": N} or {"grow": N})"}}
+          nlohmann::json{
+              {"accepted", false},
+              {"error",
+               R"(the body is not a JSON object: expected {"world_size": N}, {"release": N} or {"grow": N})"}}
               .dump(),
           "application/json");
       return;
@@ -560,7 +600,8 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
     (void)w;
     if (answer.wait_for(kScaleAnswerWait) != std::future_status::ready) {
       res.status = 503;
-      res.set_content(R"({"accepted": false, "error": "the controller did not answer in 10 s"})", "application/json");
+      res.set_content(R"({"accepted": false, "error": "the controller did not answer in 10 s"})",
+                      "application/json");
       return;
     }
     try {
@@ -574,8 +615,8 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
   });
   int bound = port == 0 ? srv.bind_to_any_port(host) : (srv.bind_to_port(host, port) ? port : -1);
   if (bound <= 0) {
-    return UnavailableError(
-        fmt::format("cannot listen for HTTP on {}", net::FormatHostPort(host, static_cast<uint16_t>(port))));
+    return UnavailableError(fmt::format("cannot listen for HTTP on {}",
+                                        net::FormatHostPort(host, static_cast<uint16_t>(port))));
   }
   api->port_ = bound;
   api->server_->WidenBacklog();
@@ -583,7 +624,8 @@ Result<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& http_host, in
   // httplib's stop() does nothing before its loop runs: wait for it, so that
   // destroying the api right away cannot leave the loop running forever.
   for (Deadline until = DeadlineAfter(Millis(10'000)); !srv.is_running();) {
-    if (Clock::now() >= until) return InternalError("the HTTP server thread did not start within 10 s");
+    if (Clock::now() >= until)
+      return InternalError("the HTTP server thread did not start within 10 s");
     std::this_thread::sleep_for(Millis(1));
   }
   return api;
@@ -594,14 +636,17 @@ HttpApi::~HttpApi() {
   if (thread_.joinable()) thread_.join();
   {
     MutexLock lock(&mu_);
-    for (auto& c : calls_) c->reply.set_value({503, {{"accepted", false}, {"error", "the job has ended"}}});
+    for (auto& c : calls_)
+      c->reply.set_value({503, {{"accepted", false}, {"error", "the job has ended"}}});
     calls_.clear();
   }
   // Workers may be in a handler that uses this object: stop them first.
   if (server_) server_->Shutdown();
 }
 
-std::string HttpApi::address() const { return net::FormatHostPort(host_, static_cast<uint16_t>(port_)); }
+std::string HttpApi::address() const {
+  return net::FormatHostPort(host_, static_cast<uint16_t>(port_));
+}
 
 std::vector<std::unique_ptr<ScaleCall>> HttpApi::TakeCalls() {
   uint64_t v;

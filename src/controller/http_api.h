@@ -59,8 +59,8 @@ class HttpApi {
   // Serves on host:port (0: a port from the OS). `token` guards /events and
   // /scale; an empty token on a non-loopback host is refused
   // (kInvalidArgument), as anyone on the network could then resize the job.
-  static Result<std::unique_ptr<HttpApi>> Start(const std::string& host, int port, std::string journal_path,
-                                                std::string token = "");
+  static Result<std::unique_ptr<HttpApi>> Start(const std::string& host, int port,
+                                                std::string journal_path, std::string token = "");
   ~HttpApi();
   HttpApi(const HttpApi&) = delete;
   HttpApi& operator=(const HttpApi&) = delete;

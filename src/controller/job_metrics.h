@@ -37,7 +37,8 @@ class JobMetrics {
 
   // One journal record (docs/journal.md); records of other events are ignored.
   void Observe(const nlohmann::json& record);
-  // The gauges, from Controller::Status(): generation, world size, target, spares, hosts, highest step.
+  // The gauges, from Controller::Status(): generation, world size, target, spares, hosts, highest
+  // step.
   void SetStatus(const nlohmann::json& status);
   // The exposition format, version 0.0.4.
   std::string Text() const;

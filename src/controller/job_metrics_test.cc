@@ -18,10 +18,11 @@ namespace {
 // are well formed, values parse, counters end in _total, a histogram has
 // cumulative buckets ending in le="+Inf" equal to its _count, and a _sum.
 struct Exposition {
-  std::map<std::string, std::string> types;                // family → counter, gauge, histogram
-  std::map<std::string, std::string> help;                 // family → help text
-  std::map<std::string, double> samples;                   // "name{labels}" → value
-  std::map<std::string, std::vector<std::pair<std::string, double>>> buckets;  // "family{other labels}" → (le, count)
+  std::map<std::string, std::string> types;  // family → counter, gauge, histogram
+  std::map<std::string, std::string> help;   // family → help text
+  std::map<std::string, double> samples;     // "name{labels}" → value
+  // "family{other labels}" → (le, count)
+  std::map<std::string, std::vector<std::pair<std::string, double>>> buckets;
   std::vector<std::string> errors;
 
   static Exposition Parse(const std::string& text) {
@@ -44,7 +45,8 @@ struct Exposition {
         std::string name, type;
         t >> name >> type;
         if (!std::regex_match(name, name_re)) e.errors.push_back("bad family name: " + line);
-        if (type != "counter" && type != "gauge" && type != "histogram") e.errors.push_back("bad type: " + line);
+        if (type != "counter" && type != "gauge" && type != "histogram")
+          e.errors.push_back("bad type: " + line);
         e.types[name] = type;
         continue;
       }
@@ -56,7 +58,8 @@ struct Exposition {
       std::string name = m[1], labels = m[3], value_text = m[4];
       char* end = nullptr;
       double value = std::strtod(value_text.c_str(), &end);
-      if (value_text != "+Inf" && (end == nullptr || *end != '\0')) e.errors.push_back("bad value: " + line);
+      if (value_text != "+Inf" && (end == nullptr || *end != '\0'))
+        e.errors.push_back("bad value: " + line);
       std::string family = name;
       for (const char* suffix : {"_bucket", "_sum", "_count"}) {
         std::string s = suffix;
@@ -68,7 +71,8 @@ struct Exposition {
       }
       if (!e.types.count(family)) e.errors.push_back("sample of an undeclared family: " + line);
       std::string le, other;
-      for (auto it = std::sregex_iterator(labels.begin(), labels.end(), label_re); it != std::sregex_iterator(); ++it) {
+      for (auto it = std::sregex_iterator(labels.begin(), labels.end(), label_re);
+           it != std::sregex_iterator(); ++it) {
         if ((*it)[1] == "le") {
           le = (*it)[2];
         } else {
@@ -79,7 +83,8 @@ struct Exposition {
       if (name == family + "_bucket") e.buckets[family + "{" + other + "}"].push_back({le, value});
     }
     for (const auto& [family, type] : e.types) {
-      if (type == "counter" && (family.size() < 6 || family.compare(family.size() - 6, 6, "_total") != 0)) {
+      if (type == "counter" &&
+          (family.size() < 6 || family.compare(family.size() - 6, 6, "_total") != 0)) {
         e.errors.push_back("counter without _total: " + family);
       }
       if (!e.help.count(family) || e.help[family].empty()) e.errors.push_back("no help: " + family);
@@ -100,7 +105,8 @@ struct Exposition {
         std::istringstream parts(other);
         std::string kv;
         while (std::getline(parts, kv, ',')) {
-          quoted += (quoted.empty() ? "" : ",") + kv.substr(0, kv.find('=')) + "=\"" + kv.substr(kv.find('=') + 1) + "\"";
+          quoted += (quoted.empty() ? "" : ",") + kv.substr(0, kv.find('=')) + "=\"" +
+                    kv.substr(kv.find('=') + 1) + "\"";
         }
         count_key += "{" + quoted + "}";
       }
@@ -115,7 +121,11 @@ struct Exposition {
 };
 
 nlohmann::json Step(int64_t step, double seconds, double tps) {
-  return {{"event", "step"}, {"step", step}, {"loss", 2.5}, {"step_seconds", seconds}, {"tokens_per_second", tps}};
+  return {{"event", "step"},
+          {"step", step},
+          {"loss", 2.5},
+          {"step_seconds", seconds},
+          {"tokens_per_second", tps}};
 }
 
 TEST(JobMetricsTest, JournalRecordsBecomeConventionalMetricsInTheExpositionFormat) {
@@ -129,22 +139,45 @@ TEST(JobMetricsTest, JournalRecordsBecomeConventionalMetricsInTheExpositionForma
   m.Observe({{"event", "scale_refused"}, {"reason", "too soon"}});
   m.Observe({{"event", "recovery_end"},
              {"recovery",
-              {{"kind", "recovery"}, {"outcome", "completed"}, {"old_world", 4}, {"new_world", 4},
-               {"replacements", {"rank 2: worker 2 → spare worker 4"}}, {"lost_steps", 0}, {"bytes_copied", 9647664},
-               {"transfer_ms", 14.0}, {"downtime_ms", 115.0},
+              {{"kind", "recovery"},
+               {"outcome", "completed"},
+               {"old_world", 4},
+               {"new_world", 4},
+               {"replacements", {"rank 2: worker 2 → spare worker 4"}},
+               {"lost_steps", 0},
+               {"bytes_copied", 9647664},
+               {"transfer_ms", 14.0},
+               {"downtime_ms", 115.0},
                {"ms_after_fault",
-                {{"detected", 10.7}, {"aborted", 11.4}, {"plan_published", 11.4}, {"state_ready", 29.8},
+                {{"detected", 10.7},
+                 {"aborted", 11.4},
+                 {"plan_published", 11.4},
+                 {"state_ready", 29.8},
                  {"first_step_completed", 1218.3}}}}}});
   m.Observe({{"event", "recovery_end"},
-             {"recovery", {{"kind", "recovery"}, {"outcome", "superseded by recovery 3"}, {"old_world", 4},
-                           {"new_world", 3}, {"lost_steps", 1}, {"ms_after_fault", {{"detected", 5.0}}}}}});
+             {"recovery",
+              {{"kind", "recovery"},
+               {"outcome", "superseded by recovery 3"},
+               {"old_world", 4},
+               {"new_world", 3},
+               {"lost_steps", 1},
+               {"ms_after_fault", {{"detected", 5.0}}}}}});
   // A completed resize: counted, its pause timed, but not a fault's phases.
   m.Observe({{"event", "recovery_end"},
-             {"recovery", {{"kind", "resize"}, {"outcome", "completed"}, {"old_world", 3}, {"new_world", 4},
-                           {"pause_ms", 250.0}, {"ms_after_fault", {{"detected", 0.0}, {"aborted", 200.0}}}}}});
+             {"recovery",
+              {{"kind", "resize"},
+               {"outcome", "completed"},
+               {"old_world", 3},
+               {"new_world", 4},
+               {"pause_ms", 250.0},
+               {"ms_after_fault", {{"detected", 0.0}, {"aborted", 200.0}}}}}});
   m.Observe({{"event", "join"}, {"worker_id", 1}});  // not a metric: ignored
-  m.Observe("garbage");                               // not even an object: ignored
-  m.SetStatus({{"generation", 3}, {"world_size", 4}, {"target_world_size", 4}, {"spares", 1}, {"highest_step", 2},
+  m.Observe("garbage");                              // not even an object: ignored
+  m.SetStatus({{"generation", 3},
+               {"world_size", 4},
+               {"target_world_size", 4},
+               {"spares", 1},
+               {"highest_step", 2},
                {"hosts", nlohmann::json::array({{{"host_id", "h1"}}, {{"host_id", "h2"}}})}});
 
   const std::string text = m.Text();
@@ -160,8 +193,15 @@ TEST(JobMetricsTest, JournalRecordsBecomeConventionalMetricsInTheExpositionForma
   EXPECT_NEAR(e.samples["nonstop_tokens_total"], 200 + 300 + 2000, 1e-6);
   EXPECT_EQ(e.samples["nonstop_faults_total{kind=\"process_exit\"}"], 2);
   EXPECT_EQ(e.samples["nonstop_faults_total{kind=\"control_connection_lost\"}"], 1);
-  EXPECT_EQ(e.samples["nonstop_recoveries_total{handled=\"spare\",kind=\"recovery\",outcome=\"completed\"}"], 1) << text;
-  EXPECT_EQ(e.samples["nonstop_recoveries_total{handled=\"shrink\",kind=\"recovery\",outcome=\"superseded\"}"], 1)
+  EXPECT_EQ(
+      e.samples
+          ["nonstop_recoveries_total{handled=\"spare\",kind=\"recovery\",outcome=\"completed\"}"],
+      1)
+      << text;
+  EXPECT_EQ(
+      e.samples
+          ["nonstop_recoveries_total{handled=\"shrink\",kind=\"recovery\",outcome=\"superseded\"}"],
+      1)
       << text;
   EXPECT_EQ(e.samples["nonstop_lost_steps_total"], 1);
   EXPECT_EQ(e.samples["nonstop_state_transfer_bytes_total"], 9647664);
@@ -169,13 +209,20 @@ TEST(JobMetricsTest, JournalRecordsBecomeConventionalMetricsInTheExpositionForma
   EXPECT_EQ(e.samples["nonstop_scale_requests_refused_total"], 1);
   // Phases of completed recoveries only: the superseded one's "detected" is not counted.
   EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_count{phase=\"detected\"}"], 1);
-  EXPECT_NEAR(e.samples["nonstop_recovery_phase_seconds_sum{phase=\"first_step_completed\"}"], 1.2183, 1e-9);
-  EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_bucket{phase=\"state_ready\",le=\"0.05\"}"], 1);
-  EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_bucket{phase=\"state_ready\",le=\"0.025\"}"], 0);
+  EXPECT_NEAR(e.samples["nonstop_recovery_phase_seconds_sum{phase=\"first_step_completed\"}"],
+              1.2183, 1e-9);
+  EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_bucket{phase=\"state_ready\",le=\"0.05\"}"],
+            1);
+  EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_bucket{phase=\"state_ready\",le=\"0.025\"}"],
+            0);
   EXPECT_NEAR(e.samples["nonstop_recovery_downtime_seconds_sum"], 0.115, 1e-9);
-  EXPECT_EQ(e.samples["nonstop_recoveries_total{handled=\"grow\",kind=\"resize\",outcome=\"completed\"}"], 1) << text;
+  EXPECT_EQ(
+      e.samples["nonstop_recoveries_total{handled=\"grow\",kind=\"resize\",outcome=\"completed\"}"],
+      1)
+      << text;
   EXPECT_NEAR(e.samples["nonstop_resize_pause_seconds_sum"], 0.25, 1e-9);
-  EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_count{phase=\"aborted\"}"], 1) << "a resize is not a fault";
+  EXPECT_EQ(e.samples["nonstop_recovery_phase_seconds_count{phase=\"aborted\"}"], 1)
+      << "a resize is not a fault";
   EXPECT_EQ(e.samples["nonstop_generation"], 3);
   EXPECT_EQ(e.samples["nonstop_world_size"], 4);
   EXPECT_EQ(e.samples["nonstop_spares"], 1);
@@ -185,19 +232,24 @@ TEST(JobMetricsTest, JournalRecordsBecomeConventionalMetricsInTheExpositionForma
 
 // The reader itself must fail on what it checks, or the test above proves nothing.
 TEST(JobMetricsTest, TheExpositionReaderCatchesBrokenText) {
-  EXPECT_FALSE(Exposition::Parse("# HELP x_total h\n# TYPE x_total counter\nx_total abc\n").errors.empty());
-  EXPECT_FALSE(Exposition::Parse("# HELP x h\n# TYPE x counter\nx 1\n").errors.empty()) << "a counter without _total";
+  EXPECT_FALSE(
+      Exposition::Parse("# HELP x_total h\n# TYPE x_total counter\nx_total abc\n").errors.empty());
+  EXPECT_FALSE(Exposition::Parse("# HELP x h\n# TYPE x counter\nx 1\n").errors.empty())
+      << "a counter without _total";
   EXPECT_FALSE(Exposition::Parse("y 1\n").errors.empty()) << "a sample without # TYPE";
-  EXPECT_FALSE(Exposition::Parse("# HELP h h\n# TYPE h histogram\nh_bucket{le=\"1\"} 3\nh_bucket{le=\"+Inf\"} 2\n"
-                                 "h_sum 1\nh_count 2\n")
+  EXPECT_FALSE(Exposition::Parse(
+                   "# HELP h h\n# TYPE h histogram\nh_bucket{le=\"1\"} 3\nh_bucket{le=\"+Inf\"} 2\n"
+                   "h_sum 1\nh_count 2\n")
                    .errors.empty())
       << "buckets that are not cumulative";
-  EXPECT_FALSE(Exposition::Parse("# HELP h h\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_bucket{le=\"+Inf\"} 2\n"
-                                 "h_sum 1\nh_count 3\n")
+  EXPECT_FALSE(Exposition::Parse(
+                   "# HELP h h\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_bucket{le=\"+Inf\"} 2\n"
+                   "h_sum 1\nh_count 3\n")
                    .errors.empty())
       << "+Inf differs from _count";
-  EXPECT_TRUE(Exposition::Parse("# HELP h h\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_bucket{le=\"+Inf\"} 2\n"
-                                "h_sum 1\nh_count 2\n")
+  EXPECT_TRUE(Exposition::Parse(
+                  "# HELP h h\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_bucket{le=\"+Inf\"} 2\n"
+                  "h_sum 1\nh_count 2\n")
                   .errors.empty());
 }
 

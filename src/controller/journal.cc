@@ -36,8 +36,9 @@ Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path) {
     }
     std::filesystem::rename(p, to, ec);
     if (ec) {
-      return UnavailableError(fmt::format("cannot keep the earlier journal {}: renaming it to {} failed: {}", path,
-                                          to.string(), ec.message()));
+      return UnavailableError(
+          fmt::format("cannot keep the earlier journal {}: renaming it to {} failed: {}", path,
+                      to.string(), ec.message()));
     }
     rotated = to.string();
   } else {
@@ -66,7 +67,8 @@ Result<std::unique_ptr<Journal>> Journal::OpenForAppend(const std::string& path)
   }
   size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
   if (keep < text.size() && ::ftruncate(::fileno(f), static_cast<off_t>(keep)) != 0) {
-    return ErrnoStatus(StatusCode::kUnavailable, "cut the torn last line of journal " + path, errno);
+    return ErrnoStatus(StatusCode::kUnavailable, "cut the torn last line of journal " + path,
+                       errno);
   }
   std::fseek(f, 0, SEEK_END);
   return j;
@@ -76,8 +78,10 @@ Status Journal::Lock() {
   // One controller writes a journal: a second one (a standby that thinks it
   // leads, a --resume while the first still runs) is refused, not interleaved.
   if (::flock(::fileno(file_), LOCK_EX | LOCK_NB) != 0) {
-    return FailedPreconditionError(fmt::format(
-        "journal {} is held by another controller (a running controller of this job?): stop it first", path_));
+    return FailedPreconditionError(
+        fmt::format("journal {} is held by another controller (a running controller of this job?): "
+                    "stop it first",
+                    path_));
   }
   return OkStatus();
 }
@@ -110,8 +114,9 @@ void Journal::Sync() {
   // out (a controller that stopped issuing orders would stop the job); the log says so once.
   if (::fdatasync(::fileno(file_)) != 0 && !sync_failed_) {
     sync_failed_ = true;
-    NONSTOP_LOG_WARNING("journal {}: fdatasync: {} (its records may be lost if this host loses power)", path_,
-                        std::strerror(errno));
+    NONSTOP_LOG_WARNING(
+        "journal {}: fdatasync: {} (its records may be lost if this host loses power)", path_,
+        std::strerror(errno));
   }
   unsynced_ = false;
 }
@@ -127,7 +132,8 @@ Result<std::vector<nlohmann::json>> Journal::Read(const std::string& path, bool*
     if (line.empty()) continue;
     auto j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_discarded()) {
-      // A controller killed while it wrote leaves its last line torn (no newline): that one record is lost.
+      // A controller killed while it wrote leaves its last line torn (no newline): that one record
+      // is lost.
       if (in.eof() && torn_tail != nullptr) {
         *torn_tail = true;
         break;

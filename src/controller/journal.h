@@ -38,7 +38,9 @@ class Journal {
   // Writes a record as it is (a predecessor's, copied from etcd): no stamp, no mirror.
   void Copy(const nlohmann::json& record);
   // Every record Append writes from now on also goes to `mirror` (etcd's copy of the journal).
-  void set_mirror(std::function<void(const nlohmann::json&)> mirror) { mirror_ = std::move(mirror); }
+  void set_mirror(std::function<void(const nlohmann::json&)> mirror) {
+    mirror_ = std::move(mirror);
+  }
   // Writes what Append buffered to the file.
   void Flush();
   // Flush, then fdatasync: what was appended survives the loss of this host
@@ -51,7 +53,8 @@ class Journal {
   // Reads a journal back (for reports and tests); malformed lines are errors naming the line.
   // With torn_tail, a last line that is not JSON (its writer was killed
   // mid-line) is left out and *torn_tail set, instead of an error.
-  static Result<std::vector<nlohmann::json>> Read(const std::string& path, bool* torn_tail = nullptr);
+  static Result<std::vector<nlohmann::json>> Read(const std::string& path,
+                                                  bool* torn_tail = nullptr);
 
  private:
   Journal(std::string path, std::FILE* f) : path_(std::move(path)), file_(f) {}

@@ -48,7 +48,8 @@ bool Membership::AdoptionPending() const {
 
 std::string Describe(const WorkerInfo& w, std::string_view unnamed_host) {
   std::string on = w.host.empty() || w.host == unnamed_host ? "" : " on host " + w.host;
-  if (w.rank >= 0) return fmt::format("rank {} (worker {}, pid {}{})", w.rank, w.worker_id, w.pid, on);
+  if (w.rank >= 0)
+    return fmt::format("rank {} (worker {}, pid {}{})", w.rank, w.worker_id, w.pid, on);
   return fmt::format("spare worker {} (pid {}{})", w.worker_id, w.pid, on);
 }
 

@@ -24,7 +24,8 @@ HostInfo& Placement::AddHost(const std::string& host_id) {
   return h;
 }
 
-bool Placement::HostResponsive(const std::string& host_id, Clock::time_point now, Millis heartbeat_timeout) const {
+bool Placement::HostResponsive(const std::string& host_id, Clock::time_point now,
+                               Millis heartbeat_timeout) const {
   if (host_id.empty()) return true;
   auto it = hosts_.find(host_id);
   return it != hosts_.end() && it->second.alive && !it->second.inherited && !it->second.leaving &&
@@ -81,8 +82,11 @@ std::vector<Placement::Slot> Placement::PlaceAll() const {
 std::vector<std::string> Placement::TopUpTargets() const {
   std::vector<std::string> targets;
   for (const HostInfo* h : host_list_) {
-    if (!h->alive || h->inherited) continue;  // an inherited agent takes orders once it has joined this controller
-    if (auto f = host_refill_failures_.find(h->host_id); f != host_refill_failures_.end() && f->second > 3) continue;
+    // an inherited agent takes orders once it has joined this controller
+    if (!h->alive || h->inherited) continue;
+    if (auto f = host_refill_failures_.find(h->host_id);
+        f != host_refill_failures_.end() && f->second > 3)
+      continue;
     for (int free = FreeSlots(*h); free > 0; --free) targets.push_back(h->host_id);
   }
   return targets;
@@ -101,7 +105,8 @@ std::vector<int> ExposedShards(const std::vector<WorkerInfo*>& members, int shar
   if (!layout.ok()) return {};
   std::vector<std::string> host_of_rank;
   for (const WorkerInfo* w : members) host_of_rank.push_back(w->host);
-  if (std::set<std::string>(host_of_rank.begin(), host_of_rank.end()).size() < 2) return {};  // one host holds all anyway
+  // one host holds all anyway
+  if (std::set<std::string>(host_of_rank.begin(), host_of_rank.end()).size() < 2) return {};
   return state::ShardsOnOneHost(*layout, host_of_rank);
 }
 

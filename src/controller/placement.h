@@ -67,7 +67,8 @@ class Placement {
   void SetPlaced() { placed_ = true; }
   // Heard from lately (half the heartbeat timeout), joined, not leaving: its
   // spares may be promoted. "" (joined by hand) always is.
-  bool HostResponsive(const std::string& host_id, Clock::time_point now, Millis heartbeat_timeout) const;
+  bool HostResponsive(const std::string& host_id, Clock::time_point now,
+                      Millis heartbeat_timeout) const;
 
   // ---- slots
   int FreeSlots(const HostInfo& h) const;
@@ -94,7 +95,8 @@ class Placement {
   // The host a worker was started on ("" : unknown, or joined by hand).
   std::string HostOf(int worker_id) const;
   bool StartedOnHost(int worker_id) const { return host_of_.count(worker_id) > 0; }
-  const std::map<int, std::string>& host_of() const { return host_of_; }  // every worker started on a host
+  // every worker started on a host
+  const std::map<int, std::string>& host_of() const { return host_of_; }
 
   // ---- decisions
   // The world the live hosts that stay bring (the sum of their nproc).
@@ -109,7 +111,8 @@ class Placement {
   // A spare for every free slot of every live host that has joined this
   // controller and whose spares do not keep dying, in registration order.
   std::vector<std::string> TopUpTargets() const;
-  // Where a worker lost while the job forms is replaced: the first live host with a free slot, or none.
+  // Where a worker lost while the job forms is replaced: the first live host with a free slot, or
+  // none.
   const HostInfo* FirstHostWithFreeSlot() const;
 
  private:
@@ -125,7 +128,8 @@ class Placement {
   int refill_failures_ = 0;
   std::map<int, std::string> host_of_;
   std::set<int> live_processes_;
-  std::unordered_map<std::string, int> live_on_host_;  // host → how many of live_processes_ run there
+  // host → how many of live_processes_ run there
+  std::unordered_map<std::string, int> live_on_host_;
 };
 
 // Sharded state over hosts: the shards every copy of which a generation of

@@ -14,7 +14,8 @@ namespace {
 
 const Clock::time_point kT0 = Clock::time_point() + std::chrono::hours(1);
 
-// Hosts h1 (2 workers), h2 (0 workers, 2 spares), h3 (1 worker, 1 spare), alive, registered in that order.
+// Hosts h1 (2 workers), h2 (0 workers, 2 spares), h3 (1 worker, 1 spare), alive, registered in that
+// order.
 Placement ThreeHosts() {
   Placement p;
   for (auto [id, nproc, spares] : {std::tuple{"h1", 2, 0}, {"h2", 0, 2}, {"h3", 1, 1}}) {
@@ -55,8 +56,10 @@ TEST(PlacementTest, HostsKeepTheirRegistrationOrder) {
 TEST(PlacementTest, ThePlacementStartsWorkersThenSparesWhereSlotsAreFree) {
   Placement p = ThreeHosts();
   EXPECT_EQ(p.PlacedWorld(), 3);
-  EXPECT_EQ(Of(p.PlaceAll()), (Slots{{"h1", false}, {"h1", false}, {"h2", true}, {"h2", true}, {"h3", false},
-                                     {"h3", true}}));
+  EXPECT_EQ(
+      Of(p.PlaceAll()),
+      (Slots{
+          {"h1", false}, {"h1", false}, {"h2", true}, {"h2", true}, {"h3", false}, {"h3", true}}));
   p.Started(10, "h1");  // a process still running there from before
   p.MarkDown(p.host("h2"));
   p.host("h3").leaving = true;  // its capacity is taken back: no slot, and out of the world

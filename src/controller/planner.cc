@@ -27,7 +27,9 @@ class Candidates {
   explicit Candidates(const PlanInput& view) : view_(view), members_(view.members.size()) {}
   size_t members() const { return members_; }
   size_t spares() const { return view_.spares.size(); }
-  int id(size_t c) const { return c < members_ ? view_.members[c].worker_id : view_.spares[c - members_].worker_id; }
+  int id(size_t c) const {
+    return c < members_ ? view_.members[c].worker_id : view_.spares[c - members_].worker_id;
+  }
   const std::string& host(size_t c) const {
     return c < members_ ? view_.members[c].host : view_.spares[c - members_].host;
   }
@@ -35,7 +37,9 @@ class Candidates {
   int rank(size_t c) const { return c < members_ ? static_cast<int>(c) : -1; }
   // The step its state holds: a survivor's Ready, or the initial state (a spare).
   int64_t step(size_t c) const { return c < members_ ? view_.members[c].step : -1; }
-  int held_shard(size_t c) const { return c < members_ ? view_.members[c].held_shard : state::kNoShard; }
+  int held_shard(size_t c) const {
+    return c < members_ ? view_.members[c].held_shard : state::kNoShard;
+  }
   std::vector<int> ids(const std::vector<size_t>& cs) const {
     std::vector<int> out;
     out.reserve(cs.size());
@@ -76,7 +80,8 @@ std::vector<size_t> SpreadOverHosts(const Candidates& w, const std::vector<size_
 
 // Sharded optimizer state (docs/sharding.md): the shards of which none of
 // `holders` holds a copy, ascending; empty when nothing is sharded.
-std::vector<int> LostShards(const Candidates& w, const std::vector<size_t>& holders, int shard_group) {
+std::vector<int> LostShards(const Candidates& w, const std::vector<size_t>& holders,
+                            int shard_group) {
   if (shard_group <= 1) return {};
   std::vector<char> held(static_cast<size_t>(shard_group), 0);
   for (size_t c : holders) {
@@ -98,19 +103,23 @@ std::vector<size_t> ReleaseFromTheEnd(const Candidates& w, std::vector<size_t>* 
                                       const std::vector<size_t>& holders, int shard_group) {
   std::vector<char> holding(w.members(), 0);  // by rank
   for (size_t c : holders) holding[c] = 1;
-  auto shard_of = [&](size_t c) { return c < w.members() && holding[c] ? w.held_shard(c) : state::kNoShard; };
+  auto shard_of = [&](size_t c) {
+    return c < w.members() && holding[c] ? w.held_shard(c) : state::kNoShard;
+  };
   std::map<int, int> copies;  // shard → holders of it that stay
   for (size_t c : *next) copies[shard_of(c)]++;
   std::vector<size_t> released;
   for (size_t i = next->size(); i-- > 0 && released.size() < count;) {
     size_t c = (*next)[i];
     int s = shard_of(c);
-    if (shard_group > 1 && s >= 0 && copies[s] == 1) continue;  // the last holder of its shard stays
+    // the last holder of its shard stays
+    if (shard_group > 1 && s >= 0 && copies[s] == 1) continue;
     copies[s]--;
     released.push_back(c);
     next->erase(next->begin() + static_cast<std::ptrdiff_t>(i));
   }
-  // Nothing more can go without losing a shard: the highest ranks go anyway (the exchange then names the shard).
+  // Nothing more can go without losing a shard: the highest ranks go anyway (the exchange then
+  // names the shard).
   while (released.size() < count && !next->empty()) {
     released.push_back(next->back());
     next->pop_back();
@@ -119,7 +128,8 @@ std::vector<size_t> ReleaseFromTheEnd(const Candidates& w, std::vector<size_t>* 
 }
 
 // Orders the spares for a plan: those on hosts that just failed last.
-void OrderSpares(const Candidates& w, std::vector<size_t>* spares, const std::set<std::string>& failed_hosts) {
+void OrderSpares(const Candidates& w, std::vector<size_t>* spares,
+                 const std::set<std::string>& failed_hosts) {
   std::stable_sort(spares->begin(), spares->end(), [&](size_t a, size_t b) {
     return failed_hosts.count(w.host(a)) < failed_hosts.count(w.host(b));
   });
@@ -130,20 +140,24 @@ void OrderSpares(const Candidates& w, std::vector<size_t>* spares, const std::se
 // a replica would put two copies of a shard on one host. On one host no
 // spare is away from the replicas: the first stays first.
 // host_at: by rank, the host of the member that holds it next ("" : not known yet).
-void PreferSpareAwayFromReplicas(const Candidates& w, const PlanInput& view, std::vector<size_t>* spares,
-                                 size_t first, size_t rank, const std::vector<std::string_view>& host_at) {
+void PreferSpareAwayFromReplicas(const Candidates& w, const PlanInput& view,
+                                 std::vector<size_t>* spares, size_t first, size_t rank,
+                                 const std::vector<std::string_view>& host_at) {
   if (view.shard_group <= 1) return;
   const auto g = static_cast<size_t>(view.shard_group);
-  std::set<std::string_view> replica_hosts;  // where the other copies of this rank's shard are (or go)
+  // where the other copies of this rank's shard are (or go)
+  std::set<std::string_view> replica_hosts;
   for (size_t q = rank % g; q < host_at.size(); q += g) {
     if (q != rank && !host_at[q].empty()) replica_hosts.insert(host_at[q]);
   }
   // Not on a host that just failed either (OrderSpares put those last).
-  auto away = std::find_if(spares->begin() + static_cast<std::ptrdiff_t>(first), spares->end(), [&](size_t c) {
-    const std::string& host = w.host(c);
-    return !replica_hosts.count(host) && !view.failed_hosts.count(host);
-  });
-  if (away != spares->end()) std::rotate(spares->begin() + static_cast<std::ptrdiff_t>(first), away, away + 1);
+  auto away = std::find_if(spares->begin() + static_cast<std::ptrdiff_t>(first), spares->end(),
+                           [&](size_t c) {
+                             const std::string& host = w.host(c);
+                             return !replica_hosts.count(host) && !view.failed_hosts.count(host);
+                           });
+  if (away != spares->end())
+    std::rotate(spares->begin() + static_cast<std::ptrdiff_t>(first), away, away + 1);
 }
 
 // The plan as it is built: candidates by rank, the spares in the order they
@@ -184,9 +198,10 @@ void FindHolders(const Candidates& w, const PlanInput& view, Draft* d, NextGener
       out->why = fmt::format("the state of step {} exists on no live worker", step);
     } else {
       out->verdict = Verdict::kFail;
-      out->why = fmt::format("the state of step {} exists on no live worker (every member that held it is gone); "
-                             "without a durable checkpoint (nonstop run --checkpoint-dir) the job cannot continue",
-                             step);
+      out->why = fmt::format(
+          "the state of step {} exists on no live worker (every member that held it is gone); "
+          "without a durable checkpoint (nonstop run --checkpoint-dir) the job cannot continue",
+          step);
     }
     return;
   }
@@ -195,15 +210,18 @@ void FindHolders(const Candidates& w, const PlanInput& view, Draft* d, NextGener
   if (out->lost_shards.empty()) return;
   // Sharded state: the step's parameters and moments of these shards are on
   // no live member (every replica was hit). Never a plan that cannot load.
-  std::string what = fmt::format("every copy of shard {} of the optimizer state of step {} is lost (optimizer."
-                                 "shard_group {}: every replica of it was hit)",
-                                 fmt::join(out->lost_shards, ", "), s_star, view.shard_group);
+  std::string what = fmt::format(
+      "every copy of shard {} of the optimizer state of step {} is lost (optimizer."
+      "shard_group {}: every replica of it was hit)",
+      fmt::join(out->lost_shards, ", "), s_star, view.shard_group);
   if (view.have_checkpoints) {
     out->verdict = Verdict::kRestart;
     out->why = std::move(what);
   } else {
     out->verdict = Verdict::kFail;
-    out->why = what + "; without a durable checkpoint (nonstop run --checkpoint-dir) the job cannot continue";
+    out->why =
+        what +
+        "; without a durable checkpoint (nonstop run --checkpoint-dir) the job cannot continue";
   }
 }
 
@@ -230,12 +248,14 @@ void ReplaceLostRanks(const Candidates& w, const PlanInput& view, Draft* d, Next
     if (d->survived[r]) {
       d->next.push_back(r);
     } else if (d->spare_i < std::min(d->spares.size(), spare_cap) &&
-               !(view.resize && view.resize->release.count(id))) {  // a leaving host's rank goes with it
+               // a leaving host's rank goes with it
+               !(view.resize && view.resize->release.count(id))) {
       PreferSpareAwayFromReplicas(w, view, &d->spares, d->spare_i, r, host_at);
       const size_t s = d->spares[d->spare_i++];
       host_at[r] = w.host(s);
       d->next.push_back(s);
-      out->replacements.push_back(fmt::format("rank {}: worker {} → spare worker {}", r, id, w.id(s)));
+      out->replacements.push_back(
+          fmt::format("rank {}: worker {} → spare worker {}", r, id, w.id(s)));
     } else {
       out->replacements.push_back(fmt::format("rank {}: worker {} → none (shrink)", r, id));
     }
@@ -245,8 +265,8 @@ void ReplaceLostRanks(const Candidates& w, const PlanInput& view, Draft* d, Next
 // Members of leaving hosts: released by name, the others keep their order;
 // or all stay, when the world without them is not allowed or they alone hold
 // some state. Returns the size the resize goes to.
-size_t ReleaseLeaving(const Candidates& w, const PlanInput& view, const PlanPolicy& policy, Draft* d,
-                      NextGeneration* out) {
+size_t ReleaseLeaving(const Candidates& w, const PlanInput& view, const PlanPolicy& policy,
+                      Draft* d, NextGeneration* out) {
   const std::map<int, std::string>& release = view.resize->release;
   size_t want = static_cast<size_t>(view.resize->to);
   std::vector<size_t> kept;
@@ -264,13 +284,14 @@ size_t ReleaseLeaving(const Candidates& w, const PlanInput& view, const PlanPoli
   const size_t reach = std::min(want, kept.size() + (d->spares.size() - d->spare_i));
   const std::string refused = CheckWorldSize(policy, view.shard_group, static_cast<int>(reach));
   if (kept.size() < d->next.size() && (!refused.empty() || staying.empty())) {
-    out->leaving_kept =
-        fmt::format("the members of leaving hosts stay for now: without them the world would be {} ({})", reach,
-                    staying.empty() ? "no member that stays holds all of the state" : refused);
+    out->leaving_kept = fmt::format(
+        "the members of leaving hosts stay for now: without them the world would be {} ({})", reach,
+        staying.empty() ? "no member that stays holds all of the state" : refused);
     kept = d->next;  // MaybeReleaseLeavingHosts tries again (or refuses) at the next boundary
     want = std::max(want, d->next.size());
     if (staying.empty()) {
-      for (const auto& [id, host] : release) out->leave_refused_hosts.insert(host);  // it could only repeat
+      // it could only repeat
+      for (const auto& [id, host] : release) out->leave_refused_hosts.insert(host);
     }
   } else if (!staying.empty()) {
     d->holders = std::move(staying);
@@ -279,8 +300,8 @@ size_t ReleaseLeaving(const Candidates& w, const PlanInput& view, const PlanPoli
     for (size_t c : d->next) {
       if (!release.count(w.id(c))) continue;
       d->released.push_back(c);
-      out->replacements.push_back(
-          fmt::format("rank {}: worker {} released (host {} leaves)", w.rank(c), w.id(c), w.host(c)));
+      out->replacements.push_back(fmt::format("rank {}: worker {} released (host {} leaves)",
+                                              w.rank(c), w.id(c), w.host(c)));
     }
   }
   d->next = std::move(kept);
@@ -289,11 +310,13 @@ size_t ReleaseLeaving(const Candidates& w, const PlanInput& view, const PlanPoli
 
 // A planned resize: leaving hosts go, then the highest ranks (a shrink), or
 // spares join at the end (a grow).
-void Resize(const Candidates& w, const PlanInput& view, const PlanPolicy& policy, Draft* d, NextGeneration* out) {
+void Resize(const Candidates& w, const PlanInput& view, const PlanPolicy& policy, Draft* d,
+            NextGeneration* out) {
   size_t want = static_cast<size_t>(view.resize->to);
   if (!view.resize->release.empty()) want = ReleaseLeaving(w, view, policy, d, out);
   if (d->next.size() > want) {  // shrink: the highest ranks leave
-    for (size_t c : ReleaseFromTheEnd(w, &d->next, d->next.size() - want, d->holders, view.shard_group)) {
+    for (size_t c :
+         ReleaseFromTheEnd(w, &d->next, d->next.size() - want, d->holders, view.shard_group)) {
       d->released.push_back(c);
       out->replacements.push_back(fmt::format("rank {}: worker {} released", w.rank(c), w.id(c)));
     }
@@ -301,7 +324,8 @@ void Resize(const Candidates& w, const PlanInput& view, const PlanPolicy& policy
   size_t goal = want;  // sharded: whole groups only, or the spares joining would be released again
   if (view.shard_group > 1) {
     const auto g = static_cast<size_t>(view.shard_group);
-    goal = std::max(d->next.size(), std::min(want, d->next.size() + (d->spares.size() - d->spare_i)) / g * g);
+    goal = std::max(d->next.size(),
+                    std::min(want, d->next.size() + (d->spares.size() - d->spare_i)) / g * g);
   }
   while (d->next.size() < goal && d->spare_i < d->spares.size()) {  // grow: spares join at the end
     out->replacements.push_back(
@@ -313,23 +337,28 @@ void Resize(const Candidates& w, const PlanInput& view, const PlanPolicy& policy
 }  // namespace
 
 std::string CheckWorldSize(const PlanPolicy& p, int shard_group, int size) {
-  if (size < p.min_world) return fmt::format("world size {} is below the minimum {}", size, p.min_world);
-  if (size > p.max_world) return fmt::format("world size {} is above the maximum {}", size, p.max_world);
+  if (size < p.min_world)
+    return fmt::format("world size {} is below the minimum {}", size, p.min_world);
+  if (size > p.max_world)
+    return fmt::format("world size {} is above the maximum {}", size, p.max_world);
   if (shard_group > 1 && size % shard_group != 0) {
-    return fmt::format("world size {} is not a multiple of optimizer.shard_group {}", size, shard_group);
+    return fmt::format("world size {} is not a multiple of optimizer.shard_group {}", size,
+                       shard_group);
   }
   if (shard_group > 1 && size / shard_group + shard_group > kMaxShardSubGroups) {
-    return fmt::format("world size {} is {} groups of optimizer.shard_group {}: more than the {} sub-groups a "
-                       "generation has (use a larger shard_group)", size, size / shard_group, shard_group,
-                       kMaxShardSubGroups);
+    return fmt::format(
+        "world size {} is {} groups of optimizer.shard_group {}: more than the {} sub-groups a "
+        "generation has (use a larger shard_group)",
+        size, size / shard_group, shard_group, kMaxShardSubGroups);
   }
   if (!p.allowed_sizes.empty()) {
     if (std::find(p.allowed_sizes.begin(), p.allowed_sizes.end(), size) == p.allowed_sizes.end()) {
-      return fmt::format("world size {} is not an allowed size (allowed: [{}])", size, fmt::join(p.allowed_sizes, ","));
+      return fmt::format("world size {} is not an allowed size (allowed: [{}])", size,
+                         fmt::join(p.allowed_sizes, ","));
     }
   } else if (p.increment > 1 && (size - p.min_world) % p.increment != 0) {
-    return fmt::format("world size {} is not the minimum {} plus a multiple of the increment {}", size, p.min_world,
-                       p.increment);
+    return fmt::format("world size {} is not the minimum {} plus a multiple of the increment {}",
+                       size, p.min_world, p.increment);
   }
   return "";
 }
@@ -348,7 +377,8 @@ std::vector<int> SourcesFor(const std::vector<int>& holders, size_t receiver_ind
   return out;
 }
 
-std::vector<ShardMove> PlanShardMoves(const std::vector<ShardHolding>& next, int64_t s_star, int shard_group) {
+std::vector<ShardMove> PlanShardMoves(const std::vector<ShardHolding>& next, int64_t s_star,
+                                      int shard_group) {
   // The initial state is the same everywhere (seeded parameters, zero
   // moments): before the first step every member holds every shard.
   if (shard_group <= 0 || s_star == -1) return {};
@@ -358,7 +388,9 @@ std::vector<ShardMove> PlanShardMoves(const std::vector<ShardHolding>& next, int
   // What a member holds of s*: a member behind it (a spare, a member one
   // step behind) gets the step's counters from the plan's transfers, not its
   // shard: it holds none of s*.
-  auto held = [&](size_t q) { return next[q].step == s_star ? next[q].held_shard : state::kNoShard; };
+  auto held = [&](size_t q) {
+    return next[q].step == s_star ? next[q].held_shard : state::kNoShard;
+  };
   // Holders by shard in one pass, those of every shard apart (a restart's
   // loaded checkpoint), merged in only for a shard that some member needs:
   // linear in the world, as the controller plans for 100,000 members.
@@ -369,8 +401,9 @@ std::vector<ShardMove> PlanShardMoves(const std::vector<ShardHolding>& next, int
     if (h == state::kEveryShard) every.push_back(q);
     if (h >= 0 && static_cast<size_t>(h) < g) holders[static_cast<size_t>(h)].push_back(q);
   }
-  std::vector<std::optional<std::vector<int>>> sources_of(g);  // by shard: its holders' worker ids, in rank order
-  std::vector<size_t> served(g, 0);                            // by shard: its receivers so far
+  // by shard: its holders' worker ids, in rank order
+  std::vector<std::optional<std::vector<int>>> sources_of(g);
+  std::vector<size_t> served(g, 0);  // by shard: its receivers so far
   std::vector<ShardMove> moves;
   for (size_t r = 0; r < next.size(); ++r) {
     const int need = layout->shard_of_rank[r];
@@ -378,7 +411,8 @@ std::vector<ShardMove> PlanShardMoves(const std::vector<ShardHolding>& next, int
     if (held(r) == need || held(r) == state::kEveryShard) continue;
     if (!sources_of[s]) {
       std::vector<size_t> ranks;
-      std::merge(holders[s].begin(), holders[s].end(), every.begin(), every.end(), std::back_inserter(ranks));
+      std::merge(holders[s].begin(), holders[s].end(), every.begin(), every.end(),
+                 std::back_inserter(ranks));
       std::vector<int>& ids = sources_of[s].emplace();
       for (size_t q : ranks) ids.push_back(next[q].worker_id);
     }
@@ -404,8 +438,10 @@ NextGeneration PlanNextGeneration(const PlanInput& view, const PlanPolicy& polic
     const size_t beyond = d.next.size() % static_cast<size_t>(view.shard_group);
     for (size_t c : ReleaseFromTheEnd(w, &d.next, beyond, d.holders, view.shard_group)) {
       d.released.push_back(c);
-      out.replacements.push_back(fmt::format("worker {} released (the world must be a multiple of "
-                                             "optimizer.shard_group {})", w.id(c), view.shard_group));
+      out.replacements.push_back(
+          fmt::format("worker {} released (the world must be a multiple of "
+                      "optimizer.shard_group {})",
+                      w.id(c), view.shard_group));
     }
   }
   out.holders = w.ids(d.holders);

@@ -60,11 +60,13 @@ struct PlanInput {
   // A member of the generation that ends.
   struct Member {
     int worker_id = -1;
-    std::string host;       // the host it runs on ("" : joined by hand)
-    bool alive = false;     // still a member (not lost during this recovery)
-    bool ready = false;     // answered the abort (Ready): `step` is what its state holds
-    int64_t step = -1;      // the step its state holds (-1: the initial state); meaningful when ready
-    int held_shard = -1;    // sharded state: the shard it holds (state::kEveryShard: every one; kNoShard: none)
+    std::string host;    // the host it runs on ("" : joined by hand)
+    bool alive = false;  // still a member (not lost during this recovery)
+    bool ready = false;  // answered the abort (Ready): `step` is what its state holds
+    // the step its state holds (-1: the initial state); meaningful when ready
+    int64_t step = -1;
+    // sharded state: the shard it holds (state::kEveryShard: every one; kNoShard: none)
+    int held_shard = -1;
   };
   // A spare that may be promoted (heard from lately, not stopped, on a
   // responsive host): the controller's Promotable.
@@ -74,12 +76,13 @@ struct PlanInput {
   };
   // A planned change of the world size, at a step boundary.
   struct Resize {
-    int to = 0;                          // the world size it asks for
-    std::map<int, std::string> release;  // members released by name (worker id → its host): leaving hosts
+    int to = 0;  // the world size it asks for
+    // members released by name (worker id → its host): leaving hosts
+    std::map<int, std::string> release;
   };
 
-  std::vector<Member> members;  // index = rank in the generation that ends
-  std::vector<Spare> spares;    // ascending worker ids
+  std::vector<Member> members;         // index = rank in the generation that ends
+  std::vector<Spare> spares;           // ascending worker ids
   std::set<std::string> failed_hosts;  // hosts of the members lost: their spares are picked last
   std::optional<Resize> resize;        // none: a recovery from a fault
   int shard_group = 0;                 // optimizer.shard_group (0 or 1: nothing is sharded)
@@ -93,17 +96,18 @@ struct PlanInput {
 // as planned and only check them (worker::ExchangeShards): this is the one
 // place that decides which shard goes where.
 struct ShardMove {
-  int receiver = -1;         // worker id
-  int shard = -1;            // the shard it ends holding: its rank mod G
-  std::vector<int> sources;  // worker ids of members of g+1 holding that shard of s* (the chunks are
-                             // striped over them in this order); empty: no member holds it
+  int receiver = -1;  // worker id
+  int shard = -1;     // the shard it ends holding: its rank mod G
+  // worker ids of members of g+1 holding that shard of s* (the chunks are
+  std::vector<int> sources;
+  // striped over them in this order); empty: no member holds it
 };
 
 // What one member of g+1 holds before the shard moves, as the controller
 // knows it from its join or its Ready.
 struct ShardHolding {
   int worker_id = -1;
-  int64_t step = -1;                // the step its state holds (a spare: -1)
+  int64_t step = -1;                 // the step its state holds (a spare: -1)
   int held_shard = state::kNoShard;  // the shard of it (state::kEveryShard: every one)
 };
 
@@ -118,34 +122,44 @@ struct ShardHolding {
 // kMaxSourcesPerReceiver, that many of them, rotating over the receivers of
 // the shard (SourcesFor). A world that is not whole groups gets no moves:
 // the workers refuse it (state::LayoutOf names the fix).
-std::vector<ShardMove> PlanShardMoves(const std::vector<ShardHolding>& next, int64_t s_star, int shard_group);
+std::vector<ShardMove> PlanShardMoves(const std::vector<ShardHolding>& next, int64_t s_star,
+                                      int shard_group);
 
 // The decision, by value.
 struct NextGeneration {
   enum class Verdict {
-    kPlan,      // form generation g+1 from `members`
-    kRestart,   // no live worker holds the state: restart every worker from the durable checkpoint (`why`)
-    kFail,      // no live worker holds it and there is no checkpoint: the recovery fails, the job ends (`why`)
-    kNoneLeft,  // no worker is left to form a generation: the job ends (`why`); the fields below are set
+    kPlan,  // form generation g+1 from `members`
+    // no live worker holds the state: restart every worker from the durable checkpoint (`why`)
+    kRestart,
+    // no live worker holds it and there is no checkpoint: the recovery fails, the job ends (`why`)
+    kFail,
+    // no worker is left to form a generation: the job ends (`why`); the fields below are set
+    kNoneLeft,
   };
   // A receiver and the holders it copies the state from.
   struct Transfer {
-    int receiver = -1;          // worker id
-    std::vector<int> sources;   // worker ids: holders, at most kMaxSourcesPerReceiver
-    int64_t had_step = -1;      // the step its state holds (-1: the initial state, a spare)
+    int receiver = -1;         // worker id
+    std::vector<int> sources;  // worker ids: holders, at most kMaxSourcesPerReceiver
+    int64_t had_step = -1;     // the step its state holds (-1: the initial state, a spare)
   };
 
   Verdict verdict = Verdict::kPlan;
-  std::string why;                // kRestart: the reason; kFail, kNoneLeft: the message the job ends with
-  std::vector<int> lost_shards;   // sharded state: shards no holder holds, ascending (journaled shard_lost)
-  int64_t s_star = -1;            // the highest step a survivor holds; g+1 resumes at s_star + 1
-  std::vector<int> holders;       // worker ids: the state sources, consecutive ones on different hosts
+  // kRestart: the reason; kFail, kNoneLeft: the message the job ends with
+  std::string why;
+  // sharded state: shards no holder holds, ascending (journaled shard_lost)
+  std::vector<int> lost_shards;
+  int64_t s_star = -1;  // the highest step a survivor holds; g+1 resumes at s_star + 1
+  // worker ids: the state sources, consecutive ones on different hosts
+  std::vector<int> holders;
   std::vector<int> members;       // worker ids, index = rank in g+1
   std::vector<int64_t> had_step;  // index = rank in g+1: the step its state holds (-1: a spare)
-  std::vector<int> released;      // worker ids that leave (a shrink, leaving hosts, whole groups), in order
-  std::vector<std::string> replacements;  // lines for the recovery record, "rank 2: worker 2 → spare worker 5"
-  std::vector<Transfer> transfers;        // in rank order of the receivers
-  std::vector<ShardMove> shard_moves;     // sharded state: in rank order of the receivers (PlanShardMoves)
+  // worker ids that leave (a shrink, leaving hosts, whole groups), in order
+  std::vector<int> released;
+  // lines for the recovery record, "rank 2: worker 2 → spare worker 5"
+  std::vector<std::string> replacements;
+  std::vector<Transfer> transfers;  // in rank order of the receivers
+  // sharded state: in rank order of the receivers (PlanShardMoves)
+  std::vector<ShardMove> shard_moves;
   // The members of leaving hosts stay (the world without them is not
   // allowed, or only they hold some state): the line to print, and the hosts
   // whose leave is refused for good (marked leave_refused) when it could only repeat.

@@ -27,7 +27,8 @@ void ProgressLine::Observe(const nlohmann::json& r) {
   if (event == "step") {
     step_ = static_cast<int64_t>(number("step", static_cast<double>(step_)));
     total_ = static_cast<int64_t>(number("total_steps", static_cast<double>(total_)));
-    loss_ = number("loss", std::numeric_limits<double>::quiet_NaN());  // a NaN loss is journaled as null
+    // a NaN loss is journaled as null
+    loss_ = number("loss", std::numeric_limits<double>::quiet_NaN());
     tokens_per_second_ = number("tokens_per_second", tokens_per_second_);
     double secs = number("step_seconds", 0);
     if (secs > 0) {
@@ -36,7 +37,8 @@ void ProgressLine::Observe(const nlohmann::json& r) {
     }
     world_ = static_cast<int>(number("world_size", world_));
   } else if (event == "plan") {
-    if (r.contains("members") && r["members"].is_array()) world_ = static_cast<int>(r["members"].size());
+    if (r.contains("members") && r["members"].is_array())
+      world_ = static_cast<int>(r["members"].size());
     spares_ = static_cast<int>(number("spares", spares_));
   } else if (event == "join") {
     if (r.value("spare", false) && spares_ >= 0) ++spares_;
@@ -57,14 +59,17 @@ void ProgressLine::Observe(const nlohmann::json& r) {
 std::string ProgressLine::Text() {
   changed_ = false;
   if (step_ < 0) return "starting…";
-  std::string text = total_ > 0 ? fmt::format("step {}/{} ({:.0f}%)", step_ + 1, total_, 100.0 * (step_ + 1) / total_)
+  std::string text = total_ > 0 ? fmt::format("step {}/{} ({:.0f}%)", step_ + 1, total_,
+                                              100.0 * (step_ + 1) / total_)
                                 : fmt::format("step {}", step_ + 1);
   text += fmt::format(" | loss {:.4f}", loss_);
   if (tokens_per_second_ > 0) text += fmt::format(" | {:.0f} tok/s", tokens_per_second_);
   if (total_ > 0 && !recent_seconds_.empty() && !ended_) {
     std::vector<double> v(recent_seconds_.begin(), recent_seconds_.end());
     std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-    text += " | ETA " + ShortDuration(static_cast<double>(std::max<int64_t>(0, total_ - step_ - 1)) * v[v.size() / 2]);
+    text +=
+        " | ETA " + ShortDuration(static_cast<double>(std::max<int64_t>(0, total_ - step_ - 1)) *
+                                  v[v.size() / 2]);
   }
   text += fmt::format(" | world {}", world_);
   if (spares_ >= 0) text += fmt::format(" | spares {}", spares_);

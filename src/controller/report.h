@@ -31,7 +31,8 @@ std::vector<std::string> ReportLines(const std::vector<RecoveryRecord>& recoveri
 // Journal records written in more than one place.
 // A spare that went (every one is journaled: the spare counts drawn from the
 // journal — dashboard, report — stay right).
-nlohmann::json SpareLostRecord(const WorkerInfo& w, const std::string& kind, const std::string& detail);
+nlohmann::json SpareLostRecord(const WorkerInfo& w, const std::string& kind,
+                               const std::string& detail);
 nlohmann::json JoinRefusedRecord(int worker_id, const std::string& why);
 
 // What /status shows, by reference.

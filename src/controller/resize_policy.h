@@ -31,7 +31,8 @@ PlanPolicy SizePolicy(const ScalePolicy& policy, int initial_world);
 // When the world last changed size, and the grow gather in progress.
 struct ResizeHistory {
   std::optional<Clock::time_point> last_change_at;
-  std::deque<Clock::time_point> change_times;            // every change (the back-off counts recent ones)
+  // every change (the back-off counts recent ones)
+  std::deque<Clock::time_point> change_times;
   std::optional<Clock::time_point> grow_waiting_since;  // capacity is gathering for a grow
   void Changed(Clock::time_point now) {
     last_change_at = now;
@@ -41,10 +42,12 @@ struct ResizeHistory {
 
 // The stable period: more than backoff_changes changes within backoff_window
 // double it for each extra change (up to 8×).
-Millis EffectiveStablePeriod(const ScalePolicy& policy, const ResizeHistory& history, Clock::time_point now);
+Millis EffectiveStablePeriod(const ScalePolicy& policy, const ResizeHistory& history,
+                             Clock::time_point now);
 
 // The policy as /status and a refusal show it.
-nlohmann::json ScalePolicyJson(const ScalePolicy& policy, int initial_world, Millis effective_stable_period);
+nlohmann::json ScalePolicyJson(const ScalePolicy& policy, int initial_world,
+                               Millis effective_stable_period);
 
 // ---- scale requests ({"world_size": N}, {"release": N} or {"grow": N})
 
@@ -60,8 +63,9 @@ struct ScaleDecision {
   std::string error;
   int target = -1;  // accepted: the world size asked for
 };
-ScaleDecision DecideScaleRequest(const nlohmann::json& body, const ScaleView& view, const ScalePolicy& policy,
-                                 const ResizeHistory& history, Clock::time_point now);
+ScaleDecision DecideScaleRequest(const nlohmann::json& body, const ScaleView& view,
+                                 const ScalePolicy& policy, const ResizeHistory& history,
+                                 Clock::time_point now);
 
 // ---- growing into spares
 
@@ -77,21 +81,22 @@ struct GrowView {
   Millis grow_gather{0};
 };
 struct GrowDecision {
-  int to = 0;                 // > 0: grow to this size now, for `trigger`
+  int to = 0;  // > 0: grow to this size now, for `trigger`
   std::string trigger;
   // The grow gather after the decision (history.grow_waiting_since).
   std::optional<Clock::time_point> gather_since;
 };
 // Capacity often arrives a worker at a time: a grow short of the target waits
 // grow_gather for the rest, so that one change (one pause) takes the job there.
-GrowDecision DecideGrow(const GrowView& view, const ScalePolicy& policy, const ResizeHistory& history,
-                        Clock::time_point now);
+GrowDecision DecideGrow(const GrowView& view, const ScalePolicy& policy,
+                        const ResizeHistory& history, Clock::time_point now);
 
 // ---- hosts that leave
 
 // The smallest world the policy allows from the `world - leaving` members
 // that stay, with up to `spares` spares elsewhere taking released ranks where
 // it must be larger; -1 when there is none up to `world`.
-int WorldWithoutLeaving(int world, int leaving, int spares, const PlanPolicy& policy, int shard_group);
+int WorldWithoutLeaving(int world, int leaving, int spares, const PlanPolicy& policy,
+                        int shard_group);
 
 }  // namespace nonstop::controller

@@ -16,7 +16,8 @@ using nlohmann::json;
 const Clock::time_point kT0 = Clock::time_point() + std::chrono::hours(1);
 Clock::time_point At(int64_t ms) { return kT0 + Millis(ms); }
 
-ScalePolicy Policy(int min_world, int max_world, Millis stable = Millis(0), std::vector<int> allowed = {}) {
+ScalePolicy Policy(int min_world, int max_world, Millis stable = Millis(0),
+                   std::vector<int> allowed = {}) {
   ScalePolicy p;
   p.min_world = min_world;
   p.max_world = max_world;
@@ -68,9 +69,10 @@ TEST(ResizePolicyTest, TheStablePeriodBacksOffWhenChangesComeTooOften) {
 
 TEST(ResizePolicyTest, PolicyJsonShowsTheResolvedMaximumAndTheEffectivePeriod) {
   json j = ScalePolicyJson(Policy(2, 0, Millis(500), {2, 4}), 4, Millis(2'000));
-  EXPECT_EQ(j.dump(),
-            R"({"allowed_sizes":[2,4],"backoff_changes":3,"backoff_window_ms":60000,"effective_stable_period_ms":2000,)"
-            R"("increment":1,"max_world":4,"min_world":2,"stable_period_ms":500})");
+  EXPECT_EQ(
+      j.dump(),
+      R"({"allowed_sizes":[2,4],"backoff_changes":3,"backoff_window_ms":60000,"effective_stable_period_ms":2000,)"
+      R"("increment":1,"max_world":4,"min_world":2,"stable_period_ms":500})");
 }
 
 TEST(ResizePolicyTest, ScaleRequests) {
@@ -98,13 +100,22 @@ TEST(ResizePolicyTest, ScaleRequests) {
       {.name = "SameSizeIsAccepted", .body = {{"world_size", 4}}, .want_target = 4},
       {.name = "NotAnObject", .body = json::array({1}), .want_status = 400, .want_error = kShape},
       {.name = "UnknownKey", .body = {{"size", 3}}, .want_status = 400, .want_error = kShape},
-      {.name = "TwoKeys", .body = {{"world_size", 3}, {"grow", 1}}, .want_status = 400, .want_error = kOne},
-      {.name = "NotAnInteger", .body = {{"world_size", "3"}}, .want_status = 400, .want_error = kOne},
+      {.name = "TwoKeys",
+       .body = {{"world_size", 3}, {"grow", 1}},
+       .want_status = 400,
+       .want_error = kOne},
+      {.name = "NotAnInteger",
+       .body = {{"world_size", "3"}},
+       .want_status = 400,
+       .want_error = kOne},
       {.name = "Zero", .body = {{"grow", 0}}, .want_status = 400, .want_error = kOne},
       {.name = "Negative", .body = {{"release", -1}}, .want_status = 400, .want_error = kOne},
       // Bounded before any arithmetic: no overflow.
       {.name = "HugeGrow", .body = {{"grow", 2147483647}}, .want_status = 400, .want_error = kOne},
-      {.name = "HugeUnsigned", .body = {{"world_size", uint64_t{1} << 63}}, .want_status = 400, .want_error = kOne},
+      {.name = "HugeUnsigned",
+       .body = {{"world_size", uint64_t{1} << 63}},
+       .want_status = 400,
+       .want_error = kOne},
       {.name = "WhileForming",
        .body = {{"world_size", 6}},
        .phase = JobPhase::kForming,
@@ -142,9 +153,13 @@ TEST(ResizePolicyTest, ScaleRequests) {
        .body = {{"world_size", 6}},
        .changes_ms = {-9'000, -7'000, -5'000, -3'000, -1'500},
        .want_status = 429,
-       .want_error = "too soon: the last change was 1.5 s ago and the stable period is 4.0 s (backed off: changes "
+       .want_error = "too soon: the last change was 1.5 s ago and the stable period is 4.0 s "
+                     "(backed off: changes "
                      "came too often)"},
-      {.name = "AfterTheStablePeriod", .body = {{"world_size", 6}}, .changes_ms = {-1'000}, .want_target = 6},
+      {.name = "AfterTheStablePeriod",
+       .body = {{"world_size", 6}},
+       .changes_ms = {-1'000},
+       .want_target = 6},
   };
   const ScalePolicy policy = Policy(2, 8, Millis(1'000));
   for (const Case& c : kCases) {
@@ -187,7 +202,10 @@ TEST(ResizePolicyTest, GrowingIntoSpares) {
       {.name = "AfterTheStablePeriod", .changes_ms = {-1'000}, .want_to = 6},
       // Short of the target: the gather starts now and waits.
       {.name = "ShortStartsTheGather", .spares = 1, .want_gather_since_ms = 0},
-      {.name = "ShortStillGathering", .spares = 1, .gathering_since_ms = -2'999, .want_gather_since_ms = -2'999},
+      {.name = "ShortStillGathering",
+       .spares = 1,
+       .gathering_since_ms = -2'999,
+       .want_gather_since_ms = -2'999},
       {.name = "ShortGatherOver", .spares = 1, .gathering_since_ms = -3'000, .want_to = 5},
       // The largest allowed size within reach: 5 is not allowed, 4 is the world already.
       {.name = "NoAllowedSizeWithinReach",
@@ -221,7 +239,9 @@ TEST(ResizePolicyTest, GrowingIntoSpares) {
     v.grow_gather = Millis(3'000);
     GrowDecision d = DecideGrow(v, policy, history, At(0));
     EXPECT_EQ(d.to, c.want_to) << c.name;
-    EXPECT_EQ(d.trigger, c.want_to > 0 ? "grow: " + std::to_string(c.spares) + " spare worker(s) available" : "")
+    EXPECT_EQ(d.trigger, c.want_to > 0
+                             ? "grow: " + std::to_string(c.spares) + " spare worker(s) available"
+                             : "")
         << c.name;
     EXPECT_EQ(d.gather_since.has_value(), c.want_gather_since_ms.has_value()) << c.name;
     if (d.gather_since && c.want_gather_since_ms) {
@@ -253,7 +273,8 @@ TEST(ResizePolicyTest, TheWorldWithoutLeavingHosts) {
       {"EveryMemberLeavesASpareTakesOver", 2, 2, 1, any, 0, 1},
   };
   for (const Case& c : kCases) {
-    EXPECT_EQ(WorldWithoutLeaving(c.world, c.leaving, c.spares, c.policy, c.shard_group), c.want) << c.name;
+    EXPECT_EQ(WorldWithoutLeaving(c.world, c.leaving, c.spares, c.policy, c.shard_group), c.want)
+        << c.name;
   }
 }
 

@@ -2,9 +2,9 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
-#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -22,7 +22,6 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
-#include "nonstop/settings.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
 #include "control/fault_spec.h"
@@ -34,6 +33,7 @@
 #include "controller/takeover.h"
 #include "launcher/output_writer.h"
 #include "net/event_loop.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::controller {
 
@@ -75,7 +75,6 @@ Status WritePrivateFile(const std::string& path, const std::string& text) {
   }
   return OkStatus();
 }
-
 
 // The runtime of one controller process: the Controller core, the I/O that
 // feeds it events, and one handler per Action type (Do). One thread drives
@@ -142,11 +141,13 @@ class Runtime {
   // Each agent learns which ranks its workers hold, to label their output:
   // every agent with each new plan (`only_host` empty), an agent that
   // (re)joins at once. Only labels: sent as they are decided.
-  void SendRanksToAgents(uint32_t generation, const std::vector<int>& members, const std::string& only_host);
+  void SendRanksToAgents(uint32_t generation, const std::vector<int>& members,
+                         const std::string& only_host);
 
   RuntimeOptions o_;
   const std::string& name_;
-  coord::Leadership* const leadership_;  // not owned; outlives the runtime (RuntimeOptions::leadership)
+  // not owned; outlives the runtime (RuntimeOptions::leadership)
+  coord::Leadership* const leadership_;
   std::optional<JournalTakeover> takeover_;
   std::vector<nlohmann::json> history_;  // the records of the job so far (a takeover's)
   std::unique_ptr<Journal> journal_;
@@ -164,7 +165,7 @@ class Runtime {
   // output that does not keep up loses lines (counted), never stalls the job.
   // Log lines too (control-port refusals, lost workers): never a blocking write from the loop.
   std::optional<launcher::BoundedStdio> own_stdio_;  // unless the options name one (o_.stdio)
-  launcher::OutputWriter* out_ = nullptr;  // o_.stdio's or own_stdio_'s stdout
+  launcher::OutputWriter* out_ = nullptr;            // o_.stdio's or own_stdio_'s stdout
   // With a progress line (a terminal), every line of ours clears it first and
   // it is drawn again under the line: the terminal keeps one live line at the bottom.
   std::string shown_progress_;
@@ -221,7 +222,8 @@ std::optional<int> Runtime::ReadHistory() {
 std::optional<int> Runtime::ReadEtcdHistory() {
   auto records = leadership_->ReadJournal();
   if (!records.ok()) {
-    fmt::print(stderr, "{}: reading the job's journal from etcd: {}\n", name_, records.status().ToString());
+    fmt::print(stderr, "{}: reading the job's journal from etcd: {}\n", name_,
+               records.status().ToString());
     // Transient errors are retried inside ReadJournal until the lease is lost: then stand by again.
     return leadership_->deposed() ? kExitDeposed : 1;
   }
@@ -229,17 +231,24 @@ std::optional<int> Runtime::ReadEtcdHistory() {
   for (const auto& r : history_) {
     if (!r.contains("event") || r["event"] != "job_end") continue;
     // A standby that wins after the job ended: nothing to lead.
-    int code = r.contains("exit_code") && r["exit_code"].is_number_integer() ? r["exit_code"].get<int>() : 1;
-    if (code == kExitDeposed || code < 0 || code > 255) code = 1;  // never read as "deposed: campaign again"
-    fmt::print("{}: the job already ended (exit code {}): {}\n", name_, code,
-               r.contains("reason") && r["reason"].is_string() ? r["reason"].get<std::string>() : "");
+    int code = r.contains("exit_code") && r["exit_code"].is_number_integer()
+                   ? r["exit_code"].get<int>()
+                   : 1;
+    // never read as "deposed: campaign again"
+    if (code == kExitDeposed || code < 0 || code > 255) code = 1;
+    fmt::print(
+        "{}: the job already ended (exit code {}): {}\n", name_, code,
+        r.contains("reason") && r["reason"].is_string() ? r["reason"].get<std::string>() : "");
     leadership_->Resign();
     return code;
   }
   if (!history_.empty() && o_.token.empty()) {
     // Workers and agents hold the job's token: a leader with another would refuse them all.
-    fmt::print(stderr, "{}: cannot take over the running job: its token file {} is not here (this controller "
-               "needs the file the first one wrote, e.g. on a shared filesystem)\n", name_, o_.token_file);
+    fmt::print(
+        stderr,
+        "{}: cannot take over the running job: its token file {} is not here (this controller "
+        "needs the file the first one wrote, e.g. on a shared filesystem)\n",
+        name_, o_.token_file);
     leadership_->Resign();
     return 1;
   }
@@ -258,8 +267,9 @@ std::optional<int> Runtime::ReadResumedJournal() {
   bool torn = false;
   auto records = Journal::Read(o_.resume, &torn);
   if (records.ok() && torn) {
-    NONSTOP_LOG_WARNING("--resume {}: its last line was torn (the controller died while writing it); left out",
-                        o_.resume);
+    NONSTOP_LOG_WARNING(
+        "--resume {}: its last line was torn (the controller died while writing it); left out",
+        o_.resume);
   }
   if (!records.ok()) {
     fmt::print(stderr, "{}: --resume {}: {}\n", name_, o_.resume, records.status().ToString());
@@ -275,7 +285,9 @@ std::optional<int> Runtime::ReadResumedJournal() {
   if (o_.listen.port == 0) {
     auto where = net::ParseHostPort(takeover_->controller);
     if (!where.ok()) {
-      fmt::print(stderr, "{}: --resume {}: the journal's controller address '{}' is not usable ({}); pass --listen\n",
+      fmt::print(stderr,
+                 "{}: --resume {}: the journal's controller address '{}' is not usable ({}); pass "
+                 "--listen\n",
                  name_, o_.resume, takeover_->controller, where.status().message());
       return kExitUsage;
     }
@@ -294,7 +306,8 @@ std::optional<int> Runtime::OpenJournal() {
   if (leadership_ != nullptr) {
     // The local journal is the whole job's: its predecessors' records first, as etcd holds them.
     for (const auto& r : history_) journal_->Copy(r);
-    journal_->set_mirror([leadership = leadership_](const nlohmann::json& r) { leadership->Append(r); });
+    journal_->set_mirror(
+        [leadership = leadership_](const nlohmann::json& r) { leadership->Append(r); });
   }
   return std::nullopt;
 }
@@ -306,9 +319,11 @@ int64_t Runtime::Epoch() const {
   if (leadership_ != nullptr) return leadership_->epoch();
   int64_t epoch = 1;
   for (const auto& r : history_) {
-    if (!r.contains("event") || (r["event"] != "job_start" && r["event"] != "controller_start")) continue;
+    if (!r.contains("event") || (r["event"] != "job_start" && r["event"] != "controller_start"))
+      continue;
     // Records from before epochs were journaled count as epoch 1.
-    int64_t e = r.contains("epoch") && r["epoch"].is_number_integer() ? r["epoch"].get<int64_t>() : 1;
+    int64_t e =
+        r.contains("epoch") && r["epoch"].is_number_integer() ? r["epoch"].get<int64_t>() : 1;
     epoch = std::max(epoch, e + 1);
   }
   return epoch;
@@ -319,7 +334,8 @@ std::optional<int> Runtime::StartServers() {
   ControlServerOptions server_options;
   server_options.epoch = epoch_;
   auto server = ControlServer::Create(
-      &loop_, o_.listen, token_, [this](Event e) { events_.push_back(std::move(e)); }, server_options);
+      &loop_, o_.listen, token_, [this](Event e) { events_.push_back(std::move(e)); },
+      server_options);
   if (!server.ok()) {
     fmt::print(stderr, "{}: cannot start the controller: {}\n", name_, server.status().ToString());
     return 1;
@@ -327,10 +343,13 @@ std::optional<int> Runtime::StartServers() {
   server_ = std::move(*server);
   controller_address_ = server_->address().ToString();
   if (!o_.advertise_address.empty()) {
-    controller_address_ = net::FormatHostPort(o_.advertise_address, server_->address().port);  // [v6]:port
+    // [v6]:port
+    controller_address_ = net::FormatHostPort(o_.advertise_address, server_->address().port);
   } else if (net::IsWildcardHost(server_->address().host)) {
-    fmt::print(stderr, "{}: listening on {} needs --advertise-address: the address agents and workers dial\n", name_,
-               server_->address().ToString());
+    fmt::print(
+        stderr,
+        "{}: listening on {} needs --advertise-address: the address agents and workers dial\n",
+        name_, server_->address().ToString());
     return kExitUsage;
   }
   auto http = HttpApi::Start(o_.http_host, o_.http_port, journal_->path(), token_);
@@ -347,9 +366,11 @@ std::optional<int> Runtime::StartServers() {
   });
   if (leadership_ != nullptr) {
     // Workers and agents look the leader up in etcd: from now on they find this one.
-    Status s = leadership_->Publish({{"controller", controller_address_}, {"http", http_->address()}});
+    Status s =
+        leadership_->Publish({{"controller", controller_address_}, {"http", http_->address()}});
     if (!s.ok()) {
-      fmt::print(stderr, "{}: publishing this controller's address in etcd: {}\n", name_, s.ToString());
+      fmt::print(stderr, "{}: publishing this controller's address in etcd: {}\n", name_,
+                 s.ToString());
       return leadership_->deposed() ? kExitDeposed : 1;
     }
   }
@@ -358,8 +379,11 @@ std::optional<int> Runtime::StartServers() {
 
 std::optional<int> Runtime::WriteJobFiles() {
   // The job file: how `nonstop status`, `nonstop scale` and `nonstop worker` find this job.
-  nlohmann::json job = {{"controller", controller_address_}, {"http", http_->address()},
-                        {"token", token_}, {"journal", journal_->path()}, {"pid", ::getpid()},
+  nlohmann::json job = {{"controller", controller_address_},
+                        {"http", http_->address()},
+                        {"token", token_},
+                        {"journal", journal_->path()},
+                        {"pid", ::getpid()},
                         {"env", nlohmann::json::object()}};
   if (!o_.checkpoint_dir.empty()) {
     job["env"] = {{settings::kTrainCheckpointDir.env, o_.checkpoint_dir},
@@ -380,21 +404,24 @@ std::optional<int> Runtime::WriteJobFiles() {
 void Runtime::PrintBanner() {
   fmt::print("{}\n", name_);
   fmt::print("  {:<20} {}{}\n", "controller", server_->address().ToString(),
-             controller_address_ != server_->address().ToString() ? " (advertised as " + controller_address_ + ")"
-                                                                  : "");
+             controller_address_ != server_->address().ToString()
+                 ? " (advertised as " + controller_address_ + ")"
+                 : "");
   fmt::print("  {:<20} {}\n", "http", http_->address());
-  // The token rides in the fragment, which the browser never sends: the page reads it for GET /events.
-  // Only a terminal sees it: a log file or CI output does not get the job's token.
+  // The token rides in the fragment, which the browser never sends: the page reads it for GET
+  // /events. Only a terminal sees it: a log file or CI output does not get the job's token.
   if (::isatty(STDOUT_FILENO)) {
     fmt::print("  {:<20} http://{}/#token={}\n", "dashboard", http_->address(), token_);
   } else {
-    fmt::print("  {:<20} http://{}/ (add #token=<the token in {}>)\n", "dashboard", http_->address(),
-               JobFileFor(journal_->path()));
+    fmt::print("  {:<20} http://{}/ (add #token=<the token in {}>)\n", "dashboard",
+               http_->address(), JobFileFor(journal_->path()));
   }
   if (o_.core.world_size == 0) {  // no world asked for: the hosts' nproc say it
     fmt::print("  {:<20} {}{}\n", "hosts", o_.core.min_hosts,
                o_.core.max_hosts > 0 ? fmt::format(" to {}", o_.core.max_hosts) : " or more");
-  } else {  // the world asked for (nonstop run --nproc, --spares: its agent, the job's one host, brings them)
+    // the world asked for (nonstop run --nproc, --spares: its agent, the job's one host, brings
+    // them)
+  } else {
     fmt::print("  {:<20} {}\n", "workers", o_.core.world_size);
     fmt::print("  {:<20} {}\n", "spares", o_.core.spares);
   }
@@ -407,20 +434,24 @@ void Runtime::PrintBanner() {
              o_.checkpoint_dir.empty()
                  ? std::string("none")
                  : fmt::format("{} (every {})", o_.checkpoint_dir,
-                               o_.checkpoint_every > 0 ? std::to_string(o_.checkpoint_every) + " steps"
-                                                       : fmt::format("Young/Daly, MTBF {} s", o_.mtbf_seconds)));
+                               o_.checkpoint_every > 0
+                                   ? std::to_string(o_.checkpoint_every) + " steps"
+                                   : fmt::format("Young/Daly, MTBF {} s", o_.mtbf_seconds)));
   std::string fault_text;
-  for (const auto& f : o_.core.faults) fault_text += (fault_text.empty() ? "" : "; ") + control::FormatFault(f);
+  for (const auto& f : o_.core.faults)
+    fault_text += (fault_text.empty() ? "" : "; ") + control::FormatFault(f);
   fmt::print("  {:<20} {}\n", "injected faults", fault_text.empty() ? "none" : fault_text);
   fmt::print("  {:<20} {}{}\n", "journal", journal_->path(),
-             journal_->rotated_to().empty() ? "" : " (the previous one was kept as " + journal_->rotated_to() + ")");
+             journal_->rotated_to().empty()
+                 ? ""
+                 : " (the previous one was kept as " + journal_->rotated_to() + ")");
   std::fflush(stdout);
 }
 
 void Runtime::JournalStart() {
-  nlohmann::json start = {{"event", "job_start"}, {"world_size", o_.core.world_size}, {"spares", o_.core.spares},
-                          {"controller", controller_address_}, {"http", http_->address()},
-                          {"policy", core_.PolicyJson()}};
+  nlohmann::json start = {{"event", "job_start"},     {"world_size", o_.core.world_size},
+                          {"spares", o_.core.spares}, {"controller", controller_address_},
+                          {"http", http_->address()}, {"policy", core_.PolicyJson()}};
   start["min_hosts"] = o_.core.min_hosts;
   if (takeover_) {
     // The journal goes on: this controller's start is not the job's.
@@ -469,7 +500,8 @@ int Runtime::Run() {
       RunPending();
     });
   }
-  if (takeover_) Handle(Takeover{std::move(takeover_->state)});  // before any worker or agent is heard
+  // before any worker or agent is heard
+  if (takeover_) Handle(Takeover{std::move(takeover_->state)});
   while (true) {
     if (auto code = Turn()) return *code;
     if (ended_ && (server_->agents().empty() || Clock::now() >= agents_gone_by_)) break;
@@ -487,15 +519,18 @@ std::optional<int> Runtime::Turn() {
     // there): step down at once. Workers and agents find the new leader
     // through etcd; nothing of ours is killed, the job is the new leader's.
     std::string why = leadership_->why_not_leading();
-    return StepDown({{"event", "deposed"}, {"reason", why}},
-                    fmt::format("this controller (epoch {}) no longer leads: {}; the job goes on under the next "
-                                "leader",
-                                epoch_, why),
-                    kExitDeposed);
+    return StepDown(
+        {{"event", "deposed"}, {"reason", why}},
+        fmt::format(
+            "this controller (epoch {}) no longer leads: {}; the job goes on under the next "
+            "leader",
+            epoch_, why),
+        kExitDeposed);
   }
   if (leadership_ != nullptr && !leadership_->Valid()) {
     if (leaderless_warn_at_ == kNoDeadline || Clock::now() >= leaderless_warn_at_) {
-      Print(fmt::format("[nonstop] orders wait: {}; training goes on\n", leadership_->why_not_leading()));
+      Print(fmt::format("[nonstop] orders wait: {}; training goes on\n",
+                        leadership_->why_not_leading()));
       leaderless_warn_at_ = DeadlineAfter(Millis(5'000));
     }
   } else {
@@ -506,11 +541,13 @@ std::optional<int> Runtime::Turn() {
     // A controller host going down for maintenance (systemd, Slurm, Kubernetes send SIGTERM): the
     // job is not over. Give the lease back at once so a standby leads within its poll, not a TTL.
     leadership_->Resign();
-    return StepDown({{"event", "handover"}},
-                    fmt::format("SIGTERM: this controller (epoch {}) hands the job over to a standby; it goes on "
-                                "(SIGINT ends the job)",
-                                epoch_),
-                    kExitInterrupted);
+    return StepDown(
+        {{"event", "handover"}},
+        fmt::format(
+            "SIGTERM: this controller (epoch {}) hands the job over to a standby; it goes on "
+            "(SIGINT ends the job)",
+            epoch_),
+        kExitInterrupted);
   }
   if (interrupted_ && !ended_) {
     interrupted_ = false;
@@ -519,7 +556,8 @@ std::optional<int> Runtime::Turn() {
   }
   if (Clock::now() >= next_tick_) Tick();
   if (Clock::now() >= next_ping_) Ping();
-  RunPending();  // flushes the journal once per turn (what happened is on disk within ≤ 20 ms), then acts
+  // flushes the journal once per turn (what happened is on disk within ≤ 20 ms), then acts
+  RunPending();
   return std::nullopt;
 }
 
@@ -532,7 +570,8 @@ void Runtime::Tick() {
   if (o_.progress_line && progress_.changed() && Clock::now() >= next_progress_) {
     shown_progress_ = progress_.Text();
     winsize ws{};
-    if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 8 && shown_progress_.size() >= ws.ws_col) {
+    if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 8 &&
+        shown_progress_.size() >= ws.ws_col) {
       shown_progress_.resize(ws.ws_col - 1);  // a wrapped line could not be redrawn in place
     }
     out_->Write("\r\x1b[K" + shown_progress_);
@@ -582,7 +621,9 @@ void Runtime::RunPending() {
   }
   if (leadership_ != nullptr) leadership_->Flush();
   while (!pending_.empty()) {
-    if (leadership_ != nullptr && (pending_.front().after > leadership_->durable() || !leadership_->Valid())) break;
+    if (leadership_ != nullptr &&
+        (pending_.front().after > leadership_->durable() || !leadership_->Valid()))
+      break;
     Action a = std::move(pending_.front().action);
     pending_.pop_front();
     Execute(a);
@@ -631,11 +672,14 @@ int Runtime::Finish() {
     // (a standby that wins then reads it and leaves instead of taking over).
     leadership_->Flush();
     Deadline give_up = DeadlineAfter(Millis(5'000));
-    while (leadership_->durable() < leadership_->appended() && Clock::now() < give_up && !leadership_->deposed()) {
+    while (leadership_->durable() < leadership_->appended() && Clock::now() < give_up &&
+           !leadership_->deposed()) {
       std::this_thread::sleep_for(Millis(10));
     }
     if (leadership_->durable() < leadership_->appended()) {
-      out_->Write("[nonstop] the job's end could not be written to etcd: a standby may take over and find no one\n");
+      out_->Write(
+          "[nonstop] the job's end could not be written to etcd: a standby may take over and find "
+          "no one\n");
     }
     leadership_->Resign();
   }
@@ -645,7 +689,8 @@ int Runtime::Finish() {
     Print("");
     shown_progress_.clear();
   }
-  out_->Write(fmt::format("[nonstop] job {}: {}\n", code == 0 ? "finished" : "FAILED", ended_->reason));
+  out_->Write(
+      fmt::format("[nonstop] job {}: {}\n", code == 0 ? "finished" : "FAILED", ended_->reason));
   out_->Write(fmt::format("[nonstop] journal: {}\n", journal_->path()));
   return code;
 }
@@ -668,12 +713,15 @@ void Runtime::Do(const SendPlan& a) {
     encoded_plan_ = a.plan;
     std::vector<int> members;
     for (const auto& m : a.plan->members) members.push_back(m.worker_id);
-    SendRanksToAgents(a.plan->generation, members, "");  // sent before the plan: lines show the rank
+    // sent before the plan: lines show the rank
+    SendRanksToAgents(a.plan->generation, members, "");
   }
   server_->Send(a.worker_id, control::kMsgPlan, encoded_plan_payload_);
 }
 
-void Runtime::Do(const SendShutdown& a) { server_->Send(a.worker_id, control::kMsgShutdown, control::Encode(a.msg)); }
+void Runtime::Do(const SendShutdown& a) {
+  server_->Send(a.worker_id, control::kMsgShutdown, control::Encode(a.msg));
+}
 
 void Runtime::Do(const SendAbort& a) {
   if (a.msg != encoded_abort_) {
@@ -683,7 +731,9 @@ void Runtime::Do(const SendAbort& a) {
   server_->Send(a.worker_id, control::kMsgAbort, encoded_abort_payload_);
 }
 
-void Runtime::Do(const SendDrain& a) { server_->Send(a.worker_id, control::kMsgDrain, control::Encode(a.msg)); }
+void Runtime::Do(const SendDrain& a) {
+  server_->Send(a.worker_id, control::kMsgDrain, control::Encode(a.msg));
+}
 
 void Runtime::Do(const ScaleReply& a) {
   if (auto it = scale_calls_.find(a.request_id); it != scale_calls_.end()) {
@@ -696,7 +746,8 @@ void Runtime::Do(const KillWorker& a) {
   Signal(a.worker_id, SIGKILL);
   // A worker may be cut off from its agent (a partition):
   // its control connection is closed, so nothing it sends counts.
-  if (!core_.HostOf(a.worker_id).empty()) server_->CloseWorker(a.worker_id, "killed by the controller");
+  if (!core_.HostOf(a.worker_id).empty())
+    server_->CloseWorker(a.worker_id, "killed by the controller");
 }
 
 void Runtime::Do(const SpawnWorker& a) {
@@ -709,7 +760,8 @@ void Runtime::Do(const SpawnWorker& a) {
   if (a.background && h != core_.hosts().end() && h->second.elastic && o_.refill_nice > 0) {
     nice = o_.refill_nice;  // back to 0 with its first plan (Do(SendPlan))
   }
-  control::AgentStartMsg start{a.worker_id, a.spare, nice, WorkerEnv(a.worker_id, a.spare, a.resume)};
+  control::AgentStartMsg start{a.worker_id, a.spare, nice,
+                               WorkerEnv(a.worker_id, a.spare, a.resume)};
   if (!server_->SendToAgent(a.host, control::kMsgAgentStart, control::Encode(start))) {
     events_.push_back(ProcessExited{a.worker_id, 0, 127, 0, a.host});
   }
@@ -730,7 +782,8 @@ void Runtime::Do(const EndJob& a) {
   ended_ = a;
   // Agents stop their processes and leave; they get a while for it.
   for (const auto& host : server_->agents()) {
-    server_->SendToAgent(host, control::kMsgShutdown, control::Encode(control::ShutdownMsg{a.reason, a.exit_code}));
+    server_->SendToAgent(host, control::kMsgShutdown,
+                         control::Encode(control::ShutdownMsg{a.reason, a.exit_code}));
   }
   agents_gone_by_ = DeadlineAfter(Millis(20'000));
 }
@@ -745,10 +798,12 @@ void Runtime::Print(const std::string& text) {
   out_->Write("\r\x1b[K" + text + shown_progress_);
 }
 
-std::vector<std::pair<std::string, std::string>> Runtime::WorkerEnv(int id, bool spare, bool resume) const {
+std::vector<std::pair<std::string, std::string>> Runtime::WorkerEnv(int id, bool spare,
+                                                                    bool resume) const {
   namespace s = settings;
-  std::vector<std::pair<std::string, std::string>> env = {{std::string(s::kWorkerId.env), std::to_string(id)},
-                                                          {std::string(s::kSpare.env), spare ? "1" : "0"}};
+  std::vector<std::pair<std::string, std::string>> env = {
+      {std::string(s::kWorkerId.env), std::to_string(id)},
+      {std::string(s::kSpare.env), spare ? "1" : "0"}};
   if (!o_.checkpoint_dir.empty()) {
     env.emplace_back(s::kTrainCheckpointDir.env, o_.checkpoint_dir);
     env.emplace_back(s::kTrainCheckpointEvery.env, std::to_string(o_.checkpoint_every));
@@ -761,10 +816,12 @@ std::vector<std::pair<std::string, std::string>> Runtime::WorkerEnv(int id, bool
 void Runtime::Signal(int id, int sig) {
   std::string host = core_.HostOf(id);
   if (host.empty()) return;  // no host (a worker joined by hand): no agent to signal it
-  server_->SendToAgent(host, control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{id, sig}));
+  server_->SendToAgent(host, control::kMsgAgentSignal,
+                       control::Encode(control::AgentSignalMsg{id, sig}));
 }
 
-void Runtime::SendRanksToAgents(uint32_t generation, const std::vector<int>& members, const std::string& only_host) {
+void Runtime::SendRanksToAgents(uint32_t generation, const std::vector<int>& members,
+                                const std::string& only_host) {
   if (core_.hosts().empty() || generation == 0) return;
   std::map<std::string, control::AgentRanksMsg> by_host;
   for (size_t r = 0; r < members.size(); ++r) {
@@ -783,7 +840,8 @@ void Runtime::SendRanksToAgents(uint32_t generation, const std::vector<int>& mem
 
 std::string JobFileFor(const std::string& journal_path) {
   auto slash = journal_path.rfind('/');
-  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) + "/job.json";
+  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) +
+         "/job.json";
 }
 
 int RunController(const RuntimeOptions& options) {

@@ -26,10 +26,10 @@
 
 #include <string>
 
-#include "nonstop/settings.h"
 #include "controller/controller.h"
 #include "coord/leadership.h"
 #include "net/socket.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::launcher {
 class BoundedStdio;

@@ -16,8 +16,10 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
   std::map<std::string, TakeoverState::Host> hosts;
   bool started = false;
   int shrink_asked = 0;  // a shrink on request whose plan is not journaled yet
-  auto id_of = [](const json& r) { return r.contains("worker_id") && r["worker_id"].is_number_integer()
-                                              ? r["worker_id"].get<int>() : -1; };
+  auto id_of = [](const json& r) {
+    return r.contains("worker_id") && r["worker_id"].is_number_integer() ? r["worker_id"].get<int>()
+                                                                         : -1;
+  };
   try {
     for (const json& r : records) {
       const std::string event = r.value("event", "");
@@ -31,7 +33,8 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
         out.controller = r.value("controller", out.controller);
       } else if (event == "job_end") {
         return FailedPreconditionError(fmt::format(
-            "the job in this journal already ended (exit code {}: {}): there is nothing to take over",
+            "the job in this journal already ended (exit code {}: {}): there is nothing to take "
+            "over",
             r.value("exit_code", -1), r.value("reason", std::string("no reason recorded"))));
       } else if (event == "takeover") {
         s.takeovers = std::max(s.takeovers, r.value("takeover", 0));
@@ -90,7 +93,8 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
             if (!id.is_number_integer()) continue;
             auto it = workers.find(id.get<int>());
             if (it == workers.end()) continue;
-            if (!it->second.host.empty()) ++s.withheld[it->second.host];  // capacity given back by the shrink
+            // capacity given back by the shrink
+            if (!it->second.host.empty()) ++s.withheld[it->second.host];
             workers.erase(it);  // shut down by a shrink
           }
         }
@@ -98,7 +102,8 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
         int id = id_of(r);
         if (id >= 0) workers.erase(id);
       } else if (event == "restart") {
-        workers.clear();  // every worker was restarted from a checkpoint, on the hosts' whole capacity
+        // every worker was restarted from a checkpoint, on the hosts' whole capacity
+        workers.clear();
         s.withheld.clear();
         s.target_world = 0;
         shrink_asked = 0;
@@ -132,14 +137,19 @@ Result<JournalTakeover> TakeoverFromJournal(const std::vector<json>& records) {
       }
     }
   } catch (const json::exception& e) {
-    return InvalidArgumentError(fmt::format("the journal has a record of the wrong shape: {}", e.what()));
+    return InvalidArgumentError(
+        fmt::format("the journal has a record of the wrong shape: {}", e.what()));
   }
-  if (!started) return InvalidArgumentError("the journal has no job_start record: it is not a nonstop job's journal");
+  if (!started)
+    return InvalidArgumentError(
+        "the journal has no job_start record: it is not a nonstop job's journal");
   if (s.generation == 0) {
-    return FailedPreconditionError("the job in this journal never formed (no plan): start it again instead");
+    return FailedPreconditionError(
+        "the job in this journal never formed (no plan): start it again instead");
   }
   s.read_at_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                     std::chrono::system_clock::now().time_since_epoch()).count();
+                     std::chrono::system_clock::now().time_since_epoch())
+                     .count();
   for (auto& [id, w] : workers) s.workers.push_back(w);
   for (auto& [id, h] : hosts) s.hosts.push_back(h);
   return out;

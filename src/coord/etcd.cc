@@ -77,23 +77,39 @@ int GrpcCode(const nlohmann::json& j) {
 }
 
 std::string_view GrpcCodeName(int code) {
-  static constexpr std::string_view kNames[] = {
-      "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
-      "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  static constexpr std::string_view kNames[] = {"OK",
+                                                "CANCELLED",
+                                                "UNKNOWN",
+                                                "INVALID_ARGUMENT",
+                                                "DEADLINE_EXCEEDED",
+                                                "NOT_FOUND",
+                                                "ALREADY_EXISTS",
+                                                "PERMISSION_DENIED",
+                                                "RESOURCE_EXHAUSTED",
+                                                "FAILED_PRECONDITION",
+                                                "ABORTED",
+                                                "OUT_OF_RANGE",
+                                                "UNIMPLEMENTED",
+                                                "INTERNAL",
+                                                "UNAVAILABLE",
+                                                "DATA_LOSS",
+                                                "UNAUTHENTICATED"};
   return code >= 0 && code < static_cast<int>(std::size(kNames)) ? kNames[code] : "";
 }
 
 // The Status of a non-200 answer (or an error in a 200's body): its class in the code, the member,
 // the request and etcd's message in the text.
-Status ClassifiedStatus(const std::string& where, const std::string& path, int http_status, int grpc_code,
-                        const std::string& message) {
+Status ClassifiedStatus(const std::string& where, const std::string& path, int http_status,
+                        int grpc_code, const std::string& message) {
   ErrorClass c = Classify(http_status, grpc_code);
-  std::string code_text = grpc_code >= 0 ? fmt::format(" ({} {})", GrpcCodeName(grpc_code), grpc_code) : "";
-  std::string text = fmt::format("etcd {} /v3/{}: HTTP {}{}: {}", where, path, http_status, code_text, message);
+  std::string code_text =
+      grpc_code >= 0 ? fmt::format(" ({} {})", GrpcCodeName(grpc_code), grpc_code) : "";
+  std::string text =
+      fmt::format("etcd {} /v3/{}: HTTP {}{}: {}", where, path, http_status, code_text, message);
   if (c == ErrorClass::kResourceExhausted) {
     text += message.find("space exceeded") != std::string::npos
-                ? " (etcd's space quota is full: until an operator compacts and defragments it and runs `etcdctl "
+                ? " (etcd's space quota is full: until an operator compacts and defragments it and "
+                  "runs `etcdctl "
                   "alarm disarm`, it refuses writes)"
                 : " (etcd is overloaded)";
   }
@@ -107,10 +123,11 @@ Status TransportStatus(const std::string& where, httplib::Error error, Millis ti
     case httplib::Error::Connection:
       return UnavailableError(fmt::format("{}: cannot connect (refused, or no route)", where));
     case httplib::Error::ConnectionTimeout:
-      return UnavailableError(fmt::format("{}: no connection within {} ms", where, timeout.count()));
+      return UnavailableError(
+          fmt::format("{}: no connection within {} ms", where, timeout.count()));
     case httplib::Error::Read:
-      return UnavailableError(fmt::format("{}: no answer within {} ms (or the connection was reset)", where,
-                                          timeout.count()));
+      return UnavailableError(fmt::format(
+          "{}: no answer within {} ms (or the connection was reset)", where, timeout.count()));
     default:
       return UnavailableError(fmt::format("{}: {}", where, httplib::to_string(error)));
   }
@@ -155,10 +172,12 @@ Answer Post(httplib::Client& http, const std::string& path, const std::string& b
 
 }  // namespace
 
-Status AnswerStatus(const std::string& where, const std::string& path, int http_status, const std::string& body) {
+Status AnswerStatus(const std::string& where, const std::string& path, int http_status,
+                    const std::string& body) {
   std::string message = body;
   auto j = nlohmann::json::parse(body, nullptr, false);
-  if (j.is_object() && j.contains("message") && j["message"].is_string()) message = j["message"].get<std::string>();
+  if (j.is_object() && j.contains("message") && j["message"].is_string())
+    message = j["message"].get<std::string>();
   while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) message.pop_back();
   if (message.size() > 300) message = message.substr(0, 300) + "…";
   return ClassifiedStatus(where, path, http_status, GrpcCode(j), message);
@@ -166,13 +185,30 @@ Status AnswerStatus(const std::string& where, const std::string& path, int http_
 
 ErrorClass Classify(int http_status, int grpc_code) {
   switch (grpc_code) {
-    case 14: case 1: case 2: case 10: case 13: case 15: return ErrorClass::kUnavailable;
-    case 8: return ErrorClass::kResourceExhausted;
-    case 4: return ErrorClass::kDeadlineExceeded;
-    case 7: case 16: return ErrorClass::kPermissionDenied;
-    case 5: return ErrorClass::kNotFound;
-    case 3: case 6: case 9: case 11: case 12: return ErrorClass::kInvalid;
-    default: break;  // none, or one gRPC does not define: the HTTP status says
+    case 14:
+    case 1:
+    case 2:
+    case 10:
+    case 13:
+    case 15:
+      return ErrorClass::kUnavailable;
+    case 8:
+      return ErrorClass::kResourceExhausted;
+    case 4:
+      return ErrorClass::kDeadlineExceeded;
+    case 7:
+    case 16:
+      return ErrorClass::kPermissionDenied;
+    case 5:
+      return ErrorClass::kNotFound;
+    case 3:
+    case 6:
+    case 9:
+    case 11:
+    case 12:
+      return ErrorClass::kInvalid;
+    default:
+      break;  // none, or one gRPC does not define: the HTTP status says
   }
   if (http_status == 429) return ErrorClass::kResourceExhausted;
   if (http_status == 504 || http_status == 408) return ErrorClass::kDeadlineExceeded;
@@ -183,12 +219,18 @@ ErrorClass Classify(int http_status, int grpc_code) {
 
 std::string_view ErrorClassName(ErrorClass c) {
   switch (c) {
-    case ErrorClass::kUnavailable: return "unavailable";
-    case ErrorClass::kResourceExhausted: return "resource exhausted";
-    case ErrorClass::kDeadlineExceeded: return "deadline exceeded";
-    case ErrorClass::kPermissionDenied: return "permission denied";
-    case ErrorClass::kInvalid: return "invalid";
-    case ErrorClass::kNotFound: return "not found";
+    case ErrorClass::kUnavailable:
+      return "unavailable";
+    case ErrorClass::kResourceExhausted:
+      return "resource exhausted";
+    case ErrorClass::kDeadlineExceeded:
+      return "deadline exceeded";
+    case ErrorClass::kPermissionDenied:
+      return "permission denied";
+    case ErrorClass::kInvalid:
+      return "invalid";
+    case ErrorClass::kNotFound:
+      return "not found";
   }
   return "?";
 }
@@ -196,11 +238,16 @@ std::string_view ErrorClassName(ErrorClass c) {
 StatusCode StatusCodeFor(ErrorClass c) {
   switch (c) {
     case ErrorClass::kUnavailable:
-    case ErrorClass::kResourceExhausted: return StatusCode::kUnavailable;
-    case ErrorClass::kDeadlineExceeded: return StatusCode::kDeadlineExceeded;
-    case ErrorClass::kPermissionDenied: return StatusCode::kFailedPrecondition;
-    case ErrorClass::kInvalid: return StatusCode::kInvalidArgument;
-    case ErrorClass::kNotFound: return StatusCode::kNotFound;
+    case ErrorClass::kResourceExhausted:
+      return StatusCode::kUnavailable;
+    case ErrorClass::kDeadlineExceeded:
+      return StatusCode::kDeadlineExceeded;
+    case ErrorClass::kPermissionDenied:
+      return StatusCode::kFailedPrecondition;
+    case ErrorClass::kInvalid:
+      return StatusCode::kInvalidArgument;
+    case ErrorClass::kNotFound:
+      return StatusCode::kNotFound;
   }
   return StatusCode::kInvalidArgument;
 }
@@ -231,7 +278,8 @@ std::string Base64Encode(std::string_view bytes) {
 
 Result<std::string> Base64Decode(std::string_view text) {
   if (text.size() % 4 != 0) {
-    return InvalidArgumentError(fmt::format("base64 text of {} characters (not a multiple of 4)", text.size()));
+    return InvalidArgumentError(
+        fmt::format("base64 text of {} characters (not a multiple of 4)", text.size()));
   }
   auto value = [](char c) -> int {
     if (c >= 'A' && c <= 'Z') return c - 'A';
@@ -253,7 +301,8 @@ Result<std::string> Base64Decode(std::string_view text) {
         continue;
       }
       int d = value(text[i + k]);
-      if (d < 0) return InvalidArgumentError(fmt::format("invalid base64 character at offset {}", i + k));
+      if (d < 0)
+        return InvalidArgumentError(fmt::format("invalid base64 character at offset {}", i + k));
       v = (v << 6) | static_cast<uint32_t>(d);
     }
     out.push_back(static_cast<char>(v >> 16));
@@ -278,12 +327,14 @@ std::string PrefixEnd(std::string_view prefix) {
 struct Client::Endpoint {
   std::string name;  // host:port
   httplib::Client http;
-  Endpoint(const std::string& host, int port) : name(fmt::format("{}:{}", host, port)), http(host, port) {}
+  Endpoint(const std::string& host, int port)
+      : name(fmt::format("{}:{}", host, port)), http(host, port) {}
 };
 
 Client::~Client() = default;
 
-Result<std::unique_ptr<Client>> Client::Create(const std::string& endpoints, ClientOptions options) {
+Result<std::unique_ptr<Client>> Client::Create(const std::string& endpoints,
+                                               ClientOptions options) {
   auto c = std::unique_ptr<Client>(new Client());
   c->endpoints_text_ = endpoints;
   c->options_ = options;
@@ -294,9 +345,10 @@ Result<std::unique_ptr<Client>> Client::Create(const std::string& endpoints, Cli
     begin = end + 1;
     if (one.rfind("http://", 0) == 0) one = one.substr(7);
     if (one.rfind("https://", 0) == 0) {
-      return InvalidArgumentError(fmt::format("etcd endpoint '{}': https is not supported; use http:// on a "
-                                              "trusted network or a local etcd proxy",
-                                              one));
+      return InvalidArgumentError(
+          fmt::format("etcd endpoint '{}': https is not supported; use http:// on a "
+                      "trusted network or a local etcd proxy",
+                      one));
     }
     while (!one.empty() && one.back() == '/') one.pop_back();
     auto colon = one.rfind(':');
@@ -311,9 +363,9 @@ Result<std::unique_ptr<Client>> Client::Create(const std::string& endpoints, Cli
       }
     }
     if (one.empty() || colon == std::string::npos || colon == 0 || port <= 0 || port > 65535) {
-      return InvalidArgumentError(
-          fmt::format("etcd endpoint '{}' in '{}' is not host:port (HINT: --etcd 127.0.0.1:2379,10.0.0.2:2379)", one,
-                      endpoints));
+      return InvalidArgumentError(fmt::format(
+          "etcd endpoint '{}' in '{}' is not host:port (HINT: --etcd 127.0.0.1:2379,10.0.0.2:2379)",
+          one, endpoints));
     }
     auto e = std::make_unique<Endpoint>(one.substr(0, colon), port);
     auto secs = options.timeout.count() / 1000;
@@ -333,18 +385,22 @@ Result<std::string> Client::Call(const std::string& path, const std::string& bod
   for (size_t tried = 0; tried < endpoints_.size(); ++tried) {
     Endpoint& e = *endpoints_[current_];
     Answer answer = Post(e.http, "/v3/" + path, body);
-    if (answer.error == httplib::Error::Success && answer.status == 200) return std::move(answer.body);
+    if (answer.error == httplib::Error::Success && answer.status == 200)
+      return std::move(answer.body);
     Status failure = answer.error != httplib::Error::Success
                          ? TransportStatus(e.name, answer.error, options_.timeout)
                          : AnswerStatus(e.name, path, answer.status, answer.body);
-    if (!IsTransient(failure)) return failure;  // etcd answered: its error stands (another member would say the same)
+    // etcd answered: its error stands (another member would say the same)
+    if (!IsTransient(failure)) return failure;
     // This member cannot serve now (down, paused, no raft leader, overloaded): another may.
     all_deadlines = all_deadlines && failure.code() == StatusCode::kDeadlineExceeded;
     errors += (errors.empty() ? "" : "; ") + failure.message();
     current_ = (current_ + 1) % endpoints_.size();
   }
-  std::string message = fmt::format("no etcd member at {} served /v3/{} ({})", endpoints_text_, path, errors);
-  return all_deadlines ? DeadlineExceededError(std::move(message)) : UnavailableError(std::move(message));
+  std::string message =
+      fmt::format("no etcd member at {} served /v3/{} ({})", endpoints_text_, path, errors);
+  return all_deadlines ? DeadlineExceededError(std::move(message))
+                       : UnavailableError(std::move(message));
 }
 
 namespace {
@@ -357,7 +413,8 @@ auto Ask(Client& client, const std::string& path, const nlohmann::json& request,
     -> decltype(decode(std::declval<const nlohmann::json&>())) {
   NONSTOP_ASSIGN_OR_RETURN(std::string body, client.Call(path, request.dump()));
   auto j = nlohmann::json::parse(body, nullptr, false);
-  if (!j.is_object()) return DataLossError(fmt::format("etcd's answer to /v3/{} is not a JSON object", path));
+  if (!j.is_object())
+    return DataLossError(fmt::format("etcd's answer to /v3/{} is not a JSON object", path));
   try {
     return decode(j);
   } catch (const std::exception& e) {
@@ -365,11 +422,14 @@ auto Ask(Client& client, const std::string& path, const nlohmann::json& request,
   }
 }
 
-int64_t Revision(const nlohmann::json& answer) { return Int(answer.value("header", nlohmann::json::object()), "revision"); }
+int64_t Revision(const nlohmann::json& answer) {
+  return Int(answer.value("header", nlohmann::json::object()), "revision");
+}
 
 }  // namespace
 
-Result<std::vector<KeyValue>> Client::Range(const std::string& key, const std::string& range_end, int64_t* revision) {
+Result<std::vector<KeyValue>> Client::Range(const std::string& key, const std::string& range_end,
+                                            int64_t* revision) {
   nlohmann::json req = {{"key", Base64Encode(key)}};
   if (!range_end.empty()) req["range_end"] = Base64Encode(range_end);
   return Ask(*this, "kv/range", req, [&](const nlohmann::json& j) -> Result<std::vector<KeyValue>> {
@@ -381,7 +441,8 @@ Result<std::vector<KeyValue>> Client::Range(const std::string& key, const std::s
 Result<int64_t> Client::Put(const std::string& key, const std::string& value, int64_t lease) {
   nlohmann::json req = {{"key", Base64Encode(key)}, {"value", Base64Encode(value)}};
   if (lease != 0) req["lease"] = std::to_string(lease);
-  return Ask(*this, "kv/put", req, [](const nlohmann::json& j) -> Result<int64_t> { return Revision(j); });
+  return Ask(*this, "kv/put", req,
+             [](const nlohmann::json& j) -> Result<int64_t> { return Revision(j); });
 }
 
 Result<TxnResult> Client::Txn(const std::vector<Compare>& compares, const std::vector<Op>& success,
@@ -433,21 +494,24 @@ Result<std::pair<int64_t, int64_t>> Client::LeaseGrant(int64_t ttl_seconds) {
 }
 
 Result<int64_t> Client::LeaseKeepAlive(int64_t lease) {
-  return Ask(*this, "lease/keepalive", {{"ID", std::to_string(lease)}}, [&](const nlohmann::json& j) -> Result<int64_t> {
-    // The gateway streams: the first (only) message is {"result": {...}}, or {"error": {...}}.
-    if (auto e = j.find("error"); e != j.end()) {
-      // A stream's error: {"grpc_code", "http_code", "message", "http_status"}.
-      int http = e->is_object() && e->contains("http_code") && (*e)["http_code"].is_number_integer()
-                     ? (*e)["http_code"].get<int>()
-                     : 500;
-      std::string message = e->is_object() ? e->value("message", e->dump()) : e->dump();
-      return ClassifiedStatus(endpoints(), "lease/keepalive", http, GrpcCode(*e), message);
-    }
-    const nlohmann::json& r = j.contains("result") ? j["result"] : j;
-    int64_t ttl = Int(r, "TTL");
-    if (ttl <= 0) return NotFoundError(fmt::format("etcd lease {:x} expired", lease));
-    return ttl;
-  });
+  return Ask(
+      *this, "lease/keepalive", {{"ID", std::to_string(lease)}},
+      [&](const nlohmann::json& j) -> Result<int64_t> {
+        // The gateway streams: the first (only) message is {"result": {...}}, or {"error": {...}}.
+        if (auto e = j.find("error"); e != j.end()) {
+          // A stream's error: {"grpc_code", "http_code", "message", "http_status"}.
+          int http =
+              e->is_object() && e->contains("http_code") && (*e)["http_code"].is_number_integer()
+                  ? (*e)["http_code"].get<int>()
+                  : 500;
+          std::string message = e->is_object() ? e->value("message", e->dump()) : e->dump();
+          return ClassifiedStatus(endpoints(), "lease/keepalive", http, GrpcCode(*e), message);
+        }
+        const nlohmann::json& r = j.contains("result") ? j["result"] : j;
+        int64_t ttl = Int(r, "TTL");
+        if (ttl <= 0) return NotFoundError(fmt::format("etcd lease {:x} expired", lease));
+        return ttl;
+      });
 }
 
 Status Client::LeaseRevoke(int64_t lease) {

@@ -26,7 +26,8 @@ std::string Base64Encode(std::string_view bytes);
 // Fails on a character outside the alphabet or a length that is not a multiple of 4.
 Result<std::string> Base64Decode(std::string_view text);
 
-// The smallest key greater than every key that starts with `prefix` (etcd's range_end for a prefix).
+// The smallest key greater than every key that starts with `prefix` (etcd's range_end for a
+// prefix).
 std::string PrefixEnd(std::string_view prefix);
 
 struct KeyValue {
@@ -48,8 +49,12 @@ struct Compare {
   static Compare CreateRevision(std::string key, int64_t revision) {
     return {Target::kCreate, std::move(key), revision, ""};
   }
-  static Compare ModRevision(std::string key, int64_t revision) { return {Target::kMod, std::move(key), revision, ""}; }
-  static Compare Value(std::string key, std::string value) { return {Target::kValue, std::move(key), 0, std::move(value)}; }
+  static Compare ModRevision(std::string key, int64_t revision) {
+    return {Target::kMod, std::move(key), revision, ""};
+  }
+  static Compare Value(std::string key, std::string value) {
+    return {Target::kValue, std::move(key), 0, std::move(value)};
+  }
 };
 
 // One operation of a transaction.
@@ -71,8 +76,9 @@ struct Op {
 
 struct TxnResult {
   bool succeeded = false;
-  int64_t revision = 0;               // the store's revision after the transaction
-  std::vector<KeyValue> range;        // what the kRange operations of the branch taken found, in order
+  int64_t revision = 0;  // the store's revision after the transaction
+  // what the kRange operations of the branch taken found, in order
+  std::vector<KeyValue> range;
 };
 
 // What a failed request means to its caller (docs/controller-failover.md,
@@ -115,7 +121,8 @@ std::string_view ErrorClassName(ErrorClass c);  // "unavailable", "resource exha
 StatusCode StatusCodeFor(ErrorClass c);
 // The Status of a non-200 answer of member `where` to /v3/<path>: its class's code; the member,
 // the request, the HTTP status, the gRPC code and etcd's message in the text.
-Status AnswerStatus(const std::string& where, const std::string& path, int http_status, const std::string& body);
+Status AnswerStatus(const std::string& where, const std::string& path, int http_status,
+                    const std::string& body);
 // Whether a Status from the Client is worth a retry: kUnavailable (unavailable, overloaded) and
 // kDeadlineExceeded. Everything else is final (or, kNotFound, an answer).
 bool IsTransient(const Status& s);
@@ -127,7 +134,8 @@ struct ClientOptions {
 class Client {
  public:
   // endpoints: "host:port" or "http://host:port", comma separated.
-  static Result<std::unique_ptr<Client>> Create(const std::string& endpoints, ClientOptions options = {});
+  static Result<std::unique_ptr<Client>> Create(const std::string& endpoints,
+                                                ClientOptions options = {});
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
@@ -145,7 +153,8 @@ class Client {
   Result<TxnResult> Txn(const std::vector<Compare>& compares, const std::vector<Op>& success,
                         const std::vector<Op>& failure = {});
 
-  // A lease of ttl seconds (etcd may grant a longer one: its minimum); returns its id and granted TTL.
+  // A lease of ttl seconds (etcd may grant a longer one: its minimum); returns its id and granted
+  // TTL.
   Result<std::pair<int64_t, int64_t>> LeaseGrant(int64_t ttl_seconds);
   // Renews a lease; returns its TTL in seconds (the full one: etcd renewed it). NotFound: the lease
   // expired or was revoked.

@@ -67,7 +67,8 @@ class FakeEtcd {
     return {200, R"({"header":{"revision":"3"}})"};  // kv/range: no key; lease/revoke
   }
   static Answer Grpc(int http, int code, const std::string& message) {
-    return {http, nlohmann::json({{"error", message}, {"message", message}, {"code", code}}).dump()};
+    return {http,
+            nlohmann::json({{"error", message}, {"message", message}, {"code", code}}).dump()};
   }
 
  private:
@@ -95,25 +96,27 @@ TEST(EtcdErrorClassTest, EveryAnswerHasTheClassItsCodeSays) {
     ErrorClass want;
   };
   const Case cases[] = {
-      {503, 14, ErrorClass::kUnavailable},       {500, 2, ErrorClass::kUnavailable},
-      {500, 13, ErrorClass::kUnavailable},       {409, 10, ErrorClass::kUnavailable},
-      {429, 8, ErrorClass::kResourceExhausted},  {429, -1, ErrorClass::kResourceExhausted},
-      {504, 4, ErrorClass::kDeadlineExceeded},   {504, -1, ErrorClass::kDeadlineExceeded},
-      {403, 7, ErrorClass::kPermissionDenied},   {401, 16, ErrorClass::kPermissionDenied},
-      {403, -1, ErrorClass::kPermissionDenied},  {400, 3, ErrorClass::kInvalid},
-      {400, 9, ErrorClass::kInvalid},            {400, 11, ErrorClass::kInvalid},
-      {501, 12, ErrorClass::kInvalid},           {404, -1, ErrorClass::kInvalid},
-      {404, 5, ErrorClass::kNotFound},           {502, -1, ErrorClass::kUnavailable},
-      {503, -1, ErrorClass::kUnavailable},       {501, -1, ErrorClass::kInvalid},
+      {503, 14, ErrorClass::kUnavailable},      {500, 2, ErrorClass::kUnavailable},
+      {500, 13, ErrorClass::kUnavailable},      {409, 10, ErrorClass::kUnavailable},
+      {429, 8, ErrorClass::kResourceExhausted}, {429, -1, ErrorClass::kResourceExhausted},
+      {504, 4, ErrorClass::kDeadlineExceeded},  {504, -1, ErrorClass::kDeadlineExceeded},
+      {403, 7, ErrorClass::kPermissionDenied},  {401, 16, ErrorClass::kPermissionDenied},
+      {403, -1, ErrorClass::kPermissionDenied}, {400, 3, ErrorClass::kInvalid},
+      {400, 9, ErrorClass::kInvalid},           {400, 11, ErrorClass::kInvalid},
+      {501, 12, ErrorClass::kInvalid},          {404, -1, ErrorClass::kInvalid},
+      {404, 5, ErrorClass::kNotFound},          {502, -1, ErrorClass::kUnavailable},
+      {503, -1, ErrorClass::kUnavailable},      {501, -1, ErrorClass::kInvalid},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(Classify(c.http, c.grpc), c.want) << "HTTP " << c.http << " gRPC " << c.grpc;
   }
   // Transient: unavailable, overloaded, timed out. Final: the rest.
-  for (ErrorClass c : {ErrorClass::kUnavailable, ErrorClass::kResourceExhausted, ErrorClass::kDeadlineExceeded}) {
+  for (ErrorClass c :
+       {ErrorClass::kUnavailable, ErrorClass::kResourceExhausted, ErrorClass::kDeadlineExceeded}) {
     EXPECT_TRUE(IsTransient(Status(StatusCodeFor(c), "x"))) << ErrorClassName(c);
   }
-  for (ErrorClass c : {ErrorClass::kPermissionDenied, ErrorClass::kInvalid, ErrorClass::kNotFound}) {
+  for (ErrorClass c :
+       {ErrorClass::kPermissionDenied, ErrorClass::kInvalid, ErrorClass::kNotFound}) {
     EXPECT_FALSE(IsTransient(Status(StatusCodeFor(c), "x"))) << ErrorClassName(c);
   }
   EXPECT_FALSE(IsTransient(DataLossError("not JSON")));
@@ -124,8 +127,8 @@ TEST(EtcdErrorClassTest, AnAnswersStatusNamesTheMemberTheRequestTheCodesAndEtcds
       "10.0.0.1:2379", "kv/txn", 429,
       R"({"error":"etcdserver: too many requests","message":"etcdserver: too many requests","code":8})");
   EXPECT_EQ(s.code(), StatusCode::kUnavailable);
-  for (const char* part : {"10.0.0.1:2379", "/v3/kv/txn", "HTTP 429", "RESOURCE_EXHAUSTED 8", "too many requests",
-                           "overloaded"}) {
+  for (const char* part : {"10.0.0.1:2379", "/v3/kv/txn", "HTTP 429", "RESOURCE_EXHAUSTED 8",
+                           "too many requests", "overloaded"}) {
     EXPECT_NE(s.message().find(part), std::string::npos) << part << " in " << s.message();
   }
   Status text = AnswerStatus("h:1", "kv/range", 404, "Not Found\n");  // not etcd's v3 gateway
@@ -160,18 +163,20 @@ TEST(EtcdRetryTest, RetryTransientRetriesUntilSuccessAndStopsAtAFinalError) {
   Backoff b(milliseconds(1), milliseconds(2));
   OutageLog log("test", "retrying");
   int calls = 0;
-  Status s = RetryTransient(
-      [&] { return ++calls < 4 ? UnavailableError("down") : OkStatus(); }, b, log, [] { return false; });
+  Status s = RetryTransient([&] { return ++calls < 4 ? UnavailableError("down") : OkStatus(); }, b,
+                            log, [] { return false; });
   EXPECT_TRUE(s.ok());
   EXPECT_EQ(calls, 4);
   EXPECT_FALSE(log.in_outage());
   calls = 0;
-  s = RetryTransient([&] { return ++calls < 3 ? DeadlineExceededError("slow") : InvalidArgumentError("bad"); }, b, log,
-                     [] { return false; });
+  s = RetryTransient(
+      [&] { return ++calls < 3 ? DeadlineExceededError("slow") : InvalidArgumentError("bad"); }, b,
+      log, [] { return false; });
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(calls, 3);
   calls = 0;
-  s = RetryTransient([&] { return ++calls, UnavailableError("down"); }, b, log, [&] { return calls >= 5; });
+  s = RetryTransient([&] { return ++calls, UnavailableError("down"); }, b, log,
+                     [&] { return calls >= 5; });
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << "give_up ends the retries with the last failure";
   EXPECT_EQ(calls, 5);
 }
@@ -195,8 +200,10 @@ TEST(EtcdClientFakeTest, ResourceExhaustedIsTransientAndAnotherMemberIsTried) {
 
 TEST(LeadershipFakeTest, ACampaignRetriesA429AndWins) {
   FakeEtcd etcd([](const std::string& path, int nth) -> std::optional<FakeEtcd::Answer> {
-    if (path == "kv/range" && nth <= 3) return FakeEtcd::Grpc(429, 8, "etcdserver: too many requests");
-    if (path == "kv/txn" && nth == 1) return FakeEtcd::Answer{429, "Too Many Requests"};  // no gRPC code
+    if (path == "kv/range" && nth <= 3)
+      return FakeEtcd::Grpc(429, 8, "etcdserver: too many requests");
+    // no gRPC code
+    if (path == "kv/txn" && nth == 1) return FakeEtcd::Answer{429, "Too Many Requests"};
     return std::nullopt;
   });
   auto l = coord::Leadership::Connect(Options(etcd));
@@ -230,7 +237,8 @@ TEST(LeadershipFakeTest, PermissionDeniedIsFinalAndTheErrorNamesTheKeyAndTheFix)
 
 TEST(LeadershipFakeTest, AnInvalidRequestIsFinalToo) {
   FakeEtcd etcd([](const std::string& path, int) -> std::optional<FakeEtcd::Answer> {
-    if (path == "kv/txn") return FakeEtcd::Grpc(400, 3, "etcdserver: too many operations in txn request");
+    if (path == "kv/txn")
+      return FakeEtcd::Grpc(400, 3, "etcdserver: too many operations in txn request");
     return std::nullopt;
   });
   auto l = coord::Leadership::Connect(Options(etcd));
@@ -238,9 +246,11 @@ TEST(LeadershipFakeTest, AnInvalidRequestIsFinalToo) {
   auto epoch = (*l)->Campaign([] { return false; }, [](const std::string&) {});
   ASSERT_FALSE(epoch.ok());
   EXPECT_EQ(epoch.status().code(), StatusCode::kInvalidArgument) << epoch.status().ToString();
-  EXPECT_NE(epoch.status().message().find("/nonstop/t/leader"), std::string::npos) << epoch.status().message();
+  EXPECT_NE(epoch.status().message().find("/nonstop/t/leader"), std::string::npos)
+      << epoch.status().message();
   EXPECT_EQ(etcd.requests("kv/txn"), 1);
-  EXPECT_EQ(etcd.requests("lease/revoke"), 1) << "the lease granted for the refused key is given back";
+  EXPECT_EQ(etcd.requests("lease/revoke"), 1)
+      << "the lease granted for the refused key is given back";
 }
 
 TEST(LeadershipFakeTest, ATransactionWhoseAnswerWasLostButThatLandedMakesThisProcessTheLeader) {
@@ -248,13 +258,18 @@ TEST(LeadershipFakeTest, ATransactionWhoseAnswerWasLostButThatLandedMakesThisPro
   FakeEtcd etcd([&](const std::string& path, int) -> std::optional<FakeEtcd::Answer> {
     if (path == "kv/txn" && !landed) {
       landed = true;
-      std::this_thread::sleep_for(milliseconds(700));  // past the client's 300 ms: the answer is lost
+      // past the client's 300 ms: the answer is lost
+      std::this_thread::sleep_for(milliseconds(700));
       return std::nullopt;
     }
     if (path == "kv/range" && landed) {
-      nlohmann::json kv = {{"key", Base64Encode("/nonstop/t/leader")}, {"value", Base64Encode(R"({"pid":1})")},
-                           {"create_revision", "9"}, {"mod_revision", "9"}, {"lease", "7"}};
-      return FakeEtcd::Answer{200, nlohmann::json({{"header", {{"revision", "9"}}}, {"kvs", {kv}}}).dump()};
+      nlohmann::json kv = {{"key", Base64Encode("/nonstop/t/leader")},
+                           {"value", Base64Encode(R"({"pid":1})")},
+                           {"create_revision", "9"},
+                           {"mod_revision", "9"},
+                           {"lease", "7"}};
+      return FakeEtcd::Answer{
+          200, nlohmann::json({{"header", {{"revision", "9"}}}, {"kvs", {kv}}}).dump()};
     }
     return std::nullopt;
   });
@@ -271,7 +286,8 @@ TEST(LeadershipFakeTest, ATransactionWhoseAnswerWasLostButThatLandedMakesThisPro
 TEST(LeadershipFakeTest, ALeaderWhoseRenewalsAreAnswered429ForAWhileStaysTheLeader) {
   std::atomic<bool> overloaded{false};
   FakeEtcd etcd([&](const std::string& path, int) -> std::optional<FakeEtcd::Answer> {
-    if (path == "lease/keepalive" && overloaded) return FakeEtcd::Grpc(429, 8, "etcdserver: too many requests");
+    if (path == "lease/keepalive" && overloaded)
+      return FakeEtcd::Grpc(429, 8, "etcdserver: too many requests");
     if (path == "lease/grant") return FakeEtcd::Answer{200, R"({"header":{},"ID":"7","TTL":"3"})"};
     return std::nullopt;
   });
@@ -294,15 +310,18 @@ TEST(LeadershipFakeTest, ALeaderWhoseRenewalsAreAnswered429ForAWhileStaysTheLead
   EXPECT_GE(refused, 3) << "the 429s were retried with back-off, not waited out";
 }
 
-TEST(LeadershipFakeTest, NoRenewalAnsweredByTheRenewDeadlineDeposesForGoodThoughEtcdStillHoldsTheLease) {
+TEST(LeadershipFakeTest,
+     NoRenewalAnsweredByTheRenewDeadlineDeposesForGoodThoughEtcdStillHoldsTheLease) {
   std::atomic<bool> down{false};
   FakeEtcd etcd([&](const std::string& path, int) -> std::optional<FakeEtcd::Answer> {
     if (path == "lease/keepalive" && down) return FakeEtcd::Grpc(503, 14, "etcdserver: no leader");
     if (path == "lease/grant") return FakeEtcd::Answer{200, R"({"header":{},"ID":"7","TTL":"2"})"};
-    if (path == "lease/keepalive") return FakeEtcd::Answer{200, R"({"result":{"ID":"7","TTL":"2"}})"};
+    if (path == "lease/keepalive")
+      return FakeEtcd::Answer{200, R"({"result":{"ID":"7","TTL":"2"}})"};
     return std::nullopt;
   });
-  auto l = coord::Leadership::Connect(Options(etcd, 2));  // the renew deadline: 1.6 s after a renewal's send
+  // the renew deadline: 1.6 s after a renewal's send
+  auto l = coord::Leadership::Connect(Options(etcd, 2));
   ASSERT_TRUE(l.ok());
   ASSERT_TRUE((*l)->Campaign([] { return false; }, [](const std::string&) {}).ok());
   down = true;
@@ -327,9 +346,12 @@ TEST(LeadershipFakeTest, ThePreviousTermsLeaseIsGivenBackAtTheFirstContact) {
   FakeEtcd etcd([&](const std::string& path, int) -> std::optional<FakeEtcd::Answer> {
     if (path == "lease/revoke") gone = true;  // lease 99 and its key with it
     if (path == "kv/range" && !gone) {        // the key of the previous term, on its lease
-      nlohmann::json kv = {{"key", Base64Encode("/nonstop/t/leader")}, {"value", Base64Encode(R"({"pid":1})")},
-                           {"create_revision", "5"}, {"lease", "99"}};
-      return FakeEtcd::Answer{200, nlohmann::json({{"header", {{"revision", "5"}}}, {"kvs", {kv}}}).dump()};
+      nlohmann::json kv = {{"key", Base64Encode("/nonstop/t/leader")},
+                           {"value", Base64Encode(R"({"pid":1})")},
+                           {"create_revision", "5"},
+                           {"lease", "99"}};
+      return FakeEtcd::Answer{
+          200, nlohmann::json({{"header", {{"revision", "5"}}}, {"kvs", {kv}}}).dump()};
     }
     return std::nullopt;
   });
@@ -349,9 +371,11 @@ TEST(LeadershipFakeTest, AStreamErrorOfTheKeepAliveIsClassedByItsGrpcCode) {
   std::atomic<int> code{14};
   FakeEtcd etcd([&](const std::string& path, int) -> std::optional<FakeEtcd::Answer> {
     if (path == "lease/keepalive") {
-      return FakeEtcd::Answer{200, nlohmann::json({{"error", {{"grpc_code", code.load()},
-                                                              {"http_code", code == 14 ? 503 : 403},
-                                                              {"message", "no"}}}}).dump()};
+      return FakeEtcd::Answer{200, nlohmann::json({{"error",
+                                                    {{"grpc_code", code.load()},
+                                                     {"http_code", code == 14 ? 503 : 403},
+                                                     {"message", "no"}}}})
+                                       .dump()};
     }
     return std::nullopt;
   });

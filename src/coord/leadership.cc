@@ -20,26 +20,32 @@ namespace {
 
 int64_t NowMicros() { return static_cast<int64_t>(MonotonicSeconds() * 1e6); }
 
-constexpr size_t kMaxOpsPerTxn = 100;        // etcd's default limit is 128
-constexpr size_t kMaxBytesPerTxn = 768 << 10;  // its default request limit is 1.5 MiB; base64 adds a third
+constexpr size_t kMaxOpsPerTxn = 100;  // etcd's default limit is 128
+// its default request limit is 1.5 MiB; base64 adds a third
+constexpr size_t kMaxBytesPerTxn = 768 << 10;
 
-std::string SeqKey(const std::string& prefix, uint64_t seq) { return fmt::format("{}journal/{:016d}", prefix, seq); }
+std::string SeqKey(const std::string& prefix, uint64_t seq) {
+  return fmt::format("{}journal/{:016d}", prefix, seq);
+}
 
 // A standby's poll plus up to half of it at random: standbys do not ask in lockstep.
 Millis Jittered(Millis poll) {
   thread_local std::mt19937_64 generator{std::random_device{}()};
-  return poll + Millis(std::uniform_int_distribution<int64_t>(0, std::max<int64_t>(0, poll.count() / 2))(generator));
+  return poll + Millis(std::uniform_int_distribution<int64_t>(
+                    0, std::max<int64_t>(0, poll.count() / 2))(generator));
 }
 
 }  // namespace
 
 Status CheckJobName(const std::string& job) {
   bool ok = !job.empty() && job.size() <= 64 && job != "." && job != "..";
-  for (char c : job) ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
+  for (char c : job)
+    ok = ok && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
   if (!ok) {
-    return InvalidArgumentError(fmt::format("job name '{}' is not 1-64 of [A-Za-z0-9._-] (HINT: --job run42, or "
-                                            "the Slurm job id)",
-                                            job));
+    return InvalidArgumentError(
+        fmt::format("job name '{}' is not 1-64 of [A-Za-z0-9._-] (HINT: --job run42, or "
+                    "the Slurm job id)",
+                    job));
   }
   return OkStatus();
 }
@@ -64,7 +70,8 @@ Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, i
   }
   auto v = nlohmann::json::parse(kvs[0].value, nullptr, false);
   if (!v.is_object() || !v.contains("controller") || !v["controller"].is_string()) {
-    return NotFoundError(fmt::format("the leader of job '{}' has not published its address yet", job));
+    return NotFoundError(
+        fmt::format("the leader of job '{}' has not published its address yet", job));
   }
   return v["controller"].get<std::string>();
 }
@@ -72,21 +79,25 @@ Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, i
 LeadershipOptions WithDerivedTimes(LeadershipOptions o) {
   const Millis ttl(int64_t{std::max(o.ttl_seconds, 1)} * 1000);
   if (o.renew_every <= Millis(0)) o.renew_every = ttl / 5;
-  if (o.request_timeout <= Millis(0)) o.request_timeout = std::clamp<Millis>(ttl / 4, Millis(250), Millis(5'000));
+  if (o.request_timeout <= Millis(0))
+    o.request_timeout = std::clamp<Millis>(ttl / 4, Millis(250), Millis(5'000));
   if (o.journal_timeout <= Millis(0)) o.journal_timeout = std::max<Millis>(Millis(2'000), ttl / 2);
-  if (o.retry_max <= Millis(0)) o.retry_max = std::clamp<Millis>(ttl / 10, Millis(100), Millis(2'000));
+  if (o.retry_max <= Millis(0))
+    o.retry_max = std::clamp<Millis>(ttl / 10, Millis(100), Millis(2'000));
   return o;
 }
 
 Result<std::unique_ptr<Leadership>> Leadership::Connect(LeadershipOptions options) {
-  if (options.ttl_seconds < 1) return InvalidArgumentError("the leader's lease TTL must be at least 1 s");
+  if (options.ttl_seconds < 1)
+    return InvalidArgumentError("the leader's lease TTL must be at least 1 s");
   NONSTOP_RETURN_IF_ERROR(CheckJobName(options.job));
   auto l = std::unique_ptr<Leadership>(new Leadership(WithDerivedTimes(std::move(options))));
   l->wake_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!l->wake_.valid()) return ErrnoStatus(StatusCode::kInternal, "eventfd", errno);
   l->prefix_ = JobPrefix(l->options_.job);
   l->leader_key_ = LeaderKey(l->options_.job);
-  NONSTOP_ASSIGN_OR_RETURN(l->client_, etcd::Client::Create(l->options_.endpoints, {l->options_.request_timeout}));
+  NONSTOP_ASSIGN_OR_RETURN(
+      l->client_, etcd::Client::Create(l->options_.endpoints, {l->options_.request_timeout}));
   return l;
 }
 
@@ -104,7 +115,8 @@ Leadership::~Leadership() {
 }
 
 void Leadership::RevokeQuietly(int64_t lease) {
-  // NotFound (etcd let it go) or etcd unreachable (it runs out on its own): nothing to do either way.
+  // NotFound (etcd let it go) or etcd unreachable (it runs out on its own): nothing to do either
+  // way.
   (void)client_->LeaseRevoke(lease);
 }
 
@@ -112,15 +124,20 @@ Status Leadership::Explain(const Status& s, const std::string& key) const {
   std::string hint;
   switch (s.code()) {
     case StatusCode::kFailedPrecondition:  // etcd::ErrorClass::kPermissionDenied
-      hint = fmt::format("nonstop sends etcd no credentials: run it against an etcd without auth (`etcdctl auth "
-                         "disable`, on a trusted network), or through a proxy that may read and write {}* and grant "
-                         "leases",
-                         prefix_);
+      hint = fmt::format(
+          "nonstop sends etcd no credentials: run it against an etcd without auth (`etcdctl auth "
+          "disable`, on a trusted network), or through a proxy that may read and write {}* and "
+          "grant "
+          "leases",
+          prefix_);
       break;
     case StatusCode::kInvalidArgument:  // etcd::ErrorClass::kInvalid
-      hint = "is every --etcd endpoint an etcd 3.4 or later client URL (its /v3 gateway, e.g. Debian's etcd-server)? "
-             "etcd also refuses a request over its --max-request-bytes (1.5 MiB) or --max-txn-ops (128): raise them "
-             "on every member";
+      hint =
+          "is every --etcd endpoint an etcd 3.4 or later client URL (its /v3 gateway, e.g. "
+          "Debian's etcd-server)? "
+          "etcd also refuses a request over its --max-request-bytes (1.5 MiB) or --max-txn-ops "
+          "(128): raise them "
+          "on every member";
       break;
     case StatusCode::kDataLoss:  // an answer that is not etcd's
       hint = "is every --etcd endpoint an etcd client URL (not a peer URL, nor another service)?";
@@ -134,8 +151,9 @@ Status Leadership::Explain(const Status& s, const std::string& key) const {
 }
 
 Status Leadership::LostWhile(const std::string& doing, const Status& last) const {
-  return UnavailableError(fmt::format("{}: this controller lost the lead meanwhile ({}); etcd's last error: {}", doing,
-                                      why_not_leading(), last.message()));
+  return UnavailableError(
+      fmt::format("{}: this controller lost the lead meanwhile ({}); etcd's last error: {}", doing,
+                  why_not_leading(), last.message()));
 }
 
 Result<int64_t> Leadership::Campaign(const std::function<bool()>& stop,
@@ -144,8 +162,9 @@ Result<int64_t> Leadership::Campaign(const std::function<bool()>& stop,
   std::function<bool()> should_stop = [&] { return stopped || (stopped = stop()); };
   std::string seen;
   etcd::Backoff backoff(Millis(100), options_.retry_max);
-  etcd::OutageLog outage(fmt::format("campaign for job '{}' in etcd {}", options_.job, options_.endpoints),
-                         "standing by: retried with back-off, this controller campaigns as soon as etcd answers");
+  etcd::OutageLog outage(
+      fmt::format("campaign for job '{}' in etcd {}", options_.job, options_.endpoints),
+      "standing by: retried with back-off, this controller campaigns as soon as etcd answers");
   while (!should_stop()) {
     auto led = CampaignOnce(&seen, on_wait);
     if (!led.ok()) {
@@ -162,12 +181,14 @@ Result<int64_t> Leadership::Campaign(const std::function<bool()>& stop,
   return CancelledError("stopped while waiting to lead");
 }
 
-Result<bool> Leadership::CampaignOnce(std::string* seen, const std::function<void(const std::string&)>& on_wait) {
+Result<bool> Leadership::CampaignOnce(std::string* seen,
+                                      const std::function<void(const std::string&)>& on_wait) {
   if (options_.previous_lease != 0) {
     // This process's previous term: it may still hold the leader key (etcd was away when that term
     // ended). Given back first, so that the election need not wait it out.
     Status s = client_->LeaseRevoke(options_.previous_lease);
-    if (s.ok() || !etcd::IsTransient(s)) options_.previous_lease = 0;  // revoked, or gone already (NotFound)
+    // revoked, or gone already (NotFound)
+    if (s.ok() || !etcd::IsTransient(s)) options_.previous_lease = 0;
   }
   NONSTOP_ASSIGN_OR_RETURN(auto current, client_->Range(leader_key_));
   if (!current.empty()) {
@@ -200,7 +221,8 @@ Result<bool> Leadership::CampaignOnce(std::string* seen, const std::function<voi
   const int64_t valid_until_us = sent_us + lease.second * 800'000;
   nlohmann::json me = {{"pid", static_cast<int64_t>(::getpid())}};
   auto txn = client_->Txn({etcd::Compare::CreateRevision(leader_key_, 0)},
-                          {etcd::Op::Put(leader_key_, me.dump(), lease.first)}, {etcd::Op::Get(leader_key_)});
+                          {etcd::Op::Put(leader_key_, me.dump(), lease.first)},
+                          {etcd::Op::Get(leader_key_)});
   if (!txn.ok()) {
     if (etcd::IsTransient(txn.status())) {
       unclaimed_lease_ = lease.first;  // the next look at the key says whether it landed
@@ -214,7 +236,8 @@ Result<bool> Leadership::CampaignOnce(std::string* seen, const std::function<voi
     RevokeQuietly(lease.first);
     return false;
   }
-  BecomeLeader(lease.first, txn->revision, valid_until_us);  // the revision is the key's create revision
+  // the revision is the key's create revision
+  BecomeLeader(lease.first, txn->revision, valid_until_us);
   return true;
 }
 
@@ -226,14 +249,18 @@ void Leadership::BecomeLeader(int64_t lease, int64_t epoch, int64_t valid_until_
 }
 
 Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
-  // A client of its own: the journal may be large, so its requests may take longer than a renewal's.
-  NONSTOP_ASSIGN_OR_RETURN(auto reader, etcd::Client::Create(options_.endpoints, {options_.journal_timeout}));
+  // A client of its own: the journal may be large, so its requests may take longer than a
+  // renewal's.
+  NONSTOP_ASSIGN_OR_RETURN(auto reader,
+                           etcd::Client::Create(options_.endpoints, {options_.journal_timeout}));
   etcd::Backoff backoff(Millis(100), options_.retry_max);
-  etcd::OutageLog outage(fmt::format("reading the journal of job '{}' from etcd {}", options_.job, options_.endpoints),
-                         "the takeover waits (training goes on), retried while this controller holds its lease");
+  etcd::OutageLog outage(
+      fmt::format("reading the journal of job '{}' from etcd {}", options_.job, options_.endpoints),
+      "the takeover waits (training goes on), retried while this controller holds its lease");
   const std::function<bool()> lost = [this] { return deposed(); };
   const std::string journal_prefix = prefix_ + "journal/";
-  auto kvs = etcd::RetryTransient([&] { return reader->Prefix(journal_prefix); }, backoff, outage, lost);
+  auto kvs =
+      etcd::RetryTransient([&] { return reader->Prefix(journal_prefix); }, backoff, outage, lost);
   if (!kvs.ok()) {
     return etcd::IsTransient(kvs.status()) ? LostWhile("reading the journal", kvs.status())
                                            : Explain(kvs.status(), journal_prefix + "*");
@@ -241,26 +268,32 @@ Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
   std::vector<nlohmann::json> out;
   uint64_t last = 0;
   for (const auto& kv : *kvs) {
-    // Records 1, 2, 3, … with nothing missing: anything else is not this job's journal as it was written.
+    // Records 1, 2, 3, … with nothing missing: anything else is not this job's journal as it was
+    // written.
     if (kv.key != SeqKey(prefix_, last + 1)) {
-      return DataLossError(fmt::format("etcd key {} where the journal's record {} was expected ({}): not a journal "
-                                       "this controller can take over",
-                                       kv.key, last + 1, SeqKey(prefix_, last + 1)));
+      return DataLossError(
+          fmt::format("etcd key {} where the journal's record {} was expected ({}): not a journal "
+                      "this controller can take over",
+                      kv.key, last + 1, SeqKey(prefix_, last + 1)));
     }
     ++last;
     auto j = nlohmann::json::parse(kv.value, nullptr, false);
-    if (!j.is_object()) return DataLossError(fmt::format("etcd key {} is not a JSON journal record", kv.key));
+    if (!j.is_object())
+      return DataLossError(fmt::format("etcd key {} is not a JSON journal record", kv.key));
     out.push_back(std::move(j));
   }
   const std::string progress_key = prefix_ + "progress";
-  auto progress = etcd::RetryTransient([&] { return reader->Range(progress_key); }, backoff, outage, lost);
+  auto progress =
+      etcd::RetryTransient([&] { return reader->Range(progress_key); }, backoff, outage, lost);
   if (!progress.ok()) {
-    return etcd::IsTransient(progress.status()) ? LostWhile("reading the journal", progress.status())
-                                                : Explain(progress.status(), progress_key);
+    return etcd::IsTransient(progress.status())
+               ? LostWhile("reading the journal", progress.status())
+               : Explain(progress.status(), progress_key);
   }
   if (!progress->empty()) {
     auto j = nlohmann::json::parse((*progress)[0].value, nullptr, false);
-    if (!j.is_object()) return DataLossError(fmt::format("etcd key {} is not a JSON record", progress_key));
+    if (!j.is_object())
+      return DataLossError(fmt::format("etcd key {} is not a JSON record", progress_key));
     out.push_back(std::move(j));
   }
   first_seq_ = last + 1;
@@ -275,9 +308,10 @@ Status Leadership::Publish(const nlohmann::json& value) {
   v["pid"] = static_cast<int64_t>(::getpid());
   v["epoch"] = epoch_;
   etcd::Backoff backoff(Millis(100), options_.retry_max);
-  etcd::OutageLog outage(fmt::format("publishing this controller's address in etcd {}", options_.endpoints),
-                         "workers and agents wait for it (training goes on), retried while this controller holds "
-                         "its lease");
+  etcd::OutageLog outage(
+      fmt::format("publishing this controller's address in etcd {}", options_.endpoints),
+      "workers and agents wait for it (training goes on), retried while this controller holds "
+      "its lease");
   const std::function<bool()> lost = [this] { return deposed(); };
   // The same put again after an answer that was lost: it lands once or twice, alike.
   auto txn = etcd::RetryTransient(
@@ -291,7 +325,8 @@ Status Leadership::Publish(const nlohmann::json& value) {
                                            : Explain(txn.status(), leader_key_);
   }
   if (!txn->succeeded) {
-    SetDeposed(fmt::format("the leader key {} is no longer this controller's (epoch {})", leader_key_, epoch_));
+    SetDeposed(fmt::format("the leader key {} is no longer this controller's (epoch {})",
+                           leader_key_, epoch_));
     return FailedPreconditionError(why_not_leading());
   }
   return OkStatus();
@@ -332,7 +367,8 @@ bool Leadership::deposed() const {
   return true;
 }
 
-bool Leadership::Valid() const { return valid_until_us_.load() != 0 && !deposed(); }  // 0: not (or no longer) leading
+// 0: not (or no longer) leading
+bool Leadership::Valid() const { return valid_until_us_.load() != 0 && !deposed(); }
 
 std::string Leadership::why_not_leading() const {
   {
@@ -343,9 +379,11 @@ std::string Leadership::why_not_leading() const {
 }
 
 std::string Leadership::LapseReason() const {
-  return fmt::format("no renewal of the lease of epoch {} was answered within 80% of its {} s TTL (etcd unreachable, "
-                     "slow or overloaded, or this process was paused): it stands down",
-                     epoch_, options_.ttl_seconds);
+  return fmt::format(
+      "no renewal of the lease of epoch {} was answered within 80% of its {} s TTL (etcd "
+      "unreachable, "
+      "slow or overloaded, or this process was paused): it stands down",
+      epoch_, options_.ttl_seconds);
 }
 
 void Leadership::SetDeposed(std::string why) {
@@ -383,7 +421,8 @@ void Leadership::Resign() {
   { MutexLock lock(&mu_); }
   cv_.NotifyAll();
   if (keepalive_.joinable()) keepalive_.join();
-  if (lease_ != 0) RevokeQuietly(lease_);  // deposed too: a lease etcd still holds frees the key now
+  // deposed too: a lease etcd still holds frees the key now
+  if (lease_ != 0) RevokeQuietly(lease_);
   revoked_ = true;
   SetDeposed("resigned");
 }
@@ -392,9 +431,10 @@ void Leadership::KeepAlive(std::stop_token st) {
   auto client = etcd::Client::Create(options_.endpoints, {options_.request_timeout});
   if (!client.ok()) return SetFinal(client.status());
   etcd::Backoff backoff(Millis(100), options_.retry_max);
-  etcd::OutageLog outage(fmt::format("renewing the lease of epoch {} in etcd {}", epoch_, options_.endpoints),
-                         "training goes on, retried with back-off; this controller stands down if no renewal is "
-                         "answered within 80% of the TTL");
+  etcd::OutageLog outage(
+      fmt::format("renewing the lease of epoch {} in etcd {}", epoch_, options_.endpoints),
+      "training goes on, retried with back-off; this controller stands down if no renewal is "
+      "answered within 80% of the TTL");
   while (!st.stop_requested() && !deposed()) {
     int64_t sent_us = NowMicros();
     auto ttl = (*client)->LeaseKeepAlive(lease_);
@@ -402,13 +442,16 @@ void Leadership::KeepAlive(std::stop_token st) {
     if (ttl.ok()) {
       int64_t until = valid_until_us_.load();
       // Extended only while it holds: a renewal answered after the deadline is too late to lead on.
-      if (deposed() || !valid_until_us_.compare_exchange_strong(until, sent_us + *ttl * 800'000)) break;
+      if (deposed() || !valid_until_us_.compare_exchange_strong(until, sent_us + *ttl * 800'000))
+        break;
       outage.Succeeded();
       backoff.Reset();
     } else if (ttl.status().code() == StatusCode::kNotFound) {
-      return SetDeposed(fmt::format("the lease of epoch {} expired in etcd: another controller may lead", epoch_));
+      return SetDeposed(fmt::format(
+          "the lease of epoch {} expired in etcd: another controller may lead", epoch_));
     } else if (!etcd::IsTransient(ttl.status())) {
-      return SetFinal(Explain(ttl.status(), leader_key_ + fmt::format(" (its lease {:x})", lease_)));
+      return SetFinal(
+          Explain(ttl.status(), leader_key_ + fmt::format(" (its lease {:x})", lease_)));
     } else {
       outage.Failed(ttl.status());
       wait = backoff.Next();
@@ -423,8 +466,9 @@ void Leadership::Write(std::stop_token st) {
   auto client = etcd::Client::Create(options_.endpoints, {options_.journal_timeout});
   if (!client.ok()) return SetFinal(client.status());
   etcd::Backoff backoff(Millis(100), options_.retry_max);
-  etcd::OutageLog outage(fmt::format("writing the journal of epoch {} to etcd {}", epoch_, options_.endpoints),
-                         "orders wait until it is written (training goes on), retried with back-off");
+  etcd::OutageLog outage(
+      fmt::format("writing the journal of epoch {} to etcd {}", epoch_, options_.endpoints),
+      "orders wait until it is written (training goes on), retried with back-off");
   while (!st.stop_requested() && !deposed()) {
     std::vector<etcd::Op> ops;
     uint64_t last = 0;
@@ -432,19 +476,23 @@ void Leadership::Write(std::stop_token st) {
     {
       MutexLock lock(&mu_);
       cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return st.stop_requested() || deposed_.load() || !pending_.empty() || !progress_.empty() || !end_.empty();
+        return st.stop_requested() || deposed_.load() || !pending_.empty() || !progress_.empty() ||
+               !end_.empty();
       });
       if (st.stop_requested() || deposed_.load()) return;
       for (const auto& [seq, line] : pending_) {
         // Two slots stay free: progress and end.
-        if (ops.size() + 2 >= kMaxOpsPerTxn || (bytes > 0 && bytes + line.size() > kMaxBytesPerTxn)) break;
+        if (ops.size() + 2 >= kMaxOpsPerTxn || (bytes > 0 && bytes + line.size() > kMaxBytesPerTxn))
+          break;
         ops.push_back(etcd::Op::Put(SeqKey(prefix_, seq), line));
         bytes += line.size();
         last = seq;
       }
-      if (!progress_.empty() && ops.size() < kMaxOpsPerTxn) ops.push_back(etcd::Op::Put(prefix_ + "progress", progress_));
+      if (!progress_.empty() && ops.size() < kMaxOpsPerTxn)
+        ops.push_back(etcd::Op::Put(prefix_ + "progress", progress_));
       // The end key goes with the batch that holds the job_end record (or a later one).
-      if (!end_.empty() && ops.size() < kMaxOpsPerTxn && (pending_.empty() || last == pending_.back().first)) {
+      if (!end_.empty() && ops.size() < kMaxOpsPerTxn &&
+          (pending_.empty() || last == pending_.back().first)) {
         ops.push_back(etcd::Op::Put(prefix_ + "end", end_));
       }
     }
@@ -464,9 +512,10 @@ void Leadership::Write(std::stop_token st) {
       continue;
     }
     if (!txn->succeeded) {
-      return SetDeposed(fmt::format("etcd refused a journal write of epoch {}: the leader key {} is no longer this "
-                                    "controller's (another controller leads)",
-                                    epoch_, leader_key_));
+      return SetDeposed(fmt::format(
+          "etcd refused a journal write of epoch {}: the leader key {} is no longer this "
+          "controller's (another controller leads)",
+          epoch_, leader_key_));
     }
     outage.Succeeded();
     backoff.Reset();

@@ -71,12 +71,14 @@ struct LeadershipOptions {
   std::string job = "default";
   // The leader's lease: a dead leader is replaced within about this plus 1 s (--lease-ttl-s).
   int ttl_seconds = settings::kLeaseTtlS.default_value;
-  Millis poll{100};  // how often a standby looks at the leader key (plus up to half of it at random)
+  // how often a standby looks at the leader key (plus up to half of it at random)
+  Millis poll{100};
   // Zero: derived from the TTL (docs/controller-failover.md, "Timing").
   Millis renew_every{0};      // a renewal of the lease after each success: TTL/5
   Millis request_timeout{0};  // one campaign or renewal request: TTL/4, within [250 ms, 5 s]
   Millis journal_timeout{0};  // one read or write of the journal, the publish: max(2 s, TTL/2)
-  Millis retry_max{0};        // the back-off's cap after a transient failure: TTL/10, within [100 ms, 2 s]
+  // the back-off's cap after a transient failure: TTL/10, within [100 ms, 2 s]
+  Millis retry_max{0};
   // A lease of this process's previous term that etcd may still hold (it could not be given back
   // while etcd was away): revoked at the campaign's first contact, so the election need not wait
   // it out. `nonstop controller --etcd` passes it when it stands by again.
@@ -88,14 +90,15 @@ LeadershipOptions WithDerivedTimes(LeadershipOptions o);
 
 // A job's name in etcd: 1-64 of [A-Za-z0-9._-] (so one job's keys are never inside another's).
 Status CheckJobName(const std::string& job);
-std::string JobPrefix(const std::string& job);       // "/nonstop/<job>/"
-std::string LeaderKey(const std::string& job);       // "/nonstop/<job>/leader"
+std::string JobPrefix(const std::string& job);  // "/nonstop/<job>/"
+std::string LeaderKey(const std::string& job);  // "/nonstop/<job>/leader"
 
 // Who leads `job` now, as its leader key says: the control address, or
 // NotFound (nobody leads, or the leader has not published an address yet),
 // or Aborted when the job ended (the message says how; *exit_code, if given,
 // is the job's exit code).
-Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, int* exit_code = nullptr);
+Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job,
+                                 int* exit_code = nullptr);
 
 class Leadership {
  public:
@@ -112,7 +115,8 @@ class Leadership {
   // leads (its key's value) and each time that changes. Returns the epoch;
   // Cancelled once stop() said so; a final error (it names the key and the
   // fix).
-  Result<int64_t> Campaign(const std::function<bool()>& stop, const std::function<void(const std::string&)>& on_wait);
+  Result<int64_t> Campaign(const std::function<bool()>& stop,
+                           const std::function<void(const std::string&)>& on_wait);
 
   // The journal in etcd, in order: what the takeover replays (the progress
   // record last, if any). Read after Campaign won; retried through
@@ -128,12 +132,13 @@ class Leadership {
   // Queues one record (already stamped); Flush hands the queue to the writer.
   void Append(const nlohmann::json& record);
   void Flush();
-  uint64_t appended() const { return appended_; }        // records queued so far (seq of the last)
-  uint64_t durable() const { return durable_.load(); }   // records etcd holds so far
+  uint64_t appended() const { return appended_; }       // records queued so far (seq of the last)
+  uint64_t durable() const { return durable_.load(); }  // records etcd holds so far
 
   // Readable (an eventfd) when durable() grew or the leadership was lost: the loop's cue to go on.
   int wake_fd() const { return wake_.get(); }
-  bool Valid() const;                 // may this process issue orders now? It leads and is not deposed()
+  // may this process issue orders now? It leads and is not deposed()
+  bool Valid() const;
   // Deposed: etcd says another leads or the lease is gone, this process resigned, or no renewal
   // was answered within 80% of the TTL (the renew deadline: a lapse). For good, once true.
   bool deposed() const;
@@ -152,7 +157,8 @@ class Leadership {
  private:
   explicit Leadership(LeadershipOptions o) : options_(std::move(o)) {}
   // One look at the leader key, and a try to take it if it is free: true if this process leads now.
-  Result<bool> CampaignOnce(std::string* seen, const std::function<void(const std::string&)>& on_wait);
+  Result<bool> CampaignOnce(std::string* seen,
+                            const std::function<void(const std::string&)>& on_wait);
   void BecomeLeader(int64_t lease, int64_t epoch, int64_t valid_until_us);
   void KeepAlive(std::stop_token st);
   void Write(std::stop_token st);
@@ -171,7 +177,8 @@ class Leadership {
   UniqueFd wake_;
   std::string prefix_;
   std::string leader_key_;
-  std::unique_ptr<etcd::Client> client_;  // the caller's thread: Campaign, ReadJournal, Publish, Resign
+  // the caller's thread: Campaign, ReadJournal, Publish, Resign
+  std::unique_ptr<etcd::Client> client_;
   // Not under mu_: set by Campaign before it starts the keep-alive thread
   // (the writer starts later still), fixed from then on.
   int64_t lease_ = 0;
@@ -185,7 +192,7 @@ class Leadership {
   // Atomics, not under mu_: Valid() and the accessors read them lock-free
   // from the loop. SetDeposed still stores them under mu_, so that a waiter
   // between its check and its sleep cannot miss the change.
-  std::atomic<int64_t> valid_until_us_{0};  // monotonic µs
+  std::atomic<int64_t> valid_until_us_{0};    // monotonic µs
   mutable std::atomic<bool> deposed_{false};  // latched by deposed() at a lapse
   std::atomic<uint64_t> durable_{0};
   // The loop's own (Append, Flush, appended()), not under mu_; ReadJournal
@@ -199,7 +206,8 @@ class Leadership {
   // What Flush hands to the writer thread, and why the leadership was lost.
   mutable Mutex mu_;
   CondVar cv_;
-  std::deque<std::pair<uint64_t, std::string>> pending_ NONSTOP_GUARDED_BY(mu_);  // flushed, for the writer
+  // flushed, for the writer
+  std::deque<std::pair<uint64_t, std::string>> pending_ NONSTOP_GUARDED_BY(mu_);
   std::string progress_ NONSTOP_GUARDED_BY(mu_);  // the latest step record, for the writer
   std::string end_ NONSTOP_GUARDED_BY(mu_);       // the job_end record, for the writer
   std::string why_ NONSTOP_GUARDED_BY(mu_);

@@ -20,8 +20,9 @@ class LeadershipOutageTest : public ::testing::Test {
  protected:
   void SetUp() override {
     server_ = std::make_unique<nonstop::testing::EtcdServer>(dir_.path());
-    ASSERT_FALSE(server_->endpoint().empty()) << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
-                                              << server_->Output();
+    ASSERT_FALSE(server_->endpoint().empty())
+        << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
+        << server_->Output();
   }
   void TearDown() override {
     if (server_ && server_->pid() > 0) ::kill(server_->pid(), SIGCONT);
@@ -31,7 +32,8 @@ class LeadershipOutageTest : public ::testing::Test {
     o.endpoints = server_->endpoint();
     o.job = "t";
     o.ttl_seconds = ttl_seconds;
-    o.journal_timeout = milliseconds(300);  // shorter than the pauses: the reads are retried, not waited out
+    // shorter than the pauses: the reads are retried, not waited out
+    o.journal_timeout = milliseconds(300);
     o.request_timeout = milliseconds(300);
     auto l = Leadership::Connect(o);
     EXPECT_TRUE(l.ok()) << l.status().ToString();
@@ -58,7 +60,8 @@ TEST_F(LeadershipOutageTest, ThePublishAndTheJournalReadRideOutAPauseShorterThan
   auto records = l->ReadJournal();
   resume.join();
   ASSERT_TRUE(records.ok()) << records.status().ToString();
-  EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(1'000)) << "the read did not wait for etcd";
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(1'000))
+      << "the read did not wait for etcd";
   ASSERT_TRUE(l->Publish({{"controller", "127.0.0.1:1"}}).ok());
   EXPECT_FALSE(l->deposed()) << l->why_not_leading();
   for (int i = 0; i < 100 && !l->Valid(); ++i) std::this_thread::sleep_for(milliseconds(20));
@@ -69,12 +72,14 @@ TEST_F(LeadershipOutageTest, AReadCutOffPastTheLeaseEndsDeposedNotFinalAndTheNex
   auto l = Connect(1);
   ASSERT_TRUE(l);
   ASSERT_TRUE(l->Campaign([] { return false; }, [](const std::string&) {}).ok());
-  std::thread resume = PauseEtcd(milliseconds(3'500));  // past 1.8 TTL: the keep-alive gives the lead up
+  // past 1.8 TTL: the keep-alive gives the lead up
+  std::thread resume = PauseEtcd(milliseconds(3'500));
   auto records = l->ReadJournal();
   ASSERT_FALSE(records.ok());
   EXPECT_TRUE(l->deposed());
   EXPECT_TRUE(etcd::IsTransient(records.status())) << records.status().ToString();
-  EXPECT_NE(records.status().message().find("lost the lead"), std::string::npos) << records.status().message();
+  EXPECT_NE(records.status().message().find("lost the lead"), std::string::npos)
+      << records.status().message();
   EXPECT_TRUE(l->final_error().ok()) << l->final_error().ToString();
   resume.join();
   l.reset();  // gives the lease back if etcd still holds it
@@ -95,7 +100,8 @@ TEST_F(LeadershipOutageTest, AStandbyCampaignsThroughAPauseAndLeadsWhenEtcdAnswe
   resume.join();
   ASSERT_TRUE(epoch.ok()) << epoch.status().ToString();
   EXPECT_GE(waited, milliseconds(1'000));
-  EXPECT_LT(waited, milliseconds(6'000)) << "the campaign did not lead soon after etcd answered again";
+  EXPECT_LT(waited, milliseconds(6'000))
+      << "the campaign did not lead soon after etcd answered again";
 }
 
 TEST_F(LeadershipOutageTest, AStandbyToldToStopDuringAnOutageStopsPromptly) {
@@ -103,8 +109,9 @@ TEST_F(LeadershipOutageTest, AStandbyToldToStopDuringAnOutageStopsPromptly) {
   ASSERT_TRUE(l);
   std::thread resume = PauseEtcd(milliseconds(3'000));
   auto t0 = std::chrono::steady_clock::now();
-  auto epoch = l->Campaign([&] { return std::chrono::steady_clock::now() - t0 > milliseconds(500); },
-                           [](const std::string&) {});
+  auto epoch =
+      l->Campaign([&] { return std::chrono::steady_clock::now() - t0 > milliseconds(500); },
+                  [](const std::string&) {});
   auto waited = std::chrono::steady_clock::now() - t0;
   ASSERT_FALSE(epoch.ok());
   EXPECT_EQ(epoch.status().code(), StatusCode::kCancelled) << epoch.status().ToString();
@@ -127,7 +134,8 @@ TEST_F(LeadershipOutageTest, TheRealGatewaysErrorAnswersAreReadAndClassed) {
   EXPECT_EQ(too_many.status().code(), StatusCode::kInvalidArgument) << too_many.status().ToString();
   EXPECT_FALSE(etcd::IsTransient(too_many.status()));
   EXPECT_NE(too_many.status().message().find("too many operations"), std::string::npos);
-  EXPECT_TRUE((*client)->Range("/k1").ok()) << "the client goes on after an answer it could not read to its end";
+  EXPECT_TRUE((*client)->Range("/k1").ok())
+      << "the client goes on after an answer it could not read to its end";
 }
 
 // A controller that stands by again passes its previous term's lease (etcd may still hold it, or

@@ -10,7 +10,9 @@
 namespace nonstop::etcd {
 
 Backoff::Backoff(Millis initial, Millis max, std::function<double()> random)
-    : initial_(std::max(initial, Millis(1))), max_(std::max(max, initial_)), random_(std::move(random)) {
+    : initial_(std::max(initial, Millis(1))),
+      max_(std::max(max, initial_)),
+      random_(std::move(random)) {
   if (!random_) {
     generator_.seed(std::random_device{}());
     random_ = [this] { return std::uniform_real_distribution<double>(0.0, 1.0)(generator_); };
@@ -42,8 +44,8 @@ void OutageLog::Failed(const Status& s) {
 
 void OutageLog::Succeeded() {
   if (since_ < 0) return;
-  NONSTOP_LOG_WARNING("{}: etcd answers again after {:.1f} s ({} failed tries)", what_, MonotonicSeconds() - since_,
-                      failures_);
+  NONSTOP_LOG_WARNING("{}: etcd answers again after {:.1f} s ({} failed tries)", what_,
+                      MonotonicSeconds() - since_, failures_);
   since_ = -1;
   failures_ = 0;
 }

@@ -3,7 +3,8 @@
 //
 //   etcd::Backoff backoff(Millis(100), Millis(1'000));
 //   etcd::OutageLog outage("reading the journal from etcd at 10.0.0.1:2379");
-//   auto kvs = etcd::RetryTransient([&] { return client.Prefix(p); }, backoff, outage, [&] { return lost(); });
+//   auto kvs = etcd::RetryTransient([&] { return client.Prefix(p); }, backoff, outage, [&] { return
+//   lost(); });
 //
 // Which failures are transient is the client's classification
 // (etcd::IsTransient, src/coord/etcd.h): the rest end the retries at once.
@@ -37,7 +38,7 @@ class Backoff {
   Backoff(const Backoff&) = delete;  // its default generator is its own
   Backoff& operator=(const Backoff&) = delete;
 
-  Millis Next();  // the wait after one more failure
+  Millis Next();                   // the wait after one more failure
   void Reset() { failures_ = 0; }  // after a success
   int failures() const { return failures_; }
   // The cap of the next wait: min(max, initial·2^failures).
@@ -84,8 +85,8 @@ const Status& StatusOf(const Result<T>& r) {
 // `give_up()` is true after a transient failure (then that failure is
 // returned). Waits backoff.Next() between tries; the outage is logged once.
 template <typename Call>
-auto RetryTransient(Call&& call, Backoff& backoff, OutageLog& outage, const std::function<bool()>& give_up)
-    -> decltype(call()) {
+auto RetryTransient(Call&& call, Backoff& backoff, OutageLog& outage,
+                    const std::function<bool()>& give_up) -> decltype(call()) {
   while (true) {
     auto r = call();
     if (r.ok()) {

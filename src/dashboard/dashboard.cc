@@ -17,7 +17,8 @@ void Fill(std::string* page, std::string_view marker, std::string_view with) {
 // "<!--" change how it is parsed, so no '<' is left as it is. '<' occurs only
 // inside JSON strings, where "\u003c" means the same.
 std::string ScriptSafe(const nlohmann::json& j) {
-  std::string text = j.dump(-1, ' ', /*ensure_ascii=*/true, nlohmann::json::error_handler_t::replace);
+  std::string text =
+      j.dump(-1, ' ', /*ensure_ascii=*/true, nlohmann::json::error_handler_t::replace);
   std::string out;
   out.reserve(text.size());
   for (char c : text) {
@@ -45,7 +46,8 @@ std::string Page(const nlohmann::json& config) {
 
 std::string LivePage() { return Page({{"mode", "live"}}); }
 
-std::string ReportPage(const std::vector<nlohmann::json>& records, const std::string& title, const std::string& note) {
+std::string ReportPage(const std::vector<nlohmann::json>& records, const std::string& title,
+                       const std::string& note) {
   return Page({{"mode", "report"}, {"title", title}, {"note", note}, {"journal", records}});
 }
 

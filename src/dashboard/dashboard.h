@@ -21,7 +21,8 @@ std::string LivePage();
 // tables, the recovery table, goodput, and a summary line per fault. `note`
 // (may be empty) is shown under the title, e.g. that the journal's last line
 // was cut short.
-std::string ReportPage(const std::vector<nlohmann::json>& records, const std::string& title, const std::string& note);
+std::string ReportPage(const std::vector<nlohmann::json>& records, const std::string& title,
+                       const std::string& note);
 
 // Several runs of one job side by side (the recovery benchmark: fault-free,
 // checkpointless, checkpoint-restart): steps over wall time and loss per run,

@@ -18,11 +18,14 @@ Result<std::vector<std::string>> ListShards(const std::string& pattern) {
       if (e.is_regular_file() && e.path().extension() == ".bin") out.push_back(e.path().string());
     }
     std::sort(out.begin(), out.end());
-    if (out.empty()) return NotFoundError(fmt::format("no *.bin shards in directory {} (HINT: run `nonstop data prepare`)", pattern));
+    if (out.empty())
+      return NotFoundError(fmt::format(
+          "no *.bin shards in directory {} (HINT: run `nonstop data prepare`)", pattern));
   } else if (fs::exists(pattern, ec)) {
     out.push_back(pattern);
   } else {
-    return NotFoundError(fmt::format("data path {} does not exist (HINT: run `nonstop data prepare`)", pattern));
+    return NotFoundError(
+        fmt::format("data path {} does not exist (HINT: run `nonstop data prepare`)", pattern));
   }
   return out;
 }
@@ -46,8 +49,9 @@ Result<std::unique_ptr<Dataset>> Dataset::Open(const std::string& pattern, size_
   }
   if (ds->total_samples_ == 0) {
     // seq_len + 1 tokens per sample, written so that no seq_len can wrap it around.
-    return InvalidArgumentError(fmt::format("data {} has {} tokens: too few for one sample of seq_len {} + 1 tokens",
-                                            pattern, ds->num_tokens_, seq_len));
+    return InvalidArgumentError(
+        fmt::format("data {} has {} tokens: too few for one sample of seq_len {} + 1 tokens",
+                    pattern, ds->num_tokens_, seq_len));
   }
   return ds;
 }

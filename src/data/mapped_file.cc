@@ -13,10 +13,12 @@ namespace nonstop::data {
 
 Result<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return ErrnoStatus(errno == ENOENT ? StatusCode::kNotFound : StatusCode::kUnavailable,
-                                      "open " + path, errno);
+  if (!fd.valid())
+    return ErrnoStatus(errno == ENOENT ? StatusCode::kNotFound : StatusCode::kUnavailable,
+                       "open " + path, errno);
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(StatusCode::kUnavailable, "stat " + path, errno);
+  if (::fstat(fd.get(), &st) != 0)
+    return ErrnoStatus(StatusCode::kUnavailable, "stat " + path, errno);
   if (!S_ISREG(st.st_mode)) return InvalidArgumentError(path + " is not a regular file");
   auto size = static_cast<size_t>(st.st_size);
   if (size == 0) return std::unique_ptr<MappedFile>(new MappedFile(path, nullptr, 0));

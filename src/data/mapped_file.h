@@ -23,7 +23,8 @@ class MappedFile {
   const std::string& path() const { return path_; }
 
  private:
-  MappedFile(std::string path, const std::byte* data, size_t size) : path_(std::move(path)), data_(data), size_(size) {}
+  MappedFile(std::string path, const std::byte* data, size_t size)
+      : path_(std::move(path)), data_(data), size_(size) {}
   std::string path_;
   const std::byte* data_;
   size_t size_;

@@ -22,7 +22,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-Result<std::vector<std::string>> ExpandInputs(const std::vector<std::string>& inputs, PrepareReport* report) {
+Result<std::vector<std::string>> ExpandInputs(const std::vector<std::string>& inputs,
+                                              PrepareReport* report) {
   std::vector<std::string> files;
   for (const auto& input : inputs) {
     std::error_code ec;
@@ -68,15 +69,20 @@ std::string StripFortuneSeparators(const std::string& text) {
 
 }  // namespace
 
-Result<PrepareReport> PrepareShards(const PrepareOptions& options, const PrepareProgress& progress) {
-  if (options.output_dir.empty()) return InvalidArgumentError("prepare: an output directory is required");
-  if (options.inputs.empty()) return InvalidArgumentError("prepare: at least one input file or directory is required");
-  if (options.tokens_per_shard == 0) return InvalidArgumentError("prepare: tokens_per_shard must be positive");
+Result<PrepareReport> PrepareShards(const PrepareOptions& options,
+                                    const PrepareProgress& progress) {
+  if (options.output_dir.empty())
+    return InvalidArgumentError("prepare: an output directory is required");
+  if (options.inputs.empty())
+    return InvalidArgumentError("prepare: at least one input file or directory is required");
+  if (options.tokens_per_shard == 0)
+    return InvalidArgumentError("prepare: tokens_per_shard must be positive");
   PrepareReport report;
   NONSTOP_ASSIGN_OR_RETURN(std::vector<std::string> files, ExpandInputs(options.inputs, &report));
   std::error_code ec;
   fs::create_directories(options.output_dir, ec);
-  if (ec) return UnavailableError(fmt::format("cannot create {}: {}", options.output_dir, ec.message()));
+  if (ec)
+    return UnavailableError(fmt::format("cannot create {}: {}", options.output_dir, ec.message()));
 
   std::vector<uint16_t> pending;
   auto flush = [&](bool final) -> Status {
@@ -112,27 +118,35 @@ Result<PrepareReport> PrepareShards(const PrepareOptions& options, const Prepare
   if (report.tokens == 0) return InvalidArgumentError("prepare: the inputs hold no text");
 
   nlohmann::json manifest = {
-      {"format", "nonstop-token-shards"}, {"version", 1},        {"tokenizer", "byte"},
-      {"vocab_size", 256},                {"shards", report.shards}, {"tokens", report.tokens},
-      {"files", report.files_read},      {"inputs", options.inputs},
+      {"format", "nonstop-token-shards"},
+      {"version", 1},
+      {"tokenizer", "byte"},
+      {"vocab_size", 256},
+      {"shards", report.shards},
+      {"tokens", report.tokens},
+      {"files", report.files_read},
+      {"inputs", options.inputs},
   };
-  NONSTOP_RETURN_IF_ERROR(WriteFileAtomically(options.output_dir + "/manifest.json", manifest.dump(2) + "\n"));
+  NONSTOP_RETURN_IF_ERROR(
+      WriteFileAtomically(options.output_dir + "/manifest.json", manifest.dump(2) + "\n"));
   return report;
 }
 
 Result<bool> PrepareIfMissing(const PrepareOptions& options, const PrepareProgress& progress) {
   std::error_code ec;
   fs::create_directories(options.output_dir, ec);
-  if (ec) return UnavailableError(fmt::format("cannot create {}: {}", options.output_dir, ec.message()));
+  if (ec)
+    return UnavailableError(fmt::format("cannot create {}: {}", options.output_dir, ec.message()));
   std::string lock_path = options.output_dir + "/.lock";
   UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (!lock.valid()) return ErrnoStatus(StatusCode::kUnavailable, "open " + lock_path, errno);
-  if (::flock(lock.get(), LOCK_EX) != 0) return ErrnoStatus(StatusCode::kUnavailable, "flock " + lock_path, errno);
+  if (::flock(lock.get(), LOCK_EX) != 0)
+    return ErrnoStatus(StatusCode::kUnavailable, "flock " + lock_path, errno);
   if (fs::exists(options.output_dir + "/manifest.json")) return false;
   NONSTOP_ASSIGN_OR_RETURN(PrepareReport report, PrepareShards(options, progress));
   if (progress) {
-    progress(fmt::format("prepared {} tokens from {} files into {} shards in {}", report.tokens, report.files_read,
-                         report.shards, options.output_dir));
+    progress(fmt::format("prepared {} tokens from {} files into {} shards in {}", report.tokens,
+                         report.files_read, report.shards, options.output_dir));
   }
   return true;
 }

@@ -39,8 +39,9 @@ Result<Sampler> Sampler::Create(SamplerOptions o) {
     return InvalidArgumentError("sampler: global_batch and micro_batch must be positive");
   }
   if (o.global_batch % o.micro_batch != 0) {
-    return InvalidArgumentError(fmt::format("sampler: global_batch {} is not a multiple of micro_batch {}",
-                                            o.global_batch, o.micro_batch));
+    return InvalidArgumentError(
+        fmt::format("sampler: global_batch {} is not a multiple of micro_batch {}", o.global_batch,
+                    o.micro_batch));
   }
   return Sampler(o);
 }

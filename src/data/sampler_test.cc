@@ -44,7 +44,8 @@ TEST(SamplerTest, MicroBatchesAreDealtAsEvenContiguousBlocks) {
       auto [lo, hi] = s.MicroBatchesFor(r, w);
       EXPECT_EQ(lo, next) << "contiguous";
       uint64_t n = hi - lo;
-      EXPECT_TRUE(n == 7 / static_cast<uint64_t>(w) || n == 7 / static_cast<uint64_t>(w) + 1) << "even";
+      EXPECT_TRUE(n == 7 / static_cast<uint64_t>(w) || n == 7 / static_cast<uint64_t>(w) + 1)
+          << "even";
       next = hi;
     }
     EXPECT_EQ(next, 7u) << "all dealt at world size " << w;

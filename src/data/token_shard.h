@@ -34,9 +34,9 @@ enum class ShardFormat { kNonstop, kLlmc };
 // What a validated shard header says about the bytes that follow it.
 struct TokenShardHeader {
   ShardFormat format = ShardFormat::kNonstop;
-  uint32_t vocab_size = 0;    // 0 when the format does not say (llm.c)
-  uint64_t token_count = 0;   // tokens in the file
-  size_t token_offset = 0;    // bytes before the first token (the header's size)
+  uint32_t vocab_size = 0;   // 0 when the format does not say (llm.c)
+  uint64_t token_count = 0;  // tokens in the file
+  size_t token_offset = 0;   // bytes before the first token (the header's size)
 };
 
 // Validates a whole shard file held in memory: the magic, every header field,
@@ -67,7 +67,7 @@ class TokenShard {
 std::string EncodeShard(std::span<const uint16_t> tokens, uint32_t vocab_size);
 
 // Writes a shard atomically: a temporary file, fsync, rename, fsync of the directory.
-Status WriteShardFile(const std::string& path, std::span<const uint16_t> tokens, uint32_t vocab_size);
-
+Status WriteShardFile(const std::string& path, std::span<const uint16_t> tokens,
+                      uint32_t vocab_size);
 
 }  // namespace nonstop::data

@@ -35,7 +35,8 @@ TEST(TokenShardTest, TruncatedShardIsDataLossNamingTheFile) {
   ASSERT_FALSE(shard.ok());
   EXPECT_EQ(shard.status().code(), StatusCode::kDataLoss);
   EXPECT_NE(shard.status().message().find("t.bin"), std::string::npos);
-  EXPECT_NE(shard.status().message().find("truncated"), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("truncated"), std::string::npos)
+      << shard.status().ToString();
 }
 
 TEST(TokenShardTest, FlippedTokenByteFailsChecksum) {
@@ -104,12 +105,15 @@ TEST(TokenShardTest, CountWhoseByteSizeOverflowsIsRefused) {
   std::vector<uint16_t> tokens(50, 7);
   WriteRaw(dir / "wrap.bin", CraftedShard(tokens, (uint64_t{1} << 63) + 50));
   auto shard = TokenShard::Open(dir / "wrap.bin");
-  ASSERT_FALSE(shard.ok()) << "accepted " << (*shard)->tokens().size() << " tokens from a 164-byte file";
+  ASSERT_FALSE(shard.ok()) << "accepted " << (*shard)->tokens().size()
+                           << " tokens from a 164-byte file";
   EXPECT_EQ(shard.status().code(), StatusCode::kDataLoss);
-  EXPECT_NE(shard.status().message().find("wrap.bin"), std::string::npos) << shard.status().ToString();
-  EXPECT_NE(shard.status().message().find("token count"), std::string::npos) << shard.status().ToString();
-  EXPECT_NE(shard.status().message().find("164"), std::string::npos) << "names the file size: "
-                                                                      << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("wrap.bin"), std::string::npos)
+      << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("token count"), std::string::npos)
+      << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("164"), std::string::npos)
+      << "names the file size: " << shard.status().ToString();
 }
 
 TEST(TokenShardTest, HugeCountIsRefusedNamingTheFieldAndSizes) {
@@ -119,9 +123,12 @@ TEST(TokenShardTest, HugeCountIsRefusedNamingTheFieldAndSizes) {
   auto shard = TokenShard::Open(dir / "huge.bin");
   ASSERT_FALSE(shard.ok());
   EXPECT_EQ(shard.status().code(), StatusCode::kDataLoss);
-  EXPECT_NE(shard.status().message().find("huge.bin"), std::string::npos) << shard.status().ToString();
-  EXPECT_NE(shard.status().message().find("token count 1099511627776"), std::string::npos) << shard.status().ToString();
-  EXPECT_NE(shard.status().message().find("164 bytes"), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("huge.bin"), std::string::npos)
+      << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("token count 1099511627776"), std::string::npos)
+      << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("164 bytes"), std::string::npos)
+      << shard.status().ToString();
 }
 
 TEST(TokenShardTest, NonzeroReservedHeaderBytesAreRefused) {
@@ -132,20 +139,25 @@ TEST(TokenShardTest, NonzeroReservedHeaderBytesAreRefused) {
   auto shard = TokenShard::Open(dir / "pad.bin");
   ASSERT_FALSE(shard.ok());
   EXPECT_EQ(shard.status().code(), StatusCode::kDataLoss);
-  EXPECT_NE(shard.status().message().find("reserved"), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("reserved"), std::string::npos)
+      << shard.status().ToString();
 }
 
-std::span<const std::byte> AsBytes(const std::string& s) { return std::as_bytes(std::span(s.data(), s.size())); }
+std::span<const std::byte> AsBytes(const std::string& s) {
+  return std::as_bytes(std::span(s.data(), s.size()));
+}
 
 TEST(TokenShardTest, ParseHeaderRefusesEveryTruncationOfAValidShard) {
   std::vector<uint16_t> tokens = {1, 2, 3, 4, 5, 6, 7};
   for (const std::string& whole : {EncodeShard(tokens, 256), LlmcShard(tokens)}) {
     ASSERT_TRUE(ParseTokenShardHeader(AsBytes(whole)).ok());
     for (size_t n = 0; n < whole.size(); ++n) {
-      // A copy of exactly n bytes, so that a read past the span is a read past the allocation (ASan).
+      // A copy of exactly n bytes, so that a read past the span is a read past the allocation
+      // (ASan).
       std::string prefix = whole.substr(0, n);
       auto parsed = ParseTokenShardHeader(AsBytes(prefix));
-      EXPECT_FALSE(parsed.ok()) << "accepted a " << n << "-byte prefix of a " << whole.size() << "-byte shard";
+      EXPECT_FALSE(parsed.ok()) << "accepted a " << n << "-byte prefix of a " << whole.size()
+                                << "-byte shard";
     }
   }
 }
@@ -173,7 +185,8 @@ TEST(TokenShardTest, WrongTokenWidthIsRefusedNamingTheField) {
   auto shard = TokenShard::Open(dir / "w.bin");
   ASSERT_FALSE(shard.ok());
   EXPECT_EQ(shard.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(shard.status().message().find("bytes per token"), std::string::npos) << shard.status().ToString();
+  EXPECT_NE(shard.status().message().find("bytes per token"), std::string::npos)
+      << shard.status().ToString();
 }
 
 TEST(PrepareTest, TextBecomesByteTokensAcrossShards) {
@@ -183,7 +196,8 @@ TEST(PrepareTest, TextBecomesByteTokensAcrossShards) {
   WriteRaw(in_dir + "/a", "Hello\n%\nWorld\n");
   WriteRaw(in_dir + "/a.dat", std::string("\0\1\2", 3));
   WriteRaw(in_dir + "/b", std::string("bin\0ary", 7));
-  PrepareOptions o{{in_dir}, dir / "out", /*tokens_per_shard=*/5, /*strip_fortune_separators=*/true};
+  PrepareOptions o{
+      {in_dir}, dir / "out", /*tokens_per_shard=*/5, /*strip_fortune_separators=*/true};
   auto report = PrepareShards(o);
   ASSERT_TRUE(report.ok()) << report.status().ToString();
   EXPECT_EQ(report->files_read, 1u);
@@ -224,7 +238,8 @@ TEST(DatasetTest, SeqLenLongerThanTheDataIsRefusedNamingIt) {
     auto ds = Dataset::Open(dir.path(), seq_len);
     ASSERT_FALSE(ds.ok());
     EXPECT_EQ(ds.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(ds.status().message().find("seq_len " + std::to_string(seq_len) + " + 1"), std::string::npos)
+    EXPECT_NE(ds.status().message().find("seq_len " + std::to_string(seq_len) + " + 1"),
+              std::string::npos)
         << ds.status().ToString();
   }
 }

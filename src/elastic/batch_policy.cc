@@ -7,7 +7,8 @@ namespace nonstop::elastic {
 Result<BatchMode> ParseBatchMode(const std::string& text) {
   if (text == "fixed") return BatchMode::kFixed;
   if (text == "scale-with-world") return BatchMode::kScaleWithWorld;
-  return InvalidArgumentError("train.batch: must be 'fixed' or 'scale-with-world', got '" + text + "'");
+  return InvalidArgumentError("train.batch: must be 'fixed' or 'scale-with-world', got '" + text +
+                              "'");
 }
 
 Result<LrScaling> ParseLrScaling(const std::string& text) {
@@ -27,7 +28,8 @@ double LrFactor(BatchMode mode, LrScaling scaling, int base_world, int world) {
   return scaling == LrScaling::kLinear ? ratio : std::sqrt(ratio);
 }
 
-double WarmedFactor(double from, double to, int64_t step, int64_t change_step, int64_t warmup_steps) {
+double WarmedFactor(double from, double to, int64_t step, int64_t change_step,
+                    int64_t warmup_steps) {
   if (warmup_steps <= 0 || step >= change_step + warmup_steps) return to;
   if (step < change_step) return from;
   double t = static_cast<double>(step - change_step + 1) / static_cast<double>(warmup_steps);

@@ -1,5 +1,5 @@
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -38,7 +38,8 @@ TEST(OutputWriterTest, ReaderThatTakesNothingNeverBlocksTheWriterAndLossIsReport
       got += ReadAvailable(p[0]);
       ::usleep(10'000);
     }
-    EXPECT_NE(got.find("were dropped: the reader of this stream is not keeping up"), std::string::npos);
+    EXPECT_NE(got.find("were dropped: the reader of this stream is not keeping up"),
+              std::string::npos);
   }
   ::close(p[0]);
   ::close(p[1]);
@@ -57,7 +58,8 @@ TEST(LocalLauncherTest, ChildExitIsSeenWhileTheOutputReaderIsStuck) {
   ChildSpec spec;
   spec.worker_id = 1;
   // ~8 MB of lines, far more than the pipe and the writer's buffer hold.
-  spec.argv = {"/bin/sh", "-c", "yes 0123456789012345678901234567890123456789 | head -c 8000000; exit 3"};
+  spec.argv = {"/bin/sh", "-c",
+               "yes 0123456789012345678901234567890123456789 | head -c 8000000; exit 3"};
   ASSERT_TRUE(launcher.Spawn(spec).ok());
   Deadline until = DeadlineAfter(Millis(30'000));
   while (exit_code == -100 && Clock::now() < until) loop.RunOnce(Millis(20));
@@ -124,8 +126,9 @@ TEST(LocalLauncherTest, SpecVariablesReplaceInheritedOnes) {
   net::EventLoop loop;
   OutputWriter out(p[1], 1 << 20, Millis(100));
   bool exited = false;
-  LocalLauncher launcher(&loop, [](int) { return std::string(); }, [&](int, pid_t, int, int) { exited = true; },
-                         nullptr, &out, &out);
+  LocalLauncher launcher(
+      &loop, [](int) { return std::string(); }, [&](int, pid_t, int, int) { exited = true; },
+      nullptr, &out, &out);
   ChildSpec spec;
   spec.worker_id = 1;
   spec.argv = {"/usr/bin/env"};  // prints the raw environment, duplicates included
@@ -135,7 +138,8 @@ TEST(LocalLauncherTest, SpecVariablesReplaceInheritedOnes) {
   for (int i = 0; i < 500 && !exited; ++i) loop.RunOnce(Millis(10));
   ASSERT_TRUE(exited);
   std::string got;
-  for (int i = 0; i < 100 && got.find("NONSTOP_LAUNCHER_TEST_VAR=from-spec") == std::string::npos; ++i) {
+  for (int i = 0; i < 100 && got.find("NONSTOP_LAUNCHER_TEST_VAR=from-spec") == std::string::npos;
+       ++i) {
     got += ReadAvailable(p[0]);
     ::usleep(10'000);
   }
@@ -153,7 +157,8 @@ TEST(LocalLauncherTest, SpecVariablesReplaceInheritedOnes) {
 TEST(LocalLauncherTest, ExitedChildrenHoldNoDescriptors) {
   net::EventLoop loop;
   int exits = 0;
-  LocalLauncher launcher(&loop, [](int) { return std::string(); }, [&](int, pid_t, int, int) { ++exits; });
+  LocalLauncher launcher(
+      &loop, [](int) { return std::string(); }, [&](int, pid_t, int, int) { ++exits; });
   int before = OpenDescriptors();
   for (int id = 0; id < 20; ++id) {
     ChildSpec spec;

@@ -37,7 +37,10 @@ void WriteAll(int fd, std::string_view s) {
 
 LocalLauncher::LocalLauncher(net::EventLoop* loop, PrefixFn prefix, ExitFn on_exit, StopFn on_stop,
                              OutputWriter* out, OutputWriter* err)
-    : loop_(loop), prefix_(std::move(prefix)), on_exit_(std::move(on_exit)), on_stop_(std::move(on_stop)) {
+    : loop_(loop),
+      prefix_(std::move(prefix)),
+      on_exit_(std::move(on_exit)),
+      on_stop_(std::move(on_stop)) {
   if (out == nullptr) own_out_ = std::make_unique<OutputWriter>(STDOUT_FILENO);
   if (err == nullptr) own_err_ = std::make_unique<OutputWriter>(STDERR_FILENO);
   out_ = out != nullptr ? out : own_out_.get();
@@ -99,8 +102,10 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   if (pid == 0) {
     sigset_t none;
     sigemptyset(&none);
-    for (int sig : spec.ignore_signals) ::signal(sig, SIG_IGN);  // before unblocking: one pending must not kill it
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);  // the launcher blocks signals it reads from a signalfd
+    // before unblocking: one pending must not kill it
+    for (int sig : spec.ignore_signals) ::signal(sig, SIG_IGN);
+    // the launcher blocks signals it reads from a signalfd
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (spec.nice != 0) (void)::setpriority(PRIO_PROCESS, 0, spec.nice);
     if (::getppid() != parent) _exit(127);  // the launcher died before prctl
@@ -125,8 +130,10 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     return ErrnoStatus(StatusCode::kInternal, "pidfd_open (Linux 5.3 or newer is required)", errno);
   }
   Child* raw = c.get();
-  if (raw->out.valid()) loop_->Watch(raw->out.get(), POLLIN, [this, raw](short) { OnOutput(*raw, false); });
-  if (raw->err.valid()) loop_->Watch(raw->err.get(), POLLIN, [this, raw](short) { OnOutput(*raw, true); });
+  if (raw->out.valid())
+    loop_->Watch(raw->out.get(), POLLIN, [this, raw](short) { OnOutput(*raw, false); });
+  if (raw->err.valid())
+    loop_->Watch(raw->err.get(), POLLIN, [this, raw](short) { OnOutput(*raw, true); });
   loop_->Watch(raw->pidfd.get(), POLLIN, [this, raw](short) { OnExit(*raw); });
   children_[spec.worker_id] = std::move(c);
   return pid;
@@ -179,7 +186,8 @@ void LocalLauncher::OnExit(Child& c) {
     ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
     char buf[8192];
     ssize_t n;
-    while ((n = ::read(fd, buf, sizeof(buf))) > 0) Emit(c, is_err, std::string_view(buf, static_cast<size_t>(n)), false);
+    while ((n = ::read(fd, buf, sizeof(buf))) > 0)
+      Emit(c, is_err, std::string_view(buf, static_cast<size_t>(n)), false);
     Emit(c, is_err, {}, true);
     loop_->Unwatch(fd);
   }
@@ -197,7 +205,8 @@ void LocalLauncher::PollStopped() {
     if (c->exited) continue;
     siginfo_t info{};
     // WSTOPPED | WCONTINUED without WEXITED: never reaps (exits go through the pidfd).
-    if (::waitid(P_PID, static_cast<id_t>(c->pid), &info, WSTOPPED | WCONTINUED | WNOHANG) != 0) continue;
+    if (::waitid(P_PID, static_cast<id_t>(c->pid), &info, WSTOPPED | WCONTINUED | WNOHANG) != 0)
+      continue;
     if (info.si_pid == 0) continue;
     if (info.si_code == CLD_STOPPED && !c->stopped) {
       c->stopped = true;
@@ -215,13 +224,16 @@ void LocalLauncher::Signal(int worker_id, int sig) {
 
 Status LocalLauncher::Renice(int worker_id, int nice) {
   auto it = children_.find(worker_id);
-  if (it == children_.end() || it->second->exited) return NotFoundError(fmt::format("no running worker {}", worker_id));
+  if (it == children_.end() || it->second->exited)
+    return NotFoundError(fmt::format("no running worker {}", worker_id));
   // Every thread of the process: LibTorch and the session run several.
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", it->second->pid), ec)) {
+  for (const auto& e :
+       std::filesystem::directory_iterator(fmt::format("/proc/{}/task", it->second->pid), ec)) {
     int tid = std::atoi(e.path().filename().c_str());
     if (::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice) != 0) {
-      return ErrnoStatus(StatusCode::kFailedPrecondition, fmt::format("setpriority(worker {}, {})", worker_id, nice), errno);
+      return ErrnoStatus(StatusCode::kFailedPrecondition,
+                         fmt::format("setpriority(worker {}, {})", worker_id, nice), errno);
     }
   }
   return OkStatus();
@@ -230,7 +242,8 @@ Status LocalLauncher::Renice(int worker_id, int nice) {
 bool LocalLauncher::CanRestorePriority() {
   // RLIMIT_NICE lets an unprivileged process go down to nice 20 - rlim_cur.
   rlimit rl{};
-  if (::getrlimit(RLIMIT_NICE, &rl) == 0 && (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= 20)) return true;
+  if (::getrlimit(RLIMIT_NICE, &rl) == 0 && (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= 20))
+    return true;
   // CAP_SYS_NICE (bit 23) in the effective set; root has it unless dropped.
   std::FILE* f = std::fopen("/proc/self/status", "r");
   if (f == nullptr) return false;

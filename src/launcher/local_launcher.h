@@ -21,11 +21,11 @@
 #include <utility>
 #include <vector>
 
-#include "nonstop/settings.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "launcher/output_writer.h"
 #include "net/event_loop.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::launcher {
 
@@ -47,11 +47,16 @@ struct ChildSpec {
 // The variables that say which job and which worker a process is: a launcher
 // sets those it means to and drops any it inherited.
 inline const std::vector<std::string> kJobVariables = {
-    std::string(settings::kControllerAddress.env),      std::string(settings::kJobToken.env),
-    std::string(settings::kWorkerId.env),               std::string(settings::kSpare.env),
-    std::string(settings::kHostId.env),                 std::string(settings::kDataHost.env),
-    std::string(settings::kWorkerAdvertiseAddress.env), std::string(settings::kResume.env),
-    std::string(settings::kTrainCheckpointDir.env),     std::string(settings::kTrainCheckpointEvery.env),
+    std::string(settings::kControllerAddress.env),
+    std::string(settings::kJobToken.env),
+    std::string(settings::kWorkerId.env),
+    std::string(settings::kSpare.env),
+    std::string(settings::kHostId.env),
+    std::string(settings::kDataHost.env),
+    std::string(settings::kWorkerAdvertiseAddress.env),
+    std::string(settings::kResume.env),
+    std::string(settings::kTrainCheckpointDir.env),
+    std::string(settings::kTrainCheckpointEvery.env),
     std::string(settings::kTrainMtbfSeconds.env)};
 
 class LocalLauncher {
@@ -104,7 +109,7 @@ class LocalLauncher {
   ExitFn on_exit_;
   StopFn on_stop_;
   std::unique_ptr<OutputWriter> own_out_, own_err_;  // when the caller gave none
-  OutputWriter* out_;  // the caller's or own_out_; outlives this
+  OutputWriter* out_;                                // the caller's or own_out_; outlives this
   OutputWriter* err_;
   std::map<int, std::unique_ptr<Child>> children_;  // by worker id
 };

@@ -74,9 +74,10 @@ void OutputWriter::Run() {
     std::string out;
     out.swap(buffer_);
     if (dropped_bytes_ != reported_bytes_) {
-      out += fmt::format("[nonstop] {} bytes of output ({} writes) were dropped: the reader of this stream is not "
-                         "keeping up (the workers' full output is in their own logs only if they write them)\n",
-                         dropped_bytes_ - reported_bytes_, dropped_writes_);
+      out += fmt::format(
+          "[nonstop] {} bytes of output ({} writes) were dropped: the reader of this stream is not "
+          "keeping up (the workers' full output is in their own logs only if they write them)\n",
+          dropped_bytes_ - reported_bytes_, dropped_writes_);
       reported_bytes_ = dropped_bytes_;
       dropped_writes_ = 0;
     }

@@ -51,7 +51,7 @@ class OutputWriter {
   // stopping_, readable without the lock: WriteOut runs unlocked, so as not
   // to block Write() behind a slow reader, and still needs to see the stop.
   std::atomic<bool> stop_requested_{false};
-  std::thread thread_;           // last: started after the members it uses
+  std::thread thread_;  // last: started after the members it uses
 };
 
 // A program's stdout and stderr behind OutputWriters, with the log lines

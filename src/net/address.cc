@@ -34,8 +34,9 @@ Status CheckName(std::string_view text, std::string_view host) {
   for (char c : host) {
     bool ok = std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '-' || c == '.' || c == '_';
     if (!ok) {
-      std::string shown = std::isprint(static_cast<unsigned char>(c)) != 0 ? fmt::format("'{}'", c)
-                                                                          : fmt::format("byte 0x{:02x}", c);
+      std::string shown = std::isprint(static_cast<unsigned char>(c)) != 0
+                              ? fmt::format("'{}'", c)
+                              : fmt::format("byte 0x{:02x}", c);
       return Bad(text, fmt::format("{} is not allowed in a host name", shown));
     }
   }
@@ -48,13 +49,15 @@ Result<HostPort> ParseBracketed(std::string_view text, std::optional<uint16_t> d
   if (close == std::string_view::npos) return Bad(text, "missing ']'");
   std::string_view host = text.substr(1, close - 1);
   if (host.empty()) return Bad(text, "nothing between '[' and ']'");
-  if (!IsIpv6Literal(host)) return Bad(text, fmt::format("'{}' in brackets is not an IPv6 address", host));
+  if (!IsIpv6Literal(host))
+    return Bad(text, fmt::format("'{}' in brackets is not an IPv6 address", host));
   std::string_view rest = text.substr(close + 1);
   if (rest.empty()) {
     if (!default_port) return Bad(text, fmt::format("no port (HINT: [{}]:PORT)", host));
     return HostPort{std::string(host), *default_port};
   }
-  if (rest[0] != ':') return Bad(text, fmt::format("unexpected '{}' after ']' (HINT: [{}]:PORT)", rest, host));
+  if (rest[0] != ':')
+    return Bad(text, fmt::format("unexpected '{}' after ']' (HINT: [{}]:PORT)", rest, host));
   NONSTOP_ASSIGN_OR_RETURN(uint16_t port, ParsePort(text, rest.substr(1)));
   return HostPort{std::string(host), port};
 }
@@ -62,7 +65,8 @@ Result<HostPort> ParseBracketed(std::string_view text, std::optional<uint16_t> d
 }  // namespace
 
 std::string_view UnbracketHost(std::string_view host) {
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') return host.substr(1, host.size() - 2);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    return host.substr(1, host.size() - 2);
   return host;
 }
 
@@ -72,13 +76,17 @@ std::string FormatHost(std::string_view host) {
   return std::string(host);
 }
 
-std::string FormatHostPort(std::string_view host, uint16_t port) { return fmt::format("{}:{}", FormatHost(host), port); }
+std::string FormatHostPort(std::string_view host, uint16_t port) {
+  return fmt::format("{}:{}", FormatHost(host), port);
+}
 
 std::string HostPort::ToString() const { return FormatHostPort(host, port); }
 
 bool IsIpv6Literal(std::string_view host) {
-  std::string_view address = host.substr(0, host.find('%'));  // a zone ("%eth0") is getaddrinfo's to read
-  if (address.empty() || address.size() >= INET6_ADDRSTRLEN || address.size() == host.size() - 1) return false;
+  // a zone ("%eth0") is getaddrinfo's to read
+  std::string_view address = host.substr(0, host.find('%'));
+  if (address.empty() || address.size() >= INET6_ADDRSTRLEN || address.size() == host.size() - 1)
+    return false;
   in6_addr out{};
   return ::inet_pton(AF_INET6, std::string(address).c_str(), &out) == 1;
 }
@@ -114,7 +122,8 @@ bool IsLoopbackHost(std::string_view host) {
 }
 
 Result<HostPort> ParseHostPort(std::string_view text, std::optional<uint16_t> default_port) {
-  if (text.empty()) return InvalidArgumentError("address '': empty (HINT: host:port, or [IPv6]:port)");
+  if (text.empty())
+    return InvalidArgumentError("address '': empty (HINT: host:port, or [IPv6]:port)");
   if (text.front() == '[') return ParseBracketed(text, default_port);
   if (text.find(']') != std::string_view::npos) return Bad(text, "']' without '['");
   size_t colon = text.find(':');
@@ -128,8 +137,8 @@ Result<HostPort> ParseHostPort(std::string_view text, std::optional<uint16_t> de
     size_t last = text.rfind(':');
     std::string_view head = text.substr(0, last);
     if (IsIpv6Literal(head)) {  // "::1:4000" (an IPv6 address too, but with a port it is ambiguous)
-      return Bad(text, fmt::format("an IPv6 address with a port needs brackets (HINT: [{}]:{})", head,
-                                   text.substr(last + 1)));
+      return Bad(text, fmt::format("an IPv6 address with a port needs brackets (HINT: [{}]:{})",
+                                   head, text.substr(last + 1)));
     }
     if (IsIpv6Literal(text)) return Bad(text, fmt::format("no port (HINT: [{}]:PORT)", text));
     return Bad(text, "not host:port, [IPv6]:port nor an IPv6 address");
@@ -145,9 +154,11 @@ Result<std::string> ParseHost(std::string_view text) {
   auto parsed = ParseHostPort(text, uint16_t{0});
   if (!parsed.ok()) return parsed.status();
   // "name:80" and "[::1]:80" parse as addresses with a port, which is not a host alone.
-  bool with_port = text.front() == '[' ? text.back() != ']' : text.find(':') != std::string_view::npos &&
-                                                                  !IsIpv6Literal(text);
-  if (with_port) return InvalidArgumentError(fmt::format("host '{}': a host alone, without a port", text));
+  bool with_port = text.front() == '['
+                       ? text.back() != ']'
+                       : text.find(':') != std::string_view::npos && !IsIpv6Literal(text);
+  if (with_port)
+    return InvalidArgumentError(fmt::format("host '{}': a host alone, without a port", text));
   return parsed->host;
 }
 
@@ -160,8 +171,9 @@ std::string PortRange::ToString() const {
 Result<PortRange> ParsePortRange(std::string_view text) {
   if (text.empty()) return PortRange{};
   auto bad = [&] {
-    return InvalidArgumentError(
-        fmt::format("port range '{}': not LO-HI with 1 <= LO <= HI <= 65535 (e.g. 40000-40099), nor one port", text));
+    return InvalidArgumentError(fmt::format(
+        "port range '{}': not LO-HI with 1 <= LO <= HI <= 65535 (e.g. 40000-40099), nor one port",
+        text));
   };
   size_t dash = text.find('-');
   std::string_view lo_text = text.substr(0, dash);
@@ -203,10 +215,11 @@ Result<HostPort> EndOf(int fd, bool local) {
   SocketAddress a;
   a.length = sizeof(a.storage);
   int rc = local ? ::getsockname(fd, a.get(), &a.length) : ::getpeername(fd, a.get(), &a.length);
-  if (rc != 0) return ErrnoStatus(StatusCode::kUnavailable, local ? "getsockname" : "getpeername", errno);
+  if (rc != 0)
+    return ErrnoStatus(StatusCode::kUnavailable, local ? "getsockname" : "getpeername", errno);
   if (a.family() != AF_INET && a.family() != AF_INET6) {
-    return UnavailableError(fmt::format("{}: not an IP socket (family {})", local ? "getsockname" : "getpeername",
-                                        a.family()));
+    return UnavailableError(fmt::format("{}: not an IP socket (family {})",
+                                        local ? "getsockname" : "getpeername", a.family()));
   }
   return a.ToHostPort();
 }

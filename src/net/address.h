@@ -42,7 +42,8 @@ std::string_view UnbracketHost(std::string_view host);
 // port is required; with one, a host alone takes it, and so does a bare IPv6
 // literal ("fd00::1"). An IPv6 address with a port needs brackets:
 // "::1:4000" is refused (it is also a valid IPv6 address) with a hint.
-Result<HostPort> ParseHostPort(std::string_view text, std::optional<uint16_t> default_port = std::nullopt);
+Result<HostPort> ParseHostPort(std::string_view text,
+                               std::optional<uint16_t> default_port = std::nullopt);
 
 // A host alone (no port): "ctl-a", "10.0.0.1", "fd00::1" or "[fd00::1]";
 // returned without brackets.

@@ -14,8 +14,8 @@ struct ParseCase {
   std::optional<uint16_t> default_port;  // nullopt: the port is required
   std::string host;                      // expected; empty: an error
   uint16_t port = 0;
-  std::string printed;                   // HostPort::ToString of the result
-  std::string error = "";                // a part of the error's message
+  std::string printed;     // HostPort::ToString of the result
+  std::string error = "";  // a part of the error's message
 };
 
 const ParseCase kParseCases[] = {
@@ -46,7 +46,8 @@ const ParseCase kParseCases[] = {
     {"[]:80", std::nullopt, "", 0, "", "nothing between '[' and ']'"},
     {"[ctl-a]:80", std::nullopt, "", 0, "", "'ctl-a' in brackets is not an IPv6 address"},
     {"[10.0.0.1]:80", std::nullopt, "", 0, "", "'10.0.0.1' in brackets is not an IPv6 address"},
-    {"::1:4000", std::nullopt, "", 0, "", "an IPv6 address with a port needs brackets (HINT: [::1]:4000)"},
+    {"::1:4000", std::nullopt, "", 0, "",
+     "an IPv6 address with a port needs brackets (HINT: [::1]:4000)"},
     {"fd00::2", std::nullopt, "", 0, "", "address 'fd00::2': no port (HINT: [fd00::2]:PORT)"},
     {"a:b:c", std::nullopt, "", 0, "", "not host:port, [IPv6]:port nor an IPv6 address"},
     {"a:b:c", 80, "", 0, "", "not host:port, [IPv6]:port nor an IPv6 address"},
@@ -87,7 +88,8 @@ TEST(HostPortTest, ParsesAndPrintsEveryForm) {
 
 TEST(HostPortTest, FormatsHostsOfEitherFamily) {
   EXPECT_EQ(FormatHostPort("::1", 4000), "[::1]:4000");
-  EXPECT_EQ(FormatHostPort("[::1]", 4000), "[::1]:4000") << "a bracketed host is not bracketed twice";
+  EXPECT_EQ(FormatHostPort("[::1]", 4000), "[::1]:4000")
+      << "a bracketed host is not bracketed twice";
   EXPECT_EQ(FormatHostPort("10.0.0.1", 1), "10.0.0.1:1");
   EXPECT_EQ(FormatHostPort("ctl-a", 2), "ctl-a:2");
   EXPECT_EQ(FormatHost("fd00::1"), "[fd00::1]");
@@ -102,11 +104,15 @@ TEST(HostPortTest, ParsesAHostAlone) {
     std::string text, host, error;
   };
   const Case cases[] = {
-      {"ctl-a", "ctl-a", ""},           {"10.0.0.1", "10.0.0.1", ""}, {"fd00::1", "fd00::1", ""},
-      {"[fd00::1]", "fd00::1", ""},     {"::", "::", ""},
+      {"ctl-a", "ctl-a", ""},
+      {"10.0.0.1", "10.0.0.1", ""},
+      {"fd00::1", "fd00::1", ""},
+      {"[fd00::1]", "fd00::1", ""},
+      {"::", "::", ""},
       {"ctl-a:80", "", "a host alone, without a port"},
       {"[::1]:80", "", "a host alone, without a port"},
-      {"[::1", "", "missing ']'"},      {"", "", "empty"},
+      {"[::1", "", "missing ']'"},
+      {"", "", "empty"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.text);
@@ -130,8 +136,10 @@ TEST(HostPortTest, ClassifiesHosts) {
   EXPECT_TRUE(IsIpv4Literal("10.0.0.1"));
   EXPECT_FALSE(IsIpv4Literal("::1"));
   for (const char* w : {"0.0.0.0", "::", "[::]", "0:0::0", ""}) EXPECT_TRUE(IsWildcardHost(w)) << w;
-  for (const char* h : {"127.0.0.1", "::1", "10.0.0.1", "ctl-a"}) EXPECT_FALSE(IsWildcardHost(h)) << h;
-  for (const char* l : {"127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]", "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1"}) {
+  for (const char* h : {"127.0.0.1", "::1", "10.0.0.1", "ctl-a"})
+    EXPECT_FALSE(IsWildcardHost(h)) << h;
+  for (const char* l : {"127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]", "0:0:0:0:0:0:0:1",
+                        "::ffff:127.0.0.1"}) {
     EXPECT_TRUE(IsLoopbackHost(l)) << l;
   }
   for (const char* h : {"0.0.0.0", "::", "10.0.0.1", "fd00::1", "::ffff:10.0.0.1", "example.org"}) {
@@ -156,11 +164,13 @@ TEST(PortRangeTest, ParsesRangesAndRefusesBadOnes) {
   EXPECT_TRUE(none->empty());
   EXPECT_EQ(none->size(), 0);
   EXPECT_TRUE(ParsePortRange("1-65535").ok());
-  for (const char* bad : {"0-10", "10-5", "1-65536", "a-b", "100-", "-100", "100-200-300", " 100-200", "70000"}) {
+  for (const char* bad :
+       {"0-10", "10-5", "1-65536", "a-b", "100-", "-100", "100-200-300", " 100-200", "70000"}) {
     auto b = ParsePortRange(bad);
     EXPECT_FALSE(b.ok()) << bad;
     if (!b.ok()) {
-      EXPECT_NE(b.status().message().find(std::string("port range '") + bad + "'"), std::string::npos)
+      EXPECT_NE(b.status().message().find(std::string("port range '") + bad + "'"),
+                std::string::npos)
           << b.status().message();
     }
   }

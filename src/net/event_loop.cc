@@ -27,7 +27,8 @@ void EventLoop::RunOnce(Millis max_wait) {
   for (size_t i = 0; i < fds.size(); ++i) {
     if (fds[i].revents == 0) continue;
     auto it = handlers_.find(fds[i].fd);
-    if (it == handlers_.end() || it->second.id != ids[i]) continue;  // unwatched by an earlier handler
+    // unwatched by an earlier handler
+    if (it == handlers_.end() || it->second.id != ids[i]) continue;
     Handler h = it->second.handler;  // a copy: the handler may unwatch itself
     h(fds[i].revents);
   }

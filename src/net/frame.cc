@@ -25,9 +25,10 @@ namespace {
 Status CheckHeader(const char* p, uint32_t max_payload, uint32_t* length) {
   *length = DecodeFixed32(p);
   if (*length > max_payload) {
-    return DataLossError(fmt::format("frame of {} bytes (type {}) exceeds the limit of {} bytes: "
-                                     "not a nonstop peer, or a corrupt stream",
-                                     *length, DecodeFixed16(p + 4), max_payload));
+    return DataLossError(
+        fmt::format("frame of {} bytes (type {}) exceeds the limit of {} bytes: "
+                    "not a nonstop peer, or a corrupt stream",
+                    *length, DecodeFixed16(p + 4), max_payload));
   }
   return OkStatus();
 }
@@ -36,9 +37,10 @@ Status CheckCrc(const char* header, std::string_view payload) {
   uint32_t want = DecodeFixed32(header + 8);
   uint32_t got = Crc32c(payload);
   if (want != got) {
-    return DataLossError(fmt::format("frame type {} of {} bytes fails its checksum (crc32c {:08x}, "
-                                     "header says {:08x})",
-                                     DecodeFixed16(header + 4), payload.size(), got, want));
+    return DataLossError(
+        fmt::format("frame type {} of {} bytes fails its checksum (crc32c {:08x}, "
+                    "header says {:08x})",
+                    DecodeFixed16(header + 4), payload.size(), got, want));
   }
   return OkStatus();
 }
@@ -91,8 +93,8 @@ Result<Frame> ReadFrame(int fd, Deadline deadline, const AbortSignal* abort, uin
   uint32_t length;
   NONSTOP_RETURN_IF_ERROR(CheckHeader(header, max_payload, &length));
   Frame frame{DecodeFixed16(header + 4), DecodeFixed16(header + 6), std::string(length, '\0')};
-  NONSTOP_RETURN_IF_ERROR(RecvAll(fd, std::as_writable_bytes(std::span(frame.payload)), deadline, abort,
-                                  "read frame payload"));
+  NONSTOP_RETURN_IF_ERROR(RecvAll(fd, std::as_writable_bytes(std::span(frame.payload)), deadline,
+                                  abort, "read frame payload"));
   NONSTOP_RETURN_IF_ERROR(CheckCrc(header, frame.payload));
   return frame;
 }

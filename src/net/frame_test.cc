@@ -8,7 +8,8 @@ namespace nonstop::net {
 namespace {
 
 TEST(FramingTest, DecodesFramesSplitAtEveryByte) {
-  std::string stream = EncodeFrame(7, "hello") + EncodeFrame(9, "") + EncodeFrame(3, std::string(1000, 'x'));
+  std::string stream =
+      EncodeFrame(7, "hello") + EncodeFrame(9, "") + EncodeFrame(3, std::string(1000, 'x'));
   FrameDecoder dec;
   for (char c : stream) ASSERT_TRUE(dec.Feed(std::string_view(&c, 1)).ok());
   auto a = dec.Next();

@@ -51,20 +51,21 @@ Result<Hello> DecodeHello(std::string_view payload) {
 
 Status CheckHello(const Hello& hello, std::string_view job_token, ConnectionKind kind) {
   if (hello.proto_major != kProtocolMajor) {
-    return FailedPreconditionError(fmt::format("protocol version {}.{} is not supported (this side speaks {}.{})",
-                                               hello.proto_major, hello.proto_minor, kProtocolMajor,
-                                               kProtocolMinor));
+    return FailedPreconditionError(
+        fmt::format("protocol version {}.{} is not supported (this side speaks {}.{})",
+                    hello.proto_major, hello.proto_minor, kProtocolMajor, kProtocolMinor));
   }
   if (!ConstantTimeEquals(hello.job_token, job_token)) {
     return FailedPreconditionError("job token mismatch: this connection belongs to another job");
   }
   if (hello.kind != kind) {
-    return FailedPreconditionError(
-        fmt::format("connection kind {} is not accepted on this port", static_cast<int>(hello.kind)));
+    return FailedPreconditionError(fmt::format("connection kind {} is not accepted on this port",
+                                               static_cast<int>(hello.kind)));
   }
   if (hello.worker_id < 0) {
     return FailedPreconditionError(
-        fmt::format("worker id {} is negative: a worker id is a number >= 0 unique in the job", hello.worker_id));
+        fmt::format("worker id {} is negative: a worker id is a number >= 0 unique in the job",
+                    hello.worker_id));
   }
   return OkStatus();
 }
@@ -81,8 +82,8 @@ Status ClientHandshake(int fd, const Hello& hello, Deadline deadline, const Abor
   return OkStatus();
 }
 
-Result<Hello> ServerHandshake(int fd, const std::string& job_token, ConnectionKind kind, Deadline deadline,
-                              const AbortSignal* abort) {
+Result<Hello> ServerHandshake(int fd, const std::string& job_token, ConnectionKind kind,
+                              Deadline deadline, const AbortSignal* abort) {
   HelloAcceptor acceptor(fd, job_token, kind);
   while (true) {
     switch (acceptor.Advance()) {
@@ -99,9 +100,7 @@ Result<Hello> ServerHandshake(int fd, const std::string& job_token, ConnectionKi
 HelloAcceptor::HelloAcceptor(int fd, std::string job_token, ConnectionKind kind, Rule rule)
     : fd_(fd), job_token_(std::move(job_token)), kind_(kind), rule_(std::move(rule)) {}
 
-short HelloAcceptor::wanted_events() const {
-  return state_ == State::kWriting ? POLLOUT : POLLIN;
-}
+short HelloAcceptor::wanted_events() const { return state_ == State::kWriting ? POLLOUT : POLLIN; }
 
 HelloAcceptor::State HelloAcceptor::Advance() {
   // Reads only as many bytes as the hello frame still needs.
@@ -117,7 +116,8 @@ HelloAcceptor::State HelloAcceptor::Advance() {
         return false;
       }
       if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) Refuse(ErrnoStatus(StatusCode::kUnavailable, "hello: recv", errno));
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        Refuse(ErrnoStatus(StatusCode::kUnavailable, "hello: recv", errno));
       return false;
     }
     return true;
@@ -127,9 +127,9 @@ HelloAcceptor::State HelloAcceptor::Advance() {
       if (!read_some(header_, kFrameHeaderBytes, &header_got_)) return state_;
       payload_length_ = DecodeFixed32(header_);
       if (payload_length_ > kMaxHandshakeBytes) {
-        return Refuse(FailedPreconditionError(fmt::format(
-            "a hello of {} bytes exceeds the limit of {} bytes: not a nonstop peer", payload_length_,
-            kMaxHandshakeBytes)));
+        return Refuse(FailedPreconditionError(
+            fmt::format("a hello of {} bytes exceeds the limit of {} bytes: not a nonstop peer",
+                        payload_length_, kMaxHandshakeBytes)));
       }
       payload_.resize(payload_length_);
     }
@@ -160,7 +160,8 @@ HelloAcceptor::State HelloAcceptor::Decide() {
   std::optional<Frame> frame = decoder.Next();
   NONSTOP_CHECK(frame.has_value()) << "a complete frame was fed";
   if (frame->type != kFrameHello) {
-    return Refuse(FailedPreconditionError(fmt::format("first frame has type {}, expected hello", frame->type)));
+    return Refuse(FailedPreconditionError(
+        fmt::format("first frame has type {}, expected hello", frame->type)));
   }
   Result<Hello> hello = DecodeHello(frame->payload);
   if (!hello.ok()) return Refuse(FailedPreconditionError(hello.status().message()));

@@ -34,7 +34,8 @@ inline constexpr uint16_t kFrameHello = 1;
 inline constexpr uint16_t kFrameHelloAck = 2;
 static_assert(kFrameHello == 1 && kFrameHelloAck == 2, "wire numbers are pinned");
 
-enum class ConnectionKind : uint16_t { kControl = 1, kData = 2, kAgent = 3 };  // kAgent: an agent on the control port
+// kAgent: an agent on the control port
+enum class ConnectionKind : uint16_t { kControl = 1, kData = 2, kAgent = 3 };
 
 struct Hello {
   uint16_t proto_major = kProtocolMajor;
@@ -60,8 +61,8 @@ Status ClientHandshake(int fd, const Hello& hello, Deadline deadline, const Abor
 // Acceptor side, blocking: reads a hello, validates it with CheckHello,
 // answers, and returns the peer's hello. On refusal the reason is returned
 // (and the caller closes the connection).
-Result<Hello> ServerHandshake(int fd, const std::string& job_token, ConnectionKind kind, Deadline deadline,
-                              const AbortSignal* abort);
+Result<Hello> ServerHandshake(int fd, const std::string& job_token, ConnectionKind kind,
+                              Deadline deadline, const AbortSignal* abort);
 
 // Acceptor side, non-blocking: the state of one connection's hello, advanced
 // by the caller's poll loop. It reads exactly the hello frame (never a byte
@@ -87,7 +88,7 @@ class HelloAcceptor {
   State Advance();
 
   State state() const { return state_; }
-  short wanted_events() const;               // POLLIN while reading, POLLOUT while writing
+  short wanted_events() const;                   // POLLIN while reading, POLLOUT while writing
   const Hello& hello() const { return hello_; }  // valid in kAccepted
   // Why the connection was refused or failed (kRefused): kFailedPrecondition
   // for a refused hello, kDataLoss for a corrupt frame, kUnavailable when the

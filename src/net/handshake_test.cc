@@ -35,8 +35,11 @@ Hello MakeHello(std::string token) {
 TEST(HandshakeTest, AcceptsMatchingToken) {
   SocketPair p;
   Status client;
-  std::thread t([&] { client = ClientHandshake(p.a.get(), MakeHello("secret"), DeadlineAfter(Millis(2000)), nullptr); });
-  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData, DeadlineAfter(Millis(2000)), nullptr);
+  std::thread t([&] {
+    client = ClientHandshake(p.a.get(), MakeHello("secret"), DeadlineAfter(Millis(2000)), nullptr);
+  });
+  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData,
+                                         DeadlineAfter(Millis(2000)), nullptr);
   t.join();
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   EXPECT_TRUE(client.ok()) << client.ToString();
@@ -47,8 +50,12 @@ TEST(HandshakeTest, AcceptsMatchingToken) {
 TEST(HandshakeTest, WrongTokenIsRefusedOnBothSides) {
   SocketPair p;
   Status client;
-  std::thread t([&] { client = ClientHandshake(p.a.get(), MakeHello("other-job"), DeadlineAfter(Millis(2000)), nullptr); });
-  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData, DeadlineAfter(Millis(2000)), nullptr);
+  std::thread t([&] {
+    client =
+        ClientHandshake(p.a.get(), MakeHello("other-job"), DeadlineAfter(Millis(2000)), nullptr);
+  });
+  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData,
+                                         DeadlineAfter(Millis(2000)), nullptr);
   t.join();
   ASSERT_FALSE(server.ok());
   EXPECT_NE(server.status().message().find("job token mismatch"), std::string::npos);
@@ -61,7 +68,8 @@ TEST(HandshakeTest, NewerMajorVersionIsRefused) {
   Hello h = MakeHello("secret");
   h.proto_major = kProtocolMajor + 1;
   std::thread t([&] { (void)ClientHandshake(p.a.get(), h, DeadlineAfter(Millis(2000)), nullptr); });
-  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData, DeadlineAfter(Millis(2000)), nullptr);
+  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData,
+                                         DeadlineAfter(Millis(2000)), nullptr);
   t.join();
   ASSERT_FALSE(server.ok());
   EXPECT_NE(server.status().message().find("not supported"), std::string::npos);
@@ -71,8 +79,11 @@ TEST(HandshakeTest, GarbageOnThePortIsRefused) {
   SocketPair p;
   const char raw[] = "\x01\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00\x00Z";
   std::string junk(raw, sizeof(raw) - 1);  // a frame whose checksum is wrong
-  ASSERT_TRUE(SendAll(p.a.get(), std::as_bytes(std::span(junk)), DeadlineAfter(Millis(1000)), nullptr, "x").ok());
-  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData, DeadlineAfter(Millis(2000)), nullptr);
+  ASSERT_TRUE(
+      SendAll(p.a.get(), std::as_bytes(std::span(junk)), DeadlineAfter(Millis(1000)), nullptr, "x")
+          .ok());
+  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData,
+                                         DeadlineAfter(Millis(2000)), nullptr);
   ASSERT_FALSE(server.ok());
 }
 
@@ -81,11 +92,14 @@ TEST(HandshakeTest, NegativeWorkerIdIsRefused) {
   Hello h = MakeHello("secret");
   h.worker_id = -1;
   Status client;
-  std::thread t([&] { client = ClientHandshake(p.a.get(), h, DeadlineAfter(Millis(2000)), nullptr); });
-  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData, DeadlineAfter(Millis(2000)), nullptr);
+  std::thread t(
+      [&] { client = ClientHandshake(p.a.get(), h, DeadlineAfter(Millis(2000)), nullptr); });
+  Result<Hello> server = ServerHandshake(p.b.get(), "secret", ConnectionKind::kData,
+                                         DeadlineAfter(Millis(2000)), nullptr);
   t.join();
   ASSERT_FALSE(server.ok());
-  EXPECT_NE(server.status().message().find("negative"), std::string::npos) << server.status().ToString();
+  EXPECT_NE(server.status().message().find("negative"), std::string::npos)
+      << server.status().ToString();
   EXPECT_EQ(client.code(), StatusCode::kFailedPrecondition) << client.ToString();
 }
 
@@ -108,8 +122,9 @@ std::string HeaderWithLength(uint32_t length) {
 }
 
 void Send(int fd, std::string_view bytes) {
-  ASSERT_TRUE(SendAll(fd, std::as_bytes(std::span(bytes.data(), bytes.size())), DeadlineAfter(Millis(1000)), nullptr,
-                      "x").ok());
+  ASSERT_TRUE(SendAll(fd, std::as_bytes(std::span(bytes.data(), bytes.size())),
+                      DeadlineAfter(Millis(1000)), nullptr, "x")
+                  .ok());
 }
 
 TEST(HelloAcceptorTest, HugeLengthIsRefusedAsSoonAsTheHeaderIsIn) {
@@ -118,7 +133,8 @@ TEST(HelloAcceptorTest, HugeLengthIsRefusedAsSoonAsTheHeaderIsIn) {
   EXPECT_EQ(acceptor.Advance(), HelloAcceptor::State::kReading);  // nothing yet: no blocking
   Send(p.a.get(), HeaderWithLength(0xFFFFFFF0u));
   EXPECT_EQ(acceptor.Advance(), HelloAcceptor::State::kRefused);
-  EXPECT_NE(acceptor.error().message().find("exceeds the limit"), std::string::npos) << acceptor.error().ToString();
+  EXPECT_NE(acceptor.error().message().find("exceeds the limit"), std::string::npos)
+      << acceptor.error().ToString();
   // The dialer is told why.
   Result<Frame> ack = ReadFrame(p.a.get(), DeadlineAfter(Millis(1000)), nullptr);
   ASSERT_TRUE(ack.ok()) << ack.status().ToString();
@@ -155,8 +171,9 @@ TEST(HelloAcceptorTest, NeverReadsPastTheHello) {
 
 TEST(HelloAcceptorTest, CallersRuleCanRefuse) {
   SocketPair p;
-  HelloAcceptor acceptor(p.b.get(), "secret", ConnectionKind::kData,
-                         [](const Hello& h) { return FailedPreconditionError("not today, worker " + std::to_string(h.worker_id)); });
+  HelloAcceptor acceptor(p.b.get(), "secret", ConnectionKind::kData, [](const Hello& h) {
+    return FailedPreconditionError("not today, worker " + std::to_string(h.worker_id));
+  });
   Send(p.a.get(), EncodeFrame(kFrameHello, EncodeHello(MakeHello("secret"))));
   ASSERT_EQ(acceptor.Advance(), HelloAcceptor::State::kRefused);
   EXPECT_EQ(acceptor.error().code(), StatusCode::kFailedPrecondition);

@@ -30,7 +30,8 @@ inline std::string NoIpv6Loopback() {
   const int err = errno;
   ::close(fd);
   if (rc != 0) {
-    return std::string("no IPv6 loopback on this machine: bind/listen [::1]:0: ") + std::strerror(err) +
+    return std::string("no IPv6 loopback on this machine: bind/listen [::1]:0: ") +
+           std::strerror(err) +
            " (`ip -6 addr show lo` lists no ::1; net.ipv6.conf.lo.disable_ipv6=1?)";
   }
   return "";

@@ -25,7 +25,8 @@ namespace {
 
 void SetPort(SocketAddress* a, uint16_t port) {
   if (a->family() == AF_INET) reinterpret_cast<sockaddr_in*>(&a->storage)->sin_port = htons(port);
-  if (a->family() == AF_INET6) reinterpret_cast<sockaddr_in6*>(&a->storage)->sin6_port = htons(port);
+  if (a->family() == AF_INET6)
+    reinterpret_cast<sockaddr_in6*>(&a->storage)->sin6_port = htons(port);
 }
 
 // A literal needs no lookup: IPv4, or IPv6 without a zone.
@@ -53,8 +54,10 @@ std::optional<SocketAddress> FromLiteral(const std::string& host, uint16_t port)
 
 Result<std::vector<SocketAddress>> ResolveAll(const HostPort& where, bool passive) {
   std::string host(UnbracketHost(where.host));
-  if (host.empty()) return InvalidArgumentError(fmt::format("address '{}': no host", where.ToString()));
-  if (host == "localhost") host = "127.0.0.1";  // as the listeners bind it, whatever the resolver prefers
+  if (host.empty())
+    return InvalidArgumentError(fmt::format("address '{}': no host", where.ToString()));
+  // as the listeners bind it, whatever the resolver prefers
+  if (host == "localhost") host = "127.0.0.1";
   if (auto a = FromLiteral(host, where.port)) return std::vector<SocketAddress>{*a};
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -69,16 +72,20 @@ Result<std::vector<SocketAddress>> ResolveAll(const HostPort& where, bool passiv
   }
   std::vector<SocketAddress> out;
   for (addrinfo* i = res; i != nullptr; i = i->ai_next) {
-    if ((i->ai_family != AF_INET && i->ai_family != AF_INET6) || i->ai_addrlen > sizeof(sockaddr_storage)) continue;
+    if ((i->ai_family != AF_INET && i->ai_family != AF_INET6) ||
+        i->ai_addrlen > sizeof(sockaddr_storage))
+      continue;
     SocketAddress a;
     std::memcpy(&a.storage, i->ai_addr, i->ai_addrlen);
     a.length = static_cast<socklen_t>(i->ai_addrlen);
     bool seen = false;
-    for (const auto& b : out) seen = seen || (b.length == a.length && std::memcmp(&b.storage, &a.storage, a.length) == 0);
+    for (const auto& b : out)
+      seen = seen || (b.length == a.length && std::memcmp(&b.storage, &a.storage, a.length) == 0);
     if (!seen) out.push_back(a);
   }
   ::freeaddrinfo(res);
-  if (out.empty()) return UnavailableError(fmt::format("cannot resolve host '{}': no IPv4 or IPv6 address", host));
+  if (out.empty())
+    return UnavailableError(fmt::format("cannot resolve host '{}': no IPv4 or IPv6 address", host));
   return out;
 }
 
@@ -109,8 +116,10 @@ Result<Listener> ListenOn(SocketAddress addr, std::string_view shown, int backlo
   *err = 0;
   UniqueFd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) {
-    return ErrnoStatus(StatusCode::kUnavailable,
-                       fmt::format("socket ({}) for {}", addr.family() == AF_INET6 ? "IPv6" : "IPv4", shown), errno);
+    return ErrnoStatus(
+        StatusCode::kUnavailable,
+        fmt::format("socket ({}) for {}", addr.family() == AF_INET6 ? "IPv6" : "IPv4", shown),
+        errno);
   }
   int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -145,22 +154,27 @@ Result<Listener> Listen(const HostPort& where, int backlog) {
   return ListenOn(addr, where.ToString(), backlog, &err);
 }
 
-Result<Listener> ListenInRange(const std::string& host, PortRange ports, int backlog, std::string_view what) {
+Result<Listener> ListenInRange(const std::string& host, PortRange ports, int backlog,
+                               std::string_view what) {
   if (ports.empty()) return Listen({host, 0}, backlog);
   if (ports.lo == 0 || ports.lo > ports.hi) {
-    return InvalidArgumentError(fmt::format("{} range {}-{}: not 1 <= LO <= HI <= 65535", what, ports.lo, ports.hi));
+    return InvalidArgumentError(
+        fmt::format("{} range {}-{}: not 1 <= LO <= HI <= 65535", what, ports.lo, ports.hi));
   }
-  NONSTOP_ASSIGN_OR_RETURN(std::vector<SocketAddress> all, ResolveAll({host, ports.lo}, /*passive=*/true));
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<SocketAddress> all,
+                           ResolveAll({host, ports.lo}, /*passive=*/true));
   SocketAddress addr = all.front();
   for (int port = ports.lo; port <= ports.hi; ++port) {
     SetPort(&addr, static_cast<uint16_t>(port));
     int err = 0;
-    Result<Listener> l = ListenOn(addr, FormatHostPort(host, static_cast<uint16_t>(port)), backlog, &err);
+    Result<Listener> l =
+        ListenOn(addr, FormatHostPort(host, static_cast<uint16_t>(port)), backlog, &err);
     if (l.ok() || err != EADDRINUSE) return l;
   }
   const int n = ports.size();
-  return UnavailableError(fmt::format("no free {} in {} ({} port{}, {} in use)", what, ports.ToString(), n,
-                                      n == 1 ? "" : "s", n == 1 ? "it is" : "all"));
+  return UnavailableError(fmt::format("no free {} in {} ({} port{}, {} in use)", what,
+                                      ports.ToString(), n, n == 1 ? "" : "s",
+                                      n == 1 ? "it is" : "all"));
 }
 
 Result<UniqueFd> Accept(int listen_fd) {
@@ -174,8 +188,9 @@ Result<UniqueFd> Accept(int listen_fd) {
     // A connection that died while queued, or a signal: try the next one.
     if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
     if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
-      return ErrnoStatus(StatusCode::kInternal,
-                         "accept (HINT: the process is out of descriptors or memory; raise `ulimit -n`)", err);
+      return ErrnoStatus(
+          StatusCode::kInternal,
+          "accept (HINT: the process is out of descriptors or memory; raise `ulimit -n`)", err);
     }
     return ErrnoStatus(StatusCode::kUnavailable, "accept", err);
   }
@@ -235,7 +250,8 @@ Result<UniqueFd> Dial(const HostPort& where, Deadline deadline, const AbortSigna
   }
 }
 
-Status WaitFd(int fd, short events, Deadline deadline, const AbortSignal* abort, std::string_view what) {
+Status WaitFd(int fd, short events, Deadline deadline, const AbortSignal* abort,
+              std::string_view what) {
   while (true) {
     if (abort != nullptr && abort->fired()) return AbortedError(std::string(what) + ": aborted");
     pollfd fds[2] = {{fd, events, 0}, {abort != nullptr ? abort->fd() : -1, POLLIN, 0}};
@@ -247,8 +263,10 @@ Status WaitFd(int fd, short events, Deadline deadline, const AbortSignal* abort,
     if (rc == 0 && Clock::now() >= deadline) {
       return DeadlineExceededError(std::string(what) + ": timed out");
     }
-    if (abort != nullptr && (fds[1].revents & POLLIN)) return AbortedError(std::string(what) + ": aborted");
-    if (fds[0].revents != 0) return OkStatus();  // readable, writable, or an error that the I/O call reports
+    if (abort != nullptr && (fds[1].revents & POLLIN))
+      return AbortedError(std::string(what) + ": aborted");
+    // readable, writable, or an error that the I/O call reports
+    if (fds[0].revents != 0) return OkStatus();
   }
 }
 

@@ -66,7 +66,8 @@ void ConfigureStreamSocket(int fd);  // TCP_NODELAY, keepalive
 
 // Waits until `fd` has `events` (POLLIN/POLLOUT), the deadline passes
 // (kDeadlineExceeded) or `abort` fires (kAborted).
-Status WaitFd(int fd, short events, Deadline deadline, const AbortSignal* abort, std::string_view what);
+Status WaitFd(int fd, short events, Deadline deadline, const AbortSignal* abort,
+              std::string_view what);
 
 // Blocking-style full send/receive over a non-blocking socket. A closed or
 // reset connection is kUnavailable.

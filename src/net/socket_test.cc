@@ -68,7 +68,6 @@ TEST(SocketTest, DeadlineIsReported) {
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
 }
 
-
 // Both ends of a connection over IPv6 loopback, as the data address is
 // advertised from them (the local address of a connection).
 TEST(SocketTest, ListensAndDialsOverIpv6Loopback) {
@@ -94,9 +93,12 @@ TEST(SocketTest, ListensAndDialsOverIpv6Loopback) {
   EXPECT_EQ(peer->ToString(), local->ToString());
   // Bytes flow.
   const char hello[] = "hello over v6";
-  ASSERT_TRUE(SendAll(c->get(), std::as_bytes(std::span(hello)), DeadlineAfter(Millis(2000)), nullptr, "send").ok());
+  ASSERT_TRUE(SendAll(c->get(), std::as_bytes(std::span(hello)), DeadlineAfter(Millis(2000)),
+                      nullptr, "send")
+                  .ok());
   char got[sizeof(hello)] = {};
-  ASSERT_TRUE(RecvAll(s->get(), std::as_writable_bytes(std::span(got)), DeadlineAfter(Millis(2000)), nullptr, "recv")
+  ASSERT_TRUE(RecvAll(s->get(), std::as_writable_bytes(std::span(got)), DeadlineAfter(Millis(2000)),
+                      nullptr, "recv")
                   .ok());
   EXPECT_STREQ(got, hello);
   // A bracketed host is the same address.
@@ -131,7 +133,8 @@ TEST(SocketTest, WildcardIpv6ListenerAcceptsBothFamilies) {
 TEST(SocketTest, ErrorsNameTheAddress) {
   auto bad = Listen({"no-such-host.invalid", 0});
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("cannot resolve host 'no-such-host.invalid'"), std::string::npos)
+  EXPECT_NE(bad.status().message().find("cannot resolve host 'no-such-host.invalid'"),
+            std::string::npos)
       << bad.status().message();
   // A port that refuses, dialed with a short deadline: the message names it, bracketed.
   if (testing::NoIpv6Loopback().empty()) {
@@ -141,7 +144,8 @@ TEST(SocketTest, ErrorsNameTheAddress) {
     l->fd.Reset();
     auto c = Dial(closed, DeadlineAfter(Millis(50)));
     ASSERT_FALSE(c.ok());
-    EXPECT_NE(c.status().message().find("connect " + closed.ToString()), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find("connect " + closed.ToString()), std::string::npos)
+        << c.status().message();
     EXPECT_NE(c.status().message().find("[::1]:"), std::string::npos) << c.status().message();
   }
 }
@@ -173,7 +177,8 @@ TEST(SocketTest, ListenInRangeTakesTheFirstFreePort) {
             fmt::format("no free data port in {}-{} (2 ports, all in use)", lo, lo + 1));
   auto one = ListenInRange("127.0.0.1", PortRange{lo, lo}, 128, "data port");
   ASSERT_FALSE(one.ok());
-  EXPECT_EQ(one.status().message(), fmt::format("no free data port in {} (1 port, it is in use)", lo));
+  EXPECT_EQ(one.status().message(),
+            fmt::format("no free data port in {} (1 port, it is in use)", lo));
   // An empty range: a port from the OS.
   auto any = ListenInRange("127.0.0.1", PortRange{}, 128, "data port");
   ASSERT_TRUE(any.ok()) << any.status().ToString();

@@ -62,7 +62,9 @@ void Check(const Status& s) {
 std::span<std::byte> Bytes(uintptr_t address, size_t nbytes) {
   return {reinterpret_cast<std::byte*>(address), nbytes};
 }
-std::span<float> Floats(uintptr_t address, size_t count) { return {reinterpret_cast<float*>(address), count}; }
+std::span<float> Floats(uintptr_t address, size_t count) {
+  return {reinterpret_cast<float*>(address), count};
+}
 
 // One registered region as python/nonstop describes it.
 using RegionSpec = std::tuple<std::string, uintptr_t, size_t, std::string, std::vector<int64_t>>;
@@ -72,7 +74,8 @@ using RegionSpec = std::tuple<std::string, uintptr_t, size_t, std::string, std::
 // them alive as long as this object.
 class PySession {
  public:
-  static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions, int64_t state_step) {
+  static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions,
+                                         int64_t state_step) {
     auto self = std::unique_ptr<PySession>(new PySession());
     for (const auto& [name, address, nbytes, dtype, shape] : regions) {
       if (dtype == "F32") {
@@ -150,9 +153,11 @@ PYBIND11_MODULE(_core, m) {
   SetLogRole(fmt::format("worker {}", worker_id != nullptr ? worker_id : "?"));
   g_aborted = PyErr_NewExceptionWithDoc(
       "nonstop.Aborted",
-      "A member failed or the membership changes: the step in flight is lost. Call session.recover() and carry "
+      "A member failed or the membership changes: the step in flight is lost. Call "
+      "session.recover() and carry "
       "on from the step it returns.",
-      PyExc_Exception, nullptr);  // not RuntimeError: a broad `except RuntimeError` (out of memory) must not swallow it
+      // not RuntimeError: a broad `except RuntimeError` (out of memory) must not swallow it
+      PyExc_Exception, nullptr);
   g_cancelled = PyErr_NewException("nonstop._core.Cancelled", PyExc_RuntimeError, nullptr);
   m.attr("Aborted") = py::handle(g_aborted);
   m.attr("Cancelled") = py::handle(g_cancelled);
@@ -174,13 +179,14 @@ PYBIND11_MODULE(_core, m) {
            [](PySession& p, uintptr_t address, size_t count) {
              Check(p.Drained([&] { return p.s().AllReduce(Floats(address, count)); }));
            })
-      .def("start_allreduce", &PySession::Start, py::arg("tensor"), py::arg("address"), py::arg("count"))
+      .def("start_allreduce", &PySession::Start, py::arg("tensor"), py::arg("address"),
+           py::arg("count"))
       .def("wait_all", [](PySession& p) { Check(p.Drained([&] { return p.s().WaitAll(); })); })
       .def("aborted", [](PySession& p) { return p.s().aborted(); })
       // The control-plane sends below may wait on the socket: without the GIL.
       .def("report_step",
-           [](PySession& p, int64_t step, double loss, double step_seconds, double tokens_per_second,
-              int64_t total_steps) {
+           [](PySession& p, int64_t step, double loss, double step_seconds,
+              double tokens_per_second, int64_t total_steps) {
              py::gil_scoped_release release;
              p.s().ReportStep({step, loss, step_seconds, tokens_per_second, total_steps});
            })
@@ -211,7 +217,8 @@ PYBIND11_MODULE(_core, m) {
              p.s().ReportFailure(InternalError(message), step, exit_code);
            })
       .def("last_change", [](PySession& p) { return ChangeDict(p.s().last_change()); })
-      .def_property_readonly("shutdown_exit_code", [](PySession& p) { return p.s().shutdown_exit_code(); });
+      .def_property_readonly("shutdown_exit_code",
+                             [](PySession& p) { return p.s().shutdown_exit_code(); });
 
   py::class_<data::Dataset>(m, "Dataset")
       .def_static("open",
@@ -226,21 +233,24 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("max_token", &data::Dataset::max_token)
       // Writes the seq_len+1 tokens of each sample, as int64, to `address`
       // (len(samples) × (seq_len+1) values).
-      .def("fill", [](const data::Dataset& ds, const std::vector<uint64_t>& samples, uintptr_t address) {
-        for (uint64_t s : samples) {
-          if (s >= ds.num_samples()) {
-            throw py::index_error(fmt::format("sample {} is past the dataset's {} samples", s, ds.num_samples()));
-          }
-        }
-        auto* out = reinterpret_cast<int64_t*>(address);
-        py::gil_scoped_release release;
-        for (uint64_t s : samples) {
-          for (uint16_t t : ds.Sample(s)) *out++ = t;
-        }
-      });
+      .def("fill",
+           [](const data::Dataset& ds, const std::vector<uint64_t>& samples, uintptr_t address) {
+             for (uint64_t s : samples) {
+               if (s >= ds.num_samples()) {
+                 throw py::index_error(fmt::format("sample {} is past the dataset's {} samples", s,
+                                                   ds.num_samples()));
+               }
+             }
+             auto* out = reinterpret_cast<int64_t*>(address);
+             py::gil_scoped_release release;
+             for (uint64_t s : samples) {
+               for (uint16_t t : ds.Sample(s)) *out++ = t;
+             }
+           });
 
   py::class_<data::Sampler>(m, "Sampler")
-      .def(py::init([](uint64_t num_samples, uint64_t seed, uint64_t global_batch, uint64_t micro_batch) {
+      .def(py::init([](uint64_t num_samples, uint64_t seed, uint64_t global_batch,
+                       uint64_t micro_batch) {
              auto s = data::Sampler::Create({num_samples, seed, global_batch, micro_batch});
              Check(s.status());
              return std::move(*s);
@@ -251,16 +261,19 @@ PYBIND11_MODULE(_core, m) {
           "micro_batches_for",
           [](const data::Sampler& s, int rank, int world_size) {
             if (world_size < 1 || rank < 0 || rank >= world_size) {
-              throw py::value_error(fmt::format("rank {} of world size {}: need 0 <= rank < world_size", rank, world_size));
+              throw py::value_error(fmt::format(
+                  "rank {} of world size {}: need 0 <= rank < world_size", rank, world_size));
             }
             return s.MicroBatchesFor(rank, world_size);
           },
           py::arg("rank"), py::arg("world_size"))
-      .def("micro_batch_samples", &data::Sampler::MicroBatchSamples, py::arg("step"), py::arg("micro"));
+      .def("micro_batch_samples", &data::Sampler::MicroBatchSamples, py::arg("step"),
+           py::arg("micro"));
 
   m.def(
       "prepare_if_missing",
-      [](const std::vector<std::string>& inputs, const std::string& output_dir, bool strip_fortune_separators) {
+      [](const std::vector<std::string>& inputs, const std::string& output_dir,
+         bool strip_fortune_separators) {
         data::PrepareOptions o;
         o.inputs = inputs;
         o.output_dir = output_dir;

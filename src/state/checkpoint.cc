@@ -49,7 +49,9 @@ std::string EncodeSafetensorsHeader(const StateRegistry& reg, const CheckpointMe
   nlohmann::json h = nlohmann::json::object();
   uint64_t offset = 0;
   for (const auto& r : reg.regions()) {
-    h[r.name] = {{"dtype", r.dtype}, {"shape", ShapeOf(r)}, {"data_offsets", {offset, offset + r.bytes.size()}}};
+    h[r.name] = {{"dtype", r.dtype},
+                 {"shape", ShapeOf(r)},
+                 {"data_offsets", {offset, offset + r.bytes.size()}}};
     offset += r.bytes.size();
   }
   h["__metadata__"] = {{"format", "nonstop"}, {"step", std::to_string(meta.step)}};
@@ -64,29 +66,36 @@ Status WriteJob(const std::string& dir, const std::string& header, const std::st
                 const nlohmann::json& manifest, int64_t step, int keep) {
   std::error_code ec;
   fs::create_directories(dir, ec);
-  if (ec) return UnavailableError(fmt::format("cannot create checkpoint directory {}: {}", dir, ec.message()));
+  if (ec)
+    return UnavailableError(
+        fmt::format("cannot create checkpoint directory {}: {}", dir, ec.message()));
   std::string final_dir = dir + "/" + DirName(step);
   std::string tmp_dir = final_dir + ".tmp-" + std::to_string(::getpid());
   fs::remove_all(tmp_dir, ec);
   fs::create_directories(tmp_dir, ec);
   if (ec) return UnavailableError(fmt::format("cannot create {}: {}", tmp_dir, ec.message()));
   NONSTOP_RETURN_IF_ERROR(WriteFileSynced(tmp_dir + "/" + kStateFile, header + data));
-  NONSTOP_RETURN_IF_ERROR(WriteFileSynced(tmp_dir + "/" + kManifestFile, manifest.dump(2) + "\n"));  // last
+  // last
+  NONSTOP_RETURN_IF_ERROR(WriteFileSynced(tmp_dir + "/" + kManifestFile, manifest.dump(2) + "\n"));
   NONSTOP_RETURN_IF_ERROR(SyncDirectory(tmp_dir));
   fs::remove_all(final_dir, ec);
   fs::rename(tmp_dir, final_dir, ec);
-  if (ec) return UnavailableError(fmt::format("cannot rename {} to {}: {}", tmp_dir, final_dir, ec.message()));
+  if (ec)
+    return UnavailableError(
+        fmt::format("cannot rename {} to {}: {}", tmp_dir, final_dir, ec.message()));
   NONSTOP_RETURN_IF_ERROR(SyncDirectory(dir));
   // Retention: keep the newest `keep` complete checkpoints.
   std::vector<std::string> complete;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     std::string name = e.path().filename().string();
-    if (e.is_directory() && name.rfind("step-", 0) == 0 && name.find(".tmp-") == std::string::npos) {
+    if (e.is_directory() && name.rfind("step-", 0) == 0 &&
+        name.find(".tmp-") == std::string::npos) {
       complete.push_back(e.path().string());
     }
   }
   std::sort(complete.begin(), complete.end());
-  for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < complete.size(); ++i) fs::remove_all(complete[i], ec);
+  for (size_t i = 0; keep > 0 && i + static_cast<size_t>(keep) < complete.size(); ++i)
+    fs::remove_all(complete[i], ec);
   return OkStatus();
 }
 
@@ -103,24 +112,28 @@ Snapshot TakeSnapshot(const StateRegistry& reg, const CheckpointMeta& meta) {
   size_t offset = 0;
   for (const auto& r : reg.regions()) {
     std::memcpy(s.data.data() + offset, r.bytes.data(), r.bytes.size());
-    tensors[r.name] = {{"bytes", r.bytes.size()}, {"crc32c", fmt::format("{:08x}", Crc32c(r.bytes.data(), r.bytes.size()))}};
+    tensors[r.name] = {{"bytes", r.bytes.size()},
+                       {"crc32c", fmt::format("{:08x}", Crc32c(r.bytes.data(), r.bytes.size()))}};
     offset += r.bytes.size();
   }
-  s.manifest = {{"format", "nonstop-checkpoint"},
-                {"version", 1},
-                {"step", meta.step},
-                {"generation", meta.generation},
-                {"world_size", meta.world_size},
-                {"recipe", meta.recipe},
-                {"data_position", {{"next_step", meta.step + 1}, {"note", "batches are a function of (data, seed, step)"}}},
-                {"rng", "none: the models have no dropout and the data order is a function of the step"},
-                {"parameter_checksum", meta.parameter_checksum},
-                {"state_file", kStateFile},
-                {"state_bytes", s.header.size() + s.data.size()},
-                {"state_file_crc32c", fmt::format("{:08x}", Crc32cExtend(Crc32c(s.header), s.data.data(), s.data.size()))},
-                {"tensors", tensors},
-                {"created_unix_us", WallMicros()},
-                {"extra", meta.extra}};
+  s.manifest = {
+      {"format", "nonstop-checkpoint"},
+      {"version", 1},
+      {"step", meta.step},
+      {"generation", meta.generation},
+      {"world_size", meta.world_size},
+      {"recipe", meta.recipe},
+      {"data_position",
+       {{"next_step", meta.step + 1}, {"note", "batches are a function of (data, seed, step)"}}},
+      {"rng", "none: the models have no dropout and the data order is a function of the step"},
+      {"parameter_checksum", meta.parameter_checksum},
+      {"state_file", kStateFile},
+      {"state_bytes", s.header.size() + s.data.size()},
+      {"state_file_crc32c",
+       fmt::format("{:08x}", Crc32cExtend(Crc32c(s.header), s.data.data(), s.data.size()))},
+      {"tensors", tensors},
+      {"created_unix_us", WallMicros()},
+      {"extra", meta.extra}};
   return s;
 }
 
@@ -142,9 +155,10 @@ Result<CheckpointWriteStats> WriteCheckpoint(const std::string& dir, const State
 }
 
 std::string CheckpointSaveResult::ToString() const {
-  std::string out = skipped ? fmt::format("skipped step {}: the write of step {} is still in flight", step,
-                                          in_flight_step)
-                            : fmt::format("queued step {}", step);
+  std::string out = skipped
+                        ? fmt::format("skipped step {}: the write of step {} is still in flight",
+                                      step, in_flight_step)
+                        : fmt::format("queued step {}", step);
   if (!earlier.ok()) out += fmt::format(" (an earlier write failed: {})", earlier.ToString());
   return out;
 }
@@ -153,7 +167,9 @@ std::string CheckpointSaveResult::ToString() const {
 // that writes it.
 class CheckpointWriter::Impl {
  public:
-  Impl(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) { thread_ = std::jthread([this] { Run(); }); }
+  Impl(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) {
+    thread_ = std::jthread([this] { Run(); });
+  }
   ~Impl();
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -182,24 +198,28 @@ class CheckpointWriter::Impl {
   std::optional<Job> pending_ NONSTOP_GUARDED_BY(mu_);
   bool in_flight_ NONSTOP_GUARDED_BY(mu_) = false;  // true from queueing to the end of the write
   int64_t in_flight_step_ NONSTOP_GUARDED_BY(mu_) = -1;  // the step of that write
-  bool stopping_ NONSTOP_GUARDED_BY(mu_) = false;  // set (under mu_) by the destructor
+  bool stopping_ NONSTOP_GUARDED_BY(mu_) = false;        // set (under mu_) by the destructor
   uint64_t skipped_ NONSTOP_GUARDED_BY(mu_) = 0;
   Status last_status_ NONSTOP_GUARDED_BY(mu_);
   std::optional<CheckpointWriteStats> last_ NONSTOP_GUARDED_BY(mu_);
   std::function<void(int64_t)> write_hook_ NONSTOP_GUARDED_BY(mu_);  // copied out, run unlocked
-  std::jthread thread_;                          // last: started once the members above exist
+  std::jthread thread_;  // last: started once the members above exist
 };
 
-CheckpointWriter::CheckpointWriter(std::string dir, int keep) : impl_(std::make_unique<Impl>(std::move(dir), keep)) {}
+CheckpointWriter::CheckpointWriter(std::string dir, int keep)
+    : impl_(std::make_unique<Impl>(std::move(dir), keep)) {}
 CheckpointWriter::~CheckpointWriter() = default;
-CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry, const CheckpointMeta& meta) {
+CheckpointSaveResult CheckpointWriter::TrySave(const StateRegistry& registry,
+                                               const CheckpointMeta& meta) {
   return impl_->TrySave(registry, meta);
 }
 Status CheckpointWriter::Save(const StateRegistry& registry, const CheckpointMeta& meta) {
   return TrySave(registry, meta).earlier;
 }
 Status CheckpointWriter::Wait() { return impl_->Wait(); }
-std::optional<CheckpointWriteStats> CheckpointWriter::last_written() const { return impl_->last_written(); }
+std::optional<CheckpointWriteStats> CheckpointWriter::last_written() const {
+  return impl_->last_written();
+}
 uint64_t CheckpointWriter::skipped_count() const { return impl_->skipped_count(); }
 bool CheckpointWriter::in_flight() const { return impl_->in_flight(); }
 void CheckpointWriter::SetWriteHookForTesting(std::function<void(int64_t step)> hook) {
@@ -219,7 +239,8 @@ CheckpointWriter::Impl::~Impl() {
   thread_.join();  // the writer finishes what is queued before it sees stopping_
 }
 
-CheckpointSaveResult CheckpointWriter::Impl::TrySave(const StateRegistry& registry, const CheckpointMeta& meta) {
+CheckpointSaveResult CheckpointWriter::Impl::TrySave(const StateRegistry& registry,
+                                                     const CheckpointMeta& meta) {
   CheckpointSaveResult result;
   result.step = meta.step;
   {
@@ -241,7 +262,8 @@ CheckpointSaveResult CheckpointWriter::Impl::TrySave(const StateRegistry& regist
   double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   {
     MutexLock lock(&mu_);
-    pending_ = Job{std::move(snap.header), std::move(snap.data), std::move(snap.manifest), meta.step, secs};
+    pending_ = Job{std::move(snap.header), std::move(snap.data), std::move(snap.manifest),
+                   meta.step, secs};
     in_flight_ = true;
     in_flight_step_ = meta.step;
   }
@@ -281,7 +303,9 @@ void CheckpointWriter::Impl::Run() {
     std::function<void(int64_t)> hook;
     {
       MutexLock lock(&mu_);
-      cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_.has_value() || stopping_; });
+      cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return pending_.has_value() || stopping_;
+      });
       if (!pending_) return;  // stopping, nothing queued
       job = std::move(*pending_);
       pending_.reset();
@@ -323,7 +347,10 @@ void Render(const json& v, int depth, std::string* out) {
       }
       if (!first) *out += ',';
       first = false;
-      if (!array) *out += json(it.key()).dump(-1, ' ', /*ensure_ascii=*/true, json::error_handler_t::replace) + ':';
+      if (!array)
+        *out +=
+            json(it.key()).dump(-1, ' ', /*ensure_ascii=*/true, json::error_handler_t::replace) +
+            ':';
       Render(*it, depth - 1, out);
     }
     *out += array ? ']' : '}';
@@ -350,23 +377,26 @@ Result<uint64_t> UnsignedField(const json& obj, std::string_view where, const ch
                                uint64_t max = UINT64_MAX) {
   NONSTOP_ASSIGN_OR_RETURN(const json* v, Field(obj, where, key));
   if (!v->is_number_unsigned() || v->get<uint64_t>() > max) {
-    return DataLossError(fmt::format("{} field \"{}\" must be an integer from 0 to {}, it is {}", where, key, max,
-                                     Shown(*v)));
+    return DataLossError(fmt::format("{} field \"{}\" must be an integer from 0 to {}, it is {}",
+                                     where, key, max, Shown(*v)));
   }
   return v->get<uint64_t>();
 }
 
 Result<std::string> StringField(const json& obj, std::string_view where, const char* key) {
   NONSTOP_ASSIGN_OR_RETURN(const json* v, Field(obj, where, key));
-  if (!v->is_string()) return DataLossError(fmt::format("{} field \"{}\" must be a string, it is {}", where, key, Shown(*v)));
+  if (!v->is_string())
+    return DataLossError(
+        fmt::format("{} field \"{}\" must be a string, it is {}", where, key, Shown(*v)));
   return v->get<std::string>();
 }
 
 Result<uint32_t> Crc32cField(const json& obj, std::string_view where, const char* key) {
   NONSTOP_ASSIGN_OR_RETURN(std::string text, StringField(obj, where, key));
   bool hex = text.size() == 8 && text.find_first_not_of("0123456789abcdef") == std::string::npos;
-  if (!hex) return DataLossError(fmt::format("{} field \"{}\" must be 8 lowercase hex digits, it is \"{}\"", where, key,
-                                             text.substr(0, 40)));
+  if (!hex)
+    return DataLossError(fmt::format("{} field \"{}\" must be 8 lowercase hex digits, it is \"{}\"",
+                                     where, key, text.substr(0, 40)));
   return static_cast<uint32_t>(std::stoul(text, nullptr, 16));
 }
 
@@ -375,28 +405,36 @@ uint64_t KnownDtypeBytes(std::string_view dtype) {
   if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
   if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
   if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
-  if (dtype == "U8" || dtype == "I8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2") return 1;
+  if (dtype == "U8" || dtype == "I8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2")
+    return 1;
   return 0;
 }
 
 // A safetensors file's header may not exceed this (the reference reader's limit).
 constexpr uint64_t kMaxSafetensorsHeaderBytes = 100 << 20;
 
-Result<SafetensorsTensor> ParseTensorEntry(const std::string& name, const json& t, uint64_t data_bytes) {
+Result<SafetensorsTensor> ParseTensorEntry(const std::string& name, const json& t,
+                                           uint64_t data_bytes) {
   std::string where = fmt::format("tensor '{}'", name);
-  if (!t.is_object()) return DataLossError(fmt::format("{} must be an object, it is {}", where, Shown(t)));
+  if (!t.is_object())
+    return DataLossError(fmt::format("{} must be an object, it is {}", where, Shown(t)));
   SafetensorsTensor out;
   out.name = name;
   NONSTOP_ASSIGN_OR_RETURN(out.dtype, StringField(t, where, "dtype"));
   uint64_t elem = KnownDtypeBytes(out.dtype);
-  if (elem == 0) return DataLossError(fmt::format("{} has unknown dtype \"{}\"", where, out.dtype.substr(0, 40)));
+  if (elem == 0)
+    return DataLossError(
+        fmt::format("{} has unknown dtype \"{}\"", where, out.dtype.substr(0, 40)));
   NONSTOP_ASSIGN_OR_RETURN(const json* shape, Field(t, where, "shape"));
-  if (!shape->is_array()) return DataLossError(fmt::format("{} field \"shape\" must be an array, it is {}", where, Shown(*shape)));
+  if (!shape->is_array())
+    return DataLossError(
+        fmt::format("{} field \"shape\" must be an array, it is {}", where, Shown(*shape)));
   uint64_t elements = 1;
   bool overflow = false;
   for (const json& d : *shape) {
     if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
-      return DataLossError(fmt::format("{} field \"shape\" holds {}, not a dimension (an integer >= 0)", where, Shown(d)));
+      return DataLossError(fmt::format(
+          "{} field \"shape\" holds {}, not a dimension (an integer >= 0)", where, Shown(d)));
     }
     uint64_t dim = d.get<uint64_t>();
     out.shape.push_back(static_cast<int64_t>(dim));
@@ -404,23 +442,29 @@ Result<SafetensorsTensor> ParseTensorEntry(const std::string& name, const json& 
     elements = overflow ? 0 : elements * dim;
   }
   NONSTOP_ASSIGN_OR_RETURN(const json* offs, Field(t, where, "data_offsets"));
-  if (!offs->is_array() || offs->size() != 2 || !(*offs)[0].is_number_unsigned() || !(*offs)[1].is_number_unsigned()) {
-    return DataLossError(fmt::format("{} field \"data_offsets\" must be [begin, end] (two integers >= 0), it is {}",
-                                     where, Shown(*offs)));
+  if (!offs->is_array() || offs->size() != 2 || !(*offs)[0].is_number_unsigned() ||
+      !(*offs)[1].is_number_unsigned()) {
+    return DataLossError(
+        fmt::format("{} field \"data_offsets\" must be [begin, end] (two integers >= 0), it is {}",
+                    where, Shown(*offs)));
   }
   out.begin = (*offs)[0].get<uint64_t>();
   out.end = (*offs)[1].get<uint64_t>();
   if (out.begin > out.end) {
-    return DataLossError(fmt::format("{} field \"data_offsets\" is [{}, {}]: it ends before it begins", where, out.begin,
-                                     out.end));
+    return DataLossError(
+        fmt::format("{} field \"data_offsets\" is [{}, {}]: it ends before it begins", where,
+                    out.begin, out.end));
   }
   if (out.end > data_bytes) {
-    return DataLossError(fmt::format("{} field \"data_offsets\" is [{}, {}], past the end of the {}-byte data section",
-                                     where, out.begin, out.end, data_bytes));
+    return DataLossError(fmt::format(
+        "{} field \"data_offsets\" is [{}, {}], past the end of the {}-byte data section", where,
+        out.begin, out.end, data_bytes));
   }
   if (overflow || elements > UINT64_MAX / elem || elements * elem != out.end - out.begin) {
-    return DataLossError(fmt::format("{} field \"shape\" {} of {} ({} bytes each) disagrees with its data_offsets' {} "
-                                     "bytes", where, Shown(*shape), out.dtype, elem, out.end - out.begin));
+    return DataLossError(fmt::format(
+        "{} field \"shape\" {} of {} ({} bytes each) disagrees with its data_offsets' {} "
+        "bytes",
+        where, Shown(*shape), out.dtype, elem, out.end - out.begin));
   }
   return out;
 }
@@ -430,58 +474,73 @@ Result<SafetensorsTensor> ParseTensorEntry(const std::string& name, const json& 
 Result<SafetensorsHeader> ParseSafetensorsHeader(std::span<const std::byte> file_bytes) {
   const char* p = reinterpret_cast<const char*>(file_bytes.data());
   if (file_bytes.size() < 8) {
-    return DataLossError(fmt::format("{} bytes: too short for the 8-byte header length", file_bytes.size()));
+    return DataLossError(
+        fmt::format("{} bytes: too short for the 8-byte header length", file_bytes.size()));
   }
   uint64_t header_len = DecodeFixed64(p);
   if (header_len > file_bytes.size() - 8 || header_len > kMaxSafetensorsHeaderBytes) {
-    return DataLossError(fmt::format("header length {} exceeds the {} bytes that follow it (or the {}-byte limit)",
-                                     header_len, file_bytes.size() - 8, kMaxSafetensorsHeaderBytes));
+    return DataLossError(
+        fmt::format("header length {} exceeds the {} bytes that follow it (or the {}-byte limit)",
+                    header_len, file_bytes.size() - 8, kMaxSafetensorsHeaderBytes));
   }
   json header = json::parse(p + 8, p + 8 + header_len, nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded() || !header.is_object()) return DataLossError("header is not a JSON object");
+  if (header.is_discarded() || !header.is_object())
+    return DataLossError("header is not a JSON object");
   SafetensorsHeader out;
   out.data_offset = 8 + header_len;
   uint64_t data_bytes = file_bytes.size() - out.data_offset;
   for (const auto& [name, t] : header.items()) {
     if (name == "__metadata__") {
-      if (!t.is_object()) return DataLossError(fmt::format("\"__metadata__\" must be an object, it is {}", Shown(t)));
+      if (!t.is_object())
+        return DataLossError(fmt::format("\"__metadata__\" must be an object, it is {}", Shown(t)));
       continue;
     }
     NONSTOP_ASSIGN_OR_RETURN(SafetensorsTensor tensor, ParseTensorEntry(name, t, data_bytes));
     out.tensors.push_back(std::move(tensor));
   }
   std::sort(out.tensors.begin(), out.tensors.end(),
-            [](const SafetensorsTensor& a, const SafetensorsTensor& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+            [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+              return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+            });
   uint64_t at = 0;
   for (const auto& t : out.tensors) {
     if (t.begin != at) {
-      return DataLossError(fmt::format("tensor '{}' starts at byte {} of the data section, where the tensors before it "
-                                       "end at {} ({})", t.name, t.begin, at, t.begin < at ? "overlap" : "a gap"));
+      return DataLossError(fmt::format(
+          "tensor '{}' starts at byte {} of the data section, where the tensors before it "
+          "end at {} ({})",
+          t.name, t.begin, at, t.begin < at ? "overlap" : "a gap"));
     }
     at = t.end;
   }
   if (at != data_bytes) {
-    return DataLossError(fmt::format("the tensors cover {} bytes of the {}-byte data section", at, data_bytes));
+    return DataLossError(
+        fmt::format("the tensors cover {} bytes of the {}-byte data section", at, data_bytes));
   }
   return out;
 }
 
 Result<CheckpointManifest> ParseCheckpointManifest(std::string_view json_text) {
   json m = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
-  if (m.is_discarded() || !m.is_object()) return DataLossError("manifest.json is not a JSON object");
+  if (m.is_discarded() || !m.is_object())
+    return DataLossError("manifest.json is not a JSON object");
   constexpr std::string_view kWhere = "manifest";
   auto format = StringField(m, kWhere, "format");
   if (!format.ok() || *format != "nonstop-checkpoint") {
-    return DataLossError(fmt::format("manifest.json is not a nonstop checkpoint manifest (field \"format\" must be "
-                                     "\"nonstop-checkpoint\", it is {})", m.contains("format") ? Shown(m["format"]) : "missing"));
+    return DataLossError(
+        fmt::format("manifest.json is not a nonstop checkpoint manifest (field \"format\" must be "
+                    "\"nonstop-checkpoint\", it is {})",
+                    m.contains("format") ? Shown(m["format"]) : "missing"));
   }
   NONSTOP_ASSIGN_OR_RETURN(const json* version, Field(m, kWhere, "version"));
   if (!version->is_number_unsigned() || version->get<uint64_t>() != 1) {
-    return InvalidArgumentError(fmt::format("checkpoint format version {} is not supported (manifest field \"version\"; "
-                                            "this build reads 1)", Shown(*version)));
+    return InvalidArgumentError(
+        fmt::format("checkpoint format version {} is not supported (manifest field \"version\"; "
+                    "this build reads 1)",
+                    Shown(*version)));
   }
   CheckpointManifest out;
-  NONSTOP_ASSIGN_OR_RETURN(uint64_t step, UnsignedField(m, kWhere, "step", static_cast<uint64_t>(INT64_MAX)));
+  NONSTOP_ASSIGN_OR_RETURN(uint64_t step,
+                           UnsignedField(m, kWhere, "step", static_cast<uint64_t>(INT64_MAX)));
   out.step = static_cast<int64_t>(step);
   NONSTOP_ASSIGN_OR_RETURN(uint64_t generation, UnsignedField(m, kWhere, "generation", UINT32_MAX));
   out.generation = static_cast<uint32_t>(generation);
@@ -491,19 +550,22 @@ Result<CheckpointManifest> ParseCheckpointManifest(std::string_view json_text) {
   NONSTOP_ASSIGN_OR_RETURN(out.parameter_checksum, StringField(m, kWhere, "parameter_checksum"));
   NONSTOP_ASSIGN_OR_RETURN(std::string state_file, StringField(m, kWhere, "state_file"));
   if (state_file != kStateFile) {
-    return DataLossError(fmt::format("manifest field \"state_file\" must be \"{}\", it is \"{}\"", kStateFile,
-                                     state_file.substr(0, 40)));
+    return DataLossError(fmt::format("manifest field \"state_file\" must be \"{}\", it is \"{}\"",
+                                     kStateFile, state_file.substr(0, 40)));
   }
   NONSTOP_ASSIGN_OR_RETURN(out.state_bytes, UnsignedField(m, kWhere, "state_bytes"));
   NONSTOP_ASSIGN_OR_RETURN(out.state_file_crc32c, Crc32cField(m, kWhere, "state_file_crc32c"));
   NONSTOP_ASSIGN_OR_RETURN(const json* tensors, Field(m, kWhere, "tensors"));
   if (!tensors->is_object()) {
-    return DataLossError(fmt::format("manifest field \"tensors\" must be an object of name: {{bytes, crc32c}}, it is {}",
-                                     Shown(*tensors)));
+    return DataLossError(fmt::format(
+        "manifest field \"tensors\" must be an object of name: {{bytes, crc32c}}, it is {}",
+        Shown(*tensors)));
   }
   for (const auto& [name, t] : tensors->items()) {
     std::string where = fmt::format("manifest tensor '{}'", name);
-    if (!t.is_object()) return DataLossError(fmt::format("{} must be an object {{bytes, crc32c}}, it is {}", where, Shown(t)));
+    if (!t.is_object())
+      return DataLossError(
+          fmt::format("{} must be an object {{bytes, crc32c}}, it is {}", where, Shown(t)));
     CheckpointTensorSum sum;
     NONSTOP_ASSIGN_OR_RETURN(sum.bytes, UnsignedField(t, where, "bytes"));
     NONSTOP_ASSIGN_OR_RETURN(sum.crc32c, Crc32cField(t, where, "crc32c"));
@@ -533,13 +595,16 @@ Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& re
   out.file = std::move(*data);
   const std::string& file = out.file;
   if (file.size() != m.state_bytes) {
-    return DataLossError(fmt::format("state.safetensors is {} bytes, the manifest's \"state_bytes\" says {} ({})",
-                                     file.size(), m.state_bytes, file.size() < m.state_bytes ? "truncated" : "trailing bytes"));
+    return DataLossError(fmt::format(
+        "state.safetensors is {} bytes, the manifest's \"state_bytes\" says {} ({})", file.size(),
+        m.state_bytes, file.size() < m.state_bytes ? "truncated" : "trailing bytes"));
   }
   uint32_t file_crc = Crc32c(file);
   if (file_crc != m.state_file_crc32c) {
-    return DataLossError(fmt::format("state.safetensors fails its checksum (crc32c {:08x}, the manifest says {:08x}): the "
-                                     "file is corrupt", file_crc, m.state_file_crc32c));
+    return DataLossError(fmt::format(
+        "state.safetensors fails its checksum (crc32c {:08x}, the manifest says {:08x}): the "
+        "file is corrupt",
+        file_crc, m.state_file_crc32c));
   }
   auto header = ParseSafetensorsHeader(std::as_bytes(std::span(file.data(), file.size())));
   if (!header.ok()) return header.status().WithContext("state.safetensors");
@@ -551,25 +616,32 @@ Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& re
   for (const auto& r : reg.regions()) {
     auto it = by_name.find(r.name);
     if (it == by_name.end()) {
-      return InvalidArgumentError(fmt::format("the checkpoint has no tensor '{}': it was written by another model or "
-                                              "optimizer", r.name));
+      return InvalidArgumentError(
+          fmt::format("the checkpoint has no tensor '{}': it was written by another model or "
+                      "optimizer",
+                      r.name));
     }
     const SafetensorsTensor& t = *it->second;
     if (t.end - t.begin != r.bytes.size()) {
-      return InvalidArgumentError(fmt::format("tensor '{}' has {} bytes in the checkpoint, this worker has {}", r.name,
-                                              t.end - t.begin, r.bytes.size()));
+      return InvalidArgumentError(
+          fmt::format("tensor '{}' has {} bytes in the checkpoint, this worker has {}", r.name,
+                      t.end - t.begin, r.bytes.size()));
     }
     if (t.dtype != r.dtype) {
-      return InvalidArgumentError(fmt::format("tensor '{}' has dtype {} in the checkpoint, this worker has {}", r.name,
-                                              t.dtype, r.dtype));
+      return InvalidArgumentError(
+          fmt::format("tensor '{}' has dtype {} in the checkpoint, this worker has {}", r.name,
+                      t.dtype, r.dtype));
     }
     if (t.shape != ShapeOf(r)) {
-      return InvalidArgumentError(fmt::format("tensor '{}' has shape [{}] in the checkpoint, this worker has [{}]",
-                                              r.name, fmt::join(t.shape, ", "), fmt::join(ShapeOf(r), ", ")));
+      return InvalidArgumentError(
+          fmt::format("tensor '{}' has shape [{}] in the checkpoint, this worker has [{}]", r.name,
+                      fmt::join(t.shape, ", "), fmt::join(ShapeOf(r), ", ")));
     }
     if (t.begin != offset) {
-      return InvalidArgumentError(fmt::format("tensor '{}' is at byte {} of the checkpoint's data, this worker expects {} "
-                                              "(the tensors are in another order)", r.name, t.begin, offset));
+      return InvalidArgumentError(
+          fmt::format("tensor '{}' is at byte {} of the checkpoint's data, this worker expects {} "
+                      "(the tensors are in another order)",
+                      r.name, t.begin, offset));
     }
     offset += r.bytes.size();
   }
@@ -578,8 +650,10 @@ Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& re
       bool registered = std::any_of(reg.regions().begin(), reg.regions().end(),
                                     [&](const Region& r) { return r.name == t.name; });
       if (!registered) {
-        return InvalidArgumentError(fmt::format("the checkpoint holds tensor '{}', which this worker does not have: it "
-                                                "was written by another model or optimizer", t.name));
+        return InvalidArgumentError(
+            fmt::format("the checkpoint holds tensor '{}', which this worker does not have: it "
+                        "was written by another model or optimizer",
+                        t.name));
       }
     }
   }
@@ -587,24 +661,28 @@ Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& re
   for (const auto& r : reg.regions()) {
     auto it = m.tensors.find(r.name);
     if (it == m.tensors.end()) {
-      return DataLossError(fmt::format("the manifest's \"tensors\" has no entry for tensor '{}'", r.name));
+      return DataLossError(
+          fmt::format("the manifest's \"tensors\" has no entry for tensor '{}'", r.name));
     }
     if (it->second.bytes != r.bytes.size()) {
-      return DataLossError(fmt::format("the manifest says tensor '{}' has {} bytes, the state file has {}", r.name,
-                                       it->second.bytes, r.bytes.size()));
+      return DataLossError(
+          fmt::format("the manifest says tensor '{}' has {} bytes, the state file has {}", r.name,
+                      it->second.bytes, r.bytes.size()));
     }
   }
   if (m.tensors.size() != reg.regions().size()) {
-    return DataLossError(fmt::format("the manifest lists {} tensors, the state file holds {}", m.tensors.size(),
-                                     reg.regions().size()));
+    return DataLossError(fmt::format("the manifest lists {} tensors, the state file holds {}",
+                                     m.tensors.size(), reg.regions().size()));
   }
   offset = out.data_offset;
   for (const auto& r : reg.regions()) {
     uint32_t crc = Crc32c(file.data() + offset, r.bytes.size());
     uint32_t want = m.tensors.at(r.name).crc32c;
     if (crc != want) {
-      return DataLossError(fmt::format("tensor '{}' fails its checksum (crc32c {:08x}, the manifest says {:08x}): the "
-                                       "state file is corrupt", r.name, crc, want));
+      return DataLossError(fmt::format(
+          "tensor '{}' fails its checksum (crc32c {:08x}, the manifest says {:08x}): the "
+          "state file is corrupt",
+          r.name, crc, want));
     }
     offset += r.bytes.size();
   }

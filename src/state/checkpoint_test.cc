@@ -5,8 +5,8 @@
 #include <fmt/format.h>
 
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <numeric>
 
@@ -178,7 +178,8 @@ TEST(CheckpointTest, CorruptTruncatedAndHalfWrittenCheckpointsAreSkippedWithReas
   std::string p40 = dir / "step-000000040/state.safetensors";
   fs::resize_file(p40, fs::file_size(p40) - 7);
   {
-    std::fstream f(dir / "step-000000030/state.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(dir / "step-000000030/state.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(300);
     f.put('\x55');
   }
@@ -239,7 +240,6 @@ TEST(CheckpointTest, OtherModelIsRefusedByName) {
   EXPECT_NE(s.message().find("'v'"), std::string::npos) << s.ToString();
 }
 
-
 // Rewrites checkpoint `path` the way a forger would: the safetensors header
 // and the data may be changed, and the manifest's whole-file size and CRC are
 // then made right again, so that only the deeper checks can catch the change.
@@ -288,7 +288,8 @@ void ExpectForgedNewestIsSkipped(const std::function<void(nlohmann::json&)>& hea
   EXPECT_EQ(loaded->step, 10);
   EXPECT_EQ(b.w[0], 10.0f);
   ASSERT_EQ(loaded->skipped.size(), 1u);
-  for (const auto& r : reason) EXPECT_NE(loaded->skipped[0].find(r), std::string::npos) << loaded->skipped[0];
+  for (const auto& r : reason)
+    EXPECT_NE(loaded->skipped[0].find(r), std::string::npos) << loaded->skipped[0];
 }
 
 TEST(CheckpointTest, TensorThatFailsItsOwnCrcIsSkippedNamingTheTensor) {
@@ -315,25 +316,42 @@ TEST_P(WrongManifestTest, IsSkippedWithAReasonNamingTheField) {
 INSTANTIATE_TEST_SUITE_P(
     CheckpointTest, WrongManifestTest,
     ::testing::Values(
-        ManifestCase{"StepNotANumber", [](nlohmann::json& m) { m["step"] = "abc"; }, {"\"step\"", "integer"}},
+        ManifestCase{"StepNotANumber",
+                     [](nlohmann::json& m) { m["step"] = "abc"; },
+                     {"\"step\"", "integer"}},
         ManifestCase{"NegativeStep", [](nlohmann::json& m) { m["step"] = -3; }, {"\"step\""}},
-        ManifestCase{"VersionAsString", [](nlohmann::json& m) { m["version"] = "1"; }, {"\"version\""}},
-        ManifestCase{"FormatNotAString", [](nlohmann::json& m) { m["format"] = 7; }, {"\"format\""}},
-        ManifestCase{"NoTensorList", [](nlohmann::json& m) { m.erase("tensors"); }, {"\"tensors\""}},
-        ManifestCase{"TensorListNotAnObject", [](nlohmann::json& m) { m["tensors"] = nlohmann::json::array(); },
+        ManifestCase{
+            "VersionAsString", [](nlohmann::json& m) { m["version"] = "1"; }, {"\"version\""}},
+        ManifestCase{
+            "FormatNotAString", [](nlohmann::json& m) { m["format"] = 7; }, {"\"format\""}},
+        ManifestCase{
+            "NoTensorList", [](nlohmann::json& m) { m.erase("tensors"); }, {"\"tensors\""}},
+        ManifestCase{"TensorListNotAnObject",
+                     [](nlohmann::json& m) { m["tensors"] = nlohmann::json::array(); },
                      {"\"tensors\""}},
-        ManifestCase{"NegativeStateBytes", [](nlohmann::json& m) { m["state_bytes"] = -5; }, {"\"state_bytes\""}},
-        ManifestCase{"FileCrcNotAString", [](nlohmann::json& m) { m["state_file_crc32c"] = 5; },
+        ManifestCase{"NegativeStateBytes",
+                     [](nlohmann::json& m) { m["state_bytes"] = -5; },
+                     {"\"state_bytes\""}},
+        ManifestCase{"FileCrcNotAString",
+                     [](nlohmann::json& m) { m["state_file_crc32c"] = 5; },
                      {"\"state_file_crc32c\""}},
-        ManifestCase{"NegativeTensorSize", [](nlohmann::json& m) { m["tensors"]["w"]["bytes"] = -2400; },
+        ManifestCase{"NegativeTensorSize",
+                     [](nlohmann::json& m) { m["tensors"]["w"]["bytes"] = -2400; },
                      {"'w'", "\"bytes\""}},
-        ManifestCase{"TensorCrcNotHex", [](nlohmann::json& m) { m["tensors"]["w"]["crc32c"] = "zzzzzzzz"; },
+        ManifestCase{"TensorCrcNotHex",
+                     [](nlohmann::json& m) { m["tensors"]["w"]["crc32c"] = "zzzzzzzz"; },
                      {"'w'", "\"crc32c\""}},
-        ManifestCase{"TensorMissing", [](nlohmann::json& m) { m["tensors"].erase("adam.m"); }, {"'adam.m'"}},
-        ManifestCase{"ParameterChecksumNotAString", [](nlohmann::json& m) { m["parameter_checksum"] = 12; },
+        ManifestCase{
+            "TensorMissing", [](nlohmann::json& m) { m["tensors"].erase("adam.m"); }, {"'adam.m'"}},
+        ManifestCase{"ParameterChecksumNotAString",
+                     [](nlohmann::json& m) { m["parameter_checksum"] = 12; },
                      {"\"parameter_checksum\""}},
-        ManifestCase{"GenerationNegative", [](nlohmann::json& m) { m["generation"] = -1; }, {"\"generation\""}}),
-    [](const ::testing::TestParamInfo<ManifestCase>& info) { return std::string(info.param.name); });
+        ManifestCase{"GenerationNegative",
+                     [](nlohmann::json& m) { m["generation"] = -1; },
+                     {"\"generation\""}}),
+    [](const ::testing::TestParamInfo<ManifestCase>& info) {
+      return std::string(info.param.name);
+    });
 
 struct HeaderCase {
   const char* name;
@@ -353,19 +371,36 @@ INSTANTIATE_TEST_SUITE_P(
     CheckpointTest, WrongSafetensorsHeaderTest,
     ::testing::Values(
         HeaderCase{"EntryNotAnObject", [](nlohmann::json& h) { h["w"] = 5; }, {"'w'"}},
-        HeaderCase{"OffsetsNotNumbers", [](nlohmann::json& h) { h["w"]["data_offsets"] = "x"; },
+        HeaderCase{"OffsetsNotNumbers",
+                   [](nlohmann::json& h) { h["w"]["data_offsets"] = "x"; },
                    {"'w'", "data_offsets"}},
-        HeaderCase{"EndBeforeBegin", [](nlohmann::json& h) { h["w"]["data_offsets"] = {2400, 0}; },
+        HeaderCase{"EndBeforeBegin",
+                   [](nlohmann::json& h) {
+                     h["w"]["data_offsets"] = {2400, 0};
+                   },
                    {"'w'", "data_offsets", "ends before it begins"}},
-        HeaderCase{"OffsetsPastTheData", [](nlohmann::json& h) { h["step"]["data_offsets"] = {4800, 1u << 30}; },
+        HeaderCase{"OffsetsPastTheData",
+                   [](nlohmann::json& h) {
+                     h["step"]["data_offsets"] = {4800, 1u << 30};
+                   },
                    {"'step'", "data_offsets"}},
-        HeaderCase{"ShapeOfAnotherModel", [](nlohmann::json& h) { h["w"]["shape"] = {30, 20}; }, {"'w'", "shape"}},
-        HeaderCase{"ShapeDisagreesWithSize", [](nlohmann::json& h) { h["w"]["shape"] = {20, 31}; },
+        HeaderCase{"ShapeOfAnotherModel",
+                   [](nlohmann::json& h) {
+                     h["w"]["shape"] = {30, 20};
+                   },
                    {"'w'", "shape"}},
-        HeaderCase{"OtherDtype", [](nlohmann::json& h) { h["w"]["dtype"] = "I32"; }, {"'w'", "dtype"}},
-        HeaderCase{"UnknownTensor", [](nlohmann::json& h) {
+        HeaderCase{"ShapeDisagreesWithSize",
+                   [](nlohmann::json& h) {
+                     h["w"]["shape"] = {20, 31};
+                   },
+                   {"'w'", "shape"}},
+        HeaderCase{
+            "OtherDtype", [](nlohmann::json& h) { h["w"]["dtype"] = "I32"; }, {"'w'", "dtype"}},
+        HeaderCase{"UnknownTensor",
+                   [](nlohmann::json& h) {
                      h["extra"] = {{"dtype", "U8"}, {"shape", {0}}, {"data_offsets", {4808, 4808}}};
-                   }, {"'extra'"}}),
+                   },
+                   {"'extra'"}}),
     [](const ::testing::TestParamInfo<HeaderCase>& info) { return std::string(info.param.name); });
 
 TEST(CheckpointTest, ParseManifestRefusesEveryTruncationWithoutThrowing) {
@@ -386,16 +421,17 @@ TEST(CheckpointTest, ParseManifestRefusesEveryTruncationWithoutThrowing) {
     auto parsed = ParseCheckpointManifest(trimmed.substr(0, n));
     EXPECT_EQ(parsed.status().code(), StatusCode::kDataLoss) << "a " << n << "-byte prefix";
   }
-  for (const char* junk : {"", "null", "[]", "\"x\"", "{\"format\": \"nonstop-checkpoint\"}", "{\"format\": [1]}",
-                           "{{{{", "\xff\xfe"}) {
+  for (const char* junk : {"", "null", "[]", "\"x\"", "{\"format\": \"nonstop-checkpoint\"}",
+                           "{\"format\": [1]}", "{{{{", "\xff\xfe"}) {
     EXPECT_FALSE(ParseCheckpointManifest(junk).ok()) << junk;
   }
   // Deep nesting where a number belongs: the error message must not recurse into it.
-  std::string deep = R"({"format": "nonstop-checkpoint", "version": 1, "step": )" + std::string(1'000'000, '[') +
-                     std::string(1'000'000, ']') + "}";
+  std::string deep = R"({"format": "nonstop-checkpoint", "version": 1, "step": )" +
+                     std::string(1'000'000, '[') + std::string(1'000'000, ']') + "}";
   auto parsed = ParseCheckpointManifest(deep);
   ASSERT_FALSE(parsed.ok());
-  EXPECT_NE(parsed.status().message().find("\"step\""), std::string::npos) << parsed.status().message().substr(0, 200);
+  EXPECT_NE(parsed.status().message().find("\"step\""), std::string::npos)
+      << parsed.status().message().substr(0, 200);
 }
 
 TEST(CheckpointTest, ParseSafetensorsHeaderRefusesEveryTruncationAndAHugeLength) {
@@ -414,8 +450,10 @@ TEST(CheckpointTest, ParseSafetensorsHeaderRefusesEveryTruncationAndAHugeLength)
   EXPECT_EQ(whole->tensors[1].begin, 2400u);
   EXPECT_EQ(whole->data_offset + 4808, file->size());
   for (size_t n = 0; n < file->size(); n += (n < 400 ? 1 : 53)) {
-    std::string prefix = file->substr(0, n);  // exactly n bytes: a read past them is a read past the allocation
-    EXPECT_EQ(ParseSafetensorsHeader(bytes(prefix)).status().code(), StatusCode::kDataLoss) << n << " bytes";
+    // exactly n bytes: a read past them is a read past the allocation
+    std::string prefix = file->substr(0, n);
+    EXPECT_EQ(ParseSafetensorsHeader(bytes(prefix)).status().code(), StatusCode::kDataLoss)
+        << n << " bytes";
   }
   std::string huge = *file;
   EncodeFixed64(huge.data(), UINT64_MAX - 3);

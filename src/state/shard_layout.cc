@@ -12,7 +12,8 @@ namespace nonstop::state {
 std::vector<int> ShardLayout::Replicas(int shard) const {
   std::vector<int> out(static_cast<size_t>(groups()), -1);
   for (int r = 0; r < world(); ++r) {
-    if (shard_of_rank[static_cast<size_t>(r)] == shard) out[static_cast<size_t>(group_of_rank[static_cast<size_t>(r)])] = r;
+    if (shard_of_rank[static_cast<size_t>(r)] == shard)
+      out[static_cast<size_t>(group_of_rank[static_cast<size_t>(r)])] = r;
   }
   return out;
 }
@@ -20,17 +21,20 @@ std::vector<int> ShardLayout::Replicas(int shard) const {
 std::vector<int> ShardLayout::Group(int group) const {
   std::vector<int> out(static_cast<size_t>(group_size), -1);
   for (int r = 0; r < world(); ++r) {
-    if (group_of_rank[static_cast<size_t>(r)] == group) out[static_cast<size_t>(shard_of_rank[static_cast<size_t>(r)])] = r;
+    if (group_of_rank[static_cast<size_t>(r)] == group)
+      out[static_cast<size_t>(shard_of_rank[static_cast<size_t>(r)])] = r;
   }
   return out;
 }
 
 Result<ShardLayout> LayoutOf(int world, int group_size) {
-  if (group_size < 1) return InvalidArgumentError(fmt::format("shard group size {} is not positive", group_size));
+  if (group_size < 1)
+    return InvalidArgumentError(fmt::format("shard group size {} is not positive", group_size));
   if (world < 1 || world % group_size != 0) {
     return InvalidArgumentError(fmt::format(
         "a world of {} cannot be split into shard groups of {}: the world must be a multiple of "
-        "optimizer.shard_group (allow only such sizes: nonstop run --allowed-sizes or --world-increment {})",
+        "optimizer.shard_group (allow only such sizes: nonstop run --allowed-sizes or "
+        "--world-increment {})",
         world, group_size, group_size));
   }
   ShardLayout layout;
@@ -42,7 +46,8 @@ Result<ShardLayout> LayoutOf(int world, int group_size) {
   return layout;
 }
 
-std::vector<int> ShardsOnOneHost(const ShardLayout& layout, std::span<const std::string> host_of_rank) {
+std::vector<int> ShardsOnOneHost(const ShardLayout& layout,
+                                 std::span<const std::string> host_of_rank) {
   NONSTOP_CHECK_EQ(host_of_rank.size(), static_cast<size_t>(layout.world()));
   std::vector<int> out;
   for (int s = 0; s < layout.group_size; ++s) {

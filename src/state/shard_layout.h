@@ -24,9 +24,9 @@
 namespace nonstop::state {
 
 struct ShardLayout {
-  int group_size = 1;               // G
-  std::vector<int> shard_of_rank;   // index = rank: the shard it holds
-  std::vector<int> group_of_rank;   // index = rank: its replica group
+  int group_size = 1;              // G
+  std::vector<int> shard_of_rank;  // index = rank: the shard it holds
+  std::vector<int> group_of_rank;  // index = rank: its replica group
 
   int world() const { return static_cast<int>(shard_of_rank.size()); }
   int groups() const { return world() / group_size; }
@@ -42,7 +42,8 @@ Result<ShardLayout> LayoutOf(int world, int group_size);
 
 // Shards every replica of which is on one host (a loss of that host loses
 // them), ascending; empty when every shard has copies on two hosts or more.
-std::vector<int> ShardsOnOneHost(const ShardLayout& layout, std::span<const std::string> host_of_rank);
+std::vector<int> ShardsOnOneHost(const ShardLayout& layout,
+                                 std::span<const std::string> host_of_rank);
 
 // Re-sharding, and a spare taking a rank: of the members of `from` (the
 // layout whose state the survivors hold) for which `alive` is true, those

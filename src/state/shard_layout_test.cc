@@ -22,7 +22,9 @@ std::vector<std::string> Hosts(const std::vector<std::pair<std::string, int>>& p
 void ExpectEveryGroupHoldsEveryShardOnce(const ShardLayout& l) {
   std::set<std::pair<int, int>> seen;
   for (int r = 0; r < l.world(); ++r) {
-    EXPECT_TRUE(seen.insert({l.group_of_rank[static_cast<size_t>(r)], l.shard_of_rank[static_cast<size_t>(r)]}).second)
+    EXPECT_TRUE(seen.insert({l.group_of_rank[static_cast<size_t>(r)],
+                             l.shard_of_rank[static_cast<size_t>(r)]})
+                    .second)
         << "rank " << r;
   }
   EXPECT_EQ(seen.size(), static_cast<size_t>(l.world()));
@@ -55,7 +57,8 @@ TEST(ShardLayoutTest, TheLayoutIsTheRanksSoAReplacementMovesNothing) {
   std::vector<std::string> before = {"a", "a", "b", "b"};
   EXPECT_TRUE(ShardsOnOneHost(*l, before).empty());
   std::vector<std::string> after = {"a", "a", "b", "a"};  // rank 3's spare ran on host a
-  EXPECT_EQ(ShardsOnOneHost(*l, after), (std::vector<int>{1})) << "both copies of shard 1 are on a now";
+  EXPECT_EQ(ShardsOnOneHost(*l, after), (std::vector<int>{1}))
+      << "both copies of shard 1 are on a now";
 }
 
 TEST(ShardLayoutTest, OneHostHoldingEveryReplicaIsReported) {
@@ -77,7 +80,8 @@ TEST(ShardLayoutTest, OneHostHoldingEveryReplicaIsReported) {
 TEST(ShardLayoutTest, AWorldThatIsNotAMultipleOfTheGroupIsRefusedWithTheFix) {
   auto l = LayoutOf(3, 2);
   ASSERT_FALSE(l.ok());
-  EXPECT_NE(l.status().message().find("a world of 3 cannot be split into shard groups of 2"), std::string::npos)
+  EXPECT_NE(l.status().message().find("a world of 3 cannot be split into shard groups of 2"),
+            std::string::npos)
       << l.status().ToString();
   EXPECT_NE(l.status().message().find("--world-increment 2"), std::string::npos);
   EXPECT_FALSE(LayoutOf(2, 0).ok());
@@ -91,10 +95,13 @@ TEST(ShardLayoutTest, SourcesOfAShardAreItsLiveReplicasAndNoneWhenEveryCopyIsGon
   bool flags[4] = {true, true, true, true};
   EXPECT_EQ(SourcesOfShard(*l, std::span<const bool>(flags, 4), 1), replicas);
   flags[replicas[0]] = false;
-  EXPECT_EQ(SourcesOfShard(*l, std::span<const bool>(flags, 4), 1), (std::vector<int>{replicas[1]}));
+  EXPECT_EQ(SourcesOfShard(*l, std::span<const bool>(flags, 4), 1),
+            (std::vector<int>{replicas[1]}));
   flags[replicas[1]] = false;
-  EXPECT_TRUE(SourcesOfShard(*l, std::span<const bool>(flags, 4), 1).empty()) << "both holders of shard 1 lost";
-  EXPECT_EQ(SourcesOfShard(*l, std::span<const bool>(flags, 4), 0).size(), 2u) << "shard 0 is untouched";
+  EXPECT_TRUE(SourcesOfShard(*l, std::span<const bool>(flags, 4), 1).empty())
+      << "both holders of shard 1 lost";
+  EXPECT_EQ(SourcesOfShard(*l, std::span<const bool>(flags, 4), 0).size(), 2u)
+      << "shard 0 is untouched";
 }
 
 }  // namespace

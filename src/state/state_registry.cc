@@ -9,12 +9,12 @@
 
 namespace nonstop::state {
 
-namespace {
-}
+namespace {}
 
 Status StateRegistry::AddRegion(std::string name, std::span<std::byte> bytes) {
   for (const auto& r : regions_) {
-    if (r.name == name) return InvalidArgumentError(fmt::format("state region '{}' is registered twice", name));
+    if (r.name == name)
+      return InvalidArgumentError(fmt::format("state region '{}' is registered twice", name));
   }
   total_bytes_ += bytes.size();
   Region r;
@@ -30,14 +30,19 @@ Status StateRegistry::Register(std::string name, std::span<std::byte> bytes) {
   return OkStatus();
 }
 
-Status StateRegistry::AddShardRegion(std::string name, std::span<float> bytes, std::span<float> whole, int group_size) {
+Status StateRegistry::AddShardRegion(std::string name, std::span<float> bytes,
+                                     std::span<float> whole, int group_size) {
   if (group_size < 1) {
-    return InvalidArgumentError(fmt::format("state region '{}' is sharded over groups of {}: a group has at least 1 "
-                                            "member", name, group_size));
+    return InvalidArgumentError(
+        fmt::format("state region '{}' is sharded over groups of {}: a group has at least 1 "
+                    "member",
+                    name, group_size));
   }
   if (shard_group_ != 0 && group_size != shard_group_) {
-    return InvalidArgumentError(fmt::format("state region '{}' is sharded over groups of {}, the others over groups of "
-                                            "{}: one registry has one group size", name, group_size, shard_group_));
+    return InvalidArgumentError(
+        fmt::format("state region '{}' is sharded over groups of {}, the others over groups of "
+                    "{}: one registry has one group size",
+                    name, group_size, shard_group_));
   }
   NONSTOP_RETURN_IF_ERROR(AddRegion(std::move(name), std::as_writable_bytes(bytes)));
   Region& r = regions_.back();
@@ -56,21 +61,25 @@ Status StateRegistry::RegisterShard(std::string name, std::span<float> shard, in
 
 Status StateRegistry::RegisterShardView(std::string name, std::span<float> whole, int group_size) {
   if (group_size < 1 || whole.size() % static_cast<size_t>(group_size) != 0) {
-    return InvalidArgumentError(fmt::format("state region '{}' of {} values is not {} shards of one size: pad the buffer "
-                                            "to a multiple of the group size", name, whole.size(), group_size));
+    return InvalidArgumentError(
+        fmt::format("state region '{}' of {} values is not {} shards of one size: pad the buffer "
+                    "to a multiple of the group size",
+                    name, whole.size(), group_size));
   }
   size_t shard = whole.size() / static_cast<size_t>(group_size);
   int at = held_shard_ >= 0 ? held_shard_ : 0;
-  return AddShardRegion(std::move(name), whole.subspan(static_cast<size_t>(at) * shard, shard), whole, group_size);
+  return AddShardRegion(std::move(name), whole.subspan(static_cast<size_t>(at) * shard, shard),
+                        whole, group_size);
 }
 
 Status StateRegistry::RebindShard(std::string_view name, std::span<float> shard) {
   for (auto& r : regions_) {
     if (r.name != name) continue;
-    if (r.shard_group == 0) return InvalidArgumentError(fmt::format("state region '{}' is not sharded", name));
+    if (r.shard_group == 0)
+      return InvalidArgumentError(fmt::format("state region '{}' is not sharded", name));
     if (shard.size_bytes() != r.bytes.size()) {
-      return InvalidArgumentError(fmt::format("state region '{}' is {} bytes, its new memory {}", name, r.bytes.size(),
-                                              shard.size_bytes()));
+      return InvalidArgumentError(fmt::format("state region '{}' is {} bytes, its new memory {}",
+                                              name, r.bytes.size(), shard.size_bytes()));
     }
     r.bytes = std::as_writable_bytes(shard);
     r.whole = {};
@@ -81,12 +90,15 @@ Status StateRegistry::RebindShard(std::string_view name, std::span<float> shard)
 
 Status StateRegistry::AdoptShard(std::string_view name, std::span<float> shard) {
   if (held_shard_ < 0) {
-    return FailedPreconditionError(fmt::format("state region '{}': no shard is bound yet (Join or Recover binds "
-                                               "this member's)", name));
+    return FailedPreconditionError(
+        fmt::format("state region '{}': no shard is bound yet (Join or Recover binds "
+                    "this member's)",
+                    name));
   }
   for (const auto& r : regions_) {
     if (r.name != name) continue;
-    if (r.whole.empty()) return InvalidArgumentError(fmt::format("state region '{}' is not a shard view", name));
+    if (r.whole.empty())
+      return InvalidArgumentError(fmt::format("state region '{}' is not a shard view", name));
     if (shard.size_bytes() != r.bytes.size()) break;  // RebindShard says so
     std::memcpy(shard.data(), r.bytes.data(), r.bytes.size());
   }
@@ -96,8 +108,9 @@ Status StateRegistry::AdoptShard(std::string_view name, std::span<float> shard) 
 Status StateRegistry::BindShard(int shard) {
   if (shard_group_ == 0) return FailedPreconditionError("the state has no sharded region");
   if (shard < 0 || shard >= shard_group_) {
-    return InvalidArgumentError(fmt::format("shard {} does not exist (groups of {} hold shards 0..{})", shard,
-                                            shard_group_, shard_group_ - 1));
+    return InvalidArgumentError(
+        fmt::format("shard {} does not exist (groups of {} hold shards 0..{})", shard, shard_group_,
+                    shard_group_ - 1));
   }
   for (auto& r : regions_) {
     if (r.whole.empty()) continue;
@@ -118,7 +131,8 @@ std::vector<uint64_t> StateRegistry::RunBytes() const {
   for (size_t i = 0; i < regions_.size();) {
     const bool sharded = regions_[i].shard_group > 0;
     uint64_t len = 0;
-    for (; i < regions_.size() && (regions_[i].shard_group > 0) == sharded; ++i) len += regions_[i].bytes.size();
+    for (; i < regions_.size() && (regions_[i].shard_group > 0) == sharded; ++i)
+      len += regions_[i].bytes.size();
     runs.push_back(len);
   }
   return runs;
@@ -141,7 +155,8 @@ std::vector<StateRegistry::Piece> StateRegistry::Tiling(uint64_t chunk_bytes) co
   return out;
 }
 
-Status StateRegistry::RegisterFloats(std::string name, std::span<float> values, std::vector<int64_t> shape) {
+Status StateRegistry::RegisterFloats(std::string name, std::span<float> values,
+                                     std::vector<int64_t> shape) {
   // Checkpoints describe the region by this shape, and loading checks it
   // against the bytes: a shape that disagrees would make every checkpoint unloadable.
   uint64_t elements = 1;
@@ -153,19 +168,22 @@ Status StateRegistry::RegisterFloats(std::string name, std::span<float> values, 
     elements *= static_cast<uint64_t>(d);
   }
   if (!shape.empty() && elements != values.size()) {
-    return InvalidArgumentError(fmt::format("state region '{}' has shape [{}], which is not its {} values", name,
-                                            fmt::join(shape, ", "), values.size()));
+    return InvalidArgumentError(
+        fmt::format("state region '{}' has shape [{}], which is not its {} values", name,
+                    fmt::join(shape, ", "), values.size()));
   }
   NONSTOP_RETURN_IF_ERROR(Register(std::move(name), std::as_writable_bytes(values)));
   regions_.back().dtype = "F32";
-  regions_.back().shape = shape.empty() ? std::vector<int64_t>{static_cast<int64_t>(values.size())} : std::move(shape);
+  regions_.back().shape =
+      shape.empty() ? std::vector<int64_t>{static_cast<int64_t>(values.size())} : std::move(shape);
   return OkStatus();
 }
 
 // Walks the regions that overlap [offset, offset + n) of the concatenated
 // state, each region's bytes as `bytes_of` gives them (default: its own).
 template <typename F, typename B>
-static void ForEachSpan(const std::vector<Region>& regions, uint64_t offset, size_t n, F f, B bytes_of) {
+static void ForEachSpan(const std::vector<Region>& regions, uint64_t offset, size_t n, F f,
+                        B bytes_of) {
   uint64_t base = 0;
   size_t done = 0;
   for (const auto& r : regions) {
@@ -194,13 +212,16 @@ void StateRegistry::ReadChunkOfShard(uint32_t index, int shard, std::span<std::b
       regions_, chunks_[index].offset, out.size(),
       [&](const std::byte* src, size_t at, size_t n) { std::memcpy(out.data() + at, src, n); },
       [&](const Region& r) {
-        return r.whole.empty() ? r.bytes : r.whole.subspan(static_cast<size_t>(shard) * r.bytes.size(), r.bytes.size());
+        return r.whole.empty()
+                   ? r.bytes
+                   : r.whole.subspan(static_cast<size_t>(shard) * r.bytes.size(), r.bytes.size());
       });
 }
 
 void StateRegistry::CopyOut(uint64_t offset, std::span<std::byte> out) const {
-  ForEachSpan(regions_, offset, out.size(),
-              [&](const std::byte* src, size_t at, size_t n) { std::memcpy(out.data() + at, src, n); });
+  ForEachSpan(regions_, offset, out.size(), [&](const std::byte* src, size_t at, size_t n) {
+    std::memcpy(out.data() + at, src, n);
+  });
 }
 
 void StateRegistry::CopyIn(uint64_t offset, std::span<const std::byte> in) {
@@ -235,16 +256,19 @@ void StateRegistry::ReadChunk(uint32_t index, std::span<std::byte> out) const {
 
 Status StateRegistry::WriteChunk(uint32_t index, std::span<const std::byte> data, uint32_t crc) {
   if (index >= num_chunks()) {
-    return InvalidArgumentError(fmt::format("state chunk {} does not exist (the state has {})", index, num_chunks()));
+    return InvalidArgumentError(
+        fmt::format("state chunk {} does not exist (the state has {})", index, num_chunks()));
   }
   uint64_t offset = chunks_[index].offset;
   uint64_t want = chunks_[index].size;
   if (data.size() != want) {
-    return InvalidArgumentError(fmt::format("state chunk {} has {} bytes, expected {}", index, data.size(), want));
+    return InvalidArgumentError(
+        fmt::format("state chunk {} has {} bytes, expected {}", index, data.size(), want));
   }
   uint32_t got = Crc32c(data.data(), data.size());
   if (got != crc) {
-    return DataLossError(fmt::format("state chunk {} fails its checksum (crc32c {:08x}, expected {:08x})", index, got, crc));
+    return DataLossError(fmt::format(
+        "state chunk {} fails its checksum (crc32c {:08x}, expected {:08x})", index, got, crc));
   }
   CopyIn(offset, data);
   return OkStatus();
@@ -252,7 +276,8 @@ Status StateRegistry::WriteChunk(uint32_t index, std::span<const std::byte> data
 
 std::string StateRegistry::Digest() const {
   uint32_t crc = 0;
-  ForEachSpan(regions_, 0, total_bytes_, [&](const std::byte* src, size_t, size_t n) { crc = Crc32cExtend(crc, src, n); });
+  ForEachSpan(regions_, 0, total_bytes_,
+              [&](const std::byte* src, size_t, size_t n) { crc = Crc32cExtend(crc, src, n); });
   return fmt::format("{:08x}", crc);
 }
 

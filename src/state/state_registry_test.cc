@@ -69,7 +69,8 @@ TEST(StateRegistryTest, ShapeThatIsNotTheValuesIsRejected) {
   EXPECT_NE(s.message().find("'w'"), std::string::npos) << s.ToString();
   EXPECT_NE(s.message().find("[20, 31]"), std::string::npos) << s.ToString();
   EXPECT_EQ(r.RegisterFloats("w", w, {-20, -30}).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(r.RegisterFloats("w", w, {INT64_MAX, INT64_MAX, 4}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.RegisterFloats("w", w, {INT64_MAX, INT64_MAX, 4}).code(),
+            StatusCode::kInvalidArgument);
   EXPECT_TRUE(r.regions().empty());
   EXPECT_TRUE(r.RegisterFloats("w", w, {20, 30}).ok());
   EXPECT_TRUE(r.RegisterFloats("v", w).ok());
@@ -107,7 +108,8 @@ TEST(StateRegistryTest, ChunksNeverMixShardedAndReplicatedBytes) {
   auto chunks = reg.Chunks();
   ASSERT_FALSE(chunks.empty());
   EXPECT_FALSE(chunks[0].sharded);
-  EXPECT_EQ(chunks[0].size, 8u) << "the step is a chunk of its own, not the first bytes of the parameters' shard";
+  EXPECT_EQ(chunks[0].size, 8u)
+      << "the step is a chunk of its own, not the first bytes of the parameters' shard";
   uint64_t sharded = 0, at = 0;
   for (const auto& c : chunks) {
     EXPECT_EQ(c.offset, at) << "chunk " << c.index;
@@ -131,9 +133,11 @@ TEST(StateRegistryTest, BindShardMovesTheViewsAndKeepsOwnMemory) {
   ASSERT_TRUE(reg.BindShard(2).ok());
   EXPECT_EQ(reg.held_shard(), 2);
   const Region& params = reg.regions()[1];
-  EXPECT_EQ(reinterpret_cast<const float*>(params.bytes.data()), a.params.data() + 200) << "shard 2 of 3";
+  EXPECT_EQ(reinterpret_cast<const float*>(params.bytes.data()), a.params.data() + 200)
+      << "shard 2 of 3";
   EXPECT_EQ(params.bytes.size(), 100 * sizeof(float));
-  EXPECT_EQ(reinterpret_cast<const float*>(reg.regions()[2].bytes.data()), a.m.data()) << "own memory stays";
+  EXPECT_EQ(reinterpret_cast<const float*>(reg.regions()[2].bytes.data()), a.m.data())
+      << "own memory stays";
   EXPECT_EQ(reg.BindShard(3).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.BindShard(-1).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.held_shard(), 2) << "a refused bind changes nothing";
@@ -142,7 +146,8 @@ TEST(StateRegistryTest, BindShardMovesTheViewsAndKeepsOwnMemory) {
   ASSERT_TRUE(reg.RebindShard("params", own).ok());
   ASSERT_TRUE(reg.BindShard(0).ok());
   EXPECT_EQ(reinterpret_cast<const float*>(reg.regions()[1].bytes.data()), own.data());
-  EXPECT_EQ(reg.RebindShard("params", std::span(own).first(99)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.RebindShard("params", std::span(own).first(99)).code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.RebindShard("step", own).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.RebindShard("nothing", own).code(), StatusCode::kNotFound);
 }
@@ -153,11 +158,13 @@ TEST(StateRegistryTest, AdoptShardKeepsTheHeldShardOfAViewInOwnMemory) {
   StateRegistry reg(256);
   ASSERT_TRUE(a.Register(&reg).ok());
   std::vector<float> own(100, -1.0f);
-  EXPECT_EQ(reg.AdoptShard("params", own).code(), StatusCode::kFailedPrecondition) << "no shard bound yet";
+  EXPECT_EQ(reg.AdoptShard("params", own).code(), StatusCode::kFailedPrecondition)
+      << "no shard bound yet";
   EXPECT_EQ(own[0], -1.0f);
   ASSERT_TRUE(reg.BindShard(1).ok());
   EXPECT_EQ(reg.AdoptShard("m", own).code(), StatusCode::kInvalidArgument) << "own memory already";
-  EXPECT_EQ(reg.AdoptShard("params", std::span(own).first(99)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(reg.AdoptShard("params", std::span(own).first(99)).code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(reg.AdoptShard("nothing", own).code(), StatusCode::kNotFound);
   EXPECT_EQ(own[0], -1.0f) << "a refused adoption copies nothing";
   const std::string digest = reg.Digest();

@@ -8,7 +8,8 @@ namespace nonstop::torchx {
 AdamW::AdamW(size_t size, std::vector<ParamSegment> segments, AdamWOptions options)
     : segments_(std::move(segments)), options_(options), m_(size, 0.0f), v_(size, 0.0f) {}
 
-void AdamW::Step(std::span<float> params, std::span<const float> grads, double lr, int64_t step, size_t offset) {
+void AdamW::Step(std::span<float> params, std::span<const float> grads, double lr, int64_t step,
+                 size_t offset) {
   const auto b1 = static_cast<float>(options_.beta1);
   const auto b2 = static_cast<float>(options_.beta2);
   const auto eps = static_cast<float>(options_.eps);
@@ -51,7 +52,8 @@ double LrSchedule::At(int64_t step) const {
     return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
   }
   int64_t decay_steps = std::max<int64_t>(1, total_steps - warmup_steps);
-  double progress = std::min(1.0, static_cast<double>(step - warmup_steps) / static_cast<double>(decay_steps));
+  double progress =
+      std::min(1.0, static_cast<double>(step - warmup_steps) / static_cast<double>(decay_steps));
   return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 

@@ -28,7 +28,8 @@ class AdamW {
   // (a shard of the whole `params` and `grads`; the padding after the last
   // segment is left alone). Element by element the same arithmetic, so a
   // shard's update has the same bits as the whole update has there.
-  void Step(std::span<float> params, std::span<const float> grads, double lr, int64_t step, size_t offset = 0);
+  void Step(std::span<float> params, std::span<const float> grads, double lr, int64_t step,
+            size_t offset = 0);
 
   std::span<float> exp_avg() { return m_; }
   std::span<float> exp_avg_sq() { return v_; }

@@ -43,7 +43,8 @@ void FlatParameters::GatherGrad(size_t i) {
   auto& p = tensors_[i];
   const auto& seg = segments_[i];
   auto view = [&] {
-    return flat_grads_.narrow(0, static_cast<int64_t>(seg.offset), static_cast<int64_t>(seg.size)).view(p.sizes());
+    return flat_grads_.narrow(0, static_cast<int64_t>(seg.offset), static_cast<int64_t>(seg.size))
+        .view(p.sizes());
   };
   const auto& g = p.grad();
   if (!g.defined()) {

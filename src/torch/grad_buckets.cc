@@ -8,17 +8,19 @@
 
 namespace nonstop::torchx {
 
-GradBuckets::GradBuckets(torch::nn::Module& module, FlatParameters& flat, size_t bucket_bytes, Start start)
+GradBuckets::GradBuckets(torch::nn::Module& module, FlatParameters& flat, size_t bucket_bytes,
+                         Start start)
     : flat_(flat), start_(std::move(start)), alive_(std::make_shared<bool>(true)) {
   for (auto& item : module.named_parameters()) params_.push_back(item.value());
   const auto& segments = flat_.segments();
-  NONSTOP_CHECK(segments.size() == params_.size()) << "GradBuckets needs the module FlatParameters was built from";
+  NONSTOP_CHECK(segments.size() == params_.size())
+      << "GradBuckets needs the module FlatParameters was built from";
   const size_t cap = std::max<size_t>(1, bucket_bytes / sizeof(float));
   // From the end of the buffer: the loss slot, then the parameters in reverse.
   bucket_of_.assign(params_.size(), 0);
   size_t end = flat_.size() + 1;  // the loss slot ends bucket 0
   size_t begin = flat_.size();
-  size_t in_bucket = 0;           // parameters in [begin, end)
+  size_t in_bucket = 0;  // parameters in [begin, end)
   for (size_t i = params_.size(); i-- > 0;) {
     const auto& seg = segments[i];
     if (in_bucket > 0 && end - seg.offset > cap) {
@@ -38,7 +40,8 @@ GradBuckets::GradBuckets(torch::nn::Module& module, FlatParameters& flat, size_t
     NONSTOP_CHECK(accumulator != nullptr) << segments[i].name << " has no gradient accumulator";
     std::weak_ptr<bool> alive = alive_;
     accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, i, alive](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+        [this, i, alive](const torch::autograd::variable_list& outputs,
+                         const torch::autograd::variable_list&) {
           if (alive.lock()) OnReady(i);
           return outputs;
         }));
@@ -72,7 +75,8 @@ void GradBuckets::StartReady() {
 }
 
 void GradBuckets::Finish() {
-  if (!armed_) Arm();  // no backward this step (no micro-batch for this rank): zeros, in every bucket
+  // no backward this step (no micro-batch for this rank): zeros, in every bucket
+  if (!armed_) Arm();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (ready_[i]) continue;
     flat_.GatherGrad(i);

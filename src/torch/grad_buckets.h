@@ -51,7 +51,8 @@ class GradBuckets {
   FlatParameters& flat_;
   Start start_;
   std::vector<torch::Tensor> params_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept: the hooks live on them
+  // kept: the hooks live on them
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<std::pair<size_t, size_t>> buckets_;
   std::vector<size_t> bucket_of_;  // parameter → bucket
   std::vector<size_t> size_;       // parameters per bucket

@@ -43,10 +43,11 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
   o.job_token = get(s::kJobToken);
   std::string id = get(s::kWorkerId);
   if (o.controller_address.empty() || o.job_token.empty() || id.empty()) {
-    return FailedPreconditionError(fmt::format(
-        "{}, {} and {} are not set: start this program under `nonstop run` (HINT: nonstop run --nproc 4 -- "
-        "<program> <args>)",
-        s::kControllerAddress.env, s::kJobToken.env, s::kWorkerId.env));
+    return FailedPreconditionError(
+        fmt::format("{}, {} and {} are not set: start this program under `nonstop run` (HINT: "
+                    "nonstop run --nproc 4 -- "
+                    "<program> <args>)",
+                    s::kControllerAddress.env, s::kJobToken.env, s::kWorkerId.env));
   }
   try {
     o.worker_id = std::stoi(id);
@@ -65,17 +66,20 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
       if (used != v.size() || ms <= 0) throw std::invalid_argument(v);
       *field = std::chrono::milliseconds(ms);
     } catch (...) {
-      return InvalidArgumentError(fmt::format("{}='{}' is not a positive number of milliseconds", entry->env, v));
+      return InvalidArgumentError(
+          fmt::format("{}='{}' is not a positive number of milliseconds", entry->env, v));
     }
   }
   if (std::string host = get(s::kDataHost); !host.empty()) {
     Result<std::string> h = net::ParseHost(host);  // "fd00::1" or "[fd00::1]" alike
-    if (!h.ok()) return InvalidArgumentError(fmt::format("{}: {}", s::kDataHost.env, h.status().message()));
+    if (!h.ok())
+      return InvalidArgumentError(fmt::format("{}: {}", s::kDataHost.env, h.status().message()));
     o.data_host = *h;
   }
   if (std::string ports = get(s::kDataPorts); !ports.empty()) {
     Result<net::PortRange> r = net::ParsePortRange(ports);
-    if (!r.ok()) return InvalidArgumentError(fmt::format("{}: {}", s::kDataPorts.env, r.status().message()));
+    if (!r.ok())
+      return InvalidArgumentError(fmt::format("{}: {}", s::kDataPorts.env, r.status().message()));
     o.data_port_lo = r->lo;
     o.data_port_hi = r->hi;
   }
@@ -89,7 +93,8 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
 namespace {
 
 int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+      .count();
 }
 
 // A worker's link (docs/controller-failover.md): its hello (kind control, its
@@ -104,7 +109,8 @@ control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
   l.hello.kind = net::ConnectionKind::kControl;
   l.hello.worker_id = o.worker_id;
   l.hello.job_token = o.job_token;
-  l.try_timeout = Millis(1'000);  // one try (connect, then hello): a paused leader holds it no longer
+  // one try (connect, then hello): a paused leader holds it no longer
+  l.try_timeout = Millis(1'000);
   l.silence_timeout = o.controller_timeout;
   l.reconnect_within = o.leaderless_timeout;
   l.backoff = {Millis(100), Millis(1'000), /*jitter=*/0.5};
@@ -115,7 +121,8 @@ control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
 // This process's data plane (docs/data_plane.md): the one place that picks
 // the transport. TCP over host memory is the one built; the session uses
 // only the DataPlane and Communicator interfaces.
-Result<std::unique_ptr<collective::DataPlane>> NewDataPlane(const SessionOptions& o, net::AbortSignal* abort) {
+Result<std::unique_ptr<collective::DataPlane>> NewDataPlane(const SessionOptions& o,
+                                                            net::AbortSignal* abort) {
   collective::PeerMeshOptions mo;
   mo.job_token = o.job_token;
   mo.worker_id = o.worker_id;
@@ -130,7 +137,8 @@ Result<std::unique_ptr<collective::DataPlane>> NewDataPlane(const SessionOptions
 
 class SessionImpl {
  public:
-  SessionImpl(SessionOptions o, state::StateRegistry* state) : options_(std::move(o)), state_(state) {}
+  SessionImpl(SessionOptions o, state::StateRegistry* state)
+      : options_(std::move(o)), state_(state) {}
   ~SessionImpl() { Stop(); }
 
   // ---- control plane ----
@@ -139,14 +147,16 @@ class SessionImpl {
     NONSTOP_ASSIGN_OR_RETURN(link_, control::ControllerLink::Create(LinkOptions(options_)));
     Deadline now = Clock::now();
     link_->Start(now + options_.join_timeout, now);
-    // One controller after another, until one accepts the hello (this thread drives the link until the I/O thread does).
+    // One controller after another, until one accepts the hello (this thread drives the link until
+    // the I/O thread does).
     if (Status s = link_->WaitAccepted(&stop_signal_); !s.ok()) {
       return s.WithContext("joining the controller at " + options_.controller_address);
     }
     NONSTOP_ASSIGN_OR_RETURN(data_plane_, NewDataPlane(options_, &abort_));
     data_address_ = AdvertisedDataAddress();  // from the first control connection's local address
-    control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), data_address_,
-                          options_.spare, state_step_.load(), options_.host_id};
+    control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()),
+                          data_address_,      options_.spare,
+                          state_step_.load(), options_.host_id};
     join.shard_group = state_->shard_group();
     join.held_shard = held_shard_.load();
     {
@@ -187,7 +197,9 @@ class SessionImpl {
         SendHeartbeat();
         next_heartbeat = DeadlineAfter(options_.heartbeat_interval);
       }
-      pollfd fds[3] = {{link_->fd(), link_->events(), 0}, {link_->wake_fd(), POLLIN, 0}, {stop_signal_.fd(), POLLIN, 0}};
+      pollfd fds[3] = {{link_->fd(), link_->events(), 0},
+                       {link_->wake_fd(), POLLIN, 0},
+                       {stop_signal_.fd(), POLLIN, 0}};
       int rc = ::poll(fds, 3, PollTimeoutMs(std::min(next_heartbeat, link_->wake_at())));
       if (st.stop_requested()) return;
       link_->Advance(rc > 0 ? fds[0].revents : 0, Clock::now());
@@ -197,7 +209,8 @@ class SessionImpl {
             Status s = OnControlFrame(e->frame);
             if (testing::control_frame_hook) testing::control_frame_hook(e->frame.type);
             if (!s.ok()) {
-              link_->Drop(s, Clock::now());  // a malformed order: garbage, dialed again after a pause
+              // a malformed order: garbage, dialed again after a pause
+              link_->Drop(s, Clock::now());
               Lost(s);
             }
             break;
@@ -207,8 +220,9 @@ class SessionImpl {
             break;
           case control::LinkEvent::Kind::kAccepted:
             if (SendRejoin().ok()) {
-              NONSTOP_LOG_WARNING("joined the controller at {} again after {} ms", link_->controller(),
-                                  std::chrono::duration_cast<Millis>(Clock::now() - lost_at_).count());
+              NONSTOP_LOG_WARNING(
+                  "joined the controller at {} again after {} ms", link_->controller(),
+                  std::chrono::duration_cast<Millis>(Clock::now() - lost_at_).count());
             }
             next_heartbeat = Clock::now();
             break;
@@ -224,10 +238,12 @@ class SessionImpl {
   void Lost(const Status& why) {
     lost_at_ = Clock::now();
     lost_why_ = why.message();
-    NONSTOP_LOG_WARNING("lost the controller at {}: {}; training goes on, dialing {} again (membership changes wait "
-                        "for a controller; giving up in {} s)",
-                        link_->controller(), why.message(), options_.controller_address,
-                        std::chrono::duration_cast<std::chrono::seconds>(options_.leaderless_timeout).count());
+    NONSTOP_LOG_WARNING(
+        "lost the controller at {}: {}; training goes on, dialing {} again (membership changes "
+        "wait "
+        "for a controller; giving up in {} s)",
+        link_->controller(), why.message(), options_.controller_address,
+        std::chrono::duration_cast<std::chrono::seconds>(options_.leaderless_timeout).count());
   }
 
   // No controller will lead this worker again (the link gave up: the
@@ -239,12 +255,13 @@ class SessionImpl {
       reason = why.message();
       NONSTOP_LOG_ERROR("{}: giving up", reason);
     } else if (why.code() == StatusCode::kFailedPrecondition) {
-      reason = fmt::format("the controller at {} refused this worker: {}", link_->controller(), why.message());
+      reason = fmt::format("the controller at {} refused this worker: {}", link_->controller(),
+                           why.message());
       NONSTOP_LOG_ERROR("{}: giving up", reason);
     } else {
       reason = "lost the controller: " + lost_why_;
-      NONSTOP_LOG_ERROR("no controller for {} ms (last error: {}): giving up", options_.leaderless_timeout.count(),
-                        why.ToString());
+      NONSTOP_LOG_ERROR("no controller for {} ms (last error: {}): giving up",
+                        options_.leaderless_timeout.count(), why.ToString());
     }
     MutexLock lock(&mu_);
     controller_lost_ = true;
@@ -261,8 +278,9 @@ class SessionImpl {
     // (it set waiting_after_ / finished_ before sending) or goes out on the
     // new connection after it, never lost in between.
     MutexLock write_lock(&write_mu_);
-    control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()), data_address_,
-                          options_.spare, state_step_.load(), options_.host_id};
+    control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()),
+                          data_address_,      options_.spare,
+                          state_step_.load(), options_.host_id};
     join.shard_group = state_->shard_group();
     join.held_shard = held_shard_.load();
     std::optional<control::FinishedMsg> finished;
@@ -278,14 +296,16 @@ class SessionImpl {
       }
       finished = finished_;
     }
-    std::vector<std::pair<uint16_t, std::string>> first = {{control::kMsgJoin, control::Encode(join)}};
+    std::vector<std::pair<uint16_t, std::string>> first = {
+        {control::kMsgJoin, control::Encode(join)}};
     if (finished) first.emplace_back(control::kMsgFinished, control::Encode(*finished));
     return link_->Open(first);
   }
 
   void SendHeartbeat() {
     int64_t since = collective_since_ms_.load();
-    control::HeartbeatMsg hb{state_step_.load(), since < 0 ? -1 : std::max<int64_t>(0, NowMs() - since)};
+    control::HeartbeatMsg hb{state_step_.load(),
+                             since < 0 ? -1 : std::max<int64_t>(0, NowMs() - since)};
     (void)SendControl(control::kMsgHeartbeat, control::Encode(hb));
   }
 
@@ -303,7 +323,8 @@ class SessionImpl {
         MutexLock lock(&mu_);
         aborted_generation_ = std::max(aborted_generation_, m.generation);
         if (comm_ && comm_->generation() <= m.generation) {
-          comm_->Abort(fmt::format("the controller ended generation {}: {}", m.generation, m.reason));
+          comm_->Abort(
+              fmt::format("the controller ended generation {}: {}", m.generation, m.reason));
         }
         cv_.NotifyAll();
         return OkStatus();
@@ -316,8 +337,8 @@ class SessionImpl {
         // (the others stopped at the boundary): leave it now.
         if (comm_ && comm_->generation() == m.generation && in_collective_ &&
             state_step_.load() >= m.after_step) {
-          comm_->Abort(fmt::format("generation {} ends at the step boundary after step {}: {}", m.generation,
-                                   state_step_.load(), m.reason));
+          comm_->Abort(fmt::format("generation {} ends at the step boundary after step {}: {}",
+                                   m.generation, state_step_.load(), m.reason));
         }
         return OkStatus();
       }
@@ -362,7 +383,8 @@ class SessionImpl {
         }
         control::ReadyMsg ready{after_generation, state_step_.load(), why, held_shard_.load()};
         Status sent = SendControl(control::kMsgReady, control::Encode(ready));
-        if (!sent.ok()) NONSTOP_LOG_WARNING("ready for the next generation, but: {}", sent.ToString());
+        if (!sent.ok())
+          NONSTOP_LOG_WARNING("ready for the next generation, but: {}", sent.ToString());
       }
       control::PlanMsg plan;
       {
@@ -373,7 +395,8 @@ class SessionImpl {
           return (plan_ && plan_->generation > after_generation) || shutdown_ || controller_lost_;
         });
         if (shutdown_) {
-          return CancelledError(fmt::format("the job ended (exit code {}): {}", shutdown_->exit_code, shutdown_->reason));
+          return CancelledError(fmt::format("the job ended (exit code {}): {}",
+                                            shutdown_->exit_code, shutdown_->reason));
         }
         if (controller_lost_) return UnavailableError("lost the controller");
         plan = *plan_;
@@ -381,7 +404,8 @@ class SessionImpl {
       }
       Result<int64_t> resumed = Adopt(plan);
       if (resumed.ok()) return resumed;
-      NONSTOP_LOG_WARNING("generation {} failed during recovery: {}", plan.generation, resumed.status().ToString());
+      NONSTOP_LOG_WARNING("generation {} failed during recovery: {}", plan.generation,
+                          resumed.status().ToString());
       after_generation = plan.generation;
       why = resumed.status().message();
     }
@@ -398,7 +422,8 @@ class SessionImpl {
       if (plan.members[r].worker_id == options_.worker_id) co.rank = static_cast<int>(r);
     }
     if (co.rank < 0) {
-      return InternalError(fmt::format("plan of generation {} does not include worker {}", plan.generation, options_.worker_id));
+      return InternalError(fmt::format("plan of generation {} does not include worker {}",
+                                       plan.generation, options_.worker_id));
     }
     co.timeout_collective = options_.timeout_collective;
     {
@@ -407,7 +432,8 @@ class SessionImpl {
       // that arrives meanwhile is either recorded or applied, never lost.
       abort_.Reset();
       comm_ = data_plane_->NewCommunicator(co);
-      if (aborted_generation_ >= plan.generation) comm_->Abort("the controller ended this generation");
+      if (aborted_generation_ >= plan.generation)
+        comm_->Abort("the controller ended this generation");
       if (shutdown_ && shutdown_->exit_code != 0) comm_->Abort("the controller ended the job");
       faults_ = plan.faults;
       resume_step_ = plan.resume_step;
@@ -428,10 +454,10 @@ class SessionImpl {
     auto t1 = Clock::now();
 
     worker::TransferHooks hooks;
-    std::optional<control::FaultSpec> at_transfer = TakeFault(control::FaultPoint::kTransfer, plan.resume_step, co.rank,
-                                                              control::FaultKind::kKill);
-    std::optional<control::FaultSpec> corrupt = TakeFault(control::FaultPoint::kTransfer, plan.resume_step, co.rank,
-                                                          control::FaultKind::kCorrupt);
+    std::optional<control::FaultSpec> at_transfer = TakeFault(
+        control::FaultPoint::kTransfer, plan.resume_step, co.rank, control::FaultKind::kKill);
+    std::optional<control::FaultSpec> corrupt = TakeFault(
+        control::FaultPoint::kTransfer, plan.resume_step, co.rank, control::FaultKind::kCorrupt);
     if (at_transfer) hooks.on_start = [this, f = *at_transfer] { Fire(f); };
     hooks.corrupt_first_chunk = corrupt.has_value();
     if (corrupt) Announce(*corrupt);
@@ -456,21 +482,27 @@ class SessionImpl {
       outcome->sources = std::max(outcome->sources, shards->sources);
       outcome->refetched_chunks += shards->refetched_chunks;
       if (shards->received) {
-        NONSTOP_LOG_INFO("re-sharded: copied shard {} of the optimizer state ({:.2f} MB) from {} holder(s)",
-                         state_->held_shard(), shards->bytes_received / 1e6, shards->sources);
+        NONSTOP_LOG_INFO(
+            "re-sharded: copied shard {} of the optimizer state ({:.2f} MB) from {} holder(s)",
+            state_->held_shard(), shards->bytes_received / 1e6, shards->sources);
       }
       NONSTOP_RETURN_IF_ERROR(BuildShardGroups(co.rank, static_cast<int>(plan.members.size())));
     }
     auto t2 = Clock::now();
     const collective::DataPlaneStats links = data_plane_->stats();
-    control::RecoveredMsg rec{plan.generation, std::chrono::duration<double>(t1 - t0).count(),
-                              std::chrono::duration<double>(t2 - t1).count(), outcome->bytes_received,
-                              outcome->sources, outcome->refetched_chunks, links.connections_open,
+    control::RecoveredMsg rec{plan.generation,
+                              std::chrono::duration<double>(t1 - t0).count(),
+                              std::chrono::duration<double>(t2 - t1).count(),
+                              outcome->bytes_received,
+                              outcome->sources,
+                              outcome->refetched_chunks,
+                              links.connections_open,
                               links.connections_opened};
     (void)SendControl(control::kMsgRecovered, control::Encode(rec));
     if (outcome->received) {
-      NONSTOP_LOG_INFO("copied the state of step {} ({:.2f} MB) from {} source(s) in {:.0f} ms", plan.resume_step - 1,
-                       outcome->bytes_received / 1e6, outcome->sources, rec.transfer_seconds * 1000);
+      NONSTOP_LOG_INFO("copied the state of step {} ({:.2f} MB) from {} source(s) in {:.0f} ms",
+                       plan.resume_step - 1, outcome->bytes_received / 1e6, outcome->sources,
+                       rec.transfer_seconds * 1000);
     }
     return plan.resume_step;
   }
@@ -478,13 +510,15 @@ class SessionImpl {
   // The sub-group communicators of sharded state (docs/sharding.md): this
   // rank's shard group, and the replicas of its shard across the groups.
   Status BuildShardGroups(int rank, int world) {
-    NONSTOP_ASSIGN_OR_RETURN(state::ShardLayout layout, state::LayoutOf(world, state_->shard_group()));
+    NONSTOP_ASSIGN_OR_RETURN(state::ShardLayout layout,
+                             state::LayoutOf(world, state_->shard_group()));
     const int shard = layout.shard_of_rank[static_cast<size_t>(rank)];
     const int group = layout.group_of_rank[static_cast<size_t>(rank)];
     if (layout.groups() + layout.group_size > 126) {
-      return InvalidArgumentError(fmt::format("{} groups of {}: the sub-groups need more than the 126 op spaces a "
-                                              "generation has; use a larger optimizer.shard_group",
-                                              layout.groups(), layout.group_size));
+      return InvalidArgumentError(
+          fmt::format("{} groups of {}: the sub-groups need more than the 126 op spaces a "
+                      "generation has; use a larger optimizer.shard_group",
+                      layout.groups(), layout.group_size));
     }
     std::vector<int> in_group = layout.Group(group), replicas = layout.Replicas(shard);
     group_comm_ = comm_->SubGroup(in_group, static_cast<uint32_t>(1 + group));
@@ -496,7 +530,8 @@ class SessionImpl {
     return RunCollective(
         [&]() -> Status {
           NONSTOP_RETURN_IF_ERROR(group_comm_->ReduceScatter(data));
-          auto [lo, hi] = collective::ChunkRange(data.size(), group_comm_->world_size(), group_comm_->rank());
+          auto [lo, hi] =
+              collective::ChunkRange(data.size(), group_comm_->world_size(), group_comm_->rank());
           if (replica_comm_->world_size() == 1) return OkStatus();
           return replica_comm_->AllReduce(data.subspan(lo, hi - lo));
         },
@@ -504,15 +539,18 @@ class SessionImpl {
   }
 
   Status GatherShards(std::span<std::byte> data, size_t element_bytes) {
-    return RunCollective([&] { return group_comm_->AllGather(data, element_bytes); }, /*at_step_boundary=*/false);
+    return RunCollective([&] { return group_comm_->AllGather(data, element_bytes); },
+                         /*at_step_boundary=*/false);
   }
 
   // ---- fault injection ----
 
-  std::optional<control::FaultSpec> TakeFault(control::FaultPoint point, int64_t step, int rank, control::FaultKind kind) {
+  std::optional<control::FaultSpec> TakeFault(control::FaultPoint point, int64_t step, int rank,
+                                              control::FaultKind kind) {
     MutexLock lock(&mu_);
     for (auto it = faults_.begin(); it != faults_.end(); ++it) {
-      bool step_matches = it->step == step || (point == control::FaultPoint::kTransfer && it->step < 0);
+      bool step_matches =
+          it->step == step || (point == control::FaultPoint::kTransfer && it->step < 0);
       if (it->point == point && step_matches && it->rank == rank && it->kind == kind) {
         control::FaultSpec f = *it;
         faults_.erase(it);
@@ -552,8 +590,8 @@ class SessionImpl {
   void MaybeInjectBeforeCollective() {
     int rank = comm_->rank();
     int64_t step = state_step_.load() + 1;
-    for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang, control::FaultKind::kDrop,
-                      control::FaultKind::kStall}) {
+    for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang,
+                      control::FaultKind::kDrop, control::FaultKind::kStall}) {
       if (auto f = TakeFault(control::FaultPoint::kStep, step, rank, kind)) Fire(*f);
     }
   }
@@ -571,10 +609,12 @@ class SessionImpl {
     if (at_step_boundary) MaybeInjectBeforeCollective();  // a stall stops here, before it arrives
     {
       MutexLock lock(&mu_);
-      if (drain_ && comm_->generation() == drain_->generation && state_step_.load() >= drain_->after_step) {
+      if (drain_ && comm_->generation() == drain_->generation &&
+          state_step_.load() >= drain_->after_step) {
         // A planned change: this generation ends at this step boundary.
-        Status s = AbortedError(fmt::format("generation {} ends at the step boundary after step {}: {}",
-                                            drain_->generation, state_step_.load(), drain_->reason));
+        Status s =
+            AbortedError(fmt::format("generation {} ends at the step boundary after step {}: {}",
+                                     drain_->generation, state_step_.load(), drain_->reason));
         comm_->Abort(s.message());
         return s;
       }
@@ -606,7 +646,8 @@ class SessionImpl {
 
   void StartAllReduce(std::span<float> data) {
     MutexLock lock(&bucket_mu_);
-    if (!comm_thread_.joinable()) comm_thread_ = std::jthread([this](std::stop_token st) { BucketLoop(st); });
+    if (!comm_thread_.joinable())
+      comm_thread_ = std::jthread([this](std::stop_token st) { BucketLoop(st); });
     buckets_.push_back(data);
     bucket_cv_.NotifyAll();
   }
@@ -617,7 +658,8 @@ class SessionImpl {
   void BucketLoop(std::stop_token st) {
     MutexLock lock(&bucket_mu_);
     while (true) {
-      auto started = [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(bucket_mu_) { return !buckets_.empty(); };
+      auto started = [&]()
+                         NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(bucket_mu_) { return !buckets_.empty(); };
       bucket_cv_.Wait(&bucket_mu_, st, started);
       if (st.stop_requested()) return;
       std::span<float> bucket = buckets_.front();
@@ -628,9 +670,10 @@ class SessionImpl {
       // Every bucket passes the drain check and marks the member as waiting
       // (a peer that hangs mid-backward is found like one that hangs before
       // the step); only the step's first announces the arrival.
-      Status s = skip ? OkStatus()
-                      : RunCollective([&] { return comm_->AllReduce(bucket); }, /*at_step_boundary=*/true,
-                                      /*announce=*/first);
+      Status s =
+          skip ? OkStatus()
+               : RunCollective([&] { return comm_->AllReduce(bucket); }, /*at_step_boundary=*/true,
+                               /*announce=*/first);
       lock.Lock();
       buckets_.pop_front();
       if (!s.ok() && bucket_status_.ok()) bucket_status_ = s;
@@ -640,7 +683,9 @@ class SessionImpl {
 
   Status WaitAll() {
     MutexLock lock(&bucket_mu_);
-    bucket_cv_.Wait(&bucket_mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(bucket_mu_) { return buckets_.empty(); });
+    bucket_cv_.Wait(&bucket_mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(bucket_mu_) {
+      return buckets_.empty();
+    });
     Status s = bucket_status_;
     bucket_status_ = OkStatus();
     first_bucket_ = true;
@@ -660,15 +705,18 @@ class SessionImpl {
     Deadline deadline = DeadlineAfter(Millis(600'000));
     while (!shutdown_ && !controller_lost_ && aborted_generation_ < gen) {
       if (cv_.WaitUntil(&mu_, deadline) == std::cv_status::timeout) {
-        return DeadlineExceededError("the controller did not end the job within 10 minutes of this worker finishing");
+        return DeadlineExceededError(
+            "the controller did not end the job within 10 minutes of this worker finishing");
       }
     }
     if (shutdown_) {
-      if (shutdown_->exit_code != 0) return UnavailableError("the job ended with an error: " + shutdown_->reason);
+      if (shutdown_->exit_code != 0)
+        return UnavailableError("the job ended with an error: " + shutdown_->reason);
       return OkStatus();
     }
     if (controller_lost_) return UnavailableError("lost the controller");
-    return AbortedError(fmt::format("generation {} ended before the job did: a member failed", gen));
+    return AbortedError(
+        fmt::format("generation {} ended before the job did: a member failed", gen));
   }
 
   collective::Communicator& comm() {
@@ -691,26 +739,29 @@ class SessionImpl {
   // Made in Start, before the I/O thread exists; lives across generations
   // and makes each one's communicator (collective/data_plane.h).
   std::unique_ptr<collective::DataPlane> data_plane_;
-  std::atomic<int64_t> state_step_{-1};          // the step the registered state holds
-  std::atomic<int> held_shard_{state::kEveryShard};  // sharded state: the shard it holds (StateRegistry::held_shard)
+  std::atomic<int64_t> state_step_{-1};  // the step the registered state holds
+  // sharded state: the shard it holds (StateRegistry::held_shard)
+  std::atomic<int> held_shard_{state::kEveryShard};
   std::atomic<int64_t> collective_since_ms_{-1};  // when the step collective in flight began
-  // Lock order: write_mu_, then mu_ (SendRejoin), then a Communicator's; the link's own lock is taken last.
+  // Lock order: write_mu_, then mu_ (SendRejoin), then a Communicator's; the link's own lock is
+  // taken last.
   Mutex write_mu_;  // orders the frames sent against a rejoin's first ones
 
   Mutex mu_;
   CondVar cv_;
-  bool in_collective_ NONSTOP_GUARDED_BY(mu_) = false;  // any collective is in flight
+  bool in_collective_ NONSTOP_GUARDED_BY(mu_) = false;            // any collective is in flight
   std::optional<control::PlanMsg> plan_ NONSTOP_GUARDED_BY(mu_);  // the newest plan received
   std::optional<control::ShutdownMsg> shutdown_ NONSTOP_GUARDED_BY(mu_);
   std::optional<control::DrainMsg> drain_ NONSTOP_GUARDED_BY(mu_);
   MembershipChange last_change_;  // training thread only
   uint32_t aborted_generation_ NONSTOP_GUARDED_BY(mu_) = 0;
   bool controller_lost_ NONSTOP_GUARDED_BY(mu_) = false;  // gave up finding a controller
-  uint32_t waiting_after_ NONSTOP_GUARDED_BY(mu_) = 0;  // left this generation, waits for a plan
-  std::optional<control::FinishedMsg> finished_ NONSTOP_GUARDED_BY(mu_);  // sent when the training loop ended
-  Clock::time_point lost_at_{};                   // when the controller was lost last; io thread
-  std::string lost_why_;                          // why; io thread
-  std::string data_address_;                      // what peers dial, fixed at the first join
+  uint32_t waiting_after_ NONSTOP_GUARDED_BY(mu_) = 0;    // left this generation, waits for a plan
+  // sent when the training loop ended
+  std::optional<control::FinishedMsg> finished_ NONSTOP_GUARDED_BY(mu_);
+  Clock::time_point lost_at_{};  // when the controller was lost last; io thread
+  std::string lost_why_;         // why; io thread
+  std::string data_address_;     // what peers dial, fixed at the first join
   // Replaced under mu_ (Adopt), and the I/O thread uses it (Abort) only
   // under mu_. Not GUARDED_BY: the training thread, its only writer, drives
   // it without the lock, and so does comm_thread_ between StartAllReduce and
@@ -739,7 +790,7 @@ class SessionImpl {
 };
 
 Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::StateRegistry* state,
-                                              int64_t state_step) {
+                                               int64_t state_step) {
   NONSTOP_CHECK(state != nullptr);
   auto impl = std::make_unique<SessionImpl>(std::move(options), state);
   impl->state_step_.store(state_step);
@@ -779,20 +830,24 @@ Status Session::AllReduceTree(int m, std::span<const std::vector<std::pair<int, 
   }
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->RunCollective(
-      [&] { return impl_->comm().AllReduceTree(m, std::span<const std::vector<collective::TreeNode>>(nodes), partials,
-                                               out); },
+      [&] {
+        return impl_->comm().AllReduceTree(
+            m, std::span<const std::vector<collective::TreeNode>>(nodes), partials, out);
+      },
       /*at_step_boundary=*/true);
 }
 Status Session::AllGather(std::span<std::byte> data, size_t record_bytes) {
   NONSTOP_CHECK(record_bytes > 0 && data.size() == record_bytes * static_cast<size_t>(world_size()))
-      << "AllGather: " << data.size() << " bytes are not " << world_size() << " records of " << record_bytes;
+      << "AllGather: " << data.size() << " bytes are not " << world_size() << " records of "
+      << record_bytes;
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->RunCollective([&] { return impl_->comm().AllGather(data, record_bytes); },
                               /*at_step_boundary=*/false);
 }
 Status Session::Broadcast(std::span<std::byte> data, int root) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
-  return impl_->RunCollective([&] { return impl_->comm().Broadcast(data, root); }, /*at_step_boundary=*/false);
+  return impl_->RunCollective([&] { return impl_->comm().Broadcast(data, root); },
+                              /*at_step_boundary=*/false);
 }
 Status Session::Barrier() {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
@@ -806,21 +861,24 @@ int Session::shard() const {
 }
 Status Session::ReduceShards(std::span<float> data) {
   NONSTOP_CHECK(shard_group() > 0 && data.size() % static_cast<size_t>(shard_group()) == 0)
-      << "ReduceShards: " << data.size() << " floats are not " << shard_group() << " shards of one size";
+      << "ReduceShards: " << data.size() << " floats are not " << shard_group()
+      << " shards of one size";
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->ReduceShards(data);
 }
 Status Session::GatherShards(std::span<std::byte> data, size_t element_bytes) {
   const auto g = static_cast<size_t>(shard_group());
   NONSTOP_CHECK(g > 0 && element_bytes > 0 && data.size() % (g * element_bytes) == 0)
-      << "GatherShards: " << data.size() << " bytes are not " << g << " shards of elements of " << element_bytes;
+      << "GatherShards: " << data.size() << " bytes are not " << g << " shards of elements of "
+      << element_bytes;
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->GatherShards(data, element_bytes);
 }
 
 void Session::ReportStep(const StepReport& r) {
   impl_->state_step_.store(r.step);
-  control::ProgressMsg m{r.step, r.loss, r.step_seconds, r.tokens_per_second, world_size(), r.total_steps};
+  control::ProgressMsg m{r.step,       r.loss,       r.step_seconds, r.tokens_per_second,
+                         world_size(), r.total_steps};
   Status s = impl_->SendControl(control::kMsgProgress, control::Encode(m));
   // Without a controller the step is not lost: the join to the next one says it.
   if (!s.ok()) NONSTOP_LOG_DEBUG("progress report not sent: {}", s.ToString());
@@ -844,7 +902,8 @@ void Session::ReportFailure(const Status& status, int64_t step, int exit_code) {
 }
 
 bool Session::InjectedExceptionAt(int64_t step) {
-  auto f = impl_->TakeFault(control::FaultPoint::kStep, step, rank(), control::FaultKind::kException);
+  auto f =
+      impl_->TakeFault(control::FaultPoint::kStep, step, rank(), control::FaultKind::kException);
   if (!f) return false;
   impl_->Announce(*f);
   return true;

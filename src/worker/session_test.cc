@@ -42,7 +42,9 @@ class ScriptedJob {
   // plan of two members: the worker (rank 0) and the silent peer (rank 1);
   // `edit` may spoil it.
   void AcceptAndPlan(std::function<void(control::PlanMsg&)> edit = nullptr) {
-    NONSTOP_CHECK(net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept").ok());
+    NONSTOP_CHECK(
+        net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept")
+            .ok());
     auto fd = net::Accept(listener_.fd.get());
     NONSTOP_CHECK(fd.ok());
     control_ = std::move(*fd);
@@ -74,11 +76,12 @@ class ScriptedJob {
 
   // Accepts the worker's next control connection (it dials again) and reads its join.
   Result<control::JoinMsg> AcceptJoin() {
-    NONSTOP_RETURN_IF_ERROR(net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept"));
-    NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Accept(listener_.fd.get()));
     NONSTOP_RETURN_IF_ERROR(
-        net::ServerHandshake(fd.get(), "tok", net::ConnectionKind::kControl, DeadlineAfter(Millis(5000)), nullptr)
-            .status());
+        net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept"));
+    NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Accept(listener_.fd.get()));
+    NONSTOP_RETURN_IF_ERROR(net::ServerHandshake(fd.get(), "tok", net::ConnectionKind::kControl,
+                                                 DeadlineAfter(Millis(5000)), nullptr)
+                                .status());
     {
       std::lock_guard<std::mutex> lock(write_mu_);
       control_ = std::move(fd);
@@ -87,7 +90,8 @@ class ScriptedJob {
     return control::DecodeJoin(f.payload);
   }
 
-  // True when the worker closes the connection within `timeout` (what it sends meanwhile is skipped).
+  // True when the worker closes the connection within `timeout` (what it sends meanwhile is
+  // skipped).
   bool ClosedByWorker(Millis timeout) {
     Deadline deadline = DeadlineAfter(timeout);
     while (true) {
@@ -100,14 +104,16 @@ class ScriptedJob {
   // Waits for the worker's next message of `type`.
   Result<net::Frame> Expect(uint16_t type) {
     while (true) {
-      NONSTOP_ASSIGN_OR_RETURN(net::Frame f, net::ReadFrame(control_.get(), DeadlineAfter(Millis(10'000)), nullptr));
+      NONSTOP_ASSIGN_OR_RETURN(
+          net::Frame f, net::ReadFrame(control_.get(), DeadlineAfter(Millis(10'000)), nullptr));
       if (f.type == type) return f;
     }
   }
 
   void Send(uint16_t type, const std::string& payload) {
     std::lock_guard<std::mutex> lock(write_mu_);
-    NONSTOP_CHECK(net::WriteFrame(control_.get(), type, payload, DeadlineAfter(Millis(5000)), nullptr).ok());
+    NONSTOP_CHECK(
+        net::WriteFrame(control_.get(), type, payload, DeadlineAfter(Millis(5000)), nullptr).ok());
   }
 
   // Reads and drops what the worker sends (heartbeats, progress), so that its writes never block.
@@ -247,7 +253,8 @@ TEST_F(SessionTest, BucketsOfAStepAfterADrainedBoundaryEnterNoCollective) {
   (*session)->ReportStep({0, 1.0, 0.1, 1});
   SendDrainAfterStep0();
   WaitForDrain();
-  // Step 1's buckets start after the drain for the boundary after step 0: none may enter a collective.
+  // Step 1's buckets start after the drain for the boundary after step 0: none may enter a
+  // collective.
   std::atomic<int> entered{0};
   testing::before_collective_hook = [&] { ++entered; };
   std::vector<float> b0(8, 1.0f), b1(8, 2.0f);
@@ -263,14 +270,16 @@ TEST_F(SessionTest, BucketsOfAStepAfterADrainedBoundaryEnterNoCollective) {
 TEST_F(SessionTest, PlanNamingASourceOutsideTheMembershipIsAnsweredWithAReasonNotACrash) {
   std::string ready_reason;
   auto session = Join([&] {
-    job_.AcceptAndPlan([](control::PlanMsg& plan) { plan.transfers.push_back({0, {7}}); });  // 7 is no member
+    // 7 is no member
+    job_.AcceptAndPlan([](control::PlanMsg& plan) { plan.transfers.push_back({0, {7}}); });
     auto ready = job_.Expect(control::kMsgReady);
     ASSERT_TRUE(ready.ok()) << ready.status().ToString();
     ready_reason = control::DecodeReady(ready->payload)->reason;
     job_.Send(control::kMsgShutdown, control::Encode(control::ShutdownMsg{"test over", 0}));
   });
   EXPECT_EQ(session.status().code(), StatusCode::kCancelled) << session.status().ToString();
-  EXPECT_NE(ready_reason.find("source worker 7 of receiver 0 is not a member"), std::string::npos) << ready_reason;
+  EXPECT_NE(ready_reason.find("source worker 7 of receiver 0 is not a member"), std::string::npos)
+      << ready_reason;
 }
 
 // Fencing at the worker (docs/controller-failover.md): once it has followed
@@ -286,7 +295,8 @@ TEST_F(SessionTest, AControllerOfAnOlderEpochIsLeftAndItsOrdersAreNotActedOn) {
   EXPECT_EQ(rejoin->generation, 1u);
   job_.Send(control::kMsgPing, control::Encode(control::PingMsg{3}));
   job_.Send(control::kMsgAbort, control::Encode(control::AbortMsg{1, "from a deposed leader"}));
-  EXPECT_TRUE(job_.ClosedByWorker(Millis(5000))) << "the worker followed a controller of an older epoch";
+  EXPECT_TRUE(job_.ClosedByWorker(Millis(5000)))
+      << "the worker followed a controller of an older epoch";
   EXPECT_FALSE((*session)->aborted()) << "the deposed leader's abort was carried out";
   // It looks for the leader again, and follows one of epoch 5 or newer.
   auto again = job_.AcceptJoin();

@@ -46,9 +46,10 @@ std::string EncodeHeader(int64_t step, const state::StateRegistry& reg, int shar
 }
 
 // `want_shard` >= 0: the receiver copies the sharded chunks, which must be of that shard.
-Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRegistry& reg, const std::string& source,
-                   int want_shard = -1) {
-  if (DecodeFixed32(h.data()) != kTransferMagic || Crc32c(h.data(), 36) != DecodeFixed32(h.data() + 36)) {
+Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRegistry& reg,
+                   const std::string& source, int want_shard = -1) {
+  if (DecodeFixed32(h.data()) != kTransferMagic ||
+      Crc32c(h.data(), 36) != DecodeFixed32(h.data() + 36)) {
     return DataLossError(fmt::format("state header from {} is corrupt", source));
   }
   auto step = static_cast<int64_t>(DecodeFixed64(h.data() + 4));
@@ -58,22 +59,25 @@ Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRe
   auto group = static_cast<int>(DecodeFixed32(h.data() + 28));
   auto held = static_cast<int32_t>(DecodeFixed32(h.data() + 32));
   if (group != reg.shard_group()) {
-    return DataLossError(fmt::format("{} shards its state over groups of {}, this worker over groups of {}: the "
-                                     "optimizer differs", source, group, reg.shard_group()));
+    return DataLossError(
+        fmt::format("{} shards its state over groups of {}, this worker over groups of {}: the "
+                    "optimizer differs",
+                    source, group, reg.shard_group()));
   }
   if (want_shard >= 0 && held != want_shard) {
-    return DataLossError(fmt::format("{} offers shard {} of the state where shard {} was asked for", source, held,
-                                     want_shard));
+    return DataLossError(fmt::format("{} offers shard {} of the state where shard {} was asked for",
+                                     source, held, want_shard));
   }
   if (step != want_step) {
-    return DataLossError(fmt::format("{} offers the state of step {}, but the plan resumes after step {}", source,
-                                     step, want_step));
+    return DataLossError(
+        fmt::format("{} offers the state of step {}, but the plan resumes after step {}", source,
+                    step, want_step));
   }
   if (total != reg.total_bytes() || chunk != reg.chunk_bytes() || chunks != reg.num_chunks()) {
-    return DataLossError(fmt::format("{} offers {} bytes in {} chunks of {}, this worker's state is {} bytes in {} "
-                                     "chunks of {}: the model or optimizer differs",
-                                     source, total, chunks, chunk, reg.total_bytes(), reg.num_chunks(),
-                                     reg.chunk_bytes()));
+    return DataLossError(fmt::format(
+        "{} offers {} bytes in {} chunks of {}, this worker's state is {} bytes in {} "
+        "chunks of {}: the model or optimizer differs",
+        source, total, chunks, chunk, reg.total_bytes(), reg.num_chunks(), reg.chunk_bytes()));
   }
   return OkStatus();
 }
@@ -92,7 +96,9 @@ Result<std::vector<uint32_t>> RecvU32s(collective::Communicator& comm, int rank,
   std::string buf(4, '\0');
   NONSTOP_RETURN_IF_ERROR(comm.Recv(rank, std::as_writable_bytes(std::span(buf))));
   uint32_t n = DecodeFixed32(buf.data());
-  if (n > limit) return DataLossError(fmt::format("chunk request of {} entries exceeds the {} chunks of the state", n, limit));
+  if (n > limit)
+    return DataLossError(
+        fmt::format("chunk request of {} entries exceeds the {} chunks of the state", n, limit));
   std::vector<uint32_t> out(n);
   if (n == 0) return out;
   buf.assign(static_cast<size_t>(n) * 4, '\0');
@@ -109,10 +115,12 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
   NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
   std::vector<std::byte> buf(reg.chunk_bytes());
   while (true) {
-    NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request, RecvU32s(comm, receiver, reg.num_chunks()));
+    NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
+                             RecvU32s(comm, receiver, reg.num_chunks()));
     if (request.empty()) return OkStatus();
     for (uint32_t index : request) {
-      if (index >= reg.num_chunks()) return DataLossError(fmt::format("request for chunk {} of {}", index, reg.num_chunks()));
+      if (index >= reg.num_chunks())
+        return DataLossError(fmt::format("request for chunk {} of {}", index, reg.num_chunks()));
       size_t n = reg.chunk_size(index);
       std::span<std::byte> chunk(buf.data(), n);
       if (shard >= 0 && reg.chunk_sharded(index)) {
@@ -123,7 +131,8 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
       std::string meta;
       PutFixed32(&meta, index);
       PutFixed32(&meta, Crc32c(chunk.data(), chunk.size()));
-      if (corrupt_next != nullptr && corrupt_next->exchange(false) && n > 0) chunk[n / 2] ^= std::byte{0x5a};
+      if (corrupt_next != nullptr && corrupt_next->exchange(false) && n > 0)
+        chunk[n / 2] ^= std::byte{0x5a};
       NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(meta))));
       NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, chunk));
     }
@@ -132,12 +141,13 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
 
 // Where a fetched chunk goes: the live state (WriteChunk), or a staging buffer.
 // DATA_LOSS: the chunk failed its checksum (fetched again elsewhere).
-using ChunkSink = std::function<Status(uint32_t index, std::span<const std::byte> data, uint32_t crc)>;
+using ChunkSink =
+    std::function<Status(uint32_t index, std::span<const std::byte> data, uint32_t crc)>;
 
 // Receiver side: fetch `indices` from one source. Chunks that fail their CRC go to `failed`.
 Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, int source,
-             const std::vector<uint32_t>& indices, std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes,
-             const ChunkSink& sink) {
+             const std::vector<uint32_t>& indices, std::vector<uint32_t>* failed,
+             std::atomic<uint64_t>* bytes, const ChunkSink& sink) {
   if (indices.empty()) return OkStatus();  // an empty request would mean "done"
   NONSTOP_RETURN_IF_ERROR(SendU32s(comm, source, indices));
   std::vector<std::byte> buf(reg.chunk_bytes());
@@ -146,7 +156,9 @@ Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, in
     NONSTOP_RETURN_IF_ERROR(comm.Recv(source, std::as_writable_bytes(std::span(meta))));
     uint32_t index = DecodeFixed32(meta.data());
     uint32_t crc = DecodeFixed32(meta.data() + 4);
-    if (index != want) return DataLossError(fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
+    if (index != want)
+      return DataLossError(
+          fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
     std::span<std::byte> chunk(buf.data(), reg.chunk_size(index));
     NONSTOP_RETURN_IF_ERROR(comm.Recv(source, chunk));
     *bytes += chunk.size();
@@ -161,32 +173,39 @@ Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, in
 }
 
 std::string SourceName(const control::PlanMsg& plan, int rank) {
-  return fmt::format("rank {} (worker {})", rank, plan.members[static_cast<size_t>(rank)].worker_id);
+  return fmt::format("rank {} (worker {})", rank,
+                     plan.members[static_cast<size_t>(rank)].worker_id);
 }
 
 // The shape of the plan's shard moves (ValidatePlan): whether their sources
 // hold the shards is ExchangeShards's to check, against what they say.
 Status ValidateShardMoves(const control::PlanMsg& plan, const std::set<int>& ids,
                           const std::function<Status(const std::string&)>& bad) {
-  if (!plan.shard_moves.empty() && plan.shard_group <= 0) return bad("it moves shards but names no shard_group");
+  if (!plan.shard_moves.empty() && plan.shard_group <= 0)
+    return bad("it moves shards but names no shard_group");
   std::set<int> receivers;
   for (const auto& m : plan.shard_moves) {
     const int rank = RankOf(plan, m.receiver);
     if (rank < 0) return bad(fmt::format("shard receiver worker {} is not a member", m.receiver));
-    if (!receivers.insert(m.receiver).second) return bad(fmt::format("worker {} receives a shard twice", m.receiver));
+    if (!receivers.insert(m.receiver).second)
+      return bad(fmt::format("worker {} receives a shard twice", m.receiver));
     // state::LayoutOf: rank r holds shard r mod G, whatever the world.
     if (m.shard != rank % plan.shard_group) {
-      return bad(fmt::format("worker {} is to receive shard {}, but its rank {} holds shard {} of groups of {}",
-                             m.receiver, m.shard, rank, rank % plan.shard_group, plan.shard_group));
+      return bad(fmt::format(
+          "worker {} is to receive shard {}, but its rank {} holds shard {} of groups of {}",
+          m.receiver, m.shard, rank, rank % plan.shard_group, plan.shard_group));
     }
     std::set<int> seen;
     for (int src : m.sources) {
       if (!ids.count(src)) {
-        return bad(fmt::format("source worker {} of shard {} for worker {} is not a member", src, m.shard, m.receiver));
+        return bad(fmt::format("source worker {} of shard {} for worker {} is not a member", src,
+                               m.shard, m.receiver));
       }
-      if (src == m.receiver) return bad(fmt::format("worker {} is its own source of shard {}", src, m.shard));
+      if (src == m.receiver)
+        return bad(fmt::format("worker {} is its own source of shard {}", src, m.shard));
       if (!seen.insert(src).second) {
-        return bad(fmt::format("worker {} is a source of shard {} for worker {} twice", src, m.shard, m.receiver));
+        return bad(fmt::format("worker {} is a source of shard {} for worker {} twice", src,
+                               m.shard, m.receiver));
       }
     }
   }
@@ -197,26 +216,32 @@ Status ValidateShardMoves(const control::PlanMsg& plan, const std::set<int>& ids
 
 Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id) {
   auto bad = [&](const std::string& what) {
-    return InvalidArgumentError(fmt::format("plan of generation {} is malformed: {}", plan.generation, what));
+    return InvalidArgumentError(
+        fmt::format("plan of generation {} is malformed: {}", plan.generation, what));
   };
   if (plan.members.empty()) return bad("it has no members");
   if (plan.resume_step < 0) return bad(fmt::format("resume step {} is negative", plan.resume_step));
   std::set<int> ids;
   for (const auto& m : plan.members) {
     if (m.worker_id < 0) return bad(fmt::format("member worker id {} is negative", m.worker_id));
-    if (!ids.insert(m.worker_id).second) return bad(fmt::format("worker {} is a member twice", m.worker_id));
+    if (!ids.insert(m.worker_id).second)
+      return bad(fmt::format("worker {} is a member twice", m.worker_id));
     if (!net::ParseHostPort(m.address).ok()) {
       return bad(fmt::format("worker {}'s address '{}' is not host:port", m.worker_id, m.address));
     }
   }
-  if (!ids.count(my_worker_id)) return bad(fmt::format("it does not include this worker ({})", my_worker_id));
+  if (!ids.count(my_worker_id))
+    return bad(fmt::format("it does not include this worker ({})", my_worker_id));
   std::set<int> receivers;
   for (const auto& t : plan.transfers) {
-    if (!ids.count(t.receiver)) return bad(fmt::format("receiver worker {} is not a member", t.receiver));
-    if (!receivers.insert(t.receiver).second) return bad(fmt::format("worker {} receives twice", t.receiver));
+    if (!ids.count(t.receiver))
+      return bad(fmt::format("receiver worker {} is not a member", t.receiver));
+    if (!receivers.insert(t.receiver).second)
+      return bad(fmt::format("worker {} receives twice", t.receiver));
     if (t.sources.empty()) return bad(fmt::format("worker {} receives from no source", t.receiver));
     for (int src : t.sources) {
-      if (!ids.count(src)) return bad(fmt::format("source worker {} of receiver {} is not a member", src, t.receiver));
+      if (!ids.count(src))
+        return bad(fmt::format("source worker {} of receiver {} is not a member", src, t.receiver));
       if (src == t.receiver) return bad(fmt::format("worker {} is its own source", src));
     }
   }
@@ -224,11 +249,12 @@ Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id) {
 }
 
 Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state::StateRegistry& reg,
-                                          const control::PlanMsg& plan, int my_worker_id, const TransferHooks& hooks) {
+                                          const control::PlanMsg& plan, int my_worker_id,
+                                          const TransferHooks& hooks) {
   TransferOutcome outcome;
   const int64_t step = plan.resume_step - 1;
-  std::vector<int> serve_to;           // receiver ranks
-  std::vector<int> fetch_from;         // source ranks
+  std::vector<int> serve_to;    // receiver ranks
+  std::vector<int> fetch_from;  // source ranks
   for (const auto& t : plan.transfers) {
     if (t.receiver == my_worker_id) {
       for (int s : t.sources) fetch_from.push_back(RankOf(plan, s));
@@ -263,9 +289,8 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
     if (!reg.chunk_sharded(c)) wanted.push_back(c);
   }
   for (size_t i = 0; i < wanted.size(); ++i) assigned[i % k].push_back(wanted[i]);
-  const ChunkSink into_state = [&reg](uint32_t index, std::span<const std::byte> data, uint32_t crc) {
-    return reg.WriteChunk(index, data, crc);
-  };
+  const ChunkSink into_state = [&reg](uint32_t index, std::span<const std::byte> data,
+                                      uint32_t crc) { return reg.WriteChunk(index, data, crc); };
   std::vector<Status> results(k);
   std::vector<std::vector<uint32_t>> failed(k);
   std::atomic<uint64_t> bytes{0};
@@ -288,12 +313,14 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
       for (size_t attempt = 1; attempt <= k && !done; ++attempt) {
         size_t from = (i + attempt) % k;
         std::vector<uint32_t> again;
-        NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, fetch_from[from], {index}, &again, &bytes, into_state));
+        NONSTOP_RETURN_IF_ERROR(
+            Fetch(comm, reg, fetch_from[from], {index}, &again, &bytes, into_state));
         done = again.empty();
         ++outcome.refetched_chunks;
       }
       if (!done) {
-        return DataLossError(fmt::format("state chunk {} failed its checksum from every source", index));
+        return DataLossError(
+            fmt::format("state chunk {} failed its checksum from every source", index));
       }
     }
   }
@@ -323,8 +350,8 @@ std::string EncodeShardRecord(const ShardRecord& r) {
 
 ShardRecord DecodeShardRecord(const std::byte* p) {
   const char* c = reinterpret_cast<const char*>(p);
-  return {static_cast<int>(static_cast<int32_t>(DecodeFixed32(c))), static_cast<int32_t>(DecodeFixed32(c + 4)),
-          static_cast<int64_t>(DecodeFixed64(c + 8))};
+  return {static_cast<int>(static_cast<int32_t>(DecodeFixed32(c))),
+          static_cast<int32_t>(DecodeFixed32(c + 4)), static_cast<int64_t>(DecodeFixed64(c + 8))};
 }
 
 // What every member says its sharded state holds, by rank.
@@ -348,7 +375,8 @@ struct Holdings {
 // All-gathers (group size, held shard, step) of every member. Not to plan:
 // to check the plan's moves against what each member says it holds, the same
 // claims on every member.
-Result<Holdings> GatherHoldings(collective::Communicator& comm, int group, int held, int64_t held_step) {
+Result<Holdings> GatherHoldings(collective::Communicator& comm, int group, int held,
+                                int64_t held_step) {
   constexpr size_t kRecord = 16;
   std::vector<std::byte> records(kRecord * static_cast<size_t>(comm.world_size()));
   std::string mine = EncodeShardRecord({group, held, held_step});
@@ -360,12 +388,14 @@ Result<Holdings> GatherHoldings(collective::Communicator& comm, int group, int h
   for (size_t q = 0; q < out.held.size(); ++q) {
     ShardRecord r = DecodeShardRecord(records.data() + kRecord * q);
     if (r.group != group) {
-      return InvalidArgumentError(fmt::format("rank {} shards its optimizer state over groups of {}, this worker over "
-                                              "groups of {}: every worker must run the same optimizer.shard_group",
-                                              q, r.group, group));
+      return InvalidArgumentError(
+          fmt::format("rank {} shards its optimizer state over groups of {}, this worker over "
+                      "groups of {}: every worker must run the same optimizer.shard_group",
+                      q, r.group, group));
     }
     if (r.held < state::kNoShard || r.held >= group) {
-      return DataLossError(fmt::format("rank {} claims to hold shard {} of groups of {}", q, r.held, group));
+      return DataLossError(
+          fmt::format("rank {} claims to hold shard {} of groups of {}", q, r.held, group));
     }
     out.held[q] = r.held;
     out.steps[q] = r.step;
@@ -375,8 +405,9 @@ Result<Holdings> GatherHoldings(collective::Communicator& comm, int group, int h
 
 // The plan's shard moves, by rank.
 struct RankedMoves {
-  std::vector<int> receivers;             // ranks, in the plan's order
-  std::vector<std::vector<int>> sources;  // index = rank: the ranks of its sources, in the plan's order
+  std::vector<int> receivers;  // ranks, in the plan's order
+  // index = rank: the ranks of its sources, in the plan's order
+  std::vector<std::vector<int>> sources;
 };
 
 // Checks the plan's shard moves against every member's claims and returns
@@ -387,16 +418,20 @@ Result<RankedMoves> CheckShardMoves(const control::PlanMsg& plan, const state::S
                                     const Holdings& holdings, int64_t step) {
   auto disagree = [&](const std::string& what) {
     return FailedPreconditionError(fmt::format(
-        "the shard moves of the plan of generation {} disagree with what the members hold: {}", plan.generation, what));
+        "the shard moves of the plan of generation {} disagree with what the members hold: {}",
+        plan.generation, what));
   };
   const int group = layout.group_size;
   if (plan.shard_group != group) {
-    return InvalidArgumentError(fmt::format("the plan of generation {} shards the optimizer state over groups of {}, "
-                                            "this worker over groups of {}: every worker must run the same "
-                                            "optimizer.shard_group", plan.generation, plan.shard_group, group));
+    return InvalidArgumentError(
+        fmt::format("the plan of generation {} shards the optimizer state over groups of {}, "
+                    "this worker over groups of {}: every worker must run the same "
+                    "optimizer.shard_group",
+                    plan.generation, plan.shard_group, group));
   }
   if (plan.members.size() != static_cast<size_t>(layout.world())) {
-    return InternalError(fmt::format("plan of {} members for a world of {}", plan.members.size(), layout.world()));
+    return InternalError(
+        fmt::format("plan of {} members for a world of {}", plan.members.size(), layout.world()));
   }
   RankedMoves out;
   out.sources.resize(plan.members.size());
@@ -409,21 +444,24 @@ Result<RankedMoves> CheckShardMoves(const control::PlanMsg& plan, const state::S
     }
     const int need = layout.shard_of_rank[static_cast<size_t>(r)];
     if (m.shard != need) {
-      return disagree(fmt::format("{} is to receive shard {}, but its rank holds shard {} (rank mod {})",
-                                  SourceName(plan, r), m.shard, need, group));
+      return disagree(
+          fmt::format("{} is to receive shard {}, but its rank holds shard {} (rank mod {})",
+                      SourceName(plan, r), m.shard, need, group));
     }
     if (holdings.Holds(r, need, step)) {
-      return disagree(fmt::format("{} is to receive shard {} of step {}, which it holds already", SourceName(plan, r),
-                                  need, step));
+      return disagree(fmt::format("{} is to receive shard {} of step {}, which it holds already",
+                                  SourceName(plan, r), need, step));
     }
     moved[static_cast<size_t>(r)] = 1;
     out.receivers.push_back(r);
     for (int id : m.sources) {
       const int q = RankOf(plan, id);
-      if (q < 0 || q == r) return disagree(fmt::format("worker {} is no source for {}", id, SourceName(plan, r)));
+      if (q < 0 || q == r)
+        return disagree(fmt::format("worker {} is no source for {}", id, SourceName(plan, r)));
       if (!holdings.Holds(q, need, step)) {
-        return disagree(fmt::format("{} is to serve shard {} of step {} to {}, but it holds {}", SourceName(plan, q),
-                                    need, step, SourceName(plan, r), holdings.Describe(q)));
+        return disagree(fmt::format("{} is to serve shard {} of step {} to {}, but it holds {}",
+                                    SourceName(plan, q), need, step, SourceName(plan, r),
+                                    holdings.Describe(q)));
       }
       out.sources[static_cast<size_t>(r)].push_back(q);
     }
@@ -432,15 +470,20 @@ Result<RankedMoves> CheckShardMoves(const control::PlanMsg& plan, const state::S
   for (int r = 0; r < layout.world(); ++r) {
     const int need = layout.shard_of_rank[static_cast<size_t>(r)];
     if (!moved[static_cast<size_t>(r)] && !holdings.Holds(r, need, step)) {
-      return disagree(fmt::format("{} holds {}, not shard {} of step {} (its rank's), and the plan moves nothing to "
-                                  "it", SourceName(plan, r), holdings.Describe(r), need, step));
+      return disagree(fmt::format(
+          "{} holds {}, not shard {} of step {} (its rank's), and the plan moves nothing to "
+          "it",
+          SourceName(plan, r), holdings.Describe(r), need, step));
     }
   }
-  if (!lost.empty()) {  // the controller planned it so (a shard its releases left nobody): every member says it
+  // the controller planned it so (a shard its releases left nobody): every member says it
+  if (!lost.empty()) {
     std::sort(lost.begin(), lost.end());
     lost.erase(std::unique(lost.begin(), lost.end()), lost.end());
-    return DataLossError(fmt::format("every copy of shard {} of the optimizer state of step {} is lost: no member "
-                                     "holds it", fmt::join(lost, ", "), step));
+    return DataLossError(
+        fmt::format("every copy of shard {} of the optimizer state of step {} is lost: no member "
+                    "holds it",
+                    fmt::join(lost, ", "), step));
   }
   return out;
 }
@@ -448,18 +491,21 @@ Result<RankedMoves> CheckShardMoves(const control::PlanMsg& plan, const state::S
 // One member's part of the moves: with each peer, serve it, fetch from it,
 // or both (two members swapping shards).
 struct PeerWork {
-  bool serve = false;            // it is a receiver, and this member one of its sources
-  bool fetch = false;            // it is one of this member's sources: header, the chunks (maybe none), done
+  bool serve = false;  // it is a receiver, and this member one of its sources
+  // it is one of this member's sources: header, the chunks (maybe none), done
+  bool fetch = false;
   std::vector<uint32_t> chunks;  // what this member fetches from it
 };
 
-std::map<int, PeerWork> PeersOf(const RankedMoves& moves, int me, const std::vector<uint32_t>& sharded) {
+std::map<int, PeerWork> PeersOf(const RankedMoves& moves, int me,
+                                const std::vector<uint32_t>& sharded) {
   std::map<int, PeerWork> peers;  // rank → the work with it
   const std::vector<int>& mine = moves.sources[static_cast<size_t>(me)];
   if (!mine.empty()) {  // a receiver (CheckShardMoves refused one without sources)
     // Striped: chunk i from the i-th source modulo their count, in the plan's order.
     for (int q : mine) peers[q].fetch = true;
-    for (size_t i = 0; i < sharded.size(); ++i) peers[mine[i % mine.size()]].chunks.push_back(sharded[i]);
+    for (size_t i = 0; i < sharded.size(); ++i)
+      peers[mine[i % mine.size()]].chunks.push_back(sharded[i]);
   }
   for (int r : moves.receivers) {
     const auto& src = moves.sources[static_cast<size_t>(r)];
@@ -483,7 +529,8 @@ struct Staging {
     bytes.resize(size);
   }
   Status Put(uint32_t index, std::span<const std::byte> data, uint32_t crc) {
-    if (Crc32c(data.data(), data.size()) != crc) return DataLossError(fmt::format("state chunk {} fails its checksum", index));
+    if (Crc32c(data.data(), data.size()) != crc)
+      return DataLossError(fmt::format("state chunk {} fails its checksum", index));
     auto& [offset, kept_crc] = where.at(index);  // every index was asked for: it is there
     std::memcpy(bytes.data() + offset, data.data(), data.size());
     kept_crc = crc;
@@ -492,14 +539,14 @@ struct Staging {
 };
 
 // This member's side of the moves with every peer at once, one thread each.
-Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg, const state::ShardLayout& layout,
-                     const std::map<int, PeerWork>& peers, int64_t step, bool every, const TransferHooks& hooks,
-                     Staging* staging, TransferOutcome* outcome) {
+Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
+                     const state::ShardLayout& layout, const std::map<int, PeerWork>& peers,
+                     int64_t step, bool every, const TransferHooks& hooks, Staging* staging,
+                     TransferOutcome* outcome) {
   const int me = comm.rank();
   const int need = layout.shard_of_rank[static_cast<size_t>(me)];
-  const ChunkSink into_staging = [staging](uint32_t index, std::span<const std::byte> data, uint32_t crc) {
-    return staging->Put(index, data, crc);
-  };
+  const ChunkSink into_staging = [staging](uint32_t index, std::span<const std::byte> data,
+                                           uint32_t crc) { return staging->Put(index, data, crc); };
   std::atomic<bool> corrupt(hooks.corrupt_first_chunk);
   std::atomic<uint64_t> bytes{0};
   std::atomic<int> refetched{0};
@@ -512,13 +559,15 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg, 
       const PeerWork& work = peers.at(peer);
       auto do_serve = [&]() -> Status {
         if (!work.serve) return OkStatus();
-        return Serve(comm, reg, peer, step, &corrupt, every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1);
+        return Serve(comm, reg, peer, step, &corrupt,
+                     every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1);
       };
       auto do_fetch = [&]() -> Status {
         if (!work.fetch) return OkStatus();
         std::string header(kHeaderBytes, '\0');
         NONSTOP_RETURN_IF_ERROR(comm.Recv(peer, std::as_writable_bytes(std::span(header))));
-        // The existing check stays: a source's header must name this group size and the shard asked for.
+        // The existing check stays: a source's header must name this group size and the shard asked
+        // for.
         NONSTOP_RETURN_IF_ERROR(CheckHeader(header, step, reg, fmt::format("rank {}", peer), need));
         std::vector<uint32_t> failed;
         NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, work.chunks, &failed, &bytes, into_staging));
@@ -527,8 +576,9 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg, 
           std::vector<uint32_t> again;
           NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, failed, &again, &bytes, into_staging));
           if (!again.empty()) {
-            return DataLossError(fmt::format("state chunk {} of shard {} failed its checksum twice from rank {}",
-                                             again.front(), need, peer));
+            return DataLossError(
+                fmt::format("state chunk {} of shard {} failed its checksum twice from rank {}",
+                            again.front(), need, peer));
           }
         }
         return SendU32s(comm, peer, {});
@@ -542,7 +592,8 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg, 
   }
   for (auto& t : threads) t.join();
   for (const auto& [peer, s] : results) NONSTOP_RETURN_IF_ERROR(s);
-  outcome->served = std::any_of(peers.begin(), peers.end(), [](const auto& p) { return p.second.serve; });
+  outcome->served =
+      std::any_of(peers.begin(), peers.end(), [](const auto& p) { return p.second.serve; });
   outcome->bytes_received = bytes.load();
   outcome->refetched_chunks = refetched.load();
   return OkStatus();
@@ -551,13 +602,16 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg, 
 }  // namespace
 
 Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& reg,
-                                       const control::PlanMsg& plan, int64_t held_step, const TransferHooks& hooks) {
+                                       const control::PlanMsg& plan, int64_t held_step,
+                                       const TransferHooks& hooks) {
   TransferOutcome outcome;
   const int group = reg.shard_group();
   if (group == 0) {
     if (plan.shard_group == 0 && plan.shard_moves.empty()) return outcome;
-    return InvalidArgumentError(fmt::format("the plan of generation {} shards the optimizer state over groups of {}, "
-                                            "this worker's state is not sharded", plan.generation, plan.shard_group));
+    return InvalidArgumentError(
+        fmt::format("the plan of generation {} shards the optimizer state over groups of {}, "
+                    "this worker's state is not sharded",
+                    plan.generation, plan.shard_group));
   }
   const int64_t step = plan.resume_step - 1;
   NONSTOP_ASSIGN_OR_RETURN(state::ShardLayout layout, state::LayoutOf(comm.world_size(), group));
@@ -572,7 +626,8 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   if (held_step == -1 && step == -1) reg.set_held_shard(state::kEveryShard);
   const bool every = reg.held_shard() == state::kEveryShard;
 
-  NONSTOP_ASSIGN_OR_RETURN(Holdings holdings, GatherHoldings(comm, group, reg.held_shard(), held_step));
+  NONSTOP_ASSIGN_OR_RETURN(Holdings holdings,
+                           GatherHoldings(comm, group, reg.held_shard(), held_step));
   NONSTOP_ASSIGN_OR_RETURN(RankedMoves moves, CheckShardMoves(plan, layout, holdings, step));
   if (moves.receivers.empty()) {
     if (every) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
@@ -584,17 +639,20 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
     if (reg.chunk_sharded(c)) sharded.push_back(c);
   }
   const std::map<int, PeerWork> peers = PeersOf(moves, me, sharded);
-  const bool receiving = std::find(moves.receivers.begin(), moves.receivers.end(), me) != moves.receivers.end();
+  const bool receiving =
+      std::find(moves.receivers.begin(), moves.receivers.end(), me) != moves.receivers.end();
   if (!peers.empty() && hooks.on_start) hooks.on_start();
   Staging staging(reg, receiving ? sharded : std::vector<uint32_t>{});
-  NONSTOP_RETURN_IF_ERROR(MoveWithPeers(comm, reg, layout, peers, step, every, hooks, &staging, &outcome));
+  NONSTOP_RETURN_IF_ERROR(
+      MoveWithPeers(comm, reg, layout, peers, step, every, hooks, &staging, &outcome));
   // Nobody commits before everybody has staged: a receiver's commit
   // overwrites the shard it held, which may be the last copy of it if a
   // holder that serves it dies now. After the barrier every member has its
   // new shard staged. (Two faults inside the barrier's own round trip can
   // still leave a mix of committed and uncommitted members: docs/sharding.md.)
   NONSTOP_RETURN_IF_ERROR(comm.Barrier());
-  if (every) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));  // it served every receiver from its whole buffers
+  // it served every receiver from its whole buffers
+  if (every) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
   if (!receiving) return outcome;
   // Commit: the views move to the new shard, then the checked bytes go in.
   NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));

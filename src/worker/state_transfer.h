@@ -49,10 +49,12 @@ struct TransferHooks {
 // is wrong; a worker answers a bad plan with a Status, never an abort.
 Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id);
 
-// Runs this worker's side of `plan.transfers` (a plan ValidatePlan accepted). The state must hold step
-// plan.resume_step - 1 if this worker is a source.
-Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state::StateRegistry& registry,
-                                          const control::PlanMsg& plan, int my_worker_id, const TransferHooks& hooks);
+// Runs this worker's side of `plan.transfers` (a plan ValidatePlan accepted). The state must hold
+// step plan.resume_step - 1 if this worker is a source.
+Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm,
+                                          state::StateRegistry& registry,
+                                          const control::PlanMsg& plan, int my_worker_id,
+                                          const TransferHooks& hooks);
 
 // After RunStateTransfers, with sharded state (StateRegistry::shard_group() >
 // 0): every member of the generation calls it, with `held_step` the step its
@@ -73,7 +75,8 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
 // naming the inconsistency, INVALID_ARGUMENT for a member of another group
 // size, DATA_LOSS naming the shard when the plan says no member holds it.
 // A failure leaves the state as it was: the shard held before, still valid.
-Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& registry,
-                                       const control::PlanMsg& plan, int64_t held_step, const TransferHooks& hooks);
+Result<TransferOutcome> ExchangeShards(collective::Communicator& comm,
+                                       state::StateRegistry& registry, const control::PlanMsg& plan,
+                                       int64_t held_step, const TransferHooks& hooks);
 
 }  // namespace nonstop::worker

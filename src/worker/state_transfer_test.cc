@@ -23,8 +23,12 @@ constexpr size_t kShard = 1000;  // floats per shard: several chunks of 1 KiB
 struct Rank {
   // `whole`: the moments are whole buffers behind views (a checkpoint just loaded).
   Rank(int group, size_t chunk_bytes, bool whole = false)
-      : group(group), whole(whole), params(kShard * static_cast<size_t>(group)),
-        m(whole ? params.size() : kShard), v(m.size()), reg(chunk_bytes) {}
+      : group(group),
+        whole(whole),
+        params(kShard * static_cast<size_t>(group)),
+        m(whole ? params.size() : kShard),
+        v(m.size()),
+        reg(chunk_bytes) {}
   int group;
   bool whole;
   std::vector<float> params, m, v;
@@ -69,13 +73,15 @@ struct Rank {
     }
   }
   static float Value(int buffer, int s, int64_t at, size_t i) {
-    return static_cast<float>(buffer * 1'000'000 + s * 10'000 + at * 100) + static_cast<float>(i) / 1024.0f;
+    return static_cast<float>(buffer * 1'000'000 + s * 10'000 + at * 100) +
+           static_cast<float>(i) / 1024.0f;
   }
   // The registry's sharded regions (params, m, v: regions 1-3) hold shard `s` of step `at`.
   bool HoldsShard(int s, int64_t at) const {
     for (int b = 0; b < 3; ++b) {
-      auto values = std::span(reinterpret_cast<const float*>(reg.regions()[static_cast<size_t>(b) + 1].bytes.data()),
-                              kShard);
+      auto values = std::span(
+          reinterpret_cast<const float*>(reg.regions()[static_cast<size_t>(b) + 1].bytes.data()),
+          kShard);
       for (size_t i = 0; i < kShard; ++i) {
         if (values[i] != Value(b, s, at, i)) return false;
       }
@@ -85,8 +91,8 @@ struct Rank {
 };
 
 // W ranks on loopback, with group sizes `groups` (one per rank).
-std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups, size_t chunk_bytes = 1024,
-                                             int whole_rank = -1) {
+std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups,
+                                             size_t chunk_bytes = 1024, int whole_rank = -1) {
   std::vector<net::Listener> listeners;
   std::vector<collective::Member> members;
   for (size_t r = 0; r < groups.size(); ++r) {
@@ -100,8 +106,8 @@ std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups, siz
     auto rank = std::make_unique<Rank>(groups[r], chunk_bytes, static_cast<int>(r) == whole_rank);
     rank->Register();
     rank->address = members[r].address;
-    rank->plane =
-        collective::TcpDataPlane::Create({kToken, static_cast<int>(r)}, std::move(listeners[r]), &rank->abort);
+    rank->plane = collective::TcpDataPlane::Create({kToken, static_cast<int>(r)},
+                                                   std::move(listeners[r]), &rank->abort);
     collective::CommunicatorOptions o;
     o.rank = static_cast<int>(r);
     o.members = members;
@@ -117,20 +123,22 @@ using Moves = std::vector<control::PlanShardMove>;
 // The plan of a generation of `ranks` (worker id = rank) that resumes after
 // `step`, in groups of `group` (rank 0's, when 0), with these shard moves:
 // what the controller's planner would send (controller::PlanShardMoves).
-control::PlanMsg PlanOf(const std::vector<std::unique_ptr<Rank>>& ranks, int64_t step, Moves moves, int group = 0) {
+control::PlanMsg PlanOf(const std::vector<std::unique_ptr<Rank>>& ranks, int64_t step, Moves moves,
+                        int group = 0) {
   control::PlanMsg plan;
   plan.generation = 5;
   plan.resume_step = step + 1;
-  for (size_t r = 0; r < ranks.size(); ++r) plan.members.push_back({static_cast<int>(r), ranks[r]->address});
+  for (size_t r = 0; r < ranks.size(); ++r)
+    plan.members.push_back({static_cast<int>(r), ranks[r]->address});
   plan.shard_group = group > 0 ? group : ranks[0]->group;
   plan.shard_moves = std::move(moves);
   return plan;
 }
 
 // Every rank runs ExchangeShards for `plan`.
-std::vector<Result<TransferOutcome>> ExchangeAll(std::vector<std::unique_ptr<Rank>>& ranks,
-                                                 const control::PlanMsg& plan,
-                                                 std::function<TransferHooks(int)> hooks = nullptr) {
+std::vector<Result<TransferOutcome>> ExchangeAll(
+    std::vector<std::unique_ptr<Rank>>& ranks, const control::PlanMsg& plan,
+    std::function<TransferHooks(int)> hooks = nullptr) {
   std::vector<Result<TransferOutcome>> out(ranks.size(), InternalError("not run"));
   std::vector<std::thread> threads;
   for (size_t r = 0; r < ranks.size(); ++r) {
@@ -141,7 +149,8 @@ std::vector<Result<TransferOutcome>> ExchangeAll(std::vector<std::unique_ptr<Ran
         out[r] = c;
         return;
       }
-      out[r] = ExchangeShards(*k.comm, k.reg, plan, k.step, hooks ? hooks(static_cast<int>(r)) : TransferHooks{});
+      out[r] = ExchangeShards(*k.comm, k.reg, plan, k.step,
+                              hooks ? hooks(static_cast<int>(r)) : TransferHooks{});
     });
   }
   for (auto& t : threads) t.join();
@@ -149,11 +158,13 @@ std::vector<Result<TransferOutcome>> ExchangeAll(std::vector<std::unique_ptr<Ran
 }
 
 // Every rank refuses the plan: `code`, the message naming `what`.
-void ExpectEveryRankRefuses(const std::vector<Result<TransferOutcome>>& out, StatusCode code, const std::string& what) {
+void ExpectEveryRankRefuses(const std::vector<Result<TransferOutcome>>& out, StatusCode code,
+                            const std::string& what) {
   for (size_t r = 0; r < out.size(); ++r) {
     ASSERT_FALSE(out[r].ok()) << "rank " << r;
     EXPECT_EQ(out[r].status().code(), code) << "rank " << r << ": " << out[r].status().ToString();
-    EXPECT_NE(out[r].status().message().find(what), std::string::npos) << out[r].status().ToString();
+    EXPECT_NE(out[r].status().message().find(what), std::string::npos)
+        << out[r].status().ToString();
   }
 }
 
@@ -163,14 +174,17 @@ TEST(ExchangeShardsTest, ASpareCopiesOnlyItsShardFromTheShardsHolders) {
   ranks[3]->step = 7;  // RunStateTransfers copied the step; the shard it holds is none
   ranks[3]->reg.set_held_shard(state::kNoShard);
   auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{3, 1, {1}}}));
-  for (size_t r = 0; r < out.size(); ++r) ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
   EXPECT_TRUE(out[3]->received);
   EXPECT_EQ(out[3]->sources, 1) << "rank 1 is the only other holder of shard 1";
-  EXPECT_EQ(out[3]->bytes_received, 3 * kShard * sizeof(float)) << "one shard of three buffers, nothing else";
+  EXPECT_EQ(out[3]->bytes_received, 3 * kShard * sizeof(float))
+      << "one shard of three buffers, nothing else";
   EXPECT_TRUE(out[1]->served);
   EXPECT_FALSE(out[0]->served) << "shard 0's holders serve nobody";
   EXPECT_TRUE(ranks[3]->HoldsShard(1, 7));
-  for (int r : {0, 1, 2}) EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 7)) << "rank " << r;
+  for (int r : {0, 1, 2})
+    EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 7)) << "rank " << r;
 }
 
 TEST(ExchangeShardsTest, ResizeReshardsLiveWithMembersSwappingShards) {
@@ -188,8 +202,10 @@ TEST(ExchangeShardsTest, ResizeReshardsLiveWithMembersSwappingShards) {
   });
   int refetched = 0;
   for (int r = 0; r < 6; ++r) {
-    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
-    EXPECT_TRUE(out[static_cast<size_t>(r)]->received && out[static_cast<size_t>(r)]->served) << "rank " << r;
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+    EXPECT_TRUE(out[static_cast<size_t>(r)]->received && out[static_cast<size_t>(r)]->served)
+        << "rank " << r;
     EXPECT_EQ(out[static_cast<size_t>(r)]->sources, 3) << "striped over the shard's three holders";
     refetched += out[static_cast<size_t>(r)]->refetched_chunks;
     EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 12)) << "rank " << r;
@@ -206,14 +222,15 @@ TEST(ExchangeShardsTest, AHolderThatServesNoChunkStillEndsItsPartOfTheProtocol) 
                        {3, 1, {0, 2, 4}}, {4, 0, {1, 3, 5}}, {5, 1, {0, 2, 4}}};
   auto out = ExchangeAll(ranks, PlanOf(ranks, 4, moves));
   for (int r = 0; r < 6; ++r) {
-    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
     EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 4)) << "rank " << r;
   }
 }
 
 TEST(ExchangeShardsTest, AMemberHoldingEveryShardServesEachReceiverItsOwn) {
-  // Only rank 3 loaded the newest checkpoint (whole moments behind its views); the others copied its
-  // step counters and hold no shard of that step.
+  // Only rank 3 loaded the newest checkpoint (whole moments behind its views); the others copied
+  // its step counters and hold no shard of that step.
   auto ranks = MakeRanks({2, 2, 2, 2}, 1024, /*whole_rank=*/3);
   ranks[3]->HoldEvery(7);
   for (int r : {0, 1, 2}) {
@@ -222,7 +239,8 @@ TEST(ExchangeShardsTest, AMemberHoldingEveryShardServesEachReceiverItsOwn) {
   }
   auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{0, 0, {3}}, {1, 1, {3}}, {2, 0, {3}}}));
   for (int r = 0; r < 4; ++r) {
-    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
     EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 7)) << "rank " << r;
   }
   EXPECT_TRUE(out[3]->served);
@@ -234,7 +252,8 @@ TEST(ExchangeShardsTest, TheInitialStateIsEveryShardAndMovesNothing) {
   for (auto& r : ranks) r->step = -1;
   auto out = ExchangeAll(ranks, PlanOf(ranks, -1, {}));
   for (int r = 0; r < 2; ++r) {
-    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << out[static_cast<size_t>(r)].status().ToString();
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok())
+        << out[static_cast<size_t>(r)].status().ToString();
     EXPECT_FALSE(out[static_cast<size_t>(r)]->received);
     EXPECT_EQ(ranks[static_cast<size_t>(r)]->reg.held_shard(), r) << "bound to its rank's shard";
   }
@@ -250,7 +269,8 @@ TEST(ExchangeShardsTest, BeforeTheFirstStepEveryMemberHoldsEveryShard) {
   }
   auto out = ExchangeAll(ranks, PlanOf(ranks, -1, {}));
   for (int r = 0; r < 2; ++r) {
-    ASSERT_TRUE(out[static_cast<size_t>(r)].ok()) << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+    ASSERT_TRUE(out[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
     EXPECT_EQ(ranks[static_cast<size_t>(r)]->reg.held_shard(), r);
   }
 }
@@ -279,15 +299,17 @@ TEST(ExchangeShardsTest, APlanOfAnotherGroupSizeIsRefusedByEveryone) {
   auto ranks = MakeRanks({2, 2, 2, 2});
   for (int r = 0; r < 4; ++r) ranks[static_cast<size_t>(r)]->Hold(r % 2, 3);
   auto out = ExchangeAll(ranks, PlanOf(ranks, 3, {}, /*group=*/4));
-  ExpectEveryRankRefuses(out, StatusCode::kInvalidArgument,
-                         "the plan of generation 5 shards the optimizer state over groups of 4, this worker over "
-                         "groups of 2");
+  ExpectEveryRankRefuses(
+      out, StatusCode::kInvalidArgument,
+      "the plan of generation 5 shards the optimizer state over groups of 4, this worker over "
+      "groups of 2");
 }
 
 TEST(ExchangeShardsTest, AWorldThatIsNotAMultipleOfTheGroupIsRefused) {
   auto ranks = MakeRanks({2, 2, 2});
   auto out = ExchangeAll(ranks, PlanOf(ranks, -1, {}));
-  for (const auto& o : out) EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument) << o.status().ToString();
+  for (const auto& o : out)
+    EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument) << o.status().ToString();
 }
 
 // The worker carries out the controller's moves and plans none itself: a plan
@@ -299,9 +321,10 @@ TEST(ExchangeShardsTest, APlanThatMovesNothingToAMemberLackingItsShardIsRefused)
   ranks[3]->step = 7;  // a spare: no shard
   ranks[3]->reg.set_held_shard(state::kNoShard);
   auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {}));
-  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
-                         "rank 3 (worker 3) holds no shard (its state is of step 7), not shard 1 of step 7 (its "
-                         "rank's), and the plan moves nothing to it");
+  ExpectEveryRankRefuses(
+      out, StatusCode::kFailedPrecondition,
+      "rank 3 (worker 3) holds no shard (its state is of step 7), not shard 1 of step 7 (its "
+      "rank's), and the plan moves nothing to it");
   EXPECT_EQ(ranks[3]->reg.held_shard(), state::kNoShard);
 }
 
@@ -311,23 +334,26 @@ TEST(ExchangeShardsTest, ASourceThatDoesNotHoldTheShardItIsToServeIsRefused) {
   ranks[3]->step = 7;
   ranks[3]->reg.set_held_shard(state::kNoShard);
   auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{3, 1, {1, 2}}}));  // rank 2 holds shard 0
-  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
-                         "rank 2 (worker 2) is to serve shard 1 of step 7 to rank 3 (worker 3), but it holds shard 0 "
-                         "of step 7");
+  ExpectEveryRankRefuses(
+      out, StatusCode::kFailedPrecondition,
+      "rank 2 (worker 2) is to serve shard 1 of step 7 to rank 3 (worker 3), but it holds shard 0 "
+      "of step 7");
   EXPECT_TRUE(ranks[2]->HoldsShard(0, 7));
 }
 
 TEST(ExchangeShardsTest, AStaleCopyIsNoSource) {
-  // Rank 1 holds shard 1 of step 6 (one step behind), rank 3 is a spare; only rank 5 holds shard 1 of step 7.
+  // Rank 1 holds shard 1 of step 6 (one step behind), rank 3 is a spare; only rank 5 holds shard 1
+  // of step 7.
   auto ranks = MakeRanks({2, 2, 2, 2, 2, 2});
   for (int r : {0, 2, 4, 5}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
   ranks[1]->Hold(1, 6);
   ranks[3]->step = 7;
   ranks[3]->reg.set_held_shard(state::kNoShard);
   auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{1, 1, {5}}, {3, 1, {1, 5}}}));
-  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
-                         "rank 1 (worker 1) is to serve shard 1 of step 7 to rank 3 (worker 3), but it holds no shard "
-                         "(its state is of step 6)");
+  ExpectEveryRankRefuses(
+      out, StatusCode::kFailedPrecondition,
+      "rank 1 (worker 1) is to serve shard 1 of step 7 to rank 3 (worker 3), but it holds no shard "
+      "(its state is of step 6)");
 }
 
 TEST(ExchangeShardsTest, AMoveToAMemberThatHoldsItsShardOrOfAnotherShardIsRefused) {
@@ -336,11 +362,13 @@ TEST(ExchangeShardsTest, AMoveToAMemberThatHoldsItsShardOrOfAnotherShardIsRefuse
   ranks[3]->step = 7;
   ranks[3]->reg.set_held_shard(state::kNoShard);
   auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{3, 0, {0, 2}}}));
-  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
-                         "rank 3 (worker 3) is to receive shard 0, but its rank holds shard 1 (rank mod 2)");
+  ExpectEveryRankRefuses(
+      out, StatusCode::kFailedPrecondition,
+      "rank 3 (worker 3) is to receive shard 0, but its rank holds shard 1 (rank mod 2)");
   out = ExchangeAll(ranks, PlanOf(ranks, 7, {{1, 1, {3}}, {3, 1, {1}}}));
-  ExpectEveryRankRefuses(out, StatusCode::kFailedPrecondition,
-                         "rank 1 (worker 1) is to receive shard 1 of step 7, which it holds already");
+  ExpectEveryRankRefuses(
+      out, StatusCode::kFailedPrecondition,
+      "rank 1 (worker 1) is to receive shard 1 of step 7, which it holds already");
   EXPECT_TRUE(ranks[1]->HoldsShard(1, 7));
 }
 
@@ -349,13 +377,15 @@ TEST(ValidatePlanTest, RefusesShardMovesOfNonMembersWrongShardsOrBadSources) {
   control::PlanMsg plan;
   plan.generation = 3;
   plan.resume_step = 8;
-  for (int id : {10, 11, 12, 13}) plan.members.push_back({id, fmt::format("127.0.0.1:{}", 4000 + id)});
+  for (int id : {10, 11, 12, 13})
+    plan.members.push_back({id, fmt::format("127.0.0.1:{}", 4000 + id)});
   plan.shard_group = 2;
   plan.shard_moves = {{13, 1, {11}}};
   ASSERT_TRUE(ValidatePlan(plan, 10).ok()) << ValidatePlan(plan, 10).ToString();
   const std::pair<control::PlanShardMove, std::string> bad[] = {
       {{14, 0, {10}}, "shard receiver worker 14 is not a member"},
-      {{13, 0, {10}}, "worker 13 is to receive shard 0, but its rank 3 holds shard 1 of groups of 2"},
+      {{13, 0, {10}},
+       "worker 13 is to receive shard 0, but its rank 3 holds shard 1 of groups of 2"},
       {{13, 1, {15}}, "source worker 15 of shard 1 for worker 13 is not a member"},
       {{13, 1, {13}}, "worker 13 is its own source of shard 1"},
       {{13, 1, {11, 11}}, "worker 11 is a source of shard 1 for worker 13 twice"},
@@ -369,10 +399,12 @@ TEST(ValidatePlanTest, RefusesShardMovesOfNonMembersWrongShardsOrBadSources) {
   }
   control::PlanMsg twice = plan;
   twice.shard_moves.push_back({13, 1, {11}});
-  EXPECT_NE(ValidatePlan(twice, 10).message().find("worker 13 receives a shard twice"), std::string::npos);
+  EXPECT_NE(ValidatePlan(twice, 10).message().find("worker 13 receives a shard twice"),
+            std::string::npos);
   control::PlanMsg ungrouped = plan;
   ungrouped.shard_group = 0;
-  EXPECT_NE(ValidatePlan(ungrouped, 10).message().find("moves shards but names no shard_group"), std::string::npos);
+  EXPECT_NE(ValidatePlan(ungrouped, 10).message().find("moves shards but names no shard_group"),
+            std::string::npos);
 }
 
 }  // namespace

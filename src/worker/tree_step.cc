@@ -12,7 +12,8 @@ namespace {
 
 void PutWord(std::span<std::byte> record, size_t word, int64_t v) {
   auto u = static_cast<uint64_t>(v);
-  for (size_t b = 0; b < 8; ++b) record[word * 8 + b] = static_cast<std::byte>((u >> (8 * b)) & 0xff);
+  for (size_t b = 0; b < 8; ++b)
+    record[word * 8 + b] = static_cast<std::byte>((u >> (8 * b)) & 0xff);
 }
 
 int64_t GetWord(std::span<const std::byte> record, size_t word) {
@@ -44,7 +45,8 @@ std::vector<collective::TreeNode> DecodeOffer(std::span<const std::byte> record,
   for (int64_t k = 0; k < count; ++k) {
     int64_t level = GetWord(record, static_cast<size_t>(2 + 2 * k));
     int64_t index = GetWord(record, static_cast<size_t>(3 + 2 * k));
-    if (level < 0 || level > 62 || index < 0 || index > (int64_t{1} << 30)) return {};  // not a tree node of any M here
+    // not a tree node of any M here
+    if (level < 0 || level > 62 || index < 0 || index > (int64_t{1} << 30)) return {};
     nodes.push_back({static_cast<int>(level), static_cast<int>(index)});
   }
   return nodes;
@@ -61,9 +63,11 @@ void KeepOnly(HeldSums* held, int64_t step, std::span<const collective::TreeNode
   *held = std::move(out);
 }
 
-HeldSums CollectSums(int m, int64_t step, HeldSums kept, std::vector<collective::TreeFolder>* folders) {
+HeldSums CollectSums(int m, int64_t step, HeldSums kept,
+                     std::vector<collective::TreeFolder>* folders) {
   std::vector<std::pair<collective::TreeNode, std::vector<float>>> have;
-  for (size_t k = 0; k < kept.nodes.size(); ++k) have.push_back({kept.nodes[k], std::move(kept.partials[k])});
+  for (size_t k = 0; k < kept.nodes.size(); ++k)
+    have.push_back({kept.nodes[k], std::move(kept.partials[k])});
   for (auto& f : *folders) {
     std::vector<collective::TreeNode> nodes = f.nodes();
     std::vector<std::vector<float>> sums = f.TakePartials();
@@ -81,7 +85,8 @@ HeldSums CollectSums(int m, int64_t step, HeldSums kept, std::vector<collective:
   return out;
 }
 
-std::vector<std::vector<std::pair<int, int>>> NodeLists(std::span<const collective::TreeShare> shares) {
+std::vector<std::vector<std::pair<int, int>>> NodeLists(
+    std::span<const collective::TreeShare> shares) {
   std::vector<std::vector<std::pair<int, int>>> out(shares.size());
   for (size_t q = 0; q < shares.size(); ++q) {
     for (const auto& node : shares[q].nodes) out[q].push_back({node.level, node.index});
@@ -89,7 +94,8 @@ std::vector<std::vector<std::pair<int, int>>> NodeLists(std::span<const collecti
   return out;
 }
 
-Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& session, int m, int64_t step,
+Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& session, int m,
+                                                                 int64_t step,
                                                                  const HeldSums& held) {
   const int world = session.world_size();
   std::vector<std::vector<collective::TreeNode>> offered(static_cast<size_t>(world));
@@ -99,12 +105,14 @@ Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& sessio
     // A new membership: what does each member still hold of this step?
     std::vector<std::byte> records(kOfferBytes * static_cast<size_t>(world));
     EncodeOffer(salvage_ ? held : HeldSums{}, step,
-                std::span<std::byte>(records).subspan(kOfferBytes * static_cast<size_t>(session.rank()), kOfferBytes));
+                std::span<std::byte>(records).subspan(
+                    kOfferBytes * static_cast<size_t>(session.rank()), kOfferBytes));
     NONSTOP_RETURN_IF_ERROR(session.AllGather(records, kOfferBytes));
     exchanged_generation_ = session.generation();
     for (int q = 0; q < world; ++q) {
       offered[static_cast<size_t>(q)] =
-          DecodeOffer(std::span<const std::byte>(records).subspan(kOfferBytes * static_cast<size_t>(q), kOfferBytes),
+          DecodeOffer(std::span<const std::byte>(records).subspan(
+                          kOfferBytes * static_cast<size_t>(q), kOfferBytes),
                       step);
     }
   }

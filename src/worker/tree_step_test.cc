@@ -33,12 +33,14 @@ TEST(TreeStepTest, MalformedOffersOfferNothing) {
   EncodeOffer(held, 7, record);
   auto corrupt = [&](size_t word, int64_t v) {
     std::vector<std::byte> r = record;
-    for (size_t b = 0; b < 8; ++b) r[word * 8 + b] = static_cast<std::byte>((static_cast<uint64_t>(v) >> (8 * b)) & 0xff);
+    for (size_t b = 0; b < 8; ++b)
+      r[word * 8 + b] = static_cast<std::byte>((static_cast<uint64_t>(v) >> (8 * b)) & 0xff);
     return DecodeOffer(r, 7);
   };
   EXPECT_EQ(corrupt(1, 1), (std::vector<TreeNode>{{0, 1}}));
   EXPECT_TRUE(corrupt(1, -1).empty()) << "a negative count";
-  EXPECT_TRUE(corrupt(1, static_cast<int64_t>(kMaxOfferedNodes) + 1).empty()) << "more nodes than a record holds";
+  EXPECT_TRUE(corrupt(1, static_cast<int64_t>(kMaxOfferedNodes) + 1).empty())
+      << "more nodes than a record holds";
   EXPECT_TRUE(corrupt(2, -3).empty()) << "a negative level";
   EXPECT_TRUE(corrupt(3, int64_t{1} << 40).empty()) << "an index no tree here has";
 }
@@ -86,7 +88,8 @@ TEST(TreeStepTest, CollectSumsOrdersKeptAndFoldedSumsOverTheMicroBatches) {
   EXPECT_EQ(have.partials, (std::vector<std::vector<float>>{{1.0f}, {45.0f}, {13.0f}}));
   std::vector<collective::TreeShare> shares(2);
   shares[1].nodes = {{0, 5}, {2, 1}};
-  EXPECT_EQ(NodeLists(shares), (std::vector<std::vector<std::pair<int, int>>>{{}, {{0, 5}, {2, 1}}}));
+  EXPECT_EQ(NodeLists(shares),
+            (std::vector<std::vector<std::pair<int, int>>>{{}, {{0, 5}, {2, 1}}}));
 }
 
 }  // namespace

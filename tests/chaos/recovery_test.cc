@@ -41,19 +41,20 @@ struct Job {
   }
 };
 
-Job RunJob(const TempDir& dir, const std::string& tag, int nproc, int spares, std::vector<std::string> inject,
-           int steps = 40, std::vector<std::string> extra = {}) {
+Job RunJob(const TempDir& dir, const std::string& tag, int nproc, int spares,
+           std::vector<std::string> inject, int steps = 40, std::vector<std::string> extra = {}) {
   std::string journal = dir / (tag + ".jsonl");
-  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", std::to_string(nproc), "--spares",
-                                   std::to_string(spares), "--journal", journal};
+  std::vector<std::string> argv = {kBin + "/nonstop",     "run",      "--nproc",
+                                   std::to_string(nproc), "--spares", std::to_string(spares),
+                                   "--journal",           journal};
   argv.insert(argv.end(), extra.begin(), extra.end());
   for (const auto& f : inject) {
     argv.push_back("--inject");
     argv.push_back(f);
   }
   if (inject.empty()) argv.insert(argv.end(), {"--inject", "none"});
-  argv.insert(argv.end(), {"--", kBin + "/nonstop-test-worker", "--steps", std::to_string(steps), "--elements",
-                           "200000", "--sleep-ms", "5"});
+  argv.insert(argv.end(), {"--", kBin + "/nonstop-test-worker", "--steps", std::to_string(steps),
+                           "--elements", "200000", "--sleep-ms", "5"});
   ChildProcess p(argv, dir / (tag + ".out"));
   Job job;
   job.code = p.Wait(milliseconds(100'000));
@@ -80,7 +81,9 @@ class RecoveryTest : public ::testing::Test {
 
   void ExpectRecovered(const Job& job, size_t recoveries) {
     ASSERT_EQ(job.code, 0) << job.output;
-    EXPECT_EQ(job.checksum, *reference_) << "the run with faults must end with the fault-free state\n" << job.output;
+    EXPECT_EQ(job.checksum, *reference_)
+        << "the run with faults must end with the fault-free state\n"
+        << job.output;
     auto ends = job.Events("recovery_end");
     ASSERT_GE(ends.size(), recoveries) << job.output;
     EXPECT_EQ(ends.back()["recovery"]["outcome"], "completed") << ends.back().dump();
@@ -92,7 +95,8 @@ class RecoveryTest : public ::testing::Test {
   static std::map<std::string, int> Builds(const std::string& out) {
     std::map<std::string, int> n;
     std::regex re("worker pid (\\d+) built its state");
-    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it) {
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
+         ++it) {
       ++n[(*it)[1]];
     }
     return n;
@@ -113,14 +117,17 @@ TEST_F(RecoveryTest, KillIsReplacedBySpareAndHealthyWorkersAreNotRebuilt) {
   auto plans = job.Events("plan");
   ASSERT_EQ(plans.size(), 2u);
   EXPECT_EQ(plans[1]["members"], nlohmann::json({0, 1, 4, 3}));
-  for (const auto& [pid, count] : Builds(job.output)) EXPECT_EQ(count, 1) << "pid " << pid << " rebuilt its state";
+  for (const auto& [pid, count] : Builds(job.output))
+    EXPECT_EQ(count, 1) << "pid " << pid << " rebuilt its state";
   for (int id : {0, 1, 3}) {
-    EXPECT_NE(job.output.find("worker pid " + std::to_string(pid_of[id]) + " built"), std::string::npos);
+    EXPECT_NE(job.output.find("worker pid " + std::to_string(pid_of[id]) + " built"),
+              std::string::npos);
     EXPECT_EQ(job.Events("exit").size() >= 1, true);
   }
   for (const auto& e : job.Events("exit")) {
     int id = e["worker_id"];
-    EXPECT_TRUE(id == 2 || e["how"] == "exited with code 0") << "only the victim died: " << e.dump();
+    EXPECT_TRUE(id == 2 || e["how"] == "exited with code 0")
+        << "only the victim died: " << e.dump();
   }
   auto rec = job.Events("recovery_end")[0]["recovery"];
   EXPECT_EQ(rec["sources"], 3) << "the spare copies from all three survivors";
@@ -129,7 +136,8 @@ TEST_F(RecoveryTest, KillIsReplacedBySpareAndHealthyWorkersAreNotRebuilt) {
 }
 
 TEST_F(RecoveryTest, HungWorkerIsDetectedKilledAndReplaced) {
-  Job job = RunJob(dir_, "hang", 4, 1, {"hang:rank=1,step=15"}, 40, {"--heartbeat-timeout-ms", "1000"});
+  Job job =
+      RunJob(dir_, "hang", 4, 1, {"hang:rank=1,step=15"}, 40, {"--heartbeat-timeout-ms", "1000"});
   ExpectRecovered(job, 1);
   auto faults = job.Events("fault");
   ASSERT_GE(faults.size(), 1u);
@@ -141,7 +149,8 @@ TEST_F(RecoveryTest, HungWorkerIsDetectedKilledAndReplaced) {
 TEST_F(RecoveryTest, StalledTrainingThreadIsFoundByTheArrivalSpreadHangDetector) {
   // Its I/O thread keeps sending heartbeats: only the members' arrival at the
   // step's collective tells that rank 1 is stuck.
-  Job job = RunJob(dir_, "stall", 4, 1, {"stall:rank=1,step=20"}, 40, {"--heartbeat-timeout-ms", "1000"});
+  Job job =
+      RunJob(dir_, "stall", 4, 1, {"stall:rank=1,step=20"}, 40, {"--heartbeat-timeout-ms", "1000"});
   ExpectRecovered(job, 1);
   auto faults = job.Events("fault");
   ASSERT_GE(faults.size(), 1u);
@@ -163,7 +172,8 @@ TEST_F(RecoveryTest, SpareWaitsLongerThanItsJoinTimeoutAndTakesARankLater) {
   EXPECT_NE(rec["replacements"][0].get<std::string>().find("spare worker 3"), std::string::npos)
       << "the original spare, still alive after 3 s: " << rec.dump();
   int exits_of_3 = 0;
-  for (const auto& e : job.Events("exit")) exits_of_3 += e["worker_id"] == 3 && e["how"] != "exited with code 0" ? 1 : 0;
+  for (const auto& e : job.Events("exit"))
+    exits_of_3 += e["worker_id"] == 3 && e["how"] != "exited with code 0" ? 1 : 0;
   EXPECT_EQ(exits_of_3, 0) << job.output;
 }
 
@@ -199,7 +209,8 @@ TEST_F(RecoveryTest, TwoFaultsInTheSameStep) {
 
 TEST_F(RecoveryTest, FaultDuringRecoveryStartsANewRecovery) {
   // Rank 2 dies at step 20; while the spare copies the state, rank 1 (a source) dies too.
-  Job job = RunJob(dir_, "nested", 4, 2, {"kill:rank=2,step=20", "kill:rank=1,step=20,during=transfer"});
+  Job job =
+      RunJob(dir_, "nested", 4, 2, {"kill:rank=2,step=20", "kill:rank=1,step=20,during=transfer"});
   ExpectRecovered(job, 2);
   auto ends = job.Events("recovery_end");
   ASSERT_EQ(ends.size(), 2u) << job.output;
@@ -215,7 +226,8 @@ TEST_F(RecoveryTest, CorruptChunkIsFetchedAgain) {
 
 TEST_F(RecoveryTest, TimedHangFromTheLauncher) {
   Job clean = RunJob(dir_, "timed-clean", 3, 0, {}, 150);
-  Job job = RunJob(dir_, "timed", 3, 1, {"hang:rank=0,time=0.8"}, 150, {"--heartbeat-timeout-ms", "800"});
+  Job job =
+      RunJob(dir_, "timed", 3, 1, {"hang:rank=0,time=0.8"}, 150, {"--heartbeat-timeout-ms", "800"});
   ASSERT_EQ(job.code, 0) << job.output;
   EXPECT_EQ(job.checksum, clean.checksum) << job.output;
   ASSERT_EQ(job.Events("recovery_end").size(), 1u) << job.output;
@@ -232,7 +244,8 @@ TEST_F(RecoveryTest, PromotedRefillTrainsAtNormalPriorityForAnOrdinaryUser) {
   std::string bin = kBin;
   const std::string reports = dir_ / "sanitizer-reports";
   if (::geteuid() == 0) {
-    ASSERT_EQ(::access("/usr/bin/setpriv", X_OK), 0) << "this test drops to user nobody with setpriv (util-linux)";
+    ASSERT_EQ(::access("/usr/bin/setpriv", X_OK), 0)
+        << "this test drops to user nobody with setpriv (util-linux)";
     prefix = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"};
     // nobody may not be able to reach the build tree: copy the two programs.
     bin = dir_ / "bin";
@@ -242,8 +255,8 @@ TEST_F(RecoveryTest, PromotedRefillTrainsAtNormalPriorityForAnOrdinaryUser) {
     }
     std::filesystem::permissions(dir_.path(), std::filesystem::perms::all);
     std::filesystem::permissions(bin, std::filesystem::perms::all);
-    // Nor the sanitizers' report directory (scripts/test.sh): its processes report here instead, and
-    // any report fails this test below.
+    // Nor the sanitizers' report directory (scripts/test.sh): its processes report here instead,
+    // and any report fails this test below.
     std::filesystem::create_directories(reports);
     std::filesystem::permissions(reports, std::filesystem::perms::all);
     for (const char* var : {"ASAN_OPTIONS", "UBSAN_OPTIONS", "TSAN_OPTIONS"}) {
@@ -263,11 +276,13 @@ TEST_F(RecoveryTest, PromotedRefillTrainsAtNormalPriorityForAnOrdinaryUser) {
   std::vector<std::string> argv = prefix;
   // The first kill takes the spare (worker 3) and starts refill 4 in the
   // background; the second, later, promotes refill 4.
-  for (std::string a : {bin + "/nonstop", std::string("run"), std::string("--nproc"), std::string("3"),
-                        std::string("--spares"), std::string("1"), std::string("--journal"), journal,
-                        std::string("--inject"), std::string("kill:rank=1,step=10;kill:rank=2,step=250"),
-                        std::string("--"), bin + "/nonstop-test-worker", std::string("--steps"), std::string("300"),
-                        std::string("--elements"), std::string("20000"), std::string("--sleep-ms"), std::string("5")}) {
+  for (std::string a :
+       {bin + "/nonstop", std::string("run"), std::string("--nproc"), std::string("3"),
+        std::string("--spares"), std::string("1"), std::string("--journal"), journal,
+        std::string("--inject"), std::string("kill:rank=1,step=10;kill:rank=2,step=250"),
+        std::string("--"), bin + "/nonstop-test-worker", std::string("--steps"), std::string("300"),
+        std::string("--elements"), std::string("20000"), std::string("--sleep-ms"),
+        std::string("5")}) {
     argv.push_back(a);
   }
   ChildProcess p(argv, dir_ / "nice.out", env);
@@ -288,7 +303,8 @@ TEST_F(RecoveryTest, PromotedRefillTrainsAtNormalPriorityForAnOrdinaryUser) {
     if (j.value("event", "") != "recovery_end") continue;
     for (const auto& r : j["recovery"]["replacements"]) promoted += r.get<std::string>() + "; ";
   }
-  ASSERT_NE(promoted.find("spare worker 4"), std::string::npos) << "the refill took a rank: " << promoted;
+  ASSERT_NE(promoted.find("spare worker 4"), std::string::npos)
+      << "the refill took a rank: " << promoted;
   EXPECT_NE(out.find("worker 4 finished at nice 0"), std::string::npos) << out;
   EXPECT_EQ(out.find("keeps its low priority"), std::string::npos) << out;
 }

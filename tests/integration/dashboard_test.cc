@@ -41,22 +41,30 @@ std::string ReadFile(const std::string& path) {
 struct Page {
   std::string dom, log;
 };
-Page Browse(const TempDir& dir, const std::string& url, const std::string& tag, const std::string& screenshot = "") {
+Page Browse(const TempDir& dir, const std::string& url, const std::string& tag,
+            const std::string& screenshot = "") {
   const char* chromium = "/usr/bin/chromium";
-  EXPECT_TRUE(std::filesystem::exists(chromium)) << "chromium is missing: scripts/setup.sh installs it";
+  EXPECT_TRUE(std::filesystem::exists(chromium))
+      << "chromium is missing: scripts/setup.sh installs it";
   std::string flags =
-      "--headless --no-sandbox --disable-gpu --disable-dev-shm-usage --no-first-run --no-default-browser-check "
-      "--disable-background-networking --disable-component-update --disable-sync --disable-default-apps "
-      "--disable-extensions --proxy-server=127.0.0.1:9 --host-resolver-rules='MAP * ~NOTFOUND , EXCLUDE 127.0.0.1' "
-      "--user-data-dir=" + (dir / ("profile-" + tag)) + " --enable-logging=stderr --v=0 --virtual-time-budget=4000 "
+      "--headless --no-sandbox --disable-gpu --disable-dev-shm-usage --no-first-run "
+      "--no-default-browser-check "
+      "--disable-background-networking --disable-component-update --disable-sync "
+      "--disable-default-apps "
+      "--disable-extensions --proxy-server=127.0.0.1:9 --host-resolver-rules='MAP * ~NOTFOUND , "
+      "EXCLUDE 127.0.0.1' "
+      "--user-data-dir=" +
+      (dir / ("profile-" + tag)) +
+      " --enable-logging=stderr --v=0 --virtual-time-budget=4000 "
       "--window-size=1400,1500 --hide-scrollbars";
-  std::string cmd = fmt::format("{} {} --dump-dom '{}' > {} 2> {}", chromium, flags, url, dir / (tag + ".dom"),
-                                dir / (tag + ".log"));
+  std::string cmd = fmt::format("{} {} --dump-dom '{}' > {} 2> {}", chromium, flags, url,
+                                dir / (tag + ".dom"), dir / (tag + ".log"));
   ChildProcess run({"/bin/sh", "-c", cmd}, dir / (tag + ".out"));
   EXPECT_EQ(run.Wait(milliseconds(60'000)), 0) << run.Output() << ReadFile(dir / (tag + ".log"));
   if (!screenshot.empty()) {
     std::filesystem::create_directories(std::filesystem::path(screenshot).parent_path());
-    std::string shot = fmt::format("{} {} --screenshot={} '{}' > /dev/null 2>&1", chromium, flags, screenshot, url);
+    std::string shot = fmt::format("{} {} --screenshot={} '{}' > /dev/null 2>&1", chromium, flags,
+                                   screenshot, url);
     ChildProcess s({"/bin/sh", "-c", shot}, dir / (tag + "-shot.out"));
     EXPECT_EQ(s.Wait(milliseconds(60'000)), 0) << s.Output();
     EXPECT_TRUE(std::filesystem::exists(screenshot));
@@ -73,7 +81,8 @@ int Points(const std::string& dom, const std::string& chart) {
 void ExpectNoPageError(const Page& p) {
   EXPECT_NE(p.dom.find("<pre id=\"errors\" hidden=\"\"></pre>"), std::string::npos)
       << "the page caught an error, or did not load\n"
-      << p.dom.substr(0, 4000) << "\nthe browser's log:\n" << p.log.substr(0, 4000);
+      << p.dom.substr(0, 4000) << "\nthe browser's log:\n"
+      << p.log.substr(0, 4000);
   EXPECT_EQ(p.log.find("Uncaught"), std::string::npos) << p.log;
   EXPECT_EQ(p.log.find(":ERROR:CONSOLE"), std::string::npos) << p.log;
 }
@@ -81,8 +90,9 @@ void ExpectNoPageError(const Page& p) {
 TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery) {
   TempDir dir;
   const std::string journal = dir / "journal.jsonl";
-  ChildProcess job({kBin + "/nonstop", "run", "--nproc", "3", "--spares", "1", "--inject", "kill:rank=1,step=30",
-                    "--journal", journal, "--", kBin + "/nonstop-test-worker", "--steps", "100000", "--sleep-ms", "15"},
+  ChildProcess job({kBin + "/nonstop", "run", "--nproc", "3", "--spares", "1", "--inject",
+                    "kill:rank=1,step=30", "--journal", journal, "--",
+                    kBin + "/nonstop-test-worker", "--steps", "100000", "--sleep-ms", "15"},
                    dir / "job.out");
   auto until = std::chrono::steady_clock::now() + milliseconds(60'000);
   while (Events(journal, "recovery_end").empty() || Events(journal, "step").size() < 60) {
@@ -92,8 +102,11 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   auto job_file = nlohmann::json::parse(ReadFile(dir / "job.json"));
   const std::string http = job_file["http"], token = job_file["token"];
   const std::string url = "http://" + http + "/#token=" + token;
-  EXPECT_NE(job.Output().find("dashboard            http://" + http + "/ (add #token="), std::string::npos)
-      << "nonstop run prints the dashboard's address, and not the token where it is not a terminal\n" << job.Output();
+  EXPECT_NE(job.Output().find("dashboard            http://" + http + "/ (add #token="),
+            std::string::npos)
+      << "nonstop run prints the dashboard's address, and not the token where it is not a "
+         "terminal\n"
+      << job.Output();
   EXPECT_EQ(job.Output().find(token), std::string::npos) << job.Output();
 
   Page first = Browse(dir, url, "live1");
@@ -102,19 +115,24 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   EXPECT_GT(before, 0) << first.dom.substr(0, 3000);
   // Within one load the page polls, and the chart gains the steps trained since its first drawing.
   std::smatch first_points;
-  ASSERT_TRUE(std::regex_search(first.dom, first_points, std::regex("data-first-points=\"(\\d+)\"[^>]*>\\s*<figcaption>Loss")))
+  ASSERT_TRUE(
+      std::regex_search(first.dom, first_points,
+                        std::regex("data-first-points=\"(\\d+)\"[^>]*>\\s*<figcaption>Loss")))
       << first.dom.substr(0, 3000);
   EXPECT_GT(before, std::stoi(first_points[1])) << "the live page did not poll";
   // The fault on the time axis, with its phases.
-  EXPECT_NE(first.dom.find("class=\"marker recovery\" data-recovery=\"1\""), std::string::npos) << first.dom;
+  EXPECT_NE(first.dom.find("class=\"marker recovery\" data-recovery=\"1\""), std::string::npos)
+      << first.dom;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(first.dom, m, std::regex("<tr data-recovery=\"1\">(.*?)</tr>"))) << first.dom;
+  ASSERT_TRUE(std::regex_search(first.dom, m, std::regex("<tr data-recovery=\"1\">(.*?)</tr>")))
+      << first.dom;
   std::string row = m[1];
   EXPECT_NE(row.find("kill:rank=1,step=30"), std::string::npos) << row;
   EXPECT_NE(row.find("spare (rank 1: worker 1 → spare worker 3)"), std::string::npos) << row;
   EXPECT_NE(row.find("completed"), std::string::npos) << row;
   // The member table: the spare holds rank 1 now.
-  EXPECT_TRUE(std::regex_search(first.dom, std::regex("<tr class=\"member\" data-worker=\"3\"><td class=\"num\">1</td>")))
+  EXPECT_TRUE(std::regex_search(
+      first.dom, std::regex("<tr class=\"member\" data-worker=\"3\"><td class=\"num\">1</td>")))
       << first.dom;
 
   Page second = Browse(dir, url, "live2", std::string(NONSTOP_BIN_DIR) + "/../dashboard.png");
@@ -124,8 +142,10 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   httplib::Client c(http);
   auto metrics = c.Get("/metrics");
   ASSERT_TRUE(metrics);
-  EXPECT_NE(metrics->body.find("nonstop_recoveries_total{handled=\"spare\",kind=\"recovery\",outcome=\"completed\"} 1"),
-            std::string::npos)
+  EXPECT_NE(
+      metrics->body.find(
+          "nonstop_recoveries_total{handled=\"spare\",kind=\"recovery\",outcome=\"completed\"} 1"),
+      std::string::npos)
       << metrics->body;
   EXPECT_NE(metrics->body.find("nonstop_world_size 3"), std::string::npos) << metrics->body;
   // Without the token the page loads, but the journal does not.
@@ -137,15 +157,19 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   job.Wait(milliseconds(30'000));
 
   // The report of that journal, from a file, with no server.
-  ChildProcess report({kBin + "/nonstop", "report", journal, "--output", dir / "report.html"}, dir / "report.out");
+  ChildProcess report({kBin + "/nonstop", "report", journal, "--output", dir / "report.html"},
+                      dir / "report.out");
   ASSERT_EQ(report.Wait(milliseconds(30'000)), 0) << report.Output();
   EXPECT_NE(report.Output().find("1 recoveries and resizes"), std::string::npos) << report.Output();
-  Page rep = Browse(dir, "file://" + (dir / "report.html"), "report-view", std::string(NONSTOP_BIN_DIR) + "/../report.png");
+  Page rep = Browse(dir, "file://" + (dir / "report.html"), "report-view",
+                    std::string(NONSTOP_BIN_DIR) + "/../report.png");
   ExpectNoPageError(rep);
   EXPECT_NE(rep.dom.find("nonstop report: " + journal), std::string::npos);
-  EXPECT_TRUE(std::regex_search(rep.dom, std::regex("<tr data-recovery=\"1\">.*?kill:rank=1,step=30.*?completed")))
+  EXPECT_TRUE(std::regex_search(
+      rep.dom, std::regex("<tr data-recovery=\"1\">.*?kill:rank=1,step=30.*?completed")))
       << rep.dom.substr(0, 4000);
-  EXPECT_NE(rep.dom.find("<div class=\"card\"><b>1</b><span>recoveries</span></div>"), std::string::npos)
+  EXPECT_NE(rep.dom.find("<div class=\"card\"><b>1</b><span>recoveries</span></div>"),
+            std::string::npos)
       << rep.dom.substr(0, 3000);
   EXPECT_GT(Points(rep.dom, "Loss"), 0);
 }

@@ -29,25 +29,34 @@ class ElasticTest : public ::testing::Test {
   TempDir dir_;  // first: journal_ is made from it
   std::string journal_ = dir_ / "journal.jsonl";
 
-  std::unique_ptr<ChildProcess> Start(int nproc, std::vector<std::string> flags, std::vector<std::string> program) {
-    std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", std::to_string(nproc), "--journal", journal_,
-                                     "--inject", "none"};
+  std::unique_ptr<ChildProcess> Start(int nproc, std::vector<std::string> flags,
+                                      std::vector<std::string> program) {
+    std::vector<std::string> argv = {kBin + "/nonstop", "run",    "--nproc",  std::to_string(nproc),
+                                     "--journal",       journal_, "--inject", "none"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     argv.push_back("--");
     argv.insert(argv.end(), program.begin(), program.end());
     return std::make_unique<ChildProcess>(argv, dir_ / "out.txt");
   }
   std::vector<std::string> TestWorker(int steps, int sleep_ms = 15) {
-    return {kBin + "/nonstop-test-worker", "--steps", std::to_string(steps), "--elements", "100000", "--sleep-ms",
+    return {kBin + "/nonstop-test-worker",
+            "--steps",
+            std::to_string(steps),
+            "--elements",
+            "100000",
+            "--sleep-ms",
             std::to_string(sleep_ms)};
   }
-  std::vector<nlohmann::json> Events(const std::string& kind) { return nonstop::testing::JournalEvents(journal_, kind); }
+  std::vector<nlohmann::json> Events(const std::string& kind) {
+    return nonstop::testing::JournalEvents(journal_, kind);
+  }
   int64_t HighestStep() {
     int64_t h = -1;
     for (auto& j : Events("step")) h = std::max<int64_t>(h, j["step"]);
     return h;
   }
-  void WaitFor(const std::function<bool()>& cond, const std::string& what, milliseconds limit = milliseconds(60'000)) {
+  void WaitFor(const std::function<bool()>& cond, const std::string& what,
+               milliseconds limit = milliseconds(60'000)) {
     auto until = std::chrono::steady_clock::now() + limit;
     while (!cond()) {
       ASSERT_LT(std::chrono::steady_clock::now(), until) << "timed out waiting for " << what;
@@ -75,13 +84,15 @@ class ElasticTest : public ::testing::Test {
   }
   static std::string Checksum(const std::string& out) {
     std::smatch m;
-    return std::regex_search(out, m, std::regex("parameter checksum ([0-9a-f]{8})")) ? std::string(m[1]) : "";
+    return std::regex_search(out, m, std::regex("parameter checksum ([0-9a-f]{8})"))
+               ? std::string(m[1])
+               : "";
   }
   std::string Reference(int steps) {
     TempDir d;
-    ChildProcess p({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--inject", "none", "--journal",
-                    d / "j.jsonl", "--", kBin + "/nonstop-test-worker", "--steps", std::to_string(steps), "--elements",
-                    "100000"},
+    ChildProcess p({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--inject", "none",
+                    "--journal", d / "j.jsonl", "--", kBin + "/nonstop-test-worker", "--steps",
+                    std::to_string(steps), "--elements", "100000"},
                    d / "out.txt");
     EXPECT_EQ(p.Wait(milliseconds(60'000)), 0) << p.Output();
     return Checksum(p.Output());
@@ -101,7 +112,8 @@ TEST_F(ElasticTest, GrowOnRequestStartsWorkersThatJoinLive) {
   EXPECT_EQ(ends[0]["recovery"]["kind"], "resize");
   EXPECT_EQ(ends[0]["recovery"]["new_world"], 4);
   EXPECT_TRUE(ends[0]["recovery"].contains("pause_ms"));
-  EXPECT_GT(ends[0]["recovery"]["bytes_copied"].get<uint64_t>(), 0u) << "joiners copied the state from members";
+  EXPECT_GT(ends[0]["recovery"]["bytes_copied"].get<uint64_t>(), 0u)
+      << "joiners copied the state from members";
 }
 
 TEST_F(ElasticTest, ShrinkOnRequestReleasesWorkersWhoExitCleanly) {
@@ -113,7 +125,8 @@ TEST_F(ElasticTest, ShrinkOnRequestReleasesWorkersWhoExitCleanly) {
   EXPECT_EQ(WorldOfLastPlan(), 3u);
   EXPECT_NE(job->Output().find("worker 3 released"), std::string::npos) << job->Output();
   bool clean_exit = false;
-  for (auto& e : Events("exit")) clean_exit |= e["worker_id"] == 3 && e["how"] == "exited with code 0";
+  for (auto& e : Events("exit"))
+    clean_exit |= e["worker_id"] == 3 && e["how"] == "exited with code 0";
   EXPECT_TRUE(clean_exit) << "the released worker's process exited with 0";
   EXPECT_TRUE(Events("fault").empty()) << "a release is not a fault";
   EXPECT_EQ(Checksum(job->Output()), Reference(250));
@@ -131,7 +144,9 @@ TEST_F(ElasticTest, ShrinkOnFaultThenGrowBackWhenCapacityReturns) {
 
 TEST_F(ElasticTest, FaultDuringAChangeStartsARecovery) {
   // A member dies while the joiners copy the state from it.
-  auto job = Start(2, {"--spares", "0", "--max-world", "4", "--inject", "kill:rank=0,during=transfer"}, TestWorker(250));
+  auto job =
+      Start(2, {"--spares", "0", "--max-world", "4", "--inject", "kill:rank=0,during=transfer"},
+            TestWorker(250));
   WaitFor([&] { return HighestStep() >= 10; }, "step 10");
   auto [status, body] = Scale({{"world_size", 4}});
   EXPECT_EQ(status, 202) << body.dump();
@@ -143,8 +158,9 @@ TEST_F(ElasticTest, FaultDuringAChangeStartsARecovery) {
 }
 
 TEST_F(ElasticTest, RequestsOutsideThePolicyAreRefusedWithAReason) {
-  auto job = Start(3, {"--spares", "1", "--min-world", "2", "--max-world", "5", "--allowed-sizes", "2,3,5",
-                       "--stable-period-ms", "60000"},
+  auto job = Start(3,
+                   {"--spares", "1", "--min-world", "2", "--max-world", "5", "--allowed-sizes",
+                    "2,3,5", "--stable-period-ms", "60000"},
                    TestWorker(100000, 5));
   WaitFor([&] { return HighestStep() >= 3; }, "step 3");
   auto expect = [&](nlohmann::json body, int want, const std::string& text) {

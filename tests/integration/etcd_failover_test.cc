@@ -38,9 +38,11 @@ const auto& FinishedChecksum = nonstop::testing::FinishedChecksum;
 
 constexpr int kSteps = 300;  // 6 s: the standby leads (~2 s after the fault) while they train
 
-// The checksum does not depend on the steps' pace: slower jobs (to outlast an etcd outage) end equal.
+// The checksum does not depend on the steps' pace: slower jobs (to outlast an etcd outage) end
+// equal.
 std::vector<std::string> Worker(int sleep_ms = 20) {
-  return {kBin + "/nonstop-test-worker", "--steps", std::to_string(kSteps), "--sleep-ms", std::to_string(sleep_ms)};
+  return {kBin + "/nonstop-test-worker", "--steps", std::to_string(kSteps), "--sleep-ms",
+          std::to_string(sleep_ms)};
 }
 
 bool WaitForOutput(const ChildProcess& p, const std::string& text, milliseconds timeout) {
@@ -53,7 +55,8 @@ bool WaitForOutput(const ChildProcess& p, const std::string& text, milliseconds 
 }
 
 int64_t NowWallMicros() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
@@ -62,8 +65,8 @@ const std::string& Reference() {
   static std::string checksum = [] {
     TempDir dir;
     std::string journal = dir / "journal.jsonl";
-    std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", "3", "--spares", "0", "--journal",
-                                     journal, "--"};
+    std::vector<std::string> argv = {kBin + "/nonstop", "run",   "--nproc", "3", "--spares", "0",
+                                     "--journal",       journal, "--"};
     for (auto& a : Worker()) argv.push_back(a);
     ChildProcess ref(argv, dir / "ref.out");
     if (ref.Wait(milliseconds(60'000)) != 0) return std::string();
@@ -91,11 +94,29 @@ class RestartableEtcd {
     std::string client_url = fmt::format("http://127.0.0.1:{}", client_port_);
     std::string peer_url = fmt::format("http://127.0.0.1:{}", peer_port_);
     process_ = std::make_unique<ChildProcess>(
-        std::vector<std::string>{nonstop::testing::EtcdServer::kBinary, "--name", "test", "--data-dir",
-                                 dir_ + "/etcd-data", "--listen-client-urls", client_url, "--advertise-client-urls",
-                                 client_url, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls",
-                                 peer_url, "--initial-cluster", "test=" + peer_url, "--heartbeat-interval", "50",
-                                 "--election-timeout", "500", "--logger", "zap", "--log-level", "warn"},
+        std::vector<std::string>{nonstop::testing::EtcdServer::kBinary,
+                                 "--name",
+                                 "test",
+                                 "--data-dir",
+                                 dir_ + "/etcd-data",
+                                 "--listen-client-urls",
+                                 client_url,
+                                 "--advertise-client-urls",
+                                 client_url,
+                                 "--listen-peer-urls",
+                                 peer_url,
+                                 "--initial-advertise-peer-urls",
+                                 peer_url,
+                                 "--initial-cluster",
+                                 "test=" + peer_url,
+                                 "--heartbeat-interval",
+                                 "50",
+                                 "--election-timeout",
+                                 "500",
+                                 "--logger",
+                                 "zap",
+                                 "--log-level",
+                                 "warn"},
         fmt::format("{}/etcd-{}.out", dir_, ++starts_));
     httplib::Client http("127.0.0.1", client_port_);
     http.set_connection_timeout(0, 200'000);
@@ -125,12 +146,14 @@ class EtcdFailoverTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_FALSE(Reference().empty()) << "the reference run failed";
     etcd_ = std::make_unique<nonstop::testing::EtcdServer>(dir_.path());
-    ASSERT_FALSE(etcd_->endpoint().empty()) << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
-                                            << etcd_->Output();
+    ASSERT_FALSE(etcd_->endpoint().empty())
+        << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
+        << etcd_->Output();
     endpoint_ = etcd_->endpoint();
   }
   void TearDown() override {
-    if (etcd_ && etcd_->pid() > 0) ::kill(etcd_->pid(), SIGCONT);  // a test that failed while it was paused
+    // a test that failed while it was paused
+    if (etcd_ && etcd_->pid() > 0) ::kill(etcd_->pid(), SIGCONT);
   }
 
   // The controllers' lease: 2 s (not the default 10 s, so that the tests stay short), unless
@@ -143,31 +166,49 @@ class EtcdFailoverTest : public ::testing::Test {
   std::unique_ptr<ChildProcess> StartController(const std::string& name) {
     std::string journal = dir_ / (name + "/journal.jsonl");
     return std::make_unique<ChildProcess>(
-        std::vector<std::string>{kBin + "/nonstop", "controller", "--etcd", endpoint_, "--job", "j", "--nnodes", "1",
-                                 "--job-token-file", dir_ / "token", "--journal", journal, "--heartbeat-timeout-ms",
-                                 "1000", "--lease-ttl-s", std::to_string(LeaseTtlS())},
+        std::vector<std::string>{kBin + "/nonstop", "controller", "--etcd", endpoint_, "--job", "j",
+                                 "--nnodes", "1", "--job-token-file", dir_ / "token", "--journal",
+                                 journal, "--heartbeat-timeout-ms", "1000", "--lease-ttl-s",
+                                 std::to_string(LeaseTtlS())},
         dir_ / (name + ".out"));
   }
   std::string JournalOf(const std::string& name) { return dir_ / (name + "/journal.jsonl"); }
 
   std::unique_ptr<ChildProcess> StartAgent() {
-    std::vector<std::string> argv = {kBin + "/nonstop", "agent", "--etcd", endpoint_, "--job", "j",
-                                     "--job-token-file", dir_ / "token", "--host-id", "h1", "--nproc-per-host", "3",
-                                     "--spares-per-host", "1", "--controller-timeout-ms", "1500", "--"};
+    std::vector<std::string> argv = {kBin + "/nonstop",
+                                     "agent",
+                                     "--etcd",
+                                     endpoint_,
+                                     "--job",
+                                     "j",
+                                     "--job-token-file",
+                                     dir_ / "token",
+                                     "--host-id",
+                                     "h1",
+                                     "--nproc-per-host",
+                                     "3",
+                                     "--spares-per-host",
+                                     "1",
+                                     "--controller-timeout-ms",
+                                     "1500",
+                                     "--"};
     for (auto& a : Worker(step_sleep_ms_)) argv.push_back(a);
-    // Workers notice a silent controller after 1.5 s (a paused one: killed ones close their connections).
-    return std::make_unique<ChildProcess>(argv, dir_ / "agent.out",
-                                          std::vector<std::string>{"NONSTOP_CONTROLLER_TIMEOUT_MS=1500"});
+    // Workers notice a silent controller after 1.5 s (a paused one: killed ones close their
+    // connections).
+    return std::make_unique<ChildProcess>(
+        argv, dir_ / "agent.out", std::vector<std::string>{"NONSTOP_CONTROLLER_TIMEOUT_MS=1500"});
   }
 
   // Starts the leader "a", then the standby "b" and the agent; returns when `steps` steps are done.
   void StartJob(size_t steps = 30) {
     a_ = StartController("a");
-    ASSERT_TRUE(WaitForOutput(*a_, "  journal ", milliseconds(20'000))) << a_->Output();  // token file written
+    // token file written
+    ASSERT_TRUE(WaitForOutput(*a_, "  journal ", milliseconds(20'000))) << a_->Output();
     b_ = StartController("b");
     ASSERT_TRUE(WaitForOutput(*b_, "standing by", milliseconds(20'000))) << b_->Output();
     agent_ = StartAgent();
-    ASSERT_TRUE(nonstop::testing::WaitForEvents(JournalOf("a"), "step", steps, milliseconds(60'000)))
+    ASSERT_TRUE(
+        nonstop::testing::WaitForEvents(JournalOf("a"), "step", steps, milliseconds(60'000)))
         << a_->Output() << agent_->Output();
   }
 
@@ -177,7 +218,8 @@ class EtcdFailoverTest : public ::testing::Test {
     EXPECT_EQ(b_->Wait(milliseconds(1)), -1) << "controller b exited " << when << "\n" << Outputs();
   }
 
-  // The journal of the controller that ended the job (its job_end), among a's and b's; empty if none.
+  // The journal of the controller that ended the job (its job_end), among a's and b's; empty if
+  // none.
   std::string FinalJournal() {
     std::string found;
     for (const char* name : {"a", "b"}) {
@@ -190,31 +232,35 @@ class EtcdFailoverTest : public ::testing::Test {
   double FirstTakeoverMs(int64_t since_us) {
     int64_t first = INT64_MAX;
     for (const char* name : {"a", "b"}) {
-      for (const auto& t : Events(JournalOf(name), "takeover")) first = std::min(first, t["time_us"].get<int64_t>());
+      for (const auto& t : Events(JournalOf(name), "takeover"))
+        first = std::min(first, t["time_us"].get<int64_t>());
     }
     return first == INT64_MAX ? -1 : (first - since_us) / 1000.0;
   }
 
   std::string Outputs() {
-    return "--- controller a\n" + a_->Output() + "--- controller b\n" + b_->Output() + "--- agent\n" +
-           agent_->Output();
+    return "--- controller a\n" + a_->Output() + "--- controller b\n" + b_->Output() +
+           "--- agent\n" + agent_->Output();
   }
 
-  // Milliseconds from `since_us` (wall clock) to b's takeover record, and to the last rejoin after it.
+  // Milliseconds from `since_us` (wall clock) to b's takeover record, and to the last rejoin after
+  // it.
   double TakeoverMs(int64_t since_us) {
     auto t = Events(JournalOf("b"), "takeover");
     return t.empty() ? -1 : (t[0]["time_us"].get<int64_t>() - since_us) / 1000.0;
   }
   double AllRejoinedMs(int64_t since_us) {
     int64_t last = 0;
-    for (const auto& r : Events(JournalOf("b"), "rejoin")) last = std::max(last, r["time_us"].get<int64_t>());
+    for (const auto& r : Events(JournalOf("b"), "rejoin"))
+      last = std::max(last, r["time_us"].get<int64_t>());
     return last == 0 ? -1 : (last - since_us) / 1000.0;
   }
 
   TempDir dir_;
   std::unique_ptr<nonstop::testing::EtcdServer> etcd_;
   std::string endpoint_;
-  int step_sleep_ms_ = std::max(20, 7 * LeaseTtlS());  // 300 steps outlast two leases: the takeover is mid-job
+  // 300 steps outlast two leases: the takeover is mid-job
+  int step_sleep_ms_ = std::max(20, 7 * LeaseTtlS());
   std::unique_ptr<ChildProcess> a_, b_, agent_;
 };
 
@@ -231,8 +277,10 @@ TEST_F(EtcdFailoverTest, KilledLeaderIsReplacedByTheStandbyWithoutARecoveryOrALo
   auto takeovers = Events(journal, "takeover");
   ASSERT_EQ(takeovers.size(), 1u) << Outputs();
   EXPECT_EQ(takeovers[0]["generation"], 1);
-  EXPECT_EQ(Events(journal, "rejoin").size(), 4u) << "three members and the spare rejoined\n" << Outputs();
-  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n" << Outputs();
+  EXPECT_EQ(Events(journal, "rejoin").size(), 4u) << "three members and the spare rejoined\n"
+                                                  << Outputs();
+  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n"
+                                                         << Outputs();
   EXPECT_TRUE(Events(journal, "fault").empty()) << Outputs();
   // Every member's state at its rejoin holds at least the step the job had reached at the kill.
   int64_t state_at_rejoin = INT64_MAX;
@@ -247,14 +295,19 @@ TEST_F(EtcdFailoverTest, KilledLeaderIsReplacedByTheStandbyWithoutARecoveryOrALo
   ASSERT_EQ(starts.size(), 1u);
   ASSERT_EQ(controller_starts.size(), 1u);
   EXPECT_GT(controller_starts[0]["epoch"].get<int64_t>(), starts[0]["epoch"].get<int64_t>());
-  EXPECT_EQ(FinishedChecksum(journal), Reference()) << "not bitwise equal to the run without the kill\n" << Outputs();
-  std::printf("[ measured ] leader killed at step %lld: standby's takeover %.0f ms after the kill, all rejoined "
-              "%.0f ms; the members' state at their rejoin: step %lld (none lost)\n",
-              static_cast<long long>(step_at_kill), TakeoverMs(killed_us), AllRejoinedMs(killed_us),
-              static_cast<long long>(state_at_rejoin));
+  EXPECT_EQ(FinishedChecksum(journal), Reference())
+      << "not bitwise equal to the run without the kill\n"
+      << Outputs();
+  std::printf(
+      "[ measured ] leader killed at step %lld: standby's takeover %.0f ms after the kill, all "
+      "rejoined "
+      "%.0f ms; the members' state at their rejoin: step %lld (none lost)\n",
+      static_cast<long long>(step_at_kill), TakeoverMs(killed_us), AllRejoinedMs(killed_us),
+      static_cast<long long>(state_at_rejoin));
 }
 
-TEST_F(EtcdFailoverTest, LeaderAndThenAWorkerKilledBeforeTheStandbyLeadsTheNewLeaderRunsTheRecovery) {
+TEST_F(EtcdFailoverTest,
+       LeaderAndThenAWorkerKilledBeforeTheStandbyLeadsTheNewLeaderRunsTheRecovery) {
   ASSERT_NO_FATAL_FAILURE(StartJob());
   // A member's pid, from a's journal.
   pid_t victim = 0;
@@ -272,15 +325,20 @@ TEST_F(EtcdFailoverTest, LeaderAndThenAWorkerKilledBeforeTheStandbyLeadsTheNewLe
   EXPECT_EQ(agent_->Wait(milliseconds(20'000)), 0) << Outputs();
   std::string journal = JournalOf("b");
   ASSERT_EQ(Events(journal, "takeover").size(), 1u) << Outputs();
-  EXPECT_GE(Events(journal, "recovery_start").size(), 1u) << "the new leader did not recover\n" << Outputs();
-  EXPECT_EQ(FinishedChecksum(journal), Reference()) << "not bitwise equal to the run without a fault\n" << Outputs();
+  EXPECT_GE(Events(journal, "recovery_start").size(), 1u) << "the new leader did not recover\n"
+                                                          << Outputs();
+  EXPECT_EQ(FinishedChecksum(journal), Reference())
+      << "not bitwise equal to the run without a fault\n"
+      << Outputs();
   auto ends = Events(journal, "recovery_end");
   if (!ends.empty()) {
-    std::printf("[ measured ] leader killed, a worker 200 ms later: takeover %.0f ms after the leader's kill, the "
-                "recovery ended %.0f ms after it, resuming at step %lld, lost steps %lld\n",
-                TakeoverMs(killed_us), (ends[0]["time_us"].get<int64_t>() - killed_us) / 1000.0,
-                static_cast<long long>(ends[0]["recovery"].value("resume_step", int64_t{-1})),
-                static_cast<long long>(ends[0]["recovery"].value("lost_steps", int64_t{-1})));
+    std::printf(
+        "[ measured ] leader killed, a worker 200 ms later: takeover %.0f ms after the leader's "
+        "kill, the "
+        "recovery ended %.0f ms after it, resuming at step %lld, lost steps %lld\n",
+        TakeoverMs(killed_us), (ends[0]["time_us"].get<int64_t>() - killed_us) / 1000.0,
+        static_cast<long long>(ends[0]["recovery"].value("resume_step", int64_t{-1})),
+        static_cast<long long>(ends[0]["recovery"].value("lost_steps", int64_t{-1})));
   }
 }
 
@@ -288,9 +346,11 @@ TEST_F(EtcdFailoverTest, APausedLeaderThatWakesAfterTheTakeoverStepsDownAndIsNot
   ASSERT_NO_FATAL_FAILURE(StartJob());
   ASSERT_EQ(::kill(a_->pid(), SIGSTOP), 0);
   int64_t stopped_us = NowWallMicros();
-  ASSERT_TRUE(nonstop::testing::WaitForEvents(JournalOf("b"), "takeover", 1, milliseconds(30'000))) << Outputs();
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(JournalOf("b"), "takeover", 1, milliseconds(30'000)))
+      << Outputs();
   // b leads and the workers follow it: then a wakes up.
-  ASSERT_TRUE(nonstop::testing::WaitForEvents(JournalOf("b"), "rejoin", 4, milliseconds(30'000))) << Outputs();
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(JournalOf("b"), "rejoin", 4, milliseconds(30'000)))
+      << Outputs();
   ASSERT_EQ(::kill(a_->pid(), SIGCONT), 0);
 
   ASSERT_EQ(b_->Wait(milliseconds(90'000)), 0) << Outputs();
@@ -302,11 +362,14 @@ TEST_F(EtcdFailoverTest, APausedLeaderThatWakesAfterTheTakeoverStepsDownAndIsNot
   int64_t b_epoch = Events(JournalOf("b"), "controller_start")[0]["epoch"].get<int64_t>();
   EXPECT_LT(deposed[0]["epoch"].get<int64_t>(), b_epoch);
   std::string journal = JournalOf("b");
-  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n" << Outputs();
+  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n"
+                                                         << Outputs();
   EXPECT_EQ(FinishedChecksum(journal), Reference()) << Outputs();
-  std::printf("[ measured ] leader paused: standby's takeover %.0f ms after the SIGSTOP, all rejoined %.0f ms; the old "
-              "leader: %s\n",
-              TakeoverMs(stopped_us), AllRejoinedMs(stopped_us), deposed[0].value("reason", "").c_str());
+  std::printf(
+      "[ measured ] leader paused: standby's takeover %.0f ms after the SIGSTOP, all rejoined %.0f "
+      "ms; the old "
+      "leader: %s\n",
+      TakeoverMs(stopped_us), AllRejoinedMs(stopped_us), deposed[0].value("reason", "").c_str());
 }
 
 TEST_F(EtcdFailoverTest, SigtermHandsTheJobOverToTheStandbyAtOnce) {
@@ -317,22 +380,25 @@ TEST_F(EtcdFailoverTest, SigtermHandsTheJobOverToTheStandbyAtOnce) {
   ASSERT_EQ(b_->Wait(milliseconds(90'000)), 0) << Outputs();
   EXPECT_EQ(agent_->Wait(milliseconds(20'000)), 0) << Outputs();
   EXPECT_EQ(Events(JournalOf("a"), "handover").size(), 1u) << Outputs();
-  EXPECT_TRUE(Events(JournalOf("a"), "job_end").empty()) << "SIGTERM ended the job instead of handing it over";
+  EXPECT_TRUE(Events(JournalOf("a"), "job_end").empty())
+      << "SIGTERM ended the job instead of handing it over";
   std::string journal = JournalOf("b");
   ASSERT_EQ(Events(journal, "takeover").size(), 1u) << Outputs();
   EXPECT_TRUE(Events(journal, "recovery_start").empty()) << Outputs();
   EXPECT_EQ(FinishedChecksum(journal), Reference()) << Outputs();
-  std::printf("[ measured ] leader SIGTERMed: standby's takeover %.0f ms after the signal, all rejoined %.0f ms\n",
-              TakeoverMs(term_us), AllRejoinedMs(term_us));
+  std::printf(
+      "[ measured ] leader SIGTERMed: standby's takeover %.0f ms after the signal, all rejoined "
+      "%.0f ms\n",
+      TakeoverMs(term_us), AllRejoinedMs(term_us));
 }
 
 TEST_F(EtcdFailoverTest, AStandbyWithoutTheJobTokenRefusesToTakeOverInsteadOfLockingEveryoneOut) {
   a_ = StartController("a");
   ASSERT_TRUE(WaitForOutput(*a_, "  journal ", milliseconds(20'000))) << a_->Output();
   b_ = std::make_unique<ChildProcess>(
-      std::vector<std::string>{kBin + "/nonstop", "controller", "--etcd", etcd_->endpoint(), "--job", "j",
-                               "--nnodes", "1", "--job-token-file", dir_ / "elsewhere/token", "--journal",
-                               JournalOf("b")},
+      std::vector<std::string>{kBin + "/nonstop", "controller", "--etcd", etcd_->endpoint(),
+                               "--job", "j", "--nnodes", "1", "--job-token-file",
+                               dir_ / "elsewhere/token", "--journal", JournalOf("b")},
       dir_ / "b.out");
   ASSERT_TRUE(WaitForOutput(*b_, "standing by", milliseconds(20'000))) << b_->Output();
   ASSERT_EQ(::kill(a_->pid(), SIGKILL), 0);
@@ -344,7 +410,8 @@ TEST_F(EtcdFailoverTest, AStandbyWithoutTheJobTokenRefusesToTakeOverInsteadOfLoc
 // members partitioned, its disk stalled): the leader deposes itself, no
 // controller process exits, and once etcd answers again one of them leads and
 // the job goes on to its end, bitwise, without a recovery.
-TEST_F(EtcdFailoverTest, AnEtcdPausePastTheLeaseDeposesTheLeaderButNoControllerExitsAndTheJobGoesOn) {
+TEST_F(EtcdFailoverTest,
+       AnEtcdPausePastTheLeaseDeposesTheLeaderButNoControllerExitsAndTheJobGoesOn) {
   step_sleep_ms_ = std::max(50, 12 * LeaseTtlS());  // 300 steps: more than the outage (3 leases)
   ASSERT_NO_FATAL_FAILURE(StartJob(40));
   const milliseconds outage(3 * 1000 * LeaseTtlS());
@@ -352,7 +419,8 @@ TEST_F(EtcdFailoverTest, AnEtcdPausePastTheLeaseDeposesTheLeaderButNoControllerE
   ASSERT_EQ(::kill(etcd_->pid(), SIGSTOP), 0);
   int64_t stopped_us = NowWallMicros();
   bool deposed = false;
-  for (auto until = std::chrono::steady_clock::now() + outage; std::chrono::steady_clock::now() < until;) {
+  for (auto until = std::chrono::steady_clock::now() + outage;
+       std::chrono::steady_clock::now() < until;) {
     ExpectBothControllersRun("while etcd was paused");
     if (HasFailure()) break;
     deposed = deposed || !Events(JournalOf("a"), "deposed").empty();
@@ -378,21 +446,27 @@ TEST_F(EtcdFailoverTest, AnEtcdPausePastTheLeaseDeposesTheLeaderButNoControllerE
   EXPECT_EQ(b_->Wait(milliseconds(30'000)), 0) << Outputs();
   std::string journal = FinalJournal();
   ASSERT_FALSE(journal.empty()) << "no journal holds the job's end\n" << Outputs();
-  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the outage cost a recovery\n" << Outputs();
+  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the outage cost a recovery\n"
+                                                         << Outputs();
   EXPECT_TRUE(Events(journal, "fault").empty()) << Outputs();
   int64_t state_at_rejoin = INT64_MAX;
   for (const auto& r : Events(journal, "rejoin")) {
-    if (r.value("role", "") != "spare") state_at_rejoin = std::min(state_at_rejoin, r["state_step"].get<int64_t>());
+    if (r.value("role", "") != "spare")
+      state_at_rejoin = std::min(state_at_rejoin, r["state_step"].get<int64_t>());
   }
   EXPECT_GE(state_at_rejoin, step_at_pause) << "a step was lost\n" << Outputs();
-  EXPECT_EQ(FinishedChecksum(journal), Reference()) << "not bitwise equal to the run without the outage\n"
-                                                    << Outputs();
-  std::printf("[ measured ] etcd paused %lld ms at step %lld: the leader deposed itself (%s); %s led again %.0f ms "
-              "after etcd resumed (%.0f ms after the pause began); members' state at their rejoin: step %lld; no "
-              "controller exited\n",
-              static_cast<long long>(outage.count()), static_cast<long long>(step_at_pause), reason.c_str(),
-              journal == JournalOf("a") ? "a (the old leader)" : "b (the standby)", back_ms,
-              back_ms + (resumed_us - stopped_us) / 1000.0, static_cast<long long>(state_at_rejoin));
+  EXPECT_EQ(FinishedChecksum(journal), Reference())
+      << "not bitwise equal to the run without the outage\n"
+      << Outputs();
+  std::printf(
+      "[ measured ] etcd paused %lld ms at step %lld: the leader deposed itself (%s); %s led again "
+      "%.0f ms "
+      "after etcd resumed (%.0f ms after the pause began); members' state at their rejoin: step "
+      "%lld; no "
+      "controller exited\n",
+      static_cast<long long>(outage.count()), static_cast<long long>(step_at_pause), reason.c_str(),
+      journal == JournalOf("a") ? "a (the old leader)" : "b (the standby)", back_ms,
+      back_ms + (resumed_us - stopped_us) / 1000.0, static_cast<long long>(state_at_rejoin));
 }
 
 // etcd on ports and a data directory of its own, so that it can be killed and restarted on them.
@@ -401,18 +475,22 @@ class RestartedEtcdFailoverTest : public EtcdFailoverTest {
   void SetUp() override {
     ASSERT_FALSE(Reference().empty()) << "the reference run failed";
     own_ = std::make_unique<RestartableEtcd>(dir_.path());
-    ASSERT_TRUE(own_->Start()) << "etcd did not start (scripts/setup.sh installs etcd-server)\n" << own_->Output();
+    ASSERT_TRUE(own_->Start()) << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
+                               << own_->Output();
     endpoint_ = own_->endpoint();
   }
-  // The pid in the leader key once a leader has published its address; 0 if none did within `timeout`.
+  // The pid in the leader key once a leader has published its address; 0 if none did within
+  // `timeout`.
   pid_t PublishedLeaderPid(milliseconds timeout) {
     auto client = etcd::Client::Create(endpoint_, {milliseconds(500)});
     if (!client.ok()) return 0;
-    for (auto until = std::chrono::steady_clock::now() + timeout; std::chrono::steady_clock::now() < until;) {
+    for (auto until = std::chrono::steady_clock::now() + timeout;
+         std::chrono::steady_clock::now() < until;) {
       auto kvs = (*client)->Range(coord::LeaderKey("j"));
       if (kvs.ok() && !kvs->empty()) {
         auto v = nlohmann::json::parse((*kvs)[0].value, nullptr, false);
-        if (v.is_object() && v.contains("controller") && v.contains("pid")) return v["pid"].get<pid_t>();
+        if (v.is_object() && v.contains("controller") && v.contains("pid"))
+          return v["pid"].get<pid_t>();
       }
       std::this_thread::sleep_for(milliseconds(50));
     }
@@ -437,7 +515,8 @@ TEST_F(RestartedEtcdFailoverTest, AStandbyRidesOutAnEtcdRestartAndLeadsWhenTheLe
   ASSERT_TRUE(own_->Start()) << own_->Output();  // on its data: the job's keys and leases are back
   int64_t restarted_us = NowWallMicros();
   pid_t leader = PublishedLeaderPid(milliseconds(60'000));
-  ASSERT_TRUE(leader == a_->pid() || leader == b_->pid()) << "leader pid " << leader << "\n" << Outputs();
+  ASSERT_TRUE(leader == a_->pid() || leader == b_->pid()) << "leader pid " << leader << "\n"
+                                                          << Outputs();
   double led_after_restart_ms = (NowWallMicros() - restarted_us) / 1000.0;
   ExpectBothControllersRun("after etcd's restart");
   ChildProcess& victim = leader == a_->pid() ? *a_ : *b_;
@@ -457,13 +536,17 @@ TEST_F(RestartedEtcdFailoverTest, AStandbyRidesOutAnEtcdRestartAndLeadsWhenTheLe
   ASSERT_GT(takeover_us, 0) << "the survivor did not take over after the kill\n" << Outputs();
   EXPECT_FALSE(Events(journal, "job_end").empty()) << Outputs();
   EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "a recovery\n" << Outputs();
-  EXPECT_EQ(FinishedChecksum(journal), Reference()) << "not bitwise equal to the run without the faults\n"
-                                                    << Outputs();
-  std::printf("[ measured ] etcd killed for %d s and restarted on its data: a leader had published %.0f ms after the "
-              "restart; the leader (%s) killed, %s took over %.0f ms later (lease %d s); no controller exited for "
-              "etcd\n",
-              LeaseTtlS(), led_after_restart_ms, survivor_name == "b" ? "a" : "b", survivor_name.c_str(),
-              (takeover_us - killed_us) / 1000.0, LeaseTtlS());
+  EXPECT_EQ(FinishedChecksum(journal), Reference())
+      << "not bitwise equal to the run without the faults\n"
+      << Outputs();
+  std::printf(
+      "[ measured ] etcd killed for %d s and restarted on its data: a leader had published %.0f ms "
+      "after the "
+      "restart; the leader (%s) killed, %s took over %.0f ms later (lease %d s); no controller "
+      "exited for "
+      "etcd\n",
+      LeaseTtlS(), led_after_restart_ms, survivor_name == "b" ? "a" : "b", survivor_name.c_str(),
+      (takeover_us - killed_us) / 1000.0, LeaseTtlS());
 }
 
 // No etcd at the start (it is late, or being restarted): the controller says
@@ -471,17 +554,19 @@ TEST_F(RestartedEtcdFailoverTest, AStandbyRidesOutAnEtcdRestartAndLeadsWhenTheLe
 TEST(EtcdControllerTest, AnEtcdThatIsNotThereAtTheStartIsWaitedForAndLeadsOnceItAnswers) {
   TempDir dir;
   RestartableEtcd etcd(dir.path());  // not started: nobody listens on its port yet
-  ChildProcess c({kBin + "/nonstop", "controller", "--etcd", etcd.endpoint(), "--nnodes", "1", "--job-token-file",
-                  dir / "token", "--journal", dir / "journal.jsonl", "--lease-ttl-s", "2"},
-                 dir / "out.txt");
+  ChildProcess c(
+      {kBin + "/nonstop", "controller", "--etcd", etcd.endpoint(), "--nnodes", "1",
+       "--job-token-file", dir / "token", "--journal", dir / "journal.jsonl", "--lease-ttl-s", "2"},
+      dir / "out.txt");
   EXPECT_TRUE(WaitForOutput(c, "one line per outage", milliseconds(20'000))) << c.Output();
   std::this_thread::sleep_for(milliseconds(1'500));
   ASSERT_EQ(c.Wait(milliseconds(1)), -1) << "the controller exited without etcd\n" << c.Output();
   std::string before = c.Output();
   EXPECT_NE(before.find(etcd.endpoint()), std::string::npos) << before;
   EXPECT_NE(before.find("campaign"), std::string::npos) << before;
-  EXPECT_EQ(before.find("one line per outage"), before.rfind("one line per outage")) << "one line per outage:\n"
-                                                                                      << before;
+  EXPECT_EQ(before.find("one line per outage"), before.rfind("one line per outage"))
+      << "one line per outage:\n"
+      << before;
   ASSERT_TRUE(etcd.Start()) << etcd.Output();
   EXPECT_TRUE(WaitForOutput(c, "leading job", milliseconds(20'000))) << c.Output();
   EXPECT_TRUE(WaitForOutput(c, "etcd answers again", milliseconds(5'000))) << c.Output();
@@ -502,13 +587,14 @@ TEST(EtcdControllerTest, AServiceThatIsNotEtcdIsAFinalErrorNamingTheKeyAndTheFix
   int port = not_etcd.bind_to_any_port("127.0.0.1");
   std::thread serve([&] { not_etcd.listen_after_bind(); });
   std::string endpoint = fmt::format("127.0.0.1:{}", port);
-  ChildProcess c({kBin + "/nonstop", "controller", "--etcd", endpoint, "--nnodes", "1", "--job-token-file",
-                  dir / "token", "--journal", dir / "journal.jsonl"},
+  ChildProcess c({kBin + "/nonstop", "controller", "--etcd", endpoint, "--nnodes", "1",
+                  "--job-token-file", dir / "token", "--journal", dir / "journal.jsonl"},
                  dir / "out.txt");
   EXPECT_EQ(c.Wait(milliseconds(20'000)), 1) << c.Output();
   not_etcd.stop();
   serve.join();
-  for (const std::string& part : {endpoint, std::string("/nonstop/default/leader"), std::string("HINT")}) {
+  for (const std::string& part :
+       {endpoint, std::string("/nonstop/default/leader"), std::string("HINT")}) {
     EXPECT_NE(c.Output().find(part), std::string::npos) << part << " in:\n" << c.Output();
   }
 }

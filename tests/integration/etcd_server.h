@@ -50,13 +50,31 @@ class EtcdServer {
       std::string client_url = fmt::format("http://127.0.0.1:{}", client);
       std::string peer_url = fmt::format("http://127.0.0.1:{}", peer);
       std::string data = fmt::format("{}/etcd-data-{}", dir_, attempt);
-      process_ = std::make_unique<ChildProcess>(
-          std::vector<std::string>{kBinary, "--name", "test", "--data-dir", data, "--listen-client-urls", client_url,
-                                   "--advertise-client-urls", client_url, "--listen-peer-urls", peer_url,
-                                   "--initial-advertise-peer-urls", peer_url, "--initial-cluster",
-                                   "test=" + peer_url, "--heartbeat-interval", "50", "--election-timeout", "500",
-                                   "--logger", "zap", "--log-level", "warn"},
-          fmt::format("{}/etcd-{}.out", dir_, attempt));
+      process_ =
+          std::make_unique<ChildProcess>(std::vector<std::string>{kBinary,
+                                                                  "--name",
+                                                                  "test",
+                                                                  "--data-dir",
+                                                                  data,
+                                                                  "--listen-client-urls",
+                                                                  client_url,
+                                                                  "--advertise-client-urls",
+                                                                  client_url,
+                                                                  "--listen-peer-urls",
+                                                                  peer_url,
+                                                                  "--initial-advertise-peer-urls",
+                                                                  peer_url,
+                                                                  "--initial-cluster",
+                                                                  "test=" + peer_url,
+                                                                  "--heartbeat-interval",
+                                                                  "50",
+                                                                  "--election-timeout",
+                                                                  "500",
+                                                                  "--logger",
+                                                                  "zap",
+                                                                  "--log-level",
+                                                                  "warn"},
+                                         fmt::format("{}/etcd-{}.out", dir_, attempt));
       httplib::Client http("127.0.0.1", client);
       http.set_connection_timeout(0, 200'000);
       for (int i = 0; i < 200; ++i) {

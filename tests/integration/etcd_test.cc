@@ -34,10 +34,12 @@ TEST(Base64Test, RejectsTextThatIsNotBase64) {
 }
 
 TEST(EtcdEndpointsTest, MalformedEndpointsAreRefusedWithTheirName) {
-  for (const char* bad : {"", "localhost", "127.0.0.1:x", "127.0.0.1:99999", ":2379", "https://a:1"}) {
+  for (const char* bad :
+       {"", "localhost", "127.0.0.1:x", "127.0.0.1:99999", ":2379", "https://a:1"}) {
     auto c = Client::Create(bad);
     ASSERT_FALSE(c.ok()) << bad;
-    EXPECT_NE(c.status().message().find("etcd endpoint"), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find("etcd endpoint"), std::string::npos)
+        << c.status().message();
   }
   EXPECT_TRUE(Client::Create("127.0.0.1:2379,http://10.0.0.2:2379/").ok());
 }
@@ -49,15 +51,17 @@ TEST(EtcdClientTest, AnUnreachableEtcdIsAnErrorNamingTheEndpoints) {
   auto r = (*c)->Range("k");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(r.status().message().find(fmt::format("127.0.0.1:{}", port)), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find(fmt::format("127.0.0.1:{}", port)), std::string::npos)
+      << r.status().message();
 }
 
 class EtcdClientRealTest : public ::testing::Test {
  protected:
   void SetUp() override {
     server_ = std::make_unique<nonstop::testing::EtcdServer>(dir_.path());
-    ASSERT_FALSE(server_->endpoint().empty()) << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
-                                              << server_->Output();
+    ASSERT_FALSE(server_->endpoint().empty())
+        << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
+        << server_->Output();
     auto c = Client::Create(server_->endpoint());
     ASSERT_TRUE(c.ok()) << c.status().ToString();
     client_ = std::move(*c);
@@ -87,10 +91,12 @@ TEST_F(EtcdClientRealTest, PutsAndRangesBinaryKeysAndValuesInKeyOrder) {
 
 TEST_F(EtcdClientRealTest, ATransactionTakesTheBranchItsComparisonsChoose) {
   // Create-if-absent: the first wins, the second finds the first's value.
-  auto first = client_->Txn({Compare::CreateRevision("/leader", 0)}, {Op::Put("/leader", "one")}, {Op::Get("/leader")});
+  auto first = client_->Txn({Compare::CreateRevision("/leader", 0)}, {Op::Put("/leader", "one")},
+                            {Op::Get("/leader")});
   ASSERT_TRUE(first.ok()) << first.status().ToString();
   EXPECT_TRUE(first->succeeded);
-  auto second = client_->Txn({Compare::CreateRevision("/leader", 0)}, {Op::Put("/leader", "two")}, {Op::Get("/leader")});
+  auto second = client_->Txn({Compare::CreateRevision("/leader", 0)}, {Op::Put("/leader", "two")},
+                             {Op::Get("/leader")});
   ASSERT_TRUE(second.ok());
   EXPECT_FALSE(second->succeeded);
   ASSERT_EQ(second->range.size(), 1u);
@@ -101,7 +107,8 @@ TEST_F(EtcdClientRealTest, ATransactionTakesTheBranchItsComparisonsChoose) {
                               {Op::Put("/log/1", "a"), Op::Put("/log/2", "b")});
   ASSERT_TRUE(guarded.ok());
   EXPECT_TRUE(guarded->succeeded);
-  auto stale = client_->Txn({Compare::CreateRevision("/leader", first->revision - 1)}, {Op::Put("/log/3", "c")});
+  auto stale = client_->Txn({Compare::CreateRevision("/leader", first->revision - 1)},
+                            {Op::Put("/log/3", "c")});
   ASSERT_TRUE(stale.ok());
   EXPECT_FALSE(stale->succeeded);
   EXPECT_EQ(client_->Prefix("/log/")->size(), 2u);
@@ -171,7 +178,8 @@ class LeadershipTest : public ::testing::Test {
     return l.ok() ? std::move(*l) : nullptr;
   }
   static bool WaitFor(const std::function<bool()>& done) {
-    for (int i = 0; i < 500 && !done(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    for (int i = 0; i < 500 && !done(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     return done();
   }
   TempDir dir_;
@@ -203,10 +211,12 @@ TEST_F(LeadershipTest, OneLeadsTheOtherWaitsAndTakesOverTheJournalWhenTheFirstRe
     while (!waiting) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     first->Resign();
   });
-  auto epoch2 = second->Campaign([] { return false; }, [&](const std::string& leader) {
-    EXPECT_NE(leader.find("127.0.0.1:1"), std::string::npos) << leader;
-    waiting = true;
-  });
+  auto epoch2 = second->Campaign([] { return false; },
+                                 [&](const std::string& leader) {
+                                   EXPECT_NE(leader.find("127.0.0.1:1"), std::string::npos)
+                                       << leader;
+                                   waiting = true;
+                                 });
   resign.join();
   ASSERT_TRUE(epoch2.ok());
   EXPECT_GT(*epoch2, *epoch1);
@@ -244,8 +254,10 @@ TEST_F(LeadershipTest, ALeaderWhoseKeyIsGoneIsDeposedAndItsWritesNeverLand) {
   ASSERT_TRUE(WaitFor([&] { return leader->deposed(); }));
   EXPECT_FALSE(leader->Valid());
   EXPECT_EQ(leader->durable(), 0u);
-  EXPECT_NE(leader->why_not_leading().find("refused"), std::string::npos) << leader->why_not_leading();
-  EXPECT_TRUE((*client)->Prefix(JobPrefix("t") + "journal/")->empty()) << "a deposed leader's record landed";
+  EXPECT_NE(leader->why_not_leading().find("refused"), std::string::npos)
+      << leader->why_not_leading();
+  EXPECT_TRUE((*client)->Prefix(JobPrefix("t") + "journal/")->empty())
+      << "a deposed leader's record landed";
 }
 
 TEST_F(LeadershipTest, AStandbyThatIsToldToStopLeavesTheCampaign) {

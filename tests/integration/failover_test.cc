@@ -50,14 +50,15 @@ std::vector<std::string> Worker() {
 // The same job without the kill, by plain `nonstop run`: its final checksum.
 std::string Reference(TempDir& dir) {
   std::string journal = dir / "ref/journal.jsonl";
-  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", "3", "--spares", "0", "--journal", journal,
-                                   "--"};
+  std::vector<std::string> argv = {kBin + "/nonstop", "run",   "--nproc", "3", "--spares", "0",
+                                   "--journal",       journal, "--"};
   for (auto& a : Worker()) argv.push_back(a);
   ChildProcess ref(argv, dir / "ref.out");
   return ref.Wait(milliseconds(60'000)) == 0 ? FinishedChecksum(journal) : "";
 }
 
-TEST(ControllerFailoverTest, KilledControllerIsReplacedByResumeAndTheWorkersTrainOnWithoutARecovery) {
+TEST(ControllerFailoverTest,
+     KilledControllerIsReplacedByResumeAndTheWorkersTrainOnWithoutARecovery) {
   TempDir dir;
   // The reference: the same job, nobody killed.
   std::string reference = Reference(dir);
@@ -66,15 +67,25 @@ TEST(ControllerFailoverTest, KilledControllerIsReplacedByResumeAndTheWorkersTrai
   std::string run_dir = dir / "job";
   std::string journal = run_dir + "/journal.jsonl";
   std::string token = dir / "token";
-  std::vector<std::string> controller_flags = {"--nnodes", "1", "--job-token-file", token,
-                                               "--heartbeat-timeout-ms", "1000"};
+  std::vector<std::string> controller_flags = {
+      "--nnodes", "1", "--job-token-file", token, "--heartbeat-timeout-ms", "1000"};
   std::vector<std::string> first_argv = {kBin + "/nonstop", "controller", "--journal", journal};
   for (auto& a : controller_flags) first_argv.push_back(a);
   auto first = std::make_unique<ChildProcess>(first_argv, dir / "controller1.out");
   std::string address = ControllerAddress(run_dir);
   ASSERT_FALSE(address.empty()) << first->Output();
-  std::vector<std::string> agent_argv = {kBin + "/nonstop", "agent", "--controller", address, "--job-token-file",
-                                         token, "--host-id", "h1", "--nproc-per-host", "3", "--spares-per-host", "1",
+  std::vector<std::string> agent_argv = {kBin + "/nonstop",
+                                         "agent",
+                                         "--controller",
+                                         address,
+                                         "--job-token-file",
+                                         token,
+                                         "--host-id",
+                                         "h1",
+                                         "--nproc-per-host",
+                                         "3",
+                                         "--spares-per-host",
+                                         "1",
                                          "--"};
   for (auto& a : Worker()) agent_argv.push_back(a);
   ChildProcess agent(agent_argv, dir / "agent.out");
@@ -97,27 +108,34 @@ TEST(ControllerFailoverTest, KilledControllerIsReplacedByResumeAndTheWorkersTrai
   auto takeovers = Events(journal, "takeover");
   ASSERT_EQ(takeovers.size(), 1u) << outputs;
   EXPECT_EQ(takeovers[0]["generation"], 1);
-  EXPECT_EQ(Events(journal, "rejoin").size(), 4u) << "three members and the spare rejoined\n" << outputs;
+  EXPECT_EQ(Events(journal, "rejoin").size(), 4u) << "three members and the spare rejoined\n"
+                                                  << outputs;
   EXPECT_EQ(Events(journal, "host_rejoin").size(), 1u) << outputs;
-  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n" << outputs;
+  EXPECT_TRUE(Events(journal, "recovery_start").empty()) << "the takeover cost a recovery\n"
+                                                         << outputs;
   EXPECT_TRUE(Events(journal, "fault").empty()) << outputs;
   EXPECT_EQ(Events(journal, "plan").size(), 1u) << "generation 1 went on";
   // Training did not wait for the new controller: steps were completed in between.
   auto rejoins = Events(journal, "rejoin");
   int64_t state_at_rejoin = -1;
-  for (const auto& r : rejoins) state_at_rejoin = std::max(state_at_rejoin, r["state_step"].get<int64_t>());
+  for (const auto& r : rejoins)
+    state_at_rejoin = std::max(state_at_rejoin, r["state_step"].get<int64_t>());
   EXPECT_GT(state_at_rejoin, step_at_kill) << outputs;
   auto ends = Events(journal, "job_end");
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0]["exit_code"], 0);
-  EXPECT_EQ(FinishedChecksum(journal), reference) << "not bitwise equal to the run without the kill\n" << outputs;
+  EXPECT_EQ(FinishedChecksum(journal), reference)
+      << "not bitwise equal to the run without the kill\n"
+      << outputs;
 }
 
 // The pid of the controller that wrote the job file beside the journal in `dir` (-1: none yet).
 pid_t JobFilePid(const std::string& dir) {
   std::ifstream in(dir + "/job.json");
   auto job = nlohmann::json::parse(in, nullptr, false);
-  return job.is_object() && job.contains("pid") && job["pid"].is_number_integer() ? job["pid"].get<pid_t>() : -1;
+  return job.is_object() && job.contains("pid") && job["pid"].is_number_integer()
+             ? job["pid"].get<pid_t>()
+             : -1;
 }
 
 // Waits (≤ 60 s) until the journal's last "step" record is at `step` or later.
@@ -144,8 +162,9 @@ TEST(ControllerFailoverTest, RunRestartsItsControllerKilledTwiceAndDuringARecove
 
   std::string run_dir = dir / "job";
   std::string journal = run_dir + "/journal.jsonl";
-  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", "3", "--spares", "1", "--inject",
-                                   "kill:rank=1,step=150", "--journal", journal, "--"};
+  std::vector<std::string> argv = {kBin + "/nonstop", "run",   "--nproc",  "3",
+                                   "--spares",        "1",     "--inject", "kill:rank=1,step=150",
+                                   "--journal",       journal, "--"};
   for (auto& a : Worker()) argv.push_back(a);
   argv.insert(argv.end(), {"--recovered-step-sleep-ms", "2000"});
   ChildProcess run(argv, dir / "run.out");
@@ -164,11 +183,12 @@ TEST(ControllerFailoverTest, RunRestartsItsControllerKilledTwiceAndDuringARecove
     ASSERT_NO_FATAL_FAILURE(kill_controller());
     // Restarted, and the new controller has taken the job over.
     size_t n = step == 30 ? 1 : 2;
-    ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "takeover", n, milliseconds(30'000))) << run.Output();
+    ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "takeover", n, milliseconds(30'000)))
+        << run.Output();
     ASSERT_NE(JobFilePid(run_dir), killed) << run.Output();
   }
-  // The injected fault (rank 1 at step 150): the controller dies as soon as the recovery has started,
-  // which stays open for 2 s (the survivors' first step after it takes that much longer).
+  // The injected fault (rank 1 at step 150): the controller dies as soon as the recovery has
+  // started, which stays open for 2 s (the survivors' first step after it takes that much longer).
   auto deadline = std::chrono::steady_clock::now() + milliseconds(60'000);
   while (Events(journal, "recovery_start").empty() && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(milliseconds(2));
@@ -191,13 +211,15 @@ TEST(ControllerFailoverTest, RunRestartsItsControllerKilledTwiceAndDuringARecove
   EXPECT_EQ(Events(journal, "takeover").size(), 3u) << run.Output();
   EXPECT_EQ(Events(journal, "fault").size(), 1u) << "only the injected fault\n" << run.Output();
   bool finished = false;  // by the restarted controller
-  for (const auto& e : Events(journal, "recovery_end")) finished |= e["recovery"]["id"] == open_recovery;
+  for (const auto& e : Events(journal, "recovery_end"))
+    finished |= e["recovery"]["id"] == open_recovery;
   EXPECT_TRUE(finished) << "recovery " << open_recovery << " has no end\n" << run.Output();
   auto ends = Events(journal, "job_end");
   ASSERT_EQ(ends.size(), 1u) << run.Output();
   EXPECT_EQ(ends[0]["exit_code"], 0);
-  EXPECT_EQ(FinishedChecksum(journal), reference) << "not bitwise equal to the run without the kills\n"
-                                                  << run.Output();
+  EXPECT_EQ(FinishedChecksum(journal), reference)
+      << "not bitwise equal to the run without the kills\n"
+      << run.Output();
 }
 
 TEST(ControllerFailoverTest, ResumingAJobThatEndedIsRefusedWithTheReason) {
@@ -205,16 +227,18 @@ TEST(ControllerFailoverTest, ResumingAJobThatEndedIsRefusedWithTheReason) {
   std::string journal = dir / "journal.jsonl";
   {
     std::ofstream out(journal);
-    out << R"({"event":"job_start","controller":"127.0.0.1:1"})" << "\n"
-        << R"({"event":"job_end","exit_code":0,"reason":"finished"})" << "\n";
+    out << R"({"event":"job_start","controller":"127.0.0.1:1"})"
+        << "\n"
+        << R"({"event":"job_end","exit_code":0,"reason":"finished"})"
+        << "\n";
   }
   {
     std::ofstream out(dir / "token");
     out << "0123456789abcdef0123456789abcdef\n";
   }
   ::chmod((dir / "token").c_str(), 0600);
-  ChildProcess resume({kBin + "/nonstop", "controller", "--resume", journal, "--nnodes", "1", "--job-token-file",
-                       dir / "token"},
+  ChildProcess resume({kBin + "/nonstop", "controller", "--resume", journal, "--nnodes", "1",
+                       "--job-token-file", dir / "token"},
                       dir / "out.txt");
   EXPECT_EQ(resume.Wait(milliseconds(10'000)), 2) << resume.Output();
   EXPECT_NE(resume.Output().find("already ended"), std::string::npos) << resume.Output();

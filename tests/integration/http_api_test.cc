@@ -50,7 +50,8 @@ class FakeLoop {
 class HttpApiTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::ofstream(dir_ / "journal.jsonl") << R"({"event":"start"})" << "\n";
+    std::ofstream(dir_ / "journal.jsonl") << R"({"event":"start"})"
+                                          << "\n";
     auto api = HttpApi::Start("127.0.0.1", 0, dir_ / "journal.jsonl", kToken);
     ASSERT_TRUE(api.ok()) << api.status().ToString();
     api_ = std::move(*api);
@@ -67,7 +68,9 @@ class HttpApiTest : public ::testing::Test {
     c.set_read_timeout(20);
     return c;
   }
-  static httplib::Headers Bearer(const std::string& token) { return {{"Authorization", "Bearer " + token}}; }
+  static httplib::Headers Bearer(const std::string& token) {
+    return {{"Authorization", "Bearer " + token}};
+  }
 
   // A 4xx whose body is JSON with a non-empty "error".
   static void ExpectRefusal(const httplib::Result& res, int status, const std::string& what) {
@@ -88,7 +91,8 @@ TEST(HttpApiStartTest, NonLoopbackHostWithoutATokenIsRefused) {
   auto api = HttpApi::Start("0.0.0.0", 0, dir / "j.jsonl", "");
   ASSERT_FALSE(api.ok());
   EXPECT_EQ(api.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(api.status().message().find("without a job token"), std::string::npos) << api.status().ToString();
+  EXPECT_NE(api.status().message().find("without a job token"), std::string::npos)
+      << api.status().ToString();
   // With a token it serves, and loopback without one stays possible.
   EXPECT_TRUE(HttpApi::Start("0.0.0.0", 0, dir / "j.jsonl", kToken).ok());
   EXPECT_TRUE(HttpApi::Start("127.0.0.1", 0, dir / "j.jsonl", "").ok());
@@ -107,11 +111,13 @@ TEST(HttpApiStartTest, LoopbackHosts) {
 TEST_F(HttpApiTest, ScaleAndEventsNeedTheJobToken) {
   auto c = Client();
   ExpectRefusal(c.Post("/scale", R"({"grow": 1})", "application/json"), 401, "no token");
-  ExpectRefusal(c.Post("/scale", Bearer("wrong"), R"({"grow": 1})", "application/json"), 401, "wrong token");
-  ExpectRefusal(c.Post("/scale", Bearer(std::string(kToken) + "x"), R"({"grow": 1})", "application/json"), 401,
-                "token with a suffix");
-  ExpectRefusal(c.Post("/scale", {{"Authorization", kToken}}, R"({"grow": 1})", "application/json"), 401,
-                "token without the Bearer scheme");
+  ExpectRefusal(c.Post("/scale", Bearer("wrong"), R"({"grow": 1})", "application/json"), 401,
+                "wrong token");
+  ExpectRefusal(
+      c.Post("/scale", Bearer(std::string(kToken) + "x"), R"({"grow": 1})", "application/json"),
+      401, "token with a suffix");
+  ExpectRefusal(c.Post("/scale", {{"Authorization", kToken}}, R"({"grow": 1})", "application/json"),
+                401, "token without the Bearer scheme");
   ExpectRefusal(c.Get("/events"), 401, "events without a token");
   EXPECT_EQ(loop_->answered(), 0) << "a refused request reached the controller";
 
@@ -151,8 +157,10 @@ TEST_F(HttpApiTest, JunkRequestsGetA4xxWithAReason) {
   ExpectRefusal(c.Post("/scale", auth, "{not json", "application/json"), 400, "malformed JSON");
   ExpectRefusal(c.Post("/scale", auth, "[1, 2]", "application/json"), 400, "a JSON array");
   ExpectRefusal(c.Post("/scale", auth, "", "application/json"), 400, "an empty body");
-  ExpectRefusal(c.Post("/scale", auth, "world_size=3", "application/x-www-form-urlencoded"), 415, "a form");
-  ExpectRefusal(c.Post("/scale", auth, std::string(100 << 10, ' ') + "{}", "application/json"), 413, "100 KiB body");
+  ExpectRefusal(c.Post("/scale", auth, "world_size=3", "application/x-www-form-urlencoded"), 415,
+                "a form");
+  ExpectRefusal(c.Post("/scale", auth, std::string(100 << 10, ' ') + "{}", "application/json"), 413,
+                "100 KiB body");
   auto head = c.Get("/scale");
   ASSERT_TRUE(head);
   EXPECT_EQ(head->get_header_value("Allow"), "POST");
@@ -163,7 +171,8 @@ std::string RawExchange(int port, const std::string& bytes) {
   auto fd = net::Dial({"127.0.0.1", static_cast<uint16_t>(port)}, DeadlineAfter(Millis(5'000)));
   NONSTOP_CHECK(fd.ok()) << fd.status().ToString();
   NONSTOP_CHECK(net::SendAll(fd->get(), std::as_bytes(std::span(bytes.data(), bytes.size())),
-                             DeadlineAfter(Millis(5'000)), nullptr, "raw").ok());
+                             DeadlineAfter(Millis(5'000)), nullptr, "raw")
+                    .ok());
   std::string answer;
   char buf[4096];
   Deadline until = DeadlineAfter(Millis(15'000));
@@ -176,9 +185,10 @@ std::string RawExchange(int port, const std::string& bytes) {
 }
 
 TEST_F(HttpApiTest, MalformedRequestLinesGetA4xxWithAReason) {
-  for (const std::string junk : {std::string("NONSENSE\r\n\r\n"), std::string("GET\r\n\r\n"),
-                                 std::string("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 15),
-                                 "GET /" + std::string(20'000, 'a') + " HTTP/1.1\r\n\r\n"}) {
+  for (const std::string junk :
+       {std::string("NONSENSE\r\n\r\n"), std::string("GET\r\n\r\n"),
+        std::string("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 15),
+        "GET /" + std::string(20'000, 'a') + " HTTP/1.1\r\n\r\n"}) {
     std::string answer = RawExchange(api_->port(), junk);
     ASSERT_GE(answer.size(), 12u) << "no answer to " << junk.substr(0, 40);
     EXPECT_EQ(answer[9], '4') << answer;
@@ -188,20 +198,24 @@ TEST_F(HttpApiTest, MalformedRequestLinesGetA4xxWithAReason) {
 
 TEST_F(HttpApiTest, ClientThatWaitsFor100ContinueIsServed) {
   std::string body = R"({"grow": 1})";
-  std::string head = fmt::format("POST /scale HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n"
-                                 "Content-Type: application/json\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n",
-                                 kToken, body.size());
-  auto fd = net::Dial({"127.0.0.1", static_cast<uint16_t>(api_->port())}, DeadlineAfter(Millis(5'000)));
+  std::string head = fmt::format(
+      "POST /scale HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n"
+      "Content-Type: application/json\r\nContent-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+      kToken, body.size());
+  auto fd =
+      net::Dial({"127.0.0.1", static_cast<uint16_t>(api_->port())}, DeadlineAfter(Millis(5'000)));
   ASSERT_TRUE(fd.ok());
-  ASSERT_TRUE(net::SendAll(fd->get(), std::as_bytes(std::span(head.data(), head.size())), DeadlineAfter(Millis(5'000)),
-                           nullptr, "head").ok());
+  ASSERT_TRUE(net::SendAll(fd->get(), std::as_bytes(std::span(head.data(), head.size())),
+                           DeadlineAfter(Millis(5'000)), nullptr, "head")
+                  .ok());
   char buf[4096];
   ASSERT_TRUE(net::WaitFd(fd->get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "100").ok());
   ssize_t n = ::recv(fd->get(), buf, sizeof(buf), 0);
   ASSERT_GT(n, 0);
   EXPECT_NE(std::string(buf, static_cast<size_t>(n)).find("100 Continue"), std::string::npos);
-  ASSERT_TRUE(net::SendAll(fd->get(), std::as_bytes(std::span(body.data(), body.size())), DeadlineAfter(Millis(5'000)),
-                           nullptr, "body").ok());
+  ASSERT_TRUE(net::SendAll(fd->get(), std::as_bytes(std::span(body.data(), body.size())),
+                           DeadlineAfter(Millis(5'000)), nullptr, "body")
+                  .ok());
   std::string answer;
   while (net::WaitFd(fd->get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "answer").ok()) {
     n = ::recv(fd->get(), buf, sizeof(buf), 0);
@@ -212,7 +226,8 @@ TEST_F(HttpApiTest, ClientThatWaitsFor100ContinueIsServed) {
 }
 
 TEST_F(HttpApiTest, RequestNotSentInTimeGets408) {
-  std::string answer = RawExchange(api_->port(), "POST /scale HTTP/1.1\r\nHost: x\r\n");  // never finished
+  // never finished
+  std::string answer = RawExchange(api_->port(), "POST /scale HTTP/1.1\r\nHost: x\r\n");
   EXPECT_NE(answer.find("408"), std::string::npos) << answer;
   EXPECT_NE(answer.find("\"error\""), std::string::npos) << answer;
 }
@@ -222,12 +237,15 @@ TEST_F(HttpApiTest, RequestNotSentInTimeGets408) {
 TEST_F(HttpApiTest, IdleAndSlowConnectionsDoNotStarveARealRequest) {
   std::vector<UniqueFd> idle;
   for (int i = 0; i < 200; ++i) {
-    auto fd = net::Dial({"127.0.0.1", static_cast<uint16_t>(api_->port())}, DeadlineAfter(Millis(5'000)));
+    auto fd =
+        net::Dial({"127.0.0.1", static_cast<uint16_t>(api_->port())}, DeadlineAfter(Millis(5'000)));
     ASSERT_TRUE(fd.ok()) << fd.status().ToString();
     if (i % 10 == 0) {
-      std::string partial = "POST /scale HTTP/1.1\r\nHost: x\r\n";  // a slow client: head never finished
+      // a slow client: head never finished
+      std::string partial = "POST /scale HTTP/1.1\r\nHost: x\r\n";
       ASSERT_TRUE(net::SendAll(fd->get(), std::as_bytes(std::span(partial.data(), partial.size())),
-                               DeadlineAfter(Millis(5'000)), nullptr, "slow").ok());
+                               DeadlineAfter(Millis(5'000)), nullptr, "slow")
+                      .ok());
     }
     idle.push_back(std::move(*fd));
   }

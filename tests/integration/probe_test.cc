@@ -30,8 +30,23 @@ const std::string kBin = NONSTOP_BIN_DIR;
 constexpr int kSteps = 150;
 
 std::vector<std::string> JobArgs(const std::string& journal, const std::string& inject = "none") {
-  return {kBin + "/nonstop", "run", "--nproc", "3", "--spares", "1", "--inject", inject, "--journal", journal, "--",
-          kBin + "/nonstop-test-worker", "--steps", std::to_string(kSteps), "--elements", "100003", "--sleep-ms",
+  return {kBin + "/nonstop",
+          "run",
+          "--nproc",
+          "3",
+          "--spares",
+          "1",
+          "--inject",
+          inject,
+          "--journal",
+          journal,
+          "--",
+          kBin + "/nonstop-test-worker",
+          "--steps",
+          std::to_string(kSteps),
+          "--elements",
+          "100003",
+          "--sleep-ms",
           "20"};
 }
 
@@ -71,8 +86,8 @@ class Prober {
     int fd = Open();
     if (fd < 0) return;
     // Best effort: the other side may close as soon as it has seen enough.
-    (void)net::SendAll(fd, std::as_bytes(std::span(bytes.data(), bytes.size())), DeadlineAfter(milliseconds(2'000)),
-                       nullptr, "probe");
+    (void)net::SendAll(fd, std::as_bytes(std::span(bytes.data(), bytes.size())),
+                       DeadlineAfter(milliseconds(2'000)), nullptr, "probe");
   }
   void Idle(int n) {
     for (int i = 0; i < n; ++i) Open();
@@ -88,7 +103,8 @@ class Prober {
     PutFixed16(&header, 0);
     PutFixed32(&header, 0);
     Send(header);
-    Send(net::EncodeFrame(net::kFrameHello, std::string(60, 'x')).substr(0, 20));  // a hello that stops halfway
+    // a hello that stops halfway
+    Send(net::EncodeFrame(net::kFrameHello, std::string(60, 'x')).substr(0, 20));
     for (auto kind : {net::ConnectionKind::kData, net::ConnectionKind::kControl}) {
       net::Hello h;
       h.kind = kind;
@@ -121,19 +137,26 @@ void ProbeHttp(const std::string& address, const std::string& token) {
   answers.emplace_back("GET /scale", c.Get("/scale"));
   answers.emplace_back("PUT /status", c.Put("/status", "{}", "application/json"));
   answers.emplace_back("DELETE /scale", c.Delete("/scale"));
-  answers.emplace_back("malformed JSON", c.Post("/scale", auth, "{\"world_size\": ", "application/json"));
+  answers.emplace_back("malformed JSON",
+                       c.Post("/scale", auth, "{\"world_size\": ", "application/json"));
   answers.emplace_back("JSON array", c.Post("/scale", auth, "[3]", "application/json"));
-  answers.emplace_back("wrong type", c.Post("/scale", auth, R"({"world_size": "three"})", "application/json"));
-  answers.emplace_back("unknown key", c.Post("/scale", auth, R"({"shrink_everything": true})", "application/json"));
-  answers.emplace_back("a form", c.Post("/scale", auth, "world_size=3", "application/x-www-form-urlencoded"));
-  answers.emplace_back("1 MiB body", c.Post("/scale", auth, std::string(1 << 20, '{'), "application/json"));
-  answers.emplace_back("junk without a token", c.Post("/scale", "\x01\x02\x03", "application/octet-stream"));
+  answers.emplace_back("wrong type",
+                       c.Post("/scale", auth, R"({"world_size": "three"})", "application/json"));
+  answers.emplace_back(
+      "unknown key", c.Post("/scale", auth, R"({"shrink_everything": true})", "application/json"));
+  answers.emplace_back("a form",
+                       c.Post("/scale", auth, "world_size=3", "application/x-www-form-urlencoded"));
+  answers.emplace_back("1 MiB body",
+                       c.Post("/scale", auth, std::string(1 << 20, '{'), "application/json"));
+  answers.emplace_back("junk without a token",
+                       c.Post("/scale", "\x01\x02\x03", "application/octet-stream"));
   for (auto& [what, res] : answers) {
     ASSERT_TRUE(res) << what << ": no answer (" << httplib::to_string(res.error()) << ")";
     EXPECT_GE(res->status, 400) << what << ": " << res->body;
     EXPECT_LT(res->status, 500) << what << ": " << res->body;
     auto j = nlohmann::json::parse(res->body, nullptr, false);
-    EXPECT_TRUE(j.is_object() && !j.value("error", "").empty()) << what << ": no reason in '" << res->body << "'";
+    EXPECT_TRUE(j.is_object() && !j.value("error", "").empty())
+        << what << ": no reason in '" << res->body << "'";
   }
 }
 
@@ -152,7 +175,8 @@ class ProbeTest : public ::testing::Test {
 
   void StartJob(const std::string& inject = "none") {
     job_ = std::make_unique<ChildProcess>(JobArgs(journal_, inject), dir_ / "out.txt");
-    ASSERT_TRUE(nonstop::testing::WaitForEvents(journal_, "step", 3, milliseconds(60'000))) << job_->Output();
+    ASSERT_TRUE(nonstop::testing::WaitForEvents(journal_, "step", 3, milliseconds(60'000)))
+        << job_->Output();
     job_file_ = ReadJobFile(dir_ / "job.json");
     ASSERT_TRUE(job_file_.is_object()) << "no job file beside the journal";
   }
@@ -163,7 +187,8 @@ class ProbeTest : public ::testing::Test {
     EXPECT_EQ(code, 0) << out;
     ASSERT_FALSE(Reference().empty());
     EXPECT_EQ(FinalChecksum(journal_), Reference()) << out;
-    EXPECT_EQ(nonstop::testing::JournalEvents(journal_, "step").size(), static_cast<size_t>(kSteps)) << out;
+    EXPECT_EQ(nonstop::testing::JournalEvents(journal_, "step").size(), static_cast<size_t>(kSteps))
+        << out;
     EXPECT_EQ(nonstop::testing::JournalEvents(journal_, "recovery_end").size(), recoveries) << out;
   }
 
@@ -189,7 +214,8 @@ TEST_F(ProbeTest, JunkOnTheDataPortsAndTheHttpEndpointDoesNotDisturbTheJob) {
   probers.push_back(std::make_unique<Prober>(http));
   probers.back()->Idle(150);
   ProbeHttp(http, job_file_["token"]);
-  EXPECT_LT(nonstop::testing::JournalEvents(journal_, "step").size(), 100u) << "probed too late to matter";
+  EXPECT_LT(nonstop::testing::JournalEvents(journal_, "step").size(), 100u)
+      << "probed too late to matter";
   ExpectUndisturbed(/*recoveries=*/1);
 }
 
@@ -199,7 +225,8 @@ TEST_F(ProbeTest, JunkOnTheControlPortDoesNotDisturbTheJob) {
   StartJob("kill:rank=1,step=100");
   Prober control(job_file_["controller"].get<std::string>());
   control.AllJunk(/*idle=*/40);
-  EXPECT_LT(nonstop::testing::JournalEvents(journal_, "step").size(), 100u) << "probed too late to matter";
+  EXPECT_LT(nonstop::testing::JournalEvents(journal_, "step").size(), 100u)
+      << "probed too late to matter";
   ExpectUndisturbed(/*recoveries=*/1);
 }
 
@@ -209,7 +236,8 @@ TEST_F(ProbeTest, UnauthenticatedScaleIsRefusedDuringARealJob) {
   auto colon = http.rfind(':');
   httplib::Client c(http.substr(0, colon), std::stoi(http.substr(colon + 1)));
   c.set_read_timeout(20);
-  for (const httplib::Headers& headers : {httplib::Headers{}, httplib::Headers{{"Authorization", "Bearer nope"}}}) {
+  for (const httplib::Headers& headers :
+       {httplib::Headers{}, httplib::Headers{{"Authorization", "Bearer nope"}}}) {
     auto res = c.Post("/scale", headers, R"({"world_size": 2})", "application/json");
     ASSERT_TRUE(res);
     EXPECT_EQ(res->status, 401) << res->body;

@@ -2,9 +2,9 @@
 // file, so tests can watch it, signal it and read what it printed.
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -22,7 +22,8 @@ namespace nonstop::testing {
 class ChildProcess {
  public:
   // env_add: "NAME=value" entries added to (or replacing in) the inherited environment.
-  ChildProcess(std::vector<std::string> argv, const std::string& output_path, std::vector<std::string> env_add = {})
+  ChildProcess(std::vector<std::string> argv, const std::string& output_path,
+               std::vector<std::string> env_add = {})
       : output_path_(output_path) {
     pid_ = ::fork();
     NONSTOP_CHECK_GE(pid_, 0);
@@ -76,7 +77,8 @@ class ChildProcess {
 };
 
 // The records of one kind ("step", "plan", …) in a journal; none if it cannot be read yet.
-inline std::vector<nlohmann::json> JournalEvents(const std::string& journal, const std::string& kind) {
+inline std::vector<nlohmann::json> JournalEvents(const std::string& journal,
+                                                 const std::string& kind) {
   std::vector<nlohmann::json> out;
   auto all = controller::Journal::Read(journal);
   if (!all.ok()) return out;

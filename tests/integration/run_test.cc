@@ -29,18 +29,20 @@ const auto& Events = nonstop::testing::JournalEvents;
 TEST(RunIntegrationTest, JobOfThreeWorkersAndASpareFinishes) {
   TempDir dir;
   std::string journal = dir / "journal.jsonl";
-  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "3", "--spares", "1", "--journal", journal, "--",
-                    kBin + "/nonstop-test-worker", "--steps", "25", "--elements", "100003"},
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "3", "--spares", "1", "--journal", journal,
+                    "--", kBin + "/nonstop-test-worker", "--steps", "25", "--elements", "100003"},
                    dir / "out.txt");
   int code = run.Wait(milliseconds(60'000));
   std::string out = run.Output();
   ASSERT_EQ(code, 0) << out;
   EXPECT_NE(out.find("[rank 0] step 24 ok"), std::string::npos) << out;
   EXPECT_NE(out.find("job finished"), std::string::npos) << out;
-  // The default: the controller is a process of its own, the workers this one's (docs/controller-failover.md).
+  // The default: the controller is a process of its own, the workers this one's
+  // (docs/controller-failover.md).
   EXPECT_NE(out.find("resumable: the controller runs as pid"), std::string::npos) << out;
   EXPECT_TRUE(std::filesystem::exists(dir / "job.token")) << "the token --resume needs";
-  EXPECT_EQ(out.find("\x1b["), std::string::npos) << "no terminal escapes where stdout is not a terminal";
+  EXPECT_EQ(out.find("\x1b["), std::string::npos)
+      << "no terminal escapes where stdout is not a terminal";
   auto plans = Events(journal, "plan");
   ASSERT_EQ(plans.size(), 1u);
   EXPECT_EQ(plans[0]["members"].size(), 3u);
@@ -61,12 +63,13 @@ TEST(RunIntegrationTest, SingleProcessModeRunsTheSameJobAndRecovers) {
   auto run_job = [&](const std::vector<std::string>& mode, const std::string& name) {
     std::vector<std::string> argv = {kBin + "/nonstop", "run"};
     argv.insert(argv.end(), mode.begin(), mode.end());
-    for (const char* a : {"--nproc", "3", "--spares", "1", "--inject", "kill:rank=1,step=10", "--journal"}) {
+    for (const char* a :
+         {"--nproc", "3", "--spares", "1", "--inject", "kill:rank=1,step=10", "--journal"}) {
       argv.push_back(a);
     }
     argv.push_back(dir / (name + ".jsonl"));
-    for (const std::string& a : std::vector<std::string>{"--", kBin + "/nonstop-test-worker", "--steps", "25",
-                                                          "--elements", "100003"}) {
+    for (const std::string& a : std::vector<std::string>{"--", kBin + "/nonstop-test-worker",
+                                                         "--steps", "25", "--elements", "100003"}) {
       argv.push_back(a);
     }
     ChildProcess run(argv, dir / (name + ".txt"));
@@ -75,7 +78,9 @@ TEST(RunIntegrationTest, SingleProcessModeRunsTheSameJobAndRecovers) {
   };
   auto [single_code, single] = run_job({"--single-process"}, "single");
   ASSERT_EQ(single_code, 0) << single;
-  EXPECT_EQ(single.find("resumable:"), std::string::npos) << "one process: no controller of its own\n" << single;
+  EXPECT_EQ(single.find("resumable:"), std::string::npos)
+      << "one process: no controller of its own\n"
+      << single;
   EXPECT_NE(single.find("[rank 0] step 24 ok"), std::string::npos) << single;
   EXPECT_NE(single.find("recovery report: 1 recovery"), std::string::npos) << single;
   auto [default_code, two] = run_job({}, "default");
@@ -94,9 +99,10 @@ TEST(RunIntegrationTest, SingleProcessModeRunsTheSameJobAndRecovers) {
 TEST(RunIntegrationTest, OnATerminalOneProgressLineAndTheWorkersLogsInFiles) {
   TempDir dir;
   auto command = [&](const std::string& flags) {
-    return fmt::format("cd {} && {}/nonstop run {} --nproc 2 --spares 1 --inject kill:rank=1,step=40 -- "
-                       "{}/nonstop-test-worker --steps 120 --sleep-ms 5",
-                       dir.path(), kBin, flags, kBin);
+    return fmt::format(
+        "cd {} && {}/nonstop run {} --nproc 2 --spares 1 --inject kill:rank=1,step=40 -- "
+        "{}/nonstop-test-worker --steps 120 --sleep-ms 5",
+        dir.path(), kBin, flags, kBin);
   };
   ChildProcess run({"/usr/bin/script", "-qfec", command(""), "/dev/null"}, dir / "tty.txt");
   ASSERT_EQ(run.Wait(milliseconds(60'000)), 0) << run.Output();
@@ -104,28 +110,33 @@ TEST(RunIntegrationTest, OnATerminalOneProgressLineAndTheWorkersLogsInFiles) {
   EXPECT_NE(out.find("step 120/120 (100%)"), std::string::npos) << out;
   EXPECT_NE(out.find("\r\x1b[K"), std::string::npos) << "the line is redrawn in place";
   EXPECT_NE(out.find("recovery report: 1 recovery"), std::string::npos) << out;
-  EXPECT_EQ(out.find("] step 10 ok"), std::string::npos) << "no worker's log on the terminal\n" << out;
+  EXPECT_EQ(out.find("] step 10 ok"), std::string::npos) << "no worker's log on the terminal\n"
+                                                         << out;
   std::string log = dir / "runs/logs/worker-0.log";
   std::ifstream in(log);
   std::stringstream ss;
   ss << in.rdbuf();
   EXPECT_NE(ss.str().find("step 10 ok"), std::string::npos) << log << ":\n" << ss.str();
   // --verbose keeps every rank's lines on the terminal.
-  ChildProcess verbose({"/usr/bin/script", "-qfec", command("--verbose --journal v/journal.jsonl"), "/dev/null"},
-                       dir / "verbose.txt");
+  ChildProcess verbose(
+      {"/usr/bin/script", "-qfec", command("--verbose --journal v/journal.jsonl"), "/dev/null"},
+      dir / "verbose.txt");
   ASSERT_EQ(verbose.Wait(milliseconds(60'000)), 0) << verbose.Output();
   EXPECT_NE(verbose.Output().find("[rank 0] step 10 ok"), std::string::npos) << verbose.Output();
-  EXPECT_EQ(verbose.Output().find("\r\x1b[K"), std::string::npos) << "no progress line with --verbose";
+  EXPECT_EQ(verbose.Output().find("\r\x1b[K"), std::string::npos)
+      << "no progress line with --verbose";
 }
 
 TEST(RunIntegrationTest, KilledWorkerIsNamedAndReplacedWhileTheJobGoesOn) {
   TempDir dir;
   std::string journal = dir / "journal.jsonl";
   // A heartbeat timeout of 60 s: detection must come from the process exit, not from silence.
-  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "4", "--spares", "1", "--heartbeat-timeout-ms", "60000",
-                    "--journal", journal, "--", kBin + "/nonstop-test-worker", "--steps", "300", "--sleep-ms", "10"},
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "4", "--spares", "1",
+                    "--heartbeat-timeout-ms", "60000", "--journal", journal, "--",
+                    kBin + "/nonstop-test-worker", "--steps", "300", "--sleep-ms", "10"},
                    dir / "out.txt");
-  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 5, milliseconds(30'000))) << run.Output();
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 5, milliseconds(30'000)))
+      << run.Output();
   int64_t victim = -1;
   for (auto& j : Events(journal, "join")) {
     if (j["worker_id"] == 2) victim = j["pid"];
@@ -135,7 +146,9 @@ TEST(RunIntegrationTest, KilledWorkerIsNamedAndReplacedWhileTheJobGoesOn) {
   int code = run.Wait(milliseconds(60'000));
   std::string out = run.Output();
   EXPECT_EQ(code, 0) << out;
-  EXPECT_NE(out.find("fault: rank 2 (worker 2, pid " + std::to_string(victim) + ")"), std::string::npos) << out;
+  EXPECT_NE(out.find("fault: rank 2 (worker 2, pid " + std::to_string(victim) + ")"),
+            std::string::npos)
+      << out;
   EXPECT_NE(out.find("was killed by signal 9"), std::string::npos) << out;
   EXPECT_NE(out.find("rank 2: worker 2 → spare worker 4"), std::string::npos) << out;
   auto ends = Events(journal, "recovery_end");
@@ -147,10 +160,11 @@ TEST(RunIntegrationTest, KilledWorkerIsNamedAndReplacedWhileTheJobGoesOn) {
 TEST(RunIntegrationTest, LosingTheOnlyHolderOfTheStateEndsTheJobNonZeroWithAReason) {
   TempDir dir;
   std::string journal = dir / "journal.jsonl";
-  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "1", "--journal", journal, "--",
-                    kBin + "/nonstop-test-worker", "--steps", "100000", "--sleep-ms", "10"},
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "1", "--journal", journal,
+                    "--", kBin + "/nonstop-test-worker", "--steps", "100000", "--sleep-ms", "10"},
                    dir / "out.txt");
-  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 3, milliseconds(30'000))) << run.Output();
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 3, milliseconds(30'000)))
+      << run.Output();
   int64_t victim = -1;
   for (auto& j : Events(journal, "join")) {
     if (j["worker_id"] == 0) victim = j["pid"];
@@ -163,7 +177,8 @@ TEST(RunIntegrationTest, LosingTheOnlyHolderOfTheStateEndsTheJobNonZeroWithAReas
   std::string out = run.Output();
   EXPECT_EQ(code, 10) << out;
   EXPECT_NE(out.find("exists on no live worker"), std::string::npos) << out;
-  EXPECT_NE(out.find("rank 0 (worker 0, pid " + std::to_string(victim) + ")"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 0 (worker 0, pid " + std::to_string(victim) + ")"), std::string::npos)
+      << out;
   EXPECT_LT(took, milliseconds(10'000)) << out;
 }
 
@@ -173,9 +188,9 @@ TEST(RunIntegrationTest, LosingTheOnlyHolderOfTheStateEndsTheJobNonZeroWithAReas
 TEST(RunIntegrationTest, AWorldOfOneThatStallsIsEndedByTheStallWatchdog) {
   TempDir dir;
   std::string journal = dir / "journal.jsonl";
-  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "0", "--stall-floor-ms", "1500",
-                    "--inject", "stall:rank=0,step=8", "--journal", journal, "--", kBin + "/nonstop-test-worker",
-                    "--steps", "100000", "--sleep-ms", "10"},
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "0", "--stall-floor-ms",
+                    "1500", "--inject", "stall:rank=0,step=8", "--journal", journal, "--",
+                    kBin + "/nonstop-test-worker", "--steps", "100000", "--sleep-ms", "10"},
                    dir / "out.txt");
   int code = run.Wait(milliseconds(30'000));
   std::string out = run.Output();
@@ -190,8 +205,8 @@ TEST(RunIntegrationTest, AWorldOfOneThatStallsIsEndedByTheStallWatchdog) {
 
 TEST(RunIntegrationTest, ProgramThatCannotStartFailsTheJobWithAReason) {
   TempDir dir;
-  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--journal", dir / "j.jsonl", "--",
-                    dir / "no-such-program"},
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--journal",
+                    dir / "j.jsonl", "--", dir / "no-such-program"},
                    dir / "out.txt");
   int code = run.Wait(milliseconds(20'000));
   std::string out = run.Output();
@@ -213,7 +228,8 @@ net::PortRange FreeIpv6Ports(int n) {
       if (!l.ok()) break;
       held.push_back(std::move(*l));
     }
-    if (static_cast<int>(held.size()) == n - 1) return {static_cast<uint16_t>(lo), static_cast<uint16_t>(lo + n - 1)};
+    if (static_cast<int>(held.size()) == n - 1)
+      return {static_cast<uint16_t>(lo), static_cast<uint16_t>(lo + n - 1)};
   }
   return {};
 }
@@ -229,18 +245,25 @@ TEST(RunIntegrationTest, JobOnIpv6LoopbackWithADataPortRangeRecoversAndFinishes)
   // Two workers, a spare, the spare that refills the pool after the kill: four at once at most.
   net::PortRange ports = FreeIpv6Ports(6);
   ASSERT_FALSE(ports.empty()) << "no 6 adjacent free ports on [::1]";
-  const std::vector<std::string> worker = {"--", kBin + "/nonstop-test-worker", "--steps", "40", "--elements",
-                                           "100003", "--sleep-ms", "5"};
+  const std::vector<std::string> worker = {
+      "--", kBin + "/nonstop-test-worker", "--steps", "40", "--elements", "100003", "--sleep-ms",
+      "5"};
   std::string journal = dir / "v6.jsonl";
-  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--host", "::1", "--nproc", "2", "--spares", "1",
-                                   "--inject", "kill:rank=1,step=15", "--journal", journal};
+  std::vector<std::string> argv = {kBin + "/nonstop", "run",
+                                   "--host",          "::1",
+                                   "--nproc",         "2",
+                                   "--spares",        "1",
+                                   "--inject",        "kill:rank=1,step=15",
+                                   "--journal",       journal};
   argv.insert(argv.end(), worker.begin(), worker.end());
-  ChildProcess run(argv, dir / "v6.txt", {fmt::format("{}={}", settings::kDataPorts.env, ports.ToString())});
+  ChildProcess run(argv, dir / "v6.txt",
+                   {fmt::format("{}={}", settings::kDataPorts.env, ports.ToString())});
   int code = run.Wait(milliseconds(60'000));
   std::string out = run.Output();
   ASSERT_EQ(code, 0) << out;
   EXPECT_NE(out.find("recovery report: 1 recovery"), std::string::npos) << out;
-  EXPECT_NE(out.find("[::1]:"), std::string::npos) << "the banner prints the controller bracketed\n" << out;
+  EXPECT_NE(out.find("[::1]:"), std::string::npos) << "the banner prints the controller bracketed\n"
+                                                   << out;
   auto joins = Events(journal, "join");
   ASSERT_GE(joins.size(), 4u) << out;  // two workers, the spare, the refill
   for (const auto& j : joins) {
@@ -257,8 +280,8 @@ TEST(RunIntegrationTest, JobOnIpv6LoopbackWithADataPortRangeRecoversAndFinishes)
   EXPECT_EQ(ends[0]["recovery"]["outcome"], "completed");
   EXPECT_EQ(ends[0]["recovery"]["lost_steps"], 0);
   // The same job over IPv4, without the fault: the same bytes.
-  std::vector<std::string> v4 = {kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--journal",
-                                 dir / "v4.jsonl"};
+  std::vector<std::string> v4 = {kBin + "/nonstop", "run", "--nproc",   "2",
+                                 "--spares",        "0",   "--journal", dir / "v4.jsonl"};
   v4.insert(v4.end(), worker.begin(), worker.end());
   ChildProcess plain(v4, dir / "v4.txt");
   ASSERT_EQ(plain.Wait(milliseconds(60'000)), 0) << plain.Output();
@@ -277,15 +300,16 @@ TEST(RunIntegrationTest, DataPortRangeTooSmallIsNamed) {
   auto held = net::Listen({"127.0.0.1", 0});  // the range's one port, taken
   ASSERT_TRUE(held.ok()) << held.status().ToString();
   const std::string range = std::to_string(held->address.port);
-  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "0", "--journal", dir / "j.jsonl", "--",
-                    kBin + "/nonstop-test-worker", "--steps", "5"},
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "0", "--journal",
+                    dir / "j.jsonl", "--", kBin + "/nonstop-test-worker", "--steps", "5"},
                    dir / "out.txt", {fmt::format("{}={}", settings::kDataPorts.env, range)});
   int code = run.Wait(milliseconds(30'000));
   std::string out = run.Output();
   EXPECT_NE(code, 0) << out;
   EXPECT_NE(code, -1) << "the job hung\n" << out;
-  EXPECT_NE(out.find("no free data port in " + range + " (1 port, it is in use): widen --data-ports"),
-            std::string::npos)
+  EXPECT_NE(
+      out.find("no free data port in " + range + " (1 port, it is in use): widen --data-ports"),
+      std::string::npos)
       << out;
 }
 

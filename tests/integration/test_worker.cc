@@ -14,8 +14,8 @@
 #include <thread>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "common/crc32c.h"
 #include "nonstop/data.h"
@@ -60,12 +60,14 @@ int main(int argc, char** argv) {
 
   auto joined = nonstop::Session::Join(*options, &state);
   if (!joined.ok()) {
-    if (joined.status().code() == nonstop::StatusCode::kCancelled) return 0;  // a spare that was never needed
+    // a spare that was never needed
+    if (joined.status().code() == nonstop::StatusCode::kCancelled) return 0;
     fmt::print(stderr, "join failed: {}\n", joined.status().ToString());
     return 10;
   }
   auto& s = **joined;
-  fmt::print("worker {} (pid {}) is rank {} of {}\n", s.worker_id(), ::getpid(), s.rank(), s.world_size());
+  fmt::print("worker {} (pid {}) is rank {} of {}\n", s.worker_id(), ::getpid(), s.rank(),
+             s.world_size());
   std::fflush(stdout);
   std::vector<float> v(elements);
   int64_t step = s.resume_step();
@@ -84,8 +86,8 @@ int main(int argc, char** argv) {
     }
     step = *next;
     auto c = s.last_change();
-    fmt::print("{}: rank {} of {} (was {} of {}), resuming at step {}\n", c.reason, c.new_rank, c.new_world,
-               c.old_rank, c.old_world, step);
+    fmt::print("{}: rank {} of {} (was {} of {}), resuming at step {}\n", c.reason, c.new_rank,
+               c.new_world, c.old_rank, c.old_world, step);
     std::fflush(stdout);
     extra_sleep_ms = recovered_sleep_ms;
     return true;
@@ -103,12 +105,14 @@ int main(int argc, char** argv) {
       for (uint64_t item = lo; item < hi; ++item) {
         for (size_t i = 0; i < elements; ++i) v[i] += Item(step, item, i);
       }
-      if (sleep_ms + extra_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms + extra_sleep_ms));
+      if (sleep_ms + extra_sleep_ms > 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms + extra_sleep_ms));
       extra_sleep_ms = 0;
       nonstop::Status st = s.AllReduce(v);
       if (!st.ok()) {
         fmt::print("step {}: {}\n", step, st.ToString());
-        if (!recover()) return released ? 0 : (s.shutdown_exit_code() != 0 ? s.shutdown_exit_code() : 10);
+        if (!recover())
+          return released ? 0 : (s.shutdown_exit_code() != 0 ? s.shutdown_exit_code() : 10);
         continue;
       }
       for (size_t i = 0; i < elements; ++i) acc[i] += v[i];
@@ -120,7 +124,8 @@ int main(int argc, char** argv) {
       }
       ++step;
     }
-    std::string checksum = fmt::format("{:08x}", nonstop::Crc32c(acc.data(), acc.size() * sizeof(float)));
+    std::string checksum =
+        fmt::format("{:08x}", nonstop::Crc32c(acc.data(), acc.size() * sizeof(float)));
     nonstop::Status fin = s.Finish(steps - 1, checksum);
     if (fin.code() == nonstop::StatusCode::kAborted) {
       if (!recover()) return released ? 0 : 10;

@@ -3,10 +3,10 @@
 // loss at a fixed global batch, and clear errors for bad recipes and data.
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <fstream>
-#include <filesystem>
 #include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <iterator>
 #include <map>
 #include <regex>
@@ -31,15 +31,20 @@ const std::string kBin = NONSTOP_BIN_DIR;
 // A micro model that trains in a second or two on two cores.
 // train_extra: more lines of the train section ("  determinism: world-invariant\n").
 // optimizer_extra: more lines of the optimizer section ("  shard_group: 2\n").
-std::string MicroRecipe(const std::string& data_dir, const std::string& text_file, const std::string& arch = "llama",
-                        const std::string& train_extra = "", const std::string& optimizer_extra = "") {
+std::string MicroRecipe(const std::string& data_dir, const std::string& text_file,
+                        const std::string& arch = "llama", const std::string& train_extra = "",
+                        const std::string& optimizer_extra = "") {
   std::string moe = arch == "gpt-oss" ? "  n_experts: 3\n  top_k: 2\n" : "";
   return "name: micro\n"
-         "model:\n  arch: " + arch + "\n  vocab_size: 256\n  dim: 32\n  n_layers: 2\n  n_heads: 4\n  n_kv_heads: 2\n"
-         "  ffn_hidden: 48\n" + moe + "  seq_len: 16\n"
-         "train:\n  steps: 21\n  global_batch: 16\n  micro_batch: 2\n  seed: 7\n  log_every: 5\n" + train_extra +
-         "optimizer:\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  warmup_steps: 3\n" + optimizer_extra +
-         "data:\n  shards: " + data_dir + "\n  prepare_from: " + text_file + "\n";
+         "model:\n  arch: " +
+         arch +
+         "\n  vocab_size: 256\n  dim: 32\n  n_layers: 2\n  n_heads: 4\n  n_kv_heads: 2\n"
+         "  ffn_hidden: 48\n" +
+         moe +
+         "  seq_len: 16\n"
+         "train:\n  steps: 21\n  global_batch: 16\n  micro_batch: 2\n  seed: 7\n  log_every: 5\n" +
+         train_extra + "optimizer:\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  warmup_steps: 3\n" +
+         optimizer_extra + "data:\n  shards: " + data_dir + "\n  prepare_from: " + text_file + "\n";
 }
 
 constexpr const char* kWorldInvariant = "  determinism: world-invariant\n";
@@ -49,7 +54,8 @@ class TrainTest : public ::testing::Test {
   void SetUp() override {
     std::ofstream text(dir_ / "corpus.txt");
     for (int i = 0; i < 400; ++i) {
-      text << "The quick brown fox " << i << " jumps over the lazy dog; pack my box with five dozen liquor jugs.\n";
+      text << "The quick brown fox " << i
+           << " jumps over the lazy dog; pack my box with five dozen liquor jugs.\n";
     }
   }
   void WriteRecipe(const std::string& arch = "llama") {
@@ -64,7 +70,8 @@ class TrainTest : public ::testing::Test {
   RunResult Run(int nproc, const std::string& tag, std::vector<std::string> extra = {},
                 std::vector<std::string> run_flags = {"--spares", "0"}) {
     std::string journal = dir_ / (tag + ".jsonl");
-    std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", std::to_string(nproc), "--journal", journal};
+    std::vector<std::string> argv = {kBin + "/nonstop",     "run",       "--nproc",
+                                     std::to_string(nproc), "--journal", journal};
     argv.insert(argv.end(), run_flags.begin(), run_flags.end());
     argv.insert(argv.end(), {"--", kBin + "/nonstop-train", dir_ / "recipe.yaml"});
     argv.insert(argv.end(), extra.begin(), extra.end());
@@ -114,18 +121,21 @@ TEST_F(TrainTest, RecoveryFromEachFaultKindIsBitwiseIdenticalToTheFaultFreeRun) 
   WriteRecipe();
   RunResult clean = Run(3, "clean");
   ASSERT_EQ(clean.code, 0) << clean.output;
-  for (const char* fault : {"kill:rank=1,step=8", "exception:rank=2,step=5", "hang:rank=0,step=11"}) {
+  for (const char* fault :
+       {"kill:rank=1,step=8", "exception:rank=2,step=5", "hang:rank=0,step=11"}) {
     RunResult r = Run(3, std::string("fault-") + fault[0], {},
                       {"--spares", "1", "--heartbeat-timeout-ms", "1000", "--inject", fault});
     ASSERT_EQ(r.code, 0) << fault << "\n" << r.output;
     EXPECT_EQ(r.checksum, clean.checksum) << fault << "\n" << r.output;
     EXPECT_EQ(r.losses, clean.losses) << fault;
-    // DESIGN invariant 4: a fault costs at most the step in flight. The faulty rank can complete step
-    // s-1 a moment before its peers read their last chunks of it; the abort then cuts them, and the
-    // report counts that step, which only the dead rank held, as lost (it is redone, bitwise the same).
+    // DESIGN invariant 4: a fault costs at most the step in flight. The faulty rank can complete
+    // step s-1 a moment before its peers read their last chunks of it; the abort then cuts them,
+    // and the report counts that step, which only the dead rank held, as lost (it is redone,
+    // bitwise the same).
     std::smatch m;
-    ASSERT_TRUE(std::regex_search(r.output, m,
-                                  std::regex(R"(recovery report: 1 recovery, 0 resizes, (\d+) completed steps? lost)")))
+    ASSERT_TRUE(std::regex_search(
+        r.output, m,
+        std::regex(R"(recovery report: 1 recovery, 0 resizes, (\d+) completed steps? lost)")))
         << r.output;
     const int lost = std::stoi(m[1]);
     EXPECT_LE(lost, 1) << fault << ": more than the step in flight was lost\n" << r.output;
@@ -148,8 +158,9 @@ TEST_F(TrainTest, RecoveryFromEachFaultKindIsBitwiseIdenticalToTheFaultFreeRun) 
 // kill, no spare) → 4 (a grow), and a run resumed from a checkpoint written at
 // world 4 continued at world 2 end on the same bits, with every loss the same.
 TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChangesAndResumes) {
-  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama", kWorldInvariant)
-                                      << "checkpoint:\n  keep: 10\n";
+  std::ofstream(dir_ / "recipe.yaml")
+      << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama", kWorldInvariant)
+      << "checkpoint:\n  keep: 10\n";
   const std::vector<std::string> steps = {"--steps", "40"};
   RunResult w4 = Run(4, "w4", steps);
   ASSERT_EQ(w4.code, 0) << w4.output;
@@ -164,9 +175,25 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
 
   // 4 → 3 by a kill with no spare, then 3 → 4 by a grow, while it trains.
   std::string journal = dir_ / "elastic.jsonl";
-  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", "4", "--spares", "0", "--max-world", "4",
-                                   "--journal", journal, "--inject", "kill:rank=3,step=6", "--", kBin + "/nonstop-train",
-                                   dir_ / "recipe.yaml", "--steps", "40", "--throttle-ms", "40"};
+  std::vector<std::string> argv = {kBin + "/nonstop",
+                                   "run",
+                                   "--nproc",
+                                   "4",
+                                   "--spares",
+                                   "0",
+                                   "--max-world",
+                                   "4",
+                                   "--journal",
+                                   journal,
+                                   "--inject",
+                                   "kill:rank=3,step=6",
+                                   "--",
+                                   kBin + "/nonstop-train",
+                                   dir_ / "recipe.yaml",
+                                   "--steps",
+                                   "40",
+                                   "--throttle-ms",
+                                   "40"};
   ChildProcess run(argv, dir_ / "elastic.out");
   auto plans = [&] { return nonstop::testing::JournalEvents(journal, "plan"); };
   auto until = std::chrono::steady_clock::now() + milliseconds(120'000);
@@ -174,7 +201,8 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
     ASSERT_LT(std::chrono::steady_clock::now(), until) << "the shrink to 3\n" << run.Output();
     std::this_thread::sleep_for(milliseconds(20));
   }
-  ChildProcess grow({kBin + "/nonstop", "scale", "--job", dir_ / "job.json", "--world-size", "4"}, dir_ / "grow.out");
+  ChildProcess grow({kBin + "/nonstop", "scale", "--job", dir_ / "job.json", "--world-size", "4"},
+                    dir_ / "grow.out");
   EXPECT_EQ(grow.Wait(milliseconds(20'000)), 0) << grow.Output();
   ASSERT_EQ(run.Wait(milliseconds(120'000)), 0) << run.Output();
   std::vector<size_t> worlds;
@@ -182,14 +210,17 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
   EXPECT_EQ(worlds, (std::vector<size_t>{4, 3, 4})) << run.Output();
   std::string elastic_checksum;
   std::map<int64_t, double> elastic_losses;
-  for (auto& j : nonstop::testing::JournalEvents(journal, "finished")) elastic_checksum = j["checksum"];
-  for (auto& j : nonstop::testing::JournalEvents(journal, "step")) elastic_losses[j["step"]] = j["loss"];
+  for (auto& j : nonstop::testing::JournalEvents(journal, "finished"))
+    elastic_checksum = j["checksum"];
+  for (auto& j : nonstop::testing::JournalEvents(journal, "step"))
+    elastic_losses[j["step"]] = j["loss"];
   EXPECT_EQ(elastic_checksum, w4.checksum) << run.Output();
   EXPECT_EQ(elastic_losses, w4.losses);
 
   // A checkpoint written at world 4, resumed at world 2.
   std::string ckpt = dir_ / "ckpt";
-  RunResult saved = Run(4, "saved", {"--steps", "40", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"});
+  RunResult saved =
+      Run(4, "saved", {"--steps", "40", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"});
   ASSERT_EQ(saved.code, 0) << saved.output;
   namespace fs = std::filesystem;
   for (const char* newer : {"step-000000029", "step-000000039"}) fs::remove_all(ckpt + "/" + newer);
@@ -206,11 +237,13 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
 // spread over every member. The run ends bitwise as the fault-free one, with
 // a spare, with a shrink after two kills, and with salvage turned off.
 TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
-  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama", kWorldInvariant);
+  std::ofstream(dir_ / "recipe.yaml")
+      << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama", kWorldInvariant);
   RunResult ref = Run(4, "ref");
   ASSERT_EQ(ref.code, 0) << ref.output;
   ASSERT_EQ(ref.losses.size(), 21u);
-  const std::regex kept_line(R"(step (\d+): kept the sums of (\d+) of 8 micro-batches from the step in flight)");
+  const std::regex kept_line(
+      R"(step (\d+): kept the sums of (\d+) of 8 micro-batches from the step in flight)");
   auto kept = [&](const std::string& output, int64_t* step) {
     std::smatch m;
     if (!std::regex_search(output, m, kept_line)) return -1;
@@ -223,8 +256,12 @@ TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseT
     int64_t step;
     int most_kept;  // the lost ranks' micro-batches are never kept
   };
-  for (const Case& c : {Case{"spare", {"--spares", "1", "--inject", "kill:rank=2,step=10"}, 10, 6},
-                        Case{"shrink", {"--spares", "0", "--inject", "kill:rank=1,step=12;kill:rank=3,step=12"}, 12, 6}}) {
+  for (const Case& c :
+       {Case{"spare", {"--spares", "1", "--inject", "kill:rank=2,step=10"}, 10, 6},
+        Case{"shrink",
+             {"--spares", "0", "--inject", "kill:rank=1,step=12;kill:rank=3,step=12"},
+             12,
+             6}}) {
     RunResult r = Run(4, c.tag, {}, c.run_flags);
     ASSERT_EQ(r.code, 0) << r.output;
     int64_t at = -1;
@@ -235,16 +272,19 @@ TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseT
     EXPECT_EQ(r.checksum, ref.checksum) << c.tag << "\n" << r.output;
     EXPECT_EQ(r.losses, ref.losses) << c.tag << ": every loss bitwise the same";
   }
-  RunResult whole = Run(4, "whole", {"--no-salvage"}, {"--spares", "1", "--inject", "kill:rank=2,step=10"});
+  RunResult whole =
+      Run(4, "whole", {"--no-salvage"}, {"--spares", "1", "--inject", "kill:rank=2,step=10"});
   ASSERT_EQ(whole.code, 0) << whole.output;
   int64_t at = -1;
-  EXPECT_EQ(kept(whole.output, &at), -1) << "--no-salvage computes the step again whole\n" << whole.output;
+  EXPECT_EQ(kept(whole.output, &at), -1) << "--no-salvage computes the step again whole\n"
+                                         << whole.output;
   EXPECT_EQ(whole.checksum, ref.checksum);
   EXPECT_EQ(whole.losses, ref.losses);
 }
 
 TEST_F(TrainTest, WorldInvariantModeHoldsForTheMixtureOfExperts) {
-  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "gpt-oss", kWorldInvariant);
+  std::ofstream(dir_ / "recipe.yaml")
+      << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "gpt-oss", kWorldInvariant);
   RunResult w1 = Run(1, "moe1");
   RunResult w3 = Run(3, "moe3");
   ASSERT_EQ(w1.code, 0) << w1.output;
@@ -255,11 +295,13 @@ TEST_F(TrainTest, WorldInvariantModeHoldsForTheMixtureOfExperts) {
 }
 
 TEST_F(TrainTest, WorldInvariantModeNeedsAFixedBatch) {
-  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama",
-                                                   std::string(kWorldInvariant) + "  batch: scale-with-world\n");
+  std::ofstream(dir_ / "recipe.yaml")
+      << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama",
+                     std::string(kWorldInvariant) + "  batch: scale-with-world\n");
   RunResult r = Run(1, "bad");
   EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.output.find("'world-invariant' needs train.batch 'fixed'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("'world-invariant' needs train.batch 'fixed'"), std::string::npos)
+      << r.output;
 }
 
 TEST_F(TrainTest, ShrinkKeepsTheLossCurveOfTheFullWorld) {
@@ -276,29 +318,34 @@ TEST_F(TrainTest, ShrinkKeepsTheLossCurveOfTheFullWorld) {
 }
 
 TEST_F(TrainTest, ResumeFromADurableCheckpointMatchesTheUninterruptedRun) {
-  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt") << "checkpoint:\n  keep: 10\n";
+  std::ofstream(dir_ / "recipe.yaml")
+      << MicroRecipe(dir_ / "data", dir_ / "corpus.txt") << "checkpoint:\n  keep: 10\n";
   std::string ckpt = dir_ / "ckpt";
-  RunResult full = Run(2, "full", {"--checkpoint-dir", ckpt, "--checkpoint-every", "5"},
-                       {"--spares", "0"});
+  RunResult full =
+      Run(2, "full", {"--checkpoint-dir", ckpt, "--checkpoint-every", "5"}, {"--spares", "0"});
   ASSERT_EQ(full.code, 0) << full.output;
   // Keep step 9 and step 4; make step 9 corrupt: the resume must skip it, say so, and use step 4.
   namespace fs = std::filesystem;
-  for (const char* newer : {"step-000000014", "step-000000019", "step-000000020"}) fs::remove_all(ckpt + "/" + newer);
+  for (const char* newer : {"step-000000014", "step-000000019", "step-000000020"})
+    fs::remove_all(ckpt + "/" + newer);
   ASSERT_TRUE(fs::exists(ckpt + "/step-000000009")) << full.output;
   RunResult from9 = Run(2, "resume9", {"--resume", ckpt});
   ASSERT_EQ(from9.code, 0) << from9.output;
-  EXPECT_NE(from9.output.find("resumed from " + ckpt + "/step-000000009"), std::string::npos) << from9.output;
+  EXPECT_NE(from9.output.find("resumed from " + ckpt + "/step-000000009"), std::string::npos)
+      << from9.output;
   EXPECT_EQ(from9.checksum, full.checksum);
   EXPECT_EQ(from9.losses.begin()->first, 10) << "it resumed at step 10";
   {
-    std::fstream f(ckpt + "/step-000000009/state.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    std::fstream f(ckpt + "/step-000000009/state.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(1000);
     f.put('\x42');
   }
   RunResult from4 = Run(2, "resume4", {"--resume", ckpt});
   ASSERT_EQ(from4.code, 0) << from4.output;
   EXPECT_NE(from4.output.find("fails its checksum"), std::string::npos) << from4.output;
-  EXPECT_NE(from4.output.find("resumed from " + ckpt + "/step-000000004"), std::string::npos) << from4.output;
+  EXPECT_NE(from4.output.find("resumed from " + ckpt + "/step-000000004"), std::string::npos)
+      << from4.output;
   EXPECT_EQ(from4.checksum, full.checksum);
 }
 
@@ -307,11 +354,13 @@ TEST_F(TrainTest, CheckpointRestartBaselineRedoesTheLostStepsAndEndsTheSame) {
   RunResult clean = Run(2, "clean");
   std::string ckpt = dir_ / "ckpt";
   RunResult r = Run(2, "baseline", {},
-                    {"--spares", "0", "--recovery", "checkpoint", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
-                     "--inject", "kill:rank=1,step=12"});
+                    {"--spares", "0", "--recovery", "checkpoint", "--checkpoint-dir", ckpt,
+                     "--checkpoint-every", "5", "--inject", "kill:rank=1,step=12"});
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(r.checksum, clean.checksum) << r.output;
-  EXPECT_NE(r.output.find("restarting every worker from the newest durable checkpoint"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restarting every worker from the newest durable checkpoint"),
+            std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("2 completed steps redone"), std::string::npos) << r.output;
 }
 
@@ -320,8 +369,8 @@ TEST_F(TrainTest, WhenNoWorkerHoldsTheStateTheJobRestartsFromTheLastCheckpoint) 
   RunResult clean = Run(2, "clean");
   std::string ckpt = dir_ / "ckpt";
   RunResult r = Run(2, "lastrung", {},
-                    {"--spares", "0", "--checkpoint-dir", ckpt, "--checkpoint-every", "5", "--inject",
-                     "kill:rank=0,step=13;kill:rank=1,step=13"});
+                    {"--spares", "0", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
+                     "--inject", "kill:rank=0,step=13;kill:rank=1,step=13"});
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(r.checksum, clean.checksum) << r.output;
   EXPECT_NE(r.output.find("exists on no live worker"), std::string::npos) << r.output;
@@ -329,7 +378,8 @@ TEST_F(TrainTest, WhenNoWorkerHoldsTheStateTheJobRestartsFromTheLastCheckpoint) 
 }
 
 // Samples of every completed step, from the --log-samples files: step → sorted sample ids.
-std::map<int64_t, std::vector<uint64_t>> SamplesByStep(const std::string& dir, std::string* duplicates) {
+std::map<int64_t, std::vector<uint64_t>> SamplesByStep(const std::string& dir,
+                                                       std::string* duplicates) {
   std::map<int64_t, std::vector<uint64_t>> out;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     std::ifstream in(e.path());
@@ -344,7 +394,8 @@ std::map<int64_t, std::vector<uint64_t>> SamplesByStep(const std::string& dir, s
   }
   for (auto& [step, v] : out) {
     std::sort(v.begin(), v.end());
-    if (std::adjacent_find(v.begin(), v.end()) != v.end()) *duplicates += fmt::format(" step {}", step);
+    if (std::adjacent_find(v.begin(), v.end()) != v.end())
+      *duplicates += fmt::format(" step {}", step);
   }
   return out;
 }
@@ -365,18 +416,35 @@ TEST_F(TrainTest, ElasticRunKeepsTheLossCurveAndTheSamplesOfAFixedWorld) {
   // 3 → 2 later: rank 1 is killed at step 101 (before its collective: a kill
   // from outside could land after the step's sum was complete and before the
   // victim logged its samples, and the log would miss its share of that step).
-  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0", "--max-world", "4",
-                                   "--journal", journal, "--inject", "kill:rank=1,step=101", "--",
-                                   kBin + "/nonstop-train", dir_ / "recipe.yaml"};
+  std::vector<std::string> argv = {kBin + "/nonstop",
+                                   "run",
+                                   "--nproc",
+                                   "2",
+                                   "--spares",
+                                   "0",
+                                   "--max-world",
+                                   "4",
+                                   "--journal",
+                                   journal,
+                                   "--inject",
+                                   "kill:rank=1,step=101",
+                                   "--",
+                                   kBin + "/nonstop-train",
+                                   dir_ / "recipe.yaml"};
   for (const auto& a : args(dir_ / "samples-elastic")) argv.push_back(a);
   ChildProcess run(argv, dir_ / "elastic.out");
-  auto events = [&](const std::string& kind) { return nonstop::testing::JournalEvents(journal, kind); };
+  auto events = [&](const std::string& kind) {
+    return nonstop::testing::JournalEvents(journal, kind);
+  };
   auto step = [&] {
     int64_t h = -1;
     for (auto& j : events("step")) h = std::max<int64_t>(h, j["step"]);
     return h;
   };
-  auto world = [&] { auto p = events("plan"); return p.empty() ? size_t{0} : p.back()["members"].size(); };
+  auto world = [&] {
+    auto p = events("plan");
+    return p.empty() ? size_t{0} : p.back()["members"].size();
+  };
   auto wait = [&](const std::function<bool()>& cond, const char* what) {
     auto until = std::chrono::steady_clock::now() + milliseconds(120'000);
     while (!cond()) {
@@ -387,22 +455,25 @@ TEST_F(TrainTest, ElasticRunKeepsTheLossCurveAndTheSamplesOfAFixedWorld) {
   std::string job = dir_ / "job.json";
   // 2 → 4: two workers started by hand join the job.
   wait([&] { return step() >= 15; }, "step 15");
-  std::vector<std::string> joiner = {kBin + "/nonstop", "worker", "--job", job, "--", kBin + "/nonstop-train",
-                                     dir_ / "recipe.yaml"};
+  std::vector<std::string> joiner = {
+      kBin + "/nonstop",   "worker", "--job", job, "--", kBin + "/nonstop-train",
+      dir_ / "recipe.yaml"};
   for (const auto& a : args(dir_ / "samples-elastic")) joiner.push_back(a);
   ChildProcess join_a(joiner, dir_ / "join-a.out");
   ChildProcess join_b(joiner, dir_ / "join-b.out");
   wait([&] { return world() == 4; }, "the world to grow to 4");
   // 4 → 3: give one back.
   wait([&] { return step() >= 60; }, "step 60");
-  ChildProcess release({kBin + "/nonstop", "scale", "--job", job, "--release", "1"}, dir_ / "scale1.out");
+  ChildProcess release({kBin + "/nonstop", "scale", "--job", job, "--release", "1"},
+                       dir_ / "scale1.out");
   EXPECT_EQ(release.Wait(milliseconds(20'000)), 0) << release.Output();
   wait([&] { return world() == 3; }, "the world to shrink to 3");
   // 3 → 2: rank 1 is killed at step 101 and no spare is left.
   wait([&] { return world() == 2; }, "the shrink on the fault");
   // 2 → 4: capacity comes back on request.
   wait([&] { return step() >= 130; }, "step 130");
-  ChildProcess grow({kBin + "/nonstop", "scale", "--job", job, "--world-size", "4"}, dir_ / "scale2.out");
+  ChildProcess grow({kBin + "/nonstop", "scale", "--job", job, "--world-size", "4"},
+                    dir_ / "scale2.out");
   EXPECT_EQ(grow.Wait(milliseconds(20'000)), 0) << grow.Output();
   wait([&] { return world() == 4; }, "the grow back to 4");
   ASSERT_EQ(run.Wait(milliseconds(120'000)), 0) << run.Output();
@@ -425,8 +496,8 @@ TEST_F(TrainTest, ElasticRunKeepsTheLossCurveAndTheSamplesOfAFixedWorld) {
   std::string differ;
   for (const auto& [s, samples] : want) {
     if (got.count(s) && got[s] != samples && differ.size() < 2000) {
-      differ += fmt::format("\n  step {}: fixed world [{}], elastic [{}]", s, fmt::join(samples, " "),
-                            fmt::join(got[s], " "));
+      differ += fmt::format("\n  step {}: fixed world [{}], elastic [{}]", s,
+                            fmt::join(samples, " "), fmt::join(got[s], " "));
     }
   }
   EXPECT_TRUE(got == want) << "some step saw other samples than in the fixed world:" << differ;
@@ -437,20 +508,41 @@ TEST_F(TrainTest, ScaleWithWorldBatchGrowsTheBatchAndTheLearningRate) {
       MicroRecipe(dir_ / "data", dir_ / "corpus.txt"), std::regex("  log_every: 5\n"),
       "  log_every: 5\n  batch: scale-with-world\n  lr_scaling: sqrt\n  rescale_warmup_steps: 3\n");
   std::string journal = dir_ / "scaled.jsonl";
-  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "2", "--max-world", "4", "--journal", journal,
-                    "--inject", "none", "--", kBin + "/nonstop-train", dir_ / "recipe.yaml", "--steps", "60",
-                    "--throttle-ms", "20", "--log-samples", dir_ / "samples"},
+  ChildProcess run({kBin + "/nonstop",
+                    "run",
+                    "--nproc",
+                    "2",
+                    "--spares",
+                    "2",
+                    "--max-world",
+                    "4",
+                    "--journal",
+                    journal,
+                    "--inject",
+                    "none",
+                    "--",
+                    kBin + "/nonstop-train",
+                    dir_ / "recipe.yaml",
+                    "--steps",
+                    "60",
+                    "--throttle-ms",
+                    "20",
+                    "--log-samples",
+                    dir_ / "samples"},
                    dir_ / "scaled.out");
   ASSERT_EQ(run.Wait(milliseconds(120'000)), 0) << run.Output();
   std::string out = run.Output();
-  EXPECT_NE(out.find("global batch 32 samples, learning-rate factor 1.000 → 1.414 over 3 steps"), std::string::npos) << out;
+  EXPECT_NE(out.find("global batch 32 samples, learning-rate factor 1.000 → 1.414 over 3 steps"),
+            std::string::npos)
+      << out;
   std::string dup;
   auto samples = SamplesByStep(dir_ / "samples", &dup);
   ASSERT_EQ(samples.size(), 60u);
   std::set<uint64_t> all;
   size_t total = 0, small = 0, large = 0;
   for (const auto& [step, v] : samples) {
-    EXPECT_TRUE(v.size() == 16 || v.size() == 32) << "step " << step << " has " << v.size() << " samples";
+    EXPECT_TRUE(v.size() == 16 || v.size() == 32)
+        << "step " << step << " has " << v.size() << " samples";
     (v.size() == 16 ? small : large)++;
     total += v.size();
     all.insert(v.begin(), v.end());
@@ -468,7 +560,8 @@ TEST_F(TrainTest, MixtureOfExpertsModelTrains) {
 }
 
 TEST_F(TrainTest, UnknownRecipeKeyFailsTheJobNamingTheKey) {
-  std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt") << "extra_section:\n  x: 1\n";
+  std::ofstream(dir_ / "recipe.yaml")
+      << MicroRecipe(dir_ / "data", dir_ / "corpus.txt") << "extra_section:\n  x: 1\n";
   RunResult r = Run(1, "bad");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("extra_section: unknown key"), std::string::npos) << r.output;
@@ -500,16 +593,20 @@ uint64_t OptimizerBytesPerRank(const std::string& output) {
 class ShardedTrainTest : public TrainTest {
  protected:
   void WriteSharded(int group, bool world_invariant = true, const std::string& more = "") {
-    std::ofstream(dir_ / "recipe.yaml") << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama",
-                                                       world_invariant ? kWorldInvariant : "",
-                                                       group > 1 ? fmt::format("  shard_group: {}\n", group) : "")
-                                        << more;
+    std::ofstream(dir_ / "recipe.yaml")
+        << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "llama",
+                       world_invariant ? kWorldInvariant : "",
+                       group > 1 ? fmt::format("  shard_group: {}\n", group) : "")
+        << more;
   }
   // The bytes of the state's parameters and moments (unsharded: 3 × 4 × parameters).
-  static uint64_t WholeStateBytes(uint64_t unsharded_optimizer_bytes) { return unsharded_optimizer_bytes / 2 * 3; }
+  static uint64_t WholeStateBytes(uint64_t unsharded_optimizer_bytes) {
+    return unsharded_optimizer_bytes / 2 * 3;
+  }
   std::vector<size_t> Worlds(const std::string& tag) {
     std::vector<size_t> worlds;
-    for (auto& p : nonstop::testing::JournalEvents(dir_ / (tag + ".jsonl"), "plan")) worlds.push_back(p["members"].size());
+    for (auto& p : nonstop::testing::JournalEvents(dir_ / (tag + ".jsonl"), "plan"))
+      worlds.push_back(p["members"].size());
     return worlds;
   }
 };
@@ -527,11 +624,14 @@ TEST_F(ShardedTrainTest, ShardsTheMomentsAndKeepsTheUnshardedLossCurve) {
       WriteSharded(group, invariant);
       RunResult r = Run(4, fmt::format("{}-g{}", mode, group));
       ASSERT_EQ(r.code, 0) << r.output;
-      // The moments shrink by G: a shard is 1/G of the parameters and the loss slot, padded to a multiple of G.
+      // The moments shrink by G: a shard is 1/G of the parameters and the loss slot, padded to a
+      // multiple of G.
       const uint64_t bytes = OptimizerBytesPerRank(r.output);
       EXPECT_GE(bytes * static_cast<uint64_t>(group), whole_bytes) << mode << " G=" << group;
-      EXPECT_LE(bytes * static_cast<uint64_t>(group), whole_bytes + 8u * static_cast<uint64_t>(group))
-          << mode << " G=" << group << "\n" << r.output;
+      EXPECT_LE(bytes * static_cast<uint64_t>(group),
+                whole_bytes + 8u * static_cast<uint64_t>(group))
+          << mode << " G=" << group << "\n"
+          << r.output;
       ASSERT_EQ(r.losses.size(), whole.losses.size());
       if (invariant) {
         // The same sums, the same elementwise update: the same bits.
@@ -539,7 +639,8 @@ TEST_F(ShardedTrainTest, ShardsTheMomentsAndKeepsTheUnshardedLossCurve) {
         EXPECT_EQ(r.losses, whole.losses) << "G=" << group;
       } else {
         for (auto [step, loss] : whole.losses) {
-          EXPECT_LT(std::abs(r.losses[step] - loss) / loss, 1e-4) << "step " << step;  // another summation order
+          // another summation order
+          EXPECT_LT(std::abs(r.losses[step] - loss) / loss, 1e-4) << "step " << step;
         }
       }
     }
@@ -560,35 +661,43 @@ TEST_F(ShardedTrainTest, RecoveriesAndReshardingEndBitwiseAsTheFaultFreeRun) {
     return flags;
   };
 
-  // A kill with a spare: the spare copies shard 1 from its replica, and the step counters from anyone.
+  // A kill with a spare: the spare copies shard 1 from its replica, and the step counters from
+  // anyone.
   RunResult spare = Run(4, "spare", {}, with_fault({"--spares", "1"}, "kill:rank=1,step=8"));
   ASSERT_EQ(spare.code, 0) << spare.output;
   EXPECT_EQ(spare.checksum, ref.checksum) << spare.output;
-  EXPECT_NE(spare.output.find("re-sharded: copied shard 1 of the optimizer state"), std::string::npos) << spare.output;
+  EXPECT_NE(spare.output.find("re-sharded: copied shard 1 of the optimizer state"),
+            std::string::npos)
+      << spare.output;
   uint64_t copied = 0;
   for (auto& j : nonstop::testing::JournalEvents(dir_ / "spare.jsonl", "recovery_end")) {
     copied += j["recovery"].value("bytes_copied", uint64_t{0});
   }
-  // One shard of the parameters and both moments (3/2 of a shard's moments), and six 8-byte counters.
+  // One shard of the parameters and both moments (3/2 of a shard's moments), and six 8-byte
+  // counters.
   EXPECT_EQ(copied, shard_moments / 2 * 3 + 6 * 8) << spare.output;
   EXPECT_LT(copied, WholeStateBytes(whole_bytes) / 2 + 64) << "not the whole state";
 
   // The same where every worker looked for a checkpoint to resume from and found none (a restarted
   // job before its first checkpoint): the spare's copied shard is what it trains on.
-  RunResult none = Run(4, "none", {"--resume-from-checkpoint-dir", "--checkpoint-dir", dir_ / "no-checkpoints"},
-                       with_fault({"--spares", "1"}, "kill:rank=1,step=8"));
+  RunResult none =
+      Run(4, "none", {"--resume-from-checkpoint-dir", "--checkpoint-dir", dir_ / "no-checkpoints"},
+          with_fault({"--spares", "1"}, "kill:rank=1,step=8"));
   ASSERT_EQ(none.code, 0) << none.output;
   EXPECT_NE(none.output.find("no checkpoint to resume from"), std::string::npos) << none.output;
   EXPECT_EQ(none.checksum, ref.checksum) << none.output;
 
   // Two kills in different groups in one step, two spares.
-  RunResult two = Run(4, "two", {}, with_fault({"--spares", "2"}, "kill:rank=0,step=8;kill:rank=3,step=8"));
+  RunResult two =
+      Run(4, "two", {}, with_fault({"--spares", "2"}, "kill:rank=0,step=8;kill:rank=3,step=8"));
   ASSERT_EQ(two.code, 0) << two.output;
   EXPECT_EQ(two.checksum, ref.checksum) << two.output;
 
   // No spare: 6 → 4 (a member released to keep whole groups: every rank after the lost one
   // changes shard, re-sharded live), and a kill during that re-shard: → 2, re-sharded again.
-  RunResult during = Run(6, "during", {}, with_fault({"--spares", "0"}, "kill:rank=0,step=8;kill:rank=1,during=transfer"));
+  RunResult during =
+      Run(6, "during", {},
+          with_fault({"--spares", "0"}, "kill:rank=0,step=8;kill:rank=1,during=transfer"));
   ASSERT_EQ(during.code, 0) << during.output;
   EXPECT_EQ(during.checksum, ref.checksum) << during.output;
   EXPECT_EQ(Worlds("during"), (std::vector<size_t>{6, 4, 2})) << during.output;
@@ -598,16 +707,18 @@ TEST_F(ShardedTrainTest, RecoveriesAndReshardingEndBitwiseAsTheFaultFreeRun) {
   // workers must build their model and join before the job's last step: each step is slowed to
   // 400 ms, so that the 15 steps after the shrink leave them seconds even on a loaded machine.
   std::string journal = dir_ / "grow.jsonl";
-  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "4", "--spares", "0", "--max-world", "4", "--journal", journal,
-                    "--heartbeat-timeout-ms", "1000", "--inject", "kill:rank=0,step=6", "--", kBin + "/nonstop-train",
-                    dir_ / "recipe.yaml", "--throttle-ms", "400"},
-                   dir_ / "grow.out");
+  ChildProcess run(
+      {kBin + "/nonstop", "run", "--nproc", "4", "--spares", "0", "--max-world", "4", "--journal",
+       journal, "--heartbeat-timeout-ms", "1000", "--inject", "kill:rank=0,step=6", "--",
+       kBin + "/nonstop-train", dir_ / "recipe.yaml", "--throttle-ms", "400"},
+      dir_ / "grow.out");
   auto until = std::chrono::steady_clock::now() + milliseconds(120'000);
   while (Worlds("grow").size() < 2) {
     ASSERT_LT(std::chrono::steady_clock::now(), until) << "the shrink\n" << run.Output();
     std::this_thread::sleep_for(milliseconds(20));
   }
-  ChildProcess grow({kBin + "/nonstop", "scale", "--job", dir_ / "job.json", "--world-size", "4"}, dir_ / "scale.out");
+  ChildProcess grow({kBin + "/nonstop", "scale", "--job", dir_ / "job.json", "--world-size", "4"},
+                    dir_ / "scale.out");
   EXPECT_EQ(grow.Wait(milliseconds(20'000)), 0) << grow.Output();
   ASSERT_EQ(run.Wait(milliseconds(120'000)), 0) << run.Output();
   EXPECT_EQ(Worlds("grow"), (std::vector<size_t>{4, 2, 4})) << run.Output();
@@ -618,7 +729,8 @@ TEST_F(ShardedTrainTest, RecoveriesAndReshardingEndBitwiseAsTheFaultFreeRun) {
   // Fast determinism, bitwise at a fixed world: a kill with a spare.
   WriteSharded(2, /*world_invariant=*/false);
   RunResult fast = Run(4, "fast");
-  RunResult fast_spare = Run(4, "fast-spare", {}, with_fault({"--spares", "1"}, "kill:rank=2,step=9"));
+  RunResult fast_spare =
+      Run(4, "fast-spare", {}, with_fault({"--spares", "1"}, "kill:rank=2,step=9"));
   ASSERT_EQ(fast_spare.code, 0) << fast_spare.output;
   EXPECT_EQ(fast_spare.checksum, fast.checksum) << fast_spare.output;
   EXPECT_EQ(fast_spare.losses, fast.losses);
@@ -628,19 +740,24 @@ TEST_F(ShardedTrainTest, LosingEveryCopyOfAShardStopsTheJobNamingItOrFallsToTheC
   WriteSharded(2);
   RunResult ref = Run(4, "ref");
   ASSERT_EQ(ref.code, 0) << ref.output;
-  // Ranks 1 and 3 are both holders of shard 1: with spares for both, the state of shard 1 is nowhere.
-  const std::vector<std::string> both = {"--spares", "2", "--heartbeat-timeout-ms", "1000", "--inject",
-                                         "kill:rank=1,step=8;kill:rank=3,step=8"};
+  // Ranks 1 and 3 are both holders of shard 1: with spares for both, the state of shard 1 is
+  // nowhere.
+  const std::vector<std::string> both = {
+      "--spares", "2",        "--heartbeat-timeout-ms",
+      "1000",     "--inject", "kill:rank=1,step=8;kill:rank=3,step=8"};
   RunResult lost = Run(4, "lost", {}, both);
   EXPECT_EQ(lost.code, 10) << lost.output;
-  EXPECT_NE(lost.output.find("every copy of shard 1 of the optimizer state of step 7 is lost"), std::string::npos)
+  EXPECT_NE(lost.output.find("every copy of shard 1 of the optimizer state of step 7 is lost"),
+            std::string::npos)
       << lost.output;
-  EXPECT_EQ(lost.output.find("the controller (pid"), std::string::npos) << "it ended the job; it did not die";
+  EXPECT_EQ(lost.output.find("the controller (pid"), std::string::npos)
+      << "it ended the job; it did not die";
   std::vector<std::string> rung = both;
   rung.insert(rung.end(), {"--checkpoint-dir", dir_ / "ckpt", "--checkpoint-every", "5"});
   RunResult restarted = Run(4, "rung", {}, rung);
   ASSERT_EQ(restarted.code, 0) << restarted.output;
-  EXPECT_NE(restarted.output.find("restarting every worker"), std::string::npos) << restarted.output;
+  EXPECT_NE(restarted.output.find("restarting every worker"), std::string::npos)
+      << restarted.output;
   EXPECT_EQ(restarted.checksum, ref.checksum) << restarted.output;
 }
 

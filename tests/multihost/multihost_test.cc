@@ -52,15 +52,25 @@ class MultiHostTest : public ::testing::Test {
   // Host 0 runs the controller; hosts 1.. run agents.
   void MakeCluster(int hosts) {
     auto c = NetnsCluster::Create(hosts);
-    ASSERT_TRUE(c.ok()) << "the multi-host tests need network namespaces: " << c.status().ToString();
+    ASSERT_TRUE(c.ok()) << "the multi-host tests need network namespaces: "
+                        << c.status().ToString();
     cluster_ = std::move(*c);
   }
 
   // Starts the controller in host 0 and waits for its job file.
   void StartController(int nnodes, std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {kBin + "/nonstop", "controller", "--listen", cluster_->address(0) + ":0",
-                                     "--nnodes", std::to_string(nnodes), "--job-token-file", dir_ / "token",
-                                     "--journal", journal_, "--heartbeat-timeout-ms", "1000"};
+    std::vector<std::string> argv = {kBin + "/nonstop",
+                                     "controller",
+                                     "--listen",
+                                     cluster_->address(0) + ":0",
+                                     "--nnodes",
+                                     std::to_string(nnodes),
+                                     "--job-token-file",
+                                     dir_ / "token",
+                                     "--journal",
+                                     journal_,
+                                     "--heartbeat-timeout-ms",
+                                     "1000"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     auto pid = cluster_->Spawn(0, argv, {}, dir_ / "controller.out");
     ASSERT_TRUE(pid.ok()) << pid.status().ToString();
@@ -69,18 +79,33 @@ class MultiHostTest : public ::testing::Test {
     while (controller_address_.empty()) {
       ASSERT_LT(std::chrono::steady_clock::now(), until) << ReadFile(dir_ / "controller.out");
       auto job = json::parse(ReadFile(dir_ / "job.json"), nullptr, false);
-      if (!job.is_discarded() && job.contains("controller")) controller_address_ = job["controller"];
+      if (!job.is_discarded() && job.contains("controller"))
+        controller_address_ = job["controller"];
       std::this_thread::sleep_for(milliseconds(20));
     }
   }
 
   pid_t StartAgent(int host, const std::string& id, int nproc, int spares) {
-    std::vector<std::string> argv = {kBin + "/nonstop", "agent", "--controller", controller_address_,
-                                     "--job-token-file", dir_ / "token", "--host-id", id,
-                                     "--nproc-per-host", std::to_string(nproc), "--spares-per-host",
-                                     std::to_string(spares), "--join-timeout-ms", "30000",
-                                     "--", kBin + "/nonstop-test-worker", "--steps", std::to_string(steps_),
-                                     "--sleep-ms", std::to_string(sleep_ms_)};
+    std::vector<std::string> argv = {kBin + "/nonstop",
+                                     "agent",
+                                     "--controller",
+                                     controller_address_,
+                                     "--job-token-file",
+                                     dir_ / "token",
+                                     "--host-id",
+                                     id,
+                                     "--nproc-per-host",
+                                     std::to_string(nproc),
+                                     "--spares-per-host",
+                                     std::to_string(spares),
+                                     "--join-timeout-ms",
+                                     "30000",
+                                     "--",
+                                     kBin + "/nonstop-test-worker",
+                                     "--steps",
+                                     std::to_string(steps_),
+                                     "--sleep-ms",
+                                     std::to_string(sleep_ms_)};
     auto pid = cluster_->Spawn(host, argv, {}, dir_ / ("agent-" + id + ".out"));
     EXPECT_TRUE(pid.ok()) << pid.status().ToString();
     agents_[id] = pid.ok() ? *pid : -1;
@@ -89,14 +114,16 @@ class MultiHostTest : public ::testing::Test {
 
   int64_t HighestStep() const {
     int64_t h = -1;
-    for (const auto& s : Events(journal_, "step")) h = std::max<int64_t>(h, s["step"].get<int64_t>());
+    for (const auto& s : Events(journal_, "step"))
+      h = std::max<int64_t>(h, s["step"].get<int64_t>());
     return h;
   }
 
   void WaitFor(const std::function<bool()>& cond, const std::string& what, int ms = 60'000) {
     auto until = std::chrono::steady_clock::now() + milliseconds(ms);
     while (!cond()) {
-      ASSERT_LT(std::chrono::steady_clock::now(), until) << "waiting for " << what << "\n" << Outputs();
+      ASSERT_LT(std::chrono::steady_clock::now(), until) << "waiting for " << what << "\n"
+                                                         << Outputs();
       std::this_thread::sleep_for(milliseconds(20));
     }
   }
@@ -110,24 +137,27 @@ class MultiHostTest : public ::testing::Test {
 
   std::string Outputs() const {
     std::string out = "--- controller:\n" + ReadFile(dir_ / "controller.out");
-    for (const auto& [id, pid] : agents_) out += "--- agent " + id + ":\n" + ReadFile(dir_ / ("agent-" + id + ".out"));
+    for (const auto& [id, pid] : agents_)
+      out += "--- agent " + id + ":\n" + ReadFile(dir_ / ("agent-" + id + ".out"));
     return out;
   }
 
   // The checksum every member finished with (they must agree).
   std::string FinalChecksum() const {
     std::set<std::string> sums;
-    for (const auto& f : Events(journal_, "finished")) sums.insert(f["checksum"].get<std::string>());
+    for (const auto& f : Events(journal_, "finished"))
+      sums.insert(f["checksum"].get<std::string>());
     EXPECT_EQ(sums.size(), 1u) << "members disagree or none finished";
     return sums.empty() ? "" : *sums.begin();
   }
 
-  // The fault-free run's checksum for the same steps (world size does not matter for the test worker).
+  // The fault-free run's checksum for the same steps (world size does not matter for the test
+  // worker).
   std::string ReferenceChecksum() {
     std::string journal = dir_ / "reference.jsonl";
-    std::string cmd = kBin + "/nonstop run --nproc 2 --spares 0 --inject none --journal " + journal + " -- " + kBin +
-                      "/nonstop-test-worker --steps " + std::to_string(steps_) + " > " + dir_ / "reference.out" +
-                      " 2>&1";
+    std::string cmd = kBin + "/nonstop run --nproc 2 --spares 0 --inject none --journal " +
+                      journal + " -- " + kBin + "/nonstop-test-worker --steps " +
+                      std::to_string(steps_) + " > " + dir_ / "reference.out" + " 2>&1";
     EXPECT_EQ(std::system(cmd.c_str()), 0) << ReadFile(dir_ / "reference.out");
     std::set<std::string> sums;
     for (const auto& f : Events(journal, "finished")) sums.insert(f["checksum"].get<std::string>());
@@ -151,7 +181,8 @@ class MultiHostTest : public ::testing::Test {
   // worker id → host, from the join records.
   std::map<int, std::string> HostOfWorker() const {
     std::map<int, std::string> out;
-    for (const auto& j : Events(journal_, "join")) out[j["worker_id"].get<int>()] = j.value("host", "");
+    for (const auto& j : Events(journal_, "join"))
+      out[j["worker_id"].get<int>()] = j.value("host", "");
     return out;
   }
 
@@ -185,7 +216,8 @@ TEST_F(MultiHostTest, HostCrashIsOneRecoveryAndSparesOfTheSpareHostTakeItsRanks)
   // Whichever of h2's connections broke first started it; the host's loss is among its causes.
   auto ends = Events(journal_, "recovery_end");
   ASSERT_EQ(ends.size(), 1u);
-  EXPECT_NE(ends[0]["recovery"]["causes"].dump().find("host h2 lost"), std::string::npos) << ends[0].dump();
+  EXPECT_NE(ends[0]["recovery"]["causes"].dump().find("host h2 lost"), std::string::npos)
+      << ends[0].dump();
   auto plans = Events(journal_, "plan");
   ASSERT_EQ(plans.size(), 2u);
   host_of = HostOfWorker();
@@ -217,23 +249,27 @@ TEST_F(MultiHostTest, PartitionedHostIsFencedAndComesBackAsSpares) {
   EXPECT_NE(lost["reason"].get<std::string>().find("heartbeat"), std::string::npos) << lost.dump();
   // The job goes on without h2.
   size_t plans_at_loss = 0;
-  WaitFor([&] { return (plans_at_loss = Events(journal_, "plan").size()) >= 2; }, "the plan without h2");
+  WaitFor([&] { return (plans_at_loss = Events(journal_, "plan").size()) >= 2; },
+          "the plan without h2");
   int64_t step_at_plan = HighestStep();
   WaitFor([&] { return HighestStep() >= step_at_plan + 20; }, "progress without h2");
   ASSERT_TRUE(cluster_->LinkUp(2).ok());
   // The agent noticed the silence, killed its workers, and registers again.
-  WaitFor([&] {
-    for (const auto& j : Events(journal_, "host_join")) {
-      if (j["host"] == "h2" && j["incarnation"] == 2) return true;
-    }
-    return false;
-  }, "h2 to register again");
+  WaitFor(
+      [&] {
+        for (const auto& j : Events(journal_, "host_join")) {
+          if (j["host"] == "h2" && j["incarnation"] == 2) return true;
+        }
+        return false;
+      },
+      "h2 to register again");
   ASSERT_EQ(WaitController(), 0) << Outputs();
 
   for (const auto& p : Events(journal_, "plan")) {
     if (p["generation"].get<int>() == 1) continue;
     for (const auto& m : p["members"]) {
-      EXPECT_FALSE(fenced.count(m.get<int>())) << "fenced worker " << m << " in generation " << p["generation"];
+      EXPECT_FALSE(fenced.count(m.get<int>()))
+          << "fenced worker " << m << " in generation " << p["generation"];
     }
   }
   std::map<int, int> joins;
@@ -241,13 +277,15 @@ TEST_F(MultiHostTest, PartitionedHostIsFencedAndComesBackAsSpares) {
   for (int id : fenced) EXPECT_EQ(joins[id], 1) << "fenced worker " << id << " joined again";
   bool respawned_on_h2 = false;
   for (const auto& j : Events(journal_, "join")) {
-    if (j.value("host", "") == "h2" && !fenced.count(j["worker_id"].get<int>())) respawned_on_h2 = true;
+    if (j.value("host", "") == "h2" && !fenced.count(j["worker_id"].get<int>()))
+      respawned_on_h2 = true;
   }
   EXPECT_TRUE(respawned_on_h2) << "h2's slots came back as spares\n" << Outputs();
   EXPECT_EQ(Events(journal_, "recovery_start").size(), 1u) << Outputs();
   EXPECT_EQ(FinalChecksum(), ReferenceChecksum());
   std::string agent_out = ReadFile(dir_ / "agent-h2.out");
-  EXPECT_NE(agent_out.find("fenc"), std::string::npos) << "the agent says it fenced its workers\n" << agent_out;
+  EXPECT_NE(agent_out.find("fenc"), std::string::npos) << "the agent says it fenced its workers\n"
+                                                       << agent_out;
 }
 
 // (c) A host that registers after the start grows the job (policy permitting).
@@ -259,10 +297,12 @@ TEST_F(MultiHostTest, LateHostGrowsTheJob) {
   StartAgent(2, "h2", 2, 0);
   WaitFor([&] { return HighestStep() >= 20; }, "step 20");
   StartAgent(3, "h3", 2, 0);
-  WaitFor([&] {
-    auto plans = Events(journal_, "plan");
-    return !plans.empty() && plans.back()["members"].size() == 6;
-  }, "the job to grow to 6");
+  WaitFor(
+      [&] {
+        auto plans = Events(journal_, "plan");
+        return !plans.empty() && plans.back()["members"].size() == 6;
+      },
+      "the job to grow to 6");
   ASSERT_EQ(WaitController(), 0) << Outputs();
   std::vector<size_t> worlds;
   for (const auto& p : Events(journal_, "plan")) worlds.push_back(p["members"].size());
@@ -283,18 +323,21 @@ TEST_F(MultiHostTest, SigtermedHostLeavesAtAStepBoundaryWithoutAFault) {
   StartAgent(2, "h2", 2, 0);
   WaitFor([&] { return HighestStep() >= 20; }, "step 20");
   pid_t late = StartAgent(3, "h3", 2, 0);
-  WaitFor([&] {
-    auto plans = Events(journal_, "plan");
-    return !plans.empty() && plans.back()["members"].size() == 6;
-  }, "the job to grow to 6");
+  WaitFor(
+      [&] {
+        auto plans = Events(journal_, "plan");
+        return !plans.empty() && plans.back()["members"].size() == 6;
+      },
+      "the job to grow to 6");
   int64_t grown = HighestStep();
   WaitFor([&] { return HighestStep() >= grown + 10; }, "steps at world 6");
   EXPECT_EQ(cluster_->SignalHost(3, SIGTERM), 3) << "the agent and its two workers";
   auto st = cluster_->WaitForExit(late, milliseconds(30'000));
   ASSERT_TRUE(st.has_value()) << "the agent did not leave\n" << Outputs();
   EXPECT_TRUE(WIFEXITED(*st) && WEXITSTATUS(*st) == 0) << Outputs();
-  EXPECT_NE(ReadFile(dir_ / "agent-h3.out").find("left the job (SIGTERM): its workers were released"),
-            std::string::npos)
+  EXPECT_NE(
+      ReadFile(dir_ / "agent-h3.out").find("left the job (SIGTERM): its workers were released"),
+      std::string::npos)
       << Outputs();
   ASSERT_EQ(WaitController(), 0) << Outputs();
   std::vector<size_t> worlds;
@@ -324,25 +367,29 @@ TEST_F(MultiHostTest, AgentsWithAWrongTokenOrADuplicateHostIdAreRefusedWithTheRe
   ASSERT_NO_FATAL_FAILURE(StartController(5));  // never forms: we only probe the refusals
   StartAgent(1, "h1", 1, 0);
   WaitFor([&] { return !Events(journal_, "host_join").empty(); }, "h1 to register");
-  auto dup = cluster_->Spawn(2,
-                             {kBin + "/nonstop", "agent", "--controller", controller_address_, "--job-token-file",
-                              dir_ / "token", "--host-id", "h1", "--", kBin + "/nonstop-test-worker"},
-                             {}, dir_ / "dup.out");
+  auto dup = cluster_->Spawn(
+      2,
+      {kBin + "/nonstop", "agent", "--controller", controller_address_, "--job-token-file",
+       dir_ / "token", "--host-id", "h1", "--", kBin + "/nonstop-test-worker"},
+      {}, dir_ / "dup.out");
   ASSERT_TRUE(dup.ok());
   auto st = cluster_->WaitForExit(*dup, milliseconds(20'000));
   ASSERT_TRUE(st.has_value());
   EXPECT_EQ(WEXITSTATUS(*st), 2);
-  EXPECT_NE(ReadFile(dir_ / "dup.out").find("already in the job"), std::string::npos) << ReadFile(dir_ / "dup.out");
+  EXPECT_NE(ReadFile(dir_ / "dup.out").find("already in the job"), std::string::npos)
+      << ReadFile(dir_ / "dup.out");
   std::ofstream(dir_ / "bad-token") << "not-the-token\n";
-  auto bad = cluster_->Spawn(2,
-                             {kBin + "/nonstop", "agent", "--controller", controller_address_, "--job-token-file",
-                              dir_ / "bad-token", "--host-id", "h9", "--", kBin + "/nonstop-test-worker"},
-                             {}, dir_ / "bad.out");
+  auto bad = cluster_->Spawn(
+      2,
+      {kBin + "/nonstop", "agent", "--controller", controller_address_, "--job-token-file",
+       dir_ / "bad-token", "--host-id", "h9", "--", kBin + "/nonstop-test-worker"},
+      {}, dir_ / "bad.out");
   ASSERT_TRUE(bad.ok());
   st = cluster_->WaitForExit(*bad, milliseconds(20'000));
   ASSERT_TRUE(st.has_value());
   EXPECT_EQ(WEXITSTATUS(*st), 2);
-  EXPECT_NE(ReadFile(dir_ / "bad.out").find("token"), std::string::npos) << ReadFile(dir_ / "bad.out");
+  EXPECT_NE(ReadFile(dir_ / "bad.out").find("token"), std::string::npos)
+      << ReadFile(dir_ / "bad.out");
 }
 
 }  // namespace

@@ -37,14 +37,15 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-constexpr std::string_view kPrefix = "nst";            // every name the harness creates starts with it
+// every name the harness creates starts with it
+constexpr std::string_view kPrefix = "nst";
 constexpr std::string_view kNetnsDir = "/var/run/netns";  // where `ip netns add` mounts namespaces
 constexpr std::string_view kSysNet = "/sys/class/net";
 constexpr std::string_view kLockPath = "/var/run/nonstop-netns.lock";
 // The bridge's alias: "nonstop-netns 10.a.b.0/24 creator PID START", START from ProcessStart.
 constexpr std::string_view kAliasPrefix = "nonstop-netns ";
-// Subnets 10.a.b.0/24 with a in [kFirstA, 254]: away from the 10.0.x.x and 10.1.x.x that other tools
-// favour. 14080 candidates.
+// Subnets 10.a.b.0/24 with a in [kFirstA, 254]: away from the 10.0.x.x and 10.1.x.x that other
+// tools favour. 14080 candidates.
 constexpr int kFirstA = 200;
 constexpr int kSubnets = (255 - kFirstA) * 256;
 constexpr milliseconds kIpTimeout{10'000};
@@ -76,9 +77,10 @@ bool Exists(const std::string& path) {
 std::string NetnsPath(const std::string& name) { return fmt::format("{}/{}", kNetnsDir, name); }
 std::string LinkPath(const std::string& name) { return fmt::format("{}/{}", kSysNet, name); }
 
-// The start time of a running process (/proc/PID/stat field 22, clock ticks since boot), which with the
-// pid identifies it even after pids wrap; nullopt when it is not running. A zombie (dead, not yet reaped:
-// its parent may be an init that never reaps) is not running: it holds no namespace and cleans nothing up.
+// The start time of a running process (/proc/PID/stat field 22, clock ticks since boot), which with
+// the pid identifies it even after pids wrap; nullopt when it is not running. A zombie (dead, not
+// yet reaped: its parent may be an init that never reaps) is not running: it holds no namespace and
+// cleans nothing up.
 std::optional<unsigned long long> ProcessStart(pid_t pid) {
   std::ifstream in(fmt::format("/proc/{}/stat", pid));
   std::string stat;
@@ -97,19 +99,22 @@ std::optional<unsigned long long> ProcessStart(pid_t pid) {
 
 void SleepFor(milliseconds d) { std::this_thread::sleep_for(d); }
 
-// Why a child could not exec, sent through a close-on-exec pipe: nothing arrives when exec succeeded.
+// Why a child could not exec, sent through a close-on-exec pipe: nothing arrives when exec
+// succeeded.
 struct ChildFailure {
   int stage;  // index into kStageNames
   int err;
 };
-constexpr const char* kStageNames[] = {"prctl(PR_SET_PDEATHSIG)", "setns", "redirect output", "exec"};
+constexpr const char* kStageNames[] = {"prctl(PR_SET_PDEATHSIG)", "setns", "redirect output",
+                                       "exec"};
 
 // Forks and execs argv. In the child: signals unblocked, PR_SET_PDEATHSIG(SIGKILL), setns(netns_fd)
-// when netns_fd >= 0, stdin from /dev/null, stdout and stderr to out_fd, every other descriptor closed
-// at exec, then execvp (or execvpe with envp). Everything the child touches is prepared here, before
-// fork: after fork a multi-threaded parent's child may only call async-signal-safe functions.
-Result<pid_t> ForkExec(const std::vector<std::string>& args, std::vector<std::string>* env, int netns_fd,
-                       int out_fd) {
+// when netns_fd >= 0, stdin from /dev/null, stdout and stderr to out_fd, every other descriptor
+// closed at exec, then execvp (or execvpe with envp). Everything the child touches is prepared
+// here, before fork: after fork a multi-threaded parent's child may only call async-signal-safe
+// functions.
+Result<pid_t> ForkExec(const std::vector<std::string>& args, std::vector<std::string>* env,
+                       int netns_fd, int out_fd) {
   if (args.empty()) return InvalidArgumentError("empty argv");
   std::vector<std::string> arg_copy = args;
   std::vector<char*> argv;
@@ -146,8 +151,8 @@ Result<pid_t> ForkExec(const std::vector<std::string>& args, std::vector<std::st
         ::dup2(out_fd, STDERR_FILENO) < 0) {
       fail(2);
     }
-    // Descriptors the test process holds without O_CLOEXEC (listening sockets, pipes) must not live on in
-    // a spawned process; best effort (Linux 5.11+).
+    // Descriptors the test process holds without O_CLOEXEC (listening sockets, pipes) must not live
+    // on in a spawned process; best effort (Linux 5.11+).
     (void)::close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);
     if (env != nullptr) {
       ::execvpe(argv[0], argv.data(), envp.data());
@@ -165,9 +170,10 @@ Result<pid_t> ForkExec(const std::vector<std::string>& args, std::vector<std::st
   if (n == static_cast<ssize_t>(sizeof f)) {
     while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
     }
-    StatusCode code = f.stage == 3 && f.err == ENOENT ? StatusCode::kNotFound : StatusCode::kInternal;
-    return Status(code, fmt::format("cannot start `{}`: {} failed: {}", Join(args), kStageNames[f.stage],
-                                    std::strerror(f.err)));
+    StatusCode code =
+        f.stage == 3 && f.err == ENOENT ? StatusCode::kNotFound : StatusCode::kInternal;
+    return Status(code, fmt::format("cannot start `{}`: {} failed: {}", Join(args),
+                                    kStageNames[f.stage], std::strerror(f.err)));
   }
   return pid;
 }
@@ -184,7 +190,8 @@ std::optional<int> WaitUntil(pid_t pid, Clock::time_point deadline, bool* not_ch
       return std::nullopt;
     }
     if (Clock::now() >= deadline) return std::nullopt;
-    SleepFor(std::min(nap, std::chrono::duration_cast<milliseconds>(deadline - Clock::now()) + milliseconds(1)));
+    SleepFor(std::min(
+        nap, std::chrono::duration_cast<milliseconds>(deadline - Clock::now()) + milliseconds(1)));
     nap = std::min(nap * 2, milliseconds(20));
   }
 }
@@ -229,8 +236,9 @@ Result<std::pair<int, std::string>> RunCommand(const std::vector<std::string>& a
     ::kill(pid, SIGKILL);
     while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
     }
-    return DeadlineExceededError(fmt::format("`{}` did not finish within {} ms (killed); output so far: {}",
-                                             Join(argv), timeout.count(), Trim(output)));
+    return DeadlineExceededError(
+        fmt::format("`{}` did not finish within {} ms (killed); output so far: {}", Join(argv),
+                    timeout.count(), Trim(output)));
   }
   return std::make_pair(ExitCode(*status), std::move(output));
 }
@@ -248,7 +256,8 @@ Status Ip(std::vector<std::string> args) {
     return r.status();
   }
   if (r->first != 0) {
-    return InternalError(fmt::format("`{}` exited with {}: {}", Join(args), r->first, Trim(r->second)));
+    return InternalError(
+        fmt::format("`{}` exited with {}: {}", Join(args), r->first, Trim(r->second)));
   }
   return OkStatus();
 }
@@ -286,8 +295,8 @@ std::optional<NsId> NsIdOf(const std::string& path) {
   return NsId{st.st_dev, st.st_ino};
 }
 
-// SIGKILLs every process whose network namespace is `ns`, rescanning until none is left (a process may
-// fork while we scan) or the deadline passes. Returns how many distinct processes were killed.
+// SIGKILLs every process whose network namespace is `ns`, rescanning until none is left (a process
+// may fork while we scan) or the deadline passes. Returns how many distinct processes were killed.
 // The live processes (not this one) whose network namespace is `ns`.
 std::vector<pid_t> ProcessesIn(NsId ns) {
   std::vector<pid_t> out;
@@ -299,7 +308,8 @@ std::vector<pid_t> ProcessesIn(NsId ns) {
     std::string_view d(e->d_name);
     auto [end, ec] = std::from_chars(d.data(), d.data() + d.size(), pid);
     if (ec != std::errc() || end != d.data() + d.size() || pid == self) continue;
-    auto id = NsIdOf(fmt::format("/proc/{}/ns/net", pid));  // fails for zombies: nothing left to signal
+    // fails for zombies: nothing left to signal
+    auto id = NsIdOf(fmt::format("/proc/{}/ns/net", pid));
     if (id && id->dev == ns.dev && id->ino == ns.ino) out.push_back(pid);
   }
   ::closedir(proc);
@@ -334,7 +344,8 @@ std::optional<std::pair<pid_t, std::string_view>> ParseName(std::string_view nam
   auto digits = [](std::string_view s) {
     return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
   };
-  bool ours = rest == "br" || (rest.size() > 1 && (rest[0] == 'h' || rest[0] == 'v') && digits(rest.substr(1)));
+  bool ours = rest == "br" ||
+              (rest.size() > 1 && (rest[0] == 'h' || rest[0] == 'v') && digits(rest.substr(1)));
   if (!ours) return std::nullopt;
   return std::make_pair(pid, rest);
 }
@@ -351,8 +362,9 @@ std::vector<std::string> ListDir(std::string_view dir) {
   return out;
 }
 
-// Whether the creator of `name` (a namespace or link of ours, parsed by ParseName) still runs: its pid is
-// running and, when the cluster's bridge says when its creator started, started then (pids wrap).
+// Whether the creator of `name` (a namespace or link of ours, parsed by ParseName) still runs: its
+// pid is running and, when the cluster's bridge says when its creator started, started then (pids
+// wrap).
 bool CreatorAlive(std::string_view name, std::pair<pid_t, std::string_view> parsed) {
   auto start = ProcessStart(parsed.first);
   if (!start) return false;
@@ -361,16 +373,17 @@ bool CreatorAlive(std::string_view name, std::pair<pid_t, std::string_view> pars
   std::string alias;
   std::getline(in, alias);
   unsigned long long alias_pid = 0, alias_start = 0;
-  if (size_t at = alias.find(" creator "); at != std::string::npos &&
+  if (size_t at = alias.find(" creator ");
+      at != std::string::npos &&
       std::sscanf(alias.c_str() + at, " creator %llu %llu", &alias_pid, &alias_start) == 2) {
     return alias_start == *start;
   }
   return true;
 }
 
-// Removes the namespaces, veths and bridges of creators that are no longer alive. Which creators are
-// dead is decided before anything is deleted (the bridge's alias is part of the evidence). Errors are
-// ignored: another process may be removing the same leftovers.
+// Removes the namespaces, veths and bridges of creators that are no longer alive. Which creators
+// are dead is decided before anything is deleted (the bridge's alias is part of the evidence).
+// Errors are ignored: another process may be removing the same leftovers.
 void RemoveLeftovers() {
   std::vector<std::string> dead_netns, dead_links;
   std::map<std::string, bool, std::less<>> alive;  // by tag
@@ -400,8 +413,8 @@ void RemoveLeftovers() {
   }
 }
 
-// Subnets already taken: those of the other clusters' bridges (their alias) and every IPv4 network of
-// the root namespace. Returns whether 10.a.b.0/24 overlaps any of them.
+// Subnets already taken: those of the other clusters' bridges (their alias) and every IPv4 network
+// of the root namespace. Returns whether 10.a.b.0/24 overlaps any of them.
 class TakenSubnets {
  public:
   TakenSubnets() {
@@ -420,7 +433,9 @@ class TakenSubnets {
     ifaddrs* ifs = nullptr;
     if (::getifaddrs(&ifs) == 0) {
       for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
-        if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET || i->ifa_netmask == nullptr) continue;
+        if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET ||
+            i->ifa_netmask == nullptr)
+          continue;
         uint32_t addr = ntohl(reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr);
         uint32_t mask = ntohl(reinterpret_cast<sockaddr_in*>(i->ifa_netmask)->sin_addr.s_addr);
         networks_.push_back({addr, std::popcount(mask)});
@@ -443,21 +458,23 @@ class TakenSubnets {
   std::vector<std::pair<uint32_t, int>> networks_;  // (address, prefix length)
 };
 
-// Holds an exclusive flock on kLockPath: creators choose names and subnets, and remove leftovers, one
-// at a time across processes.
+// Holds an exclusive flock on kLockPath: creators choose names and subnets, and remove leftovers,
+// one at a time across processes.
 class CreateLock {
  public:
   Status Acquire() {
     fd_.Reset(::open(std::string(kLockPath).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-    if (!fd_.valid()) return ErrnoStatus(StatusCode::kFailedPrecondition, fmt::format("open {}", kLockPath), errno);
+    if (!fd_.valid())
+      return ErrnoStatus(StatusCode::kFailedPrecondition, fmt::format("open {}", kLockPath), errno);
     const auto deadline = Clock::now() + kLockTimeout;
     while (::flock(fd_.get(), LOCK_EX | LOCK_NB) != 0) {
       if (errno != EWOULDBLOCK && errno != EINTR) {
         return ErrnoStatus(StatusCode::kInternal, fmt::format("flock {}", kLockPath), errno);
       }
       if (Clock::now() >= deadline) {
-        return DeadlineExceededError(fmt::format("{} stayed locked for {} s by another cluster's creator",
-                                                 kLockPath, kLockTimeout.count() / 1000));
+        return DeadlineExceededError(
+            fmt::format("{} stayed locked for {} s by another cluster's creator", kLockPath,
+                        kLockTimeout.count() / 1000));
       }
       SleepFor(milliseconds(10));
     }
@@ -468,9 +485,11 @@ class CreateLock {
   UniqueFd fd_;  // closing it releases the lock
 };
 
-// Reclassifies a failure of the first namespace or link creation as the environment's fault, with a hint.
+// Reclassifies a failure of the first namespace or link creation as the environment's fault, with a
+// hint.
 Status EnvironmentRefused(const Status& s, std::string_view what, std::string_view hint) {
-  return FailedPreconditionError(fmt::format("{} was refused: {} (HINT: {})", what, s.message(), hint));
+  return FailedPreconditionError(
+      fmt::format("{} was refused: {} (HINT: {})", what, s.message(), hint));
 }
 
 std::atomic<unsigned> next_cluster{0};
@@ -479,7 +498,8 @@ std::atomic<unsigned> next_cluster{0};
 
 Result<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
   if (hosts < 1 || hosts > kMaxHosts) {
-    return InvalidArgumentError(fmt::format("NetnsCluster::Create({}): hosts must be in [1, {}]", hosts, kMaxHosts));
+    return InvalidArgumentError(
+        fmt::format("NetnsCluster::Create({}): hosts must be in [1, {}]", hosts, kMaxHosts));
   }
   NONSTOP_RETURN_IF_ERROR(CheckPrivileges());
   NONSTOP_RETURN_IF_ERROR(Ip({"-V"}));
@@ -503,10 +523,11 @@ Result<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
   }
   c->bridge_ = c->tag_ + "br";
 
-  // The subnet: a start derived from the tag (so that concurrent creators rarely even probe the same
-  // candidates), then the first one that overlaps nothing taken.
+  // The subnet: a start derived from the tag (so that concurrent creators rarely even probe the
+  // same candidates), then the first one that overlaps nothing taken.
   TakenSubnets taken;
-  const unsigned start = (static_cast<unsigned>(pid) * 26 + static_cast<unsigned>(c->tag_.back() - 'a')) * 7919;
+  const unsigned start =
+      (static_cast<unsigned>(pid) * 26 + static_cast<unsigned>(c->tag_.back() - 'a')) * 7919;
   int a = -1, b = -1;
   for (int i = 0; i < kSubnets; ++i) {
     int k = static_cast<int>((start + static_cast<unsigned>(i)) % kSubnets);
@@ -516,13 +537,15 @@ Result<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
       break;
     }
   }
-  if (a < 0) return FailedPreconditionError(fmt::format("every subnet 10.{}-254.x.0/24 is taken", kFirstA));
+  if (a < 0)
+    return FailedPreconditionError(fmt::format("every subnet 10.{}-254.x.0/24 is taken", kFirstA));
   c->subnet_ = fmt::format("10.{}.{}.0/24", a, b);
   for (int i = 0; i < hosts; ++i) {
     c->hosts_.push_back(Host{.netns = fmt::format("{}h{}", c->tag_, i),
                              .bridge_port = fmt::format("{}v{}", c->tag_, i),
                              .address = fmt::format("10.{}.{}.{}", a, b, i + 1)});
-    NONSTOP_CHECK_LE(c->hosts_.back().bridge_port.size(), 15u) << "Linux interface names are at most 15 chars";
+    NONSTOP_CHECK_LE(c->hosts_.back().bridge_port.size(), 15u)
+        << "Linux interface names are at most 15 chars";
   }
 
   Status s = c->Build();
@@ -530,7 +553,8 @@ Result<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
     c->Destroy().IgnoreError();
     return s.WithContext(fmt::format("creating a {}-host network namespace cluster", hosts));
   }
-  NONSTOP_LOG_INFO("netns: cluster {} up: {} hosts on {} (bridge {})", c->tag_, hosts, c->subnet_, c->bridge_);
+  NONSTOP_LOG_INFO("netns: cluster {} up: {} hosts on {} (bridge {})", c->tag_, hosts, c->subnet_,
+                   c->bridge_);
   return c;
 }
 
@@ -542,23 +566,25 @@ Status NetnsCluster::Build() {
   }
   auto start = ProcessStart(::getpid());
   NONSTOP_CHECK(start.has_value()) << "reading /proc/self/stat";
-  NONSTOP_RETURN_IF_ERROR(Ip({"link", "set", "dev", bridge_, "alias",
-                              fmt::format("{}{} creator {} {}", kAliasPrefix, subnet_, ::getpid(), *start)}));
+  NONSTOP_RETURN_IF_ERROR(
+      Ip({"link", "set", "dev", bridge_, "alias",
+          fmt::format("{}{} creator {} {}", kAliasPrefix, subnet_, ::getpid(), *start)}));
   NONSTOP_RETURN_IF_ERROR(Ip({"link", "set", "dev", bridge_, "up"}));
   for (const Host& h : hosts_) {
     s = Ip({"netns", "add", h.netns});
     if (!s.ok()) {
-      return EnvironmentRefused(
-          s, fmt::format("creating network namespace {}", h.netns),
-          "an unprivileged container (docker without --privileged, or a seccomp/AppArmor profile that "
-          "forbids unshare and mount) cannot create network namespaces: run the multihost tests on a VM or "
-          "a host, or in a container started with --privileged");
+      return EnvironmentRefused(s, fmt::format("creating network namespace {}", h.netns),
+                                "an unprivileged container (docker without --privileged, or a "
+                                "seccomp/AppArmor profile that "
+                                "forbids unshare and mount) cannot create network namespaces: run "
+                                "the multihost tests on a VM or "
+                                "a host, or in a container started with --privileged");
     }
     NONSTOP_RETURN_IF_ERROR(Ip({"-n", h.netns, "link", "set", "dev", "lo", "up"}));
-    // The namespace end is created inside the namespace as eth0: the root namespace only sees the bridge
-    // end.
-    NONSTOP_RETURN_IF_ERROR(Ip({"link", "add", h.bridge_port, "type", "veth", "peer", "name", "eth0", "netns",
-                                h.netns}));
+    // The namespace end is created inside the namespace as eth0: the root namespace only sees the
+    // bridge end.
+    NONSTOP_RETURN_IF_ERROR(Ip(
+        {"link", "add", h.bridge_port, "type", "veth", "peer", "name", "eth0", "netns", h.netns}));
     NONSTOP_RETURN_IF_ERROR(Ip({"link", "set", "dev", h.bridge_port, "master", bridge_}));
     NONSTOP_RETURN_IF_ERROR(Ip({"link", "set", "dev", h.bridge_port, "up"}));
     NONSTOP_RETURN_IF_ERROR(Ip({"-n", h.netns, "addr", "add", h.address + "/24", "dev", "eth0"}));
@@ -589,8 +615,8 @@ Status NetnsCluster::Destroy() {
   for (pid_t pid : children_) {
     bool not_child = false;
     if (!WaitUntil(pid, deadline, &not_child) && !not_child) {
-      keep(DeadlineExceededError(fmt::format("spawned process {} did not exit within {} ms of SIGKILL", pid,
-                                             kReapTimeout.count())));
+      keep(DeadlineExceededError(fmt::format(
+          "spawned process {} did not exit within {} ms of SIGKILL", pid, kReapTimeout.count())));
     }
   }
   children_.clear();
@@ -606,7 +632,8 @@ Status NetnsCluster::Destroy() {
 }
 
 const NetnsCluster::Host& NetnsCluster::HostAt(int host) const {
-  NONSTOP_CHECK(host >= 0 && host < hosts()) << "host " << host << " of a " << hosts() << "-host cluster";
+  NONSTOP_CHECK(host >= 0 && host < hosts())
+      << "host " << host << " of a " << hosts() << "-host cluster";
   return hosts_[static_cast<size_t>(host)];
 }
 
@@ -621,19 +648,23 @@ Result<pid_t> NetnsCluster::Spawn(int host, const std::vector<std::string>& argv
   NONSTOP_CHECK(!destroyed_) << "Spawn on a destroyed cluster";
   if (argv.empty()) return InvalidArgumentError("Spawn: empty argv");
   UniqueFd netns(::open(NetnsPath(h.netns).c_str(), O_RDONLY | O_CLOEXEC));
-  if (!netns.valid()) return ErrnoStatus(StatusCode::kInternal, fmt::format("open {}", NetnsPath(h.netns)), errno);
+  if (!netns.valid())
+    return ErrnoStatus(StatusCode::kInternal, fmt::format("open {}", NetnsPath(h.netns)), errno);
   UniqueFd log(::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
-  if (!log.valid()) return ErrnoStatus(StatusCode::kInvalidArgument, fmt::format("open {}", log_path), errno);
+  if (!log.valid())
+    return ErrnoStatus(StatusCode::kInvalidArgument, fmt::format("open {}", log_path), errno);
   // This process's environment, with `env` replacing or adding entries.
   std::vector<std::string> envs;
   for (char** e = environ; *e != nullptr; ++e) envs.emplace_back(*e);
   for (const auto& [k, v] : env) {
     std::string key = k + "=";
-    std::erase_if(envs, [&key](const std::string& e) { return e.compare(0, key.size(), key) == 0; });
+    std::erase_if(envs,
+                  [&key](const std::string& e) { return e.compare(0, key.size(), key) == 0; });
     envs.push_back(key + v);
   }
   auto pid = ForkExec(argv, &envs, netns.get(), log.get());
-  if (!pid.ok()) return pid.status().WithContext(fmt::format("spawn in {} ({})", h.netns, h.address));
+  if (!pid.ok())
+    return pid.status().WithContext(fmt::format("spawn in {} ({})", h.netns, h.address));
   children_.insert(*pid);
   return *pid;
 }
@@ -660,27 +691,33 @@ int NetnsCluster::SignalHost(int host, int signal) {
   if (!id) return 0;
   std::vector<pid_t> pids = ProcessesIn(*id);
   for (pid_t pid : pids) ::kill(pid, signal);
-  NONSTOP_LOG_INFO("netns: host {} ({}): signal {} sent to {} processes", host, h.netns, signal, pids.size());
+  NONSTOP_LOG_INFO("netns: host {} ({}): signal {} sent to {} processes", host, h.netns, signal,
+                   pids.size());
   return static_cast<int>(pids.size());
 }
 
-Status NetnsCluster::LinkDown(int host) { return Ip({"link", "set", "dev", HostAt(host).bridge_port, "down"}); }
+Status NetnsCluster::LinkDown(int host) {
+  return Ip({"link", "set", "dev", HostAt(host).bridge_port, "down"});
+}
 
 Status NetnsCluster::LinkUp(int host) {
   NONSTOP_RETURN_IF_ERROR(Ip({"link", "set", "dev", HostAt(host).bridge_port, "up"}));
-  // An address resolution that failed during the partition, or is still failing (ARP probes sent while the
-  // link was down), would fail the first connection after the heal with EHOSTUNREACH: every host forgets
-  // its neighbours and resolves them afresh.
-  for (const Host& h : hosts_) NONSTOP_RETURN_IF_ERROR(Ip({"-n", h.netns, "neigh", "flush", "dev", "eth0"}));
+  // An address resolution that failed during the partition, or is still failing (ARP probes sent
+  // while the link was down), would fail the first connection after the heal with EHOSTUNREACH:
+  // every host forgets its neighbours and resolves them afresh.
+  for (const Host& h : hosts_)
+    NONSTOP_RETURN_IF_ERROR(Ip({"-n", h.netns, "neigh", "flush", "dev", "eth0"}));
   return OkStatus();
 }
 
-Result<std::pair<int, std::string>> NetnsCluster::Exec(int host, const std::vector<std::string>& argv,
+Result<std::pair<int, std::string>> NetnsCluster::Exec(int host,
+                                                       const std::vector<std::string>& argv,
                                                        std::chrono::milliseconds timeout) {
   const Host& h = HostAt(host);
   if (argv.empty()) return InvalidArgumentError("Exec: empty argv");
   UniqueFd netns(::open(NetnsPath(h.netns).c_str(), O_RDONLY | O_CLOEXEC));
-  if (!netns.valid()) return ErrnoStatus(StatusCode::kInternal, fmt::format("open {}", NetnsPath(h.netns)), errno);
+  if (!netns.valid())
+    return ErrnoStatus(StatusCode::kInternal, fmt::format("open {}", NetnsPath(h.netns)), errno);
   auto r = RunCommand(argv, netns.get(), timeout);
   if (!r.ok()) return r.status().WithContext(fmt::format("exec in {} ({})", h.netns, h.address));
   return r;

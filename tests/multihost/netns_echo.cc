@@ -1,9 +1,13 @@
 // netns_echo: the tiny TCP peer that netns_test runs inside the cluster's namespaces.
 //
-//   netns_echo listen ADDR PORTFILE      binds ADDR:0, writes the port to PORTFILE (atomically: a temporary
-//                                        file renamed), then echoes one line per connection, forever
-//   netns_echo dial ADDR PORT [TIMEOUT_MS]  connects (TIMEOUT_MS, default 2000, for the connect and for the
-//                                        echo), sends a line and checks that the same line comes back
+//   netns_echo listen ADDR PORTFILE      binds ADDR:0, writes the port to PORTFILE (atomically: a
+//   temporary
+//                                        file renamed), then echoes one line per connection,
+//                                        forever
+//   netns_echo dial ADDR PORT [TIMEOUT_MS]  connects (TIMEOUT_MS, default 2000, for the connect and
+//   for the
+//                                        echo), sends a line and checks that the same line comes
+//                                        back
 //
 // Exit codes: 0 ok, 1 failure (said on stderr), 2 usage.
 #include <arpa/inet.h>
@@ -97,7 +101,8 @@ int Listen(const char* addr, const std::string& port_file) {
   if (fd < 0) return Fail("socket");
   int one = 1;
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) return Fail(fmt::format("bind {}:0", addr));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
+    return Fail(fmt::format("bind {}:0", addr));
   if (::listen(fd, 64) != 0) return Fail("listen");
   socklen_t len = sizeof sa;
   if (::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return Fail("getsockname");
@@ -163,6 +168,7 @@ int main(int argc, char** argv) {
   if (mode == "dial" && (argc == 4 || argc == 5)) {
     return Dial(argv[2], std::atoi(argv[3]), argc == 5 ? std::atoi(argv[4]) : 2000);
   }
-  fmt::print(stderr, "usage: netns_echo listen ADDR PORTFILE | netns_echo dial ADDR PORT [TIMEOUT_MS]\n");
+  fmt::print(stderr,
+             "usage: netns_echo listen ADDR PORTFILE | netns_echo dial ADDR PORT [TIMEOUT_MS]\n");
   return 2;
 }

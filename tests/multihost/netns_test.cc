@@ -1,5 +1,6 @@
-// Tests of the multi-host harness itself: real namespaces, real processes, real sockets. They need root;
-// without it they fail with the harness's message (never skip), so a CI that lost its privileges shows.
+// Tests of the multi-host harness itself: real namespaces, real processes, real sockets. They need
+// root; without it they fail with the harness's message (never skip), so a CI that lost its
+// privileges shows.
 #include "tests/multihost/netns.h"
 
 #include <signal.h>
@@ -59,10 +60,12 @@ class NetnsClusterTest : public ::testing::Test {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (!Exists(port_file)) {
       if (auto status = c.WaitForExit(pid, milliseconds(0))) {
-        return InternalError(fmt::format("echo listener on {} exited ({}): {}", addr, *status, ReadAll(log)));
+        return InternalError(
+            fmt::format("echo listener on {} exited ({}): {}", addr, *status, ReadAll(log)));
       }
       if (std::chrono::steady_clock::now() > deadline) {
-        return DeadlineExceededError(fmt::format("echo listener on {} wrote no port: {}", addr, ReadAll(log)));
+        return DeadlineExceededError(
+            fmt::format("echo listener on {} wrote no port: {}", addr, ReadAll(log)));
       }
       std::this_thread::sleep_for(milliseconds(5));
     }
@@ -122,7 +125,8 @@ TEST_F(NetnsClusterTest, ListenerOnOneHostIsReachableFromTheOthersButLoopbackIsP
   auto local_port = StartEcho(c, 0, "127.0.0.1");
   ASSERT_TRUE(local_port.ok()) << local_port.status().ToString();
   EXPECT_TRUE(Reaches(c, 0, "127.0.0.1", *local_port));
-  EXPECT_FALSE(Reaches(c, 1, "127.0.0.1", *local_port, /*timeout_ms=*/1000)) << "loopback is per namespace";
+  EXPECT_FALSE(Reaches(c, 1, "127.0.0.1", *local_port, /*timeout_ms=*/1000))
+      << "loopback is per namespace";
   EXPECT_FALSE(Reaches(c, 2, "127.0.0.1", *local_port, /*timeout_ms=*/1000));
 }
 
@@ -139,7 +143,8 @@ TEST_F(NetnsClusterTest, LinkDownPartitionsOneHostAndLinkUpHealsIt) {
   EXPECT_TRUE(Reaches(c, 2, c.address(0), *port)) << "the rest of the cluster is not";
   auto port1 = StartEcho(c, 1, c.address(1));
   ASSERT_TRUE(port1.ok()) << port1.status().ToString();
-  EXPECT_FALSE(Reaches(c, 2, c.address(1), *port1, /*timeout_ms=*/1000)) << "nor is host 1 reachable";
+  EXPECT_FALSE(Reaches(c, 2, c.address(1), *port1, /*timeout_ms=*/1000))
+      << "nor is host 1 reachable";
 
   ASSERT_TRUE(c.LinkUp(1).ok());
   EXPECT_TRUE(Reaches(c, 1, c.address(0), *port)) << "healed";
@@ -162,7 +167,8 @@ TEST_F(NetnsClusterTest, KillHostKillsThatHostsProcessesAndNothingElse) {
   ASSERT_TRUE(status.has_value()) << "the victim did not die";
   EXPECT_TRUE(WIFSIGNALED(*status) && WTERMSIG(*status) == SIGKILL) << *status;
 
-  EXPECT_FALSE(c.WaitForExit(*bystander, milliseconds(100)).has_value()) << "host 1's process lives on";
+  EXPECT_FALSE(c.WaitForExit(*bystander, milliseconds(100)).has_value())
+      << "host 1's process lives on";
   EXPECT_TRUE(Reaches(c, 1, c.address(0), *port)) << "host 0's listener lives on";
   EXPECT_EQ(c.KillHost(2), 0) << "nothing is left on host 2";
 }
@@ -172,7 +178,8 @@ TEST_F(NetnsClusterTest, KillHostAlsoKillsProcessesForkedOnThatHost) {
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   NetnsCluster& c = **created;
   std::string started = dir_ / "started";
-  auto shell = c.Spawn(0, {"sh", "-c", "sleep 600 & touch \"$1\"; wait", "sh", started}, {}, dir_ / "sh.log");
+  auto shell = c.Spawn(0, {"sh", "-c", "sleep 600 & touch \"$1\"; wait", "sh", started}, {},
+                       dir_ / "sh.log");
   ASSERT_TRUE(shell.ok()) << shell.status().ToString();
   for (int i = 0; i < 1000 && !Exists(started); ++i) std::this_thread::sleep_for(milliseconds(5));
   ASSERT_TRUE(Exists(started));
@@ -186,8 +193,9 @@ TEST_F(NetnsClusterTest, SpawnPassesTheEnvironmentAppendsToTheLogAndRefusesMissi
   NetnsCluster& c = **created;
   std::string log = dir_ / "spawn.log";
   for (int round = 0; round < 2; ++round) {
-    auto pid = c.Spawn(1, {"sh", "-c", "echo \"round $NETNS_TEST_ROUND\"; ip -4 -o addr show dev eth0 >&2"},
-                       {{"NETNS_TEST_ROUND", "x"}, {"NETNS_TEST_ROUND", std::to_string(round)}}, log);
+    auto pid = c.Spawn(
+        1, {"sh", "-c", "echo \"round $NETNS_TEST_ROUND\"; ip -4 -o addr show dev eth0 >&2"},
+        {{"NETNS_TEST_ROUND", "x"}, {"NETNS_TEST_ROUND", std::to_string(round)}}, log);
     ASSERT_TRUE(pid.ok()) << pid.status().ToString();
     auto status = c.WaitForExit(*pid, std::chrono::seconds(10));
     ASSERT_TRUE(status.has_value());
@@ -195,8 +203,10 @@ TEST_F(NetnsClusterTest, SpawnPassesTheEnvironmentAppendsToTheLogAndRefusesMissi
   }
   std::string text = ReadAll(log);
   EXPECT_NE(text.find("round 0\n"), std::string::npos) << text;
-  EXPECT_NE(text.find("round 1\n"), std::string::npos) << "appended, later entries of env win: " << text;
-  EXPECT_NE(text.find(c.address(1) + "/24"), std::string::npos) << "stderr too, in host 1's namespace: " << text;
+  EXPECT_NE(text.find("round 1\n"), std::string::npos)
+      << "appended, later entries of env win: " << text;
+  EXPECT_NE(text.find(c.address(1) + "/24"), std::string::npos)
+      << "stderr too, in host 1's namespace: " << text;
 
   auto missing = c.Spawn(0, {"/nonexistent/netns-test-program"}, {}, log);
   ASSERT_FALSE(missing.ok());
@@ -204,7 +214,8 @@ TEST_F(NetnsClusterTest, SpawnPassesTheEnvironmentAppendsToTheLogAndRefusesMissi
 
   auto sleeper = c.Spawn(0, {"sleep", "600"}, {}, log);
   ASSERT_TRUE(sleeper.ok()) << sleeper.status().ToString();
-  EXPECT_FALSE(c.WaitForExit(*sleeper, milliseconds(50)).has_value()) << "timeout: nullopt, still running";
+  EXPECT_FALSE(c.WaitForExit(*sleeper, milliseconds(50)).has_value())
+      << "timeout: nullopt, still running";
 }
 
 TEST_F(NetnsClusterTest, DestructorRemovesNamespacesVethsBridgeAndProcesses) {
@@ -263,11 +274,12 @@ TEST_F(NetnsClusterTest, TwoClustersAtOnceHaveDistinctNamesAndSubnetsAndDoNotTou
   auto port = StartEcho(**a, 0, (*a)->address(0));
   ASSERT_TRUE(port.ok()) << port.status().ToString();
   EXPECT_TRUE(Reaches(**a, 1, (*a)->address(0), *port));
-  EXPECT_FALSE(Reaches(**b, 1, (*a)->address(0), *port, /*timeout_ms=*/1000)) << "separate networks";
+  EXPECT_FALSE(Reaches(**b, 1, (*a)->address(0), *port, /*timeout_ms=*/1000))
+      << "separate networks";
 }
 
-// Runs `body` in a forked child of this test process and returns what it wrote to the pipe it is given.
-// The child ends with _exit (no destructors, no gtest teardown).
+// Runs `body` in a forked child of this test process and returns what it wrote to the pipe it is
+// given. The child ends with _exit (no destructors, no gtest teardown).
 template <typename Body>
 std::string InChild(Body body) {
   int p[2];
@@ -290,7 +302,8 @@ std::string InChild(Body body) {
 }
 
 TEST_F(NetnsClusterTest, LeftoversOfACrashedCreatorAreRemovedByTheNextCreate) {
-  // The child creates a cluster, reports its paths, waits for the go and SIGKILLs itself: no destructor.
+  // The child creates a cluster, reports its paths, waits for the go and SIGKILLs itself: no
+  // destructor.
   int go[2];
   ASSERT_EQ(::pipe(go), 0);
   int p[2];
@@ -333,7 +346,8 @@ TEST_F(NetnsClusterTest, LeftoversOfACrashedCreatorAreRemovedByTheNextCreate) {
 
   auto created = NetnsCluster::Create(1);
   ASSERT_TRUE(created.ok()) << created.status().ToString();
-  for (const auto& path : paths) EXPECT_FALSE(Exists(path)) << "left by the crashed creator: " << path;
+  for (const auto& path : paths)
+    EXPECT_FALSE(Exists(path)) << "left by the crashed creator: " << path;
 }
 
 // Runs a command in this (the root) namespace: its exit code.
@@ -360,13 +374,14 @@ std::string StartTime(pid_t pid) {
   return field;
 }
 
-// A cluster's bridge and first namespace made by hand, as if pid 1 (always running) had created them and
-// started at `start`; removed in the destructor.
+// A cluster's bridge and first namespace made by hand, as if pid 1 (always running) had created
+// them and started at `start`; removed in the destructor.
 class FakeLeftover {
  public:
   FakeLeftover(char letter, const std::string& start) : tag_(fmt::format("nst1{}", letter)) {
     Run({"ip", "link", "add", tag_ + "br", "type", "bridge"});
-    Run({"ip", "link", "set", "dev", tag_ + "br", "alias", "nonstop-netns 10.199.0.0/24 creator 1 " + start});
+    Run({"ip", "link", "set", "dev", tag_ + "br", "alias",
+         "nonstop-netns 10.199.0.0/24 creator 1 " + start});
     Run({"ip", "netns", "add", tag_ + "h0"});
   }
   ~FakeLeftover() {
@@ -375,7 +390,9 @@ class FakeLeftover {
   }
   FakeLeftover(const FakeLeftover&) = delete;
   FakeLeftover& operator=(const FakeLeftover&) = delete;
-  bool exists() const { return Exists("/var/run/netns/" + tag_ + "h0") && Exists("/sys/class/net/" + tag_ + "br"); }
+  bool exists() const {
+    return Exists("/var/run/netns/" + tag_ + "h0") && Exists("/sys/class/net/" + tag_ + "br");
+  }
 
  private:
   std::string tag_;
@@ -383,7 +400,8 @@ class FakeLeftover {
 
 TEST_F(NetnsClusterTest, LeftoversOfAReusedPidAreRemovedAndThoseOfALiveCreatorStay) {
   FakeLeftover live('x', StartTime(1));
-  FakeLeftover reused('y', "999999999999");  // pid 1 runs, but it is not the process that created these
+  // pid 1 runs, but it is not the process that created these
+  FakeLeftover reused('y', "999999999999");
   ASSERT_TRUE(live.exists());
   ASSERT_TRUE(reused.exists());
   auto created = NetnsCluster::Create(1);
