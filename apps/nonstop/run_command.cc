@@ -500,7 +500,8 @@ class JobWatcher {
     }
   }
   void ControllerEnded(bool signalled) {
-    auto records = controller::Journal::Read(journal_);
+    bool torn = false;  // a controller killed mid-line leaves a torn last line: not a failed start
+    auto records = controller::Journal::Read(journal_, &torn);
     // a controller that ended the job (job_end) did not die
     bool formed = false, job_ended = false;
     if (records.ok()) {
