@@ -94,29 +94,7 @@ class RestartableEtcd {
     std::string client_url = fmt::format("http://127.0.0.1:{}", client_port_);
     std::string peer_url = fmt::format("http://127.0.0.1:{}", peer_port_);
     process_ = std::make_unique<ChildProcess>(
-        std::vector<std::string>{nonstop::testing::EtcdServer::kBinary,
-                                 "--name",
-                                 "test",
-                                 "--data-dir",
-                                 dir_ + "/etcd-data",
-                                 "--listen-client-urls",
-                                 client_url,
-                                 "--advertise-client-urls",
-                                 client_url,
-                                 "--listen-peer-urls",
-                                 peer_url,
-                                 "--initial-advertise-peer-urls",
-                                 peer_url,
-                                 "--initial-cluster",
-                                 "test=" + peer_url,
-                                 "--heartbeat-interval",
-                                 "50",
-                                 "--election-timeout",
-                                 "500",
-                                 "--logger",
-                                 "zap",
-                                 "--log-level",
-                                 "warn"},
+        nonstop::testing::EtcdServer::Argv(dir_ + "/etcd-data", client_url, peer_url),
         fmt::format("{}/etcd-{}.out", dir_, ++starts_));
     httplib::Client http("127.0.0.1", client_port_);
     http.set_connection_timeout(0, 200'000);
