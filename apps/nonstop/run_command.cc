@@ -320,6 +320,9 @@ class ControllerProcess final : public LocalController {
     std::vector<char*> cargv;
     for (std::string& a : argv) cargv.push_back(a.data());
     cargv.push_back(nullptr);
+    // The running program itself, even if its file was replaced or deleted since (an upgrade
+    // during a long job): argv[0] keeps its name for ps and the logs.
+    static const char kSelf[] = "/proc/self/exe";
     std::fflush(nullptr);
     const pid_t parent = ::getpid();
     pid_t child = ::fork();
@@ -328,9 +331,12 @@ class ControllerProcess final : public LocalController {
       return nullptr;
     }
     if (child == 0) {  // only async-signal-safe calls until exec
+      // The signal comes when the thread that forked ends: the watcher's, which ends with the job
+      // (JobWatcher::Finish, after the agent returned) or with this process. Either way the
+      // controller is to go then, as ~ControllerProcess would tell it.
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (::getppid() != parent) ::_exit(1);
-      ::execv(cargv[0], cargv.data());
+      ::execv(kSelf, cargv.data());
       ::_exit(127);
     }
     return std::unique_ptr<ControllerProcess>(new ControllerProcess(child));
@@ -515,7 +521,8 @@ class JobWatcher {
       agent_->Stop();
     } else if (!controller_->separate()) {
       agent_->Stop();
-    } else if (controller_->exit_code() != 0 && !signalled && !job_ended) {
+    } else if (!signalled && !job_ended) {
+      // Whatever its exit code: a controller that leaves a formed job without its end died.
       ScheduleRestart();
     }
   }
@@ -563,6 +570,7 @@ class JobWatcher {
     std::unique_ptr<LocalController> next = ControllerProcess::Exec(resume_, &why);
     if (next == nullptr) {
       err_->Write(fmt::format("[nonstop] cannot restart the controller: {}\n", why));
+      started_ = Clock::now();  // a restart that could not start counts as a quick death
       ScheduleRestart();
       return false;
     }

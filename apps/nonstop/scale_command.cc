@@ -18,6 +18,7 @@
 #include "apps/nonstop/commands.h"
 #include "apps/nonstop/settings_cli.h"
 #include "common/status.h"
+#include "net/address.h"
 #include "nonstop/settings.h"
 
 namespace nonstop::cli {
@@ -54,17 +55,6 @@ Result<nlohmann::json> ReadJobFile(const std::string& path) {
     }
   }
   return j;
-}
-
-Result<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
-  size_t colon = address.rfind(':');
-  if (colon == std::string::npos)
-    return InvalidArgumentError(fmt::format("'{}' is not host:port", address));
-  try {
-    return std::make_pair(address.substr(0, colon), std::stoi(address.substr(colon + 1)));
-  } catch (...) {
-    return InvalidArgumentError(fmt::format("'{}' is not host:port", address));
-  }
 }
 
 }  // namespace
@@ -104,12 +94,13 @@ int JobCommands::Execute() {
   } else if (const char* env = std::getenv(settings::kJobToken.env.data())) {
     token = env;
   }
-  auto hp = SplitHostPort(address);
+  // host:port or [v6]:port
+  auto hp = net::ParseHostPort(address);
   if (!hp.ok()) {
     fmt::print(stderr, "nonstop: --http {}\n", hp.status().message());
     return 2;
   }
-  httplib::Client client(hp->first, hp->second);
+  httplib::Client client(std::string(net::UnbracketHost(hp->host)), hp->port);
   client.set_connection_timeout(5);
   client.set_read_timeout(15);
   if (!token.empty()) client.set_bearer_token_auth(token);

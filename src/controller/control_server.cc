@@ -358,6 +358,12 @@ bool ControlServer::Flush(int fd) {
   auto it = conns_.find(fd);
   if (it == conns_.end()) return false;
   Conn& c = *it->second;
+  if (may_send_ && !may_send_() && c.out_sent < c.out.size()) {
+    // queued before the lease ran out: dropped, not flushed (a newer leader may be giving orders)
+    dropped_bytes_ += c.out.size() - c.out_sent;
+    c.out.clear();
+    c.out_sent = 0;
+  }
   while (c.out_sent < c.out.size()) {
     ssize_t n = ::send(fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent,
                        MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -436,6 +442,11 @@ std::vector<std::string> ControlServer::agents() const {
 
 bool ControlServer::SendOn(int fd, uint16_t type, const std::string& payload) {
   Conn& c = *conns_.at(fd);
+  if (may_send_ && !may_send_()) {
+    dropped_bytes_ += payload.size() + net::kFrameHeaderBytes;
+    Flush(fd);  // drops what is queued too
+    return false;
+  }
   size_t queued = c.out.size() - c.out_sent;
   if (queued + payload.size() + net::kFrameHeaderBytes > options_.max_queued_bytes) {
     CloseConn(fd,

@@ -92,6 +92,14 @@ class ControlServer {
   // taking their output. Call it from the loop's timer (every ~50 ms).
   void CheckTimers(Clock::time_point now);
 
+  // Fencing (docs/controller-failover.md): once `may_send` says no (this
+  // controller's lease ran out while its output waited in a queue, e.g. it
+  // was paused), nothing more leaves: what is queued is dropped, not
+  // flushed, and later sends are refused. Counted in dropped_bytes().
+  void SetSendGate(std::function<bool()> may_send) { may_send_ = std::move(may_send); }
+  // Bytes of queued or new messages the gate kept from going out.
+  uint64_t dropped_bytes() const { return dropped_bytes_; }
+
   int refused_connections() const { return refused_; }
   size_t open_connections() const { return conns_.size(); }
 
@@ -164,6 +172,8 @@ class ControlServer {
   std::map<uint64_t, int> unjoined_;  // accept order → fd, for connections not yet identified
   std::map<std::string, std::map<uint64_t, int>> strangers_;  // by peer address: no valid hello yet
   std::set<int> backlogged_;  // fds with queued output the peer has not taken yet
+  std::function<bool()> may_send_;
+  uint64_t dropped_bytes_ = 0;
   int refused_ = 0;
   std::string ping_payload_;
   // out of descriptors: not accepting until then

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <cstring>
@@ -184,6 +185,48 @@ TEST(ControlServerTest, WorkerThatPausesReadingGetsEveryFrameIntactAndInOrder) {
   for (int i = 0; i < 6; ++i)
     EXPECT_EQ(got[static_cast<size_t>(i)], std::string(700 << 10, static_cast<char>('a' + i)));
   EXPECT_EQ(f.Count<ConnectionLost>(), 0);
+}
+
+// Fencing: a controller whose lease ran out while its output waited in the queue (a paused
+// process, a slow reader) flushes none of it once it wakes: a newer leader may be giving orders.
+TEST(ControlServerTest, OutputQueuedWhenTheSendGateClosesIsDroppedNotFlushed) {
+  ControlServerOptions o;
+  o.max_queued_bytes = 64u << 20;
+  ServerFixture f(o);
+  std::atomic<bool> may_send{true};
+  f.server->SetSendGate([&] { return may_send.load(); });
+  UniqueFd c = Dial(f.server->address());
+  std::atomic<bool> joined{false}, read_now{false};
+  std::atomic<uint64_t> received{0};
+  std::thread client([&] {
+    Join(c.get(), 4);
+    joined = true;
+    while (!read_now) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    char buf[64 << 10];
+    while (true) {
+      pollfd p{c.get(), POLLIN, 0};
+      if (::poll(&p, 1, 1000) <= 0) break;  // a second of silence: nothing more comes
+      ssize_t n = ::recv(c.get(), buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      received += static_cast<uint64_t>(n);
+    }
+  });
+  while (!joined) f.RunFor(Millis(10));
+  f.RunFor(Millis(100));  // the join, and the ping that answers it
+  const std::string payload(1 << 20, 'p');
+  constexpr int kFrames = 24;  // more than the kernel's socket buffers take: the rest waits here
+  for (int i = 0; i < kFrames; ++i) ASSERT_TRUE(f.server->Send(4, control::kMsgShutdown, payload));
+  may_send = false;  // the lease ran out
+  EXPECT_FALSE(f.server->Send(4, control::kMsgShutdown, payload)) << "a send after the gate closed";
+  read_now = true;
+  f.RunFor(Millis(2500));
+  client.join();
+  const uint64_t frame = payload.size() + net::kFrameHeaderBytes;
+  const uint64_t ping = f.server->ping_payload().size() + net::kFrameHeaderBytes;
+  EXPECT_GT(f.server->dropped_bytes(), 2 * frame) << "the queue was flushed";
+  // every byte queued either reached the worker or was counted as dropped, the refused send too
+  EXPECT_EQ(received.load() + f.server->dropped_bytes(), ping + (kFrames + 1) * frame);
+  EXPECT_LT(received.load(), ping + kFrames * frame);
 }
 
 TEST(ControlServerTest, StuckReaderIsReportedLostAfterTheStallTimeout) {

@@ -725,8 +725,11 @@ void Controller::End(int exit_code, const std::string& reason, std::vector<Actio
   }
   // Started and not joined (a refill spare still starting): it holds no state and cannot hear the
   // shutdown; the job's end does not wait for it.
+  // Counted as killed, so that its exit is not taken for a fault.
   for (const auto& [id, awaited] : membership_.awaiting()) {
-    if (!membership_.Has(id)) out->push_back(KillWorker{id});
+    if (membership_.Has(id)) continue;
+    membership_.killed_before_join().insert(id);
+    out->push_back(KillWorker{id});
   }
   for (std::string& line : ReportLines(recoveries_)) out->push_back(PrintLine{std::move(line)});
   out->push_back(EndJob{exit_code, reason});

@@ -502,7 +502,8 @@ void Controller::AdoptOpenRecovery(const TakeoverState& s, std::vector<Action>* 
   rec.causes.push_back(o.cause);
   rec.injected = o.injected;
   rec.detected_at = at(o.started_us);
-  recovery_id_base_ = std::max(0, o.id - 1);  // this record takes id o.id; the next ones follow it
+  // this record takes id o.id; the next ones follow it and every id the journal used
+  recovery_id_base_ = std::max(0, std::max(s.recoveries, o.id) - 1);
   if (o.plan_generation == generation_) {
     rec.causes.push_back(
         fmt::format("its controller stopped after its plan; controller #{} finished it (the state "

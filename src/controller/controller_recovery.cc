@@ -144,6 +144,8 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
                 {"spares", membership_.spare_count()},
                 {"resume_step", resume_step_},
                 {"reason", plan.reason}};
+  // the restart from a checkpoint that formed it (a takeover adopts that recovery as planned)
+  if (open_recovery_) first["recovery"] = recoveries_[*open_recovery_].id;
   if (!plan.shard_moves.empty()) first["shard_moves"] = ShardMovesJson(plan);
   out->push_back(AppendJournal{std::move(first)});
   out->push_back(PrintLine{

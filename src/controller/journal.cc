@@ -108,17 +108,21 @@ void Journal::Copy(const nlohmann::json& record) {
 void Journal::Flush() { std::fflush(file_); }
 
 void Journal::Sync() {
-  std::fflush(file_);
-  if (!unsynced_) return;
-  // A full disk or a failed device: the records stay in the page cache at worst, and the orders go
-  // out (a controller that stopped issuing orders would stop the job); the log says so once.
-  if (::fdatasync(::fileno(file_)) != 0 && !sync_failed_) {
-    sync_failed_ = true;
-    NONSTOP_LOG_WARNING(
-        "journal {}: fdatasync: {} (its records may be lost if this host loses power)", path_,
-        std::strerror(errno));
+  // A full disk or a failed device: the records stay in this process's buffer or the page cache at
+  // worst, and the orders go out (a controller that stopped issuing orders would stop the job); the
+  // log says so once.
+  const char* failed = nullptr;
+  if (std::fflush(file_) != 0) {
+    failed = "write";
+  } else if (unsynced_ && ::fdatasync(::fileno(file_)) != 0) {
+    failed = "fdatasync";
   }
-  unsynced_ = false;
+  if (failed != nullptr && !sync_failed_) {
+    sync_failed_ = true;
+    NONSTOP_LOG_WARNING("journal {}: {}: {} (its latest records may be lost if this host fails)",
+                        path_, failed, std::strerror(errno));
+  }
+  if (failed == nullptr) unsynced_ = false;
 }
 
 Result<std::vector<nlohmann::json>> Journal::Read(const std::string& path, bool* torn_tail) {

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +19,8 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <type_traits>
+#include <variant>
 
 #include <fmt/format.h>
 
@@ -74,6 +77,44 @@ Status WritePrivateFile(const std::string& path, const std::string& text) {
     return InternalError(fmt::format("cannot write {}: {}", path, std::strerror(errno)));
   }
   return OkStatus();
+}
+
+// A deposed controller's record lists at most this many of the orders it did not send.
+constexpr size_t kDroppedOrdersListed = 64;
+
+// One order as a deposed controller's record lists it: its kind and whom it was for.
+nlohmann::json DescribeOrder(const Action& action) {
+  return std::visit(
+      [](const auto& a) -> nlohmann::json {
+        using T = std::decay_t<decltype(a)>;
+        if constexpr (std::is_same_v<T, SendPlan>) {
+          return {{"order", "plan"}, {"worker_id", a.worker_id}};
+        } else if constexpr (std::is_same_v<T, SendAbort>) {
+          return {{"order", "abort"}, {"worker_id", a.worker_id}};
+        } else if constexpr (std::is_same_v<T, SendDrain>) {
+          return {{"order", "drain"}, {"worker_id", a.worker_id}};
+        } else if constexpr (std::is_same_v<T, SendShutdown>) {
+          return {{"order", "shutdown"}, {"worker_id", a.worker_id}};
+        } else if constexpr (std::is_same_v<T, KillWorker>) {
+          return {{"order", "kill"}, {"worker_id", a.worker_id}};
+        } else if constexpr (std::is_same_v<T, SignalWorker>) {
+          return {{"order", "signal"}, {"worker_id", a.worker_id}, {"signal", a.signal}};
+        } else if constexpr (std::is_same_v<T, SpawnWorker>) {
+          return {{"order", "spawn"}, {"worker_id", a.worker_id}, {"host", a.host}};
+        } else if constexpr (std::is_same_v<T, CloseHost>) {
+          return {{"order", "close_host"}, {"host", a.host_id}};
+        } else if constexpr (std::is_same_v<T, EndJob>) {
+          return {{"order", "end_job"}, {"exit_code", a.exit_code}};
+        } else if constexpr (std::is_same_v<T, ScaleReply>) {
+          return {{"order", "scale_reply"}, {"request_id", a.request_id}};
+        } else if constexpr (std::is_same_v<T, PrintLine>) {
+          return {{"order", "print"}};
+        } else {
+          static_assert(std::is_same_v<T, AppendJournal>);
+          return {{"order", "journal"}};
+        }
+      },
+      action);
 }
 
 // The runtime of one controller process: the Controller core, the I/O that
@@ -341,6 +382,10 @@ std::optional<int> Runtime::StartServers() {
     return 1;
   }
   server_ = std::move(*server);
+  if (leadership_ != nullptr) {
+    // Fencing: output that waited in a queue past the lease is dropped, not flushed.
+    server_->SetSendGate([leadership = leadership_] { return leadership->Valid(); });
+  }
   controller_address_ = server_->address().ToString();
   if (!o_.advertise_address.empty()) {
     // [v6]:port
@@ -614,10 +659,14 @@ void Runtime::Handle(const Event& e) {
 void Runtime::RunPending() {
   // The orders go out after the records that describe them are on disk (a controller started with
   // --resume on this journal after this host crashed must know every order that was sent).
-  if (pending_.empty()) {
-    journal_->Flush();
-  } else {
+  // (A line to print is no order: it waits for no fdatasync.)
+  const bool orders = std::any_of(pending_.begin(), pending_.end(), [](const Pending& p) {
+    return !std::holds_alternative<PrintLine>(p.action);
+  });
+  if (orders) {
     journal_->Sync();
+  } else {
+    journal_->Flush();
   }
   if (leadership_ != nullptr) leadership_->Flush();
   while (!pending_.empty()) {
@@ -659,6 +708,15 @@ int Runtime::StepDown(nlohmann::json record, const std::string& line, int code) 
   journal_->set_mirror(nullptr);
   record["epoch"] = epoch_;
   record["orders_not_sent"] = pending_.size();
+  // What this controller had decided and not sent (the next leader decides afresh), and the bytes
+  // of messages it had queued and dropped instead of flushing them.
+  nlohmann::json dropped = nlohmann::json::array();
+  for (const Pending& p : pending_) {
+    if (dropped.size() == kDroppedOrdersListed) break;
+    dropped.push_back(DescribeOrder(p.action));
+  }
+  record["dropped_orders"] = std::move(dropped);
+  record["dropped_bytes"] = server_ != nullptr ? server_->dropped_bytes() : 0;
   journal_->Append(std::move(record));
   journal_->Flush();
   Print(fmt::format("[nonstop] {}\n", line));

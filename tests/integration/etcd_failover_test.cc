@@ -152,7 +152,9 @@ class EtcdFailoverTest : public ::testing::Test {
   }
   std::string JournalOf(const std::string& name) { return dir_ / (name + "/journal.jsonl"); }
 
-  std::unique_ptr<ChildProcess> StartAgent() {
+  // Workers and the agent notice a silent controller after `controller_timeout_ms` (a paused one:
+  // killed ones close their connections).
+  std::unique_ptr<ChildProcess> StartAgent(int controller_timeout_ms = 1500) {
     std::vector<std::string> argv = {kBin + "/nonstop",
                                      "agent",
                                      "--etcd",
@@ -168,23 +170,23 @@ class EtcdFailoverTest : public ::testing::Test {
                                      "--spares-per-host",
                                      "1",
                                      "--controller-timeout-ms",
-                                     "1500",
+                                     std::to_string(controller_timeout_ms),
                                      "--"};
     for (auto& a : Worker(step_sleep_ms_)) argv.push_back(a);
-    // Workers notice a silent controller after 1.5 s (a paused one: killed ones close their
-    // connections).
     return std::make_unique<ChildProcess>(
-        argv, dir_ / "agent.out", std::vector<std::string>{"NONSTOP_CONTROLLER_TIMEOUT_MS=1500"});
+        argv, dir_ / "agent.out",
+        std::vector<std::string>{"NONSTOP_CONTROLLER_TIMEOUT_MS=" +
+                                 std::to_string(controller_timeout_ms)});
   }
 
   // Starts the leader "a", then the standby "b" and the agent; returns when `steps` steps are done.
-  void StartJob(size_t steps = 30) {
+  void StartJob(size_t steps = 30, int controller_timeout_ms = 1500) {
     a_ = StartController("a");
     // token file written
     ASSERT_TRUE(WaitForOutput(*a_, "  journal ", milliseconds(20'000))) << a_->Output();
     b_ = StartController("b");
     ASSERT_TRUE(WaitForOutput(*b_, "standing by", milliseconds(20'000))) << b_->Output();
-    agent_ = StartAgent();
+    agent_ = StartAgent(controller_timeout_ms);
     ASSERT_TRUE(
         nonstop::testing::WaitForEvents(JournalOf("a"), "step", steps, milliseconds(60'000)))
         << a_->Output() << agent_->Output();
@@ -445,6 +447,62 @@ TEST_F(EtcdFailoverTest,
       static_cast<long long>(outage.count()), static_cast<long long>(step_at_pause), reason.c_str(),
       journal == JournalOf("a") ? "a (the old leader)" : "b (the standby)", back_ms,
       back_ms + (resumed_us - stopped_us) / 1000.0, static_cast<long long>(state_at_rejoin));
+}
+
+// Fencing under a pause (docs/controller-failover.md): a worker dies while etcd is paused, so the
+// leader's orders for the recovery wait for its journal to reach etcd; then the leader is paused
+// past its lease, etcd resumes and the standby takes over. The workers and the agent wait 8 s for
+// a silent controller: when the old leader wakes they are still connected to it. It must act on
+// none of its queued orders (its journal lists them as dropped): the standby runs the recovery.
+TEST_F(EtcdFailoverTest, ALeaderPausedPastItsLeaseWithOrdersQueuedActsOnNoneOfThemWhenItWakes) {
+  ASSERT_NO_FATAL_FAILURE(StartJob(30, /*controller_timeout_ms=*/8'000));
+  pid_t victim = 0;
+  for (const auto& j : Events(JournalOf("a"), "join")) {
+    if (!j.value("spare", false)) victim = j["pid"].get<pid_t>();
+  }
+  ASSERT_GT(victim, 0);
+  ASSERT_EQ(::kill(etcd_->pid(), SIGSTOP), 0);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  // a decided the recovery (its local journal says so) and holds the orders back: etcd has not
+  // taken the records that describe them.
+  ASSERT_TRUE(
+      nonstop::testing::WaitForEvents(JournalOf("a"), "recovery_start", 1, milliseconds(10'000)))
+      << Outputs();
+  std::this_thread::sleep_for(milliseconds(200));
+  ASSERT_EQ(::kill(a_->pid(), SIGSTOP), 0);
+  ASSERT_EQ(::kill(etcd_->pid(), SIGCONT), 0);
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(JournalOf("b"), "takeover", 1, milliseconds(30'000)))
+      << Outputs();
+  ASSERT_EQ(::kill(a_->pid(), SIGCONT), 0);
+
+  ASSERT_EQ(b_->Wait(milliseconds(120'000)), 0) << Outputs();
+  EXPECT_EQ(agent_->Wait(milliseconds(20'000)), 0) << Outputs();
+  EXPECT_EQ(a_->Wait(milliseconds(20'000)), 0) << Outputs();
+  auto deposed = Events(JournalOf("a"), "deposed");
+  ASSERT_EQ(deposed.size(), 1u) << Outputs();
+  ASSERT_TRUE(deposed[0]["dropped_orders"].is_array()) << deposed[0].dump();
+  const auto& dropped = deposed[0]["dropped_orders"];
+  EXPECT_GT(deposed[0]["orders_not_sent"].get<int>(), 0) << deposed[0].dump();
+  EXPECT_FALSE(dropped.empty()) << deposed[0].dump();
+  // What a decided after the kill and never sent: it spawned no refill (every worker the agent
+  // started is one a journal that etcd holds, b's, asked for) and no plan of its reached a worker
+  // (b's recovery formed the next generation from the members b found).
+  std::string journal = JournalOf("b");
+  size_t started = 0;
+  for (size_t at = 0; (at = agent_->Output().find("started worker ", at)) != std::string::npos;
+       ++at) {
+    ++started;
+  }
+  EXPECT_EQ(started, Events(journal, "spawn").size())
+      << "the agent started a worker that no durable journal asked for\n"
+      << Outputs();
+  ASSERT_GE(Events(journal, "recovery_start").size(), 1u) << "b did not run the recovery\n"
+                                                          << Outputs();
+  EXPECT_EQ(Events(journal, "recovery_end").size(), Events(journal, "recovery_start").size())
+      << Outputs();
+  EXPECT_EQ(FinishedChecksum(journal), Reference()) << Outputs();
+  std::printf("[ measured ] the paused leader woke after the takeover and dropped %d orders (%s)\n",
+              deposed[0]["orders_not_sent"].get<int>(), dropped.dump().c_str());
 }
 
 // etcd on ports and a data directory of its own, so that it can be killed and restarted on them.
