@@ -88,6 +88,8 @@ struct SessionOptions {
   // NONSTOP_ETCD_JOB). Empty: the controller_address list is dialed in turn.
   std::string etcd_endpoints;
   std::string etcd_job{settings::kEtcdJob.default_value};
+  // The agent's leader file (kLeaderFile, NONSTOP_LEADER_FILE): read instead of asking etcd.
+  std::string leader_file;
   // Bound on reaching the controller and being accepted (dial + hello). Once
   // joined, a worker or spare waits for its plan as long as the controller
   // lives: the controller pings every connected worker, and a worker that

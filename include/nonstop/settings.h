@@ -615,6 +615,15 @@ inline constexpr Setting<std::string_view> kHostId{
     .help = "The host whose agent started the worker",
     .default_doc = "none: not started by an agent",
     .note = "the agent's --host-id"};
+inline constexpr Setting<std::string_view> kLeaderFile{
+    .env = "NONSTOP_LEADER_FILE",
+    .read_by = kWorker,
+    .set_by = kAgent,
+    .help =
+        "The file where the worker's agent keeps who leads the job (docs/leader-discovery.md): "
+        "the worker reads it instead of asking etcd",
+    .default_doc = "none: the worker asks etcd itself (NONSTOP_ETCD)",
+    .note = "an agent with --etcd watches etcd for the host and writes it in its run directory"};
 inline constexpr Setting<int64_t> kConnectTimeoutMs{
     .env = "NONSTOP_CONNECT_TIMEOUT_MS",
     .default_value = 60'000,

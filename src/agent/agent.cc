@@ -39,7 +39,8 @@ constexpr uint32_t kMaxOrderBytes = 1u << 20;
 constexpr Millis kTick{50};
 // After the SIGKILL at the end, how long to wait for the processes to be reaped.
 constexpr Millis kReapGrace{5'000};
-// etcd says nobody leads yet: ask again this soon (a standby leads within its lease).
+// The leader file names nobody, or a leader that does not answer: read it again this soon (plus
+// up to half of it at random). A local file: the watch's news also cut the wait short.
 constexpr Millis kLeaderPoll{200};
 // One etcd request, made on the loop (nothing else waits while no controller leads).
 constexpr Millis kEtcdTimeout{300};
@@ -49,11 +50,13 @@ std::string Seconds(Millis d) {
 }
 
 // The agent's link: its hello (kind agent, worker id 0), and its timing.
-control::ControllerLinkOptions LinkOptions(const AgentOptions& o) {
+control::ControllerLinkOptions LinkOptions(const AgentOptions& o, const std::string& leader_file) {
   control::ControllerLinkOptions l;
   l.controllers = o.controller;
   l.etcd = o.etcd;
   l.etcd_job = o.etcd_job;
+  // The agent's own watch keeps it (docs/leader-discovery.md): its dials read it, not etcd.
+  l.leader_file = leader_file;
   l.etcd_timeout = kEtcdTimeout;
   l.hello.kind = net::ConnectionKind::kAgent;
   l.hello.generation = 0;
@@ -75,7 +78,7 @@ bool IsAgentVariable(std::string_view name) {
   namespace s = settings;
   return name == s::kControllerAddress.env || name == s::kJobToken.env || name == s::kHostId.env ||
          name == s::kDataHost.env || name == s::kDataPorts.env || name == s::kEtcd.env ||
-         name == s::kEtcdJob.env;
+         name == s::kEtcdJob.env || name == s::kLeaderFile.env;
 }
 
 }  // namespace
@@ -156,7 +159,17 @@ Result<std::string> ReadJobTokenFile(const std::string& path) {
 Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   Status s = ValidateOptions(options_);
   NONSTOP_CHECK(s.ok()) << s.ToString();
-  auto link = control::ControllerLink::Create(LinkOptions(options_));
+  if (!options_.etcd.empty()) {
+    // The host's run directory: the leader file its watch keeps for the agent and its workers.
+    const char* tmp = std::getenv("TMPDIR");
+    std::string dir = fmt::format("{}/nonstop-agent-XXXXXX", tmp != nullptr && *tmp ? tmp : "/tmp");
+    NONSTOP_CHECK(::mkdtemp(dir.data()) != nullptr)
+        << "mkdtemp " << dir << ": " << std::strerror(errno) << " (HINT: set TMPDIR to a writable "
+        << "directory)";
+    run_dir_ = dir;
+    leader_file_ = run_dir_ + "/leader.json";
+  }
+  auto link = control::ControllerLink::Create(LinkOptions(options_, leader_file_));
   NONSTOP_CHECK(link.ok()) << link.status().ToString();  // what it checks, ValidateOptions did
   link_ = std::move(*link);
   link_->Attach(&loop_, [this] { PumpLink(); });
@@ -167,6 +180,24 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {
 Agent::~Agent() {
   link_->Stop();
   launcher_.reset();
+  leader_watch_.reset();
+  if (!run_dir_.empty()) {
+    ::unlink(leader_file_.c_str());
+    ::rmdir(run_dir_.c_str());
+  }
+}
+
+void Agent::StartLeaderWatch() {
+  if (options_.etcd.empty()) return;
+  // One etcd client for the host's leader discovery: the agent's watch, not a poll of each worker.
+  auto watch = coord::LeaderWatch::Start(options_.etcd, options_.etcd_job, leader_file_, [this] {
+    leader_changed_.store(true);
+    uint64_t one = 1;
+    ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+    (void)n;
+  });
+  NONSTOP_CHECK(watch.ok()) << watch.status().ToString();  // ValidateOptions checked them
+  leader_watch_ = std::move(*watch);
 }
 
 void Agent::Stop() {
@@ -230,6 +261,7 @@ int Agent::Run() {
       options_.out != nullptr ? options_.out : own_out_.get(),
       options_.err != nullptr ? options_.err : own_err_.get());
 
+  StartLeaderWatch();
   Deadline now = Clock::now();
   reconnect_deadline_ = now + options_.join_timeout;
   next_poll_stopped_ = now + kTick;
@@ -254,6 +286,7 @@ int Agent::Run() {
         break;
     }
     loop_.RunOnce(std::chrono::ceil<Millis>(std::max(wake - now, Clock::duration::zero())));
+    if (leader_changed_.exchange(false)) link_->LeaderChanged(Clock::now());
     if (stop_requested_.exchange(false)) {
       if (phase_ == Phase::kEnding) {
         kill_at_ = Clock::now();
@@ -282,6 +315,7 @@ int Agent::Run() {
   link_->Stop();
   // nothing runs now (or SIGKILLed processes that would not die: waited for here)
   launcher_.reset();
+  leader_watch_.reset();
   if (signal_fd_.valid()) loop_.Unwatch(signal_fd_.get());
   loop_.Unwatch(wake_fd_.get());
   return exit_code_;
@@ -551,6 +585,8 @@ void Agent::OnStart(std::string_view payload) {
   if (!options_.etcd.empty()) {
     env[std::string(s::kEtcd.env)] = options_.etcd;
     env[std::string(s::kEtcdJob.env)] = options_.etcd_job;
+    // who leads, as this agent's watch sees it: the workers read it instead of asking etcd
+    env[std::string(s::kLeaderFile.env)] = leader_file_;
   }
   env[std::string(s::kJobToken.env)] = options_.job_token;
   env[std::string(s::kHostId.env)] = options_.host_id;

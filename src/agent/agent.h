@@ -55,10 +55,12 @@
 // longer than 50 ms, so timers (heartbeats, the silence check, PollStopped
 // for frozen children) run on time. The only other threads are the two
 // OutputWriters (the agent's own, or the caller's) that copy the children's
-// prefixed lines to stdout and stderr without ever blocking the loop. The
-// blocking calls are the link's lookups before each dial: the controller's
-// host name (getaddrinfo) and, with etcd, the leader (at most 300 ms). Stop()
-// is the only method another thread may call.
+// prefixed lines to stdout and stderr without ever blocking the loop, and,
+// with etcd, the two threads of the leader watch (coord::LeaderWatch), which
+// write the leader file and wake the loop through the eventfd. The blocking
+// calls are the link's lookups before each dial: the controller's host name
+// (getaddrinfo) and, with etcd, a read of the local leader file. Stop() is
+// the only method another thread may call.
 #pragma once
 
 #include <sys/types.h>
@@ -76,6 +78,7 @@
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "control/controller_link.h"
+#include "coord/leader_watch.h"
 #include "launcher/local_launcher.h"
 #include "launcher/output_writer.h"
 #include "net/event_loop.h"
@@ -93,9 +96,11 @@ inline constexpr int kExitInterrupted = 130;  // SIGINT, SIGTERM or Stop()
 struct AgentOptions {
   // "host:port" to dial; required unless etcd is set. Passed to workers as NONSTOP_CONTROLLER.
   std::string controller;
-  // Find the controller through etcd instead (docs/controller-failover.md):
-  // before each dial the agent reads who leads job `etcd_job` there, and its
-  // workers get NONSTOP_ETCD and NONSTOP_ETCD_JOB to do the same.
+  // Find the controller through etcd instead (docs/controller-failover.md,
+  // docs/leader-discovery.md): the agent watches who leads job `etcd_job`
+  // there (one watch for the host, no poll) and keeps it in a leader file of
+  // its run directory; its dials and its workers (NONSTOP_LEADER_FILE) read
+  // that file. The workers get NONSTOP_ETCD and NONSTOP_ETCD_JOB too.
   std::string etcd;
   std::string etcd_job{settings::kEtcdJob.default_value};
   std::string job_token;  // required; passed to workers as NONSTOP_JOB_TOKEN
@@ -232,8 +237,13 @@ class Agent {
   // Asks the controller to release this host's workers (leaving_).
   void SendLeaving();
   void OnChildStop(int worker_id, pid_t pid, int signal);
+  // With etcd: the watch of the job's leader that keeps leader_file_ (docs/leader-discovery.md).
+  void StartLeaderWatch();
 
   const AgentOptions options_;
+  // With etcd: a directory of this agent's (removed by the destructor), the leader file in it.
+  std::string run_dir_;
+  std::string leader_file_;
   net::EventLoop loop_;
   std::unique_ptr<control::ControllerLink> link_;  // after loop_: unwatches its descriptors first
   std::unique_ptr<launcher::OutputWriter> own_out_, own_err_;
@@ -241,6 +251,8 @@ class Agent {
   UniqueFd wake_fd_;                                   // eventfd: Stop() writes it
   UniqueFd signal_fd_;                                 // SIGINT/SIGTERM, with handle_signals
   std::atomic<bool> stop_requested_{false};
+  std::unique_ptr<coord::LeaderWatch> leader_watch_;  // Run()'s, with etcd
+  std::atomic<bool> leader_changed_{false};           // the watch wrote the file: dial now
   bool ran_ = false;
 
   Phase phase_ = Phase::kDialing;

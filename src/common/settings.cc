@@ -124,6 +124,7 @@ std::vector<Info> Build() {
       Describe(kDataPorts),
       Describe(kWorkerAdvertiseAddress),
       Describe(kHostId),
+      Describe(kLeaderFile),
       Describe(kConnectTimeoutMs),
       Describe(kWorkerControllerTimeoutMs),
       Describe(kLeaderlessTimeoutMs),

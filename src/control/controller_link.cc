@@ -16,6 +16,7 @@
 #include "common/logging.h"
 #include "control/messages.h"
 #include "coord/etcd.h"
+#include "coord/leader_watch.h"
 #include "coord/leadership.h"
 #include "net/abort_signal.h"
 
@@ -91,8 +92,9 @@ const char* ControllerLink::StateName(State s) {
 }
 
 Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOptions o) {
-  if (o.controllers.empty() && o.etcd.empty()) {
-    return InvalidArgumentError("no controller address and no etcd to find the controller in");
+  if (o.controllers.empty() && o.etcd.empty() && o.leader_file.empty()) {
+    return InvalidArgumentError(
+        "no controller address, no etcd and no leader file to find the controller in");
   }
   const BackoffPolicy& b = o.backoff;
   if (o.try_timeout <= Millis(0) || o.silence_timeout <= Millis(0) ||
@@ -113,7 +115,7 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
     list = std::move(*parsed);
   }
   std::unique_ptr<etcd::Client> etcd;
-  if (!o.etcd.empty()) {
+  if (!o.etcd.empty() && o.leader_file.empty()) {
     NONSTOP_RETURN_IF_ERROR(coord::CheckJobName(o.etcd_job));
     auto c = etcd::Client::Create(o.etcd, {o.etcd_timeout});
     if (!c.ok()) return InvalidArgumentError(c.status().message());
@@ -124,6 +126,9 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
   if (!link->wake_fd_.valid()) return ErrnoStatus(StatusCode::kInternal, "eventfd", errno);
   link->list_ = std::move(list);
   link->etcd_ = std::move(etcd);
+  if (!link->options_.leader_file.empty()) {
+    link->leader_file_ = std::make_unique<coord::LeaderFileReader>(link->options_.leader_file);
+  }
   if (!link->list_.empty()) link->controller_ = link->list_[0].ToString();
   return link;
 }
@@ -170,7 +175,8 @@ void ControllerLink::ChangeState(State next) {
 }
 
 bool ControllerLink::FromEtcd() const {
-  return etcd_ != nullptr && (list_.empty() || !options_.list_first || ever_accepted_);
+  return (etcd_ != nullptr || leader_file_ != nullptr) &&
+         (list_.empty() || !options_.list_first || ever_accepted_);
 }
 
 double ControllerLink::Random() { return random_(); }
@@ -269,6 +275,7 @@ void ControllerLink::Advance(short revents, Deadline now) {
 // One try: the address (the list's next, or etcd's leader), then a
 // non-blocking connect.
 void ControllerLink::BeginTry(Deadline now) {
+  waiting_for_leader_ = false;
   try_from_etcd_ = FromEtcd();
   named_by_etcd_ = false;
   if (!try_from_etcd_) {
@@ -277,7 +284,10 @@ void ControllerLink::BeginTry(Deadline now) {
     return;
   }
   int job_exit = 1;
-  Result<std::string> leader = coord::LookUpLeader(*etcd_, options_.etcd_job, &job_exit);
+  // The host's agent watches etcd and keeps the file: a local read, no request to etcd.
+  Result<std::string> leader = leader_file_ != nullptr
+                                   ? leader_file_->Read(&job_exit)
+                                   : coord::LookUpLeader(*etcd_, options_.etcd_job, &job_exit);
   if (!leader.ok()) {
     switch (leader.status().code()) {
       case StatusCode::kAborted:  // the job ended while no controller led: final
@@ -292,8 +302,9 @@ void ControllerLink::BeginTry(Deadline now) {
   auto where = net::ParseHostPort(*leader);
   if (!where.ok() || where->port == 0) {
     return TryFailed(
-        UnavailableError(fmt::format("etcd names '{}' as the leader: {}", *leader,
-                                     where.ok() ? "port 0" : where.status().message())),
+        UnavailableError(fmt::format("{} names '{}' as the leader: {}",
+                                     leader_file_ != nullptr ? leader_file_->path() : "etcd",
+                                     *leader, where.ok() ? "port 0" : where.status().message())),
         now);
   }
   controller_ = *leader;
@@ -444,6 +455,10 @@ void ControllerLink::TryFailed(const Status& why, Deadline now) {
   ChangeState(State::kWaiting);
 }
 
+void ControllerLink::LeaderChanged(Deadline now) {
+  if (state_ == State::kWaiting && waiting_for_leader_) next_try_at_ = std::min(next_try_at_, now);
+}
+
 void ControllerLink::WaitForLeader(const Status& why, Deadline now) {
   last_status_ = why;
   last_error_ = why.message();
@@ -455,6 +470,7 @@ void ControllerLink::WaitForLeader(const Status& why, Deadline now) {
                                          options_.backoff.jitter * std::clamp(Random(), 0.0, 1.0)));
   next_try_at_ = std::min(now + wait, give_up_at_);
   ChangeState(State::kWaiting);
+  waiting_for_leader_ = true;
 }
 
 void ControllerLink::Fail(const Status& why) {

@@ -1,7 +1,8 @@
 // ControllerLink: the one client of the controller (DESIGN.md §14), used by
 // a host's agent (src/agent) and by every worker's Session (src/worker)
 // alike. It finds the controller (a list of addresses dialed in turn, or the
-// leader etcd names, through src/coord), dials it with a deadline, says the
+// leader etcd names, through src/coord, or the leader file the host's agent
+// keeps: docs/leader-discovery.md), dials it with a deadline, says the
 // caller's hello and checks the ack, fences by epoch, carries framed
 // messages both ways (src/net framing) and, after a loss, dials again with
 // one back-off policy. What the connection is for (a register or a join
@@ -24,9 +25,10 @@
 //    the server (a corrupt frame, an ack that is no ack, a malformed ping,
 //    and what the owner Drop()s with kInvalidArgument or kDataLoss: a
 //    malformed order); a controller of an older epoch than one seen.
-//  - Asked again after `leader_poll` (jittered like the back-off): etcd
-//    answers that nobody leads yet, or the leader it names does not answer
-//    (it is starting, or died and its lease has not run out).
+//  - Asked again after `leader_poll` (jittered like the back-off): etcd (or
+//    the leader file) says that nobody leads yet, or the leader it names does
+//    not answer (it is starting, or died and its lease has not run out). With
+//    a leader file, LeaderChanged() cuts that wait short.
 //
 // Back-off: one policy, exponential with jitter and bounded (BackoffDelay):
 // after the n-th failure in a row the wait is min(initial·2^(n−1), max) plus
@@ -47,7 +49,8 @@
 // agent's loop; the Session's training thread in Join, then its I/O
 // thread). The owner calls everything but Send() and open(). The owner's
 // calls block only at the start of a try, in the name lookup (getaddrinfo)
-// and the etcd lookup (at most etcd_timeout), and in WaitAccepted(). Send()
+// and the etcd lookup (at most etcd_timeout; a leader file is a local read),
+// and in WaitAccepted(). Send()
 // and open() are thread-safe (mu_): any thread may queue frames; what the
 // socket does not take at once is written by the owner when fd() is
 // writable. A Send that leaves bytes waiting, or fails, wakes the owner
@@ -88,6 +91,9 @@ class Client;
 namespace nonstop::net {
 class AbortSignal;
 }
+namespace nonstop::coord {
+class LeaderFileReader;
+}
 
 namespace nonstop::control {
 
@@ -118,6 +124,11 @@ struct ControllerLinkOptions {
   std::string controllers;
   std::string etcd;
   std::string etcd_job = "default";
+  // Or the leader file the host's agent keeps (docs/leader-discovery.md,
+  // coord::LeaderWatch): read before each try instead of asking etcd (a
+  // stat, and a read when it changed), so that the host's agent is the one
+  // etcd client of the host. It wins over etcd.
+  std::string leader_file;
   Millis etcd_timeout{300};  // one etcd request (the owner's thread waits for it)
   // With etcd: until the first acceptance the list is dialed (a worker whose
   // launcher just named the leader); etcd is asked after a loss.
@@ -192,6 +203,8 @@ class ControllerLink {
   void Start(Deadline give_up_at, Deadline now);
   // Closes the connection and dials no more (kIdle); pending events are dropped.
   void Stop();
+  // The leader file changed (the owner learned it): a try that waits for the leader is made now.
+  void LeaderChanged(Deadline now);
   // Moves the give-up time of the search in progress (or of the next, after a loss).
   void set_give_up_at(Deadline give_up_at) { give_up_at_ = give_up_at; }
 
@@ -283,6 +296,8 @@ class ControllerLink {
   int fd_ = -1;  // conn_'s descriptor: only the owner opens and closes conn_
   std::vector<net::HostPort> list_;
   std::unique_ptr<etcd::Client> etcd_;
+  std::unique_ptr<coord::LeaderFileReader> leader_file_;
+  bool waiting_for_leader_ = false;  // kWaiting after WaitForLeader: LeaderChanged() cuts it short
   std::function<double()> random_;
   net::EventLoop* loop_ = nullptr;  // Attach(): the owner's, outlives this link
   std::function<void()> pump_;

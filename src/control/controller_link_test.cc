@@ -12,14 +12,17 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <thread>
 #include <vector>
 
+#include "common/file_util.h"
 #include "common/temp_dir.h"
 #include "control/messages.h"
 #include "controller/control_server.h"
 #include "coord/etcd.h"
+#include "coord/leader_watch.h"
 #include "coord/leadership.h"
 #include "net/event_loop.h"
 #include "net/frame.h"
@@ -484,6 +487,60 @@ TEST(ControllerLinkEtcdTest, DialsTheLeaderEtcdNamesAsksAgainSoonWhileItIsGoneAn
   ASSERT_TRUE(Drive(*link, now, &events, [&] { return Has(events, Kind::kFailed); }));
   EXPECT_EQ(events.back().status.code(), StatusCode::kAborted) << events.back().status.ToString();
   EXPECT_EQ(link->job_exit_code(), 3);
+}
+
+// The leader file of the host's agent (docs/leader-discovery.md) instead of etcd: etcd here is an
+// address where nobody listens, so a try that asked it would fail otherwise.
+TEST(ControllerLinkLeaderFileTest, FollowsTheAgentsLeaderFileWithoutAskingEtcd) {
+  TempDir dir;
+  const std::string path = dir / "leader.json";
+  auto write = [&](std::optional<std::string> leader, std::optional<std::string> end) {
+    coord::LeaderKeys keys;
+    keys.job = "link-test";
+    keys.leader = std::move(leader);
+    keys.end = std::move(end);
+    ASSERT_TRUE(WriteFileAtomically(path, coord::EncodeLeaderFile(keys)).ok());
+  };
+  ControllerLinkOptions o = Options("");
+  o.etcd = ClosedAddress();
+  o.etcd_job = "link-test";
+  o.leader_file = path;
+  o.leader_poll = 30ms;
+  auto link = MakeLink(o);
+  Deadline now = Clock::now();
+  link->Start(now + 60s, now);
+  std::vector<LinkEvent> events;
+  // No file yet (the agent has not read etcd): it waits for one, reading it again soon.
+  link->Advance(0, now);
+  EXPECT_EQ(link->state(), ControllerLink::State::kWaiting);
+  EXPECT_NE(link->last_error().find("has not written the leader file"), std::string::npos)
+      << link->last_error();
+  EXPECT_EQ(link->wake_at(), now + 30ms);
+  // The file names a leader that is gone: read again after the poll, or at once when the owner
+  // says the file changed.
+  const std::string gone = ClosedAddress();
+  write(fmt::format(R"({{"controller":"{}"}})", gone), std::nullopt);
+  now = link->wake_at();
+  link->Advance(0, now);
+  ASSERT_TRUE(
+      Drive(*link, now, &events, [&] { return link->state() == ControllerLink::State::kWaiting; }));
+  EXPECT_EQ(link->controller(), gone);
+  EXPECT_EQ(link->wake_at(), now + 30ms);
+  RealController next(/*epoch=*/5);
+  write(fmt::format(R"({{"controller":"{}"}})", next.address()), std::nullopt);
+  link->LeaderChanged(now);
+  EXPECT_EQ(link->wake_at(), now) << "the news did not cut the wait short";
+  ASSERT_TRUE(Drive(
+      *link, now, &events, [&] { return Has(events, Kind::kAccepted); }, &next.loop));
+  EXPECT_EQ(link->controller(), next.address());
+  // The job ends: the file says so once its leader is gone; final, with the job's exit code.
+  write(std::nullopt, R"({"exit_code":4,"reason":"done"})");
+  link->Stop();
+  events.clear();
+  link->Start(now + 60s, now);
+  ASSERT_TRUE(Drive(*link, now, &events, [&] { return Has(events, Kind::kFailed); }));
+  EXPECT_EQ(events.back().status.code(), StatusCode::kAborted) << events.back().status.ToString();
+  EXPECT_EQ(link->job_exit_code(), 4);
 }
 
 }  // namespace

@@ -87,6 +87,7 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
   o.host_id = get(s::kHostId);
   o.etcd_endpoints = get(s::kEtcd);
   if (std::string job = get(s::kEtcdJob); !job.empty()) o.etcd_job = job;
+  o.leader_file = get(s::kLeaderFile);
   return o;
 }
 
@@ -104,6 +105,7 @@ control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
   l.controllers = o.controller_address;
   l.etcd = o.etcd_endpoints;
   l.etcd_job = o.etcd_job;
+  l.leader_file = o.leader_file;
   l.etcd_timeout = Millis(500);
   l.list_first = true;  // its launcher named the controller that leads now
   l.hello.kind = net::ConnectionKind::kControl;

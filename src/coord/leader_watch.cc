@@ -1,0 +1,155 @@
+#include "coord/leader_watch.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/file_util.h"
+#include "common/logging.h"
+#include "coord/leadership.h"
+
+namespace nonstop::coord {
+
+// The same reading as LookUpLeader's (src/coord/leadership.cc), of the same values.
+Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code) {
+  if (!keys.leader) {
+    if (keys.end) {
+      auto r = nlohmann::json::parse(*keys.end, nullptr, false);
+      int code = r.is_object() && r.contains("exit_code") && r["exit_code"].is_number_integer()
+                     ? r["exit_code"].get<int>()
+                     : 1;
+      if (exit_code != nullptr) *exit_code = code;
+      return AbortedError(fmt::format("job '{}' ended (exit code {}): {}", keys.job, code,
+                                      r.is_object() ? r.value("reason", "") : std::string()));
+    }
+    return NotFoundError(fmt::format("no controller leads job '{}' now", keys.job));
+  }
+  auto v = nlohmann::json::parse(*keys.leader, nullptr, false);
+  if (!v.is_object() || !v.contains("controller") || !v["controller"].is_string()) {
+    return NotFoundError(
+        fmt::format("the leader of job '{}' has not published its address yet", keys.job));
+  }
+  return v["controller"].get<std::string>();
+}
+
+std::string EncodeLeaderFile(const LeaderKeys& keys) {
+  nlohmann::json j = {{"job", keys.job}, {"revision", keys.revision}};
+  j["leader"] = keys.leader ? nlohmann::json(*keys.leader) : nlohmann::json(nullptr);
+  j["end"] = keys.end ? nlohmann::json(*keys.end) : nlohmann::json(nullptr);
+  return j.dump() + "\n";
+}
+
+Result<LeaderKeys> DecodeLeaderFile(const std::string& text) {
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  auto optional = [&](const char* field) -> std::optional<std::string> {
+    if (!j.contains(field) || !j[field].is_string()) return std::nullopt;
+    return j[field].get<std::string>();
+  };
+  if (!j.is_object() || !j.contains("job") || !j["job"].is_string() || !j.contains("revision") ||
+      !j["revision"].is_number_integer()) {
+    return DataLossError("not a leader file (a JSON object with job, revision, leader, end)");
+  }
+  LeaderKeys keys;
+  keys.job = j["job"].get<std::string>();
+  keys.revision = j["revision"].get<int64_t>();
+  keys.leader = optional("leader");
+  keys.end = optional("end");
+  return keys;
+}
+
+Result<std::string> LeaderFileReader::Read(int* exit_code) {
+  struct stat st {};
+  if (::stat(path_.c_str(), &st) != 0) {
+    if (errno == ENOENT) {
+      return NotFoundError(
+          fmt::format("the agent has not written the leader file {} yet (it reads etcd)", path_));
+    }
+    return UnavailableError(fmt::format("leader file {}: {}", path_, std::strerror(errno)));
+  }
+  if (!cached_ || st.st_ino != ino_ || st.st_mtim.tv_sec != mtime_.tv_sec ||
+      st.st_mtim.tv_nsec != mtime_.tv_nsec) {
+    auto text = ReadFile(path_);
+    if (!text.ok()) return UnavailableError(text.status().message());
+    keys_ = DecodeLeaderFile(*text);
+    if (!keys_.ok()) {
+      return UnavailableError(fmt::format("leader file {}: {}", path_, keys_.status().message()));
+    }
+    ino_ = st.st_ino;
+    mtime_ = st.st_mtim;
+    cached_ = true;
+  }
+  if (!keys_.ok()) return UnavailableError(keys_.status().message());
+  return InterpretLeaderKeys(*keys_, exit_code);
+}
+
+Result<std::unique_ptr<LeaderWatch>> LeaderWatch::Start(const std::string& endpoints,
+                                                        const std::string& job, std::string path,
+                                                        std::function<void()> on_change) {
+  NONSTOP_RETURN_IF_ERROR(CheckJobName(job));
+  auto w =
+      std::unique_ptr<LeaderWatch>(new LeaderWatch(job, std::move(path), std::move(on_change)));
+  LeaderWatch* self = w.get();
+  for (bool leader : {true, false}) {
+    etcd::WatchOptions o;
+    o.endpoints = endpoints;
+    o.key = leader ? LeaderKey(job) : JobPrefix(job) + "end";
+    o.what = fmt::format("the watch of job '{}''s {} key in etcd at {}", job,
+                         leader ? "leader" : "end", endpoints);
+    auto watch =
+        etcd::Watch::Start(std::move(o), [self, leader](const etcd::Snapshot& s, int64_t revision) {
+          self->Update(leader, s, revision);
+        });
+    if (!watch.ok()) return watch.status();
+    (leader ? w->leader_watch_ : w->end_watch_) = std::move(*watch);
+  }
+  return w;
+}
+
+LeaderWatch::~LeaderWatch() {
+  if (leader_watch_) leader_watch_->Stop();
+  if (end_watch_) end_watch_->Stop();
+}
+
+LeaderKeys LeaderWatch::keys() const {
+  MutexLock lock(&mu_);
+  return keys_;
+}
+
+int64_t LeaderWatch::requests() const {
+  int64_t n = 0;
+  for (const auto* w : {leader_watch_.get(), end_watch_.get()}) {
+    if (w != nullptr) n += w->streams() + w->reads();
+  }
+  return n;
+}
+
+void LeaderWatch::Update(bool leader, const etcd::Snapshot& s, int64_t revision) {
+  {
+    MutexLock lock(&mu_);
+    std::optional<std::string> value;
+    if (!s.empty()) value = s.begin()->second.value;
+    (leader ? keys_.leader : keys_.end) = std::move(value);
+    (leader ? seen_leader_ : seen_end_) = true;
+    keys_.revision = std::max(keys_.revision, revision);
+    // Not before both keys were read: "nobody leads" may be "the job ended" not read yet.
+    if (!seen_leader_ || !seen_end_) return;
+    LeaderKeys shown = keys_;
+    shown.revision = 0;  // a change of the revision alone is no change of the file
+    std::string text = EncodeLeaderFile(shown);
+    if (text == written_) return;
+    // The file a reader opens is the old one or the new one, whole (rename).
+    if (Status st = WriteFileAtomically(path_, EncodeLeaderFile(keys_)); !st.ok()) {
+      NONSTOP_LOG_WARNING("writing the leader file: {} (its readers keep the last one)",
+                          st.ToString());
+      return;
+    }
+    written_ = std::move(text);
+    NONSTOP_LOG_DEBUG("leader file {}: {}", path_, written_);
+  }
+  if (on_change_) on_change_();
+}
+
+}  // namespace nonstop::coord

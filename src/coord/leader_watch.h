@@ -1,0 +1,94 @@
+// Leader discovery by watch, one etcd client per host (docs/leader-discovery.md).
+// The host's agent watches the job's leader key and end key (etcd::Watch)
+// and writes what they hold to a local file, the leader file, atomically
+// (a temporary file, then rename). Its workers, and the agent's own link
+// (control::ControllerLink's leader_file), read that file instead of asking
+// etcd: during a failover etcd hears from one watch per host, not from a
+// poll of every agent and worker.
+//
+// The file: one JSON object, {"job": "j", "revision": n, "leader": "<the
+// leader key's value>" or null, "end": "<the end key's value>" or null}:
+// the keys' values as etcd holds them, read by ReadLeaderFile exactly as
+// coord::LookUpLeader reads the keys themselves.
+#pragma once
+
+#include <sys/types.h>
+
+#include <ctime>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "common/mutex.h"
+#include "common/status.h"
+#include "coord/etcd_watch.h"
+
+namespace nonstop::coord {
+
+// What the two keys hold (nullopt: absent).
+struct LeaderKeys {
+  std::string job;
+  int64_t revision = 0;
+  std::optional<std::string> leader;
+  std::optional<std::string> end;
+};
+
+// Who leads, as LookUpLeader says it: the control address; NotFound (nobody leads, or the leader
+// has not published its address yet); Aborted when the job ended (*exit_code its code).
+Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code = nullptr);
+
+std::string EncodeLeaderFile(const LeaderKeys& keys);
+Result<LeaderKeys> DecodeLeaderFile(const std::string& text);
+
+// Reads the leader file at `path` and interprets it; a file that is not there yet is NotFound
+// (the agent has not read etcd yet). Re-reads only when the file changed (its inode and mtime: the
+// agent renames a new file over it), so a poll of it costs one stat.
+class LeaderFileReader {
+ public:
+  explicit LeaderFileReader(std::string path) : path_(std::move(path)) {}
+  Result<std::string> Read(int* exit_code = nullptr);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  ino_t ino_ = 0;
+  timespec mtime_{};
+  bool cached_ = false;
+  Result<LeaderKeys> keys_ = NotFoundError("not read");
+};
+
+// The agent's watch of a job's leader and end keys, kept in the leader file.
+class LeaderWatch {
+ public:
+  // on_change: called (on a watch's thread) after each write of the file. Errors: the options.
+  static Result<std::unique_ptr<LeaderWatch>> Start(const std::string& endpoints,
+                                                    const std::string& job, std::string path,
+                                                    std::function<void()> on_change = {});
+  ~LeaderWatch();  // stops the watches; the file stays (the owner removes it)
+  LeaderWatch(const LeaderWatch&) = delete;
+  LeaderWatch& operator=(const LeaderWatch&) = delete;
+
+  const std::string& path() const { return path_; }
+  LeaderKeys keys() const NONSTOP_LOCKS_EXCLUDED(mu_);
+  // Requests etcd got from these watches (for tests): streams opened and ranges read.
+  int64_t requests() const;
+
+ private:
+  LeaderWatch(std::string job, std::string path, std::function<void()> on_change)
+      : path_(std::move(path)), on_change_(std::move(on_change)) {
+    keys_.job = std::move(job);
+  }
+  void Update(bool leader, const etcd::Snapshot& s, int64_t revision) NONSTOP_LOCKS_EXCLUDED(mu_);
+
+  const std::string path_;
+  const std::function<void()> on_change_;
+  mutable Mutex mu_;
+  LeaderKeys keys_ NONSTOP_GUARDED_BY(mu_);
+  bool seen_leader_ NONSTOP_GUARDED_BY(mu_) = false;  // both keys were read once
+  bool seen_end_ NONSTOP_GUARDED_BY(mu_) = false;
+  std::string written_ NONSTOP_GUARDED_BY(mu_);  // the file's contents (not rewritten if equal)
+  std::unique_ptr<etcd::Watch> leader_watch_, end_watch_;
+};
+
+}  // namespace nonstop::coord

@@ -1,0 +1,257 @@
+// Leader discovery by watch (docs/leader-discovery.md) against a real etcd
+// (Debian's etcd-server): etcd::Watch sees puts and deletes as they land,
+// rides out an etcd killed and restarted on its data (and resumes where it
+// was, no change missed), reads the key again after a compaction, and stops
+// promptly; coord::LeaderWatch keeps the leader file in step with the
+// leader and end keys, and LeaderFileReader reads it as LookUpLeader reads
+// etcd.
+#include "coord/etcd_watch.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "common/mutex.h"
+#include "common/temp_dir.h"
+#include "coord/leader_watch.h"
+#include "coord/leadership.h"
+#include "tests/integration/etcd_server.h"
+
+namespace nonstop {
+namespace {
+
+using std::chrono::milliseconds;
+
+// What a watch has shown so far: the latest snapshot and how many there were.
+struct Seen {
+  Mutex mu;
+  CondVar cv;
+  etcd::Snapshot last NONSTOP_GUARDED_BY(mu);
+  int64_t revision NONSTOP_GUARDED_BY(mu) = 0;
+  int calls NONSTOP_GUARDED_BY(mu) = 0;
+  bool hold NONSTOP_GUARDED_BY(mu) = false;  // the callback waits while set (the test's gate)
+
+  etcd::Watch::OnChange Callback() {
+    return [this](const etcd::Snapshot& s, int64_t revision) {
+      MutexLock lock(&mu);
+      last = s;
+      this->revision = revision;
+      ++calls;
+      cv.NotifyAll();
+      cv.WaitFor(&mu, milliseconds(30'000),
+                 [this]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu) { return !hold; });
+    };
+  }
+  // Until the key holds `value` ("" for absent), within `timeout`.
+  bool WaitFor(const std::string& key, const std::string& value, milliseconds timeout) {
+    MutexLock lock(&mu);
+    return cv.WaitFor(&mu, timeout, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      auto it = last.find(key);
+      return calls > 0 &&
+             (value.empty() ? it == last.end() : it != last.end() && it->second.value == value);
+    });
+  }
+};
+
+// An etcd on fixed ports and a data directory, killed and started again on them.
+class OwnEtcd {
+ public:
+  explicit OwnEtcd(std::string dir)
+      : dir_(std::move(dir)),
+        client_(nonstop::testing::FreeLoopbackPort()),
+        peer_(nonstop::testing::FreeLoopbackPort()) {}
+  ~OwnEtcd() { Kill(); }
+  std::string endpoint() const { return fmt::format("127.0.0.1:{}", client_); }
+  bool Start() {
+    std::string c = fmt::format("http://127.0.0.1:{}", client_);
+    std::string p = fmt::format("http://127.0.0.1:{}", peer_);
+    process_ =
+        std::make_unique<testing::ChildProcess>(testing::EtcdServer::Argv(dir_ + "/data", c, p),
+                                                fmt::format("{}/etcd-{}.out", dir_, ++starts_));
+    httplib::Client http("127.0.0.1", client_);
+    http.set_connection_timeout(0, 200'000);
+    for (int i = 0; i < 200; ++i) {
+      auto res = http.Get("/health");
+      if (res && res->status == 200 && res->body.find("true") != std::string::npos) return true;
+      if (process_->Wait(milliseconds(50)) != -1) return false;
+    }
+    return false;
+  }
+  void Kill() {
+    if (!process_) return;
+    ::kill(process_->pid(), SIGKILL);
+    process_->Wait(milliseconds(10'000));
+    process_.reset();
+  }
+  std::string Output() const { return process_ ? process_->Output() : ""; }
+
+ private:
+  std::string dir_;
+  int client_, peer_;
+  int starts_ = 0;
+  std::unique_ptr<testing::ChildProcess> process_;
+};
+
+class EtcdWatchTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    etcd_ = std::make_unique<OwnEtcd>(dir_.path());
+    ASSERT_TRUE(etcd_->Start()) << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
+                                << etcd_->Output();
+    auto c = etcd::Client::Create(etcd_->endpoint());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    client_ = std::move(*c);
+  }
+  std::unique_ptr<etcd::Watch> StartWatch(const std::string& key, Seen* seen) {
+    etcd::WatchOptions o;
+    o.endpoints = etcd_->endpoint();
+    o.key = key;
+    o.backoff_max = milliseconds(300);
+    auto w = etcd::Watch::Start(o, seen->Callback());
+    EXPECT_TRUE(w.ok()) << w.status().ToString();
+    return w.ok() ? std::move(*w) : nullptr;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<OwnEtcd> etcd_;
+  std::unique_ptr<etcd::Client> client_;
+};
+
+TEST_F(EtcdWatchTest, SeesAPutAndADeleteAsTheyLandOnOneStream) {
+  ASSERT_TRUE(client_->Put("/w/k", "before").ok());
+  Seen seen;
+  auto w = StartWatch("/w/k", &seen);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(seen.WaitFor("/w/k", "before", milliseconds(5'000)));  // the first read
+  ASSERT_TRUE(client_->Put("/w/k", "after").ok());
+  EXPECT_TRUE(seen.WaitFor("/w/k", "after", milliseconds(5'000)));
+  ASSERT_TRUE(client_->Txn({}, {etcd::Op::Delete("/w/k")}).ok());
+  EXPECT_TRUE(seen.WaitFor("/w/k", "", milliseconds(5'000)));
+  // a key beside it is not watched
+  ASSERT_TRUE(client_->Put("/w/k2", "x").ok());
+  std::this_thread::sleep_for(milliseconds(200));
+  {
+    MutexLock lock(&seen.mu);
+    EXPECT_TRUE(seen.last.empty());
+  }
+  // one read and one stream: no request per change
+  EXPECT_EQ(w->reads(), 1);
+  EXPECT_EQ(w->streams(), 1);
+  auto start = std::chrono::steady_clock::now();
+  w->Stop();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(1'000)) << "Stop() was slow";
+}
+
+TEST_F(EtcdWatchTest, AStreamSilentForTheIdleTimeoutIsOpenedAgainFromWhereItWas) {
+  ASSERT_TRUE(client_->Put("/w/k", "1").ok());
+  Seen seen;
+  etcd::WatchOptions o;
+  o.endpoints = etcd_->endpoint();
+  o.key = "/w/k";
+  o.idle_timeout = milliseconds(300);
+  auto w = etcd::Watch::Start(o, seen.Callback());
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_TRUE(seen.WaitFor("/w/k", "1", milliseconds(5'000)));
+  std::this_thread::sleep_for(milliseconds(1'100));
+  // about one stream per idle timeout, opened at once (no back-off), and no read again
+  EXPECT_GE((*w)->streams(), 3);
+  EXPECT_LE((*w)->streams(), 6);
+  EXPECT_EQ((*w)->reads(), 1);
+  ASSERT_TRUE(client_->Put("/w/k", "2").ok());
+  EXPECT_TRUE(seen.WaitFor("/w/k", "2", milliseconds(5'000)));
+}
+
+TEST_F(EtcdWatchTest, RidesOutAnEtcdRestartAndResumesFromTheLastRevision) {
+  ASSERT_TRUE(client_->Put("/w/k", "1").ok());
+  Seen seen;
+  auto w = StartWatch("/w/k", &seen);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(seen.WaitFor("/w/k", "1", milliseconds(5'000)));
+  etcd_->Kill();
+  std::this_thread::sleep_for(milliseconds(1'000));  // the watch retries meanwhile
+  ASSERT_TRUE(etcd_->Start()) << etcd_->Output();
+  // Two changes after the restart: both are seen, the last one last (resumed, not re-read).
+  ASSERT_TRUE(client_->Put("/w/k", "2").ok());
+  ASSERT_TRUE(client_->Put("/w/k", "3").ok());
+  EXPECT_TRUE(seen.WaitFor("/w/k", "3", milliseconds(10'000)));
+  EXPECT_GE(w->streams(), 2) << "the stream was not opened again";
+  EXPECT_EQ(w->reads(), 1) << "resumed from its revision: no read again";
+}
+
+TEST_F(EtcdWatchTest, ReadsTheKeyAgainWhenTheRevisionToResumeFromWasCompacted) {
+  ASSERT_TRUE(client_->Put("/w/k", "1").ok());
+  Seen seen;
+  auto w = StartWatch("/w/k", &seen);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(seen.WaitFor("/w/k", "1", milliseconds(5'000)));
+  {
+    MutexLock lock(&seen.mu);
+    seen.hold = true;  // the watch's thread stops in its next callback
+  }
+  ASSERT_TRUE(client_->Put("/w/k", "2").ok());
+  ASSERT_TRUE(seen.WaitFor("/w/k", "2", milliseconds(5'000)));
+  // While it is held: etcd restarts, the key changes and is compacted past the watch's revision.
+  etcd_->Kill();
+  ASSERT_TRUE(etcd_->Start()) << etcd_->Output();
+  int64_t rev = 0;
+  for (int i = 3; i <= 5; ++i) {
+    auto r = client_->Put("/w/k", std::to_string(i));
+    ASSERT_TRUE(r.ok());
+    rev = *r;
+  }
+  ASSERT_TRUE(client_->Call("kv/compaction", fmt::format("{{\"revision\":\"{}\"}}", rev)).ok());
+  {
+    MutexLock lock(&seen.mu);
+    seen.hold = false;
+    seen.cv.NotifyAll();
+  }
+  // Its stream is gone; the next one from the revision after "2" is refused (compacted): it reads
+  // the key again.
+  EXPECT_TRUE(seen.WaitFor("/w/k", "5", milliseconds(10'000)));
+  EXPECT_EQ(w->reads(), 2) << "no read again after the compaction";
+}
+
+TEST_F(EtcdWatchTest, TheLeaderFileFollowsTheLeaderAndTheEnd) {
+  std::string path = dir_ / "leader.json";
+  std::atomic<int> changes{0};
+  auto lw = coord::LeaderWatch::Start(etcd_->endpoint(), "t", path, [&] { changes++; });
+  ASSERT_TRUE(lw.ok()) << lw.status().ToString();
+  coord::LeaderFileReader reader(path);
+  auto wait_for = [&](const std::function<bool(const Result<std::string>&)>& ok) {
+    for (int i = 0; i < 250; ++i) {
+      if (ok(reader.Read())) return true;
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    return false;
+  };
+  EXPECT_TRUE(wait_for([](const Result<std::string>& r) {
+    return r.status().code() == StatusCode::kNotFound &&
+           r.status().message().find("no controller") != std::string::npos;
+  })) << reader.Read().status().ToString();
+  ASSERT_TRUE(client_->Put(coord::LeaderKey("t"), R"({"controller":"127.0.0.1:1"})").ok());
+  EXPECT_TRUE(wait_for([](const Result<std::string>& r) { return r.ok() && *r == "127.0.0.1:1"; }));
+  // a leader change: the file names the new one, as LookUpLeader does
+  ASSERT_TRUE(client_->Put(coord::LeaderKey("t"), R"({"controller":"127.0.0.1:2"})").ok());
+  EXPECT_TRUE(wait_for([](const Result<std::string>& r) { return r.ok() && *r == "127.0.0.1:2"; }));
+  EXPECT_EQ(*coord::LookUpLeader(*client_, "t"), "127.0.0.1:2");
+  // the job ends: the end key, then the leader resigns
+  ASSERT_TRUE(
+      client_->Put(coord::JobPrefix("t") + "end", R"({"exit_code":3,"reason":"done"})").ok());
+  ASSERT_TRUE(client_->Txn({}, {etcd::Op::Delete(coord::LeaderKey("t"))}).ok());
+  EXPECT_TRUE(wait_for(
+      [](const Result<std::string>& r) { return r.status().code() == StatusCode::kAborted; }));
+  int code = 0;
+  EXPECT_EQ(reader.Read(&code).status().code(), StatusCode::kAborted);
+  EXPECT_EQ(code, 3);
+  EXPECT_GE(changes.load(), 3);
+  // two watches: two reads and two streams, however many changes there were
+  EXPECT_EQ((*lw)->requests(), 4);
+}
+
+}  // namespace
+}  // namespace nonstop
