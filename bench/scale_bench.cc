@@ -22,7 +22,10 @@
 //   Handle calls plus encoding the plan and the aborts the way the runtime
 //   sends them; and with the journal appends the runtime makes meanwhile),
 //   the runtime's per-turn Status(), a Tick, and memory (RSS before/after the
-//   job is built). Each size runs in a child process with a memory limit and
+//   job is built). The plans go out through the runtime's controller::PlanWire
+//   (docs/plan-wire.md): the bytes on the wire per recovery (summed over the
+//   members, and what full plans to every member would be), the time to encode
+//   them, and one worker's decoding. Each size runs in a child process with a memory limit and
 //   a time limit, so that a size that does not fit says so instead of taking
 //   the machine down.
 //
@@ -55,6 +58,7 @@
 #include "control/messages.h"
 #include "controller/controller.h"
 #include "controller/journal.h"
+#include "controller/plan_wire.h"
 #ifdef NONSTOP_SCALE_HOSTS
 #include "tests/multihost/netns.h"
 #endif
@@ -468,47 +472,87 @@ class Sim {
             {"printed_bytes", printed}};
   }
 
-  // Encodes the SendPlan actions among `out` the way the runtime does: once per distinct plan
-  // object (one per member when every action holds its own copy). Stops after encode_budget_s and
-  // extrapolates.
-  json Encode(const std::vector<controller::Action>& out) const {
-    std::vector<const control::PlanMsg*> plans;
+  // Sends the SendPlan actions among `out` the way the runtime does (controller::PlanWire: the
+  // full plan, or a delta to a member that holds the previous plan; each payload encoded once),
+  // each simulated worker on a control connection of its own that never drops. Measured: the
+  // bytes on the wire, the time to pick and encode them, and one worker's decoding of each kind;
+  // and, as a baseline, the full plan to every member (how plans went out before deltas). Stops
+  // after encode_budget_s and extrapolates.
+  json Encode(const std::vector<controller::Action>& out) {
+    std::vector<const controller::SendPlan*> sends;
     for (const auto& a : out) {
-      if (const auto* p = std::get_if<controller::SendPlan>(&a)) plans.push_back(&PlanOf(*p));
+      if (const auto* p = std::get_if<controller::SendPlan>(&a)) sends.push_back(p);
     }
-    if (plans.empty()) return nullptr;
-    std::set<const control::PlanMsg*> distinct(plans.begin(), plans.end());
+    if (sends.empty()) return nullptr;
+    std::set<const control::PlanMsg*> distinct;
+    for (const auto* p : sends) distinct.insert(&PlanOf(*p));
     auto t = SteadyClock::now();
-    std::string one = control::Encode(*plans.front());
-    double one_ms = MsSince(t);
+    const std::string full = control::Encode(PlanOf(*sends.front()));
+    const double one_ms = MsSince(t);
     t = SteadyClock::now();
-    size_t done = 0, bytes = 0;
+    size_t done = 0, bytes = 0, deltas = 0, delta_bytes = 0, whole_bytes = 0;
     bool extrapolated = false;
-    std::string last;
-    const control::PlanMsg* prev = nullptr;
-    for (const auto* p : plans) {
-      if (p != prev) {  // a runtime that caches the encoding of the plan it sent last
-        if (std::chrono::duration<double>(SteadyClock::now() - t).count() > o_.encode_budget_s) {
-          extrapolated = true;
-          break;
-        }
-        last = control::Encode(*p);
-        prev = p;
-        ++done;
+    std::string delta, whole;  // one payload of each kind: against the previous plan, and none
+    for (const auto* p : sends) {
+      if (std::chrono::duration<double>(SteadyClock::now() - t).count() > o_.encode_budget_s) {
+        extrapolated = true;
+        break;
       }
-      bytes += last.size();
+      const uint64_t connection = static_cast<uint64_t>(p->worker_id) + 1;
+      controller::PlanWire::Frame f = wire_.For(p->worker_id, connection, p->plan);
+      wire_.Sent(p->worker_id, connection, true);
+      bytes += f.payload->size();
+      if (f.delta) {
+        ++deltas;
+        if (delta.empty() || f.payload->size() < delta.size()) delta = *f.payload;
+        delta_bytes = std::max(delta_bytes, f.payload->size());
+      } else if (whole.empty()) {
+        whole = *f.payload;
+        whole_bytes = whole.size();
+      }
+      ++done;
     }
     double ms = MsSince(t);
-    double runtime_ms =
-        extrapolated ? ms * static_cast<double>(distinct.size()) / static_cast<double>(done) : ms;
-    return {{"send_plans", plans.size()},
+    const double scale = static_cast<double>(sends.size()) / static_cast<double>(done);
+    // What one worker spends on each: the full plan parsed (as before deltas), the plan against no
+    // base, or a delta applied to the plan it holds (the one sent before this).
+    t = SteadyClock::now();
+    bool decoded = control::DecodePlan(full).ok();
+    const double decode_full_ms = MsSince(t);
+    json decode_whole_ms = nullptr, decode_delta_ms = nullptr;
+    if (!whole.empty()) {
+      t = SteadyClock::now();
+      decoded = decoded && control::DecodePlanDelta(whole, nullptr).ok();
+      decode_whole_ms = MsSince(t);
+    }
+    if (!delta.empty() && held_ != nullptr) {
+      t = SteadyClock::now();
+      decoded = decoded && control::DecodePlanDelta(delta, held_.get()).ok();
+      decode_delta_ms = MsSince(t);
+    }
+    held_ = sends.front()->plan;
+    const double before = static_cast<double>(full.size()) * static_cast<double>(sends.size());
+    const double after = extrapolated ? static_cast<double>(bytes) * scale : bytes;
+    return {{"send_plans", sends.size()},
             {"distinct_plans", distinct.size()},
-            {"plan_bytes", one.size()},
+            {"plan_bytes", full.size()},
             {"encode_one_ms", one_ms},
             {"encodes_done", done},
-            {"runtime_encode_ms", runtime_ms},
+            {"runtime_encode_ms", extrapolated ? ms * scale : ms},
             {"extrapolated", extrapolated},
-            {"bytes_sent", static_cast<double>(one.size()) * static_cast<double>(plans.size())}};
+            {"delta_frames", deltas},
+            {"whole_frames", done - deltas},
+            {"delta_bytes", delta_bytes},
+            {"whole_bytes", whole_bytes},
+            {"decoded", decoded},
+            {"decode_full_ms", decode_full_ms},
+            {"decode_whole_ms", decode_whole_ms},
+            {"decode_delta_ms", decode_delta_ms},
+            {"bytes_sent", after},
+            {"bytes_sent_full_plans", before},
+            // the controller's link at 10 Gbit/s, every byte through it
+            {"wire_s_at_10gbps", after * 8 / 1e10},
+            {"wire_s_at_10gbps_full_plans", before * 8 / 1e10}};
   }
 
   void Put(json j) {
@@ -523,6 +567,8 @@ class Sim {
   Clock::time_point now_ = Clock::time_point() + std::chrono::hours(1);
   std::map<std::string, std::string> address_;
   const std::string journal_;  // where the fault's records are appended, as the runtime does
+  controller::PlanWire wire_;  // the runtime's, across the generations
+  std::shared_ptr<const control::PlanMsg> held_;  // the plan sent last: the base of the next delta
 };
 
 // Runs one size in a child process limited to `memory_gib` of address space and `timeout_s`;
@@ -688,15 +734,37 @@ void PrintSimTable(const json& results, const json& medians) {
       "  * extrapolated: the plan encoded once per member, cut off after --sim-encode-budget-s.\n");
   fmt::print(
       "  forming (ms): the HostJoined calls / the joins / the join that forms generation 1; bytes "
-      "of plans on "
-      "the wire\n");
+      "of plans on the wire (full plans to every member before deltas)\n");
   for (const auto& r : results) {
-    fmt::print("{:>7} {:>10} {:>10} {:>10}   generation 1: {} B, after the fault: {} B\n",
-               fmt::format("{}#{}", r["n"].get<int>(), r.value("run", 1)),
-               Num(At(r, "register", "ms")), Num(At(r, "form", "join_handles_ms")),
-               Num(At(r, "form", "forming_handle_ms")),
-               Num(At2(r, "form_encode", "encode", "bytes_sent"), "{:.3g}"),
-               Num(At2(r, "plan_encode", "encode", "bytes_sent"), "{:.3g}"));
+    fmt::print(
+        "{:>7} {:>10} {:>10} {:>10}   generation 1: {} B, after the fault: {} B (was {} B)\n",
+        fmt::format("{}#{}", r["n"].get<int>(), r.value("run", 1)), Num(At(r, "register", "ms")),
+        Num(At(r, "form", "join_handles_ms")), Num(At(r, "form", "forming_handle_ms")),
+        Num(At2(r, "form_encode", "encode", "bytes_sent"), "{:.3g}"),
+        Num(At2(r, "plan_encode", "encode", "bytes_sent"), "{:.3g}"),
+        Num(At2(r, "plan_encode", "encode", "bytes_sent_full_plans"), "{:.3g}"));
+  }
+  fmt::print(
+      "\n  the recovery's plan on the wire (docs/plan-wire.md): frames against no base (whole) and "
+      "against the previous plan (delta); bytes of\n  the full plan (before deltas), of one whole "
+      "plan and of the largest delta; the sum over members now and with the full plan to each; "
+      "the controller's\n  time to pick and encode them (ms); one worker's decoding (ms): full "
+      "plan, whole, delta; the sum's time through a 10 Gbit/s link (s), now and before\n");
+  fmt::print(
+      "{:>8} {:>6} {:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}\n",
+      "workers", "whole", "delta", "full B", "whole B", "delta B", "wire B", "was B", "send",
+      "dec f", "dec w", "dec d", "10G s", "was s");
+  for (const auto& r : results) {
+    auto e = [&](const char* key) { return At2(r, "plan_encode", "encode", key); };
+    fmt::print(
+        "{:>8} {:>6} {:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7}\n",
+        fmt::format("{}#{}", r["n"].get<int>(), r.value("run", 1)),
+        Num(e("whole_frames"), "{:.0f}"), Num(e("delta_frames"), "{:.0f}"),
+        Num(e("plan_bytes"), "{:.0f}"), Num(e("whole_bytes"), "{:.0f}"),
+        Num(e("delta_bytes"), "{:.0f}"), Num(e("bytes_sent"), "{:.3g}"),
+        Num(e("bytes_sent_full_plans"), "{:.3g}"), Num(e("runtime_encode_ms")),
+        Num(e("decode_full_ms")), Num(e("decode_whole_ms")), Num(e("decode_delta_ms"), "{:.2f}"),
+        Num(e("wire_s_at_10gbps"), "{:.3f}"), Num(e("wire_s_at_10gbps_full_plans")));
   }
 }
 

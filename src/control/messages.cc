@@ -4,6 +4,7 @@
 #include <limits>
 #include <set>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 
 #include <fmt/format.h>
@@ -85,6 +86,14 @@ class Reader {
   template <typename V>
   void operator()(const char* name, V* out) const {
     *out = Convert<V>(At(name), Path(name));
+  }
+
+  // The array field `name`.
+  const json& Array(const char* name) const {
+    const json& a = At(name);
+    if (!a.is_array())
+      throw FieldError{Path(name), fmt::format("must be an array, got {}", Shown(a))};
+    return a;
   }
 
   // The elements of the array field `name`, each an object.
@@ -196,6 +205,52 @@ void ReadShardMoves(const Reader& r, PlanMsg& m) {
   }
 }
 
+// Everything of a plan but its members, with `plan_transfers` for its transfers: a full plan and a
+// delta share it.
+json PlanBody(const PlanMsg& m, const std::vector<PlanTransfer>& plan_transfers) {
+  json transfers = json::array();
+  for (const auto& t : plan_transfers)
+    transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}});
+  json faults = json::array();
+  for (const auto& f : m.faults) faults.push_back({{"id", f.id}, {"spec", FormatFault(f)}});
+  json j = {{"generation", m.generation},
+            {"resume_step", m.resume_step},
+            {"transfers", transfers},
+            {"faults", faults},
+            {"reason", m.reason}};
+  if (m.shard_group > 0) j["shard_group"] = m.shard_group;
+  if (!m.shard_moves.empty()) {
+    json moves = json::array();
+    for (const auto& s : m.shard_moves) {
+      moves.push_back({{"receiver", s.receiver}, {"shard", s.shard}, {"sources", s.sources}});
+    }
+    j["shard_moves"] = std::move(moves);
+  }
+  return j;
+}
+
+// The same read back, after the members (the shard moves are checked against their number).
+void ReadPlanBody(const Reader& r, PlanMsg& m) {
+  for (const Reader& e : r.Objects("transfers")) {
+    PlanTransfer t;
+    e("receiver", &t.receiver);
+    e("sources", &t.sources);
+    m.transfers.push_back(t);
+  }
+  for (const Reader& e : r.Objects("faults")) {
+    int id = 0;
+    std::string spec;
+    e("id", &id);
+    e("spec", &spec);
+    auto parsed = ParseFaults(spec, id);
+    if (!parsed.ok()) throw FieldError{e.Path("spec"), parsed.status().message()};
+    if (parsed->size() != 1) throw FieldError{e.Path("spec"), "must hold exactly one fault"};
+    m.faults.push_back((*parsed)[0]);
+  }
+  r("reason", &m.reason);
+  ReadShardMoves(r, m);
+}
+
 }  // namespace
 
 std::string Encode(const JoinMsg& m) {
@@ -217,21 +272,8 @@ std::string Encode(const PlanMsg& m) {
   json members = json::array();
   for (const auto& p : m.members)
     members.push_back({{"worker_id", p.worker_id}, {"address", p.address}});
-  json transfers = json::array();
-  for (const auto& t : m.transfers)
-    transfers.push_back({{"receiver", t.receiver}, {"sources", t.sources}});
-  json faults = json::array();
-  for (const auto& f : m.faults) faults.push_back({{"id", f.id}, {"spec", FormatFault(f)}});
-  json j = {{"generation", m.generation}, {"members", members}, {"resume_step", m.resume_step},
-            {"transfers", transfers},     {"faults", faults},   {"reason", m.reason}};
-  if (m.shard_group > 0) j["shard_group"] = m.shard_group;
-  if (!m.shard_moves.empty()) {
-    json moves = json::array();
-    for (const auto& s : m.shard_moves) {
-      moves.push_back({{"receiver", s.receiver}, {"shard", s.shard}, {"sources", s.sources}});
-    }
-    j["shard_moves"] = std::move(moves);
-  }
+  json j = PlanBody(m, m.transfers);
+  j["members"] = std::move(members);
   return Dump(j);
 }
 std::string Encode(const HeartbeatMsg& m) {
@@ -320,26 +362,161 @@ Result<PlanMsg> DecodePlan(std::string_view p) {
       e("address", &pm.address);
       m.members.push_back(pm);
     }
-    for (const Reader& e : r.Objects("transfers")) {
-      PlanTransfer t;
-      e("receiver", &t.receiver);
-      e("sources", &t.sources);
-      m.transfers.push_back(t);
-    }
-    for (const Reader& e : r.Objects("faults")) {
-      int id = 0;
-      std::string spec;
-      e("id", &id);
-      e("spec", &spec);
-      auto parsed = ParseFaults(spec, id);
-      if (!parsed.ok()) throw FieldError{e.Path("spec"), parsed.status().message()};
-      if (parsed->size() != 1) throw FieldError{e.Path("spec"), "must hold exactly one fault"};
-      m.faults.push_back((*parsed)[0]);
-    }
-    r("reason", &m.reason);
-    ReadShardMoves(r, m);
+    ReadPlanBody(r, m);
   });
 }
+
+uint64_t MembersDigest(const std::vector<PlanMember>& members) {
+  uint64_t h = 14695981039346656037ull;  // FNV-1a 64
+  auto mix = [&h](uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i, v >>= 8) {
+      h ^= v & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  for (const auto& m : members) {
+    // A fixed-width id and length before each address: two lists never hash the same bytes.
+    mix(static_cast<uint32_t>(m.worker_id), 4);
+    mix(m.address.size(), 8);
+    for (char c : m.address) mix(static_cast<unsigned char>(c), 1);
+  }
+  return h;
+}
+
+PlanMembersDelta DiffMembers(const PlanMsg& plan, const PlanMsg* base) {
+  PlanMembersDelta out;
+  std::unordered_map<int, size_t> base_rank;
+  if (base != nullptr) {
+    out.base_generation = base->generation;
+    out.base_digest = MembersDigest(base->members);
+    base_rank.reserve(base->members.size());
+    for (size_t r = 0; r < base->members.size(); ++r)
+      base_rank.emplace(base->members[r].worker_id, r);
+  }
+  // Runs of consecutive base ranks that keep their worker and address, and the other members one
+  // by one.
+  for (const auto& m : plan.members) {
+    auto it = base_rank.find(m.worker_id);
+    if (it == base_rank.end() || base->members[it->second].address != m.address) {
+      out.runs.push_back({0, 0, m});
+      continue;
+    }
+    PlanMemberRun* last = out.runs.empty() ? nullptr : &out.runs.back();
+    if (last != nullptr && last->count > 0 && last->copy_from + last->count == it->second) {
+      ++last->count;
+    } else {
+      out.runs.push_back({it->second, 1, {}});
+    }
+  }
+  return out;
+}
+
+std::string EncodePlanDelta(const PlanMsg& plan, const PlanMembersDelta& members,
+                            const std::vector<PlanTransfer>& transfers) {
+  // Compact arrays: [from, count] copies base ranks, [worker id, "address"] is a member.
+  json runs = json::array();
+  for (const auto& r : members.runs) {
+    if (r.count > 0) {
+      runs.push_back(json::array({r.copy_from, r.count}));
+    } else {
+      runs.push_back(json::array({r.member.worker_id, r.member.address}));
+    }
+  }
+  json j = PlanBody(plan, transfers);
+  j["v"] = kPlanDeltaVersion;
+  j["base_generation"] = members.base_generation;
+  if (members.base_generation > 0) j["base_digest"] = fmt::format("{:016x}", members.base_digest);
+  j["world"] = plan.members.size();
+  j["members"] = std::move(runs);
+  return Dump(j);
+}
+
+namespace {
+
+// The members of a delta, rebuilt against `base` (checked by the caller to be the one it names).
+void ReadMemberRuns(const Reader& r, const PlanMsg* base, PlanMsg& m) {
+  const size_t base_size = base == nullptr ? 0 : base->members.size();
+  size_t world = 0;
+  r("world", &world);
+  const json& runs = r.Array("members");
+  // A legitimate delta copies each base rank at most once, so the runs add up to at most the
+  // base's size: a hostile one cannot make the worker allocate more than that and its entries.
+  if (world > base_size + runs.size()) {
+    throw FieldError{"world", fmt::format("{} members from a base of {} and {} entries", world,
+                                          base_size, runs.size())};
+  }
+  m.members.reserve(world);
+  size_t copied = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const std::string path = fmt::format("members[{}]", i);
+    const json& e = runs[i];
+    if (!e.is_array() || e.size() != 2) {
+      throw FieldError{
+          path, fmt::format("must be [from, count] or [worker_id, \"address\"], got {}", Shown(e))};
+    }
+    if (e[1].is_string()) {
+      m.members.push_back({Convert<int>(e[0], path + "[0]"), e[1].get<std::string>()});
+      continue;
+    }
+    const size_t from = Convert<size_t>(e[0], path + "[0]");
+    const size_t count = Convert<size_t>(e[1], path + "[1]");
+    if (count == 0 || from >= base_size || count > base_size - from) {
+      throw FieldError{path, fmt::format("copies ranks [{}, {}) of a base of {} members", from,
+                                         from + count, base_size)};
+    }
+    copied += count;
+    if (copied > base_size) {
+      throw FieldError{path,
+                       fmt::format("copies {} ranks of a base of {} members", copied, base_size)};
+    }
+    m.members.insert(m.members.end(), base->members.begin() + static_cast<ptrdiff_t>(from),
+                     base->members.begin() + static_cast<ptrdiff_t>(from + count));
+  }
+  if (m.members.size() != world) {
+    throw FieldError{"members", fmt::format("rebuild {} members, but the delta says {}",
+                                            m.members.size(), world)};
+  }
+}
+
+}  // namespace
+
+Result<PlanMsg> DecodePlanDelta(std::string_view p, const PlanMsg* base) {
+  return Decode<PlanMsg>("plan delta", p, [base](const Reader& r, PlanMsg& m) {
+    int version = 0;
+    r("v", &version);
+    if (version != kPlanDeltaVersion) {
+      throw FieldError{"v", fmt::format("{} is not a version this worker reads ({}): run the same "
+                                        "nonstop version on the controller and the workers",
+                                        version, kPlanDeltaVersion)};
+    }
+    r("generation", &m.generation);
+    r("resume_step", &m.resume_step);
+    uint32_t base_generation = 0;
+    r("base_generation", &base_generation);
+    if (base_generation == 0) {
+      ReadMemberRuns(r, nullptr, m);
+    } else {
+      std::string digest;
+      r("base_digest", &digest);
+      if (base == nullptr) {
+        throw FieldError{
+            "base_generation",
+            fmt::format("{} names the plan this worker holds, but it holds none", base_generation)};
+      }
+      const std::string held = fmt::format("{:016x}", MembersDigest(base->members));
+      if (base->generation != base_generation || digest != held) {
+        throw FieldError{"base_digest",
+                         fmt::format("{} of generation {} is not the plan this worker holds "
+                                     "(generation {}, digest {}): the controller sends the full "
+                                     "plan on a new connection",
+                                     digest, base_generation, base->generation, held)};
+      }
+      ReadMemberRuns(r, base, m);
+    }
+    ReadPlanBody(r, m);
+  });
+}
+
 Result<HeartbeatMsg> DecodeHeartbeat(std::string_view p) {
   return Decode<HeartbeatMsg>("heartbeat", p, [](const Reader& r, HeartbeatMsg& m) {
     r("step", &m.step);

@@ -28,8 +28,11 @@ enum MessageType : uint16_t {
   // controller → worker: generation g ends at the step boundary after step s (a resize)
   kMsgDrain = 21,
   // controller → worker or agent: the controller is alive, and its epoch (PingMsg); a
-  kMsgPing = 22,
   // worker that hears nothing for SessionOptions::controller_timeout has lost its controller
+  kMsgPing = 22,
+  // controller → worker: a plan written against the one this worker received last on this
+  // connection, or against none (EncodePlanDelta; docs/plan-wire.md)
+  kMsgPlanDelta = 23,
   // Controller ↔ agent (one agent per host; docs/protocol.md "Agents"). The
   // agent decides nothing: it registers its host, starts and signals processes
   // when told, and reports what happens to them at once.
@@ -49,7 +52,8 @@ enum MessageType : uint16_t {
   // agent → controller: release this host's workers at the next step boundary (preempted)
   kMsgAgentLeaving = 39,
 };
-static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20 && kMsgDrain == 21,
+static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20 && kMsgDrain == 21 &&
+                  kMsgPlanDelta == 23,
               "wire numbers are pinned");
 
 struct JoinMsg {
@@ -294,6 +298,54 @@ std::string Encode(const AgentLeavingMsg& m);
 
 Result<JoinMsg> DecodeJoin(std::string_view payload);
 Result<PlanMsg> DecodePlan(std::string_view payload);
+
+// ---- plans on the wire (docs/plan-wire.md) ----
+// A full plan (kMsgPlan) lists every member's worker id and address, so
+// sending it to each of N members costs O(N²) bytes: 4.9 GB per recovery at
+// 10,000 workers, 493 GB at 100,000. The controller sends kMsgPlanDelta
+// instead: the member list written against a base, the plan the worker
+// received last on its connection (runs of the base's ranks plus the members
+// that are new or moved), or against none (every member an entry: a spare's,
+// a first plan); and, with a base, only the transfers the worker takes part
+// in (as receiver or source: the others are no concern of it). The rest is
+// as in a full plan: the shard moves all of them (every member checks them
+// all). The worker rebuilds the PlanMsg a full plan would decode to (with a
+// base: its own transfers only), so what follows decoding is unchanged.
+
+// The version of the delta format; a delta of any other version is refused.
+inline constexpr int kPlanDeltaVersion = 1;
+
+// A digest of a member list (FNV-1a 64 over worker ids and addresses): a
+// delta names its base by generation and this, so a worker that holds
+// another member list refuses it instead of rebuilding a wrong one.
+uint64_t MembersDigest(const std::vector<PlanMember>& members);
+
+// A plan's member list written against a base: computed once per plan and
+// base, written into every delta of that plan.
+struct PlanMemberRun {
+  size_t copy_from = 0;  // count > 0: the base's ranks [copy_from, copy_from + count)
+  size_t count = 0;      // 0: `member`, an entry of its own
+  PlanMember member;
+};
+struct PlanMembersDelta {
+  uint32_t base_generation = 0;  // 0: no base, every member an entry
+  uint64_t base_digest = 0;
+  std::vector<PlanMemberRun> runs;
+};
+PlanMembersDelta DiffMembers(const PlanMsg& plan, const PlanMsg* base);
+
+// `plan` with `members` (DiffMembers(plan, …)) and `transfers` in place of
+// the plan's own (with a base: the receiving worker's).
+std::string EncodePlanDelta(const PlanMsg& plan, const PlanMembersDelta& members,
+                            const std::vector<PlanTransfer>& transfers);
+
+// Rebuilds a plan from a delta and the plan the worker holds (nullptr:
+// none). INVALID_ARGUMENT names what is wrong: another version, a base this
+// worker does not hold (generation or digest), a run outside the base, a
+// field as DecodePlan's. A delta can never make a worker hold more members
+// than its base has plus the delta's own entries.
+Result<PlanMsg> DecodePlanDelta(std::string_view payload, const PlanMsg* base);
+
 Result<HeartbeatMsg> DecodeHeartbeat(std::string_view payload);
 Result<ProgressMsg> DecodeProgress(std::string_view payload);
 Result<FinishedMsg> DecodeFinished(std::string_view payload);

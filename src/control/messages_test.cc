@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 namespace nonstop::control {
@@ -64,6 +65,123 @@ TEST(MessagesTest, PlanCarriesTheShardMoves) {
 
 // A plan's shard moves are never trusted: every field is checked, every list
 // bounded by the members.
+// A plan's members as "id@address" strings, for comparing whole lists.
+std::vector<std::string> Listed(const PlanMsg& p) {
+  std::vector<std::string> out;
+  for (const auto& m : p.members) out.push_back(std::to_string(m.worker_id) + "@" + m.address);
+  return out;
+}
+
+PlanMsg Generation(uint32_t generation, std::vector<int> ids) {
+  PlanMsg p;
+  p.generation = generation;
+  for (int id : ids) p.members.push_back({id, "10.0.0." + std::to_string(id) + ":4000"});
+  return p;
+}
+
+// Every kind of change between two generations (a spare takes a rank, ranks close up after a
+// shrink, a grow appends, members reorder, a worker's address changes): the delta rebuilds the
+// plan that the full encoding decodes to, field for field, and is small where little changed.
+// Against no base, it is the whole plan in half the bytes of the full one.
+TEST(MessagesTest, PlanDeltaRebuildsTheFullPlan) {
+  std::vector<int> ids(1000);
+  for (int i = 0; i < 1000; ++i) ids[static_cast<size_t>(i)] = i;
+  const PlanMsg base = Generation(4, ids);
+  std::vector<std::vector<int>> nexts;
+  std::vector<int> replaced = ids;
+  replaced[3] = 5000;  // a spare takes rank 3
+  replaced[700] = 5001;
+  nexts.push_back(replaced);
+  std::vector<int> shrunk = ids;
+  shrunk.erase(shrunk.begin() + 10, shrunk.begin() + 18);  // a host of 8 lost, no spare
+  nexts.push_back(shrunk);
+  std::vector<int> grown = ids;
+  grown.push_back(6000);
+  nexts.push_back(grown);
+  std::vector<int> reordered(ids.rbegin(), ids.rend());
+  nexts.push_back(reordered);
+  for (const auto& next : nexts) {
+    PlanMsg plan = Generation(5, next);
+    plan.resume_step = 77;
+    plan.reason = "recovery";
+    plan.transfers = {{next[3], {0, 1}}};
+    plan.faults = *ParseFaults("kill:rank=1,step=80", 2);
+    plan.shard_group = 2;
+    plan.shard_moves = {{next[3], 1, {1}}};
+    auto full = DecodePlan(Encode(plan));
+    ASSERT_TRUE(full.ok()) << full.status().ToString();
+    const std::string delta = EncodePlanDelta(plan, DiffMembers(plan, &base), plan.transfers);
+    auto rebuilt = DecodePlanDelta(delta, &base);
+    ASSERT_TRUE(rebuilt.ok()) << rebuilt.status().ToString();
+    EXPECT_EQ(Listed(*rebuilt), Listed(*full));
+    EXPECT_EQ(Encode(*rebuilt), Encode(*full)) << "every other field too";
+    if (next != reordered) {
+      EXPECT_LT(delta.size(), 500u) << "a few changes cost a few entries: " << delta;
+    }
+    const std::string alone = EncodePlanDelta(plan, DiffMembers(plan, nullptr), plan.transfers);
+    auto whole = DecodePlanDelta(alone, nullptr);
+    ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+    EXPECT_EQ(Encode(*whole), Encode(*full));
+    EXPECT_LT(alone.size() * 3, Encode(plan).size() * 2) << "compact entries";
+    // A worker that holds some plan (the base) reads a delta against none all the same.
+    EXPECT_TRUE(DecodePlanDelta(alone, &base).ok());
+  }
+  // A worker whose address changed travels as an entry, never as a copy of its old address.
+  PlanMsg moved = base;
+  moved.generation = 5;
+  moved.members[9].address = "10.9.9.9:4000";
+  auto rebuilt = DecodePlanDelta(EncodePlanDelta(moved, DiffMembers(moved, &base), {}), &base);
+  ASSERT_TRUE(rebuilt.ok()) << rebuilt.status().ToString();
+  EXPECT_EQ(rebuilt->members[9].address, "10.9.9.9:4000");
+  EXPECT_EQ(Listed(*rebuilt), Listed(moved));
+}
+
+// A delta is applied only to the plan it names, and nothing in it is trusted.
+TEST(MessagesTest, PlanDeltaRefusesAnotherBaseAndMalformedRuns) {
+  const PlanMsg base = Generation(4, {0, 1, 2, 3});
+  const PlanMsg next = Generation(5, {0, 1, 9, 3});
+  const std::string delta = EncodePlanDelta(next, DiffMembers(next, &base), {});
+  auto expect_refused = [](Result<PlanMsg> r, const std::string& words) {
+    ASSERT_FALSE(r.ok()) << "accepted";
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().message();
+  };
+  expect_refused(DecodePlanDelta(delta, nullptr), "names the plan this worker holds, but it holds");
+  expect_refused(DecodePlanDelta(delta, &next), "is not the plan this worker holds");
+  PlanMsg other_members = Generation(4, {0, 1, 2, 8});
+  expect_refused(DecodePlanDelta(delta, &other_members), "is not the plan this worker holds");
+  const std::string digest = fmt::format("{:016x}", MembersDigest(base.members));
+  auto wire = [&](const std::string& v, const std::string& members, int world) {
+    return fmt::format(
+        R"({{"v": {}, "generation": 5, "resume_step": 1, "base_generation": 4, )"
+        R"("base_digest": "{}", "world": {}, "members": [{}], "transfers": [], "faults": [], )"
+        R"("reason": "recovery"}})",
+        v, digest, world, members);
+  };
+  auto good = DecodePlanDelta(wire("1", R"([1, 3])", 3), &base);
+  ASSERT_TRUE(good.ok()) << good.status().ToString();
+  EXPECT_EQ(Listed(*good), Listed(Generation(4, {1, 2, 3})));
+  expect_refused(DecodePlanDelta(wire("2", R"([1, 3])", 3), &base),
+                 "field 'v' 2 is not a version this worker reads (1)");
+  expect_refused(DecodePlanDelta(wire("1", R"([2, 3])", 3), &base),
+                 "'members[0]' copies ranks [2, 5) of a base of 4 members");
+  expect_refused(DecodePlanDelta(wire("1", R"([0, 0])", 0), &base), "copies ranks [0, 0)");
+  expect_refused(DecodePlanDelta(wire("1", R"([0, 4], [0, 4])", 4), &base),
+                 "'members[1]' copies 8 ranks of a base of 4 members");
+  expect_refused(DecodePlanDelta(wire("1", R"([0, 4])", 1000000), &base),
+                 "field 'world' 1000000 members from a base of 4 and 1 entries");
+  expect_refused(DecodePlanDelta(wire("1", R"([0, 4])", 3), &base),
+                 "rebuild 4 members, but the delta says 3");
+  expect_refused(DecodePlanDelta(wire("1", R"([-1, 4])", 4), &base),
+                 "field 'members[0][0]' must be an integer from 0");
+  expect_refused(DecodePlanDelta(wire("1", R"([7])", 1), &base),
+                 "'members[0]' must be [from, count] or [worker_id, \"address\"], got an array");
+  expect_refused(DecodePlanDelta(wire("1", R"({"worker_id": 7})", 1), &base), "got an object");
+  expect_refused(DecodePlanDelta(wire("1", R"([1.5, "10.0.0.1:1"])", 1), &base),
+                 "field 'members[0][0]' must be an integer");
+  expect_refused(DecodePlanDelta("[1]", &base), "plan delta message is not a JSON object");
+}
+
 TEST(MessagesTest, MalformedShardMovesAreRefusedNamingTheField) {
   auto plan = [](const std::string& shard_fields) {
     return DecodePlan(

@@ -399,6 +399,13 @@ bool ControlServer::Send(int worker_id, uint16_t type, const std::string& payloa
   return SendOn(it->second, type, payload);
 }
 
+uint64_t ControlServer::connection_of(int worker_id) const {
+  auto it = fd_of_worker_.find(worker_id);
+  if (it == fd_of_worker_.end()) return 0;
+  auto c = conns_.find(it->second);
+  return c == conns_.end() ? 0 : c->second->seq + 1;
+}
+
 bool ControlServer::SendToAgent(const std::string& host_id, uint16_t type,
                                 const std::string& payload) {
   auto it = fd_of_host_.find(host_id);

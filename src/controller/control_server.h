@@ -75,6 +75,9 @@ class ControlServer {
   // no open connection, or if this send overflowed its queue (the connection
   // is then closed and the worker reported lost).
   bool Send(int worker_id, uint16_t type, const std::string& payload);
+  // Which connection a worker is on now: an id no other connection of this
+  // server has had (frames sent on one arrive in order); 0: none.
+  uint64_t connection_of(int worker_id) const;
   // The same, to the agent of a host.
   bool SendToAgent(const std::string& host_id, uint16_t type, const std::string& payload);
   // Sends the agent a Shutdown (why it must go; with send_shutdown false,

@@ -32,6 +32,7 @@
 #include "controller/http_api.h"
 #include "controller/job_metrics.h"
 #include "controller/journal.h"
+#include "controller/plan_wire.h"
 #include "controller/progress_line.h"
 #include "controller/takeover.h"
 #include "launcher/output_writer.h"
@@ -222,9 +223,11 @@ class Runtime {
   bool interrupted_ = false;
   bool hand_over_ = false;  // SIGTERM with etcd: give the job to a standby instead of ending it
   // Every member of a generation gets the same plan (one PlanMsg shared by
-  // their SendPlan actions): it is encoded once, for all of them.
-  std::shared_ptr<const control::PlanMsg> encoded_plan_;
-  std::string encoded_plan_payload_;
+  // their SendPlan actions): its agents are told the ranks once, and each of
+  // its payloads (against no base, against the previous plan) is encoded once
+  // for all the members it goes to (PlanWire).
+  std::shared_ptr<const control::PlanMsg> ranks_sent_for_;
+  PlanWire plan_wire_;
   std::shared_ptr<const control::AbortMsg> encoded_abort_;  // likewise the abort of a generation
   std::string encoded_abort_payload_;
   // Calls to core_.Handle so far: /status changes only when this does.
@@ -766,15 +769,17 @@ void Runtime::Do(const SendPlan& a) {
       at_normal_priority_.insert(a.worker_id);
     }
   }
-  if (a.plan != encoded_plan_) {
-    encoded_plan_payload_ = control::Encode(*a.plan);
-    encoded_plan_ = a.plan;
+  if (a.plan != ranks_sent_for_) {
+    ranks_sent_for_ = a.plan;
     std::vector<int> members;
     for (const auto& m : a.plan->members) members.push_back(m.worker_id);
     // sent before the plan: lines show the rank
     SendRanksToAgents(a.plan->generation, members, "");
   }
-  server_->Send(a.worker_id, control::kMsgPlan, encoded_plan_payload_);
+  // Against the plan the worker holds, or against none (docs/plan-wire.md).
+  const uint64_t connection = server_->connection_of(a.worker_id);
+  const PlanWire::Frame frame = plan_wire_.For(a.worker_id, connection, a.plan);
+  plan_wire_.Sent(a.worker_id, connection, server_->Send(a.worker_id, frame.type, *frame.payload));
 }
 
 void Runtime::Do(const SendShutdown& a) {

@@ -320,6 +320,15 @@ class SessionImpl {
         cv_.NotifyAll();
         return OkStatus();
       }
+      case control::kMsgPlanDelta: {
+        // Against the plan received last on this connection: the newest one (docs/plan-wire.md).
+        MutexLock lock(&mu_);
+        NONSTOP_ASSIGN_OR_RETURN(control::PlanMsg plan,
+                                 control::DecodePlanDelta(f.payload, plan_ ? &*plan_ : nullptr));
+        if (!plan_ || plan.generation > plan_->generation) plan_ = std::move(plan);
+        cv_.NotifyAll();
+        return OkStatus();
+      }
       case control::kMsgAbort: {
         NONSTOP_ASSIGN_OR_RETURN(control::AbortMsg m, control::DecodeAbort(f.payload));
         MutexLock lock(&mu_);

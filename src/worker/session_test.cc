@@ -282,6 +282,46 @@ TEST_F(SessionTest, PlanNamingASourceOutsideTheMembershipIsAnsweredWithAReasonNo
       << ready_reason;
 }
 
+// The controller sends a member the next plan written against the one it holds
+// (docs/plan-wire.md): the worker rebuilds it and adopts it; here the two
+// members swap ranks.
+TEST_F(SessionTest, APlanDeltaIsAppliedToThePlanTheWorkerHolds) {
+  control::PlanMsg first;
+  auto session = Join([&] { job_.AcceptAndPlan([&](control::PlanMsg& plan) { first = plan; }); });
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  EXPECT_EQ((*session)->rank(), 0);
+  control::PlanMsg next = first;
+  next.generation = 2;
+  next.resume_step = 5;
+  next.reason = "recovery";
+  std::swap(next.members[0], next.members[1]);
+  job_.Send(control::kMsgAbort, control::Encode(control::AbortMsg{1, "a member failed"}));
+  job_.Send(control::kMsgPlanDelta,
+            control::EncodePlanDelta(next, control::DiffMembers(next, &first), next.transfers));
+  auto resumed = (*session)->Recover();
+  ASSERT_TRUE(resumed.ok()) << resumed.status().ToString();
+  EXPECT_EQ(*resumed, 5);
+  EXPECT_EQ((*session)->rank(), 1);
+  EXPECT_EQ((*session)->world_size(), 2);
+  EXPECT_EQ((*session)->last_change().generation, 2u);
+}
+
+// A delta against a plan the worker does not hold is refused (a bad order: the worker leaves the
+// connection and dials again), never applied to the plan it has.
+TEST_F(SessionTest, APlanDeltaAgainstAnotherPlanIsRefused) {
+  control::PlanMsg first;
+  auto session = Join([&] { job_.AcceptAndPlan([&](control::PlanMsg& plan) { first = plan; }); });
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  control::PlanMsg other = first;
+  other.generation = 7;  // never sent to this worker
+  control::PlanMsg next = first;
+  next.generation = 8;
+  job_.Send(control::kMsgPlanDelta,
+            control::EncodePlanDelta(next, control::DiffMembers(next, &other), next.transfers));
+  EXPECT_TRUE(job_.ClosedByWorker(Millis(5000))) << "the worker applied a delta of another base";
+  EXPECT_EQ((*session)->generation(), 1u);
+}
+
 // Fencing at the worker (docs/controller-failover.md): once it has followed
 // a controller of epoch 5, a controller of epoch 3 (a deposed leader that
 // woke up) is left at its first ping, and what it sends after is not acted on.
