@@ -156,6 +156,16 @@ bool WaitForStep(const std::string& journal, int64_t step) {
 // controller again with --resume from the journal, at once; nobody types a
 // command, and the job ends with exit 0, bitwise equal to the run without
 // any kill.
+// The journal's records about recoveries and controllers, one a line: what a failure shows.
+std::string RecoveryRecords(const std::string& journal) {
+  std::string out;
+  for (const char* e : {"controller_restart", "takeover", "fault", "recovery_start", "plan",
+                        "recovery_end", "join_timeout", "exit"}) {
+    for (const auto& r : Events(journal, e)) out += r.dump().substr(0, 400) + "\n";
+  }
+  return out;
+}
+
 TEST(ControllerFailoverTest, RunRestartsItsControllerKilledTwiceAndDuringARecoveryAndEndsBitwise) {
   TempDir dir;
   std::string reference = Reference(dir);
@@ -216,7 +226,9 @@ TEST(ControllerFailoverTest, RunRestartsItsControllerKilledTwiceAndDuringARecove
     if (e["recovery"]["id"] != open_recovery) continue;
     ++finished;
     const std::string outcome = e["recovery"]["outcome"];
-    EXPECT_TRUE(outcome == "completed" || outcome.rfind("interrupted", 0) == 0) << outcome;
+    EXPECT_TRUE(outcome == "completed" || outcome.rfind("interrupted", 0) == 0)
+        << outcome << "\n"
+        << RecoveryRecords(journal) << run.Output();
   }
   EXPECT_EQ(finished, 1) << "recovery " << open_recovery << " has no end, or two\n" << run.Output();
   std::set<int64_t> ids;  // a takeover does not reuse the id of the recovery it found open
