@@ -496,7 +496,7 @@ std::atomic<unsigned> next_cluster{0};
 
 }  // namespace
 
-Result<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
+Result<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts, NetnsFamily family) {
   if (hosts < 1 || hosts > kMaxHosts) {
     return InvalidArgumentError(
         fmt::format("NetnsCluster::Create({}): hosts must be in [1, {}]", hosts, kMaxHosts));
@@ -539,11 +539,17 @@ Result<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
   }
   if (a < 0)
     return FailedPreconditionError(fmt::format("every subnet 10.{}-254.x.0/24 is taken", kFirstA));
-  c->subnet_ = fmt::format("10.{}.{}.0/24", a, b);
+  // The bridge's alias records the IPv4 subnet either way: the IPv6 one is derived from it.
+  c->family_ = family;
+  c->ipv4_subnet_ = fmt::format("10.{}.{}.0/24", a, b);
+  const bool v6 = family == NetnsFamily::kIPv6;
+  c->subnet_ =
+      v6 ? fmt::format("fd6e:7374:{:x}:{:x}::/64", a, b) : fmt::format("10.{}.{}.0/24", a, b);
   for (int i = 0; i < hosts; ++i) {
     c->hosts_.push_back(Host{.netns = fmt::format("{}h{}", c->tag_, i),
                              .bridge_port = fmt::format("{}v{}", c->tag_, i),
-                             .address = fmt::format("10.{}.{}.{}", a, b, i + 1)});
+                             .address = v6 ? fmt::format("fd6e:7374:{:x}:{:x}::{:x}", a, b, i + 1)
+                                           : fmt::format("10.{}.{}.{}", a, b, i + 1)});
     NONSTOP_CHECK_LE(c->hosts_.back().bridge_port.size(), 15u)
         << "Linux interface names are at most 15 chars";
   }
@@ -568,7 +574,7 @@ Status NetnsCluster::Build() {
   NONSTOP_CHECK(start.has_value()) << "reading /proc/self/stat";
   NONSTOP_RETURN_IF_ERROR(
       Ip({"link", "set", "dev", bridge_, "alias",
-          fmt::format("{}{} creator {} {}", kAliasPrefix, subnet_, ::getpid(), *start)}));
+          fmt::format("{}{} creator {} {}", kAliasPrefix, ipv4_subnet_, ::getpid(), *start)}));
   NONSTOP_RETURN_IF_ERROR(Ip({"link", "set", "dev", bridge_, "up"}));
   for (const Host& h : hosts_) {
     s = Ip({"netns", "add", h.netns});
@@ -587,7 +593,14 @@ Status NetnsCluster::Build() {
         {"link", "add", h.bridge_port, "type", "veth", "peer", "name", "eth0", "netns", h.netns}));
     NONSTOP_RETURN_IF_ERROR(Ip({"link", "set", "dev", h.bridge_port, "master", bridge_}));
     NONSTOP_RETURN_IF_ERROR(Ip({"link", "set", "dev", h.bridge_port, "up"}));
-    NONSTOP_RETURN_IF_ERROR(Ip({"-n", h.netns, "addr", "add", h.address + "/24", "dev", "eth0"}));
+    if (family_ == NetnsFamily::kIPv6) {
+      // nodad: duplicate address detection would keep the address "tentative" (unusable) for a
+      // second or two; the harness's addresses are unique by construction.
+      NONSTOP_RETURN_IF_ERROR(
+          Ip({"-n", h.netns, "-6", "addr", "add", h.address + "/64", "dev", "eth0", "nodad"}));
+    } else {
+      NONSTOP_RETURN_IF_ERROR(Ip({"-n", h.netns, "addr", "add", h.address + "/24", "dev", "eth0"}));
+    }
     NONSTOP_RETURN_IF_ERROR(Ip({"-n", h.netns, "link", "set", "dev", "eth0", "up"}));
   }
   return OkStatus();
@@ -638,6 +651,11 @@ const NetnsCluster::Host& NetnsCluster::HostAt(int host) const {
 }
 
 const std::string& NetnsCluster::address(int host) const { return HostAt(host).address; }
+
+std::string NetnsCluster::HostPort(int host, int port) const {
+  return family_ == NetnsFamily::kIPv6 ? fmt::format("[{}]:{}", address(host), port)
+                                       : fmt::format("{}:{}", address(host), port);
+}
 const std::string& NetnsCluster::name(int host) const { return HostAt(host).netns; }
 const std::string& NetnsCluster::bridge_port(int host) const { return HostAt(host).bridge_port; }
 
@@ -707,6 +725,24 @@ Status NetnsCluster::LinkUp(int host) {
   // every host forgets its neighbours and resolves them afresh.
   for (const Host& h : hosts_)
     NONSTOP_RETURN_IF_ERROR(Ip({"-n", h.netns, "neigh", "flush", "dev", "eth0"}));
+  return OkStatus();
+}
+
+Status NetnsCluster::RunIn(int host, const std::function<void()>& fn) {
+  const Host& h = HostAt(host);
+  UniqueFd netns(::open(NetnsPath(h.netns).c_str(), O_RDONLY | O_CLOEXEC));
+  if (!netns.valid())
+    return ErrnoStatus(StatusCode::kInternal, fmt::format("open {}", NetnsPath(h.netns)), errno);
+  int err = 0;
+  std::thread t([&] {
+    if (::setns(netns.get(), CLONE_NEWNET) != 0) {
+      err = errno;
+      return;
+    }
+    fn();
+  });
+  t.join();
+  if (err != 0) return ErrnoStatus(StatusCode::kInternal, fmt::format("setns {}", h.netns), err);
   return OkStatus();
 }
 

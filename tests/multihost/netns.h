@@ -10,6 +10,10 @@
 //   ...                                                               |   (no address: the root
 //   namespace nst4711ahN (lo, eth0 10.a.b.N+1/24) -veth- nst4711avN --+    namespace is not a host)
 //
+// With NetnsFamily::kIPv6 the hosts get fd6e:7374:a:b::(i+1)/64 instead (the same a.b, so IPv6
+// clusters never overlap either), added with `nodad` so that they are usable at once, and no IPv4
+// address at all: everything a test dials there is IPv6.
+//
 // Only the harness's own addresses exist in the namespaces: no default route, no NAT, nothing
 // reaches the outside. 10.a.b.0/24 is chosen so that clusters alive at the same time (in one
 // process or in several, ctest -j) never share a subnet, nor with any address of the root
@@ -34,6 +38,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -45,6 +50,10 @@
 
 namespace nonstop::testing {
 
+// The address family of a cluster's hosts: one family only, so that a test on kIPv6 cannot pass by
+// falling back to IPv4.
+enum class NetnsFamily { kIPv4, kIPv6 };
+
 class NetnsCluster {
  public:
   static constexpr int kMaxHosts = 253;  // 10.a.b.1 .. 10.a.b.253
@@ -53,7 +62,9 @@ class NetnsCluster {
   // its eth0 and loopback up. First removes the leftovers of dead creators. kFailedPrecondition
   // when this process lacks the privileges, `ip` is missing (install iproute2) or the kernel
   // refuses namespaces (an unprivileged container); the message says how to fix it.
-  static Result<std::unique_ptr<NetnsCluster>> Create(int hosts);
+  // With kIPv6, host i gets fd6e:7374:a:b::(i+1)/64 and no IPv4 address.
+  static Result<std::unique_ptr<NetnsCluster>> Create(int hosts,
+                                                      NetnsFamily family = NetnsFamily::kIPv4);
 
   // Destroy().
   ~NetnsCluster();
@@ -67,10 +78,14 @@ class NetnsCluster {
   Status Destroy();
 
   int hosts() const { return static_cast<int>(hosts_.size()); }
-  const std::string& address(int host) const;  // "10.a.b.c"
-  const std::string& name(int host) const;     // the namespace name (/var/run/netns/NAME)
+  const std::string& address(int host) const;  // "10.a.b.c", or "fd6e:7374:a:b::c" on kIPv6
+  // address:port as every nonstop flag takes it: "10.a.b.c:PORT", "[fd6e:7374:a:b::c]:PORT".
+  std::string HostPort(int host, int port) const;
+  NetnsFamily family() const { return family_; }
+  const std::string& name(int host) const;  // the namespace name (/var/run/netns/NAME)
   const std::string& bridge() const { return bridge_; }
-  const std::string& subnet() const { return subnet_; }  // "10.a.b.0/24"
+  // "10.a.b.0/24", or "fd6e:7374:a:b::/64" on kIPv6
+  const std::string& subnet() const { return subnet_; }
   // The bridge-side end of host's veth pair (in the root namespace), which LinkDown sets down.
   const std::string& bridge_port(int host) const;
 
@@ -115,6 +130,12 @@ class NetnsCluster {
       int host, const std::vector<std::string>& argv,
       std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
+  // Runs fn on a new thread that has joined host's network namespace (setns changes the calling
+  // thread's namespace only), and waits for it: every socket fn opens is the host's, so that the
+  // test process itself can dial (or listen) inside a host, e.g. ask an etcd member for its
+  // status. kInternal (fn not run) when the namespace cannot be joined.
+  Status RunIn(int host, const std::function<void()>& fn);
+
  private:
   struct Host {
     std::string netns;        // namespace name, e.g. "nst4711ah0"
@@ -128,7 +149,11 @@ class NetnsCluster {
 
   std::string tag_;     // "nst<pid><letter>"
   std::string bridge_;  // tag_ + "br"
-  std::string subnet_;  // "10.a.b.0/24"
+  std::string subnet_;  // "10.a.b.0/24" or "fd6e:7374:a:b::/64"
+  NetnsFamily family_ = NetnsFamily::kIPv4;
+  // 10.a.b.0/24 whatever the family: what the bridge's alias records, so that no other cluster
+  // takes a.b
+  std::string ipv4_subnet_;
   std::vector<Host> hosts_;
   std::set<pid_t> children_;  // started by Spawn, not yet reaped
   bool destroyed_ = false;
