@@ -75,7 +75,7 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
     if (journal) out->push_back(AppendJournal{JoinRefusedRecord(m.worker_id, why)});
     out->push_back(SendShutdown{m.worker_id, {"join refused: " + why, exit_code}});
   };
-  if (!SaneStep(m.state_step) || m.worker_id > (1 << 30)) {
+  if (!SaneStep(m.state_step) || m.worker_id > kMaxWorkerId) {
     out->push_back(
         SendShutdown{m.worker_id,
                      {fmt::format("join refused: worker id {} or state step {} is out of range",
@@ -96,6 +96,7 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
                   kExitUsage, true);
   }
   if (!m.host_id.empty() && !placement_.StartedOnHost(m.worker_id)) {
+    ReserveWorkerId(m.worker_id);  // it runs: a worker started later must not be its twin
     return refuse(fmt::format("worker {} claims host '{}', whose agent did not start it",
                               m.worker_id, m.host_id),
                   kExitUsage, true);

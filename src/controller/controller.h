@@ -304,6 +304,9 @@ struct EndJob {
 using Action = std::variant<SendPlan, SendAbort, SendDrain, SendShutdown, KillWorker, SignalWorker,
                             SpawnWorker, AppendJournal, PrintLine, EndJob, ScaleReply, CloseHost>;
 
+// The largest worker id a join may claim (and an agent may list).
+constexpr int kMaxWorkerId = 1 << 30;
+
 // Whether the options describe a job the core can run, naming the field that
 // does not: every job runs on hosts (min_hosts at least 1), and max_hosts is
 // 0 (no limit) or at least min_hosts. The runtime checks before it starts
@@ -439,6 +442,7 @@ class Controller {
   // listing the processes it kept running.
   void HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m, std::vector<Action>* out);
   // Orders the agent of `host` to kill a process the job does not count on.
+  void ReserveWorkerId(int worker_id);
   void FenceProcess(const std::string& host, int worker_id, int64_t pid, const std::string& why,
                     std::vector<Action>* out);
 

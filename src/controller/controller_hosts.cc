@@ -657,6 +657,13 @@ void Controller::HostRejoined(HostInfo& h, const control::AgentRegisterMsg& m,
   TopUpHosts(out);  // slots that ended while no controller led take spares again
 }
 
+// A process with this id runs (an agent lists it, or it joined and was refused): no new worker
+// takes the id. A deposed leader may have started it with an order whose record never reached
+// etcd, so the journal this controller took over does not know the id.
+void Controller::ReserveWorkerId(int worker_id) {
+  if (worker_id >= 0 && worker_id <= kMaxWorkerId) membership_.UseIdsBelow(worker_id + 1);
+}
+
 void Controller::FenceProcess(const std::string& host, int worker_id, int64_t pid,
                               const std::string& why, std::vector<Action>* out) {
   if (placement_.StartedOnHost(worker_id) && placement_.HostOf(worker_id) != host) {
@@ -669,7 +676,7 @@ void Controller::FenceProcess(const std::string& host, int worker_id, int64_t pi
     return;
   }
   placement_.SetHostOf(worker_id, host);
-  if (worker_id < (1 << 30)) membership_.UseIdsBelow(worker_id + 1);  // never reused
+  ReserveWorkerId(worker_id);      // never reused
   placement_.MarkLive(worker_id);  // it holds a slot until its exit is seen
   out->push_back(SignalWorker{worker_id, SIGKILL});
   out->push_back(AppendJournal{{{"event", "fence"},

@@ -2025,6 +2025,35 @@ TEST_F(TakeoverTest, AnAgentListingAProcessTheJobDoesNotKnowIsToldToKillIt) {
   EXPECT_EQ(c_->HostOf(999), "h1") << "the order goes to the agent that listed it";
 }
 
+// A deposed leader started a worker whose spawn record never reached etcd: the journal taken over
+// does not know its id. The worker joins the new leader before its agent lists it, and is refused;
+// no worker started later takes its id (the agent would run two processes of one id, and the job
+// refuse the new one as the old one's twin).
+TEST_F(TakeoverTest, TheIdOfAWorkerTheJournalDoesNotKnowIsNotGivenToANewWorker) {
+  RunFirstController();
+  TakeOver();
+  // the id the old leader gave its last spawn: one past every id the journal knows
+  const int unrecorded = c_->workers().rbegin()->first + 1;
+  auto refused = Find<SendShutdown>(Do(WorkerJoined{{unrecorded, 4242, "addrX", true, -1, "h4"}}));
+  ASSERT_EQ(refused.size(), 1u);
+  for (const std::string host : {"h1", "h2", "h3", "h4"}) Do(HostJoined{Reregister(host)});
+  for (const auto& [id, w] : std::map<int, WorkerInfo>(c_->workers())) {
+    Rejoin(id, w.role == WorkerRole::kSpare ? 0 : 1, false, 20);
+  }
+  // a member dies: a spare takes its place and a refill is started
+  const WorkerInfo victim = c_->workers().at(first_members_[0]);
+  auto actions = Do(ProcessExited{first_members_[0], victim.pid, -1, 9, victim.host});
+  for (int i = 0; i < 20; ++i) {
+    now_ += Millis(100);
+    auto more = Do(Tick{});
+    actions.insert(actions.end(), more.begin(), more.end());
+  }
+  std::vector<int> spawned;
+  for (const auto& s : Find<SpawnWorker>(actions)) spawned.push_back(s.worker_id);
+  ASSERT_FALSE(spawned.empty()) << "no refill was started";
+  for (int id : spawned) EXPECT_GT(id, unrecorded) << "a new worker took the id of a running one";
+}
+
 // Plans are recorded one at a time: a worker can be at most one generation
 // ahead of the journal. A claim beyond that is refused, and the generation
 // counter is not moved by it (a lie of 0xFFFFFFFF would wrap the next plan's).
