@@ -15,6 +15,7 @@
 #include "common/signals.h"
 #include "common/unique_fd.h"
 #include "controller/runtime.h"
+#include "controller/takeover.h"
 #include "coord/leadership.h"
 
 namespace nonstop::cli {
@@ -37,6 +38,8 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
   lo.endpoints = etcd_;
   lo.job = job_;
   lo.ttl_seconds = lease_ttl_s_;
+  // etcd keeps a snapshot of the journal and a bounded tail (docs/controller-failover.md).
+  lo.compact = controller::CompactJournal;
   while (true) {
     auto leadership = coord::Leadership::Connect(lo);
     if (!leadership.ok()) {  // malformed endpoints, a bad job name: no retry can help

@@ -348,10 +348,13 @@ std::optional<int> Runtime::OpenJournal() {
   }
   journal_ = std::move(*journal);
   if (leadership_ != nullptr) {
-    // The local journal is the whole job's: its predecessors' records first, as etcd holds them.
+    // The local journal goes on from its predecessors' records, as etcd holds them (once
+    // compacted: a snapshot record and the records after it).
     for (const auto& r : history_) journal_->Copy(r);
-    journal_->set_mirror(
-        [leadership = leadership_](const nlohmann::json& r) { leadership->Append(r); });
+    // Only what a takeover reads goes to etcd (not ready, recovered, …).
+    journal_->set_mirror([leadership = leadership_](const nlohmann::json& r) {
+      if (TakeoverReads(r)) leadership->Append(r);
+    });
   }
   return std::nullopt;
 }

@@ -74,6 +74,13 @@ struct Op {
   }
 };
 
+// One page of a range (Client::RangePage).
+struct RangeResult {
+  std::vector<KeyValue> kvs;
+  bool more = false;     // keys in the range after the last one returned
+  int64_t revision = 0;  // the store's revision the page was read at
+};
+
 struct TxnResult {
   bool succeeded = false;
   int64_t revision = 0;  // the store's revision after the transaction
@@ -133,7 +140,8 @@ struct ClientOptions {
 
 class Client {
  public:
-  // endpoints: "host:port" or "http://host:port", comma separated.
+  // endpoints: "host:port" or "http://host:port", comma separated; an IPv6 address in
+  // brackets ("[::1]:2379", "http://[fd00::2]:2379").
   static Result<std::unique_ptr<Client>> Create(const std::string& endpoints,
                                                 ClientOptions options = {});
   ~Client();
@@ -149,6 +157,16 @@ class Client {
   Result<std::vector<KeyValue>> Prefix(const std::string& prefix, int64_t* revision = nullptr) {
     return Range(prefix, PrefixEnd(prefix), revision);
   }
+  // At most `limit` keys of [key, range_end) (0: no limit), as of `revision` (0: the latest).
+  // A revision etcd compacted away is an error (kInvalidArgument, "compacted" in the text).
+  Result<RangeResult> RangePage(const std::string& key, const std::string& range_end, int64_t limit,
+                                int64_t revision = 0);
+  // Every key of [key, range_end), read `page` keys per request, all as of one revision (the
+  // first page's; *revision, if given): a large range in requests that each stay small and fast,
+  // and still one consistent view. If etcd compacts that revision away meanwhile, the read starts
+  // again at the latest.
+  Result<std::vector<KeyValue>> RangeAll(const std::string& key, const std::string& range_end,
+                                         int64_t page, int64_t* revision = nullptr);
   Result<int64_t> Put(const std::string& key, const std::string& value, int64_t lease = 0);
   Result<TxnResult> Txn(const std::vector<Compare>& compares, const std::vector<Op>& success,
                         const std::vector<Op>& failure = {});

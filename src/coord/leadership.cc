@@ -23,9 +23,54 @@ int64_t NowMicros() { return static_cast<int64_t>(MonotonicSeconds() * 1e6); }
 constexpr size_t kMaxOpsPerTxn = 100;  // etcd's default limit is 128
 // its default request limit is 1.5 MiB; base64 adds a third
 constexpr size_t kMaxBytesPerTxn = 768 << 10;
+// A record or snapshot over this is split into parts of this size: each part goes alone in a
+// transaction well under etcd's request limit.
+constexpr size_t kPartBytes = 512 << 10;
+// Keys per page of the journal's read: each request stays bounded however long the journal
+// (the compacted journal is a few hundred keys: one page or two). Not much smaller: etcd counts
+// the rest of the range for every page, so a journal of n keys costs n²/page.
+constexpr int64_t kReadPage = 512;
 
 std::string SeqKey(const std::string& prefix, uint64_t seq) {
   return fmt::format("{}journal/{:016d}", prefix, seq);
+}
+std::string PartKey(const std::string& base, size_t part) {
+  return fmt::format("{}/{:04d}", base, part);
+}
+std::string SnapshotBase(const std::string& prefix, uint64_t upto, int64_t epoch) {
+  return fmt::format("{}snapshot/{:016d}.{:016d}", prefix, upto, epoch);
+}
+size_t PartsOf(const std::string& text) {
+  return std::max<size_t>(1, (text.size() + kPartBytes - 1) / kPartBytes);
+}
+
+bool StartsWith(const std::string& s, const std::string& prefix) {
+  return s.compare(0, prefix.size(), prefix) == 0;
+}
+
+// The parts `base`/0000 … of a split value, from kvs[*i] on (advanced past them): their
+// concatenation, or an error naming what is missing.
+Result<std::string> JoinParts(const std::vector<const etcd::KeyValue*>& kvs, size_t* i,
+                              const std::string& base, const nlohmann::json& header) {
+  if (!header.contains("parts") || !header["parts"].is_number_unsigned() ||
+      !header.contains("bytes") || !header["bytes"].is_number_unsigned()) {
+    return DataLossError(
+        fmt::format("etcd key {} is not a split record's header: {}", base, header.dump()));
+  }
+  const size_t parts = header["parts"].get<size_t>();
+  std::string text;
+  for (size_t part = 0; part < parts; ++part, ++*i) {
+    if (*i >= kvs.size() || kvs[*i]->key != PartKey(base, part)) {
+      return DataLossError(
+          fmt::format("etcd key {} is missing: {} has {} parts", PartKey(base, part), base, parts));
+    }
+    text += kvs[*i]->value;
+  }
+  if (text.size() != header["bytes"].get<size_t>()) {
+    return DataLossError(fmt::format("the parts of {} hold {} bytes, not the {} its header says",
+                                     base, text.size(), header["bytes"].get<size_t>()));
+  }
+  return text;
 }
 
 // A standby's poll plus up to half of it at random: standbys do not ask in lockstep.
@@ -258,42 +303,80 @@ Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
       fmt::format("reading the journal of job '{}' from etcd {}", options_.job, options_.endpoints),
       "the takeover waits (training goes on), retried while this controller holds its lease");
   const std::function<bool()> lost = [this] { return deposed(); };
-  const std::string journal_prefix = prefix_ + "journal/";
-  auto kvs =
-      etcd::RetryTransient([&] { return reader->Prefix(journal_prefix); }, backoff, outage, lost);
+  // The job's every key, in pages, at one revision: the snapshot pointer, its parts, the tail and
+  // the progress record as one consistent view.
+  auto kvs = etcd::RetryTransient(
+      [&] { return reader->RangeAll(prefix_, etcd::PrefixEnd(prefix_), kReadPage); }, backoff,
+      outage, lost);
   if (!kvs.ok()) {
     return etcd::IsTransient(kvs.status()) ? LostWhile("reading the journal", kvs.status())
-                                           : Explain(kvs.status(), journal_prefix + "*");
+                                           : Explain(kvs.status(), prefix_ + "*");
+  }
+  const std::string journal_prefix = prefix_ + "journal/";
+  const std::string snapshot_prefix = prefix_ + "snapshot/";
+  const etcd::KeyValue* pointer = nullptr;
+  const etcd::KeyValue* progress = nullptr;
+  std::vector<const etcd::KeyValue*> journal, snapshot_parts;
+  for (const auto& kv : *kvs) {
+    if (kv.key == prefix_ + "snapshot") pointer = &kv;
+    if (kv.key == prefix_ + "progress") progress = &kv;
+    if (StartsWith(kv.key, journal_prefix)) journal.push_back(&kv);
+    if (StartsWith(kv.key, snapshot_prefix)) snapshot_parts.push_back(&kv);
   }
   std::vector<nlohmann::json> out;
   uint64_t last = 0;
-  for (const auto& kv : *kvs) {
-    // Records 1, 2, 3, … with nothing missing: anything else is not this job's journal as it was
-    // written.
-    if (kv.key != SeqKey(prefix_, last + 1)) {
+  if (pointer != nullptr) {
+    auto p = nlohmann::json::parse(pointer->value, nullptr, false);
+    if (!p.is_object() || !p.contains("upto") || !p["upto"].is_number_unsigned() ||
+        !p.contains("epoch") || !p["epoch"].is_number_integer()) {
+      return DataLossError(
+          fmt::format("etcd key {} is not a snapshot pointer: {}", pointer->key, pointer->value));
+    }
+    last = p["upto"].get<uint64_t>();
+    const std::string base = SnapshotBase(prefix_, last, p["epoch"].get<int64_t>());
+    size_t i = 0;
+    while (i < snapshot_parts.size() && snapshot_parts[i]->key < base) ++i;
+    NONSTOP_ASSIGN_OR_RETURN(snapshot_, JoinParts(snapshot_parts, &i, base, p));
+    auto j = nlohmann::json::parse(snapshot_, nullptr, false);
+    if (!j.is_object())
+      return DataLossError(fmt::format("the snapshot in {}/* is not a JSON record", base));
+    out.push_back(std::move(j));
+  }
+  snapshot_upto_ = last;
+  for (size_t i = 0; i < journal.size();) {
+    const std::string key = SeqKey(prefix_, last + 1);
+    if (StartsWith(journal[i]->key, key + "/")) {
+      // Parts of a record whose header never landed (its leader was deposed while it wrote them):
+      // nothing after them landed either.
+      orphans_ = true;
+      break;
+    }
+    // Records last+1, last+2, … with nothing missing: anything else is not this job's journal as
+    // it was written.
+    if (journal[i]->key != key) {
       return DataLossError(
           fmt::format("etcd key {} where the journal's record {} was expected ({}): not a journal "
                       "this controller can take over",
-                      kv.key, last + 1, SeqKey(prefix_, last + 1)));
+                      journal[i]->key, last + 1, key));
     }
-    ++last;
-    auto j = nlohmann::json::parse(kv.value, nullptr, false);
+    auto j = nlohmann::json::parse(journal[i]->value, nullptr, false);
+    std::string line = journal[i]->value;
+    ++i;
+    if (j.is_object() && j.contains("split") && !j.contains("event")) {
+      NONSTOP_ASSIGN_OR_RETURN(line, JoinParts(journal, &i, key, j["split"]));
+      j = nlohmann::json::parse(line, nullptr, false);
+    }
     if (!j.is_object())
-      return DataLossError(fmt::format("etcd key {} is not a JSON journal record", kv.key));
+      return DataLossError(fmt::format("etcd key {} is not a JSON journal record", key));
+    ++last;
+    tail_bytes_ += line.size();
+    tail_.push_back(std::move(line));
     out.push_back(std::move(j));
   }
-  const std::string progress_key = prefix_ + "progress";
-  auto progress =
-      etcd::RetryTransient([&] { return reader->Range(progress_key); }, backoff, outage, lost);
-  if (!progress.ok()) {
-    return etcd::IsTransient(progress.status())
-               ? LostWhile("reading the journal", progress.status())
-               : Explain(progress.status(), progress_key);
-  }
-  if (!progress->empty()) {
-    auto j = nlohmann::json::parse((*progress)[0].value, nullptr, false);
+  if (progress != nullptr) {
+    auto j = nlohmann::json::parse(progress->value, nullptr, false);
     if (!j.is_object())
-      return DataLossError(fmt::format("etcd key {} is not a JSON record", progress_key));
+      return DataLossError(fmt::format("etcd key {} is not a JSON record", progress->key));
     out.push_back(std::move(j));
   }
   first_seq_ = last + 1;
@@ -462,6 +545,99 @@ void Leadership::KeepAlive(std::stop_token st) {
   if (deposed() && !st.stop_requested()) SetDeposed(LapseReason());
 }
 
+bool Leadership::WriteFenced(etcd::Client& client, const std::vector<etcd::Op>& ops,
+                             const std::string& what, etcd::Backoff& backoff,
+                             etcd::OutageLog& outage, const std::stop_token& st) {
+  while (true) {
+    // Nothing more goes out once the leadership is lost (a lapse of the lease included).
+    if (st.stop_requested() || deposed()) return false;
+    // The same operations again after an answer that was lost: they land once or twice, alike.
+    auto txn = client.Txn({etcd::Compare::CreateRevision(leader_key_, epoch_)}, ops);
+    if (!txn.ok() && !etcd::IsTransient(txn.status())) {
+      // etcd answered and refused (a record too large, a permission): retrying cannot help, and
+      // a leader whose orders wait forever would hang the job. Step down, loudly, for good.
+      SetFinal(Explain(txn.status(), what));
+      return false;
+    }
+    if (!txn.ok()) {
+      outage.Failed(txn.status());
+      MutexLock lock(&mu_);
+      cv_.WaitFor(&mu_, backoff.Next(), [&] { return st.stop_requested() || deposed_.load(); });
+      continue;
+    }
+    if (!txn->succeeded) {
+      SetDeposed(fmt::format(
+          "etcd refused a journal write of epoch {}: the leader key {} is no longer this "
+          "controller's (another controller leads)",
+          epoch_, leader_key_));
+      return false;
+    }
+    outage.Succeeded();
+    backoff.Reset();
+    return true;
+  }
+}
+
+bool Leadership::WriteParts(etcd::Client& client, const std::string& base, const std::string& text,
+                            etcd::Backoff& backoff, etcd::OutageLog& outage,
+                            const std::stop_token& st) {
+  std::vector<etcd::Op> ops;
+  size_t bytes = 0;
+  for (size_t part = 0, n = PartsOf(text); part < n; ++part) {
+    std::string piece = text.substr(part * kPartBytes, kPartBytes);
+    if (!ops.empty() && bytes + piece.size() > kMaxBytesPerTxn) {
+      if (!WriteFenced(client, ops, base + "/*", backoff, outage, st)) return false;
+      ops.clear();
+      bytes = 0;
+    }
+    bytes += piece.size();
+    ops.push_back(etcd::Op::Put(PartKey(base, part), std::move(piece)));
+  }
+  return WriteFenced(client, ops, base + "/*", backoff, outage, st);
+}
+
+bool Leadership::MaybeCompact(etcd::Client& client, etcd::Backoff& backoff, etcd::OutageLog& outage,
+                              const std::stop_token& st) {
+  if (!options_.compact || tail_.size() < compact_retry_at_ ||
+      (tail_.size() < options_.compact_records && tail_bytes_ < options_.compact_bytes)) {
+    return true;
+  }
+  std::vector<nlohmann::json> records;
+  records.reserve(tail_.size() + 1);
+  if (!snapshot_.empty()) records.push_back(nlohmann::json::parse(snapshot_, nullptr, false));
+  for (const auto& line : tail_) records.push_back(nlohmann::json::parse(line, nullptr, false));
+  auto snapshot = options_.compact(records);
+  if (!snapshot.ok()) {
+    // The tail stays (a job that ended keeps its job_end record as a record); tried again later.
+    if (!std::exchange(compact_failure_said_, true)) {
+      NONSTOP_LOG_INFO("the journal of job '{}' in etcd is not compacted for now: {}", options_.job,
+                       snapshot.status().ToString());
+    }
+    compact_retry_at_ = tail_.size() + options_.compact_records;
+    return true;
+  }
+  std::string text = snapshot->dump();
+  const uint64_t upto = snapshot_upto_ + tail_.size();
+  const std::string base = SnapshotBase(prefix_, upto, epoch_);
+  if (!WriteParts(client, base, text, backoff, outage, st)) return false;
+  // The switch: the pointer to the new snapshot, and what it replaces gone, in one transaction.
+  nlohmann::json pointer = {
+      {"upto", upto}, {"epoch", epoch_}, {"parts", PartsOf(text)}, {"bytes", text.size()}};
+  const std::string snapshots = prefix_ + "snapshot/";
+  std::vector<etcd::Op> ops = {
+      etcd::Op::Put(prefix_ + "snapshot", pointer.dump()),
+      etcd::Op::Delete(prefix_ + "journal/", SeqKey(prefix_, upto + 1)),
+      etcd::Op::Delete(snapshots, base),
+      etcd::Op::Delete(etcd::PrefixEnd(base + "/"), etcd::PrefixEnd(snapshots))};
+  if (!WriteFenced(client, ops, prefix_ + "snapshot", backoff, outage, st)) return false;
+  snapshot_ = std::move(text);
+  snapshot_upto_ = upto;
+  tail_.clear();
+  tail_bytes_ = 0;
+  compact_retry_at_ = 0;
+  return true;
+}
+
 void Leadership::Write(std::stop_token st) {
   auto client = etcd::Client::Create(options_.endpoints, {options_.journal_timeout});
   if (!client.ok()) return SetFinal(client.status());
@@ -469,10 +645,19 @@ void Leadership::Write(std::stop_token st) {
   etcd::OutageLog outage(
       fmt::format("writing the journal of epoch {} to etcd {}", epoch_, options_.endpoints),
       "orders wait until it is written (training goes on), retried with back-off");
+  const std::string journal_keys = prefix_ + "journal/*";
+  if (orphans_ && !WriteFenced(**client,
+                               {etcd::Op::Delete(SeqKey(prefix_, first_seq_),
+                                                 etcd::PrefixEnd(prefix_ + "journal/"))},
+                               journal_keys, backoff, outage, st)) {
+    return;
+  }
   while (!st.stop_requested() && !deposed()) {
     std::vector<etcd::Op> ops;
+    std::vector<std::string> lines;  // the records of this batch, for the tail
     uint64_t last = 0;
     size_t bytes = 0;
+    std::pair<uint64_t, std::string> split;  // a record too large for one key: its parts first
     {
       MutexLock lock(&mu_);
       cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -481,12 +666,23 @@ void Leadership::Write(std::stop_token st) {
       });
       if (st.stop_requested() || deposed_.load()) return;
       for (const auto& [seq, line] : pending_) {
+        if (line.size() > kPartBytes) {
+          if (ops.empty()) split = {seq, line};
+          break;  // after the records before it
+        }
         // Two slots stay free: progress and end.
         if (ops.size() + 2 >= kMaxOpsPerTxn || (bytes > 0 && bytes + line.size() > kMaxBytesPerTxn))
           break;
         ops.push_back(etcd::Op::Put(SeqKey(prefix_, seq), line));
+        lines.push_back(line);
         bytes += line.size();
         last = seq;
+      }
+      if (!split.second.empty()) {
+        nlohmann::json header = {
+            {"split", {{"parts", PartsOf(split.second)}, {"bytes", split.second.size()}}}};
+        ops.push_back(etcd::Op::Put(SeqKey(prefix_, split.first), header.dump()));
+        last = split.first;
       }
       if (!progress_.empty() && ops.size() < kMaxOpsPerTxn)
         ops.push_back(etcd::Op::Put(prefix_ + "progress", progress_));
@@ -496,29 +692,13 @@ void Leadership::Write(std::stop_token st) {
         ops.push_back(etcd::Op::Put(prefix_ + "end", end_));
       }
     }
-    // Nothing more goes out once the leadership is lost (a lapse of the lease included).
-    if (deposed()) return;
-    // The same puts again after an answer that was lost: they land once or twice, alike.
-    auto txn = (*client)->Txn({etcd::Compare::CreateRevision(leader_key_, epoch_)}, ops);
-    if (!txn.ok() && !etcd::IsTransient(txn.status())) {
-      // etcd answered and refused (a record too large, a permission): retrying cannot help, and
-      // a leader whose orders wait forever would hang the job. Step down, loudly, for good.
-      return SetFinal(Explain(txn.status(), prefix_ + "journal/*"));
+    // A split record's parts land before its header (in the batch): a reader never sees half.
+    if (!split.second.empty() &&
+        !WriteParts(**client, SeqKey(prefix_, split.first), split.second, backoff, outage, st)) {
+      return;
     }
-    if (!txn.ok()) {
-      outage.Failed(txn.status());
-      MutexLock lock(&mu_);
-      cv_.WaitFor(&mu_, backoff.Next(), [&] { return st.stop_requested() || deposed_.load(); });
-      continue;
-    }
-    if (!txn->succeeded) {
-      return SetDeposed(fmt::format(
-          "etcd refused a journal write of epoch {}: the leader key {} is no longer this "
-          "controller's (another controller leads)",
-          epoch_, leader_key_));
-    }
-    outage.Succeeded();
-    backoff.Reset();
+    if (!WriteFenced(**client, ops, journal_keys, backoff, outage, st)) return;
+    if (!split.second.empty()) lines.push_back(std::move(split.second));
     {
       MutexLock lock(&mu_);
       while (!pending_.empty() && pending_.front().first <= last) pending_.pop_front();
@@ -532,6 +712,11 @@ void Leadership::Write(std::stop_token st) {
       durable_ = last;
       Wake();
     }
+    for (auto& line : lines) {
+      tail_bytes_ += line.size();
+      tail_.push_back(std::move(line));
+    }
+    if (!MaybeCompact(**client, backoff, outage, st)) return;
   }
 }
 

@@ -6,11 +6,26 @@
 // Keys, under the job's prefix P ("/nonstop/<job>/"):
 //   P leader              {"controller": "host:port", "pid": …}: on the leader's lease.
 //                         Its create revision is the leader's epoch: it only grows.
-//   P journal/<seq>       one journal record (JSON), seq from 1, zero-padded to 16 digits.
+//   P journal/<seq>       one journal record (JSON), seq from 1, zero-padded to 16 digits;
+//                         a record over 512 KiB is split: P journal/<seq> holds
+//                         {"split": {"parts": n, "bytes": b}}, P journal/<seq>/<part> its
+//                         parts (written first, in transactions of their own).
+//   P snapshot            {"upto": n, "epoch": e, "parts": k, "bytes": b}: records 1..n were
+//                         compacted into one snapshot record (LeadershipOptions::compact), kept
+//                         in P snapshot/<n>.<e>/<part> (0000, 0001, …); the tail, records n+1..,
+//                         is under P journal/. The pointer is switched, and the records and
+//                         snapshots it replaces are deleted, in one transaction written after
+//                         every part: a reader sees one whole snapshot or the previous one.
 //   P progress            the latest "step" record: steps are the journal's bulk, and
 //                         a takeover needs only the last one.
 //   P end                 the job_end record, once the job ended: agents and workers that
 //                         look for a leader after the last one resigned learn it here.
+//
+// A bounded journal (docs/controller-failover.md, "A bounded journal in etcd"): once the tail
+// holds compact_records records or compact_bytes bytes, the writer folds the snapshot and the
+// tail into a new snapshot and deletes what it covers, so that what a takeover reads stays
+// small however long the job runs. The journal is read in pages (etcd::Client::RangeAll), all at
+// one revision.
 //
 // Fencing. Every write of the journal is a transaction that first compares
 // the leader key's create revision with this leader's epoch: once the lease
@@ -62,6 +77,7 @@
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "coord/etcd.h"
+#include "coord/retry.h"
 #include "nonstop/settings.h"
 
 namespace nonstop::coord {
@@ -83,6 +99,14 @@ struct LeadershipOptions {
   // while etcd was away): revoked at the campaign's first contact, so the election need not wait
   // it out. `nonstop controller --etcd` passes it when it stands by again.
   int64_t previous_lease = 0;
+  // The journal's compaction: given etcd's journal in order (a snapshot record first, if there is
+  // one, then the records after it; not the progress record), one record that stands for all of
+  // them (a takeover that reads it, then later records, learns what it would from them all). An
+  // error leaves the tail as it is (tried again once it grew by compact_records). Unset: etcd keeps
+  // every record. The controller's is controller::CompactJournal (coord does not know records).
+  std::function<Result<nlohmann::json>(const std::vector<nlohmann::json>&)> compact;
+  size_t compact_records = 512;      // compacted once the tail holds this many records,
+  size_t compact_bytes = 256 << 10;  // or this many bytes
 };
 
 // The options with every zero derived from the TTL.
@@ -162,6 +186,17 @@ class Leadership {
   void BecomeLeader(int64_t lease, int64_t epoch, int64_t valid_until_us);
   void KeepAlive(std::stop_token st);
   void Write(std::stop_token st);
+  // One fenced transaction of the writer, retried through transient failures: false if it did not
+  // land and the writer stops (stopped, deposed, or refused for good: then deposed too).
+  bool WriteFenced(etcd::Client& client, const std::vector<etcd::Op>& ops, const std::string& what,
+                   etcd::Backoff& backoff, etcd::OutageLog& outage, const std::stop_token& st);
+  // `text` in parts of at most 512 KiB under base/<part>: false as WriteFenced.
+  bool WriteParts(etcd::Client& client, const std::string& base, const std::string& text,
+                  etcd::Backoff& backoff, etcd::OutageLog& outage, const std::stop_token& st);
+  // Folds the snapshot and the tail into a new snapshot if the tail passed its bound: false as
+  // WriteFenced.
+  bool MaybeCompact(etcd::Client& client, etcd::Backoff& backoff, etcd::OutageLog& outage,
+                    const std::stop_token& st);
   void SetDeposed(std::string why);
   void SetFinal(const Status& s);  // deposes, for good
   // A final error of a request about `key`, with what to do about it.
@@ -202,6 +237,18 @@ class Leadership {
   std::vector<std::pair<uint64_t, std::string>> queued_;  // not yet flushed
   std::string queued_progress_;
   std::string queued_end_;
+
+  // The writer's own (ReadJournal sets them before it starts the writer): etcd's journal as the
+  // writer left it, for the compaction.
+  std::string snapshot_;           // the latest snapshot record (JSON), empty if none
+  uint64_t snapshot_upto_ = 0;     // the seq of the last record it covers
+  std::vector<std::string> tail_;  // records snapshot_upto_ + 1 … durable()
+  size_t tail_bytes_ = 0;
+  size_t compact_retry_at_ = 0;  // after a failed compaction: the tail's size to try again at
+  bool compact_failure_said_ = false;
+  // Parts of a split record that never got its header (its writer was deposed meanwhile), after
+  // the last record: deleted by this leader's first write.
+  bool orphans_ = false;
 
   // What Flush hands to the writer thread, and why the leadership was lost.
   mutable Mutex mu_;

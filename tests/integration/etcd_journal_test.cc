@@ -1,0 +1,292 @@
+// etcd's copy of the controller's journal stays bounded (src/coord/leadership.h,
+// "A bounded journal"): a snapshot and a short tail, records and snapshots
+// split below etcd's request limit, read in pages at one revision; and the
+// takeover from it equals the takeover from every record. Against a real etcd.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "controller/takeover.h"
+#include "controller/takeover_test_records.h"
+#include "coord/etcd.h"
+#include "coord/leadership.h"
+#include "tests/integration/etcd_server.h"
+
+namespace nonstop::coord {
+namespace {
+
+using nlohmann::json;
+
+TEST(EtcdEndpointsTest, AnIpv6AddressInBracketsIsAnEndpoint) {
+  for (const char* good :
+       {"[::1]:2379", "http://[::1]:2379", "http://[fd00::2]:2379/", "127.0.0.1:2379,[::1]:2380"}) {
+    auto c = etcd::Client::Create(good);
+    EXPECT_TRUE(c.ok()) << good << ": " << c.status().ToString();
+  }
+  for (const char* bad : {"[::1]", "[::1]2379", "[::1:2379", "::1:2379", "[]:2379", "[::1]:x"}) {
+    auto c = etcd::Client::Create(bad);
+    ASSERT_FALSE(c.ok()) << bad;
+    EXPECT_NE(c.status().message().find("etcd endpoint"), std::string::npos)
+        << c.status().message();
+  }
+  EXPECT_NE(etcd::Client::Create("::1:2379").status().message().find("brackets"),
+            std::string::npos);
+}
+
+TEST(EtcdEndpointsTest, AnEtcdOnIpv6LoopbackAnswers) {
+  TempDir dir;
+  int port = nonstop::testing::FreeLoopbackPort();
+  int peer = nonstop::testing::FreeLoopbackPort();
+  const std::string url = fmt::format("http://[::1]:{}", port);
+  nonstop::testing::ChildProcess etcd(
+      nonstop::testing::EtcdServer::Argv(dir.path() + "/data", url,
+                                         fmt::format("http://127.0.0.1:{}", peer)),
+      dir.path() + "/etcd.out");
+  auto c = etcd::Client::Create(url + "/", {std::chrono::milliseconds(500)});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  Status last;
+  for (int i = 0; i < 100; ++i) {
+    last = (*c)->Put("/v6", "yes").status();
+    if (last.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(last.ok()) << last.ToString() << "\n" << etcd.Output();
+  auto kvs = (*c)->Range("/v6");
+  ASSERT_TRUE(kvs.ok() && kvs->size() == 1) << kvs.status().ToString();
+  EXPECT_EQ((*kvs)[0].value, "yes");
+  // The endpoint's name in errors keeps its brackets.
+  auto off = etcd::Client::Create(fmt::format("[::1]:{}", nonstop::testing::FreeLoopbackPort()),
+                                  {std::chrono::milliseconds(300)});
+  ASSERT_TRUE(off.ok());
+  auto r = (*off)->Range("k");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("[::1]:"), std::string::npos) << r.status().message();
+}
+
+class EtcdJournalTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = std::make_unique<nonstop::testing::EtcdServer>(dir_.path());
+    ASSERT_FALSE(server_->endpoint().empty()) << server_->Output();
+    auto c = etcd::Client::Create(server_->endpoint());
+    ASSERT_TRUE(c.ok());
+    client_ = std::move(*c);
+  }
+  std::unique_ptr<Leadership> Lead(LeadershipOptions o = {}) {
+    o.endpoints = server_->endpoint();
+    o.job = "t";
+    o.ttl_seconds = 2;
+    auto l = Leadership::Connect(o);
+    EXPECT_TRUE(l.ok()) << l.status().ToString();
+    if (!l.ok()) return nullptr;
+    auto epoch = (*l)->Campaign([] { return false; }, [](const std::string&) {});
+    EXPECT_TRUE(epoch.ok()) << epoch.status().ToString();
+    return std::move(*l);
+  }
+  static bool WaitFor(const std::function<bool()>& done) {
+    for (int i = 0; i < 1000 && !done(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return done();
+  }
+  // Appends, in batches as the runtime's loop turns would, and waits until etcd holds them.
+  static void AppendAll(Leadership& l, const std::vector<json>& records) {
+    for (size_t i = 0; i < records.size(); ++i) {
+      l.Append(records[i]);
+      if (i % 40 == 39 || i + 1 == records.size()) l.Flush();
+    }
+    ASSERT_TRUE(WaitFor([&] { return l.durable() == l.appended() || l.deposed(); }));
+    ASSERT_FALSE(l.deposed()) << l.why_not_leading();
+  }
+  // Bytes (keys and values) etcd holds under the job's prefix.
+  size_t BytesInEtcd() {
+    auto kvs = client_->Prefix(JobPrefix("t"));
+    EXPECT_TRUE(kvs.ok()) << kvs.status().ToString();
+    size_t n = 0;
+    for (const auto& kv : kvs.ok() ? *kvs : std::vector<etcd::KeyValue>{})
+      n += kv.key.size() + kv.value.size();
+    return n;
+  }
+  size_t KeysUnder(const std::string& what) {
+    return client_->Prefix(JobPrefix("t") + what)->size();
+  }
+  TempDir dir_;
+  std::unique_ptr<nonstop::testing::EtcdServer> server_;
+  std::unique_ptr<etcd::Client> client_;
+};
+
+TEST_F(EtcdJournalTest, APaginatedReadReturnsEveryKeyAsOfOneRevision) {
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(client_->Put(fmt::format("/p/{:02d}", i), "old").ok());
+  auto first = client_->RangePage("/p/", etcd::PrefixEnd("/p/"), 4);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_EQ(first->kvs.size(), 4u);
+  EXPECT_TRUE(first->more);
+  // Changed after the first page: a read at its revision does not see it.
+  ASSERT_TRUE(client_->Put("/p/05", "new").ok());
+  ASSERT_TRUE(client_->Put("/p/99", "new").ok());
+  auto rest = client_->RangePage(first->kvs.back().key + std::string(1, '\0'),
+                                 etcd::PrefixEnd("/p/"), 0, first->revision);
+  ASSERT_TRUE(rest.ok()) << rest.status().ToString();
+  ASSERT_EQ(rest->kvs.size(), 6u);
+  EXPECT_FALSE(rest->more);
+  for (const auto& kv : rest->kvs) EXPECT_EQ(kv.value, "old") << kv.key;
+  int64_t revision = 0;
+  auto all = client_->RangeAll("/p/", etcd::PrefixEnd("/p/"), 3, &revision);
+  ASSERT_TRUE(all.ok()) << all.status().ToString();
+  ASSERT_EQ(all->size(), 11u);
+  for (size_t i = 1; i < all->size(); ++i) EXPECT_LT((*all)[i - 1].key, (*all)[i].key);
+  EXPECT_EQ((*all)[5].value, "new");
+  EXPECT_GT(revision, first->revision);
+}
+
+TEST_F(EtcdJournalTest, TheJournalStaysBoundedAndTheTakeoverFromItEqualsTheOneFromEveryRecord) {
+  controller::testing::JournalMaker maker(8, 3);
+  for (int i = 0; i < 150; ++i) maker.Recovery();
+  std::vector<json> mirrored;  // what the runtime hands to etcd
+  size_t all_bytes = 0;
+  for (const auto& r : maker.records()) {
+    all_bytes += r.dump().size();
+    if (controller::TakeoverReads(r)) mirrored.push_back(r);
+  }
+  LeadershipOptions o;
+  o.compact = controller::CompactJournal;
+  o.compact_records = 64;
+  auto first = Lead(o);
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(first->ReadJournal().ok());
+  const size_t half = mirrored.size() / 2;
+  ASSERT_NO_FATAL_FAILURE(AppendAll(*first, {mirrored.begin(), mirrored.begin() + half}));
+  const size_t bytes_half = BytesInEtcd();
+  ASSERT_NO_FATAL_FAILURE(AppendAll(*first, {mirrored.begin() + half, mirrored.end()}));
+  const size_t bytes_end = BytesInEtcd();
+  // A snapshot (a few KiB) and at most one bound's worth of tail plus a batch.
+  EXPECT_LT(bytes_end, size_t{64} << 10);
+  EXPECT_LT(bytes_end * 20, all_bytes) << "etcd holds " << bytes_end << " of " << all_bytes;
+  EXPECT_LT(bytes_end, 2 * bytes_half + (size_t{16} << 10)) << "it grows with the job";
+  EXPECT_LE(KeysUnder("journal/"), o.compact_records + 100);
+  EXPECT_EQ(KeysUnder("snapshot/"), 1u) << "old snapshots are deleted";
+  std::printf(
+      "[ measured ] %zu records (%zu bytes, %zu mirrored): %zu bytes in etcd at half, %zu "
+      "at the end\n",
+      maker.records().size(), all_bytes, mirrored.size(), bytes_half, bytes_end);
+
+  first->Resign();
+  auto second = Lead(o);
+  ASSERT_TRUE(second);
+  auto read = second->ReadJournal();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ((*read)[0]["event"], "snapshot");
+  EXPECT_LT(read->size(), o.compact_records + 100);
+  auto from_etcd = controller::TakeoverFromJournal(*read);
+  auto from_all = controller::TakeoverFromJournal(maker.records());
+  ASSERT_TRUE(from_etcd.ok()) << from_etcd.status().ToString();
+  ASSERT_TRUE(from_all.ok()) << from_all.status().ToString();
+  const auto &a = from_etcd->state, &b = from_all->state;
+  EXPECT_EQ(from_etcd->controller, from_all->controller);
+  EXPECT_EQ(a.generation, b.generation);
+  EXPECT_EQ(a.members, b.members);
+  EXPECT_EQ(a.highest_step, b.highest_step);
+  EXPECT_EQ(a.recoveries, b.recoveries);
+  EXPECT_EQ(a.takeovers, b.takeovers);
+  EXPECT_EQ(a.next_worker_id, b.next_worker_id);
+  EXPECT_EQ(a.workers.size(), b.workers.size());
+  EXPECT_EQ(a.hosts.size(), b.hosts.size());
+  EXPECT_EQ(a.target_world, b.target_world);
+  EXPECT_EQ(a.withheld, b.withheld);
+  // The second's records go on after the first's, and are compacted in turn.
+  // (steps are not journal records in etcd: the latest is its progress key)
+  EXPECT_EQ(second->appended(), static_cast<uint64_t>(std::count_if(
+                                    mirrored.begin(), mirrored.end(),
+                                    [](const json& r) { return r["event"] != "step"; })));
+  std::vector<json> more;
+  for (int i = 0; i < 100; ++i) more.push_back({{"event", "exit"}, {"worker_id", 100000 + i}});
+  ASSERT_NO_FATAL_FAILURE(AppendAll(*second, more));
+  EXPECT_LE(KeysUnder("journal/"), o.compact_records + 100);
+  second->Resign();
+}
+
+std::string Blob(size_t n) {
+  std::string s(n, 'x');
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<char>('a' + (i * 7919) % 26);
+  return s;
+}
+
+TEST_F(EtcdJournalTest, ARecordLargerThanEtcdsRequestLimitRoundTrips) {
+  auto first = Lead();
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(first->ReadJournal().ok());
+  const json big = {{"event", "plan"}, {"generation", 1}, {"blob", Blob(size_t{2} << 20)}};
+  ASSERT_NO_FATAL_FAILURE(
+      AppendAll(*first, {{{"event", "job_start"}}, big, {{"event", "fault"}, {"worker_id", 3}}}));
+  EXPECT_EQ(first->durable(), 3u);
+  EXPECT_GE(KeysUnder("journal/0000000000000002/"), 4u) << "2 MiB in parts of 512 KiB";
+  first->Resign();
+  auto second = Lead();
+  ASSERT_TRUE(second);
+  auto read = second->ReadJournal();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->size(), 3u);
+  EXPECT_EQ((*read)[1], big);
+  EXPECT_EQ((*read)[2]["worker_id"], 3);
+  second->Resign();
+}
+
+TEST_F(EtcdJournalTest, ASnapshotLargerThanEtcdsRequestLimitRoundTripsAndReplacesTheTail) {
+  LeadershipOptions o;
+  // A compaction that keeps everything: its snapshot grows past 1.5 MiB.
+  o.compact = [](const std::vector<json>& records) -> Result<json> {
+    json s = {{"event", "snapshot"}, {"records", json::array()}};
+    for (const auto& r : records) {
+      if (r["event"] == "snapshot") {
+        for (const auto& e : r["records"]) s["records"].push_back(e);
+      } else {
+        s["records"].push_back(r);
+      }
+    }
+    return s;
+  };
+  o.compact_records = 2;
+  auto first = Lead(o);
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(first->ReadJournal().ok());
+  std::vector<json> records;
+  for (int i = 0; i < 4; ++i)
+    records.push_back({{"event", "x"}, {"i", i}, {"blob", Blob(500'000)}});
+  ASSERT_NO_FATAL_FAILURE(AppendAll(*first, records));
+  ASSERT_TRUE(WaitFor([&] { return KeysUnder("journal/") == 0; }))
+      << KeysUnder("journal/") << " journal keys left";
+  EXPECT_GE(KeysUnder("snapshot/"), 4u) << "a snapshot of 2 MB in parts";
+  first->Resign();
+  auto second = Lead(o);
+  ASSERT_TRUE(second);
+  auto read = second->ReadJournal();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->size(), 1u);
+  ASSERT_EQ((*read)[0]["records"].size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ((*read)[0]["records"][i], records[i]);
+  EXPECT_EQ(second->appended(), 4u) << "the snapshot covers records 1..4";
+  second->Resign();
+}
+
+TEST_F(EtcdJournalTest, PartsWithoutTheirHeaderAreLeftOutAndCleanedByTheNextLeader) {
+  auto first = Lead();
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(first->ReadJournal().ok());
+  ASSERT_NO_FATAL_FAILURE(AppendAll(*first, {{{"event", "job_start"}}}));
+  first->Resign();
+  // A leader deposed while it wrote a split record 2: its parts landed, its header did not.
+  ASSERT_TRUE(client_->Put(JobPrefix("t") + "journal/0000000000000002/0000", "{\"ev").ok());
+  ASSERT_TRUE(client_->Put(JobPrefix("t") + "journal/0000000000000002/0001", "ent\":1}").ok());
+  auto second = Lead();
+  ASSERT_TRUE(second);
+  auto read = second->ReadJournal();
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->size(), 1u);
+  EXPECT_EQ(second->appended(), 1u);
+  ASSERT_NO_FATAL_FAILURE(AppendAll(*second, {{{"event", "plan"}, {"generation", 1}}}));
+  EXPECT_EQ(KeysUnder("journal/"), 2u) << "the orphaned parts are gone";
+  second->Resign();
+}
+
+}  // namespace
+}  // namespace nonstop::coord
