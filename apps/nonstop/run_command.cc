@@ -337,6 +337,7 @@ class ControllerProcess final : public LocalController {
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (::getppid() != parent) ::_exit(1);
       ::execv(kSelf, cargv.data());
+      ::execv(cargv[0], cargv.data());  // no /proc: the path it was started from
       ::_exit(127);
     }
     return std::unique_ptr<ControllerProcess>(new ControllerProcess(child));
@@ -527,11 +528,13 @@ class JobWatcher {
     }
   }
   // After a death: at once, unless the controllers die quickly one after another.
-  void ScheduleRestart() {
+  // `why`: what happened (empty: the controller now running died).
+  void ScheduleRestart(std::string why = "") {
     const bool quick = Clock::now() - started_ < kQuickDeath;
     quick_deaths_ = quick ? quick_deaths_ + 1 : 1;
-    const std::string died = fmt::format("the controller (pid {}) died ({})", controller_->pid(),
-                                         controller_->exit_code());
+    const std::string died = why.empty() ? fmt::format("the controller (pid {}) died ({})",
+                                                       controller_->pid(), controller_->exit_code())
+                                         : std::move(why);
     if (resume_.empty() || quick_deaths_ > 2 * kMaxQuickRestarts) {
       err_->Write(fmt::format(
           "[nonstop] {}: the workers train on; {}to adopt them: {}\n", died,
@@ -569,9 +572,8 @@ class JobWatcher {
     std::string why;
     std::unique_ptr<LocalController> next = ControllerProcess::Exec(resume_, &why);
     if (next == nullptr) {
-      err_->Write(fmt::format("[nonstop] cannot restart the controller: {}\n", why));
       started_ = Clock::now();  // a restart that could not start counts as a quick death
-      ScheduleRestart();
+      ScheduleRestart("the controller could not be restarted: " + why);
       return false;
     }
     err_->Write(fmt::format("[nonstop] restarted the controller as pid {} (restart {}): {}\n",

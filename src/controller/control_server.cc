@@ -194,6 +194,8 @@ void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
       return;
     }
     Greeted(c);
+    // The handshake's answers go out past the send gate: they carry no order (the epoch-bearing
+    // ping that follows a join, and every order, go through SendOn).
     std::string ack = net::EncodeFrame(net::kFrameHelloAck, std::string(1, '\1'));
     (void)::send(fd, ack.data(), ack.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     return;
@@ -358,11 +360,11 @@ bool ControlServer::Flush(int fd) {
   auto it = conns_.find(fd);
   if (it == conns_.end()) return false;
   Conn& c = *it->second;
-  if (may_send_ && !may_send_() && c.out_sent < c.out.size()) {
+  if (c.out_sent < c.out.size() && fenced()) {
     // queued before the lease ran out: dropped, not flushed (a newer leader may be giving orders)
     dropped_bytes_ += c.out.size() - c.out_sent;
-    c.out.clear();
-    c.out_sent = 0;
+    CloseConn(fd, "this controller's lease ran out: its queued messages are dropped", false);
+    return false;
   }
   while (c.out_sent < c.out.size()) {
     ssize_t n = ::send(fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent,
@@ -449,7 +451,7 @@ std::vector<std::string> ControlServer::agents() const {
 
 bool ControlServer::SendOn(int fd, uint16_t type, const std::string& payload) {
   Conn& c = *conns_.at(fd);
-  if (may_send_ && !may_send_()) {
+  if (fenced()) {
     dropped_bytes_ += payload.size() + net::kFrameHeaderBytes;
     Flush(fd);  // drops what is queued too
     return false;

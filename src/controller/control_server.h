@@ -97,9 +97,14 @@ class ControlServer {
 
   // Fencing (docs/controller-failover.md): once `may_send` says no (this
   // controller's lease ran out while its output waited in a queue, e.g. it
-  // was paused), nothing more leaves: what is queued is dropped, not
-  // flushed, and later sends are refused. Counted in dropped_bytes().
+  // was paused), nothing more leaves: a connection with output queued is
+  // closed with it (dropped, not flushed: a frame cut short is never
+  // completed, and the peer looks for the new leader at once), and later
+  // sends are refused. Counted in dropped_bytes(). The gate closes for good
+  // (a lapsed lease is never valid again).
   void SetSendGate(std::function<bool()> may_send) { may_send_ = std::move(may_send); }
+  // Whether the gate has closed: a send that failed for that is no fault of the peer's.
+  bool fenced() const { return may_send_ && !may_send_(); }
   // Bytes of queued or new messages the gate kept from going out.
   uint64_t dropped_bytes() const { return dropped_bytes_; }
 

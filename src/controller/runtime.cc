@@ -108,11 +108,9 @@ nlohmann::json DescribeOrder(const Action& action) {
           return {{"order", "end_job"}, {"exit_code", a.exit_code}};
         } else if constexpr (std::is_same_v<T, ScaleReply>) {
           return {{"order", "scale_reply"}, {"request_id", a.request_id}};
-        } else if constexpr (std::is_same_v<T, PrintLine>) {
-          return {{"order", "print"}};
         } else {
-          static_assert(std::is_same_v<T, AppendJournal>);
-          return {{"order", "journal"}};
+          static_assert(std::is_same_v<T, PrintLine> || std::is_same_v<T, AppendJournal>);
+          return {{"order", "journal"}};  // not listed (StepDown leaves lines out)
         }
       },
       action);
@@ -713,14 +711,17 @@ void Runtime::PublishStatus() {
 int Runtime::StepDown(nlohmann::json record, const std::string& line, int code) {
   journal_->set_mirror(nullptr);
   record["epoch"] = epoch_;
-  record["orders_not_sent"] = pending_.size();
-  // What this controller had decided and not sent (the next leader decides afresh), and the bytes
-  // of messages it had queued and dropped instead of flushing them.
+  // What this controller had decided and not sent (the next leader decides afresh; a line it would
+  // have printed is no order), and the bytes of messages it had queued and dropped instead of
+  // flushing them.
+  size_t orders = 0;
   nlohmann::json dropped = nlohmann::json::array();
   for (const Pending& p : pending_) {
-    if (dropped.size() == kDroppedOrdersListed) break;
-    dropped.push_back(DescribeOrder(p.action));
+    if (std::holds_alternative<PrintLine>(p.action)) continue;
+    ++orders;
+    if (dropped.size() < kDroppedOrdersListed) dropped.push_back(DescribeOrder(p.action));
   }
+  record["orders_not_sent"] = orders;
   record["dropped_orders"] = std::move(dropped);
   record["dropped_bytes"] = server_ != nullptr ? server_->dropped_bytes() : 0;
   journal_->Append(std::move(record));
@@ -829,6 +830,8 @@ void Runtime::Do(const SpawnWorker& a) {
   control::AgentStartMsg start{a.worker_id, a.spare, nice,
                                WorkerEnv(a.worker_id, a.spare, a.resume)};
   if (!server_->SendToAgent(a.host, control::kMsgAgentStart, control::Encode(start))) {
+    // Fenced (the lease ran out since RunPending looked): not sent, and no fault of the spawn's.
+    if (server_->fenced()) return;
     events_.push_back(ProcessExited{a.worker_id, 0, 127, 0, a.host});
   }
 }
