@@ -59,6 +59,9 @@
 #include "controller/controller.h"
 #include "controller/journal.h"
 #include "controller/plan_wire.h"
+#include "controller/takeover.h"
+#include "coord/leadership.h"
+#include "tests/integration/etcd_server.h"
 #ifdef NONSTOP_SCALE_HOSTS
 #include "tests/multihost/netns.h"
 #endif
@@ -110,6 +113,10 @@ struct SimOptions {
   int steps = 3;                // steps every member reports before the fault
   double encode_budget_s = 20;  // encoding the plans once per member stops here and extrapolates
   uint64_t seed = 1;
+  // etcd in the loop (--sim-etcd): every record the takeover reads goes to a real etcd through a
+  // coord::Leadership, as `nonstop controller --etcd` mirrors its journal, and the plan counts as
+  // published once etcd holds its records (the runtime's orders wait for that).
+  std::string etcd;
 };
 
 // The SendPlan's plan, whatever the action's shape (a PlanMsg, or a pointer to one shared by all
@@ -158,6 +165,12 @@ class Sim {
          {"spare_hosts", o_.spare_hosts},
          {"rss_kib", RssKib()}});
     const int64_t rss_before = RssKib();
+    if (!o_.etcd.empty()) {
+      if (Status st = LeadInEtcd(); !st.ok()) {
+        Put({{"phase", "error"}, {"error", "--sim-etcd: " + st.ToString()}});
+        return;
+      }
+    }
     Controller c(co);
 
     // 1. Hosts register; the last one places the job: every worker and spare is spawned.
@@ -268,13 +281,23 @@ class Sim {
     st = json();
     st_text.clear();
 
+    if (leadership_ != nullptr) {
+      // the job so far, in etcd before the fault (not timed as the recovery's)
+      const uint64_t records = leadership_->appended();
+      const double ms = FlushToEtcd();
+      Put({{"phase", "etcd_setup"}, {"records", records}, {"flush_ms", ms}});
+    }
+
     // 4. The fault: one worker host is lost. Survivors answer the abort (in a random order, as the
     // network would deliver them); the last answer publishes the plan.
     Advance(10);
     const std::string lost = "h3";
     t = SteadyClock::now();
+    const uint64_t etcd_before_fault = leadership_ != nullptr ? leadership_->appended() : 0;
     auto fault_out = Do(c, HostLost{lost, "connection reset by peer"});
     double fault_ms = MsSince(t);
+    const auto fault_at = SteadyClock::now();
+    if (leadership_ != nullptr) leadership_->Flush();  // the end of the fault's loop turn
     size_t aborts = Count<SendAbort>(fault_out);
     json fault_journal = JournalCost(fault_out);
     json abort_encode = EncodeAborts(fault_out);
@@ -341,6 +364,16 @@ class Sim {
     json appended = AppendAll(&records);
     Put({{"phase", "fault_journal"}, {"journal", appended}});
     Put({{"phase", "plan_encode"}, {"encode", enc}});
+    if (leadership_ != nullptr) {
+      // The plan goes out once etcd holds its records: the wait after the last answer, and the
+      // whole time from the fault's handling to then (the answers' handling included).
+      const uint64_t records = leadership_->appended() - etcd_before_fault;
+      const double wait_ms = FlushToEtcd();
+      Put({{"phase", "etcd_plan"},
+           {"records", records},
+           {"wait_after_plan_ms", wait_ms},
+           {"fault_to_durable_plan_ms", wait_ms < 0 ? -1 : fault_ms + MsSince(fault_at)}});
+    }
 
     // 5. The rest of the recovery: every member reports its connections and state, then completes
     // the resume step (recovery_end); then the Tick that refills the lost host's slots elsewhere
@@ -387,7 +420,38 @@ class Sim {
   }
 
   std::vector<controller::Action> Do(controller::Controller& c, const controller::Event& e) {
-    return c.Handle(e, now_);
+    auto out = c.Handle(e, now_);
+    if (leadership_ != nullptr) {
+      for (const auto& a : out) {
+        const auto* j = std::get_if<controller::AppendJournal>(&a);
+        if (j != nullptr && controller::TakeoverReads(j->record)) leadership_->Append(j->record);
+      }
+    }
+    return out;
+  }
+
+  // Leads a job of its own in etcd (--sim-etcd), with the journal compacted as the controller's is.
+  Status LeadInEtcd() {
+    coord::LeadershipOptions lo;
+    lo.endpoints = o_.etcd;
+    lo.job = fmt::format("sim-{}-{}", n_, ::getpid());
+    lo.compact = controller::CompactJournal;
+    NONSTOP_ASSIGN_OR_RETURN(leadership_, coord::Leadership::Connect(lo));
+    NONSTOP_RETURN_IF_ERROR(
+        leadership_->Campaign([] { return false; }, [](const std::string&) {}).status());
+    NONSTOP_RETURN_IF_ERROR(leadership_->ReadJournal().status());
+    return OkStatus();
+  }
+  // Hands the queue to etcd and waits until it holds all of it: the time that took (ms); -1 if the
+  // leadership was lost or 60 s passed.
+  double FlushToEtcd() {
+    auto t = SteadyClock::now();
+    leadership_->Flush();
+    while (leadership_->durable() < leadership_->appended() && !leadership_->deposed() &&
+           MsSince(t) < 60'000) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return leadership_->durable() >= leadership_->appended() ? MsSince(t) : -1;
   }
   void Advance(int ms) { now_ += Millis(ms); }
 
@@ -568,7 +632,8 @@ class Sim {
   std::map<std::string, std::string> address_;
   const std::string journal_;  // where the fault's records are appended, as the runtime does
   controller::PlanWire wire_;  // the runtime's, across the generations
-  std::shared_ptr<const control::PlanMsg> held_;  // the plan sent last: the base of the next delta
+  std::unique_ptr<coord::Leadership> leadership_;  // --sim-etcd
+  std::shared_ptr<const control::PlanMsg> held_;   // the plan sent last: the base of the next delta
 };
 
 // Runs one size in a child process limited to `memory_gib` of address space and `timeout_s`;
@@ -673,6 +738,23 @@ void Derive(json* r) {
   if (x.contains("recovered")) {
     x["recovery_handles_ms"] = handles + D(At(x, "recovered", "recovered_handles_ms")) +
                                D(At(x, "recovered", "resume_step_handles_ms"));
+  }
+}
+
+// --sim-etcd: the journal's records through a real etcd, per run.
+void PrintEtcdTable(const json& results) {
+  fmt::print(
+      "\nwith etcd in the loop (--sim-etcd): records mirrored before the fault and the time etcd "
+      "took them;\n  from the fault, records to etcd, the wait for them after the plan was "
+      "decided, and the fault → a plan etcd holds (ms)\n");
+  fmt::print("{:>8} {:>4} {:>14} {:>12} {:>14} {:>14} {:>18}\n", "workers", "run", "setup records",
+             "setup ms", "fault records", "wait ms", "fault→durable plan");
+  for (const json& r : results) {
+    fmt::print("{:>8} {:>4} {:>14} {:>12} {:>14} {:>14} {:>18}\n", r.value("n", 0),
+               r.value("run", 0), Num(At(r, "etcd_setup", "records"), "{:.0f}"),
+               Num(At(r, "etcd_setup", "flush_ms")), Num(At(r, "etcd_plan", "records"), "{:.0f}"),
+               Num(At(r, "etcd_plan", "wait_after_plan_ms")),
+               Num(At(r, "etcd_plan", "fault_to_durable_plan_ms")));
   }
 }
 
@@ -1327,6 +1409,10 @@ int Main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(0, 1000));
   app.add_option("--seed", so.seed, "Order of the simulated answers")->capture_default_str();
+  app.add_option(
+      "--sim-etcd", so.etcd,
+      "etcd in the loop: host:port of an etcd, or 'start' for one of Debian's etcd-server "
+      "in --out; the plan is published once etcd holds its records");
 #ifdef NONSTOP_SCALE_HOSTS
   HostsOptions ho;
   app.add_option("--host-sizes", host_sizes,
@@ -1396,6 +1482,16 @@ int Main(int argc, char** argv) {
   }
 
   if (part == "all" || part == "sim") {
+    std::unique_ptr<nonstop::testing::EtcdServer> etcd;
+    if (so.etcd == "start") {
+      etcd = std::make_unique<nonstop::testing::EtcdServer>(out);
+      if (etcd->endpoint().empty()) {
+        fmt::print(stderr, "nonstop-bench-scale: --sim-etcd start: etcd did not start\n{}\n",
+                   etcd->Output());
+        return 1;
+      }
+      so.etcd = etcd->endpoint();
+    }
     json results = json::array();
     for (int n : ParseSizes(sim_sizes)) {
       if (n < 16 || n % 8 != 0) {
@@ -1419,6 +1515,7 @@ int Main(int argc, char** argv) {
     doc["sim"] = results;
     doc["sim_median"] = Medians(results, kSimSummary);
     PrintSimTable(results, doc["sim_median"]);
+    if (!so.etcd.empty()) PrintEtcdTable(results);
   }
   std::ofstream(out + "/results.json") << doc.dump(2) << "\n";
   fmt::print("\nwrote {}/results.json\n", out);
