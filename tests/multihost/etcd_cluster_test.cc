@@ -208,6 +208,20 @@ class NetnsJobTest : public ::testing::Test {
     return stepped && started <= Events(journal, "recovery_end").size();
   }
 
+  // The recoveries the job has run so far, by their ids: a controller that takes over a compacted
+  // journal starts its own with a snapshot (docs/controller-failover.md, "A bounded journal in
+  // etcd"), which counts the recoveries before it instead of listing them.
+  static int64_t RecoveriesSoFar(const std::string& journal) {
+    int64_t n = 0;
+    for (const auto& r : Events(journal, "snapshot")) {
+      n = std::max(n, r["state"].value("recoveries", int64_t{0}));
+    }
+    for (const auto& r : Events(journal, "recovery_start")) {
+      n = std::max(n, r.value("recovery", int64_t{0}));
+    }
+    return n;
+  }
+
   // Once the job is steady at `world` members, kills one and waits for the recovery that follows
   // to complete; (ms from the kill to its recovery_end, the steps lost by every recovery_end from
   // the kill to that one). Fails the test when it does not complete.
@@ -421,7 +435,7 @@ class EtcdClusterTest : public NetnsJobTest {
     EXPECT_NO_FATAL_FAILURE(WaitFor([&] { return Steady(LeaderJournal(), 2); }, "a steady job"));
     const int64_t step_at_fault = JobStep();
     const int64_t fault_us = NowWallMicros();
-    size_t recoveries_before = Events(LeaderJournal(), "recovery_start").size();
+    const int64_t recoveries_before = RecoveriesSoFar(LeaderJournal());
     fault();
     const int64_t end_us = NowWallMicros();
     r.outage_ms = (end_us - fault_us) / 1000.0;
@@ -456,9 +470,8 @@ class EtcdClusterTest : public NetnsJobTest {
     }
     EXPECT_EQ(behind, 0) << "a member rejoined " << behind << " steps behind the fault\n"
                          << Outputs();
-    EXPECT_EQ(Events(journal, "recovery_start").size(), recoveries_before)
-        << "the etcd outage cost a recovery\n"
-        << Outputs();
+    EXPECT_EQ(RecoveriesSoFar(journal), recoveries_before) << "the etcd outage cost a recovery\n"
+                                                           << Outputs();
     std::vector<int64_t> step_times = {fault_us};
     for (const auto& s : Events(journal, "step")) {
       if (s["time_us"].get<int64_t>() > fault_us) step_times.push_back(s["time_us"].get<int64_t>());
