@@ -127,7 +127,8 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
   link->list_ = std::move(list);
   link->etcd_ = std::move(etcd);
   if (!link->options_.leader_file.empty()) {
-    link->leader_file_ = std::make_unique<coord::LeaderFileReader>(link->options_.leader_file);
+    link->leader_file_ = std::make_unique<coord::LeaderFileReader>(link->options_.leader_file,
+                                                                   link->options_.etcd_job);
   }
   if (!link->list_.empty()) link->controller_ = link->list_[0].ToString();
   return link;
@@ -429,7 +430,19 @@ bool ControllerLink::Take(net::Frame frame, Deadline now) {
   return true;
 }
 
-void ControllerLink::TryFailed(const Status& why, Deadline now) {
+Status ControllerLink::WithFileHint(const Status& why) const {
+  if (leader_file_ == nullptr || !try_from_etcd_) return why;
+  // The file is only as fresh as the agent's watch: a stream it can never open leaves the file
+  // stale (or absent), and the agent's log, not this process's, says why.
+  return Status(
+      why.code(),
+      fmt::format("{} (the host's agent keeps {} from its etcd watch; if this lasts, look "
+                  "in the agent's log for \"the watch of job '{}''s leader key\")",
+                  why.message(), leader_file_->path(), options_.etcd_job));
+}
+
+void ControllerLink::TryFailed(const Status& why0, Deadline now) {
+  const Status why = WithFileHint(why0);
   CloseConnection();
   last_status_ = why;
   last_error_ = why.message();
@@ -459,7 +472,8 @@ void ControllerLink::LeaderChanged(Deadline now) {
   if (state_ == State::kWaiting && waiting_for_leader_) next_try_at_ = std::min(next_try_at_, now);
 }
 
-void ControllerLink::WaitForLeader(const Status& why, Deadline now) {
+void ControllerLink::WaitForLeader(const Status& why0, Deadline now) {
+  const Status why = WithFileHint(why0);
   last_status_ = why;
   last_error_ = why.message();
   NONSTOP_LOG_DEBUG("looking up the controller in etcd: {}", why.message());

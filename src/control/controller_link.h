@@ -126,8 +126,8 @@ struct ControllerLinkOptions {
   std::string etcd_job = "default";
   // Or the leader file the host's agent keeps (docs/leader-discovery.md,
   // coord::LeaderWatch): read before each try instead of asking etcd (a
-  // stat, and a read when it changed), so that the host's agent is the one
-  // etcd client of the host. It wins over etcd.
+  // local read of under 200 bytes), so that the host's agent is the one etcd
+  // client of the host. It wins over etcd; it must be etcd_job's.
   std::string leader_file;
   Millis etcd_timeout{300};  // one etcd request (the owner's thread waits for it)
   // With etcd: until the first acceptance the list is dialed (a worker whose
@@ -270,6 +270,8 @@ class ControllerLink {
   bool Take(net::Frame frame, Deadline now);
   void TryFailed(const Status& why, Deadline now);
   void WaitForLeader(const Status& why, Deadline now);
+  // With a leader file: `why` and where to look when it lasts (the agent's watch's log line).
+  Status WithFileHint(const Status& why) const;
   void Fail(const Status& why);
   void Lose(const Status& why, Deadline now, Retry retry);
   void FinishLoss(const Pending& p);

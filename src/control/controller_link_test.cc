@@ -515,6 +515,10 @@ TEST(ControllerLinkLeaderFileTest, FollowsTheAgentsLeaderFileWithoutAskingEtcd) 
   EXPECT_EQ(link->state(), ControllerLink::State::kWaiting);
   EXPECT_NE(link->last_error().find("has not written the leader file"), std::string::npos)
       << link->last_error();
+  // ...and says where to look if that lasts: the agent's log line for its watch.
+  EXPECT_NE(link->last_error().find("agent's log for \"the watch of job 'link-test''s leader key"),
+            std::string::npos)
+      << link->last_error();
   EXPECT_EQ(link->wake_at(), now + 30ms);
   // The file names a leader that is gone: read again after the poll, or at once when the owner
   // says the file changed.
@@ -526,6 +530,7 @@ TEST(ControllerLinkLeaderFileTest, FollowsTheAgentsLeaderFileWithoutAskingEtcd) 
       Drive(*link, now, &events, [&] { return link->state() == ControllerLink::State::kWaiting; }));
   EXPECT_EQ(link->controller(), gone);
   EXPECT_EQ(link->wake_at(), now + 30ms);
+  EXPECT_NE(link->last_error().find("agent's log"), std::string::npos) << link->last_error();
   RealController next(/*epoch=*/5);
   write(fmt::format(R"({{"controller":"{}"}})", next.address()), std::nullopt);
   link->LeaderChanged(now);
@@ -541,6 +546,30 @@ TEST(ControllerLinkLeaderFileTest, FollowsTheAgentsLeaderFileWithoutAskingEtcd) 
   ASSERT_TRUE(Drive(*link, now, &events, [&] { return Has(events, Kind::kFailed); }));
   EXPECT_EQ(events.back().status.code(), StatusCode::kAborted) << events.back().status.ToString();
   EXPECT_EQ(link->job_exit_code(), 4);
+}
+
+// A leader file of another job (an agent's file handed to a worker of another job) is not
+// followed: the error names both jobs.
+TEST(ControllerLinkLeaderFileTest, DoesNotFollowAnotherJobsLeaderFile) {
+  TempDir dir;
+  const std::string path = dir / "leader.json";
+  RealController other(/*epoch=*/1);
+  coord::LeaderKeys keys;
+  keys.job = "other-job";
+  keys.leader = fmt::format(R"({{"controller":"{}"}})", other.address());
+  ASSERT_TRUE(WriteFileAtomically(path, coord::EncodeLeaderFile(keys)).ok());
+  ControllerLinkOptions o = Options("");
+  o.etcd = ClosedAddress();
+  o.etcd_job = "link-test";
+  o.leader_file = path;
+  auto link = MakeLink(o);
+  Deadline now = Clock::now();
+  link->Start(now + 60s, now);
+  link->Advance(0, now);
+  EXPECT_EQ(link->state(), ControllerLink::State::kWaiting);
+  EXPECT_NE(link->controller(), other.address());
+  EXPECT_NE(link->last_error().find("'other-job'"), std::string::npos) << link->last_error();
+  EXPECT_NE(link->last_error().find("'link-test'"), std::string::npos) << link->last_error();
 }
 
 }  // namespace

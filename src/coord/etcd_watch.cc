@@ -1,6 +1,9 @@
 #include "coord/etcd_watch.h"
 
 #include <httplib.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 
@@ -45,14 +48,35 @@ void SetTimeouts(httplib::Client& http, Millis connect, Millis read) {
   http.set_write_timeout(connect.count() / 1000, (connect.count() % 1000) * 1000);
 }
 
+// TCP keepalive on a stream's socket: a member whose host died or was partitioned away (no FIN, no
+// RST) is found within about 10 + 3·5 s, long before the idle timeout. (A paused member's kernel
+// still answers the probes: the idle timeout finds that one.)
+void KeepAlive(int fd) {
+  int on = 1, idle = 10, interval = 5, count = 3;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
+}
+
+uint64_t ClusterId(const nlohmann::json& header) {
+  auto it = header.find("cluster_id");
+  if (it == header.end()) return 0;
+  if (it->is_number_unsigned()) return it->get<uint64_t>();
+  if (it->is_string()) return std::stoull(it->get<std::string>());
+  return 0;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Watch>> Watch::Start(WatchOptions options, OnChange on_change) {
   if (options.key.empty()) return InvalidArgumentError("an etcd watch of no key");
   if (options.request_timeout <= Millis(0) || options.idle_timeout <= Millis(0) ||
-      options.backoff_initial <= Millis(0) || options.backoff_max < options.backoff_initial) {
+      options.backoff_initial <= Millis(0) || options.backoff_max < options.backoff_initial ||
+      options.idle_jitter < 0 || options.idle_jitter > 1) {
     return InvalidArgumentError(
-        "etcd watch: timeouts must be positive, the back-off's max at least its initial");
+        "etcd watch: timeouts must be positive, the back-off's max at least its initial, the idle "
+        "jitter in [0, 1]");
   }
   auto client = Client::Create(options.endpoints, {options.request_timeout});
   if (!client.ok()) return InvalidArgumentError(client.status().message());
@@ -66,8 +90,17 @@ Result<std::unique_ptr<Watch>> Watch::Start(WatchOptions options, OnChange on_ch
 
 Watch::~Watch() { Stop(); }
 
-void Watch::Stop() {
+void Watch::RequestStop() {
   stopping_.store(true);
+  MutexLock lock(&mu_);
+  if (http_ != nullptr) http_->stop();
+}
+
+void Watch::Stop() {
+  RequestStop();
+  // From on_change, the thread cannot wait for itself: it ends once on_change returns.
+  if (std::this_thread::get_id() == thread_.get_id()) return;
+  MutexLock join(&join_mu_);
   if (!thread_.joinable()) return;
   // A stream blocks in recv until etcd sends something: shut its socket down. httplib holds its
   // socket's lock while it connects, so a stop() then takes effect only once connected (bounded
@@ -105,6 +138,16 @@ void Watch::Run() {
       need_read = true;
       continue;
     }
+    if (end == StreamEnd::kAnotherStore) {
+      // Restored from a snapshot, or a fresh cluster: the revision to resume from may never come
+      // (or mean something else). Read the range again. Or a member behind the others: the next
+      // one, and a back-off, so that a member stuck behind does not make a read per stream.
+      NONSTOP_LOG_WARNING("{}: {}; reading the key again", options_.what, why.message());
+      current_ = (current_ + 1) % endpoints_.size();
+      if (!Pause(backoff_.Next())) break;
+      need_read = true;
+      continue;
+    }
     // etcd restarted, or this member is down, paused, partitioned: the next member, after the
     // back-off, from the revision after the last one seen
     outage_.Failed(why);
@@ -121,8 +164,8 @@ bool Watch::Read() {
     reads_.fetch_add(1);
     auto kvs = client_->Range(options_.key, options_.range_end, &revision);
     if (kvs.ok()) {
+      // (The back-off is reset by an answered stream: a read again after kAnotherStore keeps it.)
       outage_.Succeeded();
-      backoff_.Reset();
       snapshot_.clear();
       for (auto& kv : *kvs) snapshot_[kv.key] = std::move(kv);
       revision_ = revision;
@@ -139,7 +182,12 @@ bool Watch::Read() {
 Watch::StreamEnd Watch::Stream(Status* why) {
   const Endpoint& e = endpoints_[current_];
   httplib::Client http(e.host, e.port);
-  SetTimeouts(http, options_.request_timeout, options_.idle_timeout);
+  idle_ = options_.idle_timeout +
+          Millis(static_cast<int64_t>(static_cast<double>(options_.idle_timeout.count()) *
+                                      options_.idle_jitter *
+                                      std::uniform_real_distribution<double>(0, 1)(rng_)));
+  SetTimeouts(http, options_.request_timeout, idle_);
+  http.set_socket_options([](int fd) { KeepAlive(fd); });
   {
     MutexLock lock(&mu_);
     if (stopping()) return StreamEnd::kStopped;
@@ -197,7 +245,7 @@ Watch::StreamEnd Watch::Stream(Status* why) {
   // An answered stream that timed out reading: etcd had nothing to say for idle_timeout (a reset
   // or a close comes sooner). Opened again at once, without a log line.
   if (!res && res.error() == httplib::Error::Read && created_ && end == StreamEnd::kFailed &&
-      why->ok() && Clock::now() - last_message_ >= options_.idle_timeout - Millis(100)) {
+      why->ok() && Clock::now() - last_message_ >= idle_ - Millis(100)) {
     return StreamEnd::kIdle;
   }
   if (end != StreamEnd::kFailed || !why->ok()) return end;
@@ -205,11 +253,11 @@ Watch::StreamEnd Watch::Stream(Status* why) {
   if (status != 0 && status != 200) {
     *why = AnswerStatus(where, "watch", status, error_body);
   } else if (!res) {
-    *why = UnavailableError(fmt::format(
-        "etcd {}: the watch ended ({}{})", where, httplib::to_string(res.error()),
-        res.error() == httplib::Error::Read
-            ? fmt::format(": closed, reset, or silent for {} ms", options_.idle_timeout.count())
-            : ""));
+    *why = UnavailableError(
+        fmt::format("etcd {}: the watch ended ({}{})", where, httplib::to_string(res.error()),
+                    res.error() == httplib::Error::Read
+                        ? fmt::format(": closed, reset, or silent for {} ms", idle_.count())
+                        : ""));
   } else {
     *why = UnavailableError(fmt::format("etcd {}: the watch ended", where));
   }
@@ -245,6 +293,22 @@ bool Watch::Take(const std::string& line, StreamEnd* end, Status* why) {
       return false;
     }
     if (r.value("created", false)) {
+      // The store's revision now, and its cluster: below the revision seen, or another cluster,
+      // this is not the store that revision_ counts in.
+      const nlohmann::json& header = r.value("header", nlohmann::json::object());
+      int64_t now_at = Int(header, "revision");
+      uint64_t cluster = ClusterId(header);
+      if ((now_at > 0 && now_at < revision_) ||
+          (cluster != 0 && cluster_id_ != 0 && cluster != cluster_id_)) {
+        *why = UnavailableError(fmt::format(
+            "etcd is at revision {} (cluster {:x}), the watch had seen revision {} (cluster "
+            "{:x}): restored from a snapshot, a new cluster, or a member behind",
+            now_at, cluster, revision_, cluster_id_));
+        cluster_id_ = cluster;
+        *end = StreamEnd::kAnotherStore;
+        return false;
+      }
+      if (cluster != 0) cluster_id_ = cluster;
       created_ = true;
       outage_.Succeeded();
       backoff_.Reset();

@@ -1,8 +1,10 @@
 #include "coord/leader_watch.h"
 
-#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -22,8 +24,10 @@ Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code) 
                      ? r["exit_code"].get<int>()
                      : 1;
       if (exit_code != nullptr) *exit_code = code;
-      return AbortedError(fmt::format("job '{}' ended (exit code {}): {}", keys.job, code,
-                                      r.is_object() ? r.value("reason", "") : std::string()));
+      std::string reason = r.is_object() && r.contains("reason") && r["reason"].is_string()
+                               ? r["reason"].get<std::string>()
+                               : std::string();
+      return AbortedError(fmt::format("job '{}' ended (exit code {}): {}", keys.job, code, reason));
     }
     return NotFoundError(fmt::format("no controller leads job '{}' now", keys.job));
   }
@@ -61,29 +65,58 @@ Result<LeaderKeys> DecodeLeaderFile(const std::string& text) {
 }
 
 Result<std::string> LeaderFileReader::Read(int* exit_code) {
-  struct stat st {};
-  if (::stat(path_.c_str(), &st) != 0) {
-    if (errno == ENOENT) {
+  auto text = ReadFile(path_);
+  if (!text.ok()) {
+    if (text.status().code() == StatusCode::kNotFound) {
       return NotFoundError(
           fmt::format("the agent has not written the leader file {} yet (it reads etcd)", path_));
     }
-    return UnavailableError(fmt::format("leader file {}: {}", path_, std::strerror(errno)));
+    return UnavailableError(fmt::format("leader file {}: {}", path_, text.status().message()));
   }
-  if (!cached_ || st.st_ino != ino_ || st.st_mtim.tv_sec != mtime_.tv_sec ||
-      st.st_mtim.tv_nsec != mtime_.tv_nsec) {
-    auto text = ReadFile(path_);
-    if (!text.ok()) return UnavailableError(text.status().message());
-    keys_ = DecodeLeaderFile(*text);
-    if (!keys_.ok()) {
-      return UnavailableError(fmt::format("leader file {}: {}", path_, keys_.status().message()));
-    }
-    ino_ = st.st_ino;
-    mtime_ = st.st_mtim;
-    cached_ = true;
+  auto keys = DecodeLeaderFile(*text);
+  if (!keys.ok()) {
+    return UnavailableError(fmt::format("leader file {}: {}", path_, keys.status().message()));
   }
-  if (!keys_.ok()) return UnavailableError(keys_.status().message());
-  return InterpretLeaderKeys(*keys_, exit_code);
+  if (keys->job != job_) {
+    return FailedPreconditionError(fmt::format(
+        "leader file {} is job '{}''s, not job '{}''s: the agent that wrote it watches another job "
+        "(NONSTOP_LEADER_FILE and NONSTOP_ETCD_JOB must come from the same agent)",
+        path_, keys->job, job_));
+  }
+  return InterpretLeaderKeys(*keys, exit_code);
 }
+
+// A temporary file renamed over `path`: a reader opens the old file or the new one, whole. No
+// fsync: the file is rebuilt from etcd after a crash, and it is not worth a disk flush on the
+// watch's thread at each leader change.
+namespace {
+
+Status WriteLeaderFile(const std::string& path, const std::string& text) {
+  std::string tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "w");
+  if (f == nullptr) {
+    return UnavailableError(fmt::format("creating {}: {}", tmp, std::strerror(errno)));
+  }
+  bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  int err = errno;
+  if (std::fclose(f) != 0 && written) {
+    written = false;
+    err = errno;
+  }
+  if (!written) {
+    ::unlink(tmp.c_str());
+    return UnavailableError(fmt::format("writing {}: {}", tmp, std::strerror(err)));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    Status st =
+        UnavailableError(fmt::format("renaming {} to {}: {}", tmp, path, std::strerror(errno)));
+    ::unlink(tmp.c_str());
+    return st;
+  }
+  return OkStatus();
+}
+
+}  // namespace
 
 Result<std::unique_ptr<LeaderWatch>> LeaderWatch::Start(const std::string& endpoints,
                                                         const std::string& job, std::string path,
@@ -109,8 +142,13 @@ Result<std::unique_ptr<LeaderWatch>> LeaderWatch::Start(const std::string& endpo
 }
 
 LeaderWatch::~LeaderWatch() {
-  if (leader_watch_) leader_watch_->Stop();
-  if (end_watch_) end_watch_->Stop();
+  // Both asked first, then waited for: the two stop together (not one stop's time after the other).
+  for (auto* w : {leader_watch_.get(), end_watch_.get()}) {
+    if (w != nullptr) w->RequestStop();
+  }
+  for (auto* w : {leader_watch_.get(), end_watch_.get()}) {
+    if (w != nullptr) w->Stop();
+  }
 }
 
 LeaderKeys LeaderWatch::keys() const {
@@ -127,6 +165,8 @@ int64_t LeaderWatch::requests() const {
 }
 
 void LeaderWatch::Update(bool leader, const etcd::Snapshot& s, int64_t revision) {
+  MutexLock file(&file_mu_);
+  LeaderKeys now;
   {
     MutexLock lock(&mu_);
     std::optional<std::string> value;
@@ -136,19 +176,20 @@ void LeaderWatch::Update(bool leader, const etcd::Snapshot& s, int64_t revision)
     keys_.revision = std::max(keys_.revision, revision);
     // Not before both keys were read: "nobody leads" may be "the job ended" not read yet.
     if (!seen_leader_ || !seen_end_) return;
-    LeaderKeys shown = keys_;
-    shown.revision = 0;  // a change of the revision alone is no change of the file
-    std::string text = EncodeLeaderFile(shown);
-    if (text == written_) return;
-    // The file a reader opens is the old one or the new one, whole (rename).
-    if (Status st = WriteFileAtomically(path_, EncodeLeaderFile(keys_)); !st.ok()) {
-      NONSTOP_LOG_WARNING("writing the leader file: {} (its readers keep the last one)",
-                          st.ToString());
-      return;
-    }
-    written_ = std::move(text);
-    NONSTOP_LOG_DEBUG("leader file {}: {}", path_, written_);
+    now = keys_;
   }
+  LeaderKeys shown = now;
+  shown.revision = 0;  // a change of the revision alone is no change of the file
+  std::string text = EncodeLeaderFile(shown);
+  if (text == written_) return;
+  if (Status st = WriteLeaderFile(path_, EncodeLeaderFile(now)); !st.ok()) {
+    NONSTOP_LOG_WARNING("writing the leader file: {} (its readers keep the last one)",
+                        st.ToString());
+    return;
+  }
+  written_ = std::move(text);
+  NONSTOP_LOG_DEBUG("leader file {}: {}", path_, written_);
+  file.Unlock();
   if (on_change_) on_change_();
 }
 

@@ -12,9 +12,6 @@
 // coord::LookUpLeader reads the keys themselves.
 #pragma once
 
-#include <sys/types.h>
-
-#include <ctime>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -42,20 +39,19 @@ std::string EncodeLeaderFile(const LeaderKeys& keys);
 Result<LeaderKeys> DecodeLeaderFile(const std::string& text);
 
 // Reads the leader file at `path` and interprets it; a file that is not there yet is NotFound
-// (the agent has not read etcd yet). Re-reads only when the file changed (its inode and mtime: the
-// agent renames a new file over it), so a poll of it costs one stat.
+// (the agent has not read etcd yet); a file of another job than `job` is FailedPrecondition.
+// Reads the file whole each time: it is local and under 200 bytes, and a cache keyed on its
+// inode and mtime could miss an update (rename-over reuses inode numbers; mtime can be coarse).
 class LeaderFileReader {
  public:
-  explicit LeaderFileReader(std::string path) : path_(std::move(path)) {}
+  LeaderFileReader(std::string path, std::string job)
+      : path_(std::move(path)), job_(std::move(job)) {}
   Result<std::string> Read(int* exit_code = nullptr);
   const std::string& path() const { return path_; }
 
  private:
   std::string path_;
-  ino_t ino_ = 0;
-  timespec mtime_{};
-  bool cached_ = false;
-  Result<LeaderKeys> keys_ = NotFoundError("not read");
+  std::string job_;
 };
 
 // The agent's watch of a job's leader and end keys, kept in the leader file.
@@ -79,15 +75,20 @@ class LeaderWatch {
       : path_(std::move(path)), on_change_(std::move(on_change)) {
     keys_.job = std::move(job);
   }
-  void Update(bool leader, const etcd::Snapshot& s, int64_t revision) NONSTOP_LOCKS_EXCLUDED(mu_);
+  void Update(bool leader, const etcd::Snapshot& s, int64_t revision)
+      NONSTOP_LOCKS_EXCLUDED(mu_, file_mu_);
 
   const std::string path_;
   const std::function<void()> on_change_;
+  // Held while the file is written (the two watches' threads write it in turn, each the keys as
+  // they are when it writes: the last write is of the latest keys). mu_ is not held meanwhile.
+  Mutex file_mu_ NONSTOP_ACQUIRED_BEFORE(mu_);
   mutable Mutex mu_;
   LeaderKeys keys_ NONSTOP_GUARDED_BY(mu_);
   bool seen_leader_ NONSTOP_GUARDED_BY(mu_) = false;  // both keys were read once
   bool seen_end_ NONSTOP_GUARDED_BY(mu_) = false;
-  std::string written_ NONSTOP_GUARDED_BY(mu_);  // the file's contents (not rewritten if equal)
+  std::string written_
+      NONSTOP_GUARDED_BY(file_mu_);  // the file's contents (not rewritten if equal)
   std::unique_ptr<etcd::Watch> leader_watch_, end_watch_;
 };
 

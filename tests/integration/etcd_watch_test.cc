@@ -1,21 +1,27 @@
 // Leader discovery by watch (docs/leader-discovery.md) against a real etcd
 // (Debian's etcd-server): etcd::Watch sees puts and deletes as they land,
 // rides out an etcd killed and restarted on its data (and resumes where it
-// was, no change missed), reads the key again after a compaction, and stops
-// promptly; coord::LeaderWatch keeps the leader file in step with the
+// was, no change missed), reads the key again after a compaction or when
+// etcd is replaced by one at a lower revision, keeps an idle stream open on
+// etcd's progress notifications, and stops promptly (from any thread, its own
+// included); coord::LeaderWatch keeps the leader file in step with the
 // leader and end keys, and LeaderFileReader reads it as LookUpLeader reads
 // etcd.
 #include "coord/etcd_watch.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <chrono>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 
+#include "common/file_util.h"
 #include "common/mutex.h"
 #include "common/temp_dir.h"
 #include "coord/leader_watch.h"
@@ -26,6 +32,7 @@ namespace nonstop {
 namespace {
 
 using std::chrono::milliseconds;
+using namespace std::chrono_literals;
 
 // What a watch has shown so far: the latest snapshot and how many there were.
 struct Seen {
@@ -61,8 +68,9 @@ struct Seen {
 // An etcd on fixed ports and a data directory, killed and started again on them.
 class OwnEtcd {
  public:
-  explicit OwnEtcd(std::string dir)
+  explicit OwnEtcd(std::string dir, std::vector<std::string> extra = {})
       : dir_(std::move(dir)),
+        extra_(std::move(extra)),
         client_(nonstop::testing::FreeLoopbackPort()),
         peer_(nonstop::testing::FreeLoopbackPort()) {}
   ~OwnEtcd() { Kill(); }
@@ -70,9 +78,10 @@ class OwnEtcd {
   bool Start() {
     std::string c = fmt::format("http://127.0.0.1:{}", client_);
     std::string p = fmt::format("http://127.0.0.1:{}", peer_);
-    process_ =
-        std::make_unique<testing::ChildProcess>(testing::EtcdServer::Argv(dir_ + "/data", c, p),
-                                                fmt::format("{}/etcd-{}.out", dir_, ++starts_));
+    auto argv = testing::EtcdServer::Argv(dir_ + "/data", c, p);
+    argv.insert(argv.end(), extra_.begin(), extra_.end());
+    process_ = std::make_unique<testing::ChildProcess>(
+        argv, fmt::format("{}/etcd-{}.out", dir_, ++starts_));
     httplib::Client http("127.0.0.1", client_);
     http.set_connection_timeout(0, 200'000);
     for (int i = 0; i < 200; ++i) {
@@ -89,9 +98,12 @@ class OwnEtcd {
     process_.reset();
   }
   std::string Output() const { return process_ ? process_->Output() : ""; }
+  // Its data gone (call it killed): the next Start is a fresh etcd, at revision 1.
+  void Wipe() { std::filesystem::remove_all(dir_ + "/data"); }
 
  private:
   std::string dir_;
+  std::vector<std::string> extra_;
   int client_, peer_;
   int starts_ = 0;
   std::unique_ptr<testing::ChildProcess> process_;
@@ -99,8 +111,9 @@ class OwnEtcd {
 
 class EtcdWatchTest : public ::testing::Test {
  protected:
+  virtual std::vector<std::string> EtcdFlags() { return {}; }
   void SetUp() override {
-    etcd_ = std::make_unique<OwnEtcd>(dir_.path());
+    etcd_ = std::make_unique<OwnEtcd>(dir_.path(), EtcdFlags());
     ASSERT_TRUE(etcd_->Start()) << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
                                 << etcd_->Output();
     auto c = etcd::Client::Create(etcd_->endpoint());
@@ -153,14 +166,14 @@ TEST_F(EtcdWatchTest, AStreamSilentForTheIdleTimeoutIsOpenedAgainFromWhereItWas)
   etcd::WatchOptions o;
   o.endpoints = etcd_->endpoint();
   o.key = "/w/k";
-  o.idle_timeout = milliseconds(300);
+  o.idle_timeout = milliseconds(300);  // each stream's: 300–450 ms (idle_jitter 0.5)
   auto w = etcd::Watch::Start(o, seen.Callback());
   ASSERT_TRUE(w.ok()) << w.status().ToString();
   ASSERT_TRUE(seen.WaitFor("/w/k", "1", milliseconds(5'000)));
-  std::this_thread::sleep_for(milliseconds(1'100));
+  std::this_thread::sleep_for(milliseconds(1'500));
   // about one stream per idle timeout, opened at once (no back-off), and no read again
-  EXPECT_GE((*w)->streams(), 3);
-  EXPECT_LE((*w)->streams(), 6);
+  EXPECT_GE((*w)->streams(), 4);
+  EXPECT_LE((*w)->streams(), 7);
   EXPECT_EQ((*w)->reads(), 1);
   ASSERT_TRUE(client_->Put("/w/k", "2").ok());
   EXPECT_TRUE(seen.WaitFor("/w/k", "2", milliseconds(5'000)));
@@ -216,12 +229,88 @@ TEST_F(EtcdWatchTest, ReadsTheKeyAgainWhenTheRevisionToResumeFromWasCompacted) {
   EXPECT_EQ(w->reads(), 2) << "no read again after the compaction";
 }
 
+TEST_F(EtcdWatchTest, ReadsTheKeyAgainWhenEtcdIsReplacedByOneAtALowerRevision) {
+  for (int i = 1; i <= 20; ++i) ASSERT_TRUE(client_->Put("/w/k", std::to_string(i)).ok());
+  Seen seen;
+  auto w = StartWatch("/w/k", &seen);
+  ASSERT_TRUE(w);
+  ASSERT_TRUE(seen.WaitFor("/w/k", "20", milliseconds(5'000)));
+  // A fresh etcd on the same address (as one restored from an older snapshot): its revisions
+  // start again below the watch's; resumed from the old revision, the watch would see nothing.
+  etcd_->Kill();
+  etcd_->Wipe();
+  ASSERT_TRUE(etcd_->Start()) << etcd_->Output();
+  ASSERT_TRUE(client_->Put("/w/k", "fresh").ok());
+  EXPECT_TRUE(seen.WaitFor("/w/k", "fresh", milliseconds(10'000)));
+  EXPECT_GE(w->reads(), 2) << "not read again";
+  ASSERT_TRUE(client_->Put("/w/k", "after").ok());
+  EXPECT_TRUE(seen.WaitFor("/w/k", "after", milliseconds(5'000)));
+}
+
+TEST_F(EtcdWatchTest, StopFromTheCallbackOrFromManyThreadsAtOnceReturns) {
+  ASSERT_TRUE(client_->Put("/w/k", "1").ok());
+  std::atomic<etcd::Watch*> self{nullptr};
+  std::atomic<bool> returned{false};
+  etcd::WatchOptions o;
+  o.endpoints = etcd_->endpoint();
+  o.key = "/w/k";
+  auto w = etcd::Watch::Start(o, [&](const etcd::Snapshot&, int64_t) {
+    for (int i = 0; i < 500 && self.load() == nullptr; ++i) std::this_thread::sleep_for(10ms);
+    if (self.load() != nullptr) self.load()->Stop();  // the watch's own thread: only asks
+    returned.store(true);
+  });
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  self.store(w->get());
+  for (int i = 0; i < 500 && !returned.load(); ++i) std::this_thread::sleep_for(10ms);
+  if (!returned.load()) {
+    (void)w->release();  // it would hang the destructor too
+    FAIL() << "Stop() from on_change did not return";
+  }
+  // Several threads stop it at once (the thread is joined once; the others wait for it).
+  std::vector<std::thread> stoppers;
+  for (int i = 0; i < 4; ++i) stoppers.emplace_back([&] { (*w)->Stop(); });
+  for (auto& t : stoppers) t.join();
+  int64_t streams = (*w)->streams();
+  ASSERT_TRUE(client_->Put("/w/k", "2").ok());
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ((*w)->streams(), streams) << "still running after Stop()";
+}
+
+// etcd sends progress notifications on the stream (progress_notify, every
+// --experimental-watch-progress-notify-interval): a healthy idle stream is not silent, so it is not
+// opened again however long nothing changes.
+class EtcdWatchProgressTest : public EtcdWatchTest {
+ protected:
+  std::vector<std::string> EtcdFlags() override {
+    return {"--experimental-watch-progress-notify-interval", "200ms"};
+  }
+};
+
+TEST_F(EtcdWatchProgressTest, AnIdleStreamWithProgressNotificationsIsNotOpenedAgain) {
+  EXPECT_GE(etcd::WatchOptions{}.idle_timeout, milliseconds(60'000))
+      << "every idle stream would reopen often (docs/leader-discovery.md)";
+  ASSERT_TRUE(client_->Put("/w/k", "1").ok());
+  Seen seen;
+  etcd::WatchOptions o;
+  o.endpoints = etcd_->endpoint();
+  o.key = "/w/k";
+  o.idle_timeout = milliseconds(1'000);
+  auto w = etcd::Watch::Start(o, seen.Callback());
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  ASSERT_TRUE(seen.WaitFor("/w/k", "1", milliseconds(5'000)));
+  std::this_thread::sleep_for(milliseconds(3'000));
+  EXPECT_EQ((*w)->streams(), 1) << "an idle stream was opened again despite progress notices";
+  ASSERT_TRUE(client_->Put("/w/k", "2").ok());
+  EXPECT_TRUE(seen.WaitFor("/w/k", "2", milliseconds(5'000)));
+  EXPECT_EQ((*w)->reads(), 1);
+}
+
 TEST_F(EtcdWatchTest, TheLeaderFileFollowsTheLeaderAndTheEnd) {
   std::string path = dir_ / "leader.json";
   std::atomic<int> changes{0};
   auto lw = coord::LeaderWatch::Start(etcd_->endpoint(), "t", path, [&] { changes++; });
   ASSERT_TRUE(lw.ok()) << lw.status().ToString();
-  coord::LeaderFileReader reader(path);
+  coord::LeaderFileReader reader(path, "t");
   auto wait_for = [&](const std::function<bool(const Result<std::string>&)>& ok) {
     for (int i = 0; i < 250; ++i) {
       if (ok(reader.Read())) return true;
@@ -251,6 +340,54 @@ TEST_F(EtcdWatchTest, TheLeaderFileFollowsTheLeaderAndTheEnd) {
   EXPECT_GE(changes.load(), 3);
   // two watches: two reads and two streams, however many changes there were
   EXPECT_EQ((*lw)->requests(), 4);
+}
+
+// The reader reads the file each time: an update that kept the inode, the size and the mtime (a
+// rename-over can reuse the inode number; mtime can be coarse) is seen.
+TEST(LeaderFileReaderTest, SeesAnUpdateThatKeptTheInodeSizeAndMtime) {
+  TempDir dir;
+  const std::string path = dir / "leader.json";
+  coord::LeaderKeys keys;
+  keys.job = "t";
+  keys.leader = R"({"controller":"127.0.0.1:1"})";
+  ASSERT_TRUE(WriteFileAtomically(path, coord::EncodeLeaderFile(keys)).ok());
+  struct stat before {};
+  ASSERT_EQ(::stat(path.c_str(), &before), 0);
+  coord::LeaderFileReader reader(path, "t");
+  ASSERT_EQ(*reader.Read(), "127.0.0.1:1");
+  keys.leader = R"({"controller":"127.0.0.1:2"})";
+  ASSERT_TRUE(WriteFileSynced(path, coord::EncodeLeaderFile(keys)).ok());  // in place
+  timespec times[2] = {before.st_atim, before.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+  struct stat after {};
+  ASSERT_EQ(::stat(path.c_str(), &after), 0);
+  ASSERT_EQ(after.st_ino, before.st_ino);
+  ASSERT_EQ(after.st_size, before.st_size);
+  EXPECT_EQ(*reader.Read(), "127.0.0.1:2");
+}
+
+TEST(LeaderFileReaderTest, RefusesAnotherJobsFileNamingBothJobs) {
+  TempDir dir;
+  const std::string path = dir / "leader.json";
+  coord::LeaderKeys keys;
+  keys.job = "other";
+  keys.leader = R"({"controller":"127.0.0.1:1"})";
+  ASSERT_TRUE(WriteFileAtomically(path, coord::EncodeLeaderFile(keys)).ok());
+  auto r = coord::LeaderFileReader(path, "mine").Read();
+  ASSERT_FALSE(r.ok()) << "another job's leader was taken: " << *r;
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("'other'"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("'mine'"), std::string::npos) << r.status().message();
+}
+
+TEST(LeaderFileReaderTest, AnEndWhoseReasonIsNotAStringIsStillTheEnd) {
+  coord::LeaderKeys keys;
+  keys.job = "t";
+  keys.end = R"({"exit_code":5,"reason":{"not":"a string"}})";
+  int code = 0;
+  auto r = coord::InterpretLeaderKeys(keys, &code);  // threw type_error before
+  EXPECT_EQ(r.status().code(), StatusCode::kAborted) << r.status().ToString();
+  EXPECT_EQ(code, 5);
 }
 
 }  // namespace
