@@ -11,12 +11,7 @@
 
 namespace nonstop::etcd {
 
-namespace {
-
-constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-int64_t Int(const nlohmann::json& j, const char* field) {
-  // The gateway writes 64-bit integers as strings ("revision":"12") and leaves zeros out.
+int64_t JsonInt(const nlohmann::json& j, const char* field) {
   auto it = j.find(field);
   if (it == j.end()) return 0;
   if (it->is_number_integer()) return it->get<int64_t>();
@@ -24,14 +19,18 @@ int64_t Int(const nlohmann::json& j, const char* field) {
   throw std::invalid_argument(fmt::format("'{}' is not an integer", field));
 }
 
+namespace {
+
+constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
 Result<KeyValue> DecodeKv(const nlohmann::json& j) {
   KeyValue kv;
   NONSTOP_ASSIGN_OR_RETURN(kv.key, Base64Decode(j.value("key", "")));
   NONSTOP_ASSIGN_OR_RETURN(kv.value, Base64Decode(j.value("value", "")));
-  kv.create_revision = Int(j, "create_revision");
-  kv.mod_revision = Int(j, "mod_revision");
-  kv.version = Int(j, "version");
-  kv.lease = Int(j, "lease");
+  kv.create_revision = JsonInt(j, "create_revision");
+  kv.mod_revision = JsonInt(j, "mod_revision");
+  kv.version = JsonInt(j, "version");
+  kv.lease = JsonInt(j, "lease");
   return kv;
 }
 
@@ -381,13 +380,8 @@ Result<std::pair<std::string, int>> ParseEndpoint(std::string one, const std::st
 
 }  // namespace
 
-Client::~Client() = default;
-
-Result<std::unique_ptr<Client>> Client::Create(const std::string& endpoints,
-                                               ClientOptions options) {
-  auto c = std::unique_ptr<Client>(new Client());
-  c->endpoints_text_ = endpoints;
-  c->options_ = options;
+Result<std::vector<std::pair<std::string, int>>> ParseEndpoints(const std::string& endpoints) {
+  std::vector<std::pair<std::string, int>> out;
   size_t begin = 0;
   while (begin <= endpoints.size()) {
     size_t end = std::min(endpoints.find(',', begin), endpoints.size());
@@ -400,7 +394,21 @@ Result<std::unique_ptr<Client>> Client::Create(const std::string& endpoints,
                       one));
     }
     NONSTOP_ASSIGN_OR_RETURN(auto host_port, ParseEndpoint(one, endpoints));
-    auto e = std::make_unique<Endpoint>(host_port.first, host_port.second);
+    out.push_back(std::move(host_port));
+  }
+  return out;
+}
+
+Client::~Client() = default;
+
+Result<std::unique_ptr<Client>> Client::Create(const std::string& endpoints,
+                                               ClientOptions options) {
+  auto c = std::unique_ptr<Client>(new Client());
+  c->endpoints_text_ = endpoints;
+  c->options_ = options;
+  NONSTOP_ASSIGN_OR_RETURN(auto parsed, ParseEndpoints(endpoints));
+  for (const auto& [host, port] : parsed) {
+    auto e = std::make_unique<Endpoint>(host, port);
     auto secs = options.timeout.count() / 1000;
     auto usecs = (options.timeout.count() % 1000) * 1000;
     e->http.set_connection_timeout(secs, usecs);
@@ -460,7 +468,7 @@ auto Ask(Client& client, const std::string& path, const nlohmann::json& request,
 }
 
 int64_t Revision(const nlohmann::json& answer) {
-  return Int(answer.value("header", nlohmann::json::object()), "revision");
+  return JsonInt(answer.value("header", nlohmann::json::object()), "revision");
 }
 
 }  // namespace
@@ -569,9 +577,9 @@ Result<TxnResult> Client::Txn(const std::vector<Compare>& compares, const std::v
 Result<std::pair<int64_t, int64_t>> Client::LeaseGrant(int64_t ttl_seconds) {
   return Ask(*this, "lease/grant", {{"TTL", ttl_seconds}},
              [](const nlohmann::json& j) -> Result<std::pair<int64_t, int64_t>> {
-               int64_t id = Int(j, "ID");
+               int64_t id = JsonInt(j, "ID");
                if (id == 0) return FailedPreconditionError("etcd granted no lease: " + j.dump());
-               return std::pair{id, Int(j, "TTL")};
+               return std::pair{id, JsonInt(j, "TTL")};
              });
 }
 
@@ -590,7 +598,7 @@ Result<int64_t> Client::LeaseKeepAlive(int64_t lease) {
           return ClassifiedStatus(endpoints(), "lease/keepalive", http, GrpcCode(*e), message);
         }
         const nlohmann::json& r = j.contains("result") ? j["result"] : j;
-        int64_t ttl = Int(r, "TTL");
+        int64_t ttl = JsonInt(r, "TTL");
         if (ttl <= 0) return NotFoundError(fmt::format("etcd lease {:x} expired", lease));
         return ttl;
       });

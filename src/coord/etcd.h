@@ -16,7 +16,10 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "common/status.h"
 
@@ -29,6 +32,15 @@ Result<std::string> Base64Decode(std::string_view text);
 // The smallest key greater than every key that starts with `prefix` (etcd's range_end for a
 // prefix).
 std::string PrefixEnd(std::string_view prefix);
+
+// --etcd's endpoints: "host:port", "http://host:port[/]", "[v6addr]:port" or
+// "http://[v6addr]:port[/]", comma separated; each its host (an IPv6 address without brackets) and
+// port. The error names the endpoint and what is wrong with it.
+Result<std::vector<std::pair<std::string, int>>> ParseEndpoints(const std::string& endpoints);
+
+// A 64-bit integer field of the gateway's JSON: it writes them as strings ("revision":"12") and
+// leaves zeros out (0 then). Throws std::invalid_argument for a field of another type.
+int64_t JsonInt(const nlohmann::json& j, const char* field);
 
 struct KeyValue {
   std::string key;

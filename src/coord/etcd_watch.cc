@@ -17,31 +17,6 @@ namespace nonstop::etcd {
 
 namespace {
 
-// The gateway writes 64-bit integers as strings ("revision":"12") and leaves zeros out.
-int64_t Int(const nlohmann::json& j, const char* field) {
-  auto it = j.find(field);
-  if (it == j.end()) return 0;
-  if (it->is_number_integer()) return it->get<int64_t>();
-  if (it->is_string()) return std::stoll(it->get<std::string>());
-  throw std::invalid_argument(fmt::format("'{}' is not an integer", field));
-}
-
-// "host:port" or "http://host:port", comma separated; etcd::Client::Create checked them first.
-std::vector<std::pair<std::string, int>> SplitEndpoints(const std::string& endpoints) {
-  std::vector<std::pair<std::string, int>> out;
-  size_t begin = 0;
-  while (begin <= endpoints.size()) {
-    size_t end = std::min(endpoints.find(',', begin), endpoints.size());
-    std::string one = endpoints.substr(begin, end - begin);
-    begin = end + 1;
-    if (one.rfind("http://", 0) == 0) one = one.substr(7);
-    while (!one.empty() && one.back() == '/') one.pop_back();
-    auto colon = one.rfind(':');
-    out.emplace_back(one.substr(0, colon), std::stoi(one.substr(colon + 1)));
-  }
-  return out;
-}
-
 void SetTimeouts(httplib::Client& http, Millis connect, Millis read) {
   http.set_connection_timeout(connect.count() / 1000, (connect.count() % 1000) * 1000);
   http.set_read_timeout(read.count() / 1000, (read.count() % 1000) * 1000);
@@ -81,8 +56,8 @@ Result<std::unique_ptr<Watch>> Watch::Start(WatchOptions options, OnChange on_ch
   auto client = Client::Create(options.endpoints, {options.request_timeout});
   if (!client.ok()) return InvalidArgumentError(client.status().message());
   auto w = std::unique_ptr<Watch>(new Watch(std::move(options), std::move(on_change)));
-  for (auto& [host, port] : SplitEndpoints(w->options_.endpoints))
-    w->endpoints_.push_back({host, port});
+  NONSTOP_ASSIGN_OR_RETURN(auto endpoints, ParseEndpoints(w->options_.endpoints));
+  for (auto& [host, port] : endpoints) w->endpoints_.push_back({host, port});
   w->client_ = std::move(*client);
   w->thread_ = std::thread([p = w.get()] { p->Run(); });
   return w;
@@ -275,8 +250,8 @@ bool Watch::Take(const std::string& line, StreamEnd* end, Status* why) {
     if (auto e = j.find("error"); e != j.end()) {
       // A stream's error: {"grpc_code", "http_code", "message", "http_status"}.
       std::string message = e->is_object() ? e->value("message", e->dump()) : e->dump();
-      int http = e->is_object() ? static_cast<int>(Int(*e, "http_code")) : 500;
-      int grpc = e->is_object() ? static_cast<int>(Int(*e, "grpc_code")) : -1;
+      int http = e->is_object() ? static_cast<int>(JsonInt(*e, "http_code")) : 500;
+      int grpc = e->is_object() ? static_cast<int>(JsonInt(*e, "grpc_code")) : -1;
       *why = AnswerStatus(
           "watch", "watch", http == 0 ? 500 : http,
           nlohmann::json({{"message", message}, {"code", grpc == 0 ? 14 : grpc}}).dump());
@@ -284,7 +259,7 @@ bool Watch::Take(const std::string& line, StreamEnd* end, Status* why) {
     }
     const nlohmann::json& r = j.contains("result") ? j["result"] : j;
     if (r.value("canceled", false)) {
-      if (Int(r, "compact_revision") > 0) {
+      if (JsonInt(r, "compact_revision") > 0) {
         *end = StreamEnd::kCompacted;
         return false;
       }
@@ -296,7 +271,7 @@ bool Watch::Take(const std::string& line, StreamEnd* end, Status* why) {
       // The store's revision now, and its cluster: below the revision seen, or another cluster,
       // this is not the store that revision_ counts in.
       const nlohmann::json& header = r.value("header", nlohmann::json::object());
-      int64_t now_at = Int(header, "revision");
+      int64_t now_at = JsonInt(header, "revision");
       uint64_t cluster = ClusterId(header);
       if ((now_at > 0 && now_at < revision_) ||
           (cluster != 0 && cluster_id_ != 0 && cluster != cluster_id_)) {
@@ -319,7 +294,7 @@ bool Watch::Take(const std::string& line, StreamEnd* end, Status* why) {
       // creation's header is not one: an old start revision's changes may still follow.)
       if (!r.value("created", false)) {
         revision_ =
-            std::max(revision_, Int(r.value("header", nlohmann::json::object()), "revision"));
+            std::max(revision_, JsonInt(r.value("header", nlohmann::json::object()), "revision"));
       }
       return true;
     }
@@ -334,10 +309,10 @@ bool Watch::Take(const std::string& line, StreamEnd* end, Status* why) {
       }
       kv.key = std::move(*key);
       kv.value = std::move(*value);
-      kv.create_revision = Int(kvj, "create_revision");
-      kv.mod_revision = Int(kvj, "mod_revision");
-      kv.version = Int(kvj, "version");
-      kv.lease = Int(kvj, "lease");
+      kv.create_revision = JsonInt(kvj, "create_revision");
+      kv.mod_revision = JsonInt(kvj, "mod_revision");
+      kv.version = JsonInt(kvj, "version");
+      kv.lease = JsonInt(kvj, "lease");
       // PUT is the enum's zero, which the gateway leaves out.
       bool deleted = ev.contains("type") && ev["type"] == "DELETE";
       revision_ = std::max(revision_, kv.mod_revision);
