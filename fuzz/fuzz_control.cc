@@ -2,11 +2,13 @@
 // src/control/messages.h, and the fault specs that plans carry
 // (src/control/fault_spec.h).
 //
-// Input: byte 0 picks the decoder (modulo 13: the 12 messages, then
-// ParseFaults); the rest is the payload. Checked: no crash, leak, UB or
+// Input: byte 0 picks the decoder (modulo 16: the 13 messages, then
+// ParseFaults, then the compact plan of type 23 against no base and against
+// a base plan); the rest is the payload. Checked: no crash, leak, UB or
 // uncaught exception; a refusal is INVALID_ARGUMENT with a message; an
 // accepted message survives Encode -> Decode -> Encode unchanged (what one
-// side accepts, the other side can send back).
+// side accepts, the other side can send back; a compact plan: re-encoded
+// against the same base, it rebuilds the same plan).
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -54,12 +56,44 @@ void FaultsRoundTrip(std::string_view text) {
   }
 }
 
+// A compact plan (kMsgPlanDelta) decoded against `base` (nullptr: none); an accepted one, written
+// again against the same base, rebuilds the same plan, and holds no more members than the base
+// has plus one per byte of payload (what ReadMemberRuns bounds).
+void PlanDeltaRoundTrip(std::string_view payload, const PlanMsg* base) {
+  auto first = DecodePlanDelta(payload, base);
+  if (!first.ok()) {
+    NONSTOP_CHECK(first.status().code() == nonstop::StatusCode::kInvalidArgument)
+        << first.status().ToString();
+    NONSTOP_CHECK(!first.status().message().empty());
+    return;
+  }
+  NONSTOP_CHECK_LE(first->members.size(), (base ? base->members.size() : 0) + payload.size());
+  const std::string full = Encode(*first);
+  const std::string encoded = EncodePlanDelta(*first, DiffMembers(*first, base), first->transfers);
+  auto second = DecodePlanDelta(encoded, base);
+  NONSTOP_CHECK(second.ok()) << "an accepted plan delta does not decode once re-encoded: "
+                             << second.status().ToString() << "\n  re-encoded: " << encoded;
+  NONSTOP_CHECK_EQ(Encode(*second), full);
+}
+
+// The plan a worker holds for the deltas written against one (generation 2, four members).
+const PlanMsg& HeldPlan() {
+  static const PlanMsg* held = [] {
+    auto* p = new PlanMsg;
+    p->generation = 2;
+    p->members = {{0, "127.0.0.1:1"}, {4, "127.0.0.1:2"}, {5, "127.0.0.1:3"}, {7, "127.0.0.1:4"}};
+    p->reason = "start";
+    return p;
+  }();
+  return *held;
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string_view payload(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 14) {
+  switch (data[0] % 16) {
     case 0:
       RoundTrip(&DecodeJoin, payload);
       break;
@@ -98,6 +132,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case 12:
       RoundTrip(&DecodeAgentLeaving, payload);
+      break;
+    case 14:
+      PlanDeltaRoundTrip(payload, nullptr);
+      break;
+    case 15:
+      PlanDeltaRoundTrip(payload, &HeldPlan());
       break;
     default:
       FaultsRoundTrip(payload);

@@ -387,6 +387,7 @@ PlanMembersDelta DiffMembers(const PlanMsg& plan, const PlanMsg* base) {
   PlanMembersDelta out;
   std::unordered_map<int, size_t> base_rank;
   if (base != nullptr) {
+    out.has_base = true;
     out.base_generation = base->generation;
     out.base_digest = MembersDigest(base->members);
     base_rank.reserve(base->members.size());
@@ -394,13 +395,17 @@ PlanMembersDelta DiffMembers(const PlanMsg& plan, const PlanMsg* base) {
       base_rank.emplace(base->members[r].worker_id, r);
   }
   // Runs of consecutive base ranks that keep their worker and address, and the other members one
-  // by one.
+  // by one. A base rank is copied at most once (the decoder refuses more): a plan that lists a
+  // member twice (ValidatePlan's to refuse) gets the second as an entry.
+  std::vector<bool> copied(base_rank.empty() ? 0 : base->members.size(), false);
   for (const auto& m : plan.members) {
     auto it = base_rank.find(m.worker_id);
-    if (it == base_rank.end() || base->members[it->second].address != m.address) {
+    if (it == base_rank.end() || base->members[it->second].address != m.address ||
+        copied[it->second]) {
       out.runs.push_back({0, 0, m});
       continue;
     }
+    copied[it->second] = true;
     PlanMemberRun* last = out.runs.empty() ? nullptr : &out.runs.back();
     if (last != nullptr && last->count > 0 && last->copy_from + last->count == it->second) {
       ++last->count;
@@ -412,7 +417,7 @@ PlanMembersDelta DiffMembers(const PlanMsg& plan, const PlanMsg* base) {
 }
 
 std::string EncodePlanDelta(const PlanMsg& plan, const PlanMembersDelta& members,
-                            const std::vector<PlanTransfer>& transfers) {
+                            const std::vector<PlanTransfer>& transfers, uint64_t members_digest) {
   // Compact arrays: [from, count] copies base ranks, [worker id, "address"] is a member.
   json runs = json::array();
   for (const auto& r : members.runs) {
@@ -424,11 +429,20 @@ std::string EncodePlanDelta(const PlanMsg& plan, const PlanMembersDelta& members
   }
   json j = PlanBody(plan, transfers);
   j["v"] = kPlanDeltaVersion;
-  j["base_generation"] = members.base_generation;
-  if (members.base_generation > 0) j["base_digest"] = fmt::format("{:016x}", members.base_digest);
+  // The base's fields are there exactly when the delta has one: no generation means "none".
+  if (members.has_base) {
+    j["base_generation"] = members.base_generation;
+    j["base_digest"] = fmt::format("{:016x}", members.base_digest);
+  }
   j["world"] = plan.members.size();
+  j["digest"] = fmt::format("{:016x}", members_digest);
   j["members"] = std::move(runs);
   return Dump(j);
+}
+
+std::string EncodePlanDelta(const PlanMsg& plan, const PlanMembersDelta& members,
+                            const std::vector<PlanTransfer>& transfers) {
+  return EncodePlanDelta(plan, members, transfers, MembersDigest(plan.members));
 }
 
 namespace {
@@ -439,14 +453,15 @@ void ReadMemberRuns(const Reader& r, const PlanMsg* base, PlanMsg& m) {
   size_t world = 0;
   r("world", &world);
   const json& runs = r.Array("members");
-  // A legitimate delta copies each base rank at most once, so the runs add up to at most the
-  // base's size: a hostile one cannot make the worker allocate more than that and its entries.
+  // A legitimate delta copies each base rank at most once (`copied` checks that), so the runs
+  // add up to at most the base's size: a hostile one cannot make the worker allocate more than
+  // that and its entries.
   if (world > base_size + runs.size()) {
     throw FieldError{"world", fmt::format("{} members from a base of {} and {} entries", world,
                                           base_size, runs.size())};
   }
   m.members.reserve(world);
-  size_t copied = 0;
+  std::vector<bool> copied(base_size, false);
   for (size_t i = 0; i < runs.size(); ++i) {
     const std::string path = fmt::format("members[{}]", i);
     const json& e = runs[i];
@@ -460,14 +475,19 @@ void ReadMemberRuns(const Reader& r, const PlanMsg* base, PlanMsg& m) {
     }
     const size_t from = Convert<size_t>(e[0], path + "[0]");
     const size_t count = Convert<size_t>(e[1], path + "[1]");
+    // Named by from and count, not [from, from + count): that sum may wrap.
     if (count == 0 || from >= base_size || count > base_size - from) {
-      throw FieldError{path, fmt::format("copies ranks [{}, {}) of a base of {} members", from,
-                                         from + count, base_size)};
+      throw FieldError{path, fmt::format("copies {} ranks from rank {} of a base of {} members "
+                                         "(a run must copy at least one rank, inside the base)",
+                                         count, from, base_size)};
     }
-    copied += count;
-    if (copied > base_size) {
-      throw FieldError{path,
-                       fmt::format("copies {} ranks of a base of {} members", copied, base_size)};
+    for (size_t k = from; k < from + count; ++k) {
+      if (copied[k]) {
+        throw FieldError{path, fmt::format("copies rank {} of the base again: each base rank "
+                                           "appears at most once in a plan",
+                                           k)};
+      }
+      copied[k] = true;
     }
     m.members.insert(m.members.end(), base->members.begin() + static_cast<ptrdiff_t>(from),
                      base->members.begin() + static_cast<ptrdiff_t>(from + count));
@@ -476,6 +496,30 @@ void ReadMemberRuns(const Reader& r, const PlanMsg* base, PlanMsg& m) {
     throw FieldError{"members", fmt::format("rebuild {} members, but the delta says {}",
                                             m.members.size(), world)};
   }
+}
+
+// The base a delta names, checked against the one the worker holds (nullptr: none), or nullptr
+// when the delta has none.
+const PlanMsg* CheckedBase(const Reader& r, const PlanMsg* held) {
+  if (!r.Has("base_generation") && !r.Has("base_digest")) return nullptr;
+  uint32_t base_generation = 0;
+  std::string digest;
+  r("base_generation", &base_generation);
+  r("base_digest", &digest);
+  if (held == nullptr) {
+    throw FieldError{
+        "base_generation",
+        fmt::format("{} names the plan this worker holds, but it holds none", base_generation)};
+  }
+  const std::string held_digest = fmt::format("{:016x}", MembersDigest(held->members));
+  if (held->generation != base_generation || digest != held_digest) {
+    throw FieldError{"base_digest",
+                     fmt::format("{} of generation {} is not the plan this worker holds "
+                                 "(generation {}, digest {}): the controller sends the full "
+                                 "plan on a new connection",
+                                 digest, base_generation, held->generation, held_digest)};
+  }
+  return held;
 }
 
 }  // namespace
@@ -491,27 +535,16 @@ Result<PlanMsg> DecodePlanDelta(std::string_view p, const PlanMsg* base) {
     }
     r("generation", &m.generation);
     r("resume_step", &m.resume_step);
-    uint32_t base_generation = 0;
-    r("base_generation", &base_generation);
-    if (base_generation == 0) {
-      ReadMemberRuns(r, nullptr, m);
-    } else {
-      std::string digest;
-      r("base_digest", &digest);
-      if (base == nullptr) {
-        throw FieldError{
-            "base_generation",
-            fmt::format("{} names the plan this worker holds, but it holds none", base_generation)};
-      }
-      const std::string held = fmt::format("{:016x}", MembersDigest(base->members));
-      if (base->generation != base_generation || digest != held) {
-        throw FieldError{"base_digest",
-                         fmt::format("{} of generation {} is not the plan this worker holds "
-                                     "(generation {}, digest {}): the controller sends the full "
-                                     "plan on a new connection",
-                                     digest, base_generation, base->generation, held)};
-      }
-      ReadMemberRuns(r, base, m);
+    std::string digest;
+    r("digest", &digest);
+    ReadMemberRuns(r, CheckedBase(r, base), m);
+    // The runs and entries were well formed; this says they rebuilt the list the controller meant.
+    if (const std::string rebuilt = fmt::format("{:016x}", MembersDigest(m.members));
+        digest != rebuilt) {
+      throw FieldError{"digest", fmt::format("{} is not that of the {} members the delta rebuilds "
+                                             "({}): a controller bug; the worker dials again and "
+                                             "gets the plan against no base",
+                                             digest, m.members.size(), rebuilt)};
     }
     ReadPlanBody(r, m);
   });

@@ -313,11 +313,15 @@ Result<PlanMsg> DecodePlan(std::string_view payload);
 // base: its own transfers only), so what follows decoding is unchanged.
 
 // The version of the delta format; a delta of any other version is refused.
-inline constexpr int kPlanDeltaVersion = 1;
+// 2: a base is named by fields present only with one (1 read base_generation 0
+// as none), and every delta carries the digest of the member list it rebuilds.
+inline constexpr int kPlanDeltaVersion = 2;
 
 // A digest of a member list (FNV-1a 64 over worker ids and addresses): a
 // delta names its base by generation and this, so a worker that holds
-// another member list refuses it instead of rebuilding a wrong one.
+// another member list refuses it instead of rebuilding a wrong one; and it
+// carries the digest of the list it rebuilds, so a wrong rebuild (an encoder
+// bug, a stale cache at the controller) is refused instead of adopted.
 uint64_t MembersDigest(const std::vector<PlanMember>& members);
 
 // A plan's member list written against a base: computed once per plan and
@@ -328,22 +332,30 @@ struct PlanMemberRun {
   PlanMember member;
 };
 struct PlanMembersDelta {
-  uint32_t base_generation = 0;  // 0: no base, every member an entry
+  bool has_base = false;  // false: no base, every member an entry
+  uint32_t base_generation = 0;
   uint64_t base_digest = 0;
   std::vector<PlanMemberRun> runs;
 };
 PlanMembersDelta DiffMembers(const PlanMsg& plan, const PlanMsg* base);
 
 // `plan` with `members` (DiffMembers(plan, …)) and `transfers` in place of
-// the plan's own (with a base: the receiving worker's).
+// the plan's own (with a base: the receiving worker's). `members_digest` is
+// MembersDigest(plan.members), which a caller encoding many deltas of one
+// plan computes once (from the plan, not from `members`: a `members` of
+// another plan is then caught at the worker); the three-argument form
+// computes it, O(members).
+std::string EncodePlanDelta(const PlanMsg& plan, const PlanMembersDelta& members,
+                            const std::vector<PlanTransfer>& transfers, uint64_t members_digest);
 std::string EncodePlanDelta(const PlanMsg& plan, const PlanMembersDelta& members,
                             const std::vector<PlanTransfer>& transfers);
 
 // Rebuilds a plan from a delta and the plan the worker holds (nullptr:
 // none). INVALID_ARGUMENT names what is wrong: another version, a base this
-// worker does not hold (generation or digest), a run outside the base, a
-// field as DecodePlan's. A delta can never make a worker hold more members
-// than its base has plus the delta's own entries.
+// worker does not hold (generation or digest), a run outside the base or
+// copying a base rank twice, a rebuilt member list whose digest is not the
+// delta's, a field as DecodePlan's. A delta can never make a worker hold more
+// members than its base has plus the delta's own entries.
 Result<PlanMsg> DecodePlanDelta(std::string_view payload, const PlanMsg* base);
 
 Result<HeartbeatMsg> DecodeHeartbeat(std::string_view payload);

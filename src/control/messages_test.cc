@@ -151,35 +151,114 @@ TEST(MessagesTest, PlanDeltaRefusesAnotherBaseAndMalformedRuns) {
   PlanMsg other_members = Generation(4, {0, 1, 2, 8});
   expect_refused(DecodePlanDelta(delta, &other_members), "is not the plan this worker holds");
   const std::string digest = fmt::format("{:016x}", MembersDigest(base.members));
-  auto wire = [&](const std::string& v, const std::string& members, int world) {
+  // `rebuilt`: the digest the delta claims for its member list (by default that of ranks 1-3).
+  const std::string ranks_1_to_3 =
+      fmt::format("{:016x}", MembersDigest(Generation(4, {1, 2, 3}).members));
+  auto wire = [&](const std::string& v, const std::string& members, int world,
+                  const std::string& rebuilt) {
     return fmt::format(
         R"({{"v": {}, "generation": 5, "resume_step": 1, "base_generation": 4, )"
-        R"("base_digest": "{}", "world": {}, "members": [{}], "transfers": [], "faults": [], )"
-        R"("reason": "recovery"}})",
-        v, digest, world, members);
+        R"("base_digest": "{}", "world": {}, "digest": "{}", "members": [{}], "transfers": [], )"
+        R"("faults": [], "reason": "recovery"}})",
+        v, digest, world, rebuilt, members);
   };
-  auto good = DecodePlanDelta(wire("1", R"([1, 3])", 3), &base);
+  auto wire2 = [&](const std::string& members, int world) {
+    return wire("2", members, world, ranks_1_to_3);
+  };
+  auto good = DecodePlanDelta(wire2(R"([1, 3])", 3), &base);
   ASSERT_TRUE(good.ok()) << good.status().ToString();
   EXPECT_EQ(Listed(*good), Listed(Generation(4, {1, 2, 3})));
-  expect_refused(DecodePlanDelta(wire("2", R"([1, 3])", 3), &base),
-                 "field 'v' 2 is not a version this worker reads (1)");
-  expect_refused(DecodePlanDelta(wire("1", R"([2, 3])", 3), &base),
-                 "'members[0]' copies ranks [2, 5) of a base of 4 members");
-  expect_refused(DecodePlanDelta(wire("1", R"([0, 0])", 0), &base), "copies ranks [0, 0)");
-  expect_refused(DecodePlanDelta(wire("1", R"([0, 4], [0, 4])", 4), &base),
-                 "'members[1]' copies 8 ranks of a base of 4 members");
-  expect_refused(DecodePlanDelta(wire("1", R"([0, 4])", 1000000), &base),
+  expect_refused(DecodePlanDelta(wire("1", R"([1, 3])", 3, ranks_1_to_3), &base),
+                 "field 'v' 1 is not a version this worker reads (2)");
+  expect_refused(DecodePlanDelta(wire2(R"([2, 3])", 3), &base),
+                 "'members[0]' copies 3 ranks from rank 2 of a base of 4 members");
+  expect_refused(DecodePlanDelta(wire2(R"([0, 0])", 0), &base),
+                 "copies 0 ranks from rank 0 of a base of 4 members");
+  // A count near 2^64 is named as it is, not as a wrapped [from, from + count).
+  expect_refused(DecodePlanDelta(wire2(R"([1, 18446744073709551615])", 4), &base),
+                 "copies 18446744073709551615 ranks from rank 1 of a base of 4 members");
+  // Each base rank is copied at most once, whatever the total: [0, 2] twice adds up to the base's
+  // 4 ranks but copies ranks 0 and 1 twice.
+  expect_refused(DecodePlanDelta(wire2(R"([0, 2], [0, 2])", 4), &base),
+                 "'members[1]' copies rank 0 of the base again");
+  expect_refused(DecodePlanDelta(wire2(R"([2, 2], [3, 1])", 3), &base),
+                 "'members[1]' copies rank 3 of the base again");
+  expect_refused(DecodePlanDelta(wire2(R"([0, 4], [0, 4])", 4), &base),
+                 "'members[1]' copies rank 0 of the base again");
+  expect_refused(DecodePlanDelta(wire2(R"([0, 4])", 1000000), &base),
                  "field 'world' 1000000 members from a base of 4 and 1 entries");
-  expect_refused(DecodePlanDelta(wire("1", R"([0, 4])", 3), &base),
+  expect_refused(DecodePlanDelta(wire2(R"([0, 4])", 3), &base),
                  "rebuild 4 members, but the delta says 3");
-  expect_refused(DecodePlanDelta(wire("1", R"([-1, 4])", 4), &base),
+  expect_refused(DecodePlanDelta(wire2(R"([-1, 4])", 4), &base),
                  "field 'members[0][0]' must be an integer from 0");
-  expect_refused(DecodePlanDelta(wire("1", R"([7])", 1), &base),
+  expect_refused(DecodePlanDelta(wire2(R"([7])", 1), &base),
                  "'members[0]' must be [from, count] or [worker_id, \"address\"], got an array");
-  expect_refused(DecodePlanDelta(wire("1", R"({"worker_id": 7})", 1), &base), "got an object");
-  expect_refused(DecodePlanDelta(wire("1", R"([1.5, "10.0.0.1:1"])", 1), &base),
+  expect_refused(DecodePlanDelta(wire2(R"({"worker_id": 7})", 1), &base), "got an object");
+  expect_refused(DecodePlanDelta(wire2(R"([1.5, "10.0.0.1:1"])", 1), &base),
                  "field 'members[0][0]' must be an integer");
   expect_refused(DecodePlanDelta("[1]", &base), "plan delta message is not a JSON object");
+}
+
+// A delta carries the digest of the member list it rebuilds: a well-formed delta that rebuilds
+// another list than the plan's (an encoder bug, runs cached for another plan) is refused, naming
+// both digests, where ValidatePlan would have accepted it.
+TEST(MessagesTest, PlanDeltaRefusesAMemberListThatIsNotThePlans) {
+  const PlanMsg base = Generation(4, {0, 1, 2, 3, 4, 5});
+  const PlanMsg next = Generation(5, {0, 1, 9, 3, 4, 5});
+  auto expect_wrong_list = [](Result<PlanMsg> r) {
+    ASSERT_FALSE(r.ok()) << "accepted a wrong member list";
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("field 'digest'"), std::string::npos)
+        << r.status().message();
+    EXPECT_NE(r.status().message().find("is not that of the 6 members the delta rebuilds"),
+              std::string::npos)
+        << r.status().message();
+  };
+  const PlanMembersDelta right = DiffMembers(next, &base);
+  ASSERT_TRUE(DecodePlanDelta(EncodePlanDelta(next, right, {}), &base).ok());
+  // An encoder that writes the runs in the wrong order: the same members, other ranks.
+  PlanMembersDelta swapped = right;
+  ASSERT_EQ(swapped.runs.size(), 3u);  // [0, 2], [9, "…"], [3, 3]
+  std::swap(swapped.runs[0], swapped.runs[2]);
+  expect_wrong_list(DecodePlanDelta(EncodePlanDelta(next, swapped, {}), &base));
+  // One that copies the wrong base ranks.
+  PlanMembersDelta shifted = right;
+  shifted.runs[2].copy_from = 2;
+  expect_wrong_list(DecodePlanDelta(EncodePlanDelta(next, shifted, {}), &base));
+  // Runs computed for another plan of the same size (a stale cache), written into this one.
+  const PlanMsg other = Generation(5, {0, 1, 2, 3, 4, 8});
+  expect_wrong_list(DecodePlanDelta(EncodePlanDelta(next, DiffMembers(other, &base), {}), &base));
+  // Against no base too: an entry dropped and another added.
+  PlanMembersDelta alone = DiffMembers(next, nullptr);
+  alone.runs[5].member.worker_id = 6;
+  expect_wrong_list(DecodePlanDelta(EncodePlanDelta(next, alone, {}), nullptr));
+}
+
+// Whether a delta has a base is said by its fields, not by a generation number: a base of
+// generation 0 is a base like any other, and a delta that names half a base is refused.
+TEST(MessagesTest, PlanDeltaSaysExplicitlyWhetherItHasABase) {
+  const PlanMsg zero = Generation(0, {0, 1, 2});
+  const PlanMsg next = Generation(1, {0, 1, 7});
+  const PlanMembersDelta members = DiffMembers(next, &zero);
+  EXPECT_TRUE(members.has_base);
+  const std::string delta = EncodePlanDelta(next, members, {});
+  EXPECT_NE(delta.find(R"("base_generation":0)"), std::string::npos) << delta;
+  auto rebuilt = DecodePlanDelta(delta, &zero);
+  ASSERT_TRUE(rebuilt.ok()) << rebuilt.status().ToString();
+  EXPECT_EQ(Listed(*rebuilt), Listed(next));
+  auto held_none = DecodePlanDelta(delta, nullptr);
+  ASSERT_FALSE(held_none.ok()) << "a delta against generation 0 read as one against no base";
+  EXPECT_NE(held_none.status().message().find("names the plan this worker holds, but it holds"),
+            std::string::npos)
+      << held_none.status().message();
+  const std::string alone = EncodePlanDelta(next, DiffMembers(next, nullptr), {});
+  EXPECT_EQ(alone.find("base_"), std::string::npos) << alone;
+  std::string half = alone;
+  half.insert(1, R"("base_generation": 3, )");
+  auto refused = DecodePlanDelta(half, &zero);
+  ASSERT_FALSE(refused.ok()) << "a base named by generation alone";
+  EXPECT_NE(refused.status().message().find("field 'base_digest' is missing"), std::string::npos)
+      << refused.status().message();
 }
 
 TEST(MessagesTest, MalformedShardMovesAreRefusedNamingTheField) {

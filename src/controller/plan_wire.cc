@@ -1,5 +1,7 @@
 #include "controller/plan_wire.h"
 
+#include <unordered_map>
+
 namespace nonstop::controller {
 
 void PlanWire::Start(const std::shared_ptr<const control::PlanMsg>& plan) {
@@ -7,6 +9,12 @@ void PlanWire::Start(const std::shared_ptr<const control::PlanMsg>& plan) {
   previous_serial_ = current_serial_;
   current_ = plan;
   ++current_serial_;
+  // Computed from the plan itself, never from the cached member runs: a delta whose runs are not
+  // this plan's is then refused at the worker instead of adopted.
+  current_digest_ = control::MembersDigest(current_->members);
+  // Only a worker sent the plan that is now the previous one can get a delta: forget the others
+  // (workers that left the job, failed sends), so held_ stays within two plans' members.
+  std::erase_if(held_, [&](const auto& h) { return h.second.plan != previous_serial_; });
   standalone_.clear();
   shared_delta_.clear();
   delta_members_.reset();
@@ -23,7 +31,7 @@ PlanWire::Frame PlanWire::For(int worker_id, uint64_t connection,
   if (!holds_previous) {
     if (standalone_.empty()) {
       standalone_ = control::EncodePlanDelta(*current_, control::DiffMembers(*current_, nullptr),
-                                             current_->transfers);
+                                             current_->transfers, current_digest_);
     }
     return {control::kMsgPlanDelta, &standalone_, false};
   }
@@ -42,12 +50,12 @@ PlanWire::Frame PlanWire::For(int worker_id, uint64_t connection,
   auto own = transfers_of_->find(worker_id);
   if (own == transfers_of_->end()) {
     if (shared_delta_.empty())
-      shared_delta_ = control::EncodePlanDelta(*current_, *delta_members_, {});
+      shared_delta_ = control::EncodePlanDelta(*current_, *delta_members_, {}, current_digest_);
     return {control::kMsgPlanDelta, &shared_delta_, true};
   }
   std::vector<control::PlanTransfer> transfers;
   for (size_t i : own->second) transfers.push_back(current_->transfers[i]);
-  own_delta_ = control::EncodePlanDelta(*current_, *delta_members_, transfers);
+  own_delta_ = control::EncodePlanDelta(*current_, *delta_members_, transfers, current_digest_);
   return {control::kMsgPlanDelta, &own_delta_, true};
 }
 

@@ -40,6 +40,11 @@ class PlanWire {
   // plan be written against this one for the worker.
   void Sent(int worker_id, uint64_t connection, bool ok);
 
+  // How many workers it remembers a plan for: those sent the previous plan or
+  // the current one (each new plan forgets the rest, such as workers that left
+  // the job), so at most the members of two plans.
+  size_t held_size() const { return held_.size(); }
+
  private:
   struct Held {
     uint64_t connection = 0;
@@ -49,6 +54,7 @@ class PlanWire {
 
   std::shared_ptr<const control::PlanMsg> current_, previous_;
   uint64_t current_serial_ = 0, previous_serial_ = 0;
+  uint64_t current_digest_ = 0;  // MembersDigest(current_->members), written into every delta
   // current_'s payloads, each encoded on first need: against no base (every
   // transfer), and against previous_ for the members that take part in no
   // transfer; and the members written against previous_, and which

@@ -1,5 +1,6 @@
 #include "controller/plan_wire.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -36,7 +37,9 @@ control::PlanMsg Receive(const PlanWire::Frame& f, const control::PlanMsg* held)
 
 // The base a frame was written against: 0 for none.
 uint32_t BaseOf(const PlanWire::Frame& f) {
-  return nlohmann::json::parse(*f.payload).at("base_generation").get<uint32_t>();
+  const nlohmann::json j = nlohmann::json::parse(*f.payload);
+  EXPECT_EQ(j.contains("base_generation"), j.contains("base_digest")) << "a base is named whole";
+  return j.contains("base_generation") ? j.at("base_generation").get<uint32_t>() : 0;
 }
 
 // `plan` with only the transfers `worker_id` takes part in.
@@ -94,6 +97,52 @@ TEST(PlanWireTest, MembersThatHoldThePreviousPlanGetADelta) {
   EXPECT_EQ(BaseOf(wire.For(50, 1050, third)), 0u) << "50 left in generation 2";
   EXPECT_EQ(BaseOf(wire.For(1, 1001, third)), 2u);
   EXPECT_EQ(BaseOf(wire.For(1, 0, third)), 0u) << "no connection known";
+}
+
+// Every frame carries the digest of the plan's own member list, whichever payload it is (against
+// none, the shared delta, a receiver's own), so a worker can check what it rebuilt.
+TEST(PlanWireTest, EveryFrameCarriesTheDigestOfThePlansMembers) {
+  PlanWire wire;
+  auto first = Plan(1, Range(0, 20));
+  for (int id = 0; id < 20; ++id) {
+    wire.For(id, 100 + id, first);
+    wire.Sent(id, 100 + id, true);
+  }
+  std::vector<int> next_ids = Range(0, 20);
+  next_ids[5] = 30;
+  auto second_plan = std::make_shared<control::PlanMsg>(*Plan(2, next_ids));
+  second_plan->transfers = {{30, {1}}};
+  std::shared_ptr<const control::PlanMsg> second = second_plan;
+  const std::string want = fmt::format("{:016x}", control::MembersDigest(second->members));
+  for (int id : {30, 1, 2}) {  // against none, a source's own delta, the shared delta
+    PlanWire::Frame f = wire.For(id, 100 + id, second);
+    EXPECT_EQ(nlohmann::json::parse(*f.payload).at("digest").get<std::string>(), want)
+        << "worker " << id;
+  }
+}
+
+// A worker that has gone (it left the job, or its send failed) is forgotten within two plans: the
+// workers remembered are at most the members of the previous plan and the current one.
+TEST(PlanWireTest, WorkersNoLongerInThePlansAreForgotten) {
+  PlanWire wire;
+  auto send_all = [&wire](const std::shared_ptr<const control::PlanMsg>& plan) {
+    for (const auto& m : plan->members) {
+      const uint64_t connection = 1000 + static_cast<uint64_t>(m.worker_id);
+      wire.For(m.worker_id, connection, plan);
+      wire.Sent(m.worker_id, connection, true);
+    }
+  };
+  send_all(Plan(1, Range(0, 100)));
+  EXPECT_EQ(wire.held_size(), 100u);
+  send_all(Plan(2, Range(0, 50)));  // half the job left
+  EXPECT_EQ(wire.held_size(), 100u) << "50 hold plan 2, 50 plan 1, the previous one";
+  auto third = Plan(3, Range(0, 50));
+  send_all(third);
+  EXPECT_EQ(wire.held_size(), 50u) << "the workers that left are forgotten";
+  // One of those that stayed still gets a delta; one that left and comes back, the whole plan.
+  auto fourth = Plan(4, Range(0, 100));
+  EXPECT_EQ(BaseOf(wire.For(3, 1003, fourth)), 3u);
+  EXPECT_EQ(BaseOf(wire.For(70, 1070, fourth)), 0u);
 }
 
 }  // namespace

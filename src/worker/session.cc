@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <deque>
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -30,6 +31,7 @@ namespace nonstop {
 namespace testing {
 std::function<void()> before_collective_hook;
 std::function<void(uint16_t)> control_frame_hook;
+std::function<void()> before_plan_decode_hook;
 }  // namespace testing
 
 Result<SessionOptions> SessionOptions::FromEnvironment() {
@@ -311,21 +313,31 @@ class SessionImpl {
     (void)SendControl(control::kMsgHeartbeat, control::Encode(hb));
   }
 
+  // A plan frame's PlanMsg, decoded without mu_: a plan of 100,000 members is megabytes of JSON,
+  // and the training thread takes mu_ around every collective. A delta is decoded against the
+  // plan held (docs/plan-wire.md: the one received last on this connection, the newest), shared
+  // out from under the lock: plan_ is replaced, never changed in place.
+  Result<control::PlanMsg> DecodePlanFrame(const net::Frame& f) NONSTOP_LOCKS_EXCLUDED(mu_) {
+    std::shared_ptr<const control::PlanMsg> base;
+    if (f.type == control::kMsgPlanDelta) {
+      MutexLock lock(&mu_);
+      base = plan_;
+    }
+    if (testing::before_plan_decode_hook) testing::before_plan_decode_hook();
+    if (f.type == control::kMsgPlan) return control::DecodePlan(f.payload);
+    return control::DecodePlanDelta(f.payload, base.get());
+  }
+
   Status OnControlFrame(const net::Frame& f) {
     switch (f.type) {  // never a ping: the link checks their epochs
-      case control::kMsgPlan: {
-        NONSTOP_ASSIGN_OR_RETURN(control::PlanMsg plan, control::DecodePlan(f.payload));
-        MutexLock lock(&mu_);
-        if (!plan_ || plan.generation > plan_->generation) plan_ = std::move(plan);
-        cv_.NotifyAll();
-        return OkStatus();
-      }
+      case control::kMsgPlan:
       case control::kMsgPlanDelta: {
-        // Against the plan received last on this connection: the newest one (docs/plan-wire.md).
+        NONSTOP_ASSIGN_OR_RETURN(control::PlanMsg plan, DecodePlanFrame(f));
         MutexLock lock(&mu_);
-        NONSTOP_ASSIGN_OR_RETURN(control::PlanMsg plan,
-                                 control::DecodePlanDelta(f.payload, plan_ ? &*plan_ : nullptr));
-        if (!plan_ || plan.generation > plan_->generation) plan_ = std::move(plan);
+        // Only if newer than the plan held. plan_ is still the one a delta was decoded against:
+        // its only writer is the I/O thread, which runs this.
+        if (!plan_ || plan.generation > plan_->generation)
+          plan_ = std::make_shared<const control::PlanMsg>(std::move(plan));
         cv_.NotifyAll();
         return OkStatus();
       }
@@ -397,7 +409,7 @@ class SessionImpl {
         if (!sent.ok())
           NONSTOP_LOG_WARNING("ready for the next generation, but: {}", sent.ToString());
       }
-      control::PlanMsg plan;
+      std::shared_ptr<const control::PlanMsg> plan;
       {
         // As long as the controller lives (its pings keep controller_lost_
         // false): a spare may wait for days.
@@ -410,14 +422,14 @@ class SessionImpl {
                                             shutdown_->exit_code, shutdown_->reason));
         }
         if (controller_lost_) return UnavailableError("lost the controller");
-        plan = *plan_;
+        plan = plan_;  // shared, not copied: the I/O thread replaces plan_, never changes it
         waiting_after_ = 0;
       }
-      Result<int64_t> resumed = Adopt(plan);
+      Result<int64_t> resumed = Adopt(*plan);
       if (resumed.ok()) return resumed;
-      NONSTOP_LOG_WARNING("generation {} failed during recovery: {}", plan.generation,
+      NONSTOP_LOG_WARNING("generation {} failed during recovery: {}", plan->generation,
                           resumed.status().ToString());
-      after_generation = plan.generation;
+      after_generation = plan->generation;
       why = resumed.status().message();
     }
   }
@@ -760,8 +772,10 @@ class SessionImpl {
 
   Mutex mu_;
   CondVar cv_;
-  bool in_collective_ NONSTOP_GUARDED_BY(mu_) = false;            // any collective is in flight
-  std::optional<control::PlanMsg> plan_ NONSTOP_GUARDED_BY(mu_);  // the newest plan received
+  bool in_collective_ NONSTOP_GUARDED_BY(mu_) = false;  // any collective is in flight
+  // The newest plan received. Written by the I/O thread alone, and replaced, never changed: the
+  // training thread adopts it and the I/O thread decodes a delta against it outside mu_.
+  std::shared_ptr<const control::PlanMsg> plan_ NONSTOP_GUARDED_BY(mu_);
   std::optional<control::ShutdownMsg> shutdown_ NONSTOP_GUARDED_BY(mu_);
   std::optional<control::DrainMsg> drain_ NONSTOP_GUARDED_BY(mu_);
   MembershipChange last_change_;  // training thread only

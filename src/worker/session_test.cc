@@ -6,9 +6,12 @@
 #include <poll.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "collective/peer_mesh.h"
 #include "control/messages.h"
@@ -151,6 +154,7 @@ class SessionTest : public ::testing::Test {
   void TearDown() override {
     testing::before_collective_hook = nullptr;
     testing::control_frame_hook = nullptr;
+    testing::before_plan_decode_hook = nullptr;
   }
 
   // Joins; `controller` plays the controller's side (AcceptAndPlan by default).
@@ -304,6 +308,62 @@ TEST_F(SessionTest, APlanDeltaIsAppliedToThePlanTheWorkerHolds) {
   EXPECT_EQ((*session)->rank(), 1);
   EXPECT_EQ((*session)->world_size(), 2);
   EXPECT_EQ((*session)->last_change().generation, 2u);
+}
+
+// A plan is decoded without the Session's lock (a plan of 100,000 members is megabytes of JSON,
+// and the training thread takes that lock around every collective): while the I/O thread is
+// about to decode a delta, another thread can take the lock (Session::shutdown_exit_code does).
+TEST_F(SessionTest, APlanDeltaIsDecodedWithoutTheSessionsLock) {
+  std::atomic<Session*> probed{nullptr};
+  std::atomic<int> decodes{0}, locked_out{0};
+  // Kept past the hook: a probe still waiting for the lock finishes once the I/O thread lets go.
+  std::mutex probes_mu;
+  std::vector<std::future<int>> probes;
+  // Installed before the session starts: its I/O thread reads the seam.
+  testing::before_plan_decode_hook = [&] {
+    Session* s = probed.load();
+    if (s == nullptr) return;  // the first plan, before the session is known
+    ++decodes;
+    auto taken = std::async(std::launch::async, [s] { return s->shutdown_exit_code(); });
+    if (taken.wait_for(std::chrono::seconds(5)) != std::future_status::ready) ++locked_out;
+    std::lock_guard<std::mutex> lock(probes_mu);
+    probes.push_back(std::move(taken));
+  };
+  control::PlanMsg first;
+  auto session = Join([&] { job_.AcceptAndPlan([&](control::PlanMsg& plan) { first = plan; }); });
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  probed = session->get();
+  control::PlanMsg next = first;
+  next.generation = 2;
+  next.reason = "recovery";
+  job_.Send(control::kMsgAbort, control::Encode(control::AbortMsg{1, "a member failed"}));
+  job_.Send(control::kMsgPlanDelta,
+            control::EncodePlanDelta(next, control::DiffMembers(next, &first), next.transfers));
+  auto resumed = (*session)->Recover();
+  ASSERT_TRUE(resumed.ok()) << resumed.status().ToString();
+  EXPECT_EQ((*session)->last_change().generation, 2u);
+  EXPECT_EQ(decodes.load(), 1);
+  EXPECT_EQ(locked_out.load(), 0) << "the I/O thread held the Session's lock while decoding";
+  probed = nullptr;
+  std::lock_guard<std::mutex> lock(probes_mu);
+  for (auto& p : probes) p.wait();
+}
+
+// A delta that rebuilds another member list than the plan's (a controller bug) is refused, never
+// adopted: the worker leaves the connection and stays in the generation it has.
+TEST_F(SessionTest, APlanDeltaThatRebuildsAnotherMemberListIsRefused) {
+  control::PlanMsg first;
+  auto session = Join([&] { job_.AcceptAndPlan([&](control::PlanMsg& plan) { first = plan; }); });
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  control::PlanMsg next = first;
+  next.generation = 2;
+  control::PlanMsg swapped = next;
+  std::swap(swapped.members[0], swapped.members[1]);
+  // Runs of another order of the same members, written into `next`: a well-formed delta.
+  const control::PlanMembersDelta members = control::DiffMembers(swapped, &first);
+  job_.Send(control::kMsgPlanDelta, control::EncodePlanDelta(next, members, next.transfers));
+  EXPECT_TRUE(job_.ClosedByWorker(Millis(5000))) << "the worker adopted a wrong member list";
+  EXPECT_EQ((*session)->generation(), 1u);
 }
 
 // A delta against a plan the worker does not hold is refused (a bad order: the worker leaves the

@@ -12,5 +12,8 @@ namespace nonstop::testing {
 extern std::function<void()> before_collective_hook;
 // Runs on the Session's I/O thread after each control frame was handled.
 extern std::function<void(uint16_t type)> control_frame_hook;
+// Runs on the Session's I/O thread just before it decodes a plan frame (kMsgPlan or
+// kMsgPlanDelta), where it holds none of the Session's locks.
+extern std::function<void()> before_plan_decode_hook;
 
 }  // namespace nonstop::testing
