@@ -342,6 +342,45 @@ TEST_F(EtcdWatchTest, TheLeaderFileFollowsTheLeaderAndTheEnd) {
   EXPECT_EQ((*lw)->requests(), 4);
 }
 
+// An agent on an IPv6-only network: etcd's endpoint is [v6]:port, and the watch dials it as such
+// (its host without the brackets).
+TEST(LeaderWatchIpv6Test, AWatchOfAnEtcdOnIpv6LoopbackFollowsTheLeader) {
+  TempDir dir;
+  const int port = testing::FreeLoopbackPort();
+  const int peer = testing::FreeLoopbackPort();
+  const std::string endpoint = fmt::format("[::1]:{}", port);
+  testing::ChildProcess etcd(testing::EtcdServer::Argv(dir.path() + "/data", "http://" + endpoint,
+                                                       fmt::format("http://127.0.0.1:{}", peer)),
+                             dir.path() + "/etcd.out");
+  auto client = etcd::Client::Create(endpoint, {milliseconds(500)});
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  Status put;
+  for (int i = 0; i < 100; ++i) {
+    put = (*client)->Put(coord::LeaderKey("v6"), R"({"controller":"[fd00::1]:4000"})").status();
+    if (put.ok()) break;
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  ASSERT_TRUE(put.ok()) << put.ToString() << "\n" << etcd.Output();
+  const std::string path = dir.path() + "/leader.json";
+  auto lw = coord::LeaderWatch::Start(endpoint, "v6", path);
+  ASSERT_TRUE(lw.ok()) << lw.status().ToString();
+  coord::LeaderFileReader reader(path, "v6");
+  Result<std::string> seen = NotFoundError("not read");
+  for (int i = 0; i < 250 && !(seen.ok() && *seen == "[fd00::1]:4000"); ++i) {
+    std::this_thread::sleep_for(milliseconds(20));
+    seen = reader.Read();
+  }
+  ASSERT_TRUE(seen.ok()) << seen.status().ToString();
+  EXPECT_EQ(*seen, "[fd00::1]:4000");
+  // and a change reaches it on the stream
+  ASSERT_TRUE((*client)->Put(coord::LeaderKey("v6"), R"({"controller":"[fd00::2]:4000"})").ok());
+  for (int i = 0; i < 250 && !(seen.ok() && *seen == "[fd00::2]:4000"); ++i) {
+    std::this_thread::sleep_for(milliseconds(20));
+    seen = reader.Read();
+  }
+  EXPECT_TRUE(seen.ok() && *seen == "[fd00::2]:4000") << seen.status().ToString();
+}
+
 // The reader reads the file each time: an update that kept the inode, the size and the mtime (a
 // rename-over can reuse the inode number; mtime can be coarse) is seen.
 TEST(LeaderFileReaderTest, SeesAnUpdateThatKeptTheInodeSizeAndMtime) {
