@@ -31,7 +31,8 @@ struct LeaderKeys {
   std::optional<std::string> end;
 };
 
-// Who leads, as LookUpLeader says it: the control address; NotFound (nobody leads, or the leader
+// Who leads, as the two keys say (LookUpLeader reads them from etcd and asks this): the control
+// address; NotFound (nobody leads, or the leader
 // has not published its address yet); Aborted when the job ended (*exit_code its code).
 Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code = nullptr);
 

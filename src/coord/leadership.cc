@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "coord/leader_watch.h"
 #include "coord/retry.h"
 
 namespace nonstop::coord {
@@ -99,26 +100,17 @@ std::string JobPrefix(const std::string& job) { return "/nonstop/" + job + "/"; 
 std::string LeaderKey(const std::string& job) { return JobPrefix(job) + "leader"; }
 
 Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, int* exit_code) {
+  // The two keys, read as the agents' leader watch reads them (one interpretation of both).
+  LeaderKeys keys;
+  keys.job = job;
   NONSTOP_ASSIGN_OR_RETURN(auto kvs, client.Range(LeaderKey(job)));
-  if (kvs.empty()) {
+  if (!kvs.empty()) {
+    keys.leader = kvs[0].value;
+  } else {
     NONSTOP_ASSIGN_OR_RETURN(auto end, client.Range(JobPrefix(job) + "end"));
-    if (!end.empty()) {
-      auto r = nlohmann::json::parse(end[0].value, nullptr, false);
-      int code = r.is_object() && r.contains("exit_code") && r["exit_code"].is_number_integer()
-                     ? r["exit_code"].get<int>()
-                     : 1;
-      if (exit_code != nullptr) *exit_code = code;
-      return AbortedError(fmt::format("job '{}' ended (exit code {}): {}", job, code,
-                                      r.is_object() ? r.value("reason", "") : std::string()));
-    }
-    return NotFoundError(fmt::format("no controller leads job '{}' now", job));
+    if (!end.empty()) keys.end = end[0].value;
   }
-  auto v = nlohmann::json::parse(kvs[0].value, nullptr, false);
-  if (!v.is_object() || !v.contains("controller") || !v["controller"].is_string()) {
-    return NotFoundError(
-        fmt::format("the leader of job '{}' has not published its address yet", job));
-  }
-  return v["controller"].get<std::string>();
+  return InterpretLeaderKeys(keys, exit_code);
 }
 
 LeadershipOptions WithDerivedTimes(LeadershipOptions o) {
