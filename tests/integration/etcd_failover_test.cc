@@ -75,49 +75,7 @@ const std::string& Reference() {
   return checksum;
 }
 
-// An etcd on ports and a data directory of its own, so that it can be killed
-// and started again on the same ones (EtcdServer takes new ports at each
-// start). The ports come from the OS when this is made.
-class RestartableEtcd {
- public:
-  explicit RestartableEtcd(std::string dir)
-      : dir_(std::move(dir)),
-        client_port_(nonstop::testing::FreeLoopbackPort()),
-        peer_port_(nonstop::testing::FreeLoopbackPort()) {}
-
-  std::string endpoint() const { return fmt::format("127.0.0.1:{}", client_port_); }
-  pid_t pid() const { return process_ ? process_->pid() : -1; }
-  std::string Output() const { return process_ ? process_->Output() : ""; }
-
-  // Starts etcd on its data directory (a new one the first time); true once /health answers.
-  bool Start() {
-    std::string client_url = fmt::format("http://127.0.0.1:{}", client_port_);
-    std::string peer_url = fmt::format("http://127.0.0.1:{}", peer_port_);
-    process_ = std::make_unique<ChildProcess>(
-        nonstop::testing::EtcdServer::Argv(dir_ + "/etcd-data", client_url, peer_url),
-        fmt::format("{}/etcd-{}.out", dir_, ++starts_));
-    httplib::Client http("127.0.0.1", client_port_);
-    http.set_connection_timeout(0, 200'000);
-    for (int i = 0; i < 200; ++i) {
-      auto res = http.Get("/health");
-      if (res && res->status == 200 && res->body.find("true") != std::string::npos) return true;
-      if (process_->Wait(milliseconds(50)) != -1) return false;
-    }
-    return false;
-  }
-  void Kill() {
-    if (!process_) return;
-    ::kill(process_->pid(), SIGKILL);
-    process_->Wait(milliseconds(10'000));
-  }
-
- private:
-  std::string dir_;
-  int client_port_;
-  int peer_port_;
-  int starts_ = 0;
-  std::unique_ptr<ChildProcess> process_;
-};
+using nonstop::testing::RestartableEtcd;
 
 class EtcdFailoverTest : public ::testing::Test {
  protected:

@@ -5,13 +5,16 @@
 #pragma once
 
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 #include <httplib.h>
@@ -35,6 +38,19 @@ inline int FreeLoopbackPort() {
   }
   ::close(fd);
   return port;
+}
+
+// Whether the etcd of `process` serves /health on loopback `port`: asked for about 10 s, false at
+// once if it exits.
+inline bool WaitHealthy(ChildProcess& process, int port) {
+  httplib::Client http("127.0.0.1", port);
+  http.set_connection_timeout(0, 200'000);
+  for (int i = 0; i < 200; ++i) {
+    auto res = http.Get("/health");
+    if (res && res->status == 200 && res->body.find("true") != std::string::npos) return true;
+    if (process.Wait(std::chrono::milliseconds(50)) != -1) return false;
+  }
+  return false;
 }
 
 class EtcdServer {
@@ -79,17 +95,11 @@ class EtcdServer {
       std::string data = fmt::format("{}/etcd-data-{}", dir_, attempt);
       process_ = std::make_unique<ChildProcess>(Argv(data, client_url, peer_url),
                                                 fmt::format("{}/etcd-{}.out", dir_, attempt));
-      httplib::Client http("127.0.0.1", client);
-      http.set_connection_timeout(0, 200'000);
-      for (int i = 0; i < 200; ++i) {
-        auto res = http.Get("/health");
-        if (res && res->status == 200 && res->body.find("true") != std::string::npos) {
-          endpoint_ = fmt::format("127.0.0.1:{}", client);
-          break;
-        }
-        if (process_->Wait(std::chrono::milliseconds(50)) != -1) break;  // exited: a port was taken
+      if (WaitHealthy(*process_, client)) {
+        endpoint_ = fmt::format("127.0.0.1:{}", client);
+      } else {
+        output_ += process_->Output();  // exited (a port was taken) or never answered
       }
-      if (endpoint_.empty()) output_ += process_->Output();
     }
   }
 
@@ -101,6 +111,49 @@ class EtcdServer {
   std::string dir_;
   std::string endpoint_;
   std::string output_;
+  std::unique_ptr<ChildProcess> process_;
+};
+
+// An etcd on ports and a data directory of its own, chosen when this is made, so that it can be
+// killed and started again on the same ones (EtcdServer takes new ports at each start). `extra`:
+// more flags for etcd.
+class RestartableEtcd {
+ public:
+  explicit RestartableEtcd(std::string dir, std::vector<std::string> extra = {})
+      : dir_(std::move(dir)),
+        extra_(std::move(extra)),
+        client_port_(FreeLoopbackPort()),
+        peer_port_(FreeLoopbackPort()) {}
+  ~RestartableEtcd() { Kill(); }
+
+  std::string endpoint() const { return fmt::format("127.0.0.1:{}", client_port_); }
+  pid_t pid() const { return process_ ? process_->pid() : -1; }
+  // The output of its latest start (kept after a Kill).
+  std::string Output() const { return process_ ? process_->Output() : ""; }
+
+  // Starts etcd on its data directory (a new one the first time); true once /health answers.
+  bool Start() {
+    auto argv =
+        EtcdServer::Argv(dir_ + "/etcd-data", fmt::format("http://127.0.0.1:{}", client_port_),
+                         fmt::format("http://127.0.0.1:{}", peer_port_));
+    argv.insert(argv.end(), extra_.begin(), extra_.end());
+    process_ = std::make_unique<ChildProcess>(argv, fmt::format("{}/etcd-{}.out", dir_, ++starts_));
+    return WaitHealthy(*process_, client_port_);
+  }
+  void Kill() {
+    if (!process_) return;
+    ::kill(process_->pid(), SIGKILL);
+    process_->Wait(std::chrono::milliseconds(10'000));
+  }
+  // Its data gone (call it killed): the next Start is a fresh etcd, at revision 1.
+  void Wipe() { std::filesystem::remove_all(dir_ + "/etcd-data"); }
+
+ private:
+  std::string dir_;
+  std::vector<std::string> extra_;
+  int client_port_;
+  int peer_port_;
+  int starts_ = 0;
   std::unique_ptr<ChildProcess> process_;
 };
 

@@ -65,55 +65,11 @@ struct Seen {
   }
 };
 
-// An etcd on fixed ports and a data directory, killed and started again on them.
-class OwnEtcd {
- public:
-  explicit OwnEtcd(std::string dir, std::vector<std::string> extra = {})
-      : dir_(std::move(dir)),
-        extra_(std::move(extra)),
-        client_(nonstop::testing::FreeLoopbackPort()),
-        peer_(nonstop::testing::FreeLoopbackPort()) {}
-  ~OwnEtcd() { Kill(); }
-  std::string endpoint() const { return fmt::format("127.0.0.1:{}", client_); }
-  bool Start() {
-    std::string c = fmt::format("http://127.0.0.1:{}", client_);
-    std::string p = fmt::format("http://127.0.0.1:{}", peer_);
-    auto argv = testing::EtcdServer::Argv(dir_ + "/data", c, p);
-    argv.insert(argv.end(), extra_.begin(), extra_.end());
-    process_ = std::make_unique<testing::ChildProcess>(
-        argv, fmt::format("{}/etcd-{}.out", dir_, ++starts_));
-    httplib::Client http("127.0.0.1", client_);
-    http.set_connection_timeout(0, 200'000);
-    for (int i = 0; i < 200; ++i) {
-      auto res = http.Get("/health");
-      if (res && res->status == 200 && res->body.find("true") != std::string::npos) return true;
-      if (process_->Wait(milliseconds(50)) != -1) return false;
-    }
-    return false;
-  }
-  void Kill() {
-    if (!process_) return;
-    ::kill(process_->pid(), SIGKILL);
-    process_->Wait(milliseconds(10'000));
-    process_.reset();
-  }
-  std::string Output() const { return process_ ? process_->Output() : ""; }
-  // Its data gone (call it killed): the next Start is a fresh etcd, at revision 1.
-  void Wipe() { std::filesystem::remove_all(dir_ + "/data"); }
-
- private:
-  std::string dir_;
-  std::vector<std::string> extra_;
-  int client_, peer_;
-  int starts_ = 0;
-  std::unique_ptr<testing::ChildProcess> process_;
-};
-
 class EtcdWatchTest : public ::testing::Test {
  protected:
   virtual std::vector<std::string> EtcdFlags() { return {}; }
   void SetUp() override {
-    etcd_ = std::make_unique<OwnEtcd>(dir_.path(), EtcdFlags());
+    etcd_ = std::make_unique<testing::RestartableEtcd>(dir_.path(), EtcdFlags());
     ASSERT_TRUE(etcd_->Start()) << "etcd did not start (scripts/setup.sh installs etcd-server)\n"
                                 << etcd_->Output();
     auto c = etcd::Client::Create(etcd_->endpoint());
@@ -131,7 +87,7 @@ class EtcdWatchTest : public ::testing::Test {
   }
 
   TempDir dir_;
-  std::unique_ptr<OwnEtcd> etcd_;
+  std::unique_ptr<testing::RestartableEtcd> etcd_;
   std::unique_ptr<etcd::Client> client_;
 };
 
