@@ -1,0 +1,135 @@
+#include "common/crypto.h"
+
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/params.h>
+#include <openssl/rand.h>
+
+#include "common/check.h"
+
+namespace nonstop::crypto {
+
+namespace {
+
+void PutLength(std::string* out, size_t n) {
+  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+}
+
+// One keyed HMAC-SHA256 context; the fetched algorithm is shared by the process.
+EVP_MAC* HmacAlgorithm() {
+  static EVP_MAC* mac = [] {
+    EVP_MAC* m = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+    NONSTOP_CHECK(m != nullptr) << "libcrypto has no HMAC";
+    return m;
+  }();
+  return mac;
+}
+
+EVP_MAC_CTX* KeyedContext(const uint8_t* key, size_t key_len) {
+  EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(HmacAlgorithm());
+  NONSTOP_CHECK(ctx != nullptr) << "EVP_MAC_CTX_new";
+  char digest[] = "SHA256";
+  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0),
+                         OSSL_PARAM_construct_end()};
+  NONSTOP_CHECK(EVP_MAC_init(ctx, key, key_len, params) == 1) << "HMAC-SHA256 init";
+  return ctx;
+}
+
+std::string Finish(EVP_MAC_CTX* ctx) {
+  std::string out(kMacBytes, '\0');
+  size_t len = 0;
+  NONSTOP_CHECK(
+      EVP_MAC_final(ctx, reinterpret_cast<unsigned char*>(out.data()), &len, out.size()) == 1 &&
+      len == kMacBytes)
+      << "HMAC-SHA256 final";
+  return out;
+}
+
+void Update(EVP_MAC_CTX* ctx, std::string_view bytes) {
+  NONSTOP_CHECK(
+      EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()) == 1)
+      << "HMAC-SHA256 update";
+}
+
+Key ToKey(const std::string& mac) {
+  Key k{};
+  std::copy(mac.begin(), mac.begin() + kKeyBytes, k.begin());
+  return k;
+}
+
+}  // namespace
+
+Key JobKey(std::string_view job_token) {
+  EVP_MAC_CTX* ctx =
+      KeyedContext(reinterpret_cast<const uint8_t*>(job_token.data()), job_token.size());
+  Update(ctx, "nonstop job key v1");
+  Key k = ToKey(Finish(ctx));
+  EVP_MAC_CTX_free(ctx);
+  return k;
+}
+
+Key DeriveKey(const Key& key, std::string_view purpose, std::string_view context) {
+  return ToKey(Mac(key, "derive", {purpose, context}));
+}
+
+std::string Mac(const Key& key, std::string_view label,
+                std::initializer_list<std::string_view> parts) {
+  EVP_MAC_CTX* ctx = KeyedContext(key.data(), key.size());
+  std::string framed;
+  PutLength(&framed, label.size());
+  framed += label;
+  for (std::string_view p : parts) {
+    PutLength(&framed, p.size());
+    Update(ctx, framed);
+    framed.clear();
+    Update(ctx, p);
+  }
+  if (!framed.empty()) Update(ctx, framed);
+  std::string out = Finish(ctx);
+  EVP_MAC_CTX_free(ctx);
+  return out;
+}
+
+bool MacEquals(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+std::string RandomBytes(size_t n) {
+  std::string out(n, '\0');
+  NONSTOP_CHECK(RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) == 1)
+      << "the random generator failed: no nonce can be made";
+  return out;
+}
+
+std::string Hex(std::string_view bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (unsigned char c : bytes) {
+    out.push_back(kDigits[c >> 4]);
+    out.push_back(kDigits[c & 0xf]);
+  }
+  return out;
+}
+
+struct MacKey::State {
+  EVP_MAC_CTX* keyed = nullptr;
+};
+
+MacKey::MacKey(const Key& key) : state_(std::make_unique<State>()) {
+  state_->keyed = KeyedContext(key.data(), key.size());
+}
+
+MacKey::~MacKey() { EVP_MAC_CTX_free(state_->keyed); }
+
+std::string MacKey::Mac(std::initializer_list<std::string_view> parts) const {
+  EVP_MAC_CTX* ctx = EVP_MAC_CTX_dup(state_->keyed);
+  NONSTOP_CHECK(ctx != nullptr) << "EVP_MAC_CTX_dup";
+  for (std::string_view p : parts) Update(ctx, p);
+  std::string out = Finish(ctx);
+  EVP_MAC_CTX_free(ctx);
+  return out;
+}
+
+}  // namespace nonstop::crypto

@@ -1,0 +1,54 @@
+#include "common/crypto.h"
+
+#include <set>
+
+#include <gtest/gtest.h>
+
+namespace nonstop::crypto {
+namespace {
+
+TEST(CryptoTest, MacKeyIsHmacSha256) {
+  Key k;
+  k.fill(0x0b);
+  // Python: hmac.new(b'\x0b' * 32, b'Hi There', hashlib.sha256).hexdigest()
+  EXPECT_EQ(Hex(MacKey(k).Mac({"Hi ", "There"})),
+            "198a607eb44bfbc69903a0f1cf2bbdc5ba0aa3f3d9ae3c1c7a3b1696a0b68cf7");
+}
+
+TEST(CryptoTest, FramedMacSeparatesLabelsAndPartBoundaries) {
+  Key k = JobKey("token");
+  const std::string m = Mac(k, "label", {"ab", "c"});
+  EXPECT_EQ(m.size(), kMacBytes);
+  EXPECT_EQ(m, Mac(k, "label", {"ab", "c"}));
+  EXPECT_NE(m, Mac(k, "label", {"a", "bc"}));
+  EXPECT_NE(m, Mac(k, "other", {"ab", "c"}));
+  EXPECT_NE(m, Mac(JobKey("token2"), "label", {"ab", "c"}));
+  EXPECT_NE(Mac(k, "", {"x"}), Mac(k, "x", {}));
+}
+
+TEST(CryptoTest, DerivedKeysDifferByPurposeAndContext) {
+  Key k = JobKey("token");
+  EXPECT_NE(DeriveKey(k, "a"), DeriveKey(k, "b"));
+  EXPECT_NE(DeriveKey(k, "a", "1"), DeriveKey(k, "a", "2"));
+  EXPECT_EQ(DeriveKey(k, "a", "1"), DeriveKey(k, "a", "1"));
+  EXPECT_NE(JobKey("token"), JobKey("tokeN"));
+}
+
+TEST(CryptoTest, MacEqualsComparesWholeValues) {
+  EXPECT_TRUE(MacEquals("abc", "abc"));
+  EXPECT_FALSE(MacEquals("abc", "abd"));
+  EXPECT_FALSE(MacEquals("abc", "ab"));
+  EXPECT_TRUE(MacEquals("", ""));
+}
+
+TEST(CryptoTest, RandomBytesAreFresh) {
+  std::set<std::string> seen;
+  for (int i = 0; i < 100; ++i) {
+    std::string r = RandomBytes(kNonceBytes);
+    ASSERT_EQ(r.size(), kNonceBytes);
+    EXPECT_TRUE(seen.insert(r).second);
+  }
+}
+
+}  // namespace
+}  // namespace nonstop::crypto
