@@ -2,7 +2,9 @@
 // connection, control or data, read before the peer is authenticated.
 //
 // Checked: no crash, leak or UB; a refusal is INVALID_ARGUMENT with a
-// message; an accepted hello re-encodes to the bytes it was read from.
+// message; a hello of another major version is read no further than its
+// version (the acceptor refuses it by that); any other accepted hello has a
+// nonce of the right size and re-encodes to the bytes it was read from.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -20,6 +22,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     NONSTOP_CHECK(!hello.status().message().empty());
     return 0;
   }
+  if (hello->proto_major != nonstop::net::kProtocolMajor) return 0;
+  NONSTOP_CHECK(hello->nonce.size() == nonstop::crypto::kNonceBytes);
   std::string again = nonstop::net::EncodeHello(*hello);
   NONSTOP_CHECK(payload.substr(0, again.size()) == again)
       << "an accepted hello does not re-encode to its bytes";

@@ -13,6 +13,7 @@
 
 #include "common/check.h"
 #include "common/coding.h"
+#include "common/crypto.h"
 #include "common/temp_dir.h"
 #include "control/fault_spec.h"
 #include "control/messages.h"
@@ -70,19 +71,22 @@ void Hellos() {
   h.kind = net::ConnectionKind::kControl;
   h.generation = 3;
   h.worker_id = 2;
-  h.job_token = "0123456789abcdef0123456789abcdef";
+  h.nonce = std::string(crypto::kNonceBytes, '\x5a');
   const std::string good = net::EncodeHello(h);
   Put("hello", "control", good);
   h.kind = net::ConnectionKind::kData;
   h.worker_id = -1;
-  h.job_token = "";
-  Put("hello", "data_no_token", net::EncodeHello(h));
-  Put("hello", "truncated_token", good.substr(0, good.size() - 5));
+  h.nonce = "";
+  Put("hello", "data_no_nonce", net::EncodeHello(h));
+  Put("hello", "truncated_nonce", good.substr(0, good.size() - 5));
   Put("hello", "truncated_header", good.substr(0, 9));
   std::string bad_magic = good;
   bad_magic[0] ^= 0x20;
   Put("hello", "bad_magic", bad_magic);
   Put("hello", "trailing_bytes", good + "extra");
+  std::string old_version = good;
+  old_version[4] = 1;  // protocol 1.0, which sent the token here
+  Put("hello", "old_version", old_version);
 }
 
 void Control() {

@@ -61,7 +61,7 @@ control::ControllerLinkOptions LinkOptions(const AgentOptions& o, const std::str
   l.hello.kind = net::ConnectionKind::kAgent;
   l.hello.generation = 0;
   l.hello.worker_id = 0;
-  l.hello.job_token = o.job_token;
+  l.job_token = o.job_token;
   l.try_timeout = o.controller_timeout;  // the connect, then the hello
   l.silence_timeout = o.controller_timeout;
   l.reconnect_within = o.join_timeout;  // Lose() moves it past the fencing when processes run

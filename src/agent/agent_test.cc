@@ -70,8 +70,9 @@ class FakeController {
       while (!stop.stop_requested()) {
         std::this_thread::sleep_for(150ms);
         std::lock_guard<std::mutex> lock(mu_);
-        if (pinging_ && conn_.valid()) {
-          (void)net::WriteFrame(conn_.get(), control::kMsgPing, ping_, DeadlineAfter(1s), nullptr);
+        if (pinging_ && conn_.valid() && channel_.send) {
+          (void)net::WriteSealedFrame(conn_.get(), *channel_.send, control::kMsgPing, ping_,
+                                      DeadlineAfter(1s), nullptr);
         }
       }
     });
@@ -84,11 +85,13 @@ class FakeController {
     Deadline deadline = DeadlineAfter(timeout);
     NONSTOP_RETURN_IF_ERROR(net::WaitFd(listener_.fd.get(), POLLIN, deadline, nullptr, "accept"));
     NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Accept(listener_.fd.get()));
-    auto hello =
-        net::ServerHandshake(fd.get(), token_, net::ConnectionKind::kAgent, deadline, nullptr);
+    auto accepted = net::ServerHandshake(fd.get(), crypto::JobKey(token_),
+                                         net::ConnectionKind::kAgent, deadline, nullptr);
     std::lock_guard<std::mutex> lock(mu_);
     conn_ = std::move(fd);
-    return hello;
+    if (!accepted.ok()) return accepted.status();
+    channel_ = std::move(accepted->channel);
+    return accepted->hello;
   }
 
   // Accepts the agent and reads its registration.
@@ -102,7 +105,8 @@ class FakeController {
   Result<net::Frame> Next(uint16_t type, Millis timeout = 5s) {
     Deadline deadline = DeadlineAfter(timeout);
     while (true) {
-      NONSTOP_ASSIGN_OR_RETURN(net::Frame f, net::ReadFrame(fd(), deadline, nullptr));
+      NONSTOP_ASSIGN_OR_RETURN(net::Frame f,
+                               net::ReadSealedFrame(fd(), *channel_.recv, deadline, nullptr));
       if (f.type == type) return f;
       if (f.type == control::kMsgAgentHeartbeat) {
         auto hb = control::DecodeAgentHeartbeat(f.payload);
@@ -120,7 +124,7 @@ class FakeController {
   bool ClosedByAgent(Millis timeout) {
     Deadline deadline = DeadlineAfter(timeout);
     while (true) {
-      auto f = net::ReadFrame(fd(), deadline, nullptr);
+      auto f = net::ReadSealedFrame(fd(), *channel_.recv, deadline, nullptr);
       if (f.ok()) continue;
       return f.status().code() == StatusCode::kUnavailable;
     }
@@ -128,7 +132,8 @@ class FakeController {
 
   void Send(uint16_t type, const std::string& payload) {
     std::lock_guard<std::mutex> lock(mu_);
-    Status s = net::WriteFrame(conn_.get(), type, payload, DeadlineAfter(2s), nullptr);
+    Status s = net::WriteSealedFrame(conn_.get(), *channel_.send, type, payload, DeadlineAfter(2s),
+                                     nullptr);
     NONSTOP_CHECK(s.ok()) << s.ToString();
   }
 
@@ -157,7 +162,8 @@ class FakeController {
   const std::string token_;
   net::Listener listener_;
   std::mutex mu_;
-  UniqueFd conn_;  // guarded by mu_ for the pinger
+  UniqueFd conn_;         // guarded by mu_ for the pinger
+  net::Channel channel_;  // conn_'s session keys: send guarded by mu_; recv the test thread's
   bool pinging_ = true;
   std::string ping_ = "{}";  // guarded by mu_
   std::jthread pinger_;      // last: stopped and joined first
@@ -258,7 +264,6 @@ TEST_F(AgentTest, SaysHelloAsAnAgentAndRegistersItsHost) {
   EXPECT_EQ(hello->kind, net::ConnectionKind::kAgent);
   EXPECT_EQ(hello->worker_id, 0);
   EXPECT_EQ(hello->generation, 0u);
-  EXPECT_EQ(hello->job_token, kToken);
   auto f = controller.Next(control::kMsgAgentRegister);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
   auto reg = control::DecodeAgentRegister(f->payload);
@@ -560,18 +565,17 @@ TEST_F(AgentTest, ControllerThatNeverComesBackEndsTheAgentAfterTheJoinTimeout) {
       << agent.agent().exit_message();
 }
 
-TEST_F(AgentTest, WrongTokenExits2WithTheControllersReason) {
+// A controller that cannot prove the job key (this agent's token is another job's): the agent
+// never sends it its proof, tries three times, and exits 2 naming the likely fix.
+TEST_F(AgentTest, WrongTokenExits2AfterThreeTriesNamingTheTokenFile) {
   FakeController controller("another-jobs-token");
   AgentRunner agent(Options(controller), dir_);
-  auto hello = controller.Accept();
-  EXPECT_FALSE(hello.ok());
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(controller.Accept().ok()) << "try " << i;
   EXPECT_EQ(agent.Wait(5s), kExitRefused);
   const std::string& msg = agent.agent().exit_message();
-  EXPECT_NE(msg.find(fmt::format("the controller at {} refused this agent", controller.address())),
-            std::string::npos)
-      << msg;
-  EXPECT_NE(msg.find("job token mismatch"), std::string::npos) << msg;
-  // No retry: no second connection.
+  EXPECT_NE(msg.find("did not prove the job key"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("job token"), std::string::npos) << msg;
+  // No fourth try.
   EXPECT_FALSE(controller.Accept(300ms).ok());
 }
 
@@ -838,9 +842,9 @@ TEST_F(AgentCliTest, RefusedHelloExits2AndSaysWhy) {
       {NonstopBinary(), "agent", "--controller", controller.address(), "--job-token-file",
        TokenFile(kToken), "--host-id", "cli-host", "--", "/bin/true"},
       dir_ / "agent.log");
-  (void)controller.Accept(10s);
+  for (int i = 0; i < 3; ++i) (void)controller.Accept(10s);
   EXPECT_EQ(agent.Wait(10s), kExitRefused);
-  EXPECT_NE(ReadText(dir_ / "agent.log").find("job token mismatch"), std::string::npos)
+  EXPECT_NE(ReadText(dir_ / "agent.log").find("did not prove the job key"), std::string::npos)
       << ReadText(dir_ / "agent.log");
 }
 

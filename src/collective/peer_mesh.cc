@@ -110,6 +110,7 @@ std::unique_ptr<PeerMesh> PeerMesh::Create(PeerMeshOptions options, net::Listene
 
 PeerMesh::PeerMesh(PeerMeshOptions options, net::Listener listener)
     : options_(std::move(options)),
+      job_key_(crypto::JobKey(options_.job_token)),
       listen_fd_(std::move(listener.fd)),
       address_(listener.address),
       wake_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
@@ -288,7 +289,7 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
         p->fd = std::move(*fd);
         p->from = PeerNameOf(p->fd.get());
         p->deadline = DeadlineAfter(options_.timeout_handshake);
-        p->hello = std::make_unique<net::HelloAcceptor>(p->fd.get(), options_.job_token,
+        p->hello = std::make_unique<net::HelloAcceptor>(p->fd.get(), job_key_,
                                                         net::ConnectionKind::kData, rule);
         p->hello->Advance();  // the hello often arrives with the connection
         if (settle(*p, Clock::now())) continue;
@@ -380,10 +381,10 @@ Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
   hello.kind = net::ConnectionKind::kData;
   hello.generation = generation;
   hello.worker_id = options_.worker_id;
-  hello.job_token = options_.job_token;
-  Status hs = net::ClientHandshake(fd.get(), hello, deadline, abort);
+  Result<net::Channel> hs = net::ClientHandshake(fd.get(), job_key_, hello, deadline, abort);
   if (!hs.ok())
-    return hs.WithContext(fmt::format("handshake with worker {} ({})", peer_id, peer_address));
+    return hs.status().WithContext(
+        fmt::format("handshake with worker {} ({})", peer_id, peer_address));
   auto conn = std::make_unique<Connection>();
   conn->fd = std::move(fd);
   conn->peer_id = peer_id;

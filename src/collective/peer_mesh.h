@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/crypto.h"
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/time.h"
@@ -144,6 +145,7 @@ class PeerMesh {
   void WakeAcceptLoop();
 
   const PeerMeshOptions options_;
+  const crypto::Key job_key_;  // of options_.job_token: what both ends of a connection prove
   UniqueFd listen_fd_;
   net::HostPort address_;
   net::AbortSignal stop_signal_;  // wakes the accept thread at shutdown

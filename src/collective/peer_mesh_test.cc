@@ -54,10 +54,10 @@ Status HandDial(const PeerMesh& mesh, int worker_id, uint32_t generation, Unique
   h.kind = net::ConnectionKind::kData;
   h.worker_id = worker_id;
   h.generation = generation;
-  h.job_token = kToken;
-  Status s = net::ClientHandshake(fd.get(), h, DeadlineAfter(Millis(5'000)), nullptr);
+  Result<net::Channel> s = net::ClientHandshake(fd.get(), crypto::JobKey(kToken), h,
+                                                DeadlineAfter(Millis(5'000)), nullptr);
   if (out != nullptr) *out = std::move(fd);
-  return s;
+  return s.status();
 }
 
 // True when the peer closed `fd` (EOF or reset) within `wait`.

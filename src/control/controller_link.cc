@@ -54,15 +54,6 @@ Result<std::vector<net::HostPort>> ParseControllerList(std::string_view list) {
   return out;
 }
 
-Status CheckHelloAck(const net::Frame& ack) {
-  if (ack.type != net::kFrameHelloAck || ack.payload.empty()) {
-    return DataLossError(fmt::format(
-        "expected a hello ack, got frame type {}: the peer is not a nonstop controller", ack.type));
-  }
-  if (ack.payload[0] != 1) return FailedPreconditionError(ack.payload.substr(1));
-  return OkStatus();
-}
-
 Millis BackoffDelay(const BackoffPolicy& policy, int failures, double u) {
   int64_t d = policy.initial.count();
   for (int i = 1; i < failures && d < policy.max.count(); ++i) d *= 2;
@@ -107,7 +98,7 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
   }
   if (o.max_queued_bytes < 64 * 1024)
     return InvalidArgumentError("controller link: max_queued_bytes under 64 KiB");
-  if (!o.check_ack) o.check_ack = CheckHelloAck;
+  if (o.job_token.empty()) return InvalidArgumentError("controller link: no job token");
   std::vector<net::HostPort> list;
   if (!o.controllers.empty()) {
     auto parsed = ParseControllerList(o.controllers);
@@ -135,7 +126,9 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
 }
 
 ControllerLink::ControllerLink(ControllerLinkOptions options)
-    : options_(std::move(options)), decoder_(options_.max_frame_bytes) {
+    : options_(std::move(options)),
+      job_key_(crypto::JobKey(options_.job_token)),
+      decoder_(options_.max_frame_bytes) {
   random_ = options_.random;
   if (!random_) {
     random_ = [rng = std::mt19937(std::random_device{}()),
@@ -336,10 +329,11 @@ void ControllerLink::OnConnected(Deadline now) {
   ChangeState(State::kHello);
   try_deadline_ = std::min(now + options_.try_timeout, give_up_at_);
   last_heard_ = now;
+  handshake_ = std::make_unique<net::DialerHandshake>(job_key_, options_.hello);
   Status s;
   {
     MutexLock lock(&mu_);
-    out_ = net::EncodeFrame(net::kFrameHello, net::EncodeHello(options_.hello));
+    out_ = handshake_->Start();
     out_sent_ = 0;
     s = FlushLocked();
   }
@@ -390,22 +384,13 @@ void ControllerLink::Read(Deadline now) {
 }
 
 bool ControllerLink::Take(net::Frame frame, Deadline now) {
-  if (state_ == State::kHello) {
-    Status ack = options_.check_ack(frame);
-    if (ack.code() == StatusCode::kFailedPrecondition) {
-      Fail(ack);
-      return false;
-    }
-    if (!ack.ok()) {
-      TryFailed(ack, now);
-      return false;
-    }
-    failed_tries_ = 0;
-    tried_in_round_ = 0;
-    ever_accepted_ = true;
-    ChangeState(State::kAccepted);
-    events_.push_back({LinkEvent{LinkEvent::Kind::kAccepted, {}, OkStatus()}});
-    return true;
+  if (state_ == State::kHello) return TakeHandshake(frame, now);
+  if (Status opened = recv_mac_->Open(&frame); !opened.ok()) {
+    // Nothing after a frame that fails its MAC can be trusted: the connection goes.
+    ++refused_frames_;
+    NONSTOP_LOG_WARNING("the controller at {}: {}", controller_, opened.message());
+    Lose(opened, now, Retry::kBackoff);
+    return false;
   }
   if (frame.type != kMsgPing) {
     events_.push_back({LinkEvent{LinkEvent::Kind::kFrame, std::move(frame), OkStatus()}});
@@ -427,6 +412,64 @@ bool ControllerLink::Take(net::Frame frame, Deadline now) {
     return false;
   }
   epoch_ = ping->epoch;
+  return true;
+}
+
+bool ControllerLink::TakeHandshake(const net::Frame& frame, Deadline now) {
+  net::HandshakeStep step = handshake_->OnFrame(frame);
+  if (step.error.code() == StatusCode::kFailedPrecondition) {
+    Fail(step.error);  // an authenticated controller refused us: final
+    return false;
+  }
+  if (!step.error.ok()) {
+    Status why = step.error.WithContext("the controller at " + controller_);
+    // A process that never met its controller and meets only peers that cannot prove the key most
+    // likely holds the wrong token: after a few tries that is final, with the fix named. Once a
+    // controller accepted this link (its token is right) such a peer is an impostor or another
+    // job's process: it is retried, as garbage, until the job's controller answers.
+    if (handshake_->peer_unproven() && !ever_accepted_ && ++unproven_in_a_row_ >= kUnprovenTries) {
+      Fail(FailedPreconditionError(fmt::format(
+          "the controller at {} did not prove the job key, {} tries in a row: this process's job "
+          "token is most likely not that job's (check the job token file it was given), or {} is "
+          "another job's controller",
+          controller_, unproven_in_a_row_, controller_)));
+      return false;
+    }
+    if (handshake_->peer_unproven() && !warned_unproven_) {
+      // Once per search: something answers where the controller should be, and it is not it.
+      warned_unproven_ = true;
+      NONSTOP_LOG_WARNING("{}: not followed; looking on for the job's controller", why.message());
+    }
+    TryFailed(why, now);
+    return false;
+  }
+  if (!step.send.empty()) {
+    Status s;
+    {
+      MutexLock lock(&mu_);
+      out_ += step.send;
+      s = FlushLocked();
+    }
+    if (!s.ok()) {
+      TryFailed(s, now);
+      return false;
+    }
+  }
+  if (!step.done) return true;
+  net::Channel channel = handshake_->TakeChannel();
+  handshake_.reset();
+  recv_mac_ = std::move(channel.recv);
+  {
+    MutexLock lock(&mu_);
+    send_mac_ = std::move(channel.send);
+  }
+  failed_tries_ = 0;
+  tried_in_round_ = 0;
+  unproven_in_a_row_ = 0;
+  warned_unproven_ = false;
+  ever_accepted_ = true;
+  ChangeState(State::kAccepted);
+  events_.push_back({LinkEvent{LinkEvent::Kind::kAccepted, {}, OkStatus()}});
   return true;
 }
 
@@ -542,7 +585,7 @@ Status ControllerLink::Open(const std::vector<std::pair<uint16_t, std::string>>&
   Status s;
   {
     MutexLock lock(&mu_);
-    for (const auto& [type, payload] : first) out_ += net::EncodeFrame(type, payload);
+    for (const auto& [type, payload] : first) out_ += send_mac_->Seal(type, payload);
     open_ = !losing_;
     s = FlushLocked();
     if (!s.ok()) send_error_ = s;
@@ -598,7 +641,7 @@ Status ControllerLink::Send(uint16_t type, std::string_view payload) {
     WakeOwner();
     return send_error_;
   }
-  out_ += net::EncodeFrame(type, payload);
+  out_ += send_mac_->Seal(type, payload);
   Status s = FlushLocked();
   if (!s.ok()) {
     send_error_ = s;
@@ -644,9 +687,12 @@ Status ControllerLink::TakeSendError() {
 
 void ControllerLink::InstallConnection(UniqueFd fd) {
   decoder_ = net::FrameDecoder(options_.max_frame_bytes);
+  handshake_.reset();
+  recv_mac_.reset();
   fd_ = fd.get();
   {
     MutexLock lock(&mu_);
+    send_mac_.reset();
     conn_ = std::move(fd);
     out_.clear();
     out_sent_ = 0;
@@ -665,7 +711,10 @@ void ControllerLink::CloseConnection() {
   if (fd_ < 0) return;
   if (loop_ != nullptr) loop_->Unwatch(fd_);  // before the number can be reused
   fd_ = -1;
+  handshake_.reset();
+  recv_mac_.reset();
   MutexLock lock(&mu_);
+  send_mac_.reset();
   conn_.Reset();
   open_ = false;
   out_.clear();

@@ -76,6 +76,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/crypto.h"
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/time.h"
@@ -100,11 +101,6 @@ namespace nonstop::control {
 // "host:port[,host:port…]": the controllers, in the order they are tried (a
 // leader and its standbys). Every item must parse, with a port other than 0.
 Result<std::vector<net::HostPort>> ParseControllerList(std::string_view list);
-
-// The standard check of a hello ack (docs/protocol.md): OK when accepted;
-// kFailedPrecondition, the controller's reason as the message, when refused;
-// kDataLoss when the frame is no hello ack (the peer is not a nonstop controller).
-Status CheckHelloAck(const net::Frame& ack);
 
 // Exponential back-off with jitter, bounded.
 struct BackoffPolicy {
@@ -134,11 +130,16 @@ struct ControllerLinkOptions {
   // launcher just named the leader); etcd is asked after a loss.
   bool list_first = false;
 
-  // What the caller says: its hello (kind, worker id, the job token), and how
-  // the ack is judged (OK: accepted; kFailedPrecondition: refused, final;
-  // anything else: garbage, retried).
+  // What the caller says of itself (kind, worker id), and the job token: the
+  // link proves the job key with it, and follows only a controller that
+  // proves it too (net/handshake.h). The token itself is never sent. A
+  // controller that cannot prove the key is garbage, dialed again after the
+  // back-off; before any controller accepted this link, three such tries in a
+  // row are final (kFailedPrecondition: most likely this process holds the
+  // wrong token). An authenticated refusal (its reason: a kind or worker id
+  // the controller does not take) is final.
   net::Hello hello;
-  std::function<Status(const net::Frame&)> check_ack = CheckHelloAck;
+  std::string job_token;
 
   Millis try_timeout{3'000};        // one try: the connect, then the hello and its ack, each
   Millis silence_timeout{5'000};    // accepted, and no byte from the controller this long: lost
@@ -177,7 +178,8 @@ class ControllerLink {
   //   /*from=*/kWaiting     /*to=*/kConnecting  /*cond=*/the next try is due: connect in flight
   //   /*from=*/kWaiting     /*to=*/kWaiting     /*cond=*/nobody leads yet; a try failed at once
   //   /*from=*/kConnecting  /*to=*/kHello       /*cond=*/connected: the hello is queued
-  //   /*from=*/kHello       /*to=*/kAccepted    /*cond=*/the ack accepts
+  //   /*from=*/kHello       /*to=*/kAccepted    /*cond=*/the controller proved the key and
+  //                                                      accepted ours
   //   /*from=*/kAccepted    /*to=*/kOpen        /*cond=*/Open()
   //   /*from=*/kConnecting, kHello /*to=*/kWaiting /*cond=*/the try failed (retried)
   //   /*from=*/kAccepted, kOpen    /*to=*/kWaiting /*cond=*/lost, or Drop()
@@ -239,6 +241,9 @@ class ControllerLink {
   int job_exit_code() const { return job_exit_code_; }  // kFailed with kAborted: the job's code
   // This end's IP address (IPv4 or IPv6, no brackets; kAccepted, kOpen); "" if unknown.
   std::string local_address() const;
+  // Frames from a controller that failed their MAC (altered or injected), each of which cost
+  // that connection.
+  int64_t refused_frames() const { return refused_frames_; }
 
   // ---- any thread ----
 
@@ -268,6 +273,8 @@ class ControllerLink {
   void Read(Deadline now);
   // A frame of this connection; false when the connection ended over it.
   bool Take(net::Frame frame, Deadline now);
+  // A frame of the handshake (kHello): answered, or the try ends; false when it ended.
+  bool TakeHandshake(const net::Frame& frame, Deadline now);
   void TryFailed(const Status& why, Deadline now);
   void WaitForLeader(const Status& why, Deadline now);
   // With a leader file: `why` and where to look when it lasts (the agent's watch's log line).
@@ -284,7 +291,8 @@ class ControllerLink {
   void Rewatch();
 
   const ControllerLinkOptions options_;
-  UniqueFd wake_fd_;  // eventfd: Send() wakes the owner
+  const crypto::Key job_key_;  // of options_.job_token
+  UniqueFd wake_fd_;           // eventfd: Send() wakes the owner
 
   // Shared with Send() on other threads.
   mutable Mutex mu_;
@@ -293,6 +301,7 @@ class ControllerLink {
   std::string out_ NONSTOP_GUARDED_BY(mu_);    // queued frames; out_sent_ bytes of it are written
   size_t out_sent_ NONSTOP_GUARDED_BY(mu_) = 0;
   Status send_error_ NONSTOP_GUARDED_BY(mu_);  // a Send failed: the owner loses the connection
+  std::unique_ptr<net::FrameMac> send_mac_ NONSTOP_GUARDED_BY(mu_);  // seals what is queued
 
   // The owner's alone (no lock: only the owner's thread touches them).
   int fd_ = -1;  // conn_'s descriptor: only the owner opens and closes conn_
@@ -305,6 +314,14 @@ class ControllerLink {
   std::function<void()> pump_;
   State state_ = State::kIdle;
   net::FrameDecoder decoder_;
+  std::unique_ptr<net::DialerHandshake> handshake_;  // kHello
+  std::unique_ptr<net::FrameMac> recv_mac_;          // kAccepted, kOpen: opens what is read
+  int64_t refused_frames_ = 0;
+  // Tries in a row whose peer did not prove the job key, before any acceptance: kUnprovenTries of
+  // them are final.
+  static constexpr int kUnprovenTries = 3;
+  int unproven_in_a_row_ = 0;
+  bool warned_unproven_ = false;  // logged once between two acceptances
   std::deque<Pending> events_;
   bool losing_ = false;      // a loss waits in events_: no more I/O on this connection
   bool took_frame_ = false;  // the owner took a frame and has not dropped the connection over it

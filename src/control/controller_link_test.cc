@@ -52,7 +52,7 @@ ControllerLinkOptions Options(
   o.controllers = std::move(controllers);
   o.hello.kind = net::ConnectionKind::kControl;
   o.hello.worker_id = 3;
-  o.hello.job_token = kToken;
+  o.job_token = kToken;
   o.try_timeout = 2s;
   o.silence_timeout = 5s;
   o.reconnect_within = 60s;
@@ -172,16 +172,6 @@ TEST(ControllerListTest, ParsesEveryAddressAndRefusesBadOnes) {
   EXPECT_FALSE(ParseControllerList("a:1,b").ok()) << "no port";
   EXPECT_NE(ParseControllerList("a:0").status().message().find("port 0"), std::string::npos);
   EXPECT_FALSE(ControllerLink::Create(Options("")).ok()) << "no list and no etcd";
-}
-
-TEST(HelloAckTest, AcceptedRefusedOrGarbage) {
-  EXPECT_TRUE(CheckHelloAck({net::kFrameHelloAck, 0, std::string(1, '\1')}).ok());
-  Status refused =
-      CheckHelloAck({net::kFrameHelloAck, 0, std::string(1, '\0') + "job token mismatch"});
-  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(refused.message(), "job token mismatch");
-  EXPECT_EQ(CheckHelloAck({kMsgPing, 0, "{}"}).code(), StatusCode::kDataLoss);
-  EXPECT_EQ(CheckHelloAck({net::kFrameHelloAck, 0, ""}).code(), StatusCode::kDataLoss);
 }
 
 // ---- against servers ----
@@ -308,27 +298,39 @@ TEST(ControllerLinkTest, RefusesAControllerOfAnOlderEpochAndNothingItSendsAfterI
   EXPECT_GT(link->wake_at(), now) << "a deposed leader is not redialed in a tight loop";
 }
 
-TEST(ControllerLinkTest, AWrongTokenIsFinalAndNotRetried) {
+// A controller of another job (or this link's token is wrong, or an impostor) cannot prove the
+// job key: the link never sends its proof nor its join, dials again after the back-off, and after
+// three such tries in a row, never having been accepted, gives up naming the likely fix.
+TEST(ControllerLinkTest, AControllerThatCannotProveTheJobKeyIsNeverJoinedAndEndsTheSearch) {
   RealController other_job(/*epoch=*/1, "another-jobs-token");
   auto link = MakeLink(Options(other_job.address()));
   Deadline now = Clock::now();
   link->Start(now + 60s, now);
   std::vector<LinkEvent> events;
   ASSERT_TRUE(Drive(
-      *link, now, &events, [&] { return Has(events, Kind::kFailed); }, &other_job.loop));
-  ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(events[0].status.code(), StatusCode::kFailedPrecondition)
-      << events[0].status.ToString();
-  EXPECT_NE(events[0].status.message().find("job token mismatch"), std::string::npos)
-      << events[0].status.ToString();
-  EXPECT_EQ(link->state(), ControllerLink::State::kFailed);
-  EXPECT_EQ(link->fd(), -1);
-  EXPECT_EQ(link->wake_at(), kNoDeadline);
-  // Much later, still nothing: no second connection reached the controller.
-  Drive(
-      *link, now + 1h, &events, [] { return false; }, &other_job.loop, /*budget=*/300ms);
-  EXPECT_EQ(other_job.server->refused_connections(), 1);
-  EXPECT_EQ(events.size(), 1u);
+      *link, now, &events, [&] { return !link->last_error().empty(); }, &other_job.loop));
+  EXPECT_NE(link->last_error().find("did not prove the job key"), std::string::npos)
+      << link->last_error();
+  EXPECT_EQ(link->state(), ControllerLink::State::kWaiting) << "retried, not final at once";
+  EXPECT_EQ(link->wake_at(), now + 100ms) << "after the back-off";
+  for (int tries = 1; tries < 3; ++tries) {
+    now = link->wake_at();
+    ASSERT_TRUE(Drive(
+        *link, now, &events,
+        [&] {
+          return link->state() == ControllerLink::State::kFailed ||
+                 (link->state() == ControllerLink::State::kWaiting && link->wake_at() > now);
+        },
+        &other_job.loop));
+  }
+  while (auto e = link->Next()) events.push_back(std::move(*e));
+  ASSERT_TRUE(Has(events, Kind::kFailed)) << link->last_error();
+  EXPECT_EQ(events.back().status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(events.back().status.message().find("3 tries in a row"), std::string::npos)
+      << events.back().status.ToString();
+  EXPECT_NE(events.back().status.message().find("job token"), std::string::npos);
+  EXPECT_TRUE(other_job.joined.empty());
+  EXPECT_EQ(other_job.server->refused_connections(), 0) << "the link left before its proof";
 }
 
 TEST(ControllerLinkTest, GarbageFromTheServerClosesTheConnectionWithAClearErrorAndIsRetried) {
@@ -361,13 +363,13 @@ TEST(ControllerLinkTest, GarbageFromTheServerClosesTheConnectionWithAClearErrorA
   server = std::thread([&] {
     auto c = fake.Accept();
     ASSERT_TRUE(c.ok()) << c.status().ToString();
-    ASSERT_TRUE(net::ServerHandshake(c->get(), kToken, net::ConnectionKind::kControl,
-                                     DeadlineAfter(5s), nullptr)
-                    .ok());
+    auto accepted = net::ServerHandshake(c->get(), crypto::JobKey(kToken),
+                                         net::ConnectionKind::kControl, DeadlineAfter(5s), nullptr);
+    ASSERT_TRUE(accepted.ok()) << accepted.status().ToString();
     auto join = net::ReadFrame(c->get(), DeadlineAfter(5s), nullptr);
     ASSERT_TRUE(join.ok()) << join.status().ToString();
-    std::string ping = net::EncodeFrame(kMsgPing, Encode(PingMsg{2}));
-    std::string plan = net::EncodeFrame(kMsgPlan, "{}");
+    std::string ping = accepted->channel.send->Seal(kMsgPing, Encode(PingMsg{2}));
+    std::string plan = accepted->channel.send->Seal(kMsgPlan, "{}");
     plan[8] ^= 0x5a;  // the CRC no longer matches
     const std::string bytes = ping + plan;
     ASSERT_TRUE(net::SendAll(c->get(), std::as_bytes(std::span(bytes)), DeadlineAfter(5s), nullptr,
@@ -387,6 +389,51 @@ TEST(ControllerLinkTest, GarbageFromTheServerClosesTheConnectionWithAClearErrorA
       << events.back().status.ToString();
   EXPECT_EQ(link->state(), ControllerLink::State::kWaiting);
   EXPECT_EQ(link->wake_at(), now + 125ms) << "garbage after the hello waits too";
+}
+
+// A frame altered on the way (its checksum made to match again, as an attacker would) or
+// injected fails its MAC: the connection is lost over it, the frame never reaches the owner, and
+// it is counted.
+TEST(ControllerLinkTest, AnAlteredOrInjectedFrameIsRefusedCountedAndCostsTheConnection) {
+  FakeController fake;
+  auto link = MakeLink(Options(fake.address()));
+  Deadline now = Clock::now();
+  link->Start(now + 60s, now);
+  for (bool inject : {false, true}) {
+    std::thread server([&] {
+      auto c = fake.Accept();
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      auto accepted =
+          net::ServerHandshake(c->get(), crypto::JobKey(kToken), net::ConnectionKind::kControl,
+                               DeadlineAfter(5s), nullptr);
+      ASSERT_TRUE(accepted.ok()) << accepted.status().ToString();
+      ASSERT_TRUE(net::ReadFrame(c->get(), DeadlineAfter(5s), nullptr).ok());  // the join
+      std::string bytes = accepted->channel.send->Seal(kMsgPing, Encode(PingMsg{2}));
+      if (inject) {
+        bytes += net::EncodeFrame(kMsgShutdown, Encode(ShutdownMsg{"injected", 0}));
+      } else {
+        std::string order = Encode(AbortMsg{1, "genuine"});
+        std::string sealed = accepted->channel.send->Seal(kMsgAbort, order);
+        std::string altered = sealed.substr(net::kFrameHeaderBytes);
+        altered[order.find("genuine")] = 'G';
+        bytes += net::EncodeFrame(kMsgAbort, altered);  // a checksum that matches again
+      }
+      ASSERT_TRUE(net::SendAll(c->get(), std::as_bytes(std::span(bytes)), DeadlineAfter(5s),
+                               nullptr, "frames")
+                      .ok());
+      net::WaitFd(c->get(), POLLIN, DeadlineAfter(5s), nullptr, "close").IgnoreError();
+    });
+    std::vector<LinkEvent> events;
+    ASSERT_TRUE(Drive(*link, now, &events, [&] { return Has(events, Kind::kAccepted); }));
+    ASSERT_TRUE(link->Open({{kMsgJoin, Encode(JoinMsg{3, 1, "127.0.0.1:2", false, -1, ""})}}).ok());
+    ASSERT_TRUE(Drive(*link, now, &events, [&] { return Has(events, Kind::kLost); }));
+    server.join();
+    EXPECT_FALSE(Has(events, Kind::kFrame)) << (inject ? "injected" : "altered");
+    EXPECT_NE(events.back().status.message().find("fails its MAC"), std::string::npos)
+        << events.back().status.ToString();
+    EXPECT_EQ(link->refused_frames(), inject ? 2 : 1);
+    now = link->wake_at();
+  }
 }
 
 // The owner drops a connection over a malformed order: garbage, so the

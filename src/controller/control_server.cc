@@ -40,7 +40,7 @@ ControlServer::ControlServer(net::EventLoop* loop, net::Listener listener, std::
       options_(options),
       listen_fd_(std::move(listener.fd)),
       address_(listener.address),
-      token_(std::move(token)),
+      job_key_(crypto::JobKey(token)),
       sink_(std::move(sink)),
       ping_payload_(control::Encode(control::PingMsg{options.epoch})) {
   loop_->Watch(listen_fd_.get(), POLLIN, [this](short) { OnAccept(); });
@@ -96,6 +96,12 @@ void ControlServer::OnAccept() {
     std::tie(c->ip, c->peer) = PeerAddress(raw);
     c->accepted_at = Clock::now();
     c->seq = next_seq_++;
+    // Workers and agents share the port; the hello says which one speaks.
+    c->handshake = std::make_unique<net::AcceptorHandshake>(job_key_, [](const net::Hello& h) {
+      return net::CheckHello(h, h.kind == net::ConnectionKind::kAgent
+                                    ? net::ConnectionKind::kAgent
+                                    : net::ConnectionKind::kControl);
+    });
     unjoined_[c->seq] = raw;
     strangers_[c->ip][c->seq] = raw;
     conns_[raw] = std::move(c);
@@ -114,7 +120,7 @@ void ControlServer::EvictAStranger() {
       worst_ip = ip;
     }
   }
-  // every unjoined connection presented the job token: never evicted for strangers
+  // every unjoined connection proved the job key: never evicted for strangers
   if (!worst) return;
   CloseConn(worst->begin()->second,
             fmt::format("{} connections have not joined yet: closing the oldest from {}, the "
@@ -167,39 +173,40 @@ void ControlServer::OnReadable(int fd, bool report_loss) {
 
 void ControlServer::HandleFrame(Conn& c, const net::Frame& f) {
   int fd = c.fd.get();
-  if (!c.greeted) {
-    std::string refusal;
-    if (f.type != net::kFrameHello) {
-      refusal = fmt::format("first frame has type {}, expected hello", f.type);
-    } else {
-      auto hello = net::DecodeHello(f.payload);
-      // Workers and agents share the port; the hello says which one speaks.
-      Status ok = hello.ok() ? net::CheckHello(*hello, token_,
-                                               hello->kind == net::ConnectionKind::kAgent
-                                                   ? net::ConnectionKind::kAgent
-                                                   : net::ConnectionKind::kControl)
-                             : hello.status();
-      if (!ok.ok()) {
-        refusal = ok.message();
-      } else {
-        c.hello_worker_id = hello->worker_id;
-        c.agent = hello->kind == net::ConnectionKind::kAgent;
-      }
-    }
-    if (!refusal.empty()) {
-      std::string ack = net::EncodeFrame(net::kFrameHelloAck, std::string(1, '\0') + refusal);
-      (void)::send(fd, ack.data(), ack.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-      ++refused_;
-      CloseConn(fd, "refused: " + refusal, false);
-      return;
-    }
-    Greeted(c);
-    // The handshake's answers go out past the send gate: they carry no order (the epoch-bearing
-    // ping that follows a join, and every order, go through SendOn).
-    std::string ack = net::EncodeFrame(net::kFrameHelloAck, std::string(1, '\1'));
-    (void)::send(fd, ack.data(), ack.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (!c.greeted) return HandleHandshakeFrame(c, f);
+  net::Frame opened = f;
+  if (Status mac = c.channel.recv->Open(&opened); !mac.ok()) {
+    // Nothing after a frame that fails its MAC can be trusted: the connection goes.
+    ++refused_frames_;
+    CloseConn(fd, mac.message(), true);
     return;
   }
+  HandleOpenedFrame(c, opened);
+}
+
+void ControlServer::HandleHandshakeFrame(Conn& c, const net::Frame& f) {
+  int fd = c.fd.get();
+  net::HandshakeStep step = c.handshake->OnFrame(f);
+  // The handshake's answers go out past the send gate: they carry no order (the epoch-bearing
+  // ping that follows a join, and every order, go through SendOn).
+  if (!step.send.empty()) {
+    (void)::send(fd, step.send.data(), step.send.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  }
+  if (!step.error.ok()) {
+    ++refused_;
+    CloseConn(fd, "refused: " + step.error.message(), false);
+    return;
+  }
+  if (!step.done) return;
+  c.hello_worker_id = c.handshake->hello().worker_id;
+  c.agent = c.handshake->hello().kind == net::ConnectionKind::kAgent;
+  c.channel = c.handshake->TakeChannel();
+  c.handshake.reset();
+  Greeted(c);
+}
+
+void ControlServer::HandleOpenedFrame(Conn& c, const net::Frame& f) {
+  int fd = c.fd.get();
   if (c.agent) return HandleAgentFrame(c, f);
   auto bad = [&](const Status& s) { CloseConn(fd, s.ToString(), true); };
   if (c.worker_id < 0) {
@@ -451,8 +458,9 @@ std::vector<std::string> ControlServer::agents() const {
 
 bool ControlServer::SendOn(int fd, uint16_t type, const std::string& payload) {
   Conn& c = *conns_.at(fd);
+  NONSTOP_CHECK(c.channel.send != nullptr) << "a message to a connection still in handshake";
   if (fenced()) {
-    dropped_bytes_ += payload.size() + net::kFrameHeaderBytes;
+    dropped_bytes_ += payload.size() + net::kFrameHeaderBytes + net::kFrameTagBytes;
     Flush(fd);  // drops what is queued too
     return false;
   }
@@ -466,7 +474,7 @@ bool ControlServer::SendOn(int fd, uint16_t type, const std::string& payload) {
   }
   // the stall clock starts with the first queued byte
   if (queued == 0) c.out_progress_at = Clock::now();
-  c.out += net::EncodeFrame(type, payload);
+  c.out += c.channel.send->Seal(type, payload);
   return Flush(fd);
 }
 

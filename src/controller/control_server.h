@@ -1,9 +1,12 @@
 // ControlServer: the controller's end of the control plane, on an EventLoop.
 //
 // It accepts worker and agent connections (an agent's hello has kind
-// kAgent, and its first message registers its host), checks each one's hello (magic, version, job
-// token) without ever blocking the loop, decodes the JSON messages and hands
-// them to the caller as controller Events. A connection that fails its
+// kAgent, and its first message registers its host), runs each one's
+// handshake (the peer and this server prove the job key to each other,
+// net/handshake.h) without ever blocking the loop, opens every frame that
+// follows with the connection's MAC (a frame that fails it closes the
+// connection, counted in refused_frames()), decodes the JSON messages and
+// hands them to the caller as controller Events. A connection that fails its
 // handshake, sends a malformed frame or message, or claims a second identity
 // is closed with a logged reason; the controller itself never crashes on
 // input.
@@ -20,8 +23,8 @@
 //    bounded memory. To make room, the oldest stranger (no valid hello yet)
 //    from the address with the most strangers is closed: a flood from one
 //    address evicts only its own connections, never a worker on another
-//    host that has just connected. Connections that presented the job
-//    token are never evicted for strangers.
+//    host that has just connected. Connections that proved the job
+//    key are never evicted for strangers.
 //  - Refusals are logged with the peer's address, at most a few per second
 //    (the rest are counted and summarised).
 #pragma once
@@ -39,6 +42,7 @@
 #include "controller/controller.h"
 #include "net/event_loop.h"
 #include "net/frame.h"
+#include "net/handshake.h"
 #include "net/socket.h"
 
 namespace nonstop::controller {
@@ -109,13 +113,19 @@ class ControlServer {
   uint64_t dropped_bytes() const { return dropped_bytes_; }
 
   int refused_connections() const { return refused_; }
+  // Frames that failed their MAC (altered or injected), each of which cost its connection.
+  int64_t refused_frames() const { return refused_frames_; }
   size_t open_connections() const { return conns_.size(); }
 
  private:
   struct Conn {
     UniqueFd fd;
     net::FrameDecoder decoder{64 << 10};
-    bool greeted = false;      // hello accepted
+    // The handshake until it is over; then the connection's session keys, which seal and open
+    // every frame.
+    std::unique_ptr<net::AcceptorHandshake> handshake;
+    net::Channel channel;
+    bool greeted = false;      // the peer proved the job key, and its hello was accepted
     int hello_worker_id = -1;  // who the hello said it is; the join must agree
     int worker_id = -1;        // known after the join message
     bool agent = false;        // the hello said kAgent
@@ -137,7 +147,7 @@ class ControlServer {
   void Greeted(Conn& c);
   void Identified(Conn& c);
   // Closes the oldest stranger of the address with the most of them (none:
-  // every unjoined connection has shown the token).
+  // every unjoined connection has proved the job key).
   void EvictAStranger();
   bool SendOn(int fd, uint16_t type, const std::string& payload);
   void HandleAgentFrame(Conn& c, const net::Frame& f);
@@ -153,7 +163,10 @@ class ControlServer {
   void ReadWhatIsLeft(int worker_id, bool report_loss);
   // Writes what the socket takes now; false if the connection was closed.
   bool Flush(int fd);
+  // A frame as read: the handshake's, or a sealed one, opened and handed to HandleOpenedFrame.
   void HandleFrame(Conn& c, const net::Frame& f);
+  void HandleHandshakeFrame(Conn& c, const net::Frame& f);
+  void HandleOpenedFrame(Conn& c, const net::Frame& f);
   // Decodes a worker's message and hands it on as an event; the decoder's
   // error (naming the bad field) otherwise.
   template <typename EventT, typename Decode>
@@ -171,7 +184,7 @@ class ControlServer {
   const ControlServerOptions options_;
   UniqueFd listen_fd_;
   net::HostPort address_;
-  const std::string token_;
+  const crypto::Key job_key_;  // of the job token: what every peer must prove
   EventSink sink_;
   std::map<int, std::unique_ptr<Conn>> conns_;  // by fd
   std::map<int, int> fd_of_worker_;
@@ -183,6 +196,7 @@ class ControlServer {
   std::function<bool()> may_send_;
   uint64_t dropped_bytes_ = 0;
   int refused_ = 0;
+  int64_t refused_frames_ = 0;
   std::string ping_payload_;
   // out of descriptors: not accepting until then
   std::optional<Clock::time_point> accept_paused_until_;

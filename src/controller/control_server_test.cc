@@ -6,9 +6,11 @@
 #include <sys/socket.h>
 
 #include <cstring>
+#include <map>
 
 #include <thread>
 
+#include "common/mutex.h"
 #include "control/messages.h"
 #include "net/handshake.h"
 
@@ -50,18 +52,47 @@ UniqueFd Dial(const net::HostPort& where) {
   return std::move(*fd);
 }
 
+// The session keys of each test worker's connection (by descriptor), set by its handshake.
+Mutex channels_mu;
+std::map<int, net::Channel>& Channels() {
+  static std::map<int, net::Channel> channels;
+  return channels;
+}
+
+// Sends one frame on a test worker's connection, sealed with its session key.
+Status SendSealed(int fd, uint16_t type, std::string_view payload) {
+  std::string bytes;
+  {
+    MutexLock lock(&channels_mu);
+    bytes = Channels().at(fd).send->Seal(type, payload);
+  }
+  return net::SendAll(fd, std::as_bytes(std::span(bytes)), DeadlineAfter(Millis(1000)), nullptr,
+                      "sealed frame");
+}
+
+// Reads one frame of a test worker's connection and checks its MAC.
+Result<net::Frame> ReadSealed(int fd, Deadline deadline) {
+  NONSTOP_ASSIGN_OR_RETURN(net::Frame f, net::ReadFrame(fd, deadline, nullptr));
+  MutexLock lock(&channels_mu);
+  NONSTOP_RETURN_IF_ERROR(Channels().at(fd).recv->Open(&f));
+  return f;
+}
+
 // Says hello as `hello_id` and joins as `worker_id` (blocking; run it on a
 // client thread). False if the server refused the hello.
 bool HelloAndJoin(int fd, int worker_id, int hello_id) {
   net::Hello h;
   h.kind = net::ConnectionKind::kControl;
-  h.job_token = "tok";
   h.worker_id = hello_id;
-  if (!net::ClientHandshake(fd, h, DeadlineAfter(Millis(3000)), nullptr).ok()) return false;
+  auto channel =
+      net::ClientHandshake(fd, crypto::JobKey("tok"), h, DeadlineAfter(Millis(3000)), nullptr);
+  if (!channel.ok()) return false;
+  {
+    MutexLock lock(&channels_mu);
+    Channels()[fd] = std::move(*channel);
+  }
   control::JoinMsg j{worker_id, 1, "127.0.0.1:1", false, -1};
-  return net::WriteFrame(fd, control::kMsgJoin, control::Encode(j), DeadlineAfter(Millis(1000)),
-                         nullptr)
-      .ok();
+  return SendSealed(fd, control::kMsgJoin, control::Encode(j)).ok();
 }
 
 void Join(int fd, int worker_id) { ASSERT_TRUE(HelloAndJoin(fd, worker_id, worker_id)); }
@@ -71,15 +102,27 @@ TEST(ControlServerTest, GarbageAndWrongTokensAreClosedAndTheServerCarriesOn) {
   UniqueFd garbage = Dial(f.server->address());
   std::string http = "GET /status HTTP/1.1\r\nHost: x\r\n\r\n";
   ASSERT_EQ(::send(garbage.get(), http.data(), http.size(), 0), static_cast<ssize_t>(http.size()));
+  // A dialer without the key: it gets the challenge, and a proof it makes up is refused.
   UniqueFd wrong = Dial(f.server->address());
   net::Hello h;
   h.kind = net::ConnectionKind::kControl;
-  h.job_token = "not-the-token";
-  std::string hello = net::EncodeFrame(net::kFrameHello, net::EncodeHello(h));
+  h.worker_id = 1;
+  net::DialerHandshake impostor(crypto::JobKey("not-the-token"), h);
+  std::string hello = impostor.Start();
   ASSERT_GT(::send(wrong.get(), hello.data(), hello.size(), 0), 0);
+  f.RunFor(Millis(100));
+  std::string proof = net::EncodeFrame(net::kFrameProof, std::string(crypto::kMacBytes, 'p'));
+  ASSERT_GT(::send(wrong.get(), proof.data(), proof.size(), MSG_NOSIGNAL), 0);
   f.RunFor(Millis(200));
-  EXPECT_EQ(f.server->refused_connections(), 1);
+  EXPECT_EQ(f.server->refused_connections(), 1)
+      << "the impostor (the HTTP request is no frame at all)";
   EXPECT_TRUE(f.events.empty());
+  // It was told nothing but the challenge: the next frame it reads is none (the server closed).
+  auto challenge = net::ReadFrame(wrong.get(), DeadlineAfter(Millis(1000)), nullptr);
+  ASSERT_TRUE(challenge.ok()) << challenge.status().ToString();
+  EXPECT_EQ(challenge->type, net::kFrameChallenge);
+  EXPECT_EQ(net::ReadFrame(wrong.get(), DeadlineAfter(Millis(1000)), nullptr).status().code(),
+            StatusCode::kUnavailable);
 
   // A proper worker still gets through.
   UniqueFd good = Dial(f.server->address());
@@ -91,14 +134,42 @@ TEST(ControlServerTest, GarbageAndWrongTokensAreClosedAndTheServerCarriesOn) {
   EXPECT_EQ(std::get<WorkerJoined>(f.events[0]).msg.worker_id, 7);
 }
 
+// A frame from a worker altered on the way (its checksum made to match again) or injected by
+// someone without the session key fails its MAC: not obeyed, counted, that connection closed.
+TEST(ControlServerTest, AnAlteredOrInjectedFrameIsRefusedCountedAndClosesTheConnection) {
+  ServerFixture f;
+  UniqueFd altered = Dial(f.server->address()), injected = Dial(f.server->address());
+  std::thread client([&] {
+    Join(altered.get(), 1);
+    Join(injected.get(), 2);
+    std::string finished = control::Encode(control::FinishedMsg{});
+    std::string sealed;
+    {
+      MutexLock lock(&channels_mu);
+      sealed = Channels().at(altered.get()).send->Seal(control::kMsgFinished, finished);
+    }
+    std::string payload = sealed.substr(net::kFrameHeaderBytes);
+    payload[0] ^= 0x20;
+    std::string bytes = net::EncodeFrame(control::kMsgFinished, payload);
+    ASSERT_GT(::send(altered.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL), 0);
+    bytes = net::EncodeFrame(control::kMsgFinished, finished);  // no MAC at all
+    ASSERT_GT(::send(injected.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL), 0);
+  });
+  f.RunFor(Millis(400));
+  client.join();
+  EXPECT_EQ(f.Count<WorkerJoined>(), 2);
+  EXPECT_EQ(f.Count<FinishedReceived>(), 0) << "a frame that fails its MAC was obeyed";
+  EXPECT_EQ(f.Count<ConnectionLost>(), 2);
+  EXPECT_EQ(f.server->refused_frames(), 2);
+  EXPECT_EQ(f.server->open_connections(), 0u);
+}
+
 TEST(ControlServerTest, MalformedMessageClosesOnlyThatWorker) {
   ServerFixture f;
   UniqueFd c = Dial(f.server->address());
   std::thread client([&] {
     Join(c.get(), 1);
-    ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgHeartbeat, "{\"step\": [1]}",
-                                DeadlineAfter(Millis(1000)), nullptr)
-                    .ok());
+    ASSERT_TRUE(SendSealed(c.get(), control::kMsgHeartbeat, "{\"step\": [1]}").ok());
   });
   f.RunFor(Millis(300));
   client.join();
@@ -118,9 +189,8 @@ TEST(ControlServerTest, ClosingAWorkerFirstReadsWhatItAlreadySent) {
   f.RunFor(Millis(300));
   client.join();
   ASSERT_EQ(f.Count<WorkerJoined>(), 1);
-  ASSERT_TRUE(net::WriteFrame(c.get(), control::kMsgInjected,
-                              control::Encode(control::InjectedMsg{7, "kill:rank=1,step=10"}),
-                              DeadlineAfter(Millis(1000)), nullptr)
+  ASSERT_TRUE(SendSealed(c.get(), control::kMsgInjected,
+                         control::Encode(control::InjectedMsg{7, "kill:rank=1,step=10"}))
                   .ok());
   c.Reset();  // the worker is gone; its frame waits in the server's socket, unread
   f.server->CloseWorker(1, "killed by the controller");
@@ -164,11 +234,11 @@ TEST(ControlServerTest, WorkerThatPausesReadingGetsEveryFrameIntactAndInOrder) {
     joined = true;
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // a slow reader, not a dead one
     // First the controller's epoch (a ping), then the six frames.
-    auto epoch = net::ReadFrame(c.get(), DeadlineAfter(Millis(5000)), nullptr);
+    auto epoch = ReadSealed(c.get(), DeadlineAfter(Millis(5000)));
     ASSERT_TRUE(epoch.ok()) << epoch.status().ToString();
     EXPECT_EQ(epoch->type, control::kMsgPing);
     for (int i = 0; i < 6; ++i) {
-      auto frame = net::ReadFrame(c.get(), DeadlineAfter(Millis(5000)), nullptr);
+      auto frame = ReadSealed(c.get(), DeadlineAfter(Millis(5000)));
       ASSERT_TRUE(frame.ok()) << frame.status().ToString();
       got.push_back(frame->payload);
     }
@@ -221,8 +291,9 @@ TEST(ControlServerTest, OutputQueuedWhenTheSendGateClosesIsDroppedNotFlushed) {
   read_now = true;
   f.RunFor(Millis(2500));
   client.join();
-  const uint64_t frame = payload.size() + net::kFrameHeaderBytes;
-  const uint64_t ping = f.server->ping_payload().size() + net::kFrameHeaderBytes;
+  const uint64_t frame = payload.size() + net::kFrameHeaderBytes + net::kFrameTagBytes;
+  const uint64_t ping =
+      f.server->ping_payload().size() + net::kFrameHeaderBytes + net::kFrameTagBytes;
   EXPECT_GT(f.server->dropped_bytes(), 2 * frame) << "the queue was flushed";
   // every byte queued either reached the worker or was counted as dropped, the refused send too
   EXPECT_EQ(received.load() + f.server->dropped_bytes(), ping + (kFrames + 1) * frame);

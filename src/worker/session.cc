@@ -112,7 +112,7 @@ control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
   l.list_first = true;  // its launcher named the controller that leads now
   l.hello.kind = net::ConnectionKind::kControl;
   l.hello.worker_id = o.worker_id;
-  l.hello.job_token = o.job_token;
+  l.job_token = o.job_token;
   // one try (connect, then hello): a paused leader holds it no longer
   l.try_timeout = Millis(1'000);
   l.silence_timeout = o.controller_timeout;

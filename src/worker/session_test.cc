@@ -51,12 +51,15 @@ class ScriptedJob {
     auto fd = net::Accept(listener_.fd.get());
     NONSTOP_CHECK(fd.ok());
     control_ = std::move(*fd);
-    auto hello = net::ServerHandshake(control_.get(), "tok", net::ConnectionKind::kControl,
-                                      DeadlineAfter(Millis(5000)), nullptr);
-    NONSTOP_CHECK(hello.ok()) << hello.status().ToString();
+    auto accepted =
+        net::ServerHandshake(control_.get(), crypto::JobKey("tok"), net::ConnectionKind::kControl,
+                             DeadlineAfter(Millis(5000)), nullptr);
+    NONSTOP_CHECK(accepted.ok()) << accepted.status().ToString();
+    channel_ = std::move(accepted->channel);
     control::JoinMsg join;
     while (true) {
-      auto f = net::ReadFrame(control_.get(), DeadlineAfter(Millis(5000)), nullptr);
+      auto f = net::ReadSealedFrame(control_.get(), *channel_.recv, DeadlineAfter(Millis(5000)),
+                                    nullptr);
       NONSTOP_CHECK(f.ok()) << f.status().ToString();
       if (f->type != control::kMsgJoin) continue;
       join = *control::DecodeJoin(f->payload);
@@ -82,12 +85,14 @@ class ScriptedJob {
     NONSTOP_RETURN_IF_ERROR(
         net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept"));
     NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Accept(listener_.fd.get()));
-    NONSTOP_RETURN_IF_ERROR(net::ServerHandshake(fd.get(), "tok", net::ConnectionKind::kControl,
-                                                 DeadlineAfter(Millis(5000)), nullptr)
-                                .status());
+    NONSTOP_ASSIGN_OR_RETURN(
+        net::Accepted accepted,
+        net::ServerHandshake(fd.get(), crypto::JobKey("tok"), net::ConnectionKind::kControl,
+                             DeadlineAfter(Millis(5000)), nullptr));
     {
       std::lock_guard<std::mutex> lock(write_mu_);
       control_ = std::move(fd);
+      channel_ = std::move(accepted.channel);
     }
     NONSTOP_ASSIGN_OR_RETURN(net::Frame f, Expect(control::kMsgJoin));
     return control::DecodeJoin(f.payload);
@@ -98,7 +103,7 @@ class ScriptedJob {
   bool ClosedByWorker(Millis timeout) {
     Deadline deadline = DeadlineAfter(timeout);
     while (true) {
-      auto f = net::ReadFrame(control_.get(), deadline, nullptr);
+      auto f = net::ReadSealedFrame(control_.get(), *channel_.recv, deadline, nullptr);
       if (f.ok()) continue;
       return f.status().code() == StatusCode::kUnavailable;
     }
@@ -107,23 +112,26 @@ class ScriptedJob {
   // Waits for the worker's next message of `type`.
   Result<net::Frame> Expect(uint16_t type) {
     while (true) {
-      NONSTOP_ASSIGN_OR_RETURN(
-          net::Frame f, net::ReadFrame(control_.get(), DeadlineAfter(Millis(10'000)), nullptr));
+      NONSTOP_ASSIGN_OR_RETURN(net::Frame f,
+                               net::ReadSealedFrame(control_.get(), *channel_.recv,
+                                                    DeadlineAfter(Millis(10'000)), nullptr));
       if (f.type == type) return f;
     }
   }
 
   void Send(uint16_t type, const std::string& payload) {
     std::lock_guard<std::mutex> lock(write_mu_);
-    NONSTOP_CHECK(
-        net::WriteFrame(control_.get(), type, payload, DeadlineAfter(Millis(5000)), nullptr).ok());
+    NONSTOP_CHECK(net::WriteSealedFrame(control_.get(), *channel_.send, type, payload,
+                                        DeadlineAfter(Millis(5000)), nullptr)
+                      .ok());
   }
 
   // Reads and drops what the worker sends (heartbeats, progress), so that its writes never block.
   void StartDraining() {
     drain_thread_ = std::jthread([this](std::stop_token st) {
       while (!st.stop_requested()) {
-        auto f = net::ReadFrame(control_.get(), DeadlineAfter(Millis(100)), nullptr);
+        auto f = net::ReadSealedFrame(control_.get(), *channel_.recv, DeadlineAfter(Millis(100)),
+                                      nullptr);
         if (!f.ok() && f.status().code() != StatusCode::kDeadlineExceeded) return;
       }
     });
@@ -133,6 +141,7 @@ class ScriptedJob {
   net::Listener listener_;
   std::unique_ptr<collective::PeerMesh> peer_;
   UniqueFd control_;
+  net::Channel channel_;  // control_'s session keys
   std::mutex write_mu_;
   std::jthread drain_thread_;
 };

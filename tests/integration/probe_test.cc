@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "common/coding.h"
+#include "common/crypto.h"
 #include "common/temp_dir.h"
 #include "net/frame.h"
 #include "net/handshake.h"
@@ -110,9 +111,12 @@ class Prober {
       h.kind = kind;
       h.worker_id = 0;
       h.generation = 1;
-      h.job_token = "not-the-token";
-      Send(net::EncodeFrame(net::kFrameHello, net::EncodeHello(h)));
-      h.job_token.clear();
+      // A hello, then a proof made up without the key.
+      h.nonce = crypto::RandomBytes(crypto::kNonceBytes);
+      Send(net::EncodeFrame(net::kFrameHello, net::EncodeHello(h)) +
+           net::EncodeFrame(net::kFrameProof, std::string(crypto::kMacBytes, 'p')));
+      // A hello with a nonce of the wrong size, and a negative worker id.
+      h.nonce = "short";
       h.worker_id = -7;
       Send(net::EncodeFrame(net::kFrameHello, net::EncodeHello(h)));
     }
