@@ -33,6 +33,8 @@ struct JobFlags {
   int stall_floor_ms = settings::kStallFloorMs.default_value;
   std::string http_host{settings::kHttpHost.default_value};
   int http_port = settings::kHttpPort.default_value;
+  std::string http_cert;  // kHttpCert: empty, plain HTTP
+  std::string http_key;   // kHttpKey
   int min_world = settings::kMinWorld.default_value;
   int max_world = settings::kMaxWorld.default_value;
   std::vector<int> allowed_sizes;  // kAllowedSizes: empty
@@ -154,6 +156,7 @@ class JobCommands {
   CLI::App* worker_ = nullptr;
   std::string job_file_{settings::kJobFile.default_value};
   std::string http_{settings::kHttp.default_value};
+  std::string http_cacert_;  // kHttpCacert: empty, the job file's http_cert or the system's CAs
   int world_size_ = 0, release_ = 0, grow_ = 0;
   CLI::Option* world_size_opt_ = nullptr;
   CLI::Option* release_opt_ = nullptr;

@@ -81,6 +81,8 @@ void RegisterJobFlags(CLI::App* sub, JobFlags* f) {
   AddSetting(sub, s::kMtbfSeconds, f->mtbf_seconds);
   AddSetting(sub, s::kHttpHost, f->http_host);
   AddSetting(sub, s::kHttpPort, f->http_port);
+  AddSetting(sub, s::kHttpCert, f->http_cert);
+  AddSetting(sub, s::kHttpKey, f->http_key);
   AddSetting(sub, s::kMinWorld, f->min_world);
   AddSetting(sub, s::kMaxWorld, f->max_world);
   AddSetting(sub, s::kAllowedSizes, f->allowed_sizes);
@@ -143,6 +145,8 @@ std::optional<int> FillOptions(const std::string& name, const JobFlags& f, int m
   o->journal = f.journal;
   o->http_host = f.http_host;
   o->http_port = f.http_port;
+  o->http_cert = f.http_cert;
+  o->http_key = f.http_key;
   o->checkpoint_dir = f.checkpoint_dir;
   o->checkpoint_every = f.checkpoint_every;
   o->mtbf_seconds = f.mtbf_seconds;

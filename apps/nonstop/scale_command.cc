@@ -57,6 +57,19 @@ Result<nlohmann::json> ReadJobFile(const std::string& path) {
   return j;
 }
 
+// Why a request got no answer, with what to do about a certificate that does not verify.
+std::string Unreachable(httplib::Error error, bool https) {
+  std::string why = httplib::to_string(error);
+  if (error == httplib::Error::SSLServerVerification) {
+    why +=
+        " (HINT: --http-cacert FILE: the CA, or the endpoint's own self-signed certificate; it "
+        "must name the host dialled)";
+  } else if (https && error == httplib::Error::SSLConnection) {
+    why += " (is the endpoint HTTPS? without --http-cert it is plain: --http http://HOST:PORT)";
+  }
+  return why;
+}
+
 }  // namespace
 
 void JobCommands::Register(CLI::App& app) {
@@ -67,6 +80,7 @@ void JobCommands::Register(CLI::App& app) {
       app.add_subcommand("worker", "Start a worker by hand that joins a running job as a spare");
   for (CLI::App* sub : {status_, scale_, worker_}) AddSetting(sub, settings::kJobFile, job_file_);
   for (CLI::App* sub : {status_, scale_}) AddSetting(sub, settings::kHttp, http_);
+  for (CLI::App* sub : {status_, scale_}) AddSetting(sub, settings::kHttpCacert, http_cacert_);
   auto* group = scale_->add_option_group("change", "exactly one of");
   world_size_opt_ = group->add_option("--world-size", world_size_, "The world size to have");
   release_opt_ = group->add_option("--release", release_, "Give back this many workers");
@@ -83,6 +97,9 @@ int JobCommands::Execute() {
   // POST /scale (and /events) need the job token: from the job file, or the environment with
   // --http.
   std::string token;
+  // HTTPS: --http https://…, or a job file that names the endpoint's certificate.
+  bool https = false;
+  std::string cacert = http_cacert_;
   if (address.empty()) {
     auto job = ReadJobFile(job_file_);
     if (!job.ok()) {
@@ -91,28 +108,49 @@ int JobCommands::Execute() {
     }
     address = (*job)["http"];
     token = (*job)["token"];
+    if (job->contains("http_cert") && (*job)["http_cert"].is_string()) {
+      https = true;
+      if (cacert.empty()) cacert = (*job)["http_cert"];
+    }
   } else if (const char* env = std::getenv(settings::kJobToken.env.data())) {
     token = env;
   }
+  for (auto [prefix, tls] : {std::pair{"https://", true}, std::pair{"http://", false}}) {
+    if (address.starts_with(prefix)) {
+      address = address.substr(std::strlen(prefix));
+      https = tls;
+    }
+  }
+  while (address.ends_with('/')) address.pop_back();
   // host:port or [v6]:port
   auto hp = net::ParseHostPort(address);
   if (!hp.ok()) {
     fmt::print(stderr, "nonstop: --http {}\n", hp.status().message());
     return 2;
   }
-  httplib::Client client(std::string(net::UnbracketHost(hp->host)), hp->port);
+  httplib::Client client(fmt::format("{}://{}", https ? "https" : "http",
+                                     net::FormatHostPort(net::UnbracketHost(hp->host), hp->port)));
+  // The certificate must also name the address dialled (the host of --http or of the job file).
+  if (https && !cacert.empty()) client.set_ca_cert_path(cacert);
   client.set_connection_timeout(5);
   client.set_read_timeout(15);
   if (!token.empty()) client.set_bearer_token_auth(token);
   if (status_->parsed()) {
     auto res = client.Get("/status");
     if (!res) {
-      fmt::print(stderr, "nonstop status: cannot reach the controller at {}\n", address);
+      fmt::print(stderr, "nonstop status: cannot reach the controller at {}: {}\n", address,
+                 Unreachable(res.error(), https));
       return 1;
     }
     auto j = nlohmann::json::parse(res->body, nullptr, false);
     if (j.is_discarded()) {
       fmt::print("{}\n", res->body);
+      return 1;
+    }
+    // off loopback /status needs the token too; an HTTPS endpoint refuses plain HTTP
+    if (res->status != 200) {
+      fmt::print(stderr, "nonstop status: refused ({}): {}\n", res->status,
+                 j.is_object() ? j.value("error", res->body) : res->body);
       return 1;
     }
     fmt::print(
@@ -134,7 +172,8 @@ int JobCommands::Execute() {
     body["grow"] = grow_;
   auto res = client.Post("/scale", body.dump(), "application/json");
   if (!res) {
-    fmt::print(stderr, "nonstop scale: cannot reach the controller at {}\n", address);
+    fmt::print(stderr, "nonstop scale: cannot reach the controller at {}: {}\n", address,
+               Unreachable(res.error(), https));
     return 1;
   }
   auto j = nlohmann::json::parse(res->body, nullptr, false);

@@ -225,6 +225,22 @@ inline constexpr Setting<int> kHttpPort{.env = "NONSTOP_HTTP_PORT",
                                         .range = Bounds<int>{0, 65535},
                                         .read_by = kRun | kController,
                                         .help = "Port of the HTTP endpoint (0: chosen by the OS)"};
+inline constexpr Setting<std::string_view> kHttpCert{
+    .env = "NONSTOP_HTTP_CERT",
+    .flag = "--http-cert",
+    .show_default = false,
+    .read_by = kRun | kController,
+    .help =
+        "Serve the HTTP endpoint as HTTPS with this certificate (PEM, leaf first; with "
+        "--http-key)",
+    .default_doc = "none: plain HTTP"};
+inline constexpr Setting<std::string_view> kHttpKey{
+    .env = "NONSTOP_HTTP_KEY",
+    .flag = "--http-key",
+    .show_default = false,
+    .read_by = kRun | kController,
+    .help = "The private key of --http-cert (PEM, no passphrase, readable by the owner only)",
+    .default_doc = "none"};
 inline constexpr Setting<int> kMinWorld{.env = "NONSTOP_MIN_WORLD",
                                         .flag = "--min-world",
                                         .default_value = 1,
@@ -528,9 +544,18 @@ inline constexpr Setting<std::string_view> kHttp{
     .show_default = false,
     .read_by = kJobCommands,
     .help =
-        "The controller's HTTP address host:port (instead of --job; the job token then comes from "
-        "NONSTOP_JOB_TOKEN)",
+        "The controller's HTTP address host:port, or https://host:port for HTTPS (instead of "
+        "--job; the job token then comes from NONSTOP_JOB_TOKEN)",
     .default_doc = "none: the job file's"};
+inline constexpr Setting<std::string_view> kHttpCacert{
+    .env = "NONSTOP_HTTP_CACERT",
+    .flag = "--http-cacert",
+    .show_default = false,
+    .read_by = kJobCommands,
+    .help =
+        "HTTPS: the CA certificate (or the endpoint's own self-signed one) that verifies the "
+        "controller",
+    .default_doc = "the job file's http_cert, else the system's CAs"};
 
 // ---- `nonstop data prepare` ----
 

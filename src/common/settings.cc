@@ -77,6 +77,8 @@ std::vector<Info> Build() {
       Describe(kMtbfSeconds),
       Describe(kHttpHost),
       Describe(kHttpPort),
+      Describe(kHttpCert),
+      Describe(kHttpKey),
       Describe(kMinWorld),
       Describe(kMaxWorld),
       Describe(kAllowedSizes),
@@ -113,6 +115,7 @@ std::vector<Info> Build() {
       // nonstop status, scale, worker; nonstop data prepare
       Describe(kJobFile),
       Describe(kHttp),
+      Describe(kHttpCacert),
       Describe(kDataOutput),
       Describe(kTokensPerShard),
       // a worker

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -401,7 +402,8 @@ std::optional<int> Runtime::StartServers() {
         name_, server_->address().ToString());
     return kExitUsage;
   }
-  auto http = HttpApi::Start(o_.http_host, o_.http_port, journal_->path(), token_);
+  auto http = HttpApi::Start(o_.http_host, o_.http_port, journal_->path(), token_,
+                             HttpTls{o_.http_cert, o_.http_key});
   if (!http.ok()) {
     fmt::print(stderr, "{}: {}\n", name_, http.status().ToString());
     return 1;
@@ -438,6 +440,8 @@ std::optional<int> Runtime::WriteJobFiles() {
     job["env"] = {{settings::kTrainCheckpointDir.env, o_.checkpoint_dir},
                   {settings::kTrainCheckpointEvery.env, std::to_string(o_.checkpoint_every)}};
   }
+  // HTTPS: `nonstop status` and `nonstop scale` dial https:// and trust this certificate.
+  if (!o_.http_cert.empty()) job["http_cert"] = std::filesystem::absolute(o_.http_cert).string();
   Status s = WritePrivateFile(JobFileFor(journal_->path()), job.dump(2) + "\n");
   if (!s.ok()) NONSTOP_LOG_WARNING("{}", s.ToString());
   if (!o_.token_file.empty()) {
@@ -456,13 +460,15 @@ void Runtime::PrintBanner() {
              controller_address_ != server_->address().ToString()
                  ? " (advertised as " + controller_address_ + ")"
                  : "");
-  fmt::print("  {:<20} {}\n", "http", http_->address());
+  fmt::print("  {:<20} {}{}\n", "http", http_->address(),
+             o_.http_cert.empty() ? "" : " (HTTPS, certificate " + o_.http_cert + ")");
   // The token rides in the fragment, which the browser never sends: the page reads it for GET
   // /events. Only a terminal sees it: a log file or CI output does not get the job's token.
   if (::isatty(STDOUT_FILENO)) {
-    fmt::print("  {:<20} http://{}/#token={}\n", "dashboard", http_->address(), token_);
+    fmt::print("  {:<20} {}://{}/#token={}\n", "dashboard", http_->scheme(), http_->address(),
+               token_);
   } else {
-    fmt::print("  {:<20} http://{}/ (add #token=<the token in {}>)\n", "dashboard",
+    fmt::print("  {:<20} {}://{}/ (add #token=<the token in {}>)\n", "dashboard", http_->scheme(),
                http_->address(), JobFileFor(journal_->path()));
   }
   if (o_.core.world_size == 0) {  // no world asked for: the hosts' nproc say it

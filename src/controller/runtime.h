@@ -57,6 +57,9 @@ struct RuntimeOptions {
   std::string advertise_address;
   std::string http_host{settings::kHttpHost.default_value};
   int http_port = settings::kHttpPort.default_value;
+  // HTTPS: the certificate and key files (both empty: plain HTTP).
+  std::string http_cert;
+  std::string http_key;
   std::string journal{settings::kJournal.default_value};
   // The job token (empty: a random one). With token_file set it is written
   // there (mode 0600) for the agents' --job-token-file.

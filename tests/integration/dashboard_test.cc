@@ -174,5 +174,47 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   EXPECT_GT(Points(rep.dom, "Loss"), 0);
 }
 
+// Off loopback (here the wildcard 0.0.0.0, browsed over 127.0.0.1) /status needs the token too:
+// the page sends the fragment's token with every request, and without one it says so.
+TEST(DashboardBrowserTest, OffLoopbackThePageSendsTheTokenWithEveryRequest) {
+  TempDir dir;
+  const std::string journal = dir / "journal.jsonl";
+  ChildProcess job({kBin + "/nonstop", "run", "--nproc", "2", "--inject", "none", "--http-host",
+                    "0.0.0.0", "--journal", journal, "--", kBin + "/nonstop-test-worker", "--steps",
+                    "100000", "--sleep-ms", "15"},
+                   dir / "job.out");
+  auto until = std::chrono::steady_clock::now() + milliseconds(60'000);
+  while (Events(journal, "step").size() < 20) {
+    ASSERT_LT(std::chrono::steady_clock::now(), until) << job.Output();
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  auto job_file = nlohmann::json::parse(ReadFile(dir / "job.json"));
+  const std::string http = job_file["http"], token = job_file["token"];
+  const std::string port = http.substr(http.rfind(':') + 1);
+  httplib::Client c("127.0.0.1", std::stoi(port));
+  auto status = c.Get("/status");
+  ASSERT_TRUE(status);
+  EXPECT_EQ(status->status, 401) << "off loopback /status needs the token: " << status->body;
+
+  Page with = Browse(dir, "http://127.0.0.1:" + port + "/#token=" + token, "wildcard");
+  ExpectNoPageError(with);
+  EXPECT_GT(Points(with.dom, "Loss"), 0) << with.dom.substr(0, 3000);
+  // The member table is drawn from /status.
+  EXPECT_NE(with.dom.find("<tr class=\"member\" data-worker=\"0\">"), std::string::npos)
+      << "no /status: " << with.dom.substr(0, 4000);
+  std::smatch note;
+  ASSERT_TRUE(std::regex_search(with.dom, note, std::regex("<p id=\"note\">([^<]*)</p>")));
+  EXPECT_EQ(note[1].str().find("needs the job token"), std::string::npos) << note[1];
+
+  Page without = Browse(dir, "http://127.0.0.1:" + port + "/", "wildcard-no-token");
+  ASSERT_TRUE(std::regex_search(without.dom, note, std::regex("<p id=\"note\">([^<]*)</p>")));
+  EXPECT_NE(note[1].str().find("needs the job token"), std::string::npos)
+      << "the page without a token does not say it needs one: '" << note[1] << "'";
+  EXPECT_EQ(without.dom.find("<tr class=\"member\""), std::string::npos);
+
+  ASSERT_EQ(::kill(job.pid(), SIGINT), 0);
+  job.Wait(milliseconds(30'000));
+}
+
 }  // namespace
 }  // namespace nonstop

@@ -249,6 +249,13 @@ TEST_F(ProbeTest, UnauthenticatedScaleIsRefusedDuringARealJob) {
   auto events = c.Get("/events");
   ASSERT_TRUE(events);
   EXPECT_EQ(events->status, 401);
+  // /status (open on loopback) tells the job, never its token.
+  auto status = c.Get("/status");
+  ASSERT_TRUE(status);
+  EXPECT_EQ(status->status, 200);
+  EXPECT_NE(status->body.find("\"phase\""), std::string::npos) << status->body;
+  EXPECT_EQ(status->body.find(job_file_["token"].get<std::string>()), std::string::npos)
+      << "the job token is in /status: " << status->body;
   ExpectUndisturbed();
 }
 

@@ -324,15 +324,18 @@
     return;
   }
 
+  // The token rides in the fragment, which the browser never sends; every data request carries it
+  // (off loopback the endpoint asks for it on /status and /metrics too).
   const token = new URLSearchParams(location.hash.slice(1)).get('token');
+  const auth = token ? { Authorization: 'Bearer ' + token } : {};
+  const tokenNote = 'The job\'s data needs the job token: open the address `nonstop run` printed (…/#token=…), or add #token=… from runs/job.json.';
   let offset = 0, status = null, failures = 0;
   async function poll() {
     let more = false;
     try {
-      const ev = await fetch('/events?offset=' + offset, { cache: 'no-store', headers: token ? { Authorization: 'Bearer ' + token } : {} });
-      if (ev.status === 401) {
-        $('note').textContent = 'The journal needs the job token: open the address `nonstop run` printed (…/#token=…), or add #token=… from runs/job.json.';
-      } else if (ev.ok) {
+      const ev = await fetch('/events?offset=' + offset, { cache: 'no-store', headers: auth });
+      let refused = ev.status === 401;
+      if (ev.ok) {
         const text = await ev.text();
         const next = Number(ev.headers.get('X-Next-Offset'));
         const size = Number(ev.headers.get('X-Journal-Size'));
@@ -343,10 +346,11 @@
         if (isFinite(next)) offset = next;
         more = isFinite(size) && offset < size;  // the server sends at most a few MiB at once
       }
-      const st = await fetch('/status', { cache: 'no-store' });
+      const st = await fetch('/status', { cache: 'no-store', headers: auth });
       if (st.ok) status = await st.json();
+      refused = refused || st.status === 401;
       failures = 0;
-      $('note').textContent = '';
+      $('note').textContent = refused ? tokenNote : '';
     } catch (e) {
       failures++;
       $('note').textContent = model.end ? 'The job ended; its controller no longer answers.'
