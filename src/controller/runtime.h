@@ -58,8 +58,9 @@ struct RuntimeOptions {
   std::string http_host{settings::kHttpHost.default_value};
   int http_port = settings::kHttpPort.default_value;
   std::string journal{settings::kJournal.default_value};
-  // The job token (empty: a random one). With token_file set it is written
-  // there (mode 0600) for the agents' --job-token-file.
+  // The job token (empty: a random one). It is written to token_file (empty:
+  // job.token beside the journal), mode 0600, for the agents'
+  // --job-token-file; the job file names that file (docs/security.md).
   std::string token;
   std::string token_file;
   // What every worker is told (WorkerEnv): checkpoints.
@@ -91,5 +92,7 @@ int RunController(const RuntimeOptions& options);
 
 // Where the job file lives: job.json beside the journal.
 std::string JobFileFor(const std::string& journal_path);
+// Where the job token is written without RuntimeOptions::token_file: job.token beside the journal.
+std::string TokenFileFor(const std::string& journal_path);
 
 }  // namespace nonstop::controller

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "common/coding.h"
+#include "common/job_token.h"
 #include "common/temp_dir.h"
 #include "net/frame.h"
 #include "net/handshake.h"
@@ -213,7 +214,7 @@ TEST_F(ProbeTest, JunkOnTheDataPortsAndTheHttpEndpointDoesNotDisturbTheJob) {
   std::string http = job_file_["http"];
   probers.push_back(std::make_unique<Prober>(http));
   probers.back()->Idle(150);
-  ProbeHttp(http, job_file_["token"]);
+  ProbeHttp(http, ReadJobTokenFile(job_file_["token_file"]).value());
   EXPECT_LT(nonstop::testing::JournalEvents(journal_, "step").size(), 100u)
       << "probed too late to matter";
   ExpectUndisturbed(/*recoveries=*/1);
