@@ -17,6 +17,7 @@
 
 #include "agent/agent.h"
 #include "apps/nonstop/settings_cli.h"
+#include "common/job_token.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "control/messages.h"
@@ -71,8 +72,9 @@ void AgentCommand::Register(CLI::App& app) {
   sub_->footer(
       "After `--`: the worker program and its arguments, started once per worker the controller "
       "assigns "
-      "here, with NONSTOP_WORKER_ID, NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, "
-      "NONSTOP_DATA_HOST and the controller's other NONSTOP_* variables.\n"
+      "here, with NONSTOP_WORKER_ID, NONSTOP_CONTROLLER, NONSTOP_HOST_ID, NONSTOP_DATA_HOST, "
+      "the controller's other NONSTOP_* variables, and the job token in an inherited memfd "
+      "(NONSTOP_JOB_TOKEN_FD), never in the environment.\n"
       "Exit codes: 0 (or the controller's) when the job is over; 1 the controller could not be "
       "reached "
       "within --join-timeout-ms; 2 a usage error or a refusal by the controller; 130 SIGINT (or "
@@ -120,7 +122,7 @@ int AgentCommand::Execute() {
     return kExitUsage;
   }
   SetLogRole("agent " + host_id);
-  auto token = agent::ReadJobTokenFile(job_token_file_);
+  auto token = ReadJobTokenFile(job_token_file_);
   if (!token.ok()) {
     fmt::print(stderr, "nonstop agent: {}\n", token.status().message());
     return kExitUsage;

@@ -12,6 +12,7 @@
 
 #include "agent/agent.h"
 #include "apps/nonstop/commands.h"
+#include "common/job_token.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
 #include "controller/runtime.h"
@@ -65,13 +66,11 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
     std::fflush(stdout);
     // The job's token: the first leader wrote it; every later one reads it (agents and workers hold
     // it).
-    if (std::filesystem::exists(token_file_)) {
-      auto token = agent::ReadJobTokenFile(token_file_);
-      if (!token.ok()) {
-        fmt::print(stderr, "{}: {}\n", name, token.status().message());
-        return 1;
-      }
+    if (auto token = ReadJobTokenFile(token_file_); token.ok()) {
       o.token = *token;
+    } else if (token.status().code() != StatusCode::kNotFound) {
+      fmt::print(stderr, "{}: {}\n", name, token.status().message());
+      return 1;
     }
     o.leadership = leadership->get();
     int code = controller::RunController(o);

@@ -39,6 +39,7 @@
 #include "agent/agent.h"
 #include "apps/nonstop/commands.h"
 #include "apps/nonstop/settings_cli.h"
+#include "common/job_token.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
@@ -414,7 +415,8 @@ struct JobAddress {
   std::string token;
 };
 
-// Waits (≤ 30 s) for the controller's job file: its address and the job's token. An exit code when
+// Waits (≤ 30 s) for the controller's job file: its address and the job's token (from the file the
+// job file names). An exit code when
 // the run ends first: on a signal (passed on; the controller is stopped), when the controller
 // ended, or when no job file came.
 std::optional<int> WaitForJobFile(LocalController& controller, const std::string& job_file,
@@ -437,10 +439,17 @@ std::optional<int> WaitForJobFile(LocalController& controller, const std::string
     std::ifstream in(job_file);
     auto job = in ? nlohmann::json::parse(in, nullptr, false) : nlohmann::json();
     if (job.is_object() && job.value("pid", int64_t{-1}) == controller.pid() &&
-        job.contains("controller") && job["controller"].is_string() && job.contains("token") &&
-        job["token"].is_string()) {
+        job.contains("controller") && job["controller"].is_string() && job.contains("token_file") &&
+        job["token_file"].is_string()) {
+      // The controller wrote the token's file before the job file.
+      auto token = ReadJobTokenFile(job["token_file"].get<std::string>());
+      if (!token.ok()) {
+        fmt::print(stderr, "{}: {}\n", name, token.status().message());
+        controller.Stop();
+        return 1;
+      }
       address->controller = job["controller"].get<std::string>();
-      address->token = job["token"].get<std::string>();
+      address->token = *token;
       return std::nullopt;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -761,16 +770,20 @@ int ControllerCommand::Execute() {
   o.core.min_hosts = min_hosts;
   o.core.max_hosts = max_hosts;
   // An existing token file keeps its token (agents may already have read
-  // it), read exactly as the agents read it.
-  if (std::filesystem::exists(token_file_)) {
-    auto token = agent::ReadJobTokenFile(token_file_);
-    if (token.ok()) o.token = *token;
+  // it), read exactly as the agents read it; one that is not safe to read
+  // (a symlink, another user's, readable by others) is refused, not replaced.
+  auto token = ReadJobTokenFile(token_file_);
+  if (token.ok()) {
+    o.token = *token;
+  } else if (token.status().code() == StatusCode::kFailedPrecondition) {
+    fmt::print(stderr, "{}: --job-token-file: {}\n", name, token.status().message());
+    return controller::kExitUsage;
   }
   o.token_file = token_file_;
   if (!resume_.empty()) {
-    if (!std::filesystem::exists(token_file_)) {
-      fmt::print(stderr, "{}: --resume needs the job's token: --job-token-file {} does not exist\n",
-                 name, token_file_);
+    if (!token.ok()) {
+      fmt::print(stderr, "{}: --resume needs the job's token: {}\n", name,
+                 token.status().message());
       return controller::kExitUsage;
     }
     o.resume = resume_;

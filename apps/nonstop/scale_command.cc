@@ -1,8 +1,10 @@
 // `nonstop status`, `nonstop scale` and `nonstop worker`: talking to a running job.
 //
-// They find the job through its job file (written by `nonstop run` beside
-// its journal, readable by the owner only: it holds the job token) or an
-// explicit --http address.
+// They find the job through its job file (written by the controller beside
+// its journal), which names the job token's file (mode 0600, this user's:
+// docs/security.md), or an explicit --http address (the token then from
+// NONSTOP_JOB_TOKEN).
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -17,6 +19,7 @@
 
 #include "apps/nonstop/commands.h"
 #include "apps/nonstop/settings_cli.h"
+#include "common/job_token.h"
 #include "common/status.h"
 #include "net/address.h"
 #include "nonstop/settings.h"
@@ -40,7 +43,7 @@ Result<nlohmann::json> ReadJobFile(const std::string& path) {
     return DataLossError(
         fmt::format("job file {} is not a nonstop job file (not a JSON object)", path));
   }
-  for (const char* key : {"http", "controller", "token"}) {
+  for (const char* key : {"http", "controller", "token_file"}) {
     if (!j.contains(key) || !j[key].is_string()) {
       return DataLossError(fmt::format(
           "job file {} is not a nonstop job file: \"{}\" is missing or not a string", path, key));
@@ -68,6 +71,11 @@ std::string Unreachable(httplib::Error error, bool https) {
     why += " (is the endpoint HTTPS? without --http-cert it is plain: --http http://HOST:PORT)";
   }
   return why;
+}
+
+// The job's token, from the file the job file names.
+Result<std::string> JobToken(const nlohmann::json& job) {
+  return ReadJobTokenFile(job["token_file"].get<std::string>());
 }
 
 }  // namespace
@@ -107,7 +115,12 @@ int JobCommands::Execute() {
       return 1;
     }
     address = (*job)["http"];
-    token = (*job)["token"];
+    auto t = JobToken(*job);
+    if (!t.ok()) {
+      fmt::print(stderr, "nonstop: {}\n", t.status().message());
+      return 1;
+    }
+    token = *t;
     if (job->contains("http_cert") && (*job)["http_cert"].is_string()) {
       https = true;
       if (cacert.empty()) cacert = (*job)["http_cert"];
@@ -198,8 +211,22 @@ int JobCommands::ExecWorker() {
   auto set = [](std::string_view name, const std::string& value) {
     ::setenv(name.data(), value.c_str(), 1);
   };
+  auto token = JobToken(*job);
+  if (!token.ok()) {
+    fmt::print(stderr, "nonstop worker: {}\n", token.status().message());
+    return 1;
+  }
+  // The token in a memfd the program inherits (its close-on-exec flag cleared), never in its
+  // environment (docs/security.md).
+  auto token_fd = JobTokenMemfd(*token);
+  if (!token_fd.ok() || ::fcntl(token_fd->get(), F_SETFD, 0) != 0) {
+    fmt::print(stderr, "nonstop worker: passing the job token: {}\n",
+               token_fd.ok() ? std::strerror(errno) : token_fd.status().ToString());
+    return 1;
+  }
+  ::unsetenv(settings::kJobToken.env.data());
+  set(settings::kJobTokenFd.env, std::to_string(token_fd->Release()));
   set(settings::kControllerAddress.env, (*job)["controller"].get<std::string>());
-  set(settings::kJobToken.env, (*job)["token"].get<std::string>());
   set(settings::kWorkerId.env, std::to_string(id));
   set(settings::kSpare.env, "1");
   for (const auto& [k, v] : (*job)["env"].items())

@@ -586,12 +586,21 @@ inline constexpr Setting<std::string_view> kControllerAddress{
     .note = "also `nonstop agent --controller`, one address"};
 inline constexpr Setting<std::string_view> kJobToken{
     .env = "NONSTOP_JOB_TOKEN",
-    .read_by = kWorker | kPython | kJobCommands,
+    .read_by = kWorker | kJobCommands,
+    .help =
+        "The job token, for a worker started by hand and for `nonstop status --http` and `nonstop "
+        "scale --http`; no launcher sets it (they pass NONSTOP_JOB_TOKEN_FD), and a worker's "
+        "library removes it from its environment as it loads",
+    .default_doc = "none"};
+inline constexpr Setting<int> kJobTokenFd{
+    .env = "NONSTOP_JOB_TOKEN_FD",
+    .default_value = -1,
+    .read_by = kWorker,
     .set_by = kRun | kAgent | kJobCommands,
     .help =
-        "The job token (a worker's hello; `nonstop status --http` and `nonstop scale --http` send "
-        "it)",
-    .default_doc = "required (a worker); none (status, scale)"};
+        "The inherited descriptor (a sealed memfd) holding the job token: the worker's library "
+        "reads it as it loads, closes it and removes the variable (docs/security.md)",
+    .default_doc = "required (a worker started by a launcher)"};
 inline constexpr Setting<int> kWorkerId{.env = "NONSTOP_WORKER_ID",
                                         .default_value = -1,
                                         .read_by = kWorker | kPython,

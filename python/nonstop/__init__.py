@@ -45,6 +45,12 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from . import _core
 
+# Importing _core took the job token (from the memfd NONSTOP_JOB_TOKEN_FD names, or from
+# NONSTOP_JOB_TOKEN) and removed both from the C environment; os.environ, Python's copy made at
+# start-up, drops them too, so that no process this script starts sees them (docs/security.md).
+for _name in ("NONSTOP_JOB_TOKEN", "NONSTOP_JOB_TOKEN_FD"):
+    os.environ.pop(_name, None)
+
 __all__ = [
     "Aborted",
     "Extra",
@@ -194,7 +200,8 @@ class Session:
     """One worker's membership in a nonstop job. Made by :func:`join`."""
 
     def __init__(self) -> None:
-        missing = [v for v in ("NONSTOP_CONTROLLER", "NONSTOP_JOB_TOKEN", "NONSTOP_WORKER_ID") if not os.environ.get(v)]
+        # The job token is checked as the session joins: it is in no variable any more by now.
+        missing = [v for v in ("NONSTOP_CONTROLLER", "NONSTOP_WORKER_ID") if not os.environ.get(v)]
         if missing:
             raise RuntimeError(f"{', '.join(missing)} not set: start this script under `nonstop run`, e.g. "
                                f"`nonstop run --nproc 4 --spares 1 -- {os.path.basename(sys.executable)} "

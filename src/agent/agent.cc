@@ -76,9 +76,10 @@ std::string Processes(int n) { return fmt::format("{} process{}", n, n == 1 ? ""
 
 bool IsAgentVariable(std::string_view name) {
   namespace s = settings;
-  return name == s::kControllerAddress.env || name == s::kJobToken.env || name == s::kHostId.env ||
-         name == s::kDataHost.env || name == s::kDataPorts.env || name == s::kEtcd.env ||
-         name == s::kEtcdJob.env || name == s::kLeaderFile.env;
+  return name == s::kControllerAddress.env || name == s::kJobToken.env ||
+         name == s::kJobTokenFd.env || name == s::kHostId.env || name == s::kDataHost.env ||
+         name == s::kDataPorts.env || name == s::kEtcd.env || name == s::kEtcdJob.env ||
+         name == s::kLeaderFile.env;
 }
 
 }  // namespace
@@ -121,39 +122,6 @@ Status ValidateOptions(const AgentOptions& o) {
   if (o.max_queued_bytes < 64 * 1024)
     return InvalidArgumentError("max_queued_bytes must be at least 64 KiB");
   return OkStatus();
-}
-
-Result<std::string> ReadJobTokenFile(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    return ErrnoStatus(StatusCode::kInvalidArgument, fmt::format("job token file '{}'", path),
-                       errno);
-  }
-  if (!S_ISREG(st.st_mode))
-    return InvalidArgumentError(fmt::format("job token file '{}' is not a file", path));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return InvalidArgumentError(fmt::format("job token file '{}' cannot be read", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad())
-    return InvalidArgumentError(fmt::format("job token file '{}' cannot be read", path));
-  std::string token = ss.str();
-  auto space = [](unsigned char c) { return std::isspace(c) != 0; };
-  while (!token.empty() && space(static_cast<unsigned char>(token.back()))) token.pop_back();
-  size_t start = 0;
-  while (start < token.size() && space(static_cast<unsigned char>(token[start]))) ++start;
-  token.erase(0, start);
-  if (token.empty()) return InvalidArgumentError(fmt::format("job token file '{}' is empty", path));
-  if (token.size() > 1024) {
-    return InvalidArgumentError(
-        fmt::format("job token file '{}' holds {} bytes: not a job token", path, token.size()));
-  }
-  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
-    NONSTOP_LOG_WARNING(
-        "job token file '{}' may be read by group or others (mode {:o}); HINT: chmod 600 {}", path,
-        st.st_mode & 0777, path);
-  }
-  return token;
 }
 
 Agent::Agent(AgentOptions options) : options_(std::move(options)) {
@@ -588,7 +556,6 @@ void Agent::OnStart(std::string_view payload) {
     // who leads, as this agent's watch sees it: the workers read it instead of asking etcd
     env[std::string(s::kLeaderFile.env)] = leader_file_;
   }
-  env[std::string(s::kJobToken.env)] = options_.job_token;
   env[std::string(s::kHostId.env)] = options_.host_id;
   env[std::string(s::kDataHost.env)] = data_host_;
   if (!options_.data_ports.empty()) env[std::string(s::kDataPorts.env)] = options_.data_ports;
@@ -596,6 +563,8 @@ void Agent::OnStart(std::string_view payload) {
   spec.worker_id = m->worker_id;
   spec.argv = options_.program;
   spec.nice = m->nice;
+  // In a memfd, not the environment: the program's children never see it (docs/security.md).
+  spec.job_token = options_.job_token;
   for (auto& [name, value] : env) spec.env.emplace_back(name, value);
   // The job's identity comes from the order alone: what the agent itself
   // inherited (a NONSTOP_RESUME, a checkpoint directory) never reaches a worker.

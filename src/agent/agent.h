@@ -103,7 +103,7 @@ struct AgentOptions {
   // that file. The workers get NONSTOP_ETCD and NONSTOP_ETCD_JOB too.
   std::string etcd;
   std::string etcd_job{settings::kEtcdJob.default_value};
-  std::string job_token;  // required; passed to workers as NONSTOP_JOB_TOKEN
+  std::string job_token;  // required; passed to workers in a memfd (NONSTOP_JOB_TOKEN_FD)
   std::string host_id;    // required, valid per control::CheckHostId; passed as NONSTOP_HOST_ID
   // Workers this host contributes to the world, and spares it keeps warm (told to the controller).
   int nproc = settings::kNprocPerHost.default_value;
@@ -161,11 +161,6 @@ struct AgentOptions {
 // Checks options that do not need the network: a parsable controller
 // address, a job token, a valid host id, a program, counts and timeouts in range.
 Status ValidateOptions(const AgentOptions& options);
-
-// Reads a job token file: the token is the file's contents with surrounding
-// whitespace removed. An error names the file (missing, unreadable, empty).
-// A file that group or others may read is accepted with a warning (logged).
-Result<std::string> ReadJobTokenFile(const std::string& path);
 
 class Agent {
  public:

@@ -219,14 +219,15 @@ class AgentTest : public ::testing::Test {
     o.spares = 1;
     o.program = {
         "/bin/sh", "-c",
-        fmt::format(
-            "echo \"$NONSTOP_WORKER_ID $NONSTOP_HOST_ID $NONSTOP_DATA_HOST\" > "
-            "{0}/env-$NONSTOP_WORKER_ID.tmp; "
-            "echo \"$NONSTOP_CONTROLLER $NONSTOP_JOB_TOKEN $NONSTOP_SPARE $NONSTOP_FOO\" >> "
-            "{0}/env-$NONSTOP_WORKER_ID.tmp; "
-            "mv {0}/env-$NONSTOP_WORKER_ID.tmp {0}/env-$NONSTOP_WORKER_ID; "
-            "echo hello from $NONSTOP_WORKER_ID; exec sleep 30",
-            dir_.path())};
+        fmt::format("echo \"$NONSTOP_WORKER_ID $NONSTOP_HOST_ID $NONSTOP_DATA_HOST\" > "
+                    "{0}/env-$NONSTOP_WORKER_ID.tmp; "
+                    // the token from the descriptor it inherited; none in its environment
+                    "echo \"$NONSTOP_CONTROLLER $(cat /proc/self/fd/$NONSTOP_JOB_TOKEN_FD) "
+                    "${{NONSTOP_JOB_TOKEN:-unset}} $NONSTOP_SPARE $NONSTOP_FOO\" >> "
+                    "{0}/env-$NONSTOP_WORKER_ID.tmp; "
+                    "mv {0}/env-$NONSTOP_WORKER_ID.tmp {0}/env-$NONSTOP_WORKER_ID; "
+                    "echo hello from $NONSTOP_WORKER_ID; exec sleep 30",
+                    dir_.path())};
     o.join_timeout = 10'000ms;
     o.controller_timeout = 2'000ms;
     return o;
@@ -313,7 +314,7 @@ TEST_F(AgentTest, StartOrderRunsTheProgramWithTheOrdersAndTheAgentsVariables) {
   ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s))
       << "the program did not start";
   EXPECT_EQ(ReadText(EnvFile(3)),
-            fmt::format("3 hostA 127.0.0.1\n{} {} 0 bar\n", controller.address(), kToken));
+            fmt::format("3 hostA 127.0.0.1\n{} {} unset 0 bar\n", controller.address(), kToken));
   // Its output is forwarded with the host and worker prefix.
   EXPECT_TRUE(WaitFor(
       [&] {
@@ -650,31 +651,6 @@ TEST_F(AgentTest, RefusalAfterTheHelloComesAsAShutdownWithItsCode) {
   EXPECT_EQ(agent.Wait(5s), 2);
   EXPECT_NE(agent.agent().exit_message().find("host id hostA is already in the job"),
             std::string::npos);
-}
-
-TEST(JobTokenFileTest, TokenIsTrimmedAndBadFilesAreNamed) {
-  TempDir dir;
-  std::string path = dir / "token";
-  { std::ofstream(path) << "  s3cret-token\n\n"; }
-  ::chmod(path.c_str(), 0600);
-  auto token = ReadJobTokenFile(path);
-  ASSERT_TRUE(token.ok()) << token.status().ToString();
-  EXPECT_EQ(*token, "s3cret-token");
-
-  ::chmod(path.c_str(), 0644);  // readable by others: accepted, with a warning
-  EXPECT_TRUE(ReadJobTokenFile(path).ok());
-
-  auto missing = ReadJobTokenFile(dir / "nope");
-  ASSERT_FALSE(missing.ok());
-  EXPECT_NE(missing.status().message().find(dir / "nope"), std::string::npos)
-      << missing.status().ToString();
-
-  std::string empty = dir / "empty";
-  { std::ofstream(empty) << " \n\t\n"; }
-  auto e = ReadJobTokenFile(empty);
-  ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find(empty + "' is empty"), std::string::npos)
-      << e.status().ToString();
 }
 
 TEST(AgentOptionsTest, BadOptionsAreRefusedWithTheReason) {

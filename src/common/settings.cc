@@ -121,6 +121,7 @@ std::vector<Info> Build() {
       // a worker
       Describe(kControllerAddress),
       Describe(kJobToken),
+      Describe(kJobTokenFd),
       Describe(kWorkerId),
       Describe(kSpare),
       Describe(kDataHost),

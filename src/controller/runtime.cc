@@ -25,6 +25,7 @@
 
 #include <fmt/format.h>
 
+#include "common/job_token.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
@@ -47,38 +48,6 @@ namespace {
 std::string RandomToken() {
   std::random_device rd;
   return fmt::format("{:08x}{:08x}{:08x}{:08x}", rd(), rd(), rd(), rd());
-}
-
-// Writes `text` to `path` readable by its owner only: into a temporary file
-// renamed over it, so that a reader (an agent reading the token file on a
-// shared filesystem) sees the old content or the new, never an empty file.
-// A file that already holds `text` is left alone.
-Status WritePrivateFile(const std::string& path, const std::string& text) {
-  {
-    std::ifstream in(path);
-    std::string old((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (in && old == text) return OkStatus();
-  }
-  std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) return InternalError(fmt::format("cannot write {}: {}", tmp, std::strerror(errno)));
-  UniqueFd guard(fd);
-  (void)::fchmod(fd, 0600);  // an existing file keeps its mode otherwise
-  size_t done = 0;
-  while (done < text.size()) {
-    ssize_t w = ::write(fd, text.data() + done, text.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      ::unlink(tmp.c_str());
-      return InternalError(fmt::format("cannot write {}: {}", tmp, std::strerror(errno)));
-    }
-    done += static_cast<size_t>(w);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    return InternalError(fmt::format("cannot write {}: {}", path, std::strerror(errno)));
-  }
-  return OkStatus();
 }
 
 // A deposed controller's record lists at most this many of the orders it did not send.
@@ -137,6 +106,10 @@ class Runtime {
   int64_t Epoch() const;
   std::optional<int> StartServers();
   std::optional<int> WriteJobFiles();
+  // Where the token is written: --job-token-file, or job.token beside the journal.
+  std::string TokenFile() const {
+    return o_.token_file.empty() ? TokenFileFor(journal_->path()) : o_.token_file;
+  }
   void PrintBanner();
   void JournalStart();
   void WatchSignals();
@@ -429,10 +402,23 @@ std::optional<int> Runtime::StartServers() {
 }
 
 std::optional<int> Runtime::WriteJobFiles() {
-  // The job file: how `nonstop status`, `nonstop scale` and `nonstop worker` find this job.
+  // The token first, in a file of its own (mode 0600, written through a fresh temporary name): the
+  // job file names it, so whoever reads the job file finds it written.
+  const std::string token_file = TokenFile();
+  auto existing = ReadJobTokenFile(token_file);
+  if (!existing.ok() || *existing != token_) {  // one that holds it already is left alone
+    if (Status t = WritePrivateFile(token_file, token_ + "\n"); !t.ok()) {
+      fmt::print(stderr, "{}: writing the job token file: {}\n", name_, t.ToString());
+      return 1;
+    }
+  }
+  std::error_code ec;
+  std::filesystem::path absolute = std::filesystem::absolute(token_file, ec);
+  // The job file: how `nonstop status`, `nonstop scale` and `nonstop worker` find this job. It
+  // names the token's file and holds no secret itself.
   nlohmann::json job = {{"controller", controller_address_},
                         {"http", http_->address()},
-                        {"token", token_},
+                        {"token_file", ec ? token_file : absolute.string()},
                         {"journal", journal_->path()},
                         {"pid", ::getpid()},
                         {"env", nlohmann::json::object()}};
@@ -444,13 +430,6 @@ std::optional<int> Runtime::WriteJobFiles() {
   if (!o_.http_cert.empty()) job["http_cert"] = std::filesystem::absolute(o_.http_cert).string();
   Status s = WritePrivateFile(JobFileFor(journal_->path()), job.dump(2) + "\n");
   if (!s.ok()) NONSTOP_LOG_WARNING("{}", s.ToString());
-  if (!o_.token_file.empty()) {
-    Status t = WritePrivateFile(o_.token_file, token_ + "\n");
-    if (!t.ok()) {
-      fmt::print(stderr, "{}: --job-token-file: {}\n", name_, t.ToString());
-      return 1;
-    }
-  }
   return std::nullopt;
 }
 
@@ -469,7 +448,7 @@ void Runtime::PrintBanner() {
                token_);
   } else {
     fmt::print("  {:<20} {}://{}/ (add #token=<the token in {}>)\n", "dashboard", http_->scheme(),
-               http_->address(), JobFileFor(journal_->path()));
+               http_->address(), TokenFile());
   }
   if (o_.core.world_size == 0) {  // no world asked for: the hosts' nproc say it
     fmt::print("  {:<20} {}{}\n", "hosts", o_.core.min_hosts,
@@ -480,7 +459,7 @@ void Runtime::PrintBanner() {
     fmt::print("  {:<20} {}\n", "workers", o_.core.world_size);
     fmt::print("  {:<20} {}\n", "spares", o_.core.spares);
   }
-  if (!o_.token_file.empty()) fmt::print("  {:<20} {}\n", "job token file", o_.token_file);
+  fmt::print("  {:<20} {}\n", "job token file", TokenFile());
   fmt::print("  {:<20} {} ms\n", "heartbeat timeout", o_.core.heartbeat_timeout.count());
   fmt::print("  {:<20} {} ms\n", "abort timeout", o_.core.abort_timeout.count());
   fmt::print("  {:<20} {}\n", "recovery", o_.recovery_name);
@@ -917,6 +896,12 @@ std::string JobFileFor(const std::string& journal_path) {
   auto slash = journal_path.rfind('/');
   return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) +
          "/job.json";
+}
+
+std::string TokenFileFor(const std::string& journal_path) {
+  auto slash = journal_path.rfind('/');
+  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) +
+         "/job.token";
 }
 
 int RunController(const RuntimeOptions& options) {

@@ -61,8 +61,9 @@ struct RuntimeOptions {
   std::string http_cert;
   std::string http_key;
   std::string journal{settings::kJournal.default_value};
-  // The job token (empty: a random one). With token_file set it is written
-  // there (mode 0600) for the agents' --job-token-file.
+  // The job token (empty: a random one). It is written to token_file (empty:
+  // job.token beside the journal), mode 0600, for the agents'
+  // --job-token-file; the job file names that file (docs/security.md).
   std::string token;
   std::string token_file;
   // What every worker is told (WorkerEnv): checkpoints.
@@ -94,5 +95,7 @@ int RunController(const RuntimeOptions& options);
 
 // Where the job file lives: job.json beside the journal.
 std::string JobFileFor(const std::string& journal_path);
+// Where the job token is written without RuntimeOptions::token_file: job.token beside the journal.
+std::string TokenFileFor(const std::string& journal_path);
 
 }  // namespace nonstop::controller

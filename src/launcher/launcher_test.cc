@@ -152,6 +152,51 @@ TEST(LocalLauncherTest, SpecVariablesReplaceInheritedOnes) {
   ::close(p[1]);
 }
 
+// The token reaches the child in the descriptor NONSTOP_JOB_TOKEN_FD names,
+// never in its environment (docs/security.md): not even one inherited or one
+// the spec's variables carry. Nothing else the launcher holds is inherited.
+TEST(LocalLauncherTest, TheJobTokenComesInADescriptorNotTheEnvironment) {
+  ::setenv("NONSTOP_JOB_TOKEN", "inherited-token", 1);
+  int p[2];
+  ASSERT_EQ(::pipe(p), 0);
+  net::EventLoop loop;
+  OutputWriter out(p[1], 1 << 20, Millis(100));
+  bool exited = false;
+  LocalLauncher launcher(
+      &loop, [](int) { return std::string(); }, [&](int, pid_t, int, int) { exited = true; },
+      nullptr, &out, &out);
+  ChildSpec spec;
+  spec.worker_id = 1;
+  spec.argv = {
+      "/bin/sh", "-c",
+      "env; echo \"read=$(cat /proc/self/fd/$NONSTOP_JOB_TOKEN_FD)\"; ls -l /proc/$$/fd/ | grep -c "
+      "nonstop-job-token; echo end"};
+  spec.env = {{"NONSTOP_JOB_TOKEN", "spec-token"}};
+  spec.job_token = "s3cret-token";
+  int before = OpenDescriptors();
+  ASSERT_TRUE(launcher.Spawn(spec).ok());
+  EXPECT_EQ(OpenDescriptors(), before + 3) << "the launcher keeps only the pidfd and two pipes";
+  for (int i = 0; i < 500 && !exited; ++i) loop.RunOnce(Millis(10));
+  ASSERT_TRUE(exited);
+  std::string got;
+  for (int i = 0; i < 100 && got.find("end\n") == std::string::npos; ++i) {
+    got += ReadAvailable(p[0]);
+    ::usleep(10'000);
+  }
+  EXPECT_NE(got.find("read=s3cret-token\n"), std::string::npos) << got;
+  EXPECT_NE(got.find("\n1\nend\n"), std::string::npos) << "one token descriptor:\n" << got;
+  EXPECT_NE(got.find("NONSTOP_JOB_TOKEN_FD="), std::string::npos) << got;
+  EXPECT_EQ(got.find("NONSTOP_JOB_TOKEN="), std::string::npos) << got;
+  size_t copies = 0;
+  for (size_t at = got.find("s3cret-token"); at != std::string::npos;
+       at = got.find("s3cret-token", at + 1))
+    ++copies;
+  EXPECT_EQ(copies, 1u) << "the token is only where the child read it:\n" << got;
+  ::unsetenv("NONSTOP_JOB_TOKEN");
+  ::close(p[0]);
+  ::close(p[1]);
+}
+
 // Each exited child gives back its pidfd and pipes: a job that starts
 // thousands of processes (refills over days) does not run out of descriptors.
 TEST(LocalLauncherTest, ExitedChildrenHoldNoDescriptors) {

@@ -18,6 +18,8 @@
 
 #include <fmt/format.h>
 
+#include "common/job_token.h"
+
 namespace nonstop::launcher {
 
 namespace {
@@ -78,17 +80,39 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     if (::pipe2(out_pipe, O_CLOEXEC) != 0) return ErrnoStatus(StatusCode::kInternal, "pipe", errno);
     if (::pipe2(err_pipe, O_CLOEXEC) != 0) return ErrnoStatus(StatusCode::kInternal, "pipe", errno);
   }
+  // The token's memfd: close-on-exec here (no other child, started meanwhile by another thread,
+  // inherits it), inherited by this child alone (cleared in it after the fork).
+  UniqueFd token_fd;
+  if (!spec.job_token.empty()) {
+    auto memfd = JobTokenMemfd(spec.job_token);
+    if (!memfd.ok()) {
+      if (out_pipe[0] >= 0) ::close(out_pipe[0]);
+      if (err_pipe[0] >= 0) ::close(err_pipe[0]);
+      ::close(out_pipe[1]);
+      ::close(err_pipe[1]);
+      return memfd.status();
+    }
+    token_fd = std::move(*memfd);
+  }
   // Build argv and env before fork: the child only execs.
   std::vector<std::string> env_strings;
   // The spec's variables replace inherited ones of the same name (getenv
   // returns the first match: an inherited NONSTOP_WORKER_ID must not win).
   std::set<std::string> overridden(spec.unset.begin(), spec.unset.end());
   for (const auto& [k, v] : spec.env) overridden.insert(k);
+  // Never the token itself in a child's environment; the descriptor's number only if passed.
+  overridden.insert(std::string(settings::kJobToken.env));
+  overridden.insert(std::string(settings::kJobTokenFd.env));
   for (char** e = environ; *e != nullptr; ++e) {
     std::string_view kv(*e);
     if (!overridden.count(std::string(kv.substr(0, kv.find('='))))) env_strings.emplace_back(kv);
   }
-  for (const auto& [k, v] : spec.env) env_strings.push_back(k + "=" + v);
+  for (const auto& [k, v] : spec.env) {
+    if (k != settings::kJobToken.env && k != settings::kJobTokenFd.env)
+      env_strings.push_back(k + "=" + v);
+  }
+  if (token_fd.valid())
+    env_strings.push_back(fmt::format("{}={}", settings::kJobTokenFd.env, token_fd.get()));
   std::vector<char*> envp, argv;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
@@ -111,6 +135,7 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     if (::getppid() != parent) _exit(127);  // the launcher died before prctl
     ::dup2(out_pipe[1], STDOUT_FILENO);
     ::dup2(err_pipe[1], STDERR_FILENO);
+    if (token_fd.valid()) ::fcntl(token_fd.get(), F_SETFD, 0);  // this child inherits it
     ::execvpe(argv[0], argv.data(), envp.data());
     std::string msg = fmt::format("nonstop: cannot start {}: {}\n", argv[0], std::strerror(errno));
     WriteAll(STDERR_FILENO, msg);

@@ -42,6 +42,9 @@ struct ChildSpec {
   // Signals the child starts with ignored (SIG_IGN survives exec; a program
   // may still install a handler of its own).
   std::vector<int> ignore_signals;
+  // Non-empty: the job token, passed in a sealed memfd the child inherits and
+  // NONSTOP_JOB_TOKEN_FD names, never in its environment (docs/security.md).
+  std::string job_token;
 };
 
 // The variables that say which job and which worker a process is: a launcher
@@ -49,6 +52,7 @@ struct ChildSpec {
 inline const std::vector<std::string> kJobVariables = {
     std::string(settings::kControllerAddress.env),
     std::string(settings::kJobToken.env),
+    std::string(settings::kJobTokenFd.env),
     std::string(settings::kWorkerId.env),
     std::string(settings::kSpare.env),
     std::string(settings::kHostId.env),

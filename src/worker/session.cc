@@ -14,6 +14,7 @@
 
 #include "collective/data_plane.h"
 #include "collective/tcp_data_plane.h"
+#include "common/job_token.h"
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "control/controller_link.h"
@@ -34,6 +35,20 @@ std::function<void(uint16_t)> control_frame_hook;
 std::function<void()> before_plan_decode_hook;
 }  // namespace testing
 
+namespace {
+
+// The job token this process was started with (TakeInheritedJobToken), taken
+// once. kTakenAtLoad takes it as this library loads (static initialization:
+// before main, or as Python imports the package), before the program can
+// start a child that would inherit the descriptor or the variable.
+const Result<std::string>& InheritedJobToken() {
+  static const Result<std::string> token = TakeInheritedJobToken();
+  return token;
+}
+[[maybe_unused]] const bool kTakenAtLoad = InheritedJobToken().ok();
+
+}  // namespace
+
 Result<SessionOptions> SessionOptions::FromEnvironment() {
   namespace s = settings;
   SessionOptions o;
@@ -41,15 +56,17 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     const char* v = std::getenv(entry.env.data());  // an entry's env is a NUL-terminated literal
     return v != nullptr ? v : "";
   };
+  const Result<std::string>& inherited = InheritedJobToken();
+  if (!inherited.ok()) return inherited.status();
   o.controller_address = get(s::kControllerAddress);
-  o.job_token = get(s::kJobToken);
+  // A variable set after the library loaded (a worker started by hand, a test) serves too.
+  o.job_token = !inherited->empty() ? *inherited : get(s::kJobToken);
   std::string id = get(s::kWorkerId);
   if (o.controller_address.empty() || o.job_token.empty() || id.empty()) {
-    return FailedPreconditionError(
-        fmt::format("{}, {} and {} are not set: start this program under `nonstop run` (HINT: "
-                    "nonstop run --nproc 4 -- "
-                    "<program> <args>)",
-                    s::kControllerAddress.env, s::kJobToken.env, s::kWorkerId.env));
+    return FailedPreconditionError(fmt::format(
+        "{}, the job token ({} or {}) and {} are not all set: start this program "
+        "under `nonstop run` (HINT: nonstop run --nproc 4 -- <program> <args>)",
+        s::kControllerAddress.env, s::kJobTokenFd.env, s::kJobToken.env, s::kWorkerId.env));
   }
   try {
     o.worker_id = std::stoi(id);

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/job_token.h"
 #include "common/temp_dir.h"
 #include "tests/integration/process.h"
 
@@ -100,7 +101,8 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
     std::this_thread::sleep_for(milliseconds(50));
   }
   auto job_file = nlohmann::json::parse(ReadFile(dir / "job.json"));
-  const std::string http = job_file["http"], token = job_file["token"];
+  const std::string http = job_file["http"];
+  const std::string token = ReadJobTokenFile(job_file["token_file"]).value();
   const std::string url = "http://" + http + "/#token=" + token;
   EXPECT_NE(job.Output().find("dashboard            http://" + http + "/ (add #token="),
             std::string::npos)
@@ -189,7 +191,8 @@ TEST(DashboardBrowserTest, OffLoopbackThePageSendsTheTokenWithEveryRequest) {
     std::this_thread::sleep_for(milliseconds(50));
   }
   auto job_file = nlohmann::json::parse(ReadFile(dir / "job.json"));
-  const std::string http = job_file["http"], token = job_file["token"];
+  const std::string http = job_file["http"];
+  const std::string token = ReadJobTokenFile(job_file["token_file"]).value();
   const std::string port = http.substr(http.rfind(':') + 1);
   httplib::Client c("127.0.0.1", std::stoi(port));
   auto status = c.Get("/status");

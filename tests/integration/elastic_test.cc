@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/job_token.h"
 #include "common/temp_dir.h"
 #include "controller/journal.h"
 #include "tests/integration/process.h"
@@ -69,11 +70,13 @@ class ElasticTest : public ::testing::Test {
     http = Events("job_start")[0]["http"];
     auto colon = http.rfind(':');
     httplib::Client c(http.substr(0, colon), std::stoi(http.substr(colon + 1)));
-    // POST /scale needs the job token, from the job file beside the journal (mode 0600).
+    // POST /scale needs the job token, from the file the job file beside the journal names.
     std::ifstream job_file(dir_ / "job.json");
     auto job = nlohmann::json::parse(job_file, nullptr, false);
-    if (job.is_discarded() || !job.contains("token")) return {-2, nullptr};
-    c.set_bearer_token_auth(job["token"].get<std::string>());
+    if (job.is_discarded() || !job.contains("token_file")) return {-2, nullptr};
+    auto token = ReadJobTokenFile(job["token_file"].get<std::string>());
+    if (!token.ok()) return {-2, nullptr};
+    c.set_bearer_token_auth(*token);
     auto res = c.Post("/scale", body.dump(), "application/json");
     if (!res) return {-1, nullptr};
     return {res->status, nlohmann::json::parse(res->body, nullptr, false)};

@@ -15,6 +15,7 @@
 
 #include "common/coding.h"
 #include "common/crypto.h"
+#include "common/job_token.h"
 #include "common/temp_dir.h"
 #include "net/frame.h"
 #include "net/handshake.h"
@@ -217,7 +218,7 @@ TEST_F(ProbeTest, JunkOnTheDataPortsAndTheHttpEndpointDoesNotDisturbTheJob) {
   std::string http = job_file_["http"];
   probers.push_back(std::make_unique<Prober>(http));
   probers.back()->Idle(150);
-  ProbeHttp(http, job_file_["token"]);
+  ProbeHttp(http, ReadJobTokenFile(job_file_["token_file"]).value());
   EXPECT_LT(nonstop::testing::JournalEvents(journal_, "step").size(), 100u)
       << "probed too late to matter";
   ExpectUndisturbed(/*recoveries=*/1);
@@ -254,7 +255,7 @@ TEST_F(ProbeTest, UnauthenticatedScaleIsRefusedDuringARealJob) {
   ASSERT_TRUE(status);
   EXPECT_EQ(status->status, 200);
   EXPECT_NE(status->body.find("\"phase\""), std::string::npos) << status->body;
-  EXPECT_EQ(status->body.find(job_file_["token"].get<std::string>()), std::string::npos)
+  EXPECT_EQ(status->body.find(ReadJobTokenFile(job_file_["token_file"]).value()), std::string::npos)
       << "the job token is in /status: " << status->body;
   ExpectUndisturbed();
 }

@@ -10,6 +10,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,7 +45,22 @@ int main(int argc, char** argv) {
   // The first step after a recovery takes this much longer: the recovery stays open (it ends when
   // every member has completed that step) long enough for a test to act during it.
   app.add_option("--recovered-step-sleep-ms", recovered_sleep_ms);
+  // PREFIX-<pid>.self: this process's environment as it started (/proc/self/environ); .child: the
+  // environment of a child it starts now; .fds: that child's open descriptors (secrets_test).
+  std::string dump_environ;
+  app.add_option("--dump-environ", dump_environ);
   CLI11_PARSE(app, argc, argv);
+  if (!dump_environ.empty()) {
+    const std::string prefix = fmt::format("{}-{}", dump_environ, ::getpid());
+    {
+      std::ifstream in("/proc/self/environ", std::ios::binary);
+      std::ofstream(prefix + ".self", std::ios::binary) << in.rdbuf();
+    }
+    // The shell std::system starts is this process's child: its environment and descriptors.
+    const std::string cmd =
+        fmt::format("cat /proc/$$/environ > {0}.child; ls -l /proc/$$/fd/ > {0}.fds", prefix);
+    if (std::system(cmd.c_str()) != 0) return 3;
+  }
 
   auto options = nonstop::SessionOptions::FromEnvironment();
   if (!options.ok()) {

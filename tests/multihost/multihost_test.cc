@@ -379,6 +379,9 @@ TEST_F(MultiHostTest, AgentsWithAWrongTokenOrADuplicateHostIdAreRefusedWithTheRe
   EXPECT_NE(ReadFile(dir_ / "dup.out").find("already in the job"), std::string::npos)
       << ReadFile(dir_ / "dup.out");
   std::ofstream(dir_ / "bad-token") << "not-the-token\n";
+  // Private, as a token file must be (docs/security.md): the controller, not the agent, refuses it.
+  std::filesystem::permissions(
+      dir_ / "bad-token", std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
   auto bad = cluster_->Spawn(
       2,
       {kBin + "/nonstop", "agent", "--controller", controller_address_, "--job-token-file",

@@ -2,7 +2,10 @@
 raise TypeError/ValueError/RuntimeError with a message that says what to do,
 and nothing crashes the interpreter."""
 
+import fcntl
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,6 +30,26 @@ def test_join_outside_a_job_says_to_use_nonstop_run(monkeypatch):
         monkeypatch.delenv(v, raising=False)
     with pytest.raises(RuntimeError, match="nonstop run"):
         nonstop.join()
+
+
+def test_the_job_token_leaves_the_environment_of_the_script_and_its_children():
+    # What a launcher passes (docs/security.md): a sealed memfd named by NONSTOP_JOB_TOKEN_FD.
+    fd = os.memfd_create("nonstop-job-token", os.MFD_ALLOW_SEALING)
+    os.write(fd, b"s3cret-token")
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+    script = ("import os, subprocess\n"
+              "names = lambda: sorted(k for k in os.environ if k.startswith('NONSTOP_JOB_TOKEN'))\n"
+              "print(names())\n"
+              "import nonstop\n"
+              "print(names())\n"
+              "subprocess.run(['sh', '-c', 'env | grep -c s3cret-token; ls -l /proc/$$/fd/ | grep -c nonstop-job-token'],"
+              " close_fds=False)\n")
+    env = dict(os.environ, NONSTOP_JOB_TOKEN_FD=str(fd), NONSTOP_JOB_TOKEN="by-hand")
+    out = subprocess.run([sys.executable, "-c", script], env=env, pass_fds=(fd,), capture_output=True, text=True,
+                         timeout=60)
+    os.close(fd)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "['NONSTOP_JOB_TOKEN', 'NONSTOP_JOB_TOKEN_FD']\n[]\n0\n0\n", out.stdout + out.stderr
 
 
 def test_rank_before_register_says_to_register_first(env):
