@@ -102,7 +102,8 @@ int RunLeader(const std::string& endpoint, int ttl_s) {
   auto l = coord::Leadership::Connect(Options(endpoint, ttl_s));
   if (!l.ok()) return 2;
   auto epoch = (*l)->Campaign([] { return false; }, [](const std::string&) {});
-  if (!epoch.ok() || !(*l)->ReadJournal().ok() || !(*l)->Publish({{"controller", kOldLeader}}).ok())
+  if (!epoch.ok() || !(*l)->ReadJournal().ok() ||
+      !(*l)->Publish({{"controller", kOldLeader}}, crypto::JobKey(kJob)).ok())
     return 3;
   char c = '1';
   if (::write(STDOUT_FILENO, &c, 1) != 1) return 4;
@@ -269,7 +270,7 @@ json RunOne(const std::string& mode, int workers, const Settings& o) {
     auto epoch =
         (*standby)->Campaign([&] { return stop_standby.load(); }, [](const std::string&) {});
     if (epoch.ok() && (*standby)->ReadJournal().ok() &&
-        (*standby)->Publish({{"controller", kNewLeader}}).ok())
+        (*standby)->Publish({{"controller", kNewLeader}}, crypto::JobKey(kJob)).ok())
       published = SteadyClock::now();
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(500));

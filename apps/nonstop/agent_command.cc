@@ -58,6 +58,7 @@ void AgentCommand::Register(CLI::App& app) {
   AddSetting(sub_, settings::kAgentController, controller_);
   AddSetting(sub_, settings::kEtcd, etcd_);
   AddSetting(sub_, settings::kEtcdJob, job_);
+  etcd_security_.Register(sub_);
   AddSetting(sub_, settings::kAgentJobTokenFile, job_token_file_);
   AddSetting(sub_, settings::kAgentHostId, host_id_);
   AddSetting(sub_, settings::kNprocPerHost, nproc_per_host_);
@@ -138,6 +139,7 @@ int AgentCommand::Execute() {
   options.controller = controller_;
   options.etcd = etcd_;
   options.etcd_job = job_;
+  options.etcd_security = etcd_security_.security();
   options.job_token = *token;
   options.host_id = host_id;
   options.nproc = nproc_per_host_;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/nonstop/etcd_flags.h"
 #include "nonstop/settings.h"
 
 namespace nonstop::cli {
@@ -26,6 +27,7 @@ class AgentCommand {
   std::string controller_{settings::kAgentController.default_value};
   std::string etcd_{settings::kEtcd.default_value};
   std::string job_{settings::kEtcdJob.default_value};
+  EtcdSecurityFlags etcd_security_;
   std::string job_token_file_{settings::kAgentJobTokenFile.default_value};
   std::string host_id_{settings::kAgentHostId.default_value};  // empty: the hostname
   int nproc_per_host_ = settings::kNprocPerHost.default_value;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/nonstop/etcd_flags.h"
 #include "controller/runtime.h"
 #include "nonstop/settings.h"
 
@@ -102,6 +103,7 @@ class ControllerCommand {
   std::string resume_;
   std::string etcd_{settings::kControllerEtcd.default_value};
   std::string job_{settings::kEtcdJob.default_value};
+  EtcdSecurityFlags etcd_security_;
   int lease_ttl_s_ = settings::kLeaseTtlS.default_value;
   JobFlags flags_;
 };

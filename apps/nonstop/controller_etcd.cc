@@ -12,11 +12,13 @@
 
 #include "agent/agent.h"
 #include "apps/nonstop/commands.h"
+#include "common/crypto.h"
 #include "common/job_token.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
 #include "controller/runtime.h"
 #include "controller/takeover.h"
+#include "coord/leader_watch.h"
 #include "coord/leadership.h"
 
 namespace nonstop::cli {
@@ -37,6 +39,7 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
   };
   coord::LeadershipOptions lo;
   lo.endpoints = etcd_;
+  lo.security = etcd_security_.security();
   lo.job = job_;
   lo.ttl_seconds = lease_ttl_s_;
   // etcd keeps a snapshot of the journal and a bounded tail (docs/controller-failover.md).
@@ -51,7 +54,18 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
                lease_ttl_s_);
     std::fflush(stdout);
     auto epoch = (*leadership)->Campaign(interrupted, [&](const std::string& leader) {
-      fmt::print("{}: standing by; the leader is {}\n", name, leader);
+      // The value checked with the job key, once the first leader wrote the token file (a value
+      // without a controller yet is a leader that has not published its address).
+      std::string unverified;
+      auto v = nlohmann::json::parse(leader, nullptr, false);
+      auto token = std::filesystem::exists(token_file_) ? ReadJobTokenFile(token_file_)
+                                                        : Result<std::string>(std::string());
+      if (token.ok() && !token->empty() && v.is_object() && v.contains("controller")) {
+        Status s = coord::VerifyLeaderValue(crypto::JobKey(*token), job_, leader,
+                                            (*leadership)->seen_epoch());
+        if (!s.ok()) unverified = " (NOT followed: " + s.message() + ")";
+      }
+      fmt::print("{}: standing by; the leader is {}{}\n", name, leader, unverified);
       std::fflush(stdout);
     });
     if (!epoch.ok() && epoch.status().code() == StatusCode::kCancelled) {

@@ -728,6 +728,7 @@ void ControllerCommand::Register(CLI::App& app) {
       ->check(CLI::ExistingFile);
   AddSetting(sub_, settings::kControllerEtcd, etcd_);
   AddSetting(sub_, settings::kEtcdJob, job_);
+  etcd_security_.Register(sub_);
   AddSetting(sub_, settings::kLeaseTtlS, lease_ttl_s_);
   RegisterJobFlags(sub_, &flags_);
 }

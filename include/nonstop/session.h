@@ -90,6 +90,13 @@ struct SessionOptions {
   std::string etcd_job{settings::kEtcdJob.default_value};
   // The agent's leader file (kLeaderFile, NONSTOP_LEADER_FILE): read instead of asking etcd.
   std::string leader_file;
+  // etcd's TLS and user when the worker asks etcd itself (docs/etcd-security.md): kEtcdCacert,
+  // kEtcdCert, kEtcdKey, kEtcdAuthFile (paths), kEtcdAllowPlaintext.
+  std::string etcd_cacert;
+  std::string etcd_cert;
+  std::string etcd_key;
+  std::string etcd_auth_file;
+  bool etcd_allow_plaintext = false;
   // Bound on reaching the controller and being accepted (dial + hello). Once
   // joined, a worker or spare waits for its plan as long as the controller
   // lives: the controller pings every connected worker, and a worker that

@@ -409,6 +409,57 @@ inline constexpr Setting<int> kLeaseTtlS{
         "nobody; a longer one costs a takeover, not a step (docs/controller-failover.md, "
         "\"Timing\")"};
 
+// ---- etcd's TLS and user (`nonstop controller --etcd`, `nonstop agent --etcd`, a worker
+// asking etcd; docs/etcd-security.md). The agent passes them to its workers: paths only. ----
+
+inline constexpr Setting<std::string_view> kEtcdCacert{
+    .env = "NONSTOP_ETCD_CACERT",
+    .flag = "--etcd-cacert",
+    .show_default = false,
+    .read_by = kController | kAgent | kWorker,
+    .set_by = kAgent,
+    .help =
+        "The CA certificate (PEM) that signed etcd's server certificate: talk to etcd over TLS "
+        "and check its certificate against it (https:// endpoints)",
+    .default_doc = "the system's CAs (with https:// endpoints); no TLS otherwise"};
+inline constexpr Setting<std::string_view> kEtcdCert{
+    .env = "NONSTOP_ETCD_CERT",
+    .flag = "--etcd-cert",
+    .show_default = false,
+    .read_by = kController | kAgent | kWorker,
+    .set_by = kAgent,
+    .help =
+        "This client's certificate (PEM) for etcd's client-certificate authentication "
+        "(with --etcd-key)",
+    .default_doc = "none"};
+inline constexpr Setting<std::string_view> kEtcdKey{
+    .env = "NONSTOP_ETCD_KEY",
+    .flag = "--etcd-key",
+    .show_default = false,
+    .read_by = kController | kAgent | kWorker,
+    .set_by = kAgent,
+    .help = "The private key (PEM, unencrypted, mode 600) of --etcd-cert",
+    .default_doc = "none"};
+inline constexpr Setting<std::string_view> kEtcdAuthFile{
+    .env = "NONSTOP_ETCD_AUTH_FILE",
+    .flag = "--etcd-auth-file",
+    .show_default = false,
+    .read_by = kController | kAgent | kWorker,
+    .set_by = kAgent,
+    .help =
+        "A file (mode 600) of one line user:password: the etcd user to authenticate as, when "
+        "etcd has auth enabled",
+    .default_doc = "none: no etcd user"};
+inline constexpr Setting<bool> kEtcdAllowPlaintext{
+    .env = "NONSTOP_ETCD_ALLOW_PLAINTEXT",
+    .flag = "--etcd-allow-plaintext",
+    .default_value = false,
+    .read_by = kController | kAgent | kWorker,
+    .set_by = kAgent,
+    .help =
+        "Allow plain http to an etcd on another host (the network then sees the leader key, the "
+        "journal and any etcd password); without it only a loopback etcd may be plain http"};
+
 // ---- `nonstop agent` ----
 
 inline constexpr Setting<std::string_view> kAgentController{

@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "common/crypto.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "control/messages.h"
@@ -55,6 +56,7 @@ control::ControllerLinkOptions LinkOptions(const AgentOptions& o, const std::str
   l.controllers = o.controller;
   l.etcd = o.etcd;
   l.etcd_job = o.etcd_job;
+  l.etcd_security = o.etcd_security;
   // The agent's own watch keeps it (docs/leader-discovery.md): its dials read it, not etcd.
   l.leader_file = leader_file;
   l.etcd_timeout = kEtcdTimeout;
@@ -79,7 +81,9 @@ bool IsAgentVariable(std::string_view name) {
   return name == s::kControllerAddress.env || name == s::kJobToken.env ||
          name == s::kJobTokenFd.env || name == s::kHostId.env || name == s::kDataHost.env ||
          name == s::kDataPorts.env || name == s::kEtcd.env || name == s::kEtcdJob.env ||
-         name == s::kLeaderFile.env;
+         name == s::kLeaderFile.env || name == s::kEtcdCacert.env || name == s::kEtcdCert.env ||
+         name == s::kEtcdKey.env || name == s::kEtcdAuthFile.env ||
+         name == s::kEtcdAllowPlaintext.env;
 }
 
 }  // namespace
@@ -92,7 +96,9 @@ Status ValidateOptions(const AgentOptions& o) {
     if (!where.ok()) return where.status();  // "controller address '…': what is wrong"
   }
   if (!o.etcd.empty()) {
-    auto c = etcd::Client::Create(o.etcd);
+    etcd::ClientOptions co;
+    co.security = o.etcd_security;
+    auto c = etcd::Client::Create(o.etcd, co);
     if (!c.ok()) return InvalidArgumentError(c.status().message());
     NONSTOP_RETURN_IF_ERROR(coord::CheckJobName(o.etcd_job));
   }
@@ -158,12 +164,15 @@ Agent::~Agent() {
 void Agent::StartLeaderWatch() {
   if (options_.etcd.empty()) return;
   // One etcd client for the host's leader discovery: the agent's watch, not a poll of each worker.
-  auto watch = coord::LeaderWatch::Start(options_.etcd, options_.etcd_job, leader_file_, [this] {
-    leader_changed_.store(true);
-    uint64_t one = 1;
-    ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
-    (void)n;
-  });
+  auto watch = coord::LeaderWatch::Start(
+      options_.etcd, options_.etcd_job, leader_file_,
+      [this] {
+        leader_changed_.store(true);
+        uint64_t one = 1;
+        ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+        (void)n;
+      },
+      options_.etcd_security, crypto::JobKey(options_.job_token));
   NONSTOP_CHECK(watch.ok()) << watch.status().ToString();  // ValidateOptions checked them
   leader_watch_ = std::move(*watch);
 }
@@ -555,6 +564,15 @@ void Agent::OnStart(std::string_view payload) {
     env[std::string(s::kEtcdJob.env)] = options_.etcd_job;
     // who leads, as this agent's watch sees it: the workers read it instead of asking etcd
     env[std::string(s::kLeaderFile.env)] = leader_file_;
+    // etcd's TLS and user, should a worker ask etcd itself: paths, no secret
+    const etcd::Security& sec = options_.etcd_security;
+    for (const auto& [name, value] :
+         {std::pair{s::kEtcdCacert.env, &sec.ca_file}, std::pair{s::kEtcdCert.env, &sec.cert_file},
+          std::pair{s::kEtcdKey.env, &sec.key_file},
+          std::pair{s::kEtcdAuthFile.env, &sec.auth_file}}) {
+      if (!value->empty()) env[std::string(name)] = *value;
+    }
+    if (sec.allow_plaintext) env[std::string(s::kEtcdAllowPlaintext.env)] = "1";
   }
   env[std::string(s::kHostId.env)] = options_.host_id;
   env[std::string(s::kDataHost.env)] = data_host_;

@@ -78,6 +78,7 @@
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "control/controller_link.h"
+#include "coord/etcd_security.h"
 #include "coord/leader_watch.h"
 #include "launcher/local_launcher.h"
 #include "launcher/output_writer.h"
@@ -103,6 +104,9 @@ struct AgentOptions {
   // that file. The workers get NONSTOP_ETCD and NONSTOP_ETCD_JOB too.
   std::string etcd;
   std::string etcd_job{settings::kEtcdJob.default_value};
+  // etcd's TLS and user (docs/etcd-security.md): the watch's and the link's; the workers get
+  // the paths (NONSTOP_ETCD_CACERT, …), never a secret.
+  etcd::Security etcd_security;
   std::string job_token;  // required; passed to workers in a memfd (NONSTOP_JOB_TOKEN_FD)
   std::string host_id;    // required, valid per control::CheckHostId; passed as NONSTOP_HOST_ID
   // Workers this host contributes to the world, and spares it keeps warm (told to the controller).

@@ -100,6 +100,12 @@ std::vector<Info> Build() {
       Describe(kControllerEtcd),
       Describe(kEtcdJob),
       Describe(kLeaseTtlS),
+      // etcd's TLS and user
+      Describe(kEtcdCacert),
+      Describe(kEtcdCert),
+      Describe(kEtcdKey),
+      Describe(kEtcdAuthFile),
+      Describe(kEtcdAllowPlaintext),
       // nonstop agent
       Describe(kAgentController),
       Describe(kEtcd),

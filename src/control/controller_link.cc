@@ -108,7 +108,7 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
   std::unique_ptr<etcd::Client> etcd;
   if (!o.etcd.empty() && o.leader_file.empty()) {
     NONSTOP_RETURN_IF_ERROR(coord::CheckJobName(o.etcd_job));
-    auto c = etcd::Client::Create(o.etcd, {o.etcd_timeout});
+    auto c = etcd::Client::Create(o.etcd, {o.etcd_timeout, o.etcd_security});
     if (!c.ok()) return InvalidArgumentError(c.status().message());
     etcd = std::move(*c);
   }
@@ -118,8 +118,8 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
   link->list_ = std::move(list);
   link->etcd_ = std::move(etcd);
   if (!link->options_.leader_file.empty()) {
-    link->leader_file_ = std::make_unique<coord::LeaderFileReader>(link->options_.leader_file,
-                                                                   link->options_.etcd_job);
+    link->leader_file_ = std::make_unique<coord::LeaderFileReader>(
+        link->options_.leader_file, link->options_.etcd_job, link->job_key_);
   }
   if (!link->list_.empty()) link->controller_ = link->list_[0].ToString();
   return link;
@@ -279,9 +279,10 @@ void ControllerLink::BeginTry(Deadline now) {
   }
   int job_exit = 1;
   // The host's agent watches etcd and keeps the file: a local read, no request to etcd.
-  Result<std::string> leader = leader_file_ != nullptr
-                                   ? leader_file_->Read(&job_exit)
-                                   : coord::LookUpLeader(*etcd_, options_.etcd_job, &job_exit);
+  Result<std::string> leader =
+      leader_file_ != nullptr
+          ? leader_file_->Read(&job_exit)
+          : coord::LookUpLeader(*etcd_, options_.etcd_job, &job_exit, &job_key_);
   if (!leader.ok()) {
     switch (leader.status().code()) {
       case StatusCode::kAborted:  // the job ended while no controller led: final

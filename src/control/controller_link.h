@@ -81,6 +81,7 @@
 #include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
+#include "coord/etcd_security.h"
 #include "net/event_loop.h"
 #include "net/frame.h"
 #include "net/handshake.h"
@@ -125,6 +126,9 @@ struct ControllerLinkOptions {
   // local read of under 200 bytes), so that the host's agent is the one etcd
   // client of the host. It wins over etcd; it must be etcd_job's.
   std::string leader_file;
+  // etcd's TLS and user (docs/etcd-security.md), for the etcd client. The leader key's value is
+  // verified with hello.job_token's job key, from etcd and from the leader file alike.
+  etcd::Security etcd_security;
   Millis etcd_timeout{300};  // one etcd request (the owner's thread waits for it)
   // With etcd: until the first acceptance the list is dialed (a worker whose
   // launcher just named the leader); etcd is asked after a loss.

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/crypto.h"
 #include "common/file_util.h"
 #include "common/temp_dir.h"
 #include "control/messages.h"
@@ -480,9 +481,21 @@ TEST(ControllerLinkEtcdTest, DialsTheLeaderEtcdNamesAsksAgainSoonWhileItIsGoneAn
   auto client = etcd::Client::Create(etcd_server.endpoint());
   ASSERT_TRUE(client.ok()) << client.status().ToString();
   const std::string job = "link-test";
+  // The value a leader holding the job token publishes: MAC'd, with the key's create revision as
+  // its epoch (the key is made first, then given its value).
   auto name_leader = [&](const std::string& address) {
+    auto kvs = (*client)->Range(coord::LeaderKey(job));
+    ASSERT_TRUE(kvs.ok());
+    int64_t epoch = kvs->empty() ? 0 : (*kvs)[0].create_revision;
+    if (epoch == 0) {
+      auto created = (*client)->Put(coord::LeaderKey(job), R"({"pid":1})");
+      ASSERT_TRUE(created.ok());
+      epoch = *created;
+    }
     ASSERT_TRUE((*client)
-                    ->Put(coord::LeaderKey(job), fmt::format(R"({{"controller":"{}"}})", address))
+                    ->Put(coord::LeaderKey(job),
+                          coord::SignLeaderValue(crypto::JobKey(kToken), job,
+                                                 {{"controller", address}, {"epoch", epoch}}))
                     .ok());
   };
   ControllerLinkOptions o = Options("");
@@ -541,10 +554,16 @@ TEST(ControllerLinkEtcdTest, DialsTheLeaderEtcdNamesAsksAgainSoonWhileItIsGoneAn
 TEST(ControllerLinkLeaderFileTest, FollowsTheAgentsLeaderFileWithoutAskingEtcd) {
   TempDir dir;
   const std::string path = dir / "leader.json";
+  // A leader value MAC'd with the job key, for the key of epoch 7.
+  auto genuine = [](const std::string& address) {
+    return coord::SignLeaderValue(crypto::JobKey(kToken), "link-test",
+                                  {{"controller", address}, {"epoch", 7}});
+  };
   auto write = [&](std::optional<std::string> leader, std::optional<std::string> end) {
     coord::LeaderKeys keys;
     keys.job = "link-test";
     keys.leader = std::move(leader);
+    keys.leader_epoch = 7;
     keys.end = std::move(end);
     ASSERT_TRUE(WriteFileAtomically(path, coord::EncodeLeaderFile(keys)).ok());
   };
@@ -570,7 +589,7 @@ TEST(ControllerLinkLeaderFileTest, FollowsTheAgentsLeaderFileWithoutAskingEtcd) 
   // The file names a leader that is gone: read again after the poll, or at once when the owner
   // says the file changed.
   const std::string gone = ClosedAddress();
-  write(fmt::format(R"({{"controller":"{}"}})", gone), std::nullopt);
+  write(genuine(gone), std::nullopt);
   now = link->wake_at();
   link->Advance(0, now);
   ASSERT_TRUE(
@@ -579,7 +598,15 @@ TEST(ControllerLinkLeaderFileTest, FollowsTheAgentsLeaderFileWithoutAskingEtcd) 
   EXPECT_EQ(link->wake_at(), now + 30ms);
   EXPECT_NE(link->last_error().find("agent's log"), std::string::npos) << link->last_error();
   RealController next(/*epoch=*/5);
-  write(fmt::format(R"({{"controller":"{}"}})", next.address()), std::nullopt);
+  // A value without the job key's MAC (whoever wrote it does not hold the job token) names the
+  // next leader: not followed, the link goes on waiting and says why.
+  write(fmt::format(R"({{"controller":"{}","epoch":7}})", next.address()), std::nullopt);
+  link->LeaderChanged(now);
+  link->Advance(0, now);
+  EXPECT_EQ(link->state(), ControllerLink::State::kWaiting);
+  EXPECT_NE(link->last_error().find("not followed"), std::string::npos) << link->last_error();
+  EXPECT_NE(link->controller(), next.address());
+  write(genuine(next.address()), std::nullopt);
   link->LeaderChanged(now);
   EXPECT_EQ(link->wake_at(), now) << "the news did not cut the wait short";
   ASSERT_TRUE(Drive(

@@ -25,6 +25,7 @@
 
 #include <fmt/format.h>
 
+#include "common/crypto.h"
 #include "common/job_token.h"
 #include "common/logging.h"
 #include "common/signals.h"
@@ -390,8 +391,8 @@ std::optional<int> Runtime::StartServers() {
   });
   if (leadership_ != nullptr) {
     // Workers and agents look the leader up in etcd: from now on they find this one.
-    Status s =
-        leadership_->Publish({{"controller", controller_address_}, {"http", http_->address()}});
+    Status s = leadership_->Publish(
+        {{"controller", controller_address_}, {"http", http_->address()}}, crypto::JobKey(token_));
     if (!s.ok()) {
       fmt::print(stderr, "{}: publishing this controller's address in etcd: {}\n", name_,
                  s.ToString());
@@ -530,6 +531,14 @@ int Runtime::Run() {
     loop_.Watch(leadership_->wake_fd(), POLLIN, [this](short) {
       uint64_t n;
       while (::read(leadership_->wake_fd(), &n, sizeof(n)) == sizeof(n)) {
+      }
+      // Someone without the job token wrote the leader key (docs/leader-discovery.md).
+      for (const auto& f : leadership_->TakeLeaderKeyForgeries()) {
+        journal_->Append({{"event", "leader_key_forged"},
+                          {"value", f.value},
+                          {"mod_revision", f.mod_revision},
+                          {"why", f.why},
+                          {"restored", f.restored}});
       }
       RunPending();
     });

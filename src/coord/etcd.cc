@@ -2,11 +2,14 @@
 
 #include <httplib.h>
 
+#include <csignal>
 #include <iterator>
+#include <mutex>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/logging.h"
 #include "common/time.h"
 
 namespace nonstop::etcd {
@@ -127,6 +130,9 @@ Status TransportStatus(const std::string& where, httplib::Error error, Millis ti
     case httplib::Error::Read:
       return UnavailableError(fmt::format(
           "{}: no answer within {} ms (or the connection was reset)", where, timeout.count()));
+    case httplib::Error::Write:
+      return UnavailableError(
+          fmt::format("{}: the connection was closed while the request was sent", where));
     default:
       return UnavailableError(fmt::format("{}: {}", where, httplib::to_string(error)));
   }
@@ -144,12 +150,15 @@ struct Answer {
   std::string body;
 };
 
-Answer Post(httplib::Client& http, const std::string& path, const std::string& body) {
+Answer Post(httplib::Client& http, const std::string& path, const std::string& body,
+            const std::string& token) {
   Answer a;
   httplib::Request req;
   req.method = "POST";
   req.path = path;
   req.set_header("Content-Type", "application/json");
+  // etcd's gateway takes the token of /v3/auth/authenticate as it is, no "Bearer".
+  if (!token.empty()) req.set_header("Authorization", token);
   req.body = body;
   req.response_handler = [&a](const httplib::Response& r) {
     a.status = r.status;
@@ -325,16 +334,52 @@ std::string PrefixEnd(std::string_view prefix) {
 
 struct Client::Endpoint {
   std::string name;  // host:port
-  httplib::Client http;
-  // host: a name, an IPv4 address or an IPv6 one (without its brackets)
-  Endpoint(const std::string& host, int port)
-      : name(host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port)
-                                                 : fmt::format("{}:{}", host, port)),
-        http(host, port) {
-    // cpp-httplib would send "Host: ::1:2379"; an IPv6 address goes in brackets there too.
-    if (host.find(':') != std::string::npos) http.set_default_headers({{"Host", name}});
-  }
+  std::string host;  // a name, an IPv4 address or an IPv6 one (without its brackets)
+  int port = 0;
+  std::unique_ptr<httplib::Client> http;
 };
+
+namespace {
+
+// OpenSSL writes a TLS connection with write(2), without MSG_NOSIGNAL: a write to a connection etcd
+// closed (a kept-alive one, a watch stopped) would kill the process with SIGPIPE. A process that
+// left SIGPIPE at its default gets EPIPE instead from its first TLS client on (nonstop's own
+// programs ignore it already: common/signals.h).
+void IgnoreSigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction now {};
+    if (::sigaction(SIGPIPE, nullptr, &now) == 0 && now.sa_handler == SIG_DFL)
+      ::signal(SIGPIPE, SIG_IGN);
+  });
+}
+
+// A connection to host:port, over TLS if `tls` (etcd's certificate checked against the CA file,
+// or the system's CAs; the client certificate presented if given).
+std::unique_ptr<httplib::Client> MakeHttp(const std::string& host, int port, bool tls,
+                                          const Security& s, Millis timeout) {
+  const bool v6 = host.find(':') != std::string::npos;
+  const std::string host_port =
+      v6 ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+  std::unique_ptr<httplib::Client> http;
+  if (tls) {
+    http = std::make_unique<httplib::Client>("https://" + host_port, s.cert_file, s.key_file);
+    if (!s.ca_file.empty()) http->set_ca_cert_path(s.ca_file.c_str());
+    http->enable_server_certificate_verification(true);
+  } else {
+    http = std::make_unique<httplib::Client>(host, port);
+  }
+  // cpp-httplib would send "Host: ::1:2379"; an IPv6 address goes in brackets there too.
+  if (v6) http->set_default_headers({{"Host", host_port}});
+  auto secs = timeout.count() / 1000;
+  auto usecs = (timeout.count() % 1000) * 1000;
+  http->set_connection_timeout(secs, usecs);
+  http->set_read_timeout(secs, usecs);
+  http->set_write_timeout(secs, usecs);
+  return http;
+}
+
+}  // namespace
 
 namespace {
 
@@ -349,6 +394,7 @@ Result<std::pair<std::string, int>> ParseEndpoint(std::string one, const std::st
                     given, all, why));
   };
   if (one.rfind("http://", 0) == 0) one = one.substr(7);
+  if (one.rfind("https://", 0) == 0) one = one.substr(8);
   while (!one.empty() && one.back() == '/') one.pop_back();
   std::string host, port_text;
   if (!one.empty() && one.front() == '[') {
@@ -387,12 +433,6 @@ Result<std::vector<std::pair<std::string, int>>> ParseEndpoints(const std::strin
     size_t end = std::min(endpoints.find(',', begin), endpoints.size());
     std::string one = endpoints.substr(begin, end - begin);
     begin = end + 1;
-    if (one.rfind("https://", 0) == 0) {
-      return InvalidArgumentError(
-          fmt::format("etcd endpoint '{}': https is not supported; use http:// on a "
-                      "trusted network or a local etcd proxy",
-                      one));
-    }
     NONSTOP_ASSIGN_OR_RETURN(auto host_port, ParseEndpoint(one, endpoints));
     out.push_back(std::move(host_port));
   }
@@ -407,33 +447,72 @@ Result<std::unique_ptr<Client>> Client::Create(const std::string& endpoints,
   c->endpoints_text_ = endpoints;
   c->options_ = options;
   NONSTOP_ASSIGN_OR_RETURN(auto parsed, ParseEndpoints(endpoints));
+  NONSTOP_ASSIGN_OR_RETURN(c->tls_, UsesTls(endpoints, parsed, options.security));
+  if (c->tls_) IgnoreSigpipe();
+  NONSTOP_RETURN_IF_ERROR(CheckTlsFiles(options.security));
+  if (!options.security.auth_file.empty()) {
+    NONSTOP_ASSIGN_OR_RETURN(c->credentials_, ReadAuthFile(options.security.auth_file));
+  }
   for (const auto& [host, port] : parsed) {
-    auto e = std::make_unique<Endpoint>(host, port);
-    auto secs = options.timeout.count() / 1000;
-    auto usecs = (options.timeout.count() % 1000) * 1000;
-    e->http.set_connection_timeout(secs, usecs);
-    e->http.set_read_timeout(secs, usecs);
-    e->http.set_write_timeout(secs, usecs);
-    e->http.set_keep_alive(true);
+    auto e = std::make_unique<Endpoint>();
+    e->host = host;
+    e->port = port;
+    e->name = host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port)
+                                                  : fmt::format("{}:{}", host, port);
+    e->http = MakeHttp(host, port, c->tls_, options.security, options.timeout);
+    e->http->set_keep_alive(true);
     // A request's header and body go out in two writes: with Nagle's algorithm the body waits for
     // the ACK of the header, which etcd delays by up to 40 ms, on every request of a kept-alive
     // connection.
-    e->http.set_tcp_nodelay(true);
+    e->http->set_tcp_nodelay(true);
     c->endpoints_.push_back(std::move(e));
   }
   return c;
 }
 
-Result<std::string> Client::Call(const std::string& path, const std::string& body) {
+const std::string& Client::endpoint_name(size_t i) const { return endpoints_[i]->name; }
+
+std::unique_ptr<httplib::Client> Client::NewConnection(size_t i) const {
+  const Endpoint& e = *endpoints_[i];
+  return MakeHttp(e.host, e.port, tls_, options_.security, options_.timeout);
+}
+
+Status Client::TransportFailure(size_t i, const httplib::Client& http, httplib::Error error) const {
+  const std::string& where = endpoints_[i]->name;
+  if (error == httplib::Error::SSLServerVerification) {
+    return TlsFailure(where, options_.security, false, http.get_openssl_verify_result());
+  }
+  if (error == httplib::Error::SSLConnection) return TlsFailure(where, options_.security, true, 0);
+  if (error == httplib::Error::SSLLoadingCerts) {
+    return FailedPreconditionError(fmt::format(
+        "etcd {}: OpenSSL cannot load the CA certificates of --etcd-cacert {} (HINT: a PEM file "
+        "of the CA that signed etcd's --cert-file)",
+        where, options_.security.ca_file));
+  }
+  Status s = TransportStatus(where, error, options_.timeout);
+  if (tls_ && (error == httplib::Error::Read || error == httplib::Error::Write)) {
+    // Over TLS 1.3 etcd checks the client's certificate after the handshake: a refusal is a
+    // connection closed under the first request (its write or its read).
+    return UnavailableError(fmt::format(
+        "{} (over TLS: etcd may have refused the client certificate {}: not signed by a CA in "
+        "etcd's --trusted-ca-file?)",
+        s.message(),
+        options_.security.cert_file.empty() ? std::string("(none given: --etcd-cert/--etcd-key)")
+                                            : "--etcd-cert " + options_.security.cert_file));
+  }
+  return s;
+}
+
+Result<std::string> Client::Send(const std::string& path, const std::string& body) {
   std::string errors;
   bool all_deadlines = true;
   for (size_t tried = 0; tried < endpoints_.size(); ++tried) {
     Endpoint& e = *endpoints_[current_];
-    Answer answer = Post(e.http, "/v3/" + path, body);
+    Answer answer = Post(*e.http, "/v3/" + path, body, token_);
     if (answer.error == httplib::Error::Success && answer.status == 200)
       return std::move(answer.body);
     Status failure = answer.error != httplib::Error::Success
-                         ? TransportStatus(e.name, answer.error, options_.timeout)
+                         ? TransportFailure(current_, *e.http, answer.error)
                          : AnswerStatus(e.name, path, answer.status, answer.body);
     // etcd answered: its error stands (another member would say the same)
     if (!IsTransient(failure)) return failure;
@@ -446,6 +525,67 @@ Result<std::string> Client::Call(const std::string& path, const std::string& bod
       fmt::format("no etcd member at {} served /v3/{} ({})", endpoints_text_, path, errors);
   return all_deadlines ? DeadlineExceededError(std::move(message))
                        : UnavailableError(std::move(message));
+}
+
+namespace {
+
+// etcd no longer takes the token (it expired: --auth-token-ttl, or etcd restarted and forgot its
+// simple tokens; or the auth store changed): authenticating again may help, once.
+bool TokenRefused(const Status& s) {
+  const std::string& m = s.message();
+  return m.find("invalid auth token") != std::string::npos ||
+         m.find("auth store is old") != std::string::npos ||
+         m.find("UNAUTHENTICATED") != std::string::npos;
+}
+
+}  // namespace
+
+Status Client::Authenticate() {
+  token_.clear();
+  nlohmann::json req = {{"name", credentials_->user}, {"password", credentials_->password}};
+  auto body = Send("auth/authenticate", req.dump());
+  if (!body.ok()) {
+    if (IsTransient(body.status())) return body.status();
+    if (body.status().message().find("authentication is not enabled") != std::string::npos) {
+      // A user given for an etcd without auth: requests go without a token (it may be turned on
+      // later: the next refused request authenticates again).
+      if (!std::exchange(auth_disabled_said_, true)) {
+        NONSTOP_LOG_WARNING(
+            "etcd {} has authentication off: the user of --etcd-auth-file {} is not needed "
+            "(requests go without a token)",
+            endpoints_text_, options_.security.auth_file);
+      }
+      return OkStatus();
+    }
+    return FailedPreconditionError(fmt::format(
+        "etcd refused the user '{}' of --etcd-auth-file {}: {} (HINT: check the user:password in "
+        "that file, and that the user exists in etcd: `etcdctl user get {}`)",
+        credentials_->user, options_.security.auth_file, body.status().message(),
+        credentials_->user));
+  }
+  auto j = nlohmann::json::parse(*body, nullptr, false);
+  if (!j.is_object() || !j.contains("token") || !j["token"].is_string() ||
+      j["token"].get<std::string>().empty()) {
+    return DataLossError(
+        fmt::format("etcd {} answered /v3/auth/authenticate without a token", endpoints_text_));
+  }
+  token_ = j["token"].get<std::string>();
+  return OkStatus();
+}
+
+Result<std::string> Client::AuthToken() {
+  if (credentials_ && token_.empty()) NONSTOP_RETURN_IF_ERROR(Authenticate());
+  return token_;
+}
+
+Result<std::string> Client::Call(const std::string& path, const std::string& body) {
+  if (!credentials_) return Send(path, body);
+  const bool fresh = token_.empty();
+  NONSTOP_RETURN_IF_ERROR(AuthToken().status());
+  auto answer = Send(path, body);
+  if (answer.ok() || fresh || !TokenRefused(answer.status())) return answer;
+  NONSTOP_RETURN_IF_ERROR(Authenticate());
+  return Send(path, body);
 }
 
 namespace {

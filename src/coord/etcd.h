@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -22,6 +23,12 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
+#include "coord/etcd_security.h"
+
+namespace httplib {
+class Client;
+enum class Error;
+}  // namespace httplib
 
 namespace nonstop::etcd {
 
@@ -33,9 +40,9 @@ Result<std::string> Base64Decode(std::string_view text);
 // prefix).
 std::string PrefixEnd(std::string_view prefix);
 
-// --etcd's endpoints: "host:port", "http://host:port[/]", "[v6addr]:port" or
-// "http://[v6addr]:port[/]", comma separated; each its host (an IPv6 address without brackets) and
-// port. The error names the endpoint and what is wrong with it.
+// --etcd's endpoints: "host:port", "http://host:port[/]", "https://host:port[/]", "[v6addr]:port"
+// or "http(s)://[v6addr]:port[/]", comma separated; each its host (an IPv6 address without
+// brackets) and port. The error names the endpoint and what is wrong with it.
 Result<std::vector<std::pair<std::string, int>>> ParseEndpoints(const std::string& endpoints);
 
 // A 64-bit integer field of the gateway's JSON: it writes them as strings ("revision":"12") and
@@ -119,8 +126,9 @@ enum class ErrorClass {
   // HTTP 504 or 408, gRPC DEADLINE_EXCEEDED (4). Status: kDeadlineExceeded.
   kDeadlineExceeded,
   // Final. HTTP 401/403, gRPC PERMISSION_DENIED (7), UNAUTHENTICATED (16):
-  // etcd has auth on (this client sends no credentials) or a role lacks the
-  // job's keys. Status: kFailedPrecondition.
+  // etcd has auth on and this client has no user (--etcd-auth-file), or its
+  // user's role lacks the job's keys; etcd refused the user's password; etcd's
+  // TLS certificate does not verify (etcd_security.h). Status: kFailedPrecondition.
   kPermissionDenied,
   // Final. gRPC INVALID_ARGUMENT (3: too many operations, a request too
   // large, a malformed request) and the other codes (ALREADY_EXISTS 6,
@@ -147,13 +155,21 @@ Status AnswerStatus(const std::string& where, const std::string& path, int http_
 bool IsTransient(const Status& s);
 
 struct ClientOptions {
+  ClientOptions() = default;
+  // NOLINTNEXTLINE(google-explicit-constructor): {timeout} and {timeout, security} read well
+  ClientOptions(std::chrono::milliseconds t, Security s = {})
+      : timeout(t), security(std::move(s)) {}
   std::chrono::milliseconds timeout{2'000};  // per request: connect, send, answer
+  Security security;                         // TLS, the etcd user (etcd_security.h)
 };
 
 class Client {
  public:
-  // endpoints: "host:port" or "http://host:port", comma separated; an IPv6 address in
-  // brackets ("[::1]:2379", "http://[fd00::2]:2379").
+  // endpoints: "host:port", "http://host:port" or "https://host:port", comma separated; an IPv6
+  // address in brackets ("[::1]:2379", "https://[fd00::2]:2379"). Checks options.security (the
+  // files it names; plain http to another host needs allow_plaintext) and reads the etcd user's
+  // password: no request yet (the user authenticates at the first request). A TLS client makes
+  // the process ignore SIGPIPE if it did not already (OpenSSL's writes would raise it).
   static Result<std::unique_ptr<Client>> Create(const std::string& endpoints,
                                                 ClientOptions options = {});
   ~Client();
@@ -194,15 +210,34 @@ class Client {
   // A request to /v3/<path> with a JSON body; the answer's body. Errors name the endpoint and
   // carry their class (ErrorClass). A transient failure moves on to the next endpoint; a final
   // answer is returned at once (another member would say the same).
+  // With an etcd user (--etcd-auth-file), authenticates first if it has no token yet, and once
+  // more if etcd says the token is no longer valid (expired, or etcd restarted).
   Result<std::string> Call(const std::string& path, const std::string& body);
+
+  // For a stream of the caller's own (etcd::Watch): the endpoints, a new connection to one with
+  // this client's TLS settings, the token its requests carry (authenticated first if need be;
+  // empty without an etcd user), and what a failed request on such a connection means.
+  size_t endpoint_count() const { return endpoints_.size(); }
+  const std::string& endpoint_name(size_t i) const;
+  std::unique_ptr<httplib::Client> NewConnection(size_t i) const;
+  Result<std::string> AuthToken();
+  void ForgetToken() { token_.clear(); }  // etcd refused it: the next AuthToken() asks anew
+  Status TransportFailure(size_t i, const httplib::Client& http, httplib::Error error) const;
 
  private:
   struct Endpoint;
   Client() = default;
+  // One try at each endpoint in turn, with the token if there is one.
+  Result<std::string> Send(const std::string& path, const std::string& body);
+  Status Authenticate();
   std::vector<std::unique_ptr<Endpoint>> endpoints_;
   size_t current_ = 0;
   std::string endpoints_text_;
   ClientOptions options_;
+  bool tls_ = false;
+  std::optional<Credentials> credentials_;  // the etcd user, if any
+  std::string token_;                       // its token, once authenticated
+  bool auth_disabled_said_ = false;
 };
 
 }  // namespace nonstop::etcd

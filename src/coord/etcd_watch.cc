@@ -53,11 +53,9 @@ Result<std::unique_ptr<Watch>> Watch::Start(WatchOptions options, OnChange on_ch
         "etcd watch: timeouts must be positive, the back-off's max at least its initial, the idle "
         "jitter in [0, 1]");
   }
-  auto client = Client::Create(options.endpoints, {options.request_timeout});
+  auto client = Client::Create(options.endpoints, {options.request_timeout, options.security});
   if (!client.ok()) return InvalidArgumentError(client.status().message());
   auto w = std::unique_ptr<Watch>(new Watch(std::move(options), std::move(on_change)));
-  NONSTOP_ASSIGN_OR_RETURN(auto endpoints, ParseEndpoints(w->options_.endpoints));
-  for (auto& [host, port] : endpoints) w->endpoints_.push_back({host, port});
   w->client_ = std::move(*client);
   w->thread_ = std::thread([p = w.get()] { p->Run(); });
   return w;
@@ -118,7 +116,7 @@ void Watch::Run() {
       // (or mean something else). Read the range again. Or a member behind the others: the next
       // one, and a back-off, so that a member stuck behind does not make a read per stream.
       NONSTOP_LOG_WARNING("{}: {}; reading the key again", options_.what, why.message());
-      current_ = (current_ + 1) % endpoints_.size();
+      current_ = (current_ + 1) % client_->endpoint_count();
       if (!Pause(backoff_.Next())) break;
       need_read = true;
       continue;
@@ -126,7 +124,9 @@ void Watch::Run() {
     // etcd restarted, or this member is down, paused, partitioned: the next member, after the
     // back-off, from the revision after the last one seen
     outage_.Failed(why);
-    current_ = (current_ + 1) % endpoints_.size();
+    // etcd no longer takes the stream's token: the next stream authenticates again
+    if (why.message().find("auth token") != std::string::npos) client_->ForgetToken();
+    current_ = (current_ + 1) % client_->endpoint_count();
     if (!Pause(backoff_.Next())) break;
   }
   MutexLock lock(&mu_);
@@ -155,8 +155,14 @@ bool Watch::Read() {
 }
 
 Watch::StreamEnd Watch::Stream(Status* why) {
-  const Endpoint& e = endpoints_[current_];
-  httplib::Client http(e.host, e.port);
+  // With an etcd user, the stream carries its token (the Range's client authenticates).
+  auto token = client_->AuthToken();
+  if (!token.ok()) {
+    *why = token.status();
+    return StreamEnd::kFailed;
+  }
+  std::unique_ptr<httplib::Client> connection = client_->NewConnection(current_);
+  httplib::Client& http = *connection;
   idle_ = options_.idle_timeout +
           Millis(static_cast<int64_t>(static_cast<double>(options_.idle_timeout.count()) *
                                       options_.idle_jitter *
@@ -184,6 +190,7 @@ Watch::StreamEnd Watch::Stream(Status* why) {
   req.method = "POST";
   req.path = "/v3/watch";
   req.set_header("Content-Type", "application/json");
+  if (!token->empty()) req.set_header("Authorization", *token);
   req.body = nlohmann::json({{"create_request", create}}).dump();
   int status = 0;
   std::string error_body;
@@ -224,9 +231,12 @@ Watch::StreamEnd Watch::Stream(Status* why) {
     return StreamEnd::kIdle;
   }
   if (end != StreamEnd::kFailed || !why->ok()) return end;
-  std::string where = fmt::format("{}:{}", e.host, e.port);
+  const std::string& where = client_->endpoint_name(current_);
   if (status != 0 && status != 200) {
     *why = AnswerStatus(where, "watch", status, error_body);
+  } else if (!res && res.error() != httplib::Error::Read &&
+             res.error() != httplib::Error::Canceled) {
+    *why = client_->TransportFailure(current_, http, res.error());
   } else if (!res) {
     *why = UnavailableError(
         fmt::format("etcd {}: the watch ended ({}{})", where, httplib::to_string(res.error()),

@@ -60,6 +60,7 @@ namespace nonstop::etcd {
 
 struct WatchOptions {
   std::string endpoints;  // host:port[,host:port…], as etcd::Client takes them
+  Security security;      // TLS, the etcd user: as etcd::Client takes them
   std::string key;
   std::string range_end;          // empty: the key alone; PrefixEnd(key): every key under it
   Millis request_timeout{2'000};  // the Range; the stream's connect and its first answer
@@ -103,10 +104,6 @@ class Watch {
  private:
   // kAnotherStore: etcd answered below the revision seen, or is another cluster.
   enum class StreamEnd { kStopped, kCompacted, kAnotherStore, kIdle, kFailed };
-  struct Endpoint {
-    std::string host;
-    int port = 0;
-  };
   Watch(WatchOptions options, OnChange on_change)
       : options_(std::move(options)),
         on_change_(std::move(on_change)),
@@ -125,8 +122,7 @@ class Watch {
 
   const WatchOptions options_;
   const OnChange on_change_;
-  std::vector<Endpoint> endpoints_;
-  size_t current_ = 0;              // the endpoint of the next stream
+  size_t current_ = 0;              // the endpoint of the next stream (of client_'s)
   std::unique_ptr<Client> client_;  // the thread's, for the Range
   Snapshot snapshot_;               // the thread's
   int64_t revision_ = 0;            // the thread's: every change up to it is in snapshot_

@@ -15,8 +15,65 @@
 
 namespace nonstop::coord {
 
+namespace {
+
+// The MAC of a leader key's value: keyed for this purpose and this job (a value MAC'd for job A
+// does not verify for job B of the same token), over the value's JSON without its "mac" (nlohmann
+// writes an object's fields in key order: the writer's and the reader's texts agree).
+std::string LeaderMac(const crypto::Key& job_key, const std::string& job,
+                      const nlohmann::json& unsigned_value) {
+  return crypto::Hex(crypto::Mac(crypto::DeriveKey(job_key, "etcd leader key", job),
+                                 "leader key value", {unsigned_value.dump()}));
+}
+
+// The last value refused in this process: one log line per refused value (a reader asks again
+// and again while the value stays).
+Mutex refused_mu;
+std::string refused_last NONSTOP_GUARDED_BY(refused_mu);
+
+void SayRefusedOnce(const std::string& job, const std::string& value, const Status& why) {
+  MutexLock lock(&refused_mu);
+  if (refused_last == value) return;
+  refused_last = value;
+  NONSTOP_LOG_WARNING(
+      "job '{}': not following the leader key {}: {} (someone who can write etcd but does not "
+      "hold the job token wrote it; the leader puts its own value back)",
+      job, value.substr(0, 200), why.message());
+}
+
+}  // namespace
+
+std::string SignLeaderValue(const crypto::Key& job_key, const std::string& job,
+                            nlohmann::json value) {
+  value.erase("mac");
+  std::string mac = LeaderMac(job_key, job, value);
+  value["mac"] = std::move(mac);
+  return value.dump();
+}
+
+Status VerifyLeaderValue(const crypto::Key& job_key, const std::string& job,
+                         const std::string& value, int64_t create_revision) {
+  auto v = nlohmann::json::parse(value, nullptr, false);
+  if (!v.is_object() || !v.contains("mac") || !v["mac"].is_string()) {
+    return FailedPreconditionError("it carries no MAC of the job key");
+  }
+  const std::string mac = v["mac"].get<std::string>();
+  v.erase("mac");
+  if (!crypto::MacEquals(mac, LeaderMac(job_key, job, v))) {
+    return FailedPreconditionError("its MAC does not verify with the job key");
+  }
+  if (!v.contains("epoch") || !v["epoch"].is_number_integer() ||
+      v["epoch"].get<int64_t>() != create_revision) {
+    return FailedPreconditionError(fmt::format(
+        "it is a genuine value of epoch {}, written again into the key of epoch {} (a replay)",
+        v.contains("epoch") ? v["epoch"].dump() : "none", create_revision));
+  }
+  return OkStatus();
+}
+
 // The same reading as LookUpLeader's (src/coord/leadership.cc), of the same values.
-Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code) {
+Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code,
+                                        const crypto::Key* job_key) {
   if (!keys.leader) {
     if (keys.end) {
       auto r = nlohmann::json::parse(*keys.end, nullptr, false);
@@ -36,12 +93,22 @@ Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code) 
     return NotFoundError(
         fmt::format("the leader of job '{}' has not published its address yet", keys.job));
   }
+  if (job_key != nullptr) {
+    if (Status s = VerifyLeaderValue(*job_key, keys.job, *keys.leader, keys.leader_epoch);
+        !s.ok()) {
+      SayRefusedOnce(keys.job, *keys.leader, s);
+      return NotFoundError(fmt::format(
+          "the leader key of job '{}' is not followed: {} (written without the job token)",
+          keys.job, s.message()));
+    }
+  }
   return v["controller"].get<std::string>();
 }
 
 std::string EncodeLeaderFile(const LeaderKeys& keys) {
   nlohmann::json j = {{"job", keys.job}, {"revision", keys.revision}};
   j["leader"] = keys.leader ? nlohmann::json(*keys.leader) : nlohmann::json(nullptr);
+  j["leader_epoch"] = keys.leader_epoch;
   j["end"] = keys.end ? nlohmann::json(*keys.end) : nlohmann::json(nullptr);
   return j.dump() + "\n";
 }
@@ -60,6 +127,8 @@ Result<LeaderKeys> DecodeLeaderFile(const std::string& text) {
   keys.job = j["job"].get<std::string>();
   keys.revision = j["revision"].get<int64_t>();
   keys.leader = optional("leader");
+  if (j.contains("leader_epoch") && j["leader_epoch"].is_number_integer())
+    keys.leader_epoch = j["leader_epoch"].get<int64_t>();
   keys.end = optional("end");
   return keys;
 }
@@ -83,7 +152,7 @@ Result<std::string> LeaderFileReader::Read(int* exit_code) {
         "(NONSTOP_LEADER_FILE and NONSTOP_ETCD_JOB must come from the same agent)",
         path_, keys->job, job_));
   }
-  return InterpretLeaderKeys(*keys, exit_code);
+  return InterpretLeaderKeys(*keys, exit_code, job_key_ ? &*job_key_ : nullptr);
 }
 
 // A temporary file renamed over `path`: a reader opens the old file or the new one, whole. No
@@ -120,14 +189,17 @@ Status WriteLeaderFile(const std::string& path, const std::string& text) {
 
 Result<std::unique_ptr<LeaderWatch>> LeaderWatch::Start(const std::string& endpoints,
                                                         const std::string& job, std::string path,
-                                                        std::function<void()> on_change) {
+                                                        std::function<void()> on_change,
+                                                        const etcd::Security& security,
+                                                        std::optional<crypto::Key> job_key) {
   NONSTOP_RETURN_IF_ERROR(CheckJobName(job));
-  auto w =
-      std::unique_ptr<LeaderWatch>(new LeaderWatch(job, std::move(path), std::move(on_change)));
+  auto w = std::unique_ptr<LeaderWatch>(
+      new LeaderWatch(job, std::move(path), std::move(on_change), job_key));
   LeaderWatch* self = w.get();
   for (bool leader : {true, false}) {
     etcd::WatchOptions o;
     o.endpoints = endpoints;
+    o.security = security;
     o.key = leader ? LeaderKey(job) : JobPrefix(job) + "end";
     o.what = fmt::format("the watch of job '{}''s {} key in etcd at {}", job,
                          leader ? "leader" : "end", endpoints);
@@ -171,6 +243,7 @@ void LeaderWatch::Update(bool leader, const etcd::Snapshot& s, int64_t revision)
     MutexLock lock(&mu_);
     std::optional<std::string> value;
     if (!s.empty()) value = s.begin()->second.value;
+    if (leader) keys_.leader_epoch = s.empty() ? 0 : s.begin()->second.create_revision;
     (leader ? keys_.leader : keys_.end) = std::move(value);
     (leader ? seen_leader_ : seen_end_) = true;
     keys_.revision = std::max(keys_.revision, revision);
@@ -178,6 +251,9 @@ void LeaderWatch::Update(bool leader, const etcd::Snapshot& s, int64_t revision)
     if (!seen_leader_ || !seen_end_) return;
     now = keys_;
   }
+  // A value that does not verify is said here, the host's one reader of etcd (its readers of the
+  // file refuse it too, and say it once each).
+  if (job_key_ && leader) (void)InterpretLeaderKeys(now, nullptr, &*job_key_);
   LeaderKeys shown = now;
   shown.revision = 0;  // a change of the revision alone is no change of the file
   std::string text = EncodeLeaderFile(shown);

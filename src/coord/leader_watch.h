@@ -7,9 +7,18 @@
 // poll of every agent and worker.
 //
 // The file: one JSON object, {"job": "j", "revision": n, "leader": "<the
-// leader key's value>" or null, "end": "<the end key's value>" or null}:
-// the keys' values as etcd holds them, read by ReadLeaderFile exactly as
-// coord::LookUpLeader reads the keys themselves.
+// leader key's value>" or null, "leader_epoch": <its create revision>,
+// "end": "<the end key's value>" or null}: the keys' values as etcd holds
+// them, read by LeaderFileReader exactly as coord::LookUpLeader reads the
+// keys themselves.
+//
+// The leader key's value is authenticated with the job key
+// (docs/leader-discovery.md, "A forged leader key"): {"controller", "http",
+// "pid", "epoch", "mac"}, the MAC over the job's name and every other field,
+// the epoch the key's create revision. Whoever can write etcd but does not
+// hold the job token cannot make a value that a reader with the job key
+// follows; an old genuine value written again names an epoch that is not the
+// key's create revision, and is refused too.
 #pragma once
 
 #include <functional>
@@ -17,6 +26,9 @@
 #include <optional>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "common/crypto.h"
 #include "common/mutex.h"
 #include "common/status.h"
 #include "coord/etcd_watch.h"
@@ -28,13 +40,27 @@ struct LeaderKeys {
   std::string job;
   int64_t revision = 0;
   std::optional<std::string> leader;
+  int64_t leader_epoch = 0;  // the leader key's create revision (0: absent)
   std::optional<std::string> end;
 };
 
+// The leader key's value `value` (with its "epoch"), its "mac" added: what Leadership::Publish
+// writes.
+std::string SignLeaderValue(const crypto::Key& job_key, const std::string& job,
+                            nlohmann::json value);
+// Whether `value` is one a leader of `job` holding `job_key` wrote for the key created at
+// `create_revision`: its MAC verifies and its epoch is that revision. FailedPrecondition says
+// which failed.
+Status VerifyLeaderValue(const crypto::Key& job_key, const std::string& job,
+                         const std::string& value, int64_t create_revision);
+
 // Who leads, as the two keys say (LookUpLeader reads them from etcd and asks this): the control
-// address; NotFound (nobody leads, or the leader
-// has not published its address yet); Aborted when the job ended (*exit_code its code).
-Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code = nullptr);
+// address; NotFound (nobody leads, the leader has not published its address yet, or, with a
+// job_key, the value does not verify: not followed, and said once per value in the log);
+// Aborted when the job ended (*exit_code its code). job_key null: the value is taken unverified
+// (tests and tools that hold no job token; every runtime reader passes the job's key).
+Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code = nullptr,
+                                        const crypto::Key* job_key = nullptr);
 
 std::string EncodeLeaderFile(const LeaderKeys& keys);
 Result<LeaderKeys> DecodeLeaderFile(const std::string& text);
@@ -45,23 +71,29 @@ Result<LeaderKeys> DecodeLeaderFile(const std::string& text);
 // inode and mtime could miss an update (rename-over reuses inode numbers; mtime can be coarse).
 class LeaderFileReader {
  public:
-  LeaderFileReader(std::string path, std::string job)
-      : path_(std::move(path)), job_(std::move(job)) {}
+  // job_key: the value is verified with it (nullopt: taken unverified, as InterpretLeaderKeys).
+  LeaderFileReader(std::string path, std::string job,
+                   std::optional<crypto::Key> job_key = std::nullopt)
+      : path_(std::move(path)), job_(std::move(job)), job_key_(job_key) {}
   Result<std::string> Read(int* exit_code = nullptr);
   const std::string& path() const { return path_; }
 
  private:
   std::string path_;
   std::string job_;
+  std::optional<crypto::Key> job_key_;
 };
 
 // The agent's watch of a job's leader and end keys, kept in the leader file.
 class LeaderWatch {
  public:
-  // on_change: called (on a watch's thread) after each write of the file. Errors: the options.
-  static Result<std::unique_ptr<LeaderWatch>> Start(const std::string& endpoints,
-                                                    const std::string& job, std::string path,
-                                                    std::function<void()> on_change = {});
+  // on_change: called (on a watch's thread) after each write of the file. security: as
+  // etcd::Client takes it. job_key: a leader key that does not verify with it is said in the log
+  // (the file keeps it as etcd holds it: its readers refuse it too). Errors: the options.
+  static Result<std::unique_ptr<LeaderWatch>> Start(
+      const std::string& endpoints, const std::string& job, std::string path,
+      std::function<void()> on_change = {}, const etcd::Security& security = {},
+      std::optional<crypto::Key> job_key = std::nullopt);
   ~LeaderWatch();  // stops the watches; the file stays (the owner removes it)
   LeaderWatch(const LeaderWatch&) = delete;
   LeaderWatch& operator=(const LeaderWatch&) = delete;
@@ -72,8 +104,9 @@ class LeaderWatch {
   int64_t requests() const;
 
  private:
-  LeaderWatch(std::string job, std::string path, std::function<void()> on_change)
-      : path_(std::move(path)), on_change_(std::move(on_change)) {
+  LeaderWatch(std::string job, std::string path, std::function<void()> on_change,
+              std::optional<crypto::Key> job_key)
+      : path_(std::move(path)), on_change_(std::move(on_change)), job_key_(job_key) {
     keys_.job = std::move(job);
   }
   void Update(bool leader, const etcd::Snapshot& s, int64_t revision)
@@ -81,6 +114,7 @@ class LeaderWatch {
 
   const std::string path_;
   const std::function<void()> on_change_;
+  const std::optional<crypto::Key> job_key_;
   // Held while the file is written (the two watches' threads write it in turn, each the keys as
   // they are when it writes: the last write is of the latest keys). mu_ is not held meanwhile.
   Mutex file_mu_ NONSTOP_ACQUIRED_BEFORE(mu_);

@@ -99,18 +99,20 @@ Status CheckJobName(const std::string& job) {
 std::string JobPrefix(const std::string& job) { return "/nonstop/" + job + "/"; }
 std::string LeaderKey(const std::string& job) { return JobPrefix(job) + "leader"; }
 
-Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, int* exit_code) {
+Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, int* exit_code,
+                                 const crypto::Key* job_key) {
   // The two keys, read as the agents' leader watch reads them (one interpretation of both).
   LeaderKeys keys;
   keys.job = job;
   NONSTOP_ASSIGN_OR_RETURN(auto kvs, client.Range(LeaderKey(job)));
   if (!kvs.empty()) {
     keys.leader = kvs[0].value;
+    keys.leader_epoch = kvs[0].create_revision;
   } else {
     NONSTOP_ASSIGN_OR_RETURN(auto end, client.Range(JobPrefix(job) + "end"));
     if (!end.empty()) keys.end = end[0].value;
   }
-  return InterpretLeaderKeys(keys, exit_code);
+  return InterpretLeaderKeys(keys, exit_code, job_key);
 }
 
 LeadershipOptions WithDerivedTimes(LeadershipOptions o) {
@@ -134,7 +136,8 @@ Result<std::unique_ptr<Leadership>> Leadership::Connect(LeadershipOptions option
   l->prefix_ = JobPrefix(l->options_.job);
   l->leader_key_ = LeaderKey(l->options_.job);
   NONSTOP_ASSIGN_OR_RETURN(
-      l->client_, etcd::Client::Create(l->options_.endpoints, {l->options_.request_timeout}));
+      l->client_, etcd::Client::Create(l->options_.endpoints,
+                                       {l->options_.request_timeout, l->options_.security}));
   return l;
 }
 
@@ -162,10 +165,9 @@ Status Leadership::Explain(const Status& s, const std::string& key) const {
   switch (s.code()) {
     case StatusCode::kFailedPrecondition:  // etcd::ErrorClass::kPermissionDenied
       hint = fmt::format(
-          "nonstop sends etcd no credentials: run it against an etcd without auth (`etcdctl auth "
-          "disable`, on a trusted network), or through a proxy that may read and write {}* and "
-          "grant "
-          "leases",
+          "give nonstop an etcd user (--etcd-auth-file FILE holding user:password) whose role may "
+          "read and write {}* and grant leases, or a client certificate (--etcd-cert, --etcd-key) "
+          "whose common name is such a user",
           prefix_);
       break;
     case StatusCode::kInvalidArgument:  // etcd::ErrorClass::kInvalid
@@ -183,7 +185,9 @@ Status Leadership::Explain(const Status& s, const std::string& key) const {
       break;
   }
   std::string text = fmt::format("etcd key {}: {}", key, s.message());
-  if (!hint.empty()) text += " (HINT: " + hint + ")";
+  // (a TLS or auth-file error carries its own, which names the file)
+  if (!hint.empty() && s.message().find("HINT:") == std::string::npos)
+    text += " (HINT: " + hint + ")";
   return Status(s.code(), std::move(text));
 }
 
@@ -242,6 +246,7 @@ Result<bool> Leadership::CampaignOnce(std::string* seen,
     }
     if (kv.value != *seen) {
       *seen = kv.value;
+      seen_epoch_ = kv.create_revision;
       on_wait(*seen);
     }
     return false;
@@ -288,8 +293,9 @@ void Leadership::BecomeLeader(int64_t lease, int64_t epoch, int64_t valid_until_
 Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
   // A client of its own: the journal may be large, so its requests may take longer than a
   // renewal's.
-  NONSTOP_ASSIGN_OR_RETURN(auto reader,
-                           etcd::Client::Create(options_.endpoints, {options_.journal_timeout}));
+  NONSTOP_ASSIGN_OR_RETURN(
+      auto reader,
+      etcd::Client::Create(options_.endpoints, {options_.journal_timeout, options_.security}));
   etcd::Backoff backoff(Millis(100), options_.retry_max);
   etcd::OutageLog outage(
       fmt::format("reading the journal of job '{}' from etcd {}", options_.job, options_.endpoints),
@@ -378,10 +384,13 @@ Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
   return out;
 }
 
-Status Leadership::Publish(const nlohmann::json& value) {
+Status Leadership::Publish(const nlohmann::json& value, const crypto::Key& job_key) {
   nlohmann::json v = value;
   v["pid"] = static_cast<int64_t>(::getpid());
+  // The epoch is the key's create revision: readers check both, so an old genuine value written
+  // again into a later key is refused (docs/leader-discovery.md, "A forged leader key").
   v["epoch"] = epoch_;
+  const std::string signed_value = SignLeaderValue(job_key, options_.job, v);
   etcd::Backoff backoff(Millis(100), options_.retry_max);
   etcd::OutageLog outage(
       fmt::format("publishing this controller's address in etcd {}", options_.endpoints),
@@ -392,7 +401,7 @@ Status Leadership::Publish(const nlohmann::json& value) {
   auto txn = etcd::RetryTransient(
       [&] {
         return client_->Txn({etcd::Compare::CreateRevision(leader_key_, epoch_)},
-                            {etcd::Op::Put(leader_key_, v.dump(), lease_)});
+                            {etcd::Op::Put(leader_key_, signed_value, lease_)});
       },
       backoff, outage, lost);
   if (!txn.ok()) {
@@ -404,7 +413,52 @@ Status Leadership::Publish(const nlohmann::json& value) {
                            leader_key_, epoch_));
     return FailedPreconditionError(why_not_leading());
   }
+  MutexLock lock(&mu_);
+  published_ = signed_value;
+  job_key_ = job_key;
   return OkStatus();
+}
+
+std::vector<LeaderKeyForgery> Leadership::TakeLeaderKeyForgeries() {
+  MutexLock lock(&mu_);
+  return std::exchange(forgeries_, {});
+}
+
+void Leadership::CheckLeaderKey(etcd::Client& client) {
+  std::string published;
+  crypto::Key key;
+  {
+    MutexLock lock(&mu_);
+    published = published_;
+    key = job_key_;
+  }
+  if (published.empty()) return;  // not published yet: the value is {"pid"}
+  auto kvs = client.Range(leader_key_);
+  // Unanswered: the next renewal looks again. Gone, or re-created: the fenced writes find out.
+  if (!kvs.ok() || kvs->empty() || (*kvs)[0].create_revision != epoch_) return;
+  const etcd::KeyValue& kv = (*kvs)[0];
+  if (kv.value == published) return;
+  LeaderKeyForgery f;
+  f.value = kv.value.substr(0, 256);
+  f.mod_revision = kv.mod_revision;
+  Status why = VerifyLeaderValue(key, options_.job, kv.value, epoch_);
+  f.why = why.ok() ? "a value of this epoch this leader did not write last" : why.message();
+  // Back on this leader's lease, while the key is still this epoch's (a Put without a lease, as
+  // an `etcdctl put` is, also took the key off the lease).
+  auto txn = client.Txn({etcd::Compare::CreateRevision(leader_key_, epoch_),
+                         etcd::Compare::ModRevision(leader_key_, kv.mod_revision)},
+                        {etcd::Op::Put(leader_key_, published, lease_)});
+  f.restored = txn.ok() && txn->succeeded;
+  NONSTOP_LOG_WARNING(
+      "the leader key {} was overwritten (revision {}) with a value this leader did not write: {}; "
+      "{}",
+      leader_key_, kv.mod_revision, f.why,
+      f.restored ? "its own value is back" : "putting its own value back failed for now");
+  {
+    MutexLock lock(&mu_);
+    forgeries_.push_back(std::move(f));
+  }
+  Wake();
 }
 
 void Leadership::Append(const nlohmann::json& record) {
@@ -503,7 +557,8 @@ void Leadership::Resign() {
 }
 
 void Leadership::KeepAlive(std::stop_token st) {
-  auto client = etcd::Client::Create(options_.endpoints, {options_.request_timeout});
+  auto client =
+      etcd::Client::Create(options_.endpoints, {options_.request_timeout, options_.security});
   if (!client.ok()) return SetFinal(client.status());
   etcd::Backoff backoff(Millis(100), options_.retry_max);
   etcd::OutageLog outage(
@@ -521,6 +576,7 @@ void Leadership::KeepAlive(std::stop_token st) {
         break;
       outage.Succeeded();
       backoff.Reset();
+      CheckLeaderKey(**client);
     } else if (ttl.status().code() == StatusCode::kNotFound) {
       return SetDeposed(fmt::format(
           "the lease of epoch {} expired in etcd: another controller may lead", epoch_));
@@ -631,7 +687,8 @@ bool Leadership::MaybeCompact(etcd::Client& client, etcd::Backoff& backoff, etcd
 }
 
 void Leadership::Write(std::stop_token st) {
-  auto client = etcd::Client::Create(options_.endpoints, {options_.journal_timeout});
+  auto client =
+      etcd::Client::Create(options_.endpoints, {options_.journal_timeout, options_.security});
   if (!client.ok()) return SetFinal(client.status());
   etcd::Backoff backoff(Millis(100), options_.retry_max);
   etcd::OutageLog outage(

@@ -4,8 +4,10 @@
 // resumes exactly where this one stopped.
 //
 // Keys, under the job's prefix P ("/nonstop/<job>/"):
-//   P leader              {"controller": "host:port", "pid": …}: on the leader's lease.
-//                         Its create revision is the leader's epoch: it only grows.
+//   P leader              {"controller": "host:port", "http", "pid", "epoch", "mac"}: on the
+//                         leader's lease. Its create revision is the leader's epoch: it only
+//                         grows. "mac" authenticates the value with the job key (SignLeaderValue,
+//                         leader_watch.h); until Publish the value is {"pid"} alone.
 //   P journal/<seq>       one journal record (JSON), seq from 1, zero-padded to 16 digits;
 //                         a record over 512 KiB is split: P journal/<seq> holds
 //                         {"split": {"parts": n, "bytes": b}}, P journal/<seq>/<part> its
@@ -72,6 +74,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/crypto.h"
 #include "common/mutex.h"
 #include "common/status.h"
 #include "common/time.h"
@@ -83,7 +86,8 @@
 namespace nonstop::coord {
 
 struct LeadershipOptions {
-  std::string endpoints;  // etcd: host:port[,host:port…]
+  std::string endpoints;    // etcd: host:port[,host:port…]
+  etcd::Security security;  // TLS, the etcd user (--etcd-cacert, …; etcd_security.h)
   std::string job = "default";
   // The leader's lease: a dead leader is replaced within about this plus 1 s (--lease-ttl-s).
   int ttl_seconds = settings::kLeaseTtlS.default_value;
@@ -120,9 +124,19 @@ std::string LeaderKey(const std::string& job);  // "/nonstop/<job>/leader"
 // Who leads `job` now, as its leader key says: the control address, or
 // NotFound (nobody leads, or the leader has not published an address yet),
 // or Aborted when the job ended (the message says how; *exit_code, if given,
-// is the job's exit code).
+// is the job's exit code). With job_key, a value that does not verify is NotFound
+// (InterpretLeaderKeys): not followed.
 Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job,
-                                 int* exit_code = nullptr);
+                                 int* exit_code = nullptr, const crypto::Key* job_key = nullptr);
+
+// The leader key found overwritten under a leader by a value it did not write (and cannot
+// verify): what the controller's journal records (a "leader_key_forged" record).
+struct LeaderKeyForgery {
+  std::string value;  // what the key held (its first 256 bytes)
+  int64_t mod_revision = 0;
+  std::string why;        // why it does not verify
+  bool restored = false;  // this leader's value was put back
+};
 
 class Leadership {
  public:
@@ -148,10 +162,18 @@ class Leadership {
   // (deposed() true) the leadership was lost meanwhile.
   Result<std::vector<nlohmann::json>> ReadJournal();
 
-  // The leader key's value once this controller listens (its address);
-  // retried like ReadJournal. deposed() is true after an error that lost
-  // the leadership.
-  Status Publish(const nlohmann::json& value);
+  // The leader key's value once this controller listens (its address), with
+  // the epoch and the MAC of job_key (SignLeaderValue); retried like
+  // ReadJournal. deposed() is true after an error that lost the leadership.
+  // From then on the keep-alive thread reads the key after each renewal: a
+  // value this leader did not write is put back (while the lease holds) and
+  // reported (TakeLeaderKeyForgeries, then wake_fd()).
+  Status Publish(const nlohmann::json& value, const crypto::Key& job_key);
+  // The overwrites of the leader key found since the last call (the loop journals them).
+  std::vector<LeaderKeyForgery> TakeLeaderKeyForgeries() NONSTOP_LOCKS_EXCLUDED(mu_);
+  // The create revision of the leader key whose value Campaign last passed to on_wait (a
+  // standby's check of it: VerifyLeaderValue).
+  int64_t seen_epoch() const { return seen_epoch_; }
 
   // Queues one record (already stamped); Flush hands the queue to the writer.
   void Append(const nlohmann::json& record);
@@ -199,6 +221,8 @@ class Leadership {
                     const std::stop_token& st);
   void SetDeposed(std::string why);
   void SetFinal(const Status& s);  // deposes, for good
+  // After a renewal: the leader key still holds the published value, or it is put back.
+  void CheckLeaderKey(etcd::Client& client);
   // A final error of a request about `key`, with what to do about it.
   Status Explain(const Status& s, const std::string& key) const;
   // What ReadJournal and Publish return when the leadership was lost while they retried.
@@ -218,6 +242,7 @@ class Leadership {
   // (the writer starts later still), fixed from then on.
   int64_t lease_ = 0;
   int64_t epoch_ = 0;
+  int64_t seen_epoch_ = 0;  // the campaign's: see seen_epoch()
   // The campaign's: a lease granted for a leader key whose transaction got
   // no answer (it may have landed: the key on this lease is ours), with
   // the validity its grant gave.
@@ -259,6 +284,9 @@ class Leadership {
   std::string end_ NONSTOP_GUARDED_BY(mu_);       // the job_end record, for the writer
   std::string why_ NONSTOP_GUARDED_BY(mu_);
   Status final_ NONSTOP_GUARDED_BY(mu_);
+  std::string published_ NONSTOP_GUARDED_BY(mu_);  // the leader key's value, once published
+  crypto::Key job_key_ NONSTOP_GUARDED_BY(mu_){};
+  std::vector<LeaderKeyForgery> forgeries_ NONSTOP_GUARDED_BY(mu_);
 
   std::jthread keepalive_;
   std::jthread writer_;

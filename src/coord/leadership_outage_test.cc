@@ -62,7 +62,7 @@ TEST_F(LeadershipOutageTest, ThePublishAndTheJournalReadRideOutAPauseShorterThan
   ASSERT_TRUE(records.ok()) << records.status().ToString();
   EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(1'000))
       << "the read did not wait for etcd";
-  ASSERT_TRUE(l->Publish({{"controller", "127.0.0.1:1"}}).ok());
+  ASSERT_TRUE(l->Publish({{"controller", "127.0.0.1:1"}}, crypto::JobKey("t")).ok());
   EXPECT_FALSE(l->deposed()) << l->why_not_leading();
   for (int i = 0; i < 100 && !l->Valid(); ++i) std::this_thread::sleep_for(milliseconds(20));
   EXPECT_TRUE(l->Valid()) << "the lease was renewed after the pause: " << l->why_not_leading();

@@ -107,6 +107,11 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
   o.etcd_endpoints = get(s::kEtcd);
   if (std::string job = get(s::kEtcdJob); !job.empty()) o.etcd_job = job;
   o.leader_file = get(s::kLeaderFile);
+  o.etcd_cacert = get(s::kEtcdCacert);
+  o.etcd_cert = get(s::kEtcdCert);
+  o.etcd_key = get(s::kEtcdKey);
+  o.etcd_auth_file = get(s::kEtcdAuthFile);
+  o.etcd_allow_plaintext = get(s::kEtcdAllowPlaintext) == "1";
   return o;
 }
 
@@ -125,6 +130,8 @@ control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
   l.etcd = o.etcd_endpoints;
   l.etcd_job = o.etcd_job;
   l.leader_file = o.leader_file;
+  l.etcd_security = {o.etcd_cacert, o.etcd_cert, o.etcd_key, o.etcd_auth_file,
+                     o.etcd_allow_plaintext};
   l.etcd_timeout = Millis(500);
   l.list_first = true;  // its launcher named the controller that leads now
   l.hello.kind = net::ConnectionKind::kControl;

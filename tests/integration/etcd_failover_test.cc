@@ -6,9 +6,11 @@
 // etcd itself fails too: paused past the lease, killed and restarted on its
 // data, absent at the start. No controller process exits for that.
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -25,6 +27,7 @@
 #include "coord/leadership.h"
 #include "tests/integration/etcd_server.h"
 #include "tests/integration/process.h"
+#include "tests/integration/test_certs.h"
 
 namespace nonstop {
 namespace {
@@ -77,6 +80,47 @@ const std::string& Reference() {
 
 using nonstop::testing::RestartableEtcd;
 
+// A listener on loopback that accepts and counts connections (an impostor's control port).
+class CountingListener {
+ public:
+  CountingListener() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && ::listen(fd_, 16) == 0 &&
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      port_ = ntohs(a.sin_port);
+    }
+    thread_ = std::thread([this] {
+      while (!stop_.load()) {
+        pollfd p{fd_, POLLIN, 0};
+        if (::poll(&p, 1, 50) <= 0) continue;
+        int c = ::accept(fd_, nullptr, nullptr);
+        if (c >= 0) {
+          connections_.fetch_add(1);
+          ::close(c);
+        }
+      }
+    });
+  }
+  ~CountingListener() {
+    stop_.store(true);
+    thread_.join();
+    ::close(fd_);
+  }
+  std::string address() const { return fmt::format("127.0.0.1:{}", port_); }
+  int connections() const { return connections_.load(); }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> connections_{0};
+  std::thread thread_;
+};
+
 class EtcdFailoverTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -102,13 +146,19 @@ class EtcdFailoverTest : public ::testing::Test {
   std::unique_ptr<ChildProcess> StartController(const std::string& name) {
     std::string journal = dir_ / (name + "/journal.jsonl");
     return std::make_unique<ChildProcess>(
-        std::vector<std::string>{kBin + "/nonstop", "controller", "--etcd", endpoint_, "--job", "j",
-                                 "--nnodes", "1", "--job-token-file", dir_ / "token", "--journal",
-                                 journal, "--heartbeat-timeout-ms", "1000", "--lease-ttl-s",
-                                 std::to_string(LeaseTtlS())},
+        WithEtcdFlags({kBin + "/nonstop", "controller", "--etcd", endpoint_, "--job", "j",
+                       "--nnodes", "1", "--job-token-file", dir_ / "token", "--journal", journal,
+                       "--heartbeat-timeout-ms", "1000", "--lease-ttl-s",
+                       std::to_string(LeaseTtlS())}),
         dir_ / (name + ".out"));
   }
   std::string JournalOf(const std::string& name) { return dir_ / (name + "/journal.jsonl"); }
+  // etcd_flags_ (TLS: --etcd-cacert, …) inserted after "--etcd ENDPOINTS" (and before a "--").
+  std::vector<std::string> WithEtcdFlags(std::vector<std::string> argv) const {
+    auto at = std::find(argv.begin(), argv.end(), "--etcd");
+    if (at != argv.end()) argv.insert(at + 2, etcd_flags_.begin(), etcd_flags_.end());
+    return argv;
+  }
 
   // Workers and the agent notice a silent controller after `controller_timeout_ms` (a paused one:
   // killed ones close their connections).
@@ -130,6 +180,7 @@ class EtcdFailoverTest : public ::testing::Test {
                                      "--controller-timeout-ms",
                                      std::to_string(controller_timeout_ms),
                                      "--"};
+    argv = WithEtcdFlags(argv);  // before the "--" that ends the agent's flags
     for (auto& a : Worker(step_sleep_ms_)) argv.push_back(a);
     return std::make_unique<ChildProcess>(
         argv, dir_ / "agent.out",
@@ -194,15 +245,20 @@ class EtcdFailoverTest : public ::testing::Test {
     return last == 0 ? -1 : (last - since_us) / 1000.0;
   }
 
+  // The leader SIGKILLed mid-job: the standby takes over without a recovery or a lost step, the
+  // job ends bitwise equal to the run without the kill. `mode` names etcd's (the measured line).
+  void KillTheLeaderAndExpectTheStandbyToTakeOver(const char* mode);
+
   TempDir dir_;
   std::unique_ptr<nonstop::testing::EtcdServer> etcd_;
   std::string endpoint_;
+  std::vector<std::string> etcd_flags_;  // more flags for every --etcd (the TLS files)
   // 300 steps outlast two leases: the takeover is mid-job
   int step_sleep_ms_ = std::max(20, 7 * LeaseTtlS());
   std::unique_ptr<ChildProcess> a_, b_, agent_;
 };
 
-TEST_F(EtcdFailoverTest, KilledLeaderIsReplacedByTheStandbyWithoutARecoveryOrALostStep) {
+void EtcdFailoverTest::KillTheLeaderAndExpectTheStandbyToTakeOver(const char* mode) {
   ASSERT_NO_FATAL_FAILURE(StartJob());
   int64_t killed_us = NowWallMicros();
   ASSERT_EQ(::kill(a_->pid(), SIGKILL), 0);
@@ -237,11 +293,57 @@ TEST_F(EtcdFailoverTest, KilledLeaderIsReplacedByTheStandbyWithoutARecoveryOrALo
       << "not bitwise equal to the run without the kill\n"
       << Outputs();
   std::printf(
-      "[ measured ] leader killed at step %lld: standby's takeover %.0f ms after the kill, all "
-      "rejoined "
-      "%.0f ms; the members' state at their rejoin: step %lld (none lost)\n",
-      static_cast<long long>(step_at_kill), TakeoverMs(killed_us), AllRejoinedMs(killed_us),
+      "[ measured ] etcd %s: leader killed at step %lld: standby's takeover %.0f ms after the "
+      "kill, all rejoined %.0f ms; the members' state at their rejoin: step %lld (none lost)\n",
+      mode, static_cast<long long>(step_at_kill), TakeoverMs(killed_us), AllRejoinedMs(killed_us),
       static_cast<long long>(state_at_rejoin));
+}
+
+TEST_F(EtcdFailoverTest, KilledLeaderIsReplacedByTheStandbyWithoutARecoveryOrALostStep) {
+  KillTheLeaderAndExpectTheStandbyToTakeOver("plaintext");
+}
+
+// Someone who can write etcd but does not hold the job token points the leader key at a listener
+// of the test's: nobody follows it. First while the leader lives (it journals the forgery and puts
+// its own value back), then right after the leader was killed, on its lease (the workers and the
+// agent look for a leader then): they wait for the standby, and the job ends bitwise.
+TEST_F(EtcdFailoverTest, AForgedLeaderKeyIsFollowedByNobodyAndTheLeaderJournalsIt) {
+  ASSERT_NO_FATAL_FAILURE(StartJob());
+  CountingListener impostor;
+  auto client = etcd::Client::Create(endpoint_, {milliseconds(2'000)});
+  ASSERT_TRUE(client.ok());
+  auto forge = [&] {
+    auto kvs = (*client)->Range(coord::LeaderKey("j"));
+    ASSERT_TRUE(kvs.ok() && !kvs->empty());
+    nlohmann::json forged = {{"controller", impostor.address()},
+                             {"epoch", (*kvs)[0].create_revision},
+                             {"pid", 1},
+                             {"mac", std::string(64, '0')}};
+    ASSERT_TRUE((*client)->Put(coord::LeaderKey("j"), forged.dump(), (*kvs)[0].lease).ok());
+  };
+  ASSERT_NO_FATAL_FAILURE(forge());
+  ASSERT_TRUE(
+      nonstop::testing::WaitForEvents(JournalOf("a"), "leader_key_forged", 1, milliseconds(10'000)))
+      << Outputs();
+  auto record = Events(JournalOf("a"), "leader_key_forged")[0];
+  EXPECT_TRUE(record["restored"].get<bool>()) << record.dump();
+  EXPECT_NE(record["why"].get<std::string>().find("does not verify"), std::string::npos)
+      << record.dump();
+  EXPECT_NE(record["value"].get<std::string>().find(impostor.address()), std::string::npos);
+  auto back = (*client)->Range(coord::LeaderKey("j"));
+  ASSERT_TRUE(back.ok() && !back->empty());
+  EXPECT_EQ((*back)[0].value.find(impostor.address()), std::string::npos)
+      << "the leader did not put its value back: " << (*back)[0].value;
+  // The leader dies; the forgery lands before anyone looks (on its lease: gone with it).
+  ASSERT_EQ(::kill(a_->pid(), SIGKILL), 0);
+  ASSERT_NO_FATAL_FAILURE(forge());
+  ASSERT_EQ(b_->Wait(milliseconds(90'000)), 0) << Outputs();
+  EXPECT_EQ(agent_->Wait(milliseconds(20'000)), 0) << Outputs();
+  EXPECT_EQ(impostor.connections(), 0) << "someone followed the forged leader key\n" << Outputs();
+  EXPECT_EQ(Events(JournalOf("b"), "takeover").size(), 1u) << Outputs();
+  EXPECT_NE(agent_->Output().find("not following the leader key"), std::string::npos) << Outputs();
+  EXPECT_NE(b_->Output().find("NOT followed"), std::string::npos) << Outputs();
+  EXPECT_EQ(FinishedChecksum(JournalOf("b")), Reference()) << Outputs();
 }
 
 TEST_F(EtcdFailoverTest,
@@ -547,6 +649,70 @@ TEST_F(RestartedEtcdFailoverTest, AStandbyRidesOutAnEtcdRestartAndLeadsWhenTheLe
       "etcd\n",
       LeaseTtlS(), led_after_restart_ms, survivor_name == "b" ? "a" : "b", survivor_name.c_str(),
       (takeover_us - killed_us) / 1000.0, LeaseTtlS());
+}
+
+// etcd over TLS with client-certificate authentication (certificates made here with openssl):
+// every controller and the agent give --etcd-cacert, --etcd-cert and --etcd-key, the endpoint is
+// https://. The failover runs as over plain http; the [ measured ] lines of the two compare them.
+class TlsEtcdFailoverTest : public EtcdFailoverTest {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(Reference().empty()) << "the reference run failed";
+    ASSERT_TRUE(nonstop::testing::MakeTestCerts(dir_.path(), &certs_)) << "openssl failed";
+    own_ = std::make_unique<RestartableEtcd>(
+        dir_.path(), std::vector<std::string>{},
+        nonstop::testing::EtcdTlsFiles{certs_.ca, certs_.server_cert, certs_.server_key,
+                                       certs_.client_cert, certs_.client_key});
+    ASSERT_TRUE(own_->Start()) << "etcd did not start over TLS\n" << own_->Output();
+    endpoint_ = own_->endpoint();
+    etcd_flags_ = {"--etcd-cacert",    certs_.ca,    "--etcd-cert",
+                   certs_.client_cert, "--etcd-key", certs_.client_key};
+  }
+  // A controller of the TLS etcd with these TLS flags instead: its exit code within 20 s.
+  int ControllerWith(const std::vector<std::string>& flags, const std::string& name) {
+    std::vector<std::string> argv = {
+        kBin + "/nonstop",  "controller",   "--etcd",    endpoint_,      "--nnodes", "1",
+        "--job-token-file", dir_ / "token", "--journal", JournalOf(name)};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    a_ = std::make_unique<ChildProcess>(argv, dir_ / (name + ".out"));
+    return a_->Wait(milliseconds(20'000));
+  }
+  nonstop::testing::TestCerts certs_;
+  std::unique_ptr<RestartableEtcd> own_;
+};
+
+TEST_F(TlsEtcdFailoverTest, KilledLeaderIsReplacedByTheStandbyOverTlsWithClientCertificates) {
+  KillTheLeaderAndExpectTheStandbyToTakeOver("TLS + client certificates");
+}
+
+TEST_F(TlsEtcdFailoverTest, AWrongCaAnExpiredCertificateOrAMissingKeyIsAClearErrorNamingTheFile) {
+  const std::string missing_key = dir_ / "no-such.key";
+  struct Case {
+    std::vector<std::string> flags;
+    std::string file;  // the file the error must name
+    std::string what;
+  };
+  int n = 0;
+  for (const Case& c : std::vector<Case>{{{"--etcd-cacert", certs_.other_ca, "--etcd-cert",
+                                           certs_.client_cert, "--etcd-key", certs_.client_key},
+                                          certs_.other_ca,
+                                          "does not verify"},
+                                         {{"--etcd-cacert", certs_.ca, "--etcd-cert",
+                                           certs_.expired_cert, "--etcd-key", certs_.client_key},
+                                          certs_.expired_cert,
+                                          "expired"},
+                                         {{"--etcd-cacert", certs_.ca, "--etcd-cert",
+                                           certs_.client_cert, "--etcd-key", missing_key},
+                                          missing_key,
+                                          "cannot read it"}}) {
+    const std::string name = "bad" + std::to_string(++n);
+    int code = ControllerWith(c.flags, name);
+    EXPECT_NE(code, -1) << "still running with " << c.file << "\n" << a_->Output();
+    EXPECT_NE(code, 0) << a_->Output();
+    ::kill(a_->pid(), SIGKILL);
+    EXPECT_NE(a_->Output().find(c.file), std::string::npos) << c.file << " in:\n" << a_->Output();
+    EXPECT_NE(a_->Output().find(c.what), std::string::npos) << c.what << " in:\n" << a_->Output();
+  }
 }
 
 // No etcd at the start (it is late, or being restarted): the controller says

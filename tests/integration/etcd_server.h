@@ -12,6 +12,7 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,10 +41,23 @@ inline int FreeLoopbackPort() {
   return port;
 }
 
-// Whether the etcd of `process` serves /health on loopback `port`: asked for about 10 s, false at
-// once if it exits.
-inline bool WaitHealthy(ChildProcess& process, int port) {
-  httplib::Client http("127.0.0.1", port);
+// A TLS etcd's files (tests/integration/test_certs.h makes them): it serves https with cert_file
+// and key_file and wants client certificates signed by ca_file (the client's: for /health).
+struct EtcdTlsFiles {
+  std::string ca_file, cert_file, key_file;
+  std::string client_cert, client_key;
+};
+
+// Whether the etcd of `process` serves /health on loopback `port` (over TLS with `tls`): asked for
+// about 10 s, false at once if it exits.
+inline bool WaitHealthy(ChildProcess& process, int port, const EtcdTlsFiles* tls = nullptr) {
+  httplib::Client http = tls == nullptr ? httplib::Client("127.0.0.1", port)
+                                        : httplib::Client(fmt::format("https://127.0.0.1:{}", port),
+                                                          tls->client_cert, tls->client_key);
+  if (tls != nullptr) {
+    http.set_ca_cert_path(tls->ca_file.c_str());
+    http.enable_server_certificate_verification(true);
+  }
   http.set_connection_timeout(0, 200'000);
   for (int i = 0; i < 200; ++i) {
     auto res = http.Get("/health");
@@ -116,17 +130,27 @@ class EtcdServer {
 
 // An etcd on ports and a data directory of its own, chosen when this is made, so that it can be
 // killed and started again on the same ones (EtcdServer takes new ports at each start). `extra`:
-// more flags for etcd.
+// more flags for etcd. `tls`: it serves https only, and wants client certificates.
 class RestartableEtcd {
  public:
-  explicit RestartableEtcd(std::string dir, std::vector<std::string> extra = {})
+  explicit RestartableEtcd(std::string dir, std::vector<std::string> extra = {},
+                           std::optional<EtcdTlsFiles> tls = std::nullopt)
       : dir_(std::move(dir)),
         extra_(std::move(extra)),
+        tls_(std::move(tls)),
         client_port_(FreeLoopbackPort()),
-        peer_port_(FreeLoopbackPort()) {}
+        peer_port_(FreeLoopbackPort()) {
+    if (tls_) {
+      extra_.insert(extra_.end(), {"--cert-file", tls_->cert_file, "--key-file", tls_->key_file,
+                                   "--client-cert-auth", "--trusted-ca-file", tls_->ca_file});
+    }
+  }
   ~RestartableEtcd() { Kill(); }
 
-  std::string endpoint() const { return fmt::format("127.0.0.1:{}", client_port_); }
+  // "127.0.0.1:port", or "https://127.0.0.1:port" for a TLS one.
+  std::string endpoint() const {
+    return fmt::format("{}127.0.0.1:{}", tls_ ? "https://" : "", client_port_);
+  }
   pid_t pid() const { return process_ ? process_->pid() : -1; }
   // The output of its latest start (kept after a Kill).
   std::string Output() const { return process_ ? process_->Output() : ""; }
@@ -134,11 +158,12 @@ class RestartableEtcd {
   // Starts etcd on its data directory (a new one the first time); true once /health answers.
   bool Start() {
     auto argv =
-        EtcdServer::Argv(dir_ + "/etcd-data", fmt::format("http://127.0.0.1:{}", client_port_),
+        EtcdServer::Argv(dir_ + "/etcd-data",
+                         fmt::format("{}://127.0.0.1:{}", tls_ ? "https" : "http", client_port_),
                          fmt::format("http://127.0.0.1:{}", peer_port_));
     argv.insert(argv.end(), extra_.begin(), extra_.end());
     process_ = std::make_unique<ChildProcess>(argv, fmt::format("{}/etcd-{}.out", dir_, ++starts_));
-    return WaitHealthy(*process_, client_port_);
+    return WaitHealthy(*process_, client_port_, tls_ ? &*tls_ : nullptr);
   }
   void Kill() {
     if (!process_) return;
@@ -151,6 +176,7 @@ class RestartableEtcd {
  private:
   std::string dir_;
   std::vector<std::string> extra_;
+  std::optional<EtcdTlsFiles> tls_;
   int client_port_;
   int peer_port_;
   int starts_ = 0;
