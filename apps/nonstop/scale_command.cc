@@ -102,8 +102,8 @@ void JobCommands::Register(CLI::App& app) {
 int JobCommands::Execute() {
   if (worker_->parsed()) return ExecWorker();
   std::string address = http_;
-  // POST /scale (and /events) need the job token: from the job file, or the environment with
-  // --http.
+  // POST /scale (and /events) need the HTTP token, derived from the job token (from the file the
+  // job file names, or the environment with --http): the job token itself is never sent.
   std::string token;
   // HTTPS: --http https://…, or a job file that names the endpoint's certificate.
   bool https = false;
@@ -120,13 +120,13 @@ int JobCommands::Execute() {
       fmt::print(stderr, "nonstop: {}\n", t.status().message());
       return 1;
     }
-    token = *t;
+    token = HttpCredential(*t);
     if (job->contains("http_cert") && (*job)["http_cert"].is_string()) {
       https = true;
       if (cacert.empty()) cacert = (*job)["http_cert"];
     }
   } else if (const char* env = std::getenv(settings::kJobToken.env.data())) {
-    token = env;
+    token = HttpCredential(env);
   }
   for (auto [prefix, tls] : {std::pair{"https://", true}, std::pair{"http://", false}}) {
     if (address.starts_with(prefix)) {

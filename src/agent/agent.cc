@@ -412,8 +412,7 @@ void Agent::OnLinkFailed(const Status& why) {
   switch (why.code()) {
     case StatusCode::kFailedPrecondition:  // the hello was refused (a wrong job token): no retry
       End(kExitRefused,
-          fmt::format("the controller at {} refused this agent: {}", link_->controller(),
-                      why.message()),
+          fmt::format("cannot join the controller at {}: {}", link_->controller(), why.message()),
           /*kill_now=*/true);
       return;
     case StatusCode::kAborted:  // the job ended while this agent looked for its controller

@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "common/crypto.h"
 #include "common/file_util.h"
 #include "nonstop/settings.h"
 
@@ -134,6 +135,11 @@ Result<std::string> ReadPrivateFile(const std::string& path, std::string_view wh
     return InvalidArgumentError(fmt::format("{} '{}' holds over {} bytes", what, path, max_bytes));
   }
   return out;
+}
+
+std::string HttpCredential(std::string_view job_token) {
+  const crypto::Key k = crypto::DeriveKey(crypto::JobKey(job_token), "nonstop http bearer v1");
+  return crypto::Hex(std::string_view(reinterpret_cast<const char*>(k.data()), k.size()));
 }
 
 Result<std::string> ReadJobTokenFile(const std::string& path) {

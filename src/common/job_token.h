@@ -39,6 +39,11 @@ Result<std::string> ReadPrivateFile(const std::string& path, std::string_view wh
 // with surrounding whitespace removed; an empty file is refused.
 Result<std::string> ReadJobTokenFile(const std::string& path);
 
+// The HTTP endpoint's bearer token: derived from the job token (HMAC with the job key, in hex), so
+// that what an HTTP client sends, over plain HTTP off loopback included, never gives away the job
+// token, the root of the job key. Whoever holds it may use the endpoint, nothing more.
+std::string HttpCredential(std::string_view job_token);
+
 // A sealed memfd holding `token`, close-on-exec: a launcher clears that flag
 // in the child it starts and names the descriptor in NONSTOP_JOB_TOKEN_FD.
 // The descriptor is 3 or above (never a standard stream).

@@ -34,6 +34,14 @@ bool Contains(const Status& s, const std::string& part) {
   return s.message().find(part) != std::string::npos;
 }
 
+TEST(HttpCredentialTest, IsDerivedFromTheTokenAndGivesNoneOfItAway) {
+  const std::string c = HttpCredential("0123456789abcdef");
+  EXPECT_EQ(c.size(), 64u);
+  EXPECT_EQ(c, HttpCredential("0123456789abcdef"));
+  EXPECT_NE(c, HttpCredential("0123456789abcdeF"));
+  EXPECT_EQ(c.find("0123456789abcdef"), std::string::npos);
+}
+
 TEST(JobTokenFileTest, TokenIsTrimmedAndBadFilesAreNamed) {
   TempDir dir;
   std::string path = dir / "token";

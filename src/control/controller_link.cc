@@ -418,8 +418,11 @@ bool ControllerLink::Take(net::Frame frame, Deadline now) {
 
 bool ControllerLink::TakeHandshake(const net::Frame& frame, Deadline now) {
   net::HandshakeStep step = handshake_->OnFrame(frame);
-  if (step.error.code() == StatusCode::kFailedPrecondition) {
-    Fail(step.error);  // an authenticated controller refused us: final
+  // An authenticated refusal (a kind or worker id the controller does not take) is final for a
+  // link no controller took yet; once one did, the same refusal can only come of a relay (the
+  // controller took this hello before), and the link looks on.
+  if (step.error.code() == StatusCode::kFailedPrecondition && !ever_accepted_) {
+    Fail(step.error);
     return false;
   }
   if (!step.error.ok()) {
@@ -430,10 +433,10 @@ bool ControllerLink::TakeHandshake(const net::Frame& frame, Deadline now) {
     // job's process: it is retried, as garbage, until the job's controller answers.
     if (handshake_->peer_unproven() && !ever_accepted_ && ++unproven_in_a_row_ >= kUnprovenTries) {
       Fail(FailedPreconditionError(fmt::format(
-          "the controller at {} did not prove the job key, {} tries in a row: this process's job "
-          "token is most likely not that job's (check the job token file it was given), or {} is "
-          "another job's controller",
-          controller_, unproven_in_a_row_, controller_)));
+          "it did not prove the job key, {} tries in a row: this process's job token is most "
+          "likely not that job's (check the job token file it was given), or it is another job's "
+          "controller",
+          unproven_in_a_row_)));
       return false;
     }
     if (handshake_->peer_unproven() && !warned_unproven_) {
@@ -633,6 +636,11 @@ Status ControllerLink::Send(uint16_t type, std::string_view payload) {
   MutexLock lock(&mu_);
   if (!open_) return UnavailableError("no controller connected");
   if (!send_error_.ok()) return send_error_;
+  if (payload.size() + net::kFrameTagBytes > net::kMaxControlFrameBytes) {
+    return InvalidArgumentError(
+        fmt::format("a message of {} bytes exceeds the control frame limit of {} bytes",
+                    payload.size(), net::kMaxControlFrameBytes - net::kFrameTagBytes));
+  }
   const size_t queued = out_.size() - out_sent_;
   if (queued + payload.size() + net::kFrameHeaderBytes > options_.max_queued_bytes) {
     send_error_ = UnavailableError(

@@ -97,11 +97,12 @@ void ControlServer::OnAccept() {
     c->accepted_at = Clock::now();
     c->seq = next_seq_++;
     // Workers and agents share the port; the hello says which one speaks.
-    c->handshake = std::make_unique<net::AcceptorHandshake>(job_key_, [](const net::Hello& h) {
-      return net::CheckHello(h, h.kind == net::ConnectionKind::kAgent
-                                    ? net::ConnectionKind::kAgent
-                                    : net::ConnectionKind::kControl);
-    });
+    c->handshake = std::make_unique<net::AcceptorHandshake>(
+        job_key_,
+        [](net::ConnectionKind k) {
+          return k == net::ConnectionKind::kControl || k == net::ConnectionKind::kAgent;
+        },
+        [](const net::Hello& h) { return net::CheckHello(h, h.kind); });
     unjoined_[c->seq] = raw;
     strangers_[c->ip][c->seq] = raw;
     conns_[raw] = std::move(c);
@@ -459,6 +460,13 @@ std::vector<std::string> ControlServer::agents() const {
 bool ControlServer::SendOn(int fd, uint16_t type, const std::string& payload) {
   Conn& c = *conns_.at(fd);
   NONSTOP_CHECK(c.channel.send != nullptr) << "a message to a connection still in handshake";
+  if (payload.size() + net::kFrameTagBytes > net::kMaxControlFrameBytes) {
+    NONSTOP_LOG_ERROR(
+        "control: a message of type {} and {} bytes to {} exceeds the frame limit of "
+        "{} bytes: not sent",
+        type, payload.size(), c.peer, net::kMaxControlFrameBytes - net::kFrameTagBytes);
+    return false;
+  }
   if (fenced()) {
     dropped_bytes_ += payload.size() + net::kFrameHeaderBytes + net::kFrameTagBytes;
     Flush(fd);  // drops what is queued too

@@ -691,8 +691,9 @@ using Handled = httplib::Server::HandlerResponse;
 void RefuseUnauthorized(const Route& route, bool loopback, httplib::Response& res) {
   res.set_header("WWW-Authenticate", "Bearer realm=\"nonstop\"");
   Reply(res, 401,
-        fmt::format("{} {} needs the job token as 'Authorization: Bearer <token>'{} (the \"token\" "
-                    "of the job file runs/job.json; `nonstop scale` sends it)",
+        fmt::format("{} {} needs the job's HTTP token as 'Authorization: Bearer <token>'{} (in "
+                    "the file the job file's \"http_token_file\" names, runs/job.http-token; "
+                    "`nonstop scale` sends it)",
                     route.method, route.path,
                     loopback || route.guard == Guard::kToken
                         ? ""

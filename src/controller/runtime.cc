@@ -17,7 +17,6 @@
 #include <iterator>
 #include <map>
 #include <optional>
-#include <random>
 #include <set>
 #include <thread>
 #include <type_traits>
@@ -46,10 +45,8 @@ namespace nonstop::controller {
 
 namespace {
 
-std::string RandomToken() {
-  std::random_device rd;
-  return fmt::format("{:08x}{:08x}{:08x}{:08x}", rd(), rd(), rd(), rd());
-}
+// 128 bits from the operating system's generator (libcrypto's), in hex.
+std::string RandomToken() { return crypto::Hex(crypto::RandomBytes(16)); }
 
 // A deposed controller's record lists at most this many of the orders it did not send.
 constexpr size_t kDroppedOrdersListed = 64;
@@ -376,7 +373,7 @@ std::optional<int> Runtime::StartServers() {
         name_, server_->address().ToString());
     return kExitUsage;
   }
-  auto http = HttpApi::Start(o_.http_host, o_.http_port, journal_->path(), token_,
+  auto http = HttpApi::Start(o_.http_host, o_.http_port, journal_->path(), HttpCredential(token_),
                              HttpTls{o_.http_cert, o_.http_key});
   if (!http.ok()) {
     fmt::print(stderr, "{}: {}\n", name_, http.status().ToString());
@@ -413,16 +410,23 @@ std::optional<int> Runtime::WriteJobFiles() {
       return 1;
     }
   }
+  const std::string http_token_file = HttpTokenFileFor(journal_->path());
+  if (Status t = WritePrivateFile(http_token_file, HttpCredential(token_) + "\n"); !t.ok()) {
+    fmt::print(stderr, "{}: writing the HTTP token file: {}\n", name_, t.ToString());
+    return 1;
+  }
   std::error_code ec;
   std::filesystem::path absolute = std::filesystem::absolute(token_file, ec);
   // The job file: how `nonstop status`, `nonstop scale` and `nonstop worker` find this job. It
   // names the token's file and holds no secret itself.
-  nlohmann::json job = {{"controller", controller_address_},
-                        {"http", http_->address()},
-                        {"token_file", ec ? token_file : absolute.string()},
-                        {"journal", journal_->path()},
-                        {"pid", ::getpid()},
-                        {"env", nlohmann::json::object()}};
+  nlohmann::json job = {
+      {"controller", controller_address_},
+      {"http", http_->address()},
+      {"token_file", ec ? token_file : absolute.string()},
+      {"http_token_file", std::filesystem::absolute(http_token_file, ec).string()},
+      {"journal", journal_->path()},
+      {"pid", ::getpid()},
+      {"env", nlohmann::json::object()}};
   if (!o_.checkpoint_dir.empty()) {
     job["env"] = {{settings::kTrainCheckpointDir.env, o_.checkpoint_dir},
                   {settings::kTrainCheckpointEvery.env, std::to_string(o_.checkpoint_every)}};
@@ -446,10 +450,10 @@ void Runtime::PrintBanner() {
   // /events. Only a terminal sees it: a log file or CI output does not get the job's token.
   if (::isatty(STDOUT_FILENO)) {
     fmt::print("  {:<20} {}://{}/#token={}\n", "dashboard", http_->scheme(), http_->address(),
-               token_);
+               HttpCredential(token_));
   } else {
     fmt::print("  {:<20} {}://{}/ (add #token=<the token in {}>)\n", "dashboard", http_->scheme(),
-               http_->address(), TokenFile());
+               http_->address(), HttpTokenFileFor(journal_->path()));
   }
   if (o_.core.world_size == 0) {  // no world asked for: the hosts' nproc say it
     fmt::print("  {:<20} {}{}\n", "hosts", o_.core.min_hosts,
@@ -911,6 +915,12 @@ std::string TokenFileFor(const std::string& journal_path) {
   auto slash = journal_path.rfind('/');
   return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) +
          "/job.token";
+}
+
+std::string HttpTokenFileFor(const std::string& journal_path) {
+  auto slash = journal_path.rfind('/');
+  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) +
+         "/job.http-token";
 }
 
 int RunController(const RuntimeOptions& options) {

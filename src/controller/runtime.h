@@ -97,5 +97,8 @@ int RunController(const RuntimeOptions& options);
 std::string JobFileFor(const std::string& journal_path);
 // Where the job token is written without RuntimeOptions::token_file: job.token beside the journal.
 std::string TokenFileFor(const std::string& journal_path);
+// Where the HTTP endpoint's token (HttpCredential of the job token) is written: job.http-token
+// beside the journal, for curl and Prometheus (its credentials_file).
+std::string HttpTokenFileFor(const std::string& journal_path);
 
 }  // namespace nonstop::controller

@@ -156,9 +156,12 @@ HandshakeStep DialerHandshake::OnFrame(const Frame& frame) {
   if (!challenged_) {
     if (frame.type == kFrameHelloAck && !frame.payload.empty() && frame.payload[0] == 0) {
       // An old version's refusal, or anyone's: unauthenticated, so never taken as final.
-      return Failed(DataLossError(
-          fmt::format("the peer refused the hello without proving the job key ({}): not believed",
-                      frame.payload.substr(1))));
+      std::string said = frame.payload.substr(1, 200);  // unauthenticated: short, printable
+      for (char& c : said) {
+        if (c < 0x20 || c > 0x7e) c = '?';
+      }
+      return Failed(DataLossError(fmt::format(
+          "the peer refused the hello without proving the job key ({}): not believed", said)));
     }
     ByteReader r(frame.payload);
     std::string_view nonce, proof;
@@ -195,8 +198,9 @@ HandshakeStep DialerHandshake::OnFrame(const Frame& frame) {
 
 // --- AcceptorHandshake ---
 
-AcceptorHandshake::AcceptorHandshake(const crypto::Key& job_key, Check check)
-    : key_(job_key), check_(std::move(check)) {}
+AcceptorHandshake::AcceptorHandshake(const crypto::Key& job_key,
+                                     std::function<bool(ConnectionKind)> accepts, Check check)
+    : key_(job_key), accepts_(std::move(accepts)), check_(std::move(check)) {}
 
 HandshakeStep AcceptorHandshake::OnFrame(const Frame& frame) {
   return nonce_.empty() ? OnHello(frame) : OnProof(frame);
@@ -219,6 +223,10 @@ HandshakeStep AcceptorHandshake::OnHello(const Frame& frame) {
         fmt::format("protocol version {}.{} is not supported (this side speaks {}.{})",
                     hello->proto_major, hello->proto_minor, kProtocolMajor, kProtocolMinor));
   }
+  if (!accepts_(hello->kind)) {
+    return plain_refusal(fmt::format("connection kind {} is not accepted on this port",
+                                     static_cast<int>(hello->kind)));
+  }
   hello_ = std::move(*hello);
   hello_payload_ = frame.payload;
   nonce_ = crypto::RandomBytes(crypto::kNonceBytes);
@@ -236,8 +244,7 @@ HandshakeStep AcceptorHandshake::OnProof(const Frame& frame) {
     return Failed(FailedPreconditionError("the peer did not prove the job key"));
   }
   channel_ = MakeChannel(key_, hello_payload_, nonce_, /*dialer=*/false);
-  Status verdict = CheckHello(hello_, hello_.kind);
-  if (verdict.ok() && check_) verdict = check_(hello_);
+  Status verdict = check_ ? check_(hello_) : OkStatus();
   if (!verdict.ok()) {
     return Failed(FailedPreconditionError(verdict.message()),
                   channel_.send->Seal(kFrameHelloAck, std::string(1, '\0') + verdict.message()));
@@ -296,11 +303,14 @@ Result<Frame> ReadSealedFrame(int fd, FrameMac& mac, Deadline deadline, const Ab
 // --- HelloAcceptor ---
 
 HelloAcceptor::HelloAcceptor(int fd, const crypto::Key& job_key, ConnectionKind kind, Rule rule)
-    : fd_(fd), handshake_(job_key, [kind, rule = std::move(rule)](const Hello& h) {
-        Status s = CheckHello(h, kind);
-        if (s.ok() && rule) s = rule(h);
-        return s;
-      }) {}
+    : fd_(fd),
+      handshake_(
+          job_key, [kind](ConnectionKind k) { return k == kind; },
+          [kind, rule = std::move(rule)](const Hello& h) {
+            Status s = CheckHello(h, kind);
+            if (s.ok() && rule) s = rule(h);
+            return s;
+          }) {}
 
 short HelloAcceptor::wanted_events() const { return state_ == State::kWriting ? POLLOUT : POLLIN; }
 

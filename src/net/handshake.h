@@ -157,13 +157,18 @@ class DialerHandshake {
 // reason the ack carries.
 //
 // Errors: kFailedPrecondition for a refused connection (a bad proof: no
-// reason is sent; a bad magic or version: a plain refusal is sent, since the
-// peer cannot speak this handshake; a refusal by `check`: sealed), kDataLoss
-// for a frame out of place.
+// reason is sent; a bad magic, version or kind: a plain refusal is sent,
+// since the peer cannot speak this handshake or dialed the wrong port; a
+// refusal by `check`: sealed), kDataLoss for a frame out of place.
 class AcceptorHandshake {
  public:
   using Check = std::function<Status(const Hello&)>;
-  AcceptorHandshake(const crypto::Key& job_key, Check check);
+  // `accepts`: the kinds of connection this port takes. A hello of another kind is refused before
+  // any challenge (its kind is public), so that no port ever proves the key over a hello meant for
+  // another: a peer without the key cannot relay a dialer's hello to the wrong port and hand the
+  // dialer that port's authenticated refusal.
+  AcceptorHandshake(const crypto::Key& job_key, std::function<bool(ConnectionKind)> accepts,
+                    Check check);
   HandshakeStep OnFrame(const Frame& frame);
   const Hello& hello() const { return hello_; }  // valid once done
   Channel TakeChannel() { return std::move(channel_); }
@@ -172,6 +177,7 @@ class AcceptorHandshake {
   HandshakeStep OnHello(const Frame& frame);
   HandshakeStep OnProof(const Frame& frame);
   const crypto::Key key_;
+  const std::function<bool(ConnectionKind)> accepts_;
   const Check check_;
   Hello hello_;
   std::string hello_payload_;

@@ -25,6 +25,8 @@ struct SocketPair {
 
 const crypto::Key kKey = crypto::JobKey("secret");
 
+bool AnyKind(ConnectionKind) { return true; }
+
 Hello MakeHello() {
   Hello h;
   h.kind = ConnectionKind::kData;
@@ -113,7 +115,7 @@ TEST(HandshakeTest, AnImpostorAcceptorGetsNoSecretAndNoProof) {
 TEST(HandshakeTest, AReplayedHandshakeIsRefused) {
   // Record a genuine exchange, frame by frame.
   DialerHandshake dialer(kKey, MakeHello());
-  AcceptorHandshake acceptor(kKey, nullptr);
+  AcceptorHandshake acceptor(kKey, AnyKind, nullptr);
   std::string hello = dialer.Start();
   FrameDecoder d;
   ASSERT_TRUE(d.Feed(hello).ok());
@@ -125,7 +127,7 @@ TEST(HandshakeTest, AReplayedHandshakeIsRefused) {
   ASSERT_TRUE(d.Feed(proof.send).ok());
   ASSERT_TRUE(acceptor.OnFrame(*d.Next()).done);
   // Replay both to a fresh acceptor.
-  AcceptorHandshake again(kKey, nullptr);
+  AcceptorHandshake again(kKey, AnyKind, nullptr);
   ASSERT_TRUE(d.Feed(hello).ok());
   ASSERT_TRUE(again.OnFrame(*d.Next()).error.ok());
   ASSERT_TRUE(d.Feed(proof.send).ok());
@@ -138,7 +140,7 @@ TEST(HandshakeTest, AReplayedHandshakeIsRefused) {
 // The acceptor's own proof sent back as the dialer's, on the same connection, fails: the proofs
 // name their roles.
 TEST(HandshakeTest, AReflectedProofIsRefused) {
-  AcceptorHandshake acceptor(kKey, nullptr);
+  AcceptorHandshake acceptor(kKey, AnyKind, nullptr);
   Hello h = MakeHello();
   h.nonce = crypto::RandomBytes(crypto::kNonceBytes);
   FrameDecoder d;
@@ -189,10 +191,24 @@ TEST(HandshakeTest, NegativeWorkerIdIsRefusedWithTheReasonSealed) {
   EXPECT_NE(o.client.status().message().find("negative"), std::string::npos);
 }
 
-TEST(HandshakeTest, AWrongKindIsRefused) {
+// A port answers only hellos of its own kind with a challenge: no port proves the key over a hello
+// meant for another, so a relay of a control hello to a data port (by a peer without the key)
+// gets the dialer no authenticated refusal, only a plain one it does not believe.
+TEST(HandshakeTest, AHelloOfAnotherKindGetsNoChallenge) {
+  AcceptorHandshake data_port(
+      kKey, [](ConnectionKind k) { return k == ConnectionKind::kData; }, nullptr);
+  Hello h = MakeHello();
+  h.kind = ConnectionKind::kControl;
+  h.nonce = crypto::RandomBytes(crypto::kNonceBytes);
+  FrameDecoder d;
+  ASSERT_TRUE(d.Feed(EncodeFrame(kFrameHello, EncodeHello(h))).ok());
+  HandshakeStep step = data_port.OnFrame(*d.Next());
+  EXPECT_EQ(step.error.code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(d.Feed(step.send).ok());
+  EXPECT_EQ(d.Next()->type, kFrameHelloAck) << "a challenge for a hello of another kind";
   Outcome o = RunHandshake(kKey, kKey, MakeHello(), ConnectionKind::kControl);
   ASSERT_FALSE(o.server.ok());
-  EXPECT_EQ(o.client.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(o.client.status().code(), StatusCode::kDataLoss) << "a plain refusal is not final";
   EXPECT_NE(o.client.status().message().find("kind 2"), std::string::npos);
 }
 

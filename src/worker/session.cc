@@ -283,8 +283,8 @@ class SessionImpl {
       reason = why.message();
       NONSTOP_LOG_ERROR("{}: giving up", reason);
     } else if (why.code() == StatusCode::kFailedPrecondition) {
-      reason = fmt::format("the controller at {} refused this worker: {}", link_->controller(),
-                           why.message());
+      reason =
+          fmt::format("cannot join the controller at {}: {}", link_->controller(), why.message());
       NONSTOP_LOG_ERROR("{}: giving up", reason);
     } else {
       reason = "lost the controller: " + lost_why_;

@@ -102,7 +102,7 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   }
   auto job_file = nlohmann::json::parse(ReadFile(dir / "job.json"));
   const std::string http = job_file["http"];
-  const std::string token = ReadJobTokenFile(job_file["token_file"]).value();
+  const std::string token = HttpCredential(ReadJobTokenFile(job_file["token_file"]).value());
   const std::string url = "http://" + http + "/#token=" + token;
   EXPECT_NE(job.Output().find("dashboard            http://" + http + "/ (add #token="),
             std::string::npos)
@@ -192,7 +192,7 @@ TEST(DashboardBrowserTest, OffLoopbackThePageSendsTheTokenWithEveryRequest) {
   }
   auto job_file = nlohmann::json::parse(ReadFile(dir / "job.json"));
   const std::string http = job_file["http"];
-  const std::string token = ReadJobTokenFile(job_file["token_file"]).value();
+  const std::string token = HttpCredential(ReadJobTokenFile(job_file["token_file"]).value());
   const std::string port = http.substr(http.rfind(':') + 1);
   httplib::Client c("127.0.0.1", std::stoi(port));
   auto status = c.Get("/status");

@@ -76,7 +76,7 @@ class ElasticTest : public ::testing::Test {
     if (job.is_discarded() || !job.contains("token_file")) return {-2, nullptr};
     auto token = ReadJobTokenFile(job["token_file"].get<std::string>());
     if (!token.ok()) return {-2, nullptr};
-    c.set_bearer_token_auth(*token);
+    c.set_bearer_token_auth(HttpCredential(*token));
     auto res = c.Post("/scale", body.dump(), "application/json");
     if (!res) return {-1, nullptr};
     return {res->status, nlohmann::json::parse(res->body, nullptr, false)};

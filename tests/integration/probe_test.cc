@@ -218,7 +218,7 @@ TEST_F(ProbeTest, JunkOnTheDataPortsAndTheHttpEndpointDoesNotDisturbTheJob) {
   std::string http = job_file_["http"];
   probers.push_back(std::make_unique<Prober>(http));
   probers.back()->Idle(150);
-  ProbeHttp(http, ReadJobTokenFile(job_file_["token_file"]).value());
+  ProbeHttp(http, HttpCredential(ReadJobTokenFile(job_file_["token_file"]).value()));
   EXPECT_LT(nonstop::testing::JournalEvents(journal_, "step").size(), 100u)
       << "probed too late to matter";
   ExpectUndisturbed(/*recoveries=*/1);

@@ -68,10 +68,13 @@ std::vector<std::string> ProcessesHolding(const std::string& secret, int* read) 
   return found;
 }
 
-std::string Get(const std::string& http, const std::string& path, const std::string& token) {
+// GET with the HTTP token derived from the job token (raw: the job token itself, which the
+// endpoint does not take).
+std::string Get(const std::string& http, const std::string& path, const std::string& token,
+                bool raw = false) {
   auto colon = http.rfind(':');
   httplib::Client c(http.substr(0, colon), std::stoi(http.substr(colon + 1)));
-  c.set_bearer_token_auth(token);
+  c.set_bearer_token_auth(raw ? token : HttpCredential(token));
   auto res = c.Get(path);
   return res && res->status == 200 ? res->body : "";
 }
@@ -113,6 +116,8 @@ TEST(SecretsTest, TheTokenIsNowhereButInItsFile) {
   }
   EXPECT_NE(ReadAll(dir / "http-status.json").find("\"generation\""), std::string::npos)
       << "GET /status answered nothing";
+  EXPECT_EQ(Get(http, "/events", *token, /*raw=*/true), "")
+      << "the endpoint takes the job token itself, which HTTP clients would then send";
   // The hand-started worker has dumped its environment once it is a spare.
   ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "join", 4, milliseconds(30'000)))
       << ReadAll(dir / "hand.out");

@@ -328,7 +328,7 @@
   // (off loopback the endpoint asks for it on /status and /metrics too).
   const token = new URLSearchParams(location.hash.slice(1)).get('token');
   const auth = token ? { Authorization: 'Bearer ' + token } : {};
-  const tokenNote = 'The job\'s data needs the job token: open the address `nonstop run` printed (…/#token=…), or add #token=… from runs/job.json.';
+  const tokenNote = 'The job\'s data needs the job token: open the address `nonstop run` printed (…/#token=…), or add #token=… from the job token file (runs/job.token).';
   let offset = 0, status = null, failures = 0;
   async function poll() {
     let more = false;
