@@ -538,9 +538,11 @@ TEST(ControllerLinkEtcdTest, DialsTheLeaderEtcdNamesAsksAgainSoonWhileItIsGoneAn
   ASSERT_TRUE(Drive(
       *link, now, &events, [&] { return link->epoch() == 4; }, &next.loop));
   // The job ends in etcd, then its leader goes: final, with the job's exit code.
-  auto ended = (*client)->Txn(
-      {}, {etcd::Op::Put(coord::JobPrefix(job) + "end", R"({"exit_code":3,"reason":"done"})"),
-           etcd::Op::Delete(coord::LeaderKey(job))});
+  auto ended =
+      (*client)->Txn({}, {etcd::Op::Put(coord::JobPrefix(job) + "end",
+                                        coord::SignEndValue(crypto::JobKey(kToken), job,
+                                                            R"({"exit_code":3,"reason":"done"})")),
+                          etcd::Op::Delete(coord::LeaderKey(job))});
   ASSERT_TRUE(ended.ok()) << ended.status().ToString();
   next.server.reset();
   events.clear();
@@ -613,7 +615,8 @@ TEST(ControllerLinkLeaderFileTest, FollowsTheAgentsLeaderFileWithoutAskingEtcd) 
       *link, now, &events, [&] { return Has(events, Kind::kAccepted); }, &next.loop));
   EXPECT_EQ(link->controller(), next.address());
   // The job ends: the file says so once its leader is gone; final, with the job's exit code.
-  write(std::nullopt, R"({"exit_code":4,"reason":"done"})");
+  write(std::nullopt, coord::SignEndValue(crypto::JobKey(kToken), "link-test",
+                                          R"({"exit_code":4,"reason":"done"})"));
   link->Stop();
   events.clear();
   link->Start(now + 60s, now);

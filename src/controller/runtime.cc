@@ -905,22 +905,25 @@ void Runtime::SendRanksToAgents(uint32_t generation, const std::vector<int>& mem
 
 }  // namespace
 
-std::string JobFileFor(const std::string& journal_path) {
+namespace {
+// A file of the job's beside its journal.
+std::string BesideJournal(const std::string& journal_path, const char* name) {
   auto slash = journal_path.rfind('/');
-  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) +
-         "/job.json";
+  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) + "/" +
+         name;
+}
+}  // namespace
+
+std::string JobFileFor(const std::string& journal_path) {
+  return BesideJournal(journal_path, "job.json");
 }
 
 std::string TokenFileFor(const std::string& journal_path) {
-  auto slash = journal_path.rfind('/');
-  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) +
-         "/job.token";
+  return BesideJournal(journal_path, "job.token");
 }
 
 std::string HttpTokenFileFor(const std::string& journal_path) {
-  auto slash = journal_path.rfind('/');
-  return (slash == std::string::npos ? std::string(".") : journal_path.substr(0, slash)) +
-         "/job.http-token";
+  return BesideJournal(journal_path, "job.http-token");
 }
 
 int RunController(const RuntimeOptions& options) {

@@ -26,19 +26,29 @@ std::string LeaderMac(const crypto::Key& job_key, const std::string& job,
                                  "leader key value", {unsigned_value.dump()}));
 }
 
+// The end key's: keyed for that purpose, so that a genuine leader value copied into the end key
+// (or the reverse) does not verify.
+std::string EndMac(const crypto::Key& job_key, const std::string& job,
+                   const nlohmann::json& unsigned_value) {
+  return crypto::Hex(crypto::Mac(crypto::DeriveKey(job_key, "etcd end key", job), "end key value",
+                                 {unsigned_value.dump()}));
+}
+
 // The last value refused in this process: one log line per refused value (a reader asks again
 // and again while the value stays).
 Mutex refused_mu;
 std::string refused_last NONSTOP_GUARDED_BY(refused_mu);
 
-void SayRefusedOnce(const std::string& job, const std::string& value, const Status& why) {
+void SayRefusedOnce(const std::string& job, const char* key, const std::string& value,
+                    const Status& why) {
   MutexLock lock(&refused_mu);
   if (refused_last == value) return;
   refused_last = value;
   NONSTOP_LOG_WARNING(
-      "job '{}': not following the leader key {}: {} (someone who can write etcd but does not "
-      "hold the job token wrote it; the leader puts its own value back)",
-      job, value.substr(0, 200), why.message());
+      "job '{}': not following the {} {}: {} (someone who can write etcd but does not hold the "
+      "job token wrote it{})",
+      job, key, value.substr(0, 200), why.message(),
+      std::string_view(key) == "leader key" ? "; the leader puts its own value back" : "");
 }
 
 }  // namespace
@@ -49,6 +59,29 @@ std::string SignLeaderValue(const crypto::Key& job_key, const std::string& job,
   std::string mac = LeaderMac(job_key, job, value);
   value["mac"] = std::move(mac);
   return value.dump();
+}
+
+std::string SignEndValue(const crypto::Key& job_key, const std::string& job,
+                         const std::string& record) {
+  auto v = nlohmann::json::parse(record, nullptr, false);
+  if (!v.is_object()) v = nlohmann::json::object();
+  v.erase("mac");
+  v["mac"] = EndMac(job_key, job, v);
+  return v.dump();
+}
+
+Status VerifyEndValue(const crypto::Key& job_key, const std::string& job,
+                      const std::string& value) {
+  auto v = nlohmann::json::parse(value, nullptr, false);
+  if (!v.is_object() || !v.contains("mac") || !v["mac"].is_string()) {
+    return FailedPreconditionError("it carries no MAC of the job key");
+  }
+  const std::string mac = v["mac"].get<std::string>();
+  v.erase("mac");
+  if (!crypto::MacEquals(mac, EndMac(job_key, job, v))) {
+    return FailedPreconditionError("its MAC does not verify with the job key");
+  }
+  return OkStatus();
 }
 
 Status VerifyLeaderValue(const crypto::Key& job_key, const std::string& job,
@@ -75,6 +108,14 @@ Status VerifyLeaderValue(const crypto::Key& job_key, const std::string& job,
 Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code,
                                         const crypto::Key* job_key) {
   if (!keys.leader) {
+    if (keys.end && job_key != nullptr) {
+      if (Status s = VerifyEndValue(*job_key, keys.job, *keys.end); !s.ok()) {
+        SayRefusedOnce(keys.job, "end key", *keys.end, s);
+        return NotFoundError(fmt::format(
+            "the end key of job '{}' is not believed: {} (written without the job token)", keys.job,
+            s.message()));
+      }
+    }
     if (keys.end) {
       auto r = nlohmann::json::parse(*keys.end, nullptr, false);
       int code = r.is_object() && r.contains("exit_code") && r["exit_code"].is_number_integer()
@@ -96,7 +137,7 @@ Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code,
   if (job_key != nullptr) {
     if (Status s = VerifyLeaderValue(*job_key, keys.job, *keys.leader, keys.leader_epoch);
         !s.ok()) {
-      SayRefusedOnce(keys.job, *keys.leader, s);
+      SayRefusedOnce(keys.job, "leader key", *keys.leader, s);
       return NotFoundError(fmt::format(
           "the leader key of job '{}' is not followed: {} (written without the job token)",
           keys.job, s.message()));

@@ -53,6 +53,12 @@ std::string SignLeaderValue(const crypto::Key& job_key, const std::string& job,
 // which failed.
 Status VerifyLeaderValue(const crypto::Key& job_key, const std::string& job,
                          const std::string& value, int64_t create_revision);
+// The end key's value (the job_end record) with its MAC of the job key ("mac"), keyed apart from
+// the leader key's; and its check. A reader given the job key believes an end key only if it
+// verifies: one written without the job token ends nobody's search (it is "nobody leads").
+std::string SignEndValue(const crypto::Key& job_key, const std::string& job,
+                         const std::string& record);
+Status VerifyEndValue(const crypto::Key& job_key, const std::string& job, const std::string& value);
 
 // Who leads, as the two keys say (LookUpLeader reads them from etcd and asks this): the control
 // address; NotFound (nobody leads, the leader has not published its address yet, or, with a

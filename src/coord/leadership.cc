@@ -416,6 +416,7 @@ Status Leadership::Publish(const nlohmann::json& value, const crypto::Key& job_k
   MutexLock lock(&mu_);
   published_ = signed_value;
   job_key_ = job_key;
+  has_job_key_ = true;
   return OkStatus();
 }
 
@@ -477,7 +478,11 @@ void Leadership::Flush() {
     MutexLock lock(&mu_);
     for (auto& e : queued_) pending_.push_back(std::move(e));
     if (!queued_progress_.empty()) progress_ = std::move(queued_progress_);
-    if (!queued_end_.empty()) end_ = std::move(queued_end_);
+    // Signed once the leader holds the job key (Publish): readers believe no other.
+    if (!queued_end_.empty()) {
+      end_ =
+          has_job_key_ ? SignEndValue(job_key_, options_.job, queued_end_) : std::move(queued_end_);
+    }
   }
   queued_end_.clear();
   queued_.clear();

@@ -286,6 +286,7 @@ class Leadership {
   Status final_ NONSTOP_GUARDED_BY(mu_);
   std::string published_ NONSTOP_GUARDED_BY(mu_);  // the leader key's value, once published
   crypto::Key job_key_ NONSTOP_GUARDED_BY(mu_){};
+  bool has_job_key_ NONSTOP_GUARDED_BY(mu_) = false;  // Publish gave job_key_
   std::vector<LeaderKeyForgery> forgeries_ NONSTOP_GUARDED_BY(mu_);
 
   std::jthread keepalive_;

@@ -140,6 +140,31 @@ TEST(LeaderKeyMacTest, OnlyAValueMacdWithTheJobKeyForThisJobAndThisEpochVerifies
   EXPECT_TRUE(Has(refused.status(), "not followed")) << refused.status().ToString();
 }
 
+// The end key (the job_end record): believed only with its own MAC of the job key. Written
+// without the job token, or a genuine leader value copied there, it ends nobody's search.
+TEST(LeaderKeyMacTest, AnEndKeyIsBelievedOnlyWithItsMacOfTheJobKey) {
+  const crypto::Key key = crypto::JobKey("the token");
+  const std::string record = R"({"event":"job_end","exit_code":3,"reason":"done"})";
+  coord::LeaderKeys keys{"j", 20, std::nullopt, 0, coord::SignEndValue(key, "j", record)};
+  int code = -1;
+  auto ended = coord::InterpretLeaderKeys(keys, &code, &key);
+  ASSERT_FALSE(ended.ok());
+  EXPECT_EQ(ended.status().code(), StatusCode::kAborted) << ended.status().ToString();
+  EXPECT_EQ(code, 3);
+  for (const std::string& forged :
+       {record, coord::SignEndValue(crypto::JobKey("other"), "j", record),
+        coord::SignEndValue(key, "k", record),
+        coord::SignLeaderValue(key, "j", nlohmann::json::parse(record))}) {
+    keys.end = forged;
+    code = -1;
+    auto r = coord::InterpretLeaderKeys(keys, &code, &key);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kNotFound) << forged;
+    EXPECT_TRUE(Has(r.status(), "not believed")) << r.status().ToString();
+    EXPECT_EQ(code, -1) << "an exit code taken from a forged end key";
+  }
+}
+
 // ---- a real etcd over TLS with client certificates ----
 
 class EtcdTlsTest : public ::testing::Test {
