@@ -172,7 +172,9 @@ class Impostor {
         auto fd = net::Accept(listener_.fd.get());
         if (fd.ok()) {
           ++connections;
-          peers.push_back(std::make_unique<Peer>(Peer{std::move(*fd), {}}));
+          auto peer = std::make_unique<Peer>();
+          peer->fd = std::move(*fd);
+          peers.push_back(std::move(peer));
         }
       }
       for (size_t i = 0; i < polled; ++i) {
