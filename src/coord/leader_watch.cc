@@ -17,21 +17,45 @@ namespace nonstop::coord {
 
 namespace {
 
-// The MAC of a leader key's value: keyed for this purpose and this job (a value MAC'd for job A
-// does not verify for job B of the same token), over the value's JSON without its "mac" (nlohmann
-// writes an object's fields in key order: the writer's and the reader's texts agree).
-std::string LeaderMac(const crypto::Key& job_key, const std::string& job,
-                      const nlohmann::json& unsigned_value) {
-  return crypto::Hex(crypto::Mac(crypto::DeriveKey(job_key, "etcd leader key", job),
-                                 "leader key value", {unsigned_value.dump()}));
+// What a MAC'd value is for: its key is derived for that purpose and for this job (a value MAC'd
+// for job A does not verify for job B of the same token, nor a leader value as the end key's), over
+// the value's JSON without its "mac" (nlohmann writes an object's fields in key order: the
+// writer's and the reader's texts agree).
+struct ValueKind {
+  const char* purpose;
+  const char* label;
+};
+constexpr ValueKind kLeaderValue{"etcd leader key", "leader key value"};
+constexpr ValueKind kEndValue{"etcd end key", "end key value"};
+
+std::string ValueMac(const ValueKind& kind, const crypto::Key& job_key, const std::string& job,
+                     const nlohmann::json& unsigned_value) {
+  return crypto::Hex(crypto::Mac(crypto::DeriveKey(job_key, kind.purpose, job), kind.label,
+                                 {unsigned_value.dump()}));
 }
 
-// The end key's: keyed for that purpose, so that a genuine leader value copied into the end key
-// (or the reverse) does not verify.
-std::string EndMac(const crypto::Key& job_key, const std::string& job,
-                   const nlohmann::json& unsigned_value) {
-  return crypto::Hex(crypto::Mac(crypto::DeriveKey(job_key, "etcd end key", job), "end key value",
-                                 {unsigned_value.dump()}));
+std::string SignValue(const ValueKind& kind, const crypto::Key& job_key, const std::string& job,
+                      nlohmann::json value) {
+  value.erase("mac");
+  std::string mac = ValueMac(kind, job_key, job, value);
+  value["mac"] = std::move(mac);
+  return value.dump();
+}
+
+// Parses `value` and checks its MAC; *unsigned_value is the value without it.
+Status CheckValueMac(const ValueKind& kind, const crypto::Key& job_key, const std::string& job,
+                     const std::string& value, nlohmann::json* unsigned_value) {
+  nlohmann::json& v = *unsigned_value;
+  v = nlohmann::json::parse(value, nullptr, false);
+  if (!v.is_object() || !v.contains("mac") || !v["mac"].is_string()) {
+    return FailedPreconditionError("it carries no MAC of the job key");
+  }
+  const std::string mac = v["mac"].get<std::string>();
+  v.erase("mac");
+  if (!crypto::MacEquals(mac, ValueMac(kind, job_key, job, v))) {
+    return FailedPreconditionError("its MAC does not verify with the job key");
+  }
+  return OkStatus();
 }
 
 // The last value refused in this process: one log line per refused value (a reader asks again
@@ -55,46 +79,26 @@ void SayRefusedOnce(const std::string& job, const char* key, const std::string& 
 
 std::string SignLeaderValue(const crypto::Key& job_key, const std::string& job,
                             nlohmann::json value) {
-  value.erase("mac");
-  std::string mac = LeaderMac(job_key, job, value);
-  value["mac"] = std::move(mac);
-  return value.dump();
+  return SignValue(kLeaderValue, job_key, job, std::move(value));
 }
 
 std::string SignEndValue(const crypto::Key& job_key, const std::string& job,
                          const std::string& record) {
   auto v = nlohmann::json::parse(record, nullptr, false);
   if (!v.is_object()) v = nlohmann::json::object();
-  v.erase("mac");
-  v["mac"] = EndMac(job_key, job, v);
-  return v.dump();
+  return SignValue(kEndValue, job_key, job, std::move(v));
 }
 
 Status VerifyEndValue(const crypto::Key& job_key, const std::string& job,
                       const std::string& value) {
-  auto v = nlohmann::json::parse(value, nullptr, false);
-  if (!v.is_object() || !v.contains("mac") || !v["mac"].is_string()) {
-    return FailedPreconditionError("it carries no MAC of the job key");
-  }
-  const std::string mac = v["mac"].get<std::string>();
-  v.erase("mac");
-  if (!crypto::MacEquals(mac, EndMac(job_key, job, v))) {
-    return FailedPreconditionError("its MAC does not verify with the job key");
-  }
-  return OkStatus();
+  nlohmann::json v;
+  return CheckValueMac(kEndValue, job_key, job, value, &v);
 }
 
 Status VerifyLeaderValue(const crypto::Key& job_key, const std::string& job,
                          const std::string& value, int64_t create_revision) {
-  auto v = nlohmann::json::parse(value, nullptr, false);
-  if (!v.is_object() || !v.contains("mac") || !v["mac"].is_string()) {
-    return FailedPreconditionError("it carries no MAC of the job key");
-  }
-  const std::string mac = v["mac"].get<std::string>();
-  v.erase("mac");
-  if (!crypto::MacEquals(mac, LeaderMac(job_key, job, v))) {
-    return FailedPreconditionError("its MAC does not verify with the job key");
-  }
+  nlohmann::json v;
+  NONSTOP_RETURN_IF_ERROR(CheckValueMac(kLeaderValue, job_key, job, value, &v));
   if (!v.contains("epoch") || !v["epoch"].is_number_integer() ||
       v["epoch"].get<int64_t>() != create_revision) {
     return FailedPreconditionError(fmt::format(

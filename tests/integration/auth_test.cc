@@ -58,16 +58,7 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-// The control address the controller wrote to the job file beside its journal.
-std::string ControllerAddress(const std::string& dir) {
-  for (int i = 0; i < 500; ++i) {
-    auto job = nlohmann::json::parse(ReadFile(dir + "/job.json"), nullptr, false);
-    if (job.is_object() && job.contains("controller") && job["controller"].is_string())
-      return job["controller"].get<std::string>();
-    std::this_thread::sleep_for(milliseconds(20));
-  }
-  return "";
-}
+using nonstop::testing::ControllerAddress;
 
 // One job: a controller, an agent of 3 workers and a spare dialing `dial` (the controller's own
 // address when empty), and the reference checksum of the same job run without any attack.

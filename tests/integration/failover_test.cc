@@ -26,21 +26,7 @@ const std::string kBin = NONSTOP_BIN_DIR;
 const auto& Events = nonstop::testing::JournalEvents;
 const auto& FinishedChecksum = nonstop::testing::FinishedChecksum;
 
-// The control address the controller wrote to the job file beside its journal.
-std::string ControllerAddress(const std::string& dir) {
-  for (int i = 0; i < 500; ++i) {
-    std::ifstream in(dir + "/job.json");
-    if (in) {
-      try {
-        auto job = nlohmann::json::parse(in);
-        return job.at("controller").get<std::string>();
-      } catch (...) {
-      }
-    }
-    std::this_thread::sleep_for(milliseconds(20));
-  }
-  return "";
-}
+using nonstop::testing::ControllerAddress;
 
 constexpr int kSteps = 200;
 

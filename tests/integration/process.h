@@ -105,4 +105,19 @@ inline bool WaitForEvents(const std::string& journal, const std::string& kind, s
   return true;
 }
 
+// The control address the controller wrote to the job file (job.json) in `dir`, waited for up
+// to 10 s; "" if none came.
+inline std::string ControllerAddress(const std::string& dir) {
+  for (int i = 0; i < 500; ++i) {
+    std::ifstream in(dir + "/job.json");
+    std::stringstream text;
+    text << in.rdbuf();
+    auto job = nlohmann::json::parse(text.str(), nullptr, false);
+    if (job.is_object() && job.contains("controller") && job["controller"].is_string())
+      return job["controller"].get<std::string>();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return "";
+}
+
 }  // namespace nonstop::testing
