@@ -89,12 +89,20 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
       } else if (k == "time") {
         ok = ParseNumber(v, &f.time_seconds) && f.time_seconds >= 0;
         f.point = FaultPoint::kTime;
+      } else if (k == "at") {
+        ok = ParseNumber(v, &f.at) && f.at >= 0 && f.at < 1;
+        if (!ok) {
+          return InvalidArgumentError(fmt::format(
+              "fault '{}': at={} is not a fraction of the step in [0, 1) (0: as the step starts, "
+              "0.5: half-way through it; leave it out for just before the step's reduction)",
+              item, v));
+        }
       } else if (k == "during") {
         ok = v == "transfer" || v == "step";
         if (v == "transfer") f.point = FaultPoint::kTransfer;
       } else {
         return InvalidArgumentError(
-            fmt::format("fault '{}': unknown key '{}' (rank, step, time, during)", item, k));
+            fmt::format("fault '{}': unknown key '{}' (rank, step, time, at, during)", item, k));
       }
       if (!ok)
         return InvalidArgumentError(fmt::format("fault '{}': bad value '{}' for {}", item, v, k));
@@ -113,6 +121,13 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
           fmt::format("fault '{}': step= or time= is required{}", item, hint));
     }
     if (f.kind == FaultKind::kCorrupt) f.point = FaultPoint::kTransfer;
+    if (f.at >= 0 && (f.point != FaultPoint::kStep || f.step < 0 ||
+                      (f.kind != FaultKind::kKill && f.kind != FaultKind::kHang))) {
+      return InvalidArgumentError(
+          fmt::format("fault '{}': at= works with step= for kill and hang only (e.g. "
+                      "kill:rank=1,step=30,at=0.5)",
+                      item));
+    }
     out.push_back(f);
   }
   return out;
@@ -123,6 +138,7 @@ std::string FormatFault(const FaultSpec& f) {
   if (f.point == FaultPoint::kTime) return s + fmt::format(",time={}", f.time_seconds);
   if (f.step >= 0) s += fmt::format(",step={}", f.step);
   if (f.point == FaultPoint::kTransfer && f.kind != FaultKind::kCorrupt) s += ",during=transfer";
+  if (f.at >= 0) s += fmt::format(",at={}", f.at);
   return s;
 }
 

@@ -36,6 +36,9 @@ struct FaultSpec {
   int64_t step = -1;
   double time_seconds = -1;
   FaultPoint point = FaultPoint::kStep;
+  // kill/hang at a step: fire this fraction of a step into it (0: as it starts; the step's length
+  // taken as the last one's), instead of just before its reduction (-1).
+  double at = -1;
 };
 
 Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id = 0);

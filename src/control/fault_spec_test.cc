@@ -26,6 +26,34 @@ TEST(FaultSpecTest, ParsesEveryKindAndPoint) {
   }
 }
 
+// A kill or hang part-way into a step (at=): as it starts, half-way, and its default (just before
+// the step's reduction, at = -1).
+TEST(FaultSpecTest, AKillOrHangCanLandAFractionOfTheWayIntoAStep) {
+  auto f = ParseFaults("kill:rank=2,step=30,at=0;hang:rank=1,step=9,at=0.5;kill:rank=0,step=4");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_EQ(f->size(), 3u);
+  EXPECT_DOUBLE_EQ((*f)[0].at, 0);
+  EXPECT_DOUBLE_EQ((*f)[1].at, 0.5);
+  EXPECT_DOUBLE_EQ((*f)[2].at, -1);
+  EXPECT_EQ(FormatFault((*f)[1]), "hang:rank=1,step=9,at=0.5");
+  EXPECT_EQ(FormatFault((*f)[2]), "kill:rank=0,step=4");
+  auto back = ParseFaults(FormatFault((*f)[0]));
+  ASSERT_TRUE(back.ok());
+  EXPECT_DOUBLE_EQ((*back)[0].at, 0);
+  for (const char* bad :
+       {"kill:rank=1,step=3,at=1", "kill:rank=1,step=3,at=-0.1", "kill:rank=1,step=3,at=half"}) {
+    EXPECT_NE(ParseFaults(bad).status().message().find("is not a fraction of the step"),
+              std::string::npos)
+        << bad;
+  }
+  for (const char* bad : {"exception:rank=1,step=3,at=0.5", "kill:rank=1,time=3,at=0.5",
+                          "kill:rank=1,step=3,during=transfer,at=0.5"}) {
+    EXPECT_NE(ParseFaults(bad).status().message().find("at= works with step= for kill and hang"),
+              std::string::npos)
+        << bad << ": " << ParseFaults(bad).status().message();
+  }
+}
+
 TEST(FaultSpecTest, BadSpecsSayWhatIsWrong) {
   EXPECT_NE(ParseFaults("explode:rank=1,step=2").status().message().find("unknown kind"),
             std::string::npos);

@@ -164,6 +164,8 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   out->push_back(AppendJournal{rec});
   if (phase_ == JobPhase::kForming)
     MaybeFormFirstGeneration(out);
+  else if (phase_ == JobPhase::kRecovering && spare_wait_until_)
+    MaybeFinishAbort(out);  // the recovery waited for a spare: this may be it
   else
     MaybeGrow(out);
 }
@@ -223,6 +225,7 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   // inside a step that the others completed).
   if (IsLiveMember(w) && e.msg.step > last_journaled_step_) {
     last_journaled_step_ = e.msg.step;
+    step_began_at_ = now_;
     json record = {{"event", "step"},
                    {"step", e.msg.step},
                    {"loss", e.msg.loss},
@@ -609,6 +612,10 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   CheckHeartbeats(out);
   if (phase_ == JobPhase::kEnded) return;
   if (slotted() && placement_.placed()) TopUpHosts(out);
+  if (phase_ == JobPhase::kRecovering && spare_wait_until_ && now_ >= *spare_wait_until_) {
+    MaybeFinishAbort(out);  // the spare it waited for did not come: plan without it
+    if (phase_ != JobPhase::kRecovering) return;
+  }
   if (phase_ == JobPhase::kRecovering && now_ >= abort_deadline_) {
     // Escalation: members that could not abort in time are killed and replaced.
     std::vector<int> late;

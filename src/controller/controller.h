@@ -398,6 +398,8 @@ class Controller {
   // Only the first part of StartRecovery: the record, the aborts, the journal.
   void OpenRecovery(const std::string& cause, bool planned, std::vector<Action>* out);
   void MaybeFinishAbort(std::vector<Action>* out);
+  // Whether the plan waits for a spare that is still starting (see spare_wait_until_).
+  bool WaitForStartingSpare(std::vector<Action>* out);
   // Every live member answered the abort: the planner decides generation
   // g+1 from PlanView(), and it is applied (or the job restarts, or ends).
   void FormNextGeneration(std::vector<Action>* out);
@@ -461,6 +463,9 @@ class Controller {
   int64_t resume_step_ = 0;
   int64_t highest_step_ = -1;  // highest step any worker ever reported complete
   int64_t last_journaled_step_ = -1;
+  // When the step being computed began: the last new step's first report, or
+  // the generation's start (a recovery's time lost is measured from it).
+  std::optional<Clock::time_point> step_began_at_;
   int finished_ = 0;
   std::optional<std::string> checksum_;
   // Injected faults not fired yet, and the last one fired (its recovery names it).
@@ -484,6 +489,9 @@ class Controller {
   // resume step or finished (last_step only grows while the members stay).
   size_t close_scan_ = 0;
   Clock::time_point abort_deadline_{};
+  // Every survivor answered the abort, but a lost member's spare is still starting: the plan waits
+  // for it until then (options_.spare_wait after the survivors were ready).
+  std::optional<Clock::time_point> spare_wait_until_;
   // A planned resize in progress: its new world size, and the members it
   // releases by name (those of leaving hosts; the others by rank, highest first).
   struct PlannedResize {

@@ -135,6 +135,8 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   }
   phase_ = JobPhase::kRunning;
   progress_at_ = now_;
+  if (!open_recovery_)
+    step_began_at_ = now_;  // the first step begins (a restart's: its recovery's)
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
   out->reserve(out->size() + members.size() + 2);
   for (int id : members) out->push_back(SendPlan{id, shared});
@@ -187,6 +189,8 @@ void Controller::OpenRecovery(const std::string& cause, bool planned, std::vecto
   rec.detected_at = now_;
   rec.old_world = static_cast<int>(members.size());
   rec.normal_step_seconds = median_step;
+  rec.step_began_at = step_began_at_;
+  rec.step_before = highest_step_;
   if (last_injected_ && now_ - last_injected_->first < std::chrono::seconds(10)) {
     rec.fault_at = last_injected_->first;
     rec.injected = last_injected_->second;
@@ -197,6 +201,7 @@ void Controller::OpenRecovery(const std::string& cause, bool planned, std::vecto
   }
   recoveries_.push_back(rec);
   open_recovery_ = recoveries_.size() - 1;
+  spare_wait_until_.reset();
   phase_ = JobPhase::kRecovering;
   abort_scan_ = 0;
   finished_ = 0;
@@ -273,8 +278,36 @@ void Controller::MaybeFinishAbort(std::vector<Action>* out) {
     const WorkerInfo& w = *members[abort_scan_];
     if (IsLiveMember(w) && !ready_.count(w.worker_id)) return;  // still waiting
   }
-  recoveries_[*open_recovery_].aborted_at = now_;
+  if (!recoveries_[*open_recovery_].aborted_at) recoveries_[*open_recovery_].aborted_at = now_;
+  if (WaitForStartingSpare(out)) return;
   FormNextGeneration(out);
+}
+
+bool Controller::WaitForStartingSpare(std::vector<Action>* out) {
+  if (resize_ || options_.recovery == RecoveryMode::kCheckpointRestart) return false;
+  const RecoveryRecord& rec = recoveries_[*open_recovery_];
+  size_t lost = 0, promotable = 0;
+  for (const WorkerInfo* w : membership_.member_info()) lost += IsLiveMember(*w) ? 0 : 1;
+  for (const auto& [id, w] : membership_.workers()) promotable += Promotable(w) ? 1 : 0;
+  // Spares started before the fault, warming up: one started for it would start cold, and the
+  // shrink is then the cheaper way on.
+  std::vector<int> starting;
+  for (const auto& [id, a] : membership_.awaiting()) {
+    if (a.spare && (!a.since || *a.since < rec.detected_at)) starting.push_back(id);
+  }
+  if (lost == 0 || promotable >= lost || starting.empty()) return false;
+  if (!spare_wait_until_) {
+    spare_wait_until_ = now_ + options_.spare_wait;
+    out->push_back(AppendJournal{{{"event", "recovery_waits_for_spare"},
+                                  {"recovery", rec.id},
+                                  {"starting_spares", starting},
+                                  {"wait_ms", options_.spare_wait.count()}}});
+    out->push_back(PrintLine{fmt::format(
+        "recovery {}: waiting up to {} ms for spare worker {} to finish starting, rather than "
+        "shrinking now and growing again when it joins",
+        rec.id, options_.spare_wait.count(), starting.front())});
+  }
+  return now_ < *spare_wait_until_;
 }
 
 PlanInput Controller::PlanView(const RecoveryRecord& rec) const {

@@ -173,6 +173,56 @@ TEST_F(ControllerTest, WithoutSpareTheJobShrinks) {
   EXPECT_EQ(plans[0].plan->resume_step, 6);
 }
 
+// A member lost while the spare started with the job is still warming up: the recovery waits for
+// it (bounded) instead of shrinking now and growing again when it joins (a second
+// reconfiguration, and other bits in the ring mode).
+TEST_F(ControllerTest, ALostMemberWaitsForTheSpareStillStartingAndItTakesTheRank) {
+  Join(2);
+  Join(0);
+  Join(1);  // the job runs; spare 3 has not joined yet
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning);
+  for (int id : {0, 1, 2}) Step(id, 5);
+  now_ += Millis(100);  // the spare was started before the fault
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
+  Ready(0, 5);
+  auto waiting = Ready(1, 5);
+  EXPECT_TRUE(Find<SendPlan>(waiting).empty()) << "planned without the spare that is starting";
+  bool journaled = false;
+  for (const auto& j : Find<AppendJournal>(waiting))
+    journaled |= j.record.value("event", "") == "recovery_waits_for_spare";
+  EXPECT_TRUE(journaled);
+  now_ += Millis(300);
+  EXPECT_TRUE(Find<SendPlan>(Do(Tick{})).empty()) << "within the wait";
+  auto plans = Find<SendPlan>(Join(3, /*spare=*/true));
+  ASSERT_EQ(plans.size(), 3u);
+  ASSERT_EQ(plans[0].plan->members.size(), 3u) << "the world is kept";
+  EXPECT_EQ(plans[0].plan->members[2].worker_id, 3) << "the spare takes the lost rank";
+}
+
+TEST_F(ControllerTest, TheWaitForAStartingSpareIsBoundedThenTheJobShrinks) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.spares = 1;
+  o.heartbeat_timeout = Millis(1000);
+  o.abort_timeout = Millis(2000);
+  o.spare_wait = Millis(500);
+  Make(std::move(o));
+  Join(2);
+  Join(0);
+  Join(1);
+  for (int id : {0, 1, 2}) Step(id, 5);
+  now_ += Millis(100);  // the spare was started before the fault
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
+  Ready(0, 5);
+  EXPECT_TRUE(Find<SendPlan>(Ready(1, 5)).empty());
+  now_ += Millis(499);
+  EXPECT_TRUE(Find<SendPlan>(Do(Tick{})).empty());
+  now_ += Millis(2);
+  auto plans = Find<SendPlan>(Do(Tick{}));
+  ASSERT_EQ(plans.size(), 2u) << "the spare did not come: the survivors go on";
+  EXPECT_EQ(plans[0].plan->members.size(), 2u);
+}
+
 // At scale a plan lists every member: its members get one shared plan (and
 // one shared abort), never a copy each (docs/scale.md).
 TEST_F(ControllerTest, MembersShareOnePlanAndOneAbort) {

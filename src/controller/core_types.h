@@ -67,6 +67,10 @@ struct ControllerOptions {
   // Members that have not aborted and answered Ready this long (or 1.5 ×
   // the median step, if longer) after the abort are killed (escalation).
   Millis abort_timeout{settings::kAbortTimeoutMs.default_value};
+  // A member lost while a spare is still starting: the recovery waits this long for the spare
+  // (rather than shrink now and grow again when it joins, a second reconfiguration and, in the
+  // ring mode, other bits).
+  Millis spare_wait{10'000};
   // Step-progress watchdog: a member still computing while another has
   // waited in the step's collective for max(floor, factor × median step time).
   double watchdog_factor = 5.0;
@@ -164,6 +168,10 @@ struct RecoveryRecord {
   // every member reported connections and state ready
   std::optional<Clock::time_point> state_ready_at;
   std::optional<Clock::time_point> first_step_at;  // every member completed the resume step
+  // When the step across the fault began: the last step completed before it
+  // (its first report), or the generation's start if none had been.
+  std::optional<Clock::time_point> step_began_at;
+  int64_t step_before = -1;  // the highest step completed before the fault
   int64_t resume_step = 0;
   int64_t lost_steps = 0;  // completed steps no survivor held
   int old_world = 0, new_world = 0;

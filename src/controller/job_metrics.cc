@@ -11,6 +11,8 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include "common/time.h"
+
 namespace nonstop::controller {
 namespace {
 
@@ -61,12 +63,42 @@ JobMetrics::JobMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
        {"detected", "aborted", "plan_published", "state_ready", "first_step_completed"}) {
     phases_[phase] = &phase_seconds_->Add({{"phase", phase}}, SecondsBuckets());
   }
+  time_lost_seconds_ =
+      &BuildHistogram()
+           .Name("nonstop_fault_time_lost_seconds")
+           .Help(
+               "Wall-clock time each fault cost the job: the step across it, from its start to "
+               "the resumed step's completion, less what the job computes in that time at its "
+               "normal pace (a normal step, and any completed step computed again)")
+           .Register(r)
+           .Add({}, SecondsBuckets());
+  time_lost_total_ = &BuildCounter()
+                          .Name("nonstop_time_lost_seconds_total")
+                          .Help("Wall-clock time every fault and resize cost the job, summed")
+                          .Register(r)
+                          .Add({});
+  last_time_lost_ =
+      &BuildGauge()
+           .Name("nonstop_last_fault_time_lost_seconds")
+           .Help(
+               "The last completed fault's time lost, split: in_flight (what the step had run "
+               "at the fault), detect, abort, plan, state_copy, resumed_step_vs_normal (below "
+               "zero when the step in flight was salvaged), redone_steps; and total")
+           .Register(r);
+  goodput_ = &BuildGauge()
+                  .Name("nonstop_goodput_ratio")
+                  .Help(
+                      "1 - time lost / training wall time (from the first step's start to the "
+                      "last step's end)")
+                  .Register(r)
+                  .Add({});
   downtime_seconds_ =
       &BuildHistogram()
            .Name("nonstop_recovery_downtime_seconds")
            .Help(
-               "Training time a recovery cost: from the fault until the resumed step completed, "
-               "less a normal step")
+               "Downtime as defined before the time lost: from the fault until the resumed step "
+               "completed, less a normal step (it reads 0 when the step is long; see "
+               "nonstop_fault_time_lost_seconds)")
            .Register(r)
            .Add({}, SecondsBuckets());
   resize_pause_seconds_ =
@@ -136,13 +168,18 @@ JobMetrics::JobMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
 
 JobMetrics::~JobMetrics() = default;
 
-void JobMetrics::Observe(const nlohmann::json& record) {
+void JobMetrics::Observe(const nlohmann::json& record) { Observe(record, MonotonicSeconds()); }
+
+void JobMetrics::Observe(const nlohmann::json& record, double now_seconds) {
   if (!record.is_object()) return;
   const std::string event = record.value("event", "");
   if (event == "step") {
     steps_->Increment();
     double secs = std::max(0.0, Number(record, "step_seconds"));
     step_seconds_->Observe(secs);
+    last_step_ended_ = now_seconds;
+    if (first_step_began_ < 0) first_step_began_ = last_step_ended_ - secs;
+    SetGoodput();
     tokens_->Increment(std::max(0.0, Number(record, "tokens_per_second") * secs));
   } else if (event == "fault") {
     std::string kind = record.contains("kind") && record["kind"].is_string()
@@ -181,12 +218,36 @@ void JobMetrics::Observe(const nlohmann::json& record) {
             histogram->Observe(std::max(0.0, at[phase].get<double>() / 1000));
         }
       }
+      ObserveTimeLost(kind, rec);
       if (rec.contains("downtime_ms"))
         downtime_seconds_->Observe(std::max(0.0, Number(rec, "downtime_ms") / 1000));
       if (rec.contains("pause_ms"))
         resize_pause_seconds_->Observe(std::max(0.0, Number(rec, "pause_ms") / 1000));
     }
   }
+}
+
+void JobMetrics::ObserveTimeLost(const std::string& kind, const nlohmann::json& rec) {
+  if (!rec.contains("time_lost") || !rec["time_lost"].is_object()) return;
+  const nlohmann::json& t = rec["time_lost"];
+  const double total = Number(t, "ms") / 1000;
+  time_lost_total_->Increment(std::max(0.0, total));
+  time_lost_seconds_total_ += std::max(0.0, total);
+  SetGoodput();
+  if (kind != "recovery") return;
+  time_lost_seconds_->Observe(std::max(0.0, total));
+  last_time_lost_->Add({{"part", "total"}}).Set(total);
+  if (t.contains("split_ms") && t["split_ms"].is_object()) {
+    for (const auto& [part, ms] : t["split_ms"].items()) {
+      if (ms.is_number()) last_time_lost_->Add({{"part", part}}).Set(ms.get<double>() / 1000);
+    }
+  }
+}
+
+void JobMetrics::SetGoodput() {
+  const double wall = last_step_ended_ - first_step_began_;
+  if (first_step_began_ < 0 || wall <= 0) return;
+  goodput_->Set(std::clamp(1 - time_lost_seconds_total_ / wall, 0.0, 1.0));
 }
 
 void JobMetrics::SetStatus(const nlohmann::json& st) {

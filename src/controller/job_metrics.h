@@ -35,8 +35,10 @@ class JobMetrics {
   JobMetrics(const JobMetrics&) = delete;
   JobMetrics& operator=(const JobMetrics&) = delete;
 
-  // One journal record (docs/journal.md); records of other events are ignored.
-  void Observe(const nlohmann::json& record);
+  // One journal record (docs/journal.md), appended at `now_seconds` on the
+  // monotonic clock (goodput's wall time); records of other events are ignored.
+  void Observe(const nlohmann::json& record, double now_seconds);
+  void Observe(const nlohmann::json& record);  // appended now
   // The gauges, from Controller::Status(): generation, world size, target, spares, hosts, highest
   // step.
   void SetStatus(const nlohmann::json& status);
@@ -44,10 +46,21 @@ class JobMetrics {
   std::string Text() const;
 
  private:
+  void ObserveTimeLost(const std::string& kind, const nlohmann::json& recovery);
+  void SetGoodput();
+
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Histogram* step_seconds_ = nullptr;
   prometheus::Family<prometheus::Histogram>* phase_seconds_ = nullptr;
   std::map<std::string, prometheus::Histogram*> phases_;
+  prometheus::Histogram* time_lost_seconds_ = nullptr;
+  prometheus::Counter* time_lost_total_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* last_time_lost_ = nullptr;
+  prometheus::Gauge* goodput_ = nullptr;
+  // The training's wall time, for goodput: from the first step's start to the last step's end
+  // (monotonic seconds; negative until a step was seen).
+  double first_step_began_ = -1, last_step_ended_ = -1;
+  double time_lost_seconds_total_ = 0;
   prometheus::Histogram* downtime_seconds_ = nullptr;
   prometheus::Histogram* resize_pause_seconds_ = nullptr;
   prometheus::Family<prometheus::Counter>* faults_ = nullptr;

@@ -230,6 +230,47 @@ TEST(JobMetricsTest, JournalRecordsBecomeConventionalMetricsInTheExpositionForma
   EXPECT_EQ(e.samples["nonstop_highest_step"], 2);
 }
 
+// The time a fault cost leads: its histogram, the last fault's split (a salvaged step's resumed
+// step below a normal one is negative: a gauge), the running total and goodput over the training's
+// wall time, at the times the records were appended.
+TEST(JobMetricsTest, TimeLostPerFaultItsSplitAndGoodputFollowTheRecords) {
+  JobMetrics m;
+  m.Observe(Step(0, 2.0, 1000), 102.0);  // began at 100 s
+  m.Observe(Step(1, 2.0, 1000), 104.0);
+  nlohmann::json split = {{"in_flight", 1.4e3},
+                          {"detect", 56.0},
+                          {"abort", 169.0},
+                          {"plan", 0.0},
+                          {"state_copy", 27.0},
+                          {"redone_steps", 0.0},
+                          {"resumed_step_vs_normal", -352.0}};
+  m.Observe({{"event", "recovery_end"},
+             {"recovery",
+              {{"kind", "recovery"},
+               {"outcome", "completed"},
+               {"time_lost", {{"ms", 1300.0}, {"split_ms", split}, {"normal_steps", 0.65}}},
+               {"time_lost_ms", 1300.0}}}},
+            107.3);
+  // Superseded: its time is counted in the recovery that superseded it (it has none of its own).
+  m.Observe({{"event", "recovery_end"},
+             {"recovery", {{"kind", "recovery"}, {"outcome", "superseded by recovery 3"}}}},
+            107.4);
+  m.Observe(Step(2, 2.0, 1000), 107.3);
+  m.Observe(Step(3, 2.0, 1000), 110.0);
+  Exposition e = Exposition::Parse(m.Text());
+  EXPECT_TRUE(e.errors.empty()) << ::testing::PrintToString(e.errors) << "\n" << m.Text();
+  EXPECT_EQ(e.types["nonstop_fault_time_lost_seconds"], "histogram");
+  EXPECT_EQ(e.samples["nonstop_fault_time_lost_seconds_count"], 1);
+  EXPECT_NEAR(e.samples["nonstop_fault_time_lost_seconds_sum"], 1.3, 1e-9);
+  EXPECT_NEAR(e.samples["nonstop_time_lost_seconds_total"], 1.3, 1e-9);
+  EXPECT_NEAR(e.samples["nonstop_last_fault_time_lost_seconds{part=\"total\"}"], 1.3, 1e-9);
+  EXPECT_NEAR(e.samples["nonstop_last_fault_time_lost_seconds{part=\"in_flight\"}"], 1.4, 1e-9);
+  EXPECT_NEAR(e.samples["nonstop_last_fault_time_lost_seconds{part=\"resumed_step_vs_normal\"}"],
+              -0.352, 1e-9);
+  // 1.3 s lost in the 10 s from the first step's start (100 s) to the last step's end (110 s).
+  EXPECT_NEAR(e.samples["nonstop_goodput_ratio"], 0.87, 1e-9);
+}
+
 // The reader itself must fail on what it checks, or the test above proves nothing.
 TEST(JobMetricsTest, TheExpositionReaderCatchesBrokenText) {
   EXPECT_FALSE(

@@ -4,9 +4,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdlib>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -405,6 +407,7 @@ class SessionImpl {
   void Stop() {
     // A bucket in flight is cut short, and so is a control write it blocks
     // in (the arrival heartbeat): the Session is going away.
+    fault_timer_ = {};  // a timed fault not fired yet never fires
     io_thread_.request_stop();
     stop_signal_.Fire();
     if (comm_thread_.joinable()) {
@@ -592,12 +595,14 @@ class SessionImpl {
 
   // ---- fault injection ----
 
+  // `timed_only`: only a fault due part-way into the step (FaultSpec::at).
   std::optional<control::FaultSpec> TakeFault(control::FaultPoint point, int64_t step, int rank,
-                                              control::FaultKind kind) {
+                                              control::FaultKind kind, bool timed_only = false) {
     MutexLock lock(&mu_);
     for (auto it = faults_.begin(); it != faults_.end(); ++it) {
       bool step_matches =
           it->step == step || (point == control::FaultPoint::kTransfer && it->step < 0);
+      if (timed_only && it->at < 0) continue;
       if (it->point == point && step_matches && it->rank == rank && it->kind == kind) {
         control::FaultSpec f = *it;
         faults_.erase(it);
@@ -631,6 +636,26 @@ class SessionImpl {
         while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
       default:
         break;
+    }
+  }
+
+  // Step `step` begins (the one before it took `last_step_seconds`): a kill or hang due part-way
+  // into it fires from fault_timer_ that far in, wherever the training thread is then (forward,
+  // backward, the reduction). A timed fault not scheduled so (the first step of a generation)
+  // fires before the step's collective, as an untimed one does.
+  void ScheduleTimedFault(int64_t step, double last_step_seconds) {
+    for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang}) {
+      auto f = TakeFault(control::FaultPoint::kStep, step, comm_->rank(), kind, true);
+      if (!f) continue;
+      auto delay = std::chrono::duration<double>(f->at * std::max(0.0, last_step_seconds));
+      fault_timer_ = std::jthread([this, f = *f, delay](std::stop_token st) {
+        std::mutex m;
+        std::condition_variable_any cv;
+        std::unique_lock lock(m);
+        cv.wait_for(lock, st, delay, [] { return false; });
+        if (!st.stop_requested()) Fire(f);
+      });
+      return;
     }
   }
 
@@ -835,7 +860,8 @@ class SessionImpl {
   // Training thread only: started with the first bucket (StartAllReduce),
   // joined in Stop().
   std::jthread comm_thread_;
-  std::jthread io_thread_;  // last: stops before the members it uses go away
+  std::jthread io_thread_;    // stops before the members it uses go away
+  std::jthread fault_timer_;  // a timed injected fault (ScheduleTimedFault); stops first
 };
 
 Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::StateRegistry* state,
@@ -926,6 +952,7 @@ Status Session::GatherShards(std::span<std::byte> data, size_t element_bytes) {
 
 void Session::ReportStep(const StepReport& r) {
   impl_->state_step_.store(r.step);
+  impl_->ScheduleTimedFault(r.step + 1, r.step_seconds);
   control::ProgressMsg m{r.step,       r.loss,       r.step_seconds, r.tokens_per_second,
                          world_size(), r.total_steps};
   Status s = impl_->SendControl(control::kMsgProgress, control::Encode(m));

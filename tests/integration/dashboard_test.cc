@@ -132,6 +132,14 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   EXPECT_NE(row.find("kill:rank=1,step=30"), std::string::npos) << row;
   EXPECT_NE(row.find("spare (rank 1: worker 1 → spare worker 3)"), std::string::npos) << row;
   EXPECT_NE(row.find("completed"), std::string::npos) << row;
+  // It leads with the time the fault cost the job, its split on hover (issue 27). The test
+  // worker reports no step duration, so no fraction of a normal step follows.
+  EXPECT_TRUE(std::regex_search(
+      row,
+      std::regex("<td class=\"num time-lost\" title=\"in_flight -?[\\d.]+ ms, detect -?[\\d.]+ "
+                 "ms, abort [^\"]*\">-?[\\d.]+ ms</td>")))
+      << row;
+  EXPECT_NE(first.dom.find("<span>time lost to faults</span>"), std::string::npos);
   // The member table: the spare holds rank 1 now.
   EXPECT_TRUE(std::regex_search(
       first.dom, std::regex("<tr class=\"member\" data-worker=\"3\"><td class=\"num\">1</td>")))
@@ -150,6 +158,9 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
       std::string::npos)
       << metrics->body;
   EXPECT_NE(metrics->body.find("nonstop_world_size 3"), std::string::npos) << metrics->body;
+  EXPECT_NE(metrics->body.find("nonstop_fault_time_lost_seconds_count 1"), std::string::npos)
+      << metrics->body;
+  EXPECT_NE(metrics->body.find("nonstop_goodput_ratio "), std::string::npos) << metrics->body;
   // Without the token the page loads, but the journal does not.
   auto events = c.Get("/events");
   ASSERT_TRUE(events);
@@ -168,7 +179,8 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   ExpectNoPageError(rep);
   EXPECT_NE(rep.dom.find("nonstop report: " + journal), std::string::npos);
   EXPECT_TRUE(std::regex_search(
-      rep.dom, std::regex("<tr data-recovery=\"1\">.*?kill:rank=1,step=30.*?completed")))
+      rep.dom, std::regex("<tr data-recovery=\"1\">.*?kill:rank=1,step=30.*?completed.*?"
+                          "class=\"num time-lost\"[^>]*>-?[\\d.]+ ms</td>")))
       << rep.dom.substr(0, 4000);
   EXPECT_NE(rep.dom.find("<div class=\"card\"><b>1</b><span>recoveries</span></div>"),
             std::string::npos)

@@ -94,6 +94,31 @@ TEST(RunIntegrationTest, SingleProcessModeRunsTheSameJobAndRecovers) {
   EXPECT_NE(checksum(dir / "single.jsonl"), "none");
 }
 
+// A kill part-way into a step (at=, docs/faults.md) fires from the worker's timer thread wherever
+// its training thread is: at=0 as the step starts, here a second before the step's reduction (the
+// worker sleeps 1 s in each step), and the job recovers from it like from any kill. Its record
+// times the work in flight from that moment.
+TEST(RunIntegrationTest, AKillAsAStepStartsFiresBeforeItsReductionAndIsRecovered) {
+  TempDir dir;
+  std::string journal = dir / "journal.jsonl";
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "1", "--inject",
+                    "kill:rank=1,step=4,at=0", "--journal", journal, "--",
+                    kBin + "/nonstop-test-worker", "--steps", "8", "--sleep-ms", "1000"},
+                   dir / "out.txt");
+  ASSERT_EQ(run.Wait(milliseconds(90'000)), 0) << run.Output();
+  auto injected = Events(journal, "fault_injected");
+  ASSERT_EQ(injected.size(), 1u) << run.Output();
+  EXPECT_EQ(injected[0]["fault"], "kill:rank=1,step=4,at=0");
+  auto ends = Events(journal, "recovery_end");
+  ASSERT_EQ(ends.size(), 1u) << run.Output();
+  const auto& rec = ends[0]["recovery"];
+  EXPECT_EQ(rec["outcome"], "completed") << rec.dump();
+  ASSERT_TRUE(rec["time_lost"].is_object()) << rec.dump();
+  // Before the reduction, which comes after the step's 1 s sleep (at the reduction, the default,
+  // this would be a second or more).
+  EXPECT_LT(rec["time_lost"]["split_ms"]["in_flight"].get<double>(), 1000) << rec.dump();
+}
+
 // On a terminal (script(1) gives it one): one live progress line instead of
 // every rank's log, which goes to runs/logs/worker-N.log.
 TEST(RunIntegrationTest, OnATerminalOneProgressLineAndTheWorkersLogsInFiles) {

@@ -24,7 +24,7 @@
     for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
     return node;
   }
-  const fmtMs = (v) => (typeof v === 'number' ? v.toFixed(v < 10 ? 1 : 0) : '–');
+  const fmtMs = (v) => (typeof v === 'number' ? v.toFixed(Math.abs(v) < 10 ? 1 : 0) : '–');
   const fmtBytes = (b) => (b >= 1 << 20 ? (b / (1 << 20)).toFixed(1) + ' MiB' : b >= 1024 ? (b / 1024).toFixed(1) + ' KiB' : b + ' B');
   const median = (xs) => {
     if (!xs.length) return NaN;
@@ -108,6 +108,29 @@
         break;
     }
   };
+  // Goodput from the time lost: 1 − Σ time lost / the training's wall time (from the first step's
+  // start to the last step's end). Null before a step.
+  Model.prototype.goodput = function (recs) {
+    const first = this.stepEvents.length ? this.stepEvents[0] : null;
+    if (!first) return null;
+    const firstSecs = this.steps.has(first[1]) && typeof this.steps.get(first[1]).secs === 'number' ? this.steps.get(first[1]).secs : 0;
+    const wall = this.stepEvents[this.stepEvents.length - 1][0] - (first[0] - firstSecs);
+    return wall > 0 ? Math.max(0, Math.min(1, 1 - timeLostMs(recs) / 1000 / wall)) : null;
+  };
+  function timeLostMs(recs) { return recs.reduce((n, r) => n + (typeof r.end.time_lost_ms === 'number' ? r.end.time_lost_ms : 0), 0); }
+  // "1313 ms lost (0.61 of a step)", or why there is no figure.
+  function lostText(e) {
+    if (typeof e.time_lost_ms !== 'number') return (e.outcome || '').startsWith('superseded') ? 'counted in the next recovery' : '–';
+    const t = e.time_lost || {};
+    return fmtMs(e.time_lost_ms) + ' ms' + (typeof t.normal_steps === 'number' ? ' (' + t.normal_steps.toFixed(2) + ' of a step)' : '');
+  }
+  // The split of a recovery's time lost, for a tooltip.
+  function lostSplit(e) {
+    const s = (e.time_lost || {}).split_ms || {};
+    return ['in_flight', 'detect', 'abort', 'plan', 'state_copy', 'resumed_step_vs_normal', 'redone_steps']
+      .filter((k) => typeof s[k] === 'number').map((k) => k + ' ' + fmtMs(s[k]) + ' ms').join(', ');
+  }
+
   // When the fault happened and when each phase ended, in seconds since the start.
   Model.prototype.phases = function (rec) {
     const e = rec.end;
@@ -149,19 +172,22 @@
       const downtime = e.kind === 'resize' ? e.pause_ms : e.downtime_ms;
       markers.push(el('span', {
         class: 'marker ' + (e.kind === 'resize' ? 'resize' : 'recovery'), 'data-recovery': e.id,
-        title: cause + '\n' + phasesText,
+        title: cause + '\n' + phasesText + '\ntime lost: ' + lostSplit(e),
       }, (run ? run + ': ' : '') + (e.kind === 'resize' ? 'resize #' : 'recovery #') + e.id + ' at ' +
-        (p.fault !== undefined ? p.fault.toFixed(1) + ' s' : '?') + ': ' + fmtMs(downtime) + ' ms'));
+        (p.fault !== undefined ? p.fault.toFixed(1) + ' s' : '?') + ': ' + lostText(e) + ' lost'));
       const cells = [el('td', {}, e.id)];
       if (run) cells.push(el('td', {}, run));
       rows.push(el('tr', { 'data-recovery': e.id },
         ...cells, el('td', {}, e.kind), el('td', {}, cause), el('td', {}, handled(e) + (e.replacements && e.replacements.length ? ' (' + e.replacements.join('; ') + ')' : '')),
         el('td', {}, e.outcome), el('td', {}, e.old_world + ' → ' + e.new_world),
+        el('td', { class: 'num time-lost', title: lostSplit(e) }, lostText(e)),
         ...['detected', 'aborted', 'plan_published', 'state_ready', 'first_step_completed'].map((k) => el('td', { class: 'num' }, fmtMs(at[k]))),
         el('td', { class: 'num' }, fmtMs(downtime)), el('td', { class: 'num' }, e.lost_steps),
         el('td', { class: 'num' }, e.bytes_copied ? fmtBytes(e.bytes_copied) + ' in ' + fmtMs(e.transfer_ms) + ' ms' : '–')));
       lines.push(el('li', {}, (run ? run + ' ' : '') + '#' + e.id + ' ' + e.kind + ': ' + cause + ' → ' + handled(e) + ', ' +
-        e.outcome + '; downtime ' + fmtMs(downtime) + ' ms; ' + e.lost_steps + ' step(s) lost'));
+        e.outcome + '; time lost ' + lostText(e) + (lostSplit(e) ? ': ' + lostSplit(e) : '') + '; ' +
+        (e.kind === 'resize' ? 'pause ' : 'downtime (fault → first step, less a step) ') + fmtMs(downtime) + ' ms; ' +
+        e.lost_steps + ' step(s) lost'));
     }
     return { markers, rows, lines };
   }
@@ -186,13 +212,10 @@
       card(recs.filter((r) => r.end.kind !== 'resize').length, 'recoveries'),
       card(recs.filter((r) => r.end.kind === 'resize').length, 'resizes'),
       card(lost, 'steps lost'),
+      card((timeLostMs(recs) / 1000).toFixed(2) + ' s', 'time lost to faults'),
     ];
-    if (m.start !== null && m.last !== null && steps.length) {
-      // Useful time: each step once, at the median step time; over the wall time from the start to the last record.
-      const wall = (m.last - m.start) / 1e6;
-      const useful = steps.length * median(steps.map((s) => s[1].secs).filter((x) => typeof x === 'number'));
-      if (wall > 0 && useful > 0) cards.push(card((Math.min(1, useful / wall) * 100).toFixed(1) + ' %', 'goodput'));
-    }
+    const goodput = m.goodput(recs);
+    if (goodput !== null) cards.push(card((goodput * 100).toFixed(1) + ' %', 'goodput'));
     $('summary').replaceChildren(...cards);
 
     // Charts.
@@ -283,16 +306,17 @@
       const part = recoveryRows(m, recs, r.name);
       markers.push(...part.markers); rows.push(...part.rows); lines.push(...part.lines);
       const wall = m.start !== null && m.last !== null ? (m.last - m.start) / 1e6 : 0;
-      const secs = Array.from(m.steps.values()).map((s) => s.secs).filter((x) => typeof x === 'number');
-      const useful = m.steps.size * median(secs);
+      const goodput = m.goodput(recs);
+      const faults = recs.filter((x) => x.end.kind !== 'resize' && typeof x.end.time_lost_ms === 'number');
       const downtimes = recs.filter((x) => x.end.kind !== 'resize' && typeof x.end.downtime_ms === 'number').map((x) => x.end.downtime_ms);
       runRows.push(el('tr', { 'data-run': r.name },
         el('td', {}, r.name), el('td', { class: 'num' }, m.end ? m.end.exit_code : '–'), el('td', { class: 'num' }, wall.toFixed(1)),
         el('td', { class: 'num' }, m.stepEvents.length), el('td', { class: 'num' }, m.steps.size),
         el('td', { class: 'num' }, recs.filter((x) => x.end.kind !== 'resize').length),
+        el('td', { class: 'num time-lost' }, faults.length ? fmtMs(timeLostMs(faults) / faults.length) : '–'),
         el('td', { class: 'num' }, downtimes.length ? fmtMs(downtimes.reduce((a, b) => a + b, 0) / downtimes.length) : '–'),
         el('td', { class: 'num' }, recs.reduce((n, x) => n + (x.end.lost_steps || 0), 0)),
-        el('td', { class: 'num' }, wall > 0 && useful > 0 ? (Math.min(1, useful / wall) * 100).toFixed(1) + ' %' : '–')));
+        el('td', { class: 'num' }, goodput !== null ? (goodput * 100).toFixed(1) + ' %' : '–')));
     }
     $('markers').replaceChildren(...markers);
     $('recoveries').tBodies[0].replaceChildren(...rows);
