@@ -130,6 +130,12 @@ class StateRegistry {
   void ReadChunkOfShard(uint32_t index, int shard, std::span<std::byte> out) const;
   // Verifies `data` against `crc` and writes it into chunk `index` in place.
   Status WriteChunk(uint32_t index, std::span<const std::byte> data, uint32_t crc);
+  // Chunk `index`'s live bytes when they lie in one region (most do: a chunk
+  // spans regions only where one ends), else an empty span. What the state
+  // transfer sends from and receives into without a copy; a chunk received
+  // this way is verified after it landed (the state holds no step meanwhile).
+  std::span<std::byte> ContiguousChunk(uint32_t index);
+  std::span<const std::byte> ContiguousChunk(uint32_t index) const;
 
   // CRC-32C over the whole state, as 8 hex digits: equal states, equal digests.
   std::string Digest() const;

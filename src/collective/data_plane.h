@@ -18,7 +18,8 @@
 //   Broadcast      every rank ends with the root's buffer
 //   Barrier        returns once every rank has entered it
 //   AllReduceTree  the world-invariant sum of micro-batch partial sums (nonstop/tree.h)
-//   Send/Recv      point-to-point transfer of large buffers (TCP checksums them)
+//   Send/Recv      point-to-point transfer of large buffers (TCP checksums them;
+//                  SendUnchecked/RecvUnchecked leave the check to the caller)
 // Chunk c of an n-element buffer is [c·n/W, (c+1)·n/W) (ChunkRange). Sums
 // are of float32 elements (DType); the other collectives move bytes.
 //
@@ -184,6 +185,15 @@ class Communicator {
                                std::span<const ConstRegion> partials, Region out) = 0;
   virtual Status Send(int to_rank, ConstRegion data) = 0;
   virtual Status Recv(int from_rank, Region data) = 0;
+  // Send/Recv of bytes the caller checksums itself: a state chunk carries its
+  // own CRC-32C, and the state transfer verifies it on another thread while
+  // the next chunks arrive (worker/state_transfer.h). The transport may skip
+  // its own checksum, so that the bytes are read once on each side, by the
+  // kernel's copy; a corrupt byte then reaches `data` and only the caller's
+  // check catches it. Both ends of a transfer use the same pair (the framing
+  // may differ from Send/Recv's). The default is Send/Recv: checked twice.
+  virtual Status SendUnchecked(int to_rank, ConstRegion data) { return Send(to_rank, data); }
+  virtual Status RecvUnchecked(int from_rank, Region data) { return Recv(from_rank, data); }
 
   // Fault injection (FaultKind::kDrop): the next ring collective loses its
   // link to the right neighbour under it (TCP: the connection is shut down
@@ -215,6 +225,12 @@ class Communicator {
   }
   Status Recv(int from_rank, std::span<std::byte> data) {
     return Recv(from_rank, HostRegion(data));
+  }
+  Status SendUnchecked(int to_rank, std::span<const std::byte> data) {
+    return SendUnchecked(to_rank, HostRegion(data));
+  }
+  Status RecvUnchecked(int from_rank, std::span<std::byte> data) {
+    return RecvUnchecked(from_rank, HostRegion(data));
   }
   Status AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
                        std::span<const std::vector<float>> partials, std::span<float> out);

@@ -351,9 +351,25 @@ Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNod
 }
 
 Status TcpCommunicator::Send(int to_rank, ConstRegion data) {
+  return SendTo(to_rank, data, /*checksum=*/true, "Send");
+}
+
+Status TcpCommunicator::Recv(int from_rank, Region data) {
+  return RecvFrom(from_rank, data, /*checksum=*/true, "Recv");
+}
+
+Status TcpCommunicator::SendUnchecked(int to_rank, ConstRegion data) {
+  return SendTo(to_rank, data, /*checksum=*/false, "SendUnchecked");
+}
+
+Status TcpCommunicator::RecvUnchecked(int from_rank, Region data) {
+  return RecvFrom(from_rank, data, /*checksum=*/false, "RecvUnchecked");
+}
+
+Status TcpCommunicator::SendTo(int to_rank, ConstRegion data, bool checksum, std::string_view op) {
   NONSTOP_CHECK(to_rank >= 0 && to_rank < world_size() && to_rank != rank());
   NONSTOP_RETURN_IF_ERROR(error());
-  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "Send"));
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, op));
   TransferSpec spec;
   NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(to_rank));
   spec.send_peer = PeerName(to_rank);
@@ -365,16 +381,18 @@ Status TcpCommunicator::Send(int to_rank, ConstRegion data) {
   } while (offset < data.bytes);
   spec.generation = options_.generation;
   spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(to_rank)];
-  spec.checksum = true;
+  spec.checksum = checksum;
   spec.deadline = OpDeadline();
   spec.abort = abort_;
   return Run(std::move(spec));
 }
 
-Status TcpCommunicator::Recv(int from_rank, Region data) {
+// Unchecked (checksum false): frames that carry a CRC are still verified
+// (transfer.cc), so either sender is understood; only their order must match.
+Status TcpCommunicator::RecvFrom(int from_rank, Region data, bool checksum, std::string_view op) {
   NONSTOP_CHECK(from_rank >= 0 && from_rank < world_size() && from_rank != rank());
   NONSTOP_RETURN_IF_ERROR(error());
-  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "Recv"));
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, op));
   TransferSpec spec;
   NONSTOP_ASSIGN_OR_RETURN(spec.recv_from, Peer(from_rank));
   spec.recv_peer = PeerName(from_rank);
@@ -386,7 +404,7 @@ Status TcpCommunicator::Recv(int from_rank, Region data) {
   } while (offset < data.bytes);
   spec.generation = options_.generation;
   spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(from_rank)];
-  spec.checksum = true;
+  spec.checksum = checksum;
   spec.deadline = OpDeadline();
   spec.abort = abort_;
   return Run(std::move(spec));

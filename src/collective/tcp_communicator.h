@@ -12,6 +12,7 @@
 //   Barrier        a ring pass of empty pieces
 //   AllReduceTree  a deterministic reduce-scatter of the partial sums, then an all-gather
 //   Send/Recv      point-to-point transfer of large buffers, checksummed
+//                  (SendUnchecked/RecvUnchecked: the same frames, the caller checks)
 // Every piece travels as one data frame tagged (generation, op, seq)
 // (transfer.h, docs/protocol.md).
 //
@@ -69,6 +70,9 @@ class TcpCommunicator final : public Communicator {
                        std::span<const ConstRegion> partials, Region out) override;
   Status Send(int to_rank, ConstRegion data) override;
   Status Recv(int from_rank, Region data) override;
+  // The same frames without their CRC-32C (flags 0): the caller checks the bytes.
+  Status SendUnchecked(int to_rank, ConstRegion data) override;
+  Status RecvUnchecked(int from_rank, Region data) override;
 
   // The next ring collective shuts its connection to the right neighbour
   // down after acquiring it, so the link breaks under the operation (a
@@ -90,6 +94,9 @@ class TcpCommunicator final : public Communicator {
   Status RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end,
                   Reduce reduce);
   Status Run(TransferSpec spec);
+  // Send/Recv and their unchecked forms: `checksum` says whether the frames carry a CRC-32C.
+  Status SendTo(int to_rank, ConstRegion data, bool checksum, std::string_view op);
+  Status RecvFrom(int from_rank, Region data, bool checksum, std::string_view op);
   Status Fail(Status status);
   void CountOp();
   Result<Connection*> Peer(int rank);

@@ -40,5 +40,24 @@ TEST(Crc32cTest, HardwareAndPortableAgree) {
   }
 }
 
+// The hardware path runs three chains over blocks of 8 KiB and of 256 bytes
+// and combines them: every length and alignment around those blocks agrees
+// with the one-byte-at-a-time table.
+TEST(Crc32cTest, HardwareAndPortableAgreeAcrossTheInterleavedBlocks) {
+  std::mt19937 rng(11);
+  std::vector<unsigned char> buf(3 * 8192 * 3 + 64);
+  for (auto& b : buf) b = static_cast<unsigned char>(rng());
+  for (size_t offset : {0ul, 1ul, 5ul}) {
+    for (size_t n : {767ul, 768ul, 769ul, 1000ul, 24575ul, 24576ul, 24577ul, 3 * 24576ul + 777ul}) {
+      const unsigned char* p = buf.data() + offset;
+      EXPECT_EQ(Crc32c(p, n), internal::Crc32cExtendPortableForTest(0, p, n))
+          << "offset " << offset << ", " << n << " bytes";
+      EXPECT_EQ(Crc32cExtend(0x12345678u, p, n),
+                internal::Crc32cExtendPortableForTest(0x12345678u, p, n))
+          << "extending, offset " << offset << ", " << n << " bytes";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace nonstop

@@ -254,6 +254,23 @@ void StateRegistry::ReadChunk(uint32_t index, std::span<std::byte> out) const {
   CopyOut(chunks_[index].offset, out);
 }
 
+std::span<std::byte> StateRegistry::ContiguousChunk(uint32_t index) {
+  NONSTOP_CHECK_LT(index, num_chunks());
+  std::span<std::byte> out;
+  int spans = 0;
+  ForEachSpan(regions_, chunks_[index].offset, chunks_[index].size,
+              [&](std::byte* p, size_t, size_t n) {
+                out = std::span<std::byte>(p, n);
+                ++spans;
+              });
+  if (spans != 1) return {};
+  return out;
+}
+
+std::span<const std::byte> StateRegistry::ContiguousChunk(uint32_t index) const {
+  return const_cast<StateRegistry*>(this)->ContiguousChunk(index);
+}
+
 Status StateRegistry::WriteChunk(uint32_t index, std::span<const std::byte> data, uint32_t crc) {
   if (index >= num_chunks()) {
     return InvalidArgumentError(

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <utility>
 
 namespace nonstop::state {
 namespace {
@@ -43,6 +44,26 @@ TEST(StateRegistryTest, ChunksLoadInPlace) {
   EXPECT_EQ(b.step, 42);
   EXPECT_EQ(b.params.data(), where) << "loaded in place";
   EXPECT_EQ(ra.Digest(), rb.Digest());
+}
+
+// What the state transfer sends from and receives into: a chunk inside one
+// region is that region's own bytes; one across a region's end has no such view.
+TEST(StateRegistryTest, ContiguousChunkIsTheLiveBytesOfAChunkInsideOneRegion) {
+  Model m;
+  StateRegistry reg(1024);  // params: 4000 bytes, chunks 0-2 inside, chunk 3 across into adam.m
+  m.Register(&reg);
+  std::span<std::byte> first = reg.ContiguousChunk(0);
+  ASSERT_EQ(first.size(), 1024u);
+  EXPECT_EQ(first.data(), reinterpret_cast<std::byte*>(m.params.data()));
+  std::span<std::byte> third = reg.ContiguousChunk(2);
+  EXPECT_EQ(third.data(), reinterpret_cast<std::byte*>(m.params.data()) + 2048);
+  EXPECT_TRUE(reg.ContiguousChunk(3).empty()) << "bytes 3072-4095 span params and adam.m";
+  const uint32_t last = reg.num_chunks() - 1;  // the end of adam.m and the step
+  EXPECT_TRUE(reg.ContiguousChunk(last).empty());
+  std::span<const std::byte> inside_m = std::as_const(reg).ContiguousChunk(4);
+  EXPECT_EQ(inside_m.data(),
+            reinterpret_cast<const std::byte*>(m.moments.data()) + 96);  // 4096 - 4000
+  EXPECT_EQ(inside_m.size(), 1024u);
 }
 
 TEST(StateRegistryTest, CorruptChunkIsDataLossAndWritesNothing) {

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -14,6 +16,7 @@
 
 #include "common/coding.h"
 #include "common/crc32c.h"
+#include "common/mutex.h"
 #include "net/socket.h"
 #include "state/shard_layout.h"
 
@@ -107,13 +110,16 @@ Result<std::vector<uint32_t>> RecvU32s(collective::Communicator& comm, int rank,
   return out;
 }
 
-// Source side: serve one receiver until it says it is done.
+// Source side: serve one receiver until it says it is done. A chunk goes
+// out from the live state itself when it lies in one region (no copy), its
+// CRC-32C computed once and sent ahead of it; the bytes travel unchecked by
+// the transport (Communicator::SendUnchecked): the receiver checks that CRC.
 // `shard` >= 0: the receiver's shard, read from a registry that holds every shard.
 Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int receiver, int64_t step,
              std::atomic<bool>* corrupt_next, int shard = -1) {
   std::string header = EncodeHeader(step, reg, shard >= 0 ? shard : reg.held_shard());
   NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
-  std::vector<std::byte> buf(reg.chunk_bytes());
+  std::vector<std::byte> buf;  // a chunk that must be copied: across regions, of a shard, corrupted
   while (true) {
     NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
                              RecvU32s(comm, receiver, reg.num_chunks()));
@@ -121,20 +127,27 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
     for (uint32_t index : request) {
       if (index >= reg.num_chunks())
         return DataLossError(fmt::format("request for chunk {} of {}", index, reg.num_chunks()));
-      size_t n = reg.chunk_size(index);
-      std::span<std::byte> chunk(buf.data(), n);
-      if (shard >= 0 && reg.chunk_sharded(index)) {
-        reg.ReadChunkOfShard(index, shard, chunk);
-      } else {
-        reg.ReadChunk(index, chunk);
+      const size_t n = reg.chunk_size(index);
+      const bool corrupt = corrupt_next != nullptr && corrupt_next->exchange(false) && n > 0;
+      const bool of_shard = shard >= 0 && reg.chunk_sharded(index);
+      std::span<const std::byte> chunk;
+      if (!of_shard && !corrupt) chunk = std::as_const(reg).ContiguousChunk(index);
+      if (chunk.empty()) {
+        if (buf.size() < n) buf.resize(reg.chunk_bytes());
+        std::span<std::byte> copy(buf.data(), n);
+        if (of_shard) {
+          reg.ReadChunkOfShard(index, shard, copy);
+        } else {
+          reg.ReadChunk(index, copy);
+        }
+        chunk = copy;
       }
       std::string meta;
       PutFixed32(&meta, index);
       PutFixed32(&meta, Crc32c(chunk.data(), chunk.size()));
-      if (corrupt_next != nullptr && corrupt_next->exchange(false) && n > 0)
-        chunk[n / 2] ^= std::byte{0x5a};
+      if (corrupt) buf[n / 2] ^= std::byte{0x5a};  // after the checksum: damaged on the way
       NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(meta))));
-      NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, chunk));
+      NONSTOP_RETURN_IF_ERROR(comm.SendUnchecked(receiver, chunk));
     }
   }
 }
@@ -144,7 +157,8 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
 using ChunkSink =
     std::function<Status(uint32_t index, std::span<const std::byte> data, uint32_t crc)>;
 
-// Receiver side: fetch `indices` from one source. Chunks that fail their CRC go to `failed`.
+// Receiver side: fetch `indices` from one source into a buffer, each chunk
+// handed to `sink` (which checks it). Chunks that fail their CRC go to `failed`.
 Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, int source,
              const std::vector<uint32_t>& indices, std::vector<uint32_t>* failed,
              std::atomic<uint64_t>* bytes, const ChunkSink& sink) {
@@ -160,11 +174,119 @@ Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, in
       return DataLossError(
           fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
     std::span<std::byte> chunk(buf.data(), reg.chunk_size(index));
-    NONSTOP_RETURN_IF_ERROR(comm.Recv(source, chunk));
+    NONSTOP_RETURN_IF_ERROR(comm.RecvUnchecked(source, chunk));  // the sink checks `crc`
     *bytes += chunk.size();
     Status s = sink(index, chunk, crc);
     if (s.code() == StatusCode::kDataLoss) {
       failed->push_back(index);  // fetched again from another source
+    } else {
+      NONSTOP_RETURN_IF_ERROR(s);
+    }
+  }
+  return OkStatus();
+}
+
+// Checks the chunks that RunStateTransfers received in place, on a thread of
+// its own and in the order they landed, while the fetch threads receive the
+// next ones: the receiver's checks overlap the transfer instead of following
+// each chunk. One checker serves every source (CRC-32C runs at several GB/s,
+// well above what one thread receives). Chunks that fail are kept by slot
+// (the source they came from) and fetched again once the transfer is over.
+class ChunkChecker {
+ public:
+  ChunkChecker(const state::StateRegistry& reg, size_t slots)
+      : reg_(reg), failed_(slots), thread_([this] { Loop(); }) {}
+  ~ChunkChecker() { (void)Finish(); }
+  ChunkChecker(const ChunkChecker&) = delete;
+  ChunkChecker& operator=(const ChunkChecker&) = delete;
+
+  // Chunk `index` has landed in the live state; `crc` is what its source said.
+  void Add(uint32_t index, uint32_t crc, size_t slot) {
+    MutexLock lock(&mu_);
+    queue_.push_back({index, crc, slot});
+    cv_.NotifyOne();
+  }
+
+  // Waits until every chunk added is checked: the ones that failed, by slot.
+  std::vector<std::vector<uint32_t>> Finish() {
+    {
+      MutexLock lock(&mu_);
+      closing_ = true;
+      cv_.NotifyOne();
+    }
+    if (thread_.joinable()) thread_.join();
+    MutexLock lock(&mu_);
+    return std::move(failed_);
+  }
+
+ private:
+  struct Item {
+    uint32_t index;
+    uint32_t crc;
+    size_t slot;
+  };
+
+  void Loop() {
+    MutexLock lock(&mu_);
+    while (true) {
+      // No deadline: Finish(), on this process's receiving thread, always ends the wait.
+      cv_.Wait(&mu_,
+               [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return closing_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // closing, and everything is checked
+      Item item = queue_.front();
+      queue_.pop_front();
+      lock.Unlock();
+      // The bytes are the fetch thread's no more: it moved on to the next chunk.
+      std::span<const std::byte> bytes = reg_.ContiguousChunk(item.index);
+      const bool ok = Crc32c(bytes.data(), bytes.size()) == item.crc;
+      lock.Lock();
+      if (!ok) failed_[item.slot].push_back(item.index);
+    }
+  }
+
+  const state::StateRegistry& reg_;  // the receiver's; outlives the checker (RunStateTransfers)
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<Item> queue_ NONSTOP_GUARDED_BY(mu_);
+  bool closing_ NONSTOP_GUARDED_BY(mu_) = false;
+  std::vector<std::vector<uint32_t>> failed_ NONSTOP_GUARDED_BY(mu_);
+  std::thread thread_;  // last: starts once the members it uses exist
+};
+
+// Receiver side of RunStateTransfers: fetch `indices` from one source
+// straight into the live state (a chunk that spans regions goes through a
+// buffer and WriteChunk, which checks it at once). What lands in place is
+// checked by `checker`; until then the state holds no step (the session says
+// so while the transfer runs), and a chunk that fails is fetched again over it.
+Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
+                    const std::vector<uint32_t>& indices, size_t slot, ChunkChecker* checker,
+                    std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes) {
+  if (indices.empty()) return OkStatus();  // an empty request would mean "done"
+  NONSTOP_RETURN_IF_ERROR(SendU32s(comm, source, indices));
+  std::vector<std::byte> buf;  // for chunks that span regions
+  for (uint32_t want : indices) {
+    std::string meta(8, '\0');
+    NONSTOP_RETURN_IF_ERROR(comm.Recv(source, std::as_writable_bytes(std::span(meta))));
+    const uint32_t index = DecodeFixed32(meta.data());
+    const uint32_t crc = DecodeFixed32(meta.data() + 4);
+    if (index != want)
+      return DataLossError(
+          fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
+    const size_t n = reg.chunk_size(index);
+    std::span<std::byte> live = reg.ContiguousChunk(index);
+    if (!live.empty()) {
+      NONSTOP_RETURN_IF_ERROR(comm.RecvUnchecked(source, live));
+      *bytes += n;
+      checker->Add(index, crc, slot);
+      continue;
+    }
+    if (buf.size() < n) buf.resize(reg.chunk_bytes());
+    std::span<std::byte> chunk(buf.data(), n);
+    NONSTOP_RETURN_IF_ERROR(comm.RecvUnchecked(source, chunk));
+    *bytes += n;
+    Status s = reg.WriteChunk(index, chunk, crc);
+    if (s.code() == StatusCode::kDataLoss) {
+      failed->push_back(index);
     } else {
       NONSTOP_RETURN_IF_ERROR(s);
     }
@@ -289,22 +411,26 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
     if (!reg.chunk_sharded(c)) wanted.push_back(c);
   }
   for (size_t i = 0; i < wanted.size(); ++i) assigned[i % k].push_back(wanted[i]);
-  const ChunkSink into_state = [&reg](uint32_t index, std::span<const std::byte> data,
-                                      uint32_t crc) { return reg.WriteChunk(index, data, crc); };
   std::vector<Status> results(k);
   std::vector<std::vector<uint32_t>> failed(k);
   std::atomic<uint64_t> bytes{0};
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < k; ++i) {
-    threads.emplace_back([&, i] {
-      std::string header(kHeaderBytes, '\0');
-      Status s = comm.Recv(fetch_from[i], std::as_writable_bytes(std::span(header)));
-      if (s.ok()) s = CheckHeader(header, step, reg, SourceName(plan, fetch_from[i]));
-      if (s.ok()) s = Fetch(comm, reg, fetch_from[i], assigned[i], &failed[i], &bytes, into_state);
-      results[i] = s;
-    });
+  {
+    ChunkChecker checker(reg, k);
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < k; ++i) {
+      threads.emplace_back([&, i] {
+        std::string header(kHeaderBytes, '\0');
+        Status s = comm.Recv(fetch_from[i], std::as_writable_bytes(std::span(header)));
+        if (s.ok()) s = CheckHeader(header, step, reg, SourceName(plan, fetch_from[i]));
+        if (s.ok())
+          s = FetchInPlace(comm, reg, fetch_from[i], assigned[i], i, &checker, &failed[i], &bytes);
+        results[i] = s;
+      });
+    }
+    for (auto& t : threads) t.join();
+    std::vector<std::vector<uint32_t>> bad = checker.Finish();
+    for (size_t i = 0; i < k; ++i) failed[i].insert(failed[i].end(), bad[i].begin(), bad[i].end());
   }
-  for (auto& t : threads) t.join();
   for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
   // Chunks that failed their checksum: fetch each again from the next source.
   for (size_t i = 0; i < k; ++i) {
@@ -313,9 +439,11 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
       for (size_t attempt = 1; attempt <= k && !done; ++attempt) {
         size_t from = (i + attempt) % k;
         std::vector<uint32_t> again;
+        ChunkChecker checker(reg, 1);
         NONSTOP_RETURN_IF_ERROR(
-            Fetch(comm, reg, fetch_from[from], {index}, &again, &bytes, into_state));
-        done = again.empty();
+            FetchInPlace(comm, reg, fetch_from[from], {index}, 0, &checker, &again, &bytes));
+        std::vector<std::vector<uint32_t>> bad = checker.Finish();
+        done = again.empty() && bad[0].empty();
         ++outcome.refetched_chunks;
       }
       if (!done) {

@@ -3,16 +3,30 @@
 // from the members that hold it, over the generation's Communicator
 // (collective/data_plane.h: any data plane's; the state is in host memory).
 //
-// Protocol, per (receiver, source) pair, every message a checksummed
-// point-to-point transfer (docs/protocol.md):
+// Protocol, per (receiver, source) pair, over point-to-point transfers
+// (docs/protocol.md):
 //   source → receiver  header {magic, step, total bytes, chunk bytes, chunks}
 //   receiver → source  request {count, chunk indices…}   (count 0: done)
 //   source → receiver  per chunk {index, crc32c} then the chunk's bytes
-// The receiver checks the header against the plan (a source that claims
-// another step or another layout is refused: DATA_LOSS), stripes the chunks
-// over its sources (chunk c from source c mod k, all sources at once), writes
-// each chunk into the live state only after its CRC matches, and fetches a
-// chunk that fails its CRC again from another source.
+// The header, requests and {index, crc32c} travel checksummed by the
+// transport (Send/Recv); a chunk's bytes travel unchecked by it
+// (SendUnchecked/RecvUnchecked), because the chunk's own CRC-32C protects
+// them: each byte is then read once on each side by a CRC and once by the
+// kernel's copy, and no more. The receiver checks the header against the
+// plan (a source that claims another step or another layout is refused:
+// DATA_LOSS), stripes the chunks over its sources (chunk c from source
+// c mod k, all sources at once, each request the whole list of its chunks,
+// which the source streams back), and receives each chunk straight into the
+// live state (a chunk that spans two regions goes through a buffer). A
+// checker thread verifies the chunks as they land, while the next ones
+// arrive; a chunk that fails its CRC is fetched again, over itself, from
+// the next source, and the transfer fails with DATA_LOSS when every source
+// gave a bad copy. Until the transfer has succeeded the receiver's state is
+// of no step (the session reports kNoValidState meanwhile): a failed
+// transfer may leave it half copied. The source sends from its live state
+// without a copy. A source that lies (another chunk than asked, another
+// size, garbage) fails the transfer with a message naming it; one that
+// stalls, with DEADLINE_EXCEEDED after timeout_collective.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,7 @@
-// Sharded state transfer (docs/sharding.md): ExchangeShards over real
-// communicators on loopback, one thread per rank.
+// State transfer over real communicators on loopback, one thread per rank:
+// RunStateTransfers (a newcomer copies the whole state from its sources,
+// docs/recovery.md), with honest sources and with sources that lie, and the
+// sharded ExchangeShards (docs/sharding.md).
 #include "worker/state_transfer.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +13,8 @@
 #include <fmt/format.h>
 
 #include "collective/tcp_data_plane.h"
+#include "common/coding.h"
+#include "common/crc32c.h"
 #include "net/socket.h"
 
 namespace nonstop::worker {
@@ -166,6 +170,266 @@ void ExpectEveryRankRefuses(const std::vector<Result<TransferOutcome>>& out, Sta
     EXPECT_NE(out[r].status().message().find(what), std::string::npos)
         << out[r].status().ToString();
   }
+}
+
+// One rank of an unsharded state: a step counter, a few small buffers and a
+// large one, so that with 1 KiB chunks some chunks span regions (copied
+// through a buffer) and most lie in one (received in place).
+struct PlainRank {
+  explicit PlainRank(uint32_t seed) : small(600), large(20'000), reg(1024) {
+    NONSTOP_CHECK(reg.RegisterValue("step", &step).ok());
+    NONSTOP_CHECK(reg.RegisterFloats("small", small).ok());
+    NONSTOP_CHECK(reg.RegisterFloats("large", large).ok());
+    Fill(seed);
+  }
+  void Fill(uint32_t seed) {
+    step = seed;
+    for (size_t i = 0; i < small.size(); ++i) small[i] = static_cast<float>(seed * 7 + i);
+    for (size_t i = 0; i < large.size(); ++i) large[i] = static_cast<float>(seed) + 0.5f * i;
+  }
+  int64_t step = 0;
+  std::vector<float> small, large;
+  state::StateRegistry reg;
+  std::string address;
+  net::AbortSignal abort;
+  std::unique_ptr<collective::DataPlane> plane;
+  std::unique_ptr<collective::Communicator> comm;
+};
+
+std::vector<std::unique_ptr<PlainRank>> MakePlainRanks(int n, Millis timeout = Millis(30'000)) {
+  std::vector<net::Listener> listeners;
+  std::vector<collective::Member> members;
+  for (int r = 0; r < n; ++r) {
+    auto l = net::Listen({"127.0.0.1", 0});
+    NONSTOP_CHECK(l.ok()) << l.status().ToString();
+    members.push_back({r, l->address.ToString()});
+    listeners.push_back(std::move(*l));
+  }
+  std::vector<std::unique_ptr<PlainRank>> ranks;
+  for (int r = 0; r < n; ++r) {
+    // rank 0 (the receiver) starts with other values than the sources
+    auto rank = std::make_unique<PlainRank>(r == 0 ? 1 : 9);
+    rank->address = members[static_cast<size_t>(r)].address;
+    rank->plane = collective::TcpDataPlane::Create(
+        {kToken, r}, std::move(listeners[static_cast<size_t>(r)]), &rank->abort);
+    collective::CommunicatorOptions o;
+    o.rank = r;
+    o.members = members;
+    o.timeout_collective = timeout;
+    rank->comm = rank->plane->NewCommunicator(o);
+    ranks.push_back(std::move(rank));
+  }
+  return ranks;
+}
+
+// Worker 0 copies the state of step 9 from every other rank.
+control::PlanMsg CopyPlan(const std::vector<std::unique_ptr<PlainRank>>& ranks) {
+  control::PlanMsg plan;
+  plan.generation = 1;
+  plan.resume_step = 10;
+  control::PlanTransfer t;
+  t.receiver = 0;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    plan.members.push_back({static_cast<int>(r), ranks[r]->address});
+    if (r > 0) t.sources.push_back(static_cast<int>(r));
+  }
+  plan.transfers = {t};
+  return plan;
+}
+
+// Every rank runs RunStateTransfers; `hooks(rank)` for each.
+std::vector<Result<TransferOutcome>> CopyAll(std::vector<std::unique_ptr<PlainRank>>& ranks,
+                                             std::function<TransferHooks(int)> hooks = nullptr) {
+  const control::PlanMsg plan = CopyPlan(ranks);
+  std::vector<Result<TransferOutcome>> out(ranks.size(), InternalError("not run"));
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    threads.emplace_back([&, r] {
+      PlainRank& k = *ranks[r];
+      out[r] = RunStateTransfers(*k.comm, k.reg, plan, static_cast<int>(r),
+                                 hooks ? hooks(static_cast<int>(r)) : TransferHooks{});
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+TEST(RunStateTransfersTest, ACopyFromOneOrThreeSourcesIsTheSourcesStateBitForBit) {
+  for (int sources : {1, 3}) {
+    auto ranks = MakePlainRanks(1 + sources);
+    ASSERT_NE(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
+    // some chunks span regions (through a buffer), most lie in one (in place)
+    int spanning = 0;
+    for (uint32_t c = 0; c < ranks[0]->reg.num_chunks(); ++c)
+      spanning += ranks[0]->reg.ContiguousChunk(c).empty() ? 1 : 0;
+    ASSERT_GE(spanning, 2);
+    ASSERT_GE(ranks[0]->reg.num_chunks(), static_cast<uint32_t>(spanning + 10));
+    auto out = CopyAll(ranks);
+    for (size_t r = 0; r < out.size(); ++r)
+      ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+    EXPECT_TRUE(out[0]->received);
+    EXPECT_EQ(out[0]->sources, sources);
+    EXPECT_EQ(out[0]->bytes_received, ranks[0]->reg.total_bytes());
+    EXPECT_EQ(out[0]->refetched_chunks, 0);
+    EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest()) << sources << " source(s)";
+    EXPECT_EQ(ranks[0]->step, 9);
+    EXPECT_EQ(ranks[0]->large, ranks[1]->large);
+  }
+}
+
+TEST(RunStateTransfersTest, ChunksCorruptedOnTheWayAreFetchedAgainInPlaceOrThroughABuffer) {
+  auto ranks = MakePlainRanks(3);
+  // Rank 1 serves chunk 0 first (the step and the start of `small`: through
+  // a buffer), rank 2 chunk 1 (inside `small`: in place, checked on the
+  // checker thread). Each corrupts the first chunk it sends.
+  ASSERT_TRUE(ranks[0]->reg.ContiguousChunk(0).empty());
+  ASSERT_FALSE(ranks[0]->reg.ContiguousChunk(1).empty());
+  auto out = CopyAll(ranks, [](int r) {
+    TransferHooks h;
+    h.corrupt_first_chunk = r > 0;
+    return h;
+  });
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  EXPECT_EQ(out[0]->refetched_chunks, 2);
+  EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
+}
+
+// A source written by hand (rank 1 of `ranks`): `script` speaks the
+// protocol, or lies in it, while rank 0 runs RunStateTransfers. Once the
+// receiver returns, rank 1's calls are aborted (a liar may still wait for a
+// request) and the receiver's result is returned.
+Result<TransferOutcome> CopyFromLiar(std::vector<std::unique_ptr<PlainRank>>& ranks,
+                                     std::function<void(collective::Communicator&)> script) {
+  const control::PlanMsg plan = CopyPlan(ranks);
+  std::thread liar([&] { script(*ranks[1]->comm); });
+  Result<TransferOutcome> out = RunStateTransfers(*ranks[0]->comm, ranks[0]->reg, plan, 0, {});
+  ranks[1]->comm->Abort("the test is over");
+  liar.join();
+  return out;
+}
+
+// The transfer header (state_transfer.cc) as `reg` would send it for `step`.
+std::string Header(const state::StateRegistry& reg, int64_t step, uint64_t total) {
+  std::string h;
+  PutFixed32(&h, 0x3258534E);
+  PutFixed64(&h, static_cast<uint64_t>(step));
+  PutFixed64(&h, total);
+  PutFixed32(&h, static_cast<uint32_t>(reg.chunk_bytes()));
+  PutFixed32(&h, reg.num_chunks());
+  PutFixed32(&h, 0);
+  PutFixed32(&h, static_cast<uint32_t>(state::kEveryShard));
+  PutFixed32(&h, Crc32c(h));
+  return h;
+}
+
+Status SendString(collective::Communicator& comm, const std::string& s) {
+  return comm.Send(0, std::as_bytes(std::span(s)));
+}
+
+// Reads the receiver's request: {count} then the chunk indices.
+std::vector<uint32_t> ReadRequest(collective::Communicator& comm) {
+  std::string n(4, '\0');
+  if (!comm.Recv(0, std::as_writable_bytes(std::span(n))).ok()) return {};
+  std::string body(4 * static_cast<size_t>(DecodeFixed32(n.data())), '\0');
+  if (body.empty() || !comm.Recv(0, std::as_writable_bytes(std::span(body))).ok()) return {};
+  std::vector<uint32_t> out;
+  for (size_t i = 0; i < body.size(); i += 4) out.push_back(DecodeFixed32(body.data() + i));
+  return out;
+}
+
+// Serves `reg`'s chunks as asked, each through `lie(index, meta, bytes)`
+// first, until the receiver stops asking or the test aborts it.
+void ServeLying(collective::Communicator& comm, const state::StateRegistry& reg,
+                const std::function<void(uint32_t, std::string*, std::vector<std::byte>*)>& lie) {
+  if (!SendString(comm, Header(reg, 9, reg.total_bytes())).ok()) return;
+  while (true) {
+    std::vector<uint32_t> request = ReadRequest(comm);
+    if (request.empty()) return;
+    for (uint32_t index : request) {
+      std::vector<std::byte> bytes(reg.chunk_size(index));
+      reg.ReadChunk(index, bytes);
+      std::string meta;
+      PutFixed32(&meta, index);
+      PutFixed32(&meta, Crc32c(bytes.data(), bytes.size()));
+      lie(index, &meta, &bytes);
+      if (!SendString(comm, meta).ok() || !comm.SendUnchecked(0, bytes).ok()) return;
+    }
+  }
+}
+
+TEST(RunStateTransfersTest, ASourceWhoseChunksNeverMatchTheirChecksumsIsDataLoss) {
+  auto ranks = MakePlainRanks(2);
+  auto out = CopyFromLiar(ranks, [&](collective::Communicator& comm) {
+    ServeLying(comm, ranks[1]->reg, [](uint32_t index, std::string*, std::vector<std::byte>* b) {
+      if (index == 5) (*b)[3] ^= std::byte{1};  // chunk 5, every time it is sent
+    });
+  });
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kDataLoss) << out.status().ToString();
+  EXPECT_NE(out.status().message().find("state chunk 5 failed its checksum from every source"),
+            std::string::npos)
+      << out.status().ToString();
+}
+
+TEST(RunStateTransfersTest, ASourceThatSendsAnotherChunkThanAskedIsDataLoss) {
+  auto ranks = MakePlainRanks(2);
+  auto out = CopyFromLiar(ranks, [&](collective::Communicator& comm) {
+    ServeLying(comm, ranks[1]->reg, [](uint32_t index, std::string* meta, std::vector<std::byte>*) {
+      if (index == 2) EncodeFixed32(meta->data(), 3);
+    });
+  });
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kDataLoss) << out.status().ToString();
+  EXPECT_NE(out.status().message().find("sent chunk 3 where chunk 2 was asked for"),
+            std::string::npos)
+      << out.status().ToString();
+}
+
+TEST(RunStateTransfersTest, ASourceThatSendsAChunkOfTheWrongSizeFailsClearly) {
+  auto ranks = MakePlainRanks(2);
+  auto out = CopyFromLiar(ranks, [&](collective::Communicator& comm) {
+    ServeLying(comm, ranks[1]->reg, [](uint32_t index, std::string*, std::vector<std::byte>* b) {
+      if (index == 4) b->resize(b->size() - 100);
+    });
+  });
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kInternal) << out.status().ToString();
+  EXPECT_NE(out.status().message().find("bytes) where"), std::string::npos)
+      << out.status().ToString();
+}
+
+TEST(RunStateTransfersTest, AHeaderOfAnotherStepOrLayoutOrGarbageIsRefused) {
+  const std::pair<std::function<std::string(const state::StateRegistry&)>, std::string> cases[] = {
+      {[](const state::StateRegistry& reg) { return Header(reg, 8, reg.total_bytes()); },
+       "offers the state of step 8, but the plan resumes after step 9"},
+      {[](const state::StateRegistry& reg) { return Header(reg, 9, reg.total_bytes() + 4); },
+       "the model or optimizer differs"},
+      {[](const state::StateRegistry&) { return std::string(40, 'x'); }, "is corrupt"},
+  };
+  for (const auto& [header, why] : cases) {
+    auto ranks = MakePlainRanks(2);
+    auto out = CopyFromLiar(ranks, [&](collective::Communicator& comm) {
+      (void)SendString(comm, header(ranks[1]->reg));
+    });
+    ASSERT_FALSE(out.ok()) << why;
+    EXPECT_EQ(out.status().code(), StatusCode::kDataLoss) << out.status().ToString();
+    EXPECT_NE(out.status().message().find(why), std::string::npos) << out.status().ToString();
+  }
+}
+
+TEST(RunStateTransfersTest, ASourceThatStallsMidTransferEndsInTheCollectiveTimeout) {
+  auto ranks = MakePlainRanks(2, /*timeout=*/Millis(300));
+  auto out = CopyFromLiar(ranks, [&](collective::Communicator& comm) {
+    // The header and the first chunks, then silence (the test aborts it).
+    ServeLying(comm, ranks[1]->reg, [&](uint32_t index, std::string*, std::vector<std::byte>*) {
+      if (index == 3) {
+        while (comm.error().ok()) std::this_thread::sleep_for(Millis(5));
+      }
+    });
+  });
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kDeadlineExceeded) << out.status().ToString();
 }
 
 TEST(ExchangeShardsTest, ASpareCopiesOnlyItsShardFromTheShardsHolders) {
