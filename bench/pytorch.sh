@@ -10,8 +10,8 @@
 #       reduction.
 # Each fault-free run gives its median step time and tokens/s. Then (a) and (b)
 # run again with rank 2 killed at step 30: the fault's cost is the faulted
-# run's wall time minus the fault-free one's, and for (b) also the downtime the
-# recovery report measures.
+# run's wall time minus the fault-free one's, and for (b) also the time lost the
+# recovery report measures (docs/recovery.md "Time lost"), in ms and in normal steps.
 #
 #   bash bench/pytorch.sh [--steps N]        (default 60; the kill is at step 30)
 #
@@ -87,6 +87,8 @@ median = statistics.median(secs)
 print(json.dumps({"name": name, "wall_s": t1 - t0, "median_step_s": median,
                   "tokens_per_s": 32 * 64 / median, "checksum": checksum[0] if checksum else None,
                   "downtime_ms": rec[0].get("downtime_ms") if rec else None,
+                  "time_lost_ms": rec[0].get("time_lost_ms") if rec else None,
+                  "time_lost_split_ms": (rec[0].get("time_lost") or {}).get("split_ms") if rec else None,
                   "lost_steps": rec[0].get("lost_steps") if rec else None}))
 EOF
 }
@@ -115,12 +117,17 @@ print(f"\noverlap in the C++ trainer: step {r['c-overlap']['median_step_s'] * 10
 a_cost = r["a-fault"]["wall_s"] - r["a-clean"]["wall_s"]
 b_cost = r["b-fault"]["wall_s"] - r["b-clean"]["wall_s"]
 down = r["b-fault"]["downtime_ms"]
-print(f"\na kill of rank 2 at step 30:")
+lost = r["b-fault"]["time_lost_ms"]
+a_step = r["a-clean"]["median_step_s"]
+b_step = r["b-clean"]["median_step_s"]
+print(f"\na kill of rank 2 at step 30 (time lost: what the fault added to the job's wall time):")
 print(f"  (a) restart from the checkpoint of step {r['a-fault']['redone_from'] - 1 if r['a-fault']['redone_from'] else '-'}: "
-      f"{r['a-fault']['restarts']} restart, the job took {a_cost:.1f} s longer")
-print(f"  (b) nonstop: downtime {down:.0f} ms (recovery report), {r['b-fault']['lost_steps']} steps lost; "
-      f"the job took {b_cost:+.1f} s longer (wall-clock noise included)")
-print(f"  downtime (b) / cost (a): {down / 1000 / a_cost * 100:.2f}%")
+      f"{r['a-fault']['restarts']} restart; time lost {a_cost:.1f} s (faulted wall - fault-free wall), "
+      f"{a_cost / a_step:.1f} normal steps")
+print(f"  (b) nonstop: time lost {lost:.0f} ms = {lost / 1000 / b_step:.2f} of a normal step (recovery report: "
+      f"{r['b-fault']['time_lost_split_ms']}); downtime {down:.0f} ms; {r['b-fault']['lost_steps']} steps lost; "
+      f"the job took {b_cost:+.1f} s longer by wall clock (noise included)")
+print(f"  time lost (b) / time lost (a): {lost / 1000 / a_cost * 100:.2f}%")
 same = r["b-fault"]["checksum"] == r["b-clean"]["checksum"]
 print(f"  (b) bitwise equal to its fault-free run: {same} ({r['b-fault']['checksum']} / {r['b-clean']['checksum']})")
 EOF
