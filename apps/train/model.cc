@@ -140,8 +140,10 @@ struct BlockImpl : nn::Module {
       ffn = register_module("ffn", SwiGLU(c.dim, c.ffn_hidden));
     }
   }
-  Tensor forward(Tensor x) {
+  Tensor forward(Tensor x, const std::function<void()>& between_layers) {
+    if (between_layers) between_layers();
     x = x + attn(attn_norm(x));
+    if (between_layers) between_layers();
     auto h = ffn_norm(x);
     return x + (moe ? moe(h) : ffn(h));
   }
@@ -174,7 +176,8 @@ class Transformer : public DecoderModel {
   }
   Tensor forward(const Tensor& tokens) override {
     auto x = embed(tokens);
-    for (auto& b : blocks) x = b(x);
+    for (auto& b : blocks) x = b(x, between_layers_);
+    if (between_layers_) between_layers_();
     return head(norm(x));
   }
 

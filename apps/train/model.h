@@ -10,6 +10,8 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+
 #include "apps/train/recipe.h"
 
 namespace nonstop::train {
@@ -20,6 +22,13 @@ class TransformerImpl;
 class DecoderModel : public torch::nn::Module {
  public:
   virtual torch::Tensor forward(const torch::Tensor& tokens) = 0;
+  // Called between the layers of every forward (before each attention, each
+  // feed-forward and the output head): the trainer's torchx::StepAbort::Check,
+  // which throws there once the generation was aborted.
+  void set_between_layers(std::function<void()> f) { between_layers_ = std::move(f); }
+
+ protected:
+  std::function<void()> between_layers_;  // empty: nothing is called
 };
 
 std::shared_ptr<DecoderModel> BuildModel(const ModelConfig& config, uint64_t seed);

@@ -40,6 +40,7 @@
 #include "torch/adamw.h"
 #include "torch/flat_parameters.h"
 #include "torch/grad_buckets.h"
+#include "torch/step_abort.h"
 
 namespace nonstop::train {
 namespace {
@@ -297,6 +298,9 @@ class Trainer {
   // Overlapped reduction: the last micro-batch's backward hands each gradient
   // bucket to the session's communication thread as soon as it is complete.
   std::unique_ptr<torchx::GradBuckets> buckets_;
+  // An abort stops the step inside forward (between layers) and backward (as
+  // each gradient is accumulated), not only between micro-batches.
+  std::unique_ptr<torchx::StepAbort> step_abort_;
 };
 
 // ---------------------------------------------------------------- set-up
@@ -531,6 +535,9 @@ std::optional<int> Trainer::StartTraining() {
         *model_, *flat_, static_cast<size_t>(f_.bucket_mb * (1 << 20)),
         [&session](std::span<float> b) { session.StartAllReduce(b); });
   }
+  step_abort_ =
+      std::make_unique<torchx::StepAbort>(*model_, [&session] { return session.aborted(); });
+  model_->set_between_layers([this] { step_abort_->Check(); });
   return std::nullopt;
 }
 
@@ -663,6 +670,12 @@ std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
     }
     // more ranks than micro-batches: zeros, summed with the rest
     if (work.empty()) w->computed = true;
+  } catch (const torchx::StepAborted&) {
+    // The abort, seen inside a forward or backward (torchx::StepAbort): as the
+    // break above, the step is cut short (w->computed is false); the buckets
+    // the cut backward did not start never will be.
+    if (buckets_) buckets_->Disarm();
+    NONSTOP_LOG_INFO("step {}: stopped inside a forward or backward by the abort", step);
   } catch (const std::exception& e) {
     // The process may be in any state: report, and let a spare take over.
     Status s =

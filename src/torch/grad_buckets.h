@@ -39,6 +39,10 @@ class GradBuckets {
   void Arm();
   // After that backward: starts every bucket not started yet, in order.
   void Finish();
+  // That backward was cut short (torchx::StepAborted): its step is lost and
+  // the buckets it did not start never will be. Until the next Arm(),
+  // backwards only accumulate, as before it.
+  void Disarm() { armed_ = false; }
 
   size_t num_buckets() const { return buckets_.size(); }
   // [begin, end) in floats of bucket b in the gradient buffer (with the loss slot).
