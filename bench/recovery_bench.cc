@@ -13,9 +13,10 @@
 // normal step: what the fault cost in all, the part of the step computed
 // before it and thrown away included. Per run: steps redone, wall time
 // against the fault-free run, goodput (distinct steps × normal step time /
-// wall time). With --compare-salvage (world-invariant recipes) the
-// checkpointless run is repeated with NONSTOP_TRAIN_NO_SALVAGE=1: the step in
-// flight computed again whole, against kept partial sums.
+// wall time). With --compare-salvage (the default ring mode or a
+// world-invariant recipe, not a sharded one) the checkpointless run is
+// repeated with NONSTOP_TRAIN_NO_SALVAGE=1: the step in flight computed again
+// whole, against kept partial sums.
 // Output: a table, a JSON file and report.html: the dashboard's page comparing
 // the three runs (steps over wall time, loss, every recovery with its phases).
 #include <algorithm>
@@ -118,9 +119,9 @@ int Main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag(
       "--compare-salvage", compare_salvage,
-      "Also run the checkpointless job with NONSTOP_TRAIN_NO_SALVAGE=1 (for a recipe with "
-      "determinism: "
-      "world-invariant: the step in flight computed again whole, against kept partial sums)");
+      "Also run the checkpointless job with NONSTOP_TRAIN_NO_SALVAGE=1 (nonstop-train in the "
+      "default ring mode or world-invariant, not sharded: the step in flight computed again "
+      "whole, against kept partial sums)");
   app.footer(
       "After `--`: the training program (default: nonstop-train with its built-in llama-tiny "
       "recipe).");
@@ -239,9 +240,8 @@ int Main(int argc, char** argv) {
         std::string::npos;
     if (!salvaged) {
       fmt::print(
-          "\nthe checkpointless run kept no sums of a step in flight (is the recipe "
-          "world-invariant, and the "
-          "program nonstop-train?): the salvage comparison means nothing\n");
+          "\nthe checkpointless run kept no sums of a step in flight (is the program "
+          "nonstop-train, and its recipe not sharded?): the salvage comparison means nothing\n");
     } else if (kept >= 0 && again > 0) {
       fmt::print(
           "time lost per fault: {:.0f} ms keeping the step in flight's sums, {:.0f} ms computing "

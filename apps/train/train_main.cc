@@ -41,6 +41,7 @@
 #include "torch/flat_parameters.h"
 #include "torch/grad_buckets.h"
 #include "torch/step_abort.h"
+#include "worker/ring_step.h"
 
 namespace nonstop::train {
 namespace {
@@ -123,8 +124,9 @@ struct TrainerFlags {
   bool no_overlap = settings::kTrainNoOverlap.default_value;
   double bucket_mb = 1.0;
   bool no_salvage = settings::kTrainNoSalvage.default_value;
-  std::string log_samples;  // test-only
-  int throttle_ms = 0;      // test-only
+  std::string log_samples;       // test-only
+  int throttle_ms = 0;           // test-only
+  int micro_batch_pause_ms = 0;  // test-only
 };
 
 // Parses the command line; an exit code when the program is done (--help, a usage error).
@@ -140,6 +142,10 @@ std::optional<int> ParseFlags(int argc, char** argv, TrainerFlags* f) {
   // Test-only knobs: accepted, but not in --help (a user's trainer has no use for them).
   app.add_option("--throttle-ms", f->throttle_ms,
                  "Sleep this long in every step (tests and demos that act during a run)")
+      ->group("");
+  app.add_option("--pause-after-micro-batch-ms", f->micro_batch_pause_ms,
+                 "Sleep this long after every micro-batch (tests that cut a step between its "
+                 "micro-batches)")
       ->group("");
   app.add_option("--log-samples", f->log_samples,
                  "Append the sample indices of every completed step to DIR/worker-<id>.txt (tests "
@@ -176,8 +182,8 @@ struct StepWork {
   float norm = 0;         // 1 / the tokens of the global batch
   double tokens = 0;      // of the global batch
   std::string samples;    // "step micro sample…" lines, logged once the step completed
-  // world-invariant: planning the step failed (a fault)
-  Status tree_status;
+  // planning the step failed (a fault in the exchange of the first step of a generation)
+  Status plan_status;
   std::vector<collective::TreeShare> shares;    // ... every rank's part of this step
   std::vector<collective::TreeFolder> folders;  // ... this rank's runs of micro-batches, folded
   std::map<int, std::string> mb_samples;        // ... micro-batch → its samples-log lines
@@ -186,7 +192,9 @@ struct StepWork {
 class Trainer {
  public:
   explicit Trainer(TrainerFlags flags)
-      : f_(std::move(flags)), planner_(/*salvage=*/!f_.no_salvage) {}
+      : f_(std::move(flags)),
+        planner_(/*salvage=*/!f_.no_salvage),
+        ring_planner_(/*salvage=*/!f_.no_salvage) {}
   Trainer(const Trainer&) = delete;  // the state registry points into it
   Trainer& operator=(const Trainer&) = delete;
 
@@ -213,7 +221,16 @@ class Trainer {
   std::optional<int> Compute(int64_t step, StepWork* w);
   std::vector<std::pair<uint64_t, size_t>> PlanWork(int64_t step, uint64_t micro_batches,
                                                     StepWork* w);
+  // ---- salvage in the ring mode (docs/recovery.md "Salvage in the default mode")
+  std::vector<std::pair<uint64_t, size_t>> PlanRingWork(int64_t step, int m, StepWork* w);
+  // Picks up the sum this rank keeps of `step` (its share's `kept`), or starts a new one.
+  void RestoreKeptSum(int64_t step, int m, const std::vector<int>& kept, StepWork* w);
+  // Micro-batch `mb`'s backward completed: the sum holds it now.
+  void KeepCompletedMicroBatch(int mb, bool last_one, const StepWork& w);
+  // Overlap: a bucket of the last micro-batch's sum, copied before the ring reduces it in place.
+  void StageBucket(std::span<const float> bucket);
   Status Reduce(int64_t step, StepWork* w);
+  Status ReduceRing(int64_t step, StepWork* w);
   Status ReduceTree(int64_t step, StepWork* w);
   // Sharded, fast: the group shares each shard's sum of squares and the loss; the norm (or -1).
   Status ShareShardNorm(double* shard_norm);
@@ -301,6 +318,24 @@ class Trainer {
   // An abort stops the step inside forward (between layers) and backward (as
   // each gradient is accumulated), not only between micro-batches.
   std::unique_ptr<torchx::StepAbort> step_abort_;
+  // Ring mode, not sharded: this rank's local sum of the micro-batches it
+  // completed of the step in flight, kept apart from the gradient buffer (which
+  // the next backward adds into, and the ring reduces in place), so that a
+  // fault does not throw it away; offered to the next generation.
+  struct KeptSum {
+    int64_t step = -1;               // -1: none
+    int m = 0;                       // the micro-batches of that step's global batch
+    std::vector<int> micro_batches;  // in the sum, in the order summed
+    double loss = 0;                 // their local loss
+    std::string samples;             // their samples-log lines
+    std::vector<float> sum;          // gradients and loss slot (FlatParameters::grads_and_loss)
+  };
+  KeptSum kept_;
+  // Overlap: the sum with the step's last micro-batch, copied bucket by bucket
+  // as the ring takes them; it becomes kept_ once every bucket is copied.
+  KeptSum staged_;
+  size_t staged_floats_ = 0;
+  worker::RingStepPlanner ring_planner_;
 };
 
 // ---------------------------------------------------------------- set-up
@@ -533,7 +568,10 @@ std::optional<int> Trainer::StartTraining() {
   if (!f_.no_overlap && !world_invariant_ && !sharded_) {
     buckets_ = std::make_unique<torchx::GradBuckets>(
         *model_, *flat_, static_cast<size_t>(f_.bucket_mb * (1 << 20)),
-        [&session](std::span<float> b) { session.StartAllReduce(b); });
+        [this, &session](std::span<float> b) {
+          StageBucket(b);  // the local sum, before the ring reduces it in place
+          session.StartAllReduce(b);
+        });
   }
   step_abort_ =
       std::make_unique<torchx::StepAbort>(*model_, [&session] { return session.aborted(); });
@@ -665,7 +703,10 @@ std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
         flat_->loss_slot() = loss.item<float>();
         w->folders[work[k].second].Add(flat_->grads_and_loss());
       }
+      KeepCompletedMicroBatch(static_cast<int>(mb), last_one, *w);
       w->computed = last_one;
+      if (f_.micro_batch_pause_ms > 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(f_.micro_batch_pause_ms));
       if (session.aborted()) break;  // a member failed: this step is lost (its sums may be kept)
     }
     // more ranks than micro-batches: zeros, summed with the rest
@@ -694,7 +735,8 @@ std::vector<std::pair<uint64_t, size_t>> Trainer::PlanWork(int64_t step, uint64_
   Session& session = *session_;
   const int world = session.world_size();
   std::vector<std::pair<uint64_t, size_t>> work;
-  if (!world_invariant_) {
+  if (!world_invariant_ && !sharded_) return PlanRingWork(step, static_cast<int>(micro_batches), w);
+  if (!world_invariant_) {  // sharded: no salvage (docs/recovery.md)
     for (uint64_t mb = data::BlockBegin(micro_batches, world, session.rank());
          mb < data::BlockBegin(micro_batches, world, session.rank() + 1); ++mb) {
       work.push_back({mb, 0});
@@ -704,7 +746,7 @@ std::vector<std::pair<uint64_t, size_t>> Trainer::PlanWork(int64_t step, uint64_
   const int m = static_cast<int>(micro_batches);
   auto planned = planner_.Plan(session, m, step, held_);
   if (!planned.ok()) {
-    w->tree_status = planned.status();
+    w->plan_status = planned.status();
     return work;
   }
   w->shares = std::move(*planned);
@@ -726,12 +768,94 @@ std::vector<std::pair<uint64_t, size_t>> Trainer::PlanWork(int64_t step, uint64_
   return work;
 }
 
-Status Trainer::Reduce(int64_t step, StepWork* w) {
+std::vector<std::pair<uint64_t, size_t>> Trainer::PlanRingWork(int64_t step, int m, StepWork* w) {
   Session& session = *session_;
+  std::vector<std::pair<uint64_t, size_t>> work;
+  auto planned =
+      ring_planner_.Plan(session, m, step, kept_.m == m ? kept_.step : -1, kept_.micro_batches);
+  if (!planned.ok()) {
+    w->plan_status = planned.status();
+    return work;
+  }
+  const worker::RingShare& mine = (*planned)[static_cast<size_t>(session.rank())];
+  RestoreKeptSum(step, m, mine.kept, w);
+  for (int mb : mine.compute) work.push_back({static_cast<uint64_t>(mb), 0});
+  if (ring_planner_.kept_micro_batches() > 0 && session.rank() == 0) {
+    fmt::print(
+        "step {}: kept the sums of {} of {} micro-batches from the step in flight ({} member(s)); "
+        "{} computed again by {} member(s)\n",
+        step, ring_planner_.kept_micro_batches(), m, ring_planner_.kept_by(),
+        m - ring_planner_.kept_micro_batches(), ring_planner_.computing());
+    std::fflush(stdout);
+  }
+  return work;
+}
+
+void Trainer::RestoreKeptSum(int64_t step, int m, const std::vector<int>& kept, StepWork* w) {
+  staged_.step = -1;
+  staged_floats_ = 0;
+  if (kept.empty()) {
+    kept_.step = f_.no_salvage ? -1 : step;  // salvage off: nothing is kept
+    kept_.m = m;
+    kept_.micro_batches.clear();
+    kept_.loss = 0;
+    kept_.samples.clear();
+    return;
+  }
+  std::vector<int> held = kept_.micro_batches;
+  std::sort(held.begin(), held.end());
+  NONSTOP_CHECK(kept_.step == step && held == kept) << "kept a sum it does not hold";
+  // Every gradient a view of the buffer, which then holds exactly what it held when the sum was
+  // kept: the next backward adds into it as it would have, and the ring sums the same bits.
+  flat_->GatherGrads();
+  std::copy(kept_.sum.begin(), kept_.sum.end(), flat_->grads_and_loss().begin());
+  w->local_loss = kept_.loss;
+  w->samples = kept_.samples;
+  flat_->loss_slot() = static_cast<float>(kept_.loss);  // sent as is if nothing is left to compute
+}
+
+void Trainer::KeepCompletedMicroBatch(int mb, bool last_one, const StepWork& w) {
+  if (kept_.step < 0) return;  // salvage off (or sharded, world-invariant: not this sum)
+  KeptSum& into = buckets_ && last_one ? staged_ : kept_;
+  if (&into == &staged_) {  // its buckets were copied as the ring took them (StageBucket)
+    staged_.step = kept_.step;
+    staged_.m = kept_.m;
+    staged_.micro_batches = kept_.micro_batches;
+  } else {
+    flat_->GatherGrads();
+    std::span<const float> sum = flat_->grads_and_loss();
+    into.sum.assign(sum.begin(), sum.end());
+  }
+  into.micro_batches.push_back(mb);
+  into.loss = w.local_loss;
+  into.samples = w.samples;
+}
+
+void Trainer::StageBucket(std::span<const float> bucket) {
+  if (kept_.step < 0) return;
+  std::span<float> all = flat_->grads_and_loss();
+  staged_.sum.resize(all.size());
+  std::copy(bucket.begin(), bucket.end(),
+            staged_.sum.begin() + (bucket.data() - static_cast<const float*>(all.data())));
+  staged_floats_ += bucket.size();
+}
+
+Status Trainer::Reduce(int64_t step, StepWork* w) {
   if (world_invariant_) return ReduceTree(step, w);
+  if (!w->plan_status.ok()) return w->plan_status;
+  Status s = ReduceRing(step, w);
+  if (s.ok()) kept_.step = -1;  // the step is done: its sum is no use any more
+  return s;
+}
+
+Status Trainer::ReduceRing(int64_t step, StepWork* w) {
+  Session& session = *session_;
   if (buckets_) {
     if (w->computed) {
       buckets_->Finish();
+      // every bucket was copied: the sum with the last micro-batch is the one kept now
+      if (staged_.step == step && staged_floats_ == flat_->grads_and_loss().size())
+        std::swap(kept_, staged_);
       return session.WaitAll();
     }
     (void)session.WaitAll();  // the buckets already started; the step is lost
@@ -747,7 +871,7 @@ Status Trainer::Reduce(int64_t step, StepWork* w) {
 }
 
 Status Trainer::ReduceTree(int64_t step, StepWork* w) {
-  if (!w->tree_status.ok()) return w->tree_status;
+  if (!w->plan_status.ok()) return w->plan_status;
   Session& session = *session_;
   const int m = static_cast<int>(r_.train.global_batch / r_.train.micro_batch);
   const collective::TreeShare& mine = w->shares[static_cast<size_t>(session.rank())];
@@ -1037,6 +1161,7 @@ std::optional<int> Trainer::RecoverFromFault(int64_t* step) {
     held_ = {};
     held_samples_.clear();
   }
+  if (kept_.step != *step) kept_.step = -1;  // the same for the ring mode's kept sum
   return std::nullopt;
 }
 

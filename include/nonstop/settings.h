@@ -812,9 +812,9 @@ inline constexpr Setting<bool> kTrainNoSalvage{
     .default_value = false,
     .read_by = kTrain,
     .help =
-        "determinism: world-invariant: after a fault compute the whole step in flight again, "
-        "instead of "
-        "keeping the micro-batch sums the members already hold"};
+        "after a fault compute the whole step in flight again, instead of keeping the "
+        "micro-batch sums the members already hold (the default ring mode and "
+        "determinism: world-invariant; sharded optimizer state never keeps them)"};
 
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop

@@ -94,6 +94,25 @@ std::vector<std::vector<std::pair<int, int>>> NodeLists(
   return out;
 }
 
+Result<std::vector<std::vector<collective::TreeNode>>> ExchangeOffers(Session& session,
+                                                                      int64_t step,
+                                                                      const HeldSums& held) {
+  const int world = session.world_size();
+  std::vector<std::byte> records(kOfferBytes * static_cast<size_t>(world));
+  EncodeOffer(held, step,
+              std::span<std::byte>(records).subspan(
+                  kOfferBytes * static_cast<size_t>(session.rank()), kOfferBytes));
+  NONSTOP_RETURN_IF_ERROR(session.AllGather(records, kOfferBytes));
+  std::vector<std::vector<collective::TreeNode>> offered(static_cast<size_t>(world));
+  for (int q = 0; q < world; ++q) {
+    offered[static_cast<size_t>(q)] =
+        DecodeOffer(std::span<const std::byte>(records).subspan(
+                        kOfferBytes * static_cast<size_t>(q), kOfferBytes),
+                    step);
+  }
+  return offered;
+}
+
 Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& session, int m,
                                                                  int64_t step,
                                                                  const HeldSums& held) {
@@ -103,18 +122,10 @@ Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& sessio
   kept_by_ = 0;
   if (session.generation() != exchanged_generation_) {
     // A new membership: what does each member still hold of this step?
-    std::vector<std::byte> records(kOfferBytes * static_cast<size_t>(world));
-    EncodeOffer(salvage_ ? held : HeldSums{}, step,
-                std::span<std::byte>(records).subspan(
-                    kOfferBytes * static_cast<size_t>(session.rank()), kOfferBytes));
-    NONSTOP_RETURN_IF_ERROR(session.AllGather(records, kOfferBytes));
+    auto offers = ExchangeOffers(session, step, salvage_ ? held : HeldSums{});
+    if (!offers.ok()) return offers.status();
     exchanged_generation_ = session.generation();
-    for (int q = 0; q < world; ++q) {
-      offered[static_cast<size_t>(q)] =
-          DecodeOffer(std::span<const std::byte>(records).subspan(
-                          kOfferBytes * static_cast<size_t>(q), kOfferBytes),
-                      step);
-    }
+    offered = std::move(*offers);
   }
   std::vector<collective::TreeShare> shares = collective::PlanTreeStep(m, offered);
   for (const auto& share : shares) {

@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "nonstop/status.h"
 #include "nonstop/tree.h"
 
 namespace nonstop::worker {
@@ -25,5 +26,15 @@ void EncodeOffer(const HeldSums& held, int64_t step, std::span<std::byte> record
 // or malformed (a count out of range). The nodes are not validated here:
 // PlanTreeStep drops those that are not the tree's or that overlap.
 std::vector<collective::TreeNode> DecodeOffer(std::span<const std::byte> record, int64_t step);
+
+// The exchange of offers, one fixed-size record per member (Session::AllGather):
+// what each member holds of `step` (index = rank), `held` being this member's
+// (pass HeldSums{} to offer nothing). Both salvage planners run it on the
+// first step of each generation: TreeStepPlanner (world-invariant) and
+// RingStepPlanner (worker/ring_step.h, the default ring mode). Fails only
+// when the AllGather does (a fault).
+Result<std::vector<std::vector<collective::TreeNode>>> ExchangeOffers(Session& session,
+                                                                      int64_t step,
+                                                                      const HeldSums& held);
 
 }  // namespace nonstop::worker

@@ -282,6 +282,94 @@ TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseT
   EXPECT_EQ(whole.losses, ref.losses);
 }
 
+// Salvage in the default (ring) mode (docs/recovery.md "Salvage in the default
+// mode"): after a fault the survivors keep the local sums of the micro-batches
+// they completed of the step in flight. With a spare in the lost rank's place
+// each survivor continues its own block and the spare computes the lost one:
+// the run ends bitwise as the fault-free one, for a kill at the reduction and
+// for a fault that cuts the step between micro-batches. With no spare (a
+// shrink) the micro-batches nobody holds are dealt over the survivors: the
+// loss curve stays within rounding of the fixed world. --no-salvage keeps
+// nothing and ends bitwise too.
+TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
+  WriteRecipe();
+  const std::vector<std::string> steps = {"--steps", "8"};
+  RunResult ref = Run(4, "ref", steps);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  ASSERT_EQ(ref.losses.size(), 8u);
+  EXPECT_EQ(ref.output.find("kept the sums of"), std::string::npos) << "no fault, nothing kept";
+  const std::regex kept_line(
+      R"(step (\d+): kept the sums of (\d+) of 8 micro-batches from the step in flight)");
+  auto kept = [&](const std::string& output, int64_t* step) {
+    std::smatch m;
+    if (!std::regex_search(output, m, kept_line)) return -1;
+    *step = std::stoll(m[1]);
+    return std::stoi(m[2]);
+  };
+  // Cut between micro-batches: every worker pauses a second after each micro-batch, and the
+  // fault lands in the pause after the first: a kill a quarter into step 5 (half a second; a
+  // step takes two), or an exception as step 5 begins (the abort reaches the others in their
+  // first pause). Each survivor keeps 1 of its 2, unless the abort reaches it more than a second
+  // late (a loaded machine): the bound checked is the one that holds whatever the timing, that no
+  // micro-batch of the lost rank is kept.
+  const std::vector<std::string> paused = {"--steps", "8", "--pause-after-micro-batch-ms", "1000"};
+  struct Case {
+    std::string tag;
+    std::vector<std::string> extra;
+    std::vector<std::string> run_flags;
+    bool bitwise;
+    int most_kept;  // the lost rank's micro-batches are never kept
+  };
+  for (const Case& c : {
+           Case{"spare-reduction",
+                steps,
+                {"--spares", "1", "--inject", "kill:rank=2,step=5"},
+                true,
+                6},
+           Case{"spare-mid-step",
+                paused,
+                {"--spares", "1", "--inject", "kill:rank=2,step=5,at=0.25"},
+                true,
+                6},
+           Case{"shrink-reduction",
+                steps,
+                {"--spares", "0", "--inject", "kill:rank=3,step=5"},
+                false,
+                6},
+           Case{"shrink-mid-step",
+                paused,
+                {"--spares", "0", "--inject", "exception:rank=3,step=5"},
+                false,
+                6},
+       }) {
+    RunResult r = Run(4, c.tag, c.extra, c.run_flags);
+    ASSERT_EQ(r.code, 0) << c.tag << "\n" << r.output;
+    int64_t at = -1;
+    int n = kept(r.output, &at);
+    EXPECT_GE(n, 1) << c.tag << ": the survivors' sums were kept\n" << r.output;
+    EXPECT_LE(n, c.most_kept) << c.tag << "\n" << r.output;
+    EXPECT_EQ(at, 5) << c.tag;
+    ASSERT_EQ(r.losses.size(), ref.losses.size()) << c.tag;
+    if (c.bitwise) {
+      EXPECT_EQ(r.checksum, ref.checksum) << c.tag << "\n" << r.output;
+      EXPECT_EQ(r.losses, ref.losses) << c.tag << ": every loss bitwise the same";
+    } else {
+      EXPECT_NE(r.output.find("world 4 → 3"), std::string::npos) << c.tag << "\n" << r.output;
+      for (const auto& [step, loss] : ref.losses) {
+        EXPECT_LT(std::abs(r.losses[step] - loss) / loss, 1e-4) << c.tag << " step " << step;
+      }
+    }
+  }
+  RunResult whole = Run(4, "whole", {"--steps", "8", "--no-salvage"},
+                        {"--spares", "1", "--inject", "kill:rank=2,step=5"});
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  int64_t at = -1;
+  EXPECT_EQ(kept(whole.output, &at), -1) << "--no-salvage computes the step again whole\n"
+                                         << whole.output;
+  EXPECT_EQ(whole.checksum, ref.checksum);
+  EXPECT_EQ(whole.losses, ref.losses);
+}
+
 TEST_F(TrainTest, WorldInvariantModeHoldsForTheMixtureOfExperts) {
   std::ofstream(dir_ / "recipe.yaml")
       << MicroRecipe(dir_ / "data", dir_ / "corpus.txt", "gpt-oss", kWorldInvariant);
