@@ -449,7 +449,15 @@ TEST_F(TrainTest, CheckpointRestartBaselineRedoesTheLostStepsAndEndsTheSame) {
   EXPECT_NE(r.output.find("restarting every worker from the newest durable checkpoint"),
             std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("2 completed steps redone"), std::string::npos) << r.output;
+  // It resumes after the newest checkpoint that was durable when rank 1 died: step 9's (2 steps
+  // redone: 10, 11), or, when its asynchronous write had not finished by step 12 (a loaded
+  // machine: the steps take tens of ms), step 4's, and the workers say they skipped the other.
+  const bool nine_half_written =
+      r.output.find("skipped checkpoint " + ckpt + "/step-000000009.tmp") != std::string::npos;
+  EXPECT_NE(r.output.find(nine_half_written ? "resumed at step 5, 7 completed steps redone"
+                                            : "resumed at step 10, 2 completed steps redone"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST_F(TrainTest, WhenNoWorkerHoldsTheStateTheJobRestartsFromTheLastCheckpoint) {
