@@ -133,6 +133,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 12:
       RoundTrip(&DecodeAgentLeaving, payload);
       break;
+    case 13:
+      RoundTrip(&DecodeAgentDying, payload);
+      break;
     case 14:
       PlanDeltaRoundTrip(payload, nullptr);
       break;

@@ -121,6 +121,7 @@ void Control() {
   put(kMsgReady, "ready", Encode(ReadyMsg{5, 39, "controller abort"}));
   put(kMsgRecovered, "recovered", Encode(RecoveredMsg{6, 0.01, 0.2, 1 << 20, 3, 1, 2, 4}));
   put(kMsgInjected, "injected", Encode(InjectedMsg{1, "kill:rank=1,step=40"}));
+  Put("control", "agent_dying", Byte(13) + Encode(AgentDyingMsg{3, 4242}));
   // Edge cases: wrong types, numbers out of range, nesting, not JSON.
   put(kMsgJoin, "join_missing_field",
       R"({"worker_id": 1, "pid": 2, "spare": false, "state_step": -1})");

@@ -151,6 +151,13 @@ class Session {
   // `state` holds what must survive a fault; it must outlive the Session.
   // `state_step` is the step it holds when joining: -1 for the initial
   // state, or the step of a durable checkpoint the program loaded.
+  //
+  // Started by a launcher (NONSTOP_LIFELINE_FD), Join locks this worker's
+  // lifeline ON THE CALLING THREAD and holds it until Finish or the Session's
+  // destruction (docs/recovery.md): if the process dies, the kernel releases
+  // it as the exit begins and the launcher reports the death at once. The
+  // kernel does so when that thread ends, too: call Join on a thread that
+  // lives as long as the process (the training thread, the main thread).
   static Result<std::unique_ptr<Session>> Join(SessionOptions options, state::StateRegistry* state,
                                                int64_t state_step = -1);
   ~Session();

@@ -652,6 +652,17 @@ inline constexpr Setting<int> kJobTokenFd{
         "The inherited descriptor (a sealed memfd) holding the job token: the worker's library "
         "reads it as it loads, closes it and removes the variable (docs/security.md)",
     .default_doc = "required (a worker started by a launcher)"};
+inline constexpr Setting<int> kLifelineFd{
+    .env = "NONSTOP_LIFELINE_FD",
+    .default_value = -1,
+    .read_by = kWorker,
+    .set_by = kRun | kAgent,
+    .help =
+        "The inherited descriptor (a memfd holding a process-shared robust mutex) of the "
+        "worker's lifeline: Session::Join locks it on its calling thread and holds it, so its "
+        "launcher sees the worker's death as the kernel begins it, before the process's memory "
+        "is freed (docs/recovery.md); unset, the worker has none",
+    .default_doc = "none (no lifeline)"};
 inline constexpr Setting<int> kWorkerId{.env = "NONSTOP_WORKER_ID",
                                         .default_value = -1,
                                         .read_by = kWorker | kPython,

@@ -79,10 +79,10 @@ std::string Processes(int n) { return fmt::format("{} process{}", n, n == 1 ? ""
 bool IsAgentVariable(std::string_view name) {
   namespace s = settings;
   return name == s::kControllerAddress.env || name == s::kJobToken.env ||
-         name == s::kJobTokenFd.env || name == s::kHostId.env || name == s::kDataHost.env ||
-         name == s::kDataPorts.env || name == s::kEtcd.env || name == s::kEtcdJob.env ||
-         name == s::kLeaderFile.env || name == s::kEtcdCacert.env || name == s::kEtcdCert.env ||
-         name == s::kEtcdKey.env || name == s::kEtcdAuthFile.env ||
+         name == s::kJobTokenFd.env || name == s::kLifelineFd.env || name == s::kHostId.env ||
+         name == s::kDataHost.env || name == s::kDataPorts.env || name == s::kEtcd.env ||
+         name == s::kEtcdJob.env || name == s::kLeaderFile.env || name == s::kEtcdCacert.env ||
+         name == s::kEtcdCert.env || name == s::kEtcdKey.env || name == s::kEtcdAuthFile.env ||
          name == s::kEtcdAllowPlaintext.env;
 }
 
@@ -237,6 +237,14 @@ int Agent::Run() {
       [this](int worker_id, pid_t pid, int sig) { OnChildStop(worker_id, pid, sig); },
       options_.out != nullptr ? options_.out : own_out_.get(),
       options_.err != nullptr ? options_.err : own_err_.get());
+  // A worker that holds its lifeline (Session::Join) is reported dying as its exit begins, before
+  // the kernel has freed its memory (milliseconds for a large one) and before its pidfd says it.
+  if (Status s = launcher_->EnableLifelines(
+          [this](int worker_id, pid_t pid) { OnChildDying(worker_id, pid); });
+      !s.ok()) {
+    NONSTOP_LOG_WARNING("no lifelines ({}): a worker's death is seen through its pidfd alone",
+                        s.ToString());
+  }
 
   StartLeaderWatch();
   Deadline now = Clock::now();
@@ -719,6 +727,14 @@ void Agent::OnChildExit(int worker_id, pid_t pid, int exit_code, int signal) {
   if (!leaving_.empty() && live_.empty() && phase_ == Phase::kRegistered) {
     End(kExitOk, fmt::format("left the job ({}): its workers were released", leaving_),
         /*kill_now=*/false);
+  }
+}
+
+void Agent::OnChildDying(int worker_id, pid_t pid) {
+  ::nonstop::Log(ChatterLevel(), "worker {} (pid {}) is dying (its lifeline fired)", worker_id,
+                 pid);
+  if (phase_ == Phase::kRegistered || phase_ == Phase::kEnding) {
+    Send(control::kMsgAgentDying, control::Encode(control::AgentDyingMsg{worker_id, pid}));
   }
 }
 

@@ -3,7 +3,7 @@
 // hello as ConnectionKind::kAgent, registers its host (AgentRegister), and
 // from then on carries out the controller's orders: start a worker process,
 // signal it, renice it. It reports at once what happens to its processes
-// (AgentStarted, AgentExited, AgentStopped) and that it is alive
+// (AgentStarted, AgentDying, AgentExited, AgentStopped) and that it is alive
 // (AgentHeartbeat, every 200 ms). The agent decides nothing: which worker
 // runs where, and what a dead one means, is the controller's business
 // (docs/protocol.md, "Agents").
@@ -236,6 +236,8 @@ class Agent {
   // Asks the controller to release this host's workers (leaving_).
   void SendLeaving();
   void OnChildStop(int worker_id, pid_t pid, int signal);
+  // Its lifeline fired (launcher::LocalLauncher::EnableLifelines): reported at once (AgentDying).
+  void OnChildDying(int worker_id, pid_t pid);
   // With etcd: the watch of the job's leader that keeps leader_file_ (docs/leader-discovery.md).
   void StartLeaderWatch();
 

@@ -22,6 +22,7 @@
 
 #include <fmt/format.h>
 
+#include "common/lifeline.h"
 #include "common/temp_dir.h"
 #include "control/messages.h"
 #include "launcher/output_writer.h"
@@ -29,6 +30,21 @@
 #include "net/handshake.h"
 #include "net/socket.h"
 #include "tests/integration/process.h"
+
+// A worker that holds its lifeline: this test program started again with
+// NONSTOP_LIFELINE_TEST_CHILD=hold, which takes it on its main thread (as
+// Session::Join does on the training thread), says "held" and waits to be killed.
+namespace {
+const bool kLifelineChild = [] {
+  const char* mode = std::getenv("NONSTOP_LIFELINE_TEST_CHILD");
+  if (mode == nullptr) return false;
+  auto hold = nonstop::LifelineHold::TakeInherited();
+  if (!hold.ok() || *hold == nullptr) std::_Exit(40);
+  std::printf("held\n");
+  std::fflush(stdout);
+  while (true) ::pause();
+}();
+}  // namespace
 
 namespace nonstop::agent {
 namespace {
@@ -377,6 +393,35 @@ TEST_F(AgentTest, SignalOrderKillsTheWorkerAndExitedSaysSignal9) {
   EXPECT_EQ(exited->pid, pid);
   EXPECT_EQ(exited->signal, SIGKILL);
   EXPECT_TRUE(ProcessGone(pid));
+}
+
+// A killed worker that held its lifeline is reported dying (AgentDying) first, at once, and then
+// its exit (AgentExited), in that order.
+TEST_F(AgentTest, KilledWorkerHoldingItsLifelineIsReportedDyingThenExited) {
+  FakeController controller;
+  AgentOptions o = Options(controller);
+  o.program = {"/proc/self/exe"};
+  AgentRunner agent(o, dir_);
+  ASSERT_TRUE(controller.AcceptAndRegister().ok());
+  pid_t pid = StartWorker(controller, 4, {{"NONSTOP_LIFELINE_TEST_CHILD", "hold"}});
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(WaitFor(
+      [&] { return ReadText(dir_ / "out.txt").find("] held\n") != std::string::npos; }, 10s))
+      << "the worker did not take its lifeline: " << ReadText(dir_ / "out.txt")
+      << ReadText(dir_ / "err.txt");
+  controller.Send(control::kMsgAgentSignal, control::Encode(control::AgentSignalMsg{4, SIGKILL}));
+  auto d = controller.Next(control::kMsgAgentDying);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  auto dying = control::DecodeAgentDying(d->payload);
+  ASSERT_TRUE(dying.ok()) << dying.status().ToString();
+  EXPECT_EQ(dying->worker_id, 4);
+  EXPECT_EQ(dying->pid, pid);
+  auto f = controller.Next(control::kMsgAgentExited);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto exited = control::DecodeAgentExited(f->payload);
+  ASSERT_TRUE(exited.ok());
+  EXPECT_EQ(exited->worker_id, 4);
+  EXPECT_EQ(exited->signal, SIGKILL);
 }
 
 TEST_F(AgentTest, WorkerThatExitsOnItsOwnIsReportedWithItsCode) {

@@ -128,6 +128,7 @@ std::vector<Info> Build() {
       Describe(kControllerAddress),
       Describe(kJobToken),
       Describe(kJobTokenFd),
+      Describe(kLifelineFd),
       Describe(kWorkerId),
       Describe(kSpare),
       Describe(kDataHost),

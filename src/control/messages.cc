@@ -688,6 +688,9 @@ std::string Encode(const AgentExitedMsg& m) {
 std::string Encode(const AgentStoppedMsg& m) {
   return Dump({{"worker_id", m.worker_id}, {"pid", m.pid}, {"signal", m.signal}});
 }
+std::string Encode(const AgentDyingMsg& m) {
+  return Dump({{"worker_id", m.worker_id}, {"pid", m.pid}});
+}
 std::string Encode(const AgentHeartbeatMsg& m) { return Dump({{"running", m.running}}); }
 std::string Encode(const AgentRanksMsg& m) {
   json ranks = json::array();
@@ -807,6 +810,13 @@ Result<AgentStoppedMsg> DecodeAgentStopped(std::string_view p) {
     r("pid", &m.pid);
     r("signal", &m.signal);
     CheckRange(r, "signal", m.signal, 0, 64);
+  });
+}
+Result<AgentDyingMsg> DecodeAgentDying(std::string_view p) {
+  return Decode<AgentDyingMsg>("agent dying", p, [](const Reader& r, AgentDyingMsg& m) {
+    r("worker_id", &m.worker_id);
+    CheckRange(r, "worker_id", m.worker_id, 0, kMaxWorkerId);
+    r("pid", &m.pid);
   });
 }
 Result<AgentHeartbeatMsg> DecodeAgentHeartbeat(std::string_view p) {

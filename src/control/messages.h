@@ -51,6 +51,9 @@ enum MessageType : uint16_t {
   kMsgAgentRanks = 38,
   // agent → controller: release this host's workers at the next step boundary (preempted)
   kMsgAgentLeaving = 39,
+  // agent → controller: worker w's process is dying now: the lifeline it held fired as the
+  // kernel began its exit (common/lifeline.h); its exit (kMsgAgentExited) follows
+  kMsgAgentDying = 40,
 };
 static_assert(kMsgJoin == 10 && kMsgShutdown == 16 && kMsgInjected == 20 && kMsgDrain == 21 &&
                   kMsgPlanDelta == 23,
@@ -129,6 +132,11 @@ struct AgentExitedMsg {
   int64_t pid = 0;
   int exit_code = 0;
   int signal = 0;  // 0: exited normally
+};
+
+struct AgentDyingMsg {
+  int worker_id = -1;
+  int64_t pid = 0;
 };
 
 struct AgentStoppedMsg {
@@ -292,6 +300,7 @@ std::string Encode(const AgentReniceMsg& m);
 std::string Encode(const AgentStartedMsg& m);
 std::string Encode(const AgentExitedMsg& m);
 std::string Encode(const AgentStoppedMsg& m);
+std::string Encode(const AgentDyingMsg& m);
 std::string Encode(const AgentHeartbeatMsg& m);
 std::string Encode(const AgentRanksMsg& m);
 std::string Encode(const AgentLeavingMsg& m);
@@ -376,6 +385,7 @@ Result<AgentReniceMsg> DecodeAgentRenice(std::string_view payload);
 Result<AgentStartedMsg> DecodeAgentStarted(std::string_view payload);
 Result<AgentExitedMsg> DecodeAgentExited(std::string_view payload);
 Result<AgentStoppedMsg> DecodeAgentStopped(std::string_view payload);
+Result<AgentDyingMsg> DecodeAgentDying(std::string_view payload);
 Result<AgentHeartbeatMsg> DecodeAgentHeartbeat(std::string_view payload);
 Result<AgentRanksMsg> DecodeAgentRanks(std::string_view payload);
 Result<AgentLeavingMsg> DecodeAgentLeaving(std::string_view payload);

@@ -416,6 +416,11 @@ TEST(AgentMessagesTest, RoundTrip) {
   auto e = DecodeAgentExited(Encode(AgentExitedMsg{7, 99, 0, 9}));
   ASSERT_TRUE(e.ok());
   EXPECT_EQ(e->signal, 9);
+  auto dying = DecodeAgentDying(Encode(AgentDyingMsg{7, 99}));
+  ASSERT_TRUE(dying.ok()) << dying.status().ToString();
+  EXPECT_EQ(dying->worker_id, 7);
+  EXPECT_EQ(dying->pid, 99);
+  EXPECT_FALSE(DecodeAgentDying(R"({"worker_id": -1, "pid": 99})").ok());
   JoinMsg join{3, 4, "10.0.0.2:5000", false, -1, "host-a.1"};
   auto j = DecodeJoin(Encode(join));
   ASSERT_TRUE(j.ok());

@@ -320,6 +320,11 @@ void ControlServer::HandleAgentFrame(Conn& c, const net::Frame& f) {
         return Event{ProcessExited{m.worker_id, m.pid, m.exit_code, m.signal, host}};
       });
       break;
+    case control::kMsgAgentDying:
+      s = decoded(control::DecodeAgentDying(f.payload), [&](const control::AgentDyingMsg& m) {
+        return Event{ProcessDying{m.worker_id, m.pid, host}};
+      });
+      break;
     case control::kMsgAgentStopped:
       s = decoded(control::DecodeAgentStopped(f.payload), [&](const control::AgentStoppedMsg& m) {
         return Event{ProcessStopped{m.worker_id, m.pid, m.signal, host}};

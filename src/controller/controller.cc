@@ -448,6 +448,26 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
   }
 }
 
+// A member's death seen as it begins (its lifeline): the fault now, before its memory is freed.
+// Its exit and its connection closing follow and change nothing more (it is gone by then). Only
+// members: a spare, a joining worker or a finished one is accounted for at its exit.
+void Controller::On(const ProcessDying& e, std::vector<Action>* out) {
+  if (!e.host.empty() && HostOf(e.worker_id) != e.host) {
+    out->push_back(
+        AppendJournal{{{"event", "report_ignored"},
+                       {"host", e.host},
+                       {"worker_id", e.worker_id},
+                       {"reason", "an agent reported the death of a worker it did not start"}}});
+    return;
+  }
+  WorkerInfo* w = membership_.Find(e.worker_id);
+  if (w == nullptr || w->role != WorkerRole::kMember || (e.pid != 0 && w->pid != e.pid)) return;
+  MemberFault(w->worker_id, "process died",
+              "is dying (its lifeline fired: the kernel released the lock it held as its exit "
+              "began)",
+              out);
+}
+
 void Controller::On(const ProcessStopped& e, std::vector<Action>* out) {
   if (!e.host.empty() && HostOf(e.worker_id) != e.host) return;  // not its worker
   WorkerInfo* w = membership_.Find(e.worker_id);

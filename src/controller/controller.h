@@ -182,6 +182,14 @@ struct ProcessExited {
   int signal;
   std::string host;
 };
+// The process is dying now: the lifeline it held fired as the kernel began its
+// exit (common/lifeline.h), milliseconds before its exit is seen
+// (ProcessExited) and its control connection closes.
+struct ProcessDying {
+  int worker_id;
+  int64_t pid;
+  std::string host;
+};
 // The launcher saw the process stop (SIGSTOP, SIGTSTP: a frozen worker).
 struct ProcessStopped {
   int worker_id;
@@ -229,11 +237,11 @@ struct Interrupted {
 struct Takeover {
   TakeoverState state;
 };
-using Event =
-    std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived,
-                 FailureReported, ReadyReceived, RecoveredReceived, InjectedReceived,
-                 ConnectionLost, ProcessExited, ProcessStopped, Tick, ScaleRequest, Interrupted,
-                 HostJoined, HostHeartbeat, HostLost, WorkerStarted, Takeover, HostLeaving>;
+using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived,
+                           FailureReported, ReadyReceived, RecoveredReceived, InjectedReceived,
+                           ConnectionLost, ProcessExited, ProcessStopped, Tick, ScaleRequest,
+                           Interrupted, HostJoined, HostHeartbeat, HostLost, WorkerStarted,
+                           Takeover, HostLeaving, ProcessDying>;
 
 // ---- actions ----
 // Every member of a generation gets the same plan: one PlanMsg, shared by the
@@ -354,6 +362,7 @@ class Controller {
   void On(const ConnectionLost& e, std::vector<Action>* out);
   void On(const ProcessExited& e, std::vector<Action>* out);
   void On(const ProcessStopped& e, std::vector<Action>* out);
+  void On(const ProcessDying& e, std::vector<Action>* out);
   void On(const Tick& e, std::vector<Action>* out);
   void On(const ScaleRequest& e, std::vector<Action>* out);
   void On(const Interrupted& e, std::vector<Action>* out);

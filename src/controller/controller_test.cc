@@ -157,6 +157,55 @@ TEST_F(ControllerTest, AnInjectedFaultAnnouncedAfterItsExitStillNamesItsRecovery
   EXPECT_EQ(c_->recoveries()[1].injected, "") << "the first fault's announcement was used up";
 }
 
+// A member's lifeline fired (the agent's AgentDying, as the kernel begins its exit): the fault is
+// taken at once, kind "process died", and the exit and the connection closing that follow make no
+// second fault and no second recovery.
+TEST_F(ControllerTest, DyingMemberIsOneFaultAndItsExitAndConnectionLossChangeNothing) {
+  StartJob();
+  for (int id : {0, 1, 2}) Step(id, 16);
+  auto actions = Do(ProcessDying{2, 1002, kHost});
+  EXPECT_EQ(Find<SendAbort>(actions).size(), 2u) << "the two survivors abort at once";
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering);
+  int faults = 0;
+  for (const auto& j : Find<AppendJournal>(actions)) {
+    if (j.record.value("event", "") != "fault") continue;
+    ++faults;
+    EXPECT_EQ(j.record.value("kind", ""), "process died");
+    EXPECT_EQ(j.record.value("worker_id", -1), 2);
+  }
+  EXPECT_EQ(faults, 1);
+  auto count_faults = [&](const std::vector<Action>& later) {
+    int n = 0;
+    for (const auto& j : Find<AppendJournal>(later)) n += j.record.value("event", "") == "fault";
+    return n;
+  };
+  auto exit = Do(ProcessExited{2, 1002, -1, 9, kHost});
+  EXPECT_EQ(count_faults(exit), 0);
+  EXPECT_TRUE(Find<SendAbort>(exit).empty());
+  auto lost = Do(ConnectionLost{2, "connection closed"});
+  EXPECT_EQ(count_faults(lost), 0);
+  EXPECT_TRUE(Find<SendAbort>(lost).empty());
+  Ready(0, 16);
+  auto plans = Find<SendPlan>(Ready(1, 16));
+  ASSERT_EQ(plans.size(), 3u);
+  EXPECT_EQ(plans[0].plan->members[2].worker_id, 3) << "the spare takes the lost rank";
+  for (int id : {0, 1, 3}) Step(id, 17);
+  ASSERT_EQ(c_->recoveries().size(), 1u);
+  EXPECT_EQ(c_->recoveries()[0].outcome, "completed");
+}
+
+// Only a live member's lifeline is a fault: a spare's, another host's report or a report about an
+// earlier process of that id change nothing (their exits are accounted for as before).
+TEST_F(ControllerTest, DyingReportOfNoLiveMemberIsNoFault) {
+  StartJob();
+  for (int id : {0, 1, 2}) Step(id, 16);
+  EXPECT_TRUE(Find<SendAbort>(Do(ProcessDying{3, 1003, kHost})).empty()) << "a spare";
+  EXPECT_TRUE(Find<SendAbort>(Do(ProcessDying{2, 999, kHost})).empty()) << "another pid";
+  auto other = Do(ProcessDying{2, 1002, "elsewhere"});
+  EXPECT_TRUE(Find<SendAbort>(other).empty()) << "another host's agent";
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning);
+}
+
 TEST_F(ControllerTest, WithoutSpareTheJobShrinks) {
   Make(3, 0);
   Join(0);

@@ -3,9 +3,17 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "common/lifeline.h"
 #include "launcher/local_launcher.h"
 #include "launcher/output_writer.h"
 
@@ -218,3 +226,231 @@ TEST(LocalLauncherTest, ExitedChildrenHoldNoDescriptors) {
 
 }  // namespace
 }  // namespace nonstop::launcher
+
+// ---------------------------------------------------------------- lifelines
+//
+// The children are this test program itself, started again with
+// NONSTOP_LIFELINE_TEST_CHILD set: a static initializer acts as the worker
+// before gtest's main runs (on the main thread, which lives as long as the
+// process, as the lifeline requires).
+
+namespace {
+
+const bool kLifelineChild = [] {
+  const char* mode = std::getenv("NONSTOP_LIFELINE_TEST_CHILD");
+  if (mode == nullptr) return false;
+  const std::string m = mode;
+  if (m == "never") {  // a program that never takes its lifeline
+    ::usleep(100'000);
+    std::_Exit(0);
+  }
+  auto hold = nonstop::LifelineHold::TakeInherited();
+  if (!hold.ok() || *hold == nullptr) {
+    std::fprintf(stderr, "no lifeline: %s\n",
+                 hold.ok() ? "none passed" : hold.status().ToString().c_str());
+    std::_Exit(40);
+  }
+  if (m == "release") {  // a clean end
+    (*hold)->Release();
+    std::_Exit(0);
+  }
+  std::printf("held\n");
+  std::fflush(stdout);
+  if (m == "exit") std::_Exit(3);  // ends holding it: the kernel releases it
+  while (true) ::pause();          // "hold": until killed
+}();
+
+}  // namespace
+
+namespace nonstop::launcher {
+namespace {
+
+struct LifelineRun {
+  std::vector<std::string> events;  // "dying", then "exit code/signal"
+  int dying = 0;
+  bool exited = false;
+  int code = 0, sig = 0;
+};
+
+// Starts this program as a lifeline child in `mode`; runs the loop until it exits.
+// `kill_when_held`: SIGKILL it once it says it holds its lifeline.
+LifelineRun RunLifelineChild(const std::string& mode, bool kill_when_held) {
+  net::EventLoop loop;
+  LifelineRun run;
+  const std::string log = (std::filesystem::temp_directory_path() /
+                           ("lifeline_" + mode + "_" + std::to_string(::getpid()) + ".log"))
+                              .string();
+  std::filesystem::remove(log);
+  {
+    LocalLauncher launcher(
+        &loop, [](int) { return std::string(); },
+        [&](int, pid_t, int code, int sig) {
+          run.exited = true;
+          run.code = code;
+          run.sig = sig;
+          run.events.push_back("exit");
+        });
+    EXPECT_TRUE(launcher
+                    .EnableLifelines([&](int id, pid_t) {
+                      EXPECT_EQ(id, 6);
+                      ++run.dying;
+                      run.events.push_back("dying");
+                    })
+                    .ok());
+    ChildSpec spec;
+    spec.worker_id = 6;
+    spec.argv = {"/proc/self/exe"};
+    spec.env = {{"NONSTOP_LIFELINE_TEST_CHILD", mode}};
+    spec.log_file = log;
+    auto pid = launcher.Spawn(spec);
+    EXPECT_TRUE(pid.ok()) << pid.status().ToString();
+    if (!pid.ok()) return run;
+    bool killed = false;
+    Deadline until = DeadlineAfter(Millis(20'000));
+    while (!run.exited && Clock::now() < until) {
+      loop.RunOnce(Millis(5));
+      if (kill_when_held && !killed) {
+        std::ifstream f(log);
+        std::stringstream text;
+        text << f.rdbuf();
+        if (text.str().find("held") != std::string::npos) {
+          EXPECT_EQ(run.dying, 0) << "reported dying while it lives";
+          launcher.Signal(6, SIGKILL);
+          killed = true;
+        }
+      }
+    }
+  }  // the launcher goes: every watcher thread is joined
+  std::filesystem::remove(log);
+  return run;
+}
+
+TEST(LifelineTest, KilledHolderIsReportedDyingOnceBeforeItsExit) {
+  LifelineRun run = RunLifelineChild("hold", /*kill_when_held=*/true);
+  ASSERT_TRUE(run.exited);
+  EXPECT_EQ(run.sig, SIGKILL);
+  EXPECT_EQ(run.dying, 1);
+  EXPECT_EQ(run.events, (std::vector<std::string>{"dying", "exit"}));
+}
+
+TEST(LifelineTest, HolderEndingWithoutReleasingIsReportedDying) {
+  LifelineRun run = RunLifelineChild("exit", /*kill_when_held=*/false);
+  ASSERT_TRUE(run.exited);
+  EXPECT_EQ(run.code, 3);
+  EXPECT_EQ(run.events, (std::vector<std::string>{"dying", "exit"}));
+}
+
+TEST(LifelineTest, CleanReleaseReportsNoDeath) {
+  LifelineRun run = RunLifelineChild("release", /*kill_when_held=*/false);
+  ASSERT_TRUE(run.exited);
+  EXPECT_EQ(run.code, 0) << "the child did not find its lifeline (exit 40) or failed";
+  EXPECT_EQ(run.dying, 0);
+}
+
+TEST(LifelineTest, ChildThatNeverTakesItReportsNoDeathAndShutsDown) {
+  LifelineRun run = RunLifelineChild("never", /*kill_when_held=*/false);
+  ASSERT_TRUE(run.exited);
+  EXPECT_EQ(run.code, 0);
+  EXPECT_EQ(run.dying, 0);
+}
+
+// The launcher going away first, while a child holds its lifeline: the child is killed, its
+// watcher joined, and no report is made from a launcher being destroyed.
+TEST(LifelineTest, LauncherGoingFirstJoinsItsWatchers) {
+  net::EventLoop loop;
+  int dying = 0;
+  {
+    LocalLauncher launcher(
+        &loop, [](int) { return std::string(); }, [](int, pid_t, int, int) {});
+    ASSERT_TRUE(launcher.EnableLifelines([&](int, pid_t) { ++dying; }).ok());
+    ChildSpec spec;
+    spec.worker_id = 2;
+    spec.argv = {"/proc/self/exe"};
+    spec.env = {{"NONSTOP_LIFELINE_TEST_CHILD", "hold"}};
+    ASSERT_TRUE(launcher.Spawn(spec).ok());
+    for (int i = 0; i < 20; ++i) loop.RunOnce(Millis(10));
+  }
+  EXPECT_EQ(dying, 0);
+}
+
+// Without lifelines enabled, a child gets none (no variable, no descriptor).
+TEST(LifelineTest, NoLifelineUnlessEnabled) {
+  LifelineRun run;
+  net::EventLoop loop;
+  LocalLauncher launcher(
+      &loop, [](int) { return std::string(); },
+      [&](int, pid_t, int code, int) {
+        run.exited = true;
+        run.code = code;
+      });
+  ChildSpec spec;
+  spec.worker_id = 1;
+  spec.argv = {"/proc/self/exe"};
+  spec.env = {{"NONSTOP_LIFELINE_TEST_CHILD", "hold"}};
+  ASSERT_TRUE(launcher.Spawn(spec).ok());
+  Deadline until = DeadlineAfter(Millis(20'000));
+  while (!run.exited && Clock::now() < until) loop.RunOnce(Millis(10));
+  ASSERT_TRUE(run.exited);
+  EXPECT_EQ(run.code, 40);  // "no lifeline: none passed"
+}
+
+}  // namespace
+}  // namespace nonstop::launcher
+
+namespace nonstop {
+namespace {
+
+// A watcher never blocks its owner's shutdown: destroyed while a live thread holds the lifeline,
+// it returns (within its wait slice), and reports nothing.
+TEST(LifelineTest, WatcherStopsWhileTheLifelineIsHeld) {
+  std::atomic<bool> fired{false};
+  auto watcher = LifelineWatcher::Create([&] { fired = true; });
+  ASSERT_TRUE(watcher.ok()) << watcher.status().ToString();
+  std::atomic<int> phase{0};
+  std::thread holder([&, fd = (*watcher)->fd()] {
+    auto hold = LifelineHold::Take(fd);
+    ASSERT_TRUE(hold.ok()) << hold.status().ToString();
+    phase = 1;
+    while (phase.load() != 2) ::usleep(1000);
+    (*hold)->Release();
+  });
+  while (phase.load() == 0) ::usleep(1000);
+  ::usleep(100'000);  // the watcher waits on the held mutex
+  watcher->reset();   // joins its thread
+  EXPECT_FALSE(fired.load());
+  phase = 2;
+  holder.join();
+}
+
+// The robust list is per thread: a holding thread that ends while its process lives on releases
+// the lifeline, and the watcher reports it as a death. Why Session::Join's caller (the training
+// thread, which lives as long as the process) must be the one that holds it.
+TEST(LifelineTest, HoldingThreadThatEndsFiresTheLifeline) {
+  std::atomic<bool> fired{false};
+  auto watcher = LifelineWatcher::Create([&] { fired = true; });
+  ASSERT_TRUE(watcher.ok()) << watcher.status().ToString();
+  std::thread holder([fd = (*watcher)->fd()] {
+    auto hold = LifelineHold::Take(fd);
+    ASSERT_TRUE(hold.ok()) << hold.status().ToString();
+    (void)hold->release();  // ends holding it, on purpose (the mapping is leaked)
+  });
+  holder.join();
+  for (int i = 0; i < 2000 && !fired.load(); ++i) ::usleep(1000);
+  EXPECT_TRUE(fired.load());
+  EXPECT_TRUE((*watcher)->fired());
+}
+
+// A descriptor that is not a lifeline is refused, not locked.
+TEST(LifelineTest, OtherDescriptorIsRefused) {
+  int p[2];
+  ASSERT_EQ(::pipe(p), 0);
+  auto hold = LifelineHold::Take(p[0]);
+  EXPECT_FALSE(hold.ok());
+  EXPECT_NE(hold.status().message().find("not a lifeline"), std::string::npos)
+      << hold.status().ToString();
+  ::close(p[0]);
+  ::close(p[1]);
+}
+
+}  // namespace
+}  // namespace nonstop

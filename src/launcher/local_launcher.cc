@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -19,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "common/job_token.h"
+#include "common/logging.h"
 
 namespace nonstop::launcher {
 
@@ -58,6 +60,36 @@ LocalLauncher::~LocalLauncher() {
     loop_->Unwatch(c->pidfd.get());
     loop_->Unwatch(c->out.get());
     loop_->Unwatch(c->err.get());
+    if (c->lifeline) c->lifeline->RequestStop();  // all at once; joined below
+  }
+  children_.clear();  // joins the watchers before what their threads touch goes
+  if (dying_wake_.valid()) loop_->Unwatch(dying_wake_.get());
+}
+
+Status LocalLauncher::EnableLifelines(DyingFn on_dying) {
+  if (!dying_wake_.valid()) {
+    dying_wake_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!dying_wake_.valid()) return ErrnoStatus(StatusCode::kInternal, "eventfd", errno);
+    loop_->Watch(dying_wake_.get(), POLLIN, [this](short) { OnDyingWake(); });
+  }
+  on_dying_ = std::move(on_dying);
+  return OkStatus();
+}
+
+void LocalLauncher::OnDyingWake() {
+  uint64_t v;
+  while (::read(dying_wake_.get(), &v, sizeof(v)) == sizeof(v)) {  // the eventfd, reset
+  }
+  std::vector<uint64_t> serials;
+  {
+    std::lock_guard<std::mutex> lock(dying_mu_);
+    serials.swap(dying_);
+  }
+  for (uint64_t serial : serials) {
+    for (auto& [id, c] : children_) {
+      // An exit already reported says more than "dying": nothing to add then.
+      if (c->serial == serial && !c->exited && on_dying_) on_dying_(c->worker_id, c->pid);
+    }
   }
 }
 
@@ -94,6 +126,24 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     }
     token_fd = std::move(*memfd);
   }
+  const uint64_t serial = next_serial_++;
+  std::unique_ptr<LifelineWatcher> lifeline;
+  if (on_dying_) {
+    // Its thread only queues and wakes the loop: the report is made on the loop's thread.
+    auto made = LifelineWatcher::Create([this, serial] {
+      {
+        std::lock_guard<std::mutex> lock(dying_mu_);
+        dying_.push_back(serial);
+      }
+      uint64_t one = 1;
+      (void)!::write(dying_wake_.get(), &one, sizeof(one));
+    });
+    if (!made.ok()) {  // not fatal: its death is still seen through its pidfd
+      NONSTOP_LOG_WARNING("worker {}: no lifeline: {}", spec.worker_id, made.status().ToString());
+    } else {
+      lifeline = std::move(*made);
+    }
+  }
   // Build argv and env before fork: the child only execs.
   std::vector<std::string> env_strings;
   // The spec's variables replace inherited ones of the same name (getenv
@@ -103,16 +153,20 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   // Never the token itself in a child's environment; the descriptor's number only if passed.
   overridden.insert(std::string(settings::kJobToken.env));
   overridden.insert(std::string(settings::kJobTokenFd.env));
+  overridden.insert(std::string(settings::kLifelineFd.env));
   for (char** e = environ; *e != nullptr; ++e) {
     std::string_view kv(*e);
     if (!overridden.count(std::string(kv.substr(0, kv.find('='))))) env_strings.emplace_back(kv);
   }
   for (const auto& [k, v] : spec.env) {
-    if (k != settings::kJobToken.env && k != settings::kJobTokenFd.env)
+    if (k != settings::kJobToken.env && k != settings::kJobTokenFd.env &&
+        k != settings::kLifelineFd.env)  // only the launcher's own lifeline
       env_strings.push_back(k + "=" + v);
   }
   if (token_fd.valid())
     env_strings.push_back(fmt::format("{}={}", settings::kJobTokenFd.env, token_fd.get()));
+  if (lifeline)
+    env_strings.push_back(fmt::format("{}={}", settings::kLifelineFd.env, lifeline->fd()));
   std::vector<char*> envp, argv;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
@@ -136,6 +190,7 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     ::dup2(out_pipe[1], STDOUT_FILENO);
     ::dup2(err_pipe[1], STDERR_FILENO);
     if (token_fd.valid()) ::fcntl(token_fd.get(), F_SETFD, 0);  // this child inherits it
+    if (lifeline) ::fcntl(lifeline->fd(), F_SETFD, 0);
     ::execvpe(argv[0], argv.data(), envp.data());
     std::string msg = fmt::format("nonstop: cannot start {}: {}\n", argv[0], std::strerror(errno));
     WriteAll(STDERR_FILENO, msg);
@@ -146,6 +201,9 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   auto c = std::make_unique<Child>();
   c->worker_id = spec.worker_id;
   c->pid = pid;
+  c->serial = serial;
+  if (lifeline) lifeline->CloseFd();  // the child has its own; the mapping stays
+  c->lifeline = std::move(lifeline);
   c->pidfd.Reset(PidfdOpen(pid));
   if (out_pipe[0] >= 0) c->out.Reset(out_pipe[0]);
   if (err_pipe[0] >= 0) c->err.Reset(err_pipe[0]);
@@ -203,6 +261,14 @@ void LocalLauncher::OnExit(Child& c) {
   pid_t r = ::waitpid(c.pid, &status, WNOHANG);
   if (r == 0) return;
   loop_->Unwatch(c.pidfd.get());
+  // Its lifeline's watcher has returned already (the kernel released the mutex before the pidfd
+  // became readable) or returns at once (the mutex is free): joining it does not hold up the
+  // loop. Once joined, a death it saw is queued: reported now, before the exit, whichever of the
+  // two wakeups the loop saw first.
+  if (c.lifeline) {
+    c.lifeline.reset();
+    OnDyingWake();
+  }
   c.exited = true;
   // Drain what the child wrote before it died.
   for (bool is_err : {false, true}) {

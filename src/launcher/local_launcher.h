@@ -9,7 +9,10 @@
 // through a pidfd (no polling of waitpid); a child that is stopped (SIGSTOP, a
 // frozen process) is seen by PollStopped() (waitid WSTOPPED), which the caller
 // runs on its timer. The child gets SIGKILL if the launcher itself dies
-// (PR_SET_PDEATHSIG), so no worker outlives its job.
+// (PR_SET_PDEATHSIG), so no worker outlives its job. With an on_dying callback
+// set, each child also gets a lifeline (common/lifeline.h, NONSTOP_LIFELINE_FD):
+// a worker that holds it and dies is reported as dying at once, as the kernel
+// begins its exit, before its memory is freed and before its pidfd says it.
 #pragma once
 
 #include <sys/types.h>
@@ -17,10 +20,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/lifeline.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "launcher/output_writer.h"
@@ -53,6 +58,7 @@ inline const std::vector<std::string> kJobVariables = {
     std::string(settings::kControllerAddress.env),
     std::string(settings::kJobToken.env),
     std::string(settings::kJobTokenFd.env),
+    std::string(settings::kLifelineFd.env),
     std::string(settings::kWorkerId.env),
     std::string(settings::kSpare.env),
     std::string(settings::kHostId.env),
@@ -69,6 +75,8 @@ class LocalLauncher {
   // exit_code is valid when signal == 0.
   using ExitFn = std::function<void(int worker_id, pid_t pid, int exit_code, int signal)>;
   using StopFn = std::function<void(int worker_id, pid_t pid, int signal)>;
+  // The worker's lifeline fired: it is dying now (its exit is reported later, through on_exit).
+  using DyingFn = std::function<void(int worker_id, pid_t pid)>;
 
   // `out` and `err` receive the children's prefixed lines; by default
   // (nullptr) writers on this process's stdout and stderr.
@@ -78,6 +86,9 @@ class LocalLauncher {
   LocalLauncher(const LocalLauncher&) = delete;
   LocalLauncher& operator=(const LocalLauncher&) = delete;
 
+  // Gives every child spawned from now on a lifeline; `on_dying` runs on the
+  // loop's thread, at most once per child and never after its on_exit.
+  Status EnableLifelines(DyingFn on_dying);
   Result<pid_t> Spawn(const ChildSpec& spec);
   void Signal(int worker_id, int sig);
   // Sets a running worker's niceness (a spare promoted to a rank goes back to 0).
@@ -103,9 +114,13 @@ class LocalLauncher {
     std::string out_partial, err_partial;
     bool exited = false;
     bool stopped = false;  // reported stopped, not continued since
+    uint64_t serial = 0;   // tells a report from its lifeline's thread from a later child's
+    // Its lifeline's watcher (joined when the child is reaped or the launcher goes).
+    std::unique_ptr<LifelineWatcher> lifeline;
   };
   void OnOutput(Child& c, bool is_err);
   void OnExit(Child& c);
+  void OnDyingWake();
   void Emit(Child& c, bool is_err, std::string_view text, bool flush);
 
   net::EventLoop* const loop_;  // owned by the caller; outlives this
@@ -116,6 +131,12 @@ class LocalLauncher {
   OutputWriter* out_;                                // the caller's or own_out_; outlives this
   OutputWriter* err_;
   std::map<int, std::unique_ptr<Child>> children_;  // by worker id
+  uint64_t next_serial_ = 1;
+  // Lifelines: the watchers' threads queue the serials of the children dying and wake the loop.
+  DyingFn on_dying_;
+  UniqueFd dying_wake_;  // eventfd, watched on the loop
+  std::mutex dying_mu_;
+  std::vector<uint64_t> dying_;  // under dying_mu_
 };
 
 }  // namespace nonstop::launcher

@@ -17,6 +17,7 @@
 #include "collective/data_plane.h"
 #include "collective/tcp_data_plane.h"
 #include "common/job_token.h"
+#include "common/lifeline.h"
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "control/controller_link.h"
@@ -395,6 +396,8 @@ class SessionImpl {
         NONSTOP_ASSIGN_OR_RETURN(control::ShutdownMsg m, control::DecodeShutdown(f.payload));
         MutexLock lock(&mu_);
         shutdown_ = m;
+        // Told to end: its exit is no death (the lifeline must not fire as it goes).
+        if (lifeline_) lifeline_->MarkReleased();
         if (comm_ && m.exit_code != 0) comm_->Abort("the controller ended the job: " + m.reason);
         cv_.NotifyAll();
         return OkStatus();
@@ -860,6 +863,10 @@ class SessionImpl {
   // Training thread only: started with the first bucket (StartAllReduce),
   // joined in Stop().
   std::jthread comm_thread_;
+  // Held by the thread that called Session::Join (common/lifeline.h); null without one. Set
+  // before the I/O thread starts, released (unlocked) by the thread that destroys the Session
+  // or calls Finish, marked released by the I/O thread on a Shutdown.
+  std::unique_ptr<LifelineHold> lifeline_;
   std::jthread io_thread_;    // stops before the members it uses go away
   std::jthread fault_timer_;  // a timed injected fault (ScheduleTimedFault); stops first
 };
@@ -870,6 +877,16 @@ Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::St
   auto impl = std::make_unique<SessionImpl>(std::move(options), state);
   impl->state_step_.store(state_step);
   impl->held_shard_.store(state->held_shard());
+  // The lifeline (NONSTOP_LIFELINE_FD, from the launcher): locked on THIS thread, which must live
+  // as long as the process (the training thread): if this thread ended first, the kernel would
+  // release it then and the launcher would report this worker dying. Taken before the join, so
+  // that a death while joining or receiving the state is seen at once too.
+  if (auto lifeline = LifelineHold::TakeInherited(); lifeline.ok()) {
+    impl->lifeline_ = std::move(*lifeline);
+  } else {
+    NONSTOP_LOG_WARNING("no lifeline: {}; this worker's death is seen when its process has ended",
+                        lifeline.status().ToString());
+  }
   NONSTOP_RETURN_IF_ERROR(impl->Start());
   return std::unique_ptr<Session>(new Session(std::move(impl)));
 }
@@ -967,6 +984,7 @@ Result<int64_t> Session::Recover() {
 }
 
 Status Session::Finish(int64_t last_step, const std::string& checksum) {
+  if (impl_->lifeline_) impl_->lifeline_->Release();  // it ends now: its exit is no death
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   impl_->state_step_.store(last_step);
   return impl_->Finish(last_step, checksum);
