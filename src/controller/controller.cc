@@ -64,6 +64,9 @@ std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now
     return out;
   }
   std::visit([&](const auto& e) { On(e, &out); }, event);
+  // A recovery waiting for a starting spare asks again after anything that may change the answer:
+  // the spare joined, died or was killed at its join deadline, or the wait ran out.
+  if (phase_ == JobPhase::kRecovering && spare_wait_until_) MaybeFinishAbort(&out);
   return out;
 }
 
@@ -164,9 +167,7 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   out->push_back(AppendJournal{rec});
   if (phase_ == JobPhase::kForming)
     MaybeFormFirstGeneration(out);
-  else if (phase_ == JobPhase::kRecovering && spare_wait_until_)
-    MaybeFinishAbort(out);  // the recovery waited for a spare: this may be it
-  else
+  else if (phase_ != JobPhase::kRecovering)  // a recovery waiting for this spare: Handle asks
     MaybeGrow(out);
 }
 
@@ -223,9 +224,13 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   // Every member reports the same (allreduced) loss: journal each step once,
   // from whichever member reports it first (rank 0 may have been aborted
   // inside a step that the others completed).
+  if (IsLiveMember(w) && e.msg.step > clock_step_) {
+    // The next step of the job's course (steps redone after a restart or a lost step included).
+    clock_step_ = e.msg.step;
+    step_began_at_ = now_;
+  }
   if (IsLiveMember(w) && e.msg.step > last_journaled_step_) {
     last_journaled_step_ = e.msg.step;
-    step_began_at_ = now_;
     json record = {{"event", "step"},
                    {"step", e.msg.step},
                    {"loss", e.msg.loss},
@@ -632,10 +637,6 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   CheckHeartbeats(out);
   if (phase_ == JobPhase::kEnded) return;
   if (slotted() && placement_.placed()) TopUpHosts(out);
-  if (phase_ == JobPhase::kRecovering && spare_wait_until_ && now_ >= *spare_wait_until_) {
-    MaybeFinishAbort(out);  // the spare it waited for did not come: plan without it
-    if (phase_ != JobPhase::kRecovering) return;
-  }
   if (phase_ == JobPhase::kRecovering && now_ >= abort_deadline_) {
     // Escalation: members that could not abort in time are killed and replaced.
     std::vector<int> late;

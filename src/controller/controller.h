@@ -472,8 +472,10 @@ class Controller {
   int64_t resume_step_ = 0;
   int64_t highest_step_ = -1;  // highest step any worker ever reported complete
   int64_t last_journaled_step_ = -1;
-  // When the step being computed began: the last new step's first report, or
-  // the generation's start (a recovery's time lost is measured from it).
+  // The job's course for the time lost: the last step it completed (its first report; after a
+  // plan, the step the members resume after) and when the step after it began: that report, or
+  // the generation's start. Unset after a takeover until a step completes.
+  int64_t clock_step_ = -1;
   std::optional<Clock::time_point> step_began_at_;
   int finished_ = 0;
   std::optional<std::string> checksum_;

@@ -404,6 +404,7 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
   resume_step_ = s.resume_step;
   highest_step_ = s.highest_step;
   last_journaled_step_ = s.highest_step;
+  clock_step_ = s.highest_step;  // its start unseen: the first step completed here starts a clock
   membership_.UseIdsBelow(s.next_worker_id);
   // The inherited must join within adopt_timeout: until then they count as heard from.
   const Clock::time_point grace = now_ + options_.adopt_timeout - options_.heartbeat_timeout;

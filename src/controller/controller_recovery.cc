@@ -135,8 +135,11 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   }
   phase_ = JobPhase::kRunning;
   progress_at_ = now_;
-  if (!open_recovery_)
-    step_began_at_ = now_;  // the first step begins (a restart's: its recovery's)
+  // The members resume after s*: steps at or below the last one completed are the job's course
+  // again (a restart from a checkpoint, a step only the lost member held). The step across a
+  // recovery began before it; the job's first step begins now.
+  clock_step_ = resume_step_ - 1;
+  if (!open_recovery_) step_began_at_ = now_;
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
   out->reserve(out->size() + members.size() + 2);
   for (int id : members) out->push_back(SendPlan{id, shared});
@@ -190,7 +193,7 @@ void Controller::OpenRecovery(const std::string& cause, bool planned, std::vecto
   rec.old_world = static_cast<int>(members.size());
   rec.normal_step_seconds = median_step;
   rec.step_began_at = step_began_at_;
-  rec.step_before = highest_step_;
+  rec.step_before = clock_step_;
   if (last_injected_ && now_ - last_injected_->first < std::chrono::seconds(10)) {
     rec.fault_at = last_injected_->first;
     rec.injected = last_injected_->second;
@@ -404,6 +407,7 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
   membership_.SetMembers(std::move(next.members), std::move(next_info));
   arrivals_.Reset();  // a new membership has its own normal
   resume_step_ = next.s_star + 1;
+  clock_step_ = next.s_star;  // a step only the lost member held is the job's course again
   close_scan_ = 0;
   rec.to_generation = generation_;
   rec.resume_step = resume_step_;

@@ -104,6 +104,9 @@ std::string TimeLostLine(const RecoveryRecord& r, const json& t) {
   if (t.is_null()) {
     return r.outcome.rfind("superseded", 0) == 0
                ? "time lost: counted in the recovery that superseded it"
+           : r.outcome == "completed"
+               ? "time lost: unknown (this controller took over and did not see the step across "
+                 "the fault begin)"
                : "time lost: unknown (the recovery did not complete)";
   }
   const json& s = t["split_ms"];

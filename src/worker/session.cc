@@ -4,6 +4,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -410,7 +413,7 @@ class SessionImpl {
   void Stop() {
     // A bucket in flight is cut short, and so is a control write it blocks
     // in (the arrival heartbeat): the Session is going away.
-    fault_timer_ = {};  // a timed fault not fired yet never fires
+    fault_timers_.clear();  // a timed fault not fired yet never fires
     io_thread_.request_stop();
     stop_signal_.Fire();
     if (comm_thread_.joinable()) {
@@ -479,6 +482,9 @@ class SessionImpl {
                                        plan.generation, options_.worker_id));
     }
     co.timeout_collective = options_.timeout_collective;
+    // A timed fault armed in the old generation never fires in this one (the plan lists it again
+    // while the controller still waits for it). Before mu_: a timer firing takes write_mu_.
+    fault_timers_.clear();
     {
       MutexLock lock(&mu_);
       // Swap communicators under the lock: an abort for the new generation
@@ -643,21 +649,29 @@ class SessionImpl {
   }
 
   // Step `step` begins (the one before it took `last_step_seconds`): a kill or hang due part-way
-  // into it fires from fault_timer_ that far in, wherever the training thread is then (forward,
+  // into it fires from a timer thread that far in, wherever the training thread is then (forward,
   // backward, the reduction). A timed fault not scheduled so (the first step of a generation)
   // fires before the step's collective, as an untimed one does.
   void ScheduleTimedFault(int64_t step, double last_step_seconds) {
     for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang}) {
       auto f = TakeFault(control::FaultPoint::kStep, step, comm_->rank(), kind, true);
       if (!f) continue;
-      auto delay = std::chrono::duration<double>(f->at * std::max(0.0, last_step_seconds));
-      fault_timer_ = std::jthread([this, f = *f, delay](std::stop_token st) {
-        std::mutex m;
-        std::condition_variable_any cv;
-        std::unique_lock lock(m);
-        cv.wait_for(lock, st, delay, [] { return false; });
-        if (!st.stop_requested()) Fire(f);
-      });
+      // A step time from the trainer that is not a sane number waits an hour at most.
+      const double seconds = std::isfinite(last_step_seconds)
+                                 ? std::clamp(f->at * last_step_seconds, 0.0, 3600.0)
+                                 : 0.0;
+      auto delay = std::chrono::duration<double>(seconds);
+      std::erase_if(fault_timers_, [](const TimedFault& t) { return t.fired->load(); });
+      auto fired = std::make_shared<std::atomic<bool>>(false);
+      fault_timers_.push_back(
+          {fired, std::jthread([this, f = *f, delay, fired](std::stop_token st) {
+             std::mutex m;
+             std::condition_variable_any cv;
+             std::unique_lock lock(m);
+             cv.wait_for(lock, st, delay, [] { return false; });
+             if (!st.stop_requested()) Fire(f);
+             fired->store(true);
+           })});
       return;
     }
   }
@@ -867,8 +881,14 @@ class SessionImpl {
   // before the I/O thread starts, released (unlocked) by the thread that destroys the Session
   // or calls Finish, marked released by the I/O thread on a Shutdown.
   std::unique_ptr<LifelineHold> lifeline_;
-  std::jthread io_thread_;    // stops before the members it uses go away
-  std::jthread fault_timer_;  // a timed injected fault (ScheduleTimedFault); stops first
+  std::jthread io_thread_;  // stops before the members it uses go away
+  // Timed injected faults armed (ScheduleTimedFault), one thread each; stop first. Training
+  // thread only.
+  struct TimedFault {
+    std::shared_ptr<std::atomic<bool>> fired;  // done: its thread may be joined at no cost
+    std::jthread thread;
+  };
+  std::vector<TimedFault> fault_timers_;
 };
 
 Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::StateRegistry* state,

@@ -308,10 +308,9 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
   };
   // Cut between micro-batches: every worker pauses a second after each micro-batch, and the
   // fault lands in the pause after the first: a kill a quarter into step 5 (half a second; a
-  // step takes two), or an exception as step 5 begins (the abort reaches the others in their
-  // first pause). Each survivor keeps 1 of its 2, unless the abort reaches it more than a second
-  // late (a loaded machine): the bound checked is the one that holds whatever the timing, that no
-  // micro-batch of the lost rank is kept.
+  // step takes two), with a spare or without (a shrink). Each survivor keeps 1 of its 2, unless the
+  // abort reaches it more than a second late (a loaded machine): the bound checked is the one that
+  // holds whatever the timing, that no micro-batch of the lost rank is kept.
   const std::vector<std::string> paused = {"--steps", "8", "--pause-after-micro-batch-ms", "1000"};
   struct Case {
     std::string tag;
@@ -338,7 +337,7 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
                 6},
            Case{"shrink-mid-step",
                 paused,
-                {"--spares", "0", "--inject", "exception:rank=3,step=5"},
+                {"--spares", "0", "--inject", "kill:rank=3,step=5,at=0.25"},
                 false,
                 6},
        }) {

@@ -117,7 +117,7 @@
     const wall = this.stepEvents[this.stepEvents.length - 1][0] - (first[0] - firstSecs);
     return wall > 0 ? Math.max(0, Math.min(1, 1 - timeLostMs(recs) / 1000 / wall)) : null;
   };
-  function timeLostMs(recs) { return recs.reduce((n, r) => n + (typeof r.end.time_lost_ms === 'number' ? r.end.time_lost_ms : 0), 0); }
+  function timeLostMs(recs) { return recs.reduce((n, r) => n + (typeof r.end.time_lost_ms === 'number' ? Math.max(0, r.end.time_lost_ms) : 0), 0); }
   // "1313 ms lost (0.61 of a step)", or why there is no figure.
   function lostText(e) {
     if (typeof e.time_lost_ms !== 'number') return (e.outcome || '').startsWith('superseded') ? 'counted in the next recovery' : '–';
