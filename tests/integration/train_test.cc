@@ -231,6 +231,17 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
   EXPECT_EQ(resumed.checksum, w4.checksum) << resumed.output;
 }
 
+// Rank 0's "step S: kept the sums of K of 8 micro-batches from the step in flight": K, and S in
+// *step; -1 when nothing was kept.
+int KeptMicroBatches(const std::string& output, int64_t* step) {
+  static const std::regex kept_line(
+      R"(step (\d+): kept the sums of (\d+) of 8 micro-batches from the step in flight)");
+  std::smatch m;
+  if (!std::regex_search(output, m, kept_line)) return -1;
+  *step = std::stoll(m[1]);
+  return std::stoi(m[2]);
+}
+
 // Salvaging the step in flight (issue 13): a kill at the reduction of step 10
 // leaves the survivors with their micro-batch sums of that step; the next
 // generation keeps them and computes only the lost rank's micro-batches,
@@ -242,14 +253,6 @@ TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseT
   RunResult ref = Run(4, "ref");
   ASSERT_EQ(ref.code, 0) << ref.output;
   ASSERT_EQ(ref.losses.size(), 21u);
-  const std::regex kept_line(
-      R"(step (\d+): kept the sums of (\d+) of 8 micro-batches from the step in flight)");
-  auto kept = [&](const std::string& output, int64_t* step) {
-    std::smatch m;
-    if (!std::regex_search(output, m, kept_line)) return -1;
-    *step = std::stoll(m[1]);
-    return std::stoi(m[2]);
-  };
   struct Case {
     std::string tag;
     std::vector<std::string> run_flags;
@@ -265,7 +268,7 @@ TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseT
     RunResult r = Run(4, c.tag, {}, c.run_flags);
     ASSERT_EQ(r.code, 0) << r.output;
     int64_t at = -1;
-    int n = kept(r.output, &at);
+    int n = KeptMicroBatches(r.output, &at);
     EXPECT_GE(n, 1) << c.tag << ": the survivors' sums were kept\n" << r.output;
     EXPECT_LE(n, c.most_kept) << c.tag;
     EXPECT_EQ(at, c.step) << c.tag;
@@ -276,8 +279,9 @@ TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseT
       Run(4, "whole", {"--no-salvage"}, {"--spares", "1", "--inject", "kill:rank=2,step=10"});
   ASSERT_EQ(whole.code, 0) << whole.output;
   int64_t at = -1;
-  EXPECT_EQ(kept(whole.output, &at), -1) << "--no-salvage computes the step again whole\n"
-                                         << whole.output;
+  EXPECT_EQ(KeptMicroBatches(whole.output, &at), -1)
+      << "--no-salvage computes the step again whole\n"
+      << whole.output;
   EXPECT_EQ(whole.checksum, ref.checksum);
   EXPECT_EQ(whole.losses, ref.losses);
 }
@@ -298,14 +302,6 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
   ASSERT_EQ(ref.code, 0) << ref.output;
   ASSERT_EQ(ref.losses.size(), 8u);
   EXPECT_EQ(ref.output.find("kept the sums of"), std::string::npos) << "no fault, nothing kept";
-  const std::regex kept_line(
-      R"(step (\d+): kept the sums of (\d+) of 8 micro-batches from the step in flight)");
-  auto kept = [&](const std::string& output, int64_t* step) {
-    std::smatch m;
-    if (!std::regex_search(output, m, kept_line)) return -1;
-    *step = std::stoll(m[1]);
-    return std::stoi(m[2]);
-  };
   // Cut between micro-batches: every worker pauses a second after each micro-batch, and the
   // fault lands in the pause after the first: a kill a quarter into step 5 (half a second; a
   // step takes two), with a spare or without (a shrink). Each survivor keeps 1 of its 2, unless the
@@ -344,7 +340,7 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
     RunResult r = Run(4, c.tag, c.extra, c.run_flags);
     ASSERT_EQ(r.code, 0) << c.tag << "\n" << r.output;
     int64_t at = -1;
-    int n = kept(r.output, &at);
+    int n = KeptMicroBatches(r.output, &at);
     EXPECT_GE(n, 1) << c.tag << ": the survivors' sums were kept\n" << r.output;
     EXPECT_LE(n, c.most_kept) << c.tag << "\n" << r.output;
     EXPECT_EQ(at, 5) << c.tag;
@@ -363,8 +359,9 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
                         {"--spares", "1", "--inject", "kill:rank=2,step=5"});
   ASSERT_EQ(whole.code, 0) << whole.output;
   int64_t at = -1;
-  EXPECT_EQ(kept(whole.output, &at), -1) << "--no-salvage computes the step again whole\n"
-                                         << whole.output;
+  EXPECT_EQ(KeptMicroBatches(whole.output, &at), -1)
+      << "--no-salvage computes the step again whole\n"
+      << whole.output;
   EXPECT_EQ(whole.checksum, ref.checksum);
   EXPECT_EQ(whole.losses, ref.losses);
 }
