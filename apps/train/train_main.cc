@@ -33,6 +33,7 @@
 #include "nonstop/data.h"
 #include "nonstop/elastic.h"
 #include "nonstop/log.h"
+#include "nonstop/ring.h"
 #include "nonstop/session.h"
 #include "nonstop/state.h"
 #include "nonstop/status.h"
@@ -41,7 +42,6 @@
 #include "torch/flat_parameters.h"
 #include "torch/grad_buckets.h"
 #include "torch/step_abort.h"
-#include "worker/ring_step.h"
 
 namespace nonstop::train {
 namespace {

@@ -1,4 +1,4 @@
-#include "worker/ring_step.h"
+#include "nonstop/ring.h"
 
 #include <algorithm>
 

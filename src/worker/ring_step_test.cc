@@ -1,8 +1,8 @@
-// The plan of a ring step after a fault (ring_step.h): survivors holding a
+// The plan of a ring step after a fault (nonstop/ring.h): survivors holding a
 // prefix of their block continue it and the spare computes the lost block
 // (the fault-free order); after a shrink what nobody holds is dealt over the
 // members; every micro-batch is in exactly one sum, and lying offers keep nothing.
-#include "worker/ring_step.h"
+#include "nonstop/ring.h"
 
 #include <gtest/gtest.h>
 

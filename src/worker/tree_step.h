@@ -31,7 +31,7 @@ std::vector<collective::TreeNode> DecodeOffer(std::span<const std::byte> record,
 // what each member holds of `step` (index = rank), `held` being this member's
 // (pass HeldSums{} to offer nothing). Both salvage planners run it on the
 // first step of each generation: TreeStepPlanner (world-invariant) and
-// RingStepPlanner (worker/ring_step.h, the default ring mode). Fails only
+// RingStepPlanner (nonstop/ring.h, the default ring mode). Fails only
 // when the AllGather does (a fault).
 Result<std::vector<std::vector<collective::TreeNode>>> ExchangeOffers(Session& session,
                                                                       int64_t step,
