@@ -132,9 +132,10 @@ void LifelineWatcher::Watch() {
     if (rc == ETIMEDOUT) continue;  // held: the worker lives
     if (rc == EBUSY) return;        // stopping while a live worker holds it
     if (rc == EOWNERDEAD) {
+      // Not unlocked: no one takes it again (the worker is gone; the watcher stops here). And
+      // TSan, which does not count a timedlock that returned EOWNERDEAD as an acquisition, would
+      // call the unlock one of an unlocked mutex.
       const int32_t state = shared_->state.load();
-      pthread_mutex_consistent(&shared_->mutex);
-      pthread_mutex_unlock(&shared_->mutex);
       if (state == kHeld) {
         fired_.store(true);
         if (on_dying_) on_dying_();
