@@ -835,10 +835,11 @@ TEST_F(ShardedTrainTest, LosingEveryCopyOfAShardStopsTheJobNamingItOrFallsToTheC
   RunResult ref = Run(4, "ref");
   ASSERT_EQ(ref.code, 0) << ref.output;
   // Ranks 1 and 3 are both holders of shard 1: with spares for both, the state of shard 1 is
-  // nowhere.
+  // nowhere. Both die as step 8 starts (at=0): a kill at the reduction would let the first death
+  // abort the other holder before it got there, and the second death would come a recovery later.
   const std::vector<std::string> both = {
       "--spares", "2",        "--heartbeat-timeout-ms",
-      "1000",     "--inject", "kill:rank=1,step=8;kill:rank=3,step=8"};
+      "1000",     "--inject", "kill:rank=1,step=8,at=0;kill:rank=3,step=8,at=0"};
   RunResult lost = Run(4, "lost", {}, both);
   EXPECT_EQ(lost.code, 10) << lost.output;
   EXPECT_NE(lost.output.find("every copy of shard 1 of the optimizer state of step 7 is lost"),
