@@ -20,6 +20,8 @@ std::string_view FaultKindName(FaultKind k) {
       return "corrupt";
     case FaultKind::kStall:
       return "stall";
+    case FaultKind::kBitflip:
+      return "bitflip";
   }
   return "?";
 }
@@ -69,10 +71,12 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
       f.kind = FaultKind::kDrop;
     else if (kind == "corrupt")
       f.kind = FaultKind::kCorrupt;
+    else if (kind == "bitflip")
+      f.kind = FaultKind::kBitflip;
     else
-      return InvalidArgumentError(
-          fmt::format("fault '{}': unknown kind '{}' (kill, hang, stall, exception, drop, corrupt)",
-                      item, kind));
+      return InvalidArgumentError(fmt::format(
+          "fault '{}': unknown kind '{}' (kill, hang, stall, exception, drop, corrupt, bitflip)",
+          item, kind));
     bool has_rank = false;
     for (std::string_view kv : Split(item.substr(colon + 1), ',')) {
       size_t eq = kv.find('=');
@@ -97,12 +101,15 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
               "0.5: half-way through it; leave it out for just before the step's reduction)",
               item, v));
         }
+      } else if (k == "tensor") {
+        ok = !v.empty();
+        f.tensor = std::string(v);
       } else if (k == "during") {
         ok = v == "transfer" || v == "step";
         if (v == "transfer") f.point = FaultPoint::kTransfer;
       } else {
-        return InvalidArgumentError(
-            fmt::format("fault '{}': unknown key '{}' (rank, step, time, at, during)", item, k));
+        return InvalidArgumentError(fmt::format(
+            "fault '{}': unknown key '{}' (rank, step, time, at, during, tensor)", item, k));
       }
       if (!ok)
         return InvalidArgumentError(fmt::format("fault '{}': bad value '{}' for {}", item, v, k));
@@ -121,6 +128,15 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
           fmt::format("fault '{}': step= or time= is required{}", item, hint));
     }
     if (f.kind == FaultKind::kCorrupt) f.point = FaultPoint::kTransfer;
+    if (!f.tensor.empty() && f.kind != FaultKind::kBitflip) {
+      return InvalidArgumentError(
+          fmt::format("fault '{}': tensor= names the region of a bitflip only", item));
+    }
+    if (f.kind == FaultKind::kBitflip && (f.point != FaultPoint::kStep || f.step < 0)) {
+      return InvalidArgumentError(fmt::format(
+          "fault '{}': a bitflip happens at a step (e.g. bitflip:rank=1,step=30,tensor=params)",
+          item));
+    }
     if (f.at >= 0 && (f.point != FaultPoint::kStep || f.step < 0 ||
                       (f.kind != FaultKind::kKill && f.kind != FaultKind::kHang))) {
       return InvalidArgumentError(
@@ -139,6 +155,7 @@ std::string FormatFault(const FaultSpec& f) {
   if (f.step >= 0) s += fmt::format(",step={}", f.step);
   if (f.point == FaultPoint::kTransfer && f.kind != FaultKind::kCorrupt) s += ",during=transfer";
   if (f.at >= 0) s += fmt::format(",at={}", f.at);
+  if (!f.tensor.empty()) s += ",tensor=" + f.tensor;
   return s;
 }
 

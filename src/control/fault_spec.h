@@ -11,6 +11,10 @@
 //   kill:rank=1,during=transfer         … in the next state transfer, whatever its step
 //   corrupt:rank=1,step=30              as a source in that transfer, corrupt the
 //                                       first chunk it sends (after checksumming)
+//   bitflip:rank=1,step=30              flip one bit of its registered state before the
+//                                       reduction of step 30, as a faulty memory cell would
+//   bitflip:rank=1,step=30,tensor=NAME  … in region NAME (default: the first fp32 region,
+//                                       the parameters); the replica check finds it
 //   kill:rank=2,time=5.5                the launcher kills rank 2 5.5 s after the job started
 //   hang:rank=2,time=5.5                … or stops it
 // Several faults are separated by ';' (or given as several --inject flags).
@@ -26,7 +30,7 @@
 
 namespace nonstop::control {
 
-enum class FaultKind { kKill, kHang, kException, kDrop, kCorrupt, kStall };
+enum class FaultKind { kKill, kHang, kException, kDrop, kCorrupt, kStall, kBitflip };
 enum class FaultPoint { kStep, kTransfer, kTime };
 
 struct FaultSpec {
@@ -39,6 +43,8 @@ struct FaultSpec {
   // kill/hang at a step: fire this fraction of a step into it (0: as it starts; the step's length
   // taken as the last one's), instead of just before its reduction (-1).
   double at = -1;
+  // bitflip: the registered region to flip a bit in (empty: the first fp32 one).
+  std::string tensor;
 };
 
 Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id = 0);

@@ -26,6 +26,28 @@ TEST(FaultSpecTest, ParsesEveryKindAndPoint) {
   }
 }
 
+// A bit flipped in one member's state, in a region it names or in the default one.
+TEST(FaultSpecTest, ABitflipNamesItsStepAndMaybeItsTensor) {
+  auto f = ParseFaults("bitflip:rank=1,step=12,tensor=adamw.exp_avg;bitflip:rank=0,step=3");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_EQ(f->size(), 2u);
+  EXPECT_EQ((*f)[0].kind, FaultKind::kBitflip);
+  EXPECT_EQ((*f)[0].tensor, "adamw.exp_avg");
+  EXPECT_EQ((*f)[0].point, FaultPoint::kStep);
+  EXPECT_EQ((*f)[1].tensor, "");
+  EXPECT_EQ(FormatFault((*f)[0]), "bitflip:rank=1,step=12,tensor=adamw.exp_avg");
+  auto back = ParseFaults(FormatFault((*f)[0]));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ((*back)[0].tensor, "adamw.exp_avg");
+  for (const char* bad :
+       {"bitflip:rank=1,time=3", "bitflip:rank=1", "kill:rank=1,step=3,tensor=x",
+        "bitflip:rank=1,step=3,tensor=", "bitflip:rank=1,step=3,during=transfer"}) {
+    EXPECT_FALSE(ParseFaults(bad).ok()) << bad;
+  }
+  EXPECT_NE(ParseFaults("kill:rank=1,step=3,tensor=x").status().message().find("bitflip only"),
+            std::string::npos);
+}
+
 // A kill or hang part-way into a step (at=): as it starts, half-way, and its default (just before
 // the step's reduction, at = -1).
 TEST(FaultSpecTest, AKillOrHangCanLandAFractionOfTheWayIntoAStep) {
