@@ -113,6 +113,7 @@ TEST(SettingsTest, OptionsStructsUseTheDefaults) {
   EXPECT_EQ(w.etcd_job, s::kEtcdJob.default_value);
   EXPECT_EQ(w.worker_id, s::kWorkerId.default_value);
   EXPECT_EQ(w.spare, s::kSpare.default_value);
+  EXPECT_EQ(w.replica_check_every, s::kReplicaCheckEvery.default_value);
 }
 
 // ---- AddSetting ----

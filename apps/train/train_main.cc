@@ -124,6 +124,7 @@ struct TrainerFlags {
   bool no_overlap = settings::kTrainNoOverlap.default_value;
   double bucket_mb = 1.0;
   bool no_salvage = settings::kTrainNoSalvage.default_value;
+  int replica_check_every = settings::kReplicaCheckEvery.default_value;
   std::string log_samples;       // test-only
   int throttle_ms = 0;           // test-only
   int micro_batch_pause_ms = 0;  // test-only
@@ -163,6 +164,7 @@ std::optional<int> ParseFlags(int argc, char** argv, TrainerFlags* f) {
       ->capture_default_str()
       ->check(CLI::Range(0.001, 1024.0));
   AddSetting(&app, settings::kTrainNoSalvage, f->no_salvage);
+  AddSetting(&app, settings::kReplicaCheckEvery, f->replica_check_every);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -501,6 +503,7 @@ void Trainer::WarmUp() {
 std::optional<int> Trainer::Join() {
   auto options = SessionOptions::FromEnvironment();
   if (!options.ok()) return Fail(options.status(), "not under nonstop run");
+  options->replica_check_every = f_.replica_check_every;
   auto joined = Session::Join(*options, &state_, completed_);
   if (!joined.ok()) {
     if (joined.status().code() == StatusCode::kCancelled) return 0;  // a spare that was not needed
@@ -1157,11 +1160,14 @@ int Trainer::Recover(int64_t* step) {
 
 std::optional<int> Trainer::RecoverFromFault(int64_t* step) {
   if (int code = Recover(step); code != 0) return code == kReleased ? 0 : code;
-  if (held_.step != *step) {  // the job resumes elsewhere: the sums kept of that step are no use
+  // The job resumes elsewhere, or this member's state was copied in (it diverged, or was behind):
+  // the sums it kept of that step are no use, or were computed from another state.
+  if (held_.step != *step || session_->last_change().state_copied) {
     held_ = {};
     held_samples_.clear();
   }
-  if (kept_.step != *step) kept_.step = -1;  // the same for the ring mode's kept sum
+  // the same for the ring mode's kept sum
+  if (kept_.step != *step || session_->last_change().state_copied) kept_.step = -1;
   return std::nullopt;
 }
 

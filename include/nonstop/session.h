@@ -117,6 +117,13 @@ struct SessionOptions {
   // Bound on one collective. Faults are detected far sooner (connection
   // resets, the controller); this only guards against a silent network.
   std::chrono::milliseconds timeout_collective{300'000};
+  // Replica agreement (docs/integrity.md): every this many steps, before the
+  // step's first collective, the members compare a CRC of each registered
+  // region; a member that differs from the majority copies the majority's
+  // state (a fault of kind state_diverged); no majority ends the job with
+  // exit 11 naming the region and step. 0: never. The same on every worker
+  // (kReplicaCheckEvery, NONSTOP_REPLICA_CHECK_EVERY).
+  int replica_check_every = settings::kReplicaCheckEvery.default_value;
 
   // Reads the variables that `nonstop run` and the agents set for each worker
   // (the registry's worker entries).
@@ -142,6 +149,10 @@ struct MembershipChange {
   int new_rank = -1;
   int64_t resume_step = 0;
   std::string reason;  // "start", "recovery", "resize: shrink on request (…)", "restart"
+  // This member's state was copied in from its peers (a spare, a member that
+  // was behind or whose state diverged): whatever it kept of the step in
+  // flight was computed from another state, and must not be salvaged.
+  bool state_copied = false;
 };
 
 class SessionImpl;

@@ -739,6 +739,16 @@ inline constexpr Setting<int64_t> kWorkerControllerTimeoutMs{
         "`nonstop agent --controller-timeout-ms` reads the same variable (default 3000), and its "
         "workers "
         "inherit it"};
+inline constexpr Setting<int> kReplicaCheckEvery{
+    .env = "NONSTOP_REPLICA_CHECK_EVERY",
+    .flag = "--replica-check-every",
+    .default_value = 50,
+    .range = Bounds<int>{0, 1'000'000},
+    .read_by = kWorker | kTrain,
+    .help =
+        "Compare the replicas' state (a CRC per registered region) before every this many steps; "
+        "a member that differs from the majority copies the majority's state, no majority stops "
+        "the job with exit 11 (0: never; the same on every worker; docs/integrity.md)"};
 inline constexpr Setting<int64_t> kLeaderlessTimeoutMs{
     .env = "NONSTOP_LEADERLESS_TIMEOUT_MS",
     .default_value = 600'000,

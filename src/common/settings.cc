@@ -139,6 +139,7 @@ std::vector<Info> Build() {
       Describe(kConnectTimeoutMs),
       Describe(kWorkerControllerTimeoutMs),
       Describe(kLeaderlessTimeoutMs),
+      Describe(kReplicaCheckEvery),
       // nonstop-train
       Describe(kTrainCheckpointDir),
       Describe(kTrainCheckpointEvery),

@@ -249,6 +249,19 @@ void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
                 fmt::format("reported an impossible step {}", e.msg.step), out);
     return;
   }
+  if (e.msg.step == control::kNoValidState && e.msg.reason.rfind("state_diverged", 0) == 0) {
+    // Its replica check found its state unlike the majority's (docs/integrity.md): a fault of its
+    // own kind, repaired by the copy the next plan makes into it.
+    out->push_back(AppendJournal{{{"event", "fault"},
+                                  {"kind", "state_diverged"},
+                                  {"worker_id", w->worker_id},
+                                  {"rank", w->rank},
+                                  {"detail", e.msg.reason},
+                                  {"last_step", w->last_step},
+                                  {"generation", generation_}}});
+    out->push_back(PrintLine{
+        fmt::format("fault: {} {}", Describe(*w, placement_.elastic_host()), e.msg.reason)});
+  }
   if (phase_ == JobPhase::kRunning) {
     // The member saw a fault first (a peer's connection reset): recover.
     StartRecovery(

@@ -30,6 +30,7 @@
 #include "net/handshake.h"
 #include "net/socket.h"
 #include "nonstop/settings.h"
+#include "worker/replica_check.h"
 #include "worker/session_testing.h"
 #include "worker/state_transfer.h"
 
@@ -94,6 +95,20 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
       return InvalidArgumentError(
           fmt::format("{}='{}' is not a positive number of milliseconds", entry->env, v));
     }
+  }
+  if (std::string every = get(s::kReplicaCheckEvery); !every.empty()) {
+    size_t used = 0;
+    int k = -1;
+    try {
+      k = std::stoi(every, &used);
+    } catch (...) {
+    }
+    if (used != every.size() || k < 0) {
+      return InvalidArgumentError(
+          fmt::format("{}='{}' is not a number of steps (0: never compare the replicas)",
+                      s::kReplicaCheckEvery.env, every));
+    }
+    o.replica_check_every = k;
   }
   if (std::string host = get(s::kDataHost); !host.empty()) {
     Result<std::string> h = net::ParseHost(host);  // "fd00::1" or "[fd00::1]" alike
@@ -498,6 +513,8 @@ class SessionImpl {
       resume_step_ = plan.resume_step;
     }
     SetLogRole(fmt::format("rank {}", co.rank));
+    member_ids_.clear();
+    for (const collective::Member& m : co.members) member_ids_.push_back(m.worker_id);
     MembershipChange change;
     change.generation = plan.generation;
     change.old_world = comm_before_world_;
@@ -527,6 +544,7 @@ class SessionImpl {
         worker::RunStateTransfers(*comm_, *state_, plan, options_.worker_id, hooks);
     if (!outcome.ok()) return outcome.status();
     if (receiving) state_step_.store(plan.resume_step - 1);
+    last_change_.state_copied = receiving;
     held_shard_.store(state_->held_shard());
     if (state_->shard_group() > 0) {
       // Sharded state: every member ends holding its rank's shard (a spare,
@@ -537,6 +555,7 @@ class SessionImpl {
       held_shard_.store(state_->held_shard());
       if (!shards.ok()) return shards.status();
       outcome->received = outcome->received || shards->received;
+      last_change_.state_copied = last_change_.state_copied || shards->received;
       outcome->bytes_received += shards->bytes_received;
       outcome->sources = std::max(outcome->sources, shards->sources);
       outcome->refetched_chunks += shards->refetched_chunks;
@@ -643,9 +662,91 @@ class SessionImpl {
       case control::FaultKind::kStall:
         // The training thread stops for good; the I/O thread still sends heartbeats.
         while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
+      case control::FaultKind::kBitflip:
+        FlipABit(f);
+        break;
       default:
         break;
     }
+  }
+
+  // bitflip: one bit of a registered region changes, as a faulty memory cell
+  // would change it: bit 17 of the float in the middle of the region (a
+  // mantissa bit: the value moves by about 1.6%, no NaN, nothing a loss
+  // check sees). The region is f.tensor, or the first fp32 one.
+  void FlipABit(const control::FaultSpec& f) {
+    std::vector<std::string> names;
+    for (const state::Region& r : state_->regions()) {
+      names.push_back(r.name);
+      const bool chosen = f.tensor.empty() ? r.dtype == "F32" : r.name == f.tensor;
+      if (!chosen || r.bytes.empty()) continue;
+      const size_t at = r.bytes.size() / 8 * 4 + std::min<size_t>(2, r.bytes.size() - 1);
+      r.bytes[std::min(at, r.bytes.size() - 1)] ^= std::byte{2};
+      NONSTOP_LOG_WARNING("bitflip: flipped a bit of '{}' at byte {} of {}", r.name, at,
+                          r.bytes.size());
+      return;
+    }
+    NONSTOP_LOG_ERROR("bitflip: no registered region {} to flip a bit in (the regions: {})",
+                      f.tensor.empty() ? std::string("of fp32") : "'" + f.tensor + "'",
+                      fmt::join(names, ", "));
+  }
+
+  // Replica agreement (worker/replica_check.h, docs/integrity.md): before the
+  // first collective of every K-th step, while every member holds the state
+  // of the step before it, the members all-gather the CRC of each region and
+  // judge them alike. Agreement: the step goes on. A member in the minority
+  // drops its state (it holds no valid step: the controller's next plan
+  // copies the majority's into it) and the generation ends at this boundary
+  // (ABORTED, nothing computed is lost but this step's); no majority: the job
+  // cannot tell the right copy, so it stops with exit 11 naming what differs.
+  Status CheckReplicas() {
+    const int64_t held = state_step_.load();
+    const int k = options_.replica_check_every;
+    if (k <= 0 || held < 0 || (held + 1) % k != 0 || comm_->world_size() < 2) return OkStatus();
+    const size_t bytes = worker::ReplicaRecordBytes(*state_);
+    const auto world = static_cast<size_t>(comm_->world_size());
+    std::vector<std::byte> records(bytes * world);
+    worker::EncodeReplicaRecord(
+        worker::RecordOf(*state_, held),
+        std::span(records).subspan(bytes * static_cast<size_t>(comm_->rank()), bytes));
+    NONSTOP_RETURN_IF_ERROR(comm_->AllGather(records, bytes));
+    std::vector<worker::ReplicaRecord> all;
+    for (size_t q = 0; q < world; ++q) {
+      NONSTOP_ASSIGN_OR_RETURN(
+          worker::ReplicaRecord r,
+          worker::DecodeReplicaRecord(std::span(records).subspan(bytes * q, bytes), *state_));
+      all.push_back(std::move(r));
+    }
+    const worker::ReplicaVerdict v = worker::CompareReplicas(*state_, all, member_ids_);
+    if (v.agree()) return OkStatus();
+    if (v.no_majority) {
+      Status bad = DataLossError(fmt::format(
+          "the replicas of the state of step {} disagree and no majority can tell which is "
+          "right: {}",
+          held, v.what));
+      NONSTOP_LOG_ERROR("{}", bad.message());
+      control::FailureMsg m{comm_->generation(), held, bad.message(), 11};
+      (void)SendControl(control::kMsgFailure, control::Encode(m));
+      comm_->Abort(bad.message());
+      return bad;
+    }
+    const bool mine =
+        std::find(v.diverged.begin(), v.diverged.end(), comm_->rank()) != v.diverged.end();
+    std::string why = fmt::format("state_diverged at step {}: {}", held, v.what);
+    if (mine) {
+      // Nothing of it is trusted any more: the next plan copies every byte (and its shard) in.
+      state_step_.store(control::kNoValidState);
+      if (state_->shard_group() > 0) state_->set_held_shard(state::kNoShard);
+      held_shard_.store(state_->held_shard());
+      NONSTOP_LOG_ERROR("this member's state differs from the majority's; it copies theirs: {}",
+                        why);
+    } else {
+      NONSTOP_LOG_WARNING("{}", why);
+      why = fmt::format("the replica check at step {} found another member diverged: {}", held,
+                        v.what);
+    }
+    comm_->Abort(why);
+    return AbortedError(why);
   }
 
   // Step `step` begins (the one before it took `last_step_seconds`): a kill or hang due part-way
@@ -679,8 +780,9 @@ class SessionImpl {
   void MaybeInjectBeforeCollective() {
     int rank = comm_->rank();
     int64_t step = state_step_.load() + 1;
-    for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang,
-                      control::FaultKind::kDrop, control::FaultKind::kStall}) {
+    for (auto kind :
+         {control::FaultKind::kKill, control::FaultKind::kHang, control::FaultKind::kDrop,
+          control::FaultKind::kStall, control::FaultKind::kBitflip}) {
       if (auto f = TakeFault(control::FaultPoint::kStep, step, rank, kind)) Fire(*f);
     }
   }
@@ -718,7 +820,8 @@ class SessionImpl {
       // collective: the arrival spread is how hangs are found (docs/recovery.md).
       SendHeartbeat();
     }
-    Status s = op();
+    Status s = at_step_boundary && announce ? CheckReplicas() : OkStatus();
+    if (s.ok()) s = op();
     {
       MutexLock lock(&mu_);
       in_collective_ = false;
@@ -865,6 +968,8 @@ class SessionImpl {
   int64_t resume_step_ = 0;
   int comm_before_world_ = 0;
   int comm_before_rank_ = -1;
+  // The worker id of each rank of comm_'s generation; written with comm_ (Adopt).
+  std::vector<int> member_ids_;
   // Overlapped reduction: buckets started by the training thread, reduced in
   // order by comm_thread_. The training thread touches comm_ only after
   // WaitAll (Recover, Finish and the other collectives wait first).

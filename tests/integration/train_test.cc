@@ -856,6 +856,86 @@ TEST_F(ShardedTrainTest, LosingEveryCopyOfAShardStopsTheJobNamingItOrFallsToTheC
   EXPECT_EQ(restarted.checksum, ref.checksum) << restarted.output;
 }
 
+// Replica agreement (docs/integrity.md): a bit flipped in one member's parameters, as a faulty
+// memory cell would flip it. Checked before every step (K = 1) it is found at the next step's
+// reduction, before any gradient computed from it is summed: the member copies the majority's
+// state, and the run ends on the fault-free run's bits. Checked every 5 steps it is found within
+// 5: the gradients the member computed meanwhile are in the sum (no rollback), so only the
+// replicas' agreement is asserted then.
+TEST_F(TrainTest, ABitFlippedInOneOfFourReplicasIsFoundAndRepairedFromTheMajority) {
+  WriteRecipe();
+  RunResult clean = Run(4, "clean");
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  const std::vector<std::string> flags = {"--spares", "0", "--inject", "bitflip:rank=2,step=9"};
+  RunResult every = Run(4, "k1", {"--replica-check-every", "1"}, flags);
+  ASSERT_EQ(every.code, 0) << every.output;
+  EXPECT_EQ(every.checksum, clean.checksum) << every.output;
+  EXPECT_EQ(every.losses, clean.losses);
+  auto faults = nonstop::testing::JournalEvents(dir_ / "k1.jsonl", "fault");
+  ASSERT_EQ(faults.size(), 1u) << every.output;
+  EXPECT_EQ(faults[0]["kind"], "state_diverged");
+  EXPECT_EQ(faults[0]["rank"], 2);
+  EXPECT_NE(faults[0]["detail"].get<std::string>().find("state_diverged at step 8"),
+            std::string::npos)
+      << faults[0].dump();
+  auto plans = nonstop::testing::JournalEvents(dir_ / "k1.jsonl", "plan");
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_EQ(plans[1]["resume_step"], 9);
+  EXPECT_EQ(plans[1]["members"].size(), 4u) << "repaired in place, nobody replaced";
+
+  RunResult sparse = Run(4, "k5", {"--replica-check-every", "5"},
+                         {"--spares", "0", "--inject", "bitflip:rank=1,step=7"});
+  ASSERT_EQ(sparse.code, 0) << sparse.output;  // the members' final checksums agree
+  faults = nonstop::testing::JournalEvents(dir_ / "k5.jsonl", "fault");
+  ASSERT_EQ(faults.size(), 1u) << sparse.output;
+  EXPECT_EQ(faults[0]["rank"], 1);
+  EXPECT_NE(faults[0]["detail"].get<std::string>().find("state_diverged at step 9"),
+            std::string::npos)
+      << "found at the first check after the flip (before step 10)\n"
+      << faults[0].dump();
+}
+
+// Two replicas that disagree: nobody can tell which is right, so the job stops with exit 11
+// naming the tensor and the step.
+TEST_F(TrainTest, TwoReplicasThatDisagreeStopTheJobNamingTheTensorAndStep) {
+  WriteRecipe();
+  RunResult r = Run(
+      2, "two", {"--replica-check-every", "1"},
+      {"--spares", "0", "--inject", "bitflip:rank=1,step=5,tensor=adamw.exp_avg_sq.head.weight"});
+  EXPECT_EQ(r.code, 11) << r.output;
+  EXPECT_NE(r.output.find("the replicas of the state of step 4 disagree"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("'adamw.exp_avg_sq.head.weight': no majority"), std::string::npos)
+      << r.output;
+}
+
+// Sharded optimizer state: a shard is compared across its replicas. With three (6 members in
+// groups of 2) the odd one copies the shard back from the other two, and the run ends on the
+// fault-free bits; with two (4 members) the job stops naming the shard.
+TEST_F(ShardedTrainTest, AFlippedMomentIsFoundAmongTheShardsReplicas) {
+  WriteSharded(2);
+  RunResult ref = Run(4, "ref");  // world-invariant: the same bits at 6 ranks
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const std::vector<std::string> check = {"--replica-check-every", "1"};
+  RunResult six = Run(6, "six", check,
+                      {"--spares", "0", "--inject", "bitflip:rank=3,step=9,tensor=adamw.exp_avg"});
+  ASSERT_EQ(six.code, 0) << six.output;
+  EXPECT_EQ(six.checksum, ref.checksum) << six.output;
+  auto faults = nonstop::testing::JournalEvents(dir_ / "six.jsonl", "fault");
+  ASSERT_EQ(faults.size(), 1u) << six.output;
+  EXPECT_EQ(faults[0]["kind"], "state_diverged");
+  EXPECT_EQ(faults[0]["rank"], 3);
+  EXPECT_NE(faults[0]["detail"].get<std::string>().find("'adamw.exp_avg' (shard 1) on rank 3"),
+            std::string::npos)
+      << faults[0].dump();
+
+  RunResult four = Run(4, "four", check,
+                       {"--spares", "0", "--inject", "bitflip:rank=1,step=9,tensor=adamw.exp_avg"});
+  EXPECT_EQ(four.code, 11) << four.output;
+  EXPECT_NE(four.output.find("'adamw.exp_avg' (shard 1): no majority"), std::string::npos)
+      << four.output;
+}
+
 TEST_F(ShardedTrainTest, CheckpointsLoadAtAnyWorldAndWithoutSharding) {
   WriteSharded(2);
   std::string ckpt = dir_ / "ckpt";
