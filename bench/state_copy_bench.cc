@@ -129,7 +129,8 @@ double Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& re
     threads.emplace_back([&, r] {
       auto t0 = Clock::now();
       auto out = worker::RunStateTransfers(*ranks.comms[static_cast<size_t>(r)],
-                                           *regs[static_cast<size_t>(r)], plan, r, {});
+                                           *regs[static_cast<size_t>(r)], plan, r,
+                                           plan.resume_step - 1, {});
       if (r == 0) secs = std::chrono::duration<double>(Clock::now() - t0).count();
       status[static_cast<size_t>(r)] = out.status();
     });

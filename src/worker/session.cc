@@ -540,8 +540,8 @@ class SessionImpl {
     bool receiving = false;
     for (const auto& t : plan.transfers) receiving = receiving || t.receiver == options_.worker_id;
     if (receiving) state_step_.store(control::kNoValidState);  // until every chunk is in
-    Result<worker::TransferOutcome> outcome =
-        worker::RunStateTransfers(*comm_, *state_, plan, options_.worker_id, hooks);
+    Result<worker::TransferOutcome> outcome = worker::RunStateTransfers(
+        *comm_, *state_, plan, options_.worker_id, state_step_.load(), hooks);
     if (!outcome.ok()) return outcome.status();
     if (receiving) state_step_.store(plan.resume_step - 1);
     last_change_.state_copied = receiving;

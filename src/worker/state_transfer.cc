@@ -18,13 +18,14 @@
 #include "common/crc32c.h"
 #include "common/mutex.h"
 #include "net/socket.h"
+#include "nonstop/log.h"
 #include "state/shard_layout.h"
 
 namespace nonstop::worker {
 
 namespace {
 
-constexpr uint32_t kTransferMagic = 0x3258534E;  // "NSX2" (the header with the shard fields)
+constexpr uint32_t kTransferMagic = 0x3358534E;  // "NSX3" (the header, then the CRC table)
 constexpr size_t kHeaderBytes = 40;
 
 int RankOf(const control::PlanMsg& plan, int worker_id) {
@@ -34,7 +35,8 @@ int RankOf(const control::PlanMsg& plan, int worker_id) {
   return -1;
 }
 
-// `shard`: the shard whose chunks follow (its held one, unless it holds every shard).
+// `step`: the step the source's state holds. `shard`: the shard whose
+// chunks follow (its held one, unless it holds every shard).
 std::string EncodeHeader(int64_t step, const state::StateRegistry& reg, int shard) {
   std::string h;
   PutFixed32(&h, kTransferMagic);
@@ -48,9 +50,12 @@ std::string EncodeHeader(int64_t step, const state::StateRegistry& reg, int shar
   return h;
 }
 
-// `want_shard` >= 0: the receiver copies the sharded chunks, which must be of that shard.
-Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRegistry& reg,
-                   const std::string& source, int want_shard = -1) {
+// Checks a source's header against this worker's state (magic, checksum,
+// group size, layout; with `want_shard` >= 0, the receiver copies the
+// sharded chunks, which must be of that shard) and returns the step it
+// names, which is the caller's to judge.
+Result<int64_t> ParseHeader(const std::string& h, const state::StateRegistry& reg,
+                            const std::string& source, int want_shard = -1) {
   if (DecodeFixed32(h.data()) != kTransferMagic ||
       Crc32c(h.data(), 36) != DecodeFixed32(h.data() + 36)) {
     return DataLossError(fmt::format("state header from {} is corrupt", source));
@@ -71,18 +76,78 @@ Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRe
     return DataLossError(fmt::format("{} offers shard {} of the state where shard {} was asked for",
                                      source, held, want_shard));
   }
-  if (step != want_step) {
-    return DataLossError(
-        fmt::format("{} offers the state of step {}, but the plan resumes after step {}", source,
-                    step, want_step));
-  }
   if (total != reg.total_bytes() || chunk != reg.chunk_bytes() || chunks != reg.num_chunks()) {
     return DataLossError(fmt::format(
         "{} offers {} bytes in {} chunks of {}, this worker's state is {} bytes in {} "
         "chunks of {}: the model or optimizer differs",
         source, total, chunks, chunk, reg.total_bytes(), reg.num_chunks(), reg.chunk_bytes()));
   }
+  return step;
+}
+
+// ParseHeader, and the step must be `want_step` (the shard exchange, whose
+// sources' steps ExchangeShards checked against what they all-gathered).
+Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRegistry& reg,
+                   const std::string& source, int want_shard = -1) {
+  NONSTOP_ASSIGN_OR_RETURN(int64_t step, ParseHeader(h, reg, source, want_shard));
+  if (step != want_step) {
+    return DataLossError(
+        fmt::format("{} offers the state of step {}, but the plan resumes after step {}", source,
+                    step, want_step));
+  }
   return OkStatus();
+}
+
+// The CRC-32C table a source sends after its header: entry c is the CRC of
+// chunk c as this source serves it, for the chunks the transfer copies
+// (replicated ones: the state transfer; sharded ones: the shard exchange,
+// of shard `shard` when >= 0, read from a registry that holds every
+// shard), 0 for the others. Computed once per transfer, not per request.
+std::vector<uint32_t> CrcTable(const state::StateRegistry& reg, bool sharded, int shard = -1) {
+  std::vector<uint32_t> table(reg.num_chunks(), 0);
+  std::vector<std::byte> buf;
+  for (uint32_t c = 0; c < reg.num_chunks(); ++c) {
+    if (reg.chunk_sharded(c) != sharded) continue;
+    std::span<const std::byte> bytes;
+    if (!(sharded && shard >= 0)) bytes = reg.ContiguousChunk(c);
+    if (bytes.empty() && reg.chunk_size(c) > 0) {
+      buf.resize(reg.chunk_size(c));
+      if (sharded && shard >= 0) {
+        reg.ReadChunkOfShard(c, shard, buf);
+      } else {
+        reg.ReadChunk(c, buf);
+      }
+      bytes = buf;
+    }
+    table[c] = Crc32c(bytes.data(), bytes.size());
+  }
+  return table;
+}
+
+std::string EncodeTable(const std::vector<uint32_t>& table) {
+  std::string out;
+  out.reserve(table.size() * 4);
+  for (uint32_t crc : table) PutFixed32(&out, crc);
+  return out;
+}
+
+// A source's header then its CRC table (one message each, checksummed by the transport).
+Status SendHeaderAndTable(collective::Communicator& comm, int receiver, const std::string& header,
+                          const std::string& table) {
+  NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
+  if (table.empty()) return OkStatus();  // a state of no chunks
+  return comm.Send(receiver, std::as_bytes(std::span(table)));
+}
+
+// The CRC table that follows a header ParseHeader accepted (of this worker's layout).
+Result<std::vector<uint32_t>> RecvTable(collective::Communicator& comm,
+                                        const state::StateRegistry& reg, int source) {
+  std::vector<uint32_t> table(reg.num_chunks());
+  if (table.empty()) return table;
+  std::string buf(table.size() * 4, '\0');
+  NONSTOP_RETURN_IF_ERROR(comm.Recv(source, std::as_writable_bytes(std::span(buf))));
+  for (size_t c = 0; c < table.size(); ++c) table[c] = DecodeFixed32(buf.data() + 4 * c);
+  return table;
 }
 
 Status SendU32s(collective::Communicator& comm, int rank, const std::vector<uint32_t>& values) {
@@ -110,15 +175,19 @@ Result<std::vector<uint32_t>> RecvU32s(collective::Communicator& comm, int rank,
   return out;
 }
 
-// Source side: serve one receiver until it says it is done. A chunk goes
-// out from the live state itself when it lies in one region (no copy), its
-// CRC-32C computed once and sent ahead of it; the bytes travel unchecked by
-// the transport (Communicator::SendUnchecked): the receiver checks that CRC.
-// `shard` >= 0: the receiver's shard, read from a registry that holds every shard.
+// Source side: serve one receiver until it says it is done. It sends its
+// header (`step`: the step its state holds) and `table` (CrcTable, computed
+// once for every receiver), then streams the chunks asked for. A chunk goes
+// out from the live state itself when it lies in one region (no copy),
+// preceded by {index, its CRC from `table`}; the bytes travel unchecked by
+// the transport (Communicator::SendUnchecked): the receiver checks them
+// against the tables of all its sources. `shard` >= 0: the receiver's
+// shard, read from a registry that holds every shard (`table` is of it).
 Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int receiver, int64_t step,
-             std::atomic<bool>* corrupt_next, int shard = -1) {
-  std::string header = EncodeHeader(step, reg, shard >= 0 ? shard : reg.held_shard());
-  NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
+             const std::vector<uint32_t>& table, std::atomic<bool>* corrupt_next, int shard = -1) {
+  NONSTOP_RETURN_IF_ERROR(SendHeaderAndTable(
+      comm, receiver, EncodeHeader(step, reg, shard >= 0 ? shard : reg.held_shard()),
+      EncodeTable(table)));
   std::vector<std::byte> buf;  // a chunk that must be copied: across regions, of a shard, corrupted
   while (true) {
     NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
@@ -144,12 +213,30 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
       }
       std::string meta;
       PutFixed32(&meta, index);
-      PutFixed32(&meta, Crc32c(chunk.data(), chunk.size()));
+      PutFixed32(&meta, table[index]);
       if (corrupt) buf[n / 2] ^= std::byte{0x5a};  // after the checksum: damaged on the way
       NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(meta))));
       NONSTOP_RETURN_IF_ERROR(comm.SendUnchecked(receiver, chunk));
     }
   }
+}
+
+// A source whose state holds another step than the plan says (`refusal`
+// names both): it still sends its header, naming the step it holds, and a
+// table of zeros, so that the receiver learns at once that it serves
+// nothing; then it waits for the receiver's done and returns `refusal`.
+Status ServeRefusal(collective::Communicator& comm, const state::StateRegistry& reg, int receiver,
+                    int64_t held_step, const Status& refusal) {
+  NONSTOP_RETURN_IF_ERROR(
+      SendHeaderAndTable(comm, receiver, EncodeHeader(held_step, reg, reg.held_shard()),
+                         EncodeTable(std::vector<uint32_t>(reg.num_chunks(), 0))));
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
+                           RecvU32s(comm, receiver, reg.num_chunks()));
+  if (!request.empty()) {
+    return FailedPreconditionError(fmt::format("{}; rank {} asked it for {} chunks all the same",
+                                               refusal.message(), receiver, request.size()));
+  }
+  return refusal;
 }
 
 // Where a fetched chunk goes: the live state (WriteChunk), or a staging buffer.
@@ -159,9 +246,10 @@ using ChunkSink =
 
 // Receiver side: fetch `indices` from one source into a buffer, each chunk
 // handed to `sink` (which checks it). Chunks that fail their CRC go to `failed`.
+// `table`: the source's CRC table, which its {index, crc} must repeat.
 Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, int source,
-             const std::vector<uint32_t>& indices, std::vector<uint32_t>* failed,
-             std::atomic<uint64_t>* bytes, const ChunkSink& sink) {
+             const std::vector<uint32_t>& indices, const std::vector<uint32_t>& table,
+             std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes, const ChunkSink& sink) {
   if (indices.empty()) return OkStatus();  // an empty request would mean "done"
   NONSTOP_RETURN_IF_ERROR(SendU32s(comm, source, indices));
   std::vector<std::byte> buf(reg.chunk_bytes());
@@ -173,6 +261,11 @@ Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, in
     if (index != want)
       return DataLossError(
           fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
+    if (crc != table[index]) {
+      return DataLossError(
+          fmt::format("rank {} sent chunk {} with CRC {:08x}, but its table says {:08x}", source,
+                      index, crc, table[index]));
+    }
     std::span<std::byte> chunk(buf.data(), reg.chunk_size(index));
     NONSTOP_RETURN_IF_ERROR(comm.RecvUnchecked(source, chunk));  // the sink checks `crc`
     *bytes += chunk.size();
@@ -258,8 +351,12 @@ class ChunkChecker {
 // buffer and WriteChunk, which checks it at once). What lands in place is
 // checked by `checker`; until then the state holds no step (the session says
 // so while the transfer runs), and a chunk that fails is fetched again over it.
+// `own`: the source's CRC table, which its {index, crc} must repeat;
+// `expect`: the CRC each chunk is checked against (the majority of the
+// sources' tables, or this source's own where there is none).
 Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
-                    const std::vector<uint32_t>& indices, size_t slot, ChunkChecker* checker,
+                    const std::vector<uint32_t>& indices, const std::vector<uint32_t>& own,
+                    const std::vector<uint32_t>& expect, size_t slot, ChunkChecker* checker,
                     std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes) {
   if (indices.empty()) return OkStatus();  // an empty request would mean "done"
   NONSTOP_RETURN_IF_ERROR(SendU32s(comm, source, indices));
@@ -268,10 +365,15 @@ Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, i
     std::string meta(8, '\0');
     NONSTOP_RETURN_IF_ERROR(comm.Recv(source, std::as_writable_bytes(std::span(meta))));
     const uint32_t index = DecodeFixed32(meta.data());
-    const uint32_t crc = DecodeFixed32(meta.data() + 4);
     if (index != want)
       return DataLossError(
           fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
+    if (DecodeFixed32(meta.data() + 4) != own[index]) {
+      return DataLossError(
+          fmt::format("rank {} sent chunk {} with CRC {:08x}, but its table says {:08x}", source,
+                      index, DecodeFixed32(meta.data() + 4), own[index]));
+    }
+    const uint32_t crc = expect[index];
     const size_t n = reg.chunk_size(index);
     std::span<std::byte> live = reg.ContiguousChunk(index);
     if (!live.empty()) {
@@ -334,6 +436,125 @@ Status ValidateShardMoves(const control::PlanMsg& plan, const std::set<int>& ids
   return OkStatus();
 }
 
+// What a source of the state transfer offers: its header's step and its CRC table.
+struct Offer {
+  int rank = -1;
+  int64_t step = 0;
+  std::vector<uint32_t> table;
+};
+
+// Receiver side: every source's header and table, checked (a corrupt
+// header, another layout or group size: DATA_LOSS). Sources that hold
+// another step than `step` are dropped with a warning and told at once that
+// the receiver is done with them; the others are returned. DATA_LOSS naming
+// each source and its step when none holds `step`. On a failure, every
+// source whose table came is told "done" (best effort), so none waits for
+// a request that will not come.
+Result<std::vector<Offer>> GatherOffers(collective::Communicator& comm,
+                                        const state::StateRegistry& reg,
+                                        const control::PlanMsg& plan, int64_t step,
+                                        const std::vector<int>& sources) {
+  std::vector<Offer> offers;
+  auto end_all = [&](const Status& s) {
+    for (const Offer& o : offers) (void)SendU32s(comm, o.rank, {});
+    return s;
+  };
+  for (int source : sources) {
+    std::string header(kHeaderBytes, '\0');
+    Status s = comm.Recv(source, std::as_writable_bytes(std::span(header)));
+    if (!s.ok()) return end_all(s);
+    Result<int64_t> held = ParseHeader(header, reg, SourceName(plan, source));
+    if (!held.ok()) return end_all(held.status());
+    Result<std::vector<uint32_t>> table = RecvTable(comm, reg, source);
+    if (!table.ok()) return end_all(table.status());
+    offers.push_back({source, *held, std::move(*table)});
+  }
+  std::vector<Offer> valid;
+  std::vector<std::string> others;
+  for (Offer& o : offers) {
+    if (o.step == step) {
+      valid.push_back(std::move(o));
+      continue;
+    }
+    others.push_back(fmt::format("{} holds step {}", SourceName(plan, o.rank), o.step));
+    NONSTOP_LOG_WARNING(
+        "state transfer of generation {}: {} holds the state of step {}, not step {} that the "
+        "plan resumes after: dropped, its chunks are copied from the other sources",
+        plan.generation, SourceName(plan, o.rank), o.step, step);
+    (void)SendU32s(comm, o.rank, {});  // done: it serves nothing
+  }
+  if (valid.empty()) {
+    return DataLossError(fmt::format(
+        "no source holds the state of step {} that the plan of generation {} resumes after: {}",
+        step, plan.generation, fmt::join(others, ", ")));
+  }
+  return valid;
+}
+
+std::string ListChunks(const std::vector<uint32_t>& chunks) {
+  constexpr size_t kShown = 16;
+  if (chunks.size() <= kShown) return fmt::format("{}", fmt::join(chunks, ", "));
+  return fmt::format("{} and {} more", fmt::join(chunks.begin(), chunks.begin() + kShown, ", "),
+                     chunks.size() - kShown);
+}
+
+// What each wanted chunk is checked against, per source: the CRC that a
+// majority of the sources' tables give it, or, where there is no majority
+// (two sources that disagree), the serving source's own. `agrees[i][c]`:
+// source i's table is that majority (or there is none). Replicas that
+// disagree are logged once, naming the chunks and the sources in the minority.
+struct Expected {
+  std::vector<std::vector<uint32_t>> crc;  // [source][chunk]
+  std::vector<std::vector<char>> agrees;   // [source][chunk]
+};
+
+Expected MajorityOf(const std::vector<Offer>& offers, const std::vector<uint32_t>& wanted,
+                    const control::PlanMsg& plan) {
+  const size_t k = offers.size();
+  Expected e;
+  for (const Offer& o : offers) {
+    e.crc.push_back(o.table);
+    e.agrees.emplace_back(o.table.size(), 1);
+  }
+  std::map<int, std::vector<uint32_t>> minority;  // source rank → chunks
+  std::vector<uint32_t> undecided;                // chunks without a majority
+  for (uint32_t c : wanted) {
+    std::map<uint32_t, size_t> votes;
+    for (const Offer& o : offers) ++votes[o.table[c]];
+    if (votes.size() == 1) continue;  // every table agrees
+    auto best = std::max_element(votes.begin(), votes.end(),
+                                 [](const auto& x, const auto& y) { return x.second < y.second; });
+    if (2 * best->second <= k) {  // no majority: each source's own value
+      undecided.push_back(c);
+      continue;
+    }
+    for (size_t i = 0; i < k; ++i) {
+      if (offers[i].table[c] == best->first) continue;
+      e.crc[i][c] = best->first;
+      e.agrees[i][c] = 0;
+      minority[offers[i].rank].push_back(c);
+    }
+  }
+  if (!minority.empty() || !undecided.empty()) {
+    std::vector<std::string> parts;
+    for (const auto& [rank, chunks] : minority) {
+      parts.push_back(
+          fmt::format("{} differs from the majority on chunk(s) {} (copied from the "
+                      "others)",
+                      SourceName(plan, rank), ListChunks(chunks)));
+    }
+    if (!undecided.empty()) {
+      parts.push_back(
+          fmt::format("no majority on chunk(s) {} (each checked against the table of "
+                      "the source that serves it)",
+                      ListChunks(undecided)));
+    }
+    NONSTOP_LOG_WARNING("state transfer of generation {}: the sources' states diverge: {}",
+                        plan.generation, fmt::join(parts, "; "));
+  }
+  return e;
+}
+
 }  // namespace
 
 Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id) {
@@ -372,7 +593,7 @@ Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id) {
 
 Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state::StateRegistry& reg,
                                           const control::PlanMsg& plan, int my_worker_id,
-                                          const TransferHooks& hooks) {
+                                          int64_t held_step, const TransferHooks& hooks) {
   TransferOutcome outcome;
   const int64_t step = plan.resume_step - 1;
   std::vector<int> serve_to;    // receiver ranks
@@ -389,11 +610,23 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
 
   if (!serve_to.empty()) {
     outcome.served = true;
+    const Status refusal = held_step == step
+                               ? OkStatus()
+                               : FailedPreconditionError(fmt::format(
+                                     "the plan of generation {} asks worker {} to serve the state "
+                                     "of step {}, but its state holds step {}: refused",
+                                     plan.generation, my_worker_id, step, held_step));
+    // The replicated chunks' CRCs, once for every receiver and request.
+    const std::vector<uint32_t> table =
+        refusal.ok() ? CrcTable(reg, /*sharded=*/false) : std::vector<uint32_t>{};
     std::atomic<bool> corrupt(hooks.corrupt_first_chunk);
     std::vector<Status> results(serve_to.size());
     std::vector<std::thread> threads;
     for (size_t i = 0; i < serve_to.size(); ++i) {
-      threads.emplace_back([&, i] { results[i] = Serve(comm, reg, serve_to[i], step, &corrupt); });
+      threads.emplace_back([&, i] {
+        results[i] = refusal.ok() ? Serve(comm, reg, serve_to[i], held_step, table, &corrupt)
+                                  : ServeRefusal(comm, reg, serve_to[i], held_step, refusal);
+      });
     }
     for (auto& t : threads) t.join();
     for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
@@ -401,16 +634,29 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   }
 
   outcome.received = true;
-  outcome.sources = static_cast<int>(fetch_from.size());
-  const size_t k = fetch_from.size();
-  std::vector<std::vector<uint32_t>> assigned(k);
   // Sharded chunks are this receiver's shard, which ExchangeShards copies
   // from its holders; the plan's sources may hold other shards.
   std::vector<uint32_t> wanted;
   for (uint32_t c = 0; c < reg.num_chunks(); ++c) {
     if (!reg.chunk_sharded(c)) wanted.push_back(c);
   }
-  for (size_t i = 0; i < wanted.size(); ++i) assigned[i % k].push_back(wanted[i]);
+  NONSTOP_ASSIGN_OR_RETURN(std::vector<Offer> offers,
+                           GatherOffers(comm, reg, plan, step, fetch_from));
+  const Expected expected = MajorityOf(offers, wanted, plan);
+  const size_t k = offers.size();
+  outcome.sources = static_cast<int>(k);
+  // Striped: chunk i from source i mod k, or the next one whose table agrees with the majority.
+  std::vector<std::vector<uint32_t>> assigned(k);
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    size_t from = i % k;
+    for (size_t step_over = 0; step_over < k; ++step_over) {
+      if (expected.agrees[(i + step_over) % k][wanted[i]]) {
+        from = (i + step_over) % k;
+        break;
+      }
+    }
+    assigned[from].push_back(wanted[i]);
+  }
   std::vector<Status> results(k);
   std::vector<std::vector<uint32_t>> failed(k);
   std::atomic<uint64_t> bytes{0};
@@ -419,12 +665,8 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
     std::vector<std::thread> threads;
     for (size_t i = 0; i < k; ++i) {
       threads.emplace_back([&, i] {
-        std::string header(kHeaderBytes, '\0');
-        Status s = comm.Recv(fetch_from[i], std::as_writable_bytes(std::span(header)));
-        if (s.ok()) s = CheckHeader(header, step, reg, SourceName(plan, fetch_from[i]));
-        if (s.ok())
-          s = FetchInPlace(comm, reg, fetch_from[i], assigned[i], i, &checker, &failed[i], &bytes);
-        results[i] = s;
+        results[i] = FetchInPlace(comm, reg, offers[i].rank, assigned[i], offers[i].table,
+                                  expected.crc[i], i, &checker, &failed[i], &bytes);
       });
     }
     for (auto& t : threads) t.join();
@@ -432,16 +674,19 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
     for (size_t i = 0; i < k; ++i) failed[i].insert(failed[i].end(), bad[i].begin(), bad[i].end());
   }
   for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
-  // Chunks that failed their checksum: fetch each again from the next source.
+  // Chunks that failed their checksum: fetch each again from the next source
+  // whose table agrees with the majority.
   for (size_t i = 0; i < k; ++i) {
     for (uint32_t index : failed[i]) {
       bool done = false;
       for (size_t attempt = 1; attempt <= k && !done; ++attempt) {
-        size_t from = (i + attempt) % k;
+        const size_t from = (i + attempt) % k;
+        if (!expected.agrees[from][index]) continue;
         std::vector<uint32_t> again;
         ChunkChecker checker(reg, 1);
-        NONSTOP_RETURN_IF_ERROR(
-            FetchInPlace(comm, reg, fetch_from[from], {index}, 0, &checker, &again, &bytes));
+        NONSTOP_RETURN_IF_ERROR(FetchInPlace(comm, reg, offers[from].rank, {index},
+                                             offers[from].table, expected.crc[from], 0, &checker,
+                                             &again, &bytes));
         std::vector<std::vector<uint32_t>> bad = checker.Finish();
         done = again.empty() && bad[0].empty();
         ++outcome.refetched_chunks;
@@ -452,7 +697,7 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
       }
     }
   }
-  for (int source : fetch_from) NONSTOP_RETURN_IF_ERROR(SendU32s(comm, source, {}));
+  for (const Offer& o : offers) NONSTOP_RETURN_IF_ERROR(SendU32s(comm, o.rank, {}));
   outcome.bytes_received = bytes.load();
   // The rest of the state is of the newer step now, the shards it holds are not.
   if (reg.shard_group() > 0) reg.set_held_shard(state::kNoShard);
@@ -669,8 +914,8 @@ struct Staging {
 // This member's side of the moves with every peer at once, one thread each.
 Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
                      const state::ShardLayout& layout, const std::map<int, PeerWork>& peers,
-                     int64_t step, bool every, const TransferHooks& hooks, Staging* staging,
-                     TransferOutcome* outcome) {
+                     int64_t step, int64_t held_step, bool every, const TransferHooks& hooks,
+                     Staging* staging, TransferOutcome* outcome) {
   const int me = comm.rank();
   const int need = layout.shard_of_rank[static_cast<size_t>(me)];
   const ChunkSink into_staging = [staging](uint32_t index, std::span<const std::byte> data,
@@ -678,6 +923,14 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
   std::atomic<bool> corrupt(hooks.corrupt_first_chunk);
   std::atomic<uint64_t> bytes{0};
   std::atomic<int> refetched{0};
+  // The CRC tables it serves, each computed once: of its held shard, or of
+  // each receiver's shard when it holds every shard.
+  std::map<int, std::vector<uint32_t>> tables;  // shard served (-1: the held one) → table
+  for (const auto& [peer, work] : peers) {
+    if (!work.serve) continue;
+    const int shard = every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1;
+    if (!tables.count(shard)) tables[shard] = CrcTable(reg, /*sharded=*/true, shard);
+  }
   std::vector<std::pair<int, Status>> results;
   for (const auto& [peer, work] : peers) results.push_back({peer, OkStatus()});
   std::vector<std::thread> threads;
@@ -687,8 +940,8 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
       const PeerWork& work = peers.at(peer);
       auto do_serve = [&]() -> Status {
         if (!work.serve) return OkStatus();
-        return Serve(comm, reg, peer, step, &corrupt,
-                     every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1);
+        const int shard = every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1;
+        return Serve(comm, reg, peer, held_step, tables.at(shard), &corrupt, shard);
       };
       auto do_fetch = [&]() -> Status {
         if (!work.fetch) return OkStatus();
@@ -697,12 +950,15 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
         // The existing check stays: a source's header must name this group size and the shard asked
         // for.
         NONSTOP_RETURN_IF_ERROR(CheckHeader(header, step, reg, fmt::format("rank {}", peer), need));
+        NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> table, RecvTable(comm, reg, peer));
         std::vector<uint32_t> failed;
-        NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, work.chunks, &failed, &bytes, into_staging));
+        NONSTOP_RETURN_IF_ERROR(
+            Fetch(comm, reg, peer, work.chunks, table, &failed, &bytes, into_staging));
         if (!failed.empty()) {  // once more from the same holder: a chunk damaged on the way
           refetched += static_cast<int>(failed.size());
           std::vector<uint32_t> again;
-          NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, failed, &again, &bytes, into_staging));
+          NONSTOP_RETURN_IF_ERROR(
+              Fetch(comm, reg, peer, failed, table, &again, &bytes, into_staging));
           if (!again.empty()) {
             return DataLossError(
                 fmt::format("state chunk {} of shard {} failed its checksum twice from rank {}",
@@ -772,7 +1028,7 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   if (!peers.empty() && hooks.on_start) hooks.on_start();
   Staging staging(reg, receiving ? sharded : std::vector<uint32_t>{});
   NONSTOP_RETURN_IF_ERROR(
-      MoveWithPeers(comm, reg, layout, peers, step, every, hooks, &staging, &outcome));
+      MoveWithPeers(comm, reg, layout, peers, step, held_step, every, hooks, &staging, &outcome));
   // Nobody commits before everybody has staged: a receiver's commit
   // overwrites the shard it held, which may be the last copy of it if a
   // holder that serves it dies now. After the barrier every member has its

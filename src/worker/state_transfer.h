@@ -5,28 +5,48 @@
 //
 // Protocol, per (receiver, source) pair, over point-to-point transfers
 // (docs/protocol.md):
-//   source → receiver  header {magic, step, total bytes, chunk bytes, chunks}
+//   source → receiver  header {magic "NSX3", step held, total bytes, chunk bytes,
+//                      chunks, shard group, shard, crc32c}
+//   source → receiver  CRC table {crc32c of chunk c, for every chunk c}
 //   receiver → source  request {count, chunk indices…}   (count 0: done)
 //   source → receiver  per chunk {index, crc32c} then the chunk's bytes
-// The header, requests and {index, crc32c} travel checksummed by the
-// transport (Send/Recv); a chunk's bytes travel unchecked by it
-// (SendUnchecked/RecvUnchecked), because the chunk's own CRC-32C protects
-// them: each byte is then read once on each side by a CRC and once by the
-// kernel's copy, and no more. The receiver checks the header against the
-// plan (a source that claims another step or another layout is refused:
-// DATA_LOSS), stripes the chunks over its sources (chunk c from source
-// c mod k, all sources at once, each request the whole list of its chunks,
-// which the source streams back), and receives each chunk straight into the
-// live state (a chunk that spans two regions goes through a buffer). A
-// checker thread verifies the chunks as they land, while the next ones
-// arrive; a chunk that fails its CRC is fetched again, over itself, from
-// the next source, and the transfer fails with DATA_LOSS when every source
-// gave a bad copy. Until the transfer has succeeded the receiver's state is
-// of no step (the session reports kNoValidState meanwhile): a failed
-// transfer may leave it half copied. The source sends from its live state
-// without a copy. A source that lies (another chunk than asked, another
-// size, garbage) fails the transfer with a message naming it; one that
-// stalls, with DEADLINE_EXCEEDED after timeout_collective.
+// The header names the step the source's state really holds (not the
+// plan's). The table holds the CRC-32C of each chunk as the source serves it
+// (the replicated chunks here, the shard's in ExchangeShards; 0 for chunks
+// the transfer does not copy), computed once per call from its state, and
+// each {index, crc32c} repeats the table's entry. The header, table,
+// requests and {index, crc32c} travel checksummed by the transport
+// (Send/Recv); a chunk's bytes travel unchecked by it (SendUnchecked/
+// RecvUnchecked), because the tables protect them: each byte is then read
+// once on each side by a CRC and once by the kernel's copy, and no more.
+//
+// A source whose state holds another step than the plan's (resume_step - 1)
+// refuses: it sends its header (its step) and a table of zeros, waits for the
+// receiver's done, and returns FAILED_PRECONDITION naming both steps. The
+// receiver first reads every source's header and table. A corrupt header,
+// another layout or group size is DATA_LOSS naming the source; a source of
+// another step is dropped with a warning and told it is done at once, and
+// DATA_LOSS names every source and its step when none holds the plan's. It
+// then takes, for each chunk, the CRC that a majority of the remaining
+// sources' tables give it (with no majority, two that disagree: the serving
+// source's own), logs once the chunks on which tables diverge and the sources
+// in the minority, and stripes the chunks over the sources (chunk c from
+// source c mod k, or the next whose table agrees with the majority; all
+// sources at once, each request the whole list of its chunks, which the
+// source streams back). So a source whose memory holds other bytes than the
+// others' (its table agreeing with them) cannot put them into the receiver
+// when three hold the step. Each chunk is received straight into the live
+// state (a chunk that spans two regions goes through a buffer). A checker
+// thread verifies the chunks as they land against the majority CRC, while
+// the next ones arrive; a chunk that fails is fetched again, over itself,
+// from the next source that agrees with the majority, and the transfer fails
+// with DATA_LOSS when every such source gave a bad copy. Until the transfer
+// has succeeded the receiver's state is of no step (the session reports
+// kNoValidState meanwhile): a failed transfer may leave it half copied. The
+// source sends from its live state without a copy. A source that lies
+// (another chunk than asked, a CRC other than its table's, another size,
+// garbage) fails the transfer with a message naming it; one that stalls,
+// with DEADLINE_EXCEEDED after timeout_collective.
 #pragma once
 
 #include <cstdint>
@@ -63,12 +83,15 @@ struct TransferHooks {
 // is wrong; a worker answers a bad plan with a Status, never an abort.
 Status ValidatePlan(const control::PlanMsg& plan, int my_worker_id);
 
-// Runs this worker's side of `plan.transfers` (a plan ValidatePlan accepted). The state must hold
-// step plan.resume_step - 1 if this worker is a source.
+// Runs this worker's side of `plan.transfers` (a plan ValidatePlan accepted).
+// `held_step`: the step this worker's state holds now (what it says in its
+// header as a source). A source whose `held_step` is not plan.resume_step - 1
+// serves nothing and returns FAILED_PRECONDITION once the receiver is done
+// with it; a receiver copies from the sources that hold that step.
 Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm,
                                           state::StateRegistry& registry,
                                           const control::PlanMsg& plan, int my_worker_id,
-                                          const TransferHooks& hooks);
+                                          int64_t held_step, const TransferHooks& hooks);
 
 // After RunStateTransfers, with sharded state (StateRegistry::shard_group() >
 // 0): every member of the generation calls it, with `held_step` the step its

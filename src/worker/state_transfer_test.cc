@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <functional>
 #include <thread>
 #include <utility>
@@ -246,7 +247,7 @@ std::vector<Result<TransferOutcome>> CopyAll(std::vector<std::unique_ptr<PlainRa
   for (size_t r = 0; r < ranks.size(); ++r) {
     threads.emplace_back([&, r] {
       PlainRank& k = *ranks[r];
-      out[r] = RunStateTransfers(*k.comm, k.reg, plan, static_cast<int>(r),
+      out[r] = RunStateTransfers(*k.comm, k.reg, plan, static_cast<int>(r), k.step,
                                  hooks ? hooks(static_cast<int>(r)) : TransferHooks{});
     });
   }
@@ -303,7 +304,8 @@ Result<TransferOutcome> CopyFromLiar(std::vector<std::unique_ptr<PlainRank>>& ra
                                      std::function<void(collective::Communicator&)> script) {
   const control::PlanMsg plan = CopyPlan(ranks);
   std::thread liar([&] { script(*ranks[1]->comm); });
-  Result<TransferOutcome> out = RunStateTransfers(*ranks[0]->comm, ranks[0]->reg, plan, 0, {});
+  Result<TransferOutcome> out =
+      RunStateTransfers(*ranks[0]->comm, ranks[0]->reg, plan, 0, control::kNoValidState, {});
   ranks[1]->comm->Abort("the test is over");
   liar.join();
   return out;
@@ -312,7 +314,7 @@ Result<TransferOutcome> CopyFromLiar(std::vector<std::unique_ptr<PlainRank>>& ra
 // The transfer header (state_transfer.cc) as `reg` would send it for `step`.
 std::string Header(const state::StateRegistry& reg, int64_t step, uint64_t total) {
   std::string h;
-  PutFixed32(&h, 0x3258534E);
+  PutFixed32(&h, 0x3358534E);  // "NSX3"
   PutFixed64(&h, static_cast<uint64_t>(step));
   PutFixed64(&h, total);
   PutFixed32(&h, static_cast<uint32_t>(reg.chunk_bytes()));
@@ -325,6 +327,13 @@ std::string Header(const state::StateRegistry& reg, int64_t step, uint64_t total
 
 Status SendString(collective::Communicator& comm, const std::string& s) {
   return comm.Send(0, std::as_bytes(std::span(s)));
+}
+
+// The CRC table a source sends after its header: every chunk's CRC-32C.
+std::string Table(const state::StateRegistry& reg) {
+  std::string t;
+  for (const state::ChunkInfo& c : reg.Chunks()) PutFixed32(&t, c.crc);
+  return t;
 }
 
 // Reads the receiver's request: {count} then the chunk indices.
@@ -343,6 +352,7 @@ std::vector<uint32_t> ReadRequest(collective::Communicator& comm) {
 void ServeLying(collective::Communicator& comm, const state::StateRegistry& reg,
                 const std::function<void(uint32_t, std::string*, std::vector<std::byte>*)>& lie) {
   if (!SendString(comm, Header(reg, 9, reg.total_bytes())).ok()) return;
+  if (!SendString(comm, Table(reg)).ok()) return;
   while (true) {
     std::vector<uint32_t> request = ReadRequest(comm);
     if (request.empty()) return;
@@ -401,8 +411,10 @@ TEST(RunStateTransfersTest, ASourceThatSendsAChunkOfTheWrongSizeFailsClearly) {
 
 TEST(RunStateTransfersTest, AHeaderOfAnotherStepOrLayoutOrGarbageIsRefused) {
   const std::pair<std::function<std::string(const state::StateRegistry&)>, std::string> cases[] = {
+      // its only source holds another step: nothing to copy from
       {[](const state::StateRegistry& reg) { return Header(reg, 8, reg.total_bytes()); },
-       "offers the state of step 8, but the plan resumes after step 9"},
+       "no source holds the state of step 9 that the plan of generation 1 resumes after: rank 1 "
+       "(worker 1) holds step 8"},
       {[](const state::StateRegistry& reg) { return Header(reg, 9, reg.total_bytes() + 4); },
        "the model or optimizer differs"},
       {[](const state::StateRegistry&) { return std::string(40, 'x'); }, "is corrupt"},
@@ -410,7 +422,8 @@ TEST(RunStateTransfersTest, AHeaderOfAnotherStepOrLayoutOrGarbageIsRefused) {
   for (const auto& [header, why] : cases) {
     auto ranks = MakePlainRanks(2);
     auto out = CopyFromLiar(ranks, [&](collective::Communicator& comm) {
-      (void)SendString(comm, header(ranks[1]->reg));
+      if (SendString(comm, header(ranks[1]->reg)).ok())
+        (void)SendString(comm, Table(ranks[1]->reg));
     });
     ASSERT_FALSE(out.ok()) << why;
     EXPECT_EQ(out.status().code(), StatusCode::kDataLoss) << out.status().ToString();
@@ -430,6 +443,87 @@ TEST(RunStateTransfersTest, ASourceThatStallsMidTransferEndsInTheCollectiveTimeo
   });
   ASSERT_FALSE(out.ok());
   EXPECT_EQ(out.status().code(), StatusCode::kDeadlineExceeded) << out.status().ToString();
+}
+
+TEST(RunStateTransfersTest,
+     ASourceThatHoldsAnotherStepThanThePlanSaysIsRefusedAndTheReceiverCopiesFromTheOthers) {
+  auto ranks = MakePlainRanks(4);
+  ranks[2]->Fill(7);  // the plan resumes after step 9; rank 2's state holds step 7
+  auto out = CopyAll(ranks);
+  ASSERT_TRUE(out[0].ok()) << out[0].status().ToString();
+  EXPECT_EQ(out[0]->sources, 2) << "rank 2 is dropped";
+  EXPECT_EQ(out[0]->refetched_chunks, 0);
+  EXPECT_EQ(out[0]->bytes_received, ranks[0]->reg.total_bytes());
+  EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
+  EXPECT_EQ(ranks[0]->step, 9);
+  for (int r : {1, 3}) {
+    EXPECT_TRUE(out[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+  }
+  ASSERT_FALSE(out[2].ok());
+  EXPECT_EQ(out[2].status().code(), StatusCode::kFailedPrecondition) << out[2].status().ToString();
+  EXPECT_NE(out[2].status().message().find("the plan of generation 1 asks worker 2 to serve the "
+                                           "state of step 9, but its state holds step 7: refused"),
+            std::string::npos)
+      << out[2].status().ToString();
+}
+
+TEST(RunStateTransfersTest, WhenNoSourceHoldsThePlansStepTheTransferIsDataLossNamingThem) {
+  auto ranks = MakePlainRanks(3);
+  const std::string before = ranks[0]->reg.Digest();
+  ranks[1]->Fill(7);
+  ranks[2]->Fill(8);
+  auto out = CopyAll(ranks);
+  ASSERT_FALSE(out[0].ok());
+  EXPECT_EQ(out[0].status().code(), StatusCode::kDataLoss) << out[0].status().ToString();
+  EXPECT_NE(out[0].status().message().find(
+                "no source holds the state of step 9 that the plan of generation 1 resumes "
+                "after: rank 1 (worker 1) holds step 7, rank 2 (worker 2) holds step 8"),
+            std::string::npos)
+      << out[0].status().ToString();
+  EXPECT_EQ(ranks[0]->reg.Digest(), before) << "nothing was copied";
+  for (int r : {1, 2}) {  // each was told it is done: none waits out the timeout
+    EXPECT_EQ(out[static_cast<size_t>(r)].status().code(), StatusCode::kFailedPrecondition)
+        << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+  }
+}
+
+TEST(RunStateTransfersTest,
+     ASourceWhoseMemoryDiffersFromTheMajorityCannotPutItsBytesIntoTheReceiver) {
+  auto ranks = MakePlainRanks(4);
+  // Rank 3 holds step 9 too, but a bit of every value flipped in its memory:
+  // its table agrees with its bytes, and every chunk differs from the others'.
+  for (float& f : ranks[3]->small) f = std::bit_cast<float>(std::bit_cast<uint32_t>(f) ^ 1u);
+  for (float& f : ranks[3]->large) f = std::bit_cast<float>(std::bit_cast<uint32_t>(f) ^ 1u);
+  const auto good = ranks[1]->reg.Chunks();
+  const auto bad = ranks[3]->reg.Chunks();
+  for (size_t c = 0; c < good.size(); ++c) {
+    ASSERT_NE(good[c].crc, bad[c].crc) << "chunk " << c << ": striped, a third goes to rank 3";
+  }
+  auto out = CopyAll(ranks);
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  EXPECT_EQ(out[0]->sources, 3);
+  EXPECT_EQ(out[0]->refetched_chunks, 0) << "rank 3's chunks are fetched from the majority at once";
+  EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
+  EXPECT_EQ(ranks[0]->large, ranks[2]->large);
+  EXPECT_NE(ranks[0]->reg.Digest(), ranks[3]->reg.Digest());
+}
+
+TEST(RunStateTransfersTest, OneDivergentChunkComesFromTheMajorityTheRestAsStriped) {
+  // Rank 2 (the second source) differs in chunk 1 only, which striping gives
+  // it: that chunk comes from a source of the majority, the rest of rank 2's
+  // stripe from rank 2.
+  auto ranks = MakePlainRanks(4);
+  ASSERT_FALSE(ranks[0]->reg.ContiguousChunk(1).empty());
+  ranks[2]->small[300] += 1.0f;  // in chunk 1 (the step's 8 bytes, then `small`)
+  ASSERT_NE(ranks[2]->reg.Chunks()[1].crc, ranks[1]->reg.Chunks()[1].crc);
+  ASSERT_EQ(ranks[2]->reg.Chunks()[4].crc, ranks[1]->reg.Chunks()[4].crc);
+  auto out = CopyAll(ranks);
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  EXPECT_EQ(out[0]->refetched_chunks, 0);
+  EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
 }
 
 TEST(ExchangeShardsTest, ASpareCopiesOnlyItsShardFromTheShardsHolders) {
