@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -35,6 +36,10 @@
 #include "worker/state_transfer.h"
 
 namespace nonstop {
+
+namespace {
+constexpr int kExitDataCorruption = 11;  // the job's exit code for data corruption (docs/errors.md)
+}  // namespace
 
 namespace testing {
 std::function<void()> before_collective_hook;
@@ -474,7 +479,14 @@ class SessionImpl {
         waiting_after_ = 0;
       }
       Result<int64_t> resumed = Adopt(*plan);
-      if (resumed.ok()) return resumed;
+      // A try that copied the state in and then failed still leaves it copied (the trainer must
+      // not salvage what it computed before), though the next plan copies nothing.
+      copied_since_recover_ = copied_since_recover_ || last_change_.state_copied;
+      last_change_.state_copied = copied_since_recover_;
+      if (resumed.ok()) {
+        copied_since_recover_ = false;
+        return resumed;
+      }
       NONSTOP_LOG_WARNING("generation {} failed during recovery: {}", plan->generation,
                           resumed.status().ToString());
       after_generation = plan->generation;
@@ -712,10 +724,15 @@ class SessionImpl {
     NONSTOP_RETURN_IF_ERROR(comm_->AllGather(records, bytes));
     std::vector<worker::ReplicaRecord> all;
     for (size_t q = 0; q < world; ++q) {
-      NONSTOP_ASSIGN_OR_RETURN(
-          worker::ReplicaRecord r,
-          worker::DecodeReplicaRecord(std::span(records).subspan(bytes * q, bytes), *state_));
-      all.push_back(std::move(r));
+      Result<worker::ReplicaRecord> r =
+          worker::DecodeReplicaRecord(std::span(records).subspan(bytes * q, bytes), *state_);
+      if (!r.ok()) {
+        Status bad = DataLossError(fmt::format("the replica record of rank {} (worker {}): {}", q,
+                                               member_ids_[q], r.status().message()));
+        comm_->Abort(bad.message());
+        return bad;
+      }
+      all.push_back(std::move(*r));
     }
     const worker::ReplicaVerdict v = worker::CompareReplicas(*state_, all, member_ids_);
     if (v.agree()) return OkStatus();
@@ -725,7 +742,7 @@ class SessionImpl {
           "right: {}",
           held, v.what));
       NONSTOP_LOG_ERROR("{}", bad.message());
-      control::FailureMsg m{comm_->generation(), held, bad.message(), 11};
+      control::FailureMsg m{comm_->generation(), held, bad.message(), kExitDataCorruption};
       (void)SendControl(control::kMsgFailure, control::Encode(m));
       comm_->Abort(bad.message());
       return bad;
@@ -740,6 +757,7 @@ class SessionImpl {
       held_shard_.store(state_->held_shard());
       NONSTOP_LOG_ERROR("this member's state differs from the majority's; it copies theirs: {}",
                         why);
+      diverged_why_ = why;
     } else {
       NONSTOP_LOG_WARNING("{}", why);
       why = fmt::format("the replica check at step {} found another member diverged: {}", held,
@@ -970,6 +988,12 @@ class SessionImpl {
   int comm_before_rank_ = -1;
   // The worker id of each rank of comm_'s generation; written with comm_ (Adopt).
   std::vector<int> member_ids_;
+  // Training thread only (Rejoin): some Adopt since the last successful one copied the state in.
+  bool copied_since_recover_ = false;
+  // Why the replica check dropped this member's state ("state_diverged at step …"), for the
+  // Ready of its recovery; written by whichever thread ran the check, read by Recover after
+  // WaitAll. Empty: it did not.
+  std::string diverged_why_;
   // Overlapped reduction: buckets started by the training thread, reduced in
   // order by comm_thread_. The training thread touches comm_ only after
   // WaitAll (Recover, Finish and the other collectives wait first).
@@ -1105,7 +1129,11 @@ void Session::ReportStep(const StepReport& r) {
 Result<int64_t> Session::Recover() {
   (void)impl_->WaitAll();  // the communication thread is idle before the communicator is replaced
   Status why = impl_->comm().error();
-  return impl_->Rejoin(impl_->comm().generation(), why.ok() ? "recovering" : why.message());
+  std::string reason = why.ok() ? "recovering" : why.message();
+  // Said as such, whatever aborted the communicator first (a peer's Ready can reach the
+  // controller, and its abort this member, before this member's own abort).
+  if (!impl_->diverged_why_.empty()) reason = std::exchange(impl_->diverged_why_, std::string());
+  return impl_->Rejoin(impl_->comm().generation(), reason);
 }
 
 Status Session::Finish(int64_t last_step, const std::string& checksum) {

@@ -455,8 +455,10 @@ Result<std::vector<Offer>> GatherOffers(collective::Communicator& comm,
                                         const control::PlanMsg& plan, int64_t step,
                                         const std::vector<int>& sources) {
   std::vector<Offer> offers;
+  // Every source sent its header and table at once and waits for requests: all of them, read or
+  // not, are told "done", so that none waits for a request that will not come.
   auto end_all = [&](const Status& s) {
-    for (const Offer& o : offers) (void)SendU32s(comm, o.rank, {});
+    for (int source : sources) (void)SendU32s(comm, source, {});
     return s;
   };
   for (int source : sources) {
@@ -500,7 +502,7 @@ std::string ListChunks(const std::vector<uint32_t>& chunks) {
 
 // What each wanted chunk is checked against, per source: the CRC that a
 // majority of the sources' tables give it, or, where there is no majority
-// (two sources that disagree), the serving source's own. `agrees[i][c]`:
+// (two sources that disagree), the first source's. `agrees[i][c]`:
 // source i's table is that majority (or there is none). Replicas that
 // disagree are logged once, naming the chunks and the sources in the minority.
 struct Expected {
@@ -524,8 +526,15 @@ Expected MajorityOf(const std::vector<Offer>& offers, const std::vector<uint32_t
     if (votes.size() == 1) continue;  // every table agrees
     auto best = std::max_element(votes.begin(), votes.end(),
                                  [](const auto& x, const auto& y) { return x.second < y.second; });
-    if (2 * best->second <= k) {  // no majority: each source's own value
+    if (2 * best->second <= k) {
+      // No majority: the first source's value, so that the copy is one replica's, not a mix of
+      // two (the replica check decides between them later: docs/integrity.md).
       undecided.push_back(c);
+      for (size_t i = 1; i < k; ++i) {
+        if (offers[i].table[c] == offers[0].table[c]) continue;
+        e.crc[i][c] = offers[0].table[c];
+        e.agrees[i][c] = 0;
+      }
       continue;
     }
     for (size_t i = 0; i < k; ++i) {
@@ -544,10 +553,8 @@ Expected MajorityOf(const std::vector<Offer>& offers, const std::vector<uint32_t
                       SourceName(plan, rank), ListChunks(chunks)));
     }
     if (!undecided.empty()) {
-      parts.push_back(
-          fmt::format("no majority on chunk(s) {} (each checked against the table of "
-                      "the source that serves it)",
-                      ListChunks(undecided)));
+      parts.push_back(fmt::format("no majority on chunk(s) {} (copied as {} holds them)",
+                                  ListChunks(undecided), SourceName(plan, offers[0].rank)));
     }
     NONSTOP_LOG_WARNING("state transfer of generation {}: the sources' states diverge: {}",
                         plan.generation, fmt::join(parts, "; "));

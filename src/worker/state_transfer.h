@@ -28,9 +28,9 @@
 // another step is dropped with a warning and told it is done at once, and
 // DATA_LOSS names every source and its step when none holds the plan's. It
 // then takes, for each chunk, the CRC that a majority of the remaining
-// sources' tables give it (with no majority, two that disagree: the serving
-// source's own), logs once the chunks on which tables diverge and the sources
-// in the minority, and stripes the chunks over the sources (chunk c from
+// sources' tables give it (with no majority, two that disagree: the first
+// source's, so that the copy is one replica's and not a mix), logs once the chunks on which tables
+// diverge and the sources in the minority, and stripes the chunks over the sources (chunk c from
 // source c mod k, or the next whose table agrees with the majority; all
 // sources at once, each request the whole list of its chunks, which the
 // source streams back). So a source whose memory holds other bytes than the
