@@ -6,13 +6,13 @@
 # the machine's drift falls on all alike. Prints each one's median step time
 # (the first step left out) and its ratio to the unchecked run's.
 #
-#   bash bench/integrity_cost.sh [--steps N] [--world W] [--rounds R] [--recipe llama-tiny]
+#   bash bench/integrity_cost.sh [--steps N (default 60: K = 50 checks once)] [--world W] [--rounds R] [--recipe llama-tiny]
 #
 # Needs ./build (scripts/build.sh). Everything runs on 127.0.0.1; the run
-# directory is removed on exit. About 7 min at the defaults on two cores.
+# directory is removed on exit. About 14 min at the defaults on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-steps=30
+steps=60
 world=4
 rounds=2
 recipe=llama-tiny
