@@ -108,10 +108,11 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
       k = std::stoi(every, &used);
     } catch (...) {
     }
-    if (used != every.size() || k < 0) {
-      return InvalidArgumentError(
-          fmt::format("{}='{}' is not a number of steps (0: never compare the replicas)",
-                      s::kReplicaCheckEvery.env, every));
+    const auto range = *s::kReplicaCheckEvery.range;
+    if (used != every.size() || k < range.lo || k > range.hi) {
+      return InvalidArgumentError(fmt::format(
+          "{}='{}' is not a number of steps from {} to {} (0: never compare the replicas)",
+          s::kReplicaCheckEvery.env, every, range.lo, range.hi));
     }
     o.replica_check_every = k;
   }
@@ -692,8 +693,9 @@ class SessionImpl {
       names.push_back(r.name);
       const bool chosen = f.tensor.empty() ? r.dtype == "F32" : r.name == f.tensor;
       if (!chosen || r.bytes.empty()) continue;
-      const size_t at = r.bytes.size() / 8 * 4 + std::min<size_t>(2, r.bytes.size() - 1);
-      r.bytes[std::min(at, r.bytes.size() - 1)] ^= std::byte{2};
+      // byte 2 (bits 16-23, little-endian) of the middle element; a region under 4 bytes: its last
+      const size_t at = std::min(r.bytes.size() / 8 * 4 + 2, r.bytes.size() - 1);
+      r.bytes[at] ^= std::byte{2};
       NONSTOP_LOG_WARNING("bitflip: flipped a bit of '{}' at byte {} of {}", r.name, at,
                           r.bytes.size());
       return;
