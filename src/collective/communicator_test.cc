@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -48,8 +49,8 @@ std::vector<Member> MembersOf(const std::vector<net::Listener>& ls) {
 }
 
 std::unique_ptr<RankEnv> MakeRank(int rank, net::Listener listener,
-                                  const std::vector<Member>& members,
-                                  size_t piece_bytes = 64 << 10) {
+                                  const std::vector<Member>& members, size_t piece_bytes = 64 << 10,
+                                  bool checked = false) {
   auto env = std::make_unique<RankEnv>();
   env->plane = TcpDataPlane::Create({kToken, rank}, std::move(listener), &env->abort);
   CommunicatorOptions o;
@@ -58,17 +59,19 @@ std::unique_ptr<RankEnv> MakeRank(int rank, net::Listener listener,
   o.members = members;
   o.timeout_collective = Millis(30'000);
   o.piece_bytes = piece_bytes;
+  o.checked = checked;
   env->comm = env->plane->NewCommunicator(o);
   return env;
 }
 
 // Runs `body` on W threads, one rank each (gloo BaseTest::spawn).
-void RunThreads(int w, const Body& body, size_t piece_bytes = 64 << 10) {
+void RunThreads(int w, const Body& body, size_t piece_bytes = 64 << 10, bool checked = false) {
   auto listeners = MakeListeners(w);
   auto members = MembersOf(listeners);
   std::vector<std::unique_ptr<RankEnv>> envs;
   for (int r = 0; r < w; ++r)
-    envs.push_back(MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members, piece_bytes));
+    envs.push_back(
+        MakeRank(r, std::move(listeners[static_cast<size_t>(r)]), members, piece_bytes, checked));
   std::vector<std::thread> threads;
   for (int r = 0; r < w; ++r) {
     threads.emplace_back([&, r] {
@@ -147,26 +150,31 @@ std::vector<float> NaiveSum(int w, size_t n, std::vector<float> (*input)(int, si
   return sum;
 }
 
-class AllReduceTest : public ::testing::TestWithParam<std::tuple<int, size_t>> {};
+// {world size, elements, checked collectives}
+class AllReduceTest : public ::testing::TestWithParam<std::tuple<int, size_t, bool>> {};
 
 TEST_P(AllReduceTest, MatchesNaiveGatherSumWithThreads) {
-  auto [w, n] = GetParam();
+  auto [w, n, checked] = GetParam();
   auto want = NaiveSum(w, n, IntegerInput);
   auto want_random = NaiveSum(w, n, RandomInput);
   std::vector<std::vector<float>> results(static_cast<size_t>(w)), again(static_cast<size_t>(w));
-  RunThreads(w, [&](int rank, Communicator& comm) {
-    auto data = IntegerInput(rank, n);
-    ASSERT_TRUE(comm.AllReduce(data).ok());
-    EXPECT_EQ(data, want) << "rank " << rank;
-    // Random inputs: close to the naive sum, and bitwise identical across ranks and runs.
-    auto r1 = RandomInput(rank, n);
-    auto r2 = RandomInput(rank, n);
-    ASSERT_TRUE(comm.AllReduce(r1).ok());
-    ASSERT_TRUE(comm.AllReduce(r2).ok());
-    for (size_t i = 0; i < n; ++i) ASSERT_NEAR(r1[i], want_random[i], 1e-5) << i;
-    results[static_cast<size_t>(rank)] = r1;
-    again[static_cast<size_t>(rank)] = r2;
-  });
+  RunThreads(
+      w,
+      [&](int rank, Communicator& comm) {
+        auto data = IntegerInput(rank, n);
+        ASSERT_TRUE(comm.AllReduce(data).ok());
+        EXPECT_EQ(data, want) << "rank " << rank;
+        // Random inputs: close to the naive sum, and bitwise identical across ranks and runs.
+        auto r1 = RandomInput(rank, n);
+        auto r2 = RandomInput(rank, n);
+        ASSERT_TRUE(comm.AllReduce(r1).ok());
+        ASSERT_TRUE(comm.AllReduce(r2).ok());
+        for (size_t i = 0; i < n; ++i) ASSERT_NEAR(r1[i], want_random[i], 1e-5) << i;
+        results[static_cast<size_t>(rank)] = r1;
+        again[static_cast<size_t>(rank)] = r2;
+        EXPECT_EQ(comm.stats().pieces_refetched, 0u) << "nothing was damaged";
+      },
+      64 << 10, checked);
   for (int r = 0; r < w && n > 0; ++r) {  // bitwise: memcmp, not float ==
     EXPECT_EQ(
         std::memcmp(results[static_cast<size_t>(r)].data(), results[0].data(), n * sizeof(float)),
@@ -182,10 +190,78 @@ INSTANTIATE_TEST_SUITE_P(WorldsAndLengths, AllReduceTest,
                          ::testing::Combine(::testing::Values(1, 2, 3, 5, 8),
                                             ::testing::Values(size_t{0}, size_t{1}, size_t{7},
                                                               size_t{1001},
-                                                              size_t{(3u << 20) / 4 + 3})),
+                                                              size_t{(3u << 20) / 4 + 3}),
+                                            ::testing::Bool()),
                          [](const auto& info) {
                            return "w" + std::to_string(std::get<0>(info.param)) + "_n" +
-                                  std::to_string(std::get<1>(info.param));
+                                  std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_checked" : "");
+                         });
+
+// A bit flipped on the wire (InjectWireFlip) in the last reduce step or the
+// last gather step of rank 1's ring. {world size, gather}
+class WireFlipTest : public ::testing::TestWithParam<std::tuple<int, bool>> {
+ protected:
+  static constexpr size_t kN = 50'000;
+  static constexpr size_t kPiece =
+      4096;  // several pieces per chunk: frames in flight behind the bad one
+
+  // Every rank's AllReduce of RandomInput, rank 1 flipping when `flip`; refetched: the ranks' sum.
+  static std::vector<std::vector<float>> Run(int w, bool gather, bool flip, bool checked,
+                                             uint64_t* refetched = nullptr) {
+    std::vector<std::vector<float>> out(static_cast<size_t>(w));
+    std::atomic<uint64_t> total{0};
+    RunThreads(
+        w,
+        [&](int rank, Communicator& comm) {
+          auto data = RandomInput(rank, kN);
+          if (flip && rank == 1) comm.InjectWireFlip(gather);
+          Status s = comm.AllReduce(data);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          out[static_cast<size_t>(rank)] = data;
+          total += comm.stats().pieces_refetched;
+        },
+        kPiece, checked);
+    if (refetched != nullptr) *refetched = total.load();
+    return out;
+  }
+
+  static bool Same(const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  }
+};
+
+TEST_P(WireFlipTest, CheckedRingFetchesTheFlippedPieceAgainAndEveryRankGetsTheCleanBits) {
+  auto [w, gather] = GetParam();
+  auto clean = Run(w, gather, /*flip=*/false, /*checked=*/true);
+  uint64_t refetched = 0;
+  auto got = Run(w, gather, /*flip=*/true, /*checked=*/true, &refetched);
+  EXPECT_EQ(refetched, 1u) << "one damaged piece, asked for once";
+  for (int r = 0; r < w; ++r)
+    EXPECT_TRUE(Same(got[static_cast<size_t>(r)], clean[0])) << "rank " << r << " has other bits";
+}
+
+TEST_P(WireFlipTest, UncheckedRingLetsTheFlippedBitIntoTheResult) {
+  auto [w, gather] = GetParam();
+  auto clean = Run(w, gather, /*flip=*/false, /*checked=*/false);
+  auto got = Run(w, gather, /*flip=*/true, /*checked=*/false);
+  std::vector<int> differ;
+  for (int r = 0; r < w; ++r)
+    if (!Same(got[static_cast<size_t>(r)], clean[0])) differ.push_back(r);
+  if (gather) {
+    // The last gather step's receiver keeps the piece: only rank 2 (1's right neighbour) is off.
+    EXPECT_EQ(differ, std::vector<int>{2 % w});
+  } else {
+    // The last reduce step completes a chunk's sum, which every rank then gathers.
+    EXPECT_EQ(differ.size(), static_cast<size_t>(w));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldsAndPhases, WireFlipTest,
+                         ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Bool()),
+                         [](const auto& info) {
+                           return "w" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_gather" : "_reduce");
                          });
 
 TEST(CommunicatorTest, AllReduceWithProcesses) {
@@ -217,7 +293,7 @@ TEST(CommunicatorTest, SmallPiecesPipelineCorrectly) {
 // The world-invariant all-reduce: the same m micro-batch gradients, split
 // over 1 to 5 ranks (unevenly too), sum to the same bits on every rank and
 // at every world size: the tree's sum.
-TEST(CommunicatorTest, AllReduceTreeGivesTheSameBitsAtEveryWorldSize) {
+TEST(CommunicatorTest, AllReduceTreeGivesTheSameBitsAtEveryWorldSizeCheckedOrNot) {
   const int m = 8;
   const size_t n = 1001;  // chunks of unequal sizes
   std::vector<std::vector<float>> g(m, std::vector<float>(n));
@@ -230,26 +306,35 @@ TEST(CommunicatorTest, AllReduceTreeGivesTheSameBitsAtEveryWorldSize) {
   TreeFolder all(m, 0, m, n);
   for (const auto& v : g) all.Add(v);
   const std::vector<float> want = all.partials()[0];
-  for (int w : {1, 2, 3, 4, 5}) {
-    std::vector<std::pair<int, int>> ranges;
-    for (int q = 0; q < w; ++q) ranges.push_back({q * m / w, (q + 1) * m / w});
-    std::vector<std::vector<float>> got(static_cast<size_t>(w));
-    RunThreads(
-        w,
-        [&](int rank, Communicator& comm) {
-          auto [first, last] = ranges[static_cast<size_t>(rank)];
-          TreeFolder f(m, first, last, n);
-          for (int i = first; i < last; ++i) f.Add(g[static_cast<size_t>(i)]);
-          std::vector<float> out(n);
-          Status s = comm.AllReduceTree(m, ranges, f.partials(), out);
-          ASSERT_TRUE(s.ok()) << s.ToString();
-          got[static_cast<size_t>(rank)] = std::move(out);
-        },
-        /*piece_bytes=*/1024);
-    for (int q = 0; q < w; ++q) {
-      ASSERT_EQ(got[static_cast<size_t>(q)].size(), n);
-      EXPECT_EQ(std::memcmp(got[static_cast<size_t>(q)].data(), want.data(), n * sizeof(float)), 0)
-          << "world " << w << " rank " << q << " differs from the tree's sum";
+  // Checked: with a bit flipped on the wire in rank 1's all-gather, fetched again.
+  for (bool checked : {false, true}) {
+    for (int w : {1, 2, 3, 4, 5}) {
+      std::vector<std::pair<int, int>> ranges;
+      for (int q = 0; q < w; ++q) ranges.push_back({q * m / w, (q + 1) * m / w});
+      std::vector<std::vector<float>> got(static_cast<size_t>(w));
+      std::atomic<uint64_t> refetched{0};
+      RunThreads(
+          w,
+          [&](int rank, Communicator& comm) {
+            auto [first, last] = ranges[static_cast<size_t>(rank)];
+            TreeFolder f(m, first, last, n);
+            for (int i = first; i < last; ++i) f.Add(g[static_cast<size_t>(i)]);
+            std::vector<float> out(n);
+            if (checked && rank == 1) comm.InjectWireFlip(/*gather=*/true);
+            Status s = comm.AllReduceTree(m, ranges, f.partials(), out);
+            ASSERT_TRUE(s.ok()) << s.ToString();
+            got[static_cast<size_t>(rank)] = std::move(out);
+            refetched += comm.stats().pieces_refetched;
+          },
+          /*piece_bytes=*/1024, checked);
+      EXPECT_EQ(refetched.load(), checked && w > 1 ? 1u : 0u) << "world " << w;
+      for (int q = 0; q < w; ++q) {
+        ASSERT_EQ(got[static_cast<size_t>(q)].size(), n);
+        EXPECT_EQ(std::memcmp(got[static_cast<size_t>(q)].data(), want.data(), n * sizeof(float)),
+                  0)
+            << "world " << w << " rank " << q << " differs from the tree's sum"
+            << (checked ? " (checked, a bit flipped on the wire)" : "");
+      }
     }
   }
 }

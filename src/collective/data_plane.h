@@ -132,6 +132,12 @@ struct CommunicatorOptions {
   // so the spaces stay apart from each other and from point-to-point
   // transfers (bit 31).
   uint32_t op_space = 0;
+  // Checked collectives (issue 28, docs/integrity.md): every piece of the
+  // ring, the tree and the broadcast carries a CRC-32C, and a damaged piece
+  // is fetched again from its sender (transfer.h), so a byte flipped on the
+  // wire never reaches the result. Point-to-point Send/Recv always check
+  // (and fail with kDataLoss); SendUnchecked/RecvUnchecked never do.
+  bool checked = false;
 };
 
 // [begin, end) of chunk `c` when `n` elements are split into `parts`.
@@ -142,6 +148,7 @@ struct CommunicatorStats {
   uint64_t bytes_received = 0;
   uint64_t stale_frames_dropped = 0;
   uint64_t ops = 0;
+  uint64_t pieces_refetched = 0;  // damaged pieces this rank asked for again
 };
 
 // The collectives of one generation (see the top of this file).
@@ -199,6 +206,14 @@ class Communicator {
   // link to the right neighbour under it (TCP: the connection is shut down
   // after it is acquired, so the operation fails with kUnavailable).
   virtual void InjectDropOfNextRingLink() = 0;
+  // Fault injection (FaultKind::kWireflip): in the next ring collective that
+  // has the phase, the first piece this rank sends in the last step of its
+  // reduce-scatter (`gather` false) or of its all-gather (true) leaves with
+  // one bit flipped after its checksum was computed, as a bad NIC or cable
+  // would flip it. A flip in the last gather step reaches one rank only (the
+  // right neighbour keeps the piece); one in the last reduce step reaches
+  // the sum every rank gets.
+  virtual void InjectWireFlip(bool gather) = 0;
 
   // Makes every blocked and future call return kAborted with `reason`.
   virtual void Abort(const std::string& reason) = 0;

@@ -104,6 +104,7 @@ Status TcpCommunicator::Run(TransferSpec spec) {
     stats_.bytes_sent += t.bytes_sent;
     stats_.bytes_received += t.bytes_received;
     stats_.stale_frames_dropped += t.stale_frames_dropped;
+    stats_.pieces_refetched += t.pieces_refetched;
   }
   if (t.failed_peer >= 0) mesh_->Drop(t.failed_peer);  // broken: the next generation dials anew
   if (!s.ok()) {
@@ -151,8 +152,14 @@ Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_b
   spec.recv_from = left;
   spec.recv_peer = PeerName(mod(r - 1));
   std::vector<size_t> recv_step_begin;  // index of the first receive item of each step
+  // The injected wire flip's step: the last of the reduce-scatter or of the all-gather.
+  const int flip_step = inject_flip_ < 0 ? -1 : inject_flip_ == 0 ? w - 2 : 2 * (w - 1) - 1;
   for (int t = t_begin; t < t_end; ++t) {
     bool reducing = t < w - 1;
+    if (t == flip_step && data != nullptr) {
+      spec.flip_send_item = static_cast<int32_t>(spec.sends.size());
+      inject_flip_ = -1;
+    }
     int send_chunk = reducing ? mod(r - 1 - t) : mod(r - (t - (w - 1)));
     int recv_chunk = reducing ? mod(r - 2 - t) : mod(r - 1 - (t - (w - 1)));
     size_t p = 0;
@@ -168,6 +175,7 @@ Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_b
   }
   spec.generation = options_.generation;
   spec.op = FramedOp();
+  spec.checksum = spec.retry = options_.checked;
   spec.scratch = scratch_;
   spec.deadline = OpDeadline();
   spec.abort = abort_;
@@ -264,6 +272,7 @@ Status TcpCommunicator::Broadcast(Region data, int root) {
   }
   spec.generation = options_.generation;
   spec.op = FramedOp();
+  spec.checksum = spec.retry = options_.checked;
   spec.deadline = OpDeadline();
   spec.abort = abort_;
   return Run(std::move(spec));
@@ -330,6 +339,7 @@ Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNod
     }
     spec.generation = options_.generation;
     spec.op = FramedOp();
+    spec.checksum = spec.retry = options_.checked;
     spec.deadline = OpDeadline();
     spec.abort = abort_;
     NONSTOP_RETURN_IF_ERROR(Run(std::move(spec)));

@@ -13,6 +13,8 @@
 //   AllReduceTree  a deterministic reduce-scatter of the partial sums, then an all-gather
 //   Send/Recv      point-to-point transfer of large buffers, checksummed
 //                  (SendUnchecked/RecvUnchecked: the same frames, the caller checks)
+// With CommunicatorOptions::checked the collectives' pieces are checked too,
+// and a damaged one is fetched again (transfer.h).
 // Every piece travels as one data frame tagged (generation, op, seq)
 // (transfer.h, docs/protocol.md).
 //
@@ -78,6 +80,7 @@ class TcpCommunicator final : public Communicator {
   // down after acquiring it, so the link breaks under the operation (a
   // connection dropped between operations is simply redialed).
   void InjectDropOfNextRingLink() override { inject_drop_ = true; }
+  void InjectWireFlip(bool gather) override { inject_flip_ = gather ? 1 : 0; }
 
   void Abort(const std::string& reason) override;
   Status error() const override;
@@ -119,6 +122,8 @@ class TcpCommunicator final : public Communicator {
   // Not under mu_: set and cleared by the thread that drives the collectives
   // (the fault is injected just before the collective it breaks).
   bool inject_drop_ = false;
+  int inject_flip_ =
+      -1;  // -1: none; 0: the last reduce step's first piece; 1: the last gather step's
 };
 
 }  // namespace nonstop::collective

@@ -13,6 +13,20 @@
 // Buffers: every pointer in a TransferSpec must stay valid until RunTransfer
 // returns; it blocks until the transfer is done, failed or aborted.
 //
+// Checked transfers (spec.checksum and spec.retry; docs/protocol.md
+// "Checked collectives"): every piece carries a CRC-32C and the flag
+// kDataFlagRetry. A receiver that finds a piece damaged asks the sender for
+// it again with a kFrameResend {seq} on the same connection, going the other
+// way, and drops the frames already on their way after it (go back N); the
+// sender starts over from that piece. When every piece is in, the receiver
+// sends kFrameAck {count}, and the sender's transfer ends only then, so a
+// piece is never asked for after its sender has moved on. The sender's
+// buffers stay valid that long: in every collective built on this engine the
+// memory of a piece sent is written again only after the bytes that depend
+// on that piece came back around, which a piece still asked for holds up.
+// The receiver acts on the flags of the frames it gets, so a job whose
+// workers disagree on the setting still runs (checked where the sender is).
+//
 // Abort and reuse: when a transfer ends early (aborted, timed out), the
 // position of each stream inside its current frame is saved in the
 // Connection; the next transfer on that connection first completes the frame
@@ -36,8 +50,12 @@ namespace nonstop::collective {
 
 inline constexpr size_t kDataHeaderBytes = 24;
 inline constexpr uint16_t kFrameData = 16;
+inline constexpr uint16_t kFrameResend =
+    17;  // receiver to sender: send piece `seq` and the rest again
+inline constexpr uint16_t kFrameAck = 18;  // receiver to sender: all `seq` pieces arrived whole
 inline constexpr uint16_t kDataFlagChecksum = 1;
-static_assert(kFrameData == 16, "wire numbers are pinned");
+inline constexpr uint16_t kDataFlagRetry = 2;  // the receiver answers with kFrameResend / kFrameAck
+static_assert(kFrameData == 16 && kFrameResend == 17 && kFrameAck == 18, "wire numbers are pinned");
 
 enum class Reduce : uint8_t { kNone, kSumFloat32 };
 
@@ -64,7 +82,15 @@ struct TransferSpec {
 
   uint32_t generation = 0;
   uint32_t op = 0;
-  bool checksum = false;         // CRC32C on every payload; a mismatch is kDataLoss
+  bool checksum = false;  // CRC32C on every payload; a mismatch is kDataLoss
+  // With checksum: a damaged piece is fetched again (up to max_resends times
+  // in the transfer, then kDataLoss), and the sender waits for the ack.
+  bool retry = false;
+  int max_resends = 8;
+  // Fault injection (a byte flipped on the wire): the first transmission of
+  // send item `flip_send_item` leaves with one bit of its payload flipped
+  // after its checksum was computed. -1: none.
+  int32_t flip_send_item = -1;
   std::span<std::byte> scratch;  // >= the largest reducing receive item
   Deadline deadline = kNoDeadline;
   const net::AbortSignal* abort = nullptr;
@@ -74,7 +100,8 @@ struct TransferStats {
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
   uint64_t stale_frames_dropped = 0;
-  int failed_peer = -1;  // worker id of the connection that broke (kUnavailable), else -1
+  uint64_t pieces_refetched = 0;  // resend requests this receiver made
+  int failed_peer = -1;           // worker id of the connection that broke (kUnavailable), else -1
 };
 
 Status RunTransfer(const TransferSpec& spec, TransferStats* stats = nullptr);
