@@ -104,7 +104,7 @@ std::vector<double> RunRanks(int n, size_t count, Body body) {
 // Runs `body(rank, comm)` in `n` forked processes, each a rank of one
 // nonstop communicator on loopback; `count` values come back from rank 0.
 template <typename Body>
-std::vector<double> RunNonstopRanks(int n, size_t count, Body body) {
+std::vector<double> RunNonstopRanks(int n, size_t count, Body body, bool checked = false) {
   std::vector<net::Listener> listeners;
   std::vector<collective::Member> members;
   for (int r = 0; r < n; ++r) {
@@ -123,14 +123,17 @@ std::vector<double> RunNonstopRanks(int n, size_t count, Body body) {
     collective::CommunicatorOptions o;
     o.rank = rank;
     o.members = members;
+    o.checked = checked;
     std::unique_ptr<collective::Communicator> comm = plane->NewCommunicator(o);
     NONSTOP_CHECK(comm->Connect().ok());
     return body(rank, *comm);
   });
 }
 
-std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
-  return RunNonstopRanks(n, sizes.size(), [&](int, collective::Communicator& comm) {
+// `checked`: checked collectives (a CRC-32C per piece, an ack per transfer; docs/integrity.md).
+std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes, bool checked = false) {
+  return RunNonstopRanks(
+      n, sizes.size(), [&](int, collective::Communicator& comm) {
     std::vector<double> out;
     for (const Size& s : sizes) {
       std::vector<float> data(s.bytes / sizeof(float), 1.0f);
@@ -142,7 +145,7 @@ std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes) {
       out.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / s.iters);
     }
     return out;
-  });
+  }, checked);
 }
 
 // The world-invariant all-reduce (nonstop/tree.h) against the ring
@@ -297,22 +300,27 @@ int Main(int argc, char** argv) {
   fmt::print("raw loopback TCP, one connection: {:.2f} GB/s\n", raw / 1e9);
   std::fflush(stdout);
   auto ns = BenchNonstop(nproc, sizes);
+  auto checked = BenchNonstop(nproc, sizes, /*checked=*/true);
   auto gl = BenchGloo(nproc, sizes);
 
   double factor = 2.0 * (nproc - 1) / nproc;
   nlohmann::json results = nlohmann::json::array();
-  fmt::print("\n{:>10} {:>6} {:>14} {:>14} {:>12} {:>14}\n", "size", "iters", "nonstop GB/s",
-             "gloo GB/s", "nonstop/gloo", "nonstop/raw");
+  fmt::print("\n{:>10} {:>6} {:>14} {:>14} {:>12} {:>14} {:>14} {:>16}\n", "size", "iters",
+             "nonstop GB/s", "gloo GB/s", "nonstop/gloo", "nonstop/raw", "checked GB/s",
+             "checked/unchecked");
   for (size_t i = 0; i < sizes.size(); ++i) {
     double bw_ns = factor * static_cast<double>(sizes[i].bytes) / ns[i];
     double bw_gl = factor * static_cast<double>(sizes[i].bytes) / gl[i];
-    fmt::print("{:>10} {:>6} {:>14.3f} {:>14.3f} {:>12.2f} {:>13.1f}%\n",
+    double bw_checked = factor * static_cast<double>(sizes[i].bytes) / checked[i];
+    fmt::print("{:>10} {:>6} {:>14.3f} {:>14.3f} {:>12.2f} {:>13.1f}% {:>14.3f} {:>16.3f}\n",
                HumanBytes(sizes[i].bytes), sizes[i].iters, bw_ns / 1e9, bw_gl / 1e9, bw_ns / bw_gl,
-               100.0 * bw_ns / raw);
+               100.0 * bw_ns / raw, bw_checked / 1e9, bw_checked / bw_ns);
     results.push_back({{"bytes", sizes[i].bytes},
                        {"iters", sizes[i].iters},
                        {"nonstop_seconds", ns[i]},
                        {"gloo_seconds", gl[i]},
+                       {"checked_seconds", checked[i]},
+                       {"ratio_checked_over_unchecked_busbw", bw_checked / bw_ns},
                        {"nonstop_busbw_bytes_per_s", bw_ns},
                        {"gloo_busbw_bytes_per_s", bw_gl},
                        {"ratio_nonstop_over_gloo", bw_ns / bw_gl},

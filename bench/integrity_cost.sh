@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# What replica agreement costs (issue 28, docs/integrity.md), in one
-# invocation: the same recipe and world trained with the replicas never
-# compared (--replica-check-every 0), compared before every step (1) and at
-# the default (50), run after run, rounds of the three interleaved so that
-# the machine's drift falls on all alike. Prints each one's median step time
-# (the first step left out) and its ratio to the unchecked run's.
+# What integrity costs (issue 28, docs/integrity.md), in one invocation: the
+# same recipe and world trained with the replicas never compared
+# (--replica-check-every 0), compared before every step (1) and at the
+# default (50), and with checked collectives (--checked-collectives, K = 0),
+# run after run, rounds of the four interleaved so that the machine's drift
+# falls on all alike. Prints each one's median step time (the first step left
+# out) and its ratio to the run with neither.
 #
 #   bash bench/integrity_cost.sh [--steps N (default 60: K = 50 checks once)] [--world W] [--rounds R] [--recipe llama-tiny]
 #
 # Needs ./build (scripts/build.sh). Everything runs on 127.0.0.1; the run
-# directory is removed on exit. About 14 min at the defaults on two cores.
+# directory is removed on exit. About 19 min at the defaults on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=60
@@ -33,29 +34,36 @@ done
 dir=$(mktemp -d /tmp/nonstop-integrity-cost-XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 for round in $(seq "$rounds"); do
-  for k in 0 1 50; do
-    echo "[$recipe] world $world, round $round, --replica-check-every $k" >&2
-    "$bin/nonstop" run --nproc "$world" --spares 0 --journal "$dir/k$k-$round.jsonl" -- \
-      "$bin/nonstop-train" "recipes/$recipe.yaml" --steps "$steps" --replica-check-every "$k" \
-      > "$dir/k$k-$round.out" 2>&1 ||
-      { echo "integrity_cost: the run with K=$k failed:" >&2; tail -20 "$dir/k$k-$round.out" >&2; exit 1; }
+  for run in k0 k1 k50 checked; do
+    case "$run" in
+      checked) flags=(--replica-check-every 0 --checked-collectives) ;;
+      *) flags=(--replica-check-every "${run#k}") ;;
+    esac
+    echo "[$recipe] world $world, round $round, ${flags[*]}" >&2
+    "$bin/nonstop" run --nproc "$world" --spares 0 --journal "$dir/$run-$round.jsonl" -- \
+      "$bin/nonstop-train" "recipes/$recipe.yaml" --steps "$steps" "${flags[@]}" \
+      > "$dir/$run-$round.out" 2>&1 ||
+      { echo "integrity_cost: the run with ${flags[*]} failed:" >&2; tail -20 "$dir/$run-$round.out" >&2; exit 1; }
   done
 done
 "$py" - "$dir" "$recipe" "$steps" "$world" "$rounds" <<'EOF'
 import glob, json, statistics, sys
 d, recipe, steps, world, rounds = sys.argv[1:]
 med = {}
-for k in (0, 1, 50):
+runs = ("k0", "k1", "k50", "checked")
+for k in runs:
     secs = []
-    for path in sorted(glob.glob(f"{d}/k{k}-*.jsonl")):
+    for path in sorted(glob.glob(f"{d}/{k}-*.jsonl")):
         rec = [json.loads(l) for l in open(path) if l.strip()]
         by_step = {r["step"]: r["step_seconds"] for r in rec if r.get("event") == "step"}
         secs += [by_step[s] for s in sorted(by_step)][1:]
     med[k] = statistics.median(secs)
 print(f"\n{recipe}, world {world}, {steps} steps × {rounds} rounds per setting")
-print("| --replica-check-every | median step ms | ratio to unchecked |")
+print("| setting | median step ms | ratio to neither |")
 print("|---|---|---|")
-for k in (0, 1, 50):
-    name = {0: "0 (never)", 1: "1 (every step)", 50: "50 (the default)"}[k]
-    print(f"| {name} | {med[k] * 1000:.1f} | {med[k] / med[0]:.4f} |")
+names = {"k0": "--replica-check-every 0 (never)", "k1": "--replica-check-every 1 (every step)",
+         "k50": "--replica-check-every 50 (the default)",
+         "checked": "--checked-collectives, --replica-check-every 0"}
+for k in runs:
+    print(f"| {names[k]} | {med[k] * 1000:.1f} | {med[k] / med['k0']:.4f} |")
 EOF

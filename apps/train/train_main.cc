@@ -125,6 +125,7 @@ struct TrainerFlags {
   double bucket_mb = 1.0;
   bool no_salvage = settings::kTrainNoSalvage.default_value;
   int replica_check_every = settings::kReplicaCheckEvery.default_value;
+  bool checked_collectives = settings::kCheckedCollectives.default_value;
   std::string log_samples;       // test-only
   int throttle_ms = 0;           // test-only
   int micro_batch_pause_ms = 0;  // test-only
@@ -165,6 +166,7 @@ std::optional<int> ParseFlags(int argc, char** argv, TrainerFlags* f) {
       ->check(CLI::Range(0.001, 1024.0));
   AddSetting(&app, settings::kTrainNoSalvage, f->no_salvage);
   AddSetting(&app, settings::kReplicaCheckEvery, f->replica_check_every);
+  AddSetting(&app, settings::kCheckedCollectives, f->checked_collectives);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -504,6 +506,7 @@ std::optional<int> Trainer::Join() {
   auto options = SessionOptions::FromEnvironment();
   if (!options.ok()) return Fail(options.status(), "not under nonstop run");
   options->replica_check_every = f_.replica_check_every;
+  options->checked_collectives = f_.checked_collectives;
   auto joined = Session::Join(*options, &state_, completed_);
   if (!joined.ok()) {
     if (joined.status().code() == StatusCode::kCancelled) return 0;  // a spare that was not needed

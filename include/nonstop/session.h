@@ -124,6 +124,10 @@ struct SessionOptions {
   // exit 11 naming the region and step. 0: never. The same on every worker
   // (kReplicaCheckEvery, NONSTOP_REPLICA_CHECK_EVERY).
   int replica_check_every = settings::kReplicaCheckEvery.default_value;
+  // Checked collectives (docs/integrity.md): a CRC-32C on every piece of the
+  // ring and the tree, a damaged piece fetched again from its sender
+  // (kCheckedCollectives, NONSTOP_CHECKED_COLLECTIVES).
+  bool checked_collectives = settings::kCheckedCollectives.default_value;
 
   // Reads the variables that `nonstop run` and the agents set for each worker
   // (the registry's worker entries).

@@ -749,6 +749,15 @@ inline constexpr Setting<int> kReplicaCheckEvery{
         "Compare the replicas' state (a CRC per registered region) before every this many steps; "
         "a member that differs from the majority copies the majority's state, no majority stops "
         "the job with exit 11 (0: never; the same on every worker; docs/integrity.md)"};
+inline constexpr Setting<bool> kCheckedCollectives{
+    .env = "NONSTOP_CHECKED_COLLECTIVES",
+    .flag = "--checked-collectives,!--unchecked-collectives",
+    .default_value = false,
+    .read_by = kWorker | kTrain,
+    .help =
+        "Every piece of the gradients' all-reduce (ring and tree) carries a CRC-32C, and a piece "
+        "damaged on the wire is fetched again from its sender, so a flipped bit never reaches the "
+        "sum (1/0; docs/integrity.md)"};
 inline constexpr Setting<int64_t> kLeaderlessTimeoutMs{
     .env = "NONSTOP_LEADERLESS_TIMEOUT_MS",
     .default_value = 600'000,

@@ -140,6 +140,7 @@ std::vector<Info> Build() {
       Describe(kWorkerControllerTimeoutMs),
       Describe(kLeaderlessTimeoutMs),
       Describe(kReplicaCheckEvery),
+      Describe(kCheckedCollectives),
       // nonstop-train
       Describe(kTrainCheckpointDir),
       Describe(kTrainCheckpointEvery),

@@ -22,6 +22,8 @@ std::string_view FaultKindName(FaultKind k) {
       return "stall";
     case FaultKind::kBitflip:
       return "bitflip";
+    case FaultKind::kWireflip:
+      return "wireflip";
   }
   return "?";
 }
@@ -73,11 +75,15 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
       f.kind = FaultKind::kCorrupt;
     else if (kind == "bitflip")
       f.kind = FaultKind::kBitflip;
+    else if (kind == "wireflip")
+      f.kind = FaultKind::kWireflip;
     else
-      return InvalidArgumentError(fmt::format(
-          "fault '{}': unknown kind '{}' (kill, hang, stall, exception, drop, corrupt, bitflip)",
-          item, kind));
+      return InvalidArgumentError(
+          fmt::format("fault '{}': unknown kind '{}' (kill, hang, stall, exception, drop, corrupt, "
+                      "bitflip, wireflip)",
+                      item, kind));
     bool has_rank = false;
+    bool has_phase = false;
     for (std::string_view kv : Split(item.substr(colon + 1), ',')) {
       size_t eq = kv.find('=');
       if (eq == std::string_view::npos)
@@ -104,12 +110,16 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
       } else if (k == "tensor") {
         ok = !v.empty();
         f.tensor = std::string(v);
+      } else if (k == "phase") {
+        ok = v == "gather" || v == "reduce";
+        f.gather_phase = v == "gather";
+        has_phase = true;
       } else if (k == "during") {
         ok = v == "transfer" || v == "step";
         if (v == "transfer") f.point = FaultPoint::kTransfer;
       } else {
         return InvalidArgumentError(fmt::format(
-            "fault '{}': unknown key '{}' (rank, step, time, at, during, tensor)", item, k));
+            "fault '{}': unknown key '{}' (rank, step, time, at, during, tensor, phase)", item, k));
       }
       if (!ok)
         return InvalidArgumentError(fmt::format("fault '{}': bad value '{}' for {}", item, v, k));
@@ -137,6 +147,16 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
           "fault '{}': a bitflip happens at a step (e.g. bitflip:rank=1,step=30,tensor=params)",
           item));
     }
+    if (has_phase && f.kind != FaultKind::kWireflip) {
+      return InvalidArgumentError(
+          fmt::format("fault '{}': phase= names the ring phase of a wireflip only", item));
+    }
+    if (f.kind == FaultKind::kWireflip && (f.point != FaultPoint::kStep || f.step < 0)) {
+      return InvalidArgumentError(
+          fmt::format("fault '{}': a wireflip happens in a step's reduction (e.g. "
+                      "wireflip:rank=1,step=30,phase=gather)",
+                      item));
+    }
     if (f.at >= 0 && (f.point != FaultPoint::kStep || f.step < 0 ||
                       (f.kind != FaultKind::kKill && f.kind != FaultKind::kHang))) {
       return InvalidArgumentError(
@@ -156,6 +176,7 @@ std::string FormatFault(const FaultSpec& f) {
   if (f.point == FaultPoint::kTransfer && f.kind != FaultKind::kCorrupt) s += ",during=transfer";
   if (f.at >= 0) s += fmt::format(",at={}", f.at);
   if (!f.tensor.empty()) s += ",tensor=" + f.tensor;
+  if (f.kind == FaultKind::kWireflip && !f.gather_phase) s += ",phase=reduce";
   return s;
 }
 

@@ -30,7 +30,7 @@
 
 namespace nonstop::control {
 
-enum class FaultKind { kKill, kHang, kException, kDrop, kCorrupt, kStall, kBitflip };
+enum class FaultKind { kKill, kHang, kException, kDrop, kCorrupt, kStall, kBitflip, kWireflip };
 enum class FaultPoint { kStep, kTransfer, kTime };
 
 struct FaultSpec {
@@ -45,6 +45,9 @@ struct FaultSpec {
   double at = -1;
   // bitflip: the registered region to flip a bit in (empty: the first fp32 one).
   std::string tensor;
+  // wireflip: the ring phase whose last step's first piece this rank sends
+  // with a bit flipped on the wire (phase=gather, the default, or reduce).
+  bool gather_phase = true;
 };
 
 Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id = 0);

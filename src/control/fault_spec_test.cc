@@ -48,6 +48,29 @@ TEST(FaultSpecTest, ABitflipNamesItsStepAndMaybeItsTensor) {
             std::string::npos);
 }
 
+// A bit flipped on the wire in one member's ring, in the last gather step (the default) or the
+// last reduce step.
+TEST(FaultSpecTest, AWireflipNamesItsStepAndItsRingPhase) {
+  auto f = ParseFaults("wireflip:rank=1,step=12;wireflip:rank=0,step=3,phase=reduce");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_EQ(f->size(), 2u);
+  EXPECT_EQ((*f)[0].kind, FaultKind::kWireflip);
+  EXPECT_TRUE((*f)[0].gather_phase);
+  EXPECT_FALSE((*f)[1].gather_phase);
+  EXPECT_EQ(FormatFault((*f)[0]), "wireflip:rank=1,step=12");
+  EXPECT_EQ(FormatFault((*f)[1]), "wireflip:rank=0,step=3,phase=reduce");
+  auto back = ParseFaults(FormatFault((*f)[1]));
+  ASSERT_TRUE(back.ok());
+  EXPECT_FALSE((*back)[0].gather_phase);
+  for (const char* bad :
+       {"wireflip:rank=1,time=3", "wireflip:rank=1", "wireflip:rank=1,step=3,phase=up",
+        "kill:rank=1,step=3,phase=gather", "wireflip:rank=1,step=3,during=transfer"}) {
+    EXPECT_FALSE(ParseFaults(bad).ok()) << bad;
+  }
+  EXPECT_NE(ParseFaults("kill:rank=1,step=3,phase=gather").status().message().find("wireflip only"),
+            std::string::npos);
+}
+
 // A kill or hang part-way into a step (at=): as it starts, half-way, and its default (just before
 // the step's reduction, at = -1).
 TEST(FaultSpecTest, AKillOrHangCanLandAFractionOfTheWayIntoAStep) {

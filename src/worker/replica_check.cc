@@ -84,7 +84,7 @@ ReplicaRecord RecordOf(const state::StateRegistry& reg, int64_t step) {
 }
 
 size_t ReplicaRecordBytes(const state::StateRegistry& reg) {
-  return kFixedBytes + 4 * reg.regions().size();
+  return kFixedBytes + 4 * reg.regions().size() + 4;  // + the record's own CRC-32C
 }
 
 void EncodeReplicaRecord(const ReplicaRecord& r, std::span<std::byte> out) {
@@ -93,6 +93,7 @@ void EncodeReplicaRecord(const ReplicaRecord& r, std::span<std::byte> out) {
   PutFixed32(&buf, static_cast<uint32_t>(r.held_shard));
   PutFixed32(&buf, static_cast<uint32_t>(r.region_crcs.size()));
   for (uint32_t c : r.region_crcs) PutFixed32(&buf, c);
+  PutFixed32(&buf, Crc32c(buf.data(), buf.size()));
   NONSTOP_CHECK_EQ(buf.size(), out.size()) << "a replica record of another size";
   std::memcpy(out.data(), buf.data(), buf.size());
 }
@@ -106,6 +107,12 @@ Result<ReplicaRecord> DecodeReplicaRecord(std::span<const std::byte> in,
         "a replica record of {} bytes for {} regions, where this worker registers {} regions: "
         "every member must register the same state",
         in.size(), in.size() >= kFixedBytes ? DecodeFixed32(p + 12) : 0, regions));
+  }
+  const size_t body = in.size() - 4;
+  if (uint32_t crc = Crc32c(p, body); crc != DecodeFixed32(p + body)) {
+    return DataLossError(
+        fmt::format("a replica record damaged on its way (crc32c {:08x}, the record says {:08x})",
+                    crc, DecodeFixed32(p + body)));
   }
   ReplicaRecord r;
   r.step = static_cast<int64_t>(DecodeFixed64(p));

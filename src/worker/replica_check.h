@@ -40,7 +40,9 @@ ReplicaRecord RecordOf(const state::StateRegistry& reg, int64_t step);
 // The fixed size of a record of `reg` (every member's registry has the same regions).
 size_t ReplicaRecordBytes(const state::StateRegistry& reg);
 void EncodeReplicaRecord(const ReplicaRecord& r, std::span<std::byte> out);
-// DATA_LOSS when the record does not fit `reg` (another layout: a bug or garbage).
+// DATA_LOSS when the record does not fit `reg` (another layout: a bug or
+// garbage) or fails its own CRC-32C (damaged on an unchecked all-gather: then
+// the members could judge different records; the generation ends instead).
 Result<ReplicaRecord> DecodeReplicaRecord(std::span<const std::byte> in,
                                           const state::StateRegistry& reg);
 

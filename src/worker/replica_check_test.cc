@@ -127,5 +127,16 @@ TEST(ReplicaCheckTest, ARecordOfAnotherLayoutIsDataLoss) {
   EXPECT_NE(decoded.status().message().find("must register the same state"), std::string::npos);
 }
 
+TEST(ReplicaCheckTest, ARecordDamagedOnItsWayIsDataLoss) {
+  Replicas r(1);
+  std::vector<std::byte> wire(ReplicaRecordBytes(r.regs[0]));
+  EncodeReplicaRecord(RecordOf(r.regs[0], 3), wire);
+  ASSERT_TRUE(DecodeReplicaRecord(wire, r.regs[0]).ok());
+  wire[17] ^= std::byte{0x40};  // a region's CRC
+  auto decoded = DecodeReplicaRecord(wire, r.regs[0]);
+  EXPECT_EQ(decoded.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(decoded.status().message().find("damaged on its way"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace nonstop::worker

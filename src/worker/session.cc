@@ -116,6 +116,15 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     }
     o.replica_check_every = k;
   }
+  if (std::string checked = get(s::kCheckedCollectives); !checked.empty()) {
+    if (checked != "1" && checked != "0" && checked != "true" && checked != "false") {
+      return InvalidArgumentError(
+          fmt::format("{}='{}' is not 1 or 0 (true or false): whether the all-reduce's pieces are "
+                      "checked and fetched again when damaged",
+                      s::kCheckedCollectives.env, checked));
+    }
+    o.checked_collectives = checked == "1" || checked == "true";
+  }
   if (std::string host = get(s::kDataHost); !host.empty()) {
     Result<std::string> h = net::ParseHost(host);  // "fd00::1" or "[fd00::1]" alike
     if (!h.ok())
@@ -510,6 +519,7 @@ class SessionImpl {
                                        plan.generation, options_.worker_id));
     }
     co.timeout_collective = options_.timeout_collective;
+    co.checked = options_.checked_collectives;
     // A timed fault armed in the old generation never fires in this one (the plan lists it again
     // while the controller still waits for it). Before mu_: a timer firing takes write_mu_.
     fault_timers_.clear();
@@ -678,6 +688,9 @@ class SessionImpl {
       case control::FaultKind::kBitflip:
         FlipABit(f);
         break;
+      case control::FaultKind::kWireflip:
+        comm_->InjectWireFlip(f.gather_phase);
+        break;
       default:
         break;
     }
@@ -841,6 +854,12 @@ class SessionImpl {
       SendHeartbeat();
     }
     Status s = at_step_boundary && announce ? CheckReplicas() : OkStatus();
+    if (s.ok() && at_step_boundary) {
+      // After the replica check: the flip lands in this collective's pieces.
+      if (auto f = TakeFault(control::FaultPoint::kStep, state_step_.load() + 1, comm_->rank(),
+                             control::FaultKind::kWireflip))
+        Fire(*f);
+    }
     if (s.ok()) s = op();
     {
       MutexLock lock(&mu_);

@@ -895,6 +895,39 @@ TEST_F(TrainTest, ABitFlippedInOneOfFourReplicasIsFoundAndRepairedFromTheMajorit
       << faults[0].dump();
 }
 
+// A bit flipped on the wire in the all-reduce's last gather step (wireflip, docs/integrity.md).
+// Checked collectives fetch the damaged piece again: no fault at all, the fault-free run's bits.
+// Unchecked, the flip reaches one member's gradient only (rank 2, rank 1's right neighbour, keeps
+// the piece), and the replica check before the next step finds that member and repairs it from the
+// majority, which holds the right state: the fault-free bits again, after a recovery.
+TEST_F(TrainTest, AByteFlippedOnTheWireIsFetchedAgainWhenCheckedAndFoundByTheReplicaCheckWhenNot) {
+  WriteRecipe();
+  RunResult clean = Run(4, "clean");
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  const std::vector<std::string> flags = {"--spares", "0", "--inject", "wireflip:rank=1,step=9"};
+  RunResult checked =
+      Run(4, "checked", {"--checked-collectives", "--replica-check-every", "1"}, flags);
+  ASSERT_EQ(checked.code, 0) << checked.output;
+  EXPECT_EQ(checked.checksum, clean.checksum) << checked.output;
+  EXPECT_EQ(checked.losses, clean.losses);
+  EXPECT_NE(checked.output.find("fails its checksum"), std::string::npos) << checked.output;
+  EXPECT_TRUE(nonstop::testing::JournalEvents(dir_ / "checked.jsonl", "fault").empty())
+      << checked.output;
+  EXPECT_EQ(nonstop::testing::JournalEvents(dir_ / "checked.jsonl", "plan").size(), 1u)
+      << "no recovery: one generation";
+
+  RunResult unchecked = Run(4, "unchecked", {"--replica-check-every", "1"}, flags);
+  ASSERT_EQ(unchecked.code, 0) << unchecked.output;
+  EXPECT_EQ(unchecked.checksum, clean.checksum) << unchecked.output;
+  auto faults = nonstop::testing::JournalEvents(dir_ / "unchecked.jsonl", "fault");
+  ASSERT_EQ(faults.size(), 1u) << unchecked.output;
+  EXPECT_EQ(faults[0]["kind"], "state_diverged");
+  EXPECT_EQ(faults[0]["rank"], 2);
+  EXPECT_NE(faults[0]["detail"].get<std::string>().find("state_diverged at step 9"),
+            std::string::npos)
+      << faults[0].dump();
+}
+
 // Two replicas that disagree: nobody can tell which is right, so the job stops with exit 11
 // naming the tensor and the step.
 TEST_F(TrainTest, TwoReplicasThatDisagreeStopTheJobNamingTheTensorAndStep) {
