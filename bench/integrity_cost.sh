@@ -3,9 +3,10 @@
 # same recipe and world trained with the replicas never compared
 # (--replica-check-every 0), compared before every step (1) and at the
 # default (50), and with checked collectives (--checked-collectives, K = 0),
-# run after run, rounds of the four interleaved so that the machine's drift
-# falls on all alike. Prints each one's median step time (the first step left
-# out) and its ratio to the run with neither.
+# run after run, in rounds whose order alternates (forward, then backward:
+# A B C D D C B A ...) so that a drift of the machine's speed falls on all
+# alike. Prints each one's median step time (the first step left out), its
+# ratio to the run with neither, and each round's median, to show the drift.
 #
 #   bash bench/integrity_cost.sh [--steps N (default 60: K = 50 checks once)] [--world W] [--rounds R] [--recipe llama-tiny]
 #
@@ -34,7 +35,9 @@ done
 dir=$(mktemp -d /tmp/nonstop-integrity-cost-XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 for round in $(seq "$rounds"); do
-  for run in k0 k1 k50 checked; do
+  order="k0 k1 k50 checked"
+  [ $((round % 2)) -eq 0 ] && order="checked k50 k1 k0"
+  for run in $order; do
     case "$run" in
       checked) flags=(--replica-check-every 0 --checked-collectives) ;;
       *) flags=(--replica-check-every "${run#k}") ;;
@@ -49,21 +52,24 @@ done
 "$py" - "$dir" "$recipe" "$steps" "$world" "$rounds" <<'EOF'
 import glob, json, statistics, sys
 d, recipe, steps, world, rounds = sys.argv[1:]
-med = {}
+med, per_round = {}, {}
 runs = ("k0", "k1", "k50", "checked")
 for k in runs:
     secs = []
     for path in sorted(glob.glob(f"{d}/{k}-*.jsonl")):
         rec = [json.loads(l) for l in open(path) if l.strip()]
         by_step = {r["step"]: r["step_seconds"] for r in rec if r.get("event") == "step"}
-        secs += [by_step[s] for s in sorted(by_step)][1:]
+        run = [by_step[s] for s in sorted(by_step)][1:]
+        per_round.setdefault(k, []).append(statistics.median(run))
+        secs += run
     med[k] = statistics.median(secs)
 print(f"\n{recipe}, world {world}, {steps} steps × {rounds} rounds per setting")
-print("| setting | median step ms | ratio to neither |")
-print("|---|---|---|")
+print("| setting | median step ms | ratio to neither | median ms of round 1, 2, … |")
+print("|---|---|---|---|")
 names = {"k0": "--replica-check-every 0 (never)", "k1": "--replica-check-every 1 (every step)",
          "k50": "--replica-check-every 50 (the default)",
          "checked": "--checked-collectives, --replica-check-every 0"}
 for k in runs:
-    print(f"| {names[k]} | {med[k] * 1000:.1f} | {med[k] / med['k0']:.4f} |")
+    rounds_ms = ", ".join(f"{m * 1000:.1f}" for m in per_round[k])
+    print(f"| {names[k]} | {med[k] * 1000:.1f} | {med[k] / med['k0']:.4f} | {rounds_ms} |")
 EOF

@@ -156,15 +156,16 @@ Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_b
   const int flip_step = inject_flip_ < 0 ? -1 : inject_flip_ == 0 ? w - 2 : 2 * (w - 1) - 1;
   for (int t = t_begin; t < t_end; ++t) {
     bool reducing = t < w - 1;
-    if (t == flip_step && data != nullptr) {
-      spec.flip_send_item = static_cast<int32_t>(spec.sends.size());
-      inject_flip_ = -1;
-    }
+
     int send_chunk = reducing ? mod(r - 1 - t) : mod(r - (t - (w - 1)));
     int recv_chunk = reducing ? mod(r - 2 - t) : mod(r - 1 - (t - (w - 1)));
     size_t p = 0;
     pieces_of(send_chunk, [&](std::byte* ptr, size_t bytes) {
       int32_t dep = t > t_begin ? static_cast<int32_t>(recv_step_begin.back() + p) : -1;
+      if (t == flip_step && bytes > 0 && inject_flip_ >= 0) {
+        spec.flip_send_item = static_cast<int32_t>(spec.sends.size());  // the step's first bytes
+        inject_flip_ = -1;
+      }
       spec.sends.push_back({ptr, bytes, dep});
       ++p;
     });

@@ -67,7 +67,7 @@ class Outbound {
   // `pieces`: this is spec.send_to and writes spec.sends.
   Outbound(const TransferSpec& spec, Connection* conn, const std::string& peer, bool pieces)
       : spec_(spec), conn_(conn), peer_(peer), pieces_(pieces) {
-    awaiting_ack_ = pieces_ && spec_.retry && !spec_.sends.empty();
+    awaiting_ack_ = pieces_ && spec_.checksum && spec_.retry && !spec_.sends.empty();
   }
   ~Outbound() {
     // Ended mid-frame (abort, timeout): the stream owes the rest of this frame.
@@ -297,6 +297,8 @@ class Inbound {
     conn_->recv_skip = 0;
   }
   ~Inbound() {
+    // After a protocol violation the stream cannot be trusted: the mesh drops the connection.
+    if (violated_) return;
     // Ended mid-frame: remember how to get back to a frame boundary.
     if (header_got_ > 0 && header_got_ < kDataHeaderBytes) {
       std::memcpy(conn_->recv_header, raw_, header_got_);
@@ -347,7 +349,15 @@ class Inbound {
         if (stats) stats->bytes_received += static_cast<uint64_t>(n);
         if (header_got_ < kDataHeaderBytes) {
           header_got_ += static_cast<size_t>(n);
-          if (header_got_ == kDataHeaderBytes) NONSTOP_RETURN_IF_ERROR(OnHeader(stats));
+          if (header_got_ == kDataHeaderBytes) {
+            if (Status st = OnHeader(stats); !st.ok()) {
+              // Out of step (a bug, another program, a header damaged on the wire): no frame
+              // boundary can be found again, so the connection is dropped and dialed anew.
+              violated_ = true;
+              if (stats) stats->failed_peer = conn_->peer_id;
+              return st;
+            }
+          }
           continue;
         }
         if (skip_left_ > 0) {
@@ -416,7 +426,8 @@ class Inbound {
       return InternalError(
           fmt::format("{} sent (generation {}, op {}, seq {}, {} bytes) where (generation {}, op "
                       "{}, seq {}, {} bytes) "
-                      "was expected: the peers disagree on the sequence of collectives",
+                      "was expected: the peers disagree on the sequence of collectives (or the "
+                      "frame's header was damaged on the wire)",
                       peer_, header_.generation, header_.op, header_.seq, header_.length,
                       spec_.generation, spec_.op, item_, want));
     }
@@ -476,6 +487,7 @@ class Inbound {
   size_t skip_left_ = 0;
   int resends_ = 0;
   bool awaiting_resend_ = false;
+  bool violated_ = false;  // a protocol violation: nothing to resume
   DataHeader header_;
   char raw_[kDataHeaderBytes];
   std::byte discard_[4096];
@@ -552,6 +564,8 @@ Status RunTransfer(const TransferSpec& spec, TransferStats* stats) {
       std::string waiting = "sending to " + spec.send_peer;
       if (in && !in->pieces_done()) {
         waiting = "receiving from " + spec.recv_peer;
+      } else if (reply && !reply->done()) {
+        waiting = "answering " + spec.recv_peer;
       } else if (out && !send_wants && out->awaiting_ack()) {
         waiting = "waiting for " + spec.send_peer + " to acknowledge every piece";
       }

@@ -102,17 +102,20 @@ Result<ReplicaRecord> DecodeReplicaRecord(std::span<const std::byte> in,
                                           const state::StateRegistry& reg) {
   const char* p = reinterpret_cast<const char*>(in.data());
   const size_t regions = reg.regions().size();
+  // The record's own CRC first: a damaged region count is damage, not another layout.
+  if (in.size() == ReplicaRecordBytes(reg)) {
+    const size_t body = in.size() - 4;
+    if (uint32_t crc = Crc32c(p, body); crc != DecodeFixed32(p + body)) {
+      return DataLossError(
+          fmt::format("a replica record damaged on its way (crc32c {:08x}, the record says {:08x})",
+                      crc, DecodeFixed32(p + body)));
+    }
+  }
   if (in.size() != ReplicaRecordBytes(reg) || DecodeFixed32(p + 12) != regions) {
     return DataLossError(fmt::format(
         "a replica record of {} bytes for {} regions, where this worker registers {} regions: "
         "every member must register the same state",
         in.size(), in.size() >= kFixedBytes ? DecodeFixed32(p + 12) : 0, regions));
-  }
-  const size_t body = in.size() - 4;
-  if (uint32_t crc = Crc32c(p, body); crc != DecodeFixed32(p + body)) {
-    return DataLossError(
-        fmt::format("a replica record damaged on its way (crc32c {:08x}, the record says {:08x})",
-                    crc, DecodeFixed32(p + body)));
   }
   ReplicaRecord r;
   r.step = static_cast<int64_t>(DecodeFixed64(p));
