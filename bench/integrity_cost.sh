@@ -52,7 +52,7 @@ done
 "$py" - "$dir" "$recipe" "$steps" "$world" "$rounds" <<'EOF'
 import glob, json, statistics, sys
 d, recipe, steps, world, rounds = sys.argv[1:]
-med, per_round = {}, {}
+med, per_round, share = {}, {}, {}
 runs = ("k0", "k1", "k50", "checked")
 for k in runs:
     secs = []
@@ -62,6 +62,13 @@ for k in runs:
         run = [by_step[s] for s in sorted(by_step)][1:]
         per_round.setdefault(k, []).append(statistics.median(run))
         secs += run
+        # The checks' own time, measured by the workers (the journal's replica_check_ms).
+        checks = [r["replica_check_ms"] / 1000 for r in rec
+                  if r.get("event") == "step" and "replica_check_ms" in r]
+        share.setdefault(k, [0.0, 0.0, 0])
+        share[k][0] += sum(checks)
+        share[k][1] += sum(by_step.values())
+        share[k][2] += len(checks)
     med[k] = statistics.median(secs)
 print(f"\n{recipe}, world {world}, {steps} steps × {rounds} rounds per setting")
 print("| setting | median step ms | ratio to neither | median ms of round 1, 2, … |")
@@ -72,4 +79,10 @@ names = {"k0": "--replica-check-every 0 (never)", "k1": "--replica-check-every 1
 for k in runs:
     rounds_ms = ", ".join(f"{m * 1000:.1f}" for m in per_round[k])
     print(f"| {names[k]} | {med[k] * 1000:.1f} | {med[k] / med['k0']:.4f} | {rounds_ms} |")
+print("\nThe replica checks' own time (each member's, as the journal reports it), against the step time:")
+for k in ("k1", "k50"):
+    check_s, step_s, n = share[k]
+    if n:
+        print(f"- {names[k]}: {n} checks, {check_s / n * 1000:.2f} ms each, "
+              f"{check_s / step_s * 100:.3f} % of the run's step time")
 EOF

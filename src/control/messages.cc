@@ -286,6 +286,7 @@ std::string Encode(const ProgressMsg& m) {
             {"tokens_per_second", Number(m.tokens_per_second)},
             {"world_size", m.world_size}};
   if (m.total_steps > 0) j["total_steps"] = m.total_steps;
+  if (m.replica_check_ms >= 0) j["replica_check_ms"] = Number(m.replica_check_ms);
   return Dump(j);
 }
 std::string Encode(const FinishedMsg& m) {
@@ -566,6 +567,11 @@ Result<ProgressMsg> DecodeProgress(std::string_view p) {
     r.Optional("total_steps", &m.total_steps);
     if (m.total_steps < 0)
       throw FieldError{"total_steps", fmt::format("must not be negative, got {}", m.total_steps)};
+    r.Optional("replica_check_ms", &m.replica_check_ms);
+    if (!std::isfinite(m.replica_check_ms) || m.replica_check_ms > 1e9)
+      throw FieldError{
+          "replica_check_ms",
+          fmt::format("must be a finite number of milliseconds, got {}", m.replica_check_ms)};
   });
 }
 Result<FinishedMsg> DecodeFinished(std::string_view p) {

@@ -379,6 +379,23 @@ TEST(MessagesTest, NonFiniteNumbersRoundTrip) {
           .ok());
 }
 
+// A step that ran a replica check says how long it took; one that did not leaves the field out.
+TEST(MessagesTest, AProgressReportCarriesItsReplicaCheckTimeWhenOneRan) {
+  ProgressMsg p{7, 1.5, 0.5, 100, 4};
+  EXPECT_EQ(Encode(p).find("replica_check_ms"), std::string::npos);
+  auto none = DecodeProgress(Encode(p));
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->replica_check_ms, -1);
+  p.replica_check_ms = 2.25;
+  auto back = DecodeProgress(Encode(p));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->replica_check_ms, 2.25);
+  auto bad = DecodeProgress(R"({"step": 1, "loss": 1, "step_seconds": 1, "tokens_per_second": 1,
+                                "world_size": 1, "replica_check_ms": 1e12})");
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("replica_check_ms"), std::string::npos);
+}
+
 // Strings with invalid UTF-8 (an exception's message, say) made Encode throw
 // nlohmann's type_error 316, an uncaught exception in the sender.
 TEST(MessagesTest, EncodingInvalidUtf8ReplacesItInsteadOfThrowing) {

@@ -730,6 +730,11 @@ class SessionImpl {
     const int64_t held = state_step_.load();
     const int k = options_.replica_check_every;
     if (k <= 0 || held < 0 || (held + 1) % k != 0 || comm_->world_size() < 2) return OkStatus();
+    const auto t0 = Clock::now();
+    // What the check cost, reported with the step (the journal's replica_check_ms).
+    auto timed = [&] {
+      replica_check_ms_.store(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    };
     const size_t bytes = worker::ReplicaRecordBytes(*state_);
     const auto world = static_cast<size_t>(comm_->world_size());
     std::vector<std::byte> records(bytes * world);
@@ -750,6 +755,7 @@ class SessionImpl {
       all.push_back(std::move(*r));
     }
     const worker::ReplicaVerdict v = worker::CompareReplicas(*state_, all, member_ids_);
+    timed();
     if (v.agree()) return OkStatus();
     if (v.no_majority) {
       Status bad = DataLossError(fmt::format(
@@ -1015,6 +1021,7 @@ class SessionImpl {
   // Ready of its recovery; written by whichever thread ran the check, read by Recover after
   // WaitAll. Empty: it did not.
   std::string diverged_why_;
+  std::atomic<double> replica_check_ms_{-1};  // the last check's time, until a step reports it
   // Overlapped reduction: buckets started by the training thread, reduced in
   // order by comm_thread_. The training thread touches comm_ only after
   // WaitAll (Recover, Finish and the other collectives wait first).
@@ -1142,6 +1149,7 @@ void Session::ReportStep(const StepReport& r) {
   impl_->ScheduleTimedFault(r.step + 1, r.step_seconds);
   control::ProgressMsg m{r.step,       r.loss,       r.step_seconds, r.tokens_per_second,
                          world_size(), r.total_steps};
+  m.replica_check_ms = impl_->replica_check_ms_.exchange(-1);
   Status s = impl_->SendControl(control::kMsgProgress, control::Encode(m));
   // Without a controller the step is not lost: the join to the next one says it.
   if (!s.ok()) NONSTOP_LOG_DEBUG("progress report not sent: {}", s.ToString());

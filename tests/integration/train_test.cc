@@ -878,6 +878,11 @@ TEST_F(TrainTest, ABitFlippedInOneOfFourReplicasIsFoundAndRepairedFromTheMajorit
   EXPECT_NE(faults[0]["detail"].get<std::string>().find("state_diverged at step 8"),
             std::string::npos)
       << faults[0].dump();
+  // Every step with a check before it says what the check took (bench/integrity_cost.sh).
+  int timed = 0;
+  for (const auto& st : nonstop::testing::JournalEvents(dir_ / "k1.jsonl", "step"))
+    timed += st.contains("replica_check_ms") && st["replica_check_ms"].get<double>() >= 0;
+  EXPECT_GE(timed, static_cast<int>(every.losses.size()) - 3) << every.output;
   auto plans = nonstop::testing::JournalEvents(dir_ / "k1.jsonl", "plan");
   ASSERT_EQ(plans.size(), 2u);
   EXPECT_EQ(plans[1]["resume_step"], 9);
