@@ -133,19 +133,21 @@ std::vector<double> RunNonstopRanks(int n, size_t count, Body body, bool checked
 // `checked`: checked collectives (a CRC-32C per piece, an ack per transfer; docs/integrity.md).
 std::vector<double> BenchNonstop(int n, const std::vector<Size>& sizes, bool checked = false) {
   return RunNonstopRanks(
-      n, sizes.size(), [&](int, collective::Communicator& comm) {
-    std::vector<double> out;
-    for (const Size& s : sizes) {
-      std::vector<float> data(s.bytes / sizeof(float), 1.0f);
-      NONSTOP_CHECK(comm.AllReduce(data).ok());  // warm-up
-      NONSTOP_CHECK(comm.Barrier().ok());
-      auto t0 = Clock::now();
-      for (int i = 0; i < s.iters; ++i) NONSTOP_CHECK(comm.AllReduce(data).ok());
-      NONSTOP_CHECK(comm.Barrier().ok());
-      out.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / s.iters);
-    }
-    return out;
-  }, checked);
+      n, sizes.size(),
+      [&](int, collective::Communicator& comm) {
+        std::vector<double> out;
+        for (const Size& s : sizes) {
+          std::vector<float> data(s.bytes / sizeof(float), 1.0f);
+          NONSTOP_CHECK(comm.AllReduce(data).ok());  // warm-up
+          NONSTOP_CHECK(comm.Barrier().ok());
+          auto t0 = Clock::now();
+          for (int i = 0; i < s.iters; ++i) NONSTOP_CHECK(comm.AllReduce(data).ok());
+          NONSTOP_CHECK(comm.Barrier().ok());
+          out.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / s.iters);
+        }
+        return out;
+      },
+      checked);
 }
 
 // The world-invariant all-reduce (nonstop/tree.h) against the ring

@@ -32,6 +32,7 @@
 #include "nonstop/checkpoint.h"
 #include "nonstop/data.h"
 #include "nonstop/elastic.h"
+#include "nonstop/exit_codes.h"
 #include "nonstop/log.h"
 #include "nonstop/ring.h"
 #include "nonstop/session.h"
@@ -47,7 +48,6 @@ namespace nonstop::train {
 namespace {
 
 constexpr int kExitFailure = 10;
-constexpr int kExitDataCorruption = 11;
 
 int Fail(const Status& s, const char* what) {
   fmt::print(stderr, "nonstop-train: {}: {}\n", what, s.ToString());

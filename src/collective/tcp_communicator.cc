@@ -156,7 +156,6 @@ Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_b
   const int flip_step = inject_flip_ < 0 ? -1 : inject_flip_ == 0 ? w - 2 : 2 * (w - 1) - 1;
   for (int t = t_begin; t < t_end; ++t) {
     bool reducing = t < w - 1;
-
     int send_chunk = reducing ? mod(r - 1 - t) : mod(r - (t - (w - 1)));
     int recv_chunk = reducing ? mod(r - 2 - t) : mod(r - 1 - (t - (w - 1)));
     size_t p = 0;

@@ -287,6 +287,7 @@ std::string Encode(const ProgressMsg& m) {
             {"world_size", m.world_size}};
   if (m.total_steps > 0) j["total_steps"] = m.total_steps;
   if (m.replica_check_ms >= 0) j["replica_check_ms"] = Number(m.replica_check_ms);
+  if (m.replica_crc_ms >= 0) j["replica_crc_ms"] = Number(m.replica_crc_ms);
   return Dump(j);
 }
 std::string Encode(const FinishedMsg& m) {
@@ -567,11 +568,13 @@ Result<ProgressMsg> DecodeProgress(std::string_view p) {
     r.Optional("total_steps", &m.total_steps);
     if (m.total_steps < 0)
       throw FieldError{"total_steps", fmt::format("must not be negative, got {}", m.total_steps)};
-    r.Optional("replica_check_ms", &m.replica_check_ms);
-    if (!std::isfinite(m.replica_check_ms) || m.replica_check_ms > 1e9)
-      throw FieldError{
-          "replica_check_ms",
-          fmt::format("must be a finite number of milliseconds, got {}", m.replica_check_ms)};
+    for (auto [name, field] : {std::pair{"replica_check_ms", &m.replica_check_ms},
+                               std::pair{"replica_crc_ms", &m.replica_crc_ms}}) {
+      r.Optional(name, field);
+      if (!std::isfinite(*field) || *field > 1e9)
+        throw FieldError{name,
+                         fmt::format("must be a finite number of milliseconds, got {}", *field)};
+    }
   });
 }
 Result<FinishedMsg> DecodeFinished(std::string_view p) {

@@ -261,9 +261,11 @@ struct ProgressMsg {
   int world_size = 0;
   // the run's steps, if the worker knows them (0: not; optional on the wire)
   int64_t total_steps = 0;
-  // how long the replica check before this step took (docs/integrity.md);
-  // -1: none ran (optional on the wire)
+  // how long the replica check before this step took (docs/integrity.md),
+  // waiting for the other members' records included, and of that the CRC
+  // pass over this member's state; -1: none ran (optional on the wire)
   double replica_check_ms = -1;
+  double replica_crc_ms = -1;
 };
 
 struct FinishedMsg {

@@ -387,9 +387,11 @@ TEST(MessagesTest, AProgressReportCarriesItsReplicaCheckTimeWhenOneRan) {
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(none->replica_check_ms, -1);
   p.replica_check_ms = 2.25;
+  p.replica_crc_ms = 0.5;
   auto back = DecodeProgress(Encode(p));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->replica_check_ms, 2.25);
+  EXPECT_EQ(back->replica_crc_ms, 0.5);
   auto bad = DecodeProgress(R"({"step": 1, "loss": 1, "step_seconds": 1, "tokens_per_second": 1,
                                 "world_size": 1, "replica_check_ms": 1e12})");
   EXPECT_FALSE(bad.ok());

@@ -240,6 +240,7 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
                    {"generation", generation_}};
     if (e.msg.total_steps > 0) record["total_steps"] = e.msg.total_steps;
     if (e.msg.replica_check_ms >= 0) record["replica_check_ms"] = e.msg.replica_check_ms;
+    if (e.msg.replica_crc_ms >= 0) record["replica_crc_ms"] = e.msg.replica_crc_ms;
     out->push_back(AppendJournal{std::move(record)});
     // Steps right after a recovery include its cost: keep them out of the baseline.
     if (!open_recovery_ && e.msg.step > resume_step_) step_times_.Add(e.msg.step_seconds);

@@ -17,6 +17,7 @@
 #include "common/time.h"
 #include "control/fault_spec.h"
 #include "control/messages.h"
+#include "nonstop/exit_codes.h"
 #include "nonstop/settings.h"
 
 namespace nonstop::controller {
@@ -26,7 +27,6 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitUsage = 2;
 // a worker failed and the job could not continue; restartable
 inline constexpr int kExitPeerFailure = 10;
-inline constexpr int kExitDataCorruption = 11;
 inline constexpr int kExitInterrupted = 130;
 // RunController only: this controller stopped leading (its etcd lease ran out,
 // or another controller leads); the job goes on under the next leader.

@@ -30,16 +30,13 @@
 #include "net/frame.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "nonstop/exit_codes.h"
 #include "nonstop/settings.h"
 #include "worker/replica_check.h"
 #include "worker/session_testing.h"
 #include "worker/state_transfer.h"
 
 namespace nonstop {
-
-namespace {
-constexpr int kExitDataCorruption = 11;  // the job's exit code for data corruption (docs/errors.md)
-}  // namespace
 
 namespace testing {
 std::function<void()> before_collective_hook;
@@ -730,10 +727,11 @@ class SessionImpl {
     const int64_t held = state_step_.load();
     const int k = options_.replica_check_every;
     if (k <= 0 || held < 0 || (held + 1) % k != 0 || comm_->world_size() < 2) return OkStatus();
+    // What the check cost, reported with the step (the journal's replica_check_ms, and of that
+    // replica_crc_ms: the CRC pass, the rest is the all-gather and the wait for the others).
     const auto t0 = Clock::now();
-    // What the check cost, reported with the step (the journal's replica_check_ms).
-    auto timed = [&] {
-      replica_check_ms_.store(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    auto since_t0 = [&] {
+      return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     };
     const size_t bytes = worker::ReplicaRecordBytes(*state_);
     const auto world = static_cast<size_t>(comm_->world_size());
@@ -741,6 +739,7 @@ class SessionImpl {
     worker::EncodeReplicaRecord(
         worker::RecordOf(*state_, held),
         std::span(records).subspan(bytes * static_cast<size_t>(comm_->rank()), bytes));
+    replica_crc_ms_.store(since_t0());
     NONSTOP_RETURN_IF_ERROR(comm_->AllGather(records, bytes));
     std::vector<worker::ReplicaRecord> all;
     for (size_t q = 0; q < world; ++q) {
@@ -755,7 +754,7 @@ class SessionImpl {
       all.push_back(std::move(*r));
     }
     const worker::ReplicaVerdict v = worker::CompareReplicas(*state_, all, member_ids_);
-    timed();
+    replica_check_ms_.store(since_t0());
     if (v.agree()) return OkStatus();
     if (v.no_majority) {
       Status bad = DataLossError(fmt::format(
@@ -1021,7 +1020,8 @@ class SessionImpl {
   // Ready of its recovery; written by whichever thread ran the check, read by Recover after
   // WaitAll. Empty: it did not.
   std::string diverged_why_;
-  std::atomic<double> replica_check_ms_{-1};  // the last check's time, until a step reports it
+  // The last check's time and its CRC pass's, until a step reports them.
+  std::atomic<double> replica_check_ms_{-1}, replica_crc_ms_{-1};
   // Overlapped reduction: buckets started by the training thread, reduced in
   // order by comm_thread_. The training thread touches comm_ only after
   // WaitAll (Recover, Finish and the other collectives wait first).
@@ -1150,6 +1150,7 @@ void Session::ReportStep(const StepReport& r) {
   control::ProgressMsg m{r.step,       r.loss,       r.step_seconds, r.tokens_per_second,
                          world_size(), r.total_steps};
   m.replica_check_ms = impl_->replica_check_ms_.exchange(-1);
+  m.replica_crc_ms = impl_->replica_crc_ms_.exchange(-1);
   Status s = impl_->SendControl(control::kMsgProgress, control::Encode(m));
   // Without a controller the step is not lost: the join to the next one says it.
   if (!s.ok()) NONSTOP_LOG_DEBUG("progress report not sent: {}", s.ToString());

@@ -181,8 +181,8 @@ TEST_F(NetnsClusterTest, KillHostAlsoKillsProcessesForkedOnThatHost) {
   // The marker is written by the shell itself (`: >`), not by touch(1): once it exists the host
   // runs exactly the shell and its sleep, never a touch that has not exited yet (which made the
   // count 3 now and then under load).
-  auto shell = c.Spawn(0, {"sh", "-c", "sleep 600 & : > \"$1\"; wait", "sh", started}, {},
-                       dir_ / "sh.log");
+  auto shell =
+      c.Spawn(0, {"sh", "-c", "sleep 600 & : > \"$1\"; wait", "sh", started}, {}, dir_ / "sh.log");
   ASSERT_TRUE(shell.ok()) << shell.status().ToString();
   for (int i = 0; i < 1000 && !Exists(started); ++i) std::this_thread::sleep_for(milliseconds(5));
   ASSERT_TRUE(Exists(started));

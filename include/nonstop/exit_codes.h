@@ -1,0 +1,13 @@
+// Exit codes a nonstop job ends with that mean the same to every program of
+// it (docs/errors.md "Exit codes"): a worker that exits with one, the session
+// that reports one to the controller, and `nonstop run`, which ends with it.
+#pragma once
+
+namespace nonstop {
+
+// Data corruption: a corrupt shard, a loss that is not finite, replicas that
+// disagree with no majority (docs/integrity.md). Do not restart on the same
+// data: fix it first.
+inline constexpr int kExitDataCorruption = 11;
+
+}  // namespace nonstop
