@@ -48,6 +48,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -128,6 +129,8 @@ struct SessionOptions {
   // ring and the tree, a damaged piece fetched again from its sender
   // (kCheckedCollectives, NONSTOP_CHECKED_COLLECTIVES).
   bool checked_collectives = settings::kCheckedCollectives.default_value;
+  // MASTER_PORT of TorchrunEnvironment() (kMasterPort, NONSTOP_MASTER_PORT).
+  int master_port = settings::kMasterPort.default_value;
 
   // Reads the variables that `nonstop run` and the agents set for each worker
   // (the registry's worker entries).
@@ -200,7 +203,11 @@ class Session {
   // redoes it, so the bitwise invariants hold as with AllReduce. Between the
   // two calls the training thread may compute, start more buckets and read
   // aborted(); the other calls wait for the buckets first or must not be made.
-  void StartAllReduce(std::span<float> data);
+  // `done`, if given, is called on the communication thread once the bucket
+  // is reduced or skipped, with the first error of the step so far (OK: this
+  // bucket holds the sum); it must not call into the Session, and WaitAll
+  // returns only after every `done` returned.
+  void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done = {});
   Status WaitAll();
   // The world-invariant sum (docs/determinism.md): the step's m micro-batches
   // are split over the ranks, ranges[q] = rank q's [first, last); `partials`
@@ -269,6 +276,16 @@ class Session {
 
   // The membership change that the last Join/Recover adopted.
   MembershipChange last_change() const;
+
+  // The variables torchrun sets for a worker, for the generation the last
+  // Join/Recover adopted (docs/python.md, "The environment contract"): RANK,
+  // WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (the members whose data
+  // plane is on this worker's host, in rank order), GROUP_RANK and
+  // GROUP_WORLD_SIZE (the hosts, in the order of their first rank), ROLE_RANK
+  // and ROLE_WORLD_SIZE (= RANK and WORLD_SIZE), MASTER_ADDR (rank 0's host)
+  // and MASTER_PORT (SessionOptions::master_port: nothing of nonstop's
+  // listens there; a program's own torch store may).
+  std::vector<std::pair<std::string, std::string>> TorchrunEnvironment() const;
 
   // The exit code the controller asked for when it ended the job (0 if none yet).
   int shutdown_exit_code() const;

@@ -758,6 +758,15 @@ inline constexpr Setting<bool> kCheckedCollectives{
         "Every piece of the gradients' all-reduce (ring and tree) carries a CRC-32C, and a piece "
         "damaged on the wire is fetched again from its sender, so a flipped bit never reaches the "
         "sum (1/0; docs/integrity.md)"};
+inline constexpr Setting<int> kMasterPort{
+    .env = "NONSTOP_MASTER_PORT",
+    .default_value = 29500,
+    .range = Bounds<int>{1, 65535},
+    .read_by = kWorker | kPython,
+    .help =
+        "MASTER_PORT of the torchrun variables a worker sees once it has a rank (RANK, "
+        "WORLD_SIZE, LOCAL_RANK, ...; docs/python.md): nonstop has no store there, a "
+        "program's own torch store may listen on it"};
 inline constexpr Setting<int64_t> kLeaderlessTimeoutMs{
     .env = "NONSTOP_LEADERLESS_TIMEOUT_MS",
     .default_value = 600'000,

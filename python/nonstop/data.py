@@ -10,11 +10,12 @@ replaces a lost one finds them in the page cache already.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+import math
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _core
 
-__all__ = ["Dataset", "Sampler", "prepare"]
+__all__ = ["DataLoader", "Dataset", "DistributedSampler", "Sampler", "prepare"]
 
 
 def prepare(inputs: Sequence[str], output_dir: str, *, strip_fortune_separators: bool = False) -> bool:
@@ -79,3 +80,255 @@ class Sampler:
         if step < 0:
             raise ValueError(f"step {step} is negative")
         return self._s.micro_batch_samples(step, micro)
+
+
+# ---- exact sampling for DataLoader loops ----
+
+# The loader's position, registered with the session's extra (it survives a
+# fault with the model): the step count, the epoch and the next global batch
+# in it, and the global batch size, fixed when the job first formed.
+_STEPS, _EPOCH, _BATCH, _GLOBAL = ("nonstop.data.steps", "nonstop.data.epoch", "nonstop.data.batch",
+                                   "nonstop.data.global_batch")
+
+
+class DistributedSampler:
+    """torch's DistributedSampler for nonstop (the same constructor and
+    ``set_epoch``): each epoch is a permutation of the dataset (seeded with
+    ``seed + epoch``, as torch's), cut into global batches of a size fixed for
+    the whole job, and each global batch is dealt over the live world in
+    contiguous shares. So an epoch's samples are seen exactly once however
+    often the world changes. Use it with :class:`DataLoader`, which keeps its
+    position in the registered state."""
+
+    def __init__(self, dataset: Any, num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        if num_replicas is not None or rank is not None:
+            raise ValueError("nonstop.data.DistributedSampler deals each step over the live world: drop "
+                             "num_replicas= and rank= (the world changes while the job runs)")
+        self.dataset = dataset
+        self.num_samples_total = len(dataset)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.epoch: Optional[int] = None  # as set_epoch left it (None: never called)
+        self._order: Tuple[int, Optional[List[int]]] = (-1, None)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch < 0:
+            raise ValueError(f"epoch {epoch} is negative")
+        self.epoch = int(epoch)
+
+    def order(self, epoch: int) -> List[int]:
+        """The dataset's indices in epoch `epoch`'s order."""
+        if self._order[0] != epoch:
+            if self.shuffle:
+                import torch
+
+                g = torch.Generator()
+                g.manual_seed(self.seed + epoch)
+                order = torch.randperm(self.num_samples_total, generator=g).tolist()
+            else:
+                order = list(range(self.num_samples_total))
+            self._order = (epoch, order)
+        return self._order[1]  # type: ignore[return-value]
+
+    def batches_per_epoch(self, global_batch: int) -> int:
+        n = self.num_samples_total
+        return n // global_batch if self.drop_last else math.ceil(n / global_batch)
+
+    def share(self, epoch: int, batch: int, global_batch: int, rank: int, world: int) -> Tuple[List[int], int]:
+        """(rank's indices of global batch `batch` of `epoch`, that batch's size)."""
+        whole = self.order(epoch)[batch * global_batch:(batch + 1) * global_batch]
+        n = len(whole)
+        lo, hi = rank * n // world, (rank + 1) * n // world
+        return whole[lo:hi], n
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("nonstop.data.DistributedSampler is dealt step by step by nonstop.data.DataLoader: "
+                        "pass it as DataLoader(dataset, batch_size=..., sampler=sampler)")
+
+    def __len__(self) -> int:
+        return self.num_samples_total
+
+
+class DataLoader:
+    """torch.utils.data.DataLoader's constructor, for a loop that survives
+    faults and resizes with its data exact. `batch_size` is each rank's batch
+    when the job first forms: the global batch (batch_size x that world) stays
+    fixed after, and each step's is dealt over the live world. Iterating
+    yields this rank's share of each remaining global batch of the epoch
+    (``sampler.set_epoch(e)`` first, as with torch); asking for the next batch
+    tells the controller the last step completed. The position is part of the
+    registered state: register the loader with
+    ``nonstop.torch.init_process_group(model, optimizer, loader)``.
+    Other keyword arguments (num_workers, collate_fn, pin_memory, ...) go to
+    torch's DataLoader, which loads the shares."""
+
+    def __init__(self, dataset: Any, batch_size: int = 1, shuffle: Optional[bool] = None,
+                 sampler: Optional[DistributedSampler] = None, drop_last: bool = False, **kwargs: Any) -> None:
+        if batch_size is None or int(batch_size) < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if sampler is None:
+            sampler = DistributedSampler(dataset, shuffle=bool(shuffle), drop_last=drop_last)
+        elif not isinstance(sampler, DistributedSampler):
+            raise TypeError(f"sampler must be a nonstop.data.DistributedSampler, got {type(sampler).__name__}: "
+                            "torch's fixes the world when it is made")
+        elif shuffle:
+            raise ValueError("shuffle=True goes to the DistributedSampler when a sampler is given, as with torch")
+        for unsupported in ("batch_sampler", "sampler"):
+            if unsupported in kwargs:
+                raise ValueError(f"{unsupported}= is nonstop's to set")
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.sampler = sampler
+        if drop_last:
+            sampler.drop_last = True
+        self._kwargs = kwargs
+        self._session: Any = None
+        self._yielded: Optional[Tuple[int, Any]] = None  # (step, batch) handed out, not yet completed
+        self.indices: List[int] = []  # this rank's samples in the last batch handed out
+        self._share_of_batch = (0, 1)
+
+    # ---- registration (nonstop.torch.init_process_group) ----
+
+    def _registered_defaults(self) -> Dict[str, int]:
+        return {_STEPS: 0, _EPOCH: 0, _BATCH: 0, _GLOBAL: 0}
+
+    def _bind(self, session: Any) -> None:
+        self._session = session
+        extra = session.extra
+        if _STEPS not in extra:
+            raise RuntimeError("the loader's position is not registered: pass the loader to "
+                               "nonstop.torch.init_process_group(model, optimizer, loader)")
+        if extra[_GLOBAL] == 0:  # the job's first generation: every member computes the same
+            extra[_GLOBAL] = self.batch_size * session.world_size
+        if extra[_STEPS] != session.resume_step:
+            raise RuntimeError(f"the loader's registered position is step {extra[_STEPS]}, but the session "
+                               f"resumes at step {session.resume_step}: register the loader with the session")
+
+    def _steps_done(self) -> int:
+        self._complete()
+        return self._session.extra[_STEPS]
+
+    @property
+    def global_batch(self) -> int:
+        return self._session.extra[_GLOBAL]
+
+    def __len__(self) -> int:
+        """Global batches (steps) per epoch."""
+        if self._session is None:
+            raise RuntimeError("the number of steps per epoch is known once the loader is registered")
+        return self.sampler.batches_per_epoch(self.global_batch)
+
+    # ---- iteration ----
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._session is None:
+            raise RuntimeError("register the loader first: nonstop.torch.init_process_group(model, optimizer, loader)")
+        self._complete()
+        extra = self._session.extra
+        epoch = self.sampler.epoch
+        if epoch is None:  # set_epoch never called: an exhausted epoch starts the next one
+            epoch = extra[_EPOCH] + (1 if extra[_BATCH] >= len(self) else 0)
+        if epoch > extra[_EPOCH]:
+            extra[_EPOCH], extra[_BATCH] = epoch, 0
+        elif epoch < extra[_EPOCH]:
+            return  # an epoch this job finished (a spare replays the loop from its start)
+        while extra[_BATCH] < len(self):
+            self._complete()
+            inner = self._inner(extra[_BATCH])
+            generation = self._session.generation
+            for batch in inner:
+                rank, world = self._session.rank, self._session.world_size
+                self._note(extra[_BATCH], self.sampler.share(extra[_EPOCH], extra[_BATCH], self.global_batch,
+                                                             rank, world)[0])
+                self._yielded = (extra[_STEPS], batch)
+                yield batch
+                self._complete()
+                if self._session.generation != generation or extra[_BATCH] >= len(self):
+                    break  # the world changed: the shares are dealt anew from here
+        self._complete()
+
+    def _complete(self) -> None:
+        """The batch handed out was trained on: the step is done."""
+        if self._yielded is None:
+            return
+        extra = self._session.extra
+        step = self._yielded[0]
+        self._yielded = None
+        extra[_BATCH] += 1
+        extra[_STEPS] = step + 1
+        self._session.report_step(step)
+
+    def _shares(self, first_batch: int) -> Iterator[List[int]]:
+        extra = self._session.extra
+        epoch, rank, world = extra[_EPOCH], self._session.rank, self._session.world_size
+        for b in range(first_batch, len(self)):
+            indices, _ = self.sampler.share(epoch, b, self.global_batch, rank, world)
+            if not indices:
+                raise RuntimeError(f"global batch {b} has fewer samples than the world has ranks ({world}): "
+                                   f"rank {rank} has none; use a larger batch_size or drop_last=True")
+            yield indices
+
+    def _inner(self, first_batch: int) -> Any:
+        import torch.utils.data
+
+        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=_Shares(self, first_batch),
+                                             **self._kwargs)
+        return iter(loader)
+
+    def _note(self, batch: int, indices: List[int]) -> None:
+        self.indices = indices
+        _, n = self.sampler.share(self._session.extra[_EPOCH], batch, self.global_batch, 0, 1)
+        self._share_of_batch = (len(indices), n)
+
+    def _share(self) -> float:
+        """This rank's share of the step's global batch (the gradient's weight)."""
+        mine, whole = self._share_of_batch
+        return mine / whole
+
+    def _redeal(self, resumed: int, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """After a recovery: the step's batch as dealt over the new world, put
+        in place of the arguments that were the old one (or its elements)."""
+        extra = self._session.extra
+        if self._yielded is None or resumed != self._yielded[0] or extra[_STEPS] != resumed:
+            raise RuntimeError(f"the recovery resumes at step {resumed}, but this loader is at step "
+                               f"{extra[_STEPS]}: run the decorated step on the batch the loader yielded")
+        old = self._yielded[1]
+        indices, _ = self.sampler.share(extra[_EPOCH], extra[_BATCH], self.global_batch, self._session.rank,
+                                        self._session.world_size)
+        self._note(extra[_BATCH], indices)
+        collate = self._kwargs.get("collate_fn")
+        if collate is None:
+            from torch.utils.data import default_collate  # type: ignore[attr-defined]
+
+            collate = default_collate
+        new = collate([self.dataset[i] for i in indices])
+        self._yielded = (resumed, new)
+        parts_old = list(old) if isinstance(old, (tuple, list)) else [old]
+        parts_new = list(new) if isinstance(new, (tuple, list)) else [new]
+
+        def swap(a: Any) -> Any:
+            if a is old:
+                return new
+            for o, n in zip(parts_old, parts_new):
+                if a is o:
+                    return n
+            return a
+
+        return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
+class _Shares:
+    """The batch sampler of the torch DataLoader that loads the shares (it
+    may run ahead of the batch handed out: workers prefetch)."""
+
+    def __init__(self, owner: DataLoader, first_batch: int) -> None:
+        self._owner = owner
+        self._first = first_batch
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return self._owner._shares(self._first)
+
+    def __len__(self) -> int:
+        return max(0, len(self._owner) - self._first)

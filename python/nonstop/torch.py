@@ -207,3 +207,15 @@ class DataParallel(torch.nn.Module):
                 self._pending[self._bucket_of[i]] -= 1
         self._start_ready_buckets()
         self._session._wait_all()  # raises nonstop.Aborted: the step is lost
+
+
+# torch.distributed over nonstop (python/nonstop/distributed.py): the default
+# process group, stock DDP over it, and the step that recovers.
+from .distributed import (  # noqa: E402  (after DataParallel, which it does not need)
+    DistributedDataParallel,
+    destroy_process_group,
+    init_process_group,
+    step,
+)
+
+__all__ += ["DistributedDataParallel", "destroy_process_group", "init_process_group", "step"]

@@ -141,6 +141,7 @@ std::vector<Info> Build() {
       Describe(kLeaderlessTimeoutMs),
       Describe(kReplicaCheckEvery),
       Describe(kCheckedCollectives),
+      Describe(kMasterPort),
       // nonstop-train
       Describe(kTrainCheckpointDir),
       Describe(kTrainCheckpointEvery),

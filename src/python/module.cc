@@ -110,9 +110,29 @@ class PySession {
 
   // A bucket's tensor stays referenced until the reductions are waited for:
   // the communication thread writes into it meanwhile.
-  void Start(py::object tensor, uintptr_t address, size_t count) {
-    in_flight_.push_back(std::move(tensor));
-    session_->StartAllReduce(Floats(address, count));
+  // With `done` (a callable taking (ok, message)), the bucket is the
+  // caller's to keep alive, and `done` is called on the communication thread,
+  // with the GIL, once the bucket is reduced or skipped (torch.distributed's
+  // futures, python/nonstop/torch.py).
+  void Start(py::object tensor, uintptr_t address, size_t count, py::object done) {
+    if (done.is_none()) {
+      in_flight_.push_back(std::move(tensor));
+      session_->StartAllReduce(Floats(address, count));
+      return;
+    }
+    // Let go with the GIL, on whichever thread drops the last copy.
+    std::shared_ptr<py::object> call(new py::object(std::move(done)), [](py::object* o) {
+      py::gil_scoped_acquire gil;
+      delete o;
+    });
+    session_->StartAllReduce(Floats(address, count), [call](const Status& s) {
+      py::gil_scoped_acquire gil;
+      try {
+        (*call)(s.ok(), s.ToString());
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("nonstop: a reduction's completion callback");
+      }
+    });
   }
   // Runs `wait` (which waits for the started buckets) without the GIL, then lets the buckets go.
   template <typename F>
@@ -180,7 +200,20 @@ PYBIND11_MODULE(_core, m) {
              Check(p.Drained([&] { return p.s().AllReduce(Floats(address, count)); }));
            })
       .def("start_allreduce", &PySession::Start, py::arg("tensor"), py::arg("address"),
-           py::arg("count"))
+           py::arg("count"), py::arg("done") = py::none())
+      .def("broadcast",
+           [](PySession& p, uintptr_t address, size_t nbytes, int root) {
+             Check(p.Drained([&] { return p.s().Broadcast(Bytes(address, nbytes), root); }));
+           })
+      .def("allgather",
+           [](PySession& p, uintptr_t address, size_t record_bytes) {
+             Check(p.Drained([&] {
+               return p.s().AllGather(Bytes(address, record_bytes * p.s().world_size()),
+                                      record_bytes);
+             }));
+           })
+      .def("barrier", [](PySession& p) { Check(p.Drained([&] { return p.s().Barrier(); })); })
+      .def("torchrun_environment", [](PySession& p) { return p.s().TorchrunEnvironment(); })
       .def("wait_all", [](PySession& p) { Check(p.Drained([&] { return p.s().WaitAll(); })); })
       .def("aborted", [](PySession& p) { return p.s().aborted(); })
       // The control-plane sends below may wait on the socket: without the GIL.

@@ -122,6 +122,20 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     }
     o.checked_collectives = checked == "1" || checked == "true";
   }
+  if (std::string port = get(s::kMasterPort); !port.empty()) {
+    size_t used = 0;
+    int p = -1;
+    try {
+      p = std::stoi(port, &used);
+    } catch (...) {
+    }
+    const auto range = *s::kMasterPort.range;
+    if (used != port.size() || p < range.lo || p > range.hi) {
+      return InvalidArgumentError(fmt::format("{}='{}' is not a port from {} to {}",
+                                              s::kMasterPort.env, port, range.lo, range.hi));
+    }
+    o.master_port = p;
+  }
   if (std::string host = get(s::kDataHost); !host.empty()) {
     Result<std::string> h = net::ParseHost(host);  // "fd00::1" or "[fd00::1]" alike
     if (!h.ok())
@@ -534,7 +548,12 @@ class SessionImpl {
     }
     SetLogRole(fmt::format("rank {}", co.rank));
     member_ids_.clear();
-    for (const collective::Member& m : co.members) member_ids_.push_back(m.worker_id);
+    member_hosts_.clear();
+    for (const collective::Member& m : co.members) {
+      member_ids_.push_back(m.worker_id);
+      Result<net::HostPort> at = net::ParseHostPort(m.address);
+      member_hosts_.push_back(at.ok() ? at->host : m.address);
+    }
     MembershipChange change;
     change.generation = plan.generation;
     change.old_world = comm_before_world_;
@@ -880,11 +899,11 @@ class SessionImpl {
 
   // ---- overlapped reduction (Session::StartAllReduce / WaitAll) ----
 
-  void StartAllReduce(std::span<float> data) {
+  void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done) {
     MutexLock lock(&bucket_mu_);
     if (!comm_thread_.joinable())
       comm_thread_ = std::jthread([this](std::stop_token st) { BucketLoop(st); });
-    buckets_.push_back(data);
+    buckets_.push_back({data, std::move(done)});
     bucket_cv_.NotifyAll();
   }
 
@@ -898,7 +917,8 @@ class SessionImpl {
                          NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(bucket_mu_) { return !buckets_.empty(); };
       bucket_cv_.Wait(&bucket_mu_, st, started);
       if (st.stop_requested()) return;
-      std::span<float> bucket = buckets_.front();
+      std::span<float> bucket = buckets_.front().data;
+      std::function<void(const Status&)> done = std::move(buckets_.front().done);
       bool skip = !bucket_status_.ok();
       bool first = first_bucket_;
       first_bucket_ = false;
@@ -911,8 +931,17 @@ class SessionImpl {
                : RunCollective([&] { return comm_->AllReduce(bucket); }, /*at_step_boundary=*/true,
                                /*announce=*/first);
       lock.Lock();
-      buckets_.pop_front();
       if (!s.ok() && bucket_status_.ok()) bucket_status_ = s;
+      if (done) {
+        // Before the bucket leaves the queue (WaitAll returns only after every `done`), and
+        // without the lock: `done` may take a lock of its own (Python's GIL).
+        Status first = bucket_status_;
+        lock.Unlock();
+        done(first);
+        done = nullptr;  // what it holds is let go without the lock too
+        lock.Lock();
+      }
+      buckets_.pop_front();
       bucket_cv_.NotifyAll();
     }
   }
@@ -1014,6 +1043,8 @@ class SessionImpl {
   int comm_before_rank_ = -1;
   // The worker id of each rank of comm_'s generation; written with comm_ (Adopt).
   std::vector<int> member_ids_;
+  // Their data planes' hosts (TorchrunEnvironment); training thread only, like member_ids_.
+  std::vector<std::string> member_hosts_;
   // Training thread only (Rejoin): some Adopt since the last successful one copied the state in.
   bool copied_since_recover_ = false;
   // Why the replica check dropped this member's state ("state_diverged at step …"), for the
@@ -1028,7 +1059,11 @@ class SessionImpl {
   Mutex bucket_mu_;
   CondVar bucket_cv_;
   // Started, not yet reduced (front: in flight).
-  std::deque<std::span<float>> buckets_ NONSTOP_GUARDED_BY(bucket_mu_);
+  struct Bucket {
+    std::span<float> data;
+    std::function<void(const Status&)> done;  // may be empty
+  };
+  std::deque<Bucket> buckets_ NONSTOP_GUARDED_BY(bucket_mu_);
   Status bucket_status_ NONSTOP_GUARDED_BY(bucket_mu_);  // the first error since the last WaitAll
   bool first_bucket_ NONSTOP_GUARDED_BY(bucket_mu_) = true;  // the next bucket is its step's first
   // Training thread only: started with the first bucket (StartAllReduce),
@@ -1083,7 +1118,9 @@ Status Session::AllReduce(std::span<float> data) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->AllReduce(data);
 }
-void Session::StartAllReduce(std::span<float> data) { impl_->StartAllReduce(data); }
+void Session::StartAllReduce(std::span<float> data, std::function<void(const Status&)> done) {
+  impl_->StartAllReduce(data, std::move(done));
+}
 Status Session::WaitAll() { return impl_->WaitAll(); }
 Status Session::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
                               std::span<const std::vector<float>> partials, std::span<float> out) {
@@ -1187,6 +1224,33 @@ bool Session::InjectedExceptionAt(int64_t step) {
 }
 
 MembershipChange Session::last_change() const { return impl_->last_change_; }
+
+std::vector<std::pair<std::string, std::string>> Session::TorchrunEnvironment() const {
+  const std::vector<std::string>& hosts = impl_->member_hosts_;
+  const int rank = impl_->last_change_.new_rank;
+  NONSTOP_CHECK(rank >= 0 && static_cast<size_t>(rank) < hosts.size()) << "no plan adopted";
+  std::vector<std::string> groups;  // distinct hosts, in the order of their first rank
+  int local_rank = 0, local_world = 0;
+  for (size_t r = 0; r < hosts.size(); ++r) {
+    if (std::find(groups.begin(), groups.end(), hosts[r]) == groups.end())
+      groups.push_back(hosts[r]);
+    if (hosts[r] != hosts[rank]) continue;
+    ++local_world;
+    if (static_cast<int>(r) < rank) ++local_rank;
+  }
+  const auto group_rank = std::find(groups.begin(), groups.end(), hosts[rank]) - groups.begin();
+  const std::string world = std::to_string(hosts.size());
+  return {{"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", world},
+          {"LOCAL_RANK", std::to_string(local_rank)},
+          {"LOCAL_WORLD_SIZE", std::to_string(local_world)},
+          {"GROUP_RANK", std::to_string(group_rank)},
+          {"GROUP_WORLD_SIZE", std::to_string(groups.size())},
+          {"ROLE_RANK", std::to_string(rank)},
+          {"ROLE_WORLD_SIZE", world},
+          {"MASTER_ADDR", hosts[0]},
+          {"MASTER_PORT", std::to_string(impl_->options_.master_port)}};
+}
 
 bool Session::aborted() const { return impl_->abort_.fired(); }
 

@@ -238,9 +238,19 @@ TEST_F(SessionTest, AnAbortWakesTheBucketsInFlightAndDropsTheWholeStep) {
   std::atomic<int> entered{0};  // buckets that entered a collective
   testing::before_collective_hook = [&] { ++entered; };
   std::vector<float> b0(8, 1.0f), b1(8, 2.0f), b2(8, 3.0f);
-  (*session)->StartAllReduce(b0);
-  (*session)->StartAllReduce(b1);
-  (*session)->StartAllReduce(b2);
+  // Each bucket's completion is told, in order, with the step's first error
+  // (the Python package's torch.distributed futures rely on it).
+  std::mutex done_mu;
+  std::vector<std::pair<int, Status>> done;
+  auto on_done = [&](int bucket) {
+    return [&, bucket](const Status& st) {
+      std::lock_guard<std::mutex> lock(done_mu);
+      done.push_back({bucket, st});
+    };
+  };
+  (*session)->StartAllReduce(b0, on_done(0));
+  (*session)->StartAllReduce(b1, on_done(1));
+  (*session)->StartAllReduce(b2, on_done(2));
   EXPECT_FALSE((*session)->aborted());
   job_.Send(control::kMsgAbort, control::Encode(control::AbortMsg{1, "a member failed"}));
   // Without the abort reaching the communication thread WaitAll would return
@@ -253,6 +263,14 @@ TEST_F(SessionTest, AnAbortWakesTheBucketsInFlightAndDropsTheWholeStep) {
   EXPECT_EQ(entered.load(), 1);
   EXPECT_EQ(b1, std::vector<float>(8, 2.0f));
   EXPECT_EQ(b2, std::vector<float>(8, 3.0f));
+  {
+    std::lock_guard<std::mutex> lock(done_mu);  // WaitAll returned: every completion was told
+    ASSERT_EQ(done.size(), 3u);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(done[i].first, i);
+      EXPECT_EQ(done[i].second.code(), StatusCode::kAborted) << done[i].second.ToString();
+    }
+  }
   // The error is reported once; the collectives that follow still fail (the generation is over).
   EXPECT_TRUE((*session)->WaitAll().ok());
   std::vector<float> more(4, 1.0f);

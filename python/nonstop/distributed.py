@@ -1,0 +1,408 @@
+"""nonstop.distributed: torch.distributed over a nonstop session.
+
+``init_process_group(model, optimizer, loader)`` registers what must survive a
+fault, joins the job and makes a process group backed by the session the
+default one, so ``dist.all_reduce``, ``broadcast``, ``all_gather``,
+``barrier`` and ``torch.nn.parallel.DistributedDataParallel`` run over
+nonstop's own collectives. The group is a Python subclass of torch's
+``ProcessGroup`` (torch's own extension point for backends written in
+Python): nothing here links against PyTorch's C++ library.
+
+A fault surfaces as :class:`nonstop.Aborted` at the step's reducing call
+(``loss.backward()``); a function decorated with :func:`step` recovers and runs
+again on the step's batch as re-dealt over the new world. After each recovery
+the default group is formed again with the live rank and world, and the
+torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) are set anew.
+docs/python.md ("torch.distributed over nonstop") says what each part does
+and why.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+from typing import Any, Callable, Deque, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup as _TorchProcessGroup
+from torch._C._distributed_c10d import Work as _TorchWork
+
+from . import Aborted, Session, _check_tensor, join
+
+__all__ = ["DistributedDataParallel", "ProcessGroup", "destroy_process_group", "init_process_group", "step"]
+
+BACKEND = "nonstop"
+
+# The session the default group runs on (torch hands a backend's creator only a
+# store, a rank and a size), and what init_process_group bound to it.
+_session: Optional[Session] = None
+_loader: Any = None
+_model: Any = None
+# torch keeps a Python subclass's C++ half alive but not its Python half: a
+# Work or a group whose Python object was collected answers from C++'s base
+# class (a Work's wait() then never returns). These keep them.
+_groups: List["ProcessGroup"] = []
+_works: Deque["_Work"] = collections.deque(maxlen=4096)
+
+
+class _Work(_TorchWork):
+    """A collective's handle. Completed at once for the blocking collectives;
+    for a gradient bucket, by the session's communication thread."""
+
+    def __init__(self, result: Any, done: bool = True) -> None:
+        super().__init__()
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._result = result
+        self._ok = True
+        if done:
+            self._future.set_result(result)
+        _works.append(self)
+
+    def _complete(self, ok: bool, message: str) -> None:
+        # On the communication thread, with the GIL. The future always gets its
+        # result, so that DDP's end of backward runs whole; a failure is
+        # raised as Aborted at the end of backward (_BucketStep).
+        self._ok = ok
+        self._future.set_result(self._result)
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()
+        if not self._ok:
+            raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class _BucketStep:
+    """The buckets of one backward pass: the first one queues the end of
+    backward, which waits for them all after DDP's own end (it raises Aborted
+    there, with DDP's state whole, so the next forward can run)."""
+
+    active = False  # a backward's end is queued; cleared there, and when a step is run again
+
+    @classmethod
+    def enter(cls, session: Session) -> bool:
+        """True when called inside a backward pass (the buckets' mode)."""
+        if cls.active:
+            return True
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: cls._after_ddp(session))
+        except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+            return False
+        cls.active = True
+        session._maybe_inject()  # nonstop run --inject exception:...: before anything is started
+        return True
+
+    @classmethod
+    def _after_ddp(cls, session: Session) -> None:
+        # Queued again, so that it runs after the callbacks queued since (DDP's finalize).
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: cls._end(session))
+
+    @classmethod
+    def _end(cls, session: Session) -> None:
+        cls.active = False
+        session._wait_all()  # raises Aborted: the step is lost
+
+
+def _start_bucket(session: Session, tensor: Any) -> _Work:
+    """Starts the sum of a gradient bucket on the communication thread."""
+    work = _Work([tensor], done=False)
+    session._core.start_allreduce(tensor, tensor.data_ptr(), tensor.numel(), work._complete)
+    return work
+
+
+# Stock DDP's gradient buckets come through ProcessGroup.allreduce; the drop-in's
+# through its communication hook. Stock DDP survives no change of membership.
+_STOCK_DDP = ("torch.nn.parallel.DistributedDataParallel cannot go on after a change of membership: it divides "
+              "the gradients by the world its group was made with, and it re-buckets after its first "
+              "iteration, so a newcomer's buckets would pair with the survivors' other ones. Use "
+              "nonstop.torch.DistributedDataParallel (the same constructor; docs/python.md)")
+
+
+class ProcessGroup(_TorchProcessGroup):
+    """The default group's backend: every collective goes to the session's
+    live generation, whatever rank and size this object was made with (torch
+    fixes those at construction; init_process_group makes a new group after a
+    recovery). A worker that joined a running job (a spare, a joiner) answers
+    the collectives it makes before its first step locally: its peers are in
+    the middle of training and make no such call, and its state, copied from
+    them, is already what a broadcast from rank 0 would give."""
+
+    def __init__(self, session: Session, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._session = session
+        self._local = session.last_change.reason != "start"
+        _groups.append(self)
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _end_local(self) -> None:
+        for group in _groups:
+            group._local = False
+
+    def allreduce(self, tensors: List[Any], opts: Any = None) -> _Work:
+        tensor = _one(tensors, "all_reduce")
+        _check_tensor(tensor, "the tensor of all_reduce")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        average = hasattr(dist.ReduceOp, "AVG") and op == dist.ReduceOp.AVG
+        if not (op == dist.ReduceOp.SUM or average):
+            raise ValueError(f"nonstop's all_reduce sums (ReduceOp.SUM, or AVG where torch has it), got {op}: "
+                             "reduce a sum and derive the rest from it")
+        session = self._session
+        if _BucketStep.enter(session):  # a gradient bucket of stock DDP
+            if session.generation != 1:
+                raise RuntimeError(_STOCK_DDP)
+            self._end_local()
+            return _start_bucket(session, tensor)
+        if self._local:
+            raise RuntimeError("all_reduce before this worker's first step: it joined a running job, whose members "
+                               "make no such call now; reduce inside the training steps")
+        session._core.allreduce(tensor.data_ptr(), tensor.numel())
+        if average:
+            tensor.div_(session.world_size)
+        return _Work(tensors)
+
+    def broadcast(self, tensors: List[Any], opts: Any = None) -> _Work:
+        tensor = _one(tensors, "broadcast")
+        _check_bytes(tensor, "the tensor of broadcast")
+        if not self._local:
+            root = int(opts.rootRank) if opts is not None else 0
+            self._session._core.broadcast(tensor.data_ptr(), _nbytes(tensor), root)
+        return _Work(tensors)
+
+    def allgather(self, output_lists: List[List[Any]], inputs: List[Any], opts: Any = None) -> _Work:
+        tensor = _one(inputs, "all_gather")
+        if len(output_lists) != 1:
+            raise ValueError(f"all_gather takes one output list per input tensor, got {len(output_lists)}")
+        outputs = output_lists[0]
+        _check_bytes(tensor, "the tensor of all_gather")
+        if self._local:
+            for out in outputs:
+                out.copy_(tensor)
+            return _Work(output_lists)
+        world = self._session.world_size
+        if len(outputs) != world:
+            raise ValueError(f"all_gather's output list has {len(outputs)} tensors for a world of {world}")
+        for i, out in enumerate(outputs):
+            if out.dtype != tensor.dtype or out.numel() != tensor.numel():
+                raise ValueError(f"all_gather's output {i} is {out.dtype} x {out.numel()}, the input "
+                                 f"{tensor.dtype} x {tensor.numel()}: they must match")
+        gathered = torch.empty((world, tensor.numel()), dtype=tensor.dtype)
+        gathered[self._session.rank].copy_(tensor.reshape(-1))
+        self._session._core.allgather(gathered.data_ptr(), _nbytes(tensor))
+        for i, out in enumerate(outputs):
+            out.copy_(gathered[i].view_as(out))
+        return _Work(output_lists)
+
+    def barrier(self, opts: Any = None) -> _Work:
+        if not self._local:
+            self._session._core.barrier()
+        return _Work([])
+
+
+def _one(tensors: List[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"nonstop's {what} takes one tensor per process, got {len(tensors)}")
+    return tensors[0]
+
+
+def _check_bytes(t: Any, what: str) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} is on {t.device}, but nonstop's data plane runs on the CPU: pass a CPU tensor")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} is not contiguous: pass .contiguous()")
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Store(dist.Store):
+    """The store init_process_group wants. nonstop needs none: the plan forms
+    the group. It keeps keys for this process only, and answers torch's
+    start-up barrier (which counts every rank's arrival in a shared store) as
+    passed: a generation is formed only once all its members are in."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self._world = world
+        self._data: dict = {}
+
+    def set(self, key: str, value: Any) -> None:
+        self._data[key] = bytes(value) if not isinstance(value, str) else value.encode()
+
+    def get(self, key: str) -> bytes:
+        if key not in self._data:
+            raise KeyError(f"nonstop's store is local to each worker: '{key}' was not set here")
+        return self._data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        value = int(self._data.get(key, b"0")) + int(amount)
+        self._data[key] = str(value).encode()
+        if key.startswith(dist.distributed_c10d.STORE_BASED_BARRIER_PREFIX):
+            return self._world
+        return value
+
+    def wait(self, keys: Any, timeout: Any = None) -> None:
+        missing = [k for k in keys if k not in self._data]
+        if missing:
+            raise KeyError(f"nonstop's store is local to each worker: {missing} were not set here")
+
+    def check(self, keys: Any) -> bool:
+        return all(k in self._data for k in keys)
+
+    def num_keys(self) -> int:
+        return len(self._data)
+
+    def delete_key(self, key: str) -> bool:
+        return self._data.pop(key, None) is not None
+
+    def set_timeout(self, timeout: Any) -> None:
+        pass
+
+
+def _create(store: Any, rank: int, size: int, timeout: Any) -> ProcessGroup:
+    if _session is None:
+        raise RuntimeError("the 'nonstop' backend is made by nonstop.torch.init_process_group(model, optimizer, "
+                           "loader), which joins the job first: call that instead of dist.init_process_group")
+    return ProcessGroup(_session, rank, size)
+
+
+def _form_default_group(session: Session) -> None:
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(BACKEND, _create)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(BACKEND, store=_Store(session.world_size), rank=session.rank,
+                            world_size=session.world_size)
+    for name, value in session._core.torchrun_environment():
+        os.environ[name] = value
+
+
+def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = None, *,
+                       extra: Optional[dict] = None, session: Optional[Session] = None) -> Session:
+    """Registers `model`, `optimizer` and the position of `loader` (a
+    :class:`nonstop.data.DataLoader`), joins the job, and makes the default
+    process group run over nonstop; sets RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT as torchrun
+    does. A spare waits here until it takes a rank and has copied the state.
+    Pass `session` instead to use one already registered."""
+    global _session, _loader, _model
+    if _session is not None:
+        raise RuntimeError("init_process_group was called twice: one job, one session")
+    if session is None:
+        session = join()
+        state = dict(extra or {})
+        if loader is not None:
+            state.update(loader._registered_defaults())
+        session.register(model, optimizer, extra=state)
+    else:
+        session._joined()
+    _session, _loader, _model = session, loader, model
+    if loader is not None:
+        loader._bind(session)
+    _form_default_group(session)
+    session.on_membership_change(lambda change: _form_default_group(session))
+    return session
+
+
+def destroy_process_group() -> None:
+    """Tells the controller that training ended (after the last step the loader
+    reported) and waits until the job ends, recovering if a member fails
+    meanwhile; then destroys the default group."""
+    session = _session
+    if session is None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    last = (_loader._steps_done() if _loader is not None else session._step_in_flight) - 1
+    while True:
+        try:
+            session.finish(last)
+            break
+        except Aborted:
+            session.recover()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _is_abort(e: BaseException, session: Session) -> bool:
+    return isinstance(e, Aborted) or (isinstance(e, RuntimeError) and session.aborted)
+
+
+def step(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorates a training step (forward, backward, optimizer update) that
+    takes the batch the loader yielded. When a member fails or the world
+    changes, the step's reducing call raises Aborted: the wrapper recovers,
+    takes the step's batch as dealt over the new world (the arguments that are
+    the loader's last batch, or its elements, are replaced) and runs the step
+    again. Released (this worker is not needed any more) ends the process."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        while True:
+            session = _session
+            if session is None:
+                raise RuntimeError("nonstop.torch.step needs nonstop.torch.init_process_group(...) first")
+            try:
+                return fn(*args, **kwargs)
+            except (Aborted, RuntimeError) as e:
+                if not _is_abort(e, session):
+                    raise
+            _BucketStep.active = False  # a backward that did not reach its end
+            resumed = session.recover()
+            if _model is not None:
+                for p in _model.parameters():
+                    p.grad = None  # the lost step's gradients, half reduced
+            if _loader is not None:
+                args, kwargs = _loader._redeal(resumed, args, kwargs)
+
+    return run
+
+
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+    """torch's DistributedDataParallel with the same constructor and
+    ``no_sync``, for what stock DDP cannot do under nonstop (docs/python.md):
+
+    - gradients are weighted by this rank's share of the step's global batch
+      (the loader's; 1/world without one), not divided by the world size the
+      group was made with, so a shrink or a grow keeps the global mean;
+    - its buckets keep the layout they were made with (stock DDP re-buckets
+      after its first iteration, and a spare's first iteration would then
+      pair its buckets with the survivors' other ones)."""
+
+    def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        if _session is None:
+            raise RuntimeError("nonstop.torch.DistributedDataParallel needs nonstop.torch.init_process_group(...) "
+                               "first: the state is registered and the job joined there")
+        self.register_comm_hook(_session, _weighted_sum_hook)
+        self.reducer = _KeepBuckets(self.reducer)
+
+
+def _weighted_sum_hook(session, bucket):  # type: ignore[no-untyped-def]  (DDP checks the annotations)
+    buffer = bucket.buffer() if hasattr(bucket, "buffer") else bucket.get_tensor()
+    _BucketStep.enter(session)
+    for group in _groups:
+        group._local = False
+    share = _loader._share() if _loader is not None else None
+    buffer.mul_(share if share is not None else 1.0 / session.world_size)
+    return _start_bucket(session, buffer).get_future().then(lambda fut: fut.value()[0])
+
+
+class _KeepBuckets:
+    """DDP's reducer, but one that never rebuilds its buckets."""
+
+    def __init__(self, reducer: Any) -> None:
+        object.__setattr__(self, "_reducer", reducer)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
