@@ -35,6 +35,8 @@ PACKAGES=(
   # The Python package (python/, src/python) and its tests and examples:
   # Debian's interpreter, pybind11 and PyTorch, and pytest.
   python3-dev pybind11-dev python3-torch python3-pytest
+  # Its wheel, built offline and installed into a virtual environment (pyproject.toml, setup.py).
+  python3-build python3-setuptools python3-wheel python3-venv python3-pip
   slurm-wlm munge  # tests/slurm/run.sh: a real Slurm in network namespaces (docs/slurm.md)
 )
 # clang-16 and libclang-rt-16-dev: the sanitizer builds and libFuzzer
