@@ -7,7 +7,9 @@
 #   (b) nonstop from Python (train_llama.py: DataParallel, overlapped buckets),
 #       with a spare;
 #   (c) nonstop's C++ trainer (nonstop-train), with and without overlapped
-#       reduction.
+#       reduction;
+#   (d) (a)'s script itself, stock DistributedDataParallel over nonstop's
+#       torch.distributed group (nonstop.torch.init_process_group).
 # Each fault-free run gives its median step time and tokens/s. Then (a) and (b)
 # run again with rank 2 killed at step 30: the fault's cost is the faulted
 # run's wall time minus the fault-free one's, and for (b) also the time lost the
@@ -16,7 +18,7 @@
 #   bash bench/pytorch.sh [--steps N]        (default 60; the kill is at step 30)
 #
 # Needs ./build (scripts/build.sh) and Debian's python3-torch. Everything runs
-# on 127.0.0.1; the run directory is removed on exit. About 8 min at 60 steps.
+# on 127.0.0.1; the run directory is removed on exit. About 9 min at 60 steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=60
@@ -98,6 +100,7 @@ echo "  (a) torch DDP + Gloo (torchrun), fault-free";  ddp a-clean --max_restart
 echo "  (b) nonstop from Python, fault-free";           nonstop_job b-clean none "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
 echo "  (c) nonstop C++ trainer, overlapped";           nonstop_job c-overlap none "$bin/nonstop-train" --steps "$steps"
 echo "  (c) nonstop C++ trainer, not overlapped";       nonstop_job c-serial none "$bin/nonstop-train" --steps "$steps" --no-overlap
+echo "  (d) stock DDP over nonstop, fault-free";        nonstop_job d-clean none "$py" "$root/bench/pytorch_ddp_llama.py" --steps "$steps"
 echo "  (a) with rank 2 killed at step 30";             DDP_KILL=1 ddp a-fault --max_restarts 1
 echo "  (b) with rank 2 killed at step 30";             nonstop_job b-fault kill:rank=2,step=30 "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
 
@@ -108,7 +111,8 @@ base = r["a-clean"]["median_step_s"]
 print()
 print(f"{'run':<38} {'step (median)':>14} {'tokens/s':>9} {'vs (a)':>7}")
 for name, label in (("a-clean", "(a) torch DDP + Gloo, torchrun"), ("b-clean", "(b) nonstop, Python, overlapped buckets"),
-                    ("c-overlap", "(c) nonstop C++ trainer, overlapped"), ("c-serial", "(c) nonstop C++ trainer, not overlapped")):
+                    ("c-overlap", "(c) nonstop C++ trainer, overlapped"), ("c-serial", "(c) nonstop C++ trainer, not overlapped"),
+                    ("d-clean", "(d) stock DDP over nonstop")):
     j = r[name]
     print(f"{label:<38} {j['median_step_s'] * 1000:>11.0f} ms {j['tokens_per_s']:>9.0f} {base / j['median_step_s']:>6.2f}×")
 print(f"\noverlap in the C++ trainer: step {r['c-overlap']['median_step_s'] * 1000:.0f} ms overlapped, "

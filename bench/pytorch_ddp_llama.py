@@ -11,6 +11,11 @@ steps. --kill-rank/--kill-step: that rank kills itself (SIGKILL) at that step
 of the first attempt; torchrun then restarts all workers, which load the
 newest checkpoint and redo the steps after it. At the end rank 0 prints one
 JSON line: the step times, the restarts and the wall time of each attempt.
+
+Under `nonstop run` (bench/pytorch.sh's (d)) the same script runs stock
+DistributedDataParallel over nonstop's torch.distributed group
+(nonstop.torch.init_process_group, once the model and the optimizer exist),
+and reports each step to the controller.
 """
 
 import argparse
@@ -30,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 from train_llama import Llama, learning_rate  # noqa: E402  the same model and schedule
 
 import nonstop.data  # noqa: E402  the same data and sampler (no session: only the data half)
+import nonstop.torch  # noqa: E402  under nonstop run: torch.distributed over nonstop
 
 started = time.monotonic()
 
@@ -50,8 +56,9 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    under_nonstop = bool(os.environ.get("NONSTOP_CONTROLLER"))
+    if not under_nonstop:
+        dist.init_process_group("gloo")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     data = nonstop.data.Dataset(args.data, args.seq_len)
@@ -62,6 +69,11 @@ def main():
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     start = 0
+    session = None
+    if under_nonstop:
+        session = nonstop.torch.init_process_group(model, optimizer)
+        start = session.resume_step
+    rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = pathlib.Path(args.checkpoint_dir) / "last.pt" if args.checkpoint_dir else None
     if ckpt and ckpt.exists():
         state = torch.load(ckpt)
@@ -98,6 +110,9 @@ def main():
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
             os.replace(tmp, ckpt)
         step_seconds.append(time.monotonic() - t0)
+        if session is not None:
+            session.report_step(step, loss.item(), step_seconds=step_seconds[-1], tokens=tokens_per_step,
+                                total_steps=args.steps)
         if first_step_at is None:
             first_step_at = time.monotonic() - started
     dist.barrier()
@@ -107,7 +122,10 @@ def main():
                           "median_step_s": statistics.median(steady), "tokens_per_s": tokens_per_step / statistics.median(steady),
                           "setup_s": first_step_at - step_seconds[0] if first_step_at else None,
                           "wall_s": time.monotonic() - started}), flush=True)
-    dist.destroy_process_group()
+    if session is not None:
+        nonstop.torch.destroy_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
