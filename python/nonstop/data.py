@@ -10,8 +10,7 @@ replaces a lost one finds them in the page cache already.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import _core
 
@@ -114,6 +113,8 @@ class DistributedSampler:
         self._order: Tuple[int, Optional[List[int]]] = (-1, None)
 
     def set_epoch(self, epoch: int) -> None:
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise TypeError(f"the epoch is an int, got {epoch!r}")
         if epoch < 0:
             raise ValueError(f"epoch {epoch} is negative")
         self.epoch = int(epoch)
@@ -134,11 +135,15 @@ class DistributedSampler:
 
     def batches_per_epoch(self, global_batch: int) -> int:
         n = self.num_samples_total
-        return n // global_batch if self.drop_last else math.ceil(n / global_batch)
+        return n // global_batch if self.drop_last else max(1, n // global_batch)
 
     def share(self, epoch: int, batch: int, global_batch: int, rank: int, world: int) -> Tuple[List[int], int]:
-        """(rank's indices of global batch `batch` of `epoch`, that batch's size)."""
-        whole = self.order(epoch)[batch * global_batch:(batch + 1) * global_batch]
+        """(rank's indices of global batch `batch` of `epoch`, that batch's size).
+        Without drop_last, the samples left over after the epoch's last whole
+        global batch join it (a partial batch could have fewer samples than
+        the world has ranks)."""
+        last = batch == self.batches_per_epoch(global_batch) - 1 and not self.drop_last
+        whole = self.order(epoch)[batch * global_batch:None if last else (batch + 1) * global_batch]
         n = len(whole)
         lo, hi = rank * n // world, (rank + 1) * n // world
         return whole[lo:hi], n
@@ -188,6 +193,7 @@ class DataLoader:
         self._yielded: Optional[Tuple[int, Any]] = None  # (step, batch) handed out, not yet completed
         self.indices: List[int] = []  # this rank's samples in the last batch handed out
         self._share_of_batch = (0, 1)
+        self.on_batch: Any = None  # called as each batch is handed out (nonstop.torch: its first step)
 
     # ---- registration (nonstop.torch.init_process_group) ----
 
@@ -207,7 +213,6 @@ class DataLoader:
                                f"resumes at step {session.resume_step}: register the loader with the session")
 
     def _steps_done(self) -> int:
-        self._complete()
         return self._session.extra[_STEPS]
 
     @property
@@ -225,40 +230,54 @@ class DataLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._session is None:
             raise RuntimeError("register the loader first: nonstop.torch.init_process_group(model, optimizer, loader)")
-        self._complete()
+        self._yielded = None  # a batch handed out and never trained on (a peek): it comes again
         extra = self._session.extra
         epoch = self.sampler.epoch
-        if epoch is None:  # set_epoch never called: an exhausted epoch starts the next one
-            epoch = extra[_EPOCH] + (1 if extra[_BATCH] >= len(self) else 0)
+        if epoch is None:
+            raise RuntimeError("call sampler.set_epoch(epoch) before iterating each epoch: the epoch's number "
+                               "says where a spare that replays the loop stands (epochs the job finished "
+                               "yield nothing)")
         if epoch > extra[_EPOCH]:
             extra[_EPOCH], extra[_BATCH] = epoch, 0
         elif epoch < extra[_EPOCH]:
             return  # an epoch this job finished (a spare replays the loop from its start)
-        while extra[_BATCH] < len(self):
-            self._complete()
+        while extra[_BATCH] < len(self) and extra[_EPOCH] == epoch:
             inner = self._inner(extra[_BATCH])
             generation = self._session.generation
             for batch in inner:
                 rank, world = self._session.rank, self._session.world_size
                 self._note(extra[_BATCH], self.sampler.share(extra[_EPOCH], extra[_BATCH], self.global_batch,
                                                              rank, world)[0])
+                if self.on_batch is not None:
+                    self.on_batch()
                 self._yielded = (extra[_STEPS], batch)
                 yield batch
-                self._complete()
-                if self._session.generation != generation or extra[_BATCH] >= len(self):
+                if self._yielded is not None:
+                    raise RuntimeError("the next batch was asked for before the optimizer's update of the last "
+                                       "one: each batch of nonstop.data.DataLoader is one step (accumulate "
+                                       "gradients over micro-batches within a batch, not over batches)")
+                if self._session.generation != generation:
                     break  # the world changed: the shares are dealt anew from here
-        self._complete()
 
-    def _complete(self) -> None:
-        """The batch handed out was trained on: the step is done."""
+    def _updated(self) -> None:
+        """The optimizer's update of the batch handed out: its step is done.
+        The position moves on before the controller is told."""
         if self._yielded is None:
-            return
+            raise RuntimeError("optimizer.step() with no batch of the loader to update on: each batch of "
+                               "nonstop.data.DataLoader is one step, and one update")
         extra = self._session.extra
         step = self._yielded[0]
         self._yielded = None
         extra[_BATCH] += 1
         extra[_STEPS] = step + 1
         self._session.report_step(step)
+
+    def _outstanding(self) -> Optional[int]:
+        """The step of the batch handed out and not yet updated on."""
+        return None if self._yielded is None else self._yielded[0]
+
+    def _drop_outstanding(self) -> None:
+        self._yielded = None
 
     def _shares(self, first_batch: int) -> Iterator[List[int]]:
         extra = self._session.extra
@@ -297,6 +316,8 @@ class DataLoader:
         old = self._yielded[1]
         indices, _ = self.sampler.share(extra[_EPOCH], extra[_BATCH], self.global_batch, self._session.rank,
                                         self._session.world_size)
+        if indices == self.indices:
+            return args, kwargs  # the same share: the step runs again on the same batch
         self._note(extra[_BATCH], indices)
         collate = self._kwargs.get("collate_fn")
         if collate is None:
@@ -305,18 +326,33 @@ class DataLoader:
             collate = default_collate
         new = collate([self.dataset[i] for i in indices])
         self._yielded = (resumed, new)
-        parts_old = list(old) if isinstance(old, (tuple, list)) else [old]
-        parts_new = list(new) if isinstance(new, (tuple, list)) else [new]
+
+        def parts(batch: Any) -> List[Any]:
+            if isinstance(batch, (tuple, list)):
+                return list(batch)
+            if isinstance(batch, Mapping):
+                return list(batch.values())
+            return [batch]
+
+        swapped = 0
 
         def swap(a: Any) -> Any:
+            nonlocal swapped
             if a is old:
+                swapped += 1
                 return new
-            for o, n in zip(parts_old, parts_new):
+            for o, n in zip(parts(old), parts(new)):
                 if a is o:
+                    swapped += 1
                     return n
             return a
 
-        return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+        args, kwargs = tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+        if swapped == 0:
+            raise RuntimeError("the world changed, so the step's batch is dealt anew, but none of the decorated "
+                               "step's arguments is the batch the loader yielded or one of its elements: pass "
+                               "them to it as yielded (transform them inside the step)")
+        return args, kwargs
 
 
 class _Shares:

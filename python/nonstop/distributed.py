@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import weakref
 from typing import Any, Callable, Deque, List, Optional
 
 import torch
@@ -40,24 +41,33 @@ BACKEND = "nonstop"
 _session: Optional[Session] = None
 _loader: Any = None
 _model: Any = None
+# A worker that joined a running job (a spare, a joiner) answers its collectives
+# locally until its first step (ProcessGroup); set once, when it joins.
+_before_first_step = False
 # torch keeps a Python subclass's C++ half alive but not its Python half: a
 # Work or a group whose Python object was collected answers from C++'s base
 # class (a Work's wait() then never returns). These keep them.
 _groups: List["ProcessGroup"] = []
-_works: Deque["_Work"] = collections.deque(maxlen=4096)
+_works: Deque["_Work"] = collections.deque(maxlen=1024)
 
 
 class _Work(_TorchWork):
-    """A collective's handle. Completed at once for the blocking collectives;
-    for a gradient bucket, by the session's communication thread."""
+    """A collective's handle. A blocking collective's is complete when made and
+    holds its tensors weakly (kept works must not keep a 250 MB broadcast
+    bucket alive); a gradient bucket's is completed by the session's
+    communication thread."""
 
-    def __init__(self, result: Any, done: bool = True) -> None:
+    def __init__(self, result: List[Any], done: bool = True) -> None:
         super().__init__()
-        self._future: torch.futures.Future = torch.futures.Future()
-        self._result = result
         self._ok = True
+        self._future: Optional[torch.futures.Future] = None
+        self._weak: List[Any] = []
         if done:
-            self._future.set_result(result)
+            self._weak = [weakref.ref(t) for t in _flat(result)]
+            self._shape = [len(r) for r in result] if result and isinstance(result[0], list) else None
+        else:
+            self._future = torch.futures.Future()
+            self._result = result
         _works.append(self)
 
     def _complete(self, ok: bool, message: str) -> None:
@@ -65,16 +75,34 @@ class _Work(_TorchWork):
         # result, so that DDP's end of backward runs whole; a failure is
         # raised as Aborted at the end of backward (_BucketStep).
         self._ok = ok
-        self._future.set_result(self._result)
+        result, self._result = self._result, None
+        self._future.set_result(result)  # type: ignore[union-attr]
 
     def wait(self, timeout: Any = None) -> bool:
-        self._future.wait()
+        if self._future is not None:
+            self._future.wait()
         if not self._ok:
             raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
         return True
 
     def get_future(self) -> torch.futures.Future:
+        if self._future is None:  # a blocking collective's, asked for after it completed
+            tensors = [w() for w in self._weak]
+            if any(t is None for t in tensors):
+                raise RuntimeError("the collective's tensors were freed before its future was asked for")
+            result: Any = tensors
+            if self._shape is not None:
+                result, i = [], 0
+                for n in self._shape:
+                    result.append(tensors[i:i + n])
+                    i += n
+            self._future = torch.futures.Future()
+            self._future.set_result(result)
         return self._future
+
+
+def _flat(result: List[Any]) -> List[Any]:
+    return [t for r in result for t in (r if isinstance(r, list) else [r])]
 
 
 class _BucketStep:
@@ -96,6 +124,18 @@ class _BucketStep:
         cls.active = True
         session._maybe_inject()  # nonstop run --inject exception:...: before anything is started
         return True
+
+    @classmethod
+    def reset(cls, session: Session) -> None:
+        """After a step raised: a backward that raised never ran its queued end
+        (torch drops final callbacks then), so its buckets are waited for here."""
+        if not cls.active:
+            return
+        cls.active = False
+        try:
+            session._wait_all()
+        except Aborted:
+            pass  # the step is lost either way; the caller recovers
 
     @classmethod
     def _after_ddp(cls, session: Session) -> None:
@@ -135,15 +175,14 @@ class ProcessGroup(_TorchProcessGroup):
     def __init__(self, session: Session, rank: int, size: int) -> None:
         super().__init__(rank, size)
         self._session = session
-        self._local = session.last_change.reason != "start"
         _groups.append(self)
 
     def getBackendName(self) -> str:
         return BACKEND
 
-    def _end_local(self) -> None:
-        for group in _groups:
-            group._local = False
+    @property
+    def _local(self) -> bool:
+        return _before_first_step
 
     def allreduce(self, tensors: List[Any], opts: Any = None) -> _Work:
         tensor = _one(tensors, "all_reduce")
@@ -157,7 +196,7 @@ class ProcessGroup(_TorchProcessGroup):
         if _BucketStep.enter(session):  # a gradient bucket of stock DDP
             if session.generation != 1:
                 raise RuntimeError(_STOCK_DDP)
-            self._end_local()
+            _first_step()
             return _start_bucket(session, tensor)
         if self._local:
             raise RuntimeError("all_reduce before this worker's first step: it joined a running job, whose members "
@@ -203,6 +242,11 @@ class ProcessGroup(_TorchProcessGroup):
         if not self._local:
             self._session._core.barrier()
         return _Work([])
+
+
+def _first_step() -> None:
+    global _before_first_step
+    _before_first_step = False
 
 
 def _one(tensors: List[Any], what: str) -> Any:
@@ -270,6 +314,9 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> ProcessGroup:
     if _session is None:
         raise RuntimeError("the 'nonstop' backend is made by nonstop.torch.init_process_group(model, optimizer, "
                            "loader), which joins the job first: call that instead of dist.init_process_group")
+    if size != _session.world_size or rank != _session.rank:
+        raise ValueError(f"nonstop's group spans the whole world ({_session.world_size} ranks): a subgroup "
+                         f"(new_group, here {size} ranks) is not supported")
     return ProcessGroup(_session, rank, size)
 
 
@@ -291,10 +338,16 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
     process group run over nonstop; sets RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT as torchrun
     does. A spare waits here until it takes a rank and has copied the state.
+
+    With a loader, each ``optimizer.step()`` completes the step of the batch
+    the loader handed out: the position moves on and the controller is told
+    (``report_step``). Without one, the script reports its steps itself.
     Pass `session` instead to use one already registered."""
-    global _session, _loader, _model
+    global _session, _loader, _model, _before_first_step
     if _session is not None:
         raise RuntimeError("init_process_group was called twice: one job, one session")
+    if loader is not None and optimizer is None:
+        raise ValueError("a loader needs the optimizer too: its update is what completes each step")
     if session is None:
         session = join()
         state = dict(extra or {})
@@ -304,16 +357,31 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
     else:
         session._joined()
     _session, _loader, _model = session, loader, model
+    _before_first_step = session.last_change.reason != "start"
     if loader is not None:
         loader._bind(session)
+        loader.on_batch = _first_step
+        _complete_steps_on_update(optimizer, loader)
     _form_default_group(session)
     session.on_membership_change(lambda change: _form_default_group(session))
     return session
 
 
+def _complete_steps_on_update(optimizer: Any, loader: Any) -> None:
+    update = optimizer.step
+
+    @functools.wraps(update)
+    def step_and_complete(*args: Any, **kwargs: Any) -> Any:
+        result = update(*args, **kwargs)
+        loader._updated()
+        return result
+
+    optimizer.step = step_and_complete
+
+
 def destroy_process_group() -> None:
-    """Tells the controller that training ended (after the last step the loader
-    reported) and waits until the job ends, recovering if a member fails
+    """Tells the controller that training ended (after the last step
+    completed) and waits until the job ends, recovering if a member fails
     meanwhile; then destroys the default group."""
     session = _session
     if session is None:
@@ -332,35 +400,42 @@ def destroy_process_group() -> None:
 
 
 def _is_abort(e: BaseException, session: Session) -> bool:
-    return isinstance(e, Aborted) or (isinstance(e, RuntimeError) and session.aborted)
+    return isinstance(e, Aborted) or (isinstance(e, RuntimeError) and session._core is not None and session.aborted)
 
 
 def step(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorates a training step (forward, backward, optimizer update) that
+    """Decorates a training step (forward, backward, ``optimizer.step()``) that
     takes the batch the loader yielded. When a member fails or the world
-    changes, the step's reducing call raises Aborted: the wrapper recovers,
-    takes the step's batch as dealt over the new world (the arguments that are
-    the loader's last batch, or its elements, are replaced) and runs the step
-    again. Released (this worker is not needed any more) ends the process."""
+    changes, the step's reducing call raises Aborted: the wrapper recovers and,
+    unless the step was already updated on (the fault came after
+    ``optimizer.step()``) or its state was copied from peers that had
+    completed it, runs it again on its batch as dealt over the new world (the
+    arguments that are the loader's batch, or its elements, are replaced).
+    Released (this worker is not needed any more) ends the process."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        session = _session
+        if session is None or _loader is None:
+            raise RuntimeError("nonstop.torch.step needs nonstop.torch.init_process_group(model, optimizer, loader) "
+                               "first: the step's batch comes from the loader")
         while True:
-            session = _session
-            if session is None:
-                raise RuntimeError("nonstop.torch.step needs nonstop.torch.init_process_group(...) first")
             try:
                 return fn(*args, **kwargs)
-            except (Aborted, RuntimeError) as e:
+            except BaseException as e:
+                _BucketStep.reset(session)  # a backward that raised never ran its end
                 if not _is_abort(e, session):
                     raise
-            _BucketStep.active = False  # a backward that did not reach its end
             resumed = session.recover()
             if _model is not None:
                 for p in _model.parameters():
                     p.grad = None  # the lost step's gradients, half reduced
-            if _loader is not None:
-                args, kwargs = _loader._redeal(resumed, args, kwargs)
+            pending = _loader._outstanding()
+            if pending is None or resumed > pending:
+                # Updated on before the fault, or the state copied from peers that completed the step.
+                _loader._drop_outstanding()
+                return None
+            args, kwargs = _loader._redeal(resumed, args, kwargs)
 
     return run
 
@@ -372,37 +447,29 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     - gradients are weighted by this rank's share of the step's global batch
       (the loader's; 1/world without one), not divided by the world size the
       group was made with, so a shrink or a grow keeps the global mean;
-    - its buckets keep the layout they were made with (stock DDP re-buckets
-      after its first iteration, and a spare's first iteration would then
-      pair its buckets with the survivors' other ones)."""
+    - its buckets are laid out once, at construction, in the parameters'
+      reverse order, and never again (stock DDP re-buckets after its first
+      iteration, and a spare's first iteration would then pair its buckets
+      with the survivors' other ones)."""
 
     def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(module, *args, **kwargs)
         if _session is None:
             raise RuntimeError("nonstop.torch.DistributedDataParallel needs nonstop.torch.init_process_group(...) "
                                "first: the state is registered and the job joined there")
+        super().__init__(module, *args, **kwargs)
         self.register_comm_hook(_session, _weighted_sum_hook)
-        self.reducer = _KeepBuckets(self.reducer)
+        # The layout of every member's DDP, whenever it was made: all parameters, reverse order.
+        self.reducer._push_all_rebuilt_params()
+        self.reducer._rebuild_buckets()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _first_step()  # DDP's forward may broadcast buffers: with the peers from now on
+        return super().forward(*args, **kwargs)
 
 
 def _weighted_sum_hook(session, bucket):  # type: ignore[no-untyped-def]  (DDP checks the annotations)
     buffer = bucket.buffer() if hasattr(bucket, "buffer") else bucket.get_tensor()
     _BucketStep.enter(session)
-    for group in _groups:
-        group._local = False
     share = _loader._share() if _loader is not None else None
     buffer.mul_(share if share is not None else 1.0 / session.world_size)
     return _start_bucket(session, buffer).get_future().then(lambda fut: fut.value()[0])
-
-
-class _KeepBuckets:
-    """DDP's reducer, but one that never rebuilds its buckets."""
-
-    def __init__(self, reducer: Any) -> None:
-        object.__setattr__(self, "_reducer", reducer)
-
-    def _rebuild_buckets(self) -> bool:
-        return False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._reducer, name)

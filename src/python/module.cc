@@ -59,6 +59,15 @@ void Check(const Status& s) {
   if (!s.ok()) Throw(s);
 }
 
+// Python 3.13 names it Py_IsFinalizing; earlier versions have only the underscored one.
+bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 std::span<std::byte> Bytes(uintptr_t address, size_t nbytes) {
   return {reinterpret_cast<std::byte*>(address), nbytes};
 }
@@ -105,6 +114,13 @@ class PySession {
     return self;
   }
 
+  // Without the GIL: stopping the session joins its communication thread,
+  // which may be waiting for the GIL to call a bucket's `done`.
+  ~PySession() {
+    py::gil_scoped_release release;
+    session_.reset();
+  }
+
   Session& s() { return *session_; }
   const state::StateRegistry& state() const { return state_; }
 
@@ -122,10 +138,12 @@ class PySession {
     }
     // Let go with the GIL, on whichever thread drops the last copy.
     std::shared_ptr<py::object> call(new py::object(std::move(done)), [](py::object* o) {
+      if (Finalizing()) return;  // the interpreter is going: nothing to call or free
       py::gil_scoped_acquire gil;
       delete o;
     });
     session_->StartAllReduce(Floats(address, count), [call](const Status& s) {
+      if (Finalizing()) return;
       py::gil_scoped_acquire gil;
       try {
         (*call)(s.ok(), s.ToString());

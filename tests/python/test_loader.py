@@ -1,0 +1,156 @@
+"""nonstop.data.DataLoader and nonstop.torch.step without a job: a session
+stand-in holds the registered position, so each rule of the loader (a step
+per update, a peek not counted, set_epoch required, shares dealt anew when the
+world changes) and of the step decorator (run again on the re-dealt batch, or
+not at all when the step was already updated on) is checked directly."""
+
+import pytest
+import torch
+
+import nonstop
+import nonstop.distributed as nd
+from nonstop.data import DataLoader, DistributedSampler
+
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self):
+        return 50
+
+    def __getitem__(self, i):
+        return torch.tensor(i), torch.full((2,), float(i))
+
+
+class FakeSession:
+    """What the loader and the decorator use of a nonstop.Session."""
+
+    def __init__(self, loader, world=4, rank=0):
+        self.extra = nonstop.Extra(loader._registered_defaults())
+        self.world_size, self.rank, self.generation, self.resume_step = world, rank, 1, 0
+        self.reported = []
+        self.recoveries = []
+        self._core = object()
+        self.aborted = False
+
+    def report_step(self, step):
+        self.reported.append(step)
+
+    def recover(self):
+        self.aborted = False
+        return self.recoveries.pop(0)
+
+
+def bound(world=4, rank=0, batch_size=2, shuffle=True):
+    loader = DataLoader(Items(), batch_size=batch_size, sampler=DistributedSampler(Items(), shuffle=shuffle))
+    session = FakeSession(loader, world, rank)
+    loader._bind(session)
+    return loader, session
+
+
+def test_each_update_completes_one_step_and_every_sample_of_the_epoch_is_dealt_once():
+    seen = []
+    for rank in range(4):
+        loader, session = bound(rank=rank)
+        loader.sampler.set_epoch(0)
+        for ids, _ in loader:
+            seen += ids.tolist()
+            loader._updated()
+        assert session.reported == list(range(len(loader))) == list(range(6)), "50 // 8: the last batch takes 10"
+    assert sorted(seen) == list(range(50))
+
+
+def test_a_peeked_batch_is_not_counted_and_comes_again():
+    loader, session = bound()
+    loader.sampler.set_epoch(0)
+    peek = next(iter(loader))[0].tolist()
+    first = next(iter(loader))[0].tolist()
+    assert peek == first and session.reported == []
+
+
+def test_the_next_batch_before_the_update_raises_and_an_update_without_a_batch_too():
+    loader, _ = bound()
+    loader.sampler.set_epoch(0)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(RuntimeError, match="before the optimizer's update"):
+        next(it)
+    fresh, _ = bound()
+    with pytest.raises(RuntimeError, match="no batch of the loader"):
+        fresh._updated()
+
+
+def test_set_epoch_is_required_and_a_finished_epoch_yields_nothing():
+    loader, session = bound()
+    with pytest.raises(RuntimeError, match="set_epoch"):
+        next(iter(loader))
+    loader.sampler.set_epoch(1)
+    for _ in loader:
+        loader._updated()
+    loader.sampler.set_epoch(0)
+    assert list(loader) == [], "epoch 0 is behind the registered epoch 1"
+    with pytest.raises(TypeError):
+        loader.sampler.set_epoch(1.5)
+
+
+def test_a_world_change_deals_the_rest_of_the_epoch_anew():
+    loader, session = bound(shuffle=False)
+    loader.sampler.set_epoch(0)
+    got = []
+    for ids, _ in loader:
+        got.append(ids.tolist())
+        loader._updated()
+        if len(got) == 2:
+            session.world_size, session.generation = 2, 2  # a shrink between steps
+    assert got[:2] == [[0, 1], [8, 9]], "global batches of 8, rank 0's quarter"
+    assert got[2:] == [[16, 17, 18, 19], [24, 25, 26, 27], [32, 33, 34, 35], [40, 41, 42, 43, 44]], \
+        "the last global batch takes the 2 samples left over: 10, dealt 5/5"
+    assert loader._share() == 1 / 2
+
+
+def step_with(loader, session, monkeypatch):
+    monkeypatch.setattr(nd, "_session", session)
+    monkeypatch.setattr(nd, "_loader", loader)
+    monkeypatch.setattr(nd, "_model", None)
+    calls = []
+
+    @nd.step
+    def train(ids, x):
+        calls.append(ids.tolist())
+        if len(calls) == 1:
+            session.aborted = True
+            session.world_size, session.generation = 2, 2
+            raise nonstop.Aborted("a member failed")
+        loader._updated()
+        return "done"
+
+    return train, calls
+
+
+def test_the_step_runs_again_on_its_batch_dealt_over_the_new_world(monkeypatch):
+    loader, session = bound(shuffle=False)
+    train, calls = step_with(loader, session, monkeypatch)
+    session.recoveries = [0]
+    loader.sampler.set_epoch(0)
+    ids, x = next(iter(loader))
+    assert train(ids, x) == "done"
+    assert calls == [[0, 1], [0, 1, 2, 3]], "rank 0 of 2 takes half of the 8"
+    assert session.reported == [0]
+
+
+def test_a_step_whose_state_was_copied_from_peers_that_completed_it_is_not_run_again(monkeypatch):
+    loader, session = bound(shuffle=False)
+    train, calls = step_with(loader, session, monkeypatch)
+    session.recoveries = [1]  # resumes one step later: this member was behind
+    loader.sampler.set_epoch(0)
+    ids, x = next(iter(loader))
+    assert train(ids, x) is None
+    assert calls == [[0, 1]] and loader._outstanding() is None
+
+
+def test_a_step_whose_arguments_are_not_the_batch_cannot_be_dealt_anew(monkeypatch):
+    loader, session = bound(shuffle=False)
+    train, _ = step_with(loader, session, monkeypatch)
+    session.recoveries = [0]
+    loader.sampler.set_epoch(0)
+    ids, x = next(iter(loader))
+    with pytest.raises(RuntimeError, match="none of the decorated step's arguments"):
+        train(ids.clone(), x.clone())
