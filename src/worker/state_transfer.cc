@@ -713,31 +713,45 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
 
 namespace {
 
-// What one member tells the others before re-sharding (16 bytes).
+// What one member tells the others before re-sharding (24 bytes): the
+// digest is ShardDigest of the one shard it holds (0 for none or every).
 struct ShardRecord {
   int group = 0;
   int held = state::kNoShard;
   int64_t step = control::kNoValidState;
+  uint32_t digest = 0;
 };
+constexpr size_t kShardRecordBytes = 24;
 
 std::string EncodeShardRecord(const ShardRecord& r) {
   std::string out;
   PutFixed32(&out, static_cast<uint32_t>(r.group));
   PutFixed32(&out, static_cast<uint32_t>(r.held));
   PutFixed64(&out, static_cast<uint64_t>(r.step));
+  PutFixed32(&out, r.digest);
+  PutFixed32(&out, 0);
   return out;
 }
 
 ShardRecord DecodeShardRecord(const std::byte* p) {
   const char* c = reinterpret_cast<const char*>(p);
   return {static_cast<int>(static_cast<int32_t>(DecodeFixed32(c))),
-          static_cast<int32_t>(DecodeFixed32(c + 4)), static_cast<int64_t>(DecodeFixed64(c + 8))};
+          static_cast<int32_t>(DecodeFixed32(c + 4)), static_cast<int64_t>(DecodeFixed64(c + 8)),
+          DecodeFixed32(c + 16)};
+}
+
+// A shard's digest: the CRC-32C of its chunks' CRCs, in chunk order (a
+// CrcTable of the shard's chunks, 0 elsewhere). A holder computes it from
+// the table it serves from; a receiver from the checked CRCs of what it staged.
+uint32_t ShardDigest(std::span<const uint32_t> table) {
+  return Crc32c(table.data(), table.size_bytes());
 }
 
 // What every member says its sharded state holds, by rank.
 struct Holdings {
-  std::vector<int> held;       // a shard, kEveryShard or kNoShard
-  std::vector<int64_t> steps;  // of which step
+  std::vector<int> held;          // a shard, kEveryShard or kNoShard
+  std::vector<int64_t> steps;     // of which step
+  std::vector<uint32_t> digests;  // ShardDigest of the one shard held
 
   bool Holds(int q, int shard, int64_t step) const {
     const int h = held[static_cast<size_t>(q)];
@@ -756,15 +770,16 @@ struct Holdings {
 // to check the plan's moves against what each member says it holds, the same
 // claims on every member.
 Result<Holdings> GatherHoldings(collective::Communicator& comm, int group, int held,
-                                int64_t held_step) {
-  constexpr size_t kRecord = 16;
+                                int64_t held_step, uint32_t digest) {
+  constexpr size_t kRecord = kShardRecordBytes;
   std::vector<std::byte> records(kRecord * static_cast<size_t>(comm.world_size()));
-  std::string mine = EncodeShardRecord({group, held, held_step});
+  std::string mine = EncodeShardRecord({group, held, held_step, digest});
   std::memcpy(records.data() + kRecord * static_cast<size_t>(comm.rank()), mine.data(), kRecord);
   NONSTOP_RETURN_IF_ERROR(comm.AllGather(records, kRecord));
   Holdings out;
   out.held.resize(static_cast<size_t>(comm.world_size()));
   out.steps.resize(out.held.size());
+  out.digests.resize(out.held.size());
   for (size_t q = 0; q < out.held.size(); ++q) {
     ShardRecord r = DecodeShardRecord(records.data() + kRecord * q);
     if (r.group != group) {
@@ -779,6 +794,7 @@ Result<Holdings> GatherHoldings(collective::Communicator& comm, int group, int h
     }
     out.held[q] = r.held;
     out.steps[q] = r.step;
+    out.digests[q] = r.digest;
   }
   return out;
 }
@@ -894,6 +910,73 @@ std::map<int, PeerWork> PeersOf(const RankedMoves& moves, int me,
   return peers;
 }
 
+// The digest of each shard moved that its holders' majority has.
+using ShardDigests = std::map<int, uint32_t>;
+
+// The holders of a shard are its witnesses, as the replicas are for the
+// replicated state: for each shard moved, the digest more than half of its
+// holders of `step` have is the shard's, a holder with another one serves
+// nobody (it is taken off every receiver's sources: every member drops the
+// same ones, from the same claims), and a shard whose holders have no
+// majority (two that differ) is not copied at all. Returns the shard → its
+// majority digest, for the receivers' check of what they staged. A member
+// holding every shard (the initial state) is no witness and stays a source.
+Result<ShardDigests> TrustTheMajority(const Holdings& holdings, int64_t step,
+                                      const state::ShardLayout& layout, RankedMoves* moves) {
+  ShardDigests majority;
+  for (int receiver : moves->receivers) {
+    const int shard = layout.shard_of_rank[static_cast<size_t>(receiver)];
+    if (majority.count(shard)) continue;
+    std::map<uint32_t, int> votes;
+    int holders = 0;
+    for (size_t q = 0; q < holdings.held.size(); ++q) {
+      if (holdings.held[q] != shard || holdings.steps[q] != step) continue;
+      ++votes[holdings.digests[q]];
+      ++holders;
+    }
+    if (holders == 0) continue;  // served by members holding every shard
+    auto best = std::max_element(votes.begin(), votes.end(),
+                                 [](const auto& a, const auto& b) { return a.second < b.second; });
+    if (2 * best->second <= holders) {
+      std::string who;
+      for (size_t q = 0; q < holdings.held.size(); ++q) {
+        if (holdings.held[q] == shard && holdings.steps[q] == step)
+          who += fmt::format("{}rank {} {:08x}", who.empty() ? "" : ", ", q, holdings.digests[q]);
+      }
+      return DataLossError(fmt::format(
+          "the holders of shard {} of step {} disagree and no majority can tell which is right "
+          "({}): it is not copied",
+          shard, step, who));
+    }
+    majority[shard] = best->first;
+  }
+  for (int receiver : moves->receivers) {
+    const int shard = layout.shard_of_rank[static_cast<size_t>(receiver)];
+    auto it = majority.find(shard);
+    if (it == majority.end()) continue;
+    std::vector<int>& sources = moves->sources[static_cast<size_t>(receiver)];
+    std::vector<int> trusted;
+    for (int q : sources) {
+      const bool witness = holdings.held[static_cast<size_t>(q)] == shard;
+      if (witness && holdings.digests[static_cast<size_t>(q)] != it->second) {
+        NONSTOP_LOG_WARNING(
+            "rank {}'s shard {} of step {} (digest {:08x}) differs from the majority of its "
+            "holders ({:08x}): rank {} copies it from the others",
+            q, shard, step, holdings.digests[static_cast<size_t>(q)], it->second, receiver);
+        continue;
+      }
+      trusted.push_back(q);
+    }
+    if (trusted.empty()) {
+      return DataLossError(fmt::format(
+          "no source of shard {} of step {} for rank {} agrees with the majority of its holders",
+          shard, step, receiver));
+    }
+    sources = std::move(trusted);
+  }
+  return majority;
+}
+
 // Fetched shard chunks, held back until the commit: a member keeps serving
 // the shard it holds while it fetches the one it will hold.
 struct Staging {
@@ -918,10 +1001,26 @@ struct Staging {
   }
 };
 
+// A receiver's last word before anything is committed: what it staged has
+// the digest the majority of the shard's holders have.
+Status CheckStaged(const Staging& staging, const state::StateRegistry& reg, int shard, int64_t step,
+                   const ShardDigests& majority) {
+  auto it = majority.find(shard);
+  if (it == majority.end()) return OkStatus();  // from members holding every shard
+  std::vector<uint32_t> table(reg.num_chunks(), 0);
+  for (const auto& [index, where] : staging.where) table[index] = where.second;
+  const uint32_t staged = ShardDigest(table);
+  if (staged == it->second) return OkStatus();
+  return DataLossError(fmt::format(
+      "shard {} of step {} as copied (digest {:08x}) differs from its holders' majority ({:08x})",
+      shard, step, staged, it->second));
+}
+
 // This member's side of the moves with every peer at once, one thread each.
 Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
                      const state::ShardLayout& layout, const std::map<int, PeerWork>& peers,
-                     int64_t step, int64_t held_step, bool every, const TransferHooks& hooks,
+                     int64_t step, int64_t held_step, bool every,
+                     const std::vector<uint32_t>& held_table, const TransferHooks& hooks,
                      Staging* staging, TransferOutcome* outcome) {
   const int me = comm.rank();
   const int need = layout.shard_of_rank[static_cast<size_t>(me)];
@@ -936,7 +1035,9 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
   for (const auto& [peer, work] : peers) {
     if (!work.serve) continue;
     const int shard = every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1;
-    if (!tables.count(shard)) tables[shard] = CrcTable(reg, /*sharded=*/true, shard);
+    if (tables.count(shard)) continue;
+    tables[shard] =
+        shard == -1 && !held_table.empty() ? held_table : CrcTable(reg, /*sharded=*/true, shard);
   }
   std::vector<std::pair<int, Status>> results;
   for (const auto& [peer, work] : peers) results.push_back({peer, OkStatus()});
@@ -1017,9 +1118,15 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   if (held_step == -1 && step == -1) reg.set_held_shard(state::kEveryShard);
   const bool every = reg.held_shard() == state::kEveryShard;
 
+  // The table it serves its shard from, computed once: its digest is its word on what it holds.
+  std::vector<uint32_t> held_table;
+  const bool single = reg.held_shard() >= 0 && held_step == step;
+  if (single) held_table = CrcTable(reg, /*sharded=*/true);
   NONSTOP_ASSIGN_OR_RETURN(Holdings holdings,
-                           GatherHoldings(comm, group, reg.held_shard(), held_step));
+                           GatherHoldings(comm, group, reg.held_shard(), held_step,
+                                          single ? ShardDigest(held_table) : 0));
   NONSTOP_ASSIGN_OR_RETURN(RankedMoves moves, CheckShardMoves(plan, layout, holdings, step));
+  NONSTOP_ASSIGN_OR_RETURN(ShardDigests majority, TrustTheMajority(holdings, step, layout, &moves));
   if (moves.receivers.empty()) {
     if (every) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
     return outcome;
@@ -1034,8 +1141,9 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
       std::find(moves.receivers.begin(), moves.receivers.end(), me) != moves.receivers.end();
   if (!peers.empty() && hooks.on_start) hooks.on_start();
   Staging staging(reg, receiving ? sharded : std::vector<uint32_t>{});
-  NONSTOP_RETURN_IF_ERROR(
-      MoveWithPeers(comm, reg, layout, peers, step, held_step, every, hooks, &staging, &outcome));
+  NONSTOP_RETURN_IF_ERROR(MoveWithPeers(comm, reg, layout, peers, step, held_step, every,
+                                        held_table, hooks, &staging, &outcome));
+  if (receiving) NONSTOP_RETURN_IF_ERROR(CheckStaged(staging, reg, need, step, majority));
   // Nobody commits before everybody has staged: a receiver's commit
   // overwrites the shard it held, which may be the last copy of it if a
   // holder that serves it dies now. After the barrier every member has its

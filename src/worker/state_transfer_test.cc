@@ -646,6 +646,34 @@ TEST(ExchangeShardsTest, EveryCopyOfAShardLostIsDataLossNamingItOnEveryMember) {
   EXPECT_TRUE(ranks[0]->HoldsShard(0, 30)) << "nothing is changed";
 }
 
+TEST(ExchangeShardsTest, AHolderWhoseShardDiffersFromTheOtherHoldersServesNobody) {
+  // Groups of 2 over 8 ranks: shard 1 has four holders; rank 7 is a spare. Rank 1's copy of
+  // shard 1 had a value changed in memory (its CRCs agree with its bytes: only the other
+  // holders can tell).
+  auto ranks = MakeRanks({2, 2, 2, 2, 2, 2, 2, 2});
+  for (int r = 0; r < 7; ++r) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
+  ranks[1]->m[3] += 1.0f;
+  ranks[7]->step = 7;
+  ranks[7]->reg.set_held_shard(state::kNoShard);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{7, 1, {1, 3, 5}}}));
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  EXPECT_EQ(out[7]->sources, 2) << "ranks 3 and 5, the majority";
+  EXPECT_FALSE(out[1]->served);
+  EXPECT_TRUE(ranks[7]->HoldsShard(1, 7)) << "the majority's bytes, none of rank 1's";
+}
+
+TEST(ExchangeShardsTest, TwoHoldersThatDisagreeAreNotCopiedFrom) {
+  auto ranks = MakeRanks({2, 2, 2, 2, 2, 2});
+  for (int r = 0; r < 5; ++r) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
+  ranks[1]->m[3] += 1.0f;
+  ranks[5]->step = 7;
+  ranks[5]->reg.set_held_shard(state::kNoShard);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{5, 1, {1, 3}}}));
+  ExpectEveryRankRefuses(out, StatusCode::kDataLoss, "no majority");
+  EXPECT_TRUE(ranks[3]->HoldsShard(1, 7)) << "nothing is changed";
+}
+
 TEST(ExchangeShardsTest, AMemberOfAnotherGroupSizeIsRefusedByEveryone) {
   auto ranks = MakeRanks({2, 2, 2, 4});
   for (int r = 0; r < 4; ++r) ranks[static_cast<size_t>(r)]->step = 3;
