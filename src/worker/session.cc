@@ -592,6 +592,12 @@ class SessionImpl {
       Result<worker::TransferOutcome> shards =
           worker::ExchangeShards(*comm_, *state_, plan, state_step_.load(), hooks);
       held_shard_.store(state_->held_shard());
+      if (worker::IsShardDisagreement(shards.status())) {
+        NONSTOP_LOG_ERROR("{}", shards.status().message());
+        control::FailureMsg m{plan.generation, state_step_.load(),
+                              std::string(shards.status().message()), kExitDataCorruption};
+        (void)SendControl(control::kMsgFailure, control::Encode(m));
+      }
       if (!shards.ok()) return shards.status();
       outcome->received = outcome->received || shards->received;
       last_change_.state_copied = last_change_.state_copied || shards->received;

@@ -744,7 +744,9 @@ ShardRecord DecodeShardRecord(const std::byte* p) {
 // CrcTable of the shard's chunks, 0 elsewhere). A holder computes it from
 // the table it serves from; a receiver from the checked CRCs of what it staged.
 uint32_t ShardDigest(std::span<const uint32_t> table) {
-  return Crc32c(table.data(), table.size_bytes());
+  std::string bytes;
+  for (uint32_t crc : table) PutFixed32(&bytes, crc);  // the wire's byte order, not the host's
+  return Crc32c(bytes);
 }
 
 // What every member says its sharded state holds, by rank.
@@ -766,9 +768,9 @@ struct Holdings {
   }
 };
 
-// All-gathers (group size, held shard, step) of every member. Not to plan:
-// to check the plan's moves against what each member says it holds, the same
-// claims on every member.
+// All-gathers (group size, held shard, step, digest of the held shard) of every member. Not to
+// plan: to check the plan's moves against what each member says it holds, the same claims on every
+// member.
 Result<Holdings> GatherHoldings(collective::Communicator& comm, int group, int held,
                                 int64_t held_step, uint32_t digest) {
   constexpr size_t kRecord = kShardRecordBytes;
@@ -922,7 +924,8 @@ using ShardDigests = std::map<int, uint32_t>;
 // majority digest, for the receivers' check of what they staged. A member
 // holding every shard (the initial state) is no witness and stays a source.
 Result<ShardDigests> TrustTheMajority(const Holdings& holdings, int64_t step,
-                                      const state::ShardLayout& layout, RankedMoves* moves) {
+                                      const state::ShardLayout& layout, int me,
+                                      RankedMoves* moves) {
   ShardDigests majority;
   for (int receiver : moves->receivers) {
     const int shard = layout.shard_of_rank[static_cast<size_t>(receiver)];
@@ -944,9 +947,9 @@ Result<ShardDigests> TrustTheMajority(const Holdings& holdings, int64_t step,
           who += fmt::format("{}rank {} {:08x}", who.empty() ? "" : ", ", q, holdings.digests[q]);
       }
       return DataLossError(fmt::format(
-          "the holders of shard {} of step {} disagree and no majority can tell which is right "
-          "({}): it is not copied",
-          shard, step, who));
+          "{} {} of step {} disagree and no majority can tell which is right ({}): it is not "
+          "copied",
+          kShardDisagreement, shard, step, who));
     }
     majority[shard] = best->first;
   }
@@ -957,20 +960,23 @@ Result<ShardDigests> TrustTheMajority(const Holdings& holdings, int64_t step,
     std::vector<int>& sources = moves->sources[static_cast<size_t>(receiver)];
     std::vector<int> trusted;
     for (int q : sources) {
-      const bool witness = holdings.held[static_cast<size_t>(q)] == shard;
-      if (witness && holdings.digests[static_cast<size_t>(q)] != it->second) {
-        NONSTOP_LOG_WARNING(
-            "rank {}'s shard {} of step {} (digest {:08x}) differs from the majority of its "
-            "holders ({:08x}): rank {} copies it from the others",
-            q, shard, step, holdings.digests[static_cast<size_t>(q)], it->second, receiver);
+      // With witnesses to check against, a member holding every shard (unchecked) serves nobody.
+      if (holdings.held[static_cast<size_t>(q)] != shard) continue;
+      if (holdings.digests[static_cast<size_t>(q)] != it->second) {
+        if (me == receiver)
+          NONSTOP_LOG_WARNING(
+              "rank {}'s shard {} of step {} (digest {:08x}) differs from the majority of its "
+              "holders ({:08x}): rank {} copies it from the others",
+              q, shard, step, holdings.digests[static_cast<size_t>(q)], it->second, receiver);
         continue;
       }
       trusted.push_back(q);
     }
     if (trusted.empty()) {
       return DataLossError(fmt::format(
-          "no source of shard {} of step {} for rank {} agrees with the majority of its holders",
-          shard, step, receiver));
+          "{} {} of step {} that the plan names as rank {}'s sources all differ from the "
+          "majority of its holders: it is not copied",
+          kShardDisagreement, shard, step, receiver));
     }
     sources = std::move(trusted);
   }
@@ -1093,6 +1099,11 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
 
 }  // namespace
 
+bool IsShardDisagreement(const Status& s) {
+  return s.code() == StatusCode::kDataLoss &&
+         s.message().find(kShardDisagreement) != std::string_view::npos;
+}
+
 Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& reg,
                                        const control::PlanMsg& plan, int64_t held_step,
                                        const TransferHooks& hooks) {
@@ -1119,14 +1130,18 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   const bool every = reg.held_shard() == state::kEveryShard;
 
   // The table it serves its shard from, computed once: its digest is its word on what it holds.
+  // Only a shard that moves is compared: the others cost no CRC pass.
   std::vector<uint32_t> held_table;
-  const bool single = reg.held_shard() >= 0 && held_step == step;
+  const bool single = reg.held_shard() >= 0 && held_step == step &&
+                      std::any_of(plan.shard_moves.begin(), plan.shard_moves.end(),
+                                  [&](const auto& m) { return m.shard == reg.held_shard(); });
   if (single) held_table = CrcTable(reg, /*sharded=*/true);
   NONSTOP_ASSIGN_OR_RETURN(Holdings holdings,
                            GatherHoldings(comm, group, reg.held_shard(), held_step,
                                           single ? ShardDigest(held_table) : 0));
   NONSTOP_ASSIGN_OR_RETURN(RankedMoves moves, CheckShardMoves(plan, layout, holdings, step));
-  NONSTOP_ASSIGN_OR_RETURN(ShardDigests majority, TrustTheMajority(holdings, step, layout, &moves));
+  NONSTOP_ASSIGN_OR_RETURN(ShardDigests majority,
+                           TrustTheMajority(holdings, step, layout, me, &moves));
   if (moves.receivers.empty()) {
     if (every) NONSTOP_RETURN_IF_ERROR(reg.BindShard(need));
     return outcome;

@@ -51,6 +51,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string_view>
 
 #include "collective/data_plane.h"
 #include "control/messages.h"
@@ -115,5 +116,12 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm,
 Result<TransferOutcome> ExchangeShards(collective::Communicator& comm,
                                        state::StateRegistry& registry, const control::PlanMsg& plan,
                                        int64_t held_step, const TransferHooks& hooks);
+
+// ExchangeShards' DATA_LOSS when the holders of a shard disagree and no
+// majority (or none of the plan's sources) can be trusted: planning again
+// would meet the same holders, so the job stops (exit 11, data corruption),
+// as for replicas that disagree (docs/integrity.md).
+inline constexpr std::string_view kShardDisagreement = "the holders of shard";
+bool IsShardDisagreement(const Status& s);
 
 }  // namespace nonstop::worker

@@ -647,8 +647,8 @@ TEST(ExchangeShardsTest, EveryCopyOfAShardLostIsDataLossNamingItOnEveryMember) {
 }
 
 TEST(ExchangeShardsTest, AHolderWhoseShardDiffersFromTheOtherHoldersServesNobody) {
-  // Groups of 2 over 8 ranks: shard 1 has four holders; rank 7 is a spare. Rank 1's copy of
-  // shard 1 had a value changed in memory (its CRCs agree with its bytes: only the other
+  // Groups of 2 over 8 ranks: shard 1's holders are ranks 1, 3 and 5; rank 7 is a spare. Rank 1's
+  // copy of shard 1 had a value changed in memory (its CRCs agree with its bytes: only the other
   // holders can tell).
   auto ranks = MakeRanks({2, 2, 2, 2, 2, 2, 2, 2});
   for (int r = 0; r < 7; ++r) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
@@ -671,6 +671,8 @@ TEST(ExchangeShardsTest, TwoHoldersThatDisagreeAreNotCopiedFrom) {
   ranks[5]->reg.set_held_shard(state::kNoShard);
   auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{5, 1, {1, 3}}}));
   ExpectEveryRankRefuses(out, StatusCode::kDataLoss, "no majority");
+  for (const auto& r : out)
+    EXPECT_TRUE(IsShardDisagreement(r.status())) << "the job stops: exit 11";
   EXPECT_TRUE(ranks[3]->HoldsShard(1, 7)) << "nothing is changed";
 }
 
