@@ -218,7 +218,7 @@ class Session:
     # ---- joining ----
 
     def register(self, model: Any = None, optimizer: Any = None, extra: Optional[Mapping[str, Any]] = None, *,
-                 tensors: Optional[Mapping[str, Any]] = None) -> "Session":
+                 tensors: Optional[Mapping[str, Any]] = None, resume_from: Optional[str] = None) -> "Session":
         """Registers what must survive a fault, then joins the job.
 
         - `model`: its parameters are moved into one flat buffer (each
@@ -229,6 +229,9 @@ class Session:
         - `extra`: Python ints and floats, read and written afterwards as
           ``session.extra["key"]``.
         - `tensors`: other CPU tensors kept in place (contiguous).
+        - `resume_from`: a directory of durable checkpoints (save_checkpoint):
+          the newest valid one is loaded into the registered state before
+          joining; none there, the job starts afresh.
 
         A spare blocks here, warm, until it is given a rank; its state is then
         copied from the healthy workers before this returns. Raises
@@ -237,7 +240,7 @@ class Session:
         if self._core is not None:
             raise RuntimeError("register() was called twice: a session registers its state once, before training")
         try:
-            self._register(model, optimizer, extra, tensors)
+            self._register(model, optimizer, extra, tensors, resume_from)
         except BaseException:
             # Nothing half-registered is left behind: a retry starts afresh.
             self._reserved.clear()
@@ -250,7 +253,7 @@ class Session:
         return self
 
     def _register(self, model: Any, optimizer: Any, extra: Optional[Mapping[str, Any]],
-                  tensors: Optional[Mapping[str, Any]]) -> None:
+                  tensors: Optional[Mapping[str, Any]], resume_from: Optional[str] = None) -> None:
         regions: List[Tuple[str, int, int, str, List[int]]] = []
         params: List[Any] = []
         if model is not None:
@@ -284,7 +287,7 @@ class Session:
             regions.append((f"tensor.{name}", *_span(t), kind, [t.numel()] if kind == "F32" else []))
         self._keep.append(self.extra)
         try:
-            self._core = _core.Session.join(regions)
+            self._core = _core.Session.join(regions, resume_from=os.fspath(resume_from) if resume_from else "")
         except _core.Cancelled as e:
             raise Released(str(e)) from None
 
@@ -473,6 +476,20 @@ class Session:
         and carry on. `checksum` defaults to checksum()."""
         core = self._joined()
         core.finish(int(last_step), checksum if checksum is not None else self.checksum())
+
+    def save_checkpoint(self, directory: str, keep: int = 3) -> str:
+        """Saves the registered state, as of the last reported step, as a
+        durable checkpoint in `directory` (docs/formats.md: safetensors and a
+        manifest, the format nonstop-train writes): the state is copied now
+        and written in the background; a checkpoint due while the previous
+        write is in flight is skipped. The last `keep` are kept. Call it at a
+        step boundary, on one rank (rank 0). Returns what it did."""
+        core = self._joined()
+        return core.save_checkpoint(os.fspath(directory), int(keep), self._step_in_flight - 1, self.checksum())
+
+    def wait_checkpoint(self) -> None:
+        """Waits for the checkpoint write in flight; raises if it failed."""
+        self._joined().wait_checkpoint()
 
     def checksum(self) -> str:
         """CRC-32C of the registered parameters, as 8 hex digits."""

@@ -332,7 +332,8 @@ def _form_default_group(session: Session) -> None:
 
 
 def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = None, *,
-                       extra: Optional[dict] = None, session: Optional[Session] = None) -> Session:
+                       extra: Optional[dict] = None, session: Optional[Session] = None,
+                       resume_from: Optional[str] = None) -> Session:
     """Registers `model`, `optimizer` and the position of `loader` (a
     :class:`nonstop.data.DataLoader`), joins the job, and makes the default
     process group run over nonstop; sets RANK, WORLD_SIZE, LOCAL_RANK,
@@ -342,6 +343,8 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
     With a loader, each ``optimizer.step()`` completes the step of the batch
     the loader handed out: the position moves on and the controller is told
     (``report_step``). Without one, the script reports its steps itself.
+    `resume_from`: a directory of durable checkpoints (Session.save_checkpoint),
+    the newest valid one loaded before joining.
     Pass `session` instead to use one already registered."""
     global _session, _loader, _model, _before_first_step
     if _session is not None:
@@ -353,7 +356,7 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
         state = dict(extra or {})
         if loader is not None:
             state.update(loader._registered_defaults())
-        session.register(model, optimizer, extra=state)
+        session.register(model, optimizer, extra=state, resume_from=resume_from)
     else:
         session._joined()
     _session, _loader, _model = session, loader, model

@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "common/crc32c.h"
+#include "nonstop/checkpoint.h"
 #include "nonstop/data.h"
 #include "nonstop/log.h"
 #include "nonstop/session.h"
@@ -83,14 +84,28 @@ using RegionSpec = std::tuple<std::string, uintptr_t, size_t, std::string, std::
 // them alive as long as this object.
 class PySession {
  public:
+  // With `resume_from`, the newest valid durable checkpoint there is loaded
+  // into the registered memory before joining (none: the job starts afresh).
   static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions,
-                                         int64_t state_step) {
+                                         int64_t state_step, const std::string& resume_from) {
     auto self = std::unique_ptr<PySession>(new PySession());
     for (const auto& [name, address, nbytes, dtype, shape] : regions) {
       if (dtype == "F32") {
         Check(self->state_.RegisterFloats(name, Floats(address, nbytes / sizeof(float)), shape));
       } else {
         Check(self->state_.Register(name, Bytes(address, nbytes)));
+      }
+    }
+    if (!resume_from.empty()) {
+      Result<state::LoadedCheckpoint> loaded = state::LoadNewestCheckpoint(resume_from, self->state_);
+      if (loaded.ok()) {
+        state_step = loaded->step;
+        NONSTOP_LOG_INFO("resumed from {} (step {})", loaded->path, loaded->step);
+        for (const std::string& why : loaded->skipped) NONSTOP_LOG_WARNING("skipped {}", why);
+      } else if (loaded.status().code() == StatusCode::kNotFound) {
+        NONSTOP_LOG_INFO("no checkpoint to resume from: {}", loaded.status().message());
+      } else {
+        Check(loaded.status());
       }
     }
     Result<SessionOptions> options = SessionOptions::FromEnvironment();
@@ -123,6 +138,28 @@ class PySession {
 
   Session& s() { return *session_; }
   const state::StateRegistry& state() const { return state_; }
+
+  // Copies the registered state now and writes it in the background (one
+  // write at a time: a checkpoint due while one is in flight is skipped).
+  std::string SaveCheckpoint(const std::string& dir, int keep, int64_t step,
+                             const std::string& checksum) {
+    if (keep < 1) throw py::value_error(fmt::format("keep must be at least 1, got {}", keep));
+    if (writer_ == nullptr || writer_dir_ != dir) {
+      if (writer_ != nullptr) Check(writer_->Wait());
+      writer_ = std::make_unique<state::CheckpointWriter>(dir, keep);
+      writer_dir_ = dir;
+    }
+    state::CheckpointMeta meta{step, session_->generation(), session_->world_size(), "python",
+                               checksum};
+    state::CheckpointSaveResult r = writer_->TrySave(state_, meta);
+    Check(r.earlier);
+    return r.ToString();
+  }
+  void WaitCheckpoint() {
+    if (writer_ == nullptr) return;
+    py::gil_scoped_release release;
+    Check(writer_->Wait());
+  }
 
   // A bucket's tensor stays referenced until the reductions are waited for:
   // the communication thread writes into it meanwhile.
@@ -168,6 +205,8 @@ class PySession {
   state::StateRegistry state_;
   // Before session_: destroyed after it, once the communication thread is joined.
   std::vector<py::object> in_flight_;
+  std::unique_ptr<state::CheckpointWriter> writer_;  // after state_: finishes its write first
+  std::string writer_dir_;
   std::unique_ptr<Session> session_;
 };
 
@@ -205,7 +244,11 @@ PYBIND11_MODULE(_core, m) {
   });
 
   py::class_<PySession>(m, "Session")
-      .def_static("join", &PySession::Join, py::arg("regions"), py::arg("state_step") = -1)
+      .def_static("join", &PySession::Join, py::arg("regions"), py::arg("state_step") = -1,
+                  py::arg("resume_from") = "")
+      .def("save_checkpoint", &PySession::SaveCheckpoint, py::arg("dir"), py::arg("keep"),
+           py::arg("step"), py::arg("checksum"))
+      .def("wait_checkpoint", &PySession::WaitCheckpoint)
       .def_property_readonly("rank", [](PySession& p) { return p.s().rank(); })
       .def_property_readonly("world_size", [](PySession& p) { return p.s().world_size(); })
       .def_property_readonly("generation", [](PySession& p) { return p.s().generation(); })
