@@ -86,8 +86,8 @@ class PySession {
  public:
   // With `resume_from`, the newest valid durable checkpoint there is loaded
   // into the registered memory before joining (none: the job starts afresh).
-  static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions,
-                                         int64_t state_step, const std::string& resume_from) {
+  static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions, int64_t state_step,
+                                         const std::string& resume_from) {
     auto self = std::unique_ptr<PySession>(new PySession());
     for (const auto& [name, address, nbytes, dtype, shape] : regions) {
       if (dtype == "F32") {
@@ -97,7 +97,8 @@ class PySession {
       }
     }
     if (!resume_from.empty()) {
-      Result<state::LoadedCheckpoint> loaded = state::LoadNewestCheckpoint(resume_from, self->state_);
+      Result<state::LoadedCheckpoint> loaded =
+          state::LoadNewestCheckpoint(resume_from, self->state_);
       if (loaded.ok()) {
         state_step = loaded->step;
         NONSTOP_LOG_INFO("resumed from {} (step {})", loaded->path, loaded->step);
