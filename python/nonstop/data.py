@@ -84,10 +84,15 @@ class Sampler:
 # ---- exact sampling for DataLoader loops ----
 
 # The loader's position, registered with the session's extra (it survives a
-# fault with the model): the step count, the epoch and the next global batch
-# in it, and the global batch size, fixed when the job first formed.
-_STEPS, _EPOCH, _BATCH, _GLOBAL = ("nonstop.data.steps", "nonstop.data.epoch", "nonstop.data.batch",
-                                   "nonstop.data.global_batch")
+# fault with the model): the step count, the epoch, the global batches done
+# in it and the samples they took, the global batch and the world when the
+# job first formed, and the learning-rate factor's warm-up (from, to, the
+# step it started, the world it is for).
+_STEPS, _EPOCH, _BATCH, _OFFSET = ("nonstop.data.steps", "nonstop.data.epoch", "nonstop.data.batch",
+                                   "nonstop.data.offset")
+_GLOBAL, _BASE_WORLD = "nonstop.data.global_batch", "nonstop.data.base_world"
+_LR_FROM, _LR_TO, _LR_CHANGE, _LR_WORLD = ("nonstop.data.lr_from", "nonstop.data.lr_to", "nonstop.data.lr_change",
+                                           "nonstop.data.lr_world")
 
 
 class DistributedSampler:
@@ -133,17 +138,20 @@ class DistributedSampler:
             self._order = (epoch, order)
         return self._order[1]  # type: ignore[return-value]
 
-    def batches_per_epoch(self, global_batch: int) -> int:
-        n = self.num_samples_total
-        return n // global_batch if self.drop_last else max(1, n // global_batch)
+    def batches_left(self, offset: int, global_batch: int) -> int:
+        """Global batches left in an epoch from sample `offset` on."""
+        left = self.num_samples_total - offset
+        if left <= 0:
+            return 0
+        return left // global_batch if self.drop_last else max(1, left // global_batch)
 
-    def share(self, epoch: int, batch: int, global_batch: int, rank: int, world: int) -> Tuple[List[int], int]:
-        """(rank's indices of global batch `batch` of `epoch`, that batch's size).
-        Without drop_last, the samples left over after the epoch's last whole
-        global batch join it (a partial batch could have fewer samples than
-        the world has ranks)."""
-        last = batch == self.batches_per_epoch(global_batch) - 1 and not self.drop_last
-        whole = self.order(epoch)[batch * global_batch:None if last else (batch + 1) * global_batch]
+    def share(self, epoch: int, offset: int, global_batch: int, rank: int, world: int) -> Tuple[List[int], int]:
+        """(rank's indices of the global batch that starts at sample `offset`
+        of `epoch`, that batch's size). Without drop_last, the samples left
+        over after the epoch's last whole global batch join it (a partial
+        batch could have fewer samples than the world has ranks)."""
+        last = self.batches_left(offset, global_batch) == 1 and not self.drop_last
+        whole = self.order(epoch)[offset:None if last else offset + global_batch]
         n = len(whole)
         lo, hi = rank * n // world, (rank + 1) * n // world
         return whole[lo:hi], n
@@ -159,8 +167,13 @@ class DistributedSampler:
 class DataLoader:
     """torch.utils.data.DataLoader's constructor, for a loop that survives
     faults and resizes with its data exact. `batch_size` is each rank's batch
-    when the job first forms: the global batch (batch_size x that world) stays
-    fixed after, and each step's is dealt over the live world. Iterating
+    when the job first forms: with `batch_policy="fixed"` (the default) the
+    global batch (batch_size x that world) stays fixed after, and each step's
+    is dealt over the live world; with "scale-with-world" it follows the world
+    (batch_size per rank), and each optimizer update runs with its learning
+    rate scaled by the world's ratio to the first one (`lr_scaling`: "linear"
+    or "sqrt"), warmed up over `lr_warmup_steps` after each change: the policy
+    of nonstop-train (nonstop/elastic.h). Iterating
     yields this rank's share of each remaining global batch of the epoch
     (``sampler.set_epoch(e)`` first, as with torch); asking for the next batch
     tells the controller the last step completed. The position is part of the
@@ -170,9 +183,15 @@ class DataLoader:
     torch's DataLoader, which loads the shares."""
 
     def __init__(self, dataset: Any, batch_size: int = 1, shuffle: Optional[bool] = None,
-                 sampler: Optional[DistributedSampler] = None, drop_last: bool = False, **kwargs: Any) -> None:
+                 sampler: Optional[DistributedSampler] = None, drop_last: bool = False, *,
+                 batch_policy: str = "fixed", lr_scaling: str = "linear", lr_warmup_steps: int = 0,
+                 **kwargs: Any) -> None:
         if batch_size is None or int(batch_size) < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        _core.lr_factor(batch_policy, lr_scaling, 1, 1)  # ValueError naming a policy or scaling it does not know
+        if lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps must be 0 or more, got {lr_warmup_steps}")
+        self.batch_policy, self.lr_scaling, self.lr_warmup_steps = batch_policy, lr_scaling, int(lr_warmup_steps)
         if sampler is None:
             sampler = DistributedSampler(dataset, shuffle=bool(shuffle), drop_last=drop_last)
         elif not isinstance(sampler, DistributedSampler):
@@ -197,8 +216,9 @@ class DataLoader:
 
     # ---- registration (nonstop.torch.init_process_group) ----
 
-    def _registered_defaults(self) -> Dict[str, int]:
-        return {_STEPS: 0, _EPOCH: 0, _BATCH: 0, _GLOBAL: 0}
+    def _registered_defaults(self) -> Dict[str, Any]:
+        return {_STEPS: 0, _EPOCH: 0, _BATCH: 0, _OFFSET: 0, _GLOBAL: 0, _BASE_WORLD: 0,
+                _LR_FROM: 1.0, _LR_TO: 1.0, _LR_CHANGE: 0, _LR_WORLD: 0}
 
     def _bind(self, session: Any) -> None:
         self._session = session
@@ -208,6 +228,7 @@ class DataLoader:
                                "nonstop.torch.init_process_group(model, optimizer, loader)")
         if extra[_GLOBAL] == 0:  # the job's first generation: every member computes the same
             extra[_GLOBAL] = self.batch_size * session.world_size
+            extra[_BASE_WORLD] = extra[_LR_WORLD] = session.world_size
         if extra[_STEPS] != session.resume_step:
             raise RuntimeError(f"the loader's registered position is step {extra[_STEPS]}, but the session "
                                f"resumes at step {session.resume_step}: register the loader with the session")
@@ -217,13 +238,28 @@ class DataLoader:
 
     @property
     def global_batch(self) -> int:
-        return self._session.extra[_GLOBAL]
+        """The global batch at the live world."""
+        extra = self._session.extra
+        return _core.global_batch(self.batch_policy, extra[_GLOBAL], extra[_BASE_WORLD], self._session.world_size)
 
     def __len__(self) -> int:
-        """Global batches (steps) per epoch."""
+        """Global batches (steps) of the epoch: those done and those left at the live world."""
         if self._session is None:
             raise RuntimeError("the number of steps per epoch is known once the loader is registered")
-        return self.sampler.batches_per_epoch(self.global_batch)
+        extra = self._session.extra
+        return extra[_BATCH] + self.sampler.batches_left(extra[_OFFSET], self.global_batch)
+
+    def lr_factor(self) -> float:
+        """The learning-rate multiplier of the step the loader is at (1 with
+        the fixed policy); each optimizer update applies it."""
+        extra, step = self._session.extra, self._session.extra[_STEPS]
+        world = self._session.world_size
+        if extra[_LR_WORLD] != world:  # the first update since the world changed: every member alike
+            extra[_LR_FROM] = _core.warmed_factor(extra[_LR_FROM], extra[_LR_TO], step, extra[_LR_CHANGE],
+                                                  self.lr_warmup_steps)
+            extra[_LR_TO] = _core.lr_factor(self.batch_policy, self.lr_scaling, extra[_BASE_WORLD], world)
+            extra[_LR_CHANGE], extra[_LR_WORLD] = step, world
+        return _core.warmed_factor(extra[_LR_FROM], extra[_LR_TO], step, extra[_LR_CHANGE], self.lr_warmup_steps)
 
     # ---- iteration ----
 
@@ -238,16 +274,14 @@ class DataLoader:
                                "says where a spare that replays the loop stands (epochs the job finished "
                                "yield nothing)")
         if epoch > extra[_EPOCH]:
-            extra[_EPOCH], extra[_BATCH] = epoch, 0
+            extra[_EPOCH], extra[_BATCH], extra[_OFFSET] = epoch, 0, 0
         elif epoch < extra[_EPOCH]:
             return  # an epoch this job finished (a spare replays the loop from its start)
-        while extra[_BATCH] < len(self) and extra[_EPOCH] == epoch:
-            inner = self._inner(extra[_BATCH])
+        while self.sampler.batches_left(extra[_OFFSET], self.global_batch) > 0 and extra[_EPOCH] == epoch:
+            inner = self._inner(extra[_OFFSET])
             generation = self._session.generation
             for batch in inner:
-                rank, world = self._session.rank, self._session.world_size
-                self._note(extra[_BATCH], self.sampler.share(extra[_EPOCH], extra[_BATCH], self.global_batch,
-                                                             rank, world)[0])
+                self._note(self._my_share())
                 if self.on_batch is not None:
                     self.on_batch()
                 self._yielded = (extra[_STEPS], batch)
@@ -269,6 +303,7 @@ class DataLoader:
         step = self._yielded[0]
         self._yielded = None
         extra[_BATCH] += 1
+        extra[_OFFSET] += self._share_of_batch[1]
         extra[_STEPS] = step + 1
         self._session.report_step(step)
 
@@ -279,27 +314,32 @@ class DataLoader:
     def _drop_outstanding(self) -> None:
         self._yielded = None
 
-    def _shares(self, first_batch: int) -> Iterator[List[int]]:
+    def _shares(self, offset: int) -> Iterator[List[int]]:
         extra = self._session.extra
-        epoch, rank, world = extra[_EPOCH], self._session.rank, self._session.world_size
-        for b in range(first_batch, len(self)):
-            indices, _ = self.sampler.share(epoch, b, self.global_batch, rank, world)
+        epoch, rank, world, g = extra[_EPOCH], self._session.rank, self._session.world_size, self.global_batch
+        while self.sampler.batches_left(offset, g) > 0:
+            indices, n = self.sampler.share(epoch, offset, g, rank, world)
             if not indices:
-                raise RuntimeError(f"global batch {b} has fewer samples than the world has ranks ({world}): "
-                                   f"rank {rank} has none; use a larger batch_size or drop_last=True")
+                raise RuntimeError(f"the global batch at sample {offset} of epoch {epoch} has {n} samples, fewer "
+                                   f"than the world has ranks ({world}): rank {rank} has none; use a larger "
+                                   "batch_size")
             yield indices
+            offset += n
 
-    def _inner(self, first_batch: int) -> Any:
+    def _inner(self, offset: int) -> Any:
         import torch.utils.data
 
-        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=_Shares(self, first_batch),
-                                             **self._kwargs)
+        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=_Shares(self, offset), **self._kwargs)
         return iter(loader)
 
-    def _note(self, batch: int, indices: List[int]) -> None:
-        self.indices = indices
-        _, n = self.sampler.share(self._session.extra[_EPOCH], batch, self.global_batch, 0, 1)
-        self._share_of_batch = (len(indices), n)
+    def _my_share(self) -> Tuple[List[int], int]:
+        extra = self._session.extra
+        return self.sampler.share(extra[_EPOCH], extra[_OFFSET], self.global_batch, self._session.rank,
+                                  self._session.world_size)
+
+    def _note(self, share: Tuple[List[int], int]) -> None:
+        self.indices, n = share
+        self._share_of_batch = (len(self.indices), n)
 
     def _share(self) -> float:
         """This rank's share of the step's global batch (the gradient's weight)."""
@@ -314,11 +354,11 @@ class DataLoader:
             raise RuntimeError(f"the recovery resumes at step {resumed}, but this loader is at step "
                                f"{extra[_STEPS]}: run the decorated step on the batch the loader yielded")
         old = self._yielded[1]
-        indices, _ = self.sampler.share(extra[_EPOCH], extra[_BATCH], self.global_batch, self._session.rank,
-                                        self._session.world_size)
-        if indices == self.indices:
+        share = self._my_share()
+        if share[0] == self.indices and share[1] == self._share_of_batch[1]:
             return args, kwargs  # the same share: the step runs again on the same batch
-        self._note(extra[_BATCH], indices)
+        self._note(share)
+        indices = share[0]
         collate = self._kwargs.get("collate_fn")
         if collate is None:
             from torch.utils.data import default_collate  # type: ignore[attr-defined]
@@ -359,12 +399,12 @@ class _Shares:
     """The batch sampler of the torch DataLoader that loads the shares (it
     may run ahead of the batch handed out: workers prefetch)."""
 
-    def __init__(self, owner: DataLoader, first_batch: int) -> None:
+    def __init__(self, owner: DataLoader, offset: int) -> None:
         self._owner = owner
-        self._first = first_batch
+        self._offset = offset
 
     def __iter__(self) -> Iterator[List[int]]:
-        return self._owner._shares(self._first)
+        return self._owner._shares(self._offset)
 
     def __len__(self) -> int:
-        return max(0, len(self._owner) - self._first)
+        return self._owner.sampler.batches_left(self._offset, self._owner.global_batch)

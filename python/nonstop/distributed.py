@@ -375,7 +375,18 @@ def _complete_steps_on_update(optimizer: Any, loader: Any) -> None:
 
     @functools.wraps(update)
     def step_and_complete(*args: Any, **kwargs: Any) -> Any:
-        result = update(*args, **kwargs)
+        factor = loader.lr_factor()
+        if factor == 1.0:
+            result = update(*args, **kwargs)
+        else:  # the batch policy's factor on whatever the script's schedule set, for this update only
+            lrs = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * factor
+            try:
+                result = update(*args, **kwargs)
+            finally:
+                for group, lr in zip(optimizer.param_groups, lrs):
+                    group["lr"] = lr
         loader._updated()
         return result
 

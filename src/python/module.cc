@@ -24,6 +24,7 @@
 #include "common/crc32c.h"
 #include "nonstop/checkpoint.h"
 #include "nonstop/data.h"
+#include "nonstop/elastic.h"
 #include "nonstop/log.h"
 #include "nonstop/session.h"
 #include "nonstop/settings.h"
@@ -239,6 +240,25 @@ PYBIND11_MODULE(_core, m) {
   g_cancelled = PyErr_NewException("nonstop._core.Cancelled", PyExc_RuntimeError, nullptr);
   m.attr("Aborted") = py::handle(g_aborted);
   m.attr("Cancelled") = py::handle(g_cancelled);
+
+  // The batch and learning-rate policy of nonstop-train (nonstop/elastic.h), for
+  // nonstop.data.DataLoader.
+  m.def("global_batch",
+        [](const std::string& mode, uint64_t base_batch, int base_world, int world) {
+          Result<elastic::BatchMode> m = elastic::ParseBatchMode(mode);
+          Check(m.status());
+          return elastic::GlobalBatch(*m, base_batch, base_world, world);
+        });
+  m.def("lr_factor",
+        [](const std::string& mode, const std::string& scaling, int base_world, int world) {
+          Result<elastic::BatchMode> m = elastic::ParseBatchMode(mode);
+          Check(m.status());
+          Result<elastic::LrScaling> s = elastic::ParseLrScaling(scaling);
+          Check(s.status());
+          return elastic::LrFactor(*m, *s, base_world, world);
+        });
+  m.def("warmed_factor", &elastic::WarmedFactor, py::arg("from_factor"), py::arg("to_factor"),
+        py::arg("step"), py::arg("change_step"), py::arg("warmup_steps"));
 
   m.def("crc32c", [](uintptr_t address, size_t nbytes) {
     return fmt::format("{:08x}", Crc32c(reinterpret_cast<const void*>(address), nbytes));

@@ -128,7 +128,7 @@ class FakeCore:
         self.reports = []
 
     @staticmethod
-    def join(regions, state_step=-1):
+    def join(regions, state_step=-1, resume_from=""):
         return FakeCore(regions)
 
     def report_step(self, *args):

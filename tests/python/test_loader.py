@@ -154,3 +154,40 @@ def test_a_step_whose_arguments_are_not_the_batch_cannot_be_dealt_anew(monkeypat
     ids, x = next(iter(loader))
     with pytest.raises(RuntimeError, match="none of the decorated step's arguments"):
         train(ids.clone(), x.clone())
+
+
+def test_scale_with_world_follows_the_world_and_warms_the_learning_rate_up():
+    made = []
+    for rank in range(4):
+        loader = DataLoader(Items(), batch_size=2, sampler=DistributedSampler(Items(), shuffle=False),
+                            batch_policy="scale-with-world", lr_scaling="linear", lr_warmup_steps=2)
+        session = FakeSession(loader, 4, rank)
+        loader._bind(session)
+        loader.sampler.set_epoch(0)
+        made.append((loader, session, iter(loader)))
+    seen, factors = [], []
+    for step in range(20):
+        if step == 2:  # ranks 2 and 3 leave between steps: the world is 2
+            made = made[:2]
+            for _, session, _ in made:
+                session.world_size, session.generation = 2, 2
+        try:
+            batches = [next(it) for _, _, it in made]
+        except StopIteration:
+            break
+        for (loader, _, _), (ids, _) in zip(made, batches):
+            seen += ids.tolist()
+        factors.append(made[0][0].lr_factor())
+        for loader, _, _ in made:
+            loader._updated()
+    assert sorted(seen) == list(range(50)), "every sample once across the change"
+    assert factors[:4] == [1.0, 1.0, 0.75, 0.5], "linear: 4 -> 2 ranks halves it, warmed over 2 steps"
+    assert made[0][1].reported[:3] == [0, 1, 2]
+    assert made[0][0].global_batch == 4
+
+
+def test_an_unknown_batch_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match="scale-with-world"):
+        DataLoader(Items(), batch_size=2, batch_policy="grow")
+    with pytest.raises(ValueError, match="sqrt"):
+        DataLoader(Items(), batch_size=2, lr_scaling="cubic")
