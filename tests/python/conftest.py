@@ -8,6 +8,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 from typing import Dict, List, Optional
 
 import pytest
@@ -56,6 +57,24 @@ class Job:
 
     def losses(self) -> Dict[int, float]:
         return {e["step"]: e["loss"] for e in self.events("step")}
+
+
+def plan_worlds(journal: pathlib.Path) -> List[int]:
+    """The world of each plan in a job's journal, in order."""
+    return [len(p["members"]) for p in journal_events(journal, "plan")]
+
+
+def shrink_then_grow(tmp: pathlib.Path, proc: subprocess.Popen, journal: pathlib.Path, shrunk: int,
+                     grown: int) -> None:
+    """Waits (up to 120 s) for the job's world to be `shrunk` after a kill, then asks
+    `nonstop scale` for `grown` workers."""
+    deadline = time.monotonic() + 120
+    while plan_worlds(journal)[-1:] != [shrunk]:
+        assert proc.poll() is None and time.monotonic() < deadline, f"the shrink to {shrunk} on the kill"
+        time.sleep(0.05)
+    grow = subprocess.run([str(bin_dir() / "nonstop"), "scale", "--job", str(tmp / "job.json"),
+                           "--world-size", str(grown)], capture_output=True, text=True, timeout=30)
+    assert grow.returncode == 0, grow.stdout + grow.stderr
 
 
 def start_job(tmp: pathlib.Path, name: str, run_flags: List[str], trainer_args: List[str],

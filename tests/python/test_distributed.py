@@ -7,16 +7,14 @@ kept, each epoch's samples seen exactly once in every run."""
 import ast
 import collections
 import json
-import os
 import pathlib
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import bin_dir, finish_job, journal_events, run_job, start_job
+from conftest import finish_job, plan_worlds, run_job, shrink_then_grow, start_job
 
 HERE = pathlib.Path(__file__).resolve().parent
 TUTORIAL = HERE.parents[1] / "examples" / "pytorch" / "ddp_tutorial"
@@ -131,19 +129,10 @@ def test_the_ported_tutorial_shrinks_and_grows_with_its_samples_exact(tmp_path):
                                            "--inject", "kill:rank=3,step=20"], args, script=AFTER)
     journal = tmp_path / "elastic.jsonl"
 
-    def worlds():
-        return [len(p["members"]) for p in journal_events(journal, "plan")]
-
-    deadline = time.monotonic() + 120
-    while worlds()[-1:] != [3]:
-        assert proc.poll() is None and time.monotonic() < deadline, "the shrink to 3 on the kill"
-        time.sleep(0.05)
-    grow = subprocess.run([str(bin_dir() / "nonstop"), "scale", "--job", str(tmp_path / "job.json"),
-                           "--world-size", "4"], capture_output=True, text=True, timeout=30)
-    assert grow.returncode == 0, grow.stdout + grow.stderr
+    shrink_then_grow(tmp_path, proc, journal, 3, 4)
     job = finish_job(tmp_path, "elastic", proc)
     assert job.code == 0, job.output
-    assert worlds() == [4, 3, 4], job.output[-3000:]
+    assert plan_worlds(journal) == [4, 3, 4], job.output[-3000:]
     assert_each_sample_once(job, epochs=40)
     (crc, norm), = finals(job)
     (_, clean_norm), = finals(clean)

@@ -4,12 +4,10 @@ spare copies the state of the rank it takes, healthy processes are never
 restarted, and the world shrinks and grows live."""
 
 import re
-import subprocess
-import time
 
 import pytest
 
-from conftest import bin_dir, finish_job, journal_events, run_job, start_job
+from conftest import finish_job, plan_worlds, run_job, shrink_then_grow, start_job
 
 STEPS = ["--steps", "30"]
 NPROC = ["--nproc", "3"]
@@ -94,19 +92,10 @@ def test_the_world_shrinks_and_grows_live(clean, tmp_path):
                      ["--steps", "40", "--throttle-ms", "60"])
     journal = tmp_path / "elastic.jsonl"
 
-    def worlds():
-        return [len(p["members"]) for p in journal_events(journal, "plan")]
-
-    deadline = time.monotonic() + 120
-    while worlds()[-1:] != [2]:
-        assert proc.poll() is None and time.monotonic() < deadline, "the shrink to 2 on the kill"
-        time.sleep(0.05)
-    grow = subprocess.run([str(bin_dir() / "nonstop"), "scale", "--job", str(tmp_path / "job.json"),
-                           "--world-size", "3"], capture_output=True, text=True, timeout=30)
-    assert grow.returncode == 0, grow.stdout + grow.stderr
+    shrink_then_grow(tmp_path, proc, journal, 2, 3)
     job = finish_job(tmp_path, "elastic", proc)
     assert job.code == 0, job.output
-    assert worlds() == [3, 2, 3], job.output
+    assert plan_worlds(journal) == [3, 2, 3], job.output
     finals = job.finals()
     assert len(finals) == 3 and len({f["state"] for f in finals}) == 1, job.output
     assert int(finals[0]["tokens"]) == 40 * 24, "every step counted once across the changes"
