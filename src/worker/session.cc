@@ -56,6 +56,24 @@ const Result<std::string>& InheritedJobToken() {
 }
 [[maybe_unused]] const bool kTakenAtLoad = InheritedJobToken().ok();
 
+// An int setting's variable, `text`, within the setting's range: INVALID_ARGUMENT
+// "NAME='text' is not WHAT from LO to HI" (and `note`) otherwise.
+Result<int> ParseIntSetting(const settings::Setting<int>& entry, const std::string& text,
+                            std::string_view what, std::string_view note = "") {
+  size_t used = 0;
+  int value = -1;
+  try {
+    value = std::stoi(text, &used);
+  } catch (...) {
+  }
+  const auto range = *entry.range;
+  if (used != text.size() || value < range.lo || value > range.hi) {
+    return InvalidArgumentError(fmt::format("{}='{}' is not {} from {} to {}{}", entry.env, text,
+                                            what, range.lo, range.hi, note));
+  }
+  return value;
+}
+
 }  // namespace
 
 Result<SessionOptions> SessionOptions::FromEnvironment() {
@@ -99,19 +117,9 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     }
   }
   if (std::string every = get(s::kReplicaCheckEvery); !every.empty()) {
-    size_t used = 0;
-    int k = -1;
-    try {
-      k = std::stoi(every, &used);
-    } catch (...) {
-    }
-    const auto range = *s::kReplicaCheckEvery.range;
-    if (used != every.size() || k < range.lo || k > range.hi) {
-      return InvalidArgumentError(fmt::format(
-          "{}='{}' is not a number of steps from {} to {} (0: never compare the replicas)",
-          s::kReplicaCheckEvery.env, every, range.lo, range.hi));
-    }
-    o.replica_check_every = k;
+    NONSTOP_ASSIGN_OR_RETURN(o.replica_check_every,
+                             ParseIntSetting(s::kReplicaCheckEvery, every, "a number of steps",
+                                             " (0: never compare the replicas)"));
   }
   if (std::string checked = get(s::kCheckedCollectives); !checked.empty()) {
     if (checked != "1" && checked != "0" && checked != "true" && checked != "false") {
@@ -123,18 +131,7 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     o.checked_collectives = checked == "1" || checked == "true";
   }
   if (std::string port = get(s::kMasterPort); !port.empty()) {
-    size_t used = 0;
-    int p = -1;
-    try {
-      p = std::stoi(port, &used);
-    } catch (...) {
-    }
-    const auto range = *s::kMasterPort.range;
-    if (used != port.size() || p < range.lo || p > range.hi) {
-      return InvalidArgumentError(fmt::format("{}='{}' is not a port from {} to {}",
-                                              s::kMasterPort.env, port, range.lo, range.hi));
-    }
-    o.master_port = p;
+    NONSTOP_ASSIGN_OR_RETURN(o.master_port, ParseIntSetting(s::kMasterPort, port, "a port"));
   }
   if (std::string host = get(s::kDataHost); !host.empty()) {
     Result<std::string> h = net::ParseHost(host);  // "fd00::1" or "[fd00::1]" alike
@@ -941,9 +938,9 @@ class SessionImpl {
       if (done) {
         // Before the bucket leaves the queue (WaitAll returns only after every `done`), and
         // without the lock: `done` may take a lock of its own (Python's GIL).
-        Status first = bucket_status_;
+        Status so_far = bucket_status_;
         lock.Unlock();
-        done(first);
+        done(so_far);
         done = nullptr;  // what it holds is let go without the lock too
         lock.Lock();
       }

@@ -195,6 +195,38 @@ class SessionTest : public ::testing::Test {
   bool drained_ = false;
 };
 
+// The worker variables that are ints in a range: a value in it is taken, one outside it or
+// not a number is refused naming the variable and the range.
+TEST(SessionOptionsTest, RangedIntVariablesAreTakenOrRefusedNamingTheirRange) {
+  ::setenv("NONSTOP_CONTROLLER", "127.0.0.1:1", 1);
+  ::setenv("NONSTOP_JOB_TOKEN", "t", 1);
+  ::setenv("NONSTOP_WORKER_ID", "3", 1);
+  ::setenv("NONSTOP_REPLICA_CHECK_EVERY", "7", 1);
+  ::setenv("NONSTOP_MASTER_PORT", "29600", 1);
+  Result<SessionOptions> o = SessionOptions::FromEnvironment();
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->replica_check_every, 7);
+  EXPECT_EQ(o->master_port, 29600);
+  ::setenv("NONSTOP_MASTER_PORT", "70000", 1);
+  o = SessionOptions::FromEnvironment();
+  ASSERT_FALSE(o.ok());
+  EXPECT_EQ(o.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(o.status().message().find("NONSTOP_MASTER_PORT='70000' is not a port from 1 to 65535"),
+            std::string::npos)
+      << o.status().ToString();
+  ::setenv("NONSTOP_MASTER_PORT", "29600", 1);
+  ::setenv("NONSTOP_REPLICA_CHECK_EVERY", "5x", 1);
+  o = SessionOptions::FromEnvironment();
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.status().message().find("NONSTOP_REPLICA_CHECK_EVERY='5x' is not a number of steps "
+                                      "from 0 to 1000000 (0: never compare the replicas)"),
+            std::string::npos)
+      << o.status().ToString();
+  for (const char* v : {"NONSTOP_CONTROLLER", "NONSTOP_JOB_TOKEN", "NONSTOP_WORKER_ID",
+                        "NONSTOP_REPLICA_CHECK_EVERY", "NONSTOP_MASTER_PORT"})
+    ::unsetenv(v);
+}
+
 TEST_F(SessionTest, DrainArrivingJustAsTheCollectiveStartsEndsItInsteadOfBlocking) {
   auto session = Join();
   ASSERT_TRUE(session.ok()) << session.status().ToString();
