@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -124,6 +125,7 @@ struct TrainerFlags {
   bool no_overlap = settings::kTrainNoOverlap.default_value;
   double bucket_mb = 1.0;
   bool no_salvage = settings::kTrainNoSalvage.default_value;
+  bool no_loans = settings::kTrainNoLoans.default_value;
   int replica_check_every = settings::kReplicaCheckEvery.default_value;
   bool checked_collectives = settings::kCheckedCollectives.default_value;
   std::string log_samples;       // test-only
@@ -165,6 +167,7 @@ std::optional<int> ParseFlags(int argc, char** argv, TrainerFlags* f) {
       ->capture_default_str()
       ->check(CLI::Range(0.001, 1024.0));
   AddSetting(&app, settings::kTrainNoSalvage, f->no_salvage);
+  AddSetting(&app, settings::kTrainNoLoans, f->no_loans);
   AddSetting(&app, settings::kReplicaCheckEvery, f->replica_check_every);
   AddSetting(&app, settings::kCheckedCollectives, f->checked_collectives);
   try {
@@ -191,6 +194,10 @@ struct StepWork {
   std::vector<collective::TreeShare> shares;    // ... every rank's part of this step
   std::vector<collective::TreeFolder> folders;  // ... this rank's runs of micro-batches, folded
   std::map<int, std::string> mb_samples;        // ... micro-batch → its samples-log lines
+  // ring, the first step of a generation: micro-batches lent by their block's owner
+  std::vector<worker::Loan> loans;                  // ... every member's (empty: none)
+  std::vector<int> borrowed;                        // ... those this rank computes
+  std::map<int, std::vector<std::byte>> for_owner;  // ... their gradients and losses, to send
 };
 
 class Trainer {
@@ -198,7 +205,7 @@ class Trainer {
   explicit Trainer(TrainerFlags flags)
       : f_(std::move(flags)),
         planner_(/*salvage=*/!f_.no_salvage),
-        ring_planner_(/*salvage=*/!f_.no_salvage) {}
+        ring_planner_(/*salvage=*/!f_.no_salvage, /*lend=*/!f_.no_loans) {}
   Trainer(const Trainer&) = delete;  // the state registry points into it
   Trainer& operator=(const Trainer&) = delete;
 
@@ -229,8 +236,13 @@ class Trainer {
   std::vector<std::pair<uint64_t, size_t>> PlanRingWork(int64_t step, int m, StepWork* w);
   // Picks up the sum this rank keeps of `step` (its share's `kept`), or starts a new one.
   void RestoreKeptSum(int64_t step, int m, const std::vector<int>& kept, StepWork* w);
-  // Micro-batch `mb`'s backward completed: the sum holds it now.
-  void KeepCompletedMicroBatch(int mb, bool last_one, const StepWork& w);
+  // Micro-batch `mb`'s backward completed: the sum holds it now (`staged`: its
+  // buckets are being copied as the ring takes them).
+  void KeepCompletedMicroBatch(int mb, bool staged, const StepWork& w);
+  // The micro-batches this rank computes for their owners, each alone (RingShare::borrowed).
+  void ComputeBorrowed(int64_t step, StepWork* w);
+  // A step with loans: their gradients back to their owners, added in order, then the ring.
+  Status ReduceWithLoans(int64_t step, StepWork* w);
   // Overlap: a bucket of the last micro-batch's sum, copied before the ring reduces it in place.
   void StageBucket(std::span<const float> bucket);
   Status Reduce(int64_t step, StepWork* w);
@@ -248,6 +260,10 @@ class Trainer {
   // the learning-rate multiplier in effect at `at` under the stored warm-up
   double LrFactor(int64_t at) const;
   std::pair<torch::Tensor, torch::Tensor> BatchTensors(const std::vector<uint64_t>& samples) const;
+  // Micro-batch `mb` of `step`: its samples, its samples-log line, its loss (forward only).
+  std::vector<uint64_t> SamplesOf(int64_t step, uint64_t mb);
+  static std::string SamplesLine(int64_t step, uint64_t mb, const std::vector<uint64_t>& samples);
+  torch::Tensor MicroBatchLoss(const std::vector<uint64_t>& samples, float norm);
   Status RegisterScalars(state::StateRegistry& reg);
   Status RegisterWhole(state::StateRegistry& reg, std::span<float> m, std::span<float> v);
   Result<std::unique_ptr<state::StateRegistry>> WholeRegistry();
@@ -670,36 +686,24 @@ std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
     w->tokens = static_cast<double>(global * static_cast<uint64_t>(T_));
     // (micro-batch, its run)
     std::vector<std::pair<uint64_t, size_t>> work = PlanWork(step, global / micro, w);
+    // With loans, the sum is complete only once they are back: the buckets start after them.
+    const bool overlap = buckets_ && w->loans.empty();
     for (size_t k = 0; k < work.size(); ++k) {
       const uint64_t mb = work[k].first;
       const bool last_one = k + 1 == work.size();
-      // Fixed batch: the samples are a function of the step. Scaled batch: of the position in the
-      // stream.
-      std::vector<uint64_t> samples =
-          scale_with_world_
-              ? sampler_->SamplesAt(static_cast<uint64_t>(samples_consumed_) + mb * micro, micro)
-              : sampler_->MicroBatchSamples(static_cast<uint64_t>(step), mb);
+      std::vector<uint64_t> samples = SamplesOf(step, mb);
       if (samples_log_) {
-        std::string line = fmt::format("{} {}", step, mb);
-        for (uint64_t x : samples) line += fmt::format(" {}", x);
-        line += '\n';
+        std::string line = SamplesLine(step, mb, samples);
         if (world_invariant_) {
           w->mb_samples[static_cast<int>(mb)] = line;
         } else {
           w->samples += line;
         }
       }
-      auto [inputs, targets] = BatchTensors(samples);
-      auto logits = model_->forward(inputs);
-      // Normalised by the token count of the whole global batch: the summed
-      // gradient is the same however micro-batches are dealt.
-      auto loss = torch::nn::functional::cross_entropy(
-                      logits.view({-1, r_.model.vocab_size}), targets.view({-1}),
-                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
-                  w->norm;
+      torch::Tensor loss = MicroBatchLoss(samples, w->norm);
       if (world_invariant_) flat_->ZeroGrad();
       if (!world_invariant_) w->local_loss += loss.item<double>();
-      if (buckets_ && last_one) {
+      if (overlap && last_one) {
         flat_->loss_slot() = static_cast<float>(w->local_loss);  // rides in bucket 0
         buckets_->Arm();
       }
@@ -709,7 +713,7 @@ std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
         flat_->loss_slot() = loss.item<float>();
         w->folders[work[k].second].Add(flat_->grads_and_loss());
       }
-      KeepCompletedMicroBatch(static_cast<int>(mb), last_one, *w);
+      KeepCompletedMicroBatch(static_cast<int>(mb), overlap && last_one, *w);
       w->computed = last_one;
       if (f_.micro_batch_pause_ms > 0)
         std::this_thread::sleep_for(std::chrono::milliseconds(f_.micro_batch_pause_ms));
@@ -717,6 +721,7 @@ std::optional<int> Trainer::Compute(int64_t step, StepWork* w) {
     }
     // more ranks than micro-batches: zeros, summed with the rest
     if (work.empty()) w->computed = true;
+    if (w->computed && !w->borrowed.empty()) ComputeBorrowed(step, w);
   } catch (const torchx::StepAborted&) {
     // The abort, seen inside a forward or backward (torchx::StepAbort): as the
     // break above, the step is cut short (w->computed is false); the buckets
@@ -786,12 +791,14 @@ std::vector<std::pair<uint64_t, size_t>> Trainer::PlanRingWork(int64_t step, int
   const worker::RingShare& mine = (*planned)[static_cast<size_t>(session.rank())];
   RestoreKeptSum(step, m, mine.kept, w);
   for (int mb : mine.compute) work.push_back({static_cast<uint64_t>(mb), 0});
+  w->borrowed = mine.borrowed;
+  w->loans = worker::LoansOf(*planned);
   if (ring_planner_.kept_micro_batches() > 0 && session.rank() == 0) {
     fmt::print(
         "step {}: kept the sums of {} of {} micro-batches from the step in flight ({} member(s)); "
-        "{} computed again by {} member(s)\n",
+        "{} computed again by {} member(s), {} of them lent by the owner of their block\n",
         step, ring_planner_.kept_micro_batches(), m, ring_planner_.kept_by(),
-        m - ring_planner_.kept_micro_batches(), ring_planner_.computing());
+        m - ring_planner_.kept_micro_batches(), ring_planner_.computing(), w->loans.size());
     std::fflush(stdout);
   }
   return work;
@@ -820,9 +827,9 @@ void Trainer::RestoreKeptSum(int64_t step, int m, const std::vector<int>& kept, 
   flat_->loss_slot() = static_cast<float>(kept_.loss);  // sent as is if nothing is left to compute
 }
 
-void Trainer::KeepCompletedMicroBatch(int mb, bool last_one, const StepWork& w) {
+void Trainer::KeepCompletedMicroBatch(int mb, bool staged, const StepWork& w) {
   if (kept_.step < 0) return;  // salvage off (or sharded, world-invariant: not this sum)
-  KeptSum& into = buckets_ && last_one ? staged_ : kept_;
+  KeptSum& into = staged ? staged_ : kept_;
   if (&into == &staged_) {  // its buckets were copied as the ring took them (StageBucket)
     staged_.step = kept_.step;
     staged_.m = kept_.m;
@@ -854,8 +861,65 @@ Status Trainer::Reduce(int64_t step, StepWork* w) {
   return s;
 }
 
+// Computed as the owner would, on the same parameters and samples, but from
+// zero gradients: what its backward would have added to its sum.
+void Trainer::ComputeBorrowed(int64_t step, StepWork* w) {
+  w->computed = false;
+  flat_->GatherGrads();
+  std::vector<float> own(flat_->grads_and_loss().begin(), flat_->grads_and_loss().end());
+  const size_t bytes = flat_->grads().size_bytes();
+  for (int mb : w->borrowed) {
+    flat_->ZeroGrad();
+    torch::Tensor loss = MicroBatchLoss(SamplesOf(step, static_cast<uint64_t>(mb)), w->norm);
+    const double value = loss.item<double>();
+    loss.backward();
+    flat_->GatherGrads();
+    std::vector<std::byte>& out = w->for_owner[mb];
+    out.resize(bytes + sizeof value);
+    std::memcpy(out.data(), flat_->grads().data(), bytes);
+    std::memcpy(out.data() + bytes, &value, sizeof value);
+    if (session_->aborted()) return;  // the step is lost
+  }
+  std::copy(own.begin(), own.end(), flat_->grads_and_loss().begin());
+  w->computed = true;
+}
+
+Status Trainer::ReduceWithLoans(int64_t step, StepWork* w) {
+  Session& session = *session_;
+  if (!w->computed)
+    return AbortedError(fmt::format("step {} was cut short: a member failed", step));
+  std::span<float> sum = flat_->grads();
+  std::vector<std::byte> piece(sum.size_bytes() + sizeof(double));
+  for (const worker::Loan& loan : w->loans) {  // in micro-batch order: each owner's in its order
+    if (loan.borrower == session.rank()) piece = std::move(w->for_owner[loan.micro_batch]);
+    Status s = session.Broadcast(piece, loan.borrower);
+    if (!s.ok()) return s;
+    if (loan.owner != session.rank()) continue;
+    // As the owner's backward would have accumulated it: added to the sum, element by element.
+    const auto* g = reinterpret_cast<const float*>(piece.data());
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += g[i];
+    double loss = 0;
+    std::memcpy(&loss, piece.data() + sum.size_bytes(), sizeof loss);
+    w->local_loss += loss;
+    const auto mb = static_cast<uint64_t>(loan.micro_batch);
+    if (samples_log_) w->samples += SamplesLine(step, mb, SamplesOf(step, mb));
+    KeepCompletedMicroBatch(loan.micro_batch, /*staged=*/false, *w);
+  }
+  flat_->loss_slot() = static_cast<float>(w->local_loss);
+  if (!buckets_) return session.AllReduce(flat_->grads_and_loss());
+  // The buckets the overlapped backward starts, in its order: the same pieces of the ring, the
+  // same bits.
+  std::span<float> all = flat_->grads_and_loss();
+  for (size_t b = 0; b < buckets_->num_buckets(); ++b) {
+    auto [begin, end] = buckets_->bucket(b);
+    session.StartAllReduce(all.subspan(begin, end - begin));
+  }
+  return session.WaitAll();
+}
+
 Status Trainer::ReduceRing(int64_t step, StepWork* w) {
   Session& session = *session_;
+  if (!w->loans.empty()) return ReduceWithLoans(step, w);
   if (buckets_) {
     if (w->computed) {
       buckets_->Finish();
@@ -1003,6 +1067,32 @@ double Trainer::LrFactor(int64_t at) const {
                                 static_cast<int>(lr_world_));
   return elastic::WarmedFactor(static_cast<double>(lr_from_millionths_) / 1e6, to, at,
                                lr_change_step_, r_.train.rescale_warmup_steps);
+}
+
+// Fixed batch: the samples are a function of the step. Scaled batch: of the position in the
+// stream.
+std::vector<uint64_t> Trainer::SamplesOf(int64_t step, uint64_t mb) {
+  const auto micro = static_cast<uint64_t>(r_.train.micro_batch);
+  return scale_with_world_
+             ? sampler_->SamplesAt(static_cast<uint64_t>(samples_consumed_) + mb * micro, micro)
+             : sampler_->MicroBatchSamples(static_cast<uint64_t>(step), mb);
+}
+
+std::string Trainer::SamplesLine(int64_t step, uint64_t mb, const std::vector<uint64_t>& samples) {
+  std::string line = fmt::format("{} {}", step, mb);
+  for (uint64_t x : samples) line += fmt::format(" {}", x);
+  return line + '\n';
+}
+
+torch::Tensor Trainer::MicroBatchLoss(const std::vector<uint64_t>& samples, float norm) {
+  auto [inputs, targets] = BatchTensors(samples);
+  auto logits = model_->forward(inputs);
+  // Normalised by the token count of the whole global batch: the summed
+  // gradient is the same however micro-batches are dealt.
+  return torch::nn::functional::cross_entropy(
+             logits.view({-1, r_.model.vocab_size}), targets.view({-1}),
+             torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
+         norm;
 }
 
 std::pair<torch::Tensor, torch::Tensor> Trainer::BatchTensors(

@@ -854,6 +854,16 @@ inline constexpr Setting<bool> kTrainNoSalvage{
         "after a fault compute the whole step in flight again, instead of keeping the "
         "micro-batch sums the members already hold (the default ring mode and "
         "determinism: world-invariant; sharded optimizer state never keeps them)"};
+inline constexpr Setting<bool> kTrainNoLoans{
+    .env = "NONSTOP_TRAIN_NO_LOANS",
+    .flag = "--no-loans",
+    .default_value = false,
+    .read_by = kTrain,
+    .help =
+        "after a fault in the default ring mode, let each member compute the rest of its own "
+        "block alone (the spare the lost block whole) instead of lending the excess to the "
+        "members with less; every member of a job must agree (for comparisons: "
+        "bench/fault_cost.sh)"};
 
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop

@@ -152,6 +152,7 @@ std::vector<Info> Build() {
       Describe(kTorchThreads),
       Describe(kTrainNoOverlap),
       Describe(kTrainNoSalvage),
+      Describe(kTrainNoLoans),
   };
 }
 

@@ -14,9 +14,45 @@ int Block(int m, int world, int q) {
   return static_cast<int>(data::BlockBegin(static_cast<uint64_t>(m), world, q));
 }
 
+// The fault-free split keeps every block whole, but after a fault the blocks
+// left differ (a spare's whole block, survivors' rests): each block's tail
+// beyond the even load goes to the ranks with less, in rank order.
+void LendTheExcess(std::vector<RingShare>* shares) {
+  const int world = static_cast<int>(shares->size());
+  int left = 0;
+  for (const auto& s : *shares) left += static_cast<int>(s.compute.size());
+  const size_t even = static_cast<size_t>((left + world - 1) / std::max(world, 1));
+  std::vector<int> lent;  // ascending: the blocks in rank order, each tail in order
+  for (auto& s : *shares) {
+    if (s.compute.size() <= even) continue;
+    s.lent.assign(s.compute.begin() + static_cast<std::ptrdiff_t>(even), s.compute.end());
+    s.compute.resize(even);
+    lent.insert(lent.end(), s.lent.begin(), s.lent.end());
+  }
+  size_t next = 0;
+  for (auto& s : *shares) {
+    while (next < lent.size() && s.compute.size() + s.borrowed.size() < even)
+      s.borrowed.push_back(lent[next++]);
+  }
+}
+
 }  // namespace
 
-std::vector<RingShare> PlanRingStep(int m, std::span<const std::vector<int>> offered) {
+std::vector<Loan> LoansOf(std::span<const RingShare> shares) {
+  std::vector<Loan> loans;
+  for (size_t owner = 0; owner < shares.size(); ++owner) {
+    for (int mb : shares[owner].lent) {
+      for (size_t b = 0; b < shares.size(); ++b) {
+        const auto& borrowed = shares[b].borrowed;
+        if (std::find(borrowed.begin(), borrowed.end(), mb) != borrowed.end())
+          loans.push_back({mb, static_cast<int>(owner), static_cast<int>(b)});
+      }
+    }
+  }
+  return loans;  // ascending: the owners' blocks are in rank order
+}
+
+std::vector<RingShare> PlanRingStep(int m, std::span<const std::vector<int>> offered, bool lend) {
   const int world = static_cast<int>(offered.size());
   std::vector<RingShare> shares(offered.size());
   std::vector<bool> covered(static_cast<size_t>(std::max(m, 0)), false);
@@ -45,6 +81,7 @@ std::vector<RingShare> PlanRingStep(int m, std::span<const std::vector<int>> off
            mb < Block(m, world, q + 1); ++mb)
         share.compute.push_back(mb);
     }
+    if (lend) LendTheExcess(&shares);
     return shares;
   }
   std::vector<int> missing;
@@ -103,11 +140,11 @@ Result<std::vector<RingShare>> RingStepPlanner::Plan(Session& session, int m, in
     exchanged_generation_ = session.generation();
     for (size_t q = 0; q < offered.size(); ++q) offered[q] = MicroBatchesOfNodes(m, (*offers)[q]);
   }
-  std::vector<RingShare> shares = PlanRingStep(m, offered);
+  std::vector<RingShare> shares = PlanRingStep(m, offered, lend_);
   for (const auto& share : shares) {
     kept_ += static_cast<int>(share.kept.size());
     kept_by_ += share.kept.empty() ? 0 : 1;
-    computing_ += share.compute.empty() ? 0 : 1;
+    computing_ += share.compute.empty() && share.borrowed.empty() ? 0 : 1;
   }
   return shares;
 }

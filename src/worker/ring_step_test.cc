@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "nonstop/data.h"
@@ -15,12 +16,13 @@ namespace {
 
 using List = std::vector<int>;
 
-// Every micro-batch of [0, m) in exactly one rank's kept ∪ compute.
+// Every micro-batch of [0, m) in exactly one rank's kept ∪ compute ∪ borrowed.
 void ExpectEachMicroBatchOnce(int m, const std::vector<RingShare>& shares) {
   std::vector<int> count(static_cast<size_t>(m), 0);
   for (const auto& s : shares) {
     for (int mb : s.kept) ++count[static_cast<size_t>(mb)];
     for (int mb : s.compute) ++count[static_cast<size_t>(mb)];
+    for (int mb : s.borrowed) ++count[static_cast<size_t>(mb)];
   }
   for (int mb = 0; mb < m; ++mb)
     EXPECT_EQ(count[static_cast<size_t>(mb)], 1) << "micro-batch " << mb;
@@ -48,8 +50,9 @@ TEST(RingStepTest, NothingOfferedIsTheSamplersSplit) {
 }
 
 // A spare in the lost rank's place: every survivor, whatever prefix of its block it had
-// completed (0, part, all), continues its own block; the spare computes the lost block whole.
-TEST(RingStepTest, WithASpareEachSurvivorContinuesItsOwnBlockAndTheSpareComputesTheLostOne) {
+// completed (0, part, all), continues its own block, and each block's sum is made in the block's
+// order (kept, computed, then lent); no rank computes more than the even load of what is left.
+TEST(RingStepTest, WithASpareEachSurvivorContinuesItsOwnBlockAndTheExcessIsLent) {
   for (int m : {4, 8, 13}) {
     for (int world : {2, 3, 4}) {
       for (int lost = 0; lost < world; ++lost) {
@@ -63,15 +66,51 @@ TEST(RingStepTest, WithASpareEachSurvivorContinuesItsOwnBlockAndTheSpareComputes
           }
           auto shares = PlanRingStep(m, offered);
           ExpectEachMicroBatchOnce(m, shares);
+          size_t left = 0, most = 0;
+          for (const auto& s : shares) left += s.compute.size() + s.borrowed.size();
+          for (const auto& s : shares) most = std::max(most, s.compute.size() + s.borrowed.size());
+          EXPECT_EQ(most, (left + static_cast<size_t>(world) - 1) / static_cast<size_t>(world))
+              << "the even load";
           for (int q = 0; q < world; ++q) {
             const auto& s = shares[static_cast<size_t>(q)];
             EXPECT_EQ(s.kept, offered[static_cast<size_t>(q)]) << "everything offered is kept";
-            EXPECT_EQ(s.compute, BlockOf(m, world, q, static_cast<int>(s.kept.size())))
+            List order = s.kept;
+            order.insert(order.end(), s.compute.begin(), s.compute.end());
+            order.insert(order.end(), s.lent.begin(), s.lent.end());
+            EXPECT_EQ(order, BlockOf(m, world, q))
                 << "m " << m << " world " << world << " lost " << lost << " done " << done;
+          }
+          for (const Loan& loan : LoansOf(shares)) {
+            const auto& lent = shares[static_cast<size_t>(loan.owner)].lent;
+            const auto& borrowed = shares[static_cast<size_t>(loan.borrower)].borrowed;
+            EXPECT_NE(std::find(lent.begin(), lent.end(), loan.micro_batch), lent.end());
+            EXPECT_NE(std::find(borrowed.begin(), borrowed.end(), loan.micro_batch),
+                      borrowed.end());
           }
         }
       }
     }
+  }
+}
+
+// A kill at the reduction of a step of 8 micro-batches over 4 ranks: the survivors hold their
+// blocks whole, the spare would compute rank 2's two alone; it computes 4 and lends 5 to rank 0.
+TEST(RingStepTest, AKillAtTheReductionLendsHalfTheLostBlock) {
+  auto shares = PlanRingStep(8, std::vector<List>{{0, 1}, {2, 3}, {}, {6, 7}});
+  ExpectEachMicroBatchOnce(8, shares);
+  EXPECT_EQ(shares[2].compute, List{4});
+  EXPECT_EQ(shares[2].lent, List{5});
+  EXPECT_EQ(shares[0].borrowed, List{5});
+  EXPECT_TRUE(shares[1].borrowed.empty());
+  EXPECT_EQ(LoansOf(shares), (std::vector<Loan>{{5, 2, 0}}));
+  // --no-loans: the spare computes the lost block whole
+  shares = PlanRingStep(8, std::vector<List>{{0, 1}, {2, 3}, {}, {6, 7}}, /*lend=*/false);
+  EXPECT_EQ(shares[2].compute, (List{4, 5}));
+  EXPECT_TRUE(LoansOf(shares).empty());
+  // nothing kept (a kill as the step starts, or no fault): nothing lent
+  for (int world : {3, 4}) {
+    shares = PlanRingStep(13, std::vector<List>(static_cast<size_t>(world)));
+    EXPECT_TRUE(LoansOf(shares).empty()) << world;
   }
 }
 

@@ -293,7 +293,9 @@ TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseT
 // the run ends bitwise as the fault-free one, for a kill at the reduction and
 // for a fault that cuts the step between micro-batches. With no spare (a
 // shrink) the micro-batches nobody holds are dealt over the survivors: the
-// loss curve stays within rounding of the fixed world. --no-salvage keeps
+// loss curve stays within rounding of the fixed world. After a kill at the
+// reduction the spare lends half the lost block to a survivor (nonstop/ring.h)
+// and the run is still bitwise. --no-salvage keeps
 // nothing and ends bitwise too.
 TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
   WriteRecipe();
@@ -302,6 +304,8 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
   ASSERT_EQ(ref.code, 0) << ref.output;
   ASSERT_EQ(ref.losses.size(), 8u);
   EXPECT_EQ(ref.output.find("kept the sums of"), std::string::npos) << "no fault, nothing kept";
+  RunResult ref_whole_buffer = Run(4, "ref-no-overlap", {"--steps", "8", "--no-overlap"});
+  ASSERT_EQ(ref_whole_buffer.code, 0) << ref_whole_buffer.output;
   // Cut between micro-batches: every worker pauses a second after each micro-batch, and the
   // fault lands in the pause after the first: a kill a quarter into step 5 (half a second; a
   // step takes two), with a spare or without (a shrink). Each survivor keeps 1 of its 2, unless the
@@ -315,9 +319,22 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
     bool bitwise;
     int most_kept;  // the lost rank's micro-batches are never kept
   };
+  // Rank 0's plan line ends "…, L of them lent by the owner of their block": L.
+  auto loans = [](const std::string& output) {
+    static const std::regex lent(R"((\d+) of them lent by the owner of their block)");
+    std::smatch m;
+    return std::regex_search(output, m, lent) ? std::stoi(m[1]) : -1;
+  };
   for (const Case& c : {
            Case{"spare-reduction",
                 steps,
+                {"--spares", "1", "--inject", "kill:rank=2,step=5"},
+                true,
+                6},
+           // Without overlap the kill fires after rank 2's last micro-batch and its pause: the
+           // survivors are in theirs, their blocks whole, unless one is a second late.
+           Case{"spare-reduction-loan",
+                {"--steps", "8", "--no-overlap", "--pause-after-micro-batch-ms", "1000"},
                 {"--spares", "1", "--inject", "kill:rank=2,step=5"},
                 true,
                 6},
@@ -344,10 +361,18 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
     EXPECT_GE(n, 1) << c.tag << ": the survivors' sums were kept\n" << r.output;
     EXPECT_LE(n, c.most_kept) << c.tag << "\n" << r.output;
     EXPECT_EQ(at, 5) << c.tag;
+    // With a spare, a survivor holding its whole block has nothing left to compute: the spare
+    // computes one of the lost block's two and lends the other to it (4 or more kept: 1 loan;
+    // fewer: none). A shrink deals what is missing evenly and lends nothing.
+    const bool spare = c.tag.starts_with("spare");
+    EXPECT_EQ(loans(r.output), spare && n >= 4 ? 1 : 0) << c.tag << "\n" << r.output;
+    if (c.tag == "spare-reduction-loan") EXPECT_GE(n, 4) << "a loan was made\n" << r.output;
     ASSERT_EQ(r.losses.size(), ref.losses.size()) << c.tag;
     if (c.bitwise) {
-      EXPECT_EQ(r.checksum, ref.checksum) << c.tag << "\n" << r.output;
-      EXPECT_EQ(r.losses, ref.losses) << c.tag << ": every loss bitwise the same";
+      // without overlap the ring reduces the buffer whole, not in buckets: other bits
+      const RunResult& base = c.tag == "spare-reduction-loan" ? ref_whole_buffer : ref;
+      EXPECT_EQ(r.checksum, base.checksum) << c.tag << "\n" << r.output;
+      EXPECT_EQ(r.losses, base.losses) << c.tag << ": every loss bitwise the same";
     } else {
       EXPECT_NE(r.output.find("world 4 → 3"), std::string::npos) << c.tag << "\n" << r.output;
       for (const auto& [step, loss] : ref.losses) {
@@ -364,6 +389,30 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
       << whole.output;
   EXPECT_EQ(whole.checksum, ref.checksum);
   EXPECT_EQ(whole.losses, ref.losses);
+}
+
+// Loans with the overlapped reduction (nonstop/ring.h): 16 micro-batches, 4 a rank, a kill
+// seven tenths into step 5 (the test-only pause after each micro-batch lets it land between
+// micro-batches). The survivors keep what they completed and continue their blocks; the spare
+// would compute the lost block's 4 alone, and lends its tail to the members with less. The
+// borrowers' gradients are added by the owner in its block's order and the buckets start after
+// them: the run ends bitwise as the fault-free one.
+TEST_F(TrainTest, TheLostBlocksTailIsLentOutAndTheRunEndsBitwiseTheSame) {
+  std::string recipe = MicroRecipe(dir_ / "data", dir_ / "corpus.txt");
+  recipe.replace(recipe.find("micro_batch: 2"), 14, "micro_batch: 1");
+  std::ofstream(dir_ / "recipe.yaml") << recipe;
+  const std::vector<std::string> paused = {"--steps", "8", "--pause-after-micro-batch-ms", "500"};
+  RunResult ref = Run(4, "ref", paused);
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  RunResult r = Run(4, "lent", paused, {"--spares", "1", "--inject", "kill:rank=2,step=5,at=0.7"});
+  ASSERT_EQ(r.code, 0) << r.output;
+  static const std::regex plan(
+      R"(step 5: kept the sums of (\d+) of 16 micro-batches .* (\d+) of them lent by the owner)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, plan)) << r.output;
+  EXPECT_GE(std::stoi(m[2]), 1) << "the spare lent part of the lost block\n" << r.output;
+  EXPECT_EQ(r.checksum, ref.checksum) << r.output;
+  EXPECT_EQ(r.losses, ref.losses) << "every loss bitwise the same";
 }
 
 TEST_F(TrainTest, WorldInvariantModeHoldsForTheMixtureOfExperts) {
