@@ -11,14 +11,17 @@
 #   (d) (a)'s script itself, stock DistributedDataParallel over nonstop's
 #       torch.distributed group (nonstop.torch.init_process_group).
 # Each fault-free run gives its median step time and tokens/s. Then (a) and (b)
-# run again with rank 2 killed at step 30: the fault's cost is the faulted
-# run's wall time minus the fault-free one's, and for (b) also the time lost the
-# recovery report measures (docs/recovery.md "Time lost"), in ms and in normal steps.
+# run again with rank 2 killed in step 30, once at each of three points: as the
+# step starts, half-way through it, and at its reduction (as its backward starts
+# reducing). The fault's cost is the faulted run's wall time minus the
+# fault-free one's, and for (b) also the time lost the recovery report measures
+# (docs/recovery.md "Time lost"), in ms and in normal steps; every run's
+# checksum is printed beside it.
 #
 #   bash bench/pytorch.sh [--steps N]        (default 60; the kill is at step 30)
 #
 # Needs ./build (scripts/build.sh) and Debian's python3-torch. Everything runs
-# on 127.0.0.1; the run directory is removed on exit. About 9 min at 60 steps.
+# on 127.0.0.1; the run directory is removed on exit. About 16 min at 40 steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=60
@@ -55,7 +58,7 @@ ddp() {
   t0=$(now)
   (cd "$dir" && "$py" -m torch.distributed.run --standalone --nproc_per_node 4 --redirects 1 --tee 1 "$@" \
       "$root/bench/pytorch_ddp_llama.py" --steps "$steps" --checkpoint-dir "$dir/ckpt-$name" --checkpoint-every 20 \
-      ${DDP_KILL:+--kill-rank 2 --kill-step 30}) > "$dir/$name.out" 2>&1 || { tail -30 "$dir/$name.out"; exit 1; }
+      ${DDP_KILL:+--kill-rank 2 --kill-step 30 --kill-at "$DDP_KILL"}) > "$dir/$name.out" 2>&1 || { tail -30 "$dir/$name.out"; exit 1; }
   t1=$(now)
   "$py" - "$name" "$t0" "$t1" "$dir/$name.out" >> "$results" <<'EOF'
 import json, sys
@@ -101,8 +104,12 @@ echo "  (b) nonstop from Python, fault-free";           nonstop_job b-clean none
 echo "  (c) nonstop C++ trainer, overlapped";           nonstop_job c-overlap none "$bin/nonstop-train" --steps "$steps"
 echo "  (c) nonstop C++ trainer, not overlapped";       nonstop_job c-serial none "$bin/nonstop-train" --steps "$steps" --no-overlap
 echo "  (d) stock DDP over nonstop, fault-free";        nonstop_job d-clean none "$py" "$root/bench/pytorch_ddp_llama.py" --steps "$steps"
-echo "  (a) with rank 2 killed at step 30";             DDP_KILL=1 ddp a-fault --max_restarts 1
-echo "  (b) with rank 2 killed at step 30";             nonstop_job b-fault kill:rank=2,step=30 "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
+for point in start middle reduction; do
+  case $point in start) spec=kill:rank=2,step=30,at=0 ;; middle) spec=kill:rank=2,step=30,at=0.5 ;; reduction) spec=kill:rank=2,step=30 ;; esac
+  echo "  (a) with rank 2 killed in step 30, at its $point"; DDP_KILL=$point ddp "a-fault-$point" --max_restarts 1
+  echo "  (b) with rank 2 killed in step 30, at its $point"
+  nonstop_job "b-fault-$point" "$spec" "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
+done
 
 "$py" - "$results" <<'EOF'
 import json, sys
@@ -118,20 +125,20 @@ for name, label in (("a-clean", "(a) torch DDP + Gloo, torchrun"), ("b-clean", "
 print(f"\noverlap in the C++ trainer: step {r['c-overlap']['median_step_s'] * 1000:.0f} ms overlapped, "
       f"{r['c-serial']['median_step_s'] * 1000:.0f} ms not (not overlapped / overlapped = "
       f"{r['c-serial']['median_step_s'] / r['c-overlap']['median_step_s']:.3f})")
-a_cost = r["a-fault"]["wall_s"] - r["a-clean"]["wall_s"]
-b_cost = r["b-fault"]["wall_s"] - r["b-clean"]["wall_s"]
-down = r["b-fault"]["downtime_ms"]
-lost = r["b-fault"]["time_lost_ms"]
 a_step = r["a-clean"]["median_step_s"]
 b_step = r["b-clean"]["median_step_s"]
-print(f"\na kill of rank 2 at step 30 (time lost: what the fault added to the job's wall time):")
-print(f"  (a) restart from the checkpoint of step {r['a-fault']['redone_from'] - 1 if r['a-fault']['redone_from'] else '-'}: "
-      f"{r['a-fault']['restarts']} restart; time lost {a_cost:.1f} s (faulted wall - fault-free wall), "
-      f"{a_cost / a_step:.1f} normal steps")
-print(f"  (b) nonstop: time lost {lost:.0f} ms = {lost / 1000 / b_step:.2f} of a normal step (recovery report: "
-      f"{r['b-fault']['time_lost_split_ms']}); downtime {down:.0f} ms; {r['b-fault']['lost_steps']} steps lost; "
-      f"the job took {b_cost:+.1f} s longer by wall clock (noise included)")
-print(f"  time lost (b) / time lost (a): {lost / 1000 / a_cost * 100:.2f}%")
-same = r["b-fault"]["checksum"] == r["b-clean"]["checksum"]
-print(f"  (b) bitwise equal to its fault-free run: {same} ({r['b-fault']['checksum']} / {r['b-clean']['checksum']})")
+print("\nrank 2 killed in step 30 (time lost: what the fault added to the job; (a): its wall time less the fault-free run's,")
+print("(b): the recovery report's, the step across the fault less the job's normal step):")
+print(f"{'kill at':<10} {'(a) torch elastic, restart':>28} {'(b) nonstop':>22} {'(b)/(a)':>8}  (b) checksum / fault-free, parts of (b)")
+for point in ("start", "middle", "reduction"):
+    a, b = r[f"a-fault-{point}"], r[f"b-fault-{point}"]
+    a_cost = a["wall_s"] - r["a-clean"]["wall_s"]
+    lost = b["time_lost_ms"] / 1000
+    same = "bitwise" if b["checksum"] == r["b-clean"]["checksum"] else "DIFFERENT"
+    print(f"{point:<10} {a_cost:>8.1f} s = {a_cost / a_step:>5.1f} steps {a['restarts']:>2} restart "
+          f"{lost * 1000:>7.0f} ms = {lost / b_step:.2f} step {lost / a_cost * 100:>7.2f}%  {b['checksum']} {same}; "
+          f"{b['time_lost_split_ms']}")
+redo = r["a-fault-start"]["redone_from"]
+print(f"(b) fault-free checksum {r['b-clean']['checksum']}; (a) restarted from its checkpoint (every 20 steps) "
+      f"and redid the steps from {redo}")
 EOF

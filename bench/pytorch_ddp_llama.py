@@ -8,7 +8,10 @@ checkpoint, after the launcher restarts every worker.
 
 Rank 0 writes a checkpoint (model, optimizer, step) every --checkpoint-every
 steps. --kill-rank/--kill-step: that rank kills itself (SIGKILL) at that step
-of the first attempt; torchrun then restarts all workers, which load the
+of the first attempt, --kill-at where in it: as the step starts, half-way
+through (a timer at half the previous step's length) or at the reduction (as
+the last micro-batch's backward readies its first gradient, when DDP starts
+reducing); torchrun then restarts all workers, which load the
 newest checkpoint and redo the steps after it. At the end rank 0 prints one
 JSON line: the step times, the restarts and the wall time of each attempt.
 
@@ -25,6 +28,7 @@ import pathlib
 import signal
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -53,6 +57,7 @@ def main():
     ap.add_argument("--checkpoint-every", type=int, default=20)
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-step", type=int, default=-1)
+    ap.add_argument("--kill-at", choices=("start", "middle", "reduction"), default="start")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -86,8 +91,11 @@ def main():
     first_step_at = None
     for step in range(start, args.steps):
         t0 = time.monotonic()
-        if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
+        kill_now = attempt == 0 and rank == args.kill_rank and step == args.kill_step
+        if kill_now and args.kill_at == "start":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kill_now and args.kill_at == "middle":
+            threading.Timer(step_seconds[-1] / 2, os.kill, (os.getpid(), signal.SIGKILL)).start()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr, args.lr / 10, 20)
         mine = sampler.micro_batches(rank, world)
@@ -97,6 +105,9 @@ def main():
             # DDP averages over the world: scale back to a sum over the global batch.
             loss = F.cross_entropy(ddp(batch[:, :-1]).reshape(-1, 256), batch[:, 1:].reshape(-1),
                                    reduction="sum") / tokens_per_step * world
+            if kill_now and args.kill_at == "reduction" and i + 1 == len(mine):
+                head = list(model.parameters())[-1]  # its gradient is the first one ready
+                head.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
             if i + 1 < len(mine):
                 with ddp.no_sync():
                     loss.backward()

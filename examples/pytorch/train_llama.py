@@ -132,6 +132,8 @@ def main():
     ap.add_argument("--prepare-from", default="/usr/share/games/fortunes")
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size")
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--no-salvage", action="store_true",
+                    help="after a fault, compute the step in flight again even where this worker's sum was complete")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # every worker builds the same initial model
@@ -151,7 +153,7 @@ def main():
     # nonstop: what must survive a fault. A spare waits here until it takes a
     # rank, then copies this state from the healthy workers.
     session.register(model, optimizer, extra={"tokens_seen": 0})
-    ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb)
+    ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage)
     session.on_membership_change(lambda c: session.rank == 0 and print(
         f"{'resized' if c.reason.startswith('resize') else 'recovered'}: generation {c.generation}, "
         f"world {c.old_world} → {c.new_world}, resuming at step {c.resume_step}", flush=True))

@@ -210,6 +210,7 @@ class Session:
         self._keep: List[Any] = []  # what the registered regions point into
         self._params: Optional[Any] = None  # the flat parameter tensor
         self._step_in_flight = 0
+        self._held_recovery: Any = None  # see _recover_in_place
         self._callbacks: List[Callable[[MembershipChange], None]] = []
         self._reserved: List[Tuple[int, int, str]] = []  # (begin, end, what) of registered memory
         self._watch: List[Tuple[Callable[[], Any], int, str]] = []  # (tensor getter, registered address, what)
@@ -456,6 +457,11 @@ class Session:
         """After Aborted: takes part in the recovery and returns the step to run
         next; the registered state holds the step before it. Raises Released
         when the world shrank without this worker, JobEnded when the job ended."""
+        held, self._held_recovery = self._held_recovery, None
+        if isinstance(held, BaseException):
+            raise held
+        if held is not None:  # DataParallel recovered in place already, then could not keep its sum
+            return held
         core = self._joined()
         try:
             step = core.recover()
@@ -469,6 +475,19 @@ class Session:
         for callback in self._callbacks:
             callback(change)
         return step
+
+    def _recover_in_place(self) -> Optional[int]:
+        # For DataParallel's salvage, inside a reducing call: recovers now. None: recover() raised,
+        # and the script's recover() (after the Aborted the caller raises) raises it again; a
+        # caller that raises Aborted for another reason holds the step (_hold_recovery) for it.
+        try:
+            return self.recover()
+        except BaseException as e:  # noqa: B902  (Released, JobEnded: re-raised by the script's recover())
+            self._held_recovery = e
+            return None
+
+    def _hold_recovery(self, step: int) -> None:
+        self._held_recovery = step
 
     def finish(self, last_step: int, checksum: Optional[str] = None) -> None:
         """Tells the controller that training ended after `last_step` and waits

@@ -9,11 +9,20 @@ gradient in it is accumulated. The end of backward waits for the last bucket.
 Gradients are summed, not averaged: scale the loss by 1 / (the global batch),
 as the examples do. That is what keeps the update exact when the world grows
 or shrinks and the global batch stays fixed.
+
+Salvage: each bucket is copied before the ring sums it in place, so a worker
+whose backward had completed when a member failed still holds its own sum of
+the step. Its reducing call then recovers in place and, when its share of the
+step is unchanged (a spare took the lost rank: the same step, rank and world),
+reduces that sum again with the new generation instead of raising Aborted: the
+step in flight is not computed again on this worker, and the result has the
+bits of the fault-free step (docs/python.md "Salvage").
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator, List
 
 import torch
@@ -29,7 +38,8 @@ class DataParallel(torch.nn.Module):
     over all workers, or :class:`nonstop.Aborted` was raised and the step is
     lost (``session.recover()``)."""
 
-    def __init__(self, module: torch.nn.Module, session: Session, bucket_cap_mb: float = 4.0) -> None:
+    def __init__(self, module: torch.nn.Module, session: Session, bucket_cap_mb: float = 4.0,
+                 salvage: bool = True) -> None:
         super().__init__()
         if not isinstance(session, Session):
             raise TypeError(f"session must be a nonstop.Session, got {type(session).__name__}")
@@ -67,6 +77,8 @@ class DataParallel(torch.nn.Module):
             self._bucket_of.append(len(self._buckets))
             offset += n
         self._buckets.append(self._grads[bucket_begin:offset])
+        # Salvage: every bucket's local sum, copied as it is handed to the ring (one model-sized buffer).
+        self._kept = torch.empty_like(self._grads) if salvage else None
         self._size = [0] * len(self._buckets)
         for b in self._bucket_of:
             self._size[b] += 1
@@ -194,7 +206,11 @@ class DataParallel(torch.nn.Module):
     def _start_ready_buckets(self) -> None:
         # Strictly in bucket order: every rank starts the same buckets in the same order.
         while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
-            self._session._start_allreduce(self._buckets[self._next_bucket])
+            bucket = self._buckets[self._next_bucket]
+            if self._kept is not None:  # this rank's sum, before the ring sums it in place
+                begin = bucket.storage_offset()
+                self._kept[begin:begin + bucket.numel()].copy_(bucket)
+            self._session._start_allreduce(bucket)
             self._next_bucket += 1
 
     def _end_of_backward(self) -> None:
@@ -206,7 +222,35 @@ class DataParallel(torch.nn.Module):
                 self._ready[i] = True
                 self._pending[self._bucket_of[i]] -= 1
         self._start_ready_buckets()
-        self._session._wait_all()  # raises nonstop.Aborted: the step is lost
+        try:
+            self._session._wait_all()
+        except Aborted:
+            if not self._salvage():
+                raise  # the step is lost: recover() (done already if salvage tried) and compute it again
+
+    def _salvage(self) -> bool:
+        # Every bucket of this rank's sum was copied before the ring took it.
+        if self._kept is None:
+            return False
+        session = self._session
+        share = (session._step_in_flight, session.rank, session.world_size)
+        while True:
+            resumed = session._recover_in_place()
+            if resumed is None:
+                return False
+            if (resumed, session.rank, session.world_size) != share:
+                session._hold_recovery(resumed)  # the script's recover() returns it
+                return False  # another share of the step (or another step): computed again
+            self._grads.copy_(self._kept)
+            print(f"[nonstop] step {resumed}: rank {session.rank} kept its gradient sum of the step in flight "
+                  f"and reduces it again in generation {session.generation}", file=sys.stderr, flush=True)
+            for bucket in self._buckets:  # in order, as every member starts them
+                session._start_allreduce(bucket)
+            try:
+                session._wait_all()
+                return True
+            except Aborted:
+                continue  # another fault: the kept sum is still this rank's
 
 
 # torch.distributed over nonstop (python/nonstop/distributed.py): the default

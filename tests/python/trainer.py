@@ -30,6 +30,7 @@ def main():
                     help="before the first step, wait until the journal (--journal) has this many joins: a test "
                          "whose fault needs the spare warm first")
     ap.add_argument("--journal", default="")
+    ap.add_argument("--no-salvage", action="store_true", help="DataParallel(salvage=False)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(7)
@@ -43,7 +44,7 @@ def main():
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     session.register(model, optimizer, extra={"samples": 0, "setups": 1})
-    ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb)
+    ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage)
     micro_per_step = args.global_batch // args.micro_batch
     print(f"worker={session.worker_id} buckets={ddp.num_buckets} ", flush=True)
 
