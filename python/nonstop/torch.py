@@ -27,9 +27,36 @@ from typing import Any, Iterator, List
 
 import torch
 
-from . import Aborted, Session, _check_tensor
+from . import Aborted, Session, _check_tensor, _core
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "InvariantDataParallel"]
+
+
+def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The module's parameters that require gradients, each once, checked."""
+    seen = set()
+    params: List[torch.nn.Parameter] = []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    if not params:
+        raise ValueError("the module has no parameters that require gradients")
+    for i, p in enumerate(params):
+        _check_tensor(p, f"parameter {i} of the module")
+    return params
+
+
+def _after_accumulation(p: torch.nn.Parameter, fn: Any) -> Any:
+    """Calls fn() once each backward has accumulated p's gradient into .grad;
+    returns what must be kept alive for the hook to stay."""
+    if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
+        return p.register_post_accumulate_grad_hook(lambda _p: fn())
+    # Older torch: a hook on the parameter's gradient accumulator, which runs
+    # after the gradient was added to .grad (torch DDP's way).
+    accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+    accumulator.register_hook(lambda *_: fn())
+    return accumulator  # kept alive, or its hook goes with it
 
 
 class DataParallel(torch.nn.Module):
@@ -48,16 +75,7 @@ class DataParallel(torch.nn.Module):
         session._joined()
         self.module = module
         self._session = session
-        seen = set()
-        params: List[torch.nn.Parameter] = []
-        for p in module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        if not params:
-            raise ValueError("the module has no parameters that require gradients")
-        for i, p in enumerate(params):
-            _check_tensor(p, f"parameter {i} of the module")
+        params = _trainable(module)
         # Reverse order: backward produces the last layers' gradients first.
         self._params = list(reversed(params))
         total = sum(p.numel() for p in self._params)
@@ -108,13 +126,7 @@ class DataParallel(torch.nn.Module):
             raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
 
     def _hook(self, i: int, p: torch.nn.Parameter) -> Any:
-        if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
-            return p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad_ready(i))
-        # Older torch: a hook on the parameter's gradient accumulator, which runs
-        # after the gradient was added to .grad (torch DDP's way).
-        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
-        accumulator.register_hook(lambda *_, i=i: self._on_grad_ready(i))
-        return accumulator  # kept alive, or its hook goes with it
+        return _after_accumulation(p, lambda: self._on_grad_ready(i))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A member failed: the step in flight is lost, so do not compute the
@@ -251,6 +263,109 @@ class DataParallel(torch.nn.Module):
                 return True
             except Aborted:
                 continue  # another fault: the kept sum is still this rank's
+
+
+class InvariantDataParallel(torch.nn.Module):
+    """World-invariant data parallelism (docs/python.md "World-invariant
+    steps", docs/determinism.md): the gradient of a step is the sum of its
+    `micro_batches` micro-batch gradients along one fixed binary tree, whoever
+    computed which, so it has the same bits at every world size, through
+    faults, shrinks and grows. A step cut short by a fault keeps the sums its
+    members had folded: its retry computes only what no member holds, dealt
+    over every member (the spare included).
+
+    One step::
+
+        for mb in ddp.plan(step):        # this rank's micro-batches, in order
+            loss = loss_of(ddp(inputs(mb)), targets(mb))  # a sum / the global batch's size
+            loss.backward()               # folds micro-batch mb's gradient
+        ddp.reduce()                      # .grad: the tree's sum, on every rank
+        optimizer.step()
+
+    Needs the same intra-op thread count on every worker
+    (``torch.set_num_threads``): a micro-batch's gradient must have the same
+    bits wherever it is computed."""
+
+    def __init__(self, module: torch.nn.Module, session: Session, micro_batches: int, salvage: bool = True) -> None:
+        super().__init__()
+        if not isinstance(session, Session):
+            raise TypeError(f"session must be a nonstop.Session, got {type(session).__name__}")
+        core = session._joined()
+        self.module = module
+        self._session = session
+        self._params = _trainable(module)
+        total = sum(p.numel() for p in self._params)
+        self._grads = torch.zeros(total, dtype=torch.float32)
+        self._views: List[torch.Tensor] = []
+        offset = 0
+        for p in self._params:
+            self._views.append(self._grads[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self._micro_batches = int(micro_batches)
+        self._tree = _core.TreeStep(core, self._micro_batches, total, bool(salvage))
+        self._planned: List[int] = []
+        self._queued = False
+        self._hooks = [_after_accumulation(p, self._on_grad_ready) for p in self._params]
+        for m in module.modules():
+            self._hooks.append(m.register_forward_pre_hook(self._stop_if_aborted))
+        self.zero_grad()
+
+    def _stop_if_aborted(self, *_: Any) -> None:
+        if self._session._core.aborted():
+            raise Aborted("the generation was aborted: the step in flight is cut short; call session.recover()")
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zeros the gradient buffer (the gradients stay views into it)."""
+        self._grads.zero_()
+        for p, view in zip(self._params, self._views):
+            p.grad = view
+
+    def plan(self, step: int) -> List[int]:
+        """This rank's micro-batches of `step` (indices in [0, micro_batches)),
+        in the order to compute them, one forward and backward each. On the
+        first step of a generation the members first say which sums of the
+        step they still hold. Raises Aborted."""
+        self.zero_grad()
+        self._queued = False
+        self._stop_if_aborted()
+        self._planned = list(self._tree.plan(int(step)))
+        if self._tree.kept_micro_batches and self._session.rank == 0:
+            print(f"[nonstop] step {step}: kept the sums of {self._tree.kept_micro_batches} of "
+                  f"{self._micro_batches} micro-batches from the step in flight ({self._tree.kept_by} member(s)); "
+                  f"the rest dealt over {self._session.world_size} member(s)", file=sys.stderr, flush=True)
+        return list(self._planned)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._stop_if_aborted()
+        return self.module(*args, **kwargs)
+
+    def _on_grad_ready(self) -> None:
+        self._stop_if_aborted()
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        if self._session._core.aborted():
+            return  # the step is cut short; what was folded before is kept
+        if not self._planned:
+            raise RuntimeError("a backward that plan() did not plan: run exactly one per micro-batch it returned")
+        for p, view in zip(self._params, self._views):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+        self._tree.add(self._planned.pop(0), self._grads.data_ptr())
+        self._grads.zero_()
+
+    def reduce(self) -> None:
+        """Sums the step's micro-batch gradients over every member along the
+        tree: then every parameter's ``.grad`` has the same bits on every
+        rank, at any world size. Raises Aborted (the folded sums are kept for
+        the step's retry)."""
+        self._tree.reduce(self._grads.data_ptr())
 
 
 # torch.distributed over nonstop (python/nonstop/distributed.py): the default

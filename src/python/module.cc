@@ -29,6 +29,7 @@
 #include "nonstop/session.h"
 #include "nonstop/settings.h"
 #include "nonstop/state.h"
+#include "nonstop/tree.h"
 
 namespace py = pybind11;
 
@@ -212,6 +213,99 @@ class PySession {
   std::unique_ptr<Session> session_;
 };
 
+// World-invariant steps for nonstop.torch.InvariantDataParallel (nonstop/tree.h,
+// docs/determinism.md): which micro-batches this rank computes (after a fault,
+// only those no member holds a sum of, dealt over every member), each one's
+// gradient folded into the fixed tree as it comes, and the tree's sum across
+// the members. A step a fault cut short keeps its folded sums for the next
+// generation's plan. Belongs to the thread that trains.
+class PyTreeStep {
+ public:
+  PyTreeStep(PySession* session, int m, size_t elements, bool salvage)
+      : session_(session), m_(m), elements_(elements), salvage_(salvage), planner_(salvage) {
+    if (m < 1) throw py::value_error(fmt::format("micro_batches must be at least 1, got {}", m));
+  }
+
+  // This rank's micro-batches of `step`, in the order to compute them.
+  std::vector<int> Plan(int64_t step) {
+    CollectUnreduced();  // a step cut short: what it folded is held for the offers
+    auto planned = session_->Drained([&] { return planner_.Plan(session_->s(), m_, step, held_); });
+    Check(planned.status());
+    shares_ = std::move(*planned);
+    const collective::TreeShare& mine = shares_[static_cast<size_t>(session_->s().rank())];
+    worker::KeepOnly(&held_, step, mine.kept);
+    step_ = step;
+    order_.clear();
+    folders_.clear();
+    for (auto [first, last] : mine.compute) {
+      folders_.emplace_back(m_, first, last, elements_);
+      for (int mb = first; mb < last; ++mb) order_.push_back({mb, folders_.size() - 1});
+    }
+    next_ = 0;
+    std::vector<int> out;
+    for (auto [mb, folder] : order_) out.push_back(mb);
+    return out;
+  }
+
+  // The gradient of micro-batch `mb` (`elements` floats at `address`), the next planned one.
+  void Add(int mb, uintptr_t address) {
+    if (next_ >= order_.size() || order_[next_].first != mb) {
+      throw py::value_error(fmt::format(
+          "micro-batch {} is not the next one planned for step {} ({}): compute them in the order "
+          "plan() returned, one backward each",
+          mb, step_, next_ < order_.size() ? fmt::format("{}", order_[next_].first) : "none left"));
+    }
+    folders_[order_[next_].second].Add(
+        std::span<const float>(reinterpret_cast<const float*>(address), elements_));
+    ++next_;
+  }
+
+  // The sum of the step's micro-batch gradients, along the tree, into `address` (every rank the
+  // same bits). A fault: the sums stay held for the retry, and Aborted is raised.
+  void Reduce(uintptr_t address) {
+    if (next_ != order_.size()) {
+      throw py::value_error(fmt::format(
+          "reduce() after {} of the {} micro-batches plan() returned for step {}: run one "
+          "backward for each first",
+          next_, order_.size(), step_));
+    }
+    worker::HeldSums have = worker::CollectSums(m_, step_, std::move(held_), &folders_);
+    held_ = {};
+    folders_.clear();
+    order_.clear();
+    Status s = session_->Drained([&] {
+      return session_->s().AllReduceTree(m_, worker::NodeLists(shares_), have.partials,
+                                         Floats(address, elements_));
+    });
+    if (!s.ok() && salvage_) held_ = std::move(have);
+    Check(s);
+  }
+
+  int kept_micro_batches() const { return planner_.kept_micro_batches(); }
+  int kept_by() const { return planner_.kept_by(); }
+
+ private:
+  void CollectUnreduced() {
+    if (folders_.empty()) return;
+    worker::HeldSums have = worker::CollectSums(m_, step_, std::move(held_), &folders_);
+    held_ = salvage_ ? std::move(have) : worker::HeldSums{};
+    folders_.clear();
+    order_.clear();
+  }
+
+  PySession* session_;
+  int m_;
+  size_t elements_;
+  bool salvage_;
+  worker::TreeStepPlanner planner_;
+  worker::HeldSums held_;
+  std::vector<collective::TreeShare> shares_;
+  std::vector<collective::TreeFolder> folders_;
+  std::vector<std::pair<int, size_t>> order_;  // (micro-batch, its folder), in compute order
+  size_t next_ = 0;
+  int64_t step_ = -1;
+};
+
 py::dict ChangeDict(const MembershipChange& c) {
   py::dict d;
   d["generation"] = c.generation;
@@ -334,6 +428,15 @@ PYBIND11_MODULE(_core, m) {
       .def("last_change", [](PySession& p) { return ChangeDict(p.s().last_change()); })
       .def_property_readonly("shutdown_exit_code",
                              [](PySession& p) { return p.s().shutdown_exit_code(); });
+
+  py::class_<PyTreeStep>(m, "TreeStep")
+      .def(py::init<PySession*, int, size_t, bool>(), py::arg("session"), py::arg("micro_batches"),
+           py::arg("elements"), py::arg("salvage"), py::keep_alive<1, 2>())
+      .def("plan", &PyTreeStep::Plan, py::arg("step"))
+      .def("add", &PyTreeStep::Add, py::arg("micro_batch"), py::arg("address"))
+      .def("reduce", &PyTreeStep::Reduce, py::arg("address"))
+      .def_property_readonly("kept_micro_batches", &PyTreeStep::kept_micro_batches)
+      .def_property_readonly("kept_by", &PyTreeStep::kept_by);
 
   py::class_<data::Dataset>(m, "Dataset")
       .def_static("open",

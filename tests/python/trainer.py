@@ -31,6 +31,8 @@ def main():
                          "whose fault needs the spare warm first")
     ap.add_argument("--journal", default="")
     ap.add_argument("--no-salvage", action="store_true", help="DataParallel(salvage=False)")
+    ap.add_argument("--world-invariant", action="store_true",
+                    help="InvariantDataParallel: the same bits at every world size")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(7)
@@ -44,9 +46,12 @@ def main():
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     session.register(model, optimizer, extra={"samples": 0, "setups": 1})
-    ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage)
     micro_per_step = args.global_batch // args.micro_batch
-    print(f"worker={session.worker_id} buckets={ddp.num_buckets} ", flush=True)
+    if args.world_invariant:
+        ddp = nonstop.torch.InvariantDataParallel(model, session, micro_per_step, salvage=not args.no_salvage)
+    else:
+        ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage)
+        print(f"worker={session.worker_id} buckets={ddp.num_buckets} ", flush=True)
 
     def train_step(step):
         gen = torch.Generator().manual_seed(1000 + step)
@@ -56,6 +61,14 @@ def main():
         end = micro_per_step * (session.rank + 1) // session.world_size
         ddp.zero_grad()
         total = torch.zeros(1)
+        if args.world_invariant:
+            for mb in ddp.plan(step):  # after a fault: what no member holds
+                rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
+                loss.backward()
+                total += loss.detach()
+            ddp.reduce()
+            return update(total)
         for mb in range(begin, end):
             rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
             loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
@@ -67,7 +80,10 @@ def main():
             total += loss.detach()
         if begin == end:  # more ranks than micro-batches: zeros, in every bucket's sum
             ddp.reduce_without_backward()
-        session.allreduce(total)
+        return update(total)
+
+    def update(total):
+        session.allreduce(total)  # the loss, for the log (a ring sum: its bits depend on the world)
         optimizer.step()
         session.extra["samples"] += args.global_batch
         if args.throttle_ms:
