@@ -211,6 +211,9 @@ class Session:
         self._params: Optional[Any] = None  # the flat parameter tensor
         self._step_in_flight = 0
         self._held_recovery: Any = None  # see _recover_in_place
+        self._flat_padded: Optional[Any] = None  # sharded: the parameters, padded to the shard group
+        self._shard_group = 0
+        self._before_finish: List[Callable[[], None]] = []  # collectives due before the final checksum
         self._callbacks: List[Callable[[MembershipChange], None]] = []
         self._reserved: List[Tuple[int, int, str]] = []  # (begin, end, what) of registered memory
         self._watch: List[Tuple[Callable[[], Any], int, str]] = []  # (tensor getter, registered address, what)
@@ -255,23 +258,34 @@ class Session:
 
     def _register(self, model: Any, optimizer: Any, extra: Optional[Mapping[str, Any]],
                   tensors: Optional[Mapping[str, Any]], resume_from: Optional[str] = None) -> None:
+        from .sharded import ShardedOptimizer
+
         regions: List[Tuple[str, int, int, str, List[int]]] = []
         params: List[Any] = []
+        sharded = isinstance(optimizer, ShardedOptimizer)
         if model is not None:
             params = _unique_parameters(model)
             if not params:
                 raise ValueError("the model has no parameters to register")
             for i, p in enumerate(params):
                 _check_tensor(p, f"parameter {i} of the model")
-            self._params = _flatten_parameters(params)
-            self._reserve(self._params, "the model's parameters")
+            flat = _flatten_parameters(params, optimizer.padded if sharded else 0)
+            self._params = flat[:sum(p.numel() for p in params)]
+            self._reserve(flat, "the model's parameters")
             for i, p in enumerate(params):
                 self._watch.append((lambda p=p: p, p.data_ptr(), f"parameter {i}"))
-            regions.append(("params", *_span(self._params), "F32", [self._params.numel()]))
+            if sharded:
+                if optimizer.model is not model:
+                    raise ValueError("the ShardedOptimizer was made for another model: register the model it updates")
+                self._flat_padded = flat
+                self._shard_group = optimizer.shard_group
+                regions.append(("params", *_span(flat), "SHARD_VIEW", [flat.numel()]))
+            else:
+                regions.append(("params", *_span(flat), "F32", [flat.numel()]))
         if optimizer is not None:
             if model is None:
                 raise ValueError("register(optimizer=...) needs the model too: the optimizer's state is kept per parameter")
-            regions += self._register_optimizer(optimizer, params)
+            regions += self._register_shards(optimizer) if sharded else self._register_optimizer(optimizer, params)
         if extra:
             self.extra = Extra(extra)
             regions += self.extra._regions()
@@ -288,7 +302,8 @@ class Session:
             regions.append((f"tensor.{name}", *_span(t), kind, [t.numel()] if kind == "F32" else []))
         self._keep.append(self.extra)
         try:
-            self._core = _core.Session.join(regions, resume_from=os.fspath(resume_from) if resume_from else "")
+            self._core = _core.Session.join(regions, resume_from=os.fspath(resume_from) if resume_from else "",
+                                            shard_group=self._shard_group)
         except _core.Cancelled as e:
             raise Released(str(e)) from None
 
@@ -314,6 +329,35 @@ class Session:
                 raise ValueError(f"{what} overlaps {other}, which is registered already: "
                                  "a tensor is registered once")
         self._reserved.append((begin, begin + size, what))
+
+    def _register_shards(self, optimizer: Any) -> List[Tuple[str, int, int, str, List[int]]]:
+        """A ShardedOptimizer's state: its shard-sized tensors as this member's
+        shard of sharded regions, the rest (AdamW's step count) whole."""
+        import torch
+
+        inner, shard = optimizer.inner, optimizer.shard_param
+        if not inner.state.get(shard):
+            _materialize_state(inner, [shard])
+        regions: List[Tuple[str, int, int, str, List[int]]] = []
+        for key in sorted(inner.state[shard]):
+            value = inner.state[shard][key]
+            if value is None:
+                continue
+            if not torch.is_tensor(value):
+                raise ValueError(f"optimizer state {key!r} is a Python {type(value).__name__}, which nonstop cannot "
+                                 "keep in registered memory")
+            value = value.contiguous()
+            inner.state[shard][key] = value
+            self._keep.append(value)
+            self._reserve(value, f"optimizer state {key!r}")
+            self._watch.append((lambda key=key: inner.state[shard][key], value.data_ptr(), f"optimizer state {key!r}"))
+            if value.dtype == torch.float32 and value.numel() == optimizer.shard_len:
+                regions.append((f"optimizer.{key}", *_span(value), "SHARD", [value.numel()]))
+            elif value.dtype == torch.float32:
+                regions.append((f"optimizer.{key}", *_span(value), "F32", [value.numel()]))
+            else:
+                regions.append((f"optimizer.{key}", *_span(value), "U8", []))
+        return regions
 
     def _register_optimizer(self, optimizer: Any, params: List[Any]) -> List[Tuple[str, int, int, str, List[int]]]:
         import torch
@@ -494,6 +538,8 @@ class Session:
         until the job ends. Raises Aborted if a member failed first: recover()
         and carry on. `checksum` defaults to checksum()."""
         core = self._joined()
+        for gather in self._before_finish:  # sharded: every rank holds the whole parameters again
+            gather()
         core.finish(int(last_step), checksum if checksum is not None else self.checksum())
 
     def save_checkpoint(self, directory: str, keep: int = 3) -> str:
@@ -504,6 +550,9 @@ class Session:
         write is in flight is skipped. The last `keep` are kept. Call it at a
         step boundary, on one rank (rank 0). Returns what it did."""
         core = self._joined()
+        if self._shard_group:
+            raise NotImplementedError("save_checkpoint with a ShardedOptimizer: each rank holds 1/G of the optimizer "
+                                      "state, and gathering it for one writer is not built in Python yet")
         return core.save_checkpoint(os.fspath(directory), int(keep), self._step_in_flight - 1, self.checksum())
 
     def wait_checkpoint(self) -> None:
@@ -553,11 +602,13 @@ def _unique_parameters(model: Any) -> List[Any]:
     return params
 
 
-def _flatten_parameters(params: List[Any]) -> Any:
+def _flatten_parameters(params: List[Any], padded: int = 0) -> Any:
+    """One flat buffer (of `padded` floats, zeros past the parameters, when
+    larger) of which every parameter becomes a view."""
     import torch
 
     total = sum(p.numel() for p in params)
-    flat = torch.empty(total, dtype=torch.float32)
+    flat = torch.zeros(max(total, padded), dtype=torch.float32)
     offset = 0
     with torch.no_grad():
         for p in params:

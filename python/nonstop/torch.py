@@ -370,6 +370,10 @@ class InvariantDataParallel(torch.nn.Module):
 
 # torch.distributed over nonstop (python/nonstop/distributed.py): the default
 # process group, stock DDP over it, and the step that recovers.
+from .sharded import ShardedDataParallel, ShardedOptimizer  # noqa: E402
+
+__all__ += ["ShardedDataParallel", "ShardedOptimizer"]
+
 from .distributed import (  # noqa: E402  (after DataParallel, which it does not need)
     DistributedDataParallel,
     destroy_process_group,

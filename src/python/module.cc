@@ -78,7 +78,11 @@ std::span<float> Floats(uintptr_t address, size_t count) {
   return {reinterpret_cast<float*>(address), count};
 }
 
-// One registered region as python/nonstop describes it.
+// One registered region as python/nonstop describes it: (name, address, bytes,
+// kind, shape). Kinds: "F32" and "U8" (every member holds it whole), "SHARD"
+// (this member's shard of sharded optimizer state, StateRegistry::RegisterShard)
+// and "SHARD_VIEW" (a whole buffer, padded, of which a member's shard is its
+// own: the parameters; RegisterShardView), the last two in groups of `shard_group`.
 using RegionSpec = std::tuple<std::string, uintptr_t, size_t, std::string, std::vector<int64_t>>;
 
 // A Session and the registry it keeps current. The registry's regions are
@@ -89,11 +93,16 @@ class PySession {
   // With `resume_from`, the newest valid durable checkpoint there is loaded
   // into the registered memory before joining (none: the job starts afresh).
   static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions, int64_t state_step,
-                                         const std::string& resume_from) {
+                                         const std::string& resume_from, int shard_group) {
     auto self = std::unique_ptr<PySession>(new PySession());
     for (const auto& [name, address, nbytes, dtype, shape] : regions) {
       if (dtype == "F32") {
         Check(self->state_.RegisterFloats(name, Floats(address, nbytes / sizeof(float)), shape));
+      } else if (dtype == "SHARD") {
+        Check(self->state_.RegisterShard(name, Floats(address, nbytes / sizeof(float)), shard_group));
+      } else if (dtype == "SHARD_VIEW") {
+        Check(self->state_.RegisterShardView(name, Floats(address, nbytes / sizeof(float)),
+                                             shard_group));
       } else {
         Check(self->state_.Register(name, Bytes(address, nbytes)));
       }
@@ -360,7 +369,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<PySession>(m, "Session")
       .def_static("join", &PySession::Join, py::arg("regions"), py::arg("state_step") = -1,
-                  py::arg("resume_from") = "")
+                  py::arg("resume_from") = "", py::arg("shard_group") = 0)
       .def("save_checkpoint", &PySession::SaveCheckpoint, py::arg("dir"), py::arg("keep"),
            py::arg("step"), py::arg("checksum"))
       .def("wait_checkpoint", &PySession::WaitCheckpoint)
@@ -389,6 +398,18 @@ PYBIND11_MODULE(_core, m) {
              }));
            })
       .def("barrier", [](PySession& p) { Check(p.Drained([&] { return p.s().Barrier(); })); })
+      // Sharded optimizer state (nonstop.torch.ShardedOptimizer, docs/sharding.md).
+      .def_property_readonly("shard", [](PySession& p) { return p.s().shard(); })
+      .def_property_readonly("shard_group", [](PySession& p) { return p.s().shard_group(); })
+      .def("reduce_shards",
+           [](PySession& p, uintptr_t address, size_t count) {
+             Check(p.Drained([&] { return p.s().ReduceShards(Floats(address, count)); }));
+           })
+      .def("gather_shards",
+           [](PySession& p, uintptr_t address, size_t nbytes, size_t element_bytes) {
+             Check(p.Drained(
+                 [&] { return p.s().GatherShards(Bytes(address, nbytes), element_bytes); }));
+           })
       .def("torchrun_environment", [](PySession& p) { return p.s().TorchrunEnvironment(); })
       .def("wait_all", [](PySession& p) { Check(p.Drained([&] { return p.s().WaitAll(); })); })
       .def("aborted", [](PySession& p) { return p.s().aborted(); })

@@ -31,6 +31,9 @@ def main():
                          "whose fault needs the spare warm first")
     ap.add_argument("--journal", default="")
     ap.add_argument("--no-salvage", action="store_true", help="DataParallel(salvage=False)")
+    ap.add_argument("--clip-norm", type=float, default=0.0, help="clip the gradient's norm to this (0: no clipping)")
+    ap.add_argument("--shard-group", type=int, default=0,
+                    help="ShardedOptimizer/ShardedDataParallel (AdamW) with optimizer state in groups of this many")
     ap.add_argument("--world-invariant", action="store_true",
                     help="InvariantDataParallel: the same bits at every world size")
     args = ap.parse_args()
@@ -41,13 +44,20 @@ def main():
     print(f"setup worker={os.environ['NONSTOP_WORKER_ID']} pid={os.getpid()}", flush=True)
     model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48), torch.nn.Tanh(),
                                 torch.nn.Linear(48, 1))
-    if args.optimizer == "sgd":
+    if args.shard_group:
+        optimizer = nonstop.torch.ShardedOptimizer(model, torch.optim.AdamW, args.shard_group, lr=1e-2,
+                                                   weight_decay=0.05)
+    elif args.optimizer == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     session.register(model, optimizer, extra={"samples": 0, "setups": 1})
     micro_per_step = args.global_batch // args.micro_batch
-    if args.world_invariant:
+    if args.shard_group:
+        ddp = nonstop.torch.ShardedDataParallel(model, session, optimizer)
+        print(f"worker={session.worker_id} shard={session._core.shard} of {session._core.shard_group} optimizer "
+              f"state floats={sum(v.numel() for v in optimizer.state[optimizer.shard_param].values())}", flush=True)
+    elif args.world_invariant:
         ddp = nonstop.torch.InvariantDataParallel(model, session, micro_per_step, salvage=not args.no_salvage)
     else:
         ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage)
@@ -69,6 +79,16 @@ def main():
                 total += loss.detach()
             ddp.reduce()
             return update(total)
+        if args.shard_group:
+            for mb in range(begin, end):
+                rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+                loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
+                loss.backward()
+                total += loss.detach()
+            ddp.reduce()
+            if args.clip_norm:
+                optimizer.clip_grad_norm_(args.clip_norm)
+            return update(total)
         for mb in range(begin, end):
             rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
             loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
@@ -84,6 +104,8 @@ def main():
 
     def update(total):
         session.allreduce(total)  # the loss, for the log (a ring sum: its bits depend on the world)
+        if args.clip_norm and not args.shard_group:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
         optimizer.step()
         session.extra["samples"] += args.global_batch
         if args.throttle_ms:
