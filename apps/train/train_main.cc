@@ -865,11 +865,15 @@ Status Trainer::Reduce(int64_t step, StepWork* w) {
 // zero gradients: what its backward would have added to its sum.
 void Trainer::ComputeBorrowed(int64_t step, StepWork* w) {
   w->computed = false;
+  if (session_->aborted()) return;  // the step is lost: nothing to lend back
   flat_->GatherGrads();
   std::vector<float> own(flat_->grads_and_loss().begin(), flat_->grads_and_loss().end());
   const size_t bytes = flat_->grads().size_bytes();
   for (int mb : w->borrowed) {
-    flat_->ZeroGrad();
+    // From -0, not +0: -0 + g is g for every g (+0 + -0 would be +0), so the owner adds exactly
+    // what its own backward would have accumulated.
+    flat_->GatherGrads();
+    std::fill(flat_->grads().begin(), flat_->grads().end(), -0.0f);
     torch::Tensor loss = MicroBatchLoss(SamplesOf(step, static_cast<uint64_t>(mb)), w->norm);
     const double value = loss.item<double>();
     loss.backward();
@@ -888,10 +892,17 @@ Status Trainer::ReduceWithLoans(int64_t step, StepWork* w) {
   Session& session = *session_;
   if (!w->computed)
     return AbortedError(fmt::format("step {} was cut short: a member failed", step));
+  flat_->GatherGrads();  // a gradient replaced since the last micro-batch: back into the buffer
   std::span<float> sum = flat_->grads();
-  std::vector<std::byte> piece(sum.size_bytes() + sizeof(double));
+  const size_t piece_bytes = sum.size_bytes() + sizeof(double);
+  std::vector<std::byte> piece(piece_bytes);
   for (const worker::Loan& loan : w->loans) {  // in micro-batch order: each owner's in its order
-    if (loan.borrower == session.rank()) piece = std::move(w->for_owner[loan.micro_batch]);
+    if (loan.borrower == session.rank()) {
+      auto mine = w->for_owner.find(loan.micro_batch);
+      NONSTOP_CHECK(mine != w->for_owner.end() && mine->second.size() == piece_bytes)
+          << "micro-batch " << loan.micro_batch << " was lent to this rank but not computed";
+      piece = std::move(mine->second);
+    }
     Status s = session.Broadcast(piece, loan.borrower);
     if (!s.ok()) return s;
     if (loan.owner != session.rank()) continue;

@@ -133,7 +133,8 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--no-salvage", action="store_true",
-                    help="after a fault, compute the step in flight again even where this worker's sum was complete")
+                    help="after a fault, compute the step in flight again even where this worker's sum was complete "
+                         "(salvage is safe here: the step's first collective is its gradient buckets)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # every worker builds the same initial model

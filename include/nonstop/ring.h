@@ -87,6 +87,7 @@ class RingStepPlanner {
  private:
   bool salvage_;
   bool lend_;
+  bool everyone_lends_ = true;         // as the last exchange of offers said
   uint32_t exchanged_generation_ = 0;  // the generation whose offers were exchanged
   int kept_ = 0;
   int kept_by_ = 0;

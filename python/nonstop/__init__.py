@@ -502,11 +502,14 @@ class Session:
         next; the registered state holds the step before it. Raises Released
         when the world shrank without this worker, JobEnded when the job ended."""
         held, self._held_recovery = self._held_recovery, None
-        if isinstance(held, BaseException):
-            raise held
-        if held is not None:  # DataParallel recovered in place already, then could not keep its sum
-            return held
         core = self._joined()
+        if held is not None:  # DataParallel recovered in place already, then could not keep its sum
+            generation, outcome = held
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if generation == core.generation and not core.aborted():
+                return outcome
+            # another fault since: that recovery is over, take part in this one
         try:
             step = core.recover()
         except _core.Cancelled as e:
@@ -527,11 +530,11 @@ class Session:
         try:
             return self.recover()
         except BaseException as e:  # noqa: B902  (Released, JobEnded: re-raised by the script's recover())
-            self._held_recovery = e
+            self._held_recovery = (None, e)
             return None
 
     def _hold_recovery(self, step: int) -> None:
-        self._held_recovery = step
+        self._held_recovery = (self._core.generation, step)
 
     def finish(self, last_step: int, checksum: Optional[str] = None) -> None:
         """Tells the controller that training ended after `last_step` and waits

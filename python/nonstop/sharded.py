@@ -24,7 +24,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from . import Aborted, Session, _check_tensor
+from . import Aborted, Session, _check_tensor, _unique_parameters
 
 __all__ = ["ShardedOptimizer", "ShardedDataParallel"]
 
@@ -171,12 +171,8 @@ class ShardedDataParallel(torch.nn.Module):
 
 
 def _parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
-    seen = set()
-    params = []
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
+    """Every parameter of the model, each once, in register()'s order, checked."""
+    params = _unique_parameters(model)
     if not params:
         raise ValueError("the model has no parameters")
     for i, p in enumerate(params):

@@ -10,13 +10,14 @@ Gradients are summed, not averaged: scale the loss by 1 / (the global batch),
 as the examples do. That is what keeps the update exact when the world grows
 or shrinks and the global batch stays fixed.
 
-Salvage: each bucket is copied before the ring sums it in place, so a worker
-whose backward had completed when a member failed still holds its own sum of
-the step. Its reducing call then recovers in place and, when its share of the
-step is unchanged (a spare took the lost rank: the same step, rank and world),
-reduces that sum again with the new generation instead of raising Aborted: the
-step in flight is not computed again on this worker, and the result has the
-bits of the fault-free step (docs/python.md "Salvage").
+Salvage (``salvage=True``; off by default): each bucket is copied before the
+ring sums it in place, so a worker whose backward had completed when a member
+failed still holds its own sum of the step. Its reducing call then recovers in
+place and, when its share of the step is unchanged (a spare took the lost
+rank: the same step, rank and world), reduces that sum again with the new
+generation instead of raising Aborted. Only for a step whose first collective
+is this backward's buckets: the worker resumes there while the others run the
+step from its top (docs/python.md "Salvage").
 """
 
 from __future__ import annotations
@@ -27,19 +28,14 @@ from typing import Any, Iterator, List
 
 import torch
 
-from . import Aborted, Session, _check_tensor, _core
+from . import Aborted, Session, _check_tensor, _core, _unique_parameters
 
 __all__ = ["DataParallel", "InvariantDataParallel"]
 
 
 def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
     """The module's parameters that require gradients, each once, checked."""
-    seen = set()
-    params: List[torch.nn.Parameter] = []
-    for p in module.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
+    params = [p for p in _unique_parameters(module) if p.requires_grad]
     if not params:
         raise ValueError("the module has no parameters that require gradients")
     for i, p in enumerate(params):
@@ -66,7 +62,7 @@ class DataParallel(torch.nn.Module):
     lost (``session.recover()``)."""
 
     def __init__(self, module: torch.nn.Module, session: Session, bucket_cap_mb: float = 4.0,
-                 salvage: bool = True) -> None:
+                 salvage: bool = False) -> None:
         super().__init__()
         if not isinstance(session, Session):
             raise TypeError(f"session must be a nonstop.Session, got {type(session).__name__}")
@@ -305,6 +301,7 @@ class InvariantDataParallel(torch.nn.Module):
         self._tree = _core.TreeStep(core, self._micro_batches, total, bool(salvage))
         self._planned: List[int] = []
         self._queued = False
+        self._cut = False
         self._hooks = [_after_accumulation(p, self._on_grad_ready) for p in self._params]
         for m in module.modules():
             self._hooks.append(m.register_forward_pre_hook(self._stop_if_aborted))
@@ -327,6 +324,7 @@ class InvariantDataParallel(torch.nn.Module):
         step they still hold. Raises Aborted."""
         self.zero_grad()
         self._queued = False
+        self._cut = False
         self._stop_if_aborted()
         self._planned = list(self._tree.plan(int(step)))
         if self._tree.kept_micro_batches and self._session.rank == 0:
@@ -340,15 +338,19 @@ class InvariantDataParallel(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def _on_grad_ready(self) -> None:
-        self._stop_if_aborted()
+        if self._session._core.aborted():
+            self._cut = True  # this backward is cut short: its gradient is never folded
+            self._stop_if_aborted()
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        # Runs only after a backward that completed (autograd runs no final callback after an
+        # error), so the gradient is whole even if the abort came since: folded, it is kept.
         self._queued = False
-        if self._session._core.aborted():
-            return  # the step is cut short; what was folded before is kept
+        if self._cut:
+            return
         if not self._planned:
             raise RuntimeError("a backward that plan() did not plan: run exactly one per micro-batch it returned")
         for p, view in zip(self._params, self._views):
@@ -365,6 +367,7 @@ class InvariantDataParallel(torch.nn.Module):
         tree: then every parameter's ``.grad`` has the same bits on every
         rank, at any world size. Raises Aborted (the folded sums are kept for
         the step's retry)."""
+        self._stop_if_aborted()  # a micro-batch cut short was not folded: Aborted, not a count error
         self._tree.reduce(self._grads.data_ptr())
 
 

@@ -99,7 +99,8 @@ class PySession {
       if (dtype == "F32") {
         Check(self->state_.RegisterFloats(name, Floats(address, nbytes / sizeof(float)), shape));
       } else if (dtype == "SHARD") {
-        Check(self->state_.RegisterShard(name, Floats(address, nbytes / sizeof(float)), shard_group));
+        Check(
+            self->state_.RegisterShard(name, Floats(address, nbytes / sizeof(float)), shard_group));
       } else if (dtype == "SHARD_VIEW") {
         Check(self->state_.RegisterShardView(name, Floats(address, nbytes / sizeof(float)),
                                              shard_group));

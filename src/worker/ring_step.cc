@@ -135,12 +135,13 @@ Result<std::vector<RingShare>> RingStepPlanner::Plan(Session& session, int m, in
       mine.step = step;
       mine.nodes = NodesOfMicroBatches(m, held);
     }
-    auto offers = ExchangeOffers(session, step, mine);
+    auto offers = ExchangeOffers(session, step, mine, lend_, &everyone_lends_);
     if (!offers.ok()) return offers.status();
     exchanged_generation_ = session.generation();
     for (size_t q = 0; q < offered.size(); ++q) offered[q] = MicroBatchesOfNodes(m, (*offers)[q]);
   }
-  std::vector<RingShare> shares = PlanRingStep(m, offered, lend_);
+  // Loans change which collectives run: only when every member's setting allows them.
+  std::vector<RingShare> shares = PlanRingStep(m, offered, everyone_lends_);
   for (const auto& share : shares) {
     kept_ += static_cast<int>(share.kept.size());
     kept_by_ += share.kept.empty() ? 0 : 1;

@@ -80,7 +80,13 @@ TEST(RingStepTest, WithASpareEachSurvivorContinuesItsOwnBlockAndTheExcessIsLent)
             EXPECT_EQ(order, BlockOf(m, world, q))
                 << "m " << m << " world " << world << " lost " << lost << " done " << done;
           }
-          for (const Loan& loan : LoansOf(shares)) {
+          const std::vector<Loan> loans = LoansOf(shares);
+          EXPECT_TRUE(std::is_sorted(loans.begin(), loans.end(), [](const Loan& a, const Loan& b) {
+            return a.micro_batch < b.micro_batch;
+          })) << "loans go in micro-batch order";
+          for (const auto& s : shares)
+            EXPECT_TRUE(std::is_sorted(s.borrowed.begin(), s.borrowed.end()));
+          for (const Loan& loan : loans) {
             const auto& lent = shares[static_cast<size_t>(loan.owner)].lent;
             const auto& borrowed = shares[static_cast<size_t>(loan.borrower)].borrowed;
             EXPECT_NE(std::find(lent.begin(), lent.end(), loan.micro_batch), lent.end());

@@ -94,17 +94,22 @@ std::vector<std::vector<std::pair<int, int>>> NodeLists(
   return out;
 }
 
-Result<std::vector<std::vector<collective::TreeNode>>> ExchangeOffers(Session& session,
-                                                                      int64_t step,
-                                                                      const HeldSums& held) {
+Result<std::vector<std::vector<collective::TreeNode>>> ExchangeOffers(
+    Session& session, int64_t step, const HeldSums& held, bool lends, bool* everyone_lends) {
   const int world = session.world_size();
   std::vector<std::byte> records(kOfferBytes * static_cast<size_t>(world));
-  EncodeOffer(held, step,
-              std::span<std::byte>(records).subspan(
-                  kOfferBytes * static_cast<size_t>(session.rank()), kOfferBytes));
+  std::span<std::byte> mine = std::span<std::byte>(records).subspan(
+      kOfferBytes * static_cast<size_t>(session.rank()), kOfferBytes);
+  EncodeOffer(held, step, mine);
+  PutWord(mine, kOfferOptionsWord, lends ? 0 : kOfferDeclinesLoans);
   NONSTOP_RETURN_IF_ERROR(session.AllGather(records, kOfferBytes));
   std::vector<std::vector<collective::TreeNode>> offered(static_cast<size_t>(world));
+  if (everyone_lends != nullptr) *everyone_lends = true;
   for (int q = 0; q < world; ++q) {
+    std::span<const std::byte> record = std::span<const std::byte>(records).subspan(
+        kOfferBytes * static_cast<size_t>(q), kOfferBytes);
+    if (everyone_lends != nullptr && (GetWord(record, kOfferOptionsWord) & kOfferDeclinesLoans))
+      *everyone_lends = false;
     offered[static_cast<size_t>(q)] =
         DecodeOffer(std::span<const std::byte>(records).subspan(
                         kOfferBytes * static_cast<size_t>(q), kOfferBytes),

@@ -361,11 +361,16 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
     EXPECT_GE(n, 1) << c.tag << ": the survivors' sums were kept\n" << r.output;
     EXPECT_LE(n, c.most_kept) << c.tag << "\n" << r.output;
     EXPECT_EQ(at, 5) << c.tag;
-    // With a spare, a survivor holding its whole block has nothing left to compute: the spare
-    // computes one of the lost block's two and lends the other to it (4 or more kept: 1 loan;
-    // fewer: none). A shrink deals what is missing evenly and lends nothing.
+    // With a spare and 4 or more kept, at most 4 micro-batches are left over 4 ranks: the spare's
+    // 2 are above the even load of 1, so it lends (and a survivor cut before its first may lend
+    // too). With 3 or fewer kept the even load is 2: nobody lends. A shrink deals what is missing
+    // evenly and lends nothing.
     const bool spare = c.tag.starts_with("spare");
-    EXPECT_EQ(loans(r.output), spare && n >= 4 ? 1 : 0) << c.tag << "\n" << r.output;
+    if (spare && n >= 4) {
+      EXPECT_GE(loans(r.output), 1) << c.tag << "\n" << r.output;
+    } else {
+      EXPECT_EQ(loans(r.output), 0) << c.tag << "\n" << r.output;
+    }
     if (c.tag == "spare-reduction-loan") EXPECT_GE(n, 4) << "a loan was made\n" << r.output;
     ASSERT_EQ(r.losses.size(), ref.losses.size()) << c.tag;
     if (c.bitwise) {
@@ -397,15 +402,28 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
 // would compute the lost block's 4 alone, and lends its tail to the members with less. The
 // borrowers' gradients are added by the owner in its block's order and the buckets start after
 // them: the run ends bitwise as the fault-free one.
+std::map<int64_t, std::vector<uint64_t>> SamplesByStep(const std::string& dir,
+                                                       std::string* duplicates);
+
 TEST_F(TrainTest, TheLostBlocksTailIsLentOutAndTheRunEndsBitwiseTheSame) {
   std::string recipe = MicroRecipe(dir_ / "data", dir_ / "corpus.txt");
   recipe.replace(recipe.find("micro_batch: 2"), 14, "micro_batch: 1");
   std::ofstream(dir_ / "recipe.yaml") << recipe;
-  const std::vector<std::string> paused = {"--steps", "8", "--pause-after-micro-batch-ms", "500"};
-  RunResult ref = Run(4, "ref", paused);
+  auto paused = [this](const std::string& samples) {
+    return std::vector<std::string>{
+        "--steps", "8", "--pause-after-micro-batch-ms", "500", "--log-samples", dir_ / samples};
+  };
+  RunResult ref = Run(4, "ref", paused("samples-ref"));
   ASSERT_EQ(ref.code, 0) << ref.output;
-  RunResult r = Run(4, "lent", paused, {"--spares", "1", "--inject", "kill:rank=2,step=5,at=0.7"});
+  RunResult r = Run(4, "lent", paused("samples-lent"),
+                    {"--spares", "1", "--inject", "kill:rank=2,step=5,at=0.7"});
   ASSERT_EQ(r.code, 0) << r.output;
+  // Every sample of every step logged once, by the owner of its micro-batch's block.
+  std::string dup_ref, dup_lent;
+  auto want = SamplesByStep(dir_ / "samples-ref", &dup_ref);
+  EXPECT_EQ(SamplesByStep(dir_ / "samples-lent", &dup_lent), want);
+  EXPECT_EQ(dup_lent, "") << "a sample logged twice";
+  EXPECT_EQ(want.size(), 8u);
   static const std::regex plan(
       R"(step 5: kept the sums of (\d+) of 16 micro-batches .* (\d+) of them lent by the owner)");
   std::smatch m;

@@ -59,6 +59,18 @@ def test_a_kill_at_the_reduction_keeps_the_folded_sums_and_ends_bitwise(referenc
     assert worlds == ([3, 3] if spares else [3, 2]), job.output
 
 
+def test_a_kill_between_micro_batches_keeps_what_the_survivors_folded(reference, tmp_path):
+    # 300 ms after each micro-batch, 4 a rank: the kill half-way into step 20 (about 600 ms in) lands
+    # when each survivor has folded 1 to 3 of its 4. Those partial runs are offered and kept; the
+    # rest, and the lost rank's 4, are dealt over the 3 members.
+    job = run_job(tmp_path, "mid", ["--nproc", "3", "--spares", "1", "--inject", "kill:rank=1,step=20,at=0.5"],
+                  INVARIANT + ["--pause-after-micro-batch-ms", "300", "--wait-for-joins", "4",
+                               "--journal", str(tmp_path / "mid.jsonl")], timeout=400)
+    assert final_states(job) == reference, job.output
+    kept = KEPT.search(job.output)
+    assert kept and 1 <= int(kept.group(1)) <= 7, "part of the survivors' blocks was kept\n" + job.output
+
+
 def test_a_shrink_and_a_grow_end_bitwise(reference, tmp_path):
     proc = start_job(tmp_path, "elastic",
                      ["--nproc", "3", "--spares", "0", "--max-world", "3", "--inject", "kill:rank=2,step=8"],

@@ -30,10 +30,14 @@ def main():
                     help="before the first step, wait until the journal (--journal) has this many joins: a test "
                          "whose fault needs the spare warm first")
     ap.add_argument("--journal", default="")
-    ap.add_argument("--no-salvage", action="store_true", help="DataParallel(salvage=False)")
+    ap.add_argument("--no-salvage", action="store_true",
+                    help="DataParallel(salvage=False) (True otherwise: this loop's first collective of a step is "
+                         "its buckets); InvariantDataParallel(salvage=False)")
     ap.add_argument("--clip-norm", type=float, default=0.0, help="clip the gradient's norm to this (0: no clipping)")
     ap.add_argument("--shard-group", type=int, default=0,
                     help="ShardedOptimizer/ShardedDataParallel (AdamW) with optimizer state in groups of this many")
+    ap.add_argument("--pause-after-micro-batch-ms", type=int, default=0,
+                    help="world-invariant: sleep after each micro-batch (a timed fault lands between them)")
     ap.add_argument("--world-invariant", action="store_true",
                     help="InvariantDataParallel: the same bits at every world size")
     args = ap.parse_args()
@@ -77,6 +81,7 @@ def main():
                 loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
                 loss.backward()
                 total += loss.detach()
+                time.sleep(args.pause_after_micro_batch_ms / 1000)
             ddp.reduce()
             return update(total)
         if args.shard_group:
