@@ -128,7 +128,7 @@ class FakeCore:
         self.reports = []
 
     @staticmethod
-    def join(regions, state_step=-1, resume_from=""):
+    def join(regions, state_step=-1, resume_from="", shard_group=0):
         return FakeCore(regions)
 
     def report_step(self, *args):
@@ -370,3 +370,28 @@ def test_an_abort_stops_the_step_at_the_next_layer_and_the_next_generation_start
     ddp.zero_grad()
     ddp(x).sum().backward()
     assert bucket_order(session, ddp) == list(range(ddp.num_buckets))
+
+
+def test_a_recovery_made_inside_a_reduction_is_returned_once_and_only_while_current(fake_join):
+    # DataParallel's salvage recovers in place, then (its share changed) raises Aborted: the
+    # script's recover() returns that recovery instead of recovering twice, once; a recovery
+    # another generation or abort overtook is not returned: recover() takes part in the new one.
+    session, _, _ = make_ddp()
+    core = session._core
+    calls = []
+    core.recover = lambda: calls.append(core.generation) or 40 + core.generation
+    core.last_change = lambda: {"generation": core.generation, "old_world": 1, "new_world": 1, "old_rank": 0,
+                                "new_rank": 0, "resume_step": 0, "reason": "recovery"}
+    session._hold_recovery(7)
+    assert session.recover() == 7 and calls == []
+    assert session.recover() == 41 and calls == [1], "held once"
+    session._hold_recovery(7)
+    core.generation = 2
+    assert session.recover() == 42 and calls == [1, 2], "another generation since: recovered again"
+    session._hold_recovery(9)
+    core.is_aborted = True
+    assert session.recover() == 42 and calls == [1, 2, 2], "aborted since: recovered again"
+    core.is_aborted = False
+    session._held_recovery = (None, nonstop.Released("released inside the reduction"))
+    with pytest.raises(nonstop.Released):
+        session.recover()
