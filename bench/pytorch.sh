@@ -9,8 +9,10 @@
 #   (c) nonstop's C++ trainer (nonstop-train), with and without overlapped
 #       reduction;
 #   (d) (a)'s script itself, stock DistributedDataParallel over nonstop's
-#       torch.distributed group (nonstop.torch.init_process_group).
-# Each fault-free run gives its median step time and tokens/s. Then (a) and (b)
+#       torch.distributed group (nonstop.torch.init_process_group);
+#   (e) (b) in the world-invariant mode (train_llama.py --world-invariant:
+#       InvariantDataParallel, a fixed reduction tree over the micro-batches).
+# Each fault-free run gives its median step time and tokens/s. Then (a), (b) and (e)
 # run again with rank 2 killed in step 30, once at each of three points: as the
 # step starts, half-way through it, and at its reduction (as its backward starts
 # reducing). The fault's cost is the faulted run's wall time minus the
@@ -21,7 +23,7 @@
 #   bash bench/pytorch.sh [--steps N]        (default 60; the kill is at step 30)
 #
 # Needs ./build (scripts/build.sh) and Debian's python3-torch. Everything runs
-# on 127.0.0.1; the run directory is removed on exit. About 16 min at 40 steps.
+# on 127.0.0.1; the run directory is removed on exit. About 21 min at 40 steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=60
@@ -104,11 +106,14 @@ echo "  (b) nonstop from Python, fault-free";           nonstop_job b-clean none
 echo "  (c) nonstop C++ trainer, overlapped";           nonstop_job c-overlap none "$bin/nonstop-train" --steps "$steps"
 echo "  (c) nonstop C++ trainer, not overlapped";       nonstop_job c-serial none "$bin/nonstop-train" --steps "$steps" --no-overlap
 echo "  (d) stock DDP over nonstop, fault-free";        nonstop_job d-clean none "$py" "$root/bench/pytorch_ddp_llama.py" --steps "$steps"
+echo "  (e) nonstop from Python, world-invariant";      nonstop_job e-clean none "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps" --world-invariant
 for point in start middle reduction; do
   case $point in start) spec=kill:rank=2,step=30,at=0 ;; middle) spec=kill:rank=2,step=30,at=0.5 ;; reduction) spec=kill:rank=2,step=30 ;; esac
   echo "  (a) with rank 2 killed in step 30, at its $point"; DDP_KILL=$point ddp "a-fault-$point" --max_restarts 1
   echo "  (b) with rank 2 killed in step 30, at its $point"
   nonstop_job "b-fault-$point" "$spec" "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
+  echo "  (e) with rank 2 killed in step 30, at its $point"
+  nonstop_job "e-fault-$point" "$spec" "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps" --world-invariant
 done
 
 "$py" - "$results" <<'EOF'
@@ -119,25 +124,27 @@ print()
 print(f"{'run':<38} {'step (median)':>14} {'tokens/s':>9} {'vs (a)':>7}")
 for name, label in (("a-clean", "(a) torch DDP + Gloo, torchrun"), ("b-clean", "(b) nonstop, Python, overlapped buckets"),
                     ("c-overlap", "(c) nonstop C++ trainer, overlapped"), ("c-serial", "(c) nonstop C++ trainer, not overlapped"),
-                    ("d-clean", "(d) stock DDP over nonstop")):
+                    ("d-clean", "(d) stock DDP over nonstop"), ("e-clean", "(e) nonstop, Python, world-invariant")):
     j = r[name]
     print(f"{label:<38} {j['median_step_s'] * 1000:>11.0f} ms {j['tokens_per_s']:>9.0f} {base / j['median_step_s']:>6.2f}×")
 print(f"\noverlap in the C++ trainer: step {r['c-overlap']['median_step_s'] * 1000:.0f} ms overlapped, "
       f"{r['c-serial']['median_step_s'] * 1000:.0f} ms not (not overlapped / overlapped = "
       f"{r['c-serial']['median_step_s'] / r['c-overlap']['median_step_s']:.3f})")
 a_step = r["a-clean"]["median_step_s"]
-b_step = r["b-clean"]["median_step_s"]
 print("\nrank 2 killed in step 30 (time lost: what the fault added to the job; (a): its wall time less the fault-free run's,")
-print("(b): the recovery report's, the step across the fault less the job's normal step):")
-print(f"{'kill at':<10} {'(a) torch elastic, restart':>28} {'(b) nonstop':>22} {'(b)/(a)':>8}  (b) checksum / fault-free, parts of (b)")
+print("(b), (e): the recovery report's, the step across the fault less the job's normal step):")
+print(f"{'kill at':<10} {'(a) torch elastic, restart':>28} {'nonstop':>22} {'/(a)':>8}  checksum / fault-free, parts")
 for point in ("start", "middle", "reduction"):
-    a, b = r[f"a-fault-{point}"], r[f"b-fault-{point}"]
+    a = r[f"a-fault-{point}"]
     a_cost = a["wall_s"] - r["a-clean"]["wall_s"]
-    lost = b["time_lost_ms"] / 1000
-    same = "bitwise" if b["checksum"] == r["b-clean"]["checksum"] else "DIFFERENT"
-    print(f"{point:<10} {a_cost:>8.1f} s = {a_cost / a_step:>5.1f} steps {a['restarts']:>2} restart "
-          f"{lost * 1000:>7.0f} ms = {lost / b_step:.2f} step {lost / a_cost * 100:>7.2f}%  {b['checksum']} {same}; "
-          f"{b['time_lost_split_ms']}")
+    for mode in ("b", "e"):
+        b, clean = r[f"{mode}-fault-{point}"], r[f"{mode}-clean"]
+        lost = b["time_lost_ms"] / 1000
+        same = "bitwise" if b["checksum"] == clean["checksum"] else "DIFFERENT"
+        first = f"{point:<10} {a_cost:>8.1f} s = {a_cost / a_step:>5.1f} steps {a['restarts']:>2} restart" if mode == "b" \
+            else f"{'':<10} {'':>28}"
+        print(f"{first} ({mode}) {lost * 1000:>6.0f} ms = {lost / clean['median_step_s']:.2f} step "
+              f"{lost / a_cost * 100:>6.2f}%  {b['checksum']} {same}; {b['time_lost_split_ms']}")
 redo = r["a-fault-start"]["redone_from"]
 print(f"(b) fault-free checksum {r['b-clean']['checksum']}; (a) restarted from its checkpoint (every 20 steps) "
       f"and redid the steps from {redo}")

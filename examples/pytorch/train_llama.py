@@ -132,6 +132,9 @@ def main():
     ap.add_argument("--prepare-from", default="/usr/share/games/fortunes")
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size")
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--world-invariant", action="store_true",
+                    help="nonstop.torch.InvariantDataParallel: the same bits at every world size, and after a fault "
+                         "only the micro-batches no worker holds are computed again, over every worker")
     ap.add_argument("--no-salvage", action="store_true",
                     help="after a fault, compute the step in flight again even where this worker's sum was complete "
                          "(salvage is safe here: the step's first collective is its gradient buckets)")
@@ -154,7 +157,11 @@ def main():
     # nonstop: what must survive a fault. A spare waits here until it takes a
     # rank, then copies this state from the healthy workers.
     session.register(model, optimizer, extra={"tokens_seen": 0})
-    ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage)
+    if args.world_invariant:
+        ddp = nonstop.torch.InvariantDataParallel(model, session, sampler.micro_batches_per_step,
+                                                  salvage=not args.no_salvage)
+    else:
+        ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage)
     session.on_membership_change(lambda c: session.rank == 0 and print(
         f"{'resized' if c.reason.startswith('resize') else 'recovered'}: generation {c.generation}, "
         f"world {c.old_world} → {c.new_world}, resuming at step {c.resume_step}", flush=True))
@@ -167,8 +174,11 @@ def main():
     def train_step(step):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr, args.lr / 10, 20)
-        mine = sampler.micro_batches(session.rank, session.world_size)  # nonstop: this rank's share
-        ddp.zero_grad()
+        if args.world_invariant:  # the plan: this rank's micro-batches (after a fault, what nobody holds)
+            mine = ddp.plan(step)
+        else:
+            mine = sampler.micro_batches(session.rank, session.world_size)  # nonstop: this rank's share
+            ddp.zero_grad()
         local = torch.zeros(1)
         for i, mb in enumerate(mine):
             batch = data.batch(sampler.samples(step, mb))
@@ -176,13 +186,17 @@ def main():
             # Summed over the tokens and divided by the global batch's: the
             # gradient sums to the same whatever the world size.
             loss = F.cross_entropy(ddp(inputs).reshape(-1, 256), targets.reshape(-1), reduction="sum") / tokens_per_step
-            if i + 1 < len(mine):
+            if args.world_invariant:
+                loss.backward()  # folded into the fixed tree
+            elif i + 1 < len(mine):
                 with ddp.no_sync():
                     loss.backward()
             else:
                 loss.backward()  # nonstop: buckets summed across workers while this runs; may raise Aborted
             local += loss.detach()
-        if not mine:  # more workers than micro-batches: this one adds zeros to every bucket
+        if args.world_invariant:
+            ddp.reduce()  # the tree's sum over every worker; may raise Aborted
+        elif not mine:  # more workers than micro-batches: this one adds zeros to every bucket
             ddp.reduce_without_backward()
         session.allreduce(local)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
