@@ -251,6 +251,9 @@ class Session:
             self._keep.clear()
             self._watch.clear()
             self._params = None
+            self._flat_padded = None
+            self._shard_group = 0
+            self._before_finish.clear()
             raise
         self._step_in_flight = self._core.resume_step
         _install_failure_report(self)
@@ -277,6 +280,9 @@ class Session:
             if sharded:
                 if optimizer.model is not model:
                     raise ValueError("the ShardedOptimizer was made for another model: register the model it updates")
+                if resume_from:
+                    raise NotImplementedError("resume_from with a ShardedOptimizer: loading a checkpoint into "
+                                              "sharded state is not built in Python yet")
                 self._flat_padded = flat
                 self._shard_group = optimizer.shard_group
                 regions.append(("params", *_span(flat), "SHARD_VIEW", [flat.numel()]))
@@ -351,7 +357,9 @@ class Session:
             self._keep.append(value)
             self._reserve(value, f"optimizer state {key!r}")
             self._watch.append((lambda key=key: inner.state[shard][key], value.data_ptr(), f"optimizer state {key!r}"))
-            if value.dtype == torch.float32 and value.numel() == optimizer.shard_len:
+            if value.shape == shard.shape:  # per element of the shard: this member's shard of it
+                if value.dtype != torch.float32:
+                    raise ValueError(f"optimizer state {key!r} is {value.dtype}: sharded state must be float32")
                 regions.append((f"optimizer.{key}", *_span(value), "SHARD", [value.numel()]))
             elif value.dtype == torch.float32:
                 regions.append((f"optimizer.{key}", *_span(value), "F32", [value.numel()]))
@@ -529,7 +537,7 @@ class Session:
         # caller that raises Aborted for another reason holds the step (_hold_recovery) for it.
         try:
             return self.recover()
-        except BaseException as e:  # noqa: B902  (Released, JobEnded: re-raised by the script's recover())
+        except (Exception, Released, JobEnded) as e:  # re-raised by the script's recover()
             self._held_recovery = (None, e)
             return None
 
@@ -541,6 +549,10 @@ class Session:
         until the job ends. Raises Aborted if a member failed first: recover()
         and carry on. `checksum` defaults to checksum()."""
         core = self._joined()
+        if self._shard_group and checksum is not None:
+            raise ValueError("finish(checksum=...) with a ShardedOptimizer: each rank updated only its shard, so a "
+                             "checksum taken before finish() differs by rank; finish() gathers the parameters "
+                             "and takes it itself")
         for gather in self._before_finish:  # sharded: every rank holds the whole parameters again
             gather()
         core.finish(int(last_step), checksum if checksum is not None else self.checksum())

@@ -15,6 +15,16 @@ shard alone (1/G of the whole). A step:
 After a fault, a spare (or a rank moved by a resize) copies its shard's
 optimizer state from the shard's other holders; the parameters are gathered
 whole again before the next forward.
+
+The gather is a collective of the group, done at the first forward (or
+`reduce()`, for a rank with no micro-batch) after `optimizer.step()` or a
+recovery: that is the start of the next step on every rank, as the C++
+trainer gathers at the start of each step (so a fault in it never follows an
+update the controller has not heard of). A forward outside the step on some
+ranks only (evaluation on rank 0) would gather alone: call ``ddp.gather()``
+on every rank first. Every rank must use the same intra-op thread count
+(``torch.set_num_threads``): the gradient norm's sum of squares is a torch
+reduction, and the replicas of a shard must clip by the same factor.
 """
 
 from __future__ import annotations
@@ -160,6 +170,8 @@ class ShardedDataParallel(torch.nn.Module):
     def reduce(self) -> None:
         """This rank's shard of the gradient buffer holds the world's sum
         afterwards (the rest is scratch). Raises Aborted."""
+        if self._stale:  # a rank that ran no forward this step: the group's gather, in the same order
+            self.gather()
         for p, view in zip(self._params, self._views):  # a .grad replaced (set_to_none): back into the buffer
             if p.grad is None:
                 view.zero_()

@@ -404,10 +404,22 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("shard_group", [](PySession& p) { return p.s().shard_group(); })
       .def("reduce_shards",
            [](PySession& p, uintptr_t address, size_t count) {
+             const auto g = static_cast<size_t>(p.s().shard_group());
+             if (g == 0 || count % g != 0) {
+               throw py::value_error(fmt::format(
+                   "reduce_shards: {} floats are not a multiple of the shard group {}", count, g));
+             }
              Check(p.Drained([&] { return p.s().ReduceShards(Floats(address, count)); }));
            })
       .def("gather_shards",
            [](PySession& p, uintptr_t address, size_t nbytes, size_t element_bytes) {
+             const auto g = static_cast<size_t>(p.s().shard_group());
+             if (g == 0 || element_bytes == 0 || nbytes % (g * element_bytes) != 0) {
+               throw py::value_error(fmt::format(
+                   "gather_shards: {} bytes are not a whole number of elements of {} bytes in each "
+                   "of the shard group's {} shards",
+                   nbytes, element_bytes, g));
+             }
              Check(p.Drained(
                  [&] { return p.s().GatherShards(Bytes(address, nbytes), element_bytes); }));
            })

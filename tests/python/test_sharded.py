@@ -69,3 +69,12 @@ def test_a_shrink_and_the_unsharded_optimizer_stay_within_rounding(clean, tmp_pa
         assert sorted(losses) == list(range(30)), other.output
         for step, loss in clean.losses().items():
             assert abs(losses[step] - loss) <= 1e-4 * abs(loss), f"step {step}: {losses[step]} vs {loss}"
+
+
+def test_ranks_without_a_micro_batch_still_gather_and_reduce_in_step(tmp_path):
+    # 2 micro-batches a step over 4 ranks: ranks 2 and 3 run no forward, so their reduce() gathers the
+    # parameters first, in the same order as the forwards of ranks 0 and 1 (or the group would hang).
+    few = ["--steps", "12", "--shard-group", "2", "--global-batch", "4", "--micro-batch", "2"]
+    job = run_job(tmp_path, "few", FOUR + ["--spares", "0", "--inject", "none"], few, timeout=120)
+    by_rank(job)
+    assert sorted(job.losses()) == list(range(12)), job.output

@@ -84,7 +84,7 @@ def main():
                 time.sleep(args.pause_after_micro_batch_ms / 1000)
             ddp.reduce()
             return update(total)
-        if args.shard_group:
+        if args.shard_group:  # a rank with no micro-batch reduces zeros (reduce() gathers first)
             for mb in range(begin, end):
                 rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
                 loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
