@@ -68,7 +68,9 @@ def test_a_kill_between_micro_batches_keeps_what_the_survivors_folded(reference,
                                "--journal", str(tmp_path / "mid.jsonl")], timeout=400)
     assert final_states(job) == reference, job.output
     kept = KEPT.search(job.output)
-    assert kept and 1 <= int(kept.group(1)) <= 7, "part of the survivors' blocks was kept\n" + job.output
+    # 1 to 7 as a rule; 8 only if step 19 ran so slow (a loaded machine) that the kill, timed from
+    # it, came after the survivors had folded all: the bound checked holds whatever the timing.
+    assert kept and 1 <= int(kept.group(1)) <= 8, "the survivors' folded sums were kept\n" + job.output
 
 
 def test_a_shrink_and_a_grow_end_bitwise(reference, tmp_path):
