@@ -871,8 +871,8 @@ void Trainer::ComputeBorrowed(int64_t step, StepWork* w) {
   const size_t bytes = flat_->grads().size_bytes();
   for (int mb : w->borrowed) {
     // From -0, not +0: -0 + g is g for every g (+0 + -0 would be +0), so the owner adds exactly
-    // what its own backward would have accumulated.
-    flat_->GatherGrads();
+    // what its own backward would have accumulated. (The gradients are views of the buffer: the
+    // GatherGrads above and at the end of each turn.)
     std::fill(flat_->grads().begin(), flat_->grads().end(), -0.0f);
     torch::Tensor loss = MicroBatchLoss(SamplesOf(step, static_cast<uint64_t>(mb)), w->norm);
     const double value = loss.item<double>();
@@ -918,13 +918,10 @@ Status Trainer::ReduceWithLoans(int64_t step, StepWork* w) {
   }
   flat_->loss_slot() = static_cast<float>(w->local_loss);
   if (!buckets_) return session.AllReduce(flat_->grads_and_loss());
-  // The buckets the overlapped backward starts, in its order: the same pieces of the ring, the
-  // same bits.
-  std::span<float> all = flat_->grads_and_loss();
-  for (size_t b = 0; b < buckets_->num_buckets(); ++b) {
-    auto [begin, end] = buckets_->bucket(b);
-    session.StartAllReduce(all.subspan(begin, end - begin));
-  }
+  // Every bucket started in order, as after a step with no backward: the same pieces of the ring
+  // as the overlapped backward's, the same bits. (Its copy for the kept sum goes unused: kept_
+  // already holds the sum.)
+  buckets_->Finish();
   return session.WaitAll();
 }
 

@@ -34,7 +34,8 @@ from typing import Any, List, Optional
 
 import torch
 
-from . import Aborted, Session, _check_tensor, _unique_parameters
+from . import Session, _check_tensor, _unique_parameters
+from ._grads import adopt_grad, flat_views, point_grads, raise_if_aborted
 
 __all__ = ["ShardedOptimizer", "ShardedDataParallel"]
 
@@ -138,11 +139,7 @@ class ShardedDataParallel(torch.nn.Module):
         self._flat = session._flat_padded
         self._grads = torch.zeros(optimizer.padded, dtype=torch.float32)
         self._params = _parameters(module)
-        self._views = []
-        offset = 0
-        for p in self._params:
-            self._views.append(self._grads[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self._views = flat_views(self._grads, self._params)
         self._stale = True  # the parameters must be gathered whole before the next forward
         session.on_membership_change(lambda _change: setattr(self, "_stale", True))
         session._before_finish.append(self.gather)
@@ -151,8 +148,7 @@ class ShardedDataParallel(torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self._grads.zero_()
-        for p, view in zip(self._params, self._views):
-            p.grad = view
+        point_grads(self._params, self._views)
 
     def gather(self) -> None:
         """Every rank of the group holds the whole parameters again (each
@@ -161,8 +157,7 @@ class ShardedDataParallel(torch.nn.Module):
         self._stale = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._session._core.aborted():
-            raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
+        raise_if_aborted(self._session)
         if self._stale:
             self.gather()
         return self.module(*args, **kwargs)
@@ -173,11 +168,7 @@ class ShardedDataParallel(torch.nn.Module):
         if self._stale:  # a rank that ran no forward this step: the group's gather, in the same order
             self.gather()
         for p, view in zip(self._params, self._views):  # a .grad replaced (set_to_none): back into the buffer
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-            p.grad = view
+            adopt_grad(p, view)
         self._session._maybe_inject()
         self._session._core.reduce_shards(self._grads.data_ptr(), self._grads.numel())
 

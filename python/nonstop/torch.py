@@ -29,6 +29,7 @@ from typing import Any, Iterator, List
 import torch
 
 from . import Aborted, Session, _check_tensor, _core, _unique_parameters
+from ._grads import adopt_grad, flat_views, point_grads, raise_if_aborted
 
 __all__ = ["DataParallel", "InvariantDataParallel"]
 
@@ -118,8 +119,7 @@ class DataParallel(torch.nn.Module):
             self._hooks.append(m.register_forward_pre_hook(self._stop_if_aborted))
 
     def _stop_if_aborted(self, *_: Any) -> None:
-        if self._session._core.aborted():
-            raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
+        raise_if_aborted(self._session)
 
     def _hook(self, i: int, p: torch.nn.Parameter) -> Any:
         return _after_accumulation(p, lambda: self._on_grad_ready(i))
@@ -160,23 +160,14 @@ class DataParallel(torch.nn.Module):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zeros the gradient buffer (the gradients stay views into it)."""
         self._grads.zero_()
-        for p, view in zip(self._params, self._views):
-            p.grad = view
+        point_grads(self._params, self._views)
 
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
 
     def _adopt_grad(self, i: int) -> None:
-        # optimizer.zero_grad(set_to_none=True) replaced .grad: bring it back into the buffer.
-        p, view = self._params[i], self._views[i]
-        g = p.grad
-        if g is None:
-            view.zero_()
-        elif g.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.copy_(g)
-        p.grad = view
+        adopt_grad(self._params[i], self._views[i])
 
     def reduce_without_backward(self) -> None:
         """For a rank that has no micro-batch in a step (more ranks than
@@ -292,11 +283,7 @@ class InvariantDataParallel(torch.nn.Module):
         self._params = _trainable(module)
         total = sum(p.numel() for p in self._params)
         self._grads = torch.zeros(total, dtype=torch.float32)
-        self._views: List[torch.Tensor] = []
-        offset = 0
-        for p in self._params:
-            self._views.append(self._grads[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self._views = flat_views(self._grads, self._params)
         self._micro_batches = int(micro_batches)
         self._tree = _core.TreeStep(core, self._micro_batches, total, bool(salvage))
         self._planned: List[int] = []
@@ -308,14 +295,12 @@ class InvariantDataParallel(torch.nn.Module):
         self.zero_grad()
 
     def _stop_if_aborted(self, *_: Any) -> None:
-        if self._session._core.aborted():
-            raise Aborted("the generation was aborted: the step in flight is cut short; call session.recover()")
+        raise_if_aborted(self._session)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zeros the gradient buffer (the gradients stay views into it)."""
         self._grads.zero_()
-        for p, view in zip(self._params, self._views):
-            p.grad = view
+        point_grads(self._params, self._views)
 
     def plan(self, step: int) -> List[int]:
         """This rank's micro-batches of `step` (indices in [0, micro_batches)),
@@ -354,11 +339,7 @@ class InvariantDataParallel(torch.nn.Module):
         if not self._planned:
             raise RuntimeError("a backward that plan() did not plan: run exactly one per micro-batch it returned")
         for p, view in zip(self._params, self._views):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-            p.grad = view
+            adopt_grad(p, view)
         self._tree.add(self._planned.pop(0), self._grads.data_ptr())
         self._grads.zero_()
 

@@ -75,10 +75,14 @@ def main():
         end = micro_per_step * (session.rank + 1) // session.world_size
         ddp.zero_grad()
         total = torch.zeros(1)
+
+        def loss_of(mb):
+            rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
+            return ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
+
         if args.world_invariant:
             for mb in ddp.plan(step):  # after a fault: what no member holds
-                rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
+                loss = loss_of(mb)
                 loss.backward()
                 total += loss.detach()
                 time.sleep(args.pause_after_micro_batch_ms / 1000)
@@ -86,8 +90,7 @@ def main():
             return update(total)
         if args.shard_group:  # a rank with no micro-batch reduces zeros (reduce() gathers first)
             for mb in range(begin, end):
-                rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-                loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
+                loss = loss_of(mb)
                 loss.backward()
                 total += loss.detach()
             ddp.reduce()
@@ -95,8 +98,7 @@ def main():
                 optimizer.clip_grad_norm_(args.clip_norm)
             return update(total)
         for mb in range(begin, end):
-            rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
-            loss = ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
+            loss = loss_of(mb)
             if mb + 1 < end:
                 with ddp.no_sync():
                     loss.backward()
