@@ -767,6 +767,14 @@ inline constexpr Setting<int> kMasterPort{
         "MASTER_PORT of the torchrun variables a worker sees once it has a rank (RANK, "
         "WORLD_SIZE, LOCAL_RANK, ...; docs/python.md): nonstop has no store there, a "
         "program's own torch store may listen on it"};
+inline constexpr Setting<bool> kPythonWorldInvariant{
+    .env = "NONSTOP_WORLD_INVARIANT",
+    .default_value = false,
+    .read_by = kPython,
+    .help =
+        "nonstop.torch.init_process_group's world_invariant default: DistributedDataParallel "
+        "sums each micro-batch's gradient along one fixed tree, so a kill, a shrink and a grow "
+        "end on the fault-free run's bits (docs/python.md, \"World-invariant DDP\"); 1 or 0"};
 inline constexpr Setting<int64_t> kLeaderlessTimeoutMs{
     .env = "NONSTOP_LEADERLESS_TIMEOUT_MS",
     .default_value = 600'000,

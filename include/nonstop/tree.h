@@ -115,8 +115,20 @@ struct TreeShare {
 // micro-batch an earlier one covers (a peer's list is not trusted); the
 // micro-batches left are dealt in contiguous blocks of that list, as even as
 // possible (with nothing offered: rank q computes [q·m/W, (q+1)·m/W), the
-// sampler's split). Every rank computes the same shares from the same offers.
-std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>> offered);
+// sampler's split), or, with `counts` (one per rank, summing to the number
+// left), counts[q] of them to rank q. Every rank computes the same shares
+// from the same offers.
+std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>> offered,
+                                    std::span<const int> counts = {});
+
+// A split of m micro-batches over w ranks where every rank's count is a power
+// of two, as even as possible: m's binary digits, the largest halved until
+// there are w, largest first. Empty when there is none (w > m, or m has more
+// than w ones in binary). A loss that is a mean over a rank's samples then
+// differs between splits by powers of two only, which scale every float
+// exactly: the Python package's world-invariant DistributedDataParallel deals
+// so (docs/python.md).
+std::vector<int> PowersOfTwoSplit(int m, int w);
 
 // Sums partial sums whose nodes partition [0, m) into the root, along the
 // tree: `values[k]` (n floats) is node `nodes[k]`'s sum. Checked: a partition.
@@ -159,8 +171,10 @@ class TreeStepPlanner {
 
   // The shares of `step` for every rank (index = rank). Fails only when the
   // exchange does (a fault: recover, and plan the step again).
+  // `counts`: as PlanTreeStep's, dealing the whole step (no offer is kept).
   Result<std::vector<collective::TreeShare>> Plan(Session& session, int m, int64_t step,
-                                                  const HeldSums& held);
+                                                  const HeldSums& held,
+                                                  std::span<const int> counts = {});
 
   // Of the last plan: micro-batches kept from the step in flight, and the members that kept some.
   int kept_micro_batches() const { return kept_; }

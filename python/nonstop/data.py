@@ -10,7 +10,8 @@ replaces a lost one finds them in the page cache already.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+import sys
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from . import _core
 
@@ -145,13 +146,18 @@ class DistributedSampler:
             return 0
         return left // global_batch if self.drop_last else max(1, left // global_batch)
 
-    def share(self, epoch: int, offset: int, global_batch: int, rank: int, world: int) -> Tuple[List[int], int]:
-        """(rank's indices of the global batch that starts at sample `offset`
-        of `epoch`, that batch's size). Without drop_last, the samples left
-        over after the epoch's last whole global batch join it (a partial
-        batch could have fewer samples than the world has ranks)."""
+    def batch(self, epoch: int, offset: int, global_batch: int) -> List[int]:
+        """The indices of the global batch that starts at sample `offset` of
+        `epoch`. Without drop_last, the samples left over after the epoch's
+        last whole global batch join it (a partial batch could have fewer
+        samples than the world has ranks)."""
         last = self.batches_left(offset, global_batch) == 1 and not self.drop_last
-        whole = self.order(epoch)[offset:None if last else offset + global_batch]
+        return self.order(epoch)[offset:None if last else offset + global_batch]
+
+    def share(self, epoch: int, offset: int, global_batch: int, rank: int, world: int) -> Tuple[List[int], int]:
+        """(rank's indices of that global batch, the batch's size): contiguous
+        shares, as even as possible."""
+        whole = self.batch(epoch, offset, global_batch)
         n = len(whole)
         lo, hi = rank * n // world, (rank + 1) * n // world
         return whole[lo:hi], n
@@ -212,6 +218,9 @@ class DataLoader:
         self._yielded: Optional[Tuple[int, Any]] = None  # (step, batch) handed out, not yet completed
         self.indices: List[int] = []  # this rank's samples in the last batch handed out
         self._share_of_batch = (0, 1)
+        self.micro_batch = 0  # world-invariant (nonstop.torch.init_process_group): samples per micro-batch
+        self.micro: Optional[MicroShare] = None  # world-invariant: this rank's micro-batches of the last batch
+        self._uneven_warned: set = set()
         self.on_batch: Any = None  # called as each batch is handed out (nonstop.torch: its first step)
 
     # ---- registration (nonstop.torch.init_process_group) ----
@@ -318,7 +327,7 @@ class DataLoader:
         extra = self._session.extra
         epoch, rank, world, g = extra[_EPOCH], self._session.rank, self._session.world_size, self.global_batch
         while self.sampler.batches_left(offset, g) > 0:
-            indices, n = self.sampler.share(epoch, offset, g, rank, world)
+            indices, n, _ = self._deal(epoch, offset, rank, world)
             if not indices:
                 raise RuntimeError(f"the global batch at sample {offset} of epoch {epoch} has {n} samples, fewer "
                                    f"than the world has ranks ({world}): rank {rank} has none; use a larger "
@@ -332,13 +341,40 @@ class DataLoader:
         loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=_Shares(self, offset), **self._kwargs)
         return iter(loader)
 
-    def _my_share(self) -> Tuple[List[int], int]:
+    def _my_share(self) -> Tuple[List[int], int, Optional[MicroShare]]:
         extra = self._session.extra
-        return self.sampler.share(extra[_EPOCH], extra[_OFFSET], self.global_batch, self._session.rank,
-                                  self._session.world_size)
+        return self._deal(extra[_EPOCH], extra[_OFFSET], self._session.rank, self._session.world_size)
 
-    def _note(self, share: Tuple[List[int], int]) -> None:
-        self.indices, n = share
+    def _deal(self, epoch: int, offset: int, rank: int, world: int) -> Tuple[List[int], int, Optional[MicroShare]]:
+        """(rank's indices of the global batch at `offset`, the batch's size,
+        its micro-batches when world-invariant). World-invariant, the batch is
+        cut into micro-batches of `micro_batch` samples (the last one may be
+        shorter) dealt in contiguous blocks whose counts are powers of two
+        where the world allows (_core.powers_of_two_split), as even as
+        possible otherwise."""
+        if not self.micro_batch:
+            indices, n = self.sampler.share(epoch, offset, self.global_batch, rank, world)
+            return indices, n, None
+        whole = self.sampler.batch(epoch, offset, self.global_batch)
+        n, s = len(whole), self.micro_batch
+        sizes = [min(s, n - b) for b in range(0, n, s)]
+        m = len(sizes)
+        counts = list(_core.powers_of_two_split(m, world)) if m >= world else []
+        if not counts:
+            counts = [(m // world) * (q + 1) + (m % world) * (q + 1) // world
+                      - (m // world) * q - (m % world) * q // world for q in range(world)]
+            if m >= world and rank == 0 and (m, world) not in self._uneven_warned:
+                self._uneven_warned.add((m, world))
+                print(f"[nonstop] {m} micro-batches cannot be dealt over {world} ranks in powers of two: this "
+                      "world's steps are within rounding of other worlds', not bitwise (docs/python.md)",
+                      file=sys.stderr, flush=True)
+        first = sum(counts[:rank])
+        mine = sizes[first:first + counts[rank]]
+        indices = whole[first * s:first * s + sum(mine)]
+        return indices, n, MicroShare(m, first, mine, counts)
+
+    def _note(self, share: Tuple[List[int], int, Optional[MicroShare]]) -> None:
+        self.indices, n, self.micro = share
         self._share_of_batch = (len(self.indices), n)
 
     def _share(self) -> float:
@@ -356,6 +392,7 @@ class DataLoader:
         old = self._yielded[1]
         share = self._my_share()
         if share[0] == self.indices and share[1] == self._share_of_batch[1]:
+            self.micro = share[2]  # the same samples; the other ranks' counts may differ
             return args, kwargs  # the same share: the step runs again on the same batch
         self._note(share)
         indices = share[0]
@@ -393,6 +430,16 @@ class DataLoader:
                                "step's arguments is the batch the loader yielded or one of its elements: pass "
                                "them to it as yielded (transform them inside the step)")
         return args, kwargs
+
+
+class MicroShare(NamedTuple):
+    """A rank's part of a world-invariant step: micro-batches `first`,
+    `first` + 1, ... of the step's `micro_batches`, of `sizes` samples."""
+
+    micro_batches: int
+    first: int
+    sizes: List[int]
+    counts: List[int]  # every rank's number of micro-batches
 
 
 class _Shares:

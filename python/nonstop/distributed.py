@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _TorchProcessGroup
 from torch._C._distributed_c10d import Work as _TorchWork
 
-from . import Aborted, Session, _check_tensor, join
+from . import Aborted, Session, _check_tensor, _core, join
+from ._grads import flat_views, point_grads, raise_if_aborted
 
 __all__ = ["DistributedDataParallel", "ProcessGroup", "destroy_process_group", "init_process_group", "step"]
 
@@ -333,7 +334,8 @@ def _form_default_group(session: Session) -> None:
 
 def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = None, *,
                        extra: Optional[dict] = None, session: Optional[Session] = None,
-                       resume_from: Optional[str] = None) -> Session:
+                       resume_from: Optional[str] = None, world_invariant: Optional[bool] = None,
+                       micro_batch: Optional[int] = None) -> Session:
     """Registers `model`, `optimizer` and the position of `loader` (a
     :class:`nonstop.data.DataLoader`), joins the job, and makes the default
     process group run over nonstop; sets RANK, WORLD_SIZE, LOCAL_RANK,
@@ -345,12 +347,30 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
     (``report_step``). Without one, the script reports its steps itself.
     `resume_from`: a directory of durable checkpoints (Session.save_checkpoint),
     the newest valid one loaded before joining.
-    Pass `session` instead to use one already registered."""
+    Pass `session` instead to use one already registered.
+
+    `world_invariant` (default: the NONSTOP_WORLD_INVARIANT variable, off):
+    each global batch is cut into micro-batches of `micro_batch` samples (the
+    loader's batch_size by default) and DistributedDataParallel sums their
+    gradients along one fixed tree, so a kill, a shrink and a grow end on the
+    bits of the fault-free run (docs/python.md, "World-invariant DDP")."""
     global _session, _loader, _model, _before_first_step
     if _session is not None:
         raise RuntimeError("init_process_group was called twice: one job, one session")
     if loader is not None and optimizer is None:
         raise ValueError("a loader needs the optimizer too: its update is what completes each step")
+    if world_invariant is None:
+        world_invariant = _env_flag("NONSTOP_WORLD_INVARIANT")
+    if world_invariant:
+        if loader is None:
+            raise ValueError("world_invariant needs the loader: its batches are cut into the micro-batches whose "
+                             "gradients are summed in a fixed order")
+        micro_batch = loader.batch_size if micro_batch is None else int(micro_batch)
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be at least 1 sample, got {micro_batch}")
+        loader.micro_batch = micro_batch
+    elif micro_batch is not None:
+        raise ValueError("micro_batch is the world-invariant mode's: pass world_invariant=True too")
     if session is None:
         session = join()
         state = dict(extra or {})
@@ -368,6 +388,15 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
     _form_default_group(session)
     session.on_membership_change(lambda change: _form_default_group(session))
     return session
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={os.environ[name]!r}: use 1 or 0 (true/false, yes/no, on/off)")
 
 
 def _complete_steps_on_update(optimizer: Any, loader: Any) -> None:
@@ -466,10 +495,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
       iteration, and a spare's first iteration would then pair its buckets
       with the survivors' other ones)."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is DistributedDataParallel and _loader is not None and _loader.micro_batch:
+            return super().__new__(_InvariantDDP)  # init_process_group(world_invariant=True)
+        return super().__new__(cls)
+
     def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
-        if _session is None:
-            raise RuntimeError("nonstop.torch.DistributedDataParallel needs nonstop.torch.init_process_group(...) "
-                               "first: the state is registered and the job joined there")
+        _check_joined()
         super().__init__(module, *args, **kwargs)
         self.register_comm_hook(_session, _weighted_sum_hook)
         # The layout of every member's DDP, whenever it was made: all parameters, reverse order.
@@ -487,3 +519,159 @@ def _weighted_sum_hook(session, bucket):  # type: ignore[no-untyped-def]  (DDP c
     share = _loader._share() if _loader is not None else None
     buffer.mul_(share if share is not None else 1.0 / session.world_size)
     return _start_bucket(session, buffer).get_future().then(lambda fut: fut.value()[0])
+
+
+def _check_joined() -> None:
+    if _session is None:
+        raise RuntimeError("nonstop.torch.DistributedDataParallel needs nonstop.torch.init_process_group(...) "
+                           "first: the state is registered and the job joined there")
+
+
+try:
+    from torch.func import functional_call as _functional_call  # torch >= 2.0
+except ImportError:  # torch 1.13
+    from torch.nn.utils.stateless import functional_call as _functional_call
+
+
+class _InvariantDDP(DistributedDataParallel):
+    """DistributedDataParallel when init_process_group(world_invariant=True):
+    the forward runs the module once per micro-batch of this rank's share,
+    each on its own leaves of the parameters (views of the same memory), so
+    each micro-batch's gradient comes out alone; the end of backward folds
+    them, in order, along the tree over the step's micro-batches
+    (_core.TreeStep, nonstop-train's world-invariant code) and sums the
+    members' partial sums along it. The loader deals each rank a number of
+    micro-batches that is a power of two where the world allows, so a loss
+    that is the mean over the rank's samples scales each micro-batch's
+    gradient by a power of two only, which multiplying by the count undoes
+    exactly: every world sums the same bits. Stock DDP's reducer is not used."""
+
+    def __init__(self, module: Any, device_ids: Any = None, output_device: Any = None, dim: int = 0,
+                 broadcast_buffers: bool = True, process_group: Any = None, **tuning: Any) -> None:
+        _check_joined()
+        torch.nn.Module.__init__(self)
+        if device_ids or output_device is not None or dim != 0 or process_group is not None:
+            raise ValueError("the world-invariant DistributedDataParallel runs on the CPU over the whole world: "
+                             "drop device_ids, output_device, dim and process_group")
+        unknown = set(tuning) - {"bucket_cap_mb", "find_unused_parameters", "check_reduction",
+                                 "gradient_as_bucket_view", "static_graph"}
+        if unknown:
+            raise TypeError(f"DistributedDataParallel got unexpected arguments {sorted(unknown)}")
+        self.module = module
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the module has no parameters that require gradients")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        for i, p in enumerate(self._params):
+            _check_tensor(p, f"parameter {i} of the module")
+        self._grads = torch.zeros(sum(p.numel() for p in self._params), dtype=torch.float32)
+        self._views = flat_views(self._grads, self._params)
+        self._trees: dict = {}  # micro-batches per step -> _core.TreeStep
+        self._slices: List[Any] = []  # (micro-batch, its leaves) of the forward in flight
+        self._queued = False
+        with torch.no_grad():  # stock DDP's start: every member from rank 0's parameters and buffers
+            for t in list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else []):
+                dist.broadcast(t.data, 0)
+
+    def no_sync(self) -> Any:
+        raise NotImplementedError("no_sync in the world-invariant mode: each micro-batch's gradient is summed "
+                                  "alone, so accumulating over several backward passes is not a step; "
+                                  "make the loader's batch the whole step instead")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _first_step()
+        raise_if_aborted(_session)
+        micro, step_ = _loader.micro, _loader._outstanding()
+        if micro is None or step_ is None:
+            raise RuntimeError("the world-invariant DistributedDataParallel computes the batch the loader handed "
+                               "out last, in the step that updates on it")
+        tree = self._trees.get(micro.micro_batches)
+        if tree is None:
+            tree = self._trees[micro.micro_batches] = _core.TreeStep(_session._joined(), micro.micro_batches,
+                                                                     self._grads.numel(), False)
+        planned = list(tree.plan(step_, micro.counts))
+        if planned != list(range(micro.first, micro.first + len(micro.sizes))):
+            raise RuntimeError(f"the tree planned micro-batches {planned}, the loader dealt "
+                               f"{micro.first}..{micro.first + len(micro.sizes) - 1}")
+        parts = _split_inputs(args, kwargs, micro.sizes)
+        self._slices, outs = [], []
+        for mb, (a, kw) in zip(planned, parts):
+            leaves = [p.detach().requires_grad_() for p in self._params]
+            outs.append(_functional_call(self.module, dict(zip(self._names, leaves)), a, kw))
+            self._slices.append((mb, leaves))
+        out = _concat(outs)
+        self._queued = False
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(self._in_backward)
+        return out
+
+    def _in_backward(self, grad: Any) -> Any:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return grad
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        micro, s = _loader.micro, _loader.micro_batch
+        mine, whole = _loader._share_of_batch
+        tree = self._trees[micro.micro_batches]
+        factor = float(mine) / s  # a power of two where the loader could deal so: exact
+        for mb, leaves in self._slices:
+            for view, leaf in zip(self._views, leaves):
+                if leaf.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(leaf.grad)
+            if factor != 1.0:
+                self._grads.mul_(factor)
+            tree.add(mb, self._grads.data_ptr())
+        self._slices = []
+        tree.reduce(self._grads.data_ptr())  # Aborted: the step runs again after the recovery
+        self._grads.mul_(float(s) / whole)
+        point_grads(self._params, self._views)
+
+
+def _split_inputs(args: Any, kwargs: Any, sizes: List[int]) -> List[Any]:
+    """The forward's arguments cut into micro-batches: tensors with the share's
+    rows along dim 0, everything else passed to each whole."""
+    rows = sum(sizes)
+    found = False
+
+    def cut(v: Any) -> Any:
+        nonlocal found
+        if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == rows:
+            found = True
+            return list(torch.split(v, sizes))
+        return [v] * len(sizes)
+
+    cut_args = [cut(a) for a in args]
+    cut_kwargs = {k: cut(v) for k, v in kwargs.items()}
+    if not found:
+        raise ValueError(f"none of the forward's tensors has this rank's {rows} samples along dim 0: the "
+                         "world-invariant mode cuts the loader's batch into micro-batches")
+    return [(tuple(a[j] for a in cut_args), {k: v[j] for k, v in cut_kwargs.items()}) for j in range(len(sizes))]
+
+
+def _concat(outs: List[Any]) -> Any:
+    first = outs[0]
+    if torch.is_tensor(first):
+        return first if len(outs) == 1 else torch.cat(outs)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat([o[i] for o in outs]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _concat([o[k] for o in outs]) for k in first}
+    raise TypeError(f"the world-invariant mode joins the micro-batches' outputs along dim 0: a "
+                    f"{type(first).__name__} cannot be joined")
+
+
+def _tensors(out: Any) -> List[Any]:
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []

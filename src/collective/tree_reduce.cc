@@ -88,7 +88,8 @@ bool IsTreeNode(int m, TreeNode node) {
   return (static_cast<long long>(node.index) << node.level) < m;
 }
 
-std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>> offered) {
+std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>> offered,
+                                    std::span<const int> counts) {
   NONSTOP_CHECK_GE(m, 1);
   const int w = static_cast<int>(offered.size());
   NONSTOP_CHECK_GE(w, 1);
@@ -110,9 +111,20 @@ std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>
     if (!covered[static_cast<size_t>(i)]) missing.push_back(i);
   }
   const auto n = static_cast<long long>(missing.size());
-  auto block_begin = [&](int q) {  // as data::BlockBegin: n/W each, the remainder spread evenly
-    return static_cast<size_t>((n / w) * q + (n % w) * q / w);
-  };
+  std::vector<size_t> begins(static_cast<size_t>(w) + 1, 0);
+  if (counts.empty()) {
+    for (int q = 0; q <= w; ++q)  // as data::BlockBegin: n/W each, the remainder spread evenly
+      begins[static_cast<size_t>(q)] = static_cast<size_t>((n / w) * q + (n % w) * q / w);
+  } else {
+    NONSTOP_CHECK_EQ(counts.size(), static_cast<size_t>(w));
+    for (int q = 0; q < w; ++q) {
+      NONSTOP_CHECK_GE(counts[static_cast<size_t>(q)], 0);
+      begins[static_cast<size_t>(q) + 1] =
+          begins[static_cast<size_t>(q)] + static_cast<size_t>(counts[static_cast<size_t>(q)]);
+    }
+    NONSTOP_CHECK_EQ(begins.back(), missing.size()) << "the counts do not deal what is left";
+  }
+  auto block_begin = [&](int q) { return begins[static_cast<size_t>(q)]; };
   for (int q = 0; q < w; ++q) {
     TreeShare& share = shares[static_cast<size_t>(q)];
     for (size_t k = block_begin(q); k < block_begin(q + 1); ++k) {
@@ -132,6 +144,23 @@ std::vector<TreeShare> PlanTreeStep(int m, std::span<const std::vector<TreeNode>
     });
   }
   return shares;
+}
+
+std::vector<int> PowersOfTwoSplit(int m, int w) {
+  if (w < 1 || m < w) return {};
+  std::vector<int> parts;
+  for (int bit = 30; bit >= 0; --bit) {
+    if (m & (1 << bit)) parts.push_back(1 << bit);
+  }
+  if (static_cast<int>(parts.size()) > w) return {};
+  while (static_cast<int>(parts.size()) <
+         w) {  // halve the largest: parts stay sorted, largest first
+    int largest = parts.front() / 2;
+    parts.erase(parts.begin());
+    auto at = std::find_if(parts.begin(), parts.end(), [&](int p) { return p <= largest; });
+    parts.insert(parts.insert(at, largest), largest);
+  }
+  return parts;
 }
 
 void CombineInTreeOrder(int m, std::span<const TreeNode> nodes,

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <numeric>
 #include <random>
 
 namespace nonstop::collective {
@@ -278,6 +279,51 @@ TEST(TreeReduceTest, WithNothingOfferedTheSharesAreTheSamplersContiguousSplit) {
       }
     }
   }
+}
+
+// By search: the smallest largest part of any split of m into w powers of two (0: none).
+int SmallestLargestPart(int m, int w) {
+  if (w == 0) return m == 0 ? 1 : 0;
+  int best = 0;
+  for (int p = 1; p <= m; p *= 2) {
+    int rest = SmallestLargestPart(m - p, w - 1);
+    if (rest != 0 && (best == 0 || std::max(p, rest) < best)) best = std::max(p, rest);
+  }
+  return best;
+}
+
+TEST(TreeReduceTest, PowersOfTwoSplitsAreEvenPowersOfTwoOrNone) {
+  EXPECT_EQ(PowersOfTwoSplit(4, 3), (std::vector<int>{2, 1, 1}));
+  EXPECT_EQ(PowersOfTwoSplit(8, 3), (std::vector<int>{4, 2, 2}));
+  EXPECT_EQ(PowersOfTwoSplit(5, 2), (std::vector<int>{4, 1}));
+  EXPECT_EQ(PowersOfTwoSplit(12, 5), (std::vector<int>{4, 2, 2, 2, 2}));
+  EXPECT_TRUE(PowersOfTwoSplit(6, 1).empty());  // 6 = 4 + 2: two ranks at least
+  EXPECT_TRUE(PowersOfTwoSplit(3, 4).empty());  // more ranks than micro-batches
+  for (int m = 1; m <= 24; ++m) {
+    for (int w = 1; w <= 7; ++w) {
+      std::vector<int> split = PowersOfTwoSplit(m, w);
+      const bool possible = w <= m && __builtin_popcount(static_cast<unsigned>(m)) <= w;
+      ASSERT_EQ(!split.empty(), possible) << m << " over " << w;
+      if (!possible) continue;
+      ASSERT_EQ(static_cast<int>(split.size()), w);
+      EXPECT_EQ(std::accumulate(split.begin(), split.end(), 0), m);
+      EXPECT_TRUE(std::is_sorted(split.rbegin(), split.rend())) << m << " over " << w;
+      for (int c : split) EXPECT_EQ(c & (c - 1), 0) << c << " in " << m << " over " << w;
+      EXPECT_EQ(split.front(), SmallestLargestPart(m, w)) << m << " over " << w;
+    }
+  }
+}
+
+TEST(TreeReduceTest, CountsDealTheStepInContiguousBlocksOfThoseSizes) {
+  const int m = 8;
+  std::vector<int> counts = {4, 2, 2};
+  auto shares = PlanTreeStep(m, std::vector<std::vector<TreeNode>>(3), counts);
+  EXPECT_EQ(shares[0].compute, (std::vector<std::pair<int, int>>{{0, 4}}));
+  EXPECT_EQ(shares[1].compute, (std::vector<std::pair<int, int>>{{4, 6}}));
+  EXPECT_EQ(shares[2].compute, (std::vector<std::pair<int, int>>{{6, 8}}));
+  EXPECT_EQ(shares[1].nodes, NodesOfRange(m, 4, 6));
+  EXPECT_DEATH(PlanTreeStep(m, std::vector<std::vector<TreeNode>>(3), std::vector<int>{4, 2, 1}),
+               "the counts do not deal what is left");
 }
 
 }  // namespace

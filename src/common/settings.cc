@@ -142,6 +142,7 @@ std::vector<Info> Build() {
       Describe(kReplicaCheckEvery),
       Describe(kCheckedCollectives),
       Describe(kMasterPort),
+      Describe(kPythonWorldInvariant),
       // nonstop-train
       Describe(kTrainCheckpointDir),
       Describe(kTrainCheckpointEvery),

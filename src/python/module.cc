@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/crc32c.h"
 #include "nonstop/checkpoint.h"
@@ -237,9 +239,13 @@ class PyTreeStep {
   }
 
   // This rank's micro-batches of `step`, in the order to compute them.
-  std::vector<int> Plan(int64_t step) {
+  // `counts` (one per rank, summing to m): how many each rank computes,
+  // instead of the even split; nothing is kept from a step in flight then.
+  std::vector<int> Plan(int64_t step, const std::vector<int>& counts) {
+    CheckCounts(counts);
     CollectUnreduced();  // a step cut short: what it folded is held for the offers
-    auto planned = session_->Drained([&] { return planner_.Plan(session_->s(), m_, step, held_); });
+    auto planned =
+        session_->Drained([&] { return planner_.Plan(session_->s(), m_, step, held_, counts); });
     Check(planned.status());
     shares_ = std::move(*planned);
     const collective::TreeShare& mine = shares_[static_cast<size_t>(session_->s().rank())];
@@ -295,6 +301,19 @@ class PyTreeStep {
   int kept_by() const { return planner_.kept_by(); }
 
  private:
+  void CheckCounts(const std::vector<int>& counts) const {
+    if (counts.empty()) return;
+    const int world = session_->s().world_size();
+    long long sum = 0;
+    for (int c : counts) sum += c;
+    if (static_cast<int>(counts.size()) != world || sum != m_ ||
+        std::any_of(counts.begin(), counts.end(), [](int c) { return c < 0; })) {
+      throw py::value_error(fmt::format(
+          "counts [{}] must give each of the {} ranks 0 or more micro-batches, {} in all",
+          fmt::join(counts, ", "), world, m_));
+    }
+  }
+
   void CollectUnreduced() {
     if (folders_.empty()) return;
     worker::HeldSums have = worker::CollectSums(m_, step_, std::move(held_), &folders_);
@@ -364,6 +383,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("warmed_factor", &elastic::WarmedFactor, py::arg("from_factor"), py::arg("to_factor"),
         py::arg("step"), py::arg("change_step"), py::arg("warmup_steps"));
 
+  m.def("powers_of_two_split", &collective::PowersOfTwoSplit, py::arg("micro_batches"),
+        py::arg("world"));
   m.def("crc32c", [](uintptr_t address, size_t nbytes) {
     return fmt::format("{:08x}", Crc32c(reinterpret_cast<const void*>(address), nbytes));
   });
@@ -466,7 +487,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PyTreeStep>(m, "TreeStep")
       .def(py::init<PySession*, int, size_t, bool>(), py::arg("session"), py::arg("micro_batches"),
            py::arg("elements"), py::arg("salvage"), py::keep_alive<1, 2>())
-      .def("plan", &PyTreeStep::Plan, py::arg("step"))
+      .def("plan", &PyTreeStep::Plan, py::arg("step"), py::arg("counts") = std::vector<int>{})
       .def("add", &PyTreeStep::Add, py::arg("micro_batch"), py::arg("address"))
       .def("reduce", &PyTreeStep::Reduce, py::arg("address"))
       .def_property_readonly("kept_micro_batches", &PyTreeStep::kept_micro_batches)

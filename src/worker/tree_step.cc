@@ -119,8 +119,8 @@ Result<std::vector<std::vector<collective::TreeNode>>> ExchangeOffers(
 }
 
 Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& session, int m,
-                                                                 int64_t step,
-                                                                 const HeldSums& held) {
+                                                                 int64_t step, const HeldSums& held,
+                                                                 std::span<const int> counts) {
   const int world = session.world_size();
   std::vector<std::vector<collective::TreeNode>> offered(static_cast<size_t>(world));
   kept_ = 0;
@@ -130,9 +130,9 @@ Result<std::vector<collective::TreeShare>> TreeStepPlanner::Plan(Session& sessio
     auto offers = ExchangeOffers(session, step, salvage_ ? held : HeldSums{});
     if (!offers.ok()) return offers.status();
     exchanged_generation_ = session.generation();
-    offered = std::move(*offers);
+    if (counts.empty()) offered = std::move(*offers);  // counts deal the whole step: nothing kept
   }
-  std::vector<collective::TreeShare> shares = collective::PlanTreeStep(m, offered);
+  std::vector<collective::TreeShare> shares = collective::PlanTreeStep(m, offered, counts);
   for (const auto& share : shares) {
     for (const auto& node : share.kept) {
       auto [first, last] = collective::NodeRange(m, node);

@@ -78,12 +78,13 @@ def shrink_then_grow(tmp: pathlib.Path, proc: subprocess.Popen, journal: pathlib
 
 
 def start_job(tmp: pathlib.Path, name: str, run_flags: List[str], trainer_args: List[str],
-              script: Optional[pathlib.Path] = None) -> subprocess.Popen:
+              script: Optional[pathlib.Path] = None, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
     journal = tmp / f"{name}.jsonl"
     cmd = [str(bin_dir() / "nonstop"), "run", "--journal", str(journal), *run_flags, "--",
            sys.executable, str(script or TRAINER), *trainer_args]
     log = open(tmp / f"{name}.out", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
+                            env={**os.environ, **(env or {})})
 
 
 def finish_job(tmp: pathlib.Path, name: str, proc: subprocess.Popen, timeout: float = 240) -> Job:
@@ -97,5 +98,6 @@ def finish_job(tmp: pathlib.Path, name: str, proc: subprocess.Popen, timeout: fl
 
 
 def run_job(tmp: pathlib.Path, name: str, run_flags: List[str], trainer_args: List[str] = (),
-            script: Optional[pathlib.Path] = None, timeout: float = 240) -> Job:
-    return finish_job(tmp, name, start_job(tmp, name, run_flags, list(trainer_args), script), timeout)
+            script: Optional[pathlib.Path] = None, timeout: float = 240,
+            env: Optional[Dict[str, str]] = None) -> Job:
+    return finish_job(tmp, name, start_job(tmp, name, run_flags, list(trainer_args), script, env), timeout)

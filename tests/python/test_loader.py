@@ -191,3 +191,32 @@ def test_an_unknown_batch_policy_is_refused_by_name():
         DataLoader(Items(), batch_size=2, batch_policy="grow")
     with pytest.raises(ValueError, match="sqrt"):
         DataLoader(Items(), batch_size=2, lr_scaling="cubic")
+
+
+def test_world_invariant_dealing_gives_each_rank_a_power_of_two_of_whole_micro_batches(capsys):
+    # 50 samples, batch_size 2 at world 4: global batches of 8, micro-batches of 2 (4 a batch).
+    for world, counts in [(4, [1, 1, 1, 1]), (3, [2, 1, 1]), (2, [2, 2]), (1, [4])]:
+        seen = []
+        for rank in range(world):
+            loader, session = bound(shuffle=False)
+            loader.micro_batch = 2
+            session.world_size, session.rank = world, rank
+            loader.sampler.set_epoch(0)
+            for batch, (ids, _) in enumerate(loader):
+                micro = loader.micro
+                if batch == 0:
+                    assert (micro.micro_batches, micro.counts) == (4, counts), f"world {world}"
+                    assert micro.first == sum(counts[:rank]) and micro.sizes == [2] * counts[rank]
+                    assert ids.tolist() == list(range(2 * micro.first, 2 * (micro.first + counts[rank])))
+                seen += ids.tolist()
+                loader._updated()
+        assert sorted(seen) == list(range(50)), f"world {world}: every sample once"
+    # World 1's last batch, 5 micro-batches (4 + 1), cannot be one power of two: rank 0 says so.
+    assert "5 micro-batches cannot be dealt over 1 ranks in powers of two" in capsys.readouterr().err
+    # The last batch takes the 2 left over: 10 samples, 5 micro-batches; 5 = 4 + 1 over 2 ranks.
+    loader, session = bound(shuffle=False)
+    loader.micro_batch = 2
+    session.world_size = 2
+    assert loader._deal(0, 40, 0, 2)[2].counts == [4, 1]
+    assert loader._deal(0, 40, 0, 4)[2].counts == [2, 1, 1, 1]
+    assert capsys.readouterr().err == ""
