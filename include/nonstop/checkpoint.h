@@ -37,6 +37,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -144,11 +145,28 @@ struct LoadedCheckpoint {
   nlohmann::json manifest;  // manifest.json as parsed (the checked fields are in `parsed`)
   CheckpointManifest parsed;
   std::vector<std::string> skipped;  // "path: why" for every newer checkpoint that was refused
+  // Loaded by name, from the other trainer's checkpoint: this worker's
+  // regions it had nothing for (they keep their values), and its tensors
+  // that this worker has no region for.
+  bool by_name = false;
+  std::vector<std::string> kept, ignored;
 };
+
+// The "recipe" of the Python package's checkpoints (nonstop-train writes its
+// recipe's name there).
+inline constexpr std::string_view kPythonWriter = "python";
 
 // Loads the newest valid checkpoint in `dir` into `registry` in place.
 // NOT_FOUND when there is none (the reasons for skipping each are in the message).
-Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegistry& registry);
+// `loader` says who loads: "python", or nonstop-train's recipe name. A
+// checkpoint of the same kind must hold exactly the registry's regions, in
+// order. One the other kind wrote is loaded by name: every float region of
+// more than one element (parameters, optimizer moments) must be there with its
+// dtype and shape; other regions (counters, data positions) are loaded where the
+// checkpoint has them with the same dtype and size, and keep their values
+// otherwise (`kept`). Empty `loader`: same kind always.
+Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegistry& registry,
+                                              std::string_view loader = {});
 
 // Validates one checkpoint directory against `registry` (no loading).
 Status VerifyCheckpoint(const std::string& path, const StateRegistry& registry);

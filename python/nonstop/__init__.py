@@ -217,6 +217,11 @@ class Session:
         self._callbacks: List[Callable[[MembershipChange], None]] = []
         self._reserved: List[Tuple[int, int, str]] = []  # (begin, end, what) of registered memory
         self._watch: List[Tuple[Callable[[], Any], int, str]] = []  # (tensor getter, registered address, what)
+        self._named: List[Tuple[str, Any]] = []  # the parameters by the model's names, in the flat buffer's order
+        self._optimizer: Any = None
+        self._tensor_regions: List[Tuple[str, int, int, str, List[int]]] = []  # tensors={...}
+        self._ckpt_step: Any = None  # the checkpoint's "step": steps completed (set when one is saved)
+        self._resumed_wholes: Dict[str, Any] = {}  # sharded, resumed: whole state per key until adopted
         self.extra = Extra({})
 
     # ---- joining ----
@@ -250,12 +255,17 @@ class Session:
             self._reserved.clear()
             self._keep.clear()
             self._watch.clear()
+            self._named.clear()
+            self._tensor_regions.clear()
+            self._resumed_wholes.clear()
+            self._optimizer = None
             self._params = None
             self._flat_padded = None
             self._shard_group = 0
             self._before_finish.clear()
             raise
         self._step_in_flight = self._core.resume_step
+        self._after_resume()
         _install_failure_report(self)
         return self
 
@@ -270,6 +280,10 @@ class Session:
             params = _unique_parameters(model)
             if not params:
                 raise ValueError("the model has no parameters to register")
+            names = {}
+            for n, p in model.named_parameters():
+                names.setdefault(id(p), n)
+            self._named = [(names[id(p)], p) for p in params]
             for i, p in enumerate(params):
                 _check_tensor(p, f"parameter {i} of the model")
             flat = _flatten_parameters(params, optimizer.padded if sharded else 0)
@@ -280,9 +294,6 @@ class Session:
             if sharded:
                 if optimizer.model is not model:
                     raise ValueError("the ShardedOptimizer was made for another model: register the model it updates")
-                if resume_from:
-                    raise NotImplementedError("resume_from with a ShardedOptimizer: loading a checkpoint into "
-                                              "sharded state is not built in Python yet")
                 self._flat_padded = flat
                 self._shard_group = optimizer.shard_group
                 regions.append(("params", *_span(flat), "SHARD_VIEW", [flat.numel()]))
@@ -291,7 +302,9 @@ class Session:
         if optimizer is not None:
             if model is None:
                 raise ValueError("register(optimizer=...) needs the model too: the optimizer's state is kept per parameter")
-            regions += self._register_shards(optimizer) if sharded else self._register_optimizer(optimizer, params)
+            self._optimizer = optimizer
+            regions += (self._register_shards(optimizer, bool(resume_from)) if sharded
+                        else self._register_optimizer(optimizer, params))
         if extra:
             self.extra = Extra(extra)
             regions += self.extra._regions()
@@ -305,11 +318,16 @@ class Session:
             self._keep.append(t.detach())  # the memory, even if `t` is later pointed elsewhere
             self._watch.append((lambda t=t: t, t.data_ptr(), f"tensors[{name!r}]"))
             kind = "F32" if str(t.dtype) == "torch.float32" else "U8"
-            regions.append((f"tensor.{name}", *_span(t), kind, [t.numel()] if kind == "F32" else []))
+            self._tensor_regions.append((f"tensor.{name}", *_span(t), kind, [t.numel()] if kind == "F32" else []))
+        regions += self._tensor_regions
         self._keep.append(self.extra)
+        import torch
+
+        self._ckpt_step = torch.zeros(1, dtype=torch.int64)
+        layout = self._checkpoint_layout(self._resumed_wholes) if resume_from else []
         try:
             self._core = _core.Session.join(regions, resume_from=os.fspath(resume_from) if resume_from else "",
-                                            shard_group=self._shard_group)
+                                            shard_group=self._shard_group, checkpoint=layout)
         except _core.Cancelled as e:
             raise Released(str(e)) from None
 
@@ -336,9 +354,12 @@ class Session:
                                  "a tensor is registered once")
         self._reserved.append((begin, begin + size, what))
 
-    def _register_shards(self, optimizer: Any) -> List[Tuple[str, int, int, str, List[int]]]:
+    def _register_shards(self, optimizer: Any, resume: bool) -> List[Tuple[str, int, int, str, List[int]]]:
         """A ShardedOptimizer's state: its shard-sized tensors as this member's
-        shard of sharded regions, the rest (AdamW's step count) whole."""
+        shard of sharded regions, the rest (AdamW's step count) whole. To
+        resume, the shard-sized ones are views of whole buffers that the
+        checkpoint fills (every shard is there) until the member knows its
+        shard and adopts it (_after_resume), as nonstop-train does."""
         import torch
 
         inner, shard = optimizer.inner, optimizer.shard_param
@@ -360,7 +381,11 @@ class Session:
             if value.shape == shard.shape:  # per element of the shard: this member's shard of it
                 if value.dtype != torch.float32:
                     raise ValueError(f"optimizer state {key!r} is {value.dtype}: sharded state must be float32")
-                regions.append((f"optimizer.{key}", *_span(value), "SHARD", [value.numel()]))
+                if resume:
+                    whole = self._resumed_wholes[key] = torch.zeros(optimizer.padded)
+                    regions.append((f"optimizer.{key}", *_span(whole), "SHARD_VIEW", [whole.numel()]))
+                else:
+                    regions.append((f"optimizer.{key}", *_span(value), "SHARD", [value.numel()]))
             elif value.dtype == torch.float32:
                 regions.append((f"optimizer.{key}", *_span(value), "F32", [value.numel()]))
             else:
@@ -422,6 +447,95 @@ class Session:
             self._reserve(flat, "the optimizer's state")
             regions.insert(0, ("optimizer", *_span(flat), "F32", [total]))
         return regions
+
+    # ---- durable checkpoints ----
+
+    def _checkpoint_layout(self, wholes: Mapping[str, Any]) -> List[Tuple[str, int, int, str, List[int]]]:
+        """The durable checkpoint's tensors, by nonstop-train's names where it
+        has the same thing: each parameter by the model's name for it, each
+        optimizer state per parameter as `<optimizer>.<key>.<name>`
+        (`adamw.exp_avg.<name>`), `step` (steps completed), then the extras
+        and the registered tensors. `wholes`: a ShardedOptimizer's state per
+        key, whole (gathered, or to be loaded into)."""
+        import torch
+
+        regions: List[Tuple[str, int, int, str, List[int]]] = []
+        for name, p in self._named:
+            regions.append((name, *_span(p), "F32", list(p.shape)))
+        opt = self._optimizer
+        if opt is not None:
+            prefix = _optimizer_prefix(opt)
+            for name, p, key, value in self._optimizer_states(wholes):
+                float32 = value.dtype == torch.float32
+                shape = list(p.shape) if value.numel() == p.numel() else list(value.shape)
+                regions.append((f"{prefix}.{key}.{name}", *_span(value), "F32" if float32 else "U8",
+                                shape if float32 else []))
+        regions.append(("step", *_span(self._ckpt_step), "I64", []))
+        return regions + self.extra._regions() + self._tensor_regions
+
+    def _optimizer_states(self, wholes: Mapping[str, Any]) -> List[Tuple[str, Any, str, Any]]:
+        """(parameter name, parameter, state key, the parameter's state tensor),
+        in the parameters' order and each one's keys sorted."""
+        from .sharded import ShardedOptimizer
+
+        out = []
+        opt = self._optimizer
+        if isinstance(opt, ShardedOptimizer):
+            state = opt.inner.state[opt.shard_param]
+            offset = 0
+            for name, p in self._named:
+                for key in sorted(state):
+                    if key in wholes:  # per element: the parameter's part of the whole buffer
+                        out.append((name, p, key, wholes[key][offset:offset + p.numel()]))
+                    elif state[key] is not None:  # shared by the shard (AdamW's step)
+                        out.append((name, p, key, state[key]))
+                offset += p.numel()
+            return out
+        for name, p in self._named:
+            state = opt.state.get(p, {})
+            out += [(name, p, key, state[key]) for key in sorted(state) if state[key] is not None]
+        return out
+
+    def _after_resume(self) -> None:
+        """After joining from a checkpoint: a sharded member keeps its shard of
+        the whole state loaded; a checkpoint nonstop-train wrote (loaded by
+        name: parameters and moments) sets the optimizer's step counts, which
+        it keeps as one `step`."""
+        core = self._core
+        for key, whole in self._resumed_wholes.items():
+            value = self._optimizer.inner.state[self._optimizer.shard_param][key]
+            core.adopt_shard(f"optimizer.{key}", value.data_ptr(), value.numel() * value.element_size())
+        self._resumed_wholes.clear()
+        info = core.resumed
+        if info is None or not info["by_name"]:
+            return
+        counts = [v for _, _, key, v in self._optimizer_states({}) if key == "step"] if self._optimizer else []
+        for value in counts:
+            value.fill_(info["step"] + 1)
+        print(f"[nonstop] resumed from {info['path']}, written by {info['recipe']}: loaded by name (parameters "
+              f"and optimizer moments); kept this worker's own {', '.join(info['kept']) or 'nothing'}"
+              f"{'; optimizer step counts set to ' + str(info['step'] + 1) if counts else ''}; not loaded: "
+              f"{', '.join(info['ignored']) or 'nothing'}", file=sys.stderr, flush=True)
+
+    def _gather_moments(self) -> Dict[str, Any]:
+        """A ShardedOptimizer's per-element state, whole, on this rank of the
+        first shard group: each member's shard gathered (a collective of the
+        group), with the parameters gathered whole first."""
+        import torch
+
+        opt, core = self._optimizer, self._core
+        ddp = opt._attached()
+        if ddp._stale:
+            ddp.gather()
+        span = opt._shard_span()
+        out = {}
+        for key, value in sorted(opt.inner.state[opt.shard_param].items()):
+            if torch.is_tensor(value) and value.shape == opt.shard_param.shape:
+                whole = torch.zeros(opt.padded)
+                whole[span].copy_(value)
+                core.gather_shards(whole.data_ptr(), whole.numel() * 4, 4)
+                out[key] = whole
+        return out
 
     # ---- where this worker stands ----
 
@@ -560,15 +674,24 @@ class Session:
     def save_checkpoint(self, directory: str, keep: int = 3) -> str:
         """Saves the registered state, as of the last reported step, as a
         durable checkpoint in `directory` (docs/formats.md: safetensors and a
-        manifest, the format nonstop-train writes): the state is copied now
-        and written in the background; a checkpoint due while the previous
-        write is in flight is skipped. The last `keep` are kept. Call it at a
-        step boundary, on one rank (rank 0). Returns what it did."""
+        manifest, the format and tensor names nonstop-train writes): the
+        state is copied now and written in the background; a checkpoint due
+        while the previous write is in flight is skipped. The last `keep` are
+        kept. Call it at a step boundary on every rank: rank 0 writes. With a
+        ShardedOptimizer the first shard group gathers the optimizer state
+        whole first (a collective of its ranks); without one, calling it on
+        rank 0 alone is enough. Returns what it did."""
         core = self._joined()
+        wholes: Dict[str, Any] = {}
         if self._shard_group:
-            raise NotImplementedError("save_checkpoint with a ShardedOptimizer: each rank holds 1/G of the optimizer "
-                                      "state, and gathering it for one writer is not built in Python yet")
-        return core.save_checkpoint(os.fspath(directory), int(keep), self._step_in_flight - 1, self.checksum())
+            if core.rank >= self._shard_group:
+                return f"rank {core.rank}: the first shard group gathers the state and rank 0 writes it"
+            wholes = self._gather_moments()
+        if core.rank != 0:
+            return f"rank {core.rank}: rank 0 writes"
+        self._ckpt_step[0] = self._step_in_flight
+        return core.save_checkpoint(os.fspath(directory), int(keep), self._step_in_flight - 1, self.checksum(),
+                                    self._checkpoint_layout(wholes))
 
     def wait_checkpoint(self) -> None:
         """Waits for the checkpoint write in flight; raises if it failed."""
@@ -633,6 +756,15 @@ def _flatten_parameters(params: List[Any], padded: int = 0) -> Any:
             p.data = view
             offset += n
     return flat
+
+
+def _optimizer_prefix(optimizer: Any) -> str:
+    """The name a checkpoint gives an optimizer's state: "adamw" for torch's Adam
+    and AdamW (nonstop-train's AdamW keeps the same moments), else the class's
+    name in lower case."""
+    inner = getattr(optimizer, "inner", optimizer)  # a ShardedOptimizer's
+    name = type(inner).__name__.lower()
+    return "adamw" if name in ("adam", "adamw") else name
 
 
 def _materialize_state(optimizer: Any, params: List[Any]) -> None:

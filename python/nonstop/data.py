@@ -239,6 +239,11 @@ class DataLoader:
             extra[_GLOBAL] = self.batch_size * session.world_size
             extra[_BASE_WORLD] = extra[_LR_WORLD] = session.world_size
         if extra[_STEPS] != session.resume_step:
+            resumed = getattr(session._core, "resumed", None)
+            if resumed is not None and resumed["by_name"]:
+                raise RuntimeError(f"the checkpoint {resumed['path']} was written by {resumed['recipe']}, which keeps "
+                                   "no DataLoader position: resume it in a loop that places its data by step "
+                                   "(nonstop.data.Sampler, as examples/pytorch/train_llama.py does)")
             raise RuntimeError(f"the loader's registered position is step {extra[_STEPS]}, but the session "
                                f"resumes at step {session.resume_step}: register the loader with the session")
 

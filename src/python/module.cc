@@ -93,30 +93,30 @@ using RegionSpec = std::tuple<std::string, uintptr_t, size_t, std::string, std::
 class PySession {
  public:
   // With `resume_from`, the newest valid durable checkpoint there is loaded
-  // into the registered memory before joining (none: the job starts afresh).
+  // into `checkpoint` (the checkpoint's layout: views of the registered memory,
+  // or of whole buffers for sharded state) before joining (none: the job
+  // starts afresh).
   static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions, int64_t state_step,
-                                         const std::string& resume_from, int shard_group) {
+                                         const std::string& resume_from, int shard_group,
+                                         const std::vector<RegionSpec>& checkpoint) {
     auto self = std::unique_ptr<PySession>(new PySession());
-    for (const auto& [name, address, nbytes, dtype, shape] : regions) {
-      if (dtype == "F32") {
-        Check(self->state_.RegisterFloats(name, Floats(address, nbytes / sizeof(float)), shape));
-      } else if (dtype == "SHARD") {
-        Check(
-            self->state_.RegisterShard(name, Floats(address, nbytes / sizeof(float)), shard_group));
-      } else if (dtype == "SHARD_VIEW") {
-        Check(self->state_.RegisterShardView(name, Floats(address, nbytes / sizeof(float)),
-                                             shard_group));
-      } else {
-        Check(self->state_.Register(name, Bytes(address, nbytes)));
-      }
-    }
+    RegisterSpecs(self->state_, regions, shard_group);
     if (!resume_from.empty()) {
+      state::StateRegistry layout;
+      RegisterSpecs(layout, checkpoint, 0);
       Result<state::LoadedCheckpoint> loaded =
-          state::LoadNewestCheckpoint(resume_from, self->state_);
+          state::LoadNewestCheckpoint(resume_from, layout, state::kPythonWriter);
       if (loaded.ok()) {
         state_step = loaded->step;
         NONSTOP_LOG_INFO("resumed from {} (step {})", loaded->path, loaded->step);
         for (const std::string& why : loaded->skipped) NONSTOP_LOG_WARNING("skipped {}", why);
+        self->resumed_ = py::dict(py::arg("path") = loaded->path, py::arg("step") = loaded->step,
+                                  py::arg("by_name") = loaded->by_name,
+                                  py::arg("kept") = loaded->kept,
+                                  py::arg("ignored") = loaded->ignored,
+                                  py::arg("recipe") = loaded->manifest.value("recipe", ""),
+                                  py::arg("parameter_checksum") =
+                                      loaded->manifest.value("parameter_checksum", ""));
       } else if (loaded.status().code() == StatusCode::kNotFound) {
         NONSTOP_LOG_INFO("no checkpoint to resume from: {}", loaded.status().message());
       } else {
@@ -153,20 +153,45 @@ class PySession {
 
   Session& s() { return *session_; }
   const state::StateRegistry& state() const { return state_; }
+  // A resumed sharded view's shard moved into the optimizer's memory (AdoptShard), right after Join.
+  state::StateRegistry& mutable_state() { return state_; }
+  // What resume_from loaded (path, step, by_name, kept, ignored, recipe, parameter_checksum); None.
+  py::object resumed() const { return resumed_; }
 
-  // Copies the registered state now and writes it in the background (one
-  // write at a time: a checkpoint due while one is in flight is skipped).
+  // Registers regions as python/nonstop describes them (RegionSpec).
+  static void RegisterSpecs(state::StateRegistry& reg, const std::vector<RegionSpec>& specs,
+                            int shard_group) {
+    for (const auto& [name, address, nbytes, dtype, shape] : specs) {
+      if (dtype == "F32") {
+        Check(reg.RegisterFloats(name, Floats(address, nbytes / sizeof(float)), shape));
+      } else if (dtype == "SHARD") {
+        Check(reg.RegisterShard(name, Floats(address, nbytes / sizeof(float)), shard_group));
+      } else if (dtype == "SHARD_VIEW") {
+        Check(reg.RegisterShardView(name, Floats(address, nbytes / sizeof(float)), shard_group));
+      } else if (dtype == "I64" && nbytes == sizeof(int64_t)) {
+        Check(reg.RegisterValue(name, reinterpret_cast<int64_t*>(address)));
+      } else {
+        Check(reg.Register(name, Bytes(address, nbytes)));
+      }
+    }
+  }
+
+  // Copies `layout` (the checkpoint's regions, views of live memory) now and
+  // writes it in the background (one write at a time: a checkpoint due while
+  // one is in flight is skipped).
   std::string SaveCheckpoint(const std::string& dir, int keep, int64_t step,
-                             const std::string& checksum) {
+                             const std::string& checksum, const std::vector<RegionSpec>& layout) {
     if (keep < 1) throw py::value_error(fmt::format("keep must be at least 1, got {}", keep));
     if (writer_ == nullptr || writer_dir_ != dir) {
       if (writer_ != nullptr) Check(writer_->Wait());
       writer_ = std::make_unique<state::CheckpointWriter>(dir, keep);
       writer_dir_ = dir;
     }
-    state::CheckpointMeta meta{step, session_->generation(), session_->world_size(), "python",
-                               checksum};
-    state::CheckpointSaveResult r = writer_->TrySave(state_, meta);
+    state::CheckpointMeta meta{step, session_->generation(), session_->world_size(),
+                               std::string(state::kPythonWriter), checksum};
+    state::StateRegistry reg;
+    RegisterSpecs(reg, layout, 0);
+    state::CheckpointSaveResult r = writer_->TrySave(reg, meta);
     Check(r.earlier);
     return r.ToString();
   }
@@ -222,6 +247,7 @@ class PySession {
   std::vector<py::object> in_flight_;
   std::unique_ptr<state::CheckpointWriter> writer_;  // after state_: finishes its write first
   std::string writer_dir_;
+  py::object resumed_ = py::none();
   std::unique_ptr<Session> session_;
 };
 
@@ -391,9 +417,15 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<PySession>(m, "Session")
       .def_static("join", &PySession::Join, py::arg("regions"), py::arg("state_step") = -1,
-                  py::arg("resume_from") = "", py::arg("shard_group") = 0)
+                  py::arg("resume_from") = "", py::arg("shard_group") = 0,
+                  py::arg("checkpoint") = std::vector<RegionSpec>{})
       .def("save_checkpoint", &PySession::SaveCheckpoint, py::arg("dir"), py::arg("keep"),
-           py::arg("step"), py::arg("checksum"))
+           py::arg("step"), py::arg("checksum"), py::arg("layout"))
+      .def_property_readonly("resumed", &PySession::resumed)
+      .def("adopt_shard",
+           [](PySession& p, const std::string& name, uintptr_t address, size_t nbytes) {
+             Check(p.mutable_state().AdoptShard(name, Floats(address, nbytes / sizeof(float))));
+           })
       .def("wait_checkpoint", &PySession::WaitCheckpoint)
       .def_property_readonly("rank", [](PySession& p) { return p.s().rank(); })
       .def_property_readonly("world_size", [](PySession& p) { return p.s().world_size(); })

@@ -581,10 +581,109 @@ struct CheckedCheckpoint {
   CheckpointManifest manifest;
   std::string file;          // all of state.safetensors
   uint64_t data_offset = 0;  // where the tensors' bytes start in `file`
+  SafetensorsHeader header;
+  // What goes where: each region loaded and its tensor in the file.
+  std::vector<std::pair<const Region*, const SafetensorsTensor*>> copies;
+  bool by_name = false;
+  std::vector<std::string> kept, ignored;  // LoadedCheckpoint's
 };
 
+// The other trainer wrote it: nonstop-train's say their recipe, the Python package's "python".
+bool WrittenByTheOther(const CheckpointManifest& m, std::string_view loader) {
+  return !loader.empty() &&
+         (m.json.value("recipe", std::string()) == kPythonWriter) != (loader == kPythonWriter);
+}
+
+Status SameTensor(const Region& r, const SafetensorsTensor& t, bool shape_too) {
+  if (t.end - t.begin != r.bytes.size()) {
+    return InvalidArgumentError(fmt::format("tensor '{}' has {} bytes in the checkpoint, this worker has {}",
+                                            r.name, t.end - t.begin, r.bytes.size()));
+  }
+  if (t.dtype != r.dtype) {
+    return InvalidArgumentError(fmt::format("tensor '{}' has dtype {} in the checkpoint, this worker has {}",
+                                            r.name, t.dtype, r.dtype));
+  }
+  if (shape_too && t.shape != ShapeOf(r)) {
+    return InvalidArgumentError(
+        fmt::format("tensor '{}' has shape [{}] in the checkpoint, this worker has [{}]", r.name,
+                    fmt::join(t.shape, ", "), fmt::join(ShapeOf(r), ", ")));
+  }
+  return OkStatus();
+}
+
+// The same trainer's checkpoint: exactly the registry's regions, in order.
+Status MatchInOrder(const StateRegistry& reg, const SafetensorsHeader& header,
+                    const std::map<std::string_view, const SafetensorsTensor*>& by_name,
+                    CheckedCheckpoint* out) {
+  uint64_t offset = 0;
+  for (const auto& r : reg.regions()) {
+    auto it = by_name.find(r.name);
+    if (it == by_name.end()) {
+      return InvalidArgumentError(
+          fmt::format("the checkpoint has no tensor '{}': it was written by another model or "
+                      "optimizer",
+                      r.name));
+    }
+    const SafetensorsTensor& t = *it->second;
+    NONSTOP_RETURN_IF_ERROR(SameTensor(r, t, /*shape_too=*/true));
+    if (t.begin != offset) {
+      return InvalidArgumentError(
+          fmt::format("tensor '{}' is at byte {} of the checkpoint's data, this worker expects {} "
+                      "(the tensors are in another order)",
+                      r.name, t.begin, offset));
+    }
+    offset += r.bytes.size();
+    out->copies.emplace_back(&r, &t);
+  }
+  for (const auto& t : header.tensors) {
+    bool registered = std::any_of(reg.regions().begin(), reg.regions().end(),
+                                  [&](const Region& r) { return r.name == t.name; });
+    if (!registered) {
+      return InvalidArgumentError(
+          fmt::format("the checkpoint holds tensor '{}', which this worker does not have: it "
+                      "was written by another model or optimizer",
+                      t.name));
+    }
+  }
+  return OkStatus();
+}
+
+// The other trainer's checkpoint: by name. Every float tensor of more than one
+// element (parameters, optimizer moments) must be there, with its dtype and shape;
+// the rest (counters, positions) is loaded where the names, dtypes and sizes
+// agree and kept otherwise.
+Status MatchByName(const StateRegistry& reg, const SafetensorsHeader& header,
+                   const std::map<std::string_view, const SafetensorsTensor*>& by_name,
+                   CheckedCheckpoint* out) {
+  out->by_name = true;
+  for (const auto& r : reg.regions()) {
+    const bool required = r.dtype == "F32" && r.bytes.size() > sizeof(float);
+    auto it = by_name.find(r.name);
+    if (it == by_name.end() && required) {
+      return InvalidArgumentError(fmt::format(
+          "the checkpoint (written by another trainer) has no tensor '{}': a model or optimizer "
+          "whose parameters and moments have other names or shapes",
+          r.name));
+    }
+    Status same = it == by_name.end() ? NotFoundError("") : SameTensor(r, *it->second, required);
+    if (!same.ok() && required) return same;
+    if (same.ok()) {
+      out->copies.emplace_back(&r, it->second);
+    } else {
+      out->kept.push_back(r.name);
+    }
+  }
+  for (const auto& t : header.tensors) {
+    bool loaded = std::any_of(out->copies.begin(), out->copies.end(),
+                              [&](const auto& c) { return c.second == &t; });
+    if (!loaded) out->ignored.push_back(t.name);
+  }
+  return OkStatus();
+}
+
 // Reads and checks one checkpoint against the live layout; changes nothing.
-Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& reg) {
+Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& reg,
+                                std::string_view loader) {
   auto manifest_text = ReadFile(path + "/" + kManifestFile);
   if (!manifest_text.ok()) return DataLossError("no manifest.json: the checkpoint is incomplete");
   CheckedCheckpoint out;
@@ -608,83 +707,36 @@ Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& re
   }
   auto header = ParseSafetensorsHeader(std::as_bytes(std::span(file.data(), file.size())));
   if (!header.ok()) return header.status().WithContext("state.safetensors");
-  out.data_offset = header->data_offset;
-  std::map<std::string_view, const SafetensorsTensor*> by_name;
-  for (const auto& t : header->tensors) by_name.emplace(t.name, &t);
-  // The layout: the registry's regions, in order, with their dtypes and shapes.
-  uint64_t offset = 0;
-  for (const auto& r : reg.regions()) {
-    auto it = by_name.find(r.name);
-    if (it == by_name.end()) {
-      return InvalidArgumentError(
-          fmt::format("the checkpoint has no tensor '{}': it was written by another model or "
-                      "optimizer",
-                      r.name));
-    }
-    const SafetensorsTensor& t = *it->second;
-    if (t.end - t.begin != r.bytes.size()) {
-      return InvalidArgumentError(
-          fmt::format("tensor '{}' has {} bytes in the checkpoint, this worker has {}", r.name,
-                      t.end - t.begin, r.bytes.size()));
-    }
-    if (t.dtype != r.dtype) {
-      return InvalidArgumentError(
-          fmt::format("tensor '{}' has dtype {} in the checkpoint, this worker has {}", r.name,
-                      t.dtype, r.dtype));
-    }
-    if (t.shape != ShapeOf(r)) {
-      return InvalidArgumentError(
-          fmt::format("tensor '{}' has shape [{}] in the checkpoint, this worker has [{}]", r.name,
-                      fmt::join(t.shape, ", "), fmt::join(ShapeOf(r), ", ")));
-    }
-    if (t.begin != offset) {
-      return InvalidArgumentError(
-          fmt::format("tensor '{}' is at byte {} of the checkpoint's data, this worker expects {} "
-                      "(the tensors are in another order)",
-                      r.name, t.begin, offset));
-    }
-    offset += r.bytes.size();
-  }
-  if (header->tensors.size() != reg.regions().size()) {
-    for (const auto& t : header->tensors) {
-      bool registered = std::any_of(reg.regions().begin(), reg.regions().end(),
-                                    [&](const Region& r) { return r.name == t.name; });
-      if (!registered) {
-        return InvalidArgumentError(
-            fmt::format("the checkpoint holds tensor '{}', which this worker does not have: it "
-                        "was written by another model or optimizer",
-                        t.name));
-      }
-    }
-  }
+  out.header = std::move(*header);
+  out.data_offset = out.header.data_offset;
+  std::map<std::string_view, const SafetensorsTensor*> by_name;  // into out.header, which stays
+  for (const auto& t : out.header.tensors) by_name.emplace(t.name, &t);
+  NONSTOP_RETURN_IF_ERROR(WrittenByTheOther(m, loader)
+                              ? MatchByName(reg, out.header, by_name, &out)
+                              : MatchInOrder(reg, out.header, by_name, &out));
   // Every tensor's own CRC, from the manifest.
-  for (const auto& r : reg.regions()) {
-    auto it = m.tensors.find(r.name);
+  for (const auto& [r, t] : out.copies) {
+    auto it = m.tensors.find(t->name);
     if (it == m.tensors.end()) {
       return DataLossError(
-          fmt::format("the manifest's \"tensors\" has no entry for tensor '{}'", r.name));
+          fmt::format("the manifest's \"tensors\" has no entry for tensor '{}'", t->name));
     }
-    if (it->second.bytes != r.bytes.size()) {
+    if (it->second.bytes != t->end - t->begin) {
       return DataLossError(
-          fmt::format("the manifest says tensor '{}' has {} bytes, the state file has {}", r.name,
-                      it->second.bytes, r.bytes.size()));
+          fmt::format("the manifest says tensor '{}' has {} bytes, the state file has {}", t->name,
+                      it->second.bytes, t->end - t->begin));
     }
-  }
-  if (m.tensors.size() != reg.regions().size()) {
-    return DataLossError(fmt::format("the manifest lists {} tensors, the state file holds {}",
-                                     m.tensors.size(), reg.regions().size()));
-  }
-  offset = out.data_offset;
-  for (const auto& r : reg.regions()) {
-    uint32_t crc = Crc32c(file.data() + offset, r.bytes.size());
-    uint32_t want = m.tensors.at(r.name).crc32c;
-    if (crc != want) {
+    uint32_t crc = Crc32c(file.data() + out.data_offset + t->begin, t->end - t->begin);
+    if (crc != it->second.crc32c) {
       return DataLossError(fmt::format(
           "tensor '{}' fails its checksum (crc32c {:08x}, the manifest says {:08x}): the "
           "state file is corrupt",
-          r.name, crc, want));
+          t->name, crc, it->second.crc32c));
     }
-    offset += r.bytes.size();
+  }
+  if (m.tensors.size() != out.header.tensors.size()) {
+    return DataLossError(fmt::format("the manifest lists {} tensors, the state file holds {}",
+                                     m.tensors.size(), out.header.tensors.size()));
   }
   return out;
 }
@@ -692,10 +744,11 @@ Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& re
 }  // namespace
 
 Status VerifyCheckpoint(const std::string& path, const StateRegistry& registry) {
-  return Check(path, registry).status();
+  return Check(path, registry, {}).status();
 }
 
-Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegistry& registry) {
+Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegistry& registry,
+                                              std::string_view loader) {
   std::error_code ec;
   std::vector<std::string> candidates;
   LoadedCheckpoint out;
@@ -710,17 +763,18 @@ Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegis
   }
   std::sort(candidates.rbegin(), candidates.rend());  // newest first (zero-padded step numbers)
   for (const auto& path : candidates) {
-    auto checked = Check(path, registry);
+    auto checked = Check(path, registry, loader);
     if (!checked.ok()) {
       out.skipped.push_back(path + ": " + checked.status().message());
       continue;
     }
-    // Check proved that the regions tile the data section in order.
-    size_t offset = checked->data_offset;
-    for (const auto& r : registry.regions()) {
-      std::memcpy(r.bytes.data(), checked->file.data() + offset, r.bytes.size());
-      offset += r.bytes.size();
+    for (const auto& [r, t] : checked->copies) {
+      std::memcpy(r->bytes.data(), checked->file.data() + checked->data_offset + t->begin,
+                  r->bytes.size());
     }
+    out.by_name = checked->by_name;
+    out.kept = std::move(checked->kept);
+    out.ignored = std::move(checked->ignored);
     out.path = path;
     out.step = checked->manifest.step;
     out.manifest = checked->manifest.json;

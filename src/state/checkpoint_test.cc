@@ -240,6 +240,74 @@ TEST(CheckpointTest, OtherModelIsRefusedByName) {
   EXPECT_NE(s.message().find("'v'"), std::string::npos) << s.ToString();
 }
 
+// The Python package's layout of the same model: the parameters and moments by
+// the same names and shapes, in another order, with counters of its own.
+struct PythonModel {
+  std::vector<float> w = std::vector<float>(600), m = std::vector<float>(600);
+  std::vector<float> adam_step = {0.0f};
+  int64_t tokens = 7, step = -1;
+  StateRegistry reg{256};
+  PythonModel() {
+    NONSTOP_CHECK(reg.RegisterFloats("adam.m", m, {600}).ok());
+    NONSTOP_CHECK(reg.RegisterFloats("w", w, {20, 30}).ok());
+    NONSTOP_CHECK(reg.RegisterFloats("adam.step.w", adam_step).ok());  // one element: a counter
+    NONSTOP_CHECK(reg.RegisterValue("extra.tokens", &tokens).ok());
+    NONSTOP_CHECK(reg.RegisterValue("step", &step).ok());
+  }
+};
+
+TEST(CheckpointTest, TheOtherTrainersCheckpointIsLoadedByNameAndItsOwnCountersKept) {
+  TempDir dir;
+  Model a;  // nonstop-train's layout ("test" recipe)
+  a.Fill(1.0f, 12);
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), a.reg, Meta(12), 3).ok());
+  PythonModel p;
+  // The same kind (or no loader named) wants exactly its own regions, in order.
+  EXPECT_FALSE(LoadNewestCheckpoint(dir.path(), p.reg).ok());
+  EXPECT_FALSE(LoadNewestCheckpoint(dir.path(), p.reg, "test").ok());
+  auto loaded = LoadNewestCheckpoint(dir.path(), p.reg, kPythonWriter);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_TRUE(loaded->by_name);
+  EXPECT_EQ(p.w, a.w);
+  EXPECT_EQ(p.m, a.m);
+  EXPECT_EQ(p.step, 12);
+  EXPECT_EQ(p.tokens, 7) << "a counter the checkpoint does not have keeps its value";
+  EXPECT_EQ(loaded->kept, (std::vector<std::string>{"adam.step.w", "extra.tokens"}));
+  EXPECT_TRUE(loaded->ignored.empty());
+
+  // Back: the Python layout's checkpoint loads into nonstop-train's, its counters ignored.
+  TempDir back;
+  p.w[3] = 42.0f;
+  CheckpointMeta meta = Meta(13);
+  meta.recipe = std::string(kPythonWriter);
+  ASSERT_TRUE(WriteCheckpoint(back.path(), p.reg, meta, 3).ok());
+  Model b;
+  loaded = LoadNewestCheckpoint(back.path(), b.reg, "test");
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(b.w[3], 42.0f);
+  EXPECT_EQ(b.step, 12);
+  EXPECT_EQ(loaded->ignored, (std::vector<std::string>{"adam.step.w", "extra.tokens"}));
+
+  // A parameter of another shape is refused by name, whoever wrote it.
+  std::vector<float> w2(600);
+  int64_t step = 0;
+  StateRegistry other;
+  ASSERT_TRUE(other.RegisterFloats("w", w2, {30, 20}).ok());
+  ASSERT_TRUE(other.RegisterValue("step", &step).ok());
+  auto refused = LoadNewestCheckpoint(back.path(), other, "test");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("tensor 'w' has shape [20, 30] in the checkpoint"),
+            std::string::npos)
+      << refused.status().ToString();
+  // A parameter missing in it too.
+  StateRegistry missing;
+  ASSERT_TRUE(missing.RegisterFloats("v", w2, {600}).ok());
+  refused = LoadNewestCheckpoint(back.path(), missing, "test");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("has no tensor 'v'"), std::string::npos)
+      << refused.status().ToString();
+}
+
 // Rewrites checkpoint `path` the way a forger would: the safetensors header
 // and the data may be changed, and the manifest's whole-file size and CRC are
 // then made right again, so that only the deeper checks can catch the change.

@@ -1,5 +1,6 @@
 """A small AdamW job for test_checkpoint.py: saves a durable checkpoint after
---save-at (rank 0), or resumes from --resume, and prints its final state."""
+--save-at (every rank calls; rank 0 writes), or resumes from --resume, and
+prints its final state. --shard-group G: the optimizer state sharded."""
 
 import argparse
 
@@ -13,14 +14,21 @@ ap.add_argument("--steps", type=int, required=True)
 ap.add_argument("--save-at", type=int, default=-1)
 ap.add_argument("--checkpoint-dir", default="")
 ap.add_argument("--resume", default="")
+ap.add_argument("--shard-group", type=int, default=0)
 args = ap.parse_args()
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+if args.shard_group:
+    optimizer = nonstop.torch.ShardedOptimizer(model, torch.optim.AdamW, args.shard_group, lr=1e-2)
+else:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 session = nonstop.join().register(model, optimizer, extra={"seen": 0}, resume_from=args.resume or None)
-ddp = nonstop.torch.DataParallel(model, session)
+if args.shard_group:
+    ddp = nonstop.torch.ShardedDataParallel(model, session, optimizer)
+else:
+    ddp = nonstop.torch.DataParallel(model, session)
 BATCH = 16
 print(f"first step {session.resume_step}", flush=True)
 
@@ -33,6 +41,8 @@ def train_step(step):
     optimizer.zero_grad()
     loss = ((ddp(x[lo:hi]) - y[lo:hi]) ** 2).sum() / BATCH
     loss.backward()
+    if args.shard_group:
+        ddp.reduce()
     optimizer.step()
     session.extra["seen"] += 1
     return loss.item()
@@ -43,7 +53,7 @@ while True:
     try:
         while step < args.steps:
             session.report_step(step, train_step(step))
-            if step == args.save_at and session.rank == 0:
+            if step == args.save_at:
                 print(session.save_checkpoint(args.checkpoint_dir), flush=True)
                 session.wait_checkpoint()
             step += 1

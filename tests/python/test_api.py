@@ -122,13 +122,14 @@ class FakeCore:
     world_size = 1
     generation = 1
     is_aborted = False
+    resumed = None  # no checkpoint loaded
 
     def __init__(self, regions):
         self.regions = regions
         self.reports = []
 
     @staticmethod
-    def join(regions, state_step=-1, resume_from="", shard_group=0):
+    def join(regions, state_step=-1, resume_from="", shard_group=0, checkpoint=()):
         return FakeCore(regions)
 
     def report_step(self, *args):

@@ -14,6 +14,12 @@ HERE = pathlib.Path(__file__).resolve().parent
 SCRIPT = HERE / "checkpoint_job.py"
 FINAL = re.compile(r"final checksum (\w+) seen (\d+)")
 RUN = ["--nproc", "2", "--spares", "0", "--inject", "none"]
+RUN_4 = ["--nproc", "4", "--spares", "0", "--inject", "none"]
+
+
+def safetensors_header(saved):
+    raw = (saved / "state.safetensors").read_bytes()
+    return json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
 
 
 def final(job):
@@ -32,12 +38,36 @@ def test_a_job_resumed_from_a_python_checkpoint_ends_where_the_uninterrupted_one
     saved, = ckpt.glob("step-*")
     manifest = json.loads((saved / "manifest.json").read_text())
     assert manifest["step"] == 9 and manifest["world_size"] == 2, manifest
-    raw = (saved / "state.safetensors").read_bytes()
-    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
-    assert {"params", "extra.int"} <= set(header), sorted(header)
+    header = safetensors_header(saved)
+    # nonstop-train's names: each parameter by the model's name, AdamW's moments per parameter.
+    assert {"0.weight", "adamw.exp_avg.0.weight", "adamw.exp_avg_sq.0.weight", "adamw.step.0.weight", "step",
+            "extra.int"} <= set(header), sorted(header)
+    assert header["0.weight"]["shape"] == header["adamw.exp_avg.0.weight"]["shape"] == [32, 8], header
     resumed = run_job(tmp_path, "resumed", RUN, ["--steps", "20", "--resume", str(ckpt)], script=SCRIPT)
     assert resumed.code == 0, resumed.output
     assert "first step 10" in resumed.output, resumed.output[-3000:]
     assert final(resumed) == final(whole) == (final(whole)[0], "20"), "bitwise, and every step counted once"
     missing = run_job(tmp_path, "afresh", RUN, ["--steps", "3", "--resume", str(tmp_path / "none")], script=SCRIPT)
     assert missing.code == 0 and "first step 0" in missing.output, missing.output[-3000:]
+
+
+def test_sharded_optimizer_state_is_gathered_for_the_checkpoint_and_each_rank_resumes_its_shard(tmp_path):
+    sharded = RUN_4
+    args = ["--shard-group", "2"]
+    whole = run_job(tmp_path, "whole", sharded, ["--steps", "20", *args], script=SCRIPT)
+    assert whole.code == 0, whole.output
+    ckpt = tmp_path / "ckpt"
+    first = run_job(tmp_path, "first", sharded, ["--steps", "12", "--save-at", "9", "--checkpoint-dir", str(ckpt),
+                                                 *args], script=SCRIPT)
+    assert first.code == 0, first.output
+    saved, = ckpt.glob("step-*")
+    header = safetensors_header(saved)
+    # The layout of an unsharded run: the moments whole, per parameter.
+    assert header["adamw.exp_avg.0.weight"]["shape"] == [32, 8] and "optimizer.exp_avg" not in header, header
+    resumed = run_job(tmp_path, "resumed", sharded, ["--steps", "20", "--resume", str(ckpt), *args], script=SCRIPT)
+    assert resumed.code == 0, resumed.output
+    assert "first step 10" in resumed.output, resumed.output[-3000:]
+    assert final(resumed) == final(whole), "bitwise: every rank took its shard of the moments back"
+    # The same layout: an unsharded job resumes from it too (another reduction: not the same bits).
+    unsharded = run_job(tmp_path, "unsharded", sharded, ["--steps", "12", "--resume", str(ckpt)], script=SCRIPT)
+    assert unsharded.code == 0 and "first step 10" in unsharded.output, unsharded.output[-3000:]
