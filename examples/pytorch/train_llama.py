@@ -87,21 +87,32 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(dim)
         self.attn = Attention(dim, n_heads, n_kv, seq, theta)
         self.ffn_norm = RMSNorm(dim)
-        self.w1 = nn.Linear(dim, ffn, bias=False)
-        self.w3 = nn.Linear(dim, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, dim, bias=False)
+        self.ffn = SwiGLU(dim, ffn)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
-        h = self.ffn_norm(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, h):
+        return self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
 class Llama(nn.Module):
     def __init__(self, vocab=256, dim=128, n_layers=4, n_heads=4, n_kv=2, ffn=352, seq=64, theta=10000.0):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, n_heads, n_kv, ffn, seq, theta) for _ in range(n_layers))
+        self.blocks = []
+        for i in range(n_layers):  # named as nonstop-train names them: each loads the other's checkpoints
+            self.blocks.append(Block(dim, n_heads, n_kv, ffn, seq, theta))
+            self.add_module(f"block{i}", self.blocks[-1])
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -135,6 +146,10 @@ def main():
     ap.add_argument("--world-invariant", action="store_true",
                     help="nonstop.torch.InvariantDataParallel: the same bits at every world size, and after a fault "
                          "only the micro-batches no worker holds are computed again, over every worker")
+    ap.add_argument("--checkpoint-dir", default="", help="write durable checkpoints here (nonstop-train's format)")
+    ap.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    ap.add_argument("--resume-from", default="",
+                    help="resume from the newest valid checkpoint in this directory (this script's or nonstop-train's)")
     ap.add_argument("--no-salvage", action="store_true",
                     help="after a fault, compute the step in flight again even where this worker's sum was complete "
                          "(salvage is safe here: the step's first collective is its gradient buckets)")
@@ -156,7 +171,7 @@ def main():
                                   lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     # nonstop: what must survive a fault. A spare waits here until it takes a
     # rank, then copies this state from the healthy workers.
-    session.register(model, optimizer, extra={"tokens_seen": 0})
+    session.register(model, optimizer, extra={"tokens_seen": 0}, resume_from=args.resume_from or None)
     if args.world_invariant:
         ddp = nonstop.torch.InvariantDataParallel(model, session, sampler.micro_batches_per_step,
                                                   salvage=not args.no_salvage)
@@ -170,6 +185,8 @@ def main():
         n = sum(p.numel() for p in model.parameters())
         print(f"llama-tiny (PyTorch {torch.__version__}): {n / 1e6:.2f} M parameters, {session.world_size} workers, "
               f"{args.steps} steps of {args.global_batch} samples, {data.num_samples} samples of data", flush=True)
+        if session.resume_step:
+            print(f"starting at step {session.resume_step}, parameter checksum {session.checksum()}", flush=True)
 
     def train_step(step):
         for group in optimizer.param_groups:
@@ -213,11 +230,14 @@ def main():
                 loss = train_step(step)
                 secs = time.monotonic() - t0
                 session.report_step(step, loss, step_seconds=secs, tokens=tokens_per_step, total_steps=args.steps)
+                if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+                    session.save_checkpoint(args.checkpoint_dir)  # nonstop: every rank calls, rank 0 writes
                 if session.rank == 0 and (step % args.log_every == 0 or step + 1 == args.steps):
                     print(f"step {step:>5}/{args.steps} | loss {loss:.4f} | {tokens_per_step / secs:>6.0f} tok/s | "
                           f"{secs:.3f} s/step | world {session.world_size}", flush=True)
                 step += 1
             session.finish(args.steps - 1)
+            session.wait_checkpoint()
             break
         except nonstop.Aborted:  # nonstop: a peer failed or the world changes; nothing is restarted
             step = session.recover()

@@ -110,13 +110,12 @@ class PySession {
         state_step = loaded->step;
         NONSTOP_LOG_INFO("resumed from {} (step {})", loaded->path, loaded->step);
         for (const std::string& why : loaded->skipped) NONSTOP_LOG_WARNING("skipped {}", why);
-        self->resumed_ = py::dict(py::arg("path") = loaded->path, py::arg("step") = loaded->step,
-                                  py::arg("by_name") = loaded->by_name,
-                                  py::arg("kept") = loaded->kept,
-                                  py::arg("ignored") = loaded->ignored,
-                                  py::arg("recipe") = loaded->manifest.value("recipe", ""),
-                                  py::arg("parameter_checksum") =
-                                      loaded->manifest.value("parameter_checksum", ""));
+        self->resumed_ = py::dict(
+            py::arg("path") = loaded->path, py::arg("step") = loaded->step,
+            py::arg("by_name") = loaded->by_name, py::arg("kept") = loaded->kept,
+            py::arg("ignored") = loaded->ignored,
+            py::arg("recipe") = loaded->manifest.value("recipe", ""),
+            py::arg("parameter_checksum") = loaded->manifest.value("parameter_checksum", ""));
       } else if (loaded.status().code() == StatusCode::kNotFound) {
         NONSTOP_LOG_INFO("no checkpoint to resume from: {}", loaded.status().message());
       } else {
@@ -153,7 +152,8 @@ class PySession {
 
   Session& s() { return *session_; }
   const state::StateRegistry& state() const { return state_; }
-  // A resumed sharded view's shard moved into the optimizer's memory (AdoptShard), right after Join.
+  // A resumed sharded view's shard moved into the optimizer's memory (AdoptShard), right after
+  // Join.
   state::StateRegistry& mutable_state() { return state_; }
   // What resume_from loaded (path, step, by_name, kept, ignored, recipe, parameter_checksum); None.
   py::object resumed() const { return resumed_; }

@@ -596,12 +596,14 @@ bool WrittenByTheOther(const CheckpointManifest& m, std::string_view loader) {
 
 Status SameTensor(const Region& r, const SafetensorsTensor& t, bool shape_too) {
   if (t.end - t.begin != r.bytes.size()) {
-    return InvalidArgumentError(fmt::format("tensor '{}' has {} bytes in the checkpoint, this worker has {}",
-                                            r.name, t.end - t.begin, r.bytes.size()));
+    return InvalidArgumentError(
+        fmt::format("tensor '{}' has {} bytes in the checkpoint, this worker has {}", r.name,
+                    t.end - t.begin, r.bytes.size()));
   }
   if (t.dtype != r.dtype) {
-    return InvalidArgumentError(fmt::format("tensor '{}' has dtype {} in the checkpoint, this worker has {}",
-                                            r.name, t.dtype, r.dtype));
+    return InvalidArgumentError(
+        fmt::format("tensor '{}' has dtype {} in the checkpoint, this worker has {}", r.name,
+                    t.dtype, r.dtype));
   }
   if (shape_too && t.shape != ShapeOf(r)) {
     return InvalidArgumentError(

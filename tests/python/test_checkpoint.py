@@ -1,17 +1,22 @@
-"""Durable checkpoints from Python: rank 0 saves one at a step boundary
-(asynchronously, in the format nonstop-train writes: safetensors and a
-manifest), a new job resumes from it, and ends bitwise where the
-uninterrupted job ends, its Python counter counted once per step."""
+"""Durable checkpoints from Python: every rank calls save at a step boundary
+and rank 0 writes (asynchronously, in nonstop-train's format and tensor
+names); a new job resumes from it and ends bitwise where the uninterrupted
+job ends, its Python counter counted once per step, with the optimizer state
+whole or sharded; nonstop-train and a PyTorch script resume each other's
+checkpoints with the writer's exact parameters."""
 
 import json
 import pathlib
 import re
 import struct
+import subprocess
+import sys
 
-from conftest import run_job
+from conftest import bin_dir, run_job
 
 HERE = pathlib.Path(__file__).resolve().parent
 SCRIPT = HERE / "checkpoint_job.py"
+LLAMA = HERE.parents[1] / "examples" / "pytorch" / "train_llama.py"
 FINAL = re.compile(r"final checksum (\w+) seen (\d+)")
 RUN = ["--nproc", "2", "--spares", "0", "--inject", "none"]
 RUN_4 = ["--nproc", "4", "--spares", "0", "--inject", "none"]
@@ -71,3 +76,32 @@ def test_sharded_optimizer_state_is_gathered_for_the_checkpoint_and_each_rank_re
     # The same layout: an unsharded job resumes from it too (another reduction: not the same bits).
     unsharded = run_job(tmp_path, "unsharded", sharded, ["--steps", "12", "--resume", str(ckpt)], script=SCRIPT)
     assert unsharded.code == 0 and "first step 10" in unsharded.output, unsharded.output[-3000:]
+
+
+def run_native(tmp_path, name, command):
+    """`nonstop run` (2 workers, no fault) of a command that is not a Python script."""
+    cmd = [str(bin_dir() / "nonstop"), "run", "--journal", str(tmp_path / f"{name}.jsonl"), *RUN, "--", *command]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_nonstop_train_and_a_python_script_resume_each_others_checkpoints(tmp_path):
+    # nonstop-train's llama-tiny, 4 steps, a checkpoint after step 3.
+    cpp, py = tmp_path / "cpp", tmp_path / "py"
+    code, out = run_native(tmp_path, "cpp", [str(bin_dir() / "nonstop-train"), "--steps", "4",
+                                             "--checkpoint-dir", str(cpp), "--checkpoint-every", "4"])
+    assert code == 0, out[-3000:]
+    written = json.loads((cpp / "step-000000003" / "manifest.json").read_text())
+    # The same model in plain PyTorch resumes from it: its parameters have nonstop-train's bits.
+    code, out = run_native(tmp_path, "py", [sys.executable, str(LLAMA), "--steps", "6", "--resume-from", str(cpp),
+                                            "--checkpoint-dir", str(py), "--checkpoint-every", "6"])
+    assert code == 0, out[-3000:]
+    assert f"starting at step 4, parameter checksum {written['parameter_checksum']}" in out, out[-3000:]
+    assert "written by llama-tiny: loaded by name" in out and "optimizer step counts set to 4" in out, out[-3000:]
+    # And back: nonstop-train resumes from the script's checkpoint, with its bits.
+    back = json.loads((py / "step-000000005" / "manifest.json").read_text())
+    assert back["recipe"] == "python"
+    code, out = run_native(tmp_path, "back", [str(bin_dir() / "nonstop-train"), "--steps", "8", "--resume", str(py)])
+    assert code == 0, out[-3000:]
+    assert f"written by python: loaded by name (parameters and AdamW moments), parameter checksum here " \
+           f"{back['parameter_checksum']}" in out, out[-3000:]
