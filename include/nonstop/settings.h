@@ -774,7 +774,8 @@ inline constexpr Setting<bool> kPythonWorldInvariant{
     .help =
         "nonstop.torch.init_process_group's world_invariant default: DistributedDataParallel "
         "sums each micro-batch's gradient along one fixed tree, so a kill, a shrink and a grow "
-        "end on the fault-free run's bits (docs/python.md, \"World-invariant DDP\"); 1 or 0"};
+        "end on the fault-free run's bits where the batch is whole micro-batches dealt in powers "
+        "of two and the loss a mean (docs/python.md, \"World-invariant DDP\"); 1 or 0"};
 inline constexpr Setting<int64_t> kLeaderlessTimeoutMs{
     .env = "NONSTOP_LEADERLESS_TIMEOUT_MS",
     .default_value = 600'000,

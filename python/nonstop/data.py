@@ -333,10 +333,7 @@ class DataLoader:
         epoch, rank, world, g = extra[_EPOCH], self._session.rank, self._session.world_size, self.global_batch
         while self.sampler.batches_left(offset, g) > 0:
             indices, n, _ = self._deal(epoch, offset, rank, world)
-            if not indices:
-                raise RuntimeError(f"the global batch at sample {offset} of epoch {epoch} has {n} samples, fewer "
-                                   f"than the world has ranks ({world}): rank {rank} has none; use a larger "
-                                   "batch_size")
+            _check_share(indices, n, offset, epoch, rank, world)
             yield indices
             offset += n
 
@@ -364,15 +361,22 @@ class DataLoader:
         n, s = len(whole), self.micro_batch
         sizes = [min(s, n - b) for b in range(0, n, s)]
         m = len(sizes)
-        counts = list(_core.powers_of_two_split(m, world)) if m >= world else []
+        if m < world:
+            raise RuntimeError(f"the global batch at sample {offset} of epoch {epoch} has {m} micro-batches of "
+                               f"{s} samples, fewer than the world has ranks ({world}): the world-invariant mode "
+                               "gives each rank whole micro-batches; pass a smaller micro_batch to "
+                               "nonstop.torch.init_process_group")
+        counts = list(_core.powers_of_two_split(m, world))
+        why = "" if counts else f"{m} micro-batches cannot be dealt over {world} ranks in powers of two"
+        if n % s:
+            why = f"the batch's {n} samples are not a whole number of micro-batches of {s}"
         if not counts:
             counts = [(m // world) * (q + 1) + (m % world) * (q + 1) // world
                       - (m // world) * q - (m % world) * q // world for q in range(world)]
-            if m >= world and rank == 0 and (m, world) not in self._uneven_warned:
-                self._uneven_warned.add((m, world))
-                print(f"[nonstop] {m} micro-batches cannot be dealt over {world} ranks in powers of two: this "
-                      "world's steps are within rounding of other worlds', not bitwise (docs/python.md)",
-                      file=sys.stderr, flush=True)
+        if why and rank == 0 and (n, world) not in self._uneven_warned:
+            self._uneven_warned.add((n, world))
+            print(f"[nonstop] {why}: this step is within rounding of other worlds', not bitwise "
+                  "(docs/python.md, \"World-invariant DDP\")", file=sys.stderr, flush=True)
         first = sum(counts[:rank])
         mine = sizes[first:first + counts[rank]]
         indices = whole[first * s:first * s + sum(mine)]
@@ -396,6 +400,7 @@ class DataLoader:
                                f"{extra[_STEPS]}: run the decorated step on the batch the loader yielded")
         old = self._yielded[1]
         share = self._my_share()
+        _check_share(share[0], share[1], extra[_OFFSET], extra[_EPOCH], self._session.rank, self._session.world_size)
         if share[0] == self.indices and share[1] == self._share_of_batch[1]:
             self.micro = share[2]  # the same samples; the other ranks' counts may differ
             return args, kwargs  # the same share: the step runs again on the same batch
@@ -435,6 +440,12 @@ class DataLoader:
                                "step's arguments is the batch the loader yielded or one of its elements: pass "
                                "them to it as yielded (transform them inside the step)")
         return args, kwargs
+
+
+def _check_share(indices: List[int], n: int, offset: int, epoch: int, rank: int, world: int) -> None:
+    if not indices:
+        raise RuntimeError(f"the global batch at sample {offset} of epoch {epoch} has {n} samples, fewer than the "
+                           f"world has ranks ({world}): rank {rank} has none; use a larger batch_size")
 
 
 class MicroShare(NamedTuple):

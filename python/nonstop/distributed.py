@@ -353,7 +353,9 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
     each global batch is cut into micro-batches of `micro_batch` samples (the
     loader's batch_size by default) and DistributedDataParallel sums their
     gradients along one fixed tree, so a kill, a shrink and a grow end on the
-    bits of the fault-free run (docs/python.md, "World-invariant DDP")."""
+    bits of the fault-free run where the loss is a mean and each world can be
+    dealt whole micro-batches in powers of two (rank 0 says when not;
+    docs/python.md, "World-invariant DDP")."""
     global _session, _loader, _model, _before_first_step
     if _session is not None:
         raise RuntimeError("init_process_group was called twice: one job, one session")
@@ -496,7 +498,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
       with the survivors' other ones)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is DistributedDataParallel and _loader is not None and _loader.micro_batch:
+        if _loader is not None and _loader.micro_batch and not issubclass(cls, _InvariantDDP):
+            if cls is not DistributedDataParallel:
+                raise TypeError(f"{cls.__name__} subclasses nonstop.torch.DistributedDataParallel, which the "
+                                "world-invariant mode replaces by a module of its own: wrap the model in "
+                                "nonstop.torch.DistributedDataParallel itself, or drop world_invariant")
             return super().__new__(_InvariantDDP)  # init_process_group(world_invariant=True)
         return super().__new__(cls)
 
@@ -558,13 +564,17 @@ class _InvariantDDP(DistributedDataParallel):
         if unknown:
             raise TypeError(f"DistributedDataParallel got unexpected arguments {sorted(unknown)}")
         self.module = module
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
+        self._params = [p for p in module.parameters() if p.requires_grad]  # each once
+        if not self._params:
             raise ValueError("the module has no parameters that require gradients")
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
         for i, p in enumerate(self._params):
             _check_tensor(p, f"parameter {i} of the module")
+        # Every name of every parameter (a tied weight has several): each one's leaf takes them all.
+        index = {id(p): i for i, p in enumerate(self._params)}
+        self._aliases = [(f"{prefix}.{name}" if prefix else name, index[id(p)])
+                         for prefix, m in module.named_modules(remove_duplicate=False)
+                         for name, p in m._parameters.items() if p is not None and id(p) in index]
+        self._slices_of: Any = None  # (step, generation) of the forward whose backward is due
         self._grads = torch.zeros(sum(p.numel() for p in self._params), dtype=torch.float32)
         self._views = flat_views(self._grads, self._params)
         self._trees: dict = {}  # micro-batches per step -> _core.TreeStep
@@ -574,18 +584,23 @@ class _InvariantDDP(DistributedDataParallel):
             for t in list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else []):
                 dist.broadcast(t.data, 0)
 
+    def train(self, mode: bool = True) -> Any:
+        return torch.nn.Module.train(self, mode)  # stock DDP's reaches for its reducer
+
     def no_sync(self) -> Any:
         raise NotImplementedError("no_sync in the world-invariant mode: each micro-batch's gradient is summed "
                                   "alone, so accumulating over several backward passes is not a step; "
                                   "make the loader's batch the whole step instead")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        micro, step_ = _loader.micro, _loader._outstanding()
+        if not torch.is_grad_enabled() or micro is None or step_ is None:
+            return self.module(*args, **kwargs)  # evaluation, or outside the loader's steps: the module alone
         _first_step()
         raise_if_aborted(_session)
-        micro, step_ = _loader.micro, _loader._outstanding()
-        if micro is None or step_ is None:
-            raise RuntimeError("the world-invariant DistributedDataParallel computes the batch the loader handed "
-                               "out last, in the step that updates on it")
+        if self._slices and self._slices_of == (step_, _session.generation):
+            raise RuntimeError("a second forward before the backward of the first: the world-invariant "
+                               "DistributedDataParallel sums one forward's micro-batches per step")
         tree = self._trees.get(micro.micro_batches)
         if tree is None:
             tree = self._trees[micro.micro_batches] = _core.TreeStep(_session._joined(), micro.micro_batches,
@@ -598,8 +613,9 @@ class _InvariantDDP(DistributedDataParallel):
         self._slices, outs = [], []
         for mb, (a, kw) in zip(planned, parts):
             leaves = [p.detach().requires_grad_() for p in self._params]
-            outs.append(_functional_call(self.module, dict(zip(self._names, leaves)), a, kw))
+            outs.append(_functional_call(self.module, {name: leaves[i] for name, i in self._aliases}, a, kw))
             self._slices.append((mb, leaves))
+        self._slices_of = (step_, _session.generation)
         out = _concat(outs)
         self._queued = False
         for t in _tensors(out):

@@ -220,3 +220,24 @@ def test_world_invariant_dealing_gives_each_rank_a_power_of_two_of_whole_micro_b
     assert loader._deal(0, 40, 0, 2)[2].counts == [4, 1]
     assert loader._deal(0, 40, 0, 4)[2].counts == [2, 1, 1, 1]
     assert capsys.readouterr().err == ""
+
+
+def test_world_invariant_dealing_says_when_a_step_cannot_be_bitwise_and_refuses_ranks_without_a_micro_batch(capsys):
+    loader, session = bound(shuffle=False)  # global batches of 8
+    loader.micro_batch = 3  # 8 = 3 + 3 + 2: the short one makes no world's step bitwise
+    assert loader._deal(0, 0, 0, 2)[2].sizes == [3, 3]
+    assert "the batch's 8 samples are not a whole number of micro-batches of 3" in capsys.readouterr().err
+    loader.micro_batch = 4  # 2 micro-batches: a world of 3 would leave a rank with none
+    with pytest.raises(RuntimeError, match="2 micro-batches of 4 samples, fewer than the world has ranks \\(3\\).*"
+                                           "smaller micro_batch"):
+        loader._deal(0, 0, 0, 3)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_world_invariant_variable_is_a_flag_and_anything_else_is_refused(monkeypatch):
+    for value, want in [("", False), ("0", False), ("off", False), ("1", True), ("yes", True), ("TRUE", True)]:
+        monkeypatch.setenv("NONSTOP_WORLD_INVARIANT", value)
+        assert nd._env_flag("NONSTOP_WORLD_INVARIANT") is want, value
+    monkeypatch.setenv("NONSTOP_WORLD_INVARIANT", "2")
+    with pytest.raises(ValueError, match="NONSTOP_WORLD_INVARIANT='2': use 1 or 0"):
+        nd._env_flag("NONSTOP_WORLD_INVARIANT")
