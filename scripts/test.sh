@@ -112,6 +112,18 @@ part_format() {
 part_main() {
   banner "main: every test in ./build"
   clear_failed build
+  # The GPU tests (label gpu, issue 30) need a device: compiled here, run where one is.
+  local gpu_tests
+  gpu_tests=$(ctest --test-dir build -N -L gpu 2>/dev/null | sed -n 's/^Total Tests: //p')
+  if [ "${gpu_tests:-0}" != 0 ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+      echo "test.sh: a GPU is here: the ${gpu_tests} tests labeled gpu run too"
+    else
+      echo "test.sh: NOT RUN: the ${gpu_tests} tests labeled gpu (compiled; no GPU on this machine;" \
+        "bench/gpu/check.sh runs them on one)"
+      set -- -LE gpu "$@"
+    fi
+  fi
   ctest --test-dir build --output-on-failure -j 2 "$@"
 }
 

@@ -1,0 +1,191 @@
+#include "collective/staged_communicator.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "common/check.h"
+
+namespace nonstop::collective {
+
+StagedCommunicator::StagedCommunicator(std::unique_ptr<Communicator> host,
+                                       std::shared_ptr<DeviceCopier> copier,
+                                       StagedOptions options)
+    : host_(std::move(host)), copier_(std::move(copier)), options_(options), staging_(3) {
+  NONSTOP_CHECK(host_ != nullptr && copier_ != nullptr);
+  NONSTOP_CHECK(options_.piece_bytes >= 4 && options_.piece_bytes % 4 == 0)
+      << "piece_bytes must be a positive multiple of 4";
+}
+
+std::unique_ptr<Communicator> StagedCommunicator::SubGroup(std::span<const int> ranks,
+                                                           uint32_t op_space) const {
+  return std::make_unique<StagedCommunicator>(host_->SubGroup(ranks, op_space), copier_, options_);
+}
+
+Status StagedCommunicator::CheckDevice(const char* op, Device device, int index) const {
+  if (device == Device::kHost ||
+      (device == copier_->device() && index == copier_->device_index())) {
+    return OkStatus();
+  }
+  return InvalidArgumentError(
+      fmt::format("{}: this staged communicator moves host memory and {}; this region is on {}",
+                  op, DeviceName(copier_->device(), copier_->device_index()),
+                  DeviceName(device, index)));
+}
+
+Result<std::span<std::byte>> StagedCommunicator::Staging(size_t index, size_t bytes) {
+  std::span<std::byte>& buffer = staging_[index];
+  if (buffer.size() < bytes) {  // the copier frees the smaller one with itself
+    auto grown = copier_->HostBuffer(bytes);
+    if (!grown.ok()) return grown.status();
+    buffer = *grown;
+  }
+  return buffer.first(bytes);
+}
+
+// Piece k goes up on lane k % 2 into host buffer k % 2; the lane's copies run
+// in order, so the copy up of piece k + 2 waits for the copy down of piece k,
+// which read that buffer. While the network has piece k, piece k + 1 is
+// already on its way up.
+template <typename HostOp>
+Status StagedCommunicator::Pipeline(Region data, bool to_host, bool to_device, HostOp host_op) {
+  const size_t piece = options_.piece_bytes;
+  const size_t pieces = (data.bytes + piece - 1) / piece;
+  std::span<std::byte> buffers[2];
+  for (size_t b = 0; b < 2 && b < pieces; ++b) {
+    auto buffer = Staging(b, std::min(piece, data.bytes));
+    if (!buffer.ok()) return buffer.status();
+    buffers[b] = *buffer;
+  }
+  auto range = [&](size_t k) {
+    return std::make_pair(k * piece, std::min(piece, data.bytes - k * piece));
+  };
+  auto up = [&](size_t k) {
+    auto [offset, bytes] = range(k);
+    return to_host ? copier_->ToHost(static_cast<int>(k % 2), buffers[k % 2].data(),
+                                     data.data + offset, bytes)
+                   : OkStatus();
+  };
+  Status status = pieces > 0 ? up(0) : OkStatus();
+  for (size_t k = 0; k < pieces && status.ok(); ++k) {
+    const int lane = static_cast<int>(k % 2);
+    status = copier_->Wait(lane);
+    if (status.ok() && k + 1 < pieces) status = up(k + 1);
+    auto [offset, bytes] = range(k);
+    std::span<std::byte> host = buffers[k % 2].first(bytes);
+    if (status.ok()) status = host_op(host);
+    if (status.ok() && to_device) status = copier_->ToDevice(lane, data.data + offset, host.data(), bytes);
+  }
+  // Nothing in flight may outlive the call: its buffers are reused by the next one.
+  for (int lane = 0; lane < 2; ++lane) {
+    Status waited = copier_->Wait(lane);
+    if (status.ok()) status = waited;
+  }
+  return status;
+}
+
+template <typename HostOp>
+Status StagedCommunicator::Whole(Region data, bool up, bool down, HostOp host_op) {
+  auto buffer = Staging(2, data.bytes);
+  if (!buffer.ok()) return buffer.status();
+  Status status = up ? copier_->ToHost(0, buffer->data(), data.data, data.bytes) : OkStatus();
+  if (up && status.ok()) status = copier_->Wait(0);
+  if (status.ok()) status = host_op(*buffer);
+  if (status.ok() && down) status = copier_->ToDevice(0, data.data, buffer->data(), data.bytes);
+  Status waited = copier_->Wait(0);
+  return status.ok() ? waited : status;
+}
+
+Status StagedCommunicator::AllReduce(Region data, DType dtype) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice("AllReduce", data.device, data.device_index));
+  if (!OnDevice(data.device)) return host_->AllReduce(data, dtype);
+  return Pipeline(data, true, true, [&](std::span<std::byte> piece) {
+    return host_->AllReduce(HostRegion(piece), dtype);
+  });
+}
+
+Status StagedCommunicator::Broadcast(Region data, int root) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice("Broadcast", data.device, data.device_index));
+  if (!OnDevice(data.device)) return host_->Broadcast(data, root);
+  const bool is_root = rank() == root;
+  return Pipeline(data, is_root, !is_root, [&](std::span<std::byte> piece) {
+    return host_->Broadcast(HostRegion(piece), root);
+  });
+}
+
+Status StagedCommunicator::ReduceScatter(Region data, DType dtype) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice("ReduceScatter", data.device, data.device_index));
+  if (!OnDevice(data.device)) return host_->ReduceScatter(data, dtype);
+  return Whole(data, true, true, [&](std::span<std::byte> whole) {
+    return host_->ReduceScatter(HostRegion(whole), dtype);
+  });
+}
+
+Status StagedCommunicator::AllGather(Region data, size_t element_bytes) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice("AllGather", data.device, data.device_index));
+  if (!OnDevice(data.device)) return host_->AllGather(data, element_bytes);
+  return Whole(data, true, true, [&](std::span<std::byte> whole) {
+    return host_->AllGather(HostRegion(whole), element_bytes);
+  });
+}
+
+Status StagedCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
+                                         std::span<const ConstRegion> partials, Region out) {
+  for (const ConstRegion& p : partials)
+    NONSTOP_RETURN_IF_ERROR(CheckDevice("AllReduceTree", p.device, p.device_index));
+  NONSTOP_RETURN_IF_ERROR(CheckDevice("AllReduceTree", out.device, out.device_index));
+  // The partials on the device come up into host vectors (the tree adds them
+  // on the host, in its fixed order: the host run's bits).
+  std::vector<std::vector<std::byte>> up;
+  std::vector<ConstRegion> host_partials;
+  for (const ConstRegion& p : partials) {
+    if (!OnDevice(p.device)) {
+      host_partials.push_back(p);
+      continue;
+    }
+    up.emplace_back(p.bytes);
+    NONSTOP_RETURN_IF_ERROR(copier_->ToHost(0, up.back().data(), p.data, p.bytes));
+    host_partials.push_back(HostRegion(std::span<const std::byte>(up.back())));
+  }
+  NONSTOP_RETURN_IF_ERROR(copier_->Wait(0));
+  if (!OnDevice(out.device)) return host_->AllReduceTree(m, nodes_of, host_partials, out);
+  return Whole(out, false, true, [&](std::span<std::byte> whole) {
+    return host_->AllReduceTree(m, nodes_of, host_partials, HostRegion(whole));
+  });
+}
+
+Status StagedCommunicator::Send(int to_rank, ConstRegion data) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice("Send", data.device, data.device_index));
+  if (!OnDevice(data.device)) return host_->Send(to_rank, data);
+  Region writable{const_cast<std::byte*>(data.data), data.bytes, data.device, data.device_index};
+  return Whole(writable, true, false, [&](std::span<std::byte> whole) {
+    return host_->Send(to_rank, HostRegion(std::span<const std::byte>(whole)));
+  });
+}
+
+Status StagedCommunicator::Recv(int from_rank, Region data) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice("Recv", data.device, data.device_index));
+  if (!OnDevice(data.device)) return host_->Recv(from_rank, data);
+  return Whole(data, false, true,
+               [&](std::span<std::byte> whole) { return host_->Recv(from_rank, HostRegion(whole)); });
+}
+
+Status StagedCommunicator::SendUnchecked(int to_rank, ConstRegion data) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice("SendUnchecked", data.device, data.device_index));
+  if (!OnDevice(data.device)) return host_->SendUnchecked(to_rank, data);
+  Region writable{const_cast<std::byte*>(data.data), data.bytes, data.device, data.device_index};
+  return Whole(writable, true, false, [&](std::span<std::byte> whole) {
+    return host_->SendUnchecked(to_rank, HostRegion(std::span<const std::byte>(whole)));
+  });
+}
+
+Status StagedCommunicator::RecvUnchecked(int from_rank, Region data) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice("RecvUnchecked", data.device, data.device_index));
+  if (!OnDevice(data.device)) return host_->RecvUnchecked(from_rank, data);
+  return Whole(data, false, true, [&](std::span<std::byte> whole) {
+    return host_->RecvUnchecked(from_rank, HostRegion(whole));
+  });
+}
+
+}  // namespace nonstop::collective

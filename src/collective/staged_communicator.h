@@ -1,0 +1,102 @@
+// Collectives over device memory staged through host buffers (issue 30, the
+// "staged transport"; docs/gpu.md): a StagedCommunicator wraps a
+// Communicator that moves host memory (TCP) and accepts regions on one
+// device too, moving their bytes through pinned host buffers with a
+// DeviceCopier (CUDA streams: gpu/cuda_copier.h). It needs no NCCL, and
+// several processes may share one GPU.
+//
+// AllReduce and Broadcast are pipelined: the buffer goes in pieces of
+// `piece_bytes`, two host buffers in turn, and the copy of piece k+1 to the
+// host runs (on its own lane) while piece k is reduced over the network and
+// copied back. Every rank cuts the same pieces, so the order of every sum
+// still depends only on the world size (data_plane.h's determinism); the
+// bits are those of the host collective run piece by piece. AllGather,
+// ReduceScatter, AllReduceTree and Send/Recv stage their whole buffers (one
+// copy each way): their chunk layout and framing are the host call's.
+//
+// Host regions go straight to the wrapped communicator; a region on another
+// device than the copier's is refused (kInvalidArgument), as the TCP data
+// plane refuses device memory. Everything else is data_plane.h's contract.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "collective/data_plane.h"
+
+namespace nonstop::collective {
+
+// The copy engine between a device's memory and host memory: two lanes
+// (CUDA: two streams) whose copies each run in the order they were started.
+class DeviceCopier {
+ public:
+  virtual ~DeviceCopier() = default;
+  virtual Device device() const = 0;
+  virtual int device_index() const = 0;
+  // Host memory the device copies to and from fast (CUDA: pinned), freed
+  // with the copier. Never fails for a size the machine has.
+  virtual Result<std::span<std::byte>> HostBuffer(size_t bytes) = 0;
+  // Start a copy on `lane` (0 or 1); Wait(lane) returns once every copy
+  // started on it is done, or the first error of one.
+  virtual Status ToHost(int lane, std::byte* host, const std::byte* device, size_t bytes) = 0;
+  virtual Status ToDevice(int lane, std::byte* device, const std::byte* host, size_t bytes) = 0;
+  virtual Status Wait(int lane) = 0;
+};
+
+struct StagedOptions {
+  size_t piece_bytes = 4 << 20;  // a multiple of 4 (float32 sums)
+};
+
+class StagedCommunicator : public Communicator {
+ public:
+  StagedCommunicator(std::unique_ptr<Communicator> host, std::shared_ptr<DeviceCopier> copier,
+                     StagedOptions options = {});
+
+  Status Connect() override { return host_->Connect(); }
+  std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
+                                         uint32_t op_space) const override;
+  Status AllReduce(Region data, DType dtype) override;
+  Status ReduceScatter(Region data, DType dtype) override;
+  Status AllGather(Region data, size_t element_bytes) override;
+  Status Broadcast(Region data, int root) override;
+  Status Barrier() override { return host_->Barrier(); }
+  Status AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
+                       std::span<const ConstRegion> partials, Region out) override;
+  Status Send(int to_rank, ConstRegion data) override;
+  Status Recv(int from_rank, Region data) override;
+  Status SendUnchecked(int to_rank, ConstRegion data) override;
+  Status RecvUnchecked(int from_rank, Region data) override;
+  void InjectDropOfNextRingLink() override { host_->InjectDropOfNextRingLink(); }
+  void InjectWireFlip(bool gather) override { host_->InjectWireFlip(gather); }
+  void Abort(const std::string& reason) override { host_->Abort(reason); }
+  Status error() const override { return host_->error(); }
+  CommunicatorStats stats() const override { return host_->stats(); }
+  int rank() const override { return host_->rank(); }
+  int world_size() const override { return host_->world_size(); }
+  uint32_t generation() const override { return host_->generation(); }
+
+ private:
+  // kInvalidArgument unless the region is on the host or the copier's device.
+  Status CheckDevice(const char* op, Device device, int index) const;
+  bool OnDevice(Device device) const { return device != Device::kHost; }
+  // Runs `host_op` on each piece of `data` in turn, staged as the top of this
+  // file says: `to_host`/`to_device` say whether a piece's bytes go up
+  // before it and come back after.
+  template <typename HostOp>
+  Status Pipeline(Region data, bool to_host, bool to_device, HostOp host_op);
+  // The whole region in one host buffer: copied up (`up`), `host_op` on it,
+  // copied back (`down`).
+  template <typename HostOp>
+  Status Whole(Region data, bool up, bool down, HostOp host_op);
+  Result<std::span<std::byte>> Staging(size_t index, size_t bytes);
+
+  std::unique_ptr<Communicator> host_;
+  std::shared_ptr<DeviceCopier> copier_;
+  StagedOptions options_;
+  std::vector<std::span<std::byte>> staging_;  // the copier's buffers, reused: [0], [1] pieces, [2] whole
+};
+
+}  // namespace nonstop::collective

@@ -1,0 +1,99 @@
+#include "gpu/cuda_copier.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace nonstop::gpu {
+namespace {
+
+Status CudaError(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return OkStatus();
+  return InternalError(fmt::format("{}: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
+}
+
+cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+Result<std::shared_ptr<CudaCopier>> CudaCopier::Create(int device_index) {
+  int count = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
+    return FailedPreconditionError(
+        fmt::format("no CUDA device can be used: {}", cudaGetErrorString(e)));
+  }
+  if (device_index < 0 || device_index >= count) {
+    return FailedPreconditionError(
+        fmt::format("cuda:{} does not exist: this machine has {} CUDA device(s)", device_index, count));
+  }
+  auto copier = std::shared_ptr<CudaCopier>(new CudaCopier(device_index));
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index), "cudaSetDevice"));
+  for (void*& s : copier->streams_) {
+    cudaStream_t stream = nullptr;
+    NONSTOP_RETURN_IF_ERROR(
+        CudaError(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+    s = stream;
+  }
+  return copier;
+}
+
+CudaCopier::~CudaCopier() {
+  cudaSetDevice(device_index_);
+  for (void* s : streams_) {
+    if (s != nullptr) {
+      cudaStreamSynchronize(Stream(s));
+      cudaStreamDestroy(Stream(s));
+    }
+  }
+  for (void* p : pinned_) cudaFreeHost(p);
+}
+
+Result<std::span<std::byte>> CudaCopier::HostBuffer(size_t bytes) {
+  void* p = nullptr;
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), "cudaHostAlloc"));
+  std::lock_guard lock(mu_);
+  pinned_.push_back(p);
+  return std::span<std::byte>(static_cast<std::byte*>(p), bytes);
+}
+
+Status CudaCopier::ToHost(int lane, std::byte* host, const std::byte* device, size_t bytes) {
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
+  return CudaError(
+      cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, Stream(streams_[lane & 1])),
+      "cudaMemcpyAsync to the host");
+}
+
+Status CudaCopier::ToDevice(int lane, std::byte* device, const std::byte* host, size_t bytes) {
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
+  return CudaError(
+      cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, Stream(streams_[lane & 1])),
+      "cudaMemcpyAsync to the device");
+}
+
+Status CudaCopier::Wait(int lane) {
+  return CudaError(cudaStreamSynchronize(Stream(streams_[lane & 1])), "cudaStreamSynchronize");
+}
+
+Status CheckDevice(int device_index) {
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index), "cudaSetDevice"));
+  constexpr size_t kBytes = 1 << 20;
+  std::vector<unsigned char> pattern(kBytes), back(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) pattern[i] = static_cast<unsigned char>(i * 131 + 7);
+  void* d = nullptr;
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaMalloc(&d, kBytes), "cudaMalloc"));
+  Status s = CudaError(cudaMemset(d, 0xA5, kBytes), "cudaMemset");
+  if (s.ok()) s = CudaError(cudaMemcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  if (s.ok() && back != std::vector<unsigned char>(kBytes, 0xA5))
+    s = DataLossError(fmt::format("cuda:{} returned other bytes than it was set to", device_index));
+  if (s.ok()) s = CudaError(cudaMemcpy(d, pattern.data(), kBytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+  if (s.ok()) s = CudaError(cudaMemcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  if (s.ok() && back != pattern)
+    s = DataLossError(fmt::format("cuda:{} returned other bytes than were copied in", device_index));
+  cudaFree(d);
+  return s.WithContext(fmt::format("health check of cuda:{}", device_index));
+}
+
+}  // namespace nonstop::gpu

@@ -1,0 +1,63 @@
+// The CUDA copier and the staged transport on a real GPU (label gpu: CI's
+// machines have the toolkit and no GPU; bench/gpu/check.sh runs these where
+// one is). Without a device every test says so and is skipped.
+#include "gpu/cuda_copier.h"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace nonstop::gpu {
+namespace {
+
+std::shared_ptr<CudaCopier> CopierOrSkip() {
+  auto copier = CudaCopier::Create(0);
+  if (!copier.ok()) return nullptr;
+  return *copier;
+}
+
+#define SKIP_WITHOUT_GPU(copier)                                                        \
+  if ((copier) == nullptr)                                                              \
+  GTEST_SKIP() << "no CUDA device here (" << CudaCopier::Create(0).status().ToString() \
+               << "): this test runs on a GPU machine (ctest -L gpu)"
+
+TEST(CudaCopierTest, APieceGoesUpAndComesBackOnBothLanes) {
+  auto copier = CopierOrSkip();
+  SKIP_WITHOUT_GPU(copier);
+  ASSERT_TRUE(CheckDevice(0).ok());
+  const size_t n = 3 << 20;
+  void* d = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, n), cudaSuccess);
+  std::vector<std::byte> in(n), out(n);
+  for (size_t i = 0; i < n; ++i) in[i] = static_cast<std::byte>(i * 7);
+  auto host = copier->HostBuffer(n);
+  ASSERT_TRUE(host.ok());
+  std::memcpy(host->data(), in.data(), n);
+  auto* dev = static_cast<std::byte*>(d);
+  ASSERT_TRUE(copier->ToDevice(0, dev, host->data(), n).ok());
+  ASSERT_TRUE(copier->Wait(0).ok());
+  std::memset(host->data(), 0, n);
+  ASSERT_TRUE(copier->ToHost(1, host->data(), dev, n).ok());
+  ASSERT_TRUE(copier->Wait(1).ok());
+  EXPECT_EQ(std::memcmp(host->data(), in.data(), n), 0);
+  cudaFree(d);
+}
+
+TEST(CudaCopierTest, ADeviceThatDoesNotExistIsNamed) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0)
+    GTEST_SKIP() << "no CUDA device here: this test runs on a GPU machine (ctest -L gpu)";
+  auto copier = CudaCopier::Create(count);
+  ASSERT_FALSE(copier.ok());
+  EXPECT_NE(copier.status().message().find(fmt::format("cuda:{} does not exist", count)),
+            std::string::npos)
+      << copier.status().ToString();
+}
+
+}  // namespace
+}  // namespace nonstop::gpu
