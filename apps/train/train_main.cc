@@ -464,19 +464,29 @@ std::optional<int> Trainer::RegisterState() {
 
 std::optional<int> Trainer::ResumeFromCheckpoint() {
   if (f_.resume_dir.empty()) return std::nullopt;
-  auto loaded = state::LoadNewestCheckpoint(f_.resume_dir, loading_ ? *loading_ : state_, r_.name);
+  auto loaded = state::LoadNewestCheckpoint(f_.resume_dir, loading_ ? *loading_ : state_,
+                                            {.loader = state::kTrainWriter});
   if (loaded.ok()) {
     for (const auto& skipped : loaded->skipped)
       NONSTOP_LOG_WARNING("skipped checkpoint {}", skipped);
     fmt::print("resumed from {} (step {}, parameter checksum {})\n", loaded->path, loaded->step,
                loaded->manifest.value("parameter_checksum", ""));
+    if (loaded->by_name && scale_with_world_) {
+      return Fail(FailedPreconditionError(fmt::format(
+                      "{} was written by {}, which keeps no elastic.samples_consumed: a "
+                      "scale-with-world run would read its data from the start again; resume it "
+                      "with batch_mode fixed",
+                      loaded->path, loaded->manifest.value("writer", ""))),
+                  "resuming");
+    }
     if (loaded->by_name) {
       // The Python package wrote it: its parameters may be in another order, so
       // each tensor's own CRC (checked) stands for the whole's checksum.
       fmt::print(
           "written by {}: loaded by name (parameters and AdamW moments), parameter checksum "
-          "here {}; kept this trainer's own {}; not loaded: {}\n",
-          loaded->manifest.value("recipe", ""), flat_->Checksum(),
+          "here {} (the writer's {}); kept this trainer's own {}; not loaded: {}\n",
+          loaded->manifest.value("writer", ""), flat_->Checksum(),
+          loaded->manifest.value("parameter_checksum", ""),
           loaded->kept.empty() ? "nothing" : fmt::format("{}", fmt::join(loaded->kept, ", ")),
           loaded->ignored.empty() ? "nothing"
                                   : fmt::format("{}", fmt::join(loaded->ignored, ", ")));

@@ -54,6 +54,7 @@ struct CheckpointMeta {
   std::string recipe;
   std::string parameter_checksum;
   nlohmann::json extra = nlohmann::json::object();
+  std::string writer = "nonstop-train";  // kTrainWriter or kPythonWriter: who loads it how
 };
 
 struct CheckpointWriteStats {
@@ -152,21 +153,30 @@ struct LoadedCheckpoint {
   std::vector<std::string> kept, ignored;
 };
 
-// The "recipe" of the Python package's checkpoints (nonstop-train writes its
-// recipe's name there).
+// The manifest's "writer": nonstop-train's checkpoints and the Python
+// package's. A manifest without one (older) is nonstop-train's unless its
+// "recipe" is "python".
+inline constexpr std::string_view kTrainWriter = "nonstop-train";
 inline constexpr std::string_view kPythonWriter = "python";
+
+struct LoadOptions {
+  // Who loads (kTrainWriter, kPythonWriter). Empty: any checkpoint is loaded
+  // as the same writer's.
+  std::string_view loader;
+  // By name: the regions that must be in the checkpoint (parameters and
+  // optimizer moments). Empty: every float32 region.
+  std::vector<std::string> required;
+};
 
 // Loads the newest valid checkpoint in `dir` into `registry` in place.
 // NOT_FOUND when there is none (the reasons for skipping each are in the message).
-// `loader` says who loads: "python", or nonstop-train's recipe name. A
-// checkpoint of the same kind must hold exactly the registry's regions, in
-// order. One the other kind wrote is loaded by name: every float region of
-// more than one element (parameters, optimizer moments) must be there with its
-// dtype and shape; other regions (counters, data positions) are loaded where the
-// checkpoint has them with the same dtype and size, and keep their values
-// otherwise (`kept`). Empty `loader`: same kind always.
+// A checkpoint of the loader's own writer must hold exactly the registry's
+// regions, in order. One the other writer wrote is loaded by name: every
+// required region must be there with its dtype and shape; the others
+// (counters, data positions) are loaded where the checkpoint has them with the
+// same dtype and size, and keep their values otherwise (`kept`).
 Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegistry& registry,
-                                              std::string_view loader = {});
+                                              const LoadOptions& options = {});
 
 // Validates one checkpoint directory against `registry` (no loading).
 Status VerifyCheckpoint(const std::string& path, const StateRegistry& registry);

@@ -327,7 +327,9 @@ class Session:
         layout = self._checkpoint_layout(self._resumed_wholes) if resume_from else []
         try:
             self._core = _core.Session.join(regions, resume_from=os.fspath(resume_from) if resume_from else "",
-                                            shard_group=self._shard_group, checkpoint=layout)
+                                            shard_group=self._shard_group, checkpoint=layout,
+                                            required=self._required_in_checkpoints(),
+                                            on_loaded=self._on_checkpoint_loaded)
         except _core.Cancelled as e:
             raise Released(str(e)) from None
 
@@ -496,26 +498,42 @@ class Session:
             out += [(name, p, key, state[key]) for key in sorted(state) if state[key] is not None]
         return out
 
+    def _required_in_checkpoints(self) -> List[str]:
+        """What a checkpoint of nonstop-train must hold to be loaded here: the
+        parameters and the optimizer's per-element state (its moments)."""
+        names = [name for name, _ in self._named]
+        if self._optimizer is not None:
+            prefix = _optimizer_prefix(self._optimizer)
+            names += [f"{prefix}.{key}.{name}" for name, p, key, value in self._optimizer_states(self._resumed_wholes)
+                      if value.numel() == p.numel() and value.numel() > 1]
+        return names
+
+    def _on_checkpoint_loaded(self, info: Dict[str, Any]) -> None:
+        """Before joining, once resume_from loaded a checkpoint: one that
+        nonstop-train wrote (loaded by name: parameters and moments) sets the
+        optimizer's step counts from its `step`, as nonstop-train keeps one.
+        Before joining, so that state a joiner then copies from its peers
+        replaces these too."""
+        if not info["by_name"]:
+            return
+        counts = [v for _, _, key, v in self._optimizer_states(self._resumed_wholes) if key == "step"] \
+            if self._optimizer is not None else []
+        for value in counts:
+            value.fill_(info["step"] + 1)
+        print(f"[nonstop] resumed from {info['path']}, written by {info['writer']}: loaded by name (parameters "
+              f"and optimizer moments); kept this worker's own {_summary(info['kept'])}"
+              f"{'; optimizer step counts set to ' + str(info['step'] + 1) if counts else ''}; not loaded: "
+              f"{_summary(info['ignored'])}", file=sys.stderr, flush=True)
+
     def _after_resume(self) -> None:
-        """After joining from a checkpoint: a sharded member keeps its shard of
-        the whole state loaded; a checkpoint nonstop-train wrote (loaded by
-        name: parameters and moments) sets the optimizer's step counts, which
-        it keeps as one `step`."""
+        """After joining from a checkpoint with a ShardedOptimizer: the member
+        keeps its shard of the whole state loaded (or copied from its peers
+        into the views while joining) and frees the rest."""
         core = self._core
         for key, whole in self._resumed_wholes.items():
             value = self._optimizer.inner.state[self._optimizer.shard_param][key]
             core.adopt_shard(f"optimizer.{key}", value.data_ptr(), value.numel() * value.element_size())
         self._resumed_wholes.clear()
-        info = core.resumed
-        if info is None or not info["by_name"]:
-            return
-        counts = [v for _, _, key, v in self._optimizer_states({}) if key == "step"] if self._optimizer else []
-        for value in counts:
-            value.fill_(info["step"] + 1)
-        print(f"[nonstop] resumed from {info['path']}, written by {info['recipe']}: loaded by name (parameters "
-              f"and optimizer moments); kept this worker's own {', '.join(info['kept']) or 'nothing'}"
-              f"{'; optimizer step counts set to ' + str(info['step'] + 1) if counts else ''}; not loaded: "
-              f"{', '.join(info['ignored']) or 'nothing'}", file=sys.stderr, flush=True)
 
     def _gather_moments(self) -> Dict[str, Any]:
         """A ShardedOptimizer's per-element state, whole, on this rank of the
@@ -524,6 +542,15 @@ class Session:
         import torch
 
         opt, core = self._optimizer, self._core
+        # Every rank of the group must be here, at the same step: a rank that is not would pair these
+        # gathers with its training's. A tagged record first: a mismatch raises before anything moves.
+        records = torch.zeros(2 * opt.shard_group, dtype=torch.int64)
+        records[2 * core.shard:2 * core.shard + 2] = torch.tensor([_SAVE_TAG, self._step_in_flight])
+        core.gather_shards(records.data_ptr(), records.numel() * 8, 16)
+        if records.tolist() != [_SAVE_TAG, self._step_in_flight] * opt.shard_group:
+            raise RuntimeError("save_checkpoint with a ShardedOptimizer is a collective of the first shard group: "
+                               "call it on every rank, at the same step (a peer was elsewhere: its training's "
+                               "collectives and this one no longer line up)")
         ddp = opt._attached()
         if ddp._stale:
             ddp.gather()
@@ -679,8 +706,8 @@ class Session:
         while the previous write is in flight is skipped. The last `keep` are
         kept. Call it at a step boundary on every rank: rank 0 writes. With a
         ShardedOptimizer the first shard group gathers the optimizer state
-        whole first (a collective of its ranks); without one, calling it on
-        rank 0 alone is enough. Returns what it did."""
+        whole first (a collective of its ranks; a rank that is not there makes
+        it raise). Returns what it did."""
         core = self._joined()
         wholes: Dict[str, Any] = {}
         if self._shard_group:
@@ -756,6 +783,19 @@ def _flatten_parameters(params: List[Any], padded: int = 0) -> Any:
             p.data = view
             offset += n
     return flat
+
+
+def _summary(names: List[str]) -> str:
+    """Tensor names for a log line: the per-parameter ones of a kind (three or
+    more sharing their first two parts) as one `adamw.step.* (38)`."""
+    groups: Dict[str, List[str]] = {}
+    for name in names:
+        groups.setdefault(".".join(name.split(".")[:2]), []).append(name)
+    parts = [f"{key}.* ({len(group)})" if len(group) >= 3 else ", ".join(group) for key, group in groups.items()]
+    return ", ".join(parts) or "nothing"
+
+
+_SAVE_TAG = 0x4E53434B  # "NSCK": the record a sharded save_checkpoint's ranks exchange first
 
 
 def _optimizer_prefix(optimizer: Any) -> str:

@@ -241,7 +241,7 @@ class DataLoader:
         if extra[_STEPS] != session.resume_step:
             resumed = getattr(session._core, "resumed", None)
             if resumed is not None and resumed["by_name"]:
-                raise RuntimeError(f"the checkpoint {resumed['path']} was written by {resumed['recipe']}, which keeps "
+                raise RuntimeError(f"the checkpoint {resumed['path']} was written by {resumed['writer']}, which keeps "
                                    "no DataLoader position: resume it in a loop that places its data by step "
                                    "(nonstop.data.Sampler, as examples/pytorch/train_llama.py does)")
             raise RuntimeError(f"the loader's registered position is step {extra[_STEPS]}, but the session "

@@ -10,8 +10,7 @@
 namespace nonstop::collective {
 
 StagedCommunicator::StagedCommunicator(std::unique_ptr<Communicator> host,
-                                       std::shared_ptr<DeviceCopier> copier,
-                                       StagedOptions options)
+                                       std::shared_ptr<DeviceCopier> copier, StagedOptions options)
     : host_(std::move(host)), copier_(std::move(copier)), options_(options), staging_(3) {
   NONSTOP_CHECK(host_ != nullptr && copier_ != nullptr);
   NONSTOP_CHECK(options_.piece_bytes >= 4 && options_.piece_bytes % 4 == 0)
@@ -28,10 +27,9 @@ Status StagedCommunicator::CheckDevice(const char* op, Device device, int index)
       (device == copier_->device() && index == copier_->device_index())) {
     return OkStatus();
   }
-  return InvalidArgumentError(
-      fmt::format("{}: this staged communicator moves host memory and {}; this region is on {}",
-                  op, DeviceName(copier_->device(), copier_->device_index()),
-                  DeviceName(device, index)));
+  return InvalidArgumentError(fmt::format(
+      "{}: this staged communicator moves host memory and {}; this region is on {}", op,
+      DeviceName(copier_->device(), copier_->device_index()), DeviceName(device, index)));
 }
 
 Result<std::span<std::byte>> StagedCommunicator::Staging(size_t index, size_t bytes) {
@@ -75,7 +73,8 @@ Status StagedCommunicator::Pipeline(Region data, bool to_host, bool to_device, H
     auto [offset, bytes] = range(k);
     std::span<std::byte> host = buffers[k % 2].first(bytes);
     if (status.ok()) status = host_op(host);
-    if (status.ok() && to_device) status = copier_->ToDevice(lane, data.data + offset, host.data(), bytes);
+    if (status.ok() && to_device)
+      status = copier_->ToDevice(lane, data.data + offset, host.data(), bytes);
   }
   // Nothing in flight may outlive the call: its buffers are reused by the next one.
   for (int lane = 0; lane < 2; ++lane) {
@@ -167,8 +166,9 @@ Status StagedCommunicator::Send(int to_rank, ConstRegion data) {
 Status StagedCommunicator::Recv(int from_rank, Region data) {
   NONSTOP_RETURN_IF_ERROR(CheckDevice("Recv", data.device, data.device_index));
   if (!OnDevice(data.device)) return host_->Recv(from_rank, data);
-  return Whole(data, false, true,
-               [&](std::span<std::byte> whole) { return host_->Recv(from_rank, HostRegion(whole)); });
+  return Whole(data, false, true, [&](std::span<std::byte> whole) {
+    return host_->Recv(from_rank, HostRegion(whole));
+  });
 }
 
 Status StagedCommunicator::SendUnchecked(int to_rank, ConstRegion data) {

@@ -96,7 +96,8 @@ class StagedCommunicator : public Communicator {
   std::unique_ptr<Communicator> host_;
   std::shared_ptr<DeviceCopier> copier_;
   StagedOptions options_;
-  std::vector<std::span<std::byte>> staging_;  // the copier's buffers, reused: [0], [1] pieces, [2] whole
+  std::vector<std::span<std::byte>>
+      staging_;  // the copier's buffers, reused: [0], [1] pieces, [2] whole
 };
 
 }  // namespace nonstop::collective

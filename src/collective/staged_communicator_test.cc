@@ -102,7 +102,8 @@ struct World {
 
 std::vector<float> Values(int rank, size_t n) {
   std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = 0.1f * static_cast<float>(i % 97) + 1.3f * static_cast<float>(rank + 1);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = 0.1f * static_cast<float>(i % 97) + 1.3f * static_cast<float>(rank + 1);
   return v;
 }
 
@@ -119,19 +120,22 @@ TEST(StagedCommunicatorTest, AllReduceOnDeviceMemoryHasTheHostRingsBitsPieceByPi
     reference[r] = Values(r, n);
     ASSERT_TRUE(world.staged[r]->AllReduce(Cuda(device[r]), DType::kFloat32).ok());
     for (size_t begin = 0; begin < n; begin += 256) {  // the host ring over the same pieces
-      std::span<float> piece = std::span(reference[r]).subspan(begin, std::min<size_t>(256, n - begin));
+      std::span<float> piece =
+          std::span(reference[r]).subspan(begin, std::min<size_t>(256, n - begin));
       ASSERT_TRUE(world.host[r]->AllReduce(piece).ok());
     }
   });
   for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(std::memcmp(device[r].data(), reference[r].data(), n * sizeof(float)), 0) << "rank " << r;
+    EXPECT_EQ(std::memcmp(device[r].data(), reference[r].data(), n * sizeof(float)), 0)
+        << "rank " << r;
     EXPECT_EQ(std::memcmp(device[r].data(), device[0].data(), n * sizeof(float)), 0);
   }
   EXPECT_FLOAT_EQ(device[0][5], 3 * 0.5f + 1.3f * 6);
   // The copy up of the next piece starts before this one is reduced and copied down.
-  EXPECT_EQ(world.copiers[0]->log(),
-            (std::vector<std::string>{"up0", "wait0", "up1", "down0", "wait1", "up0", "down1",
-                                      "wait0", "up1", "down0", "wait1", "down1", "wait0", "wait1"}));
+  EXPECT_EQ(
+      world.copiers[0]->log(),
+      (std::vector<std::string>{"up0", "wait0", "up1", "down0", "wait1", "up0", "down1", "wait0",
+                                "up1", "down0", "wait1", "down1", "wait0", "wait1"}));
 }
 
 TEST(StagedCommunicatorTest, EveryOtherCollectiveMovesDeviceMemoryAsTheHostOneDoes) {
@@ -159,8 +163,8 @@ TEST(StagedCommunicatorTest, EveryOtherCollectiveMovesDeviceMemoryAsTheHostOneDo
 
     // The tree: each rank one micro-batch, its partial on the device, the sum on the device.
     std::vector<float> partial(n, static_cast<float>(r) + 0.25f), out(n);
-    const std::vector<std::vector<TreeNode>> nodes = {NodesOfRange(kWorld, 0, 1), NodesOfRange(kWorld, 1, 2),
-                                                      NodesOfRange(kWorld, 2, 3)};
+    const std::vector<std::vector<TreeNode>> nodes = {
+        NodesOfRange(kWorld, 0, 1), NodesOfRange(kWorld, 1, 2), NodesOfRange(kWorld, 2, 3)};
     const std::vector<ConstRegion> partials = {Cuda(partial)};
     ASSERT_TRUE(c.AllReduceTree(kWorld, nodes, partials, Cuda(out)).ok());
     EXPECT_EQ(out, std::vector<float>(n, 3.75f)) << "tree, rank " << r;
@@ -189,7 +193,8 @@ TEST(StagedCommunicatorTest, RefusesARegionOnAnotherDeviceAndPassesHostMemoryThr
             std::string::npos)
       << s.ToString();
   std::vector<std::vector<float>> host(kWorld, std::vector<float>(16, 1.0f));
-  world.Each([&](int r) { ASSERT_TRUE(world.staged[r]->AllReduce(std::span<float>(host[r])).ok()); });
+  world.Each(
+      [&](int r) { ASSERT_TRUE(world.staged[r]->AllReduce(std::span<float>(host[r])).ok()); });
   EXPECT_EQ(host[1], std::vector<float>(16, 3.0f));
   EXPECT_TRUE(world.copiers[1]->log().empty()) << "host memory is not staged";
 }

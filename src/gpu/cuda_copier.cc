@@ -12,7 +12,8 @@ namespace {
 
 Status CudaError(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return OkStatus();
-  return InternalError(fmt::format("{}: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
+  return InternalError(
+      fmt::format("{}: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
 }
 
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
@@ -26,8 +27,8 @@ Result<std::shared_ptr<CudaCopier>> CudaCopier::Create(int device_index) {
         fmt::format("no CUDA device can be used: {}", cudaGetErrorString(e)));
   }
   if (device_index < 0 || device_index >= count) {
-    return FailedPreconditionError(
-        fmt::format("cuda:{} does not exist: this machine has {} CUDA device(s)", device_index, count));
+    return FailedPreconditionError(fmt::format(
+        "cuda:{} does not exist: this machine has {} CUDA device(s)", device_index, count));
   }
   auto copier = std::shared_ptr<CudaCopier>(new CudaCopier(device_index));
   NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index), "cudaSetDevice"));
@@ -53,7 +54,8 @@ CudaCopier::~CudaCopier() {
 
 Result<std::span<std::byte>> CudaCopier::HostBuffer(size_t bytes) {
   void* p = nullptr;
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), "cudaHostAlloc"));
+  NONSTOP_RETURN_IF_ERROR(
+      CudaError(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), "cudaHostAlloc"));
   std::lock_guard lock(mu_);
   pinned_.push_back(p);
   return std::span<std::byte>(static_cast<std::byte*>(p), bytes);
@@ -85,13 +87,17 @@ Status CheckDevice(int device_index) {
   void* d = nullptr;
   NONSTOP_RETURN_IF_ERROR(CudaError(cudaMalloc(&d, kBytes), "cudaMalloc"));
   Status s = CudaError(cudaMemset(d, 0xA5, kBytes), "cudaMemset");
-  if (s.ok()) s = CudaError(cudaMemcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  if (s.ok())
+    s = CudaError(cudaMemcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
   if (s.ok() && back != std::vector<unsigned char>(kBytes, 0xA5))
     s = DataLossError(fmt::format("cuda:{} returned other bytes than it was set to", device_index));
-  if (s.ok()) s = CudaError(cudaMemcpy(d, pattern.data(), kBytes, cudaMemcpyHostToDevice), "cudaMemcpy");
-  if (s.ok()) s = CudaError(cudaMemcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  if (s.ok())
+    s = CudaError(cudaMemcpy(d, pattern.data(), kBytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+  if (s.ok())
+    s = CudaError(cudaMemcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
   if (s.ok() && back != pattern)
-    s = DataLossError(fmt::format("cuda:{} returned other bytes than were copied in", device_index));
+    s = DataLossError(
+        fmt::format("cuda:{} returned other bytes than were copied in", device_index));
   cudaFree(d);
   return s.WithContext(fmt::format("health check of cuda:{}", device_index));
 }

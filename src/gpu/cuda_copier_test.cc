@@ -21,8 +21,8 @@ std::shared_ptr<CudaCopier> CopierOrSkip() {
   return *copier;
 }
 
-#define SKIP_WITHOUT_GPU(copier)                                                        \
-  if ((copier) == nullptr)                                                              \
+#define SKIP_WITHOUT_GPU(copier)                                                       \
+  if ((copier) == nullptr)                                                             \
   GTEST_SKIP() << "no CUDA device here (" << CudaCopier::Create(0).status().ToString() \
                << "): this test runs on a GPU machine (ctest -L gpu)"
 

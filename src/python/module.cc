@@ -96,16 +96,22 @@ class PySession {
   // into `checkpoint` (the checkpoint's layout: views of the registered memory,
   // or of whole buffers for sharded state) before joining (none: the job
   // starts afresh).
+  // `required`: the layout's parameters and moments, which a checkpoint
+  // nonstop-train wrote must have (LoadOptions); `on_loaded(info)` runs once
+  // one was loaded, before joining (a joiner's state may then still come
+  // from its peers, over what it loaded).
   static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions, int64_t state_step,
                                          const std::string& resume_from, int shard_group,
-                                         const std::vector<RegionSpec>& checkpoint) {
+                                         const std::vector<RegionSpec>& checkpoint,
+                                         const std::vector<std::string>& required,
+                                         const py::object& on_loaded) {
     auto self = std::unique_ptr<PySession>(new PySession());
     RegisterSpecs(self->state_, regions, shard_group);
     if (!resume_from.empty()) {
       state::StateRegistry layout;
       RegisterSpecs(layout, checkpoint, 0);
-      Result<state::LoadedCheckpoint> loaded =
-          state::LoadNewestCheckpoint(resume_from, layout, state::kPythonWriter);
+      Result<state::LoadedCheckpoint> loaded = state::LoadNewestCheckpoint(
+          resume_from, layout, {.loader = state::kPythonWriter, .required = required});
       if (loaded.ok()) {
         state_step = loaded->step;
         NONSTOP_LOG_INFO("resumed from {} (step {})", loaded->path, loaded->step);
@@ -114,8 +120,9 @@ class PySession {
             py::arg("path") = loaded->path, py::arg("step") = loaded->step,
             py::arg("by_name") = loaded->by_name, py::arg("kept") = loaded->kept,
             py::arg("ignored") = loaded->ignored,
-            py::arg("recipe") = loaded->manifest.value("recipe", ""),
+            py::arg("writer") = loaded->manifest.value("writer", ""),
             py::arg("parameter_checksum") = loaded->manifest.value("parameter_checksum", ""));
+        if (!on_loaded.is_none()) on_loaded(self->resumed_);
       } else if (loaded.status().code() == StatusCode::kNotFound) {
         NONSTOP_LOG_INFO("no checkpoint to resume from: {}", loaded.status().message());
       } else {
@@ -189,6 +196,7 @@ class PySession {
     }
     state::CheckpointMeta meta{step, session_->generation(), session_->world_size(),
                                std::string(state::kPythonWriter), checksum};
+    meta.writer = state::kPythonWriter;
     state::StateRegistry reg;
     RegisterSpecs(reg, layout, 0);
     state::CheckpointSaveResult r = writer_->TrySave(reg, meta);
@@ -418,7 +426,9 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PySession>(m, "Session")
       .def_static("join", &PySession::Join, py::arg("regions"), py::arg("state_step") = -1,
                   py::arg("resume_from") = "", py::arg("shard_group") = 0,
-                  py::arg("checkpoint") = std::vector<RegionSpec>{})
+                  py::arg("checkpoint") = std::vector<RegionSpec>{},
+                  py::arg("required") = std::vector<std::string>{},
+                  py::arg("on_loaded") = py::none())
       .def("save_checkpoint", &PySession::SaveCheckpoint, py::arg("dir"), py::arg("keep"),
            py::arg("step"), py::arg("checksum"), py::arg("layout"))
       .def_property_readonly("resumed", &PySession::resumed)

@@ -123,6 +123,7 @@ Snapshot TakeSnapshot(const StateRegistry& reg, const CheckpointMeta& meta) {
       {"generation", meta.generation},
       {"world_size", meta.world_size},
       {"recipe", meta.recipe},
+      {"writer", meta.writer},
       {"data_position",
        {{"next_step", meta.step + 1}, {"note", "batches are a function of (data, seed, step)"}}},
       {"rng", "none: the models have no dropout and the data order is a function of the step"},
@@ -582,16 +583,25 @@ struct CheckedCheckpoint {
   std::string file;          // all of state.safetensors
   uint64_t data_offset = 0;  // where the tensors' bytes start in `file`
   SafetensorsHeader header;
-  // What goes where: each region loaded and its tensor in the file.
+  // What goes where: each region loaded and its tensor in the file (pointers
+  // into `header`, which a move keeps in place and a copy would not: no copies).
+  CheckedCheckpoint() = default;
+  CheckedCheckpoint(CheckedCheckpoint&&) = default;
+  CheckedCheckpoint(const CheckedCheckpoint&) = delete;
+  CheckedCheckpoint& operator=(const CheckedCheckpoint&) = delete;
   std::vector<std::pair<const Region*, const SafetensorsTensor*>> copies;
   bool by_name = false;
   std::vector<std::string> kept, ignored;  // LoadedCheckpoint's
 };
 
-// The other trainer wrote it: nonstop-train's say their recipe, the Python package's "python".
+// The other writer wrote it (LoadOptions::loader).
 bool WrittenByTheOther(const CheckpointManifest& m, std::string_view loader) {
-  return !loader.empty() &&
-         (m.json.value("recipe", std::string()) == kPythonWriter) != (loader == kPythonWriter);
+  if (loader.empty()) return false;
+  std::string writer = m.json.value("recipe", std::string()) == kPythonWriter
+                           ? std::string(kPythonWriter)
+                           : std::string(kTrainWriter);
+  if (auto it = m.json.find("writer"); it != m.json.end() && it->is_string()) writer = *it;
+  return writer != loader;
 }
 
 Status SameTensor(const Region& r, const SafetensorsTensor& t, bool shape_too) {
@@ -650,16 +660,19 @@ Status MatchInOrder(const StateRegistry& reg, const SafetensorsHeader& header,
   return OkStatus();
 }
 
-// The other trainer's checkpoint: by name. Every float tensor of more than one
-// element (parameters, optimizer moments) must be there, with its dtype and shape;
+// The other writer's checkpoint: by name. Every required region (parameters,
+// optimizer moments) must be there, with its dtype and shape;
 // the rest (counters, positions) is loaded where the names, dtypes and sizes
 // agree and kept otherwise.
 Status MatchByName(const StateRegistry& reg, const SafetensorsHeader& header,
                    const std::map<std::string_view, const SafetensorsTensor*>& by_name,
-                   CheckedCheckpoint* out) {
+                   std::span<const std::string> required_names, CheckedCheckpoint* out) {
   out->by_name = true;
   for (const auto& r : reg.regions()) {
-    const bool required = r.dtype == "F32" && r.bytes.size() > sizeof(float);
+    const bool required = required_names.empty()
+                              ? r.dtype == "F32"
+                              : std::find(required_names.begin(), required_names.end(), r.name) !=
+                                    required_names.end();
     auto it = by_name.find(r.name);
     if (it == by_name.end() && required) {
       return InvalidArgumentError(fmt::format(
@@ -685,7 +698,7 @@ Status MatchByName(const StateRegistry& reg, const SafetensorsHeader& header,
 
 // Reads and checks one checkpoint against the live layout; changes nothing.
 Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& reg,
-                                std::string_view loader) {
+                                const LoadOptions& options) {
   auto manifest_text = ReadFile(path + "/" + kManifestFile);
   if (!manifest_text.ok()) return DataLossError("no manifest.json: the checkpoint is incomplete");
   CheckedCheckpoint out;
@@ -713,8 +726,8 @@ Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& re
   out.data_offset = out.header.data_offset;
   std::map<std::string_view, const SafetensorsTensor*> by_name;  // into out.header, which stays
   for (const auto& t : out.header.tensors) by_name.emplace(t.name, &t);
-  NONSTOP_RETURN_IF_ERROR(WrittenByTheOther(m, loader)
-                              ? MatchByName(reg, out.header, by_name, &out)
+  NONSTOP_RETURN_IF_ERROR(WrittenByTheOther(m, options.loader)
+                              ? MatchByName(reg, out.header, by_name, options.required, &out)
                               : MatchInOrder(reg, out.header, by_name, &out));
   // Every tensor's own CRC, from the manifest.
   for (const auto& [r, t] : out.copies) {
@@ -746,11 +759,11 @@ Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& re
 }  // namespace
 
 Status VerifyCheckpoint(const std::string& path, const StateRegistry& registry) {
-  return Check(path, registry, {}).status();
+  return Check(path, registry, LoadOptions{}).status();
 }
 
 Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegistry& registry,
-                                              std::string_view loader) {
+                                              const LoadOptions& options) {
   std::error_code ec;
   std::vector<std::string> candidates;
   LoadedCheckpoint out;
@@ -765,7 +778,7 @@ Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegis
   }
   std::sort(candidates.rbegin(), candidates.rend());  // newest first (zero-padded step numbers)
   for (const auto& path : candidates) {
-    auto checked = Check(path, registry, loader);
+    auto checked = Check(path, registry, options);
     if (!checked.ok()) {
       out.skipped.push_back(path + ": " + checked.status().message());
       continue;

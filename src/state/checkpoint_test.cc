@@ -264,8 +264,9 @@ TEST(CheckpointTest, TheOtherTrainersCheckpointIsLoadedByNameAndItsOwnCountersKe
   PythonModel p;
   // The same kind (or no loader named) wants exactly its own regions, in order.
   EXPECT_FALSE(LoadNewestCheckpoint(dir.path(), p.reg).ok());
-  EXPECT_FALSE(LoadNewestCheckpoint(dir.path(), p.reg, "test").ok());
-  auto loaded = LoadNewestCheckpoint(dir.path(), p.reg, kPythonWriter);
+  EXPECT_FALSE(LoadNewestCheckpoint(dir.path(), p.reg, {.loader = kTrainWriter}).ok());
+  const LoadOptions python{.loader = kPythonWriter, .required = {"adam.m", "w"}};
+  auto loaded = LoadNewestCheckpoint(dir.path(), p.reg, python);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   EXPECT_TRUE(loaded->by_name);
   EXPECT_EQ(p.w, a.w);
@@ -279,10 +280,11 @@ TEST(CheckpointTest, TheOtherTrainersCheckpointIsLoadedByNameAndItsOwnCountersKe
   TempDir back;
   p.w[3] = 42.0f;
   CheckpointMeta meta = Meta(13);
-  meta.recipe = std::string(kPythonWriter);
+  meta.writer = std::string(kPythonWriter);
   ASSERT_TRUE(WriteCheckpoint(back.path(), p.reg, meta, 3).ok());
   Model b;
-  loaded = LoadNewestCheckpoint(back.path(), b.reg, "test");
+  const LoadOptions train{.loader = kTrainWriter};  // required: its float regions
+  loaded = LoadNewestCheckpoint(back.path(), b.reg, train);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   EXPECT_EQ(b.w[3], 42.0f);
   EXPECT_EQ(b.step, 12);
@@ -294,7 +296,7 @@ TEST(CheckpointTest, TheOtherTrainersCheckpointIsLoadedByNameAndItsOwnCountersKe
   StateRegistry other;
   ASSERT_TRUE(other.RegisterFloats("w", w2, {30, 20}).ok());
   ASSERT_TRUE(other.RegisterValue("step", &step).ok());
-  auto refused = LoadNewestCheckpoint(back.path(), other, "test");
+  auto refused = LoadNewestCheckpoint(back.path(), other, train);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("tensor 'w' has shape [20, 30] in the checkpoint"),
             std::string::npos)
@@ -302,7 +304,7 @@ TEST(CheckpointTest, TheOtherTrainersCheckpointIsLoadedByNameAndItsOwnCountersKe
   // A parameter missing in it too.
   StateRegistry missing;
   ASSERT_TRUE(missing.RegisterFloats("v", w2, {600}).ok());
-  refused = LoadNewestCheckpoint(back.path(), missing, "test");
+  refused = LoadNewestCheckpoint(back.path(), missing, train);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("has no tensor 'v'"), std::string::npos)
       << refused.status().ToString();

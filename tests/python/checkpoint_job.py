@@ -15,6 +15,7 @@ ap.add_argument("--save-at", type=int, default=-1)
 ap.add_argument("--checkpoint-dir", default="")
 ap.add_argument("--resume", default="")
 ap.add_argument("--shard-group", type=int, default=0)
+ap.add_argument("--save-on-rank-0-only", action="store_true", help="misuse: a sharded save must be on every rank")
 args = ap.parse_args()
 
 torch.manual_seed(0)
@@ -53,7 +54,7 @@ while True:
     try:
         while step < args.steps:
             session.report_step(step, train_step(step))
-            if step == args.save_at:
+            if step == args.save_at and (session.rank == 0 or not args.save_on_rank_0_only):
                 print(session.save_checkpoint(args.checkpoint_dir), flush=True)
                 session.wait_checkpoint()
             step += 1

@@ -97,7 +97,7 @@ def test_nonstop_train_and_a_python_script_resume_each_others_checkpoints(tmp_pa
                                             "--checkpoint-dir", str(py), "--checkpoint-every", "6"])
     assert code == 0, out[-3000:]
     assert f"starting at step 4, parameter checksum {written['parameter_checksum']}" in out, out[-3000:]
-    assert "written by llama-tiny: loaded by name" in out and "optimizer step counts set to 4" in out, out[-3000:]
+    assert "written by nonstop-train: loaded by name" in out and "optimizer step counts set to 4" in out, out[-3000:]
     # And back: nonstop-train resumes from the script's checkpoint, with its bits.
     back = json.loads((py / "step-000000005" / "manifest.json").read_text())
     assert back["recipe"] == "python"
@@ -105,3 +105,41 @@ def test_nonstop_train_and_a_python_script_resume_each_others_checkpoints(tmp_pa
     assert code == 0, out[-3000:]
     assert f"written by python: loaded by name (parameters and AdamW moments), parameter checksum here " \
            f"{back['parameter_checksum']}" in out, out[-3000:]
+
+
+def as_written_by_nonstop_train(ckpt):
+    """Makes a Python checkpoint say nonstop-train wrote it (the tensor names are
+    the same): the Python package then loads it by name."""
+    for manifest in ckpt.glob("step-*/manifest.json"):
+        m = json.loads(manifest.read_text())
+        m["writer"] = "nonstop-train"
+        manifest.write_text(json.dumps(m))
+
+
+def test_a_spare_of_a_job_resumed_by_name_takes_its_state_from_its_peers(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = run_job(tmp_path, "first", RUN, ["--steps", "12", "--save-at", "9", "--checkpoint-dir", str(ckpt)],
+                    script=SCRIPT)
+    assert first.code == 0, first.output
+    as_written_by_nonstop_train(ckpt)
+    plain = run_job(tmp_path, "plain", RUN, ["--steps", "20", "--resume", str(ckpt)], script=SCRIPT)
+    assert plain.code == 0 and "loaded by name" in plain.output, plain.output[-3000:]
+    # The spare loads the checkpoint too, then copies the step it takes over from its peers: what it
+    # loaded (the AdamW step counts set from the checkpoint's step among it) must not win.
+    faulted = run_job(tmp_path, "faulted", ["--nproc", "2", "--spares", "1", "--inject", "kill:rank=1,step=14"],
+                      ["--steps", "20", "--resume", str(ckpt)], script=SCRIPT)
+    assert faulted.code == 0, faulted.output[-3000:]
+    assert final(faulted) == final(plain), "the spare trained on with its peers' state, not the checkpoint's"
+
+
+def test_a_sharded_save_on_rank_0_alone_is_refused_before_anything_is_written(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = run_job(tmp_path, "misuse", RUN_4, ["--steps", "12", "--save-at", "9", "--checkpoint-dir", str(ckpt),
+                                              "--shard-group", "2", "--save-on-rank-0-only"], script=SCRIPT,
+                  timeout=120)
+    # Whichever side sees it first: rank 0's tagged record against its peer's training, or the peer's
+    # gather against rank 0's 16-byte record. The job goes on without the rank that failed.
+    ours = "save_checkpoint with a ShardedOptimizer is a collective of the first shard group: call it on every rank"
+    transport = "the peers disagree on the sequence of collectives"
+    assert ours in job.output or transport in job.output, job.output[-3000:]
+    assert not list(ckpt.glob("step-*")), "nothing written"
