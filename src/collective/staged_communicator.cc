@@ -154,38 +154,37 @@ Status StagedCommunicator::AllReduceTree(int m, std::span<const std::vector<Tree
   });
 }
 
+Status StagedCommunicator::SendVia(const char* op, SendFn send, int to_rank, ConstRegion data) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice(op, data.device, data.device_index));
+  Communicator& host = *host_;
+  if (!OnDevice(data.device)) return (host.*send)(to_rank, data);
+  Region writable{const_cast<std::byte*>(data.data), data.bytes, data.device, data.device_index};
+  return Whole(writable, true, false, [&](std::span<std::byte> whole) {
+    return (host.*send)(to_rank, HostRegion(std::span<const std::byte>(whole)));
+  });
+}
+
+Status StagedCommunicator::RecvVia(const char* op, RecvFn recv, int from_rank, Region data) {
+  NONSTOP_RETURN_IF_ERROR(CheckDevice(op, data.device, data.device_index));
+  Communicator& host = *host_;
+  if (!OnDevice(data.device)) return (host.*recv)(from_rank, data);
+  return Whole(data, false, true, [&](std::span<std::byte> whole) {
+    return (host.*recv)(from_rank, HostRegion(whole));
+  });
+}
+
 Status StagedCommunicator::Send(int to_rank, ConstRegion data) {
-  NONSTOP_RETURN_IF_ERROR(CheckDevice("Send", data.device, data.device_index));
-  if (!OnDevice(data.device)) return host_->Send(to_rank, data);
-  Region writable{const_cast<std::byte*>(data.data), data.bytes, data.device, data.device_index};
-  return Whole(writable, true, false, [&](std::span<std::byte> whole) {
-    return host_->Send(to_rank, HostRegion(std::span<const std::byte>(whole)));
-  });
+  return SendVia("Send", static_cast<SendFn>(&Communicator::Send), to_rank, data);
 }
-
 Status StagedCommunicator::Recv(int from_rank, Region data) {
-  NONSTOP_RETURN_IF_ERROR(CheckDevice("Recv", data.device, data.device_index));
-  if (!OnDevice(data.device)) return host_->Recv(from_rank, data);
-  return Whole(data, false, true, [&](std::span<std::byte> whole) {
-    return host_->Recv(from_rank, HostRegion(whole));
-  });
+  return RecvVia("Recv", static_cast<RecvFn>(&Communicator::Recv), from_rank, data);
 }
-
 Status StagedCommunicator::SendUnchecked(int to_rank, ConstRegion data) {
-  NONSTOP_RETURN_IF_ERROR(CheckDevice("SendUnchecked", data.device, data.device_index));
-  if (!OnDevice(data.device)) return host_->SendUnchecked(to_rank, data);
-  Region writable{const_cast<std::byte*>(data.data), data.bytes, data.device, data.device_index};
-  return Whole(writable, true, false, [&](std::span<std::byte> whole) {
-    return host_->SendUnchecked(to_rank, HostRegion(std::span<const std::byte>(whole)));
-  });
+  return SendVia("SendUnchecked", static_cast<SendFn>(&Communicator::SendUnchecked), to_rank, data);
 }
-
 Status StagedCommunicator::RecvUnchecked(int from_rank, Region data) {
-  NONSTOP_RETURN_IF_ERROR(CheckDevice("RecvUnchecked", data.device, data.device_index));
-  if (!OnDevice(data.device)) return host_->RecvUnchecked(from_rank, data);
-  return Whole(data, false, true, [&](std::span<std::byte> whole) {
-    return host_->RecvUnchecked(from_rank, HostRegion(whole));
-  });
+  return RecvVia("RecvUnchecked", static_cast<RecvFn>(&Communicator::RecvUnchecked), from_rank,
+                 data);
 }
 
 }  // namespace nonstop::collective

@@ -92,6 +92,12 @@ class StagedCommunicator : public Communicator {
   template <typename HostOp>
   Status Whole(Region data, bool up, bool down, HostOp host_op);
   Result<std::span<std::byte>> Staging(size_t index, size_t bytes);
+  // Point to point, through a whole-buffer stage: `send`/`recv` is the host
+  // communicator's checked or unchecked call.
+  using SendFn = Status (Communicator::*)(int, ConstRegion);
+  using RecvFn = Status (Communicator::*)(int, Region);
+  Status SendVia(const char* op, SendFn send, int to_rank, ConstRegion data);
+  Status RecvVia(const char* op, RecvFn recv, int from_rank, Region data);
 
   std::unique_ptr<Communicator> host_;
   std::shared_ptr<DeviceCopier> copier_;
