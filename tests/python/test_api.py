@@ -129,7 +129,7 @@ class FakeCore:
         self.reports = []
 
     @staticmethod
-    def join(regions, state_step=-1, resume_from="", shard_group=0, checkpoint=()):
+    def join(regions, state_step=-1, resume_from="", shard_group=0, checkpoint=(), required=(), on_loaded=None):
         return FakeCore(regions)
 
     def report_step(self, *args):
