@@ -106,4 +106,29 @@ class StagedCommunicator : public Communicator {
       staging_;  // the copier's buffers, reused: [0], [1] pieces, [2] whole
 };
 
+// A data plane whose communicators stage one device's memory over another
+// data plane's (TCP): what a worker with CUDA state makes in place of the
+// TCP data plane alone.
+class StagedDataPlane final : public DataPlane {
+ public:
+  StagedDataPlane(std::unique_ptr<DataPlane> host, std::shared_ptr<DeviceCopier> copier,
+                  StagedOptions options = {})
+      : host_(std::move(host)), copier_(std::move(copier)), options_(options) {}
+
+  net::HostPort address() const override { return host_->address(); }
+  bool Supports(Device device) const override {
+    return device == copier_->device() || host_->Supports(device);
+  }
+  DataPlaneStats stats() const override { return host_->stats(); }
+  std::unique_ptr<Communicator> NewCommunicator(CommunicatorOptions options) override {
+    return std::make_unique<StagedCommunicator>(host_->NewCommunicator(std::move(options)), copier_,
+                                                options_);
+  }
+
+ private:
+  std::unique_ptr<DataPlane> host_;
+  std::shared_ptr<DeviceCopier> copier_;
+  StagedOptions options_;
+};
+
 }  // namespace nonstop::collective

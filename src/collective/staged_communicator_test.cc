@@ -181,6 +181,25 @@ TEST(StagedCommunicatorTest, EveryOtherCollectiveMovesDeviceMemoryAsTheHostOneDo
   });
 }
 
+TEST(StagedDataPlaneTest, SupportsTheCopiersDeviceAndMakesStagedCommunicators) {
+  net::AbortSignal abort;
+  auto listener = net::Listen({"127.0.0.1", 0});
+  ASSERT_TRUE(listener.ok());
+  const std::string address = listener->address.ToString();
+  StagedDataPlane plane(TcpDataPlane::Create({"staged-test", 0}, std::move(*listener), &abort),
+                        std::make_shared<StandInCopier>());
+  EXPECT_TRUE(plane.Supports(Device::kHost));
+  EXPECT_TRUE(plane.Supports(Device::kCuda));
+  EXPECT_EQ(plane.address().ToString(), address);
+  CommunicatorOptions o;
+  o.members = {{0, address}};
+  auto comm = plane.NewCommunicator(o);
+  ASSERT_NE(dynamic_cast<StagedCommunicator*>(comm.get()), nullptr);
+  std::vector<float> v(8, 2.0f);
+  ASSERT_TRUE(comm->AllReduce(Cuda(v), DType::kFloat32).ok()) << "a world of one";
+  EXPECT_EQ(v, std::vector<float>(8, 2.0f));
+}
+
 TEST(StagedCommunicatorTest, RefusesARegionOnAnotherDeviceAndPassesHostMemoryThrough) {
   World world;
   std::vector<float> v(16, 1.0f);
