@@ -1,5 +1,6 @@
 """The gradient buffer the data-parallel wrappers share (nonstop.torch's
-DataParallel and InvariantDataParallel, nonstop.sharded's ShardedDataParallel):
+DataParallel and InvariantDataParallel, nonstop.sharded's ShardedDataParallel, and
+nonstop.distributed's world-invariant DistributedDataParallel):
 every parameter's ``.grad`` is a view of one flat float32 buffer, so a
 reduction or a fold reads one span. Private."""
 
@@ -9,7 +10,17 @@ from typing import Any, List
 
 import torch
 
-from . import Aborted
+from . import Aborted, _check_tensor, _unique_parameters
+
+
+def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The module's parameters that require gradients, each once, checked."""
+    params = [p for p in _unique_parameters(module) if p.requires_grad]
+    if not params:
+        raise ValueError("the module has no parameters that require gradients")
+    for i, p in enumerate(params):
+        _check_tensor(p, f"parameter {i} of the module")
+    return params
 
 
 def flat_views(buffer: torch.Tensor, params: List[torch.nn.Parameter]) -> List[torch.Tensor]:

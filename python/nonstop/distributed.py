@@ -31,7 +31,7 @@ from torch._C._distributed_c10d import ProcessGroup as _TorchProcessGroup
 from torch._C._distributed_c10d import Work as _TorchWork
 
 from . import Aborted, Session, _check_tensor, _core, join
-from ._grads import flat_views, point_grads, raise_if_aborted
+from ._grads import _trainable, flat_views, point_grads, raise_if_aborted
 
 __all__ = ["DistributedDataParallel", "ProcessGroup", "destroy_process_group", "init_process_group", "step"]
 
@@ -564,11 +564,7 @@ class _InvariantDDP(DistributedDataParallel):
         if unknown:
             raise TypeError(f"DistributedDataParallel got unexpected arguments {sorted(unknown)}")
         self.module = module
-        self._params = [p for p in module.parameters() if p.requires_grad]  # each once
-        if not self._params:
-            raise ValueError("the module has no parameters that require gradients")
-        for i, p in enumerate(self._params):
-            _check_tensor(p, f"parameter {i} of the module")
+        self._params = _trainable(module)
         # Every name of every parameter (a tied weight has several): each one's leaf takes them all.
         index = {id(p): i for i, p in enumerate(self._params)}
         self._aliases = [(f"{prefix}.{name}" if prefix else name, index[id(p)])

@@ -28,20 +28,10 @@ from typing import Any, Iterator, List
 
 import torch
 
-from . import Aborted, Session, _check_tensor, _core, _unique_parameters
-from ._grads import adopt_grad, flat_views, point_grads, raise_if_aborted
+from . import Aborted, Session, _core
+from ._grads import _trainable, adopt_grad, flat_views, point_grads, raise_if_aborted
 
 __all__ = ["DataParallel", "InvariantDataParallel"]
-
-
-def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
-    """The module's parameters that require gradients, each once, checked."""
-    params = [p for p in _unique_parameters(module) if p.requires_grad]
-    if not params:
-        raise ValueError("the module has no parameters that require gradients")
-    for i, p in enumerate(params):
-        _check_tensor(p, f"parameter {i} of the module")
-    return params
 
 
 def _after_accumulation(p: torch.nn.Parameter, fn: Any) -> Any:
