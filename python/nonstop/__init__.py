@@ -328,7 +328,7 @@ class Session:
         try:
             self._core = _core.Session.join(regions, resume_from=os.fspath(resume_from) if resume_from else "",
                                             shard_group=self._shard_group, checkpoint=layout,
-                                            required=self._required_in_checkpoints(),
+                                            required=self._required_in_checkpoints() if resume_from else [],
                                             on_loaded=self._on_checkpoint_loaded)
         except _core.Cancelled as e:
             raise Released(str(e)) from None
