@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import sys
 import weakref
 from typing import Any, Callable, Deque, List, Optional
 
@@ -478,6 +479,10 @@ def step(fn: Callable[..., Any]) -> Callable[..., Any]:
             pending = _loader._outstanding()
             if pending is None or resumed > pending:
                 # Updated on before the fault, or the state copied from peers that completed the step.
+                if pending is not None:  # with this worker's share in their sum: it had reached the reduction
+                    print(f"[nonstop] epoch {_loader.sampler.epoch} step {pending}: completed by the peers whose "
+                          f"state this worker copied, its share in their sum, so not run again here (samples "
+                          f"{_loader.indices})", file=sys.stderr, flush=True)
                 _loader._drop_outstanding()
                 return None
             args, kwargs = _loader._redeal(resumed, args, kwargs)
