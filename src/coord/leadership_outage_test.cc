@@ -39,9 +39,10 @@ class LeadershipOutageTest : public ::testing::Test {
     EXPECT_TRUE(l.ok()) << l.status().ToString();
     return l.ok() ? std::move(*l) : nullptr;
   }
-  // SIGSTOPs etcd now and SIGCONTs it `after` from now, on a thread of its own.
+  // Stops etcd now (returning once it is stopped) and SIGCONTs it `after` from now, on a thread
+  // of its own.
   std::thread PauseEtcd(milliseconds after) {
-    EXPECT_EQ(::kill(server_->pid(), SIGSTOP), 0);
+    EXPECT_TRUE(nonstop::testing::StopProcess(server_->pid())) << "etcd did not stop";
     return std::thread([this, after] {
       std::this_thread::sleep_for(after);
       ::kill(server_->pid(), SIGCONT);

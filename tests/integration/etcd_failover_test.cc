@@ -384,7 +384,7 @@ TEST_F(EtcdFailoverTest,
 
 TEST_F(EtcdFailoverTest, APausedLeaderThatWakesAfterTheTakeoverStepsDownAndIsNotFollowed) {
   ASSERT_NO_FATAL_FAILURE(StartJob());
-  ASSERT_EQ(::kill(a_->pid(), SIGSTOP), 0);
+  ASSERT_TRUE(nonstop::testing::StopProcess(a_->pid()));
   int64_t stopped_us = NowWallMicros();
   ASSERT_TRUE(nonstop::testing::WaitForEvents(JournalOf("b"), "takeover", 1, milliseconds(30'000)))
       << Outputs();
@@ -456,7 +456,7 @@ TEST_F(EtcdFailoverTest,
   ASSERT_NO_FATAL_FAILURE(StartJob(40));
   const milliseconds outage(3 * 1000 * LeaseTtlS());
   int64_t step_at_pause = Events(JournalOf("a"), "step").back()["step"].get<int64_t>();
-  ASSERT_EQ(::kill(etcd_->pid(), SIGSTOP), 0);
+  ASSERT_TRUE(nonstop::testing::StopProcess(etcd_->pid()));
   int64_t stopped_us = NowWallMicros();
   bool deposed = false;
   for (auto until = std::chrono::steady_clock::now() + outage;
@@ -521,7 +521,7 @@ TEST_F(EtcdFailoverTest, ALeaderPausedPastItsLeaseWithOrdersQueuedActsOnNoneOfTh
     if (!j.value("spare", false)) victim = j["pid"].get<pid_t>();
   }
   ASSERT_GT(victim, 0);
-  ASSERT_EQ(::kill(etcd_->pid(), SIGSTOP), 0);
+  ASSERT_TRUE(nonstop::testing::StopProcess(etcd_->pid()));
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
   // a decided the recovery (its local journal says so) and holds the orders back: etcd has not
   // taken the records that describe them.
@@ -529,7 +529,7 @@ TEST_F(EtcdFailoverTest, ALeaderPausedPastItsLeaseWithOrdersQueuedActsOnNoneOfTh
       nonstop::testing::WaitForEvents(JournalOf("a"), "recovery_start", 1, milliseconds(10'000)))
       << Outputs();
   std::this_thread::sleep_for(milliseconds(200));
-  ASSERT_EQ(::kill(a_->pid(), SIGSTOP), 0);
+  ASSERT_TRUE(nonstop::testing::StopProcess(a_->pid()));
   ASSERT_EQ(::kill(etcd_->pid(), SIGCONT), 0);
   ASSERT_TRUE(nonstop::testing::WaitForEvents(JournalOf("b"), "takeover", 1, milliseconds(30'000)))
       << Outputs();

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -75,6 +76,33 @@ class ChildProcess {
   pid_t pid_ = -1;
   bool exited_ = false;
 };
+
+// SIGSTOPs `pid` and waits until every thread of it is stopped (kill() only queues the signal: a
+// busy machine may let the process answer a request or two before it stops). False when the
+// process did not stop within `timeout` or cannot be seen in /proc.
+inline bool StopProcess(pid_t pid, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  if (::kill(pid, SIGSTOP) != 0) return false;
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  for (auto until = std::chrono::steady_clock::now() + timeout;
+       std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(std::chrono::milliseconds(1))) {
+    std::error_code ec;
+    bool all = true, any = false;
+    for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+      std::ifstream in(task.path() / "stat");
+      std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      // "pid (comm) S ...": the state follows the last ')' (comm may hold one)
+      size_t close = stat.rfind(')');
+      if (close == std::string::npos || close + 2 >= stat.size()) continue;  // gone meanwhile
+      any = true;
+      char state = stat[close + 2];
+      all = all && (state == 'T' || state == 't');
+    }
+    if (ec) return false;
+    if (any && all) return true;
+  }
+  return false;
+}
 
 // The records of one kind ("step", "plan", …) in a journal; none if it cannot be read yet.
 inline std::vector<nlohmann::json> JournalEvents(const std::string& journal,
