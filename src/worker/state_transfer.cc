@@ -103,24 +103,43 @@ Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRe
 // (replicated ones: the state transfer; sharded ones: the shard exchange,
 // of shard `shard` when >= 0, read from a registry that holds every
 // shard), 0 for the others. Computed once per transfer, not per request.
+//
+// The receiver waits for every source's table before it asks for a byte, so
+// the table is the transfer's one serial pass over the state (at 11.7 GB/s a
+// core here, 92 ms for 1 GiB): it is spread over up to kTableThreads threads,
+// each taking an interleaved share of the chunks (contiguous ranges would
+// leave the regions' copied chunks to one thread). The registry is only read.
+constexpr unsigned kTableThreads = 8;
+constexpr size_t kBytesPerTableThread = size_t{16} << 20;  // smaller tables: fewer threads
+
 std::vector<uint32_t> CrcTable(const state::StateRegistry& reg, bool sharded, int shard = -1) {
   std::vector<uint32_t> table(reg.num_chunks(), 0);
-  std::vector<std::byte> buf;
-  for (uint32_t c = 0; c < reg.num_chunks(); ++c) {
-    if (reg.chunk_sharded(c) != sharded) continue;
-    std::span<const std::byte> bytes;
-    if (!(sharded && shard >= 0)) bytes = reg.ContiguousChunk(c);
-    if (bytes.empty() && reg.chunk_size(c) > 0) {
-      buf.resize(reg.chunk_size(c));
-      if (sharded && shard >= 0) {
-        reg.ReadChunkOfShard(c, shard, buf);
-      } else {
-        reg.ReadChunk(c, buf);
+  auto fill = [&](uint32_t first, uint32_t stride) {
+    std::vector<std::byte> buf;
+    for (uint32_t c = first; c < reg.num_chunks(); c += stride) {
+      if (reg.chunk_sharded(c) != sharded) continue;
+      std::span<const std::byte> bytes;
+      if (!(sharded && shard >= 0)) bytes = reg.ContiguousChunk(c);
+      if (bytes.empty() && reg.chunk_size(c) > 0) {
+        buf.resize(reg.chunk_size(c));
+        if (sharded && shard >= 0) {
+          reg.ReadChunkOfShard(c, shard, buf);
+        } else {
+          reg.ReadChunk(c, buf);
+        }
+        bytes = buf;
       }
-      bytes = buf;
+      table[c] = Crc32c(bytes.data(), bytes.size());  // each entry written by one thread
     }
-    table[c] = Crc32c(bytes.data(), bytes.size());
-  }
+  };
+  const size_t by_size = reg.total_bytes() / kBytesPerTableThread;
+  const auto threads = static_cast<uint32_t>(
+      std::max<size_t>(1, std::min<size_t>({std::max(1u, std::thread::hardware_concurrency()),
+                                            kTableThreads, by_size, reg.num_chunks()})));
+  std::vector<std::thread> helpers;
+  for (uint32_t t = 1; t < threads; ++t) helpers.emplace_back(fill, t, threads);
+  fill(0, threads);
+  for (auto& h : helpers) h.join();
   return table;
 }
 
