@@ -17,12 +17,25 @@
 // replicated bytes, so a transfer can copy the replicated chunks from anyone
 // and the sharded ones from the holders of the right shard.
 //
-// Thread-safety: not thread-safe; the training thread owns it. The regions
-// must stay valid (and not move) while registered.
+// Device memory (issue 30, docs/gpu.md): a region may live on an
+// accelerator (RegisterOnDevice). The registry reads and writes it through
+// its DeviceMemory, a piece at a time through host memory: its chunks, CRCs,
+// digest, transfers and checkpoints are byte for byte those of the same bytes
+// in host memory, so a member with CUDA state and one with host state copy
+// state from each other. Such a chunk is never contiguous (ContiguousChunk is
+// empty): the state transfer stages it. A device whose copy fails ends the
+// process (NONSTOP_CHECK, naming the region, the device and its error): a
+// device that cannot copy is a lost member, which the job recovers from.
+//
+// Thread-safety: not thread-safe; the training thread owns it, though its
+// const reads may run on several threads at once (the state transfer's CRC
+// table does) where the DeviceMemory allows it. The regions must stay valid
+// (and not move) while registered.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -34,6 +47,17 @@
 namespace nonstop::state {
 
 inline constexpr size_t kDefaultChunkBytes = 1 << 20;
+
+// An accelerator's memory, as the registry reaches it: synchronous copies to
+// and from host memory (the CUDA one: nonstop_gpu's gpu::CudaMemory).
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  virtual std::string name() const = 0;  // "cuda:0": for messages
+  // Both return once the bytes are copied; safe from several threads at once.
+  virtual Status ToHost(std::byte* host, const std::byte* device, size_t bytes) const = 0;
+  virtual Status ToDevice(std::byte* device, const std::byte* host, size_t bytes) const = 0;
+};
 
 struct Region {
   std::string name;
@@ -47,6 +71,9 @@ struct Region {
   // A shard view (RegisterShardView): the whole padded buffer, of which
   // `bytes` is the held shard's 1/G. Empty: the region is the shard's own memory.
   std::span<std::byte> whole;
+  // Where `bytes` are: null for host memory, else the device's (RegisterOnDevice). Never
+  // dereference `bytes` of a device region: read and write it through the registry.
+  std::shared_ptr<const DeviceMemory> device;
 };
 
 // held_shard() of a registry whose sharded regions hold the same bytes for
@@ -81,6 +108,19 @@ class StateRegistry {
     regions_.back().shape = {1};
     return OkStatus();
   }
+
+  // A region of `device`'s memory (`bytes` are device addresses): fp32 values
+  // of `shape` (empty: one dimension) when dtype is "F32", else raw bytes of
+  // `dtype`. Replicated: sharded state stays in host memory.
+  Status RegisterOnDevice(std::string name, std::span<std::byte> bytes,
+                          std::shared_ptr<const DeviceMemory> device, std::string dtype = "U8",
+                          std::vector<int64_t> shape = {});
+
+  // Region `index` (of regions()), wherever it lives: `out.size()` bytes from
+  // byte `offset` of it copied out, `in` copied in, its CRC-32C.
+  void ReadRegion(size_t index, uint64_t offset, std::span<std::byte> out) const;
+  void WriteRegion(size_t index, uint64_t offset, std::span<const std::byte> in);
+  uint32_t RegionCrc(size_t index) const;
 
   // Sharded regions (docs/sharding.md); every one of a registry has the same
   // group size G. RegisterShard: `shard` is this member's shard, in its own

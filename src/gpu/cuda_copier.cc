@@ -18,9 +18,8 @@ Status CudaError(cudaError_t e, const char* what) {
 
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-}  // namespace
-
-Result<std::shared_ptr<CudaCopier>> CudaCopier::Create(int device_index) {
+// OK when cuda:`device_index` exists and the driver answers.
+Status DeviceExists(int device_index) {
   int count = 0;
   if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
     return FailedPreconditionError(
@@ -30,6 +29,13 @@ Result<std::shared_ptr<CudaCopier>> CudaCopier::Create(int device_index) {
     return FailedPreconditionError(fmt::format(
         "cuda:{} does not exist: this machine has {} CUDA device(s)", device_index, count));
   }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<std::shared_ptr<CudaCopier>> CudaCopier::Create(int device_index) {
+  NONSTOP_RETURN_IF_ERROR(DeviceExists(device_index));
   auto copier = std::shared_ptr<CudaCopier>(new CudaCopier(device_index));
   NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index), "cudaSetDevice"));
   for (void*& s : copier->streams_) {
@@ -77,6 +83,39 @@ Status CudaCopier::ToDevice(int lane, std::byte* device, const std::byte* host, 
 
 Status CudaCopier::Wait(int lane) {
   return CudaError(cudaStreamSynchronize(Stream(streams_[lane & 1])), "cudaStreamSynchronize");
+}
+
+Result<std::shared_ptr<CudaMemory>> CudaMemory::Create(int device_index) {
+  NONSTOP_RETURN_IF_ERROR(DeviceExists(device_index));
+  return std::shared_ptr<CudaMemory>(new CudaMemory(device_index));
+}
+
+CudaMemory::~CudaMemory() {
+  cudaSetDevice(device_index_);
+  for (void* p : allocated_) cudaFree(p);
+}
+
+Result<std::span<std::byte>> CudaMemory::Allocate(size_t bytes) {
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
+  void* p = nullptr;
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaMalloc(&p, bytes), "cudaMalloc"));
+  std::lock_guard lock(mu_);
+  allocated_.push_back(p);
+  return std::span<std::byte>(static_cast<std::byte*>(p), bytes);
+}
+
+std::string CudaMemory::name() const { return fmt::format("cuda:{}", device_index_); }
+
+Status CudaMemory::ToHost(std::byte* host, const std::byte* device, size_t bytes) const {
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
+  return CudaError(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost),
+                   "cudaMemcpy to the host");
+}
+
+Status CudaMemory::ToDevice(std::byte* device, const std::byte* host, size_t bytes) const {
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
+  return CudaError(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice),
+                   "cudaMemcpy to the device");
 }
 
 Status CheckDevice(int device_index) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "collective/staged_communicator.h"
+#include "nonstop/state.h"
 
 namespace nonstop::gpu {
 
@@ -33,6 +34,28 @@ class CudaCopier : public collective::DeviceCopier {
   void* streams_[2] = {nullptr, nullptr};  // cudaStream_t, kept out of this header
   std::mutex mu_;
   std::vector<void*> pinned_;  // freed with the copier
+};
+
+// One device's memory as the state registry reaches it (nonstop/state.h's
+// DeviceMemory): synchronous cudaMemcpy from whichever thread asks (the
+// state transfer's run on several). Allocate hands out device memory that is
+// freed with this object (the test worker's state).
+class CudaMemory final : public state::DeviceMemory {
+ public:
+  // FAILED_PRECONDITION as CudaCopier::Create says.
+  static Result<std::shared_ptr<CudaMemory>> Create(int device_index);
+  ~CudaMemory() override;
+
+  Result<std::span<std::byte>> Allocate(size_t bytes);
+  std::string name() const override;
+  Status ToHost(std::byte* host, const std::byte* device, size_t bytes) const override;
+  Status ToDevice(std::byte* device, const std::byte* host, size_t bytes) const override;
+
+ private:
+  explicit CudaMemory(int device_index) : device_index_(device_index) {}
+  int device_index_;
+  std::mutex mu_;
+  std::vector<void*> allocated_;  // freed with this object
 };
 
 // A health check of a device before it is trusted with state (a spare's

@@ -12,6 +12,9 @@
 
 #include <fmt/format.h>
 
+#include "common/crc32c.h"
+#include "state/state_registry.h"
+
 namespace nonstop::gpu {
 namespace {
 
@@ -46,6 +49,33 @@ TEST(CudaCopierTest, APieceGoesUpAndComesBackOnBothLanes) {
   ASSERT_TRUE(copier->Wait(1).ok());
   EXPECT_EQ(std::memcmp(host->data(), in.data(), n), 0);
   cudaFree(d);
+}
+
+// Issue 30: state on the GPU registered like host state; its chunks, digest and writes are those
+// of the same bytes in host memory.
+TEST(CudaMemoryTest, StateOnTheGpuReadsAndWritesLikeTheSameBytesInHostMemory) {
+  auto memory = CudaMemory::Create(0);
+  if (!memory.ok())
+    GTEST_SKIP() << "no CUDA device here (" << memory.status().ToString()
+                 << "): this test runs on a GPU machine (ctest -L gpu)";
+  std::vector<float> host(100'000);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = 0.5f * static_cast<float>(i);
+  auto dev = (*memory)->Allocate(host.size() * sizeof(float));
+  ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+  state::StateRegistry on_gpu(64 << 10), on_host(64 << 10);
+  ASSERT_TRUE(on_gpu.RegisterOnDevice("w", *dev, *memory, "F32").ok());
+  ASSERT_TRUE(on_host.RegisterFloats("w", host).ok());
+  on_gpu.WriteRegion(0, 0, std::as_bytes(std::span(host)));
+  EXPECT_EQ(on_gpu.Digest(), on_host.Digest());
+  EXPECT_TRUE(on_gpu.ContiguousChunk(0).empty());
+  std::vector<std::byte> chunk(on_host.chunk_size(1));
+  on_host.ReadChunk(1, chunk);
+  for (auto& b : chunk) b ^= std::byte{0xFF};
+  ASSERT_TRUE(on_gpu.WriteChunk(1, chunk, Crc32c(chunk.data(), chunk.size())).ok());
+  std::vector<std::byte> back(chunk.size());
+  on_gpu.ReadChunk(1, back);
+  EXPECT_EQ(back, chunk);
+  EXPECT_EQ((*memory)->name(), "cuda:0");
 }
 
 TEST(CudaCopierTest, ADeviceThatDoesNotExistIsNamed) {

@@ -110,10 +110,12 @@ Snapshot TakeSnapshot(const StateRegistry& reg, const CheckpointMeta& meta) {
   s.data.resize(reg.total_bytes());
   nlohmann::json tensors = nlohmann::json::object();
   size_t offset = 0;
-  for (const auto& r : reg.regions()) {
-    std::memcpy(s.data.data() + offset, r.bytes.data(), r.bytes.size());
+  for (size_t i = 0; i < reg.regions().size(); ++i) {
+    const Region& r = reg.regions()[i];
+    std::span<std::byte> to(reinterpret_cast<std::byte*>(s.data.data()) + offset, r.bytes.size());
+    reg.ReadRegion(i, 0, to);  // device memory too
     tensors[r.name] = {{"bytes", r.bytes.size()},
-                       {"crc32c", fmt::format("{:08x}", Crc32c(r.bytes.data(), r.bytes.size()))}};
+                       {"crc32c", fmt::format("{:08x}", Crc32c(to.data(), to.size()))}};
     offset += r.bytes.size();
   }
   s.manifest = {
@@ -784,8 +786,10 @@ Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegis
       continue;
     }
     for (const auto& [r, t] : checked->copies) {
-      std::memcpy(r->bytes.data(), checked->file.data() + checked->data_offset + t->begin,
-                  r->bytes.size());
+      const auto* from = reinterpret_cast<const std::byte*>(checked->file.data() +
+                                                            checked->data_offset + t->begin);
+      registry.WriteRegion(static_cast<size_t>(r - registry.regions().data()), 0,
+                           std::span(from, r->bytes.size()));  // device memory too
     }
     out.by_name = checked->by_name;
     out.kept = std::move(checked->kept);

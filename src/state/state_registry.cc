@@ -1,6 +1,8 @@
 #include "state/state_registry.h"
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -9,7 +11,64 @@
 
 namespace nonstop::state {
 
-namespace {}
+namespace {
+
+// A device's copy that failed ends the process (nonstop/state.h says why).
+void CheckCopy(const Status& s, const Region& r, const char* what) {
+  NONSTOP_CHECK(s.ok()) << "state region '" << r.name << "' on " << r.device->name() << ": " << what
+                        << " failed: " << s.ToString();
+}
+
+// `n` bytes at `src`, which lie in region `r`, copied to host memory at `out`.
+void CopyToHost(const Region& r, const std::byte* src, std::byte* out, size_t n) {
+  if (r.device == nullptr) {
+    std::memcpy(out, src, n);
+    return;
+  }
+  CheckCopy(r.device->ToHost(out, src, n), r, "a copy to the host");
+}
+
+// `n` host bytes at `in` copied to `dst`, which lies in region `r`.
+void CopyFromHost(const Region& r, std::byte* dst, const std::byte* in, size_t n) {
+  if (r.device == nullptr) {
+    std::memcpy(dst, in, n);
+    return;
+  }
+  CheckCopy(r.device->ToDevice(dst, in, n), r, "a copy to the device");
+}
+
+// `crc` extended over `n` bytes at `src` in region `r` (device bytes a piece at a time).
+uint32_t ExtendCrc(uint32_t crc, const Region& r, const std::byte* src, size_t n) {
+  if (r.device == nullptr) return Crc32cExtend(crc, src, n);
+  constexpr size_t kPiece = size_t{1} << 20;
+  std::vector<std::byte> buf(std::min(n, kPiece));
+  for (size_t at = 0; at < n; at += kPiece) {
+    const size_t take = std::min(kPiece, n - at);
+    CopyToHost(r, src + at, buf.data(), take);
+    crc = Crc32cExtend(crc, buf.data(), take);
+  }
+  return crc;
+}
+
+// INVALID_ARGUMENT when `shape` (empty: any) does not hold `elements` values.
+Status CheckShape(const std::string& name, const std::vector<int64_t>& shape, uint64_t elements) {
+  uint64_t product = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || (d != 0 && product > UINT64_MAX / static_cast<uint64_t>(d))) {
+      product = UINT64_MAX;
+      break;
+    }
+    product *= static_cast<uint64_t>(d);
+  }
+  if (!shape.empty() && product != elements) {
+    return InvalidArgumentError(
+        fmt::format("state region '{}' has shape [{}], which is not its {} values", name,
+                    fmt::join(shape, ", "), elements));
+  }
+  return OkStatus();
+}
+
+}  // namespace
 
 Status StateRegistry::AddRegion(std::string name, std::span<std::byte> bytes) {
   for (const auto& r : regions_) {
@@ -159,24 +218,64 @@ Status StateRegistry::RegisterFloats(std::string name, std::span<float> values,
                                      std::vector<int64_t> shape) {
   // Checkpoints describe the region by this shape, and loading checks it
   // against the bytes: a shape that disagrees would make every checkpoint unloadable.
-  uint64_t elements = 1;
-  for (int64_t d : shape) {
-    if (d < 0 || (d != 0 && elements > UINT64_MAX / static_cast<uint64_t>(d))) {
-      elements = UINT64_MAX;
-      break;
-    }
-    elements *= static_cast<uint64_t>(d);
-  }
-  if (!shape.empty() && elements != values.size()) {
-    return InvalidArgumentError(
-        fmt::format("state region '{}' has shape [{}], which is not its {} values", name,
-                    fmt::join(shape, ", "), values.size()));
-  }
+  NONSTOP_RETURN_IF_ERROR(CheckShape(name, shape, values.size()));
   NONSTOP_RETURN_IF_ERROR(Register(std::move(name), std::as_writable_bytes(values)));
   regions_.back().dtype = "F32";
   regions_.back().shape =
       shape.empty() ? std::vector<int64_t>{static_cast<int64_t>(values.size())} : std::move(shape);
   return OkStatus();
+}
+
+Status StateRegistry::RegisterOnDevice(std::string name, std::span<std::byte> bytes,
+                                       std::shared_ptr<const DeviceMemory> device,
+                                       std::string dtype, std::vector<int64_t> shape) {
+  if (device == nullptr) {
+    return InvalidArgumentError(fmt::format(
+        "state region '{}': RegisterOnDevice without a device (host memory is Register's)", name));
+  }
+  if (dtype == "F32") {
+    if (bytes.size() % sizeof(float) != 0) {
+      return InvalidArgumentError(
+          fmt::format("state region '{}' on {}: {} bytes are not a whole number of F32 values",
+                      name, device->name(), bytes.size()));
+    }
+    NONSTOP_RETURN_IF_ERROR(CheckShape(name, shape, bytes.size() / sizeof(float)));
+    if (shape.empty()) shape = {static_cast<int64_t>(bytes.size() / sizeof(float))};
+  } else if (dtype == "U8") {
+    NONSTOP_RETURN_IF_ERROR(CheckShape(name, shape, bytes.size()));
+  } else {
+    return InvalidArgumentError(
+        fmt::format("state region '{}' on {}: dtype {} is not taken on a device (F32 or U8 are)",
+                    name, device->name(), dtype));
+  }
+  NONSTOP_RETURN_IF_ERROR(AddRegion(std::move(name), bytes));
+  Region& r = regions_.back();
+  r.dtype = std::move(dtype);
+  r.shape = std::move(shape);
+  r.device = std::move(device);
+  chunks_ = Tiling(chunk_bytes_);
+  return OkStatus();
+}
+
+void StateRegistry::ReadRegion(size_t index, uint64_t offset, std::span<std::byte> out) const {
+  const Region& r = regions_.at(index);
+  NONSTOP_CHECK(offset <= r.bytes.size() && out.size() <= r.bytes.size() - offset)
+      << "bytes [" << offset << ", +" << out.size() << ") of region '" << r.name << "' of "
+      << r.bytes.size();
+  CopyToHost(r, r.bytes.data() + offset, out.data(), out.size());
+}
+
+void StateRegistry::WriteRegion(size_t index, uint64_t offset, std::span<const std::byte> in) {
+  const Region& r = regions_.at(index);
+  NONSTOP_CHECK(offset <= r.bytes.size() && in.size() <= r.bytes.size() - offset)
+      << "bytes [" << offset << ", +" << in.size() << ") of region '" << r.name << "' of "
+      << r.bytes.size();
+  CopyFromHost(r, r.bytes.data() + offset, in.data(), in.size());
+}
+
+uint32_t StateRegistry::RegionCrc(size_t index) const {
+  const Region& r = regions_.at(index);
+  return ExtendCrc(0, r, r.bytes.data(), r.bytes.size());
 }
 
 // Walks the regions that overlap [offset, offset + n) of the concatenated
@@ -192,7 +291,7 @@ static void ForEachSpan(const std::vector<Region>& regions, uint64_t offset, siz
     if (offset + done < end && done < n) {
       uint64_t in_region = offset + done - base;
       size_t take = static_cast<size_t>(std::min<uint64_t>(end - (offset + done), n - done));
-      f(bytes.data() + in_region, done, take);
+      f(r, bytes.data() + in_region, done, take);
       done += take;
     }
     base = end;
@@ -210,7 +309,9 @@ void StateRegistry::ReadChunkOfShard(uint32_t index, int shard, std::span<std::b
   NONSTOP_CHECK_EQ(out.size(), chunks_[index].size);
   ForEachSpan(
       regions_, chunks_[index].offset, out.size(),
-      [&](const std::byte* src, size_t at, size_t n) { std::memcpy(out.data() + at, src, n); },
+      [&](const Region& r, const std::byte* src, size_t at, size_t n) {
+        CopyToHost(r, src, out.data() + at, n);
+      },
       [&](const Region& r) {
         return r.whole.empty()
                    ? r.bytes
@@ -219,14 +320,17 @@ void StateRegistry::ReadChunkOfShard(uint32_t index, int shard, std::span<std::b
 }
 
 void StateRegistry::CopyOut(uint64_t offset, std::span<std::byte> out) const {
-  ForEachSpan(regions_, offset, out.size(), [&](const std::byte* src, size_t at, size_t n) {
-    std::memcpy(out.data() + at, src, n);
-  });
+  ForEachSpan(regions_, offset, out.size(),
+              [&](const Region& r, const std::byte* src, size_t at, size_t n) {
+                CopyToHost(r, src, out.data() + at, n);
+              });
 }
 
 void StateRegistry::CopyIn(uint64_t offset, std::span<const std::byte> in) {
   ForEachSpan(regions_, offset, in.size(),
-              [&](std::byte* dst, size_t at, size_t n) { std::memcpy(dst, in.data() + at, n); });
+              [&](const Region& r, std::byte* dst, size_t at, size_t n) {
+                CopyFromHost(r, dst, in.data() + at, n);
+              });
 }
 
 ChunkInfo StateRegistry::Chunk(uint32_t index) const {
@@ -237,7 +341,9 @@ ChunkInfo StateRegistry::Chunk(uint32_t index) const {
   c.sharded = chunks_[index].sharded;
   uint32_t crc = 0;
   ForEachSpan(regions_, c.offset, c.size,
-              [&](const std::byte* src, size_t, size_t n) { crc = Crc32cExtend(crc, src, n); });
+              [&](const Region& r, const std::byte* src, size_t, size_t n) {
+                crc = ExtendCrc(crc, r, src, n);
+              });
   c.crc = crc;
   return c;
 }
@@ -259,9 +365,9 @@ std::span<std::byte> StateRegistry::ContiguousChunk(uint32_t index) {
   std::span<std::byte> out;
   int spans = 0;
   ForEachSpan(regions_, chunks_[index].offset, chunks_[index].size,
-              [&](std::byte* p, size_t, size_t n) {
+              [&](const Region& r, std::byte* p, size_t, size_t n) {
                 out = std::span<std::byte>(p, n);
-                ++spans;
+                spans += r.device == nullptr ? 1 : 2;  // device bytes are staged, never in place
               });
   if (spans != 1) return {};
   return out;
@@ -294,7 +400,9 @@ Status StateRegistry::WriteChunk(uint32_t index, std::span<const std::byte> data
 std::string StateRegistry::Digest() const {
   uint32_t crc = 0;
   ForEachSpan(regions_, 0, total_bytes_,
-              [&](const std::byte* src, size_t, size_t n) { crc = Crc32cExtend(crc, src, n); });
+              [&](const Region& r, const std::byte* src, size_t, size_t n) {
+                crc = ExtendCrc(crc, r, src, n);
+              });
   return fmt::format("{:08x}", crc);
 }
 

@@ -78,8 +78,7 @@ ReplicaRecord RecordOf(const state::StateRegistry& reg, int64_t step) {
   r.step = step;
   r.held_shard = reg.held_shard();
   r.region_crcs.reserve(reg.regions().size());
-  for (const state::Region& region : reg.regions())
-    r.region_crcs.push_back(Crc32c(region.bytes.data(), region.bytes.size()));
+  for (size_t i = 0; i < reg.regions().size(); ++i) r.region_crcs.push_back(reg.RegionCrc(i));
   return r;
 }
 

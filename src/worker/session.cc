@@ -721,13 +721,17 @@ class SessionImpl {
   // check sees). The region is f.tensor, or the first fp32 one.
   void FlipABit(const control::FaultSpec& f) {
     std::vector<std::string> names;
-    for (const state::Region& r : state_->regions()) {
+    for (size_t i = 0; i < state_->regions().size(); ++i) {
+      const state::Region& r = state_->regions()[i];
       names.push_back(r.name);
       const bool chosen = f.tensor.empty() ? r.dtype == "F32" : r.name == f.tensor;
       if (!chosen || r.bytes.empty()) continue;
       // byte 2 (bits 16-23, little-endian) of the middle element; a region under 4 bytes: its last
       const size_t at = std::min(r.bytes.size() / 8 * 4 + 2, r.bytes.size() - 1);
-      r.bytes[at] ^= std::byte{2};
+      std::byte b[1];
+      state_->ReadRegion(i, at, b);  // device memory too
+      b[0] ^= std::byte{2};
+      state_->WriteRegion(i, at, b);
       NONSTOP_LOG_WARNING("bitflip: flipped a bit of '{}' at byte {} of {}", r.name, at,
                           r.bytes.size());
       return;

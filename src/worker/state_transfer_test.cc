@@ -17,6 +17,7 @@
 #include "common/coding.h"
 #include "common/crc32c.h"
 #include "net/socket.h"
+#include "state/protected_device_testing.h"
 
 namespace nonstop::worker {
 namespace {
@@ -176,28 +177,47 @@ void ExpectEveryRankRefuses(const std::vector<Result<TransferOutcome>>& out, Sta
 // One rank of an unsharded state: a step counter, a few small buffers and a
 // large one, so that with 1 KiB chunks some chunks span regions (copied
 // through a buffer) and most lie in one (received in place).
+// With `device`, "large" lives on that stand-in device (issue 30) and `large`
+// is only where Fill builds its values.
 struct PlainRank {
-  explicit PlainRank(uint32_t seed) : small(600), large(20'000), reg(1024) {
+  explicit PlainRank(uint32_t seed, std::shared_ptr<state::ProtectedDevice> on = nullptr)
+      : small(600), large(20'000), reg(1024), device(std::move(on)) {
     NONSTOP_CHECK(reg.RegisterValue("step", &step).ok());
     NONSTOP_CHECK(reg.RegisterFloats("small", small).ok());
-    NONSTOP_CHECK(reg.RegisterFloats("large", large).ok());
+    if (device) {
+      large_on_device = device->Allocate(large.size() * sizeof(float));
+      NONSTOP_CHECK(reg.RegisterOnDevice("large", large_on_device, device, "F32").ok());
+    } else {
+      NONSTOP_CHECK(reg.RegisterFloats("large", large).ok());
+    }
     Fill(seed);
   }
   void Fill(uint32_t seed) {
     step = seed;
     for (size_t i = 0; i < small.size(); ++i) small[i] = static_cast<float>(seed * 7 + i);
     for (size_t i = 0; i < large.size(); ++i) large[i] = static_cast<float>(seed) + 0.5f * i;
+    if (device) reg.WriteRegion(2, 0, std::as_bytes(std::span(large)));
+  }
+  // "large" as the state holds it, wherever it lives
+  std::vector<float> Large() const {
+    std::vector<float> out(large.size());
+    reg.ReadRegion(2, 0, std::as_writable_bytes(std::span(out)));
+    return out;
   }
   int64_t step = 0;
   std::vector<float> small, large;
   state::StateRegistry reg;
+  std::shared_ptr<state::ProtectedDevice> device;
+  std::span<std::byte> large_on_device;
   std::string address;
   net::AbortSignal abort;
   std::unique_ptr<collective::DataPlane> plane;
   std::unique_ptr<collective::Communicator> comm;
 };
 
-std::vector<std::unique_ptr<PlainRank>> MakePlainRanks(int n, Millis timeout = Millis(30'000)) {
+// `on_device[r]`: rank r's "large" on a stand-in device.
+std::vector<std::unique_ptr<PlainRank>> MakePlainRanks(int n, Millis timeout = Millis(30'000),
+                                                       std::vector<bool> on_device = {}) {
   std::vector<net::Listener> listeners;
   std::vector<collective::Member> members;
   for (int r = 0; r < n; ++r) {
@@ -209,7 +229,10 @@ std::vector<std::unique_ptr<PlainRank>> MakePlainRanks(int n, Millis timeout = M
   std::vector<std::unique_ptr<PlainRank>> ranks;
   for (int r = 0; r < n; ++r) {
     // rank 0 (the receiver) starts with other values than the sources
-    auto rank = std::make_unique<PlainRank>(r == 0 ? 1 : 9);
+    const bool device =
+        static_cast<size_t>(r) < on_device.size() && on_device[static_cast<size_t>(r)];
+    auto rank = std::make_unique<PlainRank>(
+        r == 0 ? 1 : 9, device ? std::make_shared<state::ProtectedDevice>() : nullptr);
     rank->address = members[static_cast<size_t>(r)].address;
     rank->plane = collective::TcpDataPlane::Create(
         {kToken, r}, std::move(listeners[static_cast<size_t>(r)]), &rank->abort);
@@ -275,6 +298,26 @@ TEST(RunStateTransfersTest, ACopyFromOneOrThreeSourcesIsTheSourcesStateBitForBit
     EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest()) << sources << " source(s)";
     EXPECT_EQ(ranks[0]->step, 9);
     EXPECT_EQ(ranks[0]->large, ranks[1]->large);
+  }
+}
+
+// Issue 30: a member with its state on a device copies it from members whose state is in host
+// memory or on a device, and serves it to them, bit for bit (the chunks are staged).
+TEST(RunStateTransfersTest, StateOnADeviceIsCopiedFromAndToHostStateBitForBit) {
+  for (std::vector<bool> on_device :
+       {std::vector<bool>{true, false, true}, {false, true, true}, {true, true, false}}) {
+    auto ranks = MakePlainRanks(3, Millis(30'000), on_device);
+    ASSERT_NE(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
+    auto out = CopyAll(ranks);
+    for (size_t r = 0; r < out.size(); ++r)
+      ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+    EXPECT_EQ(out[0]->bytes_received, ranks[0]->reg.total_bytes());
+    EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
+    EXPECT_EQ(ranks[0]->step, 9);
+    EXPECT_EQ(ranks[0]->Large(), ranks[1]->Large());
+    for (const auto& rank : ranks) {
+      if (rank->device) EXPECT_GT(rank->device->copies(), 0);
+    }
   }
 }
 

@@ -1,0 +1,150 @@
+// Device regions in the state registry (nonstop/state.h, issue 30): through a
+// stand-in device whose memory this process cannot touch
+// (protected_device_testing.h), so that reading a device region's bytes in
+// place instead of through its DeviceMemory crashes the test.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "common/crc32c.h"
+#include "common/temp_dir.h"
+#include "state/checkpoint.h"
+#include "state/protected_device_testing.h"
+#include "state/state_registry.h"
+
+namespace nonstop::state {
+namespace {
+
+// "w" (fp32, 3000 values) and a step counter; w on the stand-in device or in host memory.
+struct Model {
+  explicit Model(std::shared_ptr<ProtectedDevice> device = nullptr) : reg(1024) {
+    std::vector<float> init(3000);
+    std::iota(init.begin(), init.end(), 0.25f);
+    if (device) {
+      w_device = device->Allocate(init.size() * sizeof(float));
+      NONSTOP_CHECK(device
+                        ->ToDevice(w_device.data(), reinterpret_cast<std::byte*>(init.data()),
+                                   w_device.size())
+                        .ok());
+      NONSTOP_CHECK(reg.RegisterOnDevice("w", w_device, device, "F32", {30, 100}).ok());
+    } else {
+      w_host = init;
+      NONSTOP_CHECK(reg.RegisterFloats("w", w_host, {30, 100}).ok());
+    }
+    NONSTOP_CHECK(reg.RegisterValue("step", &step).ok());
+  }
+  std::vector<float> W() const {
+    std::vector<float> out(3000);
+    reg.ReadRegion(0, 0, std::as_writable_bytes(std::span(out)));
+    return out;
+  }
+  std::span<std::byte> w_device;
+  std::vector<float> w_host;
+  int64_t step = 7;
+  StateRegistry reg;
+};
+
+TEST(DeviceRegionTest, ChunksDigestAndReadsAreThoseOfTheSameBytesInHostMemory) {
+  auto device = std::make_shared<ProtectedDevice>();
+  Model on_device(device), on_host;
+  ASSERT_EQ(on_device.reg.num_chunks(), on_host.reg.num_chunks());
+  EXPECT_EQ(on_device.reg.Digest(), on_host.reg.Digest());
+  auto a = on_device.reg.Chunks(), b = on_host.reg.Chunks();
+  for (size_t c = 0; c < a.size(); ++c) {
+    EXPECT_EQ(a[c].crc, b[c].crc) << "chunk " << c;
+    std::vector<std::byte> x(a[c].size), y(b[c].size);
+    on_device.reg.ReadChunk(static_cast<uint32_t>(c), x);
+    on_host.reg.ReadChunk(static_cast<uint32_t>(c), y);
+    EXPECT_EQ(x, y) << "chunk " << c;
+  }
+  EXPECT_EQ(on_device.reg.RegionCrc(0), on_host.reg.RegionCrc(0));
+  EXPECT_GT(device->copies(), 0);
+}
+
+TEST(DeviceRegionTest, ADeviceChunkIsNeverContiguousAndWriteChunkLandsOnTheDevice) {
+  auto device = std::make_shared<ProtectedDevice>();
+  Model on_device(device), on_host;
+  for (uint32_t c = 0; c < on_device.reg.num_chunks(); ++c) {
+    // w's chunks are on the device: staged, never handed out in place
+    const bool in_w = on_device.reg.Chunks()[c].offset < 12'000;
+    EXPECT_EQ(on_device.reg.ContiguousChunk(c).empty(), in_w || c + 1 == on_device.reg.num_chunks())
+        << "chunk " << c;
+  }
+  // chunk 1 from another state, written in: the device's memory holds it
+  std::vector<float> other(256, -3.5f);
+  auto bytes = std::as_bytes(std::span(other));
+  ASSERT_TRUE(on_device.reg.WriteChunk(1, bytes, Crc32c(bytes.data(), bytes.size())).ok());
+  std::vector<float> w = on_device.W();
+  EXPECT_EQ(w[255], 255.25f);
+  EXPECT_EQ(w[256], -3.5f);
+  EXPECT_EQ(w[511], -3.5f);
+  EXPECT_EQ(w[512], 512.25f);
+  // a chunk that fails its checksum changes nothing
+  std::vector<float> bad(256, 9.0f);
+  auto bad_bytes = std::as_bytes(std::span(bad));
+  EXPECT_EQ(on_device.reg.WriteChunk(2, bad_bytes, 1234).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(on_device.W()[600], 600.25f);
+}
+
+TEST(DeviceRegionTest, RegisteringOnADeviceRefusesWhatItCannotDescribe) {
+  auto device = std::make_shared<ProtectedDevice>();
+  StateRegistry reg;
+  std::span<std::byte> mem = device->Allocate(4096);
+  auto no_device = reg.RegisterOnDevice("a", mem, nullptr);
+  EXPECT_EQ(no_device.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_device.message().find("without a device"), std::string::npos);
+  auto odd = reg.RegisterOnDevice("a", mem.first(4095), device, "F32");
+  EXPECT_NE(odd.message().find("4095 bytes are not a whole number of F32 values"),
+            std::string::npos)
+      << odd.message();
+  auto shape = reg.RegisterOnDevice("a", mem, device, "F32", {10, 10});
+  EXPECT_NE(shape.message().find("shape [10, 10], which is not its 1024 values"), std::string::npos)
+      << shape.message();
+  auto dtype = reg.RegisterOnDevice("a", mem, device, "BF16");
+  EXPECT_NE(dtype.message().find("dtype BF16 is not taken on a device (F32 or U8 are)"),
+            std::string::npos)
+      << dtype.message();
+  EXPECT_TRUE(reg.regions().empty());
+  EXPECT_TRUE(reg.RegisterOnDevice("a", mem, device).ok());
+  EXPECT_EQ(reg.total_bytes(), 4096u);
+}
+
+TEST(DeviceRegionTest, ACheckpointOfDeviceStateLoadsOnTheDeviceOrInHostMemory) {
+  TempDir dir;
+  auto device = std::make_shared<ProtectedDevice>();
+  Model saved(device);
+  saved.step = 12;
+  {
+    CheckpointWriter writer(dir.path(), 2);
+    CheckpointMeta meta;
+    meta.step = 12;
+    meta.recipe = "test";
+    ASSERT_TRUE(writer.Save(saved.reg, meta).ok());
+    ASSERT_TRUE(writer.Wait().ok());
+  }
+  Model to_device(device), to_host;
+  std::vector<float> zeros(3000, 0.0f);
+  to_device.reg.WriteRegion(0, 0, std::as_bytes(std::span(zeros)));
+  to_host.w_host.assign(3000, 0.0f);
+  for (Model* m : {&to_device, &to_host}) {
+    auto loaded = LoadNewestCheckpoint(dir.path(), m->reg);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    EXPECT_EQ(m->step, 12);
+    EXPECT_EQ(m->W(), saved.W());
+    EXPECT_EQ(m->reg.Digest(), saved.reg.Digest());
+  }
+}
+
+TEST(DeviceRegionTest, ADeviceThatCannotCopyEndsTheProcessNamingTheRegionAndDevice) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto device = std::make_shared<ProtectedDevice>();
+  Model m(device);
+  device->set_broken(true);
+  EXPECT_DEATH((void)m.reg.Digest(),
+               "state region 'w' on stand-in:0: a copy to the host failed: .*broken");
+}
+
+}  // namespace
+}  // namespace nonstop::state
