@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "common/crc32c.h"
 #include "common/temp_dir.h"
 #include "controller/journal.h"
 #include "net/ipv6_testing.h"
@@ -180,6 +181,62 @@ TEST(RunIntegrationTest, KilledWorkerIsNamedAndReplacedWhileTheJobGoesOn) {
   ASSERT_EQ(ends.size(), 1u) << out;
   EXPECT_EQ(ends[0]["recovery"]["outcome"], "completed");
   EXPECT_EQ(ends[0]["recovery"]["lost_steps"], 0);
+}
+
+// The checksum nonstop-test-worker ends on after `steps` steps of `elements` (its top comment):
+// the same at any world size and after any recovery, computed here on its own.
+std::string TestWorkerChecksum(int64_t steps, size_t elements) {
+  std::vector<float> acc(elements, 0.0f);
+  for (int64_t s = 0; s < steps; ++s) {
+    for (size_t i = 0; i < elements; ++i) {
+      float sum = 0;
+      for (uint64_t item = 0; item < 12; ++item)
+        sum += static_cast<float>((static_cast<uint64_t>(s) * 31 + item * 7 + i) % 7);
+      acc[i] += sum;
+    }
+  }
+  return fmt::format("{:08x}", Crc32c(acc.data(), acc.size() * sizeof(float)));
+}
+
+// Issue 30: the state on a device (the stand-in for a GPU that machines without one run): a kill
+// with a spare is recovered, the spare's state copied into its device memory, and the job ends on
+// the checksum of a job without a fault.
+TEST(RunIntegrationTest, StateOnADeviceIsRecoveredIntoTheSparesDeviceMemoryBitwise) {
+  TempDir dir;
+  std::string journal = dir / "journal.jsonl";
+  ChildProcess run({kBin + "/nonstop",
+                    "run",
+                    "--nproc",
+                    "4",
+                    "--spares",
+                    "1",
+                    "--journal",
+                    journal,
+                    "--inject",
+                    "kill:rank=2,step=12",
+                    "--",
+                    kBin + "/nonstop-test-worker",
+                    "--steps",
+                    "30",
+                    "--elements",
+                    "100003",
+                    "--sleep-ms",
+                    "10",
+                    "--device",
+                    "stand-in"},
+                   dir / "out.txt");
+  int code = run.Wait(milliseconds(90'000));
+  std::string out = run.Output();
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("built its state on stand-in:0"), std::string::npos) << out;
+  auto ends = Events(journal, "recovery_end");
+  ASSERT_EQ(ends.size(), 1u) << out;
+  EXPECT_EQ(ends[0]["recovery"]["outcome"], "completed") << ends[0].dump();
+  // the spare took the state of step 11 into its device memory
+  EXPECT_GE(ends[0]["recovery"]["bytes_copied"].get<int64_t>(), 100003 * 4) << ends[0].dump();
+  auto finished = Events(journal, "finished");
+  ASSERT_EQ(finished.size(), 4u) << out;
+  for (const auto& f : finished) EXPECT_EQ(f["checksum"], TestWorkerChecksum(30, 100003)) << out;
 }
 
 TEST(RunIntegrationTest, LosingTheOnlyHolderOfTheStateEndsTheJobNonZeroWithAReason) {

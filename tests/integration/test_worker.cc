@@ -5,6 +5,13 @@
 // accumulator adds the result. Every value is a small integer, so sums are
 // exact in any order: the final checksum is the same at any world size and
 // after any recovery, and differs if a step is lost or applied twice.
+//
+// --device puts the accumulator on a device (issue 30, docs/gpu.md): cuda (the
+// GPU cuda:0) or stand-in (host memory this process reaches only through
+// copies, for machines without a GPU). The state then lives there: each step
+// reads it from the device, adds the step's sum and writes it back (no
+// kernel: the sum is made on the host), so a state copied in by a recovery
+// is what the next step builds on, and the checksum is of the device's bytes.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -22,6 +29,10 @@
 #include "common/crc32c.h"
 #include "nonstop/data.h"
 #include "nonstop/session.h"
+#include "state/protected_device_testing.h"
+#ifdef NONSTOP_WITH_CUDA
+#include "gpu/cuda_copier.h"
+#endif
 
 namespace {
 
@@ -29,6 +40,25 @@ constexpr uint64_t kItems = 12;
 
 float Item(int64_t step, uint64_t item, size_t i) {
   return static_cast<float>((static_cast<uint64_t>(step) * 31 + item * 7 + i) % 7);
+}
+
+// `bytes` of memory on `device` ("stand-in" or "cuda"), with the DeviceMemory that reaches it.
+nonstop::Result<
+    std::pair<std::shared_ptr<const nonstop::state::DeviceMemory>, std::span<std::byte>>>
+DeviceBuffer(const std::string& device, size_t bytes) {
+  if (device == "stand-in") {
+    auto d = std::make_shared<nonstop::state::ProtectedDevice>();
+    std::span<std::byte> mem = d->Allocate(bytes);
+    return std::pair{std::shared_ptr<const nonstop::state::DeviceMemory>(d), mem};
+  }
+#ifdef NONSTOP_WITH_CUDA
+  NONSTOP_ASSIGN_OR_RETURN(auto cuda, nonstop::gpu::CudaMemory::Create(0));
+  NONSTOP_ASSIGN_OR_RETURN(std::span<std::byte> mem, cuda->Allocate(bytes));
+  return std::pair{std::shared_ptr<const nonstop::state::DeviceMemory>(cuda), mem};
+#else
+  return nonstop::FailedPreconditionError(
+      "--device cuda: this build has no CUDA (CMake found no CUDA toolkit, or a sanitizer build)");
+#endif
 }
 
 }  // namespace
@@ -49,6 +79,9 @@ int main(int argc, char** argv) {
   // environment of a child it starts now; .fds: that child's open descriptors (secrets_test).
   std::string dump_environ;
   app.add_option("--dump-environ", dump_environ);
+  std::string device = "host";
+  app.add_option("--device", device, "where the state lives (see the top of test_worker.cc)")
+      ->check(CLI::IsMember({"host", "cuda", "stand-in"}));
   CLI11_PARSE(app, argc, argv);
   if (!dump_environ.empty()) {
     const std::string prefix = fmt::format("{}-{}", dump_environ, ::getpid());
@@ -67,12 +100,25 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "{}\n", options.status().ToString());
     return 2;
   }
-  std::vector<float> acc(elements, 0.0f);
+  std::vector<float> acc(elements, 0.0f);  // the state, or its host copy with --device
+  auto acc_bytes = std::as_writable_bytes(std::span(acc));
   int64_t completed = -1;
   nonstop::state::StateRegistry state(64 << 10);
-  (void)state.Register("acc", std::as_writable_bytes(std::span(acc)));
+  const bool on_device = device != "host";
+  if (on_device) {
+    auto buffer = DeviceBuffer(device, acc_bytes.size());
+    if (!buffer.ok()) {
+      fmt::print(stderr, "{}\n", buffer.status().ToString());
+      return 2;
+    }
+    (void)state.RegisterOnDevice("acc", buffer->second, buffer->first);
+    state.WriteRegion(0, 0, acc_bytes);  // zeros
+  } else {
+    (void)state.Register("acc", acc_bytes);
+  }
   (void)state.RegisterValue("step", &completed);
-  fmt::print("worker pid {} built its state\n", ::getpid());
+  fmt::print("worker pid {} built its state{}\n", ::getpid(),
+             on_device ? " on " + state.regions()[0].device->name() : "");
   std::fflush(stdout);
 
   auto joined = nonstop::Session::Join(*options, &state);
@@ -132,7 +178,9 @@ int main(int argc, char** argv) {
           return released ? 0 : (s.shutdown_exit_code() != 0 ? s.shutdown_exit_code() : 10);
         continue;
       }
+      if (on_device) state.ReadRegion(0, 0, acc_bytes);
       for (size_t i = 0; i < elements; ++i) acc[i] += v[i];
+      if (on_device) state.WriteRegion(0, 0, acc_bytes);
       completed = step;
       s.ReportStep({step, static_cast<double>(acc[0]), 0, 0, steps});
       if (s.rank() == 0) {
@@ -141,6 +189,7 @@ int main(int argc, char** argv) {
       }
       ++step;
     }
+    if (on_device) state.ReadRegion(0, 0, acc_bytes);  // the device's bytes
     std::string checksum =
         fmt::format("{:08x}", nonstop::Crc32c(acc.data(), acc.size() * sizeof(float)));
     nonstop::Status fin = s.Finish(steps - 1, checksum);
