@@ -106,16 +106,30 @@ Result<std::span<std::byte>> CudaMemory::Allocate(size_t bytes) {
 
 std::string CudaMemory::name() const { return fmt::format("cuda:{}", device_index_); }
 
+// A copy between the device and the host that is over, for every stream of the device, when it
+// returns: the device is synchronized before (work on any stream that writes the bytes, a
+// framework's side streams included, is done) and after (a copy from pageable memory may return
+// before it lands). The calling thread's current device is put back.
+Status CudaMemory::Copy(void* to, const void* from, size_t bytes, bool to_host) const {
+  int current = 0;
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaGetDevice(&current), "cudaGetDevice"));
+  Status s = CudaError(cudaSetDevice(device_index_), "cudaSetDevice");
+  if (s.ok()) s = CudaError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (s.ok()) {
+    s = CudaError(cudaMemcpy(to, from, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
+                  to_host ? "cudaMemcpy to the host" : "cudaMemcpy to the device");
+  }
+  if (s.ok()) s = CudaError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (current != device_index_) cudaSetDevice(current);
+  return s;
+}
+
 Status CudaMemory::ToHost(std::byte* host, const std::byte* device, size_t bytes) const {
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
-  return CudaError(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost),
-                   "cudaMemcpy to the host");
+  return Copy(host, device, bytes, /*to_host=*/true);
 }
 
 Status CudaMemory::ToDevice(std::byte* device, const std::byte* host, size_t bytes) const {
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
-  return CudaError(cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice),
-                   "cudaMemcpy to the device");
+  return Copy(device, host, bytes, /*to_host=*/false);
 }
 
 Status CheckDevice(int device_index) {

@@ -37,9 +37,10 @@ class CudaCopier : public collective::DeviceCopier {
 };
 
 // One device's memory as the state registry reaches it (nonstop/state.h's
-// DeviceMemory): synchronous cudaMemcpy from whichever thread asks (the
-// state transfer's run on several). Allocate hands out device memory that is
-// freed with this object (the test worker's state).
+// DeviceMemory): cudaMemcpy between two synchronizations of the device, from
+// whichever thread asks (the state transfer's run on several), which keeps
+// its current device. Allocate hands out device memory that is freed with
+// this object (the test worker's state).
 class CudaMemory final : public state::DeviceMemory {
  public:
   // FAILED_PRECONDITION as CudaCopier::Create says.
@@ -53,6 +54,7 @@ class CudaMemory final : public state::DeviceMemory {
 
  private:
   explicit CudaMemory(int device_index) : device_index_(device_index) {}
+  Status Copy(void* to, const void* from, size_t bytes, bool to_host) const;
   int device_index_;
   std::mutex mu_;
   std::vector<void*> allocated_;  // freed with this object

@@ -4,12 +4,16 @@
 // dereferences a device region's bytes instead of copying them through the
 // DeviceMemory crashes, as it would with a GPU's address. What a machine
 // without a GPU tests device regions with (nonstop/state.h, docs/gpu.md).
+// It needs a kernel that lets /proc/self/mem reach PROT_NONE pages (Linux's
+// default; not with proc_mem.force_override=never): a copy fails otherwise,
+// naming /proc/self/mem.
 #pragma once
 
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -37,9 +41,10 @@ class ProtectedDevice final : public DeviceMemory {
 
   // `bytes` of "device" memory, zeros, freed with this object.
   std::span<std::byte> Allocate(size_t bytes) {
-    void* p = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    const size_t mapped = std::max<size_t>(bytes, 1);  // mmap takes no empty mapping
+    void* p = ::mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     NONSTOP_CHECK(p != MAP_FAILED) << "mmap: " << std::strerror(errno);
-    maps_.emplace_back(p, bytes);
+    maps_.emplace_back(p, mapped);
     return {static_cast<std::byte*>(p), bytes};
   }
   // The next copies fail (a device that broke) while this is set.

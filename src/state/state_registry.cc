@@ -258,7 +258,8 @@ Status StateRegistry::RegisterOnDevice(std::string name, std::span<std::byte> by
 }
 
 void StateRegistry::ReadRegion(size_t index, uint64_t offset, std::span<std::byte> out) const {
-  const Region& r = regions_.at(index);
+  NONSTOP_CHECK_LT(index, regions_.size());
+  const Region& r = regions_[index];
   NONSTOP_CHECK(offset <= r.bytes.size() && out.size() <= r.bytes.size() - offset)
       << "bytes [" << offset << ", +" << out.size() << ") of region '" << r.name << "' of "
       << r.bytes.size();
@@ -266,7 +267,8 @@ void StateRegistry::ReadRegion(size_t index, uint64_t offset, std::span<std::byt
 }
 
 void StateRegistry::WriteRegion(size_t index, uint64_t offset, std::span<const std::byte> in) {
-  const Region& r = regions_.at(index);
+  NONSTOP_CHECK_LT(index, regions_.size());
+  const Region& r = regions_[index];
   NONSTOP_CHECK(offset <= r.bytes.size() && in.size() <= r.bytes.size() - offset)
       << "bytes [" << offset << ", +" << in.size() << ") of region '" << r.name << "' of "
       << r.bytes.size();
@@ -274,7 +276,8 @@ void StateRegistry::WriteRegion(size_t index, uint64_t offset, std::span<const s
 }
 
 uint32_t StateRegistry::RegionCrc(size_t index) const {
-  const Region& r = regions_.at(index);
+  NONSTOP_CHECK_LT(index, regions_.size());
+  const Region& r = regions_[index];
   return ExtendCrc(0, r, r.bytes.data(), r.bytes.size());
 }
 

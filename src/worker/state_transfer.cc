@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -137,8 +138,14 @@ std::vector<uint32_t> CrcTable(const state::StateRegistry& reg, bool sharded, in
       std::max<size_t>(1, std::min<size_t>({std::max(1u, std::thread::hardware_concurrency()),
                                             kTableThreads, by_size, reg.num_chunks()})));
   std::vector<std::thread> helpers;
-  for (uint32_t t = 1; t < threads; ++t) helpers.emplace_back(fill, t, threads);
+  uint32_t started = 1;  // share 0 is this thread's
+  try {
+    for (; started < threads; ++started) helpers.emplace_back(fill, started, threads);
+  } catch (const std::system_error&) {
+    // no thread to be had (a limit on processes): this thread takes the shares left
+  }
   fill(0, threads);
+  for (uint32_t t = started; t < threads; ++t) fill(t, threads);
   for (auto& h : helpers) h.join();
   return table;
 }

@@ -180,8 +180,9 @@ void ExpectEveryRankRefuses(const std::vector<Result<TransferOutcome>>& out, Sta
 // With `device`, "large" lives on that stand-in device (issue 30) and `large`
 // is only where Fill builds its values.
 struct PlainRank {
-  explicit PlainRank(uint32_t seed, std::shared_ptr<state::ProtectedDevice> on = nullptr)
-      : small(600), large(20'000), reg(1024), device(std::move(on)) {
+  explicit PlainRank(uint32_t seed, std::shared_ptr<state::ProtectedDevice> on = nullptr,
+                     size_t large_values = 20'000, size_t chunk_bytes = 1024)
+      : small(600), large(large_values), reg(chunk_bytes), device(std::move(on)) {
     NONSTOP_CHECK(reg.RegisterValue("step", &step).ok());
     NONSTOP_CHECK(reg.RegisterFloats("small", small).ok());
     if (device) {
@@ -216,8 +217,11 @@ struct PlainRank {
 };
 
 // `on_device[r]`: rank r's "large" on a stand-in device.
+// `large_values`, `chunk_bytes`: the size of "large" and of the chunks.
 std::vector<std::unique_ptr<PlainRank>> MakePlainRanks(int n, Millis timeout = Millis(30'000),
-                                                       std::vector<bool> on_device = {}) {
+                                                       std::vector<bool> on_device = {},
+                                                       size_t large_values = 20'000,
+                                                       size_t chunk_bytes = 1024) {
   std::vector<net::Listener> listeners;
   std::vector<collective::Member> members;
   for (int r = 0; r < n; ++r) {
@@ -232,7 +236,8 @@ std::vector<std::unique_ptr<PlainRank>> MakePlainRanks(int n, Millis timeout = M
     const bool device =
         static_cast<size_t>(r) < on_device.size() && on_device[static_cast<size_t>(r)];
     auto rank = std::make_unique<PlainRank>(
-        r == 0 ? 1 : 9, device ? std::make_shared<state::ProtectedDevice>() : nullptr);
+        r == 0 ? 1 : 9, device ? std::make_shared<state::ProtectedDevice>() : nullptr,
+        large_values, chunk_bytes);
     rank->address = members[static_cast<size_t>(r)].address;
     rank->plane = collective::TcpDataPlane::Create(
         {kToken, r}, std::move(listeners[static_cast<size_t>(r)]), &rank->abort);
@@ -308,6 +313,8 @@ TEST(RunStateTransfersTest, StateOnADeviceIsCopiedFromAndToHostStateBitForBit) {
        {std::vector<bool>{true, false, true}, {false, true, true}, {true, true, false}}) {
     auto ranks = MakePlainRanks(3, Millis(30'000), on_device);
     ASSERT_NE(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
+    std::vector<int> copies_before;
+    for (const auto& rank : ranks) copies_before.push_back(rank->device ? rank->device->copies() : 0);
     auto out = CopyAll(ranks);
     for (size_t r = 0; r < out.size(); ++r)
       ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
@@ -315,10 +322,23 @@ TEST(RunStateTransfersTest, StateOnADeviceIsCopiedFromAndToHostStateBitForBit) {
     EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
     EXPECT_EQ(ranks[0]->step, 9);
     EXPECT_EQ(ranks[0]->Large(), ranks[1]->Large());
-    for (const auto& rank : ranks) {
-      if (rank->device) EXPECT_GT(rank->device->copies(), 0);
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      if (ranks[r]->device) EXPECT_GT(ranks[r]->device->copies(), copies_before[r]) << "rank " << r;
     }
   }
+}
+
+// A state of 48 MiB: the sources' CRC tables are computed on several threads (one per 16 MiB, as
+// many as the cores allow), and the copy is still the source's state bit for bit.
+TEST(RunStateTransfersTest, ALargeStateWhoseTablesTakeSeveralThreadsIsCopiedBitForBit) {
+  auto ranks = MakePlainRanks(3, Millis(60'000), {false, false, true}, size_t{12} << 20, 1 << 20);
+  ASSERT_GE(ranks[0]->reg.total_bytes(), uint64_t{48} << 20);
+  auto out = CopyAll(ranks);
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  EXPECT_EQ(out[0]->refetched_chunks, 0);
+  EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
+  EXPECT_EQ(ranks[0]->Large(), ranks[2]->Large());
 }
 
 TEST(RunStateTransfersTest, ChunksCorruptedOnTheWayAreFetchedAgainInPlaceOrThroughABuffer) {

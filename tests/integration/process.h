@@ -88,17 +88,19 @@ inline bool StopProcess(pid_t pid, std::chrono::milliseconds timeout = std::chro
        std::this_thread::sleep_for(std::chrono::milliseconds(1))) {
     std::error_code ec;
     bool all = true, any = false;
-    for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
-      std::ifstream in(task.path() / "stat");
+    std::filesystem::directory_iterator it(tasks, ec), end;
+    for (; !ec && it != end; it.increment(ec)) {
+      std::ifstream in(it->path() / "stat");
       std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
       // "pid (comm) S ...": the state follows the last ')' (comm may hold one)
       size_t close = stat.rfind(')');
       if (close == std::string::npos || close + 2 >= stat.size()) continue;  // gone meanwhile
       any = true;
-      char state = stat[close + 2];
+      const char state = stat[close + 2];
+      if (state == 'Z' || state == 'X') return false;  // exiting or exited: it will never stop
       all = all && (state == 'T' || state == 't');
     }
-    if (ec) return false;
+    if (ec) return false;  // the process is gone
     if (any && all) return true;
   }
   return false;
