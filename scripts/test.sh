@@ -38,7 +38,7 @@ failed=0
 # gtest suite names: a parameterized one is "Instance/Suite.Test").
 asan_labels='^(unit|chaos)$'
 tsan_targets="collective_test peer_mesh_test session_test state_transfer_test controller_test recovery_chaos_test etcd_test"
-tsan_tests='(^|/)(CommunicatorTest|AllReduceTest|PeerMeshTest|SessionTest|ExchangeShardsTest|ControlServerTest|ControllerTest|JournalTest|RecoveryTest|LeadershipTest|EtcdClientRealTest)\.'
+tsan_tests='(^|/)(CommunicatorTest|AllReduceTest|PeerMeshTest|SessionTest|ExchangeShardsTest|RunStateTransfersTest|ControlServerTest|ControllerTest|JournalTest|RecoveryTest|LeadershipTest|EtcdClientRealTest)\.'
 
 # llvm-symbolizer from the clang that built the sanitizer trees: an older
 # one (Debian's default, 14) prints bare addresses for clang 16's debug info.
