@@ -131,6 +131,10 @@ struct SessionOptions {
   bool checked_collectives = settings::kCheckedCollectives.default_value;
   // MASTER_PORT of TorchrunEnvironment() (kMasterPort, NONSTOP_MASTER_PORT).
   int master_port = settings::kMasterPort.default_value;
+  // The device whose memory AllReduceOnDevice sums (issue 30, docs/gpu.md):
+  // its buffers are staged through host memory over the TCP collectives. Null:
+  // host memory only. State on it is registered with RegisterOnDevice.
+  std::shared_ptr<const state::DeviceMemory> device;
 
   // Reads the variables that `nonstop run` and the agents set for each worker
   // (the registry's worker entries).
@@ -191,6 +195,11 @@ class Session {
   // Sums `data` ([n] fp32) across the members, in place. Bitwise identical on
   // every rank and run to run at a fixed world size.
   Status AllReduce(std::span<float> data);
+  // AllReduce of `device_data`, [n] fp32 in the memory of SessionOptions::device
+  // (FAILED_PRECONDITION without one): staged through host memory in pieces, with
+  // the bits AllReduce gives the same values in host memory. Members may mix the
+  // two calls in one collective.
+  Status AllReduceOnDevice(std::span<float> device_data);
   // Overlapped reduction: a step's gradient in buckets, reduced on the
   // Session's communication thread while the caller still computes (the
   // rest of backward). StartAllReduce queues `data` ([n] fp32, summed in

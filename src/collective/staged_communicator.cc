@@ -187,4 +187,23 @@ Status StagedCommunicator::RecvUnchecked(int from_rank, Region data) {
                  data);
 }
 
+Result<std::span<std::byte>> MemoryCopier::HostBuffer(size_t bytes) {
+  auto buffer = std::make_unique<std::byte[]>(bytes);
+  std::span<std::byte> out(buffer.get(), bytes);
+  MutexLock lock(&mu_);
+  buffers_.push_back(std::move(buffer));
+  return out;
+}
+
+Status MemoryCopier::ToHost(int /*lane*/, std::byte* host, const std::byte* device, size_t bytes) {
+  return memory_->ToHost(host, device, bytes)
+      .WithContext("a staged collective's copy from " + memory_->name());
+}
+
+Status MemoryCopier::ToDevice(int /*lane*/, std::byte* device, const std::byte* host,
+                              size_t bytes) {
+  return memory_->ToDevice(device, host, bytes)
+      .WithContext("a staged collective's copy to " + memory_->name());
+}
+
 }  // namespace nonstop::collective

@@ -26,6 +26,8 @@
 #include <vector>
 
 #include "collective/data_plane.h"
+#include "common/mutex.h"
+#include "nonstop/state.h"
 
 namespace nonstop::collective {
 
@@ -44,6 +46,28 @@ class DeviceCopier {
   virtual Status ToHost(int lane, std::byte* host, const std::byte* device, size_t bytes) = 0;
   virtual Status ToDevice(int lane, std::byte* device, const std::byte* host, size_t bytes) = 0;
   virtual Status Wait(int lane) = 0;
+};
+
+// A DeviceCopier over a state::DeviceMemory (nonstop/state.h): what a
+// session whose SessionOptions name a device stages its collectives with.
+// Its lanes copy at once (a DeviceMemory's copies are synchronous), so its
+// copies do not overlap the wire; its host buffers are ordinary memory. The
+// data plane calls its device cuda:0.
+class MemoryCopier final : public DeviceCopier {
+ public:
+  explicit MemoryCopier(std::shared_ptr<const state::DeviceMemory> memory)
+      : memory_(std::move(memory)) {}
+  Device device() const override { return Device::kCuda; }
+  int device_index() const override { return 0; }
+  Result<std::span<std::byte>> HostBuffer(size_t bytes) override;
+  Status ToHost(int lane, std::byte* host, const std::byte* device, size_t bytes) override;
+  Status ToDevice(int lane, std::byte* device, const std::byte* host, size_t bytes) override;
+  Status Wait(int /*lane*/) override { return OkStatus(); }  // every copy is done when it returns
+
+ private:
+  std::shared_ptr<const state::DeviceMemory> memory_;
+  Mutex mu_;
+  std::vector<std::unique_ptr<std::byte[]>> buffers_ NONSTOP_GUARDED_BY(mu_);  // freed with it
 };
 
 struct StagedOptions {

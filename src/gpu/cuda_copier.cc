@@ -116,8 +116,9 @@ Status CudaMemory::Copy(void* to, const void* from, size_t bytes, bool to_host) 
   Status s = CudaError(cudaSetDevice(device_index_), "cudaSetDevice");
   if (s.ok()) s = CudaError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   if (s.ok()) {
-    s = CudaError(cudaMemcpy(to, from, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
-                  to_host ? "cudaMemcpy to the host" : "cudaMemcpy to the device");
+    s = CudaError(
+        cudaMemcpy(to, from, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
+        to_host ? "cudaMemcpy to the host" : "cudaMemcpy to the device");
   }
   if (s.ok()) s = CudaError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   if (current != device_index_) cudaSetDevice(current);

@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "collective/data_plane.h"
+#include "collective/staged_communicator.h"
 #include "collective/tcp_data_plane.h"
 #include "common/job_token.h"
 #include "common/lifeline.h"
@@ -202,6 +203,11 @@ Result<std::unique_ptr<collective::DataPlane>> NewDataPlane(const SessionOptions
   mo.ports = {o.data_port_lo, o.data_port_hi};
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<collective::TcpDataPlane> tcp,
                            collective::TcpDataPlane::Create(std::move(mo), abort));
+  if (o.device != nullptr) {
+    // device memory staged through host buffers over the TCP collectives (docs/gpu.md)
+    return std::unique_ptr<collective::DataPlane>(std::make_unique<collective::StagedDataPlane>(
+        std::move(tcp), std::make_shared<collective::MemoryCopier>(o.device)));
+  }
   return std::unique_ptr<collective::DataPlane>(std::move(tcp));
 }
 
@@ -904,6 +910,17 @@ class SessionImpl {
     return RunCollective([&] { return comm_->AllReduce(data); }, /*at_step_boundary=*/true);
   }
 
+  Status AllReduceOnDevice(std::span<float> device_data) {
+    if (options_.device == nullptr) {
+      return FailedPreconditionError(
+          "AllReduceOnDevice: this session has no device (set SessionOptions::device)");
+    }
+    const collective::Region region{reinterpret_cast<std::byte*>(device_data.data()),
+                                    device_data.size_bytes(), collective::Device::kCuda, 0};
+    return RunCollective([&] { return comm_->AllReduce(region, collective::DType::kFloat32); },
+                         /*at_step_boundary=*/true);
+  }
+
   // ---- overlapped reduction (Session::StartAllReduce / WaitAll) ----
 
   void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done) {
@@ -1124,6 +1141,10 @@ int Session::worker_id() const { return impl_->options_.worker_id; }
 Status Session::AllReduce(std::span<float> data) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->AllReduce(data);
+}
+Status Session::AllReduceOnDevice(std::span<float> device_data) {
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
+  return impl_->AllReduceOnDevice(device_data);
 }
 void Session::StartAllReduce(std::span<float> data, std::function<void(const Status&)> done) {
   impl_->StartAllReduce(data, std::move(done));

@@ -236,8 +236,8 @@ std::vector<std::unique_ptr<PlainRank>> MakePlainRanks(int n, Millis timeout = M
     const bool device =
         static_cast<size_t>(r) < on_device.size() && on_device[static_cast<size_t>(r)];
     auto rank = std::make_unique<PlainRank>(
-        r == 0 ? 1 : 9, device ? std::make_shared<state::ProtectedDevice>() : nullptr,
-        large_values, chunk_bytes);
+        r == 0 ? 1 : 9, device ? std::make_shared<state::ProtectedDevice>() : nullptr, large_values,
+        chunk_bytes);
     rank->address = members[static_cast<size_t>(r)].address;
     rank->plane = collective::TcpDataPlane::Create(
         {kToken, r}, std::move(listeners[static_cast<size_t>(r)]), &rank->abort);
@@ -314,7 +314,8 @@ TEST(RunStateTransfersTest, StateOnADeviceIsCopiedFromAndToHostStateBitForBit) {
     auto ranks = MakePlainRanks(3, Millis(30'000), on_device);
     ASSERT_NE(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
     std::vector<int> copies_before;
-    for (const auto& rank : ranks) copies_before.push_back(rank->device ? rank->device->copies() : 0);
+    for (const auto& rank : ranks)
+      copies_before.push_back(rank->device ? rank->device->copies() : 0);
     auto out = CopyAll(ranks);
     for (size_t r = 0; r < out.size(); ++r)
       ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();

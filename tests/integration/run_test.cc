@@ -198,7 +198,8 @@ std::string TestWorkerChecksum(int64_t steps, size_t elements) {
   return fmt::format("{:08x}", Crc32c(acc.data(), acc.size() * sizeof(float)));
 }
 
-// Issue 30: the state on a device (the stand-in for a GPU that machines without one run): a kill
+// Issue 30: the state on a device (the stand-in for a GPU that machines without one run), each
+// step's sum reduced there (Session::AllReduceOnDevice, staged over the TCP collectives): a kill
 // with a spare is recovered, the spare's state copied into its device memory, and the job ends on
 // the checksum of a job without a fault.
 TEST(RunIntegrationTest, StateOnADeviceIsRecoveredIntoTheSparesDeviceMemoryBitwise) {

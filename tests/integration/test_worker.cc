@@ -12,6 +12,8 @@
 // reads it from the device, adds the step's sum and writes it back (no
 // kernel: the sum is made on the host), so a state copied in by a recovery
 // is what the next step builds on, and the checksum is of the device's bytes.
+// The step's sum is reduced on the device too (Session::AllReduceOnDevice:
+// staged through host memory over the TCP collectives).
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -42,19 +44,22 @@ float Item(int64_t step, uint64_t item, size_t i) {
   return static_cast<float>((static_cast<uint64_t>(step) * 31 + item * 7 + i) % 7);
 }
 
-// `bytes` of memory on `device` ("stand-in" or "cuda"), with the DeviceMemory that reaches it.
-nonstop::Result<
-    std::pair<std::shared_ptr<const nonstop::state::DeviceMemory>, std::span<std::byte>>>
-DeviceBuffer(const std::string& device, size_t bytes) {
+// Two buffers of `bytes` on `device` ("stand-in" or "cuda"), with the DeviceMemory that reaches
+// them.
+struct DeviceBuffers {
+  std::shared_ptr<const nonstop::state::DeviceMemory> memory;
+  std::span<std::byte> state, sum;
+};
+nonstop::Result<DeviceBuffers> AllocateOn(const std::string& device, size_t bytes) {
   if (device == "stand-in") {
     auto d = std::make_shared<nonstop::state::ProtectedDevice>();
-    std::span<std::byte> mem = d->Allocate(bytes);
-    return std::pair{std::shared_ptr<const nonstop::state::DeviceMemory>(d), mem};
+    return DeviceBuffers{d, d->Allocate(bytes), d->Allocate(bytes)};
   }
 #ifdef NONSTOP_WITH_CUDA
   NONSTOP_ASSIGN_OR_RETURN(auto cuda, nonstop::gpu::CudaMemory::Create(0));
-  NONSTOP_ASSIGN_OR_RETURN(std::span<std::byte> mem, cuda->Allocate(bytes));
-  return std::pair{std::shared_ptr<const nonstop::state::DeviceMemory>(cuda), mem};
+  NONSTOP_ASSIGN_OR_RETURN(std::span<std::byte> state, cuda->Allocate(bytes));
+  NONSTOP_ASSIGN_OR_RETURN(std::span<std::byte> sum, cuda->Allocate(bytes));
+  return DeviceBuffers{cuda, state, sum};
 #else
   return nonstop::FailedPreconditionError(
       "--device cuda: this build has no CUDA (CMake found no CUDA toolkit, or a sanitizer build)");
@@ -105,13 +110,16 @@ int main(int argc, char** argv) {
   int64_t completed = -1;
   nonstop::state::StateRegistry state(64 << 10);
   const bool on_device = device != "host";
+  DeviceBuffers dev;
   if (on_device) {
-    auto buffer = DeviceBuffer(device, acc_bytes.size());
-    if (!buffer.ok()) {
-      fmt::print(stderr, "{}\n", buffer.status().ToString());
+    auto buffers = AllocateOn(device, acc_bytes.size());
+    if (!buffers.ok()) {
+      fmt::print(stderr, "{}\n", buffers.status().ToString());
       return 2;
     }
-    (void)state.RegisterOnDevice("acc", buffer->second, buffer->first);
+    dev = *buffers;
+    options->device = dev.memory;
+    (void)state.RegisterOnDevice("acc", dev.state, dev.memory);
     state.WriteRegion(0, 0, acc_bytes);  // zeros
   } else {
     (void)state.Register("acc", acc_bytes);
@@ -171,7 +179,17 @@ int main(int argc, char** argv) {
       if (sleep_ms + extra_sleep_ms > 0)
         std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms + extra_sleep_ms));
       extra_sleep_ms = 0;
-      nonstop::Status st = s.AllReduce(v);
+      nonstop::Status st;
+      if (on_device) {
+        // the step's sum reduced on the device
+        auto v_bytes = std::as_writable_bytes(std::span(v));
+        st = dev.memory->ToDevice(dev.sum.data(), v_bytes.data(), v_bytes.size());
+        if (st.ok())
+          st = s.AllReduceOnDevice(std::span(reinterpret_cast<float*>(dev.sum.data()), v.size()));
+        if (st.ok()) st = dev.memory->ToHost(v_bytes.data(), dev.sum.data(), v_bytes.size());
+      } else {
+        st = s.AllReduce(v);
+      }
       if (!st.ok()) {
         fmt::print("step {}: {}\n", step, st.ToString());
         if (!recover())
