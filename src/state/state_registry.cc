@@ -257,27 +257,29 @@ Status StateRegistry::RegisterOnDevice(std::string name, std::span<std::byte> by
   return OkStatus();
 }
 
-void StateRegistry::ReadRegion(size_t index, uint64_t offset, std::span<std::byte> out) const {
-  NONSTOP_CHECK_LT(index, regions_.size());
-  const Region& r = regions_[index];
-  NONSTOP_CHECK(offset <= r.bytes.size() && out.size() <= r.bytes.size() - offset)
-      << "bytes [" << offset << ", +" << out.size() << ") of region '" << r.name << "' of "
+// Region `index`, of which bytes [offset, offset + n) must exist (a bug in the caller otherwise).
+static const Region& RegionRange(const std::vector<Region>& regions, size_t index, uint64_t offset,
+                                 size_t n) {
+  NONSTOP_CHECK_LT(index, regions.size());
+  const Region& r = regions[index];
+  NONSTOP_CHECK(offset <= r.bytes.size() && n <= r.bytes.size() - offset)
+      << "bytes [" << offset << ", +" << n << ") of region '" << r.name << "' of "
       << r.bytes.size();
+  return r;
+}
+
+void StateRegistry::ReadRegion(size_t index, uint64_t offset, std::span<std::byte> out) const {
+  const Region& r = RegionRange(regions_, index, offset, out.size());
   CopyToHost(r, r.bytes.data() + offset, out.data(), out.size());
 }
 
 void StateRegistry::WriteRegion(size_t index, uint64_t offset, std::span<const std::byte> in) {
-  NONSTOP_CHECK_LT(index, regions_.size());
-  const Region& r = regions_[index];
-  NONSTOP_CHECK(offset <= r.bytes.size() && in.size() <= r.bytes.size() - offset)
-      << "bytes [" << offset << ", +" << in.size() << ") of region '" << r.name << "' of "
-      << r.bytes.size();
+  const Region& r = RegionRange(regions_, index, offset, in.size());
   CopyFromHost(r, r.bytes.data() + offset, in.data(), in.size());
 }
 
 uint32_t StateRegistry::RegionCrc(size_t index) const {
-  NONSTOP_CHECK_LT(index, regions_.size());
-  const Region& r = regions_[index];
+  const Region& r = RegionRange(regions_, index, 0, 0);
   return ExtendCrc(0, r, r.bytes.data(), r.bytes.size());
 }
 
