@@ -16,11 +16,19 @@ job() {  # job NAME DEVICE [nonstop run options...]: prints the job's final chec
   shift 2
   ./build/bin/nonstop run --nproc 4 --spares 1 --journal "$out/$name.jsonl" "$@" -- \
     ./build/bin/nonstop-test-worker --steps 60 --elements 4000000 --sleep-ms 20 \
-    --device "$device" >"$out/$name.log" 2>&1 || { tail -40 "$out/$name.log"; exit 1; }
-  grep '"event":"finished"' "$out/$name.jsonl" | grep -o '"checksum":"[0-9a-f]*"' | head -1 | cut -d'"' -f4
+    --device "$device" >"$out/$name.log" 2>&1 || {
+    tail -40 "$out/$name.log" >&2
+    echo "check.sh: FAILED: the $name job (log above, $out/$name.log)" >&2
+    exit 1
+  }
+  local sum
+  sum=$(grep '"event":"finished"' "$out/$name.jsonl" | grep -o '"checksum":"[0-9a-f]*"' | head -1 |
+    cut -d'"' -f4 || true)
+  [[ -n "$sum" ]] || { echo "check.sh: FAILED: the $name job recorded no finished checksum" >&2; exit 1; }
+  echo "$sum"
 }
-host=$(job host host --inject none)
-cuda=$(job cuda cuda --inject kill:rank=2,step=30)
+host=$(job host host --inject none) || exit 1
+cuda=$(job cuda cuda --inject kill:rank=2,step=30) || exit 1
 grep -h '"event":"recovery_end"' "$out/cuda.jsonl" | head -1
 echo "check.sh: 4 workers and a spare on one GPU, 16 MB of state each on cuda:0, rank 2 killed at step 30:"
 echo "  checksum ${cuda} (cuda, recovered) against ${host} (host memory, no fault)"
