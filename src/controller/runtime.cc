@@ -610,9 +610,10 @@ std::optional<int> Runtime::Turn() {
 
 void Runtime::Tick() {
   // Silence is judged on what the sockets hold, not on this loop's own delays: a heartbeat that
-  // arrived while the loop was busy (a journal's fdatasync on a loaded disk can take a second, and
-  // did in CI: "host local lost: its agent sent no heartbeat for 1666 ms" at a job's formation) is
-  // read before the detectors run. Again while reading itself took long (it may sync too).
+  // arrived while the turn was busy (a journal's fdatasync on a slow disk, a status publish) is
+  // read before the detectors run, and again while reading itself took long (it may sync too).
+  // (CI once declared a host lost at a job's formation, "no heartbeat for 1666 ms"; the cause is
+  // not established: fdatasync measured at most 26 ms here under a disk writer.)
   for (int round = 0; round < 4; ++round) {
     const auto t0 = Clock::now();
     loop_.RunOnce(Millis(0));
