@@ -271,6 +271,7 @@ int Agent::Run() {
         break;
     }
     loop_.RunOnce(std::chrono::ceil<Millis>(std::max(wake - now, Clock::duration::zero())));
+    const Deadline busy_from = Clock::now();
     if (leader_changed_.exchange(false)) link_->LeaderChanged(Clock::now());
     if (stop_requested_.exchange(false)) {
       if (phase_ == Phase::kEnding) {
@@ -280,6 +281,13 @@ int Agent::Run() {
       }
     }
     Tick();
+    // The heartbeats leave from this loop: a turn that took long (a spawn, a starved process) is
+    // said, so that a controller's "no heartbeat" can be told from a silent network.
+    if (const auto took = std::chrono::duration_cast<Millis>(Clock::now() - busy_from);
+        took >= options_.heartbeat_interval) {
+      NONSTOP_LOG_WARNING("one turn of this agent's loop took {} ms (its heartbeats wait for it)",
+                          took.count());
+    }
     if (phase_ != Phase::kEnding) continue;
     now = Clock::now();
     if (launcher_->running() == 0) break;

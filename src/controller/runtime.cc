@@ -50,6 +50,8 @@ std::string RandomToken() { return crypto::Hex(crypto::RandomBytes(16)); }
 
 // A deposed controller's record lists at most this many of the orders it did not send.
 constexpr size_t kDroppedOrdersListed = 64;
+// A turn of the loop this long is logged (Runtime::Turn): a fifth of the default heartbeat timeout.
+constexpr Millis kSlowTurn{200};
 
 // One order as a deposed controller's record lists it: its kind and whom it was for.
 nlohmann::json DescribeOrder(const Action& action) {
@@ -560,6 +562,21 @@ int Runtime::Run() {
 
 std::optional<int> Runtime::Turn() {
   loop_.RunOnce(Millis(20));
+  // A turn's work never waits on a peer (docs/thread-model.md); one that takes long anyway (a
+  // slow disk under the journal, a starved process) delays every detector, so it is said.
+  const auto busy_from = Clock::now();
+  struct SaySlow {
+    Clock::time_point from;
+    ~SaySlow() {
+      const auto took = std::chrono::duration_cast<Millis>(Clock::now() - from);
+      if (took >= kSlowTurn) {
+        NONSTOP_LOG_WARNING(
+            "one turn of the controller's loop took {} ms (its journal's syncs, "
+            "status and orders): detectors ran that much late",
+            took.count());
+      }
+    }
+  } say_slow{busy_from};
   DrainEvents();
   if (leadership_ != nullptr && leadership_->deposed()) {
     // Another controller leads (etcd refused our epoch, or our lease expired
