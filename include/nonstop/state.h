@@ -57,6 +57,9 @@ class DeviceMemory {
   // Both return once the bytes are copied; safe from several threads at once.
   virtual Status ToHost(std::byte* host, const std::byte* device, size_t bytes) const = 0;
   virtual Status ToDevice(std::byte* device, const std::byte* host, size_t bytes) const = 0;
+  // A health check before the device is trusted with state (Session::Join runs it): memory of
+  // the device set, written, read back and compared. OK, or what failed.
+  virtual Status Check() const = 0;
 };
 
 struct Region {

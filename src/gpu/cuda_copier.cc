@@ -133,6 +133,14 @@ Status CudaMemory::ToDevice(std::byte* device, const std::byte* host, size_t byt
   return Copy(device, host, bytes, /*to_host=*/false);
 }
 
+Status CudaMemory::Check() const {
+  int current = 0;
+  NONSTOP_RETURN_IF_ERROR(CudaError(cudaGetDevice(&current), "cudaGetDevice"));
+  Status s = CheckDevice(device_index_);
+  if (current != device_index_) cudaSetDevice(current);
+  return s;
+}
+
 Status CheckDevice(int device_index) {
   NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index), "cudaSetDevice"));
   constexpr size_t kBytes = 1 << 20;

@@ -51,6 +51,7 @@ class CudaMemory final : public state::DeviceMemory {
   std::string name() const override;
   Status ToHost(std::byte* host, const std::byte* device, size_t bytes) const override;
   Status ToDevice(std::byte* device, const std::byte* host, size_t bytes) const override;
+  Status Check() const override;  // CheckDevice, keeping the caller's current device
 
  private:
   explicit CudaMemory(int device_index) : device_index_(device_index) {}

@@ -76,6 +76,12 @@ TEST(CudaMemoryTest, StateOnTheGpuReadsAndWritesLikeTheSameBytesInHostMemory) {
   on_gpu.ReadChunk(1, back);
   EXPECT_EQ(back, chunk);
   EXPECT_EQ((*memory)->name(), "cuda:0");
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_TRUE((*memory)->Check().ok()) << (*memory)->Check().ToString();
+  int after = -1;
+  ASSERT_EQ(cudaGetDevice(&after), cudaSuccess);
+  EXPECT_EQ(after, current) << "the health check keeps the caller's current device";
 }
 
 TEST(CudaCopierTest, ADeviceThatDoesNotExistIsNamed) {

@@ -52,6 +52,19 @@ class ProtectedDevice final : public DeviceMemory {
   int copies() const { return copies_.load(); }
 
   std::string name() const override { return "stand-in:0"; }
+  // A page of its memory written with a pattern, read back and compared.
+  Status Check() const override {
+    const size_t n = 4096;
+    void* p = ::mmap(nullptr, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return InternalError(std::string("mmap: ") + std::strerror(errno));
+    std::vector<std::byte> pattern(n), back(n);
+    for (size_t i = 0; i < n; ++i) pattern[i] = static_cast<std::byte>(i * 131 + 7);
+    Status s = ToDevice(static_cast<std::byte*>(p), pattern.data(), n);
+    if (s.ok()) s = ToHost(back.data(), static_cast<std::byte*>(p), n);
+    if (s.ok() && back != pattern) s = DataLossError("stand-in:0 returned other bytes");
+    ::munmap(p, n);
+    return s;
+  }
   Status ToHost(std::byte* host, const std::byte* device, size_t bytes) const override {
     return Move(/*write=*/false, host, device, bytes);
   }

@@ -1110,6 +1110,14 @@ class SessionImpl {
 Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::StateRegistry* state,
                                                int64_t state_step) {
   NONSTOP_CHECK(state != nullptr);
+  if (options.device != nullptr) {
+    // Before the device is trusted with state (a spare's, a member's): issue 30, docs/gpu.md.
+    if (Status s = options.device->Check(); !s.ok()) {
+      return FailedPreconditionError(
+          fmt::format("worker {}: {} failed its health check, so this worker does not join: {}",
+                      options.worker_id, options.device->name(), s.message()));
+    }
+  }
   auto impl = std::make_unique<SessionImpl>(std::move(options), state);
   impl->state_step_.store(state_step);
   impl->held_shard_.store(state->held_shard());

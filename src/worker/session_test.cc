@@ -18,6 +18,7 @@
 #include "net/frame.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "state/protected_device_testing.h"
 #include "worker/session_testing.h"
 
 namespace nonstop {
@@ -197,6 +198,29 @@ class SessionTest : public ::testing::Test {
 
 // The worker variables that are ints in a range: a value in it is taken, one outside it or
 // not a number is refused naming the variable and the range.
+// Issue 30: a worker whose device fails its health check does not join (nothing is dialed: the
+// controller's address is never used), and says which device failed and why.
+TEST(SessionJoinTest, AWorkerWhoseDeviceFailsItsHealthCheckDoesNotJoin) {
+  auto device = std::make_shared<state::ProtectedDevice>();
+  ASSERT_TRUE(device->Check().ok());
+  device->set_broken(true);
+  EXPECT_FALSE(device->Check().ok());
+  state::StateRegistry state;
+  SessionOptions o;
+  o.controller_address = "127.0.0.1:1";  // nobody: a join that dialed would fail otherwise
+  o.job_token = "tok";
+  o.worker_id = 3;
+  o.device = device;
+  auto joined = Session::Join(o, &state);
+  ASSERT_FALSE(joined.ok());
+  EXPECT_EQ(joined.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(joined.status().message().find(
+                "worker 3: stand-in:0 failed its health check, so this worker does not join: "
+                "the stand-in device is broken"),
+            std::string::npos)
+      << joined.status().ToString();
+}
+
 TEST(SessionOptionsTest, RangedIntVariablesAreTakenOrRefusedNamingTheirRange) {
   ::setenv("NONSTOP_CONTROLLER", "127.0.0.1:1", 1);
   ::setenv("NONSTOP_JOB_TOKEN", "t", 1);
