@@ -270,8 +270,8 @@ int Agent::Run() {
         wake = std::min(wake, killed_ ? give_up_at_ : kill_at_);
         break;
     }
-    loop_.RunOnce(std::chrono::ceil<Millis>(std::max(wake - now, Clock::duration::zero())));
-    const Deadline busy_from = Clock::now();
+    const Millis wait = std::chrono::ceil<Millis>(std::max(wake - now, Clock::duration::zero()));
+    loop_.RunOnce(wait);
     if (leader_changed_.exchange(false)) link_->LeaderChanged(Clock::now());
     if (stop_requested_.exchange(false)) {
       if (phase_ == Phase::kEnding) {
@@ -282,11 +282,16 @@ int Agent::Run() {
     }
     Tick();
     // The heartbeats leave from this loop: a turn that took long (a spawn, a starved process) is
-    // said, so that a controller's "no heartbeat" can be told from a silent network.
-    if (const auto took = std::chrono::duration_cast<Millis>(Clock::now() - busy_from);
-        took >= options_.heartbeat_interval) {
-      NONSTOP_LOG_WARNING("one turn of this agent's loop took {} ms (its heartbeats wait for it)",
-                          took.count());
+    // said while it sends them, so that a controller's "no heartbeat" can be told from a silent
+    // network. A turn may wait `wait` for its sockets; beyond that it was busy.
+    if (const auto took = std::chrono::duration_cast<Millis>(Clock::now() - now);
+        phase_ == Phase::kRegistered && took >= wait + options_.heartbeat_interval &&
+        Clock::now() >= next_slow_say_) {
+      NONSTOP_LOG_WARNING(
+          "one turn of this agent's loop took {} ms (its heartbeats wait for it; said at most "
+          "once in 10 s)",
+          took.count());
+      next_slow_say_ = Clock::now() + std::chrono::seconds(10);
     }
     if (phase_ != Phase::kEnding) continue;
     now = Clock::now();

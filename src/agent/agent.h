@@ -257,7 +257,8 @@ class Agent {
   bool ran_ = false;
 
   Phase phase_ = Phase::kDialing;
-  std::string data_host_;  // the advertise address in use on this connection
+  std::string data_host_;     // the advertise address in use on this connection
+  Deadline next_slow_say_{};  // a slow turn is said at most once in 10 s
   Deadline next_heartbeat_{};
   Deadline next_poll_stopped_{};
   Deadline reconnect_deadline_{};     // exit 1 if not registered by then (the link's give-up time)

@@ -52,6 +52,7 @@ std::string RandomToken() { return crypto::Hex(crypto::RandomBytes(16)); }
 constexpr size_t kDroppedOrdersListed = 64;
 // A turn of the loop this long is logged (Runtime::Turn): a fifth of the default heartbeat timeout.
 constexpr Millis kSlowTurn{200};
+constexpr Millis kPollWait{20};  // the most a turn waits for its sockets
 
 // One order as a deposed controller's record lists it: its kind and whom it was for.
 nlohmann::json DescribeOrder(const Action& action) {
@@ -118,6 +119,7 @@ class Runtime {
   // One turn of the loop; an exit code when this controller stops leading.
   std::optional<int> Turn();
   void Tick();
+  void SaySlowTurn(Clock::duration took);
   void Ping();
   void Handle(const Event& e);
   void RunPending();
@@ -215,6 +217,10 @@ class Runtime {
   };
   std::deque<Pending> pending_;
   Deadline leaderless_warn_at_ = kNoDeadline;
+  // Slow turns not said yet (SaySlowTurn), the worst of them, and when the next may be.
+  int slow_turns_ = 0;
+  Clock::duration worst_turn_{};
+  Deadline next_slow_say_{};
   // /status and /metrics are published after every loop turn that changed
   // the state, as long as building them is cheap. Status() lists every
   // worker: with many thousands it takes milliseconds, so it is then
@@ -561,22 +567,8 @@ int Runtime::Run() {
 // ---------------------------------------------------------------- the loop
 
 std::optional<int> Runtime::Turn() {
-  loop_.RunOnce(Millis(20));
-  // A turn's work never waits on a peer (docs/thread-model.md); one that takes long anyway (a
-  // slow disk under the journal, a starved process) delays every detector, so it is said.
-  const auto busy_from = Clock::now();
-  struct SaySlow {
-    Clock::time_point from;
-    ~SaySlow() {
-      const auto took = std::chrono::duration_cast<Millis>(Clock::now() - from);
-      if (took >= kSlowTurn) {
-        NONSTOP_LOG_WARNING(
-            "one turn of the controller's loop took {} ms (its journal's syncs, "
-            "status and orders): detectors ran that much late",
-            took.count());
-      }
-    }
-  } say_slow{busy_from};
+  const auto turn_from = Clock::now();
+  loop_.RunOnce(kPollWait);
   DrainEvents();
   if (leadership_ != nullptr && leadership_->deposed()) {
     // Another controller leads (etcd refused our epoch, or our lease expired
@@ -622,7 +614,26 @@ std::optional<int> Runtime::Turn() {
   if (Clock::now() >= next_ping_) Ping();
   // flushes the journal once per turn (what happened is on disk within ≤ 20 ms), then acts
   RunPending();
+  SaySlowTurn(Clock::now() - turn_from);
   return std::nullopt;
+}
+
+// A turn's work never waits on a peer (docs/thread-model.md); one that takes long anyway (a slow
+// disk under the journal, a starved process) delays every detector, so it is said: the first,
+// then at most one line every 10 s with how many and the worst.
+void Runtime::SaySlowTurn(Clock::duration took) {
+  if (took < kPollWait + kSlowTurn) return;
+  ++slow_turns_;
+  worst_turn_ = std::max(worst_turn_, took);
+  if (Clock::now() < next_slow_say_) return;
+  Print(
+      fmt::format("[nonstop] {} of the controller's loop took up to {} ms (its journal's syncs, "
+                  "status and orders): its detectors ran that much late\n",
+                  slow_turns_ == 1 ? std::string("a turn") : fmt::format("{} turns", slow_turns_),
+                  std::chrono::duration_cast<Millis>(worst_turn_).count()));
+  slow_turns_ = 0;
+  worst_turn_ = {};
+  next_slow_say_ = DeadlineAfter(Millis(10'000));
 }
 
 void Runtime::Tick() {

@@ -1110,12 +1110,20 @@ class SessionImpl {
 Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::StateRegistry* state,
                                                int64_t state_step) {
   NONSTOP_CHECK(state != nullptr);
-  if (options.device != nullptr) {
-    // Before the device is trusted with state (a spare's, a member's): issue 30, docs/gpu.md.
-    if (Status s = options.device->Check(); !s.ok()) {
+  // Every device of the state and the sums, checked before it is trusted with state (a spare's, a
+  // member's): issue 30, docs/gpu.md.
+  std::vector<const state::DeviceMemory*> devices;
+  if (options.device != nullptr) devices.push_back(options.device.get());
+  for (const state::Region& r : state->regions()) {
+    if (r.device != nullptr &&
+        std::find(devices.begin(), devices.end(), r.device.get()) == devices.end())
+      devices.push_back(r.device.get());
+  }
+  for (const state::DeviceMemory* device : devices) {
+    if (Status s = device->Check(); !s.ok()) {
       return FailedPreconditionError(
           fmt::format("worker {}: {} failed its health check, so this worker does not join: {}",
-                      options.worker_id, options.device->name(), s.message()));
+                      options.worker_id, device->name(), s.message()));
     }
   }
   auto impl = std::make_unique<SessionImpl>(std::move(options), state);

@@ -198,29 +198,6 @@ class SessionTest : public ::testing::Test {
 
 // The worker variables that are ints in a range: a value in it is taken, one outside it or
 // not a number is refused naming the variable and the range.
-// Issue 30: a worker whose device fails its health check does not join (nothing is dialed: the
-// controller's address is never used), and says which device failed and why.
-TEST(SessionJoinTest, AWorkerWhoseDeviceFailsItsHealthCheckDoesNotJoin) {
-  auto device = std::make_shared<state::ProtectedDevice>();
-  ASSERT_TRUE(device->Check().ok());
-  device->set_broken(true);
-  EXPECT_FALSE(device->Check().ok());
-  state::StateRegistry state;
-  SessionOptions o;
-  o.controller_address = "127.0.0.1:1";  // nobody: a join that dialed would fail otherwise
-  o.job_token = "tok";
-  o.worker_id = 3;
-  o.device = device;
-  auto joined = Session::Join(o, &state);
-  ASSERT_FALSE(joined.ok());
-  EXPECT_EQ(joined.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(joined.status().message().find(
-                "worker 3: stand-in:0 failed its health check, so this worker does not join: "
-                "the stand-in device is broken"),
-            std::string::npos)
-      << joined.status().ToString();
-}
-
 TEST(SessionOptionsTest, RangedIntVariablesAreTakenOrRefusedNamingTheirRange) {
   ::setenv("NONSTOP_CONTROLLER", "127.0.0.1:1", 1);
   ::setenv("NONSTOP_JOB_TOKEN", "t", 1);
@@ -488,6 +465,35 @@ TEST_F(SessionTest, AControllerOfAnOlderEpochIsLeftAndItsOrdersAreNotActedOn) {
   job_.Send(control::kMsgAbort, control::Encode(control::AbortMsg{1, "from the leader"}));
   for (int i = 0; i < 200 && !(*session)->aborted(); ++i) std::this_thread::sleep_for(Millis(10));
   EXPECT_TRUE((*session)->aborted()) << "the leader's abort was not carried out";
+}
+
+// Issue 30: a worker whose device fails its health check does not join (nothing is dialed: the
+// controller's address is never used), and says which device failed and why.
+TEST(SessionJoinTest, AWorkerWhoseDeviceFailsItsHealthCheckDoesNotJoin) {
+  auto device = std::make_shared<state::ProtectedDevice>();
+  ASSERT_TRUE(device->Check().ok());
+  device->set_broken(true);
+  EXPECT_FALSE(device->Check().ok());
+  // the device of the sums, or of a state region only
+  for (bool of_state : {false, true}) {
+    state::StateRegistry state;
+    std::span<std::byte> mem = device->Allocate(64);
+    if (of_state) ASSERT_TRUE(state.RegisterOnDevice("w", mem, device).ok());
+    SessionOptions o;
+    o.controller_address = "127.0.0.1:1";  // nobody: a join that dialed would fail otherwise
+    o.job_token = "tok";
+    o.worker_id = 3;
+    o.join_timeout = Millis(500);  // without the check: fails fast, with another error
+    if (!of_state) o.device = device;
+    auto joined = Session::Join(o, &state);
+    ASSERT_FALSE(joined.ok());
+    EXPECT_EQ(joined.status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(joined.status().message().find(
+                  "worker 3: stand-in:0 failed its health check, so this worker does not join: "
+                  "the stand-in device is broken"),
+              std::string::npos)
+        << joined.status().ToString();
+  }
 }
 
 }  // namespace
