@@ -103,7 +103,8 @@ def test_each_fault_kind_ends_bitwise_equal_and_keeps_healthy_processes(clean, t
 def test_the_world_shrinks_and_grows_live(clean, tmp_path):
     proc = start_job(tmp_path, "elastic",
                      ["--nproc", "3", "--spares", "0", "--max-world", "3", "--inject", "kill:rank=2,step=8"],
-                     ["--steps", "40", "--throttle-ms", "60"])
+                     ["--steps", "40", "--throttle-ms", "60", "--hold-for-joins", "4",
+                      "--journal", str(tmp_path / "elastic.jsonl")])
     journal = tmp_path / "elastic.jsonl"
 
     shrink_then_grow(tmp_path, proc, journal, 2, 3)

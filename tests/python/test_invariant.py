@@ -76,7 +76,8 @@ def test_a_kill_between_micro_batches_keeps_what_the_survivors_folded(reference,
 def test_a_shrink_and_a_grow_end_bitwise(reference, tmp_path):
     proc = start_job(tmp_path, "elastic",
                      ["--nproc", "3", "--spares", "0", "--max-world", "3", "--inject", "kill:rank=2,step=8"],
-                     INVARIANT + ["--throttle-ms", "60"])
+                     INVARIANT + ["--throttle-ms", "60", "--hold-for-joins", "4",
+                                  "--journal", str(tmp_path / "elastic.jsonl")])
     journal = tmp_path / "elastic.jsonl"
     shrink_then_grow(tmp_path, proc, journal, 2, 3)
     job = finish_job(tmp_path, "elastic", proc)

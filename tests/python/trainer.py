@@ -29,6 +29,10 @@ def main():
     ap.add_argument("--wait-for-joins", type=int, default=0,
                     help="before the first step, wait until the journal (--journal) has this many joins: a test "
                          "whose fault needs the spare warm first")
+    ap.add_argument("--hold-for-joins", type=int, default=0,
+                    help="while the world is smaller than the first one, hold each step's update until the "
+                         "journal (--journal) has this many joins: a test that grows the world back needs the "
+                         "joiner to arrive before the job ends, however long its start takes on a busy machine")
     ap.add_argument("--journal", default="")
     ap.add_argument("--no-salvage", action="store_true",
                     help="DataParallel(salvage=False) (True otherwise: this loop's first collective of a step is "
@@ -117,9 +121,11 @@ def main():
         session.extra["samples"] += args.global_batch
         if args.throttle_ms:
             time.sleep(args.throttle_ms / 1000)
+        if args.hold_for_joins and session.world_size < first_world:
+            wait_for_joins(args.hold_for_joins)
         return float(total)
 
-    if args.wait_for_joins and session.resume_step == 0:
+    def wait_for_joins(count):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -127,9 +133,13 @@ def main():
                     joins = sum(1 for line in f if '"event":"join"' in line.replace(" ", ""))
             except FileNotFoundError:
                 joins = 0
-            if joins >= args.wait_for_joins:
-                break
+            if joins >= count:
+                return
             time.sleep(0.05)
+
+    first_world = session.world_size
+    if args.wait_for_joins and session.resume_step == 0:
+        wait_for_joins(args.wait_for_joins)
     session.run(train_step, args.steps)
     print(f"final rank={session.rank} worker={session.worker_id} pid={os.getpid()} generation={session.generation} "
           f"world={session.world_size} params={session.checksum()} state={session._core.state_digest()} "
