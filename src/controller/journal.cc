@@ -2,6 +2,7 @@
 
 #include <sys/file.h>
 #include <unistd.h>
+#include <chrono>
 
 #include <cerrno>
 #include <cstring>
@@ -112,10 +113,20 @@ void Journal::Sync() {
   // worst, and the orders go out (a controller that stopped issuing orders would stop the job); the
   // log says so once.
   const char* failed = nullptr;
+  const auto t0 = std::chrono::steady_clock::now();
   if (std::fflush(file_) != 0) {
     failed = "write";
   } else if (unsynced_ && ::fdatasync(::fileno(file_)) != 0) {
     failed = "fdatasync";
+  }
+  // The caller's loop waited this long (the controller's: docs/thread-model.md): said when it is
+  // long, at most once in 10 s, so that a detector that ran late can be told from a silent peer.
+  const auto took = std::chrono::steady_clock::now() - t0;
+  if (took >= std::chrono::milliseconds(100) &&
+      std::chrono::steady_clock::now() >= next_slow_say_) {
+    NONSTOP_LOG_WARNING("journal {}: writing and syncing took {} ms", path_,
+                        std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+    next_slow_say_ = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   }
   if (failed != nullptr && !sync_failed_) {
     sync_failed_ = true;

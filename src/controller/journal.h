@@ -9,6 +9,7 @@
 // records reach the disk (fdatasync) before the orders they describe go out.
 #pragma once
 
+#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -64,6 +65,8 @@ class Journal {
   std::string rotated_to_;
   bool unsynced_ = false;     // appended since the last Sync
   bool sync_failed_ = false;  // said once
+  std::chrono::steady_clock::time_point
+      next_slow_say_{};  // a slow Sync is said at most once in 10 s
   std::function<void(const nlohmann::json&)> mirror_;
 };
 
