@@ -1,7 +1,10 @@
 #include "controller/journal.h"
 
+#include <fcntl.h>
+#include <sys/eventfd.h>
 #include <sys/file.h>
 #include <unistd.h>
+
 #include <chrono>
 
 #include <cerrno>
@@ -12,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include "common/check.h"
 #include "common/logging.h"
 #include "common/time.h"
 
@@ -45,19 +49,20 @@ Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path) {
   } else {
     std::filesystem::remove(p, ec);  // an empty journal holds nothing to keep
   }
-  // "x": never truncate a journal that appeared meanwhile (another job on the same path).
-  std::FILE* f = std::fopen(path.c_str(), "wxe");
-  if (f == nullptr) return ErrnoStatus(StatusCode::kUnavailable, "open journal " + path, errno);
-  auto j = std::unique_ptr<Journal>(new Journal(path, f));
+  // O_EXCL: never truncate a journal that appeared meanwhile (another job on the same path).
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC, 0644));
+  if (!fd.valid()) return ErrnoStatus(StatusCode::kUnavailable, "open journal " + path, errno);
+  auto j = std::unique_ptr<Journal>(new Journal(path, std::move(fd)));
   j->rotated_to_ = rotated;
   NONSTOP_RETURN_IF_ERROR(j->Lock());
   return j;
 }
 
 Result<std::unique_ptr<Journal>> Journal::OpenForAppend(const std::string& path) {
-  std::FILE* f = std::fopen(path.c_str(), "r+e");
-  if (f == nullptr) return ErrnoStatus(StatusCode::kUnavailable, "open journal " + path, errno);
-  auto j = std::unique_ptr<Journal>(new Journal(path, f));
+  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoStatus(StatusCode::kUnavailable, "open journal " + path, errno);
+  const int raw = fd.get();
+  auto j = std::unique_ptr<Journal>(new Journal(path, std::move(fd)));
   NONSTOP_RETURN_IF_ERROR(j->Lock());
   // Cut a torn last record (its writer was killed mid-line) back to the last
   // newline, so the records appended now start on a line of their own.
@@ -67,18 +72,17 @@ Result<std::unique_ptr<Journal>> Journal::OpenForAppend(const std::string& path)
     text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   }
   size_t keep = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
-  if (keep < text.size() && ::ftruncate(::fileno(f), static_cast<off_t>(keep)) != 0) {
+  if (keep < text.size() && ::ftruncate(raw, static_cast<off_t>(keep)) != 0) {
     return ErrnoStatus(StatusCode::kUnavailable, "cut the torn last line of journal " + path,
                        errno);
   }
-  std::fseek(f, 0, SEEK_END);
-  return j;
+  return j;  // O_APPEND: the records go after the cut
 }
 
 Status Journal::Lock() {
   // One controller writes a journal: a second one (a standby that thinks it
   // leads, a --resume while the first still runs) is refused, not interleaved.
-  if (::flock(::fileno(file_), LOCK_EX | LOCK_NB) != 0) {
+  if (::flock(fd_.get(), LOCK_EX | LOCK_NB) != 0) {
     return FailedPreconditionError(
         fmt::format("journal {} is held by another controller (a running controller of this job?): "
                     "stop it first",
@@ -87,53 +91,120 @@ Status Journal::Lock() {
   return OkStatus();
 }
 
+Journal::Journal(std::string path, UniqueFd fd)
+    : path_(std::move(path)),
+      fd_(std::move(fd)),
+      wake_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)),
+      writer_([this](std::stop_token stop) { Run(std::move(stop)); }) {
+  NONSTOP_CHECK(wake_.valid()) << "eventfd: " << std::strerror(errno);
+}
+
 Journal::~Journal() {
-  if (file_ != nullptr) std::fclose(file_);
+  Sync();  // what a reader finds once the controller is gone: everything, on disk
+  writer_.request_stop();
+  writer_.join();
 }
 
 void Journal::Append(nlohmann::json record) {
   record["time_us"] = WallMicros();
   record["mono_us"] = static_cast<int64_t>(MonotonicSeconds() * 1e6);
-  std::string line = record.dump() + "\n";
-  std::fwrite(line.data(), 1, line.size(), file_);
-  unsynced_ = true;
+  queued_ += record.dump();
+  queued_ += '\n';
+  ++appended_;
   if (mirror_) mirror_(record);
 }
 
 void Journal::Copy(const nlohmann::json& record) {
-  std::string line = record.dump() + "\n";
-  std::fwrite(line.data(), 1, line.size(), file_);
-  unsynced_ = true;
+  queued_ += record.dump();
+  queued_ += '\n';
+  ++appended_;
 }
 
-void Journal::Flush() { std::fflush(file_); }
+void Journal::Flush() {
+  if (queued_.empty()) return;
+  MutexLock l(&mu_);
+  if (handed_.empty()) {
+    handed_.swap(queued_);
+  } else {
+    handed_ += queued_;
+    queued_.clear();
+  }
+  handed_upto_ = appended_;
+  cv_.NotifyOne();
+}
 
 void Journal::Sync() {
-  // A full disk or a failed device: the records stay in this process's buffer or the page cache at
-  // worst, and the orders go out (a controller that stopped issuing orders would stop the job); the
-  // log says so once.
-  const char* failed = nullptr;
-  const auto t0 = std::chrono::steady_clock::now();
-  if (std::fflush(file_) != 0) {
-    failed = "write";
-  } else if (unsynced_ && ::fdatasync(::fileno(file_)) != 0) {
-    failed = "fdatasync";
+  Flush();
+  MutexLock l(&mu_);
+  if (sync_upto_ >= appended_) return;
+  sync_upto_ = appended_;
+  cv_.NotifyOne();
+}
+
+void Journal::Run(std::stop_token stop) {
+  while (true) {
+    std::string text;
+    uint64_t upto = 0;
+    bool sync = false;
+    {
+      MutexLock l(&mu_);
+      auto work = [this]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !handed_.empty() || sync_upto_ > durable_.load();
+      };
+      cv_.Wait(&mu_, stop, work);
+      if (!work()) return;  // stopped, with nothing left (the destructor's Sync came first)
+      text.swap(handed_);
+      upto = handed_upto_;
+      sync = sync_upto_ > durable_.load();
+    }
+    WriteOut(text);
+    if (!sync) continue;
+    SyncOut();
+    // Everything handed over by now is written: the sync covered it (Sync hands over before it
+    // asks, so upto >= what it asked for).
+    durable_.store(upto);
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_.get(), &one, sizeof(one));
   }
-  // The caller's loop waited this long (the controller's: docs/thread-model.md): said when it is
-  // long, at most once in 10 s, so that a detector that ran late can be told from a silent peer.
+}
+
+void Journal::WriteOut(const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    ssize_t n = ::write(fd_.get(), text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (!failed_said_) {
+        failed_said_ = true;
+        NONSTOP_LOG_WARNING("journal {}: write: {} ({} bytes of records lost)", path_,
+                            n < 0 ? std::strerror(errno) : "nothing written", text.size() - done);
+      }
+      return;
+    }
+    done += static_cast<size_t>(n);
+  }
+}
+
+void Journal::SyncOut() {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (::fdatasync(fd_.get()) != 0 && !failed_said_) {
+    failed_said_ = true;
+    NONSTOP_LOG_WARNING(
+        "journal {}: fdatasync: {} (its latest records may be lost if this host "
+        "fails)",
+        path_, std::strerror(errno));
+  }
+  // Orders wait this long (not the loop: it goes on meanwhile), said when it is long, at most
+  // once in 10 s.
   const auto took = std::chrono::steady_clock::now() - t0;
   if (took >= std::chrono::milliseconds(100) &&
       std::chrono::steady_clock::now() >= next_slow_say_) {
-    NONSTOP_LOG_WARNING("journal {}: writing and syncing took {} ms", path_,
-                        std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+    NONSTOP_LOG_WARNING(
+        "journal {}: a sync took {} ms (orders waited for it; the controller's "
+        "loop did not)",
+        path_, std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
     next_slow_say_ = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   }
-  if (failed != nullptr && !sync_failed_) {
-    sync_failed_ = true;
-    NONSTOP_LOG_WARNING("journal {}: {}: {} (its latest records may be lost if this host fails)",
-                        path_, failed, std::strerror(errno));
-  }
-  if (failed == nullptr) unsynced_ = false;
 }
 
 Result<std::vector<nlohmann::json>> Journal::Read(const std::string& path, bool* torn_tail) {

@@ -1,23 +1,38 @@
 // Journal: the job's append-only event log, one JSON object per line
 // (docs/journal.md). Every record gets "time_us" (wall clock, microseconds
 // since the epoch) and "mono_us" (monotonic, for durations) when appended.
-// Appended lines are buffered; the runtime calls Flush() once per turn of its
-// loop (every ≤ 20 ms, and before it exits), so a reader (a report, a test, a
-// benchmark) sees every event within a loop turn even if the job dies, and a
-// recovery of 100,000 members does not pay 100,000 write calls
-// (docs/scale.md). In a turn that sends orders it calls Sync() instead: the
-// records reach the disk (fdatasync) before the orders they describe go out.
+//
+// The file is written by a thread of the journal's own, so the controller's
+// loop, which carries the job's liveness (heartbeats, detectors), never waits
+// on the disk (docs/thread-model.md): a journal on a slow or shared disk
+// (NFS, a disk busy with checkpoints) delays orders, not detection.
+// Appended lines are queued; the runtime calls Flush() once per turn of its
+// loop (every <= 20 ms, and before it exits), which hands them to the writer,
+// so a reader (a report, a test, a benchmark) sees every event within a loop
+// turn even if the job dies, and a recovery of 100,000 members does not pay
+// 100,000 write calls (docs/scale.md). In a turn that decides orders it calls
+// Sync() instead, and each order waits until durable() has reached the records
+// before it (fdatasync): the records reach the disk before the orders they
+// describe go out. wake_fd() says when durable() grew.
+//
+// Thread-safety: one thread (the controller's loop) calls everything but
+// durable() and wake_fd(), which any thread may.
 #pragma once
 
+#include <atomic>
 #include <chrono>
-#include <cstdio>
+#include <cstdint>
 #include <functional>
+#include <stop_token>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "common/mutex.h"
 #include "common/status.h"
+#include "common/unique_fd.h"
 
 namespace nonstop::controller {
 
@@ -30,23 +45,29 @@ class Journal {
   // Goes on with the journal at `path` (a controller taking over the job):
   // records are appended to it; it must exist.
   static Result<std::unique_ptr<Journal>> OpenForAppend(const std::string& path);
+  // Writes and syncs everything appended, then stops the writer.
   ~Journal();
   Journal(const Journal&) = delete;
   Journal& operator=(const Journal&) = delete;
 
-  // Stamps the record (time_us, mono_us), writes it, and hands it to the mirror if one is set.
+  // Stamps the record (time_us, mono_us), queues it, and hands it to the mirror if one is set.
   void Append(nlohmann::json record);
-  // Writes a record as it is (a predecessor's, copied from etcd): no stamp, no mirror.
+  // Queues a record as it is (a predecessor's, copied from etcd): no stamp, no mirror.
   void Copy(const nlohmann::json& record);
-  // Every record Append writes from now on also goes to `mirror` (etcd's copy of the journal).
+  // Every record Append queues from now on also goes to `mirror` (etcd's copy of the journal).
   void set_mirror(std::function<void(const nlohmann::json&)> mirror) {
     mirror_ = std::move(mirror);
   }
-  // Writes what Append buffered to the file.
+  // Hands what was queued to the writer: in the file within moments, not synced.
   void Flush();
-  // Flush, then fdatasync: what was appended survives the loss of this host
-  // (the runtime syncs before it sends the orders the records describe).
+  // Flush, and asks the writer to fdatasync once it has written them: durable() then reaches
+  // appended(), and the records survive the loss of this host. A disk that fails is said once,
+  // and durable() goes on (a controller that stopped issuing orders would stop the job).
   void Sync();
+  uint64_t appended() const { return appended_; }       // records queued so far (seq of the last)
+  uint64_t durable() const { return durable_.load(); }  // records synced (or failed to) so far
+  // Readable (an eventfd) when durable() grew: the loop's cue to send what waited for it.
+  int wake_fd() const { return wake_.get(); }
   const std::string& path() const { return path_; }
   // Where the previous journal at path() went; empty if there was none.
   const std::string& rotated_to() const { return rotated_to_; }
@@ -58,16 +79,33 @@ class Journal {
                                                   bool* torn_tail = nullptr);
 
  private:
-  Journal(std::string path, std::FILE* f) : path_(std::move(path)), file_(f) {}
+  Journal(std::string path, UniqueFd fd);
   Status Lock();
+  // The writer thread: writes what Flush handed over, syncs what Sync asked for, until stopped
+  // with nothing left.
+  void Run(std::stop_token stop);
+  void WriteOut(const std::string& text);  // the writer's: all of it, or says why not (once)
+  void SyncOut();                          // the writer's: fdatasync, said when slow or failed
+
   std::string path_;
-  std::FILE* file_;
+  UniqueFd fd_;  // O_APPEND
+  UniqueFd wake_;
   std::string rotated_to_;
-  bool unsynced_ = false;     // appended since the last Sync
-  bool sync_failed_ = false;  // said once
-  std::chrono::steady_clock::time_point
-      next_slow_say_{};  // a slow Sync is said at most once in 10 s
+  // The loop's (Append, Copy, Flush, Sync).
+  std::string queued_;
+  uint64_t appended_ = 0;
   std::function<void(const nlohmann::json&)> mirror_;
+
+  Mutex mu_;
+  CondVar cv_;
+  std::string handed_ NONSTOP_GUARDED_BY(mu_);        // lines for the writer
+  uint64_t handed_upto_ NONSTOP_GUARDED_BY(mu_) = 0;  // seq of the last record handed over
+  uint64_t sync_upto_ NONSTOP_GUARDED_BY(mu_) = 0;    // Sync asked durable() to reach this
+  std::atomic<uint64_t> durable_{0};
+  // The writer's.
+  bool failed_said_ = false;                               // a failed write or sync is said once
+  std::chrono::steady_clock::time_point next_slow_say_{};  // a slow one at most once in 10 s
+  std::jthread writer_;  // last: started once the members it uses exist
 };
 
 }  // namespace nonstop::controller

@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <poll.h>
+
 #include <filesystem>
+#include <fstream>
 
 #include "common/temp_dir.h"
 
@@ -38,6 +41,70 @@ TEST(JournalTest, AnEarlierJobsJournalIsKeptNotTruncated) {
   EXPECT_EQ((*job3)[0]["job"], 3);
   EXPECT_NE(kept[0].find("journal-"), std::string::npos) << kept[0];
   EXPECT_EQ(std::filesystem::path(kept[0]).extension(), ".jsonl");
+}
+
+// The loop never waits on the disk: Sync asks the writer thread, which says through wake_fd when
+// durable() has reached the records (the cue for the orders that waited for them).
+TEST(JournalTest, SyncMakesTheRecordsDurableAndWakesTheLoop) {
+  TempDir dir;
+  auto j = Journal::Open(dir / "journal.jsonl");
+  ASSERT_TRUE(j.ok()) << j.status().ToString();
+  for (int i = 0; i < 3; ++i) (*j)->Append({{"event", "tick"}, {"i", i}});
+  EXPECT_EQ((*j)->appended(), 3u);
+  (*j)->Flush();
+  EXPECT_EQ((*j)->durable(), 0u) << "a Flush hands records over; only a Sync makes them durable";
+  (*j)->Sync();
+  pollfd p{(*j)->wake_fd(), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 10'000), 1) << "the writer never said the sync was done";
+  EXPECT_EQ((*j)->durable(), 3u);
+  auto read = Journal::Read(dir / "journal.jsonl");
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->size(), 3u);
+  EXPECT_EQ((*read)[2]["i"], 2);
+  EXPECT_TRUE((*read)[0].contains("time_us"));
+}
+
+TEST(JournalTest, EverythingAppendedIsOnDiskOnceTheJournalIsGone) {
+  TempDir dir;
+  std::string path = dir / "journal.jsonl";
+  {
+    auto j = Journal::Open(path);
+    ASSERT_TRUE(j.ok()) << j.status().ToString();
+    for (int i = 0; i < 1000; ++i) {
+      (*j)->Append({{"event", "tick"}, {"i", i}});
+      if (i % 97 == 0) (*j)->Flush();
+      if (i % 301 == 0) (*j)->Sync();
+    }
+  }  // no Flush after the last ones
+  auto read = Journal::Read(path);
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->size(), 1000u);
+  for (int i = 0; i < 1000; ++i) ASSERT_EQ((*read)[i]["i"], i) << "records out of order";
+}
+
+TEST(JournalTest, GoingOnCutsATornLastLineAndRefusesASecondWriter) {
+  TempDir dir;
+  std::string path = dir / "journal.jsonl";
+  {
+    std::ofstream out(path);
+    out << R"({"event":"job_start"})"
+        << "\n"
+        << R"({"event":"torn_by_a_ki)";
+  }
+  {
+    auto j = Journal::OpenForAppend(path);
+    ASSERT_TRUE(j.ok()) << j.status().ToString();
+    auto second = Journal::OpenForAppend(path);
+    EXPECT_FALSE(second.ok()) << "two controllers writing one journal";
+    (*j)->Append({{"event", "takeover"}});
+  }
+  bool torn = false;
+  auto read = Journal::Read(path, &torn);
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_FALSE(torn);
+  ASSERT_EQ(read->size(), 2u);
+  EXPECT_EQ((*read)[0]["event"], "job_start");
+  EXPECT_EQ((*read)[1]["event"], "takeover");
 }
 
 }  // namespace

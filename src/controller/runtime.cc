@@ -206,13 +206,16 @@ class Runtime {
   std::string encoded_abort_payload_;
   // Calls to core_.Handle so far: /status changes only when this does.
   uint64_t handled_ = 0;
-  // Write before acting: records are written at once, and the orders and
-  // other actions that follow them wait until the records before them are
-  // on their way to disk (flushed) and, with etcd, held by etcd, so that a
-  // controller taking over knows every order that went out. With etcd an
-  // order also waits while the lease is not known to be held.
+  // Write before acting: records are queued at once, and the orders that
+  // follow them wait until the records before them are on disk (the journal's
+  // writer synced them: this loop does not wait for the disk, it goes on
+  // reading heartbeats) and, with etcd, held by etcd, so that a controller
+  // taking over knows every order that went out. With etcd an order also
+  // waits while the lease is not known to be held. A line to print waits
+  // only for the orders before it.
   struct Pending {
-    uint64_t after;  // leadership_->appended() when it was decided
+    uint64_t after;          // leadership_->appended() when it was decided
+    uint64_t journal_after;  // journal_->appended() then
     Action action;
   };
   std::deque<Pending> pending_;
@@ -539,6 +542,12 @@ int Runtime::Run() {
   PrintBanner();
   JournalStart();
   WatchSignals();
+  loop_.Watch(journal_->wake_fd(), POLLIN, [this](short) {
+    uint64_t n;
+    while (::read(journal_->wake_fd(), &n, sizeof(n)) == sizeof(n)) {
+    }
+    RunPending();  // the orders that waited for their records
+  });
   if (leadership_ != nullptr) {
     loop_.Watch(leadership_->wake_fd(), POLLIN, [this](short) {
       uint64_t n;
@@ -618,17 +627,17 @@ std::optional<int> Runtime::Turn() {
   return std::nullopt;
 }
 
-// A turn's work never waits on a peer (docs/thread-model.md); one that takes long anyway (a slow
-// disk under the journal, a starved process) delays every detector, so it is said: the first,
-// then at most one line every 10 s with how many and the worst.
+// A turn's work never waits on a peer or the disk (docs/thread-model.md: the journal has a writer
+// of its own); one that takes long anyway (a starved process) delays every detector, so it is
+// said: the first, then at most one line every 10 s with how many and the worst.
 void Runtime::SaySlowTurn(Clock::duration took) {
   if (took < kPollWait + kSlowTurn) return;
   ++slow_turns_;
   worst_turn_ = std::max(worst_turn_, took);
   if (Clock::now() < next_slow_say_) return;
   Print(
-      fmt::format("[nonstop] {} of the controller's loop took up to {} ms (its journal's syncs, "
-                  "status and orders): its detectors ran that much late\n",
+      fmt::format("[nonstop] {} of the controller's loop took up to {} ms (its status and "
+                  "orders, or a starved process): its detectors ran that much late\n",
                   slow_turns_ == 1 ? std::string("a turn") : fmt::format("{} turns", slow_turns_),
                   std::chrono::duration_cast<Millis>(worst_turn_).count()));
   slow_turns_ = 0;
@@ -638,10 +647,8 @@ void Runtime::SaySlowTurn(Clock::duration took) {
 
 void Runtime::Tick() {
   // Silence is judged on what the sockets hold, not on this loop's own delays: a heartbeat that
-  // arrived while the turn was busy (a journal's fdatasync on a slow disk, a status publish) is
-  // read before the detectors run, and again while reading itself took long (it may sync too).
-  // (CI once declared a host lost at a job's formation, "no heartbeat for 1666 ms"; the cause is
-  // not established: fdatasync measured at most 26 ms here under a disk writer.)
+  // arrived while the turn was busy (a status publish, a starved process) is read before the
+  // detectors run, and again while reading itself took long.
   for (int round = 0; round < 4; ++round) {
     const auto t0 = Clock::now();
     loop_.RunOnce(Millis(0));
@@ -689,7 +696,8 @@ void Runtime::Handle(const Event& e) {
       journal_->Append(std::move(record->record));
       continue;
     }
-    pending_.push_back({leadership_ != nullptr ? leadership_->appended() : 0, std::move(a)});
+    pending_.push_back(
+        {leadership_ != nullptr ? leadership_->appended() : 0, journal_->appended(), std::move(a)});
   }
   // An agent that (re)joins after the plan went out (a takeover, a healed host) still labels right.
   if (const auto* joined = std::get_if<HostJoined>(&e)) {
@@ -699,7 +707,8 @@ void Runtime::Handle(const Event& e) {
 
 void Runtime::RunPending() {
   // The orders go out after the records that describe them are on disk (a controller started with
-  // --resume on this journal after this host crashed must know every order that was sent).
+  // --resume on this journal after this host crashed must know every order that was sent): the
+  // journal's writer syncs them, and its wake_fd brings this loop back here when it has.
   // (A line to print is no order: it waits for no fdatasync.)
   const bool orders = std::any_of(pending_.begin(), pending_.end(), [](const Pending& p) {
     return !std::holds_alternative<PrintLine>(p.action);
@@ -711,8 +720,10 @@ void Runtime::RunPending() {
   }
   if (leadership_ != nullptr) leadership_->Flush();
   while (!pending_.empty()) {
-    if (leadership_ != nullptr &&
-        (pending_.front().after > leadership_->durable() || !leadership_->Valid()))
+    const Pending& next = pending_.front();
+    if (!std::holds_alternative<PrintLine>(next.action) && next.journal_after > journal_->durable())
+      break;
+    if (leadership_ != nullptr && (next.after > leadership_->durable() || !leadership_->Valid()))
       break;
     Action a = std::move(pending_.front().action);
     pending_.pop_front();
@@ -768,7 +779,13 @@ int Runtime::StepDown(nlohmann::json record, const std::string& line, int code) 
 }
 
 int Runtime::Finish() {
-  journal_->Flush();
+  // The last orders (the agents' stop) may still wait for their records' sync: send them.
+  journal_->Sync();
+  Deadline synced_by = DeadlineAfter(Millis(5'000));
+  while (journal_->durable() < journal_->appended() && Clock::now() < synced_by) {
+    std::this_thread::sleep_for(Millis(1));
+  }
+  RunPending();
   if (leadership_ != nullptr) {
     // The end is the job's: etcd must hold it before the lease is given back
     // (a standby that wins then reads it and leaves instead of taking over).
