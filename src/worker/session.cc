@@ -831,6 +831,13 @@ class SessionImpl {
       const double seconds = std::isfinite(last_step_seconds)
                                  ? std::clamp(f->at * last_step_seconds, 0.0, 3600.0)
                                  : 0.0;
+      if (seconds <= 0) {
+        // Due as the step starts: fired from this thread, now. A timer thread may start late on
+        // a busy machine, after another member's fault has aborted the generation (a test saw
+        // two kills at=0 of one step land a recovery apart, where both were meant at once).
+        Fire(*f);
+        return;
+      }
       auto delay = std::chrono::duration<double>(seconds);
       std::erase_if(fault_timers_, [](const TimedFault& t) { return t.fired->load(); });
       auto fired = std::make_shared<std::atomic<bool>>(false);
