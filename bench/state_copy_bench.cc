@@ -6,12 +6,14 @@
 //   raw 1     one loopback TCP connection: plain send(2)/recv(2) of the
 //             source's bytes straight into the receiver's buffer, no checks;
 //   raw N     the same bytes split over N connections at once (--streams);
-//   copy 1    RunStateTransfers of a registered state of that size from one
-//             source, over TcpDataPlane communicators on loopback (the data
-//             plane a worker uses), every chunk CRC-32C checked;
+//   copy 1·1  RunStateTransfers of a registered state of that size from one
+//             source over one stream, over TcpDataPlane communicators on
+//             loopback (the data plane a worker uses), every chunk CRC-32C checked;
+//   copy 1    the same over the streams (lanes) the receiver picks by size
+//             (one per 32 MiB asked of a source, at most 4: state_transfer.h);
 //   copy 3    the same from three sources (chunks striped over them).
 // Each is repeated --repeats times, interleaved, and the median is shown;
-// the ratios are copy 1 / raw 1, copy 3 / raw N, and the faster copy over
+// the ratios are copy 1·1 / raw 1, copy 1 / raw N, copy 3 / raw N, and the faster copy over
 // the faster raw figure of the same size, all measured seconds apart. Ranks are threads of this
 // process (as in state_transfer_test), the sockets real. Every copy is checked byte for byte
 // against the source after it is timed.
@@ -24,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -112,8 +115,10 @@ struct Ranks {
   }
 };
 
-// One copy of `regs[0]`'s state from regs[1..sources]; seconds on the receiver.
-double Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& regs, int sources) {
+// One copy of `regs[0]`'s state from regs[1..sources] (`streams` per source, 0: by size); seconds
+// on the receiver, and the streams it took from a source.
+std::pair<double, int> Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& regs,
+                            int sources, int streams) {
   control::PlanMsg plan;
   plan.generation = 1;
   plan.resume_step = 8;
@@ -124,14 +129,20 @@ double Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& re
   plan.transfers.push_back(t);
   std::vector<Status> status(kSources + 1);
   double secs = 0;
+  int took = 0;
+  worker::TransferHooks hooks;
+  hooks.streams_per_source = streams;
   std::vector<std::thread> threads;
   for (int r = kSources; r >= 0; --r) {
     threads.emplace_back([&, r] {
       auto t0 = Clock::now();
       auto out = worker::RunStateTransfers(*ranks.comms[static_cast<size_t>(r)],
                                            *regs[static_cast<size_t>(r)], plan, r,
-                                           plan.resume_step - 1, {});
-      if (r == 0) secs = std::chrono::duration<double>(Clock::now() - t0).count();
+                                           plan.resume_step - 1, hooks);
+      if (r == 0) {
+        secs = std::chrono::duration<double>(Clock::now() - t0).count();
+        if (out.ok()) took = out->streams_per_source;
+      }
       status[static_cast<size_t>(r)] = out.status();
     });
   }
@@ -140,12 +151,13 @@ double Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& re
     NONSTOP_CHECK(status[static_cast<size_t>(r)].ok())
         << "rank " << r << ": " << status[static_cast<size_t>(r)].ToString();
   }
-  return secs;
+  return {secs, took};
 }
 
 struct Row {
   size_t bytes;
-  double raw1, rawn, copy1, copy3;  // bytes per second (medians)
+  double raw1, rawn, copy1_one, copy1, copy3;  // bytes per second (medians)
+  int streams1 = 0;                            // the streams copy 1 took
 };
 
 Row MeasureSize(Ranks& ranks, size_t bytes, int streams, int repeats, size_t chunk_bytes) {
@@ -162,19 +174,26 @@ Row MeasureSize(Ranks& ranks, size_t bytes, int streams, int repeats, size_t chu
     NONSTOP_CHECK(regs.back()->Register("state", r == 0 ? std::span(dst) : std::span(src)).ok());
   }
   auto rate = [&](double secs) { return static_cast<double>(bytes) / secs; };
-  std::vector<double> raw1, rawn, copy1, copy3;
+  std::vector<double> raw1, rawn, copy1_one, copy1, copy3;
+  int streams1 = 0;
+  struct Kind {
+    int sources, streams;
+    std::vector<double>* out;
+  };
   for (int i = 0; i < repeats; ++i) {
     raw1.push_back(rate(RawTcp(src, dst, 1)));
     rawn.push_back(rate(RawTcp(src, dst, streams)));
-    for (int sources : {1, kSources}) {
+    for (Kind k : {Kind{1, 1, &copy1_one}, Kind{1, 0, &copy1}, Kind{kSources, 0, &copy3}}) {
       std::memset(dst.data(), 0, dst.size());
-      double secs = Copy(ranks, regs, sources);
+      auto [secs, took] = Copy(ranks, regs, k.sources, k.streams);
       NONSTOP_CHECK(std::memcmp(dst.data(), src.data(), bytes) == 0)
-          << "the copy from " << sources << " source(s) differs from the source";
-      (sources == 1 ? copy1 : copy3).push_back(rate(secs));
+          << "the copy from " << k.sources << " source(s) differs from the source";
+      k.out->push_back(rate(secs));
+      if (k.out == &copy1) streams1 = took;
     }
   }
-  return {bytes, Median(raw1), Median(rawn), Median(copy1), Median(copy3)};
+  return {bytes,         Median(raw1),  Median(rawn), Median(copy1_one),
+          Median(copy1), Median(copy3), streams1};
 }
 
 int Main(int argc, char** argv) {
@@ -200,33 +219,41 @@ int Main(int argc, char** argv) {
   fmt::print(
       "state copy vs raw loopback TCP (MB/s = 1e6 bytes/s, median of {}; chunks of {} KiB)\n",
       repeats, chunk_bytes >> 10);
-  fmt::print("{:>6} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10}\n", "MiB", "raw 1",
-             fmt::format("raw {}", streams), "copy 1src", fmt::format("copy {}src", kSources),
-             "1src/raw1", fmt::format("{}src/raw{}", kSources, streams), "best/best");
+  fmt::print("{:>6} {:>9} {:>9} {:>10} {:>13} {:>10} {:>10} {:>10} {:>10} {:>10}\n", "MiB", "raw 1",
+             fmt::format("raw {}", streams), "copy 1src·1", "copy 1src (s)",
+             fmt::format("copy {}src", kSources), "1src·1/raw1", fmt::format("1src/raw{}", streams),
+             fmt::format("{}src/raw{}", kSources, streams), "best/best");
   nlohmann::json rows = nlohmann::json::array();
   for (size_t mb : sizes_mb) {
     Row row = MeasureSize(ranks, mb << 20, streams, repeats, chunk_bytes);
     const double raw = std::max(row.raw1, row.rawn);
-    const double copy = std::max(row.copy1, row.copy3);
-    fmt::print("{:>6} {:>9.0f} {:>9.0f} {:>10.0f} {:>10.0f} {:>9.0f}% {:>9.0f}% {:>9.0f}%\n", mb,
-               row.raw1 / 1e6, row.rawn / 1e6, row.copy1 / 1e6, row.copy3 / 1e6,
-               100 * row.copy1 / row.raw1, 100 * row.copy3 / row.rawn, 100 * copy / raw);
+    const double copy = std::max({row.copy1_one, row.copy1, row.copy3});
+    fmt::print(
+        "{:>6} {:>9.0f} {:>9.0f} {:>10.0f} {:>9.0f} ({}) {:>10.0f} {:>9.0f}% {:>9.0f}% {:>9.0f}% "
+        "{:>9.0f}%\n",
+        mb, row.raw1 / 1e6, row.rawn / 1e6, row.copy1_one / 1e6, row.copy1 / 1e6, row.streams1,
+        row.copy3 / 1e6, 100 * row.copy1_one / row.raw1, 100 * row.copy1 / row.rawn,
+        100 * row.copy3 / row.rawn, 100 * copy / raw);
     std::fflush(stdout);
     rows.push_back({{"bytes", row.bytes},
                     {"raw_1_stream_bytes_per_s", row.raw1},
                     {"raw_n_streams_bytes_per_s", row.rawn},
                     {"streams", streams},
+                    {"copy_1_source_1_stream_bytes_per_s", row.copy1_one},
                     {"copy_1_source_bytes_per_s", row.copy1},
+                    {"copy_1_source_streams", row.streams1},
                     {"copy_3_sources_bytes_per_s", row.copy3},
-                    {"copy_1_source_over_raw_1_stream", row.copy1 / row.raw1},
+                    {"copy_1_source_1_stream_over_raw_1_stream", row.copy1_one / row.raw1},
+                    {"copy_1_source_over_raw_n_streams", row.copy1 / row.rawn},
                     {"copy_3_sources_over_raw_n_streams", row.copy3 / row.rawn},
                     {"best_copy_over_best_raw", copy / raw}});
   }
   fmt::print(
-      "1src/raw1: one source against one connection; {}src/raw{}: three sources (three "
-      "connections) against {} connections; best/best: the faster copy against the faster "
-      "raw figure of the same size\n",
-      kSources, streams, streams);
+      "1src·1/raw1: one source over one stream against one connection; 1src/raw{}: one "
+      "source over the streams (s) it took against {} connections; {}src/raw{}: three sources "
+      "against {} connections; best/best: the fastest copy against the faster raw figure of the "
+      "same size\n",
+      streams, streams, kSources, streams, streams);
   if (!json_path.empty()) {
     std::ofstream(json_path)
         << nlohmann::json{{"repeats", repeats}, {"chunk_bytes", chunk_bytes}, {"rows", rows}}.dump(

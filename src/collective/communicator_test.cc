@@ -537,6 +537,56 @@ TEST(CommunicatorTest, PointToPointMovesLargeBuffersBetweenAnyRanks) {
   });
 }
 
+// Lanes (state copies over several streams): a thread per lane at both ends, each lane's bytes
+// on a connection of its own, checked frames and unchecked ones interleaved as the state
+// transfer sends them; lane 0 is the same connection as Send/Recv.
+TEST(CommunicatorTest, EveryLaneMovesItsOwnBytesAtOnce) {
+  const size_t bytes = (1u << 20) + 3;
+  RunThreads(2, [&](int rank, Communicator& comm) {
+    ASSERT_EQ(comm.p2p_lanes(), net::kDataLanes);
+    auto fill = [&](int lane, size_t i) { return static_cast<uint8_t>(i * 7 + 13 * lane); };
+    std::vector<std::thread> lanes;
+    std::vector<Status> results(static_cast<size_t>(comm.p2p_lanes()));
+    for (int lane = 0; lane < comm.p2p_lanes(); ++lane) {
+      lanes.emplace_back([&, lane] {
+        std::vector<uint8_t> buf(bytes);
+        std::string meta(8, '\0');
+        Status& s = results[static_cast<size_t>(lane)];
+        for (int round = 0; round < 3 && s.ok(); ++round) {
+          if (rank == 0) {
+            for (size_t i = 0; i < bytes; ++i) buf[i] = fill(lane, i + round);
+            meta[0] = static_cast<char>(lane);
+            s = comm.SendOnLane(1, lane, HostRegion(std::as_bytes(std::span(meta))), true);
+            if (s.ok())
+              s = comm.SendOnLane(1, lane, HostRegion(std::as_bytes(std::span(buf))),
+                                  /*checked=*/false);
+          } else {
+            s = comm.RecvOnLane(0, lane, HostRegion(std::as_writable_bytes(std::span(meta))), true);
+            if (s.ok())
+              s = comm.RecvOnLane(0, lane, HostRegion(std::as_writable_bytes(std::span(buf))),
+                                  false);
+            if (s.ok() && meta[0] != static_cast<char>(lane)) s = DataLossError("wrong lane");
+            for (size_t i = 0; i < bytes && s.ok(); ++i) {
+              if (buf[i] != fill(lane, i + round)) s = DataLossError("bytes of another lane");
+            }
+          }
+        }
+      });
+    }
+    for (auto& t : lanes) t.join();
+    for (size_t l = 0; l < results.size(); ++l)
+      EXPECT_TRUE(results[l].ok()) << l << ": " << results[l].ToString();
+    // Lane 0 is Send/Recv's connection: it goes on in step with them.
+    std::vector<uint8_t> one(16, static_cast<uint8_t>(rank));
+    if (rank == 0) {
+      ASSERT_TRUE(comm.Send(1, std::as_bytes(std::span(one))).ok());
+    } else {
+      ASSERT_TRUE(comm.Recv(0, std::as_writable_bytes(std::span(one))).ok());
+      EXPECT_EQ(one[0], 0);
+    }
+  });
+}
+
 TEST(CommunicatorTest, AbortWakesABlockedAllReduceAndIsSticky) {
   auto listeners = MakeListeners(2);
   auto members = MembersOf(listeners);

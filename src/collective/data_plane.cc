@@ -23,6 +23,16 @@ std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c) {
   return {split(static_cast<size_t>(c)), split(static_cast<size_t>(c) + 1)};
 }
 
+Status Communicator::SendOnLane(int to_rank, int lane, ConstRegion data, bool checked) {
+  NONSTOP_CHECK(lane >= 0 && lane < p2p_lanes()) << "lane " << lane << " of " << p2p_lanes();
+  return checked ? Send(to_rank, data) : SendUnchecked(to_rank, data);
+}
+
+Status Communicator::RecvOnLane(int from_rank, int lane, Region data, bool checked) {
+  NONSTOP_CHECK(lane >= 0 && lane < p2p_lanes()) << "lane " << lane << " of " << p2p_lanes();
+  return checked ? Recv(from_rank, data) : RecvUnchecked(from_rank, data);
+}
+
 Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
                                    std::span<const std::vector<float>> partials,
                                    std::span<float> out) {

@@ -201,6 +201,15 @@ class Communicator {
   // may differ from Send/Recv's). The default is Send/Recv: checked twice.
   virtual Status SendUnchecked(int to_rank, ConstRegion data) { return Send(to_rank, data); }
   virtual Status RecvUnchecked(int from_rank, Region data) { return Recv(from_rank, data); }
+  // Point-to-point lanes: lane 0 is the connection of Send/Recv; lanes 1 .. p2p_lanes() - 1
+  // are further connections to the same peers (TCP: a socket each, opened when first used), so
+  // that several threads move one transfer between the same two ranks at once (the state copy's
+  // streams per source, worker/state_transfer.h). One thread at a time drives a (peer, lane),
+  // and both ends use the same lane for the same bytes; `checked` picks Send's or
+  // SendUnchecked's frames. A transport without lanes says 1 (lane 0 is Send/Recv).
+  virtual int p2p_lanes() const { return 1; }
+  virtual Status SendOnLane(int to_rank, int lane, ConstRegion data, bool checked);
+  virtual Status RecvOnLane(int from_rank, int lane, Region data, bool checked);
 
   // Fault injection (FaultKind::kDrop): the next ring collective loses its
   // link to the right neighbour under it (TCP: the connection is shut down
@@ -260,7 +269,7 @@ struct DataPlaneStats {
   // Connections established since creation (dialed + accepted): what shows
   // that generations reuse them.
   int connections_opened = 0;
-  int connections_open = 0;  // now: one per peer talked to and not dropped
+  int connections_open = 0;  // now: one per peer and lane used and not dropped
   // Incoming connections closed without becoming a peer's (refused hello,
   // handshake deadline, stale generation).
   int connections_refused = 0;

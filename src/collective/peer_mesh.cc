@@ -131,7 +131,7 @@ void PeerMesh::WakeAcceptLoop() {
   (void)n;  // a full counter is still readable: the wake-up is not lost
 }
 
-Status PeerMesh::CheckInbound(int peer_id, uint32_t generation) const {
+Status PeerMesh::CheckInbound(int peer_id, int lane, uint32_t generation) const {
   if (peer_id >= options_.worker_id) {
     return FailedPreconditionError(
         fmt::format("worker {} may not dial worker {}: the lower worker id dials, so worker {} "
@@ -139,7 +139,7 @@ Status PeerMesh::CheckInbound(int peer_id, uint32_t generation) const {
                     peer_id, options_.worker_id, options_.worker_id, options_.worker_id));
   }
   MutexLock lock(&mu_);
-  auto it = connections_.find(peer_id);
+  auto it = connections_.find({peer_id, lane});
   if (it != connections_.end() && it->second->generation > generation &&
       !ConnectionIsBroken(*it->second)) {
     return FailedPreconditionError(fmt::format(
@@ -149,9 +149,9 @@ Status PeerMesh::CheckInbound(int peer_id, uint32_t generation) const {
   return OkStatus();
 }
 
-bool PeerMesh::InstallInbound(UniqueFd fd, int peer_id, uint32_t generation) {
+bool PeerMesh::InstallInbound(UniqueFd fd, int peer_id, int lane, uint32_t generation) {
   MutexLock lock(&mu_);
-  auto& slot = connections_[peer_id];
+  auto& slot = connections_[{peer_id, lane}];
   if (slot && slot->generation > generation && !ConnectionIsBroken(*slot)) {
     ++connections_refused_;  // a newer connection won the race while this one sent its ack
     return false;
@@ -159,6 +159,7 @@ bool PeerMesh::InstallInbound(UniqueFd fd, int peer_id, uint32_t generation) {
   auto conn = std::make_unique<Connection>();
   conn->fd = std::move(fd);
   conn->peer_id = peer_id;
+  conn->lane = lane;
   conn->peer_address = "inbound";
   conn->generation = generation;
   if (slot) retired_.push_back(std::move(slot));  // the peer redialed: its old connection is dead
@@ -184,7 +185,7 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
     switch (p.hello->state()) {
       case net::HelloAcceptor::State::kAccepted: {
         const net::Hello& h = p.hello->hello();
-        if (!InstallInbound(std::move(p.fd), h.worker_id, h.generation)) {
+        if (!InstallInbound(std::move(p.fd), h.worker_id, h.lane, h.generation)) {
           refusals.Note(fmt::format(
               "data port: closed the connection of worker {} (generation {}) from {}: a "
               "newer one replaced it",
@@ -213,7 +214,9 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
         return true;
     }
   };
-  auto rule = [this](const net::Hello& h) { return CheckInbound(h.worker_id, h.generation); };
+  auto rule = [this](const net::Hello& h) {
+    return CheckInbound(h.worker_id, h.lane, h.generation);
+  };
 
   while (!stop.stop_requested()) {
     // The abort signals to watch; a waiter whose signal fired already is woken now.
@@ -316,15 +319,16 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
 }
 
 Result<Connection*> PeerMesh::Get(int peer_id, const std::string& peer_address, uint32_t generation,
-                                  Deadline deadline, const net::AbortSignal* abort) {
+                                  Deadline deadline, const net::AbortSignal* abort, int lane) {
   NONSTOP_CHECK_NE(peer_id, options_.worker_id) << "a worker never connects to itself";
+  NONSTOP_CHECK(lane >= 0 && lane < net::kDataLanes) << "lane " << lane;
   {
     MutexLock lock(&mu_);
     // Generation check on the connection in the slot: usable (OK, `*out` set),
     // newer (kAborted), or none/broken (OK, `*out` null).
     auto usable = [&](Connection** out) NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Status {
       *out = nullptr;
-      auto it = connections_.find(peer_id);
+      auto it = connections_.find({peer_id, lane});
       if (it == connections_.end()) return OkStatus();
       if (ConnectionIsBroken(*it->second)) {
         retired_.push_back(std::move(it->second));  // closed by the peer: a new one is needed
@@ -369,10 +373,10 @@ Result<Connection*> PeerMesh::Get(int peer_id, const std::string& peer_address, 
                       peer_address, generation));
     }
   }
-  return Dial(peer_id, peer_address, generation, deadline, abort);
+  return Dial(peer_id, lane, peer_address, generation, deadline, abort);
 }
 
-Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
+Result<Connection*> PeerMesh::Dial(int peer_id, int lane, const std::string& peer_address,
                                    uint32_t generation, Deadline deadline,
                                    const net::AbortSignal* abort) {
   NONSTOP_ASSIGN_OR_RETURN(net::HostPort where, net::ParseHostPort(peer_address));
@@ -381,6 +385,7 @@ Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
   hello.kind = net::ConnectionKind::kData;
   hello.generation = generation;
   hello.worker_id = options_.worker_id;
+  hello.lane = static_cast<uint16_t>(lane);
   Result<net::Channel> hs = net::ClientHandshake(fd.get(), job_key_, hello, deadline, abort);
   if (!hs.ok())
     return hs.status().WithContext(
@@ -388,11 +393,12 @@ Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
   auto conn = std::make_unique<Connection>();
   conn->fd = std::move(fd);
   conn->peer_id = peer_id;
+  conn->lane = lane;
   conn->peer_address = peer_address;
   conn->generation = generation;
   MutexLock lock(&mu_);
   Connection* raw = conn.get();
-  auto& slot = connections_[peer_id];
+  auto& slot = connections_[{peer_id, lane}];
   if (slot) retired_.push_back(std::move(slot));
   slot = std::move(conn);
   ++connections_opened_;
@@ -401,11 +407,12 @@ Result<Connection*> PeerMesh::Dial(int peer_id, const std::string& peer_address,
 
 void PeerMesh::Drop(int peer_id) {
   MutexLock lock(&mu_);
-  auto it = connections_.find(peer_id);
-  if (it == connections_.end()) return;
-  ::shutdown(it->second->fd.get(), SHUT_RDWR);  // the peer sees the close and drops its end too
-  retired_.push_back(std::move(it->second));
-  connections_.erase(it);
+  auto it = connections_.lower_bound({peer_id, 0});
+  while (it != connections_.end() && it->first.first == peer_id) {
+    ::shutdown(it->second->fd.get(), SHUT_RDWR);  // the peer sees the close and drops its end too
+    retired_.push_back(std::move(it->second));
+    it = connections_.erase(it);
+  }
 }
 
 int PeerMesh::connections_opened() const {

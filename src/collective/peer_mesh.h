@@ -14,6 +14,13 @@
 // a flood of idle connections the oldest is closed first). A silent, slow or
 // garbage-sending connection therefore delays no other.
 //
+// Lanes: between two workers there may be up to net::kDataLanes connections,
+// lane 0 (every collective's and Send/Recv's) and lanes 1.. (further streams
+// of one point-to-point transfer, which threads drive at once: the state
+// copy's, worker/state_transfer.h). Each lane is a connection of its own,
+// opened like lane 0 (its hello names the lane), when first asked for, and
+// every rule below holds per lane. Drop(peer) forgets all of a peer's lanes.
+//
 // Generations (the rule of the data port; docs/protocol.md links here): every
 // connection remembers the generation it was opened in (the hello's for an
 // accepted one, the caller's for a dialed one).
@@ -51,6 +58,7 @@
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "net/abort_signal.h"
+#include "net/handshake.h"
 #include "net/socket.h"
 
 namespace nonstop::collective {
@@ -63,6 +71,7 @@ namespace nonstop::collective {
 struct Connection {
   UniqueFd fd;
   int peer_id = -1;
+  int lane = 0;
   std::string peer_address;
   // the generation it was opened in (hello's, or the dialer's)
   uint32_t generation = 0;
@@ -109,21 +118,21 @@ class PeerMesh {
   const net::HostPort& address() const { return address_; }
   int worker_id() const { return options_.worker_id; }
 
-  // Returns the open connection to worker `peer_id` for `generation`, dialing
-  // `peer_address` when this worker has the lower id, else waiting for the
-  // peer to dial in. Waits end as soon as the connection arrives, `abort`
+  // Returns the open connection to worker `peer_id` on `lane` (0 .. net::kDataLanes - 1) for
+  // `generation`, dialing `peer_address` when this worker has the lower id, else waiting for
+  // the peer to dial in. Waits end as soon as the connection arrives, `abort`
   // fires (kAborted) or `deadline` passes (kDeadlineExceeded). kAborted at
   // once when the peer's connection belongs to a newer generation (see above).
   Result<Connection*> Get(int peer_id, const std::string& peer_address, uint32_t generation,
-                          Deadline deadline, const net::AbortSignal* abort);
+                          Deadline deadline, const net::AbortSignal* abort, int lane = 0);
 
-  // Forgets (and closes) the connection to `peer_id`: it failed or left.
+  // Forgets (and closes) the connections to `peer_id`, every lane: one failed, or the peer left.
   void Drop(int peer_id);
 
   // Number of connections established since creation (dialed + accepted), for
   // tests and reports that check that connections were reused.
   int connections_opened() const;
-  // Connections open now (one per peer this worker has talked to and not dropped).
+  // Connections open now (one per peer and lane this worker has used and not dropped).
   int connections_open() const;
 
   // Incoming connections closed without becoming a peer connection (refused
@@ -137,11 +146,11 @@ class PeerMesh {
   PeerMesh(PeerMeshOptions options, net::Listener listener);
   void AcceptLoop(std::stop_token stop);
   // Checks an incoming hello against the mesh's rules (see the header comment).
-  Status CheckInbound(int peer_id, uint32_t generation) const;
+  Status CheckInbound(int peer_id, int lane, uint32_t generation) const;
   // Installs an accepted connection; false (and closes it) if it lost a race to a newer one.
-  bool InstallInbound(UniqueFd fd, int peer_id, uint32_t generation);
-  Result<Connection*> Dial(int peer_id, const std::string& peer_address, uint32_t generation,
-                           Deadline deadline, const net::AbortSignal* abort);
+  bool InstallInbound(UniqueFd fd, int peer_id, int lane, uint32_t generation);
+  Result<Connection*> Dial(int peer_id, int lane, const std::string& peer_address,
+                           uint32_t generation, Deadline deadline, const net::AbortSignal* abort);
   void WakeAcceptLoop();
 
   const PeerMeshOptions options_;
@@ -155,7 +164,8 @@ class PeerMesh {
   CondVar cv_;  // a connection arrived, or a waiter's abort fired
   // The map is guarded; a Connection in it is not: its holder (one
   // Communicator at a time) uses it without the lock.
-  std::map<int, std::unique_ptr<Connection>> connections_ NONSTOP_GUARDED_BY(mu_);
+  using Link = std::pair<int, int>;  // (peer's worker id, lane)
+  std::map<Link, std::unique_ptr<Connection>> connections_ NONSTOP_GUARDED_BY(mu_);
   // Connections replaced or dropped while a thread may still hold a pointer to
   // them: kept (open) until the mesh goes away. A handful per fault.
   std::vector<std::unique_ptr<Connection>> retired_ NONSTOP_GUARDED_BY(mu_);

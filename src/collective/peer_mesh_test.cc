@@ -247,6 +247,47 @@ TEST(PeerMeshTest, StaleHelloDoesNotReplaceANewerConnection) {
   EXPECT_EQ((*gen8)->generation, 8u);
 }
 
+// Lanes: further connections between the same two workers, each its own socket, reused across
+// generations like lane 0, and all dropped with their peer.
+TEST(PeerMeshTest, EachLaneIsAConnectionOfItsOwnAndDropForgetsThemAll) {
+  auto low = MakeMesh(/*worker_id=*/0);
+  auto high = MakeMesh(/*worker_id=*/1);
+  const std::string high_at = high->address().ToString();
+  const std::string low_at = low->address().ToString();
+  std::vector<Connection*> dialed, accepted;
+  for (int lane = 0; lane < net::kDataLanes; ++lane) {
+    auto d = low->Get(1, high_at, 2, DeadlineAfter(Millis(5'000)), nullptr, lane);
+    ASSERT_TRUE(d.ok()) << lane << ": " << d.status().ToString();
+    auto a = high->Get(0, low_at, 2, DeadlineAfter(Millis(5'000)), nullptr, lane);
+    ASSERT_TRUE(a.ok()) << lane << ": " << a.status().ToString();
+    EXPECT_EQ((*a)->lane, lane);
+    dialed.push_back(*d);
+    accepted.push_back(*a);
+  }
+  EXPECT_EQ(low->connections_open(), net::kDataLanes);
+  EXPECT_EQ(high->connections_opened(), net::kDataLanes);
+  // A byte sent on lane l arrives on lane l, and only there.
+  for (int lane = 0; lane < net::kDataLanes; ++lane) {
+    const char c = static_cast<char>('a' + lane);
+    ASSERT_EQ(::send(dialed[static_cast<size_t>(lane)]->fd.get(), &c, 1, MSG_NOSIGNAL), 1);
+  }
+  for (int lane = net::kDataLanes - 1; lane >= 0; --lane) {
+    char got = 0;
+    ASSERT_TRUE(net::WaitFd(accepted[static_cast<size_t>(lane)]->fd.get(), POLLIN,
+                            DeadlineAfter(Millis(5'000)), nullptr, "lane")
+                    .ok());
+    ASSERT_EQ(::recv(accepted[static_cast<size_t>(lane)]->fd.get(), &got, 1, 0), 1);
+    EXPECT_EQ(got, static_cast<char>('a' + lane)) << "lane " << lane;
+  }
+  // The next generation gets the same sockets.
+  auto again = low->Get(1, high_at, 3, DeadlineAfter(Millis(5'000)), nullptr, 2);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(*again, dialed[2]);
+  low->Drop(1);
+  EXPECT_EQ(low->connections_open(), 0);
+  for (Connection* c : accepted) EXPECT_TRUE(ClosedByPeer(c->fd.get(), Millis(5'000)));
+}
+
 // ---- IPv6 and data-port ranges (docs/ports.md) ----
 
 // Three ranks whose data ports listen on IPv6 loopback: the plan's addresses

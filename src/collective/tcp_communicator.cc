@@ -17,7 +17,7 @@ TcpCommunicator::TcpCommunicator(PeerMesh* mesh, net::AbortSignal* abort,
   NONSTOP_CHECK(!options_.members.empty());
   NONSTOP_CHECK(options_.rank >= 0 && options_.rank < world_size());
   NONSTOP_CHECK_EQ(options_.piece_bytes % sizeof(float), 0u);
-  p2p_ops_.assign(options_.members.size(), 0);
+  p2p_ops_.assign(options_.members.size() * net::kDataLanes, 0);
   scratch_.resize(options_.piece_bytes);
 }
 
@@ -44,10 +44,10 @@ std::string TcpCommunicator::PeerName(int rank) const {
   return fmt::format("rank {} (worker {}, {})", rank, m.worker_id, m.address);
 }
 
-Result<Connection*> TcpCommunicator::Peer(int rank) {
+Result<Connection*> TcpCommunicator::Peer(int rank, int lane) {
   const Member& m = options_.members[static_cast<size_t>(rank)];
   return mesh_->Get(m.worker_id, m.address, options_.generation,
-                    DeadlineAfter(options_.timeout_connect), abort_);
+                    DeadlineAfter(options_.timeout_connect), abort_, lane);
 }
 
 Status TcpCommunicator::Connect() {
@@ -361,28 +361,40 @@ Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNod
 }
 
 Status TcpCommunicator::Send(int to_rank, ConstRegion data) {
-  return SendTo(to_rank, data, /*checksum=*/true, "Send");
+  return SendTo(to_rank, 0, data, /*checksum=*/true, "Send");
 }
 
 Status TcpCommunicator::Recv(int from_rank, Region data) {
-  return RecvFrom(from_rank, data, /*checksum=*/true, "Recv");
+  return RecvFrom(from_rank, 0, data, /*checksum=*/true, "Recv");
 }
 
 Status TcpCommunicator::SendUnchecked(int to_rank, ConstRegion data) {
-  return SendTo(to_rank, data, /*checksum=*/false, "SendUnchecked");
+  return SendTo(to_rank, 0, data, /*checksum=*/false, "SendUnchecked");
 }
 
 Status TcpCommunicator::RecvUnchecked(int from_rank, Region data) {
-  return RecvFrom(from_rank, data, /*checksum=*/false, "RecvUnchecked");
+  return RecvFrom(from_rank, 0, data, /*checksum=*/false, "RecvUnchecked");
 }
 
-Status TcpCommunicator::SendTo(int to_rank, ConstRegion data, bool checksum, std::string_view op) {
+Status TcpCommunicator::SendOnLane(int to_rank, int lane, ConstRegion data, bool checked) {
+  NONSTOP_CHECK(lane >= 0 && lane < net::kDataLanes) << "lane " << lane;
+  return SendTo(to_rank, lane, data, checked, checked ? "Send" : "SendUnchecked");
+}
+
+Status TcpCommunicator::RecvOnLane(int from_rank, int lane, Region data, bool checked) {
+  NONSTOP_CHECK(lane >= 0 && lane < net::kDataLanes) << "lane " << lane;
+  return RecvFrom(from_rank, lane, data, checked, checked ? "Recv" : "RecvUnchecked");
+}
+
+Status TcpCommunicator::SendTo(int to_rank, int lane, ConstRegion data, bool checksum,
+                               std::string_view op) {
   NONSTOP_CHECK(to_rank >= 0 && to_rank < world_size() && to_rank != rank());
   NONSTOP_RETURN_IF_ERROR(error());
   NONSTOP_RETURN_IF_ERROR(CheckHost(data, op));
   TransferSpec spec;
-  NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(to_rank));
-  spec.send_peer = PeerName(to_rank);
+  NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(to_rank, lane));
+  spec.send_peer =
+      lane == 0 ? PeerName(to_rank) : fmt::format("{} lane {}", PeerName(to_rank), lane);
   size_t offset = 0;
   do {
     size_t n = std::min(options_.piece_bytes, data.bytes - offset);
@@ -390,7 +402,7 @@ Status TcpCommunicator::SendTo(int to_rank, ConstRegion data, bool checksum, std
     offset += n;
   } while (offset < data.bytes);
   spec.generation = options_.generation;
-  spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(to_rank)];
+  spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(to_rank * net::kDataLanes + lane)];
   spec.checksum = checksum;
   spec.deadline = OpDeadline();
   spec.abort = abort_;
@@ -399,13 +411,15 @@ Status TcpCommunicator::SendTo(int to_rank, ConstRegion data, bool checksum, std
 
 // Unchecked (checksum false): frames that carry a CRC are still verified
 // (transfer.cc), so either sender is understood; only their order must match.
-Status TcpCommunicator::RecvFrom(int from_rank, Region data, bool checksum, std::string_view op) {
+Status TcpCommunicator::RecvFrom(int from_rank, int lane, Region data, bool checksum,
+                                 std::string_view op) {
   NONSTOP_CHECK(from_rank >= 0 && from_rank < world_size() && from_rank != rank());
   NONSTOP_RETURN_IF_ERROR(error());
   NONSTOP_RETURN_IF_ERROR(CheckHost(data, op));
   TransferSpec spec;
-  NONSTOP_ASSIGN_OR_RETURN(spec.recv_from, Peer(from_rank));
-  spec.recv_peer = PeerName(from_rank);
+  NONSTOP_ASSIGN_OR_RETURN(spec.recv_from, Peer(from_rank, lane));
+  spec.recv_peer =
+      lane == 0 ? PeerName(from_rank) : fmt::format("{} lane {}", PeerName(from_rank), lane);
   size_t offset = 0;
   do {
     size_t n = std::min(options_.piece_bytes, data.bytes - offset);
@@ -413,7 +427,7 @@ Status TcpCommunicator::RecvFrom(int from_rank, Region data, bool checksum, std:
     offset += n;
   } while (offset < data.bytes);
   spec.generation = options_.generation;
-  spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(from_rank)];
+  spec.op = kP2POpBit | ++p2p_ops_[static_cast<size_t>(from_rank * net::kDataLanes + lane)];
   spec.checksum = checksum;
   spec.deadline = OpDeadline();
   spec.abort = abort_;

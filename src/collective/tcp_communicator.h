@@ -75,6 +75,10 @@ class TcpCommunicator final : public Communicator {
   // The same frames without their CRC-32C (flags 0): the caller checks the bytes.
   Status SendUnchecked(int to_rank, ConstRegion data) override;
   Status RecvUnchecked(int from_rank, Region data) override;
+  // Lanes 1.. are further connections of the mesh to the same peer (PeerMesh: lanes).
+  int p2p_lanes() const override { return net::kDataLanes; }
+  Status SendOnLane(int to_rank, int lane, ConstRegion data, bool checked) override;
+  Status RecvOnLane(int from_rank, int lane, Region data, bool checked) override;
 
   // The next ring collective shuts its connection to the right neighbour
   // down after acquiring it, so the link breaks under the operation (a
@@ -98,11 +102,11 @@ class TcpCommunicator final : public Communicator {
                   Reduce reduce);
   Status Run(TransferSpec spec);
   // Send/Recv and their unchecked forms: `checksum` says whether the frames carry a CRC-32C.
-  Status SendTo(int to_rank, ConstRegion data, bool checksum, std::string_view op);
-  Status RecvFrom(int from_rank, Region data, bool checksum, std::string_view op);
+  Status SendTo(int to_rank, int lane, ConstRegion data, bool checksum, std::string_view op);
+  Status RecvFrom(int from_rank, int lane, Region data, bool checksum, std::string_view op);
   Status Fail(Status status);
   void CountOp();
-  Result<Connection*> Peer(int rank);
+  Result<Connection*> Peer(int rank, int lane = 0);
   // op_ as it travels in frames: the space in bits 24-30, the sequence in 0-23
   // (wrapping identically on every rank); bit 31 is point-to-point's.
   uint32_t FramedOp() const { return (options_.op_space << 24) | (op_ & 0xFFFFFFu); }
@@ -112,8 +116,9 @@ class TcpCommunicator final : public Communicator {
   PeerMesh* const mesh_;           // owned by the TcpDataPlane; outlives this
   net::AbortSignal* const abort_;  // owned by the worker session; outlives this
   const CommunicatorOptions options_;
-  uint32_t op_ = 0;                 // collective sequence number, identical on every rank
-  std::vector<uint32_t> p2p_ops_;   // per-peer point-to-point sequence numbers
+  uint32_t op_ = 0;  // collective sequence number, identical on every rank
+  // point-to-point sequence numbers, per peer and lane ([rank * net::kDataLanes + lane])
+  std::vector<uint32_t> p2p_ops_;
   std::vector<std::byte> scratch_;  // one piece, for reducing receives
 
   mutable Mutex mu_;

@@ -52,6 +52,7 @@ std::string EncodeHello(const Hello& hello) {
   PutFixed32(&out, static_cast<uint32_t>(hello.worker_id));
   PutFixed16(&out, static_cast<uint16_t>(hello.nonce.size()));
   out += hello.nonce;
+  PutFixed16(&out, hello.lane);
   return out;
 }
 
@@ -82,6 +83,9 @@ Result<Hello> DecodeHello(std::string_view payload) {
   h.generation = generation;
   h.worker_id = static_cast<int32_t>(worker);
   h.nonce = std::string(nonce);
+  if (r.remaining() != 0 && !r.ReadFixed16(&h.lane)) {  // 2.0's hellos end at the nonce
+    return InvalidArgumentError("hello is truncated");
+  }
   return h;
 }
 
@@ -94,6 +98,11 @@ Status CheckHello(const Hello& hello, ConnectionKind kind) {
     return FailedPreconditionError(
         fmt::format("worker id {} is negative: a worker id is a number >= 0 unique in the job",
                     hello.worker_id));
+  }
+  const int lanes = kind == ConnectionKind::kData ? kDataLanes : 1;
+  if (hello.lane >= lanes) {
+    return FailedPreconditionError(fmt::format(
+        "lane {} is out of range: this port takes lanes 0 to {}", hello.lane, lanes - 1));
   }
   return OkStatus();
 }

@@ -50,8 +50,11 @@ class AbortSignal;
 
 inline constexpr uint32_t kHelloMagic = 0x5054534E;  // "NSTP" on the wire
 // 2: the mutual challenge-response (1 sent the token in the hello).
+// 2.1: a data connection's lane follows the nonce (2.0's hellos lack it: lane 0).
 inline constexpr uint16_t kProtocolMajor = 2;
-inline constexpr uint16_t kProtocolMinor = 0;
+inline constexpr uint16_t kProtocolMinor = 1;
+// Data connections between two workers at once (PeerMesh): lanes 0 .. kDataLanes - 1.
+inline constexpr int kDataLanes = 4;
 // Handshake frames are a few dozen bytes; a longer length is refused before anything is read.
 inline constexpr uint32_t kMaxHandshakeBytes = 4096;
 
@@ -76,14 +79,16 @@ struct Hello {
   uint32_t generation = 0;
   int32_t worker_id = -1;
   std::string nonce;
+  // Which of the data connections between the two workers this is (kData only; 0 for the others).
+  uint16_t lane = 0;
 };
 
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(std::string_view payload);
 
-// The acceptor's checks on an authenticated hello: connection kind and a
-// worker id that is not negative. OK, or kFailedPrecondition whose message is
-// the reason the sealed ack carries.
+// The acceptor's checks on an authenticated hello: connection kind, a
+// worker id that is not negative, a lane below kDataLanes (0 unless kData). OK, or
+// kFailedPrecondition whose message is the reason the sealed ack carries.
 Status CheckHello(const Hello& hello, ConnectionKind kind);
 
 // One direction of a sealed connection: Seal() makes the next frame of the

@@ -191,6 +191,43 @@ TEST(HandshakeTest, NegativeWorkerIdIsRefusedWithTheReasonSealed) {
   EXPECT_NE(o.client.status().message().find("negative"), std::string::npos);
 }
 
+// A data connection names its lane (2.1); a 2.0 hello, which ends at the nonce, is lane 0.
+TEST(HandshakeTest, ADataHelloCarriesItsLaneAndAnOlderOneIsLaneZero) {
+  Hello h = MakeHello();
+  h.lane = 3;
+  h.nonce = std::string(crypto::kNonceBytes, 'n');
+  Result<Hello> back = DecodeHello(EncodeHello(h));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->lane, 3);
+  EXPECT_EQ(back->worker_id, 3);
+  std::string older = EncodeHello(h);
+  older.resize(older.size() - 2);  // no lane field
+  Result<Hello> old = DecodeHello(older);
+  ASSERT_TRUE(old.ok()) << old.status().ToString();
+  EXPECT_EQ(old->lane, 0);
+  EXPECT_FALSE(DecodeHello(older + "x").ok()) << "one byte of a lane is a truncated hello";
+
+  Outcome o = RunHandshake(kKey, kKey, h);
+  ASSERT_TRUE(o.server.ok()) << o.server.status().ToString();
+  EXPECT_EQ(o.server->hello.lane, 3);
+}
+
+TEST(HandshakeTest, ALaneBeyondTheDataLanesOrOnAControlPortIsRefused) {
+  Hello h = MakeHello();
+  h.lane = kDataLanes;
+  Outcome o = RunHandshake(kKey, kKey, h);
+  ASSERT_FALSE(o.server.ok());
+  EXPECT_NE(o.client.status().message().find("lane 4 is out of range"), std::string::npos)
+      << o.client.status().ToString();
+  Hello control = MakeHello();
+  control.kind = ConnectionKind::kControl;
+  control.lane = 1;
+  Outcome c = RunHandshake(kKey, kKey, control, ConnectionKind::kControl);
+  ASSERT_FALSE(c.server.ok());
+  EXPECT_NE(c.server.status().message().find("lanes 0 to 0"), std::string::npos)
+      << c.server.status().ToString();
+}
+
 // A port answers only hellos of its own kind with a challenge: no port proves the key over a hello
 // meant for another, so a relay of a control hello to a data port (by a peer without the key)
 // gets the dialer no authenticated refusal, only a plain one it does not believe.

@@ -4,9 +4,11 @@
 #include <atomic>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
+#include <span>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -26,8 +28,10 @@ namespace nonstop::worker {
 
 namespace {
 
-constexpr uint32_t kTransferMagic = 0x3358534E;  // "NSX3" (the header, then the CRC table)
+constexpr uint32_t kTransferMagic = 0x3458534E;  // "NSX4" (the header, then the CRC table)
 constexpr size_t kHeaderBytes = 40;
+// A source's share of the copy gets one stream (lane) per this many bytes (StreamsFor).
+constexpr uint64_t kBytesPerStream = uint64_t{32} << 20;
 
 int RankOf(const control::PlanMsg& plan, int worker_id) {
   for (size_t r = 0; r < plan.members.size(); ++r) {
@@ -201,49 +205,111 @@ Result<std::vector<uint32_t>> RecvU32s(collective::Communicator& comm, int rank,
   return out;
 }
 
+// A request for chunks: {lanes, index, ...}, sent by the receiver over lane 0 (the empty request
+// says it is done). The source streams the chunk at position p of the list over lane p mod
+// lanes: the lanes run at once, each on a thread of its own at both ends.
+Status SendRequest(collective::Communicator& comm, int source, int lanes,
+                   const std::vector<uint32_t>& indices) {
+  std::vector<uint32_t> values;
+  values.reserve(indices.size() + 1);
+  values.push_back(static_cast<uint32_t>(lanes));
+  values.insert(values.end(), indices.begin(), indices.end());
+  return SendU32s(comm, source, values);
+}
+
+// The streams (lanes) for copying `chunks` from one source: `asked` (> 0: the caller's), else
+// one per kBytesPerStream of them, within the transport's lanes and the number of chunks.
+int StreamsFor(const collective::Communicator& comm, const state::StateRegistry& reg,
+               const std::vector<uint32_t>& chunks, int asked) {
+  uint64_t bytes = 0;
+  for (uint32_t c : chunks) bytes += reg.chunk_size(c);
+  const uint64_t by_size = std::max<uint64_t>(1, bytes / kBytesPerStream);
+  const uint64_t want = asked > 0 ? static_cast<uint64_t>(asked) : by_size;
+  return static_cast<int>(std::max<uint64_t>(
+      1, std::min({want, static_cast<uint64_t>(comm.p2p_lanes()), uint64_t{chunks.size()}})));
+}
+
+// Runs lane(l) for l in [0, lanes) at once, lane 0 on this thread: the first error, in lane order.
+Status OnLanes(int lanes, const std::function<Status(int lane)>& lane) {
+  if (lanes == 1) return lane(0);
+  std::vector<Status> results(static_cast<size_t>(lanes));
+  {
+    std::vector<std::jthread> threads;
+    for (int l = 1; l < lanes; ++l) {
+      threads.emplace_back([&, l] { results[static_cast<size_t>(l)] = lane(l); });
+    }
+    results[0] = lane(0);
+  }
+  for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
+  return OkStatus();
+}
+
+// Source side, one lane of a request: the chunks at positions lane, lane + lanes, ... of
+// `request`, each preceded by {index, its CRC from `table`}. A chunk goes out from the live
+// state itself when it lies in one region (no copy).
+Status SendChunks(collective::Communicator& comm, const state::StateRegistry& reg, int receiver,
+                  std::span<const uint32_t> request, int lane, int lanes,
+                  const std::vector<uint32_t>& table, std::atomic<bool>* corrupt_next, int shard) {
+  std::vector<std::byte> buf;  // a chunk that must be copied: across regions, of a shard, corrupted
+  for (size_t p = static_cast<size_t>(lane); p < request.size(); p += static_cast<size_t>(lanes)) {
+    const uint32_t index = request[p];
+    const size_t n = reg.chunk_size(index);
+    const bool corrupt = corrupt_next != nullptr && corrupt_next->exchange(false) && n > 0;
+    const bool of_shard = shard >= 0 && reg.chunk_sharded(index);
+    std::span<const std::byte> chunk;
+    if (!of_shard && !corrupt) chunk = reg.ContiguousChunk(index);
+    if (chunk.empty()) {
+      if (buf.size() < n) buf.resize(reg.chunk_bytes());
+      std::span<std::byte> copy(buf.data(), n);
+      if (of_shard) {
+        reg.ReadChunkOfShard(index, shard, copy);
+      } else {
+        reg.ReadChunk(index, copy);
+      }
+      chunk = copy;
+    }
+    std::string meta;
+    PutFixed32(&meta, index);
+    PutFixed32(&meta, table[index]);
+    if (corrupt) buf[n / 2] ^= std::byte{0x5a};  // after the checksum: damaged on the way
+    NONSTOP_RETURN_IF_ERROR(comm.SendOnLane(
+        receiver, lane, collective::HostRegion(std::as_bytes(std::span(meta))), true));
+    NONSTOP_RETURN_IF_ERROR(
+        comm.SendOnLane(receiver, lane, collective::HostRegion(chunk), /*checked=*/false));
+  }
+  return OkStatus();
+}
+
 // Source side: serve one receiver until it says it is done. It sends its
 // header (`step`: the step its state holds) and `table` (CrcTable, computed
-// once for every receiver), then streams the chunks asked for. A chunk goes
-// out from the live state itself when it lies in one region (no copy),
-// preceded by {index, its CRC from `table`}; the bytes travel unchecked by
-// the transport (Communicator::SendUnchecked): the receiver checks them
-// against the tables of all its sources. `shard` >= 0: the receiver's
-// shard, read from a registry that holds every shard (`table` is of it).
+// once for every receiver), then streams the chunks asked for, over the
+// lanes each request names (SendRequest); the bytes travel unchecked by the
+// transport (Communicator::SendUnchecked): the receiver checks them against
+// the tables of all its sources. `shard` >= 0: the receiver's shard, read
+// from a registry that holds every shard (`table` is of it).
 Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int receiver, int64_t step,
              const std::vector<uint32_t>& table, std::atomic<bool>* corrupt_next, int shard = -1) {
   NONSTOP_RETURN_IF_ERROR(SendHeaderAndTable(
       comm, receiver, EncodeHeader(step, reg, shard >= 0 ? shard : reg.held_shard()),
       EncodeTable(table)));
-  std::vector<std::byte> buf;  // a chunk that must be copied: across regions, of a shard, corrupted
   while (true) {
     NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
-                             RecvU32s(comm, receiver, reg.num_chunks()));
+                             RecvU32s(comm, receiver, reg.num_chunks() + 1));
     if (request.empty()) return OkStatus();
-    for (uint32_t index : request) {
+    const uint32_t lanes = request[0];
+    if (request.size() < 2 || lanes < 1 || lanes > static_cast<uint32_t>(comm.p2p_lanes())) {
+      return DataLossError(fmt::format("a request for {} chunks over {} lanes (1 to {} can be)",
+                                       request.size() - 1, lanes, comm.p2p_lanes()));
+    }
+    std::span<const uint32_t> chunks(request.begin() + 1, request.end());
+    for (uint32_t index : chunks) {
       if (index >= reg.num_chunks())
         return DataLossError(fmt::format("request for chunk {} of {}", index, reg.num_chunks()));
-      const size_t n = reg.chunk_size(index);
-      const bool corrupt = corrupt_next != nullptr && corrupt_next->exchange(false) && n > 0;
-      const bool of_shard = shard >= 0 && reg.chunk_sharded(index);
-      std::span<const std::byte> chunk;
-      if (!of_shard && !corrupt) chunk = std::as_const(reg).ContiguousChunk(index);
-      if (chunk.empty()) {
-        if (buf.size() < n) buf.resize(reg.chunk_bytes());
-        std::span<std::byte> copy(buf.data(), n);
-        if (of_shard) {
-          reg.ReadChunkOfShard(index, shard, copy);
-        } else {
-          reg.ReadChunk(index, copy);
-        }
-        chunk = copy;
-      }
-      std::string meta;
-      PutFixed32(&meta, index);
-      PutFixed32(&meta, table[index]);
-      if (corrupt) buf[n / 2] ^= std::byte{0x5a};  // after the checksum: damaged on the way
-      NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(meta))));
-      NONSTOP_RETURN_IF_ERROR(comm.SendUnchecked(receiver, chunk));
     }
+    NONSTOP_RETURN_IF_ERROR(OnLanes(static_cast<int>(lanes), [&](int lane) {
+      return SendChunks(comm, reg, receiver, chunks, lane, static_cast<int>(lanes), table,
+                        corrupt_next, shard);
+    }));
   }
 }
 
@@ -257,10 +323,10 @@ Status ServeRefusal(collective::Communicator& comm, const state::StateRegistry& 
       SendHeaderAndTable(comm, receiver, EncodeHeader(held_step, reg, reg.held_shard()),
                          EncodeTable(std::vector<uint32_t>(reg.num_chunks(), 0))));
   NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
-                           RecvU32s(comm, receiver, reg.num_chunks()));
+                           RecvU32s(comm, receiver, reg.num_chunks() + 1));
   if (!request.empty()) {
     return FailedPreconditionError(fmt::format("{}; rank {} asked it for {} chunks all the same",
-                                               refusal.message(), receiver, request.size()));
+                                               refusal.message(), receiver, request.size() - 1));
   }
   return refusal;
 }
@@ -277,7 +343,7 @@ Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, in
              const std::vector<uint32_t>& indices, const std::vector<uint32_t>& table,
              std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes, const ChunkSink& sink) {
   if (indices.empty()) return OkStatus();  // an empty request would mean "done"
-  NONSTOP_RETURN_IF_ERROR(SendU32s(comm, source, indices));
+  NONSTOP_RETURN_IF_ERROR(SendRequest(comm, source, 1, indices));
   std::vector<std::byte> buf(reg.chunk_bytes());
   for (uint32_t want : indices) {
     std::string meta(8, '\0');
@@ -372,24 +438,19 @@ class ChunkChecker {
   std::thread thread_;  // last: starts once the members it uses exist
 };
 
-// Receiver side of RunStateTransfers: fetch `indices` from one source
-// straight into the live state (a chunk that spans regions goes through a
-// buffer and WriteChunk, which checks it at once). What lands in place is
-// checked by `checker`; until then the state holds no step (the session says
-// so while the transfer runs), and a chunk that fails is fetched again over it.
-// `own`: the source's CRC table, which its {index, crc} must repeat;
-// `expect`: the CRC each chunk is checked against (the majority of the
-// sources' tables, or this source's own where there is none).
-Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
-                    const std::vector<uint32_t>& indices, const std::vector<uint32_t>& own,
-                    const std::vector<uint32_t>& expect, size_t slot, ChunkChecker* checker,
-                    std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes) {
-  if (indices.empty()) return OkStatus();  // an empty request would mean "done"
-  NONSTOP_RETURN_IF_ERROR(SendU32s(comm, source, indices));
+// Receiver side of RunStateTransfers, one lane: the chunks at positions lane, lane + lanes, ...
+// of `indices` (the request FetchInPlace sent), straight into the live state.
+Status ReceiveInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
+                      const std::vector<uint32_t>& indices, int lane, int lanes,
+                      const std::vector<uint32_t>& own, const std::vector<uint32_t>& expect,
+                      size_t slot, ChunkChecker* checker, std::vector<uint32_t>* failed,
+                      std::atomic<uint64_t>* bytes) {
   std::vector<std::byte> buf;  // for chunks that span regions
-  for (uint32_t want : indices) {
+  for (size_t p = static_cast<size_t>(lane); p < indices.size(); p += static_cast<size_t>(lanes)) {
+    const uint32_t want = indices[p];
     std::string meta(8, '\0');
-    NONSTOP_RETURN_IF_ERROR(comm.Recv(source, std::as_writable_bytes(std::span(meta))));
+    NONSTOP_RETURN_IF_ERROR(comm.RecvOnLane(
+        source, lane, collective::HostRegion(std::as_writable_bytes(std::span(meta))), true));
     const uint32_t index = DecodeFixed32(meta.data());
     if (index != want)
       return DataLossError(
@@ -403,14 +464,16 @@ Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, i
     const size_t n = reg.chunk_size(index);
     std::span<std::byte> live = reg.ContiguousChunk(index);
     if (!live.empty()) {
-      NONSTOP_RETURN_IF_ERROR(comm.RecvUnchecked(source, live));
+      NONSTOP_RETURN_IF_ERROR(
+          comm.RecvOnLane(source, lane, collective::HostRegion(live), /*checked=*/false));
       *bytes += n;
       checker->Add(index, crc, slot);
       continue;
     }
     if (buf.size() < n) buf.resize(reg.chunk_bytes());
     std::span<std::byte> chunk(buf.data(), n);
-    NONSTOP_RETURN_IF_ERROR(comm.RecvUnchecked(source, chunk));
+    NONSTOP_RETURN_IF_ERROR(
+        comm.RecvOnLane(source, lane, collective::HostRegion(chunk), /*checked=*/false));
     *bytes += n;
     Status s = reg.WriteChunk(index, chunk, crc);
     if (s.code() == StatusCode::kDataLoss) {
@@ -420,6 +483,30 @@ Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, i
     }
   }
   return OkStatus();
+}
+
+// Receiver side of RunStateTransfers: fetch `indices` from one source
+// straight into the live state, over `lanes` streams at once (a chunk that spans regions goes
+// through a buffer and WriteChunk, which checks it at once). What lands in place is
+// checked by `checker`; until then the state holds no step (the session says
+// so while the transfer runs), and a chunk that fails is fetched again over it.
+// `own`: the source's CRC table, which its {index, crc} must repeat;
+// `expect`: the CRC each chunk is checked against (the majority of the
+// sources' tables, or this source's own where there is none).
+Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
+                    const std::vector<uint32_t>& indices, int lanes,
+                    const std::vector<uint32_t>& own, const std::vector<uint32_t>& expect,
+                    size_t slot, ChunkChecker* checker, std::vector<uint32_t>* failed,
+                    std::atomic<uint64_t>* bytes) {
+  if (indices.empty()) return OkStatus();  // an empty request would mean "done"
+  NONSTOP_RETURN_IF_ERROR(SendRequest(comm, source, lanes, indices));
+  std::vector<std::vector<uint32_t>> failed_on(static_cast<size_t>(lanes));
+  Status s = OnLanes(lanes, [&](int lane) {
+    return ReceiveInPlace(comm, reg, source, indices, lane, lanes, own, expect, slot, checker,
+                          &failed_on[static_cast<size_t>(lane)], bytes);
+  });
+  for (const auto& f : failed_on) failed->insert(failed->end(), f.begin(), f.end());
+  return s;
 }
 
 std::string SourceName(const control::PlanMsg& plan, int rank) {
@@ -692,13 +779,16 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   }
   std::vector<Status> results(k);
   std::vector<std::vector<uint32_t>> failed(k);
+  std::vector<int> streams(k, 0);
   std::atomic<uint64_t> bytes{0};
   {
     ChunkChecker checker(reg, k);
     std::vector<std::thread> threads;
     for (size_t i = 0; i < k; ++i) {
       threads.emplace_back([&, i] {
-        results[i] = FetchInPlace(comm, reg, offers[i].rank, assigned[i], offers[i].table,
+        const int lanes = StreamsFor(comm, reg, assigned[i], hooks.streams_per_source);
+        streams[i] = lanes;
+        results[i] = FetchInPlace(comm, reg, offers[i].rank, assigned[i], lanes, offers[i].table,
                                   expected.crc[i], i, &checker, &failed[i], &bytes);
       });
     }
@@ -707,6 +797,7 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
     for (size_t i = 0; i < k; ++i) failed[i].insert(failed[i].end(), bad[i].begin(), bad[i].end());
   }
   for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
+  outcome.streams_per_source = *std::max_element(streams.begin(), streams.end());
   // Chunks that failed their checksum: fetch each again from the next source
   // whose table agrees with the majority.
   for (size_t i = 0; i < k; ++i) {
@@ -717,7 +808,7 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
         if (!expected.agrees[from][index]) continue;
         std::vector<uint32_t> again;
         ChunkChecker checker(reg, 1);
-        NONSTOP_RETURN_IF_ERROR(FetchInPlace(comm, reg, offers[from].rank, {index},
+        NONSTOP_RETURN_IF_ERROR(FetchInPlace(comm, reg, offers[from].rank, {index}, 1,
                                              offers[from].table, expected.crc[from], 0, &checker,
                                              &again, &bytes));
         std::vector<std::vector<uint32_t>> bad = checker.Finish();

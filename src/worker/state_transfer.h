@@ -5,11 +5,18 @@
 //
 // Protocol, per (receiver, source) pair, over point-to-point transfers
 // (docs/protocol.md):
-//   source → receiver  header {magic "NSX3", step held, total bytes, chunk bytes,
+//   source → receiver  header {magic "NSX4", step held, total bytes, chunk bytes,
 //                      chunks, shard group, shard, crc32c}
 //   source → receiver  CRC table {crc32c of chunk c, for every chunk c}
-//   receiver → source  request {count, chunk indices…}   (count 0: done)
-//   source → receiver  per chunk {index, crc32c} then the chunk's bytes
+//   receiver → source  request {count, lanes, chunk indices…}   (count 0: done)
+//   source → receiver  per chunk {index, crc32c} then the chunk's bytes, the chunk at
+//                      position p of the request over lane p mod lanes
+// Everything but the chunks travels on lane 0, the connection of Send/Recv. A
+// request names how many streams (Communicator lanes, connections of their own
+// between the same two workers) carry its chunks: the receiver picks one per
+// 32 MiB it asks of a source (TransferHooks::streams_per_source), so a large
+// copy is not held to what one TCP stream and one thread per side reach; each
+// lane runs on a thread of its own at both ends.
 // The header names the step the source's state really holds (not the
 // plan's). The table holds the CRC-32C of each chunk as the source serves it
 // (the replicated chunks here, the shard's in ExchangeShards; 0 for chunks
@@ -65,6 +72,7 @@ struct TransferOutcome {
   bool served = false;    // this worker was a source
   uint64_t bytes_received = 0;
   int sources = 0;
+  int streams_per_source = 0;  // the most lanes one source's chunks came over
   int refetched_chunks = 0;
 };
 
@@ -73,6 +81,10 @@ struct TransferHooks {
   std::function<void()> on_start;
   // As a source, corrupt the first chunk sent after checksumming it (fault injection).
   bool corrupt_first_chunk = false;
+  // As a receiver, the streams (lanes) to copy each source's chunks over: 0 picks one per
+  // 32 MiB asked of the source, n > 0 asks for n; both within the transport's lanes
+  // (Communicator::p2p_lanes) and the number of chunks. Benchmarks compare the two.
+  int streams_per_source = 0;
 };
 
 // Checks a plan from the controller before anything acts on it: members with

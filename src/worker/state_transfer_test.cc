@@ -342,6 +342,35 @@ TEST(RunStateTransfersTest, ALargeStateWhoseTablesTakeSeveralThreadsIsCopiedBitF
   EXPECT_EQ(ranks[0]->Large(), ranks[2]->Large());
 }
 
+// Several streams per source (issue 27): the receiver asks each source for its chunks over
+// several lanes, a thread per lane at both ends; the copy is the sources' state bit for bit, a
+// chunk corrupted on one lane is fetched again, and a state of 32 MiB or less a source takes
+// one stream unless asked.
+TEST(RunStateTransfersTest, EachSourceStreamsItsChunksOverSeveralLanesBitForBit) {
+  for (int sources : {1, 2}) {
+    auto ranks = MakePlainRanks(1 + sources);
+    auto out = CopyAll(ranks, [](int r) {
+      TransferHooks h;
+      h.streams_per_source = 4;
+      h.corrupt_first_chunk = r == 1;
+      return h;
+    });
+    for (size_t r = 0; r < out.size(); ++r)
+      ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+    EXPECT_EQ(out[0]->streams_per_source, 4);
+    EXPECT_EQ(out[0]->refetched_chunks, 1);
+    EXPECT_GE(out[0]->bytes_received, ranks[0]->reg.total_bytes());
+    // each lane is a connection of its own to each source
+    EXPECT_EQ(ranks[0]->plane->stats().connections_opened, 4 * sources);
+    EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest()) << sources << " source(s)";
+    EXPECT_EQ(ranks[0]->Large(), ranks[1]->Large());
+  }
+  auto ranks = MakePlainRanks(2);
+  auto out = CopyAll(ranks);
+  ASSERT_TRUE(out[0].ok()) << out[0].status().ToString();
+  EXPECT_EQ(out[0]->streams_per_source, 1) << "a small state takes one stream";
+}
+
 TEST(RunStateTransfersTest, ChunksCorruptedOnTheWayAreFetchedAgainInPlaceOrThroughABuffer) {
   auto ranks = MakePlainRanks(3);
   // Rank 1 serves chunk 0 first (the step and the start of `small`: through
@@ -378,7 +407,7 @@ Result<TransferOutcome> CopyFromLiar(std::vector<std::unique_ptr<PlainRank>>& ra
 // The transfer header (state_transfer.cc) as `reg` would send it for `step`.
 std::string Header(const state::StateRegistry& reg, int64_t step, uint64_t total) {
   std::string h;
-  PutFixed32(&h, 0x3358534E);  // "NSX3"
+  PutFixed32(&h, 0x3458534E);  // "NSX4"
   PutFixed64(&h, static_cast<uint64_t>(step));
   PutFixed64(&h, total);
   PutFixed32(&h, static_cast<uint32_t>(reg.chunk_bytes()));
@@ -400,14 +429,16 @@ std::string Table(const state::StateRegistry& reg) {
   return t;
 }
 
-// Reads the receiver's request: {count} then the chunk indices.
+// Reads the receiver's request, {count} then {lanes, the chunk indices}: the indices (a hand-made
+// source serves on lane 0 only, which the receiver asks of a small state).
 std::vector<uint32_t> ReadRequest(collective::Communicator& comm) {
   std::string n(4, '\0');
   if (!comm.Recv(0, std::as_writable_bytes(std::span(n))).ok()) return {};
   std::string body(4 * static_cast<size_t>(DecodeFixed32(n.data())), '\0');
   if (body.empty() || !comm.Recv(0, std::as_writable_bytes(std::span(body))).ok()) return {};
+  EXPECT_EQ(DecodeFixed32(body.data()), 1u) << "a small state's chunks come over one lane";
   std::vector<uint32_t> out;
-  for (size_t i = 0; i < body.size(); i += 4) out.push_back(DecodeFixed32(body.data() + i));
+  for (size_t i = 4; i < body.size(); i += 4) out.push_back(DecodeFixed32(body.data() + i));
   return out;
 }
 
