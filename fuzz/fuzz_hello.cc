@@ -4,8 +4,7 @@
 // Checked: no crash, leak or UB; a refusal is INVALID_ARGUMENT with a
 // message; a hello of another major version is read no further than its
 // version (the acceptor refuses it by that); any other accepted hello has a
-// nonce of the right size and re-encodes to the bytes it was read from (a 2.0
-// hello, which ends at its nonce, is lane 0 and re-encodes with that lane added).
+// nonce of the right size and re-encodes to the bytes it was read from.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -26,11 +25,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (hello->proto_major != nonstop::net::kProtocolMajor) return 0;
   NONSTOP_CHECK(hello->nonce.size() == nonstop::crypto::kNonceBytes);
   std::string again = nonstop::net::EncodeHello(*hello);
-  constexpr size_t kLaneBytes = 2;
-  if (payload.size() + kLaneBytes == again.size()) {  // 2.0's layout: no lane
-    NONSTOP_CHECK(hello->lane == 0) << "a hello without a lane is not lane 0";
-    again.resize(again.size() - kLaneBytes);
-  }
   NONSTOP_CHECK(payload.substr(0, again.size()) == again)
       << "an accepted hello does not re-encode to its bytes";
   return 0;

@@ -74,9 +74,9 @@ void Hellos() {
   h.nonce = std::string(crypto::kNonceBytes, '\x5a');
   const std::string good = net::EncodeHello(h);
   Put("hello", "control", good);
-  std::string v2_0 = good.substr(0, good.size() - 2);  // 2.0 ended at the nonce: lane 0
-  v2_0[6] = 0;  // minor, little-endian
-  Put("hello", "v2_0_without_lane", v2_0);
+  std::string v2_0 = good.substr(0, good.size() - 2);  // 2.0 had no lane
+  v2_0[4] = 2;                                         // major, little-endian
+  Put("hello", "protocol_2_0", v2_0);
   Put("hello", "truncated_lane", good.substr(0, good.size() - 1));
   h.kind = net::ConnectionKind::kData;
   h.lane = net::kDataLanes - 1;

@@ -169,15 +169,21 @@ void Journal::Run(std::stop_token stop) {
 }
 
 void Journal::WriteOut(const std::string& text) {
+  // A batch that fails part-way (a full disk) is cut back to where it began: the file stays whole
+  // lines, and the next batch does not land in the middle of one (Read would refuse the journal).
+  const off_t start = ::lseek(fd_.get(), 0, SEEK_END);
   size_t done = 0;
   while (done < text.size()) {
     ssize_t n = ::write(fd_.get(), text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      if (!failed_said_) {
-        failed_said_ = true;
-        NONSTOP_LOG_WARNING("journal {}: write: {} ({} bytes of records lost)", path_,
-                            n < 0 ? std::strerror(errno) : "nothing written", text.size() - done);
+      const std::string why = n < 0 ? std::strerror(errno) : "nothing written";
+      const bool cut = done > 0 && start >= 0 && ::ftruncate(fd_.get(), start) == 0;
+      if (!write_failed_said_) {
+        write_failed_said_ = true;
+        NONSTOP_LOG_WARNING("journal {}: write: {} ({} bytes of records lost{})", path_, why,
+                            cut ? text.size() : text.size() - done,
+                            done > 0 && !cut ? "; its last line is torn" : "");
       }
       return;
     }
@@ -187,8 +193,8 @@ void Journal::WriteOut(const std::string& text) {
 
 void Journal::SyncOut() {
   const auto t0 = std::chrono::steady_clock::now();
-  if (::fdatasync(fd_.get()) != 0 && !failed_said_) {
-    failed_said_ = true;
+  if (::fdatasync(fd_.get()) != 0 && !sync_failed_said_) {
+    sync_failed_said_ = true;
     NONSTOP_LOG_WARNING(
         "journal {}: fdatasync: {} (its latest records may be lost if this host "
         "fails)",

@@ -103,7 +103,8 @@ class Journal {
   uint64_t sync_upto_ NONSTOP_GUARDED_BY(mu_) = 0;    // Sync asked durable() to reach this
   std::atomic<uint64_t> durable_{0};
   // The writer's.
-  bool failed_said_ = false;                               // a failed write or sync is said once
+  bool write_failed_said_ = false;                         // a failed write is said once
+  bool sync_failed_said_ = false;                          // and a failed sync
   std::chrono::steady_clock::time_point next_slow_say_{};  // a slow one at most once in 10 s
   std::jthread writer_;  // last: started once the members it uses exist
 };

@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <poll.h>
+#include <sys/resource.h>
+
+#include <csignal>
 
 #include <filesystem>
 #include <fstream>
@@ -62,6 +65,50 @@ TEST(JournalTest, SyncMakesTheRecordsDurableAndWakesTheLoop) {
   ASSERT_EQ(read->size(), 3u);
   EXPECT_EQ((*read)[2]["i"], 2);
   EXPECT_TRUE((*read)[0].contains("time_us"));
+}
+
+// Waits (≤ 10 s) until the journal's writer says `n` records are durable.
+void WaitDurable(Journal& j, uint64_t n) {
+  for (int i = 0; i < 100 && j.durable() < n; ++i) {
+    pollfd p{j.wake_fd(), POLLIN, 0};
+    if (::poll(&p, 1, 100) == 1) {
+      uint64_t count;
+      ASSERT_EQ(::read(j.wake_fd(), &count, sizeof(count)), static_cast<ssize_t>(sizeof(count)));
+    }
+  }
+  ASSERT_GE(j.durable(), n) << "the writer never synced them";
+}
+
+TEST(JournalTest, AWriteThatFailsPartWayLeavesWholeLinesAndTheNextRecordsReadable) {
+  TempDir dir;
+  std::string path = dir / "journal.jsonl";
+  auto j = Journal::Open(path);
+  ASSERT_TRUE(j.ok()) << j.status().ToString();
+  (*j)->Append({{"event", "tick"}, {"i", 0}});
+  (*j)->Sync();
+  WaitDurable(**j, 1);
+  // The disk fills 10 bytes into the next record: the kernel writes those 10, then refuses.
+  rlimit was{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &was), 0);
+  const auto full_at = std::filesystem::file_size(path) + 10;
+  ASSERT_LT(full_at, was.rlim_cur) << "cannot lower the file-size limit here";
+  std::signal(SIGXFSZ, SIG_IGN);
+  rlimit full = was;
+  full.rlim_cur = full_at;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &full), 0);
+  (*j)->Append({{"event", "lost_to_a_full_disk"}, {"padding", std::string(200, 'x')}});
+  (*j)->Sync();
+  WaitDurable(**j, 2);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &was), 0);
+  EXPECT_EQ(std::filesystem::file_size(path), full_at - 10) << "the torn batch was not cut back";
+  (*j)->Append({{"event", "tick"}, {"i", 2}});
+  (*j)->Sync();
+  WaitDurable(**j, 3);
+  auto read = Journal::Read(path);
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->size(), 2u);
+  EXPECT_EQ((*read)[0]["i"], 0);
+  EXPECT_EQ((*read)[1]["i"], 2);
 }
 
 TEST(JournalTest, EverythingAppendedIsOnDiskOnceTheJournalIsGone) {

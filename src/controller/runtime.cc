@@ -52,7 +52,8 @@ std::string RandomToken() { return crypto::Hex(crypto::RandomBytes(16)); }
 constexpr size_t kDroppedOrdersListed = 64;
 // A turn of the loop this long is logged (Runtime::Turn): a fifth of the default heartbeat timeout.
 constexpr Millis kSlowTurn{200};
-constexpr Millis kPollWait{20};  // the most a turn waits for its sockets
+constexpr Millis kPollWait{20};          // the most a turn waits for its sockets
+constexpr Millis kJournalStall{10'000};  // an order waits no longer for the journal's sync
 
 // One order as a deposed controller's record lists it: its kind and whom it was for.
 nlohmann::json DescribeOrder(const Action& action) {
@@ -123,6 +124,7 @@ class Runtime {
   void Ping();
   void Handle(const Event& e);
   void RunPending();
+  bool JournalStalled(Deadline queued_at);
   void DrainEvents();
   void PublishStatus();
   int StepDown(nlohmann::json record, const std::string& line, int code);
@@ -214,11 +216,16 @@ class Runtime {
   // waits while the lease is not known to be held. A line to print waits
   // only for the orders before it.
   struct Pending {
-    uint64_t after;          // leadership_->appended() when it was decided
+    uint64_t after;          // leadership_->appended() once its event's records were appended
     uint64_t journal_after;  // journal_->appended() then
+    Deadline queued_at;
     Action action;
   };
   std::deque<Pending> pending_;
+  // A journal whose sync has not come back for kJournalStall (a hung disk, a lost NFS mount) is
+  // treated as failed: orders go out without waiting for it, said once, until it catches up. A
+  // controller that held them back would stop the job while its pings said it was alive.
+  bool journal_stalled_ = false;
   Deadline leaderless_warn_at_ = kNoDeadline;
   // Slow turns not said yet (SaySlowTurn), the worst of them, and when the next may be.
   int slow_turns_ = 0;
@@ -689,16 +696,21 @@ void Runtime::Ping() {
 
 void Runtime::Handle(const Event& e) {
   ++handled_;
+  std::vector<Action> orders;
   for (Action& a : core_.Handle(e, Clock::now())) {
     if (auto* record = std::get_if<AppendJournal>(&a)) {
       metrics_.Observe(record->record);
       progress_.Observe(record->record);
       journal_->Append(std::move(record->record));
-      continue;
+    } else {
+      orders.push_back(std::move(a));
     }
-    pending_.push_back(
-        {leadership_ != nullptr ? leadership_->appended() : 0, journal_->appended(), std::move(a)});
   }
+  // Every order waits for all of its event's records, those the core listed after it too (a
+  // signal sent before its fault_injected record).
+  const uint64_t after = leadership_ != nullptr ? leadership_->appended() : 0;
+  for (Action& a : orders)
+    pending_.push_back({after, journal_->appended(), Clock::now(), std::move(a)});
   // An agent that (re)joins after the plan went out (a takeover, a healed host) still labels right.
   if (const auto* joined = std::get_if<HostJoined>(&e)) {
     SendRanksToAgents(core_.generation(), core_.members(), joined->msg.host_id);
@@ -719,9 +731,14 @@ void Runtime::RunPending() {
     journal_->Flush();
   }
   if (leadership_ != nullptr) leadership_->Flush();
+  if (journal_stalled_ && journal_->durable() == journal_->appended()) {
+    journal_stalled_ = false;
+    Print(fmt::format("[nonstop] the journal {} is synced again\n", journal_->path()));
+  }
   while (!pending_.empty()) {
     const Pending& next = pending_.front();
-    if (!std::holds_alternative<PrintLine>(next.action) && next.journal_after > journal_->durable())
+    if (!std::holds_alternative<PrintLine>(next.action) &&
+        next.journal_after > journal_->durable() && !JournalStalled(next.queued_at))
       break;
     if (leadership_ != nullptr && (next.after > leadership_->durable() || !leadership_->Valid()))
       break;
@@ -729,6 +746,19 @@ void Runtime::RunPending() {
     pending_.pop_front();
     Execute(a);
   }
+}
+
+// True once an order has waited kJournalStall for the journal's sync: from then on orders go out
+// without it, until the journal catches up (said both times).
+bool Runtime::JournalStalled(Deadline queued_at) {
+  if (!journal_stalled_ && Clock::now() - queued_at >= kJournalStall) {
+    journal_stalled_ = true;
+    Print(fmt::format(
+        "[nonstop] the journal {} has not been synced for {} s (its disk hangs?): orders go out "
+        "without waiting for it; a controller that takes over from it may not know them\n",
+        journal_->path(), kJournalStall.count() / 1000));
+  }
+  return journal_stalled_;
 }
 
 void Runtime::DrainEvents() {
@@ -784,6 +814,13 @@ int Runtime::Finish() {
   Deadline synced_by = DeadlineAfter(Millis(5'000));
   while (journal_->durable() < journal_->appended() && Clock::now() < synced_by) {
     std::this_thread::sleep_for(Millis(1));
+  }
+  if (journal_->durable() < journal_->appended() && !journal_stalled_) {
+    journal_stalled_ = true;
+    Print(fmt::format(
+        "[nonstop] the journal {} was not synced 5 s after the job ended: its last orders go out "
+        "without it\n",
+        journal_->path()));
   }
   RunPending();
   if (leadership_ != nullptr) {

@@ -83,9 +83,7 @@ Result<Hello> DecodeHello(std::string_view payload) {
   h.generation = generation;
   h.worker_id = static_cast<int32_t>(worker);
   h.nonce = std::string(nonce);
-  if (r.remaining() != 0 && !r.ReadFixed16(&h.lane)) {  // 2.0's hellos end at the nonce
-    return InvalidArgumentError("hello is truncated");
-  }
+  if (!r.ReadFixed16(&h.lane)) return InvalidArgumentError("hello is truncated");
   return h;
 }
 

@@ -50,9 +50,11 @@ class AbortSignal;
 
 inline constexpr uint32_t kHelloMagic = 0x5054534E;  // "NSTP" on the wire
 // 2: the mutual challenge-response (1 sent the token in the hello).
-// 2.1: a data connection's lane follows the nonce (2.0's hellos lack it: lane 0).
-inline constexpr uint16_t kProtocolMajor = 2;
-inline constexpr uint16_t kProtocolMinor = 1;
+// 3: a data connection's lane follows the nonce, and the state copy asks each source for
+// several streams (a 2.x worker would take a lane's hello for its one connection and read a
+// request it does not know: refused at the handshake instead, by its version).
+inline constexpr uint16_t kProtocolMajor = 3;
+inline constexpr uint16_t kProtocolMinor = 0;
 // Data connections between two workers at once (PeerMesh): lanes 0 .. kDataLanes - 1.
 inline constexpr int kDataLanes = 4;
 // Handshake frames are a few dozen bytes; a longer length is refused before anything is read.

@@ -191,8 +191,8 @@ TEST(HandshakeTest, NegativeWorkerIdIsRefusedWithTheReasonSealed) {
   EXPECT_NE(o.client.status().message().find("negative"), std::string::npos);
 }
 
-// A data connection names its lane (2.1); a 2.0 hello, which ends at the nonce, is lane 0.
-TEST(HandshakeTest, ADataHelloCarriesItsLaneAndAnOlderOneIsLaneZero) {
+// A data connection names its lane (3.0); a 2.x hello, which has none, is refused by its version.
+TEST(HandshakeTest, ADataHelloCarriesItsLaneAndAProtocol2HelloIsRefusedByItsVersion) {
   Hello h = MakeHello();
   h.lane = 3;
   h.nonce = std::string(crypto::kNonceBytes, 'n');
@@ -200,16 +200,22 @@ TEST(HandshakeTest, ADataHelloCarriesItsLaneAndAnOlderOneIsLaneZero) {
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->lane, 3);
   EXPECT_EQ(back->worker_id, 3);
-  std::string older = EncodeHello(h);
-  older.resize(older.size() - 2);  // no lane field
-  Result<Hello> old = DecodeHello(older);
-  ASSERT_TRUE(old.ok()) << old.status().ToString();
-  EXPECT_EQ(old->lane, 0);
-  EXPECT_FALSE(DecodeHello(older + "x").ok()) << "one byte of a lane is a truncated hello";
+  std::string no_lane = EncodeHello(h);
+  no_lane.resize(no_lane.size() - 2);
+  EXPECT_FALSE(DecodeHello(no_lane).ok()) << "a 3.0 hello without its lane is truncated";
+  EXPECT_FALSE(DecodeHello(no_lane + "x").ok()) << "one byte of a lane is a truncated hello";
 
   Outcome o = RunHandshake(kKey, kKey, h);
   ASSERT_TRUE(o.server.ok()) << o.server.status().ToString();
   EXPECT_EQ(o.server->hello.lane, 3);
+
+  Hello v2 = h;  // a 2.0 worker's hello: the version says it, the bytes after it are not read
+  v2.proto_major = 2;
+  v2.proto_minor = 0;
+  Outcome refused = RunHandshake(kKey, kKey, v2);
+  ASSERT_FALSE(refused.server.ok());
+  EXPECT_NE(refused.server.status().message().find("2.0"), std::string::npos)
+      << refused.server.status().ToString();
 }
 
 TEST(HandshakeTest, ALaneBeyondTheDataLanesOrOnAControlPortIsRefused) {
