@@ -46,9 +46,9 @@
 //    bug in the caller (NONSTOP_CHECK).
 //  - Thread-safety: one thread at a time drives the collectives of a
 //    generation (its communicator's and its sub-groups'); Abort(), error()
-//    and stats() are safe from any thread. Send/Recv may run on several
-//    threads at once provided each thread talks to a different peer (state
-//    transfer does).
+//    and stats() are safe from any thread. Send/Recv (and SendOnLane/
+//    RecvOnLane) may run on several threads at once provided each thread has
+//    a (peer, lane) of its own (the state transfer does).
 #pragma once
 
 #include <cstddef>

@@ -154,37 +154,56 @@ Status StagedCommunicator::AllReduceTree(int m, std::span<const std::vector<Tree
   });
 }
 
-Status StagedCommunicator::SendVia(const char* op, SendFn send, int to_rank, ConstRegion data) {
+Status StagedCommunicator::SendVia(const char* op, ConstRegion data,
+                                   const std::function<Status(ConstRegion)>& send) {
   NONSTOP_RETURN_IF_ERROR(CheckDevice(op, data.device, data.device_index));
-  Communicator& host = *host_;
-  if (!OnDevice(data.device)) return (host.*send)(to_rank, data);
+  if (!OnDevice(data.device)) return send(data);
   Region writable{const_cast<std::byte*>(data.data), data.bytes, data.device, data.device_index};
   return Whole(writable, true, false, [&](std::span<std::byte> whole) {
-    return (host.*send)(to_rank, HostRegion(std::span<const std::byte>(whole)));
+    return send(HostRegion(std::span<const std::byte>(whole)));
   });
 }
 
-Status StagedCommunicator::RecvVia(const char* op, RecvFn recv, int from_rank, Region data) {
+Status StagedCommunicator::RecvVia(const char* op, Region data,
+                                   const std::function<Status(Region)>& recv) {
   NONSTOP_RETURN_IF_ERROR(CheckDevice(op, data.device, data.device_index));
-  Communicator& host = *host_;
-  if (!OnDevice(data.device)) return (host.*recv)(from_rank, data);
-  return Whole(data, false, true, [&](std::span<std::byte> whole) {
-    return (host.*recv)(from_rank, HostRegion(whole));
-  });
+  if (!OnDevice(data.device)) return recv(data);
+  return Whole(data, false, true,
+               [&](std::span<std::byte> whole) { return recv(HostRegion(whole)); });
 }
 
 Status StagedCommunicator::Send(int to_rank, ConstRegion data) {
-  return SendVia("Send", static_cast<SendFn>(&Communicator::Send), to_rank, data);
+  return SendVia("Send", data, [&](ConstRegion d) { return host_->Send(to_rank, d); });
 }
 Status StagedCommunicator::Recv(int from_rank, Region data) {
-  return RecvVia("Recv", static_cast<RecvFn>(&Communicator::Recv), from_rank, data);
+  return RecvVia("Recv", data, [&](Region d) { return host_->Recv(from_rank, d); });
 }
 Status StagedCommunicator::SendUnchecked(int to_rank, ConstRegion data) {
-  return SendVia("SendUnchecked", static_cast<SendFn>(&Communicator::SendUnchecked), to_rank, data);
+  return SendVia("SendUnchecked", data,
+                 [&](ConstRegion d) { return host_->SendUnchecked(to_rank, d); });
 }
 Status StagedCommunicator::RecvUnchecked(int from_rank, Region data) {
-  return RecvVia("RecvUnchecked", static_cast<RecvFn>(&Communicator::RecvUnchecked), from_rank,
-                 data);
+  return RecvVia("RecvUnchecked", data,
+                 [&](Region d) { return host_->RecvUnchecked(from_rank, d); });
+}
+
+Status StagedCommunicator::SendOnLane(int to_rank, int lane, ConstRegion data, bool checked) {
+  if (lane != 0 && OnDevice(data.device)) {
+    return InvalidArgumentError(fmt::format(
+        "SendOnLane: device memory goes over lane 0 only, not lane {} (stage it in host memory)",
+        lane));
+  }
+  return SendVia("SendOnLane", data,
+                 [&](ConstRegion d) { return host_->SendOnLane(to_rank, lane, d, checked); });
+}
+Status StagedCommunicator::RecvOnLane(int from_rank, int lane, Region data, bool checked) {
+  if (lane != 0 && OnDevice(data.device)) {
+    return InvalidArgumentError(fmt::format(
+        "RecvOnLane: device memory goes over lane 0 only, not lane {} (stage it in host memory)",
+        lane));
+  }
+  return RecvVia("RecvOnLane", data,
+                 [&](Region d) { return host_->RecvOnLane(from_rank, lane, d, checked); });
 }
 
 Result<std::span<std::byte>> MemoryCopier::HostBuffer(size_t bytes) {

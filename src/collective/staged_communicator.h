@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -93,6 +94,11 @@ class StagedCommunicator : public Communicator {
   Status Recv(int from_rank, Region data) override;
   Status SendUnchecked(int to_rank, ConstRegion data) override;
   Status RecvUnchecked(int from_rank, Region data) override;
+  // The host communicator's lanes. Device memory goes over lane 0 only (its staging buffer is
+  // one); the state copy stages device chunks itself and sends host memory on every lane.
+  int p2p_lanes() const override { return host_->p2p_lanes(); }
+  Status SendOnLane(int to_rank, int lane, ConstRegion data, bool checked) override;
+  Status RecvOnLane(int from_rank, int lane, Region data, bool checked) override;
   void InjectDropOfNextRingLink() override { host_->InjectDropOfNextRingLink(); }
   void InjectWireFlip(bool gather) override { host_->InjectWireFlip(gather); }
   void Abort(const std::string& reason) override { host_->Abort(reason); }
@@ -117,11 +123,9 @@ class StagedCommunicator : public Communicator {
   Status Whole(Region data, bool up, bool down, HostOp host_op);
   Result<std::span<std::byte>> Staging(size_t index, size_t bytes);
   // Point to point, through a whole-buffer stage: `send`/`recv` is the host
-  // communicator's checked or unchecked call.
-  using SendFn = Status (Communicator::*)(int, ConstRegion);
-  using RecvFn = Status (Communicator::*)(int, Region);
-  Status SendVia(const char* op, SendFn send, int to_rank, ConstRegion data);
-  Status RecvVia(const char* op, RecvFn recv, int from_rank, Region data);
+  // communicator's call (checked or not, on a lane or not).
+  Status SendVia(const char* op, ConstRegion data, const std::function<Status(ConstRegion)>& send);
+  Status RecvVia(const char* op, Region data, const std::function<Status(Region)>& recv);
 
   std::unique_ptr<Communicator> host_;
   std::shared_ptr<DeviceCopier> copier_;

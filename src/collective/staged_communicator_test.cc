@@ -181,6 +181,35 @@ TEST(StagedCommunicatorTest, EveryOtherCollectiveMovesDeviceMemoryAsTheHostOneDo
   });
 }
 
+// The state copy's lanes pass through: host memory on each of the host communicator's lanes, device
+// memory on lane 0 (staged), and refused on the others before anything moves.
+TEST(StagedCommunicatorTest, LanesAreTheHostCommunicatorsAndDeviceMemoryTakesLaneZero) {
+  World world;
+  ASSERT_EQ(world.staged[0]->p2p_lanes(), world.host[0]->p2p_lanes());
+  ASSERT_GT(world.staged[0]->p2p_lanes(), 1);
+  const int last = world.staged[0]->p2p_lanes() - 1;
+  const size_t n = 300;
+  world.Each([&](int r) {
+    Communicator& c = *world.staged[r];
+    std::vector<float> on_host = r == 0 ? Values(3, n) : std::vector<float>(n);
+    std::vector<float> on_device = r == 0 ? Values(4, n) : std::vector<float>(n);
+    if (r == 0) {
+      ASSERT_TRUE(c.SendOnLane(1, last, HostRegion(std::span<const float>(on_host)), false).ok());
+      ASSERT_TRUE(c.SendOnLane(1, 0, ConstRegion(Cuda(on_device)), true).ok());
+      Status refused = c.SendOnLane(1, last, ConstRegion(Cuda(on_device)), true);
+      EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.ToString();
+      EXPECT_TRUE(c.error().ok()) << "a refusal is not sticky";
+    }
+    if (r == 1) {
+      ASSERT_TRUE(c.RecvOnLane(0, last, HostRegion(std::span<float>(on_host)), false).ok());
+      ASSERT_TRUE(c.RecvOnLane(0, 0, Cuda(on_device), true).ok());
+      EXPECT_EQ(on_host, Values(3, n));
+      EXPECT_EQ(on_device, Values(4, n));
+    }
+  });
+  EXPECT_EQ(world.planes[0]->stats().connections_opened, 2) << "lane 0 and the last lane to rank 1";
+}
+
 TEST(StagedDataPlaneTest, SupportsTheCopiersDeviceAndMakesStagedCommunicators) {
   net::AbortSignal abort;
   auto listener = net::Listen({"127.0.0.1", 0});

@@ -1234,7 +1234,6 @@ Status Session::GatherShards(std::span<std::byte> data, size_t element_bytes) {
 
 void Session::ReportStep(const StepReport& r) {
   impl_->state_step_.store(r.step);
-  impl_->ScheduleTimedFault(r.step + 1, r.step_seconds);
   control::ProgressMsg m{r.step,       r.loss,       r.step_seconds, r.tokens_per_second,
                          world_size(), r.total_steps};
   m.replica_check_ms = impl_->replica_check_ms_.exchange(-1);
@@ -1242,6 +1241,9 @@ void Session::ReportStep(const StepReport& r) {
   Status s = impl_->SendControl(control::kMsgProgress, control::Encode(m));
   // Without a controller the step is not lost: the join to the next one says it.
   if (!s.ok()) NONSTOP_LOG_DEBUG("progress report not sent: {}", s.ToString());
+  // After the report: a fault due as the next step starts (at=0) fires here, on this thread, and
+  // the controller has heard of step r.step first, as with a fault timed from a thread of its own.
+  impl_->ScheduleTimedFault(r.step + 1, r.step_seconds);
 }
 
 Result<int64_t> Session::Recover() {

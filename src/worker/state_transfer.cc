@@ -229,19 +229,30 @@ int StreamsFor(const collective::Communicator& comm, const state::StateRegistry&
       1, std::min({want, static_cast<uint64_t>(comm.p2p_lanes()), uint64_t{chunks.size()}})));
 }
 
-// Runs lane(l) for l in [0, lanes) at once, lane 0 on this thread: the first error, in lane order.
-Status OnLanes(int lanes, const std::function<Status(int lane)>& lane) {
+// Runs lane(l) for l in [0, lanes) at once, lane 0 on this thread: the first error to happen.
+// With `stop_others`, that error calls it with the error, so that the other lanes stop now instead
+// of finishing their share (or waiting out the collective's deadline for a peer that lied on one).
+Status OnLanes(int lanes, const std::function<Status(int lane)>& lane,
+               const std::function<void(const Status&)>& stop_others = nullptr) {
   if (lanes == 1) return lane(0);
-  std::vector<Status> results(static_cast<size_t>(lanes));
+  Mutex mu;
+  Status first;
+  auto run = [&](int l) {
+    Status s = lane(l);
+    if (s.ok()) return;
+    {
+      MutexLock lock(&mu);
+      if (!first.ok()) return;
+      first = s;
+    }
+    if (stop_others) stop_others(s);
+  };
   {
     std::vector<std::jthread> threads;
-    for (int l = 1; l < lanes; ++l) {
-      threads.emplace_back([&, l] { results[static_cast<size_t>(l)] = lane(l); });
-    }
-    results[0] = lane(0);
+    for (int l = 1; l < lanes; ++l) threads.emplace_back(run, l);
+    run(0);
   }
-  for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
-  return OkStatus();
+  return first;
 }
 
 // Source side, one lane of a request: the chunks at positions lane, lane + lanes, ... of
@@ -501,10 +512,19 @@ Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, i
   if (indices.empty()) return OkStatus();  // an empty request would mean "done"
   NONSTOP_RETURN_IF_ERROR(SendRequest(comm, source, lanes, indices));
   std::vector<std::vector<uint32_t>> failed_on(static_cast<size_t>(lanes));
-  Status s = OnLanes(lanes, [&](int lane) {
-    return ReceiveInPlace(comm, reg, source, indices, lane, lanes, own, expect, slot, checker,
-                          &failed_on[static_cast<size_t>(lane)], bytes);
-  });
+  // A failed lane fails the whole copy (RunStateTransfers returns the error, the controller
+  // plans again): the communicator is aborted at once, which stops this source's other lanes and
+  // the other sources' copies, instead of letting them finish what no one will use.
+  Status s = OnLanes(
+      lanes,
+      [&](int lane) {
+        return ReceiveInPlace(comm, reg, source, indices, lane, lanes, own, expect, slot, checker,
+                              &failed_on[static_cast<size_t>(lane)], bytes);
+      },
+      [&](const Status& failed_lane) {
+        comm.Abort(fmt::format("the state copy from rank {} failed on one of its {} streams: {}",
+                               source, lanes, failed_lane.message()));
+      });
   for (const auto& f : failed_on) failed->insert(failed->end(), f.begin(), f.end());
   return s;
 }
@@ -795,6 +815,10 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
     for (auto& t : threads) t.join();
     std::vector<std::vector<uint32_t>> bad = checker.Finish();
     for (size_t i = 0; i < k; ++i) failed[i].insert(failed[i].end(), bad[i].begin(), bad[i].end());
+  }
+  // The cause, not the abort a failed stream made of the other sources' copies (FetchInPlace).
+  for (const Status& s : results) {
+    if (!s.ok() && s.code() != StatusCode::kAborted) return s;
   }
   for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
   outcome.streams_per_source = *std::max_element(streams.begin(), streams.end());

@@ -491,6 +491,46 @@ TEST(RunStateTransfersTest, ASourceThatSendsAnotherChunkThanAskedIsDataLoss) {
       << out.status().ToString();
 }
 
+// A source that lies on one of its streams and says nothing on the other: the lie ends the copy at
+// once, naming it, instead of the silent stream's deadline (30 s here) ending it later as a
+// timeout.
+TEST(RunStateTransfersTest, ALieOnOneStreamStopsTheOtherStreamsAndIsTheErrorSaid) {
+  auto ranks = MakePlainRanks(2);
+  const control::PlanMsg plan = CopyPlan(ranks);
+  collective::Communicator& liar_comm = *ranks[1]->comm;
+  const state::StateRegistry& liar_reg = ranks[1]->reg;
+  std::thread liar([&] {
+    if (!SendString(liar_comm, Header(liar_reg, 9, liar_reg.total_bytes())).ok()) return;
+    if (!SendString(liar_comm, Table(liar_reg)).ok()) return;
+    std::string n(4, '\0');
+    if (!liar_comm.Recv(0, std::as_writable_bytes(std::span(n))).ok()) return;
+    std::string body(4 * static_cast<size_t>(DecodeFixed32(n.data())), '\0');
+    if (!liar_comm.Recv(0, std::as_writable_bytes(std::span(body))).ok()) return;
+    EXPECT_EQ(DecodeFixed32(body.data()), 2u) << "the receiver was to ask for two streams";
+    const uint32_t second = DecodeFixed32(body.data() + 8);  // lane 1's first chunk
+    std::string meta;
+    PutFixed32(&meta, second + 1);
+    PutFixed32(&meta, 0);
+    (void)liar_comm.SendOnLane(0, 1, collective::HostRegion(std::as_bytes(std::span(meta))), true);
+    while (liar_comm.error().ok()) std::this_thread::sleep_for(Millis(5));  // lane 0: silence
+  });
+  TransferHooks two_streams;
+  two_streams.streams_per_source = 2;
+  Result<TransferOutcome> out = RunStateTransfers(*ranks[0]->comm, ranks[0]->reg, plan, 0,
+                                                  control::kNoValidState, two_streams);
+  ranks[1]->comm->Abort("the test is over");
+  liar.join();
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kDataLoss) << out.status().ToString();
+  EXPECT_NE(out.status().message().find("where chunk"), std::string::npos)
+      << out.status().ToString();
+  // The silent stream was stopped by the receiver, not by its deadline.
+  const Status stopped = ranks[0]->comm->error();
+  EXPECT_EQ(stopped.code(), StatusCode::kAborted) << stopped.ToString();
+  EXPECT_NE(stopped.message().find("failed on one of its 2 streams"), std::string::npos)
+      << stopped.ToString();
+}
+
 TEST(RunStateTransfersTest, ASourceThatSendsAChunkOfTheWrongSizeFailsClearly) {
   auto ranks = MakePlainRanks(2);
   auto out = CopyFromLiar(ranks, [&](collective::Communicator& comm) {
