@@ -6,11 +6,11 @@
 //      - baseline: protocol 1, as nonstop spoke it before issue 26: one hello frame carrying the
 //        token, compared in constant time, and a one-byte ack (rebuilt here from the same frame
 //        code, since the runtime no longer speaks it);
-//      - protocol 2: net::ClientHandshake against net::ServerHandshake, the runtime's own code:
+//      - protocol 3: net::ClientHandshake against net::ServerHandshake, the runtime's own code:
 //        hello, challenge, proof, sealed ack (two round trips, four HMACs a side).
 //  2. Frames: EncodeFrame + FrameDecoder against FrameMac::Seal + decode + FrameMac::Open, for
 //     payloads of a heartbeat's, a plan's and a large plan's size (MB/s and µs per frame).
-// Ratios are protocol 2 over the baseline, measured in this run; absolutes beside them.
+// Ratios are protocol 3 over the baseline, measured in this run; absolutes beside them.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -142,7 +142,7 @@ int Main(int argc, char** argv) {
   fmt::print("connect-to-ready on loopback, {} connections each (µs):\n", v1.size());
   fmt::print("  {:<34} {:>8} {:>8} {:>8}\n", "", "p50", "p90", "p99");
   for (auto [name, v] : {std::pair{"protocol 1 (token in the hello)", &v1},
-                         std::pair{"protocol 2 (mutual proof, sealed)", &v2}}) {
+                         std::pair{"protocol 3 (mutual proof, sealed)", &v2}}) {
     fmt::print("  {:<34} {:>8.1f} {:>8.1f} {:>8.1f}\n", name, Quantile(*v, 0.5), Quantile(*v, 0.9),
                Quantile(*v, 0.99));
   }

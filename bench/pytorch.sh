@@ -100,11 +100,14 @@ print(json.dumps({"name": name, "wall_s": t1 - t0, "median_step_s": median,
 EOF
 }
 
-echo "pytorch: $steps steps of llama-tiny (32 × 64 tokens), 4 workers, on $(nproc) cores; runs in $dir"
+# The C++ trainer in the Python scripts' micro-batches of 4 (its built-in llama-tiny takes 1, for salvage).
+"$bin/nonstop-train" --print-recipe | sed 's/^  micro_batch: 1$/  micro_batch: 4/' > "$dir/llama-tiny-mb4.yaml"
+grep -q '^  micro_batch: 4$' "$dir/llama-tiny-mb4.yaml" || { echo "pytorch: the built-in recipe's micro_batch is not 1" >&2; exit 1; }
+echo "pytorch: $steps steps of llama-tiny (32 × 64 tokens, micro-batches of 4), 4 workers, on $(nproc) cores; runs in $dir"
 echo "  (a) torch DDP + Gloo (torchrun), fault-free";  ddp a-clean --max_restarts 0
 echo "  (b) nonstop from Python, fault-free";           nonstop_job b-clean none "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
-echo "  (c) nonstop C++ trainer, overlapped";           nonstop_job c-overlap none "$bin/nonstop-train" --steps "$steps"
-echo "  (c) nonstop C++ trainer, not overlapped";       nonstop_job c-serial none "$bin/nonstop-train" --steps "$steps" --no-overlap
+echo "  (c) nonstop C++ trainer, overlapped";           nonstop_job c-overlap none "$bin/nonstop-train" "$dir/llama-tiny-mb4.yaml" --steps "$steps"
+echo "  (c) nonstop C++ trainer, not overlapped";       nonstop_job c-serial none "$bin/nonstop-train" "$dir/llama-tiny-mb4.yaml" --steps "$steps" --no-overlap
 echo "  (d) stock DDP over nonstop, fault-free";        nonstop_job d-clean none "$py" "$root/bench/pytorch_ddp_llama.py" --steps "$steps"
 echo "  (e) nonstop from Python, world-invariant";      nonstop_job e-clean none "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps" --world-invariant
 for point in start middle reduction; do

@@ -171,6 +171,7 @@ void Journal::Run(std::stop_token stop) {
 void Journal::WriteOut(const std::string& text) {
   // A batch that fails part-way (a full disk) is cut back to where it began: the file stays whole
   // lines, and the next batch does not land in the middle of one (Read would refuse the journal).
+  if (torn_at_ >= 0 && ::ftruncate(fd_.get(), torn_at_) == 0) torn_at_ = -1;  // cut it back now
   const off_t start = ::lseek(fd_.get(), 0, SEEK_END);
   size_t done = 0;
   while (done < text.size()) {
@@ -179,6 +180,7 @@ void Journal::WriteOut(const std::string& text) {
     if (n <= 0) {
       const std::string why = n < 0 ? std::strerror(errno) : "nothing written";
       const bool cut = done > 0 && start >= 0 && ::ftruncate(fd_.get(), start) == 0;
+      if (done > 0 && !cut) torn_at_ = start;  // tried again before the next batch
       if (!write_failed_said_) {
         write_failed_said_ = true;
         NONSTOP_LOG_WARNING("journal {}: write: {} ({} bytes of records lost{})", path_, why,

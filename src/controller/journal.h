@@ -19,6 +19,7 @@
 // durable() and wake_fd(), which any thread may.
 #pragma once
 
+#include <sys/types.h>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -103,6 +104,7 @@ class Journal {
   uint64_t sync_upto_ NONSTOP_GUARDED_BY(mu_) = 0;    // Sync asked durable() to reach this
   std::atomic<uint64_t> durable_{0};
   // The writer's.
+  off_t torn_at_ = -1;  // a torn batch not cut back yet began here: cut before the next (WriteOut)
   bool write_failed_said_ = false;                         // a failed write is said once
   bool sync_failed_said_ = false;                          // and a failed sync
   std::chrono::steady_clock::time_point next_slow_say_{};  // a slow one at most once in 10 s

@@ -92,14 +92,24 @@ TEST(JournalTest, AWriteThatFailsPartWayLeavesWholeLinesAndTheNextRecordsReadabl
   ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &was), 0);
   const auto full_at = std::filesystem::file_size(path) + 10;
   ASSERT_LT(full_at, was.rlim_cur) << "cannot lower the file-size limit here";
-  std::signal(SIGXFSZ, SIG_IGN);
-  rlimit full = was;
-  full.rlim_cur = full_at;
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &full), 0);
-  (*j)->Append({{"event", "lost_to_a_full_disk"}, {"padding", std::string(200, 'x')}});
-  (*j)->Sync();
-  WaitDurable(**j, 2);
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &was), 0);
+  auto* was_handler = std::signal(SIGXFSZ, SIG_IGN);
+  {
+    // The limit and the signal are the whole process's: put back however this block ends.
+    struct Restore {
+      rlimit limit;
+      void (*handler)(int);
+      ~Restore() {
+        ::setrlimit(RLIMIT_FSIZE, &limit);
+        std::signal(SIGXFSZ, handler);
+      }
+    } restore{was, was_handler};
+    rlimit full = was;
+    full.rlim_cur = full_at;
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &full), 0);
+    (*j)->Append({{"event", "lost_to_a_full_disk"}, {"padding", std::string(200, 'x')}});
+    (*j)->Sync();
+    WaitDurable(**j, 2);
+  }
   EXPECT_EQ(std::filesystem::file_size(path), full_at - 10) << "the torn batch was not cut back";
   (*j)->Append({{"event", "tick"}, {"i", 2}});
   (*j)->Sync();

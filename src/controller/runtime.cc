@@ -223,9 +223,14 @@ class Runtime {
   };
   std::deque<Pending> pending_;
   // A journal whose sync has not come back for kJournalStall (a hung disk, a lost NFS mount) is
-  // treated as failed: orders go out without waiting for it, said once, until it catches up. A
-  // controller that held them back would stop the job while its pings said it was alive.
+  // treated as failed: orders go out without waiting for it, said once, until it has synced what
+  // it held then (stalled_upto_). A controller that held them back would stop the job while its
+  // pings said it was alive.
   bool journal_stalled_ = false;
+  uint64_t stalled_upto_ = 0;
+  uint64_t seen_durable_ = 0;                // journal_->durable() as this loop last saw it
+  Deadline durable_grew_at_ = Clock::now();  // when that grew
+  Deadline stall_suspected_at_ = kNoDeadline;
   Deadline leaderless_warn_at_ = kNoDeadline;
   // Slow turns not said yet (SaySlowTurn), the worst of them, and when the next may be.
   int slow_turns_ = 0;
@@ -731,16 +736,22 @@ void Runtime::RunPending() {
     journal_->Flush();
   }
   if (leadership_ != nullptr) leadership_->Flush();
-  if (journal_stalled_ && journal_->durable() == journal_->appended()) {
+  const uint64_t durable = journal_->durable();
+  if (durable != seen_durable_) {
+    seen_durable_ = durable;
+    durable_grew_at_ = Clock::now();
+    stall_suspected_at_ = kNoDeadline;
+  }
+  if (journal_stalled_ && durable >= stalled_upto_) {
     journal_stalled_ = false;
     Print(fmt::format("[nonstop] the journal {} is synced again\n", journal_->path()));
   }
   while (!pending_.empty()) {
     const Pending& next = pending_.front();
-    if (!std::holds_alternative<PrintLine>(next.action) &&
-        next.journal_after > journal_->durable() && !JournalStalled(next.queued_at))
-      break;
     if (leadership_ != nullptr && (next.after > leadership_->durable() || !leadership_->Valid()))
+      break;
+    if (!std::holds_alternative<PrintLine>(next.action) && next.journal_after > durable &&
+        !JournalStalled(next.queued_at))
       break;
     Action a = std::move(pending_.front().action);
     pending_.pop_front();
@@ -748,17 +759,26 @@ void Runtime::RunPending() {
   }
 }
 
-// True once an order has waited kJournalStall for the journal's sync: from then on orders go out
-// without it, until the journal catches up (said both times).
+// True once an order has waited kJournalStall for the journal's sync, with the journal not synced
+// anything meanwhile, and still so a second later (a process that was stopped, or starved, for
+// that long resumes with its writer's sync about to return): from then on orders go out without
+// it, until the journal has synced what it held then (said both times).
 bool Runtime::JournalStalled(Deadline queued_at) {
-  if (!journal_stalled_ && Clock::now() - queued_at >= kJournalStall) {
-    journal_stalled_ = true;
-    Print(fmt::format(
-        "[nonstop] the journal {} has not been synced for {} s (its disk hangs?): orders go out "
-        "without waiting for it; a controller that takes over from it may not know them\n",
-        journal_->path(), kJournalStall.count() / 1000));
+  if (journal_stalled_) return true;
+  const auto now = Clock::now();
+  if (now - std::max(queued_at, durable_grew_at_) < kJournalStall) {
+    stall_suspected_at_ = kNoDeadline;
+    return false;
   }
-  return journal_stalled_;
+  if (stall_suspected_at_ == kNoDeadline) stall_suspected_at_ = now;
+  if (now - stall_suspected_at_ < Millis(1'000)) return false;
+  journal_stalled_ = true;
+  stalled_upto_ = journal_->appended();
+  Print(fmt::format(
+      "[nonstop] the journal {} has not synced anything for {} s (its disk hangs?): orders go out "
+      "without waiting for it, and a controller that takes over from it may not know them\n",
+      journal_->path(), kJournalStall.count() / 1000));
+  return true;
 }
 
 void Runtime::DrainEvents() {
@@ -817,6 +837,7 @@ int Runtime::Finish() {
   }
   if (journal_->durable() < journal_->appended() && !journal_stalled_) {
     journal_stalled_ = true;
+    stalled_upto_ = journal_->appended();
     Print(fmt::format(
         "[nonstop] the journal {} was not synced 5 s after the job ended: its last orders go out "
         "without it\n",
