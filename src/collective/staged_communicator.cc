@@ -154,9 +154,16 @@ Status StagedCommunicator::AllReduceTree(int m, std::span<const std::vector<Tree
   });
 }
 
-Status StagedCommunicator::SendVia(const char* op, ConstRegion data,
+Status StagedCommunicator::CheckLane(const char* op, int lane, Device device) const {
+  if (lane == 0 || !OnDevice(device)) return OkStatus();
+  return InvalidArgumentError(fmt::format(
+      "{}: device memory goes over lane 0 only, not lane {} (stage it in host memory)", op, lane));
+}
+
+Status StagedCommunicator::SendVia(const char* op, int lane, ConstRegion data,
                                    const std::function<Status(ConstRegion)>& send) {
   NONSTOP_RETURN_IF_ERROR(CheckDevice(op, data.device, data.device_index));
+  NONSTOP_RETURN_IF_ERROR(CheckLane(op, lane, data.device));
   if (!OnDevice(data.device)) return send(data);
   Region writable{const_cast<std::byte*>(data.data), data.bytes, data.device, data.device_index};
   return Whole(writable, true, false, [&](std::span<std::byte> whole) {
@@ -164,45 +171,36 @@ Status StagedCommunicator::SendVia(const char* op, ConstRegion data,
   });
 }
 
-Status StagedCommunicator::RecvVia(const char* op, Region data,
+Status StagedCommunicator::RecvVia(const char* op, int lane, Region data,
                                    const std::function<Status(Region)>& recv) {
   NONSTOP_RETURN_IF_ERROR(CheckDevice(op, data.device, data.device_index));
+  NONSTOP_RETURN_IF_ERROR(CheckLane(op, lane, data.device));
   if (!OnDevice(data.device)) return recv(data);
   return Whole(data, false, true,
                [&](std::span<std::byte> whole) { return recv(HostRegion(whole)); });
 }
 
 Status StagedCommunicator::Send(int to_rank, ConstRegion data) {
-  return SendVia("Send", data, [&](ConstRegion d) { return host_->Send(to_rank, d); });
+  return SendVia("Send", 0, data, [&](ConstRegion d) { return host_->Send(to_rank, d); });
 }
 Status StagedCommunicator::Recv(int from_rank, Region data) {
-  return RecvVia("Recv", data, [&](Region d) { return host_->Recv(from_rank, d); });
+  return RecvVia("Recv", 0, data, [&](Region d) { return host_->Recv(from_rank, d); });
 }
 Status StagedCommunicator::SendUnchecked(int to_rank, ConstRegion data) {
-  return SendVia("SendUnchecked", data,
+  return SendVia("SendUnchecked", 0, data,
                  [&](ConstRegion d) { return host_->SendUnchecked(to_rank, d); });
 }
 Status StagedCommunicator::RecvUnchecked(int from_rank, Region data) {
-  return RecvVia("RecvUnchecked", data,
+  return RecvVia("RecvUnchecked", 0, data,
                  [&](Region d) { return host_->RecvUnchecked(from_rank, d); });
 }
 
 Status StagedCommunicator::SendOnLane(int to_rank, int lane, ConstRegion data, bool checked) {
-  if (lane != 0 && OnDevice(data.device)) {
-    return InvalidArgumentError(fmt::format(
-        "SendOnLane: device memory goes over lane 0 only, not lane {} (stage it in host memory)",
-        lane));
-  }
-  return SendVia("SendOnLane", data,
+  return SendVia("SendOnLane", lane, data,
                  [&](ConstRegion d) { return host_->SendOnLane(to_rank, lane, d, checked); });
 }
 Status StagedCommunicator::RecvOnLane(int from_rank, int lane, Region data, bool checked) {
-  if (lane != 0 && OnDevice(data.device)) {
-    return InvalidArgumentError(fmt::format(
-        "RecvOnLane: device memory goes over lane 0 only, not lane {} (stage it in host memory)",
-        lane));
-  }
-  return RecvVia("RecvOnLane", data,
+  return RecvVia("RecvOnLane", lane, data,
                  [&](Region d) { return host_->RecvOnLane(from_rank, lane, d, checked); });
 }
 

@@ -122,10 +122,13 @@ class StagedCommunicator : public Communicator {
   template <typename HostOp>
   Status Whole(Region data, bool up, bool down, HostOp host_op);
   Result<std::span<std::byte>> Staging(size_t index, size_t bytes);
-  // Point to point, through a whole-buffer stage: `send`/`recv` is the host
+  // kInvalidArgument for device memory on a lane other than 0 (one staging buffer).
+  Status CheckLane(const char* op, int lane, Device device) const;
+  // Point to point on `lane`, through a whole-buffer stage: `send`/`recv` is the host
   // communicator's call (checked or not, on a lane or not).
-  Status SendVia(const char* op, ConstRegion data, const std::function<Status(ConstRegion)>& send);
-  Status RecvVia(const char* op, Region data, const std::function<Status(Region)>& recv);
+  Status SendVia(const char* op, int lane, ConstRegion data,
+                 const std::function<Status(ConstRegion)>& send);
+  Status RecvVia(const char* op, int lane, Region data, const std::function<Status(Region)>& recv);
 
   std::unique_ptr<Communicator> host_;
   std::shared_ptr<DeviceCopier> copier_;

@@ -234,11 +234,6 @@ int StreamsFor(const collective::Communicator& comm, const state::StateRegistry&
 // of finishing their share (or waiting out the collective's deadline for a peer that lied on one).
 Status OnLanes(int lanes, const std::function<Status(int lane)>& lane,
                const std::function<void(const Status&)>& stop_others = nullptr) {
-  if (lanes == 1) {
-    Status s = lane(0);
-    if (!s.ok() && stop_others) stop_others(s);
-    return s;
-  }
   Mutex mu;
   Status first;
   auto run = [&](int l) {
