@@ -70,6 +70,11 @@ collect_details() {
   local failed_log="$dir/Testing/Temporary/LastTestsFailed.log"
   if [ -f "$failed_log" ]; then
     while IFS= read -r line; do details+=("$name: failed test ${line#*:}"); done < <(head -n 20 "$failed_log")
+    # pytest's short summary (-rfE): which test of a failed file, and its assertion
+    local run_log="$dir/Testing/Temporary/LastTest.log"
+    if [ -f "$run_log" ]; then
+      while IFS= read -r line; do details+=("$name:   $line"); done < <(grep -E '^(FAILED|ERROR) ' "$run_log" | cut -c1-240 | head -n 10)
+    fi
   fi
   shopt -s nullglob
   local r

@@ -151,8 +151,8 @@ def main():
     ap.add_argument("--resume-from", default="",
                     help="resume from the newest valid checkpoint in this directory (this script's or nonstop-train's)")
     ap.add_argument("--no-salvage", action="store_true",
-                    help="after a fault, compute the step in flight again even where this worker's sum was complete "
-                         "(salvage is safe here: the step's first collective is its gradient buckets)")
+                    help="after a fault, compute the step in flight again whole, instead of keeping the micro-batches "
+                         "each worker had completed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # every worker builds the same initial model
@@ -176,7 +176,9 @@ def main():
         ddp = nonstop.torch.InvariantDataParallel(model, session, sampler.micro_batches_per_step,
                                                   salvage=not args.no_salvage)
     else:
-        ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage)
+        # nonstop: planned steps, so a fault keeps the micro-batches every survivor had completed
+        ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage,
+                                         micro_batches=sampler.micro_batches_per_step)
     session.on_membership_change(lambda c: session.rank == 0 and print(
         f"{'resized' if c.reason.startswith('resize') else 'recovered'}: generation {c.generation}, "
         f"world {c.old_world} → {c.new_world}, resuming at step {c.resume_step}", flush=True))
@@ -191,13 +193,9 @@ def main():
     def train_step(step):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr, args.lr / 10, 20)
-        if args.world_invariant:  # the plan: this rank's micro-batches (after a fault, what nobody holds)
-            mine = ddp.plan(step)
-        else:
-            mine = sampler.micro_batches(session.rank, session.world_size)  # nonstop: this rank's share
-            ddp.zero_grad()
+        # nonstop: this rank's micro-batches (its block; after a fault, what no worker holds a sum of)
         local = torch.zeros(1)
-        for i, mb in enumerate(mine):
+        for mb in ddp.plan(step):
             batch = data.batch(sampler.samples(step, mb))
             inputs, targets = batch[:, :-1], batch[:, 1:]
             # Summed over the tokens and divided by the global batch's: the
@@ -205,16 +203,13 @@ def main():
             loss = F.cross_entropy(ddp(inputs).reshape(-1, 256), targets.reshape(-1), reduction="sum") / tokens_per_step
             if args.world_invariant:
                 loss.backward()  # folded into the fixed tree
-            elif i + 1 < len(mine):
-                with ddp.no_sync():
-                    loss.backward()
+                local += loss.detach()
             else:
-                loss.backward()  # nonstop: buckets summed across workers while this runs; may raise Aborted
-            local += loss.detach()
+                ddp.backward(loss)  # nonstop: the last one sums the buckets across workers while it runs
         if args.world_invariant:
             ddp.reduce()  # the tree's sum over every worker; may raise Aborted
-        elif not mine:  # more workers than micro-batches: this one adds zeros to every bucket
-            ddp.reduce_without_backward()
+        else:
+            local = ddp.reduce()  # nonstop: the sum over every worker; this rank's loss; may raise Aborted
         session.allreduce(local)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

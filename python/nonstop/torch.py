@@ -18,13 +18,21 @@ rank: the same step, rank and world), reduces that sum again with the new
 generation instead of raising Aborted. Only for a step whose first collective
 is this backward's buckets: the worker resumes there while the others run the
 step from its top (docs/python.md "Salvage").
+
+Planned steps (``micro_batches=M``): ``plan(step)`` says which of the step's M
+micro-batches this rank computes, ``backward(loss)`` runs each one's backward
+(the last one reduces the buckets while it runs), and ``reduce()`` ends the
+step. With salvage, the sum is kept after each micro-batch, so a step cut short
+keeps what every survivor had completed, and its retry computes only the rest,
+the lost rank's block lent out over every member as the C++ trainer does
+(docs/python.md "Planned steps").
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -46,20 +54,80 @@ def _after_accumulation(p: torch.nn.Parameter, fn: Any) -> Any:
     return accumulator  # kept alive, or its hook goes with it
 
 
+class _Held:
+    """The sum of a planned step's completed micro-batches, in this rank's
+    order (salvage): what it offers when the step is retried."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.step = -1  # none
+        self.micro_batches: List[int] = []
+        self.sum = torch.empty_like(like)
+        self.loss = torch.zeros(1)
+        self.spare: Optional[torch.Tensor] = None  # the buffer swap_in gave back
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        self.micro_batches = []
+        self.loss = torch.zeros(1)
+
+    def keep(self, grads: torch.Tensor, mb: int, loss: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.sum.copy_(grads)
+        self.micro_batches.append(mb)
+        self.loss = loss.clone()
+
+    def swap_in(self, staged: torch.Tensor, mb: int, loss: torch.Tensor) -> None:
+        # The staged copy of every bucket is the sum with `mb`: kept without another copy.
+        self.spare, self.sum = self.sum, staged
+        self.micro_batches.append(mb)
+        self.loss = loss.clone()
+
+
+class _PlannedStep:
+    """One planned step of DataParallel: this rank's share and how far it got."""
+
+    def __init__(self, step: int, generation: int, share: Dict[str, Any]) -> None:
+        self.step = step
+        self.generation = generation
+        self.compute: List[int] = list(share["compute"])
+        self.todo: List[int] = self.compute + list(share["borrowed"])  # borrowed: computed alone, for their owners
+        self.loans: List[Tuple[int, int, int]] = [tuple(loan) for loan in share["loans"]]
+        # With loans the sum is complete only once they are added: the buckets start after them.
+        self.overlap = not self.loans
+        self.next = 0  # index in todo of the next backward
+        self.sync = False  # the backward running now starts the buckets
+        self.computing = -1
+        self.value = torch.zeros(1)  # the loss of the micro-batch whose backward runs
+        self.local_loss = torch.zeros(1)
+        self.own: Optional[torch.Tensor] = None  # this rank's sum while it computes borrowed micro-batches
+        self.for_owner: Dict[int, torch.Tensor] = {}  # borrowed micro-batch -> its gradient and loss
+        self.reduced = False
+        self.done = False
+
+
 class DataParallel(torch.nn.Module):
     """Wraps `module` (already registered with `session`). Call it like the
     module; after ``loss.backward()`` every parameter's ``.grad`` holds the sum
     over all workers, or :class:`nonstop.Aborted` was raised and the step is
-    lost (``session.recover()``)."""
+    lost (``session.recover()``).
+
+    With ``micro_batches=M`` each step is planned instead (salvage of whole
+    micro-batches, docs/python.md "Planned steps")::
+
+        for mb in ddp.plan(step):        # this rank's micro-batches, in order
+            ddp.backward(loss_of(mb))     # a sum / the global batch's size
+        local = ddp.reduce()              # .grad: the sum over every worker
+        optimizer.step()
+    """
 
     def __init__(self, module: torch.nn.Module, session: Session, bucket_cap_mb: float = 4.0,
-                 salvage: bool = False) -> None:
+                 salvage: bool = False, micro_batches: Optional[int] = None, lend: bool = True) -> None:
         super().__init__()
         if not isinstance(session, Session):
             raise TypeError(f"session must be a nonstop.Session, got {type(session).__name__}")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        session._joined()
+        core = session._joined()
         self.module = module
         self._session = session
         params = _trainable(module)
@@ -84,6 +152,12 @@ class DataParallel(torch.nn.Module):
         self._buckets.append(self._grads[bucket_begin:offset])
         # Salvage: every bucket's local sum, copied as it is handed to the ring (one model-sized buffer).
         self._kept = torch.empty_like(self._grads) if salvage else None
+        # Planned steps: the plan (nonstop/ring.h), and the sum of the micro-batches completed.
+        self._ring = None if micro_batches is None else _core.RingStep(core, int(micro_batches), bool(salvage),
+                                                                          bool(lend))
+        self._micro_batches = 0 if micro_batches is None else int(micro_batches)
+        self._held = _Held(self._grads) if self._ring is not None and salvage else None
+        self._step: Optional[_PlannedStep] = None
         self._size = [0] * len(self._buckets)
         for b in self._bucket_of:
             self._size[b] += 1
@@ -176,7 +250,7 @@ class DataParallel(torch.nn.Module):
     def _on_grad_ready(self, i: int) -> None:
         self._stop_if_aborted()
         self._adopt_grad(i)
-        if not (self._sync and self._sync_at_forward):
+        if not (self._step.sync if self._step is not None else self._sync and self._sync_at_forward):
             return
         if not self._in_backward:
             self._session._maybe_inject()  # nonstop run --inject exception:...: before anything is started
@@ -194,9 +268,10 @@ class DataParallel(torch.nn.Module):
 
     def _start_ready_buckets(self) -> None:
         # Strictly in bucket order: every rank starts the same buckets in the same order.
+        stage = self._kept is not None and (self._step is None or self._step.sync)
         while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
             bucket = self._buckets[self._next_bucket]
-            if self._kept is not None:  # this rank's sum, before the ring sums it in place
+            if stage:  # this rank's sum, before the ring sums it in place
                 begin = bucket.storage_offset()
                 self._kept[begin:begin + bucket.numel()].copy_(bucket)
             self._session._start_allreduce(bucket)
@@ -211,11 +286,159 @@ class DataParallel(torch.nn.Module):
                 self._ready[i] = True
                 self._pending[self._bucket_of[i]] -= 1
         self._start_ready_buckets()
+        if self._step is not None:  # a planned step's last micro-batch
+            if self._held is not None and self._held.step == self._step.step and self._step.sync:
+                # its sum, as every bucket was copied before the ring took it
+                self._held.swap_in(self._kept, self._step.computing, self._step.local_loss + self._step.value)
+                self._kept = self._held.spare  # the next staging buffer
+            self._session._wait_all()  # Aborted: the step is lost, the sum kept for the retry's plan
+            self._step.reduced = True
+            return
         try:
             self._session._wait_all()
         except Aborted:
             if not self._salvage():
                 raise  # the step is lost: recover() (done already if salvage tried) and compute it again
+
+    # ---- planned steps (micro_batches=M) ----
+
+    def plan(self, step: int) -> List[int]:
+        """This rank's micro-batches of `step` (indices in [0, micro_batches)),
+        in the order to compute them: one ``backward(loss)`` each, then
+        ``reduce()``. On the first step of a generation the members first say
+        which micro-batches of the step they hold a sum of. Raises Aborted."""
+        if self._ring is None:
+            raise RuntimeError("plan() is for planned steps: DataParallel(..., micro_batches=M)")
+        session = self._session
+        last = self._step
+        if last is not None and not last.done and last.generation == session.generation and not session.aborted:
+            raise RuntimeError(f"plan({step}) before reduce() ended step {last.step}: call reduce() after the "
+                               f"backward of every micro-batch plan() returned")
+        self.zero_grad()
+        self._stop_if_aborted()
+        step = int(step)
+        held = self._held
+        held_step, held_mbs = (held.step, held.micro_batches) if held is not None and held.step >= 0 else (-1, [])
+        share = self._ring.plan(step, held_step, held_mbs)
+        planned = _PlannedStep(step, session.generation, share)
+        if share["kept"]:
+            if held is None or held.step != step or sorted(held.micro_batches) != list(share["kept"]):
+                raise RuntimeError(f"step {step}: the plan keeps micro-batches {share['kept']} this rank does not "
+                                   f"hold a sum of")
+            with torch.no_grad():
+                self._grads.copy_(held.sum)  # the next backward adds into it as it would have
+            planned.local_loss = held.loss.clone()
+        elif held is not None:
+            held.begin(step)
+        self._step = planned
+        if self._ring.kept_micro_batches and session.rank == 0:
+            print(f"[nonstop] step {step}: kept the sums of {self._ring.kept_micro_batches} of "
+                  f"{self._micro_batches} micro-batches from the step in flight ({self._ring.kept_by} "
+                  f"member(s)); the rest computed by {self._ring.computing} member(s), {len(planned.loans)} of "
+                  f"them lent by the owner of their block", file=sys.stderr, flush=True)
+        return list(planned.todo)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The backward of the next micro-batch plan() returned; `loss` its
+        (scalar) loss. The last one this rank computes sums the buckets over
+        every worker while it runs. Raises Aborted."""
+        planned = self._step
+        if planned is None or planned.done:
+            raise RuntimeError("backward() needs a plan: call plan(step) first")
+        if planned.next >= len(planned.todo):
+            raise RuntimeError(f"backward() after all {len(planned.todo)} micro-batches plan() returned for step "
+                               f"{planned.step}: call reduce()")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("backward(loss) takes the micro-batch's loss, a tensor of one element")
+        mb = planned.todo[planned.next]
+        planned.value = loss.detach().reshape(1).to(torch.float32)
+        if planned.next < len(planned.compute):
+            planned.sync = planned.overlap and planned.next + 1 == len(planned.compute)
+            planned.computing = mb
+            try:
+                loss.backward()
+            finally:
+                planned.sync = False
+            planned.local_loss += planned.value
+            if not planned.overlap or planned.next + 1 < len(planned.compute):
+                self._keep(mb)
+        else:
+            self._backward_alone(loss, mb)
+        planned.next += 1
+
+    def _backward_alone(self, loss: torch.Tensor, mb: int) -> None:
+        # A borrowed micro-batch: computed as its owner would, on the same parameters, but from -0
+        # gradients (-0 + g is g for every g), and sent to the owner in reduce().
+        planned = self._step
+        with torch.no_grad():
+            if planned.own is None:
+                planned.own = self._grads.clone()
+            self._grads.fill_(-0.0)
+        point_grads(self._params, self._views)
+        loss.backward()
+        for i in range(len(self._params)):
+            self._adopt_grad(i)
+        planned.for_owner[mb] = torch.cat([self._grads, planned.value])
+        if planned.next + 1 == len(planned.todo):
+            with torch.no_grad():
+                self._grads.copy_(planned.own)
+            planned.own = None
+
+    def _keep(self, mb: int) -> None:
+        # The sum of the micro-batches completed so far, for a retry of the step (salvage).
+        if self._held is not None and self._held.step == self._step.step:
+            for i in range(len(self._params)):
+                self._adopt_grad(i)
+            self._held.keep(self._grads, mb, self._step.local_loss)
+
+    def reduce(self) -> torch.Tensor:
+        """Ends a planned step: every parameter's ``.grad`` holds the sum over
+        all workers. Returns this rank's loss (the sum of its micro-batches'
+        losses, the kept and lent ones included), for the log. Raises Aborted
+        (the sum of the micro-batches completed is kept for the retry)."""
+        planned = self._step
+        if planned is None or planned.done:
+            raise RuntimeError("reduce() needs a plan: call plan(step) and one backward(loss) per micro-batch")
+        if planned.next != len(planned.todo):
+            raise RuntimeError(f"reduce() after {planned.next} of the {len(planned.todo)} micro-batches plan() "
+                               f"returned for step {planned.step}: run backward(loss) for each first")
+        self._stop_if_aborted()
+        if not planned.reduced:
+            self._session._maybe_inject()
+            self._add_loans()
+            self._reduce_whole()
+        planned.done = True
+        if self._held is not None:
+            self._held.begin(-1)  # the step is done: its sum is no use any more
+        return planned.local_loss.clone()
+
+    def _add_loans(self) -> None:
+        # Every loan in micro-batch order: each owner adds its lent micro-batches in its block's order.
+        planned = self._step
+        rank = self._session.rank
+        n = self._grads.numel()
+        for mb, owner, borrower in planned.loans:
+            piece = planned.for_owner.pop(mb) if borrower == rank else torch.empty(n + 1)
+            self._session._core.broadcast(piece.data_ptr(), piece.numel() * 4, borrower)
+            if owner == rank:
+                with torch.no_grad():
+                    self._grads.add_(piece[:n])  # as the owner's backward would have accumulated it
+                planned.local_loss += piece[n:]
+                self._keep(mb)
+
+    def _reduce_whole(self) -> None:
+        # Every bucket started in order, as after a backward: the same pieces of the ring, the same bits.
+        for i in range(len(self._params)):
+            self._adopt_grad(i)
+        self._in_backward = True
+        self._backward_generation = self._session.generation
+        self._pending = [0] * len(self._buckets)
+        self._ready = [True] * len(self._params)
+        self._next_bucket = 0
+        self._start_ready_buckets()
+        self._in_backward = False
+        self._session._wait_all()
+        self._step.reduced = True
 
     def _salvage(self) -> bool:
         # Every bucket of this rank's sum was copied before the ring took it.

@@ -28,6 +28,7 @@
 #include "nonstop/data.h"
 #include "nonstop/elastic.h"
 #include "nonstop/log.h"
+#include "nonstop/ring.h"
 #include "nonstop/session.h"
 #include "nonstop/settings.h"
 #include "nonstop/state.h"
@@ -369,6 +370,52 @@ class PyTreeStep {
   int64_t step_ = -1;
 };
 
+// The default (ring) mode's micro-batch plan for nonstop.torch.DataParallel with
+// micro_batches (nonstop/ring.h, docs/python.md "Salvage"): on the first step of
+// a generation the members offer the micro-batches they hold a sum of, and
+// every member computes the same shares from them. The sums themselves stay in
+// Python (DataParallel). Belongs to the thread that trains.
+class PyRingStep {
+ public:
+  PyRingStep(PySession* session, int m, bool salvage, bool lend)
+      : session_(session), m_(m), planner_(salvage, lend) {
+    if (m < 1) throw py::value_error(fmt::format("micro_batches must be at least 1, got {}", m));
+  }
+
+  // This rank's share of `step` ("kept", "compute", "lent", "borrowed") and every loan of the
+  // plan ("loans": (micro-batch, owner, borrower), in micro-batch order). `held`: the
+  // micro-batches this member holds one sum of for `held_step` (-1: none).
+  py::dict Plan(int64_t step, int64_t held_step, const std::vector<int>& held) {
+    // State copied into this member at the last change: what it held is no sum of that state's.
+    if (session_->s().last_change().state_copied) held_step = -1;
+    auto planned = session_->Drained([&] {
+      return planner_.Plan(session_->s(), m_, step, held_step,
+                           held_step < 0 ? std::span<const int>() : std::span<const int>(held));
+    });
+    Check(planned.status());
+    const worker::RingShare& mine = (*planned)[static_cast<size_t>(session_->s().rank())];
+    py::list loans;
+    for (const worker::Loan& l : worker::LoansOf(*planned))
+      loans.append(py::make_tuple(l.micro_batch, l.owner, l.borrower));
+    py::dict d;
+    d["kept"] = mine.kept;
+    d["compute"] = mine.compute;
+    d["lent"] = mine.lent;
+    d["borrowed"] = mine.borrowed;
+    d["loans"] = loans;
+    return d;
+  }
+
+  int kept_micro_batches() const { return planner_.kept_micro_batches(); }
+  int kept_by() const { return planner_.kept_by(); }
+  int computing() const { return planner_.computing(); }
+
+ private:
+  PySession* session_;
+  int m_;
+  worker::RingStepPlanner planner_;
+};
+
 py::dict ChangeDict(const MembershipChange& c) {
   py::dict d;
   d["generation"] = c.generation;
@@ -534,6 +581,14 @@ PYBIND11_MODULE(_core, m) {
       .def("reduce", &PyTreeStep::Reduce, py::arg("address"))
       .def_property_readonly("kept_micro_batches", &PyTreeStep::kept_micro_batches)
       .def_property_readonly("kept_by", &PyTreeStep::kept_by);
+
+  py::class_<PyRingStep>(m, "RingStep")
+      .def(py::init<PySession*, int, bool, bool>(), py::arg("session"), py::arg("micro_batches"),
+           py::arg("salvage"), py::arg("lend"), py::keep_alive<1, 2>())
+      .def("plan", &PyRingStep::Plan, py::arg("step"), py::arg("held_step"), py::arg("held"))
+      .def_property_readonly("kept_micro_batches", &PyRingStep::kept_micro_batches)
+      .def_property_readonly("kept_by", &PyRingStep::kept_by)
+      .def_property_readonly("computing", &PyRingStep::computing);
 
   py::class_<data::Dataset>(m, "Dataset")
       .def_static("open",

@@ -154,13 +154,38 @@ class FakeCore:
     def report_failure(self, message, step, code):
         self.failures = (self.failures or []) + [message]
 
+    def broadcast(self, address, nbytes, root):
+        pass  # a world of one: the root's bytes are everyone's
 
-def make_ddp(bucket_cap_mb=0.0005):
+    def last_change(self):
+        return {"generation": self.generation, "old_world": 1, "new_world": 1, "old_rank": 0, "new_rank": 0,
+                "resume_step": 0, "reason": "start"}
+
+
+class FakeRing:
+    """nonstop/ring.h's plan in a world of one: the shares a test sets (`share`), and what each
+    plan() was offered (`offers`)."""
+
+    share = {}
+    offers = []
+    kept_micro_batches = 0
+    kept_by = 0
+    computing = 1
+
+    def __init__(self, core, micro_batches, salvage, lend):
+        FakeRing.offers = []
+
+    def plan(self, step, held_step, held):
+        FakeRing.offers.append((step, held_step, list(held)))
+        return {k: list(v) for k, v in FakeRing.share.items()}
+
+
+def make_ddp(bucket_cap_mb=0.0005, **kwargs):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
                                 torch.nn.Linear(16, 1))
     session = nonstop.join().register(model)
-    return session, model, nonstop.torch.DataParallel(model, session, bucket_cap_mb=bucket_cap_mb)
+    return session, model, nonstop.torch.DataParallel(model, session, bucket_cap_mb=bucket_cap_mb, **kwargs)
 
 
 @pytest.fixture
@@ -331,6 +356,101 @@ def test_gradients_survive_zero_grad_set_to_none_and_unused_parameters(fake_join
         assert p.grad is not None and p.grad.data_ptr() == view.data_ptr(), "every gradient is a view again"
     assert float(model[4].weight.grad.abs().sum()) == 0
     assert float(model[0].weight.grad.abs().sum()) > 0
+
+
+def make_planned(monkeypatch, share, salvage=True):
+    monkeypatch.setattr(nonstop._core, "RingStep", FakeRing)
+    FakeRing.share = dict(share)
+    return make_ddp(salvage=salvage, micro_batches=4)
+
+
+def plain_sums(model, xs):
+    """The gradients and loss of micro-batches xs summed as plain PyTorch accumulates them."""
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 1))
+    reference.load_state_dict(model.state_dict())
+    total = torch.zeros(1)
+    for x in xs:
+        loss = reference(x).pow(2).sum() / 7
+        loss.backward()
+        total += loss.detach()
+    return [p.grad for p in reference.parameters()], total
+
+
+def test_a_planned_step_has_plain_pytorchs_bits_with_its_tail_lent_and_added_back(fake_join, monkeypatch):
+    # A world of one lending to itself: micro-batches 2 and 3 are computed alone, from -0
+    # gradients, and added to the sum of 0 and 1 in order, as accumulating them would have.
+    session, model, ddp = make_planned(monkeypatch, {"kept": [], "compute": [0, 1], "lent": [2, 3],
+                                                     "borrowed": [2, 3], "loans": [(2, 0, 0), (3, 0, 0)]})
+    torch.manual_seed(3)
+    xs = [torch.randn(3, 8) for _ in range(4)]
+    assert ddp.plan(5) == [0, 1, 2, 3]
+    for mb in (0, 1, 2, 3):
+        ddp.backward(ddp(xs[mb]).pow(2).sum() / 7)
+    assert bucket_order(session, ddp) == [], "with loans, the buckets start once they are added"
+    local = ddp.reduce()
+    assert bucket_order(session, ddp) == list(range(ddp.num_buckets))
+    grads, total = plain_sums(model, xs)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g), "bitwise the accumulated gradient"
+    assert torch.equal(local, total), "the loss, lent micro-batches' included"
+
+
+def test_a_planned_step_cut_short_offers_what_it_completed_and_its_retry_keeps_it(fake_join, monkeypatch):
+    session, model, ddp = make_planned(monkeypatch, {"kept": [], "compute": [0, 1, 2, 3], "lent": [],
+                                                     "borrowed": [], "loans": []})
+    torch.manual_seed(4)
+    xs = [torch.randn(3, 8) for _ in range(4)]
+    ddp.plan(9)
+    for mb in (0, 1):
+        ddp.backward(ddp(xs[mb]).pow(2).sum() / 7)
+    assert bucket_order(session, ddp) == [], "only the last micro-batch's backward reduces"
+    out = ddp(xs[2])
+    session._core.is_aborted = True  # a peer failed in the third micro-batch's backward
+    with pytest.raises(nonstop.Aborted):
+        ddp.backward(out.pow(2).sum() / 7)
+    session._core.is_aborted = False
+    session._core.generation = 2
+    FakeRing.share = {"kept": [0, 1], "compute": [2, 3], "lent": [], "borrowed": [], "loans": []}
+    assert ddp.plan(9) == [2, 3]
+    assert FakeRing.offers[-1] == (9, 9, [0, 1]), "it offered the two micro-batches it completed, not the third"
+    for mb in (2, 3):
+        ddp.backward(ddp(xs[mb]).pow(2).sum() / 7)
+    assert bucket_order(session, ddp) == list(range(ddp.num_buckets)), "the last backward reduced"
+    local = ddp.reduce()
+    grads, total = plain_sums(model, xs)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g), "the kept sum continued: bitwise the fault-free gradient"
+    assert torch.equal(local, total)
+    FakeRing.share["kept"] = [0, 1]
+    with pytest.raises(RuntimeError, match="does not hold a sum of"):
+        ddp.plan(10)  # a plan that keeps what this rank never offered is refused
+    FakeRing.share = {"kept": [], "compute": [0, 1, 2, 3], "lent": [], "borrowed": [], "loans": []}
+    ddp.plan(10)
+    assert FakeRing.offers[-1] == (10, -1, []), "a step reduced is no sum to offer"
+
+
+def test_a_planned_step_says_what_is_out_of_order(fake_join, monkeypatch):
+    session, model, ddp = make_planned(monkeypatch, {"kept": [], "compute": [0, 1], "lent": [], "borrowed": [],
+                                                     "loans": []})
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="call plan"):
+        ddp.backward(ddp(x).sum())
+    ddp.plan(1)
+    with pytest.raises(ValueError, match="one element"):
+        ddp.backward(ddp(x))
+    ddp.backward(ddp(x).sum())
+    with pytest.raises(RuntimeError, match="after 1 of the 2 micro-batches"):
+        ddp.reduce()
+    with pytest.raises(RuntimeError, match="before reduce"):
+        ddp.plan(2)
+    ddp.backward(ddp(x).sum())
+    with pytest.raises(RuntimeError, match="after all 2 micro-batches"):
+        ddp.backward(ddp(x).sum())
+    ddp.reduce()
+    _, _, unplanned = make_ddp()
+    with pytest.raises(RuntimeError, match="micro_batches=M"):
+        unplanned.plan(0)
 
 
 def test_a_rank_without_micro_batches_still_takes_part_in_every_bucket(fake_join):

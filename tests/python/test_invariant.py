@@ -42,10 +42,13 @@ def test_the_same_bits_at_every_world_size(reference, tmp_path):
 
 @pytest.mark.parametrize("spares,salvage", [(1, True), (0, True), (1, False)])
 def test_a_kill_at_the_reduction_keeps_the_folded_sums_and_ends_bitwise(reference, tmp_path, spares, salvage):
-    # The kill fires at rank 1's reduction of step 20: the survivors had folded their blocks. With a
-    # spare the world stays 3, without it shrinks to 2; either way the retry keeps the survivors' sums.
-    flags = ["--nproc", "3", "--spares", str(spares), "--inject", "kill:rank=1,step=20"]
-    extra = ["--wait-for-joins", "4", "--journal", str(tmp_path / "kill.jsonl")] if spares else []
+    # The kill fires at rank 1's reduction of step 20, and rank 1 pauses 300 ms after each micro-batch of it:
+    # the survivors had folded their blocks, however loaded the machine. With a spare the world stays
+    # 3, without it shrinks to 2; either way the retry keeps the survivors' sums.
+    # (Rank 1 late on purpose is no hang: the hang detector's floor is raised past its 1.2 s.)
+    flags = ["--nproc", "3", "--spares", str(spares), "--hang-floor-ms", "20000", "--inject", "kill:rank=1,step=20"]
+    extra = ["--pause-after-micro-batch-ms", "300", "--pause-rank", "1", "--pause-step", "20"]
+    extra += ["--wait-for-joins", "4", "--journal", str(tmp_path / "kill.jsonl")] if spares else []
     job = run_job(tmp_path, "kill", flags, INVARIANT + extra + ([] if salvage else ["--no-salvage"]))
     assert final_states(job) == reference, job.output
     assert "recovery report: 1 recovery" in job.output, job.output

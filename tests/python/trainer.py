@@ -41,7 +41,13 @@ def main():
     ap.add_argument("--shard-group", type=int, default=0,
                     help="ShardedOptimizer/ShardedDataParallel (AdamW) with optimizer state in groups of this many")
     ap.add_argument("--pause-after-micro-batch-ms", type=int, default=0,
-                    help="world-invariant: sleep after each micro-batch (a timed fault lands between them)")
+                    help="world-invariant or planned: sleep after each micro-batch (a timed fault lands between them)")
+    ap.add_argument("--pause-rank", type=int, default=-1,
+                    help="the pause after each micro-batch on this rank alone (-1: every rank): a fault at its "
+                         "reduction then finds the others' blocks complete, however loaded the machine")
+    ap.add_argument("--pause-step", type=int, default=-1, help="the pause in this step alone (-1: every step)")
+    ap.add_argument("--planned", action="store_true",
+                    help="DataParallel(micro_batches=...): plan(step), backward(loss) per micro-batch, reduce()")
     ap.add_argument("--world-invariant", action="store_true",
                     help="InvariantDataParallel: the same bits at every world size")
     args = ap.parse_args()
@@ -68,7 +74,8 @@ def main():
     elif args.world_invariant:
         ddp = nonstop.torch.InvariantDataParallel(model, session, micro_per_step, salvage=not args.no_salvage)
     else:
-        ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage)
+        ddp = nonstop.torch.DataParallel(model, session, bucket_cap_mb=args.bucket_mb, salvage=not args.no_salvage,
+                                         micro_batches=micro_per_step if args.planned else None)
         print(f"worker={session.worker_id} buckets={ddp.num_buckets} ", flush=True)
 
     def train_step(step):
@@ -80,6 +87,10 @@ def main():
         ddp.zero_grad()
         total = torch.zeros(1)
 
+        def pause():
+            if args.pause_rank in (-1, session.rank) and args.pause_step in (-1, step):
+                time.sleep(args.pause_after_micro_batch_ms / 1000)
+
         def loss_of(mb):
             rows = slice(mb * args.micro_batch, (mb + 1) * args.micro_batch)
             return ((ddp(x[rows]) - y[rows]) ** 2).sum() / args.global_batch
@@ -89,9 +100,14 @@ def main():
                 loss = loss_of(mb)
                 loss.backward()
                 total += loss.detach()
-                time.sleep(args.pause_after_micro_batch_ms / 1000)
+                pause()
             ddp.reduce()
             return update(total)
+        if args.planned:  # after a fault: what no member holds, and the blocks' tails lent out
+            for mb in ddp.plan(step):
+                ddp.backward(loss_of(mb))
+                pause()
+            return update(ddp.reduce())
         if args.shard_group:  # a rank with no micro-batch reduces zeros (reduce() gathers first)
             for mb in range(begin, end):
                 loss = loss_of(mb)
