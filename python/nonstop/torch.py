@@ -21,7 +21,7 @@ step from its top (docs/python.md "Salvage").
 
 Planned steps (``micro_batches=M``): ``plan(step)`` says which of the step's M
 micro-batches this rank computes, ``backward(loss)`` runs each one's backward
-(the last one reduces the buckets while it runs), and ``reduce()`` ends the
+(the last one reduces the buckets while it runs, unless the step has loans), and ``reduce()`` ends the
 step. With salvage, the sum is kept after each micro-batch, so a step cut short
 keeps what every survivor had completed, and its retry computes only the rest,
 the lost rank's block lent out over every member as the C++ trainer does
@@ -62,13 +62,13 @@ class _Held:
         self.step = -1  # none
         self.micro_batches: List[int] = []
         self.sum = torch.empty_like(like)
-        self.loss = torch.zeros(1)
+        self.loss = torch.zeros(1, dtype=torch.float32)
         self.spare: Optional[torch.Tensor] = None  # the buffer swap_in gave back
 
     def begin(self, step: int) -> None:
         self.step = step
         self.micro_batches = []
-        self.loss = torch.zeros(1)
+        self.loss = torch.zeros(1, dtype=torch.float32)
 
     def keep(self, grads: torch.Tensor, mb: int, loss: torch.Tensor) -> None:
         with torch.no_grad():
@@ -97,8 +97,10 @@ class _PlannedStep:
         self.next = 0  # index in todo of the next backward
         self.sync = False  # the backward running now starts the buckets
         self.computing = -1
-        self.value = torch.zeros(1)  # the loss of the micro-batch whose backward runs
-        self.local_loss = torch.zeros(1)
+        self.value = torch.zeros(1, dtype=torch.float32)  # the loss of the micro-batch whose backward runs
+        self.local_loss = torch.zeros(1, dtype=torch.float32)
+        self.restore: Optional[torch.Tensor] = None  # the kept sum the first backward starts from
+        self.begun = False
         self.own: Optional[torch.Tensor] = None  # this rank's sum while it computes borrowed micro-batches
         self.for_owner: Dict[int, torch.Tensor] = {}  # borrowed micro-batch -> its gradient and loss
         self.reduced = False
@@ -237,15 +239,22 @@ class DataParallel(torch.nn.Module):
         """For a rank that has no micro-batch in a step (more ranks than
         micro-batches): adds its zero gradient to every bucket's sum, so that
         its reductions line up with its peers'. Raises Aborted like backward."""
+        if self._ring is not None:
+            raise RuntimeError("reduce_without_backward() is for unplanned steps: with micro_batches=M, an empty "
+                               "plan() is followed by reduce(), which does this")
         self.zero_grad()
         self._stop_if_aborted()
         self._session._maybe_inject()
+        self._all_ready()
+        self._end_of_backward()
+
+    def _all_ready(self) -> None:
+        # As a backward that reached every parameter: every bucket may start, in bucket order.
         self._in_backward = True
         self._backward_generation = self._session.generation
         self._pending = [0] * len(self._buckets)
         self._ready = [True] * len(self._params)
         self._next_bucket = 0
-        self._end_of_backward()
 
     def _on_grad_ready(self, i: int) -> None:
         self._stop_if_aborted()
@@ -314,7 +323,6 @@ class DataParallel(torch.nn.Module):
         if last is not None and not last.done and last.generation == session.generation and not session.aborted:
             raise RuntimeError(f"plan({step}) before reduce() ended step {last.step}: call reduce() after the "
                                f"backward of every micro-batch plan() returned")
-        self.zero_grad()
         self._stop_if_aborted()
         step = int(step)
         held = self._held
@@ -325,8 +333,7 @@ class DataParallel(torch.nn.Module):
             if held is None or held.step != step or sorted(held.micro_batches) != list(share["kept"]):
                 raise RuntimeError(f"step {step}: the plan keeps micro-batches {share['kept']} this rank does not "
                                    f"hold a sum of")
-            with torch.no_grad():
-                self._grads.copy_(held.sum)  # the next backward adds into it as it would have
+            planned.restore = held.sum  # into the buffer at the first backward (a zero_grad() before it is harmless)
             planned.local_loss = held.loss.clone()
         elif held is not None:
             held.begin(step)
@@ -341,16 +348,16 @@ class DataParallel(torch.nn.Module):
     def backward(self, loss: torch.Tensor) -> None:
         """The backward of the next micro-batch plan() returned; `loss` its
         (scalar) loss. The last one this rank computes sums the buckets over
-        every worker while it runs. Raises Aborted."""
-        planned = self._step
-        if planned is None or planned.done:
-            raise RuntimeError("backward() needs a plan: call plan(step) first")
+        every worker while it runs (in a step with loans, reduce() does).
+        Raises Aborted."""
+        planned = self._current("backward()")
         if planned.next >= len(planned.todo):
             raise RuntimeError(f"backward() after all {len(planned.todo)} micro-batches plan() returned for step "
                                f"{planned.step}: call reduce()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward(loss) takes the micro-batch's loss, a tensor of one element")
         mb = planned.todo[planned.next]
+        self._begin_sum()
         planned.value = loss.detach().reshape(1).to(torch.float32)
         if planned.next < len(planned.compute):
             planned.sync = planned.overlap and planned.next + 1 == len(planned.compute)
@@ -365,6 +372,30 @@ class DataParallel(torch.nn.Module):
         else:
             self._backward_alone(loss, mb)
         planned.next += 1
+
+    def _current(self, call: str) -> _PlannedStep:
+        # The plan, if it is still this generation's: a recovery since voids it.
+        planned = self._step
+        if planned is None or planned.done:
+            raise RuntimeError(f"{call} needs a plan: call plan(step) first")
+        self._stop_if_aborted()
+        if planned.generation != self._session.generation:
+            raise RuntimeError(f"step {planned.step} was planned in generation {planned.generation}, and a recovery "
+                               f"since made generation {self._session.generation}: call plan({planned.step}) again")
+        return planned
+
+    def _begin_sum(self) -> None:
+        # This rank's sum starts at zero, or at the sum it kept; every gradient a view of it again.
+        planned = self._step
+        if planned.begun:
+            return
+        with torch.no_grad():
+            if planned.restore is not None:
+                self._grads.copy_(planned.restore)  # the next backward adds into it as it would have
+            else:
+                self._grads.zero_()
+        point_grads(self._params, self._views)
+        planned.begun = True
 
     def _backward_alone(self, loss: torch.Tensor, mb: int) -> None:
         # A borrowed micro-batch: computed as its owner would, on the same parameters, but from -0
@@ -396,20 +427,18 @@ class DataParallel(torch.nn.Module):
         all workers. Returns this rank's loss (the sum of its micro-batches'
         losses, the kept and lent ones included), for the log. Raises Aborted
         (the sum of the micro-batches completed is kept for the retry)."""
-        planned = self._step
-        if planned is None or planned.done:
-            raise RuntimeError("reduce() needs a plan: call plan(step) and one backward(loss) per micro-batch")
+        planned = self._current("reduce()")
         if planned.next != len(planned.todo):
             raise RuntimeError(f"reduce() after {planned.next} of the {len(planned.todo)} micro-batches plan() "
                                f"returned for step {planned.step}: run backward(loss) for each first")
-        self._stop_if_aborted()
         if not planned.reduced:
+            self._begin_sum()
             self._session._maybe_inject()
             self._add_loans()
             self._reduce_whole()
         planned.done = True
-        if self._held is not None:
-            self._held.begin(-1)  # the step is done: its sum is no use any more
+        # The kept sum stays until another step is planned: a fault in a collective after this one
+        # (the loss's) retries the step with every block kept.
         return planned.local_loss.clone()
 
     def _add_loans(self) -> None:
@@ -418,7 +447,7 @@ class DataParallel(torch.nn.Module):
         rank = self._session.rank
         n = self._grads.numel()
         for mb, owner, borrower in planned.loans:
-            piece = planned.for_owner.pop(mb) if borrower == rank else torch.empty(n + 1)
+            piece = planned.for_owner.pop(mb) if borrower == rank else torch.empty(n + 1, dtype=torch.float32)
             self._session._core.broadcast(piece.data_ptr(), piece.numel() * 4, borrower)
             if owner == rank:
                 with torch.no_grad():
@@ -430,11 +459,7 @@ class DataParallel(torch.nn.Module):
         # Every bucket started in order, as after a backward: the same pieces of the ring, the same bits.
         for i in range(len(self._params)):
             self._adopt_grad(i)
-        self._in_backward = True
-        self._backward_generation = self._session.generation
-        self._pending = [0] * len(self._buckets)
-        self._ready = [True] * len(self._params)
-        self._next_bucket = 0
+        self._all_ready()
         self._start_ready_buckets()
         self._in_backward = False
         self._session._wait_all()

@@ -139,8 +139,12 @@ class FakeCore:
     started = None
     failures = None
 
+    abort_after_starts = None  # a peer fails once this many buckets were started
+
     def start_allreduce(self, tensor, address, count):
         self.started = (self.started or []) + [(address, count)]
+        if self.abort_after_starts is not None and len(self.started) >= self.abort_after_starts:
+            self.is_aborted = True
 
     def wait_all(self):
         pass
@@ -424,10 +428,52 @@ def test_a_planned_step_cut_short_offers_what_it_completed_and_its_retry_keeps_i
     assert torch.equal(local, total)
     FakeRing.share["kept"] = [0, 1]
     with pytest.raises(RuntimeError, match="does not hold a sum of"):
-        ddp.plan(10)  # a plan that keeps what this rank never offered is refused
-    FakeRing.share = {"kept": [], "compute": [0, 1, 2, 3], "lent": [], "borrowed": [], "loans": []}
-    ddp.plan(10)
-    assert FakeRing.offers[-1] == (10, -1, []), "a step reduced is no sum to offer"
+        ddp.plan(10)  # a plan that keeps what this rank holds of another step is refused
+    # A fault after reduce() (in the loss's allreduce, say): the retry offers the whole block and
+    # computes nothing; reduce() reduces the kept sum.
+    session._core.generation = 3
+    FakeRing.share = {"kept": [0, 1, 2, 3], "compute": [], "lent": [], "borrowed": [], "loans": []}
+    assert ddp.plan(9) == []
+    assert FakeRing.offers[-1] == (9, 9, [0, 1, 2, 3])
+    assert torch.equal(ddp.reduce(), total)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+
+
+def test_a_fault_inside_the_last_backward_keeps_the_micro_batches_before_it(fake_join, monkeypatch):
+    # The last micro-batch's buckets are copied as the ring takes them, into a buffer that takes
+    # turns with the kept sum: a step whose last backward stops after its first bucket must keep
+    # the sum before it, whole, even after an earlier step's turn.
+    every = {"kept": [], "compute": [0, 1, 2, 3], "lent": [], "borrowed": [], "loans": []}
+    session, model, ddp = make_planned(monkeypatch, every)
+    torch.manual_seed(5)
+    first = [torch.randn(3, 8) for _ in range(4)]
+    xs = [torch.randn(3, 8) for _ in range(4)]
+    ddp.plan(1)
+    for x in first:
+        ddp.backward(ddp(x).pow(2).sum() / 7)
+    ddp.reduce()
+    ddp.plan(2)
+    for mb in (0, 1, 2):
+        ddp.backward(ddp(xs[mb]).pow(2).sum() / 7)
+    session._core.started = None
+    session._core.abort_after_starts = 1  # the fault comes as the first bucket of the last backward goes
+    with pytest.raises(nonstop.Aborted):
+        ddp.backward(ddp(xs[3]).pow(2).sum() / 7)
+    assert bucket_order(session, ddp) == [0], "stopped after one bucket"
+    session._core.abort_after_starts = None
+    session._core.is_aborted = False
+    session._core.generation = 2
+    FakeRing.share = {"kept": [0, 1, 2], "compute": [3], "lent": [], "borrowed": [], "loans": []}
+    assert ddp.plan(2) == [3]
+    assert FakeRing.offers[-1] == (2, 2, [0, 1, 2])
+    ddp.zero_grad()  # between plan() and the first backward: the kept sum is still where it starts
+    ddp.backward(ddp(xs[3]).pow(2).sum() / 7)
+    local = ddp.reduce()
+    grads, total = plain_sums(model, xs)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g), "the kept sum of three micro-batches, whole"
+    assert torch.equal(local, total)
 
 
 def test_a_planned_step_says_what_is_out_of_order(fake_join, monkeypatch):
@@ -448,6 +494,10 @@ def test_a_planned_step_says_what_is_out_of_order(fake_join, monkeypatch):
     with pytest.raises(RuntimeError, match="after all 2 micro-batches"):
         ddp.backward(ddp(x).sum())
     ddp.reduce()
+    ddp.plan(3)
+    session._core.generation = 2  # a recovery since: the plan is void
+    with pytest.raises(RuntimeError, match="call plan\\(3\\) again"):
+        ddp.backward(ddp(x).sum())
     _, _, unplanned = make_ddp()
     with pytest.raises(RuntimeError, match="micro_batches=M"):
         unplanned.plan(0)
