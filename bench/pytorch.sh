@@ -20,19 +20,25 @@
 # (docs/recovery.md "Time lost"), in ms and in normal steps; every run's
 # checksum is printed beside it.
 #
-#   bash bench/pytorch.sh [--steps N]        (default 60; the kill is at step 30)
+#   bash bench/pytorch.sh [--steps N] [--micro-batch K]
+#       N: default 60, the kill is at step 30; K: samples per micro-batch in
+#       every run, default 4 (the global batch is 32, so 32/K micro-batches a
+#       step, 8/K a rank: salvage keeps whole ones, so K sets its grain)
 #
 # Needs ./build (scripts/build.sh) and Debian's python3-torch. Everything runs
 # on 127.0.0.1; the run directory is removed on exit. About 21 min at 40 steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=60
+micro=4
 while [ $# -gt 0 ]; do
   case "$1" in
     --steps) steps="$2"; shift 2 ;;
-    *) echo "usage: $0 [--steps N]" >&2; exit 2 ;;
+    --micro-batch) micro="$2"; shift 2 ;;
+    *) echo "usage: $0 [--steps N] [--micro-batch K]" >&2; exit 2 ;;
   esac
 done
+case "$micro" in 1|2|4|8) ;; *) echo "pytorch: --micro-batch must divide a rank's 8 samples: 1, 2, 4 or 8" >&2; exit 2 ;; esac
 [ "$steps" -ge 40 ] || { echo "pytorch: --steps must be at least 40 (the kill is at step 30)" >&2; exit 2; }
 root=$PWD
 bin=$root/build/bin
@@ -59,7 +65,7 @@ ddp() {
   local t0 t1
   t0=$(now)
   (cd "$dir" && "$py" -m torch.distributed.run --standalone --nproc_per_node 4 --redirects 1 --tee 1 "$@" \
-      "$root/bench/pytorch_ddp_llama.py" --steps "$steps" --checkpoint-dir "$dir/ckpt-$name" --checkpoint-every 20 \
+      "$root/bench/pytorch_ddp_llama.py" --steps "$steps" --micro-batch "$micro" --checkpoint-dir "$dir/ckpt-$name" --checkpoint-every 20 \
       ${DDP_KILL:+--kill-rank 2 --kill-step 30 --kill-at "$DDP_KILL"}) > "$dir/$name.out" 2>&1 || { tail -30 "$dir/$name.out"; exit 1; }
   t1=$(now)
   "$py" - "$name" "$t0" "$t1" "$dir/$name.out" >> "$results" <<'EOF'
@@ -82,9 +88,10 @@ nonstop_job() {
   (cd "$dir" && "$bin/nonstop" run --nproc 4 --spares 1 --journal "$dir/$name.jsonl" --inject "$inject" -- "$@") \
       > "$dir/$name.out" 2>&1 || { tail -30 "$dir/$name.out"; exit 1; }
   t1=$(now)
-  "$py" - "$name" "$t0" "$t1" "$dir/$name.jsonl" >> "$results" <<'EOF'
-import json, statistics, sys
-name, t0, t1, journal = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+  "$py" - "$name" "$t0" "$t1" "$dir/$name.jsonl" "$dir/$name.out" >> "$results" <<'EOF'
+import json, re, statistics, sys
+name, t0, t1, journal, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+kept = [m.group(1) for m in re.finditer(r"kept the sums of (\d+ of \d+) micro-batches", open(out).read())]
 records = [json.loads(l) for l in open(journal) if l.strip()]
 steps = {r["step"]: r for r in records if r.get("event") == "step"}
 secs = [steps[s]["step_seconds"] for s in sorted(steps)][1:]
@@ -96,27 +103,28 @@ print(json.dumps({"name": name, "wall_s": t1 - t0, "median_step_s": median,
                   "downtime_ms": rec[0].get("downtime_ms") if rec else None,
                   "time_lost_ms": rec[0].get("time_lost_ms") if rec else None,
                   "time_lost_split_ms": (rec[0].get("time_lost") or {}).get("split_ms") if rec else None,
-                  "lost_steps": rec[0].get("lost_steps") if rec else None}))
+                  "lost_steps": rec[0].get("lost_steps") if rec else None, "kept": kept[0] if kept else "none"}))
 EOF
 }
 
-# The C++ trainer in the Python scripts' micro-batches of 4 (its built-in llama-tiny takes 1, for salvage).
-"$bin/nonstop-train" --print-recipe | sed 's/^  micro_batch: 1$/  micro_batch: 4/' > "$dir/llama-tiny-mb4.yaml"
-grep -q '^  micro_batch: 4$' "$dir/llama-tiny-mb4.yaml" || { echo "pytorch: the built-in recipe's micro_batch is not 1" >&2; exit 1; }
-echo "pytorch: $steps steps of llama-tiny (32 × 64 tokens, micro-batches of 4), 4 workers, on $(nproc) cores; runs in $dir"
+# The C++ trainer in the Python scripts' micro-batches (its built-in llama-tiny takes 1, for salvage).
+recipe=$dir/llama-tiny-mb$micro.yaml
+"$bin/nonstop-train" --print-recipe | sed "s/^  micro_batch: 1\$/  micro_batch: $micro/" > "$recipe"
+grep -q "^  micro_batch: $micro\$" "$recipe" || { echo "pytorch: the built-in recipe's micro_batch is not 1" >&2; exit 1; }
+echo "pytorch: $steps steps of llama-tiny (32 × 64 tokens, micro-batches of $micro), 4 workers, on $(nproc) cores; runs in $dir"
 echo "  (a) torch DDP + Gloo (torchrun), fault-free";  ddp a-clean --max_restarts 0
-echo "  (b) nonstop from Python, fault-free";           nonstop_job b-clean none "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
-echo "  (c) nonstop C++ trainer, overlapped";           nonstop_job c-overlap none "$bin/nonstop-train" "$dir/llama-tiny-mb4.yaml" --steps "$steps"
-echo "  (c) nonstop C++ trainer, not overlapped";       nonstop_job c-serial none "$bin/nonstop-train" "$dir/llama-tiny-mb4.yaml" --steps "$steps" --no-overlap
-echo "  (d) stock DDP over nonstop, fault-free";        nonstop_job d-clean none "$py" "$root/bench/pytorch_ddp_llama.py" --steps "$steps"
-echo "  (e) nonstop from Python, world-invariant";      nonstop_job e-clean none "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps" --world-invariant
+echo "  (b) nonstop from Python, fault-free";           nonstop_job b-clean none "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps" --micro-batch "$micro"
+echo "  (c) nonstop C++ trainer, overlapped";           nonstop_job c-overlap none "$bin/nonstop-train" "$recipe" --steps "$steps"
+echo "  (c) nonstop C++ trainer, not overlapped";       nonstop_job c-serial none "$bin/nonstop-train" "$recipe" --steps "$steps" --no-overlap
+echo "  (d) stock DDP over nonstop, fault-free";        nonstop_job d-clean none "$py" "$root/bench/pytorch_ddp_llama.py" --steps "$steps" --micro-batch "$micro"
+echo "  (e) nonstop from Python, world-invariant";      nonstop_job e-clean none "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps" --micro-batch "$micro" --world-invariant
 for point in start middle reduction; do
   case $point in start) spec=kill:rank=2,step=30,at=0 ;; middle) spec=kill:rank=2,step=30,at=0.5 ;; reduction) spec=kill:rank=2,step=30 ;; esac
   echo "  (a) with rank 2 killed in step 30, at its $point"; DDP_KILL=$point ddp "a-fault-$point" --max_restarts 1
   echo "  (b) with rank 2 killed in step 30, at its $point"
-  nonstop_job "b-fault-$point" "$spec" "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps"
+  nonstop_job "b-fault-$point" "$spec" "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps" --micro-batch "$micro"
   echo "  (e) with rank 2 killed in step 30, at its $point"
-  nonstop_job "e-fault-$point" "$spec" "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps" --world-invariant
+  nonstop_job "e-fault-$point" "$spec" "$py" "$root/examples/pytorch/train_llama.py" --steps "$steps" --micro-batch "$micro" --world-invariant
 done
 
 "$py" - "$results" <<'EOF'
@@ -147,7 +155,8 @@ for point in ("start", "middle", "reduction"):
         first = f"{point:<10} {a_cost:>8.1f} s = {a_cost / a_step:>5.1f} steps {a['restarts']:>2} restart" if mode == "b" \
             else f"{'':<10} {'':>28}"
         print(f"{first} ({mode}) {lost * 1000:>6.0f} ms = {lost / clean['median_step_s']:.2f} step "
-              f"{lost / a_cost * 100:>6.2f}%  {b['checksum']} {same}; {b['time_lost_split_ms']}")
+              f"{lost / a_cost * 100:>6.2f}%  {b['checksum']} {same}; kept {b['kept']}; "
+              f"{ {k: round(v) for k, v in (b['time_lost_split_ms'] or {}).items()} }")
 redo = r["a-fault-start"]["redone_from"]
 print(f"(b) fault-free checksum {r['b-clean']['checksum']}; (a) restarted from its checkpoint (every 20 steps) "
       f"and redid the steps from {redo}")
