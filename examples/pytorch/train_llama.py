@@ -134,7 +134,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--global-batch", type=int, default=32, help="samples per step, whatever the world size")
-    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=1,
+                    help="samples per micro-batch (a fault keeps whole micro-batches: 1 keeps the most, as nonstop-train's "
+                         "llama-tiny)")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)

@@ -146,6 +146,27 @@ def test_a_planned_step_cut_short_keeps_the_survivors_micro_batches_and_ends_bit
         assert kept and 1 <= int(kept.group(1)) <= 8, "the survivors' completed micro-batches were kept\n" + job.output
 
 
+def test_a_planned_step_cut_short_by_a_shrink_keeps_the_survivors_blocks_and_deals_the_rest(clean, tmp_path):
+    # No spare: the world shrinks to 2 and rank 2 becomes rank 1, so what the survivors hold is no
+    # prefix of their new blocks. They keep their 8 micro-batches all the same, and the lost 4 are
+    # dealt over the 2: the same sum in another order, so the loss stays within rounding.
+    job = run_job(tmp_path, "shrink", NPROC + ["--spares", "0", "--hang-floor-ms", "20000",
+                                               "--inject", "kill:rank=1,step=20"],
+                  STEPS + ["--planned", "--pause-after-micro-batch-ms", "300", "--pause-rank", "1",
+                           "--pause-step", "20", "--journal", str(tmp_path / "shrink.jsonl")])
+    assert job.code == 0, job.output
+    assert plan_worlds(tmp_path / "shrink.jsonl") == [3, 2], job.output
+    kept = PLANNED_KEPT.search(job.output)
+    assert kept and kept.groups() == ("8", "2", "2", "0"), "both survivors kept their blocks\n" + job.output
+    finals = job.finals()
+    assert len(finals) == 2 and len({f["state"] for f in finals}) == 1, job.output
+    assert int(finals[0]["tokens"]) == 30 * 24, "every step counted once"
+    losses, want = job.losses(), clean.losses()
+    assert sorted(losses) == list(range(30)), job.output
+    for step in range(30):
+        assert abs(losses[step] - want[step]) <= 1e-4 * abs(want[step]), f"step {step}: {losses[step]} vs {want[step]}"
+
+
 def test_the_world_shrinks_and_grows_live(clean, tmp_path):
     proc = start_job(tmp_path, "elastic",
                      ["--nproc", "3", "--spares", "0", "--max-world", "3", "--inject", "kill:rank=2,step=8"],
