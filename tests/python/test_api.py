@@ -435,6 +435,7 @@ def test_a_planned_step_cut_short_offers_what_it_completed_and_its_retry_keeps_i
     FakeRing.share = {"kept": [0, 1, 2, 3], "compute": [], "lent": [], "borrowed": [], "loans": []}
     assert ddp.plan(9) == []
     assert FakeRing.offers[-1] == (9, 9, [0, 1, 2, 3])
+    ddp.zero_grad()  # the buffer no longer holds the sum: reduce() must put the kept one back
     assert torch.equal(ddp.reduce(), total)
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)
@@ -498,6 +499,8 @@ def test_a_planned_step_says_what_is_out_of_order(fake_join, monkeypatch):
     session._core.generation = 2  # a recovery since: the plan is void
     with pytest.raises(RuntimeError, match="call plan\\(3\\) again"):
         ddp.backward(ddp(x).sum())
+    with pytest.raises(RuntimeError, match="call plan\\(3\\) again"):
+        ddp.reduce()
     _, _, unplanned = make_ddp()
     with pytest.raises(RuntimeError, match="micro_batches=M"):
         unplanned.plan(0)
