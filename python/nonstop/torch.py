@@ -96,7 +96,6 @@ class _PlannedStep:
         self.overlap = not self.loans
         self.next = 0  # index in todo of the next backward
         self.sync = False  # the backward running now starts the buckets
-        self.computing = -1
         self.value = torch.zeros(1, dtype=torch.float32)  # the loss of the micro-batch whose backward runs
         self.local_loss = torch.zeros(1, dtype=torch.float32)
         self.restore: Optional[torch.Tensor] = None  # the kept sum the first backward starts from
@@ -235,6 +234,10 @@ class DataParallel(torch.nn.Module):
     def _adopt_grad(self, i: int) -> None:
         adopt_grad(self._params[i], self._views[i])
 
+    def _adopt_grads(self) -> None:
+        for i in range(len(self._params)):
+            self._adopt_grad(i)
+
     def reduce_without_backward(self) -> None:
         """For a rank that has no micro-batch in a step (more ranks than
         micro-batches): adds its zero gradient to every bucket's sum, so that
@@ -245,13 +248,13 @@ class DataParallel(torch.nn.Module):
         self.zero_grad()
         self._stop_if_aborted()
         self._session._maybe_inject()
+        self._in_backward = True
+        self._backward_generation = self._session.generation
         self._all_ready()
         self._end_of_backward()
 
     def _all_ready(self) -> None:
         # As a backward that reached every parameter: every bucket may start, in bucket order.
-        self._in_backward = True
-        self._backward_generation = self._session.generation
         self._pending = [0] * len(self._buckets)
         self._ready = [True] * len(self._params)
         self._next_bucket = 0
@@ -298,7 +301,8 @@ class DataParallel(torch.nn.Module):
         if self._step is not None:  # a planned step's last micro-batch
             if self._held is not None and self._held.step == self._step.step and self._step.sync:
                 # its sum, as every bucket was copied before the ring took it
-                self._held.swap_in(self._kept, self._step.computing, self._step.local_loss + self._step.value)
+                step = self._step  # (its next is still this micro-batch's: backward() counts it after)
+                self._held.swap_in(self._kept, step.todo[step.next], step.local_loss + step.value)
                 self._kept = self._held.spare  # the next staging buffer
             self._session._wait_all()  # Aborted: the step is lost, the sum kept for the retry's plan
             self._step.reduced = True
@@ -361,7 +365,6 @@ class DataParallel(torch.nn.Module):
         planned.value = loss.detach().reshape(1).to(torch.float32)
         if planned.next < len(planned.compute):
             planned.sync = planned.overlap and planned.next + 1 == len(planned.compute)
-            planned.computing = mb
             try:
                 loss.backward()
             finally:
@@ -407,8 +410,7 @@ class DataParallel(torch.nn.Module):
             self._grads.fill_(-0.0)
         point_grads(self._params, self._views)
         loss.backward()
-        for i in range(len(self._params)):
-            self._adopt_grad(i)
+        self._adopt_grads()
         planned.for_owner[mb] = torch.cat([self._grads, planned.value])
         if planned.next + 1 == len(planned.todo):
             with torch.no_grad():
@@ -418,8 +420,7 @@ class DataParallel(torch.nn.Module):
     def _keep(self, mb: int) -> None:
         # The sum of the micro-batches completed so far, for a retry of the step (salvage).
         if self._held is not None and self._held.step == self._step.step:
-            for i in range(len(self._params)):
-                self._adopt_grad(i)
+            self._adopt_grads()
             self._held.keep(self._grads, mb, self._step.local_loss)
 
     def reduce(self) -> torch.Tensor:
@@ -457,11 +458,9 @@ class DataParallel(torch.nn.Module):
 
     def _reduce_whole(self) -> None:
         # Every bucket started in order, as after a backward: the same pieces of the ring, the same bits.
-        for i in range(len(self._params)):
-            self._adopt_grad(i)
+        self._adopt_grads()
         self._all_ready()
         self._start_ready_buckets()
-        self._in_backward = False
         self._session._wait_all()
         self._step.reduced = True
 
