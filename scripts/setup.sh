@@ -15,6 +15,7 @@ JOB_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config
   libgtest-dev libgmock-dev
   libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libfmt-dev libcpp-httplib-dev
+  libisal-dev  # ISA-L: CRC-32C at memory speed, on every chunk, frame and checkpoint (src/common/crc32c.cc)
   libssl-dev openssl  # libcrypto: the handshake's HMACs and nonces; libssl: etcd and the dashboard over TLS; openssl(1): the tests' certificates
   libtorch-dev libgloo-dev
   fortunes

@@ -1,6 +1,7 @@
 // CRC-32C (Castagnoli), the checksum on every state chunk, shard header and
-// control frame. Uses the SSE4.2 crc32 instruction when the CPU has it and a
-// slicing-by-8 table otherwise; both give identical values.
+// control frame. Computed by ISA-L (libisal), which folds with carry-less
+// multiplies where the CPU has them: about twice what three interleaved crc32
+// instruction chains reach (docs/recovery.md, "State copy at the link's speed").
 #pragma once
 
 #include <cstddef>

@@ -381,80 +381,16 @@ Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, in
   return OkStatus();
 }
 
-// Checks the chunks that RunStateTransfers received in place, on a thread of
-// its own and in the order they landed, while the fetch threads receive the
-// next ones: the receiver's checks overlap the transfer instead of following
-// each chunk. One checker serves every source (CRC-32C runs at several GB/s,
-// well above what one thread receives). Chunks that fail are kept by slot
-// (the source they came from) and fetched again once the transfer is over.
-class ChunkChecker {
- public:
-  ChunkChecker(const state::StateRegistry& reg, size_t slots)
-      : reg_(reg), failed_(slots), thread_([this] { Loop(); }) {}
-  ~ChunkChecker() { (void)Finish(); }
-  ChunkChecker(const ChunkChecker&) = delete;
-  ChunkChecker& operator=(const ChunkChecker&) = delete;
-
-  // Chunk `index` has landed in the live state; `crc` is what its source said.
-  void Add(uint32_t index, uint32_t crc, size_t slot) {
-    MutexLock lock(&mu_);
-    queue_.push_back({index, crc, slot});
-    cv_.NotifyOne();
-  }
-
-  // Waits until every chunk added is checked: the ones that failed, by slot.
-  std::vector<std::vector<uint32_t>> Finish() {
-    {
-      MutexLock lock(&mu_);
-      closing_ = true;
-      cv_.NotifyOne();
-    }
-    if (thread_.joinable()) thread_.join();
-    MutexLock lock(&mu_);
-    return std::move(failed_);
-  }
-
- private:
-  struct Item {
-    uint32_t index;
-    uint32_t crc;
-    size_t slot;
-  };
-
-  void Loop() {
-    MutexLock lock(&mu_);
-    while (true) {
-      // No deadline: Finish(), on this process's receiving thread, always ends the wait.
-      cv_.Wait(&mu_,
-               [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return closing_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // closing, and everything is checked
-      Item item = queue_.front();
-      queue_.pop_front();
-      lock.Unlock();
-      // The bytes are the fetch thread's no more: it moved on to the next chunk.
-      std::span<const std::byte> bytes = reg_.ContiguousChunk(item.index);
-      const bool ok = Crc32c(bytes.data(), bytes.size()) == item.crc;
-      lock.Lock();
-      if (!ok) failed_[item.slot].push_back(item.index);
-    }
-  }
-
-  const state::StateRegistry& reg_;  // the receiver's; outlives the checker (RunStateTransfers)
-  Mutex mu_;
-  CondVar cv_;
-  std::deque<Item> queue_ NONSTOP_GUARDED_BY(mu_);
-  bool closing_ NONSTOP_GUARDED_BY(mu_) = false;
-  std::vector<std::vector<uint32_t>> failed_ NONSTOP_GUARDED_BY(mu_);
-  std::thread thread_;  // last: starts once the members it uses exist
-};
-
 // Receiver side of RunStateTransfers, one lane: the chunks at positions lane, lane + lanes, ...
-// of `indices` (the request FetchInPlace sent), straight into the live state.
+// of `indices` (the request FetchInPlace sent), straight into the live state, each checked
+// against `expect` on this lane's thread as soon as it has landed: its bytes are still in this
+// core's cache from the kernel's copy, so the check reads them at cache speed (about twice the
+// speed of a pass over memory, docs/recovery.md), while the kernel goes on receiving the next
+// chunk into the socket's buffer. A chunk that fails goes to `failed` (fetched again elsewhere).
 Status ReceiveInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
                       const std::vector<uint32_t>& indices, int lane, int lanes,
                       const std::vector<uint32_t>& own, const std::vector<uint32_t>& expect,
-                      size_t slot, ChunkChecker* checker, std::vector<uint32_t>* failed,
-                      std::atomic<uint64_t>* bytes) {
+                      std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes) {
   std::vector<std::byte> buf;  // for chunks that span regions
   for (size_t p = static_cast<size_t>(lane); p < indices.size(); p += static_cast<size_t>(lanes)) {
     const uint32_t want = indices[p];
@@ -477,7 +413,7 @@ Status ReceiveInPlace(collective::Communicator& comm, state::StateRegistry& reg,
       NONSTOP_RETURN_IF_ERROR(
           comm.RecvOnLane(source, lane, collective::HostRegion(live), /*checked=*/false));
       *bytes += n;
-      checker->Add(index, crc, slot);
+      if (Crc32c(live.data(), live.size()) != crc) failed->push_back(index);
       continue;
     }
     if (buf.size() < n) buf.resize(reg.chunk_bytes());
@@ -497,17 +433,16 @@ Status ReceiveInPlace(collective::Communicator& comm, state::StateRegistry& reg,
 
 // Receiver side of RunStateTransfers: fetch `indices` from one source
 // straight into the live state, over `lanes` streams at once (a chunk that spans regions goes
-// through a buffer and WriteChunk, which checks it at once). What lands in place is
-// checked by `checker`; until then the state holds no step (the session says
-// so while the transfer runs), and a chunk that fails is fetched again over it.
+// through a buffer and WriteChunk, which checks it at once). Until the transfer has succeeded
+// the state holds no step (the session says so while it runs), and a chunk that fails its check
+// is fetched again over it.
 // `own`: the source's CRC table, which its {index, crc} must repeat;
 // `expect`: the CRC each chunk is checked against (the majority of the
 // sources' tables, or this source's own where there is none).
 Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
                     const std::vector<uint32_t>& indices, int lanes,
                     const std::vector<uint32_t>& own, const std::vector<uint32_t>& expect,
-                    size_t slot, ChunkChecker* checker, std::vector<uint32_t>* failed,
-                    std::atomic<uint64_t>* bytes) {
+                    std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes) {
   if (indices.empty()) return OkStatus();  // an empty request would mean "done"
   NONSTOP_RETURN_IF_ERROR(SendRequest(comm, source, lanes, indices));
   std::vector<std::vector<uint32_t>> failed_on(static_cast<size_t>(lanes));
@@ -517,7 +452,7 @@ Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, i
   Status s = OnLanes(
       lanes,
       [&](int lane) {
-        return ReceiveInPlace(comm, reg, source, indices, lane, lanes, own, expect, slot, checker,
+        return ReceiveInPlace(comm, reg, source, indices, lane, lanes, own, expect,
                               &failed_on[static_cast<size_t>(lane)], bytes);
       },
       [&](const Status& failed_lane) {
@@ -801,19 +736,16 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   std::vector<int> streams(k, 0);
   std::atomic<uint64_t> bytes{0};
   {
-    ChunkChecker checker(reg, k);
     std::vector<std::thread> threads;
     for (size_t i = 0; i < k; ++i) {
       threads.emplace_back([&, i] {
         const int lanes = StreamsFor(comm, reg, assigned[i], hooks.streams_per_source);
         streams[i] = lanes;
         results[i] = FetchInPlace(comm, reg, offers[i].rank, assigned[i], lanes, offers[i].table,
-                                  expected.crc[i], i, &checker, &failed[i], &bytes);
+                                  expected.crc[i], &failed[i], &bytes);
       });
     }
     for (auto& t : threads) t.join();
-    std::vector<std::vector<uint32_t>> bad = checker.Finish();
-    for (size_t i = 0; i < k; ++i) failed[i].insert(failed[i].end(), bad[i].begin(), bad[i].end());
   }
   // The cause, not the abort a failed stream made of the other sources' copies (FetchInPlace).
   for (const Status& s : results) {
@@ -830,12 +762,10 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
         const size_t from = (i + attempt) % k;
         if (!expected.agrees[from][index]) continue;
         std::vector<uint32_t> again;
-        ChunkChecker checker(reg, 1);
         NONSTOP_RETURN_IF_ERROR(FetchInPlace(comm, reg, offers[from].rank, {index}, 1,
-                                             offers[from].table, expected.crc[from], 0, &checker,
-                                             &again, &bytes));
-        std::vector<std::vector<uint32_t>> bad = checker.Finish();
-        done = again.empty() && bad[0].empty();
+                                             offers[from].table, expected.crc[from], &again,
+                                             &bytes));
+        done = again.empty();
         ++outcome.refetched_chunks;
       }
       if (!done) {

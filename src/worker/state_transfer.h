@@ -43,9 +43,10 @@
 // source streams back). So a source whose memory holds other bytes than the
 // others' (its table agreeing with them) cannot put them into the receiver
 // when three hold the step. Each chunk is received straight into the live
-// state (a chunk that spans two regions goes through a buffer). A checker
-// thread verifies the chunks as they land against the majority CRC, while
-// the next ones arrive; a chunk that fails is fetched again, over itself,
+// state (a chunk that spans two regions goes through a buffer). The thread
+// of the lane it came on verifies it against the majority CRC as soon as it
+// has landed (still in that core's cache), while the kernel receives the next
+// ones; a chunk that fails is fetched again, over itself,
 // from the next source that agrees with the majority, and the transfer fails
 // with DATA_LOSS when every such source gave a bad copy. Until the transfer
 // has succeeded the receiver's state is of no step (the session reports
