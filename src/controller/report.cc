@@ -171,7 +171,8 @@ std::vector<std::string> ReportLines(const std::vector<RecoveryRecord>& recoveri
                           r.sources, r.transfer_seconds * 1000,
                           r.transfer_seconds > 0 ? mb / r.transfer_seconds : 0.0,
                           r.refetched_chunks > 0
-                              ? fmt::format(", {} chunk(s) refetched after a checksum failure",
+                              ? fmt::format(", {} chunk(s) fetched again (a failed check, or "
+                                            "a source the others' tables outvoted)",
                                             r.refetched_chunks)
                               : "");
     if (r.kind == "resize") {

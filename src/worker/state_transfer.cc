@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -28,7 +27,7 @@ namespace nonstop::worker {
 
 namespace {
 
-constexpr uint32_t kTransferMagic = 0x3458534E;  // "NSX4" (the header, then the CRC table)
+constexpr uint32_t kTransferMagic = 0x3558534E;  // "NSX5" (the chunks, then the CRC table)
 constexpr size_t kHeaderBytes = 40;
 // A source's share of the copy gets one stream (lane) per this many bytes (StreamsFor).
 constexpr uint64_t kBytesPerStream = uint64_t{32} << 20;
@@ -103,26 +102,27 @@ Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRe
   return OkStatus();
 }
 
-// The CRC-32C table a source sends after its header: entry c is the CRC of
-// chunk c as this source serves it, for the chunks the transfer copies
-// (replicated ones: the state transfer; sharded ones: the shard exchange,
-// of shard `shard` when >= 0, read from a registry that holds every
-// shard), 0 for the others. Computed once per transfer, not per request.
-//
-// The receiver waits for every source's table before it asks for a byte, so
-// the table is the transfer's one serial pass over the state (at 11.7 GB/s a
-// core here, 92 ms for 1 GiB): it is spread over up to kTableThreads threads,
+// The CRC-32C table a source sends: entry c is the CRC of chunk c as this
+// source serves it, for the chunks the transfer copies (replicated ones: the
+// state transfer; sharded ones: the shard exchange, of shard `shard` when >=
+// 0, read from a registry that holds every shard), 0 for the others and for
+// those `skip` marks (the state transfer's source checksums the chunks it
+// sends as they go out: Serve). Spread over up to kTableThreads threads (and
+// no more than the cores that the `busy` threads sending meanwhile leave, at
+// least one: on this project's 2-core machines, a second thread only takes
+// the core a stream needs),
 // each taking an interleaved share of the chunks (contiguous ranges would
 // leave the regions' copied chunks to one thread). The registry is only read.
 constexpr unsigned kTableThreads = 8;
 constexpr size_t kBytesPerTableThread = size_t{16} << 20;  // smaller tables: fewer threads
 
-std::vector<uint32_t> CrcTable(const state::StateRegistry& reg, bool sharded, int shard = -1) {
+std::vector<uint32_t> CrcTable(const state::StateRegistry& reg, bool sharded, int shard = -1,
+                               const std::vector<char>* skip = nullptr, unsigned busy = 0) {
   std::vector<uint32_t> table(reg.num_chunks(), 0);
   auto fill = [&](uint32_t first, uint32_t stride) {
     std::vector<std::byte> buf;
     for (uint32_t c = first; c < reg.num_chunks(); c += stride) {
-      if (reg.chunk_sharded(c) != sharded) continue;
+      if (reg.chunk_sharded(c) != sharded || (skip != nullptr && (*skip)[c])) continue;
       std::span<const std::byte> bytes;
       if (!(sharded && shard >= 0)) bytes = reg.ContiguousChunk(c);
       if (bytes.empty() && reg.chunk_size(c) > 0) {
@@ -138,8 +138,9 @@ std::vector<uint32_t> CrcTable(const state::StateRegistry& reg, bool sharded, in
     }
   };
   const size_t by_size = reg.total_bytes() / kBytesPerTableThread;
+  const unsigned cores = std::thread::hardware_concurrency();
   const auto threads = static_cast<uint32_t>(
-      std::max<size_t>(1, std::min<size_t>({std::max(1u, std::thread::hardware_concurrency()),
+      std::max<size_t>(1, std::min<size_t>({std::max(1u, cores - std::min(busy, cores)),
                                             kTableThreads, by_size, reg.num_chunks()})));
   std::vector<std::thread> helpers;
   uint32_t started = 1;  // share 0 is this thread's
@@ -161,15 +162,15 @@ std::string EncodeTable(const std::vector<uint32_t>& table) {
   return out;
 }
 
-// A source's header then its CRC table (one message each, checksummed by the transport).
-Status SendHeaderAndTable(collective::Communicator& comm, int receiver, const std::string& header,
-                          const std::string& table) {
-  NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
-  if (table.empty()) return OkStatus();  // a state of no chunks
-  return comm.Send(receiver, std::as_bytes(std::span(table)));
+// A source's CRC table (one message, checksummed by the transport; none for a state of no chunks).
+Status SendTable(collective::Communicator& comm, int receiver, const std::vector<uint32_t>& table) {
+  if (table.empty()) return OkStatus();
+  const std::string bytes = EncodeTable(table);
+  return comm.Send(receiver, std::as_bytes(std::span(bytes)));
 }
 
-// The CRC table that follows a header ParseHeader accepted (of this worker's layout).
+// A source's CRC table, which follows its first request's chunks (of this worker's layout: its
+// header said so).
 Result<std::vector<uint32_t>> RecvTable(collective::Communicator& comm,
                                         const state::StateRegistry& reg, int source) {
   std::vector<uint32_t> table(reg.num_chunks());
@@ -255,11 +256,15 @@ Status OnLanes(int lanes, const std::function<Status(int lane)>& lane,
 }
 
 // Source side, one lane of a request: the chunks at positions lane, lane + lanes, ... of
-// `request`, each preceded by {index, its CRC from `table`}. A chunk goes out from the live
-// state itself when it lies in one region (no copy).
+// `request`, each preceded by {index, its CRC}. A chunk goes out from the live state itself when
+// it lies in one region (no copy). With `checksum_here` the CRC is computed here, from the bytes
+// about to go out (in this core's cache then, so the kernel's copy reads them from there too), and
+// written into (*table)[index] (every index of a request is distinct: Serve checks); else it is
+// the table's.
 Status SendChunks(collective::Communicator& comm, const state::StateRegistry& reg, int receiver,
                   std::span<const uint32_t> request, int lane, int lanes,
-                  const std::vector<uint32_t>& table, std::atomic<bool>* corrupt_next, int shard) {
+                  std::vector<uint32_t>* table, bool checksum_here, std::atomic<bool>* corrupt_next,
+                  int shard) {
   std::vector<std::byte> buf;  // a chunk that must be copied: across regions, of a shard, corrupted
   for (size_t p = static_cast<size_t>(lane); p < request.size(); p += static_cast<size_t>(lanes)) {
     const uint32_t index = request[p];
@@ -278,9 +283,10 @@ Status SendChunks(collective::Communicator& comm, const state::StateRegistry& re
       }
       chunk = copy;
     }
+    if (checksum_here) (*table)[index] = Crc32c(chunk.data(), chunk.size());
     std::string meta;
     PutFixed32(&meta, index);
-    PutFixed32(&meta, table[index]);
+    PutFixed32(&meta, (*table)[index]);
     if (corrupt) buf[n / 2] ^= std::byte{0x5a};  // after the checksum: damaged on the way
     NONSTOP_RETURN_IF_ERROR(comm.SendOnLane(
         receiver, lane, collective::HostRegion(std::as_bytes(std::span(meta))), true));
@@ -290,48 +296,96 @@ Status SendChunks(collective::Communicator& comm, const state::StateRegistry& re
   return OkStatus();
 }
 
-// Source side: serve one receiver until it says it is done. It sends its
-// header (`step`: the step its state holds) and `table` (CrcTable, computed
-// once for every receiver), then streams the chunks asked for, over the
-// lanes each request names (SendRequest); the bytes travel unchecked by the
-// transport (Communicator::SendUnchecked): the receiver checks them against
-// the tables of all its sources. `shard` >= 0: the receiver's shard, read
-// from a registry that holds every shard (`table` is of it).
+// The receiver's request, checked: {lanes, index…} with lanes within the transport's, every index
+// a chunk of the state that this transfer copies (`sharded`: the shard exchange's, else the
+// replicated ones) and none twice (a lane of SendChunks writes its chunks' table entries).
+Status CheckRequest(const collective::Communicator& comm, const state::StateRegistry& reg,
+                    const std::vector<uint32_t>& request, bool sharded) {
+  const uint32_t lanes = request[0];
+  if (lanes < 1 || lanes > static_cast<uint32_t>(comm.p2p_lanes())) {
+    return DataLossError(fmt::format("a request for {} chunks over {} lanes (1 to {} can be)",
+                                     request.size() - 1, lanes, comm.p2p_lanes()));
+  }
+  std::vector<char> asked(reg.num_chunks(), 0);
+  for (size_t i = 1; i < request.size(); ++i) {
+    const uint32_t index = request[i];
+    if (index >= reg.num_chunks())
+      return DataLossError(fmt::format("request for chunk {} of {}", index, reg.num_chunks()));
+    if (asked[index]) return DataLossError(fmt::format("request for chunk {} twice", index));
+    if (reg.chunk_sharded(index) != sharded) {
+      return DataLossError(fmt::format("request for chunk {}, {} chunk, in the {}", index,
+                                       sharded ? "a replicated" : "a sharded",
+                                       sharded ? "shard exchange" : "state transfer"));
+    }
+    asked[index] = 1;
+  }
+  return OkStatus();
+}
+
+// Source side: serve one receiver until it says it is done. It sends its header (`step`: the step
+// its state holds) and waits for a request; it streams the chunks asked for over the lanes the
+// request names (SendRequest), the bytes unchecked by the transport
+// (Communicator::SendUnchecked), then, after the first request's chunks, its CRC table, against
+// which the receiver judges them (with the tables of all its sources); later requests (chunks
+// fetched again) come after the table. `known`: the table, computed before (the shard exchange:
+// its digest was all-gathered; the state transfer to several receivers); without it the chunks
+// asked are checksummed by SendChunks as they go out, and the others by a thread of their own
+// meanwhile, so no pass over the state stands between the receiver's request and its first byte
+// (docs/recovery.md). `sharded`: the shard exchange (its chunks are the sharded ones). `shard` >=
+// 0: the receiver's shard, read from a registry that holds every shard.
 Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int receiver, int64_t step,
-             const std::vector<uint32_t>& table, std::atomic<bool>* corrupt_next, int shard = -1) {
-  NONSTOP_RETURN_IF_ERROR(SendHeaderAndTable(
-      comm, receiver, EncodeHeader(step, reg, shard >= 0 ? shard : reg.held_shard()),
-      EncodeTable(table)));
+             const std::vector<uint32_t>* known, bool sharded, std::atomic<bool>* corrupt_next,
+             int shard = -1) {
+  const std::string header = EncodeHeader(step, reg, shard >= 0 ? shard : reg.held_shard());
+  NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
+  std::vector<uint32_t> table = known != nullptr ? *known : std::vector<uint32_t>{};
+  bool table_sent = false;
   while (true) {
     NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
                              RecvU32s(comm, receiver, reg.num_chunks() + 1));
     if (request.empty()) return OkStatus();
-    const uint32_t lanes = request[0];
-    if (request.size() < 2 || lanes < 1 || lanes > static_cast<uint32_t>(comm.p2p_lanes())) {
-      return DataLossError(fmt::format("a request for {} chunks over {} lanes (1 to {} can be)",
-                                       request.size() - 1, lanes, comm.p2p_lanes()));
-    }
+    NONSTOP_RETURN_IF_ERROR(CheckRequest(comm, reg, request, sharded));
+    const auto lanes = static_cast<int>(request[0]);
     std::span<const uint32_t> chunks(request.begin() + 1, request.end());
-    for (uint32_t index : chunks) {
-      if (index >= reg.num_chunks())
-        return DataLossError(fmt::format("request for chunk {} of {}", index, reg.num_chunks()));
+    const bool checksum_here = known == nullptr && !table_sent;
+    std::vector<char> asked;
+    std::vector<uint32_t> rest;  // the CRCs of the chunks not asked for, computed meanwhile
+    std::jthread rest_thread;    // last: joined before what it uses goes
+    if (checksum_here) {
+      table.assign(reg.num_chunks(), 0);
+      asked.assign(reg.num_chunks(), 0);
+      for (uint32_t c : chunks) asked[c] = 1;
+      auto compute = [&] { rest = CrcTable(reg, sharded, shard, &asked, lanes); };
+      try {
+        rest_thread = std::jthread(compute);
+      } catch (const std::system_error&) {
+        compute();  // no thread to be had: first, then the chunks
+      }
     }
-    NONSTOP_RETURN_IF_ERROR(OnLanes(static_cast<int>(lanes), [&](int lane) {
-      return SendChunks(comm, reg, receiver, chunks, lane, static_cast<int>(lanes), table,
+    Status sent = OnLanes(lanes, [&](int lane) {
+      return SendChunks(comm, reg, receiver, chunks, lane, lanes, &table, checksum_here,
                         corrupt_next, shard);
-    }));
+    });
+    if (rest_thread.joinable()) rest_thread.join();
+    NONSTOP_RETURN_IF_ERROR(sent);
+    if (checksum_here) {
+      for (size_t c = 0; c < table.size(); ++c) {
+        if (!asked[c]) table[c] = rest[c];
+      }
+    }
+    if (!table_sent) NONSTOP_RETURN_IF_ERROR(SendTable(comm, receiver, table));
+    table_sent = true;
   }
 }
 
 // A source whose state holds another step than the plan says (`refusal`
-// names both): it still sends its header, naming the step it holds, and a
-// table of zeros, so that the receiver learns at once that it serves
-// nothing; then it waits for the receiver's done and returns `refusal`.
+// names both): it still sends its header, naming the step it holds, so that
+// the receiver learns at once that it serves nothing; then it waits for the
+// receiver's done and returns `refusal`.
 Status ServeRefusal(collective::Communicator& comm, const state::StateRegistry& reg, int receiver,
                     int64_t held_step, const Status& refusal) {
-  NONSTOP_RETURN_IF_ERROR(
-      SendHeaderAndTable(comm, receiver, EncodeHeader(held_step, reg, reg.held_shard()),
-                         EncodeTable(std::vector<uint32_t>(reg.num_chunks(), 0))));
+  const std::string header = EncodeHeader(held_step, reg, reg.held_shard());
+  NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
   NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
                            RecvU32s(comm, receiver, reg.num_chunks() + 1));
   if (!request.empty()) {
@@ -342,38 +396,56 @@ Status ServeRefusal(collective::Communicator& comm, const state::StateRegistry& 
 }
 
 // Where a fetched chunk goes: the live state (WriteChunk), or a staging buffer.
-// DATA_LOSS: the chunk failed its checksum (fetched again elsewhere).
+// DATA_LOSS: the chunk failed its checksum (fetched again).
 using ChunkSink =
     std::function<Status(uint32_t index, std::span<const std::byte> data, uint32_t crc)>;
 
-// Receiver side: fetch `indices` from one source into a buffer, each chunk
-// handed to `sink` (which checks it). Chunks that fail their CRC go to `failed`.
-// `table`: the source's CRC table, which its {index, crc} must repeat.
+// What a source said of the chunks it sent (`claims`: the CRC in each {index, crc}) against its
+// table, which came after them: DATA_LOSS naming the first chunk where they differ.
+Status CheckClaims(int source, const std::vector<uint32_t>& indices,
+                   const std::vector<uint32_t>& claims, const std::vector<uint32_t>& table) {
+  for (uint32_t c : indices) {
+    if (claims[c] != table[c]) {
+      return DataLossError(
+          fmt::format("rank {} sent chunk {} with CRC {:08x}, but its table says {:08x}", source, c,
+                      claims[c], table[c]));
+    }
+  }
+  return OkStatus();
+}
+
+// The {index, crc} a source sends ahead of each chunk, on `lane`: the CRC, once the index is the
+// one asked for (else DATA_LOSS), recorded in `claims` for CheckClaims.
+Result<uint32_t> RecvChunkMeta(collective::Communicator& comm, int source, int lane, uint32_t want,
+                               std::vector<uint32_t>* claims) {
+  std::string meta(8, '\0');
+  NONSTOP_RETURN_IF_ERROR(comm.RecvOnLane(
+      source, lane, collective::HostRegion(std::as_writable_bytes(std::span(meta))), true));
+  const uint32_t index = DecodeFixed32(meta.data());
+  if (index != want)
+    return DataLossError(
+        fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
+  (*claims)[index] = DecodeFixed32(meta.data() + 4);
+  return (*claims)[index];
+}
+
+// Receiver side: fetch `indices` from one source, on lane 0, into a buffer, each chunk handed to
+// `sink` with the CRC the source sent ahead of it (the sink checks it). Chunks that fail go to
+// `failed`; what the source said of each goes to `claims`. The request goes even for no chunk:
+// the first one is what the source sends its table after.
 Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, int source,
-             const std::vector<uint32_t>& indices, const std::vector<uint32_t>& table,
+             const std::vector<uint32_t>& indices, std::vector<uint32_t>* claims,
              std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes, const ChunkSink& sink) {
-  if (indices.empty()) return OkStatus();  // an empty request would mean "done"
   NONSTOP_RETURN_IF_ERROR(SendRequest(comm, source, 1, indices));
   std::vector<std::byte> buf(reg.chunk_bytes());
   for (uint32_t want : indices) {
-    std::string meta(8, '\0');
-    NONSTOP_RETURN_IF_ERROR(comm.Recv(source, std::as_writable_bytes(std::span(meta))));
-    uint32_t index = DecodeFixed32(meta.data());
-    uint32_t crc = DecodeFixed32(meta.data() + 4);
-    if (index != want)
-      return DataLossError(
-          fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
-    if (crc != table[index]) {
-      return DataLossError(
-          fmt::format("rank {} sent chunk {} with CRC {:08x}, but its table says {:08x}", source,
-                      index, crc, table[index]));
-    }
-    std::span<std::byte> chunk(buf.data(), reg.chunk_size(index));
+    NONSTOP_ASSIGN_OR_RETURN(uint32_t crc, RecvChunkMeta(comm, source, 0, want, claims));
+    std::span<std::byte> chunk(buf.data(), reg.chunk_size(want));
     NONSTOP_RETURN_IF_ERROR(comm.RecvUnchecked(source, chunk));  // the sink checks `crc`
     *bytes += chunk.size();
-    Status s = sink(index, chunk, crc);
+    Status s = sink(want, chunk, crc);
     if (s.code() == StatusCode::kDataLoss) {
-      failed->push_back(index);  // fetched again from another source
+      failed->push_back(want);  // fetched again
     } else {
       NONSTOP_RETURN_IF_ERROR(s);
     }
@@ -383,30 +455,20 @@ Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, in
 
 // Receiver side of RunStateTransfers, one lane: the chunks at positions lane, lane + lanes, ...
 // of `indices` (the request FetchInPlace sent), straight into the live state, each checked
-// against `expect` on this lane's thread as soon as it has landed: its bytes are still in this
-// core's cache from the kernel's copy, so the check reads them at cache speed (about twice the
-// speed of a pass over memory, docs/recovery.md), while the kernel goes on receiving the next
-// chunk into the socket's buffer. A chunk that fails goes to `failed` (fetched again elsewhere).
+// against the CRC its source sent ahead of it, on this lane's thread as soon as it has landed: its
+// bytes are still in this core's cache from the kernel's copy, so the check reads them at cache
+// speed (about twice the speed of a pass over memory, docs/recovery.md), while the kernel goes on
+// receiving the next chunk into the socket's buffer. A chunk that fails goes to `failed`; what the
+// source said of each, to `claims` (each entry written by one lane: the request names a chunk
+// once).
 Status ReceiveInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
                       const std::vector<uint32_t>& indices, int lane, int lanes,
-                      const std::vector<uint32_t>& own, const std::vector<uint32_t>& expect,
-                      std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes) {
+                      std::vector<uint32_t>* claims, std::vector<uint32_t>* failed,
+                      std::atomic<uint64_t>* bytes) {
   std::vector<std::byte> buf;  // for chunks that span regions
   for (size_t p = static_cast<size_t>(lane); p < indices.size(); p += static_cast<size_t>(lanes)) {
-    const uint32_t want = indices[p];
-    std::string meta(8, '\0');
-    NONSTOP_RETURN_IF_ERROR(comm.RecvOnLane(
-        source, lane, collective::HostRegion(std::as_writable_bytes(std::span(meta))), true));
-    const uint32_t index = DecodeFixed32(meta.data());
-    if (index != want)
-      return DataLossError(
-          fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
-    if (DecodeFixed32(meta.data() + 4) != own[index]) {
-      return DataLossError(
-          fmt::format("rank {} sent chunk {} with CRC {:08x}, but its table says {:08x}", source,
-                      index, DecodeFixed32(meta.data() + 4), own[index]));
-    }
-    const uint32_t crc = expect[index];
+    const uint32_t index = indices[p];
+    NONSTOP_ASSIGN_OR_RETURN(uint32_t crc, RecvChunkMeta(comm, source, lane, index, claims));
     const size_t n = reg.chunk_size(index);
     std::span<std::byte> live = reg.ContiguousChunk(index);
     if (!live.empty()) {
@@ -434,16 +496,12 @@ Status ReceiveInPlace(collective::Communicator& comm, state::StateRegistry& reg,
 // Receiver side of RunStateTransfers: fetch `indices` from one source
 // straight into the live state, over `lanes` streams at once (a chunk that spans regions goes
 // through a buffer and WriteChunk, which checks it at once). Until the transfer has succeeded
-// the state holds no step (the session says so while it runs), and a chunk that fails its check
-// is fetched again over it.
-// `own`: the source's CRC table, which its {index, crc} must repeat;
-// `expect`: the CRC each chunk is checked against (the majority of the
-// sources' tables, or this source's own where there is none).
+// the state holds no step (the session says so while it runs), and a chunk that fails its check,
+// or that the majority of the sources' tables gives another CRC, is fetched again over it. The
+// request goes even for no chunk (the first one is what the source sends its table after).
 Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
-                    const std::vector<uint32_t>& indices, int lanes,
-                    const std::vector<uint32_t>& own, const std::vector<uint32_t>& expect,
+                    const std::vector<uint32_t>& indices, int lanes, std::vector<uint32_t>* claims,
                     std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes) {
-  if (indices.empty()) return OkStatus();  // an empty request would mean "done"
   NONSTOP_RETURN_IF_ERROR(SendRequest(comm, source, lanes, indices));
   std::vector<std::vector<uint32_t>> failed_on(static_cast<size_t>(lanes));
   // A failed lane fails the whole copy (RunStateTransfers returns the error, the controller
@@ -452,7 +510,7 @@ Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, i
   Status s = OnLanes(
       lanes,
       [&](int lane) {
-        return ReceiveInPlace(comm, reg, source, indices, lane, lanes, own, expect,
+        return ReceiveInPlace(comm, reg, source, indices, lane, lanes, claims,
                               &failed_on[static_cast<size_t>(lane)], bytes);
       },
       [&](const Status& failed_lane) {
@@ -503,27 +561,27 @@ Status ValidateShardMoves(const control::PlanMsg& plan, const std::set<int>& ids
   return OkStatus();
 }
 
-// What a source of the state transfer offers: its header's step and its CRC table.
+// What a source of the state transfer offers: its header's step, and its CRC table once its
+// first request's chunks have come.
 struct Offer {
   int rank = -1;
   int64_t step = 0;
   std::vector<uint32_t> table;
 };
 
-// Receiver side: every source's header and table, checked (a corrupt
-// header, another layout or group size: DATA_LOSS). Sources that hold
-// another step than `step` are dropped with a warning and told at once that
-// the receiver is done with them; the others are returned. DATA_LOSS naming
-// each source and its step when none holds `step`. On a failure, every
-// source whose table came is told "done" (best effort), so none waits for
-// a request that will not come.
+// Receiver side: every source's header, checked (a corrupt header, another
+// layout or group size: DATA_LOSS). Sources that hold another step than
+// `step` are dropped with a warning and told at once that the receiver is
+// done with them; the others are returned. DATA_LOSS naming each source and
+// its step when none holds `step`. On a failure, every source is told
+// "done" (best effort), so none waits for a request that will not come.
 Result<std::vector<Offer>> GatherOffers(collective::Communicator& comm,
                                         const state::StateRegistry& reg,
                                         const control::PlanMsg& plan, int64_t step,
                                         const std::vector<int>& sources) {
   std::vector<Offer> offers;
-  // Every source sent its header and table at once and waits for requests: all of them, read or
-  // not, are told "done", so that none waits for a request that will not come.
+  // Every source sent its header at once and waits for a request: all of them, read or not, are
+  // told "done", so that none waits for a request that will not come.
   auto end_all = [&](const Status& s) {
     for (int source : sources) (void)SendU32s(comm, source, {});
     return s;
@@ -534,9 +592,7 @@ Result<std::vector<Offer>> GatherOffers(collective::Communicator& comm,
     if (!s.ok()) return end_all(s);
     Result<int64_t> held = ParseHeader(header, reg, SourceName(plan, source));
     if (!held.ok()) return end_all(held.status());
-    Result<std::vector<uint32_t>> table = RecvTable(comm, reg, source);
-    if (!table.ok()) return end_all(table.status());
-    offers.push_back({source, *held, std::move(*table)});
+    offers.push_back({source, *held, {}});
   }
   std::vector<Offer> valid;
   std::vector<std::string> others;
@@ -567,24 +623,20 @@ std::string ListChunks(const std::vector<uint32_t>& chunks) {
                      chunks.size() - kShown);
 }
 
-// What each wanted chunk is checked against, per source: the CRC that a
-// majority of the sources' tables give it, or, where there is no majority
-// (two sources that disagree), the first source's. `agrees[i][c]`:
-// source i's table is that majority (or there is none). Replicas that
+// Which sources' copies of each wanted chunk the receiver keeps: those whose
+// table gives it the CRC a majority of the sources' tables give it, or, where
+// there is no majority (two sources that disagree), the first source's value.
+// `agrees[i][c]`: source i's table gives chunk c that CRC. Replicas that
 // disagree are logged once, naming the chunks and the sources in the minority.
 struct Expected {
-  std::vector<std::vector<uint32_t>> crc;  // [source][chunk]
-  std::vector<std::vector<char>> agrees;   // [source][chunk]
+  std::vector<std::vector<char>> agrees;  // [source][chunk]
 };
 
 Expected MajorityOf(const std::vector<Offer>& offers, const std::vector<uint32_t>& wanted,
                     const control::PlanMsg& plan) {
   const size_t k = offers.size();
   Expected e;
-  for (const Offer& o : offers) {
-    e.crc.push_back(o.table);
-    e.agrees.emplace_back(o.table.size(), 1);
-  }
+  for (const Offer& o : offers) e.agrees.emplace_back(o.table.size(), 1);
   std::map<int, std::vector<uint32_t>> minority;  // source rank → chunks
   std::vector<uint32_t> undecided;                // chunks without a majority
   for (uint32_t c : wanted) {
@@ -599,14 +651,12 @@ Expected MajorityOf(const std::vector<Offer>& offers, const std::vector<uint32_t
       undecided.push_back(c);
       for (size_t i = 1; i < k; ++i) {
         if (offers[i].table[c] == offers[0].table[c]) continue;
-        e.crc[i][c] = offers[0].table[c];
         e.agrees[i][c] = 0;
       }
       continue;
     }
     for (size_t i = 0; i < k; ++i) {
       if (offers[i].table[c] == best->first) continue;
-      e.crc[i][c] = best->first;
       e.agrees[i][c] = 0;
       minority[offers[i].rank].push_back(c);
     }
@@ -627,6 +677,46 @@ Expected MajorityOf(const std::vector<Offer>& offers, const std::vector<uint32_t
                         plan.generation, fmt::join(parts, "; "));
   }
   return e;
+}
+
+// One round of the receiver's fetches, from every source at once, each over the lanes StreamsFor
+// gives its list: the chunks lists[i] from source i (in the first round every source gets its
+// request, even for no chunk, and answers it with its table too, read here; later rounds skip
+// sources with nothing to fetch). Chunks that fail their check go to failed[i]; each source's word
+// on its chunks goes to claims[i] and is checked against its table. Returns the first error, its
+// cause rather than the abort it made of the other sources' copies (FetchInPlace).
+Status FetchRound(collective::Communicator& comm, state::StateRegistry& reg,
+                  std::vector<Offer>& offers, const std::vector<std::vector<uint32_t>>& lists,
+                  bool first, int streams_per_source, std::vector<std::vector<uint32_t>>* claims,
+                  std::vector<std::vector<uint32_t>>* failed, std::atomic<uint64_t>* bytes,
+                  int* most_streams) {
+  const size_t k = offers.size();
+  std::vector<Status> results(k);
+  std::vector<int> streams(k, 0);
+  {
+    std::vector<std::jthread> threads;
+    for (size_t i = 0; i < k; ++i) {
+      if (!first && lists[i].empty()) continue;
+      threads.emplace_back([&, i] {
+        streams[i] = StreamsFor(comm, reg, lists[i], streams_per_source);
+        Status s = FetchInPlace(comm, reg, offers[i].rank, lists[i], streams[i], &(*claims)[i],
+                                &(*failed)[i], bytes);
+        if (s.ok() && first) {
+          Result<std::vector<uint32_t>> table = RecvTable(comm, reg, offers[i].rank);
+          if (table.ok()) offers[i].table = std::move(*table);
+          s = table.status();
+        }
+        if (s.ok()) s = CheckClaims(offers[i].rank, lists[i], (*claims)[i], offers[i].table);
+        results[i] = s;
+      });
+    }
+  }
+  *most_streams = std::max(*most_streams, *std::max_element(streams.begin(), streams.end()));
+  for (const Status& s : results) {
+    if (!s.ok() && s.code() != StatusCode::kAborted) return s;
+  }
+  for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
+  return OkStatus();
 }
 
 }  // namespace
@@ -690,15 +780,18 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
                                      "the plan of generation {} asks worker {} to serve the state "
                                      "of step {}, but its state holds step {}: refused",
                                      plan.generation, my_worker_id, step, held_step));
-    // The replicated chunks' CRCs, once for every receiver and request.
-    const std::vector<uint32_t> table =
-        refusal.ok() ? CrcTable(reg, /*sharded=*/false) : std::vector<uint32_t>{};
     std::atomic<bool> corrupt(hooks.corrupt_first_chunk);
+    // One receiver: its chunks are checksummed as they go out, the rest meanwhile (Serve).
+    // Several (two spares at once): one table for all, computed first, not a pass per receiver.
+    const bool shared = refusal.ok() && serve_to.size() > 1;
+    const std::vector<uint32_t> table =
+        shared ? CrcTable(reg, /*sharded=*/false) : std::vector<uint32_t>{};
     std::vector<Status> results(serve_to.size());
     std::vector<std::thread> threads;
     for (size_t i = 0; i < serve_to.size(); ++i) {
       threads.emplace_back([&, i] {
-        results[i] = refusal.ok() ? Serve(comm, reg, serve_to[i], held_step, table, &corrupt)
+        results[i] = refusal.ok() ? Serve(comm, reg, serve_to[i], held_step,
+                                          shared ? &table : nullptr, /*sharded=*/false, &corrupt)
                                   : ServeRefusal(comm, reg, serve_to[i], held_step, refusal);
       });
     }
@@ -716,63 +809,59 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   }
   NONSTOP_ASSIGN_OR_RETURN(std::vector<Offer> offers,
                            GatherOffers(comm, reg, plan, step, fetch_from));
-  const Expected expected = MajorityOf(offers, wanted, plan);
   const size_t k = offers.size();
   outcome.sources = static_cast<int>(k);
-  // Striped: chunk i from source i mod k, or the next one whose table agrees with the majority.
+  // Striped: chunk i from source i mod k, all at once; each source's table follows its chunks.
   std::vector<std::vector<uint32_t>> assigned(k);
-  for (size_t i = 0; i < wanted.size(); ++i) {
-    size_t from = i % k;
-    for (size_t step_over = 0; step_over < k; ++step_over) {
-      if (expected.agrees[(i + step_over) % k][wanted[i]]) {
-        from = (i + step_over) % k;
-        break;
-      }
-    }
-    assigned[from].push_back(wanted[i]);
-  }
-  std::vector<Status> results(k);
+  for (size_t i = 0; i < wanted.size(); ++i) assigned[i % k].push_back(wanted[i]);
   std::vector<std::vector<uint32_t>> failed(k);
-  std::vector<int> streams(k, 0);
+  std::vector<std::vector<uint32_t>> claims(k, std::vector<uint32_t>(reg.num_chunks(), 0));
   std::atomic<uint64_t> bytes{0};
-  {
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < k; ++i) {
-      threads.emplace_back([&, i] {
-        const int lanes = StreamsFor(comm, reg, assigned[i], hooks.streams_per_source);
-        streams[i] = lanes;
-        results[i] = FetchInPlace(comm, reg, offers[i].rank, assigned[i], lanes, offers[i].table,
-                                  expected.crc[i], &failed[i], &bytes);
-      });
-    }
-    for (auto& t : threads) t.join();
+  // Every source has a request from here on: a failure aborts the communicator, so that none
+  // waits out its deadline for a request or a read that will not come.
+  auto fail = [&](const Status& s) {
+    comm.Abort(
+        fmt::format("the state copy of generation {} failed: {}", plan.generation, s.message()));
+    return s;
+  };
+  if (Status s = FetchRound(comm, reg, offers, assigned, /*first=*/true, hooks.streams_per_source,
+                            &claims, &failed, &bytes, &outcome.streams_per_source);
+      !s.ok()) {
+    return fail(s);
   }
-  // The cause, not the abort a failed stream made of the other sources' copies (FetchInPlace).
-  for (const Status& s : results) {
-    if (!s.ok() && s.code() != StatusCode::kAborted) return s;
-  }
-  for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
-  outcome.streams_per_source = *std::max_element(streams.begin(), streams.end());
-  // Chunks that failed their checksum: fetch each again from the next source
-  // whose table agrees with the majority.
+  const Expected expected = MajorityOf(offers, wanted, plan);
+  // Fetched again, from the next source whose table agrees with the majority (a round per
+  // attempt, each source's share in one request): the chunks that failed their check, and those
+  // whose source's table is not the majority's (their bytes are that source's, outvoted).
+  std::map<uint32_t, size_t> pending;  // chunk → the source it came from first
   for (size_t i = 0; i < k; ++i) {
-    for (uint32_t index : failed[i]) {
-      bool done = false;
-      for (size_t attempt = 1; attempt <= k && !done; ++attempt) {
-        const size_t from = (i + attempt) % k;
-        if (!expected.agrees[from][index]) continue;
-        std::vector<uint32_t> again;
-        NONSTOP_RETURN_IF_ERROR(FetchInPlace(comm, reg, offers[from].rank, {index}, 1,
-                                             offers[from].table, expected.crc[from], &again,
-                                             &bytes));
-        done = again.empty();
-        ++outcome.refetched_chunks;
-      }
-      if (!done) {
-        return DataLossError(
-            fmt::format("state chunk {} failed its checksum from every source", index));
+    for (uint32_t c : assigned[i]) {
+      if (!expected.agrees[i][c]) pending[c] = i;
+    }
+    for (uint32_t c : failed[i]) pending[c] = i;
+  }
+  for (size_t attempt = 1; attempt <= k && !pending.empty(); ++attempt) {
+    std::vector<std::vector<uint32_t>> lists(k), again(k);
+    for (const auto& [c, from] : pending) {
+      const size_t to = (from + attempt) % k;
+      if (expected.agrees[to][c]) lists[to].push_back(c);
+    }
+    if (Status s = FetchRound(comm, reg, offers, lists, /*first=*/false, hooks.streams_per_source,
+                              &claims, &again, &bytes, &outcome.streams_per_source);
+        !s.ok()) {
+      return fail(s);
+    }
+    for (size_t to = 0; to < k; ++to) {
+      outcome.refetched_chunks += static_cast<int>(lists[to].size());
+      const std::set<uint32_t> bad(again[to].begin(), again[to].end());
+      for (uint32_t c : lists[to]) {
+        if (!bad.count(c)) pending.erase(c);
       }
     }
+  }
+  if (!pending.empty()) {
+    return fail(DataLossError(fmt::format("state chunk {} failed its checksum from every source",
+                                          pending.begin()->first)));
   }
   for (const Offer& o : offers) NONSTOP_RETURN_IF_ERROR(SendU32s(comm, o.rank, {}));
   outcome.bytes_received = bytes.load();
@@ -960,7 +1049,7 @@ Result<RankedMoves> CheckShardMoves(const control::PlanMsg& plan, const state::S
 // or both (two members swapping shards).
 struct PeerWork {
   bool serve = false;  // it is a receiver, and this member one of its sources
-  // it is one of this member's sources: header, the chunks (maybe none), done
+  // it is one of this member's sources: header, request, the chunks (maybe none), table, done
   bool fetch = false;
   std::vector<uint32_t> chunks;  // what this member fetches from it
 };
@@ -1125,7 +1214,8 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
       auto do_serve = [&]() -> Status {
         if (!work.serve) return OkStatus();
         const int shard = every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1;
-        return Serve(comm, reg, peer, held_step, tables.at(shard), &corrupt, shard);
+        return Serve(comm, reg, peer, held_step, &tables.at(shard), /*sharded=*/true, &corrupt,
+                     shard);
       };
       auto do_fetch = [&]() -> Status {
         if (!work.fetch) return OkStatus();
@@ -1134,15 +1224,18 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
         // The existing check stays: a source's header must name this group size and the shard asked
         // for.
         NONSTOP_RETURN_IF_ERROR(CheckHeader(header, step, reg, fmt::format("rank {}", peer), need));
-        NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> table, RecvTable(comm, reg, peer));
+        std::vector<uint32_t> claims(reg.num_chunks(), 0);
         std::vector<uint32_t> failed;
         NONSTOP_RETURN_IF_ERROR(
-            Fetch(comm, reg, peer, work.chunks, table, &failed, &bytes, into_staging));
+            Fetch(comm, reg, peer, work.chunks, &claims, &failed, &bytes, into_staging));
+        NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> table, RecvTable(comm, reg, peer));
+        NONSTOP_RETURN_IF_ERROR(CheckClaims(peer, work.chunks, claims, table));
         if (!failed.empty()) {  // once more from the same holder: a chunk damaged on the way
           refetched += static_cast<int>(failed.size());
           std::vector<uint32_t> again;
           NONSTOP_RETURN_IF_ERROR(
-              Fetch(comm, reg, peer, failed, table, &again, &bytes, into_staging));
+              Fetch(comm, reg, peer, failed, &claims, &again, &bytes, into_staging));
+          NONSTOP_RETURN_IF_ERROR(CheckClaims(peer, failed, claims, table));
           if (!again.empty()) {
             return DataLossError(
                 fmt::format("state chunk {} of shard {} failed its checksum twice from rank {}",
@@ -1155,10 +1248,19 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
       // that swap shards never both wait for a request.
       Status s = me < peer ? do_serve() : do_fetch();
       if (s.ok()) s = me < peer ? do_fetch() : do_serve();
+      // A failure ends the exchange with every peer at once: none waits out its deadline for a
+      // request or a read that will not come.
+      if (!s.ok() && s.code() != StatusCode::kAborted) {
+        comm.Abort(fmt::format("the shard exchange with rank {} failed: {}", peer, s.message()));
+      }
       results[i].second = s;
     });
   }
   for (auto& t : threads) t.join();
+  // The cause, not the abort it made of the exchanges with the other peers.
+  for (const auto& [peer, s] : results) {
+    if (!s.ok() && s.code() != StatusCode::kAborted) return s;
+  }
   for (const auto& [peer, s] : results) NONSTOP_RETURN_IF_ERROR(s);
   outcome->served =
       std::any_of(peers.begin(), peers.end(), [](const auto& p) { return p.second.serve; });

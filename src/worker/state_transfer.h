@@ -5,56 +5,70 @@
 //
 // Protocol, per (receiver, source) pair, over point-to-point transfers
 // (docs/protocol.md):
-//   source → receiver  header {magic "NSX4", step held, total bytes, chunk bytes,
+//   source → receiver  header {magic "NSX5", step held, total bytes, chunk bytes,
 //                      chunks, shard group, shard, crc32c}
-//   source → receiver  CRC table {crc32c of chunk c, for every chunk c}
 //   receiver → source  request {count, lanes, chunk indices…}   (count 0: done)
 //   source → receiver  per chunk {index, crc32c} then the chunk's bytes, the chunk at
 //                      position p of the request over lane p mod lanes
+//   source → receiver  after the first request's chunks: its CRC table {crc32c of
+//                      chunk c, for every chunk c}
+//   (receiver → source further requests, chunks fetched again; then done)
 // Everything but the chunks travels on lane 0, the connection of Send/Recv. A
 // request names how many streams (Communicator lanes, connections of their own
 // between the same two workers) carry its chunks: the receiver picks one per
 // 32 MiB it asks of a source (TransferHooks::streams_per_source), so a large
 // copy is not held to what one TCP stream and one thread per side reach; each
-// lane runs on a thread of its own at both ends.
+// lane runs on a thread of its own at both ends. The first request goes even
+// when it names no chunk: it is what the source sends its table after.
 // The header names the step the source's state really holds (not the
 // plan's). The table holds the CRC-32C of each chunk as the source serves it
 // (the replicated chunks here, the shard's in ExchangeShards; 0 for chunks
-// the transfer does not copy), computed once per call from its state, and
-// each {index, crc32c} repeats the table's entry. The header, table,
-// requests and {index, crc32c} travel checksummed by the transport
-// (Send/Recv); a chunk's bytes travel unchecked by it (SendUnchecked/
-// RecvUnchecked), because the tables protect them: each byte is then read
-// once on each side by a CRC and once by the kernel's copy, and no more.
+// the transfer does not copy), and each {index, crc32c} is the source's word
+// on its chunk, which the table must repeat. Here the source computes the
+// CRC of each chunk asked for from the bytes it is about to send (in cache,
+// for the kernel's copy too) and those of the other chunks on a thread of
+// their own meanwhile, so no pass over the state stands between the request
+// and the first byte; the shard exchange sends the table it computed before
+// (its digest was all-gathered). The header, table, requests and {index,
+// crc32c} travel checksummed by the transport (Send/Recv); a chunk's bytes
+// travel unchecked by it (SendUnchecked/RecvUnchecked), because the CRCs
+// protect them: each byte is then read once on each side by a CRC and once
+// by the kernel's copy, and no more.
 //
 // A source whose state holds another step than the plan's (resume_step - 1)
-// refuses: it sends its header (its step) and a table of zeros, waits for the
-// receiver's done, and returns FAILED_PRECONDITION naming both steps. The
-// receiver first reads every source's header and table. A corrupt header,
-// another layout or group size is DATA_LOSS naming the source; a source of
-// another step is dropped with a warning and told it is done at once, and
-// DATA_LOSS names every source and its step when none holds the plan's. It
-// then takes, for each chunk, the CRC that a majority of the remaining
-// sources' tables give it (with no majority, two that disagree: the first
-// source's, so that the copy is one replica's and not a mix), logs once the chunks on which tables
-// diverge and the sources in the minority, and stripes the chunks over the sources (chunk c from
-// source c mod k, or the next whose table agrees with the majority; all
+// refuses: it sends its header (its step), waits for the receiver's done,
+// and returns FAILED_PRECONDITION naming both steps. The receiver first
+// reads every source's header. A corrupt header, another layout or group
+// size is DATA_LOSS naming the source; a source of another step is dropped
+// with a warning and told it is done at once, and DATA_LOSS names every
+// source and its step when none holds the plan's. It then stripes the
+// chunks over the remaining sources (chunk c from source c mod k; all
 // sources at once, each request the whole list of its chunks, which the
-// source streams back). So a source whose memory holds other bytes than the
-// others' (its table agreeing with them) cannot put them into the receiver
-// when three hold the step. Each chunk is received straight into the live
-// state (a chunk that spans two regions goes through a buffer). The thread
-// of the lane it came on verifies it against the majority CRC as soon as it
-// has landed (still in that core's cache), while the kernel receives the next
-// ones; a chunk that fails is fetched again, over itself,
-// from the next source that agrees with the majority, and the transfer fails
-// with DATA_LOSS when every such source gave a bad copy. Until the transfer
-// has succeeded the receiver's state is of no step (the session reports
-// kNoValidState meanwhile): a failed transfer may leave it half copied. The
-// source sends from its live state without a copy. A source that lies
-// (another chunk than asked, a CRC other than its table's, another size,
-// garbage) fails the transfer with a message naming it; one that stalls,
-// with DEADLINE_EXCEEDED after timeout_collective.
+// source streams back), each received straight into the live state (a chunk
+// that spans two regions goes through a buffer) and checked, by the thread
+// of the lane it came on as soon as it has landed (still in that core's
+// cache), against the source's word on it. Then it reads every source's
+// table: a word that is not the table's is DATA_LOSS naming the source. For
+// each chunk it takes the CRC that a majority of the sources' tables give
+// it (with no majority, two that disagree: the first source's, so that the
+// copy is one replica's and not a mix) and logs once the chunks on which
+// tables diverge and the sources in the minority. A chunk that failed its
+// check, or whose source's table is not the majority's, is fetched again,
+// over itself, from the next source that agrees with the majority, and the
+// transfer fails with DATA_LOSS when every such source gave a bad copy. So a
+// source whose memory holds other bytes than the others' (its table agreeing
+// with them) cannot leave them in the receiver when three hold the step.
+// Until the transfer has succeeded the receiver's state is of no step (the
+// session reports kNoValidState meanwhile): a failed transfer may leave it
+// half copied. The source sends from its live state without a copy. A
+// source that lies (another chunk than asked, a word other than its table's,
+// another size, garbage) fails the transfer with a message naming it; one
+// that stalls, with DEADLINE_EXCEEDED after timeout_collective. A request
+// that names a chunk twice or one the state lacks is DATA_LOSS at the source.
+// A failure after the requests went out aborts the communicator, so that no
+// source waits out its deadline for a request that will not come. The
+// sources' states must not change while they serve (they are recovering,
+// not training): a source checksums each chunk as it sends it.
 #pragma once
 
 #include <cstdint>

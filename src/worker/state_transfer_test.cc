@@ -375,7 +375,7 @@ TEST(RunStateTransfersTest, ChunksCorruptedOnTheWayAreFetchedAgainInPlaceOrThrou
   auto ranks = MakePlainRanks(3);
   // Rank 1 serves chunk 0 first (the step and the start of `small`: through
   // a buffer), rank 2 chunk 1 (inside `small`: in place, checked on the
-  // checker thread). Each corrupts the first chunk it sends.
+  // lane's thread). Each corrupts the first chunk it sends.
   ASSERT_TRUE(ranks[0]->reg.ContiguousChunk(0).empty());
   ASSERT_FALSE(ranks[0]->reg.ContiguousChunk(1).empty());
   auto out = CopyAll(ranks, [](int r) {
@@ -407,7 +407,7 @@ Result<TransferOutcome> CopyFromLiar(std::vector<std::unique_ptr<PlainRank>>& ra
 // The transfer header (state_transfer.cc) as `reg` would send it for `step`.
 std::string Header(const state::StateRegistry& reg, int64_t step, uint64_t total) {
   std::string h;
-  PutFixed32(&h, 0x3458534E);  // "NSX4"
+  PutFixed32(&h, 0x3558534E);  // "NSX5"
   PutFixed64(&h, static_cast<uint64_t>(step));
   PutFixed64(&h, total);
   PutFixed32(&h, static_cast<uint32_t>(reg.chunk_bytes()));
@@ -422,7 +422,7 @@ Status SendString(collective::Communicator& comm, const std::string& s) {
   return comm.Send(0, std::as_bytes(std::span(s)));
 }
 
-// The CRC table a source sends after its header: every chunk's CRC-32C.
+// The CRC table a source sends after its first request's chunks: every chunk's CRC-32C.
 std::string Table(const state::StateRegistry& reg) {
   std::string t;
   for (const state::ChunkInfo& c : reg.Chunks()) PutFixed32(&t, c.crc);
@@ -443,12 +443,12 @@ std::vector<uint32_t> ReadRequest(collective::Communicator& comm) {
 }
 
 // Serves `reg`'s chunks as asked, each through `lie(index, meta, bytes)`
-// first, until the receiver stops asking or the test aborts it.
+// first, and its table after the first request's chunks, until the receiver
+// stops asking or the test aborts it.
 void ServeLying(collective::Communicator& comm, const state::StateRegistry& reg,
                 const std::function<void(uint32_t, std::string*, std::vector<std::byte>*)>& lie) {
   if (!SendString(comm, Header(reg, 9, reg.total_bytes())).ok()) return;
-  if (!SendString(comm, Table(reg)).ok()) return;
-  while (true) {
+  for (bool first = true;; first = false) {
     std::vector<uint32_t> request = ReadRequest(comm);
     if (request.empty()) return;
     for (uint32_t index : request) {
@@ -460,6 +460,7 @@ void ServeLying(collective::Communicator& comm, const state::StateRegistry& reg,
       lie(index, &meta, &bytes);
       if (!SendString(comm, meta).ok() || !comm.SendUnchecked(0, bytes).ok()) return;
     }
+    if (first && !SendString(comm, Table(reg)).ok()) return;
   }
 }
 
@@ -491,6 +492,106 @@ TEST(RunStateTransfersTest, ASourceThatSendsAnotherChunkThanAskedIsDataLoss) {
       << out.status().ToString();
 }
 
+// The CRC a source sends ahead of a chunk is its word on that chunk; its table, which comes after
+// the chunks, must say the same. A source that sends other bytes under a CRC that matches them,
+// but not its table, fails the copy, naming it (the bytes pass the check against its word: only
+// the table gives it away).
+TEST(RunStateTransfersTest, ASourceWhoseWordOnAChunkIsNotItsTablesIsDataLoss) {
+  auto ranks = MakePlainRanks(2);
+  auto out = CopyFromLiar(ranks, [&](collective::Communicator& comm) {
+    ServeLying(comm, ranks[1]->reg,
+               [](uint32_t index, std::string* meta, std::vector<std::byte>* b) {
+                 if (index != 2) return;
+                 (*b)[7] ^= std::byte{1};
+                 EncodeFixed32(meta->data() + 4, Crc32c(b->data(), b->size()));
+               });
+  });
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kDataLoss) << out.status().ToString();
+  EXPECT_NE(out.status().message().find("rank 1 sent chunk 2 with CRC"), std::string::npos)
+      << out.status().ToString();
+  EXPECT_NE(out.status().message().find("but its table says"), std::string::npos)
+      << out.status().ToString();
+  // The receiver aborted its communicator with the reason: its sources stop at once instead of
+  // waiting out their deadline for a request that will not come.
+  const Status stopped = ranks[0]->comm->error();
+  EXPECT_EQ(stopped.code(), StatusCode::kAborted) << stopped.ToString();
+  EXPECT_NE(stopped.message().find("but its table says"), std::string::npos) << stopped.ToString();
+}
+
+// A source checks a request before it serves a byte of it: lanes the transport lacks, a chunk the
+// state lacks, a chunk asked for twice (whose table entry two lanes would write) are refused,
+// naming what is wrong. (A source that served them instead would wait for the next request and
+// end in the 2 s deadline.)
+TEST(RunStateTransfersTest, ARequestTheSourceCannotServeIsRefusedNamingWhy) {
+  const std::pair<std::vector<uint32_t>, std::string> cases[] = {
+      {{0, 2}, "over 0 lanes (1 to 4 can be)"},
+      {{9, 2}, "over 9 lanes (1 to 4 can be)"},
+      {{1, 5000}, "request for chunk 5000 of"},
+      {{2, 2, 3, 2}, "request for chunk 2 twice"},
+  };
+  for (const auto& [request, why] : cases) {
+    auto ranks = MakePlainRanks(2, /*timeout=*/Millis(2000));
+    const control::PlanMsg plan = CopyPlan(ranks);
+    Result<TransferOutcome> served = InternalError("not run");
+    std::thread source([&] {
+      served = RunStateTransfers(*ranks[1]->comm, ranks[1]->reg, plan, 1, ranks[1]->step, {});
+    });
+    collective::Communicator& receiver = *ranks[0]->comm;
+    std::string header(40, '\0');
+    EXPECT_TRUE(receiver.Recv(1, std::as_writable_bytes(std::span(header))).ok());
+    std::string count, body;
+    PutFixed32(&count, static_cast<uint32_t>(request.size()));
+    for (uint32_t v : request) PutFixed32(&body, v);  // {lanes, index…}
+    EXPECT_TRUE(receiver.Send(1, std::as_bytes(std::span(count))).ok());
+    EXPECT_TRUE(receiver.Send(1, std::as_bytes(std::span(body))).ok());
+    source.join();
+    receiver.Abort("the test is over");
+    ASSERT_FALSE(served.ok()) << why;
+    EXPECT_EQ(served.status().code(), StatusCode::kDataLoss) << served.status().ToString();
+    EXPECT_NE(served.status().message().find(why), std::string::npos) << served.status().ToString();
+  }
+}
+
+// Two receivers at once (two spares): each source computes one table for both and serves each
+// its stripe; both end with the sources' state bit for bit.
+TEST(RunStateTransfersTest, TwoReceiversCopyFromTheSameSourcesAtOnce) {
+  auto ranks = MakePlainRanks(4);
+  ranks[1]->Fill(1);  // ranks 0 and 1 lack the state of step 9
+  control::PlanMsg plan = CopyPlan(ranks);
+  plan.transfers = {{0, {2, 3}}, {1, {2, 3}}};
+  std::vector<Result<TransferOutcome>> out(ranks.size(), InternalError("not run"));
+  {
+    std::vector<std::jthread> threads;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      threads.emplace_back([&, r] {
+        out[r] = RunStateTransfers(*ranks[r]->comm, ranks[r]->reg, plan, static_cast<int>(r),
+                                   r < 2 ? control::kNoValidState : ranks[r]->step, {});
+      });
+    }
+  }
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  for (int r : {0, 1}) {
+    EXPECT_EQ(ranks[static_cast<size_t>(r)]->reg.Digest(), ranks[2]->reg.Digest()) << r;
+    EXPECT_EQ(out[static_cast<size_t>(r)]->sources, 2) << r;
+  }
+  EXPECT_TRUE(out[2]->served);
+}
+
+// More sources than chunks: the sources with no chunk still get a request (the first one is what
+// a source sends its table after, and the majority needs every table) and the copy completes.
+TEST(RunStateTransfersTest, SourcesWithNoChunkToSendStillSendTheirTables) {
+  auto ranks = MakePlainRanks(4, Millis(30'000), {}, /*large_values=*/1, /*chunk_bytes=*/4096);
+  ASSERT_EQ(ranks[0]->reg.num_chunks(), 1u);
+  auto out = CopyAll(ranks);
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  EXPECT_EQ(out[0]->sources, 3);
+  EXPECT_EQ(out[0]->refetched_chunks, 0);
+  EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
+}
+
 // A source that lies on one of its streams and says nothing on the other: the lie ends the copy at
 // once, naming it, instead of the silent stream's deadline (30 s here) ending it later as a
 // timeout.
@@ -501,7 +602,6 @@ TEST(RunStateTransfersTest, ALieOnOneStreamStopsTheOtherStreamsAndIsTheErrorSaid
   const state::StateRegistry& liar_reg = ranks[1]->reg;
   std::thread liar([&] {
     if (!SendString(liar_comm, Header(liar_reg, 9, liar_reg.total_bytes())).ok()) return;
-    if (!SendString(liar_comm, Table(liar_reg)).ok()) return;
     std::string n(4, '\0');
     if (!liar_comm.Recv(0, std::as_writable_bytes(std::span(n))).ok()) return;
     std::string body(4 * static_cast<size_t>(DecodeFixed32(n.data())), '\0');
@@ -557,8 +657,7 @@ TEST(RunStateTransfersTest, AHeaderOfAnotherStepOrLayoutOrGarbageIsRefused) {
   for (const auto& [header, why] : cases) {
     auto ranks = MakePlainRanks(2);
     auto out = CopyFromLiar(ranks, [&](collective::Communicator& comm) {
-      if (SendString(comm, header(ranks[1]->reg)).ok())
-        (void)SendString(comm, Table(ranks[1]->reg));
+      (void)SendString(comm, header(ranks[1]->reg));
     });
     ASSERT_FALSE(out.ok()) << why;
     EXPECT_EQ(out.status().code(), StatusCode::kDataLoss) << out.status().ToString();
@@ -624,7 +723,7 @@ TEST(RunStateTransfersTest, WhenNoSourceHoldsThePlansStepTheTransferIsDataLossNa
 }
 
 TEST(RunStateTransfersTest,
-     ASourceWhoseMemoryDiffersFromTheMajorityCannotPutItsBytesIntoTheReceiver) {
+     ASourceWhoseMemoryDiffersFromTheMajorityCannotLeaveItsBytesInTheReceiver) {
   auto ranks = MakePlainRanks(4);
   // Rank 3 holds step 9 too, but a bit of every value flipped in its memory:
   // its table agrees with its bytes, and every chunk differs from the others'.
@@ -639,7 +738,9 @@ TEST(RunStateTransfersTest,
   for (size_t r = 0; r < out.size(); ++r)
     ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
   EXPECT_EQ(out[0]->sources, 3);
-  EXPECT_EQ(out[0]->refetched_chunks, 0) << "rank 3's chunks are fetched from the majority at once";
+  // Striped, chunk c from source c mod 3: rank 3 (the third source) sent every third chunk, each
+  // outvoted by the others' tables once they came and fetched again from the majority.
+  EXPECT_EQ(out[0]->refetched_chunks, static_cast<int>(ranks[0]->reg.num_chunks() / 3));
   EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
   EXPECT_EQ(ranks[0]->large, ranks[2]->large);
   EXPECT_NE(ranks[0]->reg.Digest(), ranks[3]->reg.Digest());
@@ -647,8 +748,8 @@ TEST(RunStateTransfersTest,
 
 TEST(RunStateTransfersTest, OneDivergentChunkComesFromTheMajorityTheRestAsStriped) {
   // Rank 2 (the second source) differs in chunk 1 only, which striping gives
-  // it: that chunk comes from a source of the majority, the rest of rank 2's
-  // stripe from rank 2.
+  // it: that chunk is fetched again from a source of the majority once the
+  // tables are in, the rest of rank 2's stripe comes from rank 2.
   auto ranks = MakePlainRanks(4);
   ASSERT_FALSE(ranks[0]->reg.ContiguousChunk(1).empty());
   ranks[2]->small[300] += 1.0f;  // in chunk 1 (the step's 8 bytes, then `small`)
@@ -657,7 +758,7 @@ TEST(RunStateTransfersTest, OneDivergentChunkComesFromTheMajorityTheRestAsStripe
   auto out = CopyAll(ranks);
   for (size_t r = 0; r < out.size(); ++r)
     ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
-  EXPECT_EQ(out[0]->refetched_chunks, 0);
+  EXPECT_EQ(out[0]->refetched_chunks, 1) << "chunk 1, once";
   EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
 }
 
@@ -708,7 +809,8 @@ TEST(ExchangeShardsTest, ResizeReshardsLiveWithMembersSwappingShards) {
 
 TEST(ExchangeShardsTest, AHolderThatServesNoChunkStillEndsItsPartOfTheProtocol) {
   // The whole shard is one chunk: of a receiver's three holders, two send
-  // nothing but the header; they must not wait for a request forever.
+  // no chunk (a header, then a table for an empty request); they must not
+  // wait for a request forever.
   auto ranks = MakeRanks({2, 2, 2, 2, 2, 2}, 1 << 20);
   for (int r = 0; r < 6; ++r) ranks[static_cast<size_t>(r)]->Hold((r + 1) % 2, 4);
   const Moves moves = {{0, 0, {1, 3, 5}}, {1, 1, {0, 2, 4}}, {2, 0, {1, 3, 5}},
