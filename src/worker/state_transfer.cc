@@ -817,9 +817,11 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   std::vector<std::vector<uint32_t>> failed(k);
   std::vector<std::vector<uint32_t>> claims(k, std::vector<uint32_t>(reg.num_chunks(), 0));
   std::atomic<uint64_t> bytes{0};
-  // Every source has a request from here on: a failure aborts the communicator, so that none
-  // waits out its deadline for a request or a read that will not come.
+  // Every source has a request from here on. On a failure each is told it is done (best effort:
+  // one that has sent all it was asked returns at once) and this worker's communicator is
+  // aborted, which stops what of the copy still runs here.
   auto fail = [&](const Status& s) {
+    for (const Offer& o : offers) (void)SendU32s(comm, o.rank, {});
     comm.Abort(
         fmt::format("the state copy of generation {} failed: {}", plan.generation, s.message()));
     return s;
@@ -863,7 +865,12 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
     return fail(DataLossError(fmt::format("state chunk {} failed its checksum from every source",
                                           pending.begin()->first)));
   }
-  for (const Offer& o : offers) NONSTOP_RETURN_IF_ERROR(SendU32s(comm, o.rank, {}));
+  Status told;  // every source is told it is done, even after one send failed
+  for (const Offer& o : offers) {
+    Status s = SendU32s(comm, o.rank, {});
+    if (told.ok()) told = s;
+  }
+  NONSTOP_RETURN_IF_ERROR(told);
   outcome.bytes_received = bytes.load();
   // The rest of the state is of the newer step now, the shards it holds are not.
   if (reg.shard_group() > 0) reg.set_held_shard(state::kNoShard);
@@ -1248,8 +1255,8 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
       // that swap shards never both wait for a request.
       Status s = me < peer ? do_serve() : do_fetch();
       if (s.ok()) s = me < peer ? do_fetch() : do_serve();
-      // A failure ends the exchange with every peer at once: none waits out its deadline for a
-      // request or a read that will not come.
+      // A failure ends this member's exchanges with every peer at once (its other threads stop
+      // instead of serving or fetching what no one will commit).
       if (!s.ok() && s.code() != StatusCode::kAborted) {
         comm.Abort(fmt::format("the shard exchange with rank {} failed: {}", peer, s.message()));
       }

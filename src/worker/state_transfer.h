@@ -28,8 +28,9 @@
 // CRC of each chunk asked for from the bytes it is about to send (in cache,
 // for the kernel's copy too) and those of the other chunks on a thread of
 // their own meanwhile, so no pass over the state stands between the request
-// and the first byte; the shard exchange sends the table it computed before
-// (its digest was all-gathered). The header, table, requests and {index,
+// and the first byte; a source serving several receivers at once computes
+// one table for all first, and the shard exchange sends the table it
+// computed before (its digest was all-gathered). The header, table, requests and {index,
 // crc32c} travel checksummed by the transport (Send/Recv); a chunk's bytes
 // travel unchecked by it (SendUnchecked/RecvUnchecked), because the CRCs
 // protect them: each byte is then read once on each side by a CRC and once
@@ -64,11 +65,13 @@
 // source that lies (another chunk than asked, a word other than its table's,
 // another size, garbage) fails the transfer with a message naming it; one
 // that stalls, with DEADLINE_EXCEEDED after timeout_collective. A request
-// that names a chunk twice or one the state lacks is DATA_LOSS at the source.
-// A failure after the requests went out aborts the communicator, so that no
-// source waits out its deadline for a request that will not come. The
-// sources' states must not change while they serve (they are recovering,
-// not training): a source checksums each chunk as it sends it.
+// that names a chunk twice, one the state lacks or one the transfer does not
+// copy (a sharded chunk here, a replicated one in the shard exchange), or
+// lanes the transport lacks, is DATA_LOSS at the source.
+// A failure after the requests went out tells every source it is done
+// (best effort) and aborts this worker's communicator. The sources' states
+// must not change while they serve (they are recovering, not training): a
+// source checksums each chunk as it sends it.
 #pragma once
 
 #include <cstdint>
@@ -88,7 +91,7 @@ struct TransferOutcome {
   uint64_t bytes_received = 0;
   int sources = 0;
   int streams_per_source = 0;  // the most lanes one source's chunks came over
-  int refetched_chunks = 0;
+  int refetched_chunks = 0;    // fetches again (a chunk fetched twice more counts twice)
 };
 
 struct TransferHooks {
