@@ -595,6 +595,38 @@ TEST(RunStateTransfersTest, TwoReceiversCopyFromTheSameSourcesAtOnce) {
   EXPECT_TRUE(out[3]->served);
 }
 
+// The state transfer copies the replicated chunks only (the shard exchange moves the sharded
+// ones): a source refuses a request for a sharded chunk, naming it.
+TEST(RunStateTransfersTest, ARequestForAShardedChunkIsRefusedByTheSource) {
+  auto ranks = MakeRanks({2, 2});
+  ranks[1]->Hold(1, 9);
+  control::PlanMsg plan = PlanOf(ranks, 9, {});
+  plan.transfers = {{0, {1}}};
+  uint32_t sharded = 0;
+  while (sharded < ranks[1]->reg.num_chunks() && !ranks[1]->reg.chunk_sharded(sharded)) ++sharded;
+  ASSERT_LT(sharded, ranks[1]->reg.num_chunks());
+  Result<TransferOutcome> served = InternalError("not run");
+  std::thread source(
+      [&] { served = RunStateTransfers(*ranks[1]->comm, ranks[1]->reg, plan, 1, 9, {}); });
+  collective::Communicator& receiver = *ranks[0]->comm;
+  std::string header(40, '\0');
+  EXPECT_TRUE(receiver.Recv(1, std::as_writable_bytes(std::span(header))).ok());
+  std::string count, body;
+  PutFixed32(&count, 2);
+  PutFixed32(&body, 1);  // one lane
+  PutFixed32(&body, sharded);
+  EXPECT_TRUE(receiver.Send(1, std::as_bytes(std::span(count))).ok());
+  EXPECT_TRUE(receiver.Send(1, std::as_bytes(std::span(body))).ok());
+  source.join();
+  receiver.Abort("the test is over");
+  ASSERT_FALSE(served.ok());
+  EXPECT_EQ(served.status().code(), StatusCode::kDataLoss) << served.status().ToString();
+  EXPECT_NE(served.status().message().find(fmt::format(
+                "request for chunk {}, a sharded chunk, in the state transfer", sharded)),
+            std::string::npos)
+      << served.status().ToString();
+}
+
 // More sources than chunks: the sources with no chunk still get a request (the first one is what
 // a source sends its table after, and the majority needs every table) and the copy completes.
 TEST(RunStateTransfersTest, SourcesWithNoChunkToSendStillSendTheirTables) {
