@@ -191,6 +191,17 @@ Status SendU32s(collective::Communicator& comm, int rank, const std::vector<uint
   return comm.Send(rank, std::as_bytes(std::span(buf)));
 }
 
+// Tells each of `sources` that this receiver is done with it (the empty request), every one of them
+// even after a send failed: the first failure.
+Status TellDone(collective::Communicator& comm, const std::vector<int>& sources) {
+  Status first;
+  for (int source : sources) {
+    Status s = SendU32s(comm, source, {});
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
 Result<std::vector<uint32_t>> RecvU32s(collective::Communicator& comm, int rank, uint32_t limit) {
   std::string buf(4, '\0');
   NONSTOP_RETURN_IF_ERROR(comm.Recv(rank, std::as_writable_bytes(std::span(buf))));
@@ -299,8 +310,10 @@ Status SendChunks(collective::Communicator& comm, const state::StateRegistry& re
 // The receiver's request, checked: {lanes, index…} with lanes within the transport's, every index
 // a chunk of the state that this transfer copies (`sharded`: the shard exchange's, else the
 // replicated ones) and none twice (a lane of SendChunks writes its chunks' table entries).
-Status CheckRequest(const collective::Communicator& comm, const state::StateRegistry& reg,
-                    const std::vector<uint32_t>& request, bool sharded) {
+// Returns which chunks it asks for (1 at their index).
+Result<std::vector<char>> CheckRequest(const collective::Communicator& comm,
+                                       const state::StateRegistry& reg,
+                                       const std::vector<uint32_t>& request, bool sharded) {
   const uint32_t lanes = request[0];
   if (lanes < 1 || lanes > static_cast<uint32_t>(comm.p2p_lanes())) {
     return DataLossError(fmt::format("a request for {} chunks over {} lanes (1 to {} can be)",
@@ -319,7 +332,14 @@ Status CheckRequest(const collective::Communicator& comm, const state::StateRegi
     }
     asked[index] = 1;
   }
-  return OkStatus();
+  return asked;
+}
+
+// A source's header (`step`: the step its state holds; `shard`: the shard whose chunks follow).
+Status SendHeader(collective::Communicator& comm, int receiver, int64_t step,
+                  const state::StateRegistry& reg, int shard) {
+  const std::string header = EncodeHeader(step, reg, shard);
+  return comm.Send(receiver, std::as_bytes(std::span(header)));
 }
 
 // Source side: serve one receiver until it says it is done. It sends its header (`step`: the step
@@ -336,25 +356,23 @@ Status CheckRequest(const collective::Communicator& comm, const state::StateRegi
 Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int receiver, int64_t step,
              const std::vector<uint32_t>* known, bool sharded, std::atomic<bool>* corrupt_next,
              int shard = -1) {
-  const std::string header = EncodeHeader(step, reg, shard >= 0 ? shard : reg.held_shard());
-  NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
+  NONSTOP_RETURN_IF_ERROR(
+      SendHeader(comm, receiver, step, reg, shard >= 0 ? shard : reg.held_shard()));
   std::vector<uint32_t> table = known != nullptr ? *known : std::vector<uint32_t>{};
   bool table_sent = false;
   while (true) {
     NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
                              RecvU32s(comm, receiver, reg.num_chunks() + 1));
     if (request.empty()) return OkStatus();
-    NONSTOP_RETURN_IF_ERROR(CheckRequest(comm, reg, request, sharded));
+    NONSTOP_ASSIGN_OR_RETURN(const std::vector<char> asked,
+                             CheckRequest(comm, reg, request, sharded));
     const auto lanes = static_cast<int>(request[0]);
     std::span<const uint32_t> chunks(request.begin() + 1, request.end());
     const bool checksum_here = known == nullptr && !table_sent;
-    std::vector<char> asked;
     std::vector<uint32_t> rest;  // the CRCs of the chunks not asked for, computed meanwhile
     std::jthread rest_thread;    // last: joined before what it uses goes
     if (checksum_here) {
       table.assign(reg.num_chunks(), 0);
-      asked.assign(reg.num_chunks(), 0);
-      for (uint32_t c : chunks) asked[c] = 1;
       auto compute = [&] { rest = CrcTable(reg, sharded, shard, &asked, lanes); };
       try {
         rest_thread = std::jthread(compute);
@@ -384,8 +402,7 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
 // receiver's done and returns `refusal`.
 Status ServeRefusal(collective::Communicator& comm, const state::StateRegistry& reg, int receiver,
                     int64_t held_step, const Status& refusal) {
-  const std::string header = EncodeHeader(held_step, reg, reg.held_shard());
-  NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
+  NONSTOP_RETURN_IF_ERROR(SendHeader(comm, receiver, held_step, reg, reg.held_shard()));
   NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
                            RecvU32s(comm, receiver, reg.num_chunks() + 1));
   if (!request.empty()) {
@@ -583,7 +600,7 @@ Result<std::vector<Offer>> GatherOffers(collective::Communicator& comm,
   // Every source sent its header at once and waits for a request: all of them, read or not, are
   // told "done", so that none waits for a request that will not come.
   auto end_all = [&](const Status& s) {
-    for (int source : sources) (void)SendU32s(comm, source, {});
+    (void)TellDone(comm, sources);
     return s;
   };
   for (int source : sources) {
@@ -820,8 +837,10 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   // Every source has a request from here on. On a failure each is told it is done (best effort:
   // one that has sent all it was asked returns at once) and this worker's communicator is
   // aborted, which stops what of the copy still runs here.
+  std::vector<int> from;  // the sources' ranks
+  for (const Offer& o : offers) from.push_back(o.rank);
   auto fail = [&](const Status& s) {
-    for (const Offer& o : offers) (void)SendU32s(comm, o.rank, {});
+    (void)TellDone(comm, from);
     comm.Abort(
         fmt::format("the state copy of generation {} failed: {}", plan.generation, s.message()));
     return s;
@@ -865,12 +884,7 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
     return fail(DataLossError(fmt::format("state chunk {} failed its checksum from every source",
                                           pending.begin()->first)));
   }
-  Status told;  // every source is told it is done, even after one send failed
-  for (const Offer& o : offers) {
-    Status s = SendU32s(comm, o.rank, {});
-    if (told.ok()) told = s;
-  }
-  NONSTOP_RETURN_IF_ERROR(told);
+  NONSTOP_RETURN_IF_ERROR(TellDone(comm, from));
   outcome.bytes_received = bytes.load();
   // The rest of the state is of the newer step now, the shards it holds are not.
   if (reg.shard_group() > 0) reg.set_held_shard(state::kNoShard);
