@@ -8,6 +8,7 @@
 
 #include <bit>
 #include <functional>
+#include <future>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -162,6 +163,44 @@ std::vector<Result<TransferOutcome>> ExchangeAll(
   }
   for (auto& t : threads) t.join();
   return out;
+}
+
+// A member played by the test: it joins ExchangeShards' all-gather of what every member holds
+// with its own record (group size, held shard, step, digest 0: the 24 bytes of state_transfer.cc's
+// ShardRecord), so that the real members go on to their moves with it.
+Status JoinHoldings(collective::Communicator& comm, int group, int held, int64_t step) {
+  constexpr size_t kRecord = 24;
+  std::string mine;
+  PutFixed32(&mine, static_cast<uint32_t>(group));
+  PutFixed32(&mine, static_cast<uint32_t>(held));
+  PutFixed64(&mine, static_cast<uint64_t>(step));
+  PutFixed32(&mine, 0);
+  PutFixed32(&mine, 0);
+  std::vector<std::byte> records(kRecord * static_cast<size_t>(comm.world_size()));
+  std::memcpy(records.data() + kRecord * static_cast<size_t>(comm.rank()), mine.data(), kRecord);
+  NONSTOP_RETURN_IF_ERROR(comm.Connect());
+  return comm.AllGather(records, kRecord);
+}
+
+// Every rank but `played` (the test's) runs ExchangeShards for `plan` on a thread of its own,
+// its result into (*out)[rank].
+std::vector<std::jthread> StartExchanges(std::vector<std::unique_ptr<Rank>>& ranks,
+                                         const control::PlanMsg& plan, int played,
+                                         std::function<TransferHooks(int)> hooks,
+                                         std::vector<Result<TransferOutcome>>* out) {
+  out->assign(ranks.size(), InternalError("not run"));
+  std::vector<std::jthread> threads(ranks.size());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    if (static_cast<int>(r) == played) continue;
+    threads[r] = std::jthread([&ranks, &plan, hooks, out, r] {
+      Rank& k = *ranks[r];
+      Status c = k.comm->Connect();
+      (*out)[r] = c.ok() ? ExchangeShards(*k.comm, k.reg, plan, k.step,
+                                          hooks ? hooks(static_cast<int>(r)) : TransferHooks{})
+                         : Result<TransferOutcome>(c);
+    });
+  }
+  return threads;
 }
 
 // Every rank refuses the plan: `code`, the message naming `what`.
@@ -1043,6 +1082,82 @@ TEST(ExchangeShardsTest, AMoveToAMemberThatHoldsItsShardOrOfAnotherShardIsRefuse
       out, StatusCode::kFailedPrecondition,
       "rank 1 (worker 1) is to receive shard 1 of step 7, which it holds already");
   EXPECT_TRUE(ranks[1]->HoldsShard(1, 7));
+}
+
+// The shard exchange copies the sharded chunks only (the state transfer, the replicated ones): a
+// holder refuses a request for a replicated chunk, naming it. Rank 3, a spare receiving shard 1
+// from rank 1, is played by the test and asks for chunk 0 (the step counter).
+TEST(ExchangeShardsTest, ARequestForAReplicatedChunkIsRefusedByTheHolder) {
+  auto ranks = MakeRanks({2, 2, 2, 2});
+  for (int r : {0, 1, 2}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
+  ASSERT_FALSE(ranks[1]->reg.chunk_sharded(0));
+  const control::PlanMsg plan = PlanOf(ranks, 7, {{3, 1, {1}}});
+  std::vector<Result<TransferOutcome>> out;
+  std::vector<std::jthread> members = StartExchanges(ranks, plan, 3, nullptr, &out);
+  collective::Communicator& spare = *ranks[3]->comm;
+  EXPECT_TRUE(JoinHoldings(spare, 2, state::kNoShard, 7).ok());
+  std::string header(40, '\0');
+  EXPECT_TRUE(spare.Recv(1, std::as_writable_bytes(std::span(header))).ok());
+  std::string count, body;
+  PutFixed32(&count, 2);
+  PutFixed32(&body, 1);  // one lane
+  PutFixed32(&body, 0);  // chunk 0
+  EXPECT_TRUE(spare.Send(1, std::as_bytes(std::span(count))).ok());
+  EXPECT_TRUE(spare.Send(1, std::as_bytes(std::span(body))).ok());
+  members[1].join();
+  for (auto& r : ranks) r->comm->Abort("the test is over");  // ranks 0 and 2 wait in the barrier
+  members.clear();                                           // joined
+  ASSERT_FALSE(out[1].ok());
+  EXPECT_EQ(out[1].status().code(), StatusCode::kDataLoss) << out[1].status().ToString();
+  EXPECT_NE(out[1].status().message().find(
+                "request for chunk 0, a replicated chunk, in the shard exchange"),
+            std::string::npos)
+      << out[1].status().ToString();
+  EXPECT_TRUE(ranks[1]->HoldsShard(1, 7));
+}
+
+// A move that fails ends the member's other moves at once (its communicator is aborted with the
+// cause; no peer waits out the collective's 30 s deadline) and commits nothing. Rank 3, a spare,
+// copies shard 1 striped from ranks 1 and 2, which claim every shard: rank 1 (played by the test)
+// sends a corrupt header, rank 2 has not started to serve.
+TEST(ExchangeShardsTest, AFailedMoveEndsTheMembersOtherMovesAtOnceAndCommitsNothing) {
+  auto ranks = MakeRanks({2, 2, 2, 2}, 1024, /*whole_rank=*/2);
+  ranks[0]->Hold(0, 7);
+  ranks[2]->HoldEvery(7);
+  ranks[3]->step = 7;
+  ranks[3]->reg.set_held_shard(state::kNoShard);
+  const control::PlanMsg plan = PlanOf(ranks, 7, {{3, 1, {1, 2}}});
+  std::promise<void> go;
+  std::shared_future<void> started = go.get_future().share();
+  std::vector<Result<TransferOutcome>> out;
+  std::vector<std::jthread> members = StartExchanges(
+      ranks, plan, 1,
+      [started](int r) {
+        TransferHooks h;
+        if (r == 2) h.on_start = [started] { started.wait(); };  // rank 2 serves once let go
+        return h;
+      },
+      &out);
+  collective::Communicator& holder = *ranks[1]->comm;
+  EXPECT_TRUE(JoinHoldings(holder, 2, state::kEveryShard, 7).ok());
+  std::string garbage(40, 'x');
+  EXPECT_TRUE(holder.Send(3, std::as_bytes(std::span(garbage))).ok());
+  members[3].join();  // without the abort, its wait for rank 2's header lasts 30 s
+  for (auto& r : ranks) r->comm->Abort("the test is over");
+  go.set_value();
+  members.clear();  // joined
+  ASSERT_FALSE(out[3].ok());
+  EXPECT_EQ(out[3].status().code(), StatusCode::kDataLoss) << out[3].status().ToString();
+  EXPECT_NE(out[3].status().message().find("state header from rank 1 is corrupt"),
+            std::string::npos)
+      << out[3].status().ToString();
+  const Status aborted = ranks[3]->comm->error();
+  EXPECT_EQ(aborted.code(), StatusCode::kAborted) << aborted.ToString();
+  EXPECT_NE(aborted.message().find("the shard exchange with rank 1 failed: state header from "
+                                   "rank 1 is corrupt"),
+            std::string::npos)
+      << aborted.ToString();
+  EXPECT_EQ(ranks[3]->reg.held_shard(), state::kNoShard) << "nothing committed";
 }
 
 // ValidatePlan, before anything acts on a plan: the shape of its shard moves.
