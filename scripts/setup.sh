@@ -29,6 +29,7 @@ PACKAGES=(
   libbenchmark-dev
   iproute2  # `ip` and `tc`: the namespaces, bridge and veths of the multihost tests (tests/multihost/netns.h), etcd slowed by `tc`
   nftables  # `nft`: the firewall of tests/multihost/etcd_cluster_test.cc's job limited to --data-ports
+  e2fsprogs util-linux  # mkfs.ext4, mount, fsfreeze: the hung disk under the journal (tests/integration/run_test.cc)
   clang-16 libclang-rt-16-dev llvm-16
   clang-format-16  # scripts/format.sh and the format part of scripts/test.sh (.clang-format)
   chromium  # the dashboard and report tests open the pages headless (tests/integration/dashboard_test.cc)

@@ -639,7 +639,7 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   CheckHeartbeats(out);
   if (phase_ == JobPhase::kEnded) return;
   if (slotted() && placement_.placed()) TopUpHosts(out);
-  if (phase_ == JobPhase::kRecovering && now_ >= abort_deadline_) {
+  if (phase_ == JobPhase::kRecovering && !stop_orders_held_ && now_ >= abort_deadline_) {
     // Escalation: members that could not abort in time are killed and replaced.
     std::vector<int> late;
     for (const WorkerInfo* w : membership_.member_info()) {

@@ -222,6 +222,12 @@ struct WorkerStarted {
   control::AgentStartedMsg msg;
 };
 struct Tick {};
+// An abort or drain the core ordered waits for the journal's sync (`held`; Runtime::RunPending: a
+// hung disk holds it up to 11 s), or has gone out now (!held). The members' answers are awaited
+// from when it went out, not from when it was decided.
+struct StopOrdersHeld {
+  bool held = false;
+};
 // A request to change the world size: {"world_size": N}, {"release": N} or {"grow": N} (POST
 // /scale).
 struct ScaleRequest {
@@ -241,7 +247,7 @@ using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, Fi
                            FailureReported, ReadyReceived, RecoveredReceived, InjectedReceived,
                            ConnectionLost, ProcessExited, ProcessStopped, Tick, ScaleRequest,
                            Interrupted, HostJoined, HostHeartbeat, HostLost, WorkerStarted,
-                           Takeover, HostLeaving, ProcessDying>;
+                           Takeover, HostLeaving, ProcessDying, StopOrdersHeld>;
 
 // ---- actions ----
 // Every member of a generation gets the same plan: one PlanMsg, shared by the
@@ -364,6 +370,7 @@ class Controller {
   void On(const ProcessStopped& e, std::vector<Action>* out);
   void On(const ProcessDying& e, std::vector<Action>* out);
   void On(const Tick& e, std::vector<Action>* out);
+  void On(const StopOrdersHeld& e, std::vector<Action>* out);
   void On(const ScaleRequest& e, std::vector<Action>* out);
   void On(const Interrupted& e, std::vector<Action>* out);
   void On(const HostJoined& e, std::vector<Action>* out);
@@ -432,6 +439,8 @@ class Controller {
   // A member lost during a planned resize: the survivors may be blocked in a
   // collective with it, which the drain alone never ends; they are aborted.
   void EscalateResize(std::vector<Action>* out);
+  // The members have `window` to answer the abort or drain decided now (abort_deadline_).
+  void ArmAbortDeadline(Millis window);
   // Releases the members of leaving hosts at the next step boundary, once the
   // job runs (a planned resize; spares elsewhere take their ranks where the
   // policy does not allow the smaller world).
@@ -500,6 +509,11 @@ class Controller {
   // resume step or finished (last_step only grows while the members stay).
   size_t close_scan_ = 0;
   Clock::time_point abort_deadline_{};
+  // How long the members have to answer an abort or a drain once it has gone out
+  // (ArmAbortDeadline): abort_deadline_ is at least that after it was sent (StopOrdersHeld), and
+  // nobody is late while it is held back.
+  Millis abort_window_{0};
+  bool stop_orders_held_ = false;
   // Every survivor answered the abort, but a lost member's spare is still starting: the plan waits
   // for it until then (options_.spare_wait after the survivors were ready).
   std::optional<Clock::time_point> spare_wait_until_;

@@ -211,9 +211,9 @@ void Controller::OpenRecovery(const std::string& cause, bool planned, std::vecto
   // A healthy member answers the abort at its next check (between
   // micro-batches, or its collective): never sooner than the step it is
   // computing allows, so slow steps stretch the deadline.
-  abort_deadline_ = now_ + std::max(options_.abort_timeout,
-                                    std::chrono::duration_cast<Millis>(
-                                        std::chrono::duration<double>(1.5 * median_step)));
+  ArmAbortDeadline(std::max(
+      options_.abort_timeout,
+      std::chrono::duration_cast<Millis>(std::chrono::duration<double>(1.5 * median_step))));
   // Inherited members that have not joined this controller yet (a takeover)
   // answer once they have: the adoption bound first, then the abort's.
   if (!membership_.unconfirmed().empty()) {
@@ -645,9 +645,9 @@ void Controller::StartResize(int new_world, const std::string& trigger, std::vec
   // Members stop at the first step boundary at or after `after`: the step
   // they are computing now completes; nothing is dropped.
   control::DrainMsg drain{generation_, highest_step_ + 1, trigger};
-  abort_deadline_ = now_ + options_.abort_timeout +
-                    std::chrono::duration_cast<Millis>(
-                        std::chrono::duration<double>(10 * step_times_.MedianSeconds()));
+  ArmAbortDeadline(options_.abort_timeout +
+                   std::chrono::duration_cast<Millis>(
+                       std::chrono::duration<double>(10 * step_times_.MedianSeconds())));
   for (int id : membership_.members()) {
     if (IsLiveMember(membership_.at(id))) out->push_back(SendDrain{id, drain});
   }
@@ -656,15 +656,27 @@ void Controller::StartResize(int new_world, const std::string& trigger, std::vec
                             membership_.members().size(), new_world, drain.after_step, trigger)});
 }
 
+void Controller::ArmAbortDeadline(Millis window) {
+  abort_window_ = window;
+  abort_deadline_ = now_ + window;
+}
+
+// An abort or drain waits for the journal's sync, or went out now: nobody is late while it waits,
+// and the members' window to answer it starts when it goes out (a hung disk under the journal must
+// not turn into "did not abort in time" for every survivor).
+void Controller::On(const StopOrdersHeld& e, std::vector<Action>*) {
+  stop_orders_held_ = e.held;
+  if (!e.held) abort_deadline_ = std::max(abort_deadline_, now_ + abort_window_);
+}
+
 void Controller::EscalateResize(std::vector<Action>* out) {
   if (!open_recovery_ || phase_ != JobPhase::kRecovering) return;
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   if (rec.kind != "resize") return;
   rec.kind = "recovery";  // a fault now, not a planned change
-  abort_deadline_ =
-      now_ + std::max(options_.abort_timeout,
-                      std::chrono::duration_cast<Millis>(
-                          std::chrono::duration<double>(1.5 * step_times_.MedianSeconds())));
+  ArmAbortDeadline(std::max(options_.abort_timeout,
+                            std::chrono::duration_cast<Millis>(
+                                std::chrono::duration<double>(1.5 * step_times_.MedianSeconds()))));
   auto abort = std::make_shared<const control::AbortMsg>(
       control::AbortMsg{generation_, "a member was lost during a resize"});
   for (int id : membership_.members()) {

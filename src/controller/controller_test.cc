@@ -385,6 +385,32 @@ TEST_F(ControllerTest, MemberThatDoesNotAbortInTimeIsKilledAndTheRecoveryGoesOn)
   ASSERT_EQ(plans.size(), 2u) << "rank 0 and the spare";
 }
 
+// An abort the runtime holds back for the journal's sync (a hung disk: up to 11 s) makes nobody
+// late; the members' 2 s to answer it start when it goes out.
+TEST_F(ControllerTest, AnAbortHeldBackForTheJournalMakesNobodyLateUntilItGoesOut) {
+  StartJob();
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
+  Do(StopOrdersHeld{true});
+  auto alive = [&] {
+    for (int id : {0, 1, 3}) Do(HeartbeatReceived{id, {-1, -1}});
+  };
+  for (int second = 1; second <= 11; ++second) {
+    now_ += Millis(1000);
+    alive();
+    EXPECT_TRUE(Find<KillWorker>(Do(Tick{})).empty()) << "held for " << second << " s";
+  }
+  Do(StopOrdersHeld{false});  // it goes out now
+  now_ += Millis(1900);
+  alive();
+  EXPECT_TRUE(Find<KillWorker>(Do(Tick{})).empty()) << "2 s from its sending, not its decision";
+  Ready(0, 4);
+  now_ += Millis(200);
+  alive();
+  auto kills = Find<KillWorker>(Do(Tick{}));
+  ASSERT_EQ(kills.size(), 1u);
+  EXPECT_EQ(kills[0].worker_id, 1) << "rank 1 did not answer the abort it got 2.1 s ago";
+}
+
 TEST_F(ControllerTest, TwoFaultsInOneStepNeedTwoSparesOrShrink) {
   StartJob();
   Do(ProcessExited{1, 1001, -1, 9, kHost});

@@ -227,6 +227,7 @@ class Runtime {
   // it held then (stalled_upto_). A controller that held them back would stop the job while its
   // pings said it was alive.
   bool journal_stalled_ = false;
+  bool stop_orders_held_ = false;  // what the core was last told (StopOrdersHeld)
   uint64_t stalled_upto_ = 0;
   uint64_t seen_durable_ = 0;                // journal_->durable() as this loop last saw it
   Deadline durable_grew_at_ = Clock::now();  // when that grew
@@ -746,6 +747,7 @@ void Runtime::RunPending() {
     journal_stalled_ = false;
     Print(fmt::format("[nonstop] the journal {} is synced again\n", journal_->path()));
   }
+  bool stop_sent = false;  // an abort or drain went out: the core's deadline for answers starts now
   while (!pending_.empty()) {
     const Pending& next = pending_.front();
     if (leadership_ != nullptr && (next.after > leadership_->durable() || !leadership_->Valid()))
@@ -755,7 +757,16 @@ void Runtime::RunPending() {
       break;
     Action a = std::move(pending_.front().action);
     pending_.pop_front();
+    stop_sent |= std::holds_alternative<SendAbort>(a) || std::holds_alternative<SendDrain>(a);
     Execute(a);
+  }
+  const bool held = std::any_of(pending_.begin(), pending_.end(), [](const Pending& p) {
+    return std::holds_alternative<SendAbort>(p.action) ||
+           std::holds_alternative<SendDrain>(p.action);
+  });
+  if (held != stop_orders_held_ || (stop_sent && !held)) {
+    stop_orders_held_ = held;
+    events_.push_back(StopOrdersHeld{held});
   }
 }
 

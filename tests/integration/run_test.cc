@@ -396,6 +396,93 @@ TEST(RunIntegrationTest, DataPortRangeTooSmallIsNamed) {
       << out;
 }
 
+// An ext4 file system on a loop device, mounted at `dir`/disk for the length of a test, that the
+// test can freeze (fsfreeze(8): every write and sync on it blocks until it is thawed, as on a hung
+// disk or a lost NFS mount). `why_not` says why there is none (not root, no loop device).
+class FreezableDisk {
+ public:
+  explicit FreezableDisk(const std::filesystem::path& dir)
+      : image_(dir / "disk.img"), mount_(dir / "disk") {
+    if (::geteuid() != 0) {
+      why_not_ = "mounting a loop device needs root";
+      return;
+    }
+    std::filesystem::create_directories(mount_);
+    { std::ofstream(image_.string()).close(); }
+    std::filesystem::resize_file(image_, 32 << 20);
+    if (Run("mkfs.ext4 -q -F " + image_.string()) != 0) {
+      why_not_ = "mkfs.ext4 failed (e2fsprogs)";
+    } else if (Run("mount -o loop " + image_.string() + " " + mount_.string()) != 0) {
+      why_not_ = "mount -o loop failed (no loop device here?)";
+    } else {
+      mounted_ = true;
+    }
+  }
+  ~FreezableDisk() {
+    if (!mounted_) return;
+    Thaw();
+    // The processes that had files open on it may take a moment to exit once it is thawed.
+    for (int i = 0; i < 50 && Run("umount " + mount_.string() + " 2>/dev/null") != 0; ++i)
+      std::this_thread::sleep_for(milliseconds(200));
+    Run("umount -l " + mount_.string() + " 2>/dev/null");
+  }
+  const std::string& why_not() const { return why_not_; }
+  std::string path(const std::string& name) const { return (mount_ / name).string(); }
+  bool Freeze() { return Run("fsfreeze -f " + mount_.string()) == 0; }
+  void Thaw() { Run("fsfreeze -u " + mount_.string() + " 2>/dev/null"); }
+
+ private:
+  static int Run(const std::string& command) { return std::system((command + " >&2").c_str()); }
+  std::filesystem::path image_, mount_;
+  std::string why_not_;
+  bool mounted_ = false;
+};
+
+// The controller's journal on a disk that hangs while a worker is killed: the orders of the
+// recovery wait for the journal's sync no longer than 10 s, then go out without it (said), the
+// survivors are not counted late for an abort that was held back, the recovery completes and the
+// job ends on the checksum of a job without a fault once the disk is back (said too).
+TEST(RunIntegrationTest, AJournalOnAHungDiskHoldsTheOrdersTenSecondsAndTheRecoveryCompletes) {
+  TempDir dir;
+  FreezableDisk disk(dir.path());
+  if (!disk.why_not().empty()) GTEST_SKIP() << "NOT RUN: " << disk.why_not();
+  const std::string journal = disk.path("journal.jsonl");
+  ChildProcess run(
+      {kBin + "/nonstop", "run", "--nproc", "2", "--spares", "1", "--journal", journal, "--",
+       kBin + "/nonstop-test-worker", "--steps", "1000", "--elements", "1000", "--sleep-ms", "10"},
+      dir / "out.txt");
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 5, milliseconds(30'000)))
+      << run.Output();
+  int64_t victim = -1;
+  for (auto& j : Events(journal, "join")) {
+    if (j["worker_id"] == 1) victim = j["pid"];
+  }
+  ASSERT_GT(victim, 0);
+  ASSERT_TRUE(disk.Freeze());
+  ASSERT_EQ(::kill(static_cast<pid_t>(victim), SIGKILL), 0);
+  // The plan of the recovery goes out while the disk still hangs.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (run.Output().find("generation 2:") == std::string::npos &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  std::string out = run.Output();
+  disk.Thaw();
+  const size_t stalled = out.find("has not synced anything for 10 s (its disk hangs?)");
+  ASSERT_NE(stalled, std::string::npos) << out;
+  ASSERT_NE(out.find("generation 2:", stalled), std::string::npos) << out;
+  ASSERT_EQ(run.Wait(milliseconds(90'000)), 0) << run.Output();
+  out = run.Output();
+  EXPECT_EQ(out.find("did not abort in time"), std::string::npos) << out;
+  EXPECT_NE(out.find("is synced again"), std::string::npos) << out;
+  auto ends = Events(journal, "recovery_end");
+  ASSERT_EQ(ends.size(), 1u) << out;
+  EXPECT_EQ(ends[0]["recovery"]["outcome"], "completed") << ends[0].dump();
+  auto finished = Events(journal, "finished");
+  ASSERT_EQ(finished.size(), 2u) << out;
+  for (const auto& f : finished) EXPECT_EQ(f["checksum"], TestWorkerChecksum(1000, 1000)) << out;
+}
+
 TEST(RunIntegrationTest, WorkerOutsideNonstopRunGetsAHint) {
   TempDir dir;
   ChildProcess w({kBin + "/nonstop-test-worker"}, dir / "out.txt");
