@@ -223,8 +223,10 @@ struct WorkerStarted {
 };
 struct Tick {};
 // An abort or drain the core ordered waits for the journal's sync (`held`; Runtime::RunPending: a
-// hung disk holds it up to 11 s), or has gone out now (!held). The members' answers are awaited
-// from when it went out, not from when it was decided.
+// hung disk holds it up to 11 s, etcd as long as the lease holds and the write has not landed), or
+// has gone out now (!held). The members' answers are awaited from when it went out, not from when
+// it was decided. Both are job-wide: a held order pauses every member's deadline (the kills that
+// would follow queue behind it anyway), one that goes out gives every member the window again.
 struct StopOrdersHeld {
   bool held = false;
 };
