@@ -951,7 +951,11 @@ TEST_F(TrainTest, ABitFlippedInOneOfFourReplicasIsFoundAndRepairedFromTheMajorit
     timed += st.contains("replica_check_ms") && st["replica_check_ms"].get<double>() >= 0;
   EXPECT_GE(timed, static_cast<int>(every.losses.size()) - 3) << every.output;
   auto plans = nonstop::testing::JournalEvents(dir_ / "k1.jsonl", "plan");
-  ASSERT_EQ(plans.size(), 2u);
+  // (Once in CI, under load, a third plan came with no second fault: the recoveries say why.)
+  std::string recoveries;
+  for (const auto& r : nonstop::testing::JournalEvents(dir_ / "k1.jsonl", "recovery_start"))
+    recoveries += r.dump() + "\n";
+  ASSERT_EQ(plans.size(), 2u) << recoveries << every.output;
   EXPECT_EQ(plans[1]["resume_step"], 9);
   EXPECT_EQ(plans[1]["members"].size(), 4u) << "repaired in place, nobody replaced";
 
