@@ -241,6 +241,16 @@ int StreamsFor(const collective::Communicator& comm, const state::StateRegistry&
       1, std::min({want, static_cast<uint64_t>(comm.p2p_lanes()), uint64_t{chunks.size()}})));
 }
 
+// Of the results of work run at once, where a failure aborts the rest: the cause (the first error
+// that is no abort), else the first error, else OK.
+Status CauseOf(std::span<const Status> results) {
+  for (const Status& s : results) {
+    if (!s.ok() && s.code() != StatusCode::kAborted) return s;
+  }
+  for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
+  return OkStatus();
+}
+
 // Runs lane(l) for l in [0, lanes) at once, lane 0 on this thread: the first error to happen.
 // With `stop_others`, that error calls it with the error, so that the other lanes stop now instead
 // of finishing their share (or waiting out the collective's deadline for a peer that lied on one).
@@ -729,11 +739,7 @@ Status FetchRound(collective::Communicator& comm, state::StateRegistry& reg,
     }
   }
   *most_streams = std::max(*most_streams, *std::max_element(streams.begin(), streams.end()));
-  for (const Status& s : results) {
-    if (!s.ok() && s.code() != StatusCode::kAborted) return s;
-  }
-  for (const Status& s : results) NONSTOP_RETURN_IF_ERROR(s);
-  return OkStatus();
+  return CauseOf(results);
 }
 
 }  // namespace
@@ -1225,12 +1231,13 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
     tables[shard] =
         shard == -1 && !held_table.empty() ? held_table : CrcTable(reg, /*sharded=*/true, shard);
   }
-  std::vector<std::pair<int, Status>> results;
-  for (const auto& [peer, work] : peers) results.push_back({peer, OkStatus()});
+  std::vector<int> order;  // the peers, a thread each
+  for (const auto& [peer, work] : peers) order.push_back(peer);
+  std::vector<Status> results(order.size());
   std::vector<std::thread> threads;
   for (size_t i = 0; i < results.size(); ++i) {
     threads.emplace_back([&, i] {
-      const int peer = results[i].first;
+      const int peer = order[i];
       const PeerWork& work = peers.at(peer);
       auto do_serve = [&]() -> Status {
         if (!work.serve) return OkStatus();
@@ -1274,15 +1281,12 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
       if (!s.ok() && s.code() != StatusCode::kAborted) {
         comm.Abort(fmt::format("the shard exchange with rank {} failed: {}", peer, s.message()));
       }
-      results[i].second = s;
+      results[i] = s;
     });
   }
   for (auto& t : threads) t.join();
   // The cause, not the abort it made of the exchanges with the other peers.
-  for (const auto& [peer, s] : results) {
-    if (!s.ok() && s.code() != StatusCode::kAborted) return s;
-  }
-  for (const auto& [peer, s] : results) NONSTOP_RETURN_IF_ERROR(s);
+  NONSTOP_RETURN_IF_ERROR(CauseOf(results));
   outcome->served =
       std::any_of(peers.begin(), peers.end(), [](const auto& p) { return p.second.serve; });
   outcome->bytes_received = bytes.load();

@@ -143,28 +143,6 @@ control::PlanMsg PlanOf(const std::vector<std::unique_ptr<Rank>>& ranks, int64_t
   return plan;
 }
 
-// Every rank runs ExchangeShards for `plan`.
-std::vector<Result<TransferOutcome>> ExchangeAll(
-    std::vector<std::unique_ptr<Rank>>& ranks, const control::PlanMsg& plan,
-    std::function<TransferHooks(int)> hooks = nullptr) {
-  std::vector<Result<TransferOutcome>> out(ranks.size(), InternalError("not run"));
-  std::vector<std::thread> threads;
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    threads.emplace_back([&, r] {
-      Rank& k = *ranks[r];
-      Status c = k.comm->Connect();
-      if (!c.ok()) {
-        out[r] = c;
-        return;
-      }
-      out[r] = ExchangeShards(*k.comm, k.reg, plan, k.step,
-                              hooks ? hooks(static_cast<int>(r)) : TransferHooks{});
-    });
-  }
-  for (auto& t : threads) t.join();
-  return out;
-}
-
 // A member played by the test: it joins ExchangeShards' all-gather of what every member holds
 // with its own record (group size, held shard, step, digest 0: the 24 bytes of state_transfer.cc's
 // ShardRecord), so that the real members go on to their moves with it.
@@ -182,8 +160,8 @@ Status JoinHoldings(collective::Communicator& comm, int group, int held, int64_t
   return comm.AllGather(records, kRecord);
 }
 
-// Every rank but `played` (the test's) runs ExchangeShards for `plan` on a thread of its own,
-// its result into (*out)[rank].
+// Every rank but `played` (the test's; -1: none) runs ExchangeShards for `plan` on a thread of its
+// own, its result into (*out)[rank].
 std::vector<std::jthread> StartExchanges(std::vector<std::unique_ptr<Rank>>& ranks,
                                          const control::PlanMsg& plan, int played,
                                          std::function<TransferHooks(int)> hooks,
@@ -201,6 +179,15 @@ std::vector<std::jthread> StartExchanges(std::vector<std::unique_ptr<Rank>>& ran
     });
   }
   return threads;
+}
+
+// Every rank runs ExchangeShards for `plan`.
+std::vector<Result<TransferOutcome>> ExchangeAll(
+    std::vector<std::unique_ptr<Rank>>& ranks, const control::PlanMsg& plan,
+    std::function<TransferHooks(int)> hooks = nullptr) {
+  std::vector<Result<TransferOutcome>> out;
+  { std::vector<std::jthread> threads = StartExchanges(ranks, plan, -1, std::move(hooks), &out); }
+  return out;
 }
 
 // Every rank refuses the plan: `code`, the message naming `what`.
