@@ -443,6 +443,9 @@ class Controller {
   void EscalateResize(std::vector<Action>* out);
   // The members have `window` to answer the abort or drain decided now (abort_deadline_).
   void ArmAbortDeadline(Millis window);
+  // An abort's window: abort_timeout, or 1.5 normal steps where that is longer (a healthy member
+  // answers at its next check, which a slow step puts off).
+  Millis AbortWindow() const;
   // Releases the members of leaving hosts at the next step boundary, once the
   // job runs (a planned resize; spares elsewhere take their ranks where the
   // policy does not allow the smaller world).

@@ -211,9 +211,7 @@ void Controller::OpenRecovery(const std::string& cause, bool planned, std::vecto
   // A healthy member answers the abort at its next check (between
   // micro-batches, or its collective): never sooner than the step it is
   // computing allows, so slow steps stretch the deadline.
-  ArmAbortDeadline(std::max(
-      options_.abort_timeout,
-      std::chrono::duration_cast<Millis>(std::chrono::duration<double>(1.5 * median_step))));
+  ArmAbortDeadline(AbortWindow());
   // Inherited members that have not joined this controller yet (a takeover)
   // answer once they have: the adoption bound first, then the abort's.
   if (!membership_.unconfirmed().empty()) {
@@ -656,6 +654,12 @@ void Controller::StartResize(int new_world, const std::string& trigger, std::vec
                             membership_.members().size(), new_world, drain.after_step, trigger)});
 }
 
+Millis Controller::AbortWindow() const {
+  return std::max(options_.abort_timeout,
+                  std::chrono::duration_cast<Millis>(
+                      std::chrono::duration<double>(1.5 * step_times_.MedianSeconds())));
+}
+
 void Controller::ArmAbortDeadline(Millis window) {
   abort_window_ = window;
   abort_deadline_ = now_ + window;
@@ -674,9 +678,7 @@ void Controller::EscalateResize(std::vector<Action>* out) {
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   if (rec.kind != "resize") return;
   rec.kind = "recovery";  // a fault now, not a planned change
-  ArmAbortDeadline(std::max(options_.abort_timeout,
-                            std::chrono::duration_cast<Millis>(
-                                std::chrono::duration<double>(1.5 * step_times_.MedianSeconds()))));
+  ArmAbortDeadline(AbortWindow());
   auto abort = std::make_shared<const control::AbortMsg>(
       control::AbortMsg{generation_, "a member was lost during a resize"});
   for (int id : membership_.members()) {

@@ -723,6 +723,11 @@ void Runtime::Handle(const Event& e) {
   }
 }
 
+// An order the members answer within the core's abort deadline (StopOrdersHeld).
+bool IsStopOrder(const Action& a) {
+  return std::holds_alternative<SendAbort>(a) || std::holds_alternative<SendDrain>(a);
+}
+
 void Runtime::RunPending() {
   // The orders go out after the records that describe them are on disk (a controller started with
   // --resume on this journal after this host crashed must know every order that was sent): the
@@ -757,13 +762,11 @@ void Runtime::RunPending() {
       break;
     Action a = std::move(pending_.front().action);
     pending_.pop_front();
-    stop_sent |= std::holds_alternative<SendAbort>(a) || std::holds_alternative<SendDrain>(a);
+    stop_sent |= IsStopOrder(a);
     Execute(a);
   }
-  const bool held = std::any_of(pending_.begin(), pending_.end(), [](const Pending& p) {
-    return std::holds_alternative<SendAbort>(p.action) ||
-           std::holds_alternative<SendDrain>(p.action);
-  });
+  const bool held = std::any_of(pending_.begin(), pending_.end(),
+                                [](const Pending& p) { return IsStopOrder(p.action); });
   if (held != stop_orders_held_ || (stop_sent && !held)) {
     stop_orders_held_ = held;
     events_.push_back(StopOrdersHeld{held});
