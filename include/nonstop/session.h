@@ -59,6 +59,13 @@
 #include "nonstop/state.h"
 #include "nonstop/status.h"
 
+namespace nonstop::collective {
+class DataPlane;
+}
+namespace nonstop::net {
+class AbortSignal;
+}
+
 namespace nonstop {
 
 // The defaults and the variables FromEnvironment reads are the settings
@@ -135,6 +142,12 @@ struct SessionOptions {
   // its buffers are staged through host memory over the TCP collectives. Null:
   // host memory only. State on it is registered with RegisterOnDevice.
   std::shared_ptr<const state::DeviceMemory> device;
+  // The data plane that moves the device's memory, made from the TCP one and the process's abort
+  // signal: gpu::NcclDataPlaneMaker sums it with NCCL (src/gpu/nccl_data_plane.h). Null: staged
+  // through host memory over the TCP collectives.
+  std::function<Result<std::unique_ptr<collective::DataPlane>>(
+      std::unique_ptr<collective::DataPlane> tcp, net::AbortSignal* abort)>
+      device_data_plane;
 
   // Reads the variables that `nonstop run` and the agents set for each worker
   // (the registry's worker entries).

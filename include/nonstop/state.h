@@ -53,7 +53,8 @@ inline constexpr size_t kDefaultChunkBytes = 1 << 20;
 class DeviceMemory {
  public:
   virtual ~DeviceMemory() = default;
-  virtual std::string name() const = 0;  // "cuda:0": for messages
+  virtual std::string name() const = 0;    // "cuda:0": for messages
+  virtual int index() const { return 0; }  // the device's number among its kind (cuda:N's N)
   // Both return once the bytes are copied; safe from several threads at once.
   virtual Status ToHost(std::byte* host, const std::byte* device, size_t bytes) const = 0;
   virtual Status ToDevice(std::byte* device, const std::byte* host, size_t bytes) const = 0;

@@ -53,13 +53,13 @@ class DeviceCopier {
 // session whose SessionOptions name a device stages its collectives with.
 // Its lanes copy at once (a DeviceMemory's copies are synchronous), so its
 // copies do not overlap the wire; its host buffers are ordinary memory. The
-// data plane calls its device cuda:0.
+// data plane calls its device cuda:N, N the memory's index().
 class MemoryCopier final : public DeviceCopier {
  public:
   explicit MemoryCopier(std::shared_ptr<const state::DeviceMemory> memory)
       : memory_(std::move(memory)) {}
   Device device() const override { return Device::kCuda; }
-  int device_index() const override { return 0; }
+  int device_index() const override { return memory_->index(); }
   Result<std::span<std::byte>> HostBuffer(size_t bytes) override;
   Status ToHost(int lane, std::byte* host, const std::byte* device, size_t bytes) override;
   Status ToDevice(int lane, std::byte* device, const std::byte* host, size_t bytes) override;

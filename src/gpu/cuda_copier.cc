@@ -7,30 +7,12 @@
 
 #include <fmt/format.h>
 
+#include "gpu/cuda_util.h"
+
 namespace nonstop::gpu {
 namespace {
 
-Status CudaError(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return OkStatus();
-  return InternalError(
-      fmt::format("{}: {} ({})", what, cudaGetErrorString(e), cudaGetErrorName(e)));
-}
-
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
-
-// OK when cuda:`device_index` exists and the driver answers.
-Status DeviceExists(int device_index) {
-  int count = 0;
-  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
-    return FailedPreconditionError(
-        fmt::format("no CUDA device can be used: {}", cudaGetErrorString(e)));
-  }
-  if (device_index < 0 || device_index >= count) {
-    return FailedPreconditionError(fmt::format(
-        "cuda:{} does not exist: this machine has {} CUDA device(s)", device_index, count));
-  }
-  return OkStatus();
-}
 
 }  // namespace
 
@@ -111,17 +93,15 @@ std::string CudaMemory::name() const { return fmt::format("cuda:{}", device_inde
 // framework's side streams included, is done) and after (a copy from pageable memory may return
 // before it lands). The calling thread's current device is put back.
 Status CudaMemory::Copy(void* to, const void* from, size_t bytes, bool to_host) const {
-  int current = 0;
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaGetDevice(&current), "cudaGetDevice"));
-  Status s = CudaError(cudaSetDevice(device_index_), "cudaSetDevice");
-  if (s.ok()) s = CudaError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  DeviceScope scope(device_index_);
+  NONSTOP_RETURN_IF_ERROR(scope.status());
+  Status s = CudaError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   if (s.ok()) {
     s = CudaError(
         cudaMemcpy(to, from, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
         to_host ? "cudaMemcpy to the host" : "cudaMemcpy to the device");
   }
   if (s.ok()) s = CudaError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  if (current != device_index_) cudaSetDevice(current);
   return s;
 }
 
@@ -134,11 +114,9 @@ Status CudaMemory::ToDevice(std::byte* device, const std::byte* host, size_t byt
 }
 
 Status CudaMemory::Check() const {
-  int current = 0;
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaGetDevice(&current), "cudaGetDevice"));
-  Status s = CheckDevice(device_index_);
-  if (current != device_index_) cudaSetDevice(current);
-  return s;
+  DeviceScope scope(device_index_);
+  NONSTOP_RETURN_IF_ERROR(scope.status());
+  return CheckDevice(device_index_);
 }
 
 Status CheckDevice(int device_index) {

@@ -49,6 +49,7 @@ class CudaMemory final : public state::DeviceMemory {
 
   Result<std::span<std::byte>> Allocate(size_t bytes);
   std::string name() const override;
+  int index() const override { return device_index_; }
   Status ToHost(std::byte* host, const std::byte* device, size_t bytes) const override;
   Status ToDevice(std::byte* device, const std::byte* host, size_t bytes) const override;
   Status Check() const override;  // CheckDevice, keeping the caller's current device

@@ -203,6 +203,7 @@ Result<std::unique_ptr<collective::DataPlane>> NewDataPlane(const SessionOptions
   mo.ports = {o.data_port_lo, o.data_port_hi};
   NONSTOP_ASSIGN_OR_RETURN(std::unique_ptr<collective::TcpDataPlane> tcp,
                            collective::TcpDataPlane::Create(std::move(mo), abort));
+  if (o.device != nullptr && o.device_data_plane) return o.device_data_plane(std::move(tcp), abort);
   if (o.device != nullptr) {
     // device memory staged through host buffers over the TCP collectives (docs/gpu.md)
     return std::unique_ptr<collective::DataPlane>(std::make_unique<collective::StagedDataPlane>(
@@ -923,7 +924,8 @@ class SessionImpl {
           "AllReduceOnDevice: this session has no device (set SessionOptions::device)");
     }
     const collective::Region region{reinterpret_cast<std::byte*>(device_data.data()),
-                                    device_data.size_bytes(), collective::Device::kCuda, 0};
+                                    device_data.size_bytes(), collective::Device::kCuda,
+                                    options_.device->index()};
     return RunCollective([&] { return comm_->AllReduce(region, collective::DType::kFloat32); },
                          /*at_step_boundary=*/true);
   }

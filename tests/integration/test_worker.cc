@@ -13,7 +13,10 @@
 // kernel: the sum is made on the host), so a state copied in by a recovery
 // is what the next step builds on, and the checksum is of the device's bytes.
 // The step's sum is reduced on the device too (Session::AllReduceOnDevice:
-// staged through host memory over the TCP collectives).
+// staged through host memory over the TCP collectives, or with
+// --data-plane nccl summed by NCCL). A worker's GPU is cuda:(worker id mod
+// the GPUs it sees): the workers and spares of one machine spread over its
+// GPUs (NCCL needs one each).
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -34,6 +37,10 @@
 #include "state/protected_device_testing.h"
 #ifdef NONSTOP_WITH_CUDA
 #include "gpu/cuda_copier.h"
+#include "gpu/cuda_util.h"
+#endif
+#ifdef NONSTOP_WITH_NCCL
+#include "gpu/nccl_data_plane.h"
 #endif
 
 namespace {
@@ -50,13 +57,15 @@ struct DeviceBuffers {
   std::shared_ptr<const nonstop::state::DeviceMemory> memory;
   std::span<std::byte> state, sum;
 };
-nonstop::Result<DeviceBuffers> AllocateOn(const std::string& device, size_t bytes) {
+nonstop::Result<DeviceBuffers> AllocateOn(const std::string& device, size_t bytes, int worker_id) {
   if (device == "stand-in") {
     auto d = std::make_shared<nonstop::state::ProtectedDevice>();
     return DeviceBuffers{d, d->Allocate(bytes), d->Allocate(bytes)};
   }
 #ifdef NONSTOP_WITH_CUDA
-  NONSTOP_ASSIGN_OR_RETURN(auto cuda, nonstop::gpu::CudaMemory::Create(0));
+  const int gpus = nonstop::gpu::DeviceCount();
+  NONSTOP_ASSIGN_OR_RETURN(auto cuda,
+                           nonstop::gpu::CudaMemory::Create(gpus > 0 ? worker_id % gpus : 0));
   NONSTOP_ASSIGN_OR_RETURN(std::span<std::byte> state, cuda->Allocate(bytes));
   NONSTOP_ASSIGN_OR_RETURN(std::span<std::byte> sum, cuda->Allocate(bytes));
   return DeviceBuffers{cuda, state, sum};
@@ -87,6 +96,10 @@ int main(int argc, char** argv) {
   std::string device = "host";
   app.add_option("--device", device, "where the state lives (see the top of test_worker.cc)")
       ->check(CLI::IsMember({"host", "cuda", "stand-in"}));
+  std::string data_plane = "staged";
+  app.add_option("--data-plane", data_plane,
+                 "what sums the device's memory: staged (over TCP) or nccl (--device cuda)")
+      ->check(CLI::IsMember({"staged", "nccl"}));
   CLI11_PARSE(app, argc, argv);
   if (!dump_environ.empty()) {
     const std::string prefix = fmt::format("{}-{}", dump_environ, ::getpid());
@@ -112,13 +125,27 @@ int main(int argc, char** argv) {
   const bool on_device = device != "host";
   DeviceBuffers dev;
   if (on_device) {
-    auto buffers = AllocateOn(device, acc_bytes.size());
+    auto buffers = AllocateOn(device, acc_bytes.size(), options->worker_id);
     if (!buffers.ok()) {
       fmt::print(stderr, "{}\n", buffers.status().ToString());
       return 2;
     }
     dev = *buffers;
     options->device = dev.memory;
+    if (data_plane == "nccl") {
+#ifdef NONSTOP_WITH_NCCL
+      if (device != "cuda") {
+        fmt::print(stderr, "--data-plane nccl needs --device cuda (NCCL sums GPU memory)\n");
+        return 2;
+      }
+      options->device_data_plane = nonstop::gpu::NcclDataPlaneMaker(dev.memory->index());
+#else
+      fmt::print(stderr,
+                 "--data-plane nccl: this build has no NCCL (CMake found none beside the "
+                 "CUDA toolkit: set NCCL_ROOT)\n");
+      return 2;
+#endif
+    }
     (void)state.RegisterOnDevice("acc", dev.state, dev.memory);
     state.WriteRegion(0, 0, acc_bytes);  // zeros
   } else {
