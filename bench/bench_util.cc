@@ -1,18 +1,22 @@
 #include "bench/bench_util.h"
 
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>
 #include <regex>
+#include <thread>
 
 #include <fmt/format.h>
 
 #include "controller/journal.h"
+#include "net/socket.h"
 
 namespace nonstop::bench {
 
@@ -139,6 +143,48 @@ double MeanOfMeasured(const std::vector<double>& values) {
     }
   }
   return n ? s / n : -1;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// `streams` loopback connections, each carrying its 1/streams of `src` into the
+// same range of `dst`; the seconds from the first byte sent to the last received.
+double RawTcp(std::span<const std::byte> src, std::span<std::byte> dst, int streams) {
+  auto l = net::Listen({"127.0.0.1", 0});
+  NONSTOP_CHECK(l.ok()) << l.status().ToString();
+  std::vector<UniqueFd> out, in;
+  for (int i = 0; i < streams; ++i) {
+    auto fd = net::Dial(l->address, DeadlineAfter(Millis(5000)));
+    NONSTOP_CHECK(fd.ok()) << fd.status().ToString();
+    out.push_back(std::move(*fd));
+    NONSTOP_CHECK(
+        net::WaitFd(l->fd.get(), POLLIN, DeadlineAfter(Millis(5000)), nullptr, "accept").ok());
+    auto c = net::Accept(l->fd.get());
+    NONSTOP_CHECK(c.ok()) << c.status().ToString();
+    in.push_back(std::move(*c));
+  }
+  const size_t per = (src.size() + static_cast<size_t>(streams) - 1) / static_cast<size_t>(streams);
+  std::vector<std::thread> threads;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < streams; ++i) {
+    const size_t lo = std::min(src.size(), per * static_cast<size_t>(i));
+    const size_t n = std::min(per, src.size() - lo);
+    threads.emplace_back([&, i, lo, n] {
+      NONSTOP_CHECK(net::SendAll(out[static_cast<size_t>(i)].get(), src.subspan(lo, n), kNoDeadline,
+                                 nullptr, "raw")
+                        .ok());
+    });
+    threads.emplace_back([&, i, lo, n] {
+      NONSTOP_CHECK(net::RecvAll(in[static_cast<size_t>(i)].get(), dst.subspan(lo, n), kNoDeadline,
+                                 nullptr, "raw")
+                        .ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace nonstop::bench

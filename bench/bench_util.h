@@ -9,7 +9,9 @@
 
 #include <sys/types.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -74,5 +76,13 @@ double Percentile(std::vector<double> values, double p);
 
 // The mean of the non-negative values (negative ones mean "not measured"); -1 when there are none.
 double MeanOfMeasured(const std::vector<double>& values);
+
+// The middle value (the upper of the two middle ones); 0 when there are none.
+double Median(std::vector<double> values);
+
+// `streams` loopback connections, each carrying its 1/streams of `src` into the same range of
+// `dst`; the seconds from the first byte sent to the last received (raw TCP: the ceiling the
+// benchmarks of copies over TCP are read against).
+double RawTcp(std::span<const std::byte> src, std::span<std::byte> dst, int streams);
 
 }  // namespace nonstop::bench

@@ -33,6 +33,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "bench/bench_util.h"
 #include "collective/tcp_data_plane.h"
 #include "net/socket.h"
 #include "nonstop/state.h"
@@ -44,48 +45,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr char kToken[] = "bench-token";
 constexpr int kSources = 3;  // the most sources a copy uses here
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-// `streams` loopback connections, each carrying its 1/streams of `src` into the
-// same range of `dst`; the seconds from the first byte sent to the last received.
-double RawTcp(std::span<const std::byte> src, std::span<std::byte> dst, int streams) {
-  auto l = net::Listen({"127.0.0.1", 0});
-  NONSTOP_CHECK(l.ok()) << l.status().ToString();
-  std::vector<UniqueFd> out, in;
-  for (int i = 0; i < streams; ++i) {
-    auto fd = net::Dial(l->address, DeadlineAfter(Millis(5000)));
-    NONSTOP_CHECK(fd.ok()) << fd.status().ToString();
-    out.push_back(std::move(*fd));
-    NONSTOP_CHECK(
-        net::WaitFd(l->fd.get(), POLLIN, DeadlineAfter(Millis(5000)), nullptr, "accept").ok());
-    auto c = net::Accept(l->fd.get());
-    NONSTOP_CHECK(c.ok()) << c.status().ToString();
-    in.push_back(std::move(*c));
-  }
-  const size_t per = (src.size() + static_cast<size_t>(streams) - 1) / static_cast<size_t>(streams);
-  std::vector<std::thread> threads;
-  auto t0 = Clock::now();
-  for (int i = 0; i < streams; ++i) {
-    const size_t lo = std::min(src.size(), per * static_cast<size_t>(i));
-    const size_t n = std::min(per, src.size() - lo);
-    threads.emplace_back([&, i, lo, n] {
-      NONSTOP_CHECK(net::SendAll(out[static_cast<size_t>(i)].get(), src.subspan(lo, n), kNoDeadline,
-                                 nullptr, "raw")
-                        .ok());
-    });
-    threads.emplace_back([&, i, lo, n] {
-      NONSTOP_CHECK(net::RecvAll(in[static_cast<size_t>(i)].get(), dst.subspan(lo, n), kNoDeadline,
-                                 nullptr, "raw")
-                        .ok());
-    });
-  }
-  for (auto& t : threads) t.join();
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 // Rank 0 receives, ranks 1..kSources serve: one data plane and communicator
 // each, made once and reused by every copy (as a worker's mesh is).

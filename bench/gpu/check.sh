@@ -55,5 +55,8 @@ else
   echo "check.sh: NOT RUN: the NCCL data plane needs two GPUs or more (NCCL puts one rank on each);"
   echo "  this machine has $gpus. Its tests without a GPU ran in the unit tests (nccl_data_plane_test)."
 fi
-echo "check.sh: not checked yet (not built): the staged all-reduce's bandwidth against a device-host-device"
-echo "copy and raw TCP, the world-invariant checksum on the device. docs/gpu.md says what exists."
+
+# The staged all-reduce's bus bandwidth against the host ring, a device-host-device copy and raw TCP.
+./build/bin/nonstop-bench-staged --device cuda --world 4 --sizes 4,64,256 --repeats 3
+echo "check.sh: not checked yet (not built): the world-invariant checksum on the device. docs/gpu.md"
+echo "says what exists."

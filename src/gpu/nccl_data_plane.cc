@@ -151,9 +151,9 @@ Status NcclCommunicator::Connect() {
   NONSTOP_RETURN_IF_ERROR(Sticky());
   NONSTOP_RETURN_IF_ERROR(staged_->Connect());
   Status s = SetUp();
-  if (!s.ok()) return Fail(std::move(s).WithContext(fmt::format(
-                   "the NCCL communicator of generation {} on cuda:{}", generation(),
-                   device_index_)));
+  if (!s.ok())
+    return Fail(std::move(s).WithContext(fmt::format(
+        "the NCCL communicator of generation {} on cuda:{}", generation(), device_index_)));
   return OkStatus();
 }
 
@@ -173,7 +173,8 @@ Status NcclCommunicator::SetUp() {
   ncclUniqueId id{};
   if (!shrink) {
     parent.Drop();  // it may have had work in flight when its generation was aborted
-    if (rank() == 0) NONSTOP_RETURN_IF_ERROR(NcclError(ncclGetUniqueId(&id), "ncclGetUniqueId", nullptr));
+    if (rank() == 0)
+      NONSTOP_RETURN_IF_ERROR(NcclError(ncclGetUniqueId(&id), "ncclGetUniqueId", nullptr));
     NONSTOP_RETURN_IF_ERROR(
         staged_->Broadcast(std::as_writable_bytes(std::span(id.internal)), /*root=*/0));
   }
@@ -194,11 +195,11 @@ Status NcclCommunicator::SetUp() {
     MutexLock lock(&mu_);
     NONSTOP_RETURN_IF_ERROR(error_);  // aborted meanwhile
     ncclComm_t comm = nullptr;
-    const ncclResult_t r =
-        shrink ? ncclCommShrink(Comm(parent.comm), excluded->data(),
-                                static_cast<int>(excluded->size()), &comm, &config,
-                                NCCL_SHRINK_DEFAULT)
-               : ncclCommInitRankConfig(&comm, world_size(), id, rank(), &config);
+    const ncclResult_t r = shrink
+                               ? ncclCommShrink(Comm(parent.comm), excluded->data(),
+                                                static_cast<int>(excluded->size()), &comm, &config,
+                                                NCCL_SHRINK_DEFAULT)
+                               : ncclCommInitRankConfig(&comm, world_size(), id, rank(), &config);
     comm_ = comm;
     if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, op, comm_);
   }
@@ -206,12 +207,13 @@ Status NcclCommunicator::SetUp() {
   parent.Drop();  // the child shares nothing with it (shrinkShare is off)
   MutexLock lock(&mu_);
   setup_ = {shrink, shrink ? static_cast<int>(excluded->size()) : 0, agree_ms, MsSince(t1)};
-  NONSTOP_LOG_INFO("generation {}: NCCL communicator of {} rank(s) on cuda:{} by {} in {:.1f} ms "
-                   "(the members agreed in {:.1f} ms)",
-                   generation(), world_size(), device_index_,
-                   shrink ? fmt::format("ncclCommShrink ({} left out)", setup_.excluded)
-                          : std::string("a fresh init"),
-                   setup_.nccl_ms, agree_ms);
+  NONSTOP_LOG_INFO(
+      "generation {}: NCCL communicator of {} rank(s) on cuda:{} by {} in {:.1f} ms "
+      "(the members agreed in {:.1f} ms)",
+      generation(), world_size(), device_index_,
+      shrink ? fmt::format("ncclCommShrink ({} left out)", setup_.excluded)
+             : std::string("a fresh init"),
+      setup_.nccl_ms, agree_ms);
   return OkStatus();
 }
 
@@ -222,8 +224,7 @@ Status NcclCommunicator::Await(const char* op, bool stream, Clock::time_point de
       NONSTOP_RETURN_IF_ERROR(error_);
       NONSTOP_CHECK(comm_ != nullptr) << op << " without a communicator";
       ncclResult_t state = ncclSuccess;
-      if (ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state); r != ncclSuccess)
-        state = r;
+      if (ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state); r != ncclSuccess) state = r;
       if (state != ncclSuccess && state != ncclInProgress)
         return FailLocked(NcclError(state, op, comm_));
       if (state == ncclSuccess) {
@@ -324,8 +325,8 @@ Status NcclCommunicator::AllGather(Region data, size_t element_bytes) {
                  const auto [begin, end] = ChunkRange(records, w, c);
                  if (begin == end) continue;
                  std::byte* at = data.data + begin * element_bytes;
-                 const ncclResult_t r = ncclBroadcast(at, at, (end - begin) * element_bytes,
-                                                      ncclInt8, c, comm, s);
+                 const ncclResult_t r =
+                     ncclBroadcast(at, at, (end - begin) * element_bytes, ncclInt8, c, comm, s);
                  if (r != ncclSuccess && r != ncclInProgress) {
                    ncclGroupEnd();
                    return r;
@@ -373,8 +374,8 @@ void NcclDataPlane::KeepParent(Parent parent) {
 std::function<Result<std::unique_ptr<collective::DataPlane>>(
     std::unique_ptr<collective::DataPlane> tcp, net::AbortSignal* abort)>
 NcclDataPlaneMaker(int device_index) {
-  return [device_index](std::unique_ptr<collective::DataPlane> tcp, net::AbortSignal* abort)
-             -> Result<std::unique_ptr<collective::DataPlane>> {
+  return [device_index](std::unique_ptr<collective::DataPlane> tcp,
+                        net::AbortSignal* abort) -> Result<std::unique_ptr<collective::DataPlane>> {
     NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<CudaCopier> copier, CudaCopier::Create(device_index));
     return std::unique_ptr<collective::DataPlane>(
         std::make_unique<NcclDataPlane>(std::move(tcp), std::move(copier), abort));

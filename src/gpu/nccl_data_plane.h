@@ -69,8 +69,9 @@ std::optional<std::vector<int>> ShrinkExclusions(std::span<const int> old_ids,
 struct NcclSetup {
   bool shrunk = false;  // by ncclCommShrink (else a fresh init)
   int excluded = 0;     // ranks ncclCommShrink left out
-  double agree_ms = 0;  // the members' agreement over the host communicator (and the id's broadcast)
-  double nccl_ms = 0;   // ncclCommShrink, or ncclCommInitRankConfig, until the communicator is ready
+  double agree_ms =
+      0;               // the members' agreement over the host communicator (and the id's broadcast)
+  double nccl_ms = 0;  // ncclCommShrink, or ncclCommInitRankConfig, until the communicator is ready
 };
 
 class NcclDataPlane;
@@ -166,7 +167,7 @@ class NcclCommunicator final : public collective::Communicator {
 
   mutable Mutex mu_;  // every NCCL call on comm_, and comm_'s replacement
   void* comm_ NONSTOP_GUARDED_BY(mu_) = nullptr;  // ncclComm_t, kept out of this header
-  void* stream_ = nullptr;                         // cudaStream_t, made in SetUp
+  void* stream_ = nullptr;                        // cudaStream_t, made in SetUp
   Status error_ NONSTOP_GUARDED_BY(mu_);
   NcclSetup setup_ NONSTOP_GUARDED_BY(mu_);
   uint64_t ops_ NONSTOP_GUARDED_BY(mu_) = 0;  // NCCL calls enqueued

@@ -78,7 +78,8 @@ TEST(NcclDataPlaneTest, WithoutAGpuConnectFailsNamingTheCudaErrorAndTheFailureSt
   }
   Status connected[kWorld];
   std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r) threads.emplace_back([&, r] { connected[r] = comms[r]->Connect(); });
+  for (int r = 0; r < kWorld; ++r)
+    threads.emplace_back([&, r] { connected[r] = comms[r]->Connect(); });
   for (std::thread& t : threads) t.join();
   for (int r = 0; r < kWorld; ++r) {
     // Both ranks agreed over TCP (no shrink: nothing held) and rank 0's unique id reached rank 1;

@@ -97,7 +97,8 @@ struct World {
       o.rank = static_cast<int>(i);
       o.members = in;
       o.timeout_collective = std::chrono::milliseconds(60'000);
-      comms[static_cast<size_t>(ranks[i])] = planes[static_cast<size_t>(ranks[i])]->NewCommunicator(o);
+      comms[static_cast<size_t>(ranks[i])] =
+          planes[static_cast<size_t>(ranks[i])]->NewCommunicator(o);
     }
     Each(ranks, [&](int r) {
       Status s = comms[static_cast<size_t>(r)]->Connect();
@@ -141,9 +142,8 @@ TEST(NcclGpuTest, TheCollectivesOnDeviceMemoryGiveTheExactSums) {
     for (size_t i = 0; i < n; i += 4099) ASSERT_EQ(v[i], 2.0f * (i % 1000) + 1000.0f) << i;
   }
   // Broadcast from rank 1, and an all-gather of uneven chunks (5 records of 4 bytes over 2).
-  world.Each({0, 1}, [&](int r) {
-    ASSERT_TRUE(world.comms[r]->Broadcast(buffers[r]->region(), 1).ok());
-  });
+  world.Each({0, 1},
+             [&](int r) { ASSERT_TRUE(world.comms[r]->Broadcast(buffers[r]->region(), 1).ok()); });
   EXPECT_EQ(buffers[0]->Read(), buffers[1]->Read());
   std::vector<std::unique_ptr<DeviceFloats>> records;
   for (int r = 0; r < kWorld; ++r)
