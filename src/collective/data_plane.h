@@ -7,8 +7,9 @@
 // Communicator. A Communicator runs the collectives of one generation over
 // memory regions (Region) that name their device. Another transport (shared
 // memory between the ranks of a host, CUDA memory, NCCL) is another pair of
-// implementations of these two interfaces, not a change to the session. The
-// one built is TCP over host memory (tcp_data_plane.h, tcp_communicator.h).
+// implementations of these two interfaces, not a change to the session. Built:
+// TCP over host memory (tcp_data_plane.h, tcp_communicator.h), CUDA memory
+// staged over it (staged_communicator.h) and NCCL (gpu/nccl_data_plane.h).
 //
 // The collectives, every rank calling the same ones in the same order with
 // buffers of the same size:
