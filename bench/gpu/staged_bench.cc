@@ -110,7 +110,8 @@ Row MeasureSize(Ranks& ranks, size_t bytes, int repeats) {
   const size_t n = bytes / sizeof(float);
   const double bus = 2.0 * (ranks.world - 1) / ranks.world * static_cast<double>(bytes);
   const int iters = static_cast<int>(std::clamp<size_t>((256u << 20) / bytes, 2, 50));
-  std::vector<std::vector<float>> host(static_cast<size_t>(ranks.world), std::vector<float>(n, 0.0f));
+  std::vector<std::vector<float>> host(static_cast<size_t>(ranks.world),
+                                       std::vector<float>(n, 0.0f));
   std::vector<collective::Region> host_regions, device_regions;
   for (auto& h : host) host_regions.push_back(collective::HostRegion(std::span<float>(h)));
   std::shared_ptr<gpu::CudaMemory> memory;  // every rank's buffer, freed with it
@@ -149,8 +150,9 @@ Row MeasureSize(Ranks& ranks, size_t bytes, int repeats) {
 }
 
 int Main(int argc, char** argv) {
-  CLI::App app{"The staged all-reduce of device memory against the host ring, a device-host-device "
-               "copy and raw TCP, in the same run"};
+  CLI::App app{
+      "The staged all-reduce of device memory against the host ring, a device-host-device "
+      "copy and raw TCP, in the same run"};
   std::string device = "cuda";
   app.add_option("--device", device, "cuda (cuda:0, shared by every rank) or host (no GPU)")
       ->check(CLI::IsMember({"cuda", "host"}));
@@ -163,16 +165,19 @@ int Main(int argc, char** argv) {
       ->check(CLI::Range(1, 50));
   CLI11_PARSE(app, argc, argv);
   if (Status here = gpu::DeviceExists(0); device == "cuda" && !here.ok()) {
-    fmt::print(stderr, "nonstop-bench-staged: {} (HINT: --device host measures the host ring and raw "
-                       "TCP without one)\n", here.ToString());
+    fmt::print(stderr,
+               "nonstop-bench-staged: {} (HINT: --device host measures the host ring and raw "
+               "TCP without one)\n",
+               here.ToString());
     return 2;
   }
 
   Ranks ranks(world, device == "cuda");
-  fmt::print("staged all-reduce, {} ranks on {} (GB/s = 1e9 bytes/s, median of {}; bus bandwidth "
-             "for the all-reduces)\n",
-             world, device == "cuda" ? "cuda:0" : "the host (no device: staged and d-h-d not run)",
-             repeats);
+  fmt::print(
+      "staged all-reduce, {} ranks on {} (GB/s = 1e9 bytes/s, median of {}; bus bandwidth "
+      "for the all-reduces)\n",
+      world, device == "cuda" ? "cuda:0" : "the host (no device: staged and d-h-d not run)",
+      repeats);
   fmt::print("{:>6} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12}\n", "MiB", "staged", "host", "d-h-d",
              "raw 1", "staged/host", "staged/d-h-d");
   auto gb = [](double v) { return v > 0 ? fmt::format("{:.2f}", v / 1e9) : std::string("-"); };

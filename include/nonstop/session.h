@@ -143,8 +143,9 @@ struct SessionOptions {
   // host memory only. State on it is registered with RegisterOnDevice.
   std::shared_ptr<const state::DeviceMemory> device;
   // The data plane that moves the device's memory, made from the TCP one and the process's abort
-  // signal: gpu::NcclDataPlaneMaker sums it with NCCL (src/gpu/nccl_data_plane.h). Null: staged
-  // through host memory over the TCP collectives.
+  // signal, for the device `device` names (its index()): gpu::NcclDataPlaneMaker sums it with
+  // NCCL (src/gpu/nccl_data_plane.h), gpu::StagedDataPlaneMaker stages it with CUDA streams. Null:
+  // staged through host memory over the TCP collectives with the device's synchronous copies.
   std::function<Result<std::unique_ptr<collective::DataPlane>>(
       std::unique_ptr<collective::DataPlane> tcp, net::AbortSignal* abort)>
       device_data_plane;
@@ -211,7 +212,10 @@ class Session {
   // AllReduce of `device_data`, [n] fp32 in the memory of SessionOptions::device
   // (FAILED_PRECONDITION without one): staged through host memory in pieces, with
   // the bits AllReduce gives the same values in host memory. Members may mix the
-  // two calls in one collective.
+  // two calls in one collective. With a device_data_plane that sums on the device
+  // (NCCL) they may not: every member passes device memory, the bits are NCCL's
+  // (docs/gpu.md), and the work that wrote the buffer must be done (synchronized)
+  // before the call.
   Status AllReduceOnDevice(std::span<float> device_data);
   // Overlapped reduction: a step's gradient in buckets, reduced on the
   // Session's communication thread while the caller still computes (the
@@ -245,6 +249,14 @@ class Session {
   // computes again (collective::PlanTreeStep, docs/determinism.md).
   Status AllReduceTree(int m, std::span<const std::vector<std::pair<int, int>>> nodes_of,
                        std::span<const std::vector<float>> partials, std::span<float> out);
+  // The world-invariant sum of partial sums in the memory of SessionOptions::device
+  // (FAILED_PRECONDITION without one): `device_partials` (one per node of this rank's range,
+  // each out's length) and `device_out` are device buffers; the tree's additions are those of
+  // AllReduceTree, made on the host between a copy up and a copy down, so `device_out` gets the
+  // same bits. Every data plane stages the tree, NCCL's too (docs/gpu.md).
+  Status AllReduceTreeOnDevice(int m, std::span<const std::pair<int, int>> ranges,
+                               std::span<const std::span<const float>> device_partials,
+                               std::span<float> device_out);
   // Every member contributes one record of `record_bytes`: `data` holds
   // world_size() records, this rank's at rank() × record_bytes; afterwards
   // each holds its rank's. Not a step boundary.

@@ -28,7 +28,9 @@
 //  - Determinism: the order of every floating-point sum depends only on the
 //    world size and the ranks (AllReduceTree's: only on the tree), so every
 //    rank ends with the same bytes, and a world of the same size gives the
-//    same bits run to run (docs/determinism.md).
+//    same bits run to run (docs/determinism.md). NCCL's sums
+//    (gpu/nccl_data_plane.h) keep this for one communicator on one topology
+//    only: a rank moved to another GPU or host may change the bits.
 //  - Sticky failure: the first non-OK status is kept, and every later call
 //    returns it (a stream may be left mid-frame). The owner then makes the
 //    next generation's Communicator from the same DataPlane.

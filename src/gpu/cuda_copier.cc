@@ -119,6 +119,18 @@ Status CudaMemory::Check() const {
   return CheckDevice(device_index_);
 }
 
+std::function<Result<std::unique_ptr<collective::DataPlane>>(
+    std::unique_ptr<collective::DataPlane> tcp, net::AbortSignal* abort)>
+StagedDataPlaneMaker(int device_index) {
+  return [device_index](
+             std::unique_ptr<collective::DataPlane> tcp,
+             net::AbortSignal* /*abort*/) -> Result<std::unique_ptr<collective::DataPlane>> {
+    NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<CudaCopier> copier, CudaCopier::Create(device_index));
+    return std::unique_ptr<collective::DataPlane>(
+        std::make_unique<collective::StagedDataPlane>(std::move(tcp), std::move(copier)));
+  };
+}
+
 Status CheckDevice(int device_index) {
   NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index), "cudaSetDevice"));
   constexpr size_t kBytes = 1 << 20;

@@ -4,12 +4,14 @@
 // (label gpu).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
 #include <vector>
 
 #include "collective/staged_communicator.h"
+#include "net/abort_signal.h"
 #include "nonstop/state.h"
 
 namespace nonstop::gpu {
@@ -65,5 +67,15 @@ class CudaMemory final : public state::DeviceMemory {
 // A health check of a device before it is trusted with state (a spare's
 // GPU): a buffer written, copied to the host and back, and compared.
 Status CheckDevice(int device_index);
+
+// SessionOptions::device_data_plane for cuda:`device_index` (nonstop/session.h): the staged data
+// plane over the TCP one, copying with a CudaCopier (two streams, pinned buffers, the copies of
+// the next piece overlapping the wire) rather than the session's default MemoryCopier (synchronous
+// copies). Its streams do not wait for the caller's: the work that writes a buffer must be done
+// (synchronized) before the buffer is reduced. FAILED_PRECONDITION naming the reason when the
+// device cannot be used.
+std::function<Result<std::unique_ptr<collective::DataPlane>>(
+    std::unique_ptr<collective::DataPlane> tcp, net::AbortSignal* abort)>
+StagedDataPlaneMaker(int device_index);
 
 }  // namespace nonstop::gpu

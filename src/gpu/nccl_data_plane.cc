@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cstring>
 #include <thread>
 #include <utility>
 
@@ -76,17 +77,18 @@ NcclCommunicator::NcclCommunicator(NcclDataPlane* plane,
       device_index_(plane->device_index()) {}
 
 NcclCommunicator::~NcclCommunicator() {
+  void* idle = nullptr;
   {
     MutexLock lock(&mu_);
-    if (comm_ != nullptr && error_.ok()) {
-      // Every call returns once its stream is done, so the communicator is idle: the next
-      // generation may shrink it.
-      NcclDataPlane::Parent parent;
-      parent.comm = std::exchange(comm_, nullptr);
-      for (const collective::Member& m : options_.members) parent.members.push_back(m.worker_id);
-      plane_->KeepParent(std::move(parent));
-    }
-    AbortCommLocked();
+    idle = std::exchange(comm_, nullptr);
+  }
+  if (idle != nullptr) {
+    // It never failed, and no call was in flight when it was aborted (if it was): the next
+    // generation may shrink it.
+    NcclDataPlane::Parent parent;
+    parent.comm = idle;
+    for (const collective::Member& m : options_.members) parent.members.push_back(m.worker_id);
+    plane_->KeepParent(std::move(parent));
   }
   if (stream_ != nullptr) {
     DeviceScope scope(device_index_);
@@ -103,36 +105,32 @@ Status NcclCommunicator::Sticky() const {
     MutexLock lock(&mu_);
     if (!error_.ok()) return error_;
   }
-  return OkStatus();
-}
-
-Status NcclCommunicator::error() const {
-  NONSTOP_RETURN_IF_ERROR(Sticky());
   return staged_->error();
 }
 
-void NcclCommunicator::AbortCommLocked() {
-  if (comm_ == nullptr) return;
-  ncclCommAbort(Comm(comm_));
-  comm_ = nullptr;
-}
-
-Status NcclCommunicator::FailLocked(Status status) {
-  if (error_.ok()) error_ = std::move(status);
-  AbortCommLocked();
-  return error_;
-}
+Status NcclCommunicator::error() const { return Sticky(); }
 
 Status NcclCommunicator::Fail(Status status) {
-  MutexLock lock(&mu_);
-  return FailLocked(std::move(status));
+  void* failed = nullptr;
+  {
+    MutexLock lock(&mu_);
+    if (error_.ok()) error_ = std::move(status);
+    failed = std::exchange(comm_, nullptr);
+    status = error_;
+  }
+  OwnedComm aborted(failed);  // stops its kernels
+  return status;
 }
 
 void NcclCommunicator::Abort(const std::string& reason) {
+  void* busy = nullptr;
+  {
+    MutexLock lock(&mu_);
+    if (error_.ok()) error_ = AbortedError(reason);  // before the signal: the reason is this one
+    if (in_flight_) busy = std::exchange(comm_, nullptr);
+  }
+  OwnedComm aborted(busy);  // stops the kernels in flight; the waiting call sees error_
   staged_->Abort(reason);
-  MutexLock lock(&mu_);
-  if (error_.ok()) error_ = AbortedError(reason);
-  AbortCommLocked();  // stops the kernels in flight; a waiting call sees error_ at its next poll
 }
 
 collective::CommunicatorStats NcclCommunicator::stats() const {
@@ -172,11 +170,21 @@ Status NcclCommunicator::SetUp() {
   const bool shrink = can_shrink[0] == static_cast<float>(world_size());
   ncclUniqueId id{};
   if (!shrink) {
-    parent.Drop();  // it may have had work in flight when its generation was aborted
-    if (rank() == 0)
-      NONSTOP_RETURN_IF_ERROR(NcclError(ncclGetUniqueId(&id), "ncclGetUniqueId", nullptr));
-    NONSTOP_RETURN_IF_ERROR(
-        staged_->Broadcast(std::as_writable_bytes(std::span(id.internal)), /*root=*/0));
+    parent.Drop();
+    // Rank 0's id, after a byte that says whether it has one: the others fail at once, by name,
+    // when it has none.
+    std::vector<std::byte> message(1 + sizeof(id.internal));
+    Status made;
+    if (rank() == 0) {
+      made = NcclError(ncclGetUniqueId(&id), "ncclGetUniqueId", nullptr);
+      message[0] = std::byte{made.ok() ? uint8_t{1} : uint8_t{0}};
+      std::memcpy(message.data() + 1, id.internal, sizeof(id.internal));
+    }
+    NONSTOP_RETURN_IF_ERROR(staged_->Broadcast(std::span(message), /*root=*/0));
+    NONSTOP_RETURN_IF_ERROR(made);
+    if (message[0] != std::byte{1})
+      return UnavailableError("rank 0 could not make NCCL's unique id (its log says why)");
+    std::memcpy(id.internal, message.data() + 1, sizeof(id.internal));
   }
   const double agree_ms = MsSince(t0);
   const auto t1 = Clock::now();
@@ -195,11 +203,13 @@ Status NcclCommunicator::SetUp() {
     MutexLock lock(&mu_);
     NONSTOP_RETURN_IF_ERROR(error_);  // aborted meanwhile
     ncclComm_t comm = nullptr;
-    const ncclResult_t r = shrink
-                               ? ncclCommShrink(Comm(parent.comm), excluded->data(),
-                                                static_cast<int>(excluded->size()), &comm, &config,
-                                                NCCL_SHRINK_DEFAULT)
-                               : ncclCommInitRankConfig(&comm, world_size(), id, rank(), &config);
+    // NCCL_SHRINK_ABORT: the parent's generation may have ended at a fault, with a member gone
+    // and NCCL's own work for it pending; the flag ends that work before the shrink.
+    const ncclResult_t r =
+        shrink
+            ? ncclCommShrink(Comm(parent.comm), excluded->data(),
+                             static_cast<int>(excluded->size()), &comm, &config, NCCL_SHRINK_ABORT)
+            : ncclCommInitRankConfig(&comm, world_size(), id, rank(), &config);
     comm_ = comm;
     if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, op, comm_);
   }
@@ -219,29 +229,38 @@ Status NcclCommunicator::SetUp() {
 
 Status NcclCommunicator::Await(const char* op, bool stream, Clock::time_point deadline) {
   for (int polls = 0;; ++polls) {
+    Status failed;
     {
       MutexLock lock(&mu_);
-      NONSTOP_RETURN_IF_ERROR(error_);
+      if (!error_.ok()) {
+        in_flight_ = false;
+        return error_;
+      }
       NONSTOP_CHECK(comm_ != nullptr) << op << " without a communicator";
       ncclResult_t state = ncclSuccess;
       if (ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state); r != ncclSuccess) state = r;
-      if (state != ncclSuccess && state != ncclInProgress)
-        return FailLocked(NcclError(state, op, comm_));
-      if (state == ncclSuccess) {
-        if (!stream) return OkStatus();
-        const cudaError_t e = cudaStreamQuery(Stream(stream_));
-        if (e == cudaSuccess) return OkStatus();
-        if (e != cudaErrorNotReady) return FailLocked(CudaError(e, op));
+      if (state != ncclSuccess && state != ncclInProgress) {
+        failed = NcclError(state, op, comm_);
+      } else if (state == ncclSuccess) {
+        const cudaError_t e = stream ? cudaStreamQuery(Stream(stream_)) : cudaSuccess;
+        if (e == cudaSuccess) {
+          in_flight_ = false;
+          return OkStatus();
+        }
+        if (e != cudaErrorNotReady) failed = CudaError(e, op);
       }
     }
-    if (plane_->abort_->fired()) {
+    if (failed.ok() && plane_->abort_->fired()) {
       Abort(fmt::format("{} aborted (generation {})", op, generation()));
       return Sticky();
     }
-    if (Clock::now() >= deadline) {
-      return Fail(DeadlineExceededError(
-          fmt::format("{} did not finish in time (generation {}, rank {} of {}, cuda:{})", op,
-                      generation(), rank(), world_size(), device_index_)));
+    if (failed.ok() && Clock::now() >= deadline) {
+      failed = DeadlineExceededError(fmt::format("{} did not finish in time", op));
+    }
+    if (!failed.ok()) {
+      return Fail(std::move(failed).WithContext(fmt::format("generation {}, rank {} of {}, cuda:{}",
+                                                            generation(), rank(), world_size(),
+                                                            device_index_)));
     }
     // A collective of a few microseconds is seen at once; a long one costs a poll each 50 µs.
     if (polls < 256) {
@@ -254,18 +273,29 @@ Status NcclCommunicator::Await(const char* op, bool stream, Clock::time_point de
 
 template <typename Enqueue>
 Status NcclCommunicator::Run(const char* op, Enqueue enqueue) {
+  NONSTOP_RETURN_IF_ERROR(Sticky());
   const auto deadline = Clock::now() + options_.timeout_collective;
+  Status failed;
   {
     MutexLock lock(&mu_);
     NONSTOP_RETURN_IF_ERROR(error_);
     NONSTOP_CHECK(comm_ != nullptr) << op << " before Connect";
     DeviceScope scope(device_index_);
-    if (!scope.status().ok()) return FailLocked(scope.status());
-    const ncclResult_t r = enqueue(Comm(comm_), Stream(stream_));
-    if (r != ncclSuccess && r != ncclInProgress) return FailLocked(NcclError(r, op, comm_));
-    ++ops_;
+    failed = scope.status();
+    if (failed.ok()) {
+      in_flight_ = true;
+      ++ops_;
+      const ncclResult_t r = enqueue(Comm(comm_), Stream(stream_));
+      if (r != ncclSuccess && r != ncclInProgress) failed = NcclError(r, op, comm_);
+    }
   }
-  return Await(op, /*stream=*/true, deadline);
+  Status s = failed.ok() ? Await(op, /*stream=*/true, deadline) : Fail(std::move(failed));
+  if (!s.ok()) {
+    // The communicator was aborted, which stops its kernels: wait for them to leave the region.
+    DeviceScope scope(device_index_);
+    cudaStreamSynchronize(Stream(stream_));
+  }
+  return s;
 }
 
 Status NcclCommunicator::AllReduce(Region data, DType dtype) {
@@ -294,7 +324,7 @@ Status NcclCommunicator::ReduceScatter(Region data, DType dtype) {
   if (count % w != 0) return AllReduce(data, dtype);
   if (count == 0) return Sticky();
   const size_t per_rank = count / w;
-  std::byte* mine = data.data + static_cast<size_t>(rank()) * per_rank * sizeof(float);
+  std::byte* mine = data.data + static_cast<size_t>(rank()) * per_rank * ElementBytes(dtype);
   return Run("ncclReduceScatter", [&](ncclComm_t comm, cudaStream_t s) {
     return ncclReduceScatter(data.data, mine, per_rank, ncclFloat32, ncclSum, comm, s);
   });
@@ -376,6 +406,14 @@ std::function<Result<std::unique_ptr<collective::DataPlane>>(
 NcclDataPlaneMaker(int device_index) {
   return [device_index](std::unique_ptr<collective::DataPlane> tcp,
                         net::AbortSignal* abort) -> Result<std::unique_ptr<collective::DataPlane>> {
+    int version = 0;
+    NONSTOP_RETURN_IF_ERROR(NcclError(ncclGetVersion(&version), "ncclGetVersion", nullptr));
+    if (version != NCCL_VERSION_CODE) {
+      return FailedPreconditionError(fmt::format(
+          "the NCCL library loaded is version code {}, but nonstop was built against nccl.h {} "
+          "(HINT: point LD_LIBRARY_PATH at the NCCL it was built with, or rebuild)",
+          version, NCCL_VERSION_CODE));
+    }
     NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<CudaCopier> copier, CudaCopier::Create(device_index));
     return std::unique_ptr<collective::DataPlane>(
         std::make_unique<NcclDataPlane>(std::move(tcp), std::move(copier), abort));

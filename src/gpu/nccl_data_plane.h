@@ -12,26 +12,32 @@
 //
 // Setting up a generation (Connect), with no store:
 //  - Every member says over the host communicator whether it holds the
-//    previous generation's NCCL communicator, healthy (that generation ended
-//    without an abort), and whether this generation's members are that one's
-//    less some, in the same order (ShrinkExclusions). When every member does,
-//    the communicator is made by ncclCommShrink from it (a drain or shrink at
-//    a step boundary).
+//    previous generation's NCCL communicator, healthy (it never failed, and
+//    no NCCL call was in flight when the generation was aborted: a drain at a
+//    step boundary, or a fault while this member computed), and whether this
+//    generation's members are that one's less some, in the same order
+//    (ShrinkExclusions). When every member does, the communicator is made by
+//    ncclCommShrink from it (NCCL_SHRINK_ABORT: the lost member's pending
+//    work is ended first).
 //  - Otherwise (after a fault, a spare joining, a grow) every member drops
 //    the one it holds (ncclCommAbort: it may have work in flight) and makes a
 //    fresh one: rank 0 calls ncclGetUniqueId, which starts NCCL's bootstrap
 //    root in rank 0's process, and broadcasts the id over the host
-//    communicator, so no store and no extra service is involved.
+//    communicator (after a byte saying whether it has one), so no store and
+//    no extra service is involved.
 //  Both are non-blocking (config.blocking = 0), polled against
 //  timeout_connect, the abort signal and Abort(), and timed (setup()).
 //
 // Waits: an NCCL call is enqueued on the communicator's own stream and the
 // call returns once the stream is done, polling ncclCommGetAsyncError and
-// cudaStreamQuery. Abort() from any thread (the session's I/O thread, when
-// the controller's abort arrives) calls ncclCommAbort, which stops the
-// kernels in flight; the data plane's abort signal does the same from the
-// waiting thread. NCCL allows one thread at a time on a communicator: every
-// call on it is made under one lock, and a wait holds it only for each poll.
+// cudaStreamQuery. That stream does not wait for the caller's: the work that
+// writes a buffer must be done (synchronized) before the buffer is passed. A
+// call that fails aborts the communicator and waits for its kernels to stop
+// before it returns, so the region is free again. Abort() from any thread (the session's I/O
+// thread, when the controller's abort arrives) calls ncclCommAbort, which stops the kernels in
+// flight; the data plane's abort signal does the same from the waiting thread. NCCL allows one
+// thread at a time on a communicator: every call on it is made under one lock, and a wait holds it
+// only for each poll.
 //
 // Determinism: NCCL's sums are the same bits run to run for the same
 // communicator (the same ranks on the same topology, NCCL's algorithm and
@@ -131,7 +137,10 @@ class NcclCommunicator final : public collective::Communicator {
   // The wire faults act on the TCP ring (host regions); NCCL's links are not ours to cut.
   void InjectDropOfNextRingLink() override { staged_->InjectDropOfNextRingLink(); }
   void InjectWireFlip(bool gather) override { staged_->InjectWireFlip(gather); }
-  void Abort(const std::string& reason) override;
+  // Keeps `reason` as the failure. An NCCL call in flight is stopped (ncclCommAbort); an idle
+  // communicator is kept, so that the next generation may shrink it (a drain at a step boundary
+  // aborts the generation with nothing in flight).
+  void Abort(const std::string& reason) override NONSTOP_LOCKS_EXCLUDED(mu_);
   Status error() const override;
   collective::CommunicatorStats stats() const override;
   int rank() const override { return staged_->rank(); }
@@ -144,21 +153,21 @@ class NcclCommunicator final : public collective::Communicator {
  private:
   using Clock = std::chrono::steady_clock;
   bool OnNccl(collective::Device device, int index) const;
-  // The kept failure (OK when none): what every call returns once one failed.
-  Status Sticky() const;
-  // The first failure is kept (sticky) and the NCCL communicator aborted.
-  Status Fail(Status status);
-  Status FailLocked(Status status) NONSTOP_REQUIRES(mu_);
-  void AbortCommLocked() NONSTOP_REQUIRES(mu_);
+  // The kept failure, this one's or the staged communicator's (OK when none): what every call
+  // returns once one failed.
+  Status Sticky() const NONSTOP_LOCKS_EXCLUDED(mu_);
+  // The first failure is kept (sticky) and the NCCL communicator aborted (outside the lock:
+  // ncclCommAbort may take a while).
+  Status Fail(Status status) NONSTOP_LOCKS_EXCLUDED(mu_);
   // Agrees with the other members on shrinking or a fresh init, and makes the NCCL communicator.
   Status SetUp();
   // Runs `enqueue` (NCCL calls on comm_ and stream_) under the lock, then waits until the
   // communicator and the stream are done: `op` names it in errors.
   template <typename Enqueue>
-  Status Run(const char* op, Enqueue enqueue);
+  Status Run(const char* op, Enqueue enqueue) NONSTOP_LOCKS_EXCLUDED(mu_);
   // Polls until the communicator is no longer in progress and, when `stream`, the stream is
   // done; fails at `deadline`, at an abort, and at NCCL's or CUDA's first error.
-  Status Await(const char* op, bool stream, Clock::time_point deadline);
+  Status Await(const char* op, bool stream, Clock::time_point deadline) NONSTOP_LOCKS_EXCLUDED(mu_);
 
   NcclDataPlane* const plane_;
   const std::unique_ptr<collective::Communicator> staged_;
@@ -166,8 +175,11 @@ class NcclCommunicator final : public collective::Communicator {
   const int device_index_;
 
   mutable Mutex mu_;  // every NCCL call on comm_, and comm_'s replacement
-  void* comm_ NONSTOP_GUARDED_BY(mu_) = nullptr;  // ncclComm_t, kept out of this header
-  void* stream_ = nullptr;                        // cudaStream_t, made in SetUp
+  // ncclComm_t, kept out of this header. Null once aborted: a communicator that is not null when
+  // this one ends never failed and was idle when aborted, and may be shrunk.
+  void* comm_ NONSTOP_GUARDED_BY(mu_) = nullptr;
+  bool in_flight_ NONSTOP_GUARDED_BY(mu_) = false;  // an NCCL call enqueued and not yet done
+  void* stream_ = nullptr;  // cudaStream_t, made in SetUp (before any call uses it)
   Status error_ NONSTOP_GUARDED_BY(mu_);
   NcclSetup setup_ NONSTOP_GUARDED_BY(mu_);
   uint64_t ops_ NONSTOP_GUARDED_BY(mu_) = 0;  // NCCL calls enqueued

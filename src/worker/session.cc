@@ -930,6 +930,36 @@ class SessionImpl {
                          /*at_step_boundary=*/true);
   }
 
+  Status AllReduceTreeOnDevice(int m, std::span<const std::pair<int, int>> ranges,
+                               std::span<const std::span<const float>> device_partials,
+                               std::span<float> device_out) {
+    if (options_.device == nullptr) {
+      return FailedPreconditionError(
+          "AllReduceTreeOnDevice: this session has no device (set SessionOptions::device)");
+    }
+    NONSTOP_RETURN_IF_ERROR(WaitAll());
+    NONSTOP_CHECK_EQ(ranges.size(), static_cast<size_t>(comm().world_size()));
+    std::vector<std::vector<collective::TreeNode>> nodes_of(ranges.size());
+    for (size_t q = 0; q < ranges.size(); ++q)
+      nodes_of[q] = collective::NodesOfRange(m, ranges[q].first, ranges[q].second);
+    auto on_device = [&](const float* data, size_t n) {
+      return collective::ConstRegion{reinterpret_cast<const std::byte*>(data), n * sizeof(float),
+                                     collective::Device::kCuda, options_.device->index()};
+    };
+    std::vector<collective::ConstRegion> partials;
+    for (std::span<const float> p : device_partials)
+      partials.push_back(on_device(p.data(), p.size()));
+    const collective::Region out{reinterpret_cast<std::byte*>(device_out.data()),
+                                 device_out.size_bytes(), collective::Device::kCuda,
+                                 options_.device->index()};
+    return RunCollective(
+        [&] {
+          return comm().AllReduceTree(
+              m, std::span<const std::vector<collective::TreeNode>>(nodes_of), partials, out);
+        },
+        /*at_step_boundary=*/true);
+  }
+
   // ---- overlapped reduction (Session::StartAllReduce / WaitAll) ----
 
   void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done) {
@@ -1194,6 +1224,11 @@ Status Session::AllReduceTree(int m, std::span<const std::vector<std::pair<int, 
             m, std::span<const std::vector<collective::TreeNode>>(nodes), partials, out);
       },
       /*at_step_boundary=*/true);
+}
+Status Session::AllReduceTreeOnDevice(int m, std::span<const std::pair<int, int>> ranges,
+                                      std::span<const std::span<const float>> device_partials,
+                                      std::span<float> device_out) {
+  return impl_->AllReduceTreeOnDevice(m, ranges, device_partials, device_out);
 }
 Status Session::AllGather(std::span<std::byte> data, size_t record_bytes) {
   NONSTOP_CHECK(record_bytes > 0 && data.size() == record_bytes * static_cast<size_t>(world_size()))

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "collective/peer_mesh.h"
+#include "collective/staged_communicator.h"
 #include "control/messages.h"
 #include "net/frame.h"
 #include "net/handshake.h"
@@ -46,17 +47,7 @@ class ScriptedJob {
   // plan of two members: the worker (rank 0) and the silent peer (rank 1);
   // `edit` may spoil it.
   void AcceptAndPlan(std::function<void(control::PlanMsg&)> edit = nullptr) {
-    NONSTOP_CHECK(
-        net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept")
-            .ok());
-    auto fd = net::Accept(listener_.fd.get());
-    NONSTOP_CHECK(fd.ok());
-    control_ = std::move(*fd);
-    auto accepted =
-        net::ServerHandshake(control_.get(), crypto::JobKey("tok"), net::ConnectionKind::kControl,
-                             DeadlineAfter(Millis(5000)), nullptr);
-    NONSTOP_CHECK(accepted.ok()) << accepted.status().ToString();
-    channel_ = std::move(accepted->channel);
+    Accept();
     control::JoinMsg join;
     while (true) {
       auto f = net::ReadSealedFrame(control_.get(), *channel_.recv, DeadlineAfter(Millis(5000)),
@@ -73,6 +64,21 @@ class ScriptedJob {
     plan.members = {{join.worker_id, join.data_address}, {1, peer_->address().ToString()}};
     if (edit) edit(plan);
     Send(control::kMsgPlan, control::Encode(plan));
+  }
+
+  // Accepts the worker's control connection and its handshake, and no more.
+  void Accept() {
+    NONSTOP_CHECK(
+        net::WaitFd(listener_.fd.get(), POLLIN, DeadlineAfter(Millis(10'000)), nullptr, "accept")
+            .ok());
+    auto fd = net::Accept(listener_.fd.get());
+    NONSTOP_CHECK(fd.ok());
+    control_ = std::move(*fd);
+    auto accepted =
+        net::ServerHandshake(control_.get(), crypto::JobKey("tok"), net::ConnectionKind::kControl,
+                             DeadlineAfter(Millis(5000)), nullptr);
+    NONSTOP_CHECK(accepted.ok()) << accepted.status().ToString();
+    channel_ = std::move(accepted->channel);
   }
 
   // The controller's end of the connection closes (a controller dies).
@@ -168,9 +174,9 @@ class SessionTest : public ::testing::Test {
   }
 
   // Joins; `controller` plays the controller's side (AcceptAndPlan by default).
-  Result<std::unique_ptr<Session>> Join(std::function<void()> controller = nullptr) {
+  Result<std::unique_ptr<Session>> Join(std::function<void()> controller = nullptr,
+                                        SessionOptions o = {}) {
     std::thread t(controller ? controller : [this] { job_.AcceptAndPlan(); });
-    SessionOptions o;
     o.controller_address = job_.address();
     o.job_token = "tok";
     o.worker_id = 0;
@@ -469,6 +475,85 @@ TEST_F(SessionTest, AControllerOfAnOlderEpochIsLeftAndItsOrdersAreNotActedOn) {
 
 // Issue 30: a worker whose device fails its health check does not join (nothing is dialed: the
 // controller's address is never used), and says which device failed and why.
+// Issue 30: the world-invariant sum of partials in device memory, staged: the bits of the host
+// tree over the same partials. The plan is cut to this worker alone (the scripted peer never
+// sums), so its one partial (the root's) is the sum; it must arrive in the device's `out`.
+TEST_F(SessionTest, TheTreeOfPartialsOnADeviceHasTheHostTreesBits) {
+  auto device = std::make_shared<state::ProtectedDevice>();
+  SessionOptions o;
+  o.device = device;
+  auto session =
+      Join([this] { job_.AcceptAndPlan([](control::PlanMsg& p) { p.members.resize(1); }); }, o);
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  const int m = 5;
+  const std::vector<std::pair<int, int>> ranges{{0, m}};
+  const size_t n = 1000;
+  std::vector<std::vector<float>> partials(collective::NodesOfRange(m, 0, m).size(),
+                                           std::vector<float>(n));
+  std::vector<std::span<const float>> on_device;
+  for (size_t k = 0; k < partials.size(); ++k) {
+    for (size_t i = 0; i < n; ++i) partials[k][i] = 0.1f * static_cast<float>(i) + 0.37f * (k + 1);
+    std::span<std::byte> d = device->Allocate(n * sizeof(float));
+    ASSERT_TRUE(
+        device->ToDevice(d.data(), reinterpret_cast<const std::byte*>(partials[k].data()), d.size())
+            .ok());
+    on_device.push_back({reinterpret_cast<const float*>(d.data()), n});
+  }
+  std::span<std::byte> out = device->Allocate(n * sizeof(float));
+  ASSERT_TRUE(
+      (*session)
+          ->AllReduceTreeOnDevice(m, ranges, on_device, {reinterpret_cast<float*>(out.data()), n})
+          .ok());
+  std::vector<float> from_device(n), on_host(n);
+  ASSERT_TRUE(
+      device->ToHost(reinterpret_cast<std::byte*>(from_device.data()), out.data(), out.size())
+          .ok());
+  ASSERT_TRUE((*session)->AllReduceTree(m, ranges, partials, on_host).ok());
+  EXPECT_EQ(std::memcmp(from_device.data(), on_host.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(from_device[999], partials[0][999]) << "not the device's zeros";
+}
+
+// Issue 30: SessionOptions::device_data_plane makes the data plane of the device's sums from the
+// TCP one (NCCL's in a GPU job); a maker that fails fails the join, naming why.
+TEST_F(SessionTest, TheDeviceDataPlaneMakerCarriesTheDevicesSumsAndItsFailureStopsTheJoin) {
+  auto device = std::make_shared<state::ProtectedDevice>();
+  int made = 0;
+  SessionOptions o;
+  o.device = device;
+  o.device_data_plane = [&](std::unique_ptr<collective::DataPlane> tcp,
+                            net::AbortSignal*) -> Result<std::unique_ptr<collective::DataPlane>> {
+    ++made;
+    return std::unique_ptr<collective::DataPlane>(std::make_unique<collective::StagedDataPlane>(
+        std::move(tcp), std::make_shared<collective::MemoryCopier>(device)));
+  };
+  auto session =
+      Join([this] { job_.AcceptAndPlan([](control::PlanMsg& p) { p.members.resize(1); }); }, o);
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  EXPECT_EQ(made, 1);
+  std::span<std::byte> d = device->Allocate(16 * sizeof(float));
+  std::vector<float> v(16, 2.5f);
+  ASSERT_TRUE(
+      device->ToDevice(d.data(), reinterpret_cast<const std::byte*>(v.data()), d.size()).ok());
+  Status summed = (*session)->AllReduceOnDevice({reinterpret_cast<float*>(d.data()), 16});
+  EXPECT_TRUE(summed.ok()) << summed.ToString();
+}
+
+TEST_F(SessionTest, ADeviceDataPlaneMakerThatFailsStopsTheJoinNamingWhy) {
+  SessionOptions broken;
+  broken.device = std::make_shared<state::ProtectedDevice>();
+  broken.device_data_plane =
+      [](std::unique_ptr<collective::DataPlane>,
+         net::AbortSignal*) -> Result<std::unique_ptr<collective::DataPlane>> {
+    return FailedPreconditionError("no CUDA device can be used: a test says so");
+  };
+  broken.join_timeout = Millis(2000);
+  auto refused = Join([this] { job_.Accept(); }, broken);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("no CUDA device can be used: a test says so"),
+            std::string::npos)
+      << refused.status().ToString();
+}
+
 TEST(SessionJoinTest, AWorkerWhoseDeviceFailsItsHealthCheckDoesNotJoin) {
   auto device = std::make_shared<state::ProtectedDevice>();
   ASSERT_TRUE(device->Check().ok());

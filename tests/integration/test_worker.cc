@@ -132,6 +132,11 @@ int main(int argc, char** argv) {
     }
     dev = *buffers;
     options->device = dev.memory;
+#ifdef NONSTOP_WITH_CUDA
+    // staged with the CUDA copier's streams and pinned buffers (the default copies synchronously)
+    if (device == "cuda")
+      options->device_data_plane = nonstop::gpu::StagedDataPlaneMaker(dev.memory->index());
+#endif
     if (data_plane == "nccl") {
 #ifdef NONSTOP_WITH_NCCL
       if (device != "cuda") {
