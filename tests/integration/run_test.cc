@@ -240,6 +240,38 @@ TEST(RunIntegrationTest, StateOnADeviceIsRecoveredIntoTheSparesDeviceMemoryBitwi
   for (const auto& f : finished) EXPECT_EQ(f["checksum"], TestWorkerChecksum(30, 100003)) << out;
 }
 
+// Issue 30: the world-invariant sum on a device. Every step's items are tenths folded into tree
+// partials on the device and summed with Session::AllReduceTreeOnDevice; 4 workers and a spare
+// with a kill end on the checksum of 3 workers in host memory without a fault. The bits depend on
+// the order of the additions, so this holds only if the device's tree keeps the host tree's.
+TEST(RunIntegrationTest, TheTreeOnADeviceEndsOnTheChecksumOfAnotherWorldInHostMemory) {
+  TempDir dir;
+  auto run = [&](const std::string& name, const std::vector<std::string>& options,
+                 const std::string& device) {
+    std::vector<std::string> argv{kBin + "/nonstop", "run", "--journal", dir / (name + ".jsonl")};
+    argv.insert(argv.end(), options.begin(), options.end());
+    for (const char* a : {"--", "WORKER", "--steps", "20", "--elements", "10007", "--sleep-ms",
+                          "10", "--tree", "--device"})
+      argv.push_back(a);
+    argv[argv.size() - 9] = kBin + "/nonstop-test-worker";
+    argv.push_back(device);
+    ChildProcess job(argv, dir / (name + ".txt"));
+    EXPECT_EQ(job.Wait(milliseconds(90'000)), 0) << job.Output();
+    auto finished = Events(dir / (name + ".jsonl"), "finished");
+    EXPECT_FALSE(finished.empty()) << job.Output();
+    return finished.empty() ? std::string() : finished[0]["checksum"].get<std::string>();
+  };
+  const std::string host = run("host", {"--nproc", "3"}, "host");
+  const std::string device = run(
+      "device", {"--nproc", "4", "--spares", "1", "--inject", "kill:rank=1,step=8"}, "stand-in");
+  auto ends = Events(dir / "device.jsonl", "recovery_end");
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0]["recovery"]["outcome"], "completed") << ends[0].dump();
+  EXPECT_FALSE(host.empty());
+  EXPECT_EQ(device, host);
+  EXPECT_NE(host, TestWorkerChecksum(20, 10007)) << "the items are tenths, not the ring's integers";
+}
+
 TEST(RunIntegrationTest, LosingTheOnlyHolderOfTheStateEndsTheJobNonZeroWithAReason) {
   TempDir dir;
   std::string journal = dir / "journal.jsonl";

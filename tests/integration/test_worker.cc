@@ -17,6 +17,13 @@
 // --data-plane nccl summed by NCCL). A worker's GPU is cuda:(worker id mod
 // the GPUs it sees): the workers and spares of one machine spread over its
 // GPUs (NCCL needs one each).
+//
+// --tree makes the sums world-invariant (docs/determinism.md): each rank folds
+// its block of items into the partial sums of its tree nodes (TreeFolder) and
+// the members sum them with Session::AllReduceTree (AllReduceTreeOnDevice
+// with --device). The items are then tenths, so the bits depend on the order
+// of the additions, and the checksum is the same at every world size and
+// after a recovery only because the tree's order is.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -26,14 +33,17 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "common/check.h"
 #include "common/crc32c.h"
 #include "nonstop/data.h"
 #include "nonstop/session.h"
+#include "nonstop/tree.h"
 #include "state/protected_device_testing.h"
 #ifdef NONSTOP_WITH_CUDA
 #include "gpu/cuda_copier.h"
@@ -53,26 +63,70 @@ float Item(int64_t step, uint64_t item, size_t i) {
 
 // Two buffers of `bytes` on `device` ("stand-in" or "cuda"), with the DeviceMemory that reaches
 // them.
+// (With --tree, `partials` more: a rank's tree nodes over the 12 items are at most 2·4.)
 struct DeviceBuffers {
   std::shared_ptr<const nonstop::state::DeviceMemory> memory;
   std::span<std::byte> state, sum;
+  std::vector<std::span<std::byte>> partials;
 };
-nonstop::Result<DeviceBuffers> AllocateOn(const std::string& device, size_t bytes, int worker_id) {
+nonstop::Result<DeviceBuffers> AllocateOn(const std::string& device, size_t bytes, int worker_id,
+                                          int partials) {
+  DeviceBuffers out;
   if (device == "stand-in") {
     auto d = std::make_shared<nonstop::state::ProtectedDevice>();
-    return DeviceBuffers{d, d->Allocate(bytes), d->Allocate(bytes)};
+    out = {d, d->Allocate(bytes), d->Allocate(bytes), {}};
+    for (int k = 0; k < partials; ++k) out.partials.push_back(d->Allocate(bytes));
+    return out;
   }
 #ifdef NONSTOP_WITH_CUDA
   const int gpus = nonstop::gpu::DeviceCount();
   NONSTOP_ASSIGN_OR_RETURN(auto cuda,
                            nonstop::gpu::CudaMemory::Create(gpus > 0 ? worker_id % gpus : 0));
-  NONSTOP_ASSIGN_OR_RETURN(std::span<std::byte> state, cuda->Allocate(bytes));
-  NONSTOP_ASSIGN_OR_RETURN(std::span<std::byte> sum, cuda->Allocate(bytes));
-  return DeviceBuffers{cuda, state, sum};
+  out.memory = cuda;
+  NONSTOP_ASSIGN_OR_RETURN(out.state, cuda->Allocate(bytes));
+  NONSTOP_ASSIGN_OR_RETURN(out.sum, cuda->Allocate(bytes));
+  for (int k = 0; k < partials; ++k) {
+    NONSTOP_ASSIGN_OR_RETURN(std::span<std::byte> p, cuda->Allocate(bytes));
+    out.partials.push_back(p);
+  }
+  return out;
 #else
   return nonstop::FailedPreconditionError(
       "--device cuda: this build has no CUDA (CMake found no CUDA toolkit, or a sanitizer build)");
 #endif
+}
+
+// The step's world-invariant sum into `v`: this rank folds items [lo, hi) (fractions) into the
+// partial sums of its tree nodes, and the members sum every rank's partials in the tree's order,
+// in the device's memory when `dev` is set.
+nonstop::Status TreeSum(nonstop::Session& s, int64_t step, uint64_t lo, uint64_t hi,
+                        const DeviceBuffers* dev, std::vector<float>& v) {
+  const int m = static_cast<int>(kItems);
+  nonstop::collective::TreeFolder folder(m, static_cast<int>(lo), static_cast<int>(hi), v.size());
+  std::vector<float> g(v.size());
+  for (uint64_t item = lo; item < hi; ++item) {
+    for (size_t i = 0; i < g.size(); ++i) g[i] = 0.1f * Item(step, item, i);
+    folder.Add(g);
+  }
+  std::vector<std::pair<int, int>> ranges;
+  for (int q = 0; q < s.world_size(); ++q) {
+    ranges.emplace_back(static_cast<int>(nonstop::data::BlockBegin(kItems, s.world_size(), q)),
+                        static_cast<int>(nonstop::data::BlockBegin(kItems, s.world_size(), q + 1)));
+  }
+  std::vector<std::vector<float>> partials = folder.TakePartials();
+  if (dev == nullptr) return s.AllReduceTree(m, ranges, partials, v);
+  std::vector<std::span<const float>> on_device;
+  for (size_t k = 0; k < partials.size(); ++k) {
+    NONSTOP_CHECK(k < dev->partials.size()) << partials.size() << " tree nodes";
+    auto bytes = std::as_bytes(std::span(partials[k]));
+    NONSTOP_RETURN_IF_ERROR(
+        dev->memory->ToDevice(dev->partials[k].data(), bytes.data(), bytes.size()));
+    on_device.emplace_back(reinterpret_cast<const float*>(dev->partials[k].data()), v.size());
+  }
+  NONSTOP_RETURN_IF_ERROR(s.AllReduceTreeOnDevice(
+      m, ranges, on_device, std::span(reinterpret_cast<float*>(dev->sum.data()), v.size())));
+  auto out = std::as_writable_bytes(std::span(v));
+  return dev->memory->ToHost(out.data(), dev->sum.data(), out.size());
 }
 
 }  // namespace
@@ -96,6 +150,11 @@ int main(int argc, char** argv) {
   std::string device = "host";
   app.add_option("--device", device, "where the state lives (see the top of test_worker.cc)")
       ->check(CLI::IsMember({"host", "cuda", "stand-in"}));
+  bool tree = false;
+  app.add_flag("--tree", tree,
+               "world-invariant sums: each rank folds its items into tree partials (TreeFolder) "
+               "summed by AllReduceTree (on the device with --device), and the items are "
+               "fractions, so the bits depend on the order of the additions");
   std::string data_plane = "staged";
   app.add_option("--data-plane", data_plane,
                  "what sums the device's memory: staged (over TCP) or nccl (--device cuda)")
@@ -125,7 +184,7 @@ int main(int argc, char** argv) {
   const bool on_device = device != "host";
   DeviceBuffers dev;
   if (on_device) {
-    auto buffers = AllocateOn(device, acc_bytes.size(), options->worker_id);
+    auto buffers = AllocateOn(device, acc_bytes.size(), options->worker_id, tree ? 8 : 0);
     if (!buffers.ok()) {
       fmt::print(stderr, "{}\n", buffers.status().ToString());
       return 2;
@@ -205,14 +264,18 @@ int main(int argc, char** argv) {
       std::fill(v.begin(), v.end(), 0.0f);
       uint64_t lo = nonstop::data::BlockBegin(kItems, s.world_size(), s.rank());
       uint64_t hi = nonstop::data::BlockBegin(kItems, s.world_size(), s.rank() + 1);
-      for (uint64_t item = lo; item < hi; ++item) {
-        for (size_t i = 0; i < elements; ++i) v[i] += Item(step, item, i);
+      if (!tree) {
+        for (uint64_t item = lo; item < hi; ++item) {
+          for (size_t i = 0; i < elements; ++i) v[i] += Item(step, item, i);
+        }
       }
       if (sleep_ms + extra_sleep_ms > 0)
         std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms + extra_sleep_ms));
       extra_sleep_ms = 0;
       nonstop::Status st;
-      if (on_device) {
+      if (tree) {
+        st = TreeSum(s, step, lo, hi, on_device ? &dev : nullptr, v);
+      } else if (on_device) {
         // the step's sum reduced on the device
         auto v_bytes = std::as_writable_bytes(std::span(v));
         st = dev.memory->ToDevice(dev.sum.data(), v_bytes.data(), v_bytes.size());
