@@ -159,7 +159,9 @@ int Main(int argc, char** argv) {
   int world = 4;
   app.add_option("--world", world, "ranks (threads of this process)")->check(CLI::Range(2, 16));
   std::vector<int> sizes_mib{4, 64, 256};
-  app.add_option("--sizes", sizes_mib, "buffer sizes in MiB")->delimiter(',');
+  app.add_option("--sizes", sizes_mib, "buffer sizes in MiB")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 65536));
   int repeats = 3;
   app.add_option("--repeats", repeats, "measurements per size (the median is shown)")
       ->check(CLI::Range(1, 50));

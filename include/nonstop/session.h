@@ -144,8 +144,10 @@ struct SessionOptions {
   std::shared_ptr<const state::DeviceMemory> device;
   // The data plane that moves the device's memory, made from the TCP one and the process's abort
   // signal, for the device `device` names (its index()): gpu::NcclDataPlaneMaker sums it with
-  // NCCL (src/gpu/nccl_data_plane.h), gpu::StagedDataPlaneMaker stages it with CUDA streams. Null:
-  // staged through host memory over the TCP collectives with the device's synchronous copies.
+  // NCCL (src/gpu/nccl_data_plane.h), gpu::StagedDataPlaneMaker stages it with CUDA streams;
+  // with either, the work that writes a buffer must be done (synchronized) before it is passed,
+  // as their streams do not wait for the caller's. Null: staged through host memory over the TCP
+  // collectives with the device's synchronous copies (which synchronize the device).
   std::function<Result<std::unique_ptr<collective::DataPlane>>(
       std::unique_ptr<collective::DataPlane> tcp, net::AbortSignal* abort)>
       device_data_plane;
@@ -213,9 +215,9 @@ class Session {
   // (FAILED_PRECONDITION without one): staged through host memory in pieces, with
   // the bits AllReduce gives the same values in host memory. Members may mix the
   // two calls in one collective. With a device_data_plane that sums on the device
-  // (NCCL) they may not: every member passes device memory, the bits are NCCL's
-  // (docs/gpu.md), and the work that wrote the buffer must be done (synchronized)
-  // before the call.
+  // (NCCL) they may not: every member passes device memory and the bits are NCCL's
+  // (docs/gpu.md). With any device_data_plane the work that wrote the buffer must be
+  // done (synchronized) before the call.
   Status AllReduceOnDevice(std::span<float> device_data);
   // Overlapped reduction: a step's gradient in buckets, reduced on the
   // Session's communication thread while the caller still computes (the

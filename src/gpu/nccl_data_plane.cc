@@ -116,20 +116,23 @@ Status NcclCommunicator::Fail(Status status) {
     MutexLock lock(&mu_);
     if (error_.ok()) error_ = std::move(status);
     failed = std::exchange(comm_, nullptr);
+    in_flight_ = false;
     status = error_;
   }
-  OwnedComm aborted(failed);  // stops its kernels
+  OwnedComm aborted(failed);                      // stops its kernels (on this, the waiting thread)
+  staged_->Abort(std::string(status.message()));  // the host calls and sub-groups stop too
   return status;
 }
 
 void NcclCommunicator::Abort(const std::string& reason) {
-  void* busy = nullptr;
   {
     MutexLock lock(&mu_);
     if (error_.ok()) error_ = AbortedError(reason);  // before the signal: the reason is this one
-    if (in_flight_) busy = std::exchange(comm_, nullptr);
   }
-  OwnedComm aborted(busy);  // stops the kernels in flight; the waiting call sees error_
+  // No NCCL call here: the session aborts from its I/O thread under its own lock, and
+  // ncclCommAbort may take seconds when a peer is gone. A call in flight sees error_ at its next
+  // poll (within 50 µs) and aborts the communicator itself; an idle one is kept whole, so that
+  // the next generation may shrink it.
   staged_->Abort(reason);
 }
 
@@ -198,7 +201,9 @@ Status NcclCommunicator::SetUp() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   config.commName = name.c_str();
+  config.shrinkShare = 0;  // the child owns its resources: the parent is aborted once it is ready
   const char* op = shrink ? "ncclCommShrink" : "ncclCommInitRankConfig";
+  Status started;
   {
     MutexLock lock(&mu_);
     NONSTOP_RETURN_IF_ERROR(error_);  // aborted meanwhile
@@ -211,10 +216,15 @@ Status NcclCommunicator::SetUp() {
                              static_cast<int>(excluded->size()), &comm, &config, NCCL_SHRINK_ABORT)
             : ncclCommInitRankConfig(&comm, world_size(), id, rank(), &config);
     comm_ = comm;
-    if (r != ncclSuccess && r != ncclInProgress) return NcclError(r, op, comm_);
+    if (r != ncclSuccess && r != ncclInProgress) started = NcclError(r, op, comm_);
+  }
+  // A child that failed is aborted (Fail) before its parent is (`parent` ends after).
+  if (!started.ok()) {
+    return Fail(std::move(started).WithContext(fmt::format(
+        "the NCCL communicator of generation {} on cuda:{}", generation(), device_index_)));
   }
   NONSTOP_RETURN_IF_ERROR(Await(op, /*stream=*/false, deadline));
-  parent.Drop();  // the child shares nothing with it (shrinkShare is off)
+  parent.Drop();  // the child shares nothing with it (shrinkShare 0)
   MutexLock lock(&mu_);
   setup_ = {shrink, shrink ? static_cast<int>(excluded->size()) : 0, agree_ms, MsSince(t1)};
   NONSTOP_LOG_INFO(
@@ -228,40 +238,39 @@ Status NcclCommunicator::SetUp() {
 }
 
 Status NcclCommunicator::Await(const char* op, bool stream, Clock::time_point deadline) {
+  const auto where = [&](Status s) {
+    return s.WithContext(fmt::format("{} (generation {}, rank {} of {}, cuda:{})", op, generation(),
+                                     rank(), world_size(), device_index_));
+  };
   for (int polls = 0;; ++polls) {
     Status failed;
     {
       MutexLock lock(&mu_);
-      if (!error_.ok()) {
-        in_flight_ = false;
-        return error_;
-      }
-      NONSTOP_CHECK(comm_ != nullptr) << op << " without a communicator";
-      ncclResult_t state = ncclSuccess;
-      if (ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state); r != ncclSuccess) state = r;
-      if (state != ncclSuccess && state != ncclInProgress) {
-        failed = NcclError(state, op, comm_);
-      } else if (state == ncclSuccess) {
-        const cudaError_t e = stream ? cudaStreamQuery(Stream(stream_)) : cudaSuccess;
-        if (e == cudaSuccess) {
-          in_flight_ = false;
-          return OkStatus();
+      failed = error_;  // aborted: the work pending is ended below (Fail)
+      if (failed.ok()) {
+        NONSTOP_CHECK(comm_ != nullptr) << op << " without a communicator";
+        ncclResult_t state = ncclSuccess;
+        if (ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state); r != ncclSuccess)
+          state = r;
+        if (state != ncclSuccess && state != ncclInProgress) {
+          failed = where(NcclError(state, op, comm_));
+        } else if (state == ncclSuccess) {
+          const cudaError_t e = stream ? cudaStreamQuery(Stream(stream_)) : cudaSuccess;
+          if (e == cudaSuccess) {
+            in_flight_ = false;
+            return OkStatus();
+          }
+          if (e != cudaErrorNotReady) failed = where(CudaError(e, op));
         }
-        if (e != cudaErrorNotReady) failed = CudaError(e, op);
       }
     }
-    if (failed.ok() && plane_->abort_->fired()) {
-      Abort(fmt::format("{} aborted (generation {})", op, generation()));
-      return Sticky();
-    }
-    if (failed.ok() && Clock::now() >= deadline) {
-      failed = DeadlineExceededError(fmt::format("{} did not finish in time", op));
-    }
-    if (!failed.ok()) {
-      return Fail(std::move(failed).WithContext(fmt::format("generation {}, rank {} of {}, cuda:{}",
-                                                            generation(), rank(), world_size(),
-                                                            device_index_)));
-    }
+    // A failure of the host side (a sub-group aborted, a peer gone) ends the wait too.
+    if (failed.ok()) failed = staged_->error();
+    if (failed.ok() && plane_->abort_->fired())
+      failed = AbortedError(fmt::format("{} aborted (generation {})", op, generation()));
+    if (failed.ok() && Clock::now() >= deadline)
+      failed = where(DeadlineExceededError("did not finish in time"));
+    if (!failed.ok()) return Fail(std::move(failed));
     // A collective of a few microseconds is seen at once; a long one costs a poll each 50 µs.
     if (polls < 256) {
       std::this_thread::yield();
@@ -397,8 +406,12 @@ NcclDataPlane::Parent NcclDataPlane::TakeParent() {
 }
 
 void NcclDataPlane::KeepParent(Parent parent) {
-  MutexLock lock(&mu_);
-  OwnedComm older(std::exchange(parent_, std::move(parent)).comm);  // never taken: dropped
+  Parent older;
+  {
+    MutexLock lock(&mu_);
+    older = std::exchange(parent_, std::move(parent));
+  }
+  OwnedComm dropped(older.comm);  // never taken: aborted, outside the lock
 }
 
 std::function<Result<std::unique_ptr<collective::DataPlane>>(
@@ -408,11 +421,17 @@ NcclDataPlaneMaker(int device_index) {
                         net::AbortSignal* abort) -> Result<std::unique_ptr<collective::DataPlane>> {
     int version = 0;
     NONSTOP_RETURN_IF_ERROR(NcclError(ncclGetVersion(&version), "ncclGetVersion", nullptr));
-    if (version != NCCL_VERSION_CODE) {
+    if (version < NCCL_VERSION(2, 27, 0) || version / 10000 != NCCL_VERSION_CODE / 10000) {
       return FailedPreconditionError(fmt::format(
           "the NCCL library loaded is version code {}, but nonstop was built against nccl.h {} "
-          "(HINT: point LD_LIBRARY_PATH at the NCCL it was built with, or rebuild)",
+          "and needs 2.27 or later of the same major version (HINT: point LD_LIBRARY_PATH at the "
+          "NCCL it was built with, or rebuild)",
           version, NCCL_VERSION_CODE));
+    }
+    if (version != NCCL_VERSION_CODE) {
+      NONSTOP_LOG_WARNING(
+          "the NCCL library loaded is version code {}, nonstop was built against {}", version,
+          NCCL_VERSION_CODE);
     }
     NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<CudaCopier> copier, CudaCopier::Create(device_index));
     return std::unique_ptr<collective::DataPlane>(

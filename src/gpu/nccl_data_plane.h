@@ -33,11 +33,14 @@
 // cudaStreamQuery. That stream does not wait for the caller's: the work that
 // writes a buffer must be done (synchronized) before the buffer is passed. A
 // call that fails aborts the communicator and waits for its kernels to stop
-// before it returns, so the region is free again. Abort() from any thread (the session's I/O
-// thread, when the controller's abort arrives) calls ncclCommAbort, which stops the kernels in
-// flight; the data plane's abort signal does the same from the waiting thread. NCCL allows one
-// thread at a time on a communicator: every call on it is made under one lock, and a wait holds it
-// only for each poll.
+// before it returns, so the region is free again. Abort() from any thread
+// (the session's I/O thread, when the controller's abort arrives) records the
+// failure; the waiting thread sees it, the data plane's abort signal or a
+// failure of the staged side within 50 µs and calls ncclCommAbort, which
+// stops the kernels in flight. ncclCommAbort is not made on the I/O thread:
+// the session holds its lock there, and the call may take seconds when a peer
+// is gone. NCCL allows one thread at a time on a communicator: every call on
+// it is made under one lock, and a wait holds it only for each poll.
 //
 // Determinism: NCCL's sums are the same bits run to run for the same
 // communicator (the same ranks on the same topology, NCCL's algorithm and
@@ -137,9 +140,10 @@ class NcclCommunicator final : public collective::Communicator {
   // The wire faults act on the TCP ring (host regions); NCCL's links are not ours to cut.
   void InjectDropOfNextRingLink() override { staged_->InjectDropOfNextRingLink(); }
   void InjectWireFlip(bool gather) override { staged_->InjectWireFlip(gather); }
-  // Keeps `reason` as the failure. An NCCL call in flight is stopped (ncclCommAbort); an idle
-  // communicator is kept, so that the next generation may shrink it (a drain at a step boundary
-  // aborts the generation with nothing in flight).
+  // Keeps `reason` as the failure and aborts the staged side. A call in flight sees it at its
+  // next poll and stops its work with ncclCommAbort on its own thread; an idle communicator is
+  // kept, so that the next generation may shrink it (a drain at a step boundary aborts the
+  // generation with nothing in flight).
   void Abort(const std::string& reason) override NONSTOP_LOCKS_EXCLUDED(mu_);
   Status error() const override;
   collective::CommunicatorStats stats() const override;

@@ -938,10 +938,26 @@ class SessionImpl {
           "AllReduceTreeOnDevice: this session has no device (set SessionOptions::device)");
     }
     NONSTOP_RETURN_IF_ERROR(WaitAll());
-    NONSTOP_CHECK_EQ(ranges.size(), static_cast<size_t>(comm().world_size()));
+    if (ranges.size() != static_cast<size_t>(comm().world_size())) {
+      return InvalidArgumentError(fmt::format("AllReduceTreeOnDevice: {} ranges for a world of {}",
+                                              ranges.size(), comm().world_size()));
+    }
     std::vector<std::vector<collective::TreeNode>> nodes_of(ranges.size());
     for (size_t q = 0; q < ranges.size(); ++q)
       nodes_of[q] = collective::NodesOfRange(m, ranges[q].first, ranges[q].second);
+    const size_t mine = nodes_of[static_cast<size_t>(comm().rank())].size();
+    if (device_partials.size() != mine) {
+      return InvalidArgumentError(fmt::format(
+          "AllReduceTreeOnDevice: {} partial sums for the {} tree node(s) of this rank's range",
+          device_partials.size(), mine));
+    }
+    for (std::span<const float> p : device_partials) {
+      if (p.size() != device_out.size()) {
+        return InvalidArgumentError(
+            fmt::format("AllReduceTreeOnDevice: a partial of {} floats for an output of {}",
+                        p.size(), device_out.size()));
+      }
+    }
     auto on_device = [&](const float* data, size_t n) {
       return collective::ConstRegion{reinterpret_cast<const std::byte*>(data), n * sizeof(float),
                                      collective::Device::kCuda, options_.device->index()};

@@ -475,10 +475,13 @@ TEST_F(SessionTest, AControllerOfAnOlderEpochIsLeftAndItsOrdersAreNotActedOn) {
 
 // Issue 30: a worker whose device fails its health check does not join (nothing is dialed: the
 // controller's address is never used), and says which device failed and why.
-// Issue 30: the world-invariant sum of partials in device memory, staged: the bits of the host
-// tree over the same partials. The plan is cut to this worker alone (the scripted peer never
-// sums), so its one partial (the root's) is the sum; it must arrive in the device's `out`.
-TEST_F(SessionTest, TheTreeOfPartialsOnADeviceHasTheHostTreesBits) {
+// Issue 30: the world-invariant sum of partials in device memory goes up from the device and its
+// sum comes back down into the device's `out`. The plan is cut to this worker alone (the scripted
+// peer never sums), so its one partial (the root's) is the sum: the order of the additions is
+// StagedCommunicatorTest's (several ranks, several nodes) and the integration test's
+// (TheTreeOnADeviceEndsOnTheChecksumOfAnotherWorldInHostMemory). A call that does not fit the
+// tree is refused by name.
+TEST_F(SessionTest, TheTreeOfPartialsOnADeviceCopiesThePartialsUpAndTheSumDown) {
   auto device = std::make_shared<state::ProtectedDevice>();
   SessionOptions o;
   o.device = device;
@@ -511,20 +514,52 @@ TEST_F(SessionTest, TheTreeOfPartialsOnADeviceHasTheHostTreesBits) {
   ASSERT_TRUE((*session)->AllReduceTree(m, ranges, partials, on_host).ok());
   EXPECT_EQ(std::memcmp(from_device.data(), on_host.data(), n * sizeof(float)), 0);
   EXPECT_EQ(from_device[999], partials[0][999]) << "not the device's zeros";
+  const std::vector<std::span<const float>> two{on_device[0], on_device[0]};
+  Status refused =
+      (*session)->AllReduceTreeOnDevice(m, ranges, two, {reinterpret_cast<float*>(out.data()), n});
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("2 partial sums for the 1 tree node(s) of this rank's range"),
+            std::string::npos)
+      << refused.ToString();
 }
+
+// A DeviceCopier that counts the copies a StagedDataPlane makes through it.
+class CountingCopier final : public collective::DeviceCopier {
+ public:
+  explicit CountingCopier(std::shared_ptr<const state::DeviceMemory> memory) : inner_(memory) {}
+  collective::Device device() const override { return inner_.device(); }
+  int device_index() const override { return inner_.device_index(); }
+  Result<std::span<std::byte>> HostBuffer(size_t bytes) override {
+    return inner_.HostBuffer(bytes);
+  }
+  Status ToHost(int lane, std::byte* host, const std::byte* device, size_t bytes) override {
+    ++copies;
+    return inner_.ToHost(lane, host, device, bytes);
+  }
+  Status ToDevice(int lane, std::byte* device, const std::byte* host, size_t bytes) override {
+    ++copies;
+    return inner_.ToDevice(lane, device, host, bytes);
+  }
+  Status Wait(int lane) override { return inner_.Wait(lane); }
+  std::atomic<int> copies{0};
+
+ private:
+  collective::MemoryCopier inner_;
+};
 
 // Issue 30: SessionOptions::device_data_plane makes the data plane of the device's sums from the
 // TCP one (NCCL's in a GPU job); a maker that fails fails the join, naming why.
 TEST_F(SessionTest, TheDeviceDataPlaneMakerCarriesTheDevicesSumsAndItsFailureStopsTheJoin) {
   auto device = std::make_shared<state::ProtectedDevice>();
   int made = 0;
+  auto copier = std::make_shared<CountingCopier>(device);
   SessionOptions o;
   o.device = device;
   o.device_data_plane = [&](std::unique_ptr<collective::DataPlane> tcp,
                             net::AbortSignal*) -> Result<std::unique_ptr<collective::DataPlane>> {
     ++made;
-    return std::unique_ptr<collective::DataPlane>(std::make_unique<collective::StagedDataPlane>(
-        std::move(tcp), std::make_shared<collective::MemoryCopier>(device)));
+    return std::unique_ptr<collective::DataPlane>(
+        std::make_unique<collective::StagedDataPlane>(std::move(tcp), copier));
   };
   auto session =
       Join([this] { job_.AcceptAndPlan([](control::PlanMsg& p) { p.members.resize(1); }); }, o);
@@ -536,6 +571,7 @@ TEST_F(SessionTest, TheDeviceDataPlaneMakerCarriesTheDevicesSumsAndItsFailureSto
       device->ToDevice(d.data(), reinterpret_cast<const std::byte*>(v.data()), d.size()).ok());
   Status summed = (*session)->AllReduceOnDevice({reinterpret_cast<float*>(d.data()), 16});
   EXPECT_TRUE(summed.ok()) << summed.ToString();
+  EXPECT_EQ(copier->copies.load(), 2) << "up and down through the maker's data plane";
 }
 
 TEST_F(SessionTest, ADeviceDataPlaneMakerThatFailsStopsTheJoinNamingWhy) {

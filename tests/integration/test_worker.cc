@@ -39,7 +39,6 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
-#include "common/check.h"
 #include "common/crc32c.h"
 #include "nonstop/data.h"
 #include "nonstop/session.h"
@@ -63,7 +62,7 @@ float Item(int64_t step, uint64_t item, size_t i) {
 
 // Two buffers of `bytes` on `device` ("stand-in" or "cuda"), with the DeviceMemory that reaches
 // them.
-// (With --tree, `partials` more: a rank's tree nodes over the 12 items are at most 2·4.)
+// (With --tree, `partials` more, one per tree node a rank can hold.)
 struct DeviceBuffers {
   std::shared_ptr<const nonstop::state::DeviceMemory> memory;
   std::span<std::byte> state, sum;
@@ -117,7 +116,10 @@ nonstop::Status TreeSum(nonstop::Session& s, int64_t step, uint64_t lo, uint64_t
   if (dev == nullptr) return s.AllReduceTree(m, ranges, partials, v);
   std::vector<std::span<const float>> on_device;
   for (size_t k = 0; k < partials.size(); ++k) {
-    NONSTOP_CHECK(k < dev->partials.size()) << partials.size() << " tree nodes";
+    if (k >= dev->partials.size()) {
+      return nonstop::InternalError(fmt::format("{} tree nodes, but {} device buffers for them",
+                                                partials.size(), dev->partials.size()));
+    }
     auto bytes = std::as_bytes(std::span(partials[k]));
     NONSTOP_RETURN_IF_ERROR(
         dev->memory->ToDevice(dev->partials[k].data(), bytes.data(), bytes.size()));
@@ -184,7 +186,9 @@ int main(int argc, char** argv) {
   const bool on_device = device != "host";
   DeviceBuffers dev;
   if (on_device) {
-    auto buffers = AllocateOn(device, acc_bytes.size(), options->worker_id, tree ? 8 : 0);
+    // a range's tree nodes are at most two per level
+    const int max_nodes = 2 * nonstop::collective::TreeLevels(static_cast<int>(kItems));
+    auto buffers = AllocateOn(device, acc_bytes.size(), options->worker_id, tree ? max_nodes : 0);
     if (!buffers.ok()) {
       fmt::print(stderr, "{}\n", buffers.status().ToString());
       return 2;
