@@ -307,13 +307,21 @@ Status NcclCommunicator::Run(const char* op, Enqueue enqueue) {
   return s;
 }
 
+namespace {
+// The elements of a sum's region (a whole number of them: data_plane.h).
+size_t Elements(Region data, DType dtype) {
+  const size_t count = data.bytes / ElementBytes(dtype);
+  NONSTOP_CHECK(count * ElementBytes(dtype) == data.bytes) << data.bytes << " bytes";
+  return count;
+}
+}  // namespace
+
 Status NcclCommunicator::AllReduce(Region data, DType dtype) {
   if (!OnNccl(data.device, data.device_index)) {
     NONSTOP_RETURN_IF_ERROR(Sticky());
     return staged_->AllReduce(data, dtype);
   }
-  const size_t count = data.bytes / ElementBytes(dtype);
-  NONSTOP_CHECK(count * ElementBytes(dtype) == data.bytes) << data.bytes << " bytes";
+  const size_t count = Elements(data, dtype);
   if (count == 0) return Sticky();
   return Run("ncclAllReduce", [&](ncclComm_t comm, cudaStream_t s) {
     return ncclAllReduce(data.data, data.data, count, ncclFloat32, ncclSum, comm, s);
@@ -325,8 +333,7 @@ Status NcclCommunicator::ReduceScatter(Region data, DType dtype) {
     NONSTOP_RETURN_IF_ERROR(Sticky());
     return staged_->ReduceScatter(data, dtype);
   }
-  const size_t count = data.bytes / ElementBytes(dtype);
-  NONSTOP_CHECK(count * ElementBytes(dtype) == data.bytes) << data.bytes << " bytes";
+  const size_t count = Elements(data, dtype);
   const auto w = static_cast<size_t>(world_size());
   // NCCL's chunks are equal: an uneven split sums everything (chunk r is right, the rest are
   // "unspecified" for a reduce-scatter, data_plane.h).
