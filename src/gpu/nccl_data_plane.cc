@@ -116,7 +116,6 @@ Status NcclCommunicator::Fail(Status status) {
     MutexLock lock(&mu_);
     if (error_.ok()) error_ = std::move(status);
     failed = std::exchange(comm_, nullptr);
-    in_flight_ = false;
     status = error_;
   }
   OwnedComm aborted(failed);                      // stops its kernels (on this, the waiting thread)
@@ -256,10 +255,7 @@ Status NcclCommunicator::Await(const char* op, bool stream, Clock::time_point de
           failed = where(NcclError(state, op, comm_));
         } else if (state == ncclSuccess) {
           const cudaError_t e = stream ? cudaStreamQuery(Stream(stream_)) : cudaSuccess;
-          if (e == cudaSuccess) {
-            in_flight_ = false;
-            return OkStatus();
-          }
+          if (e == cudaSuccess) return OkStatus();
           if (e != cudaErrorNotReady) failed = where(CudaError(e, op));
         }
       }
@@ -292,7 +288,6 @@ Status NcclCommunicator::Run(const char* op, Enqueue enqueue) {
     DeviceScope scope(device_index_);
     failed = scope.status();
     if (failed.ok()) {
-      in_flight_ = true;
       ++ops_;
       const ncclResult_t r = enqueue(Comm(comm_), Stream(stream_));
       if (r != ncclSuccess && r != ncclInProgress) failed = NcclError(r, op, comm_);

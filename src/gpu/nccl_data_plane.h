@@ -182,7 +182,6 @@ class NcclCommunicator final : public collective::Communicator {
   // ncclComm_t, kept out of this header. Null once aborted: a communicator that is not null when
   // this one ends never failed and was idle when aborted, and may be shrunk.
   void* comm_ NONSTOP_GUARDED_BY(mu_) = nullptr;
-  bool in_flight_ NONSTOP_GUARDED_BY(mu_) = false;  // an NCCL call enqueued and not yet done
   void* stream_ = nullptr;  // cudaStream_t, made in SetUp (before any call uses it)
   Status error_ NONSTOP_GUARDED_BY(mu_);
   NcclSetup setup_ NONSTOP_GUARDED_BY(mu_);
