@@ -12,7 +12,6 @@
 // only: what a machine without a GPU can run.
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -97,23 +96,17 @@ struct Row {
   double staged = 0, host = 0, dhd = 0, raw1 = 0;  // bytes per second (medians); 0: not measured
 };
 
-// Rank r's starting values (small integers).
-std::vector<std::byte> src_host(int r, size_t n) {
-  std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>((i + static_cast<size_t>(r)) % 5);
-  std::vector<std::byte> b(n * sizeof(float));
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
-}
-
 Row MeasureSize(Ranks& ranks, size_t bytes, int repeats) {
   const size_t n = bytes / sizeof(float);
   const double bus = 2.0 * (ranks.world - 1) / ranks.world * static_cast<double>(bytes);
   const int iters = static_cast<int>(std::clamp<size_t>((256u << 20) / bytes, 2, 50));
-  std::vector<std::vector<float>> host(static_cast<size_t>(ranks.world),
-                                       std::vector<float>(n, 0.0f));
+  // Each rank's buffer in host memory, small integers; the device buffers start as copies.
+  std::vector<std::vector<float>> host(static_cast<size_t>(ranks.world), std::vector<float>(n));
   std::vector<collective::Region> host_regions, device_regions;
-  for (auto& h : host) host_regions.push_back(collective::HostRegion(std::span<float>(h)));
+  for (size_t r = 0; r < host.size(); ++r) {
+    for (size_t i = 0; i < n; ++i) host[r][i] = static_cast<float>((i + r) % 5);
+    host_regions.push_back(collective::HostRegion(std::span<float>(host[r])));
+  }
   std::shared_ptr<gpu::CudaMemory> memory;  // every rank's buffer, freed with it
   std::span<std::byte> pinned;              // the d-h-d copy's host side
   if (!ranks.copiers.empty()) {
@@ -123,7 +116,8 @@ Row MeasureSize(Ranks& ranks, size_t bytes, int repeats) {
     for (int r = 0; r < ranks.world; ++r) {
       auto d = memory->Allocate(bytes);
       NONSTOP_CHECK(d.ok()) << d.status().ToString();
-      NONSTOP_CHECK(memory->ToDevice(d->data(), src_host(r, n).data(), bytes).ok());
+      NONSTOP_CHECK(
+          memory->ToDevice(d->data(), host_regions[static_cast<size_t>(r)].data, bytes).ok());
       device_regions.push_back({d->data(), bytes, collective::Device::kCuda, 0});
     }
     auto p = ranks.copiers[0]->HostBuffer(bytes);

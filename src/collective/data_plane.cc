@@ -23,6 +23,14 @@ std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c) {
   return {split(static_cast<size_t>(c)), split(static_cast<size_t>(c) + 1)};
 }
 
+std::vector<std::vector<TreeNode>> NodesOfRanges(int m,
+                                                 std::span<const std::pair<int, int>> ranges) {
+  std::vector<std::vector<TreeNode>> nodes_of(ranges.size());
+  for (size_t q = 0; q < ranges.size(); ++q)
+    nodes_of[q] = NodesOfRange(m, ranges[q].first, ranges[q].second);
+  return nodes_of;
+}
+
 Status Communicator::SendOnLane(int to_rank, int lane, ConstRegion data, bool checked) {
   NONSTOP_CHECK(lane >= 0 && lane < p2p_lanes()) << "lane " << lane << " of " << p2p_lanes();
   return checked ? Send(to_rank, data) : SendUnchecked(to_rank, data);
@@ -46,9 +54,7 @@ Status Communicator::AllReduceTree(int m, std::span<const std::pair<int, int>> r
                                    std::span<const std::vector<float>> partials,
                                    std::span<float> out) {
   NONSTOP_CHECK_EQ(ranges.size(), static_cast<size_t>(world_size()));
-  std::vector<std::vector<TreeNode>> nodes_of(ranges.size());
-  for (size_t q = 0; q < ranges.size(); ++q)
-    nodes_of[q] = NodesOfRange(m, ranges[q].first, ranges[q].second);
+  const std::vector<std::vector<TreeNode>> nodes_of = NodesOfRanges(m, ranges);
   return AllReduceTree(m, std::span<const std::vector<TreeNode>>(nodes_of), partials, out);
 }
 

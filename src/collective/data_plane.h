@@ -146,6 +146,11 @@ struct CommunicatorOptions {
 // [begin, end) of chunk `c` when `n` elements are split into `parts`.
 std::pair<size_t, size_t> ChunkRange(size_t n, int parts, int c);
 
+// Each rank's tree nodes when ranges[q] is rank q's [first, last) of the m
+// micro-batches (NodesOfRange of each): the nodes_of of AllReduceTree.
+std::vector<std::vector<TreeNode>> NodesOfRanges(int m,
+                                                 std::span<const std::pair<int, int>> ranges);
+
 struct CommunicatorStats {
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;

@@ -151,10 +151,13 @@ Status NcclCommunicator::Connect() {
   NONSTOP_RETURN_IF_ERROR(Sticky());
   NONSTOP_RETURN_IF_ERROR(staged_->Connect());
   Status s = SetUp();
-  if (!s.ok())
-    return Fail(std::move(s).WithContext(fmt::format(
-        "the NCCL communicator of generation {} on cuda:{}", generation(), device_index_)));
+  if (!s.ok()) return Fail(InSetUp(std::move(s)));
   return OkStatus();
+}
+
+Status NcclCommunicator::InSetUp(Status s) const {
+  return std::move(s).WithContext(fmt::format("the NCCL communicator of generation {} on cuda:{}",
+                                              generation(), device_index_));
 }
 
 Status NcclCommunicator::SetUp() {
@@ -218,10 +221,7 @@ Status NcclCommunicator::SetUp() {
     if (r != ncclSuccess && r != ncclInProgress) started = NcclError(r, op, comm_);
   }
   // A child that failed is aborted (Fail) before its parent is (`parent` ends after).
-  if (!started.ok()) {
-    return Fail(std::move(started).WithContext(fmt::format(
-        "the NCCL communicator of generation {} on cuda:{}", generation(), device_index_)));
-  }
+  if (!started.ok()) return Fail(InSetUp(std::move(started)));
   NONSTOP_RETURN_IF_ERROR(Await(op, /*stream=*/false, deadline));
   parent.Drop();  // the child shares nothing with it (shrinkShare 0)
   MutexLock lock(&mu_);

@@ -165,6 +165,8 @@ class NcclCommunicator final : public collective::Communicator {
   Status Fail(Status status) NONSTOP_LOCKS_EXCLUDED(mu_);
   // Agrees with the other members on shrinking or a fresh init, and makes the NCCL communicator.
   Status SetUp();
+  // `s` named as a failure of SetUp (the generation and the device).
+  Status InSetUp(Status s) const;
   // Runs `enqueue` (NCCL calls on comm_ and stream_) under the lock, then waits until the
   // communicator and the stream are done: `op` names it in errors.
   template <typename Enqueue>

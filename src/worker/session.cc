@@ -942,9 +942,8 @@ class SessionImpl {
       return InvalidArgumentError(fmt::format("AllReduceTreeOnDevice: {} ranges for a world of {}",
                                               ranges.size(), comm().world_size()));
     }
-    std::vector<std::vector<collective::TreeNode>> nodes_of(ranges.size());
-    for (size_t q = 0; q < ranges.size(); ++q)
-      nodes_of[q] = collective::NodesOfRange(m, ranges[q].first, ranges[q].second);
+    const std::vector<std::vector<collective::TreeNode>> nodes_of =
+        collective::NodesOfRanges(m, ranges);
     const size_t mine = nodes_of[static_cast<size_t>(comm().rank())].size();
     if (device_partials.size() != mine) {
       return InvalidArgumentError(fmt::format(
