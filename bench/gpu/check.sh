@@ -63,6 +63,34 @@ elif [[ -f build/src/gpu/libnonstop_nccl.a ]]; then
   echo "  this machine has $gpus. Its tests without a GPU ran in the unit tests (nccl_data_plane_test)."
 fi
 
+# The Python package with CUDA tensors (docs/gpu.md "Python"): 3 workers and a spare on cuda:0, the
+# model, AdamW's state and the gradient buffer on it, rank 1 killed at step 20, against the same job
+# without a fault. It needs a torch built with CUDA (Debian's python3-torch is not).
+py=${NONSTOP_PYTHON:-/usr/bin/python3}
+if PYTHONPATH=build/python "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  # pyjob NAME [nonstop run options...]: prints every rank's final state digest, one per line
+  pyjob() {
+    local name=$1
+    shift
+    ./build/bin/nonstop run --journal "$out/$name.jsonl" "$@" -- "$py" tests/python/trainer.py --steps 30 \
+      --device cuda --wait-for-joins 4 --journal "$out/$name.jsonl" >"$out/$name.log" 2>&1 || {
+      tail -40 "$out/$name.log" >&2
+      echo "check.sh: FAILED: the $name job (log above)" >&2
+      exit 1
+    }
+    grep -o 'final rank=[0-9]* .* state=[0-9a-f]*' "$out/$name.log" | grep -o 'state=[0-9a-f]*' | sort -u
+  }
+  py_clean=$(pyjob py-clean --nproc 3 --spares 1 --inject none) || exit 1
+  py_kill=$(pyjob py-kill --nproc 3 --spares 1 --heartbeat-timeout-ms 1000 --inject kill:rank=1,step=20) || exit 1
+  echo "check.sh: Python, CUDA tensors, 3 workers and a spare on cuda:0, rank 1 killed at step 20:"
+  echo "  ${py_kill} (recovered) against ${py_clean} (no fault)"
+  [[ -n "$py_clean" && "$py_clean" == "$py_kill" && $(wc -l <<<"$py_kill") == 1 ]] ||
+    { echo "check.sh: FAILED: the Python jobs' states differ"; exit 1; }
+else
+  echo "check.sh: NOT RUN: the Python job on CUDA tensors: $("$py" -c 'import torch; print("torch", torch.__version__)' \
+    2>&1 | tail -1) has no CUDA here (Debian's python3-torch is built without it; NONSTOP_PYTHON names another)"
+fi
+
 # The staged all-reduce's bus bandwidth against the host ring, a device-host-device copy and raw TCP.
 ./build/bin/nonstop-bench-staged --device cuda --world 4 --sizes 4,64,256 --repeats 3
 

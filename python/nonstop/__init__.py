@@ -43,7 +43,7 @@ import time
 from array import array
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from . import _core
+from . import _core, _device
 
 # Importing _core took the job token (from the memfd NONSTOP_JOB_TOKEN_FD names, or from
 # NONSTOP_JOB_TOKEN) and removed both from the C environment; os.environ, Python's copy made at
@@ -109,11 +109,10 @@ class MembershipChange:
 
 
 def _check_tensor(t: Any, what: str) -> None:
-    """Raises TypeError/ValueError unless `t` is a CPU, contiguous float32 tensor."""
+    """Raises TypeError/ValueError unless `t` is a contiguous float32 tensor on the CPU or a GPU."""
     if not hasattr(t, "data_ptr") or not hasattr(t, "is_contiguous"):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what} is on {t.device}, but nonstop's data plane runs on the CPU: pass {what}.cpu()")
+    _device.device_index(t, what)
     if str(t.dtype) != "torch.float32":
         raise TypeError(f"{what} has dtype {t.dtype}; nonstop reduces torch.float32 tensors: convert with .float()")
     if not t.is_contiguous():
@@ -124,6 +123,26 @@ def _check_tensor(t: Any, what: str) -> None:
 def _span(t: Any) -> Tuple[int, int]:
     """(address, bytes) of a contiguous tensor's memory."""
     return t.data_ptr(), t.numel() * t.element_size()
+
+
+# A registered region as nonstop._core takes it: (name, address, bytes, kind,
+# shape, device: -1 for host memory, N for cuda:N, whose bytes the native half
+# reads and writes through CUDA).
+_Region = Tuple[str, int, int, str, List[int], int]
+
+
+def _region(name: str, t: Any, kind: str, shape: List[int]) -> _Region:
+    """The region of tensor `t`'s memory."""
+    return (name, *_span(t), kind, shape, _device.device_index(t, name))
+
+
+def _one_device(tensors: List[Any], what: str) -> Any:
+    """The device every tensor of `tensors` is on; ValueError naming two that differ."""
+    devices = {str(t.device): t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"{what} are on {', '.join(sorted(devices))}: nonstop registers them in one buffer, on "
+                         "one device; move them to one (model.to(device)) before registering")
+    return next(iter(devices.values()))
 
 
 class Extra:
@@ -179,14 +198,14 @@ class Extra:
                            "(register every key with session.register(extra={...}))")
         return self._kind[key]
 
-    def _regions(self) -> List[Tuple[str, int, int, str, List[int]]]:
+    def _regions(self) -> List[_Region]:
         regions = []
         if len(self._ints):
             address, n = self._ints.buffer_info()
-            regions.append(("extra.int", address, n * self._ints.itemsize, "I64", [n]))
+            regions.append(("extra.int", address, n * self._ints.itemsize, "I64", [n], -1))
         if len(self._floats):
             address, n = self._floats.buffer_info()
-            regions.append(("extra.float", address, n * self._floats.itemsize, "F64", [n]))
+            regions.append(("extra.float", address, n * self._floats.itemsize, "F64", [n], -1))
         return regions
 
 
@@ -216,10 +235,11 @@ class Session:
         self._before_finish: List[Callable[[], None]] = []  # collectives due before the final checksum
         self._callbacks: List[Callable[[MembershipChange], None]] = []
         self._reserved: List[Tuple[int, int, str]] = []  # (begin, end, what) of registered memory
+        self._twins: List[Any] = []  # the host twins of GPU buckets in flight (_start_allreduce)
         self._watch: List[Tuple[Callable[[], Any], int, str]] = []  # (tensor getter, registered address, what)
         self._named: List[Tuple[str, Any]] = []  # the parameters by the model's names, in the flat buffer's order
         self._optimizer: Any = None
-        self._tensor_regions: List[Tuple[str, int, int, str, List[int]]] = []  # tensors={...}
+        self._tensor_regions: List[_Region] = []  # tensors={...}
         self._ckpt_step: Any = None  # the checkpoint's "step": steps completed (set when one is saved)
         self._resumed_wholes: Dict[str, Any] = {}  # sharded, resumed: whole state per key until adopted
         self.extra = Extra({})
@@ -273,7 +293,7 @@ class Session:
                   tensors: Optional[Mapping[str, Any]], resume_from: Optional[str] = None) -> None:
         from .sharded import ShardedOptimizer
 
-        regions: List[Tuple[str, int, int, str, List[int]]] = []
+        regions: List[_Region] = []
         params: List[Any] = []
         sharded = isinstance(optimizer, ShardedOptimizer)
         if model is not None:
@@ -296,9 +316,9 @@ class Session:
                     raise ValueError("the ShardedOptimizer was made for another model: register the model it updates")
                 self._flat_padded = flat
                 self._shard_group = optimizer.shard_group
-                regions.append(("params", *_span(flat), "SHARD_VIEW", [flat.numel()]))
+                regions.append(_region("params", flat, "SHARD_VIEW", [flat.numel()]))
             else:
-                regions.append(("params", *_span(flat), "F32", [flat.numel()]))
+                regions.append(_region("params", flat, "F32", [flat.numel()]))
         if optimizer is not None:
             if model is None:
                 raise ValueError("register(optimizer=...) needs the model too: the optimizer's state is kept per parameter")
@@ -311,14 +331,15 @@ class Session:
         for name, t in (tensors or {}).items():
             if not hasattr(t, "data_ptr"):
                 raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-            if t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError(f"tensors[{name!r}] must be a contiguous CPU tensor (device {t.device}, "
-                                 f"contiguous {t.is_contiguous()})")
+            _device.device_index(t, f"tensors[{name!r}]")
+            if not t.is_contiguous():
+                raise ValueError(f"tensors[{name!r}] must be contiguous (strides {tuple(t.stride())}): pass "
+                                 f"tensors[{name!r}].contiguous() and keep using that tensor")
             self._reserve(t, f"tensors[{name!r}]")
             self._keep.append(t.detach())  # the memory, even if `t` is later pointed elsewhere
             self._watch.append((lambda t=t: t, t.data_ptr(), f"tensors[{name!r}]"))
             kind = "F32" if str(t.dtype) == "torch.float32" else "U8"
-            self._tensor_regions.append((f"tensor.{name}", *_span(t), kind, [t.numel()] if kind == "F32" else []))
+            self._tensor_regions.append(_region(f"tensor.{name}", t, kind, [t.numel()] if kind == "F32" else []))
         regions += self._tensor_regions
         self._keep.append(self.extra)
         import torch
@@ -356,7 +377,7 @@ class Session:
                                  "a tensor is registered once")
         self._reserved.append((begin, begin + size, what))
 
-    def _register_shards(self, optimizer: Any, resume: bool) -> List[Tuple[str, int, int, str, List[int]]]:
+    def _register_shards(self, optimizer: Any, resume: bool) -> List[_Region]:
         """A ShardedOptimizer's state: its shard-sized tensors as this member's
         shard of sharded regions, the rest (AdamW's step count) whole. To
         resume, the shard-sized ones are views of whole buffers that the
@@ -367,7 +388,7 @@ class Session:
         inner, shard = optimizer.inner, optimizer.shard_param
         if not inner.state.get(shard):
             _materialize_state(inner, [shard])
-        regions: List[Tuple[str, int, int, str, List[int]]] = []
+        regions: List[_Region] = []
         for key in sorted(inner.state[shard]):
             value = inner.state[shard][key]
             if value is None:
@@ -385,16 +406,16 @@ class Session:
                     raise ValueError(f"optimizer state {key!r} is {value.dtype}: sharded state must be float32")
                 if resume:
                     whole = self._resumed_wholes[key] = torch.zeros(optimizer.padded)
-                    regions.append((f"optimizer.{key}", *_span(whole), "SHARD_VIEW", [whole.numel()]))
+                    regions.append(_region(f"optimizer.{key}", whole, "SHARD_VIEW", [whole.numel()]))
                 else:
-                    regions.append((f"optimizer.{key}", *_span(value), "SHARD", [value.numel()]))
+                    regions.append(_region(f"optimizer.{key}", value, "SHARD", [value.numel()]))
             elif value.dtype == torch.float32:
-                regions.append((f"optimizer.{key}", *_span(value), "F32", [value.numel()]))
+                regions.append(_region(f"optimizer.{key}", value, "F32", [value.numel()]))
             else:
-                regions.append((f"optimizer.{key}", *_span(value), "U8", []))
+                regions.append(_region(f"optimizer.{key}", value, "U8", []))
         return regions
 
-    def _register_optimizer(self, optimizer: Any, params: List[Any]) -> List[Tuple[str, int, int, str, List[int]]]:
+    def _register_optimizer(self, optimizer: Any, params: List[Any]) -> List[_Region]:
         import torch
 
         index = {id(p): i for i, p in enumerate(params)}
@@ -410,7 +431,7 @@ class Session:
             raise ValueError("some of the optimizer's parameters have state and others not yet: register before "
                              "the optimizer's first step, or once every parameter has state")
         float_states: List[Tuple[Any, str, Any]] = []
-        regions: List[Tuple[str, int, int, str, List[int]]] = []
+        regions: List[_Region] = []
         for p in params:
             state = optimizer.state.get(p, {})
             for key in sorted(state):
@@ -421,8 +442,7 @@ class Session:
                     raise ValueError(f"optimizer state {key!r} of parameter {index[id(p)]} is a Python "
                                      f"{type(value).__name__}, which nonstop cannot keep in registered memory; "
                                      "keep such values in extra={...}")
-                if value.device.type != "cpu":
-                    raise ValueError(f"optimizer state {key!r} is on {value.device}: nonstop keeps CPU state")
+                _device.device_index(value, f"optimizer state {key!r} of parameter {index[id(p)]}")
                 if value.dtype == torch.float32:
                     float_states.append((p, key, value))
                 else:
@@ -432,10 +452,13 @@ class Session:
                     self._reserve(value, f"optimizer state {key!r} of parameter {index[id(p)]}")
                     self._watch.append((lambda p=p, key=key: optimizer.state[p][key], value.data_ptr(),
                                         f"optimizer state {key!r} of parameter {index[id(p)]}"))
-                    regions.append((f"optimizer.{index[id(p)]}.{key}", *_span(value), "U8", []))
+                    regions.append(_region(f"optimizer.{index[id(p)]}.{key}", value, "U8", []))
         if float_states:
             total = sum(v.numel() for _, _, v in float_states)
-            flat = torch.empty(total, dtype=torch.float32)
+            # On the parameters' device, whatever device each state was made on: torch keeps Adam's
+            # scalar `step` on the CPU next to moments on the GPU, and one buffer keeps the region
+            # names of a CPU member and a GPU member the same.
+            flat = torch.empty(total, dtype=torch.float32, device=params[0].device)
             offset = 0
             for p, key, value in float_states:
                 n = value.numel()
@@ -447,12 +470,12 @@ class Session:
                 offset += n
             self._keep.append(flat)
             self._reserve(flat, "the optimizer's state")
-            regions.insert(0, ("optimizer", *_span(flat), "F32", [total]))
+            regions.insert(0, _region("optimizer", flat, "F32", [total]))
         return regions
 
     # ---- durable checkpoints ----
 
-    def _checkpoint_layout(self, wholes: Mapping[str, Any]) -> List[Tuple[str, int, int, str, List[int]]]:
+    def _checkpoint_layout(self, wholes: Mapping[str, Any]) -> List[_Region]:
         """The durable checkpoint's tensors, by nonstop-train's names where it
         has the same thing: each parameter by the model's name for it, each
         optimizer state per parameter as `<optimizer>.<key>.<name>`
@@ -461,18 +484,18 @@ class Session:
         key, whole (gathered, or to be loaded into)."""
         import torch
 
-        regions: List[Tuple[str, int, int, str, List[int]]] = []
+        regions: List[_Region] = []
         for name, p in self._named:
-            regions.append((name, *_span(p), "F32", list(p.shape)))
+            regions.append(_region(name, p, "F32", list(p.shape)))
         opt = self._optimizer
         if opt is not None:
             prefix = _optimizer_prefix(opt)
             for name, p, key, value in self._optimizer_states(wholes):
                 float32 = value.dtype == torch.float32
                 shape = list(p.shape) if value.numel() == p.numel() else list(value.shape)
-                regions.append((f"{prefix}.{key}.{name}", *_span(value), "F32" if float32 else "U8",
+                regions.append(_region(f"{prefix}.{key}.{name}", value, "F32" if float32 else "U8",
                                 shape if float32 else []))
-        regions.append(("step", *_span(self._ckpt_step), "I64", []))
+        regions.append(_region("step", self._ckpt_step, "I64", []))
         return regions + self.extra._regions() + self._tensor_regions
 
     def _optimizer_states(self, wholes: Mapping[str, Any]) -> List[Tuple[str, Any, str, Any]]:
@@ -614,20 +637,29 @@ class Session:
     # ---- collectives ----
 
     def allreduce(self, tensor: Any) -> Any:
-        """Sums `tensor` (CPU, contiguous, float32) across the workers, in place,
-        and returns it. Bitwise the same on every rank. Raises Aborted."""
+        """Sums `tensor` (contiguous, float32, on the CPU or a GPU) across the
+        workers, in place, and returns it. Bitwise the same on every rank.
+        Raises Aborted. A GPU tensor is summed in host memory: torch's current
+        stream is synchronized, the tensor copied down and the sum copied back."""
         _check_tensor(tensor, "the tensor")
         core = self._joined()
         self._maybe_inject()
-        core.allreduce(tensor.data_ptr(), tensor.numel())
+        _device.on_host(tensor, "allreduce", lambda host: core.allreduce(host.data_ptr(), host.numel()))
         return tensor
 
     def _start_allreduce(self, tensor: Any) -> None:
-        # For DataParallel: `tensor` was checked when its buckets were made.
-        self._core.start_allreduce(tensor, tensor.data_ptr(), tensor.numel())
+        # For DataParallel: `tensor` was checked when its buckets were made. A GPU bucket is
+        # reduced on its host twin, copied back up once _wait_all has waited for it.
+        twin = _device.Twin(tensor, "bucket")
+        self._core.start_allreduce(twin.host, twin.host.data_ptr(), tensor.numel())
+        if twin.host is not tensor:
+            self._twins.append(twin)
 
     def _wait_all(self) -> None:
+        twins, self._twins = self._twins, []
         self._core.wait_all()
+        for twin in twins:
+            twin.up()
 
     def _maybe_inject(self) -> None:
         if self._core.injected_exception_at(self._step_in_flight):
@@ -651,6 +683,7 @@ class Session:
         next; the registered state holds the step before it. Raises Released
         when the world shrank without this worker, JobEnded when the job ended."""
         held, self._held_recovery = self._held_recovery, None
+        self._twins = []  # buckets of the step cut short: never copied back
         core = self._joined()
         if held is not None:  # DataParallel recovered in place already, then could not keep its sum
             generation, outcome = held
@@ -728,7 +761,7 @@ class Session:
         """CRC-32C of the registered parameters, as 8 hex digits."""
         if self._params is None:
             return self._joined().state_digest()
-        return _core.crc32c(*_span(self._params))
+        return _device.on_host(self._params, "checksum", lambda host: _core.crc32c(*_span(host)), write_back=False)
 
     def run(self, train_step: Callable[[int], Optional[float]], steps: int) -> None:
         """The training loop, for the common case: calls `train_step(step)` for
@@ -773,7 +806,7 @@ def _flatten_parameters(params: List[Any], padded: int = 0) -> Any:
     import torch
 
     total = sum(p.numel() for p in params)
-    flat = torch.zeros(max(total, padded), dtype=torch.float32)
+    flat = torch.zeros(max(total, padded), dtype=torch.float32, device=_one_device(params, "the model's parameters"))
     offset = 0
     with torch.no_grad():
         for p in params:

@@ -10,7 +10,7 @@ from typing import Any, List
 
 import torch
 
-from . import Aborted, _check_tensor, _unique_parameters
+from . import Aborted, _check_tensor, _one_device, _unique_parameters
 
 
 def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
@@ -20,7 +20,13 @@ def _trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
         raise ValueError("the module has no parameters that require gradients")
     for i, p in enumerate(params):
         _check_tensor(p, f"parameter {i} of the module")
+    _one_device(params, "the module's parameters")
     return params
+
+
+def grad_buffer(params: List[torch.nn.Parameter]) -> torch.Tensor:
+    """The zeroed flat float32 buffer of `params`' gradients, on their device."""
+    return torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
 
 
 def flat_views(buffer: torch.Tensor, params: List[torch.nn.Parameter]) -> List[torch.Tensor]:

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _TorchProcessGroup
 from torch._C._distributed_c10d import Work as _TorchWork
 
-from . import Aborted, Session, _check_tensor, _core, join
-from ._grads import _trainable, flat_views, point_grads, raise_if_aborted
+from . import Aborted, Session, _check_tensor, _core, _device, join
+from ._grads import _trainable, flat_views, grad_buffer, point_grads, raise_if_aborted
 
 __all__ = ["DistributedDataParallel", "ProcessGroup", "destroy_process_group", "init_process_group", "step"]
 
@@ -113,6 +113,9 @@ class _BucketStep:
     there, with DDP's state whole, so the next forward can run)."""
 
     active = False  # a backward's end is queued; cleared there, and when a step is run again
+    # Buckets summed but not copied back to their GPU tensor (_device.completion): DDP has them
+    # unreduced, so this worker leaves the job at the end of the backward (_end).
+    copy_failures: List[str] = []
 
     @classmethod
     def enter(cls, session: Session) -> bool:
@@ -138,6 +141,7 @@ class _BucketStep:
             session._wait_all()
         except Aborted:
             pass  # the step is lost either way; the caller recovers
+        cls._leave_if_a_copy_failed(session)
 
     @classmethod
     def _after_ddp(cls, session: Session) -> None:
@@ -148,12 +152,26 @@ class _BucketStep:
     def _end(cls, session: Session) -> None:
         cls.active = False
         session._wait_all()  # raises Aborted: the step is lost
+        cls._leave_if_a_copy_failed(session)
+
+    @classmethod
+    def _leave_if_a_copy_failed(cls, session: Session) -> None:
+        if not cls.copy_failures:
+            return
+        message = (f"{cls.copy_failures[0]}; DDP holds that bucket unreduced, so this worker leaves the job "
+                   "(the controller replaces it)")
+        cls.copy_failures.clear()
+        session._core.report_failure(message, session._step_in_flight, 1)
+        raise RuntimeError(message)
 
 
 def _start_bucket(session: Session, tensor: Any) -> _Work:
     """Starts the sum of a gradient bucket on the communication thread."""
     work = _Work([tensor], done=False)
-    session._core.start_allreduce(tensor, tensor.data_ptr(), tensor.numel(), work._complete)
+    twin = _device.Twin(tensor, "bucket")  # a GPU bucket: summed on its host twin, copied back before work completes
+    done = (work._complete if twin.host is tensor else
+            _device.completion(twin, work._complete, _BucketStep.copy_failures.append))
+    session._core.start_allreduce(twin.host, twin.host.data_ptr(), tensor.numel(), done)
     return work
 
 
@@ -203,7 +221,7 @@ class ProcessGroup(_TorchProcessGroup):
         if self._local:
             raise RuntimeError("all_reduce before this worker's first step: it joined a running job, whose members "
                                "make no such call now; reduce inside the training steps")
-        session._core.allreduce(tensor.data_ptr(), tensor.numel())
+        _device.on_host(tensor, "allreduce", lambda host: session._core.allreduce(host.data_ptr(), host.numel()))
         if average:
             tensor.div_(session.world_size)
         return _Work(tensors)
@@ -213,7 +231,8 @@ class ProcessGroup(_TorchProcessGroup):
         _check_bytes(tensor, "the tensor of broadcast")
         if not self._local:
             root = int(opts.rootRank) if opts is not None else 0
-            self._session._core.broadcast(tensor.data_ptr(), _nbytes(tensor), root)
+            _device.on_host(tensor, "broadcast",
+                            lambda host: self._session._core.broadcast(host.data_ptr(), _nbytes(host), root))
         return _Work(tensors)
 
     def allgather(self, output_lists: List[List[Any]], inputs: List[Any], opts: Any = None) -> _Work:
@@ -258,8 +277,7 @@ def _one(tensors: List[Any], what: str) -> Any:
 
 
 def _check_bytes(t: Any, what: str) -> None:
-    if t.device.type != "cpu":
-        raise ValueError(f"{what} is on {t.device}, but nonstop's data plane runs on the CPU: pass a CPU tensor")
+    _device.device_index(t, what)
     if not t.is_contiguous():
         raise ValueError(f"{what} is not contiguous: pass .contiguous()")
 
@@ -576,7 +594,7 @@ class _InvariantDDP(DistributedDataParallel):
                          for prefix, m in module.named_modules(remove_duplicate=False)
                          for name, p in m._parameters.items() if p is not None and id(p) in index]
         self._slices_of: Any = None  # (step, generation) of the forward whose backward is due
-        self._grads = torch.zeros(sum(p.numel() for p in self._params), dtype=torch.float32)
+        self._grads = grad_buffer(self._params)
         self._views = flat_views(self._grads, self._params)
         self._trees: dict = {}  # micro-batches per step -> _core.TreeStep
         self._slices: List[Any] = []  # (micro-batch, its leaves) of the forward in flight
@@ -644,9 +662,11 @@ class _InvariantDDP(DistributedDataParallel):
                     view.copy_(leaf.grad)
             if factor != 1.0:
                 self._grads.mul_(factor)
-            tree.add(mb, self._grads.data_ptr())
+            _device.on_host(self._grads, "tree.add", lambda host, mb=mb: tree.add(mb, host.data_ptr()),
+                            write_back=False)
         self._slices = []
-        tree.reduce(self._grads.data_ptr())  # Aborted: the step runs again after the recovery
+        # Aborted: the step runs again
+        _device.on_host(self._grads, "tree.reduce", lambda host: tree.reduce(host.data_ptr()))
         self._grads.mul_(float(s) / whole)
         point_grads(self._params, self._views)
 

@@ -180,6 +180,10 @@ def _parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
         raise ValueError("the model has no parameters")
     for i, p in enumerate(params):
         _check_tensor(p, f"parameter {i} of the model")
+        if p.device.type != "cpu":
+            raise ValueError(f"parameter {i} of the model is on {p.device}: sharded optimizer state is kept in host "
+                             "memory (docs/gpu.md): keep a sharded model on the CPU, or use "
+                             "nonstop.torch.DataParallel, which takes GPU tensors")
         if not p.requires_grad:
             raise ValueError(f"parameter {i} does not require gradients: a sharded optimizer updates every "
                              "parameter of the model (freeze nothing, or leave it out of the model)")

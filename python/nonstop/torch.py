@@ -36,8 +36,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import Aborted, Session, _core
-from ._grads import _trainable, adopt_grad, flat_views, point_grads, raise_if_aborted
+from . import Aborted, Session, _core, _device
+from ._grads import _trainable, adopt_grad, flat_views, grad_buffer, point_grads, raise_if_aborted
 
 __all__ = ["DataParallel", "InvariantDataParallel"]
 
@@ -62,13 +62,13 @@ class _Held:
         self.step = -1  # none
         self.micro_batches: List[int] = []
         self.sum = torch.empty_like(like)
-        self.loss = torch.zeros(1, dtype=torch.float32)
+        self.loss = torch.zeros(1, dtype=torch.float32, device=like.device)
         self.spare: Optional[torch.Tensor] = None  # the buffer swap_in gave back
 
     def begin(self, step: int) -> None:
         self.step = step
         self.micro_batches = []
-        self.loss = torch.zeros(1, dtype=torch.float32)
+        self.loss = torch.zeros(1, dtype=torch.float32, device=self.sum.device)
 
     def keep(self, grads: torch.Tensor, mb: int, loss: torch.Tensor) -> None:
         with torch.no_grad():
@@ -86,7 +86,7 @@ class _Held:
 class _PlannedStep:
     """One planned step of DataParallel: this rank's share and how far it got."""
 
-    def __init__(self, step: int, generation: int, share: Dict[str, Any]) -> None:
+    def __init__(self, step: int, generation: int, share: Dict[str, Any], device: torch.device) -> None:
         self.step = step
         self.generation = generation
         self.compute: List[int] = list(share["compute"])
@@ -96,8 +96,8 @@ class _PlannedStep:
         self.overlap = not self.loans
         self.next = 0  # index in todo of the next backward
         self.sync = False  # the backward running now starts the buckets
-        self.value = torch.zeros(1, dtype=torch.float32)  # the loss of the micro-batch whose backward runs
-        self.local_loss = torch.zeros(1, dtype=torch.float32)
+        self.value = torch.zeros(1, dtype=torch.float32, device=device)  # the loss of the backward running
+        self.local_loss = torch.zeros(1, dtype=torch.float32, device=device)
         self.restore: Optional[torch.Tensor] = None  # the kept sum the first backward starts from
         self.begun = False
         self.own: Optional[torch.Tensor] = None  # this rank's sum while it computes borrowed micro-batches
@@ -134,8 +134,7 @@ class DataParallel(torch.nn.Module):
         params = _trainable(module)
         # Reverse order: backward produces the last layers' gradients first.
         self._params = list(reversed(params))
-        total = sum(p.numel() for p in self._params)
-        self._grads = torch.zeros(total, dtype=torch.float32)
+        self._grads = grad_buffer(self._params)
         self._views: List[torch.Tensor] = []
         self._bucket_of: List[int] = []
         self._buckets: List[torch.Tensor] = []
@@ -332,7 +331,7 @@ class DataParallel(torch.nn.Module):
         held = self._held
         held_step, held_mbs = (held.step, held.micro_batches) if held is not None and held.step >= 0 else (-1, [])
         share = self._ring.plan(step, held_step, held_mbs)
-        planned = _PlannedStep(step, session.generation, share)
+        planned = _PlannedStep(step, session.generation, share, self._grads.device)
         if share["kept"]:
             if held is None or held.step != step or sorted(held.micro_batches) != list(share["kept"]):
                 raise RuntimeError(f"step {step}: the plan keeps micro-batches {share['kept']} this rank does not "
@@ -448,8 +447,10 @@ class DataParallel(torch.nn.Module):
         rank = self._session.rank
         n = self._grads.numel()
         for mb, owner, borrower in planned.loans:
-            piece = planned.for_owner.pop(mb) if borrower == rank else torch.empty(n + 1, dtype=torch.float32)
-            self._session._core.broadcast(piece.data_ptr(), piece.numel() * 4, borrower)
+            piece = (planned.for_owner.pop(mb) if borrower == rank else
+                     torch.empty(n + 1, dtype=torch.float32, device=self._grads.device))
+            _device.on_host(piece, "loan", lambda host: self._session._core.broadcast(host.data_ptr(),
+                                                                                       host.numel() * 4, borrower))
             if owner == rank:
                 with torch.no_grad():
                     self._grads.add_(piece[:n])  # as the owner's backward would have accumulated it
@@ -518,11 +519,10 @@ class InvariantDataParallel(torch.nn.Module):
         self.module = module
         self._session = session
         self._params = _trainable(module)
-        total = sum(p.numel() for p in self._params)
-        self._grads = torch.zeros(total, dtype=torch.float32)
+        self._grads = grad_buffer(self._params)
         self._views = flat_views(self._grads, self._params)
         self._micro_batches = int(micro_batches)
-        self._tree = _core.TreeStep(core, self._micro_batches, total, bool(salvage))
+        self._tree = _core.TreeStep(core, self._micro_batches, self._grads.numel(), bool(salvage))
         self._planned: List[int] = []
         self._queued = False
         self._cut = False
@@ -577,7 +577,8 @@ class InvariantDataParallel(torch.nn.Module):
             raise RuntimeError("a backward that plan() did not plan: run exactly one per micro-batch it returned")
         for p, view in zip(self._params, self._views):
             adopt_grad(p, view)
-        self._tree.add(self._planned.pop(0), self._grads.data_ptr())
+        mb = self._planned.pop(0)
+        _device.on_host(self._grads, "tree.add", lambda host: self._tree.add(mb, host.data_ptr()), write_back=False)
         self._grads.zero_()
 
     def reduce(self) -> None:
@@ -586,7 +587,7 @@ class InvariantDataParallel(torch.nn.Module):
         rank, at any world size. Raises Aborted (the folded sums are kept for
         the step's retry)."""
         self._stop_if_aborted()  # a micro-batch cut short was not folded: Aborted, not a count error
-        self._tree.reduce(self._grads.data_ptr())
+        _device.on_host(self._grads, "tree.reduce", lambda host: self._tree.reduce(host.data_ptr()))
 
 
 # torch.distributed over nonstop (python/nonstop/distributed.py): the default

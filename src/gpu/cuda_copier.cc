@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "gpu/cuda_util.h"
+#include "nonstop/cuda.h"
 
 namespace nonstop::gpu {
 namespace {
@@ -155,3 +156,14 @@ Status CheckDevice(int device_index) {
 }
 
 }  // namespace nonstop::gpu
+
+namespace nonstop {
+
+Result<std::shared_ptr<const state::DeviceMemory>> CudaDeviceMemory(int index) {
+  NONSTOP_ASSIGN_OR_RETURN(std::shared_ptr<gpu::CudaMemory> memory, gpu::CudaMemory::Create(index));
+  return std::shared_ptr<const state::DeviceMemory>(std::move(memory));
+}
+
+int CudaDeviceCount() { return gpu::DeviceCount(); }
+
+}  // namespace nonstop

@@ -14,7 +14,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <tuple>
@@ -25,6 +27,9 @@
 
 #include "common/crc32c.h"
 #include "nonstop/checkpoint.h"
+#ifdef NONSTOP_WITH_CUDA
+#include "nonstop/cuda.h"
+#endif
 #include "nonstop/data.h"
 #include "nonstop/elastic.h"
 #include "nonstop/log.h"
@@ -86,7 +91,35 @@ std::span<float> Floats(uintptr_t address, size_t count) {
 // (this member's shard of sharded optimizer state, StateRegistry::RegisterShard)
 // and "SHARD_VIEW" (a whole buffer, padded, of which a member's shard is its
 // own: the parameters; RegisterShardView), the last two in groups of `shard_group`.
-using RegionSpec = std::tuple<std::string, uintptr_t, size_t, std::string, std::vector<int64_t>>;
+// The last field is where the memory is: -1 for host memory, N for cuda:N (a
+// region of device memory, "F32" or "U8", read and written through CUDA).
+using RegionSpec =
+    std::tuple<std::string, uintptr_t, size_t, std::string, std::vector<int64_t>, int>;
+
+// The DeviceMemory of cuda:`index`, made once per process; ValueError when this
+// build has no CUDA, RuntimeError naming why when the device cannot be used.
+std::shared_ptr<const state::DeviceMemory> CudaDevice(int index) {
+#ifdef NONSTOP_WITH_CUDA
+  static std::mutex mu;
+  static std::map<int, std::shared_ptr<const state::DeviceMemory>> devices;
+  std::lock_guard lock(mu);
+  std::shared_ptr<const state::DeviceMemory>& device = devices[index];
+  if (device == nullptr) {
+    Result<std::shared_ptr<const state::DeviceMemory>> made = CudaDeviceMemory(index);
+    if (!made.ok()) {
+      throw std::runtime_error(
+          fmt::format("registering a tensor on cuda:{}: {}", index, made.status().ToString()));
+    }
+    device = *made;
+  }
+  return device;
+#else
+  throw py::value_error(fmt::format(
+      "a tensor on cuda:{} was registered, but this build of nonstop has no CUDA: build it where "
+      "CMake finds the CUDA toolkit (docs/gpu.md), or keep the state on the CPU",
+      index));
+#endif
+}
 
 // A Session and the registry it keeps current. The registry's regions are
 // memory that the Python objects (tensors) own; the Python Session keeps
@@ -169,8 +202,17 @@ class PySession {
   // Registers regions as python/nonstop describes them (RegionSpec).
   static void RegisterSpecs(state::StateRegistry& reg, const std::vector<RegionSpec>& specs,
                             int shard_group) {
-    for (const auto& [name, address, nbytes, dtype, shape] : specs) {
-      if (dtype == "F32") {
+    for (const auto& [name, address, nbytes, dtype, shape, device] : specs) {
+      if (device >= 0) {
+        if (dtype != "F32" && dtype != "U8") {
+          throw py::value_error(fmt::format(
+              "{} on cuda:{} is {}: state on a GPU is replicated float32 or bytes (sharded state "
+              "stays in host memory)",
+              name, device, dtype));
+        }
+        Check(reg.RegisterOnDevice(name, Bytes(address, nbytes), CudaDevice(device), dtype,
+                                   dtype == "F32" ? shape : std::vector<int64_t>{}));
+      } else if (dtype == "F32") {
         Check(reg.RegisterFloats(name, Floats(address, nbytes / sizeof(float)), shape));
       } else if (dtype == "SHARD") {
         Check(reg.RegisterShard(name, Floats(address, nbytes / sizeof(float)), shard_group));
@@ -466,6 +508,14 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("powers_of_two_split", &collective::PowersOfTwoSplit, py::arg("micro_batches"),
         py::arg("world"));
+  // The CUDA devices this process sees (0 in a build without CUDA): for the tests.
+  m.def("cuda_devices", [] {
+#ifdef NONSTOP_WITH_CUDA
+    return CudaDeviceCount();
+#else
+    return 0;
+#endif
+  });
   m.def("crc32c", [](uintptr_t address, size_t nbytes) {
     return fmt::format("{:08x}", Crc32c(reinterpret_cast<const void*>(address), nbytes));
   });

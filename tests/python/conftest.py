@@ -101,3 +101,29 @@ def run_job(tmp: pathlib.Path, name: str, run_flags: List[str], trainer_args: Li
             script: Optional[pathlib.Path] = None, timeout: float = 240,
             env: Optional[Dict[str, str]] = None) -> Job:
     return finish_job(tmp, name, start_job(tmp, name, run_flags, list(trainer_args), script, env), timeout)
+
+
+STAGED = re.compile(r"staged pid=(\d+) twins=(\S*)")
+
+
+def staged_env(tmp: pathlib.Path) -> Dict[str, str]:
+    """The environment of a job whose Python workers run every collective on a
+    host twin of its tensor, as they do for a GPU tensor (nonstop/_device.py),
+    with CPU tensors: a sitecustomize sets the switch in each worker and prints
+    `staged pid=P twins=SITE:N,...` (the twins made at each call site) as the
+    worker exits."""
+    site = tmp / "staged-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        "import nonstop._device as d\n"
+        "d._stage_cpu_tensors = True\n"
+        "atexit.register(lambda: print(f'staged pid={os.getpid()} twins='\n"
+        "                              + ','.join(f'{k}:{v}' for k, v in sorted(d.twins.items())), flush=True))\n")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def staged_twins(job: "Job") -> Dict[str, Dict[str, int]]:
+    """Twins made per worker pid and call site, from the `staged` lines of a staged_env job."""
+    return {pid: {site: int(n) for site, n in (item.split(":") for item in sites.split(",") if item)}
+            for pid, sites in STAGED.findall(job.output)}

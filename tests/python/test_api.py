@@ -68,6 +68,55 @@ def test_wrong_parameters_are_refused_before_joining(env):
         session.register(meta)
 
 
+
+def test_tensors_on_two_devices_are_refused_naming_both():
+    with pytest.raises(ValueError, match="cpu, meta.*one device"):
+        nonstop._one_device([torch.zeros(1), torch.zeros(1, device="meta")], "the model's parameters")
+
+
+def test_a_staged_tensor_is_copied_down_and_the_result_back_up(monkeypatch):
+    # nonstop/_device.py, the path of a GPU tensor, here forced for a CPU one.
+    from nonstop import _device
+
+    t = torch.arange(4, dtype=torch.float32)
+    monkeypatch.setattr(_device, "twins", {})
+    assert _device.Twin(t, "test").host is t and _device.twins == {}, "a CPU tensor is used in place"
+    monkeypatch.setattr(_device, "_stage_cpu_tensors", True)
+    twin = _device.Twin(t, "test")
+    assert _device.twins == {"test": 1}
+    assert twin.host is not t and twin.host.data_ptr() != t.data_ptr() and torch.equal(twin.host, t)
+    twin.host.add_(10)
+    assert t.tolist() == [0, 1, 2, 3], "the collective works on the twin"
+    twin.up()
+    assert t.tolist() == [10, 11, 12, 13]
+    assert _device.on_host(t, "test", lambda host: host.mul_(2).sum().item()) == 92 and t.tolist() == [20, 22, 24, 26]
+    _device.on_host(t, "test", lambda host: host.zero_(), write_back=False)
+    assert t.tolist() == [20, 22, 24, 26], "no write-back: the tensor keeps its values"
+
+    calls, failures = [], []
+    twin = _device.Twin(t, "test")
+    twin.host.fill_(1)
+    _device.completion(twin, lambda ok, message: calls.append((ok, message, t.tolist())), failures.append)(True, "")
+    assert calls == [(True, "", [1, 1, 1, 1])] and not failures, "copied back before the bucket's future completes"
+    broken = _device.Twin(t, "test")
+    broken.host = torch.zeros(3)  # a copy back that cannot succeed is told, naming why; the bucket still completes
+    _device.completion(broken, lambda ok, message: calls.append((ok, message)), failures.append)(True, "")
+    assert calls[-1] == (True, "") and len(failures) == 1, failures
+    assert "copying a reduced gradient bucket back to cpu failed" in failures[0]
+    twin.host.fill_(5)
+    _device.completion(twin, lambda ok, message: calls.append((ok, message)), failures.append)(False, "aborted")
+    assert calls[-1] == (False, "aborted") and t.tolist() == [1, 1, 1, 1], "a failed sum is not copied back"
+
+
+def test_a_region_on_a_gpu_that_is_not_there_is_refused_naming_it():
+    # The native half registers a cuda:N region through CUDA; without such a device (or without
+    # CUDA in this build) it says which device it could not use.
+    if nonstop._core.cuda_devices() > 0:
+        pytest.skip("this machine has a CUDA device: a CPU address passed as cuda:0 memory proves nothing")
+    t = torch.zeros(4)
+    with pytest.raises((RuntimeError, ValueError), match="cuda:0"):
+        nonstop._core.Session.join([("params", t.data_ptr(), 16, "F32", [4], 0)])
+
 def test_an_optimizer_of_another_model_is_refused(env):
     session = nonstop.join()
     model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
@@ -221,7 +270,8 @@ def test_registration_keeps_parameters_and_makes_them_views_of_one_buffer(fake_j
         assert torch.equal(p, b), "registration (and the state it creates) leaves the parameters as they were"
         assert flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() * 4
     # AdamW's lazily created state exists now, zeroed, and lives in the registered optimizer buffer.
-    _, address, nbytes, _, _ = session._core.regions[1]
+    _, address, nbytes, _, _, device = session._core.regions[1]
+    assert device == -1, "host memory"
     for p in model.parameters():
         state = optimizer.state[p]
         assert set(state) >= {"exp_avg", "exp_avg_sq", "step"}

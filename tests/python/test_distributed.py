@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import finish_job, plan_worlds, run_job, shrink_then_grow, start_job
+from conftest import finish_job, plan_worlds, run_job, shrink_then_grow, staged_env, staged_twins, start_job
 
 HERE = pathlib.Path(__file__).resolve().parent
 TUTORIAL = HERE.parents[1] / "examples" / "pytorch" / "ddp_tutorial"
@@ -59,12 +59,20 @@ def test_the_collectives_give_glooss_results(tmp_path):
                            "--redirects", "1", "--tee", "1",  # torch 1.13 under Python 3.11 cannot parse "0"
                            str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert gloo.returncode == 0, gloo.stdout + gloo.stderr
-    job = run_job(tmp_path, "collectives", ["--nproc", "3", "--spares", "0", "--inject", "none"], [], script=script)
-    assert job.code == 0, job.output
-    ours, theirs = collective_results(job.output), collective_results(gloo.stdout)
-    assert sorted(ours) == sorted(theirs) == [0, 1, 2], job.output + gloo.stdout
-    for rank in range(3):
-        assert ours[rank] == theirs[rank], f"rank {rank}: nonstop {ours[rank]}\ngloo {theirs[rank]}"
+    theirs = collective_results(gloo.stdout)
+    # staged: the path of GPU tensors (nonstop/_device.py), every collective on a host twin.
+    for staged in (False, True):
+        job = run_job(tmp_path, f"collectives-{staged}", ["--nproc", "3", "--spares", "0", "--inject", "none"], [],
+                      script=script, env=staged_env(tmp_path) if staged else None)
+        assert job.code == 0, job.output
+        ours = collective_results(job.output)
+        assert sorted(ours) == sorted(theirs) == [0, 1, 2], job.output + gloo.stdout
+        for rank in range(3):
+            assert ours[rank] == theirs[rank], f"staged {staged}, rank {rank}: nonstop {ours[rank]}\ngloo {theirs[rank]}"
+        if staged:
+            twins = staged_twins(job).values()
+            assert len(twins) == 3 and all(t.get("allreduce", 0) > 0 and t.get("broadcast", 0) > 0 for t in twins), \
+                job.output
 
 
 # A worker whose step its peers completed (their sum had its share) does not run it again; nonstop says so.
@@ -119,12 +127,16 @@ def clean(cleans):
     return cleans("ring")
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("fault", ["kill:rank=2,step=30", "hang:rank=1,step=45"])
-def test_the_ported_tutorial_survives_a_fault_bitwise(cleans, tmp_path, fault, mode):
+@pytest.mark.parametrize("fault,mode,staged", [(fault, mode, False) for fault in ("kill:rank=2,step=30",
+                                                                                   "hang:rank=1,step=45")
+                                                for mode in MODES] + [("kill:rank=2,step=30", "ring", True)])
+def test_the_ported_tutorial_survives_a_fault_bitwise(cleans, tmp_path, fault, mode, staged):
+    # staged: the path of GPU tensors (nonstop/_device.py): DDP's buckets summed on host twins.
     job = run_job(tmp_path, "fault", ["--nproc", "4", "--spares", "1", "--inject", fault], ARGS, script=AFTER,
-                  env=MODES[mode])
+                  env={**MODES[mode], **(staged_env(tmp_path) if staged else {})})
     assert job.code == 0, job.output
+    if staged:  # the three survivors and the spare that took rank 2
+        assert sum(1 for t in staged_twins(job).values() if t.get("bucket", 0) > 0) >= 4, job.output
     assert len(job.events("fault")) >= 1, "the fault happened"
     assert finals(job) == finals(cleans(mode)), "bitwise the fault-free run's parameters\n" + job.output[-3000:]
     assert_each_sample_once(job)

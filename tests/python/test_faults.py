@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import finish_job, plan_worlds, run_job, shrink_then_grow, start_job
+from conftest import finish_job, plan_worlds, run_job, shrink_then_grow, staged_env, staged_twins, start_job
 
 STEPS = ["--steps", "30"]
 NPROC = ["--nproc", "3"]
@@ -144,6 +144,36 @@ def test_a_planned_step_cut_short_keeps_the_survivors_micro_batches_and_ends_bit
     else:
         # 8 only if step 19 ran so slow that the kill, timed from it, came after the survivors were done.
         assert kept and 1 <= int(kept.group(1)) <= 8, "the survivors' completed micro-batches were kept\n" + job.output
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_tensors_staged_through_host_twins_end_bitwise_through_a_kill(clean, tmp_path, planned):
+    # The path of a GPU tensor (nonstop/_device.py), taken here by CPU tensors: every collective runs on a
+    # host twin, copied down before it and back up after. A twin not copied back, copied back before its
+    # sum is done, or copied back from a step cut short moves the bits. Bucketed: a kill half-way through
+    # step 20. Planned: the hang of the planned test above (rank 1 late in step 20, the survivors' blocks
+    # complete), after which rank 1's block is computed again, 2 by the spare and 2 lent (broadcast on twins).
+    if planned:
+        fault, late = "hang:rank=1,step=20", ["--hang-floor-ms", "20000"]
+        extra = ["--planned", "--pause-after-micro-batch-ms", "300", "--pause-rank", "1", "--pause-step", "20"]
+    else:
+        fault, late, extra = "kill:rank=1,step=20,at=0.5", [], []
+    job = run_job(tmp_path, "staged", NPROC + late + ["--spares", "1", "--heartbeat-timeout-ms", "1000",
+                                                       "--inject", fault],
+                  STEPS + extra + ["--wait-for-joins", "4", "--journal", str(tmp_path / "staged.jsonl")],
+                  timeout=400, env=staged_env(tmp_path))
+    assert job.code == 0, job.output
+    finals = job.finals()
+    assert len(finals) == 3 and {f["state"] for f in finals} == {clean.finals()[0]["state"]}, job.output
+    assert job.losses() == clean.losses(), "every loss bitwise the same"
+    assert "recovery report: 1 recovery" in job.output, job.output
+    twins = staged_twins(job)
+    for f in finals:
+        assert twins.get(f["pid"], {}).get("bucket", 0) > 0, f"rank {f['rank']}'s buckets were not staged\n" + job.output
+    if planned:
+        kept = PLANNED_KEPT.search(job.output)
+        assert kept and kept.groups() == ("8", "2", "2", "2"), job.output
+        assert sum(t.get("loan", 0) for t in twins.values()) > 0, "the loans went through twins\n" + job.output
 
 
 def test_a_planned_step_cut_short_by_a_shrink_keeps_the_survivors_blocks_and_deals_the_rest(clean, tmp_path):

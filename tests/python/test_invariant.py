@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import finish_job, plan_worlds, run_job, shrink_then_grow, start_job
+from conftest import finish_job, plan_worlds, run_job, shrink_then_grow, staged_env, staged_twins, start_job
 
 STEPS = ["--steps", "30"]
 INVARIANT = STEPS + ["--world-invariant"]
@@ -40,8 +40,9 @@ def test_the_same_bits_at_every_world_size(reference, tmp_path):
     assert one != three
 
 
-@pytest.mark.parametrize("spares,salvage", [(1, True), (0, True), (1, False)])
-def test_a_kill_at_the_reduction_keeps_the_folded_sums_and_ends_bitwise(reference, tmp_path, spares, salvage):
+@pytest.mark.parametrize("spares,salvage,staged", [(1, True, False), (0, True, False), (1, False, False),
+                                                   (1, True, True)])
+def test_a_kill_at_the_reduction_keeps_the_folded_sums_and_ends_bitwise(reference, tmp_path, spares, salvage, staged):
     # The kill fires at rank 1's reduction of step 20, and rank 1 pauses 300 ms after each micro-batch of it:
     # the survivors had folded their blocks, however loaded the machine. With a spare the world stays
     # 3, without it shrinks to 2; either way the retry keeps the survivors' sums.
@@ -49,8 +50,16 @@ def test_a_kill_at_the_reduction_keeps_the_folded_sums_and_ends_bitwise(referenc
     flags = ["--nproc", "3", "--spares", str(spares), "--hang-floor-ms", "20000", "--inject", "kill:rank=1,step=20"]
     extra = ["--pause-after-micro-batch-ms", "300", "--pause-rank", "1", "--pause-step", "20"]
     extra += ["--wait-for-joins", "4", "--journal", str(tmp_path / "kill.jsonl")] if spares else []
-    job = run_job(tmp_path, "kill", flags, INVARIANT + extra + ([] if salvage else ["--no-salvage"]))
+    # staged: the path of a GPU tensor (nonstop/_device.py): every micro-batch folded from a host twin, the
+    # tree's sum written into one and copied back up.
+    job = run_job(tmp_path, "kill", flags, INVARIANT + extra + ([] if salvage else ["--no-salvage"]),
+                  env=staged_env(tmp_path) if staged else None)
     assert final_states(job) == reference, job.output
+    if staged:
+        twins = staged_twins(job)
+        for f in job.finals():
+            mine = twins.get(f["pid"], {})
+            assert mine.get("tree.add", 0) > 0 and mine.get("tree.reduce", 0) > 0, f"rank {f['rank']}\n{job.output}"
     assert "recovery report: 1 recovery" in job.output, job.output
     kept = KEPT.search(job.output)
     if salvage:

@@ -50,6 +50,7 @@ def main():
                     help="DataParallel(micro_batches=...): plan(step), backward(loss) per micro-batch, reduce()")
     ap.add_argument("--world-invariant", action="store_true",
                     help="InvariantDataParallel: the same bits at every world size")
+    ap.add_argument("--device", default="cpu", help="where the model and its state live (cuda: docs/gpu.md)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(7)
@@ -57,7 +58,7 @@ def main():
     session = nonstop.join()
     print(f"setup worker={os.environ['NONSTOP_WORKER_ID']} pid={os.getpid()}", flush=True)
     model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48), torch.nn.Tanh(),
-                                torch.nn.Linear(48, 1))
+                                torch.nn.Linear(48, 1)).to(args.device)
     if args.shard_group:
         optimizer = nonstop.torch.ShardedOptimizer(model, torch.optim.AdamW, args.shard_group, lr=1e-2,
                                                    weight_decay=0.05)
@@ -80,12 +81,12 @@ def main():
 
     def train_step(step):
         gen = torch.Generator().manual_seed(1000 + step)
-        x = torch.randn(args.global_batch, 16, generator=gen)
+        x = torch.randn(args.global_batch, 16, generator=gen).to(args.device)
         y = (x[:, :4].sum(1, keepdim=True)).sin()
         begin = micro_per_step * session.rank // session.world_size
         end = micro_per_step * (session.rank + 1) // session.world_size
         ddp.zero_grad()
-        total = torch.zeros(1)
+        total = torch.zeros(1, device=args.device)
 
         def pause():
             if args.pause_rank in (-1, session.rank) and args.pause_step in (-1, step):
