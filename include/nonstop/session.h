@@ -236,6 +236,13 @@ class Session {
   // bucket holds the sum); it must not call into the Session, and WaitAll
   // returns only after every `done` returned.
   void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done = {});
+  // StartAllReduce of `device_data`, [n] fp32 in the memory of SessionOptions::device, summed as
+  // AllReduceOnDevice sums it (its copies run on the communication thread too, overlapping the
+  // caller's work); host and device buckets may be mixed in one step. Without a device the
+  // bucket fails with FAILED_PRECONDITION (WaitAll returns it). With a device_data_plane the work
+  // that writes the buffer must be done (synchronized) before the call.
+  void StartAllReduceOnDevice(std::span<float> device_data,
+                              std::function<void(const Status&)> done = {});
   Status WaitAll();
   // The world-invariant sum (docs/determinism.md): the step's m micro-batches
   // are split over the ranks, ranges[q] = rank q's [first, last); `partials`

@@ -919,15 +919,21 @@ class SessionImpl {
   }
 
   Status AllReduceOnDevice(std::span<float> device_data) {
+    return ReduceOnDevice("AllReduceOnDevice", device_data, /*announce=*/true);
+  }
+
+  // The ring's sum of `device_data` in the device's memory (`what` names the call for errors);
+  // `announce` as RunCollective's.
+  Status ReduceOnDevice(std::string_view what, std::span<float> device_data, bool announce) {
     if (options_.device == nullptr) {
       return FailedPreconditionError(
-          "AllReduceOnDevice: this session has no device (set SessionOptions::device)");
+          fmt::format("{}: this session has no device (set SessionOptions::device)", what));
     }
     const collective::Region region{reinterpret_cast<std::byte*>(device_data.data()),
                                     device_data.size_bytes(), collective::Device::kCuda,
                                     options_.device->index()};
     return RunCollective([&] { return comm_->AllReduce(region, collective::DType::kFloat32); },
-                         /*at_step_boundary=*/true);
+                         /*at_step_boundary=*/true, announce);
   }
 
   Status AllReduceTreeOnDevice(int m, std::span<const std::pair<int, int>> ranges,
@@ -977,11 +983,12 @@ class SessionImpl {
 
   // ---- overlapped reduction (Session::StartAllReduce / WaitAll) ----
 
-  void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done) {
+  void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done,
+                      bool on_device) {
     MutexLock lock(&bucket_mu_);
     if (!comm_thread_.joinable())
       comm_thread_ = std::jthread([this](std::stop_token st) { BucketLoop(st); });
-    buckets_.push_back({data, std::move(done)});
+    buckets_.push_back({data, std::move(done), on_device});
     bucket_cv_.NotifyAll();
   }
 
@@ -996,6 +1003,7 @@ class SessionImpl {
       bucket_cv_.Wait(&bucket_mu_, st, started);
       if (st.stop_requested()) return;
       std::span<float> bucket = buckets_.front().data;
+      const bool on_device = buckets_.front().on_device;
       std::function<void(const Status&)> done = std::move(buckets_.front().done);
       bool skip = !bucket_status_.ok();
       bool first = first_bucket_;
@@ -1004,10 +1012,13 @@ class SessionImpl {
       // Every bucket passes the drain check and marks the member as waiting
       // (a peer that hangs mid-backward is found like one that hangs before
       // the step); only the step's first announces the arrival.
-      Status s =
-          skip ? OkStatus()
-               : RunCollective([&] { return comm_->AllReduce(bucket); }, /*at_step_boundary=*/true,
-                               /*announce=*/first);
+      Status s = OkStatus();
+      if (!skip && on_device) {
+        s = ReduceOnDevice("StartAllReduceOnDevice", bucket, /*announce=*/first);
+      } else if (!skip) {
+        s = RunCollective([&] { return comm_->AllReduce(bucket); }, /*at_step_boundary=*/true,
+                          /*announce=*/first);
+      }
       lock.Lock();
       if (!s.ok() && bucket_status_.ok()) bucket_status_ = s;
       if (done) {
@@ -1140,6 +1151,7 @@ class SessionImpl {
   struct Bucket {
     std::span<float> data;
     std::function<void(const Status&)> done;  // may be empty
+    bool on_device = false;                   // `data` is in SessionOptions::device's memory
   };
   std::deque<Bucket> buckets_ NONSTOP_GUARDED_BY(bucket_mu_);
   Status bucket_status_ NONSTOP_GUARDED_BY(bucket_mu_);  // the first error since the last WaitAll
@@ -1217,7 +1229,11 @@ Status Session::AllReduceOnDevice(std::span<float> device_data) {
   return impl_->AllReduceOnDevice(device_data);
 }
 void Session::StartAllReduce(std::span<float> data, std::function<void(const Status&)> done) {
-  impl_->StartAllReduce(data, std::move(done));
+  impl_->StartAllReduce(data, std::move(done), /*on_device=*/false);
+}
+void Session::StartAllReduceOnDevice(std::span<float> device_data,
+                                     std::function<void(const Status&)> done) {
+  impl_->StartAllReduce(device_data, std::move(done), /*on_device=*/true);
 }
 Status Session::WaitAll() { return impl_->WaitAll(); }
 Status Session::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,

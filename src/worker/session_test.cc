@@ -574,6 +574,60 @@ TEST_F(SessionTest, TheDeviceDataPlaneMakerCarriesTheDevicesSumsAndItsFailureSto
   EXPECT_EQ(copier->copies.load(), 2) << "up and down through the maker's data plane";
 }
 
+// Device buckets overlap like host ones: reduced on the communication thread through the
+// device's data plane (their copies there too), in the order started, mixed with host buckets.
+TEST_F(SessionTest, DeviceBucketsAreReducedOnTheCommunicationThreadInOrderWithHostOnes) {
+  auto device = std::make_shared<state::ProtectedDevice>();
+  auto copier = std::make_shared<CountingCopier>(device);
+  SessionOptions o;
+  o.device = device;
+  o.device_data_plane = [&](std::unique_ptr<collective::DataPlane> tcp,
+                            net::AbortSignal*) -> Result<std::unique_ptr<collective::DataPlane>> {
+    return std::unique_ptr<collective::DataPlane>(
+        std::make_unique<collective::StagedDataPlane>(std::move(tcp), copier));
+  };
+  auto session =
+      Join([this] { job_.AcceptAndPlan([](control::PlanMsg& p) { p.members.resize(1); }); }, o);
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  std::span<std::byte> d = device->Allocate(8 * sizeof(float));
+  std::vector<float> v(8, 1.5f), host(4, 2.0f), back(8, 0.0f);
+  ASSERT_TRUE(
+      device->ToDevice(d.data(), reinterpret_cast<const std::byte*>(v.data()), d.size()).ok());
+  std::mutex mu;
+  std::vector<std::pair<int, std::thread::id>> done;
+  auto on_done = [&](int bucket) {
+    return [&, bucket](const Status& s) {
+      std::lock_guard<std::mutex> lock(mu);
+      done.push_back({s.ok() ? bucket : -1, std::this_thread::get_id()});
+    };
+  };
+  (*session)->StartAllReduceOnDevice({reinterpret_cast<float*>(d.data()), 8}, on_done(0));
+  (*session)->StartAllReduce(host, on_done(1));
+  Status s = (*session)->WaitAll();
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ASSERT_EQ(done.size(), 2u);
+  EXPECT_EQ(done[0].first, 0);
+  EXPECT_EQ(done[1].first, 1);
+  EXPECT_NE(done[0].second, std::this_thread::get_id()) << "reduced on the communication thread";
+  EXPECT_EQ(copier->copies.load(), 2) << "up and down through the device's data plane";
+  ASSERT_TRUE(device->ToHost(reinterpret_cast<std::byte*>(back.data()), d.data(), d.size()).ok());
+  EXPECT_EQ(back, v) << "a world of one: the sum is the bucket";
+  EXPECT_EQ(host, std::vector<float>(4, 2.0f));
+}
+
+TEST_F(SessionTest, ADeviceBucketWithoutADeviceFailsTheStepNamingWhy) {
+  auto session =
+      Join([this] { job_.AcceptAndPlan([](control::PlanMsg& p) { p.members.resize(1); }); });
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  std::vector<float> x(4, 1.0f);
+  (*session)->StartAllReduceOnDevice(x);
+  Status s = (*session)->WaitAll();
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("StartAllReduceOnDevice: this session has no device"),
+            std::string::npos)
+      << s.ToString();
+}
+
 TEST_F(SessionTest, ADeviceDataPlaneMakerThatFailsStopsTheJoinNamingWhy) {
   SessionOptions broken;
   broken.device = std::make_shared<state::ProtectedDevice>();

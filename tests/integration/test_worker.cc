@@ -12,7 +12,7 @@
 // reads it from the device, adds the step's sum and writes it back (no
 // kernel: the sum is made on the host), so a state copied in by a recovery
 // is what the next step builds on, and the checksum is of the device's bytes.
-// The step's sum is reduced on the device too (Session::AllReduceOnDevice:
+// The step's sum is reduced on the device too (Session::StartAllReduceOnDevice, two buckets:
 // staged through host memory over the TCP collectives, or with
 // --data-plane nccl summed by NCCL). A worker's GPU is cuda:(worker id mod
 // the GPUs it sees): the workers and spares of one machine spread over its
@@ -280,11 +280,15 @@ int main(int argc, char** argv) {
       if (tree) {
         st = TreeSum(s, step, lo, hi, on_device ? &dev : nullptr, v);
       } else if (on_device) {
-        // the step's sum reduced on the device
+        // the step's sum reduced on the device, in two overlapped buckets
         auto v_bytes = std::as_writable_bytes(std::span(v));
         st = dev.memory->ToDevice(dev.sum.data(), v_bytes.data(), v_bytes.size());
-        if (st.ok())
-          st = s.AllReduceOnDevice(std::span(reinterpret_cast<float*>(dev.sum.data()), v.size()));
+        if (st.ok()) {
+          std::span<float> sum(reinterpret_cast<float*>(dev.sum.data()), v.size());
+          s.StartAllReduceOnDevice(sum.first(v.size() / 2));
+          s.StartAllReduceOnDevice(sum.subspan(v.size() / 2));
+          st = s.WaitAll();
+        }
         if (st.ok()) st = dev.memory->ToHost(v_bytes.data(), dev.sum.data(), v_bytes.size());
       } else {
         st = s.AllReduce(v);
