@@ -18,8 +18,11 @@ HERE = pathlib.Path(__file__).resolve().parent
 SCRIPT = HERE / "checkpoint_job.py"
 LLAMA = HERE.parents[1] / "examples" / "pytorch" / "train_llama.py"
 FINAL = re.compile(r"final checksum (\w+) seen (\d+)")
-RUN = ["--nproc", "2", "--spares", "0", "--inject", "none"]
-RUN_4 = ["--nproc", "4", "--spares", "0", "--inject", "none"]
+# No fault is injected in these jobs: a 5 s heartbeat timeout keeps a host whose agent is starved
+# for a second (CI runs the wheel test's pip beside them on two cores) from being declared lost.
+SLOW_OK = ["--heartbeat-timeout-ms", "5000"]
+RUN = ["--nproc", "2", "--spares", "0", "--inject", "none"] + SLOW_OK
+RUN_4 = ["--nproc", "4", "--spares", "0", "--inject", "none"] + SLOW_OK
 
 
 def safetensors_header(saved):
@@ -126,7 +129,8 @@ def test_a_spare_of_a_job_resumed_by_name_takes_its_state_from_its_peers(tmp_pat
     assert plain.code == 0 and "loaded by name" in plain.output, plain.output[-3000:]
     # The spare loads the checkpoint too, then copies the step it takes over from its peers: what it
     # loaded (the AdamW step counts set from the checkpoint's step among it) must not win.
-    faulted = run_job(tmp_path, "faulted", ["--nproc", "2", "--spares", "1", "--inject", "kill:rank=1,step=14"],
+    faulted = run_job(tmp_path, "faulted",
+                      ["--nproc", "2", "--spares", "1", "--inject", "kill:rank=1,step=14"] + SLOW_OK,
                       ["--steps", "20", "--resume", str(ckpt)], script=SCRIPT)
     assert faulted.code == 0, faulted.output[-3000:]
     assert final(faulted) == final(plain), "the spare trained on with its peers' state, not the checkpoint's"
