@@ -245,11 +245,19 @@ struct Interrupted {
 struct Takeover {
   TakeoverState state;
 };
+// This controller's loop did not run for `away` (Runtime::Tick: a starved process, a machine that
+// stalled or was suspended). Every peer's silence clock moves on by it, and so do the stall
+// watchdog's and the abort window's: what peers sent meanwhile was read before this event, so a
+// peer still silent had no chance to send if its process stalled with this one (the same
+// machine); a peer that really died is found `away` later.
+struct ControllerStalled {
+  Millis away{0};
+};
 using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived,
                            FailureReported, ReadyReceived, RecoveredReceived, InjectedReceived,
                            ConnectionLost, ProcessExited, ProcessStopped, Tick, ScaleRequest,
                            Interrupted, HostJoined, HostHeartbeat, HostLost, WorkerStarted,
-                           Takeover, HostLeaving, ProcessDying, StopOrdersHeld>;
+                           Takeover, HostLeaving, ProcessDying, StopOrdersHeld, ControllerStalled>;
 
 // ---- actions ----
 // Every member of a generation gets the same plan: one PlanMsg, shared by the
@@ -373,6 +381,7 @@ class Controller {
   void On(const ProcessDying& e, std::vector<Action>* out);
   void On(const Tick& e, std::vector<Action>* out);
   void On(const StopOrdersHeld& e, std::vector<Action>* out);
+  void On(const ControllerStalled& e, std::vector<Action>* out);
   void On(const ScaleRequest& e, std::vector<Action>* out);
   void On(const Interrupted& e, std::vector<Action>* out);
   void On(const HostJoined& e, std::vector<Action>* out);

@@ -156,6 +156,16 @@ void Controller::On(const HostHeartbeat& e, std::vector<Action>*) {
   if (HostInfo* h = placement_.FindHost(e.host_id); h != nullptr && h->alive) h->last_heard = now_;
 }
 
+void Controller::On(const ControllerStalled& e, std::vector<Action>*) {
+  auto move_on = [&](Clock::time_point& heard) { heard = std::min(heard + e.away, now_); };
+  for (auto& [id, w] : membership_.mutable_workers()) move_on(w.last_heard);
+  for (const auto& [id, h] : placement_.hosts()) {
+    if (HostInfo* host = placement_.FindHost(id); host != nullptr) move_on(host->last_heard);
+  }
+  move_on(progress_at_);      // the stall watchdog's clock
+  abort_deadline_ += e.away;  // the members' window to answer an abort pauses too
+}
+
 void Controller::On(const HostLost& e, std::vector<Action>* out) {
   HostDown(e.host_id, e.reason, out);
 }

@@ -1354,6 +1354,24 @@ TEST_F(HostFaultsTest, SilentHostIsKilledThenFencedAndMayComeBack) {
   EXPECT_FALSE(Find<SpawnWorker>(Register("h2", 2, 0)).empty()) << "it registers again";
 }
 
+// A controller that did not run for a while (a starved machine, a suspended laptop) does not count
+// that time as its peers' silence: the same 1.1 s that loses h2 above loses nothing after a 0.9 s
+// stall of its own, and the silence after it is judged from then on.
+TEST_F(HostFaultsTest, TheControllersOwnStallIsNotItsPeersSilence) {
+  ControllerOptions o;
+  o.min_hosts = 2;
+  Use(o);
+  StartOn({{"h1", 2, 0}, {"h2", 2, 0}});
+  now_ += Millis(1100);
+  Do(ControllerStalled{Millis(900)});
+  auto a = Do(Tick{});
+  EXPECT_TRUE(Find<CloseHost>(a).empty()) << "no host is lost for a stall of the controller";
+  EXPECT_TRUE(Find<KillWorker>(a).empty()) << "nor a worker";
+  now_ += Millis(850);  // 1.05 s of silence since the stall's credit
+  a = Do(Tick{});
+  ASSERT_EQ(Find<CloseHost>(a).size(), 2u) << "silent past the timeout after the stall: both lost";
+}
+
 // A shrink on request gives the capacity back: the released slot is not refilled until a grow.
 TEST_F(HostFaultsTest, ReleasedSlotsAreNotRefilledUntilAGrow) {
   ControllerOptions o;

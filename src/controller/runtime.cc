@@ -52,6 +52,7 @@ std::string RandomToken() { return crypto::Hex(crypto::RandomBytes(16)); }
 constexpr size_t kDroppedOrdersListed = 64;
 // A turn of the loop this long is logged (Runtime::Turn): a fifth of the default heartbeat timeout.
 constexpr Millis kSlowTurn{200};
+constexpr Millis kTickEvery{50};         // the detectors' period
 constexpr Millis kPollWait{20};          // the most a turn waits for its sockets
 constexpr Millis kJournalStall{10'000};  // an order waits no longer for the journal's sync
 
@@ -245,6 +246,7 @@ class Runtime {
   uint64_t published_ = ~uint64_t{0};
   Deadline next_publish_ = Clock::now();
   Deadline next_tick_ = Clock::now();
+  bool last_tick_done_ = false;  // next_tick_ was set by a tick (not the start-up's)
   Deadline next_progress_ = Clock::now();
   Deadline next_ping_ = Clock::now();
 };
@@ -670,9 +672,15 @@ void Runtime::Tick() {
   }
   server_->CheckTimers(Clock::now());
   DrainEvents();
+  // A tick far later than due: this loop did not run meanwhile (a starved process, a machine that
+  // stalled or was suspended). The peers' silence is not judged over that time.
+  if (const auto late = Clock::now() - next_tick_; last_tick_done_ && late > kSlowTurn) {
+    Handle(controller::ControllerStalled{std::chrono::duration_cast<Millis>(late)});
+  }
   Handle(controller::Tick{});
   RunPending();
-  next_tick_ = DeadlineAfter(Millis(50));
+  next_tick_ = DeadlineAfter(kTickEvery);
+  last_tick_done_ = true;
   if (o_.progress_line && progress_.changed() && Clock::now() >= next_progress_) {
     shown_progress_ = progress_.Text();
     winsize ws{};

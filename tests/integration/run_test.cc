@@ -183,6 +183,38 @@ TEST(RunIntegrationTest, KilledWorkerIsNamedAndReplacedWhileTheJobGoesOn) {
   EXPECT_EQ(ends[0]["recovery"]["lost_steps"], 0);
 }
 
+// The controller and the agent stalled together for twice the heartbeat timeout (as on a starved
+// or suspended machine), the controller resumed first: it does not take its own stall for the
+// agent's silence, so nothing is lost and the job ends as it would have.
+TEST(RunIntegrationTest, AControllerAndAgentStalledTogetherLoseNothing) {
+  TempDir dir;
+  std::string journal = dir / "journal.jsonl";
+  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0",
+                    "--heartbeat-timeout-ms", "1000", "--journal", journal, "--",
+                    kBin + "/nonstop-test-worker", "--steps", "200", "--sleep-ms", "20"},
+                   dir / "out.txt");
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 10, milliseconds(30'000)))
+      << run.Output();
+  const std::string out0 = run.Output();
+  const std::string said = "the controller runs as pid ";
+  const size_t at = out0.find(said);
+  ASSERT_NE(at, std::string::npos) << out0;
+  const pid_t controller = std::stoi(out0.substr(at + said.size()));
+  ASSERT_TRUE(nonstop::testing::StopProcess(controller)) << out0;
+  ASSERT_TRUE(nonstop::testing::StopProcess(run.pid())) << out0;  // the agent of `nonstop run`
+  std::this_thread::sleep_for(milliseconds(2'000));
+  ASSERT_EQ(::kill(controller, SIGCONT), 0);
+  std::this_thread::sleep_for(milliseconds(300));  // its detectors run before the agent is back
+  ASSERT_EQ(::kill(run.pid(), SIGCONT), 0);
+  int code = run.Wait(milliseconds(60'000));
+  std::string out = run.Output();
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(Events(journal, "host_lost").empty()) << out;
+  EXPECT_TRUE(Events(journal, "fault").empty()) << out;
+  EXPECT_TRUE(Events(journal, "recovery_end").empty()) << out;
+  EXPECT_EQ(Events(journal, "finished").size(), 2u) << out;
+}
+
 // The checksum nonstop-test-worker ends on after `steps` steps of `elements` (its top comment):
 // the same at any world size and after any recovery, computed here on its own.
 std::string TestWorkerChecksum(int64_t steps, size_t elements) {
