@@ -245,9 +245,10 @@ struct Interrupted {
 struct Takeover {
   TakeoverState state;
 };
-// This controller's loop did not run for `away` (Runtime::Tick: a starved process, a machine that
-// stalled or was suspended). Every peer's silence clock moves on by it, and so do the stall
-// watchdog's and the abort window's: what peers sent meanwhile was read before this event, so a
+// This controller's process did not run for `away` (Runtime::Tick: a starved process, a machine
+// or VM that stalled). Every peer's silence clock moves on by it, and so do the stall watchdog's,
+// the hang detector's arrivals, the join deadline's start, the abort window and a spare's wait,
+// never past now and never backwards. What peers sent meanwhile was read before this event, so a
 // peer still silent had no chance to send if its process stalled with this one (the same
 // machine); a peer that really died is found `away` later.
 struct ControllerStalled {

@@ -157,13 +157,19 @@ void Controller::On(const HostHeartbeat& e, std::vector<Action>*) {
 }
 
 void Controller::On(const ControllerStalled& e, std::vector<Action>*) {
-  auto move_on = [&](Clock::time_point& heard) { heard = std::min(heard + e.away, now_); };
+  // Never backwards: a clock set ahead (a takeover's grace for the peers to reconnect) stays.
+  auto move_on = [&](Clock::time_point& t) {
+    if (t < now_) t = std::min(t + e.away, now_);
+  };
   for (auto& [id, w] : membership_.mutable_workers()) move_on(w.last_heard);
   for (const auto& [id, h] : placement_.hosts()) {
     if (HostInfo* host = placement_.FindHost(id); host != nullptr) move_on(host->last_heard);
   }
-  move_on(progress_at_);      // the stall watchdog's clock
-  abort_deadline_ += e.away;  // the members' window to answer an abort pauses too
+  move_on(progress_at_);           // the stall watchdog's clock
+  move_on(forming_since_);         // the join deadline's
+  arrivals_.MoveOn(e.away, now_);  // the hang detector's
+  abort_deadline_ += e.away;       // the members' window to answer an abort pauses too
+  if (spare_wait_until_) *spare_wait_until_ += e.away;
 }
 
 void Controller::On(const HostLost& e, std::vector<Action>* out) {

@@ -2072,6 +2072,19 @@ TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
   EXPECT_EQ(kills[0].worker_id, missing);
 }
 
+// A stall of the new controller right after it took over keeps the grace its inherited agents and
+// workers have to reconnect (their silence clocks are set ahead): it moves no clock backwards.
+TEST_F(TakeoverTest, AStallRightAfterATakeoverKeepsThePeersGraceToReconnect) {
+  RunFirstController();
+  TakeOver();
+  Do(ControllerStalled{Millis(1200)});
+  now_ += Millis(1100);
+  auto actions = Do(Tick{});
+  EXPECT_TRUE(Find<CloseHost>(actions).empty()) << "no inherited agent is lost before its grace";
+  EXPECT_TRUE(Find<KillWorker>(actions).empty());
+  EXPECT_TRUE(Find<SendAbort>(actions).empty());
+}
+
 // After a takeover in which one member never rejoined (lost, recovered
 // from), a host can still leave: the adoption no longer holds changes back.
 TEST_F(TakeoverTest, AHostCanLeaveAfterATakeoverInWhichAMemberNeverRejoined) {

@@ -43,6 +43,10 @@ void ArrivalTracker::Record(int worker_id, int64_t step, Clock::time_point at, s
   }
 }
 
+void ArrivalTracker::MoveOn(Millis away, Clock::time_point now) {
+  for (auto& [id, at] : arrivals_) at = std::min(at + away, now);
+}
+
 void ArrivalTracker::Reset() {
   arrivals_.clear();
   step_ = -1;

@@ -65,6 +65,9 @@ class ArrivalTracker {
   void Record(int worker_id, int64_t step, Clock::time_point at, size_t world, bool baseline);
   // A new membership has its own normal.
   void Reset();
+  // The controller did not run for `away` (ControllerStalled): the arrivals move on by it, never
+  // past `now`, so a member late only by that stall is not a hang.
+  void MoveOn(Millis away, Clock::time_point now);
   int64_t step() const { return step_; }
   const std::map<int, Clock::time_point>& arrivals() const { return arrivals_; }
   const std::deque<double>& spreads_ms() const { return spreads_ms_; }

@@ -5,6 +5,7 @@
 #include <sys/ioctl.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,6 +48,13 @@ namespace {
 
 // 128 bits from the operating system's generator (libcrypto's), in hex.
 std::string RandomToken() { return crypto::Hex(crypto::RandomBytes(16)); }
+
+// The CPU time this process (all its threads) has used.
+Clock::duration ProcessCpuTime() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
+}
 
 // A deposed controller's record lists at most this many of the orders it did not send.
 constexpr size_t kDroppedOrdersListed = 64;
@@ -246,7 +254,9 @@ class Runtime {
   uint64_t published_ = ~uint64_t{0};
   Deadline next_publish_ = Clock::now();
   Deadline next_tick_ = Clock::now();
-  bool last_tick_done_ = false;  // next_tick_ was set by a tick (not the start-up's)
+  // When the last tick ended, and the process's CPU time then (Tick: ControllerStalled).
+  Deadline last_tick_at_{};
+  Clock::duration last_tick_cpu_{};
   Deadline next_progress_ = Clock::now();
   Deadline next_ping_ = Clock::now();
 };
@@ -672,15 +682,20 @@ void Runtime::Tick() {
   }
   server_->CheckTimers(Clock::now());
   DrainEvents();
-  // A tick far later than due: this loop did not run meanwhile (a starved process, a machine that
-  // stalled or was suspended). The peers' silence is not judged over that time.
-  if (const auto late = Clock::now() - next_tick_; last_tick_done_ && late > kSlowTurn) {
-    Handle(controller::ControllerStalled{std::chrono::duration_cast<Millis>(late)});
+  // Since the last tick, the time this process neither used the CPU nor waited for this tick: it
+  // did not run (a starved process, a stalled machine or VM). Its own work (a long status publish)
+  // counts as running. The peers' silence is not judged over that time.
+  const Deadline now = Clock::now();
+  const Clock::duration cpu = ProcessCpuTime();
+  if (const auto away = (now - last_tick_at_) - (cpu - last_tick_cpu_) - kTickEvery;
+      last_tick_at_ != Deadline{} && away > kSlowTurn) {
+    Handle(controller::ControllerStalled{std::chrono::duration_cast<Millis>(away)});
   }
   Handle(controller::Tick{});
   RunPending();
   next_tick_ = DeadlineAfter(kTickEvery);
-  last_tick_done_ = true;
+  last_tick_at_ = Clock::now();
+  last_tick_cpu_ = ProcessCpuTime();
   if (o_.progress_line && progress_.changed() && Clock::now() >= next_progress_) {
     shown_progress_ = progress_.Text();
     winsize ws{};

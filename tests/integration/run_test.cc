@@ -184,13 +184,14 @@ TEST(RunIntegrationTest, KilledWorkerIsNamedAndReplacedWhileTheJobGoesOn) {
 }
 
 // The controller and the agent stalled together for twice the heartbeat timeout (as on a starved
-// or suspended machine), the controller resumed first: it does not take its own stall for the
-// agent's silence, so nothing is lost and the job ends as it would have.
+// machine), the controller resumed first: it does not take its own stall for the agent's silence,
+// so nothing is lost and the job ends as it would have. (3 s: under the agent's 3 s and the
+// workers' 5 s controller timeouts, which they judge on what their sockets hold.)
 TEST(RunIntegrationTest, AControllerAndAgentStalledTogetherLoseNothing) {
   TempDir dir;
   std::string journal = dir / "journal.jsonl";
   ChildProcess run({kBin + "/nonstop", "run", "--nproc", "2", "--spares", "0",
-                    "--heartbeat-timeout-ms", "1000", "--journal", journal, "--",
+                    "--heartbeat-timeout-ms", "1500", "--journal", journal, "--",
                     kBin + "/nonstop-test-worker", "--steps", "200", "--sleep-ms", "20"},
                    dir / "out.txt");
   ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "step", 10, milliseconds(30'000)))
@@ -202,7 +203,7 @@ TEST(RunIntegrationTest, AControllerAndAgentStalledTogetherLoseNothing) {
   const pid_t controller = std::stoi(out0.substr(at + said.size()));
   ASSERT_TRUE(nonstop::testing::StopProcess(controller)) << out0;
   ASSERT_TRUE(nonstop::testing::StopProcess(run.pid())) << out0;  // the agent of `nonstop run`
-  std::this_thread::sleep_for(milliseconds(2'000));
+  std::this_thread::sleep_for(milliseconds(3'000));
   ASSERT_EQ(::kill(controller, SIGCONT), 0);
   std::this_thread::sleep_for(milliseconds(300));  // its detectors run before the agent is back
   ASSERT_EQ(::kill(run.pid(), SIGCONT), 0);
