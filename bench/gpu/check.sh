@@ -69,11 +69,12 @@ fi
 py=${NONSTOP_PYTHON:-/usr/bin/python3}
 if PYTHONPATH=build/python "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   # pyjob NAME [nonstop run options...]: prints every rank's final state digest, one per line
+  # (PY_EXTRA: more options of the trainer)
   pyjob() {
     local name=$1
     shift
     ./build/bin/nonstop run --journal "$out/$name.jsonl" "$@" -- "$py" tests/python/trainer.py --steps 30 \
-      --device cuda --wait-for-joins 4 --journal "$out/$name.jsonl" >"$out/$name.log" 2>&1 || {
+      --device cuda --wait-for-joins 4 --journal "$out/$name.jsonl" ${PY_EXTRA:-} >"$out/$name.log" 2>&1 || {
       tail -40 "$out/$name.log" >&2
       echo "check.sh: FAILED: the $name job (log above)" >&2
       exit 1
@@ -86,6 +87,17 @@ if PYTHONPATH=build/python "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda
   echo "  ${py_kill} (recovered) against ${py_clean} (no fault)"
   [[ -n "$py_clean" && "$py_clean" == "$py_kill" && $(wc -l <<<"$py_kill") == 1 ]] ||
     { echo "check.sh: FAILED: the Python jobs' states differ"; exit 1; }
+  # Sharded optimizer state (ZeRO-1) of a model on cuda:0, kept in host memory (docs/gpu.md): 4 workers
+  # in groups of 2 and a spare, rank 1 killed; each shard's state against the job without a fault.
+  export PY_EXTRA="--shard-group 2"
+  sh_clean=$(pyjob py-shard-clean --nproc 4 --spares 1 --inject none) || exit 1
+  sh_kill=$(pyjob py-shard-kill --nproc 4 --spares 1 --heartbeat-timeout-ms 1000 --inject kill:rank=1,step=20) ||
+    exit 1
+  unset PY_EXTRA
+  echo "check.sh: Python, a sharded model on cuda:0, 4 workers and a spare, rank 1 killed at step 20:"
+  echo "  $(tr '\n' ' ' <<<"$sh_kill")(recovered) against $(tr '\n' ' ' <<<"$sh_clean")(no fault)"
+  [[ -n "$sh_clean" && "$sh_clean" == "$sh_kill" && $(wc -l <<<"$sh_kill") == 2 ]] ||
+    { echo "check.sh: FAILED: the sharded Python jobs' states differ (or are not one per shard)"; exit 1; }
 else
   echo "check.sh: NOT RUN: the Python job on CUDA tensors: $("$py" -c 'import torch; print("torch", torch.__version__)' \
     2>&1 | tail -1) has no CUDA here (Debian's python3-torch is built without it; NONSTOP_PYTHON names another)"

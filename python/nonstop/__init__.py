@@ -231,6 +231,7 @@ class Session:
         self._step_in_flight = 0
         self._held_recovery: Any = None  # see _recover_in_place
         self._flat_padded: Optional[Any] = None  # sharded: the parameters, padded to the shard group
+        self._device_flat: Optional[Any] = None  # sharded, on a GPU: the model's, of which _flat_padded is the copy
         self._shard_group = 0
         self._before_finish: List[Callable[[], None]] = []  # collectives due before the final checksum
         self._callbacks: List[Callable[[MembershipChange], None]] = []
@@ -281,6 +282,7 @@ class Session:
             self._optimizer = None
             self._params = None
             self._flat_padded = None
+            self._device_flat = None
             self._shard_group = 0
             self._before_finish.clear()
             raise
@@ -307,6 +309,11 @@ class Session:
             for i, p in enumerate(params):
                 _check_tensor(p, f"parameter {i} of the model")
             flat = _flatten_parameters(params, optimizer.padded if sharded else 0)
+            if sharded and _device.staged(flat):
+                # Sharded state lives in host memory (docs/gpu.md): the registered parameters are a
+                # host copy of the GPU's, which ShardedDataParallel copies up after each gather.
+                self._device_flat = flat
+                flat = _device.host_copy(flat, "shard.params")
             self._params = flat[:sum(p.numel() for p in params)]
             self._reserve(flat, "the model's parameters")
             for i, p in enumerate(params):

@@ -48,18 +48,34 @@ class Twin:
         if not staged(t):
             self.host = t
             return
-        twins[site] = twins.get(site, 0) + 1
-        if t.device.type == "cuda":
-            # The kernels that wrote `t` run on torch's current stream: wait for them.
-            torch.cuda.current_stream(t.device).synchronize()
-            self.host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        else:
-            self.host = torch.empty_like(t)
-        self.host.copy_(t)
+        self.host = host_copy(t, site)
 
     def up(self) -> None:
         if self.host is not self.tensor:
             self.tensor.copy_(self.host)
+
+
+def host_copy(t: Any, site: str) -> Any:
+    """A host buffer of `t`'s shape and dtype (pinned for a CUDA tensor) holding `t`'s bytes,
+    copied as ``copy`` copies."""
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    else:
+        host = torch.empty_like(t)
+    copy(host, t, site)
+    return host
+
+
+def copy(dst: Any, src: Any, site: str) -> None:
+    """``dst.copy_(src)`` between a tensor and its host copy (`site` counts it, as a twin),
+    once the kernels that wrote a CUDA `src` are done (they run on torch's current stream:
+    wait for them); it returns when the copy is."""
+    twins[site] = twins.get(site, 0) + 1
+    if src.device.type == "cuda":
+        torch.cuda.current_stream(src.device).synchronize()
+    dst.copy_(src)
+    if dst.device.type == "cuda":
+        torch.cuda.current_stream(dst.device).synchronize()
 
 
 def on_host(t: Any, site: str, run: Callable[[Any], Any], write_back: bool = True) -> Any:

@@ -34,7 +34,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from . import Session, _check_tensor, _unique_parameters
+from . import Session, _check_tensor, _device, _one_device, _unique_parameters
 from ._grads import adopt_grad, flat_views, point_grads, raise_if_aborted
 
 __all__ = ["ShardedOptimizer", "ShardedDataParallel"]
@@ -136,10 +136,17 @@ class ShardedDataParallel(torch.nn.Module):
         self.module = module
         self._session = session
         self._optimizer = optimizer
-        self._flat = session._flat_padded
-        self._grads = torch.zeros(optimizer.padded, dtype=torch.float32)
+        self._flat = session._flat_padded  # host memory: the registered parameters
+        self._grads = torch.zeros(optimizer.padded, dtype=torch.float32)  # host memory: reduced here
+        # On a GPU (docs/gpu.md, "Sharded state on a GPU"): the model's parameters and gradients live
+        # in buffers of their own there, the gradients copied down before each reduce() and the
+        # gathered parameters copied up; None: the model's are _flat and _grads themselves.
+        self._device_flat = session._device_flat
+        self._device_grads = None if self._device_flat is None else torch.zeros_like(self._device_flat)
+        if self._device_flat is not None and self._device_flat.device.type == "cuda":
+            self._grads = self._grads.pin_memory()
         self._params = _parameters(module)
-        self._views = flat_views(self._grads, self._params)
+        self._views = flat_views(self._grads if self._device_grads is None else self._device_grads, self._params)
         self._stale = True  # the parameters must be gathered whole before the next forward
         session.on_membership_change(lambda _change: setattr(self, "_stale", True))
         session._before_finish.append(self.gather)
@@ -148,12 +155,16 @@ class ShardedDataParallel(torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self._grads.zero_()
+        if self._device_grads is not None:
+            self._device_grads.zero_()
         point_grads(self._params, self._views)
 
     def gather(self) -> None:
         """Every rank of the group holds the whole parameters again (each
         updated only its shard). The next forward does it by itself."""
         self._session._core.gather_shards(self._flat.data_ptr(), self._flat.numel() * 4, 4)
+        if self._device_flat is not None:
+            _device.copy(self._device_flat, self._flat, "shard.params")
         self._stale = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -169,6 +180,8 @@ class ShardedDataParallel(torch.nn.Module):
             self.gather()
         for p, view in zip(self._params, self._views):  # a .grad replaced (set_to_none): back into the buffer
             adopt_grad(p, view)
+        if self._device_grads is not None:
+            _device.copy(self._grads, self._device_grads, "shard.grads")
         self._session._maybe_inject()
         self._session._core.reduce_shards(self._grads.data_ptr(), self._grads.numel())
 
@@ -180,11 +193,8 @@ def _parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
         raise ValueError("the model has no parameters")
     for i, p in enumerate(params):
         _check_tensor(p, f"parameter {i} of the model")
-        if p.device.type != "cpu":
-            raise ValueError(f"parameter {i} of the model is on {p.device}: sharded optimizer state is kept in host "
-                             "memory (docs/gpu.md): keep a sharded model on the CPU, or use "
-                             "nonstop.torch.DataParallel, which takes GPU tensors")
         if not p.requires_grad:
             raise ValueError(f"parameter {i} does not require gradients: a sharded optimizer updates every "
                              "parameter of the model (freeze nothing, or leave it out of the model)")
+    _one_device(params, "the model's parameters")
     return params

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import run_job
+from conftest import run_job, staged_env, staged_twins
 
 # Clipped to a norm the gradient exceeds: the norm over every shard matters.
 SHARDED = ["--steps", "30", "--shard-group", "2", "--clip-norm", "0.05"]
@@ -73,6 +73,29 @@ def test_a_shrink_and_the_unsharded_optimizer_stay_within_rounding(clean, tmp_pa
         assert sorted(losses) == list(range(30)), other.output
         for step, loss in clean.losses().items():
             assert abs(losses[step] - loss) <= 1e-4 * abs(loss), f"step {step}: {losses[step]} vs {loss}"
+
+
+def test_a_model_on_a_gpu_keeps_its_shards_in_host_memory_and_ends_bitwise_through_a_kill(clean, tmp_path):
+    # The path of a model on a GPU (docs/gpu.md, "Sharded state on a GPU"), taken here by CPU tensors:
+    # the model's parameters and gradients live in buffers of their own, the registered (sharded) state
+    # in host memory; each reduce() copies the gradients down and each gather copies the parameters up.
+    # A copy left out or made at the wrong moment (the parameters before the gather) moves the bits;
+    # the spare copies its shard into host memory and its model's parameters are the gathered ones.
+    want = by_rank(clean)
+    job = run_job(tmp_path, "staged", FOUR + ["--spares", "1", "--inject", "kill:rank=1,step=20,at=0.5"],
+                  SHARDED + ["--wait-for-joins", "5"], env=staged_env(tmp_path))
+    finals = by_rank(job)
+    assert finals["1"]["worker"] == "4", "the spare took rank 1\n" + job.output
+    for rank in "0123":
+        assert finals[rank]["params"] == want[rank]["params"], job.output
+        assert finals[rank]["state"] == want[rank]["state"], f"rank {rank}'s shard of the state\n{job.output}"
+    assert job.losses() == clean.losses(), "every loss bitwise the same"
+    twins = staged_twins(job)
+    for rank, f in finals.items():
+        copies = twins.get(f["pid"], {})
+        # The spare ran the last 9 or 10 steps (as the kill found step 20): a copy of each a step.
+        assert copies.get("shard.grads", 0) >= 9 and copies.get("shard.params", 0) >= 9, \
+            f"rank {rank} did not copy its gradients down and its parameters up each step: {copies}\n{job.output}"
 
 
 def test_ranks_without_a_micro_batch_still_gather_and_reduce_in_step(tmp_path):
