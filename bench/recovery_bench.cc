@@ -93,6 +93,102 @@ std::vector<json> JournalRecords(const std::string& path) {
   return records;
 }
 
+// The table of runs (one line each, against the fault-free one) and their results.json records.
+json PrintRuns(const std::vector<RunResult*>& all, const RunResult& clean, double normal) {
+  fmt::print("{:<26} {:>5} {:>9} {:>12} {:>7} {:>8}  {:<24} {}\n", "run", "exit", "wall (s)",
+             "vs no fault", "redone", "goodput", "time lost per fault (ms)",
+             "downtime per fault (ms)");
+  auto list = [](const std::vector<double>& v) {
+    std::string text;
+    for (double d : v)
+      text += (text.empty() ? "" : ", ") +
+              (d < 0 ? std::string("n/a") : fmt::format("{:.0f}", d * 1000));
+    return text.empty() ? std::string("-") : text;
+  };
+  auto ms = [](const std::vector<double>& v, size_t i) {
+    return v.size() > i && v[i] >= 0 ? json(v[i] * 1000) : json(nullptr);
+  };
+  auto mean_ms = [](const std::vector<double>& v) {
+    return MeanOfMeasured(v) < 0 ? json(nullptr) : json(MeanOfMeasured(v) * 1000);
+  };
+  json runs = json::array();
+  for (const RunResult* r : all) {
+    double goodput = r->wall > 0 ? static_cast<double>(r->distinct) * normal / r->wall : 0;
+    fmt::print("{:<26} {:>5} {:>9.1f} {:>+11.1f}% {:>7} {:>7.1f}%  {:<24} {}\n", r->name,
+               r->exit_code, r->wall, clean.wall > 0 ? 100.0 * (r->wall / clean.wall - 1) : 0.0,
+               r->redone, 100 * goodput, list(r->time_lost), list(r->downtimes));
+    json faults_j = json::array();
+    for (size_t i = 0; i < r->injected.size(); ++i) {
+      faults_j.push_back({{"spec", r->injected[i].spec},
+                          {"at_s", r->injected[i].t},
+                          {"time_lost_ms", ms(r->time_lost, i)},
+                          {"downtime_ms", ms(r->downtimes, i)}});
+    }
+    runs.push_back({{"name", r->name},
+                    {"exit_code", r->exit_code},
+                    {"wall_s", r->wall},
+                    {"steps_completed_events", r->steps.size()},
+                    {"distinct_steps", r->distinct},
+                    {"steps_redone", r->redone},
+                    {"goodput", goodput},
+                    {"checksum", r->checksum},
+                    {"mean_time_lost_ms", mean_ms(r->time_lost)},
+                    {"mean_downtime_ms", mean_ms(r->downtimes)},
+                    {"faults", faults_j},
+                    {"recoveries", r->recoveries}});
+  }
+  return runs;
+}
+
+// The ratios under the table: time lost first (what the faults cost the job), then downtime, then
+// salvage against computing the step again (`whole`: the --compare-salvage run, or null).
+json Summarize(const RunResult& cpl, const RunResult& cpr, const RunResult* whole, double normal,
+               double mtbf, const std::string& out) {
+  json summary = {{"normal_step_s", normal}, {"mtbf_s", mtbf}};
+  double lost = MeanOfMeasured(cpl.time_lost), lost_cpr = MeanOfMeasured(cpr.time_lost);
+  if (lost >= 0 && lost_cpr > 0) {
+    fmt::print(
+        "\ntime lost per fault: checkpointless {:.0f} ms ({:.2f} of a step) vs checkpoint-restart "
+        "{:.0f} ms ({:.2f}): ratio {:.4f}\n",
+        lost * 1000, lost / normal, lost_cpr * 1000, lost_cpr / normal, lost / lost_cpr);
+    summary["time_lost_ratio_checkpointless_over_checkpoint"] = lost / lost_cpr;
+  }
+  double a = MeanOfMeasured(cpl.downtimes), b = MeanOfMeasured(cpr.downtimes);
+  if (a >= 0 && b > 0) {
+    fmt::print(
+        "downtime per fault (from the fault to the first step done, less a normal step): "
+        "checkpointless {:.0f} ms vs checkpoint-restart {:.0f} ms: ratio {:.4f}, {:.1f}% less\n",
+        a * 1000, b * 1000, a / b, 100 * (1 - a / b));
+    summary["downtime_ratio_checkpointless_over_checkpoint"] = a / b;
+    summary["downtime_reduction_percent"] = 100 * (1 - a / b);
+  }
+  if (whole == nullptr) return summary;
+  double kept = MeanOfMeasured(cpl.time_lost), again = MeanOfMeasured(whole->time_lost);
+  std::ifstream log(out + "/checkpointless.log");
+  const bool salvaged =
+      std::string(std::istreambuf_iterator<char>(log), {}).find("kept the sums of") !=
+      std::string::npos;
+  if (!salvaged) {
+    fmt::print(
+        "\nthe checkpointless run kept no sums of a step in flight (is the program "
+        "nonstop-train, and its recipe not sharded?): the salvage comparison means nothing\n");
+  } else if (kept >= 0 && again > 0) {
+    fmt::print(
+        "time lost per fault: {:.0f} ms keeping the step in flight's sums, {:.0f} ms computing "
+        "it again: ratio "
+        "{:.3f}; a normal step {:.0f} ms ({:.2f} of a step kept, {:.2f} again)\n",
+        kept * 1000, again * 1000, kept / again, normal * 1000, kept / normal, again / normal);
+    summary["time_lost_ms_salvage"] = kept * 1000;
+    summary["time_lost_ms_no_salvage"] = again * 1000;
+    summary["time_lost_ratio_salvage_over_no_salvage"] = kept / again;
+    summary["time_lost_in_normal_steps_salvage"] = kept / normal;
+    summary["time_lost_in_normal_steps_no_salvage"] = again / normal;
+  }
+  fmt::print("checkpointless without salvage: checksum {}\n", whole->checksum);
+  summary["salvaged"] = salvaged;
+  return summary;
+}
+
 int Main(int argc, char** argv) {
   auto [our_argc, program] = SplitAtDoubleDash(argc, argv);
   CLI::App app{
@@ -178,85 +274,8 @@ int Main(int argc, char** argv) {
       "\nsame job, same machine: {} workers, {} steps, faults {}; a normal step {:.3f} s; baseline "
       "MTBF {:.1f} s\n\n",
       nproc, steps, faults, normal, mtbf);
-  fmt::print("{:<26} {:>5} {:>9} {:>12} {:>7} {:>8}  {:<24} {}\n", "run", "exit", "wall (s)",
-             "vs no fault", "redone", "goodput", "downtime per fault (ms)",
-             "time lost per fault (ms)");
-  json runs = json::array();
-  for (RunResult* r : all) {
-    double goodput = r->wall > 0 ? static_cast<double>(r->distinct) * normal / r->wall : 0;
-    auto list = [](const std::vector<double>& v) {
-      std::string text;
-      for (double d : v)
-        text += (text.empty() ? "" : ", ") +
-                (d < 0 ? std::string("n/a") : fmt::format("{:.0f}", d * 1000));
-      return text.empty() ? std::string("-") : text;
-    };
-    fmt::print("{:<26} {:>5} {:>9.1f} {:>+11.1f}% {:>7} {:>7.1f}%  {:<24} {}\n", r->name,
-               r->exit_code, r->wall, clean.wall > 0 ? 100.0 * (r->wall / clean.wall - 1) : 0.0,
-               r->redone, 100 * goodput, list(r->downtimes), list(r->time_lost));
-    auto ms = [](const std::vector<double>& v, size_t i) {
-      return v.size() > i && v[i] >= 0 ? json(v[i] * 1000) : json(nullptr);
-    };
-    json faults_j = json::array();
-    for (size_t i = 0; i < r->injected.size(); ++i) {
-      faults_j.push_back({{"spec", r->injected[i].spec},
-                          {"at_s", r->injected[i].t},
-                          {"downtime_ms", ms(r->downtimes, i)},
-                          {"time_lost_ms", ms(r->time_lost, i)}});
-    }
-    runs.push_back({{"name", r->name},
-                    {"exit_code", r->exit_code},
-                    {"wall_s", r->wall},
-                    {"steps_completed_events", r->steps.size()},
-                    {"distinct_steps", r->distinct},
-                    {"steps_redone", r->redone},
-                    {"goodput", goodput},
-                    {"checksum", r->checksum},
-                    {"mean_downtime_ms", MeanOfMeasured(r->downtimes) < 0
-                                             ? json(nullptr)
-                                             : json(MeanOfMeasured(r->downtimes) * 1000)},
-                    {"mean_time_lost_ms", MeanOfMeasured(r->time_lost) < 0
-                                              ? json(nullptr)
-                                              : json(MeanOfMeasured(r->time_lost) * 1000)},
-                    {"faults", faults_j},
-                    {"recoveries", r->recoveries}});
-  }
-  double a = MeanOfMeasured(cpl.downtimes), b = MeanOfMeasured(cpr.downtimes);
-  json summary = {{"normal_step_s", normal}, {"mtbf_s", mtbf}};
-  if (a >= 0 && b > 0) {
-    fmt::print(
-        "\ndowntime per fault: checkpointless {:.0f} ms vs checkpoint-restart {:.0f} ms: ratio "
-        "{:.4f}, "
-        "{:.1f}% less downtime\n",
-        a * 1000, b * 1000, a / b, 100 * (1 - a / b));
-    summary["downtime_ratio_checkpointless_over_checkpoint"] = a / b;
-    summary["downtime_reduction_percent"] = 100 * (1 - a / b);
-  }
-  if (compare_salvage) {
-    double kept = MeanOfMeasured(cpl.time_lost), again = MeanOfMeasured(whole.time_lost);
-    std::ifstream log(out + "/checkpointless.log");
-    const bool salvaged =
-        std::string(std::istreambuf_iterator<char>(log), {}).find("kept the sums of") !=
-        std::string::npos;
-    if (!salvaged) {
-      fmt::print(
-          "\nthe checkpointless run kept no sums of a step in flight (is the program "
-          "nonstop-train, and its recipe not sharded?): the salvage comparison means nothing\n");
-    } else if (kept >= 0 && again > 0) {
-      fmt::print(
-          "time lost per fault: {:.0f} ms keeping the step in flight's sums, {:.0f} ms computing "
-          "it again: ratio "
-          "{:.3f}; a normal step {:.0f} ms ({:.2f} of a step kept, {:.2f} again)\n",
-          kept * 1000, again * 1000, kept / again, normal * 1000, kept / normal, again / normal);
-      summary["time_lost_ms_salvage"] = kept * 1000;
-      summary["time_lost_ms_no_salvage"] = again * 1000;
-      summary["time_lost_ratio_salvage_over_no_salvage"] = kept / again;
-      summary["time_lost_in_normal_steps_salvage"] = kept / normal;
-      summary["time_lost_in_normal_steps_no_salvage"] = again / normal;
-    }
-    fmt::print("checkpointless without salvage: checksum {}\n", whole.checksum);
-    summary["salvaged"] = salvaged;
-  }
+  json runs = PrintRuns(all, clean, normal);
+  json summary = Summarize(cpl, cpr, compare_salvage ? &whole : nullptr, normal, mtbf, out);
   fmt::print("final parameter checksums: fault-free {}, checkpointless {}, checkpoint-restart {}\n",
              clean.checksum, cpl.checksum, cpr.checksum);
   json doc = {{"benchmark", "recovery"}, {"nproc", nproc},     {"steps", steps}, {"faults", faults},

@@ -14,7 +14,7 @@
 // compared: checkpointless recovery must be bitwise exact.
 //
 // From the journal it reports: faults by kind and which were survived,
-// recoveries by cause, downtime per fault (median, p95, max), completed steps
+// recoveries by cause, time lost and downtime per fault (median, p95, max), completed steps
 // lost, spares used and refilled, false alarms (recoveries no fault
 // explains), the final world and spare pool, the exit code and the checksum.
 // Output: a table on stdout and results.json (docs/soak.md). Exit 0 only if
@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <random>
@@ -111,7 +112,8 @@ struct Fault {
   int final_recovery = -1;  // the end of its chain of superseding recoveries
   std::string outcome;
   bool survived = false;
-  double downtime_ms = -1;  // the final recovery's downtime_ms (journal)
+  double time_lost_ms = -1;  // the final recovery's time lost (journal: the job's own figure)
+  double downtime_ms = -1;   // the final recovery's downtime_ms (journal)
   // from the fault to the resumed step's completion, less a normal step
   double downtime_from_fault_ms = -1;
 };
@@ -373,12 +375,10 @@ Analysis Analyze(const SoakOptions& o, const JournalSummary& j) {
     std::string ev = r.value("event", "");
     double t = r.value("t", 0.0);
     if (ev == "spawn") {
+      a.pid_of_worker[r.value("worker_id", -1)] = r.value("pid", -1);
+    } else if (ev == "join" && r.value("spare", false)) {  // a worker says at its join it is a spare
       int id = r.value("worker_id", -1);
-      a.pid_of_worker[id] = r.value("pid", -1);
-      if (r.value("spare", false)) {
-        a.spare_ids.insert(id);
-        if (id >= o.nproc + o.spares) ++a.spares_refilled;
-      }
+      if (a.spare_ids.insert(id).second && id >= o.nproc + o.spares) ++a.spares_refilled;
     } else if (ev == "plan") {
       auto members = r.value("members", json::array());
       a.final_world = static_cast<int>(members.size());
@@ -486,6 +486,8 @@ void Attribute(const SoakOptions& o, const JournalSummary& j, const Analysis& a,
         rec == a.recovery_by_id.end() ? "open at the end" : rec->second.value("outcome", "");
     f.survived = f.outcome == "completed";
     if (f.survived) {
+      if (rec->second.value("time_lost_ms", json()).is_number())
+        f.time_lost_ms = rec->second["time_lost_ms"].get<double>();
       if (rec->second.contains("downtime_ms"))
         f.downtime_ms = rec->second["downtime_ms"].get<double>();
       f.downtime_from_fault_ms =
@@ -553,64 +555,69 @@ std::string StatsText(const json& s) {
                      s["p95"].get<double>(), s["max"].get<double>(), s["n"].get<int>());
 }
 
-int Main(int argc, char** argv) {
-  auto [our_argc, program] = SplitAtDoubleDash(argc, argv);
+// The command line into `o` and `program` (after `--`); an exit code when the bench should end
+// (help, or flags that are wrong, named on stderr).
+std::optional<int> ParseCommandLine(int argc, char** argv, SoakOptions* o,
+                                    std::vector<std::string>* program) {
+  auto [our_argc, after_dashes] = SplitAtDoubleDash(argc, argv);
+  *program = after_dashes;
   CLI::App app{
       "Soak: the reference recipe under random faults of every kind for a long time; nothing may "
       "be lost"};
-  SoakOptions o;
-  app.add_option("--minutes", o.minutes, "How long the faulted job should run")
+  app.add_option("--minutes", o->minutes, "How long the faulted job should run")
       ->capture_default_str()
       ->check(CLI::Range(1.0, 100000.0));
-  app.add_option("--seed", o.seed, "Seed of the fault schedule")->capture_default_str();
-  app.add_option("--nproc", o.nproc, "Workers")->capture_default_str()->check(CLI::Range(2, 1024));
-  app.add_option("--spares", o.spares, "Spares")->capture_default_str()->check(CLI::Range(1, 1024));
-  app.add_option("--min-gap", o.min_gap, "Least time between two faults (s)")
+  app.add_option("--seed", o->seed, "Seed of the fault schedule")->capture_default_str();
+  app.add_option("--nproc", o->nproc, "Workers")->capture_default_str()->check(CLI::Range(2, 1024));
+  app.add_option("--spares", o->spares, "Spares")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--min-gap", o->min_gap, "Least time between two faults (s)")
       ->capture_default_str()
       ->check(CLI::Range(1.0, 1e6));
-  app.add_option("--max-gap", o.max_gap, "Most time between two faults (s)")
+  app.add_option("--max-gap", o->max_gap, "Most time between two faults (s)")
       ->capture_default_str()
       ->check(CLI::Range(1.0, 1e6));
-  app.add_option("--quiet-start", o.quiet_start,
+  app.add_option("--quiet-start", o->quiet_start,
                  "No fault in the first this many seconds (model build)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1e6));
-  app.add_option("--quiet-end", o.quiet_end,
+  app.add_option("--quiet-end", o->quiet_end,
                  "No fault in the last this many seconds (the world is whole at the end)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1e6));
-  app.add_option("--steps", o.steps,
+  app.add_option("--steps", o->steps,
                  "Training steps (0: calibrate so that the job lasts --minutes)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{100'000'000}));
-  app.add_option("--calibration-steps", o.calibration_steps, "Steps of the calibration run")
+  app.add_option("--calibration-steps", o->calibration_steps, "Steps of the calibration run")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{5}, int64_t{100'000}));
-  app.add_option("--fault-cost", o.fault_cost,
+  app.add_option("--fault-cost", o->fault_cost,
                  "Seconds each fault is expected to cost, when choosing the step count")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1e6));
-  app.add_option("--alarm-window", o.alarm_window,
+  app.add_option("--alarm-window", o->alarm_window,
                  "A recovery starting this long after a fault is explained by it; later ones are "
                  "false alarms (s)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1e6));
-  app.add_option("--progress-every", o.progress_every, "Seconds between progress lines")
+  app.add_option("--progress-every", o->progress_every, "Seconds between progress lines")
       ->capture_default_str()
       ->check(CLI::Range(1.0, 1e6));
-  app.add_option("--reference-checksum", o.reference_checksum,
+  app.add_option("--reference-checksum", o->reference_checksum,
                  "The fault-free run's final checksum for these steps (skips the fault-free run)");
-  app.add_option("--kinds", o.kinds, "Fault kinds to draw from")
+  app.add_option("--kinds", o->kinds, "Fault kinds to draw from")
       ->delimiter(',')
       ->capture_default_str()
       ->check(CLI::IsMember(kAllKinds));
-  app.add_option("--run-arg", o.run_args,
+  app.add_option("--run-arg", o->run_args,
                  "An extra argument for every `nonstop run` (repeatable), e.g. "
                  "--run-arg=--heartbeat-timeout-ms=2000")
       ->allow_extra_args(false);
-  app.add_option("--bin", o.bin,
+  app.add_option("--bin", o->bin,
                  "Directory holding nonstop and nonstop-train (default: this program's)");
-  app.add_option("--out", o.out, "Output directory (results.json, journals, logs)")
+  app.add_option("--out", o->out, "Output directory (results.json, journals, logs)")
       ->capture_default_str();
   app.footer(
       "After `--`: the training program (default: BIN/nonstop-train with its built-in llama-tiny "
@@ -621,23 +628,28 @@ int Main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  if (o.max_gap < o.min_gap) {
-    fmt::print(stderr, "nonstop-bench-soak: --max-gap {} is below --min-gap {}\n", o.max_gap,
-               o.min_gap);
+  return std::nullopt;
+}
+
+// What the options ask is possible, the programs are there and --out is made; else an exit code
+// (the reason on stderr). Fills in the default --bin and program.
+std::optional<int> Prepare(SoakOptions* o, std::vector<std::string>* program) {
+  if (o->max_gap < o->min_gap) {
+    fmt::print(stderr, "nonstop-bench-soak: --max-gap {} is below --min-gap {}\n", o->max_gap,
+               o->min_gap);
     return 2;
   }
-  if (o.quiet_start + o.quiet_end >= o.minutes * 60) {
+  if (o->quiet_start + o->quiet_end >= o->minutes * 60) {
     fmt::print(stderr,
                "nonstop-bench-soak: --quiet-start {} + --quiet-end {} leave no time for faults in "
                "{} minutes "
                "(HINT: more --minutes or shorter quiet periods)\n",
-               o.quiet_start, o.quiet_end, o.minutes);
+               o->quiet_start, o->quiet_end, o->minutes);
     return 2;
   }
-  if (o.bin.empty()) o.bin = SelfDir();
-  const std::string nonstop = o.bin + "/nonstop";
-  if (program.empty()) program = {o.bin + "/nonstop-train"};
-  for (const std::string& p : {nonstop, program[0]}) {
+  if (o->bin.empty()) o->bin = SelfDir();
+  if (program->empty()) *program = {o->bin + "/nonstop-train"};
+  for (const std::string& p : {o->bin + "/nonstop", (*program)[0]}) {
     if (::access(p.c_str(), X_OK) != 0) {
       fmt::print(
           stderr,
@@ -648,15 +660,239 @@ int Main(int argc, char** argv) {
     }
   }
   std::error_code ec;
-  fs::create_directories(o.out, ec);
+  fs::create_directories(o->out, ec);
   if (ec) {
-    fmt::print(stderr, "nonstop-bench-soak: cannot create --out {}: {}\n", o.out, ec.message());
+    fmt::print(stderr, "nonstop-bench-soak: cannot create --out {}: {}\n", o->out, ec.message());
     return 2;
   }
-  const double duration = o.minutes * 60;
+  return std::nullopt;
+}
 
-  auto job_argv = [&](const std::string& name, int spares, const std::string& inject,
-                      int64_t steps) {
+// `nonstop run` of `program` for `steps`, journaled to OUT/NAME.jsonl.
+using JobArgv = std::function<std::vector<std::string>(const std::string& name, int spares,
+                                                       const std::string& inject, int64_t steps)>;
+
+// How many steps fill --minutes: a short fault-free run measures the step time (--steps skips
+// it). Null on failure (said on stderr).
+struct Calibration {
+  int64_t steps = 0;
+  double startup_s = 0;  // from the start to the first step's start
+  json doc = nullptr;    // results.json's "calibration" (null with --steps)
+};
+
+std::optional<Calibration> Calibrate(const SoakOptions& o, const JobArgv& job_argv) {
+  Calibration c{o.steps, o.quiet_start};
+  if (c.steps != 0) return c;
+  fmt::print("calibration: {} steps without faults, to measure the step time\n",
+             o.calibration_steps);
+  int code = RunCommand(job_argv("calibration", o.spares, "none", o.calibration_steps),
+                        o.out + "/calibration.log");
+  auto cal = ReadJournalSummary(o.out + "/calibration.jsonl");
+  if (code != 0 || !cal.ok() || cal->steps.size() < 2) {
+    fmt::print(
+        stderr,
+        "nonstop-bench-soak: the calibration run failed (exit {}{}); see {}/calibration.log\n",
+        code, cal.ok() ? "" : ", " + cal.status().ToString(), o.out);
+    return std::nullopt;
+  }
+  const double step_s = MedianStepInterval(cal->steps);
+  const double duration = o.minutes * 60;
+  c.startup_s = std::max(0.0, cal->steps.front().t - step_s);
+  double expected_faults = (duration - o.quiet_start - o.quiet_end) / ((o.min_gap + o.max_gap) / 2);
+  c.steps = std::max<int64_t>(
+      10, static_cast<int64_t>((duration - c.startup_s - expected_faults * o.fault_cost) /
+                               std::max(step_s, 1e-3)));
+  c.doc = {{"steps", o.calibration_steps},
+           {"step_s", step_s},
+           {"startup_s", c.startup_s},
+           {"expected_faults", expected_faults},
+           {"chosen_steps", c.steps}};
+  fmt::print(
+      "calibration: a step takes {:.3f} s, the first step completes {:.1f} s after the start: {} "
+      "steps\n",
+      step_s, c.startup_s + step_s, c.steps);
+  return c;
+}
+
+// One fault's record in results.json.
+json FaultJson(const Fault& f) {
+  auto opt = [](double v) { return v >= 0 ? json(v) : json(nullptr); };
+  return {{"index", f.index},
+          {"kind", f.kind},
+          {"planned_at_s", f.at_s},
+          {"rank", f.rank},
+          {"step", f.step >= 0 ? json(f.step) : json(nullptr)},
+          {"spec", f.spec},
+          {"status", f.status},
+          {"at_s", opt(f.t)},
+          {"postponed_s", f.postponed_s},
+          {"worker_id", f.worker_id},
+          {"pid", f.pid},
+          {"detected_as", f.detected_as},
+          {"recovery", f.recovery},
+          {"final_recovery", f.final_recovery},
+          {"outcome", f.outcome},
+          {"survived", f.survived},
+          {"time_lost_ms", opt(f.time_lost_ms)},
+          {"downtime_ms", opt(f.downtime_ms)},
+          {"downtime_from_fault_ms", opt(f.downtime_from_fault_ms)}};
+}
+
+// The soak's figures, from the faults and the journal.
+struct Tally {
+  std::map<std::string, std::map<std::string, int>> by_kind;  // kind → planned/happened/...
+  json time_lost, downtime, from_fault;                       // Stats of each, ms
+  int happened = 0, survived = 0;
+};
+
+Tally Count(const std::vector<Fault>& faults) {
+  Tally t;
+  std::vector<double> time_lost, downtime, from_fault;
+  for (const Fault& f : faults) {
+    auto& k = t.by_kind[f.kind];
+    k["planned"]++;
+    k[Happened(f) ? "happened" : "skipped"]++;
+    if (f.survived) k["survived"]++;
+    t.happened += Happened(f) ? 1 : 0;
+    t.survived += f.survived ? 1 : 0;
+    if (f.time_lost_ms >= 0) time_lost.push_back(f.time_lost_ms);
+    if (f.downtime_ms >= 0) downtime.push_back(f.downtime_ms);
+    if (f.downtime_from_fault_ms >= 0) from_fault.push_back(f.downtime_from_fault_ms);
+  }
+  t.time_lost = Stats(time_lost);
+  t.downtime = Stats(downtime);
+  t.from_fault = Stats(from_fault);
+  return t;
+}
+
+// What the soak found, besides the faults.
+struct Verdict {
+  int rc = 0;
+  double wall_s = 0, normal_step_s = 0;
+  int64_t steps = 0, missing = 0;
+  std::string reference;
+  int reference_rc = -1;
+  bool same = false, pass = false;
+};
+
+void PrintReport(const SoakOptions& o, const JournalSummary& j, const Analysis& a,
+                 const std::vector<Fault>& faults, const Tally& t, const json& alarms,
+                 const json& collateral, const json& last_status, const Verdict& v) {
+  fmt::print("\nsoak: {} workers + {} spares, {} steps, seed {}, a normal step {:.3f} s\n\n",
+             o.nproc, o.spares, v.steps, o.seed, v.normal_step_s);
+  fmt::print("{:<28} {} (job {}, start to job_end)\n", "duration", MinSec(v.wall_s),
+             MinSec(j.wall));
+  fmt::print("{:<28} {}\n", "nonstop run exit code", v.rc);
+  const std::string row = "{:<28} {:<20} {:>8} {:>8} {:>8} {:>8}\n";
+  fmt::print(fmt::runtime(row), "faults", "kind", "planned", "sent", "skipped", "survived");
+  for (const auto& kind : kAllKinds) {
+    auto k = t.by_kind.find(kind);
+    if (k == t.by_kind.end()) continue;
+    auto n = [&](const char* what) { return k->second.count(what) ? k->second.at(what) : 0; };
+    fmt::print(fmt::runtime(row), "", KindLabel(kind), n("planned"), n("happened"), n("skipped"),
+               n("survived"));
+  }
+  fmt::print(fmt::runtime(row), "", "all", faults.size(), t.happened,
+             static_cast<int>(faults.size()) - t.happened, t.survived);
+  fmt::print("{:<28} {:<30} {:>9} {:>10} {:>7} {:>6}\n", "recoveries (journal)", "cause",
+             "completed", "superseded", "failed", "open");
+  for (const auto& [cause, outcomes] : a.by_cause) {
+    auto n = [&](const char* what) { return outcomes.count(what) ? outcomes.at(what) : 0; };
+    fmt::print("{:<28} {:<30} {:>9} {:>10} {:>7} {:>6}\n", "", cause, n("completed"),
+               n("superseded"), n("failed"), n("open"));
+  }
+  fmt::print("{:<28} {:<30} {:>8} {:>8} {:>8}\n", "per fault (ms)", "", "median", "p95", "max");
+  fmt::print("{:<28} {:<30} {}\n", "", "time lost (the job's report)", StatsText(t.time_lost));
+  fmt::print("{:<28} {:<30} {}\n", "", "journal downtime_ms", StatsText(t.downtime));
+  fmt::print("{:<28} {:<30} {}\n", "", "from the fault (soak clock)", StatsText(t.from_fault));
+  fmt::print(
+      "{:<28} {} (recovery_end lost_steps); {} of {} steps completed, {} missing, {} redone\n",
+      "completed steps lost", a.lost_steps, j.distinct, v.steps, v.missing, j.redone);
+  fmt::print(
+      "{:<28} {} used, {} refilled; the world shrank {} time(s) for want of a spare, {} "
+      "resize(s)\n",
+      "spares", a.used_spares.size(), a.spares_refilled, a.shrinks, a.resizes);
+  fmt::print("{:<28} {}{}\n", "false alarms", alarms.size(),
+             alarms.empty() ? "" : ": " + alarms.dump());
+  fmt::print("{:<28} {}", "collateral member losses", collateral.size());
+  for (const auto& c : collateral) {
+    fmt::print("; {:.0f} s rank {} (worker {}): {}", c["at_s"].get<double>(), c["rank"].get<int>(),
+               c["worker_id"].get<int>(), c["kind"].get<std::string>());
+  }
+  fmt::print("\n");
+  fmt::print("{:<28} {} (last plan); spare pool {} (last /status)\n", "final world size",
+             a.final_world, last_status.value("spares", -1));
+  fmt::print("{:<28} {} vs fault-free {}: {}\n", "final checksum",
+             j.checksum.empty() ? "none" : j.checksum, v.reference.empty() ? "none" : v.reference,
+             v.same ? "identical" : (j.checksums_agree ? "DIFFERENT" : "members disagree"));
+  fmt::print("{:<28} {}\n", "verdict", v.pass ? "PASS" : "FAIL");
+}
+
+json ResultsJson(const SoakOptions& o, const std::vector<std::string>& program,
+                 const json& calibration, const JournalSummary& j, const Analysis& a,
+                 const std::vector<Fault>& faults, const Tally& t, const json& alarms,
+                 const json& collateral, const json& last_status, const Verdict& v) {
+  json by_kind = json::object();
+  for (const auto& [kind, counts] : t.by_kind) by_kind[kind] = counts;
+  json by_cause = json::object();
+  for (const auto& [cause, outcomes] : a.by_cause) by_cause[cause] = outcomes;
+  json faults_j = json::array();
+  for (const Fault& f : faults) faults_j.push_back(FaultJson(f));
+  return {{"benchmark", "soak"},
+          {"nproc", o.nproc},
+          {"spares", o.spares},
+          {"seed", o.seed},
+          {"minutes", o.minutes},
+          {"min_gap_s", o.min_gap},
+          {"max_gap_s", o.max_gap},
+          {"quiet_start_s", o.quiet_start},
+          {"quiet_end_s", o.quiet_end},
+          {"kinds", o.kinds},
+          {"steps", v.steps},
+          {"program", program},
+          {"calibration", calibration},
+          {"duration_s", v.wall_s},
+          {"job_wall_s", j.wall},
+          {"normal_step_s", v.normal_step_s},
+          {"exit_code", v.rc},
+          {"faults_by_kind", by_kind},
+          {"faults_happened", t.happened},
+          {"faults_survived", t.survived},
+          {"recoveries_by_cause", by_cause},
+          {"recoveries", j.recoveries},
+          {"resizes", a.resizes},
+          {"shrinks", a.shrinks},
+          {"time_lost_ms", t.time_lost},
+          {"downtime_ms", t.downtime},
+          {"downtime_from_fault_ms", t.from_fault},
+          {"lost_steps", a.lost_steps},
+          {"steps_completed", j.distinct},
+          {"steps_missing", v.missing},
+          {"steps_redone", j.redone},
+          {"spares_used", a.used_spares.size()},
+          {"spares_refilled", a.spares_refilled},
+          {"false_alarms", alarms},
+          {"collateral", collateral},
+          {"final_world_size", a.final_world},
+          {"final_spares", last_status.value("spares", -1)},
+          {"checksum", j.checksum},
+          {"members_agree", j.checksums_agree},
+          {"reference_checksum", v.reference},
+          {"reference_exit_code", v.reference_rc},
+          {"checksums_equal", v.same},
+          {"pass", v.pass},
+          {"faults", faults_j}};
+}
+
+int Main(int argc, char** argv) {
+  SoakOptions o;
+  std::vector<std::string> program;
+  if (auto code = ParseCommandLine(argc, argv, &o, &program)) return *code;
+  if (auto code = Prepare(&o, &program)) return *code;
+  const std::string nonstop = o.bin + "/nonstop";
+  const double duration = o.minutes * 60;
+  JobArgv job_argv = [&](const std::string& name, int spares, const std::string& inject,
+                         int64_t steps) {
     std::vector<std::string> v = {nonstop,     "run",
                                   "--nproc",   std::to_string(o.nproc),
                                   "--spares",  std::to_string(spares),
@@ -671,42 +907,12 @@ int Main(int argc, char** argv) {
   };
 
   // 1. How many steps fill the duration.
-  double step_s = 0, startup_s = o.quiet_start;
-  int64_t steps = o.steps;
-  json calibration = nullptr;
-  if (steps == 0) {
-    fmt::print("calibration: {} steps without faults, to measure the step time\n",
-               o.calibration_steps);
-    int code = RunCommand(job_argv("calibration", o.spares, "none", o.calibration_steps),
-                          o.out + "/calibration.log");
-    auto cal = ReadJournalSummary(o.out + "/calibration.jsonl");
-    if (code != 0 || !cal.ok() || cal->steps.size() < 2) {
-      fmt::print(
-          stderr,
-          "nonstop-bench-soak: the calibration run failed (exit {}{}); see {}/calibration.log\n",
-          code, cal.ok() ? "" : ", " + cal.status().ToString(), o.out);
-      return 1;
-    }
-    step_s = MedianStepInterval(cal->steps);
-    startup_s = std::max(0.0, cal->steps.front().t - step_s);
-    double expected_faults =
-        (duration - o.quiet_start - o.quiet_end) / ((o.min_gap + o.max_gap) / 2);
-    steps = std::max<int64_t>(
-        10, static_cast<int64_t>((duration - startup_s - expected_faults * o.fault_cost) /
-                                 std::max(step_s, 1e-3)));
-    calibration = {{"steps", o.calibration_steps},
-                   {"step_s", step_s},
-                   {"startup_s", startup_s},
-                   {"expected_faults", expected_faults},
-                   {"chosen_steps", steps}};
-    fmt::print(
-        "calibration: a step takes {:.3f} s, the first step completes {:.1f} s after the start: {} "
-        "steps\n",
-        step_s, startup_s + step_s, steps);
-  }
+  std::optional<Calibration> cal = Calibrate(o, job_argv);
+  if (!cal) return 1;
+  const int64_t steps = cal->steps;
 
   // 2. The fault schedule.
-  std::vector<Fault> faults = PlanFaults(o, steps, startup_s);
+  std::vector<Fault> faults = PlanFaults(o, steps, cal->startup_s);
   std::string inject;
   for (const Fault& f : faults) {
     if (!f.spec.empty()) inject += (inject.empty() ? "" : ";") + f.spec;
@@ -726,177 +932,48 @@ int Main(int argc, char** argv) {
   // 3. The soak.
   const std::string journal = o.out + "/soak.jsonl";
   json last_status;
+  Verdict v;
+  v.steps = steps;
   const double soak_start = NowEpoch();
-  int rc = RunSoakJob(o, job_argv("soak", o.spares, inject.empty() ? "none" : inject, steps),
-                      journal, steps, QuietEndSteps(o, steps, startup_s), &faults, &last_status);
-  const double soak_wall = NowEpoch() - soak_start;
-  fmt::print("soak job: exit {}, {} wall\n", rc, MinSec(soak_wall));
+  v.rc = RunSoakJob(o, job_argv("soak", o.spares, inject.empty() ? "none" : inject, steps), journal,
+                    steps, QuietEndSteps(o, steps, cal->startup_s), &faults, &last_status);
+  v.wall_s = NowEpoch() - soak_start;
+  fmt::print("soak job: exit {}, {} wall\n", v.rc, MinSec(v.wall_s));
   auto read = ReadJournalSummary(journal);
   if (!read.ok()) {
     fmt::print(stderr, "nonstop-bench-soak: {}\n", read.status().ToString());
     return 1;
   }
   const JournalSummary& j = *read;
-  const double normal_step_s = MedianStepInterval(j.steps);
+  v.normal_step_s = MedianStepInterval(j.steps);
   Analysis a = Analyze(o, j);
-  Attribute(o, j, a, normal_step_s, &faults);
+  Attribute(o, j, a, v.normal_step_s, &faults);
   json alarms = FalseAlarms(o, a, faults);
   json collateral = Collateral(o, j, faults);
 
   // 4. The fault-free reference.
-  std::string reference = o.reference_checksum;
-  int reference_rc = -1;
-  if (reference.empty()) {
+  v.reference = o.reference_checksum;
+  if (v.reference.empty()) {
     fmt::print("reference: the same {} steps without faults\n", steps);
-    reference_rc = RunCommand(job_argv("reference", 0, "none", steps), o.out + "/reference.log");
+    v.reference_rc = RunCommand(job_argv("reference", 0, "none", steps), o.out + "/reference.log");
     auto ref = ReadJournalSummary(o.out + "/reference.jsonl");
-    if (ref.ok()) reference = ref->checksum;
-    fmt::print("reference: exit {}, checksum {}\n", reference_rc,
-               reference.empty() ? "none" : reference);
+    if (ref.ok()) v.reference = ref->checksum;
+    fmt::print("reference: exit {}, checksum {}\n", v.reference_rc,
+               v.reference.empty() ? "none" : v.reference);
   }
 
   // 5. Report.
-  std::vector<double> downtime, from_fault;
-  // kind → planned/happened/skipped/survived
-  std::map<std::string, std::map<std::string, int>> by_kind;
-  json faults_j = json::array();
-  for (const Fault& f : faults) {
-    auto& k = by_kind[f.kind];
-    k["planned"]++;
-    if (Happened(f))
-      k["happened"]++;
-    else
-      k["skipped"]++;
-    if (f.survived) k["survived"]++;
-    if (f.downtime_ms >= 0) downtime.push_back(f.downtime_ms);
-    if (f.downtime_from_fault_ms >= 0) from_fault.push_back(f.downtime_from_fault_ms);
-    auto opt = [](double v) { return v >= 0 ? json(v) : json(nullptr); };
-    faults_j.push_back({{"index", f.index},
-                        {"kind", f.kind},
-                        {"planned_at_s", f.at_s},
-                        {"rank", f.rank},
-                        {"step", f.step >= 0 ? json(f.step) : json(nullptr)},
-                        {"spec", f.spec},
-                        {"status", f.status},
-                        {"at_s", opt(f.t)},
-                        {"postponed_s", f.postponed_s},
-                        {"worker_id", f.worker_id},
-                        {"pid", f.pid},
-                        {"detected_as", f.detected_as},
-                        {"recovery", f.recovery},
-                        {"final_recovery", f.final_recovery},
-                        {"outcome", f.outcome},
-                        {"survived", f.survived},
-                        {"downtime_ms", opt(f.downtime_ms)},
-                        {"downtime_from_fault_ms", opt(f.downtime_from_fault_ms)}});
-  }
-  int happened = 0, survived = 0;
-  for (const Fault& f : faults) {
-    happened += Happened(f) ? 1 : 0;
-    survived += f.survived ? 1 : 0;
-  }
-  const int64_t missing = rc == 0 ? std::max<int64_t>(0, steps - j.distinct) : 0;
-  const bool same = !reference.empty() && reference == j.checksum && j.checksums_agree;
-  const bool pass = rc == 0 && a.lost_steps == 0 && missing == 0 && same;
-
-  fmt::print("\nsoak: {} workers + {} spares, {} steps, seed {}, a normal step {:.3f} s\n\n",
-             o.nproc, o.spares, steps, o.seed, normal_step_s);
-  fmt::print("{:<28} {} (job {}, start to job_end)\n", "duration", MinSec(soak_wall),
-             MinSec(j.wall));
-  fmt::print("{:<28} {}\n", "nonstop run exit code", rc);
-  fmt::print("{:<28} {:<20} {:>8} {:>8} {:>8} {:>8}\n", "faults", "kind", "planned", "sent",
-             "skipped", "survived");
-  for (const auto& kind : kAllKinds) {
-    if (!by_kind.count(kind)) continue;
-    auto& k = by_kind[kind];
-    fmt::print("{:<28} {:<20} {:>8} {:>8} {:>8} {:>8}\n", "", KindLabel(kind), k["planned"],
-               k["happened"], k["skipped"], k["survived"]);
-  }
-  fmt::print("{:<28} {:<20} {:>8} {:>8} {:>8} {:>8}\n", "", "all", faults.size(), happened,
-             static_cast<int>(faults.size()) - happened, survived);
-  fmt::print("{:<28} {:<30} {:>9} {:>10} {:>7} {:>6}\n", "recoveries (journal)", "cause",
-             "completed", "superseded", "failed", "open");
-  for (auto& [cause, outcomes] : a.by_cause) {
-    fmt::print("{:<28} {:<30} {:>9} {:>10} {:>7} {:>6}\n", "", cause, outcomes["completed"],
-               outcomes["superseded"], outcomes["failed"], outcomes["open"]);
-  }
-  json downtime_stats = Stats(downtime), from_fault_stats = Stats(from_fault);
-  fmt::print("{:<28} {:<30} {:>8} {:>8} {:>8}\n", "downtime per fault (ms)", "", "median", "p95",
-             "max");
-  fmt::print("{:<28} {:<30} {}\n", "", "journal downtime_ms", StatsText(downtime_stats));
-  fmt::print("{:<28} {:<30} {}\n", "", "from the fault (soak clock)", StatsText(from_fault_stats));
-  fmt::print(
-      "{:<28} {} (recovery_end lost_steps); {} of {} steps completed, {} missing, {} redone\n",
-      "completed steps lost", a.lost_steps, j.distinct, steps, missing, j.redone);
-  fmt::print(
-      "{:<28} {} used, {} refilled; the world shrank {} time(s) for want of a spare, {} "
-      "resize(s)\n",
-      "spares", a.used_spares.size(), a.spares_refilled, a.shrinks, a.resizes);
-  fmt::print("{:<28} {}{}\n", "false alarms", alarms.size(),
-             alarms.empty() ? "" : ": " + alarms.dump());
-  fmt::print("{:<28} {}", "collateral member losses", collateral.size());
-  for (const auto& c : collateral) {
-    fmt::print("; {:.0f} s rank {} (worker {}): {}", c["at_s"].get<double>(), c["rank"].get<int>(),
-               c["worker_id"].get<int>(), c["kind"].get<std::string>());
-  }
-  fmt::print("\n");
-  fmt::print("{:<28} {} (last plan); spare pool {} (last /status)\n", "final world size",
-             a.final_world, last_status.value("spares", -1));
-  fmt::print("{:<28} {} vs fault-free {}: {}\n", "final checksum",
-             j.checksum.empty() ? "none" : j.checksum, reference.empty() ? "none" : reference,
-             same ? "identical" : (j.checksums_agree ? "DIFFERENT" : "members disagree"));
-  fmt::print("{:<28} {}\n", "verdict", pass ? "PASS" : "FAIL");
-
-  json by_kind_j = json::object();
-  for (auto& [kind, counts] : by_kind) by_kind_j[kind] = counts;
-  json by_cause_j = json::object();
-  for (auto& [cause, outcomes] : a.by_cause) by_cause_j[cause] = outcomes;
-  json doc = {{"benchmark", "soak"},
-              {"nproc", o.nproc},
-              {"spares", o.spares},
-              {"seed", o.seed},
-              {"minutes", o.minutes},
-              {"min_gap_s", o.min_gap},
-              {"max_gap_s", o.max_gap},
-              {"quiet_start_s", o.quiet_start},
-              {"quiet_end_s", o.quiet_end},
-              {"kinds", o.kinds},
-              {"steps", steps},
-              {"program", program},
-              {"calibration", calibration},
-              {"duration_s", soak_wall},
-              {"job_wall_s", j.wall},
-              {"normal_step_s", normal_step_s},
-              {"exit_code", rc},
-              {"faults_by_kind", by_kind_j},
-              {"faults_happened", happened},
-              {"faults_survived", survived},
-              {"recoveries_by_cause", by_cause_j},
-              {"recoveries", j.recoveries},
-              {"resizes", a.resizes},
-              {"shrinks", a.shrinks},
-              {"downtime_ms", downtime_stats},
-              {"downtime_from_fault_ms", from_fault_stats},
-              {"lost_steps", a.lost_steps},
-              {"steps_completed", j.distinct},
-              {"steps_missing", missing},
-              {"steps_redone", j.redone},
-              {"spares_used", a.used_spares.size()},
-              {"spares_refilled", a.spares_refilled},
-              {"false_alarms", alarms},
-              {"collateral", collateral},
-              {"final_world_size", a.final_world},
-              {"final_spares", last_status.value("spares", -1)},
-              {"checksum", j.checksum},
-              {"members_agree", j.checksums_agree},
-              {"reference_checksum", reference},
-              {"reference_exit_code", reference_rc},
-              {"checksums_equal", same},
-              {"pass", pass},
-              {"faults", faults_j}};
-  std::ofstream(o.out + "/results.json") << doc.dump(2) << "\n";
+  const Tally t = Count(faults);
+  v.missing = v.rc == 0 ? std::max<int64_t>(0, steps - j.distinct) : 0;
+  v.same = !v.reference.empty() && v.reference == j.checksum && j.checksums_agree;
+  v.pass = v.rc == 0 && a.lost_steps == 0 && v.missing == 0 && v.same;
+  PrintReport(o, j, a, faults, t, alarms, collateral, last_status, v);
+  std::ofstream(o.out + "/results.json")
+      << ResultsJson(o, program, cal->doc, j, a, faults, t, alarms, collateral, last_status, v)
+             .dump(2)
+      << "\n";
   fmt::print("wrote {0}/results.json (journals and logs beside it)\n", o.out);
-  return pass ? 0 : 1;
+  return v.pass ? 0 : 1;
 }
 
 }  // namespace

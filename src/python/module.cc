@@ -470,23 +470,8 @@ py::dict ChangeDict(const MembershipChange& c) {
   return d;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_core, m) {
-  m.doc() = "nonstop's native half; use the `nonstop` package, not this module";
-  const char* worker_id = std::getenv(settings::kWorkerId.env.data());
-  SetLogRole(fmt::format("worker {}", worker_id != nullptr ? worker_id : "?"));
-  g_aborted = PyErr_NewExceptionWithDoc(
-      "nonstop.Aborted",
-      "A member failed or the membership changes: the step in flight is lost. Call "
-      "session.recover() and carry "
-      "on from the step it returns.",
-      // not RuntimeError: a broad `except RuntimeError` (out of memory) must not swallow it
-      PyExc_Exception, nullptr);
-  g_cancelled = PyErr_NewException("nonstop._core.Cancelled", PyExc_RuntimeError, nullptr);
-  m.attr("Aborted") = py::handle(g_aborted);
-  m.attr("Cancelled") = py::handle(g_cancelled);
-
+// The module-level functions: the batch and learning-rate policy, the devices, the CRC.
+void BindFunctions(py::module_& m) {
   // The batch and learning-rate policy of nonstop-train (nonstop/elastic.h), for
   // nonstop.data.DataLoader.
   m.def("global_batch",
@@ -519,7 +504,10 @@ PYBIND11_MODULE(_core, m) {
   m.def("crc32c", [](uintptr_t address, size_t nbytes) {
     return fmt::format("{:08x}", Crc32c(reinterpret_cast<const void*>(address), nbytes));
   });
+}
 
+// Session: the native half of nonstop.Session.
+void BindSession(py::module_& m) {
   py::class_<PySession>(m, "Session")
       .def_static("join", &PySession::Join, py::arg("regions"), py::arg("state_step") = -1,
                   py::arg("resume_from") = "", py::arg("shard_group") = 0,
@@ -622,7 +610,10 @@ PYBIND11_MODULE(_core, m) {
       .def("last_change", [](PySession& p) { return ChangeDict(p.s().last_change()); })
       .def_property_readonly("shutdown_exit_code",
                              [](PySession& p) { return p.s().shutdown_exit_code(); });
+}
 
+// The salvaged steps' planners: TreeStep (world-invariant) and RingStep (the ring).
+void BindSteps(py::module_& m) {
   py::class_<PyTreeStep>(m, "TreeStep")
       .def(py::init<PySession*, int, size_t, bool>(), py::arg("session"), py::arg("micro_batches"),
            py::arg("elements"), py::arg("salvage"), py::keep_alive<1, 2>())
@@ -639,7 +630,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kept_micro_batches", &PyRingStep::kept_micro_batches)
       .def_property_readonly("kept_by", &PyRingStep::kept_by)
       .def_property_readonly("computing", &PyRingStep::computing);
+}
 
+// Dataset, Sampler and the data preparation, for nonstop.data.
+void BindData(py::module_& m) {
   py::class_<data::Dataset>(m, "Dataset")
       .def_static("open",
                   [](const std::string& pattern, size_t seq_len) {
@@ -707,6 +701,29 @@ PYBIND11_MODULE(_core, m) {
         return *done;
       },
       py::arg("inputs"), py::arg("output_dir"), py::arg("strip_fortune_separators") = false);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "nonstop's native half; use the `nonstop` package, not this module";
+  const char* worker_id = std::getenv(settings::kWorkerId.env.data());
+  SetLogRole(fmt::format("worker {}", worker_id != nullptr ? worker_id : "?"));
+  g_aborted = PyErr_NewExceptionWithDoc(
+      "nonstop.Aborted",
+      "A member failed or the membership changes: the step in flight is lost. Call "
+      "session.recover() and carry "
+      "on from the step it returns.",
+      // not RuntimeError: a broad `except RuntimeError` (out of memory) must not swallow it
+      PyExc_Exception, nullptr);
+  g_cancelled = PyErr_NewException("nonstop._core.Cancelled", PyExc_RuntimeError, nullptr);
+  m.attr("Aborted") = py::handle(g_aborted);
+  m.attr("Cancelled") = py::handle(g_cancelled);
+
+  BindFunctions(m);
+  BindSession(m);
+  BindSteps(m);
+  BindData(m);
 }
 
 }  // namespace nonstop::python
