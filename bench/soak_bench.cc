@@ -376,7 +376,8 @@ Analysis Analyze(const SoakOptions& o, const JournalSummary& j) {
     double t = r.value("t", 0.0);
     if (ev == "spawn") {
       a.pid_of_worker[r.value("worker_id", -1)] = r.value("pid", -1);
-    } else if (ev == "join" && r.value("spare", false)) {  // a worker says at its join it is a spare
+    } else if (ev == "join" &&
+               r.value("spare", false)) {  // a worker says at its join it is a spare
       int id = r.value("worker_id", -1);
       if (a.spare_ids.insert(id).second && id >= o.nproc + o.spares) ++a.spares_refilled;
     } else if (ev == "plan") {
@@ -486,8 +487,13 @@ void Attribute(const SoakOptions& o, const JournalSummary& j, const Analysis& a,
         rec == a.recovery_by_id.end() ? "open at the end" : rec->second.value("outcome", "");
     f.survived = f.outcome == "completed";
     if (f.survived) {
-      if (rec->second.value("time_lost_ms", json()).is_number())
-        f.time_lost_ms = rec->second["time_lost_ms"].get<double>();
+      const json& lost = rec->second.value("time_lost", json());
+      if (lost.is_object() && lost["ms"].is_number()) {
+        // Null normal_steps: the fault came before the job had a normal step, so the job counted
+        // the whole step across it; set it against the soak's median step, as the job's end does.
+        const bool whole = lost["normal_steps"].is_null();
+        f.time_lost_ms = lost["ms"].get<double>() - (whole ? normal_step_s * 1000 : 0);
+      }
       if (rec->second.contains("downtime_ms"))
         f.downtime_ms = rec->second["downtime_ms"].get<double>();
       f.downtime_from_fault_ms =

@@ -762,6 +762,15 @@ void Controller::End(int exit_code, const std::string& reason, std::vector<Actio
     membership_.killed_before_join().insert(id);
     out->push_back(KillWorker{id});
   }
+  // A fault before the job had a normal step is set against its median step now, the best
+  // estimate of what the step across it would have taken (its recovery_end said "unknown").
+  if (!step_times_.empty()) {
+    for (RecoveryRecord& r : recoveries_) {
+      if (r.normal_step_seconds > 0) continue;
+      r.normal_step_seconds = step_times_.MedianSeconds();
+      r.normal_step_from_the_end = true;
+    }
+  }
   for (std::string& line : ReportLines(recoveries_)) out->push_back(PrintLine{std::move(line)});
   out->push_back(EndJob{exit_code, reason});
 }

@@ -251,6 +251,46 @@ TEST_F(ControllerTest, TimeLostRunsFromTheStepBeforeTheFaultToTheResumedStepLess
   EXPECT_NEAR(rec["time_lost"]["split_ms"]["redone_steps"].get<double>(), 0, 1e-6);
 }
 
+// A fault in the job's second step comes before any normal step (the first builds the model): its
+// recovery_end counts the whole step across it and says so (normal_steps null), and the report at
+// the job's end sets it against the job's median step by then, saying where that came from.
+TEST_F(ControllerTest, AFaultBeforeAnyNormalStepIsSetAgainstTheJobsMedianStepAtItsEnd) {
+  StartJob();
+  now_ += Millis(500);  // the first step builds the model
+  for (int id : {0, 1, 2}) Step(id, 0);
+  now_ += Millis(40);  // 40 ms into step 1
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
+  now_ += Millis(10);
+  Ready(0, 0);
+  ASSERT_EQ(Find<SendPlan>(Ready(1, 0)).size(), 3u);
+  now_ += Millis(130);
+  Step(0, 1);
+  Step(1, 1);
+  nlohmann::json rec;
+  for (const auto& j : Find<AppendJournal>(Do(ProgressReceived{3, {1, 2.0, 0.13, 100, 3}})))
+    if (j.record.value("event", "") == "recovery_end") rec = j.record["recovery"];
+  ASSERT_TRUE(rec.is_object()) << "the recovery closed when the spare completed step 1";
+  EXPECT_NEAR(rec["time_lost_ms"].get<double>(), 180, 1e-6) << "the whole step: " << rec.dump(2);
+  EXPECT_TRUE(rec["time_lost"]["normal_steps"].is_null()) << rec.dump(2);
+  for (int64_t s = 2; s <= 6; ++s) {
+    now_ += Millis(100);
+    for (int id : {0, 1, 3}) Step(id, s);  // each reports 0.1 s
+  }
+  std::vector<Action> all;
+  for (int id : {0, 1, 3}) {
+    auto a = Do(FinishedReceived{id, {6, "abcd"}});
+    all.insert(all.end(), a.begin(), a.end());
+  }
+  ASSERT_FALSE(Find<EndJob>(all).empty());
+  std::string report;
+  for (const auto& p : Find<PrintLine>(all)) report += p.line + "\n";
+  // 180 ms less the median of steps 2-6 (100 ms): 80 ms, 0.80 of a normal step.
+  EXPECT_NE(report.find("time lost 80 ms, 0.80 of a normal step (100 ms, the job's median at its "
+                        "end: no step had completed before the fault)"),
+            std::string::npos)
+      << report;
+}
+
 // A member lost while the spare started with the job is still warming up: the recovery waits for
 // it (bounded) instead of shrinking now and growing again when it joins (a second
 // reconfiguration, and other bits in the ring mode).

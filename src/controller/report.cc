@@ -84,6 +84,7 @@ json RecordJson(const RecoveryRecord& r) {
               {"plan_published", since(r.plan_at)},
               {"state_ready", since(r.state_ready_at)},
               {"first_step_completed", since(r.first_step_at)}}}};
+  if (r.normal_step_from_the_end) j["normal_step_from_the_end"] = true;
   j["time_lost"] = TimeLostJson(r);
   if (!j["time_lost"].is_null()) j["time_lost_ms"] = j["time_lost"]["ms"];
   if (r.first_step_at && r.kind == "resize" && r.aborted_at) {
@@ -113,8 +114,14 @@ std::string TimeLostLine(const RecoveryRecord& r, const json& t) {
   auto ms = [&](const char* k) { return s[k].get<double>(); };
   std::string line = fmt::format("time lost {:.0f} ms", t["ms"].get<double>());
   if (!t["normal_steps"].is_null()) {
-    line += fmt::format(", {:.2f} of a normal step ({:.0f} ms)", t["normal_steps"].get<double>(),
-                        r.normal_step_seconds * 1000);
+    line +=
+        fmt::format(", {:.2f} of a normal step ({:.0f} ms{})", t["normal_steps"].get<double>(),
+                    r.normal_step_seconds * 1000,
+                    r.normal_step_from_the_end
+                        ? ", the job's median at its end: no step had completed before the fault"
+                        : "");
+  } else {
+    line += " (the whole step across the fault: no normal step was known yet)";
   }
   line += fmt::format(
       ": the step in flight had run {:.0f} ms, detection {:.0f}, abort {:.0f}, plan {:.0f}, state "
