@@ -145,10 +145,11 @@ json PrintRuns(const std::vector<RunResult*>& all, const RunResult& clean, doubl
 json Summarize(const RunResult& cpl, const RunResult& cpr, const RunResult* whole, double normal,
                double mtbf, const std::string& out) {
   json summary = {{"normal_step_s", normal}, {"mtbf_s", mtbf}};
+  fmt::print("\n");
   double lost = MeanOfMeasured(cpl.time_lost), lost_cpr = MeanOfMeasured(cpr.time_lost);
   if (lost >= 0 && lost_cpr > 0) {
     fmt::print(
-        "\ntime lost per fault: checkpointless {:.0f} ms ({:.2f} of a step) vs checkpoint-restart "
+        "time lost per fault: checkpointless {:.0f} ms ({:.2f} of a step) vs checkpoint-restart "
         "{:.0f} ms ({:.2f}): ratio {:.4f}\n",
         lost * 1000, lost / normal, lost_cpr * 1000, lost_cpr / normal, lost / lost_cpr);
     summary["time_lost_ratio_checkpointless_over_checkpoint"] = lost / lost_cpr;
@@ -157,7 +158,8 @@ json Summarize(const RunResult& cpl, const RunResult& cpr, const RunResult* whol
   if (a >= 0 && b > 0) {
     fmt::print(
         "downtime per fault (from the fault to the first step done, less a normal step): "
-        "checkpointless {:.0f} ms vs checkpoint-restart {:.0f} ms: ratio {:.4f}, {:.1f}% less\n",
+        "checkpointless {:.0f} ms vs checkpoint-restart {:.0f} ms: ratio {:.4f}, {:.1f}% less "
+        "downtime\n",
         a * 1000, b * 1000, a / b, 100 * (1 - a / b));
     summary["downtime_ratio_checkpointless_over_checkpoint"] = a / b;
     summary["downtime_reduction_percent"] = 100 * (1 - a / b);

@@ -112,8 +112,8 @@ struct Fault {
   int final_recovery = -1;  // the end of its chain of superseding recoveries
   std::string outcome;
   bool survived = false;
-  double time_lost_ms = -1;  // the final recovery's time lost (journal: the job's own figure)
-  double downtime_ms = -1;   // the final recovery's downtime_ms (journal)
+  std::optional<double> time_lost_ms;  // the final recovery's (journal: the job's own figure)
+  double downtime_ms = -1;             // the final recovery's downtime_ms (journal)
   // from the fault to the resumed step's completion, less a normal step
   double downtime_from_fault_ms = -1;
 };
@@ -398,7 +398,9 @@ Analysis Analyze(const SoakOptions& o, const JournalSummary& j) {
       else if (r["recovery"].value("outcome", "") == "completed" &&
                r["recovery"].value("new_world", 0) < r["recovery"].value("old_world", 0))
         ++a.shrinks;
-      a.by_cause[CauseOf(r["recovery"])][OutcomeClass(r["recovery"].value("outcome", ""))]++;
+      auto& outcomes = a.by_cause[CauseOf(r["recovery"])];
+      for (const char* c : {"completed", "superseded", "failed", "open"}) outcomes[c] += 0;
+      outcomes[OutcomeClass(r["recovery"].value("outcome", ""))]++;
     }
   }
   return a;
@@ -487,11 +489,11 @@ void Attribute(const SoakOptions& o, const JournalSummary& j, const Analysis& a,
         rec == a.recovery_by_id.end() ? "open at the end" : rec->second.value("outcome", "");
     f.survived = f.outcome == "completed";
     if (f.survived) {
-      const json& lost = rec->second.value("time_lost", json());
-      if (lost.is_object() && lost["ms"].is_number()) {
-        // Null normal_steps: the fault came before the job had a normal step, so the job counted
-        // the whole step across it; set it against the soak's median step, as the job's end does.
-        const bool whole = lost["normal_steps"].is_null();
+      const json lost = rec->second.value("time_lost", json());
+      if (lost.is_object() && lost.value("ms", json()).is_number()) {
+        // Null normal_steps: the job knew no normal step at the fault, so it counted the whole step
+        // across it; set it against the soak's median step, as the job's end does.
+        const bool whole = lost.value("normal_steps", json()).is_null();
         f.time_lost_ms = lost["ms"].get<double>() - (whole ? normal_step_s * 1000 : 0);
       }
       if (rec->second.contains("downtime_ms"))
@@ -739,7 +741,7 @@ json FaultJson(const Fault& f) {
           {"final_recovery", f.final_recovery},
           {"outcome", f.outcome},
           {"survived", f.survived},
-          {"time_lost_ms", opt(f.time_lost_ms)},
+          {"time_lost_ms", f.time_lost_ms ? json(*f.time_lost_ms) : json(nullptr)},
           {"downtime_ms", opt(f.downtime_ms)},
           {"downtime_from_fault_ms", opt(f.downtime_from_fault_ms)}};
 }
@@ -756,12 +758,13 @@ Tally Count(const std::vector<Fault>& faults) {
   std::vector<double> time_lost, downtime, from_fault;
   for (const Fault& f : faults) {
     auto& k = t.by_kind[f.kind];
+    for (const char* c : {"planned", "happened", "skipped", "survived"}) k[c] += 0;  // in the JSON
     k["planned"]++;
     k[Happened(f) ? "happened" : "skipped"]++;
     if (f.survived) k["survived"]++;
     t.happened += Happened(f) ? 1 : 0;
     t.survived += f.survived ? 1 : 0;
-    if (f.time_lost_ms >= 0) time_lost.push_back(f.time_lost_ms);
+    if (f.time_lost_ms) time_lost.push_back(*f.time_lost_ms);  // below zero too: salvage
     if (f.downtime_ms >= 0) downtime.push_back(f.downtime_ms);
     if (f.downtime_from_fault_ms >= 0) from_fault.push_back(f.downtime_from_fault_ms);
   }

@@ -89,7 +89,7 @@ if PYTHONPATH=build/python "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda
     { echo "check.sh: FAILED: the Python jobs' states differ"; exit 1; }
   # Sharded optimizer state (ZeRO-1) of a model on cuda:0, kept in host memory (docs/gpu.md): 4 workers
   # in groups of 2 and a spare, rank 1 killed; each shard's state against the job without a fault.
-  export PY_EXTRA="--shard-group 2"
+  export PY_EXTRA="--shard-group 2 --wait-for-joins 5"  # 4 workers and a spare: the last value wins
   sh_clean=$(pyjob py-shard-clean --nproc 4 --spares 1 --inject none) || exit 1
   sh_kill=$(pyjob py-shard-kill --nproc 4 --spares 1 --heartbeat-timeout-ms 1000 --inject kill:rank=1,step=20) ||
     exit 1

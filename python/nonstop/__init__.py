@@ -313,6 +313,7 @@ class Session:
                 # Sharded state lives in host memory (docs/gpu.md): the registered parameters are a
                 # host copy of the GPU's, which ShardedDataParallel copies up after each gather.
                 self._device_flat = flat
+                self._reserve(flat, "the model's parameters on their device")
                 flat = _device.host_copy(flat, "shard.params")
             self._params = flat[:sum(p.numel() for p in params)]
             self._reserve(flat, "the model's parameters")
@@ -492,8 +493,13 @@ class Session:
         import torch
 
         regions: List[_Region] = []
+        offset = 0
         for name, p in self._named:
-            regions.append(_region(name, p, "F32", list(p.shape)))
+            # A sharded model on a GPU: its registered parameters are the host copy (_flat_padded),
+            # which the checkpoint fills and the next gather copies up.
+            held = p if self._device_flat is None else self._flat_padded[offset:offset + p.numel()].view_as(p)
+            regions.append(_region(name, held, "F32", list(p.shape)))
+            offset += p.numel()
         opt = self._optimizer
         if opt is not None:
             prefix = _optimizer_prefix(opt)

@@ -6,7 +6,10 @@ torch's current stream on the tensor's device is synchronized first (the
 kernels that wrote the tensor are done), the tensor is copied down, the
 collective runs on the twin, and the result is copied back up. Registered
 state on a GPU is not staged here: it is registered as device memory
-(``device_index``), which the native half reads and writes through CUDA.
+(``device_index``), which the native half reads and writes through CUDA;
+but a sharded model's registered state is a host copy of its GPU parameters
+(``host_copy``, ``copy``: nonstop/sharded.py), as sharded state lives in host
+memory.
 
 ``_stage_cpu_tensors`` (tests only) stages CPU tensors too, through a host
 twin of their own, so the staging runs on a machine without a GPU.

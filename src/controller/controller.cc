@@ -762,11 +762,12 @@ void Controller::End(int exit_code, const std::string& reason, std::vector<Actio
     membership_.killed_before_join().insert(id);
     out->push_back(KillWorker{id});
   }
-  // A fault before the job had a normal step is set against its median step now, the best
-  // estimate of what the step across it would have taken (its recovery_end said "unknown").
+  // A fault before this controller knew a normal step (the job's second step, or soon after a
+  // takeover) is set against the job's median step now, the best estimate of what the step across
+  // it would have taken (its recovery_end counted the whole step). Not a resize: no fault.
   if (!step_times_.empty()) {
     for (RecoveryRecord& r : recoveries_) {
-      if (r.normal_step_seconds > 0) continue;
+      if (r.normal_step_seconds > 0 || r.kind == "resize") continue;
       r.normal_step_seconds = step_times_.MedianSeconds();
       r.normal_step_from_the_end = true;
     }

@@ -181,8 +181,9 @@ struct RecoveryRecord {
   uint64_t bytes_copied = 0;
   int sources = 0, refetched_chunks = 0, recovered_reports = 0;
   double normal_step_seconds = 0;
-  // normal_step_seconds is the job's median step at its end: no step had completed (bar the
-  // first, which builds the model) when the fault came, so there was none before it.
+  // normal_step_seconds is the job's median step at its end: the controller knew no step time
+  // when the fault came (the job's second step: the first builds the model; soon after a
+  // takeover).
   bool normal_step_from_the_end = false;
   std::string outcome = "in progress";  // "completed", "superseded by recovery N", "failed"
   bool restarted = false;               // every worker was restarted from a durable checkpoint

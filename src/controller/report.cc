@@ -114,12 +114,11 @@ std::string TimeLostLine(const RecoveryRecord& r, const json& t) {
   auto ms = [&](const char* k) { return s[k].get<double>(); };
   std::string line = fmt::format("time lost {:.0f} ms", t["ms"].get<double>());
   if (!t["normal_steps"].is_null()) {
-    line +=
-        fmt::format(", {:.2f} of a normal step ({:.0f} ms{})", t["normal_steps"].get<double>(),
-                    r.normal_step_seconds * 1000,
-                    r.normal_step_from_the_end
-                        ? ", the job's median at its end: no step had completed before the fault"
-                        : "");
+    line += fmt::format(", {:.2f} of a normal step ({:.0f} ms{})", t["normal_steps"].get<double>(),
+                        r.normal_step_seconds * 1000,
+                        r.normal_step_from_the_end
+                            ? ", the job's median at its end: no step time was known at the fault"
+                            : "");
   } else {
     line += " (the whole step across the fault: no normal step was known yet)";
   }

@@ -12,7 +12,9 @@ import struct
 import subprocess
 import sys
 
-from conftest import bin_dir, run_job
+import pytest
+
+from conftest import bin_dir, run_job, staged_env, staged_twins
 
 HERE = pathlib.Path(__file__).resolve().parent
 SCRIPT = HERE / "checkpoint_job.py"
@@ -59,23 +61,33 @@ def test_a_job_resumed_from_a_python_checkpoint_ends_where_the_uninterrupted_one
     assert missing.code == 0 and "first step 0" in missing.output, missing.output[-3000:]
 
 
-def test_sharded_optimizer_state_is_gathered_for_the_checkpoint_and_each_rank_resumes_its_shard(tmp_path):
+@pytest.mark.parametrize("staged", [False, True])
+def test_sharded_optimizer_state_is_gathered_for_the_checkpoint_and_each_rank_resumes_its_shard(tmp_path, staged):
+    # Staged: the path of a sharded model on a GPU (docs/gpu.md), taken by CPU tensors: the checkpoint
+    # is written from and loaded into the registered host copy of the parameters, which the first
+    # gather copies up to the model's (loading into the model's own would be overwritten by it).
     sharded = RUN_4
     args = ["--shard-group", "2"]
+    env = staged_env(tmp_path) if staged else None
     whole = run_job(tmp_path, "whole", sharded, ["--steps", "20", *args], script=SCRIPT)
     assert whole.code == 0, whole.output
     ckpt = tmp_path / "ckpt"
     first = run_job(tmp_path, "first", sharded, ["--steps", "12", "--save-at", "9", "--checkpoint-dir", str(ckpt),
-                                                 *args], script=SCRIPT)
+                                                 *args], script=SCRIPT, env=env)
     assert first.code == 0, first.output
     saved, = ckpt.glob("step-*")
     header = safetensors_header(saved)
     # The layout of an unsharded run: the moments whole, per parameter.
     assert header["adamw.exp_avg.0.weight"]["shape"] == [32, 8] and "optimizer.exp_avg" not in header, header
-    resumed = run_job(tmp_path, "resumed", sharded, ["--steps", "20", "--resume", str(ckpt), *args], script=SCRIPT)
+    resumed = run_job(tmp_path, "resumed", sharded, ["--steps", "20", "--resume", str(ckpt), *args], script=SCRIPT,
+                      env=env)
     assert resumed.code == 0, resumed.output
     assert "first step 10" in resumed.output, resumed.output[-3000:]
     assert final(resumed) == final(whole), "bitwise: every rank took its shard of the moments back"
+    if staged:
+        twins = staged_twins(resumed)
+        assert len(twins) == 4 and all(t.get("shard.params", 0) > 1 for t in twins.values()), resumed.output
+        return
     # The same layout: an unsharded job resumes from it too (another reduction: not the same bits).
     unsharded = run_job(tmp_path, "unsharded", sharded, ["--steps", "12", "--resume", str(ckpt)], script=SCRIPT)
     assert unsharded.code == 0 and "first step 10" in unsharded.output, unsharded.output[-3000:]
