@@ -25,6 +25,19 @@ def by_rank(job):
     return finals
 
 
+def assert_spare_took_rank_1_bitwise(job, clean):
+    """The spare took rank 1 and every rank ends on the fault-free run's parameters and shard of the
+    state, every loss the same."""
+    want = by_rank(clean)
+    finals = by_rank(job)
+    assert finals["1"]["worker"] == "4", "the spare took rank 1\n" + job.output
+    for rank in "0123":
+        assert finals[rank]["params"] == want[rank]["params"], job.output
+        assert finals[rank]["state"] == want[rank]["state"], f"rank {rank}'s shard of the state\n{job.output}"
+    assert job.losses() == clean.losses(), "every loss bitwise the same"
+    return finals
+
+
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clean")
@@ -44,15 +57,9 @@ def test_each_rank_holds_its_shard_of_the_optimizer_state(clean):
 
 
 def test_a_kill_with_a_spare_ends_bitwise_equal(clean, tmp_path):
-    want = by_rank(clean)
     job = run_job(tmp_path, "kill", FOUR + ["--spares", "1", "--inject", "kill:rank=1,step=20"],
                   SHARDED + ["--wait-for-joins", "5", "--journal", str(tmp_path / "kill.jsonl")])
-    finals = by_rank(job)
-    assert finals["1"]["worker"] == "4", "the spare took rank 1\n" + job.output
-    for rank in "0123":
-        assert finals[rank]["params"] == want[rank]["params"], job.output
-        assert finals[rank]["state"] == want[rank]["state"], f"rank {rank}'s shard of the state\n{job.output}"
-    assert job.losses() == clean.losses(), "every loss bitwise the same"
+    assert_spare_took_rank_1_bitwise(job, clean)
     recovered = [e["recovery"] for e in job.events("recovery_end")]
     assert recovered and recovered[0]["bytes_copied"] > 0, "the spare copied its shard from its peers"
 
@@ -81,15 +88,9 @@ def test_a_model_on_a_gpu_keeps_its_shards_in_host_memory_and_ends_bitwise_throu
     # in host memory; each reduce() copies the gradients down and each gather copies the parameters up.
     # A copy left out or made at the wrong moment (the parameters before the gather) moves the bits;
     # the spare copies its shard into host memory and its model's parameters are the gathered ones.
-    want = by_rank(clean)
     job = run_job(tmp_path, "staged", FOUR + ["--spares", "1", "--inject", "kill:rank=1,step=20,at=0.5"],
                   SHARDED + ["--wait-for-joins", "5"], env=staged_env(tmp_path))
-    finals = by_rank(job)
-    assert finals["1"]["worker"] == "4", "the spare took rank 1\n" + job.output
-    for rank in "0123":
-        assert finals[rank]["params"] == want[rank]["params"], job.output
-        assert finals[rank]["state"] == want[rank]["state"], f"rank {rank}'s shard of the state\n{job.output}"
-    assert job.losses() == clean.losses(), "every loss bitwise the same"
+    finals = assert_spare_took_rank_1_bitwise(job, clean)
     twins = staged_twins(job)
     for rank, f in finals.items():
         copies = twins.get(f["pid"], {})
