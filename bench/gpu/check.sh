@@ -4,7 +4,9 @@
 # spare sharing the GPU with their state on it, a rank killed, against the
 # checksum of the same job with its state in host memory; the NCCL job where
 # there are two GPUs or more; the staged all-reduce's bandwidth; and the
-# world-invariant sums on the GPU against another world's in host memory.
+# world-invariant sums on the GPU against another world's in host memory; the
+# Python jobs on CUDA tensors (a torch with CUDA); and, on the machine's many
+# cores, the state copy against raw TCP.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 nvidia-smi -L || { echo "check.sh: no GPU here (nvidia-smi -L failed): nothing to check"; exit 2; }
