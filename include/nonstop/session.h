@@ -142,6 +142,11 @@ struct SessionOptions {
   // its buffers are staged through host memory over the TCP collectives. Null:
   // host memory only. State on it is registered with RegisterOnDevice.
   std::shared_ptr<const state::DeviceMemory> device;
+  // More devices for Join to health-check (DeviceMemory::Check), beside `device` and those of the
+  // registered state: memory the program computes in without registering it (a sharded model's
+  // parameters on a GPU, whose registered state is a host copy of them: docs/gpu.md). A worker
+  // whose device fails does not join, so a spare with a broken GPU is never promoted.
+  std::vector<std::shared_ptr<const state::DeviceMemory>> checked_devices;
   // The data plane that moves the device's memory, made from the TCP one and the process's abort
   // signal, for the device `device` names (its index()): gpu::NcclDataPlaneMaker sums it with
   // NCCL (src/gpu/nccl_data_plane.h), gpu::StagedDataPlaneMaker stages it with CUDA streams;

@@ -358,9 +358,18 @@ class Session:
             self._core = _core.Session.join(regions, resume_from=os.fspath(resume_from) if resume_from else "",
                                             shard_group=self._shard_group, checkpoint=layout,
                                             required=self._required_in_checkpoints() if resume_from else [],
-                                            on_loaded=self._on_checkpoint_loaded)
+                                            on_loaded=self._on_checkpoint_loaded,
+                                            cuda_devices=self._unregistered_cuda_devices())
         except _core.Cancelled as e:
             raise Released(str(e)) from None
+
+    def _unregistered_cuda_devices(self) -> List[int]:
+        """The GPUs the program computes on whose memory is not registered (a sharded model's,
+        whose registered parameters are a host copy): the join health-checks them, as it does the
+        devices of registered state, so a spare with a broken GPU never joins."""
+        if self._device_flat is None or self._device_flat.device.type != "cuda":
+            return []
+        return [_device.device_index(self._device_flat, "the model's parameters")]
 
     def _check_registered_memory(self) -> None:
         """The registered state must still be what training uses: a tensor

@@ -108,16 +108,18 @@ std::shared_ptr<const state::DeviceMemory> CudaDevice(int index) {
     Result<std::shared_ptr<const state::DeviceMemory>> made = CudaDeviceMemory(index);
     if (!made.ok()) {
       throw std::runtime_error(
-          fmt::format("registering a tensor on cuda:{}: {}", index, made.status().ToString()));
+          fmt::format("cuda:{}, where a tensor given to nonstop lives, cannot be used: {}", index,
+                      made.status().ToString()));
     }
     device = *made;
   }
   return device;
 #else
-  throw py::value_error(fmt::format(
-      "a tensor on cuda:{} was registered, but this build of nonstop has no CUDA: build it where "
-      "CMake finds the CUDA toolkit (docs/gpu.md), or keep the state on the CPU",
-      index));
+  throw py::value_error(
+      fmt::format("a tensor on cuda:{} was given to nonstop, but this build of nonstop has no "
+                  "CUDA: build it where "
+                  "CMake finds the CUDA toolkit (docs/gpu.md), or keep the state on the CPU",
+                  index));
 #endif
 }
 
@@ -133,14 +135,19 @@ class PySession {
   // `required`: the layout's parameters and moments, which a checkpoint
   // nonstop-train wrote must have (LoadOptions); `on_loaded(info)` runs once
   // one was loaded, before joining (a joiner's state may then still come
-  // from its peers, over what it loaded).
+  // from its peers, over what it loaded). `cuda_devices`: GPUs the program computes
+  // on without registering their memory, health-checked at the join too
+  // (SessionOptions::checked_devices).
   static std::unique_ptr<PySession> Join(const std::vector<RegionSpec>& regions, int64_t state_step,
                                          const std::string& resume_from, int shard_group,
                                          const std::vector<RegionSpec>& checkpoint,
                                          const std::vector<std::string>& required,
-                                         const py::object& on_loaded) {
+                                         const py::object& on_loaded,
+                                         const std::vector<int>& cuda_devices) {
     auto self = std::unique_ptr<PySession>(new PySession());
     RegisterSpecs(self->state_, regions, shard_group);
+    std::vector<std::shared_ptr<const state::DeviceMemory>> checked;
+    for (int index : cuda_devices) checked.push_back(CudaDevice(index));
     if (!resume_from.empty()) {
       state::StateRegistry layout;
       RegisterSpecs(layout, checkpoint, 0);
@@ -165,6 +172,7 @@ class PySession {
     }
     Result<SessionOptions> options = SessionOptions::FromEnvironment();
     Check(options.status());
+    options->checked_devices = std::move(checked);
     Result<std::unique_ptr<Session>> session = InternalError("not joined");
     {
       py::gil_scoped_release release;
@@ -513,7 +521,7 @@ void BindSession(py::module_& m) {
                   py::arg("resume_from") = "", py::arg("shard_group") = 0,
                   py::arg("checkpoint") = std::vector<RegionSpec>{},
                   py::arg("required") = std::vector<std::string>{},
-                  py::arg("on_loaded") = py::none())
+                  py::arg("on_loaded") = py::none(), py::arg("cuda_devices") = std::vector<int>{})
       .def("save_checkpoint", &PySession::SaveCheckpoint, py::arg("dir"), py::arg("keep"),
            py::arg("step"), py::arg("checksum"), py::arg("layout"))
       .def_property_readonly("resumed", &PySession::resumed)

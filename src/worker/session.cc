@@ -1179,12 +1179,13 @@ Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::St
   // Every device of the state and the sums, checked before it is trusted with state (a spare's, a
   // member's): issue 30, docs/gpu.md.
   std::vector<const state::DeviceMemory*> devices;
-  if (options.device != nullptr) devices.push_back(options.device.get());
-  for (const state::Region& r : state->regions()) {
-    if (r.device != nullptr &&
-        std::find(devices.begin(), devices.end(), r.device.get()) == devices.end())
-      devices.push_back(r.device.get());
-  }
+  auto add = [&](const state::DeviceMemory* d) {
+    if (d != nullptr && std::find(devices.begin(), devices.end(), d) == devices.end())
+      devices.push_back(d);
+  };
+  add(options.device.get());
+  for (const auto& d : options.checked_devices) add(d.get());
+  for (const state::Region& r : state->regions()) add(r.device.get());
   for (const state::DeviceMemory* device : devices) {
     if (Status s = device->Check(); !s.ok()) {
       return FailedPreconditionError(

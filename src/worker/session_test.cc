@@ -649,17 +649,19 @@ TEST(SessionJoinTest, AWorkerWhoseDeviceFailsItsHealthCheckDoesNotJoin) {
   ASSERT_TRUE(device->Check().ok());
   device->set_broken(true);
   EXPECT_FALSE(device->Check().ok());
-  // the device of the sums, or of a state region only
-  for (bool of_state : {false, true}) {
+  // the device of the sums, of a state region only, or one the program only computes in
+  enum class Use { kSums, kState, kComputes };
+  for (Use use : {Use::kSums, Use::kState, Use::kComputes}) {
     state::StateRegistry state;
     std::span<std::byte> mem = device->Allocate(64);
-    if (of_state) ASSERT_TRUE(state.RegisterOnDevice("w", mem, device).ok());
+    if (use == Use::kState) ASSERT_TRUE(state.RegisterOnDevice("w", mem, device).ok());
     SessionOptions o;
     o.controller_address = "127.0.0.1:1";  // nobody: a join that dialed would fail otherwise
     o.job_token = "tok";
     o.worker_id = 3;
     o.join_timeout = Millis(500);  // without the check: fails fast, with another error
-    if (!of_state) o.device = device;
+    if (use == Use::kSums) o.device = device;
+    if (use == Use::kComputes) o.checked_devices.push_back(device);
     auto joined = Session::Join(o, &state);
     ASSERT_FALSE(joined.ok());
     EXPECT_EQ(joined.status().code(), StatusCode::kFailedPrecondition);

@@ -117,6 +117,17 @@ def test_a_region_on_a_gpu_that_is_not_there_is_refused_naming_it():
     with pytest.raises((RuntimeError, ValueError), match="cuda:0"):
         nonstop._core.Session.join([("params", t.data_ptr(), 16, "F32", [4], 0)])
 
+
+def test_a_gpu_the_program_computes_on_that_is_not_there_is_refused_naming_it():
+    # A sharded model's GPU holds no registered state (its registered parameters are a host copy),
+    # yet the join health-checks it: a worker, a spare above all, whose GPU cannot be used does not
+    # join. Without such a device (or CUDA in this build) the native half names the device.
+    if nonstop._core.cuda_devices() > 0:
+        pytest.skip("this machine has a CUDA device: it would pass the check")
+    with pytest.raises((RuntimeError, ValueError), match="cuda:0"):
+        nonstop._core.Session.join([], cuda_devices=[0])
+
+
 def test_an_optimizer_of_another_model_is_refused(env):
     session = nonstop.join()
     model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
@@ -178,7 +189,8 @@ class FakeCore:
         self.reports = []
 
     @staticmethod
-    def join(regions, state_step=-1, resume_from="", shard_group=0, checkpoint=(), required=(), on_loaded=None):
+    def join(regions, state_step=-1, resume_from="", shard_group=0, checkpoint=(), required=(), on_loaded=None,
+             cuda_devices=()):
         return FakeCore(regions)
 
     def report_step(self, *args):
