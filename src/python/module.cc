@@ -115,11 +115,11 @@ std::shared_ptr<const state::DeviceMemory> CudaDevice(int index) {
   }
   return device;
 #else
-  throw py::value_error(
-      fmt::format("a tensor on cuda:{} was given to nonstop, but this build of nonstop has no "
-                  "CUDA: build it where "
-                  "CMake finds the CUDA toolkit (docs/gpu.md), or keep the state on the CPU",
-                  index));
+  throw py::value_error(fmt::format(
+      "a tensor on cuda:{} was given to nonstop, but this build of nonstop has no "
+      "CUDA: build it where "
+      "CMake finds the CUDA toolkit (docs/gpu.md), or keep the model and its state on the CPU",
+      index));
 #endif
 }
 

@@ -6,6 +6,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -126,6 +127,24 @@ def test_a_gpu_the_program_computes_on_that_is_not_there_is_refused_naming_it():
         pytest.skip("this machine has a CUDA device: it would pass the check")
     with pytest.raises((RuntimeError, ValueError), match="cuda:0"):
         nonstop._core.Session.join([], cuda_devices=[0])
+
+
+def test_the_join_is_told_the_gpu_a_sharded_model_computes_on(fake_join, monkeypatch):
+    # A sharded model on a GPU registers a host copy of its parameters, so the join is told the GPU
+    # to health-check it (SessionOptions::checked_devices). No GPU here: a CPU model's join is told
+    # none, and the device of the model's buffer is then faked to see which one is named.
+    told = []
+
+    def join(regions, **kwargs):
+        told.append(kwargs.get("cuda_devices"))
+        return FakeCore(regions)
+
+    monkeypatch.setattr(FakeCore, "join", staticmethod(join))
+    model = torch.nn.Linear(4, 4)
+    session = nonstop.join().register(model, nonstop.torch.ShardedOptimizer(model, torch.optim.AdamW, 1))
+    assert told == [[]]
+    session._device_flat = types.SimpleNamespace(device=torch.device("cuda", 1))
+    assert session._unregistered_cuda_devices() == [1]
 
 
 def test_an_optimizer_of_another_model_is_refused(env):
