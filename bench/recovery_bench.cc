@@ -165,7 +165,7 @@ json Summarize(const RunResult& cpl, const RunResult& cpr, const RunResult* whol
     summary["downtime_reduction_percent"] = 100 * (1 - a / b);
   }
   if (whole == nullptr) return summary;
-  double kept = MeanOfMeasured(cpl.time_lost), again = MeanOfMeasured(whole->time_lost);
+  const double kept = lost, again = MeanOfMeasured(whole->time_lost);
   std::ifstream log(out + "/checkpointless.log");
   const bool salvaged =
       std::string(std::istreambuf_iterator<char>(log), {}).find("kept the sums of") !=

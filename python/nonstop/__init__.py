@@ -501,14 +501,15 @@ class Session:
         key, whole (gathered, or to be loaded into)."""
         import torch
 
+        from ._grads import flat_views
+
         regions: List[_Region] = []
-        offset = 0
-        for name, p in self._named:
-            # A sharded model on a GPU: its registered parameters are the host copy (_flat_padded),
-            # which the checkpoint fills and the next gather copies up.
-            held = p if self._device_flat is None else self._flat_padded[offset:offset + p.numel()].view_as(p)
-            regions.append(_region(name, held, "F32", list(p.shape)))
-            offset += p.numel()
+        params = [p for _, p in self._named]
+        # A sharded model on a GPU: its registered parameters are the host copy (_flat_padded),
+        # which the checkpoint fills and the next gather copies up.
+        held = params if self._device_flat is None else flat_views(self._flat_padded, params)
+        for (name, p), h in zip(self._named, held):
+            regions.append(_region(name, h, "F32", list(p.shape)))
         opt = self._optimizer
         if opt is not None:
             prefix = _optimizer_prefix(opt)

@@ -137,16 +137,16 @@ class ShardedDataParallel(torch.nn.Module):
         self._session = session
         self._optimizer = optimizer
         self._flat = session._flat_padded  # host memory: the registered parameters
-        self._grads = torch.zeros(optimizer.padded, dtype=torch.float32)  # host memory: reduced here
         # On a GPU (docs/gpu.md, "Sharded state on a GPU"): the model's parameters and gradients live
         # in buffers of their own there, the gradients copied down before each reduce() and the
         # gathered parameters copied up; None: the model's are _flat and _grads themselves.
         self._device_flat = session._device_flat
-        self._device_grads = None if self._device_flat is None else torch.zeros_like(self._device_flat)
-        if self._device_flat is not None and self._device_flat.device.type == "cuda":
-            self._grads = self._grads.pin_memory()
+        on_gpu = self._device_flat is not None and self._device_flat.device.type == "cuda"
+        self._grads = torch.zeros(optimizer.padded, dtype=torch.float32, pin_memory=on_gpu)  # reduced here
+        # The buffer the model's gradients are views of: _grads, or one beside the model's parameters.
+        self._model_grads = self._grads if self._device_flat is None else torch.zeros_like(self._device_flat)
         self._params = _parameters(module)
-        self._views = flat_views(self._grads if self._device_grads is None else self._device_grads, self._params)
+        self._views = flat_views(self._model_grads, self._params)
         self._stale = True  # the parameters must be gathered whole before the next forward
         session.on_membership_change(lambda _change: setattr(self, "_stale", True))
         session._before_finish.append(self.gather)
@@ -154,9 +154,7 @@ class ShardedDataParallel(torch.nn.Module):
         self.zero_grad()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        self._grads.zero_()
-        if self._device_grads is not None:
-            self._device_grads.zero_()
+        self._model_grads.zero_()  # _grads, when it is another buffer, is overwritten by reduce()
         point_grads(self._params, self._views)
 
     def gather(self) -> None:
@@ -180,8 +178,8 @@ class ShardedDataParallel(torch.nn.Module):
             self.gather()
         for p, view in zip(self._params, self._views):  # a .grad replaced (set_to_none): back into the buffer
             adopt_grad(p, view)
-        if self._device_grads is not None:
-            _device.copy(self._grads, self._device_grads, "shard.grads")
+        if self._model_grads is not self._grads:
+            _device.copy(self._grads, self._model_grads, "shard.grads")
         self._session._maybe_inject()
         self._session._core.reduce_shards(self._grads.data_ptr(), self._grads.numel())
 
