@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "common/crc32c.h"
 #include "controller/journal.h"
 #include "net/socket.h"
 
@@ -150,9 +152,8 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-// `streams` loopback connections, each carrying its 1/streams of `src` into the
-// same range of `dst`; the seconds from the first byte sent to the last received.
-double RawTcp(std::span<const std::byte> src, std::span<std::byte> dst, int streams) {
+double RawTcp(std::span<const std::byte> src, std::span<std::byte> dst, int streams,
+              size_t checked_piece) {
   auto l = net::Listen({"127.0.0.1", 0});
   NONSTOP_CHECK(l.ok()) << l.status().ToString();
   std::vector<UniqueFd> out, in;
@@ -167,24 +168,39 @@ double RawTcp(std::span<const std::byte> src, std::span<std::byte> dst, int stre
     in.push_back(std::move(*c));
   }
   const size_t per = (src.size() + static_cast<size_t>(streams) - 1) / static_cast<size_t>(streams);
+  // The pieces of [lo, lo + n): all of it at once unchecked.
+  auto pieces = [&](size_t lo, size_t n, auto&& each) {
+    const size_t step = checked_piece > 0 ? checked_piece : std::max<size_t>(n, 1);
+    for (size_t at = lo; at < lo + n; at += step) each(at, std::min(step, lo + n - at));
+  };
+  std::atomic<uint32_t> crcs{0};  // keeps the checksums from being optimized away
   std::vector<std::thread> threads;
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < streams; ++i) {
     const size_t lo = std::min(src.size(), per * static_cast<size_t>(i));
     const size_t n = std::min(per, src.size() - lo);
     threads.emplace_back([&, i, lo, n] {
-      NONSTOP_CHECK(net::SendAll(out[static_cast<size_t>(i)].get(), src.subspan(lo, n), kNoDeadline,
-                                 nullptr, "raw")
-                        .ok());
+      pieces(lo, n, [&](size_t at, size_t len) {
+        if (checked_piece > 0) crcs ^= Crc32c(src.data() + at, len);
+        NONSTOP_CHECK(net::SendAll(out[static_cast<size_t>(i)].get(), src.subspan(at, len),
+                                   kNoDeadline, nullptr, "raw")
+                          .ok());
+      });
     });
     threads.emplace_back([&, i, lo, n] {
-      NONSTOP_CHECK(net::RecvAll(in[static_cast<size_t>(i)].get(), dst.subspan(lo, n), kNoDeadline,
-                                 nullptr, "raw")
-                        .ok());
+      pieces(lo, n, [&](size_t at, size_t len) {
+        NONSTOP_CHECK(net::RecvAll(in[static_cast<size_t>(i)].get(), dst.subspan(at, len),
+                                   kNoDeadline, nullptr, "raw")
+                          .ok());
+        if (checked_piece > 0) crcs ^= Crc32c(dst.data() + at, len);
+      });
     });
   }
   for (auto& t : threads) t.join();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Every piece was checksummed once on each side: equal bytes cancel out.
+  NONSTOP_CHECK(checked_piece == 0 || crcs.load() == 0) << "raw TCP: a piece arrived changed";
+  return secs;
 }
 
 }  // namespace nonstop::bench

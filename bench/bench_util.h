@@ -82,7 +82,10 @@ double Median(std::vector<double> values);
 
 // `streams` loopback connections, each carrying its 1/streams of `src` into the same range of
 // `dst`; the seconds from the first byte sent to the last received (raw TCP: the ceiling the
-// benchmarks of copies over TCP are read against).
-double RawTcp(std::span<const std::byte> src, std::span<std::byte> dst, int streams);
+// benchmarks of copies over TCP are read against). With `checked_piece` > 0, each stream's bytes go
+// in pieces of that size, each CRC-32C'd by the sender just before it goes out and by the
+// receiver just after it has landed: the least CPU any checked copy of the bytes spends.
+double RawTcp(std::span<const std::byte> src, std::span<std::byte> dst, int streams,
+              size_t checked_piece = 0);
 
 }  // namespace nonstop::bench

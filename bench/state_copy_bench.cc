@@ -6,6 +6,9 @@
 //   raw 1     one loopback TCP connection: plain send(2)/recv(2) of the
 //             source's bytes straight into the receiver's buffer, no checks;
 //   raw N     the same bytes split over N connections at once (--streams);
+//   raw N+crc the same, each chunk-sized piece CRC-32C'd by its sender just
+//             before it goes out and by its receiver just after it lands: the
+//             least CPU a checked copy spends, with no protocol at all;
 //   copy 1·1  RunStateTransfers of a registered state of that size from one
 //             source over one stream, over TcpDataPlane communicators on
 //             loopback (the data plane a worker uses), every chunk CRC-32C checked;
@@ -13,11 +16,14 @@
 //             (one per 32 MiB asked of a source, at most 4: state_transfer.h);
 //   copy 3    the same from three sources (chunks striped over them).
 // Each is repeated --repeats times, interleaved, and the median is shown;
-// the ratios are copy 1·1 / raw 1, copy 1 / raw N, copy 3 / raw N, and the faster copy over
-// the faster raw figure of the same size, all measured seconds apart. Ranks are threads of this
-// process (as in state_transfer_test), the sockets real. Every copy is checked byte for byte
+// the ratios are copy 1·1 / raw 1, copy 1 / raw N, copy 3 / raw N, the faster copy over
+// the faster raw figure of the same size, and the faster copy over raw N+crc, all measured
+// seconds apart. A second table gives each one's CPU time per byte (the process's user and system
+// time: both ends): where the cores are few, that is what bounds the rates. Ranks are threads of
+// this process (as in state_transfer_test), the sockets real. Every copy is checked byte for byte
 // against the source after it is timed.
 #include <poll.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -113,11 +119,32 @@ std::pair<double, int> Copy(Ranks& ranks, std::vector<std::unique_ptr<state::Sta
   return {secs, took};
 }
 
+// What is measured for each size, in this order.
+enum Kind { kRaw1, kRawN, kRawNChecked, kCopy1One, kCopy1, kCopy3, kKinds };
+constexpr const char* kLabels[kKinds] = {"raw 1",       "raw N",     "raw N+crc",
+                                         "copy 1src·1", "copy 1src", "copy 3src"};
+constexpr const char* kKeys[kKinds] = {"raw_1_stream",          "raw_n_streams",
+                                       "raw_n_streams_checked", "copy_1_source_1_stream",
+                                       "copy_1_source",         "copy_3_sources"};
+
+struct Figure {
+  double bytes_per_s = 0;   // median
+  double cpu_ns_per_b = 0;  // median CPU time (user + system, both ends) per byte
+};
+
 struct Row {
   size_t bytes;
-  double raw1, rawn, copy1_one, copy1, copy3;  // bytes per second (medians)
-  int streams1 = 0;                            // the streams copy 1 took
+  Figure of[kKinds];
+  int streams1 = 0;  // the streams copy 1 took
 };
+
+// The CPU time this process has used so far, every thread's (both ends of every copy here).
+double CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * t.tv_usec; };
+  return secs(u.ru_utime) + secs(u.ru_stime);
+}
 
 Row MeasureSize(Ranks& ranks, size_t bytes, int streams, int repeats, size_t chunk_bytes) {
   // One source buffer behind every source's registry (they serve, never
@@ -132,27 +159,39 @@ Row MeasureSize(Ranks& ranks, size_t bytes, int streams, int repeats, size_t chu
     regs.push_back(std::make_unique<state::StateRegistry>(chunk_bytes));
     NONSTOP_CHECK(regs.back()->Register("state", r == 0 ? std::span(dst) : std::span(src)).ok());
   }
-  auto rate = [&](double secs) { return static_cast<double>(bytes) / secs; };
-  std::vector<double> raw1, rawn, copy1_one, copy1, copy3;
+  std::vector<double> rates[kKinds], cpus[kKinds];
   int streams1 = 0;
-  struct Kind {
-    int sources, streams;
-    std::vector<double>* out;
+  // One measurement of `kind`: its seconds on the clock.
+  auto run = [&](Kind kind) -> double {
+    switch (kind) {
+      case kRaw1:
+        return RawTcp(src, dst, 1);
+      case kRawN:
+        return RawTcp(src, dst, streams);
+      case kRawNChecked:
+        return RawTcp(src, dst, streams, chunk_bytes);
+      default:
+        break;
+    }
+    auto [secs, took] = Copy(ranks, regs, kind == kCopy3 ? kSources : 1, kind == kCopy1One ? 1 : 0);
+    if (kind == kCopy1) streams1 = took;
+    return secs;
   };
   for (int i = 0; i < repeats; ++i) {
-    raw1.push_back(rate(RawTcp(src, dst, 1)));
-    rawn.push_back(rate(RawTcp(src, dst, streams)));
-    for (Kind k : {Kind{1, 1, &copy1_one}, Kind{1, 0, &copy1}, Kind{kSources, 0, &copy3}}) {
-      std::memset(dst.data(), 0, dst.size());
-      auto [secs, took] = Copy(ranks, regs, k.sources, k.streams);
-      NONSTOP_CHECK(std::memcmp(dst.data(), src.data(), bytes) == 0)
-          << "the copy from " << k.sources << " source(s) differs from the source";
-      k.out->push_back(rate(secs));
-      if (k.out == &copy1) streams1 = took;
+    for (int k = 0; k < kKinds; ++k) {
+      const bool copy = k >= kCopy1One;
+      if (copy) std::memset(dst.data(), 0, dst.size());
+      const double cpu0 = CpuSeconds();
+      const double secs = run(static_cast<Kind>(k));
+      cpus[k].push_back((CpuSeconds() - cpu0) * 1e9 / static_cast<double>(bytes));
+      rates[k].push_back(static_cast<double>(bytes) / secs);
+      NONSTOP_CHECK(!copy || std::memcmp(dst.data(), src.data(), bytes) == 0)
+          << "the copy (" << kLabels[k] << ") differs from the source";
     }
   }
-  return {bytes,         Median(raw1),  Median(rawn), Median(copy1_one),
-          Median(copy1), Median(copy3), streams1};
+  Row row{bytes, {}, streams1};
+  for (int k = 0; k < kKinds; ++k) row.of[k] = {Median(rates[k]), Median(cpus[k])};
+  return row;
 }
 
 int Main(int argc, char** argv) {
@@ -178,41 +217,60 @@ int Main(int argc, char** argv) {
   fmt::print(
       "state copy vs raw loopback TCP (MB/s = 1e6 bytes/s, median of {}; chunks of {} KiB)\n",
       repeats, chunk_bytes >> 10);
-  fmt::print("{:>6} {:>9} {:>9} {:>10} {:>13} {:>10} {:>10} {:>10} {:>10} {:>10}\n", "MiB", "raw 1",
-             fmt::format("raw {}", streams), "copy 1src·1", "copy 1src (s)",
-             fmt::format("copy {}src", kSources), "1src·1/raw1", fmt::format("1src/raw{}", streams),
-             fmt::format("{}src/raw{}", kSources, streams), "best/best");
+  const std::string rawn = fmt::format("raw {}", streams);
+  fmt::print("{:>6} {:>8} {:>8} {:>9} {:>11} {:>13} {:>9} {:>11} {:>9} {:>9} {:>9} {:>11}\n", "MiB",
+             "raw 1", rawn, rawn + "+crc", "copy 1src·1", "copy 1src (s)",
+             fmt::format("copy {}src", kSources), "1src·1/raw1", "1src/" + rawn,
+             fmt::format("{}src/{}", kSources, rawn), "best/best", "best/+crc");
   nlohmann::json rows = nlohmann::json::array();
+  std::vector<Row> measured;
   for (size_t mb : sizes_mb) {
-    Row row = MeasureSize(ranks, mb << 20, streams, repeats, chunk_bytes);
-    const double raw = std::max(row.raw1, row.rawn);
-    const double copy = std::max({row.copy1_one, row.copy1, row.copy3});
+    const Row row = MeasureSize(ranks, mb << 20, streams, repeats, chunk_bytes);
+    auto rate = [&](Kind k) { return row.of[k].bytes_per_s; };
+    const double raw = std::max(rate(kRaw1), rate(kRawN));
+    const double copy = std::max({rate(kCopy1One), rate(kCopy1), rate(kCopy3)});
     fmt::print(
-        "{:>6} {:>9.0f} {:>9.0f} {:>10.0f} {:>9.0f} ({}) {:>10.0f} {:>9.0f}% {:>9.0f}% {:>9.0f}% "
-        "{:>9.0f}%\n",
-        mb, row.raw1 / 1e6, row.rawn / 1e6, row.copy1_one / 1e6, row.copy1 / 1e6, row.streams1,
-        row.copy3 / 1e6, 100 * row.copy1_one / row.raw1, 100 * row.copy1 / row.rawn,
-        100 * row.copy3 / row.rawn, 100 * copy / raw);
+        "{:>6} {:>8.0f} {:>8.0f} {:>9.0f} {:>11.0f} {:>9.0f} ({}) {:>9.0f} {:>10.0f}% {:>8.0f}% "
+        "{:>8.0f}% {:>8.0f}% {:>10.0f}%\n",
+        mb, rate(kRaw1) / 1e6, rate(kRawN) / 1e6, rate(kRawNChecked) / 1e6, rate(kCopy1One) / 1e6,
+        rate(kCopy1) / 1e6, row.streams1, rate(kCopy3) / 1e6, 100 * rate(kCopy1One) / rate(kRaw1),
+        100 * rate(kCopy1) / rate(kRawN), 100 * rate(kCopy3) / rate(kRawN), 100 * copy / raw,
+        100 * copy / rate(kRawNChecked));
     std::fflush(stdout);
+    measured.push_back(row);
+    nlohmann::json cpu;
+    for (int k = 0; k < kKinds; ++k) cpu[kKeys[k]] = row.of[k].cpu_ns_per_b;
     rows.push_back({{"bytes", row.bytes},
-                    {"raw_1_stream_bytes_per_s", row.raw1},
-                    {"raw_n_streams_bytes_per_s", row.rawn},
+                    {"raw_1_stream_bytes_per_s", rate(kRaw1)},
+                    {"raw_n_streams_bytes_per_s", rate(kRawN)},
+                    {"raw_n_streams_checked_bytes_per_s", rate(kRawNChecked)},
                     {"streams", streams},
-                    {"copy_1_source_1_stream_bytes_per_s", row.copy1_one},
-                    {"copy_1_source_bytes_per_s", row.copy1},
+                    {"copy_1_source_1_stream_bytes_per_s", rate(kCopy1One)},
+                    {"copy_1_source_bytes_per_s", rate(kCopy1)},
                     {"copy_1_source_streams", row.streams1},
-                    {"copy_3_sources_bytes_per_s", row.copy3},
-                    {"copy_1_source_1_stream_over_raw_1_stream", row.copy1_one / row.raw1},
-                    {"copy_1_source_over_raw_n_streams", row.copy1 / row.rawn},
-                    {"copy_3_sources_over_raw_n_streams", row.copy3 / row.rawn},
-                    {"best_copy_over_best_raw", copy / raw}});
+                    {"copy_3_sources_bytes_per_s", rate(kCopy3)},
+                    {"copy_1_source_1_stream_over_raw_1_stream", rate(kCopy1One) / rate(kRaw1)},
+                    {"copy_1_source_over_raw_n_streams", rate(kCopy1) / rate(kRawN)},
+                    {"copy_3_sources_over_raw_n_streams", rate(kCopy3) / rate(kRawN)},
+                    {"best_copy_over_best_raw", copy / raw},
+                    {"best_copy_over_raw_n_streams_checked", copy / rate(kRawNChecked)},
+                    {"cpu_ns_per_byte", cpu}});
   }
   fmt::print(
-      "1src·1/raw1: one source over one stream against one connection; 1src/raw{}: one "
-      "source over the streams (s) it took against {} connections; {}src/raw{}: three sources "
-      "against {} connections; best/best: the fastest copy against the faster raw figure of the "
-      "same size\n",
-      streams, streams, kSources, streams, streams);
+      "1src·1/raw1: one source over one stream against one connection; 1src/{0}: one source "
+      "over the streams (s) it took against {1} connections; {2}src/{0}: three sources against {1} "
+      "connections; best/best: the fastest copy against the faster raw figure of the same size; "
+      "best/+crc: the fastest copy against {1} connections whose every {3} KiB is CRC-32C'd at "
+      "both ends, the least a checked copy can do\n",
+      rawn, streams, kSources, chunk_bytes >> 10);
+  fmt::print("CPU time per byte (ns, user + system of both ends, median):\n{:>6}", "MiB");
+  for (const char* label : kLabels) fmt::print(" {:>11}", label);
+  fmt::print("\n");
+  for (const Row& row : measured) {
+    fmt::print("{:>6}", row.bytes >> 20);
+    for (const Figure& f : row.of) fmt::print(" {:>11.3f}", f.cpu_ns_per_b);
+    fmt::print("\n");
+  }
   if (!json_path.empty()) {
     std::ofstream(json_path)
         << nlohmann::json{{"repeats", repeats}, {"chunk_bytes", chunk_bytes}, {"rows", rows}}.dump(
