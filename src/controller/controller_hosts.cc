@@ -162,9 +162,7 @@ void Controller::On(const ControllerStalled& e, std::vector<Action>*) {
     if (t < now_) t = std::min(t + e.away, now_);
   };
   for (auto& [id, w] : membership_.mutable_workers()) move_on(w.last_heard);
-  for (const auto& [id, h] : placement_.hosts()) {
-    if (HostInfo* host = placement_.FindHost(id); host != nullptr) move_on(host->last_heard);
-  }
+  for (HostInfo* host : placement_.host_list()) move_on(host->last_heard);
   move_on(progress_at_);           // the stall watchdog's clock
   move_on(forming_since_);         // the join deadline's
   arrivals_.MoveOn(e.away, now_);  // the hang detector's
