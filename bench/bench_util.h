@@ -84,8 +84,14 @@ double Median(std::vector<double> values);
 // `dst`; the seconds from the first byte sent to the last received (raw TCP: the ceiling the
 // benchmarks of copies over TCP are read against). With `checked_piece` > 0, each stream's bytes go
 // in pieces of that size, each CRC-32C'd by the sender just before it goes out and by the
-// receiver just after it has landed: the least CPU any checked copy of the bytes spends.
+// receiver just after it has landed (each stream's running CRCs compared at the end): the least
+// CPU a copy that checks every byte spends. `cpu_seconds`: the process's CPU time over the same
+// interval (ProcessCpuSeconds), the connections' set-up and closing left out.
 double RawTcp(std::span<const std::byte> src, std::span<std::byte> dst, int streams,
-              size_t checked_piece = 0);
+              size_t checked_piece = 0, double* cpu_seconds = nullptr);
+
+// The CPU time (user + system) this process has used so far, every thread's, those that ended
+// included. Work the kernel does for it in other contexts (ksoftirqd) is not counted.
+double ProcessCpuSeconds();
 
 }  // namespace nonstop::bench

@@ -180,8 +180,12 @@ class Sim {
     for (int h = 0; h < hosts + o_.spare_hosts; ++h) {
       bool spare_host = h >= hosts;
       std::string id = spare_host ? fmt::format("s{}", h - hosts) : fmt::format("h{}", h);
-      control::AgentRegisterMsg m{
-          id, spare_host ? 0 : 8, spare_host ? 8 : 0, HostAddress(h), 1000 + h, 0};
+      control::AgentRegisterMsg m;
+      m.host_id = id;
+      m.nproc = spare_host ? 0 : 8;
+      m.spares = spare_host ? 8 : 0;
+      m.address = HostAddress(h);
+      m.pid = 1000 + h;
       address_[id] = HostAddress(h);
       auto t1 = SteadyClock::now();
       auto out = Do(c, HostJoined{m});

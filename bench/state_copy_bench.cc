@@ -80,10 +80,15 @@ struct Ranks {
   }
 };
 
-// One copy of `regs[0]`'s state from regs[1..sources] (`streams` per source, 0: by size); seconds
-// on the receiver, and the streams it took from a source.
-std::pair<double, int> Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& regs,
-                            int sources, int streams) {
+struct Timed {
+  double secs = 0;  // on the receiver's clock
+  double cpu = 0;   // the process's CPU seconds meanwhile (every rank's: both ends)
+  int took = 0;     // the streams a source's chunks came over
+};
+
+// One copy of `regs[0]`'s state from regs[1..sources] (`streams` per source, 0: by size).
+Timed Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& regs, int sources,
+           int streams) {
   control::PlanMsg plan;
   plan.generation = 1;
   plan.resume_step = 8;
@@ -93,11 +98,11 @@ std::pair<double, int> Copy(Ranks& ranks, std::vector<std::unique_ptr<state::Sta
   for (int s = 1; s <= sources; ++s) t.sources.push_back(s);
   plan.transfers.push_back(t);
   std::vector<Status> status(kSources + 1);
-  double secs = 0;
-  int took = 0;
+  Timed timed;
   worker::TransferHooks hooks;
   hooks.streams_per_source = streams;
   std::vector<std::thread> threads;
+  const double cpu0 = ProcessCpuSeconds();
   for (int r = kSources; r >= 0; --r) {
     threads.emplace_back([&, r] {
       auto t0 = Clock::now();
@@ -105,24 +110,23 @@ std::pair<double, int> Copy(Ranks& ranks, std::vector<std::unique_ptr<state::Sta
                                            *regs[static_cast<size_t>(r)], plan, r,
                                            plan.resume_step - 1, hooks);
       if (r == 0) {
-        secs = std::chrono::duration<double>(Clock::now() - t0).count();
-        if (out.ok()) took = out->streams_per_source;
+        timed.secs = std::chrono::duration<double>(Clock::now() - t0).count();
+        if (out.ok()) timed.took = out->streams_per_source;
       }
       status[static_cast<size_t>(r)] = out.status();
     });
   }
   for (auto& th : threads) th.join();
+  timed.cpu = ProcessCpuSeconds() - cpu0;
   for (int r = 0; r <= kSources; ++r) {
     NONSTOP_CHECK(status[static_cast<size_t>(r)].ok())
         << "rank " << r << ": " << status[static_cast<size_t>(r)].ToString();
   }
-  return {secs, took};
+  return timed;
 }
 
 // What is measured for each size, in this order.
 enum Kind { kRaw1, kRawN, kRawNChecked, kCopy1One, kCopy1, kCopy3, kKinds };
-constexpr const char* kLabels[kKinds] = {"raw 1",       "raw N",     "raw N+crc",
-                                         "copy 1src·1", "copy 1src", "copy 3src"};
 constexpr const char* kKeys[kKinds] = {"raw_1_stream",          "raw_n_streams",
                                        "raw_n_streams_checked", "copy_1_source_1_stream",
                                        "copy_1_source",         "copy_3_sources"};
@@ -137,14 +141,6 @@ struct Row {
   Figure of[kKinds];
   int streams1 = 0;  // the streams copy 1 took
 };
-
-// The CPU time this process has used so far, every thread's (both ends of every copy here).
-double CpuSeconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * t.tv_usec; };
-  return secs(u.ru_utime) + secs(u.ru_stime);
-}
 
 Row MeasureSize(Ranks& ranks, size_t bytes, int streams, int repeats, size_t chunk_bytes) {
   // One source buffer behind every source's registry (they serve, never
@@ -161,32 +157,34 @@ Row MeasureSize(Ranks& ranks, size_t bytes, int streams, int repeats, size_t chu
   }
   std::vector<double> rates[kKinds], cpus[kKinds];
   int streams1 = 0;
-  // One measurement of `kind`: its seconds on the clock.
-  auto run = [&](Kind kind) -> double {
+  // One measurement of `kind`: its seconds and CPU seconds (connections' set-up left out).
+  auto run = [&](Kind kind) -> Timed {
+    Timed t;
     switch (kind) {
       case kRaw1:
-        return RawTcp(src, dst, 1);
+        t.secs = RawTcp(src, dst, 1, 0, &t.cpu);
+        return t;
       case kRawN:
-        return RawTcp(src, dst, streams);
+        t.secs = RawTcp(src, dst, streams, 0, &t.cpu);
+        return t;
       case kRawNChecked:
-        return RawTcp(src, dst, streams, chunk_bytes);
+        t.secs = RawTcp(src, dst, streams, chunk_bytes, &t.cpu);
+        return t;
       default:
         break;
     }
-    auto [secs, took] = Copy(ranks, regs, kind == kCopy3 ? kSources : 1, kind == kCopy1One ? 1 : 0);
-    if (kind == kCopy1) streams1 = took;
-    return secs;
+    std::memset(dst.data(), 0, dst.size());
+    t = Copy(ranks, regs, kind == kCopy3 ? kSources : 1, kind == kCopy1One ? 1 : 0);
+    NONSTOP_CHECK(std::memcmp(dst.data(), src.data(), bytes) == 0)
+        << "the copy (kind " << kind << ") differs from the source";
+    if (kind == kCopy1) streams1 = t.took;
+    return t;
   };
   for (int i = 0; i < repeats; ++i) {
     for (int k = 0; k < kKinds; ++k) {
-      const bool copy = k >= kCopy1One;
-      if (copy) std::memset(dst.data(), 0, dst.size());
-      const double cpu0 = CpuSeconds();
-      const double secs = run(static_cast<Kind>(k));
-      cpus[k].push_back((CpuSeconds() - cpu0) * 1e9 / static_cast<double>(bytes));
-      rates[k].push_back(static_cast<double>(bytes) / secs);
-      NONSTOP_CHECK(!copy || std::memcmp(dst.data(), src.data(), bytes) == 0)
-          << "the copy (" << kLabels[k] << ") differs from the source";
+      const Timed t = run(static_cast<Kind>(k));
+      rates[k].push_back(static_cast<double>(bytes) / t.secs);
+      cpus[k].push_back(t.cpu * 1e9 / static_cast<double>(bytes));
     }
   }
   Row row{bytes, {}, streams1};
@@ -218,10 +216,14 @@ int Main(int argc, char** argv) {
       "state copy vs raw loopback TCP (MB/s = 1e6 bytes/s, median of {}; chunks of {} KiB)\n",
       repeats, chunk_bytes >> 10);
   const std::string rawn = fmt::format("raw {}", streams);
+  const std::vector<std::string> labels = {"raw 1",       rawn,
+                                           rawn + "+crc", "copy 1src·1",
+                                           "copy 1src",   fmt::format("copy {}src", kSources)};
+  const std::string per_rawn = fmt::format("raw{}", streams);  // in the ratios' narrow columns
   fmt::print("{:>6} {:>8} {:>8} {:>9} {:>11} {:>13} {:>9} {:>11} {:>9} {:>9} {:>9} {:>11}\n", "MiB",
-             "raw 1", rawn, rawn + "+crc", "copy 1src·1", "copy 1src (s)",
-             fmt::format("copy {}src", kSources), "1src·1/raw1", "1src/" + rawn,
-             fmt::format("{}src/{}", kSources, rawn), "best/best", "best/+crc");
+             labels[kRaw1], labels[kRawN], labels[kRawNChecked], labels[kCopy1One], "copy 1src (s)",
+             labels[kCopy3], "1src·1/raw1", "1src/" + per_rawn,
+             fmt::format("{}src/{}", kSources, per_rawn), "best/best", "best/+crc");
   nlohmann::json rows = nlohmann::json::array();
   std::vector<Row> measured;
   for (size_t mb : sizes_mb) {
@@ -262,9 +264,9 @@ int Main(int argc, char** argv) {
       "connections; best/best: the fastest copy against the faster raw figure of the same size; "
       "best/+crc: the fastest copy against {1} connections whose every {3} KiB is CRC-32C'd at "
       "both ends, the least a checked copy can do\n",
-      rawn, streams, kSources, chunk_bytes >> 10);
+      per_rawn, streams, kSources, chunk_bytes >> 10);
   fmt::print("CPU time per byte (ns, user + system of both ends, median):\n{:>6}", "MiB");
-  for (const char* label : kLabels) fmt::print(" {:>11}", label);
+  for (const std::string& label : labels) fmt::print(" {:>11}", label);
   fmt::print("\n");
   for (const Row& row : measured) {
     fmt::print("{:>6}", row.bytes >> 20);
