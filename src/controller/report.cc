@@ -122,11 +122,16 @@ std::string TimeLostLine(const RecoveryRecord& r, const json& t) {
   } else {
     line += " (the whole step across the fault: no normal step was known yet)";
   }
+  // The resumed step against a normal one: shorter when the work in flight was kept (salvage).
+  const long resumed = std::lround(ms("resumed_step_vs_normal"));
+  const std::string resumed_words =
+      resumed < 0   ? fmt::format("{} ms shorter than a normal one (work in flight kept)", -resumed)
+      : resumed > 0 ? fmt::format("{} ms longer than a normal one", resumed)
+                    : "as long as a normal one";
   line += fmt::format(
       ": the step in flight had run {:.0f} ms, detection {:.0f}, abort {:.0f}, plan {:.0f}, state "
-      "copy {:.0f}, the resumed step {:+.0f} against a normal one",
-      ms("in_flight"), ms("detect"), ms("abort"), ms("plan"), ms("state_copy"),
-      ms("resumed_step_vs_normal"));
+      "copy {:.0f}, the resumed step {}",
+      ms("in_flight"), ms("detect"), ms("abort"), ms("plan"), ms("state_copy"), resumed_words);
   if (ms("redone_steps") != 0) line += fmt::format(", steps redone {:+.0f}", ms("redone_steps"));
   return line;
 }

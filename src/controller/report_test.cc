@@ -60,6 +60,17 @@ TEST(ReportTest, ASalvagedStepShowsAsAResumedStepShorterThanANormalOne) {
   EXPECT_NEAR(j["time_lost_ms"].get<double>(), 80, 1e-6);
   EXPECT_NEAR(j["time_lost"]["split_ms"]["resumed_step_vs_normal"].get<double>(), -1400, 1e-6);
   EXPECT_NEAR(j["downtime_ms"].get<double>(), 0, 1e-6) << "the old figure clips at zero";
+  std::string text;
+  for (const auto& l : ReportLines({r})) text += l + "\n";
+  EXPECT_NE(text.find("state copy 29, the resumed step 1400 ms shorter than a normal one (work in "
+                      "flight kept)"),
+            std::string::npos)
+      << text;
+  r.first_step_at = t0 + milliseconds(1480 + 2250);  // a slow resumed step
+  text.clear();
+  for (const auto& l : ReportLines({r})) text += l + "\n";
+  EXPECT_NE(text.find("the resumed step 250 ms longer than a normal one"), std::string::npos)
+      << text;
 }
 
 TEST(ReportTest, CompletedStepsComputedAgainCountAtTheNormalPace) {
@@ -106,7 +117,7 @@ TEST(ReportTest, AnUnfinishedRecoveryHasNoTimeLostAndTheReportSaysWhy) {
       << text;
   EXPECT_NE(text.find("time lost 1480 ms, 0.74 of a normal step (2000 ms): the step in flight had "
                       "run 1400 ms, detection 10, abort 40, plan 1, state copy 29, the resumed "
-                      "step +0 against a normal one"),
+                      "step as long as a normal one"),
             std::string::npos)
       << text;
 }
