@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <map>
 #include <regex>
@@ -87,6 +88,27 @@ class TrainTest : public ::testing::Test {
     }
     return r;
   }
+  // Run(), for the salvage tests, whose premise is that every survivor is in step `step` when the
+  // fault comes. On a loaded machine one can still be finishing the step before (its last gather
+  // piece or its optimizer step pending) and says "step S-1: ABORTED": the recovery then copies
+  // the state to it, rightly, and keeps no sums, which says nothing of salvage. Such a run is run
+  // again, at most twice more, each time said in the test's output; the third one is checked
+  // whatever its timing.
+  RunResult RunWithEverySurvivorInStep(int64_t step, int nproc, const std::string& tag,
+                                       const std::vector<std::string>& extra,
+                                       const std::vector<std::string>& run_flags) {
+    static const std::regex behind(R"(\[rank \d+\] .*step (\d+): ABORTED)");
+    for (int attempt = 1;; ++attempt) {
+      const std::string name = attempt == 1 ? tag : fmt::format("{}-{}", tag, attempt);
+      RunResult r = Run(nproc, name, extra, run_flags);
+      int64_t late = -1;
+      for (std::sregex_iterator it(r.output.begin(), r.output.end(), behind), end; it != end; ++it)
+        if (std::stoll((*it)[1]) < step) late = std::stoll((*it)[1]);
+      if (late < 0 || attempt == 3) return r;
+      std::cout << tag << ": a survivor was still in step " << late << " at the fault of step "
+                << step << " (a loaded machine): run again\n";
+    }
+  }
   TempDir dir_;
 };
 
@@ -139,7 +161,9 @@ TEST_F(TrainTest, RecoveryFromEachFaultKindIsBitwiseIdenticalToTheFaultFreeRun) 
         << r.output;
     const int lost = std::stoi(m[1]);
     EXPECT_LE(lost, 1) << fault << ": more than the step in flight was lost\n" << r.output;
-    if (fault[0] == 'h') EXPECT_EQ(lost, 0) << "a hung rank completes nothing its peers did not";
+    if (fault[0] == 'h') {
+      EXPECT_EQ(lost, 0) << "a hung rank completes nothing its peers did not";
+    }
     if (lost == 1) {
       // Only the dead rank held it: the step it completed is the one the survivors resume at.
       std::string journal = dir_ / (std::string("fault-") + fault[0] + ".jsonl");
@@ -265,7 +289,7 @@ TEST_F(TrainTest, WorldInvariantRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseT
              {"--spares", "0", "--inject", "kill:rank=1,step=12;kill:rank=3,step=12"},
              12,
              6}}) {
-    RunResult r = Run(4, c.tag, {}, c.run_flags);
+    RunResult r = RunWithEverySurvivorInStep(c.step, 4, c.tag, {}, c.run_flags);
     ASSERT_EQ(r.code, 0) << r.output;
     int64_t at = -1;
     int n = KeptMicroBatches(r.output, &at);
@@ -354,7 +378,7 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
                 false,
                 6},
        }) {
-    RunResult r = Run(4, c.tag, c.extra, c.run_flags);
+    RunResult r = RunWithEverySurvivorInStep(5, 4, c.tag, c.extra, c.run_flags);
     ASSERT_EQ(r.code, 0) << c.tag << "\n" << r.output;
     int64_t at = -1;
     int n = KeptMicroBatches(r.output, &at);
@@ -371,7 +395,9 @@ TEST_F(TrainTest, RingRecoveryKeepsTheStepInFlightsSumsAndEndsBitwiseTheSame) {
     } else {
       EXPECT_EQ(loans(r.output), 0) << c.tag << "\n" << r.output;
     }
-    if (c.tag == "spare-reduction-loan") EXPECT_GE(n, 4) << "a loan was made\n" << r.output;
+    if (c.tag == "spare-reduction-loan") {
+      EXPECT_GE(n, 4) << "a loan was made\n" << r.output;
+    }
     ASSERT_EQ(r.losses.size(), ref.losses.size()) << c.tag;
     if (c.bitwise) {
       // without overlap the ring reduces the buffer whole, not in buckets: other bits
