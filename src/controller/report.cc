@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <optional>
 
 #include <fmt/format.h>
@@ -122,10 +123,11 @@ std::string TimeLostLine(const RecoveryRecord& r, const json& t) {
   } else {
     line += " (the whole step across the fault: no normal step was known yet)";
   }
-  // The resumed step against a normal one: shorter when the work in flight was kept (salvage).
-  const long resumed = std::lround(ms("resumed_step_vs_normal"));
+  // The resumed step against a normal one (shorter, for instance, when salvage kept the work in
+  // flight, or after a grow; the record does not say which).
+  const int64_t resumed = std::llround(ms("resumed_step_vs_normal"));
   const std::string resumed_words =
-      resumed < 0   ? fmt::format("{} ms shorter than a normal one (work in flight kept)", -resumed)
+      resumed < 0   ? fmt::format("{} ms shorter than a normal one", -resumed)
       : resumed > 0 ? fmt::format("{} ms longer than a normal one", resumed)
                     : "as long as a normal one";
   line += fmt::format(
