@@ -15,6 +15,19 @@
 namespace nonstop::controller {
 namespace {
 
+// An agent's registration: `nproc` workers and `spares` spares on `host` at `address`, no
+// processes running yet.
+control::AgentRegisterMsg Agent(const std::string& host, int nproc, int spares,
+                                const std::string& address, int64_t pid) {
+  control::AgentRegisterMsg m;
+  m.host_id = host;
+  m.nproc = nproc;
+  m.spares = spares;
+  m.address = address;
+  m.pid = pid;
+  return m;
+}
+
 // A job as `nonstop run` runs it (Make): one host, `local`, whose agent (in
 // the same process, elastic) brings the world and the spares; the controller
 // starts worker ids 0 … world − 1 there, then the spares. The agent stays
@@ -802,7 +815,9 @@ TEST_F(ControllerTest, JobThatDoesNotFormInTimeEndsNamingTheMissingWorkers) {
     Do(HeartbeatReceived{0, {-1, -1}});
     Do(HeartbeatReceived{2, {-1, -1}});
     ends = Find<EndJob>(Do(Tick{}));
-    if (i < 5) EXPECT_TRUE(ends.empty()) << "ended early, at " << (i + 1) * 900 << " ms";
+    if (i < 5) {
+      EXPECT_TRUE(ends.empty()) << "ended early, at " << (i + 1) * 900 << " ms";
+    }
   }
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
@@ -947,7 +962,7 @@ class HostControllerTest : public ControllerTest {
     local_agent_ = false;  // these tests' hosts heartbeat when a test says so
   }
   std::vector<Action> Register(const std::string& host, int nproc, int spares) {
-    return Do(HostJoined{{host, nproc, spares, "10.0.0." + host.substr(1), 4000, 0}});
+    return Do(HostJoined{Agent(host, nproc, spares, "10.0.0." + host.substr(1), 4000)});
   }
   std::vector<Action> JoinOn(int id, const std::string& host, bool spare = false) {
     control::JoinMsg m{id, 1000 + id, "addr" + std::to_string(id), spare, -1, host};
@@ -1112,7 +1127,7 @@ TEST_F(HostControllerTest, LateHostGrowsTheJobUpToThePolicyMaximum) {
 // `nonstop run`'s job has one host, its own agent's: it takes no other.
 TEST_F(HostControllerTest, AgentsAreRefusedByASingleMachineJob) {
   Make(2, 0);
-  auto closed = Find<CloseHost>(Do(HostJoined{{"h1", 1, 0, "10.0.0.1", 1, 0}}));
+  auto closed = Find<CloseHost>(Do(HostJoined{Agent("h1", 1, 0, "10.0.0.1", 1)}));
   ASSERT_EQ(closed.size(), 1u);
   EXPECT_EQ(closed[0].host_id, "h1");
   EXPECT_NE(closed[0].reason.find("its maximum of 1 hosts"), std::string::npos) << closed[0].reason;
@@ -1255,7 +1270,7 @@ class ElasticHostTest : public HostFaultsTest {
     o.have_checkpoints = true;
     o.policy.max_world = max_world;
     Use(o);
-    control::AgentRegisterMsg m{"local", nproc, spares, "127.0.0.1", 1, 0};
+    control::AgentRegisterMsg m = Agent("local", nproc, spares, "127.0.0.1", 1);
     m.elastic = true;
     auto spawns = Find<SpawnWorker>(Do(HostJoined{m}));
     for (auto& s : spawns) JoinOn(s.worker_id, s.host, s.spare);
@@ -1319,7 +1334,7 @@ TEST_F(ElasticHostTest, AnElasticAgentIsRefusedByAJobOfSeveralHosts) {
   ControllerOptions o;
   o.min_hosts = 2;
   Use(o);
-  control::AgentRegisterMsg m{"local", 2, 0, "127.0.0.1", 1, 0};
+  control::AgentRegisterMsg m = Agent("local", 2, 0, "127.0.0.1", 1);
   m.elastic = true;
   auto closed = Find<CloseHost>(Do(HostJoined{m}));
   ASSERT_EQ(closed.size(), 1u);
@@ -1343,8 +1358,9 @@ TEST_F(HostFaultsTest, HostLostWhileFormingIsReplacedNotWaitedFor) {
   auto lost = Do(HostLost{"h2", "connection reset"});
   EXPECT_TRUE(Find<EndJob>(lost).empty());
   for (auto& s : spawns) {
-    if (s.host == "h2")
+    if (s.host == "h2") {
       EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{s.worker_id, 0, 127, 0, "h2"})).empty());
+    }
   }
   EXPECT_EQ(c_->phase(), JobPhase::kRunning)
       << "h1's spare took one place and the job formed with 3";
@@ -1836,7 +1852,7 @@ class TakeoverTest : public HostControllerTest {
     std::vector<SpawnWorker> spawns;
     for (auto [h, n, sp] : {std::tuple{"h1", 2, 0}, {"h2", 2, 0}, {"h3", 2, 0}, {"h4", 0, 2}}) {
       for (const auto& x : Find<SpawnWorker>(
-               Record(HostJoined{{h, n, sp, std::string("10.0.0.") + (h + 1), 4000, 0}}))) {
+               Record(HostJoined{Agent(h, n, sp, std::string("10.0.0.") + (h + 1), 4000)}))) {
         spawns.push_back(x);
       }
     }
@@ -1876,8 +1892,8 @@ class TakeoverTest : public HostControllerTest {
            "yet";
   }
   control::AgentRegisterMsg Reregister(const std::string& host) {
-    control::AgentRegisterMsg m{
-        host, host == "h4" ? 0 : 2, host == "h4" ? 2 : 0, "10.0.0." + host.substr(1), 4000, 0};
+    control::AgentRegisterMsg m =
+        Agent(host, host == "h4" ? 0 : 2, host == "h4" ? 2 : 0, "10.0.0." + host.substr(1), 4000);
     for (const auto& [id, w] : c_->workers()) {
       if (w.host == host) m.workers.push_back({id, w.pid});
     }
@@ -1960,7 +1976,7 @@ TEST_F(TakeoverTest, AnElasticJobStaysElasticAfterATakeover) {
   first.heartbeat_timeout = Millis(1000);
   c_ = std::make_unique<Controller>(first);
   journal_.push_back({{"event", "job_start"}, {"controller", "127.0.0.1:7000"}});
-  control::AgentRegisterMsg reg{"local", 2, 1, "127.0.0.1", 4000, 0};
+  control::AgentRegisterMsg reg = Agent("local", 2, 1, "127.0.0.1", 4000);
   reg.elastic = true;
   auto spawns = Find<SpawnWorker>(Record(HostJoined{reg}));
   ASSERT_EQ(spawns.size(), 3u);
@@ -1988,7 +2004,7 @@ TEST_F(TakeoverTest, AnElasticJobStaysElasticAfterATakeover) {
   for (const auto& x : spawns) Rejoin(x.worker_id, x.spare ? 0 : 1, false, x.spare ? -1 : 6);
   ASSERT_TRUE(c_->hosts().at("local").elastic);
 
-  auto other = Find<CloseHost>(Do(HostJoined{{"h2", 2, 0, "10.0.0.2", 4001, 0}}));
+  auto other = Find<CloseHost>(Do(HostJoined{Agent("h2", 2, 0, "10.0.0.2", 4001)}));
   ASSERT_EQ(other.size(), 1u) << "a second agent in nonstop run's job";
   EXPECT_NE(other[0].reason.find("one host is local"), std::string::npos) << other[0].reason;
 
@@ -2102,9 +2118,10 @@ TEST(TakeoverFromJournalTest, ScaleRequestsAreReplayedAsTheControllerAppliedThem
 TEST_F(TakeoverTest, AMemberThatDoesNotRejoinInTimeIsLostAndTheOthersRecover) {
   int missing = -1;
   auto actions = TakeOverWithoutOneMember(&missing, [&](int i, const std::vector<Action>& tick) {
-    if (i < 6)
+    if (i < 6) {
       EXPECT_TRUE(Find<SendAbort>(tick).empty())
           << "before the adoption bound, at " << (i + 1) * 500;
+    }
   });
   ASSERT_EQ(Find<SendAbort>(actions).size(), 5u) << "the five others abort";
   auto kills = Find<KillWorker>(actions);

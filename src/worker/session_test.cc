@@ -654,7 +654,9 @@ TEST(SessionJoinTest, AWorkerWhoseDeviceFailsItsHealthCheckDoesNotJoin) {
   for (Use use : {Use::kSums, Use::kState, Use::kComputes}) {
     state::StateRegistry state;
     std::span<std::byte> mem = device->Allocate(64);
-    if (use == Use::kState) ASSERT_TRUE(state.RegisterOnDevice("w", mem, device).ok());
+    if (use == Use::kState) {
+      ASSERT_TRUE(state.RegisterOnDevice("w", mem, device).ok());
+    }
     SessionOptions o;
     o.controller_address = "127.0.0.1:1";  // nobody: a join that dialed would fail otherwise
     o.job_token = "tok";

@@ -370,7 +370,9 @@ TEST(RunStateTransfersTest, StateOnADeviceIsCopiedFromAndToHostStateBitForBit) {
     EXPECT_EQ(ranks[0]->step, 9);
     EXPECT_EQ(ranks[0]->Large(), ranks[1]->Large());
     for (size_t r = 0; r < ranks.size(); ++r) {
-      if (ranks[r]->device) EXPECT_GT(ranks[r]->device->copies(), copies_before[r]) << "rank " << r;
+      if (ranks[r]->device) {
+        EXPECT_GT(ranks[r]->device->copies(), copies_before[r]) << "rank " << r;
+      }
     }
   }
 }
