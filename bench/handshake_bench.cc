@@ -121,7 +121,9 @@ double FrameMicros(size_t payload, int frames, bool sealed) {
     std::string bytes = sealed ? send.Seal(20, body) : net::EncodeFrame(20, body);
     NONSTOP_CHECK(decoder.Feed(bytes).ok());
     net::Frame f = *decoder.Next();
-    if (sealed) NONSTOP_CHECK(recv.Open(&f).ok());
+    if (sealed) {
+      NONSTOP_CHECK(recv.Open(&f).ok());
+    }
     NONSTOP_CHECK(f.payload.size() == payload);
   }
   return Micros(Clock::now() - t0) / frames;

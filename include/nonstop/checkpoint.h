@@ -165,7 +165,7 @@ struct LoadOptions {
   std::string_view loader;
   // By name: the regions that must be in the checkpoint (parameters and
   // optimizer moments). Empty: every float32 region.
-  std::vector<std::string> required;
+  std::vector<std::string> required{};
 };
 
 // Loads the newest valid checkpoint in `dir` into `registry` in place.

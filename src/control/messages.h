@@ -67,7 +67,7 @@ struct JoinMsg {
   // the step its state holds (a resumed checkpoint), -1: the initial state
   int64_t state_step = -1;
   // the host whose agent started it (NONSTOP_HOST_ID); empty: not started by an agent
-  std::string host_id;
+  std::string host_id{};
   // A worker that lost its controller and joins the one that leads now:
   // the generation it is a member of (0: none, a first join or a spare), and
   // whether it has left that generation and waits for the next plan (it
@@ -93,7 +93,7 @@ struct AgentRegisterMsg {
   // Those processes, by worker id and pid (an agent that kept its workers
   // while its controller was away; the controller adopts the ones it knows
   // and orders the others killed). Present whenever running > 0.
-  std::vector<std::pair<int, int64_t>> workers;
+  std::vector<std::pair<int, int64_t>> workers{};
   // Its capacity follows the job: the agent that `nonstop run` runs for its
   // own machine, the job's only host. The controller then starts there the
   // workers and spares the job needs (a grow beyond nproc included), not a

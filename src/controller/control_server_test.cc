@@ -331,8 +331,9 @@ TEST(ControlServerTest, FloodOfIdleConnectionsCostsBoundedMemoryAndDoesNotKeepAW
     if (i % 10 == 0) {
       // a huge length
       std::string junk = i % 20 == 0 ? std::string("\xff\xff\xff\x7f", 4) : std::string();
-      if (!junk.empty())
+      if (!junk.empty()) {
         ASSERT_GT(::send(idle.back().get(), junk.data(), junk.size(), MSG_NOSIGNAL), 0);
+      }
     }
     f.RunFor(Millis(1));
   }

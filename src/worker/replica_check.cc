@@ -27,7 +27,7 @@ struct Judgement {
   ReplicaVerdict* out;
   const std::vector<int>* worker_ids;
   int named = 0;
-  std::set<int> diverged;
+  std::set<int> diverged{};
 
   void Note(const std::string& line) {
     if (named++ < kMaxNamed) {

@@ -187,7 +187,7 @@ std::string RawExchange(int port, const std::string& bytes) {
 }
 
 TEST_F(HttpApiTest, MalformedRequestLinesGetA4xxWithAReason) {
-  for (const std::string junk :
+  for (const std::string& junk :
        {std::string("NONSENSE\r\n\r\n"), std::string("GET\r\n\r\n"),
         std::string("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 15),
         "GET /" + std::string(20'000, 'a') + " HTTP/1.1\r\n\r\n"}) {

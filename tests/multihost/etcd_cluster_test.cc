@@ -92,7 +92,7 @@ struct CaseResult {
   int64_t lost_steps = -1;   // the worker's recovery's, plus the steps behind the members' rejoins
   int64_t steps_during = 0;  // steps completed during the outage
   double longest_pause_ms = 0;  // between two steps completed from the fault to the worker's kill
-  std::string leader;           // the controller that leads after the case
+  std::string leader{};         // the controller that leads after the case
   int controllers_alive = 0;
 };
 
