@@ -233,8 +233,6 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
   EXPECT_EQ(resumed.checksum, w4.checksum) << resumed.output;
 }
 
-// Rank 0's "step S: kept the sums of K of 8 micro-batches from the step in flight": K, and S in
-// *step; -1 when nothing was kept.
 // For the salvage tests' kills at the reduction: a pause after each micro-batch (the trainer's
 // test-only flag), so that the lost rank, which dies past its last micro-batch, finds every
 // survivor past its first one unless that survivor runs 200 ms behind it. Without it a micro-batch
@@ -242,6 +240,8 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
 // step before, and keep nothing (a CI run saw it so). The pause changes no bits.
 const std::vector<std::string> kPaused = {"--pause-after-micro-batch-ms", "200"};
 
+// Rank 0's "step S: kept the sums of K of 8 micro-batches from the step in flight": K, and S in
+// *step; -1 when nothing was kept.
 int KeptMicroBatches(const std::string& output, int64_t* step) {
   static const std::regex kept_line(
       R"(step (\d+): kept the sums of (\d+) of 8 micro-batches from the step in flight)");
