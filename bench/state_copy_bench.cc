@@ -23,7 +23,6 @@
 // this process (as in state_transfer_test), the sockets real. Every copy is checked byte for byte
 // against the source after it is timed.
 #include <poll.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
