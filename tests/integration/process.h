@@ -118,13 +118,13 @@ inline std::vector<nlohmann::json> JournalEvents(const std::string& journal,
   return out;
 }
 
-// Waits until the journal holds at least `count` records of `kind`; false on timeout.
 // The checksum of a journal's first `finished` record; empty if there is none.
 inline std::string FinishedChecksum(const std::string& journal) {
   auto finished = JournalEvents(journal, "finished");
   return finished.empty() ? "" : finished[0].value("checksum", "");
 }
 
+// Waits until the journal holds at least `count` records of `kind`; false on timeout.
 inline bool WaitForEvents(const std::string& journal, const std::string& kind, size_t count,
                           std::chrono::milliseconds timeout) {
   auto until = std::chrono::steady_clock::now() + timeout;
