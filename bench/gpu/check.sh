@@ -2,7 +2,8 @@
 # The device check of issue 30 (docs/gpu.md), for a machine with a GPU: builds
 # what needs one, runs the tests labeled gpu, then a job of 4 workers and a
 # spare sharing the GPU with their state on it, a rank killed, against the
-# checksum of the same job with its state in host memory; the NCCL job where
+# checksum of the same job with its state in host memory (and sharded over
+# groups of 2 on the GPU); the NCCL job where
 # there are two GPUs or more; the staged all-reduce's bandwidth; and the
 # world-invariant sums on the GPU against another world's in host memory; the
 # Python jobs on CUDA tensors (a torch with CUDA); and, on the machine's many
@@ -39,6 +40,17 @@ grep -h '"event":"recovery_end"' "$out/cuda.jsonl" | head -1 ||
 echo "check.sh: 4 workers and a spare on one GPU, 16 MB of state each on cuda:0, rank 2 killed at step 30:"
 echo "  checksum ${cuda} (cuda, recovered) against ${host} (host memory, no fault)"
 [[ "$host" == "$cuda" ]] || { echo "check.sh: FAILED: the checksums differ"; exit 1; }
+
+# Sharded state on the GPU: the accumulator sharded over groups of 2 (a shard view on cuda:0),
+# reduced with ReduceShardsOnDevice and gathered with GatherShardsOnDevice; the spare copies only
+# shard 1 into its GPU memory.
+sharded=$(WORKER_EXTRA="--shard-group 2" job sharded cuda staged --nproc 4 --spares 1 \
+  --inject kill:rank=1,step=30) || exit 1
+grep -h "re-sharded: copied shard" "$out/sharded.log" | head -1 ||
+  { echo "check.sh: FAILED: no spare copied its shard in the sharded job" >&2; exit 1; }
+echo "check.sh: the same, sharded over groups of 2 on cuda:0, rank 1 killed at step 30:"
+echo "  checksum ${sharded} (cuda, sharded, recovered) against ${host}"
+[[ "$host" == "$sharded" ]] || { echo "check.sh: FAILED: the sharded job's checksum differs"; exit 1; }
 
 # The NCCL data plane: one rank per GPU (NCCL refuses two on one; a worker takes cuda:(id mod GPUs)).
 gpus=$(nvidia-smi -L | grep -c '^GPU ' || true)

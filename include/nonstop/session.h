@@ -294,6 +294,14 @@ class Session {
   // multiple of G elements of `element_bytes`) goes to the others; afterwards
   // every rank of the group holds the whole. Not a step boundary.
   Status GatherShards(std::span<std::byte> data, size_t element_bytes);
+  // The same two over buffers in the memory of SessionOptions::device
+  // (FAILED_PRECONDITION without one; issue 30, docs/gpu.md): staged through
+  // host memory over the TCP collectives, each buffer copied up whole and
+  // down again (with any device_data_plane: its sub-groups stage too), with
+  // the bits of the host calls. The work that wrote a buffer must be done
+  // (synchronized) before the call.
+  Status ReduceShardsOnDevice(std::span<float> device_data);
+  Status GatherShardsOnDevice(std::span<std::byte> device_data, size_t element_bytes);
   Status Barrier();
 
   // True once the current generation has been aborted (a member failed): the

@@ -18,13 +18,12 @@
 // and the sharded ones from the holders of the right shard.
 //
 // Device memory (issue 30, docs/gpu.md): a region may live on an
-// accelerator (RegisterOnDevice). The registry reads and writes it through
-// its DeviceMemory, a piece at a time through host memory: its chunks, CRCs,
-// digest, transfers and checkpoints are byte for byte those of the same bytes
-// in host memory, so a member with CUDA state and one with host state copy
-// state from each other. Such a chunk is never contiguous (ContiguousChunk is
-// empty): the state transfer stages it. A device whose copy fails ends the
-// process (NONSTOP_CHECK, naming the region, the device and its error): a
+// accelerator (RegisterOnDevice; sharded: RegisterShard and RegisterShardView with a device). The
+// registry reads and writes it through its DeviceMemory, a piece at a time through host memory: its
+// chunks, CRCs, digest, transfers and checkpoints are byte for byte those of the same bytes in host
+// memory, so a member with CUDA state and one with host state copy state from each other. Such a
+// chunk is never contiguous (ContiguousChunk is empty): the state transfer stages it. A device
+// whose copy fails ends the process (NONSTOP_CHECK, naming the region, the device and its error): a
 // device that cannot copy is a lost member, which the job recovers from.
 //
 // Thread-safety: not thread-safe; the training thread owns it, though its
@@ -115,7 +114,8 @@ class StateRegistry {
 
   // A region of `device`'s memory (`bytes` are device addresses): fp32 values
   // of `shape` (empty: one dimension) when dtype is "F32", else raw bytes of
-  // `dtype`. Replicated: sharded state stays in host memory.
+  // `dtype`. Replicated: sharded state on a device is RegisterShard's and
+  // RegisterShardView's, with their `device`.
   Status RegisterOnDevice(std::string name, std::span<std::byte> bytes,
                           std::shared_ptr<const DeviceMemory> device, std::string dtype = "U8",
                           std::vector<int64_t> shape = {});
@@ -132,17 +132,21 @@ class StateRegistry {
   // written (zeros): held_shard() starts at kEveryShard. RegisterShardView:
   // `whole` is a whole buffer padded to a multiple of G (the parameters, which
   // every member holds whole) and the region is the held shard's 1/G of it,
-  // moved by BindShard.
-  Status RegisterShard(std::string name, std::span<float> shard, int group_size);
-  Status RegisterShardView(std::string name, std::span<float> whole, int group_size);
+  // moved by BindShard. With a `device`, `shard` or `whole` is that device's
+  // memory (as RegisterOnDevice's bytes), read and written through it.
+  Status RegisterShard(std::string name, std::span<float> shard, int group_size,
+                       std::shared_ptr<const DeviceMemory> device = nullptr);
+  Status RegisterShardView(std::string name, std::span<float> whole, int group_size,
+                           std::shared_ptr<const DeviceMemory> device = nullptr);
   // Makes a view the shard's own memory (`shard`, of the region's size, which
-  // the caller filled from the view): a resumed checkpoint's whole moments
-  // can then be freed.
+  // the caller filled from the view; on the region's device if it has one): a
+  // resumed checkpoint's whole moments can then be freed.
   Status RebindShard(std::string_view name, std::span<float> shard);
   // RebindShard after copying the held shard of view `name` into `shard`:
   // how a program that resumed whole moments from a checkpoint (views of
   // whole buffers, every shard there) keeps its own shard once Join or
-  // Recover bound it, and can free the whole buffers. FAILED_PRECONDITION
+  // Recover bound it, and can free the whole buffers (`shard` is on the
+  // view's device if it has one: the copy goes through host memory). FAILED_PRECONDITION
   // while no one shard is bound (held_shard() < 0); INVALID_ARGUMENT when
   // `name` is not a view or `shard` is not its size, NOT_FOUND when there is
   // no such region; `shard` is untouched then.
@@ -196,7 +200,7 @@ class StateRegistry {
   std::vector<uint64_t> RunBytes() const;  // the bytes of each run of regions of one kind
   Status AddRegion(std::string name, std::span<std::byte> bytes);  // without tiling
   Status AddShardRegion(std::string name, std::span<float> bytes, std::span<float> whole,
-                        int group_size);
+                        int group_size, std::shared_ptr<const DeviceMemory> device);
   ChunkInfo Chunk(uint32_t index) const;
   void CopyOut(uint64_t offset, std::span<std::byte> out) const;
   void CopyIn(uint64_t offset, std::span<const std::byte> in);

@@ -145,6 +145,98 @@ TEST(DeviceRegionTest, ACheckpointOfDeviceStateLoadsOnTheDeviceOrInHostMemory) {
   }
 }
 
+// Sharded state on a device (RegisterShardView / RegisterShard with a device): a view of a whole
+// buffer of 4 shards ("p", 4 × 600 values) and a shard of the device's own memory ("m", 600
+// values), beside the same in host memory.
+struct ShardedModel {
+  explicit ShardedModel(std::shared_ptr<ProtectedDevice> device = nullptr) : reg(1024) {
+    std::vector<float> whole(2400), moment(600);
+    std::iota(whole.begin(), whole.end(), 0.5f);
+    std::iota(moment.begin(), moment.end(), -7.0f);
+    if (device) {
+      p_device = device->Allocate(whole.size() * sizeof(float));
+      m_device = device->Allocate(moment.size() * sizeof(float));
+      NONSTOP_CHECK(device->ToDevice(p_device.data(), AsBytes(whole), p_device.size()).ok());
+      NONSTOP_CHECK(device->ToDevice(m_device.data(), AsBytes(moment), m_device.size()).ok());
+      NONSTOP_CHECK(reg.RegisterShardView("p", Floats(p_device), 4, device).ok());
+      NONSTOP_CHECK(reg.RegisterShard("m", Floats(m_device), 4, device).ok());
+    } else {
+      p_host = whole;
+      m_host = moment;
+      NONSTOP_CHECK(reg.RegisterShardView("p", p_host, 4).ok());
+      NONSTOP_CHECK(reg.RegisterShard("m", m_host, 4).ok());
+    }
+    NONSTOP_CHECK(reg.RegisterValue("step", &step).ok());
+  }
+  static const std::byte* AsBytes(const std::vector<float>& v) {
+    return reinterpret_cast<const std::byte*>(v.data());
+  }
+  static std::span<float> Floats(std::span<std::byte> b) {
+    return {reinterpret_cast<float*>(b.data()), b.size() / sizeof(float)};
+  }
+  std::vector<float> Region(size_t index, size_t values) const {
+    std::vector<float> out(values);
+    reg.ReadRegion(index, 0, std::as_writable_bytes(std::span(out)));
+    return out;
+  }
+  std::span<std::byte> p_device, m_device;
+  std::vector<float> p_host, m_host;
+  int64_t step = 3;
+  StateRegistry reg;
+};
+
+TEST(DeviceRegionTest, ShardedRegionsOnADeviceBindReadAndWriteAsInHostMemory) {
+  auto device = std::make_shared<ProtectedDevice>();
+  ShardedModel on_device(device), on_host;
+  ASSERT_EQ(on_device.reg.num_chunks(), on_host.reg.num_chunks());
+  for (int shard : {2, 0}) {
+    ASSERT_TRUE(on_device.reg.BindShard(shard).ok());
+    ASSERT_TRUE(on_host.reg.BindShard(shard).ok());
+    EXPECT_EQ(on_device.reg.Digest(), on_host.reg.Digest()) << "shard " << shard;
+    EXPECT_EQ(on_device.Region(0, 600)[0], 600.0f * static_cast<float>(shard) + 0.5f);
+  }
+  // what a holder of every shard serves of each, chunk by chunk (the whole buffer is on the device)
+  for (uint32_t c = 0; c < on_device.reg.num_chunks(); ++c) {
+    if (!on_device.reg.chunk_sharded(c)) continue;
+    EXPECT_TRUE(on_device.reg.ContiguousChunk(c).empty()) << "device bytes are staged";
+    for (int shard = 0; shard < 4; ++shard) {
+      std::vector<std::byte> x(on_device.reg.chunk_size(c)), y(x.size());
+      on_device.reg.ReadChunkOfShard(c, shard, x);
+      on_host.reg.ReadChunkOfShard(c, shard, y);
+      EXPECT_EQ(x, y) << "chunk " << c << " of shard " << shard;
+    }
+  }
+  // a chunk of another member's state, written in, lands in the bound shard on the device
+  std::vector<float> other(256, 42.0f);
+  auto bytes = std::as_bytes(std::span(other));
+  ASSERT_TRUE(on_device.reg.WriteChunk(0, bytes, Crc32c(bytes.data(), bytes.size())).ok());
+  std::vector<float> whole(2400);
+  ASSERT_TRUE(device
+                  ->ToHost(reinterpret_cast<std::byte*>(whole.data()), on_device.p_device.data(),
+                           on_device.p_device.size())
+                  .ok());
+  EXPECT_EQ(whole[0], 42.0f) << "shard 0's first chunk";
+  EXPECT_EQ(whole[256], 256.5f);
+  EXPECT_EQ(whole[600], 600.5f) << "shard 1 untouched";
+}
+
+TEST(DeviceRegionTest, AdoptShardCopiesADeviceViewsShardIntoDeviceMemoryOfItsOwn) {
+  auto device = std::make_shared<ProtectedDevice>();
+  ShardedModel m(device);
+  ASSERT_TRUE(m.reg.BindShard(3).ok());
+  const std::string digest = m.reg.Digest();
+  std::span<std::byte> own = device->Allocate(600 * sizeof(float));
+  ASSERT_TRUE(m.reg.AdoptShard("p", ShardedModel::Floats(own)).ok());
+  EXPECT_EQ(m.reg.regions()[0].bytes.data(), own.data());
+  EXPECT_TRUE(m.reg.regions()[0].whole.empty());
+  EXPECT_EQ(m.reg.Digest(), digest) << "the same bytes, now in memory of its own";
+  std::vector<float> copied(600);
+  ASSERT_TRUE(
+      device->ToHost(reinterpret_cast<std::byte*>(copied.data()), own.data(), own.size()).ok());
+  EXPECT_EQ(copied[0], 1800.5f);
+  EXPECT_EQ(copied[599], 2399.5f);
+}
+
 TEST(DeviceRegionTest, ADeviceThatCannotCopyEndsTheProcessNamingTheRegionAndDevice) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   auto device = std::make_shared<ProtectedDevice>();

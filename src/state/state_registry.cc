@@ -90,7 +90,8 @@ Status StateRegistry::Register(std::string name, std::span<std::byte> bytes) {
 }
 
 Status StateRegistry::AddShardRegion(std::string name, std::span<float> bytes,
-                                     std::span<float> whole, int group_size) {
+                                     std::span<float> whole, int group_size,
+                                     std::shared_ptr<const DeviceMemory> device) {
   if (group_size < 1) {
     return InvalidArgumentError(
         fmt::format("state region '{}' is sharded over groups of {}: a group has at least 1 "
@@ -109,16 +110,19 @@ Status StateRegistry::AddShardRegion(std::string name, std::span<float> bytes,
   r.shape = {static_cast<int64_t>(bytes.size())};
   r.shard_group = group_size;
   r.whole = std::as_writable_bytes(whole);
+  r.device = std::move(device);
   shard_group_ = group_size;
   chunks_ = Tiling(chunk_bytes_);
   return OkStatus();
 }
 
-Status StateRegistry::RegisterShard(std::string name, std::span<float> shard, int group_size) {
-  return AddShardRegion(std::move(name), shard, {}, group_size);
+Status StateRegistry::RegisterShard(std::string name, std::span<float> shard, int group_size,
+                                    std::shared_ptr<const DeviceMemory> device) {
+  return AddShardRegion(std::move(name), shard, {}, group_size, std::move(device));
 }
 
-Status StateRegistry::RegisterShardView(std::string name, std::span<float> whole, int group_size) {
+Status StateRegistry::RegisterShardView(std::string name, std::span<float> whole, int group_size,
+                                        std::shared_ptr<const DeviceMemory> device) {
   if (group_size < 1 || whole.size() % static_cast<size_t>(group_size) != 0) {
     return InvalidArgumentError(
         fmt::format("state region '{}' of {} values is not {} shards of one size: pad the buffer "
@@ -128,7 +132,7 @@ Status StateRegistry::RegisterShardView(std::string name, std::span<float> whole
   size_t shard = whole.size() / static_cast<size_t>(group_size);
   int at = held_shard_ >= 0 ? held_shard_ : 0;
   return AddShardRegion(std::move(name), whole.subspan(static_cast<size_t>(at) * shard, shard),
-                        whole, group_size);
+                        whole, group_size, std::move(device));
 }
 
 Status StateRegistry::RebindShard(std::string_view name, std::span<float> shard) {
@@ -159,7 +163,19 @@ Status StateRegistry::AdoptShard(std::string_view name, std::span<float> shard) 
     if (r.whole.empty())
       return InvalidArgumentError(fmt::format("state region '{}' is not a shard view", name));
     if (shard.size_bytes() != r.bytes.size()) break;  // RebindShard says so
-    std::memcpy(shard.data(), r.bytes.data(), r.bytes.size());
+    auto* to = reinterpret_cast<std::byte*>(shard.data());
+    if (r.device == nullptr) {
+      std::memcpy(to, r.bytes.data(), r.bytes.size());
+      break;
+    }
+    // device to device through host memory, a piece at a time
+    constexpr size_t kPiece = size_t{1} << 20;
+    std::vector<std::byte> buf(std::min(r.bytes.size(), kPiece));
+    for (size_t at = 0; at < r.bytes.size(); at += kPiece) {
+      const size_t take = std::min(kPiece, r.bytes.size() - at);
+      CopyToHost(r, r.bytes.data() + at, buf.data(), take);
+      CopyFromHost(r, to + at, buf.data(), take);
+    }
   }
   return RebindShard(name, shard);
 }

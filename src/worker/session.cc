@@ -653,21 +653,36 @@ class SessionImpl {
     return OkStatus();
   }
 
-  Status ReduceShards(std::span<float> data) {
+  // `data`: fp32 values in host memory or the device's (DeviceRegion).
+  Status ReduceShards(collective::Region data) {
     return RunCollective(
         [&]() -> Status {
-          NONSTOP_RETURN_IF_ERROR(group_comm_->ReduceScatter(data));
-          auto [lo, hi] =
-              collective::ChunkRange(data.size(), group_comm_->world_size(), group_comm_->rank());
+          NONSTOP_RETURN_IF_ERROR(group_comm_->ReduceScatter(data, collective::DType::kFloat32));
           if (replica_comm_->world_size() == 1) return OkStatus();
-          return replica_comm_->AllReduce(data.subspan(lo, hi - lo));
+          auto [lo, hi] = collective::ChunkRange(data.bytes / sizeof(float),
+                                                 group_comm_->world_size(), group_comm_->rank());
+          collective::Region shard = data;
+          shard.data += lo * sizeof(float);
+          shard.bytes = (hi - lo) * sizeof(float);
+          return replica_comm_->AllReduce(shard, collective::DType::kFloat32);
         },
         /*at_step_boundary=*/true);
   }
 
-  Status GatherShards(std::span<std::byte> data, size_t element_bytes) {
+  Status GatherShards(collective::Region data, size_t element_bytes) {
     return RunCollective([&] { return group_comm_->AllGather(data, element_bytes); },
                          /*at_step_boundary=*/false);
+  }
+
+  // `bytes` of the memory of SessionOptions::device, as the data plane names them; `what` names
+  // the call in the error without a device.
+  Result<collective::Region> DeviceRegion(std::string_view what, std::span<std::byte> bytes) const {
+    if (options_.device == nullptr) {
+      return FailedPreconditionError(
+          fmt::format("{}: this session has no device (set SessionOptions::device)", what));
+    }
+    return collective::Region{bytes.data(), bytes.size(), collective::Device::kCuda,
+                              options_.device->index()};
   }
 
   // ---- fault injection ----
@@ -925,13 +940,8 @@ class SessionImpl {
   // The ring's sum of `device_data` in the device's memory (`what` names the call for errors);
   // `announce` as RunCollective's.
   Status ReduceOnDevice(std::string_view what, std::span<float> device_data, bool announce) {
-    if (options_.device == nullptr) {
-      return FailedPreconditionError(
-          fmt::format("{}: this session has no device (set SessionOptions::device)", what));
-    }
-    const collective::Region region{reinterpret_cast<std::byte*>(device_data.data()),
-                                    device_data.size_bytes(), collective::Device::kCuda,
-                                    options_.device->index()};
+    NONSTOP_ASSIGN_OR_RETURN(collective::Region region,
+                             DeviceRegion(what, std::as_writable_bytes(device_data)));
     return RunCollective([&] { return comm_->AllReduce(region, collective::DType::kFloat32); },
                          /*at_step_boundary=*/true, announce);
   }
@@ -1290,7 +1300,7 @@ Status Session::ReduceShards(std::span<float> data) {
       << "ReduceShards: " << data.size() << " floats are not " << shard_group()
       << " shards of one size";
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
-  return impl_->ReduceShards(data);
+  return impl_->ReduceShards(collective::HostRegion(data));
 }
 Status Session::GatherShards(std::span<std::byte> data, size_t element_bytes) {
   const auto g = static_cast<size_t>(shard_group());
@@ -1298,7 +1308,27 @@ Status Session::GatherShards(std::span<std::byte> data, size_t element_bytes) {
       << "GatherShards: " << data.size() << " bytes are not " << g << " shards of elements of "
       << element_bytes;
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
-  return impl_->GatherShards(data, element_bytes);
+  return impl_->GatherShards(collective::HostRegion(data), element_bytes);
+}
+Status Session::ReduceShardsOnDevice(std::span<float> device_data) {
+  NONSTOP_CHECK(shard_group() > 0 && device_data.size() % static_cast<size_t>(shard_group()) == 0)
+      << "ReduceShardsOnDevice: " << device_data.size() << " floats are not " << shard_group()
+      << " shards of one size";
+  NONSTOP_ASSIGN_OR_RETURN(
+      collective::Region region,
+      impl_->DeviceRegion("ReduceShardsOnDevice", std::as_writable_bytes(device_data)));
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
+  return impl_->ReduceShards(region);
+}
+Status Session::GatherShardsOnDevice(std::span<std::byte> device_data, size_t element_bytes) {
+  const auto g = static_cast<size_t>(shard_group());
+  NONSTOP_CHECK(g > 0 && element_bytes > 0 && device_data.size() % (g * element_bytes) == 0)
+      << "GatherShardsOnDevice: " << device_data.size() << " bytes are not " << g
+      << " shards of elements of " << element_bytes;
+  NONSTOP_ASSIGN_OR_RETURN(collective::Region region,
+                           impl_->DeviceRegion("GatherShardsOnDevice", device_data));
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
+  return impl_->GatherShards(region, element_bytes);
 }
 
 void Session::ReportStep(const StepReport& r) {

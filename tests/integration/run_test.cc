@@ -273,6 +273,62 @@ TEST(RunIntegrationTest, StateOnADeviceIsRecoveredIntoTheSparesDeviceMemoryBitwi
   for (const auto& f : finished) EXPECT_EQ(f["checksum"], TestWorkerChecksum(30, 100003)) << out;
 }
 
+// Issue 30: sharded state on a device. The test worker's accumulator is a shard view over groups
+// of 2 (StateRegistry::RegisterShardView with the stand-in device), each step's sum is reduced
+// with Session::ReduceShardsOnDevice and the whole gathered back with GatherShardsOnDevice. A kill
+// with a spare is recovered, the spare copying only its shard, into its device memory, from the
+// shard's other holder; the job ends on the checksum of an unsharded job without a fault, as the
+// same sharded job in host memory does.
+TEST(RunIntegrationTest, ShardedStateOnADeviceIsCopiedIntoTheSparesDeviceMemoryBitwise) {
+  TempDir dir;
+  const size_t elements = 10007;  // odd: the buffer is padded to 10008, 5004 values a shard
+  for (const std::string device : {"stand-in", "host"}) {
+    const std::string journal = dir / (device + ".jsonl");
+    ChildProcess run({kBin + "/nonstop",
+                      "run",
+                      "--nproc",
+                      "4",
+                      "--spares",
+                      "1",
+                      "--journal",
+                      journal,
+                      "--inject",
+                      "kill:rank=1,step=8",
+                      "--",
+                      kBin + "/nonstop-test-worker",
+                      "--steps",
+                      "20",
+                      "--elements",
+                      std::to_string(elements),
+                      "--sleep-ms",
+                      "10",
+                      "--shard-group",
+                      "2",
+                      "--device",
+                      device},
+                     dir / (device + ".txt"));
+    const int code = run.Wait(milliseconds(90'000));
+    const std::string out = run.Output();
+    ASSERT_EQ(code, 0) << device << "\n" << out;
+    if (device != "host") {
+      EXPECT_NE(out.find("built its state on stand-in:0"), std::string::npos) << out;
+    }
+    EXPECT_NE(out.find("re-sharded: copied shard 1 of the optimizer state"), std::string::npos)
+        << device << "\n"
+        << out;
+    auto ends = Events(journal, "recovery_end");
+    ASSERT_EQ(ends.size(), 1u) << device << "\n" << out;
+    EXPECT_EQ(ends[0]["recovery"]["outcome"], "completed") << ends[0].dump();
+    // shard 1 of step 7 (5004 floats) and the step counter, not the whole accumulator
+    EXPECT_EQ(ends[0]["recovery"]["bytes_copied"].get<int64_t>(), 5004 * 4 + 8) << ends[0].dump();
+    auto finished = Events(journal, "finished");
+    ASSERT_EQ(finished.size(), 4u) << device << "\n" << out;
+    for (const auto& f : finished) {
+      EXPECT_EQ(f["checksum"], TestWorkerChecksum(20, elements)) << device << "\n" << out;
+    }
+  }
+}
+
 // Issue 30: the world-invariant sum on a device. Every step's items are tenths folded into tree
 // partials on the device and summed with Session::AllReduceTreeOnDevice; 4 workers and a spare
 // with a kill end on the checksum of 3 workers in host memory without a fault. The bits depend on
