@@ -221,6 +221,7 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   w.last_step = std::max(w.last_step, e.msg.step);
   w.waiting_ms = -1;
   highest_step_ = std::max(highest_step_, e.msg.step);
+  if (IsLiveMember(w)) NoteStepReportedLate(e.msg);
   // Every member reports the same (allreduced) loss: journal each step once,
   // from whichever member reports it first (rank 0 may have been aborted
   // inside a step that the others completed).
@@ -246,6 +247,24 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
     if (!open_recovery_ && e.msg.step > resume_step_) step_times_.Add(e.msg.step_seconds);
   }
   MaybeCloseRecovery(out);
+}
+
+// A step the members completed before the fault, first reported after the recovery opened (on a
+// loaded machine a survivor's report can trail the dead member's notice): the step across the
+// fault is the one after it, which began when this one ended. That is estimated as the start of
+// this step plus its own duration (else a normal step's), never later than this report, so the
+// time lost does not count a completed step as work in flight. Without either duration the
+// record keeps its start.
+void Controller::NoteStepReportedLate(const control::ProgressMsg& m) {
+  if (!open_recovery_) return;
+  RecoveryRecord& rec = recoveries_[*open_recovery_];
+  if (rec.plan_at || !rec.step_began_at || m.step != rec.step_before + 1) return;
+  const double seconds = m.step_seconds > 0 ? m.step_seconds : rec.normal_step_seconds;
+  if (seconds <= 0) return;
+  const auto took =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  rec.step_began_at = std::min(now_, *rec.step_began_at + took);
+  rec.step_before = m.step;
 }
 
 void Controller::On(const FinishedReceived& e, std::vector<Action>* out) {

@@ -264,6 +264,36 @@ TEST_F(ControllerTest, TimeLostRunsFromTheStepBeforeTheFaultToTheResumedStepLess
   EXPECT_NEAR(rec["time_lost"]["split_ms"]["redone_steps"].get<double>(), 0, 1e-6);
 }
 
+// On a loaded machine the survivors' report of the step the dead member had completed can come
+// after its death's notice. That step was not in flight: the step across the fault began at its
+// end (its start plus its own 90 ms), and the time lost is the same as with a timely report.
+TEST_F(ControllerTest, AStepReportedAfterTheFaultIsNotCountedAsWorkInFlight) {
+  StartJob();
+  for (int s = 0; s <= 3; ++s) {
+    now_ += Millis(100);
+    for (int id : {0, 1, 2}) Step(id, s);
+  }
+  now_ += Millis(95);  // step 4 done on every rank at +90 ms; rank 2 dies as step 5 starts
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
+  now_ += Millis(5);  // the survivors' reports of step 4 come now
+  Do(ProgressReceived{0, {4, 2.0, 0.09, 100, 3}});
+  Do(ProgressReceived{1, {4, 2.0, 0.09, 100, 3}});
+  now_ += Millis(10);
+  Ready(0, 4);
+  ASSERT_EQ(Find<SendPlan>(Ready(1, 4)).size(), 3u);
+  now_ += Millis(100);
+  Step(0, 5);
+  Step(1, 5);
+  nlohmann::json rec;
+  for (const auto& j : Find<AppendJournal>(Do(ProgressReceived{3, {5, 2.0, 0.1, 100, 3}})))
+    if (j.record.value("event", "") == "recovery_end") rec = j.record["recovery"];
+  ASSERT_TRUE(rec.is_object()) << "the recovery closed when the spare completed step 5";
+  // step 5 began at +90 ms (step 4's end), and ended 120 ms after that less a normal step
+  EXPECT_NEAR(rec["time_lost"]["split_ms"]["in_flight"].get<double>(), 5, 1e-6) << rec.dump(2);
+  EXPECT_NEAR(rec["time_lost"]["split_ms"]["redone_steps"].get<double>(), 0, 1e-6) << rec.dump(2);
+  EXPECT_NEAR(rec["time_lost_ms"].get<double>(), 20, 1e-6) << rec.dump(2);
+}
+
 // A fault in the job's second step comes before any normal step (the first builds the model): its
 // recovery_end counts the whole step across it and says so (normal_steps null), and the report at
 // the job's end sets it against the job's median step by then, saying where that came from.

@@ -132,12 +132,12 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   EXPECT_NE(row.find("kill:rank=1,step=30"), std::string::npos) << row;
   EXPECT_NE(row.find("spare (rank 1: worker 1 → spare worker 3)"), std::string::npos) << row;
   EXPECT_NE(row.find("completed"), std::string::npos) << row;
-  // It leads with the time the fault cost the job, its split on hover (issue 27). The test
-  // worker reports no step duration, so no fraction of a normal step follows.
+  // It leads with the time the fault cost the job, its split on hover (issue 27), and that as a
+  // fraction of the job's normal step (the test worker reports each step's duration).
   EXPECT_TRUE(std::regex_search(
       row,
       std::regex("<td class=\"num time-lost\" title=\"in_flight -?[\\d.]+ ms, detect -?[\\d.]+ "
-                 "ms, abort [^\"]*\">-?[\\d.]+ ms</td>")))
+                 "ms, abort [^\"]*\">-?[\\d.]+ ms \\(-?[\\d.]+ of a step\\)</td>")))
       << row;
   EXPECT_NE(first.dom.find("<span>time lost to faults</span>"), std::string::npos);
   // The member table: the spare holds rank 1 now.
@@ -179,8 +179,9 @@ TEST(DashboardBrowserTest, TheLiveDashboardAndTheReportShowTheRunAndItsRecovery)
   ExpectNoPageError(rep);
   EXPECT_NE(rep.dom.find("nonstop report: " + journal), std::string::npos);
   EXPECT_TRUE(std::regex_search(
-      rep.dom, std::regex("<tr data-recovery=\"1\">.*?kill:rank=1,step=30.*?completed.*?"
-                          "class=\"num time-lost\"[^>]*>-?[\\d.]+ ms</td>")))
+      rep.dom,
+      std::regex("<tr data-recovery=\"1\">.*?kill:rank=1,step=30.*?completed.*?"
+                 "class=\"num time-lost\"[^>]*>-?[\\d.]+ ms \\(-?[\\d.]+ of a step\\)</td>")))
       << rep.dom.substr(0, 4000);
   EXPECT_NE(rep.dom.find("<div class=\"card\"><b>1</b><span>recoveries</span></div>"),
             std::string::npos)

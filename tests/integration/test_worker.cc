@@ -18,6 +18,13 @@
 // the GPUs it sees): the workers and spares of one machine spread over its
 // GPUs (NCCL needs one each).
 //
+// --shard-group G shards the accumulator as ZeRO-1 shards parameters (docs/sharding.md): it is
+// registered as a shard view (StateRegistry::RegisterShardView, on the device with --device), the
+// step's sum is reduced with Session::ReduceShards (ReduceShardsOnDevice), each rank adds its
+// shard of it to its shard of the accumulator, and the group gathers the whole accumulator back
+// (GatherShards, GatherShardsOnDevice) at the start of each step and before the end. A spare
+// then copies only its shard, from that shard's holders.
+//
 // --tree makes the sums world-invariant (docs/determinism.md): each rank folds
 // its block of items into the partial sums of its tree nodes (TreeFolder) and
 // the members sum them with Session::AllReduceTree (AllReduceTreeOnDevice
@@ -133,6 +140,42 @@ nonstop::Status TreeSum(nonstop::Session& s, int64_t step, uint64_t lo, uint64_t
 
 }  // namespace
 
+std::span<float> DeviceFloats(std::span<std::byte> bytes) {
+  return {reinterpret_cast<float*>(bytes.data()), bytes.size() / sizeof(float)};
+}
+
+// --shard-group: the group's all-gather of the whole accumulator, into `acc` (and first into
+// its device buffer with --device).
+nonstop::Status GatherAcc(nonstop::Session& s, const DeviceBuffers& dev, std::vector<float>& acc) {
+  auto bytes = std::as_writable_bytes(std::span(acc));
+  if (dev.memory == nullptr) return s.GatherShards(bytes, sizeof(float));
+  NONSTOP_RETURN_IF_ERROR(s.GatherShardsOnDevice(dev.state, sizeof(float)));
+  return dev.memory->ToHost(bytes.data(), dev.state.data(), bytes.size());
+}
+
+// --shard-group: the step's sum reduced so that this rank's shard of `v` holds the world's sum
+// (the rest of `v` is scratch), on the device with --device.
+nonstop::Status ReduceShardsOf(nonstop::Session& s, const DeviceBuffers& dev,
+                               std::vector<float>& v) {
+  if (dev.memory == nullptr) return s.ReduceShards(v);
+  auto bytes = std::as_writable_bytes(std::span(v));
+  NONSTOP_RETURN_IF_ERROR(dev.memory->ToDevice(dev.sum.data(), bytes.data(), bytes.size()));
+  NONSTOP_RETURN_IF_ERROR(s.ReduceShardsOnDevice(DeviceFloats(dev.sum)));
+  return dev.memory->ToHost(bytes.data(), dev.sum.data(), bytes.size());
+}
+
+// --shard-group: this rank's shard of the accumulator (region 0, wherever it lives) += its shard
+// of the step's sum, as an optimizer steps its shard of the parameters.
+void AddToHeldShard(nonstop::state::StateRegistry& state, const std::vector<float>& v) {
+  const int shard = state.held_shard();
+  NONSTOP_CHECK(shard >= 0) << "no shard is bound after a join or a recovery";
+  const size_t n = v.size() / static_cast<size_t>(state.shard_group());
+  std::vector<float> mine(n);
+  state.ReadRegion(0, 0, std::as_writable_bytes(std::span(mine)));
+  for (size_t i = 0; i < n; ++i) mine[i] += v[static_cast<size_t>(shard) * n + i];
+  state.WriteRegion(0, 0, std::as_bytes(std::span(mine)));
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"nonstop integration-test worker"};
   int64_t steps = 10;
@@ -157,11 +200,19 @@ int main(int argc, char** argv) {
                "world-invariant sums: each rank folds its items into tree partials (TreeFolder) "
                "summed by AllReduceTree (on the device with --device), and the items are "
                "fractions, so the bits depend on the order of the additions");
+  int shard_group = 0;
+  app.add_option("--shard-group", shard_group,
+                 "shard the accumulator over groups of G ranks (see the top of test_worker.cc)")
+      ->check(CLI::Range(0, 64));
   std::string data_plane = "staged";
   app.add_option("--data-plane", data_plane,
                  "what sums the device's memory: staged (over TCP) or nccl (--device cuda)")
       ->check(CLI::IsMember({"staged", "nccl"}));
   CLI11_PARSE(app, argc, argv);
+  if (shard_group > 0 && tree) {
+    fmt::print(stderr, "--shard-group and --tree: choose one (a sharded step sums on the ring)\n");
+    return 2;
+  }
   if (!dump_environ.empty()) {
     const std::string prefix = fmt::format("{}-{}", dump_environ, ::getpid());
     {
@@ -179,7 +230,10 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "{}\n", options.status().ToString());
     return 2;
   }
-  std::vector<float> acc(elements, 0.0f);  // the state, or its host copy with --device
+  // the state, or its host copy with --device; sharded, padded to a multiple of the group
+  const size_t padded =
+      shard_group > 0 ? (elements + shard_group - 1) / shard_group * shard_group : elements;
+  std::vector<float> acc(padded, 0.0f);
   auto acc_bytes = std::as_writable_bytes(std::span(acc));
   int64_t completed = -1;
   nonstop::state::StateRegistry state(64 << 10);
@@ -214,12 +268,25 @@ int main(int argc, char** argv) {
       return 2;
 #endif
     }
-    (void)state.RegisterOnDevice("acc", dev.state, dev.memory);
-    state.WriteRegion(0, 0, acc_bytes);  // zeros
-  } else {
-    (void)state.Register("acc", acc_bytes);
   }
-  (void)state.RegisterValue("step", &completed);
+  nonstop::Status built;
+  if (on_device && shard_group > 0) {
+    built = dev.memory->ToDevice(dev.state.data(), acc_bytes.data(), acc_bytes.size());  // zeros
+    if (built.ok())
+      built = state.RegisterShardView("acc", DeviceFloats(dev.state), shard_group, dev.memory);
+  } else if (on_device) {
+    built = state.RegisterOnDevice("acc", dev.state, dev.memory);
+    if (built.ok()) state.WriteRegion(0, 0, acc_bytes);  // zeros
+  } else if (shard_group > 0) {
+    built = state.RegisterShardView("acc", acc, shard_group);
+  } else {
+    built = state.Register("acc", acc_bytes);
+  }
+  if (built.ok()) built = state.RegisterValue("step", &completed);
+  if (!built.ok()) {
+    fmt::print(stderr, "the state: {}\n", built.ToString());
+    return 2;
+  }
   fmt::print("worker pid {} built its state{}\n", ::getpid(),
              on_device ? " on " + state.regions()[0].device->name() : "");
   std::fflush(stdout);
@@ -235,7 +302,7 @@ int main(int argc, char** argv) {
   fmt::print("worker {} (pid {}) is rank {} of {}\n", s.worker_id(), ::getpid(), s.rank(),
              s.world_size());
   std::fflush(stdout);
-  std::vector<float> v(elements);
+  std::vector<float> v(padded);
   int64_t step = s.resume_step();
   bool released = false;
   int extra_sleep_ms = 0;  // this step's share of --recovered-step-sleep-ms
@@ -260,11 +327,13 @@ int main(int argc, char** argv) {
   };
   while (true) {
     while (step < steps) {
+      const auto began = std::chrono::steady_clock::now();
       if (s.InjectedExceptionAt(step)) {
         fmt::print(stderr, "step {}: injected exception in the training loop\n", step);
         s.ReportFailure(nonstop::InternalError("injected exception"), step, 10);
         return 10;
       }
+      nonstop::Status st = shard_group > 0 ? GatherAcc(s, dev, acc) : nonstop::OkStatus();
       std::fill(v.begin(), v.end(), 0.0f);
       uint64_t lo = nonstop::data::BlockBegin(kItems, s.world_size(), s.rank());
       uint64_t hi = nonstop::data::BlockBegin(kItems, s.world_size(), s.rank() + 1);
@@ -276,8 +345,11 @@ int main(int argc, char** argv) {
       if (sleep_ms + extra_sleep_ms > 0)
         std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms + extra_sleep_ms));
       extra_sleep_ms = 0;
-      nonstop::Status st;
-      if (tree) {
+      if (!st.ok()) {
+        // the gather failed: the generation ended
+      } else if (shard_group > 0) {
+        st = ReduceShardsOf(s, dev, v);
+      } else if (tree) {
         st = TreeSum(s, step, lo, hi, on_device ? &dev : nullptr, v);
       } else if (on_device) {
         // the step's sum reduced on the device, in two overlapped buckets
@@ -299,20 +371,36 @@ int main(int argc, char** argv) {
           return released ? 0 : (s.shutdown_exit_code() != 0 ? s.shutdown_exit_code() : 10);
         continue;
       }
-      if (on_device) state.ReadRegion(0, 0, acc_bytes);
-      for (size_t i = 0; i < elements; ++i) acc[i] += v[i];
-      if (on_device) state.WriteRegion(0, 0, acc_bytes);
+      if (shard_group > 0) {
+        AddToHeldShard(state, v);
+      } else {
+        if (on_device) state.ReadRegion(0, 0, acc_bytes);
+        for (size_t i = 0; i < elements; ++i) acc[i] += v[i];
+        if (on_device) state.WriteRegion(0, 0, acc_bytes);
+      }
       completed = step;
-      s.ReportStep({step, static_cast<double>(acc[0]), 0, 0, steps});
+      // the step's wall time: the job's normal step, against which a fault's time lost is set
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+      s.ReportStep({step, static_cast<double>(acc[0]), seconds, 0, steps});
       if (s.rank() == 0) {
         fmt::print("step {} ok\n", step);
         std::fflush(stdout);
       }
       ++step;
     }
-    if (on_device) state.ReadRegion(0, 0, acc_bytes);  // the device's bytes
+    if (shard_group > 0) {
+      if (nonstop::Status g = GatherAcc(s, dev, acc); !g.ok()) {
+        fmt::print("final gather: {}\n", g.ToString());
+        if (!recover())
+          return released ? 0 : (s.shutdown_exit_code() != 0 ? s.shutdown_exit_code() : 10);
+        continue;
+      }
+    } else if (on_device) {
+      state.ReadRegion(0, 0, acc_bytes);  // the device's bytes
+    }
     std::string checksum =
-        fmt::format("{:08x}", nonstop::Crc32c(acc.data(), acc.size() * sizeof(float)));
+        fmt::format("{:08x}", nonstop::Crc32c(acc.data(), elements * sizeof(float)));
     nonstop::Status fin = s.Finish(steps - 1, checksum);
     if (fin.code() == nonstop::StatusCode::kAborted) {
       if (!recover()) return released ? 0 : 10;
