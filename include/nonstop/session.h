@@ -296,10 +296,13 @@ class Session {
   Status GatherShards(std::span<std::byte> data, size_t element_bytes);
   // The same two over buffers in the memory of SessionOptions::device
   // (FAILED_PRECONDITION without one; issue 30, docs/gpu.md): staged through
-  // host memory over the TCP collectives, each buffer copied up whole and
-  // down again (with any device_data_plane: its sub-groups stage too), with
-  // the bits of the host calls. The work that wrote a buffer must be done
-  // (synchronized) before the call.
+  // host memory over the TCP collectives, with the bits of the host calls.
+  // The group's reduce-scatter and all-gather copy the buffer up whole and
+  // down again; the replicas' all-reduce then stages the shard in pieces.
+  // The sub-groups of nonstop's device data planes (the default,
+  // StagedDataPlaneMaker, NcclDataPlaneMaker) stage; a device_data_plane of
+  // your own must give sub-groups that do. The work that wrote a buffer must
+  // be done (synchronized) before the call.
   Status ReduceShardsOnDevice(std::span<float> device_data);
   Status GatherShardsOnDevice(std::span<std::byte> device_data, size_t element_bytes);
   Status Barrier();

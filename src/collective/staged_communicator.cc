@@ -9,9 +9,61 @@
 
 namespace nonstop::collective {
 
+StagingPool::Lease& StagingPool::Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    if (pool_ != nullptr) pool_->Give(buffer_);
+    pool_ = std::exchange(other.pool_, nullptr);
+    buffer_ = std::exchange(other.buffer_, {});
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+StagingPool::Lease::~Lease() {
+  if (pool_ != nullptr) pool_->Give(buffer_);
+}
+
+Result<StagingPool::Lease> StagingPool::Take(size_t bytes) {
+  Lease lease;
+  if (bytes == 0) return lease;
+  {
+    MutexLock lock(&mu_);
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->size() >= bytes && (best == free_.end() || it->size() < best->size())) best = it;
+    }
+    if (best != free_.end()) {
+      lease.buffer_ = *best;
+      free_.erase(best);
+    }
+  }
+  if (lease.buffer_.empty()) {
+    NONSTOP_ASSIGN_OR_RETURN(lease.buffer_, copier_->HostBuffer(bytes));
+    MutexLock lock(&mu_);
+    ++made_;
+  }
+  lease.pool_ = this;
+  lease.bytes_ = bytes;
+  return lease;
+}
+
+void StagingPool::Give(std::span<std::byte> buffer) {
+  MutexLock lock(&mu_);
+  free_.push_back(buffer);
+}
+
+size_t StagingPool::buffers() const {
+  MutexLock lock(&mu_);
+  return made_;
+}
+
 StagedCommunicator::StagedCommunicator(std::unique_ptr<Communicator> host,
-                                       std::shared_ptr<DeviceCopier> copier, StagedOptions options)
-    : host_(std::move(host)), copier_(std::move(copier)), options_(options), staging_(3) {
+                                       std::shared_ptr<DeviceCopier> copier, StagedOptions options,
+                                       std::shared_ptr<StagingPool> pool)
+    : host_(std::move(host)),
+      copier_(std::move(copier)),
+      options_(options),
+      pool_(pool != nullptr ? std::move(pool) : std::make_shared<StagingPool>(copier_)) {
   NONSTOP_CHECK(host_ != nullptr && copier_ != nullptr);
   NONSTOP_CHECK(options_.piece_bytes >= 4 && options_.piece_bytes % 4 == 0)
       << "piece_bytes must be a positive multiple of 4";
@@ -19,7 +71,8 @@ StagedCommunicator::StagedCommunicator(std::unique_ptr<Communicator> host,
 
 std::unique_ptr<Communicator> StagedCommunicator::SubGroup(std::span<const int> ranks,
                                                            uint32_t op_space) const {
-  return std::make_unique<StagedCommunicator>(host_->SubGroup(ranks, op_space), copier_, options_);
+  return std::make_unique<StagedCommunicator>(host_->SubGroup(ranks, op_space), copier_, options_,
+                                              pool_);
 }
 
 Status StagedCommunicator::CheckDevice(const char* op, Device device, int index) const {
@@ -32,16 +85,6 @@ Status StagedCommunicator::CheckDevice(const char* op, Device device, int index)
       DeviceName(copier_->device(), copier_->device_index()), DeviceName(device, index)));
 }
 
-Result<std::span<std::byte>> StagedCommunicator::Staging(size_t index, size_t bytes) {
-  std::span<std::byte>& buffer = staging_[index];
-  if (buffer.size() < bytes) {  // the copier frees the smaller one with itself
-    auto grown = copier_->HostBuffer(bytes);
-    if (!grown.ok()) return grown.status();
-    buffer = *grown;
-  }
-  return buffer.first(bytes);
-}
-
 // Piece k goes up on lane k % 2 into host buffer k % 2; the lane's copies run
 // in order, so the copy up of piece k + 2 waits for the copy down of piece k,
 // which read that buffer. While the network has piece k, piece k + 1 is
@@ -50,11 +93,11 @@ template <typename HostOp>
 Status StagedCommunicator::Pipeline(Region data, bool to_host, bool to_device, HostOp host_op) {
   const size_t piece = options_.piece_bytes;
   const size_t pieces = (data.bytes + piece - 1) / piece;
+  StagingPool::Lease leases[2];
   std::span<std::byte> buffers[2];
   for (size_t b = 0; b < 2 && b < pieces; ++b) {
-    auto buffer = Staging(b, std::min(piece, data.bytes));
-    if (!buffer.ok()) return buffer.status();
-    buffers[b] = *buffer;
+    NONSTOP_ASSIGN_OR_RETURN(leases[b], pool_->Take(std::min(piece, data.bytes)));
+    buffers[b] = leases[b].span();
   }
   auto range = [&](size_t k) {
     return std::make_pair(k * piece, std::min(piece, data.bytes - k * piece));
@@ -76,7 +119,7 @@ Status StagedCommunicator::Pipeline(Region data, bool to_host, bool to_device, H
     if (status.ok() && to_device)
       status = copier_->ToDevice(lane, data.data + offset, host.data(), bytes);
   }
-  // Nothing in flight may outlive the call: its buffers are reused by the next one.
+  // Nothing in flight may outlive the call: its buffers go back to the pool.
   for (int lane = 0; lane < 2; ++lane) {
     Status waited = copier_->Wait(lane);
     if (status.ok()) status = waited;
@@ -86,12 +129,12 @@ Status StagedCommunicator::Pipeline(Region data, bool to_host, bool to_device, H
 
 template <typename HostOp>
 Status StagedCommunicator::Whole(Region data, bool up, bool down, HostOp host_op) {
-  auto buffer = Staging(2, data.bytes);
-  if (!buffer.ok()) return buffer.status();
-  Status status = up ? copier_->ToHost(0, buffer->data(), data.data, data.bytes) : OkStatus();
+  NONSTOP_ASSIGN_OR_RETURN(StagingPool::Lease lease, pool_->Take(data.bytes));
+  const std::span<std::byte> buffer = lease.span();
+  Status status = up ? copier_->ToHost(0, buffer.data(), data.data, data.bytes) : OkStatus();
   if (up && status.ok()) status = copier_->Wait(0);
-  if (status.ok()) status = host_op(*buffer);
-  if (status.ok() && down) status = copier_->ToDevice(0, data.data, buffer->data(), data.bytes);
+  if (status.ok()) status = host_op(buffer);
+  if (status.ok() && down) status = copier_->ToDevice(0, data.data, buffer.data(), data.bytes);
   Status waited = copier_->Wait(0);
   return status.ok() ? waited : status;
 }

@@ -75,10 +75,49 @@ struct StagedOptions {
   size_t piece_bytes = 4 << 20;  // a multiple of 4 (float32 sums)
 };
 
+// The copier's host buffers that staged communicators stage through, shared by every
+// communicator of a StagedDataPlane (each generation's, each sub-group's): a call takes what it
+// needs and gives it back when it returns. So a job that recovers many times keeps reusing the
+// few buffers its calls need at once, instead of keeping a new set for every generation (the
+// copier frees its buffers only with itself). Thread-safe.
+class StagingPool {
+ public:
+  explicit StagingPool(std::shared_ptr<DeviceCopier> copier) : copier_(std::move(copier)) {}
+
+  // A buffer taken from the pool until the lease is destroyed.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& other) noexcept { *this = std::move(other); }
+    Lease& operator=(Lease&& other) noexcept;
+    ~Lease();
+    std::span<std::byte> span() const { return buffer_.first(bytes_); }
+
+   private:
+    friend class StagingPool;
+    StagingPool* pool_ = nullptr;
+    std::span<std::byte> buffer_;  // the whole buffer, at least bytes_
+    size_t bytes_ = 0;
+  };
+  // The smallest free buffer of at least `bytes`, or a new one from the copier.
+  Result<Lease> Take(size_t bytes);
+  size_t buffers() const;  // how many the pool made (for tests)
+
+ private:
+  void Give(std::span<std::byte> buffer);
+
+  std::shared_ptr<DeviceCopier> copier_;
+  mutable Mutex mu_;
+  std::vector<std::span<std::byte>> free_ NONSTOP_GUARDED_BY(mu_);
+  size_t made_ NONSTOP_GUARDED_BY(mu_) = 0;
+};
+
 class StagedCommunicator : public Communicator {
  public:
+  // `pool`: the buffers it stages through, shared with the communicators made before and after
+  // it (StagedDataPlane's); null: a pool of its own.
   StagedCommunicator(std::unique_ptr<Communicator> host, std::shared_ptr<DeviceCopier> copier,
-                     StagedOptions options = {});
+                     StagedOptions options = {}, std::shared_ptr<StagingPool> pool = nullptr);
 
   Status Connect() override { return host_->Connect(); }
   std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
@@ -121,7 +160,6 @@ class StagedCommunicator : public Communicator {
   // copied back (`down`).
   template <typename HostOp>
   Status Whole(Region data, bool up, bool down, HostOp host_op);
-  Result<std::span<std::byte>> Staging(size_t index, size_t bytes);
   // kInvalidArgument for device memory on a lane other than 0 (one staging buffer).
   Status CheckLane(const char* op, int lane, Device device) const;
   // Point to point on `lane`, through a whole-buffer stage: `send`/`recv` is the host
@@ -133,8 +171,7 @@ class StagedCommunicator : public Communicator {
   std::unique_ptr<Communicator> host_;
   std::shared_ptr<DeviceCopier> copier_;
   StagedOptions options_;
-  std::vector<std::span<std::byte>>
-      staging_;  // the copier's buffers, reused: [0], [1] pieces, [2] whole
+  std::shared_ptr<StagingPool> pool_;
 };
 
 // A data plane whose communicators stage one device's memory over another
@@ -144,7 +181,10 @@ class StagedDataPlane final : public DataPlane {
  public:
   StagedDataPlane(std::unique_ptr<DataPlane> host, std::shared_ptr<DeviceCopier> copier,
                   StagedOptions options = {})
-      : host_(std::move(host)), copier_(std::move(copier)), options_(options) {}
+      : host_(std::move(host)),
+        copier_(std::move(copier)),
+        options_(options),
+        pool_(std::make_shared<StagingPool>(copier_)) {}
 
   net::HostPort address() const override { return host_->address(); }
   bool Supports(Device device) const override {
@@ -153,13 +193,15 @@ class StagedDataPlane final : public DataPlane {
   DataPlaneStats stats() const override { return host_->stats(); }
   std::unique_ptr<Communicator> NewCommunicator(CommunicatorOptions options) override {
     return std::make_unique<StagedCommunicator>(host_->NewCommunicator(std::move(options)), copier_,
-                                                options_);
+                                                options_, pool_);
   }
+  const StagingPool& pool() const { return *pool_; }
 
  private:
   std::unique_ptr<DataPlane> host_;
   std::shared_ptr<DeviceCopier> copier_;
   StagedOptions options_;
+  std::shared_ptr<StagingPool> pool_;  // every communicator's, every generation's
 };
 
 }  // namespace nonstop::collective

@@ -30,8 +30,13 @@ class StandInCopier : public DeviceCopier {
   Device device() const override { return Device::kCuda; }
   int device_index() const override { return 0; }
   Result<std::span<std::byte>> HostBuffer(size_t bytes) override {
+    std::lock_guard lock(mu_);
     buffers_.emplace_back(bytes);
     return std::span<std::byte>(buffers_.back());
+  }
+  size_t host_buffers() {
+    std::lock_guard lock(mu_);
+    return buffers_.size();
   }
   Status ToHost(int lane, std::byte* host, const std::byte* device, size_t bytes) override {
     std::memcpy(host, device, bytes);
@@ -227,6 +232,57 @@ TEST(StagedDataPlaneTest, SupportsTheCopiersDeviceAndMakesStagedCommunicators) {
   std::vector<float> v(8, 2.0f);
   ASSERT_TRUE(comm->AllReduce(Cuda(v), DType::kFloat32).ok()) << "a world of one";
   EXPECT_EQ(v, std::vector<float>(8, 2.0f));
+}
+
+// Every communicator a staged data plane makes, each generation's and each sub-group's, stages
+// through one pool of host buffers: fifty generations reuse what the first one took from the
+// copier (two pieces and a whole buffer), where each used to take its own, kept until the end.
+TEST(StagedDataPlaneTest, EveryCommunicatorOfADataPlaneSharesItsStagingBuffers) {
+  net::AbortSignal abort;
+  auto listener = net::Listen({"127.0.0.1", 0});
+  ASSERT_TRUE(listener.ok());
+  const std::string address = listener->address.ToString();
+  auto copier = std::make_shared<StandInCopier>();
+  StagedDataPlane plane(TcpDataPlane::Create({"staged-test", 0}, std::move(*listener), &abort),
+                        copier, StagedOptions{1024});
+  for (int generation = 1; generation <= 50; ++generation) {
+    CommunicatorOptions o;
+    o.members = {{0, address}};
+    auto comm = plane.NewCommunicator(o);
+    const std::vector<int> group{0};
+    auto sub = comm->SubGroup(group, 1);
+    std::vector<float> v(4096, 1.0f);  // 16 KiB: 16 pieces of 1 KiB
+    ASSERT_TRUE(comm->AllReduce(Cuda(v), DType::kFloat32).ok());
+    ASSERT_TRUE(sub->ReduceScatter(Cuda(v), DType::kFloat32).ok());
+    ASSERT_TRUE(sub->AllGather(Cuda(v), sizeof(float)).ok());
+    ASSERT_EQ(v, std::vector<float>(4096, 1.0f)) << "a world of one: generation " << generation;
+  }
+  EXPECT_EQ(copier->host_buffers(), 3u);
+  EXPECT_EQ(plane.pool().buffers(), 3u);
+}
+
+// A lease goes back to the pool when it ends, and the pool hands out the smallest free buffer that
+// is large enough: a larger request takes a new one.
+TEST(StagingPoolTest, ALeaseGoesBackAndTheSmallestBufferThatFitsIsTakenAgain) {
+  auto copier = std::make_shared<StandInCopier>();
+  StagingPool pool(copier);
+  std::byte* small = nullptr;
+  {
+    auto a = pool.Take(100), b = pool.Take(1000);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(a->span().size(), 100u);
+    small = a->span().data();
+    EXPECT_NE(small, b->span().data()) << "two leases at once: two buffers";
+  }
+  auto again = pool.Take(50);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->span().data(), small) << "the 100-byte buffer fits 50 best";
+  EXPECT_EQ(again->span().size(), 50u);
+  auto larger = pool.Take(5000);
+  ASSERT_TRUE(larger.ok());
+  EXPECT_EQ(pool.buffers(), 3u);
+  EXPECT_TRUE(pool.Take(0).ok());
+  EXPECT_EQ(pool.buffers(), 3u) << "nothing for no bytes";
 }
 
 TEST(StagedCommunicatorTest, RefusesARegionOnAnotherDeviceAndPassesHostMemoryThrough) {

@@ -221,14 +221,13 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   w.last_step = std::max(w.last_step, e.msg.step);
   w.waiting_ms = -1;
   highest_step_ = std::max(highest_step_, e.msg.step);
-  if (IsLiveMember(w)) NoteStepReportedLate(e.msg);
   // Every member reports the same (allreduced) loss: journal each step once,
   // from whichever member reports it first (rank 0 may have been aborted
   // inside a step that the others completed).
   if (IsLiveMember(w) && e.msg.step > clock_step_) {
     // The next step of the job's course (steps redone after a restart or a lost step included).
     clock_step_ = e.msg.step;
-    step_began_at_ = now_;
+    step_began_at_ = StepReportedLate(e.msg).value_or(now_);
   }
   if (IsLiveMember(w) && e.msg.step > last_journaled_step_) {
     last_journaled_step_ = e.msg.step;
@@ -249,22 +248,26 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
   MaybeCloseRecovery(out);
 }
 
-// A step the members completed before the fault, first reported after the recovery opened (on a
+// A step the members completed before a fault, first reported after its recovery opened (on a
 // loaded machine a survivor's report can trail the dead member's notice): the step across the
 // fault is the one after it, which began when this one ended. That is estimated as the start of
 // this step plus its own duration (else a normal step's), never later than this report, so the
-// time lost does not count a completed step as work in flight. Without either duration the
-// record keeps its start.
-void Controller::NoteStepReportedLate(const control::ProgressMsg& m) {
-  if (!open_recovery_) return;
+// time lost does not count a completed step as work in flight; the record takes it, and so does
+// the job's clock (a recovery that supersedes this one starts from it too). Nullopt where it does
+// not apply: no fault's recovery open (a resize's drain completes a step by design), its plan
+// out, another step, or no duration known.
+std::optional<Clock::time_point> Controller::StepReportedLate(const control::ProgressMsg& m) {
+  if (!open_recovery_) return std::nullopt;
   RecoveryRecord& rec = recoveries_[*open_recovery_];
-  if (rec.plan_at || !rec.step_began_at || m.step != rec.step_before + 1) return;
+  if (rec.kind == "resize" || rec.plan_at || !rec.step_began_at || m.step != rec.step_before + 1)
+    return std::nullopt;
   const double seconds = m.step_seconds > 0 ? m.step_seconds : rec.normal_step_seconds;
-  if (seconds <= 0) return;
+  if (seconds <= 0) return std::nullopt;
   const auto took =
       std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   rec.step_began_at = std::min(now_, *rec.step_began_at + took);
   rec.step_before = m.step;
+  return rec.step_began_at;
 }
 
 void Controller::On(const FinishedReceived& e, std::vector<Action>* out) {

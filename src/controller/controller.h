@@ -435,7 +435,7 @@ class Controller {
   // Carries out a plan (verdict kPlan): roles, generation, record, plan messages, spawns, journal.
   void ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector<Action>* out);
   void MaybeCloseRecovery(std::vector<Action>* out);
-  void NoteStepReportedLate(const control::ProgressMsg& m);
+  std::optional<Clock::time_point> StepReportedLate(const control::ProgressMsg& m);
   // The recovery a takeover found open: if its plan is the generation taken
   // over, it stays open and ends as any does (MaybeCloseRecovery); if its
   // plan never went out, it ends now, interrupted.

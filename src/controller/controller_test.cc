@@ -294,6 +294,51 @@ TEST_F(ControllerTest, AStepReportedAfterTheFaultIsNotCountedAsWorkInFlight) {
   EXPECT_NEAR(rec["time_lost_ms"].get<double>(), 20, 1e-6) << rec.dump(2);
 }
 
+// The same without the step's own duration (a program that reports none): a normal step stands for
+// it. A second fault after the plan supersedes the recovery, and the new one starts from the same
+// corrected clock.
+TEST_F(ControllerTest, AStepReportedLateWithoutItsDurationEndsANormalStepOn) {
+  StartJob();
+  const Clock::time_point t0 = now_;
+  for (int s = 0; s <= 3; ++s) {
+    now_ += Millis(100);
+    for (int id : {0, 1, 2}) Step(id, s);  // step 3 reported at t0 + 400 ms
+  }
+  now_ += Millis(60);  // rank 2 dies at +460 ms; the step 4 it completed is reported at +520 ms
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
+  now_ += Millis(60);
+  Do(ProgressReceived{0, {4, 2.0, 0.0, 100, 3}});
+  ASSERT_EQ(c_->recoveries().size(), 1u);
+  EXPECT_EQ(c_->recoveries()[0].step_before, 4);
+  EXPECT_EQ(*c_->recoveries()[0].step_began_at, t0 + Millis(500)) << "+400 ms and a normal step";
+  now_ += Millis(5);
+  Ready(0, 4);
+  ASSERT_EQ(Find<SendPlan>(Ready(1, 4)).size(), 3u);
+  now_ += Millis(5);
+  Do(ProcessExited{1, 1001, -1, 9, kHost});  // before the resumed step 5 completed
+  ASSERT_EQ(c_->recoveries().size(), 2u);
+  EXPECT_NE(c_->recoveries()[0].outcome.find("superseded"), std::string::npos);
+  EXPECT_EQ(c_->recoveries()[1].step_before, 4);
+  EXPECT_EQ(*c_->recoveries()[1].step_began_at, t0 + Millis(500)) << "not the report's +520 ms";
+}
+
+// A reported duration longer than the time since the step began (clocks and reports are not
+// exact): the step ended no later than its report came.
+TEST_F(ControllerTest, AStepReportedLateEndsNoLaterThanItsReport) {
+  StartJob();
+  const Clock::time_point t0 = now_;
+  for (int s = 0; s <= 3; ++s) {
+    now_ += Millis(100);
+    for (int id : {0, 1, 2}) Step(id, s);
+  }
+  now_ += Millis(60);
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
+  now_ += Millis(10);
+  Do(ProgressReceived{1, {4, 2.0, 0.5, 100, 3}});  // "500 ms" at +470 ms
+  ASSERT_EQ(c_->recoveries().size(), 1u);
+  EXPECT_EQ(*c_->recoveries()[0].step_began_at, t0 + Millis(470));
+}
+
 // A fault in the job's second step comes before any normal step (the first builds the model): its
 // recovery_end counts the whole step across it and says so (normal_steps null), and the report at
 // the job's end sets it against the job's median step by then, saying where that came from.

@@ -237,6 +237,34 @@ TEST(DeviceRegionTest, AdoptShardCopiesADeviceViewsShardIntoDeviceMemoryOfItsOwn
   EXPECT_EQ(copied[599], 2399.5f);
 }
 
+TEST(DeviceRegionTest, ACheckpointOfAShardOnADeviceLoadsOnTheDeviceOrInHostMemory) {
+  TempDir dir;
+  auto device = std::make_shared<ProtectedDevice>();
+  ShardedModel saved(device);
+  ASSERT_TRUE(saved.reg.BindShard(2).ok());
+  {
+    CheckpointWriter writer(dir.path(), 2);
+    CheckpointMeta meta;
+    meta.step = 3;
+    meta.recipe = "test";
+    ASSERT_TRUE(writer.Save(saved.reg, meta).ok());
+    ASSERT_TRUE(writer.Wait().ok());
+  }
+  ShardedModel to_device(device), to_host;
+  for (ShardedModel* m : {&to_device, &to_host}) {
+    ASSERT_TRUE(m->reg.BindShard(2).ok());
+    std::vector<float> zeros(600, 0.0f);
+    m->reg.WriteRegion(0, 0, std::as_bytes(std::span(zeros)));
+    m->reg.WriteRegion(1, 0, std::as_bytes(std::span(zeros)));
+    ASSERT_NE(m->reg.Digest(), saved.reg.Digest());
+    auto loaded = LoadNewestCheckpoint(dir.path(), m->reg);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    EXPECT_EQ(m->reg.Digest(), saved.reg.Digest());
+    EXPECT_EQ(m->Region(0, 600), saved.Region(0, 600)) << "shard 2 of p";
+    EXPECT_EQ(m->Region(1, 600), saved.Region(1, 600)) << "m";
+  }
+}
+
 TEST(DeviceRegionTest, ADeviceThatCannotCopyEndsTheProcessNamingTheRegionAndDevice) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   auto device = std::make_shared<ProtectedDevice>();

@@ -1314,10 +1314,10 @@ Status Session::ReduceShardsOnDevice(std::span<float> device_data) {
   NONSTOP_CHECK(shard_group() > 0 && device_data.size() % static_cast<size_t>(shard_group()) == 0)
       << "ReduceShardsOnDevice: " << device_data.size() << " floats are not " << shard_group()
       << " shards of one size";
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   NONSTOP_ASSIGN_OR_RETURN(
       collective::Region region,
       impl_->DeviceRegion("ReduceShardsOnDevice", std::as_writable_bytes(device_data)));
-  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->ReduceShards(region);
 }
 Status Session::GatherShardsOnDevice(std::span<std::byte> device_data, size_t element_bytes) {
@@ -1325,9 +1325,9 @@ Status Session::GatherShardsOnDevice(std::span<std::byte> device_data, size_t el
   NONSTOP_CHECK(g > 0 && element_bytes > 0 && device_data.size() % (g * element_bytes) == 0)
       << "GatherShardsOnDevice: " << device_data.size() << " bytes are not " << g
       << " shards of elements of " << element_bytes;
+  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   NONSTOP_ASSIGN_OR_RETURN(collective::Region region,
                            impl_->DeviceRegion("GatherShardsOnDevice", device_data));
-  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   return impl_->GatherShards(region, element_bytes);
 }
 

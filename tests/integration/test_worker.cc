@@ -334,6 +334,10 @@ int main(int argc, char** argv) {
         return 10;
       }
       nonstop::Status st = shard_group > 0 ? GatherAcc(s, dev, acc) : nonstop::OkStatus();
+      // The "loss" every member reports alike: sharded, acc[0] as gathered, before shard 0's
+      // holders update it in this step (with --device, acc is the device's host copy); unsharded,
+      // acc[0] after the step (below).
+      double loss = acc[0];
       std::fill(v.begin(), v.end(), 0.0f);
       uint64_t lo = nonstop::data::BlockBegin(kItems, s.world_size(), s.rank());
       uint64_t hi = nonstop::data::BlockBegin(kItems, s.world_size(), s.rank() + 1);
@@ -382,7 +386,8 @@ int main(int argc, char** argv) {
       // the step's wall time: the job's normal step, against which a fault's time lost is set
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
-      s.ReportStep({step, static_cast<double>(acc[0]), seconds, 0, steps});
+      if (shard_group == 0) loss = acc[0];
+      s.ReportStep({step, loss, seconds, 0, steps});
       if (s.rank() == 0) {
         fmt::print("step {} ok\n", step);
         std::fflush(stdout);
