@@ -228,6 +228,7 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
     // The next step of the job's course (steps redone after a restart or a lost step included).
     clock_step_ = e.msg.step;
     step_began_at_ = StepReportedLate(e.msg).value_or(now_);
+    clock_exact_ = true;
   }
   if (IsLiveMember(w) && e.msg.step > last_journaled_step_) {
     last_journaled_step_ = e.msg.step;
@@ -255,11 +256,13 @@ void Controller::On(const ProgressReceived& e, std::vector<Action>* out) {
 // time lost does not count a completed step as work in flight; the record takes it, and so does
 // the job's clock (a recovery that supersedes this one starts from it too). Nullopt where it does
 // not apply: no fault's recovery open (a resize's drain completes a step by design), its plan
-// out, another step, or no duration known.
+// out, another step, no duration known, or a clock whose start is not that step's (kept across
+// an earlier recovery's plan: a fault that supersedes it counts from the first fault's step).
 std::optional<Clock::time_point> Controller::StepReportedLate(const control::ProgressMsg& m) {
   if (!open_recovery_) return std::nullopt;
   RecoveryRecord& rec = recoveries_[*open_recovery_];
-  if (rec.kind == "resize" || rec.plan_at || !rec.step_began_at || m.step != rec.step_before + 1)
+  if (rec.kind == "resize" || rec.plan_at || !rec.step_began_at || !clock_exact_ ||
+      m.step != rec.step_before + 1)
     return std::nullopt;
   const double seconds = m.step_seconds > 0 ? m.step_seconds : rec.normal_step_seconds;
   if (seconds <= 0) return std::nullopt;

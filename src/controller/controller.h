@@ -502,6 +502,10 @@ class Controller {
   // the generation's start. Unset after a takeover until a step completes.
   int64_t clock_step_ = -1;
   std::optional<Clock::time_point> step_began_at_;
+  // step_began_at_ is the start of step clock_step_ + 1 (set by its first report or the
+  // generation's start), not a start kept across a recovery's plan, which resets clock_step_:
+  // only then can a late report estimate that step's end from it (StepReportedLate).
+  bool clock_exact_ = false;
   int finished_ = 0;
   std::optional<std::string> checksum_;
   // Injected faults not fired yet, and the last one fired (its recovery names it).

@@ -419,6 +419,7 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
   highest_step_ = s.highest_step;
   last_journaled_step_ = s.highest_step;
   clock_step_ = s.highest_step;  // its start unseen: the first step completed here starts a clock
+  clock_exact_ = false;
   membership_.UseIdsBelow(s.next_worker_id);
   // The inherited must join within adopt_timeout: until then they count as heard from.
   const Clock::time_point grace = now_ + options_.adopt_timeout - options_.heartbeat_timeout;

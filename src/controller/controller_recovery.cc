@@ -140,6 +140,7 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
   // recovery began before it; the job's first step begins now.
   clock_step_ = resume_step_ - 1;
   if (!open_recovery_) step_began_at_ = now_;
+  clock_exact_ = !open_recovery_;
   std::shared_ptr<const control::PlanMsg> shared = std::move(plan_ptr);
   out->reserve(out->size() + members.size() + 2);
   for (int id : members) out->push_back(SendPlan{id, shared});
@@ -419,6 +420,7 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
   arrivals_.Reset();  // a new membership has its own normal
   resume_step_ = next.s_star + 1;
   clock_step_ = next.s_star;  // a step only the lost member held is the job's course again
+  clock_exact_ = false;       // step_began_at_ is the start of the step across the fault
   close_scan_ = 0;
   rec.to_generation = generation_;
   rec.resume_step = resume_step_;

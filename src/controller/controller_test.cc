@@ -322,6 +322,30 @@ TEST_F(ControllerTest, AStepReportedLateWithoutItsDurationEndsANormalStepOn) {
   EXPECT_EQ(*c_->recoveries()[1].step_began_at, t0 + Millis(500)) << "not the report's +520 ms";
 }
 
+// A fault after a recovery's plan supersedes it and counts from the first fault's step (its clock
+// kept across the plan): the report of the resumed step, coming after the second death's notice,
+// is no step that began at that clock, and moves nothing.
+TEST_F(ControllerTest, AResumedStepReportedAfterASupersedingFaultMovesNothing) {
+  StartJob();
+  const Clock::time_point t0 = now_;
+  for (int s = 0; s <= 3; ++s) {
+    now_ += Millis(100);
+    for (int id : {0, 1, 2}) Step(id, s);
+  }
+  now_ += Millis(40);
+  Do(ProcessExited{2, 1002, -1, 9, kHost});  // in step 4
+  now_ += Millis(10);
+  Ready(0, 3);
+  ASSERT_EQ(Find<SendPlan>(Ready(1, 3)).size(), 3u);  // resumes at step 4
+  now_ += Millis(150);
+  Do(ProcessExited{1, 1001, -1, 9, kHost});
+  ASSERT_EQ(c_->recoveries().size(), 2u);
+  now_ += Millis(10);
+  Do(ProgressReceived{0, {4, 2.0, 0.15, 100, 3}});
+  EXPECT_EQ(c_->recoveries()[1].step_before, 3);
+  EXPECT_EQ(*c_->recoveries()[1].step_began_at, t0 + Millis(400)) << "step 4's first start";
+}
+
 // A reported duration longer than the time since the step began (clocks and reports are not
 // exact): the step ended no later than its report came.
 TEST_F(ControllerTest, AStepReportedLateEndsNoLaterThanItsReport) {
