@@ -653,8 +653,13 @@ class SessionImpl {
     return OkStatus();
   }
 
-  // `data`: fp32 values in host memory or the device's (DeviceRegion).
-  Status ReduceShards(collective::Region data) {
+  // `data`: fp32 values in host memory or the device's (DeviceRegion); `what` names the call.
+  Status ReduceShards(std::string_view what, collective::Region data) {
+    const int g = state_->shard_group();
+    NONSTOP_CHECK(g > 0 && data.bytes % (static_cast<size_t>(g) * sizeof(float)) == 0)
+        << what << ": " << data.bytes / sizeof(float) << " floats are not " << g
+        << " shards of one size";
+    NONSTOP_RETURN_IF_ERROR(WaitAll());
     return RunCollective(
         [&]() -> Status {
           NONSTOP_RETURN_IF_ERROR(group_comm_->ReduceScatter(data, collective::DType::kFloat32));
@@ -669,7 +674,12 @@ class SessionImpl {
         /*at_step_boundary=*/true);
   }
 
-  Status GatherShards(collective::Region data, size_t element_bytes) {
+  Status GatherShards(std::string_view what, collective::Region data, size_t element_bytes) {
+    const auto g = static_cast<size_t>(state_->shard_group());
+    NONSTOP_CHECK(g > 0 && element_bytes > 0 && data.bytes % (g * element_bytes) == 0)
+        << what << ": " << data.bytes << " bytes are not " << g << " shards of elements of "
+        << element_bytes;
+    NONSTOP_RETURN_IF_ERROR(WaitAll());
     return RunCollective([&] { return group_comm_->AllGather(data, element_bytes); },
                          /*at_step_boundary=*/false);
   }
@@ -949,10 +959,9 @@ class SessionImpl {
   Status AllReduceTreeOnDevice(int m, std::span<const std::pair<int, int>> ranges,
                                std::span<const std::span<const float>> device_partials,
                                std::span<float> device_out) {
-    if (options_.device == nullptr) {
-      return FailedPreconditionError(
-          "AllReduceTreeOnDevice: this session has no device (set SessionOptions::device)");
-    }
+    NONSTOP_ASSIGN_OR_RETURN(
+        const collective::Region out,
+        DeviceRegion("AllReduceTreeOnDevice", std::as_writable_bytes(device_out)));
     NONSTOP_RETURN_IF_ERROR(WaitAll());
     if (ranges.size() != static_cast<size_t>(comm().world_size())) {
       return InvalidArgumentError(fmt::format("AllReduceTreeOnDevice: {} ranges for a world of {}",
@@ -973,16 +982,11 @@ class SessionImpl {
                         p.size(), device_out.size()));
       }
     }
-    auto on_device = [&](const float* data, size_t n) {
-      return collective::ConstRegion{reinterpret_cast<const std::byte*>(data), n * sizeof(float),
-                                     collective::Device::kCuda, options_.device->index()};
-    };
     std::vector<collective::ConstRegion> partials;
-    for (std::span<const float> p : device_partials)
-      partials.push_back(on_device(p.data(), p.size()));
-    const collective::Region out{reinterpret_cast<std::byte*>(device_out.data()),
-                                 device_out.size_bytes(), collective::Device::kCuda,
-                                 options_.device->index()};
+    for (std::span<const float> p : device_partials) {
+      partials.push_back({reinterpret_cast<const std::byte*>(p.data()), p.size_bytes(), out.device,
+                          out.device_index});
+    }
     return RunCollective(
         [&] {
           return comm().AllReduceTree(
@@ -1296,39 +1300,21 @@ int Session::shard() const {
   return g > 0 ? rank() % g : 0;
 }
 Status Session::ReduceShards(std::span<float> data) {
-  NONSTOP_CHECK(shard_group() > 0 && data.size() % static_cast<size_t>(shard_group()) == 0)
-      << "ReduceShards: " << data.size() << " floats are not " << shard_group()
-      << " shards of one size";
-  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
-  return impl_->ReduceShards(collective::HostRegion(data));
+  return impl_->ReduceShards("ReduceShards", collective::HostRegion(data));
 }
 Status Session::GatherShards(std::span<std::byte> data, size_t element_bytes) {
-  const auto g = static_cast<size_t>(shard_group());
-  NONSTOP_CHECK(g > 0 && element_bytes > 0 && data.size() % (g * element_bytes) == 0)
-      << "GatherShards: " << data.size() << " bytes are not " << g << " shards of elements of "
-      << element_bytes;
-  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
-  return impl_->GatherShards(collective::HostRegion(data), element_bytes);
+  return impl_->GatherShards("GatherShards", collective::HostRegion(data), element_bytes);
 }
 Status Session::ReduceShardsOnDevice(std::span<float> device_data) {
-  NONSTOP_CHECK(shard_group() > 0 && device_data.size() % static_cast<size_t>(shard_group()) == 0)
-      << "ReduceShardsOnDevice: " << device_data.size() << " floats are not " << shard_group()
-      << " shards of one size";
-  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   NONSTOP_ASSIGN_OR_RETURN(
       collective::Region region,
       impl_->DeviceRegion("ReduceShardsOnDevice", std::as_writable_bytes(device_data)));
-  return impl_->ReduceShards(region);
+  return impl_->ReduceShards("ReduceShardsOnDevice", region);
 }
 Status Session::GatherShardsOnDevice(std::span<std::byte> device_data, size_t element_bytes) {
-  const auto g = static_cast<size_t>(shard_group());
-  NONSTOP_CHECK(g > 0 && element_bytes > 0 && device_data.size() % (g * element_bytes) == 0)
-      << "GatherShardsOnDevice: " << device_data.size() << " bytes are not " << g
-      << " shards of elements of " << element_bytes;
-  NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   NONSTOP_ASSIGN_OR_RETURN(collective::Region region,
                            impl_->DeviceRegion("GatherShardsOnDevice", device_data));
-  return impl_->GatherShards(region, element_bytes);
+  return impl_->GatherShards("GatherShardsOnDevice", region, element_bytes);
 }
 
 void Session::ReportStep(const StepReport& r) {

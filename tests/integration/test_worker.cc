@@ -138,8 +138,6 @@ nonstop::Status TreeSum(nonstop::Session& s, int64_t step, uint64_t lo, uint64_t
   return dev->memory->ToHost(out.data(), dev->sum.data(), out.size());
 }
 
-}  // namespace
-
 std::span<float> DeviceFloats(std::span<std::byte> bytes) {
   return {reinterpret_cast<float*>(bytes.data()), bytes.size() / sizeof(float)};
 }
@@ -175,6 +173,8 @@ void AddToHeldShard(nonstop::state::StateRegistry& state, const std::vector<floa
   for (size_t i = 0; i < n; ++i) mine[i] += v[static_cast<size_t>(shard) * n + i];
   state.WriteRegion(0, 0, std::as_bytes(std::span(mine)));
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"nonstop integration-test worker"};
