@@ -498,7 +498,10 @@ void Controller::On(const RecoveredReceived& e, std::vector<Action>* out) {
   if (!open_recovery_ || e.msg.generation != generation_) return;
   RecoveryRecord& rec = recoveries_[*open_recovery_];
   rec.connect_seconds = std::max(rec.connect_seconds, e.msg.connect_seconds);
-  rec.transfer_seconds = std::max(rec.transfer_seconds, e.msg.transfer_seconds);
+  // The copy's time is its receivers': a source's includes its wait for a receiver that had not
+  // connected yet (a spare setting up), which the state-copy phase counts.
+  if (e.msg.bytes_received > 0)
+    rec.transfer_seconds = std::max(rec.transfer_seconds, e.msg.transfer_seconds);
   rec.bytes_copied += e.msg.bytes_received;
   rec.refetched_chunks += e.msg.refetched_chunks;
   if (++rec.recovered_reports == static_cast<int>(membership_.members().size()))

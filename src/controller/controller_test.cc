@@ -1,4 +1,5 @@
 #include "controller/controller.h"
+#include "controller/report.h"
 #include "controller/takeover.h"
 #include "nonstop/state.h"
 
@@ -262,6 +263,34 @@ TEST_F(ControllerTest, TimeLostRunsFromTheStepBeforeTheFaultToTheResumedStepLess
   EXPECT_NEAR(rec["time_lost"]["split_ms"]["in_flight"].get<double>(), 40, 1e-6) << rec.dump(2);
   EXPECT_NEAR(rec["time_lost"]["split_ms"]["abort"].get<double>(), 10, 1e-6);
   EXPECT_NEAR(rec["time_lost"]["split_ms"]["redone_steps"].get<double>(), 0, 1e-6);
+}
+
+// The copy's time and rate in the record and the report are the receiver's: the sources, which
+// served it, waited for the spare to set up first, and their time says so, not the copy's speed.
+TEST_F(ControllerTest, TheCopysTimeIsItsReceiversNotTheSourcesThatWaitedForIt) {
+  StartJob();
+  for (int id : {0, 1, 2}) Step(id, 4);
+  Do(ProcessExited{2, 1002, -1, 9, kHost});
+  Ready(0, 4);
+  ASSERT_EQ(Find<SendPlan>(Ready(1, 4)).size(), 3u);
+  const uint32_t g = c_->generation();
+  // {generation, connect_seconds, transfer_seconds, bytes_received, sources, refetched, ...}
+  Do(RecoveredReceived{0, {g, 0.001, 0.020, 0, 0, 0, 2, 2}});
+  Do(RecoveredReceived{1, {g, 0.001, 0.019, 0, 0, 0, 2, 2}});
+  Do(RecoveredReceived{3, {g, 0.008, 0.010, 10'000'000, 2, 0, 2, 2}});
+  Step(0, 5);
+  Step(1, 5);
+  nlohmann::json rec;
+  for (const auto& j : Find<AppendJournal>(Do(ProgressReceived{3, {5, 2.0, 0.1, 100, 3}})))
+    if (j.record.value("event", "") == "recovery_end") rec = j.record["recovery"];
+  ASSERT_TRUE(rec.is_object()) << "the recovery closed when the spare completed step 5";
+  EXPECT_NEAR(rec["transfer_ms"].get<double>(), 10, 1e-9) << rec.dump(2);
+  EXPECT_NEAR(rec["connect_ms"].get<double>(), 8, 1e-9) << rec.dump(2);
+  EXPECT_EQ(rec["bytes_copied"].get<uint64_t>(), 10'000'000u);
+  std::string lines;
+  for (const std::string& l : ReportLines(c_->recoveries())) lines += l + "\n";
+  EXPECT_NE(lines.find("copied 10.00 MB from 2 source(s) in 10 ms (1000 MB/s)"), std::string::npos)
+      << lines;
 }
 
 // On a loaded machine the survivors' report of the step the dead member had completed can come
