@@ -147,6 +147,12 @@ struct SessionOptions {
   // parameters on a GPU, whose registered state is a host copy of them: docs/gpu.md). A worker
   // whose device fails does not join, so a spare with a broken GPU is never promoted.
   std::vector<std::shared_ptr<const state::DeviceMemory>> checked_devices;
+  // A spare checks these devices again every this long while it waits for a rank, and once more
+  // as it is promoted: a spare whose device fails while it waits leaves the job (its Join fails:
+  // the controller starts another spare), one whose device fails as it is promoted fails as a
+  // member would (the controller recovers again, without it). kSpareCheckMs,
+  // NONSTOP_SPARE_CHECK_MS.
+  std::chrono::milliseconds spare_check_interval{settings::kSpareCheckMs.default_value};
   // The data plane that moves the device's memory, made from the TCP one and the process's abort
   // signal, for the device `device` names (its index()): gpu::NcclDataPlaneMaker sums it with
   // NCCL (src/gpu/nccl_data_plane.h), gpu::StagedDataPlaneMaker stages it with CUDA streams;

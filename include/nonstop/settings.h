@@ -784,6 +784,14 @@ inline constexpr Setting<int64_t> kLeaderlessTimeoutMs{
         "Without a controller this long, the worker aborts its collective and fails (a positive "
         "number of "
         "milliseconds)"};
+inline constexpr Setting<int64_t> kSpareCheckMs{
+    .env = "NONSTOP_SPARE_CHECK_MS",
+    .default_value = 10'000,
+    .read_by = kWorker,
+    .help =
+        "A spare health-checks its devices (its GPU) this often while it waits for a rank, and "
+        "leaves the job when one fails; it checks them once more as it is promoted (a positive "
+        "number of milliseconds; docs/gpu.md)"};
 
 // ---- nonstop-train ----
 

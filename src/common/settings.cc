@@ -139,6 +139,7 @@ std::vector<Info> Build() {
       Describe(kConnectTimeoutMs),
       Describe(kWorkerControllerTimeoutMs),
       Describe(kLeaderlessTimeoutMs),
+      Describe(kSpareCheckMs),
       Describe(kReplicaCheckEvery),
       Describe(kCheckedCollectives),
       Describe(kMasterPort),

@@ -104,7 +104,8 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
   o.spare = get(s::kSpare) == "1";
   for (auto [entry, field] : {std::pair{&s::kConnectTimeoutMs, &o.join_timeout},
                               std::pair{&s::kWorkerControllerTimeoutMs, &o.controller_timeout},
-                              std::pair{&s::kLeaderlessTimeoutMs, &o.leaderless_timeout}}) {
+                              std::pair{&s::kLeaderlessTimeoutMs, &o.leaderless_timeout},
+                              std::pair{&s::kSpareCheckMs, &o.spare_check_interval}}) {
     std::string v = get(*entry);
     if (v.empty()) continue;
     try {
@@ -210,6 +211,34 @@ Result<std::unique_ptr<collective::DataPlane>> NewDataPlane(const SessionOptions
         std::move(tcp), std::make_shared<collective::MemoryCopier>(o.device)));
   }
   return std::unique_ptr<collective::DataPlane>(std::move(tcp));
+}
+
+// Every device a worker must trust with state or sums (issue 30, docs/gpu.md): the device of the
+// sums, the program's checked devices and those of the registered state, each once.
+std::vector<const state::DeviceMemory*> DevicesToCheck(const SessionOptions& o,
+                                                       const state::StateRegistry& state) {
+  std::vector<const state::DeviceMemory*> devices;
+  auto add = [&](const state::DeviceMemory* d) {
+    if (d != nullptr && std::find(devices.begin(), devices.end(), d) == devices.end())
+      devices.push_back(d);
+  };
+  add(o.device.get());
+  for (const auto& d : o.checked_devices) add(d.get());
+  for (const state::Region& r : state.regions()) add(r.device.get());
+  return devices;
+}
+
+// Their health checks (DeviceMemory::Check): FAILED_PRECONDITION "worker N: DEVICE failed its
+// health check WHEN: why" for the first that fails.
+Status CheckDevices(const std::vector<const state::DeviceMemory*>& devices, int worker_id,
+                    std::string_view when) {
+  for (const state::DeviceMemory* device : devices) {
+    if (Status s = device->Check(); !s.ok()) {
+      return FailedPreconditionError(fmt::format("worker {}: {} failed its health check{}: {}",
+                                                 worker_id, device->name(), when, s.message()));
+    }
+  }
+  return OkStatus();
 }
 
 }  // namespace
@@ -488,13 +517,27 @@ class SessionImpl {
           NONSTOP_LOG_WARNING("ready for the next generation, but: {}", sent.ToString());
       }
       std::shared_ptr<const control::PlanMsg> plan;
+      // A spare waiting for its first plan (it has never been a member).
+      const bool spare = options_.spare && after_generation == 0;
       {
         // As long as the controller lives (its pings keep controller_lost_
-        // false): a spare may wait for days.
+        // false): a spare may wait for days, its devices checked meanwhile.
         MutexLock lock(&mu_);
-        cv_.Wait(&mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        auto woken = [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
           return (plan_ && plan_->generation > after_generation) || shutdown_ || controller_lost_;
-        });
+        };
+        if (!spare || devices_.empty() || options_.spare_check_interval <= Millis(0)) {
+          cv_.Wait(&mu_, woken);
+        } else {
+          while (!cv_.WaitFor(&mu_, options_.spare_check_interval, woken)) {
+            lock.Unlock();  // a device's check may take a while: the I/O thread goes on meanwhile
+            Status healthy = CheckDevices(devices_, options_.worker_id,
+                                          " while this worker waited as a spare, so it leaves "
+                                          "the job's spares");
+            lock.Lock();
+            if (!healthy.ok()) return healthy;
+          }
+        }
         if (shutdown_) {
           return CancelledError(fmt::format("the job ended (exit code {}): {}",
                                             shutdown_->exit_code, shutdown_->reason));
@@ -502,6 +545,14 @@ class SessionImpl {
         if (controller_lost_) return UnavailableError("lost the controller");
         plan = plan_;  // shared, not copied: the I/O thread replaces plan_, never changes it
         waiting_after_ = 0;
+      }
+      if (spare) {
+        // Promoted: its devices were checked at the join and while it waited, and once more now,
+        // before it takes state. A device that broke fails this worker, as any member's fault.
+        NONSTOP_RETURN_IF_ERROR(CheckDevices(
+            devices_, options_.worker_id,
+            fmt::format(" as this spare was promoted (generation {}), so it does not take part",
+                        plan->generation)));
       }
       Result<int64_t> resumed = Adopt(*plan);
       // A try that copied the state in and then failed still leaves it copied (the trainer must
@@ -1093,6 +1144,9 @@ class SessionImpl {
   }
 
   SessionOptions options_;
+  // The devices Join checked (DevicesToCheck), checked again while a spare waits and as it is
+  // promoted; set before Start, then read by the training thread only.
+  std::vector<const state::DeviceMemory*> devices_;
   state::StateRegistry* const state_;  // owned by the training program; outlives the session
   // The connection to the controller (src/control/controller_link.h). Set in
   // Start, before the I/O thread exists; driven by Start, then by the I/O
@@ -1191,23 +1245,13 @@ Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::St
                                                int64_t state_step) {
   NONSTOP_CHECK(state != nullptr);
   // Every device of the state and the sums, checked before it is trusted with state (a spare's, a
-  // member's): issue 30, docs/gpu.md.
-  std::vector<const state::DeviceMemory*> devices;
-  auto add = [&](const state::DeviceMemory* d) {
-    if (d != nullptr && std::find(devices.begin(), devices.end(), d) == devices.end())
-      devices.push_back(d);
-  };
-  add(options.device.get());
-  for (const auto& d : options.checked_devices) add(d.get());
-  for (const state::Region& r : state->regions()) add(r.device.get());
-  for (const state::DeviceMemory* device : devices) {
-    if (Status s = device->Check(); !s.ok()) {
-      return FailedPreconditionError(
-          fmt::format("worker {}: {} failed its health check, so this worker does not join: {}",
-                      options.worker_id, device->name(), s.message()));
-    }
-  }
+  // member's): issue 30, docs/gpu.md. A spare checks them again while it waits and as it is
+  // promoted (Rejoin).
+  std::vector<const state::DeviceMemory*> devices = DevicesToCheck(options, *state);
+  NONSTOP_RETURN_IF_ERROR(
+      CheckDevices(devices, options.worker_id, ", so this worker does not join"));
   auto impl = std::make_unique<SessionImpl>(std::move(options), state);
+  impl->devices_ = std::move(devices);
   impl->state_step_.store(state_step);
   impl->held_shard_.store(state->held_shard());
   // The lifeline (NONSTOP_LIFELINE_FD, from the launcher): locked on THIS thread, which must live

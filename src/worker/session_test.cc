@@ -675,5 +675,74 @@ TEST(SessionJoinTest, AWorkerWhoseDeviceFailsItsHealthCheckDoesNotJoin) {
   }
 }
 
+// A spare re-checks its devices while it waits for a rank: once its device breaks, it leaves the
+// job (its Join fails, naming the device and why) instead of waiting to be promoted with it.
+TEST(SessionJoinTest, ASpareWhoseDeviceBreaksWhileItWaitsLeavesTheJob) {
+  ScriptedJob job;
+  auto device = std::make_shared<state::ProtectedDevice>();
+  state::StateRegistry state;
+  ASSERT_TRUE(state.RegisterOnDevice("w", device->Allocate(64), device).ok());
+  SessionOptions o;
+  o.controller_address = job.address();
+  o.job_token = "tok";
+  o.worker_id = 4;
+  o.spare = true;
+  o.spare_check_interval = Millis(20);
+  // a spare that never leaves gives up when its silent controller is lost (5 s), 2 s later
+  o.leaderless_timeout = Millis(2000);
+  std::atomic<bool> broken{false};
+  std::thread controller([&] {
+    job.Accept();
+    ASSERT_TRUE(job.Expect(control::kMsgJoin).ok());
+    const int before = device->copies();
+    // several checks pass while the spare waits (within 10 s), and then the device breaks
+    const Deadline deadline = DeadlineAfter(Millis(10'000));
+    while (device->copies() < before + 6 && Clock::now() < deadline)
+      std::this_thread::sleep_for(Millis(5));
+    broken = true;
+    device->set_broken(true);
+  });
+  auto joined = Session::Join(o, &state);
+  const bool after_break = broken.load();
+  controller.join();
+  ASSERT_FALSE(joined.ok()) << "a spare whose device broke must not stay in the job";
+  EXPECT_TRUE(after_break) << "the spare left before its device broke: "
+                           << joined.status().ToString();
+  EXPECT_EQ(joined.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(joined.status().message().find(
+                "worker 4: stand-in:0 failed its health check while this worker waited as a "
+                "spare, so it leaves the job's spares: the stand-in device is broken"),
+            std::string::npos)
+      << joined.status().ToString();
+  EXPECT_TRUE(job.ClosedByWorker(Millis(5000))) << "the spare hangs up on the controller";
+}
+
+// A spare's devices are checked once more as it is promoted, before it takes state: a device that
+// broke since its last check (here, with no check between) fails it, naming the generation.
+TEST(SessionJoinTest, ASpareWhoseDeviceBrokeIsNotPromoted) {
+  ScriptedJob job;
+  auto device = std::make_shared<state::ProtectedDevice>();
+  state::StateRegistry state;
+  ASSERT_TRUE(state.RegisterOnDevice("w", device->Allocate(64), device).ok());
+  SessionOptions o;
+  o.controller_address = job.address();
+  o.job_token = "tok";
+  o.worker_id = 4;
+  o.spare = true;
+  o.spare_check_interval = std::chrono::hours(1);
+  std::thread controller(
+      [&] { job.AcceptAndPlan([&](control::PlanMsg&) { device->set_broken(true); }); });
+  auto joined = Session::Join(o, &state);
+  controller.join();
+  ASSERT_FALSE(joined.ok()) << "a spare whose device broke must not take a rank";
+  EXPECT_EQ(joined.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(joined.status().message().find(
+                "worker 4: stand-in:0 failed its health check as this spare was promoted "
+                "(generation 1), so it does not take part: the stand-in device is broken"),
+            std::string::npos)
+      << joined.status().ToString();
+  EXPECT_TRUE(job.ClosedByWorker(Millis(5000)));
+}
+
 }  // namespace
 }  // namespace nonstop

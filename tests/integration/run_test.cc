@@ -333,6 +333,68 @@ TEST(RunIntegrationTest, ShardedStateOnADeviceIsCopiedIntoTheSparesDeviceMemoryB
 // partials on the device and summed with Session::AllReduceTreeOnDevice; 4 workers and a spare
 // with a kill end on the checksum of 3 workers in host memory without a fault. The bits depend on
 // the order of the additions, so this holds only if the device's tree keeps the host tree's.
+// Issue 30: a spare's device is health-checked before it is promoted. The spare's stand-in device
+// breaks while it waits: with checks every 50 ms it leaves the job at once and the pool refills,
+// so the kill is recovered by the next spare; with no check while it waits, the check as it is
+// promoted fails it, and the job recovers again, with the next spare. Either way the job ends on
+// the fault-free checksum.
+TEST(RunIntegrationTest, ASpareWhoseDeviceFailsItsHealthCheckNeverTakesARank) {
+  TempDir dir;
+  for (const bool while_waiting : {true, false}) {
+    const std::string name = while_waiting ? "waiting" : "promoted";
+    const std::string journal = dir / (name + ".jsonl");
+    ChildProcess run(
+        {kBin + "/nonstop",
+         "run",
+         "--nproc",
+         "2",
+         "--spares",
+         "1",
+         "--journal",
+         journal,
+         "--inject",
+         "kill:rank=1,step=25",
+         "--",
+         kBin + "/nonstop-test-worker",
+         "--steps",
+         "30",
+         "--sleep-ms",
+         "100",
+         "--device",
+         "stand-in",
+         "--break-device-worker",
+         "2",
+         "--break-device-after-ms",
+         while_waiting ? "300" : "800"},
+        dir / (name + ".txt"),
+        {fmt::format("{}={}", settings::kSpareCheckMs.env, while_waiting ? 50 : 3'600'000)});
+    const int code = run.Wait(milliseconds(90'000));
+    const std::string out = run.Output();
+    ASSERT_EQ(code, 0) << name << "\n" << out;
+    EXPECT_NE(out.find("the stand-in device breaks now"), std::string::npos) << out;
+    EXPECT_NE(out.find(while_waiting ? "worker 2: stand-in:0 failed its health check while this "
+                                       "worker waited as a spare, so it leaves the job's spares"
+                                     : "worker 2: stand-in:0 failed its health check as this "
+                                       "spare was promoted (generation 2), so it does not take "
+                                       "part"),
+              std::string::npos)
+        << name << "\n"
+        << out;
+    auto ends = Events(journal, "recovery_end");
+    ASSERT_FALSE(ends.empty()) << name << "\n" << out;
+    const auto& last = ends.back()["recovery"];
+    EXPECT_EQ(last["outcome"], "completed") << last.dump();
+    ASSERT_EQ(last["replacements"].size(), 1u) << last.dump();
+    EXPECT_EQ(last["replacements"][0], while_waiting ? "rank 1: worker 1 → spare worker 3"
+                                                     : "rank 1: worker 2 → spare worker 3")
+        << last.dump();
+    auto finished = Events(journal, "finished");
+    ASSERT_EQ(finished.size(), 2u) << name << "\n" << out;
+    for (const auto& f : finished)
+      EXPECT_EQ(f["checksum"], TestWorkerChecksum(30, 1000)) << name << "\n" << out;
+  }
+}
+
 TEST(RunIntegrationTest, TheTreeOnADeviceEndsOnTheChecksumOfAnotherWorldInHostMemory) {
   TempDir dir;
   auto run = [&](const std::string& name, const std::vector<std::string>& options,

@@ -74,13 +74,14 @@ struct DeviceBuffers {
   std::shared_ptr<const nonstop::state::DeviceMemory> memory;
   std::span<std::byte> state, sum;
   std::vector<std::span<std::byte>> partials;
+  std::shared_ptr<nonstop::state::ProtectedDevice> stand_in;  // `memory`, with --device stand-in
 };
 nonstop::Result<DeviceBuffers> AllocateOn(const std::string& device, size_t bytes, int worker_id,
                                           int partials) {
   DeviceBuffers out;
   if (device == "stand-in") {
     auto d = std::make_shared<nonstop::state::ProtectedDevice>();
-    out = {d, d->Allocate(bytes), d->Allocate(bytes), {}};
+    out = {d, d->Allocate(bytes), d->Allocate(bytes), {}, d};
     for (int k = 0; k < partials; ++k) out.partials.push_back(d->Allocate(bytes));
     return out;
   }
@@ -204,6 +205,11 @@ int main(int argc, char** argv) {
   app.add_option("--shard-group", shard_group,
                  "shard the accumulator over groups of G ranks (see the top of test_worker.cc)")
       ->check(CLI::Range(0, 64));
+  // The stand-in device of worker W breaks (its copies and health checks fail) MS after it built
+  // its state: a GPU that fails while its worker waits as a spare.
+  int break_device_worker = -1, break_device_after_ms = 0;
+  app.add_option("--break-device-worker", break_device_worker);
+  app.add_option("--break-device-after-ms", break_device_after_ms);
   std::string data_plane = "staged";
   app.add_option("--data-plane", data_plane,
                  "what sums the device's memory: staged (over TCP) or nccl (--device cuda)")
@@ -290,6 +296,17 @@ int main(int argc, char** argv) {
   fmt::print("worker pid {} built its state{}\n", ::getpid(),
              on_device ? " on " + state.regions()[0].device->name() : "");
   std::fflush(stdout);
+  if (break_device_worker == options->worker_id) {
+    if (dev.stand_in == nullptr) {
+      fmt::print(stderr, "--break-device-worker needs --device stand-in\n");
+      return 2;
+    }
+    std::thread([d = dev.stand_in, after = break_device_after_ms] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(after));
+      fmt::print(stderr, "the stand-in device breaks now (--break-device-after-ms {})\n", after);
+      d->set_broken(true);
+    }).detach();
+  }
 
   auto joined = nonstop::Session::Join(*options, &state);
   if (!joined.ok()) {
