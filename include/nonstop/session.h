@@ -147,11 +147,12 @@ struct SessionOptions {
   // parameters on a GPU, whose registered state is a host copy of them: docs/gpu.md). A worker
   // whose device fails does not join, so a spare with a broken GPU is never promoted.
   std::vector<std::shared_ptr<const state::DeviceMemory>> checked_devices;
-  // A spare checks these devices again every this long while it waits for a rank, and once more
-  // as it is promoted: a spare whose device fails while it waits leaves the job (its Join fails:
-  // the controller starts another spare), one whose device fails as it is promoted fails as a
-  // member would (the controller recovers again, without it). kSpareCheckMs,
-  // NONSTOP_SPARE_CHECK_MS.
+  // A spare checks these devices again every this long while it waits for a rank (0 or less: not
+  // while it waits), and once more as it is promoted. Either failure is reported to the
+  // controller and fails Join: a spare whose device fails while it waits leaves the job (the
+  // controller starts another, up to 3 such failures a host), one whose device fails as it is
+  // promoted fails as a member would (the controller recovers again, without it). kSpareCheckMs,
+  // NONSTOP_SPARE_CHECK_MS (1 ms to a day).
   std::chrono::milliseconds spare_check_interval{settings::kSpareCheckMs.default_value};
   // The data plane that moves the device's memory, made from the TCP one and the process's abort
   // signal, for the device `device` names (its index()): gpu::NcclDataPlaneMaker sums it with

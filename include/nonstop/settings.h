@@ -787,6 +787,7 @@ inline constexpr Setting<int64_t> kLeaderlessTimeoutMs{
 inline constexpr Setting<int64_t> kSpareCheckMs{
     .env = "NONSTOP_SPARE_CHECK_MS",
     .default_value = 10'000,
+    .range = Bounds<int64_t>{1, 86'400'000},
     .read_by = kWorker,
     .help =
         "A spare health-checks its devices (its GPU) this often while it waits for a rank, and "

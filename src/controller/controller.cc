@@ -343,7 +343,20 @@ void Controller::On(const FailureReported& e, std::vector<Action>* out) {
     return;
   }
   if (w->role == WorkerRole::kSpare) {
-    SpareLost(*w, "reported a failure: " + e.msg.reason, out);
+    const std::string where = slotted() ? HostOf(w->worker_id) : "";
+    if (const int failed = placement_.SpareFailedWhileWaiting(where); failed > 3) {
+      membership_.SetRole(*w, WorkerRole::kGone);
+      out->push_back(
+          AppendJournal{SpareLostRecord(*w, "failure", "reported a failure: " + e.msg.reason)});
+      out->push_back(PrintLine{fmt::format(
+          "spare worker {} (pid {}) reported a failure: {}; {} spares{} failed so after joining, "
+          "so {} not refilled{}",
+          w->worker_id, w->pid, e.msg.reason, failed, where.empty() ? "" : " on host " + where,
+          where.empty() ? "the pool is" : "its slots are",
+          where.empty() ? "" : " until it registers again")});
+      return;
+    }
+    SpareLost(*w, "reported a failure: " + e.msg.reason, out, "failure");
     return;
   }
   MemberFault(e.worker_id, "reported failure", e.msg.reason, out);

@@ -66,6 +66,7 @@ void Controller::On(const HostJoined& e, std::vector<Action>* out) {
   h.last_heard = now_;
   ++h.incarnation;
   placement_.HostRefillsResume(m.host_id);  // a fresh start for its slots
+  placement_.HostRegistered(m.host_id);
   placement_.ReleaseWithheld(m.host_id);
   out->push_back(AppendJournal{{{"event", "host_join"},
                                 {"host", m.host_id},

@@ -265,6 +265,44 @@ TEST_F(ControllerTest, TimeLostRunsFromTheStepBeforeTheFaultToTheResumedStepLess
   EXPECT_NEAR(rec["time_lost"]["split_ms"]["redone_steps"].get<double>(), 0, 1e-6);
 }
 
+// A spare that reports a failure while it waits (its GPU failed its health check) is replaced and
+// journaled with the reason; after 3 such spares the pool is not refilled: a flaky device that
+// passes the join's check and fails later must not start spares for ever.
+TEST_F(ControllerTest, SparesThatReportAFailureWhileTheyWaitAreReplacedThreeTimes) {
+  StartJob();  // spare: worker 3
+  auto why = [](int id) {
+    return "worker " + std::to_string(id) +
+           ": stand-in:0 failed its health check while this worker waited";
+  };
+  int spare = 3;
+  for (int n = 1; n <= 4; ++n) {
+    auto actions = Do(FailureReported{spare, {0, -1, why(spare)}});
+    int lost = 0;
+    for (const auto& j : Find<AppendJournal>(actions)) {
+      if (j.record.value("event", "") != "spare_lost") continue;
+      ++lost;
+      EXPECT_EQ(j.record.value("kind", ""), "failure");
+      EXPECT_EQ(j.record.value("detail", ""), "reported a failure: " + why(spare));
+    }
+    EXPECT_EQ(lost, 1) << "failure " << n;
+    auto spawns = Find<SpawnWorker>(actions);
+    if (n <= 3) {
+      ASSERT_EQ(spawns.size(), 1u) << "failure " << n << ": the pool refills";
+      EXPECT_TRUE(spawns[0].spare);
+      spare = spawns[0].worker_id;
+      Join(spare, /*spare=*/true);
+      continue;
+    }
+    EXPECT_TRUE(spawns.empty()) << "the fourth spare that failed is not replaced";
+    std::string lines;
+    for (const auto& p : Find<PrintLine>(actions)) lines += p.line + "\n";
+    EXPECT_NE(lines.find("4 spares failed so after joining, so the pool is not refilled"),
+              std::string::npos)
+        << lines;
+  }
+  EXPECT_EQ(c_->phase(), JobPhase::kRunning) << "the members train on";
+}
+
 // The copy's time and rate in the record and the report are the receiver's: the sources, which
 // served it, waited for the spare to set up first, and their time says so, not the copy's speed.
 TEST_F(ControllerTest, TheCopysTimeIsItsReceiversNotTheSourcesThatWaitedForIt) {

@@ -87,6 +87,8 @@ std::vector<std::string> Placement::TopUpTargets() const {
     if (auto f = host_refill_failures_.find(h->host_id);
         f != host_refill_failures_.end() && f->second > 3)
       continue;
+    if (auto f = spare_failures_.find(h->host_id); f != spare_failures_.end() && f->second > 3)
+      continue;
     for (int free = FreeSlots(*h); free > 0; --free) targets.push_back(h->host_id);
   }
   return targets;

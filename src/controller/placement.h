@@ -84,6 +84,12 @@ class Placement {
   int PoolRefillFailed() { return ++refill_failures_; }
   void PoolRefillJoined() { refill_failures_ = 0; }
   int pool_refill_failures() const { return refill_failures_; }
+  // Spares that joined and then reported a failure while they waited (a device that failed its
+  // health check), on a host ("": the elastic host's pool): counted until the host registers
+  // again, joins or not. Past 3 the slots (the pool) are not refilled: a flaky GPU that passes the
+  // join's check and fails later would otherwise start a spare every few seconds for ever.
+  int SpareFailedWhileWaiting(const std::string& host_id) { return ++spare_failures_[host_id]; }
+  void HostRegistered(const std::string& host_id) { spare_failures_.erase(host_id); }
 
   // ---- processes
   // A process started on `host_id`: it holds a slot of its host until its exit is seen.
@@ -126,6 +132,7 @@ class Placement {
   std::map<std::string, int> withheld_;
   std::map<std::string, int> host_refill_failures_;
   int refill_failures_ = 0;
+  std::map<std::string, int> spare_failures_;
   std::map<int, std::string> host_of_;
   std::set<int> live_processes_;
   // host → how many of live_processes_ run there

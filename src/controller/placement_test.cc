@@ -105,6 +105,16 @@ TEST(PlacementTest, TopUpFillsTheFreeSlotsOfJoinedHostsWhoseSparesDoNotKeepDying
   p.HostRefillsResume("h3");
   p.MarkDown(p.host("h1"));
   EXPECT_EQ(p.TopUpTargets(), (std::vector<std::string>{"h3"}));
+  // Spares that joined and then failed while they waited (a device's health check): a join
+  // does not clear them, only the host's registering again does.
+  for (int i = 0; i < 3; ++i) p.SpareFailedWhileWaiting("h3");
+  p.HostRefillsResume("h3");
+  EXPECT_EQ(p.TopUpTargets(), (std::vector<std::string>{"h3"})) << "3 are tolerated";
+  p.SpareFailedWhileWaiting("h3");
+  p.HostRefillsResume("h3");  // a spare joined there meanwhile
+  EXPECT_TRUE(p.TopUpTargets().empty()) << "the fourth stops its refills";
+  p.HostRegistered("h3");
+  EXPECT_EQ(p.TopUpTargets(), (std::vector<std::string>{"h3"}));
 }
 
 TEST(PlacementTest, AReplacementGoesToTheFirstLiveHostWithAFreeSlot) {

@@ -111,11 +111,15 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     try {
       size_t used = 0;
       long long ms = std::stoll(v, &used);
-      if (used != v.size() || ms <= 0) throw std::invalid_argument(v);
+      if (used != v.size() || ms <= 0 || (entry->range && ms > entry->range->hi))
+        throw std::invalid_argument(v);
       *field = std::chrono::milliseconds(ms);
     } catch (...) {
       return InvalidArgumentError(
-          fmt::format("{}='{}' is not a positive number of milliseconds", entry->env, v));
+          entry->range
+              ? fmt::format("{}='{}' is not a number of milliseconds from {} to {}", entry->env, v,
+                            entry->range->lo, entry->range->hi)
+              : fmt::format("{}='{}' is not a positive number of milliseconds", entry->env, v));
     }
   }
   if (std::string every = get(s::kReplicaCheckEvery); !every.empty()) {
@@ -516,43 +520,25 @@ class SessionImpl {
         if (!sent.ok())
           NONSTOP_LOG_WARNING("ready for the next generation, but: {}", sent.ToString());
       }
-      std::shared_ptr<const control::PlanMsg> plan;
       // A spare waiting for its first plan (it has never been a member).
       const bool spare = options_.spare && after_generation == 0;
-      {
-        // As long as the controller lives (its pings keep controller_lost_
-        // false): a spare may wait for days, its devices checked meanwhile.
-        MutexLock lock(&mu_);
-        auto woken = [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return (plan_ && plan_->generation > after_generation) || shutdown_ || controller_lost_;
-        };
-        if (!spare || devices_.empty() || options_.spare_check_interval <= Millis(0)) {
-          cv_.Wait(&mu_, woken);
-        } else {
-          while (!cv_.WaitFor(&mu_, options_.spare_check_interval, woken)) {
-            lock.Unlock();  // a device's check may take a while: the I/O thread goes on meanwhile
-            Status healthy = CheckDevices(devices_, options_.worker_id,
-                                          " while this worker waited as a spare, so it leaves "
-                                          "the job's spares");
-            lock.Lock();
-            if (!healthy.ok()) return healthy;
-          }
-        }
-        if (shutdown_) {
-          return CancelledError(fmt::format("the job ended (exit code {}): {}",
-                                            shutdown_->exit_code, shutdown_->reason));
-        }
-        if (controller_lost_) return UnavailableError("lost the controller");
-        plan = plan_;  // shared, not copied: the I/O thread replaces plan_, never changes it
-        waiting_after_ = 0;
+      Result<std::shared_ptr<const control::PlanMsg>> waited = WaitForPlan(after_generation, spare);
+      if (!waited.ok()) {
+        if (spare && waited.status().code() == StatusCode::kFailedPrecondition)
+          return ReportDeviceFailure(waited.status(), 0);  // its device failed while it waited
+        return waited.status();
       }
+      std::shared_ptr<const control::PlanMsg> plan = *std::move(waited);
       if (spare) {
         // Promoted: its devices were checked at the join and while it waited, and once more now,
         // before it takes state. A device that broke fails this worker, as any member's fault.
-        NONSTOP_RETURN_IF_ERROR(CheckDevices(
-            devices_, options_.worker_id,
-            fmt::format(" as this spare was promoted (generation {}), so it does not take part",
-                        plan->generation)));
+        if (Status healthy = CheckDevices(
+                devices_, options_.worker_id,
+                fmt::format(" as this spare was promoted (generation {}), so it does not take part",
+                            plan->generation));
+            !healthy.ok()) {
+          return ReportDeviceFailure(healthy, plan->generation);
+        }
       }
       Result<int64_t> resumed = Adopt(*plan);
       // A try that copied the state in and then failed still leaves it copied (the trainer must
@@ -568,6 +554,49 @@ class SessionImpl {
       after_generation = plan->generation;
       why = resumed.status().message();
     }
+  }
+
+  // Waits for a plan newer than `after_generation`: CANCELLED when the job ends first, UNAVAILABLE
+  // when the controller is lost. As long as the controller lives (its pings keep controller_lost_
+  // false) a spare may wait for days; with `spare`, its devices are checked every
+  // spare_check_interval meanwhile, and FAILED_PRECONDITION says which one failed.
+  Result<std::shared_ptr<const control::PlanMsg>> WaitForPlan(uint32_t after_generation,
+                                                              bool spare) {
+    MutexLock lock(&mu_);
+    auto woken = [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return (plan_ && plan_->generation > after_generation) || shutdown_ || controller_lost_;
+    };
+    if (!spare || devices_.empty() || options_.spare_check_interval <= Millis(0)) {
+      cv_.Wait(&mu_, woken);
+    } else {
+      while (!cv_.WaitFor(&mu_, options_.spare_check_interval, woken)) {
+        lock.Unlock();  // a device's check may take a while: the I/O thread goes on meanwhile
+        Status healthy = CheckDevices(devices_, options_.worker_id,
+                                      " while this worker waited as a spare, so it leaves the "
+                                      "job's spares");
+        lock.Lock();
+        // A plan, the job's end or the controller's loss that came meanwhile is answered first
+        // (a promotion checks the devices again).
+        if (!healthy.ok() && !woken()) return healthy;
+      }
+    }
+    if (shutdown_) {
+      return CancelledError(
+          fmt::format("the job ended (exit code {}): {}", shutdown_->exit_code, shutdown_->reason));
+    }
+    if (controller_lost_) return UnavailableError("lost the controller");
+    waiting_after_ = 0;
+    return plan_;  // shared, not copied: the I/O thread replaces plan_, never changes it
+  }
+
+  // A spare's device failed its health check (`failed`): the controller is told why (it then
+  // replaces the spare, or recovers without it once promoted in `generation`), and so is the
+  // caller, whose Join fails.
+  Status ReportDeviceFailure(const Status& failed, uint32_t generation) {
+    NONSTOP_LOG_ERROR("{}", failed.message());
+    control::FailureMsg m{generation, state_step_.load(), std::string(failed.message())};
+    (void)SendControl(control::kMsgFailure, control::Encode(m));
+    return failed;
   }
 
   Result<int64_t> Adopt(const control::PlanMsg& plan) {

@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "collective/peer_mesh.h"
 #include "collective/staged_communicator.h"
 #include "control/messages.h"
@@ -229,8 +231,24 @@ TEST(SessionOptionsTest, RangedIntVariablesAreTakenOrRefusedNamingTheirRange) {
                                       "from 0 to 1000000 (0: never compare the replicas)"),
             std::string::npos)
       << o.status().ToString();
-  for (const char* v : {"NONSTOP_CONTROLLER", "NONSTOP_JOB_TOKEN", "NONSTOP_WORKER_ID",
-                        "NONSTOP_REPLICA_CHECK_EVERY", "NONSTOP_MASTER_PORT"})
+  ::setenv("NONSTOP_REPLICA_CHECK_EVERY", "7", 1);
+  ::setenv("NONSTOP_SPARE_CHECK_MS", "250", 1);
+  o = SessionOptions::FromEnvironment();
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->spare_check_interval, Millis(250));
+  for (const char* bad : {"0", "86400001", "1s"}) {
+    ::setenv("NONSTOP_SPARE_CHECK_MS", bad, 1);
+    o = SessionOptions::FromEnvironment();
+    ASSERT_FALSE(o.ok()) << bad;
+    EXPECT_NE(
+        o.status().message().find(fmt::format(
+            "NONSTOP_SPARE_CHECK_MS='{}' is not a number of milliseconds from 1 to 86400000", bad)),
+        std::string::npos)
+        << o.status().ToString();
+  }
+  for (const char* v :
+       {"NONSTOP_CONTROLLER", "NONSTOP_JOB_TOKEN", "NONSTOP_WORKER_ID",
+        "NONSTOP_REPLICA_CHECK_EVERY", "NONSTOP_MASTER_PORT", "NONSTOP_SPARE_CHECK_MS"})
     ::unsetenv(v);
 }
 

@@ -329,10 +329,6 @@ TEST(RunIntegrationTest, ShardedStateOnADeviceIsCopiedIntoTheSparesDeviceMemoryB
   }
 }
 
-// Issue 30: the world-invariant sum on a device. Every step's items are tenths folded into tree
-// partials on the device and summed with Session::AllReduceTreeOnDevice; 4 workers and a spare
-// with a kill end on the checksum of 3 workers in host memory without a fault. The bits depend on
-// the order of the additions, so this holds only if the device's tree keeps the host tree's.
 // Issue 30: a spare's device is health-checked before it is promoted. The spare's stand-in device
 // breaks while it waits: with checks every 50 ms it leaves the job at once and the pool refills,
 // so the kill is recovered by the next spare; with no check while it waits, the check as it is
@@ -380,6 +376,14 @@ TEST(RunIntegrationTest, ASpareWhoseDeviceFailsItsHealthCheckNeverTakesARank) {
               std::string::npos)
         << name << "\n"
         << out;
+    // The controller was told why: the spare that left, or the member that failed as promoted.
+    bool told = false;
+    for (const auto& e : Events(journal, while_waiting ? "spare_lost" : "fault")) {
+      told = told || (e.value("worker_id", -1) == 2 &&
+                      e.value("detail", "").find("stand-in:0 failed its health check") !=
+                          std::string::npos);
+    }
+    EXPECT_TRUE(told) << name << "\n" << out;
     auto ends = Events(journal, "recovery_end");
     ASSERT_FALSE(ends.empty()) << name << "\n" << out;
     const auto& last = ends.back()["recovery"];
@@ -395,6 +399,10 @@ TEST(RunIntegrationTest, ASpareWhoseDeviceFailsItsHealthCheckNeverTakesARank) {
   }
 }
 
+// Issue 30: the world-invariant sum on a device. Every step's items are tenths folded into tree
+// partials on the device and summed with Session::AllReduceTreeOnDevice; 4 workers and a spare
+// with a kill end on the checksum of 3 workers in host memory without a fault. The bits depend on
+// the order of the additions, so this holds only if the device's tree keeps the host tree's.
 TEST(RunIntegrationTest, TheTreeOnADeviceEndsOnTheChecksumOfAnotherWorldInHostMemory) {
   TempDir dir;
   auto run = [&](const std::string& name, const std::vector<std::string>& options,
