@@ -150,7 +150,8 @@ struct SessionOptions {
   // A spare checks these devices again every this long while it waits for a rank (0 or less: not
   // while it waits), and once more as it is promoted. Either failure is reported to the
   // controller and fails Join: a spare whose device fails while it waits leaves the job (the
-  // controller starts another, up to 3 such failures a host), one whose device fails as it is
+  // controller starts another, for up to 3 such failures of a host or of `nonstop run`'s spare
+  // pool), one whose device fails as it is
   // promoted fails as a member would (the controller recovers again, without it). kSpareCheckMs,
   // NONSTOP_SPARE_CHECK_MS (1 ms to a day).
   std::chrono::milliseconds spare_check_interval{settings::kSpareCheckMs.default_value};

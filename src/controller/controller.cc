@@ -343,20 +343,23 @@ void Controller::On(const FailureReported& e, std::vector<Action>* out) {
     return;
   }
   if (w->role == WorkerRole::kSpare) {
-    const std::string where = slotted() ? HostOf(w->worker_id) : "";
-    if (const int failed = placement_.SpareFailedWhileWaiting(where); failed > 3) {
+    // A spare that failed while it waited (its device's health check): replaced, unless 3 of its
+    // host's (or its pool's) have failed so since the host registered.
+    const std::string host = HostOf(w->worker_id);
+    if (const int failed = placement_.SpareFailedWhileWaiting(host); failed > 3) {
       membership_.SetRole(*w, WorkerRole::kGone);
       out->push_back(
           AppendJournal{SpareLostRecord(*w, "failure", "reported a failure: " + e.msg.reason)});
       out->push_back(PrintLine{fmt::format(
-          "spare worker {} (pid {}) reported a failure: {}; {} spares{} failed so after joining, "
-          "so {} not refilled{}",
-          w->worker_id, w->pid, e.msg.reason, failed, where.empty() ? "" : " on host " + where,
-          where.empty() ? "the pool is" : "its slots are",
-          where.empty() ? "" : " until it registers again")});
-      return;
+          "spare worker {} (pid {}) reported a failure: {}; {} spares on host {} failed so after "
+          "joining, so {} not refilled{}",
+          w->worker_id, w->pid, e.msg.reason, failed, host.empty() ? "(none)" : host,
+          slotted() ? "its slots are" : "the spare pool is",
+          slotted() ? " until it registers again" : "")});
+    } else {
+      SpareLost(*w, "reported a failure: " + e.msg.reason, out, "failure");
     }
-    SpareLost(*w, "reported a failure: " + e.msg.reason, out, "failure");
+    out->push_back(KillWorker{w->worker_id});  // it is leaving: make sure it is gone
     return;
   }
   MemberFault(e.worker_id, "reported failure", e.msg.reason, out);

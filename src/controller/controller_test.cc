@@ -285,6 +285,9 @@ TEST_F(ControllerTest, SparesThatReportAFailureWhileTheyWaitAreReplacedThreeTime
       EXPECT_EQ(j.record.value("detail", ""), "reported a failure: " + why(spare));
     }
     EXPECT_EQ(lost, 1) << "failure " << n;
+    auto kills = Find<KillWorker>(actions);
+    ASSERT_EQ(kills.size(), 1u) << "failure " << n << ": the spare is made sure to be gone";
+    EXPECT_EQ(kills[0].worker_id, spare);
     auto spawns = Find<SpawnWorker>(actions);
     if (n <= 3) {
       ASSERT_EQ(spawns.size(), 1u) << "failure " << n << ": the pool refills";
@@ -296,7 +299,8 @@ TEST_F(ControllerTest, SparesThatReportAFailureWhileTheyWaitAreReplacedThreeTime
     EXPECT_TRUE(spawns.empty()) << "the fourth spare that failed is not replaced";
     std::string lines;
     for (const auto& p : Find<PrintLine>(actions)) lines += p.line + "\n";
-    EXPECT_NE(lines.find("4 spares failed so after joining, so the pool is not refilled"),
+    EXPECT_NE(lines.find("4 spares on host local failed so after joining, so the spare pool is "
+                         "not refilled"),
               std::string::npos)
         << lines;
   }

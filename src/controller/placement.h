@@ -85,9 +85,10 @@ class Placement {
   void PoolRefillJoined() { refill_failures_ = 0; }
   int pool_refill_failures() const { return refill_failures_; }
   // Spares that joined and then reported a failure while they waited (a device that failed its
-  // health check), on a host ("": the elastic host's pool): counted until the host registers
-  // again, joins or not. Past 3 the slots (the pool) are not refilled: a flaky GPU that passes the
-  // join's check and fails later would otherwise start a spare every few seconds for ever.
+  // health check), on a host (the elastic one's: its pool): counted until the host registers
+  // again, joins or not. A 4th is not replaced (TopUpTargets skips the host; the pool is not
+  // refilled): a flaky GPU that passes the join's check and fails later would otherwise start a
+  // spare every few seconds for ever.
   int SpareFailedWhileWaiting(const std::string& host_id) { return ++spare_failures_[host_id]; }
   void HostRegistered(const std::string& host_id) { spare_failures_.erase(host_id); }
 

@@ -111,7 +111,8 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
     try {
       size_t used = 0;
       long long ms = std::stoll(v, &used);
-      if (used != v.size() || ms <= 0 || (entry->range && ms > entry->range->hi))
+      if (used != v.size() || ms < (entry->range ? entry->range->lo : 1) ||
+          (entry->range && ms > entry->range->hi))
         throw std::invalid_argument(v);
       *field = std::chrono::milliseconds(ms);
     } catch (...) {
@@ -589,9 +590,10 @@ class SessionImpl {
     return plan_;  // shared, not copied: the I/O thread replaces plan_, never changes it
   }
 
-  // A spare's device failed its health check (`failed`): the controller is told why (it then
-  // replaces the spare, or recovers without it once promoted in `generation`), and so is the
-  // caller, whose Join fails.
+  // A spare's device failed its health check (`failed`): the controller is told why (it lets the
+  // spare go, or recovers without it once promoted in `generation`), and so is the caller, whose
+  // Join fails. Should the agent's report of this process's exit reach the controller first, the
+  // spare is lost all the same, without the reason in the journal.
   Status ReportDeviceFailure(const Status& failed, uint32_t generation) {
     NONSTOP_LOG_ERROR("{}", failed.message());
     control::FailureMsg m{generation, state_step_.load(), std::string(failed.message())};
