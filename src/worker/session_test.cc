@@ -693,73 +693,83 @@ TEST(SessionJoinTest, AWorkerWhoseDeviceFailsItsHealthCheckDoesNotJoin) {
   }
 }
 
-// A spare re-checks its devices while it waits for a rank: once its device breaks, it leaves the
-// job (its Join fails, naming the device and why) instead of waiting to be promoted with it.
-TEST(SessionJoinTest, ASpareWhoseDeviceBreaksWhileItWaitsLeavesTheJob) {
+// A spare (worker 4) of a ScriptedJob whose state is on a stand-in device, which the test breaks.
+struct SpareOnAStandIn {
   ScriptedJob job;
-  auto device = std::make_shared<state::ProtectedDevice>();
+  std::shared_ptr<state::ProtectedDevice> device = std::make_shared<state::ProtectedDevice>();
   state::StateRegistry state;
-  ASSERT_TRUE(state.RegisterOnDevice("w", device->Allocate(64), device).ok());
-  SessionOptions o;
-  o.controller_address = job.address();
-  o.job_token = "tok";
-  o.worker_id = 4;
-  o.spare = true;
-  o.spare_check_interval = Millis(20);
-  // a spare that never leaves gives up when its silent controller is lost (5 s), 2 s later
-  o.leaderless_timeout = Millis(2000);
+  SessionOptions options;
+
+  explicit SpareOnAStandIn(Millis check_interval) {
+    NONSTOP_CHECK(state.RegisterOnDevice("w", device->Allocate(64), device).ok());
+    options.controller_address = job.address();
+    options.job_token = "tok";
+    options.worker_id = 4;
+    options.spare = true;
+    options.spare_check_interval = check_interval;
+    // a spare that never leaves gives up when its silent controller is lost (5 s), 2 s later
+    options.leaderless_timeout = Millis(2000);
+  }
+
+  // The worker's report to the controller (after its Join failed): its reason, in `generation`.
+  void ExpectReported(uint32_t generation, const std::string& reason) {
+    Result<net::Frame> f = job.Expect(control::kMsgFailure);
+    ASSERT_TRUE(f.ok()) << "the spare tells the controller why it leaves: "
+                        << f.status().ToString();
+    Result<control::FailureMsg> m = control::DecodeFailure(f->payload);
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_EQ(m->generation, generation);
+    EXPECT_NE(m->reason.find(reason), std::string::npos) << m->reason;
+    EXPECT_TRUE(job.ClosedByWorker(Millis(5000))) << "the spare hangs up on the controller";
+  }
+};
+
+// A spare re-checks its devices while it waits for a rank: once its device breaks, it leaves the
+// job (its Join fails, naming the device and why, and the controller is told) instead of waiting
+// to be promoted with it.
+TEST(SessionJoinTest, ASpareWhoseDeviceBreaksWhileItWaitsLeavesTheJob) {
+  SpareOnAStandIn spare(Millis(20));
   std::atomic<bool> broken{false};
   std::thread controller([&] {
-    job.Accept();
-    ASSERT_TRUE(job.Expect(control::kMsgJoin).ok());
-    const int before = device->copies();
+    spare.job.Accept();
+    ASSERT_TRUE(spare.job.Expect(control::kMsgJoin).ok());
+    const int before = spare.device->copies();
     // several checks pass while the spare waits (within 10 s), and then the device breaks
     const Deadline deadline = DeadlineAfter(Millis(10'000));
-    while (device->copies() < before + 6 && Clock::now() < deadline)
+    while (spare.device->copies() < before + 6 && Clock::now() < deadline)
       std::this_thread::sleep_for(Millis(5));
     broken = true;
-    device->set_broken(true);
+    spare.device->set_broken(true);
   });
-  auto joined = Session::Join(o, &state);
+  auto joined = Session::Join(spare.options, &spare.state);
   const bool after_break = broken.load();
   controller.join();
   ASSERT_FALSE(joined.ok()) << "a spare whose device broke must not stay in the job";
   EXPECT_TRUE(after_break) << "the spare left before its device broke: "
                            << joined.status().ToString();
   EXPECT_EQ(joined.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(joined.status().message().find(
-                "worker 4: stand-in:0 failed its health check while this worker waited as a "
-                "spare, so it leaves the job's spares: the stand-in device is broken"),
-            std::string::npos)
-      << joined.status().ToString();
-  EXPECT_TRUE(job.ClosedByWorker(Millis(5000))) << "the spare hangs up on the controller";
+  const std::string why =
+      "worker 4: stand-in:0 failed its health check while this worker waited as a spare, so it "
+      "leaves the job's spares: the stand-in device is broken";
+  EXPECT_NE(joined.status().message().find(why), std::string::npos) << joined.status().ToString();
+  spare.ExpectReported(0, why);
 }
 
 // A spare's devices are checked once more as it is promoted, before it takes state: a device that
 // broke since its last check (here, with no check between) fails it, naming the generation.
 TEST(SessionJoinTest, ASpareWhoseDeviceBrokeIsNotPromoted) {
-  ScriptedJob job;
-  auto device = std::make_shared<state::ProtectedDevice>();
-  state::StateRegistry state;
-  ASSERT_TRUE(state.RegisterOnDevice("w", device->Allocate(64), device).ok());
-  SessionOptions o;
-  o.controller_address = job.address();
-  o.job_token = "tok";
-  o.worker_id = 4;
-  o.spare = true;
-  o.spare_check_interval = std::chrono::hours(1);
+  SpareOnAStandIn spare(std::chrono::hours(1));
   std::thread controller(
-      [&] { job.AcceptAndPlan([&](control::PlanMsg&) { device->set_broken(true); }); });
-  auto joined = Session::Join(o, &state);
+      [&] { spare.job.AcceptAndPlan([&](control::PlanMsg&) { spare.device->set_broken(true); }); });
+  auto joined = Session::Join(spare.options, &spare.state);
   controller.join();
   ASSERT_FALSE(joined.ok()) << "a spare whose device broke must not take a rank";
   EXPECT_EQ(joined.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(joined.status().message().find(
-                "worker 4: stand-in:0 failed its health check as this spare was promoted "
-                "(generation 1), so it does not take part: the stand-in device is broken"),
-            std::string::npos)
-      << joined.status().ToString();
-  EXPECT_TRUE(job.ClosedByWorker(Millis(5000)));
+  const std::string why =
+      "worker 4: stand-in:0 failed its health check as this spare was promoted (generation 1), "
+      "so it does not take part: the stand-in device is broken";
+  EXPECT_NE(joined.status().message().find(why), std::string::npos) << joined.status().ToString();
+  spare.ExpectReported(1, why);
 }
 
 }  // namespace
