@@ -83,6 +83,14 @@ class ControllerTest : public ::testing::Test {
     return Do(ReadyReceived{id, {c_->generation(), step, "aborted"}});
   }
   void Step(int id, int64_t step) { Do(ProgressReceived{id, {step, 2.0, 0.1, 100, 3}}); }
+  // Steps 0 … last on the three members (workers 0, 1, 2), each reported 100 ms after the one
+  // before (Step() reports 0.1 s).
+  void StepsOf100Ms(int64_t last) {
+    for (int64_t s = 0; s <= last; ++s) {
+      now_ += Millis(100);
+      for (int id : {0, 1, 2}) Step(id, s);
+    }
+  }
   template <typename T>
   static std::vector<T> Find(const std::vector<Action>& actions) {
     std::vector<T> out;
@@ -241,10 +249,7 @@ TEST_F(ControllerTest, WithoutSpareTheJobShrinks) {
 // completed the resume step (report.cc turns that into the figure; report_test checks the sums).
 TEST_F(ControllerTest, TimeLostRunsFromTheStepBeforeTheFaultToTheResumedStepLessANormalStep) {
   StartJob();
-  for (int s = 0; s <= 4; ++s) {
-    now_ += Millis(100);  // each step takes 100 ms (Step() reports 0.1 s)
-    for (int id : {0, 1, 2}) Step(id, s);
-  }
+  StepsOf100Ms(4);
   now_ += Millis(40);  // 40 ms into step 5
   Do(ProcessExited{2, 1002, -1, 9, kHost});
   now_ += Millis(10);
@@ -340,10 +345,7 @@ TEST_F(ControllerTest, TheCopysTimeIsItsReceiversNotTheSourcesThatWaitedForIt) {
 // end (its start plus its own 90 ms), and the time lost is the same as with a timely report.
 TEST_F(ControllerTest, AStepReportedAfterTheFaultIsNotCountedAsWorkInFlight) {
   StartJob();
-  for (int s = 0; s <= 3; ++s) {
-    now_ += Millis(100);
-    for (int id : {0, 1, 2}) Step(id, s);
-  }
+  StepsOf100Ms(3);
   now_ += Millis(95);  // step 4 done on every rank at +90 ms; rank 2 dies as step 5 starts
   Do(ProcessExited{2, 1002, -1, 9, kHost});
   now_ += Millis(5);  // the survivors' reports of step 4 come now
@@ -371,10 +373,7 @@ TEST_F(ControllerTest, AStepReportedAfterTheFaultIsNotCountedAsWorkInFlight) {
 TEST_F(ControllerTest, AStepReportedLateWithoutItsDurationEndsANormalStepOn) {
   StartJob();
   const Clock::time_point t0 = now_;
-  for (int s = 0; s <= 3; ++s) {
-    now_ += Millis(100);
-    for (int id : {0, 1, 2}) Step(id, s);  // step 3 reported at t0 + 400 ms
-  }
+  StepsOf100Ms(3);     // step 3 reported at t0 + 400 ms
   now_ += Millis(60);  // rank 2 dies at +460 ms; the step 4 it completed is reported at +520 ms
   Do(ProcessExited{2, 1002, -1, 9, kHost});
   now_ += Millis(60);
@@ -399,10 +398,7 @@ TEST_F(ControllerTest, AStepReportedLateWithoutItsDurationEndsANormalStepOn) {
 TEST_F(ControllerTest, AResumedStepReportedAfterASupersedingFaultMovesNothing) {
   StartJob();
   const Clock::time_point t0 = now_;
-  for (int s = 0; s <= 3; ++s) {
-    now_ += Millis(100);
-    for (int id : {0, 1, 2}) Step(id, s);
-  }
+  StepsOf100Ms(3);
   now_ += Millis(40);
   Do(ProcessExited{2, 1002, -1, 9, kHost});  // in step 4
   now_ += Millis(10);
@@ -422,10 +418,7 @@ TEST_F(ControllerTest, AResumedStepReportedAfterASupersedingFaultMovesNothing) {
 TEST_F(ControllerTest, AStepReportedLateEndsNoLaterThanItsReport) {
   StartJob();
   const Clock::time_point t0 = now_;
-  for (int s = 0; s <= 3; ++s) {
-    now_ += Millis(100);
-    for (int id : {0, 1, 2}) Step(id, s);
-  }
+  StepsOf100Ms(3);
   now_ += Millis(60);
   Do(ProcessExited{2, 1002, -1, 9, kHost});
   now_ += Millis(10);
