@@ -99,6 +99,12 @@ class ControllerTest : public ::testing::Test {
     }
     return out;
   }
+  // What the actions print, a line each.
+  static std::string Printed(const std::vector<Action>& actions) {
+    std::string lines;
+    for (const auto& p : Find<PrintLine>(actions)) lines += p.line + "\n";
+    return lines;
+  }
   void StartJob() {
     Join(3, true);
     Join(2);
@@ -302,8 +308,7 @@ TEST_F(ControllerTest, SparesThatReportAFailureWhileTheyWaitAreReplacedThreeTime
       continue;
     }
     EXPECT_TRUE(spawns.empty()) << "the fourth spare that failed is not replaced";
-    std::string lines;
-    for (const auto& p : Find<PrintLine>(actions)) lines += p.line + "\n";
+    const std::string lines = Printed(actions);
     EXPECT_NE(lines.find("4 spares on host local failed so after joining, so the spare pool is "
                          "not refilled"),
               std::string::npos)
@@ -458,8 +463,7 @@ TEST_F(ControllerTest, AFaultBeforeAnyNormalStepIsSetAgainstTheJobsMedianStepAtI
     all.insert(all.end(), a.begin(), a.end());
   }
   ASSERT_FALSE(Find<EndJob>(all).empty());
-  std::string report;
-  for (const auto& p : Find<PrintLine>(all)) report += p.line + "\n";
+  const std::string report = Printed(all);
   // 180 ms less the median of steps 2-6 (100 ms): 80 ms, 0.80 of a normal step.
   EXPECT_NE(report.find("time lost 80 ms, 0.80 of a normal step (100 ms, the job's median at its "
                         "end: no step time was known at the fault)"),
