@@ -157,8 +157,7 @@ class Sim {
     co.abort_timeout = Millis(3'600'000);
     co.forming_timeout = Millis(36'000'000);
     co.join_timeout = Millis(36'000'000);
-    co.watchdog_floor = Millis(3'600'000);
-    co.hang_floor = Millis(3'600'000);
+    co.busy_timeout = Millis(3'600'000);
     Put({{"phase", "start"},
          {"n", n_},
          {"hosts", hosts},

@@ -29,9 +29,14 @@ struct JobFlags {
   int abort_timeout_ms = settings::kAbortTimeoutMs.default_value;
   int join_timeout_ms = settings::kJoinTimeoutMs.default_value;
   int refill_nice = settings::kRefillNice.default_value;
-  int hang_floor_ms = settings::kHangFloorMs.default_value;
+  int busy_timeout_ms = settings::kBusyTimeoutMs.default_value;
   double hang_factor = settings::kHangFactor.default_value;
   int stall_floor_ms = settings::kStallFloorMs.default_value;
+  double stall_factor = settings::kStallFactor.default_value;
+  int failure_repeats = settings::kFailureRepeats.default_value;
+  int failure_window_ms = settings::kFailureWindowMs.default_value;
+  int recovery_budget = settings::kRecoveryBudget.default_value;
+  int recovery_budget_window_s = settings::kRecoveryBudgetWindowS.default_value;
   std::string http_host{settings::kHttpHost.default_value};
   int http_port = settings::kHttpPort.default_value;
   std::string http_cert;  // kHttpCert: empty, plain HTTP

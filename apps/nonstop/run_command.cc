@@ -70,9 +70,14 @@ void RegisterJobFlags(CLI::App* sub, JobFlags* f) {
   AddSetting(sub, s::kJournal, f->journal);
   AddSetting(sub, s::kHeartbeatTimeoutMs, f->heartbeat_timeout_ms);
   AddSetting(sub, s::kAbortTimeoutMs, f->abort_timeout_ms);
-  AddSetting(sub, s::kHangFloorMs, f->hang_floor_ms);
+  AddSetting(sub, s::kBusyTimeoutMs, f->busy_timeout_ms);
   AddSetting(sub, s::kHangFactor, f->hang_factor);
   AddSetting(sub, s::kStallFloorMs, f->stall_floor_ms);
+  AddSetting(sub, s::kStallFactor, f->stall_factor);
+  AddSetting(sub, s::kFailureRepeats, f->failure_repeats);
+  AddSetting(sub, s::kFailureWindowMs, f->failure_window_ms);
+  AddSetting(sub, s::kRecoveryBudget, f->recovery_budget);
+  AddSetting(sub, s::kRecoveryBudgetWindowS, f->recovery_budget_window_s);
   AddSetting(sub, s::kRefillNice, f->refill_nice);
   AddSetting(sub, s::kJoinTimeoutMs, f->join_timeout_ms);
   AddSetting(sub, s::kInject, f->inject);
@@ -140,9 +145,14 @@ std::optional<int> FillOptions(const std::string& name, const JobFlags& f, int m
   c.abort_timeout = Millis(f.abort_timeout_ms);
   c.forming_timeout = Millis(f.join_timeout_ms);
   c.join_timeout = Millis(f.join_timeout_ms);
-  c.hang_floor = Millis(f.hang_floor_ms);
+  c.busy_timeout = Millis(f.busy_timeout_ms);
   c.hang_factor = f.hang_factor;
   c.stall_floor = Millis(f.stall_floor_ms);
+  c.stall_factor = f.stall_factor;
+  c.failure_repeats = f.failure_repeats;
+  c.failure_window = Millis(f.failure_window_ms);
+  c.recovery_budget = f.recovery_budget;
+  c.recovery_budget_window = Millis(int64_t{f.recovery_budget_window_s} * 1000);
   o->journal = f.journal;
   o->http_host = f.http_host;
   o->http_port = f.http_port;
@@ -229,12 +239,17 @@ std::vector<std::string> RunCommand::ResumeArguments(const std::string& journal,
   std::vector<std::string> args = {"controller", "--resume",         journal,   "--nnodes",
                                    "1",          "--job-token-file", token_file};
   namespace s = settings;
-  for (std::string_view name :
-       {s::kHeartbeatTimeoutMs.flag, s::kAbortTimeoutMs.flag, s::kHangFloorMs.flag,
-        s::kHangFactor.flag, s::kStallFloorMs.flag, s::kRefillNice.flag, s::kJoinTimeoutMs.flag,
-        s::kRecovery.flag, s::kCheckpointDir.flag, s::kCheckpointEvery.flag, s::kMtbfSeconds.flag,
-        s::kMinWorld.flag, s::kMaxWorld.flag, s::kAllowedSizes.flag, s::kWorldIncrement.flag,
-        s::kStablePeriodMs.flag, s::kLogLevel.flag}) {
+  for (std::string_view name : {s::kHeartbeatTimeoutMs.flag, s::kAbortTimeoutMs.flag,
+                                s::kBusyTimeoutMs.flag,      s::kHangFactor.flag,
+                                s::kStallFloorMs.flag,       s::kStallFactor.flag,
+                                s::kFailureRepeats.flag,     s::kFailureWindowMs.flag,
+                                s::kRecoveryBudget.flag,     s::kRecoveryBudgetWindowS.flag,
+                                s::kRefillNice.flag,         s::kJoinTimeoutMs.flag,
+                                s::kRecovery.flag,           s::kCheckpointDir.flag,
+                                s::kCheckpointEvery.flag,    s::kMtbfSeconds.flag,
+                                s::kMinWorld.flag,           s::kMaxWorld.flag,
+                                s::kAllowedSizes.flag,       s::kWorldIncrement.flag,
+                                s::kStablePeriodMs.flag,     s::kLogLevel.flag}) {
     const CLI::Option* opt = sub_->get_option_no_throw(std::string(name));
     if (opt == nullptr || opt->results().empty()) continue;
     std::string value;

@@ -174,6 +174,8 @@ int JobCommands::Execute() {
         j.value("recoveries", 0));
     fmt::print("members (worker ids by rank): {}\npolicy: {}\n", j["members"].dump(),
                j["policy"].dump());
+    if (j.contains("waiting_for") && j["waiting_for"].is_object())
+      fmt::print("{}\n", j["waiting_for"].value("text", ""));
     return 0;
   }
   nlohmann::json body;

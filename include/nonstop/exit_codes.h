@@ -10,4 +10,9 @@ namespace nonstop {
 // data: fix it first.
 inline constexpr int kExitDataCorruption = 11;
 
+// A bug in the script: the same exception recurred on the replacements of a
+// rank (or at the same step), or every member raised it at once. Do not
+// restart the job unchanged: fix the script (its traceback is printed).
+inline constexpr int kExitScriptFailure = 12;
+
 }  // namespace nonstop

@@ -52,6 +52,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -215,6 +216,17 @@ class Session {
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
+  // Call once the program's setup is done, before the forward of its first
+  // step. A worker that joined a running job (a spare that took a rank, a
+  // newcomer) copied the peers' state in Join and holds that copy until now:
+  // whatever the setup did to the registered state meanwhile (its own
+  // snapshot load, a re-initialisation) is undone here, so it trains from
+  // exactly the peers' state. A no-op for the job's first generation and a
+  // restart from a checkpoint (their setup's state stands), and after the
+  // first call. The first step's collective calls it too, too late to undo
+  // a forward run on the setup's state: it then says so in the log.
+  void BeginTraining();
+
   int rank() const;
   int world_size() const;
   uint32_t generation() const;
@@ -339,7 +351,22 @@ class Session {
   // rank should throw from its training loop at `step`.
   bool InjectedExceptionAt(int64_t step);
   // Tells the controller this worker hit a fault it cannot handle itself.
-  void ReportFailure(const Status& status, int64_t step, int exit_code);
+  // `traceback`: where the script raised (printed once if the job ends for a
+  // failure that recurs: docs/errors.md, exit 12); at most 32 KiB are sent.
+  void ReportFailure(const Status& status, int64_t step, int exit_code,
+                     std::string_view traceback = {});
+
+  // A rank-local section that its peers may wait for (an evaluation, a
+  // snapshot save on rank 0): until EndBusy, or `bound` after this call, the
+  // controller does not count the others' wait against this worker however
+  // long it lasts, and /status, the dashboard and the progress line name
+  // `label` (1 to 200 bytes). Without a section a live rank is declared hung
+  // only past the job's busy timeout (--busy-timeout-ms, 60 s). Sections do
+  // not nest: a second BeginBusy replaces the first. INVALID_ARGUMENT for a
+  // bad label or a bound that is not positive.
+  Status BeginBusy(std::string_view label,
+                   std::chrono::milliseconds bound = std::chrono::minutes(30));
+  void EndBusy();
 
   // The membership change that the last Join/Recover adopted.
   MembershipChange last_change() const;

@@ -109,15 +109,18 @@ inline constexpr Setting<int> kAbortTimeoutMs{
     .range = Bounds<int>{100, 3'600'000},
     .read_by = kRun | kController,
     .help = "Members that have not aborted this long after a fault are killed and replaced"};
-inline constexpr Setting<int> kHangFloorMs{.env = "NONSTOP_HANG_FLOOR_MS",
-                                           .flag = "--hang-floor-ms",
-                                           .default_value = 500,
-                                           .range = Bounds<int>{50, 3'600'000},
-                                           .read_by = kRun | kController,
-                                           .help =
-                                               "Hang detector: a member is hung when it reaches a "
-                                               "step's collective this long (at least) after the "
-                                               "first member did"};
+inline constexpr Setting<int> kBusyTimeoutMs{
+    .env = "NONSTOP_BUSY_TIMEOUT_MS",
+    .flag = "--busy-timeout-ms",
+    .default_value = 60'000,
+    .range = Bounds<int>{100, 86'400'000},
+    .read_by = kRun | kController,
+    .help =
+        "A live member (heartbeats flowing, not stopped) that has not reached a step's collective "
+        "this long after the first member did (or, when no one waits, has completed no step) is "
+        "declared hung. Lower finds a deadlocked or spinning training thread sooner but kills a "
+        "rank that legitimately saves or evaluates longer; a dead or stopped process is found at "
+        "once whatever it is (docs/recovery.md)"};
 inline constexpr Setting<double> kHangFactor{
     .env = "NONSTOP_HANG_FACTOR",
     .flag = "--hang-factor",
@@ -125,7 +128,9 @@ inline constexpr Setting<double> kHangFactor{
     .range = Bounds<double>{1.0, 1000.0},
     .read_by = kRun | kController,
     .help =
-        "Hang detector: … and this many times the recent spread between first and last arrival"};
+        "The busy timeout learns the job's pace above its floor: at least this many times the "
+        "recent spread between the first and the last member's arrival at a step's collective, "
+        "and this many times the median step"};
 inline constexpr Setting<int> kStallFloorMs{
     .env = "NONSTOP_STALL_FLOOR_MS",
     .flag = "--stall-floor-ms",
@@ -133,9 +138,55 @@ inline constexpr Setting<int> kStallFloorMs{
     .range = Bounds<int>{1'000, 86'400'000},
     .read_by = kRun | kController,
     .help =
-        "Stall watchdog: when no step completes for this long (at least; and 10 × the median step) "
-        "every "
-        "member is aborted, and those that cannot answer are replaced"};
+        "Stall watchdog: when every member waits in a collective and no step completes for this "
+        "long (at least; and --stall-factor × the median step), every member is aborted, and those "
+        "that cannot answer are replaced (while a member computes, --busy-timeout-ms is the "
+        "bound)"};
+inline constexpr Setting<double> kStallFactor{
+    .env = "NONSTOP_STALL_FACTOR",
+    .flag = "--stall-factor",
+    .default_value = 10.0,
+    .range = Bounds<double>{1.0, 1000.0},
+    .read_by = kRun | kController,
+    .help = "Stall watchdog: … and this many times the median step"};
+inline constexpr Setting<int> kFailureRepeats{
+    .env = "NONSTOP_FAILURE_REPEATS",
+    .flag = "--failure-repeats",
+    .default_value = 2,
+    .range = Bounds<int>{1, 1'000},
+    .read_by = kRun | kController,
+    .help =
+        "A failure the script raised that recurs this many times (the same exception and message "
+        "on the same rank or at the same step) is the script's: the job ends with exit 12 instead "
+        "of replacing the rank again (1: the first recurrence ends it)"};
+inline constexpr Setting<int> kFailureWindowMs{
+    .env = "NONSTOP_FAILURE_WINDOW_MS",
+    .flag = "--failure-window-ms",
+    .default_value = 300,
+    .range = Bounds<int>{0, 60'000},
+    .read_by = kRun | kController,
+    .help =
+        "A failure the script raised is acted on this long after its report, so that the other "
+        "members' reports of the same step are seen with it: when every member raised the same "
+        "exception, the job ends at once (exit 12). Longer catches ranks that are further apart; "
+        "it delays the recovery from a failure that is not the script's by as much"};
+inline constexpr Setting<int> kRecoveryBudget{
+    .env = "NONSTOP_RECOVERY_BUDGET",
+    .flag = "--recovery-budget",
+    .default_value = 20,
+    .range = Bounds<int>{1, 1'000'000},
+    .read_by = kRun | kController,
+    .help =
+        "The job ends (exit 10) when it needs more recoveries than this within "
+        "--recovery-budget-window-s: the last guard against a loop of faults that nothing else "
+        "stops"};
+inline constexpr Setting<int> kRecoveryBudgetWindowS{
+    .env = "NONSTOP_RECOVERY_BUDGET_WINDOW_S",
+    .flag = "--recovery-budget-window-s",
+    .default_value = 600,
+    .range = Bounds<int>{1, 86'400 * 30},
+    .read_by = kRun | kController,
+    .help = "The sliding window of --recovery-budget, in seconds"};
 inline constexpr Setting<int> kRefillNice{
     .env = "NONSTOP_REFILL_NICE",
     .flag = "--refill-nice",

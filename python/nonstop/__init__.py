@@ -36,12 +36,14 @@ one build works with whichever torch is installed. See docs/python.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import time
+import traceback
 from array import array
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from . import _core, _device
 
@@ -618,6 +620,18 @@ class Session:
                                "once the state is registered and the session joined (a spare gets its rank then)")
         return self._core
 
+    def begin_training(self) -> None:
+        """Says the script's setup is done and its first step begins (call it
+        before the first forward; nonstop.torch's DDP, DataParallel and the
+        loader call it). A worker that joined a running job (a spare, a
+        newcomer) copied its peers' state as it registered: whatever the setup
+        did to the registered tensors since (the script's own snapshot load, a
+        re-initialisation) is undone here, so it trains from exactly the
+        peers' state. A no-op in the job's first generation, after a restart
+        from a checkpoint, and after the first call."""
+        if self._core is not None:
+            self._core.begin_training()
+
     @property
     def rank(self) -> int:
         return self._joined().rank
@@ -652,6 +666,30 @@ class Session:
     @property
     def state_bytes(self) -> int:
         return self._joined().state_bytes
+
+    @contextlib.contextmanager
+    def busy(self, label: str, timeout: float = 1800.0) -> Iterator[None]:
+        """Marks a rank-local section its peers may wait for (an evaluation, a
+        snapshot save on rank 0)::
+
+            with session.busy("evaluation"):
+                evaluate(model)
+
+        Until it ends, or `timeout` seconds after it began, the controller does
+        not count the others' wait against this rank, and the progress line,
+        /status and the dashboard name `label`. Without a section a live rank
+        is declared hung only past the job's busy timeout (--busy-timeout-ms,
+        60 s). Sections do not nest."""
+        if not isinstance(label, str):
+            raise TypeError(f"Session.busy: the label is a str, got {type(label).__name__}")
+        if not timeout > 0:
+            raise ValueError(f"Session.busy: the timeout is in seconds and positive, got {timeout!r}")
+        core = self._joined()
+        core.begin_busy(label, float(timeout))
+        try:
+            yield
+        finally:
+            core.end_busy()
 
     def on_membership_change(self, callback: Callable[[MembershipChange], None]) -> None:
         """Calls `callback(change)` after each recovery or resize that recover() adopts."""
@@ -907,7 +945,8 @@ def _install_failure_report(session: Session) -> None:
         try:
             s = _reporting[0] if _reporting else None
             if s is not None and s._core is not None and not issubclass(kind, KeyboardInterrupt):
-                s._core.report_failure(f"{kind.__name__}: {value}", s._step_in_flight, 1)
+                trace = "".join(traceback.format_exception(kind, value, tb))
+                s._core.report_failure(f"{kind.__name__}: {value}", s._step_in_flight, 1, trace)
         except Exception:  # the report is best effort; the traceback below matters more
             pass
         finally:

@@ -116,6 +116,7 @@ class DistributedSampler:
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.epoch: Optional[int] = None  # as set_epoch left it (None: never called)
+        self._fresh = False  # set_epoch was called, and no loop of that epoch has trained or ended since
         self._order: Tuple[int, Optional[List[int]]] = (-1, None)
 
     def set_epoch(self, epoch: int) -> None:
@@ -124,6 +125,7 @@ class DistributedSampler:
         if epoch < 0:
             raise ValueError(f"epoch {epoch} is negative")
         self.epoch = int(epoch)
+        self._fresh = True
 
     def order(self, epoch: int) -> List[int]:
         """The dataset's indices in epoch `epoch`'s order."""
@@ -222,6 +224,7 @@ class DataLoader:
         self.micro: Optional[MicroShare] = None  # world-invariant: this rank's micro-batches of the last batch
         self._uneven_warned: set = set()
         self.on_batch: Any = None  # called as each batch is handed out (nonstop.torch: its first step)
+        self._peeked = False  # the last iterator was a peek (before set_epoch): no step to complete
 
     # ---- registration (nonstop.torch.init_process_group) ----
 
@@ -281,15 +284,20 @@ class DataLoader:
         if self._session is None:
             raise RuntimeError("register the loader first: nonstop.torch.init_process_group(model, optimizer, loader)")
         self._yielded = None  # a batch handed out and never trained on (a peek): it comes again
+        self._peeked = False
         extra = self._session.extra
         epoch = self.sampler.epoch
-        if epoch is None:
-            raise RuntimeError("call sampler.set_epoch(epoch) before iterating each epoch: the epoch's number "
-                               "says where a spare that replays the loop stands (epochs the job finished "
-                               "yield nothing)")
+        finished = epoch is None or epoch < extra[_EPOCH] or (
+            epoch == extra[_EPOCH] and self.sampler.batches_left(extra[_OFFSET], self.global_batch) == 0)
+        if finished and not self.sampler._fresh:
+            # A peek (`next(iter(loader))`) before set_epoch of the coming epoch: the batches torch's
+            # loader would give, from the start of the epoch last set, with the position untouched.
+            yield from self._peek(0 if epoch is None else epoch)
+            return
         if epoch > extra[_EPOCH]:
             extra[_EPOCH], extra[_BATCH], extra[_OFFSET] = epoch, 0, 0
         elif epoch < extra[_EPOCH]:
+            self.sampler._fresh = False
             return  # an epoch this job finished (a spare replays the loop from its start)
         while self.sampler.batches_left(extra[_OFFSET], self.global_batch) > 0 and extra[_EPOCH] == epoch:
             inner = self._inner(extra[_OFFSET])
@@ -306,13 +314,24 @@ class DataLoader:
                                        "gradients over micro-batches within a batch, not over batches)")
                 if self._session.generation != generation:
                     break  # the world changed: the shares are dealt anew from here
+        self.sampler._fresh = False  # the epoch's loop ended (an epoch the job finished ends at once)
+
+    def _peek(self, epoch: int) -> Iterator[Any]:
+        for batch in self._inner(0, epoch):
+            self._peeked = True
+            yield batch
 
     def _updated(self) -> None:
         """The optimizer's update of the batch handed out: its step is done.
         The position moves on before the controller is told."""
         if self._yielded is None:
+            if self._peeked:
+                raise RuntimeError("optimizer.step() on a batch of an epoch that was not set or is finished: "
+                                   "call sampler.set_epoch(epoch) before iterating each epoch (its number says "
+                                   "where a spare that replays the loop stands; a peek before it is fine)")
             raise RuntimeError("optimizer.step() with no batch of the loader to update on: each batch of "
                                "nonstop.data.DataLoader is one step, and one update")
+        self.sampler._fresh = False
         extra = self._session.extra
         step = self._yielded[0]
         self._yielded = None
@@ -328,19 +347,21 @@ class DataLoader:
     def _drop_outstanding(self) -> None:
         self._yielded = None
 
-    def _shares(self, offset: int) -> Iterator[List[int]]:
+    def _shares(self, offset: int, epoch: Optional[int] = None) -> Iterator[List[int]]:
         extra = self._session.extra
-        epoch, rank, world, g = extra[_EPOCH], self._session.rank, self._session.world_size, self.global_batch
+        epoch = extra[_EPOCH] if epoch is None else epoch
+        rank, world, g = self._session.rank, self._session.world_size, self.global_batch
         while self.sampler.batches_left(offset, g) > 0:
             indices, n, _ = self._deal(epoch, offset, rank, world)
             _check_share(indices, n, offset, epoch, rank, world)
             yield indices
             offset += n
 
-    def _inner(self, offset: int) -> Any:
+    def _inner(self, offset: int, epoch: Optional[int] = None) -> Any:
         import torch.utils.data
 
-        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=_Shares(self, offset), **self._kwargs)
+        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=_Shares(self, offset, epoch),
+                                             **self._kwargs)
         return iter(loader)
 
     def _my_share(self) -> Tuple[List[int], int, Optional[MicroShare]]:
@@ -462,12 +483,13 @@ class _Shares:
     """The batch sampler of the torch DataLoader that loads the shares (it
     may run ahead of the batch handed out: workers prefetch)."""
 
-    def __init__(self, owner: DataLoader, offset: int) -> None:
+    def __init__(self, owner: DataLoader, offset: int, epoch: Optional[int]) -> None:
         self._owner = owner
         self._offset = offset
+        self._epoch = epoch  # None: the registered epoch
 
     def __iter__(self) -> Iterator[List[int]]:
-        return self._owner._shares(self._offset)
+        return self._owner._shares(self._offset, self._epoch)
 
     def __len__(self) -> int:
         return self._owner.sampler.batches_left(self._offset, self._owner.global_batch)

@@ -266,8 +266,12 @@ class ProcessGroup(_TorchProcessGroup):
 
 
 def _first_step() -> None:
+    # The first step begins: a worker that joined a running job trains from the state it copied
+    # from its peers, whatever the script's setup did to it since (Session.begin_training).
     global _before_first_step
     _before_first_step = False
+    if _session is not None:
+        _session.begin_training()
 
 
 def _one(tensors: List[Any], what: str) -> Any:

@@ -167,6 +167,7 @@ class ShardedDataParallel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise_if_aborted(self._session)
+        self._session.begin_training()  # a joiner: from the peers' state, not its setup's
         if self._stale:
             self.gather()
         return self.module(*args, **kwargs)

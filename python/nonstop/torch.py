@@ -197,6 +197,7 @@ class DataParallel(torch.nn.Module):
             # it the buckets it started (recover() waited for them).
             self._in_backward = False
         self._stop_if_aborted()
+        self._session.begin_training()  # a joiner: from the peers' state, not its setup's
         if self._in_backward:
             # The last backward never reached its end (an exception inside it,
             # caught): some of its buckets were started, the others never will
@@ -557,6 +558,7 @@ class InvariantDataParallel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._stop_if_aborted()
+        self._session.begin_training()  # a joiner: from the peers' state, not its setup's
         return self.module(*args, **kwargs)
 
     def _on_grad_ready(self) -> None:

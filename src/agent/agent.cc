@@ -467,9 +467,10 @@ void Agent::HandleFrame(const net::Frame& f) {
       if (!m.ok()) return Malformed(m.status().message());
       // A process exit status holds 0-255; any other code still means a failure.
       int code = m->exit_code >= 0 && m->exit_code <= 255 ? m->exit_code : 1;
+      // Its first line: the controller prints the whole reason (a script's traceback) once.
       End(code,
           fmt::format("the controller ended this agent (exit code {}): {}", m->exit_code,
-                      m->reason),
+                      m->reason.substr(0, m->reason.find('\n'))),
           /*kill_now=*/false);
       return;
     }

@@ -20,6 +20,8 @@ std::string_view FaultKindName(FaultKind k) {
       return "corrupt";
     case FaultKind::kStall:
       return "stall";
+    case FaultKind::kSpin:
+      return "spin";
     case FaultKind::kBitflip:
       return "bitflip";
     case FaultKind::kWireflip:
@@ -67,6 +69,8 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
       f.kind = FaultKind::kHang;
     else if (kind == "stall")
       f.kind = FaultKind::kStall;
+    else if (kind == "spin")
+      f.kind = FaultKind::kSpin;
     else if (kind == "exception")
       f.kind = FaultKind::kException;
     else if (kind == "drop")
@@ -79,8 +83,8 @@ Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id) 
       f.kind = FaultKind::kWireflip;
     else
       return InvalidArgumentError(
-          fmt::format("fault '{}': unknown kind '{}' (kill, hang, stall, exception, drop, corrupt, "
-                      "bitflip, wireflip)",
+          fmt::format("fault '{}': unknown kind '{}' (kill, hang, stall, spin, exception, drop, "
+                      "corrupt, bitflip, wireflip)",
                       item, kind));
     bool has_rank = false;
     bool has_phase = false;

@@ -4,6 +4,8 @@
 //   hang:rank=1,step=50                 SIGSTOP itself there (a hung process)
 //   stall:rank=1,step=50                its training thread stops there for good while
 //                                       its I/O thread goes on (a deadlocked loop)
+//   spin:rank=1,step=50                 its training thread spins there for good, on a
+//                                       core, while its I/O thread goes on (a livelock)
 //   exception:rank=0,step=12            throw from the training loop at step 12
 //   drop:rank=3,step=7                  close its data connections at step 7
 //   kill:rank=1,step=30,during=transfer die while taking part in the state
@@ -30,7 +32,17 @@
 
 namespace nonstop::control {
 
-enum class FaultKind { kKill, kHang, kException, kDrop, kCorrupt, kStall, kBitflip, kWireflip };
+enum class FaultKind {
+  kKill,
+  kHang,
+  kException,
+  kDrop,
+  kCorrupt,
+  kStall,
+  kSpin,
+  kBitflip,
+  kWireflip
+};
 enum class FaultPoint { kStep, kTransfer, kTime };
 
 struct FaultSpec {

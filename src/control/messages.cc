@@ -277,7 +277,13 @@ std::string Encode(const PlanMsg& m) {
   return Dump(j);
 }
 std::string Encode(const HeartbeatMsg& m) {
-  return Dump({{"step", m.step}, {"waiting_ms", m.waiting_ms}});
+  json j = {{"step", m.step}, {"waiting_ms", m.waiting_ms}};
+  if (!m.busy.empty()) {
+    j["busy"] = m.busy;
+    j["busy_ms"] = m.busy_ms;
+    j["busy_bound_ms"] = m.busy_bound_ms;
+  }
+  return Dump(j);
 }
 std::string Encode(const ProgressMsg& m) {
   json j = {{"step", m.step},
@@ -294,10 +300,12 @@ std::string Encode(const FinishedMsg& m) {
   return Dump({{"step", m.step}, {"checksum", m.checksum}});
 }
 std::string Encode(const FailureMsg& m) {
-  return Dump({{"generation", m.generation},
-               {"step", m.step},
-               {"reason", m.reason},
-               {"exit_code", m.exit_code}});
+  json j = {{"generation", m.generation},
+            {"step", m.step},
+            {"reason", m.reason},
+            {"exit_code", m.exit_code}};
+  if (!m.traceback.empty()) j["traceback"] = m.traceback;
+  return Dump(j);
 }
 std::string Encode(const ShutdownMsg& m) {
   return Dump({{"reason", m.reason}, {"exit_code", m.exit_code}});
@@ -556,6 +564,17 @@ Result<HeartbeatMsg> DecodeHeartbeat(std::string_view p) {
   return Decode<HeartbeatMsg>("heartbeat", p, [](const Reader& r, HeartbeatMsg& m) {
     r("step", &m.step);
     r("waiting_ms", &m.waiting_ms);
+    r.Optional("busy", &m.busy);
+    if (m.busy.size() > kMaxBusyLabel)
+      throw FieldError{"busy",
+                       fmt::format("is {} bytes; at most {}", m.busy.size(), kMaxBusyLabel)};
+    if (!m.busy.empty()) {
+      r("busy_ms", &m.busy_ms);
+      r("busy_bound_ms", &m.busy_bound_ms);
+      if (m.busy_ms < 0 || m.busy_bound_ms <= 0)
+        throw FieldError{"busy_ms", fmt::format("a section of {} ms bound to {} ms", m.busy_ms,
+                                                m.busy_bound_ms)};
+    }
   });
 }
 Result<ProgressMsg> DecodeProgress(std::string_view p) {
@@ -589,6 +608,10 @@ Result<FailureMsg> DecodeFailure(std::string_view p) {
     r("step", &m.step);
     r("reason", &m.reason);
     r("exit_code", &m.exit_code);
+    r.Optional("traceback", &m.traceback);
+    if (m.traceback.size() > kMaxTraceback)
+      throw FieldError{"traceback",
+                       fmt::format("is {} bytes; at most {}", m.traceback.size(), kMaxTraceback)};
   });
 }
 Result<PingMsg> DecodePing(std::string_view p) {

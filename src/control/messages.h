@@ -244,7 +244,14 @@ struct InjectedMsg {
 struct HeartbeatMsg {
   int64_t step = -1;        // last completed step, -1 before the first
   int64_t waiting_ms = -1;  // time blocked in the current collective; -1: not in one (computing)
+  // A section the script marked busy (Session::Busy; optional on the wire):
+  // its label ("" : none, at most kMaxBusyLabel bytes), how long it has run
+  // and how long it may.
+  std::string busy{};
+  int64_t busy_ms = 0;
+  int64_t busy_bound_ms = 0;
 };
+inline constexpr size_t kMaxBusyLabel = 200;
 
 // The step a worker's state holds when it has none that is valid (a state
 // transfer into it was interrupted).
@@ -276,9 +283,12 @@ struct FinishedMsg {
 struct FailureMsg {
   uint32_t generation = 0;
   int64_t step = 0;
-  std::string reason;
+  std::string reason;  // "ValueError: bad sample 17": what recurs when the script is at fault
   int exit_code = 10;
+  // The script's traceback, if it raised (optional on the wire; at most kMaxTraceback bytes).
+  std::string traceback{};
 };
+inline constexpr size_t kMaxTraceback = 32 * 1024;
 
 struct ShutdownMsg {
   std::string reason;

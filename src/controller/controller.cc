@@ -197,6 +197,12 @@ void Controller::On(const HeartbeatReceived& e, std::vector<Action>*) {
   if (e.msg.step > w->last_step && w->role == WorkerRole::kMember) progress_at_ = now_;
   w->last_step = std::max(w->last_step, e.msg.step);
   w->waiting_ms = e.msg.waiting_ms;
+  if (!w->busy.empty() && e.msg.busy.empty()) w->busy_ended = now_;
+  w->busy = e.msg.busy.substr(0, control::kMaxBusyLabel);
+  if (!w->busy.empty()) {
+    w->busy_since = now_ - Millis(std::min<int64_t>(e.msg.busy_ms, 86'400'000));
+    w->busy_bound = Millis(std::clamp<int64_t>(e.msg.busy_bound_ms, 1, int64_t{86'400'000} * 30));
+  }
   if (e.msg.waiting_ms >= 0 && w->role == WorkerRole::kMember && phase_ == JobPhase::kRunning) {
     // It arrived at the collective of the step after the one it completed.
     const int64_t step = e.msg.step + 1;
@@ -362,7 +368,43 @@ void Controller::On(const FailureReported& e, std::vector<Action>* out) {
     out->push_back(KillWorker{w->worker_id});  // it is leaving: make sure it is gone
     return;
   }
-  MemberFault(e.worker_id, "reported failure", e.msg.reason, out);
+  if (!IsLiveMember(*w)) return;
+  // Held for the failure window: the other members' reports of the same step come with it.
+  script_failures_.Hold({e.worker_id, w->rank, e.msg.step, e.msg.reason,
+                         e.msg.traceback.substr(0, control::kMaxTraceback), now_},
+                        membership_.members(), options_.failure_window);
+  if (script_failures_.EveryMemberRaised()) {
+    const FailureReport& first = script_failures_.first_held();
+    End(kExitScriptFailure,
+        ScriptFailureMessage(first, fmt::format("every member ({}) raised the same exception at "
+                                                "step {}",
+                                                membership_.members().size(), first.step)),
+        out);
+    return;
+  }
+  ActOnHeldFailures(out);  // a window of 0
+}
+
+void Controller::ActOnHeldFailures(std::vector<Action>* out) {
+  for (const FailureReport& r : script_failures_.Due(now_)) {
+    if (phase_ == JobPhase::kEnded) return;
+    const int repeats = script_failures_.Record(r);
+    if (repeats >= options_.failure_repeats) {
+      End(kExitScriptFailure,
+          ScriptFailureMessage(
+              r, fmt::format("the same exception was raised {} times (on rank {}'s replacements "
+                             "or at step {}; --failure-repeats {})",
+                             repeats + 1, r.rank, r.step, options_.failure_repeats)),
+          out);
+      return;
+    }
+    const WorkerInfo* w = membership_.Find(r.worker_id);
+    if (w != nullptr && IsLiveMember(*w)) {
+      std::string detail = r.reason;
+      if (!w->how_it_ended.empty()) detail += " [" + w->how_it_ended + "]";
+      MemberFault(r.worker_id, "reported failure", detail, out);
+    }
+  }
 }
 
 void Controller::On(const ConnectionLost& e, std::vector<Action>* out) {
@@ -380,6 +422,7 @@ void Controller::On(const ConnectionLost& e, std::vector<Action>* out) {
         out);
     return;
   }
+  if (script_failures_.Holding(e.worker_id)) return;  // its report came first
   MemberFault(e.worker_id, "control connection lost", e.reason, out);
 }
 
@@ -491,6 +534,8 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
             out);
         return;
       }
+      // A member whose failure report is held exits as it said: acted on at the window's end.
+      if (script_failures_.Holding(w.worker_id)) return;
       MemberFault(w.worker_id, "process exit", how, out);
       return;
   }
@@ -510,6 +555,7 @@ void Controller::On(const ProcessDying& e, std::vector<Action>* out) {
   }
   WorkerInfo* w = membership_.Find(e.worker_id);
   if (w == nullptr || w->role != WorkerRole::kMember || (e.pid != 0 && w->pid != e.pid)) return;
+  if (script_failures_.Holding(w->worker_id)) return;  // its report came first
   MemberFault(w->worker_id, "process died",
               "is dying (its lifeline fired: the kernel released the lock it held as its exit "
               "began)",
@@ -636,7 +682,7 @@ void Controller::MemberFault(int worker_id, const std::string& kind, const std::
       return;
     }
     StartRecovery(what, out);
-    RestartFromCheckpoint(what, out);
+    if (phase_ != JobPhase::kEnded) RestartFromCheckpoint(what, out);
     return;
   }
   if (phase_ == JobPhase::kRecovering) {
@@ -677,6 +723,8 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   }
   CheckJoinDeadlines(out);
   if (phase_ == JobPhase::kEnded) return;
+  ActOnHeldFailures(out);
+  if (phase_ == JobPhase::kEnded) return;
   CheckHeartbeats(out);
   if (phase_ == JobPhase::kEnded) return;
   if (slotted() && placement_.placed()) TopUpHosts(out);
@@ -702,10 +750,9 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
     view.have_step_times = !step_times_.empty();
     view.progress_at = progress_at_;
     view.highest_step = highest_step_;
-    // A member that lags the others: the hang detector first, then the step-progress watchdog.
-    std::optional<Finding> lagging = DetectHang(view, arrivals_, now_);
-    if (!lagging) lagging = DetectSlowMember(view);
-    if (lagging) {
+    NoteWaiting(FindLag(view, arrivals_, now_), out);
+    // A member that lags the others past the busy timeout, else a job that does not progress.
+    if (std::optional<Finding> lagging = DetectHang(view, arrivals_, now_)) {
       MemberFault(lagging->worker_id, lagging->kind, lagging->detail, out);
     } else if (std::optional<Finding> stall = DetectStall(view, now_)) {
       // No member lags, but nothing progresses: every member aborts.
@@ -717,11 +764,28 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
                                     {"generation", generation_}}});
       out->push_back(PrintLine{"fault: every member aborts: " + cause});
       StartRecovery(cause, out);
-      if (options_.recovery == RecoveryMode::kCheckpointRestart) RestartFromCheckpoint(cause, out);
+      if (phase_ != JobPhase::kEnded && options_.recovery == RecoveryMode::kCheckpointRestart)
+        RestartFromCheckpoint(cause, out);
     }
   }
+  if (phase_ != JobPhase::kRunning) NoteWaiting(std::nullopt, out);
   if (phase_ == JobPhase::kRunning) MaybeReleaseLeavingHosts(out);
   if (phase_ == JobPhase::kRunning) MaybeGrow(out);
+}
+
+void Controller::NoteWaiting(std::optional<Lag> lag, std::vector<Action>* out) {
+  waiting_ = std::move(lag);
+  const bool shown = waiting_ && waiting_->waited_ms >= kShowWaitAfterMs;
+  const int who = shown ? waiting_->worker_id : -1;
+  if (who == waiting_journaled_) return;
+  if (waiting_journaled_ >= 0) {
+    out->push_back(AppendJournal{{{"event", "waiting_end"}, {"worker_id", waiting_journaled_}}});
+  }
+  waiting_journaled_ = who;
+  if (!shown) return;
+  json rec = WaitingJson(waiting_);
+  rec["event"] = "waiting";
+  out->push_back(AppendJournal{std::move(rec)});
 }
 
 void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
@@ -834,6 +898,7 @@ json Controller::Status() const {
   view.hosts = &placement_.host_list();
   view.recoveries = recoveries_.size();
   view.policy = PolicyJson();
+  view.waiting = &waiting_;
   return StatusJson(view, now_);
 }
 

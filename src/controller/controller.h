@@ -83,6 +83,7 @@
 #include "controller/placement.h"
 #include "controller/planner.h"
 #include "controller/resize_policy.h"
+#include "controller/script_failures.h"
 #include "nonstop/status.h"
 
 namespace nonstop::controller {
@@ -418,6 +419,13 @@ class Controller {
   // ---- the detectors' findings, acted on (each Tick)
   void CheckJoinDeadlines(std::vector<Action>* out);
   void CheckHeartbeats(std::vector<Action>* out);
+  // The member the others wait for (FindLag), journaled ("waiting") once it
+  // has been waited for a while and again when the wait ends, for the
+  // status, the dashboard and the progress line.
+  void NoteWaiting(std::optional<Lag> lag, std::vector<Action>* out);
+  // Failures the script raised whose window has passed: the job ends if one
+  // recurs too often, else each member is replaced (MemberFault).
+  void ActOnHeldFailures(std::vector<Action>* out);
 
   // ---- recovery: OpenRecovery → MaybeFinishAbort → FormNextGeneration → ApplyPlan
   // Opens a recovery record (and aborts the members, unless `planned`), then
@@ -515,6 +523,10 @@ class Controller {
   StepTimes step_times_;             // recent step times
   ArrivalTracker arrivals_;          // the members' arrivals at each step's collective
   Clock::time_point progress_at_{};  // a step last completed, or the members were last given a plan
+  std::optional<Lag> waiting_;       // the member the others wait for, at the last tick
+  int waiting_journaled_ = -1;       // the worker of the journaled "waiting" record (-1: none)
+  ScriptFailures script_failures_;   // the failures the members reported, held and acted on
+  RecoveryBudget recovery_budget_;
 
   // The recovery state machine.
   std::vector<RecoveryRecord> recoveries_;

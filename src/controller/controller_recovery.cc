@@ -172,6 +172,16 @@ void Controller::MaybeFormFirstGeneration(std::vector<Action>* out) {
 // ---------------------------------------------------------------- recovery
 
 void Controller::StartRecovery(const std::string& cause, std::vector<Action>* out, bool planned) {
+  if (!planned &&
+      recovery_budget_.Spend(now_, options_.recovery_budget, options_.recovery_budget_window)) {
+    End(kExitPeerFailure,
+        fmt::format("more than {} recoveries within {} s (--recovery-budget, "
+                    "--recovery-budget-window-s): something fails again and again; the last: {}",
+                    options_.recovery_budget, options_.recovery_budget_window.count() / 1000,
+                    cause),
+        out);
+    return;
+  }
   OpenRecovery(cause, planned, out);
   MaybeFinishAbort(out);
 }
@@ -261,10 +271,14 @@ void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
     out->push_back(PrintLine{
         fmt::format("fault: {} {}", Describe(*w, placement_.elastic_host()), e.msg.reason)});
   }
-  if (phase_ == JobPhase::kRunning) {
+  // A peer's failure held for its window (its process has left, so this member's collective
+  // failed): what it means is decided when the window ends; this Ready counts then.
+  const bool held = phase_ == JobPhase::kRunning && script_failures_.holding_any();
+  if (phase_ == JobPhase::kRunning && !held) {
     // The member saw a fault first (a peer's connection reset): recover.
     StartRecovery(
         fmt::format("{} reported: {}", Describe(*w, placement_.elastic_host()), e.msg.reason), out);
+    if (phase_ == JobPhase::kEnded) return;
   }
   if (shard_group_ > 0 && e.msg.held_shard >= shard_group_) {
     MemberFault(
@@ -273,7 +287,7 @@ void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
         out);
     return;
   }
-  if (phase_ != JobPhase::kRecovering) return;
+  if (phase_ != JobPhase::kRecovering && !held) return;
   ready_[e.worker_id] = e.msg.step;
   w->held_shard = e.msg.held_shard;
   // Field by field: every member sends one (see PerMemberRecord).

@@ -578,15 +578,25 @@ TEST_F(ControllerTest, SilentMemberIsDetectedByHeartbeatTimeoutAndKilled) {
   EXPECT_EQ(Find<SendAbort>(actions).size(), 2u);
 }
 
-TEST_F(ControllerTest, WatchdogFindsTheMemberStuckOutsideTheCollective) {
+TEST_F(ControllerTest, TheMemberStuckOutsideTheCollectiveIsFoundAtTheBusyTimeout) {
   StartJob();
-  // Ranks 0 and 2 wait in the collective for 2.5 s; rank 1 is alive (heartbeats) but computing.
-  now_ += Millis(2500);
-  Do(HeartbeatReceived{0, {3, 2500}});
-  Do(HeartbeatReceived{2, {3, 2500}});
-  Do(HeartbeatReceived{1, {3, -1}});
-  Do(HeartbeatReceived{3, {-1, -1}});
-  auto kills = Find<KillWorker>(Do(Tick{}));
+  // Ranks 0 and 2 wait in the collective; rank 1 is alive (heartbeats) but computing: busy, and
+  // hung only once the others have waited the busy timeout (60 s by default).
+  std::vector<Action> all;
+  for (int t = 500; t <= 60'500; t += 500) {
+    now_ += Millis(500);
+    Do(HeartbeatReceived{0, {3, t}});
+    Do(HeartbeatReceived{2, {3, t}});
+    Do(HeartbeatReceived{1, {3, -1}});
+    Do(HeartbeatReceived{3, {-1, -1}});
+    auto actions = Do(Tick{});
+    if (t <= 60'000) {
+      ASSERT_TRUE(Find<KillWorker>(actions).empty()) << t << " ms: " << Printed(actions);
+    } else {
+      all = actions;
+    }
+  }
+  auto kills = Find<KillWorker>(all);
   ASSERT_EQ(kills.size(), 1u);
   EXPECT_EQ(kills[0].worker_id, 1);
 }
@@ -815,6 +825,11 @@ TEST_F(ControllerTest, StoppedProcessIsAFaultAtOnceWhateverItsRole) {
 }
 
 TEST_F(ControllerTest, HangDetectorFindsAMemberFarBehindTheUsualArrivalSpread) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.spares = 1;
+  o.busy_timeout = Millis(500);  // a test's: the default is 60 s
+  Make(o);
   StartJob();
   // Ten normal steps: everyone reaches the collective within 20 ms.
   for (int64_t step = 0; step < 10; ++step) {
@@ -829,10 +844,11 @@ TEST_F(ControllerTest, HangDetectorFindsAMemberFarBehindTheUsualArrivalSpread) {
   // Step 10: ranks 0 and 2 arrive; rank 1 still computes (its heartbeats go on).
   Do(HeartbeatReceived{0, {9, 0}});
   Do(HeartbeatReceived{2, {9, 0}});
-  now_ += Millis(300);
+  now_ += Millis(700);
   for (int id : {1, 3}) Do(HeartbeatReceived{id, {id == 1 ? 9 : -1, -1}});
-  EXPECT_TRUE(Find<KillWorker>(Do(Tick{})).empty()) << "300 ms is within max(500 ms, 8 × 20 ms)";
-  now_ += Millis(300);
+  EXPECT_TRUE(Find<KillWorker>(Do(Tick{})).empty())
+      << "700 ms is within max(500 ms, 8 × 20 ms, 8 × the median step of 100 ms)";
+  now_ += Millis(200);
   for (int id : {1, 3}) Do(HeartbeatReceived{id, {id == 1 ? 9 : -1, -1}});
   auto actions = Do(Tick{});
   auto kills = Find<KillWorker>(actions);
@@ -845,6 +861,244 @@ TEST_F(ControllerTest, HangDetectorFindsAMemberFarBehindTheUsualArrivalSpread) {
   EXPECT_TRUE(journaled);
 }
 
+// Slow is not hung: rank 0 saving a snapshot for 6 s while the others wait
+// in the next collective (PyTorch's DDP tutorial) is no fault under the
+// default busy timeout; the wait is journaled and shown, and ends.
+TEST_F(ControllerTest, ARankSavingForSixSecondsIsNotHungAndTheWaitIsShown) {
+  StartJob();
+  StepsOf100Ms(9);
+  Do(HeartbeatReceived{1, {9, 0}});
+  Do(HeartbeatReceived{2, {9, 0}});
+  std::vector<Action> all;
+  for (int t = 0; t < 6'000; t += 250) {
+    now_ += Millis(250);
+    Do(HeartbeatReceived{0, {9, -1}});  // computing: writing its snapshot
+    Do(HeartbeatReceived{1, {9, t + 250}});
+    Do(HeartbeatReceived{2, {9, t + 250}});
+    Do(HeartbeatReceived{3, {-1, -1}});
+    auto actions = Do(Tick{});
+    all.insert(all.end(), actions.begin(), actions.end());
+  }
+  EXPECT_TRUE(Find<KillWorker>(all).empty()) << Printed(all);
+  EXPECT_TRUE(Find<SendAbort>(all).empty()) << Printed(all);
+  int waiting = 0;
+  for (const auto& j : Find<AppendJournal>(all)) {
+    if (j.record.value("event", "") != "waiting") continue;
+    ++waiting;
+    EXPECT_EQ(j.record.value("rank", -1), 0);
+  }
+  EXPECT_EQ(waiting, 1) << "journaled once, when the wait passed 2 s";
+  const nlohmann::json status = c_->Status();
+  ASSERT_TRUE(status["waiting_for"].is_object()) << status.dump();
+  EXPECT_EQ(status["waiting_for"]["rank"], 0);
+  EXPECT_GE(status["waiting_for"]["waited_ms"].get<int64_t>(), 5'900);
+  for (int id : {0, 1, 2}) Step(id, 10);
+  bool ended = false;
+  for (const auto& j : Find<AppendJournal>(Do(Tick{}))) {
+    ended = ended || j.record.value("event", "") == "waiting_end";
+  }
+  EXPECT_TRUE(ended);
+  EXPECT_TRUE(c_->Status()["waiting_for"].is_null());
+}
+
+// A section the script marked busy holds the hang detector off until its
+// bound, however low the busy timeout; past the bound the wait counts, and
+// a busy timeout later it is a hang.
+TEST_F(ControllerTest, AMarkedBusySectionIsNotHungUntilItsBound) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.spares = 1;
+  o.busy_timeout = Millis(500);
+  Make(o);
+  StartJob();
+  StepsOf100Ms(9);
+  Do(HeartbeatReceived{1, {9, 0}});
+  Do(HeartbeatReceived{2, {9, 0}});
+  int t = 0;  // ms since rank 0 entered its section and the others began to wait
+  auto wait = [&](int ms) {
+    std::vector<Action> all;
+    for (int end = t + ms; t < end;) {
+      t += 250;
+      now_ += Millis(250);
+      control::HeartbeatMsg busy{9, -1, "evaluation", t, 5'000};
+      Do(HeartbeatReceived{0, busy});
+      Do(HeartbeatReceived{1, {9, t}});
+      Do(HeartbeatReceived{2, {9, t}});
+      Do(HeartbeatReceived{3, {-1, -1}});
+      auto actions = Do(Tick{});
+      all.insert(all.end(), actions.begin(), actions.end());
+    }
+    return all;
+  };
+  auto within = wait(4'750);
+  EXPECT_TRUE(Find<KillWorker>(within).empty()) << Printed(within);
+  EXPECT_EQ(c_->Status()["waiting_for"]["section"], "evaluation");
+  auto bound = wait(500);
+  EXPECT_TRUE(Find<KillWorker>(bound).empty()) << "past its bound, the wait counts from there";
+  auto past = wait(1000);
+  auto kills = Find<KillWorker>(past);
+  // The threshold: the busy timeout, or 8 x the median step of 100 ms.
+  ASSERT_EQ(kills.size(), 1u) << "6.25 s into a section bound to 5 s, past the threshold of 0.8 s";
+  EXPECT_EQ(kills[0].worker_id, 0);
+}
+
+// The others' wait during a marked section does not count once it ends: the
+// rank has a busy timeout from then on to reach the collective.
+TEST_F(ControllerTest, AWaitDuringAMarkedSectionDoesNotCountAfterItEnds) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.spares = 1;
+  o.busy_timeout = Millis(500);
+  Make(o);
+  StartJob();
+  StepsOf100Ms(9);
+  int t = 0;
+  auto wait = [&](int ms, bool busy) {
+    std::vector<Action> all;
+    for (int end = t + ms; t < end;) {
+      t += 250;
+      now_ += Millis(250);
+      control::HeartbeatMsg beat{9, -1};
+      if (busy) beat = {9, -1, "evaluation", t, 60'000};
+      Do(HeartbeatReceived{0, beat});
+      Do(HeartbeatReceived{1, {9, t}});
+      Do(HeartbeatReceived{2, {9, t}});
+      Do(HeartbeatReceived{3, {-1, -1}});
+      auto actions = Do(Tick{});
+      all.insert(all.end(), actions.begin(), actions.end());
+    }
+    return all;
+  };
+  auto busy = wait(3'000, true);
+  EXPECT_TRUE(Find<KillWorker>(busy).empty()) << Printed(busy);
+  auto after = wait(500, false);  // the first heartbeat without the section says it ended
+  EXPECT_TRUE(Find<KillWorker>(after).empty())
+      << "3.5 s of waiting, 0.25 s of it after the section";
+  auto late = wait(750, false);
+  // The threshold: the busy timeout, or 8 x the median step of 100 ms.
+  ASSERT_EQ(Find<KillWorker>(late).size(), 1u)
+      << "1 s after the section, past the threshold of 0.8 s";
+}
+
+// A failure the script raised is held for the failure window (the others'
+// failed collective with it), then the rank is replaced; the same exception
+// on the replacement is a repeat, and the second repeat ends the job with
+// exit 12, the traceback in its reason, without a third recovery.
+TEST_F(ControllerTest, AFailureThatRecursOnTheReplacementsEndsTheJob) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.spares = 1;
+  o.failure_window = Millis(300);
+  Make(o);
+  StartJob();
+  StepsOf100Ms(4);
+  int failing = 1;  // the worker that holds rank 1
+  int spare = 3;
+  int next_worker = 4;
+  for (int round = 0; round < 3; ++round) {
+    control::FailureMsg f{c_->generation(), 5, "ValueError: bad sample 17", 1,
+                          "Traceback (most recent call last):\n  File \"train.py\"\n"};
+    auto reported = Do(FailureReported{failing, f});
+    EXPECT_TRUE(Find<KillWorker>(reported).empty()) << "held for the window";
+    Do(ProcessExited{failing, 1000 + failing, 1, 0, kHost});
+    // The others' collective fails as the raising process leaves: their Ready waits for the
+    // window, and counts when it ends (no abort to wait for).
+    for (int id : c_->members()) {
+      if (id != failing) Ready(id, 4);
+    }
+    ASSERT_EQ(c_->phase(), JobPhase::kRunning) << "no recovery before the window ends";
+    now_ += Millis(300);
+    auto acted = Do(Tick{});
+    if (round == 2) {
+      auto ends = Find<EndJob>(acted);
+      ASSERT_EQ(ends.size(), 1u) << Printed(acted);
+      EXPECT_EQ(ends[0].exit_code, kExitScriptFailure);
+      EXPECT_NE(ends[0].reason.find("the same exception was raised 3 times"), std::string::npos)
+          << ends[0].reason;
+      EXPECT_NE(ends[0].reason.find("Rank 1 raised at step 5: ValueError: bad sample 17"),
+                std::string::npos)
+          << ends[0].reason;
+      EXPECT_NE(ends[0].reason.find("File \"train.py\""), std::string::npos) << ends[0].reason;
+      EXPECT_TRUE(Find<SendPlan>(acted).empty());
+      return;
+    }
+    ASSERT_FALSE(Find<SendPlan>(acted).empty()) << "the survivors were ready: " << Printed(acted);
+    Join(next_worker, /*spare=*/true);  // the refill
+    ASSERT_EQ(c_->RankOf(spare), 1) << "the spare takes rank 1";
+    failing = spare;
+    spare = next_worker++;
+  }
+}
+
+// Every member raising the same exception at the same step is the script's
+// bug at once: no rank is replaced.
+TEST_F(ControllerTest, EveryMemberRaisingTheSameExceptionEndsTheJobAtOnce) {
+  StartJob();
+  StepsOf100Ms(4);
+  std::vector<Action> all;
+  for (int id : {0, 1, 2}) {
+    control::FailureMsg f{c_->generation(), 5,
+                          "RuntimeError: call sampler.set_epoch(epoch) before iterating", 1, ""};
+    auto actions = Do(FailureReported{id, f});
+    all.insert(all.end(), actions.begin(), actions.end());
+  }
+  auto ends = Find<EndJob>(all);
+  ASSERT_EQ(ends.size(), 1u) << Printed(all);
+  EXPECT_EQ(ends[0].exit_code, kExitScriptFailure);
+  EXPECT_NE(ends[0].reason.find("every member (3) raised the same exception at step 5"),
+            std::string::npos)
+      << ends[0].reason;
+  EXPECT_TRUE(Find<SendPlan>(all).empty());
+  EXPECT_TRUE(c_->recoveries().empty()) << "no recovery was started";
+}
+
+// Different failures on different ranks are not the script's: each is
+// replaced, and the first member's exit does not act before the window ends.
+TEST_F(ControllerTest, DifferentFailuresAreReplacedAsFaults) {
+  StartJob();
+  StepsOf100Ms(4);
+  Do(FailureReported{0, {c_->generation(), 5, "RuntimeError: CUDA error: ECC", 1, ""}});
+  auto exit = Do(ProcessExited{0, 1000, 1, 0, kHost});
+  EXPECT_TRUE(Find<SendAbort>(exit).empty()) << "its report is held: the exit waits for it";
+  now_ += Millis(300);
+  auto acted = Do(Tick{});
+  EXPECT_EQ(Find<SendAbort>(acted).size(), 2u) << Printed(acted);
+  EXPECT_TRUE(Find<EndJob>(acted).empty());
+}
+
+// The last guard: more recoveries than the budget within its window end the job.
+TEST_F(ControllerTest, TheRecoveryBudgetEndsALoopOfFaults) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.spares = 1;
+  o.recovery_budget = 2;
+  o.recovery_budget_window = Millis(60'000);
+  Make(o);
+  StartJob();
+  StepsOf100Ms(4);
+  int victim = 2, spare = 3, next_worker = 4;
+  for (int round = 0; round < 3; ++round) {
+    auto actions = Do(ProcessExited{victim, 1000 + victim, -1, 9, kHost});
+    if (round == 2) {
+      auto ends = Find<EndJob>(actions);
+      ASSERT_EQ(ends.size(), 1u) << Printed(actions);
+      EXPECT_EQ(ends[0].exit_code, kExitPeerFailure);
+      EXPECT_NE(ends[0].reason.find("more than 2 recoveries within 60 s"), std::string::npos)
+          << ends[0].reason;
+      return;
+    }
+    for (int id : c_->members()) {
+      if (id != victim) Ready(id, 4);
+    }
+    Join(next_worker, /*spare=*/true);
+    ASSERT_EQ(c_->RankOf(spare), 2);
+    for (int id : c_->members()) Step(id, 5 + round);
+    victim = spare;
+    spare = next_worker++;
+    now_ += Millis(1'000);
+  }
+}
+
 // The stall watchdog: a world of one whose training thread hangs (its I/O
 // thread still heartbeats) has no other member to lag behind, so only the
 // absence of completed steps can tell. It is aborted, cannot answer, and is
@@ -854,6 +1108,7 @@ TEST_F(ControllerTest, StallWatchdogEndsAWorldOfOneThatStopsCompletingSteps) {
   o.world_size = 1;
   o.stall_floor = Millis(10'000);
   o.stall_factor = 10.0;
+  o.busy_timeout = Millis(10'000);  // its member computes: the bound is at least this
   Make(o);
   Join(0);
   ASSERT_EQ(c_->phase(), JobPhase::kRunning);
@@ -908,7 +1163,7 @@ TEST_F(ControllerTest, StallWatchdogReformsMembersStuckTogetherInACollective) {
     for (int id : {0, 1, 2}) Do(HeartbeatReceived{id, {4, t + 500}});
     actions = Do(Tick{});
     EXPECT_TRUE(Find<KillWorker>(actions).empty())
-        << "no one computes: the step-progress watchdog blames no one";
+        << "no one computes: the hang detector blames no one";
   }
   ASSERT_EQ(Find<SendAbort>(actions).size(), 3u);
   Ready(0, 4);

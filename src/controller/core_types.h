@@ -71,10 +71,6 @@ struct ControllerOptions {
   // (rather than shrink now and grow again when it joins, a second reconfiguration and, in the
   // ring mode, other bits).
   Millis spare_wait{10'000};
-  // Step-progress watchdog: a member still computing while another has
-  // waited in the step's collective for max(floor, factor × median step time).
-  double watchdog_factor = 5.0;
-  Millis watchdog_floor{2'000};
   std::vector<control::FaultSpec> faults;  // injected faults, fired once each
   // A grow waits this long for all the capacity it needs, to change once.
   Millis grow_gather{3'000};
@@ -84,18 +80,27 @@ struct ControllerOptions {
   // killed and replaced.
   Millis forming_timeout{settings::kJoinTimeoutMs.default_value};
   Millis join_timeout{settings::kJoinTimeoutMs.default_value};
-  // Hang detection from the members' arrival at each step's collective: a
-  // member that has not arrived hang_factor × the recent arrival spread
-  // (but at least hang_floor) after the first member did is hung.
+  // A live member that has not reached a step's collective busy_timeout
+  // after the first member did is hung; the bound learns the job's pace
+  // above it: hang_factor × the recent arrival spread, and × the median step.
+  Millis busy_timeout{settings::kBusyTimeoutMs.default_value};
   double hang_factor = settings::kHangFactor.default_value;
-  Millis hang_floor{settings::kHangFloorMs.default_value};
   // Stall watchdog: when no step has completed for stall_factor × the median
-  // step (at least stall_floor; forming_timeout before the first step and
-  // while a recovery moves state), every member is aborted. Members that
-  // answer re-form (a stuck collective); members that cannot (every rank
-  // hung, or a world of one) are killed by the abort's escalation.
-  double stall_factor = 10.0;
+  // step (at least stall_floor, and busy_timeout while a member computes;
+  // forming_timeout before the first step and while a recovery moves state),
+  // every member is aborted. Members that answer re-form (a stuck
+  // collective); members that cannot (every rank hung, or a world of one)
+  // are killed by the abort's escalation.
+  double stall_factor = settings::kStallFactor.default_value;
   Millis stall_floor{settings::kStallFloorMs.default_value};
+  // A failure the script raised (FailureMsg) that recurs failure_repeats
+  // times ends the job (kExitScriptFailure); each is acted on failure_window
+  // after its report, so that the other members' reports come with it.
+  int failure_repeats = settings::kFailureRepeats.default_value;
+  Millis failure_window{settings::kFailureWindowMs.default_value};
+  // More than recovery_budget recoveries within recovery_budget_window end the job.
+  int recovery_budget = settings::kRecoveryBudget.default_value;
+  Millis recovery_budget_window{int64_t{settings::kRecoveryBudgetWindowS.default_value} * 1000};
   // Every job runs on hosts, each supervised by an agent (`nonstop run`'s own
   // agent is one, elastic): the job is placed when this many hosts have
   // registered. At least 1 (ValidateOptions, controller.h).
@@ -119,7 +124,15 @@ struct WorkerInfo {
   int64_t last_step = -1;
   int64_t waiting_ms = -1;
   Clock::time_point last_heard{};
-  bool stopped = false;      // the launcher saw its process stop
+  bool stopped = false;  // the launcher saw its process stop
+  // A section its script marked busy (Session::Busy): its label ("" : none),
+  // when it began and how long it may last; its peers' waits do not count
+  // against it meanwhile.
+  std::string busy;
+  Clock::time_point busy_since{};
+  Millis busy_bound{0};
+  // When its last marked section ended: the others' wait counts against it from then on.
+  Clock::time_point busy_ended{};
   std::string how_it_ended;  // set when its process exited
   std::string host;          // the host it runs on ("" : joined by hand, no agent started it)
   // Sharded optimizer state: the shard its state holds (state::kEveryShard:

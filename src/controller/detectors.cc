@@ -1,6 +1,7 @@
 #include "controller/detectors.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -119,62 +120,91 @@ JoinDeadlines DetectJoinDeadlines(const JoinView& v, Clock::time_point now) {
 
 // ---------------------------------------------------------------- progress
 
-std::optional<Finding> DetectHang(const ProgressView& v, const ArrivalTracker& arrivals,
-                                  Clock::time_point now) {
+bool InMarkedSection(const WorkerInfo& w, Clock::time_point now) {
+  return !w.busy.empty() && now - w.busy_since <= w.busy_bound;
+}
+
+std::optional<Lag> FindLag(const ProgressView& v, const ArrivalTracker& arrivals,
+                           Clock::time_point now) {
   const std::vector<WorkerInfo*>& members = *v.members;
   const auto& arrived = arrivals.arrivals();
-  const auto& spreads = arrivals.spreads_ms();
-  if (v.recovery_open || spreads.size() < 5 || arrived.empty() ||
-      arrived.size() >= members.size()) {
-    return std::nullopt;
-  }
-  double normal = *std::max_element(spreads.begin(), spreads.end());
-  const ControllerOptions& o = *v.options;
-  double threshold = std::max({static_cast<double>(o.hang_floor.count()), o.hang_factor * normal,
-                               0.5 * v.median_step_seconds * 1000.0});
+  // The first arrival at the tracked step's collective, or the longest wait a
+  // member reported (a step whose arrivals the tracker missed).
   Clock::time_point first = Clock::time_point::max();
-  for (const auto& [id, t] : arrived) first = std::min(first, t);
-  double lag = Ms(now - first);
-  if (lag <= threshold) return std::nullopt;
+  if (arrived.size() < members.size()) {
+    for (const auto& [id, t] : arrived) first = std::min(first, t);
+  }
   for (const WorkerInfo* w : members) {
-    if (w->role != WorkerRole::kMember || arrived.count(w->worker_id) ||
-        w->last_step >= arrivals.step())
-      continue;
-    return Finding{
-        w->worker_id, kHangDetector,
-        fmt::format(
-            "has not reached the collective of step {} {:.0f} ms after the first member did "
-            "(the last of the recent steps' arrivals came at most {:.0f} ms after the first)",
-            arrivals.step(), lag, normal)};
+    if (w->role == WorkerRole::kMember && w->waiting_ms >= 0)
+      first = std::min(first, w->last_heard - Millis(w->waiting_ms));
+  }
+  if (first == Clock::time_point::max()) return std::nullopt;
+  for (const WorkerInfo* w : members) {
+    if (w->role != WorkerRole::kMember || w->waiting_ms >= 0) continue;
+    if (arrived.size() < members.size() && arrived.count(w->worker_id)) continue;
+    if (!arrived.empty() && w->last_step >= arrivals.step()) continue;  // it completed that step
+    // The others' wait during its last marked section (up to the section's bound) does not
+    // count against it: from the section's end on, it does.
+    const bool in_section = InMarkedSection(*w, now);
+    Clock::time_point from = first;
+    if (!in_section) {
+      const Clock::time_point bound_end = w->busy_since + w->busy_bound;
+      from = std::max(from, w->busy.empty() ? std::min(w->busy_ended, bound_end) : bound_end);
+    }
+    return Lag{w->worker_id, w->rank, Ms(now - from), in_section ? w->busy : ""};
   }
   return std::nullopt;
 }
 
-std::optional<Finding> DetectSlowMember(const ProgressView& v) {
+std::string WaitingText(const Lag& lag) {
+  std::string text = fmt::format("the others have waited {:.0f} s for rank {} (worker {})",
+                                 lag.waited_ms / 1000, lag.rank, lag.worker_id);
+  if (!lag.section.empty()) text += fmt::format(", busy in '{}'", lag.section);
+  return text;
+}
+
+nlohmann::json WaitingJson(const std::optional<Lag>& lag) {
+  if (!lag || lag->waited_ms < kShowWaitAfterMs) return nullptr;
+  return {{"rank", lag->rank},
+          {"worker_id", lag->worker_id},
+          {"waited_ms", std::llround(lag->waited_ms)},
+          {"section", lag->section},
+          {"text", WaitingText(*lag)}};
+}
+
+std::optional<Finding> DetectHang(const ProgressView& v, const ArrivalTracker& arrivals,
+                                  Clock::time_point now) {
+  // Slow is not hung: a member that is alive (its heartbeats flow; a stopped
+  // or dead process is found by the launcher and the heartbeats) but still in
+  // the script's code while the others wait is busy. It is a fault only past
+  // the busy timeout, which learns the job's pace above its floor.
+  std::optional<Lag> lag = FindLag(v, arrivals, now);
+  if (!lag || !lag->section.empty()) return std::nullopt;
   const ControllerOptions& o = *v.options;
-  double threshold_ms = std::max<double>(static_cast<double>(o.watchdog_floor.count()),
-                                         o.watchdog_factor * v.median_step_seconds * 1000.0);
-  int64_t longest_wait = -1;
-  for (const WorkerInfo* w : *v.members) longest_wait = std::max(longest_wait, w->waiting_ms);
-  if (static_cast<double>(longest_wait) <= threshold_ms) return std::nullopt;
-  for (const WorkerInfo* w : *v.members) {
-    if (w->role == WorkerRole::kMember && w->waiting_ms < 0) {
-      return Finding{
-          w->worker_id, kStepProgressWatchdog,
-          fmt::format("has not reached the collective of step {} while others waited {} ms",
-                      w->last_step + 1, longest_wait)};
-    }
-  }
-  return std::nullopt;
+  const auto& spreads = arrivals.spreads_ms();
+  double normal = spreads.empty() ? 0 : *std::max_element(spreads.begin(), spreads.end());
+  double threshold = std::max({static_cast<double>(o.busy_timeout.count()), o.hang_factor * normal,
+                               o.hang_factor * v.median_step_seconds * 1000.0});
+  if (lag->waited_ms <= threshold) return std::nullopt;
+  return Finding{
+      lag->worker_id, kHangDetector,
+      fmt::format("has not reached the collective of step {} while the others waited {:.0f} ms "
+                  "(its heartbeats flow: a training thread deadlocked or spinning; the busy "
+                  "timeout is {:.0f} ms, --busy-timeout-ms)",
+                  arrivals.arrivals().empty() ? v.highest_step + 1 : arrivals.step(),
+                  lag->waited_ms, threshold)};
 }
 
 std::optional<Finding> DetectStall(const ProgressView& v, Clock::time_point now) {
-  // The watchdogs above blame one member that lags the others; when every
+  // The hang detector blames one member that lags the others; when every
   // member is stuck (a world of one, all ranks hung, a collective that never
   // completes) no one lags and only the absence of progress tells.
   if (v.members->empty()) return std::nullopt;
+  bool computing = false;
   for (const WorkerInfo* w : *v.members) {
     if (w->role == WorkerRole::kFinished) return std::nullopt;  // the job is ending
+    if (InMarkedSection(*w, now)) return std::nullopt;          // its script says it is busy
+    computing = computing || w->waiting_ms < 0;
   }
   const ControllerOptions& o = *v.options;
   Millis bound = o.forming_timeout;
@@ -183,6 +213,8 @@ std::optional<Finding> DetectStall(const ProgressView& v, Clock::time_point now)
         std::chrono::duration<double>(o.stall_factor * v.median_step_seconds));
   }
   bound = std::max(bound, o.stall_floor);
+  // A member still in the script's code is busy, not stuck, up to the busy timeout.
+  if (computing) bound = std::max(bound, o.busy_timeout);
   if (now - v.progress_at <= bound) return std::nullopt;
   return Finding{
       -1, kStallWatchdog,

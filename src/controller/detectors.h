@@ -4,10 +4,10 @@
 // What it decides: what fired, and why — a silent agent or worker
 // (heartbeats), a worker that did not join in time or a job that did not form
 // (join deadlines), a member that has not reached the step's collective long
-// after the others did (the hang detector, from the recent arrival spreads),
-// a member still computing while another waits in the collective far longer
-// than a step takes (the step-progress watchdog), no step completed at all
-// for far longer than a step takes (the stall watchdog). Each is a pure
+// after the others did, its heartbeats still flowing (the hang detector: past
+// the busy timeout, learnt from the recent arrival spreads and step times
+// above its floor), no step completed at all for far longer than a step takes
+// (the stall watchdog). Each is a pure
 // function of a view of the job and `now`: no clock is read inside; the
 // Controller acts on what they return (MemberFault, WorkerUnresponsive,
 // HostDown, a recovery of every member, the end of the job).
@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "common/time.h"
 #include "controller/core_types.h"
 
@@ -33,7 +35,6 @@ namespace nonstop::controller {
 // The kinds of fault the detectors report (the journal's "fault" records).
 inline constexpr const char* kHeartbeatTimeout = "heartbeat timeout";
 inline constexpr const char* kHangDetector = "hang detector";
-inline constexpr const char* kStepProgressWatchdog = "step-progress watchdog";
 inline constexpr const char* kStallWatchdog = "stall watchdog";
 
 // What fired: the worker (-1: none in particular), the kind, and the detail text.
@@ -127,17 +128,36 @@ struct ProgressView {
   Clock::time_point progress_at{};  // a step last completed, or the members were last given a plan
   int64_t highest_step = -1;
 };
-// The hang detector: some members reached the collective of the tracked
-// step, and one still computes far longer after the first arrival than the
-// spread between first and last arrival normally is. The first such member by rank.
+// Whether `w` runs a section its script marked busy (Session::Busy), within the section's bound.
+bool InMarkedSection(const WorkerInfo& w, Clock::time_point now);
+// A member that others wait for: it has not reached the collective that
+// another member waits in (the tracked step's, or a wait a heartbeat
+// reported). The first such member by rank, how long the first of the others
+// has waited, and its marked section ("" : none).
+struct Lag {
+  int worker_id = -1;
+  int rank = -1;
+  double waited_ms = 0;
+  std::string section;
+};
+std::optional<Lag> FindLag(const ProgressView& view, const ArrivalTracker& arrivals,
+                           Clock::time_point now);
+// "the others have waited 12 s for rank 0 (worker 3), busy in 'evaluation'"
+std::string WaitingText(const Lag& lag);
+// The lag for /status: rank, worker_id, waited_ms, section and text; null when none.
+nlohmann::json WaitingJson(const std::optional<Lag>& lag);
+// A member waited for this long is shown (journal, status, progress line): a
+// step's normal skew is shorter.
+inline constexpr double kShowWaitAfterMs = 2'000;
+// The hang detector: the member others wait for (FindLag), outside a marked
+// section, for longer than the busy timeout (at least; and hang_factor × the
+// recent arrival spread, and × the median step).
 std::optional<Finding> DetectHang(const ProgressView& view, const ArrivalTracker& arrivals,
                                   Clock::time_point now);
-// The step-progress watchdog: a member has waited in a collective far longer
-// than a step takes while another still computes: the first of those by rank.
-std::optional<Finding> DetectSlowMember(const ProgressView& view);
 // The stall watchdog: no step completed for stall_factor × the median step (at
-// least stall_floor; forming_timeout before the first step and while a
-// recovery moves state). The finding names no worker: every member aborts.
+// least stall_floor, and busy_timeout while a member computes; forming_timeout
+// before the first step and while a recovery moves state; never while a member
+// runs a marked section). The finding names no worker: every member aborts.
 std::optional<Finding> DetectStall(const ProgressView& view, Clock::time_point now);
 
 }  // namespace nonstop::controller

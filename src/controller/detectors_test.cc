@@ -35,9 +35,7 @@ std::vector<WorkerInfo*> Pointers(std::vector<WorkerInfo>& ws) {
 ControllerOptions Thresholds() {
   ControllerOptions o;
   o.hang_factor = 8;
-  o.hang_floor = Millis(500);
-  o.watchdog_factor = 5;
-  o.watchdog_floor = Millis(2'000);
+  o.busy_timeout = Millis(500);
   o.stall_factor = 10;
   o.stall_floor = Millis(30'000);
   o.forming_timeout = Millis(300'000);
@@ -245,50 +243,74 @@ TEST(DetectorsTest, HangDetector) {
     int spreads = 5;           // recent complete steps (each a spread of 50 ms)
     std::vector<int> arrived;  // members at the collective of step 10, arriving at 0 ms
     int64_t now_ms = 0;
-    bool recovery_open = false;
     double median_step_seconds = 0;
     int64_t member1_last_step = 9;
     WorkerRole member1_role = WorkerRole::kMember;
+    std::string member1_section;  // a section its script marked busy, begun at 0 ms for 1 s
     std::optional<Finding> want;
   };
-  // Threshold: max(hang_floor 500, 8 × 50 = 400, half the median step).
+  // Threshold: max(busy timeout 500, 8 × the spread of 50 = 400, 8 × the median step).
   const std::string kHung1 =
-      "has not reached the collective of step 10 501 ms after the first member did (the last of "
-      "the recent "
-      "steps' arrivals came at most 50 ms after the first)";
+      "has not reached the collective of step 10 while the others waited 501 ms (its heartbeats "
+      "flow: a training thread deadlocked or spinning; the busy timeout is 500 ms, "
+      "--busy-timeout-ms)";
   const Case kCases[] = {
-      {.name = "LagPastTheFloor",
+      {.name = "LagPastTheBusyTimeout",
        .arrived = {0, 2},
        .now_ms = 501,
        .want = Finding{1, kHangDetector, kHung1}},
-      {.name = "LagAtTheFloor", .arrived = {0, 2}, .now_ms = 500},
-      {.name = "TooFewStepsToKnowNormal", .spreads = 4, .arrived = {0, 2}, .now_ms = 10'000},
+      {.name = "LagAtTheBusyTimeout", .arrived = {0, 2}, .now_ms = 500},
+      // Without a normal spread yet (the job's first steps) the busy timeout alone decides.
+      {.name = "NoNormalYet",
+       .spreads = 0,
+       .arrived = {0, 2},
+       .now_ms = 501,
+       .want = Finding{1, kHangDetector, kHung1}},
       {.name = "EveryoneArrived", .arrived = {0, 1, 2}, .now_ms = 10'000},
-      {.name = "DuringARecovery", .arrived = {0, 2}, .now_ms = 10'000, .recovery_open = true},
-      // Slow steps raise the threshold: half a step of 2 s.
+      // Slow steps raise the threshold: 8 steps of 0.1 s.
       {.name = "SlowStepsRaiseTheBound",
        .arrived = {0, 2},
-       .now_ms = 1'000,
-       .median_step_seconds = 2.0},
+       .now_ms = 800,
+       .median_step_seconds = 0.1},
       // It completed the step already (its heartbeat is behind): not hung.
       {.name = "AlreadyPastTheStep", .arrived = {0, 2}, .now_ms = 10'000, .member1_last_step = 10},
       {.name = "OnlyMembersAreBlamed",
        .arrived = {0, 2},
        .now_ms = 10'000,
        .member1_role = WorkerRole::kFinished},
+      // A section its script marked busy: the wait counts from the section's bound on.
+      {.name = "AMarkedSectionIsNotHung",
+       .arrived = {0, 2},
+       .now_ms = 900,
+       .member1_section = "evaluation"},
+      {.name = "AMarkedSectionJustPastItsBound",
+       .arrived = {0, 2},
+       .now_ms = 1'400,
+       .member1_section = "evaluation"},
+      {.name = "AMarkedSectionABusyTimeoutPastItsBound",
+       .arrived = {0, 2},
+       .now_ms = 1'501,
+       .member1_section = "evaluation",
+       .want = Finding{1, kHangDetector,
+                       "has not reached the collective of step 10 while the others waited 501 "
+                       "ms (its heartbeats flow: a training thread deadlocked or spinning; the "
+                       "busy timeout is 500 ms, --busy-timeout-ms)"}},
       {.name = "TheFirstByRank",
        .arrived = {2},
        .now_ms = 501,
        .want = Finding{0, kHangDetector,
-                       "has not reached the collective of step 10 501 ms after the first member "
-                       "did (the last of "
-                       "the recent steps' arrivals came at most 50 ms after the first)"}},
+                       "has not reached the collective of step 10 while the others waited 501 ms "
+                       "(its heartbeats flow: a training thread deadlocked or spinning; the busy "
+                       "timeout is 500 ms, --busy-timeout-ms)"}},
   };
   const ControllerOptions options = Thresholds();
   for (const Case& c : kCases) {
     std::vector<WorkerInfo> ws{Worker(0, WorkerRole::kMember, 0, 9),
                                Worker(1, c.member1_role, 0, c.member1_last_step),
                                Worker(2, WorkerRole::kMember, 0, 9)};
+    ws[1].busy = c.member1_section;
+    ws[1].busy_since = At(0);
+    ws[1].busy_bound = Millis(1'000);
     std::vector<WorkerInfo*> members = Pointers(ws);
     ArrivalTracker a;
     for (int s = 0; s < c.spreads; ++s) {
@@ -298,40 +320,31 @@ TEST(DetectorsTest, HangDetector) {
     ProgressView v;
     v.members = &members;
     v.options = &options;
-    v.recovery_open = c.recovery_open;
     v.median_step_seconds = c.median_step_seconds;
     ExpectFinding(DetectHang(v, a, At(c.now_ms)), c.want, c.name);
   }
 }
 
-// ---------------------------------------------------------------- step-progress watchdog
-
-TEST(DetectorsTest, StepProgressWatchdog) {
+// The wait a heartbeat reports counts when the arrivals missed the step
+// (the step-progress watchdog's case, now the hang detector's): the member
+// still computing is the one waited for.
+TEST(DetectorsTest, HangDetectorFromReportedWaits) {
   struct Case {
     std::string name;
-    std::vector<int64_t> waiting_ms;  // per member (-1: computing)
-    double median_step_seconds = 0;
+    std::vector<int64_t> waiting_ms;  // per member (-1: computing), heard at 0 ms
     WorkerRole role1 = WorkerRole::kMember;
     std::optional<Finding> want;
   };
   const Case kCases[] = {
       {.name = "NobodyWaits", .waiting_ms = {-1, -1, -1}},
-      {.name = "WaitAtTheFloor", .waiting_ms = {2'000, -1, 2'000}},
-      {.name = "WaitPastTheFloor",
-       .waiting_ms = {2'001, -1, 100},
-       .want = Finding{1, kStepProgressWatchdog,
-                       "has not reached the collective of step 8 while others waited 2001 ms"}},
-      // 5 × a median step of 1 s raises the bound above the floor.
-      {.name = "SlowStepsRaiseTheBound",
-       .waiting_ms = {4'000, -1, 100},
-       .median_step_seconds = 1.0},
+      {.name = "WaitAtTheBusyTimeout", .waiting_ms = {500, -1, 500}},
+      {.name = "WaitPastTheBusyTimeout",
+       .waiting_ms = {501, -1, 100},
+       .want = Finding{1, kHangDetector,
+                       "has not reached the collective of step 8 while the others waited 501 ms "
+                       "(its heartbeats flow: a training thread deadlocked or spinning; the busy "
+                       "timeout is 500 ms, --busy-timeout-ms)"}},
       {.name = "EveryoneWaits", .waiting_ms = {3'000, 3'000, 3'000}},
-      // A member already gone still counts for the longest wait; the computing one is blamed.
-      {.name = "AGoneMembersWaitCounts",
-       .waiting_ms = {-1, 9'000, -1},
-       .role1 = WorkerRole::kGone,
-       .want = Finding{0, kStepProgressWatchdog,
-                       "has not reached the collective of step 8 while others waited 9000 ms"}},
   };
   const ControllerOptions options = Thresholds();
   for (const Case& c : kCases) {
@@ -344,9 +357,21 @@ TEST(DetectorsTest, StepProgressWatchdog) {
     ProgressView v;
     v.members = &members;
     v.options = &options;
-    v.median_step_seconds = c.median_step_seconds;
-    ExpectFinding(DetectSlowMember(v), c.want, c.name);
+    v.highest_step = 7;
+    ArrivalTracker none;
+    ExpectFinding(DetectHang(v, none, At(0)), c.want, c.name);
   }
+}
+
+TEST(DetectorsTest, WaitingForNamesTheRankAndItsSection) {
+  Lag lag{3, 0, 12'400, "evaluation"};
+  EXPECT_EQ(WaitingText(lag),
+            "the others have waited 12 s for rank 0 (worker 3), busy in 'evaluation'");
+  nlohmann::json j = WaitingJson(lag);
+  EXPECT_EQ(j["rank"], 0);
+  EXPECT_EQ(j["waited_ms"], 12'400);
+  lag.waited_ms = kShowWaitAfterMs - 1;
+  EXPECT_TRUE(WaitingJson(lag).is_null()) << "a step's normal skew is not shown";
 }
 
 // ---------------------------------------------------------------- stall watchdog
@@ -408,6 +433,44 @@ TEST(DetectorsTest, StallWatchdog) {
     v.progress_at = At(0);
     v.highest_step = 41;
     ExpectFinding(DetectStall(v, At(c.silent_ms)), c.want, c.name);
+  }
+}
+
+// A member still in the script's code is busy, not stuck: the stall bound is
+// then at least the busy timeout; a collective every member waits in is
+// stuck at the stall floor; a marked section holds the watchdog off.
+TEST(DetectorsTest, StallWatchdogWaitsTheBusyTimeoutForAComputingMember) {
+  ControllerOptions options = Thresholds();
+  options.busy_timeout = Millis(60'000);
+  struct Case {
+    std::string name;
+    int64_t waiting_ms;   // every member's (-1: computing)
+    std::string section;  // member 0's marked section, begun at 0 ms for 100 s
+    int64_t silent_ms;
+    bool fires;
+  };
+  const Case kCases[] = {
+      {"ComputingWithinTheBusyTimeout", -1, "", 59'000, false},
+      {"ComputingPastTheBusyTimeout", -1, "", 60'001, true},
+      {"EveryoneWaitsPastTheStallFloor", 100, "", 30'001, true},
+      {"AMarkedSection", -1, "evaluation", 99'000, false},
+      {"AMarkedSectionPastItsBound", -1, "evaluation", 100'001, true},
+  };
+  for (const Case& c : kCases) {
+    std::vector<WorkerInfo> ws{Worker(0, WorkerRole::kMember, 0, 41, c.waiting_ms),
+                               Worker(1, WorkerRole::kMember, 0, 41, c.waiting_ms)};
+    ws[0].busy = c.section;
+    ws[0].busy_since = At(0);
+    ws[0].busy_bound = Millis(100'000);
+    std::vector<WorkerInfo*> members = Pointers(ws);
+    ProgressView v;
+    v.members = &members;
+    v.options = &options;
+    v.median_step_seconds = 1.0;
+    v.have_step_times = true;
+    v.progress_at = At(0);
+    v.highest_step = 41;
+    EXPECT_EQ(DetectStall(v, At(c.silent_ms)).has_value(), c.fires) << c.name;
   }
 }
 

@@ -44,6 +44,12 @@ void ProgressLine::Observe(const nlohmann::json& r) {
     if (r.value("spare", false) && spares_ >= 0) ++spares_;
   } else if (event == "spare_lost") {
     if (spares_ > 0) --spares_;
+  } else if (event == "waiting") {
+    waiting_ = fmt::format("waiting for rank {}", static_cast<int>(number("rank", -1)));
+    const std::string section = r.value("section", "");
+    if (!section.empty()) waiting_ += fmt::format(" (busy in '{}')", section);
+  } else if (event == "waiting_end") {
+    waiting_.clear();
   } else if (event == "recovery_start" || event == "resize_start") {
     changing_ = true;
   } else if (event == "recovery_end") {
@@ -74,6 +80,7 @@ std::string ProgressLine::Text() {
   text += fmt::format(" | world {}", world_);
   if (spares_ >= 0) text += fmt::format(" | spares {}", spares_);
   if (changing_) text += " | membership changing…";
+  if (!waiting_.empty() && !ended_) text += " | " + waiting_;
   return text;
 }
 

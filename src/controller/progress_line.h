@@ -28,6 +28,7 @@ class ProgressLine {
   std::deque<double> recent_seconds_;  // the last steps' durations, for the ETA
   int world_ = 0, spares_ = -1;
   bool changing_ = false;  // a recovery or resize is open
+  std::string waiting_;    // "waiting for rank 0 (busy in 'evaluation')" ("" : none)
   bool ended_ = false;
   bool changed_ = false;
 };

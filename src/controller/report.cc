@@ -242,6 +242,7 @@ json StatusJson(const StatusView& v, Clock::time_point now) {
     entry["last_step"] = w.last_step;
     entry["host"] = w.host;
     entry["heartbeat_age_ms"] = std::llround(Ms(now - w.last_heard));
+    if (InMarkedSection(w, now)) entry["busy"] = w.busy;
     workers.push_back(std::move(entry));
   }
   json hosts = json::array();
@@ -267,7 +268,8 @@ json StatusJson(const StatusView& v, Clock::time_point now) {
           {"workers", std::move(workers)},
           {"recoveries", v.recoveries},
           {"policy", v.policy},
-          {"hosts", std::move(hosts)}};
+          {"hosts", std::move(hosts)},
+          {"waiting_for", WaitingJson(v.waiting != nullptr ? *v.waiting : std::nullopt)}};
 }
 
 }  // namespace nonstop::controller

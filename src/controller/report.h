@@ -19,6 +19,7 @@
 
 #include "common/time.h"
 #include "controller/core_types.h"
+#include "controller/detectors.h"
 
 namespace nonstop::controller {
 
@@ -47,6 +48,7 @@ struct StatusView {
   const std::vector<HostInfo*>* hosts = nullptr;  // in registration order
   size_t recoveries = 0;
   nlohmann::json policy;
+  const std::optional<Lag>* waiting = nullptr;  // the member the others wait for
 };
 nlohmann::json StatusJson(const StatusView& view, Clock::time_point now);
 

@@ -582,6 +582,11 @@ void BindSession(py::module_& m) {
       .def("torchrun_environment", [](PySession& p) { return p.s().TorchrunEnvironment(); })
       .def("wait_all", [](PySession& p) { Check(p.Drained([&] { return p.s().WaitAll(); })); })
       .def("aborted", [](PySession& p) { return p.s().aborted(); })
+      .def("begin_training",
+           [](PySession& p) {
+             py::gil_scoped_release release;
+             p.s().BeginTraining();
+           })
       // The control-plane sends below may wait on the socket: without the GIL.
       .def("report_step",
            [](PySession& p, int64_t step, double loss, double step_seconds,
@@ -610,10 +615,28 @@ void BindSession(py::module_& m) {
              py::gil_scoped_release release;
              return p.s().InjectedExceptionAt(step);
            })
-      .def("report_failure",
-           [](PySession& p, const std::string& message, int64_t step, int exit_code) {
+      .def(
+          "report_failure",
+          [](PySession& p, const std::string& message, int64_t step, int exit_code,
+             const std::string& traceback) {
+            py::gil_scoped_release release;
+            p.s().ReportFailure(InternalError(message), step, exit_code, traceback);
+          },
+          py::arg("message"), py::arg("step"), py::arg("exit_code"), py::arg("traceback") = "")
+      .def("begin_busy",
+           [](PySession& p, const std::string& label, double bound_seconds) {
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = p.s().BeginBusy(label, std::chrono::milliseconds(static_cast<int64_t>(
+                                              std::min(bound_seconds, 1e9) * 1000)));
+             }
+             if (!s.ok()) throw py::value_error(s.message());
+           })
+      .def("end_busy",
+           [](PySession& p) {
              py::gil_scoped_release release;
-             p.s().ReportFailure(InternalError(message), step, exit_code);
+             p.s().EndBusy();
            })
       .def("last_change", [](PySession& p) { return ChangeDict(p.s().last_change()); })
       .def_property_readonly("shutdown_exit_code",

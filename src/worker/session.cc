@@ -33,6 +33,7 @@
 #include "net/socket.h"
 #include "nonstop/exit_codes.h"
 #include "nonstop/settings.h"
+#include "worker/held_state.h"
 #include "worker/replica_check.h"
 #include "worker/session_testing.h"
 #include "worker/state_transfer.h"
@@ -278,7 +279,53 @@ class SessionImpl {
     }
     io_thread_ = std::jthread([this](std::stop_token st) { IoLoop(st); });
     // Wait for the first plan that includes this worker, then take part in it.
-    return Rejoin(/*after_generation=*/0, "start").status();
+    NONSTOP_RETURN_IF_ERROR(Rejoin(/*after_generation=*/0, "start").status());
+    if (last_change_.state_copied) HoldCopiedState();
+    return OkStatus();
+  }
+
+  // A worker that joined a running job holds the state it copied until its
+  // first step begins (BeginTraining): the program's setup runs in between.
+  void HoldCopiedState() {
+    MutexLock lock(&held_mu_);
+    held_state_ = worker::HeldState::Take(*state_);
+    holding_.store(true, std::memory_order_release);
+    NONSTOP_LOG_INFO(
+        "holding the {:.2f} MB copied from the peers until the first step: the "
+        "program's setup cannot change the state it trains from",
+        held_state_->bytes() / 1e6);
+  }
+
+  // The first step begins: the held copy is written back over whatever the
+  // program's setup did to the registered state. `where` says who called it
+  // (BeginTraining, or the first step's collective, too late to undo a
+  // forward and backward run on the setup's state).
+  void ApplyHeldState(std::string_view where) {
+    if (!holding_.load(std::memory_order_acquire)) return;
+    MutexLock lock(&held_mu_);
+    if (!held_state_) return;
+    std::vector<std::string> changed = held_state_->Changed(*state_);
+    held_state_->Restore(state_);
+    held_state_.reset();
+    holding_.store(false, std::memory_order_release);
+    if (changed.empty()) return;
+    std::string names = fmt::format("{}", fmt::join(changed, ", "));
+    if (names.size() > 300) names = names.substr(0, 300) + "...";
+    if (where == "BeginTraining") {
+      NONSTOP_LOG_WARNING(
+          "the program's setup changed {} of the registered regions ({}) after "
+          "this worker copied them from its peers; their copy is restored, so "
+          "this worker trains from the peers' state",
+          changed.size(), names);
+    } else {
+      NONSTOP_LOG_WARNING(
+          "the program's setup changed {} of the registered regions ({}) after "
+          "this worker copied them from its peers, and its first step computed "
+          "on them: the peers' copy is restored at {}, but that step's gradient "
+          "is not the peers'. Call Session::BeginTraining() (nonstop.torch does) "
+          "before the first step's forward",
+          changed.size(), names, where);
+    }
   }
 
   // Where peers reach this worker's data port (SessionOptions::advertise_address),
@@ -290,6 +337,14 @@ class SessionImpl {
     const net::HostPort listening = data_plane_->address();
     if (host.empty()) return listening.ToString();
     return net::FormatHostPort(host, listening.port);
+  }
+
+  bool RestoreHeldState() {
+    if (!holding_.load(std::memory_order_acquire)) return false;
+    MutexLock lock(&held_mu_);
+    if (!held_state_) return false;
+    held_state_->Restore(state_);
+    return true;
   }
 
   // Without a controller (lost, not yet found again) messages are dropped:
@@ -415,10 +470,18 @@ class SessionImpl {
     return link_->Open(first);
   }
 
-  void SendHeartbeat() {
+  void SendHeartbeat() NONSTOP_LOCKS_EXCLUDED(busy_mu_) {
     int64_t since = collective_since_ms_.load();
     control::HeartbeatMsg hb{state_step_.load(),
                              since < 0 ? -1 : std::max<int64_t>(0, NowMs() - since)};
+    {
+      MutexLock lock(&busy_mu_);
+      if (!busy_label_.empty()) {
+        hb.busy = busy_label_;
+        hb.busy_ms = std::max<int64_t>(0, NowMs() - busy_since_ms_);
+        hb.busy_bound_ms = busy_bound_ms_;
+      }
+    }
     (void)SendControl(control::kMsgHeartbeat, control::Encode(hb));
   }
 
@@ -510,6 +573,9 @@ class SessionImpl {
   // failure inside a generation (a fault during recovery) reports Ready for
   // that generation and waits for the next.
   Result<int64_t> Rejoin(uint32_t after_generation, std::string why) {
+    // A recovery before this worker's first step: it serves and keeps the peers' state, not
+    // what its setup made of it, and holds it again afterwards.
+    const bool held = RestoreHeldState();
     while (true) {
       if (after_generation > 0) {
         {
@@ -548,6 +614,7 @@ class SessionImpl {
       last_change_.state_copied = copied_since_recover_;
       if (resumed.ok()) {
         copied_since_recover_ = false;
+        if (held) HoldCopiedState();
         return resumed;
       }
       NONSTOP_LOG_WARNING("generation {} failed during recovery: {}", plan->generation,
@@ -818,6 +885,11 @@ class SessionImpl {
       case control::FaultKind::kStall:
         // The training thread stops for good; the I/O thread still sends heartbeats.
         while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
+      case control::FaultKind::kSpin: {
+        // The training thread spins on a core for good; the I/O thread still sends heartbeats.
+        volatile uint64_t spins = 0;
+        while (true) spins = spins + 1;
+      }
       case control::FaultKind::kBitflip:
         FlipABit(f);
         break;
@@ -967,7 +1039,7 @@ class SessionImpl {
     int64_t step = state_step_.load() + 1;
     for (auto kind :
          {control::FaultKind::kKill, control::FaultKind::kHang, control::FaultKind::kDrop,
-          control::FaultKind::kStall, control::FaultKind::kBitflip}) {
+          control::FaultKind::kStall, control::FaultKind::kSpin, control::FaultKind::kBitflip}) {
       if (auto f = TakeFault(control::FaultPoint::kStep, step, rank, kind)) Fire(*f);
     }
   }
@@ -982,6 +1054,7 @@ class SessionImpl {
   // first collective of a step; a step's later gradient buckets do not).
   template <typename Op>
   Status RunCollective(Op op, bool at_step_boundary, bool announce = true) {
+    if (at_step_boundary) ApplyHeldState("the first step's collective");
     if (at_step_boundary) MaybeInjectBeforeCollective();  // a stall stops here, before it arrives
     {
       MutexLock lock(&mu_);
@@ -1081,6 +1154,7 @@ class SessionImpl {
 
   void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done,
                       bool on_device) {
+    ApplyHeldState("the first step's first bucket");
     MutexLock lock(&bucket_mu_);
     if (!comm_thread_.joinable())
       comm_thread_ = std::jthread([this](std::stop_token st) { BucketLoop(st); });
@@ -1196,6 +1270,12 @@ class SessionImpl {
   // sharded state: the shard it holds (StateRegistry::held_shard)
   std::atomic<int> held_shard_{state::kEveryShard};
   std::atomic<int64_t> collective_since_ms_{-1};  // when the step collective in flight began
+  // A section the script marked busy (Session::BeginBusy): set by the training thread, sent by
+  // every heartbeat.
+  Mutex busy_mu_;
+  std::string busy_label_ NONSTOP_GUARDED_BY(busy_mu_);  // "" : none
+  int64_t busy_since_ms_ NONSTOP_GUARDED_BY(busy_mu_) = 0;
+  int64_t busy_bound_ms_ NONSTOP_GUARDED_BY(busy_mu_) = 0;
   // Lock order: write_mu_, then mu_ (SendRejoin), then a Communicator's; the link's own lock is
   // taken last.
   Mutex write_mu_;  // orders the frames sent against a rejoin's first ones
@@ -1235,6 +1315,10 @@ class SessionImpl {
   std::vector<std::string> member_hosts_;
   // Training thread only (Rejoin): some Adopt since the last successful one copied the state in.
   bool copied_since_recover_ = false;
+  // The state copied as this worker joined a running job, until its first step (HoldCopiedState).
+  Mutex held_mu_;
+  std::optional<worker::HeldState> held_state_ NONSTOP_GUARDED_BY(held_mu_);
+  std::atomic<bool> holding_{false};
   // Why the replica check dropped this member's state ("state_diverged at step …"), for the
   // Ready of its recovery; written by whichever thread ran the check, read by Recover after
   // WaitAll. Empty: it did not.
@@ -1326,6 +1410,7 @@ void Session::StartAllReduceOnDevice(std::span<float> device_data,
   impl_->StartAllReduce(device_data, std::move(done), /*on_device=*/true);
 }
 Status Session::WaitAll() { return impl_->WaitAll(); }
+void Session::BeginTraining() { impl_->ApplyHeldState("BeginTraining"); }
 Status Session::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
                               std::span<const std::vector<float>> partials, std::span<float> out) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
@@ -1423,9 +1508,42 @@ Status Session::Finish(int64_t last_step, const std::string& checksum) {
   return impl_->Finish(last_step, checksum);
 }
 
-void Session::ReportFailure(const Status& status, int64_t step, int exit_code) {
-  control::FailureMsg m{generation(), step, status.ToString(), exit_code};
+void Session::ReportFailure(const Status& status, int64_t step, int exit_code,
+                            std::string_view traceback) {
+  // A script's exception (it comes with its traceback) is said as the script raised it.
+  control::FailureMsg m{generation(), step,
+                        traceback.empty() ? status.ToString() : std::string(status.message()),
+                        exit_code, std::string(traceback.substr(0, control::kMaxTraceback))};
   (void)impl_->SendControl(control::kMsgFailure, control::Encode(m));
+}
+
+Status Session::BeginBusy(std::string_view label, std::chrono::milliseconds bound) {
+  if (label.empty() || label.size() > control::kMaxBusyLabel) {
+    return InvalidArgumentError(
+        fmt::format("Session::BeginBusy: the label must be 1 to {} bytes, got {}",
+                    control::kMaxBusyLabel, label.size()));
+  }
+  if (bound <= std::chrono::milliseconds(0)) {
+    return InvalidArgumentError(
+        fmt::format("Session::BeginBusy: the bound must be positive, got {} ms", bound.count()));
+  }
+  {
+    MutexLock lock(&impl_->busy_mu_);
+    impl_->busy_label_ = std::string(label);
+    impl_->busy_since_ms_ = NowMs();
+    impl_->busy_bound_ms_ = bound.count();
+  }
+  impl_->SendHeartbeat();  // the controller knows at once
+  return OkStatus();
+}
+
+void Session::EndBusy() {
+  {
+    MutexLock lock(&impl_->busy_mu_);
+    if (impl_->busy_label_.empty()) return;
+    impl_->busy_label_.clear();
+  }
+  impl_->SendHeartbeat();
 }
 
 bool Session::InjectedExceptionAt(int64_t step) {

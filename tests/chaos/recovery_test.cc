@@ -149,8 +149,21 @@ TEST_F(RecoveryTest, HungWorkerIsDetectedKilledAndReplaced) {
 TEST_F(RecoveryTest, StalledTrainingThreadIsFoundByTheArrivalSpreadHangDetector) {
   // Its I/O thread keeps sending heartbeats: only the members' arrival at the
   // step's collective tells that rank 1 is stuck.
-  Job job =
-      RunJob(dir_, "stall", 4, 1, {"stall:rank=1,step=20"}, 40, {"--heartbeat-timeout-ms", "1000"});
+  Job job = RunJob(dir_, "stall", 4, 1, {"stall:rank=1,step=20"}, 40,
+                   {"--heartbeat-timeout-ms", "1000", "--busy-timeout-ms", "1000"});
+  ExpectRecovered(job, 1);
+  auto faults = job.Events("fault");
+  ASSERT_GE(faults.size(), 1u);
+  EXPECT_EQ(faults[0]["kind"], "hang detector") << faults[0].dump();
+  EXPECT_EQ(faults[0]["rank"], 1);
+}
+
+TEST_F(RecoveryTest, SpinningTrainingThreadIsFoundAtTheBusyTimeout) {
+  // Its training thread spins on a core for good (a livelock) while its I/O
+  // thread keeps sending heartbeats: busy, as far as anyone outside can tell,
+  // so it is found once the others have waited the busy timeout (1 s here).
+  Job job = RunJob(dir_, "spin", 4, 1, {"spin:rank=1,step=20"}, 40,
+                   {"--heartbeat-timeout-ms", "1000", "--busy-timeout-ms", "1000"});
   ExpectRecovered(job, 1);
   auto faults = job.Events("fault");
   ASSERT_GE(faults.size(), 1u);

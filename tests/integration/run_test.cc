@@ -456,9 +456,26 @@ TEST(RunIntegrationTest, LosingTheOnlyHolderOfTheStateEndsTheJobNonZeroWithAReas
 TEST(RunIntegrationTest, AWorldOfOneThatStallsIsEndedByTheStallWatchdog) {
   TempDir dir;
   std::string journal = dir / "journal.jsonl";
-  ChildProcess run({kBin + "/nonstop", "run", "--nproc", "1", "--spares", "0", "--stall-floor-ms",
-                    "1500", "--inject", "stall:rank=0,step=8", "--journal", journal, "--",
-                    kBin + "/nonstop-test-worker", "--steps", "100000", "--sleep-ms", "10"},
+  ChildProcess run({kBin + "/nonstop",
+                    "run",
+                    "--nproc",
+                    "1",
+                    "--spares",
+                    "0",
+                    "--stall-floor-ms",
+                    "1500",
+                    "--busy-timeout-ms",
+                    "1500",
+                    "--inject",
+                    "stall:rank=0,step=8",
+                    "--journal",
+                    journal,
+                    "--",
+                    kBin + "/nonstop-test-worker",
+                    "--steps",
+                    "100000",
+                    "--sleep-ms",
+                    "10"},
                    dir / "out.txt");
   int code = run.Wait(milliseconds(30'000));
   std::string out = run.Output();

@@ -215,6 +215,9 @@ class FakeCore:
     def report_step(self, *args):
         self.reports.append(args)
 
+    def begin_training(self):
+        pass  # a worker of the job's first generation: nothing held
+
     # What DataParallel calls: a world of one, where a sum is the value itself.
     started = None
     failures = None

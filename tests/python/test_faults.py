@@ -124,7 +124,7 @@ def test_a_planned_step_cut_short_keeps_the_survivors_micro_batches_and_ends_bit
     # (Rank 1 late on purpose is no hang: the hang detector's floor is raised past its 1.2 s.)
     pause = ["--pause-after-micro-batch-ms", "300"]
     pause += ["--pause-rank", "1", "--pause-step", "20"] if fault.startswith("hang") else []
-    late = ["--hang-floor-ms", "20000"] if fault.startswith("hang") else []
+    late = ["--busy-timeout-ms", "20000"] if fault.startswith("hang") else []
     job = run_job(tmp_path, "planned", NPROC + late + ["--spares", "1", "--heartbeat-timeout-ms", "1000", "--inject", fault],
                   STEPS + ["--planned"] + pause + ["--wait-for-joins", "4",
                            "--journal", str(tmp_path / "planned.jsonl")] + ([] if salvage else ["--no-salvage"]),
@@ -154,7 +154,7 @@ def test_tensors_staged_through_host_twins_end_bitwise_through_a_kill(clean, tmp
     # step 20. Planned: the hang of the planned test above (rank 1 late in step 20, the survivors' blocks
     # complete), after which rank 1's block is computed again, 2 by the spare and 2 lent (broadcast on twins).
     if planned:
-        fault, late = "hang:rank=1,step=20", ["--hang-floor-ms", "20000"]
+        fault, late = "hang:rank=1,step=20", ["--busy-timeout-ms", "20000"]
         extra = ["--planned", "--pause-after-micro-batch-ms", "300", "--pause-rank", "1", "--pause-step", "20"]
     else:
         fault, late, extra = "kill:rank=1,step=20,at=0.5", [], []
@@ -185,7 +185,7 @@ def test_a_planned_step_cut_short_by_a_shrink_keeps_the_survivors_blocks_and_dea
     sgd = STEPS + ["--optimizer", "sgd"]
     fixed = run_job(tmp_path, "fixed", NPROC + ["--spares", "0", "--inject", "none"], sgd)
     assert fixed.code == 0, fixed.output
-    job = run_job(tmp_path, "shrink", NPROC + ["--spares", "0", "--hang-floor-ms", "20000",
+    job = run_job(tmp_path, "shrink", NPROC + ["--spares", "0", "--busy-timeout-ms", "20000",
                                                "--inject", "kill:rank=1,step=20"],
                   sgd + ["--planned", "--pause-after-micro-batch-ms", "300", "--pause-rank", "1",
                            "--pause-step", "20", "--journal", str(tmp_path / "shrink.jsonl")])

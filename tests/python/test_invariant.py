@@ -47,7 +47,7 @@ def test_a_kill_at_the_reduction_keeps_the_folded_sums_and_ends_bitwise(referenc
     # the survivors had folded their blocks, however loaded the machine. With a spare the world stays
     # 3, without it shrinks to 2; either way the retry keeps the survivors' sums.
     # (Rank 1 late on purpose is no hang: the hang detector's floor is raised past its 1.2 s.)
-    flags = ["--nproc", "3", "--spares", str(spares), "--hang-floor-ms", "20000", "--inject", "kill:rank=1,step=20"]
+    flags = ["--nproc", "3", "--spares", str(spares), "--busy-timeout-ms", "20000", "--inject", "kill:rank=1,step=20"]
     extra = ["--pause-after-micro-batch-ms", "300", "--pause-rank", "1", "--pause-step", "20"]
     extra += ["--wait-for-joins", "4", "--journal", str(tmp_path / "kill.jsonl")] if spares else []
     # staged: the path of a GPU tensor (nonstop/_device.py): every micro-batch folded from a host twin, the

@@ -1,6 +1,6 @@
 """nonstop.data.DataLoader and nonstop.torch.step without a job: a session
 stand-in holds the registered position, so each rule of the loader (a step
-per update, a peek not counted, set_epoch required, shares dealt anew when the
+per update, a peek not counted (before set_epoch too), set_epoch required to train, shares dealt anew when the
 world changes) and of the step decorator (run again on the re-dealt batch, or
 not at all when the step was already updated on) is checked directly."""
 
@@ -78,15 +78,52 @@ def test_the_next_batch_before_the_update_raises_and_an_update_without_a_batch_t
         fresh._updated()
 
 
-def test_set_epoch_is_required_and_a_finished_epoch_yields_nothing():
+def test_a_peek_before_set_epoch_gives_the_epochs_first_batch_and_moves_nothing():
+    # PyTorch's DDP tutorial peeks at a batch (`len(next(iter(loader))[0])`) at the top of each
+    # epoch, before it calls set_epoch: the batch torch would give, the position untouched.
     loader, session = bound()
+    peek = next(iter(loader))[0].tolist()  # never set: epoch 0's order, as torch's sampler
+    loader.sampler.set_epoch(0)
+    first = next(iter(loader))[0].tolist()
+    assert peek == first and session.reported == []
+    for _ in loader:
+        loader._updated()
+    assert session.reported == list(range(6))
+    again = next(iter(loader))[0].tolist()  # epoch 0 done, epoch 1 not set yet
+    assert again == first and session.reported == list(range(6)), "a peek completes no step"
+    loader.sampler.set_epoch(1)
+    for _ in loader:
+        loader._updated()
+    assert session.reported == list(range(12)), "epoch 1 whole after the peek"
+
+
+def test_a_spare_replaying_the_tutorials_loop_peeks_skips_the_finished_epochs_and_resumes():
+    # The job is at step 8 (epoch 1, its third global batch); a spare runs the loop from epoch 0.
+    loader, session = bound()
+    session.extra["nonstop.data.epoch"], session.extra["nonstop.data.batch"] = 1, 2
+    session.extra["nonstop.data.offset"], session.extra["nonstop.data.steps"] = 16, 8
+    got = []
+    for epoch in range(3):
+        assert len(next(iter(loader))[0]) == 2, f"the peek of epoch {epoch}"
+        loader.sampler.set_epoch(epoch)
+        for ids, _ in loader:
+            got.append(ids.tolist())
+            loader._updated()
+    assert session.reported == list(range(8, 8 + 4 + 6)), "epoch 1 from its third batch, then epoch 2"
+    assert len(got) == 10
+
+
+def test_training_without_set_epoch_says_so_and_a_finished_epoch_yields_nothing():
+    loader, session = bound()
+    next(iter(loader))
     with pytest.raises(RuntimeError, match="set_epoch"):
-        next(iter(loader))
+        loader._updated()  # optimizer.step() on a batch of an epoch never set
+    assert session.reported == []
     loader.sampler.set_epoch(1)
     for _ in loader:
         loader._updated()
     loader.sampler.set_epoch(0)
-    assert list(loader) == [], "epoch 0 is behind the registered epoch 1"
+    assert list(loader) == [], "epoch 0 is behind the registered epoch 1 (a spare replaying the loop)"
     with pytest.raises(TypeError):
         loader.sampler.set_epoch(1.5)
 

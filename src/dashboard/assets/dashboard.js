@@ -199,7 +199,8 @@
     $('phase').textContent = phase;
     $('phase').className = 'badge ' + phase;
     const lastStep = steps.length ? steps[steps.length - 1] : null;
-    $('headline').textContent = m.end ? 'job ended (exit code ' + m.end.exit_code + '): ' + m.end.reason : '';
+    $('headline').textContent = m.end ? 'job ended (exit code ' + m.end.exit_code + '): ' + m.end.reason
+      : status && status.waiting_for ? status.waiting_for.text : '';
 
     // Summary cards.
     const lost = recs.reduce((n, r) => n + (r.end.lost_steps || 0), 0);

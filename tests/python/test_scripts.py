@@ -1,0 +1,89 @@
+"""What real scripts do, under `nonstop run` (docs/recovery.md, "Slow is not hung"
+and "A failure that repeats"): a rank 0 that spends long seconds saving its
+snapshot is busy, not hung; a bug in the script ends the job with exit 12 and
+its traceback instead of looping through spares."""
+
+import pathlib
+import re
+import time
+
+from conftest import run_job
+
+HERE = pathlib.Path(__file__).resolve().parent
+SCRIPT = HERE / "epochs.py"
+FINAL = re.compile(r"\[rank (\d)\] final params (\w+)")
+
+
+def finals(output):
+    return dict(FINAL.findall(output))
+
+
+def timed(tmp_path, name, flags, args):
+    start = time.monotonic()
+    job = run_job(tmp_path, name, flags, args, script=SCRIPT, timeout=400)
+    return job, time.monotonic() - start
+
+
+def test_a_rank_saving_for_30_s_each_epoch_is_not_hung(tmp_path):
+    # The others wait in the next epoch's first all-reduce for 30 s each time:
+    # with the default busy timeout (60 s) that is no fault, and the job's wall
+    # time is the clean run's plus the saves.
+    flags = ["--nproc", "3", "--spares", "1", "--inject", "none"]
+    clean, clean_s = timed(tmp_path, "clean", flags, ["--epochs", "2"])
+    assert clean.code == 0, clean.output
+    slow, slow_s = timed(tmp_path, "slow", flags, ["--epochs", "2", "--save-seconds", "30"])
+    assert slow.code == 0, slow.output
+    assert slow.events("fault") == [], slow.output
+    assert slow.events("recovery_start") == [], slow.output
+    assert finals(slow.output) == finals(clean.output), "the same bits as the clean run"
+    waits = slow.events("waiting")
+    assert waits and all(w["rank"] == 0 for w in waits), "the journal says whom the others waited for"
+    # About the clean run's plus the 60 s of saves (a save overlaps the other ranks' last steps).
+    assert 55 <= slow_s - clean_s <= 60 + 20, f"clean {clean_s:.1f} s, with the saves {slow_s:.1f} s"
+
+
+def test_a_marked_section_is_not_hung_past_the_busy_timeout(tmp_path):
+    # A busy timeout of 2 s, and rank 0 saving for 6 s each epoch, spinning on
+    # a core: inside `session.busy("snapshot")` no fault; the same save
+    # unmarked is found as a hang at the busy timeout.
+    flags = ["--nproc", "3", "--spares", "0", "--inject", "none", "--busy-timeout-ms", "2000"]
+    marked, _ = timed(tmp_path, "marked", flags, ["--epochs", "2", "--save-seconds", "6", "--spin", "--busy"])
+    assert marked.code == 0, marked.output
+    assert marked.events("fault") == [], marked.output
+    waits = marked.events("waiting")
+    assert waits and waits[0]["section"] == "snapshot", marked.output
+    unmarked, _ = timed(tmp_path, "unmarked", flags, ["--epochs", "2", "--save-seconds", "6", "--spin"])
+    faults = unmarked.events("fault")
+    assert faults, unmarked.output
+    assert faults[0]["kind"] == "hang detector" and faults[0]["rank"] == 0, faults[0]
+    waited = float(re.search(r"waited (\d+) ms", faults[0]["detail"]).group(1))
+    assert 2000 <= waited <= 4000, faults[0]["detail"]
+
+
+def test_a_bug_on_one_ranks_data_ends_the_job_after_two_repeats(tmp_path):
+    # Rank 1 raises at step 5, and so does each spare that takes rank 1: the
+    # first is replaced (a flaky node would be), the third ends the job.
+    job, took = timed(tmp_path, "bug", ["--nproc", "3", "--spares", "3", "--inject", "none"],
+                      ["--raise-at-step", "5", "--raise-ranks", "1"])
+    assert job.code == 12, job.output
+    assert took < 60, f"{took:.1f} s"
+    ends = job.events("job_end")
+    assert len(ends) == 1 and ends[0]["exit_code"] == 12, ends
+    reason = ends[0]["reason"]
+    assert "the same exception was raised 3 times" in reason, reason
+    assert "Rank 1 raised at step 5: ValueError: sample of step 5 on rank 1 is malformed" in reason, reason
+    assert "Traceback (most recent call last)" in reason and "epochs.py" in reason, reason
+    assert len(job.events("recovery_start")) == 2, "two replacements, then the end"
+    assert job.output.count("[nonstop] job FAILED") == 1, job.output
+    tracebacks = [line for line in job.output.splitlines() if line == "Traceback (most recent call last):"]
+    assert len(tracebacks) == 1, "the controller prints the script's traceback once (the workers' own are [rank N])"
+
+
+def test_a_bug_on_every_rank_ends_the_job_at_once(tmp_path):
+    job, took = timed(tmp_path, "all", ["--nproc", "3", "--spares", "1", "--inject", "none"],
+                      ["--raise-at-step", "5", "--raise-ranks", "all"])
+    assert job.code == 12, job.output
+    assert took < 60, f"{took:.1f} s"
+    reason = job.events("job_end")[0]["reason"]
+    assert "every member (3) raised the same exception at step 5" in reason, reason
+    assert job.events("recovery_start") == [], "no rank was replaced"
