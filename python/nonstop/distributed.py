@@ -206,13 +206,15 @@ class ProcessGroup(_TorchProcessGroup):
 
     def allreduce(self, tensors: List[Any], opts: Any = None) -> _Work:
         tensor = _one(tensors, "all_reduce")
-        _check_tensor(tensor, "the tensor of all_reduce")
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         average = hasattr(dist.ReduceOp, "AVG") and op == dist.ReduceOp.AVG
         if not (op == dist.ReduceOp.SUM or average):
             raise ValueError(f"nonstop's all_reduce sums (ReduceOp.SUM, or AVG where torch has it), got {op}: "
                              "reduce a sum and derive the rest from it")
         session = self._session
+        if tensor.dtype in (torch.int32, torch.int64) and not average:
+            return self._allreduce_integers(tensor)
+        _check_tensor(tensor, "the tensor of all_reduce")
         if _BucketStep.enter(session):  # a gradient bucket of stock DDP
             if session.generation != 1:
                 raise RuntimeError(_STOCK_DDP)
@@ -225,6 +227,37 @@ class ProcessGroup(_TorchProcessGroup):
         if average:
             tensor.div_(session.world_size)
         return _Work(tensors)
+
+    def _allreduce_integers(self, tensor: Any) -> _Work:
+        """The SUM of an int32 or int64 tensor (DDP's map of the parameters used, with
+        find_unused_parameters; a count of tokens), summed as float32, which is exact while every
+        sum stays below 2**24. Inside a backward pass it is started in order with the buckets."""
+        session = self._session
+        _check_bytes(tensor, "the tensor of all_reduce")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"nonstop sums integer tensors on the CPU, got one on {tensor.device}: "
+                             "move it with .cpu()")
+        bound = int(tensor.abs().max()) * session.world_size if tensor.numel() else 0
+        if bound >= 1 << 24:
+            raise ValueError(f"an integer all_reduce whose sums may reach {bound}: nonstop sums integers as "
+                             "float32, exact below 2**24; sum a float tensor instead")
+        summed = tensor.to(torch.float32)
+        if _BucketStep.enter(session):
+            work = _Work([tensor], done=False)
+
+            def done(ok: bool, message: str) -> None:
+                if ok:
+                    tensor.copy_(summed.round())
+                work._complete(ok, message)
+
+            session._core.start_allreduce(summed, summed.data_ptr(), summed.numel(), done)
+            return work
+        if self._local:
+            raise RuntimeError("all_reduce before this worker's first step: it joined a running job, whose members "
+                               "make no such call now; reduce inside the training steps")
+        session._core.allreduce(summed.data_ptr(), summed.numel())
+        tensor.copy_(summed.round())
+        return _Work([tensor])
 
     def broadcast(self, tensors: List[Any], opts: Any = None) -> _Work:
         tensor = _one(tensors, "broadcast")
@@ -535,6 +568,11 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
         _check_joined()
+        if kwargs.get("static_graph"):
+            raise ValueError("DistributedDataParallel(static_graph=True) is not supported by nonstop yet: DDP's first "
+                             "iteration with a static graph makes collectives the survivors' later iterations do "
+                             "not, so a spare's first step would pair them with the survivors' buckets; drop "
+                             "static_graph (the buckets and the bits are the same without it)")
         super().__init__(module, *args, **kwargs)
         self.register_comm_hook(_session, _weighted_sum_hook)
         # The layout of every member's DDP, whenever it was made: all parameters, reverse order.

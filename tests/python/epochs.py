@@ -8,7 +8,9 @@ with the two things real scripts do that the issue on real scripts names:
   --spin             ... spinning on a core instead of sleeping;
   --busy             ... inside `with session.busy("snapshot")`;
   --raise-at-step N  raise ValueError at step N, on --raise-ranks (a bug in the
-                     script, or in one rank's data), whichever worker holds the rank.
+                     script, or in one rank's data), whichever worker holds the rank;
+  --ddp-options A,B  DDP's keyword flags set True (find_unused_parameters adds a layer
+                     the forward never uses; static_graph, gradient_as_bucket_view).
 
 It prints `[rank R] final params CRC` at the end.
 """
@@ -39,6 +41,17 @@ class Samples(Dataset):
         return self.sources[index], self.targets[index]
 
 
+class Net(torch.nn.Module):
+    def __init__(self, unused):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        if unused:
+            self.unused = torch.nn.Linear(4, 4)  # registered, never in the forward
+
+    def forward(self, x):
+        return self.body(x)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=2)
@@ -49,15 +62,17 @@ def main():
     ap.add_argument("--busy", action="store_true")
     ap.add_argument("--raise-at-step", type=int, default=-1)
     ap.add_argument("--raise-ranks", default="1", help="comma-separated ranks, or 'all'")
+    ap.add_argument("--ddp-options", default="")
     args = ap.parse_args()
+    options = {name: True for name in args.ddp_options.split(",") if name}
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    model = Net(unused=bool(options.get("find_unused_parameters")))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     data = DataLoader(Samples(args.samples), batch_size=args.batch_size, shuffle=False,
                       sampler=DistributedSampler(Samples(args.samples)))
     session = nonstop.torch.init_process_group(model, optimizer, data)
-    ddp = DDP(model)
+    ddp = DDP(model, **options)
 
     @nonstop.torch.step
     def run_batch(source, targets):
