@@ -223,8 +223,9 @@ class Session {
   // snapshot load, a re-initialisation) is undone here, so it trains from
   // exactly the peers' state. A no-op for the job's first generation and a
   // restart from a checkpoint (their setup's state stands), and after the
-  // first call. The first step's collective calls it too, too late to undo
-  // a forward run on the setup's state: it then says so in the log.
+  // first call. A program that never calls it keeps what its setup did (the
+  // copy is let go at the first step's collective): nonstop-train adjusts
+  // the state it copied to the new world on purpose.
   void BeginTraining();
 
   int rank() const;

@@ -294,6 +294,8 @@ class DataLoader:
             # loader would give, from the start of the epoch last set, with the position untouched.
             yield from self._peek(0 if epoch is None else epoch)
             return
+        if self.on_batch is not None:
+            self.on_batch()  # a joiner's first step begins: the peers' position, before it moves
         if epoch > extra[_EPOCH]:
             extra[_EPOCH], extra[_BATCH], extra[_OFFSET] = epoch, 0, 0
         elif epoch < extra[_EPOCH]:

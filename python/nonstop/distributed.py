@@ -391,7 +391,7 @@ def _form_default_group(session: Session) -> None:
 def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = None, *,
                        extra: Optional[dict] = None, session: Optional[Session] = None,
                        resume_from: Optional[str] = None, world_invariant: Optional[bool] = None,
-                       micro_batch: Optional[int] = None) -> Session:
+                       micro_batch: Optional[int] = None, **torch_arguments: Any) -> Session:
     """Registers `model`, `optimizer` and the position of `loader` (a
     :class:`nonstop.data.DataLoader`), joins the job, and makes the default
     process group run over nonstop; sets RANK, WORLD_SIZE, LOCAL_RANK,
@@ -413,6 +413,11 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
     dealt whole micro-batches in powers of two (rank 0 says when not;
     docs/python.md, "World-invariant DDP")."""
     global _session, _loader, _model, _before_first_step
+    if torch_arguments or isinstance(model, str):
+        given = ", ".join(([repr(model)] if isinstance(model, str) else []) + [f"{k}=" for k in sorted(torch_arguments)])
+        raise TypeError(f"nonstop.torch.init_process_group takes the model, the optimizer and the loader, not "
+                        f"torch's arguments ({given}): call it once they exist, in place of "
+                        f"dist.init_process_group(backend=...) (docs/python.md, \"Porting a DDP script\")")
     if _session is not None:
         raise RuntimeError("init_process_group was called twice: one job, one session")
     if loader is not None and optimizer is None:

@@ -388,7 +388,7 @@ void Controller::On(const FailureReported& e, std::vector<Action>* out) {
 void Controller::ActOnHeldFailures(std::vector<Action>* out) {
   for (const FailureReport& r : script_failures_.Due(now_)) {
     if (phase_ == JobPhase::kEnded) return;
-    const int repeats = script_failures_.Record(r);
+    const int repeats = script_failures_.Record(r, options_.recovery_budget_window);
     if (repeats >= options_.failure_repeats) {
       End(kExitScriptFailure,
           ScriptFailureMessage(
@@ -405,6 +405,18 @@ void Controller::ActOnHeldFailures(std::vector<Action>* out) {
       MemberFault(r.worker_id, "reported failure", detail, out);
     }
   }
+  // Members that reported their collective failed while the failure was held (ready_): if it
+  // faulted no one (its worker was gone already), they still need the recovery they asked for.
+  if (phase_ == JobPhase::kRunning && !ready_.empty() && !HoldingALiveMembersFailure())
+    StartRecovery("a member's collective failed while a failure report was held", out);
+}
+
+bool Controller::HoldingALiveMembersFailure() const {
+  for (const FailureReport& r : script_failures_.held()) {
+    const WorkerInfo* w = membership_.Find(r.worker_id);
+    if (w != nullptr && IsLiveMember(*w)) return true;
+  }
+  return false;
 }
 
 void Controller::On(const ConnectionLost& e, std::vector<Action>* out) {
@@ -753,6 +765,7 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
     NoteWaiting(FindLag(view, arrivals_, now_), out);
     // A member that lags the others past the busy timeout, else a job that does not progress.
     if (std::optional<Finding> lagging = DetectHang(view, arrivals_, now_)) {
+      if (HangRepeats(*lagging, out)) return;
       MemberFault(lagging->worker_id, lagging->kind, lagging->detail, out);
     } else if (std::optional<Finding> stall = DetectStall(view, now_)) {
       // No member lags, but nothing progresses: every member aborts.
@@ -771,6 +784,34 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   if (phase_ != JobPhase::kRunning) NoteWaiting(std::nullopt, out);
   if (phase_ == JobPhase::kRunning) MaybeReleaseLeavingHosts(out);
   if (phase_ == JobPhase::kRunning) MaybeGrow(out);
+}
+
+// A rank found hung at the same step on its replacements is the script's doing (an evaluation
+// or a save longer than the busy timeout, a deadlock in its code): a failure that repeats.
+bool Controller::HangRepeats(const Finding& hang, std::vector<Action>* out) {
+  const WorkerInfo* w = membership_.Find(hang.worker_id);
+  if (w == nullptr) return false;
+  const int64_t step = arrivals_.arrivals().empty() ? highest_step_ + 1 : arrivals_.step();
+  FailureReport r{w->worker_id,
+                  w->rank,
+                  step,
+                  fmt::format("kept the others waiting at the collective of step {} past the busy "
+                              "timeout",
+                              step),
+                  "",
+                  now_};
+  const int repeats = script_failures_.Record(r, options_.recovery_budget_window);
+  if (repeats < options_.failure_repeats) return false;
+  End(kExitScriptFailure,
+      fmt::format(
+          "rank {} {} {} times (on its replacements or at that step; --failure-repeats {}): "
+          "the script holds a rank there longer than --busy-timeout-ms ({} ms), every "
+          "time. Mark that section (`with session.busy(\"evaluation\"):`, "
+          "Session::BeginBusy) or raise --busy-timeout-ms; a deadlock in the script does "
+          "this too. Do not restart it unchanged",
+          r.rank, r.reason, repeats + 1, options_.failure_repeats, options_.busy_timeout.count()),
+      out);
+  return true;
 }
 
 void Controller::NoteWaiting(std::optional<Lag> lag, std::vector<Action>* out) {

@@ -426,6 +426,9 @@ class Controller {
   // Failures the script raised whose window has passed: the job ends if one
   // recurs too often, else each member is replaced (MemberFault).
   void ActOnHeldFailures(std::vector<Action>* out);
+  bool HoldingALiveMembersFailure() const;  // a held report of a member still in the generation
+  // Records a hang the detector found; ends the job (true) when it repeats too often.
+  bool HangRepeats(const Finding& hang, std::vector<Action>* out);
 
   // ---- recovery: OpenRecovery → MaybeFinishAbort → FormNextGeneration → ApplyPlan
   // Opens a recovery record (and aborts the members, unless `planned`), then

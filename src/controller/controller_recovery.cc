@@ -273,7 +273,7 @@ void Controller::On(const ReadyReceived& e, std::vector<Action>* out) {
   }
   // A peer's failure held for its window (its process has left, so this member's collective
   // failed): what it means is decided when the window ends; this Ready counts then.
-  const bool held = phase_ == JobPhase::kRunning && script_failures_.holding_any();
+  const bool held = phase_ == JobPhase::kRunning && HoldingALiveMembersFailure();
   if (phase_ == JobPhase::kRunning && !held) {
     // The member saw a fault first (a peer's connection reset): recover.
     StartRecovery(

@@ -1030,6 +1030,80 @@ TEST_F(ControllerTest, AFailureThatRecursOnTheReplacementsEndsTheJob) {
   }
 }
 
+// A rank found hung at the same step on its replacements (an evaluation on
+// rank 1 longer than the busy timeout, every time) ends the job with exit 12
+// at the second repeat, saying what to do.
+TEST_F(ControllerTest, AHangThatRecursAtTheSameStepOnTheReplacementsEndsTheJob) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.spares = 1;
+  o.busy_timeout = Millis(500);
+  // A recovery's first step allows the join timeout (a spare in the script's setup).
+  o.forming_timeout = Millis(1500);
+  Make(o);
+  StartJob();
+  StepsOf100Ms(9);
+  int hung = 1, spare = 3, next_worker = 4;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<Action> all;
+    for (int t = 0; t < 3000 && Find<KillWorker>(all).empty() && c_->phase() == JobPhase::kRunning;
+         t += 100) {
+      now_ += Millis(100);
+      for (int id : c_->members()) Do(HeartbeatReceived{id, {9, id == hung ? -1 : t + 100}});
+      Do(HeartbeatReceived{spare, {-1, -1}});
+      auto actions = Do(Tick{});
+      all.insert(all.end(), actions.begin(), actions.end());
+    }
+    if (round == 2) {
+      auto ends = Find<EndJob>(all);
+      ASSERT_EQ(ends.size(), 1u) << Printed(all);
+      EXPECT_EQ(ends[0].exit_code, kExitScriptFailure);
+      EXPECT_NE(ends[0].reason.find("rank 1 kept the others waiting at the collective of step 10 "
+                                    "past the busy timeout 3 times"),
+                std::string::npos)
+          << ends[0].reason;
+      EXPECT_NE(ends[0].reason.find("session.busy"), std::string::npos) << ends[0].reason;
+      return;
+    }
+    ASSERT_EQ(Find<KillWorker>(all).size(), 1u) << Printed(all);
+    ASSERT_EQ(c_->phase(), JobPhase::kRecovering) << Printed(all);
+    for (int id : c_->members()) {
+      if (id != hung) Ready(id, 9);
+    }
+    Join(next_worker, /*spare=*/true);  // the refill
+    ASSERT_EQ(c_->RankOf(spare), 1) << "the spare takes rank 1";
+    hung = spare;
+    spare = next_worker++;
+  }
+}
+
+// A held report whose worker was faulted meanwhile (its heartbeats stopped
+// first, with a window longer than the heartbeat timeout) holds nothing: a
+// member's Ready then starts the recovery it asks for at once.
+TEST_F(ControllerTest, AReadyIsActedOnWhenTheHeldFailuresWorkerIsGoneAlready) {
+  ControllerOptions o;
+  o.world_size = 3;
+  o.spares = 2;
+  o.failure_window = Millis(2000);
+  Make(o);
+  StartJob();
+  Join(4, /*spare=*/true);
+  StepsOf100Ms(4);
+  Do(FailureReported{1, {c_->generation(), 5, "ValueError: bad sample", 1, ""}});
+  for (int t = 0; t < 1200; t += 100) {  // worker 1 is silent: the heartbeat timeout faults it
+    now_ += Millis(100);
+    for (int id : {0, 2, 3, 4}) Do(HeartbeatReceived{id, {4, -1}});
+    Do(Tick{});
+  }
+  ASSERT_EQ(c_->phase(), JobPhase::kRecovering);
+  Ready(0, 4);
+  Ready(2, 4);
+  ASSERT_EQ(c_->phase(), JobPhase::kRunning) << "generation 2, with a spare in rank 1";
+  auto ready = Ready(2, 4);  // its connection to the new rank 1 broke
+  EXPECT_EQ(c_->phase(), JobPhase::kRecovering)
+      << "the held report is of a worker no longer in the job: " << Printed(ready);
+}
+
 // Every member raising the same exception at the same step is the script's
 // bug at once: no rank is replaced.
 TEST_F(ControllerTest, EveryMemberRaisingTheSameExceptionEndsTheJobAtOnce) {

@@ -185,6 +185,10 @@ std::optional<Finding> DetectHang(const ProgressView& v, const ArrivalTracker& a
   double normal = spreads.empty() ? 0 : *std::max_element(spreads.begin(), spreads.end());
   double threshold = std::max({static_cast<double>(o.busy_timeout.count()), o.hang_factor * normal,
                                o.hang_factor * v.median_step_seconds * 1000.0});
+  // A recovery's first step: a spare may still be in the script's setup (imports, its model,
+  // its own snapshot load), as the stall watchdog allows it.
+  if (v.recovery_open)
+    threshold = std::max(threshold, static_cast<double>(o.forming_timeout.count()));
   if (lag->waited_ms <= threshold) return std::nullopt;
   return Finding{
       lag->worker_id, kHangDetector,
@@ -201,10 +205,15 @@ std::optional<Finding> DetectStall(const ProgressView& v, Clock::time_point now)
   // completes) no one lags and only the absence of progress tells.
   if (v.members->empty()) return std::nullopt;
   bool computing = false;
+  // No step can complete while a member is in a section its script marked: the time counts
+  // from the end of the last one (or its bound).
+  Clock::time_point since = v.progress_at;
   for (const WorkerInfo* w : *v.members) {
     if (w->role == WorkerRole::kFinished) return std::nullopt;  // the job is ending
     if (InMarkedSection(*w, now)) return std::nullopt;          // its script says it is busy
     computing = computing || w->waiting_ms < 0;
+    const Clock::time_point bound_end = w->busy_since + w->busy_bound;
+    since = std::max(since, w->busy.empty() ? std::min(w->busy_ended, bound_end) : bound_end);
   }
   const ControllerOptions& o = *v.options;
   Millis bound = o.forming_timeout;
@@ -215,13 +224,13 @@ std::optional<Finding> DetectStall(const ProgressView& v, Clock::time_point now)
   bound = std::max(bound, o.stall_floor);
   // A member still in the script's code is busy, not stuck, up to the busy timeout.
   if (computing) bound = std::max(bound, o.busy_timeout);
-  if (now - v.progress_at <= bound) return std::nullopt;
+  if (now - since <= bound) return std::nullopt;
   return Finding{
       -1, kStallWatchdog,
       fmt::format(
           "no step completed for {:.0f} ms (stall watchdog: the bound is {} ms; the last completed "
           "step was {})",
-          Ms(now - v.progress_at), bound.count(), v.highest_step)};
+          Ms(now - since), bound.count(), v.highest_step)};
 }
 
 }  // namespace nonstop::controller

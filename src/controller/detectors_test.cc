@@ -438,7 +438,8 @@ TEST(DetectorsTest, StallWatchdog) {
 
 // A member still in the script's code is busy, not stuck: the stall bound is
 // then at least the busy timeout; a collective every member waits in is
-// stuck at the stall floor; a marked section holds the watchdog off.
+// stuck at the stall floor; a marked section holds the watchdog off, and the
+// time counts from its end (or its bound).
 TEST(DetectorsTest, StallWatchdogWaitsTheBusyTimeoutForAComputingMember) {
   ControllerOptions options = Thresholds();
   options.busy_timeout = Millis(60'000);
@@ -448,13 +449,19 @@ TEST(DetectorsTest, StallWatchdogWaitsTheBusyTimeoutForAComputingMember) {
     std::string section;  // member 0's marked section, begun at 0 ms for 100 s
     int64_t silent_ms;
     bool fires;
+    int64_t ended_ms = 0;  // when member 0's last section ended (0: never had one)
   };
   const Case kCases[] = {
       {"ComputingWithinTheBusyTimeout", -1, "", 59'000, false},
       {"ComputingPastTheBusyTimeout", -1, "", 60'001, true},
       {"EveryoneWaitsPastTheStallFloor", 100, "", 30'001, true},
       {"AMarkedSection", -1, "evaluation", 99'000, false},
-      {"AMarkedSectionPastItsBound", -1, "evaluation", 100'001, true},
+      // Past its bound, the time counts from the bound on.
+      {"AMarkedSectionJustPastItsBound", -1, "evaluation", 100'001, false},
+      {"AMarkedSectionABusyTimeoutPastItsBound", -1, "evaluation", 160'001, true},
+      // A section of 90 s that ended: the time counts from its end.
+      {"AfterASectionEnded", -1, "", 150'000, false, 90'000},
+      {"ABusyTimeoutAfterASectionEnded", -1, "", 150'001, true, 90'000},
   };
   for (const Case& c : kCases) {
     std::vector<WorkerInfo> ws{Worker(0, WorkerRole::kMember, 0, 41, c.waiting_ms),
@@ -462,6 +469,7 @@ TEST(DetectorsTest, StallWatchdogWaitsTheBusyTimeoutForAComputingMember) {
     ws[0].busy = c.section;
     ws[0].busy_since = At(0);
     ws[0].busy_bound = Millis(100'000);
+    if (c.ended_ms > 0) ws[0].busy_ended = At(c.ended_ms);
     std::vector<WorkerInfo*> members = Pointers(ws);
     ProgressView v;
     v.members = &members;

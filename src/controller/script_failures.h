@@ -39,7 +39,8 @@ struct FailureReport {
 };
 
 // The same failure: the same reason (the exception's type and message), or
-// the same type raised at the same line (the traceback's last frame).
+// the same type raised at the same line of the script (the traceback's last
+// frame, when it is not a library's).
 bool SameFailure(const FailureReport& a, const FailureReport& b);
 
 class ScriptFailures {
@@ -48,15 +49,16 @@ class ScriptFailures {
   // failure: held until `at + window`.
   void Hold(FailureReport report, const std::vector<int>& members, Millis window);
   bool Holding(int worker_id) const;
-  bool holding_any() const { return !held_.empty(); }
   // True when every member of the held batch's generation holds a report of
   // the same failure at the same step: the script's bug on every rank.
   bool EveryMemberRaised() const;
   // The held reports whose window has passed, oldest first; they leave the hold.
   std::vector<FailureReport> Due(Clock::time_point now);
-  // Records a report that is acted on; returns how many earlier ones it
-  // repeats (the same failure on the same rank, or at the same step).
-  int Record(const FailureReport& report);
+  // Records a report that is acted on; returns how many earlier ones within
+  // `memory` it repeats (the same failure on the same rank, or at the same
+  // step). An injected exception (nonstop run --inject) repeats nothing.
+  int Record(const FailureReport& report, Millis memory);
+  const std::deque<FailureReport>& held() const { return held_; }
   // The first of the held batch (for the message of EveryMemberRaised).
   const FailureReport& first_held() const { return held_.front(); }
 

@@ -1,7 +1,6 @@
 #include "worker/held_state.h"
 
 #include <algorithm>
-#include <cstring>
 
 namespace nonstop::worker {
 
@@ -18,22 +17,18 @@ HeldState HeldState::Take(const state::StateRegistry& state) {
   return held;
 }
 
-std::vector<std::string> HeldState::Changed(const state::StateRegistry& state) const {
+std::vector<std::string> HeldState::Restore(state::StateRegistry* state) const {
   std::vector<std::string> changed;
-  const auto& regions = state.regions();
+  const auto& regions = state->regions();
   std::vector<std::byte> live;
   for (size_t i = 0; i < regions.size() && i < regions_.size(); ++i) {
     live.resize(regions_[i].size());
-    state.ReadRegion(i, 0, live);
-    if (!std::equal(live.begin(), live.end(), regions_[i].begin()))
-      changed.push_back(regions[i].name);
+    state->ReadRegion(i, 0, live);
+    if (std::equal(live.begin(), live.end(), regions_[i].begin())) continue;
+    state->WriteRegion(i, 0, regions_[i]);
+    changed.push_back(regions[i].name);
   }
   return changed;
-}
-
-void HeldState::Restore(state::StateRegistry* state) const {
-  for (size_t i = 0; i < regions_.size() && i < state->regions().size(); ++i)
-    state->WriteRegion(i, 0, regions_[i]);
 }
 
 }  // namespace nonstop::worker

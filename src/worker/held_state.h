@@ -19,11 +19,9 @@ class HeldState {
   // A host copy of every registered region's bytes, as they are now.
   static HeldState Take(const state::StateRegistry& state);
 
-  // The names of the regions whose live bytes differ from the held ones.
-  std::vector<std::string> Changed(const state::StateRegistry& state) const;
-
-  // Writes the held bytes back into every region.
-  void Restore(state::StateRegistry* state) const;
+  // Writes the held bytes back into every region whose live bytes differ
+  // from them; returns those regions' names.
+  std::vector<std::string> Restore(state::StateRegistry* state) const;
 
   size_t bytes() const { return bytes_; }
 

@@ -296,36 +296,28 @@ class SessionImpl {
         held_state_->bytes() / 1e6);
   }
 
-  // The first step begins: the held copy is written back over whatever the
-  // program's setup did to the registered state. `where` says who called it
-  // (BeginTraining, or the first step's collective, too late to undo a
-  // forward and backward run on the setup's state).
-  void ApplyHeldState(std::string_view where) {
+  // The first step begins (BeginTraining): the held copy is written back over
+  // whatever the program's setup did to the registered state. With `restore`
+  // false (the first step's collective came first: the program never called
+  // BeginTraining, and what its setup did to the state after the join is its
+  // own, as nonstop-train's adjustments to a new world are) the copy is only
+  // let go.
+  void ApplyHeldState(bool restore) {
     if (!holding_.load(std::memory_order_acquire)) return;
     MutexLock lock(&held_mu_);
     if (!held_state_) return;
-    std::vector<std::string> changed = held_state_->Changed(*state_);
-    held_state_->Restore(state_);
+    std::vector<std::string> changed;
+    if (restore) changed = held_state_->Restore(state_);
     held_state_.reset();
     holding_.store(false, std::memory_order_release);
     if (changed.empty()) return;
     std::string names = fmt::format("{}", fmt::join(changed, ", "));
     if (names.size() > 300) names = names.substr(0, 300) + "...";
-    if (where == "BeginTraining") {
-      NONSTOP_LOG_WARNING(
-          "the program's setup changed {} of the registered regions ({}) after "
-          "this worker copied them from its peers; their copy is restored, so "
-          "this worker trains from the peers' state",
-          changed.size(), names);
-    } else {
-      NONSTOP_LOG_WARNING(
-          "the program's setup changed {} of the registered regions ({}) after "
-          "this worker copied them from its peers, and its first step computed "
-          "on them: the peers' copy is restored at {}, but that step's gradient "
-          "is not the peers'. Call Session::BeginTraining() (nonstop.torch does) "
-          "before the first step's forward",
-          changed.size(), names, where);
-    }
+    NONSTOP_LOG_WARNING(
+        "the program's setup changed {} of the registered regions ({}) after "
+        "this worker copied them from its peers; their copy is restored, so "
+        "this worker trains from the peers' state",
+        changed.size(), names);
   }
 
   // Where peers reach this worker's data port (SessionOptions::advertise_address),
@@ -343,7 +335,7 @@ class SessionImpl {
     if (!holding_.load(std::memory_order_acquire)) return false;
     MutexLock lock(&held_mu_);
     if (!held_state_) return false;
-    held_state_->Restore(state_);
+    (void)held_state_->Restore(state_);
     return true;
   }
 
@@ -1054,7 +1046,7 @@ class SessionImpl {
   // first collective of a step; a step's later gradient buckets do not).
   template <typename Op>
   Status RunCollective(Op op, bool at_step_boundary, bool announce = true) {
-    if (at_step_boundary) ApplyHeldState("the first step's collective");
+    if (at_step_boundary) ApplyHeldState(/*restore=*/false);
     if (at_step_boundary) MaybeInjectBeforeCollective();  // a stall stops here, before it arrives
     {
       MutexLock lock(&mu_);
@@ -1154,7 +1146,7 @@ class SessionImpl {
 
   void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done,
                       bool on_device) {
-    ApplyHeldState("the first step's first bucket");
+    ApplyHeldState(/*restore=*/false);
     MutexLock lock(&bucket_mu_);
     if (!comm_thread_.joinable())
       comm_thread_ = std::jthread([this](std::stop_token st) { BucketLoop(st); });
@@ -1410,7 +1402,7 @@ void Session::StartAllReduceOnDevice(std::span<float> device_data,
   impl_->StartAllReduce(device_data, std::move(done), /*on_device=*/true);
 }
 Status Session::WaitAll() { return impl_->WaitAll(); }
-void Session::BeginTraining() { impl_->ApplyHeldState("BeginTraining"); }
+void Session::BeginTraining() { impl_->ApplyHeldState(/*restore=*/true); }
 Status Session::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
                               std::span<const std::vector<float>> partials, std::span<float> out) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
@@ -1510,18 +1502,30 @@ Status Session::Finish(int64_t last_step, const std::string& checksum) {
 
 void Session::ReportFailure(const Status& status, int64_t step, int exit_code,
                             std::string_view traceback) {
+  // A traceback too long keeps its end (the exception and the frame that raised it), cut on a
+  // UTF-8 character's first byte.
+  std::string kept(traceback);
+  if (kept.size() > control::kMaxTraceback) {
+    size_t from = kept.size() - (control::kMaxTraceback - 4);
+    while (from < kept.size() && (static_cast<unsigned char>(kept[from]) & 0xC0) == 0x80) ++from;
+    kept = "...\n" + kept.substr(from);
+  }
   // A script's exception (it comes with its traceback) is said as the script raised it.
   control::FailureMsg m{generation(), step,
                         traceback.empty() ? status.ToString() : std::string(status.message()),
-                        exit_code, std::string(traceback.substr(0, control::kMaxTraceback))};
+                        exit_code, std::move(kept)};
   (void)impl_->SendControl(control::kMsgFailure, control::Encode(m));
 }
 
 Status Session::BeginBusy(std::string_view label, std::chrono::milliseconds bound) {
-  if (label.empty() || label.size() > control::kMaxBusyLabel) {
+  const bool printable = std::all_of(label.begin(), label.end(), [](char c) {
+    return static_cast<unsigned char>(c) >= 0x20 && static_cast<unsigned char>(c) < 0x7F;
+  });
+  if (label.empty() || label.size() > control::kMaxBusyLabel || !printable) {
     return InvalidArgumentError(
-        fmt::format("Session::BeginBusy: the label must be 1 to {} bytes, got {}",
-                    control::kMaxBusyLabel, label.size()));
+        fmt::format("Session::BeginBusy: the label must be 1 to {} printable ASCII characters, "
+                    "got {} bytes{}",
+                    control::kMaxBusyLabel, label.size(), printable ? "" : " with others"));
   }
   if (bound <= std::chrono::milliseconds(0)) {
     return InvalidArgumentError(

@@ -653,3 +653,12 @@ def test_a_recovery_made_inside_a_reduction_is_returned_once_and_only_while_curr
     session._held_recovery = (None, nonstop.Released("released inside the reduction"))
     with pytest.raises(nonstop.Released):
         session.recover()
+
+
+def test_torchs_init_process_group_arguments_are_refused_naming_the_port():
+    import nonstop.torch
+
+    for call in (lambda: nonstop.torch.init_process_group(backend="gloo"),
+                 lambda: nonstop.torch.init_process_group("gloo")):
+        with pytest.raises(TypeError, match=r"takes the model, the optimizer and the loader.*Porting a DDP script"):
+            call()

@@ -113,6 +113,29 @@ def test_a_spare_replaying_the_tutorials_loop_peeks_skips_the_finished_epochs_an
     assert len(got) == 10
 
 
+def test_a_joiner_at_an_epochs_end_restores_the_peers_position_before_the_loop_moves_it():
+    # A spare copied the position at the end of epoch 0; its first step begins (on_batch:
+    # nonstop.torch writes the copied state back) before the loop moves to epoch 1.
+    loader, session = bound()
+    extra = session.extra
+    extra["nonstop.data.batch"], extra["nonstop.data.offset"], extra["nonstop.data.steps"] = 6, 50, 6
+    copied = dict(extra.as_dict())
+    restores = []
+
+    def begin_training():
+        if not restores:
+            for key, value in copied.items():
+                extra[key] = value
+        restores.append(True)
+
+    loader.on_batch = begin_training
+    loader.sampler.set_epoch(1)
+    for _ in loader:
+        loader._updated()
+    assert session.reported == list(range(6, 12)), "epoch 1 whole, from step 6"
+    assert extra["nonstop.data.epoch"] == 1
+
+
 def test_training_without_set_epoch_says_so_and_a_finished_epoch_yields_nothing():
     loader, session = bound()
     next(iter(loader))
