@@ -1003,7 +1003,7 @@ TEST_F(ControllerTest, AFailureThatRecursOnTheReplacementsEndsTheJob) {
     Do(ProcessExited{failing, 1000 + failing, 1, 0, kHost});
     // The others' collective fails as the raising process leaves: their Ready waits for the
     // window, and counts when it ends (no abort to wait for).
-    for (int id : c_->members()) {
+    for (int id : std::vector<int>(c_->members())) {  // Ready may form the next generation
       if (id != failing) Ready(id, 4);
     }
     ASSERT_EQ(c_->phase(), JobPhase::kRunning) << "no recovery before the window ends";
@@ -1067,7 +1067,7 @@ TEST_F(ControllerTest, AHangThatRecursAtTheSameStepOnTheReplacementsEndsTheJob) 
     }
     ASSERT_EQ(Find<KillWorker>(all).size(), 1u) << Printed(all);
     ASSERT_EQ(c_->phase(), JobPhase::kRecovering) << Printed(all);
-    for (int id : c_->members()) {
+    for (int id : std::vector<int>(c_->members())) {  // Ready may form the next generation
       if (id != hung) Ready(id, 9);
     }
     Join(next_worker, /*spare=*/true);  // the refill
@@ -1161,7 +1161,7 @@ TEST_F(ControllerTest, TheRecoveryBudgetEndsALoopOfFaults) {
           << ends[0].reason;
       return;
     }
-    for (int id : c_->members()) {
+    for (int id : std::vector<int>(c_->members())) {  // Ready may form the next generation
       if (id != victim) Ready(id, 4);
     }
     Join(next_worker, /*spare=*/true);
