@@ -166,15 +166,18 @@ struct LoadOptions {
   // By name: the regions that must be in the checkpoint (parameters and
   // optimizer moments). Empty: every float32 region.
   std::vector<std::string> required{};
+  // Regions a checkpoint of the loader's own writer may lack (state registered since it was
+  // written: the Python package's model buffers); they keep their values (`kept`).
+  std::vector<std::string> optional{};
 };
 
 // Loads the newest valid checkpoint in `dir` into `registry` in place.
 // NOT_FOUND when there is none (the reasons for skipping each are in the message).
 // A checkpoint of the loader's own writer must hold exactly the registry's
-// regions, in order. One the other writer wrote is loaded by name: every
-// required region must be there with its dtype and shape; the others
-// (counters, data positions) are loaded where the checkpoint has them with the
-// same dtype and size, and keep their values otherwise (`kept`).
+// regions, in order (but for options.optional ones it lacks). One the other writer wrote is loaded
+// by name: every required region must be there with its dtype and shape; the others (counters, data
+// positions) are loaded where the checkpoint has them with the same dtype and size, and keep their
+// values otherwise (`kept`).
 Result<LoadedCheckpoint> LoadNewestCheckpoint(const std::string& dir, StateRegistry& registry,
                                               const LoadOptions& options = {});
 

@@ -79,6 +79,14 @@ struct SessionOptions {
   int worker_id = settings::kWorkerId.default_value;  // required, unique in the job (kWorkerId)
   // join without a rank (kSpare: NONSTOP_SPARE=1)
   bool spare = settings::kSpare.default_value;
+  // The program registers its state after the join (a script that makes its
+  // process group before its model): Join returns once this worker has its
+  // rank in a plan, with the registry as it is (empty, typically), and copies
+  // no state; the program registers its regions in the same registry, then
+  // calls Session::CompleteJoin, which copies the peers' state into them where
+  // this worker joined a running job (the recovery that promoted it waits for
+  // that). Not with sharded state or a resumed checkpoint.
+  bool defer_state = false;
   // The address its data port listens on (kDataHost, NONSTOP_DATA_HOST).
   std::string data_host{settings::kDataHost.default_value};
   // The address peers dial (kWorkerAdvertiseAddress). Empty: data_host, or,
@@ -227,6 +235,12 @@ class Session {
   // copy is let go at the first step's collective): nonstop-train adjusts
   // the state it copied to the new world on purpose.
   void BeginTraining();
+  // SessionOptions::defer_state: the state is registered now (in the registry
+  // given to Join). A worker that joined a running job copies it from its
+  // peers here and holds it until BeginTraining, as Join does otherwise; a
+  // failure while copying waits for the next plan. FAILED_PRECONDITION without
+  // defer_state or when called twice; CANCELLED when the job ended first.
+  Status CompleteJoin();
 
   int rank() const;
   int world_size() const;

@@ -74,6 +74,11 @@ struct Region {
   // A shard view (RegisterShardView): the whole padded buffer, of which
   // `bytes` is the held shard's 1/G. Empty: the region is the shard's own memory.
   std::span<std::byte> whole;
+  // Per-rank state (MarkPerRank): each member's own values (a module's running statistics, a
+  // sample counter, an RNG state), which may differ between members. Never compared by the
+  // replica check nor part of Digest(); a member whose state is copied from its peers (a spare
+  // that takes a rank, a joiner, a repaired member) gets a peer's values, as for any region.
+  bool per_rank = false;
   // Where `bytes` are: null for host memory, else the device's (RegisterOnDevice). Never
   // dereference `bytes` of a device region: read and write it through the registry.
   std::shared_ptr<const DeviceMemory> device;
@@ -119,6 +124,10 @@ class StateRegistry {
   Status RegisterOnDevice(std::string name, std::span<std::byte> bytes,
                           std::shared_ptr<const DeviceMemory> device, std::string dtype = "U8",
                           std::vector<int64_t> shape = {});
+
+  // Marks region `name` (replicated, registered already) per-rank (Region::per_rank).
+  // NOT_FOUND when there is no such region, INVALID_ARGUMENT for a sharded one.
+  Status MarkPerRank(std::string_view name);
 
   // Region `index` (of regions()), wherever it lives: `out.size()` bytes from
   // byte `offset` of it copied out, `in` copied in, its CRC-32C.
@@ -169,6 +178,8 @@ class StateRegistry {
     return static_cast<uint32_t>(chunks_.at(index).size);
   }
   bool chunk_sharded(uint32_t index) const { return chunks_.at(index).sharded; }
+  // A chunk of per-rank regions (Region::per_rank): the members' copies differ.
+  bool chunk_per_rank(uint32_t index) const { return chunks_.at(index).per_rank; }
   // Chunk layout with checksums of the current contents.
   std::vector<ChunkInfo> Chunks() const;
   // Copies chunk `index` of the current state into `out` (out.size() == chunk size).
@@ -185,7 +196,8 @@ class StateRegistry {
   std::span<std::byte> ContiguousChunk(uint32_t index);
   std::span<const std::byte> ContiguousChunk(uint32_t index) const;
 
-  // CRC-32C over the whole state, as 8 hex digits: equal states, equal digests.
+  // CRC-32C over the state but its per-rank regions, as 8 hex digits: members that hold the
+  // same replicated state have equal digests.
   std::string Digest() const;
 
  private:
@@ -193,11 +205,12 @@ class StateRegistry {
     uint64_t offset = 0;
     uint64_t size = 0;
     bool sharded = false;
+    bool per_rank = false;
   };
   // The chunks of `chunk_bytes`: each run of consecutive regions of the same
-  // kind (sharded or not) is cut on its own, so no chunk mixes the two.
+  // kind (sharded or not, per-rank or not) is cut on its own, so no chunk mixes two.
   std::vector<Piece> Tiling(uint64_t chunk_bytes) const;
-  std::vector<uint64_t> RunBytes() const;  // the bytes of each run of regions of one kind
+  std::vector<Piece> Runs() const;  // each run of consecutive regions of one kind
   Status AddRegion(std::string name, std::span<std::byte> bytes);  // without tiling
   Status AddShardRegion(std::string name, std::span<float> bytes, std::span<float> whole,
                         int group_size, std::shared_ptr<const DeviceMemory> device);

@@ -152,13 +152,15 @@ class Extra:
     epoch), kept in registered memory. Keys are fixed at registration; ints
     stay ints (64-bit) and floats stay floats."""
 
-    def __init__(self, values: Mapping[str, Any]) -> None:
+    def __init__(self, values: Mapping[str, Any], name: str = "extra", per_rank: bool = False) -> None:
+        self._name = name  # of the regions, and of the argument in messages
+        self._per_rank = per_rank
         self._kind: Dict[str, Tuple[str, int]] = {}
         self._ints = array("q")
         self._floats = array("d")
         for key, value in values.items():
             if not isinstance(key, str):
-                raise TypeError(f"extra keys are strings, got {key!r}")
+                raise TypeError(f"{name} keys are strings, got {key!r}")
             if isinstance(value, bool) or isinstance(value, int):
                 self._kind[key] = ("q", len(self._ints))
                 self._ints.append(int(value))
@@ -166,7 +168,7 @@ class Extra:
                 self._kind[key] = ("d", len(self._floats))
                 self._floats.append(value)
             else:
-                raise TypeError(f"extra[{key!r}] is a {type(value).__name__}; nonstop keeps ints and floats "
+                raise TypeError(f"{name}[{key!r}] is a {type(value).__name__}; nonstop keeps ints and floats "
                                 "(keep tensors with register(tensors={...}))")
 
     def __getitem__(self, key: str) -> Any:
@@ -177,7 +179,7 @@ class Extra:
         kind, i = self._slot(key)
         if kind == "q":
             if not isinstance(value, int):
-                raise TypeError(f"extra[{key!r}] was registered as an int; got {type(value).__name__}")
+                raise TypeError(f"{self._name}[{key!r}] was registered as an int; got {type(value).__name__}")
             self._ints[i] = value
         else:
             self._floats[i] = float(value)
@@ -197,17 +199,18 @@ class Extra:
     def _slot(self, key: str) -> Tuple[str, int]:
         if key not in self._kind:
             raise KeyError(f"{key!r} was not registered; the keys are {sorted(self._kind)} "
-                           "(register every key with session.register(extra={...}))")
+                           f"(register every key with session.register({self._name}={{...}}))")
         return self._kind[key]
 
     def _regions(self) -> List[_Region]:
         regions = []
+        marked = ":per_rank" if self._per_rank else ""
         if len(self._ints):
             address, n = self._ints.buffer_info()
-            regions.append(("extra.int", address, n * self._ints.itemsize, "I64", [n], -1))
+            regions.append((f"{self._name}.int", address, n * self._ints.itemsize, "I64" + marked, [n], -1))
         if len(self._floats):
             address, n = self._floats.buffer_info()
-            regions.append(("extra.float", address, n * self._floats.itemsize, "F64", [n], -1))
+            regions.append((f"{self._name}.float", address, n * self._floats.itemsize, "F64" + marked, [n], -1))
         return regions
 
 
@@ -236,31 +239,44 @@ class Session:
         self._device_flat: Optional[Any] = None  # sharded, on a GPU: the model's, of which _flat_padded is the copy
         self._shard_group = 0
         self._before_finish: List[Callable[[], None]] = []  # collectives due before the final checksum
+        # Run at a recovery's start, before any state is copied: DDP puts back the buffers the lost
+        # step's forward changed (DistributedDataParallel._roll_back_buffers).
+        self._before_recover: List[Callable[[], None]] = []
         self._callbacks: List[Callable[[MembershipChange], None]] = []
         self._reserved: List[Tuple[int, int, str]] = []  # (begin, end, what) of registered memory
         self._twins: List[Any] = []  # the host twins of GPU buckets in flight (_start_allreduce)
         self._watch: List[Tuple[Callable[[], Any], int, str]] = []  # (tensor getter, registered address, what)
         self._named: List[Tuple[str, Any]] = []  # the parameters by the model's names, in the flat buffer's order
         self._optimizer: Any = None
-        self._tensor_regions: List[_Region] = []  # tensors={...}
+        self._tensor_regions: List[_Region] = []  # tensors={...} and per_rank's tensors
+        self._buffers: List[Tuple[str, Any]] = []  # the model's buffers by its names for them
         self._ckpt_step: Any = None  # the checkpoint's "step": steps completed (set when one is saved)
         self._resumed_wholes: Dict[str, Any] = {}  # sharded, resumed: whole state per key until adopted
         self.extra = Extra({})
+        self.per_rank = Extra({}, "per_rank", per_rank=True)
+        self._deferred = False  # joined before registering (join_first); register() completes the join
 
     # ---- joining ----
 
     def register(self, model: Any = None, optimizer: Any = None, extra: Optional[Mapping[str, Any]] = None, *,
-                 tensors: Optional[Mapping[str, Any]] = None, resume_from: Optional[str] = None) -> "Session":
+                 tensors: Optional[Mapping[str, Any]] = None, per_rank: Optional[Mapping[str, Any]] = None,
+                 resume_from: Optional[str] = None) -> "Session":
         """Registers what must survive a fault, then joins the job.
 
         - `model`: its parameters are moved into one flat buffer (each
           parameter becomes a view into it), so a recovering worker copies
-          them in one striped transfer.
+          them in one striped transfer. Its buffers (BatchNorm's running
+          statistics) are registered in place, as per-rank state.
         - `optimizer`: its state (AdamW's moments and step) is created now if
           it does not exist yet, and moved into one flat buffer too.
         - `extra`: Python ints and floats, read and written afterwards as
           ``session.extra["key"]``.
         - `tensors`: other CPU tensors kept in place (contiguous).
+        - `per_rank`: ints, floats and tensors that are each rank's own (a
+          sample counter, an RNG state), read and written as
+          ``session.per_rank["key"]`` (numbers) or in place (tensors). Never
+          compared by the replica check; a spare that takes a rank gets a
+          survivor's values (docs/python.md, "Per-rank state").
         - `resume_from`: a directory of durable checkpoints (save_checkpoint):
           the newest valid one is loaded into the registered state before
           joining; none there, the job starts afresh.
@@ -269,10 +285,10 @@ class Session:
         copied from the healthy workers before this returns. Raises
         :class:`Released` if the job ends first.
         """
-        if self._core is not None:
+        if self._core is not None and not self._deferred:
             raise RuntimeError("register() was called twice: a session registers its state once, before training")
         try:
-            self._register(model, optimizer, extra, tensors, resume_from)
+            self._register(model, optimizer, extra, tensors, per_rank, resume_from)
         except BaseException:
             # Nothing half-registered is left behind: a retry starts afresh.
             self._reserved.clear()
@@ -280,6 +296,7 @@ class Session:
             self._watch.clear()
             self._named.clear()
             self._tensor_regions.clear()
+            self._buffers.clear()
             self._resumed_wholes.clear()
             self._optimizer = None
             self._params = None
@@ -294,7 +311,8 @@ class Session:
         return self
 
     def _register(self, model: Any, optimizer: Any, extra: Optional[Mapping[str, Any]],
-                  tensors: Optional[Mapping[str, Any]], resume_from: Optional[str] = None) -> None:
+                  tensors: Optional[Mapping[str, Any]], per_rank: Optional[Mapping[str, Any]],
+                  resume_from: Optional[str] = None) -> None:
         from .sharded import ShardedOptimizer
 
         regions: List[_Region] = []
@@ -335,35 +353,100 @@ class Session:
             self._optimizer = optimizer
             regions += (self._register_shards(optimizer, bool(resume_from)) if sharded
                         else self._register_optimizer(optimizer, params))
+        if model is not None:
+            regions += self._register_buffers(model)
         if extra:
             self.extra = Extra(extra)
             regions += self.extra._regions()
         for name, t in (tensors or {}).items():
-            if not hasattr(t, "data_ptr"):
-                raise TypeError(f"tensors[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-            _device.device_index(t, f"tensors[{name!r}]")
-            if not t.is_contiguous():
-                raise ValueError(f"tensors[{name!r}] must be contiguous (strides {tuple(t.stride())}): pass "
-                                 f"tensors[{name!r}].contiguous() and keep using that tensor")
-            self._reserve(t, f"tensors[{name!r}]")
-            self._keep.append(t.detach())  # the memory, even if `t` is later pointed elsewhere
-            self._watch.append((lambda t=t: t, t.data_ptr(), f"tensors[{name!r}]"))
-            kind = "F32" if str(t.dtype) == "torch.float32" else "U8"
-            self._tensor_regions.append(_region(f"tensor.{name}", t, kind, [t.numel()] if kind == "F32" else []))
+            self._register_tensor(name, t, "tensors", "tensor")
+        per_rank = dict(per_rank or {})
+        numbers = {k: v for k, v in per_rank.items() if not hasattr(v, "data_ptr")}
+        if numbers:
+            self.per_rank = Extra(numbers, "per_rank", per_rank=True)
+            regions += self.per_rank._regions()
+        for name, t in per_rank.items():
+            if hasattr(t, "data_ptr"):
+                self._register_tensor(name, t, "per_rank", "per_rank.tensor", ":per_rank")
         regions += self._tensor_regions
-        self._keep.append(self.extra)
+        self._keep += [self.extra, self.per_rank]
         import torch
 
         self._ckpt_step = torch.zeros(1, dtype=torch.int64)
+        if self._deferred:
+            if resume_from or self._shard_group:
+                raise ValueError("a script that made its process group before its model resumes no checkpoint and "
+                                 "shards no optimizer state: call nonstop.torch.init_process_group(model, optimizer, "
+                                 "loader, resume_from=...) once they exist, instead of init_process_group(backend=...)")
+            try:
+                self._core.complete_join(regions)
+            except _core.Cancelled as e:
+                raise Released(str(e)) from None
+            self._deferred = False
+            return
         layout = self._checkpoint_layout(self._resumed_wholes) if resume_from else []
         try:
             self._core = _core.Session.join(regions, resume_from=os.fspath(resume_from) if resume_from else "",
                                             shard_group=self._shard_group, checkpoint=layout,
                                             required=self._required_in_checkpoints() if resume_from else [],
+                                            optional=[name for name, _ in self._buffers],
                                             on_loaded=self._on_checkpoint_loaded,
                                             cuda_devices=self._unregistered_cuda_devices())
         except _core.Cancelled as e:
             raise Released(str(e)) from None
+
+    def _register_tensor(self, name: str, t: Any, argument: str, prefix: str, marked: str = "") -> None:
+        if not hasattr(t, "data_ptr"):
+            raise TypeError(f"{argument}[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        _device.device_index(t, f"{argument}[{name!r}]")
+        if not t.is_contiguous():
+            raise ValueError(f"{argument}[{name!r}] must be contiguous (strides {tuple(t.stride())}): pass "
+                             f"{argument}[{name!r}].contiguous() and keep using that tensor")
+        self._reserve(t, f"{argument}[{name!r}]")
+        self._keep.append(t.detach())  # the memory, even if `t` is later pointed elsewhere
+        self._watch.append((lambda t=t: t, t.data_ptr(), f"{argument}[{name!r}]"))
+        kind = "F32" if str(t.dtype) == "torch.float32" else "U8"
+        self._tensor_regions.append(_region(f"{prefix}.{name}", t, kind + marked,
+                                            [t.numel()] if kind == "F32" else []))
+
+    def _register_buffers(self, model: Any) -> List[_Region]:
+        """The model's persistent buffers (BatchNorm's running statistics and its count), each in
+        place, as per-rank state: every rank updates them with its own batch in the forward, so they
+        differ at a step's end even where DDP broadcasts rank 0's at the next forward's start. A
+        non-persistent buffer (a mask) is the setup's to make, as torch's state_dict leaves it out."""
+        regions: List[_Region] = []
+        seen = set()
+        for prefix, module in model.named_modules():
+            for key, b in list(module._buffers.items()):
+                if b is None or id(b) in seen or b.numel() == 0 or key in module._non_persistent_buffers_set:
+                    continue  # shared: registered once; non-persistent (a mask): the setup makes it
+                seen.add(id(b))
+                name = f"{prefix}.{key}" if prefix else key
+                if not b.is_contiguous():  # before training: its module holds the copy from now on
+                    b = module._buffers[key] = b.contiguous()
+                _device.device_index(b, f"buffer {name!r}")
+                self._reserve(b, f"the model's buffer {name!r}")
+                self._keep.append(b)
+                self._watch.append((lambda m=module, k=key: m._buffers[k], b.data_ptr(), f"the model's buffer {name!r}"))
+                self._buffers.append((name, b))
+                kind = "F32" if str(b.dtype) == "torch.float32" else "U8"
+                regions.append(_region(f"buffer.{name}", b, kind + ":per_rank", [b.numel()] if kind == "F32" else []))
+        return regions
+
+    def _join_first(self) -> None:
+        """Joins the job before the state exists (a script that makes its process group before its
+        model): this worker gets its rank (a spare waits here until it takes one); register()
+        then registers the state and copies the peers' into it, where this worker joined a
+        running job (the recovery that promoted it waits for that)."""
+        if self._core is not None:
+            raise RuntimeError("this session joined already")
+        try:
+            self._core = _core.Session.join([], defer_state=True)
+        except _core.Cancelled as e:
+            raise Released(str(e)) from None
+        self._deferred = True
+        self._step_in_flight = self._core.resume_step
+        _install_failure_report(self)
 
     def _unregistered_cuda_devices(self) -> List[int]:
         """The GPUs the program computes on whose memory is not registered (a sharded model's,
@@ -520,8 +603,11 @@ class Session:
                 shape = list(p.shape) if value.numel() == p.numel() else list(value.shape)
                 regions.append(_region(f"{prefix}.{key}.{name}", value, "F32" if float32 else "U8",
                                 shape if float32 else []))
+        for name, b in self._buffers:
+            float32 = str(b.dtype) == "torch.float32"
+            regions.append(_region(name, b, "F32" if float32 else "U8", list(b.shape) if float32 else []))
         regions.append(_region("step", self._ckpt_step, "I64", []))
-        return regions + self.extra._regions() + self._tensor_regions
+        return regions + self.extra._regions() + self.per_rank._regions() + self._tensor_regions
 
     def _optimizer_states(self, wholes: Mapping[str, Any]) -> List[Tuple[str, Any, str, Any]]:
         """(parameter name, parameter, state key, the parameter's state tensor),
@@ -753,6 +839,8 @@ class Session:
             if generation == core.generation and not core.aborted():
                 return outcome
             # another fault since: that recovery is over, take part in this one
+        for undo in self._before_recover:
+            undo()
         try:
             step = core.recover()
         except _core.Cancelled as e:

@@ -11,6 +11,7 @@ replaces a lost one finds them in the page cache already.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from . import _core
@@ -128,13 +129,14 @@ class DistributedSampler:
         self._fresh = True
 
     def order(self, epoch: int) -> List[int]:
-        """The dataset's indices in epoch `epoch`'s order."""
+        """The dataset's indices in epoch `epoch`'s order. A sampler whose set_epoch was never
+        called gives every epoch the order of epoch 0, as torch's does."""
         if self._order[0] != epoch:
             if self.shuffle:
                 import torch
 
                 g = torch.Generator()
-                g.manual_seed(self.seed + epoch)
+                g.manual_seed(self.seed + (epoch if self.epoch is not None else 0))
                 order = torch.randperm(self.num_samples_total, generator=g).tolist()
             else:
                 order = list(range(self.num_samples_total))
@@ -170,6 +172,11 @@ class DistributedSampler:
 
     def __len__(self) -> int:
         return self.num_samples_total
+
+
+# The loaders this process made: the one a DistributedDataParallel registers when the script made
+# its process group first (nonstop.torch.init_process_group(backend=...)).
+_made: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
 
 
 class DataLoader:
@@ -225,6 +232,11 @@ class DataLoader:
         self._uneven_warned: set = set()
         self.on_batch: Any = None  # called as each batch is handed out (nonstop.torch: its first step)
         self._peeked = False  # the last iterator was a peek (before set_epoch): no step to complete
+        self._replayed = False  # a step on a batch of the peek was skipped (replayed_peek)
+        # Without set_epoch: the loops of this process that trained or ended (each an epoch; a
+        # spare's replay of the job's finished epochs counts them too).
+        self._loops = 0
+        _made.add(self)
 
     # ---- registration (nonstop.torch.init_process_group) ----
 
@@ -287,12 +299,16 @@ class DataLoader:
         self._peeked = False
         extra = self._session.extra
         epoch = self.sampler.epoch
-        finished = epoch is None or epoch < extra[_EPOCH] or (
+        implicit = epoch is None  # no set_epoch: each loop that trains (or ends) is the next epoch
+        if implicit:
+            epoch = self._loops
+        finished = epoch < extra[_EPOCH] or (
             epoch == extra[_EPOCH] and self.sampler.batches_left(extra[_OFFSET], self.global_batch) == 0)
-        if finished and not self.sampler._fresh:
+        if finished and (implicit or not self.sampler._fresh):
             # A peek (`next(iter(loader))`) before set_epoch of the coming epoch: the batches torch's
             # loader would give, from the start of the epoch last set, with the position untouched.
-            yield from self._peek(0 if epoch is None else epoch)
+            # Without set_epoch, a spare's replay of an epoch the job finished too (_peek).
+            yield from self._peek(epoch, implicit)
             return
         if self.on_batch is not None:
             self.on_batch()  # a joiner's first step begins: the peers' position, before it moves
@@ -300,6 +316,7 @@ class DataLoader:
             extra[_EPOCH], extra[_BATCH], extra[_OFFSET] = epoch, 0, 0
         elif epoch < extra[_EPOCH]:
             self.sampler._fresh = False
+            self._loops = max(self._loops, epoch + 1)
             return  # an epoch this job finished (a spare replays the loop from its start)
         while self.sampler.batches_left(extra[_OFFSET], self.global_batch) > 0 and extra[_EPOCH] == epoch:
             inner = self._inner(extra[_OFFSET])
@@ -317,11 +334,28 @@ class DataLoader:
                 if self._session.generation != generation:
                     break  # the world changed: the shares are dealt anew from here
         self.sampler._fresh = False  # the epoch's loop ended (an epoch the job finished ends at once)
+        self._loops = max(self._loops, epoch + 1)
 
-    def _peek(self, epoch: int) -> Iterator[Any]:
+    def _peek(self, epoch: int, implicit: bool = False) -> Iterator[Any]:
+        """The epoch's batches from its start, moving no position. Without set_epoch it may be a
+        spare's replay of the loop of an epoch the job finished: nonstop.torch.step skips a step on
+        such a batch (replayed_peek) and the loop ends there, counted as that epoch's."""
+        self._replayed = False
         for batch in self._inner(0, epoch):
             self._peeked = True
             yield batch
+            if self._replayed:
+                break
+        if implicit:
+            self._loops = max(self._loops, epoch + 1)
+
+    def replayed_peek(self) -> bool:
+        """A step on a batch of a peek without set_epoch: the loop of an epoch the job finished,
+        replayed by a spare. Marks it so that the loop ends; the caller runs no step."""
+        if self.sampler.epoch is None and self._peeked and self._yielded is None:
+            self._replayed = True
+            return True
+        return False
 
     def _updated(self) -> None:
         """The optimizer's update of the batch handed out: its step is done.
@@ -335,6 +369,7 @@ class DataLoader:
                                "nonstop.data.DataLoader is one step, and one update")
         self.sampler._fresh = False
         extra = self._session.extra
+        self._loops = max(self._loops, extra[_EPOCH] + 1)  # a loop that trained counts (a peek does not)
         step = self._yielded[0]
         self._yielded = None
         extra[_BATCH] += 1

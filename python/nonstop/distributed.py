@@ -46,6 +46,10 @@ _model: Any = None
 # A worker that joined a running job (a spare, a joiner) answers its collectives
 # locally until its first step (ProcessGroup); set once, when it joins.
 _before_first_step = False
+# nonstop.torch.DistributedDataParallel sums its buckets through its hook: a
+# collective inside a backward pass is then the model's own (SyncBatchNorm's),
+# not one of stock DDP's buckets.
+_hooked = False
 # torch keeps a Python subclass's C++ half alive but not its Python half: a
 # Work or a group whose Python object was collected answers from C++'s base
 # class (a Work's wait() then never returns). These keep them.
@@ -61,7 +65,6 @@ class _Work(_TorchWork):
 
     def __init__(self, result: List[Any], done: bool = True) -> None:
         super().__init__()
-        self._ok = True
         self._future: Optional[torch.futures.Future] = None
         self._weak: List[Any] = []
         if done:
@@ -76,15 +79,15 @@ class _Work(_TorchWork):
         # On the communication thread, with the GIL. The future always gets its
         # result, so that DDP's end of backward runs whole; a failure is
         # raised as Aborted at the end of backward (_BucketStep).
-        self._ok = ok
         result, self._result = self._result, None
         self._future.set_result(result)  # type: ignore[union-attr]
 
     def wait(self, timeout: Any = None) -> bool:
         if self._future is not None:
+            # Started inside a backward pass (a bucket, SyncBatchNorm's sum): a failure is raised
+            # at the backward's end (_BucketStep), not here, where it would leave DDP's reducer
+            # half through the pass and unable to run the step again.
             self._future.wait()
-        if not self._ok:
-            raise Aborted("the generation was aborted: the step in flight is lost; call session.recover()")
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -151,6 +154,7 @@ class _BucketStep:
     @classmethod
     def _end(cls, session: Session) -> None:
         cls.active = False
+        _HookState.local_used_map = False
         session._wait_all()  # raises Aborted: the step is lost
         cls._leave_if_a_copy_failed(session)
 
@@ -213,13 +217,20 @@ class ProcessGroup(_TorchProcessGroup):
                              "reduce a sum and derive the rest from it")
         session = self._session
         if tensor.dtype in (torch.int32, torch.int64) and not average:
-            return self._allreduce_integers(tensor)
+            return self._allreduce_as_float32(tensor)
+        if tensor.dtype in (torch.float16, torch.bfloat16):  # fp16_compress_hook's buckets
+            return self._allreduce_as_float32(tensor, average)
         _check_tensor(tensor, "the tensor of all_reduce")
-        if _BucketStep.enter(session):  # a gradient bucket of stock DDP
-            if session.generation != 1:
+        if _BucketStep.enter(session):  # a gradient bucket of stock DDP, or SyncBatchNorm's sum
+            if session.generation != 1 and not _hooked:
                 raise RuntimeError(_STOCK_DDP)
             _first_step()
-            return _start_bucket(session, tensor)
+            work = _start_bucket(session, tensor)  # in order with the buckets started before it
+            if _HookState.synchronous:
+                # A script's hook: complete now, so that what it chains runs here, in order. A failure
+                # is raised at the end of the backward (_BucketStep), with DDP's state whole.
+                work.get_future().wait()
+            return work
         if self._local:
             raise RuntimeError("all_reduce before this worker's first step: it joined a running job, whose members "
                                "make no such call now; reduce inside the training steps")
@@ -228,26 +239,36 @@ class ProcessGroup(_TorchProcessGroup):
             tensor.div_(session.world_size)
         return _Work(tensors)
 
-    def _allreduce_integers(self, tensor: Any) -> _Work:
+    def _allreduce_as_float32(self, tensor: Any, average: bool = False) -> _Work:
         """The SUM of an int32 or int64 tensor (DDP's map of the parameters used, with
         find_unused_parameters; a count of tokens), summed as float32, which is exact while every
-        sum stays below 2**24. Inside a backward pass it is started in order with the buckets."""
+        sum stays below 2**24; or of a float16 or bfloat16 one (fp16_compress_hook's buckets),
+        summed as float32 and rounded once. Inside a backward pass it is started in order with the
+        buckets."""
         session = self._session
+        integer = not tensor.is_floating_point()
         _check_bytes(tensor, "the tensor of all_reduce")
         if tensor.device.type != "cpu":
-            raise ValueError(f"nonstop sums integer tensors on the CPU, got one on {tensor.device}: "
+            raise ValueError(f"nonstop sums {tensor.dtype} tensors on the CPU, got one on {tensor.device}: "
                              "move it with .cpu()")
-        bound = int(tensor.abs().max()) * session.world_size if tensor.numel() else 0
+        bound = int(tensor.abs().max()) * session.world_size if integer and tensor.numel() else 0
         if bound >= 1 << 24:
             raise ValueError(f"an integer all_reduce whose sums may reach {bound}: nonstop sums integers as "
                              "float32, exact below 2**24; sum a float tensor instead")
         summed = tensor.to(torch.float32)
+
+        def result() -> Any:
+            return summed.round() if integer else summed.div_(session.world_size) if average else summed
+
+        if integer and _BucketStep.enter(session) and _HookState.local_used_map:
+            _HookState.local_used_map = False  # a joiner's first static-graph iteration (DistributedDataParallel)
+            return _Work([tensor])
         if _BucketStep.enter(session):
             work = _Work([tensor], done=False)
 
             def done(ok: bool, message: str) -> None:
                 if ok:
-                    tensor.copy_(summed.round())
+                    tensor.copy_(result())
                 work._complete(ok, message)
 
             session._core.start_allreduce(summed, summed.data_ptr(), summed.numel(), done)
@@ -256,7 +277,7 @@ class ProcessGroup(_TorchProcessGroup):
             raise RuntimeError("all_reduce before this worker's first step: it joined a running job, whose members "
                                "make no such call now; reduce inside the training steps")
         session._core.allreduce(summed.data_ptr(), summed.numel())
-        tensor.copy_(summed.round())
+        tensor.copy_(result())
         return _Work([tensor])
 
     def broadcast(self, tensors: List[Any], opts: Any = None) -> _Work:
@@ -302,6 +323,11 @@ def _first_step() -> None:
     # The first step begins: a worker that joined a running job trains from the state it copied
     # from its peers, whatever the script's setup did to it since (Session.begin_training).
     global _before_first_step
+    if _session is not None and _session._deferred:
+        raise RuntimeError("the first step of a job whose state was never registered: after "
+                           "init_process_group(backend=...), wrap the model in nonstop.torch.DistributedDataParallel "
+                           "(it registers the model, its optimizer and the loader), or call "
+                           "nonstop.torch.init_process_group(model, optimizer, loader) before training")
     _before_first_step = False
     if _session is not None:
         _session.begin_training()
@@ -391,7 +417,8 @@ def _form_default_group(session: Session) -> None:
 def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = None, *,
                        extra: Optional[dict] = None, session: Optional[Session] = None,
                        resume_from: Optional[str] = None, world_invariant: Optional[bool] = None,
-                       micro_batch: Optional[int] = None, **torch_arguments: Any) -> Session:
+                       micro_batch: Optional[int] = None, per_rank: Optional[dict] = None,
+                       **torch_arguments: Any) -> Session:
     """Registers `model`, `optimizer` and the position of `loader` (a
     :class:`nonstop.data.DataLoader`), joins the job, and makes the default
     process group run over nonstop; sets RANK, WORLD_SIZE, LOCAL_RANK,
@@ -401,6 +428,7 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
     With a loader, each ``optimizer.step()`` completes the step of the batch
     the loader handed out: the position moves on and the controller is told
     (``report_step``). Without one, the script reports its steps itself.
+    `per_rank`: each rank's own values (Session.register).
     `resume_from`: a directory of durable checkpoints (Session.save_checkpoint),
     the newest valid one loaded before joining.
     Pass `session` instead to use one already registered.
@@ -413,13 +441,20 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
     dealt whole micro-batches in powers of two (rank 0 says when not;
     docs/python.md, "World-invariant DDP")."""
     global _session, _loader, _model, _before_first_step
-    if torch_arguments or isinstance(model, str):
-        given = ", ".join(([repr(model)] if isinstance(model, str) else []) + [f"{k}=" for k in sorted(torch_arguments)])
-        raise TypeError(f"nonstop.torch.init_process_group takes the model, the optimizer and the loader, not "
-                        f"torch's arguments ({given}): call it once they exist, in place of "
-                        f"dist.init_process_group(backend=...) (docs/python.md, \"Porting a DDP script\")")
-    if _session is not None:
+    if isinstance(model, str) or (model is None and optimizer is None and loader is None and session is None):
+        if isinstance(model, str):
+            torch_arguments["backend"] = model
+        if extra or session or resume_from or world_invariant or micro_batch or per_rank:
+            raise TypeError("init_process_group(backend=...) takes torch's arguments alone: pass the model, the "
+                            "optimizer, the loader and nonstop's options once they exist instead")
+        return _join_first(torch_arguments)
+    if torch_arguments:
+        raise TypeError(f"nonstop.torch.init_process_group(model, optimizer, loader) takes no torch arguments "
+                        f"({', '.join(sorted(torch_arguments))}=): nonstop's backend forms the group")
+    if _session is not None and not _session._deferred:
         raise RuntimeError("init_process_group was called twice: one job, one session")
+    if _session is not None:  # the script made its group first: this registers the state
+        session = _session
     if loader is not None and optimizer is None:
         raise ValueError("a loader needs the optimizer too: its update is what completes each step")
     if world_invariant is None:
@@ -434,12 +469,13 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
         loader.micro_batch = micro_batch
     elif micro_batch is not None:
         raise ValueError("micro_batch is the world-invariant mode's: pass world_invariant=True too")
-    if session is None:
-        session = join()
+    joined_first = session is not None and session._deferred
+    if session is None or joined_first:
+        session = session or join()
         state = dict(extra or {})
         if loader is not None:
             state.update(loader._registered_defaults())
-        session.register(model, optimizer, extra=state, resume_from=resume_from)
+        session.register(model, optimizer, extra=state, per_rank=per_rank, resume_from=resume_from)
     else:
         session._joined()
     _session, _loader, _model = session, loader, model
@@ -448,9 +484,67 @@ def init_process_group(model: Any = None, optimizer: Any = None, loader: Any = N
         loader._bind(session)
         loader.on_batch = _first_step
         _complete_steps_on_update(optimizer, loader)
+    _form_default_group(session)  # joined first: a recovery may have changed the rank meanwhile
+    if not joined_first:
+        session.on_membership_change(lambda change: _form_default_group(session))
+    return session
+
+
+# torch's init_process_group arguments that nonstop's backend stands in for.
+_TORCH_ARGUMENTS = {"backend", "init_method", "timeout", "world_size", "rank", "store", "group_name", "pg_options"}
+
+
+def _join_first(torch_arguments: dict) -> Session:
+    """init_process_group(backend=...) before the model exists, as most scripts call it: joins the
+    job now (this worker gets its rank and world, the default group and torchrun's variables; a
+    spare waits here until it takes a rank) and registers the state when the script wraps its
+    model in nonstop.torch.DistributedDataParallel (the model, the optimizer over its parameters,
+    the nonstop.data.DataLoader the script made), or when it calls
+    init_process_group(model, optimizer, loader) itself. A spare that takes a rank runs the
+    script's setup between the two; the recovery that promoted it waits for that."""
+    global _session, _before_first_step
+    unknown = set(torch_arguments) - _TORCH_ARGUMENTS
+    if unknown:
+        raise TypeError(f"init_process_group got unexpected arguments {sorted(unknown)}")
+    if _session is not None:
+        raise RuntimeError("init_process_group was called twice: one job, one session")
+    session = join()
+    session._join_first()
+    for name in ("world_size", "rank"):
+        asked = torch_arguments.get(name, -1)
+        have = session.world_size if name == "world_size" else session.rank
+        if asked not in (-1, None) and int(asked) != have:
+            raise ValueError(f"init_process_group({name}={asked}): nonstop's job gives this worker {name} {have}; "
+                             f"drop {name}= (torchrun's variables are set)")
+    _session = session
+    _before_first_step = session.last_change.reason != "start"
     _form_default_group(session)
     session.on_membership_change(lambda change: _form_default_group(session))
     return session
+
+
+def _register_what_ddp_wraps(module: Any) -> None:
+    """The script made its group first (_join_first): registers `module`, the one optimizer over
+    its parameters and the one nonstop.data.DataLoader the script made."""
+    import gc
+
+    from . import data
+
+    params = {id(p) for p in module.parameters()}
+    optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)
+                  and any(id(p) in params for g in o.param_groups for p in g["params"])]
+    explicit = ("or register them yourself before wrapping: nonstop.torch.init_process_group(model, optimizer, "
+                "loader) once they exist")
+    if len(optimizers) != 1:
+        raise RuntimeError(f"nonstop.torch.DistributedDataParallel registers the model with the one optimizer over its "
+                           f"parameters, and found {len(optimizers)}: make the optimizer before wrapping the model, "
+                           f"{explicit}")
+    loaders = list(data._made)
+    if len(loaders) != 1:
+        raise RuntimeError(f"nonstop.torch.DistributedDataParallel registers the model with the one "
+                           f"nonstop.data.DataLoader the script made, and found {len(loaders)}: make it before "
+                           f"wrapping the model, {explicit}")
+    init_process_group(module, optimizers[0], loaders[0])
 
 
 def _env_flag(name: str) -> bool:
@@ -525,6 +619,8 @@ def step(fn: Callable[..., Any]) -> Callable[..., Any]:
         if session is None or _loader is None:
             raise RuntimeError("nonstop.torch.step needs nonstop.torch.init_process_group(model, optimizer, loader) "
                                "first: the step's batch comes from the loader")
+        if _loader.replayed_peek():  # no set_epoch: a spare replays the loop of an epoch the job finished
+            return None
         while True:
             try:
                 return fn(*args, **kwargs)
@@ -563,7 +659,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
       with the survivors' other ones)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if _loader is not None and _loader.micro_batch and not issubclass(cls, _InvariantDDP):
+        # joined first: the registration in __init__ takes the mode from the environment
+        invariant = (_loader is not None and _loader.micro_batch) or (
+            _session is not None and _session._deferred and _env_flag("NONSTOP_WORLD_INVARIANT"))
+        if invariant and not issubclass(cls, _InvariantDDP):
             if cls is not DistributedDataParallel:
                 raise TypeError(f"{cls.__name__} subclasses nonstop.torch.DistributedDataParallel, which the "
                                 "world-invariant mode replaces by a module of its own: wrap the model in "
@@ -573,26 +672,102 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
         _check_joined()
-        if kwargs.get("static_graph"):
-            raise ValueError("DistributedDataParallel(static_graph=True) is not supported by nonstop yet: DDP's first "
-                             "iteration with a static graph makes collectives the survivors' later iterations do "
-                             "not, so a spare's first step would pair them with the survivors' buckets; drop "
-                             "static_graph (the buckets and the bits are the same without it)")
+        if _session._deferred:
+            _register_what_ddp_wraps(module)
+        # A worker that joined a running job: its first iteration is not the job's (static_graph)
+        self._joined_running = _before_first_step
         super().__init__(module, *args, **kwargs)
-        self.register_comm_hook(_session, _weighted_sum_hook)
+        global _hooked
+        _hooked = True
+        self._hook = _HookState()
+        super().register_comm_hook(self._hook, _weighted_sum_hook)
+        self._step_buffers: Any = None  # (step, the buffers as the step's forward found them)
+        _session._before_recover.append(self._roll_back_buffers)
         # The layout of every member's DDP, whenever it was made: all parameters, reverse order.
         self.reducer._push_all_rebuilt_params()
         self.reducer._rebuild_buckets()
 
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """A communication hook of the script's (torch's allreduce_hook, PowerSGD's,
+        its own): each bucket reaches it weighted by this rank's share of the step's
+        global batch times the world size, so a hook that averages over the world
+        (as torch's do) sums the shares; its collectives run over nonstop."""
+        if self._hook.user is not None:
+            raise RuntimeError("register_comm_hook can only be called once (as in torch's DistributedDataParallel)")
+        self._hook.user = (state, hook)
+        _HookState.synchronous = True
+
+    def _catch_up_hook_state(self) -> None:
+        """A joiner's hook state starts afresh; one that counts iterations (PowerSGDState.iter,
+        which decides when compression starts) takes the job's step, so its collectives match
+        the survivors'. The rest of it (PowerSGD's error feedback) is the joiner's own."""
+        state = self._hook.user[0] if self._hook.user is not None else None
+        step_ = _loader._outstanding() if _loader is not None else None
+        if step_ is not None and isinstance(getattr(state, "iter", None), int):
+            state.iter = max(state.iter, step_)
+
+    def register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        raise NotImplementedError("DDP's built-in C++ hooks bypass nonstop's share weighting: register torch's Python "
+                                  "hook of the same name instead (torch.distributed.algorithms.ddp_comm_hooks."
+                                  "default_hooks.allreduce_hook, fp16_compress_hook) with register_comm_hook")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _first_step()  # DDP's forward may broadcast buffers: with the peers from now on
-        return super().forward(*args, **kwargs)
+        if self._joined_running and self.num_iterations == 0:
+            self._catch_up_hook_state()
+        out = super().forward(*args, **kwargs)
+        # With a static graph DDP's first iteration all-reduces its map of the parameters used;
+        # the survivors made theirs in the job's first iteration, so a joiner's is its own.
+        _HookState.local_used_map = bool(self.static_graph and self.num_iterations == 1 and self._joined_running)
+        return out
+
+    def _run_ddp_forward(self, *args: Any, **kwargs: Any) -> Any:
+        # The module's forward updates its buffers (BatchNorm's running statistics): kept as they
+        # are now, after DDP's broadcast of rank 0's, for a step that is lost and run again.
+        step_ = _loader._outstanding() if _loader is not None else None
+        fresh = self._step_buffers is None or self._step_buffers[0] != step_
+        if torch.is_grad_enabled() and step_ is not None and fresh:  # a step's first forward (no_sync)
+            self._step_buffers = (step_, [b.detach().clone() for _, b in _session._buffers])
+        return super()._run_ddp_forward(*args, **kwargs)
+
+    def _roll_back_buffers(self) -> None:
+        """At a recovery's start: the step in flight is lost, and with it its forward's updates of
+        the buffers; they go back to what that forward found (on every survivor the same where DDP
+        broadcast rank 0's), before a spare copies them, so the step runs again on the fault-free
+        run's bits. A step already updated on keeps them."""
+        saved, self._step_buffers = self._step_buffers, None
+        if saved is None or _loader is None or saved[0] != _loader._outstanding():
+            return
+        with torch.no_grad():
+            for (_, b), value in zip(_session._buffers, saved[1]):
+                b.copy_(value)
 
 
-def _weighted_sum_hook(session, bucket):  # type: ignore[no-untyped-def]  (DDP checks the annotations)
+class _HookState:
+    """nonstop's hook's state: the script's own hook, if it registered one."""
+    # A joiner's first iteration of a static graph: DDP's map of the parameters used is not
+    # all-reduced (ProcessGroup._allreduce_as_float32 answers it locally).
+    local_used_map = False
+    # A script's hook chains collectives on its futures (PowerSGD all-reduces P, then Q): each
+    # completes before the call returns, so the chain runs on the training thread, in the same
+    # order on every rank (chained on the communication thread it would wait on itself).
+    synchronous = False
+
+    def __init__(self) -> None:
+        self.user: Any = None  # (state, hook)
+
+
+def _weighted_sum_hook(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks the annotations)
+    session = _session
     buffer = bucket.buffer() if hasattr(bucket, "buffer") else bucket.get_tensor()
     _BucketStep.enter(session)
     share = _loader._share() if _loader is not None else None
+    if state.user is not None:
+        # the script's hook averages over the world: hand it the share times the world
+        if share is not None:
+            buffer.mul_(share * session.world_size)
+        user_state, hook = state.user
+        return hook(user_state, bucket)
     buffer.mul_(share if share is not None else 1.0 / session.world_size)
     return _start_bucket(session, buffer).get_future().then(lambda fut: fut.value()[0])
 
@@ -625,6 +800,8 @@ class _InvariantDDP(DistributedDataParallel):
     def __init__(self, module: Any, device_ids: Any = None, output_device: Any = None, dim: int = 0,
                  broadcast_buffers: bool = True, process_group: Any = None, **tuning: Any) -> None:
         _check_joined()
+        if _session._deferred:
+            _register_what_ddp_wraps(module)
         torch.nn.Module.__init__(self)
         if device_ids or output_device is not None or dim != 0 or process_group is not None:
             raise ValueError("the world-invariant DistributedDataParallel runs on the CPU over the whole world: "

@@ -134,8 +134,13 @@ std::optional<Lag> FindLag(const ProgressView& v, const ArrivalTracker& arrivals
   if (arrived.size() < members.size()) {
     for (const auto& [id, t] : arrived) first = std::min(first, t);
   }
+  int64_t highest = -1;
   for (const WorkerInfo* w : members) {
-    if (w->role == WorkerRole::kMember && w->waiting_ms >= 0)
+    if (w->role == WorkerRole::kMember) highest = std::max(highest, w->last_step);
+  }
+  for (const WorkerInfo* w : members) {
+    // A wait at a step another member completed is over (its report is on its way): no wait.
+    if (w->role == WorkerRole::kMember && w->waiting_ms >= 0 && w->last_step >= highest)
       first = std::min(first, w->last_heard - Millis(w->waiting_ms));
   }
   if (first == Clock::time_point::max()) return std::nullopt;
@@ -214,6 +219,9 @@ std::optional<Finding> DetectStall(const ProgressView& v, Clock::time_point now)
     computing = computing || w->waiting_ms < 0;
     const Clock::time_point bound_end = w->busy_since + w->busy_bound;
     since = std::max(since, w->busy.empty() ? std::min(w->busy_ended, bound_end) : bound_end);
+    // Waiting members are stuck only since the last of them arrived: each was busy in the
+    // script's code until then, which is no stall (a rank 0 that saved for 30 s, then came).
+    if (w->waiting_ms >= 0) since = std::max(since, w->last_heard - Millis(w->waiting_ms));
   }
   const ControllerOptions& o = *v.options;
   Millis bound = o.forming_timeout;

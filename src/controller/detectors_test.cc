@@ -334,6 +334,7 @@ TEST(DetectorsTest, HangDetectorFromReportedWaits) {
     std::vector<int64_t> waiting_ms;  // per member (-1: computing), heard at 0 ms
     WorkerRole role1 = WorkerRole::kMember;
     std::optional<Finding> want;
+    int64_t step0 = 7;  // member 0's last completed step (the others': 7)
   };
   const Case kCases[] = {
       {.name = "NobodyWaits", .waiting_ms = {-1, -1, -1}},
@@ -345,12 +346,15 @@ TEST(DetectorsTest, HangDetectorFromReportedWaits) {
                        "(its heartbeats flow: a training thread deadlocked or spinning; the busy "
                        "timeout is 500 ms, --busy-timeout-ms)"}},
       {.name = "EveryoneWaits", .waiting_ms = {3'000, 3'000, 3'000}},
+      // Member 2's wait at step 8 is over (member 0 completed it; member 2's own report is on
+      // its way), and member 1 computes step 9: nobody waits for it.
+      {.name = "AWaitAtAStepAnotherCompleted", .waiting_ms = {-1, -1, 30'000}, .step0 = 8},
   };
   const ControllerOptions options = Thresholds();
   for (const Case& c : kCases) {
     std::vector<WorkerInfo> ws;
     for (int id = 0; id < 3; ++id) {
-      ws.push_back(Worker(id, id == 1 ? c.role1 : WorkerRole::kMember, 0, 7,
+      ws.push_back(Worker(id, id == 1 ? c.role1 : WorkerRole::kMember, 0, id == 0 ? c.step0 : 7,
                           c.waiting_ms[static_cast<size_t>(id)]));
     }
     std::vector<WorkerInfo*> members = Pointers(ws);
@@ -450,6 +454,7 @@ TEST(DetectorsTest, StallWatchdogWaitsTheBusyTimeoutForAComputingMember) {
     int64_t silent_ms;
     bool fires;
     int64_t ended_ms = 0;  // when member 0's last section ended (0: never had one)
+    int64_t heard_ms = 0;  // when member 0 said it waits (waiting_ms before then)
   };
   const Case kCases[] = {
       {"ComputingWithinTheBusyTimeout", -1, "", 59'000, false},
@@ -462,9 +467,13 @@ TEST(DetectorsTest, StallWatchdogWaitsTheBusyTimeoutForAComputingMember) {
       // A section of 90 s that ended: the time counts from its end.
       {"AfterASectionEnded", -1, "", 150'000, false, 90'000},
       {"ABusyTimeoutAfterASectionEnded", -1, "", 150'001, true, 90'000},
+      // Member 0 computed (a save) for 29.9 s, then joined the others' collective: every member
+      // waits, stuck only from its arrival on, a stall floor (30 s) later.
+      {"TheLastToArriveComputedUntilThen", 100, "", 59'900, false, 0, 30'000},
+      {"AStallFloorAfterTheLastArrived", 100, "", 59'901, true, 0, 30'000},
   };
   for (const Case& c : kCases) {
-    std::vector<WorkerInfo> ws{Worker(0, WorkerRole::kMember, 0, 41, c.waiting_ms),
+    std::vector<WorkerInfo> ws{Worker(0, WorkerRole::kMember, c.heard_ms, 41, c.waiting_ms),
                                Worker(1, WorkerRole::kMember, 0, 41, c.waiting_ms)};
     ws[0].busy = c.section;
     ws[0].busy_since = At(0);

@@ -21,37 +21,74 @@
 
 namespace nonstop::controller {
 
-Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path) {
+namespace {
+
+// "<stem>-<UTC time>[-N]<ext>" beside `p`: a name no file has yet.
+std::filesystem::path RotatedName(const std::filesystem::path& p) {
+  std::error_code ec;
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&t, &tm);
+  char stamp[32];
+  std::strftime(stamp, sizeof(stamp), "%Y%m%dT%H%M%SZ", &tm);
+  std::filesystem::path base = p.parent_path() / (p.stem().string() + "-" + stamp);
+  std::filesystem::path to = base;
+  to += p.extension();
+  for (int n = 2; std::filesystem::exists(to, ec); ++n) {
+    to = base;
+    to += fmt::format("-{}{}", n, p.extension().string());
+  }
+  return to;
+}
+
+Status WriteAll(int fd, const std::string& text, const std::string& path) {
+  for (size_t done = 0; done < text.size();) {
+    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return ErrnoStatus(StatusCode::kUnavailable, "write journal " + path, errno);
+    done += static_cast<size_t>(n);
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Journal>> Journal::Open(const std::string& path,
+                                               const std::vector<nlohmann::json>& history) {
   std::filesystem::path p(path);
   std::error_code ec;
   if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path(), ec);
+  // The new journal, history included, is written beside the path and then renamed over it: a
+  // reader (a report, the dashboard, a test) finds the earlier journal or the whole new one, never
+  // an empty or half-copied file.
+  const std::string fresh = fmt::format("{}.new-{}", path, ::getpid());
+  std::filesystem::remove(fresh, ec);  // a leftover of this pid's predecessor, killed here
+  UniqueFd fd(::open(fresh.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC, 0644));
+  if (!fd.valid()) return ErrnoStatus(StatusCode::kUnavailable, "open journal " + fresh, errno);
+  auto discard = [&](Status why) {
+    std::filesystem::remove(fresh, ec);
+    return why;
+  };
+  std::string text;
+  for (const auto& r : history) text += r.dump() + "\n";
+  if (Status s = WriteAll(fd.get(), text, fresh); !s.ok()) return discard(s);
   std::string rotated;
   if (std::filesystem::exists(p, ec) && std::filesystem::file_size(p, ec) > 0) {
-    std::time_t t = std::time(nullptr);
-    std::tm tm{};
-    ::gmtime_r(&t, &tm);
-    char stamp[32];
-    std::strftime(stamp, sizeof(stamp), "%Y%m%dT%H%M%SZ", &tm);
-    std::filesystem::path base = p.parent_path() / (p.stem().string() + "-" + stamp);
-    std::filesystem::path to = base;
-    to += p.extension();
-    for (int n = 2; std::filesystem::exists(to, ec); ++n) {
-      to = base;
-      to += fmt::format("-{}{}", n, p.extension().string());
-    }
-    std::filesystem::rename(p, to, ec);
-    if (ec) {
-      return UnavailableError(
-          fmt::format("cannot keep the earlier journal {}: renaming it to {} failed: {}", path,
-                      to.string(), ec.message()));
+    // Kept under a second name first (a hard link): the path is never without a journal. Where
+    // the filesystem has no hard links it is renamed, and the path is empty for a moment.
+    std::filesystem::path to = RotatedName(p);
+    if (::link(path.c_str(), to.c_str()) != 0 && ::rename(path.c_str(), to.c_str()) != 0) {
+      return discard(UnavailableError(
+          fmt::format("cannot keep the earlier journal {}: moving it to {} failed: {}", path,
+                      to.string(), std::strerror(errno))));
     }
     rotated = to.string();
-  } else {
-    std::filesystem::remove(p, ec);  // an empty journal holds nothing to keep
   }
-  // O_EXCL: never truncate a journal that appeared meanwhile (another job on the same path).
-  UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC, 0644));
-  if (!fd.valid()) return ErrnoStatus(StatusCode::kUnavailable, "open journal " + path, errno);
+  if (::rename(fresh.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    if (!rotated.empty() && std::filesystem::exists(p, ec)) std::filesystem::remove(rotated, ec);
+    return discard(ErrnoStatus(StatusCode::kUnavailable, "rename journal " + fresh, err));
+  }
   auto j = std::unique_ptr<Journal>(new Journal(path, std::move(fd)));
   j->rotated_to_ = rotated;
   NONSTOP_RETURN_IF_ERROR(j->Lock());
@@ -112,12 +149,6 @@ void Journal::Append(nlohmann::json record) {
   queued_ += '\n';
   ++appended_;
   if (mirror_) mirror_(record);
-}
-
-void Journal::Copy(const nlohmann::json& record) {
-  queued_ += record.dump();
-  queued_ += '\n';
-  ++appended_;
 }
 
 void Journal::Flush() {

@@ -41,8 +41,11 @@ class Journal {
  public:
   // Starts a new journal at `path`. A journal already there (an earlier job's)
   // is never truncated: it is renamed to "<stem>-<UTC time>[-N]<ext>" beside it
-  // first (rotated_to() names it), so every job's record is kept.
-  static Result<std::unique_ptr<Journal>> Open(const std::string& path);
+  // first (rotated_to() names it), so every job's record is kept. The new one starts with
+  // `history` (a predecessor's records, as etcd holds them: no stamp, no mirror); the path always
+  // names a whole journal, the earlier one until the new one has its history.
+  static Result<std::unique_ptr<Journal>> Open(const std::string& path,
+                                               const std::vector<nlohmann::json>& history = {});
   // Goes on with the journal at `path` (a controller taking over the job):
   // records are appended to it; it must exist.
   static Result<std::unique_ptr<Journal>> OpenForAppend(const std::string& path);
@@ -53,8 +56,6 @@ class Journal {
 
   // Stamps the record (time_us, mono_us), queues it, and hands it to the mirror if one is set.
   void Append(nlohmann::json record);
-  // Queues a record as it is (a predecessor's, copied from etcd): no stamp, no mirror.
-  void Copy(const nlohmann::json& record);
   // Every record Append queues from now on also goes to `mirror` (etcd's copy of the journal).
   void set_mirror(std::function<void(const nlohmann::json&)> mirror) {
     mirror_ = std::move(mirror);
@@ -92,7 +93,7 @@ class Journal {
   UniqueFd fd_;  // O_APPEND
   UniqueFd wake_;
   std::string rotated_to_;
-  // The loop's (Append, Copy, Flush, Sync).
+  // The loop's (Append, Flush, Sync).
   std::string queued_;
   uint64_t appended_ = 0;
   std::function<void(const nlohmann::json&)> mirror_;

@@ -46,6 +46,43 @@ TEST(JournalTest, AnEarlierJobsJournalIsKeptNotTruncated) {
   EXPECT_EQ(std::filesystem::path(kept[0]).extension(), ".jsonl");
 }
 
+// A controller that takes over (or leads again) starts its journal with its predecessors'
+// records: the path names the earlier journal until the new one holds all of them, so a reader
+// never finds an empty or half-copied journal in between.
+TEST(JournalTest, ANewJournalHoldsItsHistoryTheMomentItIsThere) {
+  TempDir dir;
+  std::string path = dir / "journal.jsonl";
+  {
+    auto first = Journal::Open(path);
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    (*first)->Append({{"event", "job_start"}, {"term", 1}});
+  }
+  std::vector<nlohmann::json> history;
+  for (int i = 0; i < 500; ++i) history.push_back({{"event", "spawn"}, {"worker", i}});
+  auto next = Journal::Open(path, history);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  // Nothing flushed yet: the history was written before the file took the path.
+  auto read = Journal::Read(path);
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->size(), 500u);
+  EXPECT_EQ((*read)[499]["worker"], 499);
+  EXPECT_FALSE((*read)[0].contains("time_us")) << "a copied record is written as it is";
+  auto kept = Journal::Read((*next)->rotated_to());
+  ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+  ASSERT_EQ(kept->size(), 1u);
+  EXPECT_EQ((*kept)[0]["term"], 1);
+  (*next)->Append({{"event", "takeover"}});
+  (*next)->Sync();
+  next->reset();
+  read = Journal::Read(path);
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  ASSERT_EQ(read->size(), 501u);
+  EXPECT_EQ(read->back()["event"], "takeover");
+  size_t files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) files += e.exists();
+  EXPECT_EQ(files, 2u) << "a temporary file was left beside the journal";
+}
+
 // The loop never waits on the disk: Sync asks the writer thread, which says through wake_fd when
 // durable() has reached the records (the cue for the orders that waited for them).
 TEST(JournalTest, SyncMakesTheRecordsDurableAndWakesTheLoop) {

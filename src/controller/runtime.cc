@@ -347,16 +347,16 @@ std::optional<int> Runtime::ReadResumedJournal() {
 }
 
 std::optional<int> Runtime::OpenJournal() {
-  auto journal = !o_.resume.empty() ? Journal::OpenForAppend(o_.resume) : Journal::Open(o_.journal);
+  // The local journal goes on from its predecessors' records, as etcd holds them (once
+  // compacted: a snapshot record and the records after it).
+  auto journal =
+      !o_.resume.empty() ? Journal::OpenForAppend(o_.resume) : Journal::Open(o_.journal, history_);
   if (!journal.ok()) {
     fmt::print(stderr, "{}: {}\n", name_, journal.status().ToString());
     return 1;
   }
   journal_ = std::move(*journal);
   if (leadership_ != nullptr) {
-    // The local journal goes on from its predecessors' records, as etcd holds them (once
-    // compacted: a snapshot record and the records after it).
-    for (const auto& r : history_) journal_->Copy(r);
     // Only what a takeover reads goes to etcd (not ready, recovered, …).
     journal_->set_mirror([leadership = leadership_](const nlohmann::json& r) {
       if (TakeoverReads(r)) leadership->Append(r);

@@ -89,6 +89,7 @@ std::span<float> Floats(uintptr_t address, size_t count) {
 // One registered region as python/nonstop describes it: (name, address, bytes,
 // kind, shape). Kinds: "F32" and "U8" (every member holds it whole), "SHARD"
 // (this member's shard of sharded optimizer state, StateRegistry::RegisterShard)
+// (a replicated kind followed by ":per_rank" marks the region per-rank: Region::per_rank)
 // and "SHARD_VIEW" (a whole buffer, padded, of which a member's shard is its
 // own: the parameters; RegisterShardView), the last two in groups of `shard_group`.
 // The last field is where the memory is: -1 for host memory, N for cuda:N (a
@@ -142,8 +143,9 @@ class PySession {
                                          const std::string& resume_from, int shard_group,
                                          const std::vector<RegionSpec>& checkpoint,
                                          const std::vector<std::string>& required,
+                                         const std::vector<std::string>& optional,
                                          const py::object& on_loaded,
-                                         const std::vector<int>& cuda_devices) {
+                                         const std::vector<int>& cuda_devices, bool defer_state) {
     auto self = std::unique_ptr<PySession>(new PySession());
     RegisterSpecs(self->state_, regions, shard_group);
     std::vector<std::shared_ptr<const state::DeviceMemory>> checked;
@@ -152,7 +154,8 @@ class PySession {
       state::StateRegistry layout;
       RegisterSpecs(layout, checkpoint, 0);
       Result<state::LoadedCheckpoint> loaded = state::LoadNewestCheckpoint(
-          resume_from, layout, {.loader = state::kPythonWriter, .required = required});
+          resume_from, layout,
+          {.loader = state::kPythonWriter, .required = required, .optional = optional});
       if (loaded.ok()) {
         state_step = loaded->step;
         NONSTOP_LOG_INFO("resumed from {} (step {})", loaded->path, loaded->step);
@@ -173,6 +176,7 @@ class PySession {
     Result<SessionOptions> options = SessionOptions::FromEnvironment();
     Check(options.status());
     options->checked_devices = std::move(checked);
+    options->defer_state = defer_state;
     Result<std::unique_ptr<Session>> session = InternalError("not joined");
     {
       py::gil_scoped_release release;
@@ -199,6 +203,18 @@ class PySession {
     session_.reset();
   }
 
+  // A session joined with defer_state: registers `regions` and copies the peers' state into
+  // them where this worker joined a running job (Session::CompleteJoin).
+  void CompleteJoin(const std::vector<RegionSpec>& regions) {
+    RegisterSpecs(state_, regions, 0);
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = session_->CompleteJoin();
+    }
+    Check(s);
+  }
+
   Session& s() { return *session_; }
   const state::StateRegistry& state() const { return state_; }
   // A resumed sharded view's shard moved into the optimizer's memory (AdoptShard), right after
@@ -210,27 +226,36 @@ class PySession {
   // Registers regions as python/nonstop describes them (RegionSpec).
   static void RegisterSpecs(state::StateRegistry& reg, const std::vector<RegionSpec>& specs,
                             int shard_group) {
-    for (const auto& [name, address, nbytes, dtype, shape, device] : specs) {
-      if (device >= 0) {
-        if (dtype != "F32" && dtype != "U8") {
-          throw py::value_error(fmt::format(
-              "{} on cuda:{} is {}: state on a GPU is replicated float32 or bytes (sharded state "
-              "stays in host memory)",
-              name, device, dtype));
-        }
-        Check(reg.RegisterOnDevice(name, Bytes(address, nbytes), CudaDevice(device), dtype,
-                                   dtype == "F32" ? shape : std::vector<int64_t>{}));
-      } else if (dtype == "F32") {
-        Check(reg.RegisterFloats(name, Floats(address, nbytes / sizeof(float)), shape));
-      } else if (dtype == "SHARD") {
-        Check(reg.RegisterShard(name, Floats(address, nbytes / sizeof(float)), shard_group));
-      } else if (dtype == "SHARD_VIEW") {
-        Check(reg.RegisterShardView(name, Floats(address, nbytes / sizeof(float)), shard_group));
-      } else if (dtype == "I64" && nbytes == sizeof(int64_t)) {
-        Check(reg.RegisterValue(name, reinterpret_cast<int64_t*>(address)));
-      } else {
-        Check(reg.Register(name, Bytes(address, nbytes)));
+    for (const auto& [name, address, nbytes, kind, shape, device] : specs) {
+      // "<dtype>:per_rank": each member's own values (Region::per_rank)
+      const bool per_rank = kind.ends_with(":per_rank");
+      const std::string dtype = per_rank ? kind.substr(0, kind.size() - 9) : kind;
+      RegisterSpec(reg, name, address, nbytes, dtype, shape, device, shard_group);
+      if (per_rank) Check(reg.MarkPerRank(name));
+    }
+  }
+  static void RegisterSpec(state::StateRegistry& reg, const std::string& name, uintptr_t address,
+                           size_t nbytes, const std::string& dtype,
+                           const std::vector<int64_t>& shape, int device, int shard_group) {
+    if (device >= 0) {
+      if (dtype != "F32" && dtype != "U8") {
+        throw py::value_error(fmt::format(
+            "{} on cuda:{} is {}: state on a GPU is replicated float32 or bytes (sharded state "
+            "stays in host memory)",
+            name, device, dtype));
       }
+      Check(reg.RegisterOnDevice(name, Bytes(address, nbytes), CudaDevice(device), dtype,
+                                 dtype == "F32" ? shape : std::vector<int64_t>{}));
+    } else if (dtype == "F32") {
+      Check(reg.RegisterFloats(name, Floats(address, nbytes / sizeof(float)), shape));
+    } else if (dtype == "SHARD") {
+      Check(reg.RegisterShard(name, Floats(address, nbytes / sizeof(float)), shard_group));
+    } else if (dtype == "SHARD_VIEW") {
+      Check(reg.RegisterShardView(name, Floats(address, nbytes / sizeof(float)), shard_group));
+    } else if (dtype == "I64" && nbytes == sizeof(int64_t)) {
+      Check(reg.RegisterValue(name, reinterpret_cast<int64_t*>(address)));
+    } else {
+      Check(reg.Register(name, Bytes(address, nbytes)));
     }
   }
 
@@ -521,7 +546,10 @@ void BindSession(py::module_& m) {
                   py::arg("resume_from") = "", py::arg("shard_group") = 0,
                   py::arg("checkpoint") = std::vector<RegionSpec>{},
                   py::arg("required") = std::vector<std::string>{},
-                  py::arg("on_loaded") = py::none(), py::arg("cuda_devices") = std::vector<int>{})
+                  py::arg("optional") = std::vector<std::string>{},
+                  py::arg("on_loaded") = py::none(), py::arg("cuda_devices") = std::vector<int>{},
+                  py::arg("defer_state") = false)
+      .def("complete_join", &PySession::CompleteJoin, py::arg("regions"))
       .def("save_checkpoint", &PySession::SaveCheckpoint, py::arg("dir"), py::arg("keep"),
            py::arg("step"), py::arg("checksum"), py::arg("layout"))
       .def_property_readonly("resumed", &PySession::resumed)

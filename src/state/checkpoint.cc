@@ -628,10 +628,15 @@ Status SameTensor(const Region& r, const SafetensorsTensor& t, bool shape_too) {
 // The same trainer's checkpoint: exactly the registry's regions, in order.
 Status MatchInOrder(const StateRegistry& reg, const SafetensorsHeader& header,
                     const std::map<std::string_view, const SafetensorsTensor*>& by_name,
-                    CheckedCheckpoint* out) {
+                    std::span<const std::string> optional, CheckedCheckpoint* out) {
   uint64_t offset = 0;
   for (const auto& r : reg.regions()) {
     auto it = by_name.find(r.name);
+    if (it == by_name.end() &&
+        std::find(optional.begin(), optional.end(), r.name) != optional.end()) {
+      out->kept.push_back(r.name);  // registered since the checkpoint was written
+      continue;
+    }
     if (it == by_name.end()) {
       return InvalidArgumentError(
           fmt::format("the checkpoint has no tensor '{}': it was written by another model or "
@@ -730,7 +735,7 @@ Result<CheckedCheckpoint> Check(const std::string& path, const StateRegistry& re
   for (const auto& t : out.header.tensors) by_name.emplace(t.name, &t);
   NONSTOP_RETURN_IF_ERROR(WrittenByTheOther(m, options.loader)
                               ? MatchByName(reg, out.header, by_name, options.required, &out)
-                              : MatchInOrder(reg, out.header, by_name, &out));
+                              : MatchInOrder(reg, out.header, by_name, options.optional, &out));
   // Every tensor's own CRC, from the manifest.
   for (const auto& [r, t] : out.copies) {
     auto it = m.tensors.find(t->name);

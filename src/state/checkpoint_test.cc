@@ -240,6 +240,33 @@ TEST(CheckpointTest, OtherModelIsRefusedByName) {
   EXPECT_NE(s.message().find("'v'"), std::string::npos) << s.ToString();
 }
 
+// State registered since a checkpoint was written (the Python package's model buffers): listed as
+// optional it keeps its values and the rest loads; not listed, the checkpoint is another model's.
+TEST(CheckpointTest, ARegionRegisteredSinceTheCheckpointLoadsWhenOptional) {
+  TempDir dir;
+  Model a;
+  a.Fill(1, 5);
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), a.reg, Meta(5), 3).ok());
+  std::vector<float> w(600), m(600), running_mean(8, 0.5f);
+  int64_t step = -1;
+  StateRegistry reg(256);
+  ASSERT_TRUE(reg.RegisterFloats("w", w, {20, 30}).ok());
+  ASSERT_TRUE(reg.RegisterFloats("bn.running_mean", running_mean).ok());
+  ASSERT_TRUE(reg.RegisterFloats("adam.m", m).ok());
+  ASSERT_TRUE(reg.RegisterValue("step", &step).ok());
+  auto refused = LoadNewestCheckpoint(dir.path(), reg);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("'bn.running_mean'"), std::string::npos)
+      << refused.status().ToString();
+  auto loaded = LoadNewestCheckpoint(dir.path(), reg, {.optional = {"bn.running_mean"}});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(loaded->kept, std::vector<std::string>{"bn.running_mean"});
+  EXPECT_EQ(w, a.w);
+  EXPECT_EQ(m, a.m);
+  EXPECT_EQ(step, 5);
+  EXPECT_EQ(running_mean, std::vector<float>(8, 0.5f));
+}
+
 // The Python package's layout of the same model: the parameters and moments by
 // the same names and shapes, in another order, with counters of its own.
 struct PythonModel {

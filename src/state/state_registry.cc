@@ -201,31 +201,31 @@ uint64_t StateRegistry::sharded_bytes() const {
   return n;
 }
 
-std::vector<uint64_t> StateRegistry::RunBytes() const {
-  std::vector<uint64_t> runs;
+std::vector<StateRegistry::Piece> StateRegistry::Runs() const {
+  std::vector<Piece> runs;
+  uint64_t base = 0;
   for (size_t i = 0; i < regions_.size();) {
-    const bool sharded = regions_[i].shard_group > 0;
+    const bool sharded = regions_[i].shard_group > 0, per_rank = regions_[i].per_rank;
     uint64_t len = 0;
-    for (; i < regions_.size() && (regions_[i].shard_group > 0) == sharded; ++i)
+    for (; i < regions_.size() && (regions_[i].shard_group > 0) == sharded &&
+           regions_[i].per_rank == per_rank;
+         ++i)
       len += regions_[i].bytes.size();
-    runs.push_back(len);
+    runs.push_back({base, len, sharded, per_rank});
+    base += len;
   }
   return runs;
 }
 
 std::vector<StateRegistry::Piece> StateRegistry::Tiling(uint64_t chunk_bytes) const {
   std::vector<Piece> out;
-  uint64_t base = 0;
-  // Runs alternate in kind, starting with the first region's: each is cut into chunks on its own.
-  bool sharded = !regions_.empty() && regions_[0].shard_group > 0;
-  for (uint64_t len : RunBytes()) {
-    for (uint64_t off = 0; off < len;) {
-      uint64_t take = std::min(chunk_bytes, len - off);
-      out.push_back({base + off, take, sharded});
+  // Each run of regions of one kind is cut into chunks on its own.
+  for (const Piece& run : Runs()) {
+    for (uint64_t off = 0; off < run.size;) {
+      uint64_t take = std::min(chunk_bytes, run.size - off);
+      out.push_back({run.offset + off, take, run.sharded, run.per_rank});
       off += take;
     }
-    base += len;
-    sharded = !sharded;
   }
   return out;
 }
@@ -418,11 +418,27 @@ Status StateRegistry::WriteChunk(uint32_t index, std::span<const std::byte> data
   return OkStatus();
 }
 
+Status StateRegistry::MarkPerRank(std::string_view name) {
+  for (Region& r : regions_) {
+    if (r.name != name) continue;
+    if (r.shard_group > 0) {
+      return InvalidArgumentError(fmt::format(
+          "state region '{}' is sharded: each member holds its own shard already, per-rank is for "
+          "replicated regions",
+          name));
+    }
+    r.per_rank = true;
+    chunks_ = Tiling(chunk_bytes_);  // per-rank runs are chunks of their own
+    return OkStatus();
+  }
+  return NotFoundError(fmt::format("no state region is named '{}'", name));
+}
+
 std::string StateRegistry::Digest() const {
   uint32_t crc = 0;
   ForEachSpan(regions_, 0, total_bytes_,
               [&](const Region& r, const std::byte* src, size_t, size_t n) {
-                crc = ExtendCrc(crc, r, src, n);
+                if (!r.per_rank) crc = ExtendCrc(crc, r, src, n);
               });
   return fmt::format("{:08x}", crc);
 }

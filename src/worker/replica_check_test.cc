@@ -65,6 +65,32 @@ TEST(ReplicaCheckTest, OneFlippedBitInFourIsTheMinorityNamedWithItsTensor) {
   EXPECT_EQ(v.what.find("exp_avg"), std::string::npos) << v.what;
 }
 
+// A per-rank region (a sample counter, a module's running statistics) is each member's own: it is
+// never compared, while the replicated state beside it still is.
+TEST(ReplicaCheckTest, PerRankRegionsAreNeverComparedAndTheRestStillIs) {
+  Replicas r(4);
+  std::vector<int64_t> samples = {100, 101, 102, 103};
+  for (int q = 0; q < 4; ++q) {
+    ASSERT_TRUE(r.regs[q].RegisterValue("samples_seen", &samples[q]).ok());
+    ASSERT_TRUE(r.regs[q].MarkPerRank("samples_seen").ok());
+  }
+  EXPECT_TRUE(r.Compare().agree()) << r.Compare().what;
+  EXPECT_EQ(r.regs[0].Digest(), r.regs[3].Digest()) << "per-rank values are left out of the digest";
+  Replicas::Flip(r.params[1], 3);
+  ReplicaVerdict v = r.Compare();
+  ASSERT_FALSE(v.agree());
+  EXPECT_EQ(v.diverged, std::vector<int>{1});
+  EXPECT_EQ(v.what.find("samples_seen"), std::string::npos) << v.what;
+  EXPECT_NE(r.regs[0].Digest(), r.regs[1].Digest());
+}
+
+TEST(ReplicaCheckTest, OnlyARegisteredReplicatedRegionCanBeMarkedPerRank) {
+  Replicas sharded(2, 2);
+  EXPECT_EQ(sharded.regs[0].MarkPerRank("adamw.exp_avg").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(sharded.regs[0].MarkPerRank("no_such_region").code(), StatusCode::kNotFound);
+  EXPECT_TRUE(sharded.regs[0].MarkPerRank("params").ok());
+}
+
 TEST(ReplicaCheckTest, TwoReplicasThatDisagreeHaveNoMajority) {
   Replicas r(2);
   Replicas::Flip(r.moments[1], 0);

@@ -278,8 +278,57 @@ class SessionImpl {
       NONSTOP_RETURN_IF_ERROR(link_->Open({{control::kMsgJoin, control::Encode(join)}}));
     }
     io_thread_ = std::jthread([this](std::stop_token st) { IoLoop(st); });
+    join_complete_ = !options_.defer_state;
     // Wait for the first plan that includes this worker, then take part in it.
     NONSTOP_RETURN_IF_ERROR(Rejoin(/*after_generation=*/0, "start").status());
+    if (last_change_.state_copied) HoldCopiedState();
+    return OkStatus();
+  }
+
+  // SessionOptions::defer_state: the program has registered its state now; the parked plan's
+  // transfers run (the peers of a recovery that promoted this worker wait for them), and a
+  // failure there waits for the next plan, as Rejoin does.
+  Status CompleteJoin() {
+    if (join_complete_) {
+      return FailedPreconditionError(
+          "CompleteJoin: the join is complete already (only a session joined with "
+          "SessionOptions::defer_state completes it, once)");
+    }
+    if (state_->shard_group() > 0) {
+      return FailedPreconditionError(
+          "CompleteJoin: sharded state needs its shards placed at the join; register it before "
+          "Session::Join instead (without defer_state)");
+    }
+    join_complete_ = true;
+    held_shard_.store(state_->held_shard());
+    std::optional<Parked> parked = std::exchange(parked_, std::nullopt);
+    if (!parked) return InternalError("CompleteJoin: no plan was adopted at the join");
+    // The devices of the state registered now, checked before they are trusted with it (the
+    // join had none to check).
+    devices_ = DevicesToCheck(options_, *state_);
+    if (Status healthy = CheckDevices(devices_, options_.worker_id,
+                                      " as it registered its state, so it does not take part");
+        !healthy.ok()) {
+      return ReportDeviceFailure(healthy, parked->plan->generation);
+    }
+    if (!parked->plan->transfers.empty()) {
+      NONSTOP_LOG_INFO(
+          "the program registered its state {:.0f} ms after this worker took its place in "
+          "generation {} (its setup, which the recovery waited for)",
+          std::chrono::duration<double, std::milli>(Clock::now() - parked->t1).count(),
+          parked->plan->generation);
+    }
+    // The connection's and the transfer's times without the setup between them.
+    const Clock::time_point now = Clock::now();
+    Result<int64_t> resumed = TakeState(*parked->plan, now - (parked->t1 - parked->t0), now);
+    if (!resumed.ok()) {
+      NONSTOP_LOG_WARNING("generation {} failed as this worker took its state: {}",
+                          parked->plan->generation, resumed.status().ToString());
+      copied_since_recover_ = copied_since_recover_ || last_change_.state_copied;
+      NONSTOP_RETURN_IF_ERROR(
+          Rejoin(parked->plan->generation, std::string(resumed.status().message())).status());
+    }
+    copied_since_recover_ = false;
     if (last_change_.state_copied) HoldCopiedState();
     return OkStatus();
   }
@@ -599,7 +648,7 @@ class SessionImpl {
           return ReportDeviceFailure(healthy, plan->generation);
         }
       }
-      Result<int64_t> resumed = Adopt(*plan);
+      Result<int64_t> resumed = Adopt(plan);
       // A try that copied the state in and then failed still leaves it copied (the trainer must
       // not salvage what it computed before), though the next plan copies nothing.
       copied_since_recover_ = copied_since_recover_ || last_change_.state_copied;
@@ -660,7 +709,11 @@ class SessionImpl {
     return failed;
   }
 
-  Result<int64_t> Adopt(const control::PlanMsg& plan) {
+  // Connects to the plan's members, then copies the state (TakeState), unless the program
+  // registers its state after the join (SessionOptions::defer_state): the plan is parked until
+  // CompleteJoin.
+  Result<int64_t> Adopt(const std::shared_ptr<const control::PlanMsg>& adopted) {
+    const control::PlanMsg& plan = *adopted;
     auto t0 = Clock::now();
     NONSTOP_RETURN_IF_ERROR(worker::ValidatePlan(plan, options_.worker_id));
     collective::CommunicatorOptions co;
@@ -712,12 +765,22 @@ class SessionImpl {
     comm_before_rank_ = change.new_rank;
     NONSTOP_RETURN_IF_ERROR(comm_->Connect());
     auto t1 = Clock::now();
+    if (!join_complete_) {
+      parked_ = Parked{adopted, t0, t1};
+      return plan.resume_step;
+    }
+    return TakeState(plan, t0, t1);
+  }
 
+  // The rest of Adopt: the state transfers and shard moves of `plan`, then Recovered.
+  Result<int64_t> TakeState(const control::PlanMsg& plan, Clock::time_point t0,
+                            Clock::time_point t1) {
+    const int rank = comm_->rank();
     worker::TransferHooks hooks;
     std::optional<control::FaultSpec> at_transfer = TakeFault(
-        control::FaultPoint::kTransfer, plan.resume_step, co.rank, control::FaultKind::kKill);
+        control::FaultPoint::kTransfer, plan.resume_step, rank, control::FaultKind::kKill);
     std::optional<control::FaultSpec> corrupt = TakeFault(
-        control::FaultPoint::kTransfer, plan.resume_step, co.rank, control::FaultKind::kCorrupt);
+        control::FaultPoint::kTransfer, plan.resume_step, rank, control::FaultKind::kCorrupt);
     if (at_transfer) hooks.on_start = [this, f = *at_transfer] { Fire(f); };
     hooks.corrupt_first_chunk = corrupt.has_value();
     if (corrupt) Announce(*corrupt);
@@ -754,7 +817,7 @@ class SessionImpl {
             "re-sharded: copied shard {} of the optimizer state ({:.2f} MB) from {} holder(s)",
             state_->held_shard(), shards->bytes_received / 1e6, shards->sources);
       }
-      NONSTOP_RETURN_IF_ERROR(BuildShardGroups(co.rank, static_cast<int>(plan.members.size())));
+      NONSTOP_RETURN_IF_ERROR(BuildShardGroups(rank, static_cast<int>(plan.members.size())));
     }
     auto t2 = Clock::now();
     const collective::DataPlaneStats links = data_plane_->stats();
@@ -1307,6 +1370,14 @@ class SessionImpl {
   std::vector<std::string> member_hosts_;
   // Training thread only (Rejoin): some Adopt since the last successful one copied the state in.
   bool copied_since_recover_ = false;
+  // SessionOptions::defer_state: false from the join until CompleteJoin, with the plan adopted
+  // meanwhile parked before its state transfers.
+  bool join_complete_ = true;
+  struct Parked {
+    std::shared_ptr<const control::PlanMsg> plan;
+    Clock::time_point t0, t1;
+  };
+  std::optional<Parked> parked_;
   // The state copied as this worker joined a running job, until its first step (HoldCopiedState).
   Mutex held_mu_;
   std::optional<worker::HeldState> held_state_ NONSTOP_GUARDED_BY(held_mu_);
@@ -1403,6 +1474,7 @@ void Session::StartAllReduceOnDevice(std::span<float> device_data,
 }
 Status Session::WaitAll() { return impl_->WaitAll(); }
 void Session::BeginTraining() { impl_->ApplyHeldState(/*restore=*/true); }
+Status Session::CompleteJoin() { return impl_->CompleteJoin(); }
 Status Session::AllReduceTree(int m, std::span<const std::pair<int, int>> ranges,
                               std::span<const std::vector<float>> partials, std::span<float> out) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());

@@ -653,20 +653,26 @@ std::string ListChunks(const std::vector<uint32_t>& chunks) {
 // Which sources' copies of each wanted chunk the receiver keeps: those whose
 // table gives it the CRC a majority of the sources' tables give it, or, where
 // there is no majority (two sources that disagree), the first source's value.
+// A chunk of per-rank regions is the first source's, unvoted: the members'
+// copies differ by design, and each such region then comes from one source.
 // `agrees[i][c]`: source i's table gives chunk c that CRC. Replicas that
 // disagree are logged once, naming the chunks and the sources in the minority.
 struct Expected {
   std::vector<std::vector<char>> agrees;  // [source][chunk]
 };
 
-Expected MajorityOf(const std::vector<Offer>& offers, const std::vector<uint32_t>& wanted,
-                    const control::PlanMsg& plan) {
+Expected MajorityOf(const state::StateRegistry& reg, const std::vector<Offer>& offers,
+                    const std::vector<uint32_t>& wanted, const control::PlanMsg& plan) {
   const size_t k = offers.size();
   Expected e;
   for (const Offer& o : offers) e.agrees.emplace_back(o.table.size(), 1);
   std::map<int, std::vector<uint32_t>> minority;  // source rank → chunks
   std::vector<uint32_t> undecided;                // chunks without a majority
   for (uint32_t c : wanted) {
+    if (reg.chunk_per_rank(c)) {
+      for (size_t i = 1; i < k; ++i) e.agrees[i][c] = offers[i].table[c] == offers[0].table[c];
+      continue;
+    }
     std::map<uint32_t, size_t> votes;
     for (const Offer& o : offers) ++votes[o.table[c]];
     if (votes.size() == 1) continue;  // every table agrees
@@ -836,7 +842,9 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   outcome.sources = static_cast<int>(k);
   // Striped: chunk i from source i mod k, all at once; each source's table follows its chunks.
   std::vector<std::vector<uint32_t>> assigned(k);
-  for (size_t i = 0; i < wanted.size(); ++i) assigned[i % k].push_back(wanted[i]);
+  // Per-rank chunks from the first source alone (MajorityOf): each such region is one source's.
+  for (size_t i = 0; i < wanted.size(); ++i)
+    assigned[reg.chunk_per_rank(wanted[i]) ? 0 : i % k].push_back(wanted[i]);
   std::vector<std::vector<uint32_t>> failed(k);
   std::vector<std::vector<uint32_t>> claims(k, std::vector<uint32_t>(reg.num_chunks(), 0));
   std::atomic<uint64_t> bytes{0};
@@ -856,7 +864,7 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
       !s.ok()) {
     return fail(s);
   }
-  const Expected expected = MajorityOf(offers, wanted, plan);
+  const Expected expected = MajorityOf(reg, offers, wanted, plan);
   // Fetched again, from the next source whose table agrees with the majority (a round per
   // attempt, each source's share in one request): the chunks that failed their check, and those
   // whose source's table is not the majority's (their bytes are that source's, outvoted).

@@ -838,6 +838,25 @@ TEST(RunStateTransfersTest, OneDivergentChunkComesFromTheMajorityTheRestAsStripe
   EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
 }
 
+// A per-rank region (each member's own values) spanning three chunks comes whole from the first
+// source, unvoted and unfetched again; the replicated state beside it is striped as ever.
+TEST(RunStateTransfersTest, APerRankRegionComesWholeFromTheFirstSource) {
+  auto ranks = MakePlainRanks(4);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    for (float& f : ranks[r]->small) f += static_cast<float>(r);  // differs by rank
+    ASSERT_TRUE(ranks[r]->reg.MarkPerRank("small").ok());
+  }
+  ASSERT_GT(ranks[0]->small.size() * sizeof(float), 2 * ranks[0]->reg.chunk_bytes());
+  auto out = CopyAll(ranks);
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  EXPECT_EQ(out[0]->sources, 3);
+  EXPECT_EQ(out[0]->refetched_chunks, 0) << "no per-rank chunk was outvoted";
+  EXPECT_EQ(ranks[0]->small, ranks[1]->small) << "the first source's, every chunk of it";
+  EXPECT_EQ(ranks[0]->large, ranks[2]->large);
+  EXPECT_EQ(ranks[0]->reg.Digest(), ranks[3]->reg.Digest()) << "the digest leaves per-rank out";
+}
+
 TEST(ExchangeShardsTest, ASpareCopiesOnlyItsShardFromTheShardsHolders) {
   auto ranks = MakeRanks({2, 2, 2, 2});
   for (int r : {0, 1, 2}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);

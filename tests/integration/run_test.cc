@@ -4,6 +4,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -118,6 +119,35 @@ TEST(RunIntegrationTest, AKillAsAStepStartsFiresBeforeItsReductionAndIsRecovered
   // Before the reduction, which comes after the step's 1 s sleep (at the reduction, the default,
   // this would be a second or more).
   EXPECT_LT(rec["time_lost"]["split_ms"]["in_flight"].get<double>(), 1000) << rec.dump();
+}
+
+// Workers that join before they register their state (SessionOptions::defer_state and
+// Session::CompleteJoin: a script that makes its process group before its model). The spare that
+// takes the killed rank runs 500 ms of setup after it took the rank, filling its state with 7s,
+// then copies the peers' state into what it registered: the job ends on the checksum of the run
+// without the kill, every member's the same.
+TEST(RunIntegrationTest, AWorkerThatRegistersItsStateAfterJoiningTakesThePeersStateAfterItsSetup) {
+  auto finished = [](const std::string& inject, TempDir& dir) -> std::set<std::string> {
+    std::string journal = dir / "journal.jsonl";
+    ChildProcess run({kBin + "/nonstop", "run", "--nproc", "3", "--spares", "1", "--inject", inject,
+                      "--journal", journal, "--", kBin + "/nonstop-test-worker", "--steps", "30",
+                      "--sleep-ms", "20", "--register-after-join", "500"},
+                     dir / "out.txt");
+    EXPECT_EQ(run.Wait(milliseconds(90'000)), 0) << run.Output();
+    EXPECT_EQ(Events(journal, "recovery_end").size(), inject == "none" ? 0u : 1u) << run.Output();
+    if (inject != "none") {
+      EXPECT_NE(run.Output().find("copied the state of step"), std::string::npos) << run.Output();
+    }
+    std::set<std::string> sums;
+    for (const auto& f : Events(journal, "finished")) sums.insert(f["checksum"]);
+    EXPECT_EQ(Events(journal, "finished").size(), 3u) << run.Output();
+    return sums;
+  };
+  TempDir clean_dir, killed_dir;
+  std::set<std::string> clean = finished("none", clean_dir);
+  std::set<std::string> killed = finished("kill:rank=1,step=12", killed_dir);
+  ASSERT_EQ(clean.size(), 1u);
+  EXPECT_EQ(killed, clean) << "the spare trained on its setup's 7s, not on the peers' state";
 }
 
 // On a terminal (script(1) gives it one): one live progress line instead of

@@ -214,7 +214,17 @@ int main(int argc, char** argv) {
   app.add_option("--data-plane", data_plane,
                  "what sums the device's memory: staged (over TCP) or nccl (--device cuda)")
       ->check(CLI::IsMember({"staged", "nccl"}));
+  // Join first, then build and register the state and CompleteJoin (SessionOptions::defer_state:
+  // a script that makes its process group before its model). Its setup in between fills the
+  // accumulator with 7s and sleeps MS: a spare must train on the peers' state all the same.
+  int register_after_join_ms = -1;
+  app.add_option("--register-after-join", register_after_join_ms, "MS of setup between the two");
   CLI11_PARSE(app, argc, argv);
+  const bool deferred = register_after_join_ms >= 0;
+  if (deferred && (device != "host" || shard_group > 0)) {
+    fmt::print(stderr, "--register-after-join keeps its state in host memory, unsharded\n");
+    return 2;
+  }
   if (shard_group > 0 && tree) {
     fmt::print(stderr, "--shard-group and --tree: choose one (a sharded step sums on the ring)\n");
     return 2;
@@ -275,27 +285,33 @@ int main(int argc, char** argv) {
 #endif
     }
   }
-  nonstop::Status built;
-  if (on_device && shard_group > 0) {
-    built = dev.memory->ToDevice(dev.state.data(), acc_bytes.data(), acc_bytes.size());  // zeros
-    if (built.ok())
-      built = state.RegisterShardView("acc", DeviceFloats(dev.state), shard_group, dev.memory);
-  } else if (on_device) {
-    built = state.RegisterOnDevice("acc", dev.state, dev.memory);
-    if (built.ok()) state.WriteRegion(0, 0, acc_bytes);  // zeros
-  } else if (shard_group > 0) {
-    built = state.RegisterShardView("acc", acc, shard_group);
-  } else {
-    built = state.Register("acc", acc_bytes);
-  }
-  if (built.ok()) built = state.RegisterValue("step", &completed);
-  if (!built.ok()) {
+  auto register_state = [&]() -> nonstop::Status {
+    nonstop::Status built;
+    if (on_device && shard_group > 0) {
+      built = dev.memory->ToDevice(dev.state.data(), acc_bytes.data(), acc_bytes.size());  // zeros
+      if (built.ok())
+        built = state.RegisterShardView("acc", DeviceFloats(dev.state), shard_group, dev.memory);
+    } else if (on_device) {
+      built = state.RegisterOnDevice("acc", dev.state, dev.memory);
+      if (built.ok()) state.WriteRegion(0, 0, acc_bytes);  // zeros
+    } else if (shard_group > 0) {
+      built = state.RegisterShardView("acc", acc, shard_group);
+    } else {
+      built = state.Register("acc", acc_bytes);
+    }
+    if (built.ok()) built = state.RegisterValue("step", &completed);
+    if (built.ok()) {
+      fmt::print("worker pid {} built its state{}\n", ::getpid(),
+                 on_device ? " on " + state.regions()[0].device->name() : "");
+      std::fflush(stdout);
+    }
+    return built;
+  };
+  if (nonstop::Status built = deferred ? nonstop::OkStatus() : register_state(); !built.ok()) {
     fmt::print(stderr, "the state: {}\n", built.ToString());
     return 2;
   }
-  fmt::print("worker pid {} built its state{}\n", ::getpid(),
-             on_device ? " on " + state.regions()[0].device->name() : "");
-  std::fflush(stdout);
+  options->defer_state = deferred;
   if (break_device_worker == options->worker_id) {
     if (dev.stand_in == nullptr) {
       fmt::print(stderr, "--break-device-worker needs --device stand-in\n");
@@ -319,6 +335,17 @@ int main(int argc, char** argv) {
   fmt::print("worker {} (pid {}) is rank {} of {}\n", s.worker_id(), ::getpid(), s.rank(),
              s.world_size());
   std::fflush(stdout);
+  if (deferred) {
+    std::fill(acc.begin(), acc.end(), 7.0f);  // the setup's own values
+    std::this_thread::sleep_for(std::chrono::milliseconds(register_after_join_ms));
+    nonstop::Status done = register_state();
+    if (done.ok()) done = s.CompleteJoin();
+    if (done.code() == nonstop::StatusCode::kCancelled) return 0;  // the job ended meanwhile
+    if (!done.ok()) {
+      fmt::print(stderr, "completing the join failed: {}\n", done.ToString());
+      return 10;
+    }
+  }
   std::vector<float> v(padded);
   int64_t step = s.resume_step();
   bool released = false;

@@ -10,15 +10,26 @@ with the two things real scripts do that the issue on real scripts names:
   --raise-at-step N  raise ValueError at step N, on --raise-ranks (a bug in the
                      script, or in one rank's data), whichever worker holds the rank;
   --ddp-options A,B  DDP's keyword flags set True (find_unused_parameters adds a layer
-                     the forward never uses; static_graph, gradient_as_bucket_view).
+                     the forward never uses; static_graph, gradient_as_bucket_view);
+  --norm batch|sync  a BatchNorm1d layer in the model, whose running statistics are
+                     module buffers (--no-broadcast-buffers: DDP's broadcast_buffers=False),
+                     or a normalization with SyncBatchNorm's collectives (SyncNorm);
+  --comm-hook H      DDP's communication hook: torch's allreduce, fp16_compress or PowerSGD hook;
+  --no-set-epoch     never call set_epoch (every epoch in epoch 0's order, as torch's);
+  --shuffle          the sampler shuffles;
+  --count-samples    a per-rank counter of the samples this rank trained on (plus its rank
+                     at each step), registered
+                     with per_rank= (its value differs by rank: the replica check must
+                     not compare it).
 
-It prints `[rank R] final params CRC` at the end.
+It prints `[rank R] final params CRC` and `[rank R] final buffers CRC` at the end.
 """
 import argparse
 import time
 import zlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
@@ -41,10 +52,46 @@ class Samples(Dataset):
         return self.sources[index], self.targets[index]
 
 
+class _SyncNorm(torch.autograd.Function):
+    """SyncBatchNorm's collectives on the CPU (Debian's torch 1.13 takes SyncBatchNorm on GPU
+    modules only): the forward all-gathers each rank's (sum, sum of squares, count), the backward
+    all-reduces the gradient's two sums inside the backward pass, as torch's
+    nn/modules/_functions.py SyncBatchNorm does (with async_op=False)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        local = torch.cat([x.sum(0), (x * x).sum(0), torch.tensor([float(len(x))])])
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        total = torch.stack(gathered).sum(0)
+        c, n = x.shape[1], total[-1]
+        mean = total[:c] / n
+        invstd = (total[c:2 * c] / n - mean * mean + 1e-5).rsqrt()
+        ctx.save_for_backward(x, mean, invstd)
+        ctx.n = n
+        return (x - mean) * invstd
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mean, invstd = ctx.saved_tensors
+        xmu, c = x - mean, x.shape[1]
+        combined = torch.cat([grad.sum(0), (grad * xmu).sum(0)])
+        dist.all_reduce(combined, dist.ReduceOp.SUM, async_op=False)
+        sum_dy, sum_dy_xmu = combined[:c], combined[c:]
+        return invstd * (grad - sum_dy / ctx.n - xmu * invstd * invstd * sum_dy_xmu / ctx.n)
+
+
+class SyncNorm(torch.nn.Module):
+    def forward(self, x):
+        return _SyncNorm.apply(x) if self.training else x
+
+
 class Net(torch.nn.Module):
-    def __init__(self, unused):
+    def __init__(self, unused, norm=""):
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        layers = [torch.nn.Linear(20, 32)] + ([torch.nn.BatchNorm1d(32)] if norm == "batch" else
+                                              [SyncNorm()] if norm == "sync" else [])
+        self.body = torch.nn.Sequential(*layers, torch.nn.Tanh(), torch.nn.Linear(32, 1))
         if unused:
             self.unused = torch.nn.Linear(4, 4)  # registered, never in the forward
 
@@ -63,16 +110,35 @@ def main():
     ap.add_argument("--raise-at-step", type=int, default=-1)
     ap.add_argument("--raise-ranks", default="1", help="comma-separated ranks, or 'all'")
     ap.add_argument("--ddp-options", default="")
+    ap.add_argument("--norm", choices=["", "batch", "sync"], default="")
+    ap.add_argument("--no-broadcast-buffers", action="store_true")
+    ap.add_argument("--comm-hook", choices=["", "allreduce", "fp16", "powersgd"], default="")
+    ap.add_argument("--count-samples", action="store_true")
+    ap.add_argument("--no-set-epoch", action="store_true", help="never call set_epoch (torch: epoch 0's order)")
+    ap.add_argument("--shuffle", action="store_true")
     args = ap.parse_args()
     options = {name: True for name in args.ddp_options.split(",") if name}
+    if args.no_broadcast_buffers:
+        options["broadcast_buffers"] = False
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = Net(unused=bool(options.get("find_unused_parameters")))
+    model = Net(unused=bool(options.get("find_unused_parameters")), norm=args.norm)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     data = DataLoader(Samples(args.samples), batch_size=args.batch_size, shuffle=False,
-                      sampler=DistributedSampler(Samples(args.samples)))
-    session = nonstop.torch.init_process_group(model, optimizer, data)
+                      sampler=DistributedSampler(Samples(args.samples), shuffle=args.shuffle))
+    session = nonstop.torch.init_process_group(model, optimizer, data,
+                                               per_rank={"samples": 0} if args.count_samples else None)
     ddp = DDP(model, **options)
+    if args.comm_hook == "allreduce":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif args.comm_hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif args.comm_hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
 
     @nonstop.torch.step
     def run_batch(source, targets):
@@ -84,11 +150,18 @@ def main():
         loss = F.mse_loss(ddp(source), targets)
         loss.backward()
         optimizer.step()
+        if args.count_samples:  # and the rank, so that the value differs by rank
+            session.per_rank["samples"] += len(source) + session.rank
 
     for epoch in range(args.epochs):
-        data.sampler.set_epoch(epoch)
+        if not args.no_set_epoch:
+            data.sampler.set_epoch(epoch)
+        first, done = None, data._steps_done()
         for source, targets in data:
             run_batch(source, targets)
+            first = first or list(data.indices)
+        if data._steps_done() > done:  # a spare's replay of a finished epoch trains no batch
+            print(f"[rank {session.rank}] epoch {epoch} began with samples {first}", flush=True)
         if session.rank == 0 and args.save_seconds > 0:
             with session.busy("snapshot") if args.busy else _nothing():
                 print(f"[rank 0] saving the snapshot of epoch {epoch} for {args.save_seconds} s", flush=True)
@@ -98,6 +171,10 @@ def main():
                         time.sleep(0.05)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     print(f"[rank {session.rank}] final params {zlib.crc32(flat.numpy().tobytes()):08x}", flush=True)
+    buffers = b"".join(b.detach().numpy().tobytes() for b in model.buffers())
+    print(f"[rank {session.rank}] final buffers {zlib.crc32(buffers):08x}", flush=True)
+    if args.count_samples:
+        print(f"[rank {session.rank}] trained on {session.per_rank['samples']} samples", flush=True)
     destroy_process_group()
 
 

@@ -208,8 +208,8 @@ class FakeCore:
         self.reports = []
 
     @staticmethod
-    def join(regions, state_step=-1, resume_from="", shard_group=0, checkpoint=(), required=(), on_loaded=None,
-             cuda_devices=()):
+    def join(regions, state_step=-1, resume_from="", shard_group=0, checkpoint=(), required=(), optional=(),
+             on_loaded=None, cuda_devices=(), defer_state=False):
         return FakeCore(regions)
 
     def report_step(self, *args):
@@ -655,10 +655,18 @@ def test_a_recovery_made_inside_a_reduction_is_returned_once_and_only_while_curr
         session.recover()
 
 
-def test_torchs_init_process_group_arguments_are_refused_naming_the_port():
+def test_torchs_init_process_group_arguments_join_first_or_are_refused_naming_why():
     import nonstop.torch
 
+    # torch's arguments alone join first (outside `nonstop run` there is no job to join)
     for call in (lambda: nonstop.torch.init_process_group(backend="gloo"),
-                 lambda: nonstop.torch.init_process_group("gloo")):
-        with pytest.raises(TypeError, match=r"takes the model, the optimizer and the loader.*Porting a DDP script"):
+                 lambda: nonstop.torch.init_process_group("gloo", timeout=None)):
+        with pytest.raises(RuntimeError, match=r"not set: start this script under `nonstop run`"):
             call()
+    with pytest.raises(TypeError, match=r"unexpected arguments \['bakend'\]"):
+        nonstop.torch.init_process_group(bakend="gloo")
+    with pytest.raises(TypeError, match=r"takes torch's arguments alone"):
+        nonstop.torch.init_process_group(backend="gloo", world_invariant=True)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"takes no torch arguments \(backend=\)"):
+        nonstop.torch.init_process_group(model, backend="gloo")

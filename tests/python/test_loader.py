@@ -1,6 +1,6 @@
 """nonstop.data.DataLoader and nonstop.torch.step without a job: a session
 stand-in holds the registered position, so each rule of the loader (a step
-per update, a peek not counted (before set_epoch too), set_epoch required to train, shares dealt anew when the
+per update, a peek not counted (before set_epoch too), each loop an epoch without set_epoch, shares dealt anew when the
 world changes) and of the step decorator (run again on the re-dealt batch, or
 not at all when the step was already updated on) is checked directly."""
 
@@ -136,12 +136,39 @@ def test_a_joiner_at_an_epochs_end_restores_the_peers_position_before_the_loop_m
     assert extra["nonstop.data.epoch"] == 1
 
 
-def test_training_without_set_epoch_says_so_and_a_finished_epoch_yields_nothing():
+def test_without_set_epoch_each_loop_is_an_epoch_in_epoch_0s_order():
+    # torch's sampler without set_epoch: epoch 0's order every epoch. A peek is no loop; a spare
+    # replaying the loop skips the epochs the job finished by counting its loops.
+    loader, session = bound(world=1)
+    peeked = next(iter(loader))[0].tolist()
+    loops = []
+    for _ in range(2):
+        ids = []
+        for batch, _ in loader:
+            ids += batch.tolist()
+            loader._updated()
+        loops.append(ids)
+    assert loops[0] == loops[1] and sorted(loops[0]) == list(range(50)), loops
+    assert loops[0] != list(range(50)), "shuffled"
+    assert peeked == loops[0][:2], "the peek gave the first batch and moved nothing"
+    assert session.reported == list(range(50)), "25 steps of 2 samples a loop"
+    spare, spare_session = bound(world=1)
+    # the position copied from the peers: epoch 1, 3 batches in
+    for key, value in session.extra.as_dict().items():
+        spare_session.extra[key] = value
+    spare_session.extra["nonstop.data.epoch"], spare_session.extra["nonstop.data.offset"] = 1, 6
+    replayed = [spare.replayed_peek() for _ in spare]  # what nonstop.torch.step asks before a step
+    assert replayed == [True], "its first loop replays epoch 0, which the job finished: one batch, no step"
+    rest = []
+    for b, _ in spare:
+        assert not spare.replayed_peek()
+        rest.append(b.tolist())
+        spare._updated()
+    assert sum(rest, []) == loops[1][6:], "its second loop goes on from the copied position"
+
+
+def test_a_finished_epoch_yields_nothing_and_set_epoch_takes_ints():
     loader, session = bound()
-    next(iter(loader))
-    with pytest.raises(RuntimeError, match="set_epoch"):
-        loader._updated()  # optimizer.step() on a batch of an epoch never set
-    assert session.reported == []
     loader.sampler.set_epoch(1)
     for _ in loader:
         loader._updated()

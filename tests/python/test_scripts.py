@@ -7,7 +7,6 @@ import pathlib
 import re
 import time
 
-import pytest
 
 from conftest import run_job
 
@@ -89,24 +88,3 @@ def test_a_bug_on_every_rank_ends_the_job_at_once(tmp_path):
     reason = job.events("job_end")[0]["reason"]
     assert "every member (3) raised the same exception at step 5" in reason, reason
     assert job.events("recovery_start") == [], "no rank was replaced"
-
-
-@pytest.mark.parametrize("option", ["find_unused_parameters", "gradient_as_bucket_view"])
-def test_ddps_options_train_through_a_kill_bitwise(tmp_path, option):
-    # find_unused_parameters all-reduces DDP's int32 map of the parameters used (summed exactly as
-    # float32); each option before and after a recovery, on the fault-free run's bits.
-    flags = ["--nproc", "3", "--spares", "1"]
-    args = ["--epochs", "2", "--ddp-options", option]
-    clean, _ = timed(tmp_path, "clean", flags + ["--inject", "none"], args)
-    assert clean.code == 0, clean.output
-    killed, _ = timed(tmp_path, "killed", flags + ["--inject", "kill:rank=1,step=5"], args)
-    assert killed.code == 0, killed.output
-    assert len(killed.events("recovery_end")) == 1, killed.output
-    assert len(set(finals(clean.output).values())) == 1 and finals(killed.output) == finals(clean.output)
-
-
-def test_static_graph_is_refused_naming_why(tmp_path):
-    # A spare's first iteration with a static graph makes collectives the survivors' do not.
-    job, _ = timed(tmp_path, "static", ["--nproc", "2", "--spares", "0", "--inject", "none"],
-                   ["--ddp-options", "static_graph"])
-    assert job.code == 12 and "DistributedDataParallel(static_graph=True) is not supported" in job.output, job.output

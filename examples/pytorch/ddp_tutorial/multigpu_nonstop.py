@@ -1,7 +1,8 @@
 """multigpu_torchrun.py ported to nonstop as docs/python.md's porting guide
-says ("Porting a DDP script"): beyond the imports, `ddp_setup` is gone, the
-state is registered once the model, the optimizer and the loader exist, and
-the training step is decorated so that a fault re-runs it after the recovery.
+says ("Porting a DDP script"): beyond the imports, the training step is
+decorated so that a fault re-runs it after the recovery. `ddp_setup()` joins
+the job (nonstop.torch.init_process_group(backend=...)), and DDP registers the
+model, its optimizer and the loader as the state that survives a fault.
 It runs under nonstop's launcher:
 
     nonstop run --nproc 4 --spares 1 --inject kill:rank=2,step=30 -- \
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 from nonstop.data import DataLoader, DistributedSampler
 from nonstop.torch import DistributedDataParallel as DDP
-from nonstop.torch import destroy_process_group
+from nonstop.torch import init_process_group, destroy_process_group
 import nonstop.torch
 
 
@@ -33,6 +34,10 @@ class MyTrainDataset(Dataset):
 
     def __getitem__(self, index):
         return index, self.sources[index], self.targets[index]
+
+
+def ddp_setup():
+    init_process_group(backend="gloo")
 
 
 class Trainer:
@@ -87,9 +92,9 @@ def checksum(model):
 
 
 def main(save_every, total_epochs, batch_size):
+    ddp_setup()
     dataset, model, optimizer = load_train_objs()
     train_data = prepare_dataloader(dataset, batch_size)
-    nonstop.torch.init_process_group(model, optimizer, train_data)
     trainer = Trainer(model, train_data, optimizer, save_every)
     trainer.train(total_epochs)
     print(f"[rank {trainer.global_rank}] final params {checksum(model)}", flush=True)
