@@ -233,6 +233,10 @@ class DataLoader:
         self.on_batch: Any = None  # called as each batch is handed out (nonstop.torch: its first step)
         self._peeked = False  # the last iterator was a peek (before set_epoch): no step to complete
         self._replayed = False  # a step on a batch of the peek was skipped (replayed_peek)
+        # The last loop trained no batch: the job had finished its epoch, and this worker (a spare
+        # that runs the script from its first line) replayed it. What the script does after an
+        # epoch (save a snapshot labelled with its number) it may skip then.
+        self.replayed = False
         # Without set_epoch: the loops of this process that trained or ended (each an epoch; a
         # spare's replay of the job's finished epochs counts them too).
         self._loops = 0
@@ -297,6 +301,7 @@ class DataLoader:
             raise RuntimeError("register the loader first: nonstop.torch.init_process_group(model, optimizer, loader)")
         self._yielded = None  # a batch handed out and never trained on (a peek): it comes again
         self._peeked = False
+        self.replayed = True  # until a batch of this loop is trained on (_updated)
         extra = self._session.extra
         epoch = self.sampler.epoch
         implicit = epoch is None  # no set_epoch: each loop that trains (or ends) is the next epoch
@@ -368,6 +373,7 @@ class DataLoader:
             raise RuntimeError("optimizer.step() with no batch of the loader to update on: each batch of "
                                "nonstop.data.DataLoader is one step, and one update")
         self.sampler._fresh = False
+        self.replayed = False
         extra = self._session.extra
         self._loops = max(self._loops, extra[_EPOCH] + 1)  # a loop that trained counts (a peek does not)
         step = self._yielded[0]

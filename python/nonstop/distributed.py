@@ -527,23 +527,26 @@ def _register_what_ddp_wraps(module: Any) -> None:
     """The script made its group first (_join_first): registers `module`, the one optimizer over
     its parameters and the one nonstop.data.DataLoader the script made."""
     import gc
+    import warnings
 
     from . import data
 
     params = {id(p) for p in module.parameters()}
-    optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)
-                  and any(id(p) in params for g in o.param_groups for p in g["params"])]
-    explicit = ("or register them yourself before wrapping: nonstop.torch.init_process_group(model, optimizer, "
-                "loader) once they exist")
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated reduce_op object warns
+        warnings.simplefilter("ignore")
+        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)
+                      and any(id(p) in params for g in o.param_groups for p in g["params"])]
+    explicit = ("nonstop.torch.init_process_group(model, optimizer, loader) once they exist, before wrapping the "
+                "model (after init_process_group(backend=...) too: it registers the state of the job joined)")
     if len(optimizers) != 1:
+        fix = "make the optimizer before wrapping the model, or call " if not optimizers else "say which one: call "
         raise RuntimeError(f"nonstop.torch.DistributedDataParallel registers the model with the one optimizer over its "
-                           f"parameters, and found {len(optimizers)}: make the optimizer before wrapping the model, "
-                           f"{explicit}")
+                           f"parameters, and found {len(optimizers)}: {fix}{explicit}")
     loaders = list(data._made)
     if len(loaders) != 1:
+        fix = "make it before wrapping the model, or call " if not loaders else "say which one trains: call "
         raise RuntimeError(f"nonstop.torch.DistributedDataParallel registers the model with the one "
-                           f"nonstop.data.DataLoader the script made, and found {len(loaders)}: make it before "
-                           f"wrapping the model, {explicit}")
+                           f"nonstop.data.DataLoader the script made, and found {len(loaders)}: {fix}{explicit}")
     init_process_group(module, optimizers[0], loaders[0])
 
 

@@ -172,8 +172,10 @@ def test_a_finished_epoch_yields_nothing_and_set_epoch_takes_ints():
     loader.sampler.set_epoch(1)
     for _ in loader:
         loader._updated()
+    assert not loader.replayed, "that loop trained"
     loader.sampler.set_epoch(0)
     assert list(loader) == [], "epoch 0 is behind the registered epoch 1 (a spare replaying the loop)"
+    assert loader.replayed, "what the script does after that epoch (a snapshot save) it may skip"
     with pytest.raises(TypeError):
         loader.sampler.set_epoch(1.5)
 
