@@ -81,7 +81,8 @@ struct Ranks {
       NONSTOP_CHECK(c.Barrier().ok());
       const auto t0 = Clock::now();
       for (int i = 0; i < iters; ++i) {
-        Status s = c.AllReduce(regions[static_cast<size_t>(r)], collective::DType::kFloat32);
+        Status s = c.AllReduce(regions[static_cast<size_t>(r)], collective::DType::kFloat32,
+                               collective::ReduceOp::kSum);
         NONSTOP_CHECK(s.ok()) << s.ToString();
       }
       NONSTOP_CHECK(c.Barrier().ok());

@@ -56,6 +56,7 @@
 #include <utility>
 #include <vector>
 
+#include "nonstop/reduce.h"
 #include "nonstop/settings.h"
 #include "nonstop/state.h"
 #include "nonstop/status.h"
@@ -306,6 +307,16 @@ class Session {
   Status AllReduceTreeOnDevice(int m, std::span<const std::pair<int, int>> ranges,
                                std::span<const std::span<const float>> device_partials,
                                std::span<float> device_out);
+  // The element-wise `op` (nonstop/reduce.h) of every member's `data`, a whole
+  // number of `dtype` elements, in place: the same bytes on every rank, and at
+  // a fixed world the same bits run to run. A program's own reduction (a token
+  // count, a flag, a metric): not a step boundary. INVALID_ARGUMENT, having
+  // moved nothing, where `op` does not apply to `dtype` or the size is not a
+  // whole number of elements.
+  Status AllReduce(std::span<std::byte> data, DType dtype, ReduceOp op);
+  // The same reduction, after which this rank holds its chunk of it, elements
+  // [rank·n/W, (rank+1)·n/W) of the n; the other chunks are unspecified.
+  Status ReduceScatter(std::span<std::byte> data, DType dtype, ReduceOp op);
   // Every member contributes one record of `record_bytes`: `data` holds
   // world_size() records, this rank's at rank() × record_bytes; afterwards
   // each holds its rank's. Not a step boundary.

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _TorchProcessGroup
 from torch._C._distributed_c10d import Work as _TorchWork
 
-from . import Aborted, Session, _check_tensor, _core, _device, join
+from . import Aborted, Session, _check_tensor, _collectives, _core, _device, join
 from ._grads import _trainable, flat_views, grad_buffer, point_grads, raise_if_aborted
 
 __all__ = ["DistributedDataParallel", "ProcessGroup", "destroy_process_group", "init_process_group", "step"]
@@ -211,11 +211,12 @@ class ProcessGroup(_TorchProcessGroup):
     def allreduce(self, tensors: List[Any], opts: Any = None) -> _Work:
         tensor = _one(tensors, "all_reduce")
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        average = hasattr(dist.ReduceOp, "AVG") and op == dist.ReduceOp.AVG
-        if not (op == dist.ReduceOp.SUM or average):
-            raise ValueError(f"nonstop's all_reduce sums (ReduceOp.SUM, or AVG where torch has it), got {op}: "
-                             "reduce a sum and derive the rest from it")
+        name = _collectives.op_name(op)
+        average = name == "avg"
         session = self._session
+        if name not in ("sum", "avg") or tensor.dtype not in (torch.float32, torch.int32, torch.int64, torch.float16,
+                                                              torch.bfloat16):
+            return self._reduce(tensor, op, "all_reduce")
         if tensor.dtype in (torch.int32, torch.int64) and not average:
             return self._allreduce_as_float32(tensor)
         if tensor.dtype in (torch.float16, torch.bfloat16):  # fp16_compress_hook's buckets
@@ -239,13 +240,23 @@ class ProcessGroup(_TorchProcessGroup):
             tensor.div_(session.world_size)
         return _Work(tensors)
 
+    def _reduce(self, tensor: Any, op: Any, what: str) -> _Work:
+        """Any reduction outside a backward pass, on the ring with the tensor's own type."""
+        if self._local:
+            raise RuntimeError(f"{what} before this worker's first step: it joined a running job, whose members "
+                               "make no such call now; reduce inside the training steps")
+        _collectives.reduce_in_place(self._session, tensor, op, what)
+        return _Work([tensor])
+
     def _allreduce_as_float32(self, tensor: Any, average: bool = False) -> _Work:
-        """The SUM of an int32 or int64 tensor (DDP's map of the parameters used, with
-        find_unused_parameters; a count of tokens), summed as float32, which is exact while every
-        sum stays below 2**24; or of a float16 or bfloat16 one (fp16_compress_hook's buckets),
-        summed as float32 and rounded once. Inside a backward pass it is started in order with the
-        buckets."""
+        """Inside a backward pass, the SUM of an int32 or int64 tensor (DDP's map of the parameters
+        used, with find_unused_parameters), summed as float32, which is exact while every sum stays
+        below 2**24; or of a float16 or bfloat16 one (fp16_compress_hook's buckets), summed as
+        float32 and rounded once; started in order with the buckets. Outside one, the ring's
+        reduction of the tensor's own type."""
         session = self._session
+        if not _BucketStep.enter(session):
+            return self._reduce(tensor, dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, "all_reduce")
         integer = not tensor.is_floating_point()
         _check_bytes(tensor, "the tensor of all_reduce")
         if tensor.device.type != "cpu":
@@ -260,25 +271,18 @@ class ProcessGroup(_TorchProcessGroup):
         def result() -> Any:
             return summed.round() if integer else summed.div_(session.world_size) if average else summed
 
-        if integer and _BucketStep.enter(session) and _HookState.local_used_map:
+        if integer and _HookState.local_used_map:
             _HookState.local_used_map = False  # a joiner's first static-graph iteration (DistributedDataParallel)
             return _Work([tensor])
-        if _BucketStep.enter(session):
-            work = _Work([tensor], done=False)
+        work = _Work([tensor], done=False)
 
-            def done(ok: bool, message: str) -> None:
-                if ok:
-                    tensor.copy_(result())
-                work._complete(ok, message)
+        def done(ok: bool, message: str) -> None:
+            if ok:
+                tensor.copy_(result())
+            work._complete(ok, message)
 
-            session._core.start_allreduce(summed, summed.data_ptr(), summed.numel(), done)
-            return work
-        if self._local:
-            raise RuntimeError("all_reduce before this worker's first step: it joined a running job, whose members "
-                               "make no such call now; reduce inside the training steps")
-        session._core.allreduce(summed.data_ptr(), summed.numel())
-        tensor.copy_(result())
-        return _Work([tensor])
+        session._core.start_allreduce(summed, summed.data_ptr(), summed.numel(), done)
+        return work
 
     def broadcast(self, tensors: List[Any], opts: Any = None) -> _Work:
         tensor = _one(tensors, "broadcast")
@@ -293,30 +297,86 @@ class ProcessGroup(_TorchProcessGroup):
         tensor = _one(inputs, "all_gather")
         if len(output_lists) != 1:
             raise ValueError(f"all_gather takes one output list per input tensor, got {len(output_lists)}")
-        outputs = output_lists[0]
         _check_bytes(tensor, "the tensor of all_gather")
         if self._local:
-            for out in outputs:
+            for out in output_lists[0]:
                 out.copy_(tensor)
             return _Work(output_lists)
-        world = self._session.world_size
-        if len(outputs) != world:
-            raise ValueError(f"all_gather's output list has {len(outputs)} tensors for a world of {world}")
-        for i, out in enumerate(outputs):
-            if out.dtype != tensor.dtype or out.numel() != tensor.numel():
-                raise ValueError(f"all_gather's output {i} is {out.dtype} x {out.numel()}, the input "
-                                 f"{tensor.dtype} x {tensor.numel()}: they must match")
-        gathered = torch.empty((world, tensor.numel()), dtype=tensor.dtype)
-        gathered[self._session.rank].copy_(tensor.reshape(-1))
-        self._session._core.allgather(gathered.data_ptr(), _nbytes(tensor))
-        for i, out in enumerate(outputs):
-            out.copy_(gathered[i].view_as(out))
+        _collectives.allgather(self._session, output_lists[0], tensor)
         return _Work(output_lists)
+
+    def _allgather_base(self, output: Any, tensor: Any, opts: Any = None) -> _Work:
+        self._refuse_local("all_gather_into_tensor")
+        _collectives.allgather_into(self._session, output, tensor, "all_gather_into_tensor")
+        return _Work([output])
+
+    def allgather_coalesced(self, output_lists: List[List[Any]], inputs: List[Any], opts: Any = None) -> _Work:
+        self._refuse_local("all_gather_coalesced")
+        if len(output_lists) != self._session.world_size:
+            raise ValueError(f"all_gather_coalesced takes one output list a rank, got {len(output_lists)}")
+        for i, tensor in enumerate(inputs):
+            _collectives.allgather(self._session, [out[i] for out in output_lists], tensor, "all_gather_coalesced")
+        return _Work(output_lists)
+
+    def allreduce_coalesced(self, tensors: List[Any], opts: Any = None) -> _Work:
+        self._refuse_local("all_reduce_coalesced")
+        for tensor in tensors:
+            _collectives.reduce_in_place(self._session, tensor, opts.reduceOp, "all_reduce_coalesced")
+        return _Work(tensors)
+
+    def reduce(self, tensors: List[Any], opts: Any = None) -> _Work:
+        self._refuse_local("reduce")
+        _collectives.reduce(self._session, tensors, opts)
+        return _Work(tensors)
+
+    def gather(self, output_lists: List[List[Any]], inputs: List[Any], opts: Any = None) -> _Work:
+        self._refuse_local("gather")
+        _collectives.gather(self._session, output_lists, inputs, opts)
+        return _Work(inputs)
+
+    def scatter(self, outputs: List[Any], input_lists: List[List[Any]], opts: Any = None) -> _Work:
+        self._refuse_local("scatter")
+        _collectives.scatter(self._session, outputs, input_lists, opts)
+        return _Work(outputs)
+
+    def reduce_scatter(self, outputs: List[Any], input_lists: List[List[Any]], opts: Any = None) -> _Work:
+        self._refuse_local("reduce_scatter")
+        if len(input_lists) != 1:
+            raise ValueError(f"reduce_scatter takes one input list per output tensor, got {len(input_lists)}")
+        _collectives.reduce_scatter(self._session, _one(outputs, "reduce_scatter"), input_lists[0],
+                                    opts.reduceOp, "reduce_scatter")
+        return _Work(outputs)
+
+    def _reduce_scatter_base(self, output: Any, tensor: Any, opts: Any = None) -> _Work:
+        self._refuse_local("reduce_scatter_tensor")
+        world = self._session.world_size
+        if tensor.numel() != world * output.numel():
+            raise ValueError(f"reduce_scatter_tensor: the input has {tensor.numel()} elements for an output of "
+                             f"{output.numel()} at a world of {world}")
+        _collectives.reduce_scatter(self._session, output, list(tensor.reshape(-1).chunk(world)) if output.numel()
+                                    else [tensor] * world, opts.reduceOp, "reduce_scatter_tensor")
+        return _Work([output])
+
+    def alltoall(self, outputs: List[Any], inputs: List[Any], opts: Any = None) -> _Work:
+        self._refuse_local("all_to_all")
+        _collectives.alltoall(self._session, outputs, inputs)
+        return _Work(outputs)
+
+    def alltoall_base(self, output: Any, tensor: Any, output_splits: List[int], input_splits: List[int],
+                      opts: Any = None) -> _Work:
+        self._refuse_local("all_to_all_single")
+        _collectives.alltoall_base(self._session, output, tensor, output_splits, input_splits)
+        return _Work([output])
 
     def barrier(self, opts: Any = None) -> _Work:
         if not self._local:
             self._session._core.barrier()
         return _Work([])
+
+    def _refuse_local(self, what: str) -> None:
+        if self._local:
+            raise RuntimeError(f"{what} before this worker's first step: it joined a running job, whose members "
+                               "make no such call now; call it inside the training steps")
 
 
 def _first_step() -> None:
@@ -333,20 +393,9 @@ def _first_step() -> None:
         _session.begin_training()
 
 
-def _one(tensors: List[Any], what: str) -> Any:
-    if len(tensors) != 1:
-        raise ValueError(f"nonstop's {what} takes one tensor per process, got {len(tensors)}")
-    return tensors[0]
-
-
-def _check_bytes(t: Any, what: str) -> None:
-    _device.device_index(t, what)
-    if not t.is_contiguous():
-        raise ValueError(f"{what} is not contiguous: pass .contiguous()")
-
-
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size()
+_one = _collectives.one
+_check_bytes = _collectives.check_bytes
+_nbytes = _collectives.nbytes
 
 
 class _Store(dist.Store):

@@ -781,3 +781,168 @@ TEST(CommunicatorTest, MeshRefusesAStrangerWithTheWrongToken) {
 
 }  // namespace
 }  // namespace nonstop::collective
+
+namespace nonstop::collective {
+namespace {
+
+// Every type and operation of reduce.h through the ring, pieces small enough that each chunk
+// is cut: integers exactly (wrapping), comparisons exactly, floats equal on every rank.
+TEST(CommunicatorTest, EveryTypeAndOperationReducesOnTheRing) {
+  constexpr int kWorld = 3;
+  constexpr size_t kCount = 1001;
+  // Never zero: a float product's -0 would differ in bytes from the integer reference's 0.
+  auto value = [](int rank, size_t i) {
+    const int64_t v = static_cast<int64_t>((i * 37 + 11 * rank) % 23) - 9;
+    return v == 0 ? 5 : v;
+  };
+  struct Case {
+    DType dtype;
+    ReduceOp op;
+  };
+  std::vector<Case> cases;
+  for (DType d : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kInt8,
+                  DType::kUInt8, DType::kInt16, DType::kInt32, DType::kInt64, DType::kBool}) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kProduct, ReduceOp::kMin, ReduceOp::kMax,
+                        ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor}) {
+      cases.push_back({d, op});
+    }
+  }
+  // Element i of rank r's buffer, and of the expected result, as int64 (floats hold small integers:
+  // every sum and product here is exact in float16's 11 bits except products, checked loosely).
+  auto encode = [](DType d, int64_t v, std::byte* out) {
+    switch (d) {
+      case DType::kFloat32: {
+        float f = static_cast<float>(v);
+        std::memcpy(out, &f, 4);
+        break;
+      }
+      case DType::kFloat64: {
+        double f = static_cast<double>(v);
+        std::memcpy(out, &f, 8);
+        break;
+      }
+      case DType::kFloat16: {  // small integers: exact
+        float f = static_cast<float>(v);
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        uint16_t h = v == 0 ? 0
+                            : static_cast<uint16_t>(((u >> 16) & 0x8000) |
+                                                    ((((u >> 23) & 0xFF) - 112) << 10) |
+                                                    ((u >> 13) & 0x3FF));
+        std::memcpy(out, &h, 2);
+        break;
+      }
+      case DType::kBFloat16: {
+        float f = static_cast<float>(v);
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        uint16_t b = static_cast<uint16_t>(u >> 16);
+        std::memcpy(out, &b, 2);
+        break;
+      }
+      case DType::kBool: {
+        uint8_t b = v > 0 ? 1 : 0;
+        std::memcpy(out, &b, 1);
+        break;
+      }
+      default: {
+        std::memcpy(out, &v, ElementBytes(d));
+        break;
+      }  // little-endian truncation
+    }
+  };
+  auto expected = [&](DType d, ReduceOp op, size_t i) {
+    auto as = [&](int64_t v) {  // the value as the type holds it
+      std::byte b[8] = {};
+      encode(d, v, b);
+      if (d == DType::kUInt8) return v & 0xFF;
+      return d == DType::kBool ? static_cast<int64_t>(b[0] != std::byte{0}) : v;
+    };
+    int64_t acc = as(value(0, i));
+    for (int r = 1; r < kWorld; ++r) {
+      int64_t x = as(value(r, i));
+      switch (op) {
+        case ReduceOp::kSum:
+          acc = d == DType::kBool ? (acc | x) : acc + x;
+          break;
+        case ReduceOp::kProduct:
+          acc = d == DType::kBool ? (acc & x) : acc * x;
+          break;
+        case ReduceOp::kMin:
+          acc = std::min(acc, x);
+          break;
+        case ReduceOp::kMax:
+          acc = std::max(acc, x);
+          break;
+        case ReduceOp::kBand:
+          acc &= x;
+          break;
+        case ReduceOp::kBor:
+          acc |= x;
+          break;
+        case ReduceOp::kBxor:
+          acc ^= x;
+          break;
+      }
+    }
+    std::vector<std::byte> out(8);
+    encode(d, acc, out.data());
+    out.resize(ElementBytes(d));
+    return out;
+  };
+  std::vector<std::vector<std::vector<std::byte>>> results(kWorld);
+  RunThreads(
+      kWorld,
+      [&](int rank, Communicator& comm) {
+        for (const Case& c : cases) {
+          const size_t e = ElementBytes(c.dtype);
+          std::vector<std::byte> buf(kCount * e);
+          for (size_t i = 0; i < kCount; ++i) encode(c.dtype, value(rank, i), buf.data() + i * e);
+          Status s = comm.AllReduce(HostRegion(std::span<std::byte>(buf)), c.dtype, c.op);
+          if (!Reduces(c.dtype, c.op)) {
+            EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << DTypeName(c.dtype);
+            EXPECT_NE(s.message().find(ReduceOpName(c.op)), std::string::npos) << s.ToString();
+            continue;
+          }
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          results[static_cast<size_t>(rank)].push_back(std::move(buf));
+        }
+      },
+      /*piece_bytes=*/64);
+  size_t k = 0;
+  for (const Case& c : cases) {
+    if (!Reduces(c.dtype, c.op)) continue;
+    const size_t e = ElementBytes(c.dtype);
+    const bool loose_float = c.op == ReduceOp::kProduct && c.dtype != DType::kFloat64 &&
+                             c.dtype != DType::kFloat32 && c.dtype != DType::kBool &&
+                             (c.dtype == DType::kFloat16 || c.dtype == DType::kBFloat16);
+    for (size_t i = 0; i < kCount && !loose_float; ++i) {
+      std::vector<std::byte> want = expected(c.dtype, c.op, i);
+      ASSERT_EQ(std::memcmp(results[0][k].data() + i * e, want.data(), e), 0)
+          << DTypeName(c.dtype) << " " << ReduceOpName(c.op) << " element " << i;
+    }
+    for (int r = 1; r < kWorld; ++r) {
+      EXPECT_EQ(results[static_cast<size_t>(r)][k], results[0][k])
+          << DTypeName(c.dtype) << " " << ReduceOpName(c.op) << ": rank " << r << " differs";
+    }
+    ++k;
+  }
+}
+
+// Reduce-scatter of int64 maxima: each rank's chunk is the world's.
+TEST(CommunicatorTest, ReduceScatterOfAnyTypeLeavesEachRankItsChunk) {
+  constexpr int kWorld = 3;
+  constexpr size_t kCount = 30;
+  RunThreads(kWorld, [&](int rank, Communicator& comm) {
+    std::vector<int64_t> v(kCount);
+    for (size_t i = 0; i < kCount; ++i) v[i] = static_cast<int64_t>(i) * (rank + 1) - 40;
+    ASSERT_TRUE(comm.ReduceScatter(HostRegion(std::as_writable_bytes(std::span<int64_t>(v))),
+                                   DType::kInt64, ReduceOp::kMax)
+                    .ok());
+    auto [lo, hi] = ChunkRange(kCount, kWorld, rank);
+    for (size_t i = lo; i < hi; ++i) EXPECT_EQ(v[i], static_cast<int64_t>(i) * kWorld - 40) << i;
+  });
+}
+
+}  // namespace
+}  // namespace nonstop::collective

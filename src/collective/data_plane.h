@@ -13,16 +13,18 @@
 //
 // The collectives, every rank calling the same ones in the same order with
 // buffers of the same size:
-//   AllReduce      every rank ends with the element-wise sum of every rank's buffer
-//   ReduceScatter  rank r ends with chunk r of that sum (its other chunks: unspecified)
+//   AllReduce      every rank ends with the element-wise reduction (nonstop/reduce.h: a
+//                  sum, product, min, max or bitwise op of any DType) of every rank's buffer
+//   ReduceScatter  rank r ends with chunk r of that reduction (its other chunks: unspecified)
 //   AllGather      rank r contributes chunk r; every rank ends with every chunk
 //   Broadcast      every rank ends with the root's buffer
 //   Barrier        returns once every rank has entered it
 //   AllReduceTree  the world-invariant sum of micro-batch partial sums (nonstop/tree.h)
 //   Send/Recv      point-to-point transfer of large buffers (TCP checksums them;
 //                  SendUnchecked/RecvUnchecked leave the check to the caller)
-// Chunk c of an n-element buffer is [c·n/W, (c+1)·n/W) (ChunkRange). Sums
-// are of float32 elements (DType); the other collectives move bytes.
+// Chunk c of an n-element buffer is [c·n/W, (c+1)·n/W) (ChunkRange). A
+// transport may reduce fewer types or operations than reduce.h names: it
+// refuses the others with kInvalidArgument, having moved nothing.
 //
 // The contract every implementation keeps:
 //  - Determinism: the order of every floating-point sum depends only on the
@@ -65,9 +67,14 @@
 #include "common/status.h"
 #include "common/time.h"
 #include "net/socket.h"
+#include "nonstop/reduce.h"
 #include "nonstop/tree.h"
 
 namespace nonstop::collective {
+
+using nonstop::DType;
+using nonstop::ElementBytes;
+using nonstop::ReduceOp;
 
 // Where a region's bytes are.
 enum class Device : uint8_t { kHost, kCuda };
@@ -104,18 +111,6 @@ inline ConstRegion HostRegion(std::span<const std::byte> data) {
 }
 inline ConstRegion HostRegion(std::span<const float> data) {
   return HostRegion(std::as_bytes(data));
-}
-
-// The element type of a sum (AllReduce, ReduceScatter). Only float32 is
-// summed today; a transport that sums others (bf16) adds them here.
-enum class DType : uint8_t { kFloat32 };
-
-constexpr size_t ElementBytes(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-  }
-  return 0;
 }
 
 struct Member {
@@ -183,9 +178,9 @@ class Communicator {
   virtual std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
                                                  uint32_t op_space) const = 0;
 
-  // Sums of `dtype` elements (data.bytes a multiple of its size).
-  virtual Status AllReduce(Region data, DType dtype) = 0;
-  virtual Status ReduceScatter(Region data, DType dtype) = 0;
+  // Reductions of `dtype` elements (data.bytes a multiple of its size).
+  virtual Status AllReduce(Region data, DType dtype, ReduceOp op) = 0;
+  virtual Status ReduceScatter(Region data, DType dtype, ReduceOp op) = 0;
   // Chunks of whole `element_bytes` records (data.bytes a multiple of it).
   virtual Status AllGather(Region data, size_t element_bytes) = 0;
   virtual Status Broadcast(Region data, int root) = 0;
@@ -242,9 +237,11 @@ class Communicator {
   virtual uint32_t generation() const = 0;
 
   // The same over host memory: what the session and the state transfer use.
-  Status AllReduce(std::span<float> data) { return AllReduce(HostRegion(data), DType::kFloat32); }
+  Status AllReduce(std::span<float> data) {
+    return AllReduce(HostRegion(data), DType::kFloat32, ReduceOp::kSum);
+  }
   Status ReduceScatter(std::span<float> data) {
-    return ReduceScatter(HostRegion(data), DType::kFloat32);
+    return ReduceScatter(HostRegion(data), DType::kFloat32, ReduceOp::kSum);
   }
   Status AllGather(std::span<std::byte> data, size_t element_bytes) {
     return AllGather(HostRegion(data), element_bytes);

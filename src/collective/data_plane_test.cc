@@ -91,8 +91,10 @@ TEST(TcpDataPlaneTest, RefusesEveryRegionThatIsNotInHostMemory) {
     std::function<Status()> run;
   };
   const std::vector<Call> calls = {
-      {"AllReduce", "cuda:0", [&] { return comm.AllReduce(cuda0, DType::kFloat32); }},
-      {"ReduceScatter", "cuda:0", [&] { return comm.ReduceScatter(cuda0, DType::kFloat32); }},
+      {"AllReduce", "cuda:0",
+       [&] { return comm.AllReduce(cuda0, DType::kFloat32, ReduceOp::kSum); }},
+      {"ReduceScatter", "cuda:0",
+       [&] { return comm.ReduceScatter(cuda0, DType::kFloat32, ReduceOp::kSum); }},
       {"AllGather", "cuda:0", [&] { return comm.AllGather(cuda0, sizeof(float)); }},
       {"Broadcast", "cuda:0", [&] { return comm.Broadcast(cuda0, 1); }},
       {"AllReduceTree", "cuda:0",

@@ -139,11 +139,11 @@ Status StagedCommunicator::Whole(Region data, bool up, bool down, HostOp host_op
   return status.ok() ? waited : status;
 }
 
-Status StagedCommunicator::AllReduce(Region data, DType dtype) {
+Status StagedCommunicator::AllReduce(Region data, DType dtype, ReduceOp op) {
   NONSTOP_RETURN_IF_ERROR(CheckDevice("AllReduce", data.device, data.device_index));
-  if (!OnDevice(data.device)) return host_->AllReduce(data, dtype);
+  if (!OnDevice(data.device)) return host_->AllReduce(data, dtype, op);
   return Pipeline(data, true, true, [&](std::span<std::byte> piece) {
-    return host_->AllReduce(HostRegion(piece), dtype);
+    return host_->AllReduce(HostRegion(piece), dtype, op);
   });
 }
 
@@ -156,11 +156,11 @@ Status StagedCommunicator::Broadcast(Region data, int root) {
   });
 }
 
-Status StagedCommunicator::ReduceScatter(Region data, DType dtype) {
+Status StagedCommunicator::ReduceScatter(Region data, DType dtype, ReduceOp op) {
   NONSTOP_RETURN_IF_ERROR(CheckDevice("ReduceScatter", data.device, data.device_index));
-  if (!OnDevice(data.device)) return host_->ReduceScatter(data, dtype);
+  if (!OnDevice(data.device)) return host_->ReduceScatter(data, dtype, op);
   return Whole(data, true, true, [&](std::span<std::byte> whole) {
-    return host_->ReduceScatter(HostRegion(whole), dtype);
+    return host_->ReduceScatter(HostRegion(whole), dtype, op);
   });
 }
 

@@ -122,8 +122,8 @@ class StagedCommunicator : public Communicator {
   Status Connect() override { return host_->Connect(); }
   std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
                                          uint32_t op_space) const override;
-  Status AllReduce(Region data, DType dtype) override;
-  Status ReduceScatter(Region data, DType dtype) override;
+  Status AllReduce(Region data, DType dtype, ReduceOp op) override;
+  Status ReduceScatter(Region data, DType dtype, ReduceOp op) override;
   Status AllGather(Region data, size_t element_bytes) override;
   Status Broadcast(Region data, int root) override;
   Status Barrier() override { return host_->Barrier(); }

@@ -123,7 +123,7 @@ TEST(StagedCommunicatorTest, AllReduceOnDeviceMemoryHasTheHostRingsBitsPieceByPi
   world.Each([&](int r) {
     device[r] = Values(r, n);
     reference[r] = Values(r, n);
-    ASSERT_TRUE(world.staged[r]->AllReduce(Cuda(device[r]), DType::kFloat32).ok());
+    ASSERT_TRUE(world.staged[r]->AllReduce(Cuda(device[r]), DType::kFloat32, ReduceOp::kSum).ok());
     for (size_t begin = 0; begin < n; begin += 256) {  // the host ring over the same pieces
       std::span<float> piece =
           std::span(reference[r]).subspan(begin, std::min<size_t>(256, n - begin));
@@ -163,7 +163,7 @@ TEST(StagedCommunicatorTest, EveryOtherCollectiveMovesDeviceMemoryAsTheHostOneDo
     EXPECT_EQ(g, want) << "all-gather, rank " << r;
 
     std::vector<float> s(n, static_cast<float>(r + 1));
-    ASSERT_TRUE(c.ReduceScatter(Cuda(s), DType::kFloat32).ok());
+    ASSERT_TRUE(c.ReduceScatter(Cuda(s), DType::kFloat32, ReduceOp::kSum).ok());
     for (size_t i = lo; i < hi; ++i) ASSERT_EQ(s[i], 6.0f) << "reduce-scatter, rank " << r;
 
     // The tree: each rank one micro-batch, its partial on the device, the sum on the device.
@@ -230,7 +230,7 @@ TEST(StagedDataPlaneTest, SupportsTheCopiersDeviceAndMakesStagedCommunicators) {
   auto comm = plane.NewCommunicator(o);
   ASSERT_NE(dynamic_cast<StagedCommunicator*>(comm.get()), nullptr);
   std::vector<float> v(8, 2.0f);
-  ASSERT_TRUE(comm->AllReduce(Cuda(v), DType::kFloat32).ok()) << "a world of one";
+  ASSERT_TRUE(comm->AllReduce(Cuda(v), DType::kFloat32, ReduceOp::kSum).ok()) << "a world of one";
   EXPECT_EQ(v, std::vector<float>(8, 2.0f));
 }
 
@@ -252,8 +252,8 @@ TEST(StagedDataPlaneTest, EveryCommunicatorOfADataPlaneSharesItsStagingBuffers) 
     const std::vector<int> group{0};
     auto sub = comm->SubGroup(group, 1);
     std::vector<float> v(4096, 1.0f);  // 16 KiB: 16 pieces of 1 KiB
-    ASSERT_TRUE(comm->AllReduce(Cuda(v), DType::kFloat32).ok());
-    ASSERT_TRUE(sub->ReduceScatter(Cuda(v), DType::kFloat32).ok());
+    ASSERT_TRUE(comm->AllReduce(Cuda(v), DType::kFloat32, ReduceOp::kSum).ok());
+    ASSERT_TRUE(sub->ReduceScatter(Cuda(v), DType::kFloat32, ReduceOp::kSum).ok());
     ASSERT_TRUE(sub->AllGather(Cuda(v), sizeof(float)).ok());
     ASSERT_EQ(v, std::vector<float>(4096, 1.0f)) << "a world of one: generation " << generation;
   }
@@ -290,7 +290,7 @@ TEST(StagedCommunicatorTest, RefusesARegionOnAnotherDeviceAndPassesHostMemoryThr
   std::vector<float> v(16, 1.0f);
   Region other = Cuda(v);
   other.device_index = 2;
-  Status s = world.staged[0]->AllReduce(other, DType::kFloat32);
+  Status s = world.staged[0]->AllReduce(other, DType::kFloat32, ReduceOp::kSum);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("AllReduce: this staged communicator moves host memory and cuda:0; "
                              "this region is on cuda:2"),

@@ -124,7 +124,7 @@ Status TcpCommunicator::Run(TransferSpec spec) {
 // that is the pipelining. Each chunk is cut into pieces of piece_bytes, and an
 // empty chunk still travels as one empty piece, so every step synchronises.
 Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin,
-                                 int t_end, Reduce reduce) {
+                                 int t_end, Combine combine) {
   const int w = world_size();
   const int r = rank();
   auto mod = [w](int x) { return ((x % w) + w) % w; };
@@ -170,7 +170,7 @@ Status TcpCommunicator::RingPass(std::byte* data, size_t count, size_t element_b
     });
     recv_step_begin.push_back(spec.recvs.size());
     pieces_of(recv_chunk, [&](std::byte* ptr, size_t bytes) {
-      spec.recvs.push_back({ptr, bytes, reducing ? reduce : Reduce::kNone});
+      spec.recvs.push_back({ptr, bytes, reducing ? combine : nullptr});
     });
   }
   spec.generation = options_.generation;
@@ -191,28 +191,32 @@ Status TcpCommunicator::CheckHost(const ConstRegion& region, std::string_view op
                   op, DeviceName(region.device, region.device_index), options_.generation, rank()));
 }
 
-Status TcpCommunicator::AllReduce(Region data, DType dtype) {
-  const size_t element = ElementBytes(dtype);
-  NONSTOP_CHECK_EQ(data.bytes % element, 0u) << "AllReduce: not a whole number of elements";
-  NONSTOP_RETURN_IF_ERROR(error());
-  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "AllReduce"));
-  ++op_;
-  CountOp();
-  if (world_size() == 1) return OkStatus();
-  int w = world_size();
-  return RingPass(data.data, data.bytes / element, element, 0, 2 * (w - 1), Reduce::kSumFloat32);
+Status TcpCommunicator::AllReduce(Region data, DType dtype, ReduceOp op) {
+  return Reduce("AllReduce", data, dtype, op, 2 * (world_size() - 1));
 }
 
-Status TcpCommunicator::ReduceScatter(Region data, DType dtype) {
+Status TcpCommunicator::ReduceScatter(Region data, DType dtype, ReduceOp op) {
+  return Reduce("ReduceScatter", data, dtype, op, world_size() - 1);
+}
+
+// The ring's reduce-scatter steps and, for an all-reduce, its all-gather steps up to `t_end`.
+Status TcpCommunicator::Reduce(std::string_view what, Region data, DType dtype, ReduceOp op,
+                               int t_end) {
   const size_t element = ElementBytes(dtype);
-  NONSTOP_CHECK_EQ(data.bytes % element, 0u) << "ReduceScatter: not a whole number of elements";
+  NONSTOP_CHECK_EQ(data.bytes % element, 0u) << what << ": not a whole number of elements";
+  const Combine combine = CombineOf(dtype, op);
+  if (combine == nullptr) {
+    return InvalidArgumentError(
+        fmt::format("{}: {} does not apply to {} elements (HINT: the bitwise "
+                    "operations take integers and bool)",
+                    what, ReduceOpName(op), DTypeName(dtype)));
+  }
   NONSTOP_RETURN_IF_ERROR(error());
-  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "ReduceScatter"));
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, what));
   ++op_;
   CountOp();
   if (world_size() == 1) return OkStatus();
-  return RingPass(data.data, data.bytes / element, element, 0, world_size() - 1,
-                  Reduce::kSumFloat32);
+  return RingPass(data.data, data.bytes / element, element, 0, t_end, combine);
 }
 
 Status TcpCommunicator::AllGather(Region data, size_t element_bytes) {
@@ -224,7 +228,7 @@ Status TcpCommunicator::AllGather(Region data, size_t element_bytes) {
   if (world_size() == 1) return OkStatus();
   int w = world_size();
   return RingPass(data.data, data.bytes / element_bytes, element_bytes, w - 1, 2 * (w - 1),
-                  Reduce::kNone);
+                  nullptr);
 }
 
 Status TcpCommunicator::Barrier() {
@@ -233,7 +237,7 @@ Status TcpCommunicator::Barrier() {
   CountOp();
   if (world_size() == 1) return OkStatus();
   int w = world_size();
-  return RingPass(nullptr, 0, sizeof(float), 0, 2 * (w - 1), Reduce::kNone);
+  return RingPass(nullptr, 0, sizeof(float), 0, 2 * (w - 1), nullptr);
 }
 
 // Broadcast: a chain root → root+1 → … → root-1 along the ring, pipelined in
@@ -268,7 +272,7 @@ Status TcpCommunicator::Broadcast(Region data, int root) {
     int left = (rank() + w - 1) % w;
     NONSTOP_ASSIGN_OR_RETURN(spec.recv_from, Peer(left));
     spec.recv_peer = PeerName(left);
-    for (auto& [ptr, n] : pieces) spec.recvs.push_back({ptr, n, Reduce::kNone});
+    for (auto& [ptr, n] : pieces) spec.recvs.push_back({ptr, n, nullptr});
   }
   spec.generation = options_.generation;
   spec.op = FramedOp();
@@ -334,7 +338,7 @@ Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNod
     for (size_t k = 0; k < their; ++k) {
       cut(hi - lo, [&](size_t at, size_t len) {
         spec.recvs.push_back({reinterpret_cast<std::byte*>(in.data() + k * (hi - lo) + at),
-                              len * sizeof(float), Reduce::kNone});
+                              len * sizeof(float), nullptr});
       });
     }
     spec.generation = options_.generation;
@@ -423,7 +427,7 @@ Status TcpCommunicator::RecvFrom(int from_rank, int lane, Region data, bool chec
   size_t offset = 0;
   do {
     size_t n = std::min(options_.piece_bytes, data.bytes - offset);
-    spec.recvs.push_back({data.data + offset, n, Reduce::kNone});
+    spec.recvs.push_back({data.data + offset, n, nullptr});
     offset += n;
   } while (offset < data.bytes);
   spec.generation = options_.generation;

@@ -63,8 +63,8 @@ class TcpCommunicator final : public Communicator {
   std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
                                          uint32_t op_space) const override;
 
-  Status AllReduce(Region data, DType dtype) override;
-  Status ReduceScatter(Region data, DType dtype) override;
+  Status AllReduce(Region data, DType dtype, ReduceOp op) override;
+  Status ReduceScatter(Region data, DType dtype, ReduceOp op) override;
   Status AllGather(Region data, size_t element_bytes) override;
   Status Broadcast(Region data, int root) override;
   Status Barrier() override;
@@ -99,7 +99,9 @@ class TcpCommunicator final : public Communicator {
   Status CheckHost(const ConstRegion& region, std::string_view op) const;
   // Runs global ring steps [t_begin, t_end) over `data` (see tcp_communicator.cc).
   Status RingPass(std::byte* data, size_t count, size_t element_bytes, int t_begin, int t_end,
-                  Reduce reduce);
+                  Combine combine);
+  // AllReduce's and ReduceScatter's checks, then ring steps [0, t_end) with `op`'s combine.
+  Status Reduce(std::string_view what, Region data, DType dtype, ReduceOp op, int t_end);
   Status Run(TransferSpec spec);
   // Send/Recv and their unchecked forms: `checksum` says whether the frames carry a CRC-32C.
   Status SendTo(int to_rank, int lane, ConstRegion data, bool checksum, std::string_view op);

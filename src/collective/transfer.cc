@@ -378,7 +378,7 @@ class Inbound {
  private:
   std::byte* PayloadTarget() {
     const RecvItem& item = spec_.recvs[item_];
-    return item.reduce == Reduce::kNone ? item.data : spec_.scratch.data();
+    return item.combine == nullptr ? item.data : spec_.scratch.data();
   }
 
   // Skips the payload of the frame whose header was just read.
@@ -466,10 +466,7 @@ class Inbound {
       }
     }
     awaiting_resend_ = false;
-    if (item.reduce == Reduce::kSumFloat32) {
-      AddFloat32(reinterpret_cast<float*>(item.data), reinterpret_cast<const float*>(payload),
-                 item.bytes / sizeof(float));
-    }
+    if (item.combine != nullptr) item.combine(item.data, payload, item.bytes);
     ++item_;
     if (pieces_done() && retry) reply_->Queue(kFrameAck, static_cast<uint32_t>(item_));
     return OkStatus();
@@ -499,7 +496,7 @@ Status RunTransfer(const TransferSpec& spec, TransferStats* stats) {
   NONSTOP_CHECK(spec.sends.empty() || spec.send_to != nullptr);
   NONSTOP_CHECK(spec.recvs.empty() || spec.recv_from != nullptr);
   for (const RecvItem& r : spec.recvs) {
-    if (r.reduce != Reduce::kNone) {
+    if (r.combine != nullptr) {
       NONSTOP_CHECK_LE(r.bytes, spec.scratch.size()) << "scratch too small";
     }
   }

@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "collective/combine.h"
 #include "collective/peer_mesh.h"
 #include "common/status.h"
 #include "common/time.h"
@@ -57,8 +58,6 @@ inline constexpr uint16_t kDataFlagChecksum = 1;
 inline constexpr uint16_t kDataFlagRetry = 2;  // the receiver answers with kFrameResend / kFrameAck
 static_assert(kFrameData == 16 && kFrameResend == 17 && kFrameAck == 18, "wire numbers are pinned");
 
-enum class Reduce : uint8_t { kNone, kSumFloat32 };
-
 struct SendItem {
   const std::byte* data = nullptr;
   size_t bytes = 0;
@@ -66,9 +65,9 @@ struct SendItem {
 };
 
 struct RecvItem {
-  std::byte* data = nullptr;  // destination: written (kNone) or accumulated into (kSumFloat32)
+  std::byte* data = nullptr;  // destination: written (no combine) or combined into
   size_t bytes = 0;
-  Reduce reduce = Reduce::kNone;
+  Combine combine = nullptr;  // the reduction's step (combine.h); null: a plain write
 };
 
 struct TransferSpec {

@@ -115,7 +115,7 @@ TEST(TransferTest, APieceDamagedEveryTimeIsAskedForEightTimesThenIsDataLoss) {
   TransferSpec spec = CheckedSpec();
   spec.recv_from = &p.conn;
   spec.recv_peer = "the test";
-  spec.recvs.push_back({dst.data(), dst.size(), Reduce::kNone});
+  spec.recvs.push_back({dst.data(), dst.size(), nullptr});
   TransferStats stats;
   auto result = std::async(std::launch::async, [&] { return RunTransfer(spec, &stats); });
   const std::string payload(16, 'x');
@@ -195,7 +195,7 @@ TEST(TransferTest, ControlFramesThatAnswerNothingAreRefusedAndStaleOnesDropped) 
       spec.sends.push_back({buf.data(), buf.size(), -1});
     } else {
       spec.recv_from = &p.conn;
-      spec.recvs.push_back({buf.data(), buf.size(), Reduce::kNone});
+      spec.recvs.push_back({buf.data(), buf.size(), nullptr});
     }
     TransferStats stats;
     auto result = std::async(std::launch::async, [&] { return RunTransfer(spec, &stats); });
@@ -211,7 +211,7 @@ TEST(TransferTest, ControlFramesThatAnswerNothingAreRefusedAndStaleOnesDropped) 
   std::vector<std::byte> buf(8);
   TransferSpec spec = CheckedSpec();
   spec.recv_from = &p.conn;
-  spec.recvs.push_back({buf.data(), buf.size(), Reduce::kNone});
+  spec.recvs.push_back({buf.data(), buf.size(), nullptr});
   TransferStats stats;
   auto result = std::async(std::launch::async, [&] { return RunTransfer(spec, &stats); });
   const std::string payload(8, 'q');

@@ -311,10 +311,11 @@ size_t Elements(Region data, DType dtype) {
 }
 }  // namespace
 
-Status NcclCommunicator::AllReduce(Region data, DType dtype) {
-  if (!OnNccl(data.device, data.device_index)) {
+Status NcclCommunicator::AllReduce(Region data, DType dtype, ReduceOp op) {
+  // NCCL sums float32 here; any other reduction is staged through the host's ring.
+  if (!OnNccl(data.device, data.device_index) || dtype != DType::kFloat32 || op != ReduceOp::kSum) {
     NONSTOP_RETURN_IF_ERROR(Sticky());
-    return staged_->AllReduce(data, dtype);
+    return staged_->AllReduce(data, dtype, op);
   }
   const size_t count = Elements(data, dtype);
   if (count == 0) return Sticky();
@@ -323,16 +324,16 @@ Status NcclCommunicator::AllReduce(Region data, DType dtype) {
   });
 }
 
-Status NcclCommunicator::ReduceScatter(Region data, DType dtype) {
-  if (!OnNccl(data.device, data.device_index)) {
+Status NcclCommunicator::ReduceScatter(Region data, DType dtype, ReduceOp op) {
+  if (!OnNccl(data.device, data.device_index) || dtype != DType::kFloat32 || op != ReduceOp::kSum) {
     NONSTOP_RETURN_IF_ERROR(Sticky());
-    return staged_->ReduceScatter(data, dtype);
+    return staged_->ReduceScatter(data, dtype, op);
   }
   const size_t count = Elements(data, dtype);
   const auto w = static_cast<size_t>(world_size());
   // NCCL's chunks are equal: an uneven split sums everything (chunk r is right, the rest are
   // "unspecified" for a reduce-scatter, data_plane.h).
-  if (count % w != 0) return AllReduce(data, dtype);
+  if (count % w != 0) return AllReduce(data, dtype, op);
   if (count == 0) return Sticky();
   const size_t per_rank = count / w;
   std::byte* mine = data.data + static_cast<size_t>(rank()) * per_rank * ElementBytes(dtype);

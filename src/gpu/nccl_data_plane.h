@@ -98,8 +98,8 @@ class NcclCommunicator final : public collective::Communicator {
                                                      uint32_t op_space) const override {
     return staged_->SubGroup(ranks, op_space);
   }
-  Status AllReduce(collective::Region data, collective::DType dtype) override;
-  Status ReduceScatter(collective::Region data, collective::DType dtype) override;
+  Status AllReduce(collective::Region data, collective::DType dtype, ReduceOp op) override;
+  Status ReduceScatter(collective::Region data, collective::DType dtype, ReduceOp op) override;
   Status AllGather(collective::Region data, size_t element_bytes) override;
   Status Broadcast(collective::Region data, int root) override;
   Status Barrier() override {

@@ -135,7 +135,7 @@ TEST(NcclGpuTest, TheCollectivesOnDeviceMemoryGiveTheExactSums) {
   for (int r = 0; r < kWorld; ++r)
     buffers.push_back(std::make_unique<DeviceFloats>(r, Ramp(n, static_cast<float>(r))));
   world.Each({0, 1}, [&](int r) {
-    Status s = world.comms[r]->AllReduce(buffers[r]->region(), DType::kFloat32);
+    Status s = world.comms[r]->AllReduce(buffers[r]->region(), DType::kFloat32, ReduceOp::kSum);
     ASSERT_TRUE(s.ok()) << s.ToString();
   });
   for (int r = 0; r < kWorld; ++r) {
@@ -167,7 +167,7 @@ TEST(NcclGpuTest, AnAbortFromAnotherThreadEndsACollectiveAPeerNeverJoins) {
     world.comms[0]->Abort("the controller aborted generation 1");
   });
   // Rank 1 never calls: without the abort this waits for timeout_collective (60 s).
-  Status s = world.comms[0]->AllReduce(buffer.region(), DType::kFloat32);
+  Status s = world.comms[0]->AllReduce(buffer.region(), DType::kFloat32, ReduceOp::kSum);
   aborter.join();
   EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
   EXPECT_NE(s.message().find("the controller aborted generation 1"), std::string::npos);
@@ -190,7 +190,7 @@ TEST(NcclGpuTest, AGenerationDrainedAtAStepBoundaryIsShrunkWhenItLeavesARankOut)
   EXPECT_TRUE(world.nccl(0).setup().shrunk);
   EXPECT_EQ(world.nccl(0).setup().excluded, 1);
   DeviceFloats one(0, std::vector<float>(64, 3.0f));
-  Status s = world.comms[0]->AllReduce(one.region(), DType::kFloat32);
+  Status s = world.comms[0]->AllReduce(one.region(), DType::kFloat32, ReduceOp::kSum);
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(one.Read(), std::vector<float>(64, 3.0f)) << "a world of one";
   // Generation 3 brings rank 1 back: a member joins, so a fresh init.
@@ -199,7 +199,8 @@ TEST(NcclGpuTest, AGenerationDrainedAtAStepBoundaryIsShrunkWhenItLeavesARankOut)
   EXPECT_FALSE(world.nccl(1).setup().shrunk);
   DeviceFloats a(0, std::vector<float>(64, 1.0f)), b(1, std::vector<float>(64, 2.0f));
   world.Each({0, 1}, [&](int r) {
-    Status st = world.comms[r]->AllReduce((r == 0 ? a : b).region(), DType::kFloat32);
+    Status st =
+        world.comms[r]->AllReduce((r == 0 ? a : b).region(), DType::kFloat32, ReduceOp::kSum);
     ASSERT_TRUE(st.ok()) << st.ToString();
   });
   EXPECT_EQ(a.Read(), std::vector<float>(64, 3.0f));

@@ -86,6 +86,20 @@ std::span<float> Floats(uintptr_t address, size_t count) {
   return {reinterpret_cast<float*>(address), count};
 }
 
+// A reduction's type and operation by the names nonstop/reduce.h gives them (torch's).
+DType DTypeNamed(const std::string& name) {
+  for (int d = 0; d <= static_cast<int>(DType::kBool); ++d) {
+    if (DTypeName(static_cast<DType>(d)) == name) return static_cast<DType>(d);
+  }
+  throw py::value_error(fmt::format("no reduction of {} elements", name));
+}
+ReduceOp ReduceOpNamed(const std::string& name) {
+  for (int op = 0; op <= static_cast<int>(ReduceOp::kBxor); ++op) {
+    if (ReduceOpName(static_cast<ReduceOp>(op)) == name) return static_cast<ReduceOp>(op);
+  }
+  throw py::value_error(fmt::format("no reduction named {}", name));
+}
+
 // One registered region as python/nonstop describes it: (name, address, bytes,
 // kind, shape). Kinds: "F32" and "U8" (every member holds it whole), "SHARD"
 // (this member's shard of sharded optimizer state, StateRegistry::RegisterShard)
@@ -569,6 +583,19 @@ void BindSession(py::module_& m) {
            [](PySession& p, uintptr_t address, size_t count) {
              Check(p.Drained([&] { return p.s().AllReduce(Floats(address, count)); }));
            })
+      .def(
+          "reduce",
+          [](PySession& p, uintptr_t address, size_t nbytes, const std::string& dtype,
+             const std::string& op, bool scatter) {
+            const DType d = DTypeNamed(dtype);
+            const ReduceOp o = ReduceOpNamed(op);
+            Check(p.Drained([&] {
+              return scatter ? p.s().ReduceScatter(Bytes(address, nbytes), d, o)
+                             : p.s().AllReduce(Bytes(address, nbytes), d, o);
+            }));
+          },
+          py::arg("address"), py::arg("nbytes"), py::arg("dtype"), py::arg("op"),
+          py::arg("scatter") = false)
       .def("start_allreduce", &PySession::Start, py::arg("tensor"), py::arg("address"),
            py::arg("count"), py::arg("done") = py::none())
       .def("broadcast",

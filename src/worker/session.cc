@@ -866,14 +866,15 @@ class SessionImpl {
     NONSTOP_RETURN_IF_ERROR(WaitAll());
     return RunCollective(
         [&]() -> Status {
-          NONSTOP_RETURN_IF_ERROR(group_comm_->ReduceScatter(data, collective::DType::kFloat32));
+          NONSTOP_RETURN_IF_ERROR(
+              group_comm_->ReduceScatter(data, collective::DType::kFloat32, ReduceOp::kSum));
           if (replica_comm_->world_size() == 1) return OkStatus();
           auto [lo, hi] = collective::ChunkRange(data.bytes / sizeof(float),
                                                  group_comm_->world_size(), group_comm_->rank());
           collective::Region shard = data;
           shard.data += lo * sizeof(float);
           shard.bytes = (hi - lo) * sizeof(float);
-          return replica_comm_->AllReduce(shard, collective::DType::kFloat32);
+          return replica_comm_->AllReduce(shard, collective::DType::kFloat32, ReduceOp::kSum);
         },
         /*at_step_boundary=*/true);
   }
@@ -1153,6 +1154,27 @@ class SessionImpl {
     return RunCollective([&] { return comm_->AllReduce(data); }, /*at_step_boundary=*/true);
   }
 
+  // Session::AllReduce and ReduceScatter of any type and operation (`what` names the call).
+  Status Reduce(std::string_view what, std::span<std::byte> data, DType dtype, ReduceOp op,
+                bool scatter) {
+    if (!Reduces(dtype, op) || data.size() % ElementBytes(dtype) != 0) {
+      return InvalidArgumentError(fmt::format(
+          "{}: {} bytes of {} reduced by {}: {}", what, data.size(), DTypeName(dtype),
+          ReduceOpName(op),
+          Reduces(dtype, op) ? "not a whole number of elements"
+                             : "the operation does not apply to the type (HINT: the bitwise "
+                               "operations take integers and bool)"));
+    }
+    NONSTOP_RETURN_IF_ERROR(WaitAll());
+    const collective::Region region = collective::HostRegion(data);
+    return RunCollective(
+        [&] {
+          return scatter ? comm_->ReduceScatter(region, dtype, op)
+                         : comm_->AllReduce(region, dtype, op);
+        },
+        /*at_step_boundary=*/false);
+  }
+
   Status AllReduceOnDevice(std::span<float> device_data) {
     return ReduceOnDevice("AllReduceOnDevice", device_data, /*announce=*/true);
   }
@@ -1162,8 +1184,9 @@ class SessionImpl {
   Status ReduceOnDevice(std::string_view what, std::span<float> device_data, bool announce) {
     NONSTOP_ASSIGN_OR_RETURN(collective::Region region,
                              DeviceRegion(what, std::as_writable_bytes(device_data)));
-    return RunCollective([&] { return comm_->AllReduce(region, collective::DType::kFloat32); },
-                         /*at_step_boundary=*/true, announce);
+    return RunCollective(
+        [&] { return comm_->AllReduce(region, collective::DType::kFloat32, ReduceOp::kSum); },
+        /*at_step_boundary=*/true, announce);
   }
 
   Status AllReduceTreeOnDevice(int m, std::span<const std::pair<int, int>> ranges,
@@ -1499,6 +1522,12 @@ Status Session::AllReduceTreeOnDevice(int m, std::span<const std::pair<int, int>
                                       std::span<const std::span<const float>> device_partials,
                                       std::span<float> device_out) {
   return impl_->AllReduceTreeOnDevice(m, ranges, device_partials, device_out);
+}
+Status Session::AllReduce(std::span<std::byte> data, DType dtype, ReduceOp op) {
+  return impl_->Reduce("AllReduce", data, dtype, op, /*scatter=*/false);
+}
+Status Session::ReduceScatter(std::span<std::byte> data, DType dtype, ReduceOp op) {
+  return impl_->Reduce("ReduceScatter", data, dtype, op, /*scatter=*/true);
 }
 Status Session::AllGather(std::span<std::byte> data, size_t record_bytes) {
   NONSTOP_CHECK(record_bytes > 0 && data.size() == record_bytes * static_cast<size_t>(world_size()))

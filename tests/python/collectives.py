@@ -38,6 +38,69 @@ gathered = [torch.zeros(3, dtype=torch.float32) for _ in range(world)]
 dist.all_gather(gathered, torch.tensor([rank, rank * 2, rank * 3], dtype=torch.float32))
 out["all_gather"] = [g.tolist() for g in gathered]
 
+# Every operation on every type: the value, or "unsupported" where the backend refuses it.
+ops = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+       "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
+for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+              torch.int32, torch.int64, torch.bool):
+    for name, op in ops.items():
+        v = ((torch.arange(9) * 5 + rank * 3) % 7 - 2)
+        v = v.to(dtype) if dtype != torch.bool else v > 0
+        try:
+            dist.all_reduce(v, op=op)
+            out[f"all_reduce {dtype} {name}"] = v.tolist()
+        except (RuntimeError, ValueError, TypeError):
+            out[f"all_reduce {dtype} {name}"] = "unsupported"
+
+big = torch.full((3,), 2 ** 40 + rank, dtype=torch.int64)  # beyond float32's exact integers
+dist.all_reduce(big)
+out["all_reduce int64 large"] = big.tolist()
+
+r = torch.arange(4, dtype=torch.float64) + rank
+dist.reduce(r, dst=1)
+out["reduce"] = r.tolist() if rank == 1 else "not the root"
+
+g = torch.tensor([rank, rank + 10], dtype=torch.int32)
+glist = [torch.zeros(2, dtype=torch.int32) for _ in range(world)] if rank == 0 else None
+dist.gather(g, gather_list=glist, dst=0)
+out["gather"] = [x.tolist() for x in glist] if rank == 0 else "not the root"
+
+sc = torch.zeros(3)
+dist.scatter(sc, scatter_list=[torch.full((3,), 10.0 * i) for i in range(world)] if rank == 2 else None, src=2)
+out["scatter"] = sc.tolist()
+
+
+
+def record(key, call, result):
+    """out[key]: `result` after `call`, or "unsupported" where the backend refuses the call (Gloo's
+    reduce_scatter and all_gather_into_tensor in torch 1.13)."""
+    try:
+        call()
+        out[key] = result.tolist()
+    except RuntimeError as e:
+        if "does not support" not in str(e) and "no support" not in str(e):
+            raise
+        out[key] = "unsupported"
+
+
+rs = torch.zeros(2, dtype=torch.int64)
+record("reduce_scatter", lambda: dist.reduce_scatter(
+    rs, [torch.tensor([rank + i, rank * i], dtype=torch.int64) for i in range(world)], op=dist.ReduceOp.MAX), rs)
+into = torch.zeros(world * 2, dtype=torch.float64)
+gather_into = getattr(dist, "all_gather_into_tensor", None) or dist._all_gather_base
+record("all_gather_into_tensor", lambda: gather_into(into, torch.tensor([rank, -rank], dtype=torch.float64)), into)
+
+splits_in = [(rank + j) % 3 + 1 for j in range(world)]  # rank r sends (r + j) % 3 + 1 rows to rank j
+splits_out = [(s + rank) % 3 + 1 for s in range(world)]
+a2a_in = torch.arange(sum(splits_in), dtype=torch.float32) + 100 * rank
+a2a_out = torch.zeros(sum(splits_out))
+dist.all_to_all_single(a2a_out, a2a_in, output_split_sizes=splits_out, input_split_sizes=splits_in)
+out["all_to_all_single"] = a2a_out.tolist()
+
+objects = [None] * world
+dist.all_gather_object(objects, {"rank": rank, "text": "x" * rank})
+out["all_gather_object"] = objects
+
 work = dist.all_reduce(torch.ones(4), async_op=True)
 out["async_wait"] = bool(work.wait())
 dist.barrier()

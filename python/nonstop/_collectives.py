@@ -1,0 +1,208 @@
+"""torch.distributed's collectives beyond the gradient sum, over a nonstop session.
+
+ProcessGroup (distributed.py) hands each call here with the live session.
+Every reduction runs on nonstop's ring with the tensor's own type and
+operation (Session.AllReduce of any type, nonstop/reduce.h); the others are
+made of the ring's all-gather, reduce-scatter and broadcast. All are
+deterministic at a fixed world, and a fault inside any of them raises
+nonstop.Aborted, so the step that made it is run again. docs/python.md
+("torch.distributed over nonstop") lists what each call is made of.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _device
+
+# torch's element types that nonstop reduces, by the names nonstop/reduce.h gives them.
+_DTYPES = {
+    torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
+    torch.bool: "bool",
+}
+_OPS = [("SUM", "sum"), ("AVG", "avg"), ("PRODUCT", "product"), ("MIN", "min"), ("MAX", "max"),
+        ("BAND", "band"), ("BOR", "bor"), ("BXOR", "bxor")]
+
+
+def op_name(op: Any) -> str:
+    """nonstop's name of a torch ReduceOp ("sum", "avg", ...)."""
+    for attr, name in _OPS:
+        if hasattr(dist.ReduceOp, attr) and op == getattr(dist.ReduceOp, attr):
+            return name
+    raise ValueError(f"nonstop reduces with SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR and BXOR; got {op}")
+
+
+def check_bytes(t: Any, what: str) -> None:
+    _device.device_index(t, what)
+    if not t.is_contiguous():
+        raise ValueError(f"{what} is not contiguous: pass .contiguous()")
+
+
+def nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def reduce_in_place(session: Any, tensor: Any, op: Any, what: str, scatter: bool = False) -> None:
+    """`tensor` reduced across the world in place by `op` (a torch ReduceOp); with `scatter`,
+    only this rank's chunk of it (rank·n/W to (rank+1)·n/W) is the reduction's."""
+    name = op_name(op)
+    if tensor.dtype not in _DTYPES:
+        raise TypeError(f"nonstop's {what} reduces {', '.join(str(d) for d in _DTYPES)} tensors, got {tensor.dtype}")
+    average = name == "avg"
+    if average and not tensor.is_floating_point():
+        raise ValueError(f"{what} with ReduceOp.AVG takes a floating-point tensor, got {tensor.dtype}: "
+                         "sum it and divide")
+    check_bytes(tensor, f"the tensor of {what}")
+    dtype, reduce_op = _DTYPES[tensor.dtype], "sum" if average else name
+    _device.on_host(tensor, what, lambda host: session._core.reduce(host.data_ptr(), nbytes(host), dtype, reduce_op,
+                                                                     scatter))
+    if average:
+        tensor.div_(session.world_size)
+
+
+def reduce(session: Any, tensors: List[Any], opts: Any) -> None:
+    """reduce: the world's reduction on the root; every other rank's tensor is left as it was."""
+    tensor = one(tensors, "reduce")
+    root = int(opts.rootRank)
+    work = tensor if session.rank == root else tensor.clone()
+    reduce_in_place(session, work, opts.reduceOp, "reduce")
+
+
+def allgather_into(session: Any, output: Any, tensor: Any, what: str) -> None:
+    """`output` (world × tensor's elements, contiguous) gets every rank's `tensor` in rank order."""
+    world = session.world_size
+    if output.dtype != tensor.dtype or output.numel() != world * tensor.numel():
+        raise ValueError(f"{what}: the output is {output.dtype} x {output.numel()} for an input of {tensor.dtype} x "
+                         f"{tensor.numel()} at a world of {world}: it must hold {world} inputs")
+    check_bytes(tensor, f"the input of {what}")
+    check_bytes(output, f"the output of {what}")
+    flat = output.view(-1)
+    flat[session.rank * tensor.numel():(session.rank + 1) * tensor.numel()].copy_(tensor.reshape(-1))
+    if nbytes(tensor):
+        _device.on_host(output, what, lambda host: session._core.allgather(host.data_ptr(), nbytes(tensor)))
+
+
+def allgather(session: Any, outputs: List[Any], tensor: Any, what: str = "all_gather") -> None:
+    world = session.world_size
+    if len(outputs) != world:
+        raise ValueError(f"{what}'s output list has {len(outputs)} tensors for a world of {world}")
+    for i, out in enumerate(outputs):
+        if out.dtype != tensor.dtype or out.numel() != tensor.numel():
+            raise ValueError(f"{what}'s output {i} is {out.dtype} x {out.numel()}, the input "
+                             f"{tensor.dtype} x {tensor.numel()}: they must match")
+    gathered = torch.empty((world, tensor.numel()), dtype=tensor.dtype)
+    allgather_into(session, gathered, tensor.contiguous().cpu(), what)
+    for i, out in enumerate(outputs):
+        out.copy_(gathered[i].view_as(out))
+
+
+def gather(session: Any, outputs: List[List[Any]], inputs: List[Any], opts: Any) -> None:
+    """gather: the ring's all-gather, kept by the root alone."""
+    tensor = one(inputs, "gather")
+    root = int(opts.rootRank)
+    if session.rank == root:
+        if len(outputs) != 1:
+            raise ValueError(f"gather's root takes one gather_list, got {len(outputs)}")
+        allgather(session, outputs[0], tensor, "gather")
+    else:
+        if outputs and outputs[0]:
+            raise ValueError(f"gather: only the root (rank {root}) passes a gather_list")
+        scratch = [torch.empty_like(tensor, device="cpu") for _ in range(session.world_size)]
+        allgather(session, scratch, tensor, "gather")
+
+
+def scatter(session: Any, outputs: List[Any], inputs: List[List[Any]], opts: Any) -> None:
+    """scatter: the root's list broadcast whole; each rank keeps its own part."""
+    tensor = one(outputs, "scatter")
+    root, world = int(opts.rootRank), session.world_size
+    whole = torch.empty((world, tensor.numel()), dtype=tensor.dtype)
+    if session.rank == root:
+        if len(inputs) != 1 or len(inputs[0]) != world:
+            raise ValueError(f"scatter's root takes a scatter_list of {world} tensors")
+        for i, part in enumerate(inputs[0]):
+            if part.dtype != tensor.dtype or part.numel() != tensor.numel():
+                raise ValueError(f"scatter's tensor {i} is {part.dtype} x {part.numel()}, the output "
+                                 f"{tensor.dtype} x {tensor.numel()}: they must match")
+            whole[i].copy_(part.reshape(-1))
+    elif inputs and inputs[0]:
+        raise ValueError(f"scatter: only the root (rank {root}) passes a scatter_list")
+    if nbytes(whole):
+        session._core.broadcast(whole.data_ptr(), nbytes(whole), root)
+    tensor.copy_(whole[session.rank].view_as(tensor))
+
+
+def reduce_scatter(session: Any, output: Any, inputs: Sequence[Any], op: Any, what: str) -> None:
+    """reduce_scatter: the ring's reduce-scatter over the inputs laid end to end."""
+    world = session.world_size
+    if len(inputs) != world:
+        raise ValueError(f"{what} takes {world} input tensors (one a rank), got {len(inputs)}")
+    for i, t in enumerate(inputs):
+        if t.dtype != output.dtype or t.numel() != output.numel():
+            raise ValueError(f"{what}'s input {i} is {t.dtype} x {t.numel()}, the output "
+                             f"{output.dtype} x {output.numel()}: they must match")
+    whole = torch.cat([t.reshape(-1).cpu() for t in inputs]) if output.numel() else output.new_empty(0)
+    reduce_in_place(session, whole, op, what, scatter=True)
+    n = output.numel()
+    output.copy_(whole[session.rank * n:(session.rank + 1) * n].view_as(output))
+
+
+def alltoall(session: Any, outputs: List[Any], inputs: List[Any]) -> None:
+    """all_to_all: rank r's input j goes to rank j's output r. Every rank's inputs are
+    all-gathered (padded to the largest) and each keeps the parts sent to it."""
+    world = session.world_size
+    if len(inputs) != world or len(outputs) != world:
+        raise ValueError(f"all_to_all takes {world} input and {world} output tensors, got "
+                         f"{len(inputs)} and {len(outputs)}")
+    dtype = inputs[0].dtype
+    if any(t.dtype != dtype for t in list(inputs) + list(outputs)):
+        raise ValueError("all_to_all's tensors must all have one dtype")
+    sizes = torch.tensor([t.numel() for t in inputs], dtype=torch.int64)
+    every = torch.empty((world, world), dtype=torch.int64)
+    allgather_into(session, every, sizes, "all_to_all")  # every[s][j]: what rank s sends rank j
+    for s in range(world):
+        if int(every[s][session.rank]) != outputs[s].numel():
+            raise ValueError(f"all_to_all: rank {s} sends this rank {int(every[s][session.rank])} elements, its "
+                             f"output {s} holds {outputs[s].numel()}")
+    longest = int(every.sum(dim=1).max())
+    mine = torch.zeros(longest, dtype=dtype)
+    if sizes.sum():
+        torch.cat([t.reshape(-1).cpu() for t in inputs], out=mine[:int(sizes.sum())])
+    gathered = torch.empty((world, longest), dtype=dtype)
+    allgather_into(session, gathered, mine, "all_to_all")
+    for s in range(world):
+        begin = int(every[s][:session.rank].sum())
+        outputs[s].copy_(gathered[s][begin:begin + outputs[s].numel()].view_as(outputs[s]))
+
+
+def alltoall_base(session: Any, output: Any, tensor: Any, output_splits: List[int], input_splits: List[int]) -> None:
+    """all_to_all_single: equal splits of the first dimension, or the ones given."""
+    world = session.world_size
+
+    def parts(t: Any, splits: List[int], what: str) -> List[Any]:
+        if t.dim() == 0:
+            raise ValueError(f"all_to_all_single: the {what} is a scalar; it splits along its first dimension")
+        if not splits:
+            if t.shape[0] % world:
+                raise ValueError(f"all_to_all_single: the {what}'s first dimension ({t.shape[0]}) is not a multiple "
+                                 f"of the world ({world}): pass its split sizes")
+            splits = [t.shape[0] // world] * world
+        if len(splits) != world or sum(splits) != t.shape[0]:
+            raise ValueError(f"all_to_all_single: {what} split sizes {list(splits)} do not cut its {t.shape[0]} "
+                             f"rows into {world} parts")
+        return list(torch.split(t, list(splits)))
+
+    inputs, outputs = parts(tensor, input_splits, "input"), parts(output, output_splits, "output")
+    received = [torch.empty(o.shape, dtype=o.dtype) for o in outputs]
+    alltoall(session, received, [i.contiguous() for i in inputs])
+    for o, r in zip(outputs, received):
+        o.copy_(r)
+
+
+def one(tensors: List[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"nonstop's {what} takes one tensor per process, got {len(tensors)}")
+    return tensors[0]
