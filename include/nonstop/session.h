@@ -313,15 +313,27 @@ class Session {
   // count, a flag, a metric): not a step boundary. INVALID_ARGUMENT, having
   // moved nothing, where `op` does not apply to `dtype` or the size is not a
   // whole number of elements.
-  Status AllReduce(std::span<std::byte> data, DType dtype, ReduceOp op);
+  //
+  // `group`, here and in the four calls below: 0 for the world, or an id from
+  // NewGroup, whose ranks alone take part (`root` and `rank` are then ranks of
+  // the group).
+  Status AllReduce(std::span<std::byte> data, DType dtype, ReduceOp op, int group = 0);
   // The same reduction, after which this rank holds its chunk of it, elements
   // [rank·n/W, (rank+1)·n/W) of the n; the other chunks are unspecified.
-  Status ReduceScatter(std::span<std::byte> data, DType dtype, ReduceOp op);
+  Status ReduceScatter(std::span<std::byte> data, DType dtype, ReduceOp op, int group = 0);
   // Every member contributes one record of `record_bytes`: `data` holds
   // world_size() records, this rank's at rank() × record_bytes; afterwards
   // each holds its rank's. Not a step boundary.
-  Status AllGather(std::span<std::byte> data, size_t record_bytes);
-  Status Broadcast(std::span<std::byte> data, int root);
+  Status AllGather(std::span<std::byte> data, size_t record_bytes, int group = 0);
+  Status Broadcast(std::span<std::byte> data, int root, int group = 0);
+  // A subgroup of this generation's ranks (torch.distributed's new_group):
+  // `ranks`, distinct, in the group's rank order, this rank among them; only
+  // they call it, each in the same order as the others of the group. Returns
+  // the group's id for the collectives' `group`. After a change of membership
+  // a group works on while each of its ranks is held by the worker that held
+  // it when the group was made; otherwise its collectives return
+  // FAILED_PRECONDITION naming the rank that changed (make it again).
+  Result<int> NewGroup(std::vector<int> ranks);
 
   // Sharded optimizer state (ZeRO-1, docs/sharding.md). With a registry whose
   // sharded regions use groups of G (StateRegistry::RegisterShard), the world
@@ -351,7 +363,7 @@ class Session {
   // be done (synchronized) before the call.
   Status ReduceShardsOnDevice(std::span<float> device_data);
   Status GatherShardsOnDevice(std::span<std::byte> device_data, size_t element_bytes);
-  Status Barrier();
+  Status Barrier(int group = 0);
 
   // True once the current generation has been aborted (a member failed): the
   // step in flight is lost, so a loop can stop computing it and call

@@ -1,6 +1,6 @@
 """torch.distributed's collectives beyond the gradient sum, over a nonstop session.
 
-ProcessGroup (distributed.py) hands each call here with the live session.
+ProcessGroup (distributed.py) hands each call here with the ranks it runs over (Comm).
 Every reduction runs on nonstop's ring with the tensor's own type and
 operation (Session.AllReduce of any type, nonstop/reduce.h); the others are
 made of the ring's all-gather, reduce-scatter and broadcast. All are
@@ -28,6 +28,34 @@ _OPS = [("SUM", "sum"), ("AVG", "avg"), ("PRODUCT", "product"), ("MIN", "min"), 
         ("BAND", "band"), ("BOR", "bor"), ("BXOR", "bxor")]
 
 
+class Comm:
+    """The ranks a collective runs over: the world's (group 0), or a subgroup's (Session.new_group's
+    id and the world ranks it was made of, in its rank order)."""
+
+    def __init__(self, session: Any, group: int = 0, ranks: Sequence[int] = ()) -> None:
+        self.session, self.group, self.ranks = session, group, list(ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self.session.rank) if self.group else self.session.rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks) if self.group else self.session.world_size
+
+    def reduce(self, address: int, size: int, dtype: str, op: str, scatter: bool = False) -> None:
+        self.session._core.reduce(address, size, dtype, op, scatter, group=self.group)
+
+    def allgather(self, address: int, record_bytes: int) -> None:
+        self.session._core.allgather(address, record_bytes, self.world_size, group=self.group)
+
+    def broadcast(self, address: int, size: int, root: int) -> None:
+        self.session._core.broadcast(address, size, root, group=self.group)
+
+    def barrier(self) -> None:
+        self.session._core.barrier(group=self.group)
+
+
 def op_name(op: Any) -> str:
     """nonstop's name of a torch ReduceOp ("sum", "avg", ...)."""
     for attr, name in _OPS:
@@ -46,7 +74,7 @@ def nbytes(t: Any) -> int:
     return t.numel() * t.element_size()
 
 
-def reduce_in_place(session: Any, tensor: Any, op: Any, what: str, scatter: bool = False) -> None:
+def reduce_in_place(comm: Any, tensor: Any, op: Any, what: str, scatter: bool = False) -> None:
     """`tensor` reduced across the world in place by `op` (a torch ReduceOp); with `scatter`,
     only this rank's chunk of it (rank·n/W to (rank+1)·n/W) is the reduction's."""
     name = op_name(op)
@@ -58,36 +86,35 @@ def reduce_in_place(session: Any, tensor: Any, op: Any, what: str, scatter: bool
                          "sum it and divide")
     check_bytes(tensor, f"the tensor of {what}")
     dtype, reduce_op = _DTYPES[tensor.dtype], "sum" if average else name
-    _device.on_host(tensor, what, lambda host: session._core.reduce(host.data_ptr(), nbytes(host), dtype, reduce_op,
-                                                                     scatter))
+    _device.on_host(tensor, what, lambda host: comm.reduce(host.data_ptr(), nbytes(host), dtype, reduce_op, scatter))
     if average:
-        tensor.div_(session.world_size)
+        tensor.div_(comm.world_size)
 
 
-def reduce(session: Any, tensors: List[Any], opts: Any) -> None:
+def reduce(comm: Any, tensors: List[Any], opts: Any) -> None:
     """reduce: the world's reduction on the root; every other rank's tensor is left as it was."""
     tensor = one(tensors, "reduce")
     root = int(opts.rootRank)
-    work = tensor if session.rank == root else tensor.clone()
-    reduce_in_place(session, work, opts.reduceOp, "reduce")
+    work = tensor if comm.rank == root else tensor.clone()
+    reduce_in_place(comm, work, opts.reduceOp, "reduce")
 
 
-def allgather_into(session: Any, output: Any, tensor: Any, what: str) -> None:
+def allgather_into(comm: Any, output: Any, tensor: Any, what: str) -> None:
     """`output` (world × tensor's elements, contiguous) gets every rank's `tensor` in rank order."""
-    world = session.world_size
+    world = comm.world_size
     if output.dtype != tensor.dtype or output.numel() != world * tensor.numel():
         raise ValueError(f"{what}: the output is {output.dtype} x {output.numel()} for an input of {tensor.dtype} x "
                          f"{tensor.numel()} at a world of {world}: it must hold {world} inputs")
     check_bytes(tensor, f"the input of {what}")
     check_bytes(output, f"the output of {what}")
     flat = output.view(-1)
-    flat[session.rank * tensor.numel():(session.rank + 1) * tensor.numel()].copy_(tensor.reshape(-1))
+    flat[comm.rank * tensor.numel():(comm.rank + 1) * tensor.numel()].copy_(tensor.reshape(-1))
     if nbytes(tensor):
-        _device.on_host(output, what, lambda host: session._core.allgather(host.data_ptr(), nbytes(tensor)))
+        _device.on_host(output, what, lambda host: comm.allgather(host.data_ptr(), nbytes(tensor)))
 
 
-def allgather(session: Any, outputs: List[Any], tensor: Any, what: str = "all_gather") -> None:
-    world = session.world_size
+def allgather(comm: Any, outputs: List[Any], tensor: Any, what: str = "all_gather") -> None:
+    world = comm.world_size
     if len(outputs) != world:
         raise ValueError(f"{what}'s output list has {len(outputs)} tensors for a world of {world}")
     for i, out in enumerate(outputs):
@@ -95,32 +122,32 @@ def allgather(session: Any, outputs: List[Any], tensor: Any, what: str = "all_ga
             raise ValueError(f"{what}'s output {i} is {out.dtype} x {out.numel()}, the input "
                              f"{tensor.dtype} x {tensor.numel()}: they must match")
     gathered = torch.empty((world, tensor.numel()), dtype=tensor.dtype)
-    allgather_into(session, gathered, tensor.contiguous().cpu(), what)
+    allgather_into(comm, gathered, tensor.contiguous().cpu(), what)
     for i, out in enumerate(outputs):
         out.copy_(gathered[i].view_as(out))
 
 
-def gather(session: Any, outputs: List[List[Any]], inputs: List[Any], opts: Any) -> None:
+def gather(comm: Any, outputs: List[List[Any]], inputs: List[Any], opts: Any) -> None:
     """gather: the ring's all-gather, kept by the root alone."""
     tensor = one(inputs, "gather")
     root = int(opts.rootRank)
-    if session.rank == root:
+    if comm.rank == root:
         if len(outputs) != 1:
             raise ValueError(f"gather's root takes one gather_list, got {len(outputs)}")
-        allgather(session, outputs[0], tensor, "gather")
+        allgather(comm, outputs[0], tensor, "gather")
     else:
         if outputs and outputs[0]:
             raise ValueError(f"gather: only the root (rank {root}) passes a gather_list")
-        scratch = [torch.empty_like(tensor, device="cpu") for _ in range(session.world_size)]
-        allgather(session, scratch, tensor, "gather")
+        scratch = [torch.empty_like(tensor, device="cpu") for _ in range(comm.world_size)]
+        allgather(comm, scratch, tensor, "gather")
 
 
-def scatter(session: Any, outputs: List[Any], inputs: List[List[Any]], opts: Any) -> None:
+def scatter(comm: Any, outputs: List[Any], inputs: List[List[Any]], opts: Any) -> None:
     """scatter: the root's list broadcast whole; each rank keeps its own part."""
     tensor = one(outputs, "scatter")
-    root, world = int(opts.rootRank), session.world_size
+    root, world = int(opts.rootRank), comm.world_size
     whole = torch.empty((world, tensor.numel()), dtype=tensor.dtype)
-    if session.rank == root:
+    if comm.rank == root:
         if len(inputs) != 1 or len(inputs[0]) != world:
             raise ValueError(f"scatter's root takes a scatter_list of {world} tensors")
         for i, part in enumerate(inputs[0]):
@@ -131,13 +158,13 @@ def scatter(session: Any, outputs: List[Any], inputs: List[List[Any]], opts: Any
     elif inputs and inputs[0]:
         raise ValueError(f"scatter: only the root (rank {root}) passes a scatter_list")
     if nbytes(whole):
-        session._core.broadcast(whole.data_ptr(), nbytes(whole), root)
-    tensor.copy_(whole[session.rank].view_as(tensor))
+        comm.broadcast(whole.data_ptr(), nbytes(whole), root)
+    tensor.copy_(whole[comm.rank].view_as(tensor))
 
 
-def reduce_scatter(session: Any, output: Any, inputs: Sequence[Any], op: Any, what: str) -> None:
+def reduce_scatter(comm: Any, output: Any, inputs: Sequence[Any], op: Any, what: str) -> None:
     """reduce_scatter: the ring's reduce-scatter over the inputs laid end to end."""
-    world = session.world_size
+    world = comm.world_size
     if len(inputs) != world:
         raise ValueError(f"{what} takes {world} input tensors (one a rank), got {len(inputs)}")
     for i, t in enumerate(inputs):
@@ -145,15 +172,15 @@ def reduce_scatter(session: Any, output: Any, inputs: Sequence[Any], op: Any, wh
             raise ValueError(f"{what}'s input {i} is {t.dtype} x {t.numel()}, the output "
                              f"{output.dtype} x {output.numel()}: they must match")
     whole = torch.cat([t.reshape(-1).cpu() for t in inputs]) if output.numel() else output.new_empty(0)
-    reduce_in_place(session, whole, op, what, scatter=True)
+    reduce_in_place(comm, whole, op, what, scatter=True)
     n = output.numel()
-    output.copy_(whole[session.rank * n:(session.rank + 1) * n].view_as(output))
+    output.copy_(whole[comm.rank * n:(comm.rank + 1) * n].view_as(output))
 
 
-def alltoall(session: Any, outputs: List[Any], inputs: List[Any]) -> None:
+def alltoall(comm: Any, outputs: List[Any], inputs: List[Any]) -> None:
     """all_to_all: rank r's input j goes to rank j's output r. Every rank's inputs are
     all-gathered (padded to the largest) and each keeps the parts sent to it."""
-    world = session.world_size
+    world = comm.world_size
     if len(inputs) != world or len(outputs) != world:
         raise ValueError(f"all_to_all takes {world} input and {world} output tensors, got "
                          f"{len(inputs)} and {len(outputs)}")
@@ -162,25 +189,25 @@ def alltoall(session: Any, outputs: List[Any], inputs: List[Any]) -> None:
         raise ValueError("all_to_all's tensors must all have one dtype")
     sizes = torch.tensor([t.numel() for t in inputs], dtype=torch.int64)
     every = torch.empty((world, world), dtype=torch.int64)
-    allgather_into(session, every, sizes, "all_to_all")  # every[s][j]: what rank s sends rank j
+    allgather_into(comm, every, sizes, "all_to_all")  # every[s][j]: what rank s sends rank j
     for s in range(world):
-        if int(every[s][session.rank]) != outputs[s].numel():
-            raise ValueError(f"all_to_all: rank {s} sends this rank {int(every[s][session.rank])} elements, its "
+        if int(every[s][comm.rank]) != outputs[s].numel():
+            raise ValueError(f"all_to_all: rank {s} sends this rank {int(every[s][comm.rank])} elements, its "
                              f"output {s} holds {outputs[s].numel()}")
     longest = int(every.sum(dim=1).max())
     mine = torch.zeros(longest, dtype=dtype)
     if sizes.sum():
         torch.cat([t.reshape(-1).cpu() for t in inputs], out=mine[:int(sizes.sum())])
     gathered = torch.empty((world, longest), dtype=dtype)
-    allgather_into(session, gathered, mine, "all_to_all")
+    allgather_into(comm, gathered, mine, "all_to_all")
     for s in range(world):
-        begin = int(every[s][:session.rank].sum())
+        begin = int(every[s][:comm.rank].sum())
         outputs[s].copy_(gathered[s][begin:begin + outputs[s].numel()].view_as(outputs[s]))
 
 
-def alltoall_base(session: Any, output: Any, tensor: Any, output_splits: List[int], input_splits: List[int]) -> None:
+def alltoall_base(comm: Any, output: Any, tensor: Any, output_splits: List[int], input_splits: List[int]) -> None:
     """all_to_all_single: equal splits of the first dimension, or the ones given."""
-    world = session.world_size
+    world = comm.world_size
 
     def parts(t: Any, splits: List[int], what: str) -> List[Any]:
         if t.dim() == 0:
@@ -197,7 +224,7 @@ def alltoall_base(session: Any, output: Any, tensor: Any, output_splits: List[in
 
     inputs, outputs = parts(tensor, input_splits, "input"), parts(output, output_splits, "output")
     received = [torch.empty(o.shape, dtype=o.dtype) for o in outputs]
-    alltoall(session, received, [i.contiguous() for i in inputs])
+    alltoall(comm, received, [i.contiguous() for i in inputs])
     for o, r in zip(outputs, received):
         o.copy_(r)
 

@@ -205,6 +205,10 @@ class ProcessGroup(_TorchProcessGroup):
         return BACKEND
 
     @property
+    def _comm(self) -> _collectives.Comm:
+        return _collectives.Comm(self._session)
+
+    @property
     def _local(self) -> bool:
         return _before_first_step
 
@@ -245,7 +249,7 @@ class ProcessGroup(_TorchProcessGroup):
         if self._local:
             raise RuntimeError(f"{what} before this worker's first step: it joined a running job, whose members "
                                "make no such call now; reduce inside the training steps")
-        _collectives.reduce_in_place(self._session, tensor, op, what)
+        _collectives.reduce_in_place(self._comm, tensor, op, what)
         return _Work([tensor])
 
     def _allreduce_as_float32(self, tensor: Any, average: bool = False) -> _Work:
@@ -289,8 +293,7 @@ class ProcessGroup(_TorchProcessGroup):
         _check_bytes(tensor, "the tensor of broadcast")
         if not self._local:
             root = int(opts.rootRank) if opts is not None else 0
-            _device.on_host(tensor, "broadcast",
-                            lambda host: self._session._core.broadcast(host.data_ptr(), _nbytes(host), root))
+            _device.on_host(tensor, "broadcast", lambda host: self._comm.broadcast(host.data_ptr(), _nbytes(host), root))
         return _Work(tensors)
 
     def allgather(self, output_lists: List[List[Any]], inputs: List[Any], opts: Any = None) -> _Work:
@@ -302,81 +305,101 @@ class ProcessGroup(_TorchProcessGroup):
             for out in output_lists[0]:
                 out.copy_(tensor)
             return _Work(output_lists)
-        _collectives.allgather(self._session, output_lists[0], tensor)
+        _collectives.allgather(self._comm, output_lists[0], tensor)
         return _Work(output_lists)
 
     def _allgather_base(self, output: Any, tensor: Any, opts: Any = None) -> _Work:
         self._refuse_local("all_gather_into_tensor")
-        _collectives.allgather_into(self._session, output, tensor, "all_gather_into_tensor")
+        _collectives.allgather_into(self._comm, output, tensor, "all_gather_into_tensor")
         return _Work([output])
 
     def allgather_coalesced(self, output_lists: List[List[Any]], inputs: List[Any], opts: Any = None) -> _Work:
         self._refuse_local("all_gather_coalesced")
-        if len(output_lists) != self._session.world_size:
+        if len(output_lists) != self._comm.world_size:
             raise ValueError(f"all_gather_coalesced takes one output list a rank, got {len(output_lists)}")
         for i, tensor in enumerate(inputs):
-            _collectives.allgather(self._session, [out[i] for out in output_lists], tensor, "all_gather_coalesced")
+            _collectives.allgather(self._comm, [out[i] for out in output_lists], tensor, "all_gather_coalesced")
         return _Work(output_lists)
 
     def allreduce_coalesced(self, tensors: List[Any], opts: Any = None) -> _Work:
         self._refuse_local("all_reduce_coalesced")
         for tensor in tensors:
-            _collectives.reduce_in_place(self._session, tensor, opts.reduceOp, "all_reduce_coalesced")
+            _collectives.reduce_in_place(self._comm, tensor, opts.reduceOp, "all_reduce_coalesced")
         return _Work(tensors)
 
     def reduce(self, tensors: List[Any], opts: Any = None) -> _Work:
         self._refuse_local("reduce")
-        _collectives.reduce(self._session, tensors, opts)
+        _collectives.reduce(self._comm, tensors, opts)
         return _Work(tensors)
 
     def gather(self, output_lists: List[List[Any]], inputs: List[Any], opts: Any = None) -> _Work:
         self._refuse_local("gather")
-        _collectives.gather(self._session, output_lists, inputs, opts)
+        _collectives.gather(self._comm, output_lists, inputs, opts)
         return _Work(inputs)
 
     def scatter(self, outputs: List[Any], input_lists: List[List[Any]], opts: Any = None) -> _Work:
         self._refuse_local("scatter")
-        _collectives.scatter(self._session, outputs, input_lists, opts)
+        _collectives.scatter(self._comm, outputs, input_lists, opts)
         return _Work(outputs)
 
     def reduce_scatter(self, outputs: List[Any], input_lists: List[List[Any]], opts: Any = None) -> _Work:
         self._refuse_local("reduce_scatter")
         if len(input_lists) != 1:
             raise ValueError(f"reduce_scatter takes one input list per output tensor, got {len(input_lists)}")
-        _collectives.reduce_scatter(self._session, _one(outputs, "reduce_scatter"), input_lists[0],
+        _collectives.reduce_scatter(self._comm, _one(outputs, "reduce_scatter"), input_lists[0],
                                     opts.reduceOp, "reduce_scatter")
         return _Work(outputs)
 
     def _reduce_scatter_base(self, output: Any, tensor: Any, opts: Any = None) -> _Work:
         self._refuse_local("reduce_scatter_tensor")
-        world = self._session.world_size
+        world = self._comm.world_size
         if tensor.numel() != world * output.numel():
             raise ValueError(f"reduce_scatter_tensor: the input has {tensor.numel()} elements for an output of "
                              f"{output.numel()} at a world of {world}")
-        _collectives.reduce_scatter(self._session, output, list(tensor.reshape(-1).chunk(world)) if output.numel()
+        _collectives.reduce_scatter(self._comm, output, list(tensor.reshape(-1).chunk(world)) if output.numel()
                                     else [tensor] * world, opts.reduceOp, "reduce_scatter_tensor")
         return _Work([output])
 
     def alltoall(self, outputs: List[Any], inputs: List[Any], opts: Any = None) -> _Work:
         self._refuse_local("all_to_all")
-        _collectives.alltoall(self._session, outputs, inputs)
+        _collectives.alltoall(self._comm, outputs, inputs)
         return _Work(outputs)
 
     def alltoall_base(self, output: Any, tensor: Any, output_splits: List[int], input_splits: List[int],
                       opts: Any = None) -> _Work:
         self._refuse_local("all_to_all_single")
-        _collectives.alltoall_base(self._session, output, tensor, output_splits, input_splits)
+        _collectives.alltoall_base(self._comm, output, tensor, output_splits, input_splits)
         return _Work([output])
 
     def barrier(self, opts: Any = None) -> _Work:
         if not self._local:
-            self._session._core.barrier()
+            self._comm.barrier()
         return _Work([])
 
     def _refuse_local(self, what: str) -> None:
         if self._local:
             raise RuntimeError(f"{what} before this worker's first step: it joined a running job, whose members "
                                "make no such call now; call it inside the training steps")
+
+
+class _SubGroup(ProcessGroup):
+    """A group of some of the world's ranks (new_group, new_subgroups): its collectives run on a
+    communicator over them alone (Session::NewGroup), none of them a step's gradient sum. After a
+    change of membership it works on while each of its ranks is held by the same worker; otherwise
+    each call raises, naming the rank that changed."""
+
+    def __init__(self, session: Session, ranks: List[int], rank: int, size: int) -> None:
+        super().__init__(session, rank, size)
+        self._ranks = list(ranks)
+        self._id = session._core.new_group(self._ranks)
+
+    @property
+    def _comm(self) -> _collectives.Comm:
+        return _collectives.Comm(self._session, self._id, self._ranks)
+
+    def allreduce(self, tensors: List[Any], opts: Any = None) -> _Work:
+        return self._reduce(_one(tensors, "all_reduce"), opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
+                            "all_reduce")
 
 
 def _first_step() -> None:
@@ -446,19 +469,38 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> ProcessGroup:
     if _session is None:
         raise RuntimeError("the 'nonstop' backend is made by nonstop.torch.init_process_group(model, optimizer, "
                            "loader), which joins the job first: call that instead of dist.init_process_group")
-    if size != _session.world_size or rank != _session.rank:
-        raise ValueError(f"nonstop's group spans the whole world ({_session.world_size} ranks): a subgroup "
-                         f"(new_group, here {size} ranks) is not supported")
-    return ProcessGroup(_session, rank, size)
+    if size == _session.world_size and rank == _session.rank:
+        return ProcessGroup(_session, rank, size)
+    return _SubGroup(_session, _ranks_of_the_group_being_made(size), rank, size)
+
+
+def _ranks_of_the_group_being_made(size: int) -> List[int]:
+    """torch hands a backend's creator the group's rank and size, not its ranks: they are the
+    `global_ranks_in_group` of torch's _new_process_group_helper, which calls it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        ranks = frame.f_locals.get("global_ranks_in_group")
+        if ranks is not None and len(ranks) == size:
+            return [int(r) for r in ranks]
+        frame = frame.f_back
+    raise RuntimeError("a nonstop group of fewer ranks than the world is made by torch.distributed.new_group "
+                       f"(its ranks were not found among the callers); here {size} of {_session.world_size}")
 
 
 def _form_default_group(session: Session) -> None:
     if not hasattr(dist.Backend, BACKEND.upper()):
         dist.Backend.register_backend(BACKEND, _create)
+    # Torch's registry of groups is emptied with the default group; the script's subgroups are
+    # kept in it (each says itself whether it still holds after the change).
+    c10d = dist.distributed_c10d
+    tables = [getattr(c10d, name) for name in ("_pg_map", "_pg_names", "_pg_group_ranks") if hasattr(c10d, name)]
+    kept = [(table, pg, table[pg]) for table in tables for pg in list(table) if isinstance(pg, _SubGroup)]
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group(BACKEND, store=_Store(session.world_size), rank=session.rank,
                             world_size=session.world_size)
+    for table, pg, entry in kept:
+        table[pg] = entry
     for name, value in session._core.torchrun_environment():
         os.environ[name] = value
 

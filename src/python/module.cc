@@ -586,30 +586,43 @@ void BindSession(py::module_& m) {
       .def(
           "reduce",
           [](PySession& p, uintptr_t address, size_t nbytes, const std::string& dtype,
-             const std::string& op, bool scatter) {
+             const std::string& op, bool scatter, int group) {
             const DType d = DTypeNamed(dtype);
             const ReduceOp o = ReduceOpNamed(op);
             Check(p.Drained([&] {
-              return scatter ? p.s().ReduceScatter(Bytes(address, nbytes), d, o)
-                             : p.s().AllReduce(Bytes(address, nbytes), d, o);
+              return scatter ? p.s().ReduceScatter(Bytes(address, nbytes), d, o, group)
+                             : p.s().AllReduce(Bytes(address, nbytes), d, o, group);
             }));
           },
           py::arg("address"), py::arg("nbytes"), py::arg("dtype"), py::arg("op"),
-          py::arg("scatter") = false)
+          py::arg("scatter") = false, py::arg("group") = 0)
+      .def("new_group",
+           [](PySession& p, std::vector<int> ranks) {
+             Result<int> id = p.s().NewGroup(std::move(ranks));
+             Check(id.status());
+             return *id;
+           })
       .def("start_allreduce", &PySession::Start, py::arg("tensor"), py::arg("address"),
            py::arg("count"), py::arg("done") = py::none())
-      .def("broadcast",
-           [](PySession& p, uintptr_t address, size_t nbytes, int root) {
-             Check(p.Drained([&] { return p.s().Broadcast(Bytes(address, nbytes), root); }));
-           })
-      .def("allgather",
-           [](PySession& p, uintptr_t address, size_t record_bytes) {
-             Check(p.Drained([&] {
-               return p.s().AllGather(Bytes(address, record_bytes * p.s().world_size()),
-                                      record_bytes);
-             }));
-           })
-      .def("barrier", [](PySession& p) { Check(p.Drained([&] { return p.s().Barrier(); })); })
+      .def(
+          "broadcast",
+          [](PySession& p, uintptr_t address, size_t nbytes, int root, int group) {
+            Check(p.Drained([&] { return p.s().Broadcast(Bytes(address, nbytes), root, group); }));
+          },
+          py::arg("address"), py::arg("nbytes"), py::arg("root"), py::arg("group") = 0)
+      // `records` of `record_bytes` at `address`: one a rank of the world or of `group`.
+      .def(
+          "allgather",
+          [](PySession& p, uintptr_t address, size_t record_bytes, size_t records, int group) {
+            Check(p.Drained([&] {
+              return p.s().AllGather(Bytes(address, record_bytes * records), record_bytes, group);
+            }));
+          },
+          py::arg("address"), py::arg("record_bytes"), py::arg("records"), py::arg("group") = 0)
+      .def(
+          "barrier",
+          [](PySession& p, int group) { Check(p.Drained([&] { return p.s().Barrier(group); })); },
+          py::arg("group") = 0)
       // Sharded optimizer state (nonstop.torch.ShardedOptimizer, docs/sharding.md).
       .def_property_readonly("shard", [](PySession& p) { return p.s().shard(); })
       .def_property_readonly("shard_group", [](PySession& p) { return p.s().shard_group(); })

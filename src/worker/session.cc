@@ -37,6 +37,7 @@
 #include "worker/replica_check.h"
 #include "worker/session_testing.h"
 #include "worker/state_transfer.h"
+#include "worker/user_groups.h"
 
 namespace nonstop {
 
@@ -745,6 +746,7 @@ class SessionImpl {
       resume_step_ = plan.resume_step;
     }
     SetLogRole(fmt::format("rank {}", co.rank));
+    user_groups_.NewGeneration();
     member_ids_.clear();
     member_hosts_.clear();
     for (const collective::Member& m : co.members) {
@@ -1155,8 +1157,14 @@ class SessionImpl {
   }
 
   // Session::AllReduce and ReduceScatter of any type and operation (`what` names the call).
+  // The communicator of `group` (Session::NewGroup; 0: the world's).
+  Result<collective::Communicator*> GroupComm(int group) {
+    if (group == 0) return comm_.get();
+    return user_groups_.Get(group, *comm_, member_ids_);
+  }
+
   Status Reduce(std::string_view what, std::span<std::byte> data, DType dtype, ReduceOp op,
-                bool scatter) {
+                bool scatter, int group) {
     if (!Reduces(dtype, op) || data.size() % ElementBytes(dtype) != 0) {
       return InvalidArgumentError(fmt::format(
           "{}: {} bytes of {} reduced by {}: {}", what, data.size(), DTypeName(dtype),
@@ -1166,11 +1174,12 @@ class SessionImpl {
                                "operations take integers and bool)"));
     }
     NONSTOP_RETURN_IF_ERROR(WaitAll());
+    NONSTOP_ASSIGN_OR_RETURN(collective::Communicator * comm, GroupComm(group));
     const collective::Region region = collective::HostRegion(data);
     return RunCollective(
         [&] {
-          return scatter ? comm_->ReduceScatter(region, dtype, op)
-                         : comm_->AllReduce(region, dtype, op);
+          return scatter ? comm->ReduceScatter(region, dtype, op)
+                         : comm->AllReduce(region, dtype, op);
         },
         /*at_step_boundary=*/false);
   }
@@ -1389,6 +1398,7 @@ class SessionImpl {
   int comm_before_rank_ = -1;
   // The worker id of each rank of comm_'s generation; written with comm_ (Adopt).
   std::vector<int> member_ids_;
+  worker::UserGroups user_groups_;  // torch.distributed's subgroups; training thread only
   // Their data planes' hosts (TorchrunEnvironment); training thread only, like member_ids_.
   std::vector<std::string> member_hosts_;
   // Training thread only (Rejoin): some Adopt since the last successful one copied the state in.
@@ -1523,28 +1533,39 @@ Status Session::AllReduceTreeOnDevice(int m, std::span<const std::pair<int, int>
                                       std::span<float> device_out) {
   return impl_->AllReduceTreeOnDevice(m, ranges, device_partials, device_out);
 }
-Status Session::AllReduce(std::span<std::byte> data, DType dtype, ReduceOp op) {
-  return impl_->Reduce("AllReduce", data, dtype, op, /*scatter=*/false);
+Status Session::AllReduce(std::span<std::byte> data, DType dtype, ReduceOp op, int group) {
+  return impl_->Reduce("AllReduce", data, dtype, op, /*scatter=*/false, group);
 }
-Status Session::ReduceScatter(std::span<std::byte> data, DType dtype, ReduceOp op) {
-  return impl_->Reduce("ReduceScatter", data, dtype, op, /*scatter=*/true);
+Status Session::ReduceScatter(std::span<std::byte> data, DType dtype, ReduceOp op, int group) {
+  return impl_->Reduce("ReduceScatter", data, dtype, op, /*scatter=*/true, group);
 }
-Status Session::AllGather(std::span<std::byte> data, size_t record_bytes) {
-  NONSTOP_CHECK(record_bytes > 0 && data.size() == record_bytes * static_cast<size_t>(world_size()))
-      << "AllGather: " << data.size() << " bytes are not " << world_size() << " records of "
-      << record_bytes;
+Status Session::AllGather(std::span<std::byte> data, size_t record_bytes, int group) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
-  return impl_->RunCollective([&] { return impl_->comm().AllGather(data, record_bytes); },
+  NONSTOP_ASSIGN_OR_RETURN(collective::Communicator * comm, impl_->GroupComm(group));
+  if (record_bytes == 0 || data.size() != record_bytes * static_cast<size_t>(comm->world_size())) {
+    return InvalidArgumentError(fmt::format("AllGather: {} bytes are not {} records of {}",
+                                            data.size(), comm->world_size(), record_bytes));
+  }
+  return impl_->RunCollective([&] { return comm->AllGather(data, record_bytes); },
                               /*at_step_boundary=*/false);
 }
-Status Session::Broadcast(std::span<std::byte> data, int root) {
+Status Session::Broadcast(std::span<std::byte> data, int root, int group) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
-  return impl_->RunCollective([&] { return impl_->comm().Broadcast(data, root); },
+  NONSTOP_ASSIGN_OR_RETURN(collective::Communicator * comm, impl_->GroupComm(group));
+  if (root < 0 || root >= comm->world_size()) {
+    return InvalidArgumentError(
+        fmt::format("Broadcast: root {} of a group of {}", root, comm->world_size()));
+  }
+  return impl_->RunCollective([&] { return comm->Broadcast(data, root); },
                               /*at_step_boundary=*/false);
 }
-Status Session::Barrier() {
+Status Session::Barrier(int group) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
-  return impl_->RunCollective([&] { return impl_->comm().Barrier(); }, /*at_step_boundary=*/false);
+  NONSTOP_ASSIGN_OR_RETURN(collective::Communicator * comm, impl_->GroupComm(group));
+  return impl_->RunCollective([&] { return comm->Barrier(); }, /*at_step_boundary=*/false);
+}
+Result<int> Session::NewGroup(std::vector<int> ranks) {
+  return impl_->user_groups_.Add(std::move(ranks), impl_->member_ids_, rank());
 }
 
 int Session::shard_group() const { return impl_->state_->shard_group(); }

@@ -97,6 +97,19 @@ a2a_out = torch.zeros(sum(splits_out))
 dist.all_to_all_single(a2a_out, a2a_in, output_split_sizes=splits_out, input_split_sizes=splits_in)
 out["all_to_all_single"] = a2a_out.tolist()
 
+sub = dist.new_group([0, 2])  # a subgroup: its collectives over ranks 0 and 2 alone
+if rank in (0, 2):
+    product = torch.tensor([rank + 1, 3], dtype=torch.int64)
+    dist.all_reduce(product, op=dist.ReduceOp.PRODUCT, group=sub)
+    root = torch.tensor([rank * 1.5, 7.0])
+    dist.broadcast(root, src=2, group=sub)
+    parts = [torch.zeros(2) for _ in range(2)]
+    dist.all_gather(parts, torch.tensor([rank, rank * rank], dtype=torch.float32), group=sub)
+    dist.barrier(group=sub)
+    out["subgroup"] = [product.tolist(), root.tolist(), [p.tolist() for p in parts]]
+else:
+    out["subgroup"] = "not a member"
+
 objects = [None] * world
 dist.all_gather_object(objects, {"rank": rank, "text": "x" * rank})
 out["all_gather_object"] = objects
