@@ -326,6 +326,16 @@ class Session {
   // each holds its rank's. Not a step boundary.
   Status AllGather(std::span<std::byte> data, size_t record_bytes, int group = 0);
   Status Broadcast(std::span<std::byte> data, int root, int group = 0);
+  // Point-to-point (torch.distributed's send and recv): `data` to rank `to` of
+  // the world; Recv takes rank `from`'s next Send to this rank into `data`, of
+  // the same size. Each direction between two ranks keeps its own order, on a
+  // connection of its own, CRC-checked. One thread at a time per peer and
+  // direction, on the training thread or beside it, all returned before
+  // Recover(); a fault makes them return ABORTED or UNAVAILABLE like a
+  // collective. Not a step boundary. INVALID_ARGUMENT for a rank out of the
+  // world or this rank's own.
+  Status Send(int to, std::span<const std::byte> data);
+  Status Recv(int from, std::span<std::byte> data);
   // A subgroup of this generation's ranks (torch.distributed's new_group):
   // `ranks`, distinct, in the group's rank order, this rank among them; only
   // they call it, each in the same order as the others of the group. Returns

@@ -43,6 +43,10 @@ class Comm:
     def world_size(self) -> int:
         return len(self.ranks) if self.group else self.session.world_size
 
+    def world_rank(self, rank: int) -> int:
+        """The world's rank of this group's `rank`."""
+        return self.ranks[rank] if self.group else rank
+
     def reduce(self, address: int, size: int, dtype: str, op: str, scatter: bool = False) -> None:
         self.session._core.reduce(address, size, dtype, op, scatter, group=self.group)
 

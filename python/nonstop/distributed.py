@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _TorchProcessGroup
 from torch._C._distributed_c10d import Work as _TorchWork
 
-from . import Aborted, Session, _check_tensor, _collectives, _core, _device, join
+from . import Aborted, Session, _check_tensor, _collectives, _core, _device, _p2p, join
 from ._grads import _trainable, flat_views, grad_buffer, point_grads, raise_if_aborted
 
 __all__ = ["DistributedDataParallel", "ProcessGroup", "destroy_process_group", "init_process_group", "step"]
@@ -376,6 +376,18 @@ class ProcessGroup(_TorchProcessGroup):
             self._comm.barrier()
         return _Work([])
 
+    def send(self, tensors: List[Any], dst: int, tag: int = 0) -> _p2p.Work:
+        self._refuse_local("send")
+        return _p2p.start(self._session, self._comm.world_rank(dst), _one(tensors, "send"), sending=True)
+
+    def recv(self, tensors: List[Any], src: int, tag: int = 0) -> _p2p.Work:
+        self._refuse_local("recv")
+        return _p2p.start(self._session, self._comm.world_rank(src), _one(tensors, "recv"), sending=False)
+
+    def recv_anysource(self, tensors: List[Any], tag: int = 0) -> _p2p.Work:
+        raise RuntimeError("nonstop's recv takes its source: pass src= (each pair of ranks keeps its own order, "
+                           "which a receive from any source would break after a recovery)")
+
     def _refuse_local(self, what: str) -> None:
         if self._local:
             raise RuntimeError(f"{what} before this worker's first step: it joined a running job, whose members "
@@ -501,6 +513,8 @@ def _form_default_group(session: Session) -> None:
                             world_size=session.world_size)
     for table, pg, entry in kept:
         table[pg] = entry
+    if _p2p.wait_all not in session._before_recover:
+        session._before_recover.append(_p2p.wait_all)
     for name, value in session._core.torchrun_environment():
         os.environ[name] = value
 

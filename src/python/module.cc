@@ -596,6 +596,23 @@ void BindSession(py::module_& m) {
           },
           py::arg("address"), py::arg("nbytes"), py::arg("dtype"), py::arg("op"),
           py::arg("scatter") = false, py::arg("group") = 0)
+      // Point-to-point, from any thread (not Drained: that lets go of the buckets' tensors).
+      .def("send",
+           [](PySession& p, int to, uintptr_t address, size_t nbytes) {
+             Status s = [&] {
+               py::gil_scoped_release release;
+               return p.s().Send(to, Bytes(address, nbytes));
+             }();
+             Check(s);
+           })
+      .def("recv",
+           [](PySession& p, int from, uintptr_t address, size_t nbytes) {
+             Status s = [&] {
+               py::gil_scoped_release release;
+               return p.s().Recv(from, Bytes(address, nbytes));
+             }();
+             Check(s);
+           })
       .def("new_group",
            [](PySession& p, std::vector<int> ranks) {
              Result<int> id = p.s().NewGroup(std::move(ranks));

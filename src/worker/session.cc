@@ -1157,6 +1157,22 @@ class SessionImpl {
   }
 
   // Session::AllReduce and ReduceScatter of any type and operation (`what` names the call).
+  // Session::Send and Recv: a direction of its own between two ranks, so that a send and a
+  // receive between them may run at once on two threads: lane 1 carries what a lower rank sends
+  // a higher one, lane 2 the other way (lane 0 is the collectives').
+  Status PointToPoint(std::string_view what, int peer, collective::Region data) {
+    collective::Communicator* comm = comm_.get();
+    const int me = comm->rank();
+    if (peer < 0 || peer >= comm->world_size() || peer == me) {
+      return InvalidArgumentError(fmt::format("{}: rank {} is not another rank of the world of {}",
+                                              what, peer, comm->world_size()));
+    }
+    const bool sending = what == "Send";
+    const int lane = (sending ? me < peer : peer < me) ? 1 : 2;
+    return sending ? comm->SendOnLane(peer, lane, data, /*checked=*/true)
+                   : comm->RecvOnLane(peer, lane, data, /*checked=*/true);
+  }
+
   // The communicator of `group` (Session::NewGroup; 0: the world's).
   Result<collective::Communicator*> GroupComm(int group) {
     if (group == 0) return comm_.get();
@@ -1563,6 +1579,13 @@ Status Session::Barrier(int group) {
   NONSTOP_RETURN_IF_ERROR(impl_->WaitAll());
   NONSTOP_ASSIGN_OR_RETURN(collective::Communicator * comm, impl_->GroupComm(group));
   return impl_->RunCollective([&] { return comm->Barrier(); }, /*at_step_boundary=*/false);
+}
+Status Session::Send(int to, std::span<const std::byte> data) {
+  return impl_->PointToPoint("Send", to,
+                             collective::Region{const_cast<std::byte*>(data.data()), data.size()});
+}
+Status Session::Recv(int from, std::span<std::byte> data) {
+  return impl_->PointToPoint("Recv", from, collective::HostRegion(data));
 }
 Result<int> Session::NewGroup(std::vector<int> ranks) {
   return impl_->user_groups_.Add(std::move(ranks), impl_->member_ids_, rank());

@@ -110,6 +110,25 @@ if rank in (0, 2):
 else:
     out["subgroup"] = "not a member"
 
+# Point-to-point: a ring exchange in which every rank sends first, 4 MiB each way (a send that
+# waited for its receive would deadlock), a batch the other way round, and a plain send and recv.
+right, left = (rank + 1) % world, (rank - 1) % world
+big_out, big_in = torch.full((1 << 20,), float(rank)), torch.zeros(1 << 20)
+for w in [dist.isend(big_out, right), dist.irecv(big_in, left)]:
+    w.wait()
+out["isend_irecv"] = [big_in[0].item(), big_in[-1].item()]
+batch_in = torch.zeros(2)
+for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.tensor([rank * 2.0, 1.0]), left),
+                                 dist.P2POp(dist.irecv, batch_in, right)]):
+    w.wait()
+out["batch_isend_irecv"] = batch_in.tolist()
+if rank == 0:
+    dist.send(torch.tensor([5, 6]), dst=1)
+elif rank == 1:
+    pair = torch.zeros(2, dtype=torch.int64)
+    dist.recv(pair, src=0)
+    out["send_recv"] = pair.tolist()
+
 objects = [None] * world
 dist.all_gather_object(objects, {"rank": rank, "text": "x" * rank})
 out["all_gather_object"] = objects
