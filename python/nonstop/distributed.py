@@ -507,12 +507,15 @@ def _form_default_group(session: Session) -> None:
     c10d = dist.distributed_c10d
     tables = [getattr(c10d, name) for name in ("_pg_map", "_pg_names", "_pg_group_ranks") if hasattr(c10d, name)]
     kept = [(table, pg, table[pg]) for table in tables for pg in list(table) if isinstance(pg, _SubGroup)]
+    named = getattr(c10d, "_group_count", 0)  # the next group's name: not one a kept group has
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group(BACKEND, store=_Store(session.world_size), rank=session.rank,
                             world_size=session.world_size)
     for table, pg, entry in kept:
         table[pg] = entry
+    if hasattr(c10d, "_group_count"):
+        c10d._group_count = max(c10d._group_count, named)
     if _p2p.wait_all not in session._before_recover:
         session._before_recover.append(_p2p.wait_all)
     for name, value in session._core.torchrun_environment():

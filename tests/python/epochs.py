@@ -17,6 +17,11 @@ with the two things real scripts do that the issue on real scripts names:
   --comm-hook H      DDP's communication hook: torch's allreduce, fp16_compress or PowerSGD hook;
   --no-set-epoch     never call set_epoch (every epoch in epoch 0's order, as torch's);
   --shuffle          the sampler shuffles;
+  --collective K     each step also runs one collective of kind K (all_gather, broadcast,
+                     all_to_all, send_recv, reduce_scatter, subgroup_all_reduce) on values of
+                     the rank's batch, whose result scales the loss;
+  --die-in-collective S  rank 2 kills itself (SIGKILL) as it enters that collective at step S,
+                     once (--die-marker names the file that says it did): its peers are inside;
   --count-samples    a per-rank counter of the samples this rank trained on (plus its rank
                      at each step), registered
                      with per_rank= (its value differs by rank: the replica check must
@@ -25,6 +30,8 @@ with the two things real scripts do that the issue on real scripts names:
 It prints `[rank R] final params CRC` and `[rank R] final buffers CRC` at the end.
 """
 import argparse
+import os
+import signal
 import time
 import zlib
 
@@ -116,6 +123,9 @@ def main():
     ap.add_argument("--count-samples", action="store_true")
     ap.add_argument("--no-set-epoch", action="store_true", help="never call set_epoch (torch: epoch 0's order)")
     ap.add_argument("--shuffle", action="store_true")
+    ap.add_argument("--collective", choices=["", *_COLLECTIVES], default="")
+    ap.add_argument("--die-in-collective", type=int, default=-1)
+    ap.add_argument("--die-marker", default="died-in-collective")
     args = ap.parse_args()
     options = {name: True for name in args.ddp_options.split(",") if name}
     if args.no_broadcast_buffers:
@@ -148,6 +158,11 @@ def main():
             raise ValueError(f"sample of step {args.raise_at_step} on rank {rank} is malformed")
         optimizer.zero_grad()
         loss = F.mse_loss(ddp(source), targets)
+        if args.collective:
+            if rank == 2 and session._step_in_flight == args.die_in_collective and not os.path.exists(args.die_marker):
+                open(args.die_marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)  # its peers are in the collective, waiting for it
+            loss = loss * (1 + 1e-3 * _COLLECTIVES[args.collective](source[:, :4].sum(0), session).sum())
         loss.backward()
         optimizer.step()
         if args.count_samples:  # and the rank, so that the value differs by rank
@@ -176,6 +191,57 @@ def main():
     if args.count_samples:
         print(f"[rank {session.rank}] trained on {session.per_rank['samples']} samples", flush=True)
     destroy_process_group()
+
+
+def _all_gather(x, session):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.stack(parts).sum(0)
+
+
+def _broadcast(x, session):
+    x = x.clone()
+    dist.broadcast(x, src=dist.get_world_size() - 1)
+    return x
+
+
+def _all_to_all(x, session):
+    world = dist.get_world_size()
+    out = torch.empty(world * len(x))
+    dist.all_to_all_single(out, torch.cat([x * (j + 1) for j in range(world)]))
+    return out.view(world, -1).sum(0)
+
+
+def _send_recv(x, session):  # a ring: every rank sends first
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = torch.empty_like(x)
+    for work in [dist.isend(x.clone(), (rank + 1) % world), dist.irecv(got, (rank - 1) % world)]:
+        work.wait()
+    return got
+
+
+def _reduce_scatter(x, session):
+    world = dist.get_world_size()
+    out = torch.empty_like(x)
+    dist.reduce_scatter(out, [x * (j + 1) for j in range(world)])
+    return out
+
+
+_subgroup = {}
+
+
+def _subgroup_all_reduce(x, session):  # ranks 1 and 2, made again after each change of membership
+    if _subgroup.get("generation") != session.generation:
+        _subgroup.update(generation=session.generation, group=dist.new_group([1, 2]))
+    x = x.clone()
+    if dist.get_rank() in (1, 2):
+        dist.all_reduce(x, group=_subgroup["group"])
+    return x
+
+
+_COLLECTIVES = {"all_gather": _all_gather, "broadcast": _broadcast, "all_to_all": _all_to_all,
+                "send_recv": _send_recv, "reduce_scatter": _reduce_scatter,
+                "subgroup_all_reduce": _subgroup_all_reduce}
 
 
 class _nothing:
