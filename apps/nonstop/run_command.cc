@@ -545,7 +545,8 @@ class JobWatcher {
         job_ended = job_ended || r.value("event", "") == "job_end";
       }
     }
-    if (!formed) {
+    // Ended with code 0 before forming: every worker ran a script that never joined (torchrun's).
+    if (!formed && !(job_ended && controller_->exit_code() == 0)) {
       failed_start_ = controller_->exit_code();
       agent_->Stop();
     } else if (!controller_->separate()) {

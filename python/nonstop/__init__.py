@@ -1020,6 +1020,21 @@ def _materialize_state(optimizer: Any, params: List[Any]) -> None:
 _reporting: List[Session] = []  # the session whose controller hears of an uncaught exception
 
 
+def _write_error_file(message: str, trace: str) -> None:
+    """The failure the controller was told of, also in torchelastic's error file
+    (TORCHELASTIC_ERROR_FILE, which `nonstop run` and the agents set), in the
+    format of torch.distributed.elastic's @record, for tools that read it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+
+    record = {"message": {"message": message,
+                          "extraInfo": {"py_callstack": trace, "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(record, f)
+
+
 def _install_failure_report(session: Session) -> None:
     """An uncaught exception ends the process; tell the controller at once, so
     it recovers without waiting for the exit to be noticed."""
@@ -1035,6 +1050,7 @@ def _install_failure_report(session: Session) -> None:
             if s is not None and s._core is not None and not issubclass(kind, KeyboardInterrupt):
                 trace = "".join(traceback.format_exception(kind, value, tb))
                 s._core.report_failure(f"{kind.__name__}: {value}", s._step_in_flight, 1, trace)
+                _write_error_file(f"{kind.__name__}: {value}", trace)
         except Exception:  # the report is best effort; the traceback below matters more
             pass
         finally:

@@ -133,16 +133,16 @@ Status ValidateOptions(const AgentOptions& o) {
 Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   Status s = ValidateOptions(options_);
   NONSTOP_CHECK(s.ok()) << s.ToString();
-  if (!options_.etcd.empty()) {
-    // The host's run directory: the leader file its watch keeps for the agent and its workers.
-    const char* tmp = std::getenv("TMPDIR");
-    std::string dir = fmt::format("{}/nonstop-agent-XXXXXX", tmp != nullptr && *tmp ? tmp : "/tmp");
-    NONSTOP_CHECK(::mkdtemp(dir.data()) != nullptr)
-        << "mkdtemp " << dir << ": " << std::strerror(errno) << " (HINT: set TMPDIR to a writable "
-        << "directory)";
-    run_dir_ = dir;
-    leader_file_ = run_dir_ + "/leader.json";
-  }
+  // The host's run directory: the leader file its etcd watch keeps for the agent and its workers,
+  // and the workers' error files where no log directory holds them (left when one was written).
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = fmt::format("{}/nonstop-agent-XXXXXX", tmp != nullptr && *tmp ? tmp : "/tmp");
+  NONSTOP_CHECK(::mkdtemp(dir.data()) != nullptr)
+      << "mkdtemp " << dir << ": " << std::strerror(errno) << " (HINT: set TMPDIR to a writable "
+      << "directory)";
+  run_dir_ = dir;
+  error_dir_ = options_.log_dir.empty() ? run_dir_ : options_.log_dir;
+  if (!options_.etcd.empty()) leader_file_ = run_dir_ + "/leader.json";
   auto link = control::ControllerLink::Create(LinkOptions(options_, leader_file_));
   NONSTOP_CHECK(link.ok()) << link.status().ToString();  // what it checks, ValidateOptions did
   link_ = std::move(*link);
@@ -155,10 +155,8 @@ Agent::~Agent() {
   link_->Stop();
   launcher_.reset();
   leader_watch_.reset();
-  if (!run_dir_.empty()) {
-    ::unlink(leader_file_.c_str());
-    ::rmdir(run_dir_.c_str());
-  }
+  if (!leader_file_.empty()) ::unlink(leader_file_.c_str());
+  ::rmdir(run_dir_.c_str());  // unless a worker's error file is in it
 }
 
 void Agent::StartLeaderWatch() {
@@ -598,6 +596,7 @@ void Agent::OnStart(std::string_view payload) {
   env[std::string(s::kHostId.env)] = options_.host_id;
   env[std::string(s::kDataHost.env)] = data_host_;
   if (!options_.data_ports.empty()) env[std::string(s::kDataPorts.env)] = options_.data_ports;
+  AddTorchrunVariables(m->worker_id, &env);
   launcher::ChildSpec spec;
   spec.worker_id = m->worker_id;
   spec.argv = options_.program;
@@ -623,6 +622,19 @@ void Agent::OnStart(std::string_view payload) {
                    m->spare ? " (spare)" : "", *pid);
   }
   Send(control::kMsgAgentStarted, control::Encode(reply));
+}
+
+// torchrun's variables of this host (the order brings the job's and the rank's): MASTER_PORT
+// (NONSTOP_MASTER_PORT), OMP_NUM_THREADS 1 where this agent's caller left it unset (as torchrun),
+// and TORCHELASTIC_ERROR_FILE, where nonstop's Python package writes a failure of the script in
+// torchelastic's format (docs/python.md, "The environment contract").
+void Agent::AddTorchrunVariables(int worker_id, std::map<std::string, std::string>* env) const {
+  namespace s = settings;
+  const char* port = std::getenv(std::string(s::kMasterPort.env).c_str());
+  (*env)["MASTER_PORT"] =
+      port != nullptr && *port != '\0' ? port : std::to_string(s::kMasterPort.default_value);
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) (*env)["OMP_NUM_THREADS"] = "1";
+  (*env)["TORCHELASTIC_ERROR_FILE"] = fmt::format("{}/error-worker-{}.json", error_dir_, worker_id);
 }
 
 void Agent::OnSignal(std::string_view payload) {

@@ -206,6 +206,7 @@ class Agent {
   void OnLinkFailed(const Status& why);
   void HandleFrame(const net::Frame& frame);
   void OnStart(std::string_view payload);
+  void AddTorchrunVariables(int worker_id, std::map<std::string, std::string>* env) const;
   void OnSignal(std::string_view payload);
   void OnRenice(std::string_view payload);
   // "[rank 3] " and the like: what the lines of worker `worker_id` start with.
@@ -244,6 +245,7 @@ class Agent {
   const AgentOptions options_;
   // With etcd: a directory of this agent's (removed by the destructor), the leader file in it.
   std::string run_dir_;
+  std::string error_dir_;  // the workers' TORCHELASTIC_ERROR_FILE: log_dir, or run_dir_
   std::string leader_file_;
   net::EventLoop loop_;
   std::unique_ptr<control::ControllerLink> link_;  // after loop_: unwatches its descriptors first

@@ -1,5 +1,6 @@
 #include "control/messages.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <set>
@@ -789,10 +790,13 @@ Result<AgentStartMsg> DecodeAgentStart(std::string_view p) {
       std::string name, value;
       e("name", &name);
       e("value", &value);
-      if (name.rfind("NONSTOP_", 0) != 0 || name.size() > 128 ||
+      const bool torchrun =
+          std::find(std::begin(kOrderedTorchrunVariables), std::end(kOrderedTorchrunVariables),
+                    name) != std::end(kOrderedTorchrunVariables);
+      if ((name.rfind("NONSTOP_", 0) != 0 && !torchrun) || name.size() > 128 ||
           name.find('=') != std::string::npos) {
-        throw FieldError{e.Path("name"),
-                         fmt::format("'{}' is not a NONSTOP_ variable", name.substr(0, 64))};
+        throw FieldError{e.Path("name"), fmt::format("'{}' is not a NONSTOP_ or torchrun variable",
+                                                     name.substr(0, 64))};
       }
       if (value.size() > 4096 || value.find('\0') != std::string::npos) {
         throw FieldError{e.Path("value"), "must be at most 4096 bytes, without NUL"};

@@ -107,9 +107,27 @@ struct AgentStartMsg {
   int nice = 0;  // 0: normal priority; >0: a refill warming up in the background
   // Variables for the process, on top of the agent's own (NONSTOP_CONTROLLER,
   // NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, NONSTOP_DATA_HOST). Only names that
-  // start with NONSTOP_ are accepted: an order can never set LD_PRELOAD.
+  // start with NONSTOP_, and torchrun's of kOrderedTorchrunVariables, are
+  // accepted: an order can never set LD_PRELOAD.
   std::vector<std::pair<std::string, std::string>> env;
 };
+
+// The torchrun variables a start order carries (the worker's rank and world,
+// the job's name); the agent adds its host's own (MASTER_PORT, OMP_NUM_THREADS,
+// TORCHELASTIC_ERROR_FILE).
+inline constexpr std::string_view kOrderedTorchrunVariables[] = {"RANK",
+                                                                 "WORLD_SIZE",
+                                                                 "LOCAL_RANK",
+                                                                 "LOCAL_WORLD_SIZE",
+                                                                 "GROUP_RANK",
+                                                                 "GROUP_WORLD_SIZE",
+                                                                 "ROLE_RANK",
+                                                                 "ROLE_WORLD_SIZE",
+                                                                 "ROLE_NAME",
+                                                                 "MASTER_ADDR",
+                                                                 "TORCHELASTIC_RUN_ID",
+                                                                 "TORCHELASTIC_RESTART_COUNT",
+                                                                 "TORCHELASTIC_MAX_RESTARTS"};
 
 struct AgentSignalMsg {
   int worker_id = -1;

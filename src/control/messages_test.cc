@@ -529,15 +529,19 @@ TEST(MessagesTest, RejoinAfterAControllerLossCarriesGenerationAndProcesses) {
   EXPECT_FALSE(bad_pid.ok());
 }
 
-// A start order may set only NONSTOP_ variables: a controller (or whoever
+// A start order may set only NONSTOP_ variables and torchrun's: a controller (or whoever
 // speaks on its connection) can never make an agent preload a library.
 TEST(AgentMessagesTest, StartOrderRefusesForeignVariables) {
-  for (const char* name : {"LD_PRELOAD", "PATH", "NONSTOP", "NONSTOP_A=B"}) {
+  for (const char* name :
+       {"LD_PRELOAD", "PATH", "NONSTOP", "NONSTOP_A=B", "MASTER_PORT", "RANK_"}) {
     AgentStartMsg start{1, false, 0, {{name, "/tmp/evil.so"}}};
     auto s = DecodeAgentStart(Encode(start));
     ASSERT_FALSE(s.ok()) << name;
     EXPECT_NE(s.status().message().find("env[0].name"), std::string::npos) << s.status().ToString();
   }
+  // torchrun's rank and job variables are the order's to set (the agent adds its host's own).
+  AgentStartMsg torchrun{1, false, 0, {{"RANK", "2"}, {"TORCHELASTIC_RUN_ID", "job"}}};
+  EXPECT_TRUE(DecodeAgentStart(Encode(torchrun)).ok());
   EXPECT_FALSE(DecodeAgentStart(R"({"worker_id": 1, "spare": false, "nice": 25, "env": []})").ok());
   EXPECT_FALSE(DecodeAgentSignal(R"({"worker_id": 1, "signal": 0})").ok());
   EXPECT_FALSE(DecodeAgentSignal(R"({"worker_id": -1, "signal": 9})").ok());

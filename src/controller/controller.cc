@@ -165,6 +165,16 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
               {"spare", w.role == WorkerRole::kSpare}};
   if (!m.host_id.empty()) rec["host"] = m.host_id;
   out->push_back(AppendJournal{rec});
+  if (phase_ == JobPhase::kForming && unjoined_exits_ > 0 && !m.spare) {
+    End(kExitUsage,
+        fmt::format("worker {} joined the job, but {} other worker(s) exited with code 0 without "
+                    "joining: every worker of a job joins it (nonstop.join, "
+                    "nonstop.torch.init_process_group), or none does (a script run as under "
+                    "torchrun)",
+                    m.worker_id, unjoined_exits_),
+        out);
+    return;
+  }
   if (phase_ == JobPhase::kForming)
     MaybeFormFirstGeneration(out);
   else if (phase_ != JobPhase::kRecovering)  // a recovery waiting for this spare: Handle asks
@@ -176,7 +186,8 @@ void Controller::Spawn(int worker_id, bool spare, bool resume, bool background,
   const std::string& host = given_host.empty() ? placement_.elastic_host() : given_host;
   membership_.awaiting()[worker_id] = AwaitedJoin{spare, now_};
   placement_.Started(worker_id, host);
-  out->push_back(SpawnWorker{worker_id, spare, resume, background, host});
+  out->push_back(SpawnWorker{worker_id, spare, resume, background, host,
+                             TorchrunAtSpawn(worker_id, spare, host)});
 }
 
 void Controller::RefillSpare(std::vector<Action>* out) {
@@ -498,7 +509,21 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
       }
       return;
     }
-    if (phase_ == JobPhase::kForming) {
+    if (phase_ == JobPhase::kForming && e.signal == 0 && e.exit_code == 0 &&
+        membership_.pending().empty()) {
+      // A script that never joins (one written for torchrun alone) ran to its end: the job ends
+      // as torchrun's would, once every worker has, unless one joins meanwhile (OnJoin).
+      ++unjoined_exits_;
+      if (std::none_of(awaiting.begin(), awaiting.end(),
+                       [](const auto& a) { return !a.second.spare; })) {
+        End(0,
+            fmt::format("every worker ({}) exited with code 0 without joining the job: the script "
+                        "ran as under torchrun, with none of nonstop's recovery (docs/python.md, "
+                        "\"The environment contract\")",
+                        unjoined_exits_),
+            out);
+      }
+    } else if (phase_ == JobPhase::kForming) {
       End(e.exit_code == kExitDataCorruption ? kExitDataCorruption : kExitPeerFailure,
           fmt::format("worker {} (pid {}) {} before joining the job", e.worker_id, e.pid, how),
           out);

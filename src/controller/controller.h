@@ -305,6 +305,8 @@ struct SpawnWorker {
   bool resume = false;
   bool background = false;
   std::string host;
+  // torchrun's variables the worker starts with (Controller::TorchrunAtSpawn).
+  std::vector<std::pair<std::string, std::string>> torchrun;
 };
 // Tell an agent why it must go (a refusal, or a host declared lost: fencing)
 // and close its connection.
@@ -400,6 +402,15 @@ class Controller {
   // the worker must join in time.
   void Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
              const std::string& host = "");
+  // The rank, world and hosts torchrun would give worker `worker_id` on `host`
+  // as it starts (docs/python.md, "The environment contract"): at the job's
+  // forming, a worker's rank is its place among the workers started to train
+  // (the first generation takes the lowest ids), its host's workers are its
+  // LOCAL_WORLD_SIZE, and rank 0's host is MASTER_ADDR. A spare, or a worker
+  // started later, has RANK -1 until it takes one; the session then sets the
+  // live values.
+  std::vector<std::pair<std::string, std::string>> TorchrunAtSpawn(int worker_id, bool spare,
+                                                                   const std::string& host) const;
   // A spare to replace one that was used or lost: one for one on the elastic
   // host; on hosts of fixed slots, wherever a slot is free.
   void RefillSpare(std::vector<Action>* out);
@@ -502,6 +513,8 @@ class Controller {
   Clock::time_point forming_since_{};  // when the current forming phase began
   JobPhase phase_ = JobPhase::kForming;
   uint32_t generation_ = 0;
+  // Workers that exited with code 0 before the job formed, without joining (a torchrun script).
+  int unjoined_exits_ = 0;
   // optimizer.shard_group of the job's workers: -1 until one joins, 0 when
   // nothing is sharded. A worker of another group size is refused.
   int shard_group_ = -1;

@@ -10,6 +10,7 @@
 
 #include "controller/controller.h"
 #include "controller/report.h"
+#include "net/address.h"
 
 namespace nonstop::controller {
 
@@ -701,6 +702,56 @@ void Controller::FenceProcess(const std::string& host, int worker_id, int64_t pi
                                 {"worker_id", worker_id},
                                 {"pid", pid},
                                 {"reason", why}}});
+}
+
+std::vector<std::pair<std::string, std::string>> Controller::TorchrunAtSpawn(
+    int worker_id, bool spare, const std::string& host) const {
+  int rank = -1;
+  if (!spare && phase_ == JobPhase::kForming) {
+    rank = 0;
+    for (const auto& [id, awaited] : membership_.awaiting()) {
+      if (!awaited.spare && id < worker_id) ++rank;
+    }
+    for (int id : membership_.pending()) {
+      if (id < worker_id && !membership_.awaiting().contains(id)) ++rank;
+    }
+    if (rank >= world_size_) rank = -1;
+  }
+  // The hosts that train, in order, each with its share of the ranks: the elastic host holds
+  // the whole world; a host of fixed slots its nproc, ranks in host order (Placement::PlaceAll).
+  std::vector<std::pair<const HostInfo*, int>> hosts;
+  for (const HostInfo* h : placement_.host_list()) {
+    const int share = h->elastic ? world_size_ : h->nproc;
+    if (h->alive && share > 0) hosts.emplace_back(h, share);
+  }
+  int local_rank = -1, local_world = 0, group_rank = -1, first = 0;
+  std::string master = "127.0.0.1";
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    const auto [h, share] = hosts[i];
+    if (i == 0 && !h->address.empty()) {
+      Result<net::HostPort> at = net::ParseHostPort(h->address);
+      master = at.ok() ? at->host : h->address;
+    }
+    if (h->host_id == host || (host.empty() && h->elastic)) {
+      group_rank = static_cast<int>(i);
+      local_world = share;
+      if (rank >= first && rank < first + share) local_rank = rank - first;
+    }
+    first += share;
+  }
+  const std::string world = std::to_string(world_size_);
+  const auto restarts = std::count_if(recoveries_.begin(), recoveries_.end(),
+                                      [](const RecoveryRecord& r) { return r.restarted; });
+  return {{"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", world},
+          {"LOCAL_RANK", std::to_string(local_rank)},
+          {"LOCAL_WORLD_SIZE", std::to_string(local_world)},
+          {"GROUP_RANK", std::to_string(group_rank)},
+          {"GROUP_WORLD_SIZE", std::to_string(hosts.size())},
+          {"ROLE_RANK", std::to_string(rank)},
+          {"ROLE_WORLD_SIZE", world},
+          {"MASTER_ADDR", master},
+          {"TORCHELASTIC_RESTART_COUNT", std::to_string(restarts)}};
 }
 
 }  // namespace nonstop::controller

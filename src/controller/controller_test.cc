@@ -67,10 +67,11 @@ class ControllerTest : public ::testing::Test {
     m.address = "127.0.0.1";
     m.pid = 4000;
     m.elastic = true;
-    EXPECT_EQ(Find<SpawnWorker>(Do(HostJoined{m})).size(),
-              static_cast<size_t>(o.world_size + o.spares))
+    spawned_ = Find<SpawnWorker>(Do(HostJoined{m}));
+    EXPECT_EQ(spawned_.size(), static_cast<size_t>(o.world_size + o.spares))
         << "the placement starts the world and its spares";
   }
+  std::vector<SpawnWorker> spawned_;  // Make's
   std::vector<Action> Do(Event e) {
     if (local_agent_) c_->Handle(HostHeartbeat{kHost, {0}}, now_);
     return c_->Handle(e, now_);
@@ -129,6 +130,44 @@ TEST_F(ControllerTest, FirstGenerationFormsWhenAllMembersJoinedRanksByWorkerId) 
   }
   EXPECT_EQ(c_->RankOf(2), 2);
   EXPECT_EQ(c_->RankOf(3), -1);
+}
+
+// torchrun's variables a worker starts with: the rank the first generation gives it, -1 for a
+// spare.
+TEST_F(ControllerTest, EachWorkerStartsWithTheRankTheFirstGenerationGivesIt) {
+  ASSERT_EQ(spawned_.size(), 4u);
+  for (const SpawnWorker& s : spawned_) {
+    std::map<std::string, std::string> env(s.torchrun.begin(), s.torchrun.end());
+    const std::string rank = s.spare ? "-1" : std::to_string(s.worker_id);
+    EXPECT_EQ(env["RANK"], rank) << s.worker_id;
+    EXPECT_EQ(env["LOCAL_RANK"], rank) << s.worker_id;
+    EXPECT_EQ(env["WORLD_SIZE"], "3");
+    EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "3");
+    EXPECT_EQ(env["GROUP_RANK"], "0");
+    EXPECT_EQ(env["MASTER_ADDR"], "127.0.0.1");
+  }
+  StartJob();
+  for (int id : {0, 1, 2}) EXPECT_EQ(c_->RankOf(id), id);
+}
+
+// A script written for torchrun alone never joins: the job ends with 0 once every worker exited 0.
+TEST_F(ControllerTest, AScriptThatNeverJoinsEndsTheJobAsTorchrunWouldOnceEveryWorkerExited) {
+  Make(3, 0);
+  EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{0, 1000, 0, 0, kHost})).empty());
+  EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{2, 1002, 0, 0, kHost})).empty());
+  auto ends = Find<EndJob>(Do(ProcessExited{1, 1001, 0, 0, kHost}));
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].exit_code, 0);
+  EXPECT_NE(ends[0].reason.find("without joining"), std::string::npos) << ends[0].reason;
+}
+
+TEST_F(ControllerTest, AJoinAfterAWorkerExitedWithoutJoiningEndsTheJobNamingWhy) {
+  Make(3, 0);
+  Do(ProcessExited{0, 1000, 0, 0, kHost});
+  auto ends = Find<EndJob>(Join(1));
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].exit_code, kExitUsage);
+  EXPECT_NE(ends[0].reason.find("or none does"), std::string::npos) << ends[0].reason;
 }
 
 TEST_F(ControllerTest, KilledMemberIsReplacedBySpareWhichCopiesStateFromSurvivors) {

@@ -978,6 +978,7 @@ void Runtime::Do(const SpawnWorker& a) {
   }
   control::AgentStartMsg start{a.worker_id, a.spare, nice,
                                WorkerEnv(a.worker_id, a.spare, a.resume)};
+  start.env.insert(start.env.end(), a.torchrun.begin(), a.torchrun.end());
   if (!server_->SendToAgent(a.host, control::kMsgAgentStart, control::Encode(start))) {
     // Fenced (the lease ran out since RunPending looked): not sent, and no fault of the spawn's.
     if (server_->fenced()) return;
@@ -1028,6 +1029,11 @@ std::vector<std::pair<std::string, std::string>> Runtime::WorkerEnv(int id, bool
     env.emplace_back(s::kTrainMtbfSeconds.env, fmt::format("{}", o_.mtbf_seconds));
   }
   if (resume) env.emplace_back(s::kResume.env, "1");
+  // torchrun's variables that name the job (the agent adds the host's own; the spawn its rank):
+  // nonstop restarts the workers only from a durable checkpoint, with no cap of torchrun's kind.
+  env.emplace_back("ROLE_NAME", "default");
+  env.emplace_back("TORCHELASTIC_RUN_ID", "nonstop:" + o_.journal);
+  env.emplace_back("TORCHELASTIC_MAX_RESTARTS", "0");
   return env;
 }
 

@@ -1,8 +1,12 @@
 """What real scripts do, under `nonstop run` (docs/recovery.md, "Slow is not hung"
 and "A failure that repeats"): a rank 0 that spends long seconds saving its
 snapshot is busy, not hung; a bug in the script ends the job with exit 12 and
-its traceback instead of looping through spares."""
+its traceback instead of looping through spares; torch's own launcher check sees
+torchrun's environment from its first line, and a failure leaves torchelastic's
+error file."""
 
+import json
+import os
 import pathlib
 import re
 import time
@@ -88,3 +92,47 @@ def test_a_bug_on_every_rank_ends_the_job_at_once(tmp_path):
     reason = job.events("job_end")[0]["reason"]
     assert "every member (3) raised the same exception at step 5" in reason, reason
     assert job.events("recovery_start") == [], "no rank was replaced"
+
+
+LAUNCHER_SCRIPT = HERE / "real" / "torch_launcher" / "test_script.py"  # PyTorch's, as it is
+ENV_LINE = re.compile(r"\[worker (\d+)\] (\w+) = (.*)")
+
+
+def test_torchs_launcher_script_sees_torchruns_environment_from_its_first_line(tmp_path):
+    # torch's own launcher check reads 16 variables as it starts and touches a file named by its
+    # RANK; it never joins the job, so the job ends as torchrun's would once every worker has.
+    touched = tmp_path / "touched"
+    touched.mkdir()
+    job = run_job(tmp_path, "launcher", ["--nproc", "3", "--spares", "0", "--inject", "none"],
+                  ["--touch_file_dir", str(touched)], script=LAUNCHER_SCRIPT,
+                  env={"TEST_SENTINEL_PARENT": "from-the-caller"})
+    assert job.code == 0, job.output
+    assert sorted(p.name for p in touched.iterdir()) == ["0", "1", "2"], job.output
+    seen = {}
+    for worker, name, value in ENV_LINE.findall(job.output):
+        seen.setdefault(int(worker), {})[name] = value
+    assert sorted(seen) == [0, 1, 2], job.output
+    for worker, env in seen.items():
+        assert len(env) == 16, env
+        rank = env["RANK"]
+        assert env["LOCAL_RANK"] == env["ROLE_RANK"] == rank == str(worker), env
+        assert env["WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3", env
+        assert (env["GROUP_RANK"], env["ROLE_NAME"], env["MASTER_ADDR"]) == ("0", "default", "127.0.0.1"), env
+        assert env["TORCHELASTIC_RESTART_COUNT"] == env["TORCHELASTIC_MAX_RESTARTS"] == "0", env
+        assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1"), env
+        assert env["TEST_SENTINEL_PARENT"] == "from-the-caller", env
+        assert env["MASTER_PORT"].isdigit() and env["TORCHELASTIC_RUN_ID"], env
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"error-worker-{worker}.json"), env
+
+
+def test_a_script_that_raises_leaves_torchelastics_error_file(tmp_path):
+    # The traceback the controller was told of is also in TORCHELASTIC_ERROR_FILE, in the format of
+    # torch.distributed.elastic's @record (under TMPDIR here: the agent's run directory).
+    job = run_job(tmp_path, "raises", ["--nproc", "3", "--spares", "0", "--inject", "none"],
+                  ["--raise-at-step", "2", "--raise-ranks", "all"], script=SCRIPT, env={"TMPDIR": str(tmp_path)})
+    assert job.code == 12, job.output
+    files = sorted(tmp_path.glob("nonstop-agent-*/error-worker-*.json"))
+    assert len(files) == 3, job.output
+    record = json.loads(files[0].read_text())["message"]
+    assert record["message"].startswith("ValueError: sample of step 2"), record
+    assert "Traceback" in record["extraInfo"]["py_callstack"] and record["extraInfo"]["timestamp"].isdigit()
