@@ -336,6 +336,10 @@ class Session {
   // world or this rank's own.
   Status Send(int to, std::span<const std::byte> data);
   Status Recv(int from, std::span<std::byte> data);
+  // Recv from whichever other rank of the world sends first (torch's recv
+  // without a source); returns its rank. It receives on every peer's
+  // direction towards this rank: no other Recv may run beside it.
+  Result<int> RecvFromAny(std::span<std::byte> data);
   // A subgroup of this generation's ranks (torch.distributed's new_group):
   // `ranks`, distinct, in the group's rank order, this rank among them; only
   // they call it, each in the same order as the others of the group. Returns
@@ -343,7 +347,10 @@ class Session {
   // a group works on while each of its ranks is held by the worker that held
   // it when the group was made; otherwise its collectives return
   // FAILED_PRECONDITION naming the rank that changed (make it again).
-  Result<int> NewGroup(std::vector<int> ranks);
+  // `timeout` bounds each of its collectives (DEADLINE_EXCEEDED past it; zero:
+  // the world's bound, SessionOptions::timeout_collective).
+  Result<int> NewGroup(std::vector<int> ranks,
+                       std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
   // Sharded optimizer state (ZeRO-1, docs/sharding.md). With a registry whose
   // sharded regions use groups of G (StateRegistry::RegisterShard), the world

@@ -119,12 +119,7 @@ def allgather_into(comm: Any, output: Any, tensor: Any, what: str) -> None:
 
 def allgather(comm: Any, outputs: List[Any], tensor: Any, what: str = "all_gather") -> None:
     world = comm.world_size
-    if len(outputs) != world:
-        raise ValueError(f"{what}'s output list has {len(outputs)} tensors for a world of {world}")
-    for i, out in enumerate(outputs):
-        if out.dtype != tensor.dtype or out.numel() != tensor.numel():
-            raise ValueError(f"{what}'s output {i} is {out.dtype} x {out.numel()}, the input "
-                             f"{tensor.dtype} x {tensor.numel()}: they must match")
+    check_parts(outputs, world, tensor, what, "output", "input")
     gathered = torch.empty((world, tensor.numel()), dtype=tensor.dtype)
     allgather_into(comm, gathered, tensor.contiguous().cpu(), what)
     for i, out in enumerate(outputs):
@@ -152,12 +147,10 @@ def scatter(comm: Any, outputs: List[Any], inputs: List[List[Any]], opts: Any) -
     root, world = int(opts.rootRank), comm.world_size
     whole = torch.empty((world, tensor.numel()), dtype=tensor.dtype)
     if comm.rank == root:
-        if len(inputs) != 1 or len(inputs[0]) != world:
-            raise ValueError(f"scatter's root takes a scatter_list of {world} tensors")
+        if len(inputs) != 1:
+            raise ValueError(f"scatter's root takes one scatter_list, got {len(inputs)}")
+        check_parts(inputs[0], world, tensor, "scatter", "scatter_list tensor", "output")
         for i, part in enumerate(inputs[0]):
-            if part.dtype != tensor.dtype or part.numel() != tensor.numel():
-                raise ValueError(f"scatter's tensor {i} is {part.dtype} x {part.numel()}, the output "
-                                 f"{tensor.dtype} x {tensor.numel()}: they must match")
             whole[i].copy_(part.reshape(-1))
     elif inputs and inputs[0]:
         raise ValueError(f"scatter: only the root (rank {root}) passes a scatter_list")
@@ -169,12 +162,7 @@ def scatter(comm: Any, outputs: List[Any], inputs: List[List[Any]], opts: Any) -
 def reduce_scatter(comm: Any, output: Any, inputs: Sequence[Any], op: Any, what: str) -> None:
     """reduce_scatter: the ring's reduce-scatter over the inputs laid end to end."""
     world = comm.world_size
-    if len(inputs) != world:
-        raise ValueError(f"{what} takes {world} input tensors (one a rank), got {len(inputs)}")
-    for i, t in enumerate(inputs):
-        if t.dtype != output.dtype or t.numel() != output.numel():
-            raise ValueError(f"{what}'s input {i} is {t.dtype} x {t.numel()}, the output "
-                             f"{output.dtype} x {output.numel()}: they must match")
+    check_parts(inputs, world, output, what, "input", "output")
     whole = torch.cat([t.reshape(-1).cpu() for t in inputs]) if output.numel() else output.new_empty(0)
     reduce_in_place(comm, whole, op, what, scatter=True)
     n = output.numel()
@@ -182,8 +170,10 @@ def reduce_scatter(comm: Any, output: Any, inputs: Sequence[Any], op: Any, what:
 
 
 def alltoall(comm: Any, outputs: List[Any], inputs: List[Any]) -> None:
-    """all_to_all: rank r's input j goes to rank j's output r. Every rank's inputs are
-    all-gathered (padded to the largest) and each keeps the parts sent to it."""
+    """all_to_all: rank r's input j goes to rank j's output r, each part on its own, by the
+    point-to-point connections (every pair at once: each peer and direction has its thread)."""
+    from . import _p2p
+
     world = comm.world_size
     if len(inputs) != world or len(outputs) != world:
         raise ValueError(f"all_to_all takes {world} input and {world} output tensors, got "
@@ -191,22 +181,19 @@ def alltoall(comm: Any, outputs: List[Any], inputs: List[Any]) -> None:
     dtype = inputs[0].dtype
     if any(t.dtype != dtype for t in list(inputs) + list(outputs)):
         raise ValueError("all_to_all's tensors must all have one dtype")
-    sizes = torch.tensor([t.numel() for t in inputs], dtype=torch.int64)
-    every = torch.empty((world, world), dtype=torch.int64)
-    allgather_into(comm, every, sizes, "all_to_all")  # every[s][j]: what rank s sends rank j
-    for s in range(world):
-        if int(every[s][comm.rank]) != outputs[s].numel():
-            raise ValueError(f"all_to_all: rank {s} sends this rank {int(every[s][comm.rank])} elements, its "
-                             f"output {s} holds {outputs[s].numel()}")
-    longest = int(every.sum(dim=1).max())
-    mine = torch.zeros(longest, dtype=dtype)
-    if sizes.sum():
-        torch.cat([t.reshape(-1).cpu() for t in inputs], out=mine[:int(sizes.sum())])
-    gathered = torch.empty((world, longest), dtype=dtype)
-    allgather_into(comm, gathered, mine, "all_to_all")
-    for s in range(world):
-        begin = int(every[s][:comm.rank].sum())
-        outputs[s].copy_(gathered[s][begin:begin + outputs[s].numel()].view_as(outputs[s]))
+    for i, t in enumerate(outputs):
+        check_bytes(t, f"all_to_all's output {i}")
+    me = comm.rank
+    if outputs[me].numel() != inputs[me].numel():
+        raise ValueError(f"all_to_all: this rank's output {me} holds {outputs[me].numel()} elements, its input "
+                         f"{me} {inputs[me].numel()}: they must match")
+    outputs[me].copy_(inputs[me].reshape(outputs[me].shape))
+    works = [_p2p.start(comm.session, comm.world_rank(j), inputs[j].contiguous(), sending=True)
+             for j in range(world) if j != me]
+    works += [_p2p.start(comm.session, comm.world_rank(s), outputs[s], sending=False)
+              for s in range(world) if s != me]
+    for work in works:
+        work.wait()
 
 
 def alltoall_base(comm: Any, output: Any, tensor: Any, output_splits: List[int], input_splits: List[int]) -> None:
@@ -226,11 +213,18 @@ def alltoall_base(comm: Any, output: Any, tensor: Any, output_splits: List[int],
                              f"rows into {world} parts")
         return list(torch.split(t, list(splits)))
 
-    inputs, outputs = parts(tensor, input_splits, "input"), parts(output, output_splits, "output")
-    received = [torch.empty(o.shape, dtype=o.dtype) for o in outputs]
-    alltoall(comm, received, [i.contiguous() for i in inputs])
-    for o, r in zip(outputs, received):
-        o.copy_(r)
+    alltoall(comm, parts(output, output_splits, "output"), parts(tensor, input_splits, "input"))
+
+
+def check_parts(parts: Sequence[Any], world: int, like: Any, what: str, part: str, other: str) -> None:
+    """`parts` are one tensor a rank, each of `like`'s dtype and size (ValueError naming the first
+    that is not)."""
+    if len(parts) != world:
+        raise ValueError(f"{what} takes {world} {part}s (one a rank), got {len(parts)}")
+    for i, t in enumerate(parts):
+        if t.dtype != like.dtype or t.numel() != like.numel():
+            raise ValueError(f"{what}'s {part} {i} is {t.dtype} x {t.numel()}, the {other} "
+                             f"{like.dtype} x {like.numel()}: they must match")
 
 
 def one(tensors: List[Any], what: str) -> Any:

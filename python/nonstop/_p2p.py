@@ -15,7 +15,8 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from typing import Any, Callable, Dict, Set, Tuple
+import time
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch._C._distributed_c10d import Work as _TorchWork
@@ -67,10 +68,11 @@ class Work(_TorchWork):
         return self._call.done() and self._call.exception() is None
 
     def source_rank(self) -> int:
+        if self._source < 0:  # a receive from any source: its sender, once it came
+            return int(self._call.result())
         return self._source
 
-    def _source_rank(self) -> int:
-        return self._source
+    _source_rank = source_rank  # torch 1.13's name
 
     def get_future(self) -> torch.futures.Future:
         future = torch.futures.Future()
@@ -90,8 +92,17 @@ _lanes: Dict[Tuple[int, str], _Lane] = {}
 _pending: Set[concurrent.futures.Future] = set()  # calls not yet done (each leaves when done)
 
 
+# Why point-to-point is in error until the next recovery (a monitored_barrier that failed leaves
+# receives pending, which would take the next messages of their peers); None: it is not.
+_broken: Optional[str] = None
+_any: Optional[concurrent.futures.Future] = None  # the last receive from any source queued
+_receiving: Set[concurrent.futures.Future] = set()  # receives from a given rank not yet done
+
+
 def start(session: Any, peer: int, tensor: Any, sending: bool) -> Work:
     """Queues a send of `tensor` to, or a receive into it from, world rank `peer`."""
+    if _broken is not None:
+        raise RuntimeError(f"point-to-point calls are in error until the next recovery: {_broken}")
     _device.device_index(tensor, "a point-to-point tensor")
     if not tensor.is_contiguous():
         raise ValueError("a point-to-point tensor must be contiguous: pass .contiguous()")
@@ -104,15 +115,100 @@ def start(session: Any, peer: int, tensor: Any, sending: bool) -> Work:
         _device.on_host(tensor, "send" if sending else "recv", lambda host: move(peer, host.data_ptr(), size),
                         write_back=not sending)
 
-    key = (peer, "send" if sending else "recv")
+    if sending:
+        return Work(_lane((peer, "send")).submit(call), tensor, peer)
+    future = _lane((peer, "recv")).submit(_after_any(call))
+    _receiving.add(future)
+    future.add_done_callback(_receiving.discard)
+    return Work(future, tensor, peer)
+
+
+def start_any(session: Any, tensor: Any) -> Work:
+    """Queues a receive into `tensor` from whichever rank of the world sends first: after the
+    receives queued before it, and before those queued after it (Session.recv_any reads every
+    peer's connection towards this rank)."""
+    global _any
+    if _broken is not None:
+        raise RuntimeError(f"point-to-point calls are in error until the next recovery: {_broken}")
+    _device.device_index(tensor, "a point-to-point tensor")
+    if not tensor.is_contiguous():
+        raise ValueError("a point-to-point tensor must be contiguous: pass .contiguous()")
+    earlier = list(_receiving)
+    size = tensor.numel() * tensor.element_size()
+
+    def call() -> int:
+        concurrent.futures.wait(earlier)
+        return _device.on_host(tensor, "recv", lambda host: session._core.recv_any(host.data_ptr(), size))
+
+    _any = _lane((-1, "recv")).submit(call)
+    return Work(_any, tensor, -1)
+
+
+def _after_any(call: Callable[[], Any]) -> Callable[[], Any]:
+    """A receive queued after a receive from any source waits for that one first."""
+    before = _any
+
+    def after() -> Any:
+        if before is not None:
+            concurrent.futures.wait([before])
+        return call()
+
+    return after
+
+
+def _lane(key: Tuple[int, str]) -> _Lane:
     if key not in _lanes:
         _lanes[key] = _Lane()
-    return Work(_lanes[key].submit(call), tensor, peer)
+    return _lanes[key]
+
+
+def monitored_barrier(session: Any, comm: Any, timeout: Any, wait_all_ranks: bool) -> None:
+    """torch's monitored_barrier, as Gloo runs it: every rank of `comm` but its first sends that
+    rank a token and waits for its answer; the first waits for each in rank order until `timeout`
+    and names the first rank that did not arrive (every one, with `wait_all_ranks`). A failure
+    leaves receives pending: point-to-point calls are in error until the next recovery."""
+    global _broken
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    ms = int(seconds * 1000)
+    deadline = time.monotonic() + seconds
+    if comm.rank == 0:
+        if seconds <= 0:
+            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {ms} ms")
+        arrivals = [(r, start(session, comm.world_rank(r), torch.zeros(1), sending=False))
+                    for r in range(1, comm.world_size)]
+        missing = []
+        for r, work in arrivals:
+            try:
+                work._call.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                missing.append(r)
+                if not wait_all_ranks:
+                    break
+        if missing:
+            _broken = f"a monitored_barrier waits for rank {missing[0]}, which did not arrive"
+            if wait_all_ranks:
+                raise RuntimeError(f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in "
+                                   f"{ms} ms")
+            raise RuntimeError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms")
+        for work in [start(session, comm.world_rank(r), torch.zeros(1), sending=True)
+                     for r in range(1, comm.world_size)]:
+            work.wait()
+        return
+    start(session, comm.world_rank(0), torch.zeros(1), sending=True)
+    answer = start(session, comm.world_rank(0), torch.zeros(1), sending=False)
+    try:
+        answer._call.result(timeout=max(0.0, deadline - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        _broken = "a monitored_barrier waits for rank 0's answer, which did not come"
+        raise RuntimeError(f"Rank {comm.rank} successfully reached monitoredBarrier, but received errors while "
+                           f"waiting for send/recv from rank 0 (no answer in {ms} ms)") from None
 
 
 def wait_all() -> None:
     """Before a recovery: every call still running ends (a fault has aborted them) before the
     session's communicator is replaced. Their failures are the step's, already raised."""
+    global _broken
+    _broken = None
     for future in list(_pending):
         try:
             future.result()

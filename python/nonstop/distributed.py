@@ -31,8 +31,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _TorchProcessGroup
 from torch._C._distributed_c10d import Work as _TorchWork
 
-from . import Aborted, Session, _check_tensor, _collectives, _core, _device, _p2p, join
-from ._grads import _trainable, flat_views, grad_buffer, point_grads, raise_if_aborted
+from . import Aborted, Session, _check_tensor, _collectives, _device, _p2p, join
 
 __all__ = ["DistributedDataParallel", "ProcessGroup", "destroy_process_group", "init_process_group", "step"]
 
@@ -54,6 +53,9 @@ _hooked = False
 # Work or a group whose Python object was collected answers from C++'s base
 # class (a Work's wait() then never returns). These keep them.
 _groups: List["ProcessGroup"] = []
+# True while _form_default_group makes the default group; every other group torch makes is a
+# subgroup (new_group), even one of every rank (it may have a timeout of its own).
+_forming_default = False
 _works: Deque["_Work"] = collections.deque(maxlen=1024)
 
 
@@ -384,9 +386,17 @@ class ProcessGroup(_TorchProcessGroup):
         self._refuse_local("recv")
         return _p2p.start(self._session, self._comm.world_rank(src), _one(tensors, "recv"), sending=False)
 
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        self._refuse_local("monitored_barrier")
+        _p2p.monitored_barrier(self._session, self._comm, dist.default_pg_timeout if timeout is None else timeout,
+                               wait_all_ranks)
+
     def recv_anysource(self, tensors: List[Any], tag: int = 0) -> _p2p.Work:
-        raise RuntimeError("nonstop's recv takes its source: pass src= (each pair of ranks keeps its own order, "
-                           "which a receive from any source would break after a recovery)")
+        self._refuse_local("recv")
+        if self._comm.group:
+            raise RuntimeError("a subgroup's recv takes its source: pass src= (a receive from any source is the "
+                               "default group's)")
+        return _p2p.start_any(self._session, _one(tensors, "recv"))
 
     def _refuse_local(self, what: str) -> None:
         if self._local:
@@ -400,10 +410,13 @@ class _SubGroup(ProcessGroup):
     change of membership it works on while each of its ranks is held by the same worker; otherwise
     each call raises, naming the rank that changed."""
 
-    def __init__(self, session: Session, ranks: List[int], rank: int, size: int) -> None:
+    def __init__(self, session: Session, ranks: List[int], rank: int, size: int, timeout: Any = None) -> None:
         super().__init__(session, rank, size)
         self._ranks = list(ranks)
-        self._id = session._core.new_group(self._ranks)
+        # new_group(timeout=...) bounds each of its calls; torch's default leaves the session's bound.
+        default = getattr(dist, "default_pg_timeout", None)
+        ms = int(timeout.total_seconds() * 1000) if timeout is not None and timeout != default else 0
+        self._id = session._core.new_group(self._ranks, ms)
 
     @property
     def _comm(self) -> _collectives.Comm:
@@ -412,6 +425,22 @@ class _SubGroup(ProcessGroup):
     def allreduce(self, tensors: List[Any], opts: Any = None) -> _Work:
         return self._reduce(_one(tensors, "all_reduce"), opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
                             "all_reduce")
+
+
+_torch_monitored_barrier = dist.monitored_barrier
+
+
+def _monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+    """torch.distributed.monitored_barrier, which torch runs on Gloo groups alone, on nonstop's too."""
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    if not isinstance(pg, ProcessGroup):
+        return _torch_monitored_barrier(group, timeout, wait_all_ranks)
+    if dist.distributed_c10d._rank_not_in_group(pg):
+        return None
+    return pg.monitored_barrier(timeout, wait_all_ranks)
+
+
+dist.monitored_barrier = dist.distributed_c10d.monitored_barrier = _monitored_barrier
 
 
 def _first_step() -> None:
@@ -481,9 +510,12 @@ def _create(store: Any, rank: int, size: int, timeout: Any) -> ProcessGroup:
     if _session is None:
         raise RuntimeError("the 'nonstop' backend is made by nonstop.torch.init_process_group(model, optimizer, "
                            "loader), which joins the job first: call that instead of dist.init_process_group")
-    if size == _session.world_size and rank == _session.rank:
+    if _forming_default:
+        if size != _session.world_size or rank != _session.rank:
+            raise ValueError(f"nonstop's default group is the whole world ({_session.world_size} ranks), "
+                             f"asked for rank {rank} of {size}")
         return ProcessGroup(_session, rank, size)
-    return _SubGroup(_session, _ranks_of_the_group_being_made(size), rank, size)
+    return _SubGroup(_session, _ranks_of_the_group_being_made(size), rank, size, timeout)
 
 
 def _ranks_of_the_group_being_made(size: int) -> List[int]:
@@ -508,10 +540,15 @@ def _form_default_group(session: Session) -> None:
     tables = [getattr(c10d, name) for name in ("_pg_map", "_pg_names", "_pg_group_ranks") if hasattr(c10d, name)]
     kept = [(table, pg, table[pg]) for table in tables for pg in list(table) if isinstance(pg, _SubGroup)]
     named = getattr(c10d, "_group_count", 0)  # the next group's name: not one a kept group has
+    global _forming_default
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group(BACKEND, store=_Store(session.world_size), rank=session.rank,
-                            world_size=session.world_size)
+    _forming_default = True
+    try:
+        dist.init_process_group(BACKEND, store=_Store(session.world_size), rank=session.rank,
+                                world_size=session.world_size)
+    finally:
+        _forming_default = False
     for table, pg, entry in kept:
         table[pg] = entry
     if hasattr(c10d, "_group_count"):
@@ -773,6 +810,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # joined first: the registration in __init__ takes the mode from the environment
         invariant = (_loader is not None and _loader.micro_batch) or (
             _session is not None and _session._deferred and _env_flag("NONSTOP_WORLD_INVARIANT"))
+        from ._invariant_ddp import _InvariantDDP  # made here: it subclasses this class
+
         if invariant and not issubclass(cls, _InvariantDDP):
             if cls is not DistributedDataParallel:
                 raise TypeError(f"{cls.__name__} subclasses nonstop.torch.DistributedDataParallel, which the "
@@ -887,163 +926,3 @@ def _check_joined() -> None:
     if _session is None:
         raise RuntimeError("nonstop.torch.DistributedDataParallel needs nonstop.torch.init_process_group(...) "
                            "first: the state is registered and the job joined there")
-
-
-try:
-    from torch.func import functional_call as _functional_call  # torch >= 2.0
-except ImportError:  # torch 1.13
-    from torch.nn.utils.stateless import functional_call as _functional_call
-
-
-class _InvariantDDP(DistributedDataParallel):
-    """DistributedDataParallel when init_process_group(world_invariant=True):
-    the forward runs the module once per micro-batch of this rank's share,
-    each on its own leaves of the parameters (views of the same memory), so
-    each micro-batch's gradient comes out alone; the end of backward folds
-    them, in order, along the tree over the step's micro-batches
-    (_core.TreeStep, nonstop-train's world-invariant code) and sums the
-    members' partial sums along it. The loader deals each rank a number of
-    micro-batches that is a power of two where the world allows, so a loss
-    that is the mean over the rank's samples scales each micro-batch's
-    gradient by a power of two only, which multiplying by the count undoes
-    exactly: every world sums the same bits. Stock DDP's reducer is not used."""
-
-    def __init__(self, module: Any, device_ids: Any = None, output_device: Any = None, dim: int = 0,
-                 broadcast_buffers: bool = True, process_group: Any = None, **tuning: Any) -> None:
-        _check_joined()
-        if _session._deferred:
-            _register_what_ddp_wraps(module)
-        torch.nn.Module.__init__(self)
-        if device_ids or output_device is not None or dim != 0 or process_group is not None:
-            raise ValueError("the world-invariant DistributedDataParallel runs on the CPU over the whole world: "
-                             "drop device_ids, output_device, dim and process_group")
-        unknown = set(tuning) - {"bucket_cap_mb", "find_unused_parameters", "check_reduction",
-                                 "gradient_as_bucket_view", "static_graph"}
-        if unknown:
-            raise TypeError(f"DistributedDataParallel got unexpected arguments {sorted(unknown)}")
-        self.module = module
-        self._params = _trainable(module)
-        # Every name of every parameter (a tied weight has several): each one's leaf takes them all.
-        index = {id(p): i for i, p in enumerate(self._params)}
-        self._aliases = [(f"{prefix}.{name}" if prefix else name, index[id(p)])
-                         for prefix, m in module.named_modules(remove_duplicate=False)
-                         for name, p in m._parameters.items() if p is not None and id(p) in index]
-        self._slices_of: Any = None  # (step, generation) of the forward whose backward is due
-        self._grads = grad_buffer(self._params)
-        self._views = flat_views(self._grads, self._params)
-        self._trees: dict = {}  # micro-batches per step -> _core.TreeStep
-        self._slices: List[Any] = []  # (micro-batch, its leaves) of the forward in flight
-        self._queued = False
-        with torch.no_grad():  # stock DDP's start: every member from rank 0's parameters and buffers
-            for t in list(module.parameters()) + (list(module.buffers()) if broadcast_buffers else []):
-                dist.broadcast(t.data, 0)
-
-    def train(self, mode: bool = True) -> Any:
-        return torch.nn.Module.train(self, mode)  # stock DDP's reaches for its reducer
-
-    def no_sync(self) -> Any:
-        raise NotImplementedError("no_sync in the world-invariant mode: each micro-batch's gradient is summed "
-                                  "alone, so accumulating over several backward passes is not a step; "
-                                  "make the loader's batch the whole step instead")
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        micro, step_ = _loader.micro, _loader._outstanding()
-        if not torch.is_grad_enabled() or micro is None or step_ is None:
-            return self.module(*args, **kwargs)  # evaluation, or outside the loader's steps: the module alone
-        _first_step()
-        raise_if_aborted(_session)
-        if self._slices and self._slices_of == (step_, _session.generation):
-            raise RuntimeError("a second forward before the backward of the first: the world-invariant "
-                               "DistributedDataParallel sums one forward's micro-batches per step")
-        tree = self._trees.get(micro.micro_batches)
-        if tree is None:
-            tree = self._trees[micro.micro_batches] = _core.TreeStep(_session._joined(), micro.micro_batches,
-                                                                     self._grads.numel(), False)
-        planned = list(tree.plan(step_, micro.counts))
-        if planned != list(range(micro.first, micro.first + len(micro.sizes))):
-            raise RuntimeError(f"the tree planned micro-batches {planned}, the loader dealt "
-                               f"{micro.first}..{micro.first + len(micro.sizes) - 1}")
-        parts = _split_inputs(args, kwargs, micro.sizes)
-        self._slices, outs = [], []
-        for mb, (a, kw) in zip(planned, parts):
-            leaves = [p.detach().requires_grad_() for p in self._params]
-            outs.append(_functional_call(self.module, {name: leaves[i] for name, i in self._aliases}, a, kw))
-            self._slices.append((mb, leaves))
-        self._slices_of = (step_, _session.generation)
-        out = _concat(outs)
-        self._queued = False
-        for t in _tensors(out):
-            if t.requires_grad:
-                t.register_hook(self._in_backward)
-        return out
-
-    def _in_backward(self, grad: Any) -> Any:
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        return grad
-
-    def _end_of_backward(self) -> None:
-        self._queued = False
-        micro, s = _loader.micro, _loader.micro_batch
-        mine, whole = _loader._share_of_batch
-        tree = self._trees[micro.micro_batches]
-        factor = float(mine) / s  # a power of two where the loader could deal so: exact
-        for mb, leaves in self._slices:
-            for view, leaf in zip(self._views, leaves):
-                if leaf.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(leaf.grad)
-            if factor != 1.0:
-                self._grads.mul_(factor)
-            _device.on_host(self._grads, "tree.add", lambda host, mb=mb: tree.add(mb, host.data_ptr()),
-                            write_back=False)
-        self._slices = []
-        # Aborted: the step runs again
-        _device.on_host(self._grads, "tree.reduce", lambda host: tree.reduce(host.data_ptr()))
-        self._grads.mul_(float(s) / whole)
-        point_grads(self._params, self._views)
-
-
-def _split_inputs(args: Any, kwargs: Any, sizes: List[int]) -> List[Any]:
-    """The forward's arguments cut into micro-batches: tensors with the share's
-    rows along dim 0, everything else passed to each whole."""
-    rows = sum(sizes)
-    found = False
-
-    def cut(v: Any) -> Any:
-        nonlocal found
-        if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == rows:
-            found = True
-            return list(torch.split(v, sizes))
-        return [v] * len(sizes)
-
-    cut_args = [cut(a) for a in args]
-    cut_kwargs = {k: cut(v) for k, v in kwargs.items()}
-    if not found:
-        raise ValueError(f"none of the forward's tensors has this rank's {rows} samples along dim 0: the "
-                         "world-invariant mode cuts the loader's batch into micro-batches")
-    return [(tuple(a[j] for a in cut_args), {k: v[j] for k, v in cut_kwargs.items()}) for j in range(len(sizes))]
-
-
-def _concat(outs: List[Any]) -> Any:
-    first = outs[0]
-    if torch.is_tensor(first):
-        return first if len(outs) == 1 else torch.cat(outs)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_concat([o[i] for o in outs]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _concat([o[k] for o in outs]) for k in first}
-    raise TypeError(f"the world-invariant mode joins the micro-batches' outputs along dim 0: a "
-                    f"{type(first).__name__} cannot be joined")
-
-
-def _tensors(out: Any) -> List[Any]:
-    if torch.is_tensor(out):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []

@@ -418,8 +418,8 @@ TEST(CommunicatorTest, SubGroupsReduceInTheGroupAcrossTheReplicasAndGatherAsTheW
     std::vector<int> in_group, replicas;
     for (int q = 0; q < g; ++q) in_group.push_back(group * g + q);
     for (int q = shard; q < w; q += g) replicas.push_back(q);
-    auto grp = comm.SubGroup(in_group, static_cast<uint32_t>(1 + group));
-    auto rep = comm.SubGroup(replicas, static_cast<uint32_t>(1 + w / g + shard));
+    auto grp = comm.SubGroup(in_group, static_cast<uint32_t>(1 + group), Millis(0));
+    auto rep = comm.SubGroup(replicas, static_cast<uint32_t>(1 + w / g + shard), Millis(0));
     EXPECT_EQ(grp->rank(), shard);
     EXPECT_EQ(grp->world_size(), g);
     EXPECT_EQ(rep->rank(), group);
@@ -456,7 +456,7 @@ TEST(CommunicatorTest, AbortOfTheGenerationWakesASubGroupsBlockedCall) {
       return;
     }
     std::vector<int> pair = {0, 1};
-    auto grp = comm.SubGroup(pair, 1);
+    auto grp = comm.SubGroup(pair, 1, Millis(0));
     std::thread aborter([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       comm.Abort("a member failed");
@@ -941,6 +941,42 @@ TEST(CommunicatorTest, ReduceScatterOfAnyTypeLeavesEachRankItsChunk) {
                     .ok());
     auto [lo, hi] = ChunkRange(kCount, kWorld, rank);
     for (size_t i = lo; i < hi; ++i) EXPECT_EQ(v[i], static_cast<int64_t>(i) * kWorld - 40) << i;
+  });
+}
+
+}  // namespace
+}  // namespace nonstop::collective
+
+namespace nonstop::collective {
+namespace {
+
+// A receive from any source takes whichever sender comes first, and says which.
+TEST(CommunicatorTest, ARecvFromAnyRankTakesTheFirstSenderAndNamesIt) {
+  std::atomic<bool> took_first{false};  // rank 1 sends only once rank 0 took rank 2's message
+  RunThreads(3, [&](int rank, Communicator& comm) {
+    if (rank == 0) {
+      const std::vector<std::pair<int, int>> from = {{1, 1}, {2, 1}};
+      std::vector<int> order;
+      for (int i = 0; i < 2; ++i) {
+        int32_t value = -1;
+        Result<int> sender = comm.RecvOnAnyLane(
+            from, HostRegion(std::as_writable_bytes(std::span<int32_t>(&value, 1))), true);
+        if (!sender.ok()) {
+          ADD_FAILURE() << sender.status().ToString();
+          took_first = true;  // rank 1 must not wait for ever
+          return;
+        }
+        EXPECT_EQ(value, *sender * 100) << "the bytes are the sender's";
+        order.push_back(*sender);
+        took_first = true;
+      }
+      EXPECT_EQ(order, (std::vector<int>{2, 1})) << "rank 2 sent first";  // rank 1 waited for it
+      return;
+    }
+    while (rank == 1 && !took_first) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    int32_t value = rank * 100;
+    ASSERT_TRUE(
+        comm.SendOnLane(0, 1, HostRegion(std::as_bytes(std::span<int32_t>(&value, 1))), true).ok());
   });
 }
 

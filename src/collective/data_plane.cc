@@ -41,6 +41,11 @@ Status Communicator::RecvOnLane(int from_rank, int lane, Region data, bool check
   return checked ? Recv(from_rank, data) : RecvUnchecked(from_rank, data);
 }
 
+Result<int> Communicator::RecvOnAnyLane(std::span<const std::pair<int, int>> /*from*/,
+                                        Region /*data*/, bool /*checked*/) {
+  return FailedPreconditionError("this data plane receives from a given rank only");
+}
+
 Status Communicator::AllReduceTree(int m, std::span<const std::vector<TreeNode>> nodes_of,
                                    std::span<const std::vector<float>> partials,
                                    std::span<float> out) {

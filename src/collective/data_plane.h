@@ -174,9 +174,11 @@ class Communicator {
   // several groups' collectives may follow one another; like the world's,
   // they are driven by one thread at a time. Sharded optimizer state (issue
   // 12): reduce-scatter inside a shard group, all-reduce across the replicas
-  // of a shard, all-gather in the group.
-  virtual std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
-                                                 uint32_t op_space) const = 0;
+  // of a shard, all-gather in the group. `timeout` bounds each of its calls
+  // (torch.distributed's new_group(timeout=...); zero: this one's
+  // timeout_collective).
+  virtual std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks, uint32_t op_space,
+                                                 Millis timeout) const = 0;
 
   // Reductions of `dtype` elements (data.bytes a multiple of its size).
   virtual Status AllReduce(Region data, DType dtype, ReduceOp op) = 0;
@@ -213,6 +215,12 @@ class Communicator {
   virtual int p2p_lanes() const { return 1; }
   virtual Status SendOnLane(int to_rank, int lane, ConstRegion data, bool checked);
   virtual Status RecvOnLane(int from_rank, int lane, Region data, bool checked);
+  // A receive from whichever of `from` ((rank, lane) pairs) sends first (torch's recv without a
+  // source): waits until one of those connections has bytes to read, receives `data` from it as
+  // RecvOnLane does and returns its rank. The same thread rules as RecvOnLane, for every pair. A
+  // transport without it says kFailedPrecondition.
+  virtual Result<int> RecvOnAnyLane(std::span<const std::pair<int, int>> from, Region data,
+                                    bool checked);
 
   // Fault injection (FaultKind::kDrop): the next ring collective loses its
   // link to the right neighbour under it (TCP: the connection is shut down

@@ -70,9 +70,10 @@ StagedCommunicator::StagedCommunicator(std::unique_ptr<Communicator> host,
 }
 
 std::unique_ptr<Communicator> StagedCommunicator::SubGroup(std::span<const int> ranks,
-                                                           uint32_t op_space) const {
-  return std::make_unique<StagedCommunicator>(host_->SubGroup(ranks, op_space), copier_, options_,
-                                              pool_);
+                                                           uint32_t op_space,
+                                                           Millis timeout) const {
+  return std::make_unique<StagedCommunicator>(host_->SubGroup(ranks, op_space, timeout), copier_,
+                                              options_, pool_);
 }
 
 Status StagedCommunicator::CheckDevice(const char* op, Device device, int index) const {

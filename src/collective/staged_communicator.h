@@ -120,8 +120,8 @@ class StagedCommunicator : public Communicator {
                      StagedOptions options = {}, std::shared_ptr<StagingPool> pool = nullptr);
 
   Status Connect() override { return host_->Connect(); }
-  std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
-                                         uint32_t op_space) const override;
+  std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks, uint32_t op_space,
+                                         Millis timeout) const override;
   Status AllReduce(Region data, DType dtype, ReduceOp op) override;
   Status ReduceScatter(Region data, DType dtype, ReduceOp op) override;
   Status AllGather(Region data, size_t element_bytes) override;

@@ -250,7 +250,7 @@ TEST(StagedDataPlaneTest, EveryCommunicatorOfADataPlaneSharesItsStagingBuffers) 
     o.members = {{0, address}};
     auto comm = plane.NewCommunicator(o);
     const std::vector<int> group{0};
-    auto sub = comm->SubGroup(group, 1);
+    auto sub = comm->SubGroup(group, 1, Millis(0));
     std::vector<float> v(4096, 1.0f);  // 16 KiB: 16 pieces of 1 KiB
     ASSERT_TRUE(comm->AllReduce(Cuda(v), DType::kFloat32, ReduceOp::kSum).ok());
     ASSERT_TRUE(sub->ReduceScatter(Cuda(v), DType::kFloat32, ReduceOp::kSum).ok());

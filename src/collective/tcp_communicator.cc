@@ -1,8 +1,11 @@
 #include "collective/tcp_communicator.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <future>
 
 #include <fmt/format.h>
@@ -22,10 +25,11 @@ TcpCommunicator::TcpCommunicator(PeerMesh* mesh, net::AbortSignal* abort,
 }
 
 std::unique_ptr<Communicator> TcpCommunicator::SubGroup(std::span<const int> ranks,
-                                                        uint32_t op_space) const {
+                                                        uint32_t op_space, Millis timeout) const {
   NONSTOP_CHECK(op_space >= 1 && op_space <= 127) << "op_space " << op_space;
   CommunicatorOptions o = options_;
   o.op_space = op_space;
+  if (timeout > Millis(0)) o.timeout_collective = timeout;
   o.members.clear();
   o.rank = -1;
   for (size_t i = 0; i < ranks.size(); ++i) {
@@ -436,6 +440,41 @@ Status TcpCommunicator::RecvFrom(int from_rank, int lane, Region data, bool chec
   spec.deadline = OpDeadline();
   spec.abort = abort_;
   return Run(std::move(spec));
+}
+
+// The first of `from` whose connection is readable (or broke: the receive then says why), then
+// RecvOnLane from it.
+Result<int> TcpCommunicator::RecvOnAnyLane(std::span<const std::pair<int, int>> from, Region data,
+                                           bool checked) {
+  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(CheckHost(data, "Recv"));
+  if (from.empty()) return InvalidArgumentError("Recv from any of no rank");
+  std::vector<pollfd> fds;
+  for (auto [rank, lane] : from) {
+    NONSTOP_CHECK(rank >= 0 && rank < world_size() && rank != this->rank());
+    NONSTOP_ASSIGN_OR_RETURN(Connection * c, Peer(rank, lane));
+    fds.push_back({c->fd.get(), POLLIN, 0});
+  }
+  fds.push_back({abort_->fd(), POLLIN, 0});
+  const Deadline deadline = OpDeadline();
+  while (true) {
+    if (abort_->fired()) return Fail(AbortedError("Recv from any rank: aborted"));
+    NONSTOP_RETURN_IF_ERROR(error());
+    const int timeout = std::min(PollTimeoutMs(deadline), 100);
+    if (timeout == 0 && Clock::now() >= deadline) {
+      return Fail(
+          DeadlineExceededError("Timed out receiving from any rank: past the call's timeout"));
+    }
+    if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) {
+      return Fail(InternalError(fmt::format("poll: {}", std::strerror(errno))));
+    }
+    for (size_t i = 0; i + 1 < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      const auto [rank, lane] = from[i];
+      NONSTOP_RETURN_IF_ERROR(RecvOnLane(rank, lane, data, checked));
+      return rank;
+    }
+  }
 }
 
 }  // namespace nonstop::collective

@@ -60,8 +60,8 @@ class TcpCommunicator final : public Communicator {
   // Opens the ring neighbours' connections in parallel (or reuses them).
   Status Connect() override;
   // Over the same mesh and abort signal.
-  std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks,
-                                         uint32_t op_space) const override;
+  std::unique_ptr<Communicator> SubGroup(std::span<const int> ranks, uint32_t op_space,
+                                         Millis timeout) const override;
 
   Status AllReduce(Region data, DType dtype, ReduceOp op) override;
   Status ReduceScatter(Region data, DType dtype, ReduceOp op) override;
@@ -79,6 +79,8 @@ class TcpCommunicator final : public Communicator {
   int p2p_lanes() const override { return net::kDataLanes; }
   Status SendOnLane(int to_rank, int lane, ConstRegion data, bool checked) override;
   Status RecvOnLane(int from_rank, int lane, Region data, bool checked) override;
+  Result<int> RecvOnAnyLane(std::span<const std::pair<int, int>> from, Region data,
+                            bool checked) override;
 
   // The next ring collective shuts its connection to the right neighbour
   // down after acquiring it, so the link breaks under the operation (a

@@ -567,7 +567,8 @@ Status RunTransfer(const TransferSpec& spec, TransferStats* stats) {
         waiting = "waiting for " + spec.send_peer + " to acknowledge every piece";
       }
       return DeadlineExceededError(
-          fmt::format("timed out {} (generation {}, op {})", waiting, spec.generation, spec.op));
+          fmt::format("Timed out {} (generation {}, op {}): past the call's timeout", waiting,
+                      spec.generation, spec.op));
     }
   }
   return OkStatus();

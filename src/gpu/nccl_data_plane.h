@@ -94,9 +94,9 @@ class NcclCommunicator final : public collective::Communicator {
   ~NcclCommunicator() override;
 
   Status Connect() override;
-  std::unique_ptr<collective::Communicator> SubGroup(std::span<const int> ranks,
-                                                     uint32_t op_space) const override {
-    return staged_->SubGroup(ranks, op_space);
+  std::unique_ptr<collective::Communicator> SubGroup(std::span<const int> ranks, uint32_t op_space,
+                                                     Millis timeout) const override {
+    return staged_->SubGroup(ranks, op_space, timeout);
   }
   Status AllReduce(collective::Region data, collective::DType dtype, ReduceOp op) override;
   Status ReduceScatter(collective::Region data, collective::DType dtype, ReduceOp op) override;

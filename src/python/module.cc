@@ -613,12 +613,24 @@ void BindSession(py::module_& m) {
              }();
              Check(s);
            })
-      .def("new_group",
-           [](PySession& p, std::vector<int> ranks) {
-             Result<int> id = p.s().NewGroup(std::move(ranks));
-             Check(id.status());
-             return *id;
+      .def("recv_any",
+           [](PySession& p, uintptr_t address, size_t nbytes) {
+             Result<int> from = [&] {
+               py::gil_scoped_release release;
+               return p.s().RecvFromAny(Bytes(address, nbytes));
+             }();
+             Check(from.status());
+             return *from;
            })
+      .def(
+          "new_group",
+          [](PySession& p, std::vector<int> ranks, int64_t timeout_ms) {
+            Result<int> id =
+                p.s().NewGroup(std::move(ranks), std::chrono::milliseconds(timeout_ms));
+            Check(id.status());
+            return *id;
+          },
+          py::arg("ranks"), py::arg("timeout_ms") = 0)
       .def("start_allreduce", &PySession::Start, py::arg("tensor"), py::arg("address"),
            py::arg("count"), py::arg("done") = py::none())
       .def(

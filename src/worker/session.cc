@@ -854,8 +854,9 @@ class SessionImpl {
                       layout.groups(), layout.group_size));
     }
     std::vector<int> in_group = layout.Group(group), replicas = layout.Replicas(shard);
-    group_comm_ = comm_->SubGroup(in_group, static_cast<uint32_t>(1 + group));
-    replica_comm_ = comm_->SubGroup(replicas, static_cast<uint32_t>(1 + layout.groups() + shard));
+    group_comm_ = comm_->SubGroup(in_group, static_cast<uint32_t>(1 + group), Millis(0));
+    replica_comm_ =
+        comm_->SubGroup(replicas, static_cast<uint32_t>(1 + layout.groups() + shard), Millis(0));
     return OkStatus();
   }
 
@@ -1587,8 +1588,16 @@ Status Session::Send(int to, std::span<const std::byte> data) {
 Status Session::Recv(int from, std::span<std::byte> data) {
   return impl_->PointToPoint("Recv", from, collective::HostRegion(data));
 }
-Result<int> Session::NewGroup(std::vector<int> ranks) {
-  return impl_->user_groups_.Add(std::move(ranks), impl_->member_ids_, rank());
+Result<int> Session::RecvFromAny(std::span<std::byte> data) {
+  collective::Communicator& comm = impl_->comm();
+  std::vector<std::pair<int, int>> from;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    if (r != comm.rank()) from.emplace_back(r, r < comm.rank() ? 1 : 2);  // PointToPoint's lanes
+  }
+  return comm.RecvOnAnyLane(from, collective::HostRegion(data), /*checked=*/true);
+}
+Result<int> Session::NewGroup(std::vector<int> ranks, std::chrono::milliseconds timeout) {
+  return impl_->user_groups_.Add(std::move(ranks), impl_->member_ids_, rank(), timeout);
 }
 
 int Session::shard_group() const { return impl_->state_->shard_group(); }

@@ -25,7 +25,8 @@ uint32_t OpSpaceOf(const std::vector<int>& ranks) {
 
 }  // namespace
 
-Result<int> UserGroups::Add(std::vector<int> ranks, std::span<const int> members, int my_rank) {
+Result<int> UserGroups::Add(std::vector<int> ranks, std::span<const int> members, int my_rank,
+                            Millis timeout) {
   const std::set<int> distinct(ranks.begin(), ranks.end());
   if (ranks.empty() || distinct.size() != ranks.size() || *distinct.begin() < 0 ||
       *distinct.rbegin() >= static_cast<int>(members.size())) {
@@ -40,6 +41,7 @@ Result<int> UserGroups::Add(std::vector<int> ranks, std::span<const int> members
   Group g;
   for (int r : ranks) g.workers.push_back(members[static_cast<size_t>(r)]);
   g.op_space = OpSpaceOf(ranks);
+  g.timeout = timeout;
   g.ranks = std::move(ranks);
   groups_.push_back(std::move(g));
   return static_cast<int>(groups_.size());
@@ -64,7 +66,7 @@ Result<collective::Communicator*> UserGroups::Get(int id, const collective::Comm
           now < 0 ? "no rank of the world" : fmt::format("worker {}", now)));
     }
   }
-  g.comm = world.SubGroup(g.ranks, g.op_space);
+  g.comm = world.SubGroup(g.ranks, g.op_space, g.timeout);
   return g.comm.get();
 }
 

@@ -13,6 +13,7 @@
 
 #include "collective/data_plane.h"
 #include "common/status.h"
+#include "common/time.h"
 
 namespace nonstop::worker {
 
@@ -20,8 +21,10 @@ class UserGroups {
  public:
   // A group of `ranks` (distinct, in the group's rank order, `my_rank` among
   // them) of the generation whose worker ids by rank are `members`. Returns
-  // its id (1, 2, ...: this process's count).
-  Result<int> Add(std::vector<int> ranks, std::span<const int> members, int my_rank);
+  // its id (1, 2, ...: this process's count). `timeout` bounds each of its
+  // collectives (zero: the world's bound).
+  Result<int> Add(std::vector<int> ranks, std::span<const int> members, int my_rank,
+                  Millis timeout = Millis(0));
   // The communicator of group `id` over `world`, the generation's (made at
   // its first use in a generation). FAILED_PRECONDITION when one of its ranks
   // is held by another worker now (or by none), naming it; NOT_FOUND for an
@@ -36,6 +39,7 @@ class UserGroups {
     std::vector<int> ranks;
     std::vector<int> workers;  // by group rank, when made
     uint32_t op_space = 0;
+    Millis timeout{0};
     std::unique_ptr<collective::Communicator> comm;
   };
   std::vector<Group> groups_;

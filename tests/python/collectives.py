@@ -129,6 +129,15 @@ elif rank == 1:
     dist.recv(pair, src=0)
     out["send_recv"] = pair.tolist()
 
+if rank == 0:  # a receive from any source: whoever sends first, each named with its bytes
+    heard = []
+    for _ in range(world - 1):
+        got = torch.zeros(2)
+        heard.append((dist.recv(got), got.tolist()))
+    out["recv_any_source"] = sorted(heard)
+else:
+    dist.send(torch.tensor([rank, rank * 3.0]), dst=0)
+
 objects = [None] * world
 dist.all_gather_object(objects, {"rank": rank, "text": "x" * rank})
 out["all_gather_object"] = objects
