@@ -334,12 +334,17 @@ class Session {
   // Recover(); a fault makes them return ABORTED or UNAVAILABLE like a
   // collective. Not a step boundary. INVALID_ARGUMENT for a rank out of the
   // world or this rank's own.
-  Status Send(int to, std::span<const std::byte> data);
-  Status Recv(int from, std::span<std::byte> data);
-  // Recv from whichever other rank of the world sends first (torch's recv
-  // without a source); returns its rank. It receives on every peer's
-  // direction towards this rank: no other Recv may run beside it.
-  Result<int> RecvFromAny(std::span<std::byte> data);
+  //
+  // `channel` 0 carries the script's own messages, 1 those of collectives made
+  // of point-to-point calls (all_to_all, monitored_barrier): a receive of one
+  // never takes a message of the other.
+  Status Send(int to, std::span<const std::byte> data, int channel = 0);
+  Status Recv(int from, std::span<std::byte> data, int channel = 0);
+  // Recv from whichever of the world's ranks `from` (others than this one)
+  // sends first on channel 0 (torch's recv without a source); returns its
+  // rank. It reads each of those peers' direction towards this rank: no Recv
+  // from one of them may run beside it.
+  Result<int> RecvFromAny(std::span<const int> from, std::span<std::byte> data);
   // A subgroup of this generation's ranks (torch.distributed's new_group):
   // `ranks`, distinct, in the group's rank order, this rank among them; only
   // they call it, each in the same order as the others of the group. Returns

@@ -188,9 +188,9 @@ def alltoall(comm: Any, outputs: List[Any], inputs: List[Any]) -> None:
         raise ValueError(f"all_to_all: this rank's output {me} holds {outputs[me].numel()} elements, its input "
                          f"{me} {inputs[me].numel()}: they must match")
     outputs[me].copy_(inputs[me].reshape(outputs[me].shape))
-    works = [_p2p.start(comm.session, comm.world_rank(j), inputs[j].contiguous(), sending=True)
+    works = [_p2p.start(comm.session, comm.world_rank(j), inputs[j].contiguous(), sending=True, channel=1)
              for j in range(world) if j != me]
-    works += [_p2p.start(comm.session, comm.world_rank(s), outputs[s], sending=False)
+    works += [_p2p.start(comm.session, comm.world_rank(s), outputs[s], sending=False, channel=1)
               for s in range(world) if s != me]
     for work in works:
         work.wait()

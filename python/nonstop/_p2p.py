@@ -88,7 +88,7 @@ class Work(_TorchWork):
         return future
 
 
-_lanes: Dict[Tuple[int, str], _Lane] = {}
+_lanes: Dict[Tuple[int, str, int], _Lane] = {}  # (peer, "send" or "recv", channel)
 _pending: Set[concurrent.futures.Future] = set()  # calls not yet done (each leaves when done)
 
 
@@ -96,11 +96,13 @@ _pending: Set[concurrent.futures.Future] = set()  # calls not yet done (each lea
 # receives pending, which would take the next messages of their peers); None: it is not.
 _broken: Optional[str] = None
 _any: Optional[concurrent.futures.Future] = None  # the last receive from any source queued
-_receiving: Set[concurrent.futures.Future] = set()  # receives from a given rank not yet done
+_receiving: Dict[concurrent.futures.Future, int] = {}  # receives from a given rank not yet done: its rank
 
 
-def start(session: Any, peer: int, tensor: Any, sending: bool) -> Work:
-    """Queues a send of `tensor` to, or a receive into it from, world rank `peer`."""
+def start(session: Any, peer: int, tensor: Any, sending: bool, channel: int = 0) -> Work:
+    """Queues a send of `tensor` to, or a receive into it from, world rank `peer`: on channel 0,
+    the script's own messages, or 1, those of collectives made of point-to-point calls
+    (all_to_all, monitored_barrier), which a receive of the script's never takes."""
     if _broken is not None:
         raise RuntimeError(f"point-to-point calls are in error until the next recovery: {_broken}")
     _device.device_index(tensor, "a point-to-point tensor")
@@ -112,35 +114,41 @@ def start(session: Any, peer: int, tensor: Any, sending: bool) -> Work:
     move = session._core.send if sending else session._core.recv
 
     def call() -> None:
-        _device.on_host(tensor, "send" if sending else "recv", lambda host: move(peer, host.data_ptr(), size),
-                        write_back=not sending)
+        _device.on_host(tensor, "send" if sending else "recv",
+                        lambda host: move(peer, host.data_ptr(), size, channel), write_back=not sending)
 
     if sending:
-        return Work(_lane((peer, "send")).submit(call), tensor, peer)
-    future = _lane((peer, "recv")).submit(_after_any(call))
-    _receiving.add(future)
-    future.add_done_callback(_receiving.discard)
+        return Work(_lane((peer, "send", channel)).submit(call), tensor, peer)
+    if channel:
+        return Work(_lane((peer, "recv", channel)).submit(call), tensor, peer)
+    future = _lane((peer, "recv", 0)).submit(_after_any(call))
+    _receiving[future] = peer
+    future.add_done_callback(lambda f: _receiving.pop(f, None))
     return Work(future, tensor, peer)
 
 
 def start_any(session: Any, tensor: Any) -> Work:
-    """Queues a receive into `tensor` from whichever rank of the world sends first: after the
-    receives queued before it, and before those queued after it (Session.recv_any reads every
-    peer's connection towards this rank)."""
+    """Queues a receive into `tensor` from whichever rank of the world sends first, of those
+    without a receive queued before it still to come (their next message is that one's); the
+    receives queued after it wait for it (Session.recv_any reads those peers' connections)."""
     global _any
     if _broken is not None:
         raise RuntimeError(f"point-to-point calls are in error until the next recovery: {_broken}")
     _device.device_index(tensor, "a point-to-point tensor")
     if not tensor.is_contiguous():
         raise ValueError("a point-to-point tensor must be contiguous: pass .contiguous()")
-    earlier = list(_receiving)
+    # Not from a peer whose receive queued before it is still to come: that message is its.
+    busy = set(_receiving.copy().values())
+    ranks = [r for r in range(session.world_size) if r != session.rank and r not in busy]
+    if not ranks:
+        raise RuntimeError("a receive from any source while every other rank has a receive of its own pending: "
+                           "wait for those first")
     size = tensor.numel() * tensor.element_size()
 
     def call() -> int:
-        concurrent.futures.wait(earlier)
-        return _device.on_host(tensor, "recv", lambda host: session._core.recv_any(host.data_ptr(), size))
+        return _device.on_host(tensor, "recv", lambda host: session._core.recv_any(ranks, host.data_ptr(), size))
 
-    _any = _lane((-1, "recv")).submit(call)
+    _any = _lane((-1, "recv", 0)).submit(call)
     return Work(_any, tensor, -1)
 
 
@@ -156,7 +164,7 @@ def _after_any(call: Callable[[], Any]) -> Callable[[], Any]:
     return after
 
 
-def _lane(key: Tuple[int, str]) -> _Lane:
+def _lane(key: Tuple[int, str, int]) -> _Lane:
     if key not in _lanes:
         _lanes[key] = _Lane()
     return _lanes[key]
@@ -174,7 +182,7 @@ def monitored_barrier(session: Any, comm: Any, timeout: Any, wait_all_ranks: boo
     if comm.rank == 0:
         if seconds <= 0:
             raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {ms} ms")
-        arrivals = [(r, start(session, comm.world_rank(r), torch.zeros(1), sending=False))
+        arrivals = [(r, start(session, comm.world_rank(r), torch.zeros(1), sending=False, channel=1))
                     for r in range(1, comm.world_size)]
         missing = []
         for r, work in arrivals:
@@ -190,12 +198,12 @@ def monitored_barrier(session: Any, comm: Any, timeout: Any, wait_all_ranks: boo
                 raise RuntimeError(f"Ranks {', '.join(map(str, missing))} failed to pass monitoredBarrier in "
                                    f"{ms} ms")
             raise RuntimeError(f"Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms")
-        for work in [start(session, comm.world_rank(r), torch.zeros(1), sending=True)
+        for work in [start(session, comm.world_rank(r), torch.zeros(1), sending=True, channel=1)
                      for r in range(1, comm.world_size)]:
             work.wait()
         return
-    start(session, comm.world_rank(0), torch.zeros(1), sending=True)
-    answer = start(session, comm.world_rank(0), torch.zeros(1), sending=False)
+    start(session, comm.world_rank(0), torch.zeros(1), sending=True, channel=1)
+    answer = start(session, comm.world_rank(0), torch.zeros(1), sending=False, channel=1)
     try:
         answer._call.result(timeout=max(0.0, deadline - time.monotonic()))
     except concurrent.futures.TimeoutError:

@@ -537,9 +537,12 @@ def _form_default_group(session: Session) -> None:
     # Torch's registry of groups is emptied with the default group; the script's subgroups are
     # kept in it (each says itself whether it still holds after the change).
     c10d = dist.distributed_c10d
-    tables = [getattr(c10d, name) for name in ("_pg_map", "_pg_names", "_pg_group_ranks") if hasattr(c10d, name)]
+    # torch 1.13 keeps its registry in module globals (_pg_map, ...), torch >= 2.1 in _world.
+    registry, prefix = (c10d._world, "") if hasattr(c10d, "_world") else (c10d, "_")
+    tables = [getattr(registry, prefix + name) for name in ("pg_map", "pg_names", "pg_group_ranks")
+              if hasattr(registry, prefix + name)]
     kept = [(table, pg, table[pg]) for table in tables for pg in list(table) if isinstance(pg, _SubGroup)]
-    named = getattr(c10d, "_group_count", 0)  # the next group's name: not one a kept group has
+    named = getattr(registry, prefix + "group_count", 0)  # the next group's name: not one a kept group has
     global _forming_default
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -551,8 +554,8 @@ def _form_default_group(session: Session) -> None:
         _forming_default = False
     for table, pg, entry in kept:
         table[pg] = entry
-    if hasattr(c10d, "_group_count"):
-        c10d._group_count = max(c10d._group_count, named)
+    if hasattr(registry, prefix + "group_count"):
+        setattr(registry, prefix + "group_count", max(getattr(registry, prefix + "group_count"), named))
     if _p2p.wait_all not in session._before_recover:
         session._before_recover.append(_p2p.wait_all)
     for name, value in session._core.torchrun_environment():

@@ -137,10 +137,12 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   // and the workers' error files where no log directory holds them (left when one was written).
   const char* tmp = std::getenv("TMPDIR");
   std::string dir = fmt::format("{}/nonstop-agent-XXXXXX", tmp != nullptr && *tmp ? tmp : "/tmp");
-  NONSTOP_CHECK(::mkdtemp(dir.data()) != nullptr)
+  const bool made = ::mkdtemp(dir.data()) != nullptr;
+  NONSTOP_CHECK(made || options_.etcd.empty())
       << "mkdtemp " << dir << ": " << std::strerror(errno) << " (HINT: set TMPDIR to a writable "
       << "directory)";
-  run_dir_ = dir;
+  if (made) run_dir_ = dir;
+  // Without a directory (an unwritable TMPDIR and no log directory) the workers get no error file.
   error_dir_ = options_.log_dir.empty() ? run_dir_ : options_.log_dir;
   if (!options_.etcd.empty()) leader_file_ = run_dir_ + "/leader.json";
   auto link = control::ControllerLink::Create(LinkOptions(options_, leader_file_));
@@ -156,7 +158,7 @@ Agent::~Agent() {
   launcher_.reset();
   leader_watch_.reset();
   if (!leader_file_.empty()) ::unlink(leader_file_.c_str());
-  ::rmdir(run_dir_.c_str());  // unless a worker's error file is in it
+  if (!run_dir_.empty()) ::rmdir(run_dir_.c_str());  // unless a worker's error file is in it
 }
 
 void Agent::StartLeaderWatch() {
@@ -634,7 +636,10 @@ void Agent::AddTorchrunVariables(int worker_id, std::map<std::string, std::strin
   (*env)["MASTER_PORT"] =
       port != nullptr && *port != '\0' ? port : std::to_string(s::kMasterPort.default_value);
   if (std::getenv("OMP_NUM_THREADS") == nullptr) (*env)["OMP_NUM_THREADS"] = "1";
-  (*env)["TORCHELASTIC_ERROR_FILE"] = fmt::format("{}/error-worker-{}.json", error_dir_, worker_id);
+  if (!error_dir_.empty()) {
+    (*env)["TORCHELASTIC_ERROR_FILE"] =
+        fmt::format("{}/error-worker-{}.json", error_dir_, worker_id);
+  }
 }
 
 void Agent::OnSignal(std::string_view payload) {

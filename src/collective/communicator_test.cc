@@ -950,33 +950,34 @@ TEST(CommunicatorTest, ReduceScatterOfAnyTypeLeavesEachRankItsChunk) {
 namespace nonstop::collective {
 namespace {
 
-// A receive from any source takes whichever sender comes first, and says which.
+// A receive from any source takes whichever sender comes first, and says which. The receiver
+// has the highest worker id: its peers open the lane with their first send, so it must not
+// wait for a peer that has not sent.
 TEST(CommunicatorTest, ARecvFromAnyRankTakesTheFirstSenderAndNamesIt) {
-  std::atomic<bool> took_first{false};  // rank 1 sends only once rank 0 took rank 2's message
+  std::atomic<bool> took_first{false};  // rank 1 sends only once rank 2 took rank 0's message
   RunThreads(3, [&](int rank, Communicator& comm) {
-    if (rank == 0) {
-      const std::vector<std::pair<int, int>> from = {{1, 1}, {2, 1}};
+    if (rank == 2) {
+      const std::vector<std::pair<int, int>> from = {{0, 1}, {1, 1}};
       std::vector<int> order;
       for (int i = 0; i < 2; ++i) {
         int32_t value = -1;
         Result<int> sender = comm.RecvOnAnyLane(
             from, HostRegion(std::as_writable_bytes(std::span<int32_t>(&value, 1))), true);
+        took_first = true;  // rank 1 must not wait for ever, even after a failure
         if (!sender.ok()) {
           ADD_FAILURE() << sender.status().ToString();
-          took_first = true;  // rank 1 must not wait for ever
           return;
         }
-        EXPECT_EQ(value, *sender * 100) << "the bytes are the sender's";
+        EXPECT_EQ(value, (*sender + 1) * 100) << "the bytes are the sender's";
         order.push_back(*sender);
-        took_first = true;
       }
-      EXPECT_EQ(order, (std::vector<int>{2, 1})) << "rank 2 sent first";  // rank 1 waited for it
+      EXPECT_EQ(order, (std::vector<int>{0, 1})) << "rank 0 sent first";  // rank 1 waited for it
       return;
     }
     while (rank == 1 && !took_first) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    int32_t value = rank * 100;
+    int32_t value = (rank + 1) * 100;
     ASSERT_TRUE(
-        comm.SendOnLane(0, 1, HostRegion(std::as_bytes(std::span<int32_t>(&value, 1))), true).ok());
+        comm.SendOnLane(2, 1, HostRegion(std::as_bytes(std::span<int32_t>(&value, 1))), true).ok());
   });
 }
 

@@ -248,6 +248,11 @@ Status StagedCommunicator::RecvOnLane(int from_rank, int lane, Region data, bool
                  [&](Region d) { return host_->RecvOnLane(from_rank, lane, d, checked); });
 }
 
+Result<int> StagedCommunicator::RecvOnAnyLane(std::span<const std::pair<int, int>> from,
+                                              Region data, bool checked) {
+  return host_->RecvOnAnyLane(from, data, checked);
+}
+
 Result<std::span<std::byte>> MemoryCopier::HostBuffer(size_t bytes) {
   auto buffer = std::make_unique<std::byte[]>(bytes);
   std::span<std::byte> out(buffer.get(), bytes);

@@ -138,6 +138,9 @@ class StagedCommunicator : public Communicator {
   int p2p_lanes() const override { return host_->p2p_lanes(); }
   Status SendOnLane(int to_rank, int lane, ConstRegion data, bool checked) override;
   Status RecvOnLane(int from_rank, int lane, Region data, bool checked) override;
+  // Host memory only (Session::RecvFromAny's): passed to the TCP communicator.
+  Result<int> RecvOnAnyLane(std::span<const std::pair<int, int>> from, Region data,
+                            bool checked) override;
   void InjectDropOfNextRingLink() override { host_->InjectDropOfNextRingLink(); }
   void InjectWireFlip(bool gather) override { host_->InjectWireFlip(gather); }
   void Abort(const std::string& reason) override { host_->Abort(reason); }

@@ -443,24 +443,42 @@ Status TcpCommunicator::RecvFrom(int from_rank, int lane, Region data, bool chec
 }
 
 // The first of `from` whose connection is readable (or broke: the receive then says why), then
-// RecvOnLane from it.
+// RecvOnLane from it. A peer that dials this worker (the lower worker id) opens the lane with its
+// first send: until then there is nothing to read from it, and it is looked for again at each
+// turn, never waited for.
 Result<int> TcpCommunicator::RecvOnAnyLane(std::span<const std::pair<int, int>> from, Region data,
                                            bool checked) {
   NONSTOP_RETURN_IF_ERROR(error());
   NONSTOP_RETURN_IF_ERROR(CheckHost(data, "Recv"));
   if (from.empty()) return InvalidArgumentError("Recv from any of no rank");
-  std::vector<pollfd> fds;
-  for (auto [rank, lane] : from) {
-    NONSTOP_CHECK(rank >= 0 && rank < world_size() && rank != this->rank());
-    NONSTOP_ASSIGN_OR_RETURN(Connection * c, Peer(rank, lane));
-    fds.push_back({c->fd.get(), POLLIN, 0});
-  }
-  fds.push_back({abort_->fd(), POLLIN, 0});
+  std::vector<Connection*> conns(from.size(), nullptr);
   const Deadline deadline = OpDeadline();
   while (true) {
     if (abort_->fired()) return Fail(AbortedError("Recv from any rank: aborted"));
     NONSTOP_RETURN_IF_ERROR(error());
-    const int timeout = std::min(PollTimeoutMs(deadline), 100);
+    std::vector<pollfd> fds;
+    std::vector<size_t> index;  // fds[k] is from[index[k]]
+    for (size_t i = 0; i < from.size(); ++i) {
+      const auto [rank, lane] = from[i];
+      NONSTOP_CHECK(rank >= 0 && rank < world_size() && rank != this->rank());
+      if (conns[i] == nullptr) {
+        const Member& m = options_.members[static_cast<size_t>(rank)];
+        const bool dials_us = m.worker_id < mesh_->worker_id();
+        Result<Connection*> c = mesh_->Get(
+            m.worker_id, m.address, options_.generation,
+            dials_us ? Clock::now() : DeadlineAfter(options_.timeout_connect), abort_, lane);
+        if (!c.ok() && !(dials_us && c.status().code() == StatusCode::kDeadlineExceeded)) {
+          return Fail(c.status());
+        }
+        if (c.ok()) conns[i] = *c;
+      }
+      if (conns[i] != nullptr) {
+        fds.push_back({conns[i]->fd.get(), POLLIN, 0});
+        index.push_back(i);
+      }
+    }
+    fds.push_back({abort_->fd(), POLLIN, 0});
+    const int timeout = std::min(PollTimeoutMs(deadline), 50);
     if (timeout == 0 && Clock::now() >= deadline) {
       return Fail(
           DeadlineExceededError("Timed out receiving from any rank: past the call's timeout"));
@@ -468,9 +486,9 @@ Result<int> TcpCommunicator::RecvOnAnyLane(std::span<const std::pair<int, int>> 
     if (::poll(fds.data(), fds.size(), timeout) < 0 && errno != EINTR) {
       return Fail(InternalError(fmt::format("poll: {}", std::strerror(errno))));
     }
-    for (size_t i = 0; i + 1 < fds.size(); ++i) {
-      if (fds[i].revents == 0) continue;
-      const auto [rank, lane] = from[i];
+    for (size_t k = 0; k + 1 < fds.size(); ++k) {
+      if (fds[k].revents == 0) continue;
+      const auto [rank, lane] = from[index[k]];
       NONSTOP_RETURN_IF_ERROR(RecvOnLane(rank, lane, data, checked));
       return rank;
     }

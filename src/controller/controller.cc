@@ -509,7 +509,7 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
       }
       return;
     }
-    if (phase_ == JobPhase::kForming && e.signal == 0 && e.exit_code == 0 &&
+    if (phase_ == JobPhase::kForming && generation_ == 0 && e.signal == 0 && e.exit_code == 0 &&
         membership_.pending().empty()) {
       // A script that never joins (one written for torchrun alone) ran to its end: the job ends
       // as torchrun's would, once every worker has, unless one joins meanwhile (OnJoin).

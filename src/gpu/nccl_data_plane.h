@@ -137,6 +137,11 @@ class NcclCommunicator final : public collective::Communicator {
     NONSTOP_RETURN_IF_ERROR(Sticky());
     return staged_->RecvOnLane(from_rank, lane, data, checked);
   }
+  Result<int> RecvOnAnyLane(std::span<const std::pair<int, int>> from, collective::Region data,
+                            bool checked) override {
+    NONSTOP_RETURN_IF_ERROR(Sticky());
+    return staged_->RecvOnAnyLane(from, data, checked);
+  }
   // The wire faults act on the TCP ring (host regions); NCCL's links are not ours to cut.
   void InjectDropOfNextRingLink() override { staged_->InjectDropOfNextRingLink(); }
   void InjectWireFlip(bool gather) override { staged_->InjectWireFlip(gather); }

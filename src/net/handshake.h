@@ -54,9 +54,13 @@ inline constexpr uint32_t kHelloMagic = 0x5054534E;  // "NSTP" on the wire
 // several streams (a 2.x worker would take a lane's hello for its one connection and read a
 // request it does not know: refused at the handshake instead, by its version).
 inline constexpr uint16_t kProtocolMajor = 3;
-inline constexpr uint16_t kProtocolMinor = 0;
-// Data connections between two workers at once (PeerMesh): lanes 0 .. kDataLanes - 1.
-inline constexpr int kDataLanes = 4;
+inline constexpr uint16_t kProtocolMinor = 1;  // 1: five lanes
+// Data connections between two workers at once (PeerMesh): lanes 0 .. kDataLanes - 1. Lane 0
+// carries the collectives; a state copy streams on lanes 0 .. kStateCopyLanes - 1; point-to-point
+// calls take lanes 1 and 2 (the script's) and 3 and 4 (those of collectives made of them), one a
+// direction (Session::Send).
+inline constexpr int kDataLanes = 5;
+inline constexpr int kStateCopyLanes = 4;
 // Handshake frames are a few dozen bytes; a longer length is refused before anything is read.
 inline constexpr uint32_t kMaxHandshakeBytes = 4096;
 

@@ -597,27 +597,31 @@ void BindSession(py::module_& m) {
           py::arg("address"), py::arg("nbytes"), py::arg("dtype"), py::arg("op"),
           py::arg("scatter") = false, py::arg("group") = 0)
       // Point-to-point, from any thread (not Drained: that lets go of the buckets' tensors).
-      .def("send",
-           [](PySession& p, int to, uintptr_t address, size_t nbytes) {
-             Status s = [&] {
-               py::gil_scoped_release release;
-               return p.s().Send(to, Bytes(address, nbytes));
-             }();
-             Check(s);
-           })
-      .def("recv",
-           [](PySession& p, int from, uintptr_t address, size_t nbytes) {
-             Status s = [&] {
-               py::gil_scoped_release release;
-               return p.s().Recv(from, Bytes(address, nbytes));
-             }();
-             Check(s);
-           })
+      .def(
+          "send",
+          [](PySession& p, int to, uintptr_t address, size_t nbytes, int channel) {
+            Status s = [&] {
+              py::gil_scoped_release release;
+              return p.s().Send(to, Bytes(address, nbytes), channel);
+            }();
+            Check(s);
+          },
+          py::arg("to"), py::arg("address"), py::arg("nbytes"), py::arg("channel") = 0)
+      .def(
+          "recv",
+          [](PySession& p, int from, uintptr_t address, size_t nbytes, int channel) {
+            Status s = [&] {
+              py::gil_scoped_release release;
+              return p.s().Recv(from, Bytes(address, nbytes), channel);
+            }();
+            Check(s);
+          },
+          py::arg("from"), py::arg("address"), py::arg("nbytes"), py::arg("channel") = 0)
       .def("recv_any",
-           [](PySession& p, uintptr_t address, size_t nbytes) {
+           [](PySession& p, std::vector<int> ranks, uintptr_t address, size_t nbytes) {
              Result<int> from = [&] {
                py::gil_scoped_release release;
-               return p.s().RecvFromAny(Bytes(address, nbytes));
+               return p.s().RecvFromAny(ranks, Bytes(address, nbytes));
              }();
              Check(from.status());
              return *from;

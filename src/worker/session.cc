@@ -1157,19 +1157,20 @@ class SessionImpl {
     return RunCollective([&] { return comm_->AllReduce(data); }, /*at_step_boundary=*/true);
   }
 
-  // Session::AllReduce and ReduceScatter of any type and operation (`what` names the call).
   // Session::Send and Recv: a direction of its own between two ranks, so that a send and a
   // receive between them may run at once on two threads: lane 1 carries what a lower rank sends
-  // a higher one, lane 2 the other way (lane 0 is the collectives').
-  Status PointToPoint(std::string_view what, int peer, collective::Region data) {
+  // a higher one on channel 0, lane 2 the other way; channel 1 takes lanes 3 and 4 (lane 0 is
+  // the collectives', net/handshake.h).
+  Status PointToPoint(std::string_view what, int peer, collective::Region data, int channel) {
     collective::Communicator* comm = comm_.get();
     const int me = comm->rank();
-    if (peer < 0 || peer >= comm->world_size() || peer == me) {
-      return InvalidArgumentError(fmt::format("{}: rank {} is not another rank of the world of {}",
-                                              what, peer, comm->world_size()));
+    if (peer < 0 || peer >= comm->world_size() || peer == me || channel < 0 || channel > 1) {
+      return InvalidArgumentError(
+          fmt::format("{}: rank {} (channel {}) is not another rank of the world of {}", what, peer,
+                      channel, comm->world_size()));
     }
     const bool sending = what == "Send";
-    const int lane = (sending ? me < peer : peer < me) ? 1 : 2;
+    const int lane = 2 * channel + ((sending ? me < peer : peer < me) ? 1 : 2);
     return sending ? comm->SendOnLane(peer, lane, data, /*checked=*/true)
                    : comm->RecvOnLane(peer, lane, data, /*checked=*/true);
   }
@@ -1180,6 +1181,7 @@ class SessionImpl {
     return user_groups_.Get(group, *comm_, member_ids_);
   }
 
+  // Session::AllReduce and ReduceScatter of any type and operation (`what` names the call).
   Status Reduce(std::string_view what, std::span<std::byte> data, DType dtype, ReduceOp op,
                 bool scatter, int group) {
     if (!Reduces(dtype, op) || data.size() % ElementBytes(dtype) != 0) {
@@ -1581,20 +1583,26 @@ Status Session::Barrier(int group) {
   NONSTOP_ASSIGN_OR_RETURN(collective::Communicator * comm, impl_->GroupComm(group));
   return impl_->RunCollective([&] { return comm->Barrier(); }, /*at_step_boundary=*/false);
 }
-Status Session::Send(int to, std::span<const std::byte> data) {
-  return impl_->PointToPoint("Send", to,
-                             collective::Region{const_cast<std::byte*>(data.data()), data.size()});
+Status Session::Send(int to, std::span<const std::byte> data, int channel) {
+  return impl_->PointToPoint(
+      "Send", to, collective::Region{const_cast<std::byte*>(data.data()), data.size()}, channel);
 }
-Status Session::Recv(int from, std::span<std::byte> data) {
-  return impl_->PointToPoint("Recv", from, collective::HostRegion(data));
+Status Session::Recv(int from, std::span<std::byte> data, int channel) {
+  return impl_->PointToPoint("Recv", from, collective::HostRegion(data), channel);
 }
-Result<int> Session::RecvFromAny(std::span<std::byte> data) {
+Result<int> Session::RecvFromAny(std::span<const int> from, std::span<std::byte> data) {
   collective::Communicator& comm = impl_->comm();
-  std::vector<std::pair<int, int>> from;
-  for (int r = 0; r < comm.world_size(); ++r) {
-    if (r != comm.rank()) from.emplace_back(r, r < comm.rank() ? 1 : 2);  // PointToPoint's lanes
+  std::vector<std::pair<int, int>> lanes;
+  for (int r : from) {
+    if (r < 0 || r >= comm.world_size() || r == comm.rank()) {
+      return InvalidArgumentError(
+          fmt::format("Recv from any of ranks: {} is not another rank of "
+                      "the world of {}",
+                      r, comm.world_size()));
+    }
+    lanes.emplace_back(r, r < comm.rank() ? 1 : 2);  // PointToPoint's lanes
   }
-  return comm.RecvOnAnyLane(from, collective::HostRegion(data), /*checked=*/true);
+  return comm.RecvOnAnyLane(lanes, collective::HostRegion(data), /*checked=*/true);
 }
 Result<int> Session::NewGroup(std::vector<int> ranks, std::chrono::milliseconds timeout) {
   return impl_->user_groups_.Add(std::move(ranks), impl_->member_ids_, rank(), timeout);

@@ -19,6 +19,7 @@
 #include "common/coding.h"
 #include "common/crc32c.h"
 #include "common/mutex.h"
+#include "net/handshake.h"
 #include "net/socket.h"
 #include "nonstop/log.h"
 #include "state/shard_layout.h"
@@ -238,7 +239,8 @@ int StreamsFor(const collective::Communicator& comm, const state::StateRegistry&
   const uint64_t by_size = std::max<uint64_t>(1, bytes / kBytesPerStream);
   const uint64_t want = asked > 0 ? static_cast<uint64_t>(asked) : by_size;
   return static_cast<int>(std::max<uint64_t>(
-      1, std::min({want, static_cast<uint64_t>(comm.p2p_lanes()), uint64_t{chunks.size()}})));
+      1, std::min({want, static_cast<uint64_t>(std::min(comm.p2p_lanes(), net::kStateCopyLanes)),
+                   uint64_t{chunks.size()}})));
 }
 
 // Of the results of work run at once, where a failure aborts the rest: the cause (the first error
@@ -317,7 +319,7 @@ Status SendChunks(collective::Communicator& comm, const state::StateRegistry& re
   return OkStatus();
 }
 
-// The receiver's request, checked: {lanes, index…} with lanes within the transport's, every index
+// The receiver's request, checked: {lanes, index…} with lanes within the state copy's, every index
 // a chunk of the state that this transfer copies (`sharded`: the shard exchange's, else the
 // replicated ones) and none twice (a lane of SendChunks writes its chunks' table entries).
 // Returns which chunks it asks for (1 at their index).
@@ -325,9 +327,10 @@ Result<std::vector<char>> CheckRequest(const collective::Communicator& comm,
                                        const state::StateRegistry& reg,
                                        const std::vector<uint32_t>& request, bool sharded) {
   const uint32_t lanes = request[0];
-  if (lanes < 1 || lanes > static_cast<uint32_t>(comm.p2p_lanes())) {
+  const int most = std::min(comm.p2p_lanes(), net::kStateCopyLanes);
+  if (lanes < 1 || lanes > static_cast<uint32_t>(most)) {
     return DataLossError(fmt::format("a request for {} chunks over {} lanes (1 to {} can be)",
-                                     request.size() - 1, lanes, comm.p2p_lanes()));
+                                     request.size() - 1, lanes, most));
   }
   std::vector<char> asked(reg.num_chunks(), 0);
   for (size_t i = 1; i < request.size(); ++i) {

@@ -3,6 +3,7 @@ under torch's launcher over Gloo, or under `nonstop run` over nonstop
 (test_distributed.py compares the two). Values are small integers, so every
 order of addition gives the same float."""
 
+import datetime
 import json
 import os
 
@@ -137,6 +138,12 @@ if rank == 0:  # a receive from any source: whoever sends first, each named with
     out["recv_any_source"] = sorted(heard)
 else:
     dist.send(torch.tensor([rank, rank * 3.0]), dst=0)
+# At once, no barrier: its parts must not be taken by the receives from any source above.
+after_any = torch.zeros(world)
+dist.all_to_all_single(after_any, torch.arange(world, dtype=torch.float32) + 10 * rank)
+out["all_to_all_after_recv_any"] = after_any.tolist()
+dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+out["monitored_barrier"] = True
 
 objects = [None] * world
 dist.all_gather_object(objects, {"rank": rank, "text": "x" * rank})
