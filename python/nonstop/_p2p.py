@@ -22,6 +22,7 @@ import torch
 from torch._C._distributed_c10d import Work as _TorchWork
 
 from . import _device
+from ._collectives import check_bytes, nbytes
 
 
 class _Lane:
@@ -103,14 +104,10 @@ def start(session: Any, peer: int, tensor: Any, sending: bool, channel: int = 0)
     """Queues a send of `tensor` to, or a receive into it from, world rank `peer`: on channel 0,
     the script's own messages, or 1, those of collectives made of point-to-point calls
     (all_to_all, monitored_barrier), which a receive of the script's never takes."""
-    if _broken is not None:
-        raise RuntimeError(f"point-to-point calls are in error until the next recovery: {_broken}")
-    _device.device_index(tensor, "a point-to-point tensor")
-    if not tensor.is_contiguous():
-        raise ValueError("a point-to-point tensor must be contiguous: pass .contiguous()")
+    _check(tensor)
     if peer == session.rank:
         raise ValueError(f"rank {peer} {'sends to' if sending else 'receives from'} itself")
-    size = tensor.numel() * tensor.element_size()
+    size = nbytes(tensor)
     move = session._core.send if sending else session._core.recv
 
     def call() -> None:
@@ -132,24 +129,26 @@ def start_any(session: Any, tensor: Any) -> Work:
     without a receive queued before it still to come (their next message is that one's); the
     receives queued after it wait for it (Session.recv_any reads those peers' connections)."""
     global _any
-    if _broken is not None:
-        raise RuntimeError(f"point-to-point calls are in error until the next recovery: {_broken}")
-    _device.device_index(tensor, "a point-to-point tensor")
-    if not tensor.is_contiguous():
-        raise ValueError("a point-to-point tensor must be contiguous: pass .contiguous()")
+    _check(tensor)
     # Not from a peer whose receive queued before it is still to come: that message is its.
     busy = set(_receiving.copy().values())
     ranks = [r for r in range(session.world_size) if r != session.rank and r not in busy]
     if not ranks:
         raise RuntimeError("a receive from any source while every other rank has a receive of its own pending: "
                            "wait for those first")
-    size = tensor.numel() * tensor.element_size()
+    size = nbytes(tensor)
 
     def call() -> int:
         return _device.on_host(tensor, "recv", lambda host: session._core.recv_any(ranks, host.data_ptr(), size))
 
     _any = _lane((-1, "recv", 0)).submit(call)
     return Work(_any, tensor, -1)
+
+
+def _check(tensor: Any) -> None:
+    if _broken is not None:
+        raise RuntimeError(f"point-to-point calls are in error until the next recovery: {_broken}")
+    check_bytes(tensor, "a point-to-point tensor")
 
 
 def _after_any(call: Callable[[], Any]) -> Callable[[], Any]:

@@ -1161,15 +1161,14 @@ class SessionImpl {
   // receive between them may run at once on two threads: lane 1 carries what a lower rank sends
   // a higher one on channel 0, lane 2 the other way; channel 1 takes lanes 3 and 4 (lane 0 is
   // the collectives', net/handshake.h).
-  Status PointToPoint(std::string_view what, int peer, collective::Region data, int channel) {
+  Status PointToPoint(bool sending, int peer, collective::Region data, int channel) {
     collective::Communicator* comm = comm_.get();
     const int me = comm->rank();
     if (peer < 0 || peer >= comm->world_size() || peer == me || channel < 0 || channel > 1) {
       return InvalidArgumentError(
-          fmt::format("{}: rank {} (channel {}) is not another rank of the world of {}", what, peer,
-                      channel, comm->world_size()));
+          fmt::format("{}: rank {} (channel {}) is not another rank of the world of {}",
+                      sending ? "Send" : "Recv", peer, channel, comm->world_size()));
     }
-    const bool sending = what == "Send";
     const int lane = 2 * channel + ((sending ? me < peer : peer < me) ? 1 : 2);
     return sending ? comm->SendOnLane(peer, lane, data, /*checked=*/true)
                    : comm->RecvOnLane(peer, lane, data, /*checked=*/true);
@@ -1585,10 +1584,11 @@ Status Session::Barrier(int group) {
 }
 Status Session::Send(int to, std::span<const std::byte> data, int channel) {
   return impl_->PointToPoint(
-      "Send", to, collective::Region{const_cast<std::byte*>(data.data()), data.size()}, channel);
+      /*sending=*/true, to, collective::Region{const_cast<std::byte*>(data.data()), data.size()},
+      channel);
 }
 Status Session::Recv(int from, std::span<std::byte> data, int channel) {
-  return impl_->PointToPoint("Recv", from, collective::HostRegion(data), channel);
+  return impl_->PointToPoint(/*sending=*/false, from, collective::HostRegion(data), channel);
 }
 Result<int> Session::RecvFromAny(std::span<const int> from, std::span<std::byte> data) {
   collective::Communicator& comm = impl_->comm();
