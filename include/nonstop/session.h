@@ -60,6 +60,7 @@
 #include "nonstop/settings.h"
 #include "nonstop/state.h"
 #include "nonstop/status.h"
+#include "nonstop/store.h"
 
 namespace nonstop::collective {
 class DataPlane;
@@ -356,6 +357,10 @@ class Session {
   // the world's bound, SessionOptions::timeout_collective).
   Result<int> NewGroup(std::vector<int> ranks,
                        std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+
+  // The job's key-value store (nonstop/store.h): one for the whole job, kept by the controller
+  // through recoveries and takeovers. Any thread may use it, for as long as the Session lives.
+  Store& store();
 
   // Sharded optimizer state (ZeRO-1, docs/sharding.md). With a registry whose
   // sharded regions use groups of G (StateRegistry::RegisterShard), the world

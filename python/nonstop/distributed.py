@@ -32,8 +32,9 @@ from torch._C._distributed_c10d import ProcessGroup as _TorchProcessGroup
 from torch._C._distributed_c10d import Work as _TorchWork
 
 from . import Aborted, Session, _check_tensor, _collectives, _device, _p2p, join
+from ._store import JobStore
 
-__all__ = ["DistributedDataParallel", "ProcessGroup", "destroy_process_group", "init_process_group", "step"]
+__all__ = ["DistributedDataParallel", "ProcessGroup", "destroy_process_group", "init_process_group", "step", "store"]
 
 BACKEND = "nonstop"
 
@@ -57,6 +58,7 @@ _groups: List["ProcessGroup"] = []
 # subgroup (new_group), even one of every rank (it may have a timeout of its own).
 _forming_default = False
 _works: Deque["_Work"] = collections.deque(maxlen=1024)
+_store: Optional[JobStore] = None  # the job's store, once joined (store())
 
 
 class _Work(_TorchWork):
@@ -462,48 +464,15 @@ _check_bytes = _collectives.check_bytes
 _nbytes = _collectives.nbytes
 
 
-class _Store(dist.Store):
-    """The store init_process_group wants. nonstop needs none: the plan forms
-    the group. It keeps keys for this process only, and answers torch's
-    start-up barrier (which counts every rank's arrival in a shared store) as
-    passed: a generation is formed only once all its members are in."""
-
-    def __init__(self, world: int) -> None:
-        super().__init__()
-        self._world = world
-        self._data: dict = {}
-
-    def set(self, key: str, value: Any) -> None:
-        self._data[key] = bytes(value) if not isinstance(value, str) else value.encode()
-
-    def get(self, key: str) -> bytes:
-        if key not in self._data:
-            raise KeyError(f"nonstop's store is local to each worker: '{key}' was not set here")
-        return self._data[key]
-
-    def add(self, key: str, amount: int) -> int:
-        value = int(self._data.get(key, b"0")) + int(amount)
-        self._data[key] = str(value).encode()
-        if key.startswith(dist.distributed_c10d.STORE_BASED_BARRIER_PREFIX):
-            return self._world
-        return value
-
-    def wait(self, keys: Any, timeout: Any = None) -> None:
-        missing = [k for k in keys if k not in self._data]
-        if missing:
-            raise KeyError(f"nonstop's store is local to each worker: {missing} were not set here")
-
-    def check(self, keys: Any) -> bool:
-        return all(k in self._data for k in keys)
-
-    def num_keys(self) -> int:
-        return len(self._data)
-
-    def delete_key(self, key: str) -> bool:
-        return self._data.pop(key, None) is not None
-
-    def set_timeout(self, timeout: Any) -> None:
-        pass
+def store() -> JobStore:
+    """The job's store (docs/store.md): one key-value store shared by every
+    worker of the job and kept through recoveries and controller takeovers; the
+    default group's store (torch wraps it in a PrefixStore). Available once the
+    worker joined (init_process_group)."""
+    if _store is None:
+        raise RuntimeError("the job's store is nonstop's once this worker joined: call "
+                           "nonstop.torch.init_process_group(...) first")
+    return _store
 
 
 def _create(store: Any, rank: int, size: int, timeout: Any) -> ProcessGroup:
@@ -531,6 +500,15 @@ def _ranks_of_the_group_being_made(size: int) -> List[int]:
                        f"(its ranks were not found among the callers); here {size} of {_session.world_size}")
 
 
+def _job_store(session: Session) -> JobStore:
+    # One per process, kept alive here: torch holds only its C++ half.
+    global _store
+    if _store is None:
+        _store = JobStore(session._core.store, session.world_size)
+    _store.set_world(session.world_size)
+    return _store
+
+
 def _form_default_group(session: Session) -> None:
     if not hasattr(dist.Backend, BACKEND.upper()):
         dist.Backend.register_backend(BACKEND, _create)
@@ -548,7 +526,7 @@ def _form_default_group(session: Session) -> None:
         dist.destroy_process_group()
     _forming_default = True
     try:
-        dist.init_process_group(BACKEND, store=_Store(session.world_size), rank=session.rank,
+        dist.init_process_group(BACKEND, store=_job_store(session), rank=session.rank,
                                 world_size=session.world_size)
     finally:
         _forming_default = False
@@ -666,6 +644,8 @@ def _join_first(torch_arguments: dict) -> Session:
                              f"drop {name}= (torchrun's variables are set)")
     _session = session
     _before_first_step = session.last_change.reason != "start"
+    if torch_arguments.get("timeout") is not None:  # the store's too, as torch's rendezvous does
+        _job_store(session).set_timeout(torch_arguments["timeout"])
     _form_default_group(session)
     session.on_membership_change(lambda change: _form_default_group(session))
     return session

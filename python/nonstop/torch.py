@@ -603,6 +603,7 @@ from .distributed import (  # noqa: E402  (after DataParallel, which it does not
     destroy_process_group,
     init_process_group,
     step,
+    store,
 )
 
-__all__ += ["DistributedDataParallel", "destroy_process_group", "init_process_group", "step"]
+__all__ += ["DistributedDataParallel", "destroy_process_group", "init_process_group", "step", "store"]

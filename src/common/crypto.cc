@@ -113,6 +113,31 @@ std::string Hex(std::string_view bytes) {
   return out;
 }
 
+std::string Base64Encode(std::string_view bytes) {
+  std::string out(4 * ((bytes.size() + 2) / 3), '\0');
+  const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                                reinterpret_cast<const unsigned char*>(bytes.data()),
+                                static_cast<int>(bytes.size()));
+  out.resize(static_cast<size_t>(n));
+  return out;
+}
+
+std::optional<std::string> Base64Decode(std::string_view text) {
+  if (text.size() % 4 != 0) return std::nullopt;
+  std::string out(3 * (text.size() / 4), '\0');
+  const int n = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                                reinterpret_cast<const unsigned char*>(text.data()),
+                                static_cast<int>(text.size()));
+  if (n < 0) return std::nullopt;
+  // EVP_DecodeBlock keeps the padding's zero bytes, and is lenient (white space at the ends, '='
+  // inside): only text that is the encoding of what it decoded to is base64 here.
+  size_t padding = 0;
+  if (!text.empty() && text.back() == '=') padding = text[text.size() - 2] == '=' ? 2 : 1;
+  out.resize(static_cast<size_t>(n) - padding);
+  if (Base64Encode(out) != text) return std::nullopt;
+  return out;
+}
+
 struct MacKey::State {
   EVP_MAC_CTX* keyed = nullptr;
 };

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -50,6 +51,11 @@ std::string RandomBytes(size_t n);
 
 // Lower-case hex of bytes (for log lines that name a digest, never a key).
 std::string Hex(std::string_view bytes);
+
+// Base64 (RFC 4648, with padding) through OpenSSL's EVP_EncodeBlock: bytes in JSON text.
+std::string Base64Encode(std::string_view bytes);
+// The bytes of `text`; nothing if it is not base64 (a wrong character or length, bad padding).
+std::optional<std::string> Base64Decode(std::string_view text);
 
 // A MAC key prepared once (libcrypto's context made and keyed at construction), for the
 // per-frame MACs of a connection: Mac() copies the keyed context instead of keying anew.

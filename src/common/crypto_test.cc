@@ -50,5 +50,27 @@ TEST(CryptoTest, RandomBytesAreFresh) {
   }
 }
 
+TEST(CryptoTest, Base64IsRfc4648) {
+  // RFC 4648's test vectors, and bytes that are no text.
+  const std::pair<std::string, std::string> kVectors[] = {{"", ""},
+                                                          {"f", "Zg=="},
+                                                          {"fo", "Zm8="},
+                                                          {"foo", "Zm9v"},
+                                                          {"foob", "Zm9vYg=="},
+                                                          {"fooba", "Zm9vYmE="},
+                                                          {"foobar", "Zm9vYmFy"},
+                                                          {std::string("\0\xff\x80", 3), "AP+A"}};
+  for (const auto& [bytes, text] : kVectors) {
+    EXPECT_EQ(Base64Encode(bytes), text);
+    EXPECT_EQ(Base64Decode(text), bytes) << text;
+  }
+}
+
+TEST(CryptoTest, Base64RefusesWhatIsNotBase64) {
+  for (const char* text :
+       {"Zg=", "Zm9", "Z!==", " Zg=", "Zg== ", "Zm 9", "====", "Z===", "Zg==Zg=="})
+    EXPECT_FALSE(Base64Decode(text).has_value()) << text;
+}
+
 }  // namespace
 }  // namespace nonstop::crypto

@@ -33,6 +33,10 @@ enum MessageType : uint16_t {
   // controller → worker: a plan written against the one this worker received last on this
   // connection, or against none (EncodePlanDelta; docs/plan-wire.md)
   kMsgPlanDelta = 23,
+  // worker → controller: a request to the job's store (StoreRequestMsg; docs/store.md)
+  kMsgStore = 24,
+  // controller → worker: its answer (StoreReplyMsg)
+  kMsgStoreReply = 25,
   // Controller ↔ agent (one agent per host; docs/protocol.md "Agents"). The
   // agent decides nothing: it registers its host, starts and signals processes
   // when told, and reports what happens to them at once.
@@ -312,6 +316,48 @@ struct ShutdownMsg {
   std::string reason;
   int exit_code = 0;
 };
+
+// ---- the job's store (docs/store.md) ----
+// The controller keeps one key-value store for the job (controller/job_store.h); a worker's
+// requests and the answers travel on its control connection. Values are bytes (base64 on the
+// wire); keys are UTF-8 text.
+enum class StoreOp { kSet, kGet, kAdd, kCompareSet, kAppend, kWait, kCheck, kDeleteKey, kNumKeys };
+const char* StoreOpName(StoreOp op);
+// Whether the op changes the store (then journaled, and applied once however often it is sent).
+bool StoreOpWrites(StoreOp op);
+inline constexpr size_t kMaxStoreKeyBytes = 4096;
+inline constexpr size_t kMaxStoreValueBytes = 1u << 20;
+inline constexpr size_t kMaxStoreKeysPerRequest = 1024;
+inline constexpr size_t kMaxStoreClientId = 64;
+
+struct StoreRequestMsg {
+  // The client's (a worker process's store client: a random id) numbering, from 1: the answer
+  // names it, and a write sent again after a lost connection is applied once.
+  std::string client;
+  int64_t seq = 0;
+  StoreOp op = StoreOp::kGet;
+  // wait and check: 1 to kMaxStoreKeysPerRequest keys; num_keys: none; the others: one.
+  std::vector<std::string> keys;
+  std::string value;       // set, append: the bytes; compare_set: the desired value
+  std::string expected;    // compare_set
+  int64_t amount = 0;      // add
+  int64_t timeout_ms = 0;  // get, wait: how long the keys are waited for
+};
+
+struct StoreReplyMsg {
+  int64_t seq = 0;
+  // Empty: done. Otherwise what went wrong, and its class: "timeout" (a key did not appear),
+  // "limit" (the store is full, a wait too many), "invalid" (add to a value that is no integer).
+  std::string error{};
+  std::string code{};
+  std::string value{};  // get, compare_set: the bytes
+  int64_t number = 0;   // add: the new value; num_keys; check and delete_key: 1 or 0
+};
+
+std::string Encode(const StoreRequestMsg& m);
+std::string Encode(const StoreReplyMsg& m);
+Result<StoreRequestMsg> DecodeStoreRequest(std::string_view payload);
+Result<StoreReplyMsg> DecodeStoreReply(std::string_view payload);
 
 std::string Encode(const JoinMsg& m);
 std::string Encode(const PlanMsg& m);

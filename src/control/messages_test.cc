@@ -568,5 +568,67 @@ TEST(AgentMessagesTest, HostIdsAreChecked) {
           .ok());
 }
 
+TEST(StoreMessagesTest, RequestsAndAnswersRoundTripWithTheirBytes) {
+  StoreRequestMsg m;
+  m.client = "0123abcd";
+  m.seq = 7;
+  m.op = StoreOp::kCompareSet;
+  m.keys = {"default_pg/ключ"};
+  m.expected = std::string("\0\xff", 2);
+  m.value = "desired";
+  auto back = DecodeStoreRequest(Encode(m));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->client, m.client);
+  EXPECT_EQ(back->seq, 7);
+  EXPECT_EQ(back->op, StoreOp::kCompareSet);
+  EXPECT_EQ(back->keys, m.keys);
+  EXPECT_EQ(back->expected, m.expected);
+  EXPECT_EQ(back->value, m.value);
+  StoreRequestMsg wait;
+  wait.client = "c";
+  wait.seq = 1;
+  wait.op = StoreOp::kWait;
+  wait.keys = {"a", "b"};
+  wait.timeout_ms = 1500;
+  auto w = DecodeStoreRequest(Encode(wait));
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(w->keys, wait.keys);
+  EXPECT_EQ(w->timeout_ms, 1500);
+  StoreReplyMsg r{9, "timeout: the wait waited 5 ms", "timeout", std::string("\x01\x00", 2), -3};
+  auto rb = DecodeStoreReply(Encode(r));
+  ASSERT_TRUE(rb.ok()) << rb.status().ToString();
+  EXPECT_EQ(rb->seq, 9);
+  EXPECT_EQ(rb->error, r.error);
+  EXPECT_EQ(rb->code, "timeout");
+  EXPECT_EQ(rb->value, r.value);
+  EXPECT_EQ(rb->number, -3);
+}
+
+TEST(StoreMessagesTest, AMalformedRequestIsRefusedNamingTheField) {
+  const std::string big(4 * ((kMaxStoreValueBytes + 3) / 3) + 4, 'A');
+  const std::pair<std::string, std::string> kBad[] = {
+      {R"({"client":"c","seq":1,"op":"explode","keys":["k"]})", "'op'"},
+      {R"({"client":"","seq":1,"op":"get","keys":["k"],"timeout_ms":0})", "'client'"},
+      {R"({"client":"c","seq":0,"op":"get","keys":["k"],"timeout_ms":0})", "'seq'"},
+      {R"({"client":"c","seq":1,"op":"get","keys":[],"timeout_ms":0})", "'keys'"},
+      {R"({"client":"c","seq":1,"op":"set","keys":["a","b"],"value":""})", "'keys'"},
+      {R"({"client":"c","seq":1,"op":"num_keys","keys":["a"]})", "'keys'"},
+      {R"({"client":"c","seq":1,"op":"get","keys":[3],"timeout_ms":0})", "'keys[0]'"},
+      {R"({"client":"c","seq":1,"op":"get","keys":["k"],"timeout_ms":-1})", "'timeout_ms'"},
+      {R"({"client":"c","seq":1,"op":"get","keys":["k"]})", "'timeout_ms'"},
+      {R"({"client":"c","seq":1,"op":"set","keys":["k"],"value":"@@@@"})", "'value'"},
+      {R"({"client":"c","seq":1,"op":"set","keys":["k"],"value":")" + big + R"("})", "'value'"},
+      {R"({"client":"c","seq":1,"op":"set","keys":[")" + std::string(kMaxStoreKeyBytes + 1, 'k') +
+           R"("],"value":""})",
+       "'keys[0]'"},
+  };
+  for (const auto& [payload, field] : kBad) {
+    auto m = DecodeStoreRequest(payload);
+    ASSERT_FALSE(m.ok()) << payload.substr(0, 120);
+    EXPECT_NE(m.status().message().find(field), std::string::npos)
+        << payload.substr(0, 120) << ": " << m.status().ToString();
+  }
+}
+
 }  // namespace
 }  // namespace nonstop::control

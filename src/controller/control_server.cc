@@ -261,6 +261,9 @@ void ControlServer::HandleOpenedFrame(Conn& c, const net::Frame& f) {
     case control::kMsgInjected:
       s = Deliver<InjectedReceived>(id, f.payload, control::DecodeInjected);
       break;
+    case control::kMsgStore:
+      s = Deliver<StoreRequested>(id, f.payload, control::DecodeStoreRequest);
+      break;
     default:
       s = InvalidArgumentError(fmt::format("unexpected message type {}", f.type));
   }

@@ -431,6 +431,7 @@ bool Controller::HoldingALiveMembersFailure() const {
 }
 
 void Controller::On(const ConnectionLost& e, std::vector<Action>* out) {
+  store_.Forget(e.worker_id);  // it asks again once it is back
   WorkerInfo* w = membership_.Find(e.worker_id);
   if (w == nullptr || w->role == WorkerRole::kGone) return;
   if (w->role == WorkerRole::kSpare) {
@@ -460,6 +461,7 @@ void Controller::On(const ProcessExited& e, std::vector<Action>* out) {
   }
   const bool was_live = placement_.IsLive(e.worker_id);
   placement_.MarkEnded(e.worker_id);
+  store_.Gone(e.worker_id);
   std::string how = e.signal != 0 ? fmt::format("was killed by signal {}", e.signal)
                                   : fmt::format("exited with code {}", e.exit_code);
   out->push_back(AppendJournal{{{"event", "exit"},
@@ -738,9 +740,23 @@ bool Controller::Promotable(const WorkerInfo& w) const {
          !membership_.Unconfirmed(w.worker_id);
 }
 
+// ---------------------------------------------------------------- the job's store
+
+void Controller::On(const StoreRequested& e, std::vector<Action>* out) {
+  JobStore::Outcome o = store_.Handle(e.worker_id, e.msg, now_);
+  if (o.record) out->push_back(AppendJournal{std::move(*o.record)});  // before the answers
+  Answer(std::move(o.answers), out);
+}
+
+void Controller::Answer(std::vector<JobStore::Answer> answers, std::vector<Action>* out) {
+  for (JobStore::Answer& a : answers)
+    out->push_back(SendStoreReply{a.worker_id, std::move(a.reply)});
+}
+
 // ---------------------------------------------------------------- timers
 
 void Controller::On(const Tick&, std::vector<Action>* out) {
+  Answer(store_.Expire(now_), out);
   // Injected faults that are due (by time since the start).
   for (auto it = pending_faults_.begin(); it != pending_faults_.end();) {
     if (it->point != control::FaultPoint::kTime ||

@@ -79,6 +79,7 @@
 #include "control/messages.h"
 #include "controller/core_types.h"
 #include "controller/detectors.h"
+#include "controller/job_store.h"
 #include "controller/membership.h"
 #include "controller/placement.h"
 #include "controller/planner.h"
@@ -134,6 +135,7 @@ struct TakeoverState {
   int recoveries = 0;  // recovery ids so far (new ones continue from here)
   int takeovers = 0;   // controllers that took over before this one
   std::optional<UnfinishedRecovery> open_recovery;
+  nlohmann::json store;    // the job's store (JobStore::Save); null: empty
   int64_t read_at_us = 0;  // wall clock when the journal was read
 };
 
@@ -168,6 +170,11 @@ struct RecoveredReceived {
 struct InjectedReceived {
   int worker_id;
   control::InjectedMsg msg;
+};
+// A request to the job's store (JobStore).
+struct StoreRequested {
+  int worker_id;
+  control::StoreRequestMsg msg;
 };
 struct ConnectionLost {
   int worker_id;
@@ -255,11 +262,12 @@ struct Takeover {
 struct ControllerStalled {
   Millis away{0};
 };
-using Event = std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived,
-                           FailureReported, ReadyReceived, RecoveredReceived, InjectedReceived,
-                           ConnectionLost, ProcessExited, ProcessStopped, Tick, ScaleRequest,
-                           Interrupted, HostJoined, HostHeartbeat, HostLost, WorkerStarted,
-                           Takeover, HostLeaving, ProcessDying, StopOrdersHeld, ControllerStalled>;
+using Event =
+    std::variant<WorkerJoined, HeartbeatReceived, ProgressReceived, FinishedReceived,
+                 FailureReported, ReadyReceived, RecoveredReceived, InjectedReceived,
+                 ConnectionLost, ProcessExited, ProcessStopped, Tick, ScaleRequest, Interrupted,
+                 HostJoined, HostHeartbeat, HostLost, WorkerStarted, Takeover, HostLeaving,
+                 ProcessDying, StopOrdersHeld, ControllerStalled, StoreRequested>;
 
 // ---- actions ----
 // Every member of a generation gets the same plan: one PlanMsg, shared by the
@@ -319,6 +327,12 @@ struct CloseHost {
   int exit_code = kExitPeerFailure;
   bool fence = false;
 };
+// The job's store answers a worker (a write's answer goes out after its journal record, as every
+// order: a controller that takes over knows what it answered).
+struct SendStoreReply {
+  int worker_id;
+  control::StoreReplyMsg msg;
+};
 struct AppendJournal {
   nlohmann::json record;
 };
@@ -330,7 +344,8 @@ struct EndJob {
   std::string reason;
 };
 using Action = std::variant<SendPlan, SendAbort, SendDrain, SendShutdown, KillWorker, SignalWorker,
-                            SpawnWorker, AppendJournal, PrintLine, EndJob, ScaleReply, CloseHost>;
+                            SpawnWorker, AppendJournal, PrintLine, EndJob, ScaleReply, CloseHost,
+                            SendStoreReply>;
 
 // The largest worker id a join may claim (and an agent may list).
 constexpr int kMaxWorkerId = 1 << 30;
@@ -355,6 +370,7 @@ class Controller {
   nlohmann::json Status() const;
   nlohmann::json PolicyJson() const;
   int target_world() const { return target_world_; }
+  const JobStore& store() const { return store_; }
   // The members of the current generation, by rank (worker ids).
   const std::vector<int>& members() const { return membership_.members(); }
   size_t world_size() const { return membership_.members().size(); }
@@ -394,6 +410,9 @@ class Controller {
   void On(const WorkerStarted& e, std::vector<Action>* out);
   void On(const Takeover& e, std::vector<Action>* out);
   void On(const HostLeaving& e, std::vector<Action>* out);
+  void On(const StoreRequested& e, std::vector<Action>* out);
+  // The store's answers, as orders.
+  static void Answer(std::vector<JobStore::Answer> answers, std::vector<Action>* out);
 
   // ---- workers
   // Forms a generation from scratch: at the start, and after a restart from a checkpoint.
@@ -542,6 +561,7 @@ class Controller {
   std::optional<Lag> waiting_;       // the member the others wait for, at the last tick
   int waiting_journaled_ = -1;       // the worker of the journaled "waiting" record (-1: none)
   ScriptFailures script_failures_;   // the failures the members reported, held and acted on
+  JobStore store_;                   // the job's key-value store (docs/store.md)
   RecoveryBudget recovery_budget_;
 
   // The recovery state machine.

@@ -414,6 +414,15 @@ void Controller::On(const Takeover& e, std::vector<Action>* out) {
         out);
     return;
   }
+  if (!s.store.is_null()) {
+    Result<JobStore> store = JobStore::Load(s.store);
+    if (!store.ok()) {
+      End(kExitUsage,
+          fmt::format("the journal's store cannot be read: {}", store.status().message()), out);
+      return;
+    }
+    store_ = std::move(*store);
+  }
   generation_ = s.generation;
   takeover_generation_ = s.generation;
   adopt_until_ = now_ + options_.adopt_timeout;

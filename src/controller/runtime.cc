@@ -89,6 +89,8 @@ nlohmann::json DescribeOrder(const Action& action) {
           return {{"order", "end_job"}, {"exit_code", a.exit_code}};
         } else if constexpr (std::is_same_v<T, ScaleReply>) {
           return {{"order", "scale_reply"}, {"request_id", a.request_id}};
+        } else if constexpr (std::is_same_v<T, SendStoreReply>) {
+          return {{"order", "store_reply"}, {"worker_id", a.worker_id}};
         } else {
           static_assert(std::is_same_v<T, PrintLine> || std::is_same_v<T, AppendJournal>);
           return {{"order", "journal"}};  // not listed (StepDown leaves lines out)
@@ -148,6 +150,9 @@ class Runtime {
   void Do(const SendAbort& a);
   void Do(const SendDrain& a);
   void Do(const ScaleReply& a);
+  void Do(const SendStoreReply& a) {
+    server_->Send(a.worker_id, control::kMsgStoreReply, control::Encode(a.msg));
+  }
   void Do(const KillWorker& a);
   void Do(const SignalWorker& a) { Signal(a.worker_id, a.signal); }
   // Workers run on the hosts of agents: the start goes to the host's agent; one that cannot be

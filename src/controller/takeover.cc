@@ -12,8 +12,9 @@ using nlohmann::json;
 
 namespace {
 
-// The snapshot's format: a replay refuses a snapshot of a format it does not know.
-constexpr int kSnapshotFormat = 1;
+// The snapshot's format: a replay refuses a snapshot of a format it does not know. 2 added the
+// job's store (format 1, which has none, is still read).
+constexpr int kSnapshotFormat = 2;
 
 json WorkerToJson(const TakeoverState::Worker& w) {
   return {{"worker_id", w.worker_id},
@@ -93,6 +94,7 @@ class Fold {
   std::map<std::string, TakeoverState::Host> hosts_;
   bool started_ = false;
   int shrink_asked_ = 0;  // a shrink on request whose plan is not journaled yet
+  JobStore store_;        // the job's store: its writes ("store" records) replayed
 };
 
 int IdOf(const json& r) {
@@ -118,6 +120,7 @@ void Fold::Plan(const json& r) {
       if (it == workers_.end()) continue;
       // capacity given back by the shrink
       if (!it->second.host.empty()) ++s.withheld[it->second.host];
+      store_.Gone(it->first);
       workers_.erase(it);  // shut down by a shrink
     }
   }
@@ -145,6 +148,7 @@ Status Fold::Apply(const json& r) {
     out_ = JournalTakeover{};
     workers_.clear();
     hosts_.clear();
+    store_ = JobStore();
     started_ = true;
     out_.controller = r.value("controller", "");
   } else if (event == "controller_start") {
@@ -173,7 +177,12 @@ Status Fold::Apply(const json& r) {
     hosts_.erase(id);
     s.withheld.erase(id);
     for (auto it = workers_.begin(); it != workers_.end();) {
-      it = it->second.host == id ? workers_.erase(it) : std::next(it);
+      if (it->second.host != id) {
+        ++it;
+        continue;
+      }
+      store_.Gone(it->first);
+      it = workers_.erase(it);
     }
   } else if (event == "spawn") {
     int id = IdOf(r);
@@ -201,8 +210,10 @@ Status Fold::Apply(const json& r) {
   } else if (event == "exit" || event == "fault" || event == "fence") {
     int id = IdOf(r);
     if (id >= 0) workers_.erase(id);
+    if (id >= 0) store_.Gone(id);
   } else if (event == "restart") {
     // every worker was restarted from a checkpoint, on the hosts' whole capacity
+    for (const auto& [id, w] : workers_) store_.Gone(id);
     workers_.clear();
     s.withheld.clear();
     s.target_world = 0;
@@ -218,6 +229,8 @@ Status Fold::Apply(const json& r) {
       s.target_world = to;
       s.withheld.clear();
     }
+  } else if (event == "store") {
+    return store_.Replay(r);
   } else if (event == "step") {
     s.highest_step = std::max(s.highest_step, r.value("step", int64_t{-1}));
   } else if (event == "recovery_start" || event == "resize_start") {
@@ -248,11 +261,13 @@ json Fold::Save() const {
   for (const auto& [id, h] : hosts_) state["hosts"].push_back(HostToJson(h));
   return {{"event", "snapshot"},           {"format", kSnapshotFormat},
           {"started", started_},           {"controller", out_.controller},
-          {"shrink_asked", shrink_asked_}, {"state", std::move(state)}};
+          {"shrink_asked", shrink_asked_}, {"state", std::move(state)},
+          {"store", store_.Save()}};
 }
 
 void Fold::Load(const json& snapshot) {
-  if (snapshot.at("format").get<int>() != kSnapshotFormat) {
+  const int format = snapshot.at("format").get<int>();
+  if (format != kSnapshotFormat && format != 1) {
     throw std::invalid_argument(fmt::format(
         "a snapshot of format {} (this nonstop reads format {}: take over with the nonstop that "
         "wrote it)",
@@ -282,6 +297,11 @@ void Fold::Load(const json& snapshot) {
   f.started_ = snapshot.at("started").get<bool>();
   f.out_.controller = snapshot.at("controller").get<std::string>();
   f.shrink_asked_ = snapshot.at("shrink_asked").get<int>();
+  if (format >= 2) {
+    Result<JobStore> store = JobStore::Load(snapshot.at("store"));
+    if (!store.ok()) throw std::invalid_argument(std::string(store.status().message()));
+    f.store_ = std::move(*store);
+  }
   *this = std::move(f);
 }
 
@@ -299,6 +319,7 @@ Result<JournalTakeover> Fold::Finish() {
                      .count();
   for (auto& [id, w] : workers_) s.workers.push_back(w);
   for (auto& [id, h] : hosts_) s.hosts.push_back(h);
+  s.store = store_.Save();
   return out_;
 }
 
@@ -329,14 +350,14 @@ Result<json> CompactJournal(const std::vector<json>& records) {
 
 bool TakeoverReads(const json& record) {
   static const std::set<std::string, std::less<>> kRead = {
-      "snapshot",    "job_start",      "controller_start",
-      "job_end",     "takeover",       "host_join",
-      "host_rejoin", "host_lost",      "host_left",
-      "spawn",       "join",           "rejoin",
-      "plan",        "exit",           "fault",
-      "fence",       "restart",        "scale_request",
-      "step",        "recovery_start", "resize_start",
-      "recovery_end"};
+      "snapshot",     "job_start",      "controller_start",
+      "job_end",      "takeover",       "host_join",
+      "host_rejoin",  "host_lost",      "host_left",
+      "spawn",        "join",           "rejoin",
+      "plan",         "exit",           "fault",
+      "fence",        "restart",        "scale_request",
+      "step",         "recovery_start", "resize_start",
+      "recovery_end", "store"};
   auto it = record.find("event");
   return it == record.end() || !it->is_string() || kRead.contains(it->get<std::string>());
 }

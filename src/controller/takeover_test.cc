@@ -44,6 +44,7 @@ void ExpectSame(const JournalTakeover& a, const JournalTakeover& b, const std::s
   EXPECT_EQ(x.withheld, y.withheld);
   EXPECT_EQ(x.recoveries, y.recoveries);
   EXPECT_EQ(x.takeovers, y.takeovers);
+  EXPECT_EQ(x.store, y.store);
   ASSERT_EQ(x.open_recovery.has_value(), y.open_recovery.has_value());
   if (x.open_recovery) {
     const UnfinishedRecovery &o = *x.open_recovery, &p = *y.open_recovery;
@@ -75,6 +76,10 @@ TEST(TakeoverSnapshotTest, ASnapshotAndItsTailTakeOverAsTheWholeJournalWhereverT
   ASSERT_TRUE(whole.ok()) << whole.status().ToString();
   EXPECT_GT(whole->state.recoveries, 20);
   EXPECT_GT(whole->state.takeovers, 0);
+  // The store as the members left it: the counter of every recovery, the last recovery's key.
+  auto store = JobStore::Load(whole->state.store);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  EXPECT_EQ(store->keys(), 2u) << store->Save().dump();
   // The takeover from records 1..m, for every m.
   std::vector<Result<JournalTakeover>> upto;
   for (size_t m = 0; m <= all.size(); ++m) upto.push_back(TakeoverFromJournal(Slice(all, 0, m)));
@@ -165,7 +170,14 @@ TEST(TakeoverSnapshotTest, AnEndedJobIsNotCompactedAndAnUnknownSnapshotIsRefused
   auto t = TakeoverFromJournal({*s});
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("format 99"), std::string::npos) << t.status().ToString();
-  (*s)["format"] = 1;
+  // Format 1 (before the store) is still read, with an empty store.
+  json old = *s;
+  old["format"] = 1;
+  old.erase("store");
+  auto from_old = TakeoverFromJournal({old});
+  ASSERT_TRUE(from_old.ok()) << from_old.status().ToString();
+  EXPECT_EQ(JobStore::Load(from_old->state.store)->keys(), 0u);
+  (*s)["format"] = 2;
   (*s)["state"].erase("members");
   EXPECT_FALSE(TakeoverFromJournal({*s}).ok()) << "a snapshot without its members";
 }

@@ -1,7 +1,8 @@
 // A realistic journal for the tests and the benchmark of the takeover and of
 // etcd's bounded journal: a job on a few hosts through many recoveries of
 // every kind (a member's fault, a host lost and back, a shrink and a grow, a
-// restart from a checkpoint, a takeover), with their ready records and steps.
+// restart from a checkpoint, a takeover), with their ready records and steps, and the writes
+// of the job's store the members make meanwhile (a counter, a key set and deleted).
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,8 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+
+#include "controller/job_store.h"
 
 namespace nonstop::controller::testing {
 
@@ -52,6 +55,7 @@ class JournalMaker {
         break;
     }
     for (int i = 0; i < 3; ++i) Add({{"event", "step"}, {"step", ++step_}, {"loss", 1.5}});
+    StoreWrites(id);
   }
 
   const std::vector<nlohmann::json>& records() const { return records_; }
@@ -184,7 +188,30 @@ class JournalMaker {
       Add({{"event", "host_rejoin"}, {"host", Host(h)}, {"incarnation", incarnation_}});
   }
 
+  // A member counts in the store, sets a key of this recovery and deletes the previous one's.
+  void StoreWrite(control::StoreOp op, std::string key, std::string value = "") {
+    const int worker = members_[static_cast<size_t>(store_seq_) % members_.size()];
+    control::StoreRequestMsg m;
+    m.client = fmt::format("client-{}", worker);
+    m.seq = ++store_seq_;
+    m.op = op;
+    m.keys = {std::move(key)};
+    m.value = std::move(value);
+    m.amount = 1;
+    JobStore::Outcome o = store_.Handle(worker, m, Clock::now());
+    if (o.record) Add(std::move(*o.record));
+  }
+  void StoreWrites(int id) {
+    StoreWrite(control::StoreOp::kAdd, "count");
+    StoreWrite(control::StoreOp::kSet, fmt::format("key/{}", id), std::string(16, 'a' + id % 26));
+    if (!last_key_.empty()) StoreWrite(control::StoreOp::kDeleteKey, last_key_);
+    last_key_ = fmt::format("key/{}", id);
+  }
+
   int world_, hosts_;
+  JobStore store_;
+  int64_t store_seq_ = 0;
+  std::string last_key_;
   std::vector<nlohmann::json> records_;
   std::vector<int> members_, spares_;
   std::map<int, int> host_of_;

@@ -553,6 +553,74 @@ void BindFunctions(py::module_& m) {
   });
 }
 
+// The job's store (nonstop/store.h): the native half of nonstop.distributed's torch Store.
+// Values are bytes; every call takes its timeout in seconds (0: for ever) and runs without the
+// GIL. A failure is a RuntimeError saying what (a timeout says "timeout"), a bad key ValueError.
+template <typename T>
+T StoreResult(Result<T> r) {
+  if (r.ok()) return std::move(*r);
+  if (r.status().code() == StatusCode::kInvalidArgument)
+    throw py::value_error(r.status().ToString());
+  if (r.status().code() == StatusCode::kCancelled) Throw(r.status());
+  throw std::runtime_error(r.status().ToString());
+}
+
+void BindStore(py::module_& m) {
+  using Ms = std::chrono::milliseconds;
+  auto ms = [](double seconds) {
+    if (!(seconds >= 0)) throw py::value_error(fmt::format("a store timeout of {} s", seconds));
+    return Ms(static_cast<int64_t>(std::min(seconds, 1e9) * 1000));
+  };
+  auto unlocked = [](auto call) {
+    py::gil_scoped_release release;
+    return call();
+  };
+  auto done = [](const Status& s) { return StoreResult<bool>(s.ok() ? Result<bool>(true) : s); };
+  py::class_<Store>(m, "Store")
+      .def("set",
+           [=](Store& st, const std::string& key, const py::bytes& value, double timeout) {
+             std::string v = value;
+             done(unlocked([&] { return st.Set(key, v, ms(timeout)); }));
+           })
+      .def("get",
+           [=](Store& st, const std::string& key, double timeout) {
+             std::string v = StoreResult(unlocked([&] { return st.Get(key, ms(timeout)); }));
+             return py::bytes(v);
+           })
+      .def("add",
+           [=](Store& st, const std::string& key, int64_t amount, double timeout) {
+             return StoreResult(unlocked([&] { return st.Add(key, amount, ms(timeout)); }));
+           })
+      .def("compare_set",
+           [=](Store& st, const std::string& key, const py::bytes& expected,
+               const py::bytes& desired, double timeout) {
+             std::string e = expected, d = desired;
+             std::string v =
+                 StoreResult(unlocked([&] { return st.CompareSet(key, e, d, ms(timeout)); }));
+             return py::bytes(v);
+           })
+      .def("append",
+           [=](Store& st, const std::string& key, const py::bytes& value, double timeout) {
+             std::string v = value;
+             done(unlocked([&] { return st.Append(key, v, ms(timeout)); }));
+           })
+      .def("wait",
+           [=](Store& st, const std::vector<std::string>& keys, double timeout) {
+             done(unlocked([&] { return st.Wait(keys, ms(timeout)); }));
+           })
+      .def("check",
+           [=](Store& st, const std::vector<std::string>& keys, double timeout) {
+             return StoreResult(unlocked([&] { return st.Check(keys, ms(timeout)); }));
+           })
+      .def("delete_key",
+           [=](Store& st, const std::string& key, double timeout) {
+             return StoreResult(unlocked([&] { return st.DeleteKey(key, ms(timeout)); }));
+           })
+      .def("num_keys", [=](Store& st, double timeout) {
+        return StoreResult(unlocked([&] { return st.NumKeys(ms(timeout)); }));
+      });
+}
+
 // Session: the native half of nonstop.Session.
 void BindSession(py::module_& m) {
   py::class_<PySession>(m, "Session")
@@ -572,6 +640,9 @@ void BindSession(py::module_& m) {
              Check(p.mutable_state().AdoptShard(name, Floats(address, nbytes / sizeof(float))));
            })
       .def("wait_checkpoint", &PySession::WaitCheckpoint)
+      .def_property_readonly(
+          "store", [](PySession& p) -> Store& { return p.s().store(); },
+          py::return_value_policy::reference_internal)
       .def_property_readonly("rank", [](PySession& p) { return p.s().rank(); })
       .def_property_readonly("world_size", [](PySession& p) { return p.s().world_size(); })
       .def_property_readonly("generation", [](PySession& p) { return p.s().generation(); })
@@ -853,6 +924,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("Cancelled") = py::handle(g_cancelled);
 
   BindFunctions(m);
+  BindStore(m);
   BindSession(m);
   BindSteps(m);
   BindData(m);

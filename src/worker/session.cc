@@ -37,6 +37,7 @@
 #include "worker/replica_check.h"
 #include "worker/session_testing.h"
 #include "worker/state_transfer.h"
+#include "worker/store_client.h"
 #include "worker/user_groups.h"
 
 namespace nonstop {
@@ -253,7 +254,11 @@ Status CheckDevices(const std::vector<const state::DeviceMemory*>& devices, int 
 class SessionImpl {
  public:
   SessionImpl(SessionOptions o, state::StateRegistry* state)
-      : options_(std::move(o)), state_(state) {}
+      : options_(std::move(o)),
+        state_(state),
+        store_([this](uint16_t type, const std::string& payload) {
+          return SendControl(type, payload);
+        }) {}
   ~SessionImpl() { Stop(); }
 
   // ---- control plane ----
@@ -473,6 +478,7 @@ class SessionImpl {
       NONSTOP_LOG_ERROR("no controller for {} ms (last error: {}): giving up",
                         options_.leaderless_timeout.count(), why.ToString());
     }
+    store_.Fail(UnavailableError("the job's store is out of reach: " + reason));
     MutexLock lock(&mu_);
     controller_lost_ = true;
     if (comm_) comm_->Abort(reason);
@@ -509,6 +515,7 @@ class SessionImpl {
     std::vector<std::pair<uint16_t, std::string>> first = {
         {control::kMsgJoin, control::Encode(join)}};
     if (finished) first.emplace_back(control::kMsgFinished, control::Encode(*finished));
+    for (auto& call : store_.Unanswered(Clock::now())) first.push_back(std::move(call));
     return link_->Open(first);
   }
 
@@ -579,6 +586,8 @@ class SessionImpl {
         }
         return OkStatus();
       }
+      case control::kMsgStoreReply:
+        return store_.OnReply(f.payload);
       case control::kMsgShutdown: {
         NONSTOP_ASSIGN_OR_RETURN(control::ShutdownMsg m, control::DecodeShutdown(f.payload));
         MutexLock lock(&mu_);
@@ -598,6 +607,7 @@ class SessionImpl {
     // A bucket in flight is cut short, and so is a control write it blocks
     // in (the arrival heartbeat): the Session is going away.
     fault_timers_.clear();  // a timed fault not fired yet never fires
+    store_.Fail(CancelledError("the session ended"));
     io_thread_.request_stop();
     stop_signal_.Fire();
     if (comm_thread_.joinable()) {
@@ -1363,6 +1373,7 @@ class SessionImpl {
   // thread alone. Every thread sends on it (Send is thread-safe), under
   // write_mu_ (SendControl), so that a rejoin's first frames come first.
   std::unique_ptr<control::ControllerLink> link_;
+  worker::StoreClient store_;  // the job's store (Session::store), over link_
   // Before data_plane_: the process's abort signal, which the data plane's
   // communicators watch (TCP: its accept thread polls the signal of a thread
   // waiting for a peer to dial in), so it must outlive the data plane.
@@ -1607,6 +1618,8 @@ Result<int> Session::RecvFromAny(std::span<const int> from, std::span<std::byte>
 Result<int> Session::NewGroup(std::vector<int> ranks, std::chrono::milliseconds timeout) {
   return impl_->user_groups_.Add(std::move(ranks), impl_->member_ids_, rank(), timeout);
 }
+
+Store& Session::store() { return impl_->store_; }
 
 int Session::shard_group() const { return impl_->state_->shard_group(); }
 int Session::shard() const {
