@@ -17,13 +17,31 @@ all its members are in, and forms the default group again after each recovery
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
 # torch's default store timeout (TCPStore's): how long get and wait wait for a key.
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
-_BARRIER = getattr(dist.distributed_c10d, "STORE_BASED_BARRIER_PREFIX", "store_based_barrier_key")
+_PREFIX = getattr(dist.distributed_c10d, "STORE_BASED_BARRIER_PREFIX", "store_based_barrier_key")
+# The barrier's keys as torch names them (under a group's prefix): "<prefix>:<n>", and torch >= 2's
+# "<prefix>:<n>:last_worker".
+_BARRIER_KEY = re.compile(r"(^|/)" + re.escape(_PREFIX) + r":\d+(:last_worker)?$")
+
+
+def _key(key: Any) -> str:
+    """torch's stores take str keys (and bytes): the job's store keeps UTF-8 text."""
+    if isinstance(key, (bytes, bytearray)):
+        try:
+            return bytes(key).decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"a key of the job's store is UTF-8 text: {bytes(key)!r} is not") from None
+    return key
+
+
+def _barrier(key: str) -> bool:
+    return _BARRIER_KEY.search(key) is not None
 
 
 def _bytes(value: Any) -> bytes:
@@ -33,16 +51,19 @@ def _bytes(value: Any) -> bytes:
 
 
 def _seconds(timeout: Any) -> float:
-    if isinstance(timeout, datetime.timedelta):
-        return max(timeout.total_seconds(), 0.0)
-    return max(float(timeout), 0.0)
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if seconds < 0:
+        raise ValueError(f"a store timeout of {seconds} s: give 0 (for ever) or more")
+    return seconds
 
 
 class JobStore(dist.Store):
     """torch's Store interface over the session's store (nonstop._core.Store).
     Every call waits at most the store's timeout (``set_timeout``; 300 s by
     default; 0 waits for ever) and raises RuntimeError saying what went wrong
-    (a timeout says "timeout"); ``get`` and ``wait`` wait for their keys."""
+    (a timeout says "Socket Timeout", as torch's TCPStore), ValueError for a
+    key that is not text; ``get`` and ``wait`` wait for their keys, and raise
+    nonstop.Aborted when a member fails meanwhile (the step runs again)."""
 
     def __init__(self, native: Any, world_size: int) -> None:
         super().__init__()
@@ -66,41 +87,49 @@ class JobStore(dist.Store):
             datetime.timedelta(seconds=float(timeout))
 
     def set(self, key: str, value: Any) -> None:
-        if _BARRIER in key:
+        key = _key(key)
+        if _barrier(key):
             self._barrier[key] = _bytes(value)
             return
         self._native.set(key, _bytes(value), self._limit())
 
     def get(self, key: str) -> bytes:
-        if _BARRIER in key:
+        key = _key(key)
+        if _barrier(key):
             return self._barrier.get(key, str(self._world).encode())
         return self._native.get(key, self._limit())
 
     def add(self, key: str, amount: int) -> int:
-        if _BARRIER in key:
+        key = _key(key)
+        if _barrier(key):
+            self._barrier[key] = str(self._world).encode()
             return self._world
         return int(self._native.add(key, int(amount), self._limit()))
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        key = _key(key)
         return self._native.compare_set(key, _bytes(expected), _bytes(desired), self._limit())
 
     def append(self, key: str, value: Any) -> None:
+        key = _key(key)
         self._native.append(key, _bytes(value), self._limit())
 
     def wait(self, keys: List[str], timeout: Any = None) -> None:
-        keys = [k for k in keys if _BARRIER not in k]
+        keys = [_key(k) for k in keys]
+        keys = [k for k in keys if not _barrier(k)]
         self._native.wait(keys, self._limit() if timeout is None else _seconds(timeout))
 
     def check(self, keys: List[str]) -> bool:
-        barrier = [k for k in keys if _BARRIER in k]
-        return self._native.check([k for k in keys if _BARRIER not in k], self._limit()) and \
-            all(k in self._barrier for k in barrier)
+        keys = [_key(k) for k in keys]
+        return self._native.check([k for k in keys if not _barrier(k)], self._limit()) and \
+            all(k in self._barrier for k in keys if _barrier(k))
 
     def num_keys(self) -> int:
         return int(self._native.num_keys(self._limit()))
 
     def delete_key(self, key: str) -> bool:
-        if _BARRIER in key:
+        key = _key(key)
+        if _barrier(key):
             return self._barrier.pop(key, None) is not None
         return bool(self._native.delete_key(key, self._limit()))
 

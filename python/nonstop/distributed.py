@@ -466,9 +466,9 @@ _nbytes = _collectives.nbytes
 
 def store() -> JobStore:
     """The job's store (docs/store.md): one key-value store shared by every
-    worker of the job and kept through recoveries and controller takeovers; the
-    default group's store (torch wraps it in a PrefixStore). Available once the
-    worker joined (init_process_group)."""
+    worker of the job and kept through recoveries and controller takeovers; what
+    the default group was given as its store. Available once the worker joined
+    (init_process_group)."""
     if _store is None:
         raise RuntimeError("the job's store is nonstop's once this worker joined: call "
                            "nonstop.torch.init_process_group(...) first")

@@ -328,6 +328,8 @@ bool StoreOpWrites(StoreOp op);
 inline constexpr size_t kMaxStoreKeyBytes = 4096;
 inline constexpr size_t kMaxStoreValueBytes = 1u << 20;
 inline constexpr size_t kMaxStoreKeysPerRequest = 1024;
+inline constexpr size_t kMaxStoreKeyBytesPerRequest = 64u << 10;         // the keys of one request
+inline constexpr int64_t kMaxStoreTimeoutMs = 100LL * 24 * 3600 * 1000;  // 100 days
 inline constexpr size_t kMaxStoreClientId = 64;
 
 struct StoreRequestMsg {

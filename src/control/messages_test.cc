@@ -616,12 +616,20 @@ TEST(StoreMessagesTest, AMalformedRequestIsRefusedNamingTheField) {
       {R"({"client":"c","seq":1,"op":"get","keys":[3],"timeout_ms":0})", "'keys[0]'"},
       {R"({"client":"c","seq":1,"op":"get","keys":["k"],"timeout_ms":-1})", "'timeout_ms'"},
       {R"({"client":"c","seq":1,"op":"get","keys":["k"]})", "'timeout_ms'"},
+      {R"({"client":"c","seq":1,"op":"get","keys":["k"],"timeout_ms":9000000000000})",
+       "'timeout_ms'"},
       {R"({"client":"c","seq":1,"op":"set","keys":["k"],"value":"@@@@"})", "'value'"},
       {R"({"client":"c","seq":1,"op":"set","keys":["k"],"value":")" + big + R"("})", "'value'"},
       {R"({"client":"c","seq":1,"op":"set","keys":[")" + std::string(kMaxStoreKeyBytes + 1, 'k') +
            R"("],"value":""})",
        "'keys[0]'"},
   };
+  std::string keys = R"({"client":"c","seq":1,"op":"wait","timeout_ms":0,"keys":[)";
+  for (int i = 0; i < 17; ++i) keys += (i ? "," : "") + ("\"" + std::string(4000, 'a' + i) + "\"");
+  keys += "]}";
+  auto many = DecodeStoreRequest(keys);
+  ASSERT_FALSE(many.ok()) << "17 keys of 4,000 bytes: over 64 KiB in one request";
+  EXPECT_NE(many.status().message().find("'keys'"), std::string::npos) << many.status().ToString();
   for (const auto& [payload, field] : kBad) {
     auto m = DecodeStoreRequest(payload);
     ASSERT_FALSE(m.ok()) << payload.substr(0, 120);

@@ -121,11 +121,17 @@ Result<StoreRequestMsg> DecodeStoreRequest(std::string_view p) {
           "keys", fmt::format("{} takes {} to {} keys, got {}", op, fewest, most, keys.size())};
     }
     r("keys", &m.keys);
+    size_t all = 0;
     for (size_t i = 0; i < m.keys.size(); ++i) {
       if (m.keys[i].size() > kMaxStoreKeyBytes) {
         throw FieldError{fmt::format("keys[{}]", i),
                          fmt::format("has {} bytes, over {}", m.keys[i].size(), kMaxStoreKeyBytes)};
       }
+      all += m.keys[i].size();
+    }
+    if (all > kMaxStoreKeyBytesPerRequest) {
+      throw FieldError{"keys",
+                       fmt::format("hold {} bytes, over {}", all, kMaxStoreKeyBytesPerRequest)};
     }
     if (m.op == StoreOp::kSet || m.op == StoreOp::kAppend || m.op == StoreOp::kCompareSet)
       m.value = Bytes(r, "value", kMaxStoreValueBytes);
@@ -133,8 +139,9 @@ Result<StoreRequestMsg> DecodeStoreRequest(std::string_view p) {
     if (m.op == StoreOp::kAdd) r("amount", &m.amount);
     if (m.op == StoreOp::kGet || m.op == StoreOp::kWait) {
       r("timeout_ms", &m.timeout_ms);
-      if (m.timeout_ms < 0) {
-        throw FieldError{"timeout_ms", fmt::format("must be 0 or more, got {}", m.timeout_ms)};
+      if (m.timeout_ms < 0 || m.timeout_ms > kMaxStoreTimeoutMs) {
+        throw FieldError{"timeout_ms",
+                         fmt::format("must be 0 to {}, got {}", kMaxStoreTimeoutMs, m.timeout_ms)};
       }
     }
   });

@@ -133,6 +133,7 @@ void ControlServer::EvictAStranger() {
 
 void ControlServer::Greeted(Conn& c) {
   c.greeted = true;
+  if (!c.agent) c.decoder.set_max_payload(kMaxWorkerFrameBytes);
   auto it = strangers_.find(c.ip);
   if (it == strangers_.end()) return;
   it->second.erase(c.seq);

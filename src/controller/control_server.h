@@ -59,6 +59,10 @@ struct ControlServerOptions {
   int64_t epoch = 0;
 };
 
+// A worker's frames once it proved the job key: up to a store request of a 1 MiB value
+// (control::kMaxStoreValueBytes, base64). Before that, and from agents, 64 KiB.
+inline constexpr uint32_t kMaxWorkerFrameBytes = 2u << 20;
+
 class ControlServer {
  public:
   using EventSink = std::function<void(Event)>;
@@ -120,7 +124,7 @@ class ControlServer {
  private:
   struct Conn {
     UniqueFd fd;
-    net::FrameDecoder decoder{64 << 10};
+    net::FrameDecoder decoder{64 << 10};  // kMaxWorkerFrameBytes once a worker proved the key
     // The handshake until it is over; then the connection's session keys, which seal and open
     // every frame.
     std::unique_ptr<net::AcceptorHandshake> handshake;

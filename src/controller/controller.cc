@@ -52,9 +52,7 @@ std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now
   std::vector<Action> out;
   if (phase_ == JobPhase::kEnded) {
     if (const auto* e = std::get_if<ProcessExited>(&event)) {
-      if (WorkerInfo* w = membership_.Find(e->worker_id))
-        membership_.SetRole(*w, WorkerRole::kGone);
-      placement_.MarkEnded(e->worker_id);
+      ExitedAfterTheEnd(*e, &out);
     } else if (const auto* j = std::get_if<WorkerJoined>(&event)) {
       // Late (a refill that started as the job ended), or back after losing
       // its connection: it is told, instead of waiting for a plan that never comes.
@@ -64,6 +62,9 @@ std::vector<Action> Controller::Handle(const Event& event, Clock::time_point now
     return out;
   }
   std::visit([&](const auto& e) { On(e, &out); }, event);
+  // A member told to abort ends its store waits too (StoreClient::AbortWaits): so do they here.
+  for (const Action& a : out)
+    if (const auto* abort = std::get_if<SendAbort>(&a)) store_.Forget(abort->worker_id);
   // A recovery waiting for a starting spare asks again after anything that may change the answer:
   // the spare joined, died or was killed at its join deadline, or the wait ran out.
   if (phase_ == JobPhase::kRecovering && spare_wait_until_) MaybeFinishAbort(&out);
@@ -743,6 +744,18 @@ bool Controller::Promotable(const WorkerInfo& w) const {
 // ---------------------------------------------------------------- the job's store
 
 void Controller::On(const StoreRequested& e, std::vector<Action>* out) {
+  // Only a worker of the job: one the job let go (faulted, fenced, replaced) may still be running,
+  // and its calls must not change what its replacement reads.
+  const WorkerInfo* w = membership_.Find(e.worker_id);
+  if (w == nullptr || w->role == WorkerRole::kGone) {
+    control::StoreReplyMsg refused;
+    refused.seq = e.msg.seq;
+    refused.code = "invalid";
+    refused.error = fmt::format(
+        "worker {} is no longer in the job: the job's store answers its workers only", e.worker_id);
+    out->push_back(SendStoreReply{e.worker_id, std::move(refused)});
+    return;
+  }
   JobStore::Outcome o = store_.Handle(e.worker_id, e.msg, now_);
   if (o.record) out->push_back(AppendJournal{std::move(*o.record)});  // before the answers
   Answer(std::move(o.answers), out);
@@ -961,6 +974,26 @@ void Controller::End(int exit_code, const std::string& reason, std::vector<Actio
   }
   for (std::string& line : ReportLines(recoveries_)) out->push_back(PrintLine{std::move(line)});
   out->push_back(EndJob{exit_code, reason});
+}
+
+void Controller::ExitedAfterTheEnd(const ProcessExited& e, std::vector<Action>* out) {
+  const int rank = RankOf(e.worker_id);
+  if (WorkerInfo* w = membership_.Find(e.worker_id)) membership_.SetRole(*w, WorkerRole::kGone);
+  placement_.MarkEnded(e.worker_id);
+  // A member that exits with an error after training ended (its script failed after
+  // destroy_process_group: saving the model, say) fails the job, as torchrun's would. A signal is
+  // no such failure: the agents stop what outlives the job.
+  if (end_code_ != kExitOk || rank < 0 || e.signal != 0 || e.exit_code == 0) return;
+  end_code_ = kExitScriptFailure;
+  end_reason_ = fmt::format(
+      "rank {} (worker {}) exited with code {} after training ended: the script failed after "
+      "destroy_process_group() (its output says why)",
+      rank, e.worker_id, e.exit_code);
+  out->push_back(AppendJournal{{{"event", "failed_after_end"},
+                                {"worker_id", e.worker_id},
+                                {"rank", rank},
+                                {"exit_code", e.exit_code}}});
+  out->push_back(EndJob{end_code_, end_reason_});
 }
 
 json Controller::PolicyJson() const {

@@ -755,6 +755,67 @@ TEST_F(ControllerTest, JobEndsWhenEveryMemberFinishedWithTheSameChecksum) {
   EXPECT_TRUE(Do(ProcessExited{0, 1000, 0, 0, kHost}).empty());
 }
 
+// The job's store answers the job's workers (a write is journaled before its answer), and
+// refuses a worker the job let go: it may still be running, and must not change what its
+// replacement reads.
+TEST_F(ControllerTest, TheStoreAnswersTheJobsWorkersAndRefusesOneTheJobLetGo) {
+  StartJob();
+  control::StoreRequestMsg set;
+  set.client = "c1";
+  set.seq = 1;
+  set.op = control::StoreOp::kSet;
+  set.keys = {"k"};
+  set.value = "v";
+  auto actions = Do(StoreRequested{1, set});
+  auto replies = Find<SendStoreReply>(actions);
+  ASSERT_EQ(replies.size(), 1u);
+  EXPECT_EQ(replies[0].worker_id, 1);
+  EXPECT_TRUE(replies[0].msg.error.empty()) << replies[0].msg.error;
+  ASSERT_FALSE(actions.empty());
+  ASSERT_TRUE(std::holds_alternative<AppendJournal>(actions[0])) << "the record before the answer";
+  EXPECT_EQ(std::get<AppendJournal>(actions[0]).record["event"], "store");
+  EXPECT_EQ(c_->store().keys(), 1u);
+  Do(ProcessExited{1, 1001, -1, 9, kHost});  // worker 1 is gone: a spare takes rank 1
+  set.seq = 2;
+  set.value = "from a worker the job let go";
+  auto refused = Find<SendStoreReply>(Do(StoreRequested{1, set}));
+  ASSERT_EQ(refused.size(), 1u);
+  EXPECT_EQ(refused[0].msg.code, "invalid");
+  EXPECT_NE(refused[0].msg.error.find("no longer in the job"), std::string::npos);
+  control::StoreRequestMsg get;
+  get.client = "c0";
+  get.seq = 1;
+  get.op = control::StoreOp::kGet;
+  get.keys = {"k"};
+  auto got = Find<SendStoreReply>(Do(StoreRequested{0, get}));
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].msg.value, "v");
+}
+
+// A member whose script fails after training ended (after destroy_process_group: saving the
+// model, say) fails the job, as torchrun's would; the spare told to go, or a signal from the
+// agents' stop, does not.
+TEST_F(ControllerTest, AMemberThatExitsWithAnErrorAfterTheEndFailsTheJob) {
+  StartJob();
+  Do(FinishedReceived{0, {100, "abcd"}});
+  Do(FinishedReceived{1, {100, "abcd"}});
+  ASSERT_EQ(Find<EndJob>(Do(FinishedReceived{2, {100, "abcd"}})).size(), 1u);
+  EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{0, 1000, 0, 0, kHost})).empty());
+  EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{3, 1003, 1, 0, kHost})).empty()) << "the spare";
+  EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{2, 1002, -1, 9, kHost})).empty()) << "a signal";
+  auto actions = Do(ProcessExited{1, 1001, 3, 0, kHost});
+  auto ends = Find<EndJob>(actions);
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].exit_code, kExitScriptFailure);
+  EXPECT_NE(ends[0].reason.find("rank 1 (worker 1) exited with code 3"), std::string::npos)
+      << ends[0].reason;
+  int failed_after_end = 0;
+  for (const auto& j : Find<AppendJournal>(actions))
+    failed_after_end += j.record.value("event", "") == "failed_after_end";
+  EXPECT_EQ(failed_after_end, 1);
+  EXPECT_TRUE(Find<EndJob>(Do(ProcessExited{1, 1001, 3, 0, kHost})).empty()) << "once";
+}
+
 // A process that holds no state (started, not joined yet: a refill spare
 // still starting) is ended with the job at once; it cannot hear the
 // shutdown, and the job's end does not wait for it.

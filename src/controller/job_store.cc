@@ -42,13 +42,14 @@ JobStore::Outcome JobStore::Handle(int worker_id, const StoreRequestMsg& m, Cloc
     auto last = last_write_.find(worker_id);
     if (last != last_write_.end() && last->second.client == m.client && m.seq <= last->second.seq) {
       // Sent again after a lost connection: the first answer again (an older one is stale).
-      if (m.seq == last->second.seq) out.answers.push_back({worker_id, last->second.reply});
+      if (m.seq == last->second.seq) out.answers.push_back({worker_id, Again(last->second, m)});
       return out;
     }
     bool changed = false;
     StoreReplyMsg reply = Write(m, &changed);
     reply.seq = m.seq;
-    last_write_[worker_id] = {m.client, m.seq, reply};
+    // A write that changed nothing is not kept: sent again, it is answered afresh.
+    if (changed) Remember(worker_id, m, reply);
     out.answers.push_back({worker_id, std::move(reply)});
     if (changed) {
       out.record = json{{"event", "store"},
@@ -67,14 +68,18 @@ JobStore::Outcome JobStore::Handle(int worker_id, const StoreRequestMsg& m, Cloc
     out.answers.push_back({worker_id, std::move(reply)});
     return out;
   }
+  size_t key_bytes = 0;
+  for (const std::string& key : m.keys) key_bytes += key.size();
   size_t& mine = waits_of_[worker_id];
-  if (waits_.size() >= kMaxWaits || mine >= kMaxWaitsPerWorker) {
+  if (waits_.size() >= kMaxWaits || wait_bytes_ + key_bytes > kMaxWaitBytes ||
+      mine >= kMaxWaitsPerWorker) {
     if (mine == 0) waits_of_.erase(worker_id);
     StoreReplyMsg reply = Error(
-        "limit", waits_.size() >= kMaxWaits
-                     ? fmt::format("the job's store holds {} waits for keys, its most: set the "
-                                   "keys waited for, or wait with a shorter timeout",
-                                   kMaxWaits)
+        "limit", mine < kMaxWaitsPerWorker
+                     ? fmt::format("the job's store holds {} waits for keys ({} bytes of keys), "
+                                   "its most: set the keys waited for, or wait with a shorter "
+                                   "timeout",
+                                   waits_.size(), wait_bytes_)
                      : fmt::format("this worker waits for keys {} times at once, the store's most "
                                    "for one worker: wait for several keys in one call",
                                    kMaxWaitsPerWorker));
@@ -88,9 +93,10 @@ JobStore::Outcome JobStore::Handle(int worker_id, const StoreRequestMsg& m, Cloc
   const Clock::time_point deadline =
       m.timeout_ms == 0 ? Clock::time_point::max() : now + Millis(m.timeout_ms);
   waits_.emplace(id, Wait{worker_id, m, deadline});
+  wait_bytes_ += key_bytes;
   earliest_deadline_ = std::min(earliest_deadline_, deadline);
-  for (const std::string& key : m.keys)
-    if (!data_.contains(key)) waits_on_.emplace(key, id);
+  // Every key, those set now too: one may be deleted before the others come.
+  for (const std::string& key : m.keys) waits_on_[key].insert(id);
   return out;
 }
 
@@ -106,8 +112,16 @@ std::vector<JobStore::Answer> JobStore::Expire(Clock::time_point now) {
       continue;
     }
     std::vector<std::string> missing;
-    for (const std::string& key : w.request.keys)
-      if (!data_.contains(key)) missing.push_back(Quoted(key));
+    size_t more = 0;
+    for (const std::string& key : w.request.keys) {
+      if (data_.contains(key)) continue;
+      if (missing.size() < 5) {
+        missing.push_back(Quoted(key.size() > 200 ? key.substr(0, 200) + "..." : key));
+      } else {
+        ++more;
+      }
+    }
+    if (more > 0) missing.push_back(fmt::format("{} more", more));
     StoreReplyMsg reply =
         Error("timeout", fmt::format("timeout: the {} waited {} ms, and the job's store has no {}",
                                      control::StoreOpName(w.request.op), w.request.timeout_ms,
@@ -131,11 +145,29 @@ void JobStore::Gone(int worker_id) {
 
 std::map<uint64_t, JobStore::Wait>::iterator JobStore::Drop(std::map<uint64_t, Wait>::iterator it) {
   for (const std::string& key : it->second.request.keys) {
-    auto [begin, end] = waits_on_.equal_range(key);
-    for (auto e = begin; e != end;) e = e->second == it->first ? waits_on_.erase(e) : std::next(e);
+    wait_bytes_ -= key.size();
+    auto on = waits_on_.find(key);
+    if (on == waits_on_.end()) continue;
+    on->second.erase(it->first);
+    if (on->second.empty()) waits_on_.erase(on);
   }
   if (--waits_of_[it->second.worker_id] == 0) waits_of_.erase(it->second.worker_id);
   return waits_.erase(it);
+}
+
+StoreReplyMsg JobStore::Again(const LastWrite& last, const StoreRequestMsg& m) {
+  StoreReplyMsg reply = last.reply;
+  if (last.value_is_desired) reply.value = m.value;
+  return reply;
+}
+
+void JobStore::Remember(int worker_id, const StoreRequestMsg& m, const StoreReplyMsg& reply) {
+  LastWrite& last = last_write_[worker_id];
+  last = {m.client, m.seq, reply, false};
+  if (m.op == StoreOp::kCompareSet) {
+    last.value_is_desired = true;  // a compare_set that changed the store answers its desired value
+    last.reply.value.clear();
+  }
 }
 
 StoreReplyMsg JobStore::Write(const StoreRequestMsg& m, bool* changed) {
@@ -146,6 +178,7 @@ StoreReplyMsg JobStore::Write(const StoreRequestMsg& m, bool* changed) {
   Status put;
   switch (m.op) {
     case StoreOp::kSet:
+      if (it != data_.end() && it->second == m.value) return reply;  // nothing changes
       put = Put(key, m.value);
       break;
     case StoreOp::kAdd: {
@@ -164,16 +197,18 @@ StoreReplyMsg JobStore::Write(const StoreRequestMsg& m, bool* changed) {
         return Error("invalid", fmt::format("add of {} to {} overflows a 64-bit integer", m.amount,
                                             Quoted(key)));
       }
-      put = Put(key, std::to_string(value));
       reply.number = value;
+      if (it != data_.end() && m.amount == 0) return reply;  // a read of the counter
+      put = Put(key, std::to_string(value));
       break;
     }
     case StoreOp::kCompareSet:
       // As torch's stores: a missing key is set only when the expected value is empty; the
       // answer is the value the key holds afterwards (the expected one when it stays missing).
       if (it == data_.end() ? m.expected.empty() : it->second == m.expected) {
-        put = Put(key, m.value);
         reply.value = m.value;
+        if (it != data_.end() && it->second == m.value) return reply;  // nothing changes
+        put = Put(key, m.value);
       } else {
         reply.value = it == data_.end() ? m.expected : it->second;
         return reply;
@@ -231,9 +266,9 @@ bool JobStore::Has(const std::vector<std::string>& keys) const {
 }
 
 void JobStore::Wake(const std::string& key, std::vector<Answer>* out) {
-  auto [begin, end] = waits_on_.equal_range(key);
-  std::vector<uint64_t> ids;
-  for (auto it = begin; it != end; ++it) ids.push_back(it->second);
+  auto on = waits_on_.find(key);
+  if (on == waits_on_.end()) return;
+  const std::vector<uint64_t> ids(on->second.begin(), on->second.end());
   for (uint64_t id : ids) {
     auto w = waits_.find(id);
     if (w == waits_.end() || !Has(w->second.request.keys)) continue;  // another key is missing
@@ -273,7 +308,7 @@ Status JobStore::Replay(const json& record) {
   bool changed = false;
   StoreReplyMsg reply = Write(m, &changed);
   reply.seq = m.seq;
-  last_write_[record["worker"].get<int>()] = {m.client, m.seq, std::move(reply)};
+  if (changed) Remember(record["worker"].get<int>(), m, reply);
   return OkStatus();
 }
 
@@ -284,7 +319,8 @@ json JobStore::Save() const {
     last.push_back({{"worker", worker},
                     {"client", w.client},
                     {"seq", w.seq},
-                    {"reply", json::parse(control::Encode(w.reply))}});
+                    {"reply", json::parse(control::Encode(w.reply))},
+                    {"value_is_desired", w.value_is_desired}});
   }
   return {{"data", std::move(data)}, {"last_write", std::move(last)}};
 }
@@ -301,7 +337,8 @@ Result<JobStore> JobStore::Load(const json& saved) {
       NONSTOP_ASSIGN_OR_RETURN(StoreReplyMsg reply,
                                control::DecodeStoreReply(w.at("reply").dump()));
       store.last_write_[w.at("worker").get<int>()] = {w.at("client").get<std::string>(),
-                                                      w.at("seq").get<int64_t>(), std::move(reply)};
+                                                      w.at("seq").get<int64_t>(), std::move(reply),
+                                                      w.value("value_is_desired", false)};
     }
   } catch (const json::exception& e) {
     return InvalidArgumentError(fmt::format("a snapshot's store of the wrong shape: {}", e.what()));

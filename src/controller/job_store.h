@@ -12,14 +12,16 @@
 //  - get and wait answer once their keys exist, or with a "timeout" error when the request's
 //    timeout passes first (Expire); a worker whose connection is lost asks again, so its waits
 //    are dropped (Forget).
-//  - Bounded: at most kMaxBytes of keys and values, kMaxWaits waits in all and
-//    kMaxWaitsPerWorker each; a request beyond them is answered with a "limit" error that says
-//    what to do, never held.
+//  - Bounded: at most kMaxBytes of keys and values, kMaxWaits waits in all (naming at most
+//    kMaxWaitBytes of keys) and kMaxWaitsPerWorker each; a request beyond them is answered with a
+//    "limit" error that says what to do, never held. A write that changes nothing (a set to the
+//    value held, an add of 0 to a counter) is answered as a read: no record, nothing kept.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -37,6 +39,7 @@ class JobStore {
   static constexpr size_t kMaxBytes = 16u << 20;
   static constexpr size_t kMaxWaits = 100'000;
   static constexpr size_t kMaxWaitsPerWorker = 256;
+  static constexpr size_t kMaxWaitBytes = 64u << 20;  // the keys the waits name, in all
 
   struct Answer {
     int worker_id = -1;
@@ -73,11 +76,14 @@ class JobStore {
     control::StoreRequestMsg request;  // get or wait
     Clock::time_point deadline{};
   };
-  // A client's last write and its answer: the same write again gets it again.
+  // A client's last write that changed the store, and its answer: the same write again gets it
+  // again. A compare_set's answer is its desired value, which the request sent again carries:
+  // kept as a flag, so that an entry is small whatever the value.
   struct LastWrite {
     std::string client;
     int64_t seq = 0;
-    control::StoreReplyMsg reply;
+    control::StoreReplyMsg reply;  // without its value
+    bool value_is_desired = false;
   };
 
   // Applies a write; its answer. The store changed when `changed`.
@@ -87,6 +93,10 @@ class JobStore {
   // The waits on `key` whose keys all exist now, answered and removed.
   void Wake(const std::string& key, std::vector<Answer>* out);
   Status Put(const std::string& key, std::string value);
+  // The answer a write sent again gets (`m`: it, as sent again).
+  static control::StoreReplyMsg Again(const LastWrite& last, const control::StoreRequestMsg& m);
+  void Remember(int worker_id, const control::StoreRequestMsg& m,
+                const control::StoreReplyMsg& reply);
   // Removes a wait and what indexes it; the next wait.
   std::map<uint64_t, Wait>::iterator Drop(std::map<uint64_t, Wait>::iterator it);
 
@@ -94,9 +104,10 @@ class JobStore {
   size_t bytes_ = 0;                     // keys and values of data_
   std::map<int, LastWrite> last_write_;  // by worker id
   uint64_t next_wait_ = 1;
-  std::map<uint64_t, Wait> waits_;                           // by id, in arrival order
-  std::unordered_multimap<std::string, uint64_t> waits_on_;  // key → ids (stale ids skipped)
-  std::map<int, size_t> waits_of_;                           // worker id → its waits
+  std::map<uint64_t, Wait> waits_;                                // by id, in arrival order
+  std::unordered_map<std::string, std::set<uint64_t>> waits_on_;  // key → the waits naming it
+  std::map<int, size_t> waits_of_;                                // worker id → its waits
+  size_t wait_bytes_ = 0;                                         // the keys waits_ names
   // No wait ends before this (Expire skips the scan until then); may be earlier than the truth.
   Clock::time_point earliest_deadline_ = Clock::time_point::max();
 };

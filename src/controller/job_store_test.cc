@@ -218,5 +218,54 @@ TEST_F(JobStoreTest, ItsRecordsReplayedAndItsSnapshotLoadedGiveTheSameStore) {
   EXPECT_FALSE(JobStore::Load({{"data", 3}}).ok());
 }
 
+TEST_F(JobStoreTest, AWaitForAKeyThatWasThereAndIsDeletedIsWokenWhenItComesBack) {
+  Answer(Ask(0, StoreOp::kSet, {"a"}, "A"));
+  EXPECT_TRUE(Ask(1, StoreOp::kWait, {"a", "b"}, "", "", 0, 10'000).answers.empty());
+  Answer(Ask(0, StoreOp::kDeleteKey, {"a"}));
+  EXPECT_EQ(Ask(0, StoreOp::kSet, {"b"}, "B").answers.size(), 1u) << "a is missing now";
+  JobStore::Outcome back = Ask(0, StoreOp::kSet, {"a"}, "A again");
+  ASSERT_EQ(back.answers.size(), 2u);
+  EXPECT_EQ(back.answers[1].worker_id, 1);
+  EXPECT_EQ(store_.waits(), 0u);
+}
+
+TEST_F(JobStoreTest, AWriteThatChangesNothingIsAnsweredAsAReadAndNotJournaled) {
+  Answer(Ask(0, StoreOp::kAdd, {"n"}, "", "", 2));
+  Answer(Ask(0, StoreOp::kSet, {"k"}, "v"));
+  const size_t records = records_.size();
+  // torch's own barrier polls with add(key, 0): a read of the counter.
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(Answer(Ask(1, StoreOp::kAdd, {"n"}, "", "", 0), 1).number, 2);
+  Answer(Ask(1, StoreOp::kSet, {"k"}, "v"), 1);
+  EXPECT_EQ(Answer(Ask(1, StoreOp::kCompareSet, {"k"}, "v", "v"), 1).value, "v");
+  EXPECT_EQ(records_.size(), records);
+  // add(key, 0) of a missing key creates it, as torch's stores do: a write.
+  EXPECT_EQ(Answer(Ask(1, StoreOp::kAdd, {"zero"}, "", "", 0), 1).number, 0);
+  EXPECT_EQ(records_.size(), records + 1);
+}
+
+TEST_F(JobStoreTest, AWriteAppliedByAControllerThatDiedIsAnsweredAgainByTheNextOneNotAppliedTwice) {
+  // Controller A applies worker 1's add and journals it; the answer is lost with A.
+  Answer(Ask(1, StoreOp::kAdd, {"n"}, "", "", 5), 1);
+  Answer(Ask(2, StoreOp::kCompareSet, {"cs"}, std::string(300, 'd'), ""), 2);
+  const StoreRequestMsg compare_set = last_;
+  Answer(Ask(1, StoreOp::kAdd, {"n"}, "", "", 7), 1);
+  const StoreRequestMsg add = last_;
+  // Controller B: the records replayed (as a takeover does, through a snapshot).
+  JobStore replayed;
+  for (const json& r : records_) ASSERT_TRUE(replayed.Replay(r).ok());
+  auto b = JobStore::Load(json::parse(replayed.Save().dump()));
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  // Both requests sent again on the new connection: the answers A gave, nothing applied again.
+  StoreReplyMsg again = Answer(b->Handle(1, add, kT0), 1);
+  EXPECT_EQ(again.number, 12);
+  EXPECT_EQ(again.seq, add.seq);
+  StoreReplyMsg cs = Answer(b->Handle(2, compare_set, kT0), 2);
+  EXPECT_EQ(cs.value, std::string(300, 'd')) << "a compare_set's answer is its desired value";
+  EXPECT_FALSE(b->Handle(1, add, kT0).record.has_value());
+  EXPECT_EQ(b->Save(), store_.Save());
+  EXPECT_LT(b->Save()["last_write"].dump().size(), 300u) << "the kept answer holds no value";
+}
+
 }  // namespace
 }  // namespace nonstop::controller

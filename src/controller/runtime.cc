@@ -1002,7 +1002,11 @@ void Runtime::Do(const AppendJournal& a) {
 }
 
 void Runtime::Do(const EndJob& a) {
-  if (ended_) return;  // the first end stands
+  if (ended_) {
+    // The first end stands, unless a member's script failed after it said success.
+    if (ended_->exit_code == 0 && a.exit_code != 0) ended_ = a;
+    return;
+  }
   ended_ = a;
   // Agents stop their processes and leave; they get a while for it.
   for (const auto& host : server_->agents()) {

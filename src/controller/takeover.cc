@@ -269,8 +269,8 @@ void Fold::Load(const json& snapshot) {
   const int format = snapshot.at("format").get<int>();
   if (format != kSnapshotFormat && format != 1) {
     throw std::invalid_argument(fmt::format(
-        "a snapshot of format {} (this nonstop reads format {}: take over with the nonstop that "
-        "wrote it)",
+        "a snapshot of format {} (this nonstop reads formats 1 to {}: take over with the nonstop "
+        "that wrote it)",
         snapshot.at("format").dump(), kSnapshotFormat));
   }
   Fold f;

@@ -655,6 +655,9 @@ bool Leadership::MaybeCompact(etcd::Client& client, etcd::Backoff& backoff, etcd
       (tail_.size() < options_.compact_records && tail_bytes_ < options_.compact_bytes)) {
     return true;
   }
+  // A large snapshot (a job's store of megabytes) is written again only once the tail has grown
+  // to half its size: etcd writes at most three times what the journal grew by.
+  if (tail_bytes_ * 2 < snapshot_.size()) return true;
   std::vector<nlohmann::json> records;
   records.reserve(tail_.size() + 1);
   if (!snapshot_.empty()) records.push_back(nlohmann::json::parse(snapshot_, nullptr, false));

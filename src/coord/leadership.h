@@ -110,7 +110,7 @@ struct LeadershipOptions {
   // every record. The controller's is controller::CompactJournal (coord does not know records).
   std::function<Result<nlohmann::json>(const std::vector<nlohmann::json>&)> compact;
   size_t compact_records = 512;      // compacted once the tail holds this many records,
-  size_t compact_bytes = 256 << 10;  // or this many bytes
+  size_t compact_bytes = 256 << 10;  // or this many bytes, and half the snapshot's size
 };
 
 // The options with every zero derived from the TTL.

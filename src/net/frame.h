@@ -39,6 +39,8 @@ class FrameDecoder {
   // every later Feed returns the same error without reading its bytes.
   Status Feed(std::string_view bytes);
   std::optional<Frame> Next();
+  // A longer payload is an error from now on (a peer that proved who it is may send larger ones).
+  void set_max_payload(uint32_t max_payload) { max_payload_ = max_payload; }
 
  private:
   uint32_t max_payload_;

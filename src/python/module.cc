@@ -13,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -555,21 +556,33 @@ void BindFunctions(py::module_& m) {
 
 // The job's store (nonstop/store.h): the native half of nonstop.distributed's torch Store.
 // Values are bytes; every call takes its timeout in seconds (0: for ever) and runs without the
-// GIL. A failure is a RuntimeError saying what (a timeout says "timeout"), a bad key ValueError.
+// GIL. A failure is a RuntimeError saying what, a bad key ValueError; a wait cut short by a
+// member's failure is nonstop.Aborted (the step runs again); a timeout says "Socket Timeout"
+// first, as torch's TCPStore does (code matches on it).
 template <typename T>
 T StoreResult(Result<T> r) {
   if (r.ok()) return std::move(*r);
-  if (r.status().code() == StatusCode::kInvalidArgument)
-    throw py::value_error(r.status().ToString());
-  if (r.status().code() == StatusCode::kCancelled) Throw(r.status());
-  throw std::runtime_error(r.status().ToString());
+  const Status& s = r.status();
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+      throw py::value_error(std::string(s.message()));
+    case StatusCode::kAborted:
+    case StatusCode::kCancelled:
+      Throw(s);
+    case StatusCode::kDeadlineExceeded:
+      throw std::runtime_error("Socket Timeout: " + std::string(s.message()));
+    default:
+      throw std::runtime_error(std::string(s.message()));
+  }
 }
 
 void BindStore(py::module_& m) {
   using Ms = std::chrono::milliseconds;
   auto ms = [](double seconds) {
     if (!(seconds >= 0)) throw py::value_error(fmt::format("a store timeout of {} s", seconds));
-    return Ms(static_cast<int64_t>(std::min(seconds, 1e9) * 1000));
+    if (seconds == 0) return Ms(0);  // for ever
+    // At least 1 ms: a timeout rounded down to 0 would wait for ever.
+    return Ms(std::max<int64_t>(1, static_cast<int64_t>(std::ceil(std::min(seconds, 1e9) * 1000))));
   };
   auto unlocked = [](auto call) {
     py::gil_scoped_release release;

@@ -569,6 +569,9 @@ class SessionImpl {
         if (comm_ && comm_->generation() <= m.generation) {
           comm_->Abort(
               fmt::format("the controller ended generation {}: {}", m.generation, m.reason));
+          store_.AbortWaits(AbortedError(
+              fmt::format("the controller ended generation {} during a wait in the job's store: {}",
+                          m.generation, m.reason)));
         }
         cv_.NotifyAll();
         return OkStatus();

@@ -132,13 +132,10 @@ Result<StoreReplyMsg> StoreClient::Ask(StoreRequestMsg m, Millis timeout) {
   if (timeout < Millis(0)) {
     return InvalidArgumentError(fmt::format("a store timeout of {} ms", timeout.count()));
   }
-  if (!control::StoreOpWrites(m.op)) return Exchange(std::move(m), timeout);
-  MutexLock one_write(&write_mu_);
-  return Exchange(std::move(m), timeout);
-}
-
-Result<StoreReplyMsg> StoreClient::Exchange(StoreRequestMsg m, Millis timeout) {
+  // Past what the wire takes: for ever, as 0.
+  if (timeout.count() > control::kMaxStoreTimeoutMs) timeout = Millis(0);
   const bool waits = m.op == StoreOp::kGet || m.op == StoreOp::kWait;
+  const bool writes = control::StoreOpWrites(m.op);
   const Deadline now = Clock::now();
   const Deadline keys_by = timeout == Millis(0) ? kNoDeadline : now + timeout;
   // The call's own limit: a get or wait leaves the controller time to say which keys are missing.
@@ -149,16 +146,31 @@ Result<StoreReplyMsg> StoreClient::Exchange(StoreRequestMsg m, Millis timeout) {
   int64_t seq = 0;
   {
     MutexLock lock(&mu_);
+    // A turn: at most kMaxInFlight calls at once (their answers fit the connection's queue), and
+    // one write at a time (the controller applies a write once by its number).
+    auto turn = [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !failed_.ok() || (calls_.size() < kMaxInFlight && !(writes && writing_));
+    };
+    const bool got =
+        give_up == kNoDeadline ? (cv_.Wait(&mu_, turn), true) : cv_.WaitUntil(&mu_, give_up, turn);
     NONSTOP_RETURN_IF_ERROR(failed_);
+    if (!got) {
+      return DeadlineExceededError(fmt::format(
+          "timeout: the job's store had no turn for a {} within {} ms (other calls of this "
+          "process wait for the controller)",
+          control::StoreOpName(m.op), timeout.count()));
+    }
     seq = next_seq_++;
     m.seq = seq;
     calls_[seq] = Call{m, waits ? keys_by : kNoDeadline, std::nullopt};
+    if (writes) writing_ = true;
   }
   // Not connected: sent again with the join that reconnects (Unanswered).
   (void)send_(control::kMsgStore, control::Encode(m));
   MutexLock lock(&mu_);
   auto answered = [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return calls_.at(seq).reply.has_value() || !failed_.ok();
+    const Call& call = calls_.at(seq);
+    return call.reply.has_value() || !call.ended.ok() || !failed_.ok();
   };
   if (give_up == kNoDeadline) {
     cv_.Wait(&mu_, answered);
@@ -166,15 +178,20 @@ Result<StoreReplyMsg> StoreClient::Exchange(StoreRequestMsg m, Millis timeout) {
     cv_.WaitUntil(&mu_, give_up, answered);
   }
   std::optional<StoreReplyMsg> reply = std::move(calls_.at(seq).reply);
+  const Status ended = calls_.at(seq).ended;
   calls_.erase(seq);
+  if (writes) writing_ = false;
+  cv_.NotifyAll();  // a turn is free
   if (!reply) {
+    NONSTOP_RETURN_IF_ERROR(ended);
     NONSTOP_RETURN_IF_ERROR(failed_);
-    return DeadlineExceededError(
-        fmt::format("timeout: the job's store did not answer a {} of {} within {} ms (no "
-                    "controller meanwhile?)",
-                    control::StoreOpName(m.op),
-                    m.keys.empty() ? std::string("the keys") : fmt::format("'{}'", m.keys.front()),
-                    std::chrono::duration_cast<Millis>(give_up - now).count()));
+    return DeadlineExceededError(fmt::format(
+        "timeout: the job's store did not answer a {} of {} within {} ms (no controller "
+        "meanwhile?){}",
+        control::StoreOpName(m.op),
+        m.keys.empty() ? std::string("the keys") : fmt::format("'{}'", m.keys.front()),
+        std::chrono::duration_cast<Millis>(give_up - now).count(),
+        writes ? ": it may have been applied (a read says)" : ""));
   }
   NONSTOP_RETURN_IF_ERROR(FromReply(*reply));
   return std::move(*reply);
@@ -203,6 +220,15 @@ std::vector<std::pair<uint16_t, std::string>> StoreClient::Unanswered(Deadline n
     out.emplace_back(control::kMsgStore, control::Encode(m));
   }
   return out;
+}
+
+void StoreClient::AbortWaits(const Status& why) {
+  MutexLock lock(&mu_);
+  for (auto& [seq, call] : calls_) {
+    const bool waits = call.request.op == StoreOp::kGet || call.request.op == StoreOp::kWait;
+    if (waits && !call.reply && call.ended.ok()) call.ended = why;
+  }
+  cv_.NotifyAll();
 }
 
 void StoreClient::Fail(const Status& why) {

@@ -3,10 +3,12 @@
 // controller's answer (control::kMsgStoreReply, handed in by the Session's I/O thread). The
 // requests not answered when the connection is lost are sent again with the join that reconnects
 // (Unanswered): a get or a wait with the time it has left, a write as it was (the controller
-// applies it once: its client id and number). Writes go one at a time.
+// applies it once: its client id and number). Writes go one at a time, and at most
+// kMaxInFlight calls wait for their answers at once; a call that gets no turn within its timeout
+// fails as one that gets no answer.
 //
-// Thread-safety: the Store calls from any thread; OnReply, Unanswered and Fail from the I/O
-// thread (or any).
+// Thread-safety: the Store calls from any thread; OnReply, Unanswered, Fail and AbortWaits from
+// the I/O thread (or any).
 #pragma once
 
 #include <cstdint>
@@ -33,6 +35,10 @@ class StoreClient final : public Store {
   // The time a get or wait is given past its timeout for the controller's answer (which says
   // which keys are missing) before the call gives up itself.
   static constexpr Millis kAnswerGrace{2'000};
+  // Calls of one process waiting for their answers at once (the others wait for a turn): fewer
+  // than the controller's waits per worker (JobStore::kMaxWaitsPerWorker), so that a process's
+  // threads never meet that limit.
+  static constexpr size_t kMaxInFlight = 64;
 
   explicit StoreClient(SendFn send);
 
@@ -55,26 +61,28 @@ class StoreClient final : public Store {
       NONSTOP_LOCKS_EXCLUDED(mu_);
   // No controller will answer again (or the session ends): every call fails with `why`.
   void Fail(const Status& why) NONSTOP_LOCKS_EXCLUDED(mu_);
+  // The generation ended (a member failed): the gets and waits in progress end with `why`
+  // (ABORTED: the step runs again), as the collectives do; the controller drops them too.
+  void AbortWaits(const Status& why) NONSTOP_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Call {
     control::StoreRequestMsg request;
     Deadline keys_by = kNoDeadline;  // get, wait: when their keys are no longer waited for
     std::optional<control::StoreReplyMsg> reply;
+    Status ended;  // AbortWaits
   };
   Result<control::StoreReplyMsg> Ask(control::StoreRequestMsg m, Millis timeout)
-      NONSTOP_LOCKS_EXCLUDED(mu_, write_mu_);
-  Result<control::StoreReplyMsg> Exchange(control::StoreRequestMsg m, Millis timeout)
       NONSTOP_LOCKS_EXCLUDED(mu_);
 
   const std::string client_;  // random: this process's calls, told from an earlier one's
   const SendFn send_;
-  Mutex write_mu_;  // one write at a time
   Mutex mu_;
   CondVar cv_;
   int64_t next_seq_ NONSTOP_GUARDED_BY(mu_) = 1;
   std::map<int64_t, Call> calls_ NONSTOP_GUARDED_BY(mu_);  // by seq
   Status failed_ NONSTOP_GUARDED_BY(mu_);
+  bool writing_ NONSTOP_GUARDED_BY(mu_) = false;  // a write waits for its answer
 };
 
 }  // namespace nonstop::worker

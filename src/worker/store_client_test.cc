@@ -168,5 +168,24 @@ TEST(StoreClientTest, WhatTheWireCannotTakeIsRefusedBeforeSending) {
   EXPECT_EQ(sent.count(), 0u);
 }
 
+TEST(StoreClientTest, AnAbortEndsTheWaitsInProgressAndNothingElse) {
+  Sent sent;
+  StoreClient client(sent.Fn());
+  auto get = std::async(std::launch::async, [&] { return client.Get("k", Millis(0)); });
+  auto add = std::async(std::launch::async, [&] { return client.Add("n", 1, Millis(10'000)); });
+  sent.Nth(2);
+  client.AbortWaits(AbortedError("generation 3 ended"));
+  EXPECT_EQ(get.get().status().code(), StatusCode::kAborted);
+  // The write goes on: its answer still counts.
+  const StoreRequestMsg a = sent.Nth(1).op == StoreOp::kAdd ? sent.Nth(1) : sent.Nth(2);
+  ASSERT_TRUE(Reply(client, {a.seq, "", "", "", 1}).ok());
+  EXPECT_EQ(add.get().value(), 1);
+  // A wait that begins after the abort waits as usual.
+  auto later = std::async(std::launch::async, [&] { return client.Get("k", Millis(10'000)); });
+  const StoreRequestMsg g = sent.Nth(3);
+  ASSERT_TRUE(Reply(client, {g.seq, "", "", "v", 0}).ok());
+  EXPECT_EQ(later.get().value(), "v");
+}
+
 }  // namespace
 }  // namespace nonstop::worker

@@ -3,7 +3,7 @@ and "A failure that repeats"): a rank 0 that spends long seconds saving its
 snapshot is busy, not hung; a bug in the script ends the job with exit 12 and
 its traceback instead of looping through spares; torch's own launcher check sees
 torchrun's environment from its first line, and a failure leaves torchelastic's
-error file."""
+error file; a script that fails after training ended fails the job."""
 
 import json
 import os
@@ -136,3 +136,21 @@ def test_a_script_that_raises_leaves_torchelastics_error_file(tmp_path):
     record = json.loads(files[0].read_text())["message"]
     assert record["message"].startswith("ValueError: sample of step 2"), record
     assert "Traceback" in record["extraInfo"]["py_callstack"] and record["extraInfo"]["timestamp"].isdigit()
+
+
+def test_a_script_that_fails_after_destroy_process_group_fails_the_job(tmp_path):
+    # Training ended (every rank finished), then the script fails on one rank (saving the model, say):
+    # the job fails with 12, as torchrun's would with that rank's code, naming the rank.
+    script = tmp_path / "fails_after.py"
+    script.write_text(
+        "import sys\n"
+        "import torch.distributed as dist\n"
+        "import nonstop.torch\n"
+        "nonstop.torch.init_process_group(backend='nonstop')\n"
+        "rank = dist.get_rank()\n"
+        "nonstop.torch.destroy_process_group()\n"
+        "sys.exit(3 if rank == 1 else 0)\n")
+    job = run_job(tmp_path, "after", ["--nproc", "3", "--spares", "0", "--inject", "none"], script=script)
+    assert job.code == 12, job.output
+    assert "rank 1 (worker 1) exited with code 3 after training ended" in job.output, job.output
+    assert len(job.events("failed_after_end")) == 1, job.output
