@@ -720,7 +720,8 @@ int RunCommand::RunLocal(controller::RuntimeOptions o, const std::vector<std::st
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   // The agent ends with the code the job's end told it; a member whose script failed after that
   // (Controller::ExitedAfterTheEnd) changed the controller's.
-  if (code == 0 && controller->Ended() && controller->exit_code() != 0) code = controller->exit_code();
+  if (code == 0 && controller->Ended() && controller->exit_code() != 0)
+    code = controller->exit_code();
   controller->Stop();
   if (failed_start) {
     fmt::print(stderr, "{}: the controller exited (code {}) before the job formed\n", o.name,
