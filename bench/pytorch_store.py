@@ -4,7 +4,7 @@ under `nonstop run` (the job's store, docs/store.md), the same calls, so the two
 print comparable lines.
 
 Each rank times --ops calls of each kind on keys of its own, all ranks at once
-(the median of one call, after a warm-up): set, get, add, check, and a meeting
+(the median of one call, after a warm-up): set, get, add, wait for a key that is set, and a meeting
 (rank 0 sets a key each round, the others wait for it with get). Writes under
 nonstop are journaled (fdatasync) before they are answered; TCPStore keeps
 them in its server's memory.
@@ -45,7 +45,7 @@ def main():
         "set": timed([lambda i=i: store.set(f"bench/{rank}/{i}", value) for i in range(n)]),
         "get": timed([lambda i=i: store.get(f"bench/{rank}/{i}") for i in range(n)]),
         "add": timed([lambda: store.add(f"bench/{rank}/counter", 1) for _ in range(n)]),
-        "check": timed([lambda i=i: store.check([f"bench/{rank}/{i}"]) for i in range(n)]),
+        "wait (set key)": timed([lambda i=i: store.wait([f"bench/{rank}/{i}"]) for i in range(n)]),
     }
     dist.barrier()
     meet = []
