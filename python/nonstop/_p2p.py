@@ -5,7 +5,10 @@ Each peer and direction has a thread of its own that runs its calls in the
 order they were made (Session.send/recv: a connection a direction, so a send
 and a receive between two ranks run at once and an exchange in which both
 sides send first cannot deadlock). A blocking call is the same call waited
-for. A fault makes the call raise nonstop.Aborted from wait(), and every
+for. The script's messages carry their tag (a header before each: tag and
+size): a receive takes the first message of its tag from its peer, and one of
+another tag that comes first is read ahead and kept for the receive of that
+tag, as Gloo matches tags. A fault makes the call raise nonstop.Aborted from wait(), and every
 call still running is waited for before a recovery (the session's
 communicator is replaced there).
 """
@@ -13,10 +16,12 @@ communicator is replaced there).
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import queue
+import struct
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch._C._distributed_c10d import Work as _TorchWork
@@ -97,13 +102,18 @@ _pending: Set[concurrent.futures.Future] = set()  # calls not yet done (each lea
 # receives pending, which would take the next messages of their peers); None: it is not.
 _broken: Optional[str] = None
 _any: Optional[concurrent.futures.Future] = None  # the last receive from any source queued
+_HEADER = struct.Struct("<qq")  # before each of the script's messages: its tag and its bytes
+# Messages read ahead of their receive (another tag came first), by peer, in the order they came.
+_early: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
+_early_lock = threading.Lock()
 _receiving: Dict[concurrent.futures.Future, int] = {}  # receives from a given rank not yet done: its rank
 
 
-def start(session: Any, peer: int, tensor: Any, sending: bool, channel: int = 0) -> Work:
+def start(session: Any, peer: int, tensor: Any, sending: bool, channel: int = 0, tag: int = 0) -> Work:
     """Queues a send of `tensor` to, or a receive into it from, world rank `peer`: on channel 0,
-    the script's own messages, or 1, those of collectives made of point-to-point calls
-    (all_to_all, monitored_barrier), which a receive of the script's never takes."""
+    the script's own messages (with their `tag`), or 1, those of collectives made of
+    point-to-point calls (all_to_all, monitored_barrier), which a receive of the script's never
+    takes."""
     _check(tensor)
     if peer == session.rank:
         raise ValueError(f"rank {peer} {'sends to' if sending else 'receives from'} itself")
@@ -111,6 +121,9 @@ def start(session: Any, peer: int, tensor: Any, sending: bool, channel: int = 0)
     move = session._core.send if sending else session._core.recv
 
     def call() -> None:
+        if sending and channel == 0:
+            header = torch.frombuffer(bytearray(_HEADER.pack(int(tag), size)), dtype=torch.uint8)
+            session._core.send(peer, header.data_ptr(), _HEADER.size, 0)
         _device.on_host(tensor, "send" if sending else "recv",
                         lambda host: move(peer, host.data_ptr(), size, channel), write_back=not sending)
 
@@ -118,16 +131,27 @@ def start(session: Any, peer: int, tensor: Any, sending: bool, channel: int = 0)
         return Work(_lane((peer, "send", channel)).submit(call), tensor, peer)
     if channel:
         return Work(_lane((peer, "recv", channel)).submit(call), tensor, peer)
-    future = _lane((peer, "recv", 0)).submit(_after_any(call))
+
+    def receive() -> None:
+        early = _take_early([peer], tag)
+        while early is None:
+            got_tag, got_size = _read_header(session, peer)
+            if got_tag == tag and got_size == size:
+                return call()
+            early = _read_ahead(session, peer, got_tag, got_size, tag)
+        _fill(tensor, early[1], peer, tag)
+
+    future = _lane((peer, "recv", 0)).submit(_after_any(receive))
     _receiving[future] = peer
     future.add_done_callback(lambda f: _receiving.pop(f, None))
     return Work(future, tensor, peer)
 
 
-def start_any(session: Any, tensor: Any) -> Work:
-    """Queues a receive into `tensor` from whichever rank of the world sends first, of those
-    without a receive queued before it still to come (their next message is that one's); the
-    receives queued after it wait for it (Session.recv_any reads those peers' connections)."""
+def start_any(session: Any, tensor: Any, tag: int = 0) -> Work:
+    """Queues a receive into `tensor` of the first message of `tag` from whichever rank of the
+    world sends one, of those without a receive queued before it still to come (their next
+    message is that one's); the receives queued after it wait for it (Session.recv_any reads
+    those peers' connections)."""
     global _any
     _check(tensor)
     # Not from a peer whose receive queued before it is still to come: that message is its.
@@ -139,10 +163,62 @@ def start_any(session: Any, tensor: Any) -> Work:
     size = nbytes(tensor)
 
     def call() -> int:
-        return _device.on_host(tensor, "recv", lambda host: session._core.recv_any(ranks, host.data_ptr(), size))
+        early = _take_early(ranks, tag)
+        while early is None:
+            header = torch.empty(_HEADER.size, dtype=torch.uint8)
+            peer = session._core.recv_any(ranks, header.data_ptr(), _HEADER.size)
+            got_tag, got_size = _HEADER.unpack(header.numpy().tobytes())
+            if got_tag == tag and got_size == size:
+                _device.on_host(tensor, "recv", lambda host: session._core.recv(peer, host.data_ptr(), size, 0))
+                return peer
+            early = _read_ahead(session, peer, got_tag, got_size, tag)
+        _fill(tensor, early[1], early[0], tag)
+        return early[0]
 
     _any = _lane((-1, "recv", 0)).submit(call)
     return Work(_any, tensor, -1)
+
+
+def _read_header(session: Any, peer: int) -> Tuple[int, int]:
+    header = torch.empty(_HEADER.size, dtype=torch.uint8)
+    session._core.recv(peer, header.data_ptr(), _HEADER.size, 0)
+    return _HEADER.unpack(header.numpy().tobytes())
+
+
+def _read_ahead(session: Any, peer: int, got_tag: int, got_size: int, tag: int) -> Optional[Tuple[int, torch.Tensor]]:
+    """Reads the payload of a message whose header came: (peer, its bytes) if it is of `tag` (of
+    another size than the receive's), else kept for the receive of its tag, and None."""
+    if got_size < 0:
+        raise RuntimeError(f"rank {peer} sent a message header of {got_size} bytes: not a nonstop peer")
+    payload = torch.empty(got_size, dtype=torch.uint8)
+    if got_size:
+        session._core.recv(peer, payload.data_ptr(), got_size, 0)
+    if got_tag == tag:
+        return peer, payload
+    with _early_lock:
+        _early.setdefault(peer, []).append((got_tag, payload))
+    return None
+
+
+def _take_early(peers: List[int], tag: int) -> Optional[Tuple[int, torch.Tensor]]:
+    """The first message of `tag` read ahead from one of `peers`: (peer, its bytes)."""
+    with _early_lock:
+        for peer in peers:
+            kept = _early.get(peer, [])
+            for i, (got_tag, payload) in enumerate(kept):
+                if got_tag == tag:
+                    del kept[i]
+                    return peer, payload
+    return None
+
+
+def _fill(tensor: Any, payload: torch.Tensor, peer: int, tag: int) -> None:
+    size = nbytes(tensor)
+    if payload.numel() != size:
+        raise RuntimeError(f"rank {peer} sent a message of tag {tag} of {payload.numel()} bytes to a receive of "
+                           f"{size} bytes: send and receive tensors of the same size")
+    _device.on_host(tensor, "recv", lambda host: ctypes.memmove(host.data_ptr(), payload.data_ptr(), size),
+                    write_back=True)
 
 
 def _check(tensor: Any) -> None:
@@ -221,3 +297,5 @@ def wait_all() -> None:
             future.result()
         except Exception:
             pass
+    with _early_lock:  # the next generation's connections carry none of them
+        _early.clear()

@@ -382,11 +382,11 @@ class ProcessGroup(_TorchProcessGroup):
 
     def send(self, tensors: List[Any], dst: int, tag: int = 0) -> _p2p.Work:
         self._refuse_local("send")
-        return _p2p.start(self._session, self._comm.world_rank(dst), _one(tensors, "send"), sending=True)
+        return _p2p.start(self._session, self._comm.world_rank(dst), _one(tensors, "send"), sending=True, tag=tag)
 
     def recv(self, tensors: List[Any], src: int, tag: int = 0) -> _p2p.Work:
         self._refuse_local("recv")
-        return _p2p.start(self._session, self._comm.world_rank(src), _one(tensors, "recv"), sending=False)
+        return _p2p.start(self._session, self._comm.world_rank(src), _one(tensors, "recv"), sending=False, tag=tag)
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         self._refuse_local("monitored_barrier")
@@ -398,7 +398,7 @@ class ProcessGroup(_TorchProcessGroup):
         if self._comm.group:
             raise RuntimeError("a subgroup's recv takes its source: pass src= (a receive from any source is the "
                                "default group's)")
-        return _p2p.start_any(self._session, _one(tensors, "recv"))
+        return _p2p.start_any(self._session, _one(tensors, "recv"), tag)
 
     def _refuse_local(self, what: str) -> None:
         if self._local:
