@@ -2,7 +2,6 @@
 "torch.distributed over nonstop"): a receive takes the first message of its tag from its peer,
 whatever came before it, and a receive from any source the first of its tag from any rank."""
 
-import pathlib
 import re
 
 from conftest import run_job
