@@ -793,6 +793,8 @@ void Controller::On(const Tick&, std::vector<Action>* out) {
   if (phase_ == JobPhase::kEnded) return;
   CheckHeartbeats(out);
   if (phase_ == JobPhase::kEnded) return;
+  CheckFinishedWhileOthersWait(out);
+  if (phase_ == JobPhase::kEnded) return;
   if (slotted() && placement_.placed()) TopUpHosts(out);
   if (phase_ == JobPhase::kRecovering && !stop_orders_held_ && now_ >= abort_deadline_) {
     // Escalation: members that could not abort in time are killed and replaced.
@@ -974,6 +976,38 @@ void Controller::End(int exit_code, const std::string& reason, std::vector<Actio
   }
   for (std::string& line : ReportLines(recoveries_)) out->push_back(PrintLine{std::move(line)});
   out->push_back(EndJob{exit_code, reason});
+}
+
+void Controller::CheckFinishedWhileOthersWait(std::vector<Action>* out) {
+  if (phase_ != JobPhase::kRunning || finished_ == 0) return;
+  // A member finished training after step s while another, past s, waits in a collective: the
+  // finished one will never come to it, and the job would wait for ever. The ranks ran different
+  // numbers of steps: the script's loop differs between them (a spare that loaded the script's
+  // own snapshot of an earlier epoch starts its loop there).
+  constexpr int64_t kWaitedMs = 2'000;
+  const WorkerInfo* finished = nullptr;
+  const WorkerInfo* waiting = nullptr;
+  for (const WorkerInfo* w : membership_.member_info()) {
+    if (w->role == WorkerRole::kFinished && (!finished || w->last_step < finished->last_step))
+      finished = w;
+  }
+  if (finished == nullptr) return;
+  for (const WorkerInfo* w : membership_.member_info()) {
+    if (w->role == WorkerRole::kMember && w->waiting_ms >= kWaitedMs &&
+        w->last_step >= finished->last_step)
+      waiting = w;
+  }
+  if (waiting == nullptr) return;
+  End(kExitScriptFailure,
+      fmt::format(
+          "rank {} finished training after step {}, while rank {} waits in the collective "
+          "of step {} ({} ms): the ranks ran different numbers of steps, and it would wait "
+          "for ever. Every rank must run the same steps; a spare that loads the script's "
+          "own snapshot starts its loop where that snapshot was (docs/python.md, \"Porting a "
+          "DDP script\")",
+          finished->rank, finished->last_step, waiting->rank, waiting->last_step + 1,
+          waiting->waiting_ms),
+      out);
 }
 
 void Controller::ExitedAfterTheEnd(const ProcessExited& e, std::vector<Action>* out) {

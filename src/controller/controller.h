@@ -411,6 +411,8 @@ class Controller {
   void On(const Takeover& e, std::vector<Action>* out);
   void On(const HostLeaving& e, std::vector<Action>* out);
   void On(const StoreRequested& e, std::vector<Action>* out);
+  // A member finished while another waits in a later step's collective: the job ends (exit 12).
+  void CheckFinishedWhileOthersWait(std::vector<Action>* out);
   // A process that exits once the job has ended: a member's error fails the job.
   void ExitedAfterTheEnd(const ProcessExited& e, std::vector<Action>* out);
   // The store's answers, as orders.

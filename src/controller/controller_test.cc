@@ -792,6 +792,26 @@ TEST_F(ControllerTest, TheStoreAnswersTheJobsWorkersAndRefusesOneTheJobLetGo) {
   EXPECT_EQ(got[0].msg.value, "v");
 }
 
+// A member that finished while the others, past its last step, wait in a collective: it will
+// never come, and the job would wait for ever (a spare whose loop started elsewhere). The job
+// ends with 12 saying so; a wait of under 2 s (the last step's ring finishing) does not.
+TEST_F(ControllerTest, AMemberThatFinishedWhileTheOthersWaitInALaterStepEndsTheJob) {
+  StartJob();
+  for (int id : {0, 1, 2}) Do(ProgressReceived{id, {10, 2.0, 0.1, 100, 3}});
+  EXPECT_TRUE(Find<EndJob>(Do(FinishedReceived{2, {10, "abcd"}})).empty());
+  Do(HeartbeatReceived{0, {10, 500}});
+  Do(HeartbeatReceived{1, {10, 1'500}});
+  EXPECT_TRUE(Find<EndJob>(Do(Tick{})).empty()) << "waited under 2 s";
+  Do(HeartbeatReceived{1, {10, 2'500}});
+  auto ends = Find<EndJob>(Do(Tick{}));
+  ASSERT_EQ(ends.size(), 1u);
+  EXPECT_EQ(ends[0].exit_code, kExitScriptFailure);
+  EXPECT_NE(ends[0].reason.find("rank 2 finished training after step 10, while rank 1 waits in the "
+                                "collective of step 11"),
+            std::string::npos)
+      << ends[0].reason;
+}
+
 // A member whose script fails after training ended (after destroy_process_group: saving the
 // model, say) fails the job, as torchrun's would; the spare told to go, or a signal from the
 // agents' stop, does not.
