@@ -103,6 +103,7 @@ _pending: Set[concurrent.futures.Future] = set()  # calls not yet done (each lea
 _broken: Optional[str] = None
 _any: Optional[concurrent.futures.Future] = None  # the last receive from any source queued
 _HEADER = struct.Struct("<qq")  # before each of the script's messages: its tag and its bytes
+_MAX_MESSAGE = 1 << 40  # a header saying more is no header: the connection is out of step
 # Messages read ahead of their receive (another tag came first), by peer, in the order they came.
 _early: Dict[int, List[Tuple[int, torch.Tensor]]] = {}
 _early_lock = threading.Lock()
@@ -188,11 +189,12 @@ def _read_header(session: Any, peer: int) -> Tuple[int, int]:
 def _read_ahead(session: Any, peer: int, got_tag: int, got_size: int, tag: int) -> Optional[Tuple[int, torch.Tensor]]:
     """Reads the payload of a message whose header came: (peer, its bytes) if it is of `tag` (of
     another size than the receive's), else kept for the receive of its tag, and None."""
-    if got_size < 0:
-        raise RuntimeError(f"rank {peer} sent a message header of {got_size} bytes: not a nonstop peer")
+    global _broken
+    if got_size < 0 or got_size > _MAX_MESSAGE:
+        _broken = f"rank {peer} sent a message header of {got_size} bytes: its connection is out of step"
+        raise RuntimeError(_broken)
     payload = torch.empty(got_size, dtype=torch.uint8)
-    if got_size:
-        session._core.recv(peer, payload.data_ptr(), got_size, 0)
+    session._core.recv(peer, payload.data_ptr(), got_size, 0)  # a 0-byte message is a frame too
     if got_tag == tag:
         return peer, payload
     with _early_lock:

@@ -312,6 +312,7 @@ void Controller::On(const FinishedReceived& e, std::vector<Action>* out) {
     return;
   }
   checksum_ = e.msg.checksum;
+  if (!first_finished_at_) first_finished_at_ = now_;
   MaybeCloseRecovery(out);
   if (phase_ == JobPhase::kRunning &&
       ++finished_ == static_cast<int>(membership_.members().size())) {
@@ -979,12 +980,14 @@ void Controller::End(int exit_code, const std::string& reason, std::vector<Actio
 }
 
 void Controller::CheckFinishedWhileOthersWait(std::vector<Action>* out) {
-  if (phase_ != JobPhase::kRunning || finished_ == 0) return;
-  // A member finished training after step s while another, past s, waits in a collective: the
-  // finished one will never come to it, and the job would wait for ever. The ranks ran different
-  // numbers of steps: the script's loop differs between them (a spare that loaded the script's
-  // own snapshot of an earlier epoch starts its loop there).
-  constexpr int64_t kWaitedMs = 2'000;
+  if (phase_ != JobPhase::kRunning || !first_finished_at_) return;
+  // A member finished training after step s, while another, past s, was waiting in a collective
+  // already then and still is, by a heartbeat 2 s later: the finished one will never come to
+  // it, and the job would wait for ever. The ranks ran different numbers of steps (a spare that
+  // loaded the script's own snapshot of an earlier epoch starts its loop there). A wait that a
+  // heartbeat from before the finish still shows, or one that began after it, is no evidence.
+  constexpr Millis kStillWaiting{2'000};
+  const Clock::time_point finished_at = *first_finished_at_;
   const WorkerInfo* finished = nullptr;
   const WorkerInfo* waiting = nullptr;
   for (const WorkerInfo* w : membership_.member_info()) {
@@ -993,8 +996,9 @@ void Controller::CheckFinishedWhileOthersWait(std::vector<Action>* out) {
   }
   if (finished == nullptr) return;
   for (const WorkerInfo* w : membership_.member_info()) {
-    if (w->role == WorkerRole::kMember && w->waiting_ms >= kWaitedMs &&
-        w->last_step >= finished->last_step)
+    if (w->role == WorkerRole::kMember && w->waiting_ms >= 0 &&
+        w->last_step >= finished->last_step && w->last_heard - finished_at >= kStillWaiting &&
+        w->last_heard - Millis(w->waiting_ms) <= finished_at)
       waiting = w;
   }
   if (waiting == nullptr) return;

@@ -554,6 +554,8 @@ class Controller {
   // only then can a late report estimate that step's end from it (StepReportedLate).
   bool clock_exact_ = false;
   int finished_ = 0;
+  // When the first member of the generation finished (CheckFinishedWhileOthersWait).
+  std::optional<Clock::time_point> first_finished_at_;
   std::optional<std::string> checksum_;
   // Injected faults not fired yet, and the last one fired (its recovery names it).
   std::vector<control::FaultSpec> pending_faults_;

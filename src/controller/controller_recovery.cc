@@ -219,6 +219,7 @@ void Controller::OpenRecovery(const std::string& cause, bool planned, std::vecto
   phase_ = JobPhase::kRecovering;
   abort_scan_ = 0;
   finished_ = 0;
+  first_finished_at_.reset();
   // A healthy member answers the abort at its next check (between
   // micro-batches, or its collective): never sooner than the step it is
   // computing allows, so slow steps stretch the deadline.
@@ -570,6 +571,7 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   membership_.SetMembers({});
   ready_.clear();
   finished_ = 0;
+  first_finished_at_.reset();
   last_journaled_step_ = -1;  // the steps since the checkpoint are computed (and journaled) again
   phase_ = JobPhase::kForming;
   forming_since_ = now_;

@@ -798,11 +798,17 @@ TEST_F(ControllerTest, TheStoreAnswersTheJobsWorkersAndRefusesOneTheJobLetGo) {
 TEST_F(ControllerTest, AMemberThatFinishedWhileTheOthersWaitInALaterStepEndsTheJob) {
   StartJob();
   for (int id : {0, 1, 2}) Do(ProgressReceived{id, {10, 2.0, 0.1, 100, 3}});
+  Do(HeartbeatReceived{0, {10, 2'500}});  // before the finish: stale once it comes
   EXPECT_TRUE(Find<EndJob>(Do(FinishedReceived{2, {10, "abcd"}})).empty());
-  Do(HeartbeatReceived{0, {10, 500}});
+  EXPECT_TRUE(Find<EndJob>(Do(Tick{})).empty()) << "a heartbeat from before the finish";
+  now_ += Millis(1'000);
   Do(HeartbeatReceived{1, {10, 1'500}});
-  EXPECT_TRUE(Find<EndJob>(Do(Tick{})).empty()) << "waited under 2 s";
-  Do(HeartbeatReceived{1, {10, 2'500}});
+  EXPECT_TRUE(Find<EndJob>(Do(Tick{})).empty()) << "1 s after the finish";
+  now_ += Millis(1'500);
+  Do(HeartbeatReceived{0, {10, -1}});     // its collective ended: it computes
+  Do(HeartbeatReceived{1, {10, 1'000}});  // began after the finish: no evidence
+  EXPECT_TRUE(Find<EndJob>(Do(Tick{})).empty());
+  Do(HeartbeatReceived{1, {10, 4'000}});  // waiting since before the finish, 2.5 s after it
   auto ends = Find<EndJob>(Do(Tick{}));
   ASSERT_EQ(ends.size(), 1u);
   EXPECT_EQ(ends[0].exit_code, kExitScriptFailure);

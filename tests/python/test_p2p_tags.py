@@ -15,6 +15,8 @@ if rank == 0:
         dist.send(torch.full((4,), float(tag)), 1, tag=tag)
     dist.send(torch.full((2,), 7.0), 2, tag=7)
     dist.send(torch.full((2,), 5.0), 2, tag=5)
+    dist.send(torch.empty(0), 2, tag=10)  # an empty message, read ahead of tag 11's
+    dist.send(torch.full((1,), 11.0), 2, tag=11)
     for tag in (8, 9):  # from any source, by tag: rank 2 sends 8, rank 1 sends 9
         t = torch.zeros(1)
         dist.recv(t, tag=tag)
@@ -36,6 +38,10 @@ else:
     dist.recv(a, 0, tag=5)
     dist.recv(b, 0, tag=7)
     print(f"[tags] rank 2 5={a[0].item():g} 7={b[0].item():g}", flush=True)
+    c, empty = torch.zeros(1), torch.empty(0)
+    dist.recv(c, 0, tag=11)
+    dist.recv(empty, 0, tag=10)
+    print(f"[tags] rank 2 11={c[0].item():g} then the empty one", flush=True)
     dist.send(torch.tensor([28.0]), 0, tag=8)
 dist.barrier()
 nonstop.torch.destroy_process_group()
@@ -51,6 +57,7 @@ def test_a_receive_takes_the_first_message_of_its_tag(tmp_path):
     lines = re.findall(r"\[tags\] (.*)", job.output)
     assert "rank 1 3=3 1=1 2=2" in lines, lines
     assert "rank 2 5=5 7=7" in lines, lines
+    assert "rank 2 11=11 then the empty one" in lines, lines
     assert "rank 0 any-source tag 8 = 28" in lines and "rank 0 any-source tag 9 = 19" in lines, lines
     assert any(line.startswith("rank 0 size mismatch: rank 1 sent a message of tag 4 of 8 bytes to a receive of "
                                "12 bytes") for line in lines), lines
