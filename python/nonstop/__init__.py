@@ -1031,8 +1031,11 @@ def _write_error_file(message: str, trace: str) -> None:
 
     record = {"message": {"message": message,
                           "extraInfo": {"py_callstack": trace, "timestamp": str(int(time.time()))}}}
-    with open(path, "w") as f:
+    # Whole or not at all: a reader (or this process's end) never meets half a file.
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as f:
         json.dump(record, f)
+    os.replace(partial, path)
 
 
 def _install_failure_report(session: Session) -> None:
@@ -1049,8 +1052,9 @@ def _install_failure_report(session: Session) -> None:
             s = _reporting[0] if _reporting else None
             if s is not None and s._core is not None and not issubclass(kind, KeyboardInterrupt):
                 trace = "".join(traceback.format_exception(kind, value, tb))
-                s._core.report_failure(f"{kind.__name__}: {value}", s._step_in_flight, 1, trace)
+                # The file first: once the controller is told, it may end the job and this process.
                 _write_error_file(f"{kind.__name__}: {value}", trace)
+                s._core.report_failure(f"{kind.__name__}: {value}", s._step_in_flight, 1, trace)
         except Exception:  # the report is best effort; the traceback below matters more
             pass
         finally:

@@ -918,8 +918,14 @@ void Controller::CheckJoinDeadlines(std::vector<Action>* out) {
 }
 
 void Controller::CheckHeartbeats(std::vector<Action>* out) {
-  for (const SilentHost& silent :
-       SilentHosts(placement_.hosts(), now_, options_.heartbeat_timeout)) {
+  // While the job forms, its workers start on every host at once (each imports its framework:
+  // seconds of CPU on every core), and an agent may go unheard for more than a heartbeat timeout
+  // without being lost; nothing is lost by waiting longer for it then.
+  constexpr Millis kFormingHostSilence{5'000};
+  const Millis host_timeout = phase_ == JobPhase::kForming
+                                  ? std::max(options_.heartbeat_timeout, kFormingHostSilence)
+                                  : options_.heartbeat_timeout;
+  for (const SilentHost& silent : SilentHosts(placement_.hosts(), now_, host_timeout)) {
     // its workers are killed (if the agent still hears) and fenced
     HostDown(silent.host_id, silent.detail, out);
     // The connection closes without a shutdown: an agent that still lives

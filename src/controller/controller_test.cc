@@ -2006,6 +2006,27 @@ TEST_F(HostFaultsTest, HostLostBeforePlacementStartsNothingEarly) {
 // A host declared lost by heartbeats is fenced, not told to exit: its workers
 // are killed first (the kills reach an agent that still lives), then only
 // its connection closes; it may register again.
+// While the job forms, its workers start on every host at once: an agent unheard for more than
+// the heartbeat timeout is waited for, up to 5 s (its host's workers import their framework).
+TEST_F(HostFaultsTest, ASilentHostWhileTheJobFormsIsWaitedForFiveSeconds) {
+  ControllerOptions o;
+  o.min_hosts = 2;
+  Use(o);
+  std::vector<SpawnWorker> spawns;
+  for (auto& s : Find<SpawnWorker>(Register("h1", 2, 0))) spawns.push_back(s);
+  for (auto& s : Find<SpawnWorker>(Register("h2", 2, 0))) spawns.push_back(s);
+  ASSERT_EQ(spawns.size(), 4u);
+  ASSERT_EQ(c_->phase(), JobPhase::kForming);
+  now_ += Millis(3'000);
+  Do(HostHeartbeat{"h1", {0}});
+  EXPECT_TRUE(Find<CloseHost>(Do(Tick{})).empty()) << "3 s unheard while forming";
+  now_ += Millis(2'100);
+  Do(HostHeartbeat{"h1", {0}});
+  auto closes = Find<CloseHost>(Do(Tick{}));
+  ASSERT_EQ(closes.size(), 1u) << "5.1 s unheard";
+  EXPECT_EQ(closes[0].host_id, "h2");
+}
+
 TEST_F(HostFaultsTest, SilentHostIsKilledThenFencedAndMayComeBack) {
   ControllerOptions o;
   o.min_hosts = 2;
