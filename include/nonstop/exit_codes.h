@@ -5,6 +5,10 @@
 
 namespace nonstop {
 
+// A usage error: a malformed flag or file, or an injected fault that cannot be carried out (so a
+// test built on it cannot pass untested). Fix the command.
+inline constexpr int kExitUsage = 2;
+
 // Data corruption: a corrupt shard, a loss that is not finite, replicas that
 // disagree with no majority (docs/integrity.md). Do not restart on the same
 // data: fix it first.

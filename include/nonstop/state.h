@@ -180,6 +180,9 @@ class StateRegistry {
   bool chunk_sharded(uint32_t index) const { return chunks_.at(index).sharded; }
   // A chunk of per-rank regions (Region::per_rank): the members' copies differ.
   bool chunk_per_rank(uint32_t index) const { return chunks_.at(index).per_rank; }
+  // Where chunk `index` starts in the concatenated state, and the regions it covers (for messages).
+  uint64_t chunk_offset(uint32_t index) const { return chunks_.at(index).offset; }
+  std::vector<std::string> RegionsOfChunk(uint32_t index) const;
   // Chunk layout with checksums of the current contents.
   std::vector<ChunkInfo> Chunks() const;
   // Copies chunk `index` of the current state into `out` (out.size() == chunk size).

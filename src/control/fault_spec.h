@@ -55,7 +55,8 @@ struct FaultSpec {
   // kill/hang at a step: fire this fraction of a step into it (0: as it starts; the step's length
   // taken as the last one's), instead of just before its reduction (-1).
   double at = -1;
-  // bitflip: the registered region to flip a bit in (empty: the first fp32 one).
+  // bitflip: the registered region to flip a bit in, of any dtype (empty: the first fp32 one, else
+  // the largest replicated one).
   std::string tensor;
   // wireflip: the ring phase whose last step's first piece this rank sends
   // with a bit flipped on the wire (phase=gather, the default, or reduce).

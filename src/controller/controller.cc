@@ -316,11 +316,27 @@ void Controller::On(const FinishedReceived& e, std::vector<Action>* out) {
   MaybeCloseRecovery(out);
   if (phase_ == JobPhase::kRunning &&
       ++finished_ == static_cast<int>(membership_.members().size())) {
+    if (std::string unfired = UnfiredFaults(); !unfired.empty()) {
+      End(kExitUsage,
+          fmt::format("training finished at step {}, but {} (HINT: inject at a step and rank the "
+                      "job reaches; a job that was to be tested under a fault was not)",
+                      e.msg.step, unfired),
+          out);
+      return;
+    }
     End(kExitOk,
         fmt::format("training finished at step {}; parameter checksum {}", e.msg.step,
                     e.msg.checksum),
         out);
   }
+}
+
+std::string Controller::UnfiredFaults() const {
+  // A successor's list is the one it was started with, not what fired under its predecessors.
+  if (takeovers_ > 0 || pending_faults_.empty()) return "";
+  std::vector<std::string> faults;
+  for (const control::FaultSpec& f : pending_faults_) faults.push_back(control::FormatFault(f));
+  return fmt::format("the injected fault(s) {} never fired", fmt::join(faults, "; "));
 }
 
 void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
@@ -354,6 +370,14 @@ void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
 void Controller::On(const FailureReported& e, std::vector<Action>* out) {
   WorkerInfo* w = membership_.Find(e.worker_id);
   if (w == nullptr) return;
+  if (e.msg.exit_code == kExitUsage) {
+    // An injected fault the worker cannot carry out: the job it was to test is not tested.
+    End(kExitUsage,
+        fmt::format("{} cannot carry out an injected fault: {}",
+                    Describe(*w, placement_.elastic_host()), e.msg.reason),
+        out);
+    return;
+  }
   if (e.msg.exit_code == kExitDataCorruption) {
     End(kExitDataCorruption,
         fmt::format("{} reported data corruption: {}", Describe(*w, placement_.elastic_host()),

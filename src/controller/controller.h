@@ -413,6 +413,9 @@ class Controller {
   void On(const StoreRequested& e, std::vector<Action>* out);
   // A member finished while another waits in a later step's collective: the job ends (exit 12).
   void CheckFinishedWhileOthersWait(std::vector<Action>* out);
+  // "the injected fault(s) … never fired" when faults of the job's list are still pending at its
+  // end (exit 2 then: a test built on them would pass untested), else empty.
+  std::string UnfiredFaults() const;
   // A process that exits once the job has ended: a member's error fails the job.
   void ExitedAfterTheEnd(const ProcessExited& e, std::vector<Action>* out);
   // The store's answers, as orders.

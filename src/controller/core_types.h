@@ -24,7 +24,7 @@ namespace nonstop::controller {
 
 // Exit codes of `nonstop run`, meaningful to a supervisor (README).
 inline constexpr int kExitOk = 0;
-inline constexpr int kExitUsage = 2;
+using nonstop::kExitUsage;
 // a worker failed and the job could not continue; restartable
 inline constexpr int kExitPeerFailure = 10;
 inline constexpr int kExitInterrupted = 130;

@@ -273,6 +273,18 @@ Status StateRegistry::RegisterOnDevice(std::string name, std::span<std::byte> by
   return OkStatus();
 }
 
+std::vector<std::string> StateRegistry::RegionsOfChunk(uint32_t index) const {
+  const Piece& c = chunks_.at(index);
+  std::vector<std::string> names;
+  uint64_t at = 0;
+  for (const Region& r : regions_) {
+    const uint64_t end = at + r.bytes.size();
+    if (at < c.offset + c.size && c.offset < end) names.push_back(r.name);
+    at = end;
+  }
+  return names;
+}
+
 // Region `index`, of which bytes [offset, offset + n) must exist (a bug in the caller otherwise).
 static const Region& RegionRange(const std::vector<Region>& regions, size_t index, uint64_t offset,
                                  size_t n) {

@@ -802,8 +802,18 @@ class SessionImpl {
     bool receiving = false;
     for (const auto& t : plan.transfers) receiving = receiving || t.receiver == options_.worker_id;
     if (receiving) state_step_.store(control::kNoValidState);  // until every chunk is in
+    // Holders that disagree with no majority: planning again would meet the same holders, so
+    // the job stops (exit 11) naming what differs.
+    auto stop_if_disagreement = [&](const Status& s) {
+      if (!worker::IsDisagreement(s)) return;
+      NONSTOP_LOG_ERROR("{}", s.message());
+      control::FailureMsg m{plan.generation, state_step_.load(), std::string(s.message()),
+                            kExitDataCorruption};
+      (void)SendControl(control::kMsgFailure, control::Encode(m));
+    };
     Result<worker::TransferOutcome> outcome = worker::RunStateTransfers(
         *comm_, *state_, plan, options_.worker_id, state_step_.load(), hooks);
+    stop_if_disagreement(outcome.status());
     if (!outcome.ok()) return outcome.status();
     if (receiving) state_step_.store(plan.resume_step - 1);
     last_change_.state_copied = receiving;
@@ -815,12 +825,7 @@ class SessionImpl {
       Result<worker::TransferOutcome> shards =
           worker::ExchangeShards(*comm_, *state_, plan, state_step_.load(), hooks);
       held_shard_.store(state_->held_shard());
-      if (worker::IsShardDisagreement(shards.status())) {
-        NONSTOP_LOG_ERROR("{}", shards.status().message());
-        control::FailureMsg m{plan.generation, state_step_.load(),
-                              std::string(shards.status().message()), kExitDataCorruption};
-        (void)SendControl(control::kMsgFailure, control::Encode(m));
-      }
+      stop_if_disagreement(shards.status());
       if (!shards.ok()) return shards.status();
       outcome->received = outcome->received || shards->received;
       last_change_.state_copied = last_change_.state_copied || shards->received;
@@ -952,6 +957,8 @@ class SessionImpl {
         ::raise(SIGSTOP);
         break;
       case control::FaultKind::kDrop:
+        if (comm_->world_size() < 2)
+          return CannotInject(f, FailedPreconditionError("a world of 1 has no ring link to drop"));
         comm_->InjectDropOfNextRingLink();
         break;
       case control::FaultKind::kStall:
@@ -963,9 +970,11 @@ class SessionImpl {
         while (true) spins = spins + 1;
       }
       case control::FaultKind::kBitflip:
-        FlipABit(f);
+        if (Status s = FlipABit(f); !s.ok()) CannotInject(f, s);
         break;
       case control::FaultKind::kWireflip:
+        if (comm_->world_size() < 2)
+          return CannotInject(f, FailedPreconditionError("a world of 1 sends nothing on a wire"));
         comm_->InjectWireFlip(f.gather_phase);
         break;
       default:
@@ -974,29 +983,49 @@ class SessionImpl {
   }
 
   // bitflip: one bit of a registered region changes, as a faulty memory cell
-  // would change it: bit 17 of the float in the middle of the region (a
-  // mantissa bit: the value moves by about 1.6%, no NaN, nothing a loss
-  // check sees). The region is f.tensor, or the first fp32 one.
-  void FlipABit(const control::FaultSpec& f) {
+  // would change it: bit 1 of byte 2 of the region's middle 4-byte word (in
+  // an fp32 value, mantissa bit 17: the value moves by about 1.6%, no NaN,
+  // nothing a loss check sees). A bit is a bit: the region is f.tensor, of
+  // any dtype, or else the first fp32 one, or else the largest replicated one.
+  Status FlipABit(const control::FaultSpec& f) {
     std::vector<std::string> names;
+    std::optional<size_t> chosen, largest;
     for (size_t i = 0; i < state_->regions().size(); ++i) {
       const state::Region& r = state_->regions()[i];
       names.push_back(r.name);
-      const bool chosen = f.tensor.empty() ? r.dtype == "F32" : r.name == f.tensor;
-      if (!chosen || r.bytes.empty()) continue;
-      // byte 2 (bits 16-23, little-endian) of the middle element; a region under 4 bytes: its last
-      const size_t at = std::min(r.bytes.size() / 8 * 4 + 2, r.bytes.size() - 1);
-      std::byte b[1];
-      state_->ReadRegion(i, at, b);  // device memory too
-      b[0] ^= std::byte{2};
-      state_->WriteRegion(i, at, b);
-      NONSTOP_LOG_WARNING("bitflip: flipped a bit of '{}' at byte {} of {}", r.name, at,
-                          r.bytes.size());
-      return;
+      if (r.bytes.empty()) continue;
+      if (f.tensor.empty() ? r.dtype == "F32" && !chosen : r.name == f.tensor) chosen = i;
+      if (!r.per_rank && (!largest || r.bytes.size() > state_->regions()[*largest].bytes.size()))
+        largest = i;
     }
-    NONSTOP_LOG_ERROR("bitflip: no registered region {} to flip a bit in (the regions: {})",
-                      f.tensor.empty() ? std::string("of fp32") : "'" + f.tensor + "'",
-                      fmt::join(names, ", "));
+    if (!chosen && f.tensor.empty()) chosen = largest;
+    if (!chosen) {
+      return InvalidArgumentError(
+          fmt::format("no region {} is registered to flip a bit in (the regions: {}{})",
+                      f.tensor.empty() ? std::string("of bytes") : "'" + f.tensor + "'",
+                      names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", ")),
+                      f.tensor.empty() ? "" : "; HINT: name one of them with tensor=NAME"));
+    }
+    const state::Region& r = state_->regions()[*chosen];
+    // byte 2 (bits 16-23, little-endian) of the middle word; a region under 4 bytes: its last
+    const size_t at = std::min(r.bytes.size() / 8 * 4 + 2, r.bytes.size() - 1);
+    std::byte b[1];
+    state_->ReadRegion(*chosen, at, b);  // device memory too
+    b[0] ^= std::byte{2};
+    state_->WriteRegion(*chosen, at, b);
+    NONSTOP_LOG_WARNING("bitflip: flipped a bit of '{}' ({}) at byte {} of {}", r.name, r.dtype, at,
+                        r.bytes.size());
+    return OkStatus();
+  }
+
+  // An injected fault this worker cannot carry out ends the job with exit 2, naming why: a test
+  // built on it would otherwise pass untested.
+  void CannotInject(const control::FaultSpec& f, const Status& why) {
+    const std::string reason = fmt::format("the injected fault {} cannot be carried out: {}",
+                                           control::FormatFault(f), why.message());
+    NONSTOP_LOG_ERROR("{}", reason);
+    control::FailureMsg m{last_change_.generation, state_step_.load(), reason, kExitUsage};
+    (void)SendControl(control::kMsgFailure, control::Encode(m));
   }
 
   // Replica agreement (worker/replica_check.h, docs/integrity.md): before the

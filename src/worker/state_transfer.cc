@@ -654,18 +654,36 @@ std::string ListChunks(const std::vector<uint32_t>& chunks) {
 }
 
 // Which sources' copies of each wanted chunk the receiver keeps: those whose
-// table gives it the CRC a majority of the sources' tables give it, or, where
-// there is no majority (two sources that disagree), the first source's value.
-// A chunk of per-rank regions is the first source's, unvoted: the members'
-// copies differ by design, and each such region then comes from one source.
+// table gives it the CRC a majority of the sources' tables give it. A chunk
+// of per-rank regions is the first source's, unvoted: the members' copies
+// differ by design, and each such region then comes from one source.
 // `agrees[i][c]`: source i's table gives chunk c that CRC. Replicas that
 // disagree are logged once, naming the chunks and the sources in the minority.
 struct Expected {
   std::vector<std::vector<char>> agrees;  // [source][chunk]
 };
 
-Expected MajorityOf(const state::StateRegistry& reg, const std::vector<Offer>& offers,
-                    const std::vector<uint32_t>& wanted, const control::PlanMsg& plan) {
+// A chunk whose sources disagree with no majority (two sources, one of them
+// silently corrupt) is copied from none of them: which copy is right cannot be
+// told, and copying one would hand the next replica check a false majority.
+// The plan names every holder as a source up to kMaxSourcesPerReceiver (8),
+// so no other holder can break the tie: the copy fails as data loss.
+Status NoMajority(const state::StateRegistry& reg, const std::vector<Offer>& offers,
+                  const std::vector<uint32_t>& undecided, const control::PlanMsg& plan) {
+  const uint32_t c = undecided.front();
+  std::vector<std::string> crcs;
+  for (const Offer& o : offers)
+    crcs.push_back(fmt::format("{} {:08x}", SourceName(plan, o.rank), o.table[c]));
+  return DataLossError(fmt::format(
+      "the sources of state chunk {} (bytes {}+{} of the state, in {}) of step {} {} ({}){}: it "
+      "is not copied",
+      c, reg.chunk_offset(c), reg.chunk_size(c), fmt::join(reg.RegionsOfChunk(c), ", "),
+      plan.resume_step - 1, kReplicaDisagreement, fmt::join(crcs, ", "),
+      undecided.size() > 1 ? fmt::format(", and of {} more chunk(s)", undecided.size() - 1) : ""));
+}
+
+Result<Expected> MajorityOf(const state::StateRegistry& reg, const std::vector<Offer>& offers,
+                            const std::vector<uint32_t>& wanted, const control::PlanMsg& plan) {
   const size_t k = offers.size();
   Expected e;
   for (const Offer& o : offers) e.agrees.emplace_back(o.table.size(), 1);
@@ -682,13 +700,7 @@ Expected MajorityOf(const state::StateRegistry& reg, const std::vector<Offer>& o
     auto best = std::max_element(votes.begin(), votes.end(),
                                  [](const auto& x, const auto& y) { return x.second < y.second; });
     if (2 * best->second <= k) {
-      // No majority: the first source's value, so that the copy is one replica's, not a mix of
-      // two (the replica check decides between them later: docs/integrity.md).
       undecided.push_back(c);
-      for (size_t i = 1; i < k; ++i) {
-        if (offers[i].table[c] == offers[0].table[c]) continue;
-        e.agrees[i][c] = 0;
-      }
       continue;
     }
     for (size_t i = 0; i < k; ++i) {
@@ -697,17 +709,14 @@ Expected MajorityOf(const state::StateRegistry& reg, const std::vector<Offer>& o
       minority[offers[i].rank].push_back(c);
     }
   }
-  if (!minority.empty() || !undecided.empty()) {
+  if (!undecided.empty()) return NoMajority(reg, offers, undecided, plan);
+  if (!minority.empty()) {
     std::vector<std::string> parts;
     for (const auto& [rank, chunks] : minority) {
       parts.push_back(
           fmt::format("{} differs from the majority on chunk(s) {} (copied from the "
                       "others)",
                       SourceName(plan, rank), ListChunks(chunks)));
-    }
-    if (!undecided.empty()) {
-      parts.push_back(fmt::format("no majority on chunk(s) {} (copied as {} holds them)",
-                                  ListChunks(undecided), SourceName(plan, offers[0].rank)));
     }
     NONSTOP_LOG_WARNING("state transfer of generation {}: the sources' states diverge: {}",
                         plan.generation, fmt::join(parts, "; "));
@@ -867,7 +876,9 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
       !s.ok()) {
     return fail(s);
   }
-  const Expected expected = MajorityOf(reg, offers, wanted, plan);
+  const Result<Expected> majority = MajorityOf(reg, offers, wanted, plan);
+  if (!majority.ok()) return fail(majority.status());
+  const Expected& expected = *majority;
   // Fetched again, from the next source whose table agrees with the majority (a round per
   // attempt, each source's share in one request): the chunks that failed their check, and those
   // whose source's table is not the majority's (their bytes are that source's, outvoted).
@@ -1307,9 +1318,10 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
 
 }  // namespace
 
-bool IsShardDisagreement(const Status& s) {
+bool IsDisagreement(const Status& s) {
   return s.code() == StatusCode::kDataLoss &&
-         s.message().find(kShardDisagreement) != std::string_view::npos;
+         (s.message().find(kShardDisagreement) != std::string_view::npos ||
+          s.message().find(kReplicaDisagreement) != std::string_view::npos);
 }
 
 Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::StateRegistry& reg,

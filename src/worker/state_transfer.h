@@ -147,11 +147,14 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm,
                                        state::StateRegistry& registry, const control::PlanMsg& plan,
                                        int64_t held_step, const TransferHooks& hooks);
 
-// ExchangeShards' DATA_LOSS when the holders of a shard disagree and no
-// majority (or none of the plan's sources) can be trusted: planning again
-// would meet the same holders, so the job stops (exit 11, data corruption),
-// as for replicas that disagree (docs/integrity.md).
+// The DATA_LOSS of ExchangeShards when the holders of a shard disagree and no
+// majority (or none of the plan's sources) can be trusted, and of
+// RunStateTransfers when a replicated chunk's sources disagree with no
+// majority: planning again would meet the same holders, so the job stops
+// (exit 11, data corruption), as for replicas that disagree (docs/integrity.md).
 inline constexpr std::string_view kShardDisagreement = "the holders of shard";
-bool IsShardDisagreement(const Status& s);
+inline constexpr std::string_view kReplicaDisagreement =
+    "disagree and no majority can tell which is right";
+bool IsDisagreement(const Status& s);
 
 }  // namespace nonstop::worker

@@ -838,6 +838,29 @@ TEST(RunStateTransfersTest, OneDivergentChunkComesFromTheMajorityTheRestAsStripe
   EXPECT_EQ(ranks[0]->reg.Digest(), ranks[1]->reg.Digest());
 }
 
+// Two sources, one silently corrupt in chunk 1: no majority can tell which copy is right, so the
+// receiver copies from neither (a copy of the wrong one would make it the majority at the next
+// replica check) and the transfer is data loss naming the chunk, its tensor and both sources
+// (the session then stops the job with exit 11; the receiver's state holds no valid step).
+TEST(RunStateTransfersTest, TwoSourcesThatDisagreeOnAChunkCopyNothingAndAreDataLoss) {
+  auto ranks = MakePlainRanks(3);
+  ranks[1]->small[300] += 1.0f;  // in chunk 1 (the step's 8 bytes, then `small`)
+  auto out = CopyAll(ranks);
+  ASSERT_FALSE(out[0].ok());
+  EXPECT_TRUE(IsDisagreement(out[0].status())) << out[0].status().ToString();
+  const std::string why(out[0].status().message());
+  for (const std::string& part :
+       {std::string("state chunk 1 "), std::string("in small)"), std::string("of step 9"),
+        std::string("rank 1 (worker 1) "), std::string("rank 2 (worker 2) "),
+        std::string("it is not copied")}) {
+    EXPECT_NE(why.find(part), std::string::npos) << "'" << part << "' in: " << why;
+  }
+  for (int r : {1, 2}) {  // each was told it is done: none waits out the timeout
+    EXPECT_FALSE(IsDisagreement(out[static_cast<size_t>(r)].status()))
+        << "rank " << r << ": " << out[static_cast<size_t>(r)].status().ToString();
+  }
+}
+
 // A per-rank region (each member's own values) spanning three chunks comes whole from the first
 // source, unvoted and unfetched again; the replicated state beside it is striped as ever.
 TEST(RunStateTransfersTest, APerRankRegionComesWholeFromTheFirstSource) {
@@ -1003,8 +1026,7 @@ TEST(ExchangeShardsTest, TwoHoldersThatDisagreeAreNotCopiedFrom) {
   ranks[5]->reg.set_held_shard(state::kNoShard);
   auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{5, 1, {1, 3}}}));
   ExpectEveryRankRefuses(out, StatusCode::kDataLoss, "no majority");
-  for (const auto& r : out)
-    EXPECT_TRUE(IsShardDisagreement(r.status())) << "the job stops: exit 11";
+  for (const auto& r : out) EXPECT_TRUE(IsDisagreement(r.status())) << "the job stops: exit 11";
   EXPECT_TRUE(ranks[3]->HoldsShard(1, 7)) << "nothing is changed";
 }
 

@@ -10,18 +10,19 @@
 
 #include <fmt/format.h>
 
-#include "common/crc32c.h"
 #include "common/temp_dir.h"
 #include "controller/journal.h"
 #include "net/ipv6_testing.h"
 #include "net/socket.h"
 #include "nonstop/settings.h"
 #include "tests/integration/process.h"
+#include "tests/integration/test_worker_checksum.h"
 
 namespace nonstop {
 namespace {
 
 using nonstop::testing::ChildProcess;
+using nonstop::testing::TestWorkerChecksum;
 using std::chrono::milliseconds;
 
 const std::string kBin = NONSTOP_BIN_DIR;
@@ -244,21 +245,6 @@ TEST(RunIntegrationTest, AControllerAndAgentStalledTogetherLoseNothing) {
   EXPECT_TRUE(Events(journal, "fault").empty()) << out;
   EXPECT_TRUE(Events(journal, "recovery_end").empty()) << out;
   EXPECT_EQ(Events(journal, "finished").size(), 2u) << out;
-}
-
-// The checksum nonstop-test-worker ends on after `steps` steps of `elements` (its top comment):
-// the same at any world size and after any recovery, computed here on its own.
-std::string TestWorkerChecksum(int64_t steps, size_t elements) {
-  std::vector<float> acc(elements, 0.0f);
-  for (int64_t s = 0; s < steps; ++s) {
-    for (size_t i = 0; i < elements; ++i) {
-      float sum = 0;
-      for (uint64_t item = 0; item < 12; ++item)
-        sum += static_cast<float>((static_cast<uint64_t>(s) * 31 + item * 7 + i) % 7);
-      acc[i] += sum;
-    }
-  }
-  return fmt::format("{:08x}", Crc32c(acc.data(), acc.size() * sizeof(float)));
 }
 
 // Issue 30: the state on a device (the stand-in for a GPU that machines without one run), each
