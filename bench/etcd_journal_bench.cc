@@ -70,7 +70,8 @@ int Run(const std::string& mode, const std::vector<json>& all, size_t compact_re
   auto first = coord::Leadership::Connect(o);
   if (!first.ok()) return fmt::print(stderr, "{}\n", first.status().ToString()), 1;
   auto epoch = (*first)->Campaign([] { return false; }, [](const std::string&) {});
-  if (!epoch.ok() || !(*first)->ReadJournal().ok()) return fmt::print(stderr, "no lead\n"), 1;
+  if (!epoch.ok() || !(*first)->ReadJournal(crypto::JobKey("bench")).ok())
+    return fmt::print(stderr, "no lead\n"), 1;
   auto t = std::chrono::steady_clock::now();
   size_t turn = 0;
   for (const auto& r : all) {
@@ -109,12 +110,12 @@ int Run(const std::string& mode, const std::vector<json>& all, size_t compact_re
   auto epoch2 = (*second)->Campaign([] { return false; }, [](const std::string&) {});
   out->campaign_ms = MsSince(t);
   t = std::chrono::steady_clock::now();
-  auto read = (*second)->ReadJournal();
+  auto read = (*second)->ReadJournal(crypto::JobKey("bench"));
   out->read_ms = MsSince(t);
   if (!epoch2.ok() || !read.ok()) return fmt::print(stderr, "{}\n", read.status().ToString()), 1;
-  out->read_records = read->size();
+  out->read_records = read->records.size();
   t = std::chrono::steady_clock::now();
-  auto takeover = controller::TakeoverFromJournal(*read);
+  auto takeover = controller::TakeoverFromJournal(read->records);
   out->replay_ms = MsSince(t);
   if (!takeover.ok()) return fmt::print(stderr, "{}\n", takeover.status().ToString()), 1;
   auto expected = controller::TakeoverFromJournal(all);

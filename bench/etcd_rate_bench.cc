@@ -102,7 +102,7 @@ int RunLeader(const std::string& endpoint, int ttl_s) {
   auto l = coord::Leadership::Connect(Options(endpoint, ttl_s));
   if (!l.ok()) return 2;
   auto epoch = (*l)->Campaign([] { return false; }, [](const std::string&) {});
-  if (!epoch.ok() || !(*l)->ReadJournal().ok() ||
+  if (!epoch.ok() || !(*l)->ReadJournal(crypto::JobKey("bench")).ok() ||
       !(*l)->Publish({{"controller", kOldLeader}}, crypto::JobKey(kJob)).ok())
     return 3;
   char c = '1';
@@ -269,7 +269,7 @@ json RunOne(const std::string& mode, int workers, const Settings& o) {
   std::thread campaign([&] {
     auto epoch =
         (*standby)->Campaign([&] { return stop_standby.load(); }, [](const std::string&) {});
-    if (epoch.ok() && (*standby)->ReadJournal().ok() &&
+    if (epoch.ok() && (*standby)->ReadJournal(crypto::JobKey("bench")).ok() &&
         (*standby)->Publish({{"controller", kNewLeader}}, crypto::JobKey(kJob)).ok())
       published = SteadyClock::now();
   });

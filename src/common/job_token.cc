@@ -159,9 +159,11 @@ Result<UniqueFd> JobTokenMemfd(std::string_view token) {
   if (raw < 0) return ErrnoStatus(StatusCode::kInternal, "memfd_create", errno);
   UniqueFd fd(raw);
   if (fd.get() < 3) {  // this process runs with a standard stream closed
-    fd.Reset(::fcntl(raw, F_DUPFD_CLOEXEC, 3));
-    ::close(raw);
-    if (!fd.valid()) return ErrnoStatus(StatusCode::kInternal, "dup of the token memfd", errno);
+    // The duplicate replaces `raw`, which Reset closes (once: `raw` is not closed again here).
+    const int dup = ::fcntl(raw, F_DUPFD_CLOEXEC, 3);
+    const int dup_errno = errno;
+    fd.Reset(dup);
+    if (!fd.valid()) return ErrnoStatus(StatusCode::kInternal, "dup of the token memfd", dup_errno);
   }
   NONSTOP_RETURN_IF_ERROR(WriteAllTo(fd.get(), token, "the job token memfd"));
   if (::fcntl(fd.get(), F_ADD_SEALS, kTokenSeals) != 0)

@@ -63,6 +63,10 @@ struct FaultSpec {
   bool gather_phase = true;
 };
 
+// How a worker's FailureMsg (exit code 2) that reports an injected fault it cannot carry out
+// begins: the controller ends the job with exit 2 on it, naming why.
+inline constexpr std::string_view kCannotInject = "the injected fault ";
+
 Result<std::vector<FaultSpec>> ParseFaults(std::string_view text, int first_id = 0);
 std::string FormatFault(const FaultSpec& f);
 std::string_view FaultKindName(FaultKind k);

@@ -316,7 +316,7 @@ void Controller::On(const FinishedReceived& e, std::vector<Action>* out) {
   MaybeCloseRecovery(out);
   if (phase_ == JobPhase::kRunning &&
       ++finished_ == static_cast<int>(membership_.members().size())) {
-    if (std::string unfired = UnfiredFaults(); !unfired.empty()) {
+    if (std::string unfired = UnfiredFaults(e.msg.step); !unfired.empty()) {
       End(kExitUsage,
           fmt::format("training finished at step {}, but {} (HINT: inject at a step and rank the "
                       "job reaches; a job that was to be tested under a fault was not)",
@@ -331,11 +331,19 @@ void Controller::On(const FinishedReceived& e, std::vector<Action>* out) {
   }
 }
 
-std::string Controller::UnfiredFaults() const {
+std::string Controller::UnfiredFaults(int64_t final_step) const {
   // A successor's list is the one it was started with, not what fired under its predecessors.
-  if (takeovers_ > 0 || pending_faults_.empty()) return "";
+  if (takeovers_ > 0) return "";
+  // Judged from the job's course, not from the workers' announcements (one sent while the control
+  // connection was down is lost): a step the job never reached, or a time fault this controller
+  // never sent (it sends those itself).
   std::vector<std::string> faults;
-  for (const control::FaultSpec& f : pending_faults_) faults.push_back(control::FormatFault(f));
+  for (const control::FaultSpec& f : pending_faults_) {
+    const bool never = f.point == control::FaultPoint::kTime ||
+                       (f.point != control::FaultPoint::kTime && f.step > final_step);
+    if (never) faults.push_back(control::FormatFault(f));
+  }
+  if (faults.empty()) return "";
   return fmt::format("the injected fault(s) {} never fired", fmt::join(faults, "; "));
 }
 
@@ -370,7 +378,7 @@ void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
 void Controller::On(const FailureReported& e, std::vector<Action>* out) {
   WorkerInfo* w = membership_.Find(e.worker_id);
   if (w == nullptr) return;
-  if (e.msg.exit_code == kExitUsage) {
+  if (e.msg.exit_code == kExitUsage && e.msg.reason.rfind(control::kCannotInject, 0) == 0) {
     // An injected fault the worker cannot carry out: the job it was to test is not tested.
     End(kExitUsage,
         fmt::format("{} cannot carry out an injected fault: {}",

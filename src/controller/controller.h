@@ -137,6 +137,9 @@ struct TakeoverState {
   std::optional<UnfinishedRecovery> open_recovery;
   nlohmann::json store;    // the job's store (JobStore::Save); null: empty
   int64_t read_at_us = 0;  // wall clock when the journal was read
+  // The journal stopped at a value that does not verify (coord::JournalRead::cut): members may
+  // rejoin generations ahead of it, which a journal read whole never allows.
+  bool journal_cut = false;
 };
 
 // ---- events ----
@@ -413,9 +416,10 @@ class Controller {
   void On(const StoreRequested& e, std::vector<Action>* out);
   // A member finished while another waits in a later step's collective: the job ends (exit 12).
   void CheckFinishedWhileOthersWait(std::vector<Action>* out);
-  // "the injected fault(s) … never fired" when faults of the job's list are still pending at its
-  // end (exit 2 then: a test built on them would pass untested), else empty.
-  std::string UnfiredFaults() const;
+  // "the injected fault(s) … never fired" for faults of the job's list that cannot have fired by
+  // the end of training at `final_step` (exit 2 then: a test built on them would pass untested):
+  // a step fault past it, a time fault never sent. Else empty.
+  std::string UnfiredFaults(int64_t final_step) const;
   // A process that exits once the job has ended: a member's error fails the job.
   void ExitedAfterTheEnd(const ProcessExited& e, std::vector<Action>* out);
   // The store's answers, as orders.
@@ -607,6 +611,7 @@ class Controller {
   // Takeover.
   // the journal's last generation (0: this controller started the job)
   uint32_t takeover_generation_ = 0;
+  bool journal_cut_ = false;         // TakeoverState::journal_cut
   Clock::time_point adopt_until_{};  // the inherited may join until then
   int takeovers_ = 0;                // controllers before this one (this one's number in the job)
   int recovery_id_base_ = 0;         // recoveries run by the controllers before this one

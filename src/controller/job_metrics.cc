@@ -154,6 +154,13 @@ JobMetrics::JobMetrics() : registry_(std::make_shared<prometheus::Registry>()) {
                         .Help("Scale requests refused (policy, timing or a malformed body)")
                         .Register(r)
                         .Add({});
+  forgeries_ = &BuildCounter()
+                    .Name("nonstop_etcd_forgeries_total")
+                    .Help(
+                        "Values found in etcd that do not verify with the job key (the leader "
+                        "key overwritten, a journal value forged, moved or put back)")
+                    .Register(r)
+                    .Add({});
   auto gauge = [&](const char* name, const char* help) {
     return &BuildGauge().Name(name).Help(help).Register(r).Add({});
   };
@@ -188,6 +195,8 @@ void JobMetrics::Observe(const nlohmann::json& record, double now_seconds) {
     faults_->Add({{"kind", Snake(kind)}}).Increment();
   } else if (event == "scale_refused") {
     scale_refused_->Increment();
+  } else if (event == "etcd_value_forged" || event == "leader_key_forged") {
+    forgeries_->Increment();
   } else if (event == "recovery_end" && record.contains("recovery") &&
              record["recovery"].is_object()) {
     const nlohmann::json& rec = record["recovery"];

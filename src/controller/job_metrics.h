@@ -71,6 +71,7 @@ class JobMetrics {
   prometheus::Counter* transfer_bytes_ = nullptr;
   prometheus::Counter* transfer_seconds_ = nullptr;
   prometheus::Counter* scale_refused_ = nullptr;
+  prometheus::Counter* forgeries_ = nullptr;
   prometheus::Gauge* generation_ = nullptr;
   prometheus::Gauge* world_ = nullptr;
   prometheus::Gauge* target_world_ = nullptr;

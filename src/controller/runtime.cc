@@ -181,6 +181,9 @@ class Runtime {
   // not owned; outlives the runtime (RuntimeOptions::leadership)
   coord::Leadership* const leadership_;
   std::optional<JournalTakeover> takeover_;
+  // What ReadJournal could not believe in etcd, and whether the records stop at such a gap.
+  std::vector<coord::JournalForgery> etcd_forgeries_;
+  bool journal_cut_ = false;
   std::vector<nlohmann::json> history_;  // the records of the job so far (a takeover's)
   std::unique_ptr<Journal> journal_;
   int64_t epoch_ = 1;
@@ -275,14 +278,39 @@ std::optional<int> Runtime::ReadHistory() {
 }
 
 std::optional<int> Runtime::ReadEtcdHistory() {
-  auto records = leadership_->ReadJournal();
-  if (!records.ok()) {
+  // The job key seals what the leaders write to etcd: the first leader's token is made here.
+  token_ = o_.token.empty() ? RandomToken() : o_.token;
+  auto read = leadership_->ReadJournal(crypto::JobKey(token_));
+  if (!read.ok()) {
     fmt::print(stderr, "{}: reading the job's journal from etcd: {}\n", name_,
-               records.status().ToString());
+               read.status().ToString());
     // Transient errors are retried inside ReadJournal until the lease is lost: then stand by again.
     return leadership_->deposed() ? kExitDeposed : 1;
   }
-  history_ = std::move(*records);
+  if (read->keys > 0 && o_.token.empty()) {
+    // Workers and agents hold the job's token: a leader with another would refuse them all (and
+    // cannot read the journal, sealed with it).
+    fmt::print(
+        stderr,
+        "{}: cannot take over the running job: its token file {} is not here (this controller "
+        "needs the file the first one wrote, e.g. on a shared filesystem)\n",
+        name_, o_.token_file);
+    leadership_->Resign();
+    return 1;
+  }
+  history_ = std::move(read->records);
+  // Values in etcd nobody with the job key wrote: each a gap the takeover fills from what the
+  // members and agents report; journaled once this leader's journal is open (JournalStart).
+  etcd_forgeries_ = std::move(read->forgeries);
+  journal_cut_ = read->cut;
+  if (journal_cut_ && history_.empty()) {
+    fmt::print(stderr,
+               "{}: etcd holds the job's keys but no record of it that verifies with the job key "
+               "(forged or corrupt): refusing to start it anew over its running workers\n",
+               name_);
+    leadership_->Resign();
+    return 1;
+  }
   for (const auto& r : history_) {
     if (!r.contains("event") || r["event"] != "job_end") continue;
     // A standby that wins after the job ended: nothing to lead.
@@ -297,16 +325,6 @@ std::optional<int> Runtime::ReadEtcdHistory() {
     leadership_->Resign();
     return code;
   }
-  if (!history_.empty() && o_.token.empty()) {
-    // Workers and agents hold the job's token: a leader with another would refuse them all.
-    fmt::print(
-        stderr,
-        "{}: cannot take over the running job: its token file {} is not here (this controller "
-        "needs the file the first one wrote, e.g. on a shared filesystem)\n",
-        name_, o_.token_file);
-    leadership_->Resign();
-    return 1;
-  }
   if (!history_.empty()) {
     auto t = TakeoverFromJournal(history_);
     if (!t.ok()) {
@@ -314,6 +332,8 @@ std::optional<int> Runtime::ReadEtcdHistory() {
       return 1;
     }
     takeover_ = std::move(*t);
+    // The members may be generations ahead of a journal cut short by a forgery.
+    takeover_->state.journal_cut = journal_cut_;
   }
   return std::nullopt;
 }
@@ -388,7 +408,7 @@ int64_t Runtime::Epoch() const {
 }
 
 std::optional<int> Runtime::StartServers() {
-  token_ = o_.token.empty() ? RandomToken() : o_.token;
+  if (token_.empty()) token_ = o_.token.empty() ? RandomToken() : o_.token;
   ControlServerOptions server_options;
   server_options.epoch = epoch_;
   auto server = ControlServer::Create(
@@ -541,6 +561,11 @@ void Runtime::JournalStart() {
   start["epoch"] = epoch_;
   if (leadership_ != nullptr) start["etcd"] = leadership_->endpoints();
   journal_->Append(start);
+  for (const coord::JournalForgery& f : etcd_forgeries_) {
+    journal_->Append({{"event", "etcd_value_forged"}, {"key", f.key}, {"why", f.why}});
+    Print(
+        fmt::format("[nonstop] etcd: {}: not believed, the takeover goes on without it\n", f.why));
+  }
 }
 
 void Runtime::WatchSignals() {

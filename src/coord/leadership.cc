@@ -6,6 +6,10 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <map>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -14,6 +18,7 @@
 #include "common/logging.h"
 #include "coord/leader_watch.h"
 #include "coord/retry.h"
+#include "coord/sealed_value.h"
 
 namespace nonstop::coord {
 
@@ -47,31 +52,6 @@ size_t PartsOf(const std::string& text) {
 
 bool StartsWith(const std::string& s, const std::string& prefix) {
   return s.compare(0, prefix.size(), prefix) == 0;
-}
-
-// The parts `base`/0000 … of a split value, from kvs[*i] on (advanced past them): their
-// concatenation, or an error naming what is missing.
-Result<std::string> JoinParts(const std::vector<const etcd::KeyValue*>& kvs, size_t* i,
-                              const std::string& base, const nlohmann::json& header) {
-  if (!header.contains("parts") || !header["parts"].is_number_unsigned() ||
-      !header.contains("bytes") || !header["bytes"].is_number_unsigned()) {
-    return DataLossError(
-        fmt::format("etcd key {} is not a split record's header: {}", base, header.dump()));
-  }
-  const size_t parts = header["parts"].get<size_t>();
-  std::string text;
-  for (size_t part = 0; part < parts; ++part, ++*i) {
-    if (*i >= kvs.size() || kvs[*i]->key != PartKey(base, part)) {
-      return DataLossError(
-          fmt::format("etcd key {} is missing: {} has {} parts", PartKey(base, part), base, parts));
-    }
-    text += kvs[*i]->value;
-  }
-  if (text.size() != header["bytes"].get<size_t>()) {
-    return DataLossError(fmt::format("the parts of {} hold {} bytes, not the {} its header says",
-                                     base, text.size(), header["bytes"].get<size_t>()));
-  }
-  return text;
 }
 
 // A standby's poll plus up to half of it at random: standbys do not ask in lockstep.
@@ -290,7 +270,7 @@ void Leadership::BecomeLeader(int64_t lease, int64_t epoch, int64_t valid_until_
   keepalive_ = std::jthread([this](std::stop_token st) { KeepAlive(st); });
 }
 
-Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
+Result<JournalRead> Leadership::ReadJournal(const crypto::Key& job_key) {
   // A client of its own: the journal may be large, so its requests may take longer than a
   // renewal's.
   NONSTOP_ASSIGN_OR_RETURN(
@@ -310,78 +290,275 @@ Result<std::vector<nlohmann::json>> Leadership::ReadJournal() {
     return etcd::IsTransient(kvs.status()) ? LostWhile("reading the journal", kvs.status())
                                            : Explain(kvs.status(), prefix_ + "*");
   }
-  const std::string journal_prefix = prefix_ + "journal/";
-  const std::string snapshot_prefix = prefix_ + "snapshot/";
-  const etcd::KeyValue* pointer = nullptr;
-  const etcd::KeyValue* progress = nullptr;
-  std::vector<const etcd::KeyValue*> journal, snapshot_parts;
-  for (const auto& kv : *kvs) {
-    if (kv.key == prefix_ + "snapshot") pointer = &kv;
-    if (kv.key == prefix_ + "progress") progress = &kv;
-    if (StartsWith(kv.key, journal_prefix)) journal.push_back(&kv);
-    if (StartsWith(kv.key, snapshot_prefix)) snapshot_parts.push_back(&kv);
+  sealing_key_ = SealingKey(job_key, options_.job);
+  {
+    MutexLock lock(&mu_);
+    job_key_ = job_key;
+    has_job_key_ = true;
   }
-  std::vector<nlohmann::json> out;
-  uint64_t last = 0;
-  if (pointer != nullptr) {
-    auto p = nlohmann::json::parse(pointer->value, nullptr, false);
-    if (!p.is_object() || !p.contains("upto") || !p["upto"].is_number_unsigned() ||
-        !p.contains("epoch") || !p["epoch"].is_number_integer()) {
-      return DataLossError(
-          fmt::format("etcd key {} is not a snapshot pointer: {}", pointer->key, pointer->value));
-    }
-    last = p["upto"].get<uint64_t>();
-    const std::string base = SnapshotBase(prefix_, last, p["epoch"].get<int64_t>());
-    size_t i = 0;
-    while (i < snapshot_parts.size() && snapshot_parts[i]->key < base) ++i;
-    NONSTOP_ASSIGN_OR_RETURN(snapshot_, JoinParts(snapshot_parts, &i, base, p));
-    auto j = nlohmann::json::parse(snapshot_, nullptr, false);
-    if (!j.is_object())
-      return DataLossError(fmt::format("the snapshot in {}/* is not a JSON record", base));
-    out.push_back(std::move(j));
-  }
-  snapshot_upto_ = last;
-  for (size_t i = 0; i < journal.size();) {
-    const std::string key = SeqKey(prefix_, last + 1);
-    if (StartsWith(journal[i]->key, key + "/")) {
-      // Parts of a record whose header never landed (its leader was deposed while it wrote them):
-      // nothing after them landed either.
-      orphans_ = true;
-      break;
-    }
-    // Records last+1, last+2, … with nothing missing: anything else is not this job's journal as
-    // it was written.
-    if (journal[i]->key != key) {
-      return DataLossError(
-          fmt::format("etcd key {} where the journal's record {} was expected ({}): not a journal "
-                      "this controller can take over",
-                      journal[i]->key, last + 1, key));
-    }
-    auto j = nlohmann::json::parse(journal[i]->value, nullptr, false);
-    std::string line = journal[i]->value;
-    ++i;
-    if (j.is_object() && j.contains("split") && !j.contains("event")) {
-      NONSTOP_ASSIGN_OR_RETURN(line, JoinParts(journal, &i, key, j["split"]));
-      j = nlohmann::json::parse(line, nullptr, false);
-    }
-    if (!j.is_object())
-      return DataLossError(fmt::format("etcd key {} is not a JSON journal record", key));
-    ++last;
-    tail_bytes_ += line.size();
-    tail_.push_back(std::move(line));
-    out.push_back(std::move(j));
-  }
-  if (progress != nullptr) {
-    auto j = nlohmann::json::parse(progress->value, nullptr, false);
-    if (!j.is_object())
-      return DataLossError(fmt::format("etcd key {} is not a JSON record", progress->key));
-    out.push_back(std::move(j));
-  }
-  first_seq_ = last + 1;
-  appended_ = last;
-  durable_ = last;
+  JournalRead out;
+  VerifyJournal(*kvs, &out);
+  for (const JournalForgery& f : out.forgeries)
+    NONSTOP_LOG_WARNING("etcd: not believed, a gap in the journal: {}", f.why);
+  appended_ = first_seq_ - 1;
+  durable_ = first_seq_ - 1;
   writer_ = std::jthread([this](std::stop_token st) { Write(st); });
   return out;
+}
+
+namespace {
+
+// A snapshot found in etcd: its parts, each verified, under snapshot/<upto>.<epoch>/.
+struct SnapshotParts {
+  uint64_t upto = 0;
+  int64_t epoch = 0;
+  std::map<size_t, std::string> parts;  // verified
+  uint64_t count = 0;                   // the parts' counter: how many there are
+  bool bad = false;                     // a part did not verify, or the counts disagree
+  bool complete() const { return !bad && count > 0 && parts.size() == count; }
+  std::string Text() const {
+    std::string text;
+    for (const auto& [i, part] : parts) text += part;
+    return text;
+  }
+};
+
+}  // namespace
+
+void Leadership::VerifyJournal(const std::vector<etcd::KeyValue>& kvs, JournalRead* out) {
+  const std::string journal_prefix = prefix_ + "journal/";
+  const std::string snapshot_prefix = prefix_ + "snapshot/";
+  auto refuse = [&](const std::string& key, std::string why) {
+    out->forgeries.push_back({key, std::move(why)});
+  };
+  // The value under kv.key, verified, of an epoch no later than this leader's; else a forgery.
+  auto unseal = [&](const etcd::KeyValue& kv) -> std::optional<SealedValue> {
+    Result<SealedValue> v = Unseal(sealing_key_, options_.job, kv.key, kv.value);
+    if (!v.ok()) {
+      refuse(kv.key, v.status().message());
+      return std::nullopt;
+    }
+    if (v->epoch >= epoch_) {
+      refuse(kv.key, fmt::format("etcd key {}: sealed by epoch {}, not before this leader's {}",
+                                 kv.key, v->epoch, epoch_));
+      return std::nullopt;
+    }
+    return std::move(*v);
+  };
+  const etcd::KeyValue* pointer = nullptr;
+  const etcd::KeyValue* progress = nullptr;
+  const etcd::KeyValue* plan = nullptr;
+  std::vector<const etcd::KeyValue*> journal;
+  std::map<std::string, SnapshotParts> snapshots;  // by base
+  for (const auto& kv : kvs) {
+    if (kv.key == leader_key_ || kv.key == prefix_ + "end") continue;
+    ++out->keys;
+    if (kv.key == prefix_ + "snapshot") pointer = &kv;
+    if (kv.key == prefix_ + "progress") progress = &kv;
+    if (kv.key == prefix_ + "plan") plan = &kv;
+    if (StartsWith(kv.key, journal_prefix)) journal.push_back(&kv);
+    if (!StartsWith(kv.key, snapshot_prefix)) continue;
+    // snapshot/<upto>.<epoch>/<part>
+    const size_t slash = kv.key.rfind('/');
+    const std::string base = kv.key.substr(0, slash);
+    SnapshotParts& sp = snapshots[base];
+    auto v = unseal(kv);
+    size_t part = 0;
+    if (!v ||
+        std::sscanf(base.c_str() + snapshot_prefix.size(), "%" SCNu64 ".%" SCNd64, &sp.upto,
+                    &sp.epoch) != 2 ||
+        std::sscanf(kv.key.c_str() + slash + 1, "%zu", &part) != 1 ||
+        (sp.count != 0 && sp.count != v->counter) || v->epoch != sp.epoch) {
+      if (v) refuse(kv.key, fmt::format("etcd key {}: not a part of snapshot {}", kv.key, base));
+      sp.bad = true;
+      continue;
+    }
+    sp.count = v->counter;
+    sp.parts[part] = std::move(v->value);
+  }
+  // The snapshot: the pointer's, when it verifies and so do all its parts; else the newest whole
+  // one (a pointer forged or put back, or a compaction whose switch never landed).
+  const SnapshotParts* snapshot = nullptr;
+  if (pointer != nullptr) {
+    auto v = unseal(*pointer);
+    auto p = v ? nlohmann::json::parse(v->value, nullptr, false) : nlohmann::json();
+    if (v && (!p.is_object() || !p.contains("upto") || !p["upto"].is_number_unsigned() ||
+              !p.contains("epoch") || !p["epoch"].is_number_integer() ||
+              p["upto"].get<uint64_t>() != v->counter)) {
+      refuse(pointer->key, fmt::format("etcd key {} is not a snapshot pointer", pointer->key));
+    } else if (v) {
+      auto it = snapshots.find(
+          SnapshotBase(prefix_, p["upto"].get<uint64_t>(), p["epoch"].get<int64_t>()));
+      if (it != snapshots.end() && it->second.complete()) {
+        snapshot = &it->second;
+      } else {
+        refuse(pointer->key, fmt::format("etcd key {} names a snapshot whose parts are missing or "
+                                         "do not verify",
+                                         pointer->key));
+      }
+    }
+  }
+  if (snapshot == nullptr) {
+    for (const auto& [base, sp] : snapshots) {
+      if (sp.complete() && (snapshot == nullptr || sp.upto > snapshot->upto)) snapshot = &sp;
+    }
+  }
+  uint64_t last = 0;
+  int64_t epoch = 0;  // the epoch of the last record believed: later ones are of it or later
+  if (snapshot != nullptr) {
+    snapshot_ = snapshot->Text();
+    auto j = nlohmann::json::parse(snapshot_, nullptr, false);
+    if (j.is_object()) {
+      out->records.push_back(std::move(j));
+      last = snapshot->upto;
+      epoch = snapshot->epoch;
+    } else {
+      refuse(SnapshotBase(prefix_, snapshot->upto, snapshot->epoch) + "/*",
+             "a sealed snapshot that is not a JSON record");
+      snapshot_.clear();
+    }
+  }
+  snapshot_upto_ = last;
+  // A compacted journal whose snapshot cannot be believed: nothing after it can be either. (Parts
+  // of a snapshot no pointer names are a compaction that never switched: left out.)
+  bool cut = snapshot == nullptr && pointer != nullptr;
+  for (size_t i = 0; i < journal.size() && !cut;) {
+    const std::string key = SeqKey(prefix_, last + 1);
+    if (journal[i]->key < key) {  // covered by the snapshot (its switch never landed)
+      ++i;
+      continue;
+    }
+    if (StartsWith(journal[i]->key, key + "/")) {
+      // Parts of a record whose header never landed (its leader was deposed while it wrote them):
+      // nothing after them landed either. A record after them is a header deleted: a gap.
+      orphans_ = true;
+      auto after = std::find_if(journal.begin() + static_cast<std::ptrdiff_t>(i), journal.end(),
+                                [&](const auto* kv) { return !StartsWith(kv->key, key + "/"); });
+      if (after != journal.end()) {
+        refuse(key, fmt::format("etcd key {} is missing, with parts of it and {} after them", key,
+                                (*after)->key));
+        cut = true;
+      }
+      break;
+    }
+    // Records last+1, last+2, … with nothing missing: anything else is a gap.
+    if (journal[i]->key != key) {
+      refuse(journal[i]->key, fmt::format("etcd key {} where the journal's record {} was expected",
+                                          journal[i]->key, last + 1));
+      cut = true;
+      break;
+    }
+    auto v = unseal(*journal[i]);
+    ++i;
+    if (!v || v->epoch < epoch) {
+      if (v) {
+        refuse(key, fmt::format("etcd key {}: a record of epoch {} after one of epoch {} (an old "
+                                "record put back)",
+                                key, v->epoch, epoch));
+      }
+      cut = true;
+      break;
+    }
+    std::string line = std::move(v->value);
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("split") && !j.contains("event")) {
+      const auto& h = j["split"];
+      const size_t parts =
+          h.contains("parts") && h["parts"].is_number_unsigned() ? h["parts"].get<size_t>() : 0;
+      line.clear();
+      for (size_t part = 0; part < parts; ++part, ++i) {
+        std::optional<SealedValue> p;
+        if (i < journal.size() && journal[i]->key == PartKey(key, part)) p = unseal(*journal[i]);
+        if (!p || p->counter != parts || p->epoch != v->epoch) {
+          refuse(PartKey(key, part), fmt::format("etcd key {}: part {} of {} is missing or out "
+                                                 "of place",
+                                                 PartKey(key, part), part, parts));
+          line.clear();
+          break;
+        }
+        line += p->value;
+      }
+      j = nlohmann::json::parse(line, nullptr, false);
+    }
+    if (!j.is_object()) {
+      refuse(key, fmt::format("etcd key {} is not a JSON journal record", key));
+      cut = true;
+      break;
+    }
+    ++last;
+    epoch = v->epoch;
+    tail_bytes_ += line.size();
+    tail_.push_back(std::move(line));
+    out->records.push_back(std::move(j));
+  }
+  if (progress != nullptr) {
+    auto v = unseal(*progress);
+    auto j = v ? nlohmann::json::parse(v->value, nullptr, false) : nlohmann::json();
+    if (v && v->counter < last) {
+      refuse(progress->key, fmt::format("etcd key {}: written after record {}, older than the "
+                                        "journal's record {} (an old value put back)",
+                                        progress->key, v->counter, last));
+    } else if (v && !j.is_object()) {
+      refuse(progress->key, fmt::format("etcd key {} is not a JSON record", progress->key));
+    } else if (v) {
+      // Written after a record the journal does not hold: its tail was deleted or cut.
+      if (v->counter > last) cut = true;
+      progress_current_ = std::move(v->value);
+      progress_record_ = std::move(j);
+    }
+  }
+  if (cut) {
+    out->cut = true;
+    orphans_ = true;  // the first write deletes what lies after the prefix
+    // The latest plan's copy, if it lies beyond the cut: the members' generation and ranks (of use
+    // after a prefix that holds the job's start).
+    if (plan != nullptr && !out->records.empty()) {
+      auto v = unseal(*plan);
+      auto j = v ? nlohmann::json::parse(v->value, nullptr, false) : nlohmann::json();
+      if (v && v->counter > last && j.is_object() && j.value("event", "") == "plan")
+        out->records.push_back(std::move(j));
+    }
+  }
+  if (!progress_record_.is_null()) out->records.push_back(std::exchange(progress_record_, {}));
+  first_seq_ = last + 1;
+  PlanCleanup(
+      *out,
+      snapshot != nullptr ? SnapshotBase(prefix_, snapshot->upto, snapshot->epoch) : std::string(),
+      pointer != nullptr && snapshot != nullptr &&
+          std::any_of(out->forgeries.begin(), out->forgeries.end(),
+                      [&](const JournalForgery& f) { return f.key == pointer->key; }),
+      snapshot != nullptr ? snapshot->count : 0);
+}
+
+void Leadership::PlanCleanup(const JournalRead& read, const std::string& base, bool put_pointer,
+                             uint64_t parts) {
+  // What this leader's first write deletes (never before it: Write): the records after a gap or
+  // orphaned parts, and every value refused outside the journal (a forged pointer or progress,
+  // snapshots other than the one read), so that the next takeover does not meet them again.
+  const std::string journal = prefix_ + "journal/", snapshots = prefix_ + "snapshot/";
+  if (orphans_)
+    cleanup_.push_back(etcd::Op::Delete(SeqKey(prefix_, first_seq_), etcd::PrefixEnd(journal)));
+  if (read.forgeries.empty()) return;
+  for (const JournalForgery& f : read.forgeries) {
+    if (StartsWith(f.key, journal) || StartsWith(f.key, snapshots) || cleanup_.size() >= 64)
+      continue;
+    if (f.key != prefix_ + "snapshot" || base.empty()) cleanup_.push_back(etcd::Op::Delete(f.key));
+  }
+  if (base.empty()) {
+    cleanup_.push_back(etcd::Op::Delete(snapshots, etcd::PrefixEnd(snapshots)));
+    return;
+  }
+  cleanup_.push_back(etcd::Op::Delete(snapshots, base));
+  cleanup_.push_back(etcd::Op::Delete(etcd::PrefixEnd(base + "/"), etcd::PrefixEnd(snapshots)));
+  if (put_pointer) {
+    // The snapshot read without its pointer: the pointer again, naming it.
+    const nlohmann::json pointer = {{"upto", snapshot_upto_},
+                                    {"epoch", std::stoll(base.substr(base.rfind('.') + 1))},
+                                    {"parts", parts},
+                                    {"bytes", snapshot_.size()}};
+    cleanup_.push_back(etcd::Op::Put(prefix_ + "snapshot",
+                                     Sealed(prefix_ + "snapshot", snapshot_upto_, pointer.dump())));
+  }
 }
 
 Status Leadership::Publish(const nlohmann::json& value, const crypto::Key& job_key) {
@@ -470,6 +647,7 @@ void Leadership::Append(const nlohmann::json& record) {
   }
   if (record.value("event", "") == "job_end") queued_end_ = line;
   queued_.emplace_back(++appended_, std::move(line));
+  if (record.value("event", "") == "plan") queued_plan_ = appended_;
 }
 
 void Leadership::Flush() {
@@ -478,6 +656,7 @@ void Leadership::Flush() {
     MutexLock lock(&mu_);
     for (auto& e : queued_) pending_.push_back(std::move(e));
     if (!queued_progress_.empty()) progress_ = std::move(queued_progress_);
+    if (queued_plan_ != 0) plan_seq_ = std::exchange(queued_plan_, 0);
     // Signed once the leader holds the job key (Publish): readers believe no other.
     if (!queued_end_.empty()) {
       end_ =
@@ -631,12 +810,18 @@ bool Leadership::WriteFenced(etcd::Client& client, const std::vector<etcd::Op>& 
   }
 }
 
+std::string Leadership::Sealed(const std::string& key, uint64_t counter,
+                               const std::string& value) const {
+  return Seal(sealing_key_, options_.job, key, epoch_, counter, value);
+}
+
 bool Leadership::WriteParts(etcd::Client& client, const std::string& base, const std::string& text,
                             etcd::Backoff& backoff, etcd::OutageLog& outage,
                             const std::stop_token& st) {
   std::vector<etcd::Op> ops;
   size_t bytes = 0;
-  for (size_t part = 0, n = PartsOf(text); part < n; ++part) {
+  const size_t n = PartsOf(text);
+  for (size_t part = 0; part < n; ++part) {
     std::string piece = text.substr(part * kPartBytes, kPartBytes);
     if (!ops.empty() && bytes + piece.size() > kMaxBytesPerTxn) {
       if (!WriteFenced(client, ops, base + "/*", backoff, outage, st)) return false;
@@ -644,7 +829,8 @@ bool Leadership::WriteParts(etcd::Client& client, const std::string& base, const
       bytes = 0;
     }
     bytes += piece.size();
-    ops.push_back(etcd::Op::Put(PartKey(base, part), std::move(piece)));
+    // Each part sealed with the number of parts: a reader knows when it has them all.
+    ops.push_back(etcd::Op::Put(PartKey(base, part), Sealed(PartKey(base, part), n, piece)));
   }
   return WriteFenced(client, ops, base + "/*", backoff, outage, st);
 }
@@ -681,7 +867,7 @@ bool Leadership::MaybeCompact(etcd::Client& client, etcd::Backoff& backoff, etcd
       {"upto", upto}, {"epoch", epoch_}, {"parts", PartsOf(text)}, {"bytes", text.size()}};
   const std::string snapshots = prefix_ + "snapshot/";
   std::vector<etcd::Op> ops = {
-      etcd::Op::Put(prefix_ + "snapshot", pointer.dump()),
+      etcd::Op::Put(prefix_ + "snapshot", Sealed(prefix_ + "snapshot", upto, pointer.dump())),
       etcd::Op::Delete(prefix_ + "journal/", SeqKey(prefix_, upto + 1)),
       etcd::Op::Delete(snapshots, base),
       etcd::Op::Delete(etcd::PrefixEnd(base + "/"), etcd::PrefixEnd(snapshots))};
@@ -703,12 +889,7 @@ void Leadership::Write(std::stop_token st) {
       fmt::format("writing the journal of epoch {} to etcd {}", epoch_, options_.endpoints),
       "orders wait until it is written (training goes on), retried with back-off");
   const std::string journal_keys = prefix_ + "journal/*";
-  if (orphans_ && !WriteFenced(**client,
-                               {etcd::Op::Delete(SeqKey(prefix_, first_seq_),
-                                                 etcd::PrefixEnd(prefix_ + "journal/"))},
-                               journal_keys, backoff, outage, st)) {
-    return;
-  }
+  bool cleaned = false;
   while (!st.stop_requested() && !deposed()) {
     std::vector<etcd::Op> ops;
     std::vector<std::string> lines;  // the records of this batch, for the tail
@@ -727,10 +908,16 @@ void Leadership::Write(std::stop_token st) {
           if (ops.empty()) split = {seq, line};
           break;  // after the records before it
         }
-        // Two slots stay free: progress and end.
-        if (ops.size() + 2 >= kMaxOpsPerTxn || (bytes > 0 && bytes + line.size() > kMaxBytesPerTxn))
+        // Three slots stay free: the plan's copy, progress and end.
+        if (ops.size() + 3 >= kMaxOpsPerTxn ||
+            (bytes > 0 && bytes + 2 * line.size() > kMaxBytesPerTxn))
           break;
-        ops.push_back(etcd::Op::Put(SeqKey(prefix_, seq), line));
+        ops.push_back(etcd::Op::Put(SeqKey(prefix_, seq), Sealed(SeqKey(prefix_, seq), 0, line)));
+        // The latest plan again under P plan, with its sequence number: a takeover whose journal
+        // was cut before it (a forged record) still learns the members' generation.
+        if (seq == plan_seq_) {
+          ops.push_back(etcd::Op::Put(prefix_ + "plan", Sealed(prefix_ + "plan", seq, line)));
+        }
         lines.push_back(line);
         bytes += line.size();
         last = seq;
@@ -738,16 +925,30 @@ void Leadership::Write(std::stop_token st) {
       if (!split.second.empty()) {
         nlohmann::json header = {
             {"split", {{"parts", PartsOf(split.second)}, {"bytes", split.second.size()}}}};
-        ops.push_back(etcd::Op::Put(SeqKey(prefix_, split.first), header.dump()));
+        ops.push_back(etcd::Op::Put(SeqKey(prefix_, split.first),
+                                    Sealed(SeqKey(prefix_, split.first), 0, header.dump())));
         last = split.first;
       }
-      if (!progress_.empty() && ops.size() < kMaxOpsPerTxn)
-        ops.push_back(etcd::Op::Put(prefix_ + "progress", progress_));
+      // The progress, sealed with the journal's last record once this batch lands: put again with
+      // every batch, so that a reader can refuse one older than the journal (an old value put
+      // back).
+      if (!progress_.empty()) progress_current_ = progress_;
+      if (!progress_current_.empty() && ops.size() < kMaxOpsPerTxn) {
+        const uint64_t after = last > 0 ? last : durable_.load();
+        ops.push_back(etcd::Op::Put(prefix_ + "progress",
+                                    Sealed(prefix_ + "progress", after, progress_current_)));
+      }
       // The end key goes with the batch that holds the job_end record (or a later one).
       if (!end_.empty() && ops.size() < kMaxOpsPerTxn &&
           (pending_.empty() || last == pending_.back().first)) {
         ops.push_back(etcd::Op::Put(prefix_ + "end", end_));
       }
+    }
+    // Before this leader's first write, not before: a controller that gives up after reading (a
+    // missing token, nothing to take over) leaves etcd as it found it.
+    if (!std::exchange(cleaned, true) && !cleanup_.empty() &&
+        !WriteFenced(**client, cleanup_, journal_keys, backoff, outage, st)) {
+      return;
     }
     // A split record's parts land before its header (in the batch): a reader never sees half.
     if (!split.second.empty() &&
@@ -761,7 +962,7 @@ void Leadership::Write(std::stop_token st) {
       while (!pending_.empty() && pending_.front().first <= last) pending_.pop_front();
       // The progress written is dropped unless a newer one came meanwhile.
       for (const auto& op : ops) {
-        if (op.key == prefix_ + "progress" && op.value == progress_) progress_.clear();
+        if (op.key == prefix_ + "progress" && progress_current_ == progress_) progress_.clear();
         if (op.key == prefix_ + "end") end_.clear();
       }
     }

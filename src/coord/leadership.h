@@ -22,6 +22,13 @@
 //                         a takeover needs only the last one.
 //   P end                 the job_end record, once the job ended: agents and workers that
 //                         look for a leader after the last one resigned learn it here.
+//   P plan                the latest plan record again, written with it (one under 512 KiB):
+//                         a takeover whose journal was cut before it still learns the plan.
+//
+// Every value but the leader and end keys (which carry their own MACs) is sealed with the job key
+// (sealed_value.h: bound to the job, the key, the writer's epoch and a counter); a reader takes the
+// journal up to the first value that does not verify (docs/security.md, "What nonstop keeps in
+// etcd"). `progress` is written again with every batch, sealed with the journal's last record.
 //
 // A bounded journal (docs/controller-failover.md, "A bounded journal in etcd"): once the tail
 // holds compact_records records or compact_bytes bytes, the writer folds the snapshot and the
@@ -138,6 +145,20 @@ struct LeaderKeyForgery {
   bool restored = false;  // this leader's value was put back
 };
 
+// A value in the job's keys that ReadJournal could not believe (sealed_value.h): its key, and why.
+struct JournalForgery {
+  std::string key;
+  std::string why;
+};
+
+struct JournalRead {
+  // The verified prefix: the snapshot record (if any), the tail after it, the progress record last.
+  std::vector<nlohmann::json> records;
+  std::vector<JournalForgery> forgeries;
+  size_t keys = 0;   // the job's keys besides the leader and end keys: 0 for a job not begun
+  bool cut = false;  // the records stop at a gap: the members may be ahead of them
+};
+
 class Leadership {
  public:
   // Checks the options and makes the etcd client: no request yet (an etcd
@@ -159,8 +180,13 @@ class Leadership {
   // The journal in etcd, in order: what the takeover replays (the progress
   // record last, if any). Read after Campaign won; retried through
   // transient failures while this process leads. An error is final, or
-  // (deposed() true) the leadership was lost meanwhile.
-  Result<std::vector<nlohmann::json>> ReadJournal();
+  // (deposed() true) the leadership was lost meanwhile. Every value is
+  // unsealed with `job_key` (sealed_value.h): the records are the verified
+  // prefix, up to the first value that does not verify or is out of place
+  // (each such a forgery: a gap), and this leader seals what it writes with
+  // the same key. A leader whose journal was cut deletes the records after
+  // the prefix with its first write.
+  Result<JournalRead> ReadJournal(const crypto::Key& job_key);
 
   // The leader key's value once this controller listens (its address), with
   // the epoch and the MAC of job_key (SignLeaderValue); retried like
@@ -212,6 +238,14 @@ class Leadership {
   // land and the writer stops (stopped, deposed, or refused for good: then deposed too).
   bool WriteFenced(etcd::Client& client, const std::vector<etcd::Op>& ops, const std::string& what,
                    etcd::Backoff& backoff, etcd::OutageLog& outage, const std::stop_token& st);
+  // `value` sealed for `key` (sealed_value.h) with this leader's epoch.
+  std::string Sealed(const std::string& key, uint64_t counter, const std::string& value) const;
+  // The journal's key-value pairs as read: the verified prefix into `out` (ReadJournal).
+  void VerifyJournal(const std::vector<etcd::KeyValue>& kvs, JournalRead* out);
+  // cleanup_ for a read (VerifyJournal): `base` the snapshot read (empty: none), `put_pointer` when
+  // its pointer was refused, `parts` its parts.
+  void PlanCleanup(const JournalRead& read, const std::string& base, bool put_pointer,
+                   uint64_t parts);
   // `text` in parts of at most 512 KiB under base/<part>: false as WriteFenced.
   bool WriteParts(etcd::Client& client, const std::string& base, const std::string& text,
                   etcd::Backoff& backoff, etcd::OutageLog& outage, const std::stop_token& st);
@@ -262,6 +296,7 @@ class Leadership {
   std::vector<std::pair<uint64_t, std::string>> queued_;  // not yet flushed
   std::string queued_progress_;
   std::string queued_end_;
+  uint64_t queued_plan_ = 0;  // the seq of the latest plan record queued, 0: none since Flush
 
   // The writer's own (ReadJournal sets them before it starts the writer): etcd's journal as the
   // writer left it, for the compaction.
@@ -271,17 +306,26 @@ class Leadership {
   size_t tail_bytes_ = 0;
   size_t compact_retry_at_ = 0;  // after a failed compaction: the tail's size to try again at
   bool compact_failure_said_ = false;
-  // Parts of a split record that never got its header (its writer was deposed meanwhile), after
-  // the last record: deleted by this leader's first write.
+  // Parts of a split record that never got its header (its writer was deposed meanwhile), or
+  // records after a gap, after the verified prefix: deleted by this leader's first write.
   bool orphans_ = false;
+  // ReadJournal's, fixed before the writer starts: what every value written is sealed with, and
+  // what the first write deletes (or puts back) of what the read refused.
+  crypto::Key sealing_key_{};
+  std::vector<etcd::Op> cleanup_;
+  nlohmann::json progress_record_;  // VerifyJournal's: the progress record read
+  // The writer's: the latest progress record, put again (sealed with the journal's last record as
+  // its counter) with every batch, so that the progress in etcd is never older than the journal.
+  std::string progress_current_;
 
   // What Flush hands to the writer thread, and why the leadership was lost.
   mutable Mutex mu_;
   CondVar cv_;
   // flushed, for the writer
   std::deque<std::pair<uint64_t, std::string>> pending_ NONSTOP_GUARDED_BY(mu_);
-  std::string progress_ NONSTOP_GUARDED_BY(mu_);  // the latest step record, for the writer
-  std::string end_ NONSTOP_GUARDED_BY(mu_);       // the job_end record, for the writer
+  std::string progress_ NONSTOP_GUARDED_BY(mu_);   // the latest step record, for the writer
+  std::string end_ NONSTOP_GUARDED_BY(mu_);        // the job_end record, for the writer
+  uint64_t plan_seq_ NONSTOP_GUARDED_BY(mu_) = 0;  // the latest plan record's seq (P plan)
   std::string why_ NONSTOP_GUARDED_BY(mu_);
   Status final_ NONSTOP_GUARDED_BY(mu_);
   std::string published_ NONSTOP_GUARDED_BY(mu_);  // the leader key's value, once published

@@ -58,7 +58,7 @@ TEST_F(LeadershipOutageTest, ThePublishAndTheJournalReadRideOutAPauseShorterThan
   ASSERT_TRUE(l->Campaign([] { return false; }, [](const std::string&) {}).ok());
   std::thread resume = PauseEtcd(milliseconds(1'500));
   auto t0 = std::chrono::steady_clock::now();
-  auto records = l->ReadJournal();
+  auto records = l->ReadJournal(crypto::JobKey("outage test"));
   resume.join();
   ASSERT_TRUE(records.ok()) << records.status().ToString();
   EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(1'000))
@@ -75,7 +75,7 @@ TEST_F(LeadershipOutageTest, AReadCutOffPastTheLeaseEndsDeposedNotFinalAndTheNex
   ASSERT_TRUE(l->Campaign([] { return false; }, [](const std::string&) {}).ok());
   // past 1.8 TTL: the keep-alive gives the lead up
   std::thread resume = PauseEtcd(milliseconds(3'500));
-  auto records = l->ReadJournal();
+  auto records = l->ReadJournal(crypto::JobKey("outage test"));
   ASSERT_FALSE(records.ok());
   EXPECT_TRUE(l->deposed());
   EXPECT_TRUE(etcd::IsTransient(records.status())) << records.status().ToString();
@@ -88,7 +88,7 @@ TEST_F(LeadershipOutageTest, AReadCutOffPastTheLeaseEndsDeposedNotFinalAndTheNex
   ASSERT_TRUE(next);
   auto epoch = next->Campaign([] { return false; }, [](const std::string&) {});
   ASSERT_TRUE(epoch.ok()) << epoch.status().ToString();
-  EXPECT_TRUE(next->ReadJournal().ok());
+  EXPECT_TRUE(next->ReadJournal(crypto::JobKey("outage test")).ok());
 }
 
 TEST_F(LeadershipOutageTest, AStandbyCampaignsThroughAPauseAndLeadsWhenEtcdAnswers) {

@@ -947,6 +947,7 @@ class SessionImpl {
 
   // Carries out an injected fault on this process.
   void Fire(const control::FaultSpec& f) {
+    if (Status can = CanInject(f); !can.ok()) return CannotInject(f, can);
     NONSTOP_LOG_WARNING("injecting fault {}", control::FormatFault(f));
     Announce(f);
     switch (f.kind) {
@@ -957,8 +958,6 @@ class SessionImpl {
         ::raise(SIGSTOP);
         break;
       case control::FaultKind::kDrop:
-        if (comm_->world_size() < 2)
-          return CannotInject(f, FailedPreconditionError("a world of 1 has no ring link to drop"));
         comm_->InjectDropOfNextRingLink();
         break;
       case control::FaultKind::kStall:
@@ -970,11 +969,9 @@ class SessionImpl {
         while (true) spins = spins + 1;
       }
       case control::FaultKind::kBitflip:
-        if (Status s = FlipABit(f); !s.ok()) CannotInject(f, s);
+        FlipABit(*FlipRegion(f));  // CanInject found it
         break;
       case control::FaultKind::kWireflip:
-        if (comm_->world_size() < 2)
-          return CannotInject(f, FailedPreconditionError("a world of 1 sends nothing on a wire"));
         comm_->InjectWireFlip(f.gather_phase);
         break;
       default:
@@ -987,7 +984,7 @@ class SessionImpl {
   // an fp32 value, mantissa bit 17: the value moves by about 1.6%, no NaN,
   // nothing a loss check sees). A bit is a bit: the region is f.tensor, of
   // any dtype, or else the first fp32 one, or else the largest replicated one.
-  Status FlipABit(const control::FaultSpec& f) {
+  Result<size_t> FlipRegion(const control::FaultSpec& f) const {
     std::vector<std::string> names;
     std::optional<size_t> chosen, largest;
     for (size_t i = 0; i < state_->regions().size(); ++i) {
@@ -995,33 +992,53 @@ class SessionImpl {
       names.push_back(r.name);
       if (r.bytes.empty()) continue;
       if (f.tensor.empty() ? r.dtype == "F32" && !chosen : r.name == f.tensor) chosen = i;
-      if (!r.per_rank && (!largest || r.bytes.size() > state_->regions()[*largest].bytes.size()))
+      const bool replicated = !r.per_rank && r.shard_group == 0;
+      if (replicated && (!largest || r.bytes.size() > state_->regions()[*largest].bytes.size()))
         largest = i;
     }
     if (!chosen && f.tensor.empty()) chosen = largest;
-    if (!chosen) {
-      return InvalidArgumentError(
-          fmt::format("no region {} is registered to flip a bit in (the regions: {}{})",
-                      f.tensor.empty() ? std::string("of bytes") : "'" + f.tensor + "'",
-                      names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", ")),
-                      f.tensor.empty() ? "" : "; HINT: name one of them with tensor=NAME"));
-    }
-    const state::Region& r = state_->regions()[*chosen];
+    if (chosen) return *chosen;
+    return InvalidArgumentError(
+        fmt::format("no region {} is registered to flip a bit in (the regions: {}{})",
+                    f.tensor.empty() ? std::string("of bytes") : "'" + f.tensor + "'",
+                    names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", ")),
+                    f.tensor.empty() ? "" : "; HINT: name one of them with tensor=NAME"));
+  }
+
+  void FlipABit(size_t index) {
+    const state::Region& r = state_->regions()[index];
     // byte 2 (bits 16-23, little-endian) of the middle word; a region under 4 bytes: its last
     const size_t at = std::min(r.bytes.size() / 8 * 4 + 2, r.bytes.size() - 1);
     std::byte b[1];
-    state_->ReadRegion(*chosen, at, b);  // device memory too
+    state_->ReadRegion(index, at, b);  // device memory too
     b[0] ^= std::byte{2};
-    state_->WriteRegion(*chosen, at, b);
+    state_->WriteRegion(index, at, b);
     NONSTOP_LOG_WARNING("bitflip: flipped a bit of '{}' ({}) at byte {} of {}", r.name, r.dtype, at,
                         r.bytes.size());
-    return OkStatus();
   }
 
-  // An injected fault this worker cannot carry out ends the job with exit 2, naming why: a test
-  // built on it would otherwise pass untested.
+  // Why this worker cannot carry out `f` here, or OK.
+  Status CanInject(const control::FaultSpec& f) const {
+    switch (f.kind) {
+      case control::FaultKind::kBitflip:
+        return FlipRegion(f).status();
+      case control::FaultKind::kDrop:
+        if (comm_->world_size() < 2)
+          return FailedPreconditionError("a world of 1 has no ring link to drop");
+        return OkStatus();
+      case control::FaultKind::kWireflip:
+        if (comm_->world_size() < 2)
+          return FailedPreconditionError("a world of 1 sends nothing on a wire");
+        return OkStatus();
+      default:
+        return OkStatus();
+    }
+  }
+
+  // An injected fault this worker cannot carry out is not announced as fired: it ends the job
+  // with exit 2, naming why (control::kCannotInject), so a test built on it cannot pass untested.
   void CannotInject(const control::FaultSpec& f, const Status& why) {
-    const std::string reason = fmt::format("the injected fault {} cannot be carried out: {}",
+    const std::string reason = fmt::format("{}{} cannot be carried out: {}", control::kCannotInject,
                                            control::FormatFault(f), why.message());
     NONSTOP_LOG_ERROR("{}", reason);
     control::FailureMsg m{last_change_.generation, state_step_.load(), reason, kExitUsage};

@@ -664,10 +664,12 @@ struct Expected {
 };
 
 // A chunk whose sources disagree with no majority (two sources, one of them
-// silently corrupt) is copied from none of them: which copy is right cannot be
-// told, and copying one would hand the next replica check a false majority.
+// silently corrupt) is kept from none of them: which copy is right cannot be
+// told, and keeping one would hand the next replica check a false majority.
 // The plan names every holder as a source up to kMaxSourcesPerReceiver (8),
-// so no other holder can break the tie: the copy fails as data loss.
+// so no other holder can break the tie (beyond 8, a tie needs 4 sources
+// corrupt alike): the copy fails as data loss, and what the first round
+// wrote is left as a state that holds no valid step.
 Status NoMajority(const state::StateRegistry& reg, const std::vector<Offer>& offers,
                   const std::vector<uint32_t>& undecided, const control::PlanMsg& plan) {
   const uint32_t c = undecided.front();
@@ -866,6 +868,9 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   std::vector<int> from;  // the sources' ranks
   for (const Offer& o : offers) from.push_back(o.rank);
   auto fail = [&](const Status& s) {
+    // What landed is a mix of sources: the state holds no valid step (the session's mark), nor
+    // a valid shard.
+    if (reg.shard_group() > 0) reg.set_held_shard(state::kNoShard);
     (void)TellDone(comm, from);
     comm.Abort(
         fmt::format("the state copy of generation {} failed: {}", plan.generation, s.message()));

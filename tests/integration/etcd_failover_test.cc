@@ -346,6 +346,35 @@ TEST_F(EtcdFailoverTest, AForgedLeaderKeyIsFollowedByNobodyAndTheLeaderJournalsI
   EXPECT_EQ(FinishedChecksum(JournalOf("b")), Reference()) << Outputs();
 }
 
+// Issue 52's demonstration: someone who can write etcd but holds no job key puts a job_end over
+// the newest journal record, and the leader dies. The standby believes none of it: it journals the
+// forgery, takes over from the records before it and the members' reports, and the job ends bitwise
+// (before the journal was sealed, every standby exited 0 "as the job had ended", and the job died).
+TEST_F(EtcdFailoverTest, AForgedJobEndInEtcdsJournalIsAGapTheStandbyTakesOverAndJournals) {
+  ASSERT_NO_FATAL_FAILURE(StartJob());
+  auto client = etcd::Client::Create(endpoint_, {milliseconds(2'000)});
+  ASSERT_TRUE(client.ok());
+  auto journal = (*client)->Prefix(coord::JobPrefix("j") + "journal/");
+  ASSERT_TRUE(journal.ok() && !journal->empty());
+  const std::string newest = journal->back().key;
+  ASSERT_TRUE((*client)
+                  ->Put(newest, R"({"event":"job_end","exit_code":0,"reason":"forged by a )"
+                                R"(writer without the job key"})")
+                  .ok());
+  ASSERT_EQ(::kill(a_->pid(), SIGKILL), 0);
+  ASSERT_EQ(b_->Wait(milliseconds(90'000)), 0) << Outputs();
+  EXPECT_EQ(agent_->Wait(milliseconds(20'000)), 0) << Outputs();
+  EXPECT_EQ(b_->Output().find("the job already ended"), std::string::npos) << Outputs();
+  auto forged = Events(JournalOf("b"), "etcd_value_forged");
+  ASSERT_EQ(forged.size(), 1u) << Outputs();
+  EXPECT_EQ(forged[0]["key"], newest);
+  EXPECT_NE(forged[0]["why"].get<std::string>().find("not sealed with the job key"),
+            std::string::npos)
+      << forged[0].dump();
+  EXPECT_EQ(Events(JournalOf("b"), "takeover").size(), 1u) << Outputs();
+  EXPECT_EQ(FinishedChecksum(JournalOf("b")), Reference()) << Outputs();
+}
+
 TEST_F(EtcdFailoverTest,
        LeaderAndThenAWorkerKilledBeforeTheStandbyLeadsTheNewLeaderRunsTheRecovery) {
   ASSERT_NO_FATAL_FAILURE(StartJob());

@@ -5,7 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "controller/takeover.h"
 #include "controller/takeover_test_records.h"
@@ -15,6 +19,8 @@
 
 namespace nonstop::coord {
 namespace {
+
+const crypto::Key kJobKey = crypto::JobKey("journal test token");
 
 using nlohmann::json;
 
@@ -155,7 +161,7 @@ TEST_F(EtcdJournalTest, TheJournalStaysBoundedAndTheTakeoverFromItEqualsTheOneFr
   o.compact_records = 64;
   auto first = Lead(o);
   ASSERT_TRUE(first);
-  ASSERT_TRUE(first->ReadJournal().ok());
+  ASSERT_TRUE(first->ReadJournal(kJobKey).ok());
   const size_t half = mirrored.size() / 2;
   ASSERT_NO_FATAL_FAILURE(AppendAll(*first, {mirrored.begin(), mirrored.begin() + half}));
   const size_t bytes_half = BytesInEtcd();
@@ -175,11 +181,11 @@ TEST_F(EtcdJournalTest, TheJournalStaysBoundedAndTheTakeoverFromItEqualsTheOneFr
   first->Resign();
   auto second = Lead(o);
   ASSERT_TRUE(second);
-  auto read = second->ReadJournal();
+  auto read = second->ReadJournal(kJobKey);
   ASSERT_TRUE(read.ok()) << read.status().ToString();
-  EXPECT_EQ((*read)[0]["event"], "snapshot");
-  EXPECT_LT(read->size(), o.compact_records + 100);
-  auto from_etcd = controller::TakeoverFromJournal(*read);
+  EXPECT_EQ(read->records[0]["event"], "snapshot");
+  EXPECT_LT(read->records.size(), o.compact_records + 100);
+  auto from_etcd = controller::TakeoverFromJournal(read->records);
   auto from_all = controller::TakeoverFromJournal(maker.records());
   ASSERT_TRUE(from_etcd.ok()) << from_etcd.status().ToString();
   ASSERT_TRUE(from_all.ok()) << from_all.status().ToString();
@@ -216,7 +222,7 @@ std::string Blob(size_t n) {
 TEST_F(EtcdJournalTest, ARecordLargerThanEtcdsRequestLimitRoundTrips) {
   auto first = Lead();
   ASSERT_TRUE(first);
-  ASSERT_TRUE(first->ReadJournal().ok());
+  ASSERT_TRUE(first->ReadJournal(kJobKey).ok());
   const json big = {{"event", "plan"}, {"generation", 1}, {"blob", Blob(size_t{2} << 20)}};
   ASSERT_NO_FATAL_FAILURE(
       AppendAll(*first, {{{"event", "job_start"}}, big, {{"event", "fault"}, {"worker_id", 3}}}));
@@ -225,11 +231,11 @@ TEST_F(EtcdJournalTest, ARecordLargerThanEtcdsRequestLimitRoundTrips) {
   first->Resign();
   auto second = Lead();
   ASSERT_TRUE(second);
-  auto read = second->ReadJournal();
+  auto read = second->ReadJournal(kJobKey);
   ASSERT_TRUE(read.ok()) << read.status().ToString();
-  ASSERT_EQ(read->size(), 3u);
-  EXPECT_EQ((*read)[1], big);
-  EXPECT_EQ((*read)[2]["worker_id"], 3);
+  ASSERT_EQ(read->records.size(), 3u);
+  EXPECT_EQ(read->records[1], big);
+  EXPECT_EQ(read->records[2]["worker_id"], 3);
   second->Resign();
 }
 
@@ -250,7 +256,7 @@ TEST_F(EtcdJournalTest, ASnapshotLargerThanEtcdsRequestLimitRoundTripsAndReplace
   o.compact_records = 2;
   auto first = Lead(o);
   ASSERT_TRUE(first);
-  ASSERT_TRUE(first->ReadJournal().ok());
+  ASSERT_TRUE(first->ReadJournal(kJobKey).ok());
   std::vector<json> records;
   for (int i = 0; i < 4; ++i)
     records.push_back({{"event", "x"}, {"i", i}, {"blob", Blob(500'000)}});
@@ -261,11 +267,11 @@ TEST_F(EtcdJournalTest, ASnapshotLargerThanEtcdsRequestLimitRoundTripsAndReplace
   first->Resign();
   auto second = Lead(o);
   ASSERT_TRUE(second);
-  auto read = second->ReadJournal();
+  auto read = second->ReadJournal(kJobKey);
   ASSERT_TRUE(read.ok()) << read.status().ToString();
-  ASSERT_EQ(read->size(), 1u);
-  ASSERT_EQ((*read)[0]["records"].size(), 4u);
-  for (int i = 0; i < 4; ++i) EXPECT_EQ((*read)[0]["records"][i], records[i]);
+  ASSERT_EQ(read->records.size(), 1u);
+  ASSERT_EQ(read->records[0]["records"].size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(read->records[0]["records"][i], records[i]);
   EXPECT_EQ(second->appended(), 4u) << "the snapshot covers records 1..4";
   second->Resign();
 }
@@ -273,7 +279,7 @@ TEST_F(EtcdJournalTest, ASnapshotLargerThanEtcdsRequestLimitRoundTripsAndReplace
 TEST_F(EtcdJournalTest, PartsWithoutTheirHeaderAreLeftOutAndCleanedByTheNextLeader) {
   auto first = Lead();
   ASSERT_TRUE(first);
-  ASSERT_TRUE(first->ReadJournal().ok());
+  ASSERT_TRUE(first->ReadJournal(kJobKey).ok());
   ASSERT_NO_FATAL_FAILURE(AppendAll(*first, {{{"event", "job_start"}}}));
   first->Resign();
   // A leader deposed while it wrote a split record 2: its parts landed, its header did not.
@@ -281,12 +287,228 @@ TEST_F(EtcdJournalTest, PartsWithoutTheirHeaderAreLeftOutAndCleanedByTheNextLead
   ASSERT_TRUE(client_->Put(JobPrefix("t") + "journal/0000000000000002/0001", "ent\":1}").ok());
   auto second = Lead();
   ASSERT_TRUE(second);
-  auto read = second->ReadJournal();
+  auto read = second->ReadJournal(kJobKey);
   ASSERT_TRUE(read.ok()) << read.status().ToString();
-  ASSERT_EQ(read->size(), 1u);
+  ASSERT_EQ(read->records.size(), 1u);
   EXPECT_EQ(second->appended(), 1u);
   ASSERT_NO_FATAL_FAILURE(AppendAll(*second, {{{"event", "plan"}, {"generation", 1}}}));
   EXPECT_EQ(KeysUnder("journal/"), 2u) << "the orphaned parts are gone";
+  second->Resign();
+}
+
+}  // namespace
+}  // namespace nonstop::coord
+
+namespace nonstop::coord {
+namespace {
+
+// Issue 52: whoever can write etcd but holds no job key cannot make a value a takeover acts on.
+// A first leader writes a journal (with `compact`, a snapshot and a tail), a forger with plain
+// etcd credentials changes one value, and the next leader reads: the forged value and everything
+// after it in the journal are a gap, named in the forgeries; the records before it are read.
+class EtcdJournalTrustTest : public EtcdJournalTest {
+ protected:
+  // The keys and values etcd holds under the job's prefix.
+  std::map<std::string, std::string> Values() {
+    std::map<std::string, std::string> out;
+    auto kvs = client_->Prefix(JobPrefix("t"));
+    EXPECT_TRUE(kvs.ok()) << kvs.status().ToString();
+    for (const auto& kv : kvs.ok() ? *kvs : std::vector<etcd::KeyValue>{}) out[kv.key] = kv.value;
+    return out;
+  }
+  void Put(const std::string& key, const std::string& value) {
+    ASSERT_TRUE(client_->Put(JobPrefix("t") + key, value).ok());
+  }
+  static std::string Seq(int n) { return fmt::format("journal/{:016d}", n); }
+  // The events of the records read, steps as "step N".
+  static std::vector<std::string> EventsOf(const JournalRead& r) {
+    std::vector<std::string> out;
+    for (const auto& j : r.records) {
+      out.push_back(j["event"] == "step" ? fmt::format("step {}", j["step"].get<int>())
+                                         : j["event"].get<std::string>());
+    }
+    return out;
+  }
+};
+
+const std::vector<json> kRecords = {{{"event", "job_start"}},
+                                    {{"event", "plan"}, {"generation", 1}},
+                                    {{"event", "join"}, {"worker_id", 4}},
+                                    {{"event", "plan"}, {"generation", 2}}};
+
+TEST_F(EtcdJournalTrustTest, EveryForgedMovedOrReplayedValueIsAGapTheNextLeaderNamesAndCutsAt) {
+  struct Case {
+    std::string what;
+    // the forger's change, given etcd's values after the first leader's records 1-2 (with the
+    // progress of step 1) and after its records 3-4 (progress of step 2)
+    std::function<void(const std::map<std::string, std::string>&,
+                       const std::map<std::string, std::string>&)>
+        forge;
+    // the events the next leader reads (after a cut, the latest plan's copy: P plan)
+    std::vector<std::string> read;
+    std::string forged_key;
+    size_t kept = 0;  // the journal's records before the gap
+  };
+  const std::string p = JobPrefix("t");
+  const std::vector<Case> cases = {
+      {"a job_end over the newest record",
+       [&](auto&, auto&) { Put(Seq(4), R"({"event":"job_end","exit_code":0})"); },
+       {"job_start", "plan", "join", "plan", "step 2"},
+       p + Seq(4),
+       3},
+      {"a plan appended after the newest",
+       [&](auto&, auto&) { Put(Seq(5), R"({"event":"plan","generation":9})"); },
+       {"job_start", "plan", "join", "plan", "step 2"},
+       p + Seq(5),
+       4},
+      {"a join sealed for another key (moved)",
+       [&](auto&, auto& after) { Put(Seq(2), after.at(p + Seq(3))); },
+       {"job_start", "plan", "step 2"},
+       p + Seq(2),
+       1},
+      {"the newest record put back with the header of a later epoch",
+       [&](auto&, auto& after) {
+         std::string v = after.at(p + Seq(4));
+         Put(Seq(4), "nonstop-sealed 999999" + v.substr(v.find(' ', 15)));
+       },
+       {"job_start", "plan", "join", "plan", "step 2"},
+       p + Seq(4),
+       3},
+      {"an old progress put back",
+       [&](auto& before, auto&) { Put("progress", before.at(p + "progress")); },
+       {"job_start", "plan", "join", "plan"},
+       p + "progress",
+       4},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    ASSERT_TRUE(client_->Txn({}, {etcd::Op::Delete(p, etcd::PrefixEnd(p))}).ok());
+    auto first = Lead();
+    ASSERT_TRUE(first);
+    ASSERT_TRUE(first->ReadJournal(kJobKey).ok());
+    ASSERT_NO_FATAL_FAILURE(
+        AppendAll(*first, {kRecords[0], kRecords[1], {{"event", "step"}, {"step", 1}}}));
+    const auto before = Values();
+    ASSERT_NO_FATAL_FAILURE(
+        AppendAll(*first, {kRecords[2], kRecords[3], {{"event", "step"}, {"step", 2}}}));
+    ASSERT_TRUE(WaitFor([&] {
+      return Values().count(p + "progress") &&
+             Values().at(p + "progress").find("\"step\":2") != std::string::npos;
+    }));
+    const auto after = Values();
+    first->Resign();
+    c.forge(before, after);
+    auto second = Lead();
+    ASSERT_TRUE(second);
+    auto read = second->ReadJournal(kJobKey);
+    ASSERT_TRUE(read.ok()) << read.status().ToString();
+    EXPECT_EQ(EventsOf(*read), c.read);
+    ASSERT_FALSE(read->forgeries.empty());
+    EXPECT_EQ(read->forgeries[0].key, c.forged_key) << read->forgeries[0].why;
+    EXPECT_EQ(read->cut, c.forged_key != p + "progress");
+    // The next leader's records go on from the prefix; what lay after it is deleted.
+    const size_t prefix = c.kept;
+    ASSERT_NO_FATAL_FAILURE(AppendAll(*second, {{{"event", "controller_start"}}}));
+    EXPECT_EQ(KeysUnder("journal/"), prefix + 1);
+    second->Resign();
+    auto third = Lead();
+    ASSERT_TRUE(third);
+    auto again = third->ReadJournal(kJobKey);
+    ASSERT_TRUE(again.ok());
+    EXPECT_FALSE(again->cut) << "the second leader's journal verifies whole";
+    EXPECT_TRUE(again->forgeries.empty())
+        << "the second leader's first write removed them: " << again->forgeries[0].key;
+    EXPECT_EQ(again->records.size(), prefix + 1 + (again->records.back()["event"] == "step"));
+    third->Resign();
+  }
+}
+
+// The same for a compacted journal: a forged snapshot pointer is passed over for the newest whole
+// snapshot; a forged snapshot part leaves no verified prefix, and the next leader says so.
+TEST_F(EtcdJournalTrustTest, AForgedSnapshotPointerIsPassedOverAndAForgedPartIsAGap) {
+  LeadershipOptions o;
+  o.compact = [](const std::vector<json>& records) -> Result<json> {
+    json s = {{"event", "snapshot"}, {"records", json::array()}};
+    for (const auto& r : records) {
+      for (const auto& e : r["event"] == "snapshot" ? r["records"] : json::array({r}))
+        s["records"].push_back(e);
+    }
+    return s;
+  };
+  o.compact_records = 4;
+  const std::string p = JobPrefix("t");
+  for (bool part : {false, true}) {
+    SCOPED_TRACE(part ? "a part" : "the pointer");
+    ASSERT_TRUE(client_->Txn({}, {etcd::Op::Delete(p, etcd::PrefixEnd(p))}).ok());
+    auto first = Lead(o);
+    ASSERT_TRUE(first);
+    ASSERT_TRUE(first->ReadJournal(kJobKey).ok());
+    ASSERT_NO_FATAL_FAILURE(AppendAll(*first, kRecords));
+    ASSERT_TRUE(WaitFor([&] { return KeysUnder("journal/") == 0; }));
+    ASSERT_NO_FATAL_FAILURE(AppendAll(*first, {{{"event", "exit"}, {"worker_id", 4}}}));
+    first->Resign();
+    std::string forged_key = p + "snapshot";
+    if (part) {
+      auto parts = client_->Prefix(p + "snapshot/");
+      ASSERT_TRUE(parts.ok() && !parts->empty());
+      forged_key = parts->at(0).key;
+    }
+    ASSERT_TRUE(client_->Put(forged_key, R"({"upto":4,"epoch":1,"parts":1,"bytes":2})").ok());
+    auto second = Lead(o);
+    ASSERT_TRUE(second);
+    auto read = second->ReadJournal(kJobKey);
+    ASSERT_TRUE(read.ok()) << read.status().ToString();
+    ASSERT_FALSE(read->forgeries.empty());
+    EXPECT_EQ(read->forgeries[0].key, forged_key);
+    if (!part) {
+      ASSERT_EQ(read->records.size(), 2u);
+      EXPECT_EQ(read->records[0]["records"].size(), 4u) << "the snapshot, found without it";
+      EXPECT_EQ(read->records[1]["event"], "exit");
+      EXPECT_FALSE(read->cut) << "nothing of the journal is missing";
+    } else {
+      EXPECT_TRUE(read->records.empty());
+      EXPECT_TRUE(read->cut);
+      EXPECT_GT(read->keys, 0u) << "a job whose keys are there: not one to start anew";
+    }
+    second->Resign();
+  }
+}
+
+// A controller that reads and gives up (here: another job key, as a standby without the token file
+// would hold) changes nothing in etcd: the deletion of what lies after a gap waits for the first
+// write. And the parts of a compaction whose switch never landed (no pointer names them) are no
+// gap.
+TEST_F(EtcdJournalTrustTest, AReaderThatGivesUpDeletesNothingAndAnUnswitchedCompactionIsNoGap) {
+  const std::string p = JobPrefix("t");
+  auto first = Lead();
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(first->ReadJournal(kJobKey).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendAll(*first, kRecords));
+  first->Resign();
+  const auto before = Values();
+  auto wrong = Lead();
+  ASSERT_TRUE(wrong);
+  auto read = wrong->ReadJournal(crypto::JobKey("another token"));
+  ASSERT_TRUE(read.ok());
+  EXPECT_TRUE(read->records.empty());
+  EXPECT_TRUE(read->cut);
+  EXPECT_GT(read->keys, 0u);
+  wrong->Resign();
+  wrong.reset();
+  auto after = Values();
+  after.erase(p + "leader");
+  auto expected = before;
+  expected.erase(p + "leader");
+  EXPECT_EQ(after, expected) << "a reader that wrote nothing deleted something";
+  // A sealed snapshot part of a compaction that never switched, beside the whole journal.
+  Put("snapshot/0000000000000004.0000000000000099/0000",
+      "not even sealed: a reader must not mind parts no pointer names");
+  auto second = Lead();
+  ASSERT_TRUE(second);
+  auto whole = second->ReadJournal(kJobKey);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_FALSE(whole->cut);
+  EXPECT_EQ(whole->records.size(), kRecords.size());
   second->Resign();
 }
 

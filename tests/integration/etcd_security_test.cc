@@ -27,6 +27,8 @@
 namespace nonstop {
 namespace {
 
+const crypto::Key kJobKey = crypto::JobKey("journal test token");
+
 using std::chrono::milliseconds;
 using testing::TestCerts;
 
@@ -288,7 +290,7 @@ TEST_F(EtcdAuthTest, TheUserOfTheAuthFileLeadsAndAuthenticatesAgainAfterEtcdForg
   ASSERT_TRUE(l.ok()) << l.status().ToString();
   auto epoch = (*l)->Campaign([] { return false; }, [](const std::string&) {});
   ASSERT_TRUE(epoch.ok()) << epoch.status().ToString();
-  ASSERT_TRUE((*l)->ReadJournal().ok());
+  ASSERT_TRUE((*l)->ReadJournal(kJobKey).ok());
   const crypto::Key key = crypto::JobKey("tok");
   ASSERT_TRUE((*l)->Publish({{"controller", "127.0.0.1:9"}}, key).ok());
   auto reader = etcd::Client::Create(etcd_->endpoint(), As(o.security.auth_file));

@@ -12,6 +12,8 @@
 namespace nonstop::etcd {
 namespace {
 
+const crypto::Key kJobKey = crypto::JobKey("journal test token");
+
 TEST(Base64Test, RoundTripsEveryLengthAndByte) {
   std::string all;
   for (int i = 0; i < 256; ++i) all.push_back(static_cast<char>(i));
@@ -195,7 +197,7 @@ TEST_F(LeadershipTest, OneLeadsTheOtherWaitsAndTakesOverTheJournalWhenTheFirstRe
   ASSERT_TRUE(first && second);
   auto epoch1 = first->Campaign([] { return false; }, [](const std::string&) {});
   ASSERT_TRUE(epoch1.ok()) << epoch1.status().ToString();
-  ASSERT_TRUE(first->ReadJournal()->empty());
+  ASSERT_TRUE(first->ReadJournal(etcd::kJobKey)->records.empty());
   ASSERT_TRUE(first->Publish({{"controller", "127.0.0.1:1"}}, crypto::JobKey("t")).ok());
   auto client = etcd::Client::Create(server_->endpoint());
   EXPECT_EQ(*LookUpLeader(**client, "t"), "127.0.0.1:1");
@@ -224,12 +226,12 @@ TEST_F(LeadershipTest, OneLeadsTheOtherWaitsAndTakesOverTheJournalWhenTheFirstRe
   ASSERT_TRUE(epoch2.ok());
   EXPECT_GT(*epoch2, *epoch1);
   EXPECT_FALSE(first->Valid());
-  auto records = second->ReadJournal();
+  auto records = second->ReadJournal(etcd::kJobKey);
   ASSERT_TRUE(records.ok()) << records.status().ToString();
-  ASSERT_EQ(records->size(), 3u);
-  EXPECT_EQ((*records)[0]["event"], "job_start");
-  EXPECT_EQ((*records)[1]["event"], "plan");
-  EXPECT_EQ((*records)[2]["step"], 2) << "the latest step comes last";
+  ASSERT_EQ(records->records.size(), 3u);
+  EXPECT_EQ(records->records[0]["event"], "job_start");
+  EXPECT_EQ(records->records[1]["event"], "plan");
+  EXPECT_EQ(records->records[2]["step"], 2) << "the latest step comes last";
   // The second's records go on from the first's.
   second->Append({{"event", "job_end"}, {"exit_code", 0}, {"reason", "done"}});
   EXPECT_EQ(second->appended(), 3u);
@@ -247,7 +249,7 @@ TEST_F(LeadershipTest, ALeaderWhoseKeyIsGoneIsDeposedAndItsWritesNeverLand) {
   auto leader = Connect();
   ASSERT_TRUE(leader);
   ASSERT_TRUE(leader->Campaign([] { return false; }, [](const std::string&) {}).ok());
-  ASSERT_TRUE(leader->ReadJournal().ok());
+  ASSERT_TRUE(leader->ReadJournal(etcd::kJobKey).ok());
   // Another controller's view: the key is gone (its lease expired) and someone else holds it now.
   auto client = etcd::Client::Create(server_->endpoint());
   ASSERT_TRUE((*client)->Txn({}, {etcd::Op::Delete(LeaderKey("t"))}).ok());
