@@ -34,6 +34,7 @@ PACKAGES=(
   clang-format-16  # scripts/format.sh and the format part of scripts/test.sh (.clang-format)
   chromium  # the dashboard and report tests open the pages headless (tests/integration/dashboard_test.cc)
   etcd-server  # the controller's standbys coordinate through etcd (tests start a real one; docs/controller-failover.md)
+  etcd-client  # `etcdctl`, which the docs' operator steps use (docs/controller-failover.md, docs/security.md)
   # The Python package (python/, src/python) and its tests and examples:
   # Debian's interpreter, pybind11 and PyTorch, and pytest.
   python3-dev pybind11-dev python3-torch python3-pytest
