@@ -404,7 +404,8 @@ void Leadership::VerifyJournal(const std::vector<etcd::KeyValue>& kvs, JournalRe
     }
   }
   uint64_t last = 0;
-  int64_t epoch = 0;  // the epoch of the last record believed: later ones are of it or later
+  int64_t epoch = 0;         // the epoch of the last record believed: later ones are of it or later
+  uint64_t chain_start = 0;  // the seq its leader began at (its counter)
   if (snapshot != nullptr) {
     snapshot_ = snapshot->Text();
     auto j = nlohmann::json::parse(snapshot_, nullptr, false);
@@ -450,15 +451,32 @@ void Leadership::VerifyJournal(const std::vector<etcd::KeyValue>& kvs, JournalRe
     }
     auto v = unseal(*journal[i]);
     ++i;
-    if (!v || v->epoch < epoch) {
-      if (v) {
-        refuse(key, fmt::format("etcd key {}: a record of epoch {} after one of epoch {} (an old "
-                                "record put back)",
-                                key, v->epoch, epoch));
-      }
+    // A record's counter is the seq of its leader's first record: the same as the record
+    // before it within one leader's run, its own seq where a leader begins (at most it, after a
+    // snapshot that covers the beginning). So an earlier leader's records put back over its
+    // successor's (each genuine) end where the successor's resume.
+    const uint64_t seq = last + 1;
+    std::string chain;
+    const bool first_after_snapshot = tail_.empty() && snapshot != nullptr;
+    if (v && v->epoch < epoch) {
+      chain = fmt::format("a record of epoch {} after one of epoch {}", v->epoch, epoch);
+    } else if (v && first_after_snapshot) {
+      if (v->counter > seq) chain = fmt::format("a leader that began at record {}", v->counter);
+    } else if (v && v->epoch == epoch && v->counter != chain_start) {
+      chain = fmt::format(
+          "a record of the leader that began at record {}, after one of the "
+          "leader that began at record {}",
+          v->counter, chain_start);
+    } else if (v && v->epoch != epoch && v->counter != seq) {
+      chain = fmt::format("the first record of epoch {}, of a leader that began at record {}",
+                          v->epoch, v->counter);
+    }
+    if (!v || !chain.empty()) {
+      if (v) refuse(key, fmt::format("etcd key {}: {} (an old record put back)", key, chain));
       cut = true;
       break;
     }
+    chain_start = v->counter;
     std::string line = std::move(v->value);
     auto j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_object() && j.contains("split") && !j.contains("event")) {
@@ -912,7 +930,8 @@ void Leadership::Write(std::stop_token st) {
         if (ops.size() + 3 >= kMaxOpsPerTxn ||
             (bytes > 0 && bytes + 2 * line.size() > kMaxBytesPerTxn))
           break;
-        ops.push_back(etcd::Op::Put(SeqKey(prefix_, seq), Sealed(SeqKey(prefix_, seq), 0, line)));
+        ops.push_back(
+            etcd::Op::Put(SeqKey(prefix_, seq), Sealed(SeqKey(prefix_, seq), first_seq_, line)));
         // The latest plan again under P plan, with its sequence number: a takeover whose journal
         // was cut before it (a forged record) still learns the members' generation.
         if (seq == plan_seq_) {
@@ -925,8 +944,9 @@ void Leadership::Write(std::stop_token st) {
       if (!split.second.empty()) {
         nlohmann::json header = {
             {"split", {{"parts", PartsOf(split.second)}, {"bytes", split.second.size()}}}};
-        ops.push_back(etcd::Op::Put(SeqKey(prefix_, split.first),
-                                    Sealed(SeqKey(prefix_, split.first), 0, header.dump())));
+        ops.push_back(
+            etcd::Op::Put(SeqKey(prefix_, split.first),
+                          Sealed(SeqKey(prefix_, split.first), first_seq_, header.dump())));
         last = split.first;
       }
       // The progress, sealed with the journal's last record once this batch lands: put again with

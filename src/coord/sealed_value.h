@@ -6,8 +6,9 @@
 // The MAC (HMAC-SHA256, hex, under a key derived from the job key for this purpose alone) covers
 // the job's name, the etcd key the value is stored under, the writing leader's epoch, the counter
 // and the value: a value moved to another key, copied from another job, or changed is refused.
-// The counter is what the key's reader checks against the rest of what it read: 0 for a journal
-// record (its key is its sequence number), the number of parts for the parts of a split record or
+// The counter is what the key's reader checks against the rest of what it read: for a journal
+// record, the sequence number of its leader's first record (the records of one leader agree, a new
+// leader begins at its own), the number of parts for the parts of a split record or
 // snapshot, the snapshot's last record for the snapshot pointer, and the journal's last record
 // for `progress`. The header is text, so `etcdctl get` still shows the value.
 #pragma once

@@ -512,5 +512,39 @@ TEST_F(EtcdJournalTrustTest, AReaderThatGivesUpDeletesNothingAndAnUnswitchedComp
   second->Resign();
 }
 
+// An earlier leader's records, each genuine, put back over those its successor wrote after a cut:
+// each record's seal names where its leader began, so the splice ends where the successor's records
+// resume, and that is a gap like any other.
+TEST_F(EtcdJournalTrustTest, AnEarlierLeadersRecordsPutBackOverItsSuccessorsAreAGap) {
+  const std::string p = JobPrefix("t");
+  auto first = Lead();
+  ASSERT_TRUE(first);
+  ASSERT_TRUE(first->ReadJournal(kJobKey).ok());
+  ASSERT_NO_FATAL_FAILURE(AppendAll(*first, kRecords));  // 1-4
+  first->Resign();
+  const auto e1 = Values();
+  Put(Seq(3), R"({"event":"job_end","exit_code":0})");  // the cut: E2 goes on from 3
+  auto second = Lead();
+  ASSERT_TRUE(second);
+  auto read = second->ReadJournal(kJobKey);
+  ASSERT_TRUE(read.ok() && read->cut);
+  ASSERT_NO_FATAL_FAILURE(AppendAll(*second, {{{"event", "controller_start"}},
+                                              {{"event", "exit"}, {"worker_id", 1}},
+                                              {{"event", "exit"}, {"worker_id", 2}}}));  // 3-5
+  second->Resign();
+  Put(Seq(3), e1.at(p + Seq(3)));  // E1's 3 and 4 back over E2's
+  Put(Seq(4), e1.at(p + Seq(4)));
+  auto third = Lead();
+  ASSERT_TRUE(third);
+  auto spliced = third->ReadJournal(kJobKey);
+  ASSERT_TRUE(spliced.ok());
+  EXPECT_TRUE(spliced->cut);
+  ASSERT_FALSE(spliced->forgeries.empty());
+  EXPECT_EQ(spliced->forgeries[0].key, p + Seq(5)) << spliced->forgeries[0].why;
+  EXPECT_NE(spliced->forgeries[0].why.find("began at record 3"), std::string::npos)
+      << spliced->forgeries[0].why;
+  third->Resign();
+}
+
 }  // namespace
 }  // namespace nonstop::coord
