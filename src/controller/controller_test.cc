@@ -2003,9 +2003,6 @@ TEST_F(HostFaultsTest, HostLostBeforePlacementStartsNothingEarly) {
   EXPECT_EQ(c_->world_size(), 6u);
 }
 
-// A host declared lost by heartbeats is fenced, not told to exit: its workers
-// are killed first (the kills reach an agent that still lives), then only
-// its connection closes; it may register again.
 // While the job forms, its workers start on every host at once: an agent unheard for more than
 // the heartbeat timeout is waited for, up to 5 s (its host's workers import their framework).
 TEST_F(HostFaultsTest, ASilentHostWhileTheJobFormsIsWaitedForFiveSeconds) {
@@ -2027,6 +2024,9 @@ TEST_F(HostFaultsTest, ASilentHostWhileTheJobFormsIsWaitedForFiveSeconds) {
   EXPECT_EQ(closes[0].host_id, "h2");
 }
 
+// A host declared lost by heartbeats is fenced, not told to exit: its workers
+// are killed first (the kills reach an agent that still lives), then only
+// its connection closes; it may register again.
 TEST_F(HostFaultsTest, SilentHostIsKilledThenFencedAndMayComeBack) {
   ControllerOptions o;
   o.min_hosts = 2;
