@@ -509,6 +509,7 @@ void Leadership::VerifyJournal(const std::vector<etcd::KeyValue>& kvs, JournalRe
     tail_.push_back(std::move(line));
     out->records.push_back(std::move(j));
   }
+  nlohmann::json progress_record;  // the progress read, after the plan's copy in the records
   if (progress != nullptr) {
     auto v = unseal(*progress);
     auto j = v ? nlohmann::json::parse(v->value, nullptr, false) : nlohmann::json();
@@ -522,7 +523,7 @@ void Leadership::VerifyJournal(const std::vector<etcd::KeyValue>& kvs, JournalRe
       // Written after a record the journal does not hold: its tail was deleted or cut.
       if (v->counter > last) cut = true;
       progress_current_ = std::move(v->value);
-      progress_record_ = std::move(j);
+      progress_record = std::move(j);
     }
   }
   if (cut) {
@@ -537,7 +538,7 @@ void Leadership::VerifyJournal(const std::vector<etcd::KeyValue>& kvs, JournalRe
         out->records.push_back(std::move(j));
     }
   }
-  if (!progress_record_.is_null()) out->records.push_back(std::exchange(progress_record_, {}));
+  if (!progress_record.is_null()) out->records.push_back(std::move(progress_record));
   first_seq_ = last + 1;
   PlanCleanup(
       *out,

@@ -313,7 +313,6 @@ class Leadership {
   // what the first write deletes (or puts back) of what the read refused.
   crypto::Key sealing_key_{};
   std::vector<etcd::Op> cleanup_;
-  nlohmann::json progress_record_;  // VerifyJournal's: the progress record read
   // The writer's: the latest progress record, put again (sealed with the journal's last record as
   // its counter) with every batch, so that the progress in etcd is never older than the journal.
   std::string progress_current_;
