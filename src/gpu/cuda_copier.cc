@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "gpu/cuda_runtime.h"
 #include "gpu/cuda_util.h"
 #include "nonstop/cuda.h"
 
@@ -20,52 +21,59 @@ cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
 Result<std::shared_ptr<CudaCopier>> CudaCopier::Create(int device_index) {
   NONSTOP_RETURN_IF_ERROR(DeviceExists(device_index));
   auto copier = std::shared_ptr<CudaCopier>(new CudaCopier(device_index));
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index), "cudaSetDevice"));
+  DeviceScope scope(device_index);
+  NONSTOP_RETURN_IF_ERROR(scope.status());
   for (void*& s : copier->streams_) {
     cudaStream_t stream = nullptr;
     NONSTOP_RETURN_IF_ERROR(
-        CudaError(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+        CudaError(Cuda().StreamCreate(&stream, cudaStreamNonBlocking), "cudaStreamCreate"));
     s = stream;
   }
   return copier;
 }
 
 CudaCopier::~CudaCopier() {
-  cudaSetDevice(device_index_);
+  DeviceScope scope(device_index_);
   for (void* s : streams_) {
     if (s != nullptr) {
-      cudaStreamSynchronize(Stream(s));
-      cudaStreamDestroy(Stream(s));
+      Cuda().StreamSynchronize(Stream(s));
+      Cuda().StreamDestroy(Stream(s));
     }
   }
-  for (void* p : pinned_) cudaFreeHost(p);
+  for (void* p : pinned_) Cuda().FreeHost(p);
 }
 
 Result<std::span<std::byte>> CudaCopier::HostBuffer(size_t bytes) {
+  DeviceScope scope(device_index_);  // pinned memory belongs to a context
+  NONSTOP_RETURN_IF_ERROR(scope.status());
   void* p = nullptr;
   NONSTOP_RETURN_IF_ERROR(
-      CudaError(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), "cudaHostAlloc"));
+      CudaError(Cuda().HostAlloc(&p, bytes, cudaHostAllocPortable), "cudaHostAlloc"));
   std::lock_guard lock(mu_);
   pinned_.push_back(p);
   return std::span<std::byte>(static_cast<std::byte*>(p), bytes);
 }
 
 Status CudaCopier::ToHost(int lane, std::byte* host, const std::byte* device, size_t bytes) {
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
+  DeviceScope scope(device_index_);
+  NONSTOP_RETURN_IF_ERROR(scope.status());
   return CudaError(
-      cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, Stream(streams_[lane & 1])),
+      Cuda().MemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, Stream(streams_[lane & 1])),
       "cudaMemcpyAsync to the host");
 }
 
 Status CudaCopier::ToDevice(int lane, std::byte* device, const std::byte* host, size_t bytes) {
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
+  DeviceScope scope(device_index_);
+  NONSTOP_RETURN_IF_ERROR(scope.status());
   return CudaError(
-      cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, Stream(streams_[lane & 1])),
+      Cuda().MemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, Stream(streams_[lane & 1])),
       "cudaMemcpyAsync to the device");
 }
 
 Status CudaCopier::Wait(int lane) {
-  return CudaError(cudaStreamSynchronize(Stream(streams_[lane & 1])), "cudaStreamSynchronize");
+  DeviceScope scope(device_index_);
+  NONSTOP_RETURN_IF_ERROR(scope.status());
+  return CudaError(Cuda().StreamSynchronize(Stream(streams_[lane & 1])), "cudaStreamSynchronize");
 }
 
 Result<std::shared_ptr<CudaMemory>> CudaMemory::Create(int device_index) {
@@ -74,14 +82,15 @@ Result<std::shared_ptr<CudaMemory>> CudaMemory::Create(int device_index) {
 }
 
 CudaMemory::~CudaMemory() {
-  cudaSetDevice(device_index_);
-  for (void* p : allocated_) cudaFree(p);
+  DeviceScope scope(device_index_);
+  for (void* p : allocated_) Cuda().Free(p);
 }
 
 Result<std::span<std::byte>> CudaMemory::Allocate(size_t bytes) {
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index_), "cudaSetDevice"));
+  DeviceScope scope(device_index_);
+  NONSTOP_RETURN_IF_ERROR(scope.status());
   void* p = nullptr;
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaMalloc(&p, bytes), "cudaMalloc"));
+  NONSTOP_RETURN_IF_ERROR(CudaError(Cuda().Malloc(&p, bytes), "cudaMalloc"));
   std::lock_guard lock(mu_);
   allocated_.push_back(p);
   return std::span<std::byte>(static_cast<std::byte*>(p), bytes);
@@ -96,13 +105,13 @@ std::string CudaMemory::name() const { return fmt::format("cuda:{}", device_inde
 Status CudaMemory::Copy(void* to, const void* from, size_t bytes, bool to_host) const {
   DeviceScope scope(device_index_);
   NONSTOP_RETURN_IF_ERROR(scope.status());
-  Status s = CudaError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  Status s = CudaError(Cuda().DeviceSynchronize(), "cudaDeviceSynchronize");
   if (s.ok()) {
     s = CudaError(
-        cudaMemcpy(to, from, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
+        Cuda().Memcpy(to, from, bytes, to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
         to_host ? "cudaMemcpy to the host" : "cudaMemcpy to the device");
   }
-  if (s.ok()) s = CudaError(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (s.ok()) s = CudaError(Cuda().DeviceSynchronize(), "cudaDeviceSynchronize");
   return s;
 }
 
@@ -114,11 +123,7 @@ Status CudaMemory::ToDevice(std::byte* device, const std::byte* host, size_t byt
   return Copy(device, host, bytes, /*to_host=*/false);
 }
 
-Status CudaMemory::Check() const {
-  DeviceScope scope(device_index_);
-  NONSTOP_RETURN_IF_ERROR(scope.status());
-  return CheckDevice(device_index_);
-}
+Status CudaMemory::Check() const { return CheckDevice(device_index_); }
 
 std::function<Result<std::unique_ptr<collective::DataPlane>>(
     std::unique_ptr<collective::DataPlane> tcp, net::AbortSignal* abort)>
@@ -133,25 +138,26 @@ StagedDataPlaneMaker(int device_index) {
 }
 
 Status CheckDevice(int device_index) {
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaSetDevice(device_index), "cudaSetDevice"));
+  DeviceScope scope(device_index);
+  NONSTOP_RETURN_IF_ERROR(scope.status());
   constexpr size_t kBytes = 1 << 20;
   std::vector<unsigned char> pattern(kBytes), back(kBytes);
   for (size_t i = 0; i < kBytes; ++i) pattern[i] = static_cast<unsigned char>(i * 131 + 7);
   void* d = nullptr;
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaMalloc(&d, kBytes), "cudaMalloc"));
-  Status s = CudaError(cudaMemset(d, 0xA5, kBytes), "cudaMemset");
+  NONSTOP_RETURN_IF_ERROR(CudaError(Cuda().Malloc(&d, kBytes), "cudaMalloc"));
+  Status s = CudaError(Cuda().Memset(d, 0xA5, kBytes), "cudaMemset");
   if (s.ok())
-    s = CudaError(cudaMemcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    s = CudaError(Cuda().Memcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
   if (s.ok() && back != std::vector<unsigned char>(kBytes, 0xA5))
     s = DataLossError(fmt::format("cuda:{} returned other bytes than it was set to", device_index));
   if (s.ok())
-    s = CudaError(cudaMemcpy(d, pattern.data(), kBytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+    s = CudaError(Cuda().Memcpy(d, pattern.data(), kBytes, cudaMemcpyHostToDevice), "cudaMemcpy");
   if (s.ok())
-    s = CudaError(cudaMemcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    s = CudaError(Cuda().Memcpy(back.data(), d, kBytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
   if (s.ok() && back != pattern)
     s = DataLossError(
         fmt::format("cuda:{} returned other bytes than were copied in", device_index));
-  cudaFree(d);
+  Cuda().Free(d);
   return s.WithContext(fmt::format("health check of cuda:{}", device_index));
 }
 

@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include "gpu/cuda_runtime.h"
+
 namespace nonstop::gpu {
 
 Status CudaError(int error, const char* what) {
@@ -15,7 +17,7 @@ Status CudaError(int error, const char* what) {
 
 Status DeviceExists(int device_index) {
   int count = 0;
-  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
+  if (cudaError_t e = Cuda().GetDeviceCount(&count); e != cudaSuccess) {
     return FailedPreconditionError(
         fmt::format("no CUDA device can be used: {}", cudaGetErrorString(e)));
   }
@@ -28,24 +30,29 @@ Status DeviceExists(int device_index) {
 
 int DeviceCount() {
   int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+  return Cuda().GetDeviceCount(&count) == cudaSuccess ? count : 0;
 }
 
+// The previous context, not the previous device, is what is put back: a thread that never chose a
+// device has none, and setting device 0 back would create device 0's context on it (CUDA 12 and
+// later make the primary context at cudaSetDevice).
 DeviceScope::DeviceScope(int device_index) {
-  status_ = CudaError(cudaGetDevice(&previous_), "cudaGetDevice");
-  if (!status_.ok()) {
-    previous_ = -1;
-    return;
+  CudaRuntime& cuda = Cuda();
+  int current = -1;
+  status_ = CudaError(cuda.GetDevice(&current), "cudaGetDevice");
+  void* context = nullptr;
+  if (status_.ok()) status_ = CudaError(cuda.GetCurrentContext(&context), "cuCtxGetCurrent");
+  if (!status_.ok()) return;
+  if (context != nullptr && current == device_index) return;  // nothing to put back
+  status_ = CudaError(cuda.SetDevice(device_index), "cudaSetDevice");
+  if (status_.ok()) {
+    previous_ = context;
+    restore_ = true;
   }
-  if (previous_ == device_index) {
-    previous_ = -1;  // nothing to put back
-    return;
-  }
-  status_ = CudaError(cudaSetDevice(device_index), "cudaSetDevice");
 }
 
 DeviceScope::~DeviceScope() {
-  if (previous_ >= 0) cudaSetDevice(previous_);
+  if (restore_) Cuda().SetCurrentContext(previous_);
 }
 
 }  // namespace nonstop::gpu

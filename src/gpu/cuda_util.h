@@ -18,7 +18,9 @@ Status DeviceExists(int device_index);
 int DeviceCount();
 
 // Makes cuda:`device_index` the calling thread's current device until it
-// ends, then puts the previous one back.
+// ends, then puts the thread's previous context back: none on a thread that
+// never chose a device, so that a worker touches no device but its own. Every
+// CUDA call of src/gpu runs inside one.
 class DeviceScope {
  public:
   explicit DeviceScope(int device_index);
@@ -28,7 +30,8 @@ class DeviceScope {
   const Status& status() const { return status_; }
 
  private:
-  int previous_ = -1;
+  void* previous_ = nullptr;  // a CUcontext; nullptr: the thread had none
+  bool restore_ = false;
   Status status_;
 };
 

@@ -12,6 +12,7 @@
 #include "common/check.h"
 #include "common/logging.h"
 #include "gpu/cuda_copier.h"
+#include "gpu/cuda_runtime.h"
 #include "gpu/cuda_util.h"
 
 namespace nonstop::gpu {
@@ -33,16 +34,22 @@ Status NcclError(ncclResult_t r, const char* what, void* comm) {
                                    last != nullptr ? last : ""));
 }
 
-// An NCCL communicator this code owns until it hands it on; aborted (which
-// frees it, work in flight or not) when it is dropped.
+// An NCCL communicator of cuda:`device` this code owns until it hands it on;
+// aborted (which frees it, work in flight or not) when it is dropped, with its
+// device current: NCCL puts back the thread's device after an abort, which
+// would make device 0's context on a thread that never chose one.
 struct OwnedComm {
   void* comm = nullptr;
-  explicit OwnedComm(void* c) : comm(c) {}
+  int device;
+  OwnedComm(void* c, int d) : comm(c), device(d) {}
   OwnedComm(const OwnedComm&) = delete;
   OwnedComm& operator=(const OwnedComm&) = delete;
   ~OwnedComm() { Drop(); }
   void Drop() {
-    if (comm != nullptr) ncclCommAbort(Comm(comm));
+    if (comm != nullptr) {
+      DeviceScope scope(device);
+      ncclCommAbort(Comm(comm));
+    }
     comm = nullptr;
   }
 };
@@ -92,7 +99,7 @@ NcclCommunicator::~NcclCommunicator() {
   }
   if (stream_ != nullptr) {
     DeviceScope scope(device_index_);
-    cudaStreamDestroy(Stream(stream_));
+    Cuda().StreamDestroy(Stream(stream_));
   }
 }
 
@@ -118,7 +125,7 @@ Status NcclCommunicator::Fail(Status status) {
     failed = std::exchange(comm_, nullptr);
     status = error_;
   }
-  OwnedComm aborted(failed);                      // stops its kernels (on this, the waiting thread)
+  OwnedComm aborted(failed, device_index_);       // stops its kernels (on this, the waiting thread)
   staged_->Abort(std::string(status.message()));  // the host calls and sub-groups stop too
   return status;
 }
@@ -164,7 +171,7 @@ Status NcclCommunicator::SetUp() {
   const auto t0 = Clock::now();
   const auto deadline = t0 + options_.timeout_connect;
   NcclDataPlane::Parent held = plane_->TakeParent();
-  OwnedComm parent(held.comm);
+  OwnedComm parent(held.comm, device_index_);
   std::vector<int> ids;
   for (const collective::Member& m : options_.members) ids.push_back(m.worker_id);
   std::optional<std::vector<int>> excluded;
@@ -196,8 +203,8 @@ Status NcclCommunicator::SetUp() {
   DeviceScope scope(device_index_);
   NONSTOP_RETURN_IF_ERROR(scope.status());
   cudaStream_t stream = nullptr;
-  NONSTOP_RETURN_IF_ERROR(CudaError(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
-                                    "cudaStreamCreateWithFlags"));
+  NONSTOP_RETURN_IF_ERROR(
+      CudaError(Cuda().StreamCreate(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"));
   stream_ = stream;
   const std::string name = fmt::format("nonstop generation {}", generation());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -253,10 +260,14 @@ Status NcclCommunicator::Await(const char* op, bool stream, Clock::time_point de
           state = r;
         if (state != ncclSuccess && state != ncclInProgress) {
           failed = where(NcclError(state, op, comm_));
+        } else if (state == ncclSuccess && !stream) {
+          return OkStatus();
         } else if (state == ncclSuccess) {
-          const cudaError_t e = stream ? cudaStreamQuery(Stream(stream_)) : cudaSuccess;
-          if (e == cudaSuccess) return OkStatus();
-          if (e != cudaErrorNotReady) failed = where(CudaError(e, op));
+          DeviceScope scope(device_index_);
+          failed = scope.status();
+          const cudaError_t e = failed.ok() ? Cuda().StreamQuery(Stream(stream_)) : cudaSuccess;
+          if (failed.ok() && e == cudaSuccess) return OkStatus();
+          if (failed.ok() && e != cudaErrorNotReady) failed = where(CudaError(e, op));
         }
       }
     }
@@ -297,7 +308,7 @@ Status NcclCommunicator::Run(const char* op, Enqueue enqueue) {
   if (!s.ok()) {
     // The communicator was aborted, which stops its kernels: wait for them to leave the region.
     DeviceScope scope(device_index_);
-    cudaStreamSynchronize(Stream(stream_));
+    Cuda().StreamSynchronize(Stream(stream_));
   }
   return s;
 }
@@ -395,7 +406,7 @@ NcclDataPlane::NcclDataPlane(std::unique_ptr<collective::DataPlane> host,
                              net::AbortSignal* abort)
     : staged_(std::move(host), copier), device_index_(copier->device_index()), abort_(abort) {}
 
-NcclDataPlane::~NcclDataPlane() { OwnedComm dropped(TakeParent().comm); }
+NcclDataPlane::~NcclDataPlane() { OwnedComm dropped(TakeParent().comm, device_index_); }
 
 std::unique_ptr<collective::Communicator> NcclDataPlane::NewCommunicator(
     collective::CommunicatorOptions options) {
@@ -414,7 +425,7 @@ void NcclDataPlane::KeepParent(Parent parent) {
     MutexLock lock(&mu_);
     older = std::exchange(parent_, std::move(parent));
   }
-  OwnedComm dropped(older.comm);  // never taken: aborted, outside the lock
+  OwnedComm dropped(older.comm, device_index_);  // never taken: aborted, outside the lock
 }
 
 std::function<Result<std::unique_ptr<collective::DataPlane>>(
