@@ -32,7 +32,8 @@ case "${1:-}" in
     ;;
   --sanitize)
     case "${2:-}" in
-      address) dir=build-asan; config+=(-DNONSTOP_ENABLE_ASAN=ON) ;;
+      # the labels scripts/test.sh's asan part runs: the other tests are not built
+      address) dir=build-asan; config+=(-DNONSTOP_ENABLE_ASAN=ON "-DNONSTOP_TEST_LABELS=unit;chaos") ;;
       thread) dir=build-tsan; config+=(-DNONSTOP_ENABLE_TSAN=ON) ;;
       *) echo "build.sh: --sanitize takes 'address' (ASan + UBSan) or 'thread' (TSan), got '${2:-}'" >&2; exit 2 ;;
     esac
