@@ -1,4 +1,4 @@
-# The public API is the only way in (STYLE.md §1, issue 24): fails when the
+# The public API is the only way in (docs/architecture.md "Code style", issue 24): fails when the
 # reference trainer (apps/train, the program users copy) includes a runtime
 # header from src/ other than the LibTorch adapter (src/torch/), or when a
 # public header (include/nonstop/) includes anything of the project's but

@@ -1,4 +1,4 @@
-// Durable checkpoints (DESIGN.md §6): the last rung of recovery, the state of
+// Durable checkpoints (docs/architecture.md "State"): the last rung of recovery, the state of
 // the checkpoint-restart baseline, and a way to resume or evaluate later.
 //
 // A checkpoint is a directory `step-000030/` holding

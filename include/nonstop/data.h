@@ -1,4 +1,4 @@
-// Training data (DESIGN.md §7): token shards prepared from text, a Dataset
+// Training data (docs/architecture.md "Data"): token shards prepared from text, a Dataset
 // that cuts them into fixed-length samples, and a Sampler that says which
 // samples form each step's global batch and which rank computes which
 // micro-batches. Implemented by src/data/ (the shard format and its mmap

@@ -1,4 +1,4 @@
-// How the batch and the learning rate follow the world size (DESIGN.md §8).
+// How the batch and the learning rate follow the world size (docs/architecture.md "Elasticity").
 //
 // kFixed (the default): the global batch B and the micro-batch size stay
 // fixed whatever the world size; only the number of micro-batches each rank

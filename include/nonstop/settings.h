@@ -1,5 +1,5 @@
 // The job's settings: every NONSTOP_* environment variable, written once
-// (STYLE.md §11: NCCL_PARAM's idea without the sprawl). Each entry says its
+// (docs/architecture.md "Code style": NCCL_PARAM's idea without the sprawl). Each entry says its
 // variable, its command-line flag if it has one, its type and default, the
 // values it takes, the programs that read it and those that set it for
 // others, and its help text. docs/settings.md is printed from here (`nonstop

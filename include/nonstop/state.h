@@ -1,4 +1,4 @@
-// StateRegistry: what a worker must not lose (DESIGN.md §6).
+// StateRegistry: what a worker must not lose (docs/architecture.md "State").
 //
 // The training program registers live memory regions (parameters, optimizer
 // moments, the step counter, RNG state) by name. Concatenated in registration

@@ -1,5 +1,5 @@
-// Agent: the per-host half of a multi-host job (`nonstop agent`, DESIGN.md
-// §2 and §13). One agent runs on each host. It dials the controller, says
+// Agent: the per-host half of a multi-host job (`nonstop agent`,
+// docs/architecture.md "Processes"). One agent runs on each host. It dials the controller, says
 // hello as ConnectionKind::kAgent, registers its host (AgentRegister), and
 // from then on carries out the controller's orders: start a worker process,
 // signal it, renice it. It reports at once what happens to its processes
@@ -9,7 +9,7 @@
 // (docs/protocol.md, "Agents").
 //
 // Losing the controller. Training does not need the controller between
-// faults (DESIGN.md §13), and a controller that dies is replaced (a standby,
+// faults (docs/architecture.md "Invariants"), and a controller that dies is replaced (a standby,
 // or `nonstop controller --resume`) which adopts the running workers. So when
 // the controller is silent for `controller_timeout` (no byte at all: it pings
 // every 500 ms), or the connection breaks, overflows or carries a malformed

@@ -1,4 +1,4 @@
-// The data plane (DESIGN.md §5, docs/data_plane.md): the seam between a
+// The data plane (docs/architecture.md "The data plane", docs/data_plane.md): the seam between a
 // worker's session and the transport that moves its bytes.
 //
 // A DataPlane is one per worker process and lives across generations: it

@@ -1,5 +1,5 @@
 // PeerMesh: a worker's data-plane connections to other workers, keyed by
-// worker id, living across generations (DESIGN.md §5).
+// worker id, living across generations (docs/architecture.md "The data plane").
 //
 // A mesh owns one listening socket and an accept thread. For any pair of
 // workers the one with the lower worker id dials and the other accepts, so a

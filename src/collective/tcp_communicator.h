@@ -1,5 +1,5 @@
 // TcpCommunicator: the Communicator of the TCP data plane (data_plane.h has
-// the contract; DESIGN.md §5): host memory over a PeerMesh's connections.
+// the contract; docs/architecture.md "The data plane"): host memory over a PeerMesh's connections.
 //
 // It is built from a plan: this worker's rank and the ordered list of
 // members with their data addresses. It asks the PeerMesh for the

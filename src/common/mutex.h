@@ -114,7 +114,7 @@ class NONSTOP_SCOPED_CAPABILITY MutexLock {
 // caller holds (checked by the analysis); it is released while waiting and
 // held again on return. Waits take a predicate, so that a spurious or stolen
 // wake-up goes back to sleep, and, where a peer or the network is what is
-// awaited, a deadline (STYLE.md §6).
+// awaited, a deadline (docs/architecture.md "Code style").
 class CondVar {
  public:
   CondVar() = default;

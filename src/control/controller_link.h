@@ -1,5 +1,5 @@
-// ControllerLink: the one client of the controller (DESIGN.md §14), used by
-// a host's agent (src/agent) and by every worker's Session (src/worker)
+// ControllerLink: the one client of the controller (docs/architecture.md "The control plane"),
+// used by a host's agent (src/agent) and by every worker's Session (src/worker)
 // alike. It finds the controller (a list of addresses dialed in turn, or the
 // leader etcd names, through src/coord, or the leader file the host's agent
 // keeps: docs/leader-discovery.md), dials it with a deadline, says the

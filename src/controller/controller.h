@@ -1,4 +1,4 @@
-// Controller: the job's brain, as a pure state machine (DESIGN.md §2–§4, §9).
+// Controller: the job's brain, as a pure state machine (docs/architecture.md "The control plane").
 //
 // Handle(event, now) → actions. It owns no socket, clock or process: the
 // runtime around it (src/controller/runtime.cc) turns socket traffic,
@@ -31,7 +31,7 @@
 //      journaled and summarised at the end of the job.
 // A fault during a recovery starts a new one from the current members.
 //
-// Hosts (DESIGN.md §13). Every worker runs on a host whose agent started
+// Hosts (docs/multihost.md). Every worker runs on a host whose agent started
 // it; a host is a failure domain. The job is placed when min_hosts agents
 // have registered: each host starts its nproc workers (the world is their
 // sum) and its spares. A host that registers later (or again, after it was

@@ -1,5 +1,5 @@
-// The Controller's recovery state machine (DESIGN.md §3; docs/recovery.md):
-// a fault or a planned resize opens a recovery (OpenRecovery: the record, the
+// The Controller's recovery state machine (docs/architecture.md "Steps and faults";
+// docs/recovery.md): a fault or a planned resize opens a recovery (OpenRecovery: the record, the
 // aborts or drains), the members answer Ready (MaybeFinishAbort), the planner
 // decides generation g+1 from the view (FormNextGeneration), and the plan is
 // applied (ApplyPlan) — or every worker restarts from the durable checkpoint

@@ -38,7 +38,7 @@ enum class RecoveryMode {
   kCheckpointRestart,
 };
 
-// When and how the world may change size (DESIGN.md §8).
+// When and how the world may change size (docs/elastic.md).
 struct ScalePolicy {
   int min_world = 1;
   int max_world = 0;               // 0: the initial world size

@@ -1,5 +1,5 @@
-// Detectors: the controller's checks of time (DESIGN.md §4, §14: detectors;
-// docs/controller.md, docs/recovery.md "Detection").
+// Detectors: the controller's checks of time (docs/architecture.md
+// "Failure detection", docs/controller.md, docs/recovery.md "Detection").
 //
 // What it decides: what fired, and why — a silent agent or worker
 // (heartbeats), a worker that did not join in time or a job that did not form

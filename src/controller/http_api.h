@@ -1,4 +1,4 @@
-// The controller's HTTP endpoint (DESIGN.md §9), served by cpp-httplib:
+// The controller's HTTP endpoint (docs/dashboard.md), served by cpp-httplib:
 //   GET  /         the dashboard page (it holds no data)                       open
 //   GET  /status   the job: phase, generation, members, spares, policy (JSON)   loopback: open
 //   GET  /metrics  Prometheus text                                              loopback: open

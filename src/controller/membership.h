@@ -1,5 +1,4 @@
-// Membership: who is in the job, and in which role (DESIGN.md §14:
-// membership; docs/controller.md).
+// Membership: who is in the job, and in which role (docs/controller.md).
 //
 // What it decides: nothing; it keeps the books the Controller decides over,
 // with their invariants in one place:

@@ -1,5 +1,5 @@
-// Placement: the job's hosts and where its processes run (DESIGN.md §13,
-// §14: placement; docs/controller.md, docs/multihost.md).
+// Placement: the job's hosts and where its processes run (docs/controller.md,
+// docs/multihost.md).
 //
 // What it decides: which host each new worker and spare goes to — at the
 // placement (every live host's nproc workers and spares, as slots allow), when

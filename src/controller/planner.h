@@ -1,5 +1,5 @@
 // Planner: the decision of the next generation, as a pure function
-// (DESIGN.md §3, §14: planner(view, policy) → plan).
+// (docs/architecture.md "Invariants": planner(view, policy) → plan).
 //
 // When every live member of generation g has aborted and answered Ready with
 // the step its state holds, the controller asks PlanNextGeneration what g+1 is:
@@ -9,7 +9,7 @@
 // from the surviving replicas of the rank's shard), what a planned resize
 // releases or adds, which members copy the state and from whom, and with
 // sharded state which member copies which shard from whom (every copy the
-// plan makes: DESIGN.md §14) — or that the job must restart from its durable
+// plan makes: docs/architecture.md "Invariants") — or that the job must restart from its durable
 // checkpoint, or end.
 //
 // The planner reads only its arguments: no clock, no socket, no Controller.

@@ -1,5 +1,5 @@
-// Resize policy: when and to what size the world may change (DESIGN.md §8,
-// §14: resize policy; docs/controller.md, docs/elastic.md).
+// Resize policy: when and to what size the world may change (docs/controller.md,
+// docs/elastic.md).
 //
 // What it decides: the sizes the policy allows (the planner's CheckWorldSize
 // over the resolved policy), the stable period between two changes with its

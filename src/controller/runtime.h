@@ -1,6 +1,6 @@
 // The controller runtime: everything around the Controller state machine
-// that makes it a running job (DESIGN.md §2, §9, §13). One thread, one
-// event loop (docs/thread-model.md):
+// that makes it a running job (docs/architecture.md "Processes", "The control plane"). One
+// thread, one event loop (docs/thread-model.md):
 //   - the ControlServer (workers and agents on one port) and the HTTP
 //     endpoint turn traffic into Events;
 //   - the hosts' agents start, signal and supervise the worker processes

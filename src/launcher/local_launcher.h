@@ -1,5 +1,5 @@
 // LocalLauncher: starts worker processes on this host and watches them on an
-// EventLoop (DESIGN.md §2).
+// EventLoop (docs/architecture.md "Processes").
 //
 // Each child gets its own stdout/stderr pipes; their lines are forwarded with
 // a prefix ("[rank 2] ", "[spare 4] ") that the caller chooses at the time the

@@ -1,5 +1,5 @@
 // FlatParameters: a LibTorch module's parameters and gradients re-homed into
-// two contiguous fp32 buffers (DESIGN.md §10, src/torch).
+// two contiguous fp32 buffers (docs/design-notes.md "Gradients live in one flat buffer").
 //
 // Every parameter becomes a view into `params` and every gradient a view into
 // `grads`, so one allreduce covers all gradients with no packing copy, the

@@ -1,4 +1,4 @@
-// Replica agreement (DESIGN.md §14 "Replicas are witnesses", docs/integrity.md).
+// Replica agreement (docs/architecture.md "Invariants", docs/integrity.md).
 //
 // Data-parallel replicas hold the same state; that redundancy is the
 // cheapest detector of silent data corruption there is. Every K steps the

@@ -1,4 +1,4 @@
-// Peer-to-peer state transfer (DESIGN.md §6): how a member that lacks the
+// Peer-to-peer state transfer (docs/architecture.md "State"): how a member that lacks the
 // state of step s* (a spare taking a rank, a member one step behind) copies it
 // from the members that hold it, over the generation's Communicator
 // (collective/data_plane.h: any data plane's; the state is in host memory).
