@@ -7,8 +7,9 @@
 # DIR/bin: nonstop, the test worker, the two benchmarks and the GPU tests,
 # stripped. DIR/lib: every library they load that the lent machine's image may
 # lack (it has CUDA, NCCL and PyTorch but none of Debian's packages), stripped;
-# not glibc's, not the driver's (libcuda) and not NCCL's: check.sh takes the
-# machine's own NCCL, which matches its driver. DIR/python: the Python package,
+# not glibc's or the compiler's (libstdc++, libgcc_s: the machine's own, at
+# least as new on any system whose glibc is), not the driver's (libcuda) and
+# not NCCL's: check.sh takes the machine's own NCCL, which matches its driver. DIR/python: the Python package,
 # usable only by the Python it was built for (check.sh says NOT RUN for
 # another). DIR/MANIFEST: the commit, the glibc the binaries need, the sizes.
 set -euo pipefail
@@ -50,7 +51,7 @@ if [[ -d build/python/nonstop ]]; then
 fi
 
 # The libraries every binary and the Python module load, but those of glibc, the driver and NCCL.
-skip='^(libc|libm|libdl|libpthread|librt|libresolv|libutil|ld-linux-x86-64|libcuda|libnccl|libpython3[.0-9]*)\.so'
+skip='^(libc|libm|libdl|libpthread|librt|libresolv|libutil|ld-linux-x86-64|libstdc\+\+|libgcc_s|libcuda|libnccl|libpython3[.0-9]*)\.so'
 mapfile -t libs < <(find "$out/bin" "$out/python" -type f \( -perm -u+x -o -name '*.so' \) -print0 |
   xargs -0 ldd 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1 " " $3}' | sort -u)
 for entry in "${libs[@]}"; do
@@ -68,6 +69,7 @@ size=$(du -sb "$out" | cut -f1)
 {
   echo "nonstop GPU bundle of $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src include apps tests bench || echo ' (with uncommitted changes)'), made $(date -u +%Y-%m-%dT%H:%MZ) on $(. /etc/os-release && echo "$PRETTY_NAME")"
   echo "glibc needed: $glibc"
+  echo "CUDA runtime: $(sed -n 's/^#define CUDART_VERSION \([0-9]*\)/\1/p' "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include/cuda_runtime_api.h" | awk '{printf "%d.%d (the driver must be as new)", $1 / 1000, ($1 % 1000) / 10}')"
   echo "python module: $(ls "$out"/python/nonstop/*.so 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')"
   echo "size: $size bytes (limit $limit)"
   (cd "$out" && find bin lib -type f -printf '%s %p\n' | sort -rn | awk '{printf "  %6.1f MiB  %s\n", $1 / 1048576, $2}')

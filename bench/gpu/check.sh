@@ -70,36 +70,67 @@ else
   pythonpath=build/python
   bash scripts/build.sh || exit 1
 fi
+# Every binary must load here (the libraries, NCCL, libstdc++): if not, the loader says why, once.
+for b in nonstop nonstop-test-worker; do
+  if ! loaded=$("$bin/$b" --help 2>&1 >/dev/null); then
+    echo "check.sh: $bin/$b does not start here: $(head -3 <<<"$loaded")" >&2
+    exit 2
+  fi
+done
+if (( gpus > 0 )); then
+  echo "check.sh: driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1);" \
+    "the binaries carry the CUDA runtime they were built with (the driver must be as new)"
+fi
 
-out=$(mktemp -d)
+# NONSTOP_CHECK_LOGS: where the logs go (a folder that comes back from the lent machine)
+out=${NONSTOP_CHECK_LOGS:-$(mktemp -d)}
+mkdir -p "$out"
 results=()
+check_start=$SECONDS
+budget=${NONSTOP_CHECK_SECONDS:-280}  # the whole check: a lent machine's minutes are few
 failed=0
-# part NAME COMMAND...: runs one part (at most 240 s), records PASS or FAILED and its time; a part
-# that cannot run here prints "NOT RUN: why" and exits 3.
+# part NAME COMMAND...: runs one part (in what is left of the check's budget, 120 s at most), records
+# PASS or FAILED and its time; a part that cannot run here prints "NOT RUN: why" and exits 3; what a
+# part that passed left out is in $out/note.
 part() {
   local name=$1 start=$SECONDS rc=0
   shift
+  local left=$((budget - (SECONDS - check_start)))
+  (( left < 120 )) || left=120
   printf '\n==== check.sh: %s ====\n' "$name"
-  timeout 240 bash -c '"$@"' part "$@" || rc=$?
+  if (( left < 10 )); then
+    echo "out of the check's ${budget} s" >"$out/why"
+    rc=3
+  else
+    timeout "$left" bash -o pipefail -c '"$@"' part "$@" || rc=$?
+  fi
   local took=$((SECONDS - start))
   case $rc in
-    0) results+=("$(printf '%-16s PASS     %4ds' "$name" "$took")") ;;
+    0) results+=("$(printf '%-16s PASS     %4ds  %s' "$name" "$took" "$(cat "$out/note" 2>/dev/null)")") ;;
     3) results+=("$(printf '%-16s NOT RUN  %4ds  %s' "$name" "$took" "$(cat "$out/why" 2>/dev/null)")") ;;
     *) results+=("$(printf '%-16s FAILED   %4ds  (exit %d%s)' "$name" "$took" "$rc" \
-         "$( ((rc == 124)) && echo ', over 240 s')")"); failed=1 ;;
+         "$( ((rc == 124)) && echo ", stopped after ${left} s")")"); failed=1 ;;
   esac
-  rm -f "$out/why"
+  rm -f "$out/why" "$out/note"
 }
 not_run() { echo "NOT RUN: $*"; echo "$*" >"$out/why"; exit 3; }
-export -f not_run
+# left_out WHAT: a part that passes says what of it did not run
+left_out() { echo "NOT RUN: $*"; printf '(NOT RUN: %s) ' "$*" >>"$out/note"; }
+export -f not_run left_out
 export out bin device gpus pythonpath
 
-# gtest BINARY: one test binary of the bundle or the build; its skipped tests are named.
+# gtest BINARY: one test binary of the bundle or the build; its skipped tests are named (a skip is
+# left out, not passed).
 gtest() {
-  [[ -x "$bin/$1" ]] || not_run "$1 is not built here (the NCCL ones need NCCL 2.27 or later)"
+  if [[ ! -x "$bin/$1" ]]; then
+    left_out "$1 (not built: the NCCL ones need NCCL 2.27 or later)"
+    return 0
+  fi
   "$bin/$1" 2>&1 | tee "$out/$1.log" | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED) *\]|Skipped|error'
   local rc=${PIPESTATUS[0]}
-  if grep -q '^\[  SKIPPED \]' "$out/$1.log"; then echo "($(grep -c '^\[  SKIPPED \] [A-Z]' "$out/$1.log") skipped: see above)"; fi
+  local skipped
+  skipped=$(grep -c '^\[  SKIPPED \] [A-Z]' "$out/$1.log")
+  if (( skipped > 0 )); then left_out "$skipped test(s) of $1 skipped (its log says why)"; fi
   return "$rc"
 }
 export -f gtest
@@ -133,9 +164,13 @@ tests_part() {
   gtest cuda_runtime_test || rc=1
   gtest nccl_data_plane_test || rc=1
   if (( gpus == 0 )); then
-    echo "NOT RUN: cuda_copier_test and nccl_gpu_test (no GPU here)"
+    left_out "cuda_copier_test (no GPU here)"
   else
     gtest cuda_copier_test || rc=1
+  fi
+  if (( gpus < 2 )); then
+    left_out "nccl_gpu_test (needs two GPUs; this machine has $gpus)"
+  else
     gtest nccl_gpu_test || rc=1
   fi
   return $rc
@@ -197,8 +232,14 @@ python_part() {
   local py=${NONSTOP_PYTHON:-python3}
   [[ -n "$bundle" ]] || py=${NONSTOP_PYTHON:-/usr/bin/python3}
   (( gpus > 0 )) || not_run "the Python jobs on CUDA tensors need a GPU"
-  PYTHONPATH="$pythonpath" "$py" -c 'import nonstop' 2>"$out/py-import.txt" ||
-    not_run "$py cannot import the package built for $(ls "$pythonpath"/nonstop/*.so 2>/dev/null | xargs -r -n1 basename | head -1): $(tail -1 "$out/py-import.txt")"
+  local module suffix
+  module=$(ls "$pythonpath"/nonstop/_core*.so 2>/dev/null | head -1)
+  [[ -n "$module" ]] || not_run "no Python package in $pythonpath"
+  suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))' 2>/dev/null)
+  [[ "$module" == *"$suffix" ]] ||
+    not_run "the package was built for another Python ($(basename "$module")); $py takes *$suffix"
+  PYTHONPATH="$pythonpath" "$py" -c 'import nonstop' ||
+    { echo "check.sh: FAILED: $py cannot import the package built for it" >&2; return 1; }
   PYTHONPATH="$pythonpath" "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' ||
     not_run "$("$py" -c 'import torch; print("torch", torch.__version__)' 2>&1 | tail -1) has no CUDA here (NONSTOP_PYTHON names another Python)"
   pyjob() {  # NAME [nonstop run options...]: every rank's final state digest, one per line

@@ -12,7 +12,7 @@
 
 #include <fmt/format.h>
 
-#include "common/crc32c.h"
+#include "nonstop/crc32c.h"
 #include "state/state_registry.h"
 
 namespace nonstop::gpu {

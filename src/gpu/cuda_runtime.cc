@@ -84,17 +84,20 @@ class RealRuntime final : public CudaRuntime {
   cudaError_t DeviceSynchronize() override { return cudaDeviceSynchronize(); }
 };
 
-RealRuntime real;
-CudaRuntime* current = &real;
+CudaRuntime* installed = nullptr;  // a test's
 
 }  // namespace
 
-CudaRuntime& Cuda() { return *current; }
-
-ScopedCudaRuntimeForTesting::ScopedCudaRuntimeForTesting(CudaRuntime* fake) : previous_(current) {
-  current = fake;
+CudaRuntime& Cuda() {
+  // Never destroyed: a thread still copying at exit, or another file's static destructor, may call.
+  static CudaRuntime* const real = new RealRuntime;
+  return installed != nullptr ? *installed : *real;
 }
 
-ScopedCudaRuntimeForTesting::~ScopedCudaRuntimeForTesting() { current = previous_; }
+ScopedCudaRuntimeForTesting::ScopedCudaRuntimeForTesting(CudaRuntime* fake) : previous_(installed) {
+  installed = fake;
+}
+
+ScopedCudaRuntimeForTesting::~ScopedCudaRuntimeForTesting() { installed = previous_; }
 
 }  // namespace nonstop::gpu

@@ -38,6 +38,11 @@ class FakeCuda final : public CudaRuntime {
     std::lock_guard lock(mu_);
     return calls_;
   }
+  // Forgets a thread that ended (its id may be given to the next).
+  void Forget(std::thread::id thread) {
+    std::lock_guard lock(mu_);
+    current_.erase(thread);
+  }
   // The device of the calling thread's context; -1 when it has none.
   int ThreadDevice() const {
     std::lock_guard lock(mu_);
@@ -151,7 +156,9 @@ class CudaRuntimeTest : public ::testing::Test {
       work();
       EXPECT_EQ(fake_.ThreadDevice(), -1) << "the thread was left with a context";
     });
+    const std::thread::id id = t.get_id();
     t.join();
+    fake_.Forget(id);
   }
 
   // Every context made and every call were cuda:1's.
@@ -208,6 +215,7 @@ TEST_F(CudaRuntimeTest, TheCopierOfCuda1TouchesOnlyCuda1OnEveryThread) {
     ASSERT_TRUE(buffer.ok()) << buffer.status().ToString();
     host = *buffer;
   });
+  ASSERT_EQ(host.size(), size_t{1} << 12);
   std::vector<std::byte> device(1 << 12, std::byte{7});
   for (int lane : {0, 1}) {
     OnAFreshThread([&] {

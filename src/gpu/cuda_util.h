@@ -3,7 +3,7 @@
 // thread's current device.
 #pragma once
 
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::gpu {
 

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -248,6 +249,12 @@ Status NcclCommunicator::Await(const char* op, bool stream, Clock::time_point de
     return s.WithContext(fmt::format("{} (generation {}, rank {} of {}, cuda:{})", op, generation(),
                                      rank(), world_size(), device_index_));
   };
+  // The stream is queried with the plane's device current: one scope for the whole wait.
+  std::optional<DeviceScope> scope;
+  if (stream) {
+    scope.emplace(device_index_);
+    if (!scope->status().ok()) return Fail(where(scope->status()));
+  }
   for (int polls = 0;; ++polls) {
     Status failed;
     {
@@ -260,14 +267,10 @@ Status NcclCommunicator::Await(const char* op, bool stream, Clock::time_point de
           state = r;
         if (state != ncclSuccess && state != ncclInProgress) {
           failed = where(NcclError(state, op, comm_));
-        } else if (state == ncclSuccess && !stream) {
-          return OkStatus();
         } else if (state == ncclSuccess) {
-          DeviceScope scope(device_index_);
-          failed = scope.status();
-          const cudaError_t e = failed.ok() ? Cuda().StreamQuery(Stream(stream_)) : cudaSuccess;
-          if (failed.ok() && e == cudaSuccess) return OkStatus();
-          if (failed.ok() && e != cudaErrorNotReady) failed = where(CudaError(e, op));
+          const cudaError_t e = stream ? Cuda().StreamQuery(Stream(stream_)) : cudaSuccess;
+          if (e == cudaSuccess) return OkStatus();
+          if (e != cudaErrorNotReady) failed = where(CudaError(e, op));
         }
       }
     }
