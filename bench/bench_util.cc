@@ -16,9 +16,9 @@
 
 #include <fmt/format.h>
 
-#include "common/crc32c.h"
 #include "controller/journal.h"
 #include "net/socket.h"
+#include "nonstop/crc32c.h"
 
 namespace nonstop::bench {
 

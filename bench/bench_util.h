@@ -17,7 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::bench {
 

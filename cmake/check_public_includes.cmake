@@ -1,8 +1,9 @@
-# The public API is the only way in (docs/architecture.md "Code style", issue 24): fails when the
-# reference trainer (apps/train, the program users copy) includes a runtime
-# header from src/ other than the LibTorch adapter (src/torch/), or when a
-# public header (include/nonstop/) includes anything of the project's but
-# another public header. Run by CTest as public_includes_test:
+# The public API is the only way in (docs/architecture.md "Code style", issues 24 and 53): an
+# allow-list of what each side may include in quotes. The reference trainer (apps/train, the
+# program users copy) includes only public headers (nonstop/), the LibTorch adapter (torch/, in
+# src/torch) and its own (apps/train/); the Python package's module (src/python) only public
+# headers; a public header (include/nonstop/) only other public headers. Anything else, a runtime
+# header of src/ or one of apps/nonstop, fails. Run by CTest as public_includes_test:
 #
 #   cmake -DROOT=<source dir> -P cmake/check_public_includes.cmake
 #
@@ -12,7 +13,6 @@ if(NOT ROOT)
   message(FATAL_ERROR "check_public_includes.cmake: pass -DROOT=<source dir>")
 endif()
 
-set(internal_modules "agent|collective|common|control|controller|coord|dashboard|data|elastic|launcher|net|state|worker")
 set(violations "")
 
 # Appends "file: line (why)" to `violations` for every quoted #include in
@@ -45,7 +45,16 @@ if(NOT trainer_files)
   message(FATAL_ERROR "check_public_includes.cmake: no trainer sources under ${ROOT}/apps/train")
 endif()
 foreach(f IN LISTS trainer_files)
-  check_file("${f}" MATCHING "include[ \t]*\"(${internal_modules})/" "an internal runtime header: use include/nonstop/")
+  check_file("${f}" NOT_MATCHING "include[ \t]*\"(nonstop|torch|apps/train)/"
+             "the trainer includes only nonstop/, torch/ and apps/train/ headers")
+endforeach()
+
+file(GLOB python_files "${ROOT}/src/python/*.cc" "${ROOT}/src/python/*.h")
+if(NOT python_files)
+  message(FATAL_ERROR "check_public_includes.cmake: no Python module sources under ${ROOT}/src/python")
+endif()
+foreach(f IN LISTS python_files)
+  check_file("${f}" NOT_MATCHING "include[ \t]*\"nonstop/" "the Python module includes only public headers")
 endforeach()
 
 file(GLOB public_headers "${ROOT}/include/nonstop/*.h")
@@ -58,4 +67,6 @@ if(violations)
 endif()
 list(LENGTH trainer_files n_trainer)
 list(LENGTH public_headers n_public)
-message(STATUS "public includes: ${n_trainer} trainer files and ${n_public} public headers include no internal header")
+list(LENGTH python_files n_python)
+message(STATUS "public includes: ${n_trainer} trainer files, ${n_python} Python module files and "
+               "${n_public} public headers include only what they may")

@@ -16,12 +16,12 @@
 #include <fmt/format.h>
 
 #include "agent/agent.h"
-#include "apps/nonstop/settings_cli.h"
 #include "common/job_token.h"
 #include "common/logging.h"
 #include "common/signals.h"
 #include "control/messages.h"
 #include "launcher/output_writer.h"
+#include "nonstop/settings_cli.h"
 
 namespace nonstop::cli {
 

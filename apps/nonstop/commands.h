@@ -1,6 +1,6 @@
 // The subcommands of the `nonstop` CLI. Each registers its flags (every flag
 // has a NONSTOP_* environment fallback, from the settings registry:
-// common/settings.h, settings_cli.h) and runs when selected.
+// nonstop/settings.h, nonstop/settings_cli.h) and runs when selected.
 #pragma once
 
 #include <CLI/CLI.hpp>

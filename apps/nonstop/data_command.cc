@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 
 #include "apps/nonstop/commands.h"
-#include "apps/nonstop/settings_cli.h"
 #include "data/token_shard.h"
 #include "nonstop/data.h"
+#include "nonstop/settings_cli.h"
 
 namespace nonstop::cli {
 

@@ -7,9 +7,9 @@
 
 #include <string>
 
-#include "apps/nonstop/settings_cli.h"
 #include "coord/etcd_security.h"
 #include "nonstop/settings.h"
+#include "nonstop/settings_cli.h"
 
 namespace nonstop::cli {
 

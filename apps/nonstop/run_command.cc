@@ -38,7 +38,6 @@
 
 #include "agent/agent.h"
 #include "apps/nonstop/commands.h"
-#include "apps/nonstop/settings_cli.h"
 #include "common/job_token.h"
 #include "common/logging.h"
 #include "common/signals.h"
@@ -50,6 +49,7 @@
 #include "launcher/local_launcher.h"
 #include "launcher/output_writer.h"
 #include "nonstop/settings.h"
+#include "nonstop/settings_cli.h"
 
 namespace nonstop::cli {
 

@@ -18,11 +18,11 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/nonstop/commands.h"
-#include "apps/nonstop/settings_cli.h"
 #include "common/job_token.h"
-#include "common/status.h"
 #include "net/address.h"
 #include "nonstop/settings.h"
+#include "nonstop/settings_cli.h"
+#include "nonstop/status.h"
 
 namespace nonstop::cli {
 

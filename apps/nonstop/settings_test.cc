@@ -15,10 +15,10 @@
 #include <gtest/gtest.h>
 
 #include "agent/agent.h"
-#include "apps/nonstop/settings_cli.h"
 #include "controller/runtime.h"
 #include "nonstop/session.h"
 #include "nonstop/settings.h"
+#include "nonstop/settings_cli.h"
 
 namespace nonstop {
 namespace {

@@ -26,7 +26,6 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
-#include "apps/nonstop/settings_cli.h"
 #include "apps/train/model.h"
 #include "apps/train/recipe.h"
 #include "nonstop/check.h"
@@ -37,6 +36,7 @@
 #include "nonstop/log.h"
 #include "nonstop/ring.h"
 #include "nonstop/session.h"
+#include "nonstop/settings_cli.h"
 #include "nonstop/state.h"
 #include "nonstop/status.h"
 #include "nonstop/tree.h"

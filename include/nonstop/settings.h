@@ -7,7 +7,7 @@
 //
 // The programs take their defaults from the entries (JobFlags, RuntimeOptions,
 // ControllerOptions, AgentOptions); their flags are registered from them
-// (apps/nonstop/settings_cli.h: name, help, environment fallback, default
+// (nonstop/settings_cli.h: name, help, environment fallback, default
 // shown, range); the code that sets or reads a variable names its entry's
 // `env`, never a literal. Precedence, as CLI11 has it: flag, then variable,
 // then default.

@@ -74,7 +74,6 @@
 #include <vector>
 
 #include "common/logging.h"
-#include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "control/controller_link.h"
@@ -85,6 +84,7 @@
 #include "net/event_loop.h"
 #include "net/frame.h"
 #include "nonstop/settings.h"
+#include "nonstop/status.h"
 
 namespace nonstop::agent {
 

@@ -64,10 +64,10 @@
 #include <utility>
 #include <vector>
 
-#include "common/status.h"
 #include "common/time.h"
 #include "net/socket.h"
 #include "nonstop/reduce.h"
+#include "nonstop/status.h"
 #include "nonstop/tree.h"
 
 namespace nonstop::collective {

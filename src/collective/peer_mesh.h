@@ -54,12 +54,12 @@
 
 #include "common/crypto.h"
 #include "common/mutex.h"
-#include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "net/abort_signal.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "nonstop/status.h"
 
 namespace nonstop::collective {
 

@@ -44,9 +44,9 @@
 #include "collective/peer_mesh.h"
 #include "collective/transfer.h"
 #include "common/mutex.h"
-#include "common/status.h"
 #include "common/time.h"
 #include "net/abort_signal.h"
+#include "nonstop/status.h"
 #include "nonstop/tree.h"
 
 namespace nonstop::collective {

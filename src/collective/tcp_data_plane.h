@@ -8,9 +8,9 @@
 
 #include "collective/data_plane.h"
 #include "collective/peer_mesh.h"
-#include "common/status.h"
 #include "net/abort_signal.h"
 #include "net/socket.h"
+#include "nonstop/status.h"
 
 namespace nonstop::collective {
 

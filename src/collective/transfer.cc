@@ -13,8 +13,8 @@
 #include <fmt/format.h>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "common/logging.h"
+#include "nonstop/crc32c.h"
 
 namespace nonstop::collective {
 

@@ -43,9 +43,9 @@
 
 #include "collective/combine.h"
 #include "collective/peer_mesh.h"
-#include "common/status.h"
 #include "common/time.h"
 #include "net/abort_signal.h"
+#include "nonstop/status.h"
 
 namespace nonstop::collective {
 

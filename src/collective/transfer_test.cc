@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "net/socket.h"
+#include "nonstop/crc32c.h"
 
 namespace nonstop::collective {
 namespace {

@@ -1,4 +1,4 @@
-#include "common/crc32c.h"
+#include "nonstop/crc32c.h"
 
 #include <algorithm>
 #include <climits>

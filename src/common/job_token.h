@@ -10,8 +10,8 @@
 #include <string>
 #include <string_view>
 
-#include "common/status.h"
 #include "common/unique_fd.h"
+#include "nonstop/status.h"
 
 namespace nonstop {
 

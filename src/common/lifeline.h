@@ -32,8 +32,8 @@
 #include <mutex>
 #include <thread>
 
-#include "common/status.h"
 #include "common/unique_fd.h"
+#include "nonstop/status.h"
 
 namespace nonstop {
 

@@ -1,4 +1,4 @@
-#include "common/status.h"
+#include "nonstop/status.h"
 
 #include <cstring>
 

@@ -78,7 +78,6 @@
 
 #include "common/crypto.h"
 #include "common/mutex.h"
-#include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "coord/etcd_security.h"
@@ -86,6 +85,7 @@
 #include "net/frame.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "nonstop/status.h"
 
 namespace nonstop::etcd {
 class Client;

@@ -28,7 +28,7 @@
 #include <string_view>
 #include <vector>
 
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::control {
 

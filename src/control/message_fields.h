@@ -18,7 +18,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::control::fields {
 

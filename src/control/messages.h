@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "common/status.h"
 #include "control/fault_spec.h"
+#include "nonstop/status.h"
 
 namespace nonstop::control {
 

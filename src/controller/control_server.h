@@ -36,7 +36,6 @@
 #include <set>
 #include <string>
 
-#include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "controller/controller.h"
@@ -44,6 +43,7 @@
 #include "net/frame.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "nonstop/status.h"
 
 namespace nonstop::controller {
 

@@ -48,8 +48,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/mutex.h"
-#include "common/status.h"
 #include "common/unique_fd.h"
+#include "nonstop/status.h"
 
 namespace httplib {
 class Server;

@@ -28,9 +28,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/status.h"
 #include "common/time.h"
 #include "control/messages.h"
+#include "nonstop/status.h"
 
 namespace nonstop::controller {
 

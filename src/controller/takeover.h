@@ -17,8 +17,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/status.h"
 #include "controller/controller.h"
+#include "nonstop/status.h"
 
 namespace nonstop::controller {
 

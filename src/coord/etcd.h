@@ -22,8 +22,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/status.h"
 #include "coord/etcd_security.h"
+#include "nonstop/status.h"
 
 namespace httplib {
 class Client;

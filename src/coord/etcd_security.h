@@ -20,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::etcd {
 

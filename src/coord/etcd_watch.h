@@ -47,10 +47,10 @@
 #include <thread>
 
 #include "common/mutex.h"
-#include "common/status.h"
 #include "common/time.h"
 #include "coord/etcd.h"
 #include "coord/retry.h"
+#include "nonstop/status.h"
 
 namespace httplib {
 class Client;

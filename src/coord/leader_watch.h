@@ -30,8 +30,8 @@
 
 #include "common/crypto.h"
 #include "common/mutex.h"
-#include "common/status.h"
 #include "coord/etcd_watch.h"
+#include "nonstop/status.h"
 
 namespace nonstop::coord {
 

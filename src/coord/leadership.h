@@ -83,12 +83,12 @@
 
 #include "common/crypto.h"
 #include "common/mutex.h"
-#include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "coord/etcd.h"
 #include "coord/retry.h"
 #include "nonstop/settings.h"
+#include "nonstop/status.h"
 
 namespace nonstop::coord {
 

@@ -20,9 +20,9 @@
 #include <thread>
 #include <utility>
 
-#include "common/status.h"
 #include "common/time.h"
 #include "coord/etcd.h"
+#include "nonstop/status.h"
 
 namespace nonstop::etcd {
 

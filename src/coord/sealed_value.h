@@ -18,7 +18,7 @@
 #include <string_view>
 
 #include "common/crypto.h"
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::coord {
 

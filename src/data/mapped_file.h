@@ -8,7 +8,7 @@
 #include <span>
 #include <string>
 
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::data {
 

@@ -13,9 +13,9 @@
 #include <fmt/format.h>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "common/file_util.h"
 #include "common/unique_fd.h"
+#include "nonstop/crc32c.h"
 
 namespace nonstop::data {
 

@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "common/status.h"
 #include "data/mapped_file.h"
+#include "nonstop/status.h"
 
 namespace nonstop::data {
 

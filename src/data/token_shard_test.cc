@@ -5,8 +5,8 @@
 #include <fstream>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "common/temp_dir.h"
+#include "nonstop/crc32c.h"
 #include "nonstop/data.h"
 
 namespace nonstop::data {

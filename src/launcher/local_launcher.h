@@ -26,11 +26,11 @@
 #include <vector>
 
 #include "common/lifeline.h"
-#include "common/status.h"
 #include "common/unique_fd.h"
 #include "launcher/output_writer.h"
 #include "net/event_loop.h"
 #include "nonstop/settings.h"
+#include "nonstop/status.h"
 
 namespace nonstop::launcher {
 

@@ -20,7 +20,7 @@
 #include <string>
 #include <string_view>
 
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::net {
 

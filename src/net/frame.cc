@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "net/socket.h"
+#include "nonstop/crc32c.h"
 
 namespace nonstop::net {
 

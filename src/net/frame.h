@@ -12,8 +12,8 @@
 #include <string>
 #include <string_view>
 
-#include "common/status.h"
 #include "common/time.h"
+#include "nonstop/status.h"
 
 namespace nonstop::net {
 

@@ -40,9 +40,9 @@
 #include <string_view>
 
 #include "common/crypto.h"
-#include "common/status.h"
 #include "common/time.h"
 #include "net/frame.h"
+#include "nonstop/status.h"
 
 namespace nonstop::net {
 

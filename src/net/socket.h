@@ -14,10 +14,10 @@
 #include <string_view>
 #include <vector>
 
-#include "common/status.h"
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "net/address.h"
+#include "nonstop/status.h"
 
 namespace nonstop::net {
 

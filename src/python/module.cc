@@ -26,8 +26,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "common/crc32c.h"
 #include "nonstop/checkpoint.h"
+#include "nonstop/crc32c.h"
 #ifdef NONSTOP_WITH_CUDA
 #include "nonstop/cuda.h"
 #endif

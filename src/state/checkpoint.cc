@@ -15,10 +15,10 @@
 #include <fmt/ranges.h>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "common/file_util.h"
 #include "common/mutex.h"
 #include "common/time.h"
+#include "nonstop/crc32c.h"
 #include "nonstop/log.h"
 
 namespace nonstop::state {

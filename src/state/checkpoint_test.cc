@@ -11,9 +11,9 @@
 #include <numeric>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "common/file_util.h"
 #include "common/temp_dir.h"
+#include "nonstop/crc32c.h"
 
 namespace nonstop::state {
 namespace {

@@ -8,8 +8,8 @@
 #include <numeric>
 #include <vector>
 
-#include "common/crc32c.h"
 #include "common/temp_dir.h"
+#include "nonstop/crc32c.h"
 #include "state/checkpoint.h"
 #include "state/protected_device_testing.h"
 #include "state/state_registry.h"

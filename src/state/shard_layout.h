@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "common/status.h"
+#include "nonstop/status.h"
 
 namespace nonstop::state {
 

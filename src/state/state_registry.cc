@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "common/crc32c.h"
+#include "nonstop/crc32c.h"
 
 namespace nonstop::state {
 

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include "common/check.h"
-#include "common/crc32c.h"
+#include "nonstop/crc32c.h"
 
 namespace nonstop::torchx {
 

@@ -8,8 +8,8 @@
 #include <fmt/format.h>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "nonstop/check.h"
+#include "nonstop/crc32c.h"
 
 namespace nonstop::worker {
 

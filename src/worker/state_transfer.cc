@@ -17,10 +17,10 @@
 #include <fmt/ranges.h>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "common/mutex.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "nonstop/crc32c.h"
 #include "nonstop/log.h"
 #include "state/shard_layout.h"
 

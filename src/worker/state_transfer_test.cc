@@ -17,8 +17,8 @@
 
 #include "collective/tcp_data_plane.h"
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "net/socket.h"
+#include "nonstop/crc32c.h"
 #include "state/protected_device_testing.h"
 
 namespace nonstop::worker {

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "collective/data_plane.h"
-#include "common/status.h"
 #include "common/time.h"
+#include "nonstop/status.h"
 
 namespace nonstop::worker {
 

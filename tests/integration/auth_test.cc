@@ -24,13 +24,13 @@
 #include <nlohmann/json.hpp>
 
 #include "common/coding.h"
-#include "common/crc32c.h"
 #include "common/crypto.h"
 #include "common/temp_dir.h"
 #include "controller/journal.h"
 #include "net/frame.h"
 #include "net/handshake.h"
 #include "net/socket.h"
+#include "nonstop/crc32c.h"
 #include "tests/integration/process.h"
 
 namespace nonstop {

@@ -46,7 +46,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
-#include "common/crc32c.h"
+#include "nonstop/crc32c.h"
 #include "nonstop/data.h"
 #include "nonstop/session.h"
 #include "nonstop/tree.h"

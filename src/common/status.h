@@ -1,2 +1,0 @@
-#pragma once
-#include "nonstop/status.h"  // IWYU pragma: export
