@@ -165,9 +165,13 @@ class Runtime {
 
   // ---- helpers of the handlers
   void Print(const std::string& text);
-  // The variables every worker gets from the controller; an agent adds its
-  // own (NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID, NONSTOP_DATA_HOST).
+  // The variables every worker gets from the controller: its own (id, spare, resume) and the
+  // job's (JobEnv); an agent adds its own (NONSTOP_CONTROLLER, NONSTOP_JOB_TOKEN, NONSTOP_HOST_ID,
+  // NONSTOP_DATA_HOST).
   std::vector<std::pair<std::string, std::string>> WorkerEnv(int id, bool spare, bool resume) const;
+  // What the job tells every worker, whoever starts it: the controller's spawns (WorkerEnv) and
+  // `nonstop worker` (the job file's "env"). One list, so that the two cannot drift.
+  std::vector<std::pair<std::string, std::string>> JobEnv() const;
   // Signals a worker through its host's agent.
   void Signal(int id, int sig);
   // Each agent learns which ranks its workers hold, to label their output:
@@ -488,10 +492,7 @@ std::optional<int> Runtime::WriteJobFiles() {
       {"journal", journal_->path()},
       {"pid", ::getpid()},
       {"env", nlohmann::json::object()}};
-  if (!o_.checkpoint_dir.empty()) {
-    job["env"] = {{settings::kTrainCheckpointDir.env, o_.checkpoint_dir},
-                  {settings::kTrainCheckpointEvery.env, std::to_string(o_.checkpoint_every)}};
-  }
+  for (const auto& [name, value] : JobEnv()) job["env"][name] = value;
   // HTTPS: `nonstop status` and `nonstop scale` dial https:// and trust this certificate.
   if (!o_.http_cert.empty()) job["http_cert"] = std::filesystem::absolute(o_.http_cert).string();
   Status s = WritePrivateFile(JobFileFor(journal_->path()), job.dump(2) + "\n");
@@ -1057,12 +1058,19 @@ std::vector<std::pair<std::string, std::string>> Runtime::WorkerEnv(int id, bool
   std::vector<std::pair<std::string, std::string>> env = {
       {std::string(s::kWorkerId.env), std::to_string(id)},
       {std::string(s::kSpare.env), spare ? "1" : "0"}};
+  if (resume) env.emplace_back(s::kResume.env, "1");
+  for (auto& v : JobEnv()) env.push_back(std::move(v));
+  return env;
+}
+
+std::vector<std::pair<std::string, std::string>> Runtime::JobEnv() const {
+  namespace s = settings;
+  std::vector<std::pair<std::string, std::string>> env;
   if (!o_.checkpoint_dir.empty()) {
     env.emplace_back(s::kTrainCheckpointDir.env, o_.checkpoint_dir);
     env.emplace_back(s::kTrainCheckpointEvery.env, std::to_string(o_.checkpoint_every));
     env.emplace_back(s::kTrainMtbfSeconds.env, fmt::format("{}", o_.mtbf_seconds));
   }
-  if (resume) env.emplace_back(s::kResume.env, "1");
   // torchrun's variables that name the job (the agent adds the host's own; the spawn its rank):
   // nonstop restarts the workers only from a durable checkpoint, with no cap of torchrun's kind.
   env.emplace_back("ROLE_NAME", "default");

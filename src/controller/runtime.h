@@ -66,7 +66,7 @@ struct RuntimeOptions {
   // --job-token-file; the job file names that file (docs/security.md).
   std::string token;
   std::string token_file;
-  // What every worker is told (WorkerEnv): checkpoints.
+  // What every worker is told (Runtime::JobEnv, the job file's "env" too): checkpoints.
   std::string checkpoint_dir{settings::kCheckpointDir.default_value};
   int checkpoint_every = settings::kCheckpointEvery.default_value;
   double mtbf_seconds = settings::kMtbfSeconds.default_value;

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -706,6 +707,83 @@ TEST(RunIntegrationTest, AJournalOnAHungDiskHoldsTheOrdersTenSecondsAndTheRecove
   auto finished = Events(journal, "finished");
   ASSERT_EQ(finished.size(), 2u) << out;
   for (const auto& f : finished) EXPECT_EQ(f["checksum"], TestWorkerChecksum(1000, 1000)) << out;
+}
+
+// The NONSTOP_ and torchrun variables of the environment a test worker dumped (--dump-environ
+// PREFIX writes PREFIX-<pid>.self), the one dump under `prefix`.
+std::map<std::string, std::string> DumpedEnvironment(const std::filesystem::path& prefix) {
+  std::map<std::string, std::string> env;
+  int dumps = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(prefix.parent_path())) {
+    const std::string name = entry.path().filename();
+    if (name.rfind(prefix.filename().string() + "-", 0) != 0 || !name.ends_with(".self")) continue;
+    ++dumps;
+    std::ifstream in(entry.path(), std::ios::binary);
+    for (std::string var; std::getline(in, var, '\0');) {
+      const size_t eq = var.find('=');
+      const std::string key = var.substr(0, eq);
+      if (eq != std::string::npos && (key.rfind("NONSTOP_", 0) == 0 || key == "ROLE_NAME" ||
+                                      key.rfind("TORCHELASTIC_", 0) == 0))
+        env[key] = var.substr(eq + 1);
+    }
+  }
+  EXPECT_EQ(dumps, 1) << prefix;
+  return env;
+}
+
+// Issue 53: a worker started by hand (`nonstop worker --job job.json`, a spare) is told what the
+// job tells its own workers: the checkpoint settings, the MTBF that sets their interval and
+// torchrun's job variables come from one list; only what is the worker's own differs.
+TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
+  TempDir dir;
+  const std::string journal = dir / "journal.jsonl";
+  ChildProcess run({kBin + "/nonstop",
+                    "run",
+                    "--nproc",
+                    "1",
+                    "--spares",
+                    "0",
+                    "--journal",
+                    journal,
+                    "--checkpoint-dir",
+                    dir / "ckpt",
+                    "--checkpoint-every",
+                    "0",
+                    "--mtbf",
+                    "3600",
+                    "--",
+                    kBin + "/nonstop-test-worker",
+                    "--steps",
+                    "400",
+                    "--sleep-ms",
+                    "10",
+                    "--dump-environ",
+                    dir / "own"},
+                   dir / "run.out");
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "join", 1, milliseconds(30'000)))
+      << run.Output();
+  ChildProcess by_hand(
+      {kBin + "/nonstop", "worker", "--job", dir / "job.json", "--", kBin + "/nonstop-test-worker",
+       "--steps", "400", "--dump-environ", dir / "hand"},
+      dir / "hand.out");
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "join", 2, milliseconds(30'000)))
+      << by_hand.Output();
+  ASSERT_EQ(run.Wait(milliseconds(60'000)), 0) << run.Output();
+  by_hand.Wait(milliseconds(30'000));
+  auto own = DumpedEnvironment(dir / "own");
+  auto hand = DumpedEnvironment(dir / "hand");
+  EXPECT_EQ(own[std::string(settings::kTrainMtbfSeconds.env)], "3600");
+  EXPECT_EQ(own[std::string(settings::kTrainCheckpointEvery.env)], "0");
+  // What is a worker's own: its id, whether it is a spare, its descriptors, its data address; and
+  // what the agent that spawned it adds: its host, the spawn's error file and restart count.
+  for (const auto& s : {settings::kWorkerId.env, settings::kSpare.env, settings::kJobTokenFd.env,
+                        settings::kLifelineFd.env, settings::kDataHost.env, settings::kHostId.env,
+                        std::string_view("TORCHELASTIC_ERROR_FILE"),
+                        std::string_view("TORCHELASTIC_RESTART_COUNT")}) {
+    own.erase(std::string(s));
+    hand.erase(std::string(s));
+  }
+  EXPECT_EQ(hand, own) << "the job's worker and the one started by hand were told other things";
 }
 
 TEST(RunIntegrationTest, WorkerOutsideNonstopRunGetsAHint) {
