@@ -13,9 +13,20 @@
 # usable only by the Python it was built for (check.sh says NOT RUN for
 # another). DIR/MANIFEST: the commit, the glibc the binaries need, the sizes.
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")/../.."
 
-out="${1:-build-gpu-bundle}"
+case "${1:-}" in
+  -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  -*) echo "bundle.sh: unknown option '$1' (usage: bench/gpu/bundle.sh [DIR])" >&2; exit 2 ;;
+esac
+out="${1:-build-gpu-bundle}"  # a DIR given is the caller's; the default, the checkout's
+if [[ -n "${1:-}" && "$out" != /* ]]; then out="$caller/$out"; fi
+# The folder is emptied first: only a new one, or an earlier bundle.
+if [[ -e "$out" && ! -f "$out/MANIFEST" ]] && [[ -n "$(ls -A "$out" 2>/dev/null)" ]]; then
+  echo "bundle.sh: $out exists and is not a bundle (no MANIFEST): name a new folder" >&2
+  exit 2
+fi
 limit=$((64 << 20))
 bins=(nonstop nonstop-test-worker nonstop-bench-staged nonstop-bench-state-copy
   cuda_runtime_test cuda_copier_test nccl_data_plane_test nccl_gpu_test)
@@ -70,9 +81,9 @@ size=$(du -sb "$out" | cut -f1)
   echo "nonstop GPU bundle of $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src include apps tests bench || echo ' (with uncommitted changes)'), made $(date -u +%Y-%m-%dT%H:%MZ) on $(. /etc/os-release && echo "$PRETTY_NAME")"
   echo "glibc needed: $glibc"
   echo "CUDA runtime: $(sed -n 's/^#define CUDART_VERSION \([0-9]*\)/\1/p' "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include/cuda_runtime_api.h" | awk '{printf "%d.%d (the driver must be as new)", $1 / 1000, ($1 % 1000) / 10}')"
-  echo "python module: $(ls "$out"/python/nonstop/*.so 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')"
+  echo "python module: $(ls "$out"/python/nonstop/*.so 2>/dev/null | xargs -r -n1 basename | tr '\n' ' ')(Python $(ls "$out"/python/nonstop/*.so 2>/dev/null | sed -n 's/.*cpython-\([0-9]\)\([0-9]*\)-.*/\1.\2/p' | head -1) only)"
   echo "size: $size bytes (limit $limit)"
-  (cd "$out" && find bin lib -type f -printf '%s %p\n' | sort -rn | awk '{printf "  %6.1f MiB  %s\n", $1 / 1048576, $2}')
+  (cd "$out" && find bin lib python -type f -printf '%s %p\n' | sort -rn | awk '{printf "  %6.1f MiB  %s\n", $1 / 1048576, $2}')
 } >"$out/MANIFEST"
 cat "$out/MANIFEST"
 if (( size > limit )); then

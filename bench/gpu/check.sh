@@ -16,17 +16,26 @@
 # test worker's stand-in device (host memory reached only through copies), which checks the
 # script and the bundle, not a GPU.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-
+usage() {
+  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  echo "Environment: NONSTOP_CHECK_LOGS (the folder for the logs), NONSTOP_CHECK_SECONDS (the budget," \
+    "280), NONSTOP_PYTHON (the Python of the Python jobs)."
+}
 bundle=""
 case "${1:-}" in
   --prebuilt)
-    bundle="${2:?check.sh: --prebuilt takes the folder bench/gpu/bundle.sh made}"
+    if [[ -z "${2:-}" ]]; then
+      echo "check.sh: --prebuilt takes the folder bench/gpu/bundle.sh made" >&2
+      exit 2
+    fi
+    bundle=$(realpath -- "$2")
     [[ -f "$bundle/MANIFEST" ]] ||
-      { echo "check.sh: $bundle has no MANIFEST: not a bundle of bench/gpu/bundle.sh" >&2; exit 2; } ;;
+      { echo "check.sh: $2 has no MANIFEST: not a bundle of bench/gpu/bundle.sh" >&2; exit 2; } ;;
+  -h | --help) usage; exit 0 ;;
   "") ;;
-  *) echo "usage: bench/gpu/check.sh [--prebuilt DIR]" >&2; exit 2 ;;
+  *) echo "check.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
 esac
+cd "$(dirname "$0")/../.."
 
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -115,7 +124,7 @@ part() {
 }
 not_run() { echo "NOT RUN: $*"; echo "$*" >"$out/why"; exit 3; }
 # left_out WHAT: a part that passes says what of it did not run
-left_out() { echo "NOT RUN: $*"; printf '(NOT RUN: %s) ' "$*" >>"$out/note"; }
+left_out() { echo "NOT RUN: $*"; printf '(not run: %s) ' "$*" >>"$out/note"; }
 export -f not_run left_out
 export out bin device gpus pythonpath
 
@@ -147,6 +156,7 @@ job() {
     echo "check.sh: FAILED: the $name job (log above, $out/$name.log)" >&2
     return 1
   }
+  rm -f "$out/job.token" "$out/job.http-token"  # the job's secrets stay here, not with the logs
   grep '"event":"finished"' "$out/$name.jsonl" | grep -o '"checksum":"[0-9a-f]*"' | head -1 |
     cut -d'"' -f4 >"$out/$name.sum"
   [[ -s "$out/$name.sum" ]] || { echo "check.sh: FAILED: the $name job recorded no finished checksum" >&2; return 1; }
