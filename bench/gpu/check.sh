@@ -168,6 +168,11 @@ same() {
   cmp -s "$out/$1.sum" "$out/$2.sum" || { echo "check.sh: FAILED: the checksums differ" >&2; return 1; }
 }
 export -f same
+# expect FILE PATTERN WHAT: prints FILE's first line matching PATTERN, or fails saying WHAT is missing
+expect() {
+  grep -h "$2" "$1" | head -1 || { echo "check.sh: FAILED: $3" >&2; return 1; }
+}
+export -f expect
 
 tests_part() {
   local rc=0
@@ -191,8 +196,8 @@ part "gpu tests" tests_part
 recovered_part() {
   job host host staged --nproc 4 --spares 1 --inject none || return 1
   job device "$device" staged --nproc 4 --spares 1 --inject kill:rank=2,step=30 || return 1
-  grep -h '"event":"recovery_end"' "$out/device.jsonl" | head -1 ||
-    { echo "check.sh: FAILED: the $device job recorded no recovery_end (was rank 2 killed?)" >&2; return 1; }
+  expect "$out/device.jsonl" '"event":"recovery_end"' \
+    "the $device job recorded no recovery_end (was rank 2 killed?)" || return 1
   echo "check.sh: 4 workers and a spare, 16 MB of state each on $device:0, rank 2 killed at step 30:"
   same device host
 }
@@ -206,8 +211,8 @@ sharded_part() {
   [[ -s "$out/host.sum" ]] || not_run "the host job of the part before failed"
   WORKER_EXTRA="--shard-group 2" job sharded "$device" staged --nproc 4 --spares 1 \
     --inject kill:rank=1,step=30 || return 1
-  grep -h "re-sharded: copied shard" "$out/sharded.log" | head -1 ||
-    { echo "check.sh: FAILED: no spare copied its shard in the sharded job" >&2; return 1; }
+  expect "$out/sharded.log" "re-sharded: copied shard" "no spare copied its shard in the sharded job" ||
+    return 1
   echo "check.sh: the same, sharded over groups of 2 on $device:0, rank 1 killed at step 30:"
   same sharded host
 }
