@@ -14,7 +14,10 @@
 //             loopback (the data plane a worker uses), every chunk CRC-32C checked;
 //   copy 1    the same over the streams (lanes) the receiver picks by size
 //             (one per 32 MiB asked of a source, at most 4: state_transfer.h);
-//   copy 3    the same from three sources (chunks striped over them).
+//   copy 3    the same from three sources (chunks striped over them);
+//   sealed 1, sealed 3  copy 1 and copy 3 with the sealed copy on (NONSTOP_SEALED_STATE_COPY:
+//             an AES-256-GMAC tag per chunk at both ends, worker/copy_seal.h), shown in a table
+//             of their own against the unsealed figures of the same run.
 // Each is repeated --repeats times, interleaved, and the median is shown;
 // the ratios are copy 1·1 / raw 1, copy 1 / raw N, copy 3 / raw N, the faster copy over
 // the faster raw figure of the same size, and the faster copy over raw N+crc, all measured
@@ -40,6 +43,7 @@
 
 #include "bench/bench_util.h"
 #include "collective/tcp_data_plane.h"
+#include "common/crypto.h"
 #include "net/socket.h"
 #include "nonstop/state.h"
 #include "worker/state_transfer.h"
@@ -85,9 +89,10 @@ struct Timed {
   int took = 0;     // the streams a source's chunks came over
 };
 
-// One copy of `regs[0]`'s state from regs[1..sources] (`streams` per source, 0: by size).
+// One copy of `regs[0]`'s state from regs[1..sources] (`streams` per source, 0: by size), sealed
+// or not.
 Timed Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& regs, int sources,
-           int streams) {
+           int streams, bool sealed) {
   control::PlanMsg plan;
   plan.generation = 1;
   plan.resume_step = 8;
@@ -100,6 +105,7 @@ Timed Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& reg
   Timed timed;
   worker::TransferHooks hooks;
   hooks.streams_per_source = streams;
+  if (sealed) hooks.seal_key = crypto::JobKey(kToken);
   std::vector<std::thread> threads;
   const double cpu0 = ProcessCpuSeconds();
   for (int r = kSources; r >= 0; --r) {
@@ -125,10 +131,10 @@ Timed Copy(Ranks& ranks, std::vector<std::unique_ptr<state::StateRegistry>>& reg
 }
 
 // What is measured for each size, in this order.
-enum Kind { kRaw1, kRawN, kRawNChecked, kCopy1One, kCopy1, kCopy3, kKinds };
-constexpr const char* kKeys[kKinds] = {"raw_1_stream",          "raw_n_streams",
-                                       "raw_n_streams_checked", "copy_1_source_1_stream",
-                                       "copy_1_source",         "copy_3_sources"};
+enum Kind { kRaw1, kRawN, kRawNChecked, kCopy1One, kCopy1, kCopy3, kSealed1, kSealed3, kKinds };
+constexpr const char* kKeys[kKinds] = {
+    "raw_1_stream",  "raw_n_streams",  "raw_n_streams_checked", "copy_1_source_1_stream",
+    "copy_1_source", "copy_3_sources", "sealed_1_source",       "sealed_3_sources"};
 
 struct Figure {
   double bytes_per_s = 0;   // median
@@ -173,7 +179,8 @@ Row MeasureSize(Ranks& ranks, size_t bytes, int streams, int repeats, size_t chu
         break;
     }
     std::memset(dst.data(), 0, dst.size());
-    t = Copy(ranks, regs, kind == kCopy3 ? kSources : 1, kind == kCopy1One ? 1 : 0);
+    t = Copy(ranks, regs, kind == kCopy3 || kind == kSealed3 ? kSources : 1,
+             kind == kCopy1One ? 1 : 0, kind == kSealed1 || kind == kSealed3);
     NONSTOP_CHECK(std::memcmp(dst.data(), src.data(), bytes) == 0)
         << "the copy (kind " << kind << ") differs from the source";
     if (kind == kCopy1) streams1 = t.took;
@@ -217,7 +224,8 @@ int Main(int argc, char** argv) {
   const std::string rawn = fmt::format("raw {}", streams);
   const std::vector<std::string> labels = {"raw 1",       rawn,
                                            rawn + "+crc", "copy 1src·1",
-                                           "copy 1src",   fmt::format("copy {}src", kSources)};
+                                           "copy 1src",   fmt::format("copy {}src", kSources),
+                                           "sealed 1src", fmt::format("sealed {}src", kSources)};
   const std::string per_rawn = fmt::format("raw{}", streams);  // in the ratios' narrow columns
   fmt::print("{:>6} {:>8} {:>8} {:>9} {:>11} {:>13} {:>9} {:>11} {:>9} {:>9} {:>9} {:>11}\n", "MiB",
              labels[kRaw1], labels[kRawN], labels[kRawNChecked], labels[kCopy1One], "copy 1src (s)",
@@ -255,6 +263,10 @@ int Main(int argc, char** argv) {
                     {"copy_3_sources_over_raw_n_streams", rate(kCopy3) / rate(kRawN)},
                     {"best_copy_over_best_raw", copy / raw},
                     {"best_copy_over_raw_n_streams_checked", copy / rate(kRawNChecked)},
+                    {"sealed_1_source_bytes_per_s", rate(kSealed1)},
+                    {"sealed_3_sources_bytes_per_s", rate(kSealed3)},
+                    {"sealed_1_source_over_copy_1_source", rate(kSealed1) / rate(kCopy1)},
+                    {"sealed_3_sources_over_copy_3_sources", rate(kSealed3) / rate(kCopy3)},
                     {"cpu_ns_per_byte", cpu}});
   }
   fmt::print(
@@ -264,6 +276,17 @@ int Main(int argc, char** argv) {
       "best/+crc: the fastest copy against {1} connections whose every {3} KiB is CRC-32C'd at "
       "both ends, the least a checked copy can do\n",
       per_rawn, streams, kSources, chunk_bytes >> 10);
+  fmt::print(
+      "the sealed copy (an AES-256-GMAC tag per chunk) against the same copy unsealed, MB/s:\n"
+      "{:>6} {:>11} {:>11} {:>7} {:>11} {:>11} {:>7}\n",
+      "MiB", labels[kCopy1], labels[kSealed1], "ratio", labels[kCopy3], labels[kSealed3], "ratio");
+  for (const Row& row : measured) {
+    auto rate = [&](Kind k) { return row.of[k].bytes_per_s; };
+    fmt::print("{:>6} {:>11.0f} {:>11.0f} {:>6.0f}% {:>11.0f} {:>11.0f} {:>6.0f}%\n",
+               row.bytes >> 20, rate(kCopy1) / 1e6, rate(kSealed1) / 1e6,
+               100 * rate(kSealed1) / rate(kCopy1), rate(kCopy3) / 1e6, rate(kSealed3) / 1e6,
+               100 * rate(kSealed3) / rate(kCopy3));
+  }
   fmt::print("CPU time per byte (ns, user + system of both ends, median):\n{:>6}", "MiB");
   for (const std::string& label : labels) fmt::print(" {:>11}", label);
   fmt::print("\n");

@@ -1,6 +1,7 @@
 // nonstop: the command-line front end. One file per subcommand.
 #include <CLI/CLI.hpp>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -10,6 +11,7 @@
 #include "apps/nonstop/agent_command.h"
 #include "apps/nonstop/commands.h"
 #include "common/args.h"
+#include "common/job_token.h"
 
 namespace {
 
@@ -30,6 +32,10 @@ void PutPythonPackageOnPath() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before any token is read: no worker (the same user) can read this process's memory or
+  // descriptors through /proc.
+  if (nonstop::Status s = nonstop::ShutOutSameUserProcesses(); !s.ok())
+    std::fprintf(stderr, "nonstop: warning: %s\n", std::string(s.message()).c_str());
   PutPythonPackageOnPath();
   // Everything after the first `--` is the worker program and its arguments.
   auto [our_argc, program] = nonstop::SplitAtDoubleDash(argc, argv);

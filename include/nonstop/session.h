@@ -147,6 +147,9 @@ struct SessionOptions {
   // ring and the tree, a damaged piece fetched again from its sender
   // (kCheckedCollectives, NONSTOP_CHECKED_COLLECTIVES).
   bool checked_collectives = settings::kCheckedCollectives.default_value;
+  // The sealed state copy (docs/security.md): an AES-GMAC tag on every chunk a state copy sends
+  // (kSealedStateCopy, NONSTOP_SEALED_STATE_COPY).
+  bool sealed_state_copy = settings::kSealedStateCopy.default_value;
   // MASTER_PORT of TorchrunEnvironment() (kMasterPort, NONSTOP_MASTER_PORT).
   int master_port = settings::kMasterPort.default_value;
   // The device whose memory AllReduceOnDevice sums (issue 30, docs/gpu.md):

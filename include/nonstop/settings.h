@@ -809,6 +809,15 @@ inline constexpr Setting<bool> kCheckedCollectives{
         "Every piece of the gradients' all-reduce (ring and tree) carries a CRC-32C, and a piece "
         "damaged on the wire is fetched again from its sender, so a flipped bit never reaches the "
         "sum (1/0; docs/integrity.md)"};
+inline constexpr Setting<bool> kSealedStateCopy{
+    .env = "NONSTOP_SEALED_STATE_COPY",
+    .default_value = false,
+    .read_by = kWorker,
+    .help =
+        "Every chunk of a state copy (a spare taking a rank, a shard moving) carries an "
+        "AES-256-GMAC tag under a key derived from the job key, so a party on the path cannot "
+        "install state of its choosing by rewriting the chunks and their CRCs (1/0; the same on "
+        "every worker; docs/security.md)"};
 inline constexpr Setting<int> kMasterPort{
     .env = "NONSTOP_MASTER_PORT",
     .default_value = 29500,

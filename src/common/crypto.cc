@@ -1,5 +1,7 @@
 #include "common/crypto.h"
 
+#include <algorithm>
+
 #include <openssl/core_names.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -100,6 +102,36 @@ std::string RandomBytes(size_t n) {
   NONSTOP_CHECK(RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) == 1)
       << "the random generator failed: no nonce can be made";
   return out;
+}
+
+std::string Gmac(const Key& key, std::string_view nonce,
+                 std::initializer_list<std::string_view> parts) {
+  NONSTOP_CHECK(nonce.size() == kGmacNonceBytes) << "a GMAC nonce of " << nonce.size() << " bytes";
+  EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
+  NONSTOP_CHECK(ctx != nullptr) << "EVP_CIPHER_CTX_new";
+  NONSTOP_CHECK(EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr, key.data(),
+                                   reinterpret_cast<const unsigned char*>(nonce.data())) == 1)
+      << "AES-256-GCM init";
+  int len = 0;
+  for (std::string_view p : parts) {
+    // EVP takes an int's worth at a time.
+    for (size_t at = 0; at < p.size();) {
+      const size_t n = std::min<size_t>(p.size() - at, size_t{1} << 30);
+      NONSTOP_CHECK(EVP_EncryptUpdate(ctx, nullptr, &len,
+                                      reinterpret_cast<const unsigned char*>(p.data() + at),
+                                      static_cast<int>(n)) == 1)
+          << "AES-256-GCM additional data";
+      at += n;
+    }
+  }
+  unsigned char none[16];
+  NONSTOP_CHECK(EVP_EncryptFinal_ex(ctx, none, &len) == 1) << "AES-256-GCM final";
+  std::string tag(kGmacTagBytes, '\0');
+  NONSTOP_CHECK(EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, static_cast<int>(kGmacTagBytes),
+                                    tag.data()) == 1)
+      << "AES-256-GCM tag";
+  EVP_CIPHER_CTX_free(ctx);
+  return tag;
 }
 
 std::string Hex(std::string_view bytes) {

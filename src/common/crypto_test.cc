@@ -15,6 +15,23 @@ TEST(CryptoTest, MacKeyIsHmacSha256) {
             "198a607eb44bfbc69903a0f1cf2bbdc5ba0aa3f3d9ae3c1c7a3b1696a0b68cf7");
 }
 
+TEST(CryptoTest, GmacIsAes256GcmOverAdditionalData) {
+  // McGrew and Viega's GCM test case 13 (zero key and nonce, nothing to authenticate), and
+  // Python: AESGCM(b'\x0b' * 32).encrypt(bytes(range(12)), b'', b'Hi There').hex()
+  EXPECT_EQ(Hex(Gmac(Key{}, std::string(kGmacNonceBytes, '\0'), {})),
+            "530f8afbc74536b9a963b4f1c4cb738b");
+  Key k;
+  k.fill(0x0b);
+  std::string nonce;
+  for (char c = 0; c < 12; ++c) nonce.push_back(c);
+  EXPECT_EQ(Hex(Gmac(k, nonce, {"Hi ", "There"})), "8efcd741bc97780d756b66ab40b751ef");
+  // Another nonce, another tag; a byte changed, another tag.
+  nonce[11] = 12;
+  EXPECT_NE(Hex(Gmac(k, nonce, {"Hi There"})), "8efcd741bc97780d756b66ab40b751ef");
+  nonce[11] = 11;
+  EXPECT_NE(Hex(Gmac(k, nonce, {"Hi there"})), "8efcd741bc97780d756b66ab40b751ef");
+}
+
 TEST(CryptoTest, FramedMacSeparatesLabelsAndPartBoundaries) {
   Key k = JobKey("token");
   const std::string m = Mac(k, "label", {"ab", "c"});

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -54,6 +55,13 @@ Status WritePrivateFile(const std::string& path, std::string_view contents) {
   // receives the secret.
   return testing::WritePrivateFileVia(path, fmt::format("{}.tmp-{:08x}{:08x}", path, rd(), rd()),
                                       contents);
+}
+
+Status ShutOutSameUserProcesses() {
+  if (::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+    return InternalError(fmt::format("prctl(PR_SET_DUMPABLE, 0): {}", std::strerror(errno)));
+  }
+  return OkStatus();
 }
 
 namespace testing {

@@ -58,6 +58,14 @@ Result<UniqueFd> JobTokenMemfd(std::string_view token);
 // NONSTOP_JOB_TOKEN_FD does not name such a descriptor.
 Result<std::string> TakeInheritedJobToken();
 
+// Shuts this process to the other processes of its user (prctl PR_SET_DUMPABLE 0): opening its
+// /proc/<pid>/mem, /environ or /fd, or attaching to it with ptrace, then takes CAP_SYS_PTRACE,
+// so the code a worker runs (the same user) cannot read the job token out of the launcher,
+// the agent or the controller that hold it. It dumps no core either. A program it starts is
+// dumpable again (execve resets the flag): workers are not affected. Every `nonstop` command
+// calls it first (docs/security.md, "Workers").
+Status ShutOutSameUserProcesses();
+
 namespace testing {
 // WritePrivateFile through the temporary name `tmp` (a test plants things there).
 Status WritePrivateFileVia(const std::string& path, const std::string& tmp,

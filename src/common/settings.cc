@@ -147,6 +147,7 @@ std::vector<Info> Build() {
       Describe(kSpareCheckMs),
       Describe(kReplicaCheckEvery),
       Describe(kCheckedCollectives),
+      Describe(kSealedStateCopy),
       Describe(kMasterPort),
       Describe(kPythonWorldInvariant),
       // nonstop-train

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>
@@ -21,6 +22,7 @@
 #include "collective/data_plane.h"
 #include "collective/staged_communicator.h"
 #include "collective/tcp_data_plane.h"
+#include "common/crypto.h"
 #include "common/job_token.h"
 #include "common/lifeline.h"
 #include "common/logging.h"
@@ -131,14 +133,18 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
                              ParseIntSetting(s::kReplicaCheckEvery, every, "a number of steps",
                                              " (0: never compare the replicas)"));
   }
-  if (std::string checked = get(s::kCheckedCollectives); !checked.empty()) {
-    if (checked != "1" && checked != "0" && checked != "true" && checked != "false") {
+  for (auto [entry, field, what] :
+       {std::tuple{&s::kCheckedCollectives, &o.checked_collectives,
+                   "whether the all-reduce's pieces are checked and fetched again when damaged"},
+        std::tuple{&s::kSealedStateCopy, &o.sealed_state_copy,
+                   "whether every chunk of a state copy carries a tag under the job key"}}) {
+    const std::string v = get(*entry);
+    if (v.empty()) continue;
+    if (v != "1" && v != "0" && v != "true" && v != "false") {
       return InvalidArgumentError(
-          fmt::format("{}='{}' is not 1 or 0 (true or false): whether the all-reduce's pieces are "
-                      "checked and fetched again when damaged",
-                      s::kCheckedCollectives.env, checked));
+          fmt::format("{}='{}' is not 1 or 0 (true or false): {}", entry->env, v, what));
     }
-    o.checked_collectives = checked == "1" || checked == "true";
+    *field = v == "1" || v == "true";
   }
   if (std::string port = get(s::kMasterPort); !port.empty()) {
     NONSTOP_ASSIGN_OR_RETURN(o.master_port, ParseIntSetting(s::kMasterPort, port, "a port"));
@@ -798,6 +804,7 @@ class SessionImpl {
         control::FaultPoint::kTransfer, plan.resume_step, rank, control::FaultKind::kCorrupt);
     if (at_transfer) hooks.on_start = [this, f = *at_transfer] { Fire(f); };
     hooks.corrupt_first_chunk = corrupt.has_value();
+    if (options_.sealed_state_copy) hooks.seal_key = crypto::JobKey(options_.job_token);
     if (corrupt) Announce(*corrupt);
     bool receiving = false;
     for (const auto& t : plan.transfers) receiving = receiving || t.receiver == options_.worker_id;
@@ -851,9 +858,10 @@ class SessionImpl {
                               links.connections_opened};
     (void)SendControl(control::kMsgRecovered, control::Encode(rec));
     if (outcome->received) {
-      NONSTOP_LOG_INFO("copied the state of step {} ({:.2f} MB) from {} source(s) in {:.0f} ms",
+      NONSTOP_LOG_INFO("copied the state of step {} ({:.2f} MB) from {} source(s) in {:.0f} ms{}",
                        plan.resume_step - 1, outcome->bytes_received / 1e6, outcome->sources,
-                       rec.transfer_seconds * 1000);
+                       rec.transfer_seconds * 1000,
+                       options_.sealed_state_copy ? ", every chunk sealed" : "");
     }
     return plan.resume_step;
   }

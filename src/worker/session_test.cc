@@ -252,6 +252,33 @@ TEST(SessionOptionsTest, RangedIntVariablesAreTakenOrRefusedNamingTheirRange) {
     ::unsetenv(v);
 }
 
+// The switches (1/0, true/false): taken, or refused naming the variable and what it switches.
+TEST(SessionOptionsTest, SwitchVariablesAreTakenOrRefusedNamingWhatTheySwitch) {
+  ::setenv("NONSTOP_CONTROLLER", "127.0.0.1:1", 1);
+  ::setenv("NONSTOP_JOB_TOKEN", "t", 1);
+  ::setenv("NONSTOP_WORKER_ID", "3", 1);
+  Result<SessionOptions> o = SessionOptions::FromEnvironment();
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_FALSE(o->sealed_state_copy);
+  EXPECT_FALSE(o->checked_collectives);
+  ::setenv("NONSTOP_SEALED_STATE_COPY", "1", 1);
+  ::setenv("NONSTOP_CHECKED_COLLECTIVES", "true", 1);
+  o = SessionOptions::FromEnvironment();
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->sealed_state_copy);
+  EXPECT_TRUE(o->checked_collectives);
+  ::setenv("NONSTOP_SEALED_STATE_COPY", "yes", 1);
+  o = SessionOptions::FromEnvironment();
+  ASSERT_FALSE(o.ok());
+  EXPECT_NE(o.status().message().find("NONSTOP_SEALED_STATE_COPY='yes' is not 1 or 0 (true or "
+                                      "false): whether every chunk of a state copy carries a tag"),
+            std::string::npos)
+      << o.status().ToString();
+  for (const char* v : {"NONSTOP_CONTROLLER", "NONSTOP_JOB_TOKEN", "NONSTOP_WORKER_ID",
+                        "NONSTOP_SEALED_STATE_COPY", "NONSTOP_CHECKED_COLLECTIVES"})
+    ::unsetenv(v);
+}
+
 TEST_F(SessionTest, DrainArrivingJustAsTheCollectiveStartsEndsItInsteadOfBlocking) {
   auto session = Join();
   ASSERT_TRUE(session.ok()) << session.status().ToString();

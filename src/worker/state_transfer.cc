@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <span>
 #include <system_error>
@@ -22,14 +23,17 @@
 #include "net/socket.h"
 #include "nonstop/crc32c.h"
 #include "nonstop/log.h"
+#include "nonstop/settings.h"
 #include "state/shard_layout.h"
+#include "worker/copy_seal.h"
 
 namespace nonstop::worker {
 
 namespace {
 
-constexpr uint32_t kTransferMagic = 0x3558534E;  // "NSX5" (the chunks, then the CRC table)
-constexpr size_t kHeaderBytes = 40;
+constexpr uint32_t kTransferMagic = 0x3658534E;  // "NSX6" (5: no seal in the header)
+constexpr size_t kHeaderBytes = 60;
+constexpr uint32_t kHeaderSealed = 1;  // the header's flags
 // A source's share of the copy gets one stream (lane) per this many bytes (StreamsFor).
 constexpr uint64_t kBytesPerStream = uint64_t{32} << 20;
 
@@ -40,9 +44,45 @@ int RankOf(const control::PlanMsg& plan, int worker_id) {
   return -1;
 }
 
+// Whether a copy is sealed and, if so, with what: the key of the data connections and the
+// generation each copy's key is bound to (CopySeal).
+struct SealSpec {
+  const crypto::Key* key = nullptr;  // none: unsealed
+  uint64_t generation = 0;
+};
+
+SealSpec SealOf(const TransferHooks& hooks, uint64_t generation) {
+  return {hooks.seal_key ? &*hooks.seal_key : nullptr, generation};
+}
+
+// The seal of one request's chunks: the copy's (none: unsealed) and the request's number.
+struct RequestSeal {
+  const CopySeal* seal = nullptr;
+  uint32_t request = 0;
+};
+
+// The faults a source injects (TransferHooks), each into one chunk across all its receivers.
+struct SourceFaults {
+  explicit SourceFaults(const TransferHooks& hooks)
+      : corrupt(hooks.corrupt_first_chunk),
+        tamper_pending(hooks.tamper_first_chunk != nullptr),
+        tamper(hooks.tamper_first_chunk) {}
+  std::atomic<bool> corrupt;
+  std::atomic<bool> tamper_pending;
+  const std::function<void(std::span<std::byte>)>& tamper;
+};
+
+// What a source's header says beyond the layout: the step it holds, and its seal's nonce (empty:
+// unsealed).
+struct Header {
+  int64_t step = 0;
+  std::string nonce;
+};
+
 // `step`: the step the source's state holds. `shard`: the shard whose
-// chunks follow (its held one, unless it holds every shard).
-std::string EncodeHeader(int64_t step, const state::StateRegistry& reg, int shard) {
+// chunks follow (its held one, unless it holds every shard). `nonce`: the seal's (empty: none).
+std::string EncodeHeader(int64_t step, const state::StateRegistry& reg, int shard,
+                         const std::string& nonce) {
   std::string h;
   PutFixed32(&h, kTransferMagic);
   PutFixed64(&h, static_cast<uint64_t>(step));
@@ -51,21 +91,31 @@ std::string EncodeHeader(int64_t step, const state::StateRegistry& reg, int shar
   PutFixed32(&h, reg.num_chunks());
   PutFixed32(&h, static_cast<uint32_t>(reg.shard_group()));
   PutFixed32(&h, static_cast<uint32_t>(shard));
+  PutFixed32(&h, nonce.empty() ? 0 : kHeaderSealed);
+  h += nonce.empty() ? std::string(CopySeal::kNonceBytes, '\0') : nonce;
   PutFixed32(&h, Crc32c(h));
   return h;
 }
 
 // Checks a source's header against this worker's state (magic, checksum,
-// group size, layout; with `want_shard` >= 0, the receiver copies the
-// sharded chunks, which must be of that shard) and returns the step it
-// names, which is the caller's to judge.
-Result<int64_t> ParseHeader(const std::string& h, const state::StateRegistry& reg,
-                            const std::string& source, int want_shard = -1) {
+// group size, layout, the seal this worker's setting asks for: `sealed`; with `want_shard` >= 0,
+// the receiver copies the sharded chunks, which must be of that shard) and returns the step it
+// names, which is the caller's to judge, and the seal's nonce.
+Result<Header> ParseHeader(const std::string& h, const state::StateRegistry& reg,
+                           const std::string& source, bool sealed, int want_shard = -1) {
+  constexpr size_t kCrcAt = kHeaderBytes - 4;
   if (DecodeFixed32(h.data()) != kTransferMagic ||
-      Crc32c(h.data(), 36) != DecodeFixed32(h.data() + 36)) {
+      Crc32c(h.data(), kCrcAt) != DecodeFixed32(h.data() + kCrcAt)) {
     return DataLossError(fmt::format("state header from {} is corrupt", source));
   }
-  auto step = static_cast<int64_t>(DecodeFixed64(h.data() + 4));
+  const bool source_sealed = (DecodeFixed32(h.data() + 36) & kHeaderSealed) != 0;
+  if (source_sealed != sealed) {
+    return FailedPreconditionError(fmt::format(
+        "{} {} its state copy and this worker {}: every worker of a job must have the same {}",
+        source, source_sealed ? "seals" : "does not seal", sealed ? "does" : "does not",
+        settings::kSealedStateCopy.env));
+  }
+  const auto step = static_cast<int64_t>(DecodeFixed64(h.data() + 4));
   uint64_t total = DecodeFixed64(h.data() + 12);
   uint32_t chunk = DecodeFixed32(h.data() + 20);
   uint32_t chunks = DecodeFixed32(h.data() + 24);
@@ -87,20 +137,20 @@ Result<int64_t> ParseHeader(const std::string& h, const state::StateRegistry& re
         "chunks of {}: the model or optimizer differs",
         source, total, chunks, chunk, reg.total_bytes(), reg.num_chunks(), reg.chunk_bytes()));
   }
-  return step;
+  return Header{step, sealed ? h.substr(40, CopySeal::kNonceBytes) : std::string()};
 }
 
 // ParseHeader, and the step must be `want_step` (the shard exchange, whose
 // sources' steps ExchangeShards checked against what they all-gathered).
-Status CheckHeader(const std::string& h, int64_t want_step, const state::StateRegistry& reg,
-                   const std::string& source, int want_shard = -1) {
-  NONSTOP_ASSIGN_OR_RETURN(int64_t step, ParseHeader(h, reg, source, want_shard));
-  if (step != want_step) {
+Result<Header> CheckHeader(const std::string& h, int64_t want_step, const state::StateRegistry& reg,
+                           const std::string& source, bool sealed, int want_shard = -1) {
+  NONSTOP_ASSIGN_OR_RETURN(Header header, ParseHeader(h, reg, source, sealed, want_shard));
+  if (header.step != want_step) {
     return DataLossError(
         fmt::format("{} offers the state of step {}, but the plan resumes after step {}", source,
-                    step, want_step));
+                    header.step, want_step));
   }
-  return OkStatus();
+  return header;
 }
 
 // The CRC-32C table a source sends: entry c is the CRC of chunk c as this
@@ -163,21 +213,32 @@ std::string EncodeTable(const std::vector<uint32_t>& table) {
   return out;
 }
 
-// A source's CRC table (one message, checksummed by the transport; none for a state of no chunks).
-Status SendTable(collective::Communicator& comm, int receiver, const std::vector<uint32_t>& table) {
+// A source's CRC table (one message, checksummed by the transport, its seal's tag after it when
+// `seal`; none for a state of no chunks).
+Status SendTable(collective::Communicator& comm, int receiver, const std::vector<uint32_t>& table,
+                 const CopySeal* seal) {
   if (table.empty()) return OkStatus();
-  const std::string bytes = EncodeTable(table);
+  std::string bytes = EncodeTable(table);
+  if (seal != nullptr) bytes += seal->TableTag(bytes);
   return comm.Send(receiver, std::as_bytes(std::span(bytes)));
 }
 
 // A source's CRC table, which follows its first request's chunks (of this worker's layout: its
-// header said so).
+// header said so). DATA_LOSS when `seal` and the table fails it.
 Result<std::vector<uint32_t>> RecvTable(collective::Communicator& comm,
-                                        const state::StateRegistry& reg, int source) {
+                                        const state::StateRegistry& reg, int source,
+                                        const CopySeal* seal) {
   std::vector<uint32_t> table(reg.num_chunks());
   if (table.empty()) return table;
-  std::string buf(table.size() * 4, '\0');
+  const size_t n = table.size() * 4;
+  std::string buf(n + (seal != nullptr ? CopySeal::kTagBytes : 0), '\0');
   NONSTOP_RETURN_IF_ERROR(comm.Recv(source, std::as_writable_bytes(std::span(buf))));
+  if (seal != nullptr &&
+      !seal->TableVerifies(std::string_view(buf).substr(0, n), std::string_view(buf).substr(n))) {
+    return DataLossError(fmt::format(
+        "the CRC table from rank {} fails its seal: altered on the way, or not that rank's",
+        source));
+  }
   for (size_t c = 0; c < table.size(); ++c) table[c] = DecodeFixed32(buf.data() + 4 * c);
   return table;
 }
@@ -279,23 +340,24 @@ Status OnLanes(int lanes, const std::function<Status(int lane)>& lane,
 }
 
 // Source side, one lane of a request: the chunks at positions lane, lane + lanes, ... of
-// `request`, each preceded by {index, its CRC}. A chunk goes out from the live state itself when
-// it lies in one region (no copy). With `checksum_here` the CRC is computed here, from the bytes
-// about to go out (in this core's cache then, so the kernel's copy reads them from there too), and
-// written into (*table)[index] (every index of a request is distinct: Serve checks); else it is
-// the table's.
+// `request`, each preceded by {index, its CRC} and, when `seal`, the chunk's tag. A chunk goes out
+// from the live state itself when it lies in one region (no copy). With `checksum_here` the CRC is
+// computed here, from the bytes about to go out (in this core's cache then, so the kernel's copy
+// reads them from there too), and written into (*table)[index] (every index of a request is
+// distinct: Serve checks); else it is the table's.
 Status SendChunks(collective::Communicator& comm, const state::StateRegistry& reg, int receiver,
                   std::span<const uint32_t> request, int lane, int lanes,
-                  std::vector<uint32_t>* table, bool checksum_here, std::atomic<bool>* corrupt_next,
-                  int shard) {
+                  std::vector<uint32_t>* table, bool checksum_here, SourceFaults* faults, int shard,
+                  RequestSeal seal) {
   std::vector<std::byte> buf;  // a chunk that must be copied: across regions, of a shard, corrupted
   for (size_t p = static_cast<size_t>(lane); p < request.size(); p += static_cast<size_t>(lanes)) {
     const uint32_t index = request[p];
     const size_t n = reg.chunk_size(index);
-    const bool corrupt = corrupt_next != nullptr && corrupt_next->exchange(false) && n > 0;
+    const bool corrupt = faults->corrupt.exchange(false) && n > 0;
+    const bool tamper = !corrupt && faults->tamper_pending.exchange(false) && n > 0;
     const bool of_shard = shard >= 0 && reg.chunk_sharded(index);
     std::span<const std::byte> chunk;
-    if (!of_shard && !corrupt) chunk = reg.ContiguousChunk(index);
+    if (!of_shard && !corrupt && !tamper) chunk = reg.ContiguousChunk(index);
     if (chunk.empty()) {
       if (buf.size() < n) buf.resize(reg.chunk_bytes());
       std::span<std::byte> copy(buf.data(), n);
@@ -307,10 +369,15 @@ Status SendChunks(collective::Communicator& comm, const state::StateRegistry& re
       chunk = copy;
     }
     if (checksum_here) (*table)[index] = Crc32c(chunk.data(), chunk.size());
+    const std::string tag = seal.seal != nullptr
+                                ? seal.seal->ChunkTag(seal.request, index, (*table)[index], chunk)
+                                : std::string();
+    if (corrupt) buf[n / 2] ^= std::byte{0x5a};            // after the checksum: damaged on the way
+    if (tamper) faults->tamper(std::span(buf.data(), n));  // after the seal: rewritten on the way
     std::string meta;
     PutFixed32(&meta, index);
     PutFixed32(&meta, (*table)[index]);
-    if (corrupt) buf[n / 2] ^= std::byte{0x5a};  // after the checksum: damaged on the way
+    meta += tag;
     NONSTOP_RETURN_IF_ERROR(comm.SendOnLane(
         receiver, lane, collective::HostRegion(std::as_bytes(std::span(meta))), true));
     NONSTOP_RETURN_IF_ERROR(
@@ -348,11 +415,16 @@ Result<std::vector<char>> CheckRequest(const collective::Communicator& comm,
   return asked;
 }
 
-// A source's header (`step`: the step its state holds; `shard`: the shard whose chunks follow).
+// A source's header (`step`: the step its state holds; `shard`: the shard whose chunks follow;
+// `nonce`: its seal's, empty when unsealed).
 Status SendHeader(collective::Communicator& comm, int receiver, int64_t step,
-                  const state::StateRegistry& reg, int shard) {
-  const std::string header = EncodeHeader(step, reg, shard);
+                  const state::StateRegistry& reg, int shard, const std::string& nonce) {
+  const std::string header = EncodeHeader(step, reg, shard, nonce);
   return comm.Send(receiver, std::as_bytes(std::span(header)));
+}
+
+std::string NewNonce(SealSpec spec) {
+  return spec.key != nullptr ? crypto::RandomBytes(CopySeal::kNonceBytes) : std::string();
 }
 
 // Source side: serve one receiver until it says it is done. It sends its header (`step`: the step
@@ -365,15 +437,22 @@ Status SendHeader(collective::Communicator& comm, int receiver, int64_t step,
 // asked are checksummed by SendChunks as they go out, and the others by a thread of their own
 // meanwhile, so no pass over the state stands between the receiver's request and its first byte
 // (docs/recovery.md). `sharded`: the shard exchange (its chunks are the sharded ones). `shard` >=
-// 0: the receiver's shard, read from a registry that holds every shard.
+// 0: the receiver's shard, read from a registry that holds every shard. With `spec` sealed, a
+// fresh nonce in the header and a tag on every chunk and on the table (CopySeal).
 Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int receiver, int64_t step,
-             const std::vector<uint32_t>* known, bool sharded, std::atomic<bool>* corrupt_next,
+             const std::vector<uint32_t>* known, bool sharded, SourceFaults* faults, SealSpec spec,
              int shard = -1) {
+  const std::string nonce = NewNonce(spec);
   NONSTOP_RETURN_IF_ERROR(
-      SendHeader(comm, receiver, step, reg, shard >= 0 ? shard : reg.held_shard()));
+      SendHeader(comm, receiver, step, reg, shard >= 0 ? shard : reg.held_shard(), nonce));
+  std::optional<CopySeal> seal;
+  if (spec.key != nullptr) {
+    seal.emplace(*spec.key, sharded ? "shard" : "replicated", spec.generation, step, comm.rank(),
+                 receiver, nonce);
+  }
   std::vector<uint32_t> table = known != nullptr ? *known : std::vector<uint32_t>{};
   bool table_sent = false;
-  while (true) {
+  for (uint32_t request_no = 0;; ++request_no) {
     NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
                              RecvU32s(comm, receiver, reg.num_chunks() + 1));
     if (request.empty()) return OkStatus();
@@ -394,8 +473,8 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
       }
     }
     Status sent = OnLanes(lanes, [&](int lane) {
-      return SendChunks(comm, reg, receiver, chunks, lane, lanes, &table, checksum_here,
-                        corrupt_next, shard);
+      return SendChunks(comm, reg, receiver, chunks, lane, lanes, &table, checksum_here, faults,
+                        shard, RequestSeal{seal ? &*seal : nullptr, request_no});
     });
     if (rest_thread.joinable()) rest_thread.join();
     NONSTOP_RETURN_IF_ERROR(sent);
@@ -404,7 +483,9 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
         if (!asked[c]) table[c] = rest[c];
       }
     }
-    if (!table_sent) NONSTOP_RETURN_IF_ERROR(SendTable(comm, receiver, table));
+    if (!table_sent) {
+      NONSTOP_RETURN_IF_ERROR(SendTable(comm, receiver, table, seal ? &*seal : nullptr));
+    }
     table_sent = true;
   }
 }
@@ -414,8 +495,9 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
 // the receiver learns at once that it serves nothing; then it waits for the
 // receiver's done and returns `refusal`.
 Status ServeRefusal(collective::Communicator& comm, const state::StateRegistry& reg, int receiver,
-                    int64_t held_step, const Status& refusal) {
-  NONSTOP_RETURN_IF_ERROR(SendHeader(comm, receiver, held_step, reg, reg.held_shard()));
+                    int64_t held_step, const Status& refusal, SealSpec spec) {
+  NONSTOP_RETURN_IF_ERROR(
+      SendHeader(comm, receiver, held_step, reg, reg.held_shard(), NewNonce(spec)));
   NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
                            RecvU32s(comm, receiver, reg.num_chunks() + 1));
   if (!request.empty()) {
@@ -444,11 +526,17 @@ Status CheckClaims(int source, const std::vector<uint32_t>& indices,
   return OkStatus();
 }
 
-// The {index, crc} a source sends ahead of each chunk, on `lane`: the CRC, once the index is the
-// one asked for (else DATA_LOSS), recorded in `claims` for CheckClaims.
-Result<uint32_t> RecvChunkMeta(collective::Communicator& comm, int source, int lane, uint32_t want,
-                               std::vector<uint32_t>* claims) {
-  std::string meta(8, '\0');
+// A source's word on a chunk it sends: its CRC and, sealed, its tag.
+struct ChunkWord {
+  uint32_t crc = 0;
+  std::string tag;
+};
+
+// The {index, crc[, tag]} a source sends ahead of each chunk, on `lane`: the word, once the index
+// is the one asked for (else DATA_LOSS), its CRC recorded in `claims` for CheckClaims.
+Result<ChunkWord> RecvChunkMeta(collective::Communicator& comm, int source, int lane, uint32_t want,
+                                std::vector<uint32_t>* claims, RequestSeal seal) {
+  std::string meta(8 + (seal.seal != nullptr ? CopySeal::kTagBytes : 0), '\0');
   NONSTOP_RETURN_IF_ERROR(comm.RecvOnLane(
       source, lane, collective::HostRegion(std::as_writable_bytes(std::span(meta))), true));
   const uint32_t index = DecodeFixed32(meta.data());
@@ -456,7 +544,23 @@ Result<uint32_t> RecvChunkMeta(collective::Communicator& comm, int source, int l
     return DataLossError(
         fmt::format("rank {} sent chunk {} where chunk {} was asked for", source, index, want));
   (*claims)[index] = DecodeFixed32(meta.data() + 4);
-  return (*claims)[index];
+  return ChunkWord{(*claims)[index], meta.substr(8)};
+}
+
+// Whether a chunk that landed carries its source's seal (true when unsealed). One that does not
+// was altered on the way, its CRCs with it: logged, and fetched again like a chunk that fails its
+// CRC.
+bool SealHolds(RequestSeal seal, int source, uint32_t index, const ChunkWord& word,
+               std::span<const std::byte> bytes) {
+  if (seal.seal == nullptr ||
+      seal.seal->ChunkVerifies(seal.request, index, word.crc, bytes, word.tag)) {
+    return true;
+  }
+  NONSTOP_LOG_WARNING(
+      "state chunk {} from rank {} fails its seal: altered on the way by someone without the "
+      "job key (its CRC may well match: a CRC is no seal), or not that rank's; fetched again",
+      index, source);
+  return false;
 }
 
 // Receiver side: fetch `indices` from one source, on lane 0, into a buffer, each chunk handed to
@@ -465,15 +569,20 @@ Result<uint32_t> RecvChunkMeta(collective::Communicator& comm, int source, int l
 // the first one is what the source sends its table after.
 Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, int source,
              const std::vector<uint32_t>& indices, std::vector<uint32_t>* claims,
-             std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes, const ChunkSink& sink) {
+             std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes, const ChunkSink& sink,
+             RequestSeal seal) {
   NONSTOP_RETURN_IF_ERROR(SendRequest(comm, source, 1, indices));
   std::vector<std::byte> buf(reg.chunk_bytes());
   for (uint32_t want : indices) {
-    NONSTOP_ASSIGN_OR_RETURN(uint32_t crc, RecvChunkMeta(comm, source, 0, want, claims));
+    NONSTOP_ASSIGN_OR_RETURN(ChunkWord word, RecvChunkMeta(comm, source, 0, want, claims, seal));
     std::span<std::byte> chunk(buf.data(), reg.chunk_size(want));
-    NONSTOP_RETURN_IF_ERROR(comm.RecvUnchecked(source, chunk));  // the sink checks `crc`
+    NONSTOP_RETURN_IF_ERROR(comm.RecvUnchecked(source, chunk));  // the sink checks the CRC
     *bytes += chunk.size();
-    Status s = sink(want, chunk, crc);
+    if (!SealHolds(seal, source, want, word, chunk)) {
+      failed->push_back(want);
+      continue;
+    }
+    Status s = sink(want, chunk, word.crc);
     if (s.code() == StatusCode::kDataLoss) {
       failed->push_back(want);  // fetched again
     } else {
@@ -494,18 +603,22 @@ Status Fetch(collective::Communicator& comm, const state::StateRegistry& reg, in
 Status ReceiveInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
                       const std::vector<uint32_t>& indices, int lane, int lanes,
                       std::vector<uint32_t>* claims, std::vector<uint32_t>* failed,
-                      std::atomic<uint64_t>* bytes) {
+                      std::atomic<uint64_t>* bytes, RequestSeal seal) {
   std::vector<std::byte> buf;  // for chunks that span regions
   for (size_t p = static_cast<size_t>(lane); p < indices.size(); p += static_cast<size_t>(lanes)) {
     const uint32_t index = indices[p];
-    NONSTOP_ASSIGN_OR_RETURN(uint32_t crc, RecvChunkMeta(comm, source, lane, index, claims));
+    NONSTOP_ASSIGN_OR_RETURN(ChunkWord word,
+                             RecvChunkMeta(comm, source, lane, index, claims, seal));
     const size_t n = reg.chunk_size(index);
     std::span<std::byte> live = reg.ContiguousChunk(index);
     if (!live.empty()) {
       NONSTOP_RETURN_IF_ERROR(
           comm.RecvOnLane(source, lane, collective::HostRegion(live), /*checked=*/false));
       *bytes += n;
-      if (Crc32c(live.data(), live.size()) != crc) failed->push_back(index);
+      if (Crc32c(live.data(), live.size()) != word.crc ||
+          !SealHolds(seal, source, index, word, live)) {
+        failed->push_back(index);
+      }
       continue;
     }
     if (buf.size() < n) buf.resize(reg.chunk_bytes());
@@ -513,7 +626,11 @@ Status ReceiveInPlace(collective::Communicator& comm, state::StateRegistry& reg,
     NONSTOP_RETURN_IF_ERROR(
         comm.RecvOnLane(source, lane, collective::HostRegion(chunk), /*checked=*/false));
     *bytes += n;
-    Status s = reg.WriteChunk(index, chunk, crc);
+    if (!SealHolds(seal, source, index, word, chunk)) {
+      failed->push_back(index);
+      continue;
+    }
+    Status s = reg.WriteChunk(index, chunk, word.crc);
     if (s.code() == StatusCode::kDataLoss) {
       failed->push_back(index);
     } else {
@@ -531,7 +648,7 @@ Status ReceiveInPlace(collective::Communicator& comm, state::StateRegistry& reg,
 // request goes even for no chunk (the first one is what the source sends its table after).
 Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, int source,
                     const std::vector<uint32_t>& indices, int lanes, std::vector<uint32_t>* claims,
-                    std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes) {
+                    std::vector<uint32_t>* failed, std::atomic<uint64_t>* bytes, RequestSeal seal) {
   NONSTOP_RETURN_IF_ERROR(SendRequest(comm, source, lanes, indices));
   std::vector<std::vector<uint32_t>> failed_on(static_cast<size_t>(lanes));
   // A failed lane fails the whole copy (RunStateTransfers returns the error, the controller
@@ -541,7 +658,7 @@ Status FetchInPlace(collective::Communicator& comm, state::StateRegistry& reg, i
       lanes,
       [&](int lane) {
         return ReceiveInPlace(comm, reg, source, indices, lane, lanes, claims,
-                              &failed_on[static_cast<size_t>(lane)], bytes);
+                              &failed_on[static_cast<size_t>(lane)], bytes, seal);
       },
       [&](const Status& failed_lane) {
         comm.Abort(fmt::format("the state copy from rank {} failed on one of its {} streams: {}",
@@ -597,6 +714,8 @@ struct Offer {
   int rank = -1;
   int64_t step = 0;
   std::vector<uint32_t> table;
+  std::optional<CopySeal> seal;  // sealed copies
+  uint32_t requests = 0;         // sent to it so far (the seal's request numbers)
 };
 
 // Receiver side: every source's header, checked (a corrupt header, another
@@ -608,7 +727,7 @@ struct Offer {
 Result<std::vector<Offer>> GatherOffers(collective::Communicator& comm,
                                         const state::StateRegistry& reg,
                                         const control::PlanMsg& plan, int64_t step,
-                                        const std::vector<int>& sources) {
+                                        const std::vector<int>& sources, SealSpec spec) {
   std::vector<Offer> offers;
   // Every source sent its header at once and waits for a request: all of them, read or not, are
   // told "done", so that none waits for a request that will not come.
@@ -620,9 +739,13 @@ Result<std::vector<Offer>> GatherOffers(collective::Communicator& comm,
     std::string header(kHeaderBytes, '\0');
     Status s = comm.Recv(source, std::as_writable_bytes(std::span(header)));
     if (!s.ok()) return end_all(s);
-    Result<int64_t> held = ParseHeader(header, reg, SourceName(plan, source));
+    Result<Header> held = ParseHeader(header, reg, SourceName(plan, source), spec.key != nullptr);
     if (!held.ok()) return end_all(held.status());
-    offers.push_back({source, *held, {}});
+    Offer& o = offers.emplace_back(Offer{source, held->step, {}, std::nullopt, 0});
+    if (spec.key != nullptr) {
+      o.seal.emplace(*spec.key, "replicated", spec.generation, held->step, source, comm.rank(),
+                     held->nonce);
+    }
   }
   std::vector<Offer> valid;
   std::vector<std::string> others;
@@ -746,10 +869,12 @@ Status FetchRound(collective::Communicator& comm, state::StateRegistry& reg,
       if (!first && lists[i].empty()) continue;
       threads.emplace_back([&, i] {
         streams[i] = StreamsFor(comm, reg, lists[i], streams_per_source);
-        Status s = FetchInPlace(comm, reg, offers[i].rank, lists[i], streams[i], &(*claims)[i],
-                                &(*failed)[i], bytes);
+        Offer& o = offers[i];
+        const CopySeal* seal = o.seal ? &*o.seal : nullptr;
+        Status s = FetchInPlace(comm, reg, o.rank, lists[i], streams[i], &(*claims)[i],
+                                &(*failed)[i], bytes, RequestSeal{seal, o.requests++});
         if (s.ok() && first) {
-          Result<std::vector<uint32_t>> table = RecvTable(comm, reg, offers[i].rank);
+          Result<std::vector<uint32_t>> table = RecvTable(comm, reg, o.rank, seal);
           if (table.ok()) offers[i].table = std::move(*table);
           s = table.status();
         }
@@ -823,7 +948,8 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
                                      "the plan of generation {} asks worker {} to serve the state "
                                      "of step {}, but its state holds step {}: refused",
                                      plan.generation, my_worker_id, step, held_step));
-    std::atomic<bool> corrupt(hooks.corrupt_first_chunk);
+    SourceFaults faults(hooks);
+    const SealSpec spec = SealOf(hooks, plan.generation);
     // One receiver: its chunks are checksummed as they go out, the rest meanwhile (Serve).
     // Several (two spares at once): one table for all, computed first, not a pass per receiver.
     const bool shared = refusal.ok() && serve_to.size() > 1;
@@ -833,9 +959,10 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
     std::vector<std::thread> threads;
     for (size_t i = 0; i < serve_to.size(); ++i) {
       threads.emplace_back([&, i] {
-        results[i] = refusal.ok() ? Serve(comm, reg, serve_to[i], held_step,
-                                          shared ? &table : nullptr, /*sharded=*/false, &corrupt)
-                                  : ServeRefusal(comm, reg, serve_to[i], held_step, refusal);
+        results[i] = refusal.ok()
+                         ? Serve(comm, reg, serve_to[i], held_step, shared ? &table : nullptr,
+                                 /*sharded=*/false, &faults, spec)
+                         : ServeRefusal(comm, reg, serve_to[i], held_step, refusal, spec);
       });
     }
     for (auto& t : threads) t.join();
@@ -850,8 +977,9 @@ Result<TransferOutcome> RunStateTransfers(collective::Communicator& comm, state:
   for (uint32_t c = 0; c < reg.num_chunks(); ++c) {
     if (!reg.chunk_sharded(c)) wanted.push_back(c);
   }
-  NONSTOP_ASSIGN_OR_RETURN(std::vector<Offer> offers,
-                           GatherOffers(comm, reg, plan, step, fetch_from));
+  NONSTOP_ASSIGN_OR_RETURN(
+      std::vector<Offer> offers,
+      GatherOffers(comm, reg, plan, step, fetch_from, SealOf(hooks, plan.generation)));
   const size_t k = offers.size();
   outcome.sources = static_cast<int>(k);
   // Striped: chunk i from source i mod k, all at once; each source's table follows its chunks.
@@ -1240,12 +1368,12 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
                      const state::ShardLayout& layout, const std::map<int, PeerWork>& peers,
                      int64_t step, int64_t held_step, bool every,
                      const std::vector<uint32_t>& held_table, const TransferHooks& hooks,
-                     Staging* staging, TransferOutcome* outcome) {
+                     SealSpec spec, Staging* staging, TransferOutcome* outcome) {
   const int me = comm.rank();
   const int need = layout.shard_of_rank[static_cast<size_t>(me)];
   const ChunkSink into_staging = [staging](uint32_t index, std::span<const std::byte> data,
                                            uint32_t crc) { return staging->Put(index, data, crc); };
-  std::atomic<bool> corrupt(hooks.corrupt_first_chunk);
+  SourceFaults faults(hooks);
   std::atomic<uint64_t> bytes{0};
   std::atomic<int> refetched{0};
   // The CRC tables it serves, each computed once: of its held shard, or of
@@ -1269,7 +1397,7 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
       auto do_serve = [&]() -> Status {
         if (!work.serve) return OkStatus();
         const int shard = every ? layout.shard_of_rank[static_cast<size_t>(peer)] : -1;
-        return Serve(comm, reg, peer, held_step, &tables.at(shard), /*sharded=*/true, &corrupt,
+        return Serve(comm, reg, peer, held_step, &tables.at(shard), /*sharded=*/true, &faults, spec,
                      shard);
       };
       auto do_fetch = [&]() -> Status {
@@ -1278,18 +1406,24 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
         NONSTOP_RETURN_IF_ERROR(comm.Recv(peer, std::as_writable_bytes(std::span(header))));
         // The existing check stays: a source's header must name this group size and the shard asked
         // for.
-        NONSTOP_RETURN_IF_ERROR(CheckHeader(header, step, reg, fmt::format("rank {}", peer), need));
+        NONSTOP_ASSIGN_OR_RETURN(const Header h,
+                                 CheckHeader(header, step, reg, fmt::format("rank {}", peer),
+                                             spec.key != nullptr, need));
+        std::optional<CopySeal> sealed;
+        if (spec.key != nullptr)
+          sealed.emplace(*spec.key, "shard", spec.generation, step, peer, me, h.nonce);
+        const CopySeal* seal = sealed ? &*sealed : nullptr;
         std::vector<uint32_t> claims(reg.num_chunks(), 0);
         std::vector<uint32_t> failed;
-        NONSTOP_RETURN_IF_ERROR(
-            Fetch(comm, reg, peer, work.chunks, &claims, &failed, &bytes, into_staging));
-        NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> table, RecvTable(comm, reg, peer));
+        NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, work.chunks, &claims, &failed, &bytes,
+                                      into_staging, RequestSeal{seal, 0}));
+        NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> table, RecvTable(comm, reg, peer, seal));
         NONSTOP_RETURN_IF_ERROR(CheckClaims(peer, work.chunks, claims, table));
         if (!failed.empty()) {  // once more from the same holder: a chunk damaged on the way
           refetched += static_cast<int>(failed.size());
           std::vector<uint32_t> again;
-          NONSTOP_RETURN_IF_ERROR(
-              Fetch(comm, reg, peer, failed, &claims, &again, &bytes, into_staging));
+          NONSTOP_RETURN_IF_ERROR(Fetch(comm, reg, peer, failed, &claims, &again, &bytes,
+                                        into_staging, RequestSeal{seal, 1}));
           NONSTOP_RETURN_IF_ERROR(CheckClaims(peer, failed, claims, table));
           if (!again.empty()) {
             return DataLossError(
@@ -1382,7 +1516,8 @@ Result<TransferOutcome> ExchangeShards(collective::Communicator& comm, state::St
   if (!peers.empty() && hooks.on_start) hooks.on_start();
   Staging staging(reg, receiving ? sharded : std::vector<uint32_t>{});
   NONSTOP_RETURN_IF_ERROR(MoveWithPeers(comm, reg, layout, peers, step, held_step, every,
-                                        held_table, hooks, &staging, &outcome));
+                                        held_table, hooks, SealOf(hooks, plan.generation), &staging,
+                                        &outcome));
   if (receiving) NONSTOP_RETURN_IF_ERROR(CheckStaged(staging, reg, need, step, majority));
   // Nobody commits before everybody has staged: a receiver's commit
   // overwrites the shard it held, which may be the last copy of it if a

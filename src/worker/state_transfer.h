@@ -5,11 +5,11 @@
 //
 // Protocol, per (receiver, source) pair, over point-to-point transfers
 // (docs/protocol.md):
-//   source → receiver  header {magic "NSX5", step held, total bytes, chunk bytes,
-//                      chunks, shard group, shard, crc32c}
+//   source → receiver  header {magic "NSX6", step held, total bytes, chunk bytes,
+//                      chunks, shard group, shard, sealed, seal's nonce, crc32c}
 //   receiver → source  request {count, lanes, chunk indices…}   (count 0: done)
-//   source → receiver  per chunk {index, crc32c} then the chunk's bytes, the chunk at
-//                      position p of the request over lane p mod lanes
+//   source → receiver  per chunk {index, crc32c[, tag]} then the chunk's bytes, the chunk
+//                      at position p of the request over lane p mod lanes
 //   source → receiver  after the first request's chunks: its CRC table {crc32c of
 //                      chunk c, for every chunk c}
 //   (receiver → source further requests, chunks fetched again; then done)
@@ -34,7 +34,10 @@
 // crc32c} travel checksummed by the transport (Send/Recv); a chunk's bytes
 // travel unchecked by it (SendUnchecked/RecvUnchecked), because the CRCs
 // protect them: each byte is then read once on each side by a CRC and once
-// by the kernel's copy, and no more.
+// by the kernel's copy, and no more. The CRCs stop accidents only: with
+// TransferHooks::seal_key each chunk's word also carries a tag (CopySeal), a
+// chunk whose tag fails is fetched again as one whose CRC fails, and the
+// table carries a tag of its own.
 //
 // A source whose state holds another step than the plan's (resume_step - 1)
 // refuses: it sends its header (its step), waits for the receiver's done,
@@ -76,9 +79,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <span>
 #include <string_view>
 
 #include "collective/data_plane.h"
+#include "common/crypto.h"
 #include "control/messages.h"
 #include "nonstop/state.h"
 #include "state/shard_layout.h"
@@ -103,6 +109,14 @@ struct TransferHooks {
   // 32 MiB asked of the source, n > 0 asks for n; both within the transport's lanes
   // (Communicator::p2p_lanes) and the number of chunks. Benchmarks compare the two.
   int streams_per_source = 0;
+  // The sealed copy (NONSTOP_SEALED_STATE_COPY, worker/copy_seal.h): the key of the data
+  // connections, from which each copy's own is derived; every chunk and table this worker sends
+  // carries a tag, and a receiver takes only what verifies. None: unsealed, the CRCs alone. A
+  // source and a receiver that differ on it fail the copy, naming the setting.
+  std::optional<crypto::Key> seal_key;
+  // As a source, hand the first chunk sent to this after checksumming and sealing it, to rewrite
+  // as a party on the path could (one that keeps its CRC: the seal's test).
+  std::function<void(std::span<std::byte>)> tamper_first_chunk;
 };
 
 // Checks a plan from the controller before anything acts on it: members with

@@ -7,9 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <bit>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <optional>
+#include <span>
 #include <thread>
 #include <utility>
 
@@ -17,12 +19,16 @@
 
 #include "collective/tcp_data_plane.h"
 #include "common/coding.h"
+#include "common/crypto.h"
 #include "net/socket.h"
 #include "nonstop/crc32c.h"
 #include "state/protected_device_testing.h"
 
 namespace nonstop::worker {
 namespace {
+
+// A source's header, as state_transfer.cc sends it.
+constexpr size_t kHeaderBytes = 60;
 
 constexpr char kToken[] = "test-token";
 constexpr size_t kShard = 1000;  // floats per shard: several chunks of 1 KiB
@@ -352,6 +358,121 @@ TEST(RunStateTransfersTest, ACopyFromOneOrThreeSourcesIsTheSourcesStateBitForBit
   }
 }
 
+// What a party on the path can do to a chunk whose CRC-32C travels beside it: flip a byte, then
+// rewrite the last four so that the CRC stays what it was (a CRC is linear over GF(2), and its
+// last 32 bits map one to one onto it). Checked: the CRC is unchanged, the bytes are not.
+void TamperKeepingCrc(std::span<std::byte> bytes) {
+  const size_t n = bytes.size();
+  ASSERT_GE(n, 8u);
+  const uint32_t want = Crc32c(bytes.data(), n);
+  bytes[n / 2] ^= std::byte{0x5a};
+  const uint32_t now = Crc32c(bytes.data(), n);
+  auto flip = [&](int bit) { bytes[n - 4 + bit / 8] ^= std::byte(1u << (bit % 8)); };
+  uint32_t basis[32] = {}, combo[32] = {};  // basis[i]: leading bit i; combo[i]: the bits making it
+  for (int b = 0; b < 32; ++b) {
+    flip(b);
+    uint32_t v = Crc32c(bytes.data(), n) ^ now, c = 1u << b;
+    flip(b);
+    for (int i = 31; i >= 0 && v != 0; --i) {
+      if (!(v >> i & 1)) continue;
+      if (basis[i] == 0) {
+        basis[i] = v;
+        combo[i] = c;
+        break;
+      }
+      v ^= basis[i];
+      c ^= combo[i];
+    }
+  }
+  uint32_t target = want ^ now, bits = 0;
+  for (int i = 31; i >= 0; --i) {
+    if (!(target >> i & 1)) continue;
+    ASSERT_NE(basis[i], 0u);
+    target ^= basis[i];
+    bits ^= combo[i];
+  }
+  for (int b = 0; b < 32; ++b) {
+    if (bits >> b & 1) flip(b);
+  }
+  ASSERT_EQ(Crc32c(bytes.data(), n), want);
+}
+
+// Whether two registries hold the same bytes (their digests are CRCs: a rewrite that keeps every
+// CRC keeps them too).
+bool SameBytes(const state::StateRegistry& a, const state::StateRegistry& b) {
+  if (a.regions().size() != b.regions().size()) return false;
+  for (size_t i = 0; i < a.regions().size(); ++i) {
+    const auto& x = a.regions()[i].bytes;
+    const auto& y = b.regions()[i].bytes;
+    if (x.size() != y.size() || std::memcmp(x.data(), y.data(), x.size()) != 0) return false;
+  }
+  return true;
+}
+
+// Issue 52, point 5: the CRCs stop accidents, not a party on the path. A chunk it rewrites
+// keeping its CRC (TamperKeepingCrc) is taken by an unsealed copy, and the receiver trains on
+// bytes of that party's choosing. A sealed copy finds the chunk's tag wrong, fetches it again, and
+// ends with the source's state bit for bit, from one source or from three over four streams each.
+TEST(RunStateTransfersTest, ASealedCopyRefusesAChunkRewrittenKeepingItsCrcThatAnUnsealedOneTakes) {
+  auto unsealed = MakePlainRanks(2);
+  auto out = CopyAll(unsealed, [](int r) {
+    TransferHooks h;
+    if (r == 1) h.tamper_first_chunk = TamperKeepingCrc;
+    return h;
+  });
+  ASSERT_TRUE(out[0].ok()) << out[0].status().ToString();
+  EXPECT_EQ(out[0]->refetched_chunks, 0) << "the rewritten chunk passes every CRC";
+  EXPECT_EQ(unsealed[0]->reg.Digest(), unsealed[1]->reg.Digest()) << "the same CRCs";
+  EXPECT_FALSE(SameBytes(unsealed[0]->reg, unsealed[1]->reg)) << "and other bytes, taken";
+  for (int sources : {1, 3}) {
+    auto ranks = MakePlainRanks(1 + sources);
+    out = CopyAll(ranks, [&](int r) {
+      TransferHooks h;
+      h.seal_key = crypto::JobKey(kToken);
+      if (r >= 1) h.tamper_first_chunk = TamperKeepingCrc;
+      h.streams_per_source = sources == 3 ? 4 : 0;
+      return h;
+    });
+    for (size_t r = 0; r < out.size(); ++r)
+      ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+    EXPECT_EQ(out[0]->refetched_chunks, sources) << "each source's rewritten chunk, again";
+    EXPECT_TRUE(SameBytes(ranks[0]->reg, ranks[1]->reg)) << sources << " source(s)";
+    EXPECT_EQ(ranks[0]->large, ranks[1]->large);
+  }
+}
+
+// A source and a receiver that differ on the seal fail the copy naming the setting, whichever way
+// round (a receiver that seals never takes an unsealed chunk).
+TEST(RunStateTransfersTest, ASourceAndAReceiverThatDifferOnTheSealFailNamingTheSetting) {
+  for (int sealed_rank : {0, 1}) {
+    auto ranks = MakePlainRanks(2);
+    auto out = CopyAll(ranks, [&](int r) {
+      TransferHooks h;
+      if (r == sealed_rank) h.seal_key = crypto::JobKey(kToken);
+      return h;
+    });
+    ASSERT_FALSE(out[0].ok()) << "rank " << sealed_rank << " seals";
+    EXPECT_EQ(out[0].status().code(), StatusCode::kFailedPrecondition)
+        << out[0].status().ToString();
+    EXPECT_NE(out[0].status().message().find("NONSTOP_SEALED_STATE_COPY"), std::string::npos)
+        << out[0].status().ToString();
+    EXPECT_NE(ranks[0]->reg.Digest(), ranks[1]->reg.Digest()) << "nothing copied";
+  }
+}
+
+// Two ends that seal under different keys (another job's token) copy nothing: every chunk fails
+// its tag, from the first fetch and the next.
+TEST(RunStateTransfersTest, ASealUnderAnotherKeyFailsEveryChunk) {
+  auto ranks = MakePlainRanks(2);
+  auto out = CopyAll(ranks, [&](int r) {
+    TransferHooks h;
+    h.seal_key = crypto::JobKey(r == 0 ? kToken : "another job's token");
+    return h;
+  });
+  ASSERT_FALSE(out[0].ok());
+  EXPECT_EQ(out[0].status().code(), StatusCode::kDataLoss) << out[0].status().ToString();
+}
+
 // Issue 30: a member with its state on a device copies it from members whose state is in host
 // memory or on a device, and serves it to them, bit for bit (the chunks are staged).
 TEST(RunStateTransfersTest, StateOnADeviceIsCopiedFromAndToHostStateBitForBit) {
@@ -459,13 +580,15 @@ Result<TransferOutcome> CopyFromLiar(std::vector<std::unique_ptr<PlainRank>>& ra
 // The transfer header (state_transfer.cc) as `reg` would send it for `step`.
 std::string Header(const state::StateRegistry& reg, int64_t step, uint64_t total) {
   std::string h;
-  PutFixed32(&h, 0x3558534E);  // "NSX5"
+  PutFixed32(&h, 0x3658534E);  // "NSX6"
   PutFixed64(&h, static_cast<uint64_t>(step));
   PutFixed64(&h, total);
   PutFixed32(&h, static_cast<uint32_t>(reg.chunk_bytes()));
   PutFixed32(&h, reg.num_chunks());
   PutFixed32(&h, 0);
   PutFixed32(&h, static_cast<uint32_t>(state::kEveryShard));
+  PutFixed32(&h, 0);           // unsealed
+  h += std::string(16, '\0');  // no seal's nonce
   PutFixed32(&h, Crc32c(h));
   return h;
 }
@@ -592,7 +715,7 @@ TEST(RunStateTransfersTest, ARequestTheSourceCannotServeIsRefusedNamingWhy) {
       served = RunStateTransfers(*ranks[1]->comm, ranks[1]->reg, plan, 1, ranks[1]->step, {});
     });
     collective::Communicator& receiver = *ranks[0]->comm;
-    std::string header(40, '\0');
+    std::string header(kHeaderBytes, '\0');
     EXPECT_TRUE(receiver.Recv(1, std::as_writable_bytes(std::span(header))).ok());
     std::string count, body;
     PutFixed32(&count, static_cast<uint32_t>(request.size()));
@@ -637,7 +760,7 @@ TEST(RunStateTransfersTest, ARequestForAShardedChunkIsRefusedByTheSource) {
   std::thread source(
       [&] { served = RunStateTransfers(*ranks[1]->comm, ranks[1]->reg, plan, 1, 9, {}); });
   collective::Communicator& receiver = *ranks[0]->comm;
-  std::string header(40, '\0');
+  std::string header(kHeaderBytes, '\0');
   EXPECT_TRUE(receiver.Recv(1, std::as_writable_bytes(std::span(header))).ok());
   std::string count, body;
   PutFixed32(&count, 2);
@@ -728,7 +851,7 @@ TEST(RunStateTransfersTest, AHeaderOfAnotherStepOrLayoutOrGarbageIsRefused) {
        "(worker 1) holds step 8"},
       {[](const state::StateRegistry& reg) { return Header(reg, 9, reg.total_bytes() + 4); },
        "the model or optimizer differs"},
-      {[](const state::StateRegistry&) { return std::string(40, 'x'); }, "is corrupt"},
+      {[](const state::StateRegistry&) { return std::string(kHeaderBytes, 'x'); }, "is corrupt"},
   };
   for (const auto& [header, why] : cases) {
     auto ranks = MakePlainRanks(2);
@@ -924,6 +1047,26 @@ TEST(ExchangeShardsTest, ResizeReshardsLiveWithMembersSwappingShards) {
     EXPECT_TRUE(ranks[static_cast<size_t>(r)]->HoldsShard(r % 2, 12)) << "rank " << r;
   }
   EXPECT_EQ(refetched, 1);
+}
+
+// The shard exchange seals its chunks too: a holder's chunk rewritten on the way keeping its CRC
+// is not staged; it is fetched again from the same holder (its second request: nonces of its own),
+// and the shard lands whole.
+TEST(ExchangeShardsTest, ASealedExchangeFetchesAChunkRewrittenKeepingItsCrcAgain) {
+  auto ranks = MakeRanks({2, 2, 2, 2});
+  for (int r : {0, 1, 2}) ranks[static_cast<size_t>(r)]->Hold(r % 2, 7);
+  ranks[3]->step = 7;
+  ranks[3]->reg.set_held_shard(state::kNoShard);
+  auto out = ExchangeAll(ranks, PlanOf(ranks, 7, {{3, 1, {1}}}), [](int r) {
+    TransferHooks h;
+    h.seal_key = crypto::JobKey(kToken);
+    if (r == 1) h.tamper_first_chunk = TamperKeepingCrc;
+    return h;
+  });
+  for (size_t r = 0; r < out.size(); ++r)
+    ASSERT_TRUE(out[r].ok()) << "rank " << r << ": " << out[r].status().ToString();
+  EXPECT_EQ(out[3]->refetched_chunks, 1);
+  EXPECT_TRUE(ranks[3]->HoldsShard(1, 7));
 }
 
 TEST(ExchangeShardsTest, AHolderThatServesNoChunkStillEndsItsPartOfTheProtocol) {
@@ -1127,7 +1270,7 @@ TEST(ExchangeShardsTest, ARequestForAReplicatedChunkIsRefusedByTheHolder) {
   std::vector<std::jthread> members = StartExchanges(ranks, plan, 3, nullptr, &out);
   collective::Communicator& spare = *ranks[3]->comm;
   EXPECT_TRUE(JoinHoldings(spare, 2, state::kNoShard, 7).ok());
-  std::string header(40, '\0');
+  std::string header(kHeaderBytes, '\0');
   EXPECT_TRUE(spare.Recv(1, std::as_writable_bytes(std::span(header))).ok());
   std::string count, body;
   PutFixed32(&count, 2);
@@ -1180,7 +1323,7 @@ TEST(ExchangeShardsTest, AFailedMoveEndsTheMembersOtherMovesAtOnceAndCommitsNoth
   } let_go{&go};
   collective::Communicator& holder = *ranks[1]->comm;
   EXPECT_TRUE(JoinHoldings(holder, 2, state::kEveryShard, 7).ok());
-  std::string garbage(40, 'x');
+  std::string garbage(kHeaderBytes, 'x');
   EXPECT_TRUE(holder.Send(3, std::as_bytes(std::span(garbage))).ok());
   members[3].join();  // without the abort, its wait for rank 2's header lasts 30 s
   for (auto& r : ranks) r->comm->Abort("the test is over");
