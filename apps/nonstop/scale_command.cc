@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -19,6 +20,7 @@
 
 #include "apps/nonstop/commands.h"
 #include "common/job_token.h"
+#include "launcher/local_launcher.h"
 #include "net/address.h"
 #include "nonstop/settings.h"
 #include "nonstop/settings_cli.h"
@@ -233,6 +235,14 @@ int JobCommands::ExecWorker() {
   set(settings::kSpare.env, "1");
   for (const auto& [k, v] : (*job)["env"].items())
     ::setenv(k.c_str(), v.get<std::string>().c_str(), 1);
+  // torchrun's variables, as an agent's spare has them: a script that reads LOCAL_RANK or
+  // WORLD_SIZE before it joins finds them (the job's, then the live ones once it has a rank).
+  std::map<std::string, std::string> torchrun;
+  const nlohmann::json of_job = job->value("torchrun", nlohmann::json::object());
+  for (const auto& [k, v] : of_job.items())
+    if (v.is_string()) torchrun[k] = v.get<std::string>();
+  launcher::AddTorchrunHostVariables(&torchrun);
+  for (const auto& [k, v] : torchrun) ::setenv(k.c_str(), v.c_str(), 1);
   fmt::print("nonstop worker: joining {} as worker {}\n", (*job)["controller"].get<std::string>(),
              id);
   std::fflush(stdout);

@@ -626,16 +626,12 @@ void Agent::OnStart(std::string_view payload) {
   Send(control::kMsgAgentStarted, control::Encode(reply));
 }
 
-// torchrun's variables of this host (the order brings the job's and the rank's): MASTER_PORT
-// (NONSTOP_MASTER_PORT), OMP_NUM_THREADS 1 where this agent's caller left it unset (as torchrun),
-// and TORCHELASTIC_ERROR_FILE, where nonstop's Python package writes a failure of the script in
-// torchelastic's format (docs/python.md, "The environment contract").
+// torchrun's variables of this host (the order brings the job's and the rank's): MASTER_PORT and
+// OMP_NUM_THREADS (launcher::AddTorchrunHostVariables), and TORCHELASTIC_ERROR_FILE, where
+// nonstop's Python package writes a failure of the script in torchelastic's format
+// (docs/python.md, "The environment contract").
 void Agent::AddTorchrunVariables(int worker_id, std::map<std::string, std::string>* env) const {
-  namespace s = settings;
-  const char* port = std::getenv(std::string(s::kMasterPort.env).c_str());
-  (*env)["MASTER_PORT"] =
-      port != nullptr && *port != '\0' ? port : std::to_string(s::kMasterPort.default_value);
-  if (std::getenv("OMP_NUM_THREADS") == nullptr) (*env)["OMP_NUM_THREADS"] = "1";
+  launcher::AddTorchrunHostVariables(env);
   if (!error_dir_.empty()) {
     (*env)["TORCHELASTIC_ERROR_FILE"] =
         fmt::format("{}/error-worker-{}.json", error_dir_, worker_id);

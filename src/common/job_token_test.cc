@@ -1,6 +1,7 @@
 #include "common/job_token.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -260,9 +261,12 @@ int WhatTheSameUserReads(bool shut_out) {
   int ready[2], done[2];
   if (::pipe(ready) != 0 || ::pipe(done) != 0) return -1;
   constexpr uid_t kNobody = 65534;
+  auto become_nobody = [] {
+    return ::setgroups(0, nullptr) == 0 && ::setgid(kNobody) == 0 && ::setuid(kNobody) == 0;
+  };
   const pid_t target = ::fork();
   if (target == 0) {
-    if (::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) ::_exit(1);
+    if (!become_nobody()) ::_exit(1);
     // The change of user made it undumpable (the kernel's rule): dumpable again, as a program of
     // that user started afresh would be.
     if (::prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0) ::_exit(1);
@@ -272,11 +276,19 @@ int WhatTheSameUserReads(bool shut_out) {
     (void)!::read(done[0], &c, 1);  // until the probe is through
     ::_exit(0);
   }
+  // Only the target writes `ready`: one that failed to become nobody ends it (end of file).
+  ::close(ready[1]);
+  ::close(done[0]);
   char c = 0;
-  if (::read(ready[0], &c, 1) != 1) return -1;
+  if (::read(ready[0], &c, 1) != 1) {
+    ::waitpid(target, nullptr, 0);
+    ::close(ready[0]);
+    ::close(done[1]);
+    return -1;
+  }
   const pid_t probe = ::fork();
   if (probe == 0) {
-    if (::setgid(kNobody) != 0 || ::setuid(kNobody) != 0) ::_exit(255);
+    if (!become_nobody()) ::_exit(255);
     const std::string proc = "/proc/" + std::to_string(target);
     int got = 0;
     if (int fd = ::open((proc + "/mem").c_str(), O_RDONLY); fd >= 0) {
@@ -297,7 +309,7 @@ int WhatTheSameUserReads(bool shut_out) {
   ::waitpid(probe, &status, 0);
   (void)!::write(done[1], &c, 1);
   ::waitpid(target, nullptr, 0);
-  for (int fd : {ready[0], ready[1], done[0], done[1]}) ::close(fd);
+  for (int fd : {ready[0], done[1]}) ::close(fd);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 

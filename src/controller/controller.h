@@ -387,6 +387,15 @@ class Controller {
   bool slotted() const { return placement_.slotted(); }
   // The pending injected faults, for workers started later.
   const std::vector<control::FaultSpec>& pending_faults() const { return pending_faults_; }
+  // The rank, world and hosts torchrun would give worker `worker_id` on `host`
+  // as it starts (docs/python.md, "The environment contract"): at the job's
+  // forming, a worker's rank is its place among the workers started to train
+  // (the first generation takes the lowest ids), its host's workers are its
+  // LOCAL_WORLD_SIZE, and rank 0's host is MASTER_ADDR. A spare, or a worker
+  // started later, has RANK -1 until it takes one; the session then sets the
+  // live values.
+  std::vector<std::pair<std::string, std::string>> TorchrunAtSpawn(int worker_id, bool spare,
+                                                                   const std::string& host) const;
 
  private:
   // ---- events (controller.cc; hosts and takeover: controller_hosts.cc)
@@ -432,15 +441,6 @@ class Controller {
   // the worker must join in time.
   void Spawn(int worker_id, bool spare, bool resume, bool background, std::vector<Action>* out,
              const std::string& host = "");
-  // The rank, world and hosts torchrun would give worker `worker_id` on `host`
-  // as it starts (docs/python.md, "The environment contract"): at the job's
-  // forming, a worker's rank is its place among the workers started to train
-  // (the first generation takes the lowest ids), its host's workers are its
-  // LOCAL_WORLD_SIZE, and rank 0's host is MASTER_ADDR. A spare, or a worker
-  // started later, has RANK -1 until it takes one; the session then sets the
-  // live values.
-  std::vector<std::pair<std::string, std::string>> TorchrunAtSpawn(int worker_id, bool spare,
-                                                                   const std::string& host) const;
   // A spare to replace one that was used or lost: one for one on the elastic
   // host; on hosts of fixed slots, wherever a slot is free.
   void RefillSpare(std::vector<Action>* out);

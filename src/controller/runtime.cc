@@ -119,6 +119,9 @@ class Runtime {
   int64_t Epoch() const;
   std::optional<int> StartServers();
   std::optional<int> WriteJobFiles();
+  // The job file (job.json), written again with each generation (its torchrun variables).
+  void WriteJobFile();
+  uint32_t job_file_generation_ = 0;  // the generation the job file was written at
   // Where the token is written: --job-token-file, or job.token beside the journal.
   std::string TokenFile() const {
     return o_.token_file.empty() ? TokenFileFor(journal_->path()) : o_.token_file;
@@ -480,10 +483,18 @@ std::optional<int> Runtime::WriteJobFiles() {
     fmt::print(stderr, "{}: writing the HTTP token file: {}\n", name_, t.ToString());
     return 1;
   }
+  WriteJobFile();
+  return std::nullopt;
+}
+
+void Runtime::WriteJobFile() {
+  job_file_generation_ = core_.generation();
   std::error_code ec;
+  const std::string token_file = TokenFile();
   std::filesystem::path absolute = std::filesystem::absolute(token_file, ec);
   // The job file: how `nonstop status`, `nonstop scale` and `nonstop worker` find this job. It
   // names the token's file and holds no secret itself.
+  const std::string http_token_file = HttpTokenFileFor(journal_->path());
   nlohmann::json job = {
       {"controller", controller_address_},
       {"http", http_->address()},
@@ -493,11 +504,16 @@ std::optional<int> Runtime::WriteJobFiles() {
       {"pid", ::getpid()},
       {"env", nlohmann::json::object()}};
   for (const auto& [name, value] : JobEnv()) job["env"][name] = value;
+  // torchrun's variables of a spare started now, as the agents' spares get them: `nonstop worker`
+  // starts one (RANK -1 until it takes a rank, when the session sets the live values). Written
+  // again with every generation (Handle), so that the world they say is the job's.
+  job["torchrun"] = nlohmann::json::object();
+  for (const auto& [name, value] : core_.TorchrunAtSpawn(-1, /*spare=*/true, ""))
+    job["torchrun"][name] = value;
   // HTTPS: `nonstop status` and `nonstop scale` dial https:// and trust this certificate.
   if (!o_.http_cert.empty()) job["http_cert"] = std::filesystem::absolute(o_.http_cert).string();
   Status s = WritePrivateFile(JobFileFor(journal_->path()), job.dump(2) + "\n");
   if (!s.ok()) NONSTOP_LOG_WARNING("{}", s.ToString());
-  return std::nullopt;
 }
 
 void Runtime::PrintBanner() {
@@ -771,6 +787,7 @@ void Runtime::Handle(const Event& e) {
   const uint64_t after = leadership_ != nullptr ? leadership_->appended() : 0;
   for (Action& a : orders)
     pending_.push_back({after, journal_->appended(), Clock::now(), std::move(a)});
+  if (core_.generation() != job_file_generation_ && http_ != nullptr) WriteJobFile();
   // An agent that (re)joins after the plan went out (a takeover, a healed host) still labels right.
   if (const auto* joined = std::get_if<HostJoined>(&e)) {
     SendRanksToAgents(core_.generation(), core_.members(), joined->msg.host_id);

@@ -11,6 +11,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
@@ -38,6 +39,14 @@ void WriteAll(int fd, std::string_view s) {
 }
 
 }  // namespace
+
+void AddTorchrunHostVariables(std::map<std::string, std::string>* env) {
+  namespace s = settings;
+  const char* port = std::getenv(s::kMasterPort.env.data());  // a NUL-terminated literal
+  (*env)["MASTER_PORT"] =
+      port != nullptr && *port != '\0' ? port : std::to_string(s::kMasterPort.default_value);
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) (*env)["OMP_NUM_THREADS"] = "1";
+}
 
 LocalLauncher::LocalLauncher(net::EventLoop* loop, PrefixFn prefix, ExitFn on_exit, StopFn on_stop,
                              OutputWriter* out, OutputWriter* err)

@@ -69,6 +69,12 @@ inline const std::vector<std::string> kJobVariables = {
     std::string(settings::kTrainCheckpointEvery.env),
     std::string(settings::kTrainMtbfSeconds.env)};
 
+// torchrun's variables a worker gets from the machine it starts on, whoever starts it (an agent's
+// spawns, `nonstop worker`): MASTER_PORT (NONSTOP_MASTER_PORT, else its default) and
+// OMP_NUM_THREADS 1 where the caller left it unset, as torchrun does (docs/python.md, "The
+// environment contract").
+void AddTorchrunHostVariables(std::map<std::string, std::string>* env);
+
 class LocalLauncher {
  public:
   using PrefixFn = std::function<std::string(int worker_id)>;

@@ -24,14 +24,12 @@ std::string_view View(std::span<const std::byte> bytes) {
 }  // namespace
 
 CopySeal::CopySeal(const crypto::Key& key, std::string_view phase, uint64_t generation,
-                   int64_t step, int source_rank, int receiver_rank,
-                   std::string_view source_nonce) {
+                   int source_rank, int receiver_rank, std::string_view header) {
   std::string context;
   PutFixed64(&context, generation);
-  PutFixed64(&context, static_cast<uint64_t>(step));
   PutFixed32(&context, static_cast<uint32_t>(source_rank));
   PutFixed32(&context, static_cast<uint32_t>(receiver_rank));
-  context += source_nonce;
+  context += header;
   key_ = crypto::DeriveKey(key, std::string("state copy ") + std::string(phase), context);
 }
 

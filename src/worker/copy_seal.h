@@ -5,7 +5,8 @@
 //
 // One key per source's serving of one receiver, derived from the key the data connections prove
 // (the job key) and bound to what the copy is: its phase (the replicated state or a shard), the
-// generation, the step, both ranks, and a fresh random nonce the source puts in its header. Under
+// generation, both ranks, and the source's whole header (the step, the layout, the shard, and a
+// fresh random nonce), so a header altered on the way gives the receiver another key. Under
 // that key, a chunk's tag covers its index, its CRC and its bytes with the nonce {kind, request,
 // index}: the request number (the source's count of the receiver's requests) makes each nonce
 // unique even when a chunk is fetched again from the same source, as GCM requires. The table's
@@ -29,9 +30,10 @@ class CopySeal {
   static constexpr size_t kNonceBytes = 16;
   static constexpr size_t kTagBytes = crypto::kGmacTagBytes;
 
-  // `phase`: "replicated" or "shard". `source_nonce`: the header's kNonceBytes.
-  CopySeal(const crypto::Key& key, std::string_view phase, uint64_t generation, int64_t step,
-           int source_rank, int receiver_rank, std::string_view source_nonce);
+  // `phase`: "replicated" or "shard". `header`: the source's header as it travels, its nonce
+  // included (its CRC left out).
+  CopySeal(const crypto::Key& key, std::string_view phase, uint64_t generation, int source_rank,
+           int receiver_rank, std::string_view header);
 
   std::string ChunkTag(uint32_t request, uint32_t index, uint32_t crc,
                        std::span<const std::byte> bytes) const;

@@ -66,18 +66,23 @@ struct SourceFaults {
   explicit SourceFaults(const TransferHooks& hooks)
       : corrupt(hooks.corrupt_first_chunk),
         tamper_pending(hooks.tamper_first_chunk != nullptr),
-        tamper(hooks.tamper_first_chunk) {}
+        tamper(hooks.tamper_first_chunk),
+        tamper_table(hooks.tamper_table) {}
   std::atomic<bool> corrupt;
   std::atomic<bool> tamper_pending;
   const std::function<void(std::span<std::byte>)>& tamper;
+  const std::function<void(std::string&)>& tamper_table;  // every table sent
 };
 
-// What a source's header says beyond the layout: the step it holds, and its seal's nonce (empty:
-// unsealed).
+// What a source's header says beyond the layout: the step it holds, and, sealed, the header's
+// bytes that the seal's key is bound to (empty: unsealed).
 struct Header {
   int64_t step = 0;
-  std::string nonce;
+  std::string sealed;
 };
+
+// The part of a header the seal binds: all of it but its CRC (the nonce is in it).
+constexpr size_t kSealedHeaderBytes = kHeaderBytes - 4;
 
 // `step`: the step the source's state holds. `shard`: the shard whose
 // chunks follow (its held one, unless it holds every shard). `nonce`: the seal's (empty: none).
@@ -137,7 +142,7 @@ Result<Header> ParseHeader(const std::string& h, const state::StateRegistry& reg
         "chunks of {}: the model or optimizer differs",
         source, total, chunks, chunk, reg.total_bytes(), reg.num_chunks(), reg.chunk_bytes()));
   }
-  return Header{step, sealed ? h.substr(40, CopySeal::kNonceBytes) : std::string()};
+  return Header{step, sealed ? h.substr(0, kSealedHeaderBytes) : std::string()};
 }
 
 // ParseHeader, and the step must be `want_step` (the shard exchange, whose
@@ -216,10 +221,11 @@ std::string EncodeTable(const std::vector<uint32_t>& table) {
 // A source's CRC table (one message, checksummed by the transport, its seal's tag after it when
 // `seal`; none for a state of no chunks).
 Status SendTable(collective::Communicator& comm, int receiver, const std::vector<uint32_t>& table,
-                 const CopySeal* seal) {
+                 const CopySeal* seal, const SourceFaults& faults) {
   if (table.empty()) return OkStatus();
   std::string bytes = EncodeTable(table);
   if (seal != nullptr) bytes += seal->TableTag(bytes);
+  if (faults.tamper_table) faults.tamper_table(bytes);
   return comm.Send(receiver, std::as_bytes(std::span(bytes)));
 }
 
@@ -415,16 +421,15 @@ Result<std::vector<char>> CheckRequest(const collective::Communicator& comm,
   return asked;
 }
 
-// A source's header (`step`: the step its state holds; `shard`: the shard whose chunks follow;
-// `nonce`: its seal's, empty when unsealed).
-Status SendHeader(collective::Communicator& comm, int receiver, int64_t step,
-                  const state::StateRegistry& reg, int shard, const std::string& nonce) {
-  const std::string header = EncodeHeader(step, reg, shard, nonce);
-  return comm.Send(receiver, std::as_bytes(std::span(header)));
-}
-
-std::string NewNonce(SealSpec spec) {
-  return spec.key != nullptr ? crypto::RandomBytes(CopySeal::kNonceBytes) : std::string();
+// Sends a source's header (`step`: the step its state holds; `shard`: the shard whose chunks
+// follow; sealed by `spec`: a fresh nonce in it) and returns it.
+Result<std::string> SendHeader(collective::Communicator& comm, int receiver, int64_t step,
+                               const state::StateRegistry& reg, int shard, SealSpec spec) {
+  const std::string nonce =
+      spec.key != nullptr ? crypto::RandomBytes(CopySeal::kNonceBytes) : std::string();
+  std::string header = EncodeHeader(step, reg, shard, nonce);
+  NONSTOP_RETURN_IF_ERROR(comm.Send(receiver, std::as_bytes(std::span(header))));
+  return header;
 }
 
 // Source side: serve one receiver until it says it is done. It sends its header (`step`: the step
@@ -442,13 +447,13 @@ std::string NewNonce(SealSpec spec) {
 Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int receiver, int64_t step,
              const std::vector<uint32_t>* known, bool sharded, SourceFaults* faults, SealSpec spec,
              int shard = -1) {
-  const std::string nonce = NewNonce(spec);
-  NONSTOP_RETURN_IF_ERROR(
-      SendHeader(comm, receiver, step, reg, shard >= 0 ? shard : reg.held_shard(), nonce));
+  NONSTOP_ASSIGN_OR_RETURN(
+      const std::string header,
+      SendHeader(comm, receiver, step, reg, shard >= 0 ? shard : reg.held_shard(), spec));
   std::optional<CopySeal> seal;
   if (spec.key != nullptr) {
-    seal.emplace(*spec.key, sharded ? "shard" : "replicated", spec.generation, step, comm.rank(),
-                 receiver, nonce);
+    seal.emplace(*spec.key, sharded ? "shard" : "replicated", spec.generation, comm.rank(),
+                 receiver, std::string_view(header).substr(0, kSealedHeaderBytes));
   }
   std::vector<uint32_t> table = known != nullptr ? *known : std::vector<uint32_t>{};
   bool table_sent = false;
@@ -484,7 +489,7 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
       }
     }
     if (!table_sent) {
-      NONSTOP_RETURN_IF_ERROR(SendTable(comm, receiver, table, seal ? &*seal : nullptr));
+      NONSTOP_RETURN_IF_ERROR(SendTable(comm, receiver, table, seal ? &*seal : nullptr, *faults));
     }
     table_sent = true;
   }
@@ -497,7 +502,7 @@ Status Serve(collective::Communicator& comm, state::StateRegistry& reg, int rece
 Status ServeRefusal(collective::Communicator& comm, const state::StateRegistry& reg, int receiver,
                     int64_t held_step, const Status& refusal, SealSpec spec) {
   NONSTOP_RETURN_IF_ERROR(
-      SendHeader(comm, receiver, held_step, reg, reg.held_shard(), NewNonce(spec)));
+      SendHeader(comm, receiver, held_step, reg, reg.held_shard(), spec).status());
   NONSTOP_ASSIGN_OR_RETURN(std::vector<uint32_t> request,
                            RecvU32s(comm, receiver, reg.num_chunks() + 1));
   if (!request.empty()) {
@@ -547,18 +552,20 @@ Result<ChunkWord> RecvChunkMeta(collective::Communicator& comm, int source, int 
   return ChunkWord{(*claims)[index], meta.substr(8)};
 }
 
-// Whether a chunk that landed carries its source's seal (true when unsealed). One that does not
-// was altered on the way, its CRCs with it: logged, and fetched again like a chunk that fails its
-// CRC.
+// Whether a chunk that landed carries its source's seal (true when unsealed); one that does not
+// is fetched again like a chunk that fails its CRC. One that fails its seal but matches its CRC
+// was altered on the way keeping its CRC, and that is logged (one that fails its CRC too is an
+// accident, most likely: its CRC's check says so).
 bool SealHolds(RequestSeal seal, int source, uint32_t index, const ChunkWord& word,
                std::span<const std::byte> bytes) {
   if (seal.seal == nullptr ||
       seal.seal->ChunkVerifies(seal.request, index, word.crc, bytes, word.tag)) {
     return true;
   }
+  if (Crc32c(bytes.data(), bytes.size()) != word.crc) return false;
   NONSTOP_LOG_WARNING(
-      "state chunk {} from rank {} fails its seal: altered on the way by someone without the "
-      "job key (its CRC may well match: a CRC is no seal), or not that rank's; fetched again",
+      "state chunk {} from rank {} fails its seal but matches its CRC: altered on the way by "
+      "someone without the job key (a CRC is no seal), or not that rank's; fetched again",
       index, source);
   return false;
 }
@@ -743,8 +750,7 @@ Result<std::vector<Offer>> GatherOffers(collective::Communicator& comm,
     if (!held.ok()) return end_all(held.status());
     Offer& o = offers.emplace_back(Offer{source, held->step, {}, std::nullopt, 0});
     if (spec.key != nullptr) {
-      o.seal.emplace(*spec.key, "replicated", spec.generation, held->step, source, comm.rank(),
-                     held->nonce);
+      o.seal.emplace(*spec.key, "replicated", spec.generation, source, comm.rank(), held->sealed);
     }
   }
   std::vector<Offer> valid;
@@ -1411,7 +1417,7 @@ Status MoveWithPeers(collective::Communicator& comm, state::StateRegistry& reg,
                                              spec.key != nullptr, need));
         std::optional<CopySeal> sealed;
         if (spec.key != nullptr)
-          sealed.emplace(*spec.key, "shard", spec.generation, step, peer, me, h.nonce);
+          sealed.emplace(*spec.key, "shard", spec.generation, peer, me, h.sealed);
         const CopySeal* seal = sealed ? &*sealed : nullptr;
         std::vector<uint32_t> claims(reg.num_chunks(), 0);
         std::vector<uint32_t> failed;

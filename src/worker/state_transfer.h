@@ -81,6 +81,7 @@
 #include <functional>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "collective/data_plane.h"
@@ -117,6 +118,9 @@ struct TransferHooks {
   // As a source, hand the first chunk sent to this after checksumming and sealing it, to rewrite
   // as a party on the path could (one that keeps its CRC: the seal's test).
   std::function<void(std::span<std::byte>)> tamper_first_chunk;
+  // As a source, hand the CRC table it sends (encoded, after sealing) to this, to rewrite as a
+  // party on the path could: the table's seal's test.
+  std::function<void(std::string&)> tamper_table;
 };
 
 // Checks a plan from the controller before anything acts on it: members with

@@ -363,7 +363,7 @@ TEST(RunStateTransfersTest, ACopyFromOneOrThreeSourcesIsTheSourcesStateBitForBit
 // last 32 bits map one to one onto it). Checked: the CRC is unchanged, the bytes are not.
 void TamperKeepingCrc(std::span<std::byte> bytes) {
   const size_t n = bytes.size();
-  ASSERT_GE(n, 8u);
+  ASSERT_GT(n, 8u);  // the flipped byte is not among the last four
   const uint32_t want = Crc32c(bytes.data(), n);
   bytes[n / 2] ^= std::byte{0x5a};
   const uint32_t now = Crc32c(bytes.data(), n);
@@ -438,6 +438,30 @@ TEST(RunStateTransfersTest, ASealedCopyRefusesAChunkRewrittenKeepingItsCrcThatAn
     EXPECT_EQ(out[0]->refetched_chunks, sources) << "each source's rewritten chunk, again";
     EXPECT_TRUE(SameBytes(ranks[0]->reg, ranks[1]->reg)) << sources << " source(s)";
     EXPECT_EQ(ranks[0]->large, ranks[1]->large);
+  }
+}
+
+// A party on the path that rewrites one source's table (here chunk 1's CRC, a chunk rank 2
+// serves) makes two sources disagree with no majority: unsealed, the copy fails as a
+// disagreement, which stops the job (exit 11, data corruption) though no state is corrupt. Sealed,
+// the table fails its tag: the copy fails as an ordinary one (the controller plans again).
+TEST(RunStateTransfersTest, ATableRewrittenOnTheWayIsADisagreementUnsealedAndRefusedSealed) {
+  for (bool sealed : {false, true}) {
+    auto ranks = MakePlainRanks(3);
+    auto out = CopyAll(ranks, [&](int r) {
+      TransferHooks h;
+      if (sealed) h.seal_key = crypto::JobKey(kToken);
+      if (r == 1) h.tamper_table = [](std::string& table) { table[4] ^= 1; };
+      return h;
+    });
+    ASSERT_FALSE(out[0].ok()) << (sealed ? "sealed" : "unsealed");
+    EXPECT_EQ(out[0].status().code(), StatusCode::kDataLoss) << out[0].status().ToString();
+    EXPECT_EQ(IsDisagreement(out[0].status()), !sealed) << out[0].status().ToString();
+    if (sealed) {
+      EXPECT_NE(out[0].status().message().find("the CRC table from rank 1 fails its seal"),
+                std::string::npos)
+          << out[0].status().ToString();
+    }
   }
 }
 

@@ -710,30 +710,39 @@ TEST(RunIntegrationTest, AJournalOnAHungDiskHoldsTheOrdersTenSecondsAndTheRecove
 }
 
 // The NONSTOP_ and torchrun variables of the environment a test worker dumped (--dump-environ
-// PREFIX writes PREFIX-<pid>.self), the one dump under `prefix`.
+// PREFIX writes PREFIX-<pid>.self), of the one spare's dump under `prefix` (NONSTOP_SPARE=1).
 std::map<std::string, std::string> DumpedEnvironment(const std::filesystem::path& prefix) {
-  std::map<std::string, std::string> env;
-  int dumps = 0;
+  static const std::set<std::string> kTorchrun = {
+      "RANK",       "WORLD_SIZE",       "LOCAL_RANK",  "LOCAL_WORLD_SIZE",
+      "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",   "ROLE_WORLD_SIZE",
+      "ROLE_NAME",  "MASTER_ADDR",      "MASTER_PORT", "OMP_NUM_THREADS"};
+  std::map<std::string, std::string> spare;
+  int spares = 0;
   for (const auto& entry : std::filesystem::directory_iterator(prefix.parent_path())) {
     const std::string name = entry.path().filename();
     if (name.rfind(prefix.filename().string() + "-", 0) != 0 || !name.ends_with(".self")) continue;
-    ++dumps;
+    std::map<std::string, std::string> env;
     std::ifstream in(entry.path(), std::ios::binary);
     for (std::string var; std::getline(in, var, '\0');) {
       const size_t eq = var.find('=');
       const std::string key = var.substr(0, eq);
-      if (eq != std::string::npos && (key.rfind("NONSTOP_", 0) == 0 || key == "ROLE_NAME" ||
+      if (eq != std::string::npos && (key.rfind("NONSTOP_", 0) == 0 || kTorchrun.count(key) ||
                                       key.rfind("TORCHELASTIC_", 0) == 0))
         env[key] = var.substr(eq + 1);
     }
+    if (env[std::string(settings::kSpare.env)] != "1") continue;
+    ++spares;
+    spare = std::move(env);
   }
-  EXPECT_EQ(dumps, 1) << prefix;
-  return env;
+  EXPECT_EQ(spares, 1) << prefix;
+  return spare;
 }
 
 // Issue 53: a worker started by hand (`nonstop worker --job job.json`, a spare) is told what the
-// job tells its own workers: the checkpoint settings, the MTBF that sets their interval and
-// torchrun's job variables come from one list; only what is the worker's own differs.
+// job tells its own spare: the checkpoint settings, the MTBF that sets their interval and
+// torchrun's job variables come from one list, torchrun's rank, world and master from the
+// controller's (RANK -1, LOCAL_RANK -1, WORLD_SIZE: a script that reads them before it joins finds
+// them); only what is the worker's own differs.
 TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
   TempDir dir;
   const std::string journal = dir / "journal.jsonl";
@@ -742,7 +751,7 @@ TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
                     "--nproc",
                     "1",
                     "--spares",
-                    "0",
+                    "1",
                     "--journal",
                     journal,
                     "--checkpoint-dir",
@@ -760,13 +769,13 @@ TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
                     "--dump-environ",
                     dir / "own"},
                    dir / "run.out");
-  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "join", 1, milliseconds(30'000)))
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "join", 2, milliseconds(30'000)))
       << run.Output();
   ChildProcess by_hand(
       {kBin + "/nonstop", "worker", "--job", dir / "job.json", "--", kBin + "/nonstop-test-worker",
        "--steps", "400", "--dump-environ", dir / "hand"},
       dir / "hand.out");
-  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "join", 2, milliseconds(30'000)))
+  ASSERT_TRUE(nonstop::testing::WaitForEvents(journal, "join", 3, milliseconds(30'000)))
       << by_hand.Output();
   ASSERT_EQ(run.Wait(milliseconds(60'000)), 0) << run.Output();
   by_hand.Wait(milliseconds(30'000));
@@ -774,6 +783,10 @@ TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
   auto hand = DumpedEnvironment(dir / "hand");
   EXPECT_EQ(own[std::string(settings::kTrainMtbfSeconds.env)], "3600");
   EXPECT_EQ(own[std::string(settings::kTrainCheckpointEvery.env)], "0");
+  EXPECT_EQ(hand["RANK"], "-1");
+  EXPECT_EQ(hand["LOCAL_RANK"], "-1");
+  EXPECT_EQ(hand["WORLD_SIZE"], "1");
+  EXPECT_EQ(hand["MASTER_PORT"], std::to_string(settings::kMasterPort.default_value));
   // What is a worker's own: its id, whether it is a spare, its descriptors, its data address; and
   // what the agent that spawned it adds: its host, the spawn's error file and restart count.
   for (const auto& s : {settings::kWorkerId.env, settings::kSpare.env, settings::kJobTokenFd.env,
