@@ -5,7 +5,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <functional>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "apps/nonstop/etcd_flags.h"
@@ -20,6 +23,31 @@ class BoundedStdio;
 }
 
 namespace nonstop::cli {
+
+// The settings of the workers, the trainer and the Python package that `nonstop run` and
+// `nonstop controller` take as flags (every registry entry read by a worker that no launcher sets:
+// the job's choices, not a worker's identity), each checked here by its entry's range and handed
+// as its variable to every worker of the job (RuntimeOptions::worker_env, in the controller's
+// spawns and job.json alike).
+class WorkerSettingFlags {
+ public:
+  void Register(CLI::App* sub);
+  // The variables of the flags given (on the command line, or by their variable here), as text.
+  std::vector<std::pair<std::string, std::string>> Given() const;
+  // The same as arguments ("--replica-check-every=7"), for a controller started again.
+  std::vector<std::string> Arguments() const;
+
+ private:
+  struct Value {
+    std::string env;
+    std::string flag;  // its first name
+    std::string text;
+  };
+  template <typename T>
+  void Add(CLI::App* sub, const settings::Setting<T>& s);
+  std::vector<Value> Values() const;
+  std::vector<std::function<std::optional<Value>()>> given_;
+};
 
 // The flags `nonstop run` and `nonstop controller` share: timeouts, the
 // elastic policy, recovery, checkpoints, faults, the journal and HTTP.
@@ -52,6 +80,7 @@ struct JobFlags {
   int checkpoint_every = settings::kCheckpointEvery.default_value;
   double mtbf_seconds = settings::kMtbfSeconds.default_value;
   std::string log_level{settings::kLogLevel.default_value};
+  WorkerSettingFlags workers;
 };
 
 // `nonstop run`: one job on this machine: its controller, and this process

@@ -33,6 +33,7 @@
 #include <memory>
 #include <optional>
 #include <thread>
+#include <type_traits>
 
 #include <fmt/format.h>
 
@@ -61,6 +62,63 @@ std::string SelfDirectory() {
 
 std::string JobFileFor(const std::string& journal_path) {
   return controller::JobFileFor(journal_path);
+}
+
+template <typename T>
+void WorkerSettingFlags::Add(CLI::App* sub, const settings::Setting<T>& s) {
+  using V = std::conditional_t<std::is_same_v<T, std::string_view>, std::string, T>;
+  auto value = std::make_shared<V>();
+  CLI::Option* opt = AddSetting(sub, s, *value);
+  const std::string flag(s.flag.substr(0, s.flag.find(',')));
+  given_.push_back([opt, value, env = std::string(s.env), flag]() -> std::optional<Value> {
+    if (opt->count() == 0) return std::nullopt;
+    if constexpr (std::is_same_v<V, bool>) {
+      return Value{env, flag, *value ? "1" : "0"};
+    } else if constexpr (std::is_same_v<V, std::string>) {
+      return Value{env, flag, *value};
+    } else {
+      return Value{env, flag, fmt::format("{}", *value)};
+    }
+  });
+}
+
+void WorkerSettingFlags::Register(CLI::App* sub) {
+  namespace s = settings;
+  Add(sub, s::kConnectTimeoutMs);
+  Add(sub, s::kWorkerControllerTimeoutMs);
+  Add(sub, s::kLeaderlessTimeoutMs);
+  Add(sub, s::kSpareCheckMs);
+  Add(sub, s::kReplicaCheckEvery);
+  Add(sub, s::kCheckedCollectives);
+  Add(sub, s::kSealedStateCopy);
+  Add(sub, s::kMasterPort);
+  Add(sub, s::kPythonWorldInvariant);
+  Add(sub, s::kTrainSteps);
+  Add(sub, s::kShardGroup);
+  Add(sub, s::kTorchThreads);
+  Add(sub, s::kTrainNoOverlap);
+  Add(sub, s::kTrainNoSalvage);
+  Add(sub, s::kTrainNoLoans);
+}
+
+std::vector<WorkerSettingFlags::Value> WorkerSettingFlags::Values() const {
+  std::vector<Value> out;
+  for (const auto& given : given_) {
+    if (auto v = given()) out.push_back(std::move(*v));
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> WorkerSettingFlags::Given() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (Value& v : Values()) out.emplace_back(std::move(v.env), std::move(v.text));
+  return out;
+}
+
+std::vector<std::string> WorkerSettingFlags::Arguments() const {
+  std::vector<std::string> out;
+  for (const Value& v : Values()) out.push_back(v.flag + "=" + v.text);
+  return out;
 }
 
 namespace {
@@ -95,6 +153,7 @@ void RegisterJobFlags(CLI::App* sub, JobFlags* f) {
   AddSetting(sub, s::kWorldIncrement, f->world_increment);
   AddSetting(sub, s::kStablePeriodMs, f->stable_period_ms);
   AddSetting(sub, s::kLogLevel, f->log_level);
+  f->workers.Register(sub);
 }
 
 // The runtime's options from the shared flags; a usage error is printed and
@@ -165,6 +224,7 @@ std::optional<int> FillOptions(const std::string& name, const JobFlags& f, int m
   // (RuntimeOptions::refill_nice): the elastic host's agent is this user's, on this machine.
   o->refill_nice = launcher::LocalLauncher::CanRestorePriority() ? f.refill_nice : 0;
   o->recovery_name = f.recovery;
+  o->worker_env = f.workers.Given();
   return std::nullopt;
 }
 
@@ -257,6 +317,8 @@ std::vector<std::string> RunCommand::ResumeArguments(const std::string& journal,
     args.emplace_back(name);
     args.push_back(value);
   }
+  // The workers' settings, which the new controller's spawns (refills) carry as this one's did.
+  for (std::string& a : flags_.workers.Arguments()) args.push_back(std::move(a));
   return args;
 }
 

@@ -264,6 +264,28 @@ TEST(SettingsTest, EveryProgramsHelpListsItsVariables) {
   }
 }
 
+// Issue 53: every setting a worker, the trainer or the Python package reads that no launcher sets
+// for it (the job's choices, not a worker's identity) is a flag of `nonstop run` and `nonstop
+// controller`, which hand it to every worker of the job (that each one's --help lists it is
+// EveryProgramsHelpListsItsVariables'). Two are not, for a reason each.
+TEST(SettingsTest, EveryJobWideSettingOfTheWorkersIsAFlagOfTheLaunchers) {
+  const std::map<std::string_view, std::string> kNotFlags = {
+      {settings::kJobToken.env, "a secret: never on a command line (docs/security.md)"},
+      {settings::kWorkerAdvertiseAddress.env, "one worker's own address, not the job's"}};
+  int flags = 0;
+  for (const Info& i : settings::All()) {
+    const bool of_workers =
+        (i.read_by & (settings::kWorker | settings::kTrain | settings::kPython)) != 0;
+    if (!of_workers || i.set_by != 0 || kNotFlags.count(i.env)) continue;
+    ++flags;
+    EXPECT_FALSE(i.flag.empty()) << i.env << " has no flag";
+    EXPECT_NE(i.read_by & settings::kRun, 0u) << i.env << " is no flag of nonstop run";
+    EXPECT_NE(i.read_by & settings::kController, 0u)
+        << i.env << " is no flag of nonstop controller";
+  }
+  EXPECT_GE(flags, 15);
+}
+
 // ---- the sources ----
 
 // C++ files that still spell NONSTOP_* names as literals: converted by

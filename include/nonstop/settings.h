@@ -773,15 +773,19 @@ inline constexpr Setting<std::string_view> kLeaderFile{
     .note = "an agent with --etcd watches etcd for the host and writes it in its run directory"};
 inline constexpr Setting<int64_t> kConnectTimeoutMs{
     .env = "NONSTOP_CONNECT_TIMEOUT_MS",
+    .flag = "--connect-timeout-ms",
     .default_value = 60'000,
-    .read_by = kWorker,
+    .range = Bounds<int64_t>{1, 86'400'000},
+    .read_by = kWorker | kRun | kController,
     .help =
         "Bound on reaching the controller and being accepted (dial + hello), a positive number of "
         "milliseconds"};
 inline constexpr Setting<int64_t> kWorkerControllerTimeoutMs{
     .env = "NONSTOP_CONTROLLER_TIMEOUT_MS",
+    .flag = "--controller-timeout-ms",
     .default_value = 5'000,
-    .read_by = kWorker,
+    .range = Bounds<int64_t>{1, 86'400'000},
+    .read_by = kWorker | kRun | kController,
     .help =
         "A controller silent this long is lost: the worker dials again and trains on (a positive "
         "number of "
@@ -795,7 +799,7 @@ inline constexpr Setting<int> kReplicaCheckEvery{
     .flag = "--replica-check-every",
     .default_value = 50,
     .range = Bounds<int>{0, 1'000'000},
-    .read_by = kWorker | kTrain,
+    .read_by = kWorker | kTrain | kRun | kController,
     .help =
         "Compare the replicas' state (a CRC per registered region) before every this many steps; "
         "a member that differs from the majority copies the majority's state, no majority stops "
@@ -804,15 +808,16 @@ inline constexpr Setting<bool> kCheckedCollectives{
     .env = "NONSTOP_CHECKED_COLLECTIVES",
     .flag = "--checked-collectives,!--unchecked-collectives",
     .default_value = false,
-    .read_by = kWorker | kTrain,
+    .read_by = kWorker | kTrain | kRun | kController,
     .help =
         "Every piece of the gradients' all-reduce (ring and tree) carries a CRC-32C, and a piece "
         "damaged on the wire is fetched again from its sender, so a flipped bit never reaches the "
         "sum (1/0; docs/integrity.md)"};
 inline constexpr Setting<bool> kSealedStateCopy{
     .env = "NONSTOP_SEALED_STATE_COPY",
+    .flag = "--sealed-state-copy",
     .default_value = false,
-    .read_by = kWorker,
+    .read_by = kWorker | kRun | kController,
     .help =
         "Every chunk of a state copy (a spare taking a rank, a shard moving) carries an "
         "AES-256-GMAC tag under a key derived from the job key, so a party on the path cannot "
@@ -820,17 +825,19 @@ inline constexpr Setting<bool> kSealedStateCopy{
         "every worker; docs/security.md)"};
 inline constexpr Setting<int> kMasterPort{
     .env = "NONSTOP_MASTER_PORT",
+    .flag = "--master-port",
     .default_value = 29500,
     .range = Bounds<int>{1, 65535},
-    .read_by = kWorker | kPython,
+    .read_by = kWorker | kPython | kRun | kController,
     .help =
         "MASTER_PORT of the torchrun variables a worker sees once it has a rank (RANK, "
         "WORLD_SIZE, LOCAL_RANK, ...; docs/python.md): nonstop has no store there, a "
         "program's own torch store may listen on it"};
 inline constexpr Setting<bool> kPythonWorldInvariant{
     .env = "NONSTOP_WORLD_INVARIANT",
+    .flag = "--world-invariant",
     .default_value = false,
-    .read_by = kPython,
+    .read_by = kPython | kRun | kController,
     .help =
         "nonstop.torch.init_process_group's world_invariant default: DistributedDataParallel "
         "sums each micro-batch's gradient along one fixed tree, so a kill, a shrink and a grow "
@@ -838,17 +845,20 @@ inline constexpr Setting<bool> kPythonWorldInvariant{
         "of two and the loss a mean (docs/python.md, \"World-invariant DDP\"); 1 or 0"};
 inline constexpr Setting<int64_t> kLeaderlessTimeoutMs{
     .env = "NONSTOP_LEADERLESS_TIMEOUT_MS",
+    .flag = "--leaderless-timeout-ms",
     .default_value = 600'000,
-    .read_by = kWorker,
+    .range = Bounds<int64_t>{1, 86'400'000},
+    .read_by = kWorker | kRun | kController,
     .help =
         "Without a controller this long, the worker aborts its collective and fails (a positive "
         "number of "
         "milliseconds)"};
 inline constexpr Setting<int64_t> kSpareCheckMs{
     .env = "NONSTOP_SPARE_CHECK_MS",
+    .flag = "--spare-check-ms",
     .default_value = 10'000,
     .range = Bounds<int64_t>{1, 86'400'000},
-    .read_by = kWorker,
+    .read_by = kWorker | kRun | kController,
     .help =
         "A spare health-checks its devices (its GPU) this often while it waits for a rank, and "
         "leaves the job when one fails; it checks them once more as it is promoted (a positive "
@@ -899,7 +909,7 @@ inline constexpr Setting<int64_t> kTrainSteps{.env = "NONSTOP_TRAIN_STEPS",
                                               .flag = "--steps",
                                               .default_value = 0,
                                               .show_default = false,
-                                              .read_by = kTrain,
+                                              .read_by = kTrain | kRun | kController,
                                               .help = "Override train.steps",
                                               .default_doc = "0: the recipe's"};
 inline constexpr Setting<int64_t> kShardGroup{
@@ -908,18 +918,18 @@ inline constexpr Setting<int64_t> kShardGroup{
     .default_value = 0,
     .range = Bounds<int64_t>{1, 1024},
     .show_default = false,
-    .read_by = kTrain,
+    .read_by = kTrain | kRun | kController,
     .help = "Override optimizer.shard_group (1: no sharding)",
     .default_doc = "0: the recipe's"};
 inline constexpr Setting<int> kTorchThreads{.env = "NONSTOP_TORCH_THREADS",
                                             .flag = "--torch-threads",
                                             .default_value = 1,
-                                            .read_by = kTrain,
+                                            .read_by = kTrain | kRun | kController,
                                             .help = "Intra-op threads per worker"};
 inline constexpr Setting<bool> kTrainNoOverlap{.env = "NONSTOP_TRAIN_NO_OVERLAP",
                                                .flag = "--no-overlap",
                                                .default_value = false,
-                                               .read_by = kTrain,
+                                               .read_by = kTrain | kRun | kController,
                                                .help =
                                                    "Reduce the gradient in one all-reduce after "
                                                    "backward, instead of in buckets while it runs"};
@@ -927,7 +937,7 @@ inline constexpr Setting<bool> kTrainNoSalvage{
     .env = "NONSTOP_TRAIN_NO_SALVAGE",
     .flag = "--no-salvage",
     .default_value = false,
-    .read_by = kTrain,
+    .read_by = kTrain | kRun | kController,
     .help =
         "after a fault compute the whole step in flight again, instead of keeping the "
         "micro-batch sums the members already hold (the default ring mode and "
@@ -936,7 +946,7 @@ inline constexpr Setting<bool> kTrainNoLoans{
     .env = "NONSTOP_TRAIN_NO_LOANS",
     .flag = "--no-loans",
     .default_value = false,
-    .read_by = kTrain,
+    .read_by = kTrain | kRun | kController,
     .help =
         "after a fault in the default ring mode, let each member compute the rest of its own "
         "block alone (the spare the lost block whole) instead of lending the excess to the "

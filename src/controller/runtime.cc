@@ -1093,6 +1093,7 @@ std::vector<std::pair<std::string, std::string>> Runtime::JobEnv() const {
   env.emplace_back("ROLE_NAME", "default");
   env.emplace_back("TORCHELASTIC_RUN_ID", "nonstop:" + o_.journal);
   env.emplace_back("TORCHELASTIC_MAX_RESTARTS", "0");
+  env.insert(env.end(), o_.worker_env.begin(), o_.worker_env.end());
   return env;
 }
 

@@ -25,6 +25,8 @@
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "controller/controller.h"
 #include "coord/leadership.h"
@@ -70,6 +72,9 @@ struct RuntimeOptions {
   std::string checkpoint_dir{settings::kCheckpointDir.default_value};
   int checkpoint_every = settings::kCheckpointEvery.default_value;
   double mtbf_seconds = settings::kMtbfSeconds.default_value;
+  // The workers' settings given to the launcher as flags (`nonstop run --replica-check-every 7`):
+  // variables every worker of the job is started with (JobEnv).
+  std::vector<std::pair<std::string, std::string>> worker_env;
   // The niceness at which an elastic host's refills (spares started while
   // the job trains) warm up; back to 0 with their first plan. 0: normal
   // priority. The elastic host is `nonstop run`'s own agent, this user's on

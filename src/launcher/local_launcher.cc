@@ -43,8 +43,12 @@ void WriteAll(int fd, std::string_view s) {
 void AddTorchrunHostVariables(std::map<std::string, std::string>* env) {
   namespace s = settings;
   const char* port = std::getenv(s::kMasterPort.env.data());  // a NUL-terminated literal
-  (*env)["MASTER_PORT"] =
-      port != nullptr && *port != '\0' ? port : std::to_string(s::kMasterPort.default_value);
+  if (auto job = env->find(std::string(s::kMasterPort.env)); job != env->end()) {
+    (*env)["MASTER_PORT"] = job->second;
+  } else {
+    (*env)["MASTER_PORT"] =
+        port != nullptr && *port != '\0' ? port : std::to_string(s::kMasterPort.default_value);
+  }
   if (std::getenv("OMP_NUM_THREADS") == nullptr) (*env)["OMP_NUM_THREADS"] = "1";
 }
 

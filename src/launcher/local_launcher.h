@@ -70,9 +70,10 @@ inline const std::vector<std::string> kJobVariables = {
     std::string(settings::kTrainMtbfSeconds.env)};
 
 // torchrun's variables a worker gets from the machine it starts on, whoever starts it (an agent's
-// spawns, `nonstop worker`): MASTER_PORT (NONSTOP_MASTER_PORT, else its default) and
-// OMP_NUM_THREADS 1 where the caller left it unset, as torchrun does (docs/python.md, "The
-// environment contract").
+// spawns, `nonstop worker`), added to the variables `env` starts it with: MASTER_PORT
+// (NONSTOP_MASTER_PORT: of `env`, the job's, else of this process, else its default) and
+// OMP_NUM_THREADS 1 where this process's caller left it unset, as torchrun does (docs/python.md,
+// "The environment contract").
 void AddTorchrunHostVariables(std::map<std::string, std::string>* env);
 
 class LocalLauncher {

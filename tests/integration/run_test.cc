@@ -739,10 +739,10 @@ std::map<std::string, std::string> DumpedEnvironment(const std::filesystem::path
 }
 
 // Issue 53: a worker started by hand (`nonstop worker --job job.json`, a spare) is told what the
-// job tells its own spare: the checkpoint settings, the MTBF that sets their interval and
-// torchrun's job variables come from one list, torchrun's rank, world and master from the
-// controller's (RANK -1, LOCAL_RANK -1, WORLD_SIZE: a script that reads them before it joins finds
-// them); only what is the worker's own differs.
+// job tells its own spare: the workers' settings given to `nonstop run` as flags, the checkpoint
+// settings, the MTBF that sets their interval and torchrun's job variables come from one list,
+// torchrun's rank, world and master from the controller's (RANK -1, LOCAL_RANK -1, WORLD_SIZE: a
+// script that reads them before it joins finds them); only what is the worker's own differs.
 TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
   TempDir dir;
   const std::string journal = dir / "journal.jsonl";
@@ -760,6 +760,11 @@ TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
                     "0",
                     "--mtbf",
                     "3600",
+                    "--replica-check-every",
+                    "7",
+                    "--sealed-state-copy",
+                    "--master-port",
+                    "29611",
                     "--",
                     kBin + "/nonstop-test-worker",
                     "--steps",
@@ -786,7 +791,11 @@ TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
   EXPECT_EQ(hand["RANK"], "-1");
   EXPECT_EQ(hand["LOCAL_RANK"], "-1");
   EXPECT_EQ(hand["WORLD_SIZE"], "1");
-  EXPECT_EQ(hand["MASTER_PORT"], std::to_string(settings::kMasterPort.default_value));
+  // The workers' settings given to `nonstop run` as flags reach both (torchrun's MASTER_PORT too).
+  EXPECT_EQ(own[std::string(settings::kReplicaCheckEvery.env)], "7");
+  EXPECT_EQ(own[std::string(settings::kSealedStateCopy.env)], "1");
+  EXPECT_EQ(own[std::string(settings::kMasterPort.env)], "29611");
+  EXPECT_EQ(own["MASTER_PORT"], "29611");
   // What is a worker's own: its id, whether it is a spare, its descriptors, its data address; and
   // what the agent that spawned it adds: its host, the spawn's error file and restart count.
   for (const auto& s : {settings::kWorkerId.env, settings::kSpare.env, settings::kJobTokenFd.env,
