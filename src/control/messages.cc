@@ -137,6 +137,7 @@ std::string Encode(const JoinMsg& m) {
     j["shard_group"] = m.shard_group;
     j["held_shard"] = m.held_shard;
   }
+  if (m.sealed_copy) j["sealed_copy"] = true;
   return Dump(j);
 }
 std::string Encode(const PlanMsg& m) {
@@ -223,6 +224,7 @@ Result<JoinMsg> DecodeJoin(std::string_view p) {
     r.Optional("waiting", &m.waiting);
     r.Optional("shard_group", &m.shard_group);
     r.Optional("held_shard", &m.held_shard);
+    r.Optional("sealed_copy", &m.sealed_copy);
     if (m.shard_group < 0 || m.shard_group > kMaxShardGroup) {
       throw FieldError{"shard_group", fmt::format("{} is not a group size (0 to {})", m.shard_group,
                                                   kMaxShardGroup)};

@@ -83,6 +83,9 @@ struct JoinMsg {
   // (state::kEveryShard: every one, the initial state; kNoShard: none).
   int shard_group = 0;
   int held_shard = -1;
+  // Whether it seals its state copies (NONSTOP_SEALED_STATE_COPY): every worker of a job must
+  // agree, or every copy between two that differ fails.
+  bool sealed_copy = false;
 };
 
 // ---- controller ↔ agent ----

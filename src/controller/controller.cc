@@ -13,6 +13,7 @@
 
 #include "controller/report.h"
 #include "nonstop/check.h"
+#include "nonstop/settings.h"
 
 namespace nonstop::controller {
 
@@ -127,8 +128,16 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
             m.worker_id, m.shard_group, shard_group_),
         kExitUsage, true);
   }
+  if (sealed_copy_ >= 0 && m.sealed_copy != (sealed_copy_ == 1)) {
+    return refuse(fmt::format("worker {} {} its state copies and the job's workers {}: every "
+                              "worker must have the same {} (docs/security.md, \"The state copy\")",
+                              m.worker_id, m.sealed_copy ? "seals" : "does not seal",
+                              sealed_copy_ == 1 ? "do" : "do not", settings::kSealedStateCopy.env),
+                  kExitUsage, true);
+  }
   if (membership_.Unconfirmed(m.worker_id)) {
     shard_group_ = m.shard_group;
+    sealed_copy_ = m.sealed_copy ? 1 : 0;
     Rejoined(m, out);
     return;
   }
@@ -155,8 +164,9 @@ void Controller::On(const WorkerJoined& e, std::vector<Action>* out) {
   membership_.SetRole(
       w, m.spare || phase_ != JobPhase::kForming ? WorkerRole::kSpare : WorkerRole::kPending);
   membership_.joined_step(m.worker_id) = m.state_step;
-  // the first join taken fixes it; the check above keeps every later one equal
+  // the first join taken fixes them; the checks above keep every later one equal
   shard_group_ = m.shard_group;
+  sealed_copy_ = m.sealed_copy ? 1 : 0;
   w.held_shard = m.held_shard;
   w.last_heard = now_;
   json rec = {{"event", "join"},

@@ -548,6 +548,7 @@ class Controller {
   // optimizer.shard_group of the job's workers: -1 until one joins, 0 when
   // nothing is sharded. A worker of another group size is refused.
   int shard_group_ = -1;
+  int sealed_copy_ = -1;  // whether the workers seal their state copies (as shard_group_: -1 none)
   int64_t resume_step_ = 0;
   int64_t highest_step_ = -1;  // highest step any worker ever reported complete
   int64_t last_journaled_step_ = -1;

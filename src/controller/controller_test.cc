@@ -1394,6 +1394,28 @@ TEST_F(ControllerTest, StallWatchdogAllowsTheFirstStepTheFormingTimeout) {
 
 // A refill that joins after the end (or a worker that lost its connection
 // and dials again) is told the job ended, rather than waiting for a plan.
+// Issue 52: a worker whose NONSTOP_SEALED_STATE_COPY differs from the job's is refused at its join
+// (exit 2, naming the setting), before a plan gives it a rank: every copy to or from it would fail,
+// and each recovery would give it the rank again (a new-user trial: 20 in 0.4 s, then exit 10).
+TEST_F(ControllerTest, AWorkerThatSealsItsStateCopiesOtherwiseThanTheJobIsRefusedAtJoin) {
+  StartJob();
+  control::JoinMsg m{7, 1007, "127.0.0.1:5007", /*spare=*/true, -1, ""};
+  m.sealed_copy = true;
+  auto shutdowns = Find<SendShutdown>(Do(WorkerJoined{m}));
+  ASSERT_EQ(shutdowns.size(), 1u);
+  EXPECT_EQ(shutdowns[0].worker_id, 7);
+  EXPECT_EQ(shutdowns[0].msg.exit_code, kExitUsage);
+  EXPECT_NE(shutdowns[0].msg.reason.find("worker 7 seals its state copies and the job's workers "
+                                         "do not: every worker must have the same "
+                                         "NONSTOP_SEALED_STATE_COPY"),
+            std::string::npos)
+      << shutdowns[0].msg.reason;
+  EXPECT_EQ(c_->RankOf(7), -1);
+  m.sealed_copy = false;  // the same worker as the job: taken
+  m.worker_id = 8;
+  EXPECT_TRUE(Find<SendShutdown>(Do(WorkerJoined{m})).empty());
+}
+
 TEST_F(ControllerTest, WorkerJoiningAfterTheEndIsToldTheJobEnded) {
   StartJob();
   Do(Interrupted{"a test"});

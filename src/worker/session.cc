@@ -284,6 +284,7 @@ class SessionImpl {
                           data_address_,      options_.spare,
                           state_step_.load(), options_.host_id};
     join.shard_group = state_->shard_group();
+    join.sealed_copy = options_.sealed_state_copy;
     join.held_shard = held_shard_.load();
     {
       MutexLock lock(&write_mu_);
@@ -504,6 +505,7 @@ class SessionImpl {
                           data_address_,      options_.spare,
                           state_step_.load(), options_.host_id};
     join.shard_group = state_->shard_group();
+    join.sealed_copy = options_.sealed_state_copy;
     join.held_shard = held_shard_.load();
     std::optional<control::FinishedMsg> finished;
     {
