@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "agent/agent.h"
+#include "apps/nonstop/commands.h"
 #include "controller/runtime.h"
 #include "nonstop/session.h"
 #include "nonstop/settings.h"
@@ -284,6 +285,51 @@ TEST(SettingsTest, EveryJobWideSettingOfTheWorkersIsAFlagOfTheLaunchers) {
         << i.env << " is no flag of nonstop controller";
   }
   EXPECT_GE(flags, 15);
+}
+
+// Every flag WorkerSettingFlags registers is handed on: each job-wide worker setting given by its
+// variable (a value in its range, set here) comes out of Given() as that variable (a switch as
+// 1), and the arguments it makes for a controller started again (Arguments(), `--name=value`),
+// parsed by a fresh command with no variable set, give the same. A setting the registry walk above
+// finds but the flags do not hand on fails here.
+TEST(WorkerSettingFlagsTest, EveryJobWideSettingIsHandedOnAndSurvivesARestart) {
+  std::map<std::string, std::string> want;
+  for (const Info& i : settings::All()) {
+    if ((i.read_by & (settings::kWorker | settings::kTrain | settings::kPython)) == 0 ||
+        i.set_by != 0 || (i.read_by & settings::kRun) == 0)
+      continue;
+    std::string v = "3";
+    if (i.type == "bool") v = "1";
+    if (const size_t to = i.values.find(" to "); to != std::string::npos)
+      v = i.values.substr(0, to);
+    want[std::string(i.env)] = v;
+  }
+  ASSERT_GE(want.size(), 15u);
+  auto parse = [](cli::WorkerSettingFlags& flags, std::vector<std::string> args) {
+    CLI::App app;
+    flags.Register(&app);
+    args.insert(args.begin(), "nonstop");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    app.parse(static_cast<int>(argv.size()), argv.data());
+  };
+  for (const auto& [env, v] : want) ::setenv(env.c_str(), v.c_str(), 1);
+  cli::WorkerSettingFlags from_env;
+  parse(from_env, {});
+  for (const auto& [env, v] : want) ::unsetenv(env.c_str());
+  using Values = std::map<std::string, std::string>;
+  const auto given = from_env.Given();
+  EXPECT_EQ(Values(given.begin(), given.end()), want);
+  cli::WorkerSettingFlags again;
+  parse(again, from_env.Arguments());
+  const auto given_again = again.Given();
+  EXPECT_EQ(Values(given_again.begin(), given_again.end()), want);
+  // A switch turned off by its negated name is handed on as 0.
+  cli::WorkerSettingFlags off;
+  parse(off, {"--unchecked-collectives"});
+  const auto given_off = off.Given();
+  const Values want_off = {{"NONSTOP_CHECKED_COLLECTIVES", "0"}};
+  EXPECT_EQ(Values(given_off.begin(), given_off.end()), want_off);
 }
 
 // ---- the sources ----

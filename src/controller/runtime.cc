@@ -119,9 +119,10 @@ class Runtime {
   int64_t Epoch() const;
   std::optional<int> StartServers();
   std::optional<int> WriteJobFiles();
-  // The job file (job.json), written again with each generation (its torchrun variables).
+  // The job file (job.json), written again when torchrun's variables of a spare change.
   void WriteJobFile();
-  uint32_t job_file_generation_ = 0;  // the generation the job file was written at
+  nlohmann::json TorchrunOfASpare() const;
+  nlohmann::json job_file_torchrun_;  // as the job file says them
   // Where the token is written: --job-token-file, or job.token beside the journal.
   std::string TokenFile() const {
     return o_.token_file.empty() ? TokenFileFor(journal_->path()) : o_.token_file;
@@ -488,7 +489,7 @@ std::optional<int> Runtime::WriteJobFiles() {
 }
 
 void Runtime::WriteJobFile() {
-  job_file_generation_ = core_.generation();
+  job_file_torchrun_ = TorchrunOfASpare();
   std::error_code ec;
   const std::string token_file = TokenFile();
   std::filesystem::path absolute = std::filesystem::absolute(token_file, ec);
@@ -506,10 +507,8 @@ void Runtime::WriteJobFile() {
   for (const auto& [name, value] : JobEnv()) job["env"][name] = value;
   // torchrun's variables of a spare started now, as the agents' spares get them: `nonstop worker`
   // starts one (RANK -1 until it takes a rank, when the session sets the live values). Written
-  // again with every generation (Handle), so that the world they say is the job's.
-  job["torchrun"] = nlohmann::json::object();
-  for (const auto& [name, value] : core_.TorchrunAtSpawn(-1, /*spare=*/true, ""))
-    job["torchrun"][name] = value;
+  // again when they change (DrainEvents), so that the world they say is the job's.
+  job["torchrun"] = job_file_torchrun_;
   // HTTPS: `nonstop status` and `nonstop scale` dial https:// and trust this certificate.
   if (!o_.http_cert.empty()) job["http_cert"] = std::filesystem::absolute(o_.http_cert).string();
   Status s = WritePrivateFile(JobFileFor(journal_->path()), job.dump(2) + "\n");
@@ -787,7 +786,6 @@ void Runtime::Handle(const Event& e) {
   const uint64_t after = leadership_ != nullptr ? leadership_->appended() : 0;
   for (Action& a : orders)
     pending_.push_back({after, journal_->appended(), Clock::now(), std::move(a)});
-  if (core_.generation() != job_file_generation_ && http_ != nullptr) WriteJobFile();
   // An agent that (re)joins after the plan went out (a takeover, a healed host) still labels right.
   if (const auto* joined = std::get_if<HostJoined>(&e)) {
     SendRanksToAgents(core_.generation(), core_.members(), joined->msg.host_id);
@@ -875,6 +873,16 @@ void Runtime::DrainEvents() {
     }
     RunPending();  // may queue events (a spawn that failed)
   } while (!events_.empty());
+  // After the orders went out, never before them: torchrun's variables of a spare changed (the
+  // world, the hosts), which job.json keeps for `nonstop worker`. A recovery that replaces a rank
+  // changes none of them and writes nothing.
+  if (TorchrunOfASpare() != job_file_torchrun_) WriteJobFile();
+}
+
+nlohmann::json Runtime::TorchrunOfASpare() const {
+  nlohmann::json t = nlohmann::json::object();
+  for (const auto& [name, value] : core_.TorchrunAtSpawn(-1, /*spare=*/true, "")) t[name] = value;
+  return t;
 }
 
 void Runtime::PublishStatus() {
