@@ -32,7 +32,7 @@ namespace nonstop::worker {
 namespace {
 
 constexpr uint32_t kTransferMagic = 0x3658534E;  // "NSX6" (5: no seal in the header)
-constexpr uint32_t kHeaderSealed = 1;  // the header's flags
+constexpr uint32_t kHeaderSealed = 1;            // the header's flags
 // A source's share of the copy gets one stream (lane) per this many bytes (StreamsFor).
 constexpr uint64_t kBytesPerStream = uint64_t{32} << 20;
 

@@ -154,9 +154,10 @@ TEST_F(EtcdJournalTest, TheJournalStaysBoundedAndTheTakeoverFromItEqualsTheOneFr
   controller::testing::JournalMaker maker(8, 3);
   for (int i = 0; i < 150; ++i) maker.Recovery();
   std::vector<json> mirrored;  // what the runtime hands to etcd
-  size_t all_bytes = 0;
+  size_t all_bytes = 0, largest = 0;
   for (const auto& r : maker.records()) {
     all_bytes += r.dump().size();
+    largest = std::max(largest, r.dump().size());
     if (controller::TakeoverReads(r)) mirrored.push_back(r);
   }
   LeadershipOptions o;
@@ -176,13 +177,19 @@ TEST_F(EtcdJournalTest, TheJournalStaysBoundedAndTheTakeoverFromItEqualsTheOneFr
   // bytes) is a cost per key, which the bound on the keys below holds.
   const size_t content_end = BytesInEtcd(/*content_only=*/true);
   EXPECT_LT(content_end * 20, all_bytes) << "etcd holds " << content_end << " of " << all_bytes;
-  EXPECT_LT(bytes_end, 2 * bytes_half + (size_t{16} << 10)) << "it grows with the job";
+  // It does not grow with the job: at the end it holds at most what it held at half plus one
+  // bound's worth of tail records. (Half may be measured just after a compaction, its tail then
+  // empty, or just before one: the writer's batches decide which, run to run. A bound of 2 × half
+  // failed once in a few runs when half fell just after one: 2,409 bytes then, 23,348 at the end.)
+  const size_t tail_bound = (o.compact_records + 100) * (largest + 256);  // + its key and seal
+  EXPECT_LT(bytes_end, bytes_half + tail_bound)
+      << "it grows with the job (half " << bytes_half << ", a tail's bound " << tail_bound << ")";
   EXPECT_LE(KeysUnder("journal/"), o.compact_records + 100);
   EXPECT_EQ(KeysUnder("snapshot/"), 1u) << "old snapshots are deleted";
   std::printf(
-      "[ measured ] %zu records (%zu bytes, %zu mirrored): %zu bytes in etcd at half, %zu "
-      "at the end\n",
-      maker.records().size(), all_bytes, mirrored.size(), bytes_half, bytes_end);
+      "[ measured ] %zu records (%zu bytes, %zu mirrored, the largest %zu): %zu bytes in etcd at "
+      "half, %zu at the end\n",
+      maker.records().size(), all_bytes, mirrored.size(), largest, bytes_half, bytes_end);
 
   first->Resign();
   auto second = Lead(o);
