@@ -119,7 +119,7 @@ class Runtime {
   int64_t Epoch() const;
   std::optional<int> StartServers();
   std::optional<int> WriteJobFiles();
-  // The job file (job.json), written again when torchrun's variables of a spare change.
+  // The job file (job.json), with job_file_torchrun_: written again when those change.
   void WriteJobFile();
   nlohmann::json TorchrunOfASpare() const;
   nlohmann::json job_file_torchrun_;  // as the job file says them
@@ -484,12 +484,12 @@ std::optional<int> Runtime::WriteJobFiles() {
     fmt::print(stderr, "{}: writing the HTTP token file: {}\n", name_, t.ToString());
     return 1;
   }
+  job_file_torchrun_ = TorchrunOfASpare();
   WriteJobFile();
   return std::nullopt;
 }
 
 void Runtime::WriteJobFile() {
-  job_file_torchrun_ = TorchrunOfASpare();
   std::error_code ec;
   const std::string token_file = TokenFile();
   std::filesystem::path absolute = std::filesystem::absolute(token_file, ec);
@@ -876,7 +876,10 @@ void Runtime::DrainEvents() {
   // After the orders went out, never before them: torchrun's variables of a spare changed (the
   // world, the hosts), which job.json keeps for `nonstop worker`. A recovery that replaces a rank
   // changes none of them and writes nothing.
-  if (TorchrunOfASpare() != job_file_torchrun_) WriteJobFile();
+  if (nlohmann::json now = TorchrunOfASpare(); now != job_file_torchrun_) {
+    job_file_torchrun_ = std::move(now);
+    WriteJobFile();
+  }
 }
 
 nlohmann::json Runtime::TorchrunOfASpare() const {
