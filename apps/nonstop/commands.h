@@ -31,6 +31,7 @@ namespace nonstop::cli {
 // spawns and job.json alike).
 class WorkerSettingFlags {
  public:
+  // `sub` must outlive every later call: the flags read its options when asked.
   void Register(CLI::App* sub);
   // The variables of the flags given (on the command line, or by their variable here), as text.
   std::vector<std::pair<std::string, std::string>> Given() const;

@@ -8,9 +8,12 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <regex>
 #include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -305,8 +308,10 @@ TEST(WorkerSettingFlagsTest, EveryJobWideSettingIsHandedOnAndSurvivesARestart) {
     want[std::string(i.env)] = v;
   }
   ASSERT_GE(want.size(), 15u);
-  auto parse = [](cli::WorkerSettingFlags& flags, std::vector<std::string> args) {
-    CLI::App app;
+  // The flags read their options when asked, so each App outlives its flags' use.
+  std::vector<std::unique_ptr<CLI::App>> apps;
+  auto parse = [&apps](cli::WorkerSettingFlags& flags, std::vector<std::string> args) {
+    CLI::App& app = *apps.emplace_back(std::make_unique<CLI::App>());
     flags.Register(&app);
     args.insert(args.begin(), "nonstop");
     std::vector<char*> argv;
