@@ -486,6 +486,10 @@ class Controller {
   PlanInput PlanView(const RecoveryRecord& rec) const;
   // Carries out a plan (verdict kPlan): roles, generation, record, plan messages, spawns, journal.
   void ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector<Action>* out);
+  // Step faults that stop a worker (kill, hang, stall, spin), of a rank whose member is lost and at
+  // the step the job resumes at: fired, announced or not (an announcement is lost when the worker
+  // dies before it leaves), so no newcomer to that rank is handed them again.
+  void SpendFaultsOfTheLost(int64_t resume_step, RecoveryRecord& rec, std::vector<Action>* out);
   void MaybeCloseRecovery(std::vector<Action>* out);
   std::optional<Clock::time_point> StepReportedLate(const control::ProgressMsg& m);
   // The recovery a takeover found open: if its plan is the generation taken

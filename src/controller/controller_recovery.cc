@@ -412,6 +412,30 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   ApplyPlan(std::move(next), rec, out);
 }
 
+void Controller::SpendFaultsOfTheLost(int64_t resume_step, RecoveryRecord& rec,
+                                      std::vector<Action>* out) {
+  using control::FaultKind;
+  const std::vector<WorkerInfo*>& info = membership_.member_info();
+  for (auto it = pending_faults_.begin(); it != pending_faults_.end();) {
+    const control::FaultSpec& f = *it;
+    const bool stops = f.kind == FaultKind::kKill || f.kind == FaultKind::kHang ||
+                       f.kind == FaultKind::kStall || f.kind == FaultKind::kSpin;
+    const size_t r = static_cast<size_t>(f.rank);
+    if (f.point != control::FaultPoint::kStep || !stops || f.step != resume_step || f.rank < 0 ||
+        r >= info.size() || IsLiveMember(*info[r])) {
+      ++it;
+      continue;
+    }
+    const std::string what = control::FormatFault(f);
+    out->push_back(AppendJournal{{{"event", "fault_injected"},
+                                  {"worker_id", info[r]->worker_id},
+                                  {"fault", what},
+                                  {"announced", false}}});
+    if (rec.injected.empty()) rec.injected = what;
+    it = pending_faults_.erase(it);
+  }
+}
+
 void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector<Action>* out) {
   const size_t world = next.members.size();
   for (int id : next.released) {
@@ -423,6 +447,7 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
         SendShutdown{id, {fmt::format("released: the world shrinks to {}", world), kExitOk}});
   }
   if (world != membership_.members().size()) resize_history_.Changed(now_);
+  SpendFaultsOfTheLost(next.s_star + 1, rec, out);
   std::vector<WorkerInfo*> next_info(world);
   for (size_t r = 0; r < world; ++r) {
     // Most keep their rank: their entry is known.

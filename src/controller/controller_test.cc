@@ -896,6 +896,25 @@ TEST_F(ControllerTest, TimedFaultSignalsTheWorkerHoldingTheRank) {
   EXPECT_TRUE(c_->pending_faults().empty()) << "fired once";
 }
 
+// A worker killed by its step fault before its announcement left: the fault is spent all the same,
+// so the spare taking its rank at that step is not killed by it again.
+TEST_F(ControllerTest, AStepFaultWhoseWorkerDiedUnannouncedIsNotHandedToItsSpare) {
+  Make(3, 1, *control::ParseFaults("kill:rank=1,step=41;kill:rank=2,step=41;hang:rank=1,step=60"));
+  StartJob();
+  for (int id : {0, 1, 2}) Step(id, 40);
+  Do(ProcessExited{1, 1001, -1, 9, kHost});  // no InjectedReceived: the announcement was lost
+  Ready(0, 40);
+  auto plans = Find<SendPlan>(Ready(2, 40));
+  ASSERT_EQ(plans.size(), 3u);
+  ASSERT_EQ(plans[0].plan->resume_step, 41);
+  std::vector<std::string> handed;
+  for (const control::FaultSpec& f : plans[0].plan->faults)
+    handed.push_back(control::FormatFault(f));
+  EXPECT_EQ(handed, (std::vector<std::string>{"kill:rank=2,step=41", "hang:rank=1,step=60"}))
+      << "only rank 1's fault at step 41 fired; rank 2 lives and a later step is to come";
+  EXPECT_EQ(c_->pending_faults().size(), 2u);
+}
+
 TEST_F(ControllerTest, DuplicateWorkerIdIsRefused) {
   Join(0);
   auto actions = Join(0);
