@@ -91,6 +91,11 @@ CommunicatorStats TcpCommunicator::stats() const {
 
 Status TcpCommunicator::error() const {
   MutexLock lock(&mu_);
+  // A fired signal (the generation's Abort, through any communicator of it) refuses new calls;
+  // a call under way ends once nothing moves (transfer.h).
+  if (error_.ok() && abort_ != nullptr && abort_->fired())
+    return AbortedError(
+        fmt::format("the generation was aborted (generation {})", options_.generation));
   return error_;
 }
 

@@ -27,6 +27,9 @@
 // The receiver acts on the flags of the frames it gets, so a job whose
 // workers disagree on the setting still runs (checked where the sender is).
 //
+// Abort: a fired `abort` ends a transfer once nothing moves; bytes of a live peer that are here,
+// or still coming, complete it first, so peers that all sent every byte end a collective alike.
+//
 // Abort and reuse: when a transfer ends early (aborted, timed out), the
 // position of each stream inside its current frame is saved in the
 // Connection; the next transfer on that connection first completes the frame

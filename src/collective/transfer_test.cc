@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/coding.h"
+#include "net/abort_signal.h"
 #include "net/socket.h"
 #include "nonstop/crc32c.h"
 
@@ -168,6 +169,39 @@ TEST(TransferTest, ASenderGoesBackToTheRequestedPieceAndEndsAtTheAck) {
   WriteAll(p.peer.get(), Encode({.type = kFrameAck, .seq = 3}));
   Status s = result.get();
   EXPECT_TRUE(s.ok()) << s.ToString();
+}
+
+// An abort ends a transfer only once nothing moves: pieces of a live peer that are here complete it
+// (ranks would otherwise end a collective differently: one done, its peer aborted, though every
+// byte was sent), and one that waits for a piece that has not come ends at once, not at its
+// deadline.
+TEST(TransferTest, AnAbortEndsATransferOnlyOnceNothingMoves) {
+  for (const bool all_sent : {true, false}) {
+    SCOPED_TRACE(all_sent ? "both pieces sent" : "one piece of two sent");
+    Pair p;
+    std::vector<std::byte> dst(16);
+    TransferSpec spec = CheckedSpec();
+    spec.checksum = false;
+    spec.retry = false;
+    spec.recv_from = &p.conn;
+    spec.recv_peer = "the test";
+    spec.recvs.push_back({dst.data(), 8, nullptr});
+    spec.recvs.push_back({dst.data() + 8, 8, nullptr});
+    net::AbortSignal abort;
+    spec.abort = &abort;
+    WriteAll(p.peer.get(), Encode({.length = 8, .seq = 0}, "abcdefgh"));
+    if (all_sent) WriteAll(p.peer.get(), Encode({.length = 8, .seq = 1}, "ijklmnop"));
+    abort.Fire();  // before the engine looks: the pieces wait in the socket
+    Status s = RunTransfer(spec);
+    const std::string got(reinterpret_cast<const char*>(dst.data()), all_sent ? 16 : 8);
+    if (all_sent) {
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      EXPECT_EQ(got, "abcdefghijklmnop");
+    } else {
+      EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+      EXPECT_EQ(got, "abcdefgh") << "the piece that came was taken first";
+    }
+  }
 }
 
 // Control frames that answer nothing, or that lie, are protocol violations: INTERNAL, naming the
