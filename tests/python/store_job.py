@@ -6,7 +6,8 @@ and adds 1 to `adds` at once (no controller leads: the add is sent again to the 
 later it sets `late`, which the other ranks wait for with `get` meanwhile (their waits, held by the
 dead controller, are sent again too); then they add 1 each. A worker killed by --inject is replaced by a spare, which reads the
 keys its predecessor set; the others wait in the store for rank 1's key at that step when it is
-killed, and their wait ends with nonstop.Aborted (the step runs again). At the end each rank checks what the job's store holds and prints
+killed (rank 1 goes on to its collective only once they set `waiting/<s>/<r>`), and their wait ends
+with nonstop.Aborted (the step runs again). At the end each rank checks what the job's store holds and prints
 `[rank R] store ok <keys>` or `[rank R] store WRONG: ...`.
 """
 import argparse
@@ -83,10 +84,15 @@ def main():
             # The others wait for rank 1's key before the step's collective, where rank 1 is killed
             # (--inject) before it sets it: their wait ends with nonstop.Aborted, the step runs
             # again, and the spare that took rank 1 sets it.
+            # Rank 1 goes on to its collective (and its kill) only once both others are in the
+            # wait: on a loaded machine one could otherwise see the abort before it began to wait.
             if rank == 1 and session.generation > 1:
                 store.set(f"wait/{step}", "1")
-            elif rank != 1:
+            elif rank == 1:
+                store.wait([f"waiting/{step}/{r}" for r in range(dist.get_world_size()) if r != 1])
+            else:
                 waits[0] += 1
+                store.set(f"waiting/{step}/{rank}", "1")
                 store.get(f"wait/{step}")
         optimizer.zero_grad()
         F.mse_loss(ddp(source), target).backward()

@@ -31,8 +31,9 @@ def test_the_store_is_kept_through_a_takeover_and_a_kill(tmp_path):
     verdicts = dict(re.findall(r"\[rank (\d)\] store (ok \d+|WRONG: .*)", job.output))
     assert sorted(verdicts) == ["0", "1", "2"], tail
     assert all(v.startswith("ok") for v in verdicts.values()), verdicts
-    # The keys of 10 steps of 3 ranks, big, late, adds, adds_counted, adds_done, wait/7, done/0..2.
-    assert {v for v in verdicts.values()} == {f"ok {10 * 3 + 6 + 3}"}, verdicts
+    # The keys of 10 steps of 3 ranks, big, late, adds, adds_counted, adds_done, wait/7,
+    # waiting/7/0 and /2, done/0..2.
+    assert {v for v in verdicts.values()} == {f"ok {10 * 3 + 6 + 2 + 3}"}, verdicts
     # Ranks 0 and 2 waited for rank 1's key when it was killed: the wait ended with Aborted and
     # ran again with the step (a wait left hanging would have cost them the abort's deadline).
     assert dict(re.findall(r"\[rank (\d)\] waits at step 7: (\d+)", job.output)) == {"0": "2", "1": "0", "2": "2"}, tail
