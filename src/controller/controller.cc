@@ -358,6 +358,7 @@ std::string Controller::UnfiredFaults(int64_t final_step) const {
 }
 
 void Controller::On(const InjectedReceived& e, std::vector<Action>* out) {
+  if (spent_unannounced_.erase(e.msg.fault_id) > 0) return;  // journaled when it was spent
   auto it = std::find_if(pending_faults_.begin(), pending_faults_.end(),
                          [&](const control::FaultSpec& f) { return f.id == e.msg.fault_id; });
   if (it != pending_faults_.end()) pending_faults_.erase(it);

@@ -486,10 +486,10 @@ class Controller {
   PlanInput PlanView(const RecoveryRecord& rec) const;
   // Carries out a plan (verdict kPlan): roles, generation, record, plan messages, spawns, journal.
   void ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector<Action>* out);
-  // Step faults that stop a worker (kill, hang, stall, spin), of a rank whose member is lost and at
-  // the step the job resumes at: fired, announced or not (an announcement is lost when the worker
-  // dies before it leaves), so no newcomer to that rank is handed them again.
-  void SpendFaultsOfTheLost(int64_t resume_step, RecoveryRecord& rec, std::vector<Action>* out);
+  // Step faults that stop a worker (kill, hang, stall, spin), of a rank whose member is lost while
+  // in the fault's step: fired, announced or not (an announcement is lost when the worker dies
+  // before it leaves), so no newcomer to that rank is handed them again.
+  void SpendFaultsOfTheLost(RecoveryRecord& rec, std::vector<Action>* out);
   void MaybeCloseRecovery(std::vector<Action>* out);
   std::optional<Clock::time_point> StepReportedLate(const control::ProgressMsg& m);
   // The recovery a takeover found open: if its plan is the generation taken
@@ -571,6 +571,8 @@ class Controller {
   std::optional<std::string> checksum_;
   // Injected faults not fired yet, and the last one fired (its recovery names it).
   std::vector<control::FaultSpec> pending_faults_;
+  // Faults SpendFaultsOfTheLost took as fired: an announcement that still comes is not a new one.
+  std::set<int> spent_unannounced_;
   std::optional<std::pair<Clock::time_point, std::string>> last_injected_;
   // What the detectors learn normal from, and the last progress.
   StepTimes step_times_;             // recent step times

@@ -412,8 +412,7 @@ void Controller::FormNextGeneration(std::vector<Action>* out) {
   ApplyPlan(std::move(next), rec, out);
 }
 
-void Controller::SpendFaultsOfTheLost(int64_t resume_step, RecoveryRecord& rec,
-                                      std::vector<Action>* out) {
+void Controller::SpendFaultsOfTheLost(RecoveryRecord& rec, std::vector<Action>* out) {
   using control::FaultKind;
   const std::vector<WorkerInfo*>& info = membership_.member_info();
   for (auto it = pending_faults_.begin(); it != pending_faults_.end();) {
@@ -421,8 +420,10 @@ void Controller::SpendFaultsOfTheLost(int64_t resume_step, RecoveryRecord& rec,
     const bool stops = f.kind == FaultKind::kKill || f.kind == FaultKind::kHang ||
                        f.kind == FaultKind::kStall || f.kind == FaultKind::kSpin;
     const size_t r = static_cast<size_t>(f.rank);
-    if (f.point != control::FaultPoint::kStep || !stops || f.step != resume_step || f.rank < 0 ||
-        r >= info.size() || IsLiveMember(*info[r])) {
+    // In step f.step when it was lost: it had reported the step before (a spare that died in
+    // its state copy has reported nothing since).
+    if (f.point != control::FaultPoint::kStep || !stops || f.rank < 0 || r >= info.size() ||
+        IsLiveMember(*info[r]) || info[r]->last_step + 1 != f.step) {
       ++it;
       continue;
     }
@@ -432,12 +433,14 @@ void Controller::SpendFaultsOfTheLost(int64_t resume_step, RecoveryRecord& rec,
                                   {"fault", what},
                                   {"announced", false}}});
     if (rec.injected.empty()) rec.injected = what;
+    spent_unannounced_.insert(f.id);
     it = pending_faults_.erase(it);
   }
 }
 
 void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector<Action>* out) {
   const size_t world = next.members.size();
+  SpendFaultsOfTheLost(rec, out);  // before the released leave: they are live, not lost
   for (int id : next.released) {
     WorkerInfo& w = membership_.at(id);
     membership_.SetRole(w, WorkerRole::kGone);
@@ -447,7 +450,6 @@ void Controller::ApplyPlan(NextGeneration next, RecoveryRecord& rec, std::vector
         SendShutdown{id, {fmt::format("released: the world shrinks to {}", world), kExitOk}});
   }
   if (world != membership_.members().size()) resize_history_.Changed(now_);
-  SpendFaultsOfTheLost(next.s_star + 1, rec, out);
   std::vector<WorkerInfo*> next_info(world);
   for (size_t r = 0; r < world; ++r) {
     // Most keep their rank: their entry is known.
@@ -570,6 +572,7 @@ void Controller::RestartFromCheckpoint(const std::string& why, std::vector<Actio
   if (!open_recovery_) OpenRecovery(why, /*planned=*/false, out);  // the aborts are moot
   resize_.reset();  // a planned change in progress is moot: every worker starts again
   RecoveryRecord& rec = recoveries_[*open_recovery_];
+  SpendFaultsOfTheLost(rec, out);  // the restarted job would reach their step again
   rec.restarted = true;
   rec.replacements.push_back("every worker restarted from the newest durable checkpoint");
   out->push_back(PrintLine{"restarting every worker from the newest durable checkpoint: " + why});

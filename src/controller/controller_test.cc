@@ -913,6 +913,24 @@ TEST_F(ControllerTest, AStepFaultWhoseWorkerDiedUnannouncedIsNotHandedToItsSpare
   EXPECT_EQ(handed, (std::vector<std::string>{"kill:rank=2,step=41", "hang:rank=1,step=60"}))
       << "only rank 1's fault at step 41 fired; rank 2 lives and a later step is to come";
   EXPECT_EQ(c_->pending_faults().size(), 2u);
+  // Its announcement, late: said already, so not journaled again.
+  auto late = Do(InjectedReceived{1, {/*fault_id=*/0, "kill:rank=1,step=41"}});
+  for (const AppendJournal& j : Find<AppendJournal>(late))
+    EXPECT_NE(j.record.value("event", ""), "fault_injected") << j.record.dump();
+}
+
+// A member lost before the step of its fault (here at step 39): the fault has not fired, and the
+// spare that takes the rank is handed it.
+TEST_F(ControllerTest, AStepFaultOfAMemberLostBeforeItsStepIsHandedToItsSpare) {
+  Make(3, 1, *control::ParseFaults("kill:rank=1,step=41"));
+  StartJob();
+  for (int id : {0, 1, 2}) Step(id, 38);
+  Do(ProcessExited{1, 1001, -1, 9, kHost});
+  Ready(0, 38);
+  auto plans = Find<SendPlan>(Ready(2, 38));
+  ASSERT_EQ(plans.size(), 3u);
+  ASSERT_EQ(plans[0].plan->faults.size(), 1u);
+  EXPECT_EQ(control::FormatFault(plans[0].plan->faults[0]), "kill:rank=1,step=41");
 }
 
 TEST_F(ControllerTest, DuplicateWorkerIdIsRefused) {
