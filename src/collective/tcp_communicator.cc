@@ -55,7 +55,7 @@ Result<Connection*> TcpCommunicator::Peer(int rank, int lane) {
 }
 
 Status TcpCommunicator::Connect() {
-  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(MayStart());
   int w = world_size();
   if (w == 1) return OkStatus();
   int right = (rank() + 1) % w;
@@ -91,12 +91,17 @@ CommunicatorStats TcpCommunicator::stats() const {
 
 Status TcpCommunicator::error() const {
   MutexLock lock(&mu_);
+  return error_;
+}
+
+Status TcpCommunicator::MayStart() const {
+  NONSTOP_RETURN_IF_ERROR(error());
   // A fired signal (the generation's Abort, through any communicator of it) refuses new calls;
   // a call under way ends once nothing moves (transfer.h).
-  if (error_.ok() && abort_ != nullptr && abort_->fired())
+  if (abort_ != nullptr && abort_->fired())
     return AbortedError(
         fmt::format("the generation was aborted (generation {})", options_.generation));
-  return error_;
+  return OkStatus();
 }
 
 Status TcpCommunicator::Fail(Status status) {
@@ -220,7 +225,7 @@ Status TcpCommunicator::Reduce(std::string_view what, Region data, DType dtype, 
                     "operations take integers and bool)",
                     what, ReduceOpName(op), DTypeName(dtype)));
   }
-  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(MayStart());
   NONSTOP_RETURN_IF_ERROR(CheckHost(data, what));
   ++op_;
   CountOp();
@@ -230,7 +235,7 @@ Status TcpCommunicator::Reduce(std::string_view what, Region data, DType dtype, 
 
 Status TcpCommunicator::AllGather(Region data, size_t element_bytes) {
   NONSTOP_CHECK_EQ(data.bytes % element_bytes, 0u);
-  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(MayStart());
   NONSTOP_RETURN_IF_ERROR(CheckHost(data, "AllGather"));
   ++op_;
   CountOp();
@@ -241,7 +246,7 @@ Status TcpCommunicator::AllGather(Region data, size_t element_bytes) {
 }
 
 Status TcpCommunicator::Barrier() {
-  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(MayStart());
   ++op_;
   CountOp();
   if (world_size() == 1) return OkStatus();
@@ -253,7 +258,7 @@ Status TcpCommunicator::Barrier() {
 // pieces: each rank forwards piece p as soon as it has it.
 Status TcpCommunicator::Broadcast(Region data, int root) {
   NONSTOP_CHECK(root >= 0 && root < world_size());
-  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(MayStart());
   NONSTOP_RETURN_IF_ERROR(CheckHost(data, "Broadcast"));
   ++op_;
   CountOp();
@@ -305,7 +310,7 @@ Status TcpCommunicator::AllReduceTree(int m, std::span<const std::vector<TreeNod
   NONSTOP_CHECK_EQ(out.bytes % sizeof(float), 0u)
       << "AllReduceTree: not a whole number of float32 elements";
   for (const auto& p : partials) NONSTOP_CHECK_EQ(p.bytes, out.bytes);
-  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(MayStart());
   NONSTOP_RETURN_IF_ERROR(CheckHost(out, "AllReduceTree"));
   for (const auto& p : partials) NONSTOP_RETURN_IF_ERROR(CheckHost(p, "AllReduceTree"));
   ++op_;
@@ -402,7 +407,7 @@ Status TcpCommunicator::RecvOnLane(int from_rank, int lane, Region data, bool ch
 Status TcpCommunicator::SendTo(int to_rank, int lane, ConstRegion data, bool checksum,
                                std::string_view op) {
   NONSTOP_CHECK(to_rank >= 0 && to_rank < world_size() && to_rank != rank());
-  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(MayStart());
   NONSTOP_RETURN_IF_ERROR(CheckHost(data, op));
   TransferSpec spec;
   NONSTOP_ASSIGN_OR_RETURN(spec.send_to, Peer(to_rank, lane));
@@ -427,7 +432,7 @@ Status TcpCommunicator::SendTo(int to_rank, int lane, ConstRegion data, bool che
 Status TcpCommunicator::RecvFrom(int from_rank, int lane, Region data, bool checksum,
                                  std::string_view op) {
   NONSTOP_CHECK(from_rank >= 0 && from_rank < world_size() && from_rank != rank());
-  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(MayStart());
   NONSTOP_RETURN_IF_ERROR(CheckHost(data, op));
   TransferSpec spec;
   NONSTOP_ASSIGN_OR_RETURN(spec.recv_from, Peer(from_rank, lane));
@@ -453,14 +458,14 @@ Status TcpCommunicator::RecvFrom(int from_rank, int lane, Region data, bool chec
 // turn, never waited for.
 Result<int> TcpCommunicator::RecvOnAnyLane(std::span<const std::pair<int, int>> from, Region data,
                                            bool checked) {
-  NONSTOP_RETURN_IF_ERROR(error());
+  NONSTOP_RETURN_IF_ERROR(MayStart());
   NONSTOP_RETURN_IF_ERROR(CheckHost(data, "Recv"));
   if (from.empty()) return InvalidArgumentError("Recv from any of no rank");
   std::vector<Connection*> conns(from.size(), nullptr);
   const Deadline deadline = OpDeadline();
   while (true) {
     if (abort_->fired()) return Fail(AbortedError("Recv from any rank: aborted"));
-    NONSTOP_RETURN_IF_ERROR(error());
+    NONSTOP_RETURN_IF_ERROR(MayStart());
     std::vector<pollfd> fds;
     std::vector<size_t> index;  // fds[k] is from[index[k]]
     for (size_t i = 0; i < from.size(); ++i) {

@@ -90,6 +90,8 @@ class TcpCommunicator final : public Communicator {
 
   void Abort(const std::string& reason) override;
   Status error() const override;
+  // error(), or ABORTED once the abort signal fired: what a call checks before it starts.
+  Status MayStart() const;
   CommunicatorStats stats() const override;
 
   int rank() const override { return options_.rank; }

@@ -536,13 +536,13 @@ Status RunTransfer(const TransferSpec& spec, TransferStats* stats) {
     for (Inbound* i : {in ? &*in : nullptr, acks ? &*acks : nullptr}) {
       if (i == nullptr) continue;
       Result<Progress> p = i->Pump(stats);
-      if (!p.ok()) return aborted() ? abort_error() : p.status();
+      if (!p.ok()) return p.status();
       moved |= *p == Progress::kMoved;
     }
     for (Outbound* o : {sender, reply ? &*reply : nullptr}) {
       if (o == nullptr) continue;
       Result<Progress> p = o->Pump(recvs_done(), stats);
-      if (!p.ok()) return aborted() ? abort_error() : p.status();
+      if (!p.ok()) return p.status();
       moved |= *p == Progress::kMoved;
     }
     if (moved || all_done()) continue;

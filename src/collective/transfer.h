@@ -28,7 +28,8 @@
 // workers disagree on the setting still runs (checked where the sender is).
 //
 // Abort: a fired `abort` ends a transfer once nothing moves; bytes of a live peer that are here,
-// or still coming, complete it first, so peers that all sent every byte end a collective alike.
+// or keep coming, complete it first (a peer's piece still on its way when nothing moved is not
+// waited for: docs/sharding.md, "Fast steps commit a group at a time").
 //
 // Abort and reuse: when a transfer ends early (aborted, timed out), the
 // position of each stream inside its current frame is saved in the

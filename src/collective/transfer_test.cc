@@ -202,6 +202,23 @@ TEST(TransferTest, AnAbortEndsATransferOnlyOnceNothingMoves) {
       EXPECT_EQ(got, "abcdefgh") << "the piece that came was taken first";
     }
   }
+  // A sender whose pieces fit the socket writes them all: its receiver completes, and so does it.
+  Pair p;
+  const std::string piece = "a piece that still goes";
+  TransferSpec spec = CheckedSpec();
+  spec.checksum = false;
+  spec.retry = false;
+  spec.send_to = &p.conn;
+  spec.send_peer = "the test";
+  spec.sends.push_back({reinterpret_cast<const std::byte*>(piece.data()), piece.size(), -1});
+  net::AbortSignal abort;
+  spec.abort = &abort;
+  abort.Fire();
+  Status s = RunTransfer(spec);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  Frame f = ReadHeader(p.peer.get());
+  EXPECT_EQ(f.type, kFrameData);
+  EXPECT_EQ(ReadExactly(p.peer.get(), f.length), piece);
 }
 
 // Control frames that answer nothing, or that lie, are protocol violations: INTERNAL, naming the
