@@ -9,12 +9,10 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdlib>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
-#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>
@@ -23,7 +21,6 @@
 #include "collective/staged_communicator.h"
 #include "collective/tcp_data_plane.h"
 #include "common/crypto.h"
-#include "common/job_token.h"
 #include "common/lifeline.h"
 #include "common/logging.h"
 #include "common/mutex.h"
@@ -35,6 +32,8 @@
 #include "net/socket.h"
 #include "nonstop/exit_codes.h"
 #include "nonstop/settings.h"
+#include "worker/bucket_reducer.h"
+#include "worker/fault_injector.h"
 #include "worker/held_state.h"
 #include "worker/replica_check.h"
 #include "worker/session_testing.h"
@@ -49,131 +48,6 @@ std::function<void()> before_collective_hook;
 std::function<void(uint16_t)> control_frame_hook;
 std::function<void()> before_plan_decode_hook;
 }  // namespace testing
-
-namespace {
-
-// The job token this process was started with (TakeInheritedJobToken), taken
-// once. kTakenAtLoad takes it as this library loads (static initialization:
-// before main, or as Python imports the package), before the program can
-// start a child that would inherit the descriptor or the variable.
-const Result<std::string>& InheritedJobToken() {
-  static const Result<std::string> token = TakeInheritedJobToken();
-  return token;
-}
-[[maybe_unused]] const bool kTakenAtLoad = InheritedJobToken().ok();
-
-// An int setting's variable, `text`, within the setting's range: INVALID_ARGUMENT
-// "NAME='text' is not WHAT from LO to HI" (and `note`) otherwise.
-Result<int> ParseIntSetting(const settings::Setting<int>& entry, const std::string& text,
-                            std::string_view what, std::string_view note = "") {
-  size_t used = 0;
-  int value = -1;
-  try {
-    value = std::stoi(text, &used);
-  } catch (...) {
-  }
-  const auto range = *entry.range;
-  if (used != text.size() || value < range.lo || value > range.hi) {
-    return InvalidArgumentError(fmt::format("{}='{}' is not {} from {} to {}{}", entry.env, text,
-                                            what, range.lo, range.hi, note));
-  }
-  return value;
-}
-
-}  // namespace
-
-Result<SessionOptions> SessionOptions::FromEnvironment() {
-  namespace s = settings;
-  SessionOptions o;
-  auto get = [](const auto& entry) -> std::string {
-    const char* v = std::getenv(entry.env.data());  // an entry's env is a NUL-terminated literal
-    return v != nullptr ? v : "";
-  };
-  const Result<std::string>& inherited = InheritedJobToken();
-  if (!inherited.ok()) return inherited.status();
-  o.controller_address = get(s::kControllerAddress);
-  // A variable set after the library loaded (a worker started by hand, a test) serves too.
-  o.job_token = !inherited->empty() ? *inherited : get(s::kJobToken);
-  std::string id = get(s::kWorkerId);
-  if (o.controller_address.empty() || o.job_token.empty() || id.empty()) {
-    return FailedPreconditionError(fmt::format(
-        "{}, the job token ({} or {}) and {} are not all set: start this program "
-        "under `nonstop run` (HINT: nonstop run --nproc 4 -- <program> <args>)",
-        s::kControllerAddress.env, s::kJobTokenFd.env, s::kJobToken.env, s::kWorkerId.env));
-  }
-  try {
-    o.worker_id = std::stoi(id);
-  } catch (...) {
-    return InvalidArgumentError(fmt::format("{}='{}' is not an integer", s::kWorkerId.env, id));
-  }
-  o.spare = get(s::kSpare) == "1";
-  for (auto [entry, field] : {std::pair{&s::kConnectTimeoutMs, &o.join_timeout},
-                              std::pair{&s::kWorkerControllerTimeoutMs, &o.controller_timeout},
-                              std::pair{&s::kLeaderlessTimeoutMs, &o.leaderless_timeout},
-                              std::pair{&s::kSpareCheckMs, &o.spare_check_interval}}) {
-    std::string v = get(*entry);
-    if (v.empty()) continue;
-    try {
-      size_t used = 0;
-      long long ms = std::stoll(v, &used);
-      if (used != v.size() || ms < (entry->range ? entry->range->lo : 1) ||
-          (entry->range && ms > entry->range->hi))
-        throw std::invalid_argument(v);
-      *field = std::chrono::milliseconds(ms);
-    } catch (...) {
-      return InvalidArgumentError(
-          entry->range
-              ? fmt::format("{}='{}' is not a number of milliseconds from {} to {}", entry->env, v,
-                            entry->range->lo, entry->range->hi)
-              : fmt::format("{}='{}' is not a positive number of milliseconds", entry->env, v));
-    }
-  }
-  if (std::string every = get(s::kReplicaCheckEvery); !every.empty()) {
-    NONSTOP_ASSIGN_OR_RETURN(o.replica_check_every,
-                             ParseIntSetting(s::kReplicaCheckEvery, every, "a number of steps",
-                                             " (0: never compare the replicas)"));
-  }
-  for (auto [entry, field, what] :
-       {std::tuple{&s::kCheckedCollectives, &o.checked_collectives,
-                   "whether the all-reduce's pieces are checked and fetched again when damaged"},
-        std::tuple{&s::kSealedStateCopy, &o.sealed_state_copy,
-                   "whether every chunk of a state copy carries a tag under the job key"}}) {
-    const std::string v = get(*entry);
-    if (v.empty()) continue;
-    if (v != "1" && v != "0" && v != "true" && v != "false") {
-      return InvalidArgumentError(
-          fmt::format("{}='{}' is not 1 or 0 (true or false): {}", entry->env, v, what));
-    }
-    *field = v == "1" || v == "true";
-  }
-  if (std::string port = get(s::kMasterPort); !port.empty()) {
-    NONSTOP_ASSIGN_OR_RETURN(o.master_port, ParseIntSetting(s::kMasterPort, port, "a port"));
-  }
-  if (std::string host = get(s::kDataHost); !host.empty()) {
-    Result<std::string> h = net::ParseHost(host);  // "fd00::1" or "[fd00::1]" alike
-    if (!h.ok())
-      return InvalidArgumentError(fmt::format("{}: {}", s::kDataHost.env, h.status().message()));
-    o.data_host = *h;
-  }
-  if (std::string ports = get(s::kDataPorts); !ports.empty()) {
-    Result<net::PortRange> r = net::ParsePortRange(ports);
-    if (!r.ok())
-      return InvalidArgumentError(fmt::format("{}: {}", s::kDataPorts.env, r.status().message()));
-    o.data_port_lo = r->lo;
-    o.data_port_hi = r->hi;
-  }
-  o.advertise_address = get(s::kWorkerAdvertiseAddress);
-  o.host_id = get(s::kHostId);
-  o.etcd_endpoints = get(s::kEtcd);
-  if (std::string job = get(s::kEtcdJob); !job.empty()) o.etcd_job = job;
-  o.leader_file = get(s::kLeaderFile);
-  o.etcd_cacert = get(s::kEtcdCacert);
-  o.etcd_cert = get(s::kEtcdCert);
-  o.etcd_key = get(s::kEtcdKey);
-  o.etcd_auth_file = get(s::kEtcdAuthFile);
-  o.etcd_allow_plaintext = get(s::kEtcdAllowPlaintext) == "1";
-  return o;
-}
 
 namespace {
 
@@ -264,7 +138,17 @@ class SessionImpl {
         state_(state),
         store_([this](uint16_t type, const std::string& payload) {
           return SendControl(type, payload);
-        }) {}
+        }),
+        faults_({.send = [this](uint16_t type,
+                                const std::string& payload) { (void)SendControl(type, payload); },
+                 .refuse =
+                     [this](const std::string& reason) {
+                       control::FailureMsg m{last_change_.generation, state_step_.load(), reason,
+                                             kExitUsage};
+                       (void)SendControl(control::kMsgFailure, control::Encode(m));
+                     },
+                 .comm = [this] { return comm_.get(); },
+                 .state = state}) {}
   ~SessionImpl() { Stop(); }
 
   // ---- control plane ----
@@ -617,15 +501,12 @@ class SessionImpl {
   void Stop() {
     // A bucket in flight is cut short, and so is a control write it blocks
     // in (the arrival heartbeat): the Session is going away.
-    fault_timers_.clear();  // a timed fault not fired yet never fires
+    faults_.StopTimers();  // a timed fault not fired yet never fires
     store_.Fail(CancelledError("the session ended"));
     io_thread_.request_stop();
     stop_signal_.Fire();
-    if (comm_thread_.joinable()) {
-      abort_.Fire();
-      comm_thread_.request_stop();
-      comm_thread_.join();
-    }
+    abort_.Fire();
+    buckets_.Stop();
     if (io_thread_.joinable()) io_thread_.join();
   }
 
@@ -753,17 +634,20 @@ class SessionImpl {
     co.checked = options_.checked_collectives;
     // A timed fault armed in the old generation never fires in this one (the plan lists it again
     // while the controller still waits for it). Before mu_: a timer firing takes write_mu_.
-    fault_timers_.clear();
+    faults_.StopTimers();
     {
       MutexLock lock(&mu_);
       // Swap communicators under the lock: an abort for the new generation
       // that arrives meanwhile is either recorded or applied, never lost.
       abort_.Reset();
+      store_.ResumeWaits();
       comm_ = data_plane_->NewCommunicator(co);
-      if (aborted_generation_ >= plan.generation)
+      if (aborted_generation_ >= plan.generation) {
         comm_->Abort("the controller ended this generation");
+        store_.AbortWaits(AbortedError("the controller ended this generation"));
+      }
       if (shutdown_ && shutdown_->exit_code != 0) comm_->Abort("the controller ended the job");
-      faults_ = plan.faults;
+      faults_.SetFaults(plan.faults);
       resume_step_ = plan.resume_step;
     }
     SetLogRole(fmt::format("rank {}", co.rank));
@@ -800,14 +684,14 @@ class SessionImpl {
                             Clock::time_point t1) {
     const int rank = comm_->rank();
     worker::TransferHooks hooks;
-    std::optional<control::FaultSpec> at_transfer = TakeFault(
+    std::optional<control::FaultSpec> at_transfer = faults_.Take(
         control::FaultPoint::kTransfer, plan.resume_step, rank, control::FaultKind::kKill);
-    std::optional<control::FaultSpec> corrupt = TakeFault(
+    std::optional<control::FaultSpec> corrupt = faults_.Take(
         control::FaultPoint::kTransfer, plan.resume_step, rank, control::FaultKind::kCorrupt);
-    if (at_transfer) hooks.on_start = [this, f = *at_transfer] { Fire(f); };
+    if (at_transfer) hooks.on_start = [this, f = *at_transfer] { faults_.Fire(f); };
     hooks.corrupt_first_chunk = corrupt.has_value();
     if (options_.sealed_state_copy) hooks.seal_key = crypto::JobKey(options_.job_token);
-    if (corrupt) Announce(*corrupt);
+    if (corrupt) faults_.Announce(*corrupt);
     bool receiving = false;
     for (const auto& t : plan.transfers) receiving = receiving || t.receiver == options_.worker_id;
     if (receiving) state_step_.store(control::kNoValidState);  // until every chunk is in
@@ -931,130 +815,6 @@ class SessionImpl {
                               options_.device->index()};
   }
 
-  // ---- fault injection ----
-
-  // `timed_only`: only a fault due part-way into the step (FaultSpec::at).
-  std::optional<control::FaultSpec> TakeFault(control::FaultPoint point, int64_t step, int rank,
-                                              control::FaultKind kind, bool timed_only = false) {
-    MutexLock lock(&mu_);
-    for (auto it = faults_.begin(); it != faults_.end(); ++it) {
-      bool step_matches =
-          it->step == step || (point == control::FaultPoint::kTransfer && it->step < 0);
-      if (timed_only && it->at < 0) continue;
-      if (it->point == point && step_matches && it->rank == rank && it->kind == kind) {
-        control::FaultSpec f = *it;
-        faults_.erase(it);
-        return f;
-      }
-    }
-    return std::nullopt;
-  }
-
-  void Announce(const control::FaultSpec& f) {
-    control::InjectedMsg m{f.id, control::FormatFault(f)};
-    (void)SendControl(control::kMsgInjected, control::Encode(m));
-  }
-
-  // Carries out an injected fault on this process.
-  void Fire(const control::FaultSpec& f) {
-    if (Status can = CanInject(f); !can.ok()) return CannotInject(f, can);
-    NONSTOP_LOG_WARNING("injecting fault {}", control::FormatFault(f));
-    Announce(f);
-    switch (f.kind) {
-      case control::FaultKind::kKill:
-        ::raise(SIGKILL);
-        break;
-      case control::FaultKind::kHang:
-        ::raise(SIGSTOP);
-        break;
-      case control::FaultKind::kDrop:
-        comm_->InjectDropOfNextRingLink();
-        break;
-      case control::FaultKind::kStall:
-        // The training thread stops for good; the I/O thread still sends heartbeats.
-        while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
-      case control::FaultKind::kSpin: {
-        // The training thread spins on a core for good; the I/O thread still sends heartbeats.
-        volatile uint64_t spins = 0;
-        while (true) spins = spins + 1;
-      }
-      case control::FaultKind::kBitflip:
-        FlipABit(*FlipRegion(f));  // CanInject found it
-        break;
-      case control::FaultKind::kWireflip:
-        comm_->InjectWireFlip(f.gather_phase);
-        break;
-      default:
-        break;
-    }
-  }
-
-  // bitflip: one bit of a registered region changes, as a faulty memory cell
-  // would change it: bit 1 of byte 2 of the region's middle 4-byte word (in
-  // an fp32 value, mantissa bit 17: the value moves by about 1.6%, no NaN,
-  // nothing a loss check sees). A bit is a bit: the region is f.tensor, of
-  // any dtype, or else the first fp32 one, or else the largest replicated one.
-  Result<size_t> FlipRegion(const control::FaultSpec& f) const {
-    std::vector<std::string> names;
-    std::optional<size_t> chosen, largest;
-    for (size_t i = 0; i < state_->regions().size(); ++i) {
-      const state::Region& r = state_->regions()[i];
-      names.push_back(r.name);
-      if (r.bytes.empty()) continue;
-      if (f.tensor.empty() ? r.dtype == "F32" && !chosen : r.name == f.tensor) chosen = i;
-      const bool replicated = !r.per_rank && r.shard_group == 0;
-      if (replicated && (!largest || r.bytes.size() > state_->regions()[*largest].bytes.size()))
-        largest = i;
-    }
-    if (!chosen && f.tensor.empty()) chosen = largest;
-    if (chosen) return *chosen;
-    return InvalidArgumentError(
-        fmt::format("no region {} is registered to flip a bit in (the regions: {}{})",
-                    f.tensor.empty() ? std::string("of bytes") : "'" + f.tensor + "'",
-                    names.empty() ? "none" : fmt::format("{}", fmt::join(names, ", ")),
-                    f.tensor.empty() ? "" : "; HINT: name one of them with tensor=NAME"));
-  }
-
-  void FlipABit(size_t index) {
-    const state::Region& r = state_->regions()[index];
-    // byte 2 (bits 16-23, little-endian) of the middle word; a region under 4 bytes: its last
-    const size_t at = std::min(r.bytes.size() / 8 * 4 + 2, r.bytes.size() - 1);
-    std::byte b[1];
-    state_->ReadRegion(index, at, b);  // device memory too
-    b[0] ^= std::byte{2};
-    state_->WriteRegion(index, at, b);
-    NONSTOP_LOG_WARNING("bitflip: flipped a bit of '{}' ({}) at byte {} of {}", r.name, r.dtype, at,
-                        r.bytes.size());
-  }
-
-  // Why this worker cannot carry out `f` here, or OK.
-  Status CanInject(const control::FaultSpec& f) const {
-    switch (f.kind) {
-      case control::FaultKind::kBitflip:
-        return FlipRegion(f).status();
-      case control::FaultKind::kDrop:
-        if (comm_->world_size() < 2)
-          return FailedPreconditionError("a world of 1 has no ring link to drop");
-        return OkStatus();
-      case control::FaultKind::kWireflip:
-        if (comm_->world_size() < 2)
-          return FailedPreconditionError("a world of 1 sends nothing on a wire");
-        return OkStatus();
-      default:
-        return OkStatus();
-    }
-  }
-
-  // An injected fault this worker cannot carry out is not announced as fired: it ends the job
-  // with exit 2, naming why (control::kCannotInject), so a test built on it cannot pass untested.
-  void CannotInject(const control::FaultSpec& f, const Status& why) {
-    const std::string reason = fmt::format("{}{} cannot be carried out: {}", control::kCannotInject,
-                                           control::FormatFault(f), why.message());
-    NONSTOP_LOG_ERROR("{}", reason);
-    control::FailureMsg m{last_change_.generation, state_step_.load(), reason, kExitUsage};
-    (void)SendControl(control::kMsgFailure, control::Encode(m));
-  }
-
   // Replica agreement (worker/replica_check.h, docs/integrity.md): before the
   // first collective of every K-th step, while every member holds the state
   // of the step before it, the members all-gather the CRC of each region and
@@ -1127,51 +887,6 @@ class SessionImpl {
     return AbortedError(why);
   }
 
-  // Step `step` begins (the one before it took `last_step_seconds`): a kill or hang due part-way
-  // into it fires from a timer thread that far in, wherever the training thread is then (forward,
-  // backward, the reduction). A timed fault not scheduled so (the first step of a generation)
-  // fires before the step's collective, as an untimed one does.
-  void ScheduleTimedFault(int64_t step, double last_step_seconds) {
-    for (auto kind : {control::FaultKind::kKill, control::FaultKind::kHang}) {
-      auto f = TakeFault(control::FaultPoint::kStep, step, comm_->rank(), kind, true);
-      if (!f) continue;
-      // A step time from the trainer that is not a sane number waits an hour at most.
-      const double seconds = std::isfinite(last_step_seconds)
-                                 ? std::clamp(f->at * last_step_seconds, 0.0, 3600.0)
-                                 : 0.0;
-      if (seconds <= 0) {
-        // Due as the step starts: fired from this thread, now. A timer thread may start late on
-        // a busy machine, after another member's fault has aborted the generation (a test saw
-        // two kills at=0 of one step land a recovery apart, where both were meant at once).
-        Fire(*f);
-        return;
-      }
-      auto delay = std::chrono::duration<double>(seconds);
-      std::erase_if(fault_timers_, [](const TimedFault& t) { return t.fired->load(); });
-      auto fired = std::make_shared<std::atomic<bool>>(false);
-      fault_timers_.push_back(
-          {fired, std::jthread([this, f = *f, delay, fired](std::stop_token st) {
-             std::mutex m;
-             std::condition_variable_any cv;
-             std::unique_lock lock(m);
-             cv.wait_for(lock, st, delay, [] { return false; });
-             if (!st.stop_requested()) Fire(f);
-             fired->store(true);
-           })});
-      return;
-    }
-  }
-
-  void MaybeInjectBeforeCollective() {
-    int rank = comm_->rank();
-    int64_t step = state_step_.load() + 1;
-    for (auto kind :
-         {control::FaultKind::kKill, control::FaultKind::kHang, control::FaultKind::kDrop,
-          control::FaultKind::kStall, control::FaultKind::kSpin, control::FaultKind::kBitflip}) {
-      if (auto f = TakeFault(control::FaultPoint::kStep, step, rank, kind)) Fire(*f);
-    }
-  }
-
   // Every collective goes through here. The drain check and the mark that a
   // collective is in flight happen under mu_, in one critical section, and the
   // I/O thread's Drain handler reads the mark under mu_ too: so a Drain either
@@ -1183,7 +898,8 @@ class SessionImpl {
   template <typename Op>
   Status RunCollective(Op op, bool at_step_boundary, bool announce = true) {
     if (at_step_boundary) ApplyHeldState(/*restore=*/false);
-    if (at_step_boundary) MaybeInjectBeforeCollective();  // a stall stops here, before it arrives
+    // a stall stops here, before it arrives
+    if (at_step_boundary) faults_.BeforeCollective(state_step_.load() + 1, comm_->rank());
     {
       MutexLock lock(&mu_);
       if (drain_ && comm_->generation() == drain_->generation &&
@@ -1209,9 +925,9 @@ class SessionImpl {
     Status s = at_step_boundary && announce ? CheckReplicas() : OkStatus();
     if (s.ok() && at_step_boundary) {
       // After the replica check: the flip lands in this collective's pieces.
-      if (auto f = TakeFault(control::FaultPoint::kStep, state_step_.load() + 1, comm_->rank(),
-                             control::FaultKind::kWireflip))
-        Fire(*f);
+      if (auto f = faults_.Take(control::FaultPoint::kStep, state_step_.load() + 1, comm_->rank(),
+                                control::FaultKind::kWireflip))
+        faults_.Fire(*f);
     }
     if (s.ok()) s = op();
     {
@@ -1329,66 +1045,19 @@ class SessionImpl {
   void StartAllReduce(std::span<float> data, std::function<void(const Status&)> done,
                       bool on_device) {
     ApplyHeldState(/*restore=*/false);
-    MutexLock lock(&bucket_mu_);
-    if (!comm_thread_.joinable())
-      comm_thread_ = std::jthread([this](std::stop_token st) { BucketLoop(st); });
-    buckets_.push_back({data, std::move(done), on_device});
-    bucket_cv_.NotifyAll();
+    buckets_.Start(data, std::move(done), on_device);
   }
 
-  // The communication thread: reduces the started buckets one at a time, in
-  // order. After the first error the rest of the step's buckets are skipped:
-  // the step is dropped whole, so there is nothing to gain from them.
-  void BucketLoop(std::stop_token st) {
-    MutexLock lock(&bucket_mu_);
-    while (true) {
-      auto started = [&]()
-                         NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(bucket_mu_) { return !buckets_.empty(); };
-      bucket_cv_.Wait(&bucket_mu_, st, started);
-      if (st.stop_requested()) return;
-      std::span<float> bucket = buckets_.front().data;
-      const bool on_device = buckets_.front().on_device;
-      std::function<void(const Status&)> done = std::move(buckets_.front().done);
-      bool skip = !bucket_status_.ok();
-      bool first = first_bucket_;
-      first_bucket_ = false;
-      lock.Unlock();
-      // Every bucket passes the drain check and marks the member as waiting
-      // (a peer that hangs mid-backward is found like one that hangs before
-      // the step); only the step's first announces the arrival.
-      Status s = OkStatus();
-      if (!skip && on_device) {
-        s = ReduceOnDevice("StartAllReduceOnDevice", bucket, /*announce=*/first);
-      } else if (!skip) {
-        s = RunCollective([&] { return comm_->AllReduce(bucket); }, /*at_step_boundary=*/true,
-                          /*announce=*/first);
-      }
-      lock.Lock();
-      if (!s.ok() && bucket_status_.ok()) bucket_status_ = s;
-      if (done) {
-        // Before the bucket leaves the queue (WaitAll returns only after every `done`), and
-        // without the lock: `done` may take a lock of its own (Python's GIL).
-        Status so_far = bucket_status_;
-        lock.Unlock();
-        done(so_far);
-        done = nullptr;  // what it holds is let go without the lock too
-        lock.Lock();
-      }
-      buckets_.pop_front();
-      bucket_cv_.NotifyAll();
-    }
+  // One bucket, on the communication thread. Every bucket passes the drain check and marks the
+  // member as waiting (a peer that hangs mid-backward is found like one that hangs before the
+  // step); only the step's first announces the arrival.
+  Status ReduceBucket(std::span<float> bucket, bool on_device, bool first) {
+    if (on_device) return ReduceOnDevice("StartAllReduceOnDevice", bucket, /*announce=*/first);
+    return RunCollective([&] { return comm_->AllReduce(bucket); }, /*at_step_boundary=*/true,
+                         /*announce=*/first);
   }
 
-  Status WaitAll() {
-    MutexLock lock(&bucket_mu_);
-    bucket_cv_.Wait(&bucket_mu_, [&]() NONSTOP_EXCLUSIVE_LOCKS_REQUIRED(bucket_mu_) {
-      return buckets_.empty();
-    });
-    Status s = bucket_status_;
-    bucket_status_ = OkStatus();
-    first_bucket_ = true;
-    return s;
-  }
+  Status WaitAll() { return buckets_.WaitAll(); }
 
   Status Finish(int64_t last_step, const std::string& checksum) {
     uint32_t gen = comm_->generation();
@@ -1474,12 +1143,11 @@ class SessionImpl {
   std::string data_address_;     // what peers dial, fixed at the first join
   // Replaced under mu_ (Adopt), and the I/O thread uses it (Abort) only
   // under mu_. Not GUARDED_BY: the training thread, its only writer, drives
-  // it without the lock, and so does comm_thread_ between StartAllReduce and
+  // it without the lock, and so does the reducer's thread between StartAllReduce and
   // WaitAll (the training thread waits for it before the next replacement).
   std::unique_ptr<collective::Communicator> comm_;
   // Sharded state: sub-groups of comm_ (its connections and abort signal), training thread only.
   std::unique_ptr<collective::Communicator> group_comm_, replica_comm_;
-  std::vector<control::FaultSpec> faults_ NONSTOP_GUARDED_BY(mu_);
   // Training thread only (Adopt writes it, Session::resume_step reads it).
   int64_t resume_step_ = 0;
   int comm_before_world_ = 0;
@@ -1509,35 +1177,19 @@ class SessionImpl {
   std::string diverged_why_;
   // The last check's time and its CRC pass's, until a step reports them.
   std::atomic<double> replica_check_ms_{-1}, replica_crc_ms_{-1};
-  // Overlapped reduction: buckets started by the training thread, reduced in
-  // order by comm_thread_. The training thread touches comm_ only after
-  // WaitAll (Recover, Finish and the other collectives wait first).
-  Mutex bucket_mu_;
-  CondVar bucket_cv_;
-  // Started, not yet reduced (front: in flight).
-  struct Bucket {
-    std::span<float> data;
-    std::function<void(const Status&)> done;  // may be empty
-    bool on_device = false;                   // `data` is in SessionOptions::device's memory
-  };
-  std::deque<Bucket> buckets_ NONSTOP_GUARDED_BY(bucket_mu_);
-  Status bucket_status_ NONSTOP_GUARDED_BY(bucket_mu_);  // the first error since the last WaitAll
-  bool first_bucket_ NONSTOP_GUARDED_BY(bucket_mu_) = true;  // the next bucket is its step's first
-  // Training thread only: started with the first bucket (StartAllReduce),
-  // joined in Stop().
-  std::jthread comm_thread_;
+  // Overlapped reduction: buckets started by the training thread, reduced in order on the
+  // reducer's thread. The training thread touches comm_ only after WaitAll (Recover, Finish and
+  // the other collectives wait first).
+  worker::BucketReducer buckets_{[this](std::span<float> data, bool on_device, bool first) {
+    return ReduceBucket(data, on_device, first);
+  }};
   // Held by the thread that called Session::Join (common/lifeline.h); null without one. Set
   // before the I/O thread starts, released (unlocked) by the thread that destroys the Session
   // or calls Finish, marked released by the I/O thread on a Shutdown.
   std::unique_ptr<LifelineHold> lifeline_;
   std::jthread io_thread_;  // stops before the members it uses go away
-  // Timed injected faults armed (ScheduleTimedFault), one thread each; stop first. Training
-  // thread only.
-  struct TimedFault {
-    std::shared_ptr<std::atomic<bool>> fired;  // done: its thread may be joined at no cost
-    std::jthread thread;
-  };
-  std::vector<TimedFault> fault_timers_;
+  // `--inject`'s faults; last: its timer threads stop first, before what they use goes away.
+  worker::FaultInjector faults_;
 };
 
 Result<std::unique_ptr<Session>> Session::Join(SessionOptions options, state::StateRegistry* state,
@@ -1714,7 +1366,7 @@ void Session::ReportStep(const StepReport& r) {
   if (!s.ok()) NONSTOP_LOG_DEBUG("progress report not sent: {}", s.ToString());
   // After the report: a fault due as the next step starts (at=0) fires here, on this thread, and
   // the controller has heard of step r.step first, as with a fault timed from a thread of its own.
-  impl_->ScheduleTimedFault(r.step + 1, r.step_seconds);
+  impl_->faults_.ScheduleTimed(r.step + 1, rank(), r.step_seconds);
 }
 
 Result<int64_t> Session::Recover() {
@@ -1786,9 +1438,9 @@ void Session::EndBusy() {
 
 bool Session::InjectedExceptionAt(int64_t step) {
   auto f =
-      impl_->TakeFault(control::FaultPoint::kStep, step, rank(), control::FaultKind::kException);
+      impl_->faults_.Take(control::FaultPoint::kStep, step, rank(), control::FaultKind::kException);
   if (!f) return false;
-  impl_->Announce(*f);
+  impl_->faults_.Announce(*f);
   return true;
 }
 

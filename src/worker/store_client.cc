@@ -154,6 +154,8 @@ Result<StoreReplyMsg> StoreClient::Ask(StoreRequestMsg m, Millis timeout) {
     const bool got =
         give_up == kNoDeadline ? (cv_.Wait(&mu_, turn), true) : cv_.WaitUntil(&mu_, give_up, turn);
     NONSTOP_RETURN_IF_ERROR(failed_);
+    // A get or wait begun after the generation's abort ends as one in progress did.
+    if (waits) NONSTOP_RETURN_IF_ERROR(aborted_);
     if (!got) {
       return DeadlineExceededError(fmt::format(
           "timeout: the job's store had no turn for a {} within {} ms (other calls of this "
@@ -162,7 +164,7 @@ Result<StoreReplyMsg> StoreClient::Ask(StoreRequestMsg m, Millis timeout) {
     }
     seq = next_seq_++;
     m.seq = seq;
-    calls_[seq] = Call{m, waits ? keys_by : kNoDeadline, std::nullopt};
+    calls_[seq] = Call{m, waits ? keys_by : kNoDeadline, std::nullopt, OkStatus()};
     if (writes) writing_ = true;
   }
   // Not connected: sent again with the join that reconnects (Unanswered).
@@ -224,11 +226,17 @@ std::vector<std::pair<uint16_t, std::string>> StoreClient::Unanswered(Deadline n
 
 void StoreClient::AbortWaits(const Status& why) {
   MutexLock lock(&mu_);
+  if (aborted_.ok()) aborted_ = why;
   for (auto& [seq, call] : calls_) {
     const bool waits = call.request.op == StoreOp::kGet || call.request.op == StoreOp::kWait;
     if (waits && !call.reply && call.ended.ok()) call.ended = why;
   }
   cv_.NotifyAll();
+}
+
+void StoreClient::ResumeWaits() {
+  MutexLock lock(&mu_);
+  aborted_ = OkStatus();
 }
 
 void StoreClient::Fail(const Status& why) {

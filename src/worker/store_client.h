@@ -62,8 +62,10 @@ class StoreClient final : public Store {
   // No controller will answer again (or the session ends): every call fails with `why`.
   void Fail(const Status& why) NONSTOP_LOCKS_EXCLUDED(mu_);
   // The generation ended (a member failed): the gets and waits in progress end with `why`
-  // (ABORTED: the step runs again), as the collectives do; the controller drops them too.
+  // (ABORTED: the step runs again), as the collectives do, and so do those begun later, until
+  // ResumeWaits (the next generation); the controller drops them too.
   void AbortWaits(const Status& why) NONSTOP_LOCKS_EXCLUDED(mu_);
+  void ResumeWaits() NONSTOP_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Call {
@@ -82,6 +84,7 @@ class StoreClient final : public Store {
   int64_t next_seq_ NONSTOP_GUARDED_BY(mu_) = 1;
   std::map<int64_t, Call> calls_ NONSTOP_GUARDED_BY(mu_);  // by seq
   Status failed_ NONSTOP_GUARDED_BY(mu_);
+  Status aborted_ NONSTOP_GUARDED_BY(mu_);        // AbortWaits, until ResumeWaits
   bool writing_ NONSTOP_GUARDED_BY(mu_) = false;  // a write waits for its answer
 };
 
