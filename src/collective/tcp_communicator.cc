@@ -465,7 +465,7 @@ Result<int> TcpCommunicator::RecvOnAnyLane(std::span<const std::pair<int, int>> 
   const Deadline deadline = OpDeadline();
   while (true) {
     if (abort_->fired()) return Fail(AbortedError("Recv from any rank: aborted"));
-    NONSTOP_RETURN_IF_ERROR(MayStart());
+    NONSTOP_RETURN_IF_ERROR(error());
     std::vector<pollfd> fds;
     std::vector<size_t> index;  // fds[k] is from[index[k]]
     for (size_t i = 0; i < from.size(); ++i) {

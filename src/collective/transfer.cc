@@ -526,27 +526,23 @@ Status RunTransfer(const TransferSpec& spec, TransferStats* stats) {
   // flowing, completes it, as if the abort had come a moment later. Ranks that finish a
   // collective their peers gave up on would otherwise hold different steps of one state (sharded
   // state: a group that updates while a replica of its shard does not, docs/sharding.md).
-  auto aborted = [&] { return spec.abort != nullptr && spec.abort->fired(); };
-  auto abort_error = [&] {
-    return AbortedError(
-        fmt::format("collective aborted (generation {}, op {})", spec.generation, spec.op));
-  };
   while (!all_done()) {
     bool moved = false;
     for (Inbound* i : {in ? &*in : nullptr, acks ? &*acks : nullptr}) {
       if (i == nullptr) continue;
-      Result<Progress> p = i->Pump(stats);
-      if (!p.ok()) return p.status();
-      moved |= *p == Progress::kMoved;
+      NONSTOP_ASSIGN_OR_RETURN(Progress p, i->Pump(stats));
+      moved |= p == Progress::kMoved;
     }
     for (Outbound* o : {sender, reply ? &*reply : nullptr}) {
       if (o == nullptr) continue;
-      Result<Progress> p = o->Pump(recvs_done(), stats);
-      if (!p.ok()) return p.status();
-      moved |= *p == Progress::kMoved;
+      NONSTOP_ASSIGN_OR_RETURN(Progress p, o->Pump(recvs_done(), stats));
+      moved |= p == Progress::kMoved;
     }
     if (moved || all_done()) continue;
-    if (aborted()) return abort_error();
+    if (spec.abort != nullptr && spec.abort->fired()) {
+      return AbortedError(
+          fmt::format("collective aborted (generation {}, op {})", spec.generation, spec.op));
+    }
 
     // Nothing moved: sleep until a socket is ready, the abort fires, or the deadline.
     pollfd fds[3];
