@@ -865,17 +865,21 @@ bool Runtime::JournalStalled(Deadline queued_at) {
 }
 
 void Runtime::DrainEvents() {
+  bool handled = false;
   do {
     while (!events_.empty()) {
       Event e = std::move(events_.front());
       events_.pop_front();
       Handle(e);
+      handled = true;
     }
     RunPending();  // may queue events (a spawn that failed)
   } while (!events_.empty());
   // After the orders went out, never before them: torchrun's variables of a spare changed (the
   // world, the hosts), which job.json keeps for `nonstop worker`. A recovery that replaces a rank
-  // changes none of them and writes nothing.
+  // changes none of them and writes nothing. Only the core's events change them: a turn that
+  // handled none compares nothing.
+  if (!handled) return;
   if (nlohmann::json now = TorchrunOfASpare(); now != job_file_torchrun_) {
     job_file_torchrun_ = std::move(now);
     WriteJobFile();
