@@ -545,10 +545,12 @@ TEST(RunIntegrationTest, JobOnIpv6LoopbackWithADataPortRangeRecoversAndFinishes)
   if (std::string why = net::testing::NoIpv6Loopback(); !why.empty()) GTEST_SKIP() << why;
   TempDir dir;
   // Two workers, a spare, the spare that refills the pool after the kill: four at once at most.
+  // 200 steps of 5 ms or more: the refill starts and joins long before the end (with 40, the job
+  // ended 250 ms after the kill, before a refill started on a loaded machine could join).
   net::PortRange ports = FreeIpv6Ports(6);
   ASSERT_FALSE(ports.empty()) << "no 6 adjacent free ports on [::1]";
   const std::vector<std::string> worker = {
-      "--", kBin + "/nonstop-test-worker", "--steps", "40", "--elements", "100003", "--sleep-ms",
+      "--", kBin + "/nonstop-test-worker", "--steps", "200", "--elements", "100003", "--sleep-ms",
       "5"};
   std::string journal = dir / "v6.jsonl";
   std::vector<std::string> argv = {kBin + "/nonstop", "run",
