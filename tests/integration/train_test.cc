@@ -186,7 +186,10 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
     EXPECT_EQ(r.losses, w4.losses) << "world " << n << ": every loss bitwise the same";
   }
 
-  // 4 → 3 by a kill with no spare, then 3 → 4 by a grow, while it trains.
+  // 4 → 3 by a kill with no spare, then 3 → 4 by a grow, while it trains. The grown worker must
+  // build its model and join before the job's last step: each step is slowed to 200 ms, so that
+  // the 34 steps after the kill leave it about 7 s (at 40 ms a CI machine under load ended the job
+  // first, and the plans were 4, 3).
   std::string journal = dir_ / "elastic.jsonl";
   std::vector<std::string> argv = {kBin + "/nonstop",
                                    "run",
@@ -206,7 +209,7 @@ TEST_F(TrainTest, WorldInvariantModeGivesTheSameBitsAtEveryWorldSizeAcrossChange
                                    "--steps",
                                    "40",
                                    "--throttle-ms",
-                                   "40"};
+                                   "200"};
   ChildProcess run(argv, dir_ / "elastic.out");
   auto plans = [&] { return nonstop::testing::JournalEvents(journal, "plan"); };
   auto until = std::chrono::steady_clock::now() + milliseconds(120'000);
