@@ -634,12 +634,15 @@ def _join_first(torch_arguments: dict) -> Session:
         raise TypeError(f"init_process_group got unexpected arguments {sorted(unknown)}")
     if _session is not None:
         raise RuntimeError("init_process_group was called twice: one job, one session")
+    # What torchrun's variables said before the join: a script that passes rank=int(os.environ["RANK"])
+    # read them as a spare (a rank past the members', the world it started in), not its rank.
+    started = {"world_size": os.environ.get("WORLD_SIZE"), "rank": os.environ.get("RANK")}
     session = join()
     session._join_first()
     for name in ("world_size", "rank"):
         asked = torch_arguments.get(name, -1)
         have = session.world_size if name == "world_size" else session.rank
-        if asked not in (-1, None) and int(asked) != have:
+        if asked not in (-1, None) and int(asked) != have and str(asked) != started[name]:
             raise ValueError(f"init_process_group({name}={asked}): nonstop's job gives this worker {name} {have}; "
                              f"drop {name}= (torchrun's variables are set)")
     _session = session

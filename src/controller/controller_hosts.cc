@@ -753,6 +753,11 @@ std::vector<std::pair<std::string, std::string>> Controller::TorchrunAtSpawn(
     }
     first += share;
   }
+  // A worker with no rank yet (a spare, a replacement, a grow) has one past every member's, and
+  // the first local slot past its host's members: not -1, which scripts take to mean "not
+  // distributed" (`int(os.environ.get("RANK", -1)) != -1`) and would train alone on.
+  if (rank < 0) rank = world_size_;
+  if (local_rank < 0) local_rank = local_world;
   const std::string world = std::to_string(world_size_);
   const auto restarts = std::count_if(recoveries_.begin(), recoveries_.end(),
                                       [](const RecoveryRecord& r) { return r.restarted; });

@@ -132,13 +132,13 @@ TEST_F(ControllerTest, FirstGenerationFormsWhenAllMembersJoinedRanksByWorkerId) 
   EXPECT_EQ(c_->RankOf(3), -1);
 }
 
-// torchrun's variables a worker starts with: the rank the first generation gives it, -1 for a
-// spare.
+// torchrun's variables a worker starts with: the rank the first generation gives it; for a spare
+// one past every member's (the world, 3), never -1, which scripts read as "not distributed".
 TEST_F(ControllerTest, EachWorkerStartsWithTheRankTheFirstGenerationGivesIt) {
   ASSERT_EQ(spawned_.size(), 4u);
   for (const SpawnWorker& s : spawned_) {
     std::map<std::string, std::string> env(s.torchrun.begin(), s.torchrun.end());
-    const std::string rank = s.spare ? "-1" : std::to_string(s.worker_id);
+    const std::string rank = s.spare ? "3" : std::to_string(s.worker_id);
     EXPECT_EQ(env["RANK"], rank) << s.worker_id;
     EXPECT_EQ(env["LOCAL_RANK"], rank) << s.worker_id;
     EXPECT_EQ(env["WORLD_SIZE"], "3");

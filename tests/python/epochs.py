@@ -22,6 +22,10 @@ with the two things real scripts do that the issue on real scripts names:
                      the rank's batch, whose result scales the loss;
   --die-in-collective S  rank 2 kills itself (SIGKILL) as it enters that collective at step S,
                      once (--die-marker names the file that says it did): its peers are inside;
+  --join-first       nanoGPT's test for a distributed run (`RANK` other than -1, else it trains
+                     alone: exit 3 here), then init_process_group(backend="gloo", rank=RANK,
+                     world_size=WORLD_SIZE) as torch's form, before the model exists; DDP
+                     registers the state;
   --count-samples    a per-rank counter of the samples this rank trained on (plus its rank
                      at each step), registered
                      with per_rank= (its value differs by rank: the replica check must
@@ -121,12 +125,19 @@ def main():
     ap.add_argument("--no-broadcast-buffers", action="store_true")
     ap.add_argument("--comm-hook", choices=["", "allreduce", "fp16", "powersgd"], default="")
     ap.add_argument("--count-samples", action="store_true")
+    ap.add_argument("--join-first", action="store_true")
     ap.add_argument("--no-set-epoch", action="store_true", help="never call set_epoch (torch: epoch 0's order)")
     ap.add_argument("--shuffle", action="store_true")
     ap.add_argument("--collective", choices=["", *_COLLECTIVES], default="")
     ap.add_argument("--die-in-collective", type=int, default=-1)
     ap.add_argument("--die-marker", default="died-in-collective")
     args = ap.parse_args()
+    if args.join_first:
+        if int(os.environ.get("RANK", -1)) == -1:  # nanoGPT: `ddp = ... != -1`, else one process alone
+            print("RANK is -1: not a distributed run, training alone", flush=True)
+            raise SystemExit(3)
+        session = nonstop.torch.init_process_group(backend="gloo", rank=int(os.environ["RANK"]),
+                                                   world_size=int(os.environ["WORLD_SIZE"]))
     options = {name: True for name in args.ddp_options.split(",") if name}
     if args.no_broadcast_buffers:
         options["broadcast_buffers"] = False
@@ -136,8 +147,9 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     data = DataLoader(Samples(args.samples), batch_size=args.batch_size, shuffle=False,
                       sampler=DistributedSampler(Samples(args.samples), shuffle=args.shuffle))
-    session = nonstop.torch.init_process_group(model, optimizer, data,
-                                               per_rank={"samples": 0} if args.count_samples else None)
+    if not args.join_first:
+        session = nonstop.torch.init_process_group(model, optimizer, data,
+                                                   per_rank={"samples": 0} if args.count_samples else None)
     ddp = DDP(model, **options)
     if args.comm_hook == "allreduce":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -98,6 +98,23 @@ LAUNCHER_SCRIPT = HERE / "real" / "torch_launcher" / "test_script.py"  # PyTorch
 ENV_LINE = re.compile(r"\[worker (\d+)\] (\w+) = (.*)")
 
 
+def test_a_spare_takes_the_distributed_path_of_a_script_that_tests_rank_for_minus_one(tmp_path):
+    # nanoGPT's `ddp = int(os.environ.get("RANK", -1)) != -1`: a spare that started with RANK=-1
+    # trained alone and exited (a new-user trial saw it). It now starts with a RANK no member has,
+    # joins with the rank= and world_size= it read, and takes rank 1 at the kill.
+    flags = ["--nproc", "3", "--spares", "1"]
+    clean = run_job(tmp_path, "clean", [*flags, "--inject", "none"], ["--join-first"], script=SCRIPT, timeout=400)
+    assert clean.code == 0, clean.output
+    killed = run_job(tmp_path, "killed", [*flags, "--inject", "kill:rank=1,step=5"], ["--join-first"],
+                     script=SCRIPT, timeout=400)
+    assert killed.code == 0, killed.output
+    assert "training alone" not in killed.output, killed.output
+    assert [len(p["members"]) for p in killed.events("plan")] == [3, 3], "the spare took the rank"
+    assert len(killed.events("recovery_end")) == 1, killed.output
+    assert finals(killed.output) == finals(clean.output), "the same bits as the clean run"
+    assert len(set(finals(clean.output).values())) == 1, clean.output
+
+
 def test_torchs_launcher_script_sees_torchruns_environment_from_its_first_line(tmp_path):
     # torch's own launcher check reads 16 variables as it starts and touches a file named by its
     # RANK; it never joins the job, so the job ends as torchrun's would once every worker has.
