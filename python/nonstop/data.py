@@ -175,8 +175,17 @@ class DistributedSampler:
 
 
 # The loaders this process made: the one a DistributedDataParallel registers when the script made
-# its process group first (nonstop.torch.init_process_group(backend=...)).
+# its process group first (nonstop.torch.init_process_group(backend=...)), the first one made.
 _made: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+_made_count = 0
+# The session a loader of this process was registered with: the others evaluate over its live world.
+_joined: Any = None
+_trained_here = False  # this process completed a step of the registered loader
+
+
+def made_in_order() -> List["DataLoader"]:
+    """The loaders of this process still alive, in the order the script made them."""
+    return sorted(_made, key=lambda loader: loader._made_at)
 
 
 class DataLoader:
@@ -240,6 +249,9 @@ class DataLoader:
         # Without set_epoch: the loops of this process that trained or ended (each an epoch; a
         # spare's replay of the job's finished epochs counts them too).
         self._loops = 0
+        global _made_count
+        self._made_at = _made_count
+        _made_count += 1
         _made.add(self)
 
     # ---- registration (nonstop.torch.init_process_group) ----
@@ -249,7 +261,8 @@ class DataLoader:
                 _LR_FROM: 1.0, _LR_TO: 1.0, _LR_CHANGE: 0, _LR_WORLD: 0}
 
     def _bind(self, session: Any) -> None:
-        self._session = session
+        global _joined
+        self._session = _joined = session
         extra = session.extra
         if _STEPS not in extra:
             raise RuntimeError("the loader's position is not registered: pass the loader to "
@@ -276,7 +289,10 @@ class DataLoader:
         return _core.global_batch(self.batch_policy, extra[_GLOBAL], extra[_BASE_WORLD], self._session.world_size)
 
     def __len__(self) -> int:
-        """Global batches (steps) of the epoch: those done and those left at the live world."""
+        """Global batches (steps) of the epoch: those done and those left at the live world. An
+        evaluation loader: this rank's batches of its share."""
+        if self._session is None and _joined is not None:
+            return 0 if self._replaying() else -(-len(self._evaluation_share()) // self.batch_size)
         if self._session is None:
             raise RuntimeError("the number of steps per epoch is known once the loader is registered")
         extra = self._session.extra
@@ -296,7 +312,42 @@ class DataLoader:
 
     # ---- iteration ----
 
+    # ---- evaluation: a loader of a process that registered another ----
+
+    @staticmethod
+    def _replaying() -> bool:
+        """This worker joined a running job and has not trained a step yet: it is replaying the
+        script's loop from its start (epochs the job finished), where its peers evaluate nothing."""
+        return not _trained_here and _joined.last_change.reason != "start"
+
+    def _evaluation_share(self) -> List[int]:
+        """This rank's samples of the epoch, as torch's DistributedSampler deals them, over the
+        world live now: every `world`-th of the epoch's order from `rank` on, the order padded
+        with its first samples to a multiple of the world (cut to one without drop_last=False),
+        so that every rank has as many batches (a collective in each stays matched)."""
+        order = self.sampler.order(self.sampler.epoch or 0)
+        rank, world = _joined.rank, _joined.world_size
+        if self.sampler.drop_last:
+            total = len(order) // world * world
+        else:
+            total = -(-len(order) // world) * world
+            while len(order) < total:
+                order = order + order[:total - len(order)]
+        return order[rank:total:world]
+
+    def _evaluate(self) -> Iterator[Any]:
+        import torch.utils.data
+
+        if self._replaying():
+            return
+        share = self._evaluation_share()
+        batches = [share[i:i + self.batch_size] for i in range(0, len(share), self.batch_size)]
+        yield from torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, **self._kwargs)
+
     def __iter__(self) -> Iterator[Any]:
+        if self._session is None and _joined is not None:
+            yield from self._evaluate()
+            return
         if self._session is None:
             raise RuntimeError("register the loader first: nonstop.torch.init_process_group(model, optimizer, loader)")
         self._yielded = None  # a batch handed out and never trained on (a peek): it comes again
@@ -370,8 +421,14 @@ class DataLoader:
                 raise RuntimeError("optimizer.step() on a batch of an epoch that was not set or is finished: "
                                    "call sampler.set_epoch(epoch) before iterating each epoch (its number says "
                                    "where a spare that replays the loop stands; a peek before it is fine)")
+            others = len(_made) - 1
+            which = (f"; this process made {others + 1} nonstop.data.DataLoaders and the one registered (the "
+                     "first made, unless the script named it) is not the one the loop trained on: pass the "
+                     "training loader, nonstop.torch.init_process_group(model, optimizer, loader)") if others else ""
             raise RuntimeError("optimizer.step() with no batch of the loader to update on: each batch of "
-                               "nonstop.data.DataLoader is one step, and one update")
+                               f"nonstop.data.DataLoader is one step, and one update{which}")
+        global _trained_here
+        _trained_here = True
         self.sampler._fresh = False
         self.replayed = False
         extra = self._session.extra

@@ -673,11 +673,13 @@ def _register_what_ddp_wraps(module: Any) -> None:
         fix = "make the optimizer before wrapping the model, or call " if not optimizers else "say which one: call "
         raise RuntimeError(f"nonstop.torch.DistributedDataParallel registers the model with the one optimizer over its "
                            f"parameters, and found {len(optimizers)}: {fix}{explicit}")
-    loaders = list(data._made)
-    if len(loaders) != 1:
-        fix = "make it before wrapping the model, or call " if not loaders else "say which one trains: call "
-        raise RuntimeError(f"nonstop.torch.DistributedDataParallel registers the model with the one "
-                           f"nonstop.data.DataLoader the script made, and found {len(loaders)}: {fix}{explicit}")
+    loaders = data.made_in_order()
+    if not loaders:
+        raise RuntimeError("nonstop.torch.DistributedDataParallel registers the model with the "
+                           "nonstop.data.DataLoader the script made, and found none: make it before wrapping "
+                           f"the model, or call {explicit}")
+    # The first one made trains (a training loader, then an evaluation one, as scripts make them);
+    # the others evaluate (docs/python.md, "Evaluation loaders").
     init_process_group(module, optimizers[0], loaders[0])
 
 

@@ -26,6 +26,10 @@ with the two things real scripts do that the issue on real scripts names:
                      alone: exit 3 here), then init_process_group(backend="gloo", rank=RANK,
                      world_size=WORLD_SIZE) as torch's form, before the model exists; DDP
                      registers the state;
+  --eval N           a second nonstop.data.DataLoader over N samples of another set, made after
+                     the training loader (an evaluation loader): after each epoch every rank
+                     evaluates its share without gradients and the sums are all-reduced,
+                     printed as `[rank R] eval epoch E: N samples, loss L`;
   --count-samples    a per-rank counter of the samples this rank trained on (plus its rank
                      at each step), registered
                      with per_rank= (its value differs by rank: the replica check must
@@ -51,8 +55,8 @@ from nonstop.torch import destroy_process_group
 
 
 class Samples(Dataset):
-    def __init__(self, size):
-        g = torch.Generator().manual_seed(1234)
+    def __init__(self, size, seed=1234):
+        g = torch.Generator().manual_seed(seed)
         self.sources = torch.rand(size, 20, generator=g)
         self.targets = self.sources.sum(1, keepdim=True).sin()
 
@@ -126,6 +130,7 @@ def main():
     ap.add_argument("--comm-hook", choices=["", "allreduce", "fp16", "powersgd"], default="")
     ap.add_argument("--count-samples", action="store_true")
     ap.add_argument("--join-first", action="store_true")
+    ap.add_argument("--eval", type=int, default=0)
     ap.add_argument("--no-set-epoch", action="store_true", help="never call set_epoch (torch: epoch 0's order)")
     ap.add_argument("--shuffle", action="store_true")
     ap.add_argument("--collective", choices=["", *_COLLECTIVES], default="")
@@ -147,6 +152,9 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     data = DataLoader(Samples(args.samples), batch_size=args.batch_size, shuffle=False,
                       sampler=DistributedSampler(Samples(args.samples), shuffle=args.shuffle))
+    held_out = Samples(args.eval, seed=4321) if args.eval else None
+    evaluation = DataLoader(held_out, batch_size=4, sampler=DistributedSampler(held_out, shuffle=False)) \
+        if args.eval else None
     if not args.join_first:
         session = nonstop.torch.init_process_group(model, optimizer, data,
                                                    per_rank={"samples": 0} if args.count_samples else None)
@@ -189,6 +197,18 @@ def main():
             first = first or list(data.indices)
         if data._steps_done() > done:  # a spare's replay of a finished epoch trains no batch
             print(f"[rank {session.rank}] epoch {epoch} began with samples {first}", flush=True)
+        if evaluation is not None:
+            totals, batches = torch.zeros(2, dtype=torch.float64), 0
+            with torch.no_grad():
+                for source, targets in evaluation:  # nothing while a spare replays a finished epoch
+                    totals += torch.tensor([len(source), F.mse_loss(ddp(source), targets, reduction="sum").item()],
+                                           dtype=torch.float64)
+                    batches += 1
+            if data.replayed:
+                print(f"[rank {session.rank}] eval epoch {epoch} replayed: {batches} batches", flush=True)
+        if evaluation is not None and not data.replayed:  # its peers are past that epoch
+            dist.all_reduce(totals)
+            print(f"[rank {session.rank}] eval epoch {epoch}: {int(totals[0])} samples, loss {totals[1]:.6f}", flush=True)
         if session.rank == 0 and args.save_seconds > 0:
             with session.busy("snapshot") if args.busy else _nothing():
                 print(f"[rank 0] saving the snapshot of epoch {epoch} for {args.save_seconds} s", flush=True)

@@ -115,6 +115,42 @@ def test_a_spare_takes_the_distributed_path_of_a_script_that_tests_rank_for_minu
     assert len(set(finals(clean.output).values())) == 1, clean.output
 
 
+EVAL = re.compile(r"\[rank (\d)\] eval epoch (\d+): (\d+) samples, loss (\S+)")
+
+
+def test_an_evaluation_loader_deals_the_live_world_and_the_first_loader_trains(tmp_path):
+    # A training loader, then an evaluation loader of 31 samples, as minGPT's trainer makes them;
+    # the drop-in DDP registers the first. Each epoch every rank evaluates its share of the live
+    # world, torch's way (padded to a multiple of the world), and the sums are all-reduced: 33 at
+    # world 3 with every rank agreeing; after a kill with no spare, 32 at world 2.
+    args = ["--join-first", "--eval", "31", "--epochs", "3"]
+    clean = run_job(tmp_path, "clean", ["--nproc", "3", "--spares", "0", "--inject", "none"], args,
+                    script=SCRIPT, timeout=400)
+    assert clean.code == 0, clean.output
+    evals = EVAL.findall(clean.output)
+    assert sorted({(e, n) for _, e, n, _ in evals}) == [("0", "33"), ("1", "33"), ("2", "33")], clean.output
+    assert len({(e, loss) for _, e, _, loss in evals}) == 3, "the ranks agree on each epoch's loss"
+    # 96 samples in global batches of 24: 4 steps an epoch; the kill lands in epoch 1.
+    shrunk = run_job(tmp_path, "shrunk", ["--nproc", "3", "--spares", "0", "--inject", "kill:rank=2,step=5"], args,
+                     script=SCRIPT, timeout=400)
+    assert shrunk.code == 0, shrunk.output
+    assert [len(p["members"]) for p in shrunk.events("plan")] == [3, 2], shrunk.output
+    by_epoch = {}
+    for rank, epoch, n, loss in EVAL.findall(shrunk.output):
+        by_epoch.setdefault(epoch, set()).add((n, loss))
+    assert {n for n, _ in by_epoch["2"]} == {"32"}, shrunk.output
+    assert len(by_epoch["2"]) == 1, "the two ranks agree"
+    # A spare takes the rank: the same evaluations as the clean run, bit for bit.
+    spare = run_job(tmp_path, "spare", ["--nproc", "3", "--spares", "1", "--inject", "kill:rank=1,step=5"], args,
+                    script=SCRIPT, timeout=400)
+    assert spare.code == 0, spare.output
+    assert finals(spare.output) == finals(clean.output), spare.output
+    assert re.findall(r"eval epoch (\d) replayed: (\d+) batches", spare.output) == [("0", "0")], \
+        "the spare's replay of epoch 0 evaluated nothing (its peers were in epoch 1)"
+    last = {(n, loss) for _, e, n, loss in EVAL.findall(spare.output) if e == "2"}
+    assert last == {(n, loss) for _, e, n, loss in evals if e == "2"}, spare.output
+
+
 def test_torchs_launcher_script_sees_torchruns_environment_from_its_first_line(tmp_path):
     # torch's own launcher check reads 16 variables as it starts and touches a file named by its
     # RANK; it never joins the job, so the job ends as torchrun's would once every worker has.
