@@ -234,6 +234,7 @@ class Session:
         self._keep: List[Any] = []  # what the registered regions point into
         self._params: Optional[Any] = None  # the flat parameter tensor
         self._step_in_flight = 0
+        self._last_report: Optional[Tuple[int, int, float]] = None  # (step, generation, time.monotonic())
         self._held_recovery: Any = None  # see _recover_in_place
         self._flat_padded: Optional[Any] = None  # sharded: the parameters, padded to the shard group
         self._device_flat: Optional[Any] = None  # sharded, on a GPU: the model's, of which _flat_padded is the copy
@@ -818,9 +819,17 @@ class Session:
                     total_steps: int = 0) -> None:
         """Tells the controller that `step` completed: the registered state
         holds it now. Call it after the optimizer's update. `tokens`: how many
-        the step trained on (for tokens/s); `total_steps`: for the progress line."""
+        the step trained on (for tokens/s); `total_steps`: for the progress line.
+        `step_seconds`: the step's time; left out, the time since the report of
+        the step before in this generation (the job's pace, which a fault's cost
+        and the hang timeouts are measured against)."""
         core = self._joined()
         self._check_registered_memory()  # before the controller counts the step as held
+        now, generation = time.monotonic(), core.generation
+        last = self._last_report
+        if step_seconds <= 0 and last is not None and last[:2] == (int(step) - 1, generation):
+            step_seconds = now - last[2]
+        self._last_report = (int(step), generation, now)
         rate = tokens / step_seconds if step_seconds > 0 and tokens else 0.0
         core.report_step(int(step), float(loss), float(step_seconds), rate, int(total_steps))
         self._step_in_flight = int(step) + 1

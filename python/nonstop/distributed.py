@@ -677,7 +677,9 @@ def _register_what_ddp_wraps(module: Any) -> None:
     if not loaders:
         raise RuntimeError("nonstop.torch.DistributedDataParallel registers the model with the "
                            "nonstop.data.DataLoader the script made, and found none: make it before wrapping "
-                           f"the model, or call {explicit}")
+                           f"the model, or call {explicit}; a script with no DataLoader (its own sampling) calls "
+                           "init_process_group(model, optimizer) and reports its steps (docs/python.md, "
+                           "\"A script with no DataLoader\")")
     # The first one made trains (a training loader, then an evaluation one, as scripts make them);
     # the others evaluate (docs/python.md, "Evaluation loaders").
     init_process_group(module, optimizers[0], loaders[0])

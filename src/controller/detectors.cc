@@ -197,11 +197,13 @@ std::optional<Finding> DetectHang(const ProgressView& v, const ArrivalTracker& a
   if (lag->waited_ms <= threshold) return std::nullopt;
   return Finding{
       lag->worker_id, kHangDetector,
-      fmt::format("has not reached the collective of step {} while the others waited {:.0f} ms "
-                  "(its heartbeats flow: a training thread deadlocked or spinning; the busy "
-                  "timeout is {:.0f} ms, --busy-timeout-ms)",
-                  arrivals.arrivals().empty() ? v.highest_step + 1 : arrivals.step(),
-                  lag->waited_ms, threshold)};
+      fmt::format(
+          "has not reached the collective of step {} while the others waited {:.0f} ms "
+          "(its heartbeats flow: a training thread deadlocked or spinning; the busy "
+          "timeout is {:.0f} ms, --busy-timeout-ms; a long section on some ranks only, such as an "
+          "evaluation or a save on rank 0, goes inside `with session.busy(\"eval\")`)",
+          arrivals.arrivals().empty() ? v.highest_step + 1 : arrivals.step(), lag->waited_ms,
+          threshold)};
 }
 
 std::optional<Finding> DetectStall(const ProgressView& v, Clock::time_point now) {

@@ -253,7 +253,8 @@ TEST(DetectorsTest, HangDetector) {
   const std::string kHung1 =
       "has not reached the collective of step 10 while the others waited 501 ms (its heartbeats "
       "flow: a training thread deadlocked or spinning; the busy timeout is 500 ms, "
-      "--busy-timeout-ms)";
+      "--busy-timeout-ms; a long section on some ranks only, such as an evaluation or a "
+      "save on rank 0, goes inside `with session.busy(\"eval\")`)";
   const Case kCases[] = {
       {.name = "LagPastTheBusyTimeout",
        .arrived = {0, 2},
@@ -294,14 +295,18 @@ TEST(DetectorsTest, HangDetector) {
        .want = Finding{1, kHangDetector,
                        "has not reached the collective of step 10 while the others waited 501 "
                        "ms (its heartbeats flow: a training thread deadlocked or spinning; the "
-                       "busy timeout is 500 ms, --busy-timeout-ms)"}},
+                       "busy timeout is 500 ms, --busy-timeout-ms; a long section on some ranks "
+                       "only, such as an evaluation or a "
+                       "save on rank 0, goes inside `with session.busy(\"eval\")`)"}},
       {.name = "TheFirstByRank",
        .arrived = {2},
        .now_ms = 501,
        .want = Finding{0, kHangDetector,
                        "has not reached the collective of step 10 while the others waited 501 ms "
                        "(its heartbeats flow: a training thread deadlocked or spinning; the busy "
-                       "timeout is 500 ms, --busy-timeout-ms)"}},
+                       "timeout is 500 ms, --busy-timeout-ms; a long section on some ranks only, "
+                       "such as an evaluation or a "
+                       "save on rank 0, goes inside `with session.busy(\"eval\")`)"}},
   };
   const ControllerOptions options = Thresholds();
   for (const Case& c : kCases) {
@@ -344,7 +349,9 @@ TEST(DetectorsTest, HangDetectorFromReportedWaits) {
        .want = Finding{1, kHangDetector,
                        "has not reached the collective of step 8 while the others waited 501 ms "
                        "(its heartbeats flow: a training thread deadlocked or spinning; the busy "
-                       "timeout is 500 ms, --busy-timeout-ms)"}},
+                       "timeout is 500 ms, --busy-timeout-ms; a long section on some ranks only, "
+                       "such as an evaluation or a "
+                       "save on rank 0, goes inside `with session.busy(\"eval\")`)"}},
       {.name = "EveryoneWaits", .waiting_ms = {3'000, 3'000, 3'000}},
       // Member 2's wait at step 8 is over (member 0 completed it; member 2's own report is on
       // its way), and member 1 computes step 9: nobody waits for it.

@@ -113,6 +113,9 @@ def test_a_spare_takes_the_distributed_path_of_a_script_that_tests_rank_for_minu
     assert len(killed.events("recovery_end")) == 1, killed.output
     assert finals(killed.output) == finals(clean.output), "the same bits as the clean run"
     assert len(set(finals(clean.output).values())) == 1, clean.output
+    # The drop-in reports no step time: the session measures it, so the fault's cost is told in
+    # normal steps (it said "no normal step was known yet" after 4 steps).
+    assert re.search(r"time lost \d+ ms, [\d.]+ of a normal step", killed.output), killed.output
 
 
 EVAL = re.compile(r"\[rank (\d)\] eval epoch (\d+): (\d+) samples, loss (\S+)")
