@@ -76,6 +76,7 @@ class NONSTOP_CAPABILITY("mutex") Mutex {
 
   void Lock() NONSTOP_ACQUIRE() { mu_.lock(); }
   void Unlock() NONSTOP_RELEASE() { mu_.unlock(); }
+  bool TryLock() NONSTOP_TRY_ACQUIRE(true) { return mu_.try_lock(); }
 
   void lock() NONSTOP_ACQUIRE() { mu_.lock(); }
   void unlock() NONSTOP_RELEASE() { mu_.unlock(); }

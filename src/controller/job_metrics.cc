@@ -195,7 +195,8 @@ void JobMetrics::Observe(const nlohmann::json& record, double now_seconds) {
     faults_->Add({{"kind", Snake(kind)}}).Increment();
   } else if (event == "scale_refused") {
     scale_refused_->Increment();
-  } else if (event == "etcd_value_forged" || event == "leader_key_forged") {
+  } else if (event == "etcd_value_forged" || event == "leader_key_forged" ||
+             event == "etcd_record_forged") {
     forgeries_->Increment();
   } else if (event == "recovery_end" && record.contains("recovery") &&
              record["recovery"].is_object()) {

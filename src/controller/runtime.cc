@@ -632,6 +632,14 @@ int Runtime::Run() {
                           {"why", f.why},
                           {"restored", f.restored}});
       }
+      // ... or changed, deleted or added a key of the job's journal (coord::OwnRecords).
+      for (const auto& f : leadership_->TakeRecordForgeries()) {
+        journal_->Append({{"event", "etcd_record_forged"},
+                          {"key", f.key},
+                          {"mod_revision", f.mod_revision},
+                          {"why", f.why},
+                          {"restored", f.restored}});
+      }
       RunPending();
     });
   }

@@ -623,19 +623,41 @@ Result<std::vector<KeyValue>> Client::Range(const std::string& key, const std::s
   });
 }
 
-Result<RangeResult> Client::RangePage(const std::string& key, const std::string& range_end,
-                                      int64_t limit, int64_t revision) {
+namespace {
+
+nlohmann::json RangeRequest(const std::string& key, const std::string& range_end) {
   nlohmann::json req = {{"key", Base64Encode(key)}};
   if (!range_end.empty()) req["range_end"] = Base64Encode(range_end);
-  if (limit > 0) req["limit"] = std::to_string(limit);
-  if (revision > 0) req["revision"] = std::to_string(revision);
-  return Ask(*this, "kv/range", req, [&](const nlohmann::json& j) -> Result<RangeResult> {
+  return req;
+}
+
+Result<RangeResult> AskRange(Client& client, const nlohmann::json& req) {
+  return Ask(client, "kv/range", req, [&](const nlohmann::json& j) -> Result<RangeResult> {
     RangeResult r;
     r.revision = Revision(j);
     r.more = j.value("more", false);
     NONSTOP_ASSIGN_OR_RETURN(r.kvs, DecodeKvs(j));
     return r;
   });
+}
+
+}  // namespace
+
+Result<RangeResult> Client::RangePage(const std::string& key, const std::string& range_end,
+                                      int64_t limit, int64_t revision) {
+  nlohmann::json req = RangeRequest(key, range_end);
+  if (limit > 0) req["limit"] = std::to_string(limit);
+  if (revision > 0) req["revision"] = std::to_string(revision);
+  return AskRange(*this, req);
+}
+
+Result<RangeResult> Client::RangeFiltered(const std::string& key, const std::string& range_end,
+                                          Filter filter) {
+  nlohmann::json req = RangeRequest(key, range_end);
+  if (filter.min_mod_revision > 0)
+    req["min_mod_revision"] = std::to_string(filter.min_mod_revision);
+  if (filter.keys_only) req["keys_only"] = true;
+  return AskRange(*this, req);
 }
 
 Result<std::vector<KeyValue>> Client::RangeAll(const std::string& key, const std::string& range_end,

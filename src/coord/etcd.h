@@ -195,6 +195,15 @@ class Client {
   // again at the latest.
   Result<std::vector<KeyValue>> RangeAll(const std::string& key, const std::string& range_end,
                                          int64_t page, int64_t* revision = nullptr);
+  // The keys of [key, range_end) last changed at `min_mod_revision` or later (0: all), with
+  // their values, or only their names and revisions (keys_only): what changed since a revision,
+  // and what is there. One request, no pages: for ranges that stay small.
+  struct Filter {
+    int64_t min_mod_revision = 0;
+    bool keys_only = false;
+  };
+  Result<RangeResult> RangeFiltered(const std::string& key, const std::string& range_end,
+                                    Filter filter);
   Result<int64_t> Put(const std::string& key, const std::string& value, int64_t lease = 0);
   Result<TxnResult> Txn(const std::vector<Compare>& compares, const std::vector<Op>& success,
                         const std::vector<Op>& failure = {});

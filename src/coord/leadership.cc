@@ -115,6 +115,7 @@ Result<std::unique_ptr<Leadership>> Leadership::Connect(LeadershipOptions option
   if (!l->wake_.valid()) return ErrnoStatus(StatusCode::kInternal, "eventfd", errno);
   l->prefix_ = JobPrefix(l->options_.job);
   l->leader_key_ = LeaderKey(l->options_.job);
+  l->own_ = std::make_unique<OwnRecords>(l->prefix_, etcd::PrefixEnd(l->prefix_), l->leader_key_);
   NONSTOP_ASSIGN_OR_RETURN(
       l->client_, etcd::Client::Create(l->options_.endpoints,
                                        {l->options_.request_timeout, l->options_.security}));
@@ -283,9 +284,10 @@ Result<JournalRead> Leadership::ReadJournal(const crypto::Key& job_key) {
   const std::function<bool()> lost = [this] { return deposed(); };
   // The job's every key, in pages, at one revision: the snapshot pointer, its parts, the tail and
   // the progress record as one consistent view.
+  int64_t revision = 0;
   auto kvs = etcd::RetryTransient(
-      [&] { return reader->RangeAll(prefix_, etcd::PrefixEnd(prefix_), kReadPage); }, backoff,
-      outage, lost);
+      [&] { return reader->RangeAll(prefix_, etcd::PrefixEnd(prefix_), kReadPage, &revision); },
+      backoff, outage, lost);
   if (!kvs.ok()) {
     return etcd::IsTransient(kvs.status()) ? LostWhile("reading the journal", kvs.status())
                                            : Explain(kvs.status(), prefix_ + "*");
@@ -298,6 +300,7 @@ Result<JournalRead> Leadership::ReadJournal(const crypto::Key& job_key) {
   }
   JournalRead out;
   VerifyJournal(*kvs, &out);
+  own_->Seed(*kvs, revision);
   for (const JournalForgery& f : out.forgeries)
     NONSTOP_LOG_WARNING("etcd: not believed, a gap in the journal: {}", f.why);
   appended_ = first_seq_ - 1;
@@ -621,6 +624,11 @@ std::vector<LeaderKeyForgery> Leadership::TakeLeaderKeyForgeries() {
   return std::exchange(forgeries_, {});
 }
 
+std::vector<RecordForgery> Leadership::TakeRecordForgeries() {
+  MutexLock lock(&mu_);
+  return std::exchange(record_forgeries_, {});
+}
+
 void Leadership::CheckLeaderKey(etcd::Client& client) {
   std::string published;
   crypto::Key key;
@@ -780,6 +788,12 @@ void Leadership::KeepAlive(std::stop_token st) {
       outage.Succeeded();
       backoff.Reset();
       CheckLeaderKey(**client);
+      if (auto found = own_->Check(**client, etcd::Compare::CreateRevision(leader_key_, epoch_));
+          !found.empty()) {
+        MutexLock lock(&mu_);
+        for (auto& f : found) record_forgeries_.push_back(std::move(f));
+        Wake();
+      }
     } else if (ttl.status().code() == StatusCode::kNotFound) {
       return SetDeposed(fmt::format(
           "the lease of epoch {} expired in etcd: another controller may lead", epoch_));
@@ -803,7 +817,9 @@ bool Leadership::WriteFenced(etcd::Client& client, const std::vector<etcd::Op>& 
     // Nothing more goes out once the leadership is lost (a lapse of the lease included).
     if (st.stop_requested() || deposed()) return false;
     // The same operations again after an answer that was lost: they land once or twice, alike.
+    own_->BeginWrite();
     auto txn = client.Txn({etcd::Compare::CreateRevision(leader_key_, epoch_)}, ops);
+    own_->EndWrite(ops, txn.ok() && txn->succeeded);
     if (!txn.ok() && !etcd::IsTransient(txn.status())) {
       // etcd answered and refused (a record too large, a permission): retrying cannot help, and
       // a leader whose orders wait forever would hang the job. Step down, loudly, for good.

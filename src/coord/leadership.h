@@ -86,6 +86,7 @@
 #include "common/time.h"
 #include "common/unique_fd.h"
 #include "coord/etcd.h"
+#include "coord/own_records.h"
 #include "coord/retry.h"
 #include "nonstop/settings.h"
 #include "nonstop/status.h"
@@ -197,6 +198,9 @@ class Leadership {
   Status Publish(const nlohmann::json& value, const crypto::Key& job_key);
   // The overwrites of the leader key found since the last call (the loop journals them).
   std::vector<LeaderKeyForgery> TakeLeaderKeyForgeries() NONSTOP_LOCKS_EXCLUDED(mu_);
+  // After each renewal too, once ReadJournal read them: the job's other keys changed, deleted or
+  // added behind this leader's back are undone (OwnRecords) and reported here (then wake_fd()).
+  std::vector<RecordForgery> TakeRecordForgeries() NONSTOP_LOCKS_EXCLUDED(mu_);
   // The create revision of the leader key whose value Campaign last passed to on_wait (a
   // standby's check of it: VerifyLeaderValue).
   int64_t seen_epoch() const { return seen_epoch_; }
@@ -331,6 +335,8 @@ class Leadership {
   crypto::Key job_key_ NONSTOP_GUARDED_BY(mu_){};
   bool has_job_key_ NONSTOP_GUARDED_BY(mu_) = false;  // Publish gave job_key_
   std::vector<LeaderKeyForgery> forgeries_ NONSTOP_GUARDED_BY(mu_);
+  std::vector<RecordForgery> record_forgeries_ NONSTOP_GUARDED_BY(mu_);
+  std::unique_ptr<OwnRecords> own_;  // the job's keys as this leader wrote them
 
   std::jthread keepalive_;
   std::jthread writer_;
