@@ -65,8 +65,7 @@ std::vector<RecordForgery> OwnRecords::Check(etcd::Client& client, const etcd::C
   return found;
 }
 
-std::vector<RecordForgery> OwnRecords::CheckHeld(etcd::Client& client,
-                                                 const etcd::Compare& fence) {
+std::vector<RecordForgery> OwnRecords::CheckHeld(etcd::Client& client, const etcd::Compare& fence) {
   if (!seeded_) return {};
   auto changed = client.RangeFiltered(begin_, end_, {.min_mod_revision = checked_ + 1});
   if (!changed.ok()) return {};
@@ -119,9 +118,9 @@ RecordForgery OwnRecords::Undo(etcd::Client& client, const etcd::Compare& fence,
   auto txn = client.Txn({fence, etcd::Compare::ModRevision(key, mod_revision)}, {undo});
   f.restored = txn.ok() && txn->succeeded;
   NONSTOP_LOG_WARNING("{}; {}", f.why,
-                      !f.restored             ? "undoing it failed for now (the next check looks)"
+                      !f.restored      ? "undoing it failed for now (the next check looks)"
                       : own == nullptr ? "it is deleted"
-                                              : "this leader's value is back");
+                                       : "this leader's value is back");
   return f;
 }
 

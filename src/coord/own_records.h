@@ -60,7 +60,7 @@ class OwnRecords {
   const std::string begin_, end_, skip_;
   Mutex mu_;  // held across a write of the leader's, and across a check
   std::map<std::string, std::string> own_ NONSTOP_GUARDED_BY(mu_);  // key → value
-  std::vector<etcd::Op> uncertain_ NONSTOP_GUARDED_BY(mu_);  // a write whose answer was lost
+  std::vector<etcd::Op> uncertain_ NONSTOP_GUARDED_BY(mu_);         // a write whose answer was lost
   int64_t checked_ NONSTOP_GUARDED_BY(mu_) = 0;  // changes up to this revision are judged
   bool seeded_ NONSTOP_GUARDED_BY(mu_) = false;
 };
