@@ -181,6 +181,13 @@ _made_count = 0
 # The session a loader of this process was registered with: the others evaluate over its live world.
 _joined: Any = None
 _trained_here = False  # this process completed a step of the registered loader
+_last_handed_by: Any = None  # the loader that handed out the last batch
+
+
+_NOT_THE_REGISTERED = ("; this process made several nonstop.data.DataLoaders and the one registered as the "
+                       "training loader (the first made, unless the script named it) is not the one this loop "
+                       "trains on: make the training loader first, or pass it: "
+                       "nonstop.torch.init_process_group(model, optimizer, loader)")
 
 
 def made_in_order() -> List["DataLoader"]:
@@ -231,6 +238,7 @@ class DataLoader:
         self.sampler = sampler
         if drop_last:
             sampler.drop_last = True
+        self._drop_last_batch = bool(drop_last)  # an evaluation loader drops its partial batch, as torch's
         self._kwargs = kwargs
         self._session: Any = None
         self._yielded: Optional[Tuple[int, Any]] = None  # (step, batch) handed out, not yet completed
@@ -290,9 +298,10 @@ class DataLoader:
 
     def __len__(self) -> int:
         """Global batches (steps) of the epoch: those done and those left at the live world. An
-        evaluation loader: this rank's batches of its share."""
+        evaluation loader: this rank's batches of its share (also while a spare's replay yields
+        none: a script divides by it)."""
         if self._session is None and _joined is not None:
-            return 0 if self._replaying() else -(-len(self._evaluation_share()) // self.batch_size)
+            return self._evaluation_batches()
         if self._session is None:
             raise RuntimeError("the number of steps per epoch is known once the loader is registered")
         extra = self._session.extra
@@ -323,8 +332,8 @@ class DataLoader:
     def _evaluation_share(self) -> List[int]:
         """This rank's samples of the epoch, as torch's DistributedSampler deals them, over the
         world live now: every `world`-th of the epoch's order from `rank` on, the order padded
-        with its first samples to a multiple of the world (cut to one without drop_last=False),
-        so that every rank has as many batches (a collective in each stays matched)."""
+        with its first samples to a multiple of the world (cut to one with the sampler's
+        drop_last), so that every rank has as many batches (a collective in each stays matched)."""
         order = self.sampler.order(self.sampler.epoch or 0)
         rank, world = _joined.rank, _joined.world_size
         if self.sampler.drop_last:
@@ -335,16 +344,26 @@ class DataLoader:
                 order = order + order[:total - len(order)]
         return order[rank:total:world]
 
+    def _evaluation_batches(self) -> int:
+        n = len(self._evaluation_share())
+        return n // self.batch_size if self._drop_last_batch else -(-n // self.batch_size)
+
     def _evaluate(self) -> Iterator[Any]:
         import torch.utils.data
 
+        global _last_handed_by
         if self._replaying():
             return
         share = self._evaluation_share()
         batches = [share[i:i + self.batch_size] for i in range(0, len(share), self.batch_size)]
-        yield from torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, **self._kwargs)
+        if self._drop_last_batch and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()  # torch's DataLoader(drop_last=True): each rank's last partial batch
+        for batch in torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, **self._kwargs):
+            _last_handed_by = self
+            yield batch
 
     def __iter__(self) -> Iterator[Any]:
+        global _last_handed_by
         if self._session is None and _joined is not None:
             yield from self._evaluate()
             return
@@ -366,14 +385,14 @@ class DataLoader:
             # Without set_epoch, a spare's replay of an epoch the job finished too (_peek).
             yield from self._peek(epoch, implicit)
             return
+        if epoch < extra[_EPOCH]:
+            self.sampler._fresh = False
+            self._loops = max(self._loops, epoch + 1)
+            return  # an epoch this job finished (a spare replays the loop from its start): no step
         if self.on_batch is not None:
             self.on_batch()  # a joiner's first step begins: the peers' position, before it moves
         if epoch > extra[_EPOCH]:
             extra[_EPOCH], extra[_BATCH], extra[_OFFSET] = epoch, 0, 0
-        elif epoch < extra[_EPOCH]:
-            self.sampler._fresh = False
-            self._loops = max(self._loops, epoch + 1)
-            return  # an epoch this job finished (a spare replays the loop from its start)
         while self.sampler.batches_left(extra[_OFFSET], self.global_batch) > 0 and extra[_EPOCH] == epoch:
             inner = self._inner(extra[_OFFSET])
             generation = self._session.generation
@@ -382,11 +401,13 @@ class DataLoader:
                 if self.on_batch is not None:
                     self.on_batch()
                 self._yielded = (extra[_STEPS], batch)
+                _last_handed_by = self
                 yield batch
                 if self._yielded is not None:
+                    which = _NOT_THE_REGISTERED if len(_made) > 1 else ""
                     raise RuntimeError("the next batch was asked for before the optimizer's update of the last "
                                        "one: each batch of nonstop.data.DataLoader is one step (accumulate "
-                                       "gradients over micro-batches within a batch, not over batches)")
+                                       f"gradients over micro-batches within a batch, not over batches){which}")
                 if self._session.generation != generation:
                     break  # the world changed: the shares are dealt anew from here
         self.sampler._fresh = False  # the epoch's loop ended (an epoch the job finished ends at once)
@@ -421,10 +442,7 @@ class DataLoader:
                 raise RuntimeError("optimizer.step() on a batch of an epoch that was not set or is finished: "
                                    "call sampler.set_epoch(epoch) before iterating each epoch (its number says "
                                    "where a spare that replays the loop stands; a peek before it is fine)")
-            others = len(_made) - 1
-            which = (f"; this process made {others + 1} nonstop.data.DataLoaders and the one registered (the "
-                     "first made, unless the script named it) is not the one the loop trained on: pass the "
-                     "training loader, nonstop.torch.init_process_group(model, optimizer, loader)") if others else ""
+            which = "" if _last_handed_by in (None, self) else _NOT_THE_REGISTERED
             raise RuntimeError("optimizer.step() with no batch of the loader to update on: each batch of "
                                f"nonstop.data.DataLoader is one step, and one update{which}")
         global _trained_here

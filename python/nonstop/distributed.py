@@ -642,9 +642,15 @@ def _join_first(torch_arguments: dict) -> Session:
     for name in ("world_size", "rank"):
         asked = torch_arguments.get(name, -1)
         have = session.world_size if name == "world_size" else session.rank
-        if asked not in (-1, None) and int(asked) != have and str(asked) != started[name]:
+        if asked in (-1, None) or int(asked) == have:
+            continue
+        if str(asked) != started[name]:
             raise ValueError(f"init_process_group({name}={asked}): nonstop's job gives this worker {name} {have}; "
                              f"drop {name}= (torchrun's variables are set)")
+        import warnings
+        warnings.warn(f"init_process_group({name}={asked}): what this worker's variables said as it started (a "
+                      f"spare's); it has {name} {have} now: read dist.get_{name}() or the variables after this "
+                      "call, not a value read before it", stacklevel=3)
     _session = session
     _before_first_step = session.last_change.reason != "start"
     if torch_arguments.get("timeout") is not None:  # the store's too, as torch's rendezvous does
@@ -656,7 +662,7 @@ def _join_first(torch_arguments: dict) -> Session:
 
 def _register_what_ddp_wraps(module: Any) -> None:
     """The script made its group first (_join_first): registers `module`, the one optimizer over
-    its parameters and the one nonstop.data.DataLoader the script made."""
+    its parameters and the first nonstop.data.DataLoader the script made (the others evaluate)."""
     import gc
     import warnings
 

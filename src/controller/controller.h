@@ -392,8 +392,8 @@ class Controller {
   // forming, a worker's rank is its place among the workers started to train
   // (the first generation takes the lowest ids), its host's workers are its
   // LOCAL_WORLD_SIZE, and rank 0's host is MASTER_ADDR. A spare, or a worker
-  // started later, has RANK -1 until it takes one; the session then sets the
-  // live values.
+  // started later, has RANK = WORLD_SIZE and LOCAL_RANK = its worker id mod its
+  // host's slots until it takes a rank; the session then sets the live values.
   std::vector<std::pair<std::string, std::string>> TorchrunAtSpawn(int worker_id, bool spare,
                                                                    const std::string& host) const;
 

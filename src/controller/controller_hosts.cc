@@ -753,11 +753,12 @@ std::vector<std::pair<std::string, std::string>> Controller::TorchrunAtSpawn(
     }
     first += share;
   }
-  // A worker with no rank yet (a spare, a replacement, a grow) has one past every member's, and
-  // the first local slot past its host's members: not -1, which scripts take to mean "not
-  // distributed" (`int(os.environ.get("RANK", -1)) != -1`) and would train alone on.
+  // A worker with no rank yet (a spare, a replacement, a grow) has one past every member's: not
+  // -1, which scripts take to mean "not distributed" (`int(os.environ.get("RANK", -1)) != -1`) and
+  // would train alone on. Its LOCAL_RANK is one of its host's slots, its worker id's (a GPU that
+  // exists: `torch.cuda.set_device(LOCAL_RANK)` before the join is torchrun scripts' first line).
   if (rank < 0) rank = world_size_;
-  if (local_rank < 0) local_rank = local_world;
+  if (local_rank < 0) local_rank = local_world > 0 ? std::max(worker_id, 0) % local_world : 0;
   const std::string world = std::to_string(world_size_);
   const auto restarts = std::count_if(recoveries_.begin(), recoveries_.end(),
                                       [](const RecoveryRecord& r) { return r.restarted; });

@@ -133,14 +133,15 @@ TEST_F(ControllerTest, FirstGenerationFormsWhenAllMembersJoinedRanksByWorkerId) 
 }
 
 // torchrun's variables a worker starts with: the rank the first generation gives it; for a spare
-// one past every member's (the world, 3), never -1, which scripts read as "not distributed".
+// one past every member's (the world, 3), never -1, which scripts read as "not distributed", and a
+// local rank among its host's slots (its worker id mod 3: a GPU that exists).
 TEST_F(ControllerTest, EachWorkerStartsWithTheRankTheFirstGenerationGivesIt) {
   ASSERT_EQ(spawned_.size(), 4u);
   for (const SpawnWorker& s : spawned_) {
     std::map<std::string, std::string> env(s.torchrun.begin(), s.torchrun.end());
     const std::string rank = s.spare ? "3" : std::to_string(s.worker_id);
     EXPECT_EQ(env["RANK"], rank) << s.worker_id;
-    EXPECT_EQ(env["LOCAL_RANK"], rank) << s.worker_id;
+    EXPECT_EQ(env["LOCAL_RANK"], std::to_string(s.worker_id % 3)) << s.worker_id;
     EXPECT_EQ(env["WORLD_SIZE"], "3");
     EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "3");
     EXPECT_EQ(env["GROUP_RANK"], "0");

@@ -506,8 +506,8 @@ void Runtime::WriteJobFile() {
       {"env", nlohmann::json::object()}};
   for (const auto& [name, value] : JobEnv()) job["env"][name] = value;
   // torchrun's variables of a spare started now, as the agents' spares get them: `nonstop worker`
-  // starts one (RANK -1 until it takes a rank, when the session sets the live values). Written
-  // again when they change (DrainEvents), so that the world they say is the job's.
+  // starts one (RANK = WORLD_SIZE until it takes a rank, when the session sets the live values).
+  // Written again when they change (DrainEvents), so that the world they say is the job's.
   job["torchrun"] = job_file_torchrun_;
   // HTTPS: `nonstop status` and `nonstop scale` dial https:// and trust this certificate.
   if (!o_.http_cert.empty()) job["http_cert"] = std::filesystem::absolute(o_.http_cert).string();

@@ -743,9 +743,9 @@ std::map<std::string, std::string> DumpedEnvironment(const std::filesystem::path
 // Issue 53: a worker started by hand (`nonstop worker --job job.json`, a spare) is told what the
 // job tells its own spare: the workers' settings given to `nonstop run` as flags, the checkpoint
 // settings, the MTBF that sets their interval and torchrun's job variables come from one list,
-// torchrun's rank, world and master from the controller's (RANK and LOCAL_RANK one past the
-// members', never -1, which scripts take for "not distributed"; WORLD_SIZE: a script that reads
-// them before it joins finds them); only what is the worker's own differs.
+// torchrun's rank, world and master from the controller's (RANK one past the members', never -1,
+// which scripts take for "not distributed", LOCAL_RANK one of the host's slots; WORLD_SIZE: a
+// script that reads them before it joins finds them); only what is the worker's own differs.
 TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
   TempDir dir;
   const std::string journal = dir / "journal.jsonl";
@@ -792,7 +792,7 @@ TEST(RunIntegrationTest, AWorkerStartedByHandIsToldWhatTheJobsOwnWorkersAre) {
   EXPECT_EQ(own[std::string(settings::kTrainMtbfSeconds.env)], "3600");
   EXPECT_EQ(own[std::string(settings::kTrainCheckpointEvery.env)], "0");
   EXPECT_EQ(hand["RANK"], "1");
-  EXPECT_EQ(hand["LOCAL_RANK"], "1");
+  EXPECT_EQ(hand["LOCAL_RANK"], "0");
   EXPECT_EQ(hand["WORLD_SIZE"], "1");
   // The workers' settings given to `nonstop run` as flags reach both (torchrun's MASTER_PORT too).
   EXPECT_EQ(own[std::string(settings::kReplicaCheckEvery.env)], "7");

@@ -4,6 +4,8 @@ per update, a peek not counted (before set_epoch too), each loop an epoch withou
 world changes) and of the step decorator (run again on the re-dealt batch, or
 not at all when the step was already updated on) is checked directly."""
 
+import types
+
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ class FakeSession:
         self.recoveries = []
         self._core = object()
         self.aborted = False
+        self.last_change = types.SimpleNamespace(reason="start")
 
     def report_step(self, step):
         self.reported.append(step)
@@ -174,7 +177,10 @@ def test_a_finished_epoch_yields_nothing_and_set_epoch_takes_ints():
         loader._updated()
     assert not loader.replayed, "that loop trained"
     loader.sampler.set_epoch(0)
+    began = []
+    loader.on_batch = lambda: began.append(True)
     assert list(loader) == [], "epoch 0 is behind the registered epoch 1 (a spare replaying the loop)"
+    assert not began, "no step begins in a finished epoch: a spare's collectives stay local there"
     assert loader.replayed, "what the script does after that epoch (a snapshot save) it may skip"
     with pytest.raises(TypeError):
         loader.sampler.set_epoch(1.5)
@@ -330,3 +336,21 @@ def test_the_world_invariant_variable_is_a_flag_and_anything_else_is_refused(mon
     monkeypatch.setenv("NONSTOP_WORLD_INVARIANT", "2")
     with pytest.raises(ValueError, match="NONSTOP_WORLD_INVARIANT='2': use 1 or 0"):
         nd._env_flag("NONSTOP_WORLD_INVARIANT")
+
+
+def test_an_evaluation_loader_deals_its_set_over_the_live_world_as_torchs_sampler(monkeypatch):
+    # Every loader but the registered one evaluates: the epoch's order padded to a multiple of the
+    # world, every world-th sample from the rank on (torch's DistributedSampler), no position.
+    _, session = bound(world=4, rank=1)
+    monkeypatch.setattr(nonstop.data, "_trained_here", True)
+    ev = DataLoader(Items(), batch_size=2, sampler=DistributedSampler(Items(), shuffle=False))
+    assert [i for ids, _ in ev for i in ids.tolist()] == list(range(1, 50, 4)) and len(ev) == 7
+    dropped = DataLoader(Items(), batch_size=2, shuffle=False, drop_last=True)
+    assert [i for ids, _ in dropped for i in ids.tolist()] == list(range(1, 48, 4)) and len(dropped) == 6
+    session.world_size, session.rank = 3, 2  # the live world, read as each loop starts
+    assert [i for ids, _ in ev for i in ids.tolist()] == list(range(2, 50, 3)) + [0] and len(ev) == 9
+    # A spare replaying the loop before its first step: nothing (its peers evaluate nothing then),
+    # while len() stays its batches.
+    monkeypatch.setattr(nonstop.data, "_trained_here", False)
+    session.last_change = types.SimpleNamespace(reason="recovery")
+    assert list(ev) == [] and len(ev) == 9
