@@ -284,10 +284,9 @@ Result<JournalRead> Leadership::ReadJournal(const crypto::Key& job_key) {
   const std::function<bool()> lost = [this] { return deposed(); };
   // The job's every key, in pages, at one revision: the snapshot pointer, its parts, the tail and
   // the progress record as one consistent view.
-  int64_t revision = 0;
   auto kvs = etcd::RetryTransient(
-      [&] { return reader->RangeAll(prefix_, etcd::PrefixEnd(prefix_), kReadPage, &revision); },
-      backoff, outage, lost);
+      [&] { return reader->RangeAll(prefix_, etcd::PrefixEnd(prefix_), kReadPage); }, backoff,
+      outage, lost);
   if (!kvs.ok()) {
     return etcd::IsTransient(kvs.status()) ? LostWhile("reading the journal", kvs.status())
                                            : Explain(kvs.status(), prefix_ + "*");
@@ -300,7 +299,7 @@ Result<JournalRead> Leadership::ReadJournal(const crypto::Key& job_key) {
   }
   JournalRead out;
   VerifyJournal(*kvs, &out);
-  own_->Seed(*kvs, revision);
+  own_->Seed(*kvs);
   for (const JournalForgery& f : out.forgeries)
     NONSTOP_LOG_WARNING("etcd: not believed, a gap in the journal: {}", f.why);
   appended_ = first_seq_ - 1;
@@ -624,6 +623,16 @@ std::vector<LeaderKeyForgery> Leadership::TakeLeaderKeyForgeries() {
   return std::exchange(forgeries_, {});
 }
 
+void Leadership::CheckOwnRecords(etcd::Client& client, int64_t sent_us) {
+  // Within half the renewal interval of the renewal, so that the next one is not late.
+  if (deposed() || NowMicros() - sent_us > options_.renew_every.count() * 500) return;
+  auto found = own_->Check(client, etcd::Compare::CreateRevision(leader_key_, epoch_));
+  if (found.empty() || deposed()) return;  // a fence that failed: the successor's keys
+  MutexLock lock(&mu_);
+  for (auto& f : found) record_forgeries_.push_back(std::move(f));
+  Wake();
+}
+
 std::vector<RecordForgery> Leadership::TakeRecordForgeries() {
   MutexLock lock(&mu_);
   return std::exchange(record_forgeries_, {});
@@ -788,12 +797,11 @@ void Leadership::KeepAlive(std::stop_token st) {
       outage.Succeeded();
       backoff.Reset();
       CheckLeaderKey(**client);
-      if (auto found = own_->Check(**client, etcd::Compare::CreateRevision(leader_key_, epoch_));
-          !found.empty()) {
-        MutexLock lock(&mu_);
-        for (auto& f : found) record_forgeries_.push_back(std::move(f));
-        Wake();
-      }
+      CheckOwnRecords(**client, sent_us);
+      // The next renewal goes out renew_every after this one was sent, whatever the checks took.
+      wait = std::max(Millis(0),
+                      options_.renew_every - std::chrono::duration_cast<Millis>(
+                                                 std::chrono::microseconds(NowMicros() - sent_us)));
     } else if (ttl.status().code() == StatusCode::kNotFound) {
       return SetDeposed(fmt::format(
           "the lease of epoch {} expired in etcd: another controller may lead", epoch_));
@@ -817,9 +825,13 @@ bool Leadership::WriteFenced(etcd::Client& client, const std::vector<etcd::Op>& 
     // Nothing more goes out once the leadership is lost (a lapse of the lease included).
     if (st.stop_requested() || deposed()) return false;
     // The same operations again after an answer that was lost: they land once or twice, alike.
-    own_->BeginWrite();
+    own_->BeginWrite();  // may wait for a check of OwnRecords: the leadership may be lost since
+    if (st.stop_requested() || deposed()) {
+      own_->EndWrite(ops, 0);
+      return false;
+    }
     auto txn = client.Txn({etcd::Compare::CreateRevision(leader_key_, epoch_)}, ops);
-    own_->EndWrite(ops, txn.ok() && txn->succeeded);
+    own_->EndWrite(ops, txn.ok() && txn->succeeded ? txn->revision : 0);
     if (!txn.ok() && !etcd::IsTransient(txn.status())) {
       // etcd answered and refused (a record too large, a permission): retrying cannot help, and
       // a leader whose orders wait forever would hang the job. Step down, loudly, for good.

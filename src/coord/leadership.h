@@ -261,6 +261,8 @@ class Leadership {
   void SetFinal(const Status& s);  // deposes, for good
   // After a renewal: the leader key still holds the published value, or it is put back.
   void CheckLeaderKey(etcd::Client& client);
+  // After a renewal sent at `sent_us`, time left: the job's other keys (OwnRecords::Check).
+  void CheckOwnRecords(etcd::Client& client, int64_t sent_us);
   // A final error of a request about `key`, with what to do about it.
   Status Explain(const Status& s, const std::string& key) const;
   // What ReadJournal and Publish return when the leadership was lost while they retried.

@@ -190,6 +190,9 @@ TEST_F(EtcdJournalTest, TheJournalStaysBoundedAndTheTakeoverFromItEqualsTheOneFr
       "[ measured ] %zu records (%zu bytes, %zu mirrored, the largest %zu): %zu bytes in etcd at "
       "half, %zu at the end\n",
       maker.records().size(), all_bytes, mirrored.size(), largest, bytes_half, bytes_end);
+  // Its compactions (range deletes, snapshot parts) are its own writes, never a forgery.
+  const auto forged = first->TakeRecordForgeries();
+  EXPECT_TRUE(forged.empty()) << forged[0].why;
 
   first->Resign();
   auto second = Lead(o);
@@ -223,6 +226,8 @@ TEST_F(EtcdJournalTest, TheJournalStaysBoundedAndTheTakeoverFromItEqualsTheOneFr
   for (int i = 0; i < 100; ++i) more.push_back({{"event", "exit"}, {"worker_id", 100000 + i}});
   ASSERT_NO_FATAL_FAILURE(AppendAll(*second, more));
   EXPECT_LE(KeysUnder("journal/"), o.compact_records + 100);
+  const auto forged_later = second->TakeRecordForgeries();
+  EXPECT_TRUE(forged_later.empty()) << forged_later[0].why;
   second->Resign();
 }
 
@@ -423,6 +428,10 @@ TEST_F(EtcdJournalTrustTest, EveryForgedMovedOrReplayedValueIsAGapTheNextLeaderN
     const size_t prefix = c.kept;
     ASSERT_NO_FATAL_FAILURE(AppendAll(*second, {{{"event", "controller_start"}}}));
     EXPECT_EQ(KeysUnder("journal/"), prefix + 1);
+    // Its cleanup of what it did not believe is its own write: no check takes it for a forgery.
+    std::this_thread::sleep_for(std::chrono::milliseconds(900));  // two renewals or more
+    const auto forged = second->TakeRecordForgeries();
+    EXPECT_TRUE(forged.empty()) << forged[0].why;
     second->Resign();
     auto third = Lead();
     ASSERT_TRUE(third);
