@@ -180,7 +180,6 @@ _made: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
 _made_count = 0
 # The session a loader of this process was registered with: the others evaluate over its live world.
 _joined: Any = None
-_trained_here = False  # this process completed a step of the registered loader
 _last_handed_by: Any = None  # the loader that handed out the last batch
 
 
@@ -325,9 +324,11 @@ class DataLoader:
 
     @staticmethod
     def _replaying() -> bool:
-        """This worker joined a running job and has not trained a step yet: it is replaying the
-        script's loop from its start (epochs the job finished), where its peers evaluate nothing."""
-        return not _trained_here and _joined.last_change.reason != "start"
+        """This worker joined a running job and its first step has not begun: it is replaying the
+        script's loop from its start (epochs the job finished), where its peers evaluate nothing.
+        The same test as its collectives' (nonstop.distributed: answered locally, or refused)."""
+        distributed = sys.modules.get(__package__ + ".distributed")
+        return bool(distributed is not None and distributed._before_first_step)
 
     def _evaluation_share(self) -> List[int]:
         """This rank's samples of the epoch, as torch's DistributedSampler deals them, over the
@@ -445,8 +446,6 @@ class DataLoader:
             which = "" if _last_handed_by in (None, self) else _NOT_THE_REGISTERED
             raise RuntimeError("optimizer.step() with no batch of the loader to update on: each batch of "
                                f"nonstop.data.DataLoader is one step, and one update{which}")
-        global _trained_here
-        _trained_here = True
         self.sampler._fresh = False
         self.replayed = False
         extra = self._session.extra

@@ -107,7 +107,6 @@ void OwnRecords::Undo(etcd::Client& client, const etcd::Compare& fence, const st
   auto txn = client.Txn({fence, etcd::Compare::ModRevision(key, mod_revision)}, {undo});
   const bool restored = txn.ok() && txn->succeeded;
   if (restored && own != nullptr) own_[key].mod_revision = txn->revision;
-  if (restored && own == nullptr) own_.erase(key);
   if (!restored && !failed_.insert({key, mod_revision}).second) return;  // reported once
   RecordForgery f{key, "", mod_revision, restored};
   if (own == nullptr) {

@@ -4,8 +4,6 @@ per update, a peek not counted (before set_epoch too), each loop an epoch withou
 world changes) and of the step decorator (run again on the re-dealt batch, or
 not at all when the step was already updated on) is checked directly."""
 
-import types
-
 import pytest
 import torch
 
@@ -32,7 +30,6 @@ class FakeSession:
         self.recoveries = []
         self._core = object()
         self.aborted = False
-        self.last_change = types.SimpleNamespace(reason="start")
 
     def report_step(self, step):
         self.reported.append(step)
@@ -342,7 +339,7 @@ def test_an_evaluation_loader_deals_its_set_over_the_live_world_as_torchs_sample
     # Every loader but the registered one evaluates: the epoch's order padded to a multiple of the
     # world, every world-th sample from the rank on (torch's DistributedSampler), no position.
     _, session = bound(world=4, rank=1)
-    monkeypatch.setattr(nonstop.data, "_trained_here", True)
+    monkeypatch.setattr(nd, "_before_first_step", False)
     ev = DataLoader(Items(), batch_size=2, sampler=DistributedSampler(Items(), shuffle=False))
     assert [i for ids, _ in ev for i in ids.tolist()] == list(range(1, 50, 4)) and len(ev) == 7
     dropped = DataLoader(Items(), batch_size=2, shuffle=False, drop_last=True)
@@ -351,6 +348,5 @@ def test_an_evaluation_loader_deals_its_set_over_the_live_world_as_torchs_sample
     assert [i for ids, _ in ev for i in ids.tolist()] == list(range(2, 50, 3)) + [0] and len(ev) == 9
     # A spare replaying the loop before its first step: nothing (its peers evaluate nothing then),
     # while len() stays its batches.
-    monkeypatch.setattr(nonstop.data, "_trained_here", False)
-    session.last_change = types.SimpleNamespace(reason="recovery")
+    monkeypatch.setattr(nd, "_before_first_step", True)
     assert list(ev) == [] and len(ev) == 9
