@@ -33,6 +33,7 @@
 
 #include "collective/data_plane.h"
 #include "collective/tcp_data_plane.h"
+#include "common/role_keys.h"
 #include "common/temp_dir.h"
 #include "net/socket.h"
 #include "nonstop/tree.h"
@@ -118,8 +119,9 @@ std::vector<double> RunNonstopRanks(int n, size_t count, Body body, bool checked
       if (o != rank) listeners[static_cast<size_t>(o)].fd.Reset();
     }
     net::AbortSignal abort;  // before the data plane: outlives it
-    auto plane = collective::TcpDataPlane::Create(
-        {"bench", rank}, std::move(listeners[static_cast<size_t>(rank)]), &abort);
+    auto plane =
+        collective::TcpDataPlane::Create({WorkerDataKey(crypto::JobKey("bench")), rank},
+                                         std::move(listeners[static_cast<size_t>(rank)]), &abort);
     collective::CommunicatorOptions o;
     o.rank = rank;
     o.members = members;

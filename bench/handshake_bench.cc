@@ -67,8 +67,9 @@ void Accept(const net::Listener& l, int n, bool v2) {
     NONSTOP_CHECK(fd.ok());
     Deadline d = DeadlineAfter(Millis(5'000));
     if (v2) {
-      NONSTOP_CHECK(
-          net::ServerHandshake(fd->get(), key, net::ConnectionKind::kControl, d, nullptr).ok());
+      NONSTOP_CHECK(net::ServerHandshake(fd->get(), net::OneKey(key), net::ConnectionKind::kControl,
+                                         d, nullptr)
+                        .ok());
     } else {
       auto hello = net::ReadFrame(fd->get(), d, nullptr, net::kMaxHandshakeBytes);
       NONSTOP_CHECK(hello.ok());

@@ -44,6 +44,7 @@
 #include "bench/bench_util.h"
 #include "collective/tcp_data_plane.h"
 #include "common/crypto.h"
+#include "common/role_keys.h"
 #include "net/socket.h"
 #include "nonstop/state.h"
 #include "worker/state_transfer.h"
@@ -74,7 +75,8 @@ struct Ranks {
     for (int r = 0; r <= kSources; ++r) {
       aborts.push_back(std::make_unique<net::AbortSignal>());
       planes.push_back(collective::TcpDataPlane::Create(
-          {kToken, r}, std::move(listeners[static_cast<size_t>(r)]), aborts.back().get()));
+          {WorkerDataKey(crypto::JobKey(kToken)), r}, std::move(listeners[static_cast<size_t>(r)]),
+          aborts.back().get()));
       collective::CommunicatorOptions o;
       o.rank = r;
       o.members = members;

@@ -69,6 +69,7 @@ void AgentCommand::Register(CLI::App& app) {
   AddSetting(sub_, settings::kAgentControllerTimeoutMs, controller_timeout_ms_);
   AddSetting(sub_, settings::kFenceAfterMs, fence_after_ms_);
   AddSetting(sub_, settings::kOnSigterm, on_sigterm_);
+  AddSetting(sub_, settings::kWorkerUser, worker_user_);
   AddSetting(sub_, settings::kLogLevel, log_level_);
   sub_->footer(
       "After `--`: the worker program and its arguments, started once per worker the controller "
@@ -152,6 +153,14 @@ int AgentCommand::Execute() {
   options.fence_after = Millis(fence_after_ms_);
   options.handle_signals = true;
   options.leave_on_sigterm = on_sigterm_ == "leave";
+  if (!worker_user_.empty()) {
+    auto user = launcher::LookUpRunAs(worker_user_);
+    if (!user.ok()) {
+      fmt::print(stderr, "nonstop agent: {}\n", user.status().message());
+      return kExitUsage;
+    }
+    options.run_as = std::move(*user);
+  }
   if (Status s = agent::ValidateOptions(options); !s.ok()) {
     fmt::print(stderr, "nonstop agent: {}\n", s.message());
     return kExitUsage;

@@ -39,6 +39,7 @@ class AgentCommand {
   int controller_timeout_ms_ = settings::kAgentControllerTimeoutMs.default_value;
   int fence_after_ms_ = settings::kFenceAfterMs.default_value;
   std::string on_sigterm_{settings::kOnSigterm.default_value};
+  std::string worker_user_;
   std::string log_level_{settings::kLogLevel.default_value};
   std::vector<std::string> program_;
 };

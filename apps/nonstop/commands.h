@@ -13,6 +13,7 @@
 
 #include "apps/nonstop/etcd_flags.h"
 #include "controller/runtime.h"
+#include "launcher/local_launcher.h"
 #include "nonstop/settings.h"
 
 namespace nonstop::agent {
@@ -100,6 +101,8 @@ class RunCommand {
   int spares_ = settings::kSpares.default_value;
   std::string host_{settings::kHost.default_value};
   std::string data_ports_{settings::kDataPorts.default_value};
+  std::string worker_user_;
+  std::optional<launcher::RunAs> run_as_;  // of worker_user_
   int port_ = settings::kPort.default_value;
   bool resumable_ = settings::kResumable.default_value;
   bool verbose_ = settings::kVerbose.default_value;

@@ -14,6 +14,7 @@
 #include "apps/nonstop/commands.h"
 #include "common/crypto.h"
 #include "common/job_token.h"
+#include "common/role_keys.h"
 #include "common/signals.h"
 #include "common/unique_fd.h"
 #include "controller/runtime.h"
@@ -61,8 +62,8 @@ int ControllerCommand::LeadThroughEtcd(const std::string& name, controller::Runt
       auto token = std::filesystem::exists(token_file_) ? ReadJobTokenFile(token_file_)
                                                         : Result<std::string>(std::string());
       if (token.ok() && !token->empty() && v.is_object() && v.contains("controller")) {
-        Status s = coord::VerifyLeaderValue(crypto::JobKey(*token), job_, leader,
-                                            (*leadership)->seen_epoch());
+        Status s = coord::VerifyLeaderValue(ControllerPublicKey(crypto::JobKey(*token)), job_,
+                                            leader, (*leadership)->seen_epoch());
         if (!s.ok()) unverified = " (NOT followed: " + s.message() + ")";
       }
       fmt::print("{}: standing by; the leader is {}{}\n", name, leader, unverified);

@@ -180,6 +180,7 @@ void RunCommand::Register(CLI::App& app) {
   AddSetting(sub_, settings::kSpares, spares_);
   AddSetting(sub_, settings::kHost, host_);
   AddSetting(sub_, settings::kDataPorts, data_ports_);
+  AddSetting(sub_, settings::kWorkerUser, worker_user_);
   AddSetting(sub_, settings::kPort, port_);
   AddSetting(sub_, settings::kResumable, resumable_);
   AddSetting(sub_, settings::kVerbose, verbose_);
@@ -212,6 +213,14 @@ int RunCommand::Execute() {
   o.core.world_size = nproc_;
   o.core.spares = spares_;
   o.listen = {host_, static_cast<uint16_t>(port_)};
+  if (!worker_user_.empty()) {
+    auto user = launcher::LookUpRunAs(worker_user_);
+    if (!user.ok()) {
+      fmt::print(stderr, "nonstop run: {}\n", user.status().message());
+      return controller::kExitUsage;
+    }
+    run_as_ = std::move(*user);
+  }
   std::string log_dir;  // the agent's: where the workers' output goes instead of this terminal
   const char* term = std::getenv("TERM");
   if (!verbose_ && ::isatty(STDOUT_FILENO) && !(term != nullptr && std::string(term) == "dumb")) {
@@ -653,6 +662,7 @@ agent::AgentOptions RunCommand::LocalAgentOptions(const std::string& controller,
   a.advertise_address = host_;
   a.data_ports = data_ports_;
   a.program = program;
+  a.run_as = run_as_;
   a.elastic = true;
   a.log_dir = log_dir;
   a.handle_signals = false;

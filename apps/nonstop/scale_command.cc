@@ -20,6 +20,7 @@
 
 #include "apps/nonstop/commands.h"
 #include "common/job_token.h"
+#include "common/role_keys.h"
 #include "launcher/local_launcher.h"
 #include "net/address.h"
 #include "nonstop/settings.h"
@@ -220,11 +221,11 @@ int JobCommands::ExecWorker() {
     fmt::print(stderr, "nonstop worker: {}\n", token.status().message());
     return 1;
   }
-  // The token in a memfd the program inherits (its close-on-exec flag cleared), never in its
-  // environment (docs/security.md).
-  auto token_fd = JobTokenMemfd(*token);
+  // The worker's credential (its keys, not the job token: docs/security.md, "Keys by role") in a
+  // memfd the program inherits (its close-on-exec flag cleared), never in its environment.
+  auto token_fd = JobTokenMemfd(EncodeWorkerCredential(WorkerKeysOf(crypto::JobKey(*token), id)));
   if (!token_fd.ok() || ::fcntl(token_fd->get(), F_SETFD, 0) != 0) {
-    fmt::print(stderr, "nonstop worker: passing the job token: {}\n",
+    fmt::print(stderr, "nonstop worker: passing the worker's credential: {}\n",
                token_fd.ok() ? std::strerror(errno) : token_fd.status().ToString());
     return 1;
   }

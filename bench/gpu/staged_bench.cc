@@ -24,6 +24,7 @@
 #include "bench/bench_util.h"
 #include "collective/staged_communicator.h"
 #include "collective/tcp_data_plane.h"
+#include "common/role_keys.h"
 #include "gpu/cuda_copier.h"
 #include "gpu/cuda_util.h"
 #include "net/socket.h"
@@ -53,7 +54,8 @@ struct Ranks {
     for (int r = 0; r < w; ++r) {
       aborts.push_back(std::make_unique<net::AbortSignal>());
       std::unique_ptr<collective::DataPlane> tcp = collective::TcpDataPlane::Create(
-          {"bench-staged", r}, std::move(listeners[static_cast<size_t>(r)]), aborts.back().get());
+          {WorkerDataKey(crypto::JobKey("bench-staged")), r},
+          std::move(listeners[static_cast<size_t>(r)]), aborts.back().get());
       if (cuda) {
         auto copier = gpu::CudaCopier::Create(0);
         NONSTOP_CHECK(copier.ok()) << copier.status().ToString();

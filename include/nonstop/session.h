@@ -77,7 +77,10 @@ struct SessionOptions {
   // "host:port", or several separated by commas (a leader and its standbys,
   // tried in turn); required (settings::kControllerAddress, NONSTOP_CONTROLLER).
   std::string controller_address;
-  std::string job_token;                              // required (kJobToken, NONSTOP_JOB_TOKEN)
+  // Required: the credential this worker's launcher made for it (its keys, never the job token:
+  // docs/security.md, "Keys by role"), or the job token itself for a worker started by hand
+  // (kJobTokenFd, kJobToken).
+  std::string secret;
   int worker_id = settings::kWorkerId.default_value;  // required, unique in the job (kWorkerId)
   // join without a rank (kSpare: NONSTOP_SPARE=1)
   bool spare = settings::kSpare.default_value;

@@ -619,6 +619,16 @@ inline constexpr Setting<int> kFenceAfterMs{
         "Cut off from every controller this long, the agent kills its workers (fencing): nobody "
         "will adopt "
         "them"};
+inline constexpr Setting<std::string_view> kWorkerUser{
+    .env = "NONSTOP_WORKER_USER",
+    .flag = "--worker-user",
+    .show_default = false,
+    .read_by = kRun | kAgent,
+    .help =
+        "Start the workers as this user (a name or a uid; the launcher must run as root), so that "
+        "the job token file and the launcher's and controller's processes are out of their reach: "
+        "docs/security.md, \"A user for the workers\"",
+    .default_doc = "the launcher's own user"};
 inline constexpr Setting<std::string_view> kOnSigterm{
     .env = "NONSTOP_ON_SIGTERM",
     .flag = "--on-sigterm",
@@ -700,8 +710,9 @@ inline constexpr Setting<int> kJobTokenFd{
     .read_by = kWorker,
     .set_by = kRun | kAgent | kJobCommands,
     .help =
-        "The inherited descriptor (a sealed memfd) holding the job token: the worker's library "
-        "reads it as it loads, closes it and removes the variable (docs/security.md)",
+        "The inherited descriptor (a sealed memfd) holding the worker's credential (its own keys, "
+        "never the job token): the worker's library reads it as it loads, closes it and removes "
+        "the variable (docs/security.md, \"Keys by role\")",
     .default_doc = "required (a worker started by a launcher)"};
 inline constexpr Setting<int> kLifelineFd{
     .env = "NONSTOP_LIFELINE_FD",

@@ -21,6 +21,7 @@
 
 #include "common/crypto.h"
 #include "common/logging.h"
+#include "common/role_keys.h"
 #include "common/signals.h"
 #include "control/messages.h"
 #include "coord/etcd.h"
@@ -63,7 +64,8 @@ control::ControllerLinkOptions LinkOptions(const AgentOptions& o, const std::str
   l.hello.kind = net::ConnectionKind::kAgent;
   l.hello.generation = 0;
   l.hello.worker_id = 0;
-  l.job_token = o.job_token;
+  l.key = crypto::JobKey(o.job_token);  // an agent proves the job key itself
+  l.controller_public = ControllerPublicKey(l.key);
   l.try_timeout = o.controller_timeout;  // the connect, then the hello
   l.silence_timeout = o.controller_timeout;
   l.reconnect_within = o.join_timeout;  // Lose() moves it past the fencing when processes run
@@ -144,6 +146,7 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)) {
   if (made) run_dir_ = dir;
   // Without a directory (an unwritable TMPDIR and no log directory) the workers get no error file.
   error_dir_ = options_.log_dir.empty() ? run_dir_ : options_.log_dir;
+  if (options_.run_as) ShareWithWorkerUser();
   if (!options_.etcd.empty()) leader_file_ = run_dir_ + "/leader.json";
   auto link = control::ControllerLink::Create(LinkOptions(options_, leader_file_));
   NONSTOP_CHECK(link.ok()) << link.status().ToString();  // what it checks, ValidateOptions did
@@ -158,7 +161,28 @@ Agent::~Agent() {
   launcher_.reset();
   leader_watch_.reset();
   if (!leader_file_.empty()) ::unlink(leader_file_.c_str());
+  if (options_.run_as && !error_dir_.empty()) ::rmdir(error_dir_.c_str());  // if empty
   if (!run_dir_.empty()) ::rmdir(run_dir_.c_str());  // unless a worker's error file is in it
+}
+
+// Workers of another user (RunAs) read the leader file, and write their error files: the run
+// directory is theirs to pass through (not to list or write: the agent's temporary leader file
+// lies there), and their error files go to a directory of their own.
+void Agent::ShareWithWorkerUser() {
+  if (!run_dir_.empty() && ::chmod(run_dir_.c_str(), 0711) != 0) {
+    NONSTOP_LOG_WARNING("chmod {}: {}: workers of user {} cannot read its leader file", run_dir_,
+                        std::strerror(errno), options_.run_as->name);
+  }
+  if (error_dir_.empty()) return;
+  const std::string dir = error_dir_ + "/worker-errors";
+  if ((::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) ||
+      ::chown(dir.c_str(), options_.run_as->uid, options_.run_as->gid) != 0) {
+    NONSTOP_LOG_WARNING("{}: {}: workers of user {} write no error file", dir, std::strerror(errno),
+                        options_.run_as->name);
+    error_dir_.clear();
+    return;
+  }
+  error_dir_ = dir;
 }
 
 void Agent::StartLeaderWatch() {
@@ -172,7 +196,7 @@ void Agent::StartLeaderWatch() {
         ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
         (void)n;
       },
-      options_.etcd_security, crypto::JobKey(options_.job_token));
+      options_.etcd_security, ControllerPublicKey(crypto::JobKey(options_.job_token)));
   NONSTOP_CHECK(watch.ok()) << watch.status().ToString();  // ValidateOptions checked them
   leader_watch_ = std::move(*watch);
 }
@@ -603,8 +627,11 @@ void Agent::OnStart(std::string_view payload) {
   spec.worker_id = m->worker_id;
   spec.argv = options_.program;
   spec.nice = m->nice;
-  // In a memfd, not the environment: the program's children never see it (docs/security.md).
-  spec.job_token = options_.job_token;
+  // The worker's credential (its keys, never the job token: role_keys.h), in a memfd, not the
+  // environment: the program's children never see it (docs/security.md).
+  spec.secret =
+      EncodeWorkerCredential(WorkerKeysOf(crypto::JobKey(options_.job_token), m->worker_id));
+  spec.run_as = options_.run_as;
   for (auto& [name, value] : env) spec.env.emplace_back(name, value);
   // The job's identity comes from the order alone: what the agent itself
   // inherited (a NONSTOP_RESUME, a checkpoint directory) never reaches a worker.

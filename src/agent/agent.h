@@ -107,8 +107,10 @@ struct AgentOptions {
   // etcd's TLS and user (docs/etcd-security.md): the watch's and the link's; the workers get
   // the paths (NONSTOP_ETCD_CACERT, …), never a secret.
   etcd::Security etcd_security;
-  std::string job_token;  // required; passed to workers in a memfd (NONSTOP_JOB_TOKEN_FD)
-  std::string host_id;    // required, valid per control::CheckHostId; passed as NONSTOP_HOST_ID
+  // Required. Workers get a credential of their own made from it (common/role_keys.h), in a
+  // memfd (NONSTOP_JOB_TOKEN_FD); never the token.
+  std::string job_token;
+  std::string host_id;  // required, valid per control::CheckHostId; passed as NONSTOP_HOST_ID
   // Workers this host contributes to the world, and spares it keeps warm (told to the controller).
   int nproc = settings::kNprocPerHost.default_value;
   int spares = settings::kSparesPerHost.default_value;
@@ -119,6 +121,8 @@ struct AgentOptions {
   // Its workers' data ports: "LO-HI" (settings::kDataPorts; empty: a port from the OS each).
   std::string data_ports;
   std::vector<std::string> program;  // argv of every process it starts; required
+  // Set: the workers run as this user (settings::kWorkerUser; the agent runs as root).
+  std::optional<launcher::RunAs> run_as;
   // Its capacity follows the job (control::AgentRegisterMsg::elastic): the
   // agent `nonstop run` runs for its own machine. Its workers' lines are
   // prefixed as `nonstop run` always did ("[rank 3] …", "[worker 5] …").
@@ -241,6 +245,7 @@ class Agent {
   void OnChildDying(int worker_id, pid_t pid);
   // With etcd: the watch of the job's leader that keeps leader_file_ (docs/leader-discovery.md).
   void StartLeaderWatch();
+  void ShareWithWorkerUser();
 
   const AgentOptions options_;
   // With etcd: a directory of this agent's (removed by the destructor), the leader file in it.

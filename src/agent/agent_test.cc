@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 
 #include "common/lifeline.h"
+#include "common/role_keys.h"
 #include "common/temp_dir.h"
 #include "control/messages.h"
 #include "launcher/output_writer.h"
@@ -101,7 +102,7 @@ class FakeController {
     Deadline deadline = DeadlineAfter(timeout);
     NONSTOP_RETURN_IF_ERROR(net::WaitFd(listener_.fd.get(), POLLIN, deadline, nullptr, "accept"));
     NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Accept(listener_.fd.get()));
-    auto accepted = net::ServerHandshake(fd.get(), crypto::JobKey(token_),
+    auto accepted = net::ServerHandshake(fd.get(), net::JobRoles(crypto::JobKey(token_)),
                                          net::ConnectionKind::kAgent, deadline, nullptr);
     std::lock_guard<std::mutex> lock(mu_);
     conn_ = std::move(fd);
@@ -329,8 +330,11 @@ TEST_F(AgentTest, StartOrderRunsTheProgramWithTheOrdersAndTheAgentsVariables) {
   ASSERT_GT(pid, 0);
   ASSERT_TRUE(WaitFor([&] { return !ReadText(EnvFile(3)).empty(); }, 10s))
       << "the program did not start";
-  EXPECT_EQ(ReadText(EnvFile(3)),
-            fmt::format("3 hostA 127.0.0.1\n{} {} unset 0 bar\n", controller.address(), kToken));
+  // Its own credential (role_keys.h), never the job token; the shell's $(cat) drops its newline.
+  std::string credential = EncodeWorkerCredential(WorkerKeysOf(crypto::JobKey(kToken), 3));
+  credential.pop_back();
+  EXPECT_EQ(ReadText(EnvFile(3)), fmt::format("3 hostA 127.0.0.1\n{} {} unset 0 bar\n",
+                                              controller.address(), credential));
   // Its output is forwarded with the host and worker prefix.
   EXPECT_TRUE(WaitFor(
       [&] {

@@ -1,5 +1,6 @@
 // The Communicator contract (data_plane.h) over the TCP data plane.
 #include "collective/data_plane.h"
+#include "common/role_keys.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -52,7 +53,8 @@ std::unique_ptr<RankEnv> MakeRank(int rank, net::Listener listener,
                                   const std::vector<Member>& members, size_t piece_bytes = 64 << 10,
                                   bool checked = false) {
   auto env = std::make_unique<RankEnv>();
-  env->plane = TcpDataPlane::Create({kToken, rank}, std::move(listener), &env->abort);
+  env->plane = TcpDataPlane::Create({WorkerDataKey(crypto::JobKey(kToken)), rank},
+                                    std::move(listener), &env->abort);
   CommunicatorOptions o;
   o.generation = 1;
   o.rank = rank;
@@ -768,7 +770,7 @@ TEST(CommunicatorTest, MeshRefusesAStrangerWithTheWrongToken) {
   auto listeners = MakeListeners(2);
   auto members = MembersOf(listeners);
   auto r1 = MakeRank(1, std::move(listeners[1]), members);
-  PeerMeshOptions opts{"wrong-token", 0};
+  PeerMeshOptions opts{WorkerDataKey(crypto::JobKey("wrong-token")), 0};
   auto stranger = PeerMesh::Create(opts, std::move(listeners[0]));
   net::AbortSignal abort;
   Result<Connection*> c =

@@ -2,6 +2,7 @@
 // data plane refuses memory that is not on the host, with no effect on the
 // communicator.
 #include "collective/data_plane.h"
+#include "common/role_keys.h"
 
 #include <gtest/gtest.h>
 
@@ -45,8 +46,9 @@ struct World {
       listeners.push_back(std::move(*l));
     }
     for (int r = 0; r < 2; ++r) {
-      planes.push_back(TcpDataPlane::Create(
-          {"data-plane-test", r}, std::move(listeners[static_cast<size_t>(r)]), &aborts[r]));
+      planes.push_back(TcpDataPlane::Create({WorkerDataKey(crypto::JobKey("data-plane-test")), r},
+                                            std::move(listeners[static_cast<size_t>(r)]),
+                                            &aborts[r]));
       CommunicatorOptions o;
       o.rank = r;
       o.members = members;

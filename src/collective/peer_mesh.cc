@@ -110,7 +110,6 @@ std::unique_ptr<PeerMesh> PeerMesh::Create(PeerMeshOptions options, net::Listene
 
 PeerMesh::PeerMesh(PeerMeshOptions options, net::Listener listener)
     : options_(std::move(options)),
-      job_key_(crypto::JobKey(options_.job_token)),
       listen_fd_(std::move(listener.fd)),
       address_(listener.address),
       wake_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
@@ -292,7 +291,7 @@ void PeerMesh::AcceptLoop(std::stop_token stop) {
         p->fd = std::move(*fd);
         p->from = PeerNameOf(p->fd.get());
         p->deadline = DeadlineAfter(options_.timeout_handshake);
-        p->hello = std::make_unique<net::HelloAcceptor>(p->fd.get(), job_key_,
+        p->hello = std::make_unique<net::HelloAcceptor>(p->fd.get(), net::OneKey(options_.data_key),
                                                         net::ConnectionKind::kData, rule);
         p->hello->Advance();  // the hello often arrives with the connection
         if (settle(*p, Clock::now())) continue;
@@ -386,7 +385,8 @@ Result<Connection*> PeerMesh::Dial(int peer_id, int lane, const std::string& pee
   hello.generation = generation;
   hello.worker_id = options_.worker_id;
   hello.lane = static_cast<uint16_t>(lane);
-  Result<net::Channel> hs = net::ClientHandshake(fd.get(), job_key_, hello, deadline, abort);
+  Result<net::Channel> hs =
+      net::ClientHandshake(fd.get(), options_.data_key, hello, deadline, abort);
   if (!hs.ok())
     return hs.status().WithContext(
         fmt::format("handshake with worker {} ({})", peer_id, peer_address));

@@ -88,7 +88,8 @@ struct Connection {
 bool ConnectionIsBroken(const Connection& c);
 
 struct PeerMeshOptions {
-  std::string job_token;
+  // The workers' data key (role_keys.h): what both ends of every data connection prove.
+  crypto::Key data_key{};
   int worker_id = -1;
   // Where the data port listens: IPv4 or IPv6 ("::1", "::" for every
   // interface of both families).
@@ -154,7 +155,6 @@ class PeerMesh {
   void WakeAcceptLoop();
 
   const PeerMeshOptions options_;
-  const crypto::Key job_key_;  // of options_.job_token: what both ends of a connection prove
   UniqueFd listen_fd_;
   net::HostPort address_;
   net::AbortSignal stop_signal_;  // wakes the accept thread at shutdown

@@ -14,6 +14,7 @@
 
 #include "collective/tcp_data_plane.h"
 #include "common/coding.h"
+#include "common/role_keys.h"
 #include "net/frame.h"
 #include "net/handshake.h"
 #include "net/ipv6_testing.h"
@@ -26,7 +27,7 @@ constexpr char kToken[] = "mesh-test-token";
 std::unique_ptr<PeerMesh> MakeMesh(int worker_id, Millis timeout_handshake = Millis(30'000),
                                    int max_pending = 64) {
   PeerMeshOptions o;
-  o.job_token = kToken;
+  o.data_key = WorkerDataKey(crypto::JobKey(kToken));
   o.worker_id = worker_id;
   o.timeout_handshake = timeout_handshake;
   o.max_pending_handshakes = max_pending;
@@ -54,7 +55,7 @@ Status HandDial(const PeerMesh& mesh, int worker_id, uint32_t generation, Unique
   h.kind = net::ConnectionKind::kData;
   h.worker_id = worker_id;
   h.generation = generation;
-  Result<net::Channel> s = net::ClientHandshake(fd.get(), crypto::JobKey(kToken), h,
+  Result<net::Channel> s = net::ClientHandshake(fd.get(), WorkerDataKey(crypto::JobKey(kToken)), h,
                                                 DeadlineAfter(Millis(5'000)), nullptr);
   if (out != nullptr) *out = std::move(fd);
   return s.status();
@@ -302,7 +303,7 @@ TEST(PeerMeshIpv6Test, AllReduceOfThreeRanksOverIpv6Loopback) {
   std::vector<Member> members;
   for (int r = 0; r < kWorld; ++r) {
     PeerMeshOptions o;
-    o.job_token = kToken;
+    o.data_key = WorkerDataKey(crypto::JobKey(kToken));
     o.worker_id = r;
     o.listen = {"::1", 0};
     auto plane = TcpDataPlane::Create(o, &aborts[r]);
@@ -368,7 +369,7 @@ TEST(PeerMeshPortRangeTest, MeshesTakeTheRangesPortsAndTheNextFailsNamingIt) {
   ASSERT_FALSE(range.empty()) << "no two adjacent free ports on this machine";
   auto make = [&](int worker_id) {
     PeerMeshOptions o;
-    o.job_token = kToken;
+    o.data_key = WorkerDataKey(crypto::JobKey(kToken));
     o.worker_id = worker_id;
     o.ports = range;
     return PeerMesh::Create(o);
@@ -408,7 +409,7 @@ TEST(PeerMeshPortRangeTest, RangeWorksOnIpv6) {
   net::PortRange range = TwoFreePorts();
   ASSERT_FALSE(range.empty());
   PeerMeshOptions o;
-  o.job_token = kToken;
+  o.data_key = WorkerDataKey(crypto::JobKey(kToken));
   o.worker_id = 0;
   o.listen = {"::1", 0};
   o.ports = {range.lo, range.lo};

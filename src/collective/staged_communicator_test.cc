@@ -5,6 +5,7 @@
 // piece k is reduced), and a region on another device is refused. The CUDA
 // copier itself is tested on a GPU (gpu/cuda_copier_test.cc, label gpu).
 #include "collective/staged_communicator.h"
+#include "common/role_keys.h"
 
 #include <gtest/gtest.h>
 
@@ -79,8 +80,9 @@ struct World {
       listeners.push_back(std::move(*l));
     }
     for (int r = 0; r < kWorld; ++r) {
-      planes.push_back(TcpDataPlane::Create(
-          {"staged-test", r}, std::move(listeners[static_cast<size_t>(r)]), &aborts[r]));
+      planes.push_back(TcpDataPlane::Create({WorkerDataKey(crypto::JobKey("staged-test")), r},
+                                            std::move(listeners[static_cast<size_t>(r)]),
+                                            &aborts[r]));
       CommunicatorOptions o;
       o.rank = r;
       o.members = members;
@@ -220,7 +222,8 @@ TEST(StagedDataPlaneTest, SupportsTheCopiersDeviceAndMakesStagedCommunicators) {
   auto listener = net::Listen({"127.0.0.1", 0});
   ASSERT_TRUE(listener.ok());
   const std::string address = listener->address.ToString();
-  StagedDataPlane plane(TcpDataPlane::Create({"staged-test", 0}, std::move(*listener), &abort),
+  StagedDataPlane plane(TcpDataPlane::Create({WorkerDataKey(crypto::JobKey("staged-test")), 0},
+                                             std::move(*listener), &abort),
                         std::make_shared<StandInCopier>());
   EXPECT_TRUE(plane.Supports(Device::kHost));
   EXPECT_TRUE(plane.Supports(Device::kCuda));
@@ -243,7 +246,8 @@ TEST(StagedDataPlaneTest, EveryCommunicatorOfADataPlaneSharesItsStagingBuffers) 
   ASSERT_TRUE(listener.ok());
   const std::string address = listener->address.ToString();
   auto copier = std::make_shared<StandInCopier>();
-  StagedDataPlane plane(TcpDataPlane::Create({"staged-test", 0}, std::move(*listener), &abort),
+  StagedDataPlane plane(TcpDataPlane::Create({WorkerDataKey(crypto::JobKey("staged-test")), 0},
+                                             std::move(*listener), &abort),
                         copier, StagedOptions{1024});
   for (int generation = 1; generation <= 50; ++generation) {
     CommunicatorOptions o;

@@ -134,6 +134,66 @@ std::string Gmac(const Key& key, std::string_view nonce,
   return tag;
 }
 
+namespace {
+
+// An Ed25519 key of libcrypto from a seed (private) or a public key; null for a wrong length.
+EVP_PKEY* Ed25519Key(std::string_view bytes, bool is_private) {
+  const auto* raw = reinterpret_cast<const unsigned char*>(bytes.data());
+  return is_private ? EVP_PKEY_new_raw_private_key(EVP_PKEY_ED25519, nullptr, raw, bytes.size())
+                    : EVP_PKEY_new_raw_public_key(EVP_PKEY_ED25519, nullptr, raw, bytes.size());
+}
+
+std::string_view SeedBytes(const Key& seed) {
+  return {reinterpret_cast<const char*>(seed.data()), seed.size()};
+}
+
+}  // namespace
+
+std::string Ed25519PublicKey(const Key& seed) {
+  EVP_PKEY* key = Ed25519Key(SeedBytes(seed), true);
+  NONSTOP_CHECK(key != nullptr) << "Ed25519 key from a seed";
+  std::string out(kEd25519PublicBytes, '\0');
+  size_t len = out.size();
+  const bool ok =
+      EVP_PKEY_get_raw_public_key(key, reinterpret_cast<unsigned char*>(out.data()), &len) == 1;
+  EVP_PKEY_free(key);
+  NONSTOP_CHECK(ok && len == kEd25519PublicBytes) << "Ed25519 public key";
+  return out;
+}
+
+std::string Ed25519Sign(const Key& seed, std::string_view message) {
+  EVP_PKEY* key = Ed25519Key(SeedBytes(seed), true);
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  NONSTOP_CHECK(key != nullptr && ctx != nullptr) << "Ed25519 signing context";
+  std::string out(kEd25519SignatureBytes, '\0');
+  size_t len = out.size();
+  const bool ok =
+      EVP_DigestSignInit(ctx, nullptr, nullptr, nullptr, key) == 1 &&
+      EVP_DigestSign(ctx, reinterpret_cast<unsigned char*>(out.data()), &len,
+                     reinterpret_cast<const unsigned char*>(message.data()), message.size()) == 1;
+  EVP_MD_CTX_free(ctx);
+  EVP_PKEY_free(key);
+  NONSTOP_CHECK(ok && len == kEd25519SignatureBytes) << "Ed25519 sign";
+  return out;
+}
+
+bool Ed25519Verify(std::string_view public_key, std::string_view message,
+                   std::string_view signature) {
+  if (public_key.size() != kEd25519PublicBytes || signature.size() != kEd25519SignatureBytes) {
+    return false;
+  }
+  EVP_PKEY* key = Ed25519Key(public_key, false);
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  bool ok = key != nullptr && ctx != nullptr &&
+            EVP_DigestVerifyInit(ctx, nullptr, nullptr, nullptr, key) == 1 &&
+            EVP_DigestVerify(
+                ctx, reinterpret_cast<const unsigned char*>(signature.data()), signature.size(),
+                reinterpret_cast<const unsigned char*>(message.data()), message.size()) == 1;
+  EVP_MD_CTX_free(ctx);
+  EVP_PKEY_free(key);
+  return ok;
+}
+
 std::string Hex(std::string_view bytes) {
   static constexpr char kDigits[] = "0123456789abcdef";
   std::string out;

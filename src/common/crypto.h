@@ -59,6 +59,18 @@ inline constexpr size_t kGmacNonceBytes = 12;
 std::string Gmac(const Key& key, std::string_view nonce,
                  std::initializer_list<std::string_view> parts);
 
+// Ed25519 (RFC 8032, through libcrypto's EVP): signatures a verifier cannot make. The private
+// key is a kKeyBytes seed (the callers derive it from the job key); the public key and a
+// signature are kEd25519PublicBytes and kEd25519SignatureBytes long. Signing is deterministic.
+inline constexpr size_t kEd25519PublicBytes = 32;
+inline constexpr size_t kEd25519SignatureBytes = 64;
+std::string Ed25519PublicKey(const Key& seed);
+std::string Ed25519Sign(const Key& seed, std::string_view message);
+// Whether `signature` is the signature of `message` under `public_key` (false for a key or a
+// signature of the wrong length).
+bool Ed25519Verify(std::string_view public_key, std::string_view message,
+                   std::string_view signature);
+
 // Lower-case hex of bytes (for log lines that name a digest, never a key).
 std::string Hex(std::string_view bytes);
 

@@ -32,6 +32,29 @@ TEST(CryptoTest, GmacIsAes256GcmOverAdditionalData) {
   EXPECT_NE(Hex(Gmac(k, nonce, {"Hi there"})), "8efcd741bc97780d756b66ab40b751ef");
 }
 
+TEST(CryptoTest, Ed25519IsRfc8032AndAVerifierCannotBeFooled) {
+  // RFC 8032, section 7.1, TEST 1 (an empty message).
+  Key seed{};
+  const std::string hex = "9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60";
+  for (size_t i = 0; i < seed.size(); ++i) seed[i] = std::stoi(hex.substr(2 * i, 2), nullptr, 16);
+  const std::string pub = Ed25519PublicKey(seed);
+  EXPECT_EQ(Hex(pub), "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a");
+  const std::string sig = Ed25519Sign(seed, "");
+  EXPECT_EQ(Hex(sig),
+            "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e"
+            "39701cf9b46bd25bf5f0595bbe24655141438e7a100b");
+  EXPECT_TRUE(Ed25519Verify(pub, "", sig));
+  const std::string signed_text = Ed25519Sign(seed, "leader");
+  EXPECT_TRUE(Ed25519Verify(pub, "leader", signed_text));
+  EXPECT_FALSE(Ed25519Verify(pub, "leadeR", signed_text));  // another message
+  std::string flipped = signed_text;
+  flipped[10] ^= 1;
+  EXPECT_FALSE(Ed25519Verify(pub, "leader", flipped));
+  EXPECT_FALSE(Ed25519Verify(Ed25519PublicKey(JobKey("other")), "leader", signed_text));
+  EXPECT_FALSE(Ed25519Verify(pub, "leader", signed_text.substr(1)));  // a wrong length
+  EXPECT_FALSE(Ed25519Verify(pub.substr(1), "leader", signed_text));
+}
+
 TEST(CryptoTest, FramedMacSeparatesLabelsAndPartBoundaries) {
   Key k = JobKey("token");
   const std::string m = Mac(k, "label", {"ab", "c"});

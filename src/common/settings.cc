@@ -122,6 +122,7 @@ std::vector<Info> Build() {
       Describe(kAgentJoinTimeoutMs),
       Describe(kAgentControllerTimeoutMs),
       Describe(kFenceAfterMs),
+      Describe(kWorkerUser),
       Describe(kOnSigterm),
       // nonstop status, scale, worker; nonstop data prepare
       Describe(kJobFile),

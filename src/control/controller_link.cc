@@ -98,7 +98,9 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
   }
   if (o.max_queued_bytes < 64 * 1024)
     return InvalidArgumentError("controller link: max_queued_bytes under 64 KiB");
-  if (o.job_token.empty()) return InvalidArgumentError("controller link: no job token");
+  if (o.controller_public.size() != crypto::kEd25519PublicBytes) {
+    return InvalidArgumentError("controller link: no controller public key");
+  }
   std::vector<net::HostPort> list;
   if (!o.controllers.empty()) {
     auto parsed = ParseControllerList(o.controllers);
@@ -119,16 +121,14 @@ Result<std::unique_ptr<ControllerLink>> ControllerLink::Create(ControllerLinkOpt
   link->etcd_ = std::move(etcd);
   if (!link->options_.leader_file.empty()) {
     link->leader_file_ = std::make_unique<coord::LeaderFileReader>(
-        link->options_.leader_file, link->options_.etcd_job, link->job_key_);
+        link->options_.leader_file, link->options_.etcd_job, link->options_.controller_public);
   }
   if (!link->list_.empty()) link->controller_ = link->list_[0].ToString();
   return link;
 }
 
 ControllerLink::ControllerLink(ControllerLinkOptions options)
-    : options_(std::move(options)),
-      job_key_(crypto::JobKey(options_.job_token)),
-      decoder_(options_.max_frame_bytes) {
+    : options_(std::move(options)), decoder_(options_.max_frame_bytes) {
   random_ = options_.random;
   if (!random_) {
     random_ = [rng = std::mt19937(std::random_device{}()),
@@ -282,7 +282,7 @@ void ControllerLink::BeginTry(Deadline now) {
   Result<std::string> leader =
       leader_file_ != nullptr
           ? leader_file_->Read(&job_exit)
-          : coord::LookUpLeader(*etcd_, options_.etcd_job, &job_exit, &job_key_);
+          : coord::LookUpLeader(*etcd_, options_.etcd_job, &job_exit, &options_.controller_public);
   if (!leader.ok()) {
     switch (leader.status().code()) {
       case StatusCode::kAborted:  // the job ended while no controller led: final
@@ -330,7 +330,7 @@ void ControllerLink::OnConnected(Deadline now) {
   ChangeState(State::kHello);
   try_deadline_ = std::min(now + options_.try_timeout, give_up_at_);
   last_heard_ = now;
-  handshake_ = std::make_unique<net::DialerHandshake>(job_key_, options_.hello);
+  handshake_ = std::make_unique<net::DialerHandshake>(options_.key, options_.hello);
   Status s;
   {
     MutexLock lock(&mu_);

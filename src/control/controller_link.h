@@ -127,23 +127,26 @@ struct ControllerLinkOptions {
   // client of the host. It wins over etcd; it must be etcd_job's.
   std::string leader_file;
   // etcd's TLS and user (docs/etcd-security.md), for the etcd client. The leader key's value is
-  // verified with hello.job_token's job key, from etcd and from the leader file alike.
+  // verified with controller_public, from etcd and from the leader file alike.
   etcd::Security etcd_security;
   Millis etcd_timeout{300};  // one etcd request (the owner's thread waits for it)
   // With etcd: until the first acceptance the list is dialed (a worker whose
   // launcher just named the leader); etcd is asked after a loss.
   bool list_first = false;
 
-  // What the caller says of itself (kind, worker id), and the job token: the
-  // link proves the job key with it, and follows only a controller that
-  // proves it too (net/handshake.h). The token itself is never sent. A
+  // What the caller says of itself (kind, worker id), and the key of that role (role_keys.h: a
+  // worker's control key, or the job key for an agent): the link proves it, and follows only a
+  // controller that proves it too (net/handshake.h). No key is ever sent. A
   // controller that cannot prove the key is garbage, dialed again after the
   // back-off; before any controller accepted this link, three such tries in a
   // row are final (kFailedPrecondition: most likely this process holds the
   // wrong token). An authenticated refusal (its reason: a kind or worker id
   // the controller does not take) is final.
   net::Hello hello;
-  std::string job_token;
+  crypto::Key key{};
+  // The controllers' Ed25519 public key (ControllerPublicKey): the leader key's value is followed
+  // only when it verifies with it. Required.
+  std::string controller_public;
 
   Millis try_timeout{3'000};        // one try: the connect, then the hello and its ack, each
   Millis silence_timeout{5'000};    // accepted, and no byte from the controller this long: lost
@@ -295,8 +298,7 @@ class ControllerLink {
   void Rewatch();
 
   const ControllerLinkOptions options_;
-  const crypto::Key job_key_;  // of options_.job_token
-  UniqueFd wake_fd_;           // eventfd: Send() wakes the owner
+  UniqueFd wake_fd_;  // eventfd: Send() wakes the owner
 
   // Shared with Send() on other threads.
   mutable Mutex mu_;

@@ -19,6 +19,7 @@
 
 #include "common/crypto.h"
 #include "common/file_util.h"
+#include "common/role_keys.h"
 #include "common/temp_dir.h"
 #include "control/messages.h"
 #include "controller/control_server.h"
@@ -53,7 +54,8 @@ ControllerLinkOptions Options(
   o.controllers = std::move(controllers);
   o.hello.kind = net::ConnectionKind::kControl;
   o.hello.worker_id = 3;
-  o.job_token = kToken;
+  o.key = WorkerControlKey(crypto::JobKey(kToken), 3);
+  o.controller_public = ControllerPublicKey(crypto::JobKey(kToken));
   o.try_timeout = 2s;
   o.silence_timeout = 5s;
   o.reconnect_within = 60s;
@@ -364,7 +366,7 @@ TEST(ControllerLinkTest, GarbageFromTheServerClosesTheConnectionWithAClearErrorA
   server = std::thread([&] {
     auto c = fake.Accept();
     ASSERT_TRUE(c.ok()) << c.status().ToString();
-    auto accepted = net::ServerHandshake(c->get(), crypto::JobKey(kToken),
+    auto accepted = net::ServerHandshake(c->get(), net::JobRoles(crypto::JobKey(kToken)),
                                          net::ConnectionKind::kControl, DeadlineAfter(5s), nullptr);
     ASSERT_TRUE(accepted.ok()) << accepted.status().ToString();
     auto join = net::ReadFrame(c->get(), DeadlineAfter(5s), nullptr);
@@ -405,8 +407,8 @@ TEST(ControllerLinkTest, AnAlteredOrInjectedFrameIsRefusedCountedAndCostsTheConn
       auto c = fake.Accept();
       ASSERT_TRUE(c.ok()) << c.status().ToString();
       auto accepted =
-          net::ServerHandshake(c->get(), crypto::JobKey(kToken), net::ConnectionKind::kControl,
-                               DeadlineAfter(5s), nullptr);
+          net::ServerHandshake(c->get(), net::JobRoles(crypto::JobKey(kToken)),
+                               net::ConnectionKind::kControl, DeadlineAfter(5s), nullptr);
       ASSERT_TRUE(accepted.ok()) << accepted.status().ToString();
       ASSERT_TRUE(net::ReadFrame(c->get(), DeadlineAfter(5s), nullptr).ok());  // the join
       std::string bytes = accepted->channel.send->Seal(kMsgPing, Encode(PingMsg{2}));

@@ -98,7 +98,7 @@ void ControlServer::OnAccept() {
     c->seq = next_seq_++;
     // Workers and agents share the port; the hello says which one speaks.
     c->handshake = std::make_unique<net::AcceptorHandshake>(
-        job_key_,
+        net::JobRoles(job_key_),
         [](net::ConnectionKind k) {
           return k == net::ConnectionKind::kControl || k == net::ConnectionKind::kAgent;
         },

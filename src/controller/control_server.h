@@ -188,7 +188,7 @@ class ControlServer {
   const ControlServerOptions options_;
   UniqueFd listen_fd_;
   net::HostPort address_;
-  const crypto::Key job_key_;  // of the job token: what every peer must prove
+  const crypto::Key job_key_;  // of the job token: each peer proves its role's key (role_keys.h)
   EventSink sink_;
   std::map<int, std::unique_ptr<Conn>> conns_;  // by fd
   std::map<int, int> fd_of_worker_;

@@ -11,49 +11,49 @@
 
 #include "common/file_util.h"
 #include "common/logging.h"
+#include "common/role_keys.h"
 #include "coord/leadership.h"
 
 namespace nonstop::coord {
 
 namespace {
 
-// What a MAC'd value is for: its key is derived for that purpose and for this job (a value MAC'd
-// for job A does not verify for job B of the same token, nor a leader value as the end key's), over
-// the value's JSON without its "mac" (nlohmann writes an object's fields in key order: the
-// writer's and the reader's texts agree).
-struct ValueKind {
-  const char* purpose;
-  const char* label;
-};
-constexpr ValueKind kLeaderValue{"etcd leader key", "leader key value"};
-constexpr ValueKind kEndValue{"etcd end key", "end key value"};
+// What a signed value is: its label and its job are signed with it (a value signed for job A does
+// not verify for job B of the same token, nor a leader value as the end key's), over the value's
+// JSON without its "sig" (nlohmann writes an object's fields in key order: the writer's and the
+// reader's texts agree). The signature is the controllers' Ed25519 (role_keys.h): workers and
+// agents verify it and cannot make one.
+constexpr const char* kLeaderValue = "leader key value";
+constexpr const char* kEndValue = "end key value";
 
-std::string ValueMac(const ValueKind& kind, const crypto::Key& job_key, const std::string& job,
-                     const nlohmann::json& unsigned_value) {
-  return crypto::Hex(crypto::Mac(crypto::DeriveKey(job_key, kind.purpose, job), kind.label,
-                                 {unsigned_value.dump()}));
+std::string SignedText(const char* label, const std::string& job,
+                       const nlohmann::json& unsigned_value) {
+  return fmt::format("nonstop {}\n{}\n{}", label, job, unsigned_value.dump());
 }
 
-std::string SignValue(const ValueKind& kind, const crypto::Key& job_key, const std::string& job,
+std::string SignValue(const char* label, const crypto::Key& job_key, const std::string& job,
                       nlohmann::json value) {
-  value.erase("mac");
-  std::string mac = ValueMac(kind, job_key, job, value);
-  value["mac"] = std::move(mac);
+  value.erase("sig");
+  std::string sig =
+      crypto::Ed25519Sign(ControllerSigningSeed(job_key), SignedText(label, job, value));
+  value["sig"] = crypto::Base64Encode(sig);
   return value.dump();
 }
 
-// Parses `value` and checks its MAC; *unsigned_value is the value without it.
-Status CheckValueMac(const ValueKind& kind, const crypto::Key& job_key, const std::string& job,
-                     const std::string& value, nlohmann::json* unsigned_value) {
+// Parses `value` and checks its signature; *unsigned_value is the value without it.
+Status CheckValueSignature(const char* label, const std::string& controller_public,
+                           const std::string& job, const std::string& value,
+                           nlohmann::json* unsigned_value) {
   nlohmann::json& v = *unsigned_value;
   v = nlohmann::json::parse(value, nullptr, false);
-  if (!v.is_object() || !v.contains("mac") || !v["mac"].is_string()) {
-    return FailedPreconditionError("it carries no MAC of the job key");
+  if (!v.is_object() || !v.contains("sig") || !v["sig"].is_string()) {
+    return FailedPreconditionError("it carries no signature of the job's controllers");
   }
-  const std::string mac = v["mac"].get<std::string>();
-  v.erase("mac");
-  if (!crypto::MacEquals(mac, ValueMac(kind, job_key, job, v))) {
-    return FailedPreconditionError("its MAC does not verify with the job key");
+  const std::string sig = v["sig"].get<std::string>();
+  v.erase("sig");
+  std::optional<std::string> bytes = crypto::Base64Decode(sig);
+  if (!bytes || !crypto::Ed25519Verify(controller_public, SignedText(label, job, v), *bytes)) {
+    return FailedPreconditionError("its signature does not verify with the job's controller key");
   }
   return OkStatus();
 }
@@ -89,16 +89,16 @@ std::string SignEndValue(const crypto::Key& job_key, const std::string& job,
   return SignValue(kEndValue, job_key, job, std::move(v));
 }
 
-Status VerifyEndValue(const crypto::Key& job_key, const std::string& job,
+Status VerifyEndValue(const std::string& controller_public, const std::string& job,
                       const std::string& value) {
   nlohmann::json v;
-  return CheckValueMac(kEndValue, job_key, job, value, &v);
+  return CheckValueSignature(kEndValue, controller_public, job, value, &v);
 }
 
-Status VerifyLeaderValue(const crypto::Key& job_key, const std::string& job,
+Status VerifyLeaderValue(const std::string& controller_public, const std::string& job,
                          const std::string& value, int64_t create_revision) {
   nlohmann::json v;
-  NONSTOP_RETURN_IF_ERROR(CheckValueMac(kLeaderValue, job_key, job, value, &v));
+  NONSTOP_RETURN_IF_ERROR(CheckValueSignature(kLeaderValue, controller_public, job, value, &v));
   if (!v.contains("epoch") || !v["epoch"].is_number_integer() ||
       v["epoch"].get<int64_t>() != create_revision) {
     return FailedPreconditionError(fmt::format(
@@ -110,10 +110,10 @@ Status VerifyLeaderValue(const crypto::Key& job_key, const std::string& job,
 
 // The same reading as LookUpLeader's (src/coord/leadership.cc), of the same values.
 Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code,
-                                        const crypto::Key* job_key) {
+                                        const std::string* controller_public) {
   if (!keys.leader) {
-    if (keys.end && job_key != nullptr) {
-      if (Status s = VerifyEndValue(*job_key, keys.job, *keys.end); !s.ok()) {
+    if (keys.end && controller_public != nullptr) {
+      if (Status s = VerifyEndValue(*controller_public, keys.job, *keys.end); !s.ok()) {
         SayRefusedOnce(keys.job, "end key", *keys.end, s);
         return NotFoundError(fmt::format(
             "the end key of job '{}' is not believed: {} (written without the job token)", keys.job,
@@ -138,8 +138,8 @@ Result<std::string> InterpretLeaderKeys(const LeaderKeys& keys, int* exit_code,
     return NotFoundError(
         fmt::format("the leader of job '{}' has not published its address yet", keys.job));
   }
-  if (job_key != nullptr) {
-    if (Status s = VerifyLeaderValue(*job_key, keys.job, *keys.leader, keys.leader_epoch);
+  if (controller_public != nullptr) {
+    if (Status s = VerifyLeaderValue(*controller_public, keys.job, *keys.leader, keys.leader_epoch);
         !s.ok()) {
       SayRefusedOnce(keys.job, "leader key", *keys.leader, s);
       return NotFoundError(fmt::format(
@@ -197,7 +197,7 @@ Result<std::string> LeaderFileReader::Read(int* exit_code) {
         "(NONSTOP_LEADER_FILE and NONSTOP_ETCD_JOB must come from the same agent)",
         path_, keys->job, job_));
   }
-  return InterpretLeaderKeys(*keys, exit_code, job_key_ ? &*job_key_ : nullptr);
+  return InterpretLeaderKeys(*keys, exit_code, controller_public_ ? &*controller_public_ : nullptr);
 }
 
 // A temporary file renamed over `path`: a reader opens the old file or the new one, whole. No
@@ -232,14 +232,13 @@ Status WriteLeaderFile(const std::string& path, const std::string& text) {
 
 }  // namespace
 
-Result<std::unique_ptr<LeaderWatch>> LeaderWatch::Start(const std::string& endpoints,
-                                                        const std::string& job, std::string path,
-                                                        std::function<void()> on_change,
-                                                        const etcd::Security& security,
-                                                        std::optional<crypto::Key> job_key) {
+Result<std::unique_ptr<LeaderWatch>> LeaderWatch::Start(
+    const std::string& endpoints, const std::string& job, std::string path,
+    std::function<void()> on_change, const etcd::Security& security,
+    std::optional<std::string> controller_public) {
   NONSTOP_RETURN_IF_ERROR(CheckJobName(job));
   auto w = std::unique_ptr<LeaderWatch>(
-      new LeaderWatch(job, std::move(path), std::move(on_change), job_key));
+      new LeaderWatch(job, std::move(path), std::move(on_change), controller_public));
   LeaderWatch* self = w.get();
   for (bool leader : {true, false}) {
     etcd::WatchOptions o;
@@ -298,7 +297,7 @@ void LeaderWatch::Update(bool leader, const etcd::Snapshot& s, int64_t revision)
   }
   // A value that does not verify is said here, the host's one reader of etcd (its readers of the
   // file refuse it too, and say it once each).
-  if (job_key_ && leader) (void)InterpretLeaderKeys(now, nullptr, &*job_key_);
+  if (controller_public_ && leader) (void)InterpretLeaderKeys(now, nullptr, &*controller_public_);
   LeaderKeys shown = now;
   shown.revision = 0;  // a change of the revision alone is no change of the file
   std::string text = EncodeLeaderFile(shown);

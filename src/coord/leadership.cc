@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "common/logging.h"
+#include "common/role_keys.h"
 #include "coord/leader_watch.h"
 #include "coord/retry.h"
 #include "coord/sealed_value.h"
@@ -80,7 +81,7 @@ std::string JobPrefix(const std::string& job) { return "/nonstop/" + job + "/"; 
 std::string LeaderKey(const std::string& job) { return JobPrefix(job) + "leader"; }
 
 Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, int* exit_code,
-                                 const crypto::Key* job_key) {
+                                 const std::string* controller_public) {
   // The two keys, read as the agents' leader watch reads them (one interpretation of both).
   LeaderKeys keys;
   keys.job = job;
@@ -92,7 +93,7 @@ Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job, i
     NONSTOP_ASSIGN_OR_RETURN(auto end, client.Range(JobPrefix(job) + "end"));
     if (!end.empty()) keys.end = end[0].value;
   }
-  return InterpretLeaderKeys(keys, exit_code, job_key);
+  return InterpretLeaderKeys(keys, exit_code, controller_public);
 }
 
 LeadershipOptions WithDerivedTimes(LeadershipOptions o) {
@@ -655,7 +656,7 @@ void Leadership::CheckLeaderKey(etcd::Client& client) {
   LeaderKeyForgery f;
   f.value = kv.value.substr(0, 256);
   f.mod_revision = kv.mod_revision;
-  Status why = VerifyLeaderValue(key, options_.job, kv.value, epoch_);
+  Status why = VerifyLeaderValue(ControllerPublicKey(key), options_.job, kv.value, epoch_);
   f.why = why.ok() ? "a value of this epoch this leader did not write last" : why.message();
   // Back on this leader's lease, while the key is still this epoch's (a Put without a lease, as
   // an `etcdctl put` is, also took the key off the lease).

@@ -132,10 +132,11 @@ std::string LeaderKey(const std::string& job);  // "/nonstop/<job>/leader"
 // Who leads `job` now, as its leader key says: the control address, or
 // NotFound (nobody leads, or the leader has not published an address yet),
 // or Aborted when the job ended (the message says how; *exit_code, if given,
-// is the job's exit code). With job_key, a value that does not verify is NotFound
-// (InterpretLeaderKeys): not followed.
+// is the job's exit code). With controller_public (ControllerPublicKey), a value that does not
+// verify is NotFound (InterpretLeaderKeys): not followed.
 Result<std::string> LookUpLeader(etcd::Client& client, const std::string& job,
-                                 int* exit_code = nullptr, const crypto::Key* job_key = nullptr);
+                                 int* exit_code = nullptr,
+                                 const std::string* controller_public = nullptr);
 
 // The leader key found overwritten under a leader by a value it did not write (and cannot
 // verify): what the controller's journal records (a "leader_key_forged" record).
@@ -190,7 +191,7 @@ class Leadership {
   Result<JournalRead> ReadJournal(const crypto::Key& job_key);
 
   // The leader key's value once this controller listens (its address), with
-  // the epoch and the MAC of job_key (SignLeaderValue); retried like
+  // the epoch and the controllers' signature (SignLeaderValue, from job_key); retried like
   // ReadJournal. deposed() is true after an error that lost the leadership.
   // From then on the keep-alive thread reads the key after each renewal: a
   // value this leader did not write is put back (while the lease holds) and

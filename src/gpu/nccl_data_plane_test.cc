@@ -4,6 +4,7 @@
 // instead of hanging in NCCL. Its collectives, abort and shrink on GPUs are
 // nccl_gpu_test.cc (label gpu: two GPUs or more).
 #include "gpu/nccl_data_plane.h"
+#include "common/role_keys.h"
 
 #include <gtest/gtest.h>
 
@@ -64,7 +65,7 @@ TEST(NcclDataPlaneTest, WithoutAGpuConnectFailsNamingTheCudaErrorAndTheFailureSt
   std::vector<std::unique_ptr<collective::Communicator>> comms;
   for (int r = 0; r < kWorld; ++r) {
     planes.push_back(std::make_unique<NcclDataPlane>(
-        collective::TcpDataPlane::Create({"nccl-test", 100 + r},
+        collective::TcpDataPlane::Create({WorkerDataKey(crypto::JobKey("nccl-test")), 100 + r},
                                          std::move(listeners[static_cast<size_t>(r)]), &aborts[r]),
         std::make_shared<collective::MemoryCopier>(device), &aborts[r]));
     EXPECT_TRUE(planes.back()->Supports(Device::kCuda));

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "collective/tcp_data_plane.h"
+#include "common/role_keys.h"
 #include "gpu/cuda_copier.h"
 #include "gpu/cuda_util.h"
 #include "gpu/nccl_data_plane.h"
@@ -81,7 +82,8 @@ struct World {
       NONSTOP_CHECK(copier.ok()) << copier.status().ToString();
       planes.push_back(std::make_unique<NcclDataPlane>(
           collective::TcpDataPlane::Create(
-              {"nccl-gpu-test", 200 + r}, std::move(listeners[static_cast<size_t>(r)]), &aborts[r]),
+              {WorkerDataKey(crypto::JobKey("nccl-gpu-test")), 200 + r},
+              std::move(listeners[static_cast<size_t>(r)]), &aborts[r]),
           *copier, &aborts[r]));
     }
   }

@@ -180,7 +180,7 @@ TEST(LocalLauncherTest, TheJobTokenComesInADescriptorNotTheEnvironment) {
       "env; echo \"read=$(cat /proc/self/fd/$NONSTOP_JOB_TOKEN_FD)\"; ls -l /proc/$$/fd/ | grep -c "
       "nonstop-job-token; echo end"};
   spec.env = {{"NONSTOP_JOB_TOKEN", "spec-token"}};
-  spec.job_token = "s3cret-token";
+  spec.secret = "s3cret-token";
   int before = OpenDescriptors();
   ASSERT_TRUE(launcher.Spawn(spec).ok());
   EXPECT_EQ(OpenDescriptors(), before + 3) << "the launcher keeps only the pidfd and two pipes";

@@ -1,6 +1,8 @@
 #include "launcher/local_launcher.h"
 
 #include <fcntl.h>
+#include <grp.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
@@ -9,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -39,6 +42,45 @@ void WriteAll(int fd, std::string_view s) {
 }
 
 }  // namespace
+
+Result<RunAs> LookUpRunAs(const std::string& name_or_uid) {
+  const std::string setting(settings::kWorkerUser.flag);
+  if (::geteuid() != 0) {
+    return FailedPreconditionError(fmt::format(
+        "{} {}: only a launcher running as root can start workers as another user (this one "
+        "runs as uid {}); run the launcher as root, or leave {} out",
+        setting, name_or_uid, ::geteuid(), setting));
+  }
+  std::vector<char> buf(16384);
+  struct passwd pw {};
+  struct passwd* found = nullptr;
+  char* end = nullptr;
+  const unsigned long uid = std::strtoul(name_or_uid.c_str(), &end, 10);
+  const bool numeric = !name_or_uid.empty() && end != nullptr && *end == '\0';
+  const int err = numeric
+                      ? ::getpwuid_r(static_cast<uid_t>(uid), &pw, buf.data(), buf.size(), &found)
+                      : ::getpwnam_r(name_or_uid.c_str(), &pw, buf.data(), buf.size(), &found);
+  if (err != 0 || found == nullptr) {
+    return InvalidArgumentError(fmt::format(
+        "{} {}: no such user{} (HINT: useradd --system --no-create-home nonstop-worker, then "
+        "{} nonstop-worker)",
+        setting, name_or_uid, err != 0 ? std::string(": ") + std::strerror(err) : "", setting));
+  }
+  if (pw.pw_uid == 0) {
+    return FailedPreconditionError(
+        fmt::format("{} {}: that is root, who can read every file: name an ordinary user", setting,
+                    name_or_uid));
+  }
+  RunAs r{pw.pw_uid, pw.pw_gid, {}, pw.pw_name, pw.pw_dir != nullptr ? pw.pw_dir : "/"};
+  int n = 64;
+  r.groups.resize(static_cast<size_t>(n));
+  if (::getgrouplist(pw.pw_name, pw.pw_gid, r.groups.data(), &n) < 0) {
+    r.groups.resize(static_cast<size_t>(n));
+    (void)::getgrouplist(pw.pw_name, pw.pw_gid, r.groups.data(), &n);
+  }
+  r.groups.resize(static_cast<size_t>(std::max(n, 0)));
+  return r;
+}
 
 void AddTorchrunHostVariables(std::map<std::string, std::string>* env) {
   namespace s = settings;
@@ -128,8 +170,8 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   // The token's memfd: close-on-exec here (no other child, started meanwhile by another thread,
   // inherits it), inherited by this child alone (cleared in it after the fork).
   UniqueFd token_fd;
-  if (!spec.job_token.empty()) {
-    auto memfd = JobTokenMemfd(spec.job_token);
+  if (!spec.secret.empty()) {
+    auto memfd = JobTokenMemfd(spec.secret);
     if (!memfd.ok()) {
       if (out_pipe[0] >= 0) ::close(out_pipe[0]);
       if (err_pipe[0] >= 0) ::close(err_pipe[0]);
@@ -163,6 +205,9 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   // returns the first match: an inherited NONSTOP_WORKER_ID must not win).
   std::set<std::string> overridden(spec.unset.begin(), spec.unset.end());
   for (const auto& [k, v] : spec.env) overridden.insert(k);
+  if (spec.run_as) {
+    for (const char* name : {"HOME", "USER", "LOGNAME"}) overridden.insert(name);
+  }
   // Never the token itself in a child's environment; the descriptor's number only if passed.
   overridden.insert(std::string(settings::kJobToken.env));
   overridden.insert(std::string(settings::kJobTokenFd.env));
@@ -178,6 +223,11 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   }
   if (token_fd.valid())
     env_strings.push_back(fmt::format("{}={}", settings::kJobTokenFd.env, token_fd.get()));
+  if (spec.run_as) {
+    env_strings.push_back("HOME=" + spec.run_as->home);
+    env_strings.push_back("USER=" + spec.run_as->name);
+    env_strings.push_back("LOGNAME=" + spec.run_as->name);
+  }
   if (lifeline)
     env_strings.push_back(fmt::format("{}={}", settings::kLifelineFd.env, lifeline->fd()));
   std::vector<char*> envp, argv;
@@ -197,6 +247,17 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     for (int sig : spec.ignore_signals) ::signal(sig, SIG_IGN);
     // the launcher blocks signals it reads from a signalfd
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    if (spec.run_as) {
+      // Groups, then the group, then the user (after which none of them can be changed back);
+      // before PR_SET_PDEATHSIG, which a change of user clears.
+      const RunAs& u = *spec.run_as;
+      if (::setgroups(u.groups.size(), u.groups.data()) != 0 || ::setgid(u.gid) != 0 ||
+          ::setuid(u.uid) != 0) {
+        WriteAll(STDERR_FILENO, fmt::format("nonstop: cannot become user {} to start {}: {}\n",
+                                            u.name, argv[0], std::strerror(errno)));
+        _exit(127);
+      }
+    }
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (spec.nice != 0) (void)::setpriority(PRIO_PROCESS, 0, spec.nice);
     if (::getppid() != parent) _exit(127);  // the launcher died before prctl

@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +34,22 @@
 #include "nonstop/status.h"
 
 namespace nonstop::launcher {
+
+// Another user the children run as (docs/security.md, "A user for the workers"): a launcher that
+// runs as root starts its workers as this user, so that what only root may read (the job token
+// file, the launcher's and the controller's processes) is out of their reach.
+struct RunAs {
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::vector<gid_t> groups;  // its supplementary groups, from the group database
+  std::string name;
+  std::string home;
+};
+
+// The user `name_or_uid` from the password database. kFailedPrecondition when this process is not
+// root (only root can start a process as another user) or the user is root; kInvalidArgument when
+// there is no such user. Each message names the setting and the fix.
+Result<RunAs> LookUpRunAs(const std::string& name_or_uid);
 
 struct ChildSpec {
   int worker_id = -1;
@@ -47,9 +64,12 @@ struct ChildSpec {
   // Signals the child starts with ignored (SIG_IGN survives exec; a program
   // may still install a handler of its own).
   std::vector<int> ignore_signals;
-  // Non-empty: the job token, passed in a sealed memfd the child inherits and
-  // NONSTOP_JOB_TOKEN_FD names, never in its environment (docs/security.md).
-  std::string job_token;
+  // Non-empty: the worker's secret (its credential: common/role_keys.h), passed in a sealed memfd
+  // the child inherits and NONSTOP_JOB_TOKEN_FD names, never in its environment
+  // (docs/security.md).
+  std::string secret;
+  // Set: the child runs as this user (its groups, HOME, USER and LOGNAME too).
+  std::optional<RunAs> run_as;
 };
 
 // The variables that say which job and which worker a process is: a launcher

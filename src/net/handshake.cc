@@ -10,6 +10,7 @@
 
 #include "common/check.h"
 #include "common/coding.h"
+#include "common/role_keys.h"
 #include "net/socket.h"
 
 namespace nonstop::net {
@@ -205,9 +206,27 @@ HandshakeStep DialerHandshake::OnFrame(const Frame& frame) {
 
 // --- AcceptorHandshake ---
 
-AcceptorHandshake::AcceptorHandshake(const crypto::Key& job_key,
-                                     std::function<bool(ConnectionKind)> accepts, Check check)
-    : key_(job_key), accepts_(std::move(accepts)), check_(std::move(check)) {}
+KeyOf JobRoles(const crypto::Key& job_key) {
+  return [job_key](const Hello& hello) {
+    switch (hello.kind) {
+      case ConnectionKind::kControl:
+        return WorkerControlKey(job_key, hello.worker_id);
+      case ConnectionKind::kData:
+        return WorkerDataKey(job_key);
+      case ConnectionKind::kAgent:
+        break;
+    }
+    return job_key;
+  };
+}
+
+KeyOf OneKey(const crypto::Key& key) {
+  return [key](const Hello&) { return key; };
+}
+
+AcceptorHandshake::AcceptorHandshake(KeyOf key_of, std::function<bool(ConnectionKind)> accepts,
+                                     Check check)
+    : key_of_(std::move(key_of)), accepts_(std::move(accepts)), check_(std::move(check)) {}
 
 HandshakeStep AcceptorHandshake::OnFrame(const Frame& frame) {
   return nonce_.empty() ? OnHello(frame) : OnProof(frame);
@@ -236,6 +255,7 @@ HandshakeStep AcceptorHandshake::OnHello(const Frame& frame) {
   }
   hello_ = std::move(*hello);
   hello_payload_ = frame.payload;
+  key_ = key_of_(hello_);  // the key of the role the hello claims: proven below, both ways
   nonce_ = crypto::RandomBytes(crypto::kNonceBytes);
   HandshakeStep step;
   step.send = EncodeFrame(kFrameChallenge,
@@ -279,9 +299,9 @@ Result<Channel> ClientHandshake(int fd, const crypto::Key& job_key, const Hello&
   }
 }
 
-Result<Accepted> ServerHandshake(int fd, const crypto::Key& job_key, ConnectionKind kind,
+Result<Accepted> ServerHandshake(int fd, const KeyOf& key_of, ConnectionKind kind,
                                  Deadline deadline, const AbortSignal* abort) {
-  HelloAcceptor acceptor(fd, job_key, kind);
+  HelloAcceptor acceptor(fd, key_of, kind);
   while (true) {
     switch (acceptor.Advance()) {
       case HelloAcceptor::State::kAccepted:
@@ -309,10 +329,10 @@ Result<Frame> ReadSealedFrame(int fd, FrameMac& mac, Deadline deadline, const Ab
 
 // --- HelloAcceptor ---
 
-HelloAcceptor::HelloAcceptor(int fd, const crypto::Key& job_key, ConnectionKind kind, Rule rule)
+HelloAcceptor::HelloAcceptor(int fd, KeyOf key_of, ConnectionKind kind, Rule rule)
     : fd_(fd),
       handshake_(
-          job_key, [kind](ConnectionKind k) { return k == kind; },
+          std::move(key_of), [kind](ConnectionKind k) { return k == kind; },
           [kind, rule = std::move(rule)](const Hello& h) {
             Status s = CheckHello(h, kind);
             if (s.ok() && rule) s = rule(h);

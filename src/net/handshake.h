@@ -7,7 +7,8 @@
 //   dialer   -> proof     {proof_d = MAC(K, "dialer", hello, nonce_a)}
 //   acceptor -> ack       {1 | 0 + reason}, sealed with the acceptor's session key
 //
-// K is the job key (crypto::JobKey of the token). The acceptor proves itself
+// K is the key of the role the hello claims (common/role_keys.h): a worker's own control key,
+// the workers' data key, or the job key itself for an agent. The acceptor proves itself
 // first, over the dialer's fresh nonce: a dialer sends its own proof only to
 // a peer that showed it holds K, so an impostor on the controller's address
 // learns nothing from any worker or agent. Each proof covers both nonces and
@@ -162,6 +163,14 @@ class DialerHandshake {
   Channel channel_;
 };
 
+// The key an acceptor proves for a hello (its kind and worker id), chosen before the dialer
+// proved anything: a dialer that claims a role it does not hold fails its proof.
+using KeyOf = std::function<crypto::Key(const Hello&)>;
+// A holder of the job key (a controller): each role's key (role_keys.h).
+KeyOf JobRoles(const crypto::Key& job_key);
+// One key for every hello (a worker's data port: the data key).
+KeyOf OneKey(const crypto::Key& key);
+
 // The acceptor's side. OnFrame() takes the hello (answering with the
 // challenge) and then the proof (answering with the sealed ack). `check`
 // runs on the authenticated hello: OK accepts, otherwise its message is the
@@ -178,8 +187,7 @@ class AcceptorHandshake {
   // any challenge (its kind is public), so that no port ever proves the key over a hello meant for
   // another: a peer without the key cannot relay a dialer's hello to the wrong port and hand the
   // dialer that port's authenticated refusal.
-  AcceptorHandshake(const crypto::Key& job_key, std::function<bool(ConnectionKind)> accepts,
-                    Check check);
+  AcceptorHandshake(KeyOf key_of, std::function<bool(ConnectionKind)> accepts, Check check);
   HandshakeStep OnFrame(const Frame& frame);
   const Hello& hello() const { return hello_; }  // valid once done
   Channel TakeChannel() { return std::move(channel_); }
@@ -187,7 +195,8 @@ class AcceptorHandshake {
  private:
   HandshakeStep OnHello(const Frame& frame);
   HandshakeStep OnProof(const Frame& frame);
-  const crypto::Key key_;
+  const KeyOf key_of_;
+  crypto::Key key_{};  // key_of_(hello_), once the hello came
   const std::function<bool(ConnectionKind)> accepts_;
   const Check check_;
   Hello hello_;
@@ -209,7 +218,7 @@ struct Accepted {
   Hello hello;
   Channel channel;
 };
-Result<Accepted> ServerHandshake(int fd, const crypto::Key& job_key, ConnectionKind kind,
+Result<Accepted> ServerHandshake(int fd, const KeyOf& key_of, ConnectionKind kind,
                                  Deadline deadline, const AbortSignal* abort);
 
 // Blocking-style sealed frames over a non-blocking socket: WriteFrame and ReadFrame through one
@@ -235,7 +244,7 @@ class HelloAcceptor {
   enum class State { kReading, kWriting, kAccepted, kRefused };
 
   // `fd` is a connected non-blocking socket that outlives this object.
-  HelloAcceptor(int fd, const crypto::Key& job_key, ConnectionKind kind, Rule rule = nullptr);
+  HelloAcceptor(int fd, KeyOf key_of, ConnectionKind kind, Rule rule = nullptr);
 
   // Does all the I/O the socket allows now, without blocking, and returns the
   // new state. kReading/kWriting: wait for wanted_events() and call again.

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "common/coding.h"
+#include "common/role_keys.h"
 #include "net/frame.h"
 #include "net/socket.h"
 
@@ -42,17 +43,59 @@ struct Outcome {
   Result<Accepted> server = UnavailableError("not run");
 };
 
-Outcome RunHandshake(const crypto::Key& dialer_key, const crypto::Key& acceptor_key,
-                     Hello hello = MakeHello(), ConnectionKind kind = ConnectionKind::kData) {
+Outcome RunHandshakeWith(const crypto::Key& dialer_key, const KeyOf& acceptor_keys, Hello hello,
+                         ConnectionKind kind) {
   SocketPair p;
   Outcome o;
   std::thread t([&] {
     o.client = ClientHandshake(p.a.get(), dialer_key, hello, DeadlineAfter(Millis(2000)), nullptr);
     if (!o.client.ok()) p.a.Reset();  // the dialer leaves, as its owners do
   });
-  o.server = ServerHandshake(p.b.get(), acceptor_key, kind, DeadlineAfter(Millis(2000)), nullptr);
+  o.server = ServerHandshake(p.b.get(), acceptor_keys, kind, DeadlineAfter(Millis(2000)), nullptr);
   t.join();
   return o;
+}
+
+Outcome RunHandshake(const crypto::Key& dialer_key, const crypto::Key& acceptor_key,
+                     Hello hello = MakeHello(), ConnectionKind kind = ConnectionKind::kData) {
+  return RunHandshakeWith(dialer_key, OneKey(acceptor_key), std::move(hello), kind);
+}
+
+// Keys by role (common/role_keys.h): what a worker holds proves only that worker's connections.
+TEST(HandshakeTest, AWorkerCanNeitherAnswerAsTheControllerNorDialAsAnotherWorkerOrAnAgent) {
+  const WorkerKeys three = WorkerKeysOf(kKey, 3), four = WorkerKeysOf(kKey, 4);
+  Hello control = MakeHello();  // worker 3's control connection
+  control.kind = ConnectionKind::kControl;
+  // The controller (the job key) and worker 3: accepted, both ways proven.
+  Outcome genuine =
+      RunHandshakeWith(three.control, JobRoles(kKey), control, ConnectionKind::kControl);
+  ASSERT_TRUE(genuine.client.ok()) << genuine.client.status().ToString();
+  ASSERT_TRUE(genuine.server.ok()) << genuine.server.status().ToString();
+  // Worker 4 answering worker 3 as the controller, with every key it holds: worker 3 is not fooled.
+  for (const crypto::Key& held : {four.control, four.data}) {
+    Outcome impostor =
+        RunHandshakeWith(three.control, OneKey(held), control, ConnectionKind::kControl);
+    EXPECT_EQ(impostor.client.status().code(), StatusCode::kDataLoss);
+    EXPECT_NE(impostor.client.status().message().find("did not prove"), std::string::npos)
+        << impostor.client.status().message();
+    EXPECT_FALSE(impostor.server.ok());
+  }
+  // Worker 4 dialing the controller as worker 3, or as an agent, with every key it holds.
+  Hello agent = control;
+  agent.kind = ConnectionKind::kAgent;
+  for (const crypto::Key& held : {four.control, four.data}) {
+    for (const Hello& claim : {control, agent}) {
+      Outcome o = RunHandshakeWith(held, JobRoles(kKey), claim, claim.kind);
+      EXPECT_FALSE(o.server.ok()) << static_cast<int>(claim.kind);
+      EXPECT_FALSE(o.client.ok());
+    }
+  }
+  // Data connections: every worker's data key, and nothing else.
+  EXPECT_TRUE(
+      RunHandshakeWith(four.data, JobRoles(kKey), MakeHello(), ConnectionKind::kData).server.ok());
+  EXPECT_FALSE(
+      RunHandshakeWith(four.control, OneKey(three.data), MakeHello(), ConnectionKind::kData)
+          .server.ok());
 }
 
 TEST(HandshakeTest, BothSidesProveTheKeyAndShareSessionKeys) {
@@ -117,7 +160,7 @@ TEST(HandshakeTest, AnImpostorAcceptorGetsNoSecretAndNoProof) {
 TEST(HandshakeTest, AReplayedHandshakeIsRefused) {
   // Record a genuine exchange, frame by frame.
   DialerHandshake dialer(kKey, MakeHello());
-  AcceptorHandshake acceptor(kKey, AnyKind, nullptr);
+  AcceptorHandshake acceptor(OneKey(kKey), AnyKind, nullptr);
   std::string hello = dialer.Start();
   FrameDecoder d;
   ASSERT_TRUE(d.Feed(hello).ok());
@@ -129,7 +172,7 @@ TEST(HandshakeTest, AReplayedHandshakeIsRefused) {
   ASSERT_TRUE(d.Feed(proof.send).ok());
   ASSERT_TRUE(acceptor.OnFrame(*d.Next()).done);
   // Replay both to a fresh acceptor.
-  AcceptorHandshake again(kKey, AnyKind, nullptr);
+  AcceptorHandshake again(OneKey(kKey), AnyKind, nullptr);
   ASSERT_TRUE(d.Feed(hello).ok());
   ASSERT_TRUE(again.OnFrame(*d.Next()).error.ok());
   ASSERT_TRUE(d.Feed(proof.send).ok());
@@ -142,7 +185,7 @@ TEST(HandshakeTest, AReplayedHandshakeIsRefused) {
 // The acceptor's own proof sent back as the dialer's, on the same connection, fails: the proofs
 // name their roles.
 TEST(HandshakeTest, AReflectedProofIsRefused) {
-  AcceptorHandshake acceptor(kKey, AnyKind, nullptr);
+  AcceptorHandshake acceptor(OneKey(kKey), AnyKind, nullptr);
   Hello h = MakeHello();
   h.nonce = crypto::RandomBytes(crypto::kNonceBytes);
   FrameDecoder d;
@@ -175,8 +218,8 @@ TEST(HandshakeTest, GarbageOnThePortIsRefused) {
   ASSERT_TRUE(
       SendAll(p.a.get(), std::as_bytes(std::span(junk)), DeadlineAfter(Millis(1000)), nullptr, "x")
           .ok());
-  Result<Accepted> server =
-      ServerHandshake(p.b.get(), kKey, ConnectionKind::kData, DeadlineAfter(Millis(2000)), nullptr);
+  Result<Accepted> server = ServerHandshake(p.b.get(), OneKey(kKey), ConnectionKind::kData,
+                                            DeadlineAfter(Millis(2000)), nullptr);
   ASSERT_FALSE(server.ok());
 }
 
@@ -242,7 +285,7 @@ TEST(HandshakeTest, ALaneBeyondTheDataLanesOrOnAControlPortIsRefused) {
 // gets the dialer no authenticated refusal, only a plain one it does not believe.
 TEST(HandshakeTest, AHelloOfAnotherKindGetsNoChallenge) {
   AcceptorHandshake data_port(
-      kKey, [](ConnectionKind k) { return k == ConnectionKind::kData; }, nullptr);
+      OneKey(kKey), [](ConnectionKind k) { return k == ConnectionKind::kData; }, nullptr);
   Hello h = MakeHello();
   h.kind = ConnectionKind::kControl;
   h.nonce = crypto::RandomBytes(crypto::kNonceBytes);
@@ -320,7 +363,7 @@ void Send(int fd, std::string_view bytes) {
 
 TEST(HelloAcceptorTest, HugeLengthIsRefusedAsSoonAsTheHeaderIsIn) {
   SocketPair p;
-  HelloAcceptor acceptor(p.b.get(), kKey, ConnectionKind::kData);
+  HelloAcceptor acceptor(p.b.get(), OneKey(kKey), ConnectionKind::kData);
   EXPECT_EQ(acceptor.Advance(), HelloAcceptor::State::kReading);  // nothing yet: no blocking
   Send(p.a.get(), HeaderWithLength(0xFFFFFFF0u));
   EXPECT_EQ(acceptor.Advance(), HelloAcceptor::State::kRefused);
@@ -358,7 +401,7 @@ class ManualDialer {
 
 TEST(HelloAcceptorTest, FramesArrivingByteByByteAreAccepted) {
   SocketPair p;
-  HelloAcceptor acceptor(p.b.get(), kKey, ConnectionKind::kData);
+  HelloAcceptor acceptor(p.b.get(), OneKey(kKey), ConnectionKind::kData);
   ManualDialer dialer(p.a.get());
   for (std::string bytes : {dialer.Hello(), std::string()}) {
     if (bytes.empty()) bytes = dialer.Proof();
@@ -378,7 +421,7 @@ TEST(HelloAcceptorTest, FramesArrivingByteByByteAreAccepted) {
 
 TEST(HelloAcceptorTest, NeverReadsPastTheProof) {
   SocketPair p;
-  HelloAcceptor acceptor(p.b.get(), kKey, ConnectionKind::kData);
+  HelloAcceptor acceptor(p.b.get(), OneKey(kKey), ConnectionKind::kData);
   ManualDialer dialer(p.a.get());
   Send(p.a.get(), dialer.Hello());
   ASSERT_EQ(acceptor.Advance(), HelloAcceptor::State::kReading);
@@ -391,7 +434,7 @@ TEST(HelloAcceptorTest, NeverReadsPastTheProof) {
 
 TEST(HelloAcceptorTest, CallersRuleCanRefuseAndTheDialerLearnsWhy) {
   SocketPair p;
-  HelloAcceptor acceptor(p.b.get(), kKey, ConnectionKind::kData, [](const Hello& h) {
+  HelloAcceptor acceptor(p.b.get(), OneKey(kKey), ConnectionKind::kData, [](const Hello& h) {
     return FailedPreconditionError("not today, worker " + std::to_string(h.worker_id));
   });
   ManualDialer dialer(p.a.get());
@@ -408,7 +451,7 @@ TEST(HelloAcceptorTest, CallersRuleCanRefuseAndTheDialerLearnsWhy) {
 
 TEST(HelloAcceptorTest, PeerClosingMidHelloIsUnavailable) {
   SocketPair p;
-  HelloAcceptor acceptor(p.b.get(), kKey, ConnectionKind::kData);
+  HelloAcceptor acceptor(p.b.get(), OneKey(kKey), ConnectionKind::kData);
   Send(p.a.get(), HeaderWithLength(40));
   p.a.Reset();
   EXPECT_EQ(acceptor.Advance(), HelloAcceptor::State::kRefused);

@@ -24,6 +24,7 @@
 #include "common/lifeline.h"
 #include "common/logging.h"
 #include "common/mutex.h"
+#include "common/role_keys.h"
 #include "control/controller_link.h"
 #include "control/messages.h"
 #include "net/abort_signal.h"
@@ -58,7 +59,7 @@ int64_t NowMs() {
 
 // A worker's link (docs/controller-failover.md): its hello (kind control, its
 // worker id); the list first, etcd after a loss; and its timing.
-control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
+control::ControllerLinkOptions LinkOptions(const SessionOptions& o, const WorkerKeys& keys) {
   control::ControllerLinkOptions l;
   l.controllers = o.controller_address;
   l.etcd = o.etcd_endpoints;
@@ -70,7 +71,8 @@ control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
   l.list_first = true;  // its launcher named the controller that leads now
   l.hello.kind = net::ConnectionKind::kControl;
   l.hello.worker_id = o.worker_id;
-  l.job_token = o.job_token;
+  l.key = keys.control;
+  l.controller_public = keys.controller_public;
   // one try (connect, then hello): a paused leader holds it no longer
   l.try_timeout = Millis(1'000);
   l.silence_timeout = o.controller_timeout;
@@ -84,9 +86,10 @@ control::ControllerLinkOptions LinkOptions(const SessionOptions& o) {
 // the transport. TCP over host memory is the one built; the session uses
 // only the DataPlane and Communicator interfaces.
 Result<std::unique_ptr<collective::DataPlane>> NewDataPlane(const SessionOptions& o,
+                                                            const WorkerKeys& keys,
                                                             net::AbortSignal* abort) {
   collective::PeerMeshOptions mo;
-  mo.job_token = o.job_token;
+  mo.data_key = keys.data;
   mo.worker_id = o.worker_id;
   mo.listen = {o.data_host, 0};
   mo.ports = {o.data_port_lo, o.data_port_hi};
@@ -154,7 +157,8 @@ class SessionImpl {
   // ---- control plane ----
 
   Status Start() {
-    NONSTOP_ASSIGN_OR_RETURN(link_, control::ControllerLink::Create(LinkOptions(options_)));
+    NONSTOP_ASSIGN_OR_RETURN(keys_, WorkerKeysFrom(options_.secret, options_.worker_id));
+    NONSTOP_ASSIGN_OR_RETURN(link_, control::ControllerLink::Create(LinkOptions(options_, keys_)));
     Deadline now = Clock::now();
     link_->Start(now + options_.join_timeout, now);
     // One controller after another, until one accepts the hello (this thread drives the link until
@@ -162,7 +166,7 @@ class SessionImpl {
     if (Status s = link_->WaitAccepted(&stop_signal_); !s.ok()) {
       return s.WithContext("joining the controller at " + options_.controller_address);
     }
-    NONSTOP_ASSIGN_OR_RETURN(data_plane_, NewDataPlane(options_, &abort_));
+    NONSTOP_ASSIGN_OR_RETURN(data_plane_, NewDataPlane(options_, keys_, &abort_));
     data_address_ = AdvertisedDataAddress();  // from the first control connection's local address
     control::JoinMsg join{options_.worker_id, static_cast<int64_t>(::getpid()),
                           data_address_,      options_.spare,
@@ -690,7 +694,7 @@ class SessionImpl {
         control::FaultPoint::kTransfer, plan.resume_step, rank, control::FaultKind::kCorrupt);
     if (at_transfer) hooks.on_start = [this, f = *at_transfer] { faults_.Fire(f); };
     hooks.corrupt_first_chunk = corrupt.has_value();
-    if (options_.sealed_state_copy) hooks.seal_key = crypto::JobKey(options_.job_token);
+    if (options_.sealed_state_copy) hooks.seal_key = keys_.data;
     if (corrupt) faults_.Announce(*corrupt);
     bool receiving = false;
     for (const auto& t : plan.transfers) receiving = receiving || t.receiver == options_.worker_id;
@@ -1092,6 +1096,7 @@ class SessionImpl {
   }
 
   SessionOptions options_;
+  WorkerKeys keys_;  // from options_.secret, as Start() begins (role_keys.h)
   // The devices Join checked (DevicesToCheck), checked again while a spare waits and as it is
   // promoted; set before Start, then read by the training thread only.
   std::vector<const state::DeviceMemory*> devices_;

@@ -57,9 +57,9 @@ Result<SessionOptions> SessionOptions::FromEnvironment() {
   if (!inherited.ok()) return inherited.status();
   o.controller_address = get(s::kControllerAddress);
   // A variable set after the library loaded (a worker started by hand, a test) serves too.
-  o.job_token = !inherited->empty() ? *inherited : get(s::kJobToken);
+  o.secret = !inherited->empty() ? *inherited : get(s::kJobToken);
   std::string id = get(s::kWorkerId);
-  if (o.controller_address.empty() || o.job_token.empty() || id.empty()) {
+  if (o.controller_address.empty() || o.secret.empty() || id.empty()) {
     return FailedPreconditionError(fmt::format(
         "{}, the job token ({} or {}) and {} are not all set: start this program "
         "under `nonstop run` (HINT: nonstop run --nproc 4 -- <program> <args>)",

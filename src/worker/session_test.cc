@@ -17,6 +17,7 @@
 
 #include "collective/peer_mesh.h"
 #include "collective/staged_communicator.h"
+#include "common/role_keys.h"
 #include "control/messages.h"
 #include "net/frame.h"
 #include "net/handshake.h"
@@ -36,7 +37,7 @@ class ScriptedJob {
     NONSTOP_CHECK(l.ok());
     listener_ = std::move(*l);
     collective::PeerMeshOptions mo;
-    mo.job_token = "tok";
+    mo.data_key = WorkerDataKey(crypto::JobKey("tok"));
     mo.worker_id = 1;
     auto mesh = collective::PeerMesh::Create(mo);
     NONSTOP_CHECK(mesh.ok());
@@ -77,8 +78,8 @@ class ScriptedJob {
     NONSTOP_CHECK(fd.ok());
     control_ = std::move(*fd);
     auto accepted =
-        net::ServerHandshake(control_.get(), crypto::JobKey("tok"), net::ConnectionKind::kControl,
-                             DeadlineAfter(Millis(5000)), nullptr);
+        net::ServerHandshake(control_.get(), net::JobRoles(crypto::JobKey("tok")),
+                             net::ConnectionKind::kControl, DeadlineAfter(Millis(5000)), nullptr);
     NONSTOP_CHECK(accepted.ok()) << accepted.status().ToString();
     channel_ = std::move(accepted->channel);
   }
@@ -96,8 +97,8 @@ class ScriptedJob {
     NONSTOP_ASSIGN_OR_RETURN(UniqueFd fd, net::Accept(listener_.fd.get()));
     NONSTOP_ASSIGN_OR_RETURN(
         net::Accepted accepted,
-        net::ServerHandshake(fd.get(), crypto::JobKey("tok"), net::ConnectionKind::kControl,
-                             DeadlineAfter(Millis(5000)), nullptr));
+        net::ServerHandshake(fd.get(), net::JobRoles(crypto::JobKey("tok")),
+                             net::ConnectionKind::kControl, DeadlineAfter(Millis(5000)), nullptr));
     {
       std::lock_guard<std::mutex> lock(write_mu_);
       control_ = std::move(fd);
@@ -180,7 +181,7 @@ class SessionTest : public ::testing::Test {
                                         SessionOptions o = {}) {
     std::thread t(controller ? controller : [this] { job_.AcceptAndPlan(); });
     o.controller_address = job_.address();
-    o.job_token = "tok";
+    o.secret = "tok";
     o.worker_id = 0;
     o.timeout_collective = Millis(3000);  // what a member left blocked would wait for
     auto session = Session::Join(o, &state_);
@@ -704,7 +705,7 @@ TEST(SessionJoinTest, AWorkerWhoseDeviceFailsItsHealthCheckDoesNotJoin) {
     }
     SessionOptions o;
     o.controller_address = "127.0.0.1:1";  // nobody: a join that dialed would fail otherwise
-    o.job_token = "tok";
+    o.secret = "tok";
     o.worker_id = 3;
     o.join_timeout = Millis(500);  // without the check: fails fast, with another error
     if (use == Use::kSums) o.device = device;
@@ -730,7 +731,7 @@ struct SpareOnAStandIn {
   explicit SpareOnAStandIn(Millis check_interval) {
     NONSTOP_CHECK(state.RegisterOnDevice("w", device->Allocate(64), device).ok());
     options.controller_address = job.address();
-    options.job_token = "tok";
+    options.secret = "tok";
     options.worker_id = 4;
     options.spare = true;
     options.spare_check_interval = check_interval;

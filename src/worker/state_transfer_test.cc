@@ -3,6 +3,7 @@
 // docs/recovery.md), with honest sources and with sources that lie, and the
 // sharded ExchangeShards (docs/sharding.md).
 #include "worker/state_transfer.h"
+#include "common/role_keys.h"
 
 #include <gtest/gtest.h>
 
@@ -120,8 +121,9 @@ std::vector<std::unique_ptr<Rank>> MakeRanks(const std::vector<int>& groups,
     auto rank = std::make_unique<Rank>(groups[r], chunk_bytes, static_cast<int>(r) == whole_rank);
     rank->Register();
     rank->address = members[r].address;
-    rank->plane = collective::TcpDataPlane::Create({kToken, static_cast<int>(r)},
-                                                   std::move(listeners[r]), &rank->abort);
+    rank->plane = collective::TcpDataPlane::Create(
+        {WorkerDataKey(crypto::JobKey(kToken)), static_cast<int>(r)}, std::move(listeners[r]),
+        &rank->abort);
     collective::CommunicatorOptions o;
     o.rank = static_cast<int>(r);
     o.members = members;
@@ -272,8 +274,9 @@ std::vector<std::unique_ptr<PlainRank>> MakePlainRanks(int n, Millis timeout = M
         r == 0 ? 1 : 9, device ? std::make_shared<state::ProtectedDevice>() : nullptr, large_values,
         chunk_bytes);
     rank->address = members[static_cast<size_t>(r)].address;
-    rank->plane = collective::TcpDataPlane::Create(
-        {kToken, r}, std::move(listeners[static_cast<size_t>(r)]), &rank->abort);
+    rank->plane = collective::TcpDataPlane::Create({WorkerDataKey(crypto::JobKey(kToken)), r},
+                                                   std::move(listeners[static_cast<size_t>(r)]),
+                                                   &rank->abort);
     collective::CommunicatorOptions o;
     o.rank = r;
     o.members = members;

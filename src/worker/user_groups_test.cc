@@ -1,5 +1,6 @@
 // torch.distributed's subgroups: made over some ranks, kept while their workers hold them.
 #include "worker/user_groups.h"
+#include "common/role_keys.h"
 
 #include <gtest/gtest.h>
 
@@ -19,7 +20,8 @@ struct World {
     auto listener = net::Listen({"127.0.0.1", 0});
     NONSTOP_CHECK(listener.ok());
     const std::string at = listener->address.ToString();
-    plane = collective::TcpDataPlane::Create({"token", 10}, std::move(*listener), &abort);
+    plane = collective::TcpDataPlane::Create({WorkerDataKey(crypto::JobKey("token")), 10},
+                                             std::move(*listener), &abort);
     collective::CommunicatorOptions o;
     o.rank = 0;
     o.members = {{10, at}, {11, at}, {12, at}};

@@ -21,6 +21,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "common/crypto.h"
 #include "common/temp_dir.h"
 #include "controller/journal.h"
 #include "coord/etcd.h"
@@ -318,7 +319,7 @@ TEST_F(EtcdFailoverTest, AForgedLeaderKeyIsFollowedByNobodyAndTheLeaderJournalsI
     nlohmann::json forged = {{"controller", impostor.address()},
                              {"epoch", (*kvs)[0].create_revision},
                              {"pid", 1},
-                             {"mac", std::string(64, '0')}};
+                             {"sig", crypto::Base64Encode(std::string(64, '\0'))}};
     ASSERT_TRUE((*client)->Put(coord::LeaderKey("j"), forged.dump(), (*kvs)[0].lease).ok());
   };
   ASSERT_NO_FATAL_FAILURE(forge());

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/crypto.h"
+#include "common/role_keys.h"
 #include "common/temp_dir.h"
 #include "coord/etcd.h"
 #include "coord/leader_watch.h"
@@ -115,51 +116,64 @@ TEST_F(EtcdFilesTest, TheAuthFileIsOneLineUserColonPasswordReadableByItsOwnerAlo
   EXPECT_TRUE(Has(etcd::ReadAuthFile(path).status(), "not one line user:password"));
 }
 
-// ---- the leader key's MAC ----
+// ---- the leader key's signature ----
 
-TEST(LeaderKeyMacTest, OnlyAValueMacdWithTheJobKeyForThisJobAndThisEpochVerifies) {
+TEST(LeaderKeySignatureTest, OnlyAValueSignedByTheControllersForThisJobAndThisEpochVerifies) {
   const crypto::Key key = crypto::JobKey("the token");
+  const std::string pub = ControllerPublicKey(key);
   const std::string genuine =
       coord::SignLeaderValue(key, "j", {{"controller", "127.0.0.1:7"}, {"epoch", 12}});
-  EXPECT_TRUE(coord::VerifyLeaderValue(key, "j", genuine, 12).ok());
-  // another token, another job, a later key (the value replayed), a changed address, no MAC
+  EXPECT_TRUE(coord::VerifyLeaderValue(pub, "j", genuine, 12).ok());
+  // another token, another job, a later key (the value replayed), a changed address, no signature
   EXPECT_TRUE(
-      Has(coord::VerifyLeaderValue(crypto::JobKey("other"), "j", genuine, 12), "does not verify"));
-  EXPECT_TRUE(Has(coord::VerifyLeaderValue(key, "k", genuine, 12), "does not verify"));
-  EXPECT_TRUE(Has(coord::VerifyLeaderValue(key, "j", genuine, 13), "replay"));
+      Has(coord::VerifyLeaderValue(ControllerPublicKey(crypto::JobKey("other")), "j", genuine, 12),
+          "does not verify"));
+  EXPECT_TRUE(Has(coord::VerifyLeaderValue(pub, "k", genuine, 12), "does not verify"));
+  EXPECT_TRUE(Has(coord::VerifyLeaderValue(pub, "j", genuine, 13), "replay"));
   auto changed = nlohmann::json::parse(genuine);
   changed["controller"] = "127.0.0.1:8";
-  EXPECT_TRUE(Has(coord::VerifyLeaderValue(key, "j", changed.dump(), 12), "does not verify"));
-  EXPECT_TRUE(
-      Has(coord::VerifyLeaderValue(key, "j", R"({"controller":"127.0.0.1:8"})", 12), "no MAC"));
-  // the readers: followed with the key, refused without a valid MAC (NotFound: keep waiting)
+  EXPECT_TRUE(Has(coord::VerifyLeaderValue(pub, "j", changed.dump(), 12), "does not verify"));
+  EXPECT_TRUE(Has(coord::VerifyLeaderValue(pub, "j", R"({"controller":"127.0.0.1:8"})", 12),
+                  "no signature"));
+  // A worker signs with every key it holds (role_keys.h), as if each were the controllers': none
+  // verifies. What a worker verifies with cannot sign.
+  const WorkerKeys worker = WorkerKeysOf(key, 5);
+  for (const crypto::Key& held : {worker.control, worker.data}) {
+    const std::string forged =
+        coord::SignLeaderValue(held, "j", {{"controller", "127.0.0.1:9"}, {"epoch", 12}});
+    EXPECT_TRUE(Has(coord::VerifyLeaderValue(worker.controller_public, "j", forged, 12),
+                    "does not verify"));
+  }
+  // the readers: followed with the key, refused without a valid signature (NotFound: keep waiting)
   coord::LeaderKeys keys{"j", 20, genuine, 12, std::nullopt};
-  EXPECT_EQ(*coord::InterpretLeaderKeys(keys, nullptr, &key), "127.0.0.1:7");
+  EXPECT_EQ(*coord::InterpretLeaderKeys(keys, nullptr, &pub), "127.0.0.1:7");
   keys.leader = changed.dump();
-  auto refused = coord::InterpretLeaderKeys(keys, nullptr, &key);
+  auto refused = coord::InterpretLeaderKeys(keys, nullptr, &pub);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(Has(refused.status(), "not followed")) << refused.status().ToString();
 }
 
-// The end key (the job_end record): believed only with its own MAC of the job key. Written
-// without the job token, or a genuine leader value copied there, it ends nobody's search.
-TEST(LeaderKeyMacTest, AnEndKeyIsBelievedOnlyWithItsMacOfTheJobKey) {
+// The end key (the job_end record): believed only with its own signature. Written without the job
+// token, or a genuine leader value copied there, it ends nobody's search.
+TEST(LeaderKeySignatureTest, AnEndKeyIsBelievedOnlyWithItsSignature) {
   const crypto::Key key = crypto::JobKey("the token");
+  const std::string pub = ControllerPublicKey(key);
   const std::string record = R"({"event":"job_end","exit_code":3,"reason":"done"})";
   coord::LeaderKeys keys{"j", 20, std::nullopt, 0, coord::SignEndValue(key, "j", record)};
   int code = -1;
-  auto ended = coord::InterpretLeaderKeys(keys, &code, &key);
+  auto ended = coord::InterpretLeaderKeys(keys, &code, &pub);
   ASSERT_FALSE(ended.ok());
   EXPECT_EQ(ended.status().code(), StatusCode::kAborted) << ended.status().ToString();
   EXPECT_EQ(code, 3);
   for (const std::string& forged :
        {record, coord::SignEndValue(crypto::JobKey("other"), "j", record),
         coord::SignEndValue(key, "k", record),
+        coord::SignEndValue(WorkerKeysOf(key, 5).data, "j", record),
         coord::SignLeaderValue(key, "j", nlohmann::json::parse(record))}) {
     keys.end = forged;
     code = -1;
-    auto r = coord::InterpretLeaderKeys(keys, &code, &key);
+    auto r = coord::InterpretLeaderKeys(keys, &code, &pub);
     ASSERT_FALSE(r.ok());
     EXPECT_EQ(r.status().code(), StatusCode::kNotFound) << forged;
     EXPECT_TRUE(Has(r.status(), "not believed")) << r.status().ToString();
@@ -193,16 +207,17 @@ TEST_F(EtcdTlsTest, AClientWithTheRightFilesReadsWritesAndWatchesTheLeaderKey) {
   auto put = (*c)->Put(coord::LeaderKey("t"), R"({"pid":1})");
   ASSERT_TRUE(put.ok()) << put.status().ToString();
   const crypto::Key key = crypto::JobKey("tok");
+  const std::string pub = ControllerPublicKey(key);
   ASSERT_TRUE(
       (*c)->Put(coord::LeaderKey("t"),
                 coord::SignLeaderValue(key, "t", {{"controller", "127.0.0.1:5"}, {"epoch", *put}}))
           .ok());
-  EXPECT_EQ(*coord::LookUpLeader(**c, "t", nullptr, &key), "127.0.0.1:5");
+  EXPECT_EQ(*coord::LookUpLeader(**c, "t", nullptr, &pub), "127.0.0.1:5");
   // the watch's stream over TLS too, and its leader file verified by its reader
   const std::string path = dir_ / "leader.json";
-  auto watch = coord::LeaderWatch::Start(etcd_->endpoint(), "t", path, {}, Good(), key);
+  auto watch = coord::LeaderWatch::Start(etcd_->endpoint(), "t", path, {}, Good(), pub);
   ASSERT_TRUE(watch.ok()) << watch.status().ToString();
-  coord::LeaderFileReader reader(path, "t", key);
+  coord::LeaderFileReader reader(path, "t", pub);
   Result<std::string> seen = NotFoundError("");
   for (int i = 0; i < 250 && !seen.ok(); ++i) {
     seen = reader.Read();
@@ -210,11 +225,13 @@ TEST_F(EtcdTlsTest, AClientWithTheRightFilesReadsWritesAndWatchesTheLeaderKey) {
   }
   ASSERT_TRUE(seen.ok()) << seen.status().ToString();
   EXPECT_EQ(*seen, "127.0.0.1:5");
-  // A forged value (no MAC of the job key) in the key: neither reader follows it.
+  // A forged value (no signature of the controllers) in the key: neither reader follows it.
   ASSERT_TRUE(
-      (*c)->Put(coord::LeaderKey("t"), R"({"controller":"127.0.0.1:6","epoch":1,"mac":"00"})")
+      (*c)->Put(
+              coord::LeaderKey("t"),
+              R"({"controller":"127.0.0.1:6","epoch":1,"sig":"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=="})")
           .ok());
-  auto looked_up = coord::LookUpLeader(**c, "t", nullptr, &key);
+  auto looked_up = coord::LookUpLeader(**c, "t", nullptr, &pub);
   EXPECT_TRUE(!looked_up.ok() && Has(looked_up.status(), "not followed"))
       << looked_up.status().ToString();
   for (int i = 0; i < 250 && seen.ok(); ++i) {
@@ -293,9 +310,10 @@ TEST_F(EtcdAuthTest, TheUserOfTheAuthFileLeadsAndAuthenticatesAgainAfterEtcdForg
   ASSERT_TRUE((*l)->ReadJournal(kJobKey).ok());
   const crypto::Key key = crypto::JobKey("tok");
   ASSERT_TRUE((*l)->Publish({{"controller", "127.0.0.1:9"}}, key).ok());
+  const std::string pub = ControllerPublicKey(key);
   auto reader = etcd::Client::Create(etcd_->endpoint(), As(o.security.auth_file));
   ASSERT_TRUE(reader.ok());
-  EXPECT_EQ(*coord::LookUpLeader(**reader, "auth", nullptr, &key), "127.0.0.1:9");
+  EXPECT_EQ(*coord::LookUpLeader(**reader, "auth", nullptr, &pub), "127.0.0.1:9");
   l->reset();
   // etcd's simple tokens live in its memory: after a restart the old token is refused, and the
   // client authenticates once more on its own.

@@ -8,6 +8,10 @@
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <pwd.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -16,10 +20,14 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "common/job_token.h"
+#include "common/logging.h"
+#include "common/role_keys.h"
 #include "common/temp_dir.h"
+#include "net/handshake.h"
 #include "tests/integration/process.h"
 
 namespace nonstop {
@@ -159,6 +167,121 @@ TEST(SecretsTest, TheTokenIsNowhereButInItsFile) {
   }
   EXPECT_GE(selves, 4) << "three workers of the agent and the one started by hand";
   EXPECT_EQ(children, selves);
+}
+
+// What a job's worker can reach (docs/security.md, "Keys by role" and "A user for the workers"):
+// a probe run as the job's worker tries the token file, the launcher's environment, descriptors
+// and memory (the launcher holds the job key), and hands back the credential it was given.
+struct Probe {
+  std::string report;  // the probe's lines: "read X" / "refused X", "uid N", "credential …"
+  std::string token;   // the job's
+  bool Has(const std::string& line) const { return report.find(line + "\n") != std::string::npos; }
+};
+
+Probe RunProbe(const TempDir& dir, const std::vector<std::string>& extra) {
+  const std::string out = dir / "probe";
+  fs::create_directories(out);
+  fs::permissions(out, fs::perms::all);  // the worker's user writes its report there
+  fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_exec |
+                                  fs::perms::others_exec);  // and passes through, no more
+  const std::string token_file = dir / "job.token";
+  const std::string script = fmt::format(
+      "p={0}/w$NONSTOP_WORKER_ID; {{ echo \"uid $(id -u)\"; "
+      "for f in {1} /proc/$PPID/environ; do "
+      "if cat \"$f\" >/dev/null 2>&1; then echo \"read $f\"; else echo \"refused $f\"; fi; done; "
+      "if ls /proc/$PPID/fd >/dev/null 2>&1; then echo 'read fd'; else echo 'refused fd'; fi; "
+      "if (exec 3</proc/$PPID/mem) 2>/dev/null; then echo 'read mem'; else echo 'refused mem'; fi; "
+      "echo \"credential $(cat /proc/self/fd/$NONSTOP_JOB_TOKEN_FD)\"; }} > $p.tmp; mv $p.tmp $p; "
+      "exec sleep 60",
+      out, token_file);
+  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc",   "1",
+                                   "--spares",        "0",   "--journal", dir / "journal.jsonl"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.insert(argv.end(), {"--", "/bin/sh", "-c", script});
+  ChildProcess run(argv, dir / "run.out");
+  Probe probe;
+  for (int i = 0; i < 3000 && !fs::exists(out + "/w0"); ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  probe.report = ReadAll(out + "/w0");
+  auto token = ReadJobTokenFile(token_file);
+  probe.token = token.ok() ? *token : "";
+  ::kill(run.pid(), SIGTERM);
+  run.Wait(milliseconds(30'000));
+  EXPECT_FALSE(probe.report.empty()) << run.Output();
+  return probe;
+}
+
+// Runs one handshake of `hello` over a socket pair: the dialer proves `dialer_key`, the acceptor
+// the keys of `acceptor_keys`. Whether both ends accepted.
+bool Handshake(const crypto::Key& dialer_key, const net::KeyOf& acceptor_keys,
+               const net::Hello& hello) {
+  int fds[2];
+  NONSTOP_CHECK_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, fds), 0);
+  UniqueFd a(fds[0]), b(fds[1]);
+  Result<net::Channel> client = UnavailableError("not run");
+  std::thread t([&] {
+    client = net::ClientHandshake(a.get(), dialer_key, hello, DeadlineAfter(Millis(2000)), nullptr);
+    if (!client.ok()) a.Reset();
+  });
+  auto server = net::ServerHandshake(b.get(), acceptor_keys, hello.kind,
+                                     DeadlineAfter(Millis(2000)), nullptr);
+  t.join();
+  if (!client.ok() || !server.ok()) {
+    NONSTOP_LOG_INFO("handshake: dialer {}, acceptor {}", client.status().ToString(),
+                     server.status().ToString());
+  }
+  return client.ok() && server.ok();
+}
+
+TEST(SecretsTest, AWorkerHoldsOnlyItsOwnKeysAndAsAnotherUserNeitherTheTokenFileNorTheLauncher) {
+  if (::geteuid() != 0) GTEST_SKIP() << "--worker-user needs root, which this test does not have";
+  struct passwd* nobody = ::getpwnam("nobody");
+  ASSERT_NE(nobody, nullptr) << "no user nobody";
+  // As the launcher's own user (root here), the probe reaches everything: it can tell.
+  TempDir same_dir;
+  const Probe same = RunProbe(same_dir, {});
+  EXPECT_TRUE(same.Has("uid 0")) << same.report;
+  EXPECT_TRUE(same.Has("read " + same_dir / "job.token")) << same.report;
+  EXPECT_TRUE(same.Has("read fd")) << same.report;
+  // As another user: nothing of the launcher's.
+  TempDir dir;
+  const Probe other = RunProbe(dir, {"--worker-user", "nobody"});
+  EXPECT_TRUE(other.Has(fmt::format("uid {}", nobody->pw_uid))) << other.report;
+  for (const std::string& refused :
+       {"refused " + dir / "job.token", std::string("refused fd"), std::string("refused mem")}) {
+    EXPECT_TRUE(other.Has(refused)) << refused << "\n" << other.report;
+  }
+  EXPECT_EQ(other.report.find("read /proc/"), std::string::npos) << other.report;
+
+  // Either way the worker holds its credential, not the token: its own keys, which neither answer
+  // it or another worker as the controller, nor dial as another worker or as an agent.
+  for (const Probe* p : {&same, &other}) {
+    ASSERT_FALSE(p->token.empty());
+    const size_t at = p->report.find("credential ");
+    ASSERT_NE(at, std::string::npos) << p->report;
+    const std::string credential = p->report.substr(at + 11, p->report.find('\n', at) - at - 11);
+    EXPECT_TRUE(IsWorkerCredential(credential)) << credential;
+    EXPECT_EQ(credential.find(p->token), std::string::npos) << "the worker holds the token";
+    auto keys = WorkerKeysFrom(credential, 0);
+    ASSERT_TRUE(keys.ok()) << keys.status().ToString() << ": " << credential;
+    const crypto::Key job_key = crypto::JobKey(p->token);
+    net::Hello control;
+    control.kind = net::ConnectionKind::kControl;
+    control.worker_id = 0;
+    EXPECT_TRUE(Handshake(keys->control, net::JobRoles(job_key), control)) << "genuine";
+    net::Hello other_worker = control, agent = control;
+    other_worker.worker_id = 1;
+    agent.kind = net::ConnectionKind::kAgent;
+    for (const crypto::Key& held : {keys->control, keys->data}) {
+      EXPECT_FALSE(Handshake(WorkerControlKey(job_key, 1), net::OneKey(held), other_worker))
+          << "the worker answered worker 1 as the controller";
+      EXPECT_FALSE(Handshake(held, net::JobRoles(job_key), other_worker))
+          << "the worker dialed the controller as worker 1";
+      EXPECT_FALSE(Handshake(held, net::JobRoles(job_key), agent))
+          << "the worker registered as an agent";
+    }
+  }
 }
 
 }  // namespace
