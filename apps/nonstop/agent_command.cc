@@ -199,6 +199,7 @@ int AgentCommand::Execute() {
                         ? "leave: release the workers at the next step boundary, then exit 0"
                         : "stop: kill the workers now");
   row("job token", "from " + job_token_file_);
+  row("workers run as", worker_user_.empty() ? "this user" : worker_user_);
   row("program", cmdline);
   out.Write(table);
 

@@ -220,6 +220,10 @@ int RunCommand::Execute() {
       return controller::kExitUsage;
     }
     run_as_ = std::move(*user);
+    fmt::print(
+        "[nonstop] the workers run as user {} (uid {}): docs/security.md, \"A user for the "
+        "workers\"\n",
+        run_as_->name, run_as_->uid);
   }
   std::string log_dir;  // the agent's: where the workers' output goes instead of this terminal
   const char* term = std::getenv("TERM");
@@ -465,8 +469,10 @@ std::optional<int> WaitForJobFile(LocalController& controller, const std::string
       }
       return controller.exit_code() == 0 ? 1 : controller.exit_code();
     }
-    std::ifstream in(job_file);
-    auto job = in ? nlohmann::json::parse(in, nullptr, false) : nlohmann::json();
+    // Only a private file of this user's (the controller writes it so): never one another user
+    // planted in the job's directory.
+    Result<std::string> text = ReadPrivateFile(job_file, "job file", 1 << 20);
+    auto job = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
     if (job.is_object() && job.value("pid", int64_t{-1}) == controller.pid() &&
         job.contains("controller") && job["controller"].is_string() && job.contains("token_file") &&
         job["token_file"].is_string()) {

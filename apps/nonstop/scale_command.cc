@@ -32,16 +32,17 @@ namespace nonstop::cli {
 namespace {
 
 Result<nlohmann::json> ReadJobFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
+  // As private as the token file it names (the controller writes it so): one planted by another
+  // user could send this process's credentials, or a worker it starts, wherever it likes.
+  Result<std::string> text = ReadPrivateFile(path, "job file", 1 << 20);
+  if (text.status().code() == StatusCode::kNotFound) {
     return NotFoundError(
         fmt::format("no job file {}: is `nonstop run` running here? (HINT: --job PATH or --http "
                     "HOST:PORT)",
                     path));
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (!text.ok()) return text.status();
+  auto j = nlohmann::json::parse(*text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
     return DataLossError(
         fmt::format("job file {} is not a nonstop job file (not a JSON object)", path));

@@ -1,5 +1,6 @@
 #include "agent/agent.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -166,23 +167,29 @@ Agent::~Agent() {
 }
 
 // Workers of another user (RunAs) read the leader file, and write their error files: the run
-// directory is theirs to pass through (not to list or write: the agent's temporary leader file
-// lies there), and their error files go to a directory of their own.
+// directory (made just now by mkdtemp, this user's alone) is theirs to pass through, not to list
+// or write (the agent's temporary leader file lies there), and their error files go to a directory
+// of their own made in it, never in a directory another user could have prepared (a log directory
+// may be theirs: a link planted there would have this process give them any file).
 void Agent::ShareWithWorkerUser() {
-  if (!run_dir_.empty() && ::chmod(run_dir_.c_str(), 0711) != 0) {
-    NONSTOP_LOG_WARNING("chmod {}: {}: workers of user {} cannot read its leader file", run_dir_,
-                        std::strerror(errno), options_.run_as->name);
+  const launcher::RunAs& user = *options_.run_as;
+  error_dir_.clear();
+  if (run_dir_.empty()) return;
+  const std::string dir = run_dir_ + "/worker-errors";
+  UniqueFd fd;
+  if (::mkdir(dir.c_str(), 0700) == 0) {
+    fd.Reset(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   }
-  if (error_dir_.empty()) return;
-  const std::string dir = error_dir_ + "/worker-errors";
-  if ((::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) ||
-      ::chown(dir.c_str(), options_.run_as->uid, options_.run_as->gid) != 0) {
+  if (!fd.valid() || ::fchown(fd.get(), user.uid, user.gid) != 0) {
     NONSTOP_LOG_WARNING("{}: {}: workers of user {} write no error file", dir, std::strerror(errno),
-                        options_.run_as->name);
-    error_dir_.clear();
-    return;
+                        user.name);
+  } else {
+    error_dir_ = dir;
   }
-  error_dir_ = dir;
+  if (::chmod(run_dir_.c_str(), 0711) != 0) {
+    NONSTOP_LOG_WARNING("chmod {}: {}: workers of user {} cannot read its leader file", run_dir_,
+                        std::strerror(errno), user.name);
+  }
 }
 
 void Agent::StartLeaderWatch() {

@@ -115,7 +115,7 @@ Result<std::string> ReadPrivateFile(const std::string& path, std::string_view wh
   if (st.st_uid != ::geteuid()) {
     return FailedPreconditionError(fmt::format(
         "{} '{}' belongs to user {}, not to this user ({}): refused (another user could have "
-        "written it); HINT: write it as this user, or `chown {} {}`",
+        "written it); HINT: write it as this user, or, if you wrote it yourself, `chown {} {}`",
         what, path, st.st_uid, ::geteuid(), ::geteuid(), path));
   }
   if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {

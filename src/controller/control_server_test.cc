@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/mutex.h"
+#include "common/role_keys.h"
 #include "control/messages.h"
 #include "net/handshake.h"
 
@@ -84,8 +85,8 @@ bool HelloAndJoin(int fd, int worker_id, int hello_id) {
   net::Hello h;
   h.kind = net::ConnectionKind::kControl;
   h.worker_id = hello_id;
-  auto channel =
-      net::ClientHandshake(fd, crypto::JobKey("tok"), h, DeadlineAfter(Millis(3000)), nullptr);
+  auto channel = net::ClientHandshake(fd, WorkerControlKey(crypto::JobKey("tok"), hello_id), h,
+                                      DeadlineAfter(Millis(3000)), nullptr);
   if (!channel.ok()) return false;
   {
     MutexLock lock(&channels_mu);

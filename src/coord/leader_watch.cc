@@ -1,5 +1,6 @@
 #include "coord/leader_watch.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -211,6 +212,9 @@ Status WriteLeaderFile(const std::string& path, const std::string& text) {
   if (f == nullptr) {
     return UnavailableError(fmt::format("creating {}: {}", tmp, std::strerror(errno)));
   }
+  // Readable by the workers whatever this process's umask (they may be of another user: the
+  // values are signed, and nothing in the file is secret).
+  (void)::fchmod(::fileno(f), 0644);
   bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   int err = errno;
   if (std::fclose(f) != 0 && written) {

@@ -455,5 +455,36 @@ TEST(LifelineTest, OtherDescriptorIsRefused) {
   ::close(p[1]);
 }
 
+// --worker-user: who may be named, and what is refused with its fix.
+TEST(RunAsTest, AnOrdinaryUserIsFoundByNameOrUidAndRootOrNobodyKnownIsRefused) {
+  if (::geteuid() != 0) {
+    auto r = launcher::LookUpRunAs("nobody");
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("only a launcher running as root"), std::string::npos);
+    return;
+  }
+  auto nobody = launcher::LookUpRunAs("nobody");
+  ASSERT_TRUE(nobody.ok()) << nobody.status().ToString();
+  EXPECT_NE(nobody->uid, 0u);
+  EXPECT_EQ(nobody->name, "nobody");
+  auto by_uid = launcher::LookUpRunAs(std::to_string(nobody->uid));
+  ASSERT_TRUE(by_uid.ok()) << by_uid.status().ToString();
+  EXPECT_EQ(by_uid->name, "nobody");
+  for (const char* root : {"root", "0"}) {
+    auto r = launcher::LookUpRunAs(root);
+    ASSERT_FALSE(r.ok()) << root;
+    EXPECT_NE(r.status().message().find("that is root"), std::string::npos)
+        << r.status().ToString();
+  }
+  // No such user; a uid past uid_t's range does not wrap around to another user's.
+  for (const char* unknown : {"no-such-user-here", "4294967297", "", "-2"}) {
+    auto r = launcher::LookUpRunAs(unknown);
+    ASSERT_FALSE(r.ok()) << unknown;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << unknown;
+    EXPECT_NE(r.status().message().find("no such user"), std::string::npos)
+        << r.status().ToString();
+  }
+}
+
 }  // namespace
 }  // namespace nonstop

@@ -7,6 +7,7 @@
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -54,12 +55,15 @@ Result<RunAs> LookUpRunAs(const std::string& name_or_uid) {
   std::vector<char> buf(16384);
   struct passwd pw {};
   struct passwd* found = nullptr;
-  char* end = nullptr;
-  const unsigned long uid = std::strtoul(name_or_uid.c_str(), &end, 10);
-  const bool numeric = !name_or_uid.empty() && end != nullptr && *end == '\0';
-  const int err = numeric
-                      ? ::getpwuid_r(static_cast<uid_t>(uid), &pw, buf.data(), buf.size(), &found)
-                      : ::getpwnam_r(name_or_uid.c_str(), &pw, buf.data(), buf.size(), &found);
+  // A name first (a name may be all digits), then a uid: decimal, in uid_t's range.
+  int err = ::getpwnam_r(name_or_uid.c_str(), &pw, buf.data(), buf.size(), &found);
+  if (found == nullptr && !name_or_uid.empty() && name_or_uid.size() <= 10 &&
+      name_or_uid.find_first_not_of("0123456789") == std::string::npos) {
+    const unsigned long long uid = std::stoull(name_or_uid);
+    if (uid < static_cast<unsigned long long>(static_cast<uid_t>(-1))) {
+      err = ::getpwuid_r(static_cast<uid_t>(uid), &pw, buf.data(), buf.size(), &found);
+    }
+  }
   if (err != 0 || found == nullptr) {
     return InvalidArgumentError(fmt::format(
         "{} {}: no such user{} (HINT: useradd --system --no-create-home nonstop-worker, then "
@@ -70,6 +74,12 @@ Result<RunAs> LookUpRunAs(const std::string& name_or_uid) {
     return FailedPreconditionError(
         fmt::format("{} {}: that is root, who can read every file: name an ordinary user", setting,
                     name_or_uid));
+  }
+  if (pw.pw_gid == 0) {
+    return FailedPreconditionError(fmt::format(
+        "{} {}: its group is root's (gid 0), which may read root's files: name a user of another "
+        "group",
+        setting, name_or_uid));
   }
   RunAs r{pw.pw_uid, pw.pw_gid, {}, pw.pw_name, pw.pw_dir != nullptr ? pw.pw_dir : "/"};
   int n = 64;
@@ -153,8 +163,18 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
   int out_pipe[2], err_pipe[2];
   if (!spec.log_file.empty()) {
     // Both streams straight into the worker's log: nothing for this process to read.
-    int fd = ::open(spec.log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    // Never through a link, nor into a file of another user: the directory may be one a worker's
+    // user can write (a link there would have this process append to any file it names).
+    int fd =
+        ::open(spec.log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd < 0) return ErrnoStatus(StatusCode::kFailedPrecondition, "open " + spec.log_file, errno);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+      ::close(fd);
+      return FailedPreconditionError(
+          fmt::format("worker log {} is not a regular file of this user: refused (HINT: remove it)",
+                      spec.log_file));
+    }
     out_pipe[0] = -1;
     out_pipe[1] = fd;
     err_pipe[0] = -1;
@@ -217,6 +237,7 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
     if (!overridden.count(std::string(kv.substr(0, kv.find('='))))) env_strings.emplace_back(kv);
   }
   for (const auto& [k, v] : spec.env) {
+    if (spec.run_as && (k == "HOME" || k == "USER" || k == "LOGNAME")) continue;  // the user's
     if (k != settings::kJobToken.env && k != settings::kJobTokenFd.env &&
         k != settings::kLifelineFd.env)  // only the launcher's own lifeline
       env_strings.push_back(k + "=" + v);

@@ -214,9 +214,9 @@ KeyOf JobRoles(const crypto::Key& job_key) {
       case ConnectionKind::kData:
         return WorkerDataKey(job_key);
       case ConnectionKind::kAgent:
-        break;
+        return job_key;
     }
-    return job_key;
+    return crypto::DeriveKey(job_key, "no role", crypto::RandomBytes(16));  // a key nobody holds
   };
 }
 

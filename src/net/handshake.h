@@ -54,8 +54,11 @@ inline constexpr uint32_t kHelloMagic = 0x5054534E;  // "NSTP" on the wire
 // 3: a data connection's lane follows the nonce, and the state copy asks each source for
 // several streams (a 2.x worker would take a lane's hello for its one connection and read a
 // request it does not know: refused at the handshake instead, by its version).
-inline constexpr uint16_t kProtocolMajor = 3;
-inline constexpr uint16_t kProtocolMinor = 1;  // 1: five lanes
+// 4: keys by role (a control or data connection proves a key derived for its role, not the job
+// key: a 3.x peer would fail the proof and read as one holding the wrong token; refused by its
+// version instead).
+inline constexpr uint16_t kProtocolMajor = 4;
+inline constexpr uint16_t kProtocolMinor = 0;
 // Data connections between two workers at once (PeerMesh): lanes 0 .. kDataLanes - 1. Lane 0
 // carries the collectives; a state copy streams on lanes 0 .. kStateCopyLanes - 1; point-to-point
 // calls take lanes 1 and 2 (the script's) and 3 and 4 (those of collectives made of them), one a

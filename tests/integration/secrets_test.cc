@@ -27,6 +27,7 @@
 #include "common/logging.h"
 #include "common/role_keys.h"
 #include "common/temp_dir.h"
+#include "coord/leader_watch.h"
 #include "net/handshake.h"
 #include "tests/integration/process.h"
 
@@ -234,17 +235,53 @@ bool Handshake(const crypto::Key& dialer_key, const net::KeyOf& acceptor_keys,
   return client.ok() && server.ok();
 }
 
-TEST(SecretsTest, AWorkerHoldsOnlyItsOwnKeysAndAsAnotherUserNeitherTheTokenFileNorTheLauncher) {
+// Whatever the user: the worker holds its credential, not the token: its own keys, which neither
+// answer it or another worker as the controller, nor dial as another worker or as an agent, nor
+// sign a leader value its readers follow.
+TEST(SecretsTest, AJobsWorkerHoldsOnlyItsOwnCredential) {
+  TempDir dir;
+  const Probe p = RunProbe(dir, {});
+  EXPECT_TRUE(p.Has("read " + dir / "job.token")) << "the launcher's own user: " << p.report;
+  ASSERT_FALSE(p.token.empty());
+  const size_t at = p.report.find("credential ");
+  ASSERT_NE(at, std::string::npos) << p.report;
+  const std::string credential = p.report.substr(at + 11, p.report.find('\n', at) - at - 11);
+  EXPECT_TRUE(IsWorkerCredential(credential)) << credential;
+  EXPECT_EQ(credential.find(p.token), std::string::npos) << "the worker holds the token";
+  auto keys = WorkerKeysFrom(credential, 0);
+  ASSERT_TRUE(keys.ok()) << keys.status().ToString() << ": " << credential;
+  const crypto::Key job_key = crypto::JobKey(p.token);
+  net::Hello control;
+  control.kind = net::ConnectionKind::kControl;
+  control.worker_id = 0;
+  EXPECT_TRUE(Handshake(keys->control, net::JobRoles(job_key), control)) << "genuine";
+  net::Hello other_worker = control, agent = control;
+  other_worker.worker_id = 1;
+  agent.kind = net::ConnectionKind::kAgent;
+  for (const crypto::Key& held : {keys->control, keys->data}) {
+    EXPECT_FALSE(Handshake(WorkerControlKey(job_key, 1), net::OneKey(held), other_worker))
+        << "the worker answered worker 1 as the controller";
+    EXPECT_FALSE(Handshake(held, net::JobRoles(job_key), other_worker))
+        << "the worker dialed the controller as worker 1";
+    EXPECT_FALSE(Handshake(held, net::JobRoles(job_key), agent))
+        << "the worker registered as an agent";
+  }
+  const std::string genuine =
+      coord::SignLeaderValue(job_key, "j", {{"controller", "127.0.0.1:1"}, {"epoch", 3}});
+  EXPECT_TRUE(coord::VerifyLeaderValue(keys->controller_public, "j", genuine, 3).ok());
+}
+
+// As another user (--worker-user; the launcher is root), nothing of the launcher's. The same probe
+// as the launcher's own user shows that it can tell.
+TEST(SecretsTest, AsAnotherUserAWorkerReachesNeitherTheTokenFileNorTheLauncher) {
   if (::geteuid() != 0) GTEST_SKIP() << "--worker-user needs root, which this test does not have";
   struct passwd* nobody = ::getpwnam("nobody");
   ASSERT_NE(nobody, nullptr) << "no user nobody";
-  // As the launcher's own user (root here), the probe reaches everything: it can tell.
   TempDir same_dir;
   const Probe same = RunProbe(same_dir, {});
   EXPECT_TRUE(same.Has("uid 0")) << same.report;
   EXPECT_TRUE(same.Has("read " + same_dir / "job.token")) << same.report;
   EXPECT_TRUE(same.Has("read fd")) << same.report;
-  // As another user: nothing of the launcher's.
   TempDir dir;
   const Probe other = RunProbe(dir, {"--worker-user", "nobody"});
   EXPECT_TRUE(other.Has(fmt::format("uid {}", nobody->pw_uid))) << other.report;
@@ -253,35 +290,8 @@ TEST(SecretsTest, AWorkerHoldsOnlyItsOwnKeysAndAsAnotherUserNeitherTheTokenFileN
     EXPECT_TRUE(other.Has(refused)) << refused << "\n" << other.report;
   }
   EXPECT_EQ(other.report.find("read /proc/"), std::string::npos) << other.report;
-
-  // Either way the worker holds its credential, not the token: its own keys, which neither answer
-  // it or another worker as the controller, nor dial as another worker or as an agent.
-  for (const Probe* p : {&same, &other}) {
-    ASSERT_FALSE(p->token.empty());
-    const size_t at = p->report.find("credential ");
-    ASSERT_NE(at, std::string::npos) << p->report;
-    const std::string credential = p->report.substr(at + 11, p->report.find('\n', at) - at - 11);
-    EXPECT_TRUE(IsWorkerCredential(credential)) << credential;
-    EXPECT_EQ(credential.find(p->token), std::string::npos) << "the worker holds the token";
-    auto keys = WorkerKeysFrom(credential, 0);
-    ASSERT_TRUE(keys.ok()) << keys.status().ToString() << ": " << credential;
-    const crypto::Key job_key = crypto::JobKey(p->token);
-    net::Hello control;
-    control.kind = net::ConnectionKind::kControl;
-    control.worker_id = 0;
-    EXPECT_TRUE(Handshake(keys->control, net::JobRoles(job_key), control)) << "genuine";
-    net::Hello other_worker = control, agent = control;
-    other_worker.worker_id = 1;
-    agent.kind = net::ConnectionKind::kAgent;
-    for (const crypto::Key& held : {keys->control, keys->data}) {
-      EXPECT_FALSE(Handshake(WorkerControlKey(job_key, 1), net::OneKey(held), other_worker))
-          << "the worker answered worker 1 as the controller";
-      EXPECT_FALSE(Handshake(held, net::JobRoles(job_key), other_worker))
-          << "the worker dialed the controller as worker 1";
-      EXPECT_FALSE(Handshake(held, net::JobRoles(job_key), agent))
-          << "the worker registered as an agent";
-    }
-  }
+  EXPECT_NE(other.report.find("credential nonstop-worker-credential 1 0 "), std::string::npos)
+      << other.report;
 }
 
 }  // namespace
