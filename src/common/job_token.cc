@@ -176,6 +176,10 @@ Result<UniqueFd> JobTokenMemfd(std::string_view token) {
   NONSTOP_RETURN_IF_ERROR(WriteAllTo(fd.get(), token, "the job token memfd"));
   if (::fcntl(fd.get(), F_ADD_SEALS, kTokenSeals) != 0)
     return ErrnoStatus(StatusCode::kInternal, "sealing the job token memfd", errno);
+  // Its reader reads the descriptor it inherits; nobody opens it again through /proc, and a
+  // worker of another user (--worker-user) cannot open a sibling's at all.
+  if (::fchmod(fd.get(), 0400) != 0)
+    return ErrnoStatus(StatusCode::kInternal, "chmod of the job token memfd", errno);
   // A reader that read()s (a shell's `cat <&N`) starts at the token, not at its end.
   if (::lseek(fd.get(), 0, SEEK_SET) != 0)
     return ErrnoStatus(StatusCode::kInternal, "lseek of the job token memfd", errno);
@@ -227,6 +231,14 @@ Result<std::string> TakeInheritedJobToken() {
     got = ::pread(fd, text.data(), text.size(), 0);
   } while (got < 0 && errno == EINTR);
   int err = errno;
+  struct stat st {};
+  if (got >= 0 && ::fstat(fd, &st) == 0 && st.st_uid != ::geteuid()) {
+    // A launcher of another user (root, --worker-user) started this worker: shut its memory and
+    // descriptors to the other processes of its user, its sibling workers among them, which could
+    // otherwise read its credential (docs/security.md, "A user for the workers"). The launcher's
+    // user, root, can still debug it.
+    (void)::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+  }
   ::close(fd);  // the program's children inherit nothing
   if (got < 0) return ErrnoStatus(StatusCode::kInternal, "read " + where, err);
   text.resize(static_cast<size_t>(got));

@@ -177,6 +177,14 @@ struct Probe {
   std::string report;  // the probe's lines: "read X" / "refused X", "uid N", "credential …"
   std::string token;   // the job's
   bool Has(const std::string& line) const { return report.find(line + "\n") != std::string::npos; }
+  // A line that begins with `start` and holds `part`.
+  bool HasLine(const std::string& start, const std::string& part) const {
+    std::istringstream in(report);
+    for (std::string line; std::getline(in, line);) {
+      if (line.starts_with(start) && line.find(part) != std::string::npos) return true;
+    }
+    return false;
+  }
 };
 
 Probe RunProbe(const TempDir& dir, const std::vector<std::string>& extra) {
@@ -186,19 +194,26 @@ Probe RunProbe(const TempDir& dir, const std::vector<std::string>& extra) {
   fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_exec |
                                   fs::perms::others_exec);  // and passes through, no more
   const std::string token_file = dir / "job.token";
+  // Two workers: each also tries the other's credential through /proc (its descriptor, which the
+  // other keeps open while it sleeps), once the other has said where it is.
   const std::string script = fmt::format(
-      "p={0}/w$NONSTOP_WORKER_ID; {{ echo \"uid $(id -u)\"; "
-      "for f in {1} /proc/$PPID/environ; do "
+      "p={0}/w$NONSTOP_WORKER_ID; echo \"$$ $NONSTOP_JOB_TOKEN_FD\" > "
+      "{0}/at$NONSTOP_WORKER_ID.tmp; "
+      "mv {0}/at$NONSTOP_WORKER_ID.tmp {0}/at$NONSTOP_WORKER_ID; "
+      "credential=$(cat <&\"$NONSTOP_JOB_TOKEN_FD\"); "
+      "for i in $(seq 500); do [ -e {0}/at$((1 - NONSTOP_WORKER_ID)) ] && break; sleep 0.01; done; "
+      "read sibling sibling_fd < {0}/at$((1 - NONSTOP_WORKER_ID)); "
+      "{{ echo \"uid $(id -u)\"; "
+      "for f in {1} /proc/$PPID/environ /proc/$sibling/fd/$sibling_fd; do "
       "if cat \"$f\" >/dev/null 2>&1; then echo \"read $f\"; else echo \"refused $f\"; fi; done; "
       "if ls /proc/$PPID/fd >/dev/null 2>&1; then echo 'read fd'; else echo 'refused fd'; fi; "
       "if (exec 3</proc/$PPID/mem) 2>/dev/null; then echo 'read mem'; else echo 'refused mem'; fi; "
-      "echo \"credential $(cat /proc/self/fd/$NONSTOP_JOB_TOKEN_FD)\"; }} > $p.tmp; mv $p.tmp $p; "
-      "exec sleep 60",
+      "echo \"credential $credential\"; }} > $p.tmp; mv $p.tmp $p; exec sleep 60",
       out, token_file);
-  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc",   "1",
+  std::vector<std::string> argv = {kBin + "/nonstop", "run", "--nproc",   "2",
                                    "--spares",        "0",   "--journal", dir / "journal.jsonl"};
   argv.insert(argv.end(), extra.begin(), extra.end());
-  argv.insert(argv.end(), {"--", "/bin/sh", "-c", script});
+  argv.insert(argv.end(), {"--", "/bin/bash", "-c", script});
   ChildProcess run(argv, dir / "run.out");
   Probe probe;
   for (int i = 0; i < 3000 && !fs::exists(out + "/w0"); ++i) {
@@ -289,6 +304,10 @@ TEST(SecretsTest, AsAnotherUserAWorkerReachesNeitherTheTokenFileNorTheLauncher) 
        {"refused " + dir / "job.token", std::string("refused fd"), std::string("refused mem")}) {
     EXPECT_TRUE(other.Has(refused)) << refused << "\n" << other.report;
   }
+  // Its sibling's credential neither (the launcher's descriptor, mode 400), where root's workers
+  // read it.
+  EXPECT_TRUE(other.HasLine("refused /proc/", "/fd/")) << other.report;
+  EXPECT_TRUE(same.HasLine("read /proc/", "/fd/")) << same.report;
   EXPECT_EQ(other.report.find("read /proc/"), std::string::npos) << other.report;
   EXPECT_NE(other.report.find("credential nonstop-worker-credential 1 0 "), std::string::npos)
       << other.report;
