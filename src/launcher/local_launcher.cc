@@ -89,6 +89,11 @@ Result<RunAs> LookUpRunAs(const std::string& name_or_uid) {
     (void)::getgrouplist(pw.pw_name, pw.pw_gid, r.groups.data(), &n);
   }
   r.groups.resize(static_cast<size_t>(std::max(n, 0)));
+  if (std::find(r.groups.begin(), r.groups.end(), gid_t{0}) != r.groups.end()) {
+    return FailedPreconditionError(fmt::format(
+        "{} {}: it is in root's group (gid 0), which may read root's files: name a user outside it",
+        setting, name_or_uid));
+  }
   return r;
 }
 
@@ -169,10 +174,12 @@ Result<pid_t> LocalLauncher::Spawn(const ChildSpec& spec) {
         ::open(spec.log_file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (fd < 0) return ErrnoStatus(StatusCode::kFailedPrecondition, "open " + spec.log_file, errno);
     struct stat st {};
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid() ||
+        st.st_nlink != 1) {
       ::close(fd);
       return FailedPreconditionError(
-          fmt::format("worker log {} is not a regular file of this user: refused (HINT: remove it)",
+          fmt::format("worker log {} is not a regular file of this user with one link: refused "
+                      "(HINT: remove it)",
                       spec.log_file));
     }
     out_pipe[0] = -1;

@@ -307,6 +307,7 @@ TEST(SecretsTest, AsAnotherUserAWorkerReachesNeitherTheTokenFileNorTheLauncher) 
   // Its sibling's credential neither (the launcher's descriptor, mode 400), where root's workers
   // read it.
   EXPECT_TRUE(other.HasLine("refused /proc/", "/fd/")) << other.report;
+  EXPECT_FALSE(other.HasLine("refused /proc//", "")) << "no sibling found: " << other.report;
   EXPECT_TRUE(same.HasLine("read /proc/", "/fd/")) << same.report;
   EXPECT_EQ(other.report.find("read /proc/"), std::string::npos) << other.report;
   EXPECT_NE(other.report.find("credential nonstop-worker-credential 1 0 "), std::string::npos)
