@@ -75,12 +75,6 @@ Result<RunAs> LookUpRunAs(const std::string& name_or_uid) {
         fmt::format("{} {}: that is root, who can read every file: name an ordinary user", setting,
                     name_or_uid));
   }
-  if (pw.pw_gid == 0) {
-    return FailedPreconditionError(fmt::format(
-        "{} {}: its group is root's (gid 0), which may read root's files: name a user of another "
-        "group",
-        setting, name_or_uid));
-  }
   RunAs r{pw.pw_uid, pw.pw_gid, {}, pw.pw_name, pw.pw_dir != nullptr ? pw.pw_dir : "/"};
   int n = 64;
   r.groups.resize(static_cast<size_t>(n));
@@ -89,7 +83,8 @@ Result<RunAs> LookUpRunAs(const std::string& name_or_uid) {
     (void)::getgrouplist(pw.pw_name, pw.pw_gid, r.groups.data(), &n);
   }
   r.groups.resize(static_cast<size_t>(std::max(n, 0)));
-  if (std::find(r.groups.begin(), r.groups.end(), gid_t{0}) != r.groups.end()) {
+  // The list holds its primary group too.
+  if (r.gid == 0 || std::find(r.groups.begin(), r.groups.end(), gid_t{0}) != r.groups.end()) {
     return FailedPreconditionError(fmt::format(
         "{} {}: it is in root's group (gid 0), which may read root's files: name a user outside it",
         setting, name_or_uid));
